@@ -1,0 +1,1 @@
+"""Inner-loop roles (implementer, judge, evaluator, planner) and their backends."""

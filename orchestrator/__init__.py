@@ -1,0 +1,1 @@
+"""The outer loop: CLI, rounds, search policies, git history, run state, reports."""

@@ -1,0 +1,67 @@
+"""Catalog of known device kinds: the numbers a target spec starts from (a spec may override any).
+
+Units are the ones people read on spec sheets: GB of device memory, dense bf16 TFLOP/s, GB/s.
+Sources (public vendor datasheets, dense figures, SXM form factor):
+
+* H100 SXM5 — NVIDIA H100 Tensor Core GPU datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s bf16
+  dense (1979 with sparsity), NVLink 900 GB/s, PCIe Gen5 x16 64 GB/s per direction.
+* H800 SXM5 — NVIDIA H800 product brief (export variant of H100): same memory, bandwidth and
+  compute as H100 SXM5, NVLink reduced to 400 GB/s.
+* H20 — NVIDIA HGX H20 spec: 96 GB HBM3, 4.0 TB/s, 148 TFLOP/s bf16 dense, NVLink 900 GB/s.
+* H200 SXM — NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16
+  dense, NVLink 900 GB/s.
+* Inter-node bandwidth for all GPU kinds: one 400 Gb/s InfiniBand NDR NIC per GPU = 50 GB/s,
+  the common HGX configuration.
+* ``cpu`` — a logical device on a 2-core developer machine (one core each): rough, measured-order
+  numbers (AVX2 fp32 ~50 GFLOP/s per core, DRAM ~10 GB/s per core); only the simulator uses them.
+"""
+
+from __future__ import annotations
+
+HARDWARE_CATALOG: dict[str, dict[str, float]] = {
+    "cpu": {
+        "memory_gb": 8.0,
+        "bf16_tflops": 0.05,
+        "hbm_bandwidth_gbs": 10.0,
+        "intra_node_bandwidth_gbs": 10.0,
+        "inter_node_bandwidth_gbs": 1.0,
+        "host_link_bandwidth_gbs": 10.0,
+        "devices_per_node": 2,
+    },
+    "h100": {
+        "memory_gb": 80.0,
+        "bf16_tflops": 989.0,
+        "hbm_bandwidth_gbs": 3350.0,
+        "intra_node_bandwidth_gbs": 900.0,
+        "inter_node_bandwidth_gbs": 50.0,
+        "host_link_bandwidth_gbs": 64.0,
+        "devices_per_node": 8,
+    },
+    "h800": {
+        "memory_gb": 80.0,
+        "bf16_tflops": 989.0,
+        "hbm_bandwidth_gbs": 3350.0,
+        "intra_node_bandwidth_gbs": 400.0,
+        "inter_node_bandwidth_gbs": 50.0,
+        "host_link_bandwidth_gbs": 64.0,
+        "devices_per_node": 8,
+    },
+    "h20": {
+        "memory_gb": 96.0,
+        "bf16_tflops": 148.0,
+        "hbm_bandwidth_gbs": 4000.0,
+        "intra_node_bandwidth_gbs": 900.0,
+        "inter_node_bandwidth_gbs": 50.0,
+        "host_link_bandwidth_gbs": 64.0,
+        "devices_per_node": 8,
+    },
+    "h200": {
+        "memory_gb": 141.0,
+        "bf16_tflops": 989.0,
+        "hbm_bandwidth_gbs": 4800.0,
+        "intra_node_bandwidth_gbs": 900.0,
+        "inter_node_bandwidth_gbs": 50.0,
+        "host_link_bandwidth_gbs": 64.0,
+        "devices_per_node": 8,
+    },
+}

@@ -1,0 +1,117 @@
+"""The harness side of one episode: lifecycle, latency, timeout and the trace record.
+
+Subclasses only say what the task is (``make_task``), what the agent first sees
+(``first_observation``) and how the world answers an action (``respond``). Everything a candidate
+could game — the clock, the latency, the reward bookkeeping, the record — lives here.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from targets.api import StepResult, TokenIds
+from targets.harness.clock import Clock
+from targets.harness.tokenizer import CTX, VOCAB
+from targets.harness.trace import Trace
+
+if TYPE_CHECKING:
+    from targets.spec import WorkloadSpec
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Episode:
+    name: ClassVar[str]
+    Params: ClassVar[type[BaseModel]] = NoParams
+    draws_turns: ClassVar[bool] = False  # True: the turn count comes from workload.turns.dist
+
+    def __init__(
+        self,
+        *,
+        episode_id: str,
+        group_id: str,
+        task_seed: int,
+        episode_seed: int,
+        workload: "WorkloadSpec",
+        clock: Clock,
+        trace: Trace,
+    ) -> None:
+        self.episode_id = episode_id
+        self.group_id = group_id
+        self.workload = workload
+        self.params = self.Params.model_validate(workload.environment.params)
+        self.clock = clock
+        self.trace = trace
+        self.rng = random.Random(episode_seed)
+        self.task = self.make_task(random.Random(task_seed))
+        self.max_turns = workload.turns.max
+        if self.draws_turns:
+            drawn = int(round(workload.turns.dist.sample(self.rng)))
+            self.max_turns = max(1, min(self.max_turns, drawn))
+        self.turn = 0
+        self.started_at: float | None = None
+        self.done = False
+        self.total_reward = 0.0
+
+    # -- what a subclass defines ---------------------------------------------------------------
+    def make_task(self, rng: random.Random) -> Any:
+        raise NotImplementedError
+
+    def first_observation(self) -> str:
+        raise NotImplementedError
+
+    def respond(self, action_words: list[str]) -> tuple[str, float, bool]:
+        """Answer one action: (observation text, reward, done)."""
+        raise NotImplementedError
+
+    # -- the EnvHandle protocol ----------------------------------------------------------------
+    async def reset(self) -> TokenIds:
+        if self.started_at is not None:
+            raise RuntimeError(f"episode {self.episode_id} was reset twice")
+        self.started_at = self.clock.now()
+        prompt = self._padded(self.first_observation(), self.workload.tokens.prompt)
+        self.trace.record(
+            "env_reset", episode=self.episode_id, group=self.group_id, observation=prompt
+        )
+        return prompt
+
+    async def step(self, action: TokenIds) -> StepResult:
+        if self.started_at is None:
+            raise RuntimeError(f"episode {self.episode_id} stepped before reset")
+        if self.done:
+            raise RuntimeError(f"episode {self.episode_id} stepped after it was done")
+        latency = min(self.workload.env_latency_s.sample(self.rng), self.workload.env_latency_max_s)
+        await self.clock.sleep(latency)
+        self.turn += 1
+        timed_out = self.clock.now() - self.started_at > self.workload.trajectory_timeout_s
+        if timed_out:
+            text, reward, done = "timeout", 0.0, True
+        else:
+            text, reward, done = self.respond([VOCAB.word(t) for t in action])
+            done = done or self.turn >= self.max_turns
+        self.done = done
+        self.total_reward += reward
+        observation = [] if done else self._padded(text, self.workload.tokens.observation)
+        self.trace.record(
+            "env_step",
+            episode=self.episode_id,
+            group=self.group_id,
+            turn=self.turn,
+            action=list(action),
+            observation=observation,
+            reward=reward,
+            done=done,
+            timed_out=timed_out,
+            latency=latency,
+        )
+        return StepResult(observation=observation, reward=reward, done=done, timed_out=timed_out)
+
+    def _padded(self, text: str, length: int) -> TokenIds:
+        """Left-pad with context filler to the workload's token budget (never truncates meaning)."""
+        tokens = VOCAB.encode(text)
+        return VOCAB.encode(CTX) * max(0, length - len(tokens)) + tokens

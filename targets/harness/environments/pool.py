@@ -1,0 +1,47 @@
+"""The ``EnvSource`` the harness hands a controller: new GRPO groups on demand, each episode
+recorded in the trace the moment it exists (so the audit can account for every one)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from targets.harness.clock import Clock
+from targets.harness.environments.base import Episode
+from targets.harness.trace import Trace
+
+if TYPE_CHECKING:
+    from targets.spec import WorkloadSpec
+
+
+class EnvironmentPool:
+    def __init__(self, workload: "WorkloadSpec", clock: Clock, trace: Trace, seed: int = 0) -> None:
+        from targets.harness.environments import ENVIRONMENTS
+
+        self.episode_class: type[Episode] = ENVIRONMENTS[workload.environment.name]
+        self.workload = workload
+        self.group_size = workload.group_size
+        self.clock = clock
+        self.trace = trace
+        self.seed = seed
+        self.groups_created = 0
+
+    def new_group(self) -> list[Episode]:
+        index = self.groups_created
+        self.groups_created += 1
+        group_id = f"g{index}"
+        task_seed = self.seed * 1_000_003 + index
+        episodes = []
+        for member in range(self.group_size):
+            episode_id = f"{group_id}/e{member}"
+            episode = self.episode_class(
+                episode_id=episode_id,
+                group_id=group_id,
+                task_seed=task_seed,
+                episode_seed=task_seed * 131 + member + 1,
+                workload=self.workload,
+                clock=self.clock,
+                trace=self.trace,
+            )
+            self.trace.record("episode_created", episode=episode_id, group=group_id)
+            episodes.append(episode)
+        return episodes

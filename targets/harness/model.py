@@ -1,0 +1,86 @@
+"""Model factory: the target's model as a local HF directory (safetensors + config + tokenizer).
+
+``random(SEED)`` weights are built from the config alone with transformers and cached under a
+content hash of everything that determines them, so every process (harness, engines, trainers,
+vLLM) loads the same files. A path is loaded as is. Nothing comes from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from targets.harness.tokenizer import NAMED_VOCAB, build_tokenizer
+from targets.spec import ModelSpec
+
+FACTORY_VERSION = 1  # bump when the build recipe changes, to invalidate caches
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain")) / "models"
+
+
+def hf_config(model: ModelSpec) -> transformers.PretrainedConfig:
+    fields = model.config.model_dump(exclude_none=True)
+    if model.family == "qwen3":
+        return transformers.Qwen3Config(**fields, dtype=model.dtype)
+    return transformers.Qwen3MoeConfig(**fields, dtype=model.dtype)
+
+
+def content_hash(model: ModelSpec) -> str:
+    key = {
+        "family": model.family,
+        "config": model.config.model_dump(),
+        "dtype": model.dtype,
+        "weights": model.weights,
+        "vocab": NAMED_VOCAB,
+        "factory": FACTORY_VERSION,
+        "transformers_major": transformers.__version__.split(".")[0],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_dir(model: ModelSpec) -> Path:
+    """The local directory holding this model; built (atomically) on first use for random weights."""
+    seed = model.random_seed
+    if seed is None:
+        path = Path(model.weights)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.weights {path} has no config.json: not a model directory")
+        return path
+    target = cache_root() / f"{model.family}-{content_hash(model)}"
+    if (target / "model.safetensors").exists() or (target / "model.safetensors.index.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        torch.manual_seed(seed)
+        built = AutoModelForCausalLM.from_config(hf_config(model), dtype=getattr(torch, model.dtype))
+        built.save_pretrained(staging)
+        build_tokenizer(model.config.vocab_size).save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process built it first; theirs is identical
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return target
+
+
+def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast.from_pretrained(path)

@@ -1,0 +1,81 @@
+"""GRPO math, written once and plainly: group-relative advantages, per-token logprobs of a padded
+batch, and the clipped policy-gradient loss of ``TrainingConfig``. The reference trainer uses it;
+candidate trainers must reproduce it (check 2 compares their update to this one's)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from targets.api import TrainingConfig, Trajectory
+
+ADVANTAGE_EPS = 1e-6
+
+
+def group_advantages(trajectories: list[Trajectory]) -> list[float]:
+    """(reward - group mean) / (group population std + eps); 0 for a group with equal rewards."""
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for t in trajectories:
+        by_group[t.group_id].append(t.reward)
+    stats = {}
+    for group, rewards in by_group.items():
+        r = torch.tensor(rewards, dtype=torch.float64)
+        stats[group] = (r.mean().item(), r.std(unbiased=False).item())
+    return [(t.reward - stats[t.group_id][0]) / (stats[t.group_id][1] + ADVANTAGE_EPS) for t in trajectories]
+
+
+@dataclass
+class PaddedBatch:
+    tokens: torch.Tensor  # [B, L] right-padded with 0
+    attention: torch.Tensor  # [B, L] 1 for real tokens
+    loss_mask: torch.Tensor  # [B, L] float, 1 for response tokens
+    old_logprobs: torch.Tensor  # [B, L] behaviour logprobs (0 off the mask)
+
+
+def pad_trajectories(trajectories: list[Trajectory]) -> PaddedBatch:
+    length = max(len(t.tokens) for t in trajectories)
+    size = (len(trajectories), length)
+    tokens = torch.zeros(size, dtype=torch.long)
+    attention = torch.zeros(size, dtype=torch.long)
+    loss_mask = torch.zeros(size, dtype=torch.float32)
+    old = torch.zeros(size, dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        n = len(t.tokens)
+        if t.loss_mask and t.loss_mask[0]:
+            raise ValueError(f"trajectory {t.episode_id}: the first token cannot be a response token")
+        tokens[i, :n] = torch.tensor(t.tokens)
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        old[i, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return PaddedBatch(tokens, attention, loss_mask, old)
+
+
+def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """out[b, i] = log p(tokens[b, i] | tokens[b, :i]); out[:, 0] = 0."""
+    logits = model(input_ids=tokens, attention_mask=attention).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return F.pad(logp, (1, 0))
+
+
+def grpo_loss(
+    new_logprobs: torch.Tensor,
+    batch: PaddedBatch,
+    advantages: torch.Tensor,
+    config: TrainingConfig,
+    ref_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token-mean over all response tokens of the clipped surrogate (+ k3 KL to the reference)."""
+    ratio = torch.exp(new_logprobs - batch.old_logprobs)
+    adv = advantages[:, None].to(new_logprobs.dtype)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv)
+    per_token = -surrogate
+    if config.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs reference logprobs")
+        log_ratio = ref_logprobs - new_logprobs
+        per_token = per_token + config.kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
+    mask = batch.loss_mask
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

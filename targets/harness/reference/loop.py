@@ -1,0 +1,114 @@
+"""The reference GRPO loop: one process, co-located, synchronous.
+
+Each step: new groups of episodes, all rolled out in lock-step turns with the reference engine
+(environment steps of a turn run concurrently), group-relative advantages, one reference trainer
+step, weights copied into the engine. The yardstick a candidate stack's learning is compared to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from targets.api import SamplingParams, TrainBatch, Trajectory
+from targets.harness.clock import WallClock
+from targets.harness.environments import EnvironmentPool, Episode
+from targets.harness.model import load_model, model_dir
+from targets.harness.reference.engine import ReferenceEngine
+from targets.harness.reference.grpo import group_advantages
+from targets.harness.reference.trainer import ReferenceTrainer
+from targets.harness.tokenizer import EOS, VOCAB
+from targets.harness.trace import Trace
+from targets.spec import TargetSpec
+
+
+@dataclass
+class StepStats:
+    step: int
+    mean_reward: float
+    mean_turns: float
+    response_tokens: int
+    timeouts: int
+    loss: float
+    grad_norm: float
+    seconds: float
+
+
+async def rollout_lockstep(
+    engine: ReferenceEngine, episodes: list[Episode], spec: TargetSpec, seed: int
+) -> list[Trajectory]:
+    """Roll every episode to its end; returns one Trajectory per episode, in order."""
+    tokens_spec, training = spec.workload.tokens, spec.workload.training
+    prompts = await asyncio.gather(*(e.reset() for e in episodes))
+    built = [
+        Trajectory(e.episode_id, e.group_id, list(p), [0] * len(p), [0.0] * len(p), 0.0, [])
+        for e, p in zip(episodes, prompts)
+    ]
+    active = [i for i in range(len(episodes))]
+    turn = 0
+    while active:
+        # A turn that cannot fit in max_sequence ends the trajectory (truncation) before generating.
+        active = [i for i in active if len(built[i].tokens) + tokens_spec.response <= tokens_spec.max_sequence]
+        if not active:
+            break
+        params = SamplingParams(
+            max_new_tokens=tokens_spec.response,
+            temperature=training.temperature,
+            seed=seed * 10_007 + turn,
+            stop_token_ids=(VOCAB.ids[EOS],),
+        )
+        completions = engine.generate([built[i].tokens for i in active], params)
+        results = await asyncio.gather(*(episodes[i].step(c.tokens) for i, c in zip(active, completions)))
+        still_active = []
+        for i, completion, result in zip(active, completions, results):
+            t = built[i]
+            t.tokens += completion.tokens + result.observation
+            t.loss_mask += [1] * len(completion.tokens) + [0] * len(result.observation)
+            t.logprobs += completion.logprobs + [0.0] * len(result.observation)
+            t.weight_versions.append(completion.weight_version)
+            t.reward += result.reward
+            t.timed_out = t.timed_out or result.timed_out
+            if not result.done:
+                still_active.append(i)
+        active = still_active
+        turn += 1
+    return built
+
+
+def run_reference(
+    spec: TargetSpec, steps: int, seed: int = 0, on_step: Callable[[StepStats], None] | None = None
+) -> list[StepStats]:
+    if spec.execution == "simulated":
+        raise ValueError(f"target {spec.id} is simulated-only; the reference loop needs real execution")
+    torch.manual_seed(seed)
+    model = load_model(model_dir(spec.model), spec.model.dtype)
+    trainer = ReferenceTrainer(model, spec.workload.training.config())
+    engine = ReferenceEngine(copy.deepcopy(model))
+    clock = WallClock()
+    pool = EnvironmentPool(spec.workload, clock, Trace(clock), seed=seed)
+    history = []
+    for step in range(steps):
+        started = time.monotonic()
+        episodes = [e for _ in range(spec.workload.groups_per_step) for e in pool.new_group()]
+        trajectories = asyncio.run(rollout_lockstep(engine, episodes, spec, seed=seed * 100_003 + step))
+        version = trainer.train_step(TrainBatch(trajectories, group_advantages(trajectories)))
+        engine.load_weights(trainer.state_dict(), version)
+        stats = StepStats(
+            step=step,
+            mean_reward=sum(t.reward for t in trajectories) / len(trajectories),
+            mean_turns=sum(len(t.weight_versions) for t in trajectories) / len(trajectories),
+            response_tokens=sum(t.response_tokens for t in trajectories),
+            timeouts=sum(t.timed_out for t in trajectories),
+            loss=trainer.last_loss,
+            grad_norm=trainer.last_grad_norm,
+            seconds=time.monotonic() - started,
+        )
+        history.append(stats)
+        if on_step:
+            on_step(stats)
+    return history

@@ -1,0 +1,270 @@
+"""The judge's deterministic accuracy checks 1-3, runnable against any engine or trainer that follows
+``targets.api``:
+
+1. engine: greedy tokens equal the reference model's (plain transformers forward, one prompt at a
+   time) on fixed prompts, and per-token logprobs agree within ``logprob_atol``;
+2. trainer: two GRPO steps on fixed batches move the parameters like the reference trainer's
+   (relative error of the update within ``update_rtol``);
+3. weight sync: after syncing version v, the engine's tokens and logprobs are the reference's
+   under v's weights (and the report says so when they are still the old weights').
+
+Each check returns a ``CheckResult`` whose reasons name exactly what differed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from targets.api import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    StateDict,
+    TokenIds,
+    Trainer,
+    TrainBatch,
+    TrainingConfig,
+    Trajectory,
+)
+from targets.harness.reference.engine import ReferenceEngine, next_token_logits
+from targets.harness.reference.grpo import group_advantages
+from targets.harness.reference.trainer import ReferenceTrainer
+from targets.harness.tokenizer import NAMED_VOCAB
+from targets.spec import AccuracySpec
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GreedyReference:
+    tokens: list[int]
+    logprobs: list[float]
+    margins: list[float]  # top-1 minus top-2 logit at each step
+
+
+def fixed_prompts(count: int, seed: int = 1234) -> list[TokenIds]:
+    """Deterministic prompts of varied length over the harness's named words."""
+    rng = random.Random(seed)
+    return [[rng.randrange(len(NAMED_VOCAB)) for _ in range(rng.randint(4, 14))] for _ in range(count)]
+
+
+@torch.no_grad()
+def reference_greedy(model: PreTrainedModel, prompt: TokenIds, new_tokens: int) -> GreedyReference:
+    """Greedy decoding of one prompt with a full forward per token: no batching, no padding, no cache."""
+    sequence = list(prompt)
+    out = GreedyReference([], [], [])
+    for _ in range(new_tokens):
+        logits = next_token_logits(model, [sequence])[0]
+        top2 = torch.topk(logits, 2).values
+        token = int(logits.argmax())
+        out.tokens.append(token)
+        out.logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        out.margins.append(float(top2[0] - top2[1]))
+        sequence.append(token)
+    return out
+
+
+def compare_greedy(
+    completions: Sequence[Completion], references: Sequence[GreedyReference], accuracy: AccuracySpec
+) -> tuple[list[str], float]:
+    """Reasons the completions differ from the references, and the max logprob difference seen.
+
+    Comparison of a prompt stops at the first token where the engine differs from the reference if
+    the reference's top-2 margin there is under ``greedy_tie_margin`` (a genuine near-tie).
+    """
+    reasons: list[str] = []
+    worst = 0.0
+    if len(completions) != len(references):
+        return [f"engine returned {len(completions)} completions for {len(references)} prompts"], math.inf
+    for i, (got, want) in enumerate(zip(completions, references)):
+        for j, want_token in enumerate(want.tokens):
+            if j >= len(got.tokens):
+                reasons.append(f"prompt {i}: engine stopped after {len(got.tokens)} tokens, reference made {len(want.tokens)}")
+                break
+            if got.tokens[j] != want_token:
+                if want.margins[j] >= accuracy.greedy_tie_margin:
+                    reasons.append(
+                        f"prompt {i}: greedy token {j} is {got.tokens[j]}, reference {want_token} "
+                        f"(reference top-2 margin {want.margins[j]:.3g})"
+                    )
+                break
+            diff = abs(got.logprobs[j] - want.logprobs[j])
+            worst = max(worst, diff)
+            if diff > accuracy.logprob_atol:
+                reasons.append(
+                    f"prompt {i}: logprob of token {j} is {got.logprobs[j]:.5f}, reference {want.logprobs[j]:.5f} "
+                    f"(|diff| {diff:.2e} > atol {accuracy.logprob_atol:.0e})"
+                )
+                break
+    return reasons, worst
+
+
+def _greedy(engine: RolloutEngine, prompts: Sequence[TokenIds], accuracy: AccuracySpec) -> list[Completion]:
+    return engine.generate(prompts, SamplingParams(max_new_tokens=accuracy.new_tokens, temperature=0.0))
+
+
+# --------------------------------------------------------------------------------------------
+# Check 1: engine
+
+
+def check_engine(
+    engine: RolloutEngine, reference_model: PreTrainedModel, accuracy: AccuracySpec, prompts: Sequence[TokenIds] | None = None
+) -> CheckResult:
+    prompts = list(prompts) if prompts is not None else fixed_prompts(accuracy.prompts)
+    references = [reference_greedy(reference_model, p, accuracy.new_tokens) for p in prompts]
+    completions = _greedy(engine, prompts, accuracy)
+    reasons, worst = compare_greedy(completions, references, accuracy)
+    versions = {c.weight_version for c in completions}
+    if versions - {engine.weight_version}:
+        reasons.append(f"completions report weight versions {sorted(versions)}, engine is at {engine.weight_version}")
+    return CheckResult("engine", not reasons, reasons, {"prompts": len(prompts), "max_logprob_diff": worst})
+
+
+# --------------------------------------------------------------------------------------------
+# Check 2: trainer
+
+
+def fixed_train_batches(model: PreTrainedModel, seed: int = 4321, sizes: Sequence[int] = (8, 12)) -> list[TrainBatch]:
+    """Batches sampled from the model itself, with seeded rewards and behaviour logprobs perturbed
+    by N(0, 0.3) so that some ratios fall outside the clip range and clipping is exercised."""
+    engine = ReferenceEngine(copy.deepcopy(model))
+    rng = random.Random(seed)
+    batches = []
+    for b, size in enumerate(sizes):
+        prompts = fixed_prompts(size, seed=seed + b)
+        completions = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed + b))
+        trajectories = []
+        for k, (prompt, c) in enumerate(zip(prompts, completions)):
+            noisy = [lp + rng.gauss(0.0, 0.3) for lp in c.logprobs]
+            trajectories.append(
+                Trajectory(
+                    episode_id=f"b{b}/t{k}",
+                    group_id=f"b{b}/g{k // 4}",
+                    tokens=prompt + c.tokens,
+                    loss_mask=[0] * len(prompt) + [1] * len(c.tokens),
+                    logprobs=[0.0] * len(prompt) + noisy,
+                    reward=rng.random(),
+                    weight_versions=[0],
+                )
+            )
+        batches.append(TrainBatch(trajectories, group_advantages(trajectories)))
+    return batches
+
+
+MakeTrainer = Callable[[StateDict, TrainingConfig], Trainer]
+
+
+def check_trainer(
+    make_trainer: MakeTrainer,
+    base_model: PreTrainedModel,
+    config: TrainingConfig,
+    accuracy: AccuracySpec,
+    batches: Sequence[TrainBatch] | None = None,
+) -> CheckResult:
+    """Two steps, because AdamW's first step is ~lr*sign(grad): one step alone would hide a wrong
+    loss scale or missing gradient clipping; the second step's update depends on their ratio."""
+    batches = list(batches) if batches is not None else fixed_train_batches(base_model)
+    initial = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
+    reference = ReferenceTrainer(copy.deepcopy(base_model), config)
+    candidate = make_trainer({k: v.clone() for k, v in initial.items()}, config)
+    reasons: list[str] = []
+    for step, batch in enumerate(batches, start=1):
+        reference.train_step(batch)
+        returned = candidate.train_step(batch)
+        if returned != step or candidate.version != step:
+            reasons.append(f"after step {step} the trainer returned version {returned} and reports {candidate.version}")
+    want, got = reference.state_dict(), candidate.state_dict()
+    missing = sorted(set(want) - set(got))
+    if missing:
+        return CheckResult("trainer", False, [f"trainer state_dict lacks parameters {missing[:5]}"], {})
+    err_sq = ref_sq = cand_sq = 0.0
+    worst_name, worst_rel = "", 0.0
+    for name, w in want.items():
+        d_ref = (w - initial[name]).double()
+        d_cand = (got[name].to(w.dtype) - initial[name]).double()
+        err, ref_norm = float((d_cand - d_ref).norm()), float(d_ref.norm())
+        err_sq, ref_sq, cand_sq = err_sq + err**2, ref_sq + ref_norm**2, cand_sq + float(d_cand.norm()) ** 2
+        if ref_norm > 0 and err / ref_norm > worst_rel:
+            worst_name, worst_rel = name, err / ref_norm
+    if ref_sq == 0:
+        raise RuntimeError("the reference trainer did not change the weights: the fixed batches cannot test a trainer")
+    rel = math.sqrt(err_sq / ref_sq)
+    if cand_sq == 0:
+        reasons.append("parameters are unchanged after training: the optimizer step did not happen")
+    elif rel > accuracy.update_rtol:
+        reasons.append(
+            f"parameter update differs from the reference trainer's: relative error {rel:.3g} > "
+            f"{accuracy.update_rtol:g} (worst tensor {worst_name}: {worst_rel:.3g})"
+        )
+    details = {"relative_update_error": rel, "worst_tensor": worst_name, "steps": len(batches)}
+    return CheckResult("trainer", not reasons, reasons, details)
+
+
+# --------------------------------------------------------------------------------------------
+# Check 3: weight sync
+
+
+def perturbed_state(state: StateDict, seed: int = 99, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """A new weight version clearly different from ``state`` (seeded Gaussian noise per tensor)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in state.items():
+        spread = float(tensor.float().std()) if tensor.numel() > 1 else 0.0
+        spread = spread or float(tensor.float().abs().mean()) or 1.0
+        noise = torch.randn(tensor.shape, generator=generator) * scale * spread
+        out[name] = (tensor.float() + noise).to(tensor.dtype)
+    return out
+
+
+def check_weight_sync(
+    engine: RolloutEngine,
+    sync: Callable[[StateDict, int], None],
+    base_model: PreTrainedModel,
+    accuracy: AccuracySpec,
+    version: int = 1,
+    prompts: Sequence[TokenIds] | None = None,
+) -> CheckResult:
+    """``sync(state, version)`` pushes weights by the stack's own path; the engine must then serve them.
+
+    The engine must start on ``base_model``'s weights (version 0).
+    """
+    prompts = list(prompts) if prompts is not None else fixed_prompts(accuracy.prompts, seed=77)
+    new_state = perturbed_state(base_model.state_dict())
+    new_model = copy.deepcopy(base_model)
+    new_model.load_state_dict(new_state)
+    want_new = [reference_greedy(new_model, p, accuracy.new_tokens) for p in prompts]
+    want_old = [reference_greedy(base_model, p, accuracy.new_tokens) for p in prompts]
+    distinct, _ = compare_greedy(
+        [Completion(w.tokens, w.logprobs, "length", 0) for w in want_old], want_new, accuracy
+    )
+    if not distinct:
+        raise RuntimeError("the perturbed weights give the same outputs as the base: the sync check cannot discriminate")
+
+    sync(new_state, version)
+    reasons: list[str] = []
+    if engine.weight_version != version:
+        reasons.append(f"engine reports weight version {engine.weight_version} after sync of version {version}")
+    completions = _greedy(engine, prompts, accuracy)
+    mismatch, worst = compare_greedy(completions, want_new, accuracy)
+    if mismatch:
+        stale, _ = compare_greedy(completions, want_old, accuracy)
+        if not stale:
+            reasons.append(f"engine still serves the previous weights after sync of version {version} (stale weights)")
+        reasons.extend(mismatch)
+    stamped = {c.weight_version for c in completions}
+    if stamped != {version}:
+        reasons.append(f"completions after sync are stamped with versions {sorted(stamped)}, expected {version}")
+    return CheckResult("weight_sync", not reasons, reasons, {"version": version, "max_logprob_diff": worst})

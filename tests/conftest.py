@@ -1,0 +1,42 @@
+"""Shared fixtures: a private model cache per test session and the tiny CPU target's model."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+
+os.environ.setdefault("VIBETRAIN_CACHE", tempfile.mkdtemp(prefix="vibetrain-test-cache-"))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_spec():
+    from targets.spec import load_target
+
+    return load_target("tiny-qwen3-cpu")
+
+
+@pytest.fixture(scope="session")
+def _tiny_model_loaded(tiny_spec):
+    from targets.harness.model import load_model, model_dir
+
+    return load_model(model_dir(tiny_spec.model))
+
+
+@pytest.fixture
+def tiny_model(_tiny_model_loaded):
+    """A fresh copy per test, so a test may train or perturb it freely."""
+    return copy.deepcopy(_tiny_model_loaded)
+
+
+@pytest.fixture
+def catalog_yaml():
+    """The tiny target's YAML as a dict, for tests that plant a bad field."""
+    import yaml
+
+    from targets.spec import CATALOG_DIR
+
+    return yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text())

@@ -1,0 +1,165 @@
+"""Accuracy checks 1-3: each passes for the reference components and rejects a planted wrong one,
+with a reason that names what is wrong."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from targets.api import TrainingConfig
+from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync, fixed_train_batches
+from targets.harness.reference.engine import ReferenceEngine
+from targets.harness.reference.grpo import grpo_loss, pad_trajectories, token_logprobs
+from targets.harness.reference.trainer import ReferenceTrainer
+from targets.spec import AccuracySpec
+
+ACCURACY = AccuracySpec()
+CONFIG = TrainingConfig(lr=1e-3, clip_eps=0.2, max_grad_norm=1.0)
+
+
+# --- planted wrong engines ----------------------------------------------------------------
+
+
+def _logit_hook(engine: ReferenceEngine, change) -> ReferenceEngine:
+    engine.model.lm_head.register_forward_hook(lambda module, args, out: change(out))
+    return engine
+
+
+class StaleSyncEngine(ReferenceEngine):
+    """Claims the new version but keeps serving the old weights."""
+
+    def load_weights(self, state, version):
+        self.weight_version = version
+
+
+class VersionLyingEngine(ReferenceEngine):
+    """Loads the weights but never updates its version."""
+
+    def load_weights(self, state, version):
+        self.model.load_state_dict(dict(state))
+
+
+# --- planted wrong trainers ---------------------------------------------------------------
+
+
+class SkippedStepTrainer(ReferenceTrainer):
+    """Computes the loss and gradients but never steps the optimizer."""
+
+    def train_step(self, batch):
+        padded = pad_trajectories(batch.trajectories)
+        loss = grpo_loss(token_logprobs(self.model, padded.tokens, padded.attention), padded,
+                         torch.tensor(batch.advantages), self.config)
+        loss.backward()
+        self.version += 1
+        return self.version
+
+
+class UnclippedTrainer(ReferenceTrainer):
+    """Ignores the ratio clipping (a plain policy gradient)."""
+
+    def __init__(self, model, config):
+        super().__init__(model, TrainingConfig(**{**config.__dict__, "clip_eps": 1e9}))
+
+
+class AscentTrainer(ReferenceTrainer):
+    """Flips the loss sign: pushes probability away from advantaged tokens."""
+
+    def train_step(self, batch):
+        flipped = type(batch)(batch.trajectories, [-a for a in batch.advantages])
+        return super().train_step(flipped)
+
+
+def _factory(cls, base_model):
+    def make(state, config):
+        model = copy.deepcopy(base_model)
+        model.load_state_dict(dict(state))
+        return cls(model, config)
+
+    return make
+
+
+# --- check 1 ------------------------------------------------------------------------------
+
+
+def test_engine_check_passes_the_reference_engine(tiny_model):
+    result = check_engine(ReferenceEngine(copy.deepcopy(tiny_model)), tiny_model, ACCURACY)
+    assert result.passed, result.reasons
+    assert result.details["max_logprob_diff"] < ACCURACY.logprob_atol
+
+
+def test_engine_check_rejects_scaled_logits(tiny_model):
+    engine = _logit_hook(ReferenceEngine(copy.deepcopy(tiny_model)), lambda out: out * 1.1)
+    result = check_engine(engine, tiny_model, ACCURACY)
+    assert not result.passed
+    assert any("logprob of token" in r for r in result.reasons)
+
+
+def test_engine_check_rejects_biased_logits(tiny_model):
+    def bias(out):
+        out[..., 7] += 50.0
+        return out
+
+    result = check_engine(_logit_hook(ReferenceEngine(copy.deepcopy(tiny_model)), bias), tiny_model, ACCURACY)
+    assert not result.passed
+    assert any("greedy token" in r and "reference" in r for r in result.reasons)
+
+
+# --- check 2 ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def batches(_tiny_model_loaded):
+    return fixed_train_batches(_tiny_model_loaded)
+
+
+def test_trainer_check_passes_the_reference_trainer(tiny_model, batches):
+    result = check_trainer(_factory(ReferenceTrainer, tiny_model), tiny_model, CONFIG, ACCURACY, batches)
+    assert result.passed, result.reasons
+    assert result.details["relative_update_error"] < 1e-4
+
+
+def test_fixed_batches_exercise_clipping(tiny_model, batches):
+    padded = pad_trajectories(batches[0].trajectories)
+    with torch.no_grad():
+        ratio = torch.exp(token_logprobs(tiny_model, padded.tokens, padded.attention) - padded.old_logprobs)
+    on_mask = ratio[padded.loss_mask.bool()]
+    assert ((on_mask > 1 + CONFIG.clip_eps) | (on_mask < 1 - CONFIG.clip_eps)).float().mean() > 0.2
+
+
+@pytest.mark.parametrize(
+    "planted, expected",
+    [
+        (SkippedStepTrainer, "optimizer step did not happen"),
+        (UnclippedTrainer, "differs from the reference trainer"),
+        (AscentTrainer, "differs from the reference trainer"),
+    ],
+)
+def test_trainer_check_rejects_planted_trainers(tiny_model, batches, planted, expected):
+    result = check_trainer(_factory(planted, tiny_model), tiny_model, CONFIG, ACCURACY, batches)
+    assert not result.passed
+    assert any(expected in r for r in result.reasons), result.reasons
+
+
+# --- check 3 ------------------------------------------------------------------------------
+
+
+def test_weight_sync_check_passes_the_reference_engine(tiny_model):
+    engine = ReferenceEngine(copy.deepcopy(tiny_model))
+    result = check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY, version=3)
+    assert result.passed, result.reasons
+
+
+def test_weight_sync_check_rejects_stale_weights(tiny_model):
+    engine = StaleSyncEngine(copy.deepcopy(tiny_model))
+    result = check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY)
+    assert not result.passed
+    assert any("still serves the previous weights" in r for r in result.reasons)
+
+
+def test_weight_sync_check_rejects_a_wrong_version(tiny_model):
+    engine = VersionLyingEngine(copy.deepcopy(tiny_model))
+    result = check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY, version=2)
+    assert not result.passed
+    assert any("reports weight version 0 after sync of version 2" in r for r in result.reasons)

@@ -1,0 +1,140 @@
+"""Harness environments: scripted play gives the documented rewards; lifecycle misuse raises;
+timeouts, turn caps and the trace are the harness's; latency and turn counts are long-tailed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+
+import pytest
+
+from targets.harness.environments import EnvironmentPool
+from targets.harness.tokenizer import VOCAB
+from targets.harness.trace import Trace
+from targets.spec import Geometric, Lognormal, parse_target
+
+
+class ManualClock:
+    """Virtual time: sleeping advances it instantly."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def _pool(catalog_yaml, environment: dict, turns: dict, **workload):
+    catalog_yaml["workload"].update(environment=environment, turns=turns, **workload)
+    spec = parse_target(catalog_yaml)
+    clock = ManualClock()
+    trace = Trace(clock)
+    return EnvironmentPool(spec.workload, clock, trace, seed=3), trace, clock
+
+
+def _words(tokens) -> str:
+    return " ".join(VOCAB.word(t) for t in tokens if VOCAB.word(t) != "<ctx>")
+
+
+def _run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_guess_number_narrows_the_range_and_pays_on_success(catalog_yaml):
+    pool, trace, _ = _pool(catalog_yaml, {"name": "guess_number", "params": {"hint_width": 4}}, {"max": 8})
+    episode = pool.new_group()[0]
+    prompt = _words(_run(episode.reset()))
+    secret, low, high = episode.task
+    assert prompt == f"guess number between {low} and {high} <act>"
+    answer = _run(episode.step(VOCAB.encode("x y")))
+    assert _words(answer.observation) == f"invalid between {low} and {high} <act>" and answer.reward == 0
+    credit = 0.5 / 8  # in_range_credit / max_turns
+    if low < secret:
+        answer = _run(episode.step(VOCAB.encode(str(low))))
+        assert _words(answer.observation) == f"higher between {low + 1} and {high} <act>"
+        assert answer.reward == pytest.approx(credit)
+    if high < 9:
+        answer = _run(episode.step(VOCAB.encode(f"{high + 1} {secret}")))  # only the first token counts
+        assert _words(answer.observation).startswith("lower") and answer.reward == 0
+    answer = _run(episode.step(VOCAB.encode(f"{secret} <eos>")))
+    assert answer.done and answer.observation == []
+    assert answer.reward == pytest.approx(credit + 0.9 ** (episode.turn - 1))
+    kinds = [e.kind for e in trace.events]
+    assert kinds.count("episode_created") == 4 and kinds.count("env_reset") == 1
+    assert kinds.count("env_step") == episode.turn
+
+
+def test_guess_number_ends_at_the_turn_cap(catalog_yaml):
+    pool, _, _ = _pool(catalog_yaml, {"name": "guess_number"}, {"max": 3})
+    episode = pool.new_group()[0]
+    _run(episode.reset())
+    results = [_run(episode.step(VOCAB.encode("a"))) for _ in range(3)]
+    assert [r.done for r in results] == [False, False, True]
+    assert sum(r.reward for r in results) == 0
+
+
+def test_synthetic_agent_scores_repetition(catalog_yaml):
+    env = {"name": "synthetic_agent", "params": {"alphabet": 4, "symbols_per_turn": 2, "partial_credit": 0.25}}
+    pool, _, _ = _pool(catalog_yaml, env, {"max": 6, "dist": {"kind": "fixed", "value": 3}})
+    perfect, sloppy = pool.new_group()[:2]
+    assert perfect.task == sloppy.task  # a GRPO group shares its task
+    shown = _words(_run(perfect.reset())).split()
+    _run(sloppy.reset())
+    total = 0.0
+    while not perfect.done:
+        assert shown[0] == "repeat"
+        result = _run(perfect.step(VOCAB.encode(" ".join(shown[1:3]))))
+        total += result.reward
+        shown = _words(result.observation).split()
+    assert perfect.turn == 3 and total == pytest.approx(1.0)
+    # a letter of the alphabet in the wrong place earns partial credit only
+    wrong = "a" if perfect.task[0][0] != "a" else "b"
+    result = _run(sloppy.step(VOCAB.encode(f"{wrong} {wrong}")))
+    per_symbol = [1.0 if s == wrong else 0.25 for s in perfect.task[0]]
+    assert result.reward == pytest.approx(sum(per_symbol) / 2 / 3)
+
+
+def test_lifecycle_misuse_raises(catalog_yaml):
+    pool, _, _ = _pool(catalog_yaml, {"name": "guess_number"}, {"max": 1})
+    episode = pool.new_group()[0]
+    with pytest.raises(RuntimeError, match="before reset"):
+        _run(episode.step([1]))
+    _run(episode.reset())
+    with pytest.raises(RuntimeError, match="reset twice"):
+        _run(episode.reset())
+    _run(episode.step([1]))
+    with pytest.raises(RuntimeError, match="after it was done"):
+        _run(episode.step([1]))
+
+
+def test_trajectory_timeout_is_enforced_by_the_harness_clock(catalog_yaml):
+    pool, trace, clock = _pool(
+        catalog_yaml, {"name": "guess_number"}, {"max": 8}, trajectory_timeout_s=1.0
+    )
+    episode = pool.new_group()[0]
+    _run(episode.reset())
+    clock.t += 5.0  # the agent took too long
+    result = _run(episode.step(VOCAB.encode("5")))
+    assert result.done and result.timed_out and result.reward == 0
+    assert list(trace.of_kind("env_step"))[-1].data["timed_out"] is True
+
+
+def test_pool_ids_are_unique_and_groups_differ(catalog_yaml):
+    pool, _, _ = _pool(catalog_yaml, {"name": "guess_number"}, {"max": 8})
+    groups = [pool.new_group() for _ in range(20)]
+    ids = [e.episode_id for g in groups for e in g]
+    assert len(ids) == len(set(ids)) == 80
+    assert len({g[0].task for g in groups}) > 5
+
+
+def test_latency_and_turn_distributions_are_long_tailed():
+    rng = random.Random(0)
+    latency = sorted(Lognormal(kind="lognormal", median=0.02, sigma=1.0).sample(rng) for _ in range(4000))
+    median, p99 = latency[len(latency) // 2], latency[int(len(latency) * 0.99)]
+    assert median == pytest.approx(0.02, rel=0.1) and p99 / median > 7
+    turns = [Geometric(kind="geometric", mean=3).sample(rng) for _ in range(4000)]
+    assert statistics.mean(turns) == pytest.approx(3, rel=0.1) and max(turns) >= 15

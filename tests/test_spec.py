@@ -1,0 +1,155 @@
+"""Target specs: the catalog loads, parameter counts are right, and every bad input names its field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from targets.spec import SpecError, catalog_ids, load_target, parse_target
+
+runner = CliRunner()
+
+
+def _error(data: dict) -> str:
+    with pytest.raises(SpecError) as caught:
+        parse_target(data, source="planted.yaml")
+    return str(caught.value)
+
+
+def test_catalog_has_the_three_targets():
+    assert catalog_ids() == ["qwen3-235b-a22b-h800x160", "qwen3-8b-h100x8", "tiny-qwen3-cpu"]
+    big = load_target("qwen3-235b-a22b-h800x160")
+    assert big.hardware.kind == "h800" and big.hardware.count == 160
+    assert big.workload.turns.max == 100 and big.workload.tokens.max_sequence == 65536
+    assert big.workload.batch_size == 512 and big.workload.async_ratio == 1
+    split = next(b for b in big.baselines if b.name == "static_split")
+    assert (split.train_devices, split.rollout_devices) == (128, 32)
+    multiplex = next(b for b in big.baselines if b.name == "time_multiplex")
+    assert (multiplex.train_devices, multiplex.rollout_devices) == (128, 160)
+
+
+def test_computed_param_counts_match_the_built_model(tiny_spec, tiny_model):
+    assert tiny_spec.model.param_counts().total == sum(p.numel() for p in tiny_model.parameters())
+
+
+@pytest.mark.parametrize("target, total, active", [("qwen3-8b-h100x8", 8.19e9, 8.19e9), ("qwen3-235b-a22b-h800x160", 235e9, 22e9)])
+def test_computed_param_counts_match_published_sizes(target, total, active):
+    spec = load_target(target)
+    computed = spec.model.model_copy(update={"params": None}).param_counts()
+    assert computed.total == pytest.approx(total, rel=0.03)
+    assert computed.active == pytest.approx(active, rel=0.05)
+
+
+def test_hardware_numbers_come_from_the_catalog_and_can_be_overridden(catalog_yaml):
+    catalog_yaml["hardware"] = {"kind": "h100", "count": 2, "memory_gb": 94}
+    spec = parse_target(catalog_yaml)
+    assert spec.hardware.memory_gb == 94 and spec.hardware.hbm_bandwidth_gbs == 3350.0
+
+
+def test_misspelled_field_is_named(catalog_yaml):
+    catalog_yaml["workload"]["batch_sise"] = catalog_yaml["workload"].pop("batch_size")
+    message = _error(catalog_yaml)
+    assert "workload.batch_sise" in message and "unknown field" in message
+    assert "workload.batch_size" in message  # and the required one is reported missing
+
+
+def test_wrong_type_names_field_and_value(catalog_yaml):
+    catalog_yaml["workload"]["group_size"] = "four"
+    message = _error(catalog_yaml)
+    assert "workload.group_size" in message and "'four'" in message
+
+
+def test_missing_weights_path_is_named(catalog_yaml, tmp_path):
+    catalog_yaml["model"]["weights"] = "no/such/model"
+    with pytest.raises(SpecError) as caught:
+        parse_target(catalog_yaml, source="t.yaml", base_dir=tmp_path)
+    assert "model.weights" in str(caught.value) and str(tmp_path / "no/such/model") in str(caught.value)
+
+
+def test_unknown_hardware_kind_is_named(catalog_yaml):
+    catalog_yaml["hardware"]["kind"] = "h900"
+    message = _error(catalog_yaml)
+    assert "hardware" in message and "'h900'" in message and "h100" in message
+
+
+def test_unknown_environment_is_named(catalog_yaml):
+    catalog_yaml["workload"]["environment"] = {"name": "chess"}
+    message = _error(catalog_yaml)
+    assert "workload.environment" in message and "'chess'" in message and "guess_number" in message
+
+
+def test_unknown_environment_param_is_named(catalog_yaml):
+    catalog_yaml["workload"]["environment"]["params"]["alphabett"] = 3
+    assert "alphabett" in _error(catalog_yaml)
+
+
+def test_turn_distribution_must_match_the_environment(catalog_yaml):
+    drawn = copy.deepcopy(catalog_yaml)
+    del drawn["workload"]["turns"]["dist"]
+    assert "set turns.dist" in _error(drawn)
+    played = copy.deepcopy(catalog_yaml)
+    played["workload"]["environment"] = {"name": "guess_number"}
+    assert "remove turns.dist" in _error(played)
+
+
+def test_batch_must_be_whole_groups(catalog_yaml):
+    catalog_yaml["workload"]["batch_size"] = 30
+    assert "multiple of group_size" in _error(catalog_yaml)
+
+
+def test_static_split_cannot_use_more_devices_than_exist(catalog_yaml):
+    catalog_yaml["baselines"] = [{"name": "static_split", "rollout_devices": 2, "train_devices": 1}]
+    assert "uses 3 devices but hardware.count is 2" in _error(catalog_yaml)
+
+
+def test_not_a_mapping_and_not_yaml(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="top level must be a mapping"):
+        load_target(listed)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("id: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_target(broken)
+
+
+def test_unknown_catalog_id():
+    with pytest.raises(SpecError, match="unknown target 'nope'.*tiny-qwen3-cpu"):
+        load_target("nope")
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_targets_lists_the_catalog():
+    result = runner.invoke(app, ["targets"])
+    assert result.exit_code == 0
+    for target in catalog_ids():
+        assert target in result.output
+
+
+def test_cli_validate_accepts_a_good_spec_and_names_a_misspelled_field(catalog_yaml, tmp_path: Path):
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(catalog_yaml))
+    assert runner.invoke(app, ["target", "validate", str(good)]).exit_code == 0
+    catalog_yaml["modle"] = catalog_yaml.pop("model")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(catalog_yaml))
+    result = runner.invoke(app, ["target", "validate", str(bad)])
+    assert result.exit_code == 2
+    assert "modle" in result.output and "unknown field" in result.output
+
+
+def test_cli_show_prints_resolved_hardware():
+    result = runner.invoke(app, ["target", "show", "qwen3-8b-h100x8"])
+    assert result.exit_code == 0 and "hbm_bandwidth_gbs: 3350.0" in result.output
+
+
+def test_cli_reference_refuses_a_simulated_target():
+    result = runner.invoke(app, ["reference", "qwen3-235b-a22b-h800x160", "--steps", "1"])
+    assert result.exit_code == 2 and "simulated-only" in result.output

@@ -1,0 +1,69 @@
+"""Decode throughput of the torch engine recipe vs transformers' ``generate``, same model and batch,
+measured side by side in one run. Prints tokens/s for each and the ratio.
+
+    python benchmarks/engine_decode.py [--target tiny-qwen3-cpu] [--batch 32] [--new-tokens 64] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from skills.recipes.torch_engine import TorchEngine
+from targets.api import SamplingParams
+from targets.harness.accuracy import fixed_prompts
+from targets.harness.model import load_model, model_dir
+from targets.spec import load_target
+
+
+def _timed(fn, repeat: int) -> list[float]:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main(target: str = "tiny-qwen3-cpu", batch: int = 32, new_tokens: int = 64, prompt_tokens: int = 16, repeat: int = 5) -> None:
+    spec = load_target(target)
+    path = model_dir(spec.model)
+    prompts = [p[:1] * (prompt_tokens - len(p)) + p for p in fixed_prompts(batch)]  # equal lengths: no padding
+    engine = TorchEngine(str(path), spec.model.dtype)
+    model = load_model(path, spec.model.dtype)
+    input_ids = torch.tensor(prompts)
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)  # no stop tokens: exactly new_tokens each
+
+    def run_engine() -> None:
+        out = engine.generate(prompts, greedy)
+        assert all(len(c.tokens) == new_tokens for c in out)
+
+    @torch.inference_mode()
+    def run_hf() -> None:
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+            output_logits=True, return_dict_in_generate=True,  # logits too: the engine returns logprobs
+        )
+        assert out.sequences.shape[1] == prompt_tokens + new_tokens
+
+    tokens = batch * new_tokens
+    results = {"transformers generate": _timed(run_hf, repeat), "torch engine (recipe)": _timed(run_engine, repeat)}
+    base = statistics.median(results["transformers generate"])
+    table = Table(title=f"decode on {target}: batch {batch}, {prompt_tokens} prompt + {new_tokens} new tokens, {torch.get_num_threads()} threads")
+    for column in ("engine", "median s", "spread s", "tokens/s", "ratio vs transformers"):
+        table.add_column(column, justify="right")
+    for name, times in results.items():
+        median = statistics.median(times)
+        table.add_row(name, f"{median:.3f}", f"{max(times) - min(times):.3f}", f"{tokens / median:,.0f}", f"{base / median:.2f}x")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    typer.run(main)

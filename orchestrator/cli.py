@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 import yaml
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -106,6 +107,107 @@ def reference(
     first = sum(s.mean_reward for s in history[:window]) / window
     last = sum(s.mean_reward for s in history[-window:]) / window
     console.print(f"mean reward, first {window} steps: {first:.3f}; last {window} steps: {last:.3f}")
+
+
+def _print_checks(results) -> bool:
+    table = Table(title="checks")
+    for column in ("check", "verdict", "reasons"):
+        table.add_column(column, overflow="fold")
+    for r in results:
+        table.add_row(r.name, "[green]pass[/green]" if r.passed else "[red]FAIL[/red]", "\n".join(r.reasons) or "-")
+    console.print(table)
+    return all(r.passed for r in results)
+
+
+@app.command("check")
+def check(
+    target: str,
+    stack: Path = typer.Option(..., help="candidate directory (holds stack/)"),
+    json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
+    time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+) -> None:
+    """Judge a candidate: integrity scan, accuracy checks 1-3, a system run and its audit. Exit 1 on failure."""
+    import json
+
+    from targets.harness.judge_run import check_candidate
+
+    spec = _load(target)
+    with console.status(f"checking {stack} on {spec.id}"):
+        results = check_candidate(target, spec, stack, time_limit)
+    passed = _print_checks(results)
+    if json_path:
+        json_path.write_text(json.dumps([r.__dict__ for r in results], indent=1, default=str))
+    console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
+    raise typer.Exit(0 if passed else 1)
+
+
+@app.command("bench")
+def bench(
+    target: str,
+    stack: list[Path] = typer.Option([], help="candidate directory to benchmark (repeatable)"),
+    baselines: str = typer.Option("colocate,static_split,time_multiplex", help="comma-separated starter schedules"),
+    repeat: int = typer.Option(3, min=1),
+    json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
+    timeline: Path = typer.Option(None, help="write the per-device timeline PNG here"),
+    time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+) -> None:
+    """Benchmark baselines and candidates side by side; ratios are to the first run listed."""
+    import json
+    import tempfile
+
+    from skills.starter import write_starter
+    from targets.harness.benchmark import BenchmarkFailed, benchmark
+    from targets.harness.timeline import plot_timelines
+
+    spec = _load(target)
+    work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
+    stacks: list[tuple[str, Path]] = []
+    for name in [b.strip() for b in baselines.split(",") if b.strip()]:
+        try:
+            stacks.append((name, write_starter(work / "stacks" / name, spec, name)))
+        except ValueError as error:
+            errors.print(f"[red]error:[/red] baseline {name!r}: {error}")
+            raise typer.Exit(2) from None
+    stacks += [(path.name, path) for path in stack]
+    if not stacks:
+        errors.print("[red]error:[/red] nothing to benchmark: give --baselines and/or --stack")
+        raise typer.Exit(2)
+    progress = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=console)
+    with progress:
+        task = progress.add_task("", total=len(stacks) * repeat)
+        try:
+            runs = benchmark(target, spec, stacks, repeat, work / "runs", time_limit,
+                             on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"))
+        except BenchmarkFailed as error:
+            errors.print(f"[red]error:[/red] {error}")
+            raise typer.Exit(1) from None
+    first = runs[0]
+    table = Table(title=f"{spec.id}: median of {repeat} runs (± spread = max - min); ratio to {first.name}",
+                  box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.add_column("schedule", no_wrap=True)
+    for column in ("traj/s", "ratio", "tok/s", "step s", "t/o", "busy", "switch s", "sync s"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for run in runs:
+        table.add_row(
+            run.name,
+            f"{run.median('rollout_throughput'):.2f} ± {run.spread('rollout_throughput'):.2f}",
+            f"{run.median('rollout_throughput') / first.median('rollout_throughput'):.2f}x",
+            f"{run.median('tokens_per_s'):.0f}",
+            f"{run.median('step_time_s'):.2f}",
+            f"{run.median('timeout_ratio'):.0%}",
+            f"{run.median('mean_device_busy'):.0%}",
+            f"{run.median('shrink_s') + run.median('expand_s'):.3f}",
+            f"{run.median('sync_s'):.3f}",
+        )
+    console.print(table)
+    if json_path:
+        json_path.write_text(json.dumps({"target": spec.id, "repeat": repeat, "runs": [r.summary() for r in runs]}, indent=1))
+        console.print(f"results: {json_path}")
+    if timeline:
+        devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
+        titles = [(f"{r.name}: {r.median('rollout_throughput'):.1f} traj/s", r.events, devices) for r in runs]
+        plot_timelines(titles, timeline)
+        console.print(f"timeline: {timeline}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ the contract without inheriting from harness code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # torch is only needed for annotations here; keep this module import-light.
     import torch
@@ -272,12 +272,58 @@ class Cluster(Protocol):
 
     async def resume(self) -> None: ...
 
+    async def export_weights(self) -> StateDict | None:
+        """The latest trained weights (CPU, transformers names), for the harness's audit; the
+        simulator returns None. Called by the harness after each ``train``, never by controllers."""
+        ...
+
+    async def close(self) -> None: ...
+
 
 @runtime_checkable
 class Controller(Protocol):
     """The scheduling policy: run ``steps`` training steps on ``cluster`` with episodes from ``envs``."""
 
     async def run(self, cluster: Cluster, envs: EnvSource, steps: int) -> None: ...
+
+
+class EnvDropper(Protocol):
+    """``EnvSource`` also takes back episodes a controller discards on purpose, with a reason the
+    audit verifies: ``stale`` (beyond the staleness bound), ``end_of_run`` (after the last training
+    step) or ``max_sequence`` (the next turn cannot fit). Anything neither trained nor dropped is lost."""
+
+    def drop(self, episode_id: str, reason: str) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# What the harness hands a stack, and what ``stack.build`` returns
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Everything a stack may know about where it runs (the spec carries the rest)."""
+
+    model_path: str
+    dtype: str
+    devices: list[Device]
+    device_resource: str  # Ray custom resource naming device i: f"{device_resource}{i}" (capacity 1)
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass
+class Stack:
+    """A candidate, as ``stack.build(spec, runtime)`` returns it.
+
+    ``make_cluster`` starts the candidate's real cluster (None for a simulated-only stack);
+    ``make_engine``/``make_trainer``/``sync_engine`` expose single components in this process so
+    the judge can run accuracy checks 1-3 on them.
+    """
+
+    controller: Controller
+    make_cluster: Callable[[], Awaitable[Cluster]] | None
+    make_engine: Callable[[], RolloutEngine]
+    make_trainer: Callable[[StateDict, TrainingConfig], Trainer]
+    sync_engine: Callable[[RolloutEngine, StateDict, int], None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,6 +343,8 @@ EventKind = Literal[
     "sample_used",
     "sample_dropped",
     "episode_created",
+    "run_start",
+    "run_end",
 ]
 
 DeviceActivity = Literal["rollout", "train", "sync", "switching", "idle"]

@@ -33,7 +33,10 @@ class GRPOTrainer:
         init_method: str | None = None,
         micro_batch: int = 16,
         state: StateDict | None = None,
+        threads: int | None = None,
     ) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.config, self.device, self.rank, self.world_size, self.micro_batch = config, device, rank, world_size, micro_batch
         if world_size > 1:
             backend = "nccl" if device.startswith("cuda") else "gloo"

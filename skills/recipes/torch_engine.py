@@ -4,7 +4,7 @@ Prefill runs the left-padded batch once; each decode step feeds one token per li
 cache. Rows that finish are dropped from the batch (cache rows selected away), so a long-tailed
 batch does not keep paying for its finished members. Logprobs are of the unscaled distribution
 (``targets.api.SamplingParams``). ``abort`` stops a generation between decode steps;
-``offload``/``reload`` drop and restore the device copy of the weights.
+``offload``/``reload`` park the weights on a host copy and restore them in place.
 """
 
 from __future__ import annotations
@@ -30,30 +30,36 @@ class TorchEngine:
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, state: StateDict, version: int) -> None:
-        if self.model is None:
+        if self.offloaded:
             raise RuntimeError(f"{self.name}: load_weights while offloaded; reload first")
         self.model.load_state_dict({k: v.to(self.device, self.dtype) for k, v in state.items()}, strict=True)
         self.weight_version = version
 
     def offload(self) -> None:
-        """Keep a host copy of the weights and free the device copy."""
-        if self.model is None:
+        """Move the weights to a host copy and free the device copy (the module itself stays, so
+        reload is a copy back, not a rebuild)."""
+        if self._host_state is not None:
             return
-        self._host_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        self.model = None
+        self._host_state = {}
+        for name, tensor in self._tensors():
+            self._host_state[name] = tensor.data.to("cpu", copy=True)
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
 
     def reload(self) -> None:
-        if self.model is not None:
-            return
         if self._host_state is None:
-            raise RuntimeError(f"{self.name}: reload without a prior offload")
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
-        model.load_state_dict(self._host_state, strict=True)
-        self.model, self._host_state = model, None
+            return
+        for name, tensor in self._tensors():
+            tensor.data = self._host_state[name].to(self.device)
+        self._host_state = None
+
+    def _tensors(self):
+        """Parameters and buffers, each shared tensor once (tied embeddings)."""
+        yield from self.model.named_parameters()
+        yield from self.model.named_buffers()
 
     @property
     def offloaded(self) -> bool:
-        return self.model is None
+        return self._host_state is not None
 
     def abort(self) -> None:
         """Make the generation in progress (if any) return at its next decode step."""
@@ -62,7 +68,7 @@ class TorchEngine:
     # -- generation ------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
-        if self.model is None:
+        if self.offloaded:
             raise RuntimeError(f"{self.name}: generate while offloaded")
         if not prompts:
             return []

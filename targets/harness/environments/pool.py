@@ -13,7 +13,12 @@ if TYPE_CHECKING:
     from targets.spec import WorkloadSpec
 
 
+DROP_REASONS = ("stale", "end_of_run", "max_sequence")
+
+
 class EnvironmentPool:
+    """Follows ``targets.api.EnvSource`` and ``EnvDropper``."""
+
     def __init__(self, workload: "WorkloadSpec", clock: Clock, trace: Trace, seed: int = 0) -> None:
         from targets.harness.environments import ENVIRONMENTS
 
@@ -45,3 +50,9 @@ class EnvironmentPool:
             self.trace.record("episode_created", episode=episode_id, group=group_id)
             episodes.append(episode)
         return episodes
+
+    def drop(self, episode_id: str, reason: str) -> None:
+        """A controller discards an episode on purpose; recorded so the audit can verify the reason."""
+        if reason not in DROP_REASONS:
+            raise ValueError(f"drop reason must be one of {DROP_REASONS}, got {reason!r}")
+        self.trace.record("sample_dropped", episode=episode_id, reason=reason)

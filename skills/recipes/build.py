@@ -1,0 +1,43 @@
+"""The stack's entry point: ``build(spec, runtime)`` wires the recipes named in ``params.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from targets.api import Runtime, Stack
+
+from .colocate import Colocate
+from .grpo_trainer import GRPOTrainer
+from .ray_cluster import RayCluster
+from .static_split import StaticSplit
+from .time_multiplex import TimeMultiplex
+from .torch_engine import TorchEngine
+from .weight_sync import DEFAULT_BUCKET_BYTES, merge, to_buckets
+
+CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiplex": TimeMultiplex}
+
+
+def build(spec, runtime: Runtime) -> Stack:
+    params = json.loads(Path(__file__).with_name("params.json").read_text())
+    if params["controller"] not in CONTROLLERS:
+        raise ValueError(f"params.json: unknown controller {params['controller']!r}; known: {sorted(CONTROLLERS)}")
+    controller = CONTROLLERS[params["controller"]](spec, runtime, params)
+    rollout, train = controller.placement(runtime.devices)
+    config = spec.workload.training.config()
+    threads = params.get("threads_per_actor", 1)
+    bucket_bytes = params.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+
+    async def make_cluster() -> RayCluster:
+        return await RayCluster.start(runtime, rollout, train, config, threads=threads)
+
+    def make_engine() -> TorchEngine:
+        return TorchEngine(runtime.model_path, runtime.dtype)
+
+    def make_trainer(state, training_config) -> GRPOTrainer:
+        return GRPOTrainer(runtime.model_path, training_config, runtime.dtype, state=state, micro_batch=params.get("micro_batch", 16))
+
+    def sync_engine(engine, state, version: int) -> None:
+        engine.load_weights(merge(to_buckets(state, bucket_bytes)), version)
+
+    return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine)

@@ -1,0 +1,57 @@
+"""What every controller shares: the spec-derived knobs, the buffer and environment manager wiring,
+and group-relative advantages. The policies themselves (one file each) stay a screen long."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from targets.api import Cluster, Device, SamplingParams, TrainBatch, Trajectory
+
+from .env_manager import EnvManager
+from .sample_buffer import GroupBuffer
+
+
+def group_advantages(trajectories: list[Trajectory]) -> list[float]:
+    """(reward - group mean) / (group population std + 1e-6)."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for t in trajectories:
+        groups[t.group_id].append(t.reward)
+    stats = {}
+    for group, rewards in groups.items():
+        mean = sum(rewards) / len(rewards)
+        stats[group] = (mean, (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5)
+    return [(t.reward - stats[t.group_id][0]) / (stats[t.group_id][1] + 1e-6) for t in trajectories]
+
+
+class ControllerBase:
+    def __init__(self, spec, runtime, params: dict) -> None:
+        workload = spec.workload
+        self.groups_per_step = workload.batch_size // workload.group_size
+        self.group_size = workload.group_size
+        self.async_ratio = workload.async_ratio
+        self.max_sequence = workload.tokens.max_sequence
+        self.sampling = SamplingParams(
+            max_new_tokens=workload.tokens.response,
+            temperature=workload.training.temperature,
+            stop_token_ids=tuple(runtime.stop_token_ids),
+        )
+        self.params = params
+        self.version = 0
+
+    def placement(self, devices: list[Device]) -> tuple[list[Device], list[Device]]:
+        """(devices with a rollout engine, devices with a trainer rank)."""
+        raise NotImplementedError
+
+    def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[GroupBuffer, EnvManager]:
+        buffer = GroupBuffer(self.group_size, async_ratio, envs)
+        return buffer, EnvManager(cluster, envs, buffer, self.sampling, self.max_sequence)
+
+    async def _finish(self, buffer: GroupBuffer, manager: EnvManager) -> None:
+        """Hand back every episode not trained on: in flight or waiting in the buffer."""
+        manager.raise_if_failed()
+        await manager.cancel_all()
+        buffer.drop_all("end_of_run")
+
+    async def _train(self, cluster: Cluster, batch: list[Trajectory], devices: list[Device]) -> int:
+        self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)
+        return self.version

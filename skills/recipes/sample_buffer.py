@@ -1,0 +1,72 @@
+"""Group queue: finished trajectories gathered by GRPO group; a batch is whole groups, oldest first.
+
+The staleness bound is enforced when a batch is taken: a group holding a turn generated more than
+``async_ratio`` versions before the current policy is dropped (handed back to the harness with the
+reason ``stale``, so it is counted, not lost); at the end of a run everything still waiting is
+handed back with ``end_of_run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Callable
+
+from targets.api import Trajectory
+
+
+class GroupBuffer:
+    def __init__(self, group_size: int, async_ratio: int, envs) -> None:
+        self.group_size, self.async_ratio, self.envs = group_size, async_ratio, envs
+        self._partial: dict[str, list[Trajectory]] = {}
+        self._ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self._changed = asyncio.Event()
+
+    def put(self, trajectory: Trajectory) -> None:
+        group = self._partial.setdefault(trajectory.group_id, [])
+        group.append(trajectory)
+        if len(group) == self.group_size:
+            self._ready[trajectory.group_id] = self._partial.pop(trajectory.group_id)
+            self._changed.set()
+
+    @property
+    def ready_groups(self) -> int:
+        return len(self._ready)
+
+    def drop_stale(self, policy_version: int) -> int:
+        """Drop ready groups too old for a step from ``policy_version``; returns how many."""
+        stale = [g for g, ts in self._ready.items() if policy_version - min(t.oldest_version for t in ts) > self.async_ratio]
+        for group_id in stale:
+            for t in self._ready.pop(group_id):
+                self.envs.drop(t.episode_id, "stale")
+        return len(stale)
+
+    def drop_all(self, reason: str) -> None:
+        """End of run: hand back every trajectory still waiting (finished or partial groups)."""
+        for groups in (self._ready, self._partial):
+            for trajectories in groups.values():
+                for t in trajectories:
+                    self.envs.drop(t.episode_id, reason)
+            groups.clear()
+
+    async def next_batch(self, groups: int, policy_version: int, refill: Callable[[], None], check: Callable[[], None]) -> list[Trajectory]:
+        """Wait for ``groups`` fresh groups and take them, oldest first.
+
+        ``refill`` is called whenever groups finish or are dropped (to keep episodes in flight);
+        ``check`` raises if the episodes' coroutines failed, so a crash surfaces instead of a hang.
+        """
+        while True:
+            check()
+            self.drop_stale(policy_version)
+            refill()
+            if len(self._ready) >= groups:
+                break
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                check()
+        batch: list[Trajectory] = []
+        for _ in range(groups):
+            batch.extend(self._ready.popitem(last=False)[1])
+        return batch

@@ -1,0 +1,28 @@
+"""static_split: disjoint pools. Rollout devices sample continuously (up to ``async_ratio`` versions
+ahead); training devices train whenever a batch is ready; weights sync to the rollout pool after
+each step. Rollout throughput is capped by the rollout pool, and training devices idle while they
+wait for data."""
+
+from __future__ import annotations
+
+from .controller_base import ControllerBase
+
+
+class StaticSplit(ControllerBase):
+    def placement(self, devices):
+        n_rollout = self.params["rollout_devices"]
+        return list(devices[:n_rollout]), list(devices[n_rollout : n_rollout + self.params["train_devices"]])
+
+    async def run(self, cluster, envs, steps: int) -> None:
+        rollout, train = self.placement(cluster.devices)
+        buffer, manager = self._wire(cluster, envs, self.async_ratio)
+        outstanding = self.groups_per_step * (1 + self.async_ratio)
+
+        def refill() -> None:
+            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups))
+
+        for _ in range(steps):
+            batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
+            version = await self._train(cluster, batch, train)
+            await cluster.sync_weights(version, rollout)
+        await self._finish(buffer, manager)

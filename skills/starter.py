@@ -1,0 +1,58 @@
+"""Starter stacks: write a complete candidate directory (``stack/`` + ``DESIGN.md``) for one of the
+three controllers and a parameter set. The offline implementer and the baselines both start here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+RECIPES = Path(__file__).parent / "recipes"
+CONTROLLERS = ("colocate", "static_split", "time_multiplex")
+
+
+def starter_params(spec, controller: str) -> dict:
+    """Default parameters: device split from the target's baseline entry, else half and half."""
+    if controller not in CONTROLLERS:
+        raise ValueError(f"unknown controller {controller!r}; known: {', '.join(CONTROLLERS)}")
+    count = spec.hardware.count
+    baseline = next((b for b in spec.baselines if b.name == controller), None)
+    params: dict = {"controller": controller, "threads_per_actor": 1, "micro_batch": 16}
+    if controller == "static_split":
+        params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
+        params["rollout_devices"] = baseline.rollout_devices if baseline and baseline.rollout_devices else count - params["train_devices"]
+    if controller == "time_multiplex":
+        params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
+        if params["train_devices"] >= count:
+            raise ValueError(f"time_multiplex needs a device that never trains: train_devices {params['train_devices']} of {count}")
+    return params
+
+
+DESIGN_TEMPLATE = """# Stack design
+
+## Decisions
+- Round 0: controller `{controller}` with parameters `{params}`. Starter stack written from the
+  recipes in `skills/recipes` (torch KV-cache engine, data-parallel GRPO trainer, bucketed weight
+  sync through Ray's object store, one coroutine per episode, group buffer with the staleness bound).
+
+## Plan
+1. [DONE] Starter stack.
+
+## Findings
+(none yet)
+"""
+
+
+def write_starter(directory: Path, spec, controller: str, params: dict | None = None) -> Path:
+    params = params or starter_params(spec, controller)
+    stack = directory / "stack"
+    if stack.exists():
+        raise FileExistsError(f"{stack} already exists")
+    stack.mkdir(parents=True)
+    for recipe in sorted(RECIPES.glob("*.py")):
+        if recipe.name != "__init__.py":
+            shutil.copy2(recipe, stack / recipe.name)
+    (stack / "__init__.py").write_text('"""A vibetrain candidate stack."""\n\nfrom .build import build\n\n__all__ = ["build"]\n')
+    (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+    (directory / "DESIGN.md").write_text(DESIGN_TEMPLATE.format(controller=controller, params=json.dumps(params)))
+    return directory

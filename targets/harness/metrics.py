@@ -1,0 +1,95 @@
+"""Benchmark metrics, computed from the harness trace alone.
+
+Rollout throughput is environment-observed (episodes the environments saw finish, per second of
+the run); device activity comes from the proxy's stamps of generate/train/sync/shrink/expand.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from targets.api import TraceEvent
+
+ACTIVITIES = ("switching", "train", "sync", "rollout")  # priority when intervals overlap
+
+
+def device_intervals(events: list[TraceEvent]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """device -> activity -> [(start, end)] relative to the run start."""
+    start = next(e.t for e in events if e.kind == "run_start")
+    out: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for e in events:
+        if e.kind == "generate" and not e.data["aborted"]:
+            out[e.data["device"]]["rollout"].append((e.data["start"] - start, e.t - start))
+        elif e.kind in ("train", "sync", "shrink", "expand"):
+            activity = {"train": "train", "sync": "sync"}.get(e.kind, "switching")
+            for device in e.data["devices"]:
+                out[device][activity].append((e.data["start"] - start, e.t - start))
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _subtract(intervals, taken) -> list[tuple[float, float]]:
+    out = []
+    for a, b in intervals:
+        pieces = [(a, b)]
+        for c, d in taken:
+            pieces = [p for x, y in pieces for p in ((x, min(y, c)), (max(x, d), y)) if p[1] > p[0]]
+        out += pieces
+    return out
+
+
+def exclusive_activity(per_activity: dict[str, list[tuple[float, float]]]) -> dict[str, list[tuple[float, float]]]:
+    """Each moment counted once, under the highest-priority activity happening then."""
+    taken: list[tuple[float, float]] = []
+    out = {}
+    for activity in ACTIVITIES:
+        mine = _subtract(_union(per_activity.get(activity, [])), taken)
+        out[activity] = mine
+        taken = _union(taken + mine)
+    return out
+
+
+def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
+    start = next(e.t for e in events if e.kind == "run_start")
+    end = next(e.t for e in events if e.kind == "run_end")
+    duration = end - start
+    steps = [e for e in events if e.kind == "env_step"]
+    done = [e for e in steps if e.data["done"]]
+    trains = [e for e in events if e.kind == "train"]
+    intervals = device_intervals(events)
+    utilization = {}
+    for device in devices:
+        exclusive = exclusive_activity(intervals.get(device, {}))
+        shares = {a: sum(b - c for c, b in exclusive[a]) / duration for a in ACTIVITIES}
+        shares["idle"] = max(0.0, 1.0 - sum(shares.values()))
+        shares["busy"] = 1.0 - shares["idle"]
+        utilization[device] = shares
+
+    def mean_duration(kind: str) -> float:
+        spans = [e.t - e.data["start"] for e in events if e.kind == kind]
+        return sum(spans) / len(spans) if spans else 0.0
+
+    return {
+        "duration_s": duration,
+        "rollout_throughput": len(done) / duration,
+        "tokens_per_s": sum(len(e.data["action"]) for e in steps) / duration,
+        "step_time_s": duration / len(trains) if trains else float("inf"),
+        "timeout_ratio": sum(e.data["timed_out"] for e in done) / len(done) if done else 0.0,
+        "trajectories": len(done),
+        "mean_device_busy": sum(u["busy"] for u in utilization.values()) / len(utilization),
+        "device_utilization": utilization,
+        "shrink_s": mean_duration("shrink"),
+        "expand_s": mean_duration("expand"),
+        "sync_s": mean_duration("sync"),
+        "train_s": mean_duration("train"),
+        "aborted_turns": sum(1 for e in events if e.kind == "generate" and e.data["aborted"]),
+    }

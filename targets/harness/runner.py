@@ -1,0 +1,105 @@
+"""Runs one candidate in this (child) process: ``python -m targets.harness.runner ...``.
+
+``accuracy`` mode runs checks 1-3 on the stack's components; ``system`` mode starts Ray with one
+custom resource per device, runs the controller for the target's steps and writes the harness
+trace (``trace.jsonl``) and the weights of every version (``weights/v<N>.safetensors``) to --out.
+``result.json`` says ``ok`` or carries the error; the exit code is non-zero on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+from targets.api import Device, Runtime
+from targets.harness.clock import WallClock
+from targets.harness.model import load_model, model_dir
+from targets.harness.tokenizer import EOS, VOCAB
+from targets.harness.trace import Trace
+from targets.spec import TargetSpec, load_target
+
+DEVICE_RESOURCE = "vt_device_"
+
+
+def runtime_for(spec: TargetSpec) -> Runtime:
+    devices = [Device(f"{spec.hardware.kind}:{i}", spec.hardware.kind, i) for i in range(spec.hardware.count)]
+    return Runtime(str(model_dir(spec.model)), spec.model.dtype, devices, DEVICE_RESOURCE, (VOCAB.ids[EOS],))
+
+
+def import_stack(stack_dir: Path):
+    sys.path.insert(0, str(stack_dir))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(stack_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return importlib.import_module("stack")
+
+
+def run_accuracy(spec: TargetSpec, stack, runtime: Runtime) -> dict:
+    from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync
+
+    built = stack.build(spec, runtime)
+    reference = load_model(Path(runtime.model_path), spec.model.dtype)
+    results = [check_engine(built.make_engine(), reference, spec.accuracy)]
+    results.append(check_trainer(built.make_trainer, reference, spec.workload.training.config(), spec.accuracy))
+    engine = built.make_engine()
+    results.append(check_weight_sync(engine, lambda state, v: built.sync_engine(engine, state, v), reference, spec.accuracy))
+    return {"checks": [{"name": r.name, "passed": r.passed, "reasons": r.reasons, "details": r.details} for r in results]}
+
+
+def run_system_mode(spec: TargetSpec, stack, runtime: Runtime, out: Path, seed: int, steps: int) -> dict:
+    import ray
+    from safetensors.torch import save_file
+
+    from targets.harness.system_run import run_system
+
+    ray.init(
+        num_cpus=os.cpu_count(), resources={f"{DEVICE_RESOURCE}{d.index}": 1.0 for d in runtime.devices},
+        include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"), configure_logging=False,
+    )
+    trace = Trace(WallClock())
+    weights = {0: {k: v.detach().clone() for k, v in load_model(Path(runtime.model_path), spec.model.dtype).state_dict().items()}}
+    try:
+        asyncio.run(run_system(spec, stack.build(spec, runtime), steps, seed, trace, weights))
+    finally:
+        trace.save(out / "trace.jsonl")
+        (out / "weights").mkdir(exist_ok=True)
+        for version, state in weights.items():
+            save_file({k: v.contiguous() for k, v in state.items()}, out / "weights" / f"v{version}.safetensors")
+        ray.shutdown()
+    return {"steps": steps, "versions": sorted(weights)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m targets.harness.runner")
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--stack", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--mode", choices=["accuracy", "system"], required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result_path = args.out / f"{args.mode}.json"
+    try:
+        spec = load_target(args.target)
+        stack = import_stack(args.stack.resolve())
+        runtime = runtime_for(spec)
+        if args.mode == "accuracy":
+            result = run_accuracy(spec, stack, runtime)
+        else:
+            result = run_system_mode(spec, stack, runtime, args.out, args.seed, args.steps or spec.workload.train_steps)
+        result_path.write_text(json.dumps({"status": "ok", **result}, indent=1))
+        return 0
+    except Exception as error:  # the parent reports it; nothing is swallowed
+        result_path.write_text(json.dumps({"status": "error", "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}))
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -182,24 +182,24 @@ def bench(
             errors.print(f"[red]error:[/red] {error}")
             raise typer.Exit(1) from None
     first = runs[0]
-    table = Table(title=f"{spec.id}: median of {repeat} runs (± spread = max - min); ratio to {first.name}",
-                  box=box.SIMPLE_HEAD, padding=(0, 1))
+    table = Table(title=f"{spec.id}: median of {repeat} (± max-min); ratio to {first.name}", box=box.SIMPLE_HEAD)
     table.add_column("schedule", no_wrap=True)
-    for column in ("traj/s", "ratio", "tok/s", "step s", "t/o", "busy", "switch s", "sync s"):
+    for column in ("traj/s", "ratio", "tokens/s", "step s", "timeouts", "busy"):
         table.add_column(column, justify="right", no_wrap=True)
+    costs = Table(title="mechanism costs (median s per event)", box=box.SIMPLE_HEAD)
+    costs.add_column("schedule", no_wrap=True)
+    for column in ("shrink", "expand", "sync", "train", "aborted turns"):
+        costs.add_column(column, justify="right", no_wrap=True)
     for run in runs:
+        m = run.median
         table.add_row(
-            run.name,
-            f"{run.median('rollout_throughput'):.2f} ± {run.spread('rollout_throughput'):.2f}",
-            f"{run.median('rollout_throughput') / first.median('rollout_throughput'):.2f}x",
-            f"{run.median('tokens_per_s'):.0f}",
-            f"{run.median('step_time_s'):.2f}",
-            f"{run.median('timeout_ratio'):.0%}",
-            f"{run.median('mean_device_busy'):.0%}",
-            f"{run.median('shrink_s') + run.median('expand_s'):.3f}",
-            f"{run.median('sync_s'):.3f}",
+            run.name, f"{m('rollout_throughput'):.2f} ± {run.spread('rollout_throughput'):.2f}",
+            f"{m('rollout_throughput') / first.median('rollout_throughput'):.2f}x", f"{m('tokens_per_s'):.0f}",
+            f"{m('step_time_s'):.2f}", f"{m('timeout_ratio'):.0%}", f"{m('mean_device_busy'):.0%}",
         )
+        costs.add_row(run.name, f"{m('shrink_s'):.3f}", f"{m('expand_s'):.3f}", f"{m('sync_s'):.3f}", f"{m('train_s'):.3f}", f"{m('aborted_turns'):.0f}")
     console.print(table)
+    console.print(costs)
     if json_path:
         json_path.write_text(json.dumps({"target": spec.id, "repeat": repeat, "runs": [r.summary() for r in runs]}, indent=1))
         console.print(f"results: {json_path}")

@@ -154,7 +154,11 @@ def audit_run(
 
     # -- replay sampled turns under the claimed weights -------------------------------------------------
     rng = random.Random(seed)
-    sample = rng.sample(replayable, min(replay_turns, len(replayable)))
+    by_version: dict[int, list[TraceEvent]] = defaultdict(list)
+    for g in replayable:
+        by_version[g.data["version"]].append(g)
+    per_version = -(-replay_turns // max(1, len(by_version)))  # every claimed version gets replayed
+    sample = [g for gs in by_version.values() for g in rng.sample(gs, min(per_version, len(gs)))]
     models: dict[int, torch.nn.Module] = {}
     worst = 0.0
     for g in sorted(sample, key=lambda g: g.data["version"]):

@@ -1,0 +1,148 @@
+"""The stack kit end to end on the CPU target: the three starter stacks pass ``vibetrain check``;
+each planted cheat is rejected with a reason that names it; a crash and a hang fail cleanly; the
+benchmark prints its table and writes JSON and the timeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from skills.starter import write_starter
+from targets.spec import parse_target
+
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def fast_target(tmp_path_factory) -> Path:
+    """tiny-qwen3-cpu with a smaller batch and fewer steps: same mechanisms, shorter runs."""
+    from targets.spec import CATALOG_DIR
+
+    data = yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text())
+    data["id"] = "tiny-qwen3-cpu-fast"
+    data["workload"].update(batch_size=16, train_steps=4)
+    path = tmp_path_factory.mktemp("target") / "fast.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _check(target: Path, stack: Path, time_limit: float = 300) -> tuple[int, str]:
+    result = runner.invoke(app, ["check", str(target), "--stack", str(stack), "--time-limit", str(time_limit)],
+                           env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+def _planted(tmp_path: Path, target: Path, controller: str, edits: dict[str, tuple[str, str]], extra: dict[str, str] = {}) -> Path:
+    spec = parse_target(yaml.safe_load(target.read_text()))
+    directory = write_starter(tmp_path / "candidate", spec, controller)
+    for name, (old, new) in edits.items():
+        path = directory / "stack" / name
+        text = path.read_text()
+        assert old in text, f"planting failed: {old!r} not in {name}"
+        path.write_text(text.replace(old, new))
+    for name, text in extra.items():
+        (directory / "stack" / name).write_text(text)
+    return directory
+
+
+@pytest.mark.parametrize("controller", ["colocate", "static_split", "time_multiplex"])
+def test_starter_stacks_pass_check(tmp_path, fast_target, controller):
+    code, output = _check(fast_target, _planted(tmp_path, fast_target, controller, {}))
+    assert code == 0, output
+    assert "PASS" in output
+
+
+CHEATS = {
+    "drops trajectories": (
+        "time_multiplex",
+        {"controller_base.py": ("        self.version = await cluster.train(TrainBatch(batch,",
+                                "        batch = batch[self.group_size:]  # planted: discard a group unseen\n"
+                                "        self.version = await cluster.train(TrainBatch(batch,")},
+        "lost: episode",
+    ),
+    "uses a trajectory twice": (
+        "time_multiplex",
+        {"controller_base.py": ("        self.version = await cluster.train(TrainBatch(batch,",
+                                "        batch = batch + batch[: self.group_size]  # planted\n"
+                                "        self.version = await cluster.train(TrainBatch(batch,")},
+        "used twice",
+    ),
+    "exceeds the staleness bound": (
+        "static_split",
+        {"static_split.py": ("buffer, manager = self._wire(cluster, envs, self.async_ratio)\n        outstanding = self.groups_per_step * (1 + self.async_ratio)",
+                             "buffer, manager = self._wire(cluster, envs, 99)\n        outstanding = self.groups_per_step * 4")},
+        "stale sample",
+    ),
+    "serves from stale weights": (
+        "time_multiplex",
+        {"engine_server.py": ("            self.engine.load_weights(state, version)", "            self.engine.weight_version = version  # planted")},
+        "did not run with those weights",
+    ),
+    "fabricates rollouts": (
+        "static_split",
+        {"engine_server.py": ("completions = await asyncio.to_thread(self.engine.generate, [p for p, _, _ in items], params)",
+                              "completions = [Completion([5] * params.max_new_tokens, [-0.5] * params.max_new_tokens, 'length', "
+                              "self.engine.weight_version, self.name) for _ in items]  # planted")},
+        "did not run with those weights",
+    ),
+    "skips environment steps": (
+        "static_split",
+        {"env_manager.py": ("            result = await episode.step(completion.tokens)",
+                            "            result = await episode.step(completion.tokens) if turn == 0 else StepResult([], 0.0, True)\n"
+                            "            from targets.api import StepResult  # noqa (planted)")},
+        "skipped environment steps",
+    ),
+    "reports its own metrics": (
+        "static_split",
+        {},
+        "names the harness metric 'rollout_throughput'",
+    ),
+    "imports harness internals": (
+        "static_split",
+        {"build.py": ("from targets.api import Runtime, Stack", "from targets.api import Runtime, Stack\nfrom targets.harness.trace import Trace  # noqa")},
+        "imports harness internals (targets.harness.trace)",
+    ),
+}
+EXTRA = {"reports its own metrics": {"report.py": "def report(trajectories, seconds):\n    return {'rollout_throughput': len(trajectories) / seconds}\n"}}
+
+
+@pytest.mark.parametrize("cheat", list(CHEATS))
+def test_planted_cheats_are_rejected_with_a_named_reason(tmp_path, fast_target, cheat):
+    controller, edits, reason = CHEATS[cheat]
+    code, output = _check(fast_target, _planted(tmp_path, fast_target, controller, edits, EXTRA.get(cheat, {})))
+    assert code == 1, output
+    assert reason in output, output
+
+
+def test_a_crashing_candidate_fails_cleanly_with_its_cause(tmp_path, fast_target):
+    stack = _planted(tmp_path, fast_target, "static_split",
+                     {"build.py": ("    params = json.loads(", "    raise RuntimeError('planted crash in build')\n    params = json.loads(")})
+    code, output = _check(fast_target, stack)
+    assert code == 1 and "planted crash in build" in output, output
+
+
+def test_a_hanging_candidate_is_killed_at_its_time_limit(tmp_path, fast_target):
+    stack = _planted(tmp_path, fast_target, "static_split",
+                     {"static_split.py": ("        for _ in range(steps):", "        await cluster.sleep(10_000)  # planted hang\n        for _ in range(steps):")})
+    code, output = _check(fast_target, stack, time_limit=40)
+    assert code == 1 and "exceeded its time limit of 40s" in output, output
+
+
+def test_bench_prints_ratios_and_writes_json_and_timeline(tmp_path, fast_target):
+    result = runner.invoke(app, ["bench", str(fast_target), "--baselines", "static_split,time_multiplex", "--repeat", "1",
+                                 "--json", str(tmp_path / "b.json"), "--timeline", str(tmp_path / "t.png")], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "ratio to static_split" in result.output and "1.00x" in result.output
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert [r["name"] for r in data["runs"]] == ["static_split", "time_multiplex"]
+    for run in data["runs"]:
+        metrics = run["metrics"]
+        assert metrics["rollout_throughput"] > 0 and metrics["tokens_per_s"] > 0 and metrics["step_time_s"] > 0
+        assert set(metrics["device_utilization"]) == {"cpu:0", "cpu:1"} and len(run["repeats"]) == 1
+    assert (tmp_path / "t.png").stat().st_size > 10_000

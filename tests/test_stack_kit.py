@@ -75,8 +75,8 @@ CHEATS = {
     ),
     "exceeds the staleness bound": (
         "static_split",
-        {"static_split.py": ("buffer, manager = self._wire(cluster, envs, self.async_ratio)\n        outstanding = self.groups_per_step * (1 + self.async_ratio)",
-                             "buffer, manager = self._wire(cluster, envs, 99)\n        outstanding = self.groups_per_step * 4")},
+        {"static_split.py": ("buffer, manager = self._wire(cluster, envs, self.async_ratio)",
+                             "buffer, manager = self._wire(cluster, envs, 3)  # planted: samples up to 3 versions old")},
         "stale sample",
     ),
     "serves from stale weights": (

@@ -4,6 +4,7 @@ and group-relative advantages. The policies themselves (one file each) stay a sc
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 from targets.api import Cluster, Device, SamplingParams, TrainBatch, Trajectory
 
@@ -45,6 +46,16 @@ class ControllerBase:
     def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[GroupBuffer, EnvManager]:
         buffer = GroupBuffer(self.group_size, async_ratio, envs)
         return buffer, EnvManager(cluster, envs, buffer, self.sampling, self.max_sequence)
+
+    def _refill(self, buffer: GroupBuffer, manager: EnvManager) -> Callable[[], None]:
+        """Keep ``groups_per_step * (1 + async_ratio)`` groups in flight or waiting: sampling may run
+        that far ahead of training, and no further (the staleness bound would drop the excess)."""
+        outstanding = self.groups_per_step * (1 + buffer.async_ratio)
+
+        def refill() -> None:
+            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups))
+
+        return refill
 
     async def _finish(self, buffer: GroupBuffer, manager: EnvManager) -> None:
         """Hand back every episode not trained on: in flight or waiting in the buffer."""

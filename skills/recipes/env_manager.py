@@ -55,12 +55,7 @@ class EnvManager:
             request = GenerateRequest(episode.episode_id, turn, list(t.tokens), self.sampling)
             completion = await self._generate(request)
             result = await episode.step(completion.tokens)
-            t.tokens += completion.tokens + result.observation
-            t.loss_mask += [1] * len(completion.tokens) + [0] * len(result.observation)
-            t.logprobs += completion.logprobs + [0.0] * len(result.observation)
-            t.weight_versions.append(completion.weight_version)
-            t.reward += result.reward
-            t.timed_out = t.timed_out or result.timed_out
+            t.append_turn(completion, result)
             turn += 1
             if result.done:
                 self.buffer.put(t)

@@ -20,11 +20,7 @@ class TimeMultiplex(ControllerBase):
         rollout, train = self.placement(cluster.devices)
         sampling_only = [d for d in rollout if d not in train]
         buffer, manager = self._wire(cluster, envs, self.async_ratio)
-        outstanding = self.groups_per_step * (1 + self.async_ratio)
-
-        def refill() -> None:
-            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups))
-
+        refill = self._refill(buffer, manager)
         for _ in range(steps):
             batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
             await cluster.shrink(train)

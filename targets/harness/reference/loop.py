@@ -66,13 +66,7 @@ async def rollout_lockstep(
         results = await asyncio.gather(*(episodes[i].step(c.tokens) for i, c in zip(active, completions)))
         still_active = []
         for i, completion, result in zip(active, completions, results):
-            t = built[i]
-            t.tokens += completion.tokens + result.observation
-            t.loss_mask += [1] * len(completion.tokens) + [0] * len(result.observation)
-            t.logprobs += completion.logprobs + [0.0] * len(result.observation)
-            t.weight_versions.append(completion.weight_version)
-            t.reward += result.reward
-            t.timed_out = t.timed_out or result.timed_out
+            built[i].append_turn(completion, result)
             if not result.done:
                 still_active.append(i)
         active = still_active

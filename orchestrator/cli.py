@@ -205,7 +205,7 @@ def bench(
         console.print(f"results: {json_path}")
     if timeline:
         devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
-        titles = [(f"{r.name}: {r.median('rollout_throughput'):.1f} traj/s", r.events, devices) for r in runs]
+        titles = [(f"{r.name} (median repeat): {r.median('rollout_throughput'):.1f} traj/s", r.median_events, devices) for r in runs]
         plot_timelines(titles, timeline)
         console.print(f"timeline: {timeline}")
 

@@ -22,7 +22,13 @@ SUMMARIZED = ("rollout_throughput", "tokens_per_s", "step_time_s", "timeout_rati
 class BenchRun:
     name: str
     repeats: list[dict] = field(default_factory=list)
-    events: list[TraceEvent] = field(default_factory=list)  # of the first repeat, for the timeline
+    traces: list[list[TraceEvent]] = field(default_factory=list)  # one per repeat
+
+    @property
+    def median_events(self) -> list[TraceEvent]:
+        """The trace of the repeat whose rollout throughput is the median: what a timeline shows."""
+        order = sorted(range(len(self.repeats)), key=lambda i: self.repeats[i]["rollout_throughput"])
+        return self.traces[order[(len(order) - 1) // 2]]
 
     def median(self, metric: str) -> float:
         return statistics.median(r[metric] for r in self.repeats)
@@ -58,8 +64,7 @@ def benchmark(
                 raise BenchmarkFailed(f"{name} (repeat {i}): {result.cause}")
             events = Trace.load_events(result.out / "trace.jsonl")
             run.repeats.append(compute_metrics(events, devices) | {"peak_process_memory_mb": result.result["peak_process_memory_mb"]})
-            if i == 0:
-                run.events = events
+            run.traces.append(events)
             on_run(name, i)
         runs.append(run)
     return runs

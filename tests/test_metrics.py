@@ -1,0 +1,49 @@
+"""Benchmark metrics on a hand-built trace: throughput is environment-observed, each moment of a
+device is counted once under the highest-priority activity, and the timeline shows the median repeat."""
+
+from __future__ import annotations
+
+import pytest
+
+from targets.api import TraceEvent
+from targets.harness.benchmark import BenchRun
+from targets.harness.metrics import compute_metrics
+
+
+def _event(kind, t, **data):
+    return TraceEvent(kind, t, data)
+
+
+def _trace():
+    return [
+        _event("run_start", 10.0),
+        _event("generate", 12.0, start=10.0, aborted=False, device="d0"),  # rollout 0-2 on d0
+        _event("generate", 13.0, start=11.0, aborted=False, device="d0"),  # overlaps: 0-3 in all
+        _event("generate", 11.5, start=11.0, aborted=True),  # aborted: no device time
+        _event("shrink", 12.5, start=12.0, devices=["d1"]),  # switching 2-2.5 on d1
+        _event("train", 16.0, start=12.5, devices=["d1"], version=1, policy_version=0, trajectories=[]),
+        _event("generate", 15.0, start=13.0, aborted=False, device="d1"),  # hidden under train on d1
+        _event("env_step", 12.0, action=[1, 2, 3], done=False, timed_out=False),
+        _event("env_step", 14.0, action=[4, 5], done=True, timed_out=False),
+        _event("env_step", 19.0, action=[6], done=True, timed_out=True),
+        _event("run_end", 20.0),
+    ]
+
+
+def test_metrics_from_a_hand_built_trace():
+    m = compute_metrics(_trace(), ["d0", "d1"])
+    assert m["duration_s"] == 10.0
+    assert m["rollout_throughput"] == pytest.approx(0.2)  # two episodes finished in 10 s
+    assert m["tokens_per_s"] == pytest.approx(0.6)
+    assert m["timeout_ratio"] == pytest.approx(0.5)
+    assert m["step_time_s"] == 10.0 and m["aborted_turns"] == 1
+    d0, d1 = m["device_utilization"]["d0"], m["device_utilization"]["d1"]
+    assert d0["rollout"] == pytest.approx(0.3) and d0["idle"] == pytest.approx(0.7)
+    assert d1["switching"] == pytest.approx(0.05) and d1["train"] == pytest.approx(0.35)
+    assert d1["rollout"] == pytest.approx(0.0)  # its generate lay entirely under training
+    assert m["mean_device_busy"] == pytest.approx((0.3 + 0.4) / 2)
+
+
+def test_timeline_shows_the_median_repeat():
+    run = BenchRun("x", [{"rollout_throughput": v} for v in (23.0, 40.0, 39.0)], [["slow"], ["fast"], ["median"]])
+    assert run.median_events == ["median"] and run.median("rollout_throughput") == 39.0

@@ -8,7 +8,9 @@ to the cap). Reward: ``in_range_credit / max_turns`` per guess inside the curren
 
 Why this shape (measured on tiny-qwen3-cpu, lr 3e-3, 40 GRPO steps): with a success-only reward,
 a range shown only once, or any digit of the response counting as the guess, the mean reward did
-not move; with all three fixed it rose from 0.03 to ~0.3 within 20 steps.
+not move; with all three fixed it rose from 0.03 to ~0.3 within 20 steps. Give it short responses
+(``tokens.response`` 4): the answer is one token, and with 16 the other 15 share its advantage and
+dilute the credit (measured: 0.16 -> 0.21 in 30 steps instead of a clear rise).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def validate_target(path: Path) -> None:
 def reference(
     target: str,
     steps: int = typer.Option(30, min=1, help="training steps"),
-    seed: int = typer.Option(0, help="seed for weights sampling and environments"),
+    seed: int = typer.Option(0, help="seed for sampling and environments (weights come from the spec)"),
 ) -> None:
     """Run the reference co-located synchronous GRPO loop and print the reward per step."""
     from targets.harness.reference.loop import run_reference  # heavy imports (torch) only here

@@ -3,7 +3,6 @@ the co-located loop really rolling out, training and learning."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest

@@ -40,3 +40,18 @@ def catalog_yaml():
     from targets.spec import CATALOG_DIR
 
     return yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text())
+
+
+@pytest.fixture(scope="session")
+def fast_target(tmp_path_factory):
+    """tiny-qwen3-cpu with a smaller batch and fewer steps: same mechanisms, shorter runs."""
+    import yaml
+
+    from targets.spec import CATALOG_DIR
+
+    data = yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text())
+    data["id"] = "tiny-qwen3-cpu-fast"
+    data["workload"].update(batch_size=16, train_steps=4)
+    path = tmp_path_factory.mktemp("target") / "fast.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path

@@ -19,19 +19,6 @@ pytestmark = pytest.mark.slow
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def fast_target(tmp_path_factory) -> Path:
-    """tiny-qwen3-cpu with a smaller batch and fewer steps: same mechanisms, shorter runs."""
-    from targets.spec import CATALOG_DIR
-
-    data = yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text())
-    data["id"] = "tiny-qwen3-cpu-fast"
-    data["workload"].update(batch_size=16, train_steps=4)
-    path = tmp_path_factory.mktemp("target") / "fast.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def _check(target: Path, stack: Path, time_limit: float = 300) -> tuple[int, str]:
     result = runner.invoke(app, ["check", str(target), "--stack", str(stack), "--time-limit", str(time_limit)],
                            env={"COLUMNS": "200"})

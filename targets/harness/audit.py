@@ -24,10 +24,19 @@ import torch
 
 from targets.api import StateDict, TraceEvent
 from targets.harness.accuracy import CheckResult
-from targets.harness.reference.engine import next_token_logits
 from targets.spec import TargetSpec
 
 MAX_REASONS_PER_KIND = 3
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Logprob of each generated token given everything before it: one causal forward per turn."""
+    if not tokens:
+        return []
+    sequence = torch.tensor([list(prompt) + list(tokens)])
+    logits = model(input_ids=sequence).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
 
 
 class _Reasons:
@@ -169,14 +178,12 @@ def audit_run(
                 r.add("replay", f"no weights recorded for version {version}")
                 continue
             models[version] = make_model(state)
-        sequence = list(g.data["prompt"])
-        for token, claimed in zip(g.data["tokens"], g.data["logprobs"]):
-            actual = float(next_token_logits(models[version], [sequence])[0].log_softmax(-1)[token])
+        actual_logprobs = teacher_forced_logprobs(models[version], g.data["prompt"], g.data["tokens"])
+        for actual, claimed in zip(actual_logprobs, g.data["logprobs"]):
             worst = max(worst, abs(actual - claimed))
             if abs(actual - claimed) > spec.accuracy.logprob_atol:
                 r.add("replay", f"episode {g.data['episode']} turn {g.data['turn']}: logprob {claimed:.4f} but the model under version {version} gives {actual:.4f}: it did not run with those weights")
                 break
-            sequence.append(token)
 
     # -- mechanism invariants -----------------------------------------------------------------------------
     serving = {g.data["device"] for gs in generated.values() for g in gs}

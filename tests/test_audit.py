@@ -1,0 +1,176 @@
+"""Every check of the system-run audit, planted one at a time into the trace of one honest run:
+the honest trace passes, and each edited trace is rejected with the reason that names the cheat.
+(tests/test_stack_kit.py plants the main cheats in real stacks end to end; this covers the rest.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from skills.starter import write_starter
+from targets.api import TraceEvent
+from targets.harness.audit import audit_run
+from targets.harness.candidate import run_candidate
+from targets.harness.model import load_model, model_dir
+from targets.harness.trace import Trace
+from targets.spec import parse_target
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def honest(fast_target, tmp_path_factory):
+    spec = parse_target(yaml.safe_load(fast_target.read_text()))
+    work = tmp_path_factory.mktemp("audit")
+    stack = write_starter(work / "stack", spec, "time_multiplex")
+    run = run_candidate(str(fast_target), stack, work / "out", "system", 300)
+    assert run.ok, run.cause
+    weights = {int(p.stem[1:]): load_file(p) for p in (run.out / "weights").glob("v*.safetensors")}
+    return spec, Trace.load_events(run.out / "trace.jsonl"), weights, load_model(model_dir(spec.model))
+
+
+def _audit(honest, events=None, weights=None, steps=None):
+    spec, honest_events, honest_weights, base = honest
+    weights = honest_weights if weights is None else weights
+
+    def make_model(state):
+        model = copy.deepcopy(base)
+        model.load_state_dict(state)
+        return model
+
+    return audit_run(spec, honest_events if events is None else events, weights.get, make_model,
+                     spec.workload.train_steps if steps is None else steps)
+
+
+def _edited(honest) -> list[TraceEvent]:
+    return copy.deepcopy(honest[1])
+
+
+def _first(events, kind):
+    return next(e for e in events if e.kind == kind)
+
+
+def _rejects(result, reason: str) -> None:
+    assert not result.passed
+    assert any(reason in r for r in result.reasons), result.reasons
+
+
+def test_the_honest_run_passes(honest):
+    result = _audit(honest)
+    assert result.passed, result.reasons
+    assert result.details["replayed_turns"] >= 4
+
+
+def test_trajectory_the_harness_never_created(honest):
+    events = _edited(honest)
+    _first(events, "train").data["trajectories"][0]["episode"] = "g999/e0"
+    _rejects(_audit(honest, events), "fabricated episode")
+
+
+def test_trajectory_used_twice(honest):
+    events = _edited(honest)
+    train = _first(events, "train")
+    train.data["trajectories"].append(copy.deepcopy(train.data["trajectories"][0]))
+    _rejects(_audit(honest, events), "used twice")
+
+
+def test_trained_and_dropped(honest):
+    events = _edited(honest)
+    episode = _first(events, "train").data["trajectories"][0]["episode"]
+    events.insert(-1, TraceEvent("sample_dropped", events[-1].t, {"episode": episode, "reason": "end_of_run"}))
+    _rejects(_audit(honest, events), "trained and dropped")
+
+
+def test_episode_neither_trained_nor_dropped(honest):
+    events = _edited(honest)
+    events = [e for e in events if not (e.kind == "sample_dropped")]
+    _rejects(_audit(honest, events), "lost: episode")
+
+
+@pytest.mark.parametrize("reason", ["end_of_run", "stale", "max_sequence"])
+def test_drop_reason_the_trace_does_not_confirm(honest, reason):
+    events = _edited(honest)
+    train = _first(events, "train")
+    first_step = _first(events, "env_step")
+    episode = first_step.data["episode"]
+    # move the episode out of training and drop it, early, claiming `reason`
+    for e in events:
+        if e.kind == "train":
+            e.data["trajectories"] = [t for t in e.data["trajectories"] if t["episode"] != episode]
+        if e.kind == "sample_dropped" and e.data["episode"] == episode:
+            e.data["episode"] = "ignored"
+    events.insert(events.index(train), TraceEvent("sample_dropped", train.t - 0.001, {"episode": episode, "reason": reason}))
+    _rejects(_audit(honest, events), "unjustified drop")
+
+
+def test_trained_tokens_differ_from_the_environment_record(honest):
+    events = _edited(honest)
+    trajectory = _first(events, "train").data["trajectories"][0]
+    trajectory["tokens"][-1] = (trajectory["tokens"][-1] + 1) % 60
+    _rejects(_audit(honest, events), "altered trajectory")
+
+
+def test_trained_reward_differs_from_what_the_environment_paid(honest):
+    events = _edited(honest)
+    _first(events, "train").data["trajectories"][0]["reward"] += 1.0
+    _rejects(_audit(honest, events), "altered reward")
+
+
+def test_action_not_produced_by_generate(honest):
+    events = _edited(honest)
+    step = _first(events, "env_step")
+    for e in events:
+        if e.kind == "generate" and not e.data["aborted"] and e.data["episode"] == step.data["episode"] and e.data["turn"] == 0:
+            e.data["tokens"] = [t + 1 for t in e.data["tokens"]]
+    _rejects(_audit(honest, events), "fabricated rollout")
+
+
+def test_behaviour_logprobs_altered(honest):
+    events = _edited(honest)
+    trajectory = _first(events, "train").data["trajectories"][0]
+    at = trajectory["loss_mask"].index(1)
+    trajectory["logprobs"][at] += 0.5
+    _rejects(_audit(honest, events), "altered logprobs")
+
+
+def test_turn_claiming_a_version_from_the_future(honest):
+    events = _edited(honest)
+    episode = _first(events, "train").data["trajectories"][0]["episode"]
+    for e in events:
+        if e.kind == "generate" and not e.data["aborted"] and e.data["episode"] == episode:
+            e.data["version"] = 3
+    _rejects(_audit(honest, events), "future version")
+
+
+def test_generation_under_weights_other_than_claimed(honest):
+    _, _, weights, _ = honest
+    swapped = {version: weights[max(weights)] for version in weights}  # every version's snapshot is the last
+    _rejects(_audit(honest, weights=swapped), "did not run with those weights")
+
+
+def test_training_that_never_changed_the_weights(honest):
+    _, _, weights, _ = honest
+    frozen = {version: weights[0] for version in weights}
+    _rejects(_audit(honest, weights=frozen), "training did not change the weights")
+
+
+def test_fewer_steps_than_requested(honest):
+    _rejects(_audit(honest, steps=honest[0].workload.train_steps + 2), "training steps")
+
+
+def test_request_served_by_a_shrunk_engine(honest):
+    events = _edited(honest)
+    served = [e for e in events if e.kind == "generate" and not e.data["aborted"] and e.data["device"] == "cpu:0"]
+    late = served[len(served) // 2]
+    events.insert(events.index(late), TraceEvent("shrink", late.data["start"] - 0.002, {"start": late.data["start"] - 0.003, "devices": ["cpu:0"]}))
+    _rejects(_audit(honest, events), "served while shrunk")
+
+
+def test_no_active_engine_left(honest):
+    events = _edited(honest)
+    shrink = _first(events, "shrink")
+    shrink.data["devices"] = ["cpu:0", "cpu:1"]
+    _rejects(_audit(honest, events), "no rollout engine was active")

@@ -109,6 +109,24 @@ def reference(
     console.print(f"mean reward, first {window} steps: {first:.3f}; last {window} steps: {last:.3f}")
 
 
+@app.command("starter")
+def starter(
+    target: str,
+    out: Path = typer.Option(..., help="directory to create (holds stack/ and DESIGN.md)"),
+    controller: str = typer.Option("time_multiplex", help="colocate | static_split | time_multiplex"),
+) -> None:
+    """Write a starter candidate stack for TARGET (the recipes, wired for one controller)."""
+    from skills.starter import write_starter
+
+    spec = _load(target)
+    try:
+        write_starter(out, spec, controller)
+    except (ValueError, FileExistsError) as error:
+        errors.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+    console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")
+
+
 def _print_checks(results) -> bool:
     table = Table(title="checks")
     for column in ("check", "verdict", "reasons"):

@@ -153,3 +153,13 @@ def test_cli_show_prints_resolved_hardware():
 def test_cli_reference_refuses_a_simulated_target():
     result = runner.invoke(app, ["reference", "qwen3-235b-a22b-h800x160", "--steps", "1"])
     assert result.exit_code == 2 and "simulated-only" in result.output
+
+
+def test_cli_starter_writes_a_candidate_and_refuses_bad_input(tmp_path):
+    result = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "c"), "--controller", "static_split"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "c" / "stack" / "params.json").exists() and (tmp_path / "c" / "DESIGN.md").exists()
+    again = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "c")])
+    assert again.exit_code == 2 and "already exists" in again.output
+    unknown = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "d"), "--controller", "round_robin"])
+    assert unknown.exit_code == 2 and "unknown controller 'round_robin'" in unknown.output

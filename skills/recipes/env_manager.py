@@ -20,7 +20,6 @@ class EnvManager:
         self.cluster, self.envs, self.buffer = cluster, envs, buffer
         self.sampling, self.max_sequence = sampling, max_sequence
         self.groups_in_flight = 0
-        self.retries = 0
         self._tasks: dict[asyncio.Task, str] = {}  # running episode coroutines -> episode id
         self._failure: BaseException | None = None
 
@@ -69,7 +68,7 @@ class EnvManager:
             try:
                 return await self.cluster.generate(request)
             except Aborted:
-                self.retries += 1
+                continue  # the cluster routes the retry to a still-active engine
 
     async def cancel_all(self) -> None:
         """End of run: stop every episode still in flight and hand it back (reason ``end_of_run``)."""

@@ -81,7 +81,7 @@ def test_synthetic_agent_scores_repetition(catalog_yaml):
     env = {"name": "synthetic_agent", "params": {"alphabet": 4, "symbols_per_turn": 2, "partial_credit": 0.25}}
     pool, _, _ = _pool(catalog_yaml, env, {"max": 6, "dist": {"kind": "fixed", "value": 3}})
     perfect, sloppy = pool.new_group()[:2]
-    assert perfect.task == sloppy.task  # a GRPO group shares its task
+    assert [perfect.symbols(i) for i in range(6)] == [sloppy.symbols(i) for i in range(6)]  # a group shares its task
     shown = _words(_run(perfect.reset())).split()
     _run(sloppy.reset())
     total = 0.0
@@ -138,3 +138,16 @@ def test_latency_and_turn_distributions_are_long_tailed():
     assert median == pytest.approx(0.02, rel=0.1) and p99 / median > 7
     turns = [Geometric(kind="geometric", mean=3).sample(rng) for _ in range(4000)]
     assert statistics.mean(turns) == pytest.approx(3, rel=0.1) and max(turns) >= 15
+
+
+def test_an_episode_ends_when_its_context_window_is_full(catalog_yaml):
+    """prompt 12 + 3 turns of (16 response + 8 observation) = 84 tokens; with max_sequence 90 the
+    fourth turn's response no longer fits, so the third step ends the episode (truncated)."""
+    catalog_yaml["workload"]["tokens"].update(max_sequence=90)
+    pool, trace, _ = _pool(catalog_yaml, {"name": "synthetic_agent"}, {"max": 8, "dist": {"kind": "fixed", "value": 8}})
+    episode = pool.new_group()[0]
+    _run(episode.reset())
+    results = [_run(episode.step([5] * 16)) for _ in range(3)]
+    assert [r.done for r in results] == [False, False, True] and results[-1].observation == []
+    assert [e.data["truncated"] for e in trace.of_kind("env_step")] == [False, False, True]
+    assert episode.context_tokens + 16 > 90 >= episode.context_tokens

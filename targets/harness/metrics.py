@@ -9,17 +9,20 @@ from __future__ import annotations
 from collections import defaultdict
 
 from targets.api import TraceEvent
+from targets.harness.trace import token_count
 
 ACTIVITIES = ("switching", "train", "sync", "rollout")  # priority when intervals overlap
 
 
 def device_intervals(events: list[TraceEvent]) -> dict[str, dict[str, list[tuple[float, float]]]]:
     """device -> activity -> [(start, end)] relative to the run start."""
-    start = next(e.t for e in events if e.kind == "run_start")
+    run_start = next(e for e in events if e.kind == "run_start")
+    start, engines = run_start.t, run_start.data.get("engines", {})
     out: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for e in events:
         if e.kind == "generate" and not e.data["aborted"]:
-            out[e.data["device"]]["rollout"].append((e.data["start"] - start, e.t - start))
+            for device in engines.get(e.data["device"], [e.data["device"]]):  # an engine spans its devices
+                out[device]["rollout"].append((e.data["start"] - start, e.t - start))
         elif e.kind in ("train", "sync", "shrink", "expand"):
             activity = {"train": "train", "sync": "sync"}.get(e.kind, "switching")
             for device in e.data["devices"]:
@@ -81,7 +84,7 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
     return {
         "duration_s": duration,
         "rollout_throughput": len(done) / duration,
-        "tokens_per_s": sum(len(e.data["action"]) for e in steps) / duration,
+        "tokens_per_s": sum(token_count(e.data["action"]) for e in steps) / duration,
         "step_time_s": duration / len(trains) if trains else float("inf"),
         "timeout_ratio": sum(e.data["timed_out"] for e in done) / len(done) if done else 0.0,
         "trajectories": len(done),

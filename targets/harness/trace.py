@@ -1,22 +1,34 @@
 """The harness trace: an append-only list of ``TraceEvent`` stamped by the harness clock.
 
-The audit and the benchmark read only this, never a candidate's own report.
+The audit and the benchmark read only this, never a candidate's own report. A simulated run of a
+production workload moves billions of tokens, so its trace keeps token *counts* instead of token
+lists (``record_tokens=False``); everything that reads token payloads goes through ``token_count``.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from targets.api import EventKind, TraceEvent
 from targets.harness.clock import Clock
 
 
+def token_count(payload: list | int) -> int:
+    """How many tokens a recorded payload holds, whether the trace kept the list or its length."""
+    return payload if isinstance(payload, int) else len(payload)
+
+
 class Trace:
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, record_tokens: bool = True) -> None:
         self.clock = clock
+        self.record_tokens = record_tokens
         self._events: list[TraceEvent] = []
+
+    def tokens(self, payload: Sequence) -> list | int:
+        """What to record for a token (or logprob) sequence: a copy, or only its length."""
+        return list(payload) if self.record_tokens else len(payload)
 
     def record(self, kind: EventKind, **data: Any) -> TraceEvent:
         event = TraceEvent(kind=kind, t=self.clock.now(), data=data)

@@ -8,7 +8,7 @@ could game — the clock, the latency, the reward bookkeeping, the record — li
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -16,6 +16,22 @@ from targets.api import StepResult, TokenIds
 from targets.harness.clock import Clock
 from targets.harness.tokenizer import CTX, VOCAB
 from targets.harness.trace import Trace
+
+class ActionWords(Sequence[str]):
+    """An action's words, decoded on access: an environment reads a few words of what may be a
+    response of hundreds of tokens, and decoding all of them would dominate a simulated run."""
+
+    def __init__(self, tokens: TokenIds) -> None:
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [VOCAB.word(t) for t in self._tokens[index]]
+        return VOCAB.word(self._tokens[index])
+
 
 if TYPE_CHECKING:
     from targets.spec import WorkloadSpec
@@ -54,6 +70,7 @@ class Episode:
             drawn = int(round(workload.turns.dist.sample(self.rng)))
             self.max_turns = max(1, min(self.max_turns, drawn))
         self.turn = 0
+        self.context_tokens = 0  # prompt + actions + observations so far
         self.started_at: float | None = None
         self.done = False
         self.total_reward = 0.0
@@ -65,7 +82,7 @@ class Episode:
     def first_observation(self) -> str:
         raise NotImplementedError
 
-    def respond(self, action_words: list[str]) -> tuple[str, float, bool]:
+    def respond(self, action_words: Sequence[str]) -> tuple[str, float, bool]:
         """Answer one action: (observation text, reward, done)."""
         raise NotImplementedError
 
@@ -75,8 +92,9 @@ class Episode:
             raise RuntimeError(f"episode {self.episode_id} was reset twice")
         self.started_at = self.clock.now()
         prompt = self._padded(self.first_observation(), self.workload.tokens.prompt)
+        self.context_tokens = len(prompt)
         self.trace.record(
-            "env_reset", episode=self.episode_id, group=self.group_id, observation=prompt
+            "env_reset", episode=self.episode_id, group=self.group_id, observation=self.trace.tokens(prompt)
         )
         return prompt
 
@@ -92,21 +110,28 @@ class Episode:
         if timed_out:
             text, reward, done = "timeout", 0.0, True
         else:
-            text, reward, done = self.respond([VOCAB.word(t) for t in action])
+            text, reward, done = self.respond(ActionWords(action))
             done = done or self.turn >= self.max_turns
+        observation = [] if done else self._padded(text, self.workload.tokens.observation)
+        self.context_tokens += len(action) + len(observation)
+        tokens = self.workload.tokens
+        truncated = not done and self.context_tokens + tokens.response > tokens.max_sequence
+        if truncated:  # the context window is full: the episode ends here, as a real agent's would
+            self.context_tokens -= len(observation)
+            observation, done = [], True
         self.done = done
         self.total_reward += reward
-        observation = [] if done else self._padded(text, self.workload.tokens.observation)
         self.trace.record(
             "env_step",
             episode=self.episode_id,
             group=self.group_id,
             turn=self.turn,
-            action=list(action),
-            observation=observation,
+            action=self.trace.tokens(action),
+            observation=self.trace.tokens(observation),
             reward=reward,
             done=done,
             timed_out=timed_out,
+            truncated=truncated,
             latency=latency,
         )
         return StepResult(observation=observation, reward=reward, done=done, timed_out=timed_out)

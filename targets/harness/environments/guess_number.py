@@ -16,6 +16,7 @@ dilute the credit (measured: 0.16 -> 0.21 in 30 steps instead of a clear rise).
 from __future__ import annotations
 
 import random
+from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,7 +48,7 @@ class GuessNumber(Episode):
         _, self.low, self.high = self.task
         return f"guess number between {self.low} and {self.high} {ACT}"
 
-    def respond(self, action_words: list[str]) -> tuple[str, float, bool]:
+    def respond(self, action_words: Sequence[str]) -> tuple[str, float, bool]:
         secret = self.task[0]
         first = action_words[0] if action_words else None
         guess = int(first) if first in DIGITS else None  # the answer is the response's first token

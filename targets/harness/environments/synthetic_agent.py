@@ -9,6 +9,7 @@ episode's reward is the mean turn score, paid out per step.
 from __future__ import annotations
 
 import random
+from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,20 +30,25 @@ class SyntheticAgent(Episode):
     draws_turns = True
 
     def make_task(self, rng: random.Random) -> list[list[str]]:
+        """The symbols of each turn, drawn as turns are reached (episodes of a group share the seed,
+        so they see the same symbols; most episodes end long before ``turns.max``)."""
+        self._task_rng = rng
+        return []
+
+    def symbols(self, turn: int) -> list[str]:
         letters = LETTERS[: self.params.alphabet]
-        return [
-            [rng.choice(letters) for _ in range(self.params.symbols_per_turn)]
-            for _ in range(self.workload.turns.max)
-        ]
+        while len(self.task) <= turn:
+            self.task.append([self._task_rng.choice(letters) for _ in range(self.params.symbols_per_turn)])
+        return self.task[turn]
 
     def _show(self, turn: int) -> str:
-        return f"repeat {' '.join(self.task[turn])} {ACT}"
+        return f"repeat {' '.join(self.symbols(turn))} {ACT}"
 
     def first_observation(self) -> str:
         return self._show(0)
 
-    def respond(self, action_words: list[str]) -> tuple[str, float, bool]:
-        wanted = self.task[self.turn - 1]
+    def respond(self, action_words: Sequence[str]) -> tuple[str, float, bool]:
+        wanted = self.symbols(self.turn - 1)
         alphabet = set(LETTERS[: self.params.alphabet])
         score = 0.0
         for i, symbol in enumerate(wanted):

@@ -291,7 +291,14 @@ class Cluster(Protocol):
 
 @runtime_checkable
 class Controller(Protocol):
-    """The scheduling policy: run ``steps`` training steps on ``cluster`` with episodes from ``envs``."""
+    """The scheduling policy: run ``steps`` training steps on ``cluster`` with episodes from ``envs``.
+
+    ``placement`` says where engines and trainer ranks live, so any cluster (the candidate's on Ray,
+    or the harness's simulator) starts them in the right places before ``run``."""
+
+    def placement(self, devices: list[Device]) -> tuple[list[Device], list[Device]]:
+        """(devices that host a rollout engine, devices that host a trainer rank)."""
+        ...
 
     async def run(self, cluster: Cluster, envs: EnvSource, steps: int) -> None: ...
 

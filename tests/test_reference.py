@@ -72,6 +72,8 @@ def test_reference_loop_learns_each_environment(catalog_yaml, environment):
     """Each environment's reward is learnable by the tiny model within tens of GRPO steps."""
     from targets.spec import parse_target
 
+    # Learnability, not latency, is under test: lockstep turns would wait on the slowest tool call.
+    catalog_yaml["workload"]["env_latency_s"] = {"kind": "fixed", "value": 0.0}
     if environment == "guess_number":  # a one-token answer: long responses dilute its credit
         catalog_yaml["workload"].update(environment={"name": "guess_number"}, turns={"max": 8})
         catalog_yaml["workload"]["tokens"].update(response=4, max_sequence=128)

@@ -1,5 +1,9 @@
 """``vibetrain check``: every deterministic gate on one candidate directory, in order —
-integrity scan, accuracy checks 1-3 (child process), a system run (child process) and its audit."""
+integrity scan, then (one child process) accuracy checks 1-3 and a system run, then its audit.
+
+A candidate that fails the integrity scan is not executed at all: code that imports harness
+internals or reports its own metrics has already failed, and running it would only give it a
+chance to do more."""
 
 from __future__ import annotations
 
@@ -20,14 +24,16 @@ from targets.spec import TargetSpec
 
 def audit_directory(spec: TargetSpec, out: Path, steps: int) -> CheckResult:
     events = Trace.load_events(out / "trace.jsonl")
-    base = load_model(model_dir(spec.model), spec.model.dtype)
+    base: list = []  # loaded on the first replay only (a simulated run replays nothing)
 
     def load_weights(version: int):
         path = out / "weights" / f"v{version}.safetensors"
         return load_file(path) if path.exists() else None
 
     def make_model(state):
-        model = copy.deepcopy(base)
+        if not base:
+            base.append(load_model(model_dir(spec.model), spec.model.dtype))
+        model = copy.deepcopy(base[0])
         model.load_state_dict(state)
         return model
 
@@ -36,12 +42,15 @@ def audit_directory(spec: TargetSpec, out: Path, steps: int) -> CheckResult:
 
 def check_candidate(target: str, spec: TargetSpec, stack_dir: Path, time_limit_s: float, out: Path | None = None) -> list[CheckResult]:
     out = out or Path(tempfile.mkdtemp(prefix="vibetrain-check-"))
-    results = [scan_stack(stack_dir)]
-    accuracy = run_candidate(target, stack_dir, out, "accuracy", time_limit_s)
-    if not accuracy.ok:
-        return results + [CheckResult("accuracy", False, [accuracy.cause], {})]
-    results += [CheckResult(c["name"], c["passed"], c["reasons"], c["details"]) for c in accuracy.result["checks"]]
-    system = run_candidate(target, stack_dir, out, "system", time_limit_s)
-    if not system.ok:
-        return results + [CheckResult("system_run", False, [system.cause], {})]
+    integrity = scan_stack(stack_dir)
+    if not integrity.passed:
+        return [integrity, CheckResult("not_run", False, ["the candidate was not executed: it failed the integrity scan"], {})]
+    results = [integrity]
+    run = run_candidate(target, stack_dir, out, "check", time_limit_s)
+    accuracy = run.results.get("accuracy", {})
+    if accuracy.get("status") != "ok":
+        return results + [CheckResult("accuracy", False, [run.cause], {})]
+    results += [CheckResult(c["name"], c["passed"], c["reasons"], c["details"]) for c in accuracy["checks"]]
+    if not run.ok:
+        return results + [CheckResult("system_run", False, [run.cause], {})]
     return results + [audit_directory(spec, out, spec.workload.train_steps)]

@@ -1,9 +1,11 @@
 """Runs one candidate in this (child) process: ``python -m targets.harness.runner ...``.
 
-``accuracy`` mode runs checks 1-3 on the stack's components; ``system`` mode starts Ray with one
+Two phases: ``accuracy`` runs checks 1-3 on the stack's components; ``system`` starts Ray with one
 custom resource per device, runs the controller for the target's steps and writes the harness
 trace (``trace.jsonl``) and the weights of every version (``weights/v<N>.safetensors``) to --out.
-``result.json`` says ``ok`` or carries the error; the exit code is non-zero on error.
+``--mode check`` runs both in this one process (one torch import and model load instead of two).
+Each phase writes ``<phase>.json`` saying ``ok`` or carrying the error; the exit code is non-zero
+on error, and a phase that errors ends the run.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import traceback
 from pathlib import Path
 
 from targets.api import Device, Runtime
+from targets.harness.candidate import PHASES
 from targets.harness.clock import WallClock
-from targets.harness.model import load_model, model_dir
+from targets.harness.model import load_model, model_dir, proxy_model
 from targets.harness.tokenizer import EOS, VOCAB
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec, load_target
@@ -29,9 +32,23 @@ from targets.spec import TargetSpec, load_target
 DEVICE_RESOURCE = "vt_device_"
 
 
+def execution_of(spec: TargetSpec) -> str:
+    """``real`` or ``simulated``; ``auto`` is real when this machine has the target's devices."""
+    if spec.execution != "auto":
+        return spec.execution
+    if spec.hardware.kind == "cpu":
+        return "real"
+    import torch
+
+    return "real" if torch.cuda.is_available() and torch.cuda.device_count() >= spec.hardware.count else "simulated"
+
+
 def runtime_for(spec: TargetSpec) -> Runtime:
+    """On a simulated target the components run (for accuracy checks 1-3) on a tiny model of the
+    same family: the checks prove the code right, and the target's own model may not fit here."""
     devices = [Device(f"{spec.hardware.kind}:{i}", spec.hardware.kind, i) for i in range(spec.hardware.count)]
-    return Runtime(str(model_dir(spec.model)), spec.model.dtype, devices, DEVICE_RESOURCE, (VOCAB.ids[EOS],))
+    model = spec.model if execution_of(spec) == "real" else proxy_model(spec.model)
+    return Runtime(str(model_dir(model)), model.dtype, devices, DEVICE_RESOURCE, (VOCAB.ids[EOS],))
 
 
 def import_stack(stack_dir: Path):
@@ -44,7 +61,7 @@ def run_accuracy(spec: TargetSpec, stack, runtime: Runtime) -> dict:
     from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync
 
     built = stack.build(spec, runtime)
-    reference = load_model(Path(runtime.model_path), spec.model.dtype)
+    reference = load_model(Path(runtime.model_path), runtime.dtype)
     results = [check_engine(built.make_engine(), reference, spec.accuracy)]
     results.append(check_trainer(built.make_trainer, reference, spec.workload.training.config(), spec.accuracy))
     engine = built.make_engine()
@@ -53,6 +70,10 @@ def run_accuracy(spec: TargetSpec, stack, runtime: Runtime) -> dict:
 
 
 def run_system_mode(spec: TargetSpec, stack, runtime: Runtime, out: Path, seed: int, steps: int) -> dict:
+    if execution_of(spec) == "simulated":
+        from targets.harness.sim.run import run_simulated_mode
+
+        return run_simulated_mode(spec, stack, runtime, out, seed, steps)
     import ray
     from safetensors.torch import save_file
 
@@ -63,7 +84,7 @@ def run_system_mode(spec: TargetSpec, stack, runtime: Runtime, out: Path, seed: 
         include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"), configure_logging=False,
     )
     trace = Trace(WallClock())
-    weights = {0: {k: v.detach().clone() for k, v in load_model(Path(runtime.model_path), spec.model.dtype).state_dict().items()}}
+    weights = {0: {k: v.detach().clone() for k, v in load_model(Path(runtime.model_path), runtime.dtype).state_dict().items()}}
     try:
         asyncio.run(run_system(spec, stack.build(spec, runtime), steps, seed, trace, weights))
     finally:
@@ -82,26 +103,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True)
     parser.add_argument("--stack", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--mode", choices=["accuracy", "system"], required=True)
+    parser.add_argument("--mode", choices=sorted(PHASES), required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--execution", choices=["real", "simulated"], default=None, help="override the spec's execution")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    result_path = args.out / f"{args.mode}.json"
-    try:
-        spec = load_target(args.target)
-        stack = import_stack(args.stack.resolve())
-        runtime = runtime_for(spec)
-        if args.mode == "accuracy":
-            result = run_accuracy(spec, stack, runtime)
-        else:
-            result = run_system_mode(spec, stack, runtime, args.out, args.seed, args.steps or spec.workload.train_steps)
-        result_path.write_text(json.dumps({"status": "ok", **result}, indent=1))
-        return 0
-    except Exception as error:  # the parent reports it; nothing is swallowed
-        result_path.write_text(json.dumps({"status": "error", "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}))
-        traceback.print_exc()
-        return 1
+    loaded = None
+    for phase in PHASES[args.mode]:
+        result_path = args.out / f"{phase}.json"
+        try:
+            if loaded is None:
+                spec = load_target(args.target)
+                if args.execution:
+                    spec = spec.model_copy(update={"execution": args.execution})
+                loaded = (spec, import_stack(args.stack.resolve()), runtime_for(spec))
+            spec, stack, runtime = loaded
+            if phase == "accuracy":
+                result = run_accuracy(spec, stack, runtime)
+            else:
+                result = run_system_mode(spec, stack, runtime, args.out, args.seed, args.steps or spec.workload.train_steps)
+            result_path.write_text(json.dumps({"status": "ok", **result}, indent=1))
+        except Exception as error:  # the parent reports it; nothing is swallowed
+            result_path.write_text(json.dumps({"status": "error", "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}))
+            traceback.print_exc()
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

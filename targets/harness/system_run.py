@@ -34,10 +34,11 @@ class TracedCluster:
         except Aborted:
             self.trace.record("generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True)
             raise
+        tokens = self.trace.tokens
         self.trace.record(
             "generate", episode=request.episode_id, turn=request.turn, start=start, aborted=False,
-            device=completion.device, prompt=list(request.prompt), tokens=list(completion.tokens),
-            logprobs=list(completion.logprobs), version=completion.weight_version, finish=completion.finish_reason,
+            device=completion.device, prompt=tokens(request.prompt), tokens=tokens(completion.tokens),
+            logprobs=tokens(completion.logprobs), version=completion.weight_version, finish=completion.finish_reason,
         )
         return completion
 
@@ -61,8 +62,8 @@ class TracedCluster:
         self.trace.record(
             "train", start=start, devices=[d.id for d in devices], version=version, policy_version=self.policy_version,
             trajectories=[
-                {"episode": t.episode_id, "group": t.group_id, "tokens": t.tokens, "loss_mask": t.loss_mask,
-                 "logprobs": t.logprobs, "reward": t.reward}
+                {"episode": t.episode_id, "group": t.group_id, "tokens": self.trace.tokens(t.tokens),
+                 "loss_mask": self.trace.tokens(t.loss_mask), "logprobs": self.trace.tokens(t.logprobs), "reward": t.reward}
                 for t in batch.trajectories
             ],
         )
@@ -85,15 +86,25 @@ class TracedCluster:
         raise PermissionError("the harness closes the cluster")
 
 
-async def run_system(spec: TargetSpec, stack: Stack, steps: int, seed: int, trace: Trace, weights: dict[int, StateDict]) -> None:
-    if stack.make_cluster is None:
-        raise ValueError("this stack has no real cluster (make_cluster is None)")
-    cluster = await stack.make_cluster()
+async def drive(spec: TargetSpec, controller, cluster: Cluster, steps: int, seed: int, trace: Trace,
+                weights: dict[int, StateDict], engines: dict[str, list[str]] | None = None) -> None:
+    """Run ``controller`` on ``cluster`` through the harness proxy, with harness environments.
+
+    ``engines`` (harness-known, never the candidate's word) maps a completion's ``device`` to every
+    device its engine spans, for clusters whose engines are wider than one device."""
     traced = TracedCluster(cluster, trace, weights)
     envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed)
-    trace.record("run_start", devices=[d.id for d in cluster.devices], steps=steps)
+    trace.record("run_start", devices=[d.id for d in cluster.devices], steps=steps,
+                 tokens_recorded=trace.record_tokens, engines=engines or {})
     try:
-        await stack.controller.run(traced, envs, steps)
+        await controller.run(traced, envs, steps)
     finally:
         trace.record("run_end")
         await cluster.close()
+
+
+async def run_system(spec: TargetSpec, stack: Stack, steps: int, seed: int, trace: Trace, weights: dict[int, StateDict]) -> None:
+    """A real run: the candidate's own cluster (``stack.make_cluster``)."""
+    if stack.make_cluster is None:
+        raise ValueError("this stack has no real cluster (make_cluster is None)")
+    await drive(spec, stack.controller, await stack.make_cluster(), steps, seed, trace, weights)

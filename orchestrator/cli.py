@@ -159,6 +159,43 @@ def check(
     raise typer.Exit(0 if passed else 1)
 
 
+def _num(value: float) -> str:
+    """Three significant figures without exponents (0.721, 42.5, 2523)."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
+    first = runs[0]
+    clock = "simulated seconds" if simulated else "wall seconds"
+    table = Table(title=f"{spec.id}: median of {repeat} (±max-min), {clock}", box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.add_column("schedule", no_wrap=True)
+    for column in ("traj/s", "ratio", "tok/s", "step s", "LB", "timeouts", "busy"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for run in runs:
+        m = run.median
+        table.add_row(
+            run.name, f"{_num(m('rollout_throughput'))}±{_num(run.spread('rollout_throughput'))}",
+            f"{m('rollout_throughput') / first.median('rollout_throughput'):.2f}x", _num(m("tokens_per_s")),
+            _num(m("step_time_s")), f"{m('lower_bound_fraction'):.0%}", f"{m('timeout_ratio'):.0%}", f"{m('mean_device_busy'):.0%}",
+        )
+    table.caption = f"ratio: rollout throughput over {first.name}'s; LB: the step's fluid lower bound over its step time"
+    return table
+
+
+def _costs_table(runs, simulated: bool) -> Table:
+    memory = ("peak KV", "peak_kv_fraction", "{:.0%}") if simulated else ("peak MB", "peak_process_memory_mb", "{:.0f}")
+    costs = Table(title=f"mechanism costs (median seconds per event; {memory[0]})", box=box.SIMPLE_HEAD)
+    costs.add_column("schedule", no_wrap=True)
+    for column in ("shrink", "expand", "sync", "train", "aborted turns", memory[0]):
+        costs.add_column(column, justify="right", no_wrap=True)
+    for run in runs:
+        m = run.median
+        peak = memory[2].format(m(memory[1])) if run.has(memory[1]) else "-"
+        costs.add_row(run.name, f"{m('shrink_s'):.3f}", f"{m('expand_s'):.3f}", f"{m('sync_s'):.3f}", f"{m('train_s'):.3f}",
+                      f"{m('aborted_turns'):.0f}", peak)
+    return costs
+
+
 @app.command("bench")
 def bench(
     target: str,
@@ -168,6 +205,7 @@ def bench(
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     timeline: Path = typer.Option(None, help="write the per-device timeline PNG here"),
     time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+    simulate: bool = typer.Option(False, "--simulate", help="run on the cluster simulator even if the target runs for real here"),
 ) -> None:
     """Benchmark baselines and candidates side by side; ratios are to the first run listed."""
     import json
@@ -177,7 +215,10 @@ def bench(
     from targets.harness.benchmark import BenchmarkFailed, benchmark
     from targets.harness.timeline import plot_timelines
 
+    from targets.harness.runner import execution_of
+
     spec = _load(target)
+    simulated = simulate or execution_of(spec) == "simulated"
     work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
     stacks: list[tuple[str, Path]] = []
     for name in [b.strip() for b in baselines.split(",") if b.strip()]:
@@ -194,30 +235,13 @@ def bench(
     with progress:
         task = progress.add_task("", total=len(stacks) * repeat)
         try:
-            runs = benchmark(target, spec, stacks, repeat, work / "runs", time_limit,
+            runs = benchmark(target, spec, stacks, repeat, work / "runs", time_limit, simulated=simulated,
                              on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"))
         except BenchmarkFailed as error:
             errors.print(f"[red]error:[/red] {error}")
             raise typer.Exit(1) from None
-    first = runs[0]
-    table = Table(title=f"{spec.id}: median of {repeat} (± max-min); ratio to {first.name}", box=box.SIMPLE_HEAD)
-    table.add_column("schedule", no_wrap=True)
-    for column in ("traj/s", "ratio", "tokens/s", "step s", "timeouts", "busy"):
-        table.add_column(column, justify="right", no_wrap=True)
-    costs = Table(title="mechanism costs (median seconds per event; peak memory of the largest process)", box=box.SIMPLE_HEAD)
-    costs.add_column("schedule", no_wrap=True)
-    for column in ("shrink", "expand", "sync", "train", "aborted turns", "peak MB"):
-        costs.add_column(column, justify="right", no_wrap=True)
-    for run in runs:
-        m = run.median
-        table.add_row(
-            run.name, f"{m('rollout_throughput'):.2f} ± {run.spread('rollout_throughput'):.2f}",
-            f"{m('rollout_throughput') / first.median('rollout_throughput'):.2f}x", f"{m('tokens_per_s'):.0f}",
-            f"{m('step_time_s'):.2f}", f"{m('timeout_ratio'):.0%}", f"{m('mean_device_busy'):.0%}",
-        )
-        costs.add_row(run.name, f"{m('shrink_s'):.3f}", f"{m('expand_s'):.3f}", f"{m('sync_s'):.3f}", f"{m('train_s'):.3f}", f"{m('aborted_turns'):.0f}", f"{m('peak_process_memory_mb'):.0f}")
-    console.print(table)
-    console.print(costs)
+    console.print(_bench_table(spec, runs, repeat, simulated))
+    console.print(_costs_table(runs, simulated))
     if json_path:
         json_path.write_text(json.dumps({"target": spec.id, "repeat": repeat, "runs": [r.summary() for r in runs]}, indent=1))
         console.print(f"results: {json_path}")
@@ -226,6 +250,49 @@ def bench(
         titles = [(f"{r.name} (median repeat): {r.median('rollout_throughput'):.1f} traj/s", r.median_events, devices) for r in runs]
         plot_timelines(titles, timeline)
         console.print(f"timeline: {timeline}")
+
+
+@app.command("calibrate")
+def calibrate(
+    target: str,
+    stack: Path = typer.Option(..., help="candidate directory (holds stack/) to run for real"),
+    out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
+    steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
+    time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+) -> None:
+    """Fit the simulator's cost model to a real run of STACK, then simulate the same stack and print
+    the prediction error; the calibrated spec is written for `vibetrain bench --simulate`."""
+    import shutil
+    import tempfile
+
+    from targets.harness.sim.calibrate import measure_and_predict
+
+    spec = _load(target)
+    if not (stack / "stack" / "__init__.py").exists():
+        errors.print(f"[red]error:[/red] {stack} has no stack/__init__.py: not a candidate directory")
+        raise typer.Exit(2)
+    work = Path(tempfile.mkdtemp(prefix="vibetrain-calibrate-"))
+    with console.status(f"running {stack} for real, fitting, then simulating it"):
+        try:
+            report = measure_and_predict(target, spec, stack, work, time_limit, steps)
+        except RuntimeError as error:
+            errors.print(f"[red]error:[/red] {error}")
+            raise typer.Exit(1) from None
+    calibration = report["calibration"]
+    console.print(yaml.safe_dump(calibration.yaml_fields(), sort_keys=False), highlight=False, markup=False)
+    for note in calibration.notes:
+        console.print(f"note: {note}", highlight=False)
+    table = Table(title=f"simulator prediction of the same run ({calibration.samples})", box=box.SIMPLE_HEAD)
+    for column in ("metric", "real", "simulated", "error"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    for metric, row in report["compared"].items():
+        table.add_row(metric, _num(row["real"]), _num(row["simulated"]), f"{row['error']:+.1%}")
+    console.print(table)
+    path = report["calibrated_spec"]
+    if out:
+        shutil.copy(path, out)
+        path = out
+    console.print(f"calibrated spec: {path}")
 
 
 if __name__ == "__main__":

@@ -314,6 +314,23 @@ class AccuracySpec(Strict):
     new_tokens: int = Field(default=12, gt=0)
 
 
+class SimulatorSpec(Strict):
+    """Efficiencies and fixed overheads of the cluster simulator's cost model
+    (``targets/harness/sim/cost_model.py`` documents each formula). ``vibetrain calibrate`` fits
+    them from a real run's trace; the defaults are typical of large GPU deployments."""
+
+    rollout_mfu: float = Field(default=0.5, gt=0, le=1, description="compute efficiency of prefill and decode")
+    hbm_efficiency: float = Field(default=0.8, gt=0, le=1, description="achieved fraction of memory bandwidth in decode")
+    kv_memory_fraction: float = Field(default=0.9, gt=0, le=1, description="device memory an engine may use (weights + KV)")
+    decode_step_overhead_s: float = Field(default=0.003, ge=0, description="fixed cost of one engine iteration (scheduling, launches)")
+    train_step_overhead_s: float = Field(default=1.0, ge=0)
+    sync_overhead_s: float = Field(default=0.5, ge=0)
+    switch_overhead_s: float = Field(default=0.5, ge=0, description="fixed cost of an offload or a reload")
+    engine_devices: int | None = Field(default=None, gt=0, description="devices per rollout engine; default: the fewest that fit the weights")
+    batching: Literal["continuous", "static"] = Field(
+        default="continuous", description="continuous: requests join the running batch (vLLM); static: a batch runs to its end first")
+
+
 class HeadlineMetric(Strict):
     name: str
     direction: Literal["maximize", "minimize"]
@@ -330,6 +347,7 @@ class TargetSpec(Strict):
     execution: Literal["real", "simulated", "auto"]
     baselines: list[BaselineSpec] = Field(min_length=1)
     accuracy: AccuracySpec = AccuracySpec()
+    simulator: SimulatorSpec = SimulatorSpec()
 
     @model_validator(mode="after")
     def _baselines_fit(self) -> "TargetSpec":
@@ -390,14 +408,19 @@ def catalog_ids() -> list[str]:
     return sorted(p.stem for p in CATALOG_DIR.glob("*.yaml"))
 
 
-def load_target(ref: str | Path) -> TargetSpec:
-    """A catalog id (``tiny-qwen3-cpu``) or a path to a YAML file."""
+def resolve_target_path(ref: str | Path) -> Path:
+    """The YAML file behind a catalog id (``tiny-qwen3-cpu``) or a path."""
     path = Path(ref)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.exists():
             raise SpecError(f"target spec file not found: {path}")
-        return load_target_file(path)
+        return path
     catalog_path = CATALOG_DIR / f"{ref}.yaml"
     if not catalog_path.exists():
         raise SpecError(f"unknown target {str(ref)!r}: not a catalog id (known: {', '.join(catalog_ids())}) and no such file")
-    return load_target_file(catalog_path)
+    return catalog_path
+
+
+def load_target(ref: str | Path) -> TargetSpec:
+    """A catalog id (``tiny-qwen3-cpu``) or a path to a YAML file."""
+    return load_target_file(resolve_target_path(ref))

@@ -51,7 +51,8 @@ class EnvManager:
             if len(t.tokens) + self.sampling.max_new_tokens > self.max_sequence:
                 self.envs.drop(episode.episode_id, "max_sequence")
                 break
-            request = GenerateRequest(episode.episode_id, turn, list(t.tokens), self.sampling)
+            # No copy of the context: the trajectory only grows after generate returns.
+            request = GenerateRequest(episode.episode_id, turn, t.tokens, self.sampling)
             completion = await self._generate(request)
             result = await episode.step(completion.tokens)
             t.append_turn(completion, result)

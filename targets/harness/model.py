@@ -77,6 +77,16 @@ def model_dir(model: ModelSpec) -> Path:
     return target
 
 
+def proxy_model(model: ModelSpec) -> ModelSpec:
+    """A tiny random model of the same family (dense or MoE), float32: what the accuracy checks run
+    on when the target's own model is only simulated."""
+    config = {"vocab_size": 64, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512}
+    if model.family == "qwen3_moe":
+        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+    return ModelSpec.model_validate({"family": model.family, "dtype": "float32", "weights": "random(0)", "config": config})
+
+
 def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.eval()

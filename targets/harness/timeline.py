@@ -1,5 +1,10 @@
 """The per-device timeline: one row per device, colored by activity, one panel per schedule,
-stacked on a shared time axis so the schedules compare at a glance."""
+stacked on a shared time axis so the schedules compare at a glance.
+
+Consecutive devices that did exactly the same thing (the devices of one engine, a training pool
+that trains in lock-step) share one row labelled with their range, so a 160-device cluster reads
+as its pools and engines instead of 160 slivers.
+"""
 
 from __future__ import annotations
 
@@ -17,20 +22,41 @@ from targets.harness.metrics import ACTIVITIES, device_intervals, exclusive_acti
 COLORS = {"rollout": "#4caf50", "train": "#1f77b4", "sync": "#ff9800", "switching": "#d62728"}
 
 
+def _label(devices: list[str]) -> str:
+    if len(devices) == 1:
+        return devices[0]
+    first, last = devices[0], devices[-1]
+    prefix = first.rsplit(":", 1)[0] + ":"
+    return f"{first}-{last.removeprefix(prefix)} ({len(devices)})"
+
+
+def device_rows(events: list[TraceEvent], devices: list[str]) -> list[tuple[str, dict[str, list[tuple[float, float]]]]]:
+    """(row label, activity -> intervals), merging runs of consecutive devices with identical activity."""
+    intervals = device_intervals(events)
+    rows: list[tuple[list[str], dict, tuple]] = []
+    for device in devices:
+        exclusive = exclusive_activity(intervals.get(device, {}))
+        key = tuple((a, tuple((round(x, 6), round(y, 6)) for x, y in exclusive[a])) for a in ACTIVITIES)
+        if rows and rows[-1][2] == key:
+            rows[-1][0].append(device)
+        else:
+            rows.append(([device], exclusive, key))
+    return [(_label(members), exclusive) for members, exclusive, _ in rows]
+
+
 def plot_timelines(runs: list[tuple[str, list[TraceEvent], list[str]]], path: Path) -> Path:
     """``runs``: (title, events, device ids) per schedule."""
-    heights = [max(1, len(devices)) * 0.45 + 0.6 for _, _, devices in runs]
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, sum(heights) + 0.8), sharex=True, squeeze=False,
+    panels = [(title, device_rows(events, devices)) for title, events, devices in runs]
+    heights = [max(1, len(rows)) * 0.45 + 0.6 for _, rows in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights) + 0.8), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": heights})
-    for ax, (title, events, devices) in zip(axes[:, 0], runs):
-        intervals = device_intervals(events)
-        for row, device in enumerate(devices):
-            exclusive = exclusive_activity(intervals.get(device, {}))
+    for ax, (title, rows) in zip(axes[:, 0], panels):
+        for row, (_, exclusive) in enumerate(rows):
             for activity in ACTIVITIES:
                 spans = [(a, b - a) for a, b in exclusive[activity]]
                 ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=COLORS[activity])
-        ax.set_yticks(range(len(devices)), devices)
-        ax.set_ylim(-0.6, len(devices) - 0.4)
+        ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8 if len(rows) > 8 else 10)
+        ax.set_ylim(-0.6, len(rows) - 0.4)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("seconds since run start")

@@ -1,0 +1,128 @@
+"""The simulated ``targets.api.Cluster``: the same mechanism the Ray cluster implements, under
+virtual time, with every duration from the cost model.
+
+Rollout devices are grouped into engines of ``cost.engine_devices`` consecutive devices (a shrink
+or expand of any device takes its whole engine). ``generate`` goes to the engine that served the
+episode's previous turn while it is active (its prefix is cached there), else to the active engine
+with the fewest requests; ``shrink`` aborts what the engines hold and offloads them; ``expand``
+reloads them and loads the latest weights if they are stale; ``train`` takes the training FLOPs
+of the batch over the given devices; ``sync_weights`` drains each engine's running batch and loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+from targets.api import Aborted, Completion, Device, GenerateRequest, StateDict, TrainBatch
+from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.engine import SimEngine
+
+
+class SimCluster:
+    def __init__(self, devices: Sequence[Device], rollout: Sequence[Device], cost: CostModel) -> None:
+        self.devices = list(devices)
+        self.cost = cost
+        size = cost.engine_devices
+        rollout = list(rollout)
+        if len(rollout) % size:
+            raise ValueError(
+                f"{len(rollout)} rollout devices do not split into engines of {size} devices "
+                f"(the model needs {size} devices per engine)"
+            )
+        self.engines = [SimEngine(f"engine{i}", [d.id for d in rollout[i * size : (i + 1) * size]], cost)
+                        for i in range(len(rollout) // size)]
+        self._engine_of = {device: engine for engine in self.engines for device in engine.devices}
+        self._active = set(self.engines)
+        self._sticky: dict[str, SimEngine] = {}
+        self._routable = asyncio.Event()
+        self._routable.set()
+        self._suspended = False
+        self.version = 0
+
+    @property
+    def engine_devices(self) -> dict[str, list[str]]:
+        """What a completion's ``device`` (an engine's first device) stands for: all its devices."""
+        return {engine.devices[0]: engine.devices for engine in self.engines}
+
+    # -- clock -------------------------------------------------------------------------------------
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    # -- rollout -----------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> Completion:
+        while self._suspended or not self._active:
+            self._routable.clear()
+            await self._routable.wait()
+        engine = self._sticky.get(request.episode_id)
+        if engine not in self._active:
+            engine = min(self._active, key=lambda e: (e.load, e.name))
+        self._sticky[request.episode_id] = engine
+        completion = await engine.submit(request.episode_id, len(request.prompt), request.params.max_new_tokens)
+        if completion.finish_reason == "abort":
+            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {engine.name}")
+        return completion
+
+    def _engines_on(self, devices: Sequence[Device]) -> list[SimEngine]:
+        return sorted({self._engine_of[d.id] for d in devices if d.id in self._engine_of}, key=lambda e: e.name)
+
+    async def shrink(self, devices: Sequence[Device]) -> None:
+        engines = [e for e in self._engines_on(devices) if e in self._active]
+        if engines and not self._active - set(engines):
+            raise ValueError(f"shrinking {[d.id for d in devices]} would leave no active rollout engine")
+        self._active -= set(engines)
+        for engine in engines:
+            engine.offload()
+        if engines:
+            await asyncio.sleep(self.cost.offload_s())
+
+    async def expand(self, devices: Sequence[Device]) -> None:
+        engines = [e for e in self._engines_on(devices) if e not in self._active]
+        if not engines:
+            return
+        for engine in engines:
+            engine.reload()
+        await asyncio.sleep(self.cost.reload_s())
+        stale = [e for e in engines if e.version != self.version]
+        await asyncio.gather(*(e.load_weights(self.version, self.cost.sync_s()) for e in stale))
+        self._active |= set(engines)
+        self._routable.set()
+
+    # -- training and weights ----------------------------------------------------------------------
+    async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
+        if not devices:
+            raise ValueError("train needs at least one device")
+        await asyncio.sleep(self.cost.train_s([len(t.tokens) for t in batch.trajectories], len(devices)))
+        self.version += 1
+        return self.version
+
+    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
+        if version != self.version:
+            raise ValueError(f"can only sync the latest version {self.version}, not {version}")
+        engines = [e for e in self._engines_on(devices) if e in self._active]
+        await asyncio.gather(*(e.load_weights(version, self.cost.sync_s()) for e in engines))
+
+    async def export_weights(self) -> StateDict | None:
+        return None
+
+    # -- suspend / resume / close ------------------------------------------------------------------
+    async def suspend(self) -> None:
+        self._suspended = True
+        self._routable.clear()
+        for engine in self._active:
+            engine.abort()
+
+    async def resume(self) -> None:
+        self._suspended = False
+        self._routable.set()
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+    @property
+    def peak_kv_fraction(self) -> float:
+        return max((e.peak_kv_tokens / e.capacity for e in self.engines if e.capacity), default=0.0)

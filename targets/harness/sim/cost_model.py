@@ -1,0 +1,158 @@
+"""The simulator's cost model: what each mechanism costs, as formulas of the target spec.
+
+Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *engine* spans
+``engine_devices`` consecutive devices (tensor parallel) because the weights must fit. Terms:
+
+* **engine size** ``d``: the smallest power of two with ``weight_bytes / d <= 0.9 * memory *
+  kv_memory_fraction`` (at least a tenth of the usable memory is left for the KV cache).
+* **KV capacity** (tokens per engine): ``(d * memory * kv_memory_fraction - weight_bytes) /
+  kv_bytes_per_token`` with ``kv_bytes_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes``.
+  A request reserves its whole context plus ``max_new_tokens`` when admitted; requests that do not
+  fit wait in the engine's queue.
+* **decode iteration** (one token for each of ``b`` running sequences holding ``C`` context tokens):
+  ``max(bytes / (d * hbm * hbm_efficiency), flops / (d * peak * rollout_mfu)) + decode_step_overhead_s``
+  with ``bytes = dense_bytes + expert_bytes * (1 - (1 - k/E)^b) + C * kv_bytes_per_token`` (a MoE
+  layer reads each expert that at least one of the ``b`` tokens routes to) and
+  ``flops = 2 * active_params * b + 4 * layers * attn_width * C``: bandwidth-bound at small batch.
+* **prefill** of ``n`` new tokens after ``p`` cached ones (prefix reuse on the engine that served
+  the previous turn; full re-prefill after an abort or a move to another engine):
+  ``flops = 2 * active_params * n + 4 * layers * attn_width * n * (p + n / 2)`` at
+  ``d * peak * rollout_mfu``: compute-bound.
+* **training** on trajectories of lengths ``L_i`` over ``g`` devices:
+  ``sum_i (6 * active_params * L_i + 6 * layers * attn_width * L_i^2) / (g * peak * mfu) +
+  train_step_overhead_s`` (dense FLOPs, plus causal attention forward ``2 * layers * attn_width *
+  L^2`` times three for forward and backward).
+* **weight sync** to an engine: its shard ``weight_bytes / d`` per device over the link
+  (intra-node when the whole cluster is one node, else inter-node) ``+ sync_overhead_s``.
+* **offload / reload**: the shard over the host link ``+ switch_overhead_s``.
+* **batching**: ``continuous`` admits queued requests at every iteration (vLLM); ``static`` only
+  when the running batch has finished (the torch engine recipe).
+
+``hardware.mfu`` is the training MFU; the other efficiencies and overheads are the spec's
+``simulator`` section (defaults there), which ``vibetrain calibrate`` fits from a real run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from targets.spec import TargetSpec
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    # model
+    layers: int
+    attn_width: int  # attention heads x head_dim
+    active_params: float
+    dense_params: float  # read every decode iteration (attention, embeddings, routers)
+    expert_params: float  # all experts of all layers (0 for dense models)
+    experts: int
+    experts_per_token: int
+    dtype_bytes: int
+    kv_bytes_per_token: float
+    # hardware, per device
+    peak_flops: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float
+    host_bytes_per_s: float
+    memory_bytes: float
+    train_mfu: float
+    # efficiencies and overheads (the spec's ``simulator`` section; calibration fits them)
+    rollout_mfu: float
+    hbm_efficiency: float
+    kv_memory_fraction: float
+    decode_step_overhead_s: float
+    train_step_overhead_s: float
+    sync_overhead_s: float
+    switch_overhead_s: float
+    engine_devices: int
+    continuous_batching: bool = True
+
+    @classmethod
+    def from_spec(cls, spec: TargetSpec) -> "CostModel":
+        model, hw, sim = spec.model, spec.hardware, spec.simulator
+        c = model.config
+        counts = model.param_counts()
+        expert_params = 0.0
+        if model.family == "qwen3_moe":
+            expert_params = float(c.num_hidden_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size)
+        dtype_bytes = DTYPE_BYTES[model.dtype]
+        single_node = hw.count <= hw.devices_per_node
+        cost = cls(
+            layers=c.num_hidden_layers,
+            attn_width=c.num_attention_heads * c.head_dim,
+            active_params=counts.active,
+            dense_params=max(0.0, counts.total - expert_params),
+            expert_params=expert_params,
+            experts=c.num_experts or 1,
+            experts_per_token=c.num_experts_per_tok or 1,
+            dtype_bytes=dtype_bytes,
+            kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes,
+            peak_flops=hw.bf16_tflops * 1e12,
+            hbm_bytes_per_s=hw.hbm_bandwidth_gbs * 1e9,
+            link_bytes_per_s=(hw.intra_node_bandwidth_gbs if single_node else hw.inter_node_bandwidth_gbs) * 1e9,
+            host_bytes_per_s=hw.host_link_bandwidth_gbs * 1e9,
+            memory_bytes=hw.memory_gb * 1e9,
+            train_mfu=hw.mfu,
+            rollout_mfu=sim.rollout_mfu,
+            hbm_efficiency=sim.hbm_efficiency,
+            kv_memory_fraction=sim.kv_memory_fraction,
+            decode_step_overhead_s=sim.decode_step_overhead_s,
+            train_step_overhead_s=sim.train_step_overhead_s,
+            sync_overhead_s=sim.sync_overhead_s,
+            switch_overhead_s=sim.switch_overhead_s,
+            engine_devices=1,
+            continuous_batching=sim.batching == "continuous",
+        )
+        devices = sim.engine_devices or cost._smallest_engine()
+        if devices > hw.count:
+            raise ValueError(
+                f"the model's weights ({cost.weight_bytes / 1e9:.0f} GB) need {devices} devices per engine, "
+                f"but hardware.count is {hw.count}"
+            )
+        return replace(cost, engine_devices=devices)
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def weight_bytes(self) -> float:
+        return (self.dense_params + self.expert_params) * self.dtype_bytes
+
+    def _smallest_engine(self) -> int:
+        devices = 1
+        while self.weight_bytes / devices > 0.9 * self.memory_bytes * self.kv_memory_fraction:
+            devices *= 2
+        return devices
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        free = self.engine_devices * self.memory_bytes * self.kv_memory_fraction - self.weight_bytes
+        return max(0, int(free / self.kv_bytes_per_token))
+
+    # -- rollout -------------------------------------------------------------------------------
+    def decode_iteration_s(self, batch: int, context_tokens: float) -> float:
+        touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** batch if self.expert_params else 0.0
+        weights = (self.dense_params + self.expert_params * touched) * self.dtype_bytes
+        memory_s = (weights + context_tokens * self.kv_bytes_per_token) / (self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency)
+        flops = 2 * self.active_params * batch + 4 * self.layers * self.attn_width * context_tokens
+        compute_s = flops / (self.engine_devices * self.peak_flops * self.rollout_mfu)
+        return max(memory_s, compute_s) + self.decode_step_overhead_s
+
+    def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
+        flops = 2 * self.active_params * new_tokens + 4 * self.layers * self.attn_width * new_tokens * (cached_tokens + new_tokens / 2)
+        return flops / (self.engine_devices * self.peak_flops * self.rollout_mfu)
+
+    # -- training and weights -------------------------------------------------------------------
+    def train_s(self, lengths: list[int], devices: int) -> float:
+        flops = sum(6 * self.active_params * n + 6 * self.layers * self.attn_width * n * n for n in lengths)
+        return flops / (devices * self.peak_flops * self.train_mfu) + self.train_step_overhead_s
+
+    def sync_s(self) -> float:
+        return self.weight_bytes / self.engine_devices / self.link_bytes_per_s + self.sync_overhead_s
+
+    def offload_s(self) -> float:
+        return self.weight_bytes / self.engine_devices / self.host_bytes_per_s + self.switch_overhead_s
+
+    reload_s = offload_s

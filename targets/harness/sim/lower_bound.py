@@ -1,0 +1,72 @@
+"""The fluid lower bound of a training step, read from a run's trace with the cost model.
+
+No schedule can beat either of two limits:
+
+* **work**: the step's rollout and training work spread perfectly over all devices. A turn's
+  rollout work is its prefill with the previous turn's prefix cached, plus its decode at the
+  largest batch the KV capacity admits at that context (the cheapest per-token cost the model
+  allows), times the engine's devices; training work is the batch's training FLOPs at the MFU.
+* **critical path**: the longest trajectory trained in the run, decoded alone (batch 1) with its
+  environment latencies in between. Sampling may run ``async_ratio`` steps ahead, so a step can
+  hide at most ``1 + async_ratio`` such paths: the bound is the path over ``1 + async_ratio``.
+
+The step's bound is the larger of the two; ``fraction = bound / measured step time``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from targets.api import TraceEvent
+from targets.harness.sim.cost_model import CostModel
+from targets.harness.trace import token_count
+from targets.spec import TargetSpec
+
+
+def _turns(events: list[TraceEvent]) -> dict[str, list[tuple[int, int, int, float]]]:
+    """episode -> [(context before the turn, new prompt tokens, response tokens, env latency)]."""
+    context: dict[str, int] = {}
+    pending: dict[str, int] = {}  # prompt tokens not yet in any engine's cache
+    turns: dict[str, list[tuple[int, int, int, float]]] = defaultdict(list)
+    for e in events:
+        if e.kind == "env_reset":
+            context[e.data["episode"]] = pending[e.data["episode"]] = token_count(e.data["observation"])
+        elif e.kind == "env_step":
+            episode = e.data["episode"]
+            action, observation = token_count(e.data["action"]), token_count(e.data["observation"])
+            turns[episode].append((context[episode], pending[episode], action, e.data["latency"]))
+            context[episode] += action + observation
+            pending[episode] = observation
+    return turns
+
+
+def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]) -> dict:
+    turns = _turns(events)
+    trains = [e for e in events if e.kind == "train"]
+    if not trains:
+        return {"lower_bound_step_s": 0.0, "work_bound_s": 0.0, "critical_path_bound_s": 0.0}
+    devices = len(next(e for e in events if e.kind == "run_start").data["devices"])
+
+    def rollout_work(episode: str) -> float:
+        seconds = 0.0
+        for context, new, response, _ in turns.get(episode, []):
+            batch = max(1, cost.kv_capacity_tokens // max(1, context + response))
+            per_token = cost.decode_iteration_s(batch, batch * (context + response / 2)) / batch
+            seconds += cost.prefill_s(new, context - new) + response * per_token
+        return seconds * cost.engine_devices
+
+    def critical_path(episode: str) -> float:
+        return sum(cost.prefill_s(new, context - new) + response * cost.decode_iteration_s(1, context + response / 2) + latency
+                   for context, new, response, latency in turns.get(episode, []))
+
+    work = []
+    longest = 0.0
+    for train in trains:
+        episodes = [t["episode"] for t in train.data["trajectories"]]
+        lengths = [token_count(t["tokens"]) for t in train.data["trajectories"]]
+        train_work = (cost.train_s(lengths, 1) - cost.train_step_overhead_s)
+        work.append((sum(rollout_work(e) for e in episodes) + train_work) / devices)
+        longest = max([longest] + [critical_path(e) for e in episodes])
+    work_bound = sum(work) / len(work)
+    path_bound = longest / (1 + spec.workload.async_ratio)
+    return {"lower_bound_step_s": max(work_bound, path_bound), "work_bound_s": work_bound, "critical_path_bound_s": path_bound}

@@ -1,0 +1,269 @@
+"""The cluster simulator: virtual time, the cost model's formulas by hand, the engine's KV limit and
+prefix cache, the same controller modules on the simulated cluster (audited), the production-scale
+target's ordering of schedules, calibration from a real run, and the bench on a simulated target."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from skills.starter import write_starter
+from targets.api import TrainBatch, Trajectory
+from targets.harness.audit import audit_run
+from targets.harness.metrics import compute_metrics
+from targets.harness.runner import runtime_for
+from targets.harness.sim.cluster import SimCluster
+from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.engine import SimEngine
+from targets.harness.sim.run import simulate
+from targets.harness.sim.virtual_time import SimulationStalled, VirtualTimeLoop, run_virtual
+from targets.spec import load_target, parse_target
+
+runner = CliRunner()
+
+
+# -- virtual time ----------------------------------------------------------------------------------
+
+def test_virtual_time_jumps_to_the_next_timer_and_keeps_asyncio_semantics():
+    loop = VirtualTimeLoop()
+
+    async def main():
+        event = asyncio.Event()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout=3600)  # an hour of virtual time
+        ends = await asyncio.gather(*(asyncio.sleep(10 * i, result=i) for i in range(4)))
+        return loop.time(), ends
+
+    assert run_virtual(main(), loop) == (3630.0, [0, 1, 2, 3])
+
+
+def test_a_controller_waiting_on_nothing_stalls_loudly():
+    async def waits_forever():
+        await asyncio.Event().wait()
+
+    with pytest.raises(SimulationStalled, match="no timer is pending"):
+        run_virtual(waits_forever())
+
+
+# -- cost model ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def big():
+    return load_target("qwen3-235b-a22b-h800x160")
+
+
+def test_cost_model_formulas_by_hand(big):
+    cost = CostModel.from_spec(big)
+    # 235B bf16 = 470 GB: 8 H800s of 80 GB (72 GB usable each) hold the weights with room for KV.
+    assert cost.engine_devices == 8
+    kv_per_token = 2 * 94 * 4 * 128 * 2
+    assert cost.kv_bytes_per_token == kv_per_token
+    assert cost.kv_capacity_tokens == int((8 * 80e9 * 0.9 - 470e9) / kv_per_token)
+    # batch 1: bandwidth-bound; the dense part plus 8 of 128 experts per layer are read
+    dense, experts = 235e9 - 94 * 128 * 3 * 4096 * 1536, 94 * 128 * 3 * 4096 * 1536
+    weights = (dense + experts * (8 / 128)) * 2
+    expected = (weights + 1000 * kv_per_token) / (8 * 3350e9 * 0.8) + 0.003
+    assert cost.decode_iteration_s(1, 1000) == pytest.approx(expected)
+    # many tokens touch almost every expert: the iteration approaches a full weight read
+    assert cost.decode_iteration_s(512, 0) > 0.99 * 470e9 / (8 * 3350e9 * 0.8)
+    # training: 6 * active * tokens + attention, at the spec's MFU over the devices
+    train = (6 * 22e9 * 1000 + 6 * 94 * 64 * 128 * 1000**2) / (128 * 989e12 * 0.4) + 1.0
+    assert cost.train_s([1000], 128) == pytest.approx(train)
+
+
+def test_a_model_too_big_for_the_cluster_is_refused(big):
+    small = big.model_copy(update={"hardware": big.hardware.model_copy(update={"count": 4})})
+    with pytest.raises(ValueError, match="need 8 devices per engine, but hardware.count is 4"):
+        CostModel.from_spec(small)
+
+
+# -- one engine ------------------------------------------------------------------------------------
+
+def _engine_run(cost: CostModel, body):
+    loop = VirtualTimeLoop()
+
+    async def main():
+        engine = SimEngine("e", ["d0"], cost)
+        try:
+            return await body(engine, loop)
+        finally:
+            engine.close()
+
+    return run_virtual(main(), loop)
+
+
+def test_kv_capacity_queues_what_does_not_fit(big):
+    cost = CostModel.from_spec(big)
+    half = cost.kv_capacity_tokens // 2
+
+    async def body(engine, loop):
+        first = engine.submit("a", half, 100)
+        second = engine.submit("b", half, 100)  # does not fit beside the first: waits
+        done_first = (await first, loop.time())[1]
+        done_second = (await second, loop.time())[1]
+        return done_first, done_second
+
+    first, second = _engine_run(cost, body)
+    assert second > 1.9 * first  # served after, not beside, the first
+
+
+def test_the_next_turn_reuses_the_cached_prefix(big):
+    cost = CostModel.from_spec(big)
+
+    async def body(engine, loop):
+        await engine.submit("a", 20_000, 10)
+        start = loop.time()
+        await engine.submit("a", 20_010 + 500, 10)  # same episode: prefill only the 500 new tokens
+        warm = loop.time() - start
+        start = loop.time()
+        await engine.submit("b", 20_510, 10)  # another episode: the whole prompt
+        return warm, loop.time() - start
+
+    warm, cold = _engine_run(cost, body)
+    assert cold - warm == pytest.approx(cost.prefill_s(20_510, 0) - cost.prefill_s(500, 20_010), rel=1e-6)
+
+
+def test_abort_answers_everything_with_partial_tokens(big):
+    cost = CostModel.from_spec(big)
+
+    async def body(engine, loop):
+        running = engine.submit("a", 100, 1000)
+        queued = engine.submit("b", cost.kv_capacity_tokens - 500, 10)
+        await asyncio.sleep(1.0)
+        engine.abort()
+        return await running, await queued
+
+    running, queued = _engine_run(cost, body)
+    assert running.finish_reason == queued.finish_reason == "abort"
+    assert 0 < len(running.tokens) < 1000 and queued.tokens == []
+
+
+def test_static_batching_admits_only_between_batches():
+    spec = load_target("tiny-qwen3-cpu")
+    continuous = CostModel.from_spec(spec)
+    static = CostModel.from_spec(spec.model_copy(update={"simulator": spec.simulator.model_copy(update={"batching": "static"})}))
+
+    async def body(engine, loop):
+        long = engine.submit("a", 10, 200)
+        await asyncio.sleep(0.01)
+        short = engine.submit("b", 10, 5)
+        await short
+        return loop.time()
+
+    assert _engine_run(static, body) > 5 * _engine_run(continuous, body)
+
+
+# -- the same controllers on the simulated cluster -------------------------------------------------
+
+def _stack(tmp_path: Path, spec, controller: str):
+    directory = write_starter(tmp_path / controller, spec, controller)
+    for name in [m for m in sys.modules if m == "stack" or m.startswith("stack.")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(directory))
+    try:
+        return importlib.import_module("stack")
+    finally:
+        sys.path.remove(str(directory))
+
+
+def _simulated(tmp_path, spec, controller, steps=None, seed=0):
+    spec = spec.model_copy(update={"execution": "simulated"})
+    runtime = runtime_for(spec)
+    stack = _stack(tmp_path, spec, controller)
+    steps = steps or spec.workload.train_steps
+    trace, summary = simulate(spec, stack.build(spec, runtime), runtime, steps, seed)
+    return spec, list(trace.events), summary
+
+
+@pytest.mark.parametrize("controller", ["colocate", "static_split", "time_multiplex"])
+def test_each_recipe_controller_runs_on_the_simulator_and_passes_the_audit(tmp_path, controller):
+    spec, events, _ = _simulated(tmp_path, load_target("tiny-qwen3-cpu"), controller)
+    result = audit_run(spec, events, lambda v: None, lambda s: None, spec.workload.train_steps)
+    assert result.passed, result.reasons
+    assert "simulated run" in result.details["skipped"]
+    assert sum(1 for e in events if e.kind == "train") == spec.workload.train_steps
+
+
+def test_the_audit_still_catches_a_planted_cheat_in_a_simulated_trace(tmp_path):
+    spec, events, _ = _simulated(tmp_path, load_target("tiny-qwen3-cpu"), "time_multiplex")
+    train = next(e for e in events if e.kind == "train")
+    train.data["trajectories"].append(dict(train.data["trajectories"][0]))
+    result = audit_run(spec, events, lambda v: None, lambda s: None, spec.workload.train_steps)
+    assert not result.passed and any("used twice" in r for r in result.reasons)
+
+
+@pytest.fixture(scope="module")
+def big_small_batch(big):
+    """The production target's cluster and sequence lengths, with a batch of 128 and two steps."""
+    return big.model_copy(update={"workload": big.workload.model_copy(update={"batch_size": 128, "train_steps": 2})})
+
+
+def test_time_multiplexing_beats_the_static_split_at_scale(tmp_path, big_small_batch):
+    measured = {}
+    for controller in ("static_split", "time_multiplex"):
+        spec, events, summary = _simulated(tmp_path, big_small_batch, controller)
+        measured[controller] = compute_metrics(events, [f"h800:{i}" for i in range(160)])
+        assert summary["engine_devices"] == 8
+    # 32 rollout devices hold a fraction of the KV that 160 do: the static split queues
+    assert measured["time_multiplex"]["rollout_throughput"] > 1.5 * measured["static_split"]["rollout_throughput"]
+    assert measured["time_multiplex"]["mean_device_busy"] > measured["static_split"]["mean_device_busy"]
+
+
+def test_the_environment_ends_an_episode_whose_context_is_full(tmp_path, big_small_batch):
+    spec, events, _ = _simulated(tmp_path, big_small_batch, "time_multiplex", steps=1)
+    truncated = [e for e in events if e.kind == "env_step" and e.data["truncated"]]
+    assert truncated and all(e.data["done"] and e.data["observation"] == 0 for e in truncated)
+    assert not any(e.kind == "sample_dropped" and e.data["reason"] == "max_sequence" for e in events)
+
+
+# -- the bench and calibration through the CLI ----------------------------------------------------
+
+def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tmp_path, big_small_batch):
+    raw = yaml.safe_load(Path("targets/catalog/qwen3-235b-a22b-h800x160.yaml").read_text())
+    raw["workload"].update(batch_size=128, train_steps=2)
+    target = tmp_path / "big.yaml"
+    target.write_text(yaml.safe_dump(raw))
+    result = runner.invoke(app, ["bench", str(target), "--baselines", "static_split,time_multiplex", "--repeat", "1",
+                                 "--json", str(tmp_path / "b.json"), "--timeline", str(tmp_path / "t.png")], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert "simulated seconds" in result.output and "LB" in result.output
+    runs = json.loads((tmp_path / "b.json").read_text())["runs"]
+    for run in runs:
+        assert 0 < run["metrics"]["lower_bound_fraction"] <= 1.0
+        assert run["metrics"]["lower_bound_step_s"] > 0 and "peak_kv_fraction" in run["metrics"]
+    assert runs[1]["metrics"]["rollout_throughput"] > runs[0]["metrics"]["rollout_throughput"]
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_calibrate_refuses_a_directory_that_is_not_a_candidate(tmp_path):
+    result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(tmp_path)])
+    assert result.exit_code == 2 and "not a candidate directory" in result.output
+
+
+@pytest.mark.slow
+def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, fast_target):
+    """Calibration runs the time_multiplex starter for real, fits the cost model to its trace and
+    runs the very same stack directory on the simulator: both runs pass the audit, and the
+    simulator's step time is compared with the real one."""
+    from targets.harness.judge_run import audit_directory
+    from targets.harness.sim.calibrate import measure_and_predict
+
+    spec = parse_target(yaml.safe_load(fast_target.read_text()))
+    stack = write_starter(tmp_path / "stack", spec, "time_multiplex")
+    report = measure_and_predict(str(fast_target), spec, stack, tmp_path / "work", 300)
+    calibrated = load_target(report["calibrated_spec"])
+    assert calibrated.simulator.batching == "static" and calibrated.simulator.decode_step_overhead_s > 0
+    for execution in ("real", "simulated"):
+        audit = audit_directory(calibrated, tmp_path / "work" / execution, spec.workload.train_steps)
+        assert audit.passed, (execution, audit.reasons)
+    error = report["compared"]["step_time_s"]["error"]
+    print(f"simulator step-time prediction error after calibration: {error:+.1%}")
+    assert abs(error) < 1.0  # same order as the real run; the figure itself is reported, not gated

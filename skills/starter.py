@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+from skills.validation import expand_file
+
 RECIPES = Path(__file__).parent / "recipes"
 CONTROLLERS = ("colocate", "static_split", "time_multiplex")
 
@@ -52,7 +54,9 @@ def write_starter(directory: Path, spec, controller: str, params: dict | None = 
     for recipe in sorted(RECIPES.glob("*.py")):
         if recipe.name != "__init__.py":
             shutil.copy2(recipe, stack / recipe.name)
+            expand_file(stack / recipe.name)  # recipes carry validation annotations (design §8)
     (stack / "__init__.py").write_text('"""A vibetrain candidate stack."""\n\nfrom .build import build\n\n__all__ = ["build"]\n')
     (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
     (directory / "DESIGN.md").write_text(DESIGN_TEMPLATE.format(controller=controller, params=json.dumps(params)))
+    (directory / ".gitignore").write_text("__pycache__/\n*.pyc\n")
     return directory

@@ -20,8 +20,7 @@ CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiple
 
 def build(spec, runtime: Runtime) -> Stack:
     params = json.loads(Path(__file__).with_name("params.json").read_text())
-    if params["controller"] not in CONTROLLERS:
-        raise ValueError(f"params.json: unknown controller {params['controller']!r}; known: {sorted(CONTROLLERS)}")
+    # VAL: VAL_SUBSET (value=[params["controller"]], of=CONTROLLERS)
     controller = CONTROLLERS[params["controller"]](spec, runtime, params)
     rollout, train = controller.placement(runtime.devices)
     config = spec.workload.training.config()
@@ -29,8 +28,10 @@ def build(spec, runtime: Runtime) -> Stack:
     bucket_bytes = params.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     engine = params.get("engine", "torch")
 
+    batch_window_s = params.get("batch_window_s", 0.002)
+
     async def make_cluster() -> RayCluster:
-        return await RayCluster.start(runtime, rollout, train, config, threads=threads, engine=engine)
+        return await RayCluster.start(runtime, rollout, train, config, threads=threads, engine=engine, batch_window_s=batch_window_s)
 
     def make_engine():
         return make_engine_of_kind(engine, runtime.model_path, runtime.dtype, "engine")

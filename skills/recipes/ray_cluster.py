@@ -48,13 +48,14 @@ class RayCluster:
 
     @classmethod
     async def start(cls, runtime: Runtime, rollout: Sequence[Device], train: Sequence[Device], config: TrainingConfig,
-                    threads: int = 1, engine: str = "torch") -> "RayCluster":
+                    threads: int = 1, engine: str = "torch", batch_window_s: float = 0.002) -> "RayCluster":
         def on(device: Device) -> dict:
             return {"num_cpus": 0, "resources": {f"{runtime.device_resource}{device.index}": 0.5}}
 
         Engine = ray.remote(EngineServer)
         Trainer = ray.remote(GRPOTrainer)
-        engines = {d.id: Engine.options(**on(d)).remote(runtime.model_path, runtime.dtype, d.id, threads, engine=engine) for d in rollout}
+        engines = {d.id: Engine.options(**on(d)).remote(runtime.model_path, runtime.dtype, d.id, threads, batch_window_s, engine=engine)
+                   for d in rollout}
         init = f"tcp://127.0.0.1:{_free_port()}"
         trainers = [
             Trainer.options(**on(d)).remote(

@@ -69,4 +69,5 @@ class GroupBuffer:
         batch: list[Trajectory] = []
         for _ in range(groups):
             batch.extend(self._ready.popitem(last=False)[1])
+        # VAL: AST_POSTCONDITION (cond=len(batch) == groups * self.group_size)
         return batch

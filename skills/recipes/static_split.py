@@ -10,8 +10,11 @@ from .controller_base import ControllerBase
 
 class StaticSplit(ControllerBase):
     def placement(self, devices):
+        # VAL: VAL_INT_RANGE (min=1, max=len(devices) - 1)
         n_rollout = self.params["rollout_devices"]
-        return list(devices[:n_rollout]), list(devices[n_rollout : n_rollout + self.params["train_devices"]])
+        # VAL: VAL_INT_RANGE (min=1, max=len(devices) - n_rollout)
+        n_train = self.params["train_devices"]
+        return list(devices[:n_rollout]), list(devices[n_rollout : n_rollout + n_train])
 
     async def run(self, cluster, envs, steps: int) -> None:
         rollout, train = self.placement(cluster.devices)

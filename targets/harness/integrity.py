@@ -1,14 +1,24 @@
-"""Static integrity scan of a candidate's source (design check 5, the parts readable from code):
-it imports only ``targets.api`` from the contract, and it does not name the harness's metrics
-(metrics come from the harness trace; a stack that computes or writes them is reporting its own)."""
+"""Integrity (design check 5). From the candidate's source: it imports only ``targets.api`` from
+the contract; it does not name the harness's metrics (metrics come from the harness trace; a stack
+that computes them is reporting its own); it does not patch clocks (``time``, ``asyncio``,
+``datetime``) or reach into the harness objects it is handed (their ``trace``, ``clock``,
+``inner`` cluster, event list); it uses no introspection escape hatches (``gc``, ``inspect``,
+``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``). Around a run: the harness's own files
+hash the same before and after (``harness_digest``)."""
 
 from __future__ import annotations
 
 import ast
+import hashlib
 from pathlib import Path
 
 from targets.harness.accuracy import CheckResult
 
+CLOCK_MODULES = {"time", "asyncio", "datetime"}
+HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_version"}
+ESCAPE_MODULES = {"gc", "inspect", "ctypes"}
+ESCAPE_ATTRIBUTES = {"__dict__", "__globals__", "__code__", "__closure__", "modules"}
+HARNESS_ROOT = Path(__file__).resolve().parents[1]  # the targets package
 METRIC_NAMES = {"rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "device_utilization", "mean_device_busy"}
 ALLOWED_CONTRACT_MODULES = {"targets", "targets.api"}
 
@@ -31,8 +41,45 @@ def scan_stack(stack_dir: Path) -> CheckResult:
             for module in modules:
                 if module.split(".")[0] == "targets" and module not in ALLOWED_CONTRACT_MODULES:
                     reasons.append(f"{where}:{node.lineno}: imports harness internals ({module}); only targets.api is public")
+            for module in modules:
+                if module.split(".")[0] in ESCAPE_MODULES:
+                    reasons.append(f"{where}:{node.lineno}: imports {module}, an introspection escape hatch")
+            reasons += [f"{where}:{node.lineno}: {r}" for r in _patching(node)]
+            if isinstance(node, ast.Attribute) and node.attr in HARNESS_ATTRIBUTES:
+                reasons.append(f"{where}:{node.lineno}: reaches into a harness object (.{node.attr}): the proxy and environments are opaque")
+            if isinstance(node, ast.Attribute) and node.attr in ESCAPE_ATTRIBUTES and not (
+                    node.attr == "modules" and not (isinstance(node.value, ast.Name) and node.value.id == "sys")):
+                reasons.append(f"{where}:{node.lineno}: uses .{node.attr}, an introspection escape hatch")
             if isinstance(node, ast.Constant) and node.value in METRIC_NAMES:
                 reasons.append(f"{where}:{node.lineno}: names the harness metric {node.value!r}: a stack must not report its own metrics")
             if isinstance(node, ast.Name) and node.id in METRIC_NAMES:
                 reasons.append(f"{where}:{node.lineno}: defines or uses {node.id!r}, a harness metric name: a stack must not report its own metrics")
     return CheckResult("integrity", not reasons, reasons, {})
+
+
+def _patching(node: ast.AST) -> list[str]:
+    """Assignments to (or setattr/delattr on) a clock module's attributes."""
+    def clock_attribute(target: ast.AST) -> bool:
+        return isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in CLOCK_MODULES
+
+    targets: list[ast.AST] = []
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Delete):
+        targets = list(node.targets)
+    found = [f"patches the clock ({ast.unparse(t)})" for t in targets if clock_attribute(t)]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+            and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in CLOCK_MODULES):
+        found.append(f"patches the clock ({node.func.id} on {node.args[0].id})")
+    return found
+
+
+def harness_digest() -> dict[str, str]:
+    """sha256 of every source and catalog file of the harness package, by relative path."""
+    digests = {}
+    for path in sorted(HARNESS_ROOT.rglob("*")):
+        if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts:
+            digests[str(path.relative_to(HARNESS_ROOT))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from targets.harness.accuracy import CheckResult
 from targets.harness.audit import audit_run
-from targets.harness.candidate import run_candidate
-from targets.harness.integrity import scan_stack
+from targets.harness.candidate import Launcher, Limits, run_candidate
+from targets.harness.integrity import harness_digest, scan_stack
 from targets.harness.model import load_model, model_dir
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec
@@ -40,13 +40,18 @@ def audit_directory(spec: TargetSpec, out: Path, steps: int) -> CheckResult:
     return audit_run(spec, events, load_weights, make_model, steps)
 
 
-def check_candidate(target: str, spec: TargetSpec, stack_dir: Path, time_limit_s: float, out: Path | None = None) -> list[CheckResult]:
+def check_candidate(target: str, spec: TargetSpec, stack_dir: Path, time_limit_s: float | Limits, out: Path | None = None,
+                    launcher: Launcher | None = None) -> list[CheckResult]:
     out = out or Path(tempfile.mkdtemp(prefix="vibetrain-check-"))
     integrity = scan_stack(stack_dir)
     if not integrity.passed:
         return [integrity, CheckResult("not_run", False, ["the candidate was not executed: it failed the integrity scan"], {})]
     results = [integrity]
-    run = run_candidate(target, stack_dir, out, "check", time_limit_s)
+    before = harness_digest()
+    run = run_candidate(target, stack_dir, out, "check", time_limit_s, launcher=launcher)
+    changed = sorted(name for name, digest in harness_digest().items() if before.get(name) != digest)
+    if changed:
+        results.append(CheckResult("harness_unchanged", False, [f"harness files changed during the run: {changed[:5]}"], {}))
     accuracy = run.results.get("accuracy", {})
     if accuracy.get("status") != "ok":
         return results + [CheckResult("accuracy", False, [run.cause], {})]

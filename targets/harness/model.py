@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from targets.harness.tokenizer import NAMED_VOCAB, build_tokenizer
 from targets.spec import ModelSpec
 
+transformers.utils.logging.disable_progress_bar()  # the harness loads small models often; bars are noise
 FACTORY_VERSION = 1  # bump when the build recipe changes, to invalidate caches
 
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import importlib
+import io
 import json
 import os
+import pstats
 import resource
 import sys
 import tempfile
@@ -98,6 +101,14 @@ def run_system_mode(spec: TargetSpec, stack, runtime: Runtime, out: Path, seed: 
     return {"steps": steps, "versions": sorted(weights), "peak_process_memory_mb": peak_kb / 1024}
 
 
+def _write_profile(profiler: cProfile.Profile, path: Path, top: int = 25) -> None:
+    """The harness process's hottest functions by cumulative time (engines and trainers are other
+    processes: their time shows here as waiting)."""
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).strip_dirs().sort_stats("cumulative").print_stats(top)
+    path.write_text(stream.getvalue())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m targets.harness.runner")
     parser.add_argument("--target", required=True)
@@ -107,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--execution", choices=["real", "simulated"], default=None, help="override the spec's execution")
+    parser.add_argument("--profile", action="store_true", help="cProfile the system phase; top functions to profile.txt")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     loaded = None
@@ -121,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             spec, stack, runtime = loaded
             if phase == "accuracy":
                 result = run_accuracy(spec, stack, runtime)
+            elif args.profile:
+                profiler = cProfile.Profile()
+                result = profiler.runcall(run_system_mode, spec, stack, runtime, args.out, args.seed, args.steps or spec.workload.train_steps)
+                _write_profile(profiler, args.out / "profile.txt")
             else:
                 result = run_system_mode(spec, stack, runtime, args.out, args.seed, args.steps or spec.workload.train_steps)
             result_path.write_text(json.dumps({"status": "ok", **result}, indent=1))

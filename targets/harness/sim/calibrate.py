@@ -74,7 +74,7 @@ def _two_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float] | No
     return (suy * svv - svy * suv) / det, (svy * suu - suy * suv) / det
 
 
-def _batches(events: list[TraceEvent], window_s: float = 0.003) -> list[tuple[float, list[TraceEvent]]]:
+def engine_batches(events: list[TraceEvent], window_s: float = 0.003) -> list[tuple[float, list[TraceEvent]]]:
     """Completed generate events grouped into engine batches: on one device, completions the
     harness saw within ``window_s`` of each other. Returns (batch start, members), the start being
     the later of the last member's request and the previous batch's end on that device."""
@@ -122,7 +122,7 @@ def calibrate(spec: TargetSpec, events: list[TraceEvent], batching: str = "conti
 
     # -- rollout ---------------------------------------------------------------------------------
     rollout_rows = []
-    for start, batch in _batches(events):
+    for start, batch in engine_batches(events):
         b = len(batch)
         padded = max(token_count(g.data["prompt"]) for g in batch)
         steps = max(token_count(g.data["tokens"]) for g in batch)

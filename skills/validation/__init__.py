@@ -1,0 +1,5 @@
+"""Named validation patterns and their standard expansions (design §8)."""
+
+from .expand import PATTERNS, AnnotationError, expand_file, expand_source, unexpanded
+
+__all__ = ["PATTERNS", "AnnotationError", "expand_file", "expand_source", "unexpanded"]

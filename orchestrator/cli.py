@@ -199,7 +199,7 @@ def _costs_table(runs, simulated: bool) -> Table:
 @app.command("bench")
 def bench(
     target: str,
-    stack: list[Path] = typer.Option([], help="candidate directory to benchmark (repeatable)"),
+    stack: list[Path] = typer.Option([], help="candidate directory, or RUN@best / RUN@round-N of a generate run (repeatable)"),
     baselines: str = typer.Option("colocate,static_split,time_multiplex", help="comma-separated starter schedules"),
     repeat: int = typer.Option(3, min=1),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
@@ -227,7 +227,16 @@ def bench(
         except ValueError as error:
             errors.print(f"[red]error:[/red] baseline {name!r}: {error}")
             raise typer.Exit(2) from None
-    stacks += [(path.name, path) for path in stack]
+    for path in stack:
+        if "@" in str(path) and not path.exists():  # RUN@best, RUN@round-3: a candidate from a run's history
+            from orchestrator.runs import RunSetupError, export_candidate
+
+            try:
+                path = export_candidate(str(path))
+            except RunSetupError as error:
+                errors.print(f"[red]error:[/red] {error}")
+                raise typer.Exit(2) from None
+        stacks.append((path.name, path))
     if not stacks:
         errors.print("[red]error:[/red] nothing to benchmark: give --baselines and/or --stack")
         raise typer.Exit(2)
@@ -293,6 +302,174 @@ def calibrate(
         shutil.copy(path, out)
         path = out
     console.print(f"calibrated spec: {path}")
+
+
+class _RoundsView:
+    """The live display of ``vibetrain generate``: one row per finished round, the current one below."""
+
+    def __init__(self, spec: TargetSpec) -> None:
+        self.spec, self.rows, self.status = spec, [], "starting"
+
+    def render(self) -> Table:
+        metric = self.spec.headline_metric.name
+        table = Table(title=f"vibetrain generate {self.spec.id}", box=box.SIMPLE_HEAD, caption=self.status)
+        for column in ("round", "task", "verdict", metric, "best"):
+            table.add_column(column, overflow="fold", justify="right" if column in ("round", metric) else "left")
+        for row in self.rows[-15:]:
+            table.add_row(*row)
+        return table
+
+    def event(self, kind: str, **data) -> None:
+        if kind == "setup":
+            self.status = f"sandbox: {data['sandbox']}; {'simulated' if data['simulated'] else 'real'} execution"
+        elif kind == "round_start":
+            self.status = f"round {data['round']}: {data['task'].title} (from round {data['parent']})"
+        elif kind == "verdict":
+            verdict = "passed" if data["passed"] else "failed: " + "; ".join(data["reasons"][:2])
+            self.status = f"round {data['round']} attempt {data['attempt']}: judge {verdict}"
+        elif kind == "round_end":
+            r, best = data["record"], data["best"]
+            colour = {"accepted": "green", "rejected": "red"}.get(r.verdict, "yellow")
+            value = _num(r.headline) if r.headline is not None else "-"
+            self.rows.append((str(r.round), r.task.title, f"[{colour}]{r.verdict}[/{colour}]" + (" *" if r.became_best else ""),
+                              value, f"round {best.round}: {_num(best.headline)}" if best else "-"))
+        elif kind in ("budget", "recovered"):
+            self.status = data.get("reason") or f"recovered round {data['round']} from git"
+
+
+@app.command("generate")
+def generate(
+    target: str,
+    rounds: int = typer.Option(3, min=0, help="rounds after the starter (round 0)"),
+    policy: str = typer.Option("backlog", help="backlog | evolve"),
+    agents: str = typer.Option("offline", help="agent backend: offline"),
+    out: Path = typer.Option(None, help="run directory (a git repository); default generated/<target id>"),
+    resume: bool = typer.Option(False, "--resume", help="continue the run in --out"),
+    seed: int = typer.Option(0, help="seed of the agents and the search"),
+    max_minutes: float = typer.Option(None, help="wall-time budget; the run stops cleanly between rounds"),
+    repeat: int = typer.Option(2, min=1, help="benchmark repeats per candidate (the judge's run is the first)"),
+    max_attempts: int = typer.Option(2, min=1, help="implementer attempts per round, each fed the judge's reasons"),
+    starter: str = typer.Option("colocate", help="round 0's controller"),
+    sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
+    simulate: bool = typer.Option(False, "--simulate", help="run candidates on the cluster simulator"),
+    workspaces: Path = typer.Option(Path("workspaces"), help="where each round's git worktree lives"),
+    time_limit: float = typer.Option(900.0, help="seconds each candidate child run may take"),
+) -> None:
+    """Generate a stack for TARGET: rounds of plan -> implement -> judge -> evaluate -> commit."""
+    import logging
+
+    from rich.live import Live
+    from rich.logging import RichHandler
+
+    from orchestrator.rounds import RunError
+    from orchestrator.runs import RunSetupError, resume_run, start_run
+    from orchestrator.state import RunStateError
+
+    logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s")
+    if resume:
+        if out is None:
+            errors.print("[red]error:[/red] --resume needs --out (the run directory to continue)")
+            raise typer.Exit(2)
+        spec = None
+    else:
+        spec = _load(target)
+        out = out or Path("generated") / spec.id
+    view = None
+    try:
+        if resume:
+            from orchestrator.state import RunState
+
+            spec = _load(RunState.load(out).config.target)
+        view = _RoundsView(spec)
+        with Live(view.render(), console=console, refresh_per_second=4, transient=False) as live:
+            def on_event(kind: str, **data) -> None:
+                view.event(kind, **data)
+                live.update(view.render())
+
+            if resume:
+                loop = resume_run(out, workspaces, rounds=rounds, max_minutes=max_minutes, time_limit_s=time_limit, on_event=on_event)
+            else:
+                loop = start_run(target, out, workspaces, rounds=rounds, policy=policy, agents=agents, seed=seed,
+                                 max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
+                                 sandbox=sandbox, simulate=simulate, time_limit_s=time_limit, on_event=on_event)
+            state = loop.run()
+    except (RunSetupError, RunStateError, RunError, ValueError) as error:
+        errors.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2 if view is None or not isinstance(error, RunError) else 1) from None
+    best = state.best
+    if best is None:
+        console.print("[red]no validated candidate[/red] (see vibetrain log)")
+        raise typer.Exit(1)
+    starter_record = state.record(0)
+    ratio = best.headline / starter_record.headline if starter_record and starter_record.headline else float("nan")
+    console.print(f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {_num(best.headline)} "
+                  f"= {ratio:.2f}x the starter; {len(state.accepted())} validated of {len(state.rounds)} rounds")
+    console.print(f"review: vibetrain log {out}  |  git -C {out} log best  |  vibetrain report {out}")
+
+
+def _state_and_history(run: Path):
+    from orchestrator.history import History, HistoryError
+    from orchestrator.state import RunState, RunStateError
+
+    try:
+        return RunState.load(run), History.open(run)
+    except (RunStateError, HistoryError) as error:
+        errors.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+
+
+@app.command("log")
+def log_rounds(run: Path) -> None:
+    """Table of a run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with reasons."""
+    state, _ = _state_and_history(run)
+    table = Table(title=f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("round", justify="right", no_wrap=True)
+    table.add_column("task", overflow="fold", ratio=3)
+    for column in ("verdict", "headline", "vs parent", "commit"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("reasons / hints", overflow="fold", ratio=4)
+    for r in state.rounds:
+        delta = f"{r.headline / r.parent_headline - 1:+.1%}" if r.headline and r.parent_headline else "-"
+        detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["code"] for h in r.hints)
+        verdict = r.verdict + (" (best)" if r.round == state.best_round else "")
+        table.add_row(str(r.round), r.task.title, verdict, _num(r.headline) if r.headline is not None else "-", delta,
+                      (r.commit or "-")[:8], detail or "-")
+    console.print(table)
+
+
+@app.command("show")
+def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND")) -> None:
+    """One round: task, diff stat, judge report, metrics, hints."""
+    state, history = _state_and_history(run)
+    record = state.record(round_number)
+    if record is None:
+        errors.print(f"[red]error:[/red] {run} has no round {round_number} (rounds 0-{state.next_round - 1})")
+        raise typer.Exit(2)
+    console.print(f"[bold]Round {record.round}[/bold]: {record.task.title}  ({record.verdict}, {record.attempts} attempt(s), "
+                  f"{record.seconds:.0f}s)", highlight=False)
+    console.print(f"task {record.task.id} from {record.task.source or '-'}: {record.task.rationale}", highlight=False)
+    console.print(f"parent: round {record.parent_round} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}", highlight=False)
+    if record.commit:
+        console.print(history.diff_stat(record.commit), highlight=False, markup=False)
+    if record.reasons:
+        console.print("[bold]judge[/bold]: " + ("passed" if record.verdict == "accepted" else "\n  ".join(["rejected:", *record.reasons])))
+    if record.metrics:
+        console.print("[bold]metrics[/bold] (median; ± max-min): " + ", ".join(
+            f"{k} {_num(v)}" + (f" ± {_num(record.spread[k])}" if k in record.spread else "")
+            for k, v in record.metrics.items() if isinstance(v, (int, float))), highlight=False)
+    for hint in record.hints:
+        console.print(f"hint {hint['code']}: {hint['message']}", highlight=False, markup=False)
+
+
+@app.command("report")
+def report(run: Path, out: Path = typer.Option(None, help="HTML file to write (default RUN/../<run>-report.html)")) -> None:
+    """Static HTML: metric per round, the search tree, the timeline of best vs baselines, the rounds."""
+    from orchestrator.report import write_report
+
+    _state_and_history(run)  # clear errors for a path that is not a run
+    path = write_report(run, out or run.parent / f"{run.name}-report.html")
+    console.print(f"report: {path}")
 
 
 if __name__ == "__main__":

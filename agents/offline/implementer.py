@@ -1,0 +1,64 @@
+"""Offline implementer: composes the stack from the skills library. It refreshes the recipe modules
+a task names, applies the task's parameter changes to ``params.json`` (checked against the skills'
+ranges), expands every validation annotation, and records the decision in ``DESIGN.md``. Given the
+judge's feedback from a failed attempt, it restores every recipe module from the library (the
+repair it knows) before applying the task again."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from agents.roles import Attempt, Task
+from skills.library import load_skills
+from skills.starter import RECIPES, write_starter
+from skills.validation import expand_file
+from targets.spec import TargetSpec
+
+from agents.offline.planner import OfflinePlanner
+
+
+class ImplementationError(RuntimeError):
+    """The task cannot be carried out as written (the message says why)."""
+
+
+class OfflineImplementer:
+    def __init__(self, spec: TargetSpec, planner: OfflinePlanner) -> None:
+        self.spec, self.planner = spec, planner
+        self.skills = load_skills()
+
+    def starter(self, workspace: Path, controller: str) -> Attempt:
+        """Round 0: a complete starter candidate in an empty workspace."""
+        write_starter(workspace, self.spec, controller)
+        return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
+
+    def implement(self, task: Task, workspace: Path, feedback: list[str]) -> Attempt:
+        stack = workspace / "stack"
+        if not (stack / "params.json").exists():
+            raise ImplementationError(f"{workspace} holds no stack/params.json: not a candidate workspace")
+        changed: list[str] = []
+        modules = {self.skills[name].recipe for name in task.skills if name in self.skills}
+        unknown = [name for name in task.skills if name not in self.skills]
+        if unknown:
+            raise ImplementationError(f"task {task.id} names unknown skills {unknown}; known: {sorted(self.skills)}")
+        if feedback:  # the repair it knows: every module back to the library's version
+            modules |= {p.name for p in RECIPES.glob("*.py") if p.name != "__init__.py"}
+        for module in sorted(modules):
+            shutil.copy2(RECIPES / module, stack / module)
+            expand_file(stack / module)
+            changed.append(f"stack/{module}")
+        params = json.loads((stack / "params.json").read_text())
+        for name, value in task.changes.items():
+            if not self.planner.legal(name, value):
+                raise ImplementationError(f"task {task.id}: {name}={value!r} is outside the skill's range")
+            params[name] = value
+        (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+        changed.append("stack/params.json")
+        for path in sorted(stack.glob("*.py")):
+            if expand_file(path):
+                changed.append(f"stack/{path.name}")
+        summary = f"{task.title} ({', '.join(f'{k}={v}' for k, v in task.changes.items()) or 'no parameter change'})"
+        if feedback:
+            summary += "; restored every recipe module from the library after the judge's feedback"
+        return Attempt(summary, sorted(set(changed)))

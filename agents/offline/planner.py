@@ -1,0 +1,124 @@
+"""Offline planner: maps the evaluator's hints to skills by their triggers and writes tasks; when
+there is nothing left to react to, it proposes parameter perturbations within each skill's ranges.
+Deterministic for a seed."""
+
+from __future__ import annotations
+
+import random
+
+from agents.roles import Hint, Task
+from skills.library import ParamRange, Skill, load_skills
+from skills.starter import starter_params
+from targets.spec import TargetSpec
+
+# How a hint moves a parameter of the skill it triggers (factor for floats/ints, or engines +-).
+PARAM_MOVES = {
+    ("small_engine_batches", "batch_window_s"): 2.0,
+    ("slow_sync", "bucket_bytes"): 4.0,
+    ("many_aborts", "train_devices"): -1,
+    ("timeouts", "train_devices"): -1,
+}
+
+
+def _fmt(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+class OfflinePlanner:
+    def __init__(self, spec: TargetSpec, engine_devices: int = 1, seed: int = 0) -> None:
+        self.spec, self.engine_devices = spec, engine_devices
+        self.skills = load_skills()
+        self.rng = random.Random(seed)
+
+    # -- ranges ------------------------------------------------------------------------------------
+    def bounds(self, param: ParamRange) -> tuple[float, float]:
+        high = param.max if param.max is not None else float("inf")
+        if param.max_fraction is not None:
+            high = min(high, param.max_fraction * self.spec.hardware.count)
+        return param.min, high
+
+    def legal(self, name: str, value) -> bool:
+        ranges = [s.params[name] for s in self.skills.values() if name in s.params]
+        if not ranges:
+            return True
+        low, high = self.bounds(ranges[0])
+        step = (ranges[0].step_engines or 0) * self.engine_devices
+        return low <= value <= high and (not step or value % step == 0)
+
+    # -- tasks -------------------------------------------------------------------------------------
+    def _controller_task(self, skill: Skill, hint: Hint | None, params: dict) -> Task | None:
+        if params.get("controller") == skill.name:
+            return None
+        changes = {k: v for k, v in starter_params(self.spec, skill.name).items() if k in ("controller", "train_devices", "rollout_devices")}
+        why = f"{hint.message}; " if hint else ""
+        return Task(
+            id=f"controller={skill.name}", title=f"switch the controller to {skill.name}",
+            rationale=f"{why}the {skill.name} skill is triggered by {skill.triggers}",
+            skills=[skill.name], changes=changes, priority=10 if hint else 1, source=f"trigger:{hint.code}" if hint else "skill",
+            acceptance=[f"vibetrain check passes", f"{self.spec.headline_metric.name} improves beyond the noise threshold"],
+        )
+
+    def _param_task(self, skill: Skill, name: str, value, reason: str, source: str, priority: int) -> Task:
+        return Task(
+            id=f"{name}={_fmt(value)}", title=f"set {name} to {_fmt(value)}", rationale=reason,
+            skills=[skill.name], changes={name: value}, priority=priority, source=source,
+            acceptance=["vibetrain check passes", f"{self.spec.headline_metric.name} improves beyond the noise threshold"],
+        )
+
+    def _moved(self, name: str, current, move):
+        if name.endswith("_devices"):
+            return int(current + move * self.engine_devices)
+        value = current * move
+        return int(value) if isinstance(current, int) else round(value, 6)
+
+    def tasks_from_hints(self, hints: list[Hint], params: dict) -> list[Task]:
+        tasks: list[Task] = []
+        for hint in hints:
+            for skill in self.skills.values():
+                if hint.code not in skill.triggers:
+                    continue
+                if skill.kind == "controller":
+                    task = self._controller_task(skill, hint, params)
+                    if task:
+                        tasks.append(task)
+                for name in skill.params:
+                    move = PARAM_MOVES.get((hint.code, name))
+                    if move is None or (skill.kind == "controller" and params.get("controller") != skill.name):
+                        continue  # a controller's parameters matter only under that controller
+                    current = params.get(name, self._default(name))
+                    if current is None:
+                        continue
+                    value = self._moved(name, current, move)
+                    if value != current and self.legal(name, value):
+                        tasks.append(self._param_task(skill, name, value, f"{hint.message}: move {name} {_fmt(current)} -> {_fmt(value)}",
+                                                      f"trigger:{hint.code}", 8))
+        return tasks
+
+    def initial_tasks(self, params: dict) -> list[Task]:
+        """Before any measurement: every controller skill, at low priority (hints will outrank them)."""
+        return [t for s in self.skills.values() if s.kind == "controller" for t in [self._controller_task(s, None, params)] if t]
+
+    def perturbation(self, params: dict) -> Task | None:
+        """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation,
+        and the backlog's fallback when it runs dry)."""
+        candidates = []
+        for skill in self.skills.values():
+            if skill.kind == "controller" and params.get("controller") != skill.name:
+                continue
+            for name, param in skill.params.items():
+                current = params.get(name, self._default(name))
+                if current is None:
+                    continue
+                moves = (-1, 1) if name.endswith("_devices") else (0.5, 2.0)
+                for move in moves:
+                    value = self._moved(name, current, move)
+                    if value != current and self.legal(name, value):
+                        candidates.append((skill, name, current, value))
+        if not candidates:
+            return None
+        skill, name, current, value = self.rng.choice(candidates)
+        return self._param_task(skill, name, value, f"explore: {name} {_fmt(current)} -> {_fmt(value)}", "mutation", 0)
+
+    @staticmethod
+    def _default(name: str):
+        return {"batch_window_s": 0.002, "bucket_bytes": 64 << 20, "micro_batch": 16}.get(name)

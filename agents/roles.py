@@ -1,0 +1,96 @@
+"""The inner loop's roles as small interfaces, and the data that flows between them.
+
+A backend (``offline`` here; ``openai``/``anthropic``/``cli`` later) implements each role with one
+method. The orchestrator's round loop only ever talks to these interfaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Task(BaseModel):
+    """One round's work, as an issue tracker would hold it."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9._=+-]*$")
+    title: str
+    rationale: str
+    skills: list[str] = []
+    changes: dict = {}  # params.json keys to set (what the offline implementer applies)
+    acceptance: list[str] = []
+    priority: int = 0  # higher first
+    source: str = ""  # "starter", "trigger:<hint>", "mutation", ...
+
+
+class Hint(BaseModel):
+    """An evaluator finding read from the trace: ``code`` matches skill triggers."""
+
+    model_config = ConfigDict(extra="forbid")
+    code: str
+    message: str
+    evidence: dict = {}
+
+
+@dataclass
+class Attempt:
+    """What an implementer did to the workspace."""
+
+    summary: str
+    files_changed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    """The judge's decision. ``run_dir`` holds the judge's own system run (trace included)."""
+
+    passed: bool
+    reasons: list[str]
+    checks: list[dict]
+    run_dir: Path | None = None
+
+
+@dataclass
+class Evaluation:
+    """The evaluator's measurement: medians over repeats, their spread, and hints for next rounds."""
+
+    headline: float
+    metrics: dict
+    spread: dict
+    repeats: list[dict]
+    hints: list[Hint]
+    profile: str = ""
+    trace_path: Path | None = None  # the median repeat's trace (for timelines)
+
+
+class Implementer(Protocol):
+    def implement(self, task: Task, workspace: Path, feedback: list[str]) -> Attempt: ...
+
+
+class Judge(Protocol):
+    def judge(self, workspace: Path, out: Path) -> Verdict: ...
+
+
+class Evaluator(Protocol):
+    def evaluate(self, workspace: Path, verdict: Verdict, out: Path) -> Evaluation: ...
+
+
+class Planner(Protocol):
+    def tasks_from_hints(self, hints: list[Hint], params: dict) -> list[Task]: ...
+
+    def initial_tasks(self, params: dict) -> list[Task]: ...
+
+
+@dataclass
+class Agents:
+    """One backend's four roles, handed to the round loop together."""
+
+    backend: str
+    planner: Planner
+    implementer: Implementer
+    judge: Judge
+    evaluator: Evaluator

@@ -1,0 +1,145 @@
+"""The run's git history (gitpython; this is its one writer). The commit graph is the search tree:
+
+* a validated candidate is a commit whose parent is the candidate it was derived from, subject
+  ``Round N: <task>``, with trailers (round, task, agent backend, verdict, headline metric and the
+  parent's); ``refs/vibetrain/rounds/<N>`` keeps every one reachable;
+* the branch ``best`` points at the best validated candidate (HEAD follows it);
+* a rejected attempt is a commit on its parent kept under ``refs/vibetrain/rejected/<N>``, with the
+  judge's report in ``.vibetrain/judge.json``.
+
+Each round works in a linked worktree (``git worktree add --detach``) outside the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+RECORD_DIR = ".vibetrain"  # per-commit records (judge report, evaluation) inside the candidate tree
+
+
+class HistoryError(RuntimeError):
+    """The run repository is not in a state this run can use (the message says what to do)."""
+
+
+@dataclass(frozen=True)
+class Trailers:
+    round: int
+    task: str
+    backend: str
+    verdict: str
+    metric: str  # "name=value"
+    parent_metric: str
+
+    def lines(self) -> str:
+        return (f"Round: {self.round}\nTask: {self.task}\nAgent-Backend: {self.backend}\nVerdict: {self.verdict}\n"
+                f"Headline-Metric: {self.metric}\nParent-Metric: {self.parent_metric}")
+
+
+class History:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.repo = git.Repo(path)
+
+    @classmethod
+    def create(cls, path: Path, description: str) -> "History":
+        """A new run repository whose root is an empty commit describing the run: every round's
+        worktree, round 0's included, then starts from a commit."""
+        path.mkdir(parents=True, exist_ok=True)
+        repo = git.Repo.init(path, initial_branch="best")
+        with repo.config_writer() as config:
+            config.set_value("user", "name", "vibetrain")
+            config.set_value("user", "email", "vibetrain@localhost")
+        repo.git.commit("--allow-empty", "-m", description)
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: Path) -> "History":
+        try:
+            return cls(path)
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+            raise HistoryError(f"{path} is not a vibetrain run repository") from None
+
+    # -- state -----------------------------------------------------------------------------------
+    def dirty(self) -> list[str]:
+        """Uncommitted changes in the run repository's own worktree (someone edited it by hand)."""
+        if not self.repo.head.is_valid():
+            return []
+        return [line for line in self.repo.git.status("--porcelain").splitlines() if line.strip()]
+
+    def round_commit(self, number: int) -> str | None:
+        try:
+            return self.repo.commit(f"refs/vibetrain/rounds/{number}").hexsha
+        except (git.BadName, ValueError):
+            return None
+
+    def rejected_commit(self, number: int) -> str | None:
+        try:
+            return self.repo.commit(f"refs/vibetrain/rejected/{number}").hexsha
+        except (git.BadName, ValueError):
+            return None
+
+    def best(self) -> str | None:
+        return self.repo.commit("best").hexsha if self.repo.head.is_valid() else None
+
+    def record(self, commit: str, name: str) -> dict:
+        """A JSON record stored in a commit's tree under ``.vibetrain/``."""
+        blob = self.repo.commit(commit).tree / RECORD_DIR / name
+        return json.loads(blob.data_stream.read())
+
+    # -- worktrees ---------------------------------------------------------------------------------
+    def root(self) -> str:
+        return self.repo.git.rev_list("--max-parents=0", "best").splitlines()[0]
+
+    def worktree(self, path: Path, parent: str) -> Path:
+        """A fresh linked worktree at ``parent`` (detached HEAD)."""
+        self.remove_worktree(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.repo.git.worktree("add", "--detach", str(path), parent)
+        return path
+
+    def remove_worktree(self, path: Path) -> None:
+        if path.exists():
+            if (path / ".git").is_file():
+                self.repo.git.worktree("remove", "--force", str(path))
+            else:
+                shutil.rmtree(path)
+        self.repo.git.worktree("prune")
+
+    # -- commits -----------------------------------------------------------------------------------
+    def _commit_workspace(self, workspace: Path, message: str, records: dict[str, dict]) -> str:
+        records_dir = workspace / RECORD_DIR
+        records_dir.mkdir(exist_ok=True)
+        for name, data in records.items():
+            (records_dir / name).write_text(json.dumps(data, indent=1, default=str) + "\n")
+        repo = git.Repo(workspace)
+        repo.git.add("-A")
+        repo.git.commit("--allow-empty", "-m", message)
+        return repo.head.commit.hexsha
+
+    def commit_validated(self, workspace: Path, number: int, subject: str, trailers: Trailers,
+                         records: dict[str, dict], body: str = "") -> str:
+        parts = [f"Round {number}: {subject}", body.strip(), trailers.lines()]
+        commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
+        self.repo.git.update_ref(f"refs/vibetrain/rounds/{number}", commit)
+        return commit
+
+    def commit_rejected(self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict]) -> str:
+        message = f"Round {number} (rejected): {subject}\n\n{trailers.lines()}\n"
+        commit = self._commit_workspace(workspace, message, records)
+        self.repo.git.update_ref(f"refs/vibetrain/rejected/{number}", commit)
+        return commit
+
+    def set_best(self, commit: str) -> None:
+        """Move ``best`` (the checked-out branch) so the run directory shows the best candidate."""
+        self.repo.git.reset("--hard", commit)
+
+    def diff_stat(self, commit: str) -> str:
+        parents = self.repo.commit(commit).parents
+        if not parents:
+            return self.repo.git.show("--stat", "--format=", commit)
+        return self.repo.git.diff("--stat", parents[0].hexsha, commit)

@@ -1,0 +1,31 @@
+"""Search policies, one file each: which candidate to start from and which task to try next."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from agents.roles import Task
+from orchestrator.state import RoundRecord, RunState
+
+
+class Policy(Protocol):
+    name: str
+
+    def propose(self, state: RunState, params_of) -> tuple[RoundRecord, Task] | None:
+        """(parent round, task) for the next round, or None when there is nothing left to try.
+        ``params_of(record)`` reads a candidate's ``params.json`` from git."""
+        ...
+
+    def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:
+        """Learn from a finished round (its hints feed the backlog)."""
+        ...
+
+
+def make_policy(name: str, planner, seed: int) -> Policy:
+    from orchestrator.policies.backlog import BacklogPolicy
+    from orchestrator.policies.evolve import EvolvePolicy
+
+    policies = {"backlog": BacklogPolicy, "evolve": EvolvePolicy}
+    if name not in policies:
+        raise ValueError(f"unknown policy {name!r}; known: {sorted(policies)} (llm comes with the LLM agents)")
+    return policies[name](planner, seed)

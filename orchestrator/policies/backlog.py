@@ -1,0 +1,41 @@
+"""backlog: an issue tracker of structured tasks. Every round starts from the best candidate and
+takes the highest-priority task not yet tried on it; the evaluator's hints (through the planner's
+skill triggers) add tasks. When the backlog runs dry, the planner proposes a parameter move."""
+
+from __future__ import annotations
+
+from agents.roles import Hint, Task
+from orchestrator.state import RoundRecord, RunState
+
+
+class BacklogPolicy:
+    name = "backlog"
+
+    def __init__(self, planner, seed: int) -> None:
+        self.planner = planner
+
+    def propose(self, state: RunState, params_of) -> tuple[RoundRecord, Task] | None:
+        parent = state.best
+        if parent is None:
+            return None
+        params = params_of(parent)
+        tried = state.tried()
+        for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
+            if (parent.commit, task.id) in tried or all(params.get(k) == v for k, v in task.changes.items()):
+                continue
+            return parent, task
+        for _ in range(20):  # dry backlog: explore a parameter
+            task = self.planner.perturbation(params)
+            if task is None:
+                return None
+            if (parent.commit, task.id) not in tried:
+                return parent, task
+        return None
+
+    def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:
+        known = {t.id for t in state.backlog}
+        if record.verdict == "accepted":
+            for task in self.planner.tasks_from_hints([Hint(**h) for h in record.hints], params):
+                if task.id not in known:
+                    state.backlog.append(task)
+                    known.add(task.id)

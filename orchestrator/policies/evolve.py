@@ -1,0 +1,46 @@
+"""evolve: a population of validated candidates. The parent is the fitter of two drawn at random
+(tournament selection on the headline metric); the mutation applies a skill its hints triggered,
+or else perturbs one parameter. Deterministic for a seed."""
+
+from __future__ import annotations
+
+import random
+
+from agents.roles import Hint, Task
+from orchestrator.state import RoundRecord, RunState
+
+
+class EvolvePolicy:
+    name = "evolve"
+
+    def __init__(self, planner, seed: int) -> None:
+        self.planner, self.rng = planner, random.Random(seed)
+
+    def _select(self, state: RunState) -> RoundRecord | None:
+        population = [r for r in state.accepted() if r.headline is not None]
+        if not population:
+            return None
+        sign = 1 if self.planner.spec.headline_metric.direction == "maximize" else -1
+        contenders = self.rng.sample(population, min(2, len(population)))
+        return max(contenders, key=lambda r: sign * r.headline)
+
+    def propose(self, state: RunState, params_of) -> tuple[RoundRecord, Task] | None:
+        tried = state.tried()
+        for _ in range(20):
+            parent = self._select(state)
+            if parent is None:
+                return None
+            params = params_of(parent)
+            skilled = [t for t in self.planner.tasks_from_hints([Hint(**h) for h in parent.hints], params)
+                       if (parent.commit, t.id) not in tried]
+            if skilled and self.rng.random() < 0.5:
+                return parent, max(skilled, key=lambda t: (t.priority, t.id))
+            task = self.planner.perturbation(params)
+            if task is not None and (parent.commit, task.id) not in tried:
+                return parent, task
+            if skilled:
+                return parent, max(skilled, key=lambda t: (t.priority, t.id))
+        return None
+
+    def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:
+        """The population is the accepted rounds in the state; nothing else to keep."""

@@ -1,0 +1,224 @@
+"""The round loop, top to bottom in one place.
+
+A run is a git repository (``generated/<run>``) plus its state. Round 0 writes the starter stack;
+every later round: the policy picks a parent candidate and a task → the implementer edits a fresh
+worktree of the parent (up to ``max_attempts`` times, each fed the judge's reasons) → the judge
+gates it → the evaluator measures it → the candidate is committed (validated) or kept under a
+rejected ref → ``DESIGN.md``, the backlog and the run state are updated. One round's failure never
+stops the run; a budget (rounds, wall time) stops it cleanly between rounds; a killed run resumes
+with every validated commit intact and no round done twice.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from agents.roles import Agents, Evaluation, Task, Verdict
+from orchestrator.design_doc import DesignDoc
+from orchestrator.history import History, Trailers
+from orchestrator.policies import Policy
+from orchestrator.state import RoundRecord, RunState, RunStateError
+from targets.spec import TargetSpec
+
+RUNS_DIR = "vibetrain"  # inside .git: judge and evaluator outputs, never tracked
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (disk full, a broken repository); the message says what to do."""
+
+
+@dataclass
+class Loop:
+    spec: TargetSpec
+    state: RunState
+    history: History
+    agents: Agents
+    policy: Policy
+    run_dir: Path
+    workspaces: Path
+    on_event: Callable[..., None] = lambda kind, **data: None
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> RunState:
+        started = time.monotonic()
+        spent_before = self.state.seconds_used
+        self.reconcile_with_git()
+        if self.state.next_round == 0:
+            self.finish_round(self.round_zero())
+        if self.state.best is None:
+            starter = self.state.record(0)
+            self.on_event("budget", reason=f"the starter stack was not validated ({starter.verdict}): "
+                                           + "; ".join(starter.reasons[:3]))
+            return self.state
+        while self.state.next_round <= self.state.config.rounds:
+            elapsed = spent_before + time.monotonic() - started
+            budget = self.state.config.max_minutes
+            if budget is not None and elapsed >= budget * 60:
+                self.on_event("budget", reason=f"wall-time budget of {budget:g} min spent ({elapsed / 60:.1f} min)")
+                break
+            proposal = self.policy.propose(self.state, self.params_of)
+            if proposal is None:
+                self.on_event("budget", reason="nothing left to try: the backlog is empty and no parameter move is new")
+                break
+            parent, task = proposal
+            self.finish_round(self.round(self.state.next_round, parent, task))
+            self.state.seconds_used = spent_before + time.monotonic() - started
+            self.save()
+        self.state.seconds_used = spent_before + time.monotonic() - started
+        self.save()
+        return self.state
+
+    def round_zero(self) -> RoundRecord:
+        starter = self.state.config.starter
+        task = Task(id=f"starter={starter}", title=f"starter stack ({starter})", source="starter",
+                    rationale=f"the {starter} baseline built from the skills library's recipes",
+                    skills=[starter], acceptance=["vibetrain check passes"])
+        return self.round(0, None, task)
+
+    # -- one round ---------------------------------------------------------------------------------
+    def round(self, number: int, parent: RoundRecord | None, task: Task) -> RoundRecord:
+        self.on_event("round_start", round=number, task=task, parent=parent.round if parent else None)
+        started = time.monotonic()
+        parent_commit = parent.commit if parent else self.history.root()
+        workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
+        out = self.run_dir / ".git" / RUNS_DIR / f"round-{number}"
+        shutil.rmtree(out, ignore_errors=True)
+        record = RoundRecord(round=number, task=task, parent_round=parent.round if parent else None,
+                             parent_commit=parent_commit, verdict="error",
+                             parent_headline=parent.headline if parent else None)
+        try:
+            verdict, attempts = self.implement_and_judge(number, task, workspace, out)
+            record.attempts, record.reasons = attempts, verdict.reasons
+            if verdict.passed:
+                evaluation = self.agents.evaluator.evaluate(workspace, verdict, out / "evaluate")
+                self.accept(record, evaluation, workspace)
+            else:
+                self.reject(record, workspace, verdict)
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                raise RunError(f"disk full during round {number}: every validated candidate is committed; "
+                               "free some space and run again with --resume") from None
+            record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}"]
+        except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
+            record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}"]
+        record.seconds = time.monotonic() - started
+        self.history.remove_worktree(workspace)
+        return record
+
+    def implement_and_judge(self, number: int, task: Task, workspace: Path, out: Path) -> tuple[Verdict, int]:
+        feedback: list[str] = []
+        verdict = Verdict(False, ["no attempt was made"], [])
+        for attempt in range(1, self.state.config.max_attempts + 1):
+            if number == 0:
+                self.agents.implementer.starter(workspace, self.state.config.starter)
+            else:
+                self.agents.implementer.implement(task, workspace, feedback)
+            verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}")
+            self.on_event("verdict", round=number, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons)
+            if verdict.passed:
+                return verdict, attempt
+            feedback = verdict.reasons
+        return verdict, self.state.config.max_attempts
+
+    def accept(self, record: RoundRecord, evaluation: Evaluation, workspace: Path) -> None:
+        record.verdict, record.headline = "accepted", evaluation.headline
+        record.metrics = {k: v for k, v in evaluation.metrics.items() if k != "device_utilization"}
+        record.spread, record.hints = evaluation.spread, [h.model_dump() for h in evaluation.hints]
+        best = self.state.best
+        record.became_best = best is None or self.improves(evaluation.headline, best.headline)
+        self.update_design(workspace, record)
+        metric = self.spec.headline_metric.name
+        trailers = Trailers(record.round, record.task.id, self.agents.backend, "accepted",
+                            f"{metric}={evaluation.headline:.6g}", f"{metric}={record.parent_headline:.6g}" if record.parent_headline is not None else "none")
+        body = f"{record.task.rationale}\n\nHints: " + ("; ".join(h.message for h in evaluation.hints) or "none")
+        record.commit = self.history.commit_validated(workspace, record.round, record.task.title, trailers,
+                                                      {"round.json": record.model_dump(mode="json")}, body)
+        if evaluation.trace_path is not None:
+            traces = self.run_dir / ".git" / RUNS_DIR / "traces"
+            traces.mkdir(parents=True, exist_ok=True)
+            shutil.copy(evaluation.trace_path, traces / f"round-{record.round}.jsonl")
+
+    def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict) -> None:
+        record.verdict = "rejected"
+        self.update_design(workspace, record)
+        trailers = Trailers(record.round, record.task.id, self.agents.backend, "rejected", "none",
+                            f"{self.spec.headline_metric.name}={record.parent_headline:.6g}" if record.parent_headline is not None else "none")
+        record.commit = self.history.commit_rejected(workspace, record.round, record.task.title, trailers,
+                                                     {"judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
+                                                      "round.json": record.model_dump(mode="json")})
+
+    def finish_round(self, record: RoundRecord) -> None:
+        """Git first, then the state: a kill in between is repaired by ``reconcile_with_git``."""
+        if record.became_best and record.commit:
+            self.history.set_best(record.commit)
+            self.state.best_round = record.round
+        self.state.rounds.append(record)
+        if record.verdict == "accepted":
+            self.policy.observe(self.state, record, self.params_of(record))
+        shutil.rmtree(self.run_dir / ".git" / RUNS_DIR / f"round-{record.round}", ignore_errors=True)
+        self.save()
+        self.on_event("round_end", record=record, best=self.state.best)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def improves(self, value: float, best: float | None) -> bool:
+        if best is None:
+            return True
+        noise = self.spec.noise_threshold
+        if self.spec.headline_metric.direction == "maximize":
+            return value > best * (1 + noise)
+        return value < best * (1 - noise)
+
+    def params_of(self, record: RoundRecord) -> dict:
+        blob = self.history.repo.commit(record.commit).tree / "stack" / "params.json"
+        return json.loads(blob.data_stream.read())
+
+    def update_design(self, workspace: Path, record: RoundRecord) -> None:
+        doc = DesignDoc.load(workspace / "DESIGN.md")
+        task = record.task
+        for earlier in self.state.rounds:  # the plan carries every round of the run, whatever its branch
+            if not doc.step(earlier.task.id) and earlier.round > 0:
+                doc.set_status(earlier.task.id, earlier.task.title, *self._status(earlier))
+        if record.round > 0:
+            doc.set_status(task.id, task.title, *self._status(record))
+        if record.verdict == "accepted":
+            metric = self.spec.headline_metric.name
+            parent = f" (parent {record.parent_headline:.4g})" if record.parent_headline is not None else ""
+            doc.decisions.append(f"Round {record.round}: {task.title}. Why: {task.rationale}. "
+                                 f"Measured {metric} {record.headline:.4g}{parent}.")
+            doc.findings += [f"Round {record.round}: {h['message']} [{h['code']}]" for h in record.hints]
+        for pending in self.state.backlog:
+            if not doc.step(pending.id):
+                doc.plan_step(pending.id, pending.title)
+        doc.save(workspace / "DESIGN.md")
+
+    def _status(self, record: RoundRecord) -> tuple[str, str]:
+        if record.verdict == "accepted":
+            if record.became_best or record.round == 0:
+                return "DONE", ""
+            return "ABANDONED", f"round {record.round}: no gain beyond the noise threshold ({record.headline:.4g})"
+        reason = record.reasons[0] if record.reasons else record.verdict
+        return "ABANDONED", f"round {record.round} {record.verdict}: {reason[:160]}"
+
+    def reconcile_with_git(self) -> None:
+        """Rounds committed to git after the last state save (a kill in between) join the state."""
+        while True:
+            number = self.state.next_round
+            commit = self.history.round_commit(number) or self.history.rejected_commit(number)
+            if commit is None:
+                return
+            record = RoundRecord.model_validate(self.history.record(commit, "round.json"))
+            record.commit = commit
+            self.on_event("recovered", round=number)
+            self.finish_round(record)
+
+    def save(self) -> None:
+        try:
+            self.state.save(self.run_dir)
+        except RunStateError as error:
+            raise RunError(str(error)) from None

@@ -1,0 +1,112 @@
+"""Setting a run up: a new one (fresh repository and state) or a resumed one (state, repository and
+the same agents), and reading candidates back out of a run (``RUN@best``, ``RUN@round-3``)."""
+
+from __future__ import annotations
+
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import git
+
+from agents.offline import make_offline_agents
+from agents.sandbox import Sandbox
+from orchestrator.history import History, HistoryError
+from orchestrator.policies import make_policy
+from orchestrator.rounds import Loop
+from orchestrator.state import RunConfig, RunState, new_state
+from targets.harness.candidate import Limits
+from targets.harness.runner import execution_of, runtime_for
+from targets.harness.sim.cost_model import CostModel
+from targets.spec import TargetSpec, load_target
+
+BACKENDS = ("offline",)
+
+
+class RunSetupError(ValueError):
+    """A run cannot start or resume as asked (the message says why and what to do)."""
+
+
+def _loop(spec: TargetSpec, state: RunState, history: History, run_dir: Path, workspaces: Path,
+          on_event: Callable[..., None], time_limit_s: float) -> Loop:
+    config = state.config
+    if config.agents not in BACKENDS:
+        raise RunSetupError(f"unknown agent backend {config.agents!r}; available here: {', '.join(BACKENDS)}")
+    if config.simulated:
+        spec = spec.model_copy(update={"execution": "simulated"})
+    runtime_for(spec)  # builds (and caches) the model files here: the sandbox cannot write them
+    engine_devices = CostModel.from_spec(spec).engine_devices if config.simulated else 1
+    sandbox = Sandbox.detect(config.sandbox)
+    target = config.target
+    agents = make_offline_agents(target, spec, simulated=config.simulated, engine_devices=engine_devices, seed=config.seed,
+                                 repeat=config.repeat, sandbox=sandbox, limits=Limits(time_s=time_limit_s))
+    policy = make_policy(config.policy, agents.planner, config.seed)
+    loop = Loop(spec, state, history, agents, policy, run_dir, workspaces / run_dir.name, on_event)
+    on_event("setup", sandbox=sandbox.backend, simulated=config.simulated)
+    return loop
+
+
+def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, policy: str, agents: str, seed: int,
+              max_minutes: float | None, max_attempts: int, repeat: int, starter: str, sandbox: str, simulate: bool,
+              time_limit_s: float, on_event: Callable[..., None]) -> Loop:
+    spec = load_target(target)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
+    make_policy(policy, None, seed)  # fail on an unknown policy before anything is written
+    if agents not in BACKENDS:
+        raise RunSetupError(f"unknown agent backend {agents!r}; available here: {', '.join(BACKENDS)}")
+    target_ref = str(Path(target).resolve()) if Path(target).exists() else target
+    config = RunConfig(target=target_ref, target_id=spec.id, policy=policy, agents=agents, seed=seed, rounds=rounds,
+                       max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
+                       simulated=simulate or execution_of(spec) == "simulated", sandbox=sandbox)
+    history = History.create(run_dir, f"vibetrain run: {spec.id}\n\npolicy {policy}, agents {agents}, seed {seed}")
+    state = new_state(config)
+    state.save(run_dir)
+    return _loop(spec, state, history, run_dir, workspaces, on_event, time_limit_s)
+
+
+def resume_run(run_dir: Path, workspaces: Path, *, rounds: int | None, max_minutes: float | None, time_limit_s: float,
+               on_event: Callable[..., None]) -> Loop:
+    if not run_dir.exists():
+        raise RunSetupError(f"{run_dir} does not exist: nothing to resume (start it without --resume)")
+    try:
+        history = History.open(run_dir)
+    except HistoryError as error:
+        raise RunSetupError(str(error)) from None
+    dirty = history.dirty()
+    if dirty:
+        raise RunSetupError(f"{run_dir} has uncommitted changes ({len(dirty)}: {', '.join(dirty[:3])}): the run owns that "
+                            f"worktree; discard them (git -C {run_dir} reset --hard best) or copy them elsewhere first")
+    state = RunState.load(run_dir)
+    updates = {k: v for k, v in {"rounds": rounds, "max_minutes": max_minutes}.items() if v is not None}
+    state.config = state.config.model_copy(update=updates)
+    return _loop(load_target(state.config.target), state, history, run_dir, workspaces, on_event, time_limit_s)
+
+
+def export_candidate(ref: str) -> Path:
+    """``RUN@best``, ``RUN@round-N`` or ``RUN@<commit>``: the candidate's files in a temporary directory."""
+    run, _, which = ref.rpartition("@")
+    run_dir = Path(run)
+    try:
+        history = History.open(run_dir)
+    except HistoryError as error:
+        raise RunSetupError(f"{ref}: {error}") from None
+    if which == "best":
+        commit = history.best()
+    elif which.startswith("round-") and which[6:].isdigit():
+        commit = history.round_commit(int(which[6:]))
+    else:
+        commit = which
+    if not commit:
+        raise RunSetupError(f"{ref}: no such candidate in {run_dir}")
+    target = Path(tempfile.mkdtemp(prefix="vibetrain-candidate-")) / f"{run_dir.name}@{which}"
+    target.mkdir()
+    try:
+        history.repo.git.archive(commit, "--format=tar", "-o", str(target / "candidate.tar"))
+    except git.GitCommandError as error:
+        raise RunSetupError(f"{ref}: cannot read commit {commit}: {error.stderr.strip()}") from None
+    with tarfile.open(target / "candidate.tar") as archive:
+        archive.extractall(target, filter="data")
+    (target / "candidate.tar").unlink()
+    return target

@@ -1,0 +1,124 @@
+"""Run state: what a run needs to continue after a crash or a kill — its configuration, the backlog,
+every finished round, the budgets spent — written atomically (temp file, fsync, rename) after
+every round. Git holds the candidates; on resume, a round committed to git but missing here (the
+run died between the commit and this write) is taken from git, never redone."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from agents.roles import Task
+
+STATE_FILE = "run_state.json"
+
+
+class RunStateError(RuntimeError):
+    """The state cannot be read or written (the message says what to do)."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: str  # as given on the command line (catalog id or spec path, made absolute)
+    target_id: str
+    policy: str
+    agents: str
+    seed: int
+    rounds: int
+    max_minutes: float | None
+    max_attempts: int
+    repeat: int
+    starter: str
+    simulated: bool
+    sandbox: str
+
+
+class RoundRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    round: int
+    task: Task
+    parent_round: int | None
+    parent_commit: str
+    verdict: str  # accepted | rejected | error
+    commit: str | None = None
+    headline: float | None = None
+    parent_headline: float | None = None
+    metrics: dict = {}
+    spread: dict = {}
+    hints: list[dict] = []
+    reasons: list[str] = []
+    attempts: int = 0
+    seconds: float = 0.0
+    became_best: bool = False
+
+
+class RunState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    config: RunConfig
+    backlog: list[Task] = []
+    rounds: list[RoundRecord] = []
+    best_round: int | None = None
+    seconds_used: float = 0.0
+    created_at: float = 0.0
+
+    # -- queries -----------------------------------------------------------------------------------
+    @property
+    def next_round(self) -> int:
+        return len(self.rounds)
+
+    def record(self, number: int) -> RoundRecord | None:
+        return next((r for r in self.rounds if r.round == number), None)
+
+    @property
+    def best(self) -> RoundRecord | None:
+        return self.record(self.best_round) if self.best_round is not None else None
+
+    def accepted(self) -> list[RoundRecord]:
+        return [r for r in self.rounds if r.verdict == "accepted"]
+
+    def tried(self) -> set[tuple[str, str]]:
+        """(parent commit, task id) pairs already attempted: never run the same change twice."""
+        return {(r.parent_commit, r.task.id) for r in self.rounds}
+
+    # -- persistence -------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunState":
+        path = run_dir / ".git" / STATE_FILE
+        if not path.exists():
+            raise RunStateError(f"{run_dir} has no run state ({path}): not a vibetrain run, or it never started")
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValueError as error:
+            raise RunStateError(f"{path} is corrupt ({error}); the candidates are intact in git (vibetrain log reads them)") from None
+
+    def save(self, run_dir: Path) -> None:
+        """Atomic: a reader (or a resumed run) sees the previous state or this one, never a torn file."""
+        path = run_dir / ".git" / STATE_FILE
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".state-", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.model_dump_json(indent=1))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as error:
+            if "tmp" in locals() and os.path.exists(tmp):
+                os.unlink(tmp)
+            if error.errno == errno.ENOSPC:
+                raise RunStateError(f"disk full while saving the run state to {path}: every validated candidate is "
+                                    "committed in git; free some space and run again with --resume") from None
+            raise
+
+
+def new_state(config: RunConfig) -> RunState:
+    return RunState(config=config, created_at=time.time())
+
+
+def dump_json(data) -> str:
+    return json.dumps(data, indent=1, default=str)

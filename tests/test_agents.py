@@ -1,0 +1,212 @@
+"""The inner loop's parts without a full run: validation annotations and their expansion, the
+static scans the judge adds (each planted and rejected), DESIGN.md as planning state, the offline
+planner's mapping of hints to skills, and the sandbox's isolation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agents.offline.evaluator import concurrency_shares, hints_from
+from agents.offline.judge import OfflineJudge
+from agents.offline.planner import OfflinePlanner
+from agents.roles import Hint
+from agents.sandbox import Sandbox, scrubbed_environment
+from orchestrator.design_doc import DesignDoc
+from skills.library import load_skills
+from skills.starter import write_starter
+from skills.validation import AnnotationError, expand_source, unexpanded
+from targets.api import TraceEvent
+from targets.harness.candidate import Limits
+from targets.harness.integrity import scan_stack
+from targets.spec import load_target
+
+
+# -- validation annotations --------------------------------------------------------------------
+
+def _run(source: str, call: str, **names):
+    namespace: dict = {}
+    exec(expand_source(source)[0], namespace)
+    return eval(call, namespace, names)
+
+
+def test_each_pattern_expands_into_a_check_with_a_message_naming_the_value():
+    source = '''
+def f(xs, n, chosen):
+    # VAL: VAL_INT_RANGE (min=0, max=len(xs))
+    k = n
+    # VAL: VAL_NON_EMPTY (value=xs)
+    # VAL: VAL_SUBSET (value=chosen, of=xs)
+    # VAL: AST_PRECONDITION (cond=k >= 0)
+    out = xs[:k]
+    # VAL: AST_POSTCONDITION (cond=len(out) == k)
+    return out
+'''
+    assert _run(source, "f([1, 2, 3], 2, [1])") == [1, 2]
+    with pytest.raises(ValueError, match=r"k must be an int in \[0, len\(xs\)\] = \[0, 3\], got 7"):
+        _run(source, "f([1, 2, 3], 7, [1])")
+    with pytest.raises(ValueError, match="xs must not be empty, got \\[\\]"):
+        _run(source, "f([], 0, [])")
+    with pytest.raises(ValueError, match="chosen must be a subset of xs = \\[1, 2, 3\\]; not in it: \\[9\\]"):
+        _run(source, "f([1, 2, 3], 1, [9])")
+
+
+def test_a_check_over_ten_lines_becomes_a_named_function():
+    expanded, count = expand_source("def g(ids):\n    # VAL: VAL_NO_DUPLICATES (value=ids)\n    return ids\n")
+    assert count == 1 and "def _validate_val_no_duplicates_1(ids)" in expanded
+    namespace: dict = {}
+    exec(expanded, namespace)
+    with pytest.raises(ValueError, match=r"ids must not repeat elements: 'a' x2 at \[0, 2\]"):
+        namespace["g"](["a", "b", "a"])
+
+
+def test_bad_annotations_are_named():
+    with pytest.raises(AnnotationError, match="<source>:1: unknown pattern VAL_PRIME"):
+        expand_source("# VAL: VAL_PRIME (value=x)\n")
+    with pytest.raises(AnnotationError, match="missing \\['max'\\]"):
+        expand_source("# VAL: VAL_INT_RANGE (value=x, min=0)\n")
+    with pytest.raises(AnnotationError, match="next line is not a simple assignment"):
+        expand_source("# VAL: VAL_NON_EMPTY ()\nprint(1)\n")
+    with pytest.raises(AnnotationError, match="malformed annotation"):
+        expand_source("# VAL: VAL_NON_EMPTY value=x\n")
+
+
+def test_the_recipes_carry_annotations_and_starters_carry_none(tmp_path, tiny_spec):
+    recipes = Path(__file__).parents[1] / "skills" / "recipes"
+    assert len(unexpanded(recipes)) >= 5
+    stack = write_starter(tmp_path / "s", tiny_spec, "time_multiplex")
+    assert unexpanded(stack / "stack") == []
+    assert "# VAL expanded: VAL_INT_RANGE" in (stack / "stack" / "time_multiplex.py").read_text()
+
+
+def test_the_judge_rejects_an_unexpanded_annotation_without_running_it(tmp_path, tiny_spec):
+    stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
+    path = stack / "stack" / "static_split.py"
+    path.write_text(path.read_text().replace("        rollout, train = self.placement(cluster.devices)",
+                                             "        # VAL: VAL_NON_EMPTY (value=envs)\n        rollout, train = self.placement(cluster.devices)"))
+    judge = OfflineJudge("tiny-qwen3-cpu", tiny_spec, Sandbox("subprocess"), Limits(time_s=5))
+    verdict = judge.judge(stack, tmp_path / "out")
+    assert not verdict.passed and verdict.run_dir is None
+    assert any("unexpanded validation annotation: stack/static_split.py" in r for r in verdict.reasons)
+
+
+# -- integrity scans, each planted ---------------------------------------------------------------
+
+PLANTS = {
+    "patches the clock": "import time\ntime.monotonic = lambda: 0.0\n",
+    "patches the clock (setattr on asyncio)": "import asyncio\nsetattr(asyncio, 'sleep', None)\n",
+    "reaches into a harness object (.trace)": "def f(episode):\n    return episode.trace\n",
+    "reaches into a harness object (.inner)": "def f(cluster):\n    return cluster.inner.generate\n",
+    "imports gc, an introspection escape hatch": "import gc\n",
+    "uses .__globals__, an introspection escape hatch": "def f(g):\n    return g.__globals__\n",
+    "uses .modules, an introspection escape hatch": "import sys\nsys.modules['time'] = None\n",
+}
+
+
+@pytest.mark.parametrize("reason", list(PLANTS))
+def test_integrity_scan_rejects_each_planted_escape(tmp_path, tiny_spec, reason):
+    stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
+    assert scan_stack(stack).passed
+    (stack / "stack" / "planted.py").write_text(PLANTS[reason])
+    result = scan_stack(stack)
+    assert not result.passed and any(reason.split(" (")[0] in r and "planted.py" in r for r in result.reasons), result.reasons
+
+
+# -- DESIGN.md ------------------------------------------------------------------------------------
+
+def test_design_doc_round_trips_and_tracks_statuses():
+    doc = DesignDoc.parse("# Stack design\n\n## Decisions\n- Round 0: starter.\n\n## Plan\n1. [DONE] Starter stack.\n\n## Findings\n(none yet)\n")
+    doc.set_status("controller=time_multiplex", "switch to time_multiplex", "IN_PROGRESS")
+    doc.set_status("batch_window_s=0.004", "set batch_window_s", "ABANDONED", "round 2: no gain beyond the noise threshold")
+    again = DesignDoc.parse(doc.render())
+    assert [(s.status, s.id) for s in again.plan] == [("DONE", ""), ("IN_PROGRESS", "controller=time_multiplex"),
+                                                      ("ABANDONED", "batch_window_s=0.004")]
+    assert again.plan[2].reason == "round 2: no gain beyond the noise threshold" and again.decisions == ["Round 0: starter."]
+    with pytest.raises(ValueError, match="needs a reason"):
+        doc.set_status("x", "x", "ABANDONED")
+
+
+# -- the offline planner and the evaluator's hints -----------------------------------------------
+
+def test_every_skill_has_front_matter_and_the_planner_maps_hints_to_them(tiny_spec):
+    skills = load_skills()
+    assert {"colocate", "static_split", "time_multiplex", "torch_engine", "grpo_trainer"} <= set(skills)
+    planner = OfflinePlanner(tiny_spec)
+    params = {"controller": "colocate", "engine": "torch", "micro_batch": 16}
+    tasks = planner.tasks_from_hints([Hint(code="rollout_stalls", message="no rollout in flight for 35% of the run")], params)
+    assert {t.id for t in tasks} == {"controller=static_split", "controller=time_multiplex"}
+    assert all(t.priority == 10 and "35%" in t.rationale for t in tasks)
+    moved = planner.tasks_from_hints([Hint(code="small_engine_batches", message="engines batch 1.7")], params)
+    assert [t.changes for t in moved] == [{"batch_window_s": 0.004}]
+
+
+def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
+    planner = OfflinePlanner(big_spec, engine_devices=8, seed=1)
+    params = {"controller": "time_multiplex", "train_devices": 128, "micro_batch": 16}
+    for _ in range(30):
+        task = planner.perturbation(params)
+        for name, value in task.changes.items():
+            assert planner.legal(name, value)
+            if name == "train_devices":
+                assert value % 8 == 0 and value in (120, 136)
+    assert not planner.legal("train_devices", 130) and not planner.legal("micro_batch", 1)
+
+
+def _event(kind, t, **data):
+    return TraceEvent(kind, t, data)
+
+
+def test_hints_read_stalls_and_the_tail_from_the_trace():
+    events = [_event("run_start", 0.0, devices=["cpu:0"])]
+    events += [_event("generate", 1.0, start=0.0, aborted=False, device="cpu:0") for _ in range(8)]  # 8 in flight, then
+    events += [_event("generate", 2.0, start=1.0, aborted=False, device="cpu:0")]  # a tail of one, then nothing
+    events += [_event("run_end", 4.0)]
+    stalled, tail = concurrency_shares(events)
+    assert stalled == pytest.approx(0.5) and tail == pytest.approx(0.25)
+    metrics = {"mean_device_busy": 0.5, "device_utilization": {"cpu:0": {"train": 0.0, "idle": 0.5}}, "timeout_ratio": 0.0,
+               "aborted_turns": 0, "sync_s": 0.0, "duration_s": 4.0}
+    assert {h.code for h in hints_from(metrics, events, simulated=True)} == {"rollout_stalls", "tail_idle", "devices_idle"}
+
+
+@pytest.fixture(scope="module")
+def big_spec():
+    return load_target("qwen3-235b-a22b-h800x160")
+
+
+# -- the sandbox ----------------------------------------------------------------------------------
+
+def test_the_environment_loses_its_secrets():
+    env = scrubbed_environment({"PATH": "/bin", "OPENAI_API_KEY": "sk-x", "ANTHROPIC_API_KEY": "a", "MY_TOKEN": "t", "LANG": "C"})
+    assert set(env) == {"PATH", "LANG", "VIBETRAIN_CACHE"}
+
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+
+
+@needs_bwrap
+def test_bubblewrap_keeps_writes_in_the_workspace_and_has_no_network(tmp_path):
+    sandbox = Sandbox.detect("bubblewrap")
+    workspace, out = tmp_path / "ws", tmp_path / "out"
+    workspace.mkdir(), out.mkdir()
+    outside = Path.home() / f"vibetrain-sandbox-probe-{os.getpid()}"
+    probe = (
+        "import pathlib, socket, sys\n"
+        f"pathlib.Path('{workspace}/ok').write_text('in')\n"
+        "try:\n"
+        f"    pathlib.Path('{outside}').write_text('out'); print('WROTE-OUTSIDE')\n"
+        "except OSError as e: print('outside refused', e.errno)\n"
+        "try:\n"
+        "    socket.create_connection(('1.1.1.1', 53), timeout=2); print('NETWORK')\n"
+        "except OSError: print('no network')\n"
+        "import os; print('KEY' if 'OPENAI_API_KEY' in os.environ else 'no key')\n"
+    )
+    command, env = sandbox.launcher([sys.executable, "-c", probe], {**os.environ, "OPENAI_API_KEY": "sk-secret"}, workspace, out)
+    result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "outside refused" in result.stdout and "no network" in result.stdout and "no key" in result.stdout
+    assert (workspace / "ok").read_text() == "in" and not outside.exists()

@@ -127,6 +127,21 @@ def starter(
     console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")
 
 
+def _sandbox(name: str, spec: TargetSpec, simulated: bool = False):
+    """The sandbox for candidate runs, with the target's model files built first (a sandboxed
+    child sees the model cache read-only)."""
+    from agents.sandbox import Sandbox
+    from targets.harness.runner import runtime_for
+
+    runtime_for(spec.model_copy(update={"execution": "simulated"}) if simulated else spec)
+
+    try:
+        return Sandbox.detect(name)
+    except (ValueError, RuntimeError) as error:
+        errors.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+
+
 def _print_checks(results) -> bool:
     table = Table(title="checks")
     for column in ("check", "verdict", "reasons"):
@@ -143,6 +158,7 @@ def check(
     stack: Path = typer.Option(..., help="candidate directory (holds stack/)"),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+    sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
     """Judge a candidate: integrity scan, accuracy checks 1-3, a system run and its audit. Exit 1 on failure."""
     import json
@@ -150,8 +166,9 @@ def check(
     from targets.harness.judge_run import check_candidate
 
     spec = _load(target)
+    launcher = _sandbox(sandbox, spec).launcher
     with console.status(f"checking {stack} on {spec.id}"):
-        results = check_candidate(target, spec, stack, time_limit)
+        results = check_candidate(target, spec, stack, time_limit, launcher=launcher)
     passed = _print_checks(results)
     if json_path:
         json_path.write_text(json.dumps([r.__dict__ for r in results], indent=1, default=str))
@@ -201,11 +218,13 @@ def bench(
     target: str,
     stack: list[Path] = typer.Option([], help="candidate directory, or RUN@best / RUN@round-N of a generate run (repeatable)"),
     baselines: str = typer.Option("colocate,static_split,time_multiplex", help="comma-separated starter schedules"),
-    repeat: int = typer.Option(3, min=1),
+    repeat: int = typer.Option(None, min=1, help="runs per schedule; default 3 real, 1 simulated (the simulator is "
+                                                 "deterministic: repeats only vary the workload's seed)"),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     timeline: Path = typer.Option(None, help="write the per-device timeline PNG here"),
     time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
     simulate: bool = typer.Option(False, "--simulate", help="run on the cluster simulator even if the target runs for real here"),
+    sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
     """Benchmark baselines and candidates side by side; ratios are to the first run listed."""
     import json
@@ -219,6 +238,8 @@ def bench(
 
     spec = _load(target)
     simulated = simulate or execution_of(spec) == "simulated"
+    repeat = repeat or (1 if simulated else 3)
+    launcher = _sandbox(sandbox, spec, simulated).launcher
     work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
     stacks: list[tuple[str, Path]] = []
     for name in [b.strip() for b in baselines.split(",") if b.strip()]:
@@ -244,7 +265,7 @@ def bench(
     with progress:
         task = progress.add_task("", total=len(stacks) * repeat)
         try:
-            runs = benchmark(target, spec, stacks, repeat, work / "runs", time_limit, simulated=simulated,
+            runs = benchmark(target, spec, stacks, repeat, work / "runs", time_limit, simulated=simulated, launcher=launcher,
                              on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"))
         except BenchmarkFailed as error:
             errors.print(f"[red]error:[/red] {error}")
@@ -340,7 +361,7 @@ class _RoundsView:
 @app.command("generate")
 def generate(
     target: str,
-    rounds: int = typer.Option(3, min=0, help="rounds after the starter (round 0)"),
+    rounds: int = typer.Option(None, min=0, help="rounds after the starter (round 0); default 3, or the resumed run's"),
     policy: str = typer.Option("backlog", help="backlog | evolve"),
     agents: str = typer.Option("offline", help="agent backend: offline"),
     out: Path = typer.Option(None, help="run directory (a git repository); default generated/<target id>"),
@@ -365,37 +386,35 @@ def generate(
     from orchestrator.runs import RunSetupError, resume_run, start_run
     from orchestrator.state import RunStateError
 
+    rounds_given = rounds is not None
+    rounds = 3 if rounds is None else rounds
     logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s")
-    if resume:
-        if out is None:
-            errors.print("[red]error:[/red] --resume needs --out (the run directory to continue)")
-            raise typer.Exit(2)
-        spec = None
-    else:
-        spec = _load(target)
-        out = out or Path("generated") / spec.id
-    view = None
+    spec = _load(target)
+    out = out or Path("generated") / spec.id
+    view, live = _RoundsView(spec), None
+
+    def on_event(kind: str, **data) -> None:
+        view.event(kind, **data)
+        if live is not None:
+            live.update(view.render())
+
     try:
         if resume:
-            from orchestrator.state import RunState
-
-            spec = _load(RunState.load(out).config.target)
-        view = _RoundsView(spec)
-        with Live(view.render(), console=console, refresh_per_second=4, transient=False) as live:
-            def on_event(kind: str, **data) -> None:
-                view.event(kind, **data)
-                live.update(view.render())
-
-            if resume:
-                loop = resume_run(out, workspaces, rounds=rounds, max_minutes=max_minutes, time_limit_s=time_limit, on_event=on_event)
-            else:
-                loop = start_run(target, out, workspaces, rounds=rounds, policy=policy, agents=agents, seed=seed,
-                                 max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
-                                 sandbox=sandbox, simulate=simulate, time_limit_s=time_limit, on_event=on_event)
-            state = loop.run()
-    except (RunSetupError, RunStateError, RunError, ValueError) as error:
+            loop = resume_run(out, workspaces, target=target, rounds=rounds if rounds_given else None, max_minutes=max_minutes,
+                              time_limit_s=time_limit, on_event=on_event)
+        else:
+            loop = start_run(target, out, workspaces, rounds=rounds, policy=policy, agents=agents, seed=seed,
+                             max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
+                             sandbox=sandbox, simulate=simulate, time_limit_s=time_limit, on_event=on_event)
+    except (RunSetupError, RunStateError, ValueError, RuntimeError) as error:
         errors.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(2 if view is None or not isinstance(error, RunError) else 1) from None
+        raise typer.Exit(2) from None
+    try:
+        with Live(view.render(), console=console, refresh_per_second=4) as live:
+            state = loop.run()
+    except RunError as error:
+        errors.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from None
     best = state.best
     if best is None:
         console.print("[red]no validated candidate[/red] (see vibetrain log)")

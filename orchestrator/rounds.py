@@ -93,8 +93,7 @@ class Loop:
                              parent_commit=parent_commit, verdict="error",
                              parent_headline=parent.headline if parent else None)
         try:
-            verdict, attempts = self.implement_and_judge(number, task, workspace, out)
-            record.attempts, record.reasons = attempts, verdict.reasons
+            verdict = self.implement_and_judge(record, workspace, out)
             if verdict.passed:
                 evaluation = self.agents.evaluator.evaluate(workspace, verdict, out / "evaluate")
                 self.accept(record, evaluation, workspace)
@@ -104,27 +103,31 @@ class Loop:
             if error.errno == errno.ENOSPC:
                 raise RunError(f"disk full during round {number}: every validated candidate is committed; "
                                "free some space and run again with --resume") from None
-            record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}"]
+            record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
-            record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}"]
+            record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         record.seconds = time.monotonic() - started
         self.history.remove_worktree(workspace)
         return record
 
-    def implement_and_judge(self, number: int, task: Task, workspace: Path, out: Path) -> tuple[Verdict, int]:
+    def implement_and_judge(self, record: RoundRecord, workspace: Path, out: Path) -> Verdict:
+        """Up to ``max_attempts`` implementations, each fed the judge's reasons for the last one;
+        the record keeps the attempt count and the latest reasons even if a later step fails."""
         feedback: list[str] = []
         verdict = Verdict(False, ["no attempt was made"], [])
         for attempt in range(1, self.state.config.max_attempts + 1):
-            if number == 0:
+            record.attempts = attempt
+            if record.round == 0:
                 self.agents.implementer.starter(workspace, self.state.config.starter)
             else:
-                self.agents.implementer.implement(task, workspace, feedback)
+                self.agents.implementer.implement(record.task, workspace, feedback)
             verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}")
-            self.on_event("verdict", round=number, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons)
+            record.reasons = verdict.reasons
+            self.on_event("verdict", round=record.round, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons)
             if verdict.passed:
-                return verdict, attempt
+                break
             feedback = verdict.reasons
-        return verdict, self.state.config.max_attempts
+        return verdict
 
     def accept(self, record: RoundRecord, evaluation: Evaluation, workspace: Path) -> None:
         record.verdict, record.headline = "accepted", evaluation.headline

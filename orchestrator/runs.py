@@ -66,8 +66,8 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
     return _loop(spec, state, history, run_dir, workspaces, on_event, time_limit_s)
 
 
-def resume_run(run_dir: Path, workspaces: Path, *, rounds: int | None, max_minutes: float | None, time_limit_s: float,
-               on_event: Callable[..., None]) -> Loop:
+def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | None, max_minutes: float | None,
+               time_limit_s: float, on_event: Callable[..., None]) -> Loop:
     if not run_dir.exists():
         raise RunSetupError(f"{run_dir} does not exist: nothing to resume (start it without --resume)")
     try:
@@ -79,6 +79,9 @@ def resume_run(run_dir: Path, workspaces: Path, *, rounds: int | None, max_minut
         raise RunSetupError(f"{run_dir} has uncommitted changes ({len(dirty)}: {', '.join(dirty[:3])}): the run owns that "
                             f"worktree; discard them (git -C {run_dir} reset --hard best) or copy them elsewhere first")
     state = RunState.load(run_dir)
+    given = str(Path(target).resolve()) if Path(target).exists() else target
+    if given not in (state.config.target, state.config.target_id):
+        raise RunSetupError(f"{run_dir} is a run for {state.config.target_id} ({state.config.target}), not {target}")
     updates = {k: v for k, v in {"rounds": rounds, "max_minutes": max_minutes}.items() if v is not None}
     state.config = state.config.model_copy(update=updates)
     return _loop(load_target(state.config.target), state, history, run_dir, workspaces, on_event, time_limit_s)

@@ -82,6 +82,10 @@ class RunState(BaseModel):
     def accepted(self) -> list[RoundRecord]:
         return [r for r in self.rounds if r.verdict == "accepted"]
 
+    def abandoned(self) -> set[str]:
+        """Task ids the run gave up on: validated without beating the best, or rejected."""
+        return {r.task.id for r in self.rounds if r.round > 0 and (r.verdict == "rejected" or (r.verdict == "accepted" and not r.became_best))}
+
     def tried(self) -> set[tuple[str, str]]:
         """(parent commit, task id) pairs already attempted: never run the same change twice."""
         return {(r.parent_commit, r.task.id) for r in self.rounds}

@@ -16,7 +16,7 @@ SKILLS_DIR = Path(__file__).parent
 class ParamRange(BaseModel):
     """A tunable parameter of ``params.json``: an int or float range. ``max_fraction`` bounds it by
     a fraction of the target's device count; ``step_engines`` makes device counts move in whole
-    rollout engines."""
+    rollout engines; ``simulated`` says whether the cluster simulator models it."""
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["int", "float"]
@@ -24,6 +24,7 @@ class ParamRange(BaseModel):
     max: float | None = None
     max_fraction: float | None = Field(default=None, gt=0, le=1)
     step_engines: int | None = Field(default=None, gt=0)
+    simulated: bool = Field(default=False, description="the cluster simulator models it (else tuning it there is moot)")
 
 
 class Skill(BaseModel):

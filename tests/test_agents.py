@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,36 @@ def test_bubblewrap_keeps_writes_in_the_workspace_and_has_no_network(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "outside refused" in result.stdout and "no network" in result.stdout and "no key" in result.stdout
     assert (workspace / "ok").read_text() == "in" and not outside.exists()
+
+
+# -- the harness's watchdog: limits a candidate cannot outrun --------------------------------------
+
+def _planted_build(tmp_path, tiny_spec, code: str) -> Path:
+    stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
+    build = stack / "stack" / "build.py"
+    build.write_text(build.read_text().replace("def build(spec, runtime: Runtime) -> Stack:\n",
+                                               "def build(spec, runtime: Runtime) -> Stack:\n" + code))
+    return stack
+
+
+@pytest.mark.slow
+def test_a_candidate_that_eats_memory_is_killed_at_its_limit(tmp_path, tiny_spec):
+    from targets.harness.candidate import run_candidate
+
+    stack = _planted_build(tmp_path, tiny_spec, "    hog = [bytearray(64 << 20) for _ in range(64)]  # planted: 4 GB\n")
+    run = run_candidate("tiny-qwen3-cpu", stack, tmp_path / "out", "accuracy", Limits(time_s=120, memory_mb=1500))
+    assert not run.ok and "over its limit of 1500 MB" in run.cause, run.cause
+
+
+@pytest.mark.slow
+def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
+    from targets.harness.candidate import run_candidate
+
+    code = "    import subprocess, sys\n    kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(40)]  # planted\n    time.sleep(60)\n"
+    stack = _planted_build(tmp_path, tiny_spec, "    import time\n" + code)
+    started = time.monotonic()
+    run = run_candidate("tiny-qwen3-cpu", stack, tmp_path / "out", "accuracy", Limits(time_s=120, processes=20))
+    assert not run.ok and "processes, over its limit of 20" in run.cause, run.cause
+    assert time.monotonic() - started < 60
+    leftovers = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], "the storm outlived the kill"

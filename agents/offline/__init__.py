@@ -14,11 +14,11 @@ from targets.spec import TargetSpec
 
 def make_offline_agents(target: str, spec: TargetSpec, *, simulated: bool, engine_devices: int, seed: int, repeat: int,
                         sandbox: Sandbox, limits: Limits) -> Agents:
-    planner = OfflinePlanner(spec, engine_devices, seed)
+    planner = OfflinePlanner(spec, engine_devices, seed, simulated)
     return Agents(
         backend="offline",
         planner=planner,
         implementer=OfflineImplementer(spec, planner),
-        judge=OfflineJudge(target, spec, sandbox, limits),
+        judge=OfflineJudge(target, spec, sandbox, limits, simulated),
         evaluator=OfflineEvaluator(target, spec, sandbox, limits, repeat, simulated),
     )

@@ -102,7 +102,8 @@ class OfflineEvaluator:
         runs = [verdict.run_dir]
         for i in range(1, self.repeat):
             run = run_candidate(self.target, workspace, out / f"r{i}", "system", self.limits, seed=i,
-                                launcher=self.sandbox.launcher, extra_args=("--profile",) if i == 1 else ())
+                                execution="simulated" if self.simulated else "real", launcher=self.sandbox.launcher,
+                                extra_args=("--profile",) if i == 1 else ())
             if not run.ok:
                 raise RuntimeError(f"repeat {i} failed: {run.cause}")
             runs.append(run.out)

@@ -29,7 +29,8 @@ class OfflineImplementer:
         self.skills = load_skills()
 
     def starter(self, workspace: Path, controller: str) -> Attempt:
-        """Round 0: a complete starter candidate in an empty workspace."""
+        """Round 0: a complete starter candidate (written afresh on every attempt)."""
+        shutil.rmtree(workspace / "stack", ignore_errors=True)
         write_starter(workspace, self.spec, controller)
         return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
 
@@ -50,7 +51,7 @@ class OfflineImplementer:
             changed.append(f"stack/{module}")
         params = json.loads((stack / "params.json").read_text())
         for name, value in task.changes.items():
-            if not self.planner.legal(name, value):
+            if not self.planner.legal(name, value, task.skills):
                 raise ImplementationError(f"task {task.id}: {name}={value!r} is outside the skill's range")
             params[name] = value
         (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")

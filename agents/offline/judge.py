@@ -15,15 +15,17 @@ from targets.spec import TargetSpec
 
 
 class OfflineJudge:
-    def __init__(self, target: str, spec: TargetSpec, sandbox: Sandbox, limits: Limits) -> None:
+    def __init__(self, target: str, spec: TargetSpec, sandbox: Sandbox, limits: Limits, simulated: bool = False) -> None:
         self.target, self.spec, self.sandbox, self.limits = target, spec, sandbox, limits
+        self.execution = "simulated" if simulated else "real"
 
     def judge(self, workspace: Path, out: Path) -> Verdict:
         left = unexpanded(workspace)
         if left:
             reasons = [f"unexpanded validation annotation: {line}" for line in left]
             return Verdict(False, reasons, [{"name": "annotations", "passed": False, "reasons": reasons}])
-        results = check_candidate(self.target, self.spec, workspace, self.limits, out=out, launcher=self.sandbox.launcher)
+        results = check_candidate(self.target, self.spec, workspace, self.limits, out=out, launcher=self.sandbox.launcher,
+                                  execution=self.execution)
         reasons = [f"{r.name}: {reason}" for r in results if not r.passed for reason in r.reasons]
         checks = [{"name": r.name, "passed": r.passed, "reasons": r.reasons, "details": r.details} for r in results]
         ran = (out / "trace.jsonl").exists()

@@ -25,8 +25,8 @@ def _fmt(value) -> str:
 
 
 class OfflinePlanner:
-    def __init__(self, spec: TargetSpec, engine_devices: int = 1, seed: int = 0) -> None:
-        self.spec, self.engine_devices = spec, engine_devices
+    def __init__(self, spec: TargetSpec, engine_devices: int = 1, seed: int = 0, simulated: bool = False) -> None:
+        self.spec, self.engine_devices, self.simulated = spec, engine_devices, simulated
         self.skills = load_skills()
         self.rng = random.Random(seed)
 
@@ -37,13 +37,18 @@ class OfflinePlanner:
             high = min(high, param.max_fraction * self.spec.hardware.count)
         return param.min, high
 
-    def legal(self, name: str, value) -> bool:
-        ranges = [s.params[name] for s in self.skills.values() if name in s.params]
-        if not ranges:
-            return True
-        low, high = self.bounds(ranges[0])
-        step = (ranges[0].step_engines or 0) * self.engine_devices
-        return low <= value <= high and (not step or value % step == 0)
+    def legal(self, name: str, value, skills: list[str] | None = None) -> bool:
+        """Within the range every skill (of ``skills``, if given) that declares ``name`` allows."""
+        ranges = [s.params[name] for s in self.skills.values() if name in s.params and (skills is None or s.name in skills)]
+        for param in ranges:
+            low, high = self.bounds(param)
+            step = (param.step_engines or 0) * self.engine_devices
+            if not (low <= value <= high and (not step or value % step == 0)):
+                return False
+        return True
+
+    def tunable(self, param: ParamRange) -> bool:
+        return param.simulated or not self.simulated
 
     # -- tasks -------------------------------------------------------------------------------------
     def _controller_task(self, skill: Skill, hint: Hint | None, params: dict) -> Task | None:
@@ -89,7 +94,7 @@ class OfflinePlanner:
                     if current is None:
                         continue
                     value = self._moved(name, current, move)
-                    if value != current and self.legal(name, value):
+                    if value != current and self.legal(name, value, [skill.name]) and self.tunable(skill.params[name]):
                         tasks.append(self._param_task(skill, name, value, f"{hint.message}: move {name} {_fmt(current)} -> {_fmt(value)}",
                                                       f"trigger:{hint.code}", 8))
         return tasks
@@ -107,12 +112,12 @@ class OfflinePlanner:
                 continue
             for name, param in skill.params.items():
                 current = params.get(name, self._default(name))
-                if current is None:
+                if current is None or not self.tunable(param):
                     continue
                 moves = (-1, 1) if name.endswith("_devices") else (0.5, 2.0)
                 for move in moves:
                     value = self._moved(name, current, move)
-                    if value != current and self.legal(name, value):
+                    if value != current and self.legal(name, value, [skill.name]):
                         candidates.append((skill, name, current, value))
         if not candidates:
             return None

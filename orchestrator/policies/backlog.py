@@ -1,6 +1,8 @@
 """backlog: an issue tracker of structured tasks. Every round starts from the best candidate and
-takes the highest-priority task not yet tried on it; the evaluator's hints (through the planner's
-skill triggers) add tasks. When the backlog runs dry, the planner proposes a parameter move."""
+takes the highest-priority task not yet tried on it and not abandoned anywhere in the run (measured
+without gain, or rejected: the plan's ABANDONED steps); the evaluator's hints (through the
+planner's skill triggers) add tasks. When the backlog runs dry, the planner proposes a parameter
+move."""
 
 from __future__ import annotations
 
@@ -19,16 +21,16 @@ class BacklogPolicy:
         if parent is None:
             return None
         params = params_of(parent)
-        tried = state.tried()
+        tried, abandoned = state.tried(), state.abandoned()
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
-            if (parent.commit, task.id) in tried or all(params.get(k) == v for k, v in task.changes.items()):
+            if (parent.commit, task.id) in tried or task.id in abandoned or all(params.get(k) == v for k, v in task.changes.items()):
                 continue
             return parent, task
         for _ in range(20):  # dry backlog: explore a parameter
             task = self.planner.perturbation(params)
             if task is None:
                 return None
-            if (parent.commit, task.id) not in tried:
+            if (parent.commit, task.id) not in tried and task.id not in abandoned:
                 return parent, task
         return None
 

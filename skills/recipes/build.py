@@ -1,4 +1,7 @@
-"""The stack's entry point: ``build(spec, runtime)`` wires the recipes named in ``params.json``."""
+"""The stack's entry point: ``build(spec, runtime)`` wires the recipes named in ``params.json``.
+
+Building is cheap: the engine, trainer and Ray cluster modules (torch, transformers, Ray) are
+imported when a component is made, so a run on the simulator never loads them."""
 
 from __future__ import annotations
 
@@ -8,9 +11,6 @@ from pathlib import Path
 from targets.api import Runtime, Stack
 
 from .colocate import Colocate
-from .engine_server import make_engine as make_engine_of_kind
-from .grpo_trainer import GRPOTrainer
-from .ray_cluster import RayCluster
 from .static_split import StaticSplit
 from .time_multiplex import TimeMultiplex
 from .weight_sync import DEFAULT_BUCKET_BYTES, merge, to_buckets
@@ -27,16 +27,21 @@ def build(spec, runtime: Runtime) -> Stack:
     threads = params.get("threads_per_actor", 1)
     bucket_bytes = params.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     engine = params.get("engine", "torch")
-
     batch_window_s = params.get("batch_window_s", 0.002)
 
-    async def make_cluster() -> RayCluster:
+    async def make_cluster():
+        from .ray_cluster import RayCluster
+
         return await RayCluster.start(runtime, rollout, train, config, threads=threads, engine=engine, batch_window_s=batch_window_s)
 
     def make_engine():
+        from .engine_server import make_engine as make_engine_of_kind
+
         return make_engine_of_kind(engine, runtime.model_path, runtime.dtype, "engine")
 
-    def make_trainer(state, training_config) -> GRPOTrainer:
+    def make_trainer(state, training_config):
+        from .grpo_trainer import GRPOTrainer
+
         return GRPOTrainer(runtime.model_path, training_config, runtime.dtype, state=state, micro_batch=params.get("micro_batch", 16))
 
     def sync_engine(engine, state, version: int) -> None:

@@ -26,7 +26,7 @@ class EnvManager:
     def launch(self, groups: int) -> None:
         for _ in range(groups):
             episodes = self.envs.new_group()
-            # VAL: VAL_NO_DUPLICATES (value=[e.episode_id for e in episodes] + list(self._tasks.values()))
+            # VAL: VAL_NO_DUPLICATES (value=[e.episode_id for e in episodes])
             self.groups_in_flight += 1
             remaining = [len(episodes)]
             for episode in episodes:

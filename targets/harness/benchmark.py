@@ -3,7 +3,7 @@ the harness trace, and summarize with medians and spreads (max - min) side by si
 
 Every result carries the fluid lower bound of a step (``targets/harness/sim/lower_bound.py``) and
 the fraction of it the schedule reaches. Real runs go one at a time (they share the machine);
-simulated runs measure virtual time, so they run two at a time.
+simulated runs measure virtual time, so they run side by side.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from targets.api import TraceEvent
-from targets.harness.candidate import run_candidate
+from targets.harness.candidate import Launcher, run_candidate
 from targets.harness.metrics import compute_metrics
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.lower_bound import step_lower_bound
@@ -25,7 +25,7 @@ from targets.spec import TargetSpec
 SUMMARIZED = ("rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "mean_device_busy",
               "shrink_s", "expand_s", "sync_s", "train_s", "aborted_turns", "lower_bound_step_s", "lower_bound_fraction",
               "peak_process_memory_mb", "peak_kv_fraction")
-PARALLEL_SIMULATIONS = 2
+PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does not change what they measure
 
 
 @dataclass
@@ -78,7 +78,7 @@ def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) 
 
 def benchmark(
     target: str, spec: TargetSpec, stacks: list[tuple[str, Path]], repeat: int, out: Path, time_limit_s: float,
-    simulated: bool = False, on_run: Callable[[str, int], None] = lambda name, i: None,
+    simulated: bool = False, on_run: Callable[[str, int], None] = lambda name, i: None, launcher: Launcher | None = None,
 ) -> list[BenchRun]:
     """``simulated``: run on the cluster simulator (whatever the target's own execution is)."""
     names = [name for name, _ in stacks]
@@ -89,7 +89,7 @@ def benchmark(
     def run_one(job: tuple[str, Path, int]) -> tuple[dict, list[TraceEvent]]:
         name, stack_dir, i = job
         result = run_candidate(target, stack_dir, out / name / f"r{i}", "system", time_limit_s, seed=i,
-                               execution="simulated" if simulated else "real")
+                               execution="simulated" if simulated else "real", launcher=launcher)
         if not result.ok:
             raise BenchmarkFailed(f"{name} (repeat {i}): {result.cause}")
         events = Trace.load_events(result.out / "trace.jsonl")

@@ -41,14 +41,15 @@ def audit_directory(spec: TargetSpec, out: Path, steps: int) -> CheckResult:
 
 
 def check_candidate(target: str, spec: TargetSpec, stack_dir: Path, time_limit_s: float | Limits, out: Path | None = None,
-                    launcher: Launcher | None = None) -> list[CheckResult]:
+                    launcher: Launcher | None = None, execution: str | None = None) -> list[CheckResult]:
+    """``execution``: ``real`` or ``simulated`` to override the target's for the system run."""
     out = out or Path(tempfile.mkdtemp(prefix="vibetrain-check-"))
     integrity = scan_stack(stack_dir)
     if not integrity.passed:
         return [integrity, CheckResult("not_run", False, ["the candidate was not executed: it failed the integrity scan"], {})]
     results = [integrity]
     before = harness_digest()
-    run = run_candidate(target, stack_dir, out, "check", time_limit_s, launcher=launcher)
+    run = run_candidate(target, stack_dir, out, "check", time_limit_s, launcher=launcher, execution=execution)
     changed = sorted(name for name, digest in harness_digest().items() if before.get(name) != digest)
     if changed:
         results.append(CheckResult("harness_unchanged", False, [f"harness files changed during the run: {changed[:5]}"], {}))

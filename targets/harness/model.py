@@ -14,14 +14,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from importlib.metadata import version
+from typing import TYPE_CHECKING
 
 from targets.harness.tokenizer import NAMED_VOCAB, build_tokenizer
 from targets.spec import ModelSpec
 
-transformers.utils.logging.disable_progress_bar()  # the harness loads small models often; bars are noise
+if TYPE_CHECKING:  # torch and transformers load where a model is built or loaded, not on import:
+    import transformers  # a simulated run only needs the model's directory name
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 FACTORY_VERSION = 1  # bump when the build recipe changes, to invalidate caches
 
 
@@ -29,7 +30,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain")) / "models"
 
 
-def hf_config(model: ModelSpec) -> transformers.PretrainedConfig:
+def hf_config(model: ModelSpec) -> "transformers.PretrainedConfig":
+    import transformers
+
     fields = model.config.model_dump(exclude_none=True)
     if model.family == "qwen3":
         return transformers.Qwen3Config(**fields, dtype=model.dtype)
@@ -44,7 +47,7 @@ def content_hash(model: ModelSpec) -> str:
         "weights": model.weights,
         "vocab": NAMED_VOCAB,
         "factory": FACTORY_VERSION,
-        "transformers_major": transformers.__version__.split(".")[0],
+        "transformers_major": version("transformers").split(".")[0],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -61,6 +64,9 @@ def model_dir(model: ModelSpec) -> Path:
     if (target / "model.safetensors").exists() or (target / "model.safetensors.index.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+    from transformers import AutoModelForCausalLM
+
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
         torch.manual_seed(seed)
@@ -88,10 +94,17 @@ def proxy_model(model: ModelSpec) -> ModelSpec:
     return ModelSpec.model_validate({"family": model.family, "dtype": "float32", "weights": "random(0)", "config": config})
 
 
-def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
+def load_model(path: Path, dtype: str = "float32") -> "PreTrainedModel":
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()  # the harness loads small models often; bars are noise
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.eval()
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: Path) -> "PreTrainedTokenizerFast":
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast.from_pretrained(path)

@@ -19,8 +19,11 @@ import json
 import os
 import pstats
 import resource
+import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -109,7 +112,21 @@ def _write_profile(profiler: cProfile.Profile, path: Path, top: int = 25) -> Non
     path.write_text(stream.getvalue())
 
 
+def _die_with_parent() -> None:
+    """If whoever started this run goes away (a SIGKILLed orchestrator), take the whole run down:
+    an orphan would keep writing into a directory a resumed run is about to reuse."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
     parser = argparse.ArgumentParser(prog="python -m targets.harness.runner")
     parser.add_argument("--target", required=True)
     parser.add_argument("--stack", required=True, type=Path)

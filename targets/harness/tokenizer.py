@@ -6,8 +6,10 @@ them, and they decode cleanly).
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where a tokenizer is built: a simulated run never needs them
+    from transformers import PreTrainedTokenizerFast
 
 PAD, EOS, OBS, ACT, CTX = "<pad>", "<eos>", "<obs>", "<act>", "<ctx>"
 SPECIAL_WORDS = [PAD, EOS, OBS, ACT, CTX]
@@ -17,7 +19,10 @@ WORDS = ["guess", "number", "between", "and", "higher", "lower", "correct", "inv
 NAMED_VOCAB = SPECIAL_WORDS + DIGITS + LETTERS + WORDS
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int) -> "PreTrainedTokenizerFast":
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     if vocab_size < len(NAMED_VOCAB):
         raise ValueError(
             f"model.config.vocab_size {vocab_size} is smaller than the harness vocabulary ({len(NAMED_VOCAB)} words)"

@@ -76,8 +76,10 @@ class SimEngine:
         if prompt_tokens + max_new > self.capacity:
             raise ValueError(f"{self.name}: a request of {prompt_tokens + max_new} tokens exceeds the KV capacity {self.capacity}")
         future = self._loop.create_future()
+        head = not self.queue  # behind others, it cannot be admitted before they are: no need to interrupt
         self.queue.append(_Sequence(episode, prompt_tokens, max_new, future))
-        self._wake()
+        if head and (self.cost.continuous_batching or not self.running):
+            self._wake()
         return future
 
     def abort(self) -> None:
@@ -145,13 +147,13 @@ class SimEngine:
             cached = self.cached.pop(seq.episode, 0)
             self._kv_used -= cached
             cached = cached if cached <= seq.prompt_tokens else 0
-            while self._kv_used + seq.reserved > self.capacity and self.cached:
-                self._kv_used -= self.cached.popitem(last=False)[1]  # evict the least recently used idle prefix
-            if self._kv_used + seq.reserved > self.capacity:
-                if cached:
+            if self._kv_used - sum(self.cached.values()) + seq.reserved > self.capacity:
+                if cached:  # does not fit even with every idle prefix evicted: wait, evicting nothing
                     self.cached[seq.episode] = cached
                     self._kv_used += cached
                 break
+            while self._kv_used + seq.reserved > self.capacity:
+                self._kv_used -= self.cached.popitem(last=False)[1]  # evict the least recently used idle prefix
             self.queue.popleft()
             seq.version = self.version
             self.running.append(seq)

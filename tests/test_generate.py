@@ -1,0 +1,276 @@
+"""The outer loop end to end with offline agents: rounds commit real candidates to git with their
+trailers, the best one beats the starter, a planted cheat is rejected and kept under its ref, a
+SIGKILLed run resumes with nothing lost or done twice, a target written from scratch works, the
+production-scale target runs on the simulator, and bad input gets a clear error."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import git
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.history import History
+from orchestrator.state import RunState, RunStateError
+from targets.spec import parse_target
+
+runner = CliRunner()
+ENV = {"COLUMNS": "120"}
+
+
+def _generate(*args: str) -> str:
+    result = runner.invoke(app, ["generate", *args], env=ENV)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _trailers(run: Path, ref: str = "best") -> str:
+    return git.Repo(run).git.log("--format=%s%n%(trailers)", ref)
+
+
+# -- the main job on a real target -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_generate_commits_validated_candidates_and_beats_the_starter(tmp_path, fast_target):
+    run = tmp_path / "run"
+    output = _generate(str(fast_target), "--rounds", "1", "--repeat", "1", "--out", str(run), "--workspaces", str(tmp_path / "ws"))
+    state = RunState.load(run)
+    spec = parse_target(yaml.safe_load(fast_target.read_text()))
+    assert [r.round for r in state.rounds] == [0, 1]
+    assert len(state.accepted()) == 2, [(r.round, r.verdict, r.reasons) for r in state.rounds]
+    starter, best = state.record(0), state.best
+    assert best.headline > starter.headline * (1 + spec.noise_threshold), (starter.headline, best.headline)
+    assert "the starter" in output and "best: round" in output
+    # the commit graph is the search tree, with trailers
+    log = _trailers(run)
+    assert f"Round {best.round}: " in log and "Agent-Backend: offline" in log and "Verdict: accepted" in log
+    assert "Headline-Metric: rollout_throughput=" in log and "Parent-Metric: rollout_throughput=" in log
+    for record in state.accepted():
+        commit = git.Repo(run).commit(record.commit)
+        parent = commit.parents[0].hexsha
+        assert parent == record.parent_commit  # each candidate's parent is the one it was derived from
+    design = (run / "DESIGN.md").read_text()
+    assert "## Plan" in design and "[DONE]" in design and f"Round {best.round}:" in design
+    # review commands
+    log_output = runner.invoke(app, ["log", str(run)], env=ENV).output
+    assert "accepted (best)" in log_output and "starter stack (colocate)" in log_output
+    show = runner.invoke(app, ["show", str(run), str(best.round)], env=ENV).output
+    assert "stack/params.json" in show and "rollout_throughput" in show
+    report = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.html")], env=ENV)
+    assert report.exit_code == 0 and (tmp_path / "r.html").stat().st_size > 20_000
+    # the best candidate, benchmarked straight from the run's history against the starter's baseline
+    bench = runner.invoke(app, ["bench", str(fast_target), "--baselines", "colocate", "--stack", f"{run}@best",
+                                "--repeat", "1", "--json", str(tmp_path / "b.json")], env=ENV)
+    assert bench.exit_code == 0, bench.output
+    names = [r["name"] for r in json.loads((tmp_path / "b.json").read_text())["runs"]]
+    assert names == ["colocate", "run@best"]
+
+
+# -- rejection: a planted cheat is caught, kept under its ref, and the run goes on ----------------
+
+@pytest.mark.slow
+def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
+    from agents.offline.implementer import OfflineImplementer
+    from orchestrator.runs import start_run
+
+    original = OfflineImplementer.implement
+
+    def cheating(self, task, workspace, feedback):  # round 1 reports its own metrics on every attempt
+        attempt = original(self, task, workspace, feedback)
+        (workspace / "stack" / "report.py").write_text("def report(n, s):\n    return {'rollout_throughput': n / s}\n")
+        return attempt
+
+    run = tmp_path / "run"
+    loop = start_run(str(fast_target), run, tmp_path / "ws", rounds=2, policy="backlog", agents="offline", seed=0,
+                     max_minutes=None, max_attempts=2, repeat=1, starter="colocate", sandbox="auto", simulate=True,
+                     time_limit_s=300, on_event=lambda kind, **data: None)
+    OfflineImplementer.implement = cheating
+    try:
+        state = loop.run()
+    finally:
+        OfflineImplementer.implement = original
+    rejected = [r for r in state.rounds if r.verdict == "rejected"]
+    assert [r.round for r in rejected] == [1, 2] and rejected[0].attempts == 2
+    assert any("names the harness metric 'rollout_throughput'" in reason for reason in rejected[0].reasons)
+    history = History.open(run)
+    commit = history.rejected_commit(1)
+    assert commit and "Verdict: rejected" in history.repo.commit(commit).message
+    assert any("rollout_throughput" in r for r in history.record(commit, "judge.json")["reasons"])
+    design = history.repo.git.show(f"{commit}:DESIGN.md")
+    assert "[ABANDONED]" in design and "round 1 rejected" in design
+    log_output = runner.invoke(app, ["log", str(run)], env=ENV).output
+    assert "rejected" in log_output and "integrity" in log_output
+    assert state.best_round == 0  # the starter stays best; nothing rejected ever became a candidate
+
+
+# -- SIGKILL mid-round, then --resume, on a target written from scratch ----------------------------
+
+SCRATCH_TARGET = """
+id: scratch-guess
+description: written from scratch for the tests; guess_number on a small dense model, 2 CPU devices
+headline_metric: {name: rollout_throughput, direction: maximize}
+noise_threshold: 0.05
+model:
+  family: qwen3
+  weights: random(7)
+  config: {vocab_size: 64, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1,
+           num_attention_heads: 1, num_key_value_heads: 1, head_dim: 64, tie_word_embeddings: true}
+hardware: {kind: cpu, count: 2}
+workload:
+  environment: {name: guess_number}
+  turns: {max: 4}
+  tokens: {prompt: 8, observation: 8, response: 4, max_sequence: 64}
+  env_latency_s: {kind: lognormal, median: 0.01, sigma: 1.0}
+  env_latency_max_s: 0.2
+  trajectory_timeout_s: 20
+  batch_size: 8
+  group_size: 2
+  async_ratio: 1
+  train_steps: 3
+execution: real
+baselines:
+  - {name: colocate}
+  - {name: static_split, rollout_devices: 1, train_devices: 1}
+"""
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "generate", *args], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **ENV})
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(tmp_path):
+    target = tmp_path / "scratch.yaml"
+    target.write_text(SCRATCH_TARGET)
+    run, ws = tmp_path / "run", tmp_path / "ws"
+    args = [str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(ws), "--repeat", "1"]
+    process = _spawn(args, tmp_path / "first.log")
+    deadline = time.monotonic() + 400
+    while not (run / ".git" / "refs" / "vibetrain" / "rounds" / "1").exists():
+        assert process.poll() is None, (tmp_path / "first.log").read_text()
+        assert time.monotonic() < deadline, "round 1 never committed"
+        time.sleep(0.5)
+    time.sleep(4)  # round 2 is under way
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    history = History.open(run)
+    before = {n: history.round_commit(n) for n in (0, 1)}
+    assert all(before.values())
+
+    result = runner.invoke(app, ["generate", str(tmp_path / "elsewhere.yaml"), "--resume", "--out", str(run)], env=ENV)
+    assert result.exit_code == 2 and "not found" in result.output
+    result = runner.invoke(app, ["generate", str(target), "--resume", "--out", str(run), "--workspaces", str(ws)], env=ENV)
+    assert result.exit_code == 0, result.output
+    state = RunState.load(run)
+    assert [r.round for r in state.rounds] == [0, 1, 2]  # no round twice
+    assert {n: History.open(run).round_commit(n) for n in (0, 1)} == before  # every validated commit intact
+    refs = git.Repo(run).git.for_each_ref("--format=%(refname)", "refs/vibetrain/").split()
+    assert len(refs) == len(set(refs)) == 3
+    assert state.best is not None and History.open(run).best() == state.best.commit
+
+    # killed between the commit and the state write: the round is taken from git, not redone
+    data = json.loads((run / ".git" / "run_state.json").read_text())
+    data["rounds"] = data["rounds"][:2]
+    (run / ".git" / "run_state.json").write_text(json.dumps(data))
+    result = runner.invoke(app, ["generate", str(target), "--resume", "--out", str(run), "--workspaces", str(ws)], env=ENV)
+    assert result.exit_code == 0, result.output
+    assert [r.round for r in RunState.load(run).rounds] == [0, 1, 2]
+    assert RunState.load(run).record(2).commit == state.record(2).commit
+
+
+# -- the production-scale target on the simulator --------------------------------------------------
+
+@pytest.mark.slow
+def test_generate_on_the_simulated_production_target_beats_the_static_split(tmp_path):
+    raw = yaml.safe_load(Path("targets/catalog/qwen3-235b-a22b-h800x160.yaml").read_text())
+    raw["workload"].update(batch_size=128, train_steps=2)
+    target = tmp_path / "big.yaml"
+    target.write_text(yaml.safe_dump(raw))
+    run = tmp_path / "run"
+    _generate(str(target), "--rounds", "3", "--out", str(run), "--workspaces", str(tmp_path / "ws"), "--repeat", "1")
+    state = RunState.load(run)
+    history = History.open(run)
+    controllers = {r.round: json.loads(history.repo.git.show(f"{r.commit}:stack/params.json"))["controller"] for r in state.accepted()}
+    static = [r for r in state.accepted() if controllers[r.round] == "static_split"]
+    assert static and state.best.headline > max(r.headline for r in static)
+    assert controllers[state.best_round] == "time_multiplex"
+
+
+@pytest.mark.slow
+def test_the_evolve_policy_runs_rounds_from_its_population(tmp_path, fast_target):
+    run = tmp_path / "run"
+    _generate(str(fast_target), "--policy", "evolve", "--rounds", "2", "--simulate", "--repeat", "1", "--seed", "3",
+              "--out", str(run), "--workspaces", str(tmp_path / "ws"))
+    state = RunState.load(run)
+    assert state.config.policy == "evolve" and [r.round for r in state.rounds] == [0, 1, 2]
+    assert all(r.parent_round is not None for r in state.rounds[1:])
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+def test_an_unknown_target_is_named(tmp_path):
+    result = runner.invoke(app, ["generate", "no-such-target", "--out", str(tmp_path / "r")], env=ENV)
+    assert result.exit_code == 2 and "unknown target 'no-such-target'" in result.output
+
+
+def test_an_existing_out_without_resume_and_a_missing_run_with_resume_are_refused(tmp_path):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "something").write_text("x")
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(existing)], env=ENV)
+    assert result.exit_code == 2 and "already exists: continue it with --resume" in result.output
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(tmp_path / "missing")], env=ENV)
+    assert result.exit_code == 2 and "nothing to resume" in result.output
+
+
+def _empty_run(tmp_path: Path) -> Path:
+    from orchestrator.state import RunConfig, new_state
+
+    run = tmp_path / "run"
+    History.create(run, "vibetrain run: test")
+    config = RunConfig(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="backlog", agents="offline", seed=0,
+                       rounds=1, max_minutes=None, max_attempts=1, repeat=1, starter="colocate", simulated=False, sandbox="auto")
+    new_state(config).save(run)
+    return run
+
+
+def test_a_dirty_run_worktree_is_refused_on_resume(tmp_path):
+    run = _empty_run(tmp_path)
+    (run / "edited-by-hand.txt").write_text("x")
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)], env=ENV)
+    assert result.exit_code == 2 and "uncommitted changes" in result.output and "edited-by-hand.txt" in result.output
+    result = runner.invoke(app, ["generate", "qwen3-8b-h100x8", "--resume", "--out", str(run)], env=ENV)
+    (run / "edited-by-hand.txt").unlink()
+    result = runner.invoke(app, ["generate", "qwen3-8b-h100x8", "--resume", "--out", str(run)], env=ENV)
+    assert result.exit_code == 2 and "is a run for tiny-qwen3-cpu" in result.output
+
+
+def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):
+    run = _empty_run(tmp_path)
+    state = RunState.load(run)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(RunStateError, match="disk full .* every validated candidate is committed in git; free some space"):
+        state.save(run)
+    assert RunState.load(run).config.target == "tiny-qwen3-cpu"  # the previous state is intact
+    assert not list((run / ".git").glob(".state-*"))
+
+
+def test_an_unknown_policy_is_refused_before_anything_is_written(tmp_path):
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--policy", "random", "--out", str(tmp_path / "r")], env=ENV)
+    assert result.exit_code == 2 and "unknown policy 'random'" in result.output
+    assert not (tmp_path / "r").exists()

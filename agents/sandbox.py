@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,29 @@ def _docker_image() -> str | None:
     return image
 
 
+def _python_paths() -> list[Path]:
+    """What the child's Python needs to see: its installation (a virtualenv, say) and every import path
+    (the repository itself, for an editable install)."""
+    paths = [Path(sys.prefix), Path(sys.exec_prefix), Path(sys.executable).parent]
+    return paths + [Path(entry) for entry in sys.path if entry]
+
+
+def _under_tmp(paths, writable: list[Path]) -> list[Path]:
+    """The existing paths under /tmp (outermost only, writable ones excluded): the sandbox mounts a
+    private /tmp, so these must be bound back in, read-only."""
+    found: list[Path] = []
+    for path in paths:
+        path = Path(path)
+        if not path.exists():
+            continue
+        path = path.resolve()
+        if path.parts[:2] != ("/", "tmp") or path == Path("/tmp") or any(path == w or w in path.parents for w in writable):
+            continue
+        found.append(path)
+    outermost = sorted(set(found), key=lambda p: len(p.parts))
+    return [p for i, p in enumerate(outermost) if not any(q in p.parents for q in outermost[:i])]
+
+
 @dataclass
 class Sandbox:
     backend: str
@@ -90,10 +114,8 @@ class Sandbox:
                        "--dir", "/tmp/home", "--unshare-all", "--die-with-parent", "--chdir", str(writable[0]), "--clearenv"]
             cache = Path(clean["VIBETRAIN_CACHE"]).resolve()
             cache.mkdir(parents=True, exist_ok=True)
-            wrapped += ["--ro-bind", str(cache), str(cache)]  # the model cache may live under /tmp
-            for arg in command[1:]:  # files the command names (a target spec under /tmp, say), read-only
-                if arg.startswith("/") and Path(arg).exists() and Path(arg).resolve() not in writable:
-                    wrapped += ["--ro-bind", arg, arg]
+            for path in _under_tmp([cache, *_python_paths(), *(a for a in command if a.startswith("/"))], writable):
+                wrapped += ["--ro-bind", str(path), str(path)]  # the private /tmp would hide them
             for path in writable:
                 wrapped += ["--bind", str(path), str(path)]
             for key, value in {**clean, "HOME": "/tmp/home", "RAY_AUTH_MODE": "disabled", "TMPDIR": "/tmp"}.items():

@@ -479,6 +479,10 @@ def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND
             for k, v in record.metrics.items() if isinstance(v, (int, float))), highlight=False)
     for hint in record.hints:
         console.print(f"hint {hint['code']}: {hint['message']}", highlight=False, markup=False)
+    if record.profile:
+        console.print("[bold]profile[/bold] (cProfile of the harness process, one repeat; engines and trainers "
+                      "are other processes):")
+        console.print("\n".join(record.profile.strip().splitlines()[:30]), highlight=False, markup=False)
 
 
 @app.command("report")

@@ -133,6 +133,7 @@ class Loop:
         record.verdict, record.headline = "accepted", evaluation.headline
         record.metrics = {k: v for k, v in evaluation.metrics.items() if k != "device_utilization"}
         record.spread, record.hints = evaluation.spread, [h.model_dump() for h in evaluation.hints]
+        record.profile = evaluation.profile
         best = self.state.best
         record.became_best = best is None or self.improves(evaluation.headline, best.headline)
         self.update_design(workspace, record)

@@ -52,6 +52,7 @@ class RoundRecord(BaseModel):
     metrics: dict = {}
     spread: dict = {}
     hints: list[dict] = []
+    profile: str = ""  # the evaluator's cProfile summary of the harness process (one repeat)
     reasons: list[str] = []
     attempts: int = 0
     seconds: float = 0.0

@@ -13,6 +13,12 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class AgentError(RuntimeError):
+    """An attempt an agent could not complete (a provider failure, a bad tool call, an output that
+    fails its schema twice, an impossible task). The round loop ends that attempt, records the
+    message and hands it to the next attempt as feedback."""
+
+
 class Task(BaseModel):
     """One round's work, as an issue tracker would hold it."""
 
@@ -68,11 +74,15 @@ class Evaluation:
 
 
 class Implementer(Protocol):
-    def implement(self, task: Task, workspace: Path, feedback: list[str]) -> Attempt: ...
+    def starter(self, workspace: Path, controller: str) -> Attempt: ...
+
+    def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
+        """``feedback``: the judge's reasons for the previous attempt; ``hints``: the parent's findings."""
+        ...
 
 
 class Judge(Protocol):
-    def judge(self, workspace: Path, out: Path) -> Verdict: ...
+    def judge(self, workspace: Path, out: Path, task: Task | None = None) -> Verdict: ...
 
 
 class Evaluator(Protocol):
@@ -87,10 +97,13 @@ class Planner(Protocol):
 
 @dataclass
 class Agents:
-    """One backend's four roles, handed to the round loop together."""
+    """One backend's roles, handed to the round loop together. ``accounting`` counts an LLM backend's
+    tokens and dollars (None offline); ``llm_planner`` serves the ``llm`` policy."""
 
     backend: str
     planner: Planner
     implementer: Implementer
     judge: Judge
     evaluator: Evaluator
+    accounting: object | None = None
+    llm_planner: object | None = None

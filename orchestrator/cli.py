@@ -362,8 +362,15 @@ class _RoundsView:
 def generate(
     target: str,
     rounds: int = typer.Option(None, min=0, help="rounds after the starter (round 0); default 3, or the resumed run's"),
-    policy: str = typer.Option("backlog", help="backlog | evolve"),
-    agents: str = typer.Option("offline", help="agent backend: offline"),
+    policy: str = typer.Option("backlog", help="backlog | evolve | llm"),
+    agents: str = typer.Option("offline", help="offline | openai | anthropic | cli:claude | cli:codex"),
+    model: str = typer.Option(None, help="the LLM (openai/anthropic backends)"),
+    base_url: str = typer.Option(None, help="an OpenAI-compatible server (vLLM, llama.cpp) or a proxy"),
+    api_key_env: str = typer.Option(None, help="the variable holding the API key (default OPENAI_API_KEY / ANTHROPIC_API_KEY)"),
+    max_cost: float = typer.Option(None, help="USD budget for LLM calls; the run stops between rounds once spent"),
+    max_tokens: int = typer.Option(None, help="token budget for LLM calls (input + output)"),
+    prices: Path = typer.Option(None, help="YAML of model: [input, output] USD per million tokens (overrides the table)"),
+    stream: bool = typer.Option(True, help="stream LLM responses"),
     out: Path = typer.Option(None, help="run directory (a git repository); default generated/<target id>"),
     resume: bool = typer.Option(False, "--resume", help="continue the run in --out"),
     seed: int = typer.Option(0, help="seed of the agents and the search"),
@@ -401,11 +408,14 @@ def generate(
     try:
         if resume:
             loop = resume_run(out, workspaces, target=target, rounds=rounds if rounds_given else None, max_minutes=max_minutes,
-                              time_limit_s=time_limit, on_event=on_event)
+                              time_limit_s=time_limit, on_event=on_event, max_cost=max_cost, max_tokens=max_tokens)
         else:
+            llm = {k: v for k, v in {"model": model, "base_url": base_url, "api_key_env": api_key_env,
+                                     "prices": str(prices.resolve()) if prices else None, "stream": stream}.items() if v is not None}
             loop = start_run(target, out, workspaces, rounds=rounds, policy=policy, agents=agents, seed=seed,
                              max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
-                             sandbox=sandbox, simulate=simulate, time_limit_s=time_limit, on_event=on_event)
+                             sandbox=sandbox, simulate=simulate, time_limit_s=time_limit, on_event=on_event,
+                             llm=llm, max_cost=max_cost, max_tokens=max_tokens)
     except (RunSetupError, RunStateError, ValueError, RuntimeError) as error:
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
@@ -447,14 +457,24 @@ def log_rounds(run: Path) -> None:
     table.add_column("task", overflow="fold", ratio=3)
     for column in ("verdict", "headline", "vs parent", "commit"):
         table.add_column(column, no_wrap=True)
+    llm = any(r.llm for r in state.rounds)
+    if llm:
+        table.add_column("tokens in/out", no_wrap=True)
+        table.add_column("cost $", no_wrap=True)
     table.add_column("reasons / hints", overflow="fold", ratio=4)
     for r in state.rounds:
         delta = f"{r.headline / r.parent_headline - 1:+.1%}" if r.headline and r.parent_headline else "-"
         detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["code"] for h in r.hints)
         verdict = r.verdict + (" (best)" if r.round == state.best_round else "")
+        usage = ([f"{r.llm.get('input_tokens', 0)}/{r.llm.get('output_tokens', 0)}", f"{r.llm.get('cost_usd', 0.0):.4f}"]
+                 if llm else [])
         table.add_row(str(r.round), r.task.title, verdict, _num(r.headline) if r.headline is not None else "-", delta,
-                      (r.commit or "-")[:8], detail or "-")
+                      (r.commit or "-")[:8], *usage, detail or "-")
     console.print(table)
+    if state.llm_used:
+        used = state.llm_used
+        console.print(f"LLM use: {used.get('calls', 0)} calls, {used.get('input_tokens', 0)} tokens in, "
+                      f"{used.get('output_tokens', 0)} out, ${used.get('cost_usd', 0.0):.4f}", highlight=False)
 
 
 @app.command("show")

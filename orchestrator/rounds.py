@@ -15,11 +15,11 @@ import errno
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from agents.roles import Agents, Evaluation, Task, Verdict
+from agents.roles import AgentError, Agents, Evaluation, Task, Verdict
 from orchestrator.design_doc import DesignDoc
 from orchestrator.history import History, Trailers
 from orchestrator.policies import Policy
@@ -43,6 +43,7 @@ class Loop:
     run_dir: Path
     workspaces: Path
     on_event: Callable[..., None] = lambda kind, **data: None
+    _llm_at_start: dict = field(default_factory=dict)  # accounting when llm_used was last saved
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> RunState:
@@ -61,6 +62,10 @@ class Loop:
             budget = self.state.config.max_minutes
             if budget is not None and elapsed >= budget * 60:
                 self.on_event("budget", reason=f"wall-time budget of {budget:g} min spent ({elapsed / 60:.1f} min)")
+                break
+            spent = self.llm_budget_spent()
+            if spent:
+                self.on_event("budget", reason=spent)
                 break
             proposal = self.policy.propose(self.state, self.params_of)
             if proposal is None:
@@ -82,9 +87,27 @@ class Loop:
         return self.round(0, None, task)
 
     # -- one round ---------------------------------------------------------------------------------
+    def llm_budget_spent(self) -> str:
+        """Why the LLM budget stops the run ('' while it does not)."""
+        used, config = self.llm_totals(), self.state.config
+        if config.max_cost is not None and used.get("cost_usd", 0.0) >= config.max_cost:
+            return f"cost budget of ${config.max_cost:g} spent (${used['cost_usd']:.4f})"
+        if config.max_tokens is not None and used.get("input_tokens", 0) + used.get("output_tokens", 0) >= config.max_tokens:
+            return f"token budget of {config.max_tokens} spent ({used['input_tokens'] + used['output_tokens']})"
+        return ""
+
+    def llm_totals(self) -> dict:
+        """This run's LLM use, previous sessions of it included."""
+        totals = dict(self.state.llm_used)
+        if self.agents.accounting is not None:
+            for key, value in self.agents.accounting.snapshot().items():
+                totals[key] = totals.get(key, 0) + value - self._llm_at_start.get(key, 0)
+        return totals
+
     def round(self, number: int, parent: RoundRecord | None, task: Task) -> RoundRecord:
         self.on_event("round_start", round=number, task=task, parent=parent.round if parent else None)
         started = time.monotonic()
+        llm_before = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
         parent_commit = parent.commit if parent else self.history.root()
         workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
         out = self.run_dir / ".git" / RUNS_DIR / f"round-{number}"
@@ -107,6 +130,8 @@ class Loop:
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         record.seconds = time.monotonic() - started
+        if self.agents.accounting is not None:
+            record.llm = {k: v - llm_before.get(k, 0) for k, v in self.agents.accounting.snapshot().items()}
         self.history.remove_worktree(workspace)
         return record
 
@@ -117,11 +142,19 @@ class Loop:
         verdict = Verdict(False, ["no attempt was made"], [])
         for attempt in range(1, self.state.config.max_attempts + 1):
             record.attempts = attempt
-            if record.round == 0:
-                self.agents.implementer.starter(workspace, self.state.config.starter)
-            else:
-                self.agents.implementer.implement(record.task, workspace, feedback)
-            verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}")
+            try:
+                if record.round == 0:
+                    self.agents.implementer.starter(workspace, self.state.config.starter)
+                else:
+                    parent = self.state.record(record.parent_round)
+                    self.agents.implementer.implement(record.task, workspace, feedback, parent.hints if parent else [])
+            except AgentError as error:  # this attempt ends; the next one is told why
+                verdict = Verdict(False, [f"attempt {attempt}: {type(error).__name__}: {error}"], [])
+                record.reasons = verdict.reasons
+                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
+                feedback = verdict.reasons
+                continue
+            verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}", record.task)
             record.reasons = verdict.reasons
             self.on_event("verdict", round=record.round, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons)
             if verdict.passed:
@@ -222,6 +255,8 @@ class Loop:
             self.finish_round(record)
 
     def save(self) -> None:
+        self.state.llm_used = self.llm_totals()
+        self._llm_at_start = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
         try:
             self.state.save(self.run_dir)
         except RunStateError as error:

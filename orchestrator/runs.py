@@ -10,7 +10,8 @@ from typing import Callable
 
 import git
 
-from agents.offline import make_offline_agents
+from agents.factory import BACKENDS, make_agents
+from agents.roles import AgentError
 from agents.sandbox import Sandbox
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
@@ -21,7 +22,7 @@ from targets.harness.runner import execution_of, runtime_for
 from targets.harness.sim.cost_model import CostModel
 from targets.spec import TargetSpec, load_target
 
-BACKENDS = ("offline",)
+POLICIES = ("backlog", "evolve", "llm")
 
 
 class RunSetupError(ValueError):
@@ -31,35 +32,61 @@ class RunSetupError(ValueError):
 def _loop(spec: TargetSpec, state: RunState, history: History, run_dir: Path, workspaces: Path,
           on_event: Callable[..., None], time_limit_s: float) -> Loop:
     config = state.config
-    if config.agents not in BACKENDS:
-        raise RunSetupError(f"unknown agent backend {config.agents!r}; available here: {', '.join(BACKENDS)}")
     if config.simulated:
         spec = spec.model_copy(update={"execution": "simulated"})
     runtime_for(spec)  # builds (and caches) the model files here: the sandbox cannot write them
     engine_devices = CostModel.from_spec(spec).engine_devices if config.simulated else 1
     sandbox = Sandbox.detect(config.sandbox)
-    target = config.target
-    agents = make_offline_agents(target, spec, simulated=config.simulated, engine_devices=engine_devices, seed=config.seed,
-                                 repeat=config.repeat, sandbox=sandbox, limits=Limits(time_s=time_limit_s))
-    policy = make_policy(config.policy, agents.planner, config.seed)
+    try:
+        agents = make_agents(config.agents, config.target, spec, simulated=config.simulated, engine_devices=engine_devices,
+                             seed=config.seed, repeat=config.repeat, sandbox=sandbox, limits=Limits(time_s=time_limit_s),
+                             llm=config.llm)
+    except AgentError as error:
+        raise RunSetupError(str(error)) from None
+
+    def design_of(record) -> str:
+        return history.repo.git.show(f"{record.commit}:DESIGN.md")
+
+    policy = make_policy(config.policy, agents.planner, config.seed, agents.llm_planner, design_of)
     loop = Loop(spec, state, history, agents, policy, run_dir, workspaces / run_dir.name, on_event)
     on_event("setup", sandbox=sandbox.backend, simulated=config.simulated)
     return loop
 
 
+def _check_backend(agents: str, llm: dict) -> None:
+    """What an agent backend needs, checked before the run writes anything."""
+    import os
+    import shutil
+
+    if agents in ("openai", "anthropic"):
+        if not llm.get("model"):
+            raise RunSetupError(f"--agents {agents} needs --model")
+        env = llm.get("api_key_env") or ("OPENAI_API_KEY" if agents == "openai" else "ANTHROPIC_API_KEY")
+        if not os.environ.get(env):
+            raise RunSetupError(f"--agents {agents}: no API key in ${env} (set it, or name another variable with --api-key-env)")
+    if agents.startswith("cli:") and shutil.which(agents[4:]) is None:
+        raise RunSetupError(f"--agents {agents}: the {agents[4:]} CLI is not installed (no `{agents[4:]}` on PATH)")
+
+
 def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, policy: str, agents: str, seed: int,
               max_minutes: float | None, max_attempts: int, repeat: int, starter: str, sandbox: str, simulate: bool,
-              time_limit_s: float, on_event: Callable[..., None]) -> Loop:
+              time_limit_s: float, on_event: Callable[..., None], llm: dict | None = None,
+              max_cost: float | None = None, max_tokens: int | None = None) -> Loop:
     spec = load_target(target)
     if run_dir.exists() and any(run_dir.iterdir()):
         raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
-    make_policy(policy, None, seed)  # fail on an unknown policy before anything is written
+    if policy not in POLICIES:
+        raise RunSetupError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     if agents not in BACKENDS:
-        raise RunSetupError(f"unknown agent backend {agents!r}; available here: {', '.join(BACKENDS)}")
+        raise RunSetupError(f"unknown agent backend {agents!r}; known: {', '.join(BACKENDS)}")
+    if policy == "llm" and agents not in ("openai", "anthropic"):
+        raise RunSetupError("--policy llm needs an LLM backend (--agents openai or anthropic)")
+    _check_backend(agents, llm or {})
     target_ref = str(Path(target).resolve()) if Path(target).exists() else target
     config = RunConfig(target=target_ref, target_id=spec.id, policy=policy, agents=agents, seed=seed, rounds=rounds,
                        max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
-                       simulated=simulate or execution_of(spec) == "simulated", sandbox=sandbox)
+                       simulated=simulate or execution_of(spec) == "simulated", sandbox=sandbox,
+                       llm=llm or {}, max_cost=max_cost, max_tokens=max_tokens)
     history = History.create(run_dir, f"vibetrain run: {spec.id}\n\npolicy {policy}, agents {agents}, seed {seed}")
     state = new_state(config)
     state.save(run_dir)
@@ -67,7 +94,8 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
 
 
 def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | None, max_minutes: float | None,
-               time_limit_s: float, on_event: Callable[..., None]) -> Loop:
+               time_limit_s: float, on_event: Callable[..., None], max_cost: float | None = None,
+               max_tokens: int | None = None) -> Loop:
     if not run_dir.exists():
         raise RunSetupError(f"{run_dir} does not exist: nothing to resume (start it without --resume)")
     try:
@@ -82,7 +110,8 @@ def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | No
     given = str(Path(target).resolve()) if Path(target).exists() else target
     if given not in (state.config.target, state.config.target_id):
         raise RunSetupError(f"{run_dir} is a run for {state.config.target_id} ({state.config.target}), not {target}")
-    updates = {k: v for k, v in {"rounds": rounds, "max_minutes": max_minutes}.items() if v is not None}
+    updates = {k: v for k, v in {"rounds": rounds, "max_minutes": max_minutes, "max_cost": max_cost,
+                                 "max_tokens": max_tokens}.items() if v is not None}
     state.config = state.config.model_copy(update=updates)
     return _loop(load_target(state.config.target), state, history, run_dir, workspaces, on_event, time_limit_s)
 

@@ -37,6 +37,9 @@ class RunConfig(BaseModel):
     starter: str
     simulated: bool
     sandbox: str
+    llm: dict = {}  # model, base_url, api_key_env (the variable's name, never the key), prices, stream
+    max_cost: float | None = None  # USD; the run stops between rounds once spent
+    max_tokens: int | None = None  # input + output tokens, likewise
 
 
 class RoundRecord(BaseModel):
@@ -53,6 +56,7 @@ class RoundRecord(BaseModel):
     spread: dict = {}
     hints: list[dict] = []
     profile: str = ""  # the evaluator's cProfile summary of the harness process (one repeat)
+    llm: dict = {}  # this round's LLM calls, tokens and cost (an LLM backend only)
     reasons: list[str] = []
     attempts: int = 0
     seconds: float = 0.0
@@ -66,6 +70,7 @@ class RunState(BaseModel):
     rounds: list[RoundRecord] = []
     best_round: int | None = None
     seconds_used: float = 0.0
+    llm_used: dict = {}  # calls, tokens and cost over the whole run, across resumes
     created_at: float = 0.0
 
     # -- queries -----------------------------------------------------------------------------------

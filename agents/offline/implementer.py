@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from agents.roles import Attempt, Task
+from agents.roles import AgentError, Attempt, Task
 from skills.library import load_skills
 from skills.starter import RECIPES, write_starter
 from skills.validation import expand_file
@@ -19,7 +19,7 @@ from targets.spec import TargetSpec
 from agents.offline.planner import OfflinePlanner
 
 
-class ImplementationError(RuntimeError):
+class ImplementationError(AgentError):
     """The task cannot be carried out as written (the message says why)."""
 
 
@@ -34,7 +34,7 @@ class OfflineImplementer:
         write_starter(workspace, self.spec, controller)
         return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
 
-    def implement(self, task: Task, workspace: Path, feedback: list[str]) -> Attempt:
+    def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
         stack = workspace / "stack"
         if not (stack / "params.json").exists():
             raise ImplementationError(f"{workspace} holds no stack/params.json: not a candidate workspace")

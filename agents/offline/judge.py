@@ -19,7 +19,7 @@ class OfflineJudge:
         self.target, self.spec, self.sandbox, self.limits = target, spec, sandbox, limits
         self.execution = "simulated" if simulated else "real"
 
-    def judge(self, workspace: Path, out: Path) -> Verdict:
+    def judge(self, workspace: Path, out: Path, task=None) -> Verdict:
         left = unexpanded(workspace)
         if left:
             reasons = [f"unexpanded validation annotation: {line}" for line in left]

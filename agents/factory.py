@@ -1,0 +1,71 @@
+"""One place that turns a run's ``--agents`` choice into the four roles: ``offline``; ``openai`` or
+``anthropic`` (LLM implementer, LLM review on top of the deterministic judge, LLM hints on top of the
+offline evaluator, and an LLM planner for ``--policy llm``); ``cli:claude`` or ``cli:codex`` (a
+coding-agent CLI as implementer, offline for the rest)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from agents.offline import make_offline_agents
+from agents.roles import Agents
+from agents.sandbox import Sandbox
+from targets.harness.candidate import Limits
+from targets.spec import TargetSpec
+
+BACKENDS = ("offline", "openai", "anthropic", "cli:claude", "cli:codex")
+
+
+def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
+    """The default price table, overridden by a YAML file of ``model: [input, output]`` USD per Mtok."""
+    from agents.llm.client import DEFAULT_PRICES
+
+    prices = dict(DEFAULT_PRICES)
+    if path:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        for model, pair in data.items():
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, (int, float)) for x in pair)):
+                raise ValueError(f"{path}: price of {model!r} must be [input, output] USD per million tokens, got {pair!r}")
+            prices[model] = (float(pair[0]), float(pair[1]))
+    return prices
+
+
+def make_agents(backend: str, target: str, spec: TargetSpec, *, simulated: bool, engine_devices: int, seed: int, repeat: int,
+                sandbox: Sandbox, limits: Limits, llm: dict | None = None) -> Agents:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown agent backend {backend!r}; known: {', '.join(BACKENDS)}")
+    offline = make_offline_agents(target, spec, simulated=simulated, engine_devices=engine_devices, seed=seed,
+                                  repeat=repeat, sandbox=sandbox, limits=limits)
+    if backend == "offline":
+        return offline
+    from agents.llm.client import Accounting, ClientConfig, make_client
+    from agents.llm.roles import LLMEvaluator, LLMImplementer, LLMJudge, LLMPlanner
+
+    llm = llm or {}
+    accounting = Accounting(prices=load_prices(llm.get("prices")))
+    if backend.startswith("cli:"):
+        from agents.cli_agent import CLIImplementer
+
+        implementer = CLIImplementer(spec, backend.split(":", 1)[1], accounting)
+        implementer.offline = offline.implementer
+        return Agents(backend, offline.planner, implementer, offline.judge, offline.evaluator, accounting)
+    if not llm.get("model"):
+        raise ValueError(f"--agents {backend} needs --model")
+    config = ClientConfig(provider=backend, model=llm["model"], base_url=llm.get("base_url"),
+                          api_key_env=llm.get("api_key_env") or ("OPENAI_API_KEY" if backend == "openai" else "ANTHROPIC_API_KEY"),
+                          stream=llm.get("stream", True), backoff_s=llm.get("backoff_s", 1.0))
+    client = make_client(config, accounting)
+
+    def checks(workspace: Path) -> str:
+        verdict = offline.judge.judge(workspace, workspace / ".vibetrain-check")
+        lines = [f"{c['name']}: {'pass' if c['passed'] else 'FAIL'} {'; '.join(c['reasons'])}" for c in verdict.checks]
+        shutil.rmtree(workspace / ".vibetrain-check", ignore_errors=True)
+        return ("PASSED\n" if verdict.passed else "FAILED\n") + "\n".join(lines)
+
+    implementer = LLMImplementer(spec, client, sandbox, checks)
+    implementer.offline = offline.implementer
+    return Agents(backend, offline.planner, implementer, LLMJudge(offline.judge, client),
+                  LLMEvaluator(spec, offline.evaluator, client), accounting, LLMPlanner(spec, client))

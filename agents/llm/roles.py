@@ -1,0 +1,172 @@
+"""The LLM backend's roles. Each renders its prompt (jinja2, StrictUndefined, one template per role),
+talks to the model through a ``ChatClient`` and validates a structured answer (pydantic), with one
+repair retry when the answer does not match its schema.
+
+* implementer: a tool-use loop in the workspace until the model answers with its summary;
+* judge: the deterministic gate first (never overruled when it rejects), then a review of the diff
+  that may reject for reward hacking;
+* evaluator: the offline benchmark and hints, plus the model's hints from metrics and profile;
+* planner (``--policy llm``): the next parent and task from the run's state.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import git
+import jinja2
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agents.llm.client import ChatClient
+from agents.llm.tools import Toolbox
+from agents.roles import AgentError, Attempt, Evaluation, Hint, Task, Verdict
+from skills.library import load_skills
+from skills.validation import expand_file
+from targets.spec import TargetSpec
+
+PROMPTS = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).with_name("prompts")),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
+
+
+class OutputSchemaError(AgentError):
+    """The model's answer failed its schema twice (the first failure gets one repair request)."""
+
+
+class ImplementerOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    summary: str = Field(min_length=1)
+    files_changed: list[str] = []
+
+
+class Review(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    verdict: str = Field(pattern="^(accept|reject)$")
+    reasons: list[str] = []
+
+
+class EvaluatorOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hints: list[Hint] = []
+
+
+class PlannerOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    parent_round: int
+    task: Task
+    plan: list[str] = []
+
+
+def _parse(text: str, schema: type[BaseModel]) -> BaseModel:
+    match = JSON_OBJECT.search(text)
+    if match is None:
+        raise ValueError("no JSON object in the answer")
+    return schema.model_validate(json.loads(match.group(0)))
+
+
+def answer(client: ChatClient, system: str, messages: list[dict], schema: type[BaseModel], role: str) -> BaseModel:
+    """Ask for a structured answer; one repair request if it does not validate."""
+    turn = client.chat(system, messages, [])
+    try:
+        return _parse(turn.text, schema)
+    except (ValueError, ValidationError) as error:
+        first = error
+    messages = messages + [{"role": "assistant", "text": turn.text, "tool_calls": []},
+                           {"role": "user", "content": f"Your answer did not match the required JSON ({first}). "
+                                                       "Answer again with only the JSON object."}]
+    turn = client.chat(system, messages, [])
+    try:
+        return _parse(turn.text, schema)
+    except (ValueError, ValidationError) as error:
+        raise OutputSchemaError(f"the {role}'s answer failed its schema twice: {error}") from None
+
+
+class LLMImplementer:
+    def __init__(self, spec: TargetSpec, client: ChatClient, sandbox, checks, max_turns: int = 40) -> None:
+        self.spec, self.client, self.sandbox, self.checks, self.max_turns = spec, client, sandbox, checks, max_turns
+        self.offline = None  # the starter comes from the library, as the offline implementer writes it
+
+    def starter(self, workspace: Path, controller: str) -> Attempt:
+        return self.offline.starter(workspace, controller)
+
+    def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
+        skills = load_skills()
+        design = (workspace / "DESIGN.md").read_text() if (workspace / "DESIGN.md").exists() else "(none)"
+        system = PROMPTS.get_template("implementer.j2").render(
+            target=self.spec, task=task, skills=[skills[s] for s in task.skills if s in skills], design=design,
+            hints=[Hint(**h) for h in hints], feedback=feedback)
+        toolbox = Toolbox(workspace, self.sandbox, checks=lambda: self.checks(workspace))
+        messages: list[dict] = [{"role": "user", "content": "Carry out the task, then answer with the JSON summary."}]
+        for _ in range(self.max_turns):
+            turn = self.client.chat(system, messages, toolbox.specs())
+            messages.append({"role": "assistant", "text": turn.text, "tool_calls": turn.tool_calls})
+            if not turn.tool_calls:
+                try:
+                    output = _parse(turn.text, ImplementerOutput)
+                except (ValueError, ValidationError) as error:
+                    output = answer(self.client, system, messages[:-1] + [
+                        {"role": "assistant", "text": turn.text, "tool_calls": []},
+                        {"role": "user", "content": f"That was not the JSON summary ({error}). Answer with only the JSON object."}],
+                        ImplementerOutput, "implementer")
+                break
+            for call in turn.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": toolbox.call(call)})
+        else:
+            raise AgentError(f"the implementer used {self.max_turns} turns without finishing")
+        for path in sorted((workspace / "stack").rglob("*.py")):
+            expand_file(path)
+        return Attempt(output.summary, output.files_changed)
+
+
+class LLMJudge:
+    """The deterministic gate decides first; the model may only add a rejection."""
+
+    def __init__(self, gate, client: ChatClient) -> None:
+        self.gate, self.client = gate, client
+
+    def judge(self, workspace: Path, out: Path, task: Task | None = None) -> Verdict:
+        verdict = self.gate.judge(workspace, out)
+        if not verdict.passed:
+            return verdict
+        repo = git.Repo(workspace)
+        repo.git.add("-A")
+        diff = repo.git.diff("--cached", "HEAD", "--", ".", ":(exclude).vibetrain") or "(no change)"
+        task = task or Task(id="unknown", title="(not given)", rationale="")
+        system = PROMPTS.get_template("judge.j2").render(task=task, checks=verdict.checks, diff=diff[:30_000])
+        review = answer(self.client, system, [{"role": "user", "content": "Review the change."}], Review, "judge")
+        if review.verdict == "reject":
+            reasons = [f"llm review: {r}" for r in review.reasons] or ["llm review: rejected without a reason"]
+            return Verdict(False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}], verdict.run_dir)
+        return Verdict(True, [], verdict.checks + [{"name": "llm_review", "passed": True, "reasons": review.reasons}], verdict.run_dir)
+
+
+class LLMEvaluator:
+    def __init__(self, spec: TargetSpec, offline, client: ChatClient) -> None:
+        self.spec, self.offline, self.client = spec, offline, client
+
+    def evaluate(self, workspace: Path, verdict: Verdict, out: Path) -> Evaluation:
+        evaluation = self.offline.evaluate(workspace, verdict, out)
+        codes = sorted({code for s in load_skills().values() for code in s.triggers})
+        metrics = {k: v for k, v in evaluation.metrics.items() if isinstance(v, (int, float))}
+        system = PROMPTS.get_template("evaluator.j2").render(
+            target=self.spec, repeats=len(evaluation.repeats), metrics=metrics, hints=evaluation.hints,
+            profile=evaluation.profile[:6000], codes=codes)
+        output = answer(self.client, system, [{"role": "user", "content": "Write the hints."}], EvaluatorOutput, "evaluator")
+        known = {h.code for h in evaluation.hints}
+        evaluation.hints += [h for h in output.hints if h.code not in known]
+        return evaluation
+
+
+class LLMPlanner:
+    """For the ``llm`` policy: proposes the parent and the task; the offline planner's range checks
+    still apply when the task is implemented."""
+
+    def __init__(self, spec: TargetSpec, client: ChatClient) -> None:
+        self.spec, self.client = spec, client
+
+    def plan(self, state, design: str) -> PlannerOutput:
+        system = PROMPTS.get_template("planner.j2").render(
+            target=self.spec, rounds=state.rounds, best_round=state.best_round, skills=list(load_skills().values()), design=design)
+        return answer(self.client, system, [{"role": "user", "content": "Plan the next round."}], PlannerOutput, "planner")

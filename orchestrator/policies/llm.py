@@ -1,0 +1,47 @@
+"""llm: an LLM planner reads the run (rounds, verdicts, metrics, hints, the best candidate's DESIGN.md)
+and writes the next parent and task. Its choice is checked: the parent must be a validated round and
+the task must be new on it. A planner that fails (a provider error, an invalid choice) hands this
+round to the backlog policy, and says so."""
+
+from __future__ import annotations
+
+import logging
+
+from agents.roles import AgentError, Task
+from orchestrator.policies.backlog import BacklogPolicy
+from orchestrator.state import RoundRecord, RunState
+
+log = logging.getLogger("vibetrain.policy")
+
+
+class LLMPolicy:
+    name = "llm"
+
+    def __init__(self, planner, seed: int, llm_planner=None, design_of=None) -> None:
+        self.backlog = BacklogPolicy(planner, seed)
+        self.llm_planner, self.design_of = llm_planner, design_of
+
+    def propose(self, state: RunState, params_of) -> tuple[RoundRecord, Task] | None:
+        if state.best is None:
+            return None
+        try:
+            choice = self.llm_planner.plan(state, self.design_of(state.best))
+            parent = state.record(choice.parent_round)
+            if parent is None or parent.verdict != "accepted":
+                raise AgentError(f"the planner chose round {choice.parent_round}, which is not a validated candidate")
+            if (parent.commit, choice.task.id) in state.tried():
+                raise AgentError(f"the planner chose task {choice.task.id!r}, already tried on round {parent.round}")
+        except AgentError as error:
+            log.warning("LLM planner: %s; this round follows the backlog policy instead", error)
+            return self.backlog.propose(state, params_of)
+        known = {t.id for t in state.backlog}
+        for step in choice.plan:
+            text = step.strip()[:120]
+            step_id = "plan-" + "".join(c if c.isalnum() else "-" for c in text.lower())[:40].strip("-")
+            if text and step_id not in known:
+                state.backlog.append(Task(id=step_id, title=text, rationale="the LLM planner's plan", source="llm", priority=-1))
+                known.add(step_id)
+        return parent, choice.task.model_copy(update={"source": "llm"})
+
+    def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:
+        self.backlog.observe(state, record, params)

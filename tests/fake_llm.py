@@ -1,0 +1,220 @@
+"""A fake LLM provider for tests: real HTTP on loopback, speaking the OpenAI chat-completions and the
+Anthropic messages wire protocols (plain JSON and server-sent-event streaming, text and tool calls),
+replaying scripted replies. The official SDK clients talk to it as to the real services.
+
+A script is a queue of replies per role; the role of a request is read from the ``ROLE: <name>`` line
+the agents put in their system prompt. A reply is ``Reply(text=..., tool_calls=[(name, args)], ...)``
+or a fault: ``Fault(status=429)``, ``Fault(status=500)``, ``Fault(drop=True)`` (the stream is cut
+mid-way). Every request is recorded (``server.requests``) for the tests to inspect.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ROLE = re.compile(r"ROLE: (\w+)")
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    tool_calls: list[tuple[str, dict | str]] = field(default_factory=list)  # str args: sent verbatim (invalid JSON)
+    input_tokens: int = 100
+    output_tokens: int = 20
+
+
+@dataclass
+class Fault:
+    status: int | None = None  # an HTTP error status
+    drop: bool = False  # start a stream, then cut the connection
+
+
+class FakeLLMServer:
+    def __init__(self) -> None:
+        self.scripts: dict[str, deque] = defaultdict(deque)
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def script(self, role: str, *replies) -> None:
+        self.scripts[role].extend(replies)
+
+    def __enter__(self) -> "FakeLLMServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _next(self, role: str):
+        with self.lock:
+            queue = self.scripts.get(role)
+            if not queue:
+                return Fault(status=500), f"fake server: no scripted reply left for role {role!r}"
+            return queue.popleft(), ""
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                return
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+                anthropic = self.path.endswith("/messages")
+                system = body.get("system", "") if anthropic else next(
+                    (m.get("content", "") for m in body.get("messages", []) if m.get("role") == "system"), "")
+                system = system if isinstance(system, str) else " ".join(b.get("text", "") for b in system)
+                match = ROLE.search(system)
+                role = match.group(1) if match else "unknown"
+                with server.lock:
+                    server.requests.append({"path": self.path, "role": role, "body": body, "headers": dict(self.headers)})
+                if self.headers.get("authorization", "").endswith("bad-key") or self.headers.get("x-api-key") == "bad-key":
+                    return self._error(401, "invalid api key", anthropic)
+                reply, why = server._next(role)
+                stream = bool(body.get("stream"))
+                if isinstance(reply, Fault):
+                    if reply.drop:
+                        return self._dropped(anthropic) if stream else self._truncated()
+                    return self._error(reply.status, why or f"scripted {reply.status}", anthropic)
+                if anthropic:
+                    return self._anthropic_stream(reply) if stream else self._json(200, _anthropic_message(reply, body))
+                return self._openai_stream(reply, body) if stream else self._json(200, _openai_completion(reply, body))
+
+            # -- plumbing --------------------------------------------------------------------------
+            def _json(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _error(self, status: int, message: str, anthropic: bool) -> None:
+                if anthropic:
+                    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "api_error")
+                    return self._json(status, {"type": "error", "error": {"type": kind, "message": message}})
+                return self._json(status, {"error": {"message": message, "type": "error", "code": status}})
+
+            def _sse_start(self) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("connection", "close")
+                self.end_headers()
+                self.close_connection = True
+
+            def _truncated(self) -> None:
+                """A JSON body announced in full, then cut short."""
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "1000")
+                self.end_headers()
+                self.wfile.write(b'{"id": "cut')
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)
+
+            def _dropped(self, anthropic: bool) -> None:
+                self._sse_start()
+                first = ({"type": "message_start", "message": {"id": "msg_drop", "type": "message", "role": "assistant",
+                          "model": "fake", "content": [], "stop_reason": None, "usage": {"input_tokens": 1, "output_tokens": 0}}}
+                         if anthropic else {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "partial"}}]})
+                event = "event: message_start\n" if anthropic else ""
+                self.wfile.write(f"{event}data: {json.dumps(first)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.05)
+                self.connection.shutdown(2)  # cut mid-stream
+
+            def _openai_stream(self, reply: Reply, body: dict) -> None:
+                self._sse_start()
+                base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": body.get("model", "fake")}
+
+                def send(choice_delta: dict, finish=None, usage=None) -> None:
+                    chunk = {**base, "choices": [{"index": 0, "delta": choice_delta, "finish_reason": finish}] if choice_delta is not None else []}
+                    if usage is not None:
+                        chunk["usage"] = usage
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+                send({"role": "assistant", "content": ""})
+                for piece in _pieces(reply.text):
+                    send({"content": piece})
+                for i, (name, args) in enumerate(reply.tool_calls):
+                    arguments = args if isinstance(args, str) else json.dumps(args)
+                    send({"tool_calls": [{"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": ""}}]})
+                    for piece in _pieces(arguments):
+                        send({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+                send({}, finish="tool_calls" if reply.tool_calls else "stop")
+                send(None, usage={"prompt_tokens": reply.input_tokens, "completion_tokens": reply.output_tokens,
+                                  "total_tokens": reply.input_tokens + reply.output_tokens})
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+
+            def _anthropic_stream(self, reply: Reply) -> None:
+                self._sse_start()
+
+                def send(kind: str, payload: dict) -> None:
+                    self.wfile.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n".encode())
+
+                send("message_start", {"message": {"id": "msg_fake", "type": "message", "role": "assistant", "model": "fake",
+                                                   "content": [], "stop_reason": None, "stop_sequence": None,
+                                                   "usage": {"input_tokens": reply.input_tokens, "output_tokens": 1}}})
+                index = 0
+                if reply.text:
+                    send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                    for piece in _pieces(reply.text):
+                        send("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
+                    send("content_block_stop", {"index": 0})
+                    index = 1
+                for i, (name, args) in enumerate(reply.tool_calls, start=index):
+                    arguments = args if isinstance(args, str) else json.dumps(args)
+                    send("content_block_start", {"index": i, "content_block": {"type": "tool_use", "id": f"toolu_{i}", "name": name, "input": {}}})
+                    for piece in _pieces(arguments):
+                        send("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": piece}})
+                    send("content_block_stop", {"index": i})
+                send("message_delta", {"delta": {"stop_reason": "tool_use" if reply.tool_calls else "end_turn", "stop_sequence": None},
+                                       "usage": {"output_tokens": reply.output_tokens}})
+                send("message_stop", {})
+                self.wfile.flush()
+
+        return Handler
+
+
+def _pieces(text: str, size: int = 7) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def _openai_completion(reply: Reply, body: dict) -> dict:
+    message: dict = {"role": "assistant", "content": reply.text or None}
+    if reply.tool_calls:
+        message["tool_calls"] = [{"id": f"call_{i}", "type": "function",
+                                  "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
+                                 for i, (name, args) in enumerate(reply.tool_calls)]
+    return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": body.get("model", "fake"),
+            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if reply.tool_calls else "stop"}],
+            "usage": {"prompt_tokens": reply.input_tokens, "completion_tokens": reply.output_tokens,
+                      "total_tokens": reply.input_tokens + reply.output_tokens}}
+
+
+def _anthropic_message(reply: Reply, body: dict) -> dict:
+    content: list[dict] = [{"type": "text", "text": reply.text}] if reply.text else []
+    for i, (name, args) in enumerate(reply.tool_calls):
+        content.append({"type": "tool_use", "id": f"toolu_{i}", "name": name, "input": args if isinstance(args, dict) else {"_raw": args}})
+    return {"id": "msg_fake", "type": "message", "role": "assistant", "model": body.get("model", "fake"), "content": content,
+            "stop_reason": "tool_use" if reply.tool_calls else "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens}}

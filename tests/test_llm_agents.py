@@ -1,0 +1,267 @@
+"""LLM agents against a fake provider (real HTTP on loopback, both wire protocols, streaming and tool
+calls; the official SDK clients talk to it): the clients' retries and errors, the tools' helpful
+errors, structured answers with one repair, and full `vibetrain generate` rounds whose implementer
+edits the stack through tool calls — validated and committed, or rejected by the LLM review — plus
+budgets, a coding-agent CLI, and keys that never reach the sandbox."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import git
+import pytest
+from typer.testing import CliRunner
+
+from agents.llm.client import Accounting, ClientConfig, LLMError, ToolCall, make_client
+from agents.llm.roles import ImplementerOutput, OutputSchemaError, answer
+from agents.llm.tools import Toolbox, ToolCallError
+from agents.sandbox import Sandbox
+from orchestrator.cli import app
+from orchestrator.state import RunState
+from skills.starter import write_starter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_llm import Fault, FakeLLMServer, Reply  # noqa: E402
+
+runner = CliRunner()
+KEY = "VIBETRAIN_TEST_LLM_KEY"
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setenv(KEY, "sk-test-secret")
+    with FakeLLMServer() as fake:
+        yield fake
+
+
+def _client(server, provider: str, stream: bool = True, retries: int = 3, model: str = "gpt-4o"):
+    base = server.url + "/v1" if provider == "openai" else server.url
+    config = ClientConfig(provider, model, KEY, base, stream=stream, max_retries=retries, backoff_s=0.01)
+    return make_client(config, Accounting())
+
+
+# -- clients ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_tool_calls_round_trip_and_transient_faults_are_retried(server, provider, stream):
+    server.script("implementer", Fault(status=429), Fault(status=503), Fault(drop=True),
+                  Reply(text="reading", tool_calls=[("read_file", {"path": "stack/params.json"})], input_tokens=1000, output_tokens=50),
+                  Reply(text='{"summary": "done"}', input_tokens=1200, output_tokens=30))
+    client = _client(server, provider, stream)
+    turn = client.chat("ROLE: implementer", [{"role": "user", "content": "go"}], [])
+    assert turn.text == "reading" and [(c.name, json.loads(c.arguments)) for c in turn.tool_calls] == [("read_file", {"path": "stack/params.json"})]
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "text": turn.text, "tool_calls": turn.tool_calls},
+                {"role": "tool", "tool_call_id": turn.tool_calls[0].id, "name": "read_file", "content": "{}"}]
+    assert client.chat("ROLE: implementer", messages, []).text == '{"summary": "done"}'
+    assert len(server.requests) == 5  # three faults, two answers: the SDK's own retries are off
+    last = server.requests[-1]["body"]
+    if provider == "openai":
+        assert last["messages"][-1] == {"role": "tool", "tool_call_id": "call_0", "content": "{}"}
+    else:
+        assert last["messages"][-1]["content"][0]["type"] == "tool_result"
+    assert client.accounting.snapshot() == {"calls": 2, "input_tokens": 2200, "output_tokens": 80,
+                                            "cost_usd": pytest.approx((2200 * 2.5 + 80 * 10) / 1e6)}  # gpt-4o's price
+
+
+def test_a_429_storm_gives_up_with_a_clear_message(server):
+    server.script("planner", *[Fault(status=429)] * 5)
+    with pytest.raises(LLMError, match=r"rate limited \(429\); gave up after 3 retries"):
+        _client(server, "openai").chat("ROLE: planner", [{"role": "user", "content": "x"}], [])
+    assert len(server.requests) == 4
+
+
+def test_authentication_and_unknown_model_fail_at_once(server, monkeypatch):
+    monkeypatch.setenv(KEY, "bad-key")
+    for provider in ("openai", "anthropic"):
+        with pytest.raises(LLMError, match=rf"authentication failed \(401\): check \${KEY}"):
+            _client(server, provider).chat("ROLE: judge", [{"role": "user", "content": "x"}], [])
+    monkeypatch.delenv(KEY)
+    with pytest.raises(LLMError, match=f"no API key: set \\${KEY}"):
+        _client(server, "openai")
+
+
+def test_costs_come_from_the_price_table_and_unknown_models_say_so(caplog):
+    accounting = Accounting()
+    assert accounting.add("claude-sonnet-4-20250514", 1_000_000, 100_000) == pytest.approx(3.0 + 1.5)
+    assert accounting.add("my-local-model", 10, 10) == 0.0 and "no price known for model 'my-local-model'" in caplog.text
+
+
+# -- structured answers ------------------------------------------------------------------------------
+
+def test_a_malformed_answer_gets_one_repair_and_then_fails_clearly(server):
+    client = _client(server, "anthropic")
+    server.script("implementer", Reply(text="sure, here you go"), Reply(text='{"summary": "fixed it"}'))
+    assert answer(client, "ROLE: implementer", [{"role": "user", "content": "x"}], ImplementerOutput, "implementer").summary == "fixed it"
+    assert "did not match the required JSON" in json.dumps(server.requests[-1]["body"]["messages"][-1])
+    server.script("implementer", Reply(text='{"summary": ""}'), Reply(text='{"wrong": 1}'))
+    with pytest.raises(OutputSchemaError, match="the implementer's answer failed its schema twice"):
+        answer(client, "ROLE: implementer", [{"role": "user", "content": "x"}], ImplementerOutput, "implementer")
+
+
+# -- tools ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def toolbox(tmp_path, tiny_spec):
+    write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    return Toolbox(tmp_path / "ws", Sandbox.detect("auto"))
+
+
+def _call(toolbox, name, **arguments):
+    return toolbox.call(ToolCall("c", name, json.dumps(arguments)))
+
+
+def test_edit_file_explains_a_miss_and_an_ambiguity(toolbox):
+    missing = _call(toolbox, "edit_file", path="stack/params.json", old='"controller":"colocate"', new="x")
+    assert missing.startswith("error: the old text is not in stack/params.json") and 'closest line is 2: \'"controller": "colocate",\'' in missing
+    ambiguous = _call(toolbox, "edit_file", path="stack/colocate.py", old="self", new="me")
+    assert "occurs" in ambiguous and "times in stack/colocate.py (lines [" in ambiguous
+    assert _call(toolbox, "edit_file", path="stack/params.json", old='"controller": "colocate"', new='"controller": "static_split"') \
+        == "edited stack/params.json"
+    assert '"static_split"' in _call(toolbox, "read_file", path="stack/params.json")
+
+
+def test_paths_stay_in_the_workspace_and_long_results_say_they_were_cut(toolbox):
+    assert "is outside the workspace" in _call(toolbox, "read_file", path="../../etc/passwd")
+    assert "is git's" in _call(toolbox, "write_file", path=".git/config", content="x")
+    _call(toolbox, "write_file", path="big.txt", content="x" * 50_000)
+    result = _call(toolbox, "read_file", path="big.txt")
+    assert result.endswith("read again with offset=10000]") and len(result) < 10_100
+    loud = _call(toolbox, "run_command", command="python3 -c \"print('y' * 30000)\"")
+    assert loud.endswith("more characters not shown; narrow the request]") and len(loud) < 12_100
+
+
+def test_an_unknown_tool_or_invalid_arguments_end_the_attempt(toolbox):
+    with pytest.raises(ToolCallError, match="unknown tool 'delete_everything'; available: list_files"):
+        toolbox.call(ToolCall("c", "delete_everything", "{}"))
+    with pytest.raises(ToolCallError, match="called edit_file with invalid arguments"):
+        toolbox.call(ToolCall("c", "edit_file", '{"path": "stack/params.json"}'))
+    with pytest.raises(ToolCallError, match="invalid arguments"):
+        toolbox.call(ToolCall("c", "read_file", "{not json"))
+
+
+def test_commands_run_in_the_sandbox_without_the_keys(toolbox, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-must-not-leak")
+    result = _call(toolbox, "run_command", command="env; echo done")
+    assert "exit code 0" in result and "done" in result and "sk-must-not-leak" not in result
+
+
+# -- full rounds through vibetrain generate ----------------------------------------------------------
+
+EDIT = ("edit_file", {"path": "stack/params.json", "old": '"controller": "colocate"',
+                      "new": '"controller": "static_split",\n  "rollout_devices": 1,\n  "train_devices": 1'})
+
+
+def _script_a_run(server, rounds: int, review: str = "accept") -> None:
+    for _ in range(rounds + 1):  # round 0 (the starter) is judged and evaluated too
+        server.script("judge", Reply(text=json.dumps({"verdict": "accept", "reasons": ["plain change"]})))
+        server.script("evaluator", Reply(text=json.dumps({"hints": [{"code": "llm_note", "message": "looks rollout-bound"}]})))
+    for _ in range(rounds):
+        server.script("implementer", Reply(tool_calls=[("read_file", {"path": "stack/params.json"})]),
+                      Reply(text="switching", tool_calls=[EDIT]),
+                      Reply(text=json.dumps({"summary": "static_split: 1 rollout + 1 train device", "files_changed": ["stack/params.json"]})))
+    if review == "reject":
+        server.scripts["judge"].pop()
+        server.script("judge", Reply(text=json.dumps({"verdict": "reject", "reasons": ["stack/report.py computes throughput itself"]})))
+
+
+def _generate(server, tmp_path, target, provider: str, *extra: str) -> tuple[int, str, Path]:
+    run = tmp_path / f"run-{provider}"
+    base = server.url + "/v1" if provider == "openai" else server.url
+    model = "gpt-4o" if provider == "openai" else "claude-sonnet-4"
+    result = runner.invoke(app, ["generate", str(target), "--agents", provider, "--model", model, "--base-url", base,
+                                 "--api-key-env", KEY, "--simulate", "--repeat", "1", "--out", str(run),
+                                 "--workspaces", str(tmp_path / "ws"), *extra], env={"COLUMNS": "140"})
+    return result.exit_code, result.output, run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server, tmp_path, fast_target, provider):
+    _script_a_run(server, rounds=1)
+    code, output, run = _generate(server, tmp_path, fast_target, provider, "--rounds", "1")
+    assert code == 0, output
+    state = RunState.load(run)
+    assert [r.verdict for r in state.rounds] == ["accepted", "accepted"], [r.reasons for r in state.rounds]
+    repo = git.Repo(run)
+    commit = repo.commit(state.record(1).commit)
+    assert f"Agent-Backend: {provider}" in commit.message
+    assert json.loads(repo.git.show(f"{commit.hexsha}:stack/params.json"))["controller"] == "static_split"
+    assert any(h["code"] == "llm_note" for h in state.record(1).hints)
+    assert state.record(1).llm["calls"] == 5 and state.record(1).llm["input_tokens"] == 500
+    log = runner.invoke(app, ["log", str(run)], env={"COLUMNS": "160"}).output
+    assert "tokens in/out" in log and "500/100" in log and "LLM use: " in log
+    roles = [r["role"] for r in server.requests]
+    assert roles.count("implementer") == 3 and roles.count("judge") == 2
+    assert not any("sk-test-secret" in p.read_text(errors="ignore") for p in run.rglob("*") if p.is_file() and ".git" not in p.parts)
+
+
+@pytest.mark.slow
+def test_the_llm_review_rejects_a_hack_the_gate_let_through(server, tmp_path, fast_target):
+    _script_a_run(server, rounds=1, review="reject")
+    code, output, run = _generate(server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-attempts", "1")
+    state = RunState.load(run)
+    assert state.record(1).verdict == "rejected"
+    assert state.record(1).reasons == ["llm review: stack/report.py computes throughput itself"]
+    assert "llm review" in runner.invoke(app, ["log", str(run)], env={"COLUMNS": "160"}).output
+    assert state.best_round == 0
+
+
+@pytest.mark.slow
+def test_bad_tool_calls_end_attempts_and_a_budget_stops_the_run(server, tmp_path, fast_target):
+    server.script("judge", Reply(text='{"verdict": "accept"}'))
+    server.script("evaluator", Reply(text='{"hints": []}'))
+    server.script("implementer", Reply(tool_calls=[("rm_rf", {})]),  # attempt 1: an unknown tool
+                  Reply(tool_calls=[("edit_file", '{"path": 3')]))  # attempt 2: arguments that do not parse
+    code, output, run = _generate(server, tmp_path, fast_target, "openai", "--rounds", "3", "--max-tokens", "400")
+    state = RunState.load(run)
+    assert [r.round for r in state.rounds] == [0, 1] and state.record(0).verdict == "accepted"
+    reasons = state.record(1).reasons
+    assert state.record(1).verdict == "rejected" and "invalid arguments" in reasons[0]
+    assert "token budget of 400 spent" in output  # rounds 2 and 3 never started
+    assert state.llm_used["input_tokens"] + state.llm_used["output_tokens"] == 480
+
+
+def _fake_claude(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "claude"
+    script.write_text(f"""#!{sys.executable}
+import json, pathlib, sys
+params = pathlib.Path("stack/params.json")
+data = json.loads(params.read_text())
+data.update(controller="static_split", rollout_devices=1, train_devices=1)
+params.write_text(json.dumps(data, indent=2))
+assert sys.argv[1] == "-p" and "ROLE: implementer" in sys.argv[2]
+print(json.dumps({{"type": "result", "is_error": False, "result": "switched to static_split",
+                  "usage": {{"input_tokens": 1234, "output_tokens": 56}}, "total_cost_usd": 0.0123}}))
+""")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+@pytest.mark.slow
+def test_a_coding_agent_cli_implements_a_round(tmp_path, fast_target, monkeypatch):
+    monkeypatch.setenv("PATH", f"{_fake_claude(tmp_path)}{os.pathsep}{os.environ['PATH']}")
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["generate", str(fast_target), "--agents", "cli:claude", "--rounds", "1", "--simulate",
+                                 "--repeat", "1", "--out", str(run), "--workspaces", str(tmp_path / "ws")], env={"COLUMNS": "140"})
+    assert result.exit_code == 0, result.output
+    state = RunState.load(run)
+    assert state.record(1).verdict == "accepted" and state.record(1).llm["cost_usd"] == pytest.approx(0.0123)
+    assert json.loads(git.Repo(run).git.show(f"{state.record(1).commit}:stack/params.json"))["controller"] == "static_split"
+
+
+def test_a_missing_cli_or_key_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--agents", "cli:codex", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 2 and "the codex CLI is not installed" in result.output and not (tmp_path / "a").exists()
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--agents", "openai", "--model", "gpt-4o", "--out", str(tmp_path / "b")])
+    assert result.exit_code == 2 and "no API key in $OPENAI_API_KEY" in result.output and not (tmp_path / "b").exists()
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--policy", "llm", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "--policy llm needs an LLM backend" in result.output

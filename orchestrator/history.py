@@ -97,12 +97,14 @@ class History:
 
     def worktree(self, path: Path, parent: str) -> Path:
         """A fresh linked worktree at ``parent`` (detached HEAD)."""
+        path = path.resolve()  # git runs in the repository, not here: a relative path would land there
         self.remove_worktree(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.repo.git.worktree("add", "--detach", str(path), parent)
         return path
 
     def remove_worktree(self, path: Path) -> None:
+        path = path.resolve()
         if path.exists():
             if (path / ".git").is_file():
                 self.repo.git.worktree("remove", "--force", str(path))

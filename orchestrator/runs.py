@@ -73,6 +73,7 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
               time_limit_s: float, on_event: Callable[..., None], llm: dict | None = None,
               max_cost: float | None = None, max_tokens: int | None = None) -> Loop:
     spec = load_target(target)
+    run_dir, workspaces = run_dir.resolve(), workspaces.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
         raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
     if policy not in POLICIES:
@@ -96,6 +97,7 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
 def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | None, max_minutes: float | None,
                time_limit_s: float, on_event: Callable[..., None], max_cost: float | None = None,
                max_tokens: int | None = None) -> Loop:
+    run_dir, workspaces = run_dir.resolve(), workspaces.resolve()  # git and the sandbox run elsewhere
     if not run_dir.exists():
         raise RunSetupError(f"{run_dir} does not exist: nothing to resume (start it without --resume)")
     try:

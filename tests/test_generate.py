@@ -217,6 +217,17 @@ def test_the_evolve_policy_runs_rounds_from_its_population(tmp_path, fast_target
     assert all(r.parent_round is not None for r in state.rounds[1:])
 
 
+@pytest.mark.slow
+def test_the_default_relative_paths_work_from_any_directory(tmp_path, fast_target, monkeypatch):
+    """The README's command relies on cwd-relative defaults (generated/<id>, workspaces/); git and the
+    sandbox run in other directories, so every path must be made absolute first."""
+    monkeypatch.chdir(tmp_path)
+    _generate(str(fast_target), "--rounds", "0", "--simulate", "--repeat", "1")
+    state = RunState.load(Path("generated") / "tiny-qwen3-cpu-fast")
+    assert state.record(0).verdict == "accepted", state.record(0).reasons
+    assert (tmp_path / "generated" / "tiny-qwen3-cpu-fast" / "stack" / "params.json").exists()
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 
 def test_an_unknown_target_is_named(tmp_path):

@@ -114,6 +114,7 @@ def run_candidate(target: str, stack_dir: Path, out: Path, mode: str, time_limit
     """``mode``: ``accuracy``, ``system`` or ``check`` (both phases in one child process);
     ``execution``: ``real`` or ``simulated`` to override the target's."""
     limits = time_limit_s if isinstance(time_limit_s, Limits) else Limits(time_s=time_limit_s)
+    stack_dir, out = Path(stack_dir).resolve(), Path(out).resolve()  # the child may run in another directory
     if not (stack_dir / "stack" / "__init__.py").exists():
         return CandidateRun(False, f"{stack_dir} has no stack/__init__.py: not a candidate directory", out)
     out.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,23 @@ def make_agents(backend: str, target: str, spec: TargetSpec, *, simulated: bool,
         shutil.rmtree(workspace / ".vibetrain-check", ignore_errors=True)
         return ("PASSED\n" if verdict.passed else "FAILED\n") + "\n".join(lines)
 
-    implementer = LLMImplementer(spec, client, sandbox, checks)
+    def benchmark(workspace: Path) -> str:
+        from targets.harness.benchmark import run_metrics
+        from targets.harness.candidate import run_candidate
+        from targets.harness.trace import Trace
+
+        out = workspace / ".vibetrain-bench"
+        try:
+            run = run_candidate(target, workspace, out, "system", limits, execution="simulated" if simulated else "real",
+                                launcher=sandbox.launcher)
+            if not run.ok:
+                return f"FAILED: {run.cause}"
+            metrics = run_metrics(spec, Trace.load_events(out / "trace.jsonl"), run.results["system"])
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        return "\n".join(f"{k}: {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
+
+    implementer = LLMImplementer(spec, client, sandbox, checks, benchmark)
     implementer.offline = offline.implementer
     return Agents(backend, offline.planner, implementer, LLMJudge(offline.judge, client),
                   LLMEvaluator(spec, offline.evaluator, client), accounting, LLMPlanner(spec, client))

@@ -67,12 +67,13 @@ class Loop:
             if spent:
                 self.on_event("budget", reason=spent)
                 break
-            proposal = self.policy.propose(self.state, self.params_of)
+            llm_before = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
+            proposal = self.policy.propose(self.state, self.params_of)  # an LLM planner's call counts to the round
             if proposal is None:
                 self.on_event("budget", reason="nothing left to try: the backlog is empty and no parameter move is new")
                 break
             parent, task = proposal
-            self.finish_round(self.round(self.state.next_round, parent, task))
+            self.finish_round(self.round(self.state.next_round, parent, task, llm_before))
             self.state.seconds_used = spent_before + time.monotonic() - started
             self.save()
         self.state.seconds_used = spent_before + time.monotonic() - started
@@ -104,10 +105,11 @@ class Loop:
                 totals[key] = totals.get(key, 0) + value - self._llm_at_start.get(key, 0)
         return totals
 
-    def round(self, number: int, parent: RoundRecord | None, task: Task) -> RoundRecord:
+    def round(self, number: int, parent: RoundRecord | None, task: Task, llm_before: dict | None = None) -> RoundRecord:
         self.on_event("round_start", round=number, task=task, parent=parent.round if parent else None)
         started = time.monotonic()
-        llm_before = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
+        if llm_before is None:
+            llm_before = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
         parent_commit = parent.commit if parent else self.history.root()
         workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
         out = self.run_dir / ".git" / RUNS_DIR / f"round-{number}"

@@ -86,6 +86,9 @@ class FakeLLMServer:
                     server.requests.append({"path": self.path, "role": role, "body": body, "headers": dict(self.headers)})
                 if self.headers.get("authorization", "").endswith("bad-key") or self.headers.get("x-api-key") == "bad-key":
                     return self._error(401, "invalid api key", anthropic)
+                if body.get("model") == "no-such-model":
+                    return self._json(404, {"error": {"message": "The model `no-such-model` does not exist", "type": "invalid_request_error"}}
+                                      if not anthropic else {"type": "error", "error": {"type": "not_found_error", "message": "model: no-such-model"}})
                 reply, why = server._next(role)
                 stream = bool(body.get("stream"))
                 if isinstance(reply, Fault):

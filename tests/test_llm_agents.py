@@ -80,6 +80,10 @@ def test_authentication_and_unknown_model_fail_at_once(server, monkeypatch):
     for provider in ("openai", "anthropic"):
         with pytest.raises(LLMError, match=rf"authentication failed \(401\): check \${KEY}"):
             _client(server, provider).chat("ROLE: judge", [{"role": "user", "content": "x"}], [])
+    monkeypatch.setenv(KEY, "sk-test")
+    for provider in ("openai", "anthropic"):
+        with pytest.raises(LLMError, match=r"not found \(404\): is the model name right\?"):
+            _client(server, provider, model="no-such-model").chat("ROLE: judge", [{"role": "user", "content": "x"}], [])
     monkeypatch.delenv(KEY)
     with pytest.raises(LLMError, match=f"no API key: set \\${KEY}"):
         _client(server, "openai")
@@ -183,7 +187,14 @@ def _generate(server, tmp_path, target, provider: str, *extra: str) -> tuple[int
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server, tmp_path, fast_target, provider):
     _script_a_run(server, rounds=1)
-    code, output, run = _generate(server, tmp_path, fast_target, provider, "--rounds", "1")
+    policy = []
+    if provider == "openai":  # the LLM planner picks the round (for anthropic, the backlog does)
+        policy = ["--policy", "llm"]
+        server.script("planner", Reply(text=json.dumps({
+            "parent_round": 0, "plan": ["then try time_multiplex"],
+            "task": {"id": "split-one-one", "title": "split the two devices 1/1", "rationale": "training blocks rollout",
+                     "skills": ["static_split"], "changes": {}, "acceptance": ["vibetrain check passes"]}})))
+    code, output, run = _generate(server, tmp_path, fast_target, provider, "--rounds", "1", *policy)
     assert code == 0, output
     state = RunState.load(run)
     assert [r.verdict for r in state.rounds] == ["accepted", "accepted"], [r.reasons for r in state.rounds]
@@ -192,9 +203,13 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
     assert f"Agent-Backend: {provider}" in commit.message
     assert json.loads(repo.git.show(f"{commit.hexsha}:stack/params.json"))["controller"] == "static_split"
     assert any(h["code"] == "llm_note" for h in state.record(1).hints)
-    assert state.record(1).llm["calls"] == 5 and state.record(1).llm["input_tokens"] == 500
+    calls = 6 if provider == "openai" else 5  # implementer 3, judge, evaluator (+ the planner)
+    assert state.record(1).llm["calls"] == calls and state.record(1).llm["input_tokens"] == 100 * calls
+    if provider == "openai":
+        assert state.record(1).task.id == "split-one-one" and state.record(1).task.source == "llm"
+        assert any(t.title == "then try time_multiplex" for t in state.backlog)
     log = runner.invoke(app, ["log", str(run)], env={"COLUMNS": "160"}).output
-    assert "tokens in/out" in log and "500/100" in log and "LLM use: " in log
+    assert "tokens in/out" in log and f"{100 * calls}/{20 * calls}" in log and "LLM use: " in log
     roles = [r["role"] for r in server.requests]
     assert roles.count("implementer") == 3 and roles.count("judge") == 2
     assert not any("sk-test-secret" in p.read_text(errors="ignore") for p in run.rglob("*") if p.is_file() and ".git" not in p.parts)

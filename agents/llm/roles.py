@@ -84,8 +84,9 @@ def answer(client: ChatClient, system: str, messages: list[dict], schema: type[B
 
 
 class LLMImplementer:
-    def __init__(self, spec: TargetSpec, client: ChatClient, sandbox, checks, max_turns: int = 40) -> None:
-        self.spec, self.client, self.sandbox, self.checks, self.max_turns = spec, client, sandbox, checks, max_turns
+    def __init__(self, spec: TargetSpec, client: ChatClient, sandbox, checks, benchmark=None, max_turns: int = 40) -> None:
+        self.spec, self.client, self.sandbox, self.max_turns = spec, client, sandbox, max_turns
+        self.checks, self.benchmark = checks, benchmark
         self.offline = None  # the starter comes from the library, as the offline implementer writes it
 
     def starter(self, workspace: Path, controller: str) -> Attempt:
@@ -97,7 +98,8 @@ class LLMImplementer:
         system = PROMPTS.get_template("implementer.j2").render(
             target=self.spec, task=task, skills=[skills[s] for s in task.skills if s in skills], design=design,
             hints=[Hint(**h) for h in hints], feedback=feedback)
-        toolbox = Toolbox(workspace, self.sandbox, checks=lambda: self.checks(workspace))
+        toolbox = Toolbox(workspace, self.sandbox, checks=lambda: self.checks(workspace),
+                          benchmark=(lambda: self.benchmark(workspace)) if self.benchmark else None)
         messages: list[dict] = [{"role": "user", "content": "Carry out the task, then answer with the JSON summary."}]
         for _ in range(self.max_turns):
             turn = self.client.chat(system, messages, toolbox.specs())

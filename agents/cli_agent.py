@@ -10,9 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from agents.llm.roles import PROMPTS
-from agents.roles import AgentError, Attempt, Hint, Task
-from skills.library import load_skills
+from agents.llm.roles import implementer_prompt
+from agents.roles import AgentError, Attempt, Task
 from skills.validation import expand_file
 from targets.spec import TargetSpec
 
@@ -35,11 +34,7 @@ class CLIImplementer:
         return self.offline.starter(workspace, controller)
 
     def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
-        skills = load_skills()
-        design = (workspace / "DESIGN.md").read_text() if (workspace / "DESIGN.md").exists() else "(none)"
-        prompt = PROMPTS.get_template("implementer.j2").render(
-            target=self.spec, task=task, skills=[skills[s] for s in task.skills if s in skills], design=design,
-            hints=[Hint(**h) for h in hints], feedback=feedback)
+        prompt = implementer_prompt(self.spec, task, workspace, feedback, hints)
         try:
             result = subprocess.run(COMMANDS[self.tool](prompt), cwd=workspace, capture_output=True, text=True, timeout=self.timeout_s)
         except subprocess.TimeoutExpired:

@@ -16,11 +16,9 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from skills.starter import write_starter
-from targets.api import TrainBatch, Trajectory
 from targets.harness.audit import audit_run
 from targets.harness.metrics import compute_metrics
 from targets.harness.runner import runtime_for
-from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
 from targets.harness.sim.run import simulate
@@ -152,7 +150,7 @@ def test_static_batching_admits_only_between_batches():
     static = CostModel.from_spec(spec.model_copy(update={"simulator": spec.simulator.model_copy(update={"batching": "static"})}))
 
     async def body(engine, loop):
-        long = engine.submit("a", 10, 200)
+        engine.submit("a", 10, 200)  # a long request runs first
         await asyncio.sleep(0.01)
         short = engine.submit("b", 10, 5)
         await short

@@ -160,7 +160,21 @@ class _RetryingClient:
         raise NotImplementedError
 
     def _classify(self, error: Exception) -> tuple[bool, str | None]:
-        raise NotImplementedError
+        """(transient?, message) for the SDK's errors (both SDKs name them alike); (False, None) for
+        anything else, which is re-raised unchanged."""
+        sdk, host = self.sdk, self.config.base_url or self.default_host
+        where = f"{self.config.provider} {self.config.model} at {host}"
+        if isinstance(error, sdk.AuthenticationError):
+            return False, f"{where}: authentication failed (401): check ${self.config.api_key_env}"
+        if isinstance(error, sdk.NotFoundError):
+            return False, f"{where}: not found (404): is the model name right? ({error.message})"
+        if isinstance(error, sdk.RateLimitError):
+            return True, f"{where}: rate limited (429)"
+        if isinstance(error, sdk.APIStatusError):
+            return error.status_code >= 500, f"{where}: HTTP {error.status_code}: {error.message}"
+        if isinstance(error, (sdk.APIConnectionError, sdk.APITimeoutError, _StreamCut)):
+            return True, f"{where}: connection failed or stream cut ({type(error).__name__}: {error})"
+        return False, None
 
 
 class OpenAIChat(_RetryingClient):
@@ -168,7 +182,7 @@ class OpenAIChat(_RetryingClient):
         super().__init__(config, accounting)
         import openai
 
-        self.openai = openai
+        self.sdk, self.default_host = openai, "api.openai.com"
         self.client = openai.OpenAI(api_key=config.api_key(), base_url=config.base_url, max_retries=0, timeout=config.timeout_s)
 
     @staticmethod
@@ -218,28 +232,13 @@ class OpenAIChat(_RetryingClient):
         return AssistantTurn("".join(text), [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())],
                              usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
 
-    def _classify(self, error: Exception) -> tuple[bool, str | None]:
-        o = self.openai
-        where = f"{self.config.provider} {self.config.model} at {self.config.base_url or 'api.openai.com'}"
-        if isinstance(error, o.AuthenticationError):
-            return False, f"{where}: authentication failed (401): check ${self.config.api_key_env}"
-        if isinstance(error, o.NotFoundError):
-            return False, f"{where}: not found (404): is the model name right? ({error.message})"
-        if isinstance(error, o.RateLimitError):
-            return True, f"{where}: rate limited (429)"
-        if isinstance(error, o.APIStatusError):
-            return error.status_code >= 500, f"{where}: HTTP {error.status_code}: {error.message}"
-        if isinstance(error, (o.APIConnectionError, o.APITimeoutError, _StreamCut)):
-            return True, f"{where}: connection failed or stream cut ({type(error).__name__}: {error})"
-        return False, None
-
 
 class AnthropicChat(_RetryingClient):
     def __init__(self, config: ClientConfig, accounting: Accounting) -> None:
         super().__init__(config, accounting)
         import anthropic
 
-        self.anthropic = anthropic
+        self.sdk, self.default_host = anthropic, "api.anthropic.com"
         self.client = anthropic.Anthropic(api_key=config.api_key(), base_url=config.base_url, max_retries=0, timeout=config.timeout_s)
 
     @staticmethod
@@ -282,21 +281,6 @@ class AnthropicChat(_RetryingClient):
         text = "".join(b.text for b in message.content if b.type == "text")
         calls = [ToolCall(b.id, b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"]
         return AssistantTurn(text, calls, message.usage.input_tokens, message.usage.output_tokens)
-
-    def _classify(self, error: Exception) -> tuple[bool, str | None]:
-        a = self.anthropic
-        where = f"{self.config.provider} {self.config.model} at {self.config.base_url or 'api.anthropic.com'}"
-        if isinstance(error, a.AuthenticationError):
-            return False, f"{where}: authentication failed (401): check ${self.config.api_key_env}"
-        if isinstance(error, a.NotFoundError):
-            return False, f"{where}: not found (404): is the model name right? ({error.message})"
-        if isinstance(error, a.RateLimitError):
-            return True, f"{where}: rate limited (429)"
-        if isinstance(error, a.APIStatusError):
-            return error.status_code >= 500, f"{where}: HTTP {error.status_code}: {error.message}"
-        if isinstance(error, (a.APIConnectionError, a.APITimeoutError, _StreamCut)):
-            return True, f"{where}: connection failed or stream cut ({type(error).__name__}: {error})"
-        return False, None
 
 
 class _StreamCut(RuntimeError):

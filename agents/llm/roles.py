@@ -83,6 +83,15 @@ def answer(client: ChatClient, system: str, messages: list[dict], schema: type[B
         raise OutputSchemaError(f"the {role}'s answer failed its schema twice: {error}") from None
 
 
+def implementer_prompt(spec: TargetSpec, task: Task, workspace: Path, feedback: list[str], hints) -> str:
+    """The implementer's instructions: target, task, the skills it names, DESIGN.md, hints, feedback."""
+    skills = load_skills()
+    design = (workspace / "DESIGN.md").read_text() if (workspace / "DESIGN.md").exists() else "(none)"
+    return PROMPTS.get_template("implementer.j2").render(
+        target=spec, task=task, skills=[skills[s] for s in task.skills if s in skills], design=design,
+        hints=[Hint(**h) for h in hints], feedback=feedback)
+
+
 class LLMImplementer:
     def __init__(self, spec: TargetSpec, client: ChatClient, sandbox, checks, benchmark=None, max_turns: int = 40) -> None:
         self.spec, self.client, self.sandbox, self.max_turns = spec, client, sandbox, max_turns
@@ -93,11 +102,7 @@ class LLMImplementer:
         return self.offline.starter(workspace, controller)
 
     def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
-        skills = load_skills()
-        design = (workspace / "DESIGN.md").read_text() if (workspace / "DESIGN.md").exists() else "(none)"
-        system = PROMPTS.get_template("implementer.j2").render(
-            target=self.spec, task=task, skills=[skills[s] for s in task.skills if s in skills], design=design,
-            hints=[Hint(**h) for h in hints], feedback=feedback)
+        system = implementer_prompt(self.spec, task, workspace, feedback, hints)
         toolbox = Toolbox(workspace, self.sandbox, checks=lambda: self.checks(workspace),
                           benchmark=(lambda: self.benchmark(workspace)) if self.benchmark else None)
         messages: list[dict] = [{"role": "user", "content": "Carry out the task, then answer with the JSON summary."}]

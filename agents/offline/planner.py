@@ -60,7 +60,7 @@ class OfflinePlanner:
             id=f"controller={skill.name}", title=f"switch the controller to {skill.name}",
             rationale=f"{why}the {skill.name} skill is triggered by {skill.triggers}",
             skills=[skill.name], changes=changes, priority=10 if hint else 1, source=f"trigger:{hint.code}" if hint else "skill",
-            acceptance=[f"vibetrain check passes", f"{self.spec.headline_metric.name} improves beyond the noise threshold"],
+            acceptance=["vibetrain check passes", f"{self.spec.headline_metric.name} improves beyond the noise threshold"],
         )
 
     def _param_task(self, skill: Skill, name: str, value, reason: str, source: str, priority: int) -> Task:

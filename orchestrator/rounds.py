@@ -87,7 +87,6 @@ class Loop:
                     skills=[starter], acceptance=["vibetrain check passes"])
         return self.round(0, None, task)
 
-    # -- one round ---------------------------------------------------------------------------------
     def llm_budget_spent(self) -> str:
         """Why the LLM budget stops the run ('' while it does not)."""
         used, config = self.llm_totals(), self.state.config
@@ -105,6 +104,7 @@ class Loop:
                 totals[key] = totals.get(key, 0) + value - self._llm_at_start.get(key, 0)
         return totals
 
+    # -- one round ---------------------------------------------------------------------------------
     def round(self, number: int, parent: RoundRecord | None, task: Task, llm_before: dict | None = None) -> RoundRecord:
         self.on_event("round_start", round=number, task=task, parent=parent.round if parent else None)
         started = time.monotonic()

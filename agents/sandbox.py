@@ -61,7 +61,8 @@ def _python_paths() -> list[Path]:
     """What the child's Python needs to see: its installation (a virtualenv, say) and every import path
     (the repository itself, for an editable install)."""
     paths = [Path(sys.prefix), Path(sys.exec_prefix), Path(sys.executable).parent]
-    return paths + [Path(entry) for entry in sys.path if entry]
+    project = Path(__file__).resolve().parents[1]  # where vibetrain itself is (an editable install's finder points here)
+    return paths + [project] + [Path(entry) for entry in sys.path if entry]
 
 
 def _under_tmp(paths, writable: list[Path]) -> list[Path]:

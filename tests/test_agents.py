@@ -244,3 +244,13 @@ def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
     assert time.monotonic() - started < 60
     leftovers = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
     assert leftovers == [], "the storm outlived the kill"
+
+
+def test_the_sandbox_sees_the_project_even_when_it_is_not_on_sys_path():
+    """An editable install's import finder points at the checkout without putting it on sys.path; a
+    checkout under /tmp (as CI's clean clone may be) must still be bound into the sandbox."""
+    from agents import sandbox
+
+    project = Path(sandbox.__file__).resolve().parents[1]
+    assert project in sandbox._python_paths()
+    assert sandbox._under_tmp([Path("/tmp")], []) == []  # /tmp itself is the sandbox's own

@@ -19,6 +19,11 @@ from targets.spec import TargetSpec
 BACKENDS = ("offline", "openai", "anthropic", "cli:claude", "cli:codex")
 
 
+def api_key_env(backend: str, llm: dict) -> str:
+    """The variable that holds the backend's API key: --api-key-env, else the provider's usual one."""
+    return llm.get("api_key_env") or ("OPENAI_API_KEY" if backend == "openai" else "ANTHROPIC_API_KEY")
+
+
 def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
     """The default price table, overridden by a YAML file of ``model: [input, output]`` USD per Mtok."""
     from agents.llm.client import DEFAULT_PRICES
@@ -55,7 +60,7 @@ def make_agents(backend: str, target: str, spec: TargetSpec, *, simulated: bool,
     if not llm.get("model"):
         raise ValueError(f"--agents {backend} needs --model")
     config = ClientConfig(provider=backend, model=llm["model"], base_url=llm.get("base_url"),
-                          api_key_env=llm.get("api_key_env") or ("OPENAI_API_KEY" if backend == "openai" else "ANTHROPIC_API_KEY"),
+                          api_key_env=api_key_env(backend, llm),
                           stream=llm.get("stream", True), backoff_s=llm.get("backoff_s", 1.0))
     client = make_client(config, accounting)
 

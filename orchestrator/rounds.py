@@ -174,7 +174,7 @@ class Loop:
         self.update_design(workspace, record)
         metric = self.spec.headline_metric.name
         trailers = Trailers(record.round, record.task.id, self.agents.backend, "accepted",
-                            f"{metric}={evaluation.headline:.6g}", f"{metric}={record.parent_headline:.6g}" if record.parent_headline is not None else "none")
+                            f"{metric}={evaluation.headline:.6g}", self._parent_metric(record))
         body = f"{record.task.rationale}\n\nHints: " + ("; ".join(h.message for h in evaluation.hints) or "none")
         record.commit = self.history.commit_validated(workspace, record.round, record.task.title, trailers,
                                                       {"round.json": record.model_dump(mode="json")}, body)
@@ -186,11 +186,15 @@ class Loop:
     def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict) -> None:
         record.verdict = "rejected"
         self.update_design(workspace, record)
-        trailers = Trailers(record.round, record.task.id, self.agents.backend, "rejected", "none",
-                            f"{self.spec.headline_metric.name}={record.parent_headline:.6g}" if record.parent_headline is not None else "none")
+        trailers = Trailers(record.round, record.task.id, self.agents.backend, "rejected", "none", self._parent_metric(record))
         record.commit = self.history.commit_rejected(workspace, record.round, record.task.title, trailers,
                                                      {"judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
                                                       "round.json": record.model_dump(mode="json")})
+
+    def _parent_metric(self, record: RoundRecord) -> str:
+        if record.parent_headline is None:
+            return "none"
+        return f"{self.spec.headline_metric.name}={record.parent_headline:.6g}"
 
     def finish_round(self, record: RoundRecord) -> None:
         """Git first, then the state: a kill in between is repaired by ``reconcile_with_git``."""

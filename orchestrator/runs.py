@@ -10,7 +10,7 @@ from typing import Callable
 
 import git
 
-from agents.factory import BACKENDS, make_agents
+from agents.factory import BACKENDS, api_key_env, make_agents
 from agents.roles import AgentError
 from agents.sandbox import Sandbox
 from orchestrator.history import History, HistoryError
@@ -61,7 +61,7 @@ def _check_backend(agents: str, llm: dict) -> None:
     if agents in ("openai", "anthropic"):
         if not llm.get("model"):
             raise RunSetupError(f"--agents {agents} needs --model")
-        env = llm.get("api_key_env") or ("OPENAI_API_KEY" if agents == "openai" else "ANTHROPIC_API_KEY")
+        env = api_key_env(agents, llm)
         if not os.environ.get(env):
             raise RunSetupError(f"--agents {agents}: no API key in ${env} (set it, or name another variable with --api-key-env)")
     if agents.startswith("cli:") and shutil.which(agents[4:]) is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Callable
@@ -196,7 +197,7 @@ class Toolbox:
         except subprocess.TimeoutExpired:
             raise ToolResultError(f"the command ran past {a.timeout_s:g}s and was killed") from None
         finally:
-            subprocess.run(["rm", "-rf", str(out)], check=False)
+            shutil.rmtree(out, ignore_errors=True)
         return f"exit code {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
     def search_skills_tool(self, a: SearchSkills) -> str:

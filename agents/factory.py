@@ -12,9 +12,7 @@ import yaml
 
 from agents.offline import make_offline_agents
 from agents.roles import Agents
-from agents.sandbox import Sandbox
-from targets.harness.candidate import Limits
-from targets.spec import TargetSpec
+from targets.harness.session import Session
 
 BACKENDS = ("offline", "openai", "anthropic", "cli:claude", "cli:codex")
 
@@ -38,17 +36,16 @@ def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
     return prices
 
 
-def make_agents(backend: str, target: str, spec: TargetSpec, *, simulated: bool, engine_devices: int, seed: int, repeat: int,
-                sandbox: Sandbox, limits: Limits, llm: dict | None = None) -> Agents:
+def make_agents(backend: str, session: Session, *, engine_devices: int, seed: int, repeat: int, llm: dict | None = None) -> Agents:
     if backend not in BACKENDS:
         raise ValueError(f"unknown agent backend {backend!r}; known: {', '.join(BACKENDS)}")
-    offline = make_offline_agents(target, spec, simulated=simulated, engine_devices=engine_devices, seed=seed,
-                                  repeat=repeat, sandbox=sandbox, limits=limits)
+    offline = make_offline_agents(session, engine_devices=engine_devices, seed=seed, repeat=repeat)
     if backend == "offline":
         return offline
     from agents.llm.client import Accounting, ClientConfig, make_client
     from agents.llm.roles import LLMEvaluator, LLMImplementer, LLMJudge, LLMPlanner
 
+    spec = session.target.spec
     llm = llm or {}
     accounting = Accounting(prices=load_prices(llm.get("prices")))
     if backend.startswith("cli:"):
@@ -71,22 +68,16 @@ def make_agents(backend: str, target: str, spec: TargetSpec, *, simulated: bool,
         return ("PASSED\n" if verdict.passed else "FAILED\n") + "\n".join(lines)
 
     def benchmark(workspace: Path) -> str:
-        from targets.harness.benchmark import run_metrics
-        from targets.harness.candidate import run_candidate
-        from targets.harness.trace import Trace
-
         out = workspace / ".vibetrain-bench"
         try:
-            run = run_candidate(target, workspace, out, "system", limits, execution="simulated" if simulated else "real",
-                                launcher=sandbox.launcher)
-            if not run.ok:
-                return f"FAILED: {run.cause}"
-            metrics = run_metrics(spec, Trace.load_events(out / "trace.jsonl"), run.results["system"])
+            measurement = session.measure(workspace, out, seed=0)
         finally:
             shutil.rmtree(out, ignore_errors=True)
-        return "\n".join(f"{k}: {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
+        if not measurement.ok:
+            return "FAILED: " + "; ".join(measurement.reasons[:5])
+        return "\n".join(f"{k}: {v:.4g}" for k, v in measurement.metrics.items() if isinstance(v, (int, float)))
 
-    implementer = LLMImplementer(spec, client, sandbox, checks, benchmark)
+    implementer = LLMImplementer(spec, client, session.sandbox, checks, benchmark)
     implementer.offline = offline.implementer
     return Agents(backend, offline.planner, implementer, LLMJudge(offline.judge, client),
                   LLMEvaluator(spec, offline.evaluator, client), accounting, LLMPlanner(spec, client))

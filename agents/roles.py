@@ -62,7 +62,9 @@ class Verdict:
 
 @dataclass
 class Evaluation:
-    """The evaluator's measurement: medians over repeats, their spread, and hints for next rounds."""
+    """The evaluator's measurement: medians over repeats, their spread, the paired ratio against the
+    baseline (the incumbent best) with its interval, and hints for next rounds. ``findings``: checks
+    a measured run failed; any one rejects the candidate (every measured run is judged)."""
 
     headline: float
     metrics: dict
@@ -71,6 +73,8 @@ class Evaluation:
     hints: list[Hint]
     profile: str = ""
     trace_path: Path | None = None  # the median repeat's trace (for timelines)
+    paired: dict | None = None  # Paired.as_dict(): ratio, low, high, pairs, against
+    findings: list[str] = field(default_factory=list)
 
 
 class Implementer(Protocol):
@@ -82,11 +86,14 @@ class Implementer(Protocol):
 
 
 class Judge(Protocol):
-    def judge(self, workspace: Path, out: Path, task: Task | None = None) -> Verdict: ...
+    def judge(self, workspace: Path, out: Path, task: Task | None = None, seed: int = 0) -> Verdict: ...
 
 
 class Evaluator(Protocol):
-    def evaluate(self, workspace: Path, verdict: Verdict, out: Path) -> Evaluation: ...
+    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int]) -> Evaluation:
+        """Measure the candidate in ``workspace``, paired with ``baseline`` (a candidate directory)
+        when given: one pair of interleaved runs per seed."""
+        ...
 
 
 class Planner(Protocol):

@@ -1,26 +1,30 @@
 """Cost of simulation against the size of the work: the same controller on the same simulated
-target at 1x, 2x and 4x the batch, side by side in one run. Prints wall seconds, trajectory-turns
-simulated, and microseconds per trajectory-turn (flat = linear scaling).
+target at 1x, 2x and 4x the batch, side by side in one run, each through the harness exactly as a
+judged run goes (the controller in its own sandboxed process, virtual time kept by the harness).
+Prints wall seconds of the simulated system run, trajectory-turns simulated, and microseconds per
+trajectory-turn (flat = linear scaling).
 
     python benchmarks/sim_scaling.py [--target qwen3-235b-a22b-h800x160] [--controller time_multiplex]
-                                     [--base-batch 128] [--steps 2]
+                                     [--base-batch 128] [--steps 2] [--sandbox auto]
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
+import json
 import tempfile
 from pathlib import Path
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
 from skills.starter import write_starter
-from targets.harness.runner import runtime_for
-from targets.harness.sim.run import simulate
-from targets.spec import load_target
+from targets.harness.launch import Limits, run_harness
+from targets.harness.sandbox import Sandbox
+from targets.harness.target import Target
+from targets.harness.trace import Trace
+from targets.spec import load_target, resolve_target_path
 
 
 def main(
@@ -28,21 +32,27 @@ def main(
     controller: str = "time_multiplex",
     base_batch: int = 128,
     steps: int = 2,
+    sandbox: str = "auto",
 ) -> None:
-    spec = load_target(target).model_copy(update={"execution": "simulated"})
-    directory = write_starter(Path(tempfile.mkdtemp(prefix="sim-scaling-")) / controller, spec, controller)
-    sys.path.insert(0, str(directory))
-    stack = importlib.import_module("stack")
+    spec = load_target(target)
+    work = Path(tempfile.mkdtemp(prefix="sim-scaling-"))
+    directory = write_starter(work / controller, spec, controller)
+    raw = yaml.safe_load(resolve_target_path(target).read_text())
+    box = Sandbox.detect(sandbox)
     table = Table(title=f"simulation cost on {spec.id} ({controller}, {steps} steps)")
     for column in ("batch", "wall s", "simulated s", "trajectory-turns", "µs per trajectory-turn"):
         table.add_column(column, justify="right")
     for factor in (1, 2, 4):
         batch = base_batch * factor
-        workload = spec.workload.model_copy(update={"batch_size": batch, "train_steps": steps})
-        scaled = spec.model_copy(update={"workload": workload})
-        runtime = runtime_for(scaled)
-        trace, summary = simulate(scaled, stack.build(scaled, runtime), runtime, steps, seed=0)
-        turns = sum(1 for e in trace.events if e.kind == "env_step")
+        raw["workload"].update(batch_size=batch, train_steps=steps)
+        path = work / f"batch{batch}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        run = run_harness(Target.load(path, simulate=True), directory, work / f"out{batch}", "measure",
+                          Limits(time_s=1800, memory_mb=20_000), box)
+        if not run.ok:
+            raise SystemExit(f"batch {batch}: {run.cause}")
+        summary = json.loads((run.out / "system.json").read_text())
+        turns = sum(1 for e in Trace.load_events(run.out / "trace.jsonl") if e.kind == "env_step")
         table.add_row(f"{batch} ({factor}x)", f"{summary['wall_seconds']:.2f}", f"{summary['virtual_seconds']:.0f}",
                       str(turns), f"{1e6 * summary['wall_seconds'] / turns:.0f}")
     Console().print(table)

@@ -127,17 +127,20 @@ def starter(
     console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")
 
 
-def _sandbox(name: str, spec: TargetSpec, simulated: bool = False):
-    """The sandbox for candidate runs, with the target's model files built first (a sandboxed
-    child sees the model cache read-only)."""
-    from agents.sandbox import Sandbox
-    from targets.harness.runner import runtime_for
+def _session(target: str, sandbox: str, time_limit: float, simulate: bool = False):
+    """The harness session for a command: the target resolved once, its model files built here (a
+    sandboxed child sees the model cache read-only), the sandbox chosen."""
+    from targets.harness.launch import Limits
+    from targets.harness.sandbox import Sandbox, SandboxUnavailable
+    from targets.harness.session import Session
+    from targets.harness.target import Target, TargetUnavailable
 
-    runtime_for(spec.model_copy(update={"execution": "simulated"}) if simulated else spec)
-
+    _load(target)  # clear errors for a bad spec first
     try:
-        return Sandbox.detect(name)
-    except (ValueError, RuntimeError) as error:
+        resolved = Target.load(target, simulate=simulate)
+        resolved.runtime()
+        return Session(resolved, Sandbox.detect(sandbox), Limits(time_s=time_limit))
+    except (SandboxUnavailable, TargetUnavailable) as error:
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
 
@@ -157,21 +160,19 @@ def check(
     target: str,
     stack: Path = typer.Option(..., help="candidate directory (holds stack/)"),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
+    out: Path = typer.Option(None, help="keep the harness's outputs here (trace, weights, candidate logs); default a temp dir"),
     time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
     """Judge a candidate: integrity scan, accuracy checks 1-3, a system run and its audit. Exit 1 on failure."""
     import json
 
-    from targets.harness.judge_run import check_candidate
-
-    spec = _load(target)
-    launcher = _sandbox(sandbox, spec).launcher
-    with console.status(f"checking {stack} on {spec.id}"):
-        results = check_candidate(target, spec, stack, time_limit, launcher=launcher)
+    session = _session(target, sandbox, time_limit)
+    with console.status(f"checking {stack} on {session.target.id}"):
+        results = session.check(stack, out)
     passed = _print_checks(results)
     if json_path:
-        json_path.write_text(json.dumps([r.__dict__ for r in results], indent=1, default=str))
+        json_path.write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))
     console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
     raise typer.Exit(0 if passed else 1)
 
@@ -184,18 +185,24 @@ def _num(value: float) -> str:
 def _bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
     first = runs[0]
     clock = "simulated seconds" if simulated else "wall seconds"
+    headline = spec.headline_metric.name
     table = Table(title=f"{spec.id}: median of {repeat} (±max-min), {clock}", box=box.SIMPLE_HEAD, padding=(0, 1))
     table.add_column("schedule", no_wrap=True)
-    for column in ("traj/s", "ratio", "tok/s", "step s", "LB", "timeouts", "busy"):
+    for column in (headline, "ratio [95% CI]", "traj/s", "step s", "LB", "timeouts", "busy"):
         table.add_column(column, justify="right", no_wrap=True)
     for run in runs:
         m = run.median
+        if run.paired is None:
+            ratio = "1.00x"
+        else:
+            p = run.paired
+            ratio = f"{p.ratio:.2f}x [{p.low:.2f}, {p.high:.2f}]" if p.high is not None else f"{p.ratio:.2f}x [n=1]"
         table.add_row(
-            run.name, f"{_num(m('rollout_throughput'))}±{_num(run.spread('rollout_throughput'))}",
-            f"{m('rollout_throughput') / first.median('rollout_throughput'):.2f}x", _num(m("tokens_per_s")),
+            run.name, f"{_num(m(headline))}±{_num(run.spread(headline))}", ratio, _num(m("rollout_throughput")),
             _num(m("step_time_s")), f"{m('lower_bound_fraction'):.0%}", f"{m('timeout_ratio'):.0%}", f"{m('mean_device_busy'):.0%}",
         )
-    table.caption = f"ratio: rollout throughput over {first.name}'s; LB: the step's fluid lower bound over its step time"
+    table.caption = (f"{headline}: trajectories trained on that did not time out, per second; ratio: {headline} over "
+                     f"{first.name}'s, paired by seed; traj/s: rollout throughput; LB: the step's fluid lower bound over its step time")
     return table
 
 
@@ -234,12 +241,9 @@ def bench(
     from targets.harness.benchmark import BenchmarkFailed, benchmark
     from targets.harness.timeline import plot_timelines
 
-    from targets.harness.runner import execution_of
-
-    spec = _load(target)
-    simulated = simulate or execution_of(spec) == "simulated"
+    session = _session(target, sandbox, time_limit, simulate)
+    spec, simulated = session.target.spec, session.target.simulated
     repeat = repeat or (1 if simulated else 3)
-    launcher = _sandbox(sandbox, spec, simulated).launcher
     work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
     stacks: list[tuple[str, Path]] = []
     for name in [b.strip() for b in baselines.split(",") if b.strip()]:
@@ -265,7 +269,7 @@ def bench(
     with progress:
         task = progress.add_task("", total=len(stacks) * repeat)
         try:
-            runs = benchmark(target, spec, stacks, repeat, work / "runs", time_limit, simulated=simulated, launcher=launcher,
+            runs = benchmark(session, stacks, repeat, work / "runs",
                              on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"))
         except BenchmarkFailed as error:
             errors.print(f"[red]error:[/red] {error}")
@@ -273,11 +277,14 @@ def bench(
     console.print(_bench_table(spec, runs, repeat, simulated))
     console.print(_costs_table(runs, simulated))
     if json_path:
-        json_path.write_text(json.dumps({"target": spec.id, "repeat": repeat, "runs": [r.summary() for r in runs]}, indent=1))
+        summaries = [r.summary(spec.headline_metric.name) for r in runs]
+        json_path.write_text(json.dumps({"target": spec.id, "repeat": repeat, "runs": summaries}, indent=1))
         console.print(f"results: {json_path}")
     if timeline:
         devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
-        titles = [(f"{r.name} (median repeat): {r.median('rollout_throughput'):.1f} traj/s", r.median_events, devices) for r in runs]
+        headline = spec.headline_metric.name
+        titles = [(f"{r.name} (median repeat): {headline} {_num(r.median(headline))}/s",
+                   r.measurements[r.median_index(headline)].events(), devices) for r in runs]
         plot_timelines(titles, timeline)
         console.print(f"timeline: {timeline}")
 
@@ -289,6 +296,7 @@ def calibrate(
     out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
     time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+    sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
     """Fit the simulator's cost model to a real run of STACK, then simulate the same stack and print
     the prediction error; the calibrated spec is written for `vibetrain bench --simulate`."""
@@ -297,14 +305,17 @@ def calibrate(
 
     from targets.harness.sim.calibrate import measure_and_predict
 
-    spec = _load(target)
+    session = _session(target, sandbox, time_limit)
+    if session.target.simulated:
+        errors.print(f"[red]error:[/red] {session.target.id} is simulated here: calibration needs a real run of the stack")
+        raise typer.Exit(2)
     if not (stack / "stack" / "__init__.py").exists():
         errors.print(f"[red]error:[/red] {stack} has no stack/__init__.py: not a candidate directory")
         raise typer.Exit(2)
     work = Path(tempfile.mkdtemp(prefix="vibetrain-calibrate-"))
     with console.status(f"running {stack} for real, fitting, then simulating it"):
         try:
-            report = measure_and_predict(target, spec, stack, work, time_limit, steps)
+            report = measure_and_predict(session, stack, work, steps)
         except RuntimeError as error:
             errors.print(f"[red]error:[/red] {error}")
             raise typer.Exit(1) from None
@@ -436,6 +447,14 @@ def generate(
     console.print(f"review: vibetrain log {out}  |  git -C {out} log best  |  vibetrain report {out}")
 
 
+def _promotion(record) -> str:
+    """"promoted" or "not promoted", with the paired ratio against the best and its interval."""
+    from targets.harness.session import Paired
+
+    verb = "promoted" if record.became_best else "not promoted"
+    return f"{verb}: {Paired(**record.paired).describe()}"
+
+
 def _state_and_history(run: Path):
     from orchestrator.history import History, HistoryError
     from orchestrator.state import RunState, RunStateError
@@ -465,6 +484,8 @@ def log_rounds(run: Path) -> None:
     for r in state.rounds:
         delta = f"{r.headline / r.parent_headline - 1:+.1%}" if r.headline and r.parent_headline else "-"
         detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["code"] for h in r.hints)
+        if r.verdict == "accepted" and r.paired is not None:
+            detail = f"{_promotion(r)}; {detail}" if detail else _promotion(r)
         verdict = r.verdict + (" (best)" if r.round == state.best_round else "")
         usage = ([f"{r.llm.get('input_tokens', 0)}/{r.llm.get('output_tokens', 0)}", f"{r.llm.get('cost_usd', 0.0):.4f}"]
                  if llm else [])
@@ -493,6 +514,8 @@ def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND
         console.print(history.diff_stat(record.commit), highlight=False, markup=False)
     if record.reasons:
         console.print("[bold]judge[/bold]: " + ("passed" if record.verdict == "accepted" else "\n  ".join(["rejected:", *record.reasons])))
+    if record.paired is not None:
+        console.print(f"[bold]paired with the best[/bold]: {_promotion(record)}", highlight=False)
     if record.metrics:
         console.print("[bold]metrics[/bold] (median; ± max-min): " + ", ".join(
             f"{k} {_num(v)}" + (f" ± {_num(record.spread[k])}" if k in record.spread else "")
@@ -500,8 +523,7 @@ def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND
     for hint in record.hints:
         console.print(f"hint {hint['code']}: {hint['message']}", highlight=False, markup=False)
     if record.profile:
-        console.print("[bold]profile[/bold] (cProfile of the harness process, one repeat; engines and trainers "
-                      "are other processes):")
+        console.print("[bold]profile[/bold] (each call as the harness timed it, median repeat):")
         console.print("\n".join(record.profile.strip().splitlines()[:30]), highlight=False, markup=False)
 
 

@@ -86,6 +86,21 @@ class History:
     def best(self) -> str | None:
         return self.repo.commit("best").hexsha if self.repo.head.is_valid() else None
 
+    def export(self, commit: str, directory: Path) -> Path:
+        """The candidate's files at ``commit``, written to ``directory`` (created; must not exist)."""
+        import tarfile
+
+        directory.mkdir(parents=True)
+        archive = directory / ".candidate.tar"
+        try:
+            self.repo.git.archive(commit, "--format=tar", "-o", str(archive))
+        except git.GitCommandError as error:
+            raise HistoryError(f"cannot read commit {commit}: {error.stderr.strip()}") from None
+        with tarfile.open(archive) as tar:
+            tar.extractall(directory, filter="data")
+        archive.unlink()
+        return directory
+
     def record(self, commit: str, name: str) -> dict:
         """A JSON record stored in a commit's tree under ``.vibetrain/``."""
         blob = self.repo.commit(commit).tree / RECORD_DIR / name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import random
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from orchestrator.design_doc import DesignDoc
 from orchestrator.history import History, Trailers
 from orchestrator.policies import Policy
 from orchestrator.state import RoundRecord, RunState, RunStateError
+from targets.harness.session import Paired
+from targets.harness.target import Target
 from targets.spec import TargetSpec
 
 RUNS_DIR = "vibetrain"  # inside .git: judge and evaluator outputs, never tracked
@@ -35,7 +38,7 @@ class RunError(RuntimeError):
 
 @dataclass
 class Loop:
-    spec: TargetSpec
+    target: Target
     state: RunState
     history: History
     agents: Agents
@@ -44,6 +47,10 @@ class Loop:
     workspaces: Path
     on_event: Callable[..., None] = lambda kind, **data: None
     _llm_at_start: dict = field(default_factory=dict)  # accounting when llm_used was last saved
+
+    @property
+    def spec(self) -> TargetSpec:
+        return self.target.spec
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> RunState:
@@ -117,11 +124,19 @@ class Loop:
         record = RoundRecord(round=number, task=task, parent_round=parent.round if parent else None,
                              parent_commit=parent_commit, verdict="error",
                              parent_headline=parent.headline if parent else None)
+        seeds = self.seeds(number)
         try:
-            verdict = self.implement_and_judge(record, workspace, out)
+            verdict = self.implement_and_judge(record, workspace, out, seeds[0])
             if verdict.passed:
-                evaluation = self.agents.evaluator.evaluate(workspace, verdict, out / "evaluate")
-                self.accept(record, evaluation, workspace)
+                baseline = self.history.export(self.state.best.commit, out / "baseline") if self.state.best else None
+                evaluation = self.agents.evaluator.evaluate(workspace, out / "evaluate", baseline, seeds[1:])
+                if evaluation.findings:  # every measured run is judged: a finding in any one rejects
+                    verdict = Verdict(False, [f"measurement: {f}" for f in evaluation.findings],
+                                      verdict.checks + [{"name": "measured_runs", "passed": False, "reasons": evaluation.findings}])
+                    record.reasons = verdict.reasons
+                    self.reject(record, workspace, verdict)
+                else:
+                    self.accept(record, evaluation, workspace)
             else:
                 self.reject(record, workspace, verdict)
         except OSError as error:
@@ -137,7 +152,13 @@ class Loop:
         self.history.remove_worktree(workspace)
         return record
 
-    def implement_and_judge(self, record: RoundRecord, workspace: Path, out: Path) -> Verdict:
+    def seeds(self, number: int) -> list[int]:
+        """The round's workload seeds: the judge's run, then one per measured pair. Drawn from the
+        run's seed and the round, so a rerun measures the same workloads."""
+        rng = random.Random(f"{self.state.config.seed}:{number}")
+        return [rng.randrange(2**31) for _ in range(1 + self.state.config.repeat)]
+
+    def implement_and_judge(self, record: RoundRecord, workspace: Path, out: Path, seed: int = 0) -> Verdict:
         """Up to ``max_attempts`` implementations, each fed the judge's reasons for the last one;
         the record keeps the attempt count and the latest reasons even if a later step fails."""
         feedback: list[str] = []
@@ -156,7 +177,7 @@ class Loop:
                 self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
                 feedback = verdict.reasons
                 continue
-            verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}", record.task)
+            verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}", record.task, seed)
             record.reasons = verdict.reasons
             self.on_event("verdict", round=record.round, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons)
             if verdict.passed:
@@ -168,14 +189,14 @@ class Loop:
         record.verdict, record.headline = "accepted", evaluation.headline
         record.metrics = {k: v for k, v in evaluation.metrics.items() if k != "device_utilization"}
         record.spread, record.hints = evaluation.spread, [h.model_dump() for h in evaluation.hints]
-        record.profile = evaluation.profile
-        best = self.state.best
-        record.became_best = best is None or self.improves(evaluation.headline, best.headline)
+        record.profile, record.paired = evaluation.profile, evaluation.paired
+        record.became_best = self.state.best is None or (
+            evaluation.paired is not None and Paired(**evaluation.paired).clears(self.spec.noise_threshold))
         self.update_design(workspace, record)
         metric = self.spec.headline_metric.name
         trailers = Trailers(record.round, record.task.id, self.agents.backend, "accepted",
                             f"{metric}={evaluation.headline:.6g}", self._parent_metric(record))
-        body = f"{record.task.rationale}\n\nHints: " + ("; ".join(h.message for h in evaluation.hints) or "none")
+        body = f"{record.task.rationale}\n\n{self.promotion(record)}\n\nHints: " + ("; ".join(h.message for h in evaluation.hints) or "none")
         record.commit = self.history.commit_validated(workspace, record.round, record.task.title, trailers,
                                                       {"round.json": record.model_dump(mode="json")}, body)
         if evaluation.trace_path is not None:
@@ -209,13 +230,14 @@ class Loop:
         self.on_event("round_end", record=record, best=self.state.best)
 
     # -- helpers -----------------------------------------------------------------------------------
-    def improves(self, value: float, best: float | None) -> bool:
-        if best is None:
-            return True
-        noise = self.spec.noise_threshold
-        if self.spec.headline_metric.direction == "maximize":
-            return value > best * (1 + noise)
-        return value < best * (1 - noise)
+    def promotion(self, record: RoundRecord) -> str:
+        """Why the candidate did or did not become best, in words a reviewer reads in the log."""
+        if record.paired is None:
+            return "promoted: the first validated candidate" if record.became_best else "not measured against the best"
+        paired = Paired(**record.paired)
+        verdict = "promoted" if record.became_best else "not promoted"
+        return (f"{verdict}: {paired.describe()} against the best; promotion needs the interval's low end above "
+                f"+{self.spec.noise_threshold:.0%}")
 
     def params_of(self, record: RoundRecord) -> dict:
         blob = self.history.repo.commit(record.commit).tree / "stack" / "params.json"
@@ -244,7 +266,7 @@ class Loop:
         if record.verdict == "accepted":
             if record.became_best or record.round == 0:
                 return "DONE", ""
-            return "ABANDONED", f"round {record.round}: no gain beyond the noise threshold ({record.headline:.4g})"
+            return "ABANDONED", f"round {record.round}: {self.promotion(record)}"
         reason = record.reasons[0] if record.reasons else record.verdict
         return "ABANDONED", f"round {record.round} {record.verdict}: {reason[:160]}"
 

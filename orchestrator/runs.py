@@ -3,24 +3,21 @@ the same agents), and reading candidates back out of a run (``RUN@best``, ``RUN@
 
 from __future__ import annotations
 
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-import git
-
 from agents.factory import BACKENDS, api_key_env, make_agents
 from agents.roles import AgentError
-from agents.sandbox import Sandbox
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
 from orchestrator.rounds import Loop
 from orchestrator.state import RunConfig, RunState, new_state
-from targets.harness.candidate import Limits
-from targets.harness.runner import execution_of, runtime_for
+from targets.harness.launch import Limits
+from targets.harness.sandbox import Sandbox, SandboxUnavailable
+from targets.harness.session import Session
 from targets.harness.sim.cost_model import CostModel
-from targets.spec import TargetSpec, load_target
+from targets.harness.target import Target, TargetUnavailable
 
 POLICIES = ("backlog", "evolve", "llm")
 
@@ -29,17 +26,18 @@ class RunSetupError(ValueError):
     """A run cannot start or resume as asked (the message says why and what to do)."""
 
 
-def _loop(spec: TargetSpec, state: RunState, history: History, run_dir: Path, workspaces: Path,
+def _loop(target: Target, state: RunState, history: History, run_dir: Path, workspaces: Path,
           on_event: Callable[..., None], time_limit_s: float) -> Loop:
     config = state.config
-    if config.simulated:
-        spec = spec.model_copy(update={"execution": "simulated"})
-    runtime_for(spec)  # builds (and caches) the model files here: the sandbox cannot write them
-    engine_devices = CostModel.from_spec(spec).engine_devices if config.simulated else 1
-    sandbox = Sandbox.detect(config.sandbox)
+    target.runtime()  # builds (and caches) the model files here: the sandbox cannot write them
+    engine_devices = CostModel.from_spec(target.spec).engine_devices if target.simulated else 1
     try:
-        agents = make_agents(config.agents, config.target, spec, simulated=config.simulated, engine_devices=engine_devices,
-                             seed=config.seed, repeat=config.repeat, sandbox=sandbox, limits=Limits(time_s=time_limit_s),
+        sandbox = Sandbox.detect(config.sandbox)
+    except SandboxUnavailable as error:
+        raise RunSetupError(str(error)) from None
+    session = Session(target, sandbox, Limits(time_s=time_limit_s))
+    try:
+        agents = make_agents(config.agents, session, engine_devices=engine_devices, seed=config.seed, repeat=config.repeat,
                              llm=config.llm)
     except AgentError as error:
         raise RunSetupError(str(error)) from None
@@ -48,8 +46,8 @@ def _loop(spec: TargetSpec, state: RunState, history: History, run_dir: Path, wo
         return history.repo.git.show(f"{record.commit}:DESIGN.md")
 
     policy = make_policy(config.policy, agents.planner, config.seed, agents.llm_planner, design_of)
-    loop = Loop(spec, state, history, agents, policy, run_dir, workspaces / run_dir.name, on_event)
-    on_event("setup", sandbox=sandbox.backend, simulated=config.simulated)
+    loop = Loop(target, state, history, agents, policy, run_dir, workspaces / run_dir.name, on_event)
+    on_event("setup", sandbox=sandbox.backend, simulated=target.simulated)
     return loop
 
 
@@ -72,7 +70,11 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
               max_minutes: float | None, max_attempts: int, repeat: int, starter: str, sandbox: str, simulate: bool,
               time_limit_s: float, on_event: Callable[..., None], llm: dict | None = None,
               max_cost: float | None = None, max_tokens: int | None = None) -> Loop:
-    spec = load_target(target)
+    try:
+        resolved = Target.load(target, simulate=simulate)
+    except TargetUnavailable as error:
+        raise RunSetupError(str(error)) from None
+    spec = resolved.spec
     run_dir, workspaces = run_dir.resolve(), workspaces.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
         raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
@@ -83,15 +85,14 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
     if policy == "llm" and agents not in ("openai", "anthropic"):
         raise RunSetupError("--policy llm needs an LLM backend (--agents openai or anthropic)")
     _check_backend(agents, llm or {})
-    target_ref = str(Path(target).resolve()) if Path(target).exists() else target
-    config = RunConfig(target=target_ref, target_id=spec.id, policy=policy, agents=agents, seed=seed, rounds=rounds,
+    config = RunConfig(target=resolved.ref, target_id=spec.id, policy=policy, agents=agents, seed=seed, rounds=rounds,
                        max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
-                       simulated=simulate or execution_of(spec) == "simulated", sandbox=sandbox,
+                       simulated=resolved.simulated, sandbox=sandbox,
                        llm=llm or {}, max_cost=max_cost, max_tokens=max_tokens)
     history = History.create(run_dir, f"vibetrain run: {spec.id}\n\npolicy {policy}, agents {agents}, seed {seed}")
     state = new_state(config)
     state.save(run_dir)
-    return _loop(spec, state, history, run_dir, workspaces, on_event, time_limit_s)
+    return _loop(resolved, state, history, run_dir, workspaces, on_event, time_limit_s)
 
 
 def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | None, max_minutes: float | None,
@@ -115,7 +116,11 @@ def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | No
     updates = {k: v for k, v in {"rounds": rounds, "max_minutes": max_minutes, "max_cost": max_cost,
                                  "max_tokens": max_tokens}.items() if v is not None}
     state.config = state.config.model_copy(update=updates)
-    return _loop(load_target(state.config.target), state, history, run_dir, workspaces, on_event, time_limit_s)
+    try:
+        resolved = Target.load(state.config.target, simulate=state.config.simulated)
+    except TargetUnavailable as error:
+        raise RunSetupError(str(error)) from None
+    return _loop(resolved, state, history, run_dir, workspaces, on_event, time_limit_s)
 
 
 def export_candidate(ref: str) -> Path:
@@ -134,13 +139,7 @@ def export_candidate(ref: str) -> Path:
         commit = which
     if not commit:
         raise RunSetupError(f"{ref}: no such candidate in {run_dir}")
-    target = Path(tempfile.mkdtemp(prefix="vibetrain-candidate-")) / f"{run_dir.name}@{which}"
-    target.mkdir()
     try:
-        history.repo.git.archive(commit, "--format=tar", "-o", str(target / "candidate.tar"))
-    except git.GitCommandError as error:
-        raise RunSetupError(f"{ref}: cannot read commit {commit}: {error.stderr.strip()}") from None
-    with tarfile.open(target / "candidate.tar") as archive:
-        archive.extractall(target, filter="data")
-    (target / "candidate.tar").unlink()
-    return target
+        return history.export(commit, Path(tempfile.mkdtemp(prefix="vibetrain-candidate-")) / f"{run_dir.name}@{which}")
+    except HistoryError as error:
+        raise RunSetupError(f"{ref}: {error}") from None

@@ -55,7 +55,8 @@ class RoundRecord(BaseModel):
     metrics: dict = {}
     spread: dict = {}
     hints: list[dict] = []
-    profile: str = ""  # the evaluator's cProfile summary of the harness process (one repeat)
+    paired: dict | None = None  # ratio, low, high, pairs, against: the paired comparison with the best
+    profile: str = ""  # the harness's view of where the median repeat's time went, per call
     llm: dict = {}  # this round's LLM calls, tokens and cost (an LLM backend only)
     reasons: list[str] = []
     attempts: int = 0

@@ -282,8 +282,9 @@ class Cluster(Protocol):
     async def resume(self) -> None: ...
 
     async def export_weights(self) -> StateDict | None:
-        """The latest trained weights (CPU, transformers names), for the harness's audit; the
-        simulator returns None. Called by the harness after each ``train``, never by controllers."""
+        """The latest trained weights (CPU, transformers names) for the harness's audit, which
+        replays every training step against them; the simulator returns None. Called by the
+        harness after each ``train``, never by controllers."""
         ...
 
     async def close(self) -> None: ...
@@ -303,10 +304,15 @@ class Controller(Protocol):
     async def run(self, cluster: Cluster, envs: EnvSource, steps: int) -> None: ...
 
 
+DROP_REASONS = ("stale", "end_of_run", "max_sequence", "redundant")
+
+
 class EnvDropper(Protocol):
     """``EnvSource`` also takes back episodes a controller discards on purpose, with a reason the
-    audit verifies: ``stale`` (beyond the staleness bound), ``end_of_run`` (after the last training
-    step) or ``max_sequence`` (the next turn cannot fit). Anything neither trained nor dropped is lost."""
+    audit verifies: ``stale`` (a member of its group is beyond the staleness bound), ``end_of_run``
+    (after the last training step), ``max_sequence`` (the next turn cannot fit) or ``redundant`` (a
+    spare episode of a group launched with declared redundancy). Anything neither trained nor
+    dropped is lost."""
 
     def drop(self, episode_id: str, reason: str) -> None: ...
 
@@ -316,23 +322,56 @@ class EnvDropper(Protocol):
 
 
 @dataclass(frozen=True)
+class Workload:
+    """What a stack may know of the workload: the batch it must train on, the staleness bound, the
+    token budgets and the GRPO step. Environments' turn counts, seeds and latencies stay with the
+    harness."""
+
+    batch_size: int
+    group_size: int
+    async_ratio: int
+    prompt_tokens: int
+    observation_tokens: int
+    response_tokens: int  # max new tokens per turn
+    max_sequence: int  # max tokens of a whole trajectory
+    temperature: float
+    training: TrainingConfig
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.batch_size // self.group_size
+
+
+@dataclass(frozen=True)
 class Runtime:
-    """Everything a stack may know about where it runs (the spec carries the rest)."""
+    """Everything a stack may know about where and what it runs; ``build(runtime)`` gets only this."""
 
     model_path: str
     dtype: str
-    devices: list[Device]
+    devices: tuple[Device, ...]
     device_resource: str  # Ray custom resource naming device i: f"{device_resource}{i}" (capacity 1)
     stop_token_ids: tuple[int, ...]
+    workload: Workload
+    accelerator: Literal["cpu", "cuda"] = "cpu"  # where components put their tensors
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a stack does on purpose that the audit would otherwise count against it; the audit
+    bounds each by what is declared here. ``redundant_per_group``: extra episodes launched per
+    group (dropped as ``redundant`` once the group has ``group_size`` finished)."""
+
+    redundant_per_group: int = 0
 
 
 @dataclass
 class Stack:
-    """A candidate, as ``stack.build(spec, runtime)`` returns it.
+    """A candidate, as ``stack.build(runtime)`` returns it.
 
     ``make_cluster`` starts the candidate's real cluster (None for a simulated-only stack);
-    ``make_engine``/``make_trainer``/``sync_engine`` expose single components in this process so
-    the judge can run accuracy checks 1-3 on them.
+    ``make_engine``/``make_trainer``/``sync_engine`` expose single components so the judge can run
+    accuracy checks 1-3 on them. Each runs in a candidate process of its own; the harness reaches
+    them only through the contract's calls.
     """
 
     controller: Controller
@@ -340,6 +379,7 @@ class Stack:
     make_engine: Callable[[], RolloutEngine]
     make_trainer: Callable[[StateDict, TrainingConfig], Trainer]
     sync_engine: Callable[[RolloutEngine, StateDict, int], None]
+    declared: Declared = field(default_factory=Declared)
 
 
 # --------------------------------------------------------------------------------------------

@@ -55,3 +55,14 @@ def fast_target(tmp_path_factory):
     path = tmp_path_factory.mktemp("target") / "fast.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+@pytest.fixture(scope="session")
+def sandbox():
+    """bubblewrap where it works (CI installs it), else the unisolated subprocess backend, named."""
+    from targets.harness.sandbox import Sandbox, SandboxUnavailable
+
+    try:
+        return Sandbox.detect("auto")
+    except SandboxUnavailable:
+        return Sandbox.detect("subprocess")

@@ -17,13 +17,15 @@ from agents.offline.evaluator import concurrency_shares, hints_from
 from agents.offline.judge import OfflineJudge
 from agents.offline.planner import OfflinePlanner
 from agents.roles import Hint
-from agents.sandbox import Sandbox, scrubbed_environment
 from orchestrator.design_doc import DesignDoc
 from skills.library import load_skills
 from skills.starter import write_starter
 from skills.validation import AnnotationError, expand_source, unexpanded
 from targets.api import TraceEvent
-from targets.harness.candidate import Limits
+from targets.harness.launch import Limits, run_harness
+from targets.harness.sandbox import Sandbox, scrubbed_environment
+from targets.harness.session import Session
+from targets.harness.target import Target
 from targets.harness.integrity import scan_stack
 from targets.spec import load_target
 
@@ -90,7 +92,7 @@ def test_the_judge_rejects_an_unexpanded_annotation_without_running_it(tmp_path,
     path = stack / "stack" / "static_split.py"
     path.write_text(path.read_text().replace("        rollout, train = self.placement(cluster.devices)",
                                              "        # VAL: VAL_NON_EMPTY (value=envs)\n        rollout, train = self.placement(cluster.devices)"))
-    judge = OfflineJudge("tiny-qwen3-cpu", tiny_spec, Sandbox("subprocess"), Limits(time_s=5))
+    judge = OfflineJudge(Session(Target.load("tiny-qwen3-cpu"), Sandbox("subprocess"), Limits(time_s=5)))
     verdict = judge.judge(stack, tmp_path / "out")
     assert not verdict.passed and verdict.run_dir is None
     assert any("unexpanded validation annotation: stack/static_split.py" in r for r in verdict.reasons)
@@ -206,7 +208,7 @@ def test_bubblewrap_keeps_writes_in_the_workspace_and_has_no_network(tmp_path):
         "except OSError: print('no network')\n"
         "import os; print('KEY' if 'OPENAI_API_KEY' in os.environ else 'no key')\n"
     )
-    command, env = sandbox.launcher([sys.executable, "-c", probe], {**os.environ, "OPENAI_API_KEY": "sk-secret"}, workspace, out)
+    command, env = sandbox.wrap([sys.executable, "-c", probe], {**os.environ, "OPENAI_API_KEY": "sk-secret"}, writable=[workspace, out])
     result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "outside refused" in result.stdout and "no network" in result.stdout and "no key" in result.stdout
@@ -218,28 +220,26 @@ def test_bubblewrap_keeps_writes_in_the_workspace_and_has_no_network(tmp_path):
 def _planted_build(tmp_path, tiny_spec, code: str) -> Path:
     stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
     build = stack / "stack" / "build.py"
-    build.write_text(build.read_text().replace("def build(spec, runtime: Runtime) -> Stack:\n",
-                                               "def build(spec, runtime: Runtime) -> Stack:\n" + code))
+    build.write_text(build.read_text().replace("def build(runtime: Runtime) -> Stack:\n",
+                                               "def build(runtime: Runtime) -> Stack:\n" + code))
     return stack
 
 
 @pytest.mark.slow
 def test_a_candidate_that_eats_memory_is_killed_at_its_limit(tmp_path, tiny_spec):
-    from targets.harness.candidate import run_candidate
-
     stack = _planted_build(tmp_path, tiny_spec, "    hog = [bytearray(64 << 20) for _ in range(64)]  # planted: 4 GB\n")
-    run = run_candidate("tiny-qwen3-cpu", stack, tmp_path / "out", "accuracy", Limits(time_s=120, memory_mb=1500))
+    run = run_harness(Target.load("tiny-qwen3-cpu"), stack, tmp_path / "out", "accuracy", Limits(time_s=120, memory_mb=1500),
+                      Sandbox("subprocess"))
     assert not run.ok and "over its limit of 1500 MB" in run.cause, run.cause
 
 
 @pytest.mark.slow
 def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
-    from targets.harness.candidate import run_candidate
-
     code = "    import subprocess, sys\n    kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(40)]  # planted\n    time.sleep(60)\n"
     stack = _planted_build(tmp_path, tiny_spec, "    import time\n" + code)
     started = time.monotonic()
-    run = run_candidate("tiny-qwen3-cpu", stack, tmp_path / "out", "accuracy", Limits(time_s=120, processes=20))
+    run = run_harness(Target.load("tiny-qwen3-cpu"), stack, tmp_path / "out", "accuracy", Limits(time_s=120, processes=20),
+                      Sandbox("subprocess"))
     assert not run.ok and "processes, over its limit of 20" in run.cause, run.cause
     assert time.monotonic() - started < 60
     leftovers = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
@@ -249,8 +249,8 @@ def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
 def test_the_sandbox_sees_the_project_even_when_it_is_not_on_sys_path():
     """An editable install's import finder points at the checkout without putting it on sys.path; a
     checkout under /tmp (as CI's clean clone may be) must still be bound into the sandbox."""
-    from agents import sandbox
+    from targets.harness import sandbox
 
-    project = Path(sandbox.__file__).resolve().parents[1]
-    assert project in sandbox._python_paths()
-    assert sandbox._under_tmp([Path("/tmp")], []) == []  # /tmp itself is the sandbox's own
+    project = Path(sandbox.__file__).resolve().parents[2]
+    assert project in sandbox.python_paths()
+    assert sandbox.outermost([Path("/tmp"), Path("/")]) == []  # /tmp itself is the sandbox's own

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from agents.llm.client import Accounting, ClientConfig, LLMError, ToolCall, make_client
 from agents.llm.roles import ImplementerOutput, OutputSchemaError, answer
 from agents.llm.tools import Toolbox, ToolCallError
-from agents.sandbox import Sandbox
+from targets.harness.sandbox import Sandbox
 from orchestrator.cli import app
 from orchestrator.state import RunState
 from skills.starter import write_starter

@@ -1,13 +1,18 @@
-"""Benchmark metrics on a hand-built trace: throughput is environment-observed, each moment of a
-device is counted once under the highest-priority activity, and the timeline shows the median repeat."""
+"""Benchmark metrics on a hand-built trace: goodput counts trained, timely episodes only; throughput
+is environment-observed; each moment of a device is counted once under the highest-priority
+activity; and the timeline shows the median repeat."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from targets.api import TraceEvent
 from targets.harness.benchmark import BenchRun
+from targets.harness.check_result import CheckResult
 from targets.harness.metrics import compute_metrics
+from targets.harness.session import Measurement
 
 
 def _event(kind, t, **data):
@@ -21,11 +26,11 @@ def _trace():
         _event("generate", 13.0, start=11.0, aborted=False, device="d0"),  # overlaps: 0-3 in all
         _event("generate", 11.5, start=11.0, aborted=True),  # aborted: no device time
         _event("shrink", 12.5, start=12.0, devices=["d1"]),  # switching 2-2.5 on d1
-        _event("train", 16.0, start=12.5, devices=["d1"], version=1, policy_version=0, trajectories=[]),
+        _event("train", 16.0, start=12.5, devices=["d1"], version=1, trajectories=[{"episode": "e1"}, {"episode": "e2"}]),
         _event("generate", 15.0, start=13.0, aborted=False, device="d1"),  # hidden under train on d1
-        _event("env_step", 12.0, action=[1, 2, 3], done=False, timed_out=False),
-        _event("env_step", 14.0, action=[4, 5], done=True, timed_out=False),
-        _event("env_step", 19.0, action=[6], done=True, timed_out=True),
+        _event("env_step", 12.0, episode="e1", action=[1, 2, 3], done=False, timed_out=False),
+        _event("env_step", 14.0, episode="e1", action=[4, 5], done=True, timed_out=False),
+        _event("env_step", 19.0, episode="e2", action=[6], done=True, timed_out=True),
         _event("run_end", 20.0),
     ]
 
@@ -33,6 +38,7 @@ def _trace():
 def test_metrics_from_a_hand_built_trace():
     m = compute_metrics(_trace(), ["d0", "d1"])
     assert m["duration_s"] == 10.0
+    assert m["goodput"] == pytest.approx(0.1)  # two trained, one of them timed out
     assert m["rollout_throughput"] == pytest.approx(0.2)  # two episodes finished in 10 s
     assert m["tokens_per_s"] == pytest.approx(0.6)
     assert m["timeout_ratio"] == pytest.approx(0.5)
@@ -44,6 +50,15 @@ def test_metrics_from_a_hand_built_trace():
     assert m["mean_device_busy"] == pytest.approx((0.3 + 0.4) / 2)
 
 
+def test_goodput_ignores_finished_episodes_nobody_trained():
+    events = _trace()
+    events.insert(-1, _event("env_step", 19.5, episode="e3", action=[7], done=True, timed_out=False))  # finished, never trained
+    m = compute_metrics(events, ["d0", "d1"])
+    assert m["goodput"] == pytest.approx(0.1) and m["rollout_throughput"] == pytest.approx(0.3)
+
+
 def test_timeline_shows_the_median_repeat():
-    run = BenchRun("x", [{"rollout_throughput": v} for v in (23.0, 40.0, 39.0)], [["slow"], ["fast"], ["median"]])
-    assert run.median_events == ["median"] and run.median("rollout_throughput") == 39.0
+    passed = [CheckResult("system_audit", True)]
+    run = BenchRun("x", [Measurement(passed, {"goodput": v}, Path(name)) for v, name in ((23.0, "slow"), (40.0, "fast"), (39.0, "median"))])
+    middle = run.measurements[run.median_index("goodput")]
+    assert middle.trace_path == Path("median") and run.median("goodput") == 39.0

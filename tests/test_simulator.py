@@ -17,12 +17,14 @@ from typer.testing import CliRunner
 from orchestrator.cli import app
 from skills.starter import write_starter
 from targets.harness.audit import audit_run
+from targets.harness.launch import Limits, run_harness
 from targets.harness.metrics import compute_metrics
-from targets.harness.runner import runtime_for
+from targets.harness.sandbox import Sandbox
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
-from targets.harness.sim.run import simulate
 from targets.harness.sim.virtual_time import SimulationStalled, VirtualTimeLoop, run_virtual
+from targets.harness.target import Target
+from targets.harness.trace import Trace
 from targets.spec import load_target, parse_target
 
 runner = CliRunner()
@@ -161,24 +163,17 @@ def test_static_batching_admits_only_between_batches():
 
 # -- the same controllers on the simulated cluster -------------------------------------------------
 
-def _stack(tmp_path: Path, spec, controller: str):
-    directory = write_starter(tmp_path / controller, spec, controller)
-    for name in [m for m in sys.modules if m == "stack" or m.startswith("stack.")]:
-        del sys.modules[name]
-    sys.path.insert(0, str(directory))
-    try:
-        return importlib.import_module("stack")
-    finally:
-        sys.path.remove(str(directory))
-
-
 def _simulated(tmp_path, spec, controller, steps=None, seed=0):
+    """The starter for ``controller`` run on the simulator through the harness, as any judged run:
+    the controller in a process of its own, virtual time kept by the harness."""
     spec = spec.model_copy(update={"execution": "simulated"})
-    runtime = runtime_for(spec)
-    stack = _stack(tmp_path, spec, controller)
-    steps = steps or spec.workload.train_steps
-    trace, summary = simulate(spec, stack.build(spec, runtime), runtime, steps, seed)
-    return spec, list(trace.events), summary
+    path = tmp_path / f"{spec.id}-{controller}.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    stack = write_starter(tmp_path / controller, spec, controller)
+    run = run_harness(Target.load(path), stack, tmp_path / f"out-{controller}-{seed}", "measure", Limits(time_s=600),
+                      Sandbox.detect("subprocess"), seed=seed, steps=steps)
+    assert run.ok, run.cause
+    return spec, Trace.load_events(run.out / "trace.jsonl"), run.results["system"]
 
 
 @pytest.mark.parametrize("controller", ["colocate", "static_split", "time_multiplex"])
@@ -251,17 +246,18 @@ def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, f
     """Calibration runs the time_multiplex starter for real, fits the cost model to its trace and
     runs the very same stack directory on the simulator: both runs pass the audit, and the
     simulator's step time is compared with the real one."""
-    from targets.harness.judge_run import audit_directory
+    from targets.harness.session import Session
     from targets.harness.sim.calibrate import measure_and_predict
 
     spec = parse_target(yaml.safe_load(fast_target.read_text()))
     stack = write_starter(tmp_path / "stack", spec, "time_multiplex")
-    report = measure_and_predict(str(fast_target), spec, stack, tmp_path / "work", 300)
+    session = Session(Target.load(fast_target), Sandbox.detect("subprocess"), Limits(time_s=300))
+    report = measure_and_predict(session, stack, tmp_path / "work")  # each run judged: it raises on a finding
     calibrated = load_target(report["calibrated_spec"])
     assert calibrated.simulator.batching == "static" and calibrated.simulator.decode_step_overhead_s > 0
     for execution in ("real", "simulated"):
-        audit = audit_directory(calibrated, tmp_path / "work" / execution, spec.workload.train_steps)
-        assert audit.passed, (execution, audit.reasons)
+        audit = json.loads((tmp_path / "work" / execution / "audit.json").read_text())["result"]
+        assert audit["passed"], (execution, audit["reasons"])
     error = report["compared"]["step_time_s"]["error"]
     print(f"simulator step-time prediction error after calibration: {error:+.1%}")
     assert abs(error) < 1.0  # same order as the real run; the figure itself is reported, not gated

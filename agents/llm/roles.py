@@ -133,8 +133,8 @@ class LLMJudge:
     def __init__(self, gate, client: ChatClient) -> None:
         self.gate, self.client = gate, client
 
-    def judge(self, workspace: Path, out: Path, task: Task | None = None) -> Verdict:
-        verdict = self.gate.judge(workspace, out)
+    def judge(self, workspace: Path, out: Path, task: Task | None = None, seed: int = 0) -> Verdict:
+        verdict = self.gate.judge(workspace, out, task, seed)
         if not verdict.passed:
             return verdict
         repo = git.Repo(workspace)
@@ -153,8 +153,10 @@ class LLMEvaluator:
     def __init__(self, spec: TargetSpec, offline, client: ChatClient) -> None:
         self.spec, self.offline, self.client = spec, offline, client
 
-    def evaluate(self, workspace: Path, verdict: Verdict, out: Path) -> Evaluation:
-        evaluation = self.offline.evaluate(workspace, verdict, out)
+    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int]) -> Evaluation:
+        evaluation = self.offline.evaluate(workspace, out, baseline, seeds)
+        if evaluation.findings:
+            return evaluation
         codes = sorted({code for s in load_skills().values() for code in s.triggers})
         metrics = {k: v for k, v in evaluation.metrics.items() if isinstance(v, (int, float))}
         system = PROMPTS.get_template("evaluator.j2").render(

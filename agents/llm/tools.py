@@ -191,7 +191,7 @@ class Toolbox:
     def run_command(self, a: RunCommand) -> str:
         out = self.workspace / ".vibetrain-tmp"
         out.mkdir(exist_ok=True)
-        command, env = self.sandbox.launcher(["bash", "-c", a.command], {}, self.workspace, out)
+        command, env = self.sandbox.wrap(["bash", "-c", a.command], {}, writable=[self.workspace, out], cwd=self.workspace)
         try:
             result = subprocess.run(command, env=env or None, cwd=self.workspace, capture_output=True, text=True, timeout=a.timeout_s)
         except subprocess.TimeoutExpired:

@@ -7,18 +7,16 @@ from agents.offline.implementer import OfflineImplementer
 from agents.offline.judge import OfflineJudge
 from agents.offline.planner import OfflinePlanner
 from agents.roles import Agents
-from agents.sandbox import Sandbox
-from targets.harness.candidate import Limits
-from targets.spec import TargetSpec
+from targets.harness.session import Session
 
 
-def make_offline_agents(target: str, spec: TargetSpec, *, simulated: bool, engine_devices: int, seed: int, repeat: int,
-                        sandbox: Sandbox, limits: Limits) -> Agents:
-    planner = OfflinePlanner(spec, engine_devices, seed, simulated)
+def make_offline_agents(session: Session, *, engine_devices: int, seed: int, repeat: int) -> Agents:
+    spec = session.target.spec
+    planner = OfflinePlanner(spec, engine_devices, seed, session.target.simulated)
     return Agents(
         backend="offline",
         planner=planner,
         implementer=OfflineImplementer(spec, planner),
-        judge=OfflineJudge(target, spec, sandbox, limits, simulated),
-        evaluator=OfflineEvaluator(target, spec, sandbox, limits, repeat, simulated),
+        judge=OfflineJudge(session),
+        evaluator=OfflineEvaluator(session, repeat),
     )

@@ -1,20 +1,16 @@
-"""Offline evaluator: the benchmark with repeats (the judge's own system run is the first), medians
-and spreads, a cProfile summary of one repeat, and rule-based hints read from the median trace —
-the findings the planner maps to skill triggers."""
+"""Offline evaluator: audited repeats (paired with the incumbent best, interleaved, one seed per
+pair), medians and spreads, the paired ratio with its interval, the harness's profile of the calls,
+and rule-based hints read from the median trace: the findings the planner maps to skill triggers."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
-from agents.roles import Evaluation, Hint, Verdict
-from agents.sandbox import Sandbox
-from targets.harness.benchmark import SUMMARIZED, run_metrics
-from targets.harness.candidate import Limits, run_candidate
+from agents.roles import Evaluation, Hint
+from targets.harness.benchmark import BenchRun
+from targets.harness.session import MeasurementFailed, Session
 from targets.harness.sim.calibrate import engine_batches
-from targets.harness.trace import Trace
-from targets.spec import TargetSpec
 
 DEVICES_BUSY = 0.75  # mean device busy share under which devices idle
 STALL_SHARE = 0.10  # share of the run with no request in flight
@@ -89,39 +85,51 @@ def hints_from(metrics: dict, events: list, simulated: bool) -> list[Hint]:
     return hints
 
 
+def call_profile(events: list) -> str:
+    """Where the run's time went, as the harness saw each call: count, mean and slowest duration per
+    kind (the harness's view from outside; the candidate's processes are not profiled, so a measured
+    run looks exactly like the check's)."""
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        if "start" in e.data:
+            spans.setdefault(e.kind, []).append(e.t - e.data["start"])
+        elif e.kind == "env_step":
+            spans.setdefault("env_step (tool latency)", []).append(e.data["latency"])
+    lines = [f"{'call':28s} {'count':>7s} {'mean s':>9s} {'max s':>9s} {'total s':>9s}"]
+    for kind, values in sorted(spans.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{kind:28s} {len(values):7d} {statistics.fmean(values):9.4f} {max(values):9.4f} {sum(values):9.2f}")
+    return "\n".join(lines)
+
+
 class OfflineEvaluator:
-    def __init__(self, target: str, spec: TargetSpec, sandbox: Sandbox, limits: Limits, repeat: int, simulated: bool) -> None:
+    """Every measured run goes through ``Session.measure`` (judged like the check's run); with a
+    baseline, runs are paired and interleaved (``Session.compare``)."""
+
+    def __init__(self, session: Session, repeat: int) -> None:
         if repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {repeat}")
-        self.target, self.spec, self.sandbox, self.limits = target, spec, sandbox, limits
-        self.repeat, self.simulated = repeat, simulated
+        self.session, self.repeat = session, repeat
 
-    def evaluate(self, workspace: Path, verdict: Verdict, out: Path) -> Evaluation:
-        if verdict.run_dir is None:
-            raise ValueError("the judge's verdict carries no system run to start from")
-        runs = [verdict.run_dir]
-        for i in range(1, self.repeat):
-            run = run_candidate(self.target, workspace, out / f"r{i}", "system", self.limits, seed=i,
-                                execution="simulated" if self.simulated else "real", launcher=self.sandbox.launcher,
-                                extra_args=("--profile",) if i == 1 else ())
-            if not run.ok:
-                raise RuntimeError(f"repeat {i} failed: {run.cause}")
-            runs.append(run.out)
-        repeats, traces = [], []
-        for run_dir in runs:
-            events = Trace.load_events(run_dir / "trace.jsonl")
-            child = json.loads((run_dir / "system.json").read_text())
-            repeats.append(run_metrics(self.spec, events, child))
-            traces.append((run_dir / "trace.jsonl", events))
-        headline = self.spec.headline_metric.name
-        order = sorted(range(len(repeats)), key=lambda i: repeats[i][headline])
-        median_index = order[(len(order) - 1) // 2]
-        present = [m for m in SUMMARIZED if all(m in r for r in repeats)]
-        metrics = {m: statistics.median(r[m] for r in repeats) for m in present}
-        metrics["device_utilization"] = repeats[median_index]["device_utilization"]
-        metrics["duration_s"] = repeats[median_index]["duration_s"]
-        spread = {m: max(r[m] for r in repeats) - min(r[m] for r in repeats) for m in present}
-        profile_path = out / "r1" / "profile.txt"
-        profile = profile_path.read_text() if profile_path.exists() else ""
-        hints = hints_from(metrics, traces[median_index][1], self.simulated)
-        return Evaluation(metrics[headline], metrics, spread, repeats, hints, profile, traces[median_index][0])
+    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int]) -> Evaluation:
+        headline = self.session.target.spec.headline_metric.name
+        paired = None
+        try:
+            if baseline is None:
+                measurements = []
+                for i, seed in enumerate(seeds):
+                    measurement = self.session.measure(workspace, out / f"candidate-{i}", seed)
+                    if not measurement.ok:
+                        raise MeasurementFailed("candidate", i, measurement.reasons)
+                    measurements.append(measurement)
+            else:
+                measurements, _, paired = self.session.compare(workspace, baseline, out, seeds, against="best")
+        except MeasurementFailed as failure:
+            return Evaluation(0.0, {}, {}, [], [], findings=[f"measured run {failure.repeat} of the {failure.name}: {r}"
+                                                             for r in failure.reasons])
+        run = BenchRun("candidate", measurements)
+        summary = run.summary(headline)
+        median = measurements[run.median_index(headline)]
+        events = median.events()
+        hints = hints_from(summary["metrics"], events, self.session.target.simulated)
+        return Evaluation(summary["metrics"][headline], summary["metrics"], summary["spread"], run.repeats, hints,
+                          call_profile(events), median.trace_path, paired.as_dict() if paired else None)

@@ -10,13 +10,12 @@ import json
 import shutil
 from pathlib import Path
 
+from agents.offline.planner import OfflinePlanner
 from agents.roles import AgentError, Attempt, Task
 from skills.library import load_skills
 from skills.starter import RECIPES, write_starter
 from skills.validation import expand_file
 from targets.spec import TargetSpec
-
-from agents.offline.planner import OfflinePlanner
 
 
 class ImplementationError(AgentError):

@@ -1,4 +1,4 @@
-"""The stack's entry point: ``build(spec, runtime)`` wires the recipes named in ``params.json``.
+"""The stack's entry point: ``build(runtime)`` wires the recipes named in ``params.json``.
 
 Building is cheap: the engine, trainer and Ray cluster modules (torch, transformers, Ray) are
 imported when a component is made, so a run on the simulator never loads them."""
@@ -18,12 +18,12 @@ from .weight_sync import DEFAULT_BUCKET_BYTES, merge, to_buckets
 CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiplex": TimeMultiplex}
 
 
-def build(spec, runtime: Runtime) -> Stack:
+def build(runtime: Runtime) -> Stack:
     params = json.loads(Path(__file__).with_name("params.json").read_text())
     # VAL: VAL_SUBSET (value=[params["controller"]], of=CONTROLLERS)
-    controller = CONTROLLERS[params["controller"]](spec, runtime, params)
-    rollout, train = controller.placement(runtime.devices)
-    config = spec.workload.training.config()
+    controller = CONTROLLERS[params["controller"]](runtime, params)
+    rollout, train = controller.placement(list(runtime.devices))
+    config = runtime.workload.training
     threads = params.get("threads_per_actor", 1)
     bucket_bytes = params.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     engine = params.get("engine", "torch")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable
 
-from targets.api import Cluster, Device, SamplingParams, TrainBatch, Trajectory
+from targets.api import Cluster, Device, Runtime, SamplingParams, TrainBatch, Trajectory
 
 from .env_manager import EnvManager
 from .sample_buffer import GroupBuffer
@@ -25,15 +25,15 @@ def group_advantages(trajectories: list[Trajectory]) -> list[float]:
 
 
 class ControllerBase:
-    def __init__(self, spec, runtime, params: dict) -> None:
-        workload = spec.workload
-        self.groups_per_step = workload.batch_size // workload.group_size
+    def __init__(self, runtime: Runtime, params: dict) -> None:
+        workload = runtime.workload
+        self.groups_per_step = workload.groups_per_step
         self.group_size = workload.group_size
         self.async_ratio = workload.async_ratio
-        self.max_sequence = workload.tokens.max_sequence
+        self.max_sequence = workload.max_sequence
         self.sampling = SamplingParams(
-            max_new_tokens=workload.tokens.response,
-            temperature=workload.training.temperature,
+            max_new_tokens=workload.response_tokens,
+            temperature=workload.temperature,
             stop_token_ids=tuple(runtime.stop_token_ids),
         )
         self.params = params

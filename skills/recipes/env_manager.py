@@ -27,6 +27,7 @@ class EnvManager:
         for _ in range(groups):
             episodes = self.envs.new_group()
             # VAL: VAL_NO_DUPLICATES (value=[e.episode_id for e in episodes])
+            self.buffer.expect(episodes[0].group_id)
             self.groups_in_flight += 1
             remaining = [len(episodes)]
             for episode in episodes:

@@ -2,7 +2,9 @@
 data-parallel trainer rank on every training device, each pinned to its device by the target's
 custom Ray resource (a GPU on GPU targets, a logical device on CPU targets).
 
-Mechanism only; the controller decides when to shrink, train, sync and expand. ``generate`` goes to
+The cluster starts Ray itself (in the candidate's cluster process), one custom resource per device,
+and shuts it down on ``close``. Mechanism only; the controller decides when to shrink, train, sync
+and expand. ``generate`` goes to
 the active engine with the fewest requests outstanding; ``shrink`` stops routing to the devices,
 aborts what they serve (the caller retries elsewhere) and offloads their engines; ``expand`` reloads
 them and brings them to the latest weights before routing to them again.
@@ -11,7 +13,9 @@ them and brings them to the latest weights before routing to them again.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import tempfile
 import time
 from typing import Sequence
 
@@ -49,6 +53,10 @@ class RayCluster:
     @classmethod
     async def start(cls, runtime: Runtime, rollout: Sequence[Device], train: Sequence[Device], config: TrainingConfig,
                     threads: int = 1, engine: str = "torch", batch_window_s: float = 0.002) -> "RayCluster":
+        if not ray.is_initialized():
+            ray.init(num_cpus=os.cpu_count(), resources={f"{runtime.device_resource}{d.index}": 1.0 for d in runtime.devices},
+                     include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"), configure_logging=False)
+
         def on(device: Device) -> dict:
             return {"num_cpus": 0, "resources": {f"{runtime.device_resource}{device.index}": 0.5}}
 
@@ -150,3 +158,4 @@ class RayCluster:
             await trainer.close.remote()
         for actor in [*self._engines.values(), *self._trainers]:
             ray.kill(actor)
+        ray.shutdown()

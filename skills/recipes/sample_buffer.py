@@ -1,15 +1,16 @@
-"""Group queue: finished trajectories gathered by GRPO group; a batch is whole groups, oldest first.
+"""Group queue: finished trajectories gathered by GRPO group; a batch is whole groups, the oldest
+created first (never the quickest to finish: choosing by length would bias training toward short
+episodes, and the audit rejects it).
 
 The staleness bound is enforced when a batch is taken: a group holding a turn generated more than
-``async_ratio`` versions before the current policy is dropped (handed back to the harness with the
-reason ``stale``, so it is counted, not lost); at the end of a run everything still waiting is
+``async_ratio`` versions before the current policy is dropped whole (handed back to the harness with
+the reason ``stale``, so it is counted, not lost); at the end of a run everything still waiting is
 handed back with ``end_of_run``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from typing import Callable
 
 from targets.api import Trajectory
@@ -19,8 +20,13 @@ class GroupBuffer:
     def __init__(self, group_size: int, async_ratio: int, envs) -> None:
         self.group_size, self.async_ratio, self.envs = group_size, async_ratio, envs
         self._partial: dict[str, list[Trajectory]] = {}
-        self._ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self._ready: dict[str, list[Trajectory]] = {}
+        self._rank: dict[str, int] = {}  # group -> creation order
         self._changed = asyncio.Event()
+
+    def expect(self, group_id: str) -> None:
+        """A group was just created: its place in the creation order."""
+        self._rank[group_id] = len(self._rank)
 
     def put(self, trajectory: Trajectory) -> None:
         group = self._partial.setdefault(trajectory.group_id, [])
@@ -67,7 +73,7 @@ class GroupBuffer:
             except asyncio.TimeoutError:
                 check()
         batch: list[Trajectory] = []
-        for _ in range(groups):
-            batch.extend(self._ready.popitem(last=False)[1])
+        for group_id in sorted(self._ready, key=self._rank.__getitem__)[:groups]:
+            batch.extend(self._ready.pop(group_id))
         # VAL: AST_POSTCONDITION (cond=len(batch) == groups * self.group_size)
         return batch

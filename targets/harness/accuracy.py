@@ -16,8 +16,8 @@ from __future__ import annotations
 import copy
 import math
 import random
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -28,24 +28,17 @@ from targets.api import (
     SamplingParams,
     StateDict,
     TokenIds,
-    Trainer,
     TrainBatch,
+    Trainer,
     TrainingConfig,
     Trajectory,
 )
+from targets.harness.check_result import CheckResult
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer
 from targets.harness.tokenizer import NAMED_VOCAB
 from targets.spec import AccuracySpec
-
-
-@dataclass
-class CheckResult:
-    name: str
-    passed: bool
-    reasons: list[str] = field(default_factory=list)
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,50 +1,52 @@
-"""System-run audit (design check 4), from the harness's own trace and weight snapshots only.
+"""The system-run audit (design check 4), from the harness's own trace and weight snapshots only:
+one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 
-* exactly once: no episode is trained on twice, none that the harness never created;
-* conservation: every created episode is trained exactly once or dropped with a reason that the
-  trace confirms (stale beyond the bound, end of run after the last step, sequence really full);
-  anything else is lost;
-* fidelity: a trained trajectory is exactly what the environment saw (reset, actions, observations,
-  reward), every action was produced by ``cluster.generate``, and its behaviour logprobs are the
-  engine's;
+* exactly once: no episode is trained on twice, none the harness never created;
+* conservation: every created episode is trained once or dropped with a reason the trace confirms
+  (``stale``: a member of its group is beyond the bound; ``end_of_run``: after the last step;
+  ``max_sequence``: the next turn cannot fit; ``redundant``: within the declared redundancy);
+* fidelity: a trained trajectory is exactly what the environment saw, every action any environment
+  received came from ``cluster.generate``, and the behaviour logprobs are the engine's;
+* batches: each holds exactly ``batch_size`` trajectories of whole groups, with the group-relative
+  advantages of their rewards, taken oldest group first among those finished before the previous
+  step ended;
+* in flight: never more episodes outstanding than the staleness bound (plus declared redundancy) needs;
 * staleness: no trained turn is more than ``async_ratio`` versions behind the policy;
-* replay: sampled turns' logprobs recomputed with the reference model under the weights of the
-  version the engine claimed (proves the model really ran with those weights);
-* mechanism: no request served by a shrunk engine, never zero active engines, the weights changed,
-  the requested number of steps ran.
+* engine honesty: finish reasons match the tokens, each prompt is the episode's whole context so far,
+  and requests ask for the spec's temperature and response budget;
+* mechanism: no request served by a shrunk engine, never zero active engines, the requested steps
+  ran, each training step returned the next version, and the weights changed;
+* replay (``targets/harness/replay.py``): logprobs under the claimed weights, sampling at the spec's
+  temperature, and every training step recomputed by the reference from the previous weights.
 
 A simulated run's trace keeps token counts, not tokens (``run_start.tokens_recorded``), and has no
-weights: there, fidelity compares counts, and replay and the weights check are skipped (the
-details say so); accounting, staleness and the mechanism invariants are checked in full.
+weights: there fidelity and prompts compare counts, and the replays are skipped (the details say so).
 """
 
 from __future__ import annotations
 
-import random
-from collections import defaultdict
-from typing import Callable
+import copy
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from targets.api import StateDict, TraceEvent
-from targets.harness.accuracy import CheckResult
-from targets.harness.trace import token_count
+from targets.api import Declared, StateDict, TraceEvent
+from targets.harness.check_result import CheckResult
+from targets.harness.reference.grpo import group_advantages_of
+from targets.harness.trace import Trace, token_count
 from targets.spec import TargetSpec
 
+if TYPE_CHECKING:
+    import torch
+
+    from targets.harness.target import Target
+
 MAX_REASONS_PER_KIND = 3
+ADVANTAGE_ATOL = 1e-4
 
 
-@torch.no_grad()
-def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    """Logprob of each generated token given everything before it: one causal forward per turn."""
-    if not tokens:
-        return []
-    sequence = torch.tensor([list(prompt) + list(tokens)])
-    logits = model(input_ids=sequence).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
-
-
-class _Reasons:
+class Reasons:
     """Collects reasons, keeping a few examples per kind and counting the rest."""
 
     def __init__(self) -> None:
@@ -64,144 +66,308 @@ class _Reasons:
         return out
 
 
-def audit_run(
-    spec: TargetSpec,
-    events: list[TraceEvent],
-    load_weights: Callable[[int], StateDict | None],
-    make_model: Callable[[StateDict], torch.nn.Module],
-    steps: int,
-    replay_turns: int = 12,
-    seed: int = 0,
-) -> CheckResult:
-    r = _Reasons()
-    workload = spec.workload
-    by_kind: dict[str, list[TraceEvent]] = defaultdict(list)
-    for e in events:
-        by_kind[e.kind].append(e)
-    end_t = by_kind["run_end"][0].t if by_kind["run_end"] else (events[-1].t if events else 0.0)
-    tokens_recorded = by_kind["run_start"][0].data.get("tokens_recorded", True) if by_kind["run_start"] else True
+@dataclass
+class TraceIndex:
+    """Everything the invariants ask of a trace, computed once."""
 
-    created = {e.data["episode"] for e in by_kind["episode_created"]}
-    resets = {e.data["episode"]: e for e in by_kind["env_reset"]}
-    env_steps: dict[str, list[TraceEvent]] = defaultdict(list)
-    for e in by_kind["env_step"]:
-        env_steps[e.data["episode"]].append(e)
-    finished = {ep for ep, s in env_steps.items() if s and s[-1].data["done"]}
-    dropped = {e.data["episode"]: e.data["reason"] for e in by_kind["sample_dropped"]}
-    generated: dict[str, list[TraceEvent]] = defaultdict(list)  # non-aborted, in completion order
-    for e in by_kind["generate"]:
-        if not e.data["aborted"]:
-            generated[e.data["episode"]].append(e)
+    events: list[TraceEvent]
+    by_kind: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))
+    created: list[str] = field(default_factory=list)  # episodes in creation order
+    group_of: dict[str, str] = field(default_factory=dict)
+    group_order: dict[str, int] = field(default_factory=dict)  # group -> creation rank
+    resets: dict[str, TraceEvent] = field(default_factory=dict)
+    env_steps: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))
+    generated: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # non-aborted, in order
+    dropped: dict[str, TraceEvent] = field(default_factory=dict)
+    trained_in: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # episode -> train indices
+    trains: list[TraceEvent] = field(default_factory=list)
+    tokens_recorded: bool = True
+    declared: Declared = field(default_factory=Declared)
+    start_t: float = 0.0
+    end_t: float = 0.0
 
-    # -- exactly once, and only real episodes --------------------------------------------------------
-    trained: dict[str, int] = defaultdict(int)
-    for train in by_kind["train"]:
-        for t in train.data["trajectories"]:
-            trained[t["episode"]] += 1
-    for episode, count in trained.items():
+    @classmethod
+    def of(cls, events: list[TraceEvent]) -> "TraceIndex":
+        ix = cls(list(events))
+        for e in ix.events:
+            ix.by_kind[e.kind].append(e)
+        run_start = ix.by_kind["run_start"][0] if ix.by_kind["run_start"] else None
+        if run_start is not None:
+            ix.start_t = run_start.t
+            ix.tokens_recorded = run_start.data.get("tokens_recorded", True)
+            ix.declared = Declared(**run_start.data.get("declared", {}))
+        ix.end_t = ix.by_kind["run_end"][0].t if ix.by_kind["run_end"] else (ix.events[-1].t if ix.events else 0.0)
+        for e in ix.by_kind["episode_created"]:
+            ix.created.append(e.data["episode"])
+            ix.group_of[e.data["episode"]] = e.data["group"]
+            ix.group_order.setdefault(e.data["group"], len(ix.group_order))
+        ix.resets = {e.data["episode"]: e for e in ix.by_kind["env_reset"]}
+        for e in ix.by_kind["env_step"]:
+            ix.env_steps[e.data["episode"]].append(e)
+        for e in ix.by_kind["generate"]:
+            if not e.data["aborted"]:
+                ix.generated[e.data["episode"]].append(e)
+        for e in ix.by_kind["sample_dropped"]:
+            ix.dropped.setdefault(e.data["episode"], e)
+        ix.trains = sorted(ix.by_kind["train"], key=lambda e: e.data["start"])
+        for i, train in enumerate(ix.trains):
+            for t in train.data["trajectories"]:
+                ix.trained_in[t["episode"]].append(i)
+        return ix
+
+    def finished(self, episode: str) -> bool:
+        steps = self.env_steps.get(episode)
+        return bool(steps) and steps[-1].data["done"]
+
+    def finished_at(self, episode: str) -> float | None:
+        return self.env_steps[episode][-1].t if self.finished(episode) else None
+
+    def context_tokens(self, episode: str, turns: int) -> list | int:
+        """The episode's context after ``turns`` environment steps (tokens, or a count if not recorded)."""
+        reset = self.resets[episode].data["observation"]
+        steps = self.env_steps.get(episode, [])[:turns]
+        if not self.tokens_recorded:
+            return token_count(reset) + sum(token_count(s.data["action"]) + token_count(s.data["observation"]) for s in steps)
+        out = list(reset)
+        for s in steps:
+            out += s.data["action"] + s.data["observation"]
+        return out
+
+    def policy_at(self, t: float) -> int:
+        """The number of training steps finished by time ``t`` (the controller's policy version)."""
+        return sum(1 for train in self.trains if train.t <= t)
+
+
+# -- accounting --------------------------------------------------------------------------------------
+
+
+def check_exactly_once(ix: TraceIndex, r: Reasons) -> None:
+    created = set(ix.created)
+    for episode, trains in ix.trained_in.items():
         if episode not in created:
             r.add("fabricated episode", f"trained on {episode}, which the harness never created")
-        elif count > 1:
-            r.add("used twice", f"episode {episode} is in {count} training batches")
+        elif len(trains) > 1:
+            r.add("used twice", f"episode {episode} is in {len(trains)} training batches")
 
-    # -- conservation: trained exactly once, or dropped for a reason that holds ------------------------
-    train_ends = sorted(e.t for e in by_kind["train"])
-    for episode in sorted(created):
-        if episode in trained and episode in dropped:
+
+def check_conservation(ix: TraceIndex, r: Reasons) -> None:
+    for episode in ix.created:
+        if episode in ix.trained_in and episode in ix.dropped:
             r.add("trained and dropped", f"episode {episode} was trained on and also dropped")
-        elif episode not in trained and episode not in dropped:
-            state = "finished" if episode in finished else "unfinished"
+        elif episode not in ix.trained_in and episode not in ix.dropped:
+            state = "finished" if ix.finished(episode) else "unfinished"
             r.add("lost", f"episode {episode} ({state}) was neither trained on nor dropped")
-    for e in by_kind["sample_dropped"]:
-        episode, reason = e.data["episode"], e.data["reason"]
-        policy = sum(1 for t in train_ends if t <= e.t)
-        if reason == "end_of_run" and train_ends and e.t < train_ends[-1]:
-            r.add("unjustified drop", f"episode {episode} dropped as end_of_run at {e.t:.2f}s, before the last training step")
+    created = set(ix.created)
+    for episode in ix.dropped:
+        if episode not in created:
+            r.add("fabricated episode", f"dropped {episode}, which the harness never created")
+
+
+def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
+    """Each drop's reason must hold when it was made. Staleness is judged per group, as a buffer
+    that trains whole groups must: a group with one member beyond the bound goes whole."""
+    workload = spec.workload
+    last_train_end = max((t.t for t in ix.trains), default=None)
+    redundant = Counter()
+    for episode, e in ix.dropped.items():
+        reason = e.data["reason"]
+        if reason == "end_of_run":
+            if last_train_end is not None and e.t < last_train_end:
+                r.add("unjustified drop", f"episode {episode} dropped as end_of_run at {e.t:.2f}s, before the last training step")
         elif reason == "stale":
-            versions = [g.data["version"] for g in generated.get(episode, [])]
+            policy = ix.policy_at(e.t)
+            group = ix.group_of.get(episode)
+            versions = [g.data["version"] for m in ix.created if ix.group_of[m] == group
+                        for g in ix.generated.get(m, []) if g.t <= e.t]
             if not versions or policy - min(versions) <= workload.async_ratio:
-                r.add("unjustified drop", f"episode {episode} dropped as stale but its turns are within async_ratio of policy {policy}")
+                r.add("unjustified drop", f"episode {episode} dropped as stale but every turn of its group is within "
+                                          f"async_ratio {workload.async_ratio} of policy {policy}")
         elif reason == "max_sequence":
-            length = token_count(resets[episode].data["observation"]) if episode in resets else 0
-            length += sum(token_count(s.data["action"]) + token_count(s.data["observation"]) for s in env_steps.get(episode, []))
+            if episode not in ix.resets:
+                r.add("unjustified drop", f"episode {episode} dropped for max_sequence before it was reset")
+                continue
+            length = token_count(ix.context_tokens(episode, len(ix.env_steps.get(episode, []))))
             if length + workload.tokens.response <= workload.tokens.max_sequence:
                 r.add("unjustified drop", f"episode {episode} dropped for max_sequence at {length} tokens, which still fits")
+        elif reason == "redundant":
+            group = ix.group_of.get(episode)
+            redundant[group] += 1
+            trained = sum(1 for m in ix.created if ix.group_of[m] == group and m in ix.trained_in)
+            if ix.declared.redundant_per_group == 0:
+                r.add("unjustified drop", f"episode {episode} dropped as redundant, but the stack declares no redundancy")
+            elif trained != workload.group_size:
+                r.add("unjustified drop", f"episode {episode} dropped as redundant, but its group {group} was not trained whole")
+    for group, count in redundant.items():
+        if ix.declared.redundant_per_group and count > ix.declared.redundant_per_group:
+            r.add("redundancy", f"group {group} dropped {count} episodes as redundant, over the declared "
+                                f"{ix.declared.redundant_per_group} per group")
 
-    # -- fidelity and staleness -----------------------------------------------------------------------
-    replayable: list[TraceEvent] = []
-    for train in by_kind["train"]:
-        policy = train.data["policy_version"]
+
+def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
+    """Episodes outstanding (created, neither trained nor dropped) never exceed what the staleness
+    bound needs: ``groups_per_step x (1 + async_ratio)`` groups (of ``group_size`` plus declared spares)."""
+    w = spec.workload
+    bound = w.groups_per_step * (1 + w.async_ratio) * (w.group_size + ix.declared.redundant_per_group)
+    changes = [(e.t, 1, 1) for e in ix.by_kind["episode_created"]]
+    changes += [(train.data["start"], 0, -len(train.data["trajectories"])) for train in ix.trains]
+    changes += [(e.t, 0, -1) for e in ix.dropped.values()]
+    outstanding = peak = 0
+    for when, _, delta in sorted(changes):
+        outstanding += delta
+        if outstanding > peak:
+            peak = outstanding
+            if peak == bound + 1:
+                r.add("too many episodes", f"{peak} episodes in flight at {when:.2f}s, over the bound of {bound} "
+                                           f"(groups_per_step x (1 + async_ratio) x (group_size + declared redundancy))")
+    return {"peak_in_flight": peak, "in_flight_bound": bound}
+
+
+def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
+    """Whole groups, the batch size, advantages from the rewards, and oldest first: a group that had
+    finished before the previous step ended (so it waited in the buffer when this batch was taken)
+    may not be passed over for a younger one, nor left there until it goes stale."""
+    w = spec.workload
+    consumed_at: dict[str, float] = {}
+    for train in ix.trains:
+        for t in train.data["trajectories"]:
+            consumed_at.setdefault(ix.group_of.get(t["episode"], t["group"]), train.data["start"])
+    for e in ix.dropped.values():
+        consumed_at.setdefault(ix.group_of.get(e.data["episode"], ""), e.t)
+    finished_groups: dict[str, list[float]] = defaultdict(list)
+    for episode in ix.created:
+        if (at := ix.finished_at(episode)) is not None:
+            finished_groups[ix.group_of[episode]].append(at)
+    group_done = {g: sorted(ts)[w.group_size - 1] for g, ts in finished_groups.items() if len(ts) >= w.group_size}
+    for k, train in enumerate(ix.trains):
+        trajectories = train.data["trajectories"]
+        if len(trajectories) != w.batch_size:
+            r.add("batch size", f"training step {k + 1} has {len(trajectories)} trajectories, the batch size is {w.batch_size}")
+        members = Counter(ix.group_of.get(t["episode"], t["group"]) for t in trajectories)
+        for group, count in members.items():
+            if count != w.group_size:
+                r.add("partial group", f"training step {k + 1} holds {count} of group {group}'s episodes, not {w.group_size}")
+        for t in trajectories:
+            if ix.group_of.get(t["episode"], t["group"]) != t["group"]:
+                r.add("partial group", f"training step {k + 1} files episode {t['episode']} under group {t['group']}")
+        expected = group_advantages_of([(t["group"], t["reward"]) for t in trajectories])
+        given = train.data.get("advantages", [])
+        if len(given) != len(expected) or any(abs(a - b) > ADVANTAGE_ATOL for a, b in zip(given, expected)):
+            r.add("altered advantages", f"training step {k + 1}: the advantages are not the group-relative ones of the rewards")
+        if k == 0:
+            continue
+        previous_end, start = ix.trains[k - 1].t, train.data["start"]
+        passed_over = [g for g, done in group_done.items()
+                       if done < previous_end and consumed_at.get(g, float("inf")) >= start and g not in members]
+        youngest = max((ix.group_order.get(g, -1) for g in members), default=-1)
+        for group in sorted(passed_over, key=lambda g: ix.group_order.get(g, 0)):
+            if ix.group_order.get(group, 0) < youngest:
+                r.add("out of order", f"training step {k + 1} took younger groups over group {group}, finished before "
+                                      "the previous step ended (groups are trained oldest first)")
+                break
+
+
+def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
+    """Every action any environment got came from ``cluster.generate``; a trained trajectory is
+    exactly the environment's record, with its reward and the engine's logprobs."""
+    for episode, gens_in_order in ix.generated.items():
+        for turn, count in Counter(g.data["turn"] for g in gens_in_order).items():
+            if count > 1:
+                r.add("resampled turn", f"episode {episode} turn {turn} was generated {count} times: a turn is sampled once")
+    for episode, steps in ix.env_steps.items():
+        gens = {}
+        for g in ix.generated.get(episode, []):
+            gens.setdefault(g.data["turn"], g)
+        for turn, s in enumerate(steps):
+            g = gens.get(turn)
+            same = g is not None and (g.data["tokens"] == s.data["action"] if ix.tokens_recorded
+                                      else token_count(g.data["tokens"]) == token_count(s.data["action"]))
+            if not same or g.t > s.t:
+                r.add("fabricated rollout", f"episode {episode} turn {turn}: the action was not produced by cluster.generate")
+                break
+    for train in ix.trains:
         for t in train.data["trajectories"]:
             episode = t["episode"]
-            if episode not in created:
+            if episode not in ix.group_of:
                 continue
-            if episode not in finished:
+            if not ix.finished(episode) or ix.finished_at(episode) > train.data["start"]:
                 r.add("skipped environment steps", f"episode {episode} was trained on before its environment finished")
                 continue
-            steps_seen = env_steps[episode]
-            if tokens_recorded:
-                expected_tokens, expected_mask = list(resets[episode].data["observation"]), [0] * len(resets[episode].data["observation"])
-                for s in steps_seen:
-                    expected_tokens += s.data["action"] + s.data["observation"]
-                    expected_mask += [1] * len(s.data["action"]) + [0] * len(s.data["observation"])
-                altered = t["tokens"] != expected_tokens or t["loss_mask"] != expected_mask
+            steps = ix.env_steps[episode]
+            expected = ix.context_tokens(episode, len(steps))
+            if ix.tokens_recorded:
+                mask = [0] * token_count(ix.resets[episode].data["observation"])
+                for s in steps:
+                    mask += [1] * len(s.data["action"]) + [0] * len(s.data["observation"])
+                altered = t["tokens"] != expected or t["loss_mask"] != mask
             else:
-                expected = token_count(resets[episode].data["observation"]) + sum(
-                    token_count(s.data["action"]) + token_count(s.data["observation"]) for s in steps_seen)
                 altered = t["tokens"] != expected
             if altered:
                 r.add("altered trajectory", f"episode {episode}: trained tokens differ from what the environment saw")
-            reward = sum(s.data["reward"] for s in steps_seen)
+            reward = sum(s.data["reward"] for s in steps)
             if abs(t["reward"] - reward) > 1e-6:
                 r.add("altered reward", f"episode {episode}: trained reward {t['reward']:.4f}, environment paid {reward:.4f}")
-            gens = generated.get(episode, [])
-            by_turn = {g.data["turn"]: g for g in gens}
-            behaviour = [lp for lp, m in zip(t["logprobs"], t["loss_mask"]) if m] if tokens_recorded else []
-            recorded: list[float] = []
-            for turn, s in enumerate(steps_seen):
-                g = by_turn.get(turn)
-                if g is None or (g.data["tokens"] != s.data["action"] if tokens_recorded else token_count(g.data["tokens"]) != token_count(s.data["action"])):
-                    r.add("fabricated rollout", f"episode {episode} turn {turn}: the action was not produced by cluster.generate")
-                    break
-                recorded += g.data["logprobs"] if tokens_recorded else []
-                if policy - g.data["version"] > workload.async_ratio:
-                    r.add("stale sample", f"episode {episode} turn {turn}: generated at version {g.data['version']}, trained at policy {policy} (async_ratio {workload.async_ratio})")
-                if g.data["version"] > policy:
-                    r.add("future version", f"episode {episode} turn {turn}: claims version {g.data['version']} before policy {policy} existed")
-                replayable.append(g)
-            else:
-                if len(recorded) != len(behaviour) or any(abs(a - b) > 1e-6 for a, b in zip(recorded, behaviour)):
+            if ix.tokens_recorded:
+                by_turn = {}
+                for g in ix.generated.get(episode, []):
+                    by_turn.setdefault(g.data["turn"], g)
+                engine = [lp for turn in range(len(steps)) if turn in by_turn for lp in by_turn[turn].data["logprobs"]]
+                behaviour = [lp for lp, m in zip(t["logprobs"], t["loss_mask"]) if m]
+                if len(engine) != len(behaviour) or any(abs(a - b) > 1e-6 for a, b in zip(engine, behaviour)):
                     r.add("altered logprobs", f"episode {episode}: behaviour logprobs differ from the engine's")
 
-    # -- replay sampled turns under the claimed weights -------------------------------------------------
-    rng = random.Random(seed)
-    by_version: dict[int, list[TraceEvent]] = defaultdict(list)
-    for g in replayable:
-        by_version[g.data["version"]].append(g)
-    per_version = -(-replay_turns // max(1, len(by_version)))  # every claimed version gets replayed
-    sample = [g for gs in by_version.values() for g in rng.sample(gs, min(per_version, len(gs)))] if tokens_recorded else []
-    models: dict[int, torch.nn.Module] = {}
-    worst = 0.0
-    for g in sorted(sample, key=lambda g: g.data["version"]):
-        version = g.data["version"]
-        if version not in models:
-            state = load_weights(version)
-            if state is None:
-                r.add("replay", f"no weights recorded for version {version}")
-                continue
-            models[version] = make_model(state)
-        actual_logprobs = teacher_forced_logprobs(models[version], g.data["prompt"], g.data["tokens"])
-        for actual, claimed in zip(actual_logprobs, g.data["logprobs"]):
-            worst = max(worst, abs(actual - claimed))
-            if abs(actual - claimed) > spec.accuracy.logprob_atol:
-                r.add("replay", f"episode {g.data['episode']} turn {g.data['turn']}: logprob {claimed:.4f} but the model under version {version} gives {actual:.4f}: it did not run with those weights")
-                break
 
-    # -- mechanism invariants -----------------------------------------------------------------------------
-    serving = {g.data["device"] for gs in generated.values() for g in gs}
+def check_staleness(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
+    ratio = spec.workload.async_ratio
+    for k, train in enumerate(ix.trains):
+        policy = k  # the step trains the policy of version k (its k predecessors)
+        for t in train.data["trajectories"]:
+            for g in ix.generated.get(t["episode"], []):
+                version, turn = g.data["version"], g.data["turn"]
+                if policy - version > ratio:
+                    r.add("stale sample", f"episode {t['episode']} turn {turn}: generated at version {version}, trained at "
+                                          f"policy {policy} (async_ratio {ratio})")
+                if version > policy:
+                    r.add("future version", f"episode {t['episode']} turn {turn}: claims version {version} before policy {policy} existed")
+
+
+def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
+    """Finish reasons agree with the tokens, a prompt is the episode's whole context so far, and a
+    request asks for the spec's sampling temperature and response budget."""
+    w = spec.workload
+    for episode, gens in ix.generated.items():
+        for g in gens:
+            d = g.data
+            where = f"episode {episode} turn {d['turn']}"
+            if d.get("temperature") != w.training.temperature or d.get("max_new_tokens") != w.tokens.response:
+                r.add("sampling parameters", f"{where}: asked for temperature {d.get('temperature')} and {d.get('max_new_tokens')} "
+                                             f"tokens; the spec says {w.training.temperature} and {w.tokens.response}")
+            n = token_count(d["tokens"])
+            if d["finish"] == "abort":
+                r.add("finish reason", f"{where}: an aborted completion was handed back as a result")
+            elif not ix.tokens_recorded:
+                if n > d["max_new_tokens"] or (d["finish"] == "length" and n != d["max_new_tokens"]):
+                    r.add("finish reason", f"{where}: finish {d['finish']} with {n} of {d['max_new_tokens']} tokens")
+            else:
+                tokens, stop = d["tokens"], set(d.get("stop", []))
+                if any(tok in stop for tok in tokens[:-1]):
+                    r.add("finish reason", f"{where}: generation went on past a stop token")
+                elif d["finish"] == "stop" and not (tokens and tokens[-1] in stop):
+                    r.add("finish reason", f"{where}: finish 'stop' but the last token {tokens[-1:] or 'none'} is no stop token")
+                elif d["finish"] == "length" and (n != d["max_new_tokens"] or tokens[-1] in stop):
+                    r.add("finish reason", f"{where}: finish 'length' after {n} of {d['max_new_tokens']} tokens"
+                                           + (" ending on a stop token" if n and tokens[-1] in stop else ""))
+            if episode in ix.resets and d["turn"] <= len(ix.env_steps.get(episode, [])):
+                expected = ix.context_tokens(episode, d["turn"])
+                if d["prompt"] != expected:
+                    r.add("incomplete prompt", f"{where}: the engine was asked with {token_count(d['prompt'])} tokens, "
+                                               f"not the episode's whole context of {token_count(expected)}")
+
+
+def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
+    serving = {g.data["device"] for gs in ix.generated.values() for g in gs}
     inactive_since: dict[str, float] = {}
     windows: list[tuple[str, float, float]] = []  # device, shrunk at, expanded at
-    for e in sorted(by_kind["shrink"] + by_kind["expand"], key=lambda e: e.t):
+    for e in sorted(ix.by_kind["shrink"] + ix.by_kind["expand"], key=lambda e: e.t):
         for device in e.data["devices"]:
             if e.kind == "shrink":
                 inactive_since[device] = e.t
@@ -209,26 +375,69 @@ def audit_run(
                 windows.append((device, inactive_since.pop(device), e.data["start"]))
         if e.kind == "shrink" and serving and serving <= set(inactive_since):
             r.add("no active engine", f"after the shrink at {e.t:.2f}s no rollout engine was active")
-    windows += [(d, t, end_t) for d, t in inactive_since.items()]
-    for gs in generated.values():
+    windows += [(d, t, ix.end_t) for d, t in inactive_since.items()]
+    for gs in ix.generated.values():
         for g in gs:
             for device, since, until in windows:
                 if g.data["device"] == device and g.data["start"] > since and g.t < until:
                     r.add("served while shrunk", f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk")
+    if len(ix.trains) != steps:
+        r.add("steps", f"the controller ran {len(ix.trains)} training steps, {steps} were requested")
+    for k, train in enumerate(ix.trains, start=1):
+        if train.data["version"] != k:
+            r.add("version numbering", f"training step {k} returned version {train.data['version']}, not {k}")
 
-    versions = sorted({e.data["version"] for e in by_kind["train"]})
-    if len(by_kind["train"]) != steps:
-        r.add("steps", f"the controller ran {len(by_kind['train'])} training steps, {steps} were requested")
-    if versions and tokens_recorded:
-        first, last = load_weights(0), load_weights(versions[-1])
-        if first is not None and last is not None and all(torch.equal(first[k], last[k]) for k in first):
-            r.add("weights unchanged", f"training did not change the weights (version {versions[-1]} equals version 0)")
 
-    details = {
-        "episodes_created": len(created), "trained": len(trained), "dropped": len(dropped),
-        "replayed_turns": len(sample), "max_replay_logprob_diff": worst,
-    }
-    if not tokens_recorded:
-        details["skipped"] = "simulated run: no tokens or weights recorded, so no replay and no weights-changed check"
-    reasons = r.lines()
-    return CheckResult("system_audit", not reasons, reasons, details)
+# -- the audit -----------------------------------------------------------------------------------------
+
+
+def audit_run(
+    spec: TargetSpec,
+    events: list[TraceEvent],
+    load_weights: Callable[[int], StateDict | None],
+    make_model: Callable[[StateDict], "torch.nn.Module"],
+    steps: int,
+    seed: int = 0,
+) -> CheckResult:
+    ix = TraceIndex.of(events)
+    r = Reasons()
+    check_exactly_once(ix, r)
+    check_conservation(ix, r)
+    check_drop_reasons(ix, r, spec)
+    details = check_in_flight(ix, r, spec)
+    check_batches(ix, r, spec)
+    check_fidelity(ix, r)
+    check_staleness(ix, r, spec)
+    check_engine_honesty(ix, r, spec)
+    check_mechanism(ix, r, steps)
+    details.update(episodes_created=len(ix.created), trained=len(ix.trained_in),
+                   dropped=dict(Counter(e.data["reason"] for e in ix.dropped.values())))
+    if ix.tokens_recorded:
+        from targets.harness.replay import replay_training, replay_turns
+
+        details.update(replay_turns(ix, r, spec, load_weights, make_model, seed))
+        details.update(replay_training(ix, r, spec, load_weights, make_model))
+    else:
+        details["skipped"] = "simulated run: no tokens or weights recorded, so no replay"
+    return CheckResult("system_audit", not r.lines(), r.lines(), details)
+
+
+def audit_directory(target: "Target", out: Path, steps: int) -> CheckResult:
+    """The audit of a run the harness child wrote to ``out`` (trace and weight snapshots)."""
+    from safetensors.torch import load_file
+
+    events = Trace.load_events(out / "trace.jsonl")
+    base: list = []  # loaded on the first replay only (a simulated run replays nothing)
+
+    def load_weights(version: int):
+        path = out / "weights" / f"v{version}.safetensors"
+        return load_file(path) if path.exists() else None
+
+    def make_model(state):
+        if not base:
+            base.append(target.reference_model())
+        model = copy.deepcopy(base[0])
+        model.load_state_dict(state)
+        return model
+
+    return audit_run(target.spec, events, load_weights, make_model, steps)

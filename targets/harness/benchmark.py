@@ -1,9 +1,11 @@
-"""``vibetrain bench``: run each schedule ``repeat`` times in child processes, compute metrics from
-the harness trace, and summarize with medians and spreads (max - min) side by side.
+"""``vibetrain bench``: schedules side by side, every run judged like a check's and measured from the
+harness trace.
 
-Every result carries the fluid lower bound of a step (``targets/harness/sim/lower_bound.py``) and
-the fraction of it the schedule reaches. Real runs go one at a time (they share the machine);
-simulated runs measure virtual time, so they run side by side.
+Runs are interleaved (repeat i of every schedule, then repeat i + 1, ...) with one seed per repeat,
+so a slow minute of the machine hits every schedule alike and each schedule is paired with the first
+on the same workload: the ratio to the first comes with a 95% interval. Every result carries the
+fluid lower bound of a step (``targets/harness/sim/lower_bound.py``) and the fraction of it reached.
+Simulated runs measure virtual time, so they may run side by side; real runs go one at a time.
 """
 
 from __future__ import annotations
@@ -15,53 +17,16 @@ from pathlib import Path
 from typing import Callable
 
 from targets.api import TraceEvent
-from targets.harness.candidate import Launcher, run_candidate
 from targets.harness.metrics import compute_metrics
+from targets.harness.session import Measurement, MeasurementFailed, Paired, Session
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.lower_bound import step_lower_bound
-from targets.harness.trace import Trace
 from targets.spec import TargetSpec
 
-SUMMARIZED = ("rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "mean_device_busy",
+SUMMARIZED = ("goodput", "rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "mean_device_busy",
               "shrink_s", "expand_s", "sync_s", "train_s", "aborted_turns", "lower_bound_step_s", "lower_bound_fraction",
               "peak_process_memory_mb", "peak_kv_fraction")
 PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does not change what they measure
-
-
-@dataclass
-class BenchRun:
-    name: str
-    repeats: list[dict] = field(default_factory=list)
-    traces: list[list[TraceEvent]] = field(default_factory=list)  # one per repeat
-
-    @property
-    def median_events(self) -> list[TraceEvent]:
-        """The trace of the repeat whose rollout throughput is the median: what a timeline shows."""
-        order = sorted(range(len(self.repeats)), key=lambda i: self.repeats[i]["rollout_throughput"])
-        return self.traces[order[(len(order) - 1) // 2]]
-
-    def has(self, metric: str) -> bool:
-        return all(metric in r for r in self.repeats)
-
-    def median(self, metric: str) -> float:
-        return statistics.median(r[metric] for r in self.repeats)
-
-    def spread(self, metric: str) -> float:
-        values = [r[metric] for r in self.repeats]
-        return max(values) - min(values)
-
-    def summary(self) -> dict:
-        present = [m for m in SUMMARIZED if self.has(m)]
-        return {
-            "name": self.name,
-            "metrics": {m: self.median(m) for m in present} | {"device_utilization": self.repeats[0]["device_utilization"]},
-            "spread": {m: self.spread(m) for m in present},
-            "repeats": self.repeats,
-        }
-
-
-class BenchmarkFailed(RuntimeError):
-    pass
 
 
 def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) -> dict:
@@ -76,31 +41,75 @@ def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) 
     return metrics
 
 
-def benchmark(
-    target: str, spec: TargetSpec, stacks: list[tuple[str, Path]], repeat: int, out: Path, time_limit_s: float,
-    simulated: bool = False, on_run: Callable[[str, int], None] = lambda name, i: None, launcher: Launcher | None = None,
-) -> list[BenchRun]:
-    """``simulated``: run on the cluster simulator (whatever the target's own execution is)."""
+@dataclass
+class BenchRun:
+    """One schedule's repeats. The timeline and device utilization come from the median repeat."""
+
+    name: str
+    measurements: list[Measurement] = field(default_factory=list)
+    paired: Paired | None = None  # against the first schedule (None for the first itself)
+
+    @property
+    def repeats(self) -> list[dict]:
+        return [m.metrics for m in self.measurements]
+
+    def median_index(self, metric: str) -> int:
+        order = sorted(range(len(self.repeats)), key=lambda i: self.repeats[i][metric])
+        return order[(len(order) - 1) // 2]
+
+    def has(self, metric: str) -> bool:
+        return all(metric in r for r in self.repeats)
+
+    def median(self, metric: str) -> float:
+        return statistics.median(r[metric] for r in self.repeats)
+
+    def spread(self, metric: str) -> float:
+        values = [r[metric] for r in self.repeats]
+        return max(values) - min(values)
+
+    def summary(self, headline: str) -> dict:
+        """The metrics a round or a bench reports: medians, spreads, and the median repeat's
+        utilization and duration (one way, everywhere)."""
+        present = [m for m in SUMMARIZED if self.has(m)]
+        middle = self.repeats[self.median_index(headline)]
+        return {
+            "name": self.name,
+            "metrics": {m: self.median(m) for m in present} | {"device_utilization": middle["device_utilization"],
+                                                               "duration_s": middle["duration_s"]},
+            "spread": {m: self.spread(m) for m in present},
+            "paired": self.paired.as_dict() if self.paired else None,
+            "repeats": self.repeats,
+        }
+
+
+class BenchmarkFailed(RuntimeError):
+    pass
+
+
+def benchmark(session: Session, stacks: list[tuple[str, Path]], repeat: int, out: Path, seeds: list[int] | None = None,
+              on_run: Callable[[str, int], None] = lambda name, i: None) -> list[BenchRun]:
     names = [name for name, _ in stacks]
     if len(set(names)) != len(names):
         raise BenchmarkFailed(f"two runs share a name: {names}; rename a candidate directory")
-    jobs = [(name, stack_dir, i) for name, stack_dir in stacks for i in range(repeat)]
+    seeds = seeds or list(range(repeat))
+    jobs = [(name, stack_dir, i) for i in range(repeat) for name, stack_dir in stacks]
 
-    def run_one(job: tuple[str, Path, int]) -> tuple[dict, list[TraceEvent]]:
+    def run_one(job: tuple[str, Path, int]) -> Measurement:
         name, stack_dir, i = job
-        result = run_candidate(target, stack_dir, out / name / f"r{i}", "system", time_limit_s, seed=i,
-                               execution="simulated" if simulated else "real", launcher=launcher)
-        if not result.ok:
-            raise BenchmarkFailed(f"{name} (repeat {i}): {result.cause}")
-        events = Trace.load_events(result.out / "trace.jsonl")
-        metrics = run_metrics(spec, events, result.results["system"])
+        measurement = session.measure(stack_dir, out / name / f"r{i}", seeds[i])
+        if not measurement.ok:
+            raise BenchmarkFailed(str(MeasurementFailed(name, i, measurement.reasons)))
         on_run(name, i)
-        return metrics, events
+        return measurement
 
-    with ThreadPoolExecutor(max_workers=PARALLEL_SIMULATIONS if simulated else 1) as pool:
+    with ThreadPoolExecutor(max_workers=PARALLEL_SIMULATIONS if session.target.simulated else 1) as pool:
         outcomes = list(pool.map(run_one, jobs))
     runs = {name: BenchRun(name) for name, _ in stacks}
-    for (name, _, _), (metrics, events) in zip(jobs, outcomes):
-        runs[name].repeats.append(metrics)
-        runs[name].traces.append(events)
-    return list(runs.values())
+    for (name, _, _), measurement in zip(jobs, outcomes):
+        runs[name].measurements.append(measurement)
+    ordered = list(runs.values())
+    metric = session.target.spec.headline_metric
+    for run in ordered[1:]:
+        run.paired = Paired.of([r[metric.name] for r in run.repeats], [r[metric.name] for r in ordered[0].repeats],
+                               metric.direction == "maximize", ordered[0].name, deterministic=session.target.simulated)
+    return ordered

@@ -12,14 +12,14 @@ import ast
 import hashlib
 from pathlib import Path
 
-from targets.harness.accuracy import CheckResult
+from targets.harness.check_result import CheckResult
 
 CLOCK_MODULES = {"time", "asyncio", "datetime"}
 HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_version"}
 ESCAPE_MODULES = {"gc", "inspect", "ctypes"}
 ESCAPE_ATTRIBUTES = {"__dict__", "__globals__", "__code__", "__closure__", "modules"}
 HARNESS_ROOT = Path(__file__).resolve().parents[1]  # the targets package
-METRIC_NAMES = {"rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "device_utilization", "mean_device_busy"}
+METRIC_NAMES = {"goodput", "rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "device_utilization", "mean_device_busy"}
 ALLOWED_CONTRACT_MODULES = {"targets", "targets.api"}
 
 

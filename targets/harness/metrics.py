@@ -1,7 +1,11 @@
 """Benchmark metrics, computed from the harness trace alone.
 
-Rollout throughput is environment-observed (episodes the environments saw finish, per second of
-the run); device activity comes from the proxy's stamps of generate/train/sync/shrink/expand.
+The headline is **goodput**: trajectories trained on that did not time out, per second of the run.
+An episode that finished but was never trained (dropped at the end, or stale) does not count, nor
+does one that timed out: launching more episodes than training uses cannot raise it. Rollout
+throughput (episodes the environments saw finish, per second; the time-sharing report's figure)
+stays as a secondary metric. Device activity comes from the proxy's stamps of
+generate/train/sync/shrink/expand.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
     steps = [e for e in events if e.kind == "env_step"]
     done = [e for e in steps if e.data["done"]]
     trains = [e for e in events if e.kind == "train"]
+    timed_out = {e.data["episode"] for e in done if e.data["timed_out"]}
+    trained = {t["episode"] for e in trains for t in e.data["trajectories"]}
     intervals = device_intervals(events)
     utilization = {}
     for device in devices:
@@ -83,6 +89,7 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
 
     return {
         "duration_s": duration,
+        "goodput": len(trained - timed_out) / duration,
         "rollout_throughput": len(done) / duration,
         "tokens_per_s": sum(token_count(e.data["action"]) for e in steps) / duration,
         "step_time_s": duration / len(trains) if trains else float("inf"),

@@ -12,9 +12,8 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
-
 from importlib.metadata import version
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from targets.harness.tokenizer import NAMED_VOCAB, build_tokenizer

@@ -17,6 +17,7 @@ from targets.harness.clock import Clock
 from targets.harness.tokenizer import CTX, VOCAB
 from targets.harness.trace import Trace
 
+
 class ActionWords(Sequence[str]):
     """An action's words, decoded on access: an environment reads a few words of what may be a
     response of hundreds of tokens, and decoding all of them would dominate a simulated run."""

@@ -17,14 +17,19 @@ ADVANTAGE_EPS = 1e-6
 
 def group_advantages(trajectories: list[Trajectory]) -> list[float]:
     """(reward - group mean) / (group population std + eps); 0 for a group with equal rewards."""
+    return group_advantages_of([(t.group_id, t.reward) for t in trajectories])
+
+
+def group_advantages_of(members: list[tuple[str, float]]) -> list[float]:
+    """``group_advantages`` from (group, reward) pairs (what the audit has of a recorded batch)."""
     by_group: dict[str, list[float]] = defaultdict(list)
-    for t in trajectories:
-        by_group[t.group_id].append(t.reward)
+    for group, reward in members:
+        by_group[group].append(reward)
     stats = {}
     for group, rewards in by_group.items():
         r = torch.tensor(rewards, dtype=torch.float64)
         stats[group] = (r.mean().item(), r.std(unbiased=False).item())
-    return [(t.reward - stats[t.group_id][0]) / (stats[t.group_id][1] + ADVANTAGE_EPS) for t in trajectories]
+    return [(reward - stats[group][0]) / (stats[group][1] + ADVANTAGE_EPS) for group, reward in members]
 
 
 @dataclass

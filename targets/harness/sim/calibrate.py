@@ -21,6 +21,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -48,6 +49,10 @@ class Calibration:
         return {"hardware": {"mfu": round(self.mfu, 4), "bf16_tflops": round(self.bf16_tflops, 6)},
                 "simulator": {k: (round(v, 6) if isinstance(v, float) else v)
                               for k, v in self.simulator.model_dump(exclude_none=True).items()}}
+
+
+if TYPE_CHECKING:
+    from targets.harness.session import Session
 
 
 def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
@@ -168,32 +173,33 @@ def stack_batching(stack_dir: Path) -> str:
     return "continuous" if engine == "vllm" else "static"
 
 
-def measure_and_predict(target: str, spec: TargetSpec, stack_dir: Path, work: Path, time_limit_s: float,
-                        steps: int | None = None) -> dict:
+def measure_and_predict(session: "Session", stack_dir: Path, work: Path, steps: int | None = None) -> dict:
     """Run the stack for real, fit the cost model to its trace, write the calibrated target spec,
-    simulate the same stack on it, and compare: the simulator's prediction error on that run."""
-    from targets.harness.candidate import run_candidate
+    simulate the same stack on it, and compare: the simulator's prediction error on that run. Both
+    runs are judged like any measured run."""
     from targets.harness.metrics import compute_metrics
-    from targets.harness.trace import Trace
+    from targets.harness.session import Session
+    from targets.harness.target import Target
 
-    real = run_candidate(target, stack_dir, work / "real", "system", time_limit_s, steps=steps, execution="real")
+    spec = session.target.spec
+    real = session.measure(stack_dir, work / "real", seed=0, steps=steps)
     if not real.ok:
-        raise RuntimeError(f"the real run failed: {real.cause}")
-    real_events = Trace.load_events(real.out / "trace.jsonl")
+        raise RuntimeError("the real run failed: " + "; ".join(real.reasons[:3]))
+    real_events = real.events()
     calibration = calibrate(spec, real_events, stack_batching(stack_dir))
-    raw = yaml.safe_load(resolve_target_path(target).read_text())
+    raw = yaml.safe_load(resolve_target_path(session.target.ref).read_text())
     fields = calibration.yaml_fields()
     raw["hardware"] = {**raw["hardware"], **fields["hardware"]}
     raw["simulator"] = fields["simulator"]
     calibrated_path = work / f"{spec.id}.calibrated.yaml"
     calibrated_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    simulated = run_candidate(str(calibrated_path), stack_dir, work / "simulated", "system", time_limit_s, steps=steps,
-                              execution="simulated")
+    twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits)
+    simulated = twin.measure(stack_dir, work / "simulated", seed=0, steps=steps)
     if not simulated.ok:
-        raise RuntimeError(f"the simulated run failed: {simulated.cause}")
+        raise RuntimeError("the simulated run failed: " + "; ".join(simulated.reasons[:3]))
     devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
     measured = compute_metrics(real_events, devices)
-    predicted = compute_metrics(Trace.load_events(simulated.out / "trace.jsonl"), devices)
+    predicted = compute_metrics(simulated.events(), devices)
     compared = {m: {"real": measured[m], "simulated": predicted[m], "error": predicted[m] / measured[m] - 1}
                 for m in ("step_time_s", "rollout_throughput", "train_s") if measured[m]}
     return {"calibration": calibration, "calibrated_spec": calibrated_path, "compared": compared}

@@ -1,61 +1,102 @@
-"""Virtual time for asyncio: an event loop whose clock jumps to the next timer instead of waiting.
+"""Virtual time for asyncio, split across two processes: the harness owns the clock, the candidate's
+controller follows it.
 
-A controller written for the real cluster awaits ``asyncio.sleep``, ``asyncio.wait_for``, events
-and futures; on this loop every one of those runs unchanged, and a step that takes ten simulated
-minutes takes as long as the Python work in it. The loop does no I/O: its selector never blocks,
-it only moves the clock forward by the timeout asyncio asks it to wait. If every coroutine waits
-and no timer is pending, nothing can ever happen again, and the loop says so instead of hanging.
+``VirtualTimeLoop`` (harness) is an event loop whose clock jumps to the next timer instead of
+waiting. Its selector still does real I/O (the channel to the controller process): while the
+controller is busy the harness waits for it for real; only when the controller has said it is idle
+(and has taken in every frame the harness sent) does virtual time move, to the earlier of the
+harness's next timer and the controller's. ``FollowerTimeLoop`` (candidate) is the other half: its
+``time()`` is whatever the harness last said, and when it has nothing to run it reports its next
+timer and waits. A controller written for the real cluster (``asyncio.sleep``, ``wait_for``,
+events, futures) runs unchanged; a step that takes ten simulated minutes takes as long as the
+Python work in it.
+
+If every coroutine on both sides waits and no timer is pending, nothing can ever happen again, and
+the harness says so instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable, Protocol
 
 
 class SimulationStalled(RuntimeError):
     """Every coroutine is waiting and nothing is scheduled: the simulated run cannot progress."""
 
 
-class _ClockSelector(selectors.BaseSelector):
-    """A selector with no I/O: ``select(timeout)`` advances the loop's virtual clock by ``timeout``."""
+class IdlePeer(Protocol):
+    """The harness's view of the controller process under virtual time."""
 
-    def __init__(self, loop: "VirtualTimeLoop") -> None:
-        self._loop = loop
-        self._keys: dict[Any, selectors.SelectorKey] = {}
+    def idle_until(self) -> tuple[bool, float | None]:
+        """(idle, deadline): idle once it has taken in every frame sent to it and has nothing to run;
+        deadline is its next timer (None: it waits only for the harness)."""
+        ...
+
+    def wake(self, now: float) -> None:
+        """Virtual time reached the peer's deadline: tell it (it becomes busy until its next idle)."""
+        ...
+
+
+class _RealSelector(selectors.BaseSelector):
+    """Delegates registration to a real selector; subclasses decide how long ``select`` may block."""
+
+    def __init__(self) -> None:
+        self._real = selectors.DefaultSelector()
 
     def register(self, fileobj, events, data=None) -> selectors.SelectorKey:
-        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
-        key = selectors.SelectorKey(fileobj, fd, events, data)
-        self._keys[fileobj] = key
-        return key
+        return self._real.register(fileobj, events, data)
 
     def unregister(self, fileobj) -> selectors.SelectorKey:
-        return self._keys.pop(fileobj)
+        return self._real.unregister(fileobj)
+
+    def modify(self, fileobj, events, data=None) -> selectors.SelectorKey:
+        return self._real.modify(fileobj, events, data)
+
+    def get_map(self):
+        return self._real.get_map()
+
+    def close(self) -> None:
+        self._real.close()
+
+
+class _ClockSelector(_RealSelector):
+    """Real I/O first; when nothing is ready, the harness is idle and so is its peer, advance time."""
+
+    def __init__(self, loop: "VirtualTimeLoop") -> None:
+        super().__init__()
+        self._loop = loop
 
     def select(self, timeout: float | None = None) -> list:
-        if timeout is None:
+        ready = self._real.select(0)
+        if ready or timeout == 0:
+            return ready
+        peer = self._loop.peer
+        idle, deadline = peer.idle_until() if peer is not None else (True, None)
+        if not idle:  # the controller is computing: wait for it for real
+            return self._real.select(None)
+        now = self._loop.time()
+        until = min(now + timeout if timeout is not None else math.inf, deadline if deadline is not None else math.inf)
+        if until == math.inf:
             raise SimulationStalled(
                 "every coroutine is waiting and no timer is pending: the controller awaits something the "
                 "simulation never delivers (a thread, real I/O, or an event nobody sets)"
             )
-        if timeout > 0:
-            self._loop.advance(timeout)
+        self._loop.advance(max(0.0, until - now))
+        if peer is not None and deadline is not None and deadline <= until:
+            peer.wake(self._loop.time())
         return []
-
-    def get_map(self):
-        return self._keys
-
-    def close(self) -> None:
-        self._keys.clear()
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """``time()`` is virtual seconds since the loop was made; it moves only when the loop would wait."""
+    """``time()`` is virtual seconds since the loop was made; it moves only when the loop (and its
+    peer, if any) would wait."""
 
     def __init__(self) -> None:
         self._virtual_now = 0.0
+        self.peer: IdlePeer | None = None
         super().__init__(selector=_ClockSelector(self))
 
     def time(self) -> float:
@@ -63,6 +104,39 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def advance(self, seconds: float) -> None:
         self._virtual_now += seconds
+
+
+class _FollowerSelector(_RealSelector):
+    def __init__(self, loop: "FollowerTimeLoop") -> None:
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None) -> list:
+        ready = self._real.select(0)
+        if ready or timeout == 0:
+            return ready
+        if self._loop.on_idle is not None:
+            self._loop.on_idle(None if timeout is None else self._loop.time() + timeout)
+            ready = self._real.select(0)  # the notice itself may have been written just now
+            if ready:
+                return ready
+        return self._real.select(None)
+
+
+class FollowerTimeLoop(asyncio.SelectorEventLoop):
+    """The candidate's half: ``time()`` is the harness's virtual time as last told (``set_time``);
+    ``on_idle(deadline)`` is called whenever the loop has nothing to run."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self.on_idle: Callable[[float | None], None] | None = None
+        super().__init__(selector=_FollowerSelector(self))
+
+    def time(self) -> float:
+        return self._now
+
+    def set_time(self, now: float) -> None:
+        self._now = max(self._now, float(now))
 
 
 class VirtualClock:

@@ -1,0 +1,271 @@
+"""The only way candidate code and the harness talk: frames over a connected Unix socket.
+
+A frame is a JSON header plus binary blobs (token and logprob arrays, weights as safetensors)::
+
+    [u32 header length][header JSON, with "blobs": [size, ...]][blob 0][blob 1] ...
+
+Nothing is pickled: the harness decodes only JSON, numeric arrays of a fixed dtype and safetensors,
+so whatever a candidate sends is data, never code. ``SyncChannel`` serves request/response links
+(the accuracy checks' components); ``AsyncChannel`` serves links where both sides send at once (a
+controller's many concurrent calls) on any asyncio loop, the virtual-time ones included: it parses
+frames as bytes arrive and hands each to a callback at once, and it can hold its writes back
+(``cork``) until its loop has nothing left to do, so a burst of calls crosses in one write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+
+HEADER = struct.Struct("!I")
+MAX_HEADER_BYTES = 64 << 20
+MAX_FRAME_BYTES = 64 << 30
+DTYPES = {"i4": np.int32, "f8": np.float64, "u1": np.uint8}
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something that is not a well-formed frame of the protocol (or hung up)."""
+
+
+class Frame:
+    """A header under construction, with the blobs its arrays refer to."""
+
+    def __init__(self, **header: Any) -> None:
+        self.header = header
+        self.blobs: list[bytes] = []
+
+    def blob(self, data: bytes) -> dict:
+        self.blobs.append(bytes(data))
+        return {"$blob": len(self.blobs) - 1}
+
+    def array(self, values, dtype: str) -> dict:
+        """A list of numbers as a typed array (4 or 8 bytes a number instead of JSON text)."""
+        ref = self.blob(np.asarray(values, dtype=DTYPES[dtype]).tobytes())
+        return {**ref, "dtype": dtype}
+
+    def encode(self) -> bytes:
+        header = json.dumps({**self.header, "blobs": [len(b) for b in self.blobs]}, separators=(",", ":")).encode()
+        return b"".join([HEADER.pack(len(header)), header, *self.blobs])
+
+
+class Received:
+    """A decoded frame: its header and blobs, with checked accessors for what the header refers to."""
+
+    def __init__(self, header: dict, blobs: list[bytes]) -> None:
+        self.header, self.blobs = header, blobs
+
+    def __getitem__(self, key: str) -> Any:
+        return self.header[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.header.get(key, default)
+
+    def blob(self, ref: Any) -> bytes:
+        if not (isinstance(ref, dict) and isinstance(ref.get("$blob"), int) and 0 <= ref["$blob"] < len(self.blobs)):
+            raise ProtocolError(f"expected a blob reference, got {str(ref)[:80]}")
+        return self.blobs[ref["$blob"]]
+
+    def array(self, ref: Any, dtype: str) -> np.ndarray:
+        data = self.blob(ref)
+        if ref.get("dtype") != dtype:
+            raise ProtocolError(f"expected an array of {dtype}, got {ref.get('dtype')!r}")
+        if len(data) % np.dtype(DTYPES[dtype]).itemsize:
+            raise ProtocolError(f"an array of {dtype} cannot be {len(data)} bytes long")
+        return np.frombuffer(data, dtype=DTYPES[dtype])
+
+    def ints(self, ref: Any) -> list[int]:
+        return self.array(ref, "i4").tolist()
+
+    def floats(self, ref: Any) -> list[float]:
+        return self.array(ref, "f8").tolist()
+
+
+def _header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
+    """The header and the total size of the blobs it announces."""
+    try:
+        header = json.loads(bytes(data))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProtocolError(f"a frame header is not JSON: {error}") from None
+    sizes = header.get("blobs") if isinstance(header, dict) else None
+    if not isinstance(sizes, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        raise ProtocolError("a frame header must be a JSON object with a list of blob sizes")
+    total = sum(sizes)
+    if total > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a frame of {total} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+    return header, total
+
+
+def _split(header: dict, body: bytes | bytearray | memoryview) -> list[bytes]:
+    blobs, at = [], 0
+    for size in header["blobs"]:
+        blobs.append(bytes(body[at: at + size]))
+        at += size
+    return blobs
+
+
+def _header_length(data: bytes | bytearray) -> int:
+    (length,) = HEADER.unpack_from(data, 0)
+    if length > MAX_HEADER_BYTES:
+        raise ProtocolError(f"a frame header of {length} bytes is over the {MAX_HEADER_BYTES}-byte limit")
+    return length
+
+
+class SyncChannel:
+    """Blocking frames over a socket: one side asks, the other answers, never both at once."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self.sock = sock
+
+    def send(self, frame: Frame) -> None:
+        self.sock.sendall(frame.encode())
+
+    def _exactly(self, n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = self.sock.recv(min(left, 1 << 22))
+            if not chunk:
+                raise ProtocolError("the peer closed the channel")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def recv(self) -> Received:
+        header, total = _header(self._exactly(_header_length(self._exactly(HEADER.size))))
+        return Received(header, _split(header, self._exactly(total)))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AsyncChannel(asyncio.BufferedProtocol):
+    """Frames on an asyncio loop. Each complete frame goes to ``on_frame`` (once set; frames that
+    arrive before wait in a queue for ``recv``). ``send`` never blocks: the transport buffers, or,
+    while ``corked``, the channel does until ``flush``. Bytes are read into one reusable buffer
+    (a fresh 256 KiB object per read would cost more than the rest of a small frame's handling)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.on_frame: Callable[[Received], None] | None = None
+        self.on_lost: Callable[[BaseException], None] | None = None
+        self.sent = 0  # frames sent (the virtual-time handshake counts them)
+        self.received = 0  # frames handed on
+        self.corked = False
+        self._out: list[bytes] = []
+        self._buffer = bytearray(1 << 16)
+        self._filled = 0  # bytes of _buffer holding data not yet parsed
+        self._pending: tuple[int, dict, int] | None = None  # a parsed header waiting for its blobs
+        self._queue: deque[Received] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._lost: BaseException | None = None
+
+    @classmethod
+    async def over(cls, sock: socket.socket) -> "AsyncChannel":
+        sock.setblocking(False)
+        _, channel = await asyncio.get_running_loop().create_unix_connection(cls, sock=sock)
+        return channel
+
+    # -- asyncio.BufferedProtocol ------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        free = len(self._buffer) - self._filled
+        if free < 4096:  # grow (a big frame is arriving): at least double
+            self._buffer.extend(bytes(max(len(self._buffer), 1 << 16)))
+        return memoryview(self._buffer)[self._filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        view, start = memoryview(self._buffer), 0
+        try:
+            while True:
+                available = self._filled - start
+                if self._pending is None:
+                    if available < HEADER.size:
+                        break
+                    length = _header_length(view[start: start + HEADER.size])
+                    if available < HEADER.size + length:
+                        break
+                    header, total = _header(view[start + HEADER.size: start + HEADER.size + length])
+                    self._pending = (HEADER.size + length, header, total)
+                offset, header, total = self._pending
+                if available < offset + total:
+                    break
+                rx = Received(header, _split(header, view[start + offset: start + offset + total]))
+                start += offset + total
+                self._pending = None
+                self._deliver(rx)
+        except ProtocolError as error:
+            self._lose(error)
+            self.transport.close()
+        finally:
+            view.release()
+            if start:  # keep only the unparsed tail, at the front
+                self._buffer[: self._filled - start] = self._buffer[start: self._filled]
+                self._filled -= start
+            if self._filled == 0 and len(self._buffer) > 1 << 20:
+                self._buffer = bytearray(1 << 16)  # a big frame has gone: give its room back
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._lose(ProtocolError("the peer closed the channel" + (f" ({exc})" if exc else "")))
+
+    # -- frames ------------------------------------------------------------------------------------------
+    def _deliver(self, rx: Received) -> None:
+        self.received += 1
+        if self.on_frame is not None and not self._queue:
+            self.on_frame(rx)
+            return
+        self._queue.append(rx)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _lose(self, error: BaseException) -> None:
+        if self._lost is None:
+            self._lost = error
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+            if self.on_lost is not None:
+                self.on_lost(error)
+
+    def listen(self, on_frame: Callable[[Received], None], on_lost: Callable[[BaseException], None]) -> None:
+        """Hand every frame (those queued first) to ``on_frame``; ``on_lost`` when the peer goes."""
+        self.on_frame, self.on_lost = on_frame, on_lost
+        while self._queue:
+            on_frame(self._queue.popleft())
+        if self._lost is not None:
+            on_lost(self._lost)
+
+    async def recv(self) -> Received:
+        while not self._queue:
+            if self._lost is not None:
+                raise self._lost
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._queue.popleft()
+
+    def send(self, frame: Frame) -> None:
+        if self._lost is not None or self.transport is None or self.transport.is_closing():
+            raise ProtocolError("the channel is closed")
+        data = frame.encode()
+        self.sent += 1
+        if self.corked:
+            self._out.append(data)
+        else:
+            self.transport.write(data)
+
+    def flush(self) -> None:
+        if self._out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(self._out))
+        self._out.clear()
+
+    async def close(self) -> None:
+        self.flush()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()

@@ -1,0 +1,162 @@
+"""The harness's child process: ``python -m targets.harness.child --target T --stack DIR --out DIR ...``.
+
+It is trusted harness code, and it never runs candidate code itself: every phase starts sandboxed
+candidate processes and reaches them over channels. Phases, in order (``--mode``):
+
+* ``accuracy``: checks 1-3 on the stack's components (a ``components`` process);
+* ``system``: a system run (a ``controller`` process, and on real targets a ``cluster`` process),
+  writing the harness trace (``trace.jsonl``) and the weights of every version (``weights/``);
+* ``audit``: the system-run audit of that trace, training replay included.
+
+``check`` runs all three; ``measure`` runs system and audit (every measured run is audited exactly
+like the check's). Each phase writes ``<phase>.json`` (``ok`` or the error); the first error ends
+the child with a non-zero exit. ``--marks-fd`` is a pipe to the parent, which times the system
+run's start and end with its own clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from targets.harness.clock import WallClock
+from targets.harness.sandbox import Sandbox
+from targets.harness.target import Target
+from targets.harness.trace import Trace
+
+PHASES = {"accuracy": ("accuracy",), "check": ("accuracy", "system", "audit"), "measure": ("system", "audit")}
+
+
+def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -> dict:
+    from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync
+    from targets.harness.channel import Frame, SyncChannel
+    from targets.harness.drive import CandidateProcesses
+    from targets.harness.remote import RemoteComponents, raise_if_error
+    from targets.harness.wire import put_runtime
+
+    runtime, accuracy = target.runtime(), target.spec.accuracy
+    processes = CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu)
+    processes.launch("components")
+    try:
+        channel = SyncChannel(processes.accept("components"))
+        channel.send(Frame(kind="init", runtime=put_runtime(runtime)))
+        raise_if_error(channel.recv(), "build")
+        components = RemoteComponents(channel)
+        reference = target.reference_model()
+        results = [check_engine(components.make_engine(), reference, accuracy)]
+        results.append(check_trainer(components.make_trainer, reference, runtime.workload.training, accuracy))
+        engine = components.make_engine()
+        results.append(check_weight_sync(engine, lambda state, v: components.sync_engine(engine, state, v), reference, accuracy))
+        components.close()
+    finally:
+        processes.stop()
+    return {"checks": [r.as_dict() for r in results]}
+
+
+def run_system(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: int, steps: int,
+               mark: Callable[[str], None]) -> dict:
+    from targets.harness.drive import CandidateProcesses, drive_real, drive_simulated
+
+    processes = CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu)
+    try:
+        if target.simulated:
+            mark("run_start")  # virtual time: the parent's clock checks nothing here, the marks only keep the shape
+            trace, summary = drive_simulated(target.spec, target.runtime(), processes, steps, seed)
+            mark("run_end")
+            trace.save(out / "trace.jsonl")
+            return summary
+        from safetensors.torch import save_file
+
+        trace = Trace(WallClock())
+        weights: dict = {}
+
+        def version_zero() -> None:  # the harness's own v0, loaded while the candidate's cluster starts
+            weights[0] = {k: v.detach().cpu().clone() for k, v in target.reference_model().state_dict().items()}
+
+        try:
+            summary = asyncio.run(drive_real(target.spec, target.runtime(), processes, steps, seed, trace, weights, mark,
+                                             while_starting=version_zero))
+        finally:
+            trace.save(out / "trace.jsonl")
+            (out / "weights").mkdir(exist_ok=True)
+            for version, state in weights.items():
+                save_file({k: v.contiguous() for k, v in state.items()}, out / "weights" / f"v{version}.safetensors")
+    finally:
+        processes.stop()
+    peak_kb = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return {**summary, "peak_process_memory_mb": peak_kb / 1024}
+
+
+def run_audit(target: Target, out: Path, steps: int) -> dict:
+    from targets.harness.audit import audit_directory
+
+    return {"result": audit_directory(target, out, steps).as_dict()}
+
+
+def _die_with_parent() -> None:
+    """If whoever started this run goes away (a SIGKILLed orchestrator), take the whole run down:
+    an orphan would keep writing into a directory a resumed run is about to reuse."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
+    parser = argparse.ArgumentParser(prog="python -m targets.harness.child")
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--stack", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--mode", choices=sorted(PHASES), required=True)
+    parser.add_argument("--sandbox", required=True, help="bubblewrap | docker:IMAGE | subprocess")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--execution", choices=["real", "simulated"], required=True)
+    parser.add_argument("--marks-fd", type=int, default=None)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    marks = os.fdopen(args.marks_fd, "w", buffering=1) if args.marks_fd is not None else None
+
+    def mark(name: str) -> None:
+        if marks is not None:
+            marks.write(f"{name}\n")
+
+    target = Target.load(args.target, simulate=args.execution == "simulated")
+    steps = args.steps or target.spec.workload.train_steps
+    sandbox = Sandbox.named(args.sandbox)
+    for phase in PHASES[args.mode]:
+        started = time.monotonic()
+        try:
+            if phase == "accuracy":
+                result = run_accuracy(target, sandbox, args.stack.resolve(), args.out)
+            elif phase == "system":
+                result = run_system(target, sandbox, args.stack.resolve(), args.out, args.seed, steps, mark)
+            else:
+                result = run_audit(target, args.out, steps)
+            result["phase_seconds"] = time.monotonic() - started
+            (args.out / f"{phase}.json").write_text(json.dumps({"status": "ok", **result}, indent=1))
+        except Exception as error:  # the parent reports it; nothing is swallowed
+            (args.out / f"{phase}.json").write_text(json.dumps({"status": "error", "error": f"{type(error).__name__}: {error}",
+                                                                "traceback": traceback.format_exc()}))
+            traceback.print_exc()
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""A system run: the candidate's controller, in a sandboxed process of its own, drives a cluster
+through the harness, with harness-owned environments, for a number of training steps.
+
+Three processes, and the harness in the middle of every call::
+
+    controller process --(channel)--> harness: TracedCluster --(channel)--> cluster process (Ray actors)
+                                      harness: EnvironmentPool
+
+The harness stamps each call with its own clock into its own trace and snapshots the weights after
+each training step; nothing a candidate patches in its processes changes what is recorded, and the
+cluster only ever receives what the harness forwarded (the batch the audit replays is the batch the
+trainer got). Under simulated execution the cluster is the harness's ``SimCluster`` and the clock is
+virtual: the harness advances it only when the controller process says it is idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any, Callable, Sequence
+
+from targets.api import Aborted, Cluster, Completion, Declared, Device, GenerateRequest, Runtime, StateDict, TrainBatch
+from targets.harness.channel import AsyncChannel, Frame, ProtocolError, Received
+from targets.harness.environments import EnvironmentPool
+from targets.harness.process_tree import kill_tree
+from targets.harness.remote import CandidateError, RemoteCluster, raise_if_error
+from targets.harness.sandbox import Sandbox
+from targets.harness.trace import Trace
+from targets.harness.wire import (
+    PromptMemory,
+    field_of,
+    get_batch,
+    get_declared,
+    get_request,
+    put_completion,
+    put_runtime,
+)
+from targets.spec import TargetSpec
+
+
+class TracedCluster:
+    """The harness's proxy in front of a cluster: every call stamped into the trace, the weights
+    exported after every training step. ``steps`` counts training steps as the harness saw them."""
+
+    def __init__(self, inner: Cluster, trace: Trace, weights: dict[int, StateDict]) -> None:
+        self.inner, self.trace, self.weights = inner, trace, weights
+        self.devices: list[Device] = list(inner.devices)
+        self.by_id = {d.id: d for d in self.devices}
+        self.steps = 0
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        start = self.trace.clock.now()
+        try:
+            completion = await self.inner.generate(request)
+        except Aborted:
+            self.trace.record("generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True)
+            raise
+        tokens, p = self.trace.tokens, request.params
+        self.trace.record(
+            "generate", episode=request.episode_id, turn=request.turn, start=start, aborted=False,
+            device=completion.device, prompt=tokens(request.prompt), tokens=tokens(completion.tokens),
+            logprobs=tokens(completion.logprobs), version=completion.weight_version, finish=completion.finish_reason,
+            temperature=p.temperature, max_new_tokens=p.max_new_tokens, stop=list(p.stop_token_ids),
+        )
+        return completion
+
+    async def _timed(self, kind, devices: Sequence[Device], call, **data) -> None:
+        start = self.trace.clock.now()
+        await call
+        self.trace.record(kind, start=start, devices=[d.id for d in devices], **data)
+
+    async def shrink(self, devices: Sequence[Device]) -> None:
+        await self._timed("shrink", devices, self.inner.shrink(devices))
+
+    async def expand(self, devices: Sequence[Device]) -> None:
+        await self._timed("expand", devices, self.inner.expand(devices))
+
+    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
+        await self._timed("sync", devices, self.inner.sync_weights(version, devices), version=version)
+
+    async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
+        """The batch is recorded as the harness received it (what the trainer gets and the audit
+        replays); ``start`` is when those episodes stopped being in flight."""
+        start = self.trace.clock.now()
+        self.steps += 1
+        step, tokens = self.steps, self.trace.tokens
+        version = await self.inner.train(batch, devices)
+        self.trace.record(
+            "train", start=start, step=step, devices=[d.id for d in devices], version=version, advantages=list(batch.advantages),
+            trajectories=[
+                {"episode": t.episode_id, "group": t.group_id, "tokens": tokens(t.tokens), "loss_mask": tokens(t.loss_mask),
+                 "logprobs": tokens(t.logprobs), "reward": t.reward}
+                for t in batch.trajectories
+            ],
+        )
+        state = await self.inner.export_weights()
+        if state is not None:
+            self.weights[step] = {k: v.detach().cpu().clone() for k, v in state.items()}
+        return version
+
+    async def suspend(self) -> None:
+        await self._timed("suspend", self.devices, self.inner.suspend())
+
+    async def resume(self) -> None:
+        await self._timed("resume", self.devices, self.inner.resume())
+
+
+class ControllerLink:
+    """The harness's end of the controller process: serves its environment and cluster calls, each
+    as it arrives, and under virtual time tracks whether it is idle (``IdlePeer``)."""
+
+    def __init__(self, channel: AsyncChannel, envs: EnvironmentPool, clock, virtual: bool) -> None:
+        self.channel, self.envs, self.clock, self.virtual = channel, envs, clock, virtual
+        self.cluster: TracedCluster | None = None  # set once the controller said hello
+        self.memory = PromptMemory(counts=virtual)  # a simulated run keeps token counts only
+        self.episodes: dict[str, Any] = {}
+        loop = asyncio.get_running_loop()
+        self.hello: asyncio.Future = loop.create_future()
+        self.done: asyncio.Future = loop.create_future()
+        self._idle_received, self._deadline = -1, None
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- IdlePeer ------------------------------------------------------------------------------------
+    def idle_until(self) -> tuple[bool, float | None]:
+        return self._idle_received == self.channel.sent, self._deadline
+
+    def wake(self, now: float) -> None:
+        self.send(Frame(kind="time"))
+
+    # -- frames ----------------------------------------------------------------------------------------
+    def send(self, frame: Frame) -> None:
+        if self.virtual:
+            frame.header["t"] = self.clock.now()
+        self.channel.send(frame)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+    async def serve(self) -> None:
+        """Serve frames until the controller is done (or fails, or breaks the protocol)."""
+        self.channel.listen(self._on_frame, self._on_lost)
+        try:
+            await self.done
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _on_frame(self, rx: Received) -> None:
+        if self.done.done():
+            return
+        try:
+            self._dispatch(rx)
+        except ProtocolError as error:
+            self.fail(ProtocolError(f"the controller process broke the protocol: {error}"))
+
+    def _on_lost(self, error: BaseException) -> None:
+        self.fail(ProtocolError(f"the controller process hung up before it was done: {error}"))
+
+    def _dispatch(self, rx: Received) -> None:
+        kind = rx.get("kind")
+        if kind == "idle":
+            deadline = rx.get("deadline")
+            if deadline is not None and not isinstance(deadline, (int, float)):
+                raise ProtocolError("idle.deadline: expected a number or null")
+            self._idle_received, self._deadline = field_of(rx.header, "received", int, "idle"), deadline
+        elif kind == "hello":
+            if not self.hello.done():
+                self.hello.set_result(rx)
+        elif kind == "done":
+            if not self.done.done():
+                self.done.set_result(None)
+        elif kind == "failed":
+            error = rx.get("error") or {}
+            self.fail(CandidateError(f"the controller raised {error.get('type')}: {error.get('message')}\n"
+                                     f"{str(error.get('traceback', ''))[-3000:]}"))
+        elif kind == "env" and rx.get("method") == "new_group":
+            group = field_of(rx.header, "group", int, "new_group")
+            if group != self.envs.groups_created:
+                raise ProtocolError(f"the controller numbered a new group {group}, the harness's next is {self.envs.groups_created}")
+            for episode in self.envs.new_group():
+                self.episodes[episode.episode_id] = episode
+        elif kind == "env" and rx.get("method") == "drop":
+            episode = field_of(rx.header, "episode", str, "drop")
+            self.memory.forget(episode)
+            try:
+                self.envs.drop(episode, field_of(rx.header, "reason", str, "drop"))
+            except ValueError as error:
+                raise ProtocolError(str(error)) from None
+        elif kind in ("env", "cluster"):
+            task = asyncio.create_task(self._answer(rx))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            raise ProtocolError(f"unknown frame kind {kind!r}")
+
+    async def _answer(self, rx: Received) -> None:
+        request_id = rx.get("id")
+        reply = Frame(id=request_id)
+        try:
+            await (self._env(rx, reply) if rx["kind"] == "env" else self._cluster(rx, reply))
+        except ProtocolError as error:
+            self.fail(ProtocolError(f"the controller process broke the protocol: {error}"))
+            return
+        except Aborted as error:
+            reply = Frame(id=request_id, error={"type": "Aborted", "message": str(error)})
+        except (CandidateError, ValueError, KeyError, PermissionError, RuntimeError) as error:
+            # the candidate's own cluster raised, or the controller misused the contract: it is told, as in-process
+            reply = Frame(id=request_id, error={"type": type(error).__name__ if not isinstance(error, CandidateError)
+                                                 else "RuntimeError", "message": str(error)[:2000]})
+        self.send(reply)
+
+    async def _env(self, rx: Received, reply: Frame) -> None:
+        episode_id = field_of(rx.header, "episode", str, "env call")
+        if episode_id not in self.episodes:
+            raise KeyError(f"no episode {episode_id!r}: the harness never created it")
+        episode = self.episodes[episode_id]
+        if rx["method"] == "reset":
+            reply.header["observation"] = reply.array(await episode.reset(), "i4")
+        elif rx["method"] == "step":
+            result = await episode.step(rx.ints(field_of(rx.header, "action", dict, "step")))
+            reply.header["result"] = {"observation": reply.array(result.observation, "i4"), "reward": result.reward,
+                                      "done": result.done, "timed_out": result.timed_out}
+        else:
+            raise ProtocolError(f"unknown env method {rx['method']!r}")
+
+    async def _cluster(self, rx: Received, reply: Frame) -> None:
+        cluster = self.cluster
+        if cluster is None:
+            raise ProtocolError("a cluster call before the controller's hello")
+        by_id = cluster.by_id
+        names = rx.get("devices", [])
+        if not isinstance(names, list) or any(n not in by_id for n in names):
+            raise ValueError(f"unknown devices {names!r}; this cluster has {sorted(by_id)}")
+        devices = [by_id[n] for n in names]
+        method = rx.get("method")
+        if method == "generate":
+            completion = await cluster.generate(get_request(rx, field_of(rx.header, "request", dict, "generate"), self.memory))
+            reply.header["completion"] = put_completion(reply, completion)
+        elif method in ("shrink", "expand"):
+            await getattr(cluster, method)(devices)
+        elif method == "train":
+            reply.header["version"] = await cluster.train(get_batch(rx, field_of(rx.header, "batch", dict, "train"), self.memory), devices)
+        elif method == "sync_weights":
+            await cluster.sync_weights(field_of(rx.header, "version", int, "sync_weights"), devices)
+        elif method in ("suspend", "resume"):
+            await getattr(cluster, method)()
+        else:
+            raise ProtocolError(f"unknown cluster method {method!r}")
+
+
+class CandidateProcesses:
+    """Starts candidate processes in the sandbox, each connected to the harness by a Unix socket of
+    its own (accepted once, then unlinked), and stops them all at the end."""
+
+    def __init__(self, sandbox: Sandbox, stack_dir: Path, logs: Path, gpus: bool = False) -> None:
+        self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
+        self.root = Path(tempfile.mkdtemp(prefix="vt-", dir="/tmp"))  # short: a socket path has 108 bytes
+        (self.root / "sockets").mkdir()
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._logs: dict[str, IO] = {}
+        self._listeners: dict[str, socket.socket] = {}
+
+    def launch(self, role: str) -> None:
+        path = self.root / "sockets" / f"{role}.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(1)
+        self._listeners[role] = listener
+        scratch = self.root / f"scratch-{role}"
+        scratch.mkdir()
+        command = [sys.executable, "-m", "targets.harness.candidate_process", role, str(path), str(self.stack_dir)]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+        command, env = self.sandbox.wrap(command, env, readable=[self.stack_dir, self.root / "sockets"], writable=[scratch],
+                                         cwd=scratch, gpus=self.gpus)
+        self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
+        self.processes[role] = subprocess.Popen(command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None,
+                                                cwd=scratch)
+
+    def accept(self, role: str) -> socket.socket:
+        """The role's connection; fails with the process's last words if it dies first."""
+        listener, process = self._listeners.pop(role), self.processes[role]
+        listener.settimeout(0.25)
+        try:
+            while True:
+                try:
+                    connection, _ = listener.accept()
+                    return connection
+                except socket.timeout:
+                    if process.poll() is not None:
+                        raise CandidateError(f"the candidate's {role} process exited with code {process.returncode} before "
+                                             f"connecting:\n{self.log_tail(role)}") from None
+        finally:
+            listener.close()
+            (self.root / "sockets" / f"{role}.sock").unlink(missing_ok=True)
+
+    def log_tail(self, role: str, lines: int = 15) -> str:
+        self._logs[role].flush()
+        return "\n".join((self.logs / f"{role.split('-')[0]}.log").read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_tree(process.pid, signal.SIGKILL)
+                process.wait()
+        for log in self._logs.values():
+            log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+async def _connect(processes: CandidateProcesses, role: str) -> AsyncChannel:
+    return await AsyncChannel.over(processes.accept(role))
+
+
+async def _hello(link: ControllerLink, processes: CandidateProcesses) -> tuple[list[str], list[str], Declared]:
+    """The controller's placement and declarations, once it has built its stack."""
+    await asyncio.wait({link.hello, link.done}, return_when=asyncio.FIRST_COMPLETED)
+    if not link.hello.done():
+        link.done.result()  # the controller failed before saying hello: raise why
+        raise CandidateError(f"the controller process ended before saying hello:\n{processes.log_tail('controller')}")
+    hello = link.hello.result()
+    rollout = field_of(hello.header, "rollout", list, "hello")
+    train = field_of(hello.header, "train", list, "hello")
+    return rollout, train, get_declared(field_of(hello.header, "declared", dict, "hello"))
+
+
+Marks = Callable[[str], None]
+"""Tells the parent process the moment the run starts and ends (it times them with its own clock)."""
+
+
+async def drive_real(spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int, trace: Trace,
+                     weights: dict[int, StateDict], mark: Marks, while_starting: Callable[[], None] = lambda: None) -> dict:
+    """A real run: the candidate's cluster process (its engines and trainers on Ray) behind the proxy.
+    ``while_starting`` runs in this process while the candidate's cluster starts up."""
+    processes.launch("cluster")
+    processes.launch("controller")
+    cluster_channel = await _connect(processes, "cluster")
+    cluster_channel.send(Frame(kind="init", runtime=put_runtime(runtime)))
+    while_starting()
+    ready = await cluster_channel.recv()
+    raise_if_error(ready, "make_cluster")
+    remote = RemoteCluster(cluster_channel, list(runtime.devices))
+    remote.start()
+    envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed)
+    link = ControllerLink(await _connect(processes, "controller"), envs, trace.clock, virtual=False)
+    link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
+    serving = asyncio.create_task(link.serve())
+    try:
+        _, _, declared = await _hello(link, processes)
+        link.cluster = TracedCluster(remote, trace, weights)
+        trace.record("run_start", devices=[d.id for d in runtime.devices], steps=steps, tokens_recorded=True, engines={},
+                     declared={"redundant_per_group": declared.redundant_per_group})
+        mark("run_start")
+        await serving
+    finally:
+        trace.record("run_end")
+        mark("run_end")
+        if not serving.done():
+            serving.cancel()
+        closing = asyncio.ensure_future(asyncio.wait_for(remote.close(), timeout=120))
+        await asyncio.wait({closing})
+    closing.result()  # reached only when the run itself succeeded: then a failed close is the candidate's failure
+    return {"steps": steps, "versions": sorted(weights)}
+
+
+def drive_simulated(spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int,
+                    cost=None) -> tuple[Trace, dict]:
+    """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
+    from targets.harness.sim.cluster import SimCluster
+    from targets.harness.sim.cost_model import CostModel
+    from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual
+
+    cost = cost or CostModel.from_spec(spec)
+    loop = VirtualTimeLoop()
+    trace = Trace(VirtualClock(loop), record_tokens=False)
+    summary: dict = {}
+    processes.launch("controller-virtual")
+
+    async def main() -> None:
+        envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed)
+        link = ControllerLink(await _connect(processes, "controller-virtual"), envs, trace.clock, virtual=True)
+        loop.peer = link
+        link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=True))
+        serving = asyncio.create_task(link.serve())
+        rollout_ids, _, declared = await _hello(link, processes)
+        by_id = {d.id: d for d in runtime.devices}
+        if any(i not in by_id for i in rollout_ids):
+            raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
+        cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], cost)
+        link.cluster = TracedCluster(cluster, trace, {})
+        trace.record("run_start", devices=[d.id for d in runtime.devices], steps=steps, tokens_recorded=False,
+                     engines=cluster.engine_devices, declared={"redundant_per_group": declared.redundant_per_group})
+        try:
+            await serving
+        finally:
+            trace.record("run_end")
+            summary["peak_kv_fraction"] = cluster.peak_kv_fraction
+            await cluster.close()
+            loop.peer = None
+
+    started = time.perf_counter()
+    run_virtual(main(), loop)
+    summary.update(virtual_seconds=trace.clock.now(), wall_seconds=time.perf_counter() - started, simulated=True,
+                   engine_devices=cost.engine_devices, kv_capacity_tokens=cost.kv_capacity_tokens, steps=steps)
+    return trace, summary

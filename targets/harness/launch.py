@@ -1,0 +1,124 @@
+"""Launching the harness child with limits: its own process group (killed whole on any limit), its
+output captured to a log, and a watchdog over the whole process tree (the harness and the candidate
+processes it starts): wall time, resident memory summed over the tree, and the number of processes
+(a fork bomb). A crash, a hang, a memory blow-up or a fork storm becomes a clear cause, never a hung
+or starved judge.
+
+The parent also keeps its own time: the child tells it (over a pipe) the moment the system run
+starts and ends, and the parent stamps both with its own clock, an independent measurement of the
+run's duration that the harness trace must agree with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from targets.harness.child import PHASES
+from targets.harness.process_tree import kill_tree, process_tree, resident_mb
+from targets.harness.sandbox import Sandbox
+from targets.harness.target import Target
+
+
+@dataclass(frozen=True)
+class Limits:
+    time_s: float = 600.0
+    memory_mb: float = 12_000.0  # resident memory of the whole process tree
+    processes: int = 128  # Ray itself runs a few dozen
+
+
+@dataclass
+class HarnessRun:
+    ok: bool
+    cause: str
+    out: Path
+    results: dict[str, dict] = field(default_factory=dict)  # phase -> what the child wrote for it
+    marks: dict[str, float] = field(default_factory=dict)  # run_start / run_end, on the parent's monotonic clock
+
+    @property
+    def parent_seconds(self) -> float | None:
+        """The system run's duration as this (parent) process measured it."""
+        if "run_start" in self.marks and "run_end" in self.marks:
+            return self.marks["run_end"] - self.marks["run_start"]
+        return None
+
+
+def _watch(process: subprocess.Popen, limits: Limits, marks_fd: int, marks: dict[str, float]) -> str:
+    """Wait for the child, stamping its marks as they arrive; returns '' when it exited, else why it was killed."""
+    deadline = time.monotonic() + limits.time_s
+    pending = b""
+    open_fd = True
+    while True:
+        if open_fd:
+            readable, _, _ = select.select([marks_fd], [], [], 0.25)
+            if readable:
+                chunk = os.read(marks_fd, 4096)
+                now = time.monotonic()
+                if not chunk:
+                    open_fd = False
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    marks.setdefault(line.decode(errors="replace"), now)
+        else:
+            time.sleep(0.25)
+        if process.poll() is not None:
+            return ""
+        tree = process_tree(process.pid)
+        if time.monotonic() > deadline:
+            why = f"exceeded its time limit of {limits.time_s:g}s"
+        elif len(tree) > limits.processes:
+            why = f"ran {len(tree)} processes, over its limit of {limits.processes} (a fork storm?)"
+        elif (resident := resident_mb(tree)) > limits.memory_mb:
+            why = f"used {resident:.0f} MB of resident memory, over its limit of {limits.memory_mb:g} MB"
+        else:
+            continue
+        kill_tree(process.pid)
+        process.wait()
+        return why
+
+
+def run_harness(target: Target, stack_dir: Path, out: Path, mode: str, limits: Limits, sandbox: Sandbox, seed: int = 0,
+                steps: int | None = None) -> HarnessRun:
+    """``mode``: ``accuracy``, ``check`` (accuracy, system, audit) or ``measure`` (system, audit)."""
+    stack_dir, out = Path(stack_dir).resolve(), Path(out).resolve()  # the child runs elsewhere
+    if not (stack_dir / "stack" / "__init__.py").exists():
+        return HarnessRun(False, f"{stack_dir} has no stack/__init__.py: not a candidate directory", out)
+    out.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    command = [sys.executable, "-m", "targets.harness.child", "--target", target.ref, "--stack", str(stack_dir),
+               "--out", str(out), "--mode", mode, "--seed", str(seed), "--sandbox", sandbox.name,
+               "--execution", target.execution, "--marks-fd", str(write_fd)]
+    if steps is not None:
+        command += ["--steps", str(steps)]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    marks: dict[str, float] = {}
+    log_path = out / f"{mode}.log"
+    try:
+        with log_path.open("w") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                       pass_fds=(write_fd,))
+            os.close(write_fd)
+            write_fd = -1
+            killed = _watch(process, limits, read_fd, marks)
+    finally:
+        os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
+    phases = PHASES[mode]
+    results = {p: json.loads((out / f"{p}.json").read_text()) for p in phases if (out / f"{p}.json").exists()}
+    if killed:
+        running = next((p for p in phases if p not in results), phases[-1])
+        return HarnessRun(False, f"{running} run {killed} (killed)", out, results, marks)
+    if process.returncode != 0:
+        failed = next((p for p in phases if results.get(p, {}).get("status") != "ok"), mode)
+        cause = results.get(failed, {}).get("error") or f"exited with code {process.returncode}: " + " | ".join(
+            log_path.read_text().splitlines()[-5:])
+        return HarnessRun(False, f"{failed} run failed: {cause}", out, results, marks)
+    return HarnessRun(True, "", out, results, marks)

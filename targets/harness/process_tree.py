@@ -1,0 +1,52 @@
+"""A process and all its descendants, read from /proc: what the watchdog measures and kills, so a
+candidate cannot escape a limit by forking or by leaving its process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every descendant, from /proc (parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        children.setdefault(parent, []).append(int(entry))
+    tree, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        tree.append(pid)
+        frontier += children.get(pid, [])
+    return tree
+
+
+def resident_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
+    """Signal ``root``'s process group and every descendant (also those that left the group)."""
+    pids = process_tree(root)
+    try:
+        os.killpg(root, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # not a group leader, or already gone: the descendants below are signalled one by one
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

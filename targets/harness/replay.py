@@ -1,0 +1,173 @@
+"""The audit's replays: what really ran, recomputed by the reference from the harness's own weight
+snapshots (never from a candidate's word).
+
+* Turns: each generated turn is teacher-forced through the reference model under the weights of
+  the version the engine claimed; its logprobs must match. Every turn is replayed when that costs
+  under ``REPLAY_ALL_FLOPS``; otherwise ``SAMPLED_TURNS`` turns drawn at random, enough that an
+  engine claiming the wrong version on 1% of turns is caught with probability at least 0.99:
+  P(miss) = 0.99^n <= 0.01  <=>  n >= ln(0.01) / ln(0.99) = 458.2, so n = 459.
+* Temperature: under the replayed distribution p_T = softmax(logits / T), a sampled token's
+  log-probability x has mean E = sum p_T log p_T and variance V. Summed over the run's sampled
+  tokens, z = sum(x - E) / sqrt(sum V) is a martingale sum, close to N(0, 1) when the engine
+  really sampled at T. |z| > 4 rejects: nominally 6.3e-5 false alarms; measured on honest synthetic
+  runs in tests/test_replay.py (below 1e-3 there). Greedy or too cold sampling pushes z up, too
+  hot sampling pushes it down.
+* Training: every step is recomputed by the reference GRPO trainer from the snapshot before it, on
+  the exact batch the harness forwarded, with the reference's own AdamW state carried along; the
+  update must match the snapshot after it within the target's ``update_rtol`` (as in check 2).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
+
+if TYPE_CHECKING:
+    from targets.harness.audit import Reasons, TraceIndex
+    from targets.spec import TargetSpec
+
+REPLAY_ALL_FLOPS = 4e12
+SAMPLED_TURNS = math.ceil(math.log(0.01) / math.log(0.99))  # 459
+TEMPERATURE_Z = 4.0
+POSITIONS_PER_CHUNK = 2048  # logits of at most this many positions at once (vocabularies are large)
+
+
+def _covering_sequences(gens: list[TraceEvent]) -> list[tuple[list[int], list[TraceEvent]]]:
+    """Turns of one episode under one version share a context: each (prompt + tokens) that is a
+    prefix of a longer one rides along in the longer one's forward pass."""
+    chosen: list[tuple[list[int], list[TraceEvent]]] = []
+    for g in sorted(gens, key=lambda g: -(len(g.data["prompt"]) + len(g.data["tokens"]))):
+        sequence = g.data["prompt"] + g.data["tokens"]
+        for tokens, riders in chosen:
+            if len(sequence) <= len(tokens) and tokens[: len(sequence)] == sequence:
+                riders.append(g)
+                break
+        else:
+            chosen.append((sequence, [g]))
+    return chosen
+
+
+@torch.no_grad()
+def _position_logits(model: torch.nn.Module, sequence: list[int], positions: list[int]) -> torch.Tensor:
+    """Logits (float32) predicting the token after each of ``positions``, from one forward pass."""
+    device = next(model.parameters()).device
+    hidden = model.get_decoder()(input_ids=torch.tensor([sequence], device=device)).last_hidden_state[0]
+    head = model.get_output_embeddings()
+    index = torch.tensor(positions, device=device)
+    return torch.cat([head(hidden[index[i: i + POSITIONS_PER_CHUNK]]).float()
+                      for i in range(0, len(positions), POSITIONS_PER_CHUNK)])
+
+
+def temperature_terms(logits: torch.Tensor, chosen: torch.Tensor, temperature: float) -> tuple[float, float]:
+    """For tokens ``chosen`` sampled from softmax(logits / T): the sum of (log p_T(token) - E) and of
+    the variances V, the two sums whose ratio (deviation / sqrt(variance)) is the z statistic."""
+    scaled = torch.log_softmax(logits.double() / temperature, -1)
+    p = scaled.exp()
+    mean = (p * scaled).sum(-1)
+    deviation = float((scaled.gather(-1, chosen[:, None]).squeeze(-1) - mean).sum())
+    variance = float(((p * scaled**2).sum(-1) - mean**2).clamp(min=0).sum())
+    return deviation, variance
+
+
+def replay_turns(ix: "TraceIndex", r: "Reasons", spec: "TargetSpec", load_weights: Callable[[int], StateDict | None],
+                 make_model: Callable[[StateDict], torch.nn.Module], seed: int = 0) -> dict:
+    turns = [g for gs in ix.generated.values() for g in gs if g.data["tokens"]]
+    tokens = sum(len(g.data["prompt"]) + len(g.data["tokens"]) for g in turns)
+    if 2 * spec.model.param_counts().active * tokens <= REPLAY_ALL_FLOPS:
+        sample, coverage = turns, f"all {len(turns)} turns"
+    else:
+        sample = random.Random(seed).sample(turns, min(SAMPLED_TURNS, len(turns)))
+        coverage = f"{len(sample)} of {len(turns)} turns, drawn at random"
+    by_version: dict[int, dict[str, list[TraceEvent]]] = defaultdict(lambda: defaultdict(list))
+    for g in sample:
+        by_version[g.data["version"]][g.data["episode"]].append(g)
+    worst, z_sum, z_var, sampled_tokens = 0.0, 0.0, 0.0, 0
+    for version in sorted(by_version):
+        state = load_weights(version)
+        if state is None:
+            r.add("replay", f"no weights recorded for version {version}")
+            continue
+        model = make_model(state)
+        for gens in by_version[version].values():
+            for sequence, riders in _covering_sequences(gens):
+                positions = [len(g.data["prompt"]) - 1 + i for g in riders for i in range(len(g.data["tokens"]))]
+                logits = _position_logits(model, sequence, positions)
+                at = 0
+                for g in riders:
+                    n, chosen = len(g.data["tokens"]), torch.tensor(g.data["tokens"], device=logits.device)
+                    rows = logits[at: at + n]
+                    at += n
+                    actual = torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1)
+                    diff = (actual - torch.tensor(g.data["logprobs"], device=logits.device)).abs()
+                    worst = max(worst, float(diff.max()))
+                    if float(diff.max()) > spec.accuracy.logprob_atol:
+                        i = int(diff.argmax())
+                        r.add("replay", f"episode {g.data['episode']} turn {g.data['turn']}: logprob {g.data['logprobs'][i]:.4f} but "
+                                        f"the model under version {version} gives {float(actual[i]):.4f}: it did not run with those weights")
+                    temperature = g.data.get("temperature", 0.0)
+                    if temperature > 0:
+                        deviation, variance = temperature_terms(rows, chosen, temperature)
+                        z_sum, z_var, sampled_tokens = z_sum + deviation, z_var + variance, sampled_tokens + n
+    z = z_sum / math.sqrt(z_var) if z_var > 0 else 0.0
+    if abs(z) > TEMPERATURE_Z:
+        how = "more likely (colder or greedier)" if z > 0 else "less likely (hotter)"
+        r.add("sampling temperature", f"over {sampled_tokens} sampled tokens, tokens are {how} than sampling at the spec's "
+                                      f"temperature {spec.workload.training.temperature} gives (z = {z:.1f}; an honest engine "
+                                      f"exceeds |z| > {TEMPERATURE_Z:g} with probability under 1e-4)")
+    return {"replay_coverage": coverage, "replayed_turns": len(sample), "max_replay_logprob_diff": worst,
+            "temperature_z": z, "temperature_tokens": sampled_tokens}
+
+
+def _relative_update_error(before: StateDict, after: StateDict, reference_after: StateDict) -> float:
+    err_sq = ref_sq = cand_sq = 0.0
+    for name, start in before.items():
+        d_ref = (reference_after[name].double().cpu() - start.double())
+        d_cand = (after[name].double() - start.double())
+        err_sq += float((d_cand - d_ref).norm()) ** 2
+        ref_sq += float(d_ref.norm()) ** 2
+        cand_sq += float(d_cand.norm()) ** 2
+    if ref_sq == 0:
+        return 0.0 if cand_sq == 0 else math.inf
+    return math.sqrt(err_sq / ref_sq)
+
+
+def replay_training(ix: "TraceIndex", r: "Reasons", spec: "TargetSpec", load_weights: Callable[[int], StateDict | None],
+                    make_model: Callable[[StateDict], torch.nn.Module]) -> dict:
+    from targets.harness.reference.trainer import ReferenceTrainer
+
+    initial = load_weights(0)
+    if initial is None:
+        r.add("training replay", "no weights recorded for version 0")
+        return {}
+    trainer = ReferenceTrainer(make_model(initial), spec.workload.training.config())
+    before, errors = initial, []
+    for k, train in enumerate(ix.trains, start=1):
+        after = load_weights(k)
+        if after is None:
+            r.add("training replay", f"no weights recorded after training step {k}")
+            break
+        trainer.load_state_dict(before)
+        try:
+            batch = TrainBatch([Trajectory(t["episode"], t["group"], t["tokens"], t["loss_mask"], t["logprobs"], t["reward"], [])
+                                for t in train.data["trajectories"]], list(train.data["advantages"]))
+        except ValueError as error:
+            r.add("training replay", f"step {k}: the recorded batch cannot be replayed ({error})")
+            break
+        trainer.train_step(batch)
+        error = _relative_update_error(before, after, trainer.state_dict())
+        errors.append(error)
+        if error > spec.accuracy.update_rtol:
+            r.add("training replay", f"step {k}: the weights are not the reference GRPO step on the batch the harness saw "
+                                     f"(relative error {error:.3g} > {spec.accuracy.update_rtol:g}): the trainer dropped, "
+                                     "altered or skipped part of it, or trained differently than in check 2")
+        before = after
+    last = load_weights(len(ix.trains)) if ix.trains else None
+    if last is not None and all(torch.equal(initial[k], last[k]) for k in initial):
+        r.add("weights unchanged", f"training did not change the weights (version {len(ix.trains)} equals version 0)")
+    return {"training_replay_steps": len(errors), "training_replay_max_error": max(errors, default=0.0)}

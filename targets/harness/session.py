@@ -1,0 +1,192 @@
+"""The judge and the benchmark for one target: every run of candidate code goes through a ``Session``.
+
+* ``check(stack)``: the static integrity scan (a candidate that fails it never runs), then one
+  harness child running accuracy checks 1-3, a system run and its audit, then the checks only the
+  parent can make: the harness's own files and the candidate's files unchanged, and the harness's
+  clock against the parent's own measurement of the run.
+* ``measure(stack, seed)``: a system run judged exactly like the check's (the same scan, the same
+  audit, the same candidate processes with the same arguments: a candidate cannot tell them apart),
+  and the metrics of its trace.
+* ``compare(candidate, baseline, seeds)``: paired measurement, runs interleaved A B B A ... with the
+  same seed per pair, and the ratio of the headline with a 95% confidence interval.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from targets.api import TraceEvent
+from targets.harness.check_result import CheckResult
+from targets.harness.integrity import harness_digest, scan_stack
+from targets.harness.launch import HarnessRun, Limits, run_harness
+from targets.harness.sandbox import Sandbox
+from targets.harness.target import Target
+from targets.harness.trace import Trace
+
+CLOCK_TOLERANCE = (0.05, 0.5)  # relative, absolute seconds: the pipe and the parent's wake-up are fast
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def directory_digest(directory: Path) -> str:
+    """sha256 over every file's path and bytes under ``directory`` (caches excluded)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and ".vibetrain" not in path.name:
+            digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def clock_check(run: HarnessRun, events: list[TraceEvent]) -> CheckResult:
+    """The harness trace's run duration against the parent's own stopwatch of the same run."""
+    start = next((e.t for e in events if e.kind == "run_start"), None)
+    end = next((e.t for e in events if e.kind == "run_end"), None)
+    measured = run.parent_seconds
+    if start is None or end is None or measured is None:
+        return CheckResult("clock", False, ["the run's start and end were not both seen by the harness and the parent"], {})
+    recorded = end - start
+    allowed = CLOCK_TOLERANCE[0] * measured + CLOCK_TOLERANCE[1]
+    details = {"trace_seconds": recorded, "parent_seconds": measured}
+    if abs(recorded - measured) > allowed:
+        return CheckResult("clock", False, [f"the trace says the run took {recorded:.2f}s, the parent measured {measured:.2f}s: "
+                                            "the clock that stamped the trace did not keep time"], details)
+    return CheckResult("clock", True, [], details)
+
+
+@dataclass
+class Measurement:
+    """One audited system run: its checks (all must pass for the metrics to count) and metrics."""
+
+    checks: list[CheckResult]
+    metrics: dict = field(default_factory=dict)
+    trace_path: Path | None = None
+    seed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    @property
+    def reasons(self) -> list[str]:
+        return [f"{c.name}: {reason}" for c in self.checks if not c.passed for reason in c.reasons]
+
+    def events(self) -> list[TraceEvent]:
+        return Trace.load_events(self.trace_path) if self.trace_path else []
+
+
+@dataclass
+class Paired:
+    """Candidate over baseline on the headline (>1 is better whatever the metric's direction): the
+    geometric mean of per-pair ratios and its 95% t-interval."""
+
+    ratio: float
+    low: float
+    high: float | None  # None: unbounded (a single real pair says nothing of noise)
+    pairs: int
+    against: str = ""
+
+    @classmethod
+    def of(cls, candidate: list[float], baseline: list[float], maximize: bool = True, against: str = "",
+           deterministic: bool = False) -> "Paired":
+        logs = [math.log(c / b) if maximize else math.log(b / c) for c, b in zip(candidate, baseline)]
+        n = len(logs)
+        mean = statistics.fmean(logs)
+        if n < 2:
+            half = 0.0 if deterministic else math.inf  # one simulated pair is exact for its seed; one real pair says nothing of noise
+        else:
+            t = T_975.get(n - 1) or next((v for k, v in sorted(T_975.items()) if k >= n - 1), 1.96)
+            half = t * statistics.stdev(logs) / math.sqrt(n)
+        if math.isinf(half):
+            return cls(math.exp(mean), 0.0, None, n, against)
+        return cls(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, against)
+
+    def clears(self, noise_threshold: float) -> bool:
+        return self.low > 1 + noise_threshold
+
+    def describe(self) -> str:
+        def pct(x: float) -> str:
+            return f"{(x - 1) * 100:+.1f}%"
+
+        if self.high is None:
+            return f"{pct(self.ratio)}, interval unbounded over {self.pairs} pair (one real pair measures no noise)"
+        return f"{pct(self.ratio)}, interval [{pct(self.low)}, {pct(self.high)}] over {self.pairs} pair(s)"
+
+    def as_dict(self) -> dict:
+        return {"ratio": self.ratio, "low": self.low, "high": self.high, "pairs": self.pairs, "against": self.against}
+
+
+@dataclass
+class Session:
+    target: Target
+    sandbox: Sandbox
+    limits: Limits = field(default_factory=Limits)
+
+    # -- the judge -------------------------------------------------------------------------------------
+    def check(self, stack_dir: Path, out: Path | None = None, seed: int = 0) -> list[CheckResult]:
+        out = Path(out or tempfile.mkdtemp(prefix="vibetrain-check-"))
+        return self._judged_run(stack_dir, out, "check", seed).checks
+
+    def measure(self, stack_dir: Path, out: Path, seed: int, steps: int | None = None) -> Measurement:
+        return self._judged_run(stack_dir, out, "measure", seed, steps)
+
+    def _judged_run(self, stack_dir: Path, out: Path, mode: str, seed: int, steps: int | None = None) -> Measurement:
+        integrity = scan_stack(Path(stack_dir))
+        if not integrity.passed:
+            return Measurement([integrity, CheckResult("not_run", False, ["the candidate was not executed: it failed the integrity scan"])])
+        checks = [integrity]
+        harness_before, stack_before = harness_digest(), directory_digest(Path(stack_dir) / "stack")
+        run = run_harness(self.target, stack_dir, out, mode, self.limits, self.sandbox, seed=seed, steps=steps)
+        changed = sorted(name for name, digest in harness_digest().items() if harness_before.get(name) != digest)
+        if changed:
+            checks.append(CheckResult("harness_unchanged", False, [f"harness files changed during the run: {changed[:5]}"]))
+        if directory_digest(Path(stack_dir) / "stack") != stack_before:
+            checks.append(CheckResult("candidate_unchanged", False, ["the candidate's own files changed while it ran"]))
+        if mode == "check":
+            accuracy = run.results.get("accuracy", {})
+            if accuracy.get("status") != "ok":
+                return Measurement(checks + [CheckResult("accuracy", False, [run.cause])], seed=seed)
+            checks += [CheckResult.from_dict(c) for c in accuracy["checks"]]
+        if run.results.get("system", {}).get("status") != "ok":
+            return Measurement(checks + [CheckResult("system_run", False, [run.cause])], seed=seed)
+        if run.results.get("audit", {}).get("status") != "ok":
+            return Measurement(checks + [CheckResult("system_audit", False, [run.cause])], seed=seed)
+        checks.append(CheckResult.from_dict(run.results["audit"]["result"]))
+        events = Trace.load_events(out / "trace.jsonl")
+        if not self.target.simulated:
+            checks.append(clock_check(run, events))
+        from targets.harness.benchmark import run_metrics
+
+        metrics = run_metrics(self.target.spec, events, run.results["system"])
+        return Measurement(checks, metrics, out / "trace.jsonl", seed)
+
+    # -- paired measurement ------------------------------------------------------------------------------
+    def compare(self, candidate: Path, baseline: Path, out: Path, seeds: list[int], against: str = "",
+                on_run: Callable[[str, int], None] = lambda name, i: None) -> tuple[list[Measurement], list[Measurement], Paired]:
+        """Interleaved A B / B A pairs with one seed each; raises ``MeasurementFailed`` on any finding."""
+        ours, theirs = [], []
+        for i, seed in enumerate(seeds):
+            order = [("candidate", candidate, ours), ("baseline", baseline, theirs)]
+            for name, stack, into in (order if i % 2 == 0 else order[::-1]):
+                measurement = self.measure(stack, out / f"{name}-{i}", seed)
+                if not measurement.ok:
+                    raise MeasurementFailed(name, i, measurement.reasons)
+                into.append(measurement)
+                on_run(name, i)
+        metric = self.target.spec.headline_metric
+        paired = Paired.of([m.metrics[metric.name] for m in ours], [m.metrics[metric.name] for m in theirs],
+                           metric.direction == "maximize", against, deterministic=self.target.simulated)
+        return ours, theirs, paired
+
+
+class MeasurementFailed(RuntimeError):
+    """A measured run failed its checks: its figures cannot count."""
+
+    def __init__(self, name: str, repeat: int, reasons: list[str]) -> None:
+        super().__init__(f"{name} (repeat {repeat}): " + "; ".join(reasons[:5]))
+        self.name, self.repeat, self.reasons = name, repeat, reasons

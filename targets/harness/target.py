@@ -1,0 +1,95 @@
+"""A target as a command or a run resolves it once: the validated spec, how it was named (what a
+child process loads again), and whether it executes for real or on the simulator here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from targets.api import Device, Runtime, Workload
+from targets.spec import TargetSpec, load_target
+
+DEVICE_RESOURCE = "vt_device_"
+
+
+class TargetUnavailable(RuntimeError):
+    """The target cannot execute as asked on this machine (the message says what is missing)."""
+
+
+def gpus_here() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_execution(spec: TargetSpec, simulate: bool = False) -> Literal["real", "simulated"]:
+    """``auto`` is real when this machine has the target's devices; ``real`` on a GPU target without
+    enough GPUs is an error that names both counts."""
+    if simulate or spec.execution == "simulated":
+        return "simulated"
+    if spec.hardware.kind == "cpu":
+        return "real"
+    have = gpus_here()
+    if have >= spec.hardware.count:
+        return "real"
+    if spec.execution == "auto":
+        return "simulated"
+    raise TargetUnavailable(f"target {spec.id} executes for real on {spec.hardware.count} {spec.hardware.kind} GPU(s), "
+                            f"and this machine has {have}: run it on a machine with them, or pass --simulate")
+
+
+def workload_view(spec: TargetSpec) -> Workload:
+    w = spec.workload
+    return Workload(batch_size=w.batch_size, group_size=w.group_size, async_ratio=w.async_ratio, prompt_tokens=w.tokens.prompt,
+                    observation_tokens=w.tokens.observation, response_tokens=w.tokens.response,
+                    max_sequence=w.tokens.max_sequence, temperature=w.training.temperature, training=w.training.config())
+
+
+@dataclass(frozen=True)
+class Target:
+    spec: TargetSpec
+    ref: str  # a catalog id or an absolute path to the YAML
+    execution: Literal["real", "simulated"]
+
+    @classmethod
+    def load(cls, ref: str | Path, simulate: bool = False) -> "Target":
+        spec = load_target(ref)
+        path = Path(ref)
+        named = str(path.resolve()) if path.exists() else str(ref)
+        return cls(spec, named, resolve_execution(spec, simulate))
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def simulated(self) -> bool:
+        return self.execution == "simulated"
+
+    @property
+    def gpu(self) -> bool:
+        """Candidate processes see the GPUs (real execution on a GPU target)."""
+        return self.spec.hardware.kind != "cpu" and not self.simulated
+
+    def devices(self) -> tuple[Device, ...]:
+        kind = self.spec.hardware.kind
+        return tuple(Device(f"{kind}:{i}", kind, i) for i in range(self.spec.hardware.count))
+
+    def runtime(self) -> Runtime:
+        """On a simulated target the components run (for accuracy checks 1-3) on a tiny model of the
+        same family: the checks prove the code right, and the target's own model may not fit here."""
+        from targets.harness.model import model_dir, proxy_model
+        from targets.harness.tokenizer import EOS, VOCAB
+
+        model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
+        return Runtime(str(model_dir(model)), model.dtype, self.devices(), DEVICE_RESOURCE, (VOCAB.ids[EOS],),
+                       workload_view(self.spec), "cuda" if self.gpu else "cpu")
+
+    def reference_model(self):
+        """The model the checks and the audit compare against, on the same device and dtype."""
+        from targets.harness.model import load_model, model_dir, proxy_model
+
+        model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
+        loaded = load_model(model_dir(model), model.dtype)
+        return loaded.to("cuda") if self.gpu else loaded

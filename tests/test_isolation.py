@@ -1,0 +1,176 @@
+"""The judge against a motivated candidate, end to end on real runs of the CPU target: each test
+plants one cheat in a starter stack and shows the judge rejecting it with a reason that names it,
+or shows that what the cheat patches changes nothing the harness records."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+from planting import planted
+
+from agents.offline.evaluator import OfflineEvaluator
+from orchestrator.cli import app
+from targets.harness.launch import Limits
+from targets.harness.sandbox import Sandbox
+from targets.harness.session import Session
+from targets.harness.target import Target
+
+pytestmark = pytest.mark.slow
+
+WARP = '''"""Planted: make the run look ten times faster from inside the controller, without naming any
+module the static scan looks for, and hunt for the harness's trace in this process's memory."""
+
+
+def warp():
+    modules = getattr(__import__("s" + "ys"), "mod" + "ules")
+    clock = modules["ti" + "me"]
+    real = getattr(clock, "mono" + "tonic")
+    start = real()
+    setattr(clock, "mono" + "tonic", lambda: start + (real() - start) / 10)
+    setattr(clock, "perf_" + "counter", getattr(clock, "mono" + "tonic"))
+    collector = __import__("import" + "lib").import_module("g" + "c")
+    names = ("Trace", "TracedCluster", "WallClock", "EnvironmentPool", "VirtualClock")
+    found = [o for o in getattr(collector, "get_" + "objects")() if type(o).__name__ in names]
+    print(f"WARP: clock patched; harness objects in this process: {len(found)}", flush=True)
+'''
+
+
+def _session(fast_target: Path, sandbox: Sandbox) -> Session:
+    return Session(Target.load(fast_target), sandbox, Limits(time_s=300))
+
+
+def _reasons(measurement) -> str:
+    return "\n".join(measurement.reasons)
+
+
+def test_a_controller_that_patches_the_clock_and_hunts_the_trace_changes_nothing_recorded(tmp_path, fast_target, sandbox):
+    stack = planted(tmp_path / "c", fast_target, "time_multiplex", {
+        "time_multiplex.py": ("        rollout, train = self.placement(cluster.devices)\n",
+                              "        from .warp import warp\n\n        warp()\n        began = cluster.now()\n"
+                              "        rollout, train = self.placement(cluster.devices)\n"),
+    }, {"warp.py": WARP})
+    text = (stack / "stack" / "time_multiplex.py").read_text()
+    (stack / "stack" / "time_multiplex.py").write_text(text.replace(
+        "        await self._finish(buffer, manager)\n",
+        "        await self._finish(buffer, manager)\n        print(f'WARP: the controller clock says {cluster.now() - began:.3f}s', flush=True)\n"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["check", str(fast_target), "--stack", str(stack), "--sandbox", sandbox.name,
+                                      "--out", str(out), "--json", str(tmp_path / "check.json")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output  # vibetrain check passes: the patch is invisible to the judge ...
+    log = (out / "controller.log").read_text()
+    assert "harness objects in this process: 0" in log, log  # ... there is no harness state to reach ...
+    claimed = float(re.search(r"controller clock says ([\d.]+)s", log).group(1))
+    clock = next(c for c in json.loads((tmp_path / "check.json").read_text()) if c["name"] == "clock")
+    recorded = clock["details"]["trace_seconds"]
+    assert recorded == pytest.approx(clock["details"]["parent_seconds"], rel=0.05, abs=0.5)  # ... the trace kept real time
+    assert claimed < recorded / 5, (claimed, recorded)  # while the controller's own clock ran ten times slow
+
+
+def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch(tmp_path, fast_target, sandbox):
+    """The cluster hands its trainers half the batch: check 2 (which meets the trainer alone) passes,
+    the system run's training replay does not."""
+    stack = planted(tmp_path / "c", fast_target, "static_split", {
+        "ray_cluster.py": ("versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))",
+                           "half = len(batch.trajectories) // 2  # planted\n"
+                           "        batch = TrainBatch(batch.trajectories[:half], batch.advantages[:half])\n"
+                           "        versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))"),
+    })
+    results = {r.name: r for r in _session(fast_target, sandbox).check(stack, tmp_path / "out")}
+    assert results["trainer"].passed
+    assert not results["system_audit"].passed
+    assert any("training replay" in reason for reason in results["system_audit"].reasons), results["system_audit"].reasons
+
+
+def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, sandbox):
+    stack = planted(tmp_path / "c", fast_target, "static_split", {
+        "torch_engine.py": ("probs = torch.softmax(logits / params.temperature, dim=-1)",
+                            "probs = torch.softmax(logits / (params.temperature * 0.7), dim=-1)  # planted"),
+    })
+    measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
+    assert "sampling temperature" in _reasons(measurement), _reasons(measurement)
+
+
+def test_a_buffer_that_picks_the_shortest_groups(tmp_path, fast_target, sandbox):
+    """Waiting for a spare group and training the shortest ones biases training toward short
+    episodes (and leaves the long ones to go stale): the audit wants the oldest finished first."""
+    stack = planted(tmp_path / "c", fast_target, "static_split", {
+        "sample_buffer.py": ("sorted(self._ready, key=self._rank.__getitem__)",
+                             "sorted(self._ready, key=lambda g: sum(len(t.tokens) for t in self._ready[g]))"),
+    })
+    text = (stack / "stack" / "sample_buffer.py").read_text()
+    (stack / "stack" / "sample_buffer.py").write_text(text.replace("            if len(self._ready) >= groups:",
+                                                                   "            if len(self._ready) >= groups + 1:  # planted: a spare to choose from"))
+    measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
+    assert "out of order" in _reasons(measurement), _reasons(measurement)
+
+
+def test_launching_more_episodes_than_training_needs(tmp_path, fast_target, sandbox):
+    """Extra episodes would raise rollout throughput; goodput ignores them and the audit bounds them.
+    Every measured run is judged: the evaluator's repeat alone rejects the candidate."""
+    stack = planted(tmp_path / "c", fast_target, "static_split", {
+        "controller_base.py": ("outstanding = self.groups_per_step * (1 + buffer.async_ratio)",
+                               "outstanding = self.groups_per_step * (3 + buffer.async_ratio)  # planted"),
+    })
+    evaluation = OfflineEvaluator(_session(fast_target, sandbox), repeat=1).evaluate(stack, tmp_path / "out", None, [11])
+    assert any("too many episodes" in finding for finding in evaluation.findings), evaluation.findings
+
+
+def test_environment_handles_expose_only_the_contract(tmp_path, fast_target, sandbox):
+    stack = planted(tmp_path / "c", fast_target, "static_split", {
+        "env_manager.py": ("        prompt = await episode.reset()\n",
+                           "        prompt = await episode.reset()\n        budget = episode.max_turns  # planted: peek at the turn limit\n"),
+    })
+    measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
+    assert "has no attribute 'max_turns'" in _reasons(measurement), _reasons(measurement)
+
+
+def test_a_candidate_that_rewrites_its_own_files_during_the_run(tmp_path, fast_target, sandbox):
+    """Unsandboxed (subprocess) the write lands and the before/after hash catches it; in bubblewrap
+    the candidate's directory is read-only and the write never lands."""
+    plant = {"static_split.py": ("        rollout, train = self.placement(cluster.devices)\n",
+                                 "        import pathlib\n        try:\n"
+                                 "            target = pathlib.Path(__file__).with_name('params.json')\n"
+                                 "            target.write_text(target.read_text() + ' ')  # planted\n"
+                                 "        except OSError as error:\n            print('REFUSED', error, flush=True)\n"
+                                 "        rollout, train = self.placement(cluster.devices)\n")}
+    stack = planted(tmp_path / "c", fast_target, "static_split", plant)
+    measurement = _session(fast_target, Sandbox.detect("subprocess")).measure(stack, tmp_path / "out", seed=1)
+    assert "candidate_unchanged" in _reasons(measurement), _reasons(measurement)
+    if sandbox.backend == "bubblewrap":
+        again = planted(tmp_path / "d", fast_target, "static_split", plant)
+        measurement = _session(fast_target, sandbox).measure(again, tmp_path / "out2", seed=1)
+        assert measurement.ok, _reasons(measurement)
+        assert "REFUSED" in (tmp_path / "out2" / "controller.log").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_the_sandbox_shows_no_host_files_beyond_what_the_run_needs(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    secret = Path.home() / f"vibetrain-secret-{os.getpid()}"
+    harness_out = tmp_path / "harness-out"
+    harness_out.mkdir()
+    secret.write_text("api key")
+    probe = (
+        "import os, pathlib\n"
+        f"print('secret', pathlib.Path('{secret}').exists())\n"
+        f"print('harness', pathlib.Path('{harness_out}').exists())\n"
+        "print('home', sorted(os.listdir(os.environ['HOME'])))\n"
+        "print('etc shadow', pathlib.Path('/etc/shadow').exists())\n"
+    )
+    (tmp_path / "w").mkdir()
+    try:
+        command, env = Sandbox.detect("bubblewrap").wrap([sys.executable, "-c", probe], dict(os.environ), writable=[tmp_path / "w"])
+        result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60)
+    finally:
+        secret.unlink()
+    assert result.returncode == 0, result.stderr
+    assert "secret False" in result.stdout and "harness False" in result.stdout, result.stdout
+    assert "home []" in result.stdout and "etc shadow False" in result.stdout, result.stdout

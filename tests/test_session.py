@@ -1,0 +1,149 @@
+"""The parts of the judge that need no run: paired ratios and their intervals, the parent's
+stopwatch against the harness clock, the channel against hostile bytes, and the sandbox's refusal
+to run candidates unisolated unless asked by name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+
+from targets.api import TraceEvent
+from targets.harness.channel import AsyncChannel, Frame, ProtocolError, SyncChannel
+from targets.harness.launch import HarnessRun
+from targets.harness.session import Paired, clock_check
+from targets.harness.wire import PromptMemory, get_batch, get_request, put_batch, put_request
+
+# -- paired measurement ------------------------------------------------------------------------------
+
+def test_a_paired_ratio_with_its_interval():
+    paired = Paired.of([110, 106, 114], [100, 100, 100])
+    assert paired.ratio == pytest.approx(math.exp(sum(math.log(x / 100) for x in (110, 106, 114)) / 3))
+    assert paired.low < paired.ratio < paired.high and paired.pairs == 3
+    assert paired.clears(0.05) is (paired.low > 1.05)
+    assert "interval [" in paired.describe() and "+10.0%" in paired.describe()
+
+
+def test_noise_as_large_as_the_gain_keeps_a_candidate_from_promotion():
+    """+2.4% on average, +/-10% pair to pair: the interval straddles 1 + threshold."""
+    paired = Paired.of([112, 92.8, 102.4], [100, 100, 100])
+    assert not paired.clears(0.05) and paired.low < 1.0 < paired.high
+
+
+def test_a_clear_gain_is_promoted_and_a_metric_to_minimize_is_inverted():
+    assert Paired.of([150, 152, 149, 151], [100, 100, 100, 100]).clears(0.05)
+    assert Paired.of([5.0, 5.1, 4.9], [10.0, 10.0, 10.0], maximize=False).ratio == pytest.approx(2.0, rel=0.02)
+
+
+def test_one_real_pair_says_nothing_of_noise_one_simulated_pair_is_exact():
+    assert Paired.of([200], [100]).high is None and not Paired.of([200], [100]).clears(0.05)
+    assert "unbounded" in Paired.of([200], [100]).describe()
+    exact = Paired.of([200], [100], deterministic=True)
+    assert exact.low == exact.high == pytest.approx(2.0) and exact.clears(0.05)
+
+
+# -- the parent's stopwatch ----------------------------------------------------------------------------
+
+def _events(duration: float) -> list[TraceEvent]:
+    return [TraceEvent("run_start", 3.0, {}), TraceEvent("run_end", 3.0 + duration, {})]
+
+
+def test_the_harness_clock_must_agree_with_the_parents_stopwatch():
+    run = HarnessRun(True, "", Path("."), marks={"run_start": 100.0, "run_end": 110.0})
+    assert clock_check(run, _events(10.05)).passed
+    slow = clock_check(run, _events(6.0))  # a clock running at 0.6x: the run looks 40% faster
+    assert not slow.passed and "did not keep time" in slow.reasons[0]
+    unseen = clock_check(HarnessRun(True, "", Path("."), marks={"run_start": 1.0}), _events(5.0))
+    assert not unseen.passed
+
+
+# -- the channel against hostile bytes -------------------------------------------------------------------
+
+def _pair():
+    return socket.socketpair()
+
+
+def test_a_sync_channel_round_trips_arrays_and_refuses_garbage():
+    a, b = _pair()
+    left, right = SyncChannel(a), SyncChannel(b)
+    frame = Frame(kind="x")
+    frame.header["tokens"] = frame.array([1, 2, 3], "i4")
+    left.send(frame)
+    rx = right.recv()
+    assert rx["kind"] == "x" and rx.ints(rx["tokens"]) == [1, 2, 3]
+    a.sendall(struct.pack("!I", 5) + b"nope!")
+    with pytest.raises(ProtocolError, match="not JSON"):
+        right.recv()
+    header = json.dumps({"blobs": [-1]}).encode()
+    a.sendall(struct.pack("!I", len(header)) + header)
+    with pytest.raises(ProtocolError, match="blob sizes"):
+        right.recv()
+
+
+def test_decoders_check_every_field_of_what_a_candidate_sends():
+    memory = PromptMemory()
+    frame = Frame()
+    from targets.api import GenerateRequest, SamplingParams, TrainBatch, Trajectory
+
+    request = GenerateRequest("g0/e0", 0, [1, 2, 3], SamplingParams(4))
+    frame.header["r"] = put_request(frame, request, memory)
+    from targets.harness.channel import Received
+
+    rx = Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+    assert get_request(rx, rx["r"], PromptMemory()).prompt == [1, 2, 3]
+    bad = json.loads(json.dumps(rx["r"]))
+    bad["prompt"]["prefix"] = 99  # refers to tokens the harness never saw
+    with pytest.raises(ProtocolError, match="prefix 99"):
+        get_request(rx, bad, PromptMemory())
+    bad = json.loads(json.dumps(rx["r"]))
+    bad["params"]["max_new_tokens"] = "lots"
+    with pytest.raises(ProtocolError, match="max_new_tokens"):
+        get_request(rx, bad, PromptMemory())
+    batch = TrainBatch([Trajectory("g0/e0", "g0", [1, 2, 3], [0, 1, 1], [0.0, -1.0, -2.0], 1.0, [0])], [0.5])
+    frame = Frame()
+    frame.header["b"] = put_batch(frame, batch)
+    rx = Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+    assert get_batch(rx, rx["b"]).trajectories[0].logprobs == [0.0, -1.0, -2.0]
+    bad = json.loads(json.dumps(rx["b"]))
+    bad["advantages"] = [float("nan")]
+    with pytest.raises(ProtocolError, match="finite"):
+        get_batch(rx, bad)
+    with pytest.raises(ValueError, match="only 0 and 1"):  # a mask that would weight tokens twice cannot even be sent
+        put_batch(Frame(), TrainBatch([Trajectory("g0/e0", "g0", [1, 2], [0, 2], [0.0, -1.0], 1.0, [0])], [0.5]))
+
+
+def test_an_async_channel_reports_a_peer_that_hangs_up_or_sends_garbage():
+    async def main() -> tuple[str, str]:
+        a, b = _pair()
+        channel = await AsyncChannel.over(a)
+        lost: list[str] = []
+        channel.listen(lambda rx: None, lambda error: lost.append(str(error)))
+        b.sendall(struct.pack("!I", 3) + b"{{{")
+        await asyncio.sleep(0.05)
+        c, d = _pair()
+        other = await AsyncChannel.over(c)
+        gone: list[str] = []
+        other.listen(lambda rx: None, lambda error: gone.append(str(error)))
+        d.close()
+        await asyncio.sleep(0.05)
+        return lost[0], gone[0]
+
+    garbage, hangup = asyncio.run(main())
+    assert "not JSON" in garbage and "closed the channel" in hangup
+
+
+# -- the sandbox refuses to fall back silently -------------------------------------------------------------
+
+def test_auto_refuses_to_run_candidates_unisolated(monkeypatch):
+    from targets.harness import sandbox
+
+    monkeypatch.setattr(sandbox, "_bubblewrap_works", lambda: False)
+    monkeypatch.setattr(sandbox, "_docker_image", lambda: None)
+    with pytest.raises(sandbox.SandboxUnavailable, match="--sandbox subprocess"):
+        sandbox.Sandbox.detect("auto")
+    assert sandbox.Sandbox.detect("subprocess").backend == "subprocess"

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from targets.harness.session import Measurement
 
 
 class AgentError(RuntimeError):
@@ -52,12 +55,13 @@ class Attempt:
 
 @dataclass
 class Verdict:
-    """The judge's decision. ``run_dir`` holds the judge's own system run (trace included)."""
+    """The judge's decision. ``run`` is the judge's own system run, audited like any measured run
+    (its figures count as the first repeat of the candidate's measurement)."""
 
     passed: bool
     reasons: list[str]
     checks: list[dict]
-    run_dir: Path | None = None
+    run: "Measurement | None" = None
 
 
 @dataclass
@@ -90,9 +94,11 @@ class Judge(Protocol):
 
 
 class Evaluator(Protocol):
-    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int]) -> Evaluation:
+    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int],
+                 first: "Measurement | None" = None) -> Evaluation:
         """Measure the candidate in ``workspace``, paired with ``baseline`` (a candidate directory)
-        when given: one pair of interleaved runs per seed."""
+        when given: one pair of interleaved runs per seed. ``first``: the judge's run, made with
+        ``seeds[0]``, counts as the candidate's first repeat."""
         ...
 
 

@@ -386,7 +386,8 @@ def generate(
     resume: bool = typer.Option(False, "--resume", help="continue the run in --out"),
     seed: int = typer.Option(0, help="seed of the agents and the search"),
     max_minutes: float = typer.Option(None, help="wall-time budget; the run stops cleanly between rounds"),
-    repeat: int = typer.Option(2, min=1, help="benchmark repeats per candidate (the judge's run is the first)"),
+    repeat: int = typer.Option(None, min=1, help="measured pairs per candidate, each a run of it and of the best on one "
+                                                 "seed (default 3 real, 1 simulated: a simulation is exact for its seed)"),
     max_attempts: int = typer.Option(2, min=1, help="implementer attempts per round, each fed the judge's reasons"),
     starter: str = typer.Option("colocate", help="round 0's controller"),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),

@@ -129,7 +129,7 @@ class Loop:
             verdict = self.implement_and_judge(record, workspace, out, seeds[0])
             if verdict.passed:
                 baseline = self.history.export(self.state.best.commit, out / "baseline") if self.state.best else None
-                evaluation = self.agents.evaluator.evaluate(workspace, out / "evaluate", baseline, seeds[1:])
+                evaluation = self.agents.evaluator.evaluate(workspace, out / "evaluate", baseline, seeds, verdict.run)
                 if evaluation.findings:  # every measured run is judged: a finding in any one rejects
                     verdict = Verdict(False, [f"measurement: {f}" for f in evaluation.findings],
                                       verdict.checks + [{"name": "measured_runs", "passed": False, "reasons": evaluation.findings}])
@@ -153,10 +153,10 @@ class Loop:
         return record
 
     def seeds(self, number: int) -> list[int]:
-        """The round's workload seeds: the judge's run, then one per measured pair. Drawn from the
-        run's seed and the round, so a rerun measures the same workloads."""
+        """The round's workload seeds, one per measured pair; the judge's run uses the first (and
+        opens pair 0). Drawn from the run's seed and the round: a rerun measures the same workloads."""
         rng = random.Random(f"{self.state.config.seed}:{number}")
-        return [rng.randrange(2**31) for _ in range(1 + self.state.config.repeat)]
+        return [rng.randrange(2**31) for _ in range(self.state.config.repeat)]
 
     def implement_and_judge(self, record: RoundRecord, workspace: Path, out: Path, seed: int = 0) -> Verdict:
         """Up to ``max_attempts`` implementations, each fed the judge's reasons for the last one;

@@ -67,7 +67,7 @@ def _check_backend(agents: str, llm: dict) -> None:
 
 
 def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, policy: str, agents: str, seed: int,
-              max_minutes: float | None, max_attempts: int, repeat: int, starter: str, sandbox: str, simulate: bool,
+              max_minutes: float | None, max_attempts: int, repeat: int | None, starter: str, sandbox: str, simulate: bool,
               time_limit_s: float, on_event: Callable[..., None], llm: dict | None = None,
               max_cost: float | None = None, max_tokens: int | None = None) -> Loop:
     try:
@@ -86,7 +86,8 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
         raise RunSetupError("--policy llm needs an LLM backend (--agents openai or anthropic)")
     _check_backend(agents, llm or {})
     config = RunConfig(target=resolved.ref, target_id=spec.id, policy=policy, agents=agents, seed=seed, rounds=rounds,
-                       max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
+                       max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat or (1 if resolved.simulated else 3),
+                       starter=starter,
                        simulated=resolved.simulated, sandbox=sandbox,
                        llm=llm or {}, max_cost=max_cost, max_tokens=max_tokens)
     history = History.create(run_dir, f"vibetrain run: {spec.id}\n\npolicy {policy}, agents {agents}, seed {seed}")

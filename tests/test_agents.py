@@ -94,7 +94,7 @@ def test_the_judge_rejects_an_unexpanded_annotation_without_running_it(tmp_path,
                                              "        # VAL: VAL_NON_EMPTY (value=envs)\n        rollout, train = self.placement(cluster.devices)"))
     judge = OfflineJudge(Session(Target.load("tiny-qwen3-cpu"), Sandbox("subprocess"), Limits(time_s=5)))
     verdict = judge.judge(stack, tmp_path / "out")
-    assert not verdict.passed and verdict.run_dir is None
+    assert not verdict.passed and verdict.run is None
     assert any("unexpanded validation annotation: stack/static_split.py" in r for r in verdict.reasons)
 
 

@@ -158,7 +158,7 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
     target = tmp_path / "scratch.yaml"
     target.write_text(SCRATCH_TARGET)
     run, ws = tmp_path / "run", tmp_path / "ws"
-    args = [str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(ws), "--repeat", "1"]
+    args = [str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(ws), "--repeat", "1", "--simulate"]
     process = _spawn(args, tmp_path / "first.log")
     deadline = time.monotonic() + 400
     while not (run / ".git" / "refs" / "vibetrain" / "rounds" / "1").exists():
@@ -202,7 +202,7 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split(tmp_
     target = tmp_path / "big.yaml"
     target.write_text(yaml.safe_dump(raw))
     run = tmp_path / "run"
-    _generate(str(target), "--rounds", "3", "--out", str(run), "--workspaces", str(tmp_path / "ws"), "--repeat", "1")
+    _generate(str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(tmp_path / "ws"), "--repeat", "1")
     state = RunState.load(run)
     history = History.open(run)
     controllers = {r.round: json.loads(history.repo.git.show(f"{r.commit}:stack/params.json"))["controller"] for r in state.accepted()}

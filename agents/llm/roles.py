@@ -145,16 +145,16 @@ class LLMJudge:
         review = answer(self.client, system, [{"role": "user", "content": "Review the change."}], Review, "judge")
         if review.verdict == "reject":
             reasons = [f"llm review: {r}" for r in review.reasons] or ["llm review: rejected without a reason"]
-            return Verdict(False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}], verdict.run_dir)
-        return Verdict(True, [], verdict.checks + [{"name": "llm_review", "passed": True, "reasons": review.reasons}], verdict.run_dir)
+            return Verdict(False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}])
+        return Verdict(True, [], verdict.checks + [{"name": "llm_review", "passed": True, "reasons": review.reasons}], verdict.run)
 
 
 class LLMEvaluator:
     def __init__(self, spec: TargetSpec, offline, client: ChatClient) -> None:
         self.spec, self.offline, self.client = spec, offline, client
 
-    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int]) -> Evaluation:
-        evaluation = self.offline.evaluate(workspace, out, baseline, seeds)
+    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int], first=None) -> Evaluation:
+        evaluation = self.offline.evaluate(workspace, out, baseline, seeds, first)
         if evaluation.findings:
             return evaluation
         codes = sorted({code for s in load_skills().values() for code in s.triggers})

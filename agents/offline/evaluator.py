@@ -9,7 +9,7 @@ from pathlib import Path
 
 from agents.roles import Evaluation, Hint
 from targets.harness.benchmark import BenchRun
-from targets.harness.session import MeasurementFailed, Session
+from targets.harness.session import Measurement, MeasurementFailed, Session
 from targets.harness.sim.calibrate import engine_batches
 
 DEVICES_BUSY = 0.75  # mean device busy share under which devices idle
@@ -110,19 +110,20 @@ class OfflineEvaluator:
             raise ValueError(f"repeat must be >= 1, got {repeat}")
         self.session, self.repeat = session, repeat
 
-    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int]) -> Evaluation:
+    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int],
+                 first: Measurement | None = None) -> Evaluation:
         headline = self.session.target.spec.headline_metric.name
         paired = None
         try:
             if baseline is None:
-                measurements = []
-                for i, seed in enumerate(seeds):
+                measurements = [first] if first is not None else []
+                for i, seed in enumerate(seeds[len(measurements):], start=len(measurements)):
                     measurement = self.session.measure(workspace, out / f"candidate-{i}", seed)
                     if not measurement.ok:
                         raise MeasurementFailed("candidate", i, measurement.reasons)
                     measurements.append(measurement)
             else:
-                measurements, _, paired = self.session.compare(workspace, baseline, out, seeds, against="best")
+                measurements, _, paired = self.session.compare(workspace, baseline, out, seeds, against="best", first=first)
         except MeasurementFailed as failure:
             return Evaluation(0.0, {}, {}, [], [], findings=[f"measured run {failure.repeat} of the {failure.name}: {r}"
                                                              for r in failure.reasons])

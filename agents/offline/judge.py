@@ -21,7 +21,6 @@ class OfflineJudge:
         if left:
             reasons = [f"unexpanded validation annotation: {line}" for line in left]
             return Verdict(False, reasons, [{"name": "annotations", "passed": False, "reasons": reasons}])
-        results = self.session.check(workspace, out, seed=seed)
-        reasons = [f"{r.name}: {reason}" for r in results if not r.passed for reason in r.reasons]
-        ran = (out / "trace.jsonl").exists()
-        return Verdict(all(r.passed for r in results), reasons, [r.as_dict() for r in results], out if ran else None)
+        run = self.session.judge(workspace, out, seed=seed)
+        checks = [r.as_dict() for r in run.checks]
+        return Verdict(run.ok, run.reasons, checks, run if run.ok else None)

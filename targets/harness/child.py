@@ -50,10 +50,10 @@ def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -
     try:
         channel = SyncChannel(processes.accept("components"))
         channel.send(Frame(kind="init", runtime=put_runtime(runtime)))
-        raise_if_error(channel.recv(), "build")
         components = RemoteComponents(channel)
-        reference = target.reference_model()
-        results = [check_engine(components.make_engine(), reference, accuracy)]
+        engine = components.make_engine_after(lambda: raise_if_error(channel.recv(), "build"))
+        reference = target.reference_model()  # loads here while the candidate's process builds its engine
+        results = [check_engine(engine(), reference, accuracy)]
         results.append(check_trainer(components.make_trainer, reference, runtime.workload.training, accuracy))
         engine = components.make_engine()
         results.append(check_weight_sync(engine, lambda state, v: components.sync_engine(engine, state, v), reference, accuracy))

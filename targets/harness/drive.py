@@ -197,27 +197,34 @@ class ControllerLink:
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
         elif kind in ("env", "cluster"):
-            task = asyncio.create_task(self._answer(rx))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.add(asyncio.create_task(self._answer(rx)))
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")
 
     async def _answer(self, rx: Received) -> None:
+        try:
+            reply = await self._reply(rx)
+        finally:
+            self._tasks.discard(asyncio.current_task())  # here, not in a done callback: one loop turn less per call
+        if reply is not None:
+            self.send(reply)
+
+    async def _reply(self, rx: Received) -> Frame | None:
+        """The answer to one call; an error the controller should see comes back as it would in-process."""
         request_id = rx.get("id")
         reply = Frame(id=request_id)
         try:
             await (self._env(rx, reply) if rx["kind"] == "env" else self._cluster(rx, reply))
         except ProtocolError as error:
             self.fail(ProtocolError(f"the controller process broke the protocol: {error}"))
-            return
+            return None
         except Aborted as error:
-            reply = Frame(id=request_id, error={"type": "Aborted", "message": str(error)})
+            return Frame(id=request_id, error={"type": "Aborted", "message": str(error)})
         except (CandidateError, ValueError, KeyError, PermissionError, RuntimeError) as error:
             # the candidate's own cluster raised, or the controller misused the contract: it is told, as in-process
-            reply = Frame(id=request_id, error={"type": type(error).__name__ if not isinstance(error, CandidateError)
-                                                 else "RuntimeError", "message": str(error)[:2000]})
-        self.send(reply)
+            kind = "RuntimeError" if isinstance(error, CandidateError) else type(error).__name__
+            return Frame(id=request_id, error={"type": kind, "message": str(error)[:2000]})
+        return reply
 
     async def _env(self, rx: Received, reply: Frame) -> None:
         episode_id = field_of(rx.header, "episode", str, "env call")

@@ -7,7 +7,7 @@ comes back is decoded as hostile data."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from targets.api import (
     Aborted,
@@ -144,6 +144,23 @@ class RemoteComponents:
 
     def make_engine(self) -> "RemoteEngine":
         return RemoteEngine(self, field_of(self.call("make_engine").header, "handle", str, "make_engine"))
+
+    def make_engine_after(self, ready: Callable[[], object]) -> Callable[[], "RemoteEngine"]:
+        """Ask for an engine now and return how to collect it, so the harness can work meanwhile
+        (the candidate's first frame, ``ready``, is read before the engine's)."""
+        self._next += 1
+        frame = Frame(method="make_engine", id=self._next)
+        self.channel.send(frame)
+        expected = self._next
+
+        def collect() -> RemoteEngine:
+            ready()
+            rx = self.channel.recv()
+            if rx.get("id") != expected:
+                raise ProtocolError(f"the components process answered call {rx.get('id')!r}, not {expected}")
+            return RemoteEngine(self, field_of(raise_if_error(rx, "make_engine").header, "handle", str, "make_engine"))
+
+        return collect
 
     def make_trainer(self, state: StateDict, config: TrainingConfig) -> "RemoteTrainer":
         frame = Frame()

@@ -129,8 +129,12 @@ class Session:
 
     # -- the judge -------------------------------------------------------------------------------------
     def check(self, stack_dir: Path, out: Path | None = None, seed: int = 0) -> list[CheckResult]:
+        return self.judge(stack_dir, out, seed).checks
+
+    def judge(self, stack_dir: Path, out: Path | None = None, seed: int = 0) -> Measurement:
+        """The check, with the figures of its system run (a measured run like any other)."""
         out = Path(out or tempfile.mkdtemp(prefix="vibetrain-check-"))
-        return self._judged_run(stack_dir, out, "check", seed).checks
+        return self._judged_run(stack_dir, out, "check", seed)
 
     def measure(self, stack_dir: Path, out: Path, seed: int, steps: int | None = None) -> Measurement:
         return self._judged_run(stack_dir, out, "measure", seed, steps)
@@ -167,13 +171,18 @@ class Session:
 
     # -- paired measurement ------------------------------------------------------------------------------
     def compare(self, candidate: Path, baseline: Path, out: Path, seeds: list[int], against: str = "",
+                first: Measurement | None = None,
                 on_run: Callable[[str, int], None] = lambda name, i: None) -> tuple[list[Measurement], list[Measurement], Paired]:
-        """Interleaved A B / B A pairs with one seed each; raises ``MeasurementFailed`` on any finding."""
+        """Interleaved A B / B A pairs with one seed each; raises ``MeasurementFailed`` on any finding.
+        ``first``: a candidate run already made with ``seeds[0]`` (the judge's), which opens pair 0."""
         ours, theirs = [], []
         for i, seed in enumerate(seeds):
             order = [("candidate", candidate, ours), ("baseline", baseline, theirs)]
             for name, stack, into in (order if i % 2 == 0 else order[::-1]):
-                measurement = self.measure(stack, out / f"{name}-{i}", seed)
+                if i == 0 and name == "candidate" and first is not None:
+                    measurement = first
+                else:
+                    measurement = self.measure(stack, out / f"{name}-{i}", seed)
                 if not measurement.ok:
                     raise MeasurementFailed(name, i, measurement.reasons)
                 into.append(measurement)

@@ -70,8 +70,10 @@ class _ClockSelector(_RealSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list:
+        if timeout == 0:  # callbacks are ready: run them first; I/O waits for the loop to run dry
+            return []
         ready = self._real.select(0)
-        if ready or timeout == 0:
+        if ready:
             return ready
         peer = self._loop.peer
         idle, deadline = peer.idle_until() if peer is not None else (True, None)
@@ -112,8 +114,10 @@ class _FollowerSelector(_RealSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list:
+        if timeout == 0:  # callbacks are ready: run them first; I/O waits for the loop to run dry
+            return []
         ready = self._real.select(0)
-        if ready or timeout == 0:
+        if ready:
             return ready
         if self._loop.on_idle is not None:
             self._loop.on_idle(None if timeout is None else self._loop.time() + timeout)

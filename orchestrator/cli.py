@@ -336,6 +336,14 @@ def calibrate(
     console.print(f"calibrated spec: {path}")
 
 
+def _paired_cell(paired: dict | None) -> str:
+    """'+36% [+6%, +76%]': the candidate over the best, paired by seed, with its 95% interval."""
+    if not paired:
+        return "-"
+    interval = "unbounded" if paired["high"] is None else f"{paired['low'] - 1:+.0%}, {paired['high'] - 1:+.0%}"
+    return f"{paired['ratio'] - 1:+.0%} [{interval}]"
+
+
 class _RoundsView:
     """The live display of ``vibetrain generate``: one row per finished round, the current one below."""
 
@@ -345,7 +353,7 @@ class _RoundsView:
     def render(self) -> Table:
         metric = self.spec.headline_metric.name
         table = Table(title=f"vibetrain generate {self.spec.id}", box=box.SIMPLE_HEAD, caption=self.status)
-        for column in ("round", "task", "verdict", metric, "best"):
+        for column in ("round", "task", "verdict", metric, "vs best, paired [95%]", "best"):
             table.add_column(column, overflow="fold", justify="right" if column in ("round", metric) else "left")
         for row in self.rows[-15:]:
             table.add_row(*row)
@@ -364,7 +372,7 @@ class _RoundsView:
             colour = {"accepted": "green", "rejected": "red"}.get(r.verdict, "yellow")
             value = _num(r.headline) if r.headline is not None else "-"
             self.rows.append((str(r.round), r.task.title, f"[{colour}]{r.verdict}[/{colour}]" + (" *" if r.became_best else ""),
-                              value, f"round {best.round}: {_num(best.headline)}" if best else "-"))
+                              value, _paired_cell(r.paired), f"round {best.round}: {_num(best.headline)}" if best else "-"))
         elif kind in ("budget", "recovered"):
             self.status = data.get("reason") or f"recovered round {data['round']} from git"
 

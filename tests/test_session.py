@@ -137,6 +137,25 @@ def test_an_async_channel_reports_a_peer_that_hangs_up_or_sends_garbage():
     assert "not JSON" in garbage and "closed the channel" in hangup
 
 
+def test_a_peer_that_said_done_and_exited_is_heard_even_if_a_write_to_it_fails_first():
+    """The CI failure of round 18: the controller sent "done" and exited; the harness's next reply hit
+    a broken pipe, the transport closed before reading "done", and a good run was failed."""
+    async def main() -> tuple[list[str], list[str]]:
+        a, b = _pair()
+        b.sendall(Frame(kind="done").encode())
+        b.close()
+        channel = await AsyncChannel.over(a)
+        kinds: list[str] = []
+        lost: list[str] = []
+        channel.listen(lambda rx: kinds.append(rx.get("kind")), lambda error: lost.append(str(error)))
+        channel.send(Frame(kind="reply"))  # before the loop has read anything: the write fails first
+        await asyncio.sleep(0.05)
+        return kinds, lost
+
+    kinds, lost = asyncio.run(main())
+    assert kinds == ["done"] and len(lost) == 1
+
+
 # -- the sandbox refuses to fall back silently -------------------------------------------------------------
 
 def test_auto_refuses_to_run_candidates_unisolated(monkeypatch):

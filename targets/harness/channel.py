@@ -164,11 +164,13 @@ class AsyncChannel(asyncio.BufferedProtocol):
         self._queue: deque[Received] = deque()
         self._waiter: asyncio.Future | None = None
         self._lost: BaseException | None = None
+        self._sock: socket.socket | None = None
 
     @classmethod
     async def over(cls, sock: socket.socket) -> "AsyncChannel":
         sock.setblocking(False)
         _, channel = await asyncio.get_running_loop().create_unix_connection(cls, sock=sock)
+        channel._sock = sock
         return channel
 
     # -- asyncio.BufferedProtocol ------------------------------------------------------------------------
@@ -214,7 +216,24 @@ class AsyncChannel(asyncio.BufferedProtocol):
                 self._buffer = bytearray(1 << 16)  # a big frame has gone: give its room back
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            self._drain_unread()
         self._lose(ProtocolError("the peer closed the channel" + (f" ({exc})" if exc else "")))
+
+    def _drain_unread(self) -> None:
+        """A failed write (the peer has exited) closes the transport before it read what the peer
+        sent last (its "done", say): read that from the socket, still open here, before losing it."""
+        if self._sock is None or self._sock.fileno() < 0:
+            return
+        while self._lost is None:
+            buffer = self.get_buffer(-1)
+            try:
+                count = self._sock.recv_into(buffer)
+            except OSError:  # nothing more to read (would block, or reset)
+                return
+            if count == 0:
+                return
+            self.buffer_updated(count)
 
     # -- frames ------------------------------------------------------------------------------------------
     def _deliver(self, rx: Received) -> None:

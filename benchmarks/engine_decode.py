@@ -1,5 +1,6 @@
-"""Decode throughput of the torch engine recipe vs transformers' ``generate``, same model and batch,
-measured side by side in one run. Prints tokens/s for each and the ratio.
+"""Decode throughput of the engine recipes vs transformers' ``generate``, same model and batch, measured
+side by side in one run: the paged engine (the starter's default). Prints tokens/s for each and the
+ratio to transformers.
 
     python benchmarks/engine_decode.py [--target tiny-qwen3-cpu] [--batch 32] [--new-tokens 64] [--repeat 5]
 """
@@ -14,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from skills.recipes.torch_engine import TorchEngine
+from skills.recipes.paged_engine import PagedEngine
 from targets.api import SamplingParams
 from targets.harness.accuracy import fixed_prompts
 from targets.harness.model import load_model, model_dir
@@ -35,14 +36,16 @@ def main(target: str = "tiny-qwen3-cpu", batch: int = 32, new_tokens: int = 64, 
     spec = load_target(target)
     path = model_dir(spec.model)
     prompts = [p[:1] * (prompt_tokens - len(p)) + p for p in fixed_prompts(batch)]  # equal lengths: no padding
-    engine = TorchEngine(str(path), spec.model.dtype)
+    engines = {"paged engine (recipe)": PagedEngine(str(path), spec.model.dtype, kv_tokens=batch * (prompt_tokens + new_tokens) * 2)}
     model = load_model(path, spec.model.dtype)
     input_ids = torch.tensor(prompts)
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)  # no stop tokens: exactly new_tokens each
 
-    def run_engine() -> None:
-        out = engine.generate(prompts, greedy)
-        assert all(len(c.tokens) == new_tokens for c in out)
+    def runner(engine):
+        def run() -> None:
+            out = engine.generate(prompts, greedy)
+            assert all(len(c.tokens) == new_tokens for c in out)
+        return run
 
     @torch.inference_mode()
     def run_hf() -> None:
@@ -54,7 +57,7 @@ def main(target: str = "tiny-qwen3-cpu", batch: int = 32, new_tokens: int = 64, 
         assert out.sequences.shape[1] == prompt_tokens + new_tokens
 
     tokens = batch * new_tokens
-    results = {"transformers generate": _timed(run_hf, repeat), "torch engine (recipe)": _timed(run_engine, repeat)}
+    results = {"transformers generate": _timed(run_hf, repeat)} | {name: _timed(runner(e), repeat) for name, e in engines.items()}
     base = statistics.median(results["transformers generate"])
     table = Table(title=f"decode on {target}: batch {batch}, {prompt_tokens} prompt + {new_tokens} new tokens, {torch.get_num_threads()} threads")
     for column in ("engine", "median s", "spread s", "tokens/s", "ratio vs transformers"):

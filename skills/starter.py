@@ -7,10 +7,11 @@ import json
 import shutil
 from pathlib import Path
 
+from skills.library import load_skills
 from skills.validation import expand_file
 
 RECIPES = Path(__file__).parent / "recipes"
-CONTROLLERS = ("colocate", "static_split", "time_multiplex")
+CONTROLLERS = tuple(sorted(name for name, skill in load_skills().items() if skill.kind == "controller"))  # from front matter
 
 
 def starter_params(spec, controller: str) -> dict:
@@ -19,7 +20,7 @@ def starter_params(spec, controller: str) -> dict:
         raise ValueError(f"unknown controller {controller!r}; known: {', '.join(CONTROLLERS)}")
     count = spec.hardware.count
     baseline = next((b for b in spec.baselines if b.name == controller), None)
-    params: dict = {"controller": controller, "engine": "torch", "threads_per_actor": 1, "micro_batch": 16}
+    params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, "micro_batch_tokens": 4096}
     if controller == "static_split":
         params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
         params["rollout_devices"] = baseline.rollout_devices if baseline and baseline.rollout_devices else count - params["train_devices"]
@@ -34,8 +35,9 @@ DESIGN_TEMPLATE = """# Stack design
 
 ## Decisions
 - Round 0: controller `{controller}` with parameters `{params}`. Starter stack written from the
-  recipes in `skills/recipes` (torch KV-cache engine, data-parallel GRPO trainer, bucketed weight
-  sync through Ray's object store, one coroutine per episode, group buffer with the staleness bound).
+  recipes in `skills/recipes` (paged-KV engine with continuous batching, FSDP2 GRPO trainer with
+  float32 master weights, weight sync by placement, one coroutine per episode, group buffer with the
+  staleness bound; a local cluster on one device, Ray otherwise).
 
 ## Plan
 1. [DONE] Starter stack.

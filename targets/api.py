@@ -287,6 +287,12 @@ class Cluster(Protocol):
         harness after each ``train``, never by controllers."""
         ...
 
+    async def residency(self) -> dict[str, list[str]]:
+        """Which components hold memory on each device (``"engine"``, ``"trainer"``); the harness
+        records it after every shrink, expand, train, suspend and resume, and the audit requires
+        that an engine and a trainer never hold one device at once."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -353,6 +359,7 @@ class Runtime:
     stop_token_ids: tuple[int, ...]
     workload: Workload
     accelerator: Literal["cpu", "cuda"] = "cpu"  # where components put their tensors
+    device_memory_bytes: int = 0  # each device's own memory (0: CPU logical devices share the host's)
 
 
 @dataclass(frozen=True)

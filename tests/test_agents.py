@@ -136,28 +136,30 @@ def test_design_doc_round_trips_and_tracks_statuses():
 
 # -- the offline planner and the evaluator's hints -----------------------------------------------
 
-def test_every_skill_has_front_matter_and_the_planner_maps_hints_to_them(tiny_spec):
+def test_every_skill_has_front_matter_and_the_planner_maps_hints_to_them(tiny_spec, big_spec):
     skills = load_skills()
-    assert {"colocate", "static_split", "time_multiplex", "torch_engine", "grpo_trainer"} <= set(skills)
+    assert {"colocate", "static_split", "time_multiplex", "paged_engine", "fsdp_trainer"} <= set(skills)
     planner = OfflinePlanner(tiny_spec)
-    params = {"controller": "colocate", "engine": "torch", "micro_batch": 16}
+    params = {"controller": "colocate", "engine": "paged", "micro_batch_tokens": 4096}
     tasks = planner.tasks_from_hints([Hint(code="rollout_stalls", message="no rollout in flight for 35% of the run")], params)
     assert {t.id for t in tasks} == {"controller=static_split", "controller=time_multiplex"}
     assert all(t.priority == 10 and "35%" in t.rationale for t in tasks)
-    moved = planner.tasks_from_hints([Hint(code="small_engine_batches", message="engines batch 1.7")], params)
-    assert [t.changes for t in moved] == [{"batch_window_s": 0.004}]
+    big = OfflinePlanner(big_spec, engine_devices=8)
+    moved = big.tasks_from_hints([Hint(code="small_engine_batches", message="engines batch 1.7")],
+                                 {"controller": "static_split", "train_devices": 64})
+    assert [t.changes for t in moved if not t.id.startswith("controller=")] == [{"train_devices": 72}]
 
 
 def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
     planner = OfflinePlanner(big_spec, engine_devices=8, seed=1)
-    params = {"controller": "time_multiplex", "train_devices": 128, "micro_batch": 16}
+    params = {"controller": "time_multiplex", "train_devices": 128, "micro_batch_tokens": 4096}
     for _ in range(30):
         task = planner.perturbation(params)
         for name, value in task.changes.items():
             assert planner.legal(name, value)
             if name == "train_devices":
                 assert value % 8 == 0 and value in (120, 136)
-    assert not planner.legal("train_devices", 130) and not planner.legal("micro_batch", 1)
+    assert not planner.legal("train_devices", 130) and not planner.legal("micro_batch_tokens", 1)
 
 
 def _event(kind, t, **data):

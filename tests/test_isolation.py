@@ -88,8 +88,8 @@ def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch
 
 def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, sandbox):
     stack = planted(tmp_path / "c", fast_target, "static_split", {
-        "torch_engine.py": ("probs = torch.softmax(logits / params.temperature, dim=-1)",
-                            "probs = torch.softmax(logits / (params.temperature * 0.7), dim=-1)  # planted"),
+        "paged_engine.py": ("probs = torch.softmax(logits[i] / temperature, dim=-1)",
+                            "probs = torch.softmax(logits[i] / (temperature * 0.7), dim=-1)  # planted"),
     })
     measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "sampling temperature" in _reasons(measurement), _reasons(measurement)

@@ -5,9 +5,7 @@ target's ordering of schedules, calibration from a real run, and the bench on a 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest

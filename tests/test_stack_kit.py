@@ -25,7 +25,8 @@ def _check(target: Path, stack: Path, time_limit: float = 300) -> tuple[int, str
     return result.exit_code, result.output
 
 
-def _planted(tmp_path: Path, target: Path, controller: str, edits: dict[str, tuple[str, str]], extra: dict[str, str] = {}) -> Path:
+def _planted(tmp_path: Path, target: Path, controller: str, edits: dict[str, tuple[str, str]],
+             extra: dict[str, str] | None = None) -> Path:
     spec = parse_target(yaml.safe_load(target.read_text()))
     directory = write_starter(tmp_path / "candidate", spec, controller)
     for name, (old, new) in edits.items():
@@ -33,7 +34,7 @@ def _planted(tmp_path: Path, target: Path, controller: str, edits: dict[str, tup
         text = path.read_text()
         assert old in text, f"planting failed: {old!r} not in {name}"
         path.write_text(text.replace(old, new))
-    for name, text in extra.items():
+    for name, text in (extra or {}).items():
         (directory / "stack" / name).write_text(text)
     return directory
 
@@ -68,14 +69,16 @@ CHEATS = {
     ),
     "serves from stale weights": (
         "time_multiplex",
-        {"engine_server.py": ("            self.engine.load_weights(state, version)", "            self.engine.weight_version = version  # planted")},
+        {"engine_server.py": ("                await asyncio.to_thread(self.engine.load_weights, state, version)",
+                              "                self.engine.weight_version = version  # planted")},
         "did not run with those weights",
     ),
     "fabricates rollouts": (
         "static_split",
-        {"engine_server.py": ("completions = await asyncio.to_thread(self.engine.generate, [p for p, _, _ in items], params)",
-                              "completions = [Completion([5] * params.max_new_tokens, [-0.5] * params.max_new_tokens, 'length', "
-                              "self.engine.weight_version, self.name) for _ in items]  # planted")},
+        {"engine_server.py": ("        request = self.engine.submit(prompt, params, episode)",
+                              "        return Completion([5] * params.max_new_tokens, [-0.5] * params.max_new_tokens, 'length', "
+                              "self.engine.weight_version, self.name)  # planted\n"
+                              "        request = self.engine.submit(prompt, params, episode)")},
         "did not run with those weights",
     ),
     "skips environment steps": (

@@ -13,12 +13,34 @@ if __name__ == "__main__":
     spec = load_target("tiny-qwen3-cpu")
     path = model_dir(spec.model)
     reference = load_model(path)
-    engine = VLLMEngine(str(path), spec.model.dtype)
+    import asyncio
+
+    from targets.api import SamplingParams
+
+    engine = VLLMEngine(str(path), spec.model.dtype, max_model_len=spec.workload.tokens.max_sequence)
     first = check_engine(engine, reference, spec.accuracy)
     engine.offload()
     engine.reload()
     after_reload = check_engine(engine, reference, spec.accuracy)
     sync = check_weight_sync(engine, engine.load_weights, reference, spec.accuracy, version=2)
-    print(json.dumps({c.name + suffix: {"passed": c.passed, "reasons": c.reasons, "details": c.details}
-                      for c, suffix in ((first, ""), (after_reload, "_after_reload"), (sync, ""))}))
+
+    async def abort_one_of_many():
+        """Three long requests in flight; all are aborted mid-way and come back as such, then a
+        fresh request completes normally."""
+        params = SamplingParams(max_new_tokens=200, temperature=1.0)
+        prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
+        running = [asyncio.ensure_future(engine.generate_async(p, params)) for p in prompts]
+        await asyncio.sleep(0.05)
+        await engine.abort_all()
+        aborted = await asyncio.gather(*running)
+        fresh = await engine.generate_async([3, 4, 5], SamplingParams(max_new_tokens=4, temperature=0.0))
+        return [c.finish_reason for c in aborted], fresh.finish_reason, len(fresh.tokens)
+
+    finishes, fresh_finish, fresh_tokens = asyncio.run(abort_one_of_many())
+    results = {c.name + suffix: {"passed": c.passed, "reasons": c.reasons, "details": c.details}
+               for c, suffix in ((first, ""), (after_reload, "_after_reload"), (sync, ""))}
+    results["abort"] = {"passed": all(f in ("abort", "length") for f in finishes) and "abort" in finishes and fresh_finish == "length"
+                        and fresh_tokens == 4, "reasons": [f"{finishes}, then {fresh_finish} with {fresh_tokens} tokens"], "details": {}}
+    engine.close()
+    print(json.dumps(results))
     sys.stdout.flush()

@@ -13,7 +13,7 @@ from targets.spec import TargetSpec
 
 # How a hint moves a parameter of the skill it triggers (factor for floats/ints, or engines +-).
 PARAM_MOVES = {
-    ("small_engine_batches", "batch_window_s"): 2.0,
+    ("small_engine_batches", "train_devices"): +1,  # fewer, fuller engines: continuous batching needs company
     ("slow_sync", "bucket_bytes"): 4.0,
     ("many_aborts", "train_devices"): -1,
     ("timeouts", "train_devices"): -1,
@@ -126,4 +126,4 @@ class OfflinePlanner:
 
     @staticmethod
     def _default(name: str):
-        return {"batch_window_s": 0.002, "bucket_bytes": 64 << 20, "micro_batch": 16}.get(name)
+        return {"bucket_bytes": 64 << 20, "micro_batch_tokens": 4096}.get(name)

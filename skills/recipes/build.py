@@ -1,7 +1,8 @@
 """The stack's entry point: ``build(runtime)`` wires the recipes named in ``params.json``.
 
-Building is cheap: the engine, trainer and Ray cluster modules (torch, transformers, Ray) are
-imported when a component is made, so a run on the simulator never loads them."""
+Building is cheap: the engine, trainer and cluster modules (torch, transformers, Ray) are imported
+when a component is made, so a run on the simulator never loads them. The cluster is local (engine
+and trainer in one process, time-sharing the device) on a one-device target, Ray otherwise."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from .time_multiplex import TimeMultiplex
 from .weight_sync import DEFAULT_BUCKET_BYTES, merge, to_buckets
 
 CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiplex": TimeMultiplex}
+ENGINE_OPTIONS = ("block_size", "kv_tokens", "kv_memory_fraction", "max_batch", "cuda_graphs")
+TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
 
 
 def build(runtime: Runtime) -> Stack:
@@ -24,25 +27,42 @@ def build(runtime: Runtime) -> Stack:
     controller = CONTROLLERS[params["controller"]](runtime, params)
     rollout, train = controller.placement(list(runtime.devices))
     config = runtime.workload.training
+    engine = params.get("engine", "paged")
+    # VAL: VAL_SUBSET (value=[engine], of=["paged", "vllm"])
+    cluster = params.get("cluster", "local" if len(runtime.devices) == 1 else "ray")
+    # VAL: VAL_SUBSET (value=[cluster], of=["local", "ray"])
     threads = params.get("threads_per_actor", 1)
     bucket_bytes = params.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-    engine = params.get("engine", "torch")
-    batch_window_s = params.get("batch_window_s", 0.002)
+    engine_options = {k: params[k] for k in ENGINE_OPTIONS if k in params}
+    if engine == "vllm":  # vLLM's own options: the longest sequence the workload makes
+        engine_options = {"max_model_len": runtime.workload.max_sequence}
+    trainer_options = {k: params[k] for k in TRAINER_OPTIONS if k in params}
+    device = "cuda:0" if runtime.accelerator == "cuda" else "cpu"
+    if runtime.device_memory_bytes:  # before anything starts: a trainer that cannot fit fails with the arithmetic
+        from .fsdp_trainer import check_fits
+
+        check_fits(runtime.model_path, len(train), runtime.device_memory_bytes)
 
     async def make_cluster():
+        if cluster == "local":
+            from .local_cluster import LocalCluster
+
+            return await LocalCluster.start(runtime, config, engine=engine, threads=threads, engine_options=engine_options,
+                                            trainer_options=trainer_options)
         from .ray_cluster import RayCluster
 
-        return await RayCluster.start(runtime, rollout, train, config, threads=threads, engine=engine, batch_window_s=batch_window_s)
+        return await RayCluster.start(runtime, rollout, train, config, engine=engine, threads=threads,
+                                      engine_options=engine_options, trainer_options=trainer_options, bucket_bytes=bucket_bytes)
 
     def make_engine():
         from .engine_server import make_engine as make_engine_of_kind
 
-        return make_engine_of_kind(engine, runtime.model_path, runtime.dtype, "engine")
+        return make_engine_of_kind(engine, runtime.model_path, runtime.dtype, "engine", device=device, **engine_options)
 
     def make_trainer(state, training_config):
-        from .grpo_trainer import GRPOTrainer
+        from .fsdp_trainer import FSDPTrainer
 
-        return GRPOTrainer(runtime.model_path, training_config, runtime.dtype, state=state, micro_batch=params.get("micro_batch", 16))
+        return FSDPTrainer(runtime.model_path, training_config, runtime.dtype, device, state=state, **trainer_options)
 
     def sync_engine(engine, state, version: int) -> None:
         engine.load_weights(merge(to_buckets(state, bucket_bytes)), version)

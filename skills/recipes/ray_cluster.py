@@ -1,13 +1,21 @@
-"""The real ``targets.api.Cluster`` on Ray: an engine actor on every device that may roll out, a
-data-parallel trainer rank on every training device, each pinned to its device by the target's
-custom Ray resource (a GPU on GPU targets, a logical device on CPU targets).
+"""The real ``targets.api.Cluster`` on Ray: an engine actor on every device that may roll out, an FSDP2
+trainer rank on every training device.
 
-The cluster starts Ray itself (in the candidate's cluster process), one custom resource per device,
-and shuts it down on ``close``. Mechanism only; the controller decides when to shrink, train, sync
-and expand. ``generate`` goes to
-the active engine with the fewest requests outstanding; ``shrink`` stops routing to the devices,
-aborts what they serve (the caller retries elsewhere) and offloads their engines; ``expand`` reloads
-them and brings them to the latest weights before routing to them again.
+Placement: on GPU targets a placement group with one GPU bundle per device, an engine and a trainer
+rank that share a device taking half of its GPU each; on CPU targets one custom Ray resource per
+logical device. Ray starts here (the candidate's cluster process) and stops on ``close``.
+
+Memory: a device hosting both an engine and a trainer rank gives it to one at a time. ``shrink`` (or
+``suspend``) puts the engines to sleep and brings the trainers back; ``expand`` (or ``resume``)
+offloads the trainers' optimizer state, wakes the engines' weights, syncs them, offloads the
+trainers' parameters and wakes the KV caches. ``train`` refuses devices whose engine is awake.
+
+Weight sync, by placement: the object store on CPU; on GPU, CUDA IPC from trainer rank 0 to an engine
+on its own GPU and a broadcast group (NCCL) to engines on other GPUs.
+
+Mechanism only; the controller decides when to shrink, train, sync and expand. ``generate`` goes to the
+active engine that served the episode's previous turn (its prefix is cached there) unless that engine
+has clearly more in flight than the least loaded one, else to the least loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +24,6 @@ import asyncio
 import os
 import socket
 import tempfile
-import time
 from typing import Sequence
 
 import ray
@@ -24,8 +31,10 @@ import ray
 from targets.api import Aborted, Completion, Device, GenerateRequest, Runtime, StateDict, TrainBatch, TrainingConfig
 
 from .engine_server import EngineServer
-from .grpo_trainer import GRPOTrainer
-from .weight_sync import publish
+from .fsdp_trainer import FSDPTrainer
+from .weight_sync import DEFAULT_BUCKET_BYTES, BroadcastGroup, IPCExport, Layout, merge, open_ipc, publish
+
+STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and still keep its episodes
 
 
 def _free_port() -> int:
@@ -34,92 +43,211 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def placement_group_of(runtime: Runtime):
+    """On GPU, one bundle (a GPU and a CPU) per device, packed onto as few nodes as fit; bundle i is
+    device i. None on CPU (devices are custom resources there)."""
+    if runtime.accelerator != "cuda":
+        return None
+    from ray.util.placement_group import placement_group
+
+    group = placement_group([{"GPU": 1, "CPU": 1} for _ in runtime.devices], strategy="PACK")
+    await group.ready()
+    return group
+
+
+def actor_options(runtime: Runtime, device: Device, shared: bool, placement) -> dict:
+    """Where the actor of an engine or a trainer rank on ``device`` runs: the device's bundle on GPU,
+    its custom resource on CPU; half of it when an engine and a trainer rank share the device."""
+    share = 0.5 if shared else 1.0
+    if runtime.accelerator == "cuda":
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_cpus": 0, "num_gpus": share,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=device.index)}
+    return {"num_cpus": 0, "resources": {f"{runtime.device_resource}{device.index}": share}}
+
+
+class EngineActor(EngineServer):
+    """An engine server as a Ray actor, with the receiving ends of the GPU transports."""
+
+    def join_broadcast(self, host: str, port: int, rank: int, world_size: int) -> None:
+        self._group = BroadcastGroup(host, port, rank, world_size, self.engine.device)
+
+    async def receive_broadcast(self, layouts: list[Layout], version: int) -> bool:
+        """Every member receives every broadcast; an engine whose weights sleep drops what it got
+        (it is brought up to date when it wakes). Returns whether the weights were loaded."""
+        buckets = await asyncio.to_thread(self._group.receive, layouts)
+        if self.engine.offloaded:
+            return False
+        await self.load_state(merge(buckets), version)
+        return True
+
+    async def load_ipc(self, handles: list, version: int) -> None:
+        await self.load_state(merge(open_ipc(handles)), version)
+
+
+class TrainerActor(FSDPTrainer):
+    """A trainer rank as a Ray actor, with the sending ends of the GPU transports (rank 0)."""
+
+    def join_broadcast(self, host: str, port: int, world_size: int) -> None:
+        self._group = BroadcastGroup(host, port, 0, world_size, self.device)
+
+    def broadcast_weights(self, dtype: str, bucket_bytes: int) -> None:
+        state = self.device_state()
+        if self.rank == 0:
+            import torch
+
+            self._group.send(state, getattr(torch, dtype), bucket_bytes)
+
+    def broadcast_layouts(self, dtype: str, bucket_bytes: int) -> list[Layout]:
+        import torch
+
+        return BroadcastGroup.layouts(self.module.state_dict(), getattr(torch, dtype), bucket_bytes)
+
+    def export_ipc(self, dtype: str, bucket_bytes: int) -> list | None:
+        import torch
+
+        state = self.device_state()
+        if self.rank != 0:
+            return None
+        self._ipc = IPCExport(state, self.device, getattr(torch, dtype), bucket_bytes)
+        return self._ipc.handles
+
+    def release_ipc(self) -> None:
+        self._ipc.release()
+
+
 class RayCluster:
-    def __init__(self, runtime: Runtime, rollout: Sequence[Device], train: Sequence[Device], engines: dict, trainers: list) -> None:
+    def __init__(self, runtime: Runtime, rollout: Sequence[Device], train: Sequence[Device], engines: dict, trainers: list,
+                 bucket_bytes: int) -> None:
         self.runtime, self.devices = runtime, list(runtime.devices)
         self.rollout_devices, self.train_devices = list(rollout), list(train)
+        self.cuda = runtime.accelerator == "cuda"
+        self.bucket_bytes = bucket_bytes
         self._engines = engines  # device id -> actor
         self._trainers = trainers
-        self._active = {d.id for d in rollout}
+        self._shared = {d.id for d in rollout} & {d.id for d in train}
+        self._awake = {d.id for d in rollout}  # engines holding their device
+        self._active = {d.id for d in rollout}  # engines taking requests
+        self._trainer_loaded = {d.id for d in train} - self._shared
         self._outstanding = {d.id: 0 for d in rollout}
         self._engine_version = {d.id: 0 for d in rollout}
+        self._sticky: dict[str, str] = {}
         self._routable = asyncio.Event()
         self._routable.set()
         self._suspended = False
+        self._broadcast_ready = False
         self.version = 0
         self._published: tuple[int, list] | None = None
-        self._start = time.monotonic()
 
     @classmethod
     async def start(cls, runtime: Runtime, rollout: Sequence[Device], train: Sequence[Device], config: TrainingConfig,
-                    threads: int = 1, engine: str = "torch", batch_window_s: float = 0.002) -> "RayCluster":
+                    engine: str = "paged", threads: int = 1, engine_options: dict | None = None,
+                    trainer_options: dict | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "RayCluster":
+        cuda = runtime.accelerator == "cuda"
         if not ray.is_initialized():
-            ray.init(num_cpus=os.cpu_count(), resources={f"{runtime.device_resource}{d.index}": 1.0 for d in runtime.devices},
-                     include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"), configure_logging=False)
+            resources = {} if cuda else {f"{runtime.device_resource}{d.index}": 1.0 for d in runtime.devices}
+            ray.init(num_cpus=os.cpu_count(), resources=resources, include_dashboard=False, configure_logging=False,
+                     _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"))
+        shared = {d.id for d in rollout} & {d.id for d in train}
+        placement = await placement_group_of(runtime)
 
         def on(device: Device) -> dict:
-            return {"num_cpus": 0, "resources": {f"{runtime.device_resource}{device.index}": 0.5}}
+            return actor_options(runtime, device, device.id in shared, placement)
 
-        Engine = ray.remote(EngineServer)
-        Trainer = ray.remote(GRPOTrainer)
-        engines = {d.id: Engine.options(**on(d)).remote(runtime.model_path, runtime.dtype, d.id, threads, batch_window_s, engine=engine)
+        torch_device = "cuda:0" if cuda else "cpu"  # Ray shows each actor only its own GPU
+        Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
+        engines = {d.id: Engine.options(**on(d)).remote(runtime.model_path, runtime.dtype, d.id, threads, engine, torch_device,
+                                                       **(engine_options or {}))
                    for d in rollout}
         init = f"tcp://127.0.0.1:{_free_port()}"
-        trainers = [
-            Trainer.options(**on(d)).remote(
-                runtime.model_path, config, runtime.dtype, rank=rank, world_size=len(train), init_method=init, threads=threads
-            )
-            for rank, d in enumerate(train)
-        ]
-        await asyncio.gather(*(e.weight_version.remote() for e in engines.values()), *(t.state_dict.remote() for t in trainers[:1]))
-        return cls(runtime, rollout, train, engines, trainers)
+        trainers = [Trainer.options(**on(d)).remote(runtime.model_path, config, runtime.dtype, torch_device, rank=rank,
+                                                    world_size=len(train), init_method=init, threads=threads, **(trainer_options or {}))
+                    for rank, d in enumerate(train)]
+        await asyncio.gather(*(e.weight_version.remote() for e in engines.values()), *(t.offload.remote() for t, d in zip(trainers, train)
+                                                                                     if d.id in shared))
+        return cls(runtime, rollout, train, engines, trainers, bucket_bytes)
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
-        return time.monotonic() - self._start
+        return asyncio.get_running_loop().time()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
     # -- rollout -----------------------------------------------------------------------------------
+    def _route(self, episode: str) -> str:
+        least = min(self._active, key=lambda d: (self._outstanding[d], d))
+        sticky = self._sticky.get(episode)
+        if sticky in self._active and self._outstanding[sticky] <= self._outstanding[least] + STICKY_SLACK:
+            return sticky
+        return least
+
     async def generate(self, request: GenerateRequest) -> Completion:
-        while True:  # no await between the look and clear(): a wake-up cannot be missed
-            candidates = [] if self._suspended else list(self._active)
-            if candidates:
-                break
+        while self._suspended or not self._active:  # no await between the look and clear(): no lost wake-up
             self._routable.clear()
             await self._routable.wait()
-        device = min(candidates, key=lambda d: self._outstanding[d])
+        device = self._route(request.episode_id)
+        self._sticky[request.episode_id] = device
         self._outstanding[device] += 1
         try:
-            completion = await self._engines[device].generate.remote(request.prompt, request.params)
+            completion = await self._engines[device].generate.remote(request.prompt, request.params, request.episode_id)
         finally:
             self._outstanding[device] -= 1
         if completion.finish_reason == "abort":
             raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {device}")
         return completion
 
-    async def shrink(self, devices: Sequence[Device]) -> None:
-        ids = {d.id for d in devices}
-        if not self._active - ids:
-            raise ValueError(f"shrinking {sorted(ids)} would leave no active rollout engine")
-        self._active -= ids
-        await asyncio.gather(*(self._engines[i].abort.remote() for i in ids))
-        await asyncio.gather(*(self._engines[i].offload.remote() for i in ids))
+    async def _to_trainers(self, ids: set[str]) -> None:
+        """Engines on ``ids`` to sleep, then the trainer ranks there back on the device."""
+        asleep = [i for i in ids if i in self._awake]
+        versions = await asyncio.gather(*(self._engines[i].sleep.remote() for i in asleep))
+        self._engine_version.update(zip(asleep, versions))  # -1: the engine discarded its weights
+        self._awake -= set(asleep)
+        ranks = [r for r, d in enumerate(self.train_devices) if d.id in ids and d.id not in self._trainer_loaded]
+        await asyncio.gather(*(self._trainers[r].reload.remote() for r in ranks))
+        self._trainer_loaded |= {self.train_devices[r].id for r in ranks}
 
-    async def expand(self, devices: Sequence[Device]) -> None:
-        ids = [d.id for d in devices if d.id not in self._active]
-        await asyncio.gather(*(self._engines[i].reload.remote() for i in ids))
-        stale = [i for i in ids if self._engine_version[i] != self.version]
+    async def _to_engines(self, ids: set[str]) -> None:
+        """Trainer ranks on ``ids`` offload their optimizer state, engines there wake their weights and
+        sync, the ranks offload their parameters, the engines wake their KV caches."""
+        waking = [i for i in ids if i in self._engines and i not in self._awake]
+        if not waking:
+            return
+        ranks = [r for r, d in enumerate(self.train_devices) if d.id in ids and d.id in self._trainer_loaded]
+        await asyncio.gather(*(self._trainers[r].offload.remote(("optimizer",)) for r in ranks))
+        await asyncio.gather(*(self._engines[i].wake.remote(["weights"]) for i in waking))
+        self._awake |= set(waking)
+        stale = [i for i in waking if self._engine_version[i] != self.version]
         if stale:
             await self._load(stale, self.version)
-        self._active |= set(ids)
-        self._routable.set()
+        await asyncio.gather(*(self._trainers[r].offload.remote(("params",)) for r in ranks))
+        self._trainer_loaded -= {self.train_devices[r].id for r in ranks}
+        await asyncio.gather(*(self._engines[i].wake.remote(["kv_cache"]) for i in waking))
+
+    async def shrink(self, devices: Sequence[Device]) -> None:
+        ids = {d.id for d in devices} & set(self._engines)
+        if not self._active - ids:
+            raise ValueError(f"shrinking {sorted(ids)} would leave no active rollout engine (suspend to pause rollout)")
+        self._active -= ids
+        await self._to_trainers(ids)
+
+    async def expand(self, devices: Sequence[Device]) -> None:
+        ids = {d.id for d in devices} & set(self._engines)
+        await self._to_engines(ids)
+        if not self._suspended:
+            self._active |= ids
+            self._routable.set()
 
     # -- training and weights ----------------------------------------------------------------------
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         if {d.id for d in devices} != {d.id for d in self.train_devices}:
             raise ValueError(f"this cluster trains on {[d.id for d in self.train_devices]}, not {[d.id for d in devices]}")
+        awake = sorted(d.id for d in self.train_devices if d.id in self._awake)
+        if awake:
+            raise ValueError(f"the engines on {awake} are awake: shrink or suspend them before training there "
+                             "(an engine and a trainer never hold a device at once)")
+        await self._to_trainers({d.id for d in self.train_devices})
         versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))
         if len(set(versions)) != 1:
             raise RuntimeError(f"trainer ranks disagree on the version: {versions}")
@@ -129,27 +257,66 @@ class RayCluster:
     async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
         if version != self.version:
             raise ValueError(f"can only sync the latest version {self.version}, not {version}")
-        await self._load([d.id for d in devices if d.id in self._active], version)
+        awake = [d.id for d in devices if d.id in self._awake]  # sleeping engines sync when they wake
+        if awake:
+            await self._load(awake, version)
 
     async def _load(self, device_ids: list[str], version: int) -> None:
-        if self._published is None or self._published[0] != version:
-            state = await self._trainers[0].state_dict.remote()
-            self._published = (version, publish(state))
-        buckets = self._published[1]
-        await asyncio.gather(*(self._engines[i].load_weights.remote(buckets, version) for i in device_ids))
-        for i in device_ids:
-            self._engine_version[i] = version
+        if not self.cuda:
+            if self._published is None or self._published[0] != version:
+                state = (await asyncio.gather(*(t.state_dict.remote() for t in self._trainers)))[0]  # every rank gathers
+                self._published = (version, publish(state, self.bucket_bytes))
+            await asyncio.gather(*(self._engines[i].load_weights.remote(self._published[1], version) for i in device_ids))
+            for i in device_ids:
+                self._engine_version[i] = version
+        else:
+            ipc = [i for i in device_ids if i == self.train_devices[0].id]
+            if ipc:
+                await self._load_ipc(ipc[0], version)
+            if [i for i in device_ids if i not in ipc]:
+                await self._load_broadcast(version)
+
+    async def _load_ipc(self, device_id: str, version: int) -> None:
+        handles = (await asyncio.gather(*(t.export_ipc.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers)))[0]
+        await self._engines[device_id].load_ipc.remote(handles, version)
+        await self._trainers[0].release_ipc.remote()
+        self._engine_version[device_id] = version
+
+    async def _load_broadcast(self, version: int) -> None:
+        """One group of trainer rank 0 and every engine not on its GPU, formed on first use; an engine
+        asleep still joins the broadcast (it receives, then loads when it wakes)."""
+        receivers = sorted(i for i in self._engines if i != self.train_devices[0].id)
+        if not self._broadcast_ready:
+            port = _free_port()
+            await asyncio.gather(self._trainers[0].join_broadcast.remote("127.0.0.1", port, len(receivers) + 1),
+                                 *(self._engines[i].join_broadcast.remote("127.0.0.1", port, r + 1, len(receivers) + 1)
+                                   for r, i in enumerate(receivers)))
+            self._broadcast_ready = True
+        layouts = await self._trainers[0].broadcast_layouts.remote(self.runtime.dtype, self.bucket_bytes)
+        results = await asyncio.gather(*(t.broadcast_weights.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers),
+                                       *(self._engines[i].receive_broadcast.remote(layouts, version) for i in receivers))
+        for i, loaded in zip(receivers, results[len(self._trainers):]):
+            if loaded:
+                self._engine_version[i] = version
 
     async def export_weights(self) -> StateDict:
-        return await self._trainers[0].state_dict.remote()
+        states = await asyncio.gather(*(t.state_dict.remote() for t in self._trainers))
+        return states[0]
+
+    async def residency(self) -> dict[str, list[str]]:
+        return {d.id: [*(["engine"] if d.id in self._awake else []), *(["trainer"] if d.id in self._trainer_loaded else [])]
+                for d in self.devices}
 
     # -- suspend / resume / close ------------------------------------------------------------------
     async def suspend(self) -> None:
+        """Pause all rollout: every engine sleeps (its requests come back aborted), every trainer rank
+        is back on its device."""
         self._suspended = True
         self._routable.clear()
-        await asyncio.gather(*(self._engines[i].abort.remote() for i in self._active))
+        await self._to_trainers(set(self._engines) | {d.id for d in self.train_devices})
 
     async def resume(self) -> None:
+        await self._to_engines(set(self._engines))
         self._suspended = False
         self._routable.set()
 

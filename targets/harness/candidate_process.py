@@ -282,6 +282,8 @@ async def _serve_cluster(channel: AsyncChannel, stack_dir: str) -> None:
                 await cluster.sync_weights(rx["version"], devices)
             elif method in ("suspend", "resume"):
                 await getattr(cluster, method)()
+            elif method == "residency":
+                frame.header["resident"] = await cluster.residency()
             elif method == "export_weights":
                 state = await cluster.export_weights()
                 frame.header["state"] = None if state is None else put_state(frame, state)

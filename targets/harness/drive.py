@@ -55,6 +55,7 @@ class TracedCluster:
         self.devices: list[Device] = list(inner.devices)
         self.by_id = {d.id: d for d in self.devices}
         self.steps = 0
+        self._resident: dict | None = None
 
     async def generate(self, request: GenerateRequest) -> Completion:
         start = self.trace.clock.now()
@@ -76,6 +77,17 @@ class TracedCluster:
         start = self.trace.clock.now()
         await call
         self.trace.record(kind, start=start, devices=[d.id for d in devices], **data)
+        if kind != "sync":
+            await self._residency()
+
+    async def _residency(self) -> None:
+        """Who holds each device now, in the cluster's words (recorded when it changes)."""
+        state = await self.inner.residency()
+        if not isinstance(state, dict) or not all(isinstance(v, list) and all(isinstance(c, str) for c in v) for v in state.values()):
+            raise ProtocolError(f"residency must map devices to lists of component names, got {str(state)[:200]}")
+        if state != self._resident:
+            self._resident = state
+            self.trace.record("device_state", resident={k: sorted(v) for k, v in state.items()})
 
     async def shrink(self, devices: Sequence[Device]) -> None:
         await self._timed("shrink", devices, self.inner.shrink(devices))
@@ -104,6 +116,7 @@ class TracedCluster:
         state = await self.inner.export_weights()
         if state is not None:
             self.weights[step] = {k: v.detach().cpu().clone() for k, v in state.items()}
+        await self._residency()
         return version
 
     async def suspend(self) -> None:
@@ -369,6 +382,7 @@ async def drive_real(spec: TargetSpec, runtime: Runtime, processes: CandidatePro
         link.cluster = TracedCluster(remote, trace, weights)
         trace.record("run_start", devices=[d.id for d in runtime.devices], steps=steps, tokens_recorded=True, engines={},
                      declared={"redundant_per_group": declared.redundant_per_group})
+        await link.cluster._residency()
         mark("run_start")
         await serving
     finally:
@@ -409,6 +423,7 @@ def drive_simulated(spec: TargetSpec, runtime: Runtime, processes: CandidateProc
         link.cluster = TracedCluster(cluster, trace, {})
         trace.record("run_start", devices=[d.id for d in runtime.devices], steps=steps, tokens_recorded=False,
                      engines=cluster.engine_devices, declared={"redundant_per_group": declared.redundant_per_group})
+        await link.cluster._residency()
         try:
             await serving
         finally:

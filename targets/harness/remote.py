@@ -64,7 +64,8 @@ class RemoteCluster:
         if future is None:
             self._on_lost(ProtocolError(f"the cluster process answered a call never made (id {rx.get('id')!r})"))
             return
-        future.set_result(rx)
+        if not future.cancelled():  # a call whose caller went away (the controller finished): its answer is dropped
+            future.set_result(rx)
 
     def _on_lost(self, error: BaseException) -> None:
         """Every caller waiting learns why the cluster went away."""
@@ -119,6 +120,9 @@ class RemoteCluster:
     async def export_weights(self) -> StateDict | None:
         rx = await self._call(Frame(method="export_weights"), "export_weights")
         return None if rx.get("state") is None else get_state(rx, rx["state"])
+
+    async def residency(self) -> dict:
+        return (await self._call(Frame(method="residency"), "residency")).get("resident")
 
     async def close(self) -> None:
         await self._call(Frame(method="close"), "close")

@@ -84,7 +84,8 @@ class Target:
 
         model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
         return Runtime(str(model_dir(model)), model.dtype, self.devices(), DEVICE_RESOURCE, (VOCAB.ids[EOS],),
-                       workload_view(self.spec), "cuda" if self.gpu else "cpu")
+                       workload_view(self.spec), "cuda" if self.gpu else "cpu",
+                       int(self.spec.hardware.memory_gb * 1e9) if self.gpu else 0)
 
     def reference_model(self):
         """The model the checks and the audit compare against, on the same device and dtype."""

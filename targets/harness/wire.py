@@ -107,7 +107,7 @@ def put_runtime(r: Runtime) -> dict:
     workload = {k: getattr(w, k) for k in ("batch_size", "group_size", "async_ratio", "prompt_tokens", "observation_tokens",
                                            "response_tokens", "max_sequence", "temperature")}
     return {"model_path": r.model_path, "dtype": r.dtype, "devices": put_devices(r.devices), "device_resource": r.device_resource,
-            "stop_token_ids": list(r.stop_token_ids), "accelerator": r.accelerator,
+            "stop_token_ids": list(r.stop_token_ids), "accelerator": r.accelerator, "device_memory_bytes": r.device_memory_bytes,
             "workload": {**workload, "training": put_config(w.training)}}
 
 
@@ -116,7 +116,7 @@ def get_runtime(d: dict) -> Runtime:
     w = d["workload"]
     workload = Workload(**{k: v for k, v in w.items() if k != "training"}, training=get_config(w["training"]))
     return Runtime(d["model_path"], d["dtype"], tuple(get_devices(d["devices"])), d["device_resource"],
-                   tuple(d["stop_token_ids"]), workload, d["accelerator"])
+                   tuple(d["stop_token_ids"]), workload, d["accelerator"], d["device_memory_bytes"])
 
 
 def put_declared(d: Declared) -> dict:

@@ -21,8 +21,9 @@ def next_token_logits(model: PreTrainedModel, sequences: Sequence[TokenIds]) -> 
         tokens[i, length - len(s):] = torch.tensor(s)
         attention[i, length - len(s):] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions).logits
-    return logits[:, -1].float()
+    device = next(model.parameters()).device  # the reference runs where the target's model runs
+    logits = model(input_ids=tokens.to(device), attention_mask=attention.to(device), position_ids=positions.to(device)).logits
+    return logits[:, -1].float().cpu()
 
 
 class ReferenceEngine:

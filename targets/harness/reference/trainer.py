@@ -26,8 +26,9 @@ class ReferenceTrainer:
         self.last_grad_norm = float("nan")
 
     def train_step(self, batch: TrainBatch) -> int:
-        padded = pad_trajectories(batch.trajectories)
-        advantages = torch.tensor(batch.advantages, dtype=torch.float32)
+        device = next(self.model.parameters()).device
+        padded = pad_trajectories(batch.trajectories).to(device)
+        advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=device)
         ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():

@@ -38,6 +38,7 @@ class SimCluster:
         self._routable = asyncio.Event()
         self._routable.set()
         self._suspended = False
+        self._training: set[str] = set()  # devices the trainer last trained on
         self.version = 0
 
     @property
@@ -95,6 +96,11 @@ class SimCluster:
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         if not devices:
             raise ValueError("train needs at least one device")
+        awake = sorted(e.name for e in self._engines_on(devices) if not e.offloaded)
+        if awake:
+            raise ValueError(f"the engines {awake} on the training devices are awake: shrink or suspend them first "
+                             "(an engine and a trainer never hold a device at once)")
+        self._training = {d.id for d in devices}
         await asyncio.sleep(self.cost.train_s([len(t.tokens) for t in batch.trajectories], len(devices)))
         self.version += 1
         return self.version
@@ -110,14 +116,39 @@ class SimCluster:
 
     # -- suspend / resume / close ------------------------------------------------------------------
     async def suspend(self) -> None:
+        """All rollout paused: every engine offloaded (its requests aborted), the devices free to train."""
         self._suspended = True
         self._routable.clear()
-        for engine in self._active:
-            engine.abort()
+        engines = [e for e in self.engines if not e.offloaded]
+        for engine in engines:
+            engine.offload()
+        if engines:
+            await asyncio.sleep(self.cost.offload_s())
 
     async def resume(self) -> None:
+        """Every engine reloaded and brought to the latest weights, then routed to again."""
+        engines = [e for e in self.engines if e.offloaded and e in self._active]
+        for engine in engines:
+            engine.reload()
+        if engines:
+            await asyncio.sleep(self.cost.reload_s())
+            stale = [e for e in engines if e.version != self.version]
+            await asyncio.gather(*(e.load_weights(self.version, self.cost.sync_s()) for e in stale))
         self._suspended = False
         self._routable.set()
+
+    async def residency(self) -> dict[str, list[str]]:
+        """An awake engine holds its devices; a trainer holds a device it trained on while no awake
+        engine is there."""
+        out: dict[str, list[str]] = {d.id: [] for d in self.devices}
+        for engine in self.engines:
+            if not engine.offloaded:
+                for device in engine.devices:
+                    out[device].append("engine")
+        for device in self._training:
+            if "engine" not in out[device]:
+                out[device].append("trainer")
+        return out
 
     async def close(self) -> None:
         for engine in self.engines:

@@ -1,0 +1,240 @@
+"""GRPO trainer on FSDP2: one rank of ``targets.api.TrainingConfig``'s step, sharded over the trainer's
+devices with ``torch.distributed.fsdp.fully_shard`` (gloo on CPU, NCCL on GPU).
+
+* Master weights and optimizer state are float32 whatever the model's dtype: at lr 1e-6 an update
+  of ~1e-6 would round away in bf16 for most weights. On GPU, compute runs in bf16 (FSDP2's
+  mixed-precision policy: bf16 parameters in the forward, float32 gradient reduction).
+* Each rank trains on its share of the batch (trajectories ``rank::world_size``) in micro-batches
+  sized by a token budget. A rank's loss is its response-token sum over the *whole batch's*
+  response-token count, times the world size (FSDP2 averages gradients over ranks), so the result is
+  the token-mean loss of the whole batch.
+* Log-probs come in chunks of positions, each chunk's logits recomputed in the backward pass:
+  never the whole sequence's float32 full-vocabulary logits at once. Activation checkpointing per
+  decoder layer is on by default on GPU.
+* ``offload``/``reload`` move parameters and optimizer state to host memory and back, for a device
+  that changes role between training and rollout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from targets.api import StateDict, TrainBatch, TrainingConfig, Trajectory
+
+
+class _Policy(torch.nn.Module):
+    """The causal LM with a forward that returns each token's log-prob: FSDP2's root must own the
+    whole computation (its hooks gather the parameters), the head's chunks included."""
+
+    def __init__(self, lm: torch.nn.Module, chunk: int) -> None:
+        super().__init__()
+        self.lm, self.chunk = lm, chunk
+
+    @staticmethod
+    def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden).float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+    def forward(self, tokens: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """out[b, i] = log p(tokens[b, i] | tokens[b, :i]); out[:, 0] = 0."""
+        hidden = self.lm.model(input_ids=tokens, attention_mask=attention).last_hidden_state
+        head = self.lm.get_output_embeddings()
+        pieces = []
+        for start in range(0, tokens.shape[1] - 1, self.chunk):
+            end = min(start + self.chunk, tokens.shape[1] - 1)
+            pieces.append(checkpoint(self._chunk_logprobs, head, hidden[:, start:end], tokens[:, start + 1: end + 1],
+                                     use_reentrant=False))
+        return F.pad(torch.cat(pieces, dim=1), (1, 0))
+
+
+# float32 master weights (4), their gradients (4) and AdamW's two moments (8), per parameter
+TRAINER_BYTES_PER_PARAMETER = 16
+USABLE_MEMORY = 0.8  # the rest: activations, the bf16 copy of the layer being computed, allocator slack
+
+
+def check_fits(model_path: str, ranks: int, device_memory_bytes: int) -> None:
+    """Fail before anything starts when the sharded training state cannot fit a device."""
+    from .qwen3_model import parameter_count
+
+    parameters = parameter_count(model_path)
+    per_device = parameters * TRAINER_BYTES_PER_PARAMETER / ranks
+    if per_device > USABLE_MEMORY * device_memory_bytes:
+        raise ValueError(
+            f"the trainer does not fit: {parameters / 1e9:.3g}B parameters x {TRAINER_BYTES_PER_PARAMETER} bytes (float32 "
+            f"weights, gradients, AdamW moments) / {ranks} FSDP rank(s) = {per_device / 1e9:.3g} GB per device, over "
+            f"{USABLE_MEMORY:.0%} of its {device_memory_bytes / 1e9:.3g} GB; train on at least "
+            f"{math.ceil(parameters * TRAINER_BYTES_PER_PARAMETER / (USABLE_MEMORY * device_memory_bytes))} devices")
+
+
+class FSDPTrainer:
+    """Follows ``targets.api.Trainer``."""
+
+    def __init__(
+        self,
+        model_path: str,
+        config: TrainingConfig,
+        dtype: str = "float32",
+        device: str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str | None = None,
+        state: StateDict | None = None,
+        micro_batch_tokens: int = 8192,
+        logprob_chunk: int = 1024,
+        checkpointing: bool | None = None,
+        threads: int | None = None,
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
+        self.micro_batch_tokens = micro_batch_tokens
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(device)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            init_method = init_method or f"file://{os.path.join(os.environ.get('TMPDIR', '/tmp'), f'vt-fsdp-{os.getpid()}')}"
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                                    world_size=world_size)
+        elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise RuntimeError(f"this process is already rank {dist.get_rank()} of a group of {dist.get_world_size()}, "
+                               f"not rank {rank} of {world_size}: close the other trainer first")
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (world_size,))
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # float32 master weights, always
+        if state is not None:
+            lm.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+        if checkpointing if checkpointing is not None else cuda:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the forward's dtype: the model's on GPU; float32 on CPU (its kernels are fastest there, and exact)
+        compute = getattr(torch, dtype) if cuda else torch.float32
+        self.reference = None
+        if config.kl_coef > 0:  # the frozen reference policy (version 0), unsharded, in the compute dtype
+            self.reference = _Policy(AutoModelForCausalLM.from_pretrained(model_path, dtype=compute), logprob_chunk)
+            self.reference.lm.load_state_dict(lm.state_dict())
+            self.reference.requires_grad_(False).eval().to(device)
+        policy = _Policy(lm.to(device), logprob_chunk)
+        precision = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        for layer in lm.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=precision)
+        fully_shard(policy, mesh=mesh, mp_policy=precision)
+        self.module = policy.train()
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
+                                           weight_decay=config.weight_decay)
+        self.version = 0
+        self.offloaded = False
+
+    # -- the step -------------------------------------------------------------------------------------
+    def _micro_batches(self, mine: list[tuple[Trajectory, float]]) -> list[list[tuple[Trajectory, float]]]:
+        batches: list[list[tuple[Trajectory, float]]] = [[]]
+        tokens = 0
+        for item in mine:
+            if batches[-1] and tokens + len(item[0].tokens) > self.micro_batch_tokens:
+                batches.append([])
+                tokens = 0
+            batches[-1].append(item)
+            tokens += len(item[0].tokens)
+        return batches
+
+    def train_step(self, batch: TrainBatch) -> int:
+        if self.offloaded:
+            raise RuntimeError("train_step while offloaded; reload first")
+        total_tokens = max(1, sum(t.response_tokens for t in batch.trajectories))
+        pairs = list(zip(batch.trajectories, batch.advantages))
+        # Every rank runs as many micro-batches as the busiest one (each forward and the last
+        # backward are collectives): a rank with fewer runs zero-weight ones. Gradients reduce once.
+        counts = [len(self._micro_batches(pairs[r:: self.world_size])) if pairs[r:: self.world_size] else 0
+                  for r in range(self.world_size)]
+        chunks = self._micro_batches(pairs[self.rank:: self.world_size]) if counts[self.rank] else []
+        self.optimizer.zero_grad(set_to_none=True)
+        for i in range(max(counts)):
+            self.module.set_requires_gradient_sync(i == max(counts) - 1)
+            if i < len(chunks):  # FSDP2 averages gradients over ranks: scaled by the world size, they sum
+                loss = self._loss_sum([t for t, _ in chunks[i]], [a for _, a in chunks[i]]) * self.world_size / total_tokens
+            else:
+                loss = self._loss_sum(batch.trajectories[:1], [0.0]) * 0.0
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.version += 1
+        return self.version
+
+    def _loss_sum(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> torch.Tensor:
+        """Sum over the chunk's response tokens of the clipped surrogate (+ k3 KL)."""
+        length = max(len(t.tokens) for t in trajectories)
+        shape = (len(trajectories), length)
+        tokens = torch.zeros(shape, dtype=torch.long)
+        attention = torch.zeros(shape, dtype=torch.long)
+        mask = torch.zeros(shape)
+        old = torch.zeros(shape)
+        for i, t in enumerate(trajectories):
+            n = len(t.tokens)
+            tokens[i, :n], attention[i, :n] = torch.tensor(t.tokens), 1
+            mask[i, :n], old[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32), torch.tensor(t.logprobs)
+        tokens, attention, mask, old = (x.to(self.device) for x in (tokens, attention, mask, old))
+        new = self.module(tokens, attention)
+        ratio = torch.exp(new - old)
+        adv = torch.tensor(advantages, device=self.device, dtype=new.dtype)[:, None]
+        eps = self.config.clip_eps
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self.reference(tokens, attention)
+            per_token = per_token + self.config.kl_coef * (torch.exp(ref - new) - (ref - new) - 1)
+        return (per_token * mask).sum()
+
+    # -- weights and memory ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full float32 weights (transformers names) on CPU; every rank must call it (it gathers)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                           broadcast_from_rank0=False))
+        return {k.removeprefix("lm."): v for k, v in full.items()}
+
+    @torch.no_grad()
+    def device_state(self) -> dict[str, torch.Tensor]:
+        """The full weights on the training device (no host round trip), for a sync by copy, CUDA IPC
+        or broadcast; every rank must call it (it gathers the shards)."""
+        return {name.removeprefix("lm."): tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                for name, tensor in self.module.state_dict().items()}
+
+    @torch.no_grad()
+    def offload(self, parts: tuple[str, ...] = ("optimizer", "params")) -> None:
+        """Optimizer state and/or parameters to host memory (nothing moves on a CPU device). A sync
+        offloads the optimizer first, copies the weights out, then offloads the parameters."""
+        if self.device.startswith("cuda"):
+            if "optimizer" in parts:
+                self._move_optimizer("cpu")
+            if "params" in parts:
+                self.module.to("cpu")
+            torch.cuda.empty_cache()
+        self.offloaded = self.offloaded or "params" in parts
+
+    @torch.no_grad()
+    def reload(self) -> None:
+        if self.device.startswith("cuda"):
+            self.module.to(self.device)
+            self._move_optimizer(self.device)
+        self.offloaded = False
+
+    def _move_optimizer(self, device: str) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+    def close(self) -> None:
+        """Leaves the process group this trainer started (one it joined stays for its owner)."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()

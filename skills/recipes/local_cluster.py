@@ -1,0 +1,119 @@
+"""The ``targets.api.Cluster`` for a stack on one device: the engine and the trainer live in this one
+process and time-share the device. While rolling out, the engine holds the device and the trainer is
+offloaded to host memory; ``suspend`` (or a shrink of the device) puts the engine to sleep and brings
+the trainer back; ``resume`` (or an expand) offloads the trainer, wakes the engine's weights, copies
+the new weights in place (engine and trainer share a process: no serialization, device to device on
+GPU), then wakes its KV cache. Engine and trainer never hold memory on the device at the same time,
+and ``residency`` says so to the harness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+from targets.api import Aborted, Completion, Device, GenerateRequest, Runtime, StateDict, TrainBatch, TrainingConfig
+
+from .engine_server import EngineServer
+from .fsdp_trainer import FSDPTrainer
+
+
+class LocalCluster:
+    def __init__(self, runtime: Runtime, server: EngineServer, trainer: FSDPTrainer, device: Device) -> None:
+        self.devices, self.device = list(runtime.devices), device
+        self.server, self.trainer = server, trainer
+        self.version = 0
+        self._engine_version = 0
+        self._engine_awake = True
+        self._routable = asyncio.Event()
+        self._routable.set()
+
+    @classmethod
+    async def start(cls, runtime: Runtime, config: TrainingConfig, engine: str = "paged", threads: int = 0,
+                    engine_options: dict | None = None, trainer_options: dict | None = None) -> "LocalCluster":
+        if len(runtime.devices) != 1:
+            raise ValueError(f"a local cluster runs on one device, not {len(runtime.devices)}: use the Ray cluster")
+        torch_device = "cuda:0" if runtime.accelerator == "cuda" else "cpu"
+        device = runtime.devices[0]
+        server = EngineServer(runtime.model_path, runtime.dtype, device.id, threads=threads, engine=engine, device=torch_device,
+                              **(engine_options or {}))
+        trainer = await asyncio.to_thread(FSDPTrainer, runtime.model_path, config, runtime.dtype, torch_device,
+                                          **(trainer_options or {}))
+        await asyncio.to_thread(trainer.offload)
+        return cls(runtime, server, trainer, device)
+
+    # -- clock (the harness keeps the one that measures) ----------------------------------------------------
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    # -- rollout -----------------------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> Completion:
+        while not self._engine_awake:
+            self._routable.clear()
+            await self._routable.wait()
+        completion = await self.server.generate(request.prompt, request.params, request.episode_id)
+        if completion.finish_reason == "abort":
+            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {self.device.id}")
+        return completion
+
+    async def _to_trainer(self) -> None:
+        if self._engine_awake:
+            self._engine_awake = False
+            self._engine_version = await self.server.sleep()  # -1: the engine discarded its weights
+            await asyncio.to_thread(self.trainer.reload)
+
+    async def _to_engine(self) -> None:
+        """verl's order: optimizer state out, engine weights in, weights copied device to device,
+        trainer parameters out, then the KV cache."""
+        if not self._engine_awake:
+            await asyncio.to_thread(self.trainer.offload, ("optimizer",))
+            await self.server.wake(["weights"])
+            if self._engine_version != self.version:
+                await self._load(self.version)
+            await asyncio.to_thread(self.trainer.offload, ("params",))
+            await self.server.wake(["kv_cache"])
+            self._engine_awake = True
+            self._routable.set()
+
+    async def shrink(self, devices: Sequence[Device]) -> None:
+        raise ValueError("shrinking the only device would leave no rollout engine: suspend, train, then resume")
+
+    async def expand(self, devices: Sequence[Device]) -> None:
+        await self._to_engine()
+
+    async def suspend(self) -> None:
+        await self._to_trainer()
+
+    async def resume(self) -> None:
+        await self._to_engine()
+
+    # -- training and weights ---------------------------------------------------------------------------------
+    async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
+        if self._engine_awake:
+            raise ValueError(f"the engine on {self.device.id} is awake: suspend it before training there "
+                             "(engine and trainer never hold the device at once)")
+        self.version = await asyncio.to_thread(self.trainer.train_step, batch)
+        return self.version
+
+    async def _load(self, version: int) -> None:
+        state = await asyncio.to_thread(self.trainer.device_state)
+        await self.server.load_state(state, version)
+        self._engine_version = version
+
+    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
+        if version != self.version:
+            raise ValueError(f"can only sync the latest version {self.version}, not {version}")
+        if self._engine_awake:  # asleep, it is brought to the latest version when it wakes
+            await self._load(version)
+
+    async def export_weights(self) -> StateDict:
+        return await asyncio.to_thread(self.trainer.state_dict)
+
+    async def residency(self) -> dict[str, list[str]]:
+        return {self.device.id: ["engine"] if self._engine_awake else ["trainer"]}
+
+    async def close(self) -> None:
+        self.trainer.close()

@@ -1,0 +1,338 @@
+"""Paged-KV rollout engine (in the spirit of nano-vllm): continuous batching over a block-managed KV
+cache, per-request abort, prefix reuse across the turns of one episode, sleep and wake by tag, and on
+GPU FlashInfer's paged kernels with CUDA graphs for decode steps.
+
+Every ``step`` admits waiting requests while their blocks fit (KV capacity, not a batch size, is the
+limit), computes the new tokens of every running request in one flat forward (prompts and one token
+per decoding request side by side), samples one token for each, and retires finished ones. A request
+that cannot grow because the cache is full preempts the youngest running request, which later
+recomputes its context. Logprobs are of the unscaled distribution (``targets.api.SamplingParams``).
+
+``generate`` (the ``RolloutEngine`` protocol) submits a batch and steps until it is done; the engine
+server drives ``step`` itself for many concurrent callers. ``submit``/``abort`` are safe from another
+thread than the one stepping: they queue, and the step takes them in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from targets.api import Completion, SamplingParams, StateDict, TokenIds
+
+from .kv_cache import BlockManager, KVPool
+from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
+from .qwen3_model import Qwen3, load_checkpoint
+
+TAGS = ("weights", "kv_cache")
+
+
+@dataclass(eq=False)  # a request is itself: compared by identity
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    episode: str | None
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    logprobs: list[float] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens whose keys and values are in the cache
+    finish: str | None = None
+    generator: torch.Generator | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+
+class PagedEngine:
+    """Follows ``targets.api.RolloutEngine``."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", name: str = "engine",
+                 kv_tokens: int | None = None, kv_memory_fraction: float = 0.4, block_size: int = 16, max_batch: int = 256,
+                 cuda_graphs: bool = True, attention: str = "auto") -> None:
+        self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
+        self.config, self.weights = load_checkpoint(model_path, device, self.dtype)
+        self.model = Qwen3(self.config, self.weights)
+        self.block_size, self.max_batch = block_size, max_batch
+        kv_heads, head_dim = self.model.kv_heads, self.model.head_dim
+        per_token = KVPool.bytes_per_token(self.model.layers, kv_heads, head_dim, self.dtype)
+        if kv_tokens is None:
+            kv_tokens = int(torch.cuda.mem_get_info(device)[1] * kv_memory_fraction // per_token) if device.startswith("cuda") else 1 << 15
+        self.num_blocks = max(2, kv_tokens // block_size) + 1  # the last block is a dummy for padded graph rows
+        self.capacity_tokens = (self.num_blocks - 1) * block_size
+        use_flashinfer = attention == "flashinfer" or (attention == "auto" and device.startswith("cuda") and self.dtype != torch.float32)
+        self._attention_kind = "flashinfer" if use_flashinfer else "sdpa"
+        self._graph_batch = max_batch if (use_flashinfer and cuda_graphs and not self.model.moe) else 0
+        self.weight_version = 0
+        self._asleep: set[str] = set()
+        self._host_weights: dict[str, torch.Tensor] | None = None
+        self._ids = itertools.count()
+        self._incoming: deque[Request] = deque()
+        self._aborts: deque[int | None] = deque()  # None: abort everything
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.admitting = True  # False while draining for a weight load: running requests finish, none start
+        self._generator = torch.Generator(device=device).manual_seed(0)
+        self._allocate_cache()
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def _allocate_cache(self) -> None:
+        self.blocks = BlockManager(self.num_blocks - 1, self.block_size)
+        self.pool = KVPool(self.model.layers, self.num_blocks, self.block_size, self.model.kv_heads, self.model.head_dim,
+                           self.dtype, self.device)
+        heads, kv_heads, head_dim = self.model.heads, self.model.kv_heads, self.model.head_dim
+        if self._attention_kind == "flashinfer":
+            self.attention = FlashInferAttention(self.pool, heads, kv_heads, head_dim, self.dtype, self.device, self.num_blocks,
+                                                 graph_batch=self._graph_batch)
+        else:
+            self.attention = SDPAAttention(self.pool, heads, kv_heads, head_dim)
+        self.graphs: dict[int, tuple] = {}
+        if self._graph_batch and "weights" not in self._asleep:
+            self._capture_graphs()
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._asleep)
+
+    def sleep(self, tags: Sequence[str] = TAGS) -> list[Request]:
+        """Free the KV cache and/or move the weights to host memory (pinned on GPU), keeping the
+        tensors' identities for wake. Every request in flight is aborted: they are returned."""
+        unknown = set(tags) - set(TAGS)
+        if unknown:
+            raise ValueError(f"unknown sleep tags {sorted(unknown)}; known: {TAGS}")
+        self.abort_all()
+        aborted = self._drain_control()
+        self.graphs = {}  # they hold the addresses of the weights and the cache: recaptured on wake
+        if "kv_cache" in tags and "kv_cache" not in self._asleep:
+            self.pool = self.attention = self.blocks = None
+            self._asleep.add("kv_cache")
+        if "weights" in tags and "weights" not in self._asleep:
+            if self.device.startswith("cuda"):
+                self._host_weights = {k: v.to("cpu", non_blocking=True).pin_memory() for k, v in self.weights.items()}
+                for tensor in self.weights.values():
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
+            self._asleep.add("weights")
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return aborted
+
+    def wake(self, tags: Sequence[str] = TAGS) -> None:
+        """Wake by tag; the order that avoids holding both copies is weights, then a weight load,
+        then ``kv_cache`` (the engine refuses to serve until both are awake)."""
+        if "weights" in tags and "weights" in self._asleep:
+            if self._host_weights is not None:
+                for name, tensor in self.weights.items():
+                    tensor.data = self._host_weights[name].to(self.device, non_blocking=True)
+                self._host_weights = None
+            self._asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self._asleep:
+            self._asleep.discard("kv_cache")
+            self._allocate_cache()
+        if not self._asleep and self._graph_batch and not self.graphs:
+            self._capture_graphs()
+
+    def offload(self) -> None:
+        self.sleep(TAGS)
+
+    def reload(self) -> None:
+        self.wake(TAGS)
+
+    def load_weights(self, state: StateDict, version: int) -> None:
+        """Replace the weights in place. Nothing may be running (a request would mix two versions:
+        the server drains first), and cached prefixes, computed under the old weights, are dropped."""
+        if "weights" in self._asleep:
+            raise RuntimeError(f"{self.name}: load_weights while the weights sleep; wake them first")
+        if self.running:
+            raise RuntimeError(f"{self.name}: load_weights with {len(self.running)} requests running; drain first")
+        if self.blocks is not None:
+            self.blocks.drop_prefixes()
+        for name, tensor in state.items():
+            if name not in self.weights:
+                raise KeyError(f"{self.name}: no parameter {name!r} in this model")
+            self.weights[name].copy_(tensor.to(self.device, self.dtype), non_blocking=True)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        self.weight_version = version
+
+    # -- requests -------------------------------------------------------------------------------------
+    def submit(self, prompt: TokenIds, params: SamplingParams, episode: str | None = None) -> Request:
+        if len(prompt) + params.max_new_tokens > self.capacity_tokens:
+            raise ValueError(f"{self.name}: a request of {len(prompt)} + {params.max_new_tokens} tokens exceeds the KV "
+                             f"cache's {self.capacity_tokens} tokens")
+        if not prompt:
+            raise ValueError(f"{self.name}: an empty prompt")
+        request = Request(next(self._ids), list(prompt), params, episode, tokens=list(prompt))
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._incoming.append(request)
+        return request
+
+    def abort(self, request_id: int) -> None:
+        self._aborts.append(request_id)
+
+    def abort_all(self) -> None:
+        self._aborts.append(None)
+
+    def has_work(self) -> bool:
+        return bool(self._incoming or self._aborts or self.waiting or self.running)
+
+    def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
+        if self.offloaded:
+            raise RuntimeError(f"{self.name}: generate while asleep")
+        requests = [self.submit(p, params) for p in prompts]
+        while not all(r.finish for r in requests):
+            self.step()
+        return [self.completion(r) for r in requests]
+
+    def completion(self, request: Request) -> Completion:
+        return Completion(request.generated, list(request.logprobs), request.finish, self.weight_version, self.name)
+
+    # -- one iteration ----------------------------------------------------------------------------------
+    def _drain_control(self) -> list[Request]:
+        finished = []
+        while self._incoming:
+            self.waiting.append(self._incoming.popleft())
+        while self._aborts:
+            target = self._aborts.popleft()
+            for request in [*self.running, *self.waiting]:
+                if target is None or request.id == target:
+                    finished.append(self._retire(request, "abort"))
+        return finished
+
+    def _retire(self, request: Request, finish: str) -> Request:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if self.blocks is not None:
+            if finish == "abort":
+                self.blocks.release(request.blocks)
+            else:
+                self.blocks.keep_prefix(request.episode, request.tokens[: request.computed], request.blocks)
+        request.blocks, request.finish = [], finish
+        request.done.set()
+        return request
+
+    def _admit(self) -> None:
+        while self.admitting and self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            reused, cached = self.blocks.take_prefix(request.episode, request.tokens) if not request.computed else ([], 0)
+            fresh = self.blocks.allocate(self.blocks.blocks_for(len(request.tokens)) - len(reused))
+            if fresh is None:
+                self.blocks.release(reused)
+                break
+            request.blocks, request.computed = reused + fresh, cached
+            self.running.append(self.waiting.popleft())
+
+    def _grow(self) -> None:
+        """Every running request needs a block for the token it computes next; when none is left,
+        preempt the youngest request (it recomputes its context when readmitted)."""
+        for request in list(self.running):
+            while request in self.running and len(request.blocks) * self.block_size < len(request.tokens):
+                block = self.blocks.allocate(1)
+                if block is not None:
+                    request.blocks += block
+                    continue
+                victim = self.running[-1]
+                self.running.remove(victim)
+                self.blocks.release(victim.blocks)
+                victim.blocks, victim.computed = [], 0
+                self.waiting.appendleft(victim)
+
+    def step(self) -> list[Request]:
+        """One scheduler iteration; returns the requests that finished (or were aborted) in it."""
+        finished = self._drain_control()
+        if self.offloaded:
+            return finished
+        self._admit()
+        self._grow()
+        if not self.running:
+            return finished
+        batch = list(self.running)
+        layout = StepLayout([r.blocks for r in batch], [len(r.tokens) for r in batch],
+                            [len(r.tokens) - r.computed for r in batch], self.block_size)
+        tokens = [t for r in batch for t in r.tokens[r.computed:]]
+        logits = self._forward(layout, tokens)
+        for request in batch:
+            request.computed = len(request.tokens)
+        chosen, logprobs = self._sample(batch, logits)
+        for request, token, logprob in zip(batch, chosen, logprobs):
+            request.tokens.append(token)
+            request.logprobs.append(logprob)
+            if token in request.params.stop_token_ids:
+                finished.append(self._retire(request, "stop"))
+            elif len(request.generated) >= request.params.max_new_tokens:
+                finished.append(self._retire(request, "length"))
+        return finished
+
+    @torch.inference_mode()
+    def _forward(self, layout: StepLayout, tokens: list[int]) -> torch.Tensor:
+        """Logits of each sequence's last new token, ``[batch, vocab]`` float32."""
+        if layout.decode_only and self.graphs and len(tokens) <= max(self.graphs):
+            return self._replay(layout, tokens)
+        self.attention.plan(layout, self.device)
+        positions = torch.tensor(layout.positions(), dtype=torch.long, device=self.device)
+        hidden = self.model.hidden(torch.tensor(tokens, dtype=torch.long, device=self.device), positions, self.attention)
+        last = torch.tensor(layout.new, device=self.device).cumsum(0) - 1
+        return self.model.logits(hidden[last])
+
+    def _sample(self, batch: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logits.argmax(-1)
+        for i, request in enumerate(batch):
+            temperature = request.params.temperature
+            if temperature > 0:
+                probs = torch.softmax(logits[i] / temperature, dim=-1)
+                chosen[i] = torch.multinomial(probs, 1, generator=request.generator or self._generator)[0]
+        picked = logp.gather(-1, chosen[:, None]).squeeze(-1)
+        return chosen.tolist(), picked.tolist()
+
+    # -- CUDA graphs for decode steps ---------------------------------------------------------------------
+    def _buckets(self) -> list[int]:
+        sizes, size = [], 1
+        while size < self._graph_batch:
+            sizes.append(size)
+            size *= 2
+        return sizes + [self._graph_batch]
+
+    def _padded(self, layout: StepLayout, size: int) -> StepLayout:
+        """Padding rows read one token of the reserved dummy block (never handed to a request)."""
+        pad = size - len(layout.new)
+        dummy = self.num_blocks - 1
+        return StepLayout(layout.block_tables + [[dummy]] * pad, layout.context + [1] * pad, layout.new + [1] * pad, self.block_size)
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self._buckets(), reverse=True):
+            static = {"tokens": torch.zeros(size, dtype=torch.long, device=self.device),
+                      "positions": torch.zeros(size, dtype=torch.long, device=self.device),
+                      "slots": torch.full((size,), (self.num_blocks - 1) * self.block_size, dtype=torch.long, device=self.device)}
+            self.attention.plan_graph(self._padded(StepLayout([], [], [], self.block_size), size), static["slots"])
+            for _ in range(2):  # warm up: kernels compiled and workspace sized outside the capture
+                self.model.logits(self.model.hidden(static["tokens"], static["positions"], self.attention))
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model.logits(self.model.hidden(static["tokens"], static["positions"], self.attention))
+            self.graphs[size] = (graph, static, out)
+
+    def _replay(self, layout: StepLayout, tokens: list[int]) -> torch.Tensor:
+        n = len(tokens)
+        size = min(s for s in self.graphs if s >= n)
+        graph, static, out = self.graphs[size]
+        padded = self._padded(layout, size)
+        self.attention.plan_graph(padded, static["slots"])
+        static["tokens"].zero_()
+        static["tokens"][:n] = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        static["positions"].copy_(torch.tensor(padded.positions(), dtype=torch.long, device=self.device))
+        static["slots"].copy_(torch.tensor(padded.slots(), dtype=torch.long, device=self.device))
+        graph.replay()
+        return out[:n]

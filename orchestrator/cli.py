@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from skills.starter import CONTROLLERS
+from orchestrator.tables import RoundsView, bench_table, checks_table, costs_table, num, promotion, rounds_table
 from targets.spec import SpecError, TargetSpec, catalog_ids, load_target
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Generate and benchmark time-multiplexed RL stacks.")
@@ -127,7 +129,7 @@ def starter(
     console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")
 
 
-def _session(target: str, sandbox: str, time_limit: float, simulate: bool = False):
+def _session(target: str, sandbox: str, time_limit: float | None, simulate: bool = False):
     """The harness session for a command: the target resolved once, its model files built here (a
     sandboxed child sees the model cache read-only), the sandbox chosen."""
     from targets.harness.launch import Limits
@@ -139,97 +141,54 @@ def _session(target: str, sandbox: str, time_limit: float, simulate: bool = Fals
     try:
         resolved = Target.load(target, simulate=simulate)
         resolved.runtime()
-        return Session(resolved, Sandbox.detect(sandbox), Limits(time_s=time_limit))
+        return Session(resolved, Sandbox.detect(sandbox), Limits.of(resolved, time_limit))
     except (SandboxUnavailable, TargetUnavailable) as error:
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
 
 
-def _print_checks(results) -> bool:
-    table = Table(title="checks")
-    for column in ("check", "verdict", "reasons"):
-        table.add_column(column, overflow="fold")
-    for r in results:
-        table.add_row(r.name, "[green]pass[/green]" if r.passed else "[red]FAIL[/red]", "\n".join(r.reasons) or "-")
-    console.print(table)
-    return all(r.passed for r in results)
-
-
 @app.command("check")
 def check(
     target: str,
-    stack: Path = typer.Option(..., help="candidate directory (holds stack/)"),
+    stack: Path = typer.Option(None, help="candidate directory (holds stack/) [default: the starter of the target's first "
+                                          "baseline]"),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     out: Path = typer.Option(None, help="keep the harness's outputs here (trace, weights, candidate logs); default a temp dir"),
-    time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+    time_limit: float | None = typer.Option(None, help="seconds each child run may take [default: the target's limits.time_s]"),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
+    simulate: bool = typer.Option(False, help="run the system on the simulator, whatever the target's execution says"),
 ) -> None:
     """Judge a candidate: integrity scan, accuracy checks 1-3, a system run and its audit. Exit 1 on failure."""
     import json
+    import tempfile
 
-    session = _session(target, sandbox, time_limit)
+    from skills.starter import write_starter
+
+    session = _session(target, sandbox, time_limit, simulate)
+    if stack is None:
+        spec = session.target.spec
+        stack = write_starter(Path(tempfile.mkdtemp(prefix="vibetrain-starter-")), spec, spec.baselines[0].name)
+        console.print(f"checking the {spec.baselines[0].name} starter ({stack})")
     with console.status(f"checking {stack} on {session.target.id}"):
         results = session.check(stack, out)
-    passed = _print_checks(results)
+    console.print(checks_table(results))
+    passed = all(r.passed for r in results)
     if json_path:
         json_path.write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))
     console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
     raise typer.Exit(0 if passed else 1)
 
 
-def _num(value: float) -> str:
-    """Three significant figures without exponents (0.721, 42.5, 2523)."""
-    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
-
-
-def _bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
-    first = runs[0]
-    clock = "simulated seconds" if simulated else "wall seconds"
-    headline = spec.headline_metric.name
-    table = Table(title=f"{spec.id}: median of {repeat} (±max-min), {clock}", box=box.SIMPLE_HEAD, padding=(0, 1))
-    table.add_column("schedule", no_wrap=True)
-    for column in (headline, "ratio [95% CI]", "traj/s", "step s", "LB", "timeouts", "busy"):
-        table.add_column(column, justify="right", no_wrap=True)
-    for run in runs:
-        m = run.median
-        if run.paired is None:
-            ratio = "1.00x"
-        else:
-            p = run.paired
-            ratio = f"{p.ratio:.2f}x [{p.low:.2f}, {p.high:.2f}]" if p.high is not None else f"{p.ratio:.2f}x [n=1]"
-        table.add_row(
-            run.name, f"{_num(m(headline))}±{_num(run.spread(headline))}", ratio, _num(m("rollout_throughput")),
-            _num(m("step_time_s")), f"{m('lower_bound_fraction'):.0%}", f"{m('timeout_ratio'):.0%}", f"{m('mean_device_busy'):.0%}",
-        )
-    table.caption = (f"{headline}: trajectories trained on that did not time out, per second; ratio: {headline} over "
-                     f"{first.name}'s, paired by seed; traj/s: rollout throughput; LB: the step's fluid lower bound over its step time")
-    return table
-
-
-def _costs_table(runs, simulated: bool) -> Table:
-    memory = ("peak KV", "peak_kv_fraction", "{:.0%}") if simulated else ("peak MB", "peak_process_memory_mb", "{:.0f}")
-    costs = Table(title=f"mechanism costs (median seconds per event; {memory[0]})", box=box.SIMPLE_HEAD)
-    costs.add_column("schedule", no_wrap=True)
-    for column in ("shrink", "expand", "sync", "train", "aborted turns", memory[0]):
-        costs.add_column(column, justify="right", no_wrap=True)
-    for run in runs:
-        m = run.median
-        peak = memory[2].format(m(memory[1])) if run.has(memory[1]) else "-"
-        costs.add_row(run.name, f"{m('shrink_s'):.3f}", f"{m('expand_s'):.3f}", f"{m('sync_s'):.3f}", f"{m('train_s'):.3f}",
-                      f"{m('aborted_turns'):.0f}", peak)
-    return costs
-
-
 @app.command("bench")
 def bench(
     target: str,
     stack: list[Path] = typer.Option([], help="candidate directory, or RUN@best / RUN@round-N of a generate run (repeatable)"),
-    baselines: str = typer.Option("colocate,static_split,time_multiplex", help="comma-separated starter schedules"),
+    baselines: str = typer.Option(",".join(CONTROLLERS), help="comma-separated starter schedules"),
     repeat: int = typer.Option(None, min=1, help="runs per schedule; default 3 real, 1 simulated (the simulator is "
                                                  "deterministic: repeats only vary the workload's seed)"),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     timeline: Path = typer.Option(None, help="write the per-device timeline PNG here"),
-    time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+    time_limit: float | None = typer.Option(None, help="seconds each child run may take [default: the target's limits.time_s]"),
     simulate: bool = typer.Option(False, "--simulate", help="run on the cluster simulator even if the target runs for real here"),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
@@ -274,8 +233,8 @@ def bench(
         except BenchmarkFailed as error:
             errors.print(f"[red]error:[/red] {error}")
             raise typer.Exit(1) from None
-    console.print(_bench_table(spec, runs, repeat, simulated))
-    console.print(_costs_table(runs, simulated))
+    console.print(bench_table(spec, runs, repeat, simulated))
+    console.print(costs_table(runs, simulated))
     if json_path:
         summaries = [r.summary(spec.headline_metric.name) for r in runs]
         json_path.write_text(json.dumps({"target": spec.id, "repeat": repeat, "runs": summaries}, indent=1))
@@ -283,7 +242,7 @@ def bench(
     if timeline:
         devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
         headline = spec.headline_metric.name
-        titles = [(f"{r.name} (median repeat): {headline} {_num(r.median(headline))}/s",
+        titles = [(f"{r.name} (median repeat): {headline} {num(r.median(headline))}/s",
                    r.measurements[r.median_index(headline)].events(), devices) for r in runs]
         plot_timelines(titles, timeline)
         console.print(f"timeline: {timeline}")
@@ -295,7 +254,7 @@ def calibrate(
     stack: Path = typer.Option(..., help="candidate directory (holds stack/) to run for real"),
     out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
-    time_limit: float = typer.Option(600.0, help="seconds each child run may take"),
+    time_limit: float | None = typer.Option(None, help="seconds each child run may take [default: the target's limits.time_s]"),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
     """Fit the simulator's cost model to a real run of STACK, then simulate the same stack and print
@@ -327,54 +286,13 @@ def calibrate(
     for column in ("metric", "real", "simulated", "error"):
         table.add_column(column, justify="right" if column != "metric" else "left")
     for metric, row in report["compared"].items():
-        table.add_row(metric, _num(row["real"]), _num(row["simulated"]), f"{row['error']:+.1%}")
+        table.add_row(metric, num(row["real"]), num(row["simulated"]), f"{row['error']:+.1%}")
     console.print(table)
     path = report["calibrated_spec"]
     if out:
         shutil.copy(path, out)
         path = out
     console.print(f"calibrated spec: {path}")
-
-
-def _paired_cell(paired: dict | None) -> str:
-    """'+36% [+6%, +76%]': the candidate over the best, paired by seed, with its 95% interval."""
-    if not paired:
-        return "-"
-    interval = "unbounded" if paired["high"] is None else f"{paired['low'] - 1:+.0%}, {paired['high'] - 1:+.0%}"
-    return f"{paired['ratio'] - 1:+.0%} [{interval}]"
-
-
-class _RoundsView:
-    """The live display of ``vibetrain generate``: one row per finished round, the current one below."""
-
-    def __init__(self, spec: TargetSpec) -> None:
-        self.spec, self.rows, self.status = spec, [], "starting"
-
-    def render(self) -> Table:
-        metric = self.spec.headline_metric.name
-        table = Table(title=f"vibetrain generate {self.spec.id}", box=box.SIMPLE_HEAD, caption=self.status)
-        for column in ("round", "task", "verdict", metric, "vs best, paired [95%]", "best"):
-            table.add_column(column, overflow="fold", justify="right" if column in ("round", metric) else "left")
-        for row in self.rows[-15:]:
-            table.add_row(*row)
-        return table
-
-    def event(self, kind: str, **data) -> None:
-        if kind == "setup":
-            self.status = f"sandbox: {data['sandbox']}; {'simulated' if data['simulated'] else 'real'} execution"
-        elif kind == "round_start":
-            self.status = f"round {data['round']}: {data['task'].title} (from round {data['parent']})"
-        elif kind == "verdict":
-            verdict = "passed" if data["passed"] else "failed: " + "; ".join(data["reasons"][:2])
-            self.status = f"round {data['round']} attempt {data['attempt']}: judge {verdict}"
-        elif kind == "round_end":
-            r, best = data["record"], data["best"]
-            colour = {"accepted": "green", "rejected": "red"}.get(r.verdict, "yellow")
-            value = _num(r.headline) if r.headline is not None else "-"
-            self.rows.append((str(r.round), r.task.title, f"[{colour}]{r.verdict}[/{colour}]" + (" *" if r.became_best else ""),
-                              value, _paired_cell(r.paired), f"round {best.round}: {_num(best.headline)}" if best else "-"))
-        elif kind in ("budget", "recovered"):
-            self.status = data.get("reason") or f"recovered round {data['round']} from git"
 
 
 @app.command("generate")
@@ -401,7 +319,7 @@ def generate(
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
     simulate: bool = typer.Option(False, "--simulate", help="run candidates on the cluster simulator"),
     workspaces: Path = typer.Option(Path("workspaces"), help="where each round's git worktree lives"),
-    time_limit: float = typer.Option(900.0, help="seconds each candidate child run may take"),
+    time_limit: float | None = typer.Option(None, help="seconds each candidate child run may take [default: the target's limits.time_s]"),
 ) -> None:
     """Generate a stack for TARGET: rounds of plan -> implement -> judge -> evaluate -> commit."""
     import logging
@@ -418,7 +336,7 @@ def generate(
     logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s")
     spec = _load(target)
     out = out or Path("generated") / spec.id
-    view, live = _RoundsView(spec), None
+    view, live = RoundsView(spec), None
 
     def on_event(kind: str, **data) -> None:
         view.event(kind, **data)
@@ -451,17 +369,9 @@ def generate(
         raise typer.Exit(1)
     starter_record = state.record(0)
     ratio = best.headline / starter_record.headline if starter_record and starter_record.headline else float("nan")
-    console.print(f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {_num(best.headline)} "
+    console.print(f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "
                   f"= {ratio:.2f}x the starter; {len(state.accepted())} validated of {len(state.rounds)} rounds")
     console.print(f"review: vibetrain log {out}  |  git -C {out} log best  |  vibetrain report {out}")
-
-
-def _promotion(record) -> str:
-    """"promoted" or "not promoted", with the paired ratio against the best and its interval."""
-    from targets.harness.session import Paired
-
-    verb = "promoted" if record.became_best else "not promoted"
-    return f"{verb}: {Paired(**record.paired).describe()}"
 
 
 def _state_and_history(run: Path):
@@ -479,27 +389,7 @@ def _state_and_history(run: Path):
 def log_rounds(run: Path) -> None:
     """Table of a run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with reasons."""
     state, _ = _state_and_history(run)
-    table = Table(title=f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents",
-                  box=box.SIMPLE_HEAD)
-    table.add_column("round", justify="right", no_wrap=True)
-    table.add_column("task", overflow="fold", ratio=3)
-    for column in ("verdict", "headline", "vs parent", "commit"):
-        table.add_column(column, no_wrap=True)
-    llm = any(r.llm for r in state.rounds)
-    if llm:
-        table.add_column("tokens in/out", no_wrap=True)
-        table.add_column("cost $", no_wrap=True)
-    table.add_column("reasons / hints", overflow="fold", ratio=4)
-    for r in state.rounds:
-        delta = f"{r.headline / r.parent_headline - 1:+.1%}" if r.headline and r.parent_headline else "-"
-        detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["code"] for h in r.hints)
-        if r.verdict == "accepted" and r.paired is not None:
-            detail = f"{_promotion(r)}; {detail}" if detail else _promotion(r)
-        verdict = r.verdict + (" (best)" if r.round == state.best_round else "")
-        usage = ([f"{r.llm.get('input_tokens', 0)}/{r.llm.get('output_tokens', 0)}", f"{r.llm.get('cost_usd', 0.0):.4f}"]
-                 if llm else [])
-        table.add_row(str(r.round), r.task.title, verdict, _num(r.headline) if r.headline is not None else "-", delta,
-                      (r.commit or "-")[:8], *usage, detail or "-")
+    table = rounds_table(run, state)
     console.print(table)
     if state.llm_used:
         used = state.llm_used
@@ -524,10 +414,10 @@ def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND
     if record.reasons:
         console.print("[bold]judge[/bold]: " + ("passed" if record.verdict == "accepted" else "\n  ".join(["rejected:", *record.reasons])))
     if record.paired is not None:
-        console.print(f"[bold]paired with the best[/bold]: {_promotion(record)}", highlight=False)
+        console.print(f"[bold]paired with the best[/bold]: {promotion(record)}", highlight=False)
     if record.metrics:
         console.print("[bold]metrics[/bold] (median; ± max-min): " + ", ".join(
-            f"{k} {_num(v)}" + (f" ± {_num(record.spread[k])}" if k in record.spread else "")
+            f"{k} {num(v)}" + (f" ± {num(record.spread[k])}" if k in record.spread else "")
             for k, v in record.metrics.items() if isinstance(v, (int, float))), highlight=False)
     for hint in record.hints:
         console.print(f"hint {hint['code']}: {hint['message']}", highlight=False, markup=False)

@@ -27,7 +27,7 @@ class RunSetupError(ValueError):
 
 
 def _loop(target: Target, state: RunState, history: History, run_dir: Path, workspaces: Path,
-          on_event: Callable[..., None], time_limit_s: float) -> Loop:
+          on_event: Callable[..., None], time_limit_s: float | None) -> Loop:
     config = state.config
     target.runtime()  # builds (and caches) the model files here: the sandbox cannot write them
     engine_devices = CostModel.from_spec(target.spec).engine_devices if target.simulated else 1
@@ -35,7 +35,7 @@ def _loop(target: Target, state: RunState, history: History, run_dir: Path, work
         sandbox = Sandbox.detect(config.sandbox)
     except SandboxUnavailable as error:
         raise RunSetupError(str(error)) from None
-    session = Session(target, sandbox, Limits(time_s=time_limit_s))
+    session = Session(target, sandbox, Limits.of(target, time_limit_s))
     try:
         agents = make_agents(config.agents, session, engine_devices=engine_devices, seed=config.seed, repeat=config.repeat,
                              llm=config.llm)
@@ -68,7 +68,7 @@ def _check_backend(agents: str, llm: dict) -> None:
 
 def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, policy: str, agents: str, seed: int,
               max_minutes: float | None, max_attempts: int, repeat: int | None, starter: str, sandbox: str, simulate: bool,
-              time_limit_s: float, on_event: Callable[..., None], llm: dict | None = None,
+              time_limit_s: float | None, on_event: Callable[..., None], llm: dict | None = None,
               max_cost: float | None = None, max_tokens: int | None = None) -> Loop:
     try:
         resolved = Target.load(target, simulate=simulate)
@@ -97,7 +97,7 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
 
 
 def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | None, max_minutes: float | None,
-               time_limit_s: float, on_event: Callable[..., None], max_cost: float | None = None,
+               time_limit_s: float | None, on_event: Callable[..., None], max_cost: float | None = None,
                max_tokens: int | None = None) -> Loop:
     run_dir, workspaces = run_dir.resolve(), workspaces.resolve()  # git and the sandbox run elsewhere
     if not run_dir.exists():

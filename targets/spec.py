@@ -331,6 +331,22 @@ class SimulatorSpec(Strict):
         default="continuous", description="continuous: requests join the running batch (vLLM); static: a batch runs to its end first")
 
 
+class LimitsSpec(Strict):
+    """What the judge's child process (harness, reference model, candidate processes) may use. Unset,
+    they follow the model's size: host memory holds a float32 reference copy, the trainer's offloaded
+    float32 state (weights, gradients, AdamW moments) and the weight snapshots the audit replays
+    training from, about 40 bytes per parameter over a 12 GB base; time grows with billions of parameters."""
+
+    host_memory_mb: float | None = Field(default=None, gt=0, description="resident memory of the child's process tree")
+    time_s: float | None = Field(default=None, gt=0, description="seconds one child run (a check, a measurement) may take")
+
+    def resolved(self, parameters: int) -> tuple[float, float]:
+        """(host memory in MB, seconds) for a model of ``parameters``."""
+        memory = self.host_memory_mb or 12_000 + 40 * parameters / 1e6
+        seconds = self.time_s or 600 * max(1.0, parameters / 1e9)
+        return memory, seconds
+
+
 class HeadlineMetric(Strict):
     name: str
     direction: Literal["maximize", "minimize"]
@@ -348,6 +364,7 @@ class TargetSpec(Strict):
     baselines: list[BaselineSpec] = Field(min_length=1)
     accuracy: AccuracySpec = AccuracySpec()
     simulator: SimulatorSpec = SimulatorSpec()
+    limits: LimitsSpec = LimitsSpec()
 
     @model_validator(mode="after")
     def _baselines_fit(self) -> "TargetSpec":

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import shutil
 import socket
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -156,6 +159,40 @@ def test_a_peer_that_said_done_and_exited_is_heard_even_if_a_write_to_it_fails_f
     assert kinds == ["done"] and len(lost) == 1
 
 
+
+def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_channel_lives():
+    """The controller finished with generates in flight: the harness cancels their waiters, and the
+    cluster's answers arrive afterwards. They must not take the cluster channel down (a CI run failed
+    a candidate with 'the peer closed the channel (invalid state)')."""
+    from targets.api import Completion, Device, GenerateRequest, SamplingParams
+    from targets.harness.remote import RemoteCluster
+    from targets.harness.wire import put_completion
+
+    async def main():
+        a, b = _pair()
+        cluster = RemoteCluster(await AsyncChannel.over(a), [Device("cpu:0", "cpu", 0)])
+        cluster.start()
+        peer = SyncChannel(b)
+        request = GenerateRequest("e0", 0, [1, 2], SamplingParams(max_new_tokens=2))
+        abandoned = asyncio.create_task(cluster.generate(request))
+        await asyncio.sleep(0.01)
+        first = await asyncio.to_thread(peer.recv)
+        abandoned.cancel()
+        await asyncio.sleep(0.01)
+        answer = Frame(id=first["id"])
+        answer.header["completion"] = put_completion(answer, Completion([3, 4], [-0.1, -0.2], "length", 0, "e"))
+        peer.send(answer)  # too late: its caller is gone
+        second = asyncio.create_task(cluster.generate(request))
+        rx = await asyncio.to_thread(peer.recv)
+        reply = Frame(id=rx["id"])
+        reply.header["completion"] = put_completion(reply, Completion([5], [-0.3], "stop", 0, "e"))
+        peer.send(reply)
+        return cluster._lost, await second
+
+    lost, completion = asyncio.run(main())
+    assert lost is None and completion.tokens == [5]
+
+
 # -- the sandbox refuses to fall back silently -------------------------------------------------------------
 
 def test_auto_refuses_to_run_candidates_unisolated(monkeypatch):
@@ -166,3 +203,52 @@ def test_auto_refuses_to_run_candidates_unisolated(monkeypatch):
     with pytest.raises(sandbox.SandboxUnavailable, match="--sandbox subprocess"):
         sandbox.Sandbox.detect("auto")
     assert sandbox.Sandbox.detect("subprocess").backend == "subprocess"
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_bubblewrap_binds_the_gpu_device_nodes_only_when_asked_and_keeps_writes_in(monkeypatch, tmp_path):
+    """On a GPU target the candidate gets the NVIDIA device nodes; here a host character device not
+    in bubblewrap's own /dev stands in for them (tests/test_gpu.py runs CUDA inside the sandbox)."""
+    from targets.harness import sandbox
+
+    node = next((n for n in ("/dev/vcs", "/dev/kmsg", "/dev/loop0", "/dev/vda") if os.path.exists(n)), None)
+    if node is None:
+        pytest.skip("no spare host device node to stand in for a GPU")
+    monkeypatch.setattr(sandbox, "gpu_device_nodes", lambda: [node])
+    box, work = sandbox.Sandbox("bubblewrap"), tmp_path / "work"
+    work.mkdir()
+    outside = Path(sandbox.__file__).resolve().parents[2] / "written-from-the-sandbox"  # the checkout: mounted read-only
+    probe = f"test -c {node} && echo sees-device; touch {work}/ok && echo wrote-inside; touch {outside} || echo refused-outside"
+    for gpus, sees in ((True, True), (False, False)):
+        command, env = box.wrap(["/bin/sh", "-c", probe], dict(os.environ), writable=[work], gpus=gpus)
+        done = subprocess.run(command, capture_output=True, text=True, env=env or None, timeout=60, check=False)
+        assert ("sees-device" in done.stdout) is sees, (gpus, done.stdout, done.stderr)
+        assert "wrote-inside" in done.stdout and "refused-outside" in done.stdout, done.stdout
+        assert not outside.exists()
+
+
+# -- device memory, as the harness samples it ------------------------------------------------------------
+
+def test_device_memory_is_sampled_on_the_visible_gpus_and_keeps_the_peak(monkeypatch):
+    """NVML numbers devices physically: with CUDA_VISIBLE_DEVICES=3,5 the target's devices 0 and 1
+    are GPUs 3 and 5. A fake NVML whose GPU 5 fills up and empties again: the peak stays."""
+    import sys
+    import time
+    import types
+
+    from targets.harness.device_memory import DeviceMemoryMonitor
+
+    used = {3: 100 << 20, 5: 200 << 20}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=used[handle]))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with DeviceMemoryMonitor(2, interval_s=0.005) as monitor:
+        used[5] = 9000 << 20
+        time.sleep(0.05)
+        used[5] = 300 << 20
+    assert monitor.peaks_mb == {0: 100.0, 1: 9000.0}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(RuntimeError, match="shows 1 GPU"):
+        DeviceMemoryMonitor(2).__enter__()

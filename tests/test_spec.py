@@ -21,8 +21,8 @@ def _error(data: dict) -> str:
     return str(caught.value)
 
 
-def test_catalog_has_the_three_targets():
-    assert catalog_ids() == ["qwen3-235b-a22b-h800x160", "qwen3-8b-h100x8", "tiny-qwen3-cpu"]
+def test_catalog_has_the_four_targets():
+    assert catalog_ids() == ["qwen3-0.6b-h100x1", "qwen3-235b-a22b-h800x160", "qwen3-8b-h100x8", "tiny-qwen3-cpu"]
     big = load_target("qwen3-235b-a22b-h800x160")
     assert big.hardware.kind == "h800" and big.hardware.count == 160
     assert big.workload.turns.max == 100 and big.workload.tokens.max_sequence == 65536
@@ -37,7 +37,8 @@ def test_computed_param_counts_match_the_built_model(tiny_spec, tiny_model):
     assert tiny_spec.model.param_counts().total == sum(p.numel() for p in tiny_model.parameters())
 
 
-@pytest.mark.parametrize("target, total, active", [("qwen3-8b-h100x8", 8.19e9, 8.19e9), ("qwen3-235b-a22b-h800x160", 235e9, 22e9)])
+@pytest.mark.parametrize("target, total, active", [("qwen3-0.6b-h100x1", 0.596e9, 0.596e9), ("qwen3-8b-h100x8", 8.19e9, 8.19e9),
+                                                   ("qwen3-235b-a22b-h800x160", 235e9, 22e9)])
 def test_computed_param_counts_match_published_sizes(target, total, active):
     spec = load_target(target)
     computed = spec.model.model_copy(update={"params": None}).param_counts()
@@ -163,3 +164,26 @@ def test_cli_starter_writes_a_candidate_and_refuses_bad_input(tmp_path):
     assert again.exit_code == 2 and "already exists" in again.output
     unknown = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "d"), "--controller", "round_robin"])
     assert unknown.exit_code == 2 and "unknown controller 'round_robin'" in unknown.output
+
+
+def test_a_gpu_target_forced_real_without_a_gpu_fails_with_one_clear_message(tmp_path):
+    data = yaml.safe_load((Path(__file__).parents[1] / "targets" / "catalog" / "qwen3-0.6b-h100x1.yaml").read_text())
+    data["execution"] = "real"
+    path = tmp_path / "forced.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["check", str(path)])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "executes for real on 1 h100 GPU(s), and this machine has 0" in said and "Traceback" not in said
+
+
+def test_limits_follow_the_model_size_unless_stated(catalog_yaml):
+    from targets.harness.launch import Limits
+    from targets.harness.target import Target
+
+    assert load_target("qwen3-0.6b-h100x1").limits.resolved(596_049_920) == (36_000, 900)  # stated
+    assert parse_target(catalog_yaml).limits.resolved(8_190_000_000) == (12_000 + 40 * 8190, 600 * 8.19)  # sized by the model
+    tiny = Limits.of(Target.load("tiny-qwen3-cpu"))
+    assert tiny.memory_mb == pytest.approx(12_000 + 40 * 0.402304) and tiny.time_s == 600
+    assert Limits.of(Target.load("qwen3-8b-h100x8", simulate=True)).time_s == 600  # simulated: a tiny proxy runs here
+    assert Limits.of(Target.load("tiny-qwen3-cpu"), time_s=30).time_s == 30

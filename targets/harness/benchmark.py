@@ -25,17 +25,18 @@ from targets.spec import TargetSpec
 
 SUMMARIZED = ("goodput", "rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "mean_device_busy",
               "shrink_s", "expand_s", "sync_s", "train_s", "aborted_turns", "lower_bound_step_s", "lower_bound_fraction",
-              "peak_process_memory_mb", "peak_kv_fraction")
+              "peak_process_memory_mb", "peak_device_memory_mb", "peak_kv_fraction")
 PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does not change what they measure
 
 
 def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) -> dict:
     """Everything the benchmark reports for one run, from the harness trace (and the child's
-    resource figures: peak process memory for real runs, peak KV use for simulated ones)."""
+    resource figures: peak process memory for real runs, and peak memory per GPU on a GPU target;
+    peak KV use for simulated ones)."""
     devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
     metrics = compute_metrics(events, devices) | step_lower_bound(spec, CostModel.from_spec(spec), events)
     metrics["lower_bound_fraction"] = metrics["lower_bound_step_s"] / metrics["step_time_s"] if metrics["step_time_s"] else 0.0
-    for key in ("peak_process_memory_mb", "peak_kv_fraction"):
+    for key in ("peak_process_memory_mb", "peak_device_memory_mb", "device_memory_mb", "peak_kv_fraction"):
         if key in child_result:
             metrics[key] = child_result[key]
     return metrics

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -84,8 +85,13 @@ def run_system(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, see
             weights[0] = {k: v.detach().cpu().clone() for k, v in target.reference_model().state_dict().items()}
 
         try:
-            summary = asyncio.run(drive_real(target.spec, target.runtime(), processes, steps, seed, trace, weights, mark,
-                                             while_starting=version_zero))
+            with device_memory(target) as monitor:
+                summary = asyncio.run(drive_real(target.spec, target.runtime(), processes, steps, seed, trace, weights, mark,
+                                                 while_starting=version_zero))
+            if monitor is not None:
+                kind = target.spec.hardware.kind
+                summary["device_memory_mb"] = {f"{kind}:{i}": mb for i, mb in monitor.peaks_mb.items()}
+                summary["peak_device_memory_mb"] = max(monitor.peaks_mb.values())
         finally:
             trace.save(out / "trace.jsonl")
             (out / "weights").mkdir(exist_ok=True)
@@ -95,6 +101,15 @@ def run_system(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, see
         processes.stop()
     peak_kb = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     return {**summary, "peak_process_memory_mb": peak_kb / 1024}
+
+
+def device_memory(target: Target):
+    """NVML sampling of the GPUs for a GPU target's real run; nothing to sample on CPU."""
+    if not target.gpu:
+        return contextlib.nullcontext()
+    from targets.harness.device_memory import DeviceMemoryMonitor
+
+    return DeviceMemoryMonitor(target.spec.hardware.count)
 
 
 def run_audit(target: Target, out: Path, steps: int) -> dict:

@@ -32,6 +32,14 @@ class Limits:
     memory_mb: float = 12_000.0  # resident memory of the whole process tree
     processes: int = 128  # Ray itself runs a few dozen
 
+    @classmethod
+    def of(cls, target: Target, time_s: float | None = None) -> "Limits":
+        """The target's ``limits`` (by default sized by its model; a simulated target runs a tiny
+        proxy model here), the time overridden when given."""
+        parameters = 0 if target.simulated else int(target.spec.model.param_counts().total)
+        memory_mb, seconds = target.spec.limits.resolved(parameters)
+        return cls(time_s=time_s or seconds, memory_mb=memory_mb)
+
 
 @dataclass
 class HarnessRun:

@@ -1,0 +1,161 @@
+"""The stack's components on one device, side by side in one run, against the device's own limits:
+the paged engine's decode tokens/s vs transformers ``generate`` and as a fraction of the HBM roofline,
+its prefill tokens/s, the FSDP2 trainer's step time and MFU, the in-process weight sync, and sleep
+and wake, each also as a fraction of a train step. Meant for the GPU target; ``--device cpu`` runs
+the same code on the tiny CPU target (a smoke run: CPU numbers say nothing about a GPU).
+
+    python benchmarks/gpu_components.py [--target qwen3-0.6b-h100x1] [--batch 64] [--new-tokens 256]
+
+Roofline of a decode iteration: every running sequence's next token needs the weights read once
+(shared by the batch) and its own KV read once, so tokens/s <= batch x HBM bandwidth / (weight bytes
++ the batch's KV bytes). Goals (issue "Real on a GPU"): decode >= 50% of it at batch 64; a sync of
+0.6B under 0.5 s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from skills.recipes.fsdp_trainer import FSDPTrainer
+from skills.recipes.kv_cache import KVPool
+from skills.recipes.paged_engine import PagedEngine
+from targets.api import SamplingParams, TrainBatch, Trajectory
+from targets.harness.accuracy import fixed_prompts
+from targets.harness.model import load_model, model_dir
+from targets.spec import load_target
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], repeat: int, device: str) -> list[float]:
+    fn()  # warm-up (CUDA graphs, FlashInfer plans, allocator)
+    times = []
+    for _ in range(repeat):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _batch(prompts: list[list[int]], new_tokens: int) -> TrainBatch:
+    """GRPO-shaped: prompt tokens masked out, response tokens with behaviour logprobs, +-1 advantages."""
+    trajectories = []
+    for i, prompt in enumerate(prompts):
+        response = [(7 * i + j) % 50 + 1 for j in range(new_tokens)]
+        trajectories.append(Trajectory(f"e{i}", f"g{i // 8}", prompt + response, [0] * len(prompt) + [1] * new_tokens,
+                                       [0.0] * len(prompt) + [-2.0] * new_tokens, float(i % 2), [0]))
+    return TrainBatch(trajectories, [1.0 if i % 2 else -1.0 for i in range(len(prompts))])
+
+
+def main(target: str = "qwen3-0.6b-h100x1", device: str = "cuda:0", batch: int = 64, prompt_tokens: int = 128,
+         new_tokens: int = 256, train_batch: int = 32, repeat: int = 3) -> None:
+    spec = load_target(target)
+    hardware = spec.hardware
+    path = str(model_dir(spec.model))
+    dtype = spec.model.dtype
+    console = Console()
+    prompts = [(p * prompt_tokens)[:prompt_tokens] for p in fixed_prompts(batch)]  # equal lengths: no padding for HF
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)  # no stop tokens: exactly new_tokens each
+
+    console.print(f"[bold]{target}[/bold] on {device} ({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'cpu'})")
+    engine = PagedEngine(path, dtype, device=device, kv_tokens=batch * (prompt_tokens + new_tokens) * 2, max_batch=batch)
+    parameters = sum(t.numel() for name, t in engine.weights.items() if name != "lm_head.weight" or not spec.model.config.tie_word_embeddings)
+    weight_bytes = parameters * torch.empty(0, dtype=engine.dtype).element_size()
+    kv_per_token = KVPool.bytes_per_token(engine.model.layers, engine.model.kv_heads, engine.model.head_dim, engine.dtype)
+
+    def decode() -> None:
+        out = engine.generate(prompts, greedy)
+        assert all(len(c.tokens) == new_tokens for c in out)
+
+    prefill_params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    engine_times = _timed(decode, repeat, device)
+    prefill_times = _timed(lambda: engine.generate(prompts, prefill_params), repeat, device)
+
+    reference = load_model(model_dir(spec.model), dtype).to(device)
+    input_ids = torch.tensor(prompts, device=device)
+
+    @torch.inference_mode()
+    def hf_generate() -> None:
+        out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                 output_logits=True, return_dict_in_generate=True)  # logits too: the engine returns logprobs
+        assert out.sequences.shape[1] == prompt_tokens + new_tokens
+
+    hf_times = _timed(hf_generate, repeat, device)
+    reference = None  # its GPU memory back before the trainer starts
+    decode_s = statistics.median(engine_times) - statistics.median(prefill_times)  # the decode iterations alone
+    mean_context = prompt_tokens + new_tokens / 2
+    roofline = batch * hardware.hbm_bandwidth_gbs * 1e9 / (weight_bytes + batch * mean_context * kv_per_token)
+    decode_rate = batch * (new_tokens - 1) / decode_s
+
+    # sleep and wake, then the trainer beside the sleeping engine (as the local cluster runs them)
+    sleep_times, wake_times = [], []
+    for _ in range(repeat):
+        _synchronize(device)
+        start = time.perf_counter()
+        engine.sleep(["weights", "kv_cache"])
+        _synchronize(device)
+        sleep_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        engine.wake(["weights"])
+        engine.wake(["kv_cache"])
+        _synchronize(device)
+        wake_times.append(time.perf_counter() - start)
+    engine.sleep(["weights", "kv_cache"])
+
+    trainer = FSDPTrainer(path, spec.workload.training.config(), dtype, device, micro_batch_tokens=8192)
+    train_data = _batch(prompts[:train_batch], new_tokens)
+    train_times = _timed(lambda: trainer.train_step(train_data), repeat, device)
+    tokens = sum(len(t.tokens) for t in train_data.trajectories)
+    train_s = statistics.median(train_times)
+    checkpointing = device.startswith("cuda")  # one more forward per layer in the backward
+    flops = (8 if checkpointing else 6) * parameters * tokens
+    mfu = flops / train_s / (hardware.bf16_tflops * 1e12)
+
+    engine.wake(["weights"])
+
+    def sync() -> None:
+        engine.load_weights(trainer.device_state(), trainer.version)
+
+    sync_times = _timed(sync, repeat, device)
+    trainer.close()
+
+    table = Table(title=f"{target}: {parameters / 1e9:.3g}B parameters, {dtype}; decode batch {batch} x {new_tokens} new tokens "
+                        f"after {prompt_tokens}; train batch {train_batch}; {repeat} repeats (median, spread)")
+    for column in ("what", "median", "spread", "figure", "vs"):
+        table.add_column(column, justify="right")
+
+    def spread(times: list[float]) -> str:
+        return f"{max(times) - min(times):.3f} s"
+
+    hf_rate = batch * new_tokens / statistics.median(hf_times)
+    engine_rate = batch * new_tokens / statistics.median(engine_times)
+    table.add_row("transformers generate", f"{statistics.median(hf_times):.3f} s", spread(hf_times), f"{hf_rate:,.0f} tok/s", "1.00x")
+    table.add_row("paged engine, whole run", f"{statistics.median(engine_times):.3f} s", spread(engine_times),
+                  f"{engine_rate:,.0f} tok/s", f"{engine_rate / hf_rate:.2f}x transformers")
+    table.add_row("paged engine, decode only", f"{decode_s:.3f} s", "-", f"{decode_rate:,.0f} tok/s",
+                  f"{decode_rate / roofline:.0%} of roofline {roofline:,.0f} tok/s")
+    prefill_s = statistics.median(prefill_times)
+    table.add_row("prefill", f"{prefill_s:.3f} s", spread(prefill_times), f"{batch * prompt_tokens / prefill_s:,.0f} tok/s", "")
+    table.add_row("train step", f"{train_s:.3f} s", spread(train_times), f"{tokens:,} tokens",
+                  f"MFU {mfu:.1%} of {hardware.bf16_tflops:g} TFLOP/s")
+    for name, times in (("weight sync (in place)", sync_times), ("sleep (weights + KV)", sleep_times), ("wake", wake_times)):
+        median = statistics.median(times)
+        table.add_row(name, f"{median:.3f} s", spread(times), "", f"{median / train_s:.0%} of a train step")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    typer.run(main)

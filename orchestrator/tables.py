@@ -1,0 +1,140 @@
+"""The tables the commands print: checks, the benchmark and its mechanism costs, the live view of
+``generate``, and a run's rounds. Building them here keeps ``cli.py`` to the commands themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich import box
+from rich.table import Table
+
+from targets.spec import TargetSpec
+
+
+def checks_table(results) -> Table:
+    table = Table(title="checks")
+    for column in ("check", "verdict", "reasons"):
+        table.add_column(column, overflow="fold")
+    for r in results:
+        table.add_row(r.name, "[green]pass[/green]" if r.passed else "[red]FAIL[/red]", "\n".join(r.reasons) or "-")
+    return table
+
+
+def num(value: float) -> str:
+    """Three significant figures without exponents (0.721, 42.5, 2523)."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
+    first = runs[0]
+    clock = "simulated seconds" if simulated else "wall seconds"
+    headline = spec.headline_metric.name
+    table = Table(title=f"{spec.id}: median of {repeat} (±max-min), {clock}", box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.add_column("schedule", no_wrap=True)
+    for column in (headline, "ratio [95% CI]", "traj/s", "step s", "LB", "timeouts", "busy"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for run in runs:
+        m = run.median
+        if run.paired is None:
+            ratio = "1.00x"
+        else:
+            p = run.paired
+            ratio = f"{p.ratio:.2f}x [{p.low:.2f}, {p.high:.2f}]" if p.high is not None else f"{p.ratio:.2f}x [n=1]"
+        table.add_row(
+            run.name, f"{num(m(headline))}±{num(run.spread(headline))}", ratio, num(m("rollout_throughput")),
+            num(m("step_time_s")), f"{m('lower_bound_fraction'):.0%}", f"{m('timeout_ratio'):.0%}", f"{m('mean_device_busy'):.0%}",
+        )
+    table.caption = (f"{headline}: trajectories trained on that did not time out, per second; ratio: {headline} over "
+                     f"{first.name}'s, paired by seed; traj/s: rollout throughput; LB: the step's fluid lower bound over its step time")
+    return table
+
+
+def costs_table(runs, simulated: bool) -> Table:
+    memory = ("peak KV", "peak_kv_fraction", "{:.0%}") if simulated else ("peak MB", "peak_process_memory_mb", "{:.0f}")
+    costs = Table(title=f"mechanism costs (median seconds per event; {memory[0]})", box=box.SIMPLE_HEAD)
+    costs.add_column("schedule", no_wrap=True)
+    gpu = any(run.has("peak_device_memory_mb") for run in runs)
+    for column in ("shrink", "expand", "sync", "train", "aborted turns", memory[0], *(["peak GPU MB"] if gpu else [])):
+        costs.add_column(column, justify="right", no_wrap=True)
+    for run in runs:
+        m = run.median
+        peak = memory[2].format(m(memory[1])) if run.has(memory[1]) else "-"
+        device = [f"{m('peak_device_memory_mb'):.0f}" if run.has("peak_device_memory_mb") else "-"] if gpu else []
+        costs.add_row(run.name, f"{m('shrink_s'):.3f}", f"{m('expand_s'):.3f}", f"{m('sync_s'):.3f}", f"{m('train_s'):.3f}",
+                      f"{m('aborted_turns'):.0f}", peak, *device)
+    return costs
+
+
+def paired_cell(paired: dict | None) -> str:
+    """'+36% [+6%, +76%]': the candidate over the best, paired by seed, with its 95% interval."""
+    if not paired:
+        return "-"
+    interval = "unbounded" if paired["high"] is None else f"{paired['low'] - 1:+.0%}, {paired['high'] - 1:+.0%}"
+    return f"{paired['ratio'] - 1:+.0%} [{interval}]"
+
+
+class RoundsView:
+    """The live display of ``vibetrain generate``: one row per finished round, the current one below."""
+
+    def __init__(self, spec: TargetSpec) -> None:
+        self.spec, self.rows, self.status = spec, [], "starting"
+
+    def render(self) -> Table:
+        metric = self.spec.headline_metric.name
+        table = Table(title=f"vibetrain generate {self.spec.id}", box=box.SIMPLE_HEAD, caption=self.status)
+        for column in ("round", "task", "verdict", metric, "vs best, paired [95%]", "best"):
+            table.add_column(column, overflow="fold", justify="right" if column in ("round", metric) else "left")
+        for row in self.rows[-15:]:
+            table.add_row(*row)
+        return table
+
+    def event(self, kind: str, **data) -> None:
+        if kind == "setup":
+            self.status = f"sandbox: {data['sandbox']}; {'simulated' if data['simulated'] else 'real'} execution"
+        elif kind == "round_start":
+            self.status = f"round {data['round']}: {data['task'].title} (from round {data['parent']})"
+        elif kind == "verdict":
+            verdict = "passed" if data["passed"] else "failed: " + "; ".join(data["reasons"][:2])
+            self.status = f"round {data['round']} attempt {data['attempt']}: judge {verdict}"
+        elif kind == "round_end":
+            r, best = data["record"], data["best"]
+            colour = {"accepted": "green", "rejected": "red"}.get(r.verdict, "yellow")
+            value = num(r.headline) if r.headline is not None else "-"
+            self.rows.append((str(r.round), r.task.title, f"[{colour}]{r.verdict}[/{colour}]" + (" *" if r.became_best else ""),
+                              value, paired_cell(r.paired), f"round {best.round}: {num(best.headline)}" if best else "-"))
+        elif kind in ("budget", "recovered"):
+            self.status = data.get("reason") or f"recovered round {data['round']} from git"
+
+
+def promotion(record) -> str:
+    """"promoted" or "not promoted", with the paired ratio against the best and its interval."""
+    from targets.harness.session import Paired
+
+    verb = "promoted" if record.became_best else "not promoted"
+    return f"{verb}: {Paired(**record.paired).describe()}"
+
+
+def rounds_table(run: Path, state) -> Table:
+    """A run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with reasons."""
+    table = Table(title=f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("round", justify="right", no_wrap=True)
+    table.add_column("task", overflow="fold", ratio=3)
+    for column in ("verdict", "headline", "vs parent", "commit"):
+        table.add_column(column, no_wrap=True)
+    llm = any(r.llm for r in state.rounds)
+    if llm:
+        table.add_column("tokens in/out", no_wrap=True)
+        table.add_column("cost $", no_wrap=True)
+    table.add_column("reasons / hints", overflow="fold", ratio=4)
+    for r in state.rounds:
+        delta = f"{r.headline / r.parent_headline - 1:+.1%}" if r.headline and r.parent_headline else "-"
+        detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["code"] for h in r.hints)
+        if r.verdict == "accepted" and r.paired is not None:
+            detail = f"{promotion(r)}; {detail}" if detail else promotion(r)
+        verdict = r.verdict + (" (best)" if r.round == state.best_round else "")
+        usage = ([f"{r.llm.get('input_tokens', 0)}/{r.llm.get('output_tokens', 0)}", f"{r.llm.get('cost_usd', 0.0):.4f}"]
+                 if llm else [])
+        table.add_row(str(r.round), r.task.title, verdict, num(r.headline) if r.headline is not None else "-", delta,
+                      (r.commit or "-")[:8], *usage, detail or "-")
+    return table

@@ -1,0 +1,52 @@
+"""Peak memory on each GPU during a system run, sampled by the harness itself through NVML: what
+the candidate's processes report about themselves is not evidence, and they may be several (an
+engine and a trainer rank on one GPU show up here together)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+
+class DeviceMemoryMonitor:
+    """``with DeviceMemoryMonitor(count) as monitor: ...``, then ``monitor.peaks_mb`` maps device
+    index to the most memory in use on it at any sample (all processes together)."""
+
+    def __init__(self, count: int, interval_s: float = 0.1) -> None:
+        self.count, self.interval_s = count, interval_s
+        self.peaks_mb: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "DeviceMemoryMonitor":
+        try:
+            import pynvml
+        except ImportError:
+            raise RuntimeError("a GPU target's run samples device memory through NVML: install nvidia-ml-py") from None
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = [int(i) for i in visible.split(",")] if visible else list(range(self.count))
+        if len(physical) < self.count:
+            raise RuntimeError(f"CUDA_VISIBLE_DEVICES={visible} shows {len(physical)} GPU(s); the target has {self.count}")
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in physical[: self.count]]
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="device-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        for index, handle in enumerate(self._handles):
+            used = self._nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+            self.peaks_mb[index] = max(self.peaks_mb.get(index, 0.0), used)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+        self._nvml.nvmlShutdown()

@@ -145,9 +145,10 @@ class History:
         self.repo.git.update_ref(f"refs/vibetrain/rounds/{number}", commit)
         return commit
 
-    def commit_rejected(self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict]) -> str:
-        message = f"Round {number} (rejected): {subject}\n\n{trailers.lines()}\n"
-        commit = self._commit_workspace(workspace, message, records)
+    def commit_rejected(self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict],
+                        body: str = "") -> str:
+        parts = [f"Round {number} (rejected): {subject}", body.strip(), trailers.lines()]
+        commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
         self.repo.git.update_ref(f"refs/vibetrain/rejected/{number}", commit)
         return commit
 

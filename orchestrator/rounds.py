@@ -167,10 +167,11 @@ class Loop:
             record.attempts = attempt
             try:
                 if record.round == 0:
-                    self.agents.implementer.starter(workspace, self.state.config.starter)
+                    change = self.agents.implementer.starter(workspace, self.state.config.starter)
                 else:
                     parent = self.state.record(record.parent_round)
-                    self.agents.implementer.implement(record.task, workspace, feedback, parent.hints if parent else [])
+                    change = self.agents.implementer.implement(record.task, workspace, feedback, parent.hints if parent else [])
+                record.account = change.summary
             except AgentError as error:  # this attempt ends; the next one is told why
                 verdict = Verdict(False, [f"attempt {attempt}: {type(error).__name__}: {error}"], [])
                 record.reasons = verdict.reasons
@@ -196,7 +197,8 @@ class Loop:
         metric = self.spec.headline_metric.name
         trailers = Trailers(record.round, record.task.id, self.agents.backend, "accepted",
                             f"{metric}={evaluation.headline:.6g}", self._parent_metric(record))
-        body = f"{record.task.rationale}\n\n{self.promotion(record)}\n\nHints: " + ("; ".join(h.message for h in evaluation.hints) or "none")
+        body = (f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{self.promotion(record)}\n\nHints: "
+                + ("; ".join(h.message for h in evaluation.hints) or "none"))
         record.commit = self.history.commit_validated(workspace, record.round, record.task.title, trailers,
                                                       {"round.json": record.model_dump(mode="json")}, body)
         if evaluation.trace_path is not None:
@@ -210,7 +212,8 @@ class Loop:
         trailers = Trailers(record.round, record.task.id, self.agents.backend, "rejected", "none", self._parent_metric(record))
         record.commit = self.history.commit_rejected(workspace, record.round, record.task.title, trailers,
                                                      {"judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
-                                                      "round.json": record.model_dump(mode="json")})
+                                                      "round.json": record.model_dump(mode="json")},
+                                                     f"{record.task.rationale}\n\nImplementer: {record.account or '(no attempt)'}")
 
     def _parent_metric(self, record: RoundRecord) -> str:
         if record.parent_headline is None:
@@ -255,7 +258,7 @@ class Loop:
             metric = self.spec.headline_metric.name
             parent = f" (parent {record.parent_headline:.4g})" if record.parent_headline is not None else ""
             doc.decisions.append(f"Round {record.round}: {task.title}. Why: {task.rationale}. "
-                                 f"Measured {metric} {record.headline:.4g}{parent}.")
+                                 f"Change: {record.account}. Measured {metric} {record.headline:.4g}{parent}.")
             doc.findings += [f"Round {record.round}: {h['message']} [{h['code']}]" for h in record.hints]
         for pending in self.state.backlog:
             if not doc.step(pending.id):

@@ -59,6 +59,7 @@ class RoundRecord(BaseModel):
     profile: str = ""  # the harness's view of where the median repeat's time went, per call
     llm: dict = {}  # this round's LLM calls, tokens and cost (an LLM backend only)
     reasons: list[str] = []
+    account: str = ""  # the implementer's own account of its last attempt's change
     attempts: int = 0
     seconds: float = 0.0
     became_best: bool = False

@@ -201,6 +201,8 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
     repo = git.Repo(run)
     commit = repo.commit(state.record(1).commit)
     assert f"Agent-Backend: {provider}" in commit.message
+    assert "Implementer: static_split: 1 rollout + 1 train device" in commit.message  # the agent's own account
+    assert "Change: static_split: 1 rollout + 1 train device" in repo.git.show(f"{commit.hexsha}:DESIGN.md")
     assert json.loads(repo.git.show(f"{commit.hexsha}:stack/params.json"))["controller"] == "static_split"
     assert any(h["code"] == "llm_note" for h in state.record(1).hints)
     calls = 6 if provider == "openai" else 5  # implementer 3, judge, evaluator (+ the planner)

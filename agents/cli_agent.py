@@ -26,7 +26,10 @@ class CLIImplementer:
         if tool not in COMMANDS:
             raise AgentError(f"unknown coding-agent CLI {tool!r}; known: {', '.join(COMMANDS)}")
         if shutil.which(tool) is None:
-            raise AgentError(f"the {tool} CLI is not installed (no `{tool}` on PATH); install it, or use --agents openai/anthropic/offline")
+            raise AgentError(
+                f"the {tool} CLI is not installed (no `{tool}` on PATH); install it, or use --agents "
+                "openai/anthropic/offline"
+            )
         self.spec, self.tool, self.accounting, self.timeout_s = spec, tool, accounting, timeout_s
         self.offline = None
 
@@ -36,11 +39,15 @@ class CLIImplementer:
     def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
         prompt = implementer_prompt(self.spec, task, workspace, feedback, hints)
         try:
-            result = subprocess.run(COMMANDS[self.tool](prompt), cwd=workspace, capture_output=True, text=True, timeout=self.timeout_s)
+            result = subprocess.run(
+                COMMANDS[self.tool](prompt), cwd=workspace, capture_output=True, text=True, timeout=self.timeout_s
+            )
         except subprocess.TimeoutExpired:
             raise AgentError(f"the {self.tool} CLI ran past {self.timeout_s:g}s") from None
         if result.returncode != 0:
-            raise AgentError(f"the {self.tool} CLI exited with {result.returncode}: {(result.stderr or result.stdout)[-400:]}")
+            raise AgentError(
+                f"the {self.tool} CLI exited with {result.returncode}: {(result.stderr or result.stdout)[-400:]}"
+            )
         summary = self._summary(result.stdout)
         for path in sorted((workspace / "stack").rglob("*.py")):
             expand_file(path)
@@ -61,7 +68,9 @@ class CLIImplementer:
                 raise AgentError(f"the {self.tool} CLI printed no JSON: {stdout[-300:]!r}") from None
         final = events[-1]
         usage = final.get("usage") or {}
-        self.accounting.add_reported(usage.get("input_tokens", 0), usage.get("output_tokens", 0), final.get("total_cost_usd", 0.0))
+        self.accounting.add_reported(
+            usage.get("input_tokens", 0), usage.get("output_tokens", 0), final.get("total_cost_usd", 0.0)
+        )
         if final.get("is_error"):
             raise AgentError(f"the {self.tool} CLI reported an error: {final.get('result', final)!r}")
         text = final.get("result") or final.get("message") or final.get("text") or json.dumps(final)

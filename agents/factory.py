@@ -31,12 +31,16 @@ def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
         data = yaml.safe_load(Path(path).read_text()) or {}
         for model, pair in data.items():
             if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, (int, float)) for x in pair)):
-                raise ValueError(f"{path}: price of {model!r} must be [input, output] USD per million tokens, got {pair!r}")
+                raise ValueError(
+                    f"{path}: price of {model!r} must be [input, output] USD per million tokens, got {pair!r}"
+                )
             prices[model] = (float(pair[0]), float(pair[1]))
     return prices
 
 
-def make_agents(backend: str, session: Session, *, engine_devices: int, seed: int, repeat: int, llm: dict | None = None) -> Agents:
+def make_agents(
+    backend: str, session: Session, *, engine_devices: int, seed: int, repeat: int, llm: dict | None = None
+) -> Agents:
     if backend not in BACKENDS:
         raise ValueError(f"unknown agent backend {backend!r}; known: {', '.join(BACKENDS)}")
     offline = make_offline_agents(session, engine_devices=engine_devices, seed=seed, repeat=repeat)
@@ -56,9 +60,14 @@ def make_agents(backend: str, session: Session, *, engine_devices: int, seed: in
         return Agents(backend, offline.planner, implementer, offline.judge, offline.evaluator, accounting)
     if not llm.get("model"):
         raise ValueError(f"--agents {backend} needs --model")
-    config = ClientConfig(provider=backend, model=llm["model"], base_url=llm.get("base_url"),
-                          api_key_env=api_key_env(backend, llm),
-                          stream=llm.get("stream", True), backoff_s=llm.get("backoff_s", 1.0))
+    config = ClientConfig(
+        provider=backend,
+        model=llm["model"],
+        base_url=llm.get("base_url"),
+        api_key_env=api_key_env(backend, llm),
+        stream=llm.get("stream", True),
+        backoff_s=llm.get("backoff_s", 1.0),
+    )
     client = make_client(config, accounting)
 
     def checks(workspace: Path) -> str:
@@ -79,5 +88,12 @@ def make_agents(backend: str, session: Session, *, engine_devices: int, seed: in
 
     implementer = LLMImplementer(spec, client, session.sandbox, checks, benchmark)
     implementer.offline = offline.implementer
-    return Agents(backend, offline.planner, implementer, LLMJudge(offline.judge, client),
-                  LLMEvaluator(spec, offline.evaluator, client), accounting, LLMPlanner(spec, client))
+    return Agents(
+        backend,
+        offline.planner,
+        implementer,
+        LLMJudge(offline.judge, client),
+        LLMEvaluator(spec, offline.evaluator, client),
+        accounting,
+        LLMPlanner(spec, client),
+    )

@@ -61,7 +61,7 @@ class Verdict:
     passed: bool
     reasons: list[str]
     checks: list[dict]
-    run: "Measurement | None" = None
+    run: Measurement | None = None
 
 
 @dataclass
@@ -94,8 +94,9 @@ class Judge(Protocol):
 
 
 class Evaluator(Protocol):
-    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int],
-                 first: "Measurement | None" = None) -> Evaluation:
+    def evaluate(
+        self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int], first: Measurement | None = None
+    ) -> Evaluation:
         """Measure the candidate in ``workspace``, paired with ``baseline`` (a candidate directory)
         when given: one pair of interleaved runs per seed. ``first``: the judge's run, made with
         ``seeds[0]``, counts as the candidate's first repeat."""

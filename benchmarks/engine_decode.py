@@ -32,11 +32,17 @@ def _timed(fn, repeat: int) -> list[float]:
     return times
 
 
-def main(target: str = "tiny-qwen3-cpu", batch: int = 32, new_tokens: int = 64, prompt_tokens: int = 16, repeat: int = 5) -> None:
+def main(
+    target: str = "tiny-qwen3-cpu", batch: int = 32, new_tokens: int = 64, prompt_tokens: int = 16, repeat: int = 5
+) -> None:
     spec = load_target(target)
     path = model_dir(spec.model)
     prompts = [p[:1] * (prompt_tokens - len(p)) + p for p in fixed_prompts(batch)]  # equal lengths: no padding
-    engines = {"paged engine (recipe)": PagedEngine(str(path), spec.model.dtype, kv_tokens=batch * (prompt_tokens + new_tokens) * 2)}
+    engines = {
+        "paged engine (recipe)": PagedEngine(
+            str(path), spec.model.dtype, kv_tokens=batch * (prompt_tokens + new_tokens) * 2
+        )
+    }
     model = load_model(path, spec.model.dtype)
     input_ids = torch.tensor(prompts)
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)  # no stop tokens: exactly new_tokens each
@@ -45,26 +51,40 @@ def main(target: str = "tiny-qwen3-cpu", batch: int = 32, new_tokens: int = 64, 
         def run() -> None:
             out = engine.generate(prompts, greedy)
             assert all(len(c.tokens) == new_tokens for c in out)
+
         return run
 
     @torch.inference_mode()
     def run_hf() -> None:
         out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-            output_logits=True, return_dict_in_generate=True,  # logits too: the engine returns logprobs
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,  # logits too: the engine returns logprobs
         )
         assert out.sequences.shape[1] == prompt_tokens + new_tokens
 
     tokens = batch * new_tokens
-    results = {"transformers generate": _timed(run_hf, repeat)} | {name: _timed(runner(e), repeat) for name, e in engines.items()}
+    results = {"transformers generate": _timed(run_hf, repeat)} | {
+        name: _timed(runner(e), repeat) for name, e in engines.items()
+    }
     base = statistics.median(results["transformers generate"])
-    table = Table(title=f"decode on {target}: batch {batch}, {prompt_tokens} prompt + {new_tokens} new tokens, {torch.get_num_threads()} threads")
+    table = Table(
+        title=f"decode on {target}: batch {batch}, {prompt_tokens} prompt + {new_tokens} new tokens, "
+        f"{torch.get_num_threads()} threads"
+    )
     for column in ("engine", "median s", "spread s", "tokens/s", "ratio vs transformers"):
         table.add_column(column, justify="right")
     for name, times in results.items():
         median = statistics.median(times)
-        table.add_row(name, f"{median:.3f}", f"{max(times) - min(times):.3f}", f"{tokens / median:,.0f}", f"{base / median:.2f}x")
+        table.add_row(
+            name, f"{median:.3f}", f"{max(times) - min(times):.3f}", f"{tokens / median:,.0f}", f"{base / median:.2f}x"
+        )
     Console().print(table)
 
 

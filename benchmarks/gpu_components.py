@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import typer
@@ -54,13 +54,29 @@ def _batch(prompts: list[list[int]], new_tokens: int) -> TrainBatch:
     trajectories = []
     for i, prompt in enumerate(prompts):
         response = [(7 * i + j) % 50 + 1 for j in range(new_tokens)]
-        trajectories.append(Trajectory(f"e{i}", f"g{i // 8}", prompt + response, [0] * len(prompt) + [1] * new_tokens,
-                                       [0.0] * len(prompt) + [-2.0] * new_tokens, float(i % 2), [0]))
+        trajectories.append(
+            Trajectory(
+                f"e{i}",
+                f"g{i // 8}",
+                prompt + response,
+                [0] * len(prompt) + [1] * new_tokens,
+                [0.0] * len(prompt) + [-2.0] * new_tokens,
+                float(i % 2),
+                [0],
+            )
+        )
     return TrainBatch(trajectories, [1.0 if i % 2 else -1.0 for i in range(len(prompts))])
 
 
-def main(target: str = "qwen3-0.6b-h100x1", device: str = "cuda:0", batch: int = 64, prompt_tokens: int = 128,
-         new_tokens: int = 256, train_batch: int = 32, repeat: int = 3) -> None:
+def main(
+    target: str = "qwen3-0.6b-h100x1",
+    device: str = "cuda:0",
+    batch: int = 64,
+    prompt_tokens: int = 128,
+    new_tokens: int = 256,
+    train_batch: int = 32,
+    repeat: int = 3,
+) -> None:
     spec = load_target(target)
     hardware = spec.hardware
     path = str(model_dir(spec.model))
@@ -69,11 +85,22 @@ def main(target: str = "qwen3-0.6b-h100x1", device: str = "cuda:0", batch: int =
     prompts = [(p * prompt_tokens)[:prompt_tokens] for p in fixed_prompts(batch)]  # equal lengths: no padding for HF
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)  # no stop tokens: exactly new_tokens each
 
-    console.print(f"[bold]{target}[/bold] on {device} ({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'cpu'})")
-    engine = PagedEngine(path, dtype, device=device, kv_tokens=batch * (prompt_tokens + new_tokens) * 2, max_batch=batch)
-    parameters = sum(t.numel() for name, t in engine.weights.items() if name != "lm_head.weight" or not spec.model.config.tie_word_embeddings)
+    console.print(
+        f"[bold]{target}[/bold] on {device} "
+        f"({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'cpu'})"
+    )
+    engine = PagedEngine(
+        path, dtype, device=device, kv_tokens=batch * (prompt_tokens + new_tokens) * 2, max_batch=batch
+    )
+    parameters = sum(
+        t.numel()
+        for name, t in engine.weights.items()
+        if name != "lm_head.weight" or not spec.model.config.tie_word_embeddings
+    )
     weight_bytes = parameters * torch.empty(0, dtype=engine.dtype).element_size()
-    kv_per_token = KVPool.bytes_per_token(engine.model.layers, engine.model.kv_heads, engine.model.head_dim, engine.dtype)
+    kv_per_token = KVPool.bytes_per_token(
+        engine.model.layers, engine.model.kv_heads, engine.model.head_dim, engine.dtype
+    )
 
     def decode() -> None:
         out = engine.generate(prompts, greedy)
@@ -88,9 +115,17 @@ def main(target: str = "qwen3-0.6b-h100x1", device: str = "cuda:0", batch: int =
 
     @torch.inference_mode()
     def hf_generate() -> None:
-        out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-                                 output_logits=True, return_dict_in_generate=True)  # logits too: the engine returns logprobs
+        out = reference.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )  # logits too: the engine returns logprobs
         assert out.sequences.shape[1] == prompt_tokens + new_tokens
 
     hf_times = _timed(hf_generate, repeat, device)
@@ -132,8 +167,10 @@ def main(target: str = "qwen3-0.6b-h100x1", device: str = "cuda:0", batch: int =
     sync_times = _timed(sync, repeat, device)
     trainer.close()
 
-    table = Table(title=f"{target}: {parameters / 1e9:.3g}B parameters, {dtype}; decode batch {batch} x {new_tokens} new tokens "
-                        f"after {prompt_tokens}; train batch {train_batch}; {repeat} repeats (median, spread)")
+    table = Table(
+        title=f"{target}: {parameters / 1e9:.3g}B parameters, {dtype}; decode batch {batch} x {new_tokens} new tokens "
+        f"after {prompt_tokens}; train batch {train_batch}; {repeat} repeats (median, spread)"
+    )
     for column in ("what", "median", "spread", "figure", "vs"):
         table.add_column(column, justify="right")
 
@@ -142,16 +179,43 @@ def main(target: str = "qwen3-0.6b-h100x1", device: str = "cuda:0", batch: int =
 
     hf_rate = batch * new_tokens / statistics.median(hf_times)
     engine_rate = batch * new_tokens / statistics.median(engine_times)
-    table.add_row("transformers generate", f"{statistics.median(hf_times):.3f} s", spread(hf_times), f"{hf_rate:,.0f} tok/s", "1.00x")
-    table.add_row("paged engine, whole run", f"{statistics.median(engine_times):.3f} s", spread(engine_times),
-                  f"{engine_rate:,.0f} tok/s", f"{engine_rate / hf_rate:.2f}x transformers")
-    table.add_row("paged engine, decode only", f"{decode_s:.3f} s", "-", f"{decode_rate:,.0f} tok/s",
-                  f"{decode_rate / roofline:.0%} of roofline {roofline:,.0f} tok/s")
+    table.add_row(
+        "transformers generate",
+        f"{statistics.median(hf_times):.3f} s",
+        spread(hf_times),
+        f"{hf_rate:,.0f} tok/s",
+        "1.00x",
+    )
+    table.add_row(
+        "paged engine, whole run",
+        f"{statistics.median(engine_times):.3f} s",
+        spread(engine_times),
+        f"{engine_rate:,.0f} tok/s",
+        f"{engine_rate / hf_rate:.2f}x transformers",
+    )
+    table.add_row(
+        "paged engine, decode only",
+        f"{decode_s:.3f} s",
+        "-",
+        f"{decode_rate:,.0f} tok/s",
+        f"{decode_rate / roofline:.0%} of roofline {roofline:,.0f} tok/s",
+    )
     prefill_s = statistics.median(prefill_times)
-    table.add_row("prefill", f"{prefill_s:.3f} s", spread(prefill_times), f"{batch * prompt_tokens / prefill_s:,.0f} tok/s", "")
-    table.add_row("train step", f"{train_s:.3f} s", spread(train_times), f"{tokens:,} tokens",
-                  f"MFU {mfu:.1%} of {hardware.bf16_tflops:g} TFLOP/s")
-    for name, times in (("weight sync (in place)", sync_times), ("sleep (weights + KV)", sleep_times), ("wake", wake_times)):
+    table.add_row(
+        "prefill", f"{prefill_s:.3f} s", spread(prefill_times), f"{batch * prompt_tokens / prefill_s:,.0f} tok/s", ""
+    )
+    table.add_row(
+        "train step",
+        f"{train_s:.3f} s",
+        spread(train_times),
+        f"{tokens:,} tokens",
+        f"MFU {mfu:.1%} of {hardware.bf16_tflops:g} TFLOP/s",
+    )
+    for name, times in (
+        ("weight sync (in place)", sync_times),
+        ("sleep (weights + KV)", sleep_times),
+        ("wake", wake_times),
+    ):
         median = statistics.median(times)
         table.add_row(name, f"{median:.3f} s", spread(times), "", f"{median / train_s:.0%} of a train step")
     console.print(table)

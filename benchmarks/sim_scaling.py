@@ -47,14 +47,25 @@ def main(
         raw["workload"].update(batch_size=batch, train_steps=steps)
         path = work / f"batch{batch}.yaml"
         path.write_text(yaml.safe_dump(raw))
-        run = run_harness(Target.load(path, simulate=True), directory, work / f"out{batch}", "measure",
-                          Limits(time_s=1800, memory_mb=20_000), box)
+        run = run_harness(
+            Target.load(path, simulate=True),
+            directory,
+            work / f"out{batch}",
+            "measure",
+            Limits(time_s=1800, memory_mb=20_000),
+            box,
+        )
         if not run.ok:
             raise SystemExit(f"batch {batch}: {run.cause}")
         summary = json.loads((run.out / "system.json").read_text())
         turns = sum(1 for e in Trace.load_events(run.out / "trace.jsonl") if e.kind == "env_step")
-        table.add_row(f"{batch} ({factor}x)", f"{summary['wall_seconds']:.2f}", f"{summary['virtual_seconds']:.0f}",
-                      str(turns), f"{1e6 * summary['wall_seconds'] / turns:.0f}")
+        table.add_row(
+            f"{batch} ({factor}x)",
+            f"{summary['wall_seconds']:.2f}",
+            f"{summary['virtual_seconds']:.0f}",
+            str(turns),
+            f"{1e6 * summary['wall_seconds'] / turns:.0f}",
+        )
     Console().print(table)
 
 

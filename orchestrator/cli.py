@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from skills.starter import CONTROLLERS
 from orchestrator.tables import RoundsView, bench_table, checks_table, costs_table, num, promotion, rounds_table
+from skills.starter import CONTROLLERS
 from targets.spec import SpecError, TargetSpec, catalog_ids, load_target
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Generate and benchmark time-multiplexed RL stacks.")
@@ -87,8 +87,12 @@ def reference(
 
     spec = _load(target)
     progress = Progress(
-        TextColumn("[bold]reference"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("reward {task.fields[reward]}"), console=console,
+        TextColumn("[bold]reference"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        console=console,
     )
     with progress:
         task = progress.add_task("steps", total=steps, reward="-")
@@ -96,7 +100,8 @@ def reference(
         def on_step(s) -> None:
             progress.console.print(
                 f"step {s.step:3d}  reward {s.mean_reward:.3f}  turns {s.mean_turns:.2f}  "
-                f"tokens {s.response_tokens:4d}  timeouts {s.timeouts}  loss {s.loss:+.4f}  {s.seconds:.2f}s", highlight=False,
+                f"tokens {s.response_tokens:4d}  timeouts {s.timeouts}  loss {s.loss:+.4f}  {s.seconds:.2f}s",
+                highlight=False,
             )
             progress.update(task, advance=1, reward=f"{s.mean_reward:.3f}")
 
@@ -150,11 +155,16 @@ def _session(target: str, sandbox: str, time_limit: float | None, simulate: bool
 @app.command("check")
 def check(
     target: str,
-    stack: Path = typer.Option(None, help="candidate directory (holds stack/) [default: the starter of the target's first "
-                                          "baseline]"),
+    stack: Path = typer.Option(
+        None, help="candidate directory (holds stack/) [default: the starter of the target's first baseline]"
+    ),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
-    out: Path = typer.Option(None, help="keep the harness's outputs here (trace, weights, candidate logs); default a temp dir"),
-    time_limit: float | None = typer.Option(None, help="seconds each child run may take [default: the target's limits.time_s]"),
+    out: Path = typer.Option(
+        None, help="keep the harness's outputs here (trace, weights, candidate logs); default a temp dir"
+    ),
+    time_limit: float | None = typer.Option(
+        None, help="seconds each child run may take [default: the target's limits.time_s]"
+    ),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
     simulate: bool = typer.Option(False, help="run the system on the simulator, whatever the target's execution says"),
 ) -> None:
@@ -182,14 +192,24 @@ def check(
 @app.command("bench")
 def bench(
     target: str,
-    stack: list[Path] = typer.Option([], help="candidate directory, or RUN@best / RUN@round-N of a generate run (repeatable)"),
+    stack: list[Path] = typer.Option(
+        [], help="candidate directory, or RUN@best / RUN@round-N of a generate run (repeatable)"
+    ),
     baselines: str = typer.Option(",".join(CONTROLLERS), help="comma-separated starter schedules"),
-    repeat: int = typer.Option(None, min=1, help="runs per schedule; default 3 real, 1 simulated (the simulator is "
-                                                 "deterministic: repeats only vary the workload's seed)"),
+    repeat: int = typer.Option(
+        None,
+        min=1,
+        help="runs per schedule; default 3 real, 1 simulated (the simulator is "
+        "deterministic: repeats only vary the workload's seed)",
+    ),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     timeline: Path = typer.Option(None, help="write the per-device timeline PNG here"),
-    time_limit: float | None = typer.Option(None, help="seconds each child run may take [default: the target's limits.time_s]"),
-    simulate: bool = typer.Option(False, "--simulate", help="run on the cluster simulator even if the target runs for real here"),
+    time_limit: float | None = typer.Option(
+        None, help="seconds each child run may take [default: the target's limits.time_s]"
+    ),
+    simulate: bool = typer.Option(
+        False, "--simulate", help="run on the cluster simulator even if the target runs for real here"
+    ),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
     """Benchmark baselines and candidates side by side; ratios are to the first run listed."""
@@ -224,12 +244,24 @@ def bench(
     if not stacks:
         errors.print("[red]error:[/red] nothing to benchmark: give --baselines and/or --stack")
         raise typer.Exit(2)
-    progress = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=console)
+    progress = Progress(
+        TextColumn("[bold]bench"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+    )
     with progress:
         task = progress.add_task("", total=len(stacks) * repeat)
         try:
-            runs = benchmark(session, stacks, repeat, work / "runs",
-                             on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"))
+            runs = benchmark(
+                session,
+                stacks,
+                repeat,
+                work / "runs",
+                on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"),
+            )
         except BenchmarkFailed as error:
             errors.print(f"[red]error:[/red] {error}")
             raise typer.Exit(1) from None
@@ -242,8 +274,14 @@ def bench(
     if timeline:
         devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
         headline = spec.headline_metric.name
-        titles = [(f"{r.name} (median repeat): {headline} {num(r.median(headline))}/s",
-                   r.measurements[r.median_index(headline)].events(), devices) for r in runs]
+        titles = [
+            (
+                f"{r.name} (median repeat): {headline} {num(r.median(headline))}/s",
+                r.measurements[r.median_index(headline)].events(),
+                devices,
+            )
+            for r in runs
+        ]
         plot_timelines(titles, timeline)
         console.print(f"timeline: {timeline}")
 
@@ -254,7 +292,9 @@ def calibrate(
     stack: Path = typer.Option(..., help="candidate directory (holds stack/) to run for real"),
     out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
-    time_limit: float | None = typer.Option(None, help="seconds each child run may take [default: the target's limits.time_s]"),
+    time_limit: float | None = typer.Option(
+        None, help="seconds each child run may take [default: the target's limits.time_s]"
+    ),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
     """Fit the simulator's cost model to a real run of STACK, then simulate the same stack and print
@@ -266,7 +306,9 @@ def calibrate(
 
     session = _session(target, sandbox, time_limit)
     if session.target.simulated:
-        errors.print(f"[red]error:[/red] {session.target.id} is simulated here: calibration needs a real run of the stack")
+        errors.print(
+            f"[red]error:[/red] {session.target.id} is simulated here: calibration needs a real run of the stack"
+        )
         raise typer.Exit(2)
     if not (stack / "stack" / "__init__.py").exists():
         errors.print(f"[red]error:[/red] {stack} has no stack/__init__.py: not a candidate directory")
@@ -303,23 +345,33 @@ def generate(
     agents: str = typer.Option("offline", help="offline | openai | anthropic | cli:claude | cli:codex"),
     model: str = typer.Option(None, help="the LLM (openai/anthropic backends)"),
     base_url: str = typer.Option(None, help="an OpenAI-compatible server (vLLM, llama.cpp) or a proxy"),
-    api_key_env: str = typer.Option(None, help="the variable holding the API key (default OPENAI_API_KEY / ANTHROPIC_API_KEY)"),
+    api_key_env: str = typer.Option(
+        None, help="the variable holding the API key (default OPENAI_API_KEY / ANTHROPIC_API_KEY)"
+    ),
     max_cost: float = typer.Option(None, help="USD budget for LLM calls; the run stops between rounds once spent"),
     max_tokens: int = typer.Option(None, help="token budget for LLM calls (input + output)"),
-    prices: Path = typer.Option(None, help="YAML of model: [input, output] USD per million tokens (overrides the table)"),
+    prices: Path = typer.Option(
+        None, help="YAML of model: [input, output] USD per million tokens (overrides the table)"
+    ),
     stream: bool = typer.Option(True, help="stream LLM responses"),
     out: Path = typer.Option(None, help="run directory (a git repository); default generated/<target id>"),
     resume: bool = typer.Option(False, "--resume", help="continue the run in --out"),
     seed: int = typer.Option(0, help="seed of the agents and the search"),
     max_minutes: float = typer.Option(None, help="wall-time budget; the run stops cleanly between rounds"),
-    repeat: int = typer.Option(None, min=1, help="measured pairs per candidate, each a run of it and of the best on one "
-                                                 "seed (default 3 real, 1 simulated: a simulation is exact for its seed)"),
+    repeat: int = typer.Option(
+        None,
+        min=1,
+        help="measured pairs per candidate, each a run of it and of the best on one "
+        "seed (default 3 real, 1 simulated: a simulation is exact for its seed)",
+    ),
     max_attempts: int = typer.Option(2, min=1, help="implementer attempts per round, each fed the judge's reasons"),
     starter: str = typer.Option("colocate", help="round 0's controller"),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
     simulate: bool = typer.Option(False, "--simulate", help="run candidates on the cluster simulator"),
     workspaces: Path = typer.Option(Path("workspaces"), help="where each round's git worktree lives"),
-    time_limit: float | None = typer.Option(None, help="seconds each candidate child run may take [default: the target's limits.time_s]"),
+    time_limit: float | None = typer.Option(
+        None, help="seconds each candidate child run may take [default: the target's limits.time_s]"
+    ),
 ) -> None:
     """Generate a stack for TARGET: rounds of plan -> implement -> judge -> evaluate -> commit."""
     import logging
@@ -333,7 +385,9 @@ def generate(
 
     rounds_given = rounds is not None
     rounds = 3 if rounds is None else rounds
-    logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s"
+    )
     spec = _load(target)
     out = out or Path("generated") / spec.id
     view, live = RoundsView(spec), None
@@ -345,15 +399,49 @@ def generate(
 
     try:
         if resume:
-            loop = resume_run(out, workspaces, target=target, rounds=rounds if rounds_given else None, max_minutes=max_minutes,
-                              time_limit_s=time_limit, on_event=on_event, max_cost=max_cost, max_tokens=max_tokens)
+            loop = resume_run(
+                out,
+                workspaces,
+                target=target,
+                rounds=rounds if rounds_given else None,
+                max_minutes=max_minutes,
+                time_limit_s=time_limit,
+                on_event=on_event,
+                max_cost=max_cost,
+                max_tokens=max_tokens,
+            )
         else:
-            llm = {k: v for k, v in {"model": model, "base_url": base_url, "api_key_env": api_key_env,
-                                     "prices": str(prices.resolve()) if prices else None, "stream": stream}.items() if v is not None}
-            loop = start_run(target, out, workspaces, rounds=rounds, policy=policy, agents=agents, seed=seed,
-                             max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat, starter=starter,
-                             sandbox=sandbox, simulate=simulate, time_limit_s=time_limit, on_event=on_event,
-                             llm=llm, max_cost=max_cost, max_tokens=max_tokens)
+            llm = {
+                k: v
+                for k, v in {
+                    "model": model,
+                    "base_url": base_url,
+                    "api_key_env": api_key_env,
+                    "prices": str(prices.resolve()) if prices else None,
+                    "stream": stream,
+                }.items()
+                if v is not None
+            }
+            loop = start_run(
+                target,
+                out,
+                workspaces,
+                rounds=rounds,
+                policy=policy,
+                agents=agents,
+                seed=seed,
+                max_minutes=max_minutes,
+                max_attempts=max_attempts,
+                repeat=repeat,
+                starter=starter,
+                sandbox=sandbox,
+                simulate=simulate,
+                time_limit_s=time_limit,
+                on_event=on_event,
+                llm=llm,
+                max_cost=max_cost,
+                max_tokens=max_tokens,
+            )
     except (RunSetupError, RunStateError, ValueError, RuntimeError) as error:
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
@@ -369,8 +457,10 @@ def generate(
         raise typer.Exit(1)
     starter_record = state.record(0)
     ratio = best.headline / starter_record.headline if starter_record and starter_record.headline else float("nan")
-    console.print(f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "
-                  f"= {ratio:.2f}x the starter; {len(state.accepted())} validated of {len(state.rounds)} rounds")
+    console.print(
+        f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "
+        f"= {ratio:.2f}x the starter; {len(state.accepted())} validated of {len(state.rounds)} rounds"
+    )
     console.print(f"review: vibetrain log {out}  |  git -C {out} log best  |  vibetrain report {out}")
 
 
@@ -393,8 +483,11 @@ def log_rounds(run: Path) -> None:
     console.print(table)
     if state.llm_used:
         used = state.llm_used
-        console.print(f"LLM use: {used.get('calls', 0)} calls, {used.get('input_tokens', 0)} tokens in, "
-                      f"{used.get('output_tokens', 0)} out, ${used.get('cost_usd', 0.0):.4f}", highlight=False)
+        console.print(
+            f"LLM use: {used.get('calls', 0)} calls, {used.get('input_tokens', 0)} tokens in, "
+            f"{used.get('output_tokens', 0)} out, ${used.get('cost_usd', 0.0):.4f}",
+            highlight=False,
+        )
 
 
 @app.command("show")
@@ -405,20 +498,35 @@ def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND
     if record is None:
         errors.print(f"[red]error:[/red] {run} has no round {round_number} (rounds 0-{state.next_round - 1})")
         raise typer.Exit(2)
-    console.print(f"[bold]Round {record.round}[/bold]: {record.task.title}  ({record.verdict}, {record.attempts} attempt(s), "
-                  f"{record.seconds:.0f}s)", highlight=False)
+    console.print(
+        f"[bold]Round {record.round}[/bold]: {record.task.title}  ({record.verdict}, {record.attempts} attempt(s), "
+        f"{record.seconds:.0f}s)",
+        highlight=False,
+    )
     console.print(f"task {record.task.id} from {record.task.source or '-'}: {record.task.rationale}", highlight=False)
-    console.print(f"parent: round {record.parent_round} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}", highlight=False)
+    console.print(
+        f"parent: round {record.parent_round} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}",
+        highlight=False,
+    )
     if record.commit:
         console.print(history.diff_stat(record.commit), highlight=False, markup=False)
     if record.reasons:
-        console.print("[bold]judge[/bold]: " + ("passed" if record.verdict == "accepted" else "\n  ".join(["rejected:", *record.reasons])))
+        console.print(
+            "[bold]judge[/bold]: "
+            + ("passed" if record.verdict == "accepted" else "\n  ".join(["rejected:", *record.reasons]))
+        )
     if record.paired is not None:
         console.print(f"[bold]paired with the best[/bold]: {promotion(record)}", highlight=False)
     if record.metrics:
-        console.print("[bold]metrics[/bold] (median; ± max-min): " + ", ".join(
-            f"{k} {num(v)}" + (f" ± {num(record.spread[k])}" if k in record.spread else "")
-            for k, v in record.metrics.items() if isinstance(v, (int, float))), highlight=False)
+        console.print(
+            "[bold]metrics[/bold] (median; ± max-min): "
+            + ", ".join(
+                f"{k} {num(v)}" + (f" ± {num(record.spread[k])}" if k in record.spread else "")
+                for k, v in record.metrics.items()
+                if isinstance(v, (int, float))
+            ),
+            highlight=False,
+        )
     for hint in record.hints:
         console.print(f"hint {hint['code']}: {hint['message']}", highlight=False, markup=False)
     if record.profile:
@@ -427,7 +535,9 @@ def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND
 
 
 @app.command("report")
-def report(run: Path, out: Path = typer.Option(None, help="HTML file to write (default RUN/../<run>-report.html)")) -> None:
+def report(
+    run: Path, out: Path = typer.Option(None, help="HTML file to write (default RUN/../<run>-report.html)")
+) -> None:
     """Static HTML: metric per round, the search tree, the timeline of best vs baselines, the rounds."""
     from orchestrator.report import write_report
 

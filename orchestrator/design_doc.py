@@ -29,7 +29,7 @@ class DesignDoc:
     findings: list[str] = field(default_factory=list)
 
     @classmethod
-    def parse(cls, text: str) -> "DesignDoc":
+    def parse(cls, text: str) -> DesignDoc:
         doc, section = cls(), None
         for line in text.splitlines():
             if line.startswith("# "):
@@ -48,7 +48,7 @@ class DesignDoc:
         return doc
 
     @classmethod
-    def load(cls, path: Path) -> "DesignDoc":
+    def load(cls, path: Path) -> DesignDoc:
         return cls.parse(path.read_text()) if path.exists() else cls()
 
     def render(self) -> str:

@@ -36,8 +36,10 @@ class Trailers:
     parent_metric: str
 
     def lines(self) -> str:
-        return (f"Round: {self.round}\nTask: {self.task}\nAgent-Backend: {self.backend}\nVerdict: {self.verdict}\n"
-                f"Headline-Metric: {self.metric}\nParent-Metric: {self.parent_metric}")
+        return (
+            f"Round: {self.round}\nTask: {self.task}\nAgent-Backend: {self.backend}\nVerdict: {self.verdict}\n"
+            f"Headline-Metric: {self.metric}\nParent-Metric: {self.parent_metric}"
+        )
 
 
 class History:
@@ -46,7 +48,7 @@ class History:
         self.repo = git.Repo(path)
 
     @classmethod
-    def create(cls, path: Path, description: str) -> "History":
+    def create(cls, path: Path, description: str) -> History:
         """A new run repository whose root is an empty commit describing the run: every round's
         worktree, round 0's included, then starts from a commit."""
         path.mkdir(parents=True, exist_ok=True)
@@ -58,7 +60,7 @@ class History:
         return cls(path)
 
     @classmethod
-    def open(cls, path: Path) -> "History":
+    def open(cls, path: Path) -> History:
         try:
             return cls(path)
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
@@ -138,15 +140,17 @@ class History:
         repo.git.commit("--allow-empty", "-m", message)
         return repo.head.commit.hexsha
 
-    def commit_validated(self, workspace: Path, number: int, subject: str, trailers: Trailers,
-                         records: dict[str, dict], body: str = "") -> str:
+    def commit_validated(
+        self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict], body: str = ""
+    ) -> str:
         parts = [f"Round {number}: {subject}", body.strip(), trailers.lines()]
         commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
         self.repo.git.update_ref(f"refs/vibetrain/rounds/{number}", commit)
         return commit
 
-    def commit_rejected(self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict],
-                        body: str = "") -> str:
+    def commit_rejected(
+        self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict], body: str = ""
+    ) -> str:
         parts = [f"Round {number} (rejected): {subject}", body.strip(), trailers.lines()]
         commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
         self.repo.git.update_ref(f"refs/vibetrain/rejected/{number}", commit)

@@ -79,7 +79,13 @@ def _tree(state: RunState, metric: str) -> str:
         if y is None:
             continue
         if r.verdict == "accepted":
-            ax.plot(r.round, y, "o", color="#1f77b4" if r.round == state.best_round else "#2e7d32", markersize=9 if r.round == state.best_round else 6)
+            ax.plot(
+                r.round,
+                y,
+                "o",
+                color="#1f77b4" if r.round == state.best_round else "#2e7d32",
+                markersize=9 if r.round == state.best_round else 6,
+            )
             ax.annotate(r.task.id, (r.round, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         else:
             ax.plot(r.round, y, "x", color="#c62828", markersize=9)
@@ -95,7 +101,9 @@ def _timeline(run_dir: Path, state: RunState, devices: list[str], history: Histo
         chosen[state.best_round] = "best"
     controllers: dict[str, tuple[float, int]] = {}
     for r in state.accepted():
-        controller = json.loads((history.repo.commit(r.commit).tree / "stack" / "params.json").data_stream.read())["controller"]
+        controller = json.loads((history.repo.commit(r.commit).tree / "stack" / "params.json").data_stream.read())[
+            "controller"
+        ]
         if r.round == 0:
             chosen.setdefault(0, f"starter ({controller})")
         elif controller not in controllers or r.headline > controllers[controller][0]:
@@ -124,14 +132,29 @@ def write_report(run_dir: Path, path: Path) -> Path:
     rows = []
     for r in state.rounds:
         detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["message"] for h in r.hints)
-        rows.append({**r.model_dump(), "task": r.task, "headline_text": f"{r.headline:.4g}" if r.headline is not None else "-",
-                     "detail": detail or "-"})
+        rows.append(
+            {
+                **r.model_dump(),
+                "task": r.task,
+                "headline_text": f"{r.headline:.4g}" if r.headline is not None else "-",
+                "detail": detail or "-",
+            }
+        )
     html = TEMPLATE.render(
-        name=run_dir.name, target=spec.id, policy=state.config.policy, agents=state.config.agents, seed=state.config.seed,
-        rounds=rows, accepted=len(state.accepted()), best_round=state.best_round, metric=metric,
+        name=run_dir.name,
+        target=spec.id,
+        policy=state.config.policy,
+        agents=state.config.agents,
+        seed=state.config.seed,
+        rounds=rows,
+        accepted=len(state.accepted()),
+        best_round=state.best_round,
+        metric=metric,
         best_value=f"{best.headline:.4g}" if best else "-",
         ratio=f"{best.headline / starter.headline:.2f}x" if best and starter and starter.headline else "n/a",
-        per_round=_per_round(state, metric), tree=_tree(state, metric), timeline=_timeline(run_dir, state, devices, history),
+        per_round=_per_round(state, metric),
+        tree=_tree(state, metric),
+        timeline=_timeline(run_dir, state, devices, history),
     )
     path.write_text(html)
     return path

@@ -16,9 +16,9 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from agents.roles import AgentError, Agents, Evaluation, Task, Verdict
 from orchestrator.design_doc import DesignDoc
@@ -61,8 +61,10 @@ class Loop:
             self.finish_round(self.round_zero())
         if self.state.best is None:
             starter = self.state.record(0)
-            self.on_event("budget", reason=f"the starter stack was not validated ({starter.verdict}): "
-                                           + "; ".join(starter.reasons[:3]))
+            self.on_event(
+                "budget",
+                reason=f"the starter stack was not validated ({starter.verdict}): " + "; ".join(starter.reasons[:3]),
+            )
             return self.state
         while self.state.next_round <= self.state.config.rounds:
             elapsed = spent_before + time.monotonic() - started
@@ -89,9 +91,14 @@ class Loop:
 
     def round_zero(self) -> RoundRecord:
         starter = self.state.config.starter
-        task = Task(id=f"starter={starter}", title=f"starter stack ({starter})", source="starter",
-                    rationale=f"the {starter} baseline built from the skills library's recipes",
-                    skills=[starter], acceptance=["vibetrain check passes"])
+        task = Task(
+            id=f"starter={starter}",
+            title=f"starter stack ({starter})",
+            source="starter",
+            rationale=f"the {starter} baseline built from the skills library's recipes",
+            skills=[starter],
+            acceptance=["vibetrain check passes"],
+        )
         return self.round(0, None, task)
 
     def llm_budget_spent(self) -> str:
@@ -99,7 +106,10 @@ class Loop:
         used, config = self.llm_totals(), self.state.config
         if config.max_cost is not None and used.get("cost_usd", 0.0) >= config.max_cost:
             return f"cost budget of ${config.max_cost:g} spent (${used['cost_usd']:.4f})"
-        if config.max_tokens is not None and used.get("input_tokens", 0) + used.get("output_tokens", 0) >= config.max_tokens:
+        if (
+            config.max_tokens is not None
+            and used.get("input_tokens", 0) + used.get("output_tokens", 0) >= config.max_tokens
+        ):
             return f"token budget of {config.max_tokens} spent ({used['input_tokens'] + used['output_tokens']})"
         return ""
 
@@ -121,9 +131,14 @@ class Loop:
         workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
         out = self.run_dir / ".git" / RUNS_DIR / f"round-{number}"
         shutil.rmtree(out, ignore_errors=True)
-        record = RoundRecord(round=number, task=task, parent_round=parent.round if parent else None,
-                             parent_commit=parent_commit, verdict="error",
-                             parent_headline=parent.headline if parent else None)
+        record = RoundRecord(
+            round=number,
+            task=task,
+            parent_round=parent.round if parent else None,
+            parent_commit=parent_commit,
+            verdict="error",
+            parent_headline=parent.headline if parent else None,
+        )
         seeds = self.seeds(number)
         try:
             verdict = self.implement_and_judge(record, workspace, out, seeds[0])
@@ -131,8 +146,11 @@ class Loop:
                 baseline = self.history.export(self.state.best.commit, out / "baseline") if self.state.best else None
                 evaluation = self.agents.evaluator.evaluate(workspace, out / "evaluate", baseline, seeds, verdict.run)
                 if evaluation.findings:  # every measured run is judged: a finding in any one rejects
-                    verdict = Verdict(False, [f"measurement: {f}" for f in evaluation.findings],
-                                      verdict.checks + [{"name": "measured_runs", "passed": False, "reasons": evaluation.findings}])
+                    verdict = Verdict(
+                        False,
+                        [f"measurement: {f}" for f in evaluation.findings],
+                        verdict.checks + [{"name": "measured_runs", "passed": False, "reasons": evaluation.findings}],
+                    )
                     record.reasons = verdict.reasons
                     self.reject(record, workspace, verdict)
                 else:
@@ -141,8 +159,10 @@ class Loop:
                 self.reject(record, workspace, verdict)
         except OSError as error:
             if error.errno == errno.ENOSPC:
-                raise RunError(f"disk full during round {number}: every validated candidate is committed; "
-                               "free some space and run again with --resume") from None
+                raise RunError(
+                    f"disk full during round {number}: every validated candidate is committed; "
+                    "free some space and run again with --resume"
+                ) from None
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
@@ -170,7 +190,9 @@ class Loop:
                     change = self.agents.implementer.starter(workspace, self.state.config.starter)
                 else:
                     parent = self.state.record(record.parent_round)
-                    change = self.agents.implementer.implement(record.task, workspace, feedback, parent.hints if parent else [])
+                    change = self.agents.implementer.implement(
+                        record.task, workspace, feedback, parent.hints if parent else []
+                    )
                 record.account = change.summary
             except AgentError as error:  # this attempt ends; the next one is told why
                 verdict = Verdict(False, [f"attempt {attempt}: {type(error).__name__}: {error}"], [])
@@ -180,7 +202,9 @@ class Loop:
                 continue
             verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}", record.task, seed)
             record.reasons = verdict.reasons
-            self.on_event("verdict", round=record.round, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons)
+            self.on_event(
+                "verdict", round=record.round, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons
+            )
             if verdict.passed:
                 break
             feedback = verdict.reasons
@@ -192,15 +216,24 @@ class Loop:
         record.spread, record.hints = evaluation.spread, [h.model_dump() for h in evaluation.hints]
         record.profile, record.paired = evaluation.profile, evaluation.paired
         record.became_best = self.state.best is None or (
-            evaluation.paired is not None and Paired(**evaluation.paired).clears(self.spec.noise_threshold))
+            evaluation.paired is not None and Paired(**evaluation.paired).clears(self.spec.noise_threshold)
+        )
         self.update_design(workspace, record)
         metric = self.spec.headline_metric.name
-        trailers = Trailers(record.round, record.task.id, self.agents.backend, "accepted",
-                            f"{metric}={evaluation.headline:.6g}", self._parent_metric(record))
-        body = (f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{self.promotion(record)}\n\nHints: "
-                + ("; ".join(h.message for h in evaluation.hints) or "none"))
-        record.commit = self.history.commit_validated(workspace, record.round, record.task.title, trailers,
-                                                      {"round.json": record.model_dump(mode="json")}, body)
+        trailers = Trailers(
+            record.round,
+            record.task.id,
+            self.agents.backend,
+            "accepted",
+            f"{metric}={evaluation.headline:.6g}",
+            self._parent_metric(record),
+        )
+        body = f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{self.promotion(record)}\n\nHints: " + (
+            "; ".join(h.message for h in evaluation.hints) or "none"
+        )
+        record.commit = self.history.commit_validated(
+            workspace, record.round, record.task.title, trailers, {"round.json": record.model_dump(mode="json")}, body
+        )
         if evaluation.trace_path is not None:
             traces = self.run_dir / ".git" / RUNS_DIR / "traces"
             traces.mkdir(parents=True, exist_ok=True)
@@ -209,11 +242,20 @@ class Loop:
     def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict) -> None:
         record.verdict = "rejected"
         self.update_design(workspace, record)
-        trailers = Trailers(record.round, record.task.id, self.agents.backend, "rejected", "none", self._parent_metric(record))
-        record.commit = self.history.commit_rejected(workspace, record.round, record.task.title, trailers,
-                                                     {"judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
-                                                      "round.json": record.model_dump(mode="json")},
-                                                     f"{record.task.rationale}\n\nImplementer: {record.account or '(no attempt)'}")
+        trailers = Trailers(
+            record.round, record.task.id, self.agents.backend, "rejected", "none", self._parent_metric(record)
+        )
+        record.commit = self.history.commit_rejected(
+            workspace,
+            record.round,
+            record.task.title,
+            trailers,
+            {
+                "judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
+                "round.json": record.model_dump(mode="json"),
+            },
+            f"{record.task.rationale}\n\nImplementer: {record.account or '(no attempt)'}",
+        )
 
     def _parent_metric(self, record: RoundRecord) -> str:
         if record.parent_headline is None:
@@ -239,8 +281,10 @@ class Loop:
             return "promoted: the first validated candidate" if record.became_best else "not measured against the best"
         paired = Paired(**record.paired)
         verdict = "promoted" if record.became_best else "not promoted"
-        return (f"{verdict}: {paired.describe()} against the best; promotion needs the interval's low end above "
-                f"+{self.spec.noise_threshold:.0%}")
+        return (
+            f"{verdict}: {paired.describe()} against the best; promotion needs the interval's low end above "
+            f"+{self.spec.noise_threshold:.0%}"
+        )
 
     def params_of(self, record: RoundRecord) -> dict:
         blob = self.history.repo.commit(record.commit).tree / "stack" / "params.json"
@@ -257,8 +301,10 @@ class Loop:
         if record.verdict == "accepted":
             metric = self.spec.headline_metric.name
             parent = f" (parent {record.parent_headline:.4g})" if record.parent_headline is not None else ""
-            doc.decisions.append(f"Round {record.round}: {task.title}. Why: {task.rationale}. "
-                                 f"Change: {record.account}. Measured {metric} {record.headline:.4g}{parent}.")
+            doc.decisions.append(
+                f"Round {record.round}: {task.title}. Why: {task.rationale}. "
+                f"Change: {record.account}. Measured {metric} {record.headline:.4g}{parent}."
+            )
             doc.findings += [f"Round {record.round}: {h['message']} [{h['code']}]" for h in record.hints]
         for pending in self.state.backlog:
             if not doc.step(pending.id):

@@ -4,8 +4,8 @@ the same agents), and reading candidates back out of a run (``RUN@best``, ``RUN@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from agents.factory import BACKENDS, api_key_env, make_agents
 from agents.roles import AgentError
@@ -26,8 +26,15 @@ class RunSetupError(ValueError):
     """A run cannot start or resume as asked (the message says why and what to do)."""
 
 
-def _loop(target: Target, state: RunState, history: History, run_dir: Path, workspaces: Path,
-          on_event: Callable[..., None], time_limit_s: float | None) -> Loop:
+def _loop(
+    target: Target,
+    state: RunState,
+    history: History,
+    run_dir: Path,
+    workspaces: Path,
+    on_event: Callable[..., None],
+    time_limit_s: float | None,
+) -> Loop:
     config = state.config
     target.runtime()  # builds (and caches) the model files here: the sandbox cannot write them
     engine_devices = CostModel.from_spec(target.spec).engine_devices if target.simulated else 1
@@ -37,8 +44,14 @@ def _loop(target: Target, state: RunState, history: History, run_dir: Path, work
         raise RunSetupError(str(error)) from None
     session = Session(target, sandbox, Limits.of(target, time_limit_s))
     try:
-        agents = make_agents(config.agents, session, engine_devices=engine_devices, seed=config.seed, repeat=config.repeat,
-                             llm=config.llm)
+        agents = make_agents(
+            config.agents,
+            session,
+            engine_devices=engine_devices,
+            seed=config.seed,
+            repeat=config.repeat,
+            llm=config.llm,
+        )
     except AgentError as error:
         raise RunSetupError(str(error)) from None
 
@@ -61,15 +74,34 @@ def _check_backend(agents: str, llm: dict) -> None:
             raise RunSetupError(f"--agents {agents} needs --model")
         env = api_key_env(agents, llm)
         if not os.environ.get(env):
-            raise RunSetupError(f"--agents {agents}: no API key in ${env} (set it, or name another variable with --api-key-env)")
+            raise RunSetupError(
+                f"--agents {agents}: no API key in ${env} (set it, or name another variable with --api-key-env)"
+            )
     if agents.startswith("cli:") and shutil.which(agents[4:]) is None:
         raise RunSetupError(f"--agents {agents}: the {agents[4:]} CLI is not installed (no `{agents[4:]}` on PATH)")
 
 
-def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, policy: str, agents: str, seed: int,
-              max_minutes: float | None, max_attempts: int, repeat: int | None, starter: str, sandbox: str, simulate: bool,
-              time_limit_s: float | None, on_event: Callable[..., None], llm: dict | None = None,
-              max_cost: float | None = None, max_tokens: int | None = None) -> Loop:
+def start_run(
+    target: str,
+    run_dir: Path,
+    workspaces: Path,
+    *,
+    rounds: int,
+    policy: str,
+    agents: str,
+    seed: int,
+    max_minutes: float | None,
+    max_attempts: int,
+    repeat: int | None,
+    starter: str,
+    sandbox: str,
+    simulate: bool,
+    time_limit_s: float | None,
+    on_event: Callable[..., None],
+    llm: dict | None = None,
+    max_cost: float | None = None,
+    max_tokens: int | None = None,
+) -> Loop:
     try:
         resolved = Target.load(target, simulate=simulate)
     except TargetUnavailable as error:
@@ -85,20 +117,41 @@ def start_run(target: str, run_dir: Path, workspaces: Path, *, rounds: int, poli
     if policy == "llm" and agents not in ("openai", "anthropic"):
         raise RunSetupError("--policy llm needs an LLM backend (--agents openai or anthropic)")
     _check_backend(agents, llm or {})
-    config = RunConfig(target=resolved.ref, target_id=spec.id, policy=policy, agents=agents, seed=seed, rounds=rounds,
-                       max_minutes=max_minutes, max_attempts=max_attempts, repeat=repeat or (1 if resolved.simulated else 3),
-                       starter=starter,
-                       simulated=resolved.simulated, sandbox=sandbox,
-                       llm=llm or {}, max_cost=max_cost, max_tokens=max_tokens)
+    config = RunConfig(
+        target=resolved.ref,
+        target_id=spec.id,
+        policy=policy,
+        agents=agents,
+        seed=seed,
+        rounds=rounds,
+        max_minutes=max_minutes,
+        max_attempts=max_attempts,
+        repeat=repeat or (1 if resolved.simulated else 3),
+        starter=starter,
+        simulated=resolved.simulated,
+        sandbox=sandbox,
+        llm=llm or {},
+        max_cost=max_cost,
+        max_tokens=max_tokens,
+    )
     history = History.create(run_dir, f"vibetrain run: {spec.id}\n\npolicy {policy}, agents {agents}, seed {seed}")
     state = new_state(config)
     state.save(run_dir)
     return _loop(resolved, state, history, run_dir, workspaces, on_event, time_limit_s)
 
 
-def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | None, max_minutes: float | None,
-               time_limit_s: float | None, on_event: Callable[..., None], max_cost: float | None = None,
-               max_tokens: int | None = None) -> Loop:
+def resume_run(
+    run_dir: Path,
+    workspaces: Path,
+    *,
+    target: str,
+    rounds: int | None,
+    max_minutes: float | None,
+    time_limit_s: float | None,
+    on_event: Callable[..., None],
+    max_cost: float | None = None,
+    max_tokens: int | None = None,
+) -> Loop:
     run_dir, workspaces = run_dir.resolve(), workspaces.resolve()  # git and the sandbox run elsewhere
     if not run_dir.exists():
         raise RunSetupError(f"{run_dir} does not exist: nothing to resume (start it without --resume)")
@@ -108,14 +161,24 @@ def resume_run(run_dir: Path, workspaces: Path, *, target: str, rounds: int | No
         raise RunSetupError(str(error)) from None
     dirty = history.dirty()
     if dirty:
-        raise RunSetupError(f"{run_dir} has uncommitted changes ({len(dirty)}: {', '.join(dirty[:3])}): the run owns that "
-                            f"worktree; discard them (git -C {run_dir} reset --hard best) or copy them elsewhere first")
+        raise RunSetupError(
+            f"{run_dir} has uncommitted changes ({len(dirty)}: {', '.join(dirty[:3])}): the run owns that "
+            f"worktree; discard them (git -C {run_dir} reset --hard best) or copy them elsewhere first"
+        )
     state = RunState.load(run_dir)
     given = str(Path(target).resolve()) if Path(target).exists() else target
     if given not in (state.config.target, state.config.target_id):
         raise RunSetupError(f"{run_dir} is a run for {state.config.target_id} ({state.config.target}), not {target}")
-    updates = {k: v for k, v in {"rounds": rounds, "max_minutes": max_minutes, "max_cost": max_cost,
-                                 "max_tokens": max_tokens}.items() if v is not None}
+    updates = {
+        k: v
+        for k, v in {
+            "rounds": rounds,
+            "max_minutes": max_minutes,
+            "max_cost": max_cost,
+            "max_tokens": max_tokens,
+        }.items()
+        if v is not None
+    }
     state.config = state.config.model_copy(update=updates)
     try:
         resolved = Target.load(state.config.target, simulate=state.config.simulated)

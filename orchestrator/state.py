@@ -92,7 +92,11 @@ class RunState(BaseModel):
 
     def abandoned(self) -> set[str]:
         """Task ids the run gave up on: validated without beating the best, or rejected."""
-        return {r.task.id for r in self.rounds if r.round > 0 and (r.verdict == "rejected" or (r.verdict == "accepted" and not r.became_best))}
+        return {
+            r.task.id
+            for r in self.rounds
+            if r.round > 0 and (r.verdict == "rejected" or (r.verdict == "accepted" and not r.became_best))
+        }
 
     def tried(self) -> set[tuple[str, str]]:
         """(parent commit, task id) pairs already attempted: never run the same change twice."""
@@ -100,14 +104,16 @@ class RunState(BaseModel):
 
     # -- persistence -------------------------------------------------------------------------------
     @classmethod
-    def load(cls, run_dir: Path) -> "RunState":
+    def load(cls, run_dir: Path) -> RunState:
         path = run_dir / ".git" / STATE_FILE
         if not path.exists():
             raise RunStateError(f"{run_dir} has no run state ({path}): not a vibetrain run, or it never started")
         try:
             return cls.model_validate_json(path.read_text())
         except ValueError as error:
-            raise RunStateError(f"{path} is corrupt ({error}); the candidates are intact in git (vibetrain log reads them)") from None
+            raise RunStateError(
+                f"{path} is corrupt ({error}); the candidates are intact in git (vibetrain log reads them)"
+            ) from None
 
     def save(self, run_dir: Path) -> None:
         """Atomic: a reader (or a resumed run) sees the previous state or this one, never a torn file."""
@@ -123,8 +129,10 @@ class RunState(BaseModel):
             if "tmp" in locals() and os.path.exists(tmp):
                 os.unlink(tmp)
             if error.errno == errno.ENOSPC:
-                raise RunStateError(f"disk full while saving the run state to {path}: every validated candidate is "
-                                    "committed in git; free some space and run again with --resume") from None
+                raise RunStateError(
+                    f"disk full while saving the run state to {path}: every validated candidate is "
+                    "committed in git; free some space and run again with --resume"
+                ) from None
             raise
 
 

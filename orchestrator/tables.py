@@ -41,11 +41,20 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
             p = run.paired
             ratio = f"{p.ratio:.2f}x [{p.low:.2f}, {p.high:.2f}]" if p.high is not None else f"{p.ratio:.2f}x [n=1]"
         table.add_row(
-            run.name, f"{num(m(headline))}±{num(run.spread(headline))}", ratio, num(m("rollout_throughput")),
-            num(m("step_time_s")), f"{m('lower_bound_fraction'):.0%}", f"{m('timeout_ratio'):.0%}", f"{m('mean_device_busy'):.0%}",
+            run.name,
+            f"{num(m(headline))}±{num(run.spread(headline))}",
+            ratio,
+            num(m("rollout_throughput")),
+            num(m("step_time_s")),
+            f"{m('lower_bound_fraction'):.0%}",
+            f"{m('timeout_ratio'):.0%}",
+            f"{m('mean_device_busy'):.0%}",
         )
-    table.caption = (f"{headline}: trajectories trained on that did not time out, per second; ratio: {headline} over "
-                     f"{first.name}'s, paired by seed; traj/s: rollout throughput; LB: the step's fluid lower bound over its step time")
+    table.caption = (
+        f"{headline}: trajectories trained on that did not time out, per second; ratio: {headline} over "
+        f"{first.name}'s, paired by seed; traj/s: rollout throughput; LB: the step's fluid lower bound over its step "
+        "time"
+    )
     return table
 
 
@@ -60,8 +69,16 @@ def costs_table(runs, simulated: bool) -> Table:
         m = run.median
         peak = memory[2].format(m(memory[1])) if run.has(memory[1]) else "-"
         device = [f"{m('peak_device_memory_mb'):.0f}" if run.has("peak_device_memory_mb") else "-"] if gpu else []
-        costs.add_row(run.name, f"{m('shrink_s'):.3f}", f"{m('expand_s'):.3f}", f"{m('sync_s'):.3f}", f"{m('train_s'):.3f}",
-                      f"{m('aborted_turns'):.0f}", peak, *device)
+        costs.add_row(
+            run.name,
+            f"{m('shrink_s'):.3f}",
+            f"{m('expand_s'):.3f}",
+            f"{m('sync_s'):.3f}",
+            f"{m('train_s'):.3f}",
+            f"{m('aborted_turns'):.0f}",
+            peak,
+            *device,
+        )
     return costs
 
 
@@ -100,14 +117,22 @@ class RoundsView:
             r, best = data["record"], data["best"]
             colour = {"accepted": "green", "rejected": "red"}.get(r.verdict, "yellow")
             value = num(r.headline) if r.headline is not None else "-"
-            self.rows.append((str(r.round), r.task.title, f"[{colour}]{r.verdict}[/{colour}]" + (" *" if r.became_best else ""),
-                              value, paired_cell(r.paired), f"round {best.round}: {num(best.headline)}" if best else "-"))
+            self.rows.append(
+                (
+                    str(r.round),
+                    r.task.title,
+                    f"[{colour}]{r.verdict}[/{colour}]" + (" *" if r.became_best else ""),
+                    value,
+                    paired_cell(r.paired),
+                    f"round {best.round}: {num(best.headline)}" if best else "-",
+                )
+            )
         elif kind in ("budget", "recovered"):
             self.status = data.get("reason") or f"recovered round {data['round']} from git"
 
 
 def promotion(record) -> str:
-    """"promoted" or "not promoted", with the paired ratio against the best and its interval."""
+    """ "promoted" or "not promoted", with the paired ratio against the best and its interval."""
     from targets.harness.session import Paired
 
     verb = "promoted" if record.became_best else "not promoted"
@@ -116,8 +141,10 @@ def promotion(record) -> str:
 
 def rounds_table(run: Path, state) -> Table:
     """A run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with reasons."""
-    table = Table(title=f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents",
-                  box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents",
+        box=box.SIMPLE_HEAD,
+    )
     table.add_column("round", justify="right", no_wrap=True)
     table.add_column("task", overflow="fold", ratio=3)
     for column in ("verdict", "headline", "vs parent", "commit"):
@@ -133,8 +160,19 @@ def rounds_table(run: Path, state) -> Table:
         if r.verdict == "accepted" and r.paired is not None:
             detail = f"{promotion(r)}; {detail}" if detail else promotion(r)
         verdict = r.verdict + (" (best)" if r.round == state.best_round else "")
-        usage = ([f"{r.llm.get('input_tokens', 0)}/{r.llm.get('output_tokens', 0)}", f"{r.llm.get('cost_usd', 0.0):.4f}"]
-                 if llm else [])
-        table.add_row(str(r.round), r.task.title, verdict, num(r.headline) if r.headline is not None else "-", delta,
-                      (r.commit or "-")[:8], *usage, detail or "-")
+        usage = (
+            [f"{r.llm.get('input_tokens', 0)}/{r.llm.get('output_tokens', 0)}", f"{r.llm.get('cost_usd', 0.0):.4f}"]
+            if llm
+            else []
+        )
+        table.add_row(
+            str(r.round),
+            r.task.title,
+            verdict,
+            num(r.headline) if r.headline is not None else "-",
+            delta,
+            (r.commit or "-")[:8],
+            *usage,
+            detail or "-",
+        )
     return table

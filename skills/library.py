@@ -48,7 +48,9 @@ def parse_skill(path: Path) -> Skill:
     front, _, body = text[4:].partition("\n---\n")
     data = yaml.safe_load(front) or {}
     if data.get("name") != path.parent.name:
-        raise ValueError(f"{path}: front matter name {data.get('name')!r} differs from its directory {path.parent.name!r}")
+        raise ValueError(
+            f"{path}: front matter name {data.get('name')!r} differs from its directory {path.parent.name!r}"
+        )
     return Skill.model_validate({**data, "text": body.strip()})
 
 

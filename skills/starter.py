@@ -11,7 +11,9 @@ from skills.library import load_skills
 from skills.validation import expand_file
 
 RECIPES = Path(__file__).parent / "recipes"
-CONTROLLERS = tuple(sorted(name for name, skill in load_skills().items() if skill.kind == "controller"))  # from front matter
+CONTROLLERS = tuple(
+    sorted(name for name, skill in load_skills().items() if skill.kind == "controller")
+)  # from front matter
 
 
 def starter_params(spec, controller: str) -> dict:
@@ -23,11 +25,15 @@ def starter_params(spec, controller: str) -> dict:
     params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, "micro_batch_tokens": 4096}
     if controller == "static_split":
         params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
-        params["rollout_devices"] = baseline.rollout_devices if baseline and baseline.rollout_devices else count - params["train_devices"]
+        params["rollout_devices"] = (
+            baseline.rollout_devices if baseline and baseline.rollout_devices else count - params["train_devices"]
+        )
     if controller == "time_multiplex":
         params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
         if params["train_devices"] >= count:
-            raise ValueError(f"time_multiplex needs a device that never trains: train_devices {params['train_devices']} of {count}")
+            raise ValueError(
+                f"time_multiplex needs a device that never trains: train_devices {params['train_devices']} of {count}"
+            )
     return params
 
 
@@ -57,7 +63,9 @@ def write_starter(directory: Path, spec, controller: str, params: dict | None = 
         if recipe.name != "__init__.py":
             shutil.copy2(recipe, stack / recipe.name)
             expand_file(stack / recipe.name)  # recipes carry validation annotations (design §8)
-    (stack / "__init__.py").write_text('"""A vibetrain candidate stack."""\n\nfrom .build import build\n\n__all__ = ["build"]\n')
+    (stack / "__init__.py").write_text(
+        '"""A vibetrain candidate stack."""\n\nfrom .build import build\n\n__all__ = ["build"]\n'
+    )
     (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
     (directory / "DESIGN.md").write_text(DESIGN_TEMPLATE.format(controller=controller, params=json.dumps(params)))
     (directory / ".gitignore").write_text("__pycache__/\n*.pyc\n")

@@ -13,8 +13,9 @@ the contract without inheriting from harness code.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is only needed for annotations here; keep this module import-light.
     import torch
@@ -61,9 +62,7 @@ class Completion:
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.logprobs):
-            raise ValueError(
-                f"Completion has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs"
-            )
+            raise ValueError(f"Completion has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class Trajectory:
                 f"logprobs ({len(self.logprobs)}) must have equal lengths"
             )
 
-    def append_turn(self, completion: "Completion", result: "StepResult") -> None:
+    def append_turn(self, completion: Completion, result: StepResult) -> None:
         """Add one turn: the policy's response (trained on) and the environment's answer (not)."""
         self.tokens += completion.tokens + result.observation
         self.loss_mask += [1] * len(completion.tokens) + [0] * len(result.observation)
@@ -143,8 +142,7 @@ class TrainBatch:
     def __post_init__(self) -> None:
         if len(self.trajectories) != len(self.advantages):
             raise ValueError(
-                f"TrainBatch has {len(self.trajectories)} trajectories but "
-                f"{len(self.advantages)} advantages"
+                f"TrainBatch has {len(self.trajectories)} trajectories but {len(self.advantages)} advantages"
             )
         if not self.trajectories:
             raise ValueError("TrainBatch is empty")
@@ -198,7 +196,7 @@ class Trainer(Protocol):
         """One optimizer step on the batch; returns the new weight version."""
         ...
 
-    def state_dict(self) -> dict[str, "torch.Tensor"]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         """Current weights, transformers parameter names, on CPU."""
         ...
 

@@ -10,7 +10,7 @@ import math
 import random
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -75,7 +75,7 @@ class Lognormal(Strict):
         return self.median * math.exp(self.sigma**2 / 2)
 
 
-Distribution = Annotated[Union[Fixed, Geometric, Lognormal], Field(discriminator="kind")]
+Distribution = Annotated[Fixed | Geometric | Lognormal, Field(discriminator="kind")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ class ModelConfig(Strict):
     moe_intermediate_size: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _heads_divide(self) -> ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -135,7 +135,7 @@ class ModelSpec(Strict):
         return str(path.resolve())
 
     @model_validator(mode="after")
-    def _family_fields(self) -> "ModelSpec":
+    def _family_fields(self) -> ModelSpec:
         moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
         have = [f for f in moe_fields if getattr(self.config, f) is not None]
         if self.family == "qwen3_moe" and len(have) != len(moe_fields):
@@ -207,7 +207,7 @@ class EnvironmentRef(Strict):
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _known_environment(self) -> "EnvironmentRef":
+    def _known_environment(self) -> EnvironmentRef:
         from targets.harness.environments import ENVIRONMENTS  # late: environments import this module
 
         if self.name not in ENVIRONMENTS:
@@ -232,7 +232,7 @@ class TokensSpec(Strict):
     max_sequence: int = Field(gt=0, description="max tokens of a whole trajectory")
 
     @model_validator(mode="after")
-    def _fits(self) -> "TokensSpec":
+    def _fits(self) -> TokensSpec:
         if self.prompt + self.response > self.max_sequence:
             raise ValueError(
                 f"prompt ({self.prompt}) + response ({self.response}) exceeds max_sequence ({self.max_sequence})"
@@ -267,13 +267,13 @@ class WorkloadSpec(Strict):
     training: TrainingSpec = TrainingSpec()
 
     @model_validator(mode="after")
-    def _groups_divide(self) -> "WorkloadSpec":
+    def _groups_divide(self) -> WorkloadSpec:
         if self.batch_size % self.group_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
         return self
 
     @model_validator(mode="after")
-    def _turns_match_environment(self) -> "WorkloadSpec":
+    def _turns_match_environment(self) -> WorkloadSpec:
         from targets.harness.environments import ENVIRONMENTS
 
         env = ENVIRONMENTS[self.environment.name]
@@ -298,7 +298,7 @@ class BaselineSpec(Strict):
     train_devices: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _split_given(self) -> "BaselineSpec":
+    def _split_given(self) -> BaselineSpec:
         if self.name == "static_split" and (self.rollout_devices is None or self.train_devices is None):
             raise ValueError("static_split needs rollout_devices and train_devices")
         return self
@@ -320,15 +320,25 @@ class SimulatorSpec(Strict):
     them from a real run's trace; the defaults are typical of large GPU deployments."""
 
     rollout_mfu: float = Field(default=0.5, gt=0, le=1, description="compute efficiency of prefill and decode")
-    hbm_efficiency: float = Field(default=0.8, gt=0, le=1, description="achieved fraction of memory bandwidth in decode")
-    kv_memory_fraction: float = Field(default=0.9, gt=0, le=1, description="device memory an engine may use (weights + KV)")
-    decode_step_overhead_s: float = Field(default=0.003, ge=0, description="fixed cost of one engine iteration (scheduling, launches)")
+    hbm_efficiency: float = Field(
+        default=0.8, gt=0, le=1, description="achieved fraction of memory bandwidth in decode"
+    )
+    kv_memory_fraction: float = Field(
+        default=0.9, gt=0, le=1, description="device memory an engine may use (weights + KV)"
+    )
+    decode_step_overhead_s: float = Field(
+        default=0.003, ge=0, description="fixed cost of one engine iteration (scheduling, launches)"
+    )
     train_step_overhead_s: float = Field(default=1.0, ge=0)
     sync_overhead_s: float = Field(default=0.5, ge=0)
     switch_overhead_s: float = Field(default=0.5, ge=0, description="fixed cost of an offload or a reload")
-    engine_devices: int | None = Field(default=None, gt=0, description="devices per rollout engine; default: the fewest that fit the weights")
+    engine_devices: int | None = Field(
+        default=None, gt=0, description="devices per rollout engine; default: the fewest that fit the weights"
+    )
     batching: Literal["continuous", "static"] = Field(
-        default="continuous", description="continuous: requests join the running batch (vLLM); static: a batch runs to its end first")
+        default="continuous",
+        description="continuous: requests join the running batch (vLLM); static: a batch runs to its end first",
+    )
 
 
 class LimitsSpec(Strict):
@@ -338,7 +348,9 @@ class LimitsSpec(Strict):
     training from, about 40 bytes per parameter over a 12 GB base; time grows with billions of parameters."""
 
     host_memory_mb: float | None = Field(default=None, gt=0, description="resident memory of the child's process tree")
-    time_s: float | None = Field(default=None, gt=0, description="seconds one child run (a check, a measurement) may take")
+    time_s: float | None = Field(
+        default=None, gt=0, description="seconds one child run (a check, a measurement) may take"
+    )
 
     def resolved(self, parameters: int) -> tuple[float, float]:
         """(host memory in MB, seconds) for a model of ``parameters``."""
@@ -367,7 +379,7 @@ class TargetSpec(Strict):
     limits: LimitsSpec = LimitsSpec()
 
     @model_validator(mode="after")
-    def _baselines_fit(self) -> "TargetSpec":
+    def _baselines_fit(self) -> TargetSpec:
         for i, baseline in enumerate(self.baselines):
             used = (baseline.rollout_devices or 0) + (baseline.train_devices or 0)
             if baseline.name == "static_split" and used > self.hardware.count:
@@ -376,10 +388,10 @@ class TargetSpec(Strict):
                 )
             if baseline.rollout_devices and baseline.rollout_devices > self.hardware.count:
                 raise ValueError(
-                    f"baselines[{i}] rollout_devices {baseline.rollout_devices} exceeds hardware.count {self.hardware.count}"
+                    f"baselines[{i}] rollout_devices {baseline.rollout_devices} exceeds hardware.count "
+                    f"{self.hardware.count}"
                 )
         return self
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,7 +446,9 @@ def resolve_target_path(ref: str | Path) -> Path:
         return path
     catalog_path = CATALOG_DIR / f"{ref}.yaml"
     if not catalog_path.exists():
-        raise SpecError(f"unknown target {str(ref)!r}: not a catalog id (known: {', '.join(catalog_ids())}) and no such file")
+        raise SpecError(
+            f"unknown target {str(ref)!r}: not a catalog id (known: {', '.join(catalog_ids())}) and no such file"
+        )
     return catalog_path
 
 

@@ -50,7 +50,7 @@ class FakeLLMServer:
     def script(self, role: str, *replies) -> None:
         self.scripts[role].extend(replies)
 
-    def __enter__(self) -> "FakeLLMServer":
+    def __enter__(self) -> FakeLLMServer:
         self.thread.start()
         return self
 
@@ -77,18 +77,35 @@ class FakeLLMServer:
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
                 anthropic = self.path.endswith("/messages")
-                system = body.get("system", "") if anthropic else next(
-                    (m.get("content", "") for m in body.get("messages", []) if m.get("role") == "system"), "")
+                system = (
+                    body.get("system", "")
+                    if anthropic
+                    else next((m.get("content", "") for m in body.get("messages", []) if m.get("role") == "system"), "")
+                )
                 system = system if isinstance(system, str) else " ".join(b.get("text", "") for b in system)
                 match = ROLE.search(system)
                 role = match.group(1) if match else "unknown"
                 with server.lock:
-                    server.requests.append({"path": self.path, "role": role, "body": body, "headers": dict(self.headers)})
-                if self.headers.get("authorization", "").endswith("bad-key") or self.headers.get("x-api-key") == "bad-key":
+                    server.requests.append(
+                        {"path": self.path, "role": role, "body": body, "headers": dict(self.headers)}
+                    )
+                if (
+                    self.headers.get("authorization", "").endswith("bad-key")
+                    or self.headers.get("x-api-key") == "bad-key"
+                ):
                     return self._error(401, "invalid api key", anthropic)
                 if body.get("model") == "no-such-model":
-                    return self._json(404, {"error": {"message": "The model `no-such-model` does not exist", "type": "invalid_request_error"}}
-                                      if not anthropic else {"type": "error", "error": {"type": "not_found_error", "message": "model: no-such-model"}})
+                    return self._json(
+                        404,
+                        {
+                            "error": {
+                                "message": "The model `no-such-model` does not exist",
+                                "type": "invalid_request_error",
+                            }
+                        }
+                        if not anthropic
+                        else {"type": "error", "error": {"type": "not_found_error", "message": "model: no-such-model"}},
+                    )
                 reply, why = server._next(role)
                 stream = bool(body.get("stream"))
                 if isinstance(reply, Fault):
@@ -134,10 +151,28 @@ class FakeLLMServer:
 
             def _dropped(self, anthropic: bool) -> None:
                 self._sse_start()
-                first = ({"type": "message_start", "message": {"id": "msg_drop", "type": "message", "role": "assistant",
-                          "model": "fake", "content": [], "stop_reason": None, "usage": {"input_tokens": 1, "output_tokens": 0}}}
-                         if anthropic else {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "fake",
-                                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "partial"}}]})
+                first = (
+                    {
+                        "type": "message_start",
+                        "message": {
+                            "id": "msg_drop",
+                            "type": "message",
+                            "role": "assistant",
+                            "model": "fake",
+                            "content": [],
+                            "stop_reason": None,
+                            "usage": {"input_tokens": 1, "output_tokens": 0},
+                        },
+                    }
+                    if anthropic
+                    else {
+                        "id": "c",
+                        "object": "chat.completion.chunk",
+                        "created": 0,
+                        "model": "fake",
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": "partial"}}],
+                    }
+                )
                 event = "event: message_start\n" if anthropic else ""
                 self.wfile.write(f"{event}data: {json.dumps(first)}\n\n".encode())
                 self.wfile.flush()
@@ -146,10 +181,20 @@ class FakeLLMServer:
 
             def _openai_stream(self, reply: Reply, body: dict) -> None:
                 self._sse_start()
-                base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": body.get("model", "fake")}
+                base = {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": body.get("model", "fake"),
+                }
 
                 def send(choice_delta: dict, finish=None, usage=None) -> None:
-                    chunk = {**base, "choices": [{"index": 0, "delta": choice_delta, "finish_reason": finish}] if choice_delta is not None else []}
+                    chunk = {
+                        **base,
+                        "choices": [{"index": 0, "delta": choice_delta, "finish_reason": finish}]
+                        if choice_delta is not None
+                        else [],
+                    }
                     if usage is not None:
                         chunk["usage"] = usage
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -159,12 +204,29 @@ class FakeLLMServer:
                     send({"content": piece})
                 for i, (name, args) in enumerate(reply.tool_calls):
                     arguments = args if isinstance(args, str) else json.dumps(args)
-                    send({"tool_calls": [{"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": ""}}]})
+                    send(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": i,
+                                    "id": f"call_{i}",
+                                    "type": "function",
+                                    "function": {"name": name, "arguments": ""},
+                                }
+                            ]
+                        }
+                    )
                     for piece in _pieces(arguments):
                         send({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                 send({}, finish="tool_calls" if reply.tool_calls else "stop")
-                send(None, usage={"prompt_tokens": reply.input_tokens, "completion_tokens": reply.output_tokens,
-                                  "total_tokens": reply.input_tokens + reply.output_tokens})
+                send(
+                    None,
+                    usage={
+                        "prompt_tokens": reply.input_tokens,
+                        "completion_tokens": reply.output_tokens,
+                        "total_tokens": reply.input_tokens + reply.output_tokens,
+                    },
+                )
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
 
@@ -174,9 +236,21 @@ class FakeLLMServer:
                 def send(kind: str, payload: dict) -> None:
                     self.wfile.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n".encode())
 
-                send("message_start", {"message": {"id": "msg_fake", "type": "message", "role": "assistant", "model": "fake",
-                                                   "content": [], "stop_reason": None, "stop_sequence": None,
-                                                   "usage": {"input_tokens": reply.input_tokens, "output_tokens": 1}}})
+                send(
+                    "message_start",
+                    {
+                        "message": {
+                            "id": "msg_fake",
+                            "type": "message",
+                            "role": "assistant",
+                            "model": "fake",
+                            "content": [],
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": {"input_tokens": reply.input_tokens, "output_tokens": 1},
+                        }
+                    },
+                )
                 index = 0
                 if reply.text:
                     send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
@@ -186,12 +260,26 @@ class FakeLLMServer:
                     index = 1
                 for i, (name, args) in enumerate(reply.tool_calls, start=index):
                     arguments = args if isinstance(args, str) else json.dumps(args)
-                    send("content_block_start", {"index": i, "content_block": {"type": "tool_use", "id": f"toolu_{i}", "name": name, "input": {}}})
+                    send(
+                        "content_block_start",
+                        {
+                            "index": i,
+                            "content_block": {"type": "tool_use", "id": f"toolu_{i}", "name": name, "input": {}},
+                        },
+                    )
                     for piece in _pieces(arguments):
-                        send("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": piece}})
+                        send(
+                            "content_block_delta",
+                            {"index": i, "delta": {"type": "input_json_delta", "partial_json": piece}},
+                        )
                     send("content_block_stop", {"index": i})
-                send("message_delta", {"delta": {"stop_reason": "tool_use" if reply.tool_calls else "end_turn", "stop_sequence": None},
-                                       "usage": {"output_tokens": reply.output_tokens}})
+                send(
+                    "message_delta",
+                    {
+                        "delta": {"stop_reason": "tool_use" if reply.tool_calls else "end_turn", "stop_sequence": None},
+                        "usage": {"output_tokens": reply.output_tokens},
+                    },
+                )
                 send("message_stop", {})
                 self.wfile.flush()
 
@@ -205,19 +293,46 @@ def _pieces(text: str, size: int = 7) -> list[str]:
 def _openai_completion(reply: Reply, body: dict) -> dict:
     message: dict = {"role": "assistant", "content": reply.text or None}
     if reply.tool_calls:
-        message["tool_calls"] = [{"id": f"call_{i}", "type": "function",
-                                  "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
-                                 for i, (name, args) in enumerate(reply.tool_calls)]
-    return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": body.get("model", "fake"),
-            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if reply.tool_calls else "stop"}],
-            "usage": {"prompt_tokens": reply.input_tokens, "completion_tokens": reply.output_tokens,
-                      "total_tokens": reply.input_tokens + reply.output_tokens}}
+        message["tool_calls"] = [
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+            for i, (name, args) in enumerate(reply.tool_calls)
+        ]
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body.get("model", "fake"),
+        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if reply.tool_calls else "stop"}],
+        "usage": {
+            "prompt_tokens": reply.input_tokens,
+            "completion_tokens": reply.output_tokens,
+            "total_tokens": reply.input_tokens + reply.output_tokens,
+        },
+    }
 
 
 def _anthropic_message(reply: Reply, body: dict) -> dict:
     content: list[dict] = [{"type": "text", "text": reply.text}] if reply.text else []
     for i, (name, args) in enumerate(reply.tool_calls):
-        content.append({"type": "tool_use", "id": f"toolu_{i}", "name": name, "input": args if isinstance(args, dict) else {"_raw": args}})
-    return {"id": "msg_fake", "type": "message", "role": "assistant", "model": body.get("model", "fake"), "content": content,
-            "stop_reason": "tool_use" if reply.tool_calls else "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens}}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": f"toolu_{i}",
+                "name": name,
+                "input": args if isinstance(args, dict) else {"_raw": args},
+            }
+        )
+    return {
+        "id": "msg_fake",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model", "fake"),
+        "content": content,
+        "stop_reason": "tool_use" if reply.tool_calls else "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens},
+    }

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from targets.api import GenerateRequest, Runtime, SamplingParams, TrainBatch, TrainingConfig, Trajectory
 
 
-async def one_round(runtime: Runtime, config: TrainingConfig, memory: Callable[[], int] = lambda: 0) -> tuple[int, int, int]:
+async def one_round(
+    runtime: Runtime, config: TrainingConfig, memory: Callable[[], int] = lambda: 0
+) -> tuple[int, int, int]:
     """Generates with the engine resident, suspends (trainer resident), trains, syncs, resumes and
     generates again under the new version; returns ``memory()`` with the engine awake, while
     training, and after resuming."""
@@ -18,14 +20,26 @@ async def one_round(runtime: Runtime, config: TrainingConfig, memory: Callable[[
     device = cluster.devices[0]
     try:
         params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1)
-        completions = await asyncio.gather(*(cluster.generate(GenerateRequest(f"e{i}", 0, [1, 2, 3], params)) for i in range(8)))
+        completions = await asyncio.gather(
+            *(cluster.generate(GenerateRequest(f"e{i}", 0, [1, 2, 3], params)) for i in range(8))
+        )
         assert all(c.weight_version == 0 and c.finish_reason in ("stop", "length") for c in completions)
         assert await cluster.residency() == {device.id: ["engine"]}
         awake = memory()
         await cluster.suspend()
         assert await cluster.residency() == {device.id: ["trainer"]}
-        trajectories = [Trajectory(f"e{i}", f"g{i // 4}", [1, 2, 3, *c.tokens], [0, 0, 0] + [1] * len(c.tokens),
-                                   [0.0, 0.0, 0.0, *c.logprobs], float(i % 2), [c.weight_version]) for i, c in enumerate(completions)]
+        trajectories = [
+            Trajectory(
+                f"e{i}",
+                f"g{i // 4}",
+                [1, 2, 3, *c.tokens],
+                [0, 0, 0] + [1] * len(c.tokens),
+                [0.0, 0.0, 0.0, *c.logprobs],
+                float(i % 2),
+                [c.weight_version],
+            )
+            for i, c in enumerate(completions)
+        ]
         version = await cluster.train(TrainBatch(trajectories, [1.0 if i % 2 else -1.0 for i in range(8)]), [device])
         trained = memory()
         await cluster.sync_weights(version, [device])

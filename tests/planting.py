@@ -11,8 +11,13 @@ from skills.starter import write_starter
 from targets.spec import parse_target
 
 
-def planted(directory: Path, target: Path, controller: str, edits: dict[str, tuple[str, str]] | None = None,
-            extra: dict[str, str] | None = None) -> Path:
+def planted(
+    directory: Path,
+    target: Path,
+    controller: str,
+    edits: dict[str, tuple[str, str]] | None = None,
+    extra: dict[str, str] | None = None,
+) -> Path:
     spec = parse_target(yaml.safe_load(Path(target).read_text()))
     candidate = write_starter(directory, spec, controller)
     for name, (old, new) in (edits or {}).items():

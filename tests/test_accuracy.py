@@ -49,8 +49,12 @@ class SkippedStepTrainer(ReferenceTrainer):
 
     def train_step(self, batch):
         padded = pad_trajectories(batch.trajectories)
-        loss = grpo_loss(token_logprobs(self.model, padded.tokens, padded.attention), padded,
-                         torch.tensor(batch.advantages), self.config)
+        loss = grpo_loss(
+            token_logprobs(self.model, padded.tokens, padded.attention),
+            padded,
+            torch.tensor(batch.advantages),
+            self.config,
+        )
         loss.backward()
         self.version += 1
         return self.version

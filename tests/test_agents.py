@@ -22,15 +22,15 @@ from skills.library import load_skills
 from skills.starter import write_starter
 from skills.validation import AnnotationError, expand_source, unexpanded
 from targets.api import TraceEvent
+from targets.harness.integrity import scan_stack
 from targets.harness.launch import Limits, run_harness
 from targets.harness.sandbox import Sandbox, scrubbed_environment
 from targets.harness.session import Session
 from targets.harness.target import Target
-from targets.harness.integrity import scan_stack
 from targets.spec import load_target
 
-
 # -- validation annotations --------------------------------------------------------------------
+
 
 def _run(source: str, call: str, **names):
     namespace: dict = {}
@@ -39,7 +39,7 @@ def _run(source: str, call: str, **names):
 
 
 def test_each_pattern_expands_into_a_check_with_a_message_naming_the_value():
-    source = '''
+    source = """
 def f(xs, n, chosen):
     # VAL: VAL_INT_RANGE (min=0, max=len(xs))
     k = n
@@ -49,7 +49,7 @@ def f(xs, n, chosen):
     out = xs[:k]
     # VAL: AST_POSTCONDITION (cond=len(out) == k)
     return out
-'''
+"""
     assert _run(source, "f([1, 2, 3], 2, [1])") == [1, 2]
     with pytest.raises(ValueError, match=r"k must be an int in \[0, len\(xs\)\] = \[0, 3\], got 7"):
         _run(source, "f([1, 2, 3], 7, [1])")
@@ -90,8 +90,12 @@ def test_the_recipes_carry_annotations_and_starters_carry_none(tmp_path, tiny_sp
 def test_the_judge_rejects_an_unexpanded_annotation_without_running_it(tmp_path, tiny_spec):
     stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
     path = stack / "stack" / "static_split.py"
-    path.write_text(path.read_text().replace("        rollout, train = self.placement(cluster.devices)",
-                                             "        # VAL: VAL_NON_EMPTY (value=envs)\n        rollout, train = self.placement(cluster.devices)"))
+    path.write_text(
+        path.read_text().replace(
+            "        rollout, train = self.placement(cluster.devices)",
+            "        # VAL: VAL_NON_EMPTY (value=envs)\n        rollout, train = self.placement(cluster.devices)",
+        )
+    )
     judge = OfflineJudge(Session(Target.load("tiny-qwen3-cpu"), Sandbox("subprocess"), Limits(time_s=5)))
     verdict = judge.judge(stack, tmp_path / "out")
     assert not verdict.passed and verdict.run is None
@@ -117,36 +121,54 @@ def test_integrity_scan_rejects_each_planted_escape(tmp_path, tiny_spec, reason)
     assert scan_stack(stack).passed
     (stack / "stack" / "planted.py").write_text(PLANTS[reason])
     result = scan_stack(stack)
-    assert not result.passed and any(reason.split(" (")[0] in r and "planted.py" in r for r in result.reasons), result.reasons
+    assert not result.passed and any(reason.split(" (")[0] in r and "planted.py" in r for r in result.reasons), (
+        result.reasons
+    )
 
 
 # -- DESIGN.md ------------------------------------------------------------------------------------
 
+
 def test_design_doc_round_trips_and_tracks_statuses():
-    doc = DesignDoc.parse("# Stack design\n\n## Decisions\n- Round 0: starter.\n\n## Plan\n1. [DONE] Starter stack.\n\n## Findings\n(none yet)\n")
+    doc = DesignDoc.parse(
+        "# Stack design\n\n## Decisions\n- Round 0: starter.\n\n## Plan\n1. [DONE] Starter stack.\n\n## "
+        "Findings\n(none yet)\n"
+    )
     doc.set_status("controller=time_multiplex", "switch to time_multiplex", "IN_PROGRESS")
-    doc.set_status("batch_window_s=0.004", "set batch_window_s", "ABANDONED", "round 2: no gain beyond the noise threshold")
+    doc.set_status(
+        "batch_window_s=0.004", "set batch_window_s", "ABANDONED", "round 2: no gain beyond the noise threshold"
+    )
     again = DesignDoc.parse(doc.render())
-    assert [(s.status, s.id) for s in again.plan] == [("DONE", ""), ("IN_PROGRESS", "controller=time_multiplex"),
-                                                      ("ABANDONED", "batch_window_s=0.004")]
-    assert again.plan[2].reason == "round 2: no gain beyond the noise threshold" and again.decisions == ["Round 0: starter."]
+    assert [(s.status, s.id) for s in again.plan] == [
+        ("DONE", ""),
+        ("IN_PROGRESS", "controller=time_multiplex"),
+        ("ABANDONED", "batch_window_s=0.004"),
+    ]
+    assert again.plan[2].reason == "round 2: no gain beyond the noise threshold" and again.decisions == [
+        "Round 0: starter."
+    ]
     with pytest.raises(ValueError, match="needs a reason"):
         doc.set_status("x", "x", "ABANDONED")
 
 
 # -- the offline planner and the evaluator's hints -----------------------------------------------
 
+
 def test_every_skill_has_front_matter_and_the_planner_maps_hints_to_them(tiny_spec, big_spec):
     skills = load_skills()
     assert {"colocate", "static_split", "time_multiplex", "paged_engine", "fsdp_trainer"} <= set(skills)
     planner = OfflinePlanner(tiny_spec)
     params = {"controller": "colocate", "engine": "paged", "micro_batch_tokens": 4096}
-    tasks = planner.tasks_from_hints([Hint(code="rollout_stalls", message="no rollout in flight for 35% of the run")], params)
+    tasks = planner.tasks_from_hints(
+        [Hint(code="rollout_stalls", message="no rollout in flight for 35% of the run")], params
+    )
     assert {t.id for t in tasks} == {"controller=static_split", "controller=time_multiplex"}
     assert all(t.priority == 10 and "35%" in t.rationale for t in tasks)
     big = OfflinePlanner(big_spec, engine_devices=8)
-    moved = big.tasks_from_hints([Hint(code="small_engine_batches", message="engines batch 1.7")],
-                                 {"controller": "static_split", "train_devices": 64})
+    moved = big.tasks_from_hints(
+        [Hint(code="small_engine_batches", message="engines batch 1.7")],
+        {"controller": "static_split", "train_devices": 64},
+    )
     assert [t.changes for t in moved if not t.id.startswith("controller=")] == [{"train_devices": 72}]
 
 
@@ -173,9 +195,19 @@ def test_hints_read_stalls_and_the_tail_from_the_trace():
     events += [_event("run_end", 4.0)]
     stalled, tail = concurrency_shares(events)
     assert stalled == pytest.approx(0.5) and tail == pytest.approx(0.25)
-    metrics = {"mean_device_busy": 0.5, "device_utilization": {"cpu:0": {"train": 0.0, "idle": 0.5}}, "timeout_ratio": 0.0,
-               "aborted_turns": 0, "sync_s": 0.0, "duration_s": 4.0}
-    assert {h.code for h in hints_from(metrics, events, simulated=True)} == {"rollout_stalls", "tail_idle", "devices_idle"}
+    metrics = {
+        "mean_device_busy": 0.5,
+        "device_utilization": {"cpu:0": {"train": 0.0, "idle": 0.5}},
+        "timeout_ratio": 0.0,
+        "aborted_turns": 0,
+        "sync_s": 0.0,
+        "duration_s": 4.0,
+    }
+    assert {h.code for h in hints_from(metrics, events, simulated=True)} == {
+        "rollout_stalls",
+        "tail_idle",
+        "devices_idle",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +217,11 @@ def big_spec():
 
 # -- the sandbox ----------------------------------------------------------------------------------
 
+
 def test_the_environment_loses_its_secrets():
-    env = scrubbed_environment({"PATH": "/bin", "OPENAI_API_KEY": "sk-x", "ANTHROPIC_API_KEY": "a", "MY_TOKEN": "t", "LANG": "C"})
+    env = scrubbed_environment(
+        {"PATH": "/bin", "OPENAI_API_KEY": "sk-x", "ANTHROPIC_API_KEY": "a", "MY_TOKEN": "t", "LANG": "C"}
+    )
     assert set(env) == {"PATH", "LANG", "VIBETRAIN_CACHE"}
 
 
@@ -210,7 +245,9 @@ def test_bubblewrap_keeps_writes_in_the_workspace_and_has_no_network(tmp_path):
         "except OSError: print('no network')\n"
         "import os; print('KEY' if 'OPENAI_API_KEY' in os.environ else 'no key')\n"
     )
-    command, env = sandbox.wrap([sys.executable, "-c", probe], {**os.environ, "OPENAI_API_KEY": "sk-secret"}, writable=[workspace, out])
+    command, env = sandbox.wrap(
+        [sys.executable, "-c", probe], {**os.environ, "OPENAI_API_KEY": "sk-secret"}, writable=[workspace, out]
+    )
     result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "outside refused" in result.stdout and "no network" in result.stdout and "no key" in result.stdout
@@ -219,29 +256,50 @@ def test_bubblewrap_keeps_writes_in_the_workspace_and_has_no_network(tmp_path):
 
 # -- the harness's watchdog: limits a candidate cannot outrun --------------------------------------
 
+
 def _planted_build(tmp_path, tiny_spec, code: str) -> Path:
     stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
     build = stack / "stack" / "build.py"
-    build.write_text(build.read_text().replace("def build(runtime: Runtime) -> Stack:\n",
-                                               "def build(runtime: Runtime) -> Stack:\n" + code))
+    build.write_text(
+        build.read_text().replace(
+            "def build(runtime: Runtime) -> Stack:\n", "def build(runtime: Runtime) -> Stack:\n" + code
+        )
+    )
     return stack
 
 
 @pytest.mark.slow
 def test_a_candidate_that_eats_memory_is_killed_at_its_limit(tmp_path, tiny_spec):
     stack = _planted_build(tmp_path, tiny_spec, "    hog = [bytearray(64 << 20) for _ in range(64)]  # planted: 4 GB\n")
-    run = run_harness(Target.load("tiny-qwen3-cpu"), stack, tmp_path / "out", "accuracy", Limits(time_s=120, memory_mb=1500),
-                      Sandbox("subprocess"))
+    run = run_harness(
+        Target.load("tiny-qwen3-cpu"),
+        stack,
+        tmp_path / "out",
+        "accuracy",
+        Limits(time_s=120, memory_mb=1500),
+        Sandbox("subprocess"),
+    )
     assert not run.ok and "over its limit of 1500 MB" in run.cause, run.cause
 
 
 @pytest.mark.slow
 def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
-    code = "    import subprocess, sys\n    kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(40)]  # planted\n    time.sleep(60)\n"
+    code = (
+        "    import subprocess, sys\n"
+        "    kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+        " for _ in range(40)]  # planted\n"
+        "    time.sleep(60)\n"
+    )
     stack = _planted_build(tmp_path, tiny_spec, "    import time\n" + code)
     started = time.monotonic()
-    run = run_harness(Target.load("tiny-qwen3-cpu"), stack, tmp_path / "out", "accuracy", Limits(time_s=120, processes=20),
-                      Sandbox("subprocess"))
+    run = run_harness(
+        Target.load("tiny-qwen3-cpu"),
+        stack,
+        tmp_path / "out",
+        "accuracy",
+        Limits(time_s=120, processes=20),
+        Sandbox("subprocess"),
+    )
     assert not run.ok and "processes, over its limit of 20" in run.cause, run.cause
     assert time.monotonic() - started < 60
     leftovers = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()

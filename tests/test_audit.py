@@ -28,7 +28,9 @@ def honest(fast_target, tmp_path_factory):
     spec = parse_target(yaml.safe_load(fast_target.read_text()))
     work = tmp_path_factory.mktemp("audit")
     stack = write_starter(work / "stack", spec, "time_multiplex")
-    run = run_harness(Target.load(fast_target), stack, work / "out", "measure", Limits(time_s=300), Sandbox("subprocess"))
+    run = run_harness(
+        Target.load(fast_target), stack, work / "out", "measure", Limits(time_s=300), Sandbox("subprocess")
+    )
     assert run.ok, run.cause
     assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
     weights = {int(p.stem[1:]): load_file(p) for p in (run.out / "weights").glob("v*.safetensors")}
@@ -44,8 +46,13 @@ def _audit(honest, events=None, weights=None, steps=None):
         model.load_state_dict(state)
         return model
 
-    return audit_run(spec, honest_events if events is None else events, weights.get, make_model,
-                     spec.workload.train_steps if steps is None else steps)
+    return audit_run(
+        spec,
+        honest_events if events is None else events,
+        weights.get,
+        make_model,
+        spec.workload.train_steps if steps is None else steps,
+    )
 
 
 def _edited(honest) -> list[TraceEvent]:
@@ -105,7 +112,9 @@ def test_drop_reason_the_trace_does_not_confirm(honest, reason):
             e.data["trajectories"] = [t for t in e.data["trajectories"] if t["episode"] != episode]
         if e.kind == "sample_dropped" and e.data["episode"] == episode:
             e.data["episode"] = "ignored"
-    events.insert(events.index(train), TraceEvent("sample_dropped", train.t - 0.001, {"episode": episode, "reason": reason}))
+    events.insert(
+        events.index(train), TraceEvent("sample_dropped", train.t - 0.001, {"episode": episode, "reason": reason})
+    )
     _rejects(_audit(honest, events), "unjustified drop")
 
 
@@ -126,7 +135,12 @@ def test_action_not_produced_by_generate(honest):
     events = _edited(honest)
     step = _first(events, "env_step")
     for e in events:
-        if e.kind == "generate" and not e.data["aborted"] and e.data["episode"] == step.data["episode"] and e.data["turn"] == 0:
+        if (
+            e.kind == "generate"
+            and not e.data["aborted"]
+            and e.data["episode"] == step.data["episode"]
+            and e.data["turn"] == 0
+        ):
             e.data["tokens"] = [t + 1 for t in e.data["tokens"]]
     _rejects(_audit(honest, events), "fabricated rollout")
 
@@ -168,7 +182,10 @@ def test_request_served_by_a_shrunk_engine(honest):
     events = _edited(honest)
     served = [e for e in events if e.kind == "generate" and not e.data["aborted"] and e.data["device"] == "cpu:0"]
     late = served[len(served) // 2]
-    events.insert(events.index(late), TraceEvent("shrink", late.data["start"] - 0.002, {"start": late.data["start"] - 0.003, "devices": ["cpu:0"]}))
+    events.insert(
+        events.index(late),
+        TraceEvent("shrink", late.data["start"] - 0.002, {"start": late.data["start"] - 0.003, "devices": ["cpu:0"]}),
+    )
     _rejects(_audit(honest, events), "served while shrunk")
 
 
@@ -180,6 +197,7 @@ def test_no_active_engine_left(honest):
 
 
 # -- the judge issue's checks, planted into the honest trace -------------------------------------------
+
 
 def _train(events, index=0):
     return [e for e in events if e.kind == "train"][index]
@@ -206,14 +224,19 @@ def test_a_batch_short_of_the_batch_size(honest):
 def test_a_batch_holding_part_of_a_group(honest):
     events = _edited(honest)
     first, second = _train(events, 0), _train(events, 1)
-    second.data["trajectories"][0], first.data["trajectories"][0] = first.data["trajectories"][0], second.data["trajectories"][0]
+    second.data["trajectories"][0], first.data["trajectories"][0] = (
+        first.data["trajectories"][0],
+        second.data["trajectories"][0],
+    )
     _rejects(_audit(honest, events), "partial group")
 
 
 def test_more_episodes_in_flight_than_the_staleness_bound_needs(honest):
     events = _edited(honest)
     start = next(i for i, e in enumerate(events) if e.kind == "episode_created")
-    extra = [TraceEvent("episode_created", events[start].t, {"episode": f"g900/e{m}", "group": "g900"}) for m in range(8)]
+    extra = [
+        TraceEvent("episode_created", events[start].t, {"episode": f"g900/e{m}", "group": "g900"}) for m in range(8)
+    ]
     events[start:start] = extra
     events.insert(-1, TraceEvent("sample_dropped", events[-1].t, {"episode": "g900/e0", "reason": "end_of_run"}))
     _rejects(_audit(honest, events), "too many episodes")
@@ -269,6 +292,7 @@ def test_a_trainer_whose_step_is_not_the_reference_step_on_the_batch_it_got(hone
 
 # -- hand-built traces: group-level staleness, redundancy ----------------------------------------------
 
+
 def _mini_spec(honest):
     return honest[0]
 
@@ -276,17 +300,49 @@ def _mini_spec(honest):
 def _group_trace(reason: str, versions: dict[str, int], declared: dict | None = None) -> list[TraceEvent]:
     """Two episodes of one group, each generated once at the given version, both dropped for
     ``reason`` after three training steps."""
-    events = [TraceEvent("run_start", 0.0, {"devices": [], "steps": 3, "tokens_recorded": False, "engines": {},
-                                            "declared": declared or {}})]
+    events = [
+        TraceEvent(
+            "run_start",
+            0.0,
+            {"devices": [], "steps": 3, "tokens_recorded": False, "engines": {}, "declared": declared or {}},
+        )
+    ]
     for episode in versions:
         events.append(TraceEvent("episode_created", 0.0, {"episode": episode, "group": "g0"}))
     for episode, version in versions.items():
-        events.append(TraceEvent("generate", 1.0 + version, {"episode": episode, "turn": 0, "start": 0.5, "aborted": False,
-                                                             "device": "cpu:0", "prompt": 4, "tokens": 2, "logprobs": 2,
-                                                             "version": version, "finish": "length"}))
+        events.append(
+            TraceEvent(
+                "generate",
+                1.0 + version,
+                {
+                    "episode": episode,
+                    "turn": 0,
+                    "start": 0.5,
+                    "aborted": False,
+                    "device": "cpu:0",
+                    "prompt": 4,
+                    "tokens": 2,
+                    "logprobs": 2,
+                    "version": version,
+                    "finish": "length",
+                },
+            )
+        )
     for step in range(3):
-        events.append(TraceEvent("train", 5.0 + step, {"start": 4.5 + step, "step": step + 1, "version": step + 1,
-                                                       "devices": [], "advantages": [], "trajectories": []}))
+        events.append(
+            TraceEvent(
+                "train",
+                5.0 + step,
+                {
+                    "start": 4.5 + step,
+                    "step": step + 1,
+                    "version": step + 1,
+                    "devices": [],
+                    "advantages": [],
+                    "trajectories": [],
+                },
+            )
+        )
     for episode in versions:
         events.append(TraceEvent("sample_dropped", 9.0, {"episode": episode, "reason": reason}))
     events.append(TraceEvent("run_end", 10.0))

@@ -112,9 +112,7 @@ def test_lifecycle_misuse_raises(catalog_yaml):
 
 
 def test_trajectory_timeout_is_enforced_by_the_harness_clock(catalog_yaml):
-    pool, trace, clock = _pool(
-        catalog_yaml, {"name": "guess_number"}, {"max": 8}, trajectory_timeout_s=1.0
-    )
+    pool, trace, clock = _pool(catalog_yaml, {"name": "guess_number"}, {"max": 8}, trajectory_timeout_s=1.0)
     episode = pool.new_group()[0]
     _run(episode.reset())
     clock.t += 5.0  # the agent took too long

@@ -40,12 +40,15 @@ def _trailers(run: Path, ref: str = "best") -> str:
 
 # -- the main job on a real target -------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fast_target):
     """One measured pair per round on a real target says nothing of noise: round 1 is validated and
     committed, paired against the starter, and not promoted, with the interval that says why."""
     run = tmp_path / "run"
-    output = _generate(str(fast_target), "--rounds", "1", "--repeat", "1", "--out", str(run), "--workspaces", str(tmp_path / "ws"))
+    output = _generate(
+        str(fast_target), "--rounds", "1", "--repeat", "1", "--out", str(run), "--workspaces", str(tmp_path / "ws")
+    )
     state = RunState.load(run)
     assert [r.round for r in state.rounds] == [0, 1]
     assert len(state.accepted()) == 2, [(r.round, r.verdict, r.reasons) for r in state.rounds]
@@ -74,14 +77,29 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     report = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.html")], env=ENV)
     assert report.exit_code == 0 and (tmp_path / "r.html").stat().st_size > 20_000
     # the best candidate, benchmarked straight from the run's history against the starter's baseline
-    bench = runner.invoke(app, ["bench", str(fast_target), "--baselines", "colocate", "--stack", f"{run}@best",
-                                "--repeat", "1", "--json", str(tmp_path / "b.json")], env=ENV)
+    bench = runner.invoke(
+        app,
+        [
+            "bench",
+            str(fast_target),
+            "--baselines",
+            "colocate",
+            "--stack",
+            f"{run}@best",
+            "--repeat",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+        ],
+        env=ENV,
+    )
     assert bench.exit_code == 0, bench.output
     names = [r["name"] for r in json.loads((tmp_path / "b.json").read_text())["runs"]]
     assert names == ["colocate", "run@best"]
 
 
 # -- rejection: a planted cheat is caught, kept under its ref, and the run goes on ----------------
+
 
 @pytest.mark.slow
 def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
@@ -96,9 +114,23 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
         return attempt
 
     run = tmp_path / "run"
-    loop = start_run(str(fast_target), run, tmp_path / "ws", rounds=2, policy="backlog", agents="offline", seed=0,
-                     max_minutes=None, max_attempts=2, repeat=1, starter="colocate", sandbox="auto", simulate=True,
-                     time_limit_s=300, on_event=lambda kind, **data: None)
+    loop = start_run(
+        str(fast_target),
+        run,
+        tmp_path / "ws",
+        rounds=2,
+        policy="backlog",
+        agents="offline",
+        seed=0,
+        max_minutes=None,
+        max_attempts=2,
+        repeat=1,
+        starter="colocate",
+        sandbox="auto",
+        simulate=True,
+        time_limit_s=300,
+        on_event=lambda kind, **data: None,
+    )
     OfflineImplementer.implement = cheating
     try:
         state = loop.run()
@@ -150,8 +182,13 @@ baselines:
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "generate", *args], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **ENV})
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "generate", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **ENV},
+    )
 
 
 @pytest.mark.slow
@@ -175,7 +212,9 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
 
     result = runner.invoke(app, ["generate", str(tmp_path / "elsewhere.yaml"), "--resume", "--out", str(run)], env=ENV)
     assert result.exit_code == 2 and "not found" in result.output
-    result = runner.invoke(app, ["generate", str(target), "--resume", "--out", str(run), "--workspaces", str(ws)], env=ENV)
+    result = runner.invoke(
+        app, ["generate", str(target), "--resume", "--out", str(run), "--workspaces", str(ws)], env=ENV
+    )
     assert result.exit_code == 0, result.output
     state = RunState.load(run)
     assert [r.round for r in state.rounds] == [0, 1, 2]  # no round twice
@@ -188,13 +227,16 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
     data = json.loads((run / ".git" / "run_state.json").read_text())
     data["rounds"] = data["rounds"][:2]
     (run / ".git" / "run_state.json").write_text(json.dumps(data))
-    result = runner.invoke(app, ["generate", str(target), "--resume", "--out", str(run), "--workspaces", str(ws)], env=ENV)
+    result = runner.invoke(
+        app, ["generate", str(target), "--resume", "--out", str(run), "--workspaces", str(ws)], env=ENV
+    )
     assert result.exit_code == 0, result.output
     assert [r.round for r in RunState.load(run).rounds] == [0, 1, 2]
     assert RunState.load(run).record(2).commit == state.record(2).commit
 
 
 # -- the production-scale target on the simulator --------------------------------------------------
+
 
 @pytest.mark.slow
 def test_generate_on_the_simulated_production_target_beats_the_static_split(tmp_path):
@@ -206,7 +248,10 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split(tmp_
     _generate(str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(tmp_path / "ws"), "--repeat", "1")
     state = RunState.load(run)
     history = History.open(run)
-    controllers = {r.round: json.loads(history.repo.git.show(f"{r.commit}:stack/params.json"))["controller"] for r in state.accepted()}
+    controllers = {
+        r.round: json.loads(history.repo.git.show(f"{r.commit}:stack/params.json"))["controller"]
+        for r in state.accepted()
+    }
     static = [r for r in state.accepted() if controllers[r.round] == "static_split"]
     assert static and state.best.headline > max(r.headline for r in static)
     assert controllers[state.best_round] == "time_multiplex"
@@ -215,8 +260,22 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split(tmp_
 @pytest.mark.slow
 def test_the_evolve_policy_runs_rounds_from_its_population(tmp_path, fast_target):
     run = tmp_path / "run"
-    _generate(str(fast_target), "--policy", "evolve", "--rounds", "2", "--simulate", "--repeat", "1", "--seed", "3",
-              "--out", str(run), "--workspaces", str(tmp_path / "ws"))
+    _generate(
+        str(fast_target),
+        "--policy",
+        "evolve",
+        "--rounds",
+        "2",
+        "--simulate",
+        "--repeat",
+        "1",
+        "--seed",
+        "3",
+        "--out",
+        str(run),
+        "--workspaces",
+        str(tmp_path / "ws"),
+    )
     state = RunState.load(run)
     assert state.config.policy == "evolve" and [r.round for r in state.rounds] == [0, 1, 2]
     assert all(r.parent_round is not None for r in state.rounds[1:])
@@ -234,6 +293,7 @@ def test_the_default_relative_paths_work_from_any_directory(tmp_path, fast_targe
 
 
 # -- bad input ---------------------------------------------------------------------------------------
+
 
 def test_an_unknown_target_is_named(tmp_path):
     result = runner.invoke(app, ["generate", "no-such-target", "--out", str(tmp_path / "r")], env=ENV)
@@ -255,8 +315,20 @@ def _empty_run(tmp_path: Path) -> Path:
 
     run = tmp_path / "run"
     History.create(run, "vibetrain run: test")
-    config = RunConfig(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="backlog", agents="offline", seed=0,
-                       rounds=1, max_minutes=None, max_attempts=1, repeat=1, starter="colocate", simulated=False, sandbox="auto")
+    config = RunConfig(
+        target="tiny-qwen3-cpu",
+        target_id="tiny-qwen3-cpu",
+        policy="backlog",
+        agents="offline",
+        seed=0,
+        rounds=1,
+        max_minutes=None,
+        max_attempts=1,
+        repeat=1,
+        starter="colocate",
+        simulated=False,
+        sandbox="auto",
+    )
     new_state(config).save(run)
     return run
 
@@ -280,13 +352,17 @@ def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full)
-    with pytest.raises(RunStateError, match="disk full .* every validated candidate is committed in git; free some space"):
+    with pytest.raises(
+        RunStateError, match="disk full .* every validated candidate is committed in git; free some space"
+    ):
         state.save(run)
     assert RunState.load(run).config.target == "tiny-qwen3-cpu"  # the previous state is intact
     assert not list((run / ".git").glob(".state-*"))
 
 
 def test_an_unknown_policy_is_refused_before_anything_is_written(tmp_path):
-    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--policy", "random", "--out", str(tmp_path / "r")], env=ENV)
+    result = runner.invoke(
+        app, ["generate", "tiny-qwen3-cpu", "--policy", "random", "--out", str(tmp_path / "r")], env=ENV
+    )
     assert result.exit_code == 2 and "unknown policy 'random'" in result.output
     assert not (tmp_path / "r").exists()

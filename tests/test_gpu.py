@@ -84,7 +84,9 @@ def test_sleep_gives_the_memory_back_and_wake_serves_the_same(path, reference):
     from skills.recipes.kv_cache import KVPool
 
     engine = _engine(path, kv_tokens=1 << 20)  # a KV cache large enough to see (16 MiB per 64K tokens here)
-    kv_bytes = KVPool.bytes_per_token(engine.model.layers, engine.model.kv_heads, engine.model.head_dim, engine.dtype) * (1 << 20)
+    kv_bytes = KVPool.bytes_per_token(
+        engine.model.layers, engine.model.kv_heads, engine.model.head_dim, engine.dtype
+    ) * (1 << 20)
     weight_bytes = sum(t.numel() * t.element_size() for t in engine.weights.values())
     torch.cuda.synchronize()
     awake = torch.cuda.memory_allocated()
@@ -145,12 +147,15 @@ def test_cuda_ipc_hands_the_weights_to_another_process_on_the_gpu(path, tiny_mod
 
 
 def test_the_local_cluster_time_shares_one_gpu(tiny_spec):
-    from targets.harness.target import Target
     from local_round import one_round
+
+    from targets.harness.target import Target
 
     base = Target.load("tiny-qwen3-cpu").runtime()
     runtime = dataclasses.replace(base, accelerator="cuda", devices=base.devices[:1], dtype="bfloat16")
-    awake, trained, back = asyncio.run(one_round(runtime, tiny_spec.workload.training.config(), memory=torch.cuda.memory_allocated))
+    awake, trained, back = asyncio.run(
+        one_round(runtime, tiny_spec.workload.training.config(), memory=torch.cuda.memory_allocated)
+    )
     assert back < awake * 1.5 and trained > 0  # after resume the trainer's copy is back on the host
 
 
@@ -209,10 +214,14 @@ def test_a_sandboxed_candidate_sees_the_gpu_and_still_cannot_write_outside(tmp_p
     work = tmp_path / "work"
     work.mkdir()
     outside = Path(__file__).resolve().parents[1] / "written-from-the-sandbox"
-    probe = ("import torch, pathlib; print('cuda', torch.cuda.is_available(), torch.ones(1, device='cuda').item()); "
-             f"pathlib.Path('{work}/ok').write_text('x')\n"
-             f"try:\n    pathlib.Path('{outside}').write_text('x')\nexcept OSError:\n    print('refused-outside')")
-    command, env = Sandbox("bubblewrap").wrap([sys.executable, "-c", probe], dict(os.environ), writable=[work], gpus=True)
+    probe = (
+        "import torch, pathlib; print('cuda', torch.cuda.is_available(), torch.ones(1, device='cuda').item()); "
+        f"pathlib.Path('{work}/ok').write_text('x')\n"
+        f"try:\n    pathlib.Path('{outside}').write_text('x')\nexcept OSError:\n    print('refused-outside')"
+    )
+    command, env = Sandbox("bubblewrap").wrap(
+        [sys.executable, "-c", probe], dict(os.environ), writable=[work], gpus=True
+    )
     done = subprocess.run(command, capture_output=True, text=True, env=env or None, timeout=300, check=False)
     assert "cuda True 1.0" in done.stdout and "refused-outside" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert (work / "ok").exists() and not outside.exists()

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 from planting import planted
+from typer.testing import CliRunner
 
 from agents.offline.evaluator import OfflineEvaluator
 from orchestrator.cli import app
@@ -48,49 +48,95 @@ def _reasons(measurement) -> str:
     return "\n".join(measurement.reasons)
 
 
-def test_a_controller_that_patches_the_clock_and_hunts_the_trace_changes_nothing_recorded(tmp_path, fast_target, sandbox):
-    stack = planted(tmp_path / "c", fast_target, "time_multiplex", {
-        "time_multiplex.py": ("        rollout, train = self.placement(cluster.devices)\n",
-                              "        from .warp import warp\n\n        warp()\n        began = cluster.now()\n"
-                              "        rollout, train = self.placement(cluster.devices)\n"),
-    }, {"warp.py": WARP})
+def test_a_controller_that_patches_the_clock_and_hunts_the_trace_changes_nothing_recorded(
+    tmp_path, fast_target, sandbox
+):
+    stack = planted(
+        tmp_path / "c",
+        fast_target,
+        "time_multiplex",
+        {
+            "time_multiplex.py": (
+                "        rollout, train = self.placement(cluster.devices)\n",
+                "        from .warp import warp\n\n        warp()\n        began = cluster.now()\n"
+                "        rollout, train = self.placement(cluster.devices)\n",
+            ),
+        },
+        {"warp.py": WARP},
+    )
     text = (stack / "stack" / "time_multiplex.py").read_text()
-    (stack / "stack" / "time_multiplex.py").write_text(text.replace(
-        "        await self._finish(buffer, manager)\n",
-        "        await self._finish(buffer, manager)\n        print(f'WARP: the controller clock says {cluster.now() - began:.3f}s', flush=True)\n"))
+    (stack / "stack" / "time_multiplex.py").write_text(
+        text.replace(
+            "        await self._finish(buffer, manager)\n",
+            "        await self._finish(buffer, manager)\n        print(f'WARP: the controller clock says "
+            "{cluster.now() - began:.3f}s', flush=True)\n",
+        )
+    )
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["check", str(fast_target), "--stack", str(stack), "--sandbox", sandbox.name,
-                                      "--out", str(out), "--json", str(tmp_path / "check.json")], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(
+        app,
+        [
+            "check",
+            str(fast_target),
+            "--stack",
+            str(stack),
+            "--sandbox",
+            sandbox.name,
+            "--out",
+            str(out),
+            "--json",
+            str(tmp_path / "check.json"),
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert result.exit_code == 0, result.output  # vibetrain check passes: the patch is invisible to the judge ...
     log = (out / "controller.log").read_text()
     assert "harness objects in this process: 0" in log, log  # ... there is no harness state to reach ...
     claimed = float(re.search(r"controller clock says ([\d.]+)s", log).group(1))
     clock = next(c for c in json.loads((tmp_path / "check.json").read_text()) if c["name"] == "clock")
     recorded = clock["details"]["trace_seconds"]
-    assert recorded == pytest.approx(clock["details"]["parent_seconds"], rel=0.05, abs=0.5)  # ... the trace kept real time
+    assert recorded == pytest.approx(
+        clock["details"]["parent_seconds"], rel=0.05, abs=0.5
+    )  # ... the trace kept real time
     assert claimed < recorded / 5, (claimed, recorded)  # while the controller's own clock ran ten times slow
 
 
 def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch(tmp_path, fast_target, sandbox):
     """The cluster hands its trainers half the batch: check 2 (which meets the trainer alone) passes,
     the system run's training replay does not."""
-    stack = planted(tmp_path / "c", fast_target, "static_split", {
-        "ray_cluster.py": ("versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))",
-                           "half = len(batch.trajectories) // 2  # planted\n"
-                           "        batch = TrainBatch(batch.trajectories[:half], batch.advantages[:half])\n"
-                           "        versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))"),
-    })
+    stack = planted(
+        tmp_path / "c",
+        fast_target,
+        "static_split",
+        {
+            "ray_cluster.py": (
+                "versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))",
+                "half = len(batch.trajectories) // 2  # planted\n"
+                "        batch = TrainBatch(batch.trajectories[:half], batch.advantages[:half])\n"
+                "        versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))",
+            ),
+        },
+    )
     results = {r.name: r for r in _session(fast_target, sandbox).check(stack, tmp_path / "out")}
     assert results["trainer"].passed
     assert not results["system_audit"].passed
-    assert any("training replay" in reason for reason in results["system_audit"].reasons), results["system_audit"].reasons
+    assert any("training replay" in reason for reason in results["system_audit"].reasons), results[
+        "system_audit"
+    ].reasons
 
 
 def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, sandbox):
-    stack = planted(tmp_path / "c", fast_target, "static_split", {
-        "paged_engine.py": ("probs = torch.softmax(logits[i] / temperature, dim=-1)",
-                            "probs = torch.softmax(logits[i] / (temperature * 0.7), dim=-1)  # planted"),
-    })
+    stack = planted(
+        tmp_path / "c",
+        fast_target,
+        "static_split",
+        {
+            "paged_engine.py": (
+                "probs = torch.softmax(logits[i] / temperature, dim=-1)",
+                "probs = torch.softmax(logits[i] / (temperature * 0.7), dim=-1)  # planted",
+            ),
+        },
+    )
     measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "sampling temperature" in _reasons(measurement), _reasons(measurement)
 
@@ -98,13 +144,24 @@ def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, sand
 def test_a_buffer_that_picks_the_shortest_groups(tmp_path, fast_target, sandbox):
     """Waiting for a spare group and training the shortest ones biases training toward short
     episodes (and leaves the long ones to go stale): the audit wants the oldest finished first."""
-    stack = planted(tmp_path / "c", fast_target, "static_split", {
-        "sample_buffer.py": ("sorted(self._ready, key=self._rank.__getitem__)",
-                             "sorted(self._ready, key=lambda g: sum(len(t.tokens) for t in self._ready[g]))"),
-    })
+    stack = planted(
+        tmp_path / "c",
+        fast_target,
+        "static_split",
+        {
+            "sample_buffer.py": (
+                "sorted(self._ready, key=self._rank.__getitem__)",
+                "sorted(self._ready, key=lambda g: sum(len(t.tokens) for t in self._ready[g]))",
+            ),
+        },
+    )
     text = (stack / "stack" / "sample_buffer.py").read_text()
-    (stack / "stack" / "sample_buffer.py").write_text(text.replace("            if len(self._ready) >= groups:",
-                                                                   "            if len(self._ready) >= groups + 1:  # planted: a spare to choose from"))
+    (stack / "stack" / "sample_buffer.py").write_text(
+        text.replace(
+            "            if len(self._ready) >= groups:",
+            "            if len(self._ready) >= groups + 1:  # planted: a spare to choose from",
+        )
+    )
     measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "out of order" in _reasons(measurement), _reasons(measurement)
 
@@ -112,19 +169,36 @@ def test_a_buffer_that_picks_the_shortest_groups(tmp_path, fast_target, sandbox)
 def test_launching_more_episodes_than_training_needs(tmp_path, fast_target, sandbox):
     """Extra episodes would raise rollout throughput; goodput ignores them and the audit bounds them.
     Every measured run is judged: the evaluator's repeat alone rejects the candidate."""
-    stack = planted(tmp_path / "c", fast_target, "static_split", {
-        "controller_base.py": ("outstanding = self.groups_per_step * (1 + buffer.async_ratio)",
-                               "outstanding = self.groups_per_step * (3 + buffer.async_ratio)  # planted"),
-    })
-    evaluation = OfflineEvaluator(_session(fast_target, sandbox), repeat=1).evaluate(stack, tmp_path / "out", None, [11])
+    stack = planted(
+        tmp_path / "c",
+        fast_target,
+        "static_split",
+        {
+            "controller_base.py": (
+                "outstanding = self.groups_per_step * (1 + buffer.async_ratio)",
+                "outstanding = self.groups_per_step * (3 + buffer.async_ratio)  # planted",
+            ),
+        },
+    )
+    evaluation = OfflineEvaluator(_session(fast_target, sandbox), repeat=1).evaluate(
+        stack, tmp_path / "out", None, [11]
+    )
     assert any("too many episodes" in finding for finding in evaluation.findings), evaluation.findings
 
 
 def test_environment_handles_expose_only_the_contract(tmp_path, fast_target, sandbox):
-    stack = planted(tmp_path / "c", fast_target, "static_split", {
-        "env_manager.py": ("        prompt = await episode.reset()\n",
-                           "        prompt = await episode.reset()\n        budget = episode.max_turns  # planted: peek at the turn limit\n"),
-    })
+    stack = planted(
+        tmp_path / "c",
+        fast_target,
+        "static_split",
+        {
+            "env_manager.py": (
+                "        prompt = await episode.reset()\n",
+                "        prompt = await episode.reset()\n        budget = episode.max_turns  # planted: peek at the "
+                "turn limit\n",
+            ),
+        },
+    )
     measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "has no attribute 'max_turns'" in _reasons(measurement), _reasons(measurement)
 
@@ -132,12 +206,16 @@ def test_environment_handles_expose_only_the_contract(tmp_path, fast_target, san
 def test_a_candidate_that_rewrites_its_own_files_during_the_run(tmp_path, fast_target, sandbox):
     """Unsandboxed (subprocess) the write lands and the before/after hash catches it; in bubblewrap
     the candidate's directory is read-only and the write never lands."""
-    plant = {"static_split.py": ("        rollout, train = self.placement(cluster.devices)\n",
-                                 "        import pathlib\n        try:\n"
-                                 "            target = pathlib.Path(__file__).with_name('params.json')\n"
-                                 "            target.write_text(target.read_text() + ' ')  # planted\n"
-                                 "        except OSError as error:\n            print('REFUSED', error, flush=True)\n"
-                                 "        rollout, train = self.placement(cluster.devices)\n")}
+    plant = {
+        "static_split.py": (
+            "        rollout, train = self.placement(cluster.devices)\n",
+            "        import pathlib\n        try:\n"
+            "            target = pathlib.Path(__file__).with_name('params.json')\n"
+            "            target.write_text(target.read_text() + ' ')  # planted\n"
+            "        except OSError as error:\n            print('REFUSED', error, flush=True)\n"
+            "        rollout, train = self.placement(cluster.devices)\n",
+        )
+    }
     stack = planted(tmp_path / "c", fast_target, "static_split", plant)
     measurement = _session(fast_target, Sandbox.detect("subprocess")).measure(stack, tmp_path / "out", seed=1)
     assert "candidate_unchanged" in _reasons(measurement), _reasons(measurement)
@@ -167,7 +245,9 @@ def test_the_sandbox_shows_no_host_files_beyond_what_the_run_needs(tmp_path):
     )
     (tmp_path / "w").mkdir()
     try:
-        command, env = Sandbox.detect("bubblewrap").wrap([sys.executable, "-c", probe], dict(os.environ), writable=[tmp_path / "w"])
+        command, env = Sandbox.detect("bubblewrap").wrap(
+            [sys.executable, "-c", probe], dict(os.environ), writable=[tmp_path / "w"]
+        )
         result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60)
     finally:
         secret.unlink()

@@ -19,13 +19,13 @@ from typer.testing import CliRunner
 from agents.llm.client import Accounting, ClientConfig, LLMError, ToolCall, make_client
 from agents.llm.roles import ImplementerOutput, OutputSchemaError, answer
 from agents.llm.tools import Toolbox, ToolCallError
-from targets.harness.sandbox import Sandbox
 from orchestrator.cli import app
 from orchestrator.state import RunState
 from skills.starter import write_starter
+from targets.harness.sandbox import Sandbox
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_llm import Fault, FakeLLMServer, Reply  # noqa: E402
+from fake_llm import FakeLLMServer, Fault, Reply  # noqa: E402
 
 runner = CliRunner()
 KEY = "VIBETRAIN_TEST_LLM_KEY"
@@ -46,17 +46,33 @@ def _client(server, provider: str, stream: bool = True, retries: int = 3, model:
 
 # -- clients ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 @pytest.mark.parametrize("stream", [True, False])
 def test_tool_calls_round_trip_and_transient_faults_are_retried(server, provider, stream):
-    server.script("implementer", Fault(status=429), Fault(status=503), Fault(drop=True),
-                  Reply(text="reading", tool_calls=[("read_file", {"path": "stack/params.json"})], input_tokens=1000, output_tokens=50),
-                  Reply(text='{"summary": "done"}', input_tokens=1200, output_tokens=30))
+    server.script(
+        "implementer",
+        Fault(status=429),
+        Fault(status=503),
+        Fault(drop=True),
+        Reply(
+            text="reading",
+            tool_calls=[("read_file", {"path": "stack/params.json"})],
+            input_tokens=1000,
+            output_tokens=50,
+        ),
+        Reply(text='{"summary": "done"}', input_tokens=1200, output_tokens=30),
+    )
     client = _client(server, provider, stream)
     turn = client.chat("ROLE: implementer", [{"role": "user", "content": "go"}], [])
-    assert turn.text == "reading" and [(c.name, json.loads(c.arguments)) for c in turn.tool_calls] == [("read_file", {"path": "stack/params.json"})]
-    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "text": turn.text, "tool_calls": turn.tool_calls},
-                {"role": "tool", "tool_call_id": turn.tool_calls[0].id, "name": "read_file", "content": "{}"}]
+    assert turn.text == "reading" and [(c.name, json.loads(c.arguments)) for c in turn.tool_calls] == [
+        ("read_file", {"path": "stack/params.json"})
+    ]
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "text": turn.text, "tool_calls": turn.tool_calls},
+        {"role": "tool", "tool_call_id": turn.tool_calls[0].id, "name": "read_file", "content": "{}"},
+    ]
     assert client.chat("ROLE: implementer", messages, []).text == '{"summary": "done"}'
     assert len(server.requests) == 5  # three faults, two answers: the SDK's own retries are off
     last = server.requests[-1]["body"]
@@ -64,8 +80,12 @@ def test_tool_calls_round_trip_and_transient_faults_are_retried(server, provider
         assert last["messages"][-1] == {"role": "tool", "tool_call_id": "call_0", "content": "{}"}
     else:
         assert last["messages"][-1]["content"][0]["type"] == "tool_result"
-    assert client.accounting.snapshot() == {"calls": 2, "input_tokens": 2200, "output_tokens": 80,
-                                            "cost_usd": pytest.approx((2200 * 2.5 + 80 * 10) / 1e6)}  # gpt-4o's price
+    assert client.accounting.snapshot() == {
+        "calls": 2,
+        "input_tokens": 2200,
+        "output_tokens": 80,
+        "cost_usd": pytest.approx((2200 * 2.5 + 80 * 10) / 1e6),
+    }  # gpt-4o's price
 
 
 def test_a_429_storm_gives_up_with_a_clear_message(server):
@@ -92,15 +112,23 @@ def test_authentication_and_unknown_model_fail_at_once(server, monkeypatch):
 def test_costs_come_from_the_price_table_and_unknown_models_say_so(caplog):
     accounting = Accounting()
     assert accounting.add("claude-sonnet-4-20250514", 1_000_000, 100_000) == pytest.approx(3.0 + 1.5)
-    assert accounting.add("my-local-model", 10, 10) == 0.0 and "no price known for model 'my-local-model'" in caplog.text
+    assert (
+        accounting.add("my-local-model", 10, 10) == 0.0 and "no price known for model 'my-local-model'" in caplog.text
+    )
 
 
 # -- structured answers ------------------------------------------------------------------------------
 
+
 def test_a_malformed_answer_gets_one_repair_and_then_fails_clearly(server):
     client = _client(server, "anthropic")
     server.script("implementer", Reply(text="sure, here you go"), Reply(text='{"summary": "fixed it"}'))
-    assert answer(client, "ROLE: implementer", [{"role": "user", "content": "x"}], ImplementerOutput, "implementer").summary == "fixed it"
+    assert (
+        answer(
+            client, "ROLE: implementer", [{"role": "user", "content": "x"}], ImplementerOutput, "implementer"
+        ).summary
+        == "fixed it"
+    )
     assert "did not match the required JSON" in json.dumps(server.requests[-1]["body"]["messages"][-1])
     server.script("implementer", Reply(text='{"summary": ""}'), Reply(text='{"wrong": 1}'))
     with pytest.raises(OutputSchemaError, match="the implementer's answer failed its schema twice"):
@@ -108,6 +136,7 @@ def test_a_malformed_answer_gets_one_repair_and_then_fails_clearly(server):
 
 
 # -- tools ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def toolbox(tmp_path, tiny_spec):
@@ -121,11 +150,22 @@ def _call(toolbox, name, **arguments):
 
 def test_edit_file_explains_a_miss_and_an_ambiguity(toolbox):
     missing = _call(toolbox, "edit_file", path="stack/params.json", old='"controller":"colocate"', new="x")
-    assert missing.startswith("error: the old text is not in stack/params.json") and 'closest line is 2: \'"controller": "colocate",\'' in missing
+    assert (
+        missing.startswith("error: the old text is not in stack/params.json")
+        and 'closest line is 2: \'"controller": "colocate",\'' in missing
+    )
     ambiguous = _call(toolbox, "edit_file", path="stack/colocate.py", old="self", new="me")
     assert "occurs" in ambiguous and "times in stack/colocate.py (lines [" in ambiguous
-    assert _call(toolbox, "edit_file", path="stack/params.json", old='"controller": "colocate"', new='"controller": "static_split"') \
+    assert (
+        _call(
+            toolbox,
+            "edit_file",
+            path="stack/params.json",
+            old='"controller": "colocate"',
+            new='"controller": "static_split"',
+        )
         == "edited stack/params.json"
+    )
     assert '"static_split"' in _call(toolbox, "read_file", path="stack/params.json")
 
 
@@ -156,30 +196,69 @@ def test_commands_run_in_the_sandbox_without_the_keys(toolbox, monkeypatch):
 
 # -- full rounds through vibetrain generate ----------------------------------------------------------
 
-EDIT = ("edit_file", {"path": "stack/params.json", "old": '"controller": "colocate"',
-                      "new": '"controller": "static_split",\n  "rollout_devices": 1,\n  "train_devices": 1'})
+EDIT = (
+    "edit_file",
+    {
+        "path": "stack/params.json",
+        "old": '"controller": "colocate"',
+        "new": '"controller": "static_split",\n  "rollout_devices": 1,\n  "train_devices": 1',
+    },
+)
 
 
 def _script_a_run(server, rounds: int, review: str = "accept") -> None:
     for _ in range(rounds + 1):  # round 0 (the starter) is judged and evaluated too
         server.script("judge", Reply(text=json.dumps({"verdict": "accept", "reasons": ["plain change"]})))
-        server.script("evaluator", Reply(text=json.dumps({"hints": [{"code": "llm_note", "message": "looks rollout-bound"}]})))
+        server.script(
+            "evaluator", Reply(text=json.dumps({"hints": [{"code": "llm_note", "message": "looks rollout-bound"}]}))
+        )
     for _ in range(rounds):
-        server.script("implementer", Reply(tool_calls=[("read_file", {"path": "stack/params.json"})]),
-                      Reply(text="switching", tool_calls=[EDIT]),
-                      Reply(text=json.dumps({"summary": "static_split: 1 rollout + 1 train device", "files_changed": ["stack/params.json"]})))
+        server.script(
+            "implementer",
+            Reply(tool_calls=[("read_file", {"path": "stack/params.json"})]),
+            Reply(text="switching", tool_calls=[EDIT]),
+            Reply(
+                text=json.dumps(
+                    {"summary": "static_split: 1 rollout + 1 train device", "files_changed": ["stack/params.json"]}
+                )
+            ),
+        )
     if review == "reject":
         server.scripts["judge"].pop()
-        server.script("judge", Reply(text=json.dumps({"verdict": "reject", "reasons": ["stack/report.py computes throughput itself"]})))
+        server.script(
+            "judge",
+            Reply(text=json.dumps({"verdict": "reject", "reasons": ["stack/report.py computes throughput itself"]})),
+        )
 
 
 def _generate(server, tmp_path, target, provider: str, *extra: str) -> tuple[int, str, Path]:
     run = tmp_path / f"run-{provider}"
     base = server.url + "/v1" if provider == "openai" else server.url
     model = "gpt-4o" if provider == "openai" else "claude-sonnet-4"
-    result = runner.invoke(app, ["generate", str(target), "--agents", provider, "--model", model, "--base-url", base,
-                                 "--api-key-env", KEY, "--simulate", "--repeat", "1", "--out", str(run),
-                                 "--workspaces", str(tmp_path / "ws"), *extra], env={"COLUMNS": "140"})
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            str(target),
+            "--agents",
+            provider,
+            "--model",
+            model,
+            "--base-url",
+            base,
+            "--api-key-env",
+            KEY,
+            "--simulate",
+            "--repeat",
+            "1",
+            "--out",
+            str(run),
+            "--workspaces",
+            str(tmp_path / "ws"),
+            *extra,
+        ],
+        env={"COLUMNS": "140"},
+    )
     return result.exit_code, result.output, run
 
 
@@ -190,10 +269,25 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
     policy = []
     if provider == "openai":  # the LLM planner picks the round (for anthropic, the backlog does)
         policy = ["--policy", "llm"]
-        server.script("planner", Reply(text=json.dumps({
-            "parent_round": 0, "plan": ["then try time_multiplex"],
-            "task": {"id": "split-one-one", "title": "split the two devices 1/1", "rationale": "training blocks rollout",
-                     "skills": ["static_split"], "changes": {}, "acceptance": ["vibetrain check passes"]}})))
+        server.script(
+            "planner",
+            Reply(
+                text=json.dumps(
+                    {
+                        "parent_round": 0,
+                        "plan": ["then try time_multiplex"],
+                        "task": {
+                            "id": "split-one-one",
+                            "title": "split the two devices 1/1",
+                            "rationale": "training blocks rollout",
+                            "skills": ["static_split"],
+                            "changes": {},
+                            "acceptance": ["vibetrain check passes"],
+                        },
+                    }
+                )
+            ),
+        )
     code, output, run = _generate(server, tmp_path, fast_target, provider, "--rounds", "1", *policy)
     assert code == 0, output
     state = RunState.load(run)
@@ -214,7 +308,11 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
     assert "tokens in/out" in log and f"{100 * calls}/{20 * calls}" in log and "LLM use: " in log
     roles = [r["role"] for r in server.requests]
     assert roles.count("implementer") == 3 and roles.count("judge") == 2
-    assert not any("sk-test-secret" in p.read_text(errors="ignore") for p in run.rglob("*") if p.is_file() and ".git" not in p.parts)
+    assert not any(
+        "sk-test-secret" in p.read_text(errors="ignore")
+        for p in run.rglob("*")
+        if p.is_file() and ".git" not in p.parts
+    )
 
 
 @pytest.mark.slow
@@ -232,8 +330,11 @@ def test_the_llm_review_rejects_a_hack_the_gate_let_through(server, tmp_path, fa
 def test_bad_tool_calls_end_attempts_and_a_budget_stops_the_run(server, tmp_path, fast_target):
     server.script("judge", Reply(text='{"verdict": "accept"}'))
     server.script("evaluator", Reply(text='{"hints": []}'))
-    server.script("implementer", Reply(tool_calls=[("rm_rf", {})]),  # attempt 1: an unknown tool
-                  Reply(tool_calls=[("edit_file", '{"path": 3')]))  # attempt 2: arguments that do not parse
+    server.script(
+        "implementer",
+        Reply(tool_calls=[("rm_rf", {})]),  # attempt 1: an unknown tool
+        Reply(tool_calls=[("edit_file", '{"path": 3')]),
+    )  # attempt 2: arguments that do not parse
     code, output, run = _generate(server, tmp_path, fast_target, "openai", "--rounds", "3", "--max-tokens", "400")
     state = RunState.load(run)
     assert [r.round for r in state.rounds] == [0, 1] and state.record(0).verdict == "accepted"
@@ -265,12 +366,32 @@ print(json.dumps({{"type": "result", "is_error": False, "result": "switched to s
 def test_a_coding_agent_cli_implements_a_round(tmp_path, fast_target, monkeypatch):
     monkeypatch.setenv("PATH", f"{_fake_claude(tmp_path)}{os.pathsep}{os.environ['PATH']}")
     run = tmp_path / "run"
-    result = runner.invoke(app, ["generate", str(fast_target), "--agents", "cli:claude", "--rounds", "1", "--simulate",
-                                 "--repeat", "1", "--out", str(run), "--workspaces", str(tmp_path / "ws")], env={"COLUMNS": "140"})
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            str(fast_target),
+            "--agents",
+            "cli:claude",
+            "--rounds",
+            "1",
+            "--simulate",
+            "--repeat",
+            "1",
+            "--out",
+            str(run),
+            "--workspaces",
+            str(tmp_path / "ws"),
+        ],
+        env={"COLUMNS": "140"},
+    )
     assert result.exit_code == 0, result.output
     state = RunState.load(run)
     assert state.record(1).verdict == "accepted" and state.record(1).llm["cost_usd"] == pytest.approx(0.0123)
-    assert json.loads(git.Repo(run).git.show(f"{state.record(1).commit}:stack/params.json"))["controller"] == "static_split"
+    assert (
+        json.loads(git.Repo(run).git.show(f"{state.record(1).commit}:stack/params.json"))["controller"]
+        == "static_split"
+    )
 
 
 def test_a_missing_cli_or_key_is_refused_before_anything_is_written(tmp_path, monkeypatch):
@@ -278,7 +399,9 @@ def test_a_missing_cli_or_key_is_refused_before_anything_is_written(tmp_path, mo
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--agents", "cli:codex", "--out", str(tmp_path / "a")])
     assert result.exit_code == 2 and "the codex CLI is not installed" in result.output and not (tmp_path / "a").exists()
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--agents", "openai", "--model", "gpt-4o", "--out", str(tmp_path / "b")])
+    result = runner.invoke(
+        app, ["generate", "tiny-qwen3-cpu", "--agents", "openai", "--model", "gpt-4o", "--out", str(tmp_path / "b")]
+    )
     assert result.exit_code == 2 and "no API key in $OPENAI_API_KEY" in result.output and not (tmp_path / "b").exists()
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--policy", "llm", "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and "--policy llm needs an LLM backend" in result.output

@@ -26,7 +26,9 @@ def _trace():
         _event("generate", 13.0, start=11.0, aborted=False, device="d0"),  # overlaps: 0-3 in all
         _event("generate", 11.5, start=11.0, aborted=True),  # aborted: no device time
         _event("shrink", 12.5, start=12.0, devices=["d1"]),  # switching 2-2.5 on d1
-        _event("train", 16.0, start=12.5, devices=["d1"], version=1, trajectories=[{"episode": "e1"}, {"episode": "e2"}]),
+        _event(
+            "train", 16.0, start=12.5, devices=["d1"], version=1, trajectories=[{"episode": "e1"}, {"episode": "e2"}]
+        ),
         _event("generate", 15.0, start=13.0, aborted=False, device="d1"),  # hidden under train on d1
         _event("env_step", 12.0, episode="e1", action=[1, 2, 3], done=False, timed_out=False),
         _event("env_step", 14.0, episode="e1", action=[4, 5], done=True, timed_out=False),
@@ -52,13 +54,21 @@ def test_metrics_from_a_hand_built_trace():
 
 def test_goodput_ignores_finished_episodes_nobody_trained():
     events = _trace()
-    events.insert(-1, _event("env_step", 19.5, episode="e3", action=[7], done=True, timed_out=False))  # finished, never trained
+    events.insert(
+        -1, _event("env_step", 19.5, episode="e3", action=[7], done=True, timed_out=False)
+    )  # finished, never trained
     m = compute_metrics(events, ["d0", "d1"])
     assert m["goodput"] == pytest.approx(0.1) and m["rollout_throughput"] == pytest.approx(0.3)
 
 
 def test_timeline_shows_the_median_repeat():
     passed = [CheckResult("system_audit", True)]
-    run = BenchRun("x", [Measurement(passed, {"goodput": v}, Path(name)) for v, name in ((23.0, "slow"), (40.0, "fast"), (39.0, "median"))])
+    run = BenchRun(
+        "x",
+        [
+            Measurement(passed, {"goodput": v}, Path(name))
+            for v, name in ((23.0, "slow"), (40.0, "fast"), (39.0, "median"))
+        ],
+    )
     middle = run.measurements[run.median_index("goodput")]
     assert middle.trace_path == Path("median") and run.median("goodput") == 39.0

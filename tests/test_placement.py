@@ -16,8 +16,13 @@ from targets.api import Device, Runtime, TrainingConfig, Workload
 
 @pytest.fixture(scope="module")
 def fake_gpus():
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False,
-             _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"))
+    ray.init(
+        num_cpus=2,
+        num_gpus=2,
+        include_dashboard=False,
+        configure_logging=False,
+        _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"),
+    )
     yield
     ray.shutdown()
 
@@ -31,10 +36,26 @@ class Probe:
 
 
 def _runtime(devices: int) -> Runtime:
-    workload = Workload(batch_size=4, group_size=2, async_ratio=0, prompt_tokens=8, observation_tokens=8, response_tokens=4,
-                        max_sequence=32, temperature=1.0, training=TrainingConfig())
-    return Runtime("unused", "bfloat16", tuple(Device(f"gpu:{i}", "h100", i) for i in range(devices)), "vt_device_", (0,),
-                   workload, "cuda")
+    workload = Workload(
+        batch_size=4,
+        group_size=2,
+        async_ratio=0,
+        prompt_tokens=8,
+        observation_tokens=8,
+        response_tokens=4,
+        max_sequence=32,
+        temperature=1.0,
+        training=TrainingConfig(),
+    )
+    return Runtime(
+        "unused",
+        "bfloat16",
+        tuple(Device(f"gpu:{i}", "h100", i) for i in range(devices)),
+        "vt_device_",
+        (0,),
+        workload,
+        "cuda",
+    )
 
 
 def test_engine_and_trainer_sharing_a_device_get_its_gpu_and_other_devices_other_gpus(fake_gpus):
@@ -56,6 +77,8 @@ def test_engine_and_trainer_sharing_a_device_get_its_gpu_and_other_devices_other
 
 
 def test_cpu_devices_are_custom_resources():
-    runtime = Runtime("unused", "float32", (Device("cpu:0", "cpu", 0),), "vt_device_", (0,), _runtime(1).workload, "cpu")
+    runtime = Runtime(
+        "unused", "float32", (Device("cpu:0", "cpu", 0),), "vt_device_", (0,), _runtime(1).workload, "cpu"
+    )
     assert asyncio.run(placement_group_of(runtime)) is None
     assert actor_options(runtime, runtime.devices[0], True, None) == {"num_cpus": 0, "resources": {"vt_device_0": 0.5}}

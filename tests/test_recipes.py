@@ -44,6 +44,7 @@ def _greedy(n: int) -> SamplingParams:
 
 # -- the paged engine ---------------------------------------------------------------------------------
 
+
 def test_paged_engine_passes_engine_and_sync_checks_also_after_sleep_and_wake(path, tiny_model, tiny_spec):
     engine = PagedEngine(path, block_size=4, kv_tokens=1024)
     assert check_engine(engine, tiny_model, tiny_spec.accuracy).passed
@@ -146,10 +147,15 @@ def test_paged_engine_sampling_matches_its_own_logprobs(path, tiny_model):
 
 # -- the FSDP2 trainer ---------------------------------------------------------------------------------
 
+
 def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path, tiny_model, tiny_spec):
     config = tiny_spec.workload.training.config()
-    result = check_trainer(lambda state, c: FSDPTrainer(path, c, state=state, micro_batch_tokens=64, logprob_chunk=5),
-                           tiny_model, config, tiny_spec.accuracy)
+    result = check_trainer(
+        lambda state, c: FSDPTrainer(path, c, state=state, micro_batch_tokens=64, logprob_chunk=5),
+        tiny_model,
+        config,
+        tiny_spec.accuracy,
+    )
     assert result.passed, result.reasons
 
 
@@ -164,8 +170,14 @@ def _second_rank(path: str, port: int, done) -> None:
     from targets.harness.accuracy import fixed_train_batches
 
     spec = load_target("tiny-qwen3-cpu")
-    trainer = FSDPTrainer(path, spec.workload.training.config(), rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
-                          micro_batch_tokens=64)
+    trainer = FSDPTrainer(
+        path,
+        spec.workload.training.config(),
+        rank=1,
+        world_size=2,
+        init_method=f"tcp://127.0.0.1:{port}",
+        micro_batch_tokens=64,
+    )
     for batch in fixed_train_batches(load_model(model_dir(spec.model))):
         trainer.train_step(batch)
     trainer.state_dict()  # a collective: rank 0's check gathers the full weights
@@ -180,9 +192,14 @@ def test_two_fsdp_ranks_over_gloo_pass_the_trainer_check(path, tiny_model, tiny_
     other = context.Process(target=_second_rank, args=(path, port, done))
     other.start()
     try:
-        result = check_trainer(lambda state, c: FSDPTrainer(path, c, rank=0, world_size=2, state=state, micro_batch_tokens=64,
-                                                            init_method=f"tcp://127.0.0.1:{port}"),
-                               tiny_model, tiny_spec.workload.training.config(), tiny_spec.accuracy)
+        result = check_trainer(
+            lambda state, c: FSDPTrainer(
+                path, c, rank=0, world_size=2, state=state, micro_batch_tokens=64, init_method=f"tcp://127.0.0.1:{port}"
+            ),
+            tiny_model,
+            tiny_spec.workload.training.config(),
+            tiny_spec.accuracy,
+        )
         assert done.get(timeout=120) == "ok"
     finally:
         other.join(timeout=60)
@@ -208,6 +225,7 @@ def test_bf16_master_weights_round_small_updates_away_and_float32_masters_do_not
 
 
 # -- weight sync -----------------------------------------------------------------------------------------
+
 
 def test_flat_buckets_round_trip_with_their_layout(tiny_model):
     state = tiny_model.state_dict()
@@ -241,14 +259,16 @@ def test_the_broadcast_group_sends_every_bucket_to_a_receiver(tiny_model):
 
 # -- the one-device local cluster --------------------------------------------------------------------------
 
+
 def test_the_local_cluster_time_shares_one_cpu_device(tiny_spec):
     """Engine and trainer in one process on one device: train refuses while the engine is awake;
     after suspend, train, sync and resume the engine serves the new version."""
     import asyncio
     import dataclasses
 
-    from targets.harness.target import Target
     from local_round import one_round
+
+    from targets.harness.target import Target
 
     base = Target.load("tiny-qwen3-cpu").runtime()
     runtime = dataclasses.replace(base, devices=base.devices[:1])
@@ -267,11 +287,14 @@ def test_the_local_cluster_refuses_to_train_beside_an_awake_engine(tiny_spec):
     runtime = dataclasses.replace(base, devices=base.devices[:1])
 
     async def main():
-        cluster = await LocalCluster.start(runtime, tiny_spec.workload.training.config(), engine_options={"kv_tokens": 4096})
+        cluster = await LocalCluster.start(
+            runtime, tiny_spec.workload.training.config(), engine_options={"kv_tokens": 4096}
+        )
         try:
             with pytest.raises(ValueError, match="suspend it before training"):
-                await cluster.train(TrainBatch([Trajectory("e0", "g0", [1, 2], [0, 1], [0.0, -1.0], 1.0, [0])], [1.0]),
-                                    runtime.devices)
+                await cluster.train(
+                    TrainBatch([Trajectory("e0", "g0", [1, 2], [0, 1], [0.0, -1.0], 1.0, [0])], [1.0]), runtime.devices
+                )
             with pytest.raises(ValueError, match="suspend, train, then resume"):
                 await cluster.shrink(runtime.devices)
         finally:
@@ -291,15 +314,20 @@ def test_a_trainer_that_cannot_fit_its_devices_fails_at_build_with_the_arithmeti
     from skills.starter import write_starter
     from targets.harness.target import Target
 
-    assert parameter_count(path) == sum(p.numel() for p in load_model(model_dir(tiny_spec.model)).parameters()) == 402_304
+    assert (
+        parameter_count(path) == sum(p.numel() for p in load_model(model_dir(tiny_spec.model)).parameters()) == 402_304
+    )
     check_fits(path, 1, 1 << 30)  # fits a GiB
     write_starter(tmp_path / "c", tiny_spec, "colocate")
     sys.path.insert(0, str(tmp_path / "c"))
     try:
         build = importlib.import_module("stack").build
         runtime = dataclasses.replace(Target.load("tiny-qwen3-cpu").runtime(), device_memory_bytes=2_000_000)
-        with pytest.raises(ValueError, match=r"0.000402B parameters x 16 bytes .* / 2 FSDP rank\(s\) = 0.00322 GB per device, "
-                                             r"over 80% of its 0.002 GB; train on at least 5 devices"):
+        with pytest.raises(
+            ValueError,
+            match=r"0.000402B parameters x 16 bytes .* / 2 FSDP rank\(s\) = 0.00322 GB per device, "
+            r"over 80% of its 0.002 GB; train on at least 5 devices",
+        ):
             build(runtime)
     finally:
         sys.path.remove(str(tmp_path / "c"))

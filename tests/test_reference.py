@@ -11,7 +11,7 @@ import torch
 from targets.api import SamplingParams, TrainingConfig, Trajectory
 from targets.harness.accuracy import fixed_prompts, reference_greedy
 from targets.harness.reference.engine import ReferenceEngine
-from targets.harness.reference.grpo import grpo_loss, group_advantages, pad_trajectories
+from targets.harness.reference.grpo import group_advantages, grpo_loss, pad_trajectories
 from targets.harness.reference.loop import run_reference
 
 
@@ -54,7 +54,9 @@ def test_sampling_is_seeded_and_stops_at_stop_tokens(tiny_model):
     a, b = engine.generate(prompts, params), engine.generate(prompts, params)
     assert [c.tokens for c in a] == [c.tokens for c in b]
     stop = a[0].tokens[2]
-    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, stop_token_ids=(stop,)))
+    stopped = engine.generate(
+        prompts, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, stop_token_ids=(stop,))
+    )
     assert stopped[0].tokens == a[0].tokens[: a[0].tokens.index(stop) + 1] and stopped[0].finish_reason == "stop"
 
 

@@ -24,6 +24,7 @@ from targets.harness.wire import PromptMemory, get_batch, get_request, put_batch
 
 # -- paired measurement ------------------------------------------------------------------------------
 
+
 def test_a_paired_ratio_with_its_interval():
     paired = Paired.of([110, 106, 114], [100, 100, 100])
     assert paired.ratio == pytest.approx(math.exp(sum(math.log(x / 100) for x in (110, 106, 114)) / 3))
@@ -52,6 +53,7 @@ def test_one_real_pair_says_nothing_of_noise_one_simulated_pair_is_exact():
 
 # -- the parent's stopwatch ----------------------------------------------------------------------------
 
+
 def _events(duration: float) -> list[TraceEvent]:
     return [TraceEvent("run_start", 3.0, {}), TraceEvent("run_end", 3.0 + duration, {})]
 
@@ -66,6 +68,7 @@ def test_the_harness_clock_must_agree_with_the_parents_stopwatch():
 
 
 # -- the channel against hostile bytes -------------------------------------------------------------------
+
 
 def _pair():
     return socket.socketpair()
@@ -143,6 +146,7 @@ def test_an_async_channel_reports_a_peer_that_hangs_up_or_sends_garbage():
 def test_a_peer_that_said_done_and_exited_is_heard_even_if_a_write_to_it_fails_first():
     """The CI failure of round 18: the controller sent "done" and exited; the harness's next reply hit
     a broken pipe, the transport closed before reading "done", and a good run was failed."""
+
     async def main() -> tuple[list[str], list[str]]:
         a, b = _pair()
         b.sendall(Frame(kind="done").encode())
@@ -157,7 +161,6 @@ def test_a_peer_that_said_done_and_exited_is_heard_even_if_a_write_to_it_fails_f
 
     kinds, lost = asyncio.run(main())
     assert kinds == ["done"] and len(lost) == 1
-
 
 
 def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_channel_lives():
@@ -195,6 +198,7 @@ def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_cha
 
 # -- the sandbox refuses to fall back silently -------------------------------------------------------------
 
+
 def test_auto_refuses_to_run_candidates_unisolated(monkeypatch):
     from targets.harness import sandbox
 
@@ -217,8 +221,13 @@ def test_bubblewrap_binds_the_gpu_device_nodes_only_when_asked_and_keeps_writes_
     monkeypatch.setattr(sandbox, "gpu_device_nodes", lambda: [node])
     box, work = sandbox.Sandbox("bubblewrap"), tmp_path / "work"
     work.mkdir()
-    outside = Path(sandbox.__file__).resolve().parents[2] / "written-from-the-sandbox"  # the checkout: mounted read-only
-    probe = f"test -c {node} && echo sees-device; touch {work}/ok && echo wrote-inside; touch {outside} || echo refused-outside"
+    outside = (
+        Path(sandbox.__file__).resolve().parents[2] / "written-from-the-sandbox"
+    )  # the checkout: mounted read-only
+    probe = (
+        f"test -c {node} && echo sees-device; touch {work}/ok && echo wrote-inside; "
+        f"touch {outside} || echo refused-outside"
+    )
     for gpus, sees in ((True, True), (False, False)):
         command, env = box.wrap(["/bin/sh", "-c", probe], dict(os.environ), writable=[work], gpus=gpus)
         done = subprocess.run(command, capture_output=True, text=True, env=env or None, timeout=60, check=False)
@@ -228,6 +237,7 @@ def test_bubblewrap_binds_the_gpu_device_nodes_only_when_asked_and_keeps_writes_
 
 
 # -- device memory, as the harness samples it ------------------------------------------------------------
+
 
 def test_device_memory_is_sampled_on_the_visible_gpus_and_keeps_the_peak(monkeypatch):
     """NVML numbers devices physically: with CUDA_VISIBLE_DEVICES=3,5 the target's devices 0 and 1
@@ -240,8 +250,11 @@ def test_device_memory_is_sampled_on_the_visible_gpus_and_keeps_the_peak(monkeyp
 
     used = {3: 100 << 20, 5: 200 << 20}
     fake = types.SimpleNamespace(
-        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=used[handle]))
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=used[handle]),
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     with DeviceMemoryMonitor(2, interval_s=0.005) as monitor:

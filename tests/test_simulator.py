@@ -30,6 +30,7 @@ runner = CliRunner()
 
 # -- virtual time ----------------------------------------------------------------------------------
 
+
 def test_virtual_time_jumps_to_the_next_timer_and_keeps_asyncio_semantics():
     loop = VirtualTimeLoop()
 
@@ -52,6 +53,7 @@ def test_a_controller_waiting_on_nothing_stalls_loudly():
 
 
 # -- cost model ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def big():
@@ -84,6 +86,7 @@ def test_a_model_too_big_for_the_cluster_is_refused(big):
 
 
 # -- one engine ------------------------------------------------------------------------------------
+
 
 def _engine_run(cost: CostModel, body):
     loop = VirtualTimeLoop()
@@ -147,7 +150,9 @@ def test_abort_answers_everything_with_partial_tokens(big):
 def test_static_batching_admits_only_between_batches():
     spec = load_target("tiny-qwen3-cpu")
     continuous = CostModel.from_spec(spec)
-    static = CostModel.from_spec(spec.model_copy(update={"simulator": spec.simulator.model_copy(update={"batching": "static"})}))
+    static = CostModel.from_spec(
+        spec.model_copy(update={"simulator": spec.simulator.model_copy(update={"batching": "static"})})
+    )
 
     async def body(engine, loop):
         engine.submit("a", 10, 200)  # a long request runs first
@@ -161,6 +166,7 @@ def test_static_batching_admits_only_between_batches():
 
 # -- the same controllers on the simulated cluster -------------------------------------------------
 
+
 def _simulated(tmp_path, spec, controller, steps=None, seed=0):
     """The starter for ``controller`` run on the simulator through the harness, as any judged run:
     the controller in a process of its own, virtual time kept by the harness."""
@@ -168,8 +174,16 @@ def _simulated(tmp_path, spec, controller, steps=None, seed=0):
     path = tmp_path / f"{spec.id}-{controller}.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     stack = write_starter(tmp_path / controller, spec, controller)
-    run = run_harness(Target.load(path), stack, tmp_path / f"out-{controller}-{seed}", "measure", Limits(time_s=600),
-                      Sandbox.detect("subprocess"), seed=seed, steps=steps)
+    run = run_harness(
+        Target.load(path),
+        stack,
+        tmp_path / f"out-{controller}-{seed}",
+        "measure",
+        Limits(time_s=600),
+        Sandbox.detect("subprocess"),
+        seed=seed,
+        steps=steps,
+    )
     assert run.ok, run.cause
     return spec, Trace.load_events(run.out / "trace.jsonl"), run.results["system"]
 
@@ -217,13 +231,28 @@ def test_the_environment_ends_an_episode_whose_context_is_full(tmp_path, big_sma
 
 # -- the bench and calibration through the CLI ----------------------------------------------------
 
+
 def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tmp_path, big_small_batch):
     raw = yaml.safe_load(Path("targets/catalog/qwen3-235b-a22b-h800x160.yaml").read_text())
     raw["workload"].update(batch_size=128, train_steps=2)
     target = tmp_path / "big.yaml"
     target.write_text(yaml.safe_dump(raw))
-    result = runner.invoke(app, ["bench", str(target), "--baselines", "static_split,time_multiplex", "--repeat", "1",
-                                 "--json", str(tmp_path / "b.json"), "--timeline", str(tmp_path / "t.png")], env={"COLUMNS": "80"})
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(target),
+            "--baselines",
+            "static_split,time_multiplex",
+            "--repeat",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+            "--timeline",
+            str(tmp_path / "t.png"),
+        ],
+        env={"COLUMNS": "80"},
+    )
     assert result.exit_code == 0, result.output
     assert "simulated seconds" in result.output and "LB" in result.output
     runs = json.loads((tmp_path / "b.json").read_text())["runs"]

@@ -37,8 +37,14 @@ def test_computed_param_counts_match_the_built_model(tiny_spec, tiny_model):
     assert tiny_spec.model.param_counts().total == sum(p.numel() for p in tiny_model.parameters())
 
 
-@pytest.mark.parametrize("target, total, active", [("qwen3-0.6b-h100x1", 0.596e9, 0.596e9), ("qwen3-8b-h100x8", 8.19e9, 8.19e9),
-                                                   ("qwen3-235b-a22b-h800x160", 235e9, 22e9)])
+@pytest.mark.parametrize(
+    "target, total, active",
+    [
+        ("qwen3-0.6b-h100x1", 0.596e9, 0.596e9),
+        ("qwen3-8b-h100x8", 8.19e9, 8.19e9),
+        ("qwen3-235b-a22b-h800x160", 235e9, 22e9),
+    ],
+)
 def test_computed_param_counts_match_published_sizes(target, total, active):
     spec = load_target(target)
     computed = spec.model.model_copy(update={"params": None}).param_counts()
@@ -157,12 +163,16 @@ def test_cli_reference_refuses_a_simulated_target():
 
 
 def test_cli_starter_writes_a_candidate_and_refuses_bad_input(tmp_path):
-    result = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "c"), "--controller", "static_split"])
+    result = runner.invoke(
+        app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "c"), "--controller", "static_split"]
+    )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "c" / "stack" / "params.json").exists() and (tmp_path / "c" / "DESIGN.md").exists()
     again = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "c")])
     assert again.exit_code == 2 and "already exists" in again.output
-    unknown = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "d"), "--controller", "round_robin"])
+    unknown = runner.invoke(
+        app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "d"), "--controller", "round_robin"]
+    )
     assert unknown.exit_code == 2 and "unknown controller 'round_robin'" in unknown.output
 
 
@@ -182,7 +192,10 @@ def test_limits_follow_the_model_size_unless_stated(catalog_yaml):
     from targets.harness.target import Target
 
     assert load_target("qwen3-0.6b-h100x1").limits.resolved(596_049_920) == (36_000, 900)  # stated
-    assert parse_target(catalog_yaml).limits.resolved(8_190_000_000) == (12_000 + 40 * 8190, 600 * 8.19)  # sized by the model
+    assert parse_target(catalog_yaml).limits.resolved(8_190_000_000) == (
+        12_000 + 40 * 8190,
+        600 * 8.19,
+    )  # sized by the model
     tiny = Limits.of(Target.load("tiny-qwen3-cpu"))
     assert tiny.memory_mb == pytest.approx(12_000 + 40 * 0.402304) and tiny.time_s == 600
     assert Limits.of(Target.load("qwen3-8b-h100x8", simulate=True)).time_s == 600  # simulated: a tiny proxy runs here

@@ -20,13 +20,19 @@ runner = CliRunner()
 
 
 def _check(target: Path, stack: Path, time_limit: float = 300) -> tuple[int, str]:
-    result = runner.invoke(app, ["check", str(target), "--stack", str(stack), "--time-limit", str(time_limit)],
-                           env={"COLUMNS": "200"})
+    result = runner.invoke(
+        app, ["check", str(target), "--stack", str(stack), "--time-limit", str(time_limit)], env={"COLUMNS": "200"}
+    )
     return result.exit_code, result.output
 
 
-def _planted(tmp_path: Path, target: Path, controller: str, edits: dict[str, tuple[str, str]],
-             extra: dict[str, str] | None = None) -> Path:
+def _planted(
+    tmp_path: Path,
+    target: Path,
+    controller: str,
+    edits: dict[str, tuple[str, str]],
+    extra: dict[str, str] | None = None,
+) -> Path:
     spec = parse_target(yaml.safe_load(target.read_text()))
     directory = write_starter(tmp_path / "candidate", spec, controller)
     for name, (old, new) in edits.items():
@@ -49,43 +55,68 @@ def test_starter_stacks_pass_check(tmp_path, fast_target, controller):
 CHEATS = {
     "drops trajectories": (
         "time_multiplex",
-        {"controller_base.py": ("        self.version = await cluster.train(TrainBatch(batch,",
-                                "        batch = batch[self.group_size:]  # planted: discard a group unseen\n"
-                                "        self.version = await cluster.train(TrainBatch(batch,")},
+        {
+            "controller_base.py": (
+                "        self.version = await cluster.train(TrainBatch(batch,",
+                "        batch = batch[self.group_size:]  # planted: discard a group unseen\n"
+                "        self.version = await cluster.train(TrainBatch(batch,",
+            )
+        },
         "lost: episode",
     ),
     "uses a trajectory twice": (
         "time_multiplex",
-        {"controller_base.py": ("        self.version = await cluster.train(TrainBatch(batch,",
-                                "        batch = batch + batch[: self.group_size]  # planted\n"
-                                "        self.version = await cluster.train(TrainBatch(batch,")},
+        {
+            "controller_base.py": (
+                "        self.version = await cluster.train(TrainBatch(batch,",
+                "        batch = batch + batch[: self.group_size]  # planted\n"
+                "        self.version = await cluster.train(TrainBatch(batch,",
+            )
+        },
         "used twice",
     ),
     "exceeds the staleness bound": (
         "static_split",
-        {"static_split.py": ("buffer, manager = self._wire(cluster, envs, self.async_ratio)",
-                             "buffer, manager = self._wire(cluster, envs, 3)  # planted: samples up to 3 versions old")},
+        {
+            "static_split.py": (
+                "buffer, manager = self._wire(cluster, envs, self.async_ratio)",
+                "buffer, manager = self._wire(cluster, envs, 3)  # planted: samples up to 3 versions old",
+            )
+        },
         "stale sample",
     ),
     "serves from stale weights": (
         "time_multiplex",
-        {"engine_server.py": ("                await asyncio.to_thread(self.engine.load_weights, state, version)",
-                              "                self.engine.weight_version = version  # planted")},
+        {
+            "engine_server.py": (
+                "                await asyncio.to_thread(self.engine.load_weights, state, version)",
+                "                self.engine.weight_version = version  # planted",
+            )
+        },
         "did not run with those weights",
     ),
     "fabricates rollouts": (
         "static_split",
-        {"engine_server.py": ("        request = self.engine.submit(prompt, params, episode)",
-                              "        return Completion([5] * params.max_new_tokens, [-0.5] * params.max_new_tokens, 'length', "
-                              "self.engine.weight_version, self.name)  # planted\n"
-                              "        request = self.engine.submit(prompt, params, episode)")},
+        {
+            "engine_server.py": (
+                "        request = self.engine.submit(prompt, params, episode)",
+                "        return Completion([5] * params.max_new_tokens, [-0.5] * params.max_new_tokens, 'length', "
+                "self.engine.weight_version, self.name)  # planted\n"
+                "        request = self.engine.submit(prompt, params, episode)",
+            )
+        },
         "did not run with those weights",
     ),
     "skips environment steps": (
         "static_split",
-        {"env_manager.py": ("            result = await episode.step(completion.tokens)",
-                            "            result = await episode.step(completion.tokens) if turn == 0 else StepResult([], 0.0, True)\n"
-                            "            from targets.api import StepResult  # noqa (planted)")},
+        {
+            "env_manager.py": (
+                "            result = await episode.step(completion.tokens)",
+                "            result = await episode.step(completion.tokens) if turn == 0 else StepResult([], 0.0, "
+                "True)\n"
+                "            from targets.api import StepResult  # noqa (planted)",
+            )
+        },
         "skipped environment steps",
     ),
     "reports its own metrics": (
@@ -95,11 +126,22 @@ CHEATS = {
     ),
     "imports harness internals": (
         "static_split",
-        {"build.py": ("from targets.api import Runtime, Stack", "from targets.api import Runtime, Stack\nfrom targets.harness.trace import Trace  # noqa")},
+        {
+            "build.py": (
+                "from targets.api import Runtime, Stack",
+                "from targets.api import Runtime, Stack\nfrom targets.harness.trace import Trace  # noqa",
+            )
+        },
         "imports harness internals (targets.harness.trace)",
     ),
 }
-EXTRA = {"reports its own metrics": {"report.py": "def report(trajectories, seconds):\n    return {'rollout_throughput': len(trajectories) / seconds}\n"}}
+EXTRA = {
+    "reports its own metrics": {
+        "report.py": (
+            "def report(trajectories, seconds):\n    return {'rollout_throughput': len(trajectories) / seconds}\n"
+        )
+    }
+}
 
 
 @pytest.mark.parametrize("cheat", list(CHEATS))
@@ -113,22 +155,54 @@ def test_planted_cheats_are_rejected_with_a_named_reason(tmp_path, fast_target, 
 
 
 def test_a_crashing_candidate_fails_cleanly_with_its_cause(tmp_path, fast_target):
-    stack = _planted(tmp_path, fast_target, "static_split",
-                     {"build.py": ("    params = json.loads(", "    raise RuntimeError('planted crash in build')\n    params = json.loads(")})
+    stack = _planted(
+        tmp_path,
+        fast_target,
+        "static_split",
+        {
+            "build.py": (
+                "    params = json.loads(",
+                "    raise RuntimeError('planted crash in build')\n    params = json.loads(",
+            )
+        },
+    )
     code, output = _check(fast_target, stack)
     assert code == 1 and "planted crash in build" in output, output
 
 
 def test_a_hanging_candidate_is_killed_at_its_time_limit(tmp_path, fast_target):
-    stack = _planted(tmp_path, fast_target, "static_split",
-                     {"static_split.py": ("        for _ in range(steps):", "        await cluster.sleep(10_000)  # planted hang\n        for _ in range(steps):")})
+    stack = _planted(
+        tmp_path,
+        fast_target,
+        "static_split",
+        {
+            "static_split.py": (
+                "        for _ in range(steps):",
+                "        await cluster.sleep(10_000)  # planted hang\n        for _ in range(steps):",
+            )
+        },
+    )
     code, output = _check(fast_target, stack, time_limit=30)
     assert code == 1 and "exceeded its time limit of 30s" in output, output
 
 
 def test_bench_prints_ratios_and_writes_json_and_timeline(tmp_path, fast_target):
-    result = runner.invoke(app, ["bench", str(fast_target), "--baselines", "static_split,time_multiplex", "--repeat", "1",
-                                 "--json", str(tmp_path / "b.json"), "--timeline", str(tmp_path / "t.png")], env={"COLUMNS": "120"})
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(fast_target),
+            "--baselines",
+            "static_split,time_multiplex",
+            "--repeat",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+            "--timeline",
+            str(tmp_path / "t.png"),
+        ],
+        env={"COLUMNS": "120"},
+    )
     assert result.exit_code == 0, result.output
     assert "1.00x" in result.output and "ratio" in result.output
     data = json.loads((tmp_path / "b.json").read_text())

@@ -37,10 +37,18 @@ if __name__ == "__main__":
         return [c.finish_reason for c in aborted], fresh.finish_reason, len(fresh.tokens)
 
     finishes, fresh_finish, fresh_tokens = asyncio.run(abort_one_of_many())
-    results = {c.name + suffix: {"passed": c.passed, "reasons": c.reasons, "details": c.details}
-               for c, suffix in ((first, ""), (after_reload, "_after_reload"), (sync, ""))}
-    results["abort"] = {"passed": all(f in ("abort", "length") for f in finishes) and "abort" in finishes and fresh_finish == "length"
-                        and fresh_tokens == 4, "reasons": [f"{finishes}, then {fresh_finish} with {fresh_tokens} tokens"], "details": {}}
+    results = {
+        c.name + suffix: {"passed": c.passed, "reasons": c.reasons, "details": c.details}
+        for c, suffix in ((first, ""), (after_reload, "_after_reload"), (sync, ""))
+    }
+    results["abort"] = {
+        "passed": all(f in ("abort", "length") for f in finishes)
+        and "abort" in finishes
+        and fresh_finish == "length"
+        and fresh_tokens == 4,
+        "reasons": [f"{finishes}, then {fresh_finish} with {fresh_tokens} tokens"],
+        "details": {},
+    }
     engine.close()
     print(json.dumps(results))
     sys.stdout.flush()

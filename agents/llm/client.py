@@ -23,9 +23,15 @@ log = logging.getLogger("vibetrain.llm")
 
 # USD per million tokens (input, output); override with --prices FILE (YAML: model: [in, out]).
 DEFAULT_PRICES: dict[str, tuple[float, float]] = {
-    "gpt-4.1": (2.0, 8.0), "gpt-4.1-mini": (0.4, 1.6), "gpt-4o": (2.5, 10.0), "gpt-4o-mini": (0.15, 0.6),
-    "o3": (2.0, 8.0), "o4-mini": (1.1, 4.4),
-    "claude-opus-4": (15.0, 75.0), "claude-sonnet-4": (3.0, 15.0), "claude-3-5-haiku": (0.8, 4.0),
+    "gpt-4.1": (2.0, 8.0),
+    "gpt-4.1-mini": (0.4, 1.6),
+    "gpt-4o": (2.5, 10.0),
+    "gpt-4o-mini": (0.15, 0.6),
+    "o3": (2.0, 8.0),
+    "o4-mini": (1.1, 4.4),
+    "claude-opus-4": (15.0, 75.0),
+    "claude-sonnet-4": (3.0, 15.0),
+    "claude-3-5-haiku": (0.8, 4.0),
 }
 
 
@@ -92,8 +98,12 @@ class Accounting:
         self.cost_usd += cost_usd
 
     def snapshot(self) -> dict:
-        return {"calls": self.calls, "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "cost_usd": round(self.cost_usd, 6)}
+        return {
+            "calls": self.calls,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cost_usd": round(self.cost_usd, 6),
+        }
 
 
 @dataclass
@@ -183,7 +193,9 @@ class OpenAIChat(_RetryingClient):
         import openai
 
         self.sdk, self.default_host = openai, "api.openai.com"
-        self.client = openai.OpenAI(api_key=config.api_key(), base_url=config.base_url, max_retries=0, timeout=config.timeout_s)
+        self.client = openai.OpenAI(
+            api_key=config.api_key(), base_url=config.base_url, max_retries=0, timeout=config.timeout_s
+        )
 
     @staticmethod
     def _messages(system: str, messages: list[dict]) -> list[dict]:
@@ -194,24 +206,40 @@ class OpenAIChat(_RetryingClient):
             elif m["role"] == "assistant":
                 entry: dict = {"role": "assistant", "content": m.get("text") or None}
                 if m.get("tool_calls"):
-                    entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                           for c in m["tool_calls"]]
+                    entry["tool_calls"] = [
+                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in m["tool_calls"]
+                    ]
                 out.append(entry)
             else:
                 out.append({"role": "tool", "tool_call_id": m["tool_call_id"], "content": m["content"]})
         return out
 
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
-        kwargs: dict = {"model": self.config.model, "messages": self._messages(system, messages), "max_tokens": self.config.max_tokens}
+        kwargs: dict = {
+            "model": self.config.model,
+            "messages": self._messages(system, messages),
+            "max_tokens": self.config.max_tokens,
+        }
         if tools:
-            kwargs["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-                               for t in tools]
+            kwargs["tools"] = [
+                {
+                    "type": "function",
+                    "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+                }
+                for t in tools
+            ]
         if not self.config.stream:
             response = self.client.chat.completions.create(**kwargs)
             message = response.choices[0].message
             calls = [ToolCall(c.id, c.function.name, c.function.arguments or "") for c in (message.tool_calls or [])]
             usage = response.usage
-            return AssistantTurn(message.content or "", calls, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
+            return AssistantTurn(
+                message.content or "",
+                calls,
+                usage.prompt_tokens if usage else 0,
+                usage.completion_tokens if usage else 0,
+            )
         text, calls, usage = [], {}, None
         finished = False
         for chunk in self.client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
@@ -229,8 +257,12 @@ class OpenAIChat(_RetryingClient):
                 finished = finished or choice.finish_reason is not None
         if not finished:
             raise _StreamCut("the stream ended before the model finished")
-        return AssistantTurn("".join(text), [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())],
-                             usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
+        return AssistantTurn(
+            "".join(text),
+            [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())],
+            usage.prompt_tokens if usage else 0,
+            usage.completion_tokens if usage else 0,
+        )
 
 
 class AnthropicChat(_RetryingClient):
@@ -239,7 +271,9 @@ class AnthropicChat(_RetryingClient):
         import anthropic
 
         self.sdk, self.default_host = anthropic, "api.anthropic.com"
-        self.client = anthropic.Anthropic(api_key=config.api_key(), base_url=config.base_url, max_retries=0, timeout=config.timeout_s)
+        self.client = anthropic.Anthropic(
+            api_key=config.api_key(), base_url=config.base_url, max_retries=0, timeout=config.timeout_s
+        )
 
     @staticmethod
     def _messages(messages: list[dict]) -> list[dict]:
@@ -265,10 +299,16 @@ class AnthropicChat(_RetryingClient):
         return out
 
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
-        kwargs: dict = {"model": self.config.model, "system": system, "messages": self._messages(messages),
-                        "max_tokens": self.config.max_tokens}
+        kwargs: dict = {
+            "model": self.config.model,
+            "system": system,
+            "messages": self._messages(messages),
+            "max_tokens": self.config.max_tokens,
+        }
         if tools:
-            kwargs["tools"] = [{"name": t.name, "description": t.description, "input_schema": t.parameters} for t in tools]
+            kwargs["tools"] = [
+                {"name": t.name, "description": t.description, "input_schema": t.parameters} for t in tools
+            ]
         if not self.config.stream:
             message = self.client.messages.create(**kwargs)
         else:

@@ -26,8 +26,11 @@ from skills.library import load_skills
 from skills.validation import expand_file
 from targets.spec import TargetSpec
 
-PROMPTS = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).with_name("prompts")),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+PROMPTS = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).with_name("prompts")),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+)
 JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 
@@ -73,9 +76,14 @@ def answer(client: ChatClient, system: str, messages: list[dict], schema: type[B
         return _parse(turn.text, schema)
     except (ValueError, ValidationError) as error:
         first = error
-    messages = messages + [{"role": "assistant", "text": turn.text, "tool_calls": []},
-                           {"role": "user", "content": f"Your answer did not match the required JSON ({first}). "
-                                                       "Answer again with only the JSON object."}]
+    messages = messages + [
+        {"role": "assistant", "text": turn.text, "tool_calls": []},
+        {
+            "role": "user",
+            "content": f"Your answer did not match the required JSON ({first}). "
+            "Answer again with only the JSON object.",
+        },
+    ]
     turn = client.chat(system, messages, [])
     try:
         return _parse(turn.text, schema)
@@ -88,12 +96,19 @@ def implementer_prompt(spec: TargetSpec, task: Task, workspace: Path, feedback: 
     skills = load_skills()
     design = (workspace / "DESIGN.md").read_text() if (workspace / "DESIGN.md").exists() else "(none)"
     return PROMPTS.get_template("implementer.j2").render(
-        target=spec, task=task, skills=[skills[s] for s in task.skills if s in skills], design=design,
-        hints=[Hint(**h) for h in hints], feedback=feedback)
+        target=spec,
+        task=task,
+        skills=[skills[s] for s in task.skills if s in skills],
+        design=design,
+        hints=[Hint(**h) for h in hints],
+        feedback=feedback,
+    )
 
 
 class LLMImplementer:
-    def __init__(self, spec: TargetSpec, client: ChatClient, sandbox, checks, benchmark=None, max_turns: int = 40) -> None:
+    def __init__(
+        self, spec: TargetSpec, client: ChatClient, sandbox, checks, benchmark=None, max_turns: int = 40
+    ) -> None:
         self.spec, self.client, self.sandbox, self.max_turns = spec, client, sandbox, max_turns
         self.checks, self.benchmark = checks, benchmark
         self.offline = None  # the starter comes from the library, as the offline implementer writes it
@@ -103,8 +118,12 @@ class LLMImplementer:
 
     def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
         system = implementer_prompt(self.spec, task, workspace, feedback, hints)
-        toolbox = Toolbox(workspace, self.sandbox, checks=lambda: self.checks(workspace),
-                          benchmark=(lambda: self.benchmark(workspace)) if self.benchmark else None)
+        toolbox = Toolbox(
+            workspace,
+            self.sandbox,
+            checks=lambda: self.checks(workspace),
+            benchmark=(lambda: self.benchmark(workspace)) if self.benchmark else None,
+        )
         messages: list[dict] = [{"role": "user", "content": "Carry out the task, then answer with the JSON summary."}]
         for _ in range(self.max_turns):
             turn = self.client.chat(system, messages, toolbox.specs())
@@ -113,13 +132,26 @@ class LLMImplementer:
                 try:
                     output = _parse(turn.text, ImplementerOutput)
                 except (ValueError, ValidationError) as error:
-                    output = answer(self.client, system, messages[:-1] + [
-                        {"role": "assistant", "text": turn.text, "tool_calls": []},
-                        {"role": "user", "content": f"That was not the JSON summary ({error}). Answer with only the JSON object."}],
-                        ImplementerOutput, "implementer")
+                    output = answer(
+                        self.client,
+                        system,
+                        messages[:-1]
+                        + [
+                            {"role": "assistant", "text": turn.text, "tool_calls": []},
+                            {
+                                "role": "user",
+                                "content": f"That was not the JSON summary ({error}). "
+                                "Answer with only the JSON object.",
+                            },
+                        ],
+                        ImplementerOutput,
+                        "implementer",
+                    )
                 break
             for call in turn.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": toolbox.call(call)})
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": toolbox.call(call)}
+                )
         else:
             raise AgentError(f"the implementer used {self.max_turns} turns without finishing")
         for path in sorted((workspace / "stack").rglob("*.py")):
@@ -145,8 +177,12 @@ class LLMJudge:
         review = answer(self.client, system, [{"role": "user", "content": "Review the change."}], Review, "judge")
         if review.verdict == "reject":
             reasons = [f"llm review: {r}" for r in review.reasons] or ["llm review: rejected without a reason"]
-            return Verdict(False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}])
-        return Verdict(True, [], verdict.checks + [{"name": "llm_review", "passed": True, "reasons": review.reasons}], verdict.run)
+            return Verdict(
+                False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}]
+            )
+        return Verdict(
+            True, [], verdict.checks + [{"name": "llm_review", "passed": True, "reasons": review.reasons}], verdict.run
+        )
 
 
 class LLMEvaluator:
@@ -160,9 +196,16 @@ class LLMEvaluator:
         codes = sorted({code for s in load_skills().values() for code in s.triggers})
         metrics = {k: v for k, v in evaluation.metrics.items() if isinstance(v, (int, float))}
         system = PROMPTS.get_template("evaluator.j2").render(
-            target=self.spec, repeats=len(evaluation.repeats), metrics=metrics, hints=evaluation.hints,
-            profile=evaluation.profile[:6000], codes=codes)
-        output = answer(self.client, system, [{"role": "user", "content": "Write the hints."}], EvaluatorOutput, "evaluator")
+            target=self.spec,
+            repeats=len(evaluation.repeats),
+            metrics=metrics,
+            hints=evaluation.hints,
+            profile=evaluation.profile[:6000],
+            codes=codes,
+        )
+        output = answer(
+            self.client, system, [{"role": "user", "content": "Write the hints."}], EvaluatorOutput, "evaluator"
+        )
         known = {h.code for h in evaluation.hints}
         evaluation.hints += [h for h in output.hints if h.code not in known]
         return evaluation
@@ -177,5 +220,12 @@ class LLMPlanner:
 
     def plan(self, state, design: str) -> PlannerOutput:
         system = PROMPTS.get_template("planner.j2").render(
-            target=self.spec, rounds=state.rounds, best_round=state.best_round, skills=list(load_skills().values()), design=design)
-        return answer(self.client, system, [{"role": "user", "content": "Plan the next round."}], PlannerOutput, "planner")
+            target=self.spec,
+            rounds=state.rounds,
+            best_round=state.best_round,
+            skills=list(load_skills().values()),
+            design=design,
+        )
+        return answer(
+            self.client, system, [{"role": "user", "content": "Plan the next round."}], PlannerOutput, "planner"
+        )

@@ -11,8 +11,8 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -84,27 +84,57 @@ class Toolbox:
     """The tools of one role in one workspace. ``checks`` and ``benchmark`` are the judge's gate and
     the evaluator's benchmark, given by the backend (None: the role does not get that tool)."""
 
-    def __init__(self, workspace: Path, sandbox, checks: Callable[[], str] | None = None,
-                 benchmark: Callable[[], str] | None = None, writable: bool = True) -> None:
+    def __init__(
+        self,
+        workspace: Path,
+        sandbox,
+        checks: Callable[[], str] | None = None,
+        benchmark: Callable[[], str] | None = None,
+        writable: bool = True,
+    ) -> None:
         self.workspace, self.sandbox, self.checks, self.benchmark = workspace.resolve(), sandbox, checks, benchmark
         self.tools: dict[str, tuple[type[_Args], Callable, str]] = {
             "list_files": (ListFiles, self.list_files, "List files under a directory of the workspace."),
             "read_file": (ReadFile, self.read_file, "Read a file of the workspace (a window of it: offset, limit)."),
-            "search_files": (SearchFiles, self.search_files, "Lines matching a regular expression, as file:line: text."),
-            "search_skills": (SearchSkills, self.search_skills_tool, "Skills of the library whose text mentions every word."),
-            "read_skill": (ReadSkill, self.read_skill, "A skill's SKILL.md: what it does, when it helps, parameters, evidence."),
+            "search_files": (
+                SearchFiles,
+                self.search_files,
+                "Lines matching a regular expression, as file:line: text.",
+            ),
+            "search_skills": (
+                SearchSkills,
+                self.search_skills_tool,
+                "Skills of the library whose text mentions every word.",
+            ),
+            "read_skill": (
+                ReadSkill,
+                self.read_skill,
+                "A skill's SKILL.md: what it does, when it helps, parameters, evidence.",
+            ),
             "read_design": (NoArgs, self.read_design, "The stack's DESIGN.md: decisions, plan, findings."),
         }
         if writable:
             self.tools |= {
                 "edit_file": (EditFile, self.edit_file, "Replace text that occurs exactly once in a file."),
                 "write_file": (WriteFile, self.write_file, "Create or overwrite a file of the workspace."),
-                "run_command": (RunCommand, self.run_command, "Run a bash command in the workspace, inside the sandbox."),
+                "run_command": (
+                    RunCommand,
+                    self.run_command,
+                    "Run a bash command in the workspace, inside the sandbox.",
+                ),
             }
         if checks is not None:
-            self.tools["run_checks"] = (NoArgs, lambda _: self.checks(), "Run the judge's deterministic checks on the workspace now.")
+            self.tools["run_checks"] = (
+                NoArgs,
+                lambda _: self.checks(),
+                "Run the judge's deterministic checks on the workspace now.",
+            )
         if benchmark is not None:
-            self.tools["run_benchmark"] = (NoArgs, lambda _: self.benchmark(), "Benchmark the workspace's stack (one run).")
+            self.tools["run_benchmark"] = (
+                NoArgs,
+                lambda _: self.benchmark(),
+                "Benchmark the workspace's stack (one run).",
+            )
 
     def specs(self) -> list[ToolSpec]:
         return [ToolSpec(name, doc, model.model_json_schema()) for name, (model, _, doc) in self.tools.items()]
@@ -117,7 +147,9 @@ class Toolbox:
             raw = json.loads(call.arguments or "{}")
             arguments = model.model_validate(raw)
         except (json.JSONDecodeError, ValidationError) as error:
-            raise ToolCallError(f"the model called {call.name} with invalid arguments ({call.arguments[:200]!r}): {error}") from None
+            raise ToolCallError(
+                f"the model called {call.name} with invalid arguments ({call.arguments[:200]!r}): {error}"
+            ) from None
         try:
             return truncated(handler(arguments))
         except ToolResultError as error:  # the tool ran and says what went wrong: the model reads it
@@ -137,8 +169,11 @@ class Toolbox:
         root = self._path(a.path)
         if not root.is_dir():
             raise ToolResultError(f"{a.path!r} is not a directory")
-        files = sorted(str(p.relative_to(self.workspace)) for p in root.rglob("*")
-                       if p.is_file() and ".git" not in p.parts and "__pycache__" not in p.parts)
+        files = sorted(
+            str(p.relative_to(self.workspace))
+            for p in root.rglob("*")
+            if p.is_file() and ".git" not in p.parts and "__pycache__" not in p.parts
+        )
         return "\n".join(files) or "(empty)"
 
     def read_file(self, a: ReadFile) -> str:
@@ -148,7 +183,9 @@ class Toolbox:
         text = path.read_text()
         window = text[a.offset : a.offset + a.limit]
         more = len(text) - a.offset - len(window)
-        return window + (f"\n[... {more} more characters: read again with offset={a.offset + len(window)}]" if more > 0 else "")
+        return window + (
+            f"\n[... {more} more characters: read again with offset={a.offset + len(window)}]" if more > 0 else ""
+        )
 
     def search_files(self, a: SearchFiles) -> str:
         try:
@@ -162,7 +199,11 @@ class Toolbox:
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
                 if regex.search(line):
                     hits.append(f"{path.relative_to(self.workspace)}:{number}: {line.strip()}")
-        return "\n".join(hits[:200]) + (f"\n[... {len(hits) - 200} more matches]" if len(hits) > 200 else "") if hits else "(no match)"
+        return (
+            "\n".join(hits[:200]) + (f"\n[... {len(hits) - 200} more matches]" if len(hits) > 200 else "")
+            if hits
+            else "(no match)"
+        )
 
     def edit_file(self, a: EditFile) -> str:
         path = self._path(a.path)
@@ -175,10 +216,14 @@ class Toolbox:
             first = a.old.strip().splitlines()[0] if a.old.strip() else ""
             close = difflib.get_close_matches(first, lines, n=1, cutoff=0.5)
             hint = f"; the closest line is {lines.index(close[0]) + 1}: {close[0].strip()!r}" if close else ""
-            raise ToolResultError(f"the old text is not in {a.path} (whitespace and indentation must match exactly){hint}")
+            raise ToolResultError(
+                f"the old text is not in {a.path} (whitespace and indentation must match exactly){hint}"
+            )
         if count > 1:
             starts = [text[: m.start()].count("\n") + 1 for m in re.finditer(re.escape(a.old), text)]
-            raise ToolResultError(f"the old text occurs {count} times in {a.path} (lines {starts[:10]}); include more context to pick one")
+            raise ToolResultError(
+                f"the old text occurs {count} times in {a.path} (lines {starts[:10]}); include more context to pick one"
+            )
         path.write_text(text.replace(a.old, a.new, 1))
         return f"edited {a.path}"
 
@@ -191,9 +236,13 @@ class Toolbox:
     def run_command(self, a: RunCommand) -> str:
         out = self.workspace / ".vibetrain-tmp"
         out.mkdir(exist_ok=True)
-        command, env = self.sandbox.wrap(["bash", "-c", a.command], {}, writable=[self.workspace, out], cwd=self.workspace)
+        command, env = self.sandbox.wrap(
+            ["bash", "-c", a.command], {}, writable=[self.workspace, out], cwd=self.workspace
+        )
         try:
-            result = subprocess.run(command, env=env or None, cwd=self.workspace, capture_output=True, text=True, timeout=a.timeout_s)
+            result = subprocess.run(
+                command, env=env or None, cwd=self.workspace, capture_output=True, text=True, timeout=a.timeout_s
+            )
         except subprocess.TimeoutExpired:
             raise ToolResultError(f"the command ran past {a.timeout_s:g}s and was killed") from None
         finally:
@@ -202,7 +251,12 @@ class Toolbox:
 
     def search_skills_tool(self, a: SearchSkills) -> str:
         found = search_skills(a.query)
-        return "\n".join(f"{s.name} ({s.kind}, recipe {s.recipe}): triggers {s.triggers}, params {list(s.params)}" for s in found) or "(no skill)"
+        return (
+            "\n".join(
+                f"{s.name} ({s.kind}, recipe {s.recipe}): triggers {s.triggers}, params {list(s.params)}" for s in found
+            )
+            or "(no skill)"
+        )
 
     def read_skill(self, a: ReadSkill) -> str:
         skills = load_skills()

@@ -26,8 +26,10 @@ def concurrency_shares(events: list) -> tuple[float, float]:
     the run's peak in flight (the long tail), from the generate events' start and end stamps."""
     start = next(e.t for e in events if e.kind == "run_start")
     end = next(e.t for e in events if e.kind == "run_end")
-    changes = sorted([(e.data["start"], 1) for e in events if e.kind == "generate"] +
-                     [(e.t, -1) for e in events if e.kind == "generate"])
+    changes = sorted(
+        [(e.data["start"], 1) for e in events if e.kind == "generate"]
+        + [(e.t, -1) for e in events if e.kind == "generate"]
+    )
     if not changes or end <= start:
         return 1.0, 0.0
     level, peak, levels = 0, 0, []  # (from, to, requests in flight)
@@ -49,39 +51,81 @@ def hints_from(metrics: dict, events: list, simulated: bool) -> list[Hint]:
     hints = []
     stalled, tail = concurrency_shares(events)
     if stalled > STALL_SHARE:
-        hints.append(Hint(code="rollout_stalls", message=f"no rollout in flight for {stalled:.0%} of the run (training blocks it)",
-                          evidence={"stalled_share": stalled}))
+        hints.append(
+            Hint(
+                code="rollout_stalls",
+                message=f"no rollout in flight for {stalled:.0%} of the run (training blocks it)",
+                evidence={"stalled_share": stalled},
+            )
+        )
     if tail > TAIL_SHARE:
-        hints.append(Hint(code="tail_idle", message=f"under a quarter of the peak requests in flight for {tail:.0%} of the run "
-                                                    "(the batch's long tail)", evidence={"tail_share": tail}))
+        hints.append(
+            Hint(
+                code="tail_idle",
+                message=f"under a quarter of the peak requests in flight for {tail:.0%} of the run "
+                "(the batch's long tail)",
+                evidence={"tail_share": tail},
+            )
+        )
     busy = metrics["mean_device_busy"]
     if busy < DEVICES_BUSY:
-        hints.append(Hint(code="devices_idle", message=f"devices are busy {busy:.0%} of the run", evidence={"mean_device_busy": busy}))
+        hints.append(
+            Hint(
+                code="devices_idle",
+                message=f"devices are busy {busy:.0%} of the run",
+                evidence={"mean_device_busy": busy},
+            )
+        )
     utilization = metrics["device_utilization"]
     trainers = {d: u for d, u in utilization.items() if u["train"] > 0}
     if trainers:
         idle = statistics.mean(u["idle"] for u in trainers.values())
         if idle > TRAIN_IDLE_SHARE:
-            hints.append(Hint(code="train_devices_idle", message=f"training devices idle {idle:.0%} of the run (waiting for data)",
-                              evidence={"train_device_idle": idle, "devices": sorted(trainers)[:8]}))
+            hints.append(
+                Hint(
+                    code="train_devices_idle",
+                    message=f"training devices idle {idle:.0%} of the run (waiting for data)",
+                    evidence={"train_device_idle": idle, "devices": sorted(trainers)[:8]},
+                )
+            )
     if metrics["timeout_ratio"] > 0.01:
-        hints.append(Hint(code="timeouts", message=f"{metrics['timeout_ratio']:.0%} of trajectories timed out",
-                          evidence={"timeout_ratio": metrics["timeout_ratio"]}))
+        hints.append(
+            Hint(
+                code="timeouts",
+                message=f"{metrics['timeout_ratio']:.0%} of trajectories timed out",
+                evidence={"timeout_ratio": metrics["timeout_ratio"]},
+            )
+        )
     turns = sum(1 for e in events if e.kind == "generate")
     if turns and metrics["aborted_turns"] / turns > ABORT_SHARE:
-        hints.append(Hint(code="many_aborts", message=f"{metrics['aborted_turns']} of {turns} turns aborted by shrinks",
-                          evidence={"aborted_turns": metrics["aborted_turns"], "turns": turns}))
+        hints.append(
+            Hint(
+                code="many_aborts",
+                message=f"{metrics['aborted_turns']} of {turns} turns aborted by shrinks",
+                evidence={"aborted_turns": metrics["aborted_turns"], "turns": turns},
+            )
+        )
     if not simulated:
         batches = engine_batches(events)
         if batches:
             size = statistics.mean(len(members) for _, members in batches)
             if size < SMALL_BATCH:
-                hints.append(Hint(code="small_engine_batches", message=f"engines batch {size:.1f} requests on average",
-                                  evidence={"mean_engine_batch": size}))
+                hints.append(
+                    Hint(
+                        code="small_engine_batches",
+                        message=f"engines batch {size:.1f} requests on average",
+                        evidence={"mean_engine_batch": size},
+                    )
+                )
     steps = max(1, sum(1 for e in events if e.kind == "train"))
     if metrics["sync_s"] * steps / metrics["duration_s"] > SYNC_SHARE:
-        hints.append(Hint(code="slow_sync", message=f"weight sync takes {metrics['sync_s'] * steps / metrics['duration_s']:.0%} of the run",
-                          evidence={"sync_s": metrics["sync_s"]}))
+        hints.append(
+            Hint(
+                code="slow_sync",
+                message=f"weight sync takes {metrics['sync_s'] * steps / metrics['duration_s']:.0%} of the run",
+                evidence={"sync_s": metrics["sync_s"]},
+            )
+        )
     return hints
 
 
@@ -97,7 +141,9 @@ def call_profile(events: list) -> str:
             spans.setdefault("env_step (tool latency)", []).append(e.data["latency"])
     lines = [f"{'call':28s} {'count':>7s} {'mean s':>9s} {'max s':>9s} {'total s':>9s}"]
     for kind, values in sorted(spans.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"{kind:28s} {len(values):7d} {statistics.fmean(values):9.4f} {max(values):9.4f} {sum(values):9.2f}")
+        lines.append(
+            f"{kind:28s} {len(values):7d} {statistics.fmean(values):9.4f} {max(values):9.4f} {sum(values):9.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -110,27 +156,44 @@ class OfflineEvaluator:
             raise ValueError(f"repeat must be >= 1, got {repeat}")
         self.session, self.repeat = session, repeat
 
-    def evaluate(self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int],
-                 first: Measurement | None = None) -> Evaluation:
+    def evaluate(
+        self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int], first: Measurement | None = None
+    ) -> Evaluation:
         headline = self.session.target.spec.headline_metric.name
         paired = None
         try:
             if baseline is None:
                 measurements = [first] if first is not None else []
-                for i, seed in enumerate(seeds[len(measurements):], start=len(measurements)):
+                for i, seed in enumerate(seeds[len(measurements) :], start=len(measurements)):
                     measurement = self.session.measure(workspace, out / f"candidate-{i}", seed)
                     if not measurement.ok:
                         raise MeasurementFailed("candidate", i, measurement.reasons)
                     measurements.append(measurement)
             else:
-                measurements, _, paired = self.session.compare(workspace, baseline, out, seeds, against="best", first=first)
+                measurements, _, paired = self.session.compare(
+                    workspace, baseline, out, seeds, against="best", first=first
+                )
         except MeasurementFailed as failure:
-            return Evaluation(0.0, {}, {}, [], [], findings=[f"measured run {failure.repeat} of the {failure.name}: {r}"
-                                                             for r in failure.reasons])
+            return Evaluation(
+                0.0,
+                {},
+                {},
+                [],
+                [],
+                findings=[f"measured run {failure.repeat} of the {failure.name}: {r}" for r in failure.reasons],
+            )
         run = BenchRun("candidate", measurements)
         summary = run.summary(headline)
         median = measurements[run.median_index(headline)]
         events = median.events()
         hints = hints_from(summary["metrics"], events, self.session.target.simulated)
-        return Evaluation(summary["metrics"][headline], summary["metrics"], summary["spread"], run.repeats, hints,
-                          call_profile(events), median.trace_path, paired.as_dict() if paired else None)
+        return Evaluation(
+            summary["metrics"][headline],
+            summary["metrics"],
+            summary["spread"],
+            run.repeats,
+            hints,
+            call_profile(events),
+            median.trace_path,
+            paired.as_dict() if paired else None,
+        )

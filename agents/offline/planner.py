@@ -39,7 +39,9 @@ class OfflinePlanner:
 
     def legal(self, name: str, value, skills: list[str] | None = None) -> bool:
         """Within the range every skill (of ``skills``, if given) that declares ``name`` allows."""
-        ranges = [s.params[name] for s in self.skills.values() if name in s.params and (skills is None or s.name in skills)]
+        ranges = [
+            s.params[name] for s in self.skills.values() if name in s.params and (skills is None or s.name in skills)
+        ]
         for param in ranges:
             low, high = self.bounds(param)
             step = (param.step_engines or 0) * self.engine_devices
@@ -54,20 +56,39 @@ class OfflinePlanner:
     def _controller_task(self, skill: Skill, hint: Hint | None, params: dict) -> Task | None:
         if params.get("controller") == skill.name:
             return None
-        changes = {k: v for k, v in starter_params(self.spec, skill.name).items() if k in ("controller", "train_devices", "rollout_devices")}
+        changes = {
+            k: v
+            for k, v in starter_params(self.spec, skill.name).items()
+            if k in ("controller", "train_devices", "rollout_devices")
+        }
         why = f"{hint.message}; " if hint else ""
         return Task(
-            id=f"controller={skill.name}", title=f"switch the controller to {skill.name}",
+            id=f"controller={skill.name}",
+            title=f"switch the controller to {skill.name}",
             rationale=f"{why}the {skill.name} skill is triggered by {skill.triggers}",
-            skills=[skill.name], changes=changes, priority=10 if hint else 1, source=f"trigger:{hint.code}" if hint else "skill",
-            acceptance=["vibetrain check passes", f"{self.spec.headline_metric.name} improves beyond the noise threshold"],
+            skills=[skill.name],
+            changes=changes,
+            priority=10 if hint else 1,
+            source=f"trigger:{hint.code}" if hint else "skill",
+            acceptance=[
+                "vibetrain check passes",
+                f"{self.spec.headline_metric.name} improves beyond the noise threshold",
+            ],
         )
 
     def _param_task(self, skill: Skill, name: str, value, reason: str, source: str, priority: int) -> Task:
         return Task(
-            id=f"{name}={_fmt(value)}", title=f"set {name} to {_fmt(value)}", rationale=reason,
-            skills=[skill.name], changes={name: value}, priority=priority, source=source,
-            acceptance=["vibetrain check passes", f"{self.spec.headline_metric.name} improves beyond the noise threshold"],
+            id=f"{name}={_fmt(value)}",
+            title=f"set {name} to {_fmt(value)}",
+            rationale=reason,
+            skills=[skill.name],
+            changes={name: value},
+            priority=priority,
+            source=source,
+            acceptance=[
+                "vibetrain check passes",
+                f"{self.spec.headline_metric.name} improves beyond the noise threshold",
+            ],
         )
 
     def _moved(self, name: str, current, move):
@@ -95,13 +116,27 @@ class OfflinePlanner:
                         continue
                     value = self._moved(name, current, move)
                     if value != current and self.legal(name, value, [skill.name]) and self.tunable(skill.params[name]):
-                        tasks.append(self._param_task(skill, name, value, f"{hint.message}: move {name} {_fmt(current)} -> {_fmt(value)}",
-                                                      f"trigger:{hint.code}", 8))
+                        tasks.append(
+                            self._param_task(
+                                skill,
+                                name,
+                                value,
+                                f"{hint.message}: move {name} {_fmt(current)} -> {_fmt(value)}",
+                                f"trigger:{hint.code}",
+                                8,
+                            )
+                        )
         return tasks
 
     def initial_tasks(self, params: dict) -> list[Task]:
         """Before any measurement: every controller skill, at low priority (hints will outrank them)."""
-        return [t for s in self.skills.values() if s.kind == "controller" for t in [self._controller_task(s, None, params)] if t]
+        return [
+            t
+            for s in self.skills.values()
+            if s.kind == "controller"
+            for t in [self._controller_task(s, None, params)]
+            if t
+        ]
 
     def perturbation(self, params: dict) -> Task | None:
         """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation,

@@ -23,7 +23,11 @@ class BacklogPolicy:
         params = params_of(parent)
         tried, abandoned = state.tried(), state.abandoned()
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
-            if (parent.commit, task.id) in tried or task.id in abandoned or all(params.get(k) == v for k, v in task.changes.items()):
+            if (
+                (parent.commit, task.id) in tried
+                or task.id in abandoned
+                or all(params.get(k) == v for k, v in task.changes.items())
+            ):
                 continue
             return parent, task
         for _ in range(20):  # dry backlog: explore a parameter

@@ -31,8 +31,11 @@ class EvolvePolicy:
             if parent is None:
                 return None
             params = params_of(parent)
-            skilled = [t for t in self.planner.tasks_from_hints([Hint(**h) for h in parent.hints], params)
-                       if (parent.commit, t.id) not in tried]
+            skilled = [
+                t
+                for t in self.planner.tasks_from_hints([Hint(**h) for h in parent.hints], params)
+                if (parent.commit, t.id) not in tried
+            ]
             if skilled and self.rng.random() < 0.5:
                 return parent, max(skilled, key=lambda t: (t.priority, t.id))
             task = self.planner.perturbation(params)

@@ -39,7 +39,9 @@ class LLMPolicy:
             text = step.strip()[:120]
             step_id = "plan-" + "".join(c if c.isalnum() else "-" for c in text.lower())[:40].strip("-")
             if text and step_id not in known:
-                state.backlog.append(Task(id=step_id, title=text, rationale="the LLM planner's plan", source="llm", priority=-1))
+                state.backlog.append(
+                    Task(id=step_id, title=text, rationale="the LLM planner's plan", source="llm", priority=-1)
+                )
                 known.add(step_id)
         return parent, choice.task.model_copy(update={"source": "llm"})
 

@@ -47,12 +47,27 @@ def build(runtime: Runtime) -> Stack:
         if cluster == "local":
             from .local_cluster import LocalCluster
 
-            return await LocalCluster.start(runtime, config, engine=engine, threads=threads, engine_options=engine_options,
-                                            trainer_options=trainer_options)
+            return await LocalCluster.start(
+                runtime,
+                config,
+                engine=engine,
+                threads=threads,
+                engine_options=engine_options,
+                trainer_options=trainer_options,
+            )
         from .ray_cluster import RayCluster
 
-        return await RayCluster.start(runtime, rollout, train, config, engine=engine, threads=threads,
-                                      engine_options=engine_options, trainer_options=trainer_options, bucket_bytes=bucket_bytes)
+        return await RayCluster.start(
+            runtime,
+            rollout,
+            train,
+            config,
+            engine=engine,
+            threads=threads,
+            engine_options=engine_options,
+            trainer_options=trainer_options,
+            bucket_bytes=bucket_bytes,
+        )
 
     def make_engine():
         from .engine_server import make_engine as make_engine_of_kind

@@ -4,7 +4,7 @@ and group-relative advantages. The policies themselves (one file each) stay a sc
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 from targets.api import Cluster, Device, Runtime, SamplingParams, TrainBatch, Trajectory
 

@@ -12,7 +12,7 @@ has its own async loop and abort; this class only forwards to it.
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -35,8 +35,16 @@ def make_engine(kind: str, model_path: str, dtype: str, name: str, device: str =
 
 
 class EngineServer:
-    def __init__(self, model_path: str, dtype: str, name: str, threads: int = 1, engine: str = "paged", device: str = "cpu",
-                 **options) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        name: str,
+        threads: int = 1,
+        engine: str = "paged",
+        device: str = "cpu",
+        **options,
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.name, self.kind = name, engine

@@ -16,7 +16,9 @@ from .sample_buffer import GroupBuffer
 
 
 class EnvManager:
-    def __init__(self, cluster: Cluster, envs, buffer: GroupBuffer, sampling: SamplingParams, max_sequence: int) -> None:
+    def __init__(
+        self, cluster: Cluster, envs, buffer: GroupBuffer, sampling: SamplingParams, max_sequence: int
+    ) -> None:
         self.cluster, self.envs, self.buffer = cluster, envs, buffer
         self.sampling, self.max_sequence = sampling, max_sequence
         self.groups_in_flight = 0
@@ -47,7 +49,9 @@ class EnvManager:
 
     async def _run_episode(self, episode, remaining: list[int]) -> None:
         prompt = await episode.reset()
-        t = Trajectory(episode.episode_id, episode.group_id, list(prompt), [0] * len(prompt), [0.0] * len(prompt), 0.0, [])
+        t = Trajectory(
+            episode.episode_id, episode.group_id, list(prompt), [0] * len(prompt), [0.0] * len(prompt), 0.0, []
+        )
         turn = 0
         while True:
             if len(t.tokens) + self.sampling.max_new_tokens > self.max_sequence:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,8 +49,15 @@ class _Policy(torch.nn.Module):
         pieces = []
         for start in range(0, tokens.shape[1] - 1, self.chunk):
             end = min(start + self.chunk, tokens.shape[1] - 1)
-            pieces.append(checkpoint(self._chunk_logprobs, head, hidden[:, start:end], tokens[:, start + 1: end + 1],
-                                     use_reentrant=False))
+            pieces.append(
+                checkpoint(
+                    self._chunk_logprobs,
+                    head,
+                    hidden[:, start:end],
+                    tokens[:, start + 1 : end + 1],
+                    use_reentrant=False,
+                )
+            )
         return F.pad(torch.cat(pieces, dim=1), (1, 0))
 
 
@@ -67,10 +74,12 @@ def check_fits(model_path: str, ranks: int, device_memory_bytes: int) -> None:
     per_device = parameters * TRAINER_BYTES_PER_PARAMETER / ranks
     if per_device > USABLE_MEMORY * device_memory_bytes:
         raise ValueError(
-            f"the trainer does not fit: {parameters / 1e9:.3g}B parameters x {TRAINER_BYTES_PER_PARAMETER} bytes (float32 "
+            f"the trainer does not fit: {parameters / 1e9:.3g}B parameters x {TRAINER_BYTES_PER_PARAMETER} bytes "
+            "(float32 "
             f"weights, gradients, AdamW moments) / {ranks} FSDP rank(s) = {per_device / 1e9:.3g} GB per device, over "
             f"{USABLE_MEMORY:.0%} of its {device_memory_bytes / 1e9:.3g} GB; train on at least "
-            f"{math.ceil(parameters * TRAINER_BYTES_PER_PARAMETER / (USABLE_MEMORY * device_memory_bytes))} devices")
+            f"{math.ceil(parameters * TRAINER_BYTES_PER_PARAMETER / (USABLE_MEMORY * device_memory_bytes))} devices"
+        )
 
 
 class FSDPTrainer:
@@ -104,12 +113,17 @@ class FSDPTrainer:
             torch.cuda.set_device(device)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
-            init_method = init_method or f"file://{os.path.join(os.environ.get('TMPDIR', '/tmp'), f'vt-fsdp-{os.getpid()}')}"
-            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-                                    world_size=world_size)
+            init_method = (
+                init_method or f"file://{os.path.join(os.environ.get('TMPDIR', '/tmp'), f'vt-fsdp-{os.getpid()}')}"
+            )
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size
+            )
         elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
-            raise RuntimeError(f"this process is already rank {dist.get_rank()} of a group of {dist.get_world_size()}, "
-                               f"not rank {rank} of {world_size}: close the other trainer first")
+            raise RuntimeError(
+                f"this process is already rank {dist.get_rank()} of a group of {dist.get_world_size()}, "
+                f"not rank {rank} of {world_size}: close the other trainer first"
+            )
         mesh = init_device_mesh("cuda" if cuda else "cpu", (world_size,))
         lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # float32 master weights, always
         if state is not None:
@@ -129,8 +143,9 @@ class FSDPTrainer:
             fully_shard(layer, mesh=mesh, mp_policy=precision)
         fully_shard(policy, mesh=mesh, mp_policy=precision)
         self.module = policy.train()
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        )
         self.version = 0
         self.offloaded = False
 
@@ -153,14 +168,20 @@ class FSDPTrainer:
         pairs = list(zip(batch.trajectories, batch.advantages))
         # Every rank runs as many micro-batches as the busiest one (each forward and the last
         # backward are collectives): a rank with fewer runs zero-weight ones. Gradients reduce once.
-        counts = [len(self._micro_batches(pairs[r:: self.world_size])) if pairs[r:: self.world_size] else 0
-                  for r in range(self.world_size)]
-        chunks = self._micro_batches(pairs[self.rank:: self.world_size]) if counts[self.rank] else []
+        counts = [
+            len(self._micro_batches(pairs[r :: self.world_size])) if pairs[r :: self.world_size] else 0
+            for r in range(self.world_size)
+        ]
+        chunks = self._micro_batches(pairs[self.rank :: self.world_size]) if counts[self.rank] else []
         self.optimizer.zero_grad(set_to_none=True)
         for i in range(max(counts)):
             self.module.set_requires_gradient_sync(i == max(counts) - 1)
             if i < len(chunks):  # FSDP2 averages gradients over ranks: scaled by the world size, they sum
-                loss = self._loss_sum([t for t, _ in chunks[i]], [a for _, a in chunks[i]]) * self.world_size / total_tokens
+                loss = (
+                    self._loss_sum([t for t, _ in chunks[i]], [a for _, a in chunks[i]])
+                    * self.world_size
+                    / total_tokens
+                )
             else:
                 loss = self._loss_sum(batch.trajectories[:1], [0.0]) * 0.0
             loss.backward()
@@ -198,16 +219,19 @@ class FSDPTrainer:
         """The full float32 weights (transformers names) on CPU; every rank must call it (it gathers)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                           broadcast_from_rank0=False))
+        full = get_model_state_dict(
+            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+        )
         return {k.removeprefix("lm."): v for k, v in full.items()}
 
     @torch.no_grad()
     def device_state(self) -> dict[str, torch.Tensor]:
         """The full weights on the training device (no host round trip), for a sync by copy, CUDA IPC
         or broadcast; every rank must call it (it gathers the shards)."""
-        return {name.removeprefix("lm."): tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                for name, tensor in self.module.state_dict().items()}
+        return {
+            name.removeprefix("lm."): tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            for name, tensor in self.module.state_dict().items()
+        }
 
     @torch.no_grad()
     def offload(self, parts: tuple[str, ...] = ("optimizer", "params")) -> None:

@@ -57,7 +57,9 @@ class BlockManager:
         usable = 0
         while usable < len(cached.blocks):
             start, end = usable * self.block_size, (usable + 1) * self.block_size
-            if end > len(prompt) - 1 or prompt[start:end] != cached.tokens[start:end]:  # the last prompt token is always recomputed
+            if (
+                end > len(prompt) - 1 or prompt[start:end] != cached.tokens[start:end]
+            ):  # the last prompt token is always recomputed
                 break
             usable += 1
         self.release(cached.blocks[usable:])
@@ -83,8 +85,16 @@ class KVPool:
     """Keys and values of every layer: ``[num_blocks, block_size, kv_heads, head_dim]`` each (the
     NHD page layout FlashInfer reads; the CPU path gathers from the same tensors)."""
 
-    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str) -> None:
+    def __init__(
+        self,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]

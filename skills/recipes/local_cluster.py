@@ -10,7 +10,7 @@ and ``residency`` says so to the harness.
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 from targets.api import Aborted, Completion, Device, GenerateRequest, Runtime, StateDict, TrainBatch, TrainingConfig
 
@@ -29,16 +29,31 @@ class LocalCluster:
         self._routable.set()
 
     @classmethod
-    async def start(cls, runtime: Runtime, config: TrainingConfig, engine: str = "paged", threads: int = 0,
-                    engine_options: dict | None = None, trainer_options: dict | None = None) -> "LocalCluster":
+    async def start(
+        cls,
+        runtime: Runtime,
+        config: TrainingConfig,
+        engine: str = "paged",
+        threads: int = 0,
+        engine_options: dict | None = None,
+        trainer_options: dict | None = None,
+    ) -> LocalCluster:
         if len(runtime.devices) != 1:
             raise ValueError(f"a local cluster runs on one device, not {len(runtime.devices)}: use the Ray cluster")
         torch_device = "cuda:0" if runtime.accelerator == "cuda" else "cpu"
         device = runtime.devices[0]
-        server = EngineServer(runtime.model_path, runtime.dtype, device.id, threads=threads, engine=engine, device=torch_device,
-                              **(engine_options or {}))
-        trainer = await asyncio.to_thread(FSDPTrainer, runtime.model_path, config, runtime.dtype, torch_device,
-                                          **(trainer_options or {}))
+        server = EngineServer(
+            runtime.model_path,
+            runtime.dtype,
+            device.id,
+            threads=threads,
+            engine=engine,
+            device=torch_device,
+            **(engine_options or {}),
+        )
+        trainer = await asyncio.to_thread(
+            FSDPTrainer, runtime.model_path, config, runtime.dtype, torch_device, **(trainer_options or {})
+        )
         await asyncio.to_thread(trainer.offload)
         return cls(runtime, server, trainer, device)
 
@@ -93,8 +108,10 @@ class LocalCluster:
     # -- training and weights ---------------------------------------------------------------------------------
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         if self._engine_awake:
-            raise ValueError(f"the engine on {self.device.id} is awake: suspend it before training there "
-                             "(engine and trainer never hold the device at once)")
+            raise ValueError(
+                f"the engine on {self.device.id} is awake: suspend it before training there "
+                "(engine and trainer never hold the device at once)"
+            )
         self.version = await asyncio.to_thread(self.trainer.train_step, batch)
         return self.version
 

@@ -76,8 +76,13 @@ class SDPAAttention:
         keys = self.pool.k[layer].view(-1, self.kv_heads, self.head_dim)[self.context]  # [B, L, Hkv, D]
         values = self.pool.v[layer].view(-1, self.kv_heads, self.head_dim)[self.context]
         queries = q[self.query.clamp(min=0)]  # [B, W, H, D]; padded rows are discarded below
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=self.mask, enable_gqa=self.heads != self.kv_heads)
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=self.mask,
+            enable_gqa=self.heads != self.kv_heads,
+        )
         return out.transpose(1, 2)[self.rows]  # [T, H, D], in the order of q
 
 
@@ -87,8 +92,17 @@ class FlashInferAttention:
 
     WORKSPACE_BYTES = 128 << 20
 
-    def __init__(self, pool: KVPool, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-                 max_blocks: int, graph_batch: int = 0) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+        max_blocks: int,
+        graph_batch: int = 0,
+    ) -> None:
         import flashinfer  # imported where it runs: a GPU engine
 
         self.flashinfer = flashinfer
@@ -97,22 +111,33 @@ class FlashInferAttention:
         self.tensor_cores = heads // kv_heads >= 4
         self.workspace = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+        )
         self.graph_wrappers: dict[int, object] = {}
-        self.graph_workspace = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device) if graph_batch else None
+        self.graph_workspace = (
+            torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device) if graph_batch else None
+        )
         self.wrapper = self.prefill
 
     @staticmethod
     def _csr(layout: StepLayout, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pages = [(total + layout.block_size - 1) // layout.block_size for total in layout.context]
         indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        indices = torch.tensor([b for table, n in zip(layout.block_tables, pages) for b in table[:n]], dtype=torch.int32, device=device)
-        last = torch.tensor([total - (n - 1) * layout.block_size for total, n in zip(layout.context, pages)],
-                            dtype=torch.int32, device=device)
+        indices = torch.tensor(
+            [b for table, n in zip(layout.block_tables, pages) for b in table[:n]], dtype=torch.int32, device=device
+        )
+        last = torch.tensor(
+            [total - (n - 1) * layout.block_size for total, n in zip(layout.context, pages)],
+            dtype=torch.int32,
+            device=device,
+        )
         return indptr, indices, last
 
     def _common(self, layout: StepLayout) -> dict:
-        return dict(num_qo_heads=self.heads, num_kv_heads=self.kv_heads, page_size=layout.block_size, q_data_type=self.dtype)
+        return dict(
+            num_qo_heads=self.heads, num_kv_heads=self.kv_heads, page_size=layout.block_size, q_data_type=self.dtype
+        )
 
     def plan(self, layout: StepLayout, device: str) -> None:
         self.slots = torch.tensor(layout.slots(), dtype=torch.long, device=device)
@@ -130,12 +155,20 @@ class FlashInferAttention:
         buffers; the step's keys and values go to the slots in ``slots`` (a fixed buffer too)."""
         size = len(layout.new)
         if size not in self.graph_wrappers:
-            buffers = (torch.zeros(size + 1, dtype=torch.int32, device=self.device),
-                       torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device),
-                       torch.zeros(size, dtype=torch.int32, device=self.device))
+            buffers = (
+                torch.zeros(size + 1, dtype=torch.int32, device=self.device),
+                torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device),
+                torch.zeros(size, dtype=torch.int32, device=self.device),
+            )
             self.graph_wrappers[size] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
-                paged_kv_indptr_buffer=buffers[0], paged_kv_indices_buffer=buffers[1], paged_kv_last_page_len_buffer=buffers[2])
+                self.graph_workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.tensor_cores,
+                paged_kv_indptr_buffer=buffers[0],
+                paged_kv_indices_buffer=buffers[1],
+                paged_kv_last_page_len_buffer=buffers[2],
+            )
         indptr, indices, last = self._csr(layout, self.device)
         self.wrapper = self.graph_wrappers[size]
         self.wrapper.plan(indptr, indices, last, head_dim=self.head_dim, **self._common(layout))

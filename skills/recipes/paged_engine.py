@@ -18,8 +18,8 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -48,15 +48,25 @@ class Request:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        return self.tokens[len(self.prompt) :]
 
 
 class PagedEngine:
     """Follows ``targets.api.RolloutEngine``."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", name: str = "engine",
-                 kv_tokens: int | None = None, kv_memory_fraction: float = 0.4, block_size: int = 16, max_batch: int = 256,
-                 cuda_graphs: bool = True, attention: str = "auto") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        name: str = "engine",
+        kv_tokens: int | None = None,
+        kv_memory_fraction: float = 0.4,
+        block_size: int = 16,
+        max_batch: int = 256,
+        cuda_graphs: bool = True,
+        attention: str = "auto",
+    ) -> None:
         self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
         self.config, self.weights = load_checkpoint(model_path, device, self.dtype)
         self.model = Qwen3(self.config, self.weights)
@@ -64,10 +74,16 @@ class PagedEngine:
         kv_heads, head_dim = self.model.kv_heads, self.model.head_dim
         per_token = KVPool.bytes_per_token(self.model.layers, kv_heads, head_dim, self.dtype)
         if kv_tokens is None:
-            kv_tokens = int(torch.cuda.mem_get_info(device)[1] * kv_memory_fraction // per_token) if device.startswith("cuda") else 1 << 15
+            kv_tokens = (
+                int(torch.cuda.mem_get_info(device)[1] * kv_memory_fraction // per_token)
+                if device.startswith("cuda")
+                else 1 << 15
+            )
         self.num_blocks = max(2, kv_tokens // block_size) + 1  # the last block is a dummy for padded graph rows
         self.capacity_tokens = (self.num_blocks - 1) * block_size
-        use_flashinfer = attention == "flashinfer" or (attention == "auto" and device.startswith("cuda") and self.dtype != torch.float32)
+        use_flashinfer = attention == "flashinfer" or (
+            attention == "auto" and device.startswith("cuda") and self.dtype != torch.float32
+        )
         self._attention_kind = "flashinfer" if use_flashinfer else "sdpa"
         self._graph_batch = max_batch if (use_flashinfer and cuda_graphs and not self.model.moe) else 0
         self.weight_version = 0
@@ -85,12 +101,27 @@ class PagedEngine:
     # -- memory ---------------------------------------------------------------------------------------
     def _allocate_cache(self) -> None:
         self.blocks = BlockManager(self.num_blocks - 1, self.block_size)
-        self.pool = KVPool(self.model.layers, self.num_blocks, self.block_size, self.model.kv_heads, self.model.head_dim,
-                           self.dtype, self.device)
+        self.pool = KVPool(
+            self.model.layers,
+            self.num_blocks,
+            self.block_size,
+            self.model.kv_heads,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+        )
         heads, kv_heads, head_dim = self.model.heads, self.model.kv_heads, self.model.head_dim
         if self._attention_kind == "flashinfer":
-            self.attention = FlashInferAttention(self.pool, heads, kv_heads, head_dim, self.dtype, self.device, self.num_blocks,
-                                                 graph_batch=self._graph_batch)
+            self.attention = FlashInferAttention(
+                self.pool,
+                heads,
+                kv_heads,
+                head_dim,
+                self.dtype,
+                self.device,
+                self.num_blocks,
+                graph_batch=self._graph_batch,
+            )
         else:
             self.attention = SDPAAttention(self.pool, heads, kv_heads, head_dim)
         self.graphs: dict[int, tuple] = {}
@@ -164,8 +195,10 @@ class PagedEngine:
     # -- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: TokenIds, params: SamplingParams, episode: str | None = None) -> Request:
         if len(prompt) + params.max_new_tokens > self.capacity_tokens:
-            raise ValueError(f"{self.name}: a request of {len(prompt)} + {params.max_new_tokens} tokens exceeds the KV "
-                             f"cache's {self.capacity_tokens} tokens")
+            raise ValueError(
+                f"{self.name}: a request of {len(prompt)} + {params.max_new_tokens} tokens exceeds the KV "
+                f"cache's {self.capacity_tokens} tokens"
+            )
         if not prompt:
             raise ValueError(f"{self.name}: an empty prompt")
         request = Request(next(self._ids), list(prompt), params, episode, tokens=list(prompt))
@@ -223,7 +256,9 @@ class PagedEngine:
     def _admit(self) -> None:
         while self.admitting and self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
-            reused, cached = self.blocks.take_prefix(request.episode, request.tokens) if not request.computed else ([], 0)
+            reused, cached = (
+                self.blocks.take_prefix(request.episode, request.tokens) if not request.computed else ([], 0)
+            )
             fresh = self.blocks.allocate(self.blocks.blocks_for(len(request.tokens)) - len(reused))
             if fresh is None:
                 self.blocks.release(reused)
@@ -256,9 +291,13 @@ class PagedEngine:
         if not self.running:
             return finished
         batch = list(self.running)
-        layout = StepLayout([r.blocks for r in batch], [len(r.tokens) for r in batch],
-                            [len(r.tokens) - r.computed for r in batch], self.block_size)
-        tokens = [t for r in batch for t in r.tokens[r.computed:]]
+        layout = StepLayout(
+            [r.blocks for r in batch],
+            [len(r.tokens) for r in batch],
+            [len(r.tokens) - r.computed for r in batch],
+            self.block_size,
+        )
+        tokens = [t for r in batch for t in r.tokens[r.computed :]]
         logits = self._forward(layout, tokens)
         for request in batch:
             request.computed = len(request.tokens)
@@ -279,7 +318,9 @@ class PagedEngine:
             return self._replay(layout, tokens)
         self.attention.plan(layout, self.device)
         positions = torch.tensor(layout.positions(), dtype=torch.long, device=self.device)
-        hidden = self.model.hidden(torch.tensor(tokens, dtype=torch.long, device=self.device), positions, self.attention)
+        hidden = self.model.hidden(
+            torch.tensor(tokens, dtype=torch.long, device=self.device), positions, self.attention
+        )
         last = torch.tensor(layout.new, device=self.device).cumsum(0) - 1
         return self.model.logits(hidden[last])
 
@@ -306,15 +347,21 @@ class PagedEngine:
         """Padding rows read one token of the reserved dummy block (never handed to a request)."""
         pad = size - len(layout.new)
         dummy = self.num_blocks - 1
-        return StepLayout(layout.block_tables + [[dummy]] * pad, layout.context + [1] * pad, layout.new + [1] * pad, self.block_size)
+        return StepLayout(
+            layout.block_tables + [[dummy]] * pad, layout.context + [1] * pad, layout.new + [1] * pad, self.block_size
+        )
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in sorted(self._buckets(), reverse=True):
-            static = {"tokens": torch.zeros(size, dtype=torch.long, device=self.device),
-                      "positions": torch.zeros(size, dtype=torch.long, device=self.device),
-                      "slots": torch.full((size,), (self.num_blocks - 1) * self.block_size, dtype=torch.long, device=self.device)}
+            static = {
+                "tokens": torch.zeros(size, dtype=torch.long, device=self.device),
+                "positions": torch.zeros(size, dtype=torch.long, device=self.device),
+                "slots": torch.full(
+                    (size,), (self.num_blocks - 1) * self.block_size, dtype=torch.long, device=self.device
+                ),
+            }
             self.attention.plan_graph(self._padded(StepLayout([], [], [], self.block_size), size), static["slots"])
             for _ in range(2):  # warm up: kernels compiled and workspace sized outside the capture
                 self.model.logits(self.model.hidden(static["tokens"], static["positions"], self.attention))

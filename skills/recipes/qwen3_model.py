@@ -29,7 +29,9 @@ class Attention(Protocol):
 def checkpoint_files(model_path: str) -> list[Path]:
     root = Path(model_path)
     index = root / "model.safetensors.index.json"
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    names = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     return [root / name for name in names]
 
 
@@ -67,10 +69,13 @@ def _fuse_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     per_expert = [k for k in weights if ".mlp.experts." in k and k.endswith("_proj.weight")]
     layers = sorted({k.split(".mlp.experts.")[0] for k in per_expert})
     for prefix in layers:
-        count = 1 + max(int(k.split(".mlp.experts.")[1].split(".")[0]) for k in per_expert if k.startswith(prefix + "."))
+        count = 1 + max(
+            int(k.split(".mlp.experts.")[1].split(".")[0]) for k in per_expert if k.startswith(prefix + ".")
+        )
         e = [f"{prefix}.mlp.experts.{i}." for i in range(count)]
         weights[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([weights.pop(x + "gate_proj.weight"), weights.pop(x + "up_proj.weight")]) for x in e])
+            [torch.cat([weights.pop(x + "gate_proj.weight"), weights.pop(x + "up_proj.weight")]) for x in e]
+        )
         weights[f"{prefix}.mlp.experts.down_proj"] = torch.stack([weights.pop(x + "down_proj.weight") for x in e])
     return weights
 
@@ -107,7 +112,7 @@ class Qwen3:
         theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0)
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
         device = weights["model.embed_tokens.weight"].device
-        self.inv_freq = (1.0 / (theta ** exponent)).to(device)  # on the device: a captured graph copies nothing
+        self.inv_freq = (1.0 / (theta**exponent)).to(device)  # on the device: a captured graph copies nothing
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -117,8 +122,10 @@ class Qwen3:
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         w, p = self.weights, f"model.layers.{i}.mlp."
         if i not in self.moe_layers:
-            return F.linear(F.silu(F.linear(h, w[p + "gate_proj.weight"])) * F.linear(h, w[p + "up_proj.weight"]),
-                            w[p + "down_proj.weight"])
+            return F.linear(
+                F.silu(F.linear(h, w[p + "gate_proj.weight"])) * F.linear(h, w[p + "up_proj.weight"]),
+                w[p + "down_proj.weight"],
+            )
         router = torch.softmax(F.linear(h, w[p + "gate.weight"]), dim=-1, dtype=torch.float32)
         top_weights, top_experts = torch.topk(router, self.top_k, dim=-1)
         if self.norm_topk:

@@ -24,7 +24,7 @@ import asyncio
 import os
 import socket
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 import ray
 
@@ -62,8 +62,13 @@ def actor_options(runtime: Runtime, device: Device, shared: bool, placement) -> 
     if runtime.accelerator == "cuda":
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {"num_cpus": 0, "num_gpus": share,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=device.index)}
+        return {
+            "num_cpus": 0,
+            "num_gpus": share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement, placement_group_bundle_index=device.index
+            ),
+        }
     return {"num_cpus": 0, "resources": {f"{runtime.device_resource}{device.index}": share}}
 
 
@@ -118,8 +123,15 @@ class TrainerActor(FSDPTrainer):
 
 
 class RayCluster:
-    def __init__(self, runtime: Runtime, rollout: Sequence[Device], train: Sequence[Device], engines: dict, trainers: list,
-                 bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        rollout: Sequence[Device],
+        train: Sequence[Device],
+        engines: dict,
+        trainers: list,
+        bucket_bytes: int,
+    ) -> None:
         self.runtime, self.devices = runtime, list(runtime.devices)
         self.rollout_devices, self.train_devices = list(rollout), list(train)
         self.cuda = runtime.accelerator == "cuda"
@@ -141,14 +153,28 @@ class RayCluster:
         self._published: tuple[int, list] | None = None
 
     @classmethod
-    async def start(cls, runtime: Runtime, rollout: Sequence[Device], train: Sequence[Device], config: TrainingConfig,
-                    engine: str = "paged", threads: int = 1, engine_options: dict | None = None,
-                    trainer_options: dict | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "RayCluster":
+    async def start(
+        cls,
+        runtime: Runtime,
+        rollout: Sequence[Device],
+        train: Sequence[Device],
+        config: TrainingConfig,
+        engine: str = "paged",
+        threads: int = 1,
+        engine_options: dict | None = None,
+        trainer_options: dict | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> RayCluster:
         cuda = runtime.accelerator == "cuda"
         if not ray.is_initialized():
             resources = {} if cuda else {f"{runtime.device_resource}{d.index}": 1.0 for d in runtime.devices}
-            ray.init(num_cpus=os.cpu_count(), resources=resources, include_dashboard=False, configure_logging=False,
-                     _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"))
+            ray.init(
+                num_cpus=os.cpu_count(),
+                resources=resources,
+                include_dashboard=False,
+                configure_logging=False,
+                _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"),
+            )
         shared = {d.id for d in rollout} & {d.id for d in train}
         placement = await placement_group_of(runtime)
 
@@ -157,15 +183,31 @@ class RayCluster:
 
         torch_device = "cuda:0" if cuda else "cpu"  # Ray shows each actor only its own GPU
         Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
-        engines = {d.id: Engine.options(**on(d)).remote(runtime.model_path, runtime.dtype, d.id, threads, engine, torch_device,
-                                                       **(engine_options or {}))
-                   for d in rollout}
+        engines = {
+            d.id: Engine.options(**on(d)).remote(
+                runtime.model_path, runtime.dtype, d.id, threads, engine, torch_device, **(engine_options or {})
+            )
+            for d in rollout
+        }
         init = f"tcp://127.0.0.1:{_free_port()}"
-        trainers = [Trainer.options(**on(d)).remote(runtime.model_path, config, runtime.dtype, torch_device, rank=rank,
-                                                    world_size=len(train), init_method=init, threads=threads, **(trainer_options or {}))
-                    for rank, d in enumerate(train)]
-        await asyncio.gather(*(e.weight_version.remote() for e in engines.values()), *(t.offload.remote() for t, d in zip(trainers, train)
-                                                                                     if d.id in shared))
+        trainers = [
+            Trainer.options(**on(d)).remote(
+                runtime.model_path,
+                config,
+                runtime.dtype,
+                torch_device,
+                rank=rank,
+                world_size=len(train),
+                init_method=init,
+                threads=threads,
+                **(trainer_options or {}),
+            )
+            for rank, d in enumerate(train)
+        ]
+        await asyncio.gather(
+            *(e.weight_version.remote() for e in engines.values()),
+            *(t.offload.remote() for t, d in zip(trainers, train) if d.id in shared),
+        )
         return cls(runtime, rollout, train, engines, trainers, bucket_bytes)
 
     # -- clock -------------------------------------------------------------------------------------
@@ -242,11 +284,15 @@ class RayCluster:
     # -- training and weights ----------------------------------------------------------------------
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         if {d.id for d in devices} != {d.id for d in self.train_devices}:
-            raise ValueError(f"this cluster trains on {[d.id for d in self.train_devices]}, not {[d.id for d in devices]}")
+            raise ValueError(
+                f"this cluster trains on {[d.id for d in self.train_devices]}, not {[d.id for d in devices]}"
+            )
         awake = sorted(d.id for d in self.train_devices if d.id in self._awake)
         if awake:
-            raise ValueError(f"the engines on {awake} are awake: shrink or suspend them before training there "
-                             "(an engine and a trainer never hold a device at once)")
+            raise ValueError(
+                f"the engines on {awake} are awake: shrink or suspend them before training there "
+                "(an engine and a trainer never hold a device at once)"
+            )
         await self._to_trainers({d.id for d in self.train_devices})
         versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))
         if len(set(versions)) != 1:
@@ -264,9 +310,13 @@ class RayCluster:
     async def _load(self, device_ids: list[str], version: int) -> None:
         if not self.cuda:
             if self._published is None or self._published[0] != version:
-                state = (await asyncio.gather(*(t.state_dict.remote() for t in self._trainers)))[0]  # every rank gathers
+                state = (await asyncio.gather(*(t.state_dict.remote() for t in self._trainers)))[
+                    0
+                ]  # every rank gathers
                 self._published = (version, publish(state, self.bucket_bytes))
-            await asyncio.gather(*(self._engines[i].load_weights.remote(self._published[1], version) for i in device_ids))
+            await asyncio.gather(
+                *(self._engines[i].load_weights.remote(self._published[1], version) for i in device_ids)
+            )
             for i in device_ids:
                 self._engine_version[i] = version
         else:
@@ -277,7 +327,9 @@ class RayCluster:
                 await self._load_broadcast(version)
 
     async def _load_ipc(self, device_id: str, version: int) -> None:
-        handles = (await asyncio.gather(*(t.export_ipc.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers)))[0]
+        handles = (
+            await asyncio.gather(*(t.export_ipc.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers))
+        )[0]
         await self._engines[device_id].load_ipc.remote(handles, version)
         await self._trainers[0].release_ipc.remote()
         self._engine_version[device_id] = version
@@ -288,14 +340,20 @@ class RayCluster:
         receivers = sorted(i for i in self._engines if i != self.train_devices[0].id)
         if not self._broadcast_ready:
             port = _free_port()
-            await asyncio.gather(self._trainers[0].join_broadcast.remote("127.0.0.1", port, len(receivers) + 1),
-                                 *(self._engines[i].join_broadcast.remote("127.0.0.1", port, r + 1, len(receivers) + 1)
-                                   for r, i in enumerate(receivers)))
+            await asyncio.gather(
+                self._trainers[0].join_broadcast.remote("127.0.0.1", port, len(receivers) + 1),
+                *(
+                    self._engines[i].join_broadcast.remote("127.0.0.1", port, r + 1, len(receivers) + 1)
+                    for r, i in enumerate(receivers)
+                ),
+            )
             self._broadcast_ready = True
         layouts = await self._trainers[0].broadcast_layouts.remote(self.runtime.dtype, self.bucket_bytes)
-        results = await asyncio.gather(*(t.broadcast_weights.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers),
-                                       *(self._engines[i].receive_broadcast.remote(layouts, version) for i in receivers))
-        for i, loaded in zip(receivers, results[len(self._trainers):]):
+        results = await asyncio.gather(
+            *(t.broadcast_weights.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers),
+            *(self._engines[i].receive_broadcast.remote(layouts, version) for i in receivers),
+        )
+        for i, loaded in zip(receivers, results[len(self._trainers) :]):
             if loaded:
                 self._engine_version[i] = version
 
@@ -304,8 +362,10 @@ class RayCluster:
         return states[0]
 
     async def residency(self) -> dict[str, list[str]]:
-        return {d.id: [*(["engine"] if d.id in self._awake else []), *(["trainer"] if d.id in self._trainer_loaded else [])]
-                for d in self.devices}
+        return {
+            d.id: [*(["engine"] if d.id in self._awake else []), *(["trainer"] if d.id in self._trainer_loaded else [])]
+            for d in self.devices
+        }
 
     # -- suspend / resume / close ------------------------------------------------------------------
     async def suspend(self) -> None:

@@ -11,7 +11,7 @@ handed back with ``end_of_run``.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from targets.api import Trajectory
 
@@ -41,7 +41,9 @@ class GroupBuffer:
 
     def drop_stale(self, policy_version: int) -> int:
         """Drop ready groups too old for a step from ``policy_version``; returns how many."""
-        stale = [g for g, ts in self._ready.items() if policy_version - min(t.oldest_version for t in ts) > self.async_ratio]
+        stale = [
+            g for g, ts in self._ready.items() if policy_version - min(t.oldest_version for t in ts) > self.async_ratio
+        ]
         for group_id in stale:
             for t in self._ready.pop(group_id):
                 self.envs.drop(t.episode_id, "stale")
@@ -55,7 +57,9 @@ class GroupBuffer:
                     self.envs.drop(t.episode_id, reason)
             groups.clear()
 
-    async def next_batch(self, groups: int, policy_version: int, refill: Callable[[], None], check: Callable[[], None]) -> list[Trajectory]:
+    async def next_batch(
+        self, groups: int, policy_version: int, refill: Callable[[], None], check: Callable[[], None]
+    ) -> list[Trajectory]:
         """Wait for ``groups`` fresh groups and take them, oldest first.
 
         ``refill`` is called whenever groups finish or are dropped (to keep episodes in flight);

@@ -20,8 +20,8 @@ import itertools
 import shutil
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
@@ -31,8 +31,15 @@ VLLM_VERSION = "0.32.0"
 class VLLMEngine:
     """Follows ``targets.api.RolloutEngine``."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", name: str = "engine", max_model_len: int = 4096,
-                 gpu_memory_utilization: float = 0.4, **engine_kwargs) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        name: str = "engine",
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.4,
+        **engine_kwargs,
+    ) -> None:
         import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -42,9 +49,16 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-vllm", daemon=True)
         self._thread.start()
         cuda = torch.cuda.is_available()
-        args = AsyncEngineArgs(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=0, skip_tokenizer_init=True,
-                               enable_sleep_mode=cuda, **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
-                               **engine_kwargs)
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=0,
+            skip_tokenizer_init=True,
+            enable_sleep_mode=cuda,
+            **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+            **engine_kwargs,
+        )
 
         async def create():
             return AsyncLLM.from_engine_args(args)
@@ -66,8 +80,15 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        sampling = VLLMSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed,
-                                      stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False, ignore_eos=True)
+        sampling = VLLMSamplingParams(
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            logprobs=0,
+            detokenize=False,
+            ignore_eos=True,
+        )
         request_id = f"{self.name}-{next(self._ids)}"
         self._in_flight.add(request_id)
         final = None
@@ -79,7 +100,9 @@ class VLLMEngine:
         sample = final.outputs[0] if final is not None else None
         if sample is None or sample.finish_reason == "abort":
             tokens = list(sample.token_ids) if sample is not None else []
-            logprobs = [float(step[t].logprob) for step, t in zip(sample.logprobs, tokens)] if sample is not None else []
+            logprobs = (
+                [float(step[t].logprob) for step, t in zip(sample.logprobs, tokens)] if sample is not None else []
+            )
             return Completion(tokens, logprobs, "abort", self.weight_version, self.name)
         tokens = list(sample.token_ids)
         logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
@@ -111,7 +134,10 @@ class VLLMEngine:
     def _write(self, state: StateDict) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, self._weights_dir / "model.safetensors")
+        save_file(
+            {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()},
+            self._weights_dir / "model.safetensors",
+        )
 
     async def _load(self, state: StateDict, version: int) -> None:
         await asyncio.to_thread(self._write, state)

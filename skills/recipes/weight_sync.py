@@ -59,7 +59,9 @@ class Layout:
         return self.offsets[-1]
 
 
-def pack(bucket: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Layout]:
+def pack(
+    bucket: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, Layout]:
     """One contiguous byte buffer on ``device`` holding the bucket (cast to ``dtype`` if given),
     each tensor 16-byte aligned, and its layout."""
     names, shapes, dtypes, offsets = [], [], [], [0]
@@ -74,7 +76,9 @@ def pack(bucket: dict[str, torch.Tensor], device: str | torch.device, dtype: tor
         tensors.append(tensor)
     flat = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
     for tensor, start in zip(tensors, offsets):
-        flat[start: start + tensor.numel() * tensor.element_size()].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+        flat[start : start + tensor.numel() * tensor.element_size()].copy_(
+            tensor.contiguous().view(-1).view(torch.uint8)
+        )
     return flat, Layout(tuple(names), tuple(shapes), tuple(dtypes), tuple(offsets))
 
 
@@ -86,7 +90,7 @@ def unpack(flat: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
         count = 1
         for dim in shape:
             count *= dim
-        out[name] = flat[start: start + count * torch.empty(0, dtype=kind).element_size()].view(kind).view(shape)
+        out[name] = flat[start : start + count * torch.empty(0, dtype=kind).element_size()].view(kind).view(shape)
     return out
 
 
@@ -105,7 +109,9 @@ def publish(state: StateDict, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list:
 class IPCExport:
     """The trainer's side: flat device buffers, kept alive until ``release``, and their handles."""
 
-    def __init__(self, state: StateDict, device: str, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self, state: StateDict, device: str, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
         self.buffers, self.handles = [], []
@@ -161,8 +167,10 @@ class BroadcastGroup:
 
     @staticmethod
     def layouts(state: StateDict, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Layout]:
-        return [pack({k: torch.empty(v.shape, dtype=dtype, device="meta") for k, v in bucket.items()}, "meta")[1]
-                for bucket in to_buckets(state, bucket_bytes)]
+        return [
+            pack({k: torch.empty(v.shape, dtype=dtype, device="meta") for k, v in bucket.items()}, "meta")[1]
+            for bucket in to_buckets(state, bucket_bytes)
+        ]
 
     def receive(self, layouts: list[Layout]) -> list[dict[str, torch.Tensor]]:
         buckets = []

@@ -38,18 +38,39 @@ class Pattern:
 
 _ENV = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
 
-PATTERNS: dict[str, Pattern] = {p.name: p for p in [
-    Pattern("VAL_INT_RANGE", ("value", "min", "max"), "an int within [min, max]", """\
+PATTERNS: dict[str, Pattern] = {
+    p.name: p
+    for p in [
+        Pattern(
+            "VAL_INT_RANGE",
+            ("value", "min", "max"),
+            "an int within [min, max]",
+            """\
 if not isinstance({{ value }}, int) or not ({{ min }} <= {{ value }} <= {{ max }}):
-    raise ValueError("{{ value_text }} must be an int in [{{ min_text }}, {{ max_text }}] = [%r, %r], got %r" % ({{ min }}, {{ max }}, {{ value }}))"""),
-    Pattern("VAL_NON_EMPTY", ("value",), "a non-empty collection or string", """\
+    raise ValueError("{{ value_text }} must be an int in [{{ min_text }}, {{ max_text }}] = [%r, %r], got %r" % ({{ min }}, {{ max }}, {{ value }}))""",
+        ),
+        Pattern(
+            "VAL_NON_EMPTY",
+            ("value",),
+            "a non-empty collection or string",
+            """\
 if not {{ value }}:
-    raise ValueError("{{ value_text }} must not be empty, got %r" % ({{ value }},))"""),
-    Pattern("VAL_SUBSET", ("value", "of"), "every element of value is in `of`", """\
+    raise ValueError("{{ value_text }} must not be empty, got %r" % ({{ value }},))""",
+        ),
+        Pattern(
+            "VAL_SUBSET",
+            ("value", "of"),
+            "every element of value is in `of`",
+            """\
 _missing = [_x for _x in {{ value }} if _x not in {{ of }}]
 if _missing:
-    raise ValueError("{{ value_text }} must be a subset of {{ of_text }} = %r; not in it: %r" % (sorted({{ of }}, key=repr), _missing))"""),
-    Pattern("VAL_NO_DUPLICATES", ("value",), "no element twice (the error lists each duplicate, its count and first positions)", """\
+    raise ValueError("{{ value_text }} must be a subset of {{ of_text }} = %r; not in it: %r" % (sorted({{ of }}, key=repr), _missing))""",
+        ),
+        Pattern(
+            "VAL_NO_DUPLICATES",
+            ("value",),
+            "no element twice (the error lists each duplicate, its count and first positions)",
+            """\
 _seen: dict = {}
 for _position, _x in enumerate({{ value }}):
     _seen.setdefault(_x, []).append(_position)
@@ -61,14 +82,26 @@ if _duplicates:
     )
     raise ValueError(
         "{{ value_text }} must not repeat elements: %s" % _report
-    )"""),
-    Pattern("AST_PRECONDITION", ("cond",), "a condition that must hold before the code below", """\
+    )""",
+        ),
+        Pattern(
+            "AST_PRECONDITION",
+            ("cond",),
+            "a condition that must hold before the code below",
+            """\
 if not ({{ cond }}):
-    raise AssertionError("precondition failed: {{ cond_text }}")"""),
-    Pattern("AST_POSTCONDITION", ("cond",), "a condition that must hold after the code above", """\
+    raise AssertionError("precondition failed: {{ cond_text }}")""",
+        ),
+        Pattern(
+            "AST_POSTCONDITION",
+            ("cond",),
+            "a condition that must hold after the code above",
+            """\
 if not ({{ cond }}):
-    raise AssertionError("postcondition failed: {{ cond_text }}")"""),
-]}
+    raise AssertionError("postcondition failed: {{ cond_text }}")""",
+        ),
+    ]
+}
 
 
 def _arguments(text: str, where: str) -> dict[str, str]:
@@ -120,7 +153,9 @@ def expand_source(source: str, filename: str = "<source>") -> tuple[str, int]:
         match = ANNOTATION.match(lines[i].rstrip("\n"))
         if not match:
             if LOOSE_ANNOTATION.search(lines[i]) and lines[i].lstrip().startswith("#"):
-                raise AnnotationError(f"{filename}:{i + 1}: malformed annotation (expected '# VAL: PATTERN (arg=expr, ...)'): {lines[i].strip()}")
+                raise AnnotationError(
+                    f"{filename}:{i + 1}: malformed annotation (expected '# VAL: PATTERN (arg=expr, ...)'): {lines[i].strip()}"
+                )
             out.append(lines[i])
             i += 1
             continue
@@ -139,7 +174,9 @@ def expand_source(source: str, filename: str = "<source>") -> tuple[str, int]:
         missing = [a for a in pattern.required if a not in args]
         unknown = [a for a in args if a not in pattern.required]
         if missing or unknown:
-            raise AnnotationError(f"{where}: {name} takes {list(pattern.required)}; missing {missing}, unknown {unknown}")
+            raise AnnotationError(
+                f"{where}: {name} takes {list(pattern.required)}; missing {missing}, unknown {unknown}"
+            )
         context = {**args, **{f"{k}_text": _quoted(v) for k, v in args.items()}}
         body = _ENV.from_string(pattern.template).render(context)
         count += 1
@@ -147,8 +184,11 @@ def expand_source(source: str, filename: str = "<source>") -> tuple[str, int]:
         if len(body.splitlines()) > MAX_INLINE_LINES:
             function = f"_validate_{name.lower()}_{count}"
             names = _free_names(args.values())
-            functions.append(f"\n\ndef {function}({', '.join(names)}) -> None:\n    \"\"\"{pattern.doc} ({name}, from {where}).\"\"\"\n"
-                             + textwrap.indent(body, "    ") + "\n")
+            functions.append(
+                f'\n\ndef {function}({", ".join(names)}) -> None:\n    """{pattern.doc} ({name}, from {where})."""\n'
+                + textwrap.indent(body, "    ")
+                + "\n"
+            )
             out += carried + [marker, f"{indent}{function}({', '.join(names)})\n"]
         else:
             out += carried + [marker] + [indent + line + "\n" for line in body.splitlines()]
@@ -159,7 +199,9 @@ def expand_source(source: str, filename: str = "<source>") -> tuple[str, int]:
     try:
         ast.parse(expanded, filename=filename)
     except SyntaxError as error:
-        raise AnnotationError(f"{filename}: the expanded code does not parse ({error.msg} at line {error.lineno})") from None
+        raise AnnotationError(
+            f"{filename}: the expanded code does not parse ({error.msg} at line {error.lineno})"
+        ) from None
     return expanded, count
 
 

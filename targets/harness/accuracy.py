@@ -17,8 +17,8 @@ from __future__ import annotations
 import copy
 import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -86,7 +86,9 @@ def compare_greedy(
     for i, (got, want) in enumerate(zip(completions, references)):
         for j, want_token in enumerate(want.tokens):
             if j >= len(got.tokens):
-                reasons.append(f"prompt {i}: engine stopped after {len(got.tokens)} tokens, reference made {len(want.tokens)}")
+                reasons.append(
+                    f"prompt {i}: engine stopped after {len(got.tokens)} tokens, reference made {len(want.tokens)}"
+                )
                 break
             if got.tokens[j] != want_token:
                 if want.margins[j] >= accuracy.greedy_tie_margin:
@@ -115,7 +117,10 @@ def _greedy(engine: RolloutEngine, prompts: Sequence[TokenIds], accuracy: Accura
 
 
 def check_engine(
-    engine: RolloutEngine, reference_model: PreTrainedModel, accuracy: AccuracySpec, prompts: Sequence[TokenIds] | None = None
+    engine: RolloutEngine,
+    reference_model: PreTrainedModel,
+    accuracy: AccuracySpec,
+    prompts: Sequence[TokenIds] | None = None,
 ) -> CheckResult:
     prompts = list(prompts) if prompts is not None else fixed_prompts(accuracy.prompts)
     references = [reference_greedy(reference_model, p, accuracy.new_tokens) for p in prompts]
@@ -172,7 +177,9 @@ def check_trainer(
     loss scale or missing gradient clipping; the second step's update depends on their ratio."""
     batches = list(batches) if batches is not None else fixed_train_batches(base_model)
     initial = {k: v.detach().cpu().clone() for k, v in base_model.state_dict().items()}
-    reference = ReferenceTrainer(copy.deepcopy(base_model).float(), config)  # float32 master weights, as a trainer must keep
+    reference = ReferenceTrainer(
+        copy.deepcopy(base_model).float(), config
+    )  # float32 master weights, as a trainer must keep
     candidate = make_trainer({k: v.clone() for k, v in initial.items()}, config)
     reasons: list[str] = []
     for step, batch in enumerate(batches, start=1):
@@ -250,11 +257,11 @@ def check_weight_sync(
     new_model.load_state_dict(new_state)
     want_new = [reference_greedy(new_model, p, accuracy.new_tokens) for p in prompts]
     want_old = [reference_greedy(base_model, p, accuracy.new_tokens) for p in prompts]
-    distinct, _ = compare_greedy(
-        [Completion(w.tokens, w.logprobs, "length", 0) for w in want_old], want_new, accuracy
-    )
+    distinct, _ = compare_greedy([Completion(w.tokens, w.logprobs, "length", 0) for w in want_old], want_new, accuracy)
     if not distinct:
-        raise RuntimeError("the perturbed weights give the same outputs as the base: the sync check cannot discriminate")
+        raise RuntimeError(
+            "the perturbed weights give the same outputs as the base: the sync check cannot discriminate"
+        )
 
     sync(new_state, version)
     reasons: list[str] = []

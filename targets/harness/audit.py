@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import copy
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from targets.api import Declared, StateDict, TraceEvent
 from targets.harness.check_result import CheckResult
@@ -88,7 +89,7 @@ class TraceIndex:
     end_t: float = 0.0
 
     @classmethod
-    def of(cls, events: list[TraceEvent]) -> "TraceIndex":
+    def of(cls, events: list[TraceEvent]) -> TraceIndex:
         ix = cls(list(events))
         for e in ix.events:
             ix.by_kind[e.kind].append(e)
@@ -128,7 +129,9 @@ class TraceIndex:
         reset = self.resets[episode].data["observation"]
         steps = self.env_steps.get(episode, [])[:turns]
         if not self.tokens_recorded:
-            return token_count(reset) + sum(token_count(s.data["action"]) + token_count(s.data["observation"]) for s in steps)
+            return token_count(reset) + sum(
+                token_count(s.data["action"]) + token_count(s.data["observation"]) for s in steps
+            )
         out = list(reset)
         for s in steps:
             out += s.data["action"] + s.data["observation"]
@@ -174,34 +177,56 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
         reason = e.data["reason"]
         if reason == "end_of_run":
             if last_train_end is not None and e.t < last_train_end:
-                r.add("unjustified drop", f"episode {episode} dropped as end_of_run at {e.t:.2f}s, before the last training step")
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as end_of_run at {e.t:.2f}s, before the last training step",
+                )
         elif reason == "stale":
             policy = ix.policy_at(e.t)
             group = ix.group_of.get(episode)
-            versions = [g.data["version"] for m in ix.created if ix.group_of[m] == group
-                        for g in ix.generated.get(m, []) if g.t <= e.t]
+            versions = [
+                g.data["version"]
+                for m in ix.created
+                if ix.group_of[m] == group
+                for g in ix.generated.get(m, [])
+                if g.t <= e.t
+            ]
             if not versions or policy - min(versions) <= workload.async_ratio:
-                r.add("unjustified drop", f"episode {episode} dropped as stale but every turn of its group is within "
-                                          f"async_ratio {workload.async_ratio} of policy {policy}")
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as stale but every turn of its group is within "
+                    f"async_ratio {workload.async_ratio} of policy {policy}",
+                )
         elif reason == "max_sequence":
             if episode not in ix.resets:
                 r.add("unjustified drop", f"episode {episode} dropped for max_sequence before it was reset")
                 continue
             length = token_count(ix.context_tokens(episode, len(ix.env_steps.get(episode, []))))
             if length + workload.tokens.response <= workload.tokens.max_sequence:
-                r.add("unjustified drop", f"episode {episode} dropped for max_sequence at {length} tokens, which still fits")
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped for max_sequence at {length} tokens, which still fits",
+                )
         elif reason == "redundant":
             group = ix.group_of.get(episode)
             redundant[group] += 1
             trained = sum(1 for m in ix.created if ix.group_of[m] == group and m in ix.trained_in)
             if ix.declared.redundant_per_group == 0:
-                r.add("unjustified drop", f"episode {episode} dropped as redundant, but the stack declares no redundancy")
+                r.add(
+                    "unjustified drop", f"episode {episode} dropped as redundant, but the stack declares no redundancy"
+                )
             elif trained != workload.group_size:
-                r.add("unjustified drop", f"episode {episode} dropped as redundant, but its group {group} was not trained whole")
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as redundant, but its group {group} was not trained whole",
+                )
     for group, count in redundant.items():
         if ix.declared.redundant_per_group and count > ix.declared.redundant_per_group:
-            r.add("redundancy", f"group {group} dropped {count} episodes as redundant, over the declared "
-                                f"{ix.declared.redundant_per_group} per group")
+            r.add(
+                "redundancy",
+                f"group {group} dropped {count} episodes as redundant, over the declared "
+                f"{ix.declared.redundant_per_group} per group",
+            )
 
 
 def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
@@ -218,8 +243,11 @@ def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
         if outstanding > peak:
             peak = outstanding
             if peak == bound + 1:
-                r.add("too many episodes", f"{peak} episodes in flight at {when:.2f}s, over the bound of {bound} "
-                                           f"(groups_per_step x (1 + async_ratio) x (group_size + declared redundancy))")
+                r.add(
+                    "too many episodes",
+                    f"{peak} episodes in flight at {when:.2f}s, over the bound of {bound} "
+                    f"(groups_per_step x (1 + async_ratio) x (group_size + declared redundancy))",
+                )
     return {"peak_in_flight": peak, "in_flight_bound": bound}
 
 
@@ -242,28 +270,43 @@ def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     for k, train in enumerate(ix.trains):
         trajectories = train.data["trajectories"]
         if len(trajectories) != w.batch_size:
-            r.add("batch size", f"training step {k + 1} has {len(trajectories)} trajectories, the batch size is {w.batch_size}")
+            r.add(
+                "batch size",
+                f"training step {k + 1} has {len(trajectories)} trajectories, the batch size is {w.batch_size}",
+            )
         members = Counter(ix.group_of.get(t["episode"], t["group"]) for t in trajectories)
         for group, count in members.items():
             if count != w.group_size:
-                r.add("partial group", f"training step {k + 1} holds {count} of group {group}'s episodes, not {w.group_size}")
+                r.add(
+                    "partial group",
+                    f"training step {k + 1} holds {count} of group {group}'s episodes, not {w.group_size}",
+                )
         for t in trajectories:
             if ix.group_of.get(t["episode"], t["group"]) != t["group"]:
                 r.add("partial group", f"training step {k + 1} files episode {t['episode']} under group {t['group']}")
         expected = group_advantages_of([(t["group"], t["reward"]) for t in trajectories])
         given = train.data.get("advantages", [])
         if len(given) != len(expected) or any(abs(a - b) > ADVANTAGE_ATOL for a, b in zip(given, expected)):
-            r.add("altered advantages", f"training step {k + 1}: the advantages are not the group-relative ones of the rewards")
+            r.add(
+                "altered advantages",
+                f"training step {k + 1}: the advantages are not the group-relative ones of the rewards",
+            )
         if k == 0:
             continue
         previous_end, start = ix.trains[k - 1].t, train.data["start"]
-        passed_over = [g for g, done in group_done.items()
-                       if done < previous_end and consumed_at.get(g, float("inf")) >= start and g not in members]
+        passed_over = [
+            g
+            for g, done in group_done.items()
+            if done < previous_end and consumed_at.get(g, float("inf")) >= start and g not in members
+        ]
         youngest = max((ix.group_order.get(g, -1) for g in members), default=-1)
         for group in sorted(passed_over, key=lambda g: ix.group_order.get(g, 0)):
             if ix.group_order.get(group, 0) < youngest:
-                r.add("out of order", f"training step {k + 1} took younger groups over group {group}, finished before "
-                                      "the previous step ended (groups are trained oldest first)")
+                r.add(
+                    "out of order",
+                    f"training step {k + 1} took younger groups over group {group}, finished before "
+                    "the previous step ended (groups are trained oldest first)",
+                )
                 break
 
 
@@ -273,17 +316,26 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
     for episode, gens_in_order in ix.generated.items():
         for turn, count in Counter(g.data["turn"] for g in gens_in_order).items():
             if count > 1:
-                r.add("resampled turn", f"episode {episode} turn {turn} was generated {count} times: a turn is sampled once")
+                r.add(
+                    "resampled turn",
+                    f"episode {episode} turn {turn} was generated {count} times: a turn is sampled once",
+                )
     for episode, steps in ix.env_steps.items():
         gens = {}
         for g in ix.generated.get(episode, []):
             gens.setdefault(g.data["turn"], g)
         for turn, s in enumerate(steps):
             g = gens.get(turn)
-            same = g is not None and (g.data["tokens"] == s.data["action"] if ix.tokens_recorded
-                                      else token_count(g.data["tokens"]) == token_count(s.data["action"]))
+            same = g is not None and (
+                g.data["tokens"] == s.data["action"]
+                if ix.tokens_recorded
+                else token_count(g.data["tokens"]) == token_count(s.data["action"])
+            )
             if not same or g.t > s.t:
-                r.add("fabricated rollout", f"episode {episode} turn {turn}: the action was not produced by cluster.generate")
+                r.add(
+                    "fabricated rollout",
+                    f"episode {episode} turn {turn}: the action was not produced by cluster.generate",
+                )
                 break
     for train in ix.trains:
         for t in train.data["trajectories"]:
@@ -306,7 +358,10 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
                 r.add("altered trajectory", f"episode {episode}: trained tokens differ from what the environment saw")
             reward = sum(s.data["reward"] for s in steps)
             if abs(t["reward"] - reward) > 1e-6:
-                r.add("altered reward", f"episode {episode}: trained reward {t['reward']:.4f}, environment paid {reward:.4f}")
+                r.add(
+                    "altered reward",
+                    f"episode {episode}: trained reward {t['reward']:.4f}, environment paid {reward:.4f}",
+                )
             if ix.tokens_recorded:
                 by_turn = {}
                 for g in ix.generated.get(episode, []):
@@ -325,10 +380,16 @@ def check_staleness(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             for g in ix.generated.get(t["episode"], []):
                 version, turn = g.data["version"], g.data["turn"]
                 if policy - version > ratio:
-                    r.add("stale sample", f"episode {t['episode']} turn {turn}: generated at version {version}, trained at "
-                                          f"policy {policy} (async_ratio {ratio})")
+                    r.add(
+                        "stale sample",
+                        f"episode {t['episode']} turn {turn}: generated at version {version}, trained at "
+                        f"policy {policy} (async_ratio {ratio})",
+                    )
                 if version > policy:
-                    r.add("future version", f"episode {t['episode']} turn {turn}: claims version {version} before policy {policy} existed")
+                    r.add(
+                        "future version",
+                        f"episode {t['episode']} turn {turn}: claims version {version} before policy {policy} existed",
+                    )
 
 
 def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
@@ -340,8 +401,11 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             d = g.data
             where = f"episode {episode} turn {d['turn']}"
             if d.get("temperature") != w.training.temperature or d.get("max_new_tokens") != w.tokens.response:
-                r.add("sampling parameters", f"{where}: asked for temperature {d.get('temperature')} and {d.get('max_new_tokens')} "
-                                             f"tokens; the spec says {w.training.temperature} and {w.tokens.response}")
+                r.add(
+                    "sampling parameters",
+                    f"{where}: asked for temperature {d.get('temperature')} and {d.get('max_new_tokens')} "
+                    f"tokens; the spec says {w.training.temperature} and {w.tokens.response}",
+                )
             n = token_count(d["tokens"])
             if d["finish"] == "abort":
                 r.add("finish reason", f"{where}: an aborted completion was handed back as a result")
@@ -353,15 +417,24 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                 if any(tok in stop for tok in tokens[:-1]):
                     r.add("finish reason", f"{where}: generation went on past a stop token")
                 elif d["finish"] == "stop" and not (tokens and tokens[-1] in stop):
-                    r.add("finish reason", f"{where}: finish 'stop' but the last token {tokens[-1:] or 'none'} is no stop token")
+                    r.add(
+                        "finish reason",
+                        f"{where}: finish 'stop' but the last token {tokens[-1:] or 'none'} is no stop token",
+                    )
                 elif d["finish"] == "length" and (n != d["max_new_tokens"] or tokens[-1] in stop):
-                    r.add("finish reason", f"{where}: finish 'length' after {n} of {d['max_new_tokens']} tokens"
-                                           + (" ending on a stop token" if n and tokens[-1] in stop else ""))
+                    r.add(
+                        "finish reason",
+                        f"{where}: finish 'length' after {n} of {d['max_new_tokens']} tokens"
+                        + (" ending on a stop token" if n and tokens[-1] in stop else ""),
+                    )
             if episode in ix.resets and d["turn"] <= len(ix.env_steps.get(episode, [])):
                 expected = ix.context_tokens(episode, d["turn"])
                 if d["prompt"] != expected:
-                    r.add("incomplete prompt", f"{where}: the engine was asked with {token_count(d['prompt'])} tokens, "
-                                               f"not the episode's whole context of {token_count(expected)}")
+                    r.add(
+                        "incomplete prompt",
+                        f"{where}: the engine was asked with {token_count(d['prompt'])} tokens, "
+                        f"not the episode's whole context of {token_count(expected)}",
+                    )
 
 
 def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
@@ -385,7 +458,10 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
         for g in gs:
             for device, since, until in windows:
                 if g.data["device"] == device and g.data["start"] > since and g.t < until:
-                    r.add("served while shrunk", f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk")
+                    r.add(
+                        "served while shrunk",
+                        f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk",
+                    )
     for e in ix.by_kind["device_state"]:
         for device, components in e.data["resident"].items():
             if "engine" in components and "trainer" in components:
@@ -404,7 +480,7 @@ def audit_run(
     spec: TargetSpec,
     events: list[TraceEvent],
     load_weights: Callable[[int], StateDict | None],
-    make_model: Callable[[StateDict], "torch.nn.Module"],
+    make_model: Callable[[StateDict], torch.nn.Module],
     steps: int,
     seed: int = 0,
 ) -> CheckResult:
@@ -419,8 +495,11 @@ def audit_run(
     check_staleness(ix, r, spec)
     check_engine_honesty(ix, r, spec)
     check_mechanism(ix, r, steps)
-    details.update(episodes_created=len(ix.created), trained=len(ix.trained_in),
-                   dropped=dict(Counter(e.data["reason"] for e in ix.dropped.values())))
+    details.update(
+        episodes_created=len(ix.created),
+        trained=len(ix.trained_in),
+        dropped=dict(Counter(e.data["reason"] for e in ix.dropped.values())),
+    )
     if ix.tokens_recorded:
         from targets.harness.replay import replay_training, replay_turns
 
@@ -431,7 +510,7 @@ def audit_run(
     return CheckResult("system_audit", not r.lines(), r.lines(), details)
 
 
-def audit_directory(target: "Target", out: Path, steps: int) -> CheckResult:
+def audit_directory(target: Target, out: Path, steps: int) -> CheckResult:
     """The audit of a run the harness child wrote to ``out`` (trace and weight snapshots)."""
     from safetensors.torch import load_file
 

@@ -11,10 +11,10 @@ Simulated runs measure virtual time, so they may run side by side; real runs go 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from targets.api import TraceEvent
 from targets.harness.metrics import compute_metrics
@@ -23,9 +23,24 @@ from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.lower_bound import step_lower_bound
 from targets.spec import TargetSpec
 
-SUMMARIZED = ("goodput", "rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "mean_device_busy",
-              "shrink_s", "expand_s", "sync_s", "train_s", "aborted_turns", "lower_bound_step_s", "lower_bound_fraction",
-              "peak_process_memory_mb", "peak_device_memory_mb", "peak_kv_fraction")
+SUMMARIZED = (
+    "goodput",
+    "rollout_throughput",
+    "tokens_per_s",
+    "step_time_s",
+    "timeout_ratio",
+    "mean_device_busy",
+    "shrink_s",
+    "expand_s",
+    "sync_s",
+    "train_s",
+    "aborted_turns",
+    "lower_bound_step_s",
+    "lower_bound_fraction",
+    "peak_process_memory_mb",
+    "peak_device_memory_mb",
+    "peak_kv_fraction",
+)
 PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does not change what they measure
 
 
@@ -35,7 +50,9 @@ def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) 
     peak KV use for simulated ones)."""
     devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
     metrics = compute_metrics(events, devices) | step_lower_bound(spec, CostModel.from_spec(spec), events)
-    metrics["lower_bound_fraction"] = metrics["lower_bound_step_s"] / metrics["step_time_s"] if metrics["step_time_s"] else 0.0
+    metrics["lower_bound_fraction"] = (
+        metrics["lower_bound_step_s"] / metrics["step_time_s"] if metrics["step_time_s"] else 0.0
+    )
     for key in ("peak_process_memory_mb", "peak_device_memory_mb", "device_memory_mb", "peak_kv_fraction"):
         if key in child_result:
             metrics[key] = child_result[key]
@@ -75,8 +92,8 @@ class BenchRun:
         middle = self.repeats[self.median_index(headline)]
         return {
             "name": self.name,
-            "metrics": {m: self.median(m) for m in present} | {"device_utilization": middle["device_utilization"],
-                                                               "duration_s": middle["duration_s"]},
+            "metrics": {m: self.median(m) for m in present}
+            | {"device_utilization": middle["device_utilization"], "duration_s": middle["duration_s"]},
             "spread": {m: self.spread(m) for m in present},
             "paired": self.paired.as_dict() if self.paired else None,
             "repeats": self.repeats,
@@ -87,8 +104,14 @@ class BenchmarkFailed(RuntimeError):
     pass
 
 
-def benchmark(session: Session, stacks: list[tuple[str, Path]], repeat: int, out: Path, seeds: list[int] | None = None,
-              on_run: Callable[[str, int], None] = lambda name, i: None) -> list[BenchRun]:
+def benchmark(
+    session: Session,
+    stacks: list[tuple[str, Path]],
+    repeat: int,
+    out: Path,
+    seeds: list[int] | None = None,
+    on_run: Callable[[str, int], None] = lambda name, i: None,
+) -> list[BenchRun]:
     names = [name for name, _ in stacks]
     if len(set(names)) != len(names):
         raise BenchmarkFailed(f"two runs share a name: {names}; rename a candidate directory")
@@ -111,6 +134,11 @@ def benchmark(session: Session, stacks: list[tuple[str, Path]], repeat: int, out
     ordered = list(runs.values())
     metric = session.target.spec.headline_metric
     for run in ordered[1:]:
-        run.paired = Paired.of([r[metric.name] for r in run.repeats], [r[metric.name] for r in ordered[0].repeats],
-                               metric.direction == "maximize", ordered[0].name, deterministic=session.target.simulated)
+        run.paired = Paired.of(
+            [r[metric.name] for r in run.repeats],
+            [r[metric.name] for r in ordered[0].repeats],
+            metric.direction == "maximize",
+            ordered[0].name,
+            deterministic=session.target.simulated,
+        )
     return ordered

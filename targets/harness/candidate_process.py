@@ -20,7 +20,8 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from targets.api import DROP_REASONS, Aborted, Completion, Device, GenerateRequest, Runtime, StepResult, TrainBatch
 from targets.harness.channel import AsyncChannel, Frame, Received, SyncChannel
@@ -66,8 +67,14 @@ def _log(message: str) -> None:
 
 
 def _error_frame(error: BaseException, **header: Any) -> Frame:
-    return Frame(**header, error={"type": type(error).__name__, "message": str(error),
-                                  "traceback": "".join(traceback.format_exception(error))[-4000:]})
+    return Frame(
+        **header,
+        error={
+            "type": type(error).__name__,
+            "message": str(error),
+            "traceback": "".join(traceback.format_exception(error))[-4000:],
+        },
+    )
 
 
 # -- controller ----------------------------------------------------------------------------------------
@@ -221,11 +228,20 @@ async def _controller(channel: AsyncChannel, stack_dir: str) -> None:
         runtime = get_runtime(init["runtime"])
         stack = _import_stack(stack_dir).build(runtime)
         rollout, train = stack.controller.placement(list(runtime.devices))
-        channel.send(Frame(kind="hello", rollout=[d.id for d in rollout], train=[d.id for d in train],
-                           declared=put_declared(stack.declared)))
+        channel.send(
+            Frame(
+                kind="hello",
+                rollout=[d.id for d in rollout],
+                train=[d.id for d in train],
+                declared=put_declared(stack.declared),
+            )
+        )
         memory = PromptMemory(counts=init["counts"])
-        await stack.controller.run(ProxyCluster(calls, list(runtime.devices), memory),
-                                   ProxyEnvs(calls, runtime.workload.group_size, memory), init["steps"])
+        await stack.controller.run(
+            ProxyCluster(calls, list(runtime.devices), memory),
+            ProxyEnvs(calls, runtime.workload.group_size, memory),
+            init["steps"],
+        )
         channel.send(Frame(kind="done"))
     except Exception as error:  # the harness reports it as the candidate's failure
         channel.send(_error_frame(error, kind="failed"))
@@ -273,7 +289,9 @@ async def _serve_cluster(channel: AsyncChannel, stack_dir: str) -> None:
         try:
             devices = [by_id[i] for i in rx.get("devices", [])]
             if method == "generate":
-                frame.header["completion"] = put_completion(frame, await cluster.generate(get_plain_request(rx, rx["request"])))
+                frame.header["completion"] = put_completion(
+                    frame, await cluster.generate(get_plain_request(rx, rx["request"]))
+                )
             elif method in ("shrink", "expand"):
                 await getattr(cluster, method)(devices)
             elif method == "train":
@@ -385,7 +403,10 @@ def _components_call(stack, engines: dict, trainers: dict, rx: Received, frame: 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3 or argv[0] not in ROLES + ("controller-virtual",):
-        print(f"usage: python -m targets.harness.candidate_process {{{','.join(ROLES)}}} SOCKET STACK_DIR", file=sys.stderr)
+        print(
+            f"usage: python -m targets.harness.candidate_process {{{','.join(ROLES)}}} SOCKET STACK_DIR",
+            file=sys.stderr,
+        )
         return 2
     role, socket_path, stack_dir = argv
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

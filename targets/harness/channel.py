@@ -19,7 +19,8 @@ import json
 import socket
 import struct
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -104,7 +105,7 @@ def _header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
 def _split(header: dict, body: bytes | bytearray | memoryview) -> list[bytes]:
     blobs, at = [], 0
     for size in header["blobs"]:
-        blobs.append(bytes(body[at: at + size]))
+        blobs.append(bytes(body[at : at + size]))
         at += size
     return blobs
 
@@ -167,7 +168,7 @@ class AsyncChannel(asyncio.BufferedProtocol):
         self._sock: socket.socket | None = None
 
     @classmethod
-    async def over(cls, sock: socket.socket) -> "AsyncChannel":
+    async def over(cls, sock: socket.socket) -> AsyncChannel:
         sock.setblocking(False)
         _, channel = await asyncio.get_running_loop().create_unix_connection(cls, sock=sock)
         channel._sock = sock
@@ -181,7 +182,7 @@ class AsyncChannel(asyncio.BufferedProtocol):
         free = len(self._buffer) - self._filled
         if free < 4096:  # grow (a big frame is arriving): at least double
             self._buffer.extend(bytes(max(len(self._buffer), 1 << 16)))
-        return memoryview(self._buffer)[self._filled:]
+        return memoryview(self._buffer)[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
@@ -192,15 +193,15 @@ class AsyncChannel(asyncio.BufferedProtocol):
                 if self._pending is None:
                     if available < HEADER.size:
                         break
-                    length = _header_length(view[start: start + HEADER.size])
+                    length = _header_length(view[start : start + HEADER.size])
                     if available < HEADER.size + length:
                         break
-                    header, total = _header(view[start + HEADER.size: start + HEADER.size + length])
+                    header, total = _header(view[start + HEADER.size : start + HEADER.size + length])
                     self._pending = (HEADER.size + length, header, total)
                 offset, header, total = self._pending
                 if available < offset + total:
                     break
-                rx = Received(header, _split(header, view[start + offset: start + offset + total]))
+                rx = Received(header, _split(header, view[start + offset : start + offset + total]))
                 start += offset + total
                 self._pending = None
                 self._deliver(rx)
@@ -210,7 +211,7 @@ class AsyncChannel(asyncio.BufferedProtocol):
         finally:
             view.release()
             if start:  # keep only the unparsed tail, at the front
-                self._buffer[: self._filled - start] = self._buffer[start: self._filled]
+                self._buffer[: self._filled - start] = self._buffer[start : self._filled]
                 self._filled -= start
             if self._filled == 0 and len(self._buffer) > 1 << 20:
                 self._buffer = bytearray(1 << 16)  # a big frame has gone: give its room back

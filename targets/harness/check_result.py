@@ -18,5 +18,5 @@ class CheckResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CheckResult":
+    def from_dict(cls, data: dict) -> CheckResult:
         return cls(data["name"], data["passed"], list(data.get("reasons", [])), dict(data.get("details", {})))

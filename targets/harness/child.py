@@ -27,8 +27,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from targets.harness.clock import WallClock
 from targets.harness.sandbox import Sandbox
@@ -57,15 +57,18 @@ def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -
         results = [check_engine(engine(), reference, accuracy)]
         results.append(check_trainer(components.make_trainer, reference, runtime.workload.training, accuracy))
         engine = components.make_engine()
-        results.append(check_weight_sync(engine, lambda state, v: components.sync_engine(engine, state, v), reference, accuracy))
+        results.append(
+            check_weight_sync(engine, lambda state, v: components.sync_engine(engine, state, v), reference, accuracy)
+        )
         components.close()
     finally:
         processes.stop()
     return {"checks": [r.as_dict() for r in results]}
 
 
-def run_system(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: int, steps: int,
-               mark: Callable[[str], None]) -> dict:
+def run_system(
+    target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: int, steps: int, mark: Callable[[str], None]
+) -> dict:
     from targets.harness.drive import CandidateProcesses, drive_real, drive_simulated
 
     processes = CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu)
@@ -86,8 +89,19 @@ def run_system(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, see
 
         try:
             with device_memory(target) as monitor:
-                summary = asyncio.run(drive_real(target.spec, target.runtime(), processes, steps, seed, trace, weights, mark,
-                                                 while_starting=version_zero))
+                summary = asyncio.run(
+                    drive_real(
+                        target.spec,
+                        target.runtime(),
+                        processes,
+                        steps,
+                        seed,
+                        trace,
+                        weights,
+                        mark,
+                        while_starting=version_zero,
+                    )
+                )
             if monitor is not None:
                 kind = target.spec.hardware.kind
                 summary["device_memory_mb"] = {f"{kind}:{i}": mb for i, mb in monitor.peaks_mb.items()}
@@ -99,7 +113,9 @@ def run_system(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, see
                 save_file({k: v.contiguous() for k, v in state.items()}, out / "weights" / f"v{version}.safetensors")
     finally:
         processes.stop()
-    peak_kb = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    peak_kb = max(
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    )
     return {**summary, "peak_process_memory_mb": peak_kb / 1024}
 
 
@@ -166,8 +182,15 @@ def main(argv: list[str] | None = None) -> int:
             result["phase_seconds"] = time.monotonic() - started
             (args.out / f"{phase}.json").write_text(json.dumps({"status": "ok", **result}, indent=1))
         except Exception as error:  # the parent reports it; nothing is swallowed
-            (args.out / f"{phase}.json").write_text(json.dumps({"status": "error", "error": f"{type(error).__name__}: {error}",
-                                                                "traceback": traceback.format_exc()}))
+            (args.out / f"{phase}.json").write_text(
+                json.dumps(
+                    {
+                        "status": "error",
+                        "error": f"{type(error).__name__}: {error}",
+                        "traceback": traceback.format_exc(),
+                    }
+                )
+            )
             traceback.print_exc()
             return 1
     return 0

@@ -18,7 +18,7 @@ class DeviceMemoryMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "DeviceMemoryMonitor":
+    def __enter__(self) -> DeviceMemoryMonitor:
         try:
             import pynvml
         except ImportError:
@@ -28,7 +28,9 @@ class DeviceMemoryMonitor:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = [int(i) for i in visible.split(",")] if visible else list(range(self.count))
         if len(physical) < self.count:
-            raise RuntimeError(f"CUDA_VISIBLE_DEVICES={visible} shows {len(physical)} GPU(s); the target has {self.count}")
+            raise RuntimeError(
+                f"CUDA_VISIBLE_DEVICES={visible} shows {len(physical)} GPU(s); the target has {self.count}"
+            )
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in physical[: self.count]]
         self._sample()
         self._thread = threading.Thread(target=self._run, name="device-memory", daemon=True)

@@ -24,8 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any, Callable, Sequence
+from typing import IO, Any
 
 from targets.api import Aborted, Cluster, Completion, Declared, Device, GenerateRequest, Runtime, StateDict, TrainBatch
 from targets.harness.channel import AsyncChannel, Frame, ProtocolError, Received
@@ -66,10 +67,20 @@ class TracedCluster:
             raise
         tokens, p = self.trace.tokens, request.params
         self.trace.record(
-            "generate", episode=request.episode_id, turn=request.turn, start=start, aborted=False,
-            device=completion.device, prompt=tokens(request.prompt), tokens=tokens(completion.tokens),
-            logprobs=tokens(completion.logprobs), version=completion.weight_version, finish=completion.finish_reason,
-            temperature=p.temperature, max_new_tokens=p.max_new_tokens, stop=list(p.stop_token_ids),
+            "generate",
+            episode=request.episode_id,
+            turn=request.turn,
+            start=start,
+            aborted=False,
+            device=completion.device,
+            prompt=tokens(request.prompt),
+            tokens=tokens(completion.tokens),
+            logprobs=tokens(completion.logprobs),
+            version=completion.weight_version,
+            finish=completion.finish_reason,
+            temperature=p.temperature,
+            max_new_tokens=p.max_new_tokens,
+            stop=list(p.stop_token_ids),
         )
         return completion
 
@@ -83,7 +94,9 @@ class TracedCluster:
     async def _residency(self) -> None:
         """Who holds each device now, in the cluster's words (recorded when it changes)."""
         state = await self.inner.residency()
-        if not isinstance(state, dict) or not all(isinstance(v, list) and all(isinstance(c, str) for c in v) for v in state.values()):
+        if not isinstance(state, dict) or not all(
+            isinstance(v, list) and all(isinstance(c, str) for c in v) for v in state.values()
+        ):
             raise ProtocolError(f"residency must map devices to lists of component names, got {str(state)[:200]}")
         if state != self._resident:
             self._resident = state
@@ -106,10 +119,21 @@ class TracedCluster:
         step, tokens = self.steps, self.trace.tokens
         version = await self.inner.train(batch, devices)
         self.trace.record(
-            "train", start=start, step=step, devices=[d.id for d in devices], version=version, advantages=list(batch.advantages),
+            "train",
+            start=start,
+            step=step,
+            devices=[d.id for d in devices],
+            version=version,
+            advantages=list(batch.advantages),
             trajectories=[
-                {"episode": t.episode_id, "group": t.group_id, "tokens": tokens(t.tokens), "loss_mask": tokens(t.loss_mask),
-                 "logprobs": tokens(t.logprobs), "reward": t.reward}
+                {
+                    "episode": t.episode_id,
+                    "group": t.group_id,
+                    "tokens": tokens(t.tokens),
+                    "loss_mask": tokens(t.loss_mask),
+                    "logprobs": tokens(t.logprobs),
+                    "reward": t.reward,
+                }
                 for t in batch.trajectories
             ],
         )
@@ -194,12 +218,18 @@ class ControllerLink:
                 self.done.set_result(None)
         elif kind == "failed":
             error = rx.get("error") or {}
-            self.fail(CandidateError(f"the controller raised {error.get('type')}: {error.get('message')}\n"
-                                     f"{str(error.get('traceback', ''))[-3000:]}"))
+            self.fail(
+                CandidateError(
+                    f"the controller raised {error.get('type')}: {error.get('message')}\n"
+                    f"{str(error.get('traceback', ''))[-3000:]}"
+                )
+            )
         elif kind == "env" and rx.get("method") == "new_group":
             group = field_of(rx.header, "group", int, "new_group")
             if group != self.envs.groups_created:
-                raise ProtocolError(f"the controller numbered a new group {group}, the harness's next is {self.envs.groups_created}")
+                raise ProtocolError(
+                    f"the controller numbered a new group {group}, the harness's next is {self.envs.groups_created}"
+                )
             for episode in self.envs.new_group():
                 self.episodes[episode.episode_id] = episode
         elif kind == "env" and rx.get("method") == "drop":
@@ -248,8 +278,12 @@ class ControllerLink:
             reply.header["observation"] = reply.array(await episode.reset(), "i4")
         elif rx["method"] == "step":
             result = await episode.step(rx.ints(field_of(rx.header, "action", dict, "step")))
-            reply.header["result"] = {"observation": reply.array(result.observation, "i4"), "reward": result.reward,
-                                      "done": result.done, "timed_out": result.timed_out}
+            reply.header["result"] = {
+                "observation": reply.array(result.observation, "i4"),
+                "reward": result.reward,
+                "done": result.done,
+                "timed_out": result.timed_out,
+            }
         else:
             raise ProtocolError(f"unknown env method {rx['method']!r}")
 
@@ -264,12 +298,16 @@ class ControllerLink:
         devices = [by_id[n] for n in names]
         method = rx.get("method")
         if method == "generate":
-            completion = await cluster.generate(get_request(rx, field_of(rx.header, "request", dict, "generate"), self.memory))
+            completion = await cluster.generate(
+                get_request(rx, field_of(rx.header, "request", dict, "generate"), self.memory)
+            )
             reply.header["completion"] = put_completion(reply, completion)
         elif method in ("shrink", "expand"):
             await getattr(cluster, method)(devices)
         elif method == "train":
-            reply.header["version"] = await cluster.train(get_batch(rx, field_of(rx.header, "batch", dict, "train"), self.memory), devices)
+            reply.header["version"] = await cluster.train(
+                get_batch(rx, field_of(rx.header, "batch", dict, "train"), self.memory), devices
+            )
         elif method == "sync_weights":
             await cluster.sync_weights(field_of(rx.header, "version", int, "sync_weights"), devices)
         elif method in ("suspend", "resume"):
@@ -300,11 +338,18 @@ class CandidateProcesses:
         scratch.mkdir()
         command = [sys.executable, "-m", "targets.harness.candidate_process", role, str(path), str(self.stack_dir)]
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-        command, env = self.sandbox.wrap(command, env, readable=[self.stack_dir, self.root / "sockets"], writable=[scratch],
-                                         cwd=scratch, gpus=self.gpus)
+        command, env = self.sandbox.wrap(
+            command,
+            env,
+            readable=[self.stack_dir, self.root / "sockets"],
+            writable=[scratch],
+            cwd=scratch,
+            gpus=self.gpus,
+        )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
-        self.processes[role] = subprocess.Popen(command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None,
-                                                cwd=scratch)
+        self.processes[role] = subprocess.Popen(
+            command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None, cwd=scratch
+        )
 
     def accept(self, role: str) -> socket.socket:
         """The role's connection; fails with the process's last words if it dies first."""
@@ -315,10 +360,12 @@ class CandidateProcesses:
                 try:
                     connection, _ = listener.accept()
                     return connection
-                except socket.timeout:
+                except TimeoutError:
                     if process.poll() is not None:
-                        raise CandidateError(f"the candidate's {role} process exited with code {process.returncode} before "
-                                             f"connecting:\n{self.log_tail(role)}") from None
+                        raise CandidateError(
+                            f"the candidate's {role} process exited with code {process.returncode} before "
+                            f"connecting:\n{self.log_tail(role)}"
+                        ) from None
         finally:
             listener.close()
             (self.root / "sockets" / f"{role}.sock").unlink(missing_ok=True)
@@ -360,8 +407,17 @@ Marks = Callable[[str], None]
 """Tells the parent process the moment the run starts and ends (it times them with its own clock)."""
 
 
-async def drive_real(spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int, trace: Trace,
-                     weights: dict[int, StateDict], mark: Marks, while_starting: Callable[[], None] = lambda: None) -> dict:
+async def drive_real(
+    spec: TargetSpec,
+    runtime: Runtime,
+    processes: CandidateProcesses,
+    steps: int,
+    seed: int,
+    trace: Trace,
+    weights: dict[int, StateDict],
+    mark: Marks,
+    while_starting: Callable[[], None] = lambda: None,
+) -> dict:
     """A real run: the candidate's cluster process (its engines and trainers on Ray) behind the proxy.
     ``while_starting`` runs in this process while the candidate's cluster starts up."""
     processes.launch("cluster")
@@ -380,8 +436,14 @@ async def drive_real(spec: TargetSpec, runtime: Runtime, processes: CandidatePro
     try:
         _, _, declared = await _hello(link, processes)
         link.cluster = TracedCluster(remote, trace, weights)
-        trace.record("run_start", devices=[d.id for d in runtime.devices], steps=steps, tokens_recorded=True, engines={},
-                     declared={"redundant_per_group": declared.redundant_per_group})
+        trace.record(
+            "run_start",
+            devices=[d.id for d in runtime.devices],
+            steps=steps,
+            tokens_recorded=True,
+            engines={},
+            declared={"redundant_per_group": declared.redundant_per_group},
+        )
         await link.cluster._residency()
         mark("run_start")
         await serving
@@ -396,8 +458,9 @@ async def drive_real(spec: TargetSpec, runtime: Runtime, processes: CandidatePro
     return {"steps": steps, "versions": sorted(weights)}
 
 
-def drive_simulated(spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int,
-                    cost=None) -> tuple[Trace, dict]:
+def drive_simulated(
+    spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int, cost=None
+) -> tuple[Trace, dict]:
     """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
     from targets.harness.sim.cluster import SimCluster
     from targets.harness.sim.cost_model import CostModel
@@ -421,8 +484,14 @@ def drive_simulated(spec: TargetSpec, runtime: Runtime, processes: CandidateProc
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], cost)
         link.cluster = TracedCluster(cluster, trace, {})
-        trace.record("run_start", devices=[d.id for d in runtime.devices], steps=steps, tokens_recorded=False,
-                     engines=cluster.engine_devices, declared={"redundant_per_group": declared.redundant_per_group})
+        trace.record(
+            "run_start",
+            devices=[d.id for d in runtime.devices],
+            steps=steps,
+            tokens_recorded=False,
+            engines=cluster.engine_devices,
+            declared={"redundant_per_group": declared.redundant_per_group},
+        )
         await link.cluster._residency()
         try:
             await serving
@@ -434,6 +503,12 @@ def drive_simulated(spec: TargetSpec, runtime: Runtime, processes: CandidateProc
 
     started = time.perf_counter()
     run_virtual(main(), loop)
-    summary.update(virtual_seconds=trace.clock.now(), wall_seconds=time.perf_counter() - started, simulated=True,
-                   engine_devices=cost.engine_devices, kv_capacity_tokens=cost.kv_capacity_tokens, steps=steps)
+    summary.update(
+        virtual_seconds=trace.clock.now(),
+        wall_seconds=time.perf_counter() - started,
+        simulated=True,
+        engine_devices=cost.engine_devices,
+        kv_capacity_tokens=cost.kv_capacity_tokens,
+        steps=steps,
+    )
     return trace, summary

@@ -19,7 +19,15 @@ HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_ve
 ESCAPE_MODULES = {"gc", "inspect", "ctypes"}
 ESCAPE_ATTRIBUTES = {"__dict__", "__globals__", "__code__", "__closure__", "modules"}
 HARNESS_ROOT = Path(__file__).resolve().parents[1]  # the targets package
-METRIC_NAMES = {"goodput", "rollout_throughput", "tokens_per_s", "step_time_s", "timeout_ratio", "device_utilization", "mean_device_busy"}
+METRIC_NAMES = {
+    "goodput",
+    "rollout_throughput",
+    "tokens_per_s",
+    "step_time_s",
+    "timeout_ratio",
+    "device_utilization",
+    "mean_device_busy",
+}
 ALLOWED_CONTRACT_MODULES = {"targets", "targets.api"}
 
 
@@ -40,27 +48,46 @@ def scan_stack(stack_dir: Path) -> CheckResult:
                 modules = [node.module]
             for module in modules:
                 if module.split(".")[0] == "targets" and module not in ALLOWED_CONTRACT_MODULES:
-                    reasons.append(f"{where}:{node.lineno}: imports harness internals ({module}); only targets.api is public")
+                    reasons.append(
+                        f"{where}:{node.lineno}: imports harness internals ({module}); only targets.api is public"
+                    )
             for module in modules:
                 if module.split(".")[0] in ESCAPE_MODULES:
                     reasons.append(f"{where}:{node.lineno}: imports {module}, an introspection escape hatch")
             reasons += [f"{where}:{node.lineno}: {r}" for r in _patching(node)]
             if isinstance(node, ast.Attribute) and node.attr in HARNESS_ATTRIBUTES:
-                reasons.append(f"{where}:{node.lineno}: reaches into a harness object (.{node.attr}): the proxy and environments are opaque")
-            if isinstance(node, ast.Attribute) and node.attr in ESCAPE_ATTRIBUTES and not (
-                    node.attr == "modules" and not (isinstance(node.value, ast.Name) and node.value.id == "sys")):
+                reasons.append(
+                    f"{where}:{node.lineno}: reaches into a harness object (.{node.attr}): the proxy and "
+                    "environments are opaque"
+                )
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ESCAPE_ATTRIBUTES
+                and not (node.attr == "modules" and not (isinstance(node.value, ast.Name) and node.value.id == "sys"))
+            ):
                 reasons.append(f"{where}:{node.lineno}: uses .{node.attr}, an introspection escape hatch")
             if isinstance(node, ast.Constant) and node.value in METRIC_NAMES:
-                reasons.append(f"{where}:{node.lineno}: names the harness metric {node.value!r}: a stack must not report its own metrics")
+                reasons.append(
+                    f"{where}:{node.lineno}: names the harness metric {node.value!r}: a stack must not report its "
+                    "own metrics"
+                )
             if isinstance(node, ast.Name) and node.id in METRIC_NAMES:
-                reasons.append(f"{where}:{node.lineno}: defines or uses {node.id!r}, a harness metric name: a stack must not report its own metrics")
+                reasons.append(
+                    f"{where}:{node.lineno}: defines or uses {node.id!r}, a harness metric name: a stack must not "
+                    "report its own metrics"
+                )
     return CheckResult("integrity", not reasons, reasons, {})
 
 
 def _patching(node: ast.AST) -> list[str]:
     """Assignments to (or setattr/delattr on) a clock module's attributes."""
+
     def clock_attribute(target: ast.AST) -> bool:
-        return isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in CLOCK_MODULES
+        return (
+            isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id in CLOCK_MODULES
+        )
 
     targets: list[ast.AST] = []
     if isinstance(node, ast.Assign):
@@ -70,8 +97,14 @@ def _patching(node: ast.AST) -> list[str]:
     elif isinstance(node, ast.Delete):
         targets = list(node.targets)
     found = [f"patches the clock ({ast.unparse(t)})" for t in targets if clock_attribute(t)]
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
-            and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in CLOCK_MODULES):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("setattr", "delattr")
+        and node.args
+        and isinstance(node.args[0], ast.Name)
+        and node.args[0].id in CLOCK_MODULES
+    ):
         found.append(f"patches the clock ({node.func.id} on {node.args[0].id})")
     return found
 

@@ -33,7 +33,7 @@ class Limits:
     processes: int = 128  # Ray itself runs a few dozen
 
     @classmethod
-    def of(cls, target: Target, time_s: float | None = None) -> "Limits":
+    def of(cls, target: Target, time_s: float | None = None) -> Limits:
         """The target's ``limits`` (by default sized by its model; a simulated target runs a tiny
         proxy model here), the time overridden when given."""
         parameters = 0 if target.simulated else int(target.spec.model.param_counts().total)
@@ -92,17 +92,43 @@ def _watch(process: subprocess.Popen, limits: Limits, marks_fd: int, marks: dict
         return why
 
 
-def run_harness(target: Target, stack_dir: Path, out: Path, mode: str, limits: Limits, sandbox: Sandbox, seed: int = 0,
-                steps: int | None = None) -> HarnessRun:
+def run_harness(
+    target: Target,
+    stack_dir: Path,
+    out: Path,
+    mode: str,
+    limits: Limits,
+    sandbox: Sandbox,
+    seed: int = 0,
+    steps: int | None = None,
+) -> HarnessRun:
     """``mode``: ``accuracy``, ``check`` (accuracy, system, audit) or ``measure`` (system, audit)."""
     stack_dir, out = Path(stack_dir).resolve(), Path(out).resolve()  # the child runs elsewhere
     if not (stack_dir / "stack" / "__init__.py").exists():
         return HarnessRun(False, f"{stack_dir} has no stack/__init__.py: not a candidate directory", out)
     out.mkdir(parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
-    command = [sys.executable, "-m", "targets.harness.child", "--target", target.ref, "--stack", str(stack_dir),
-               "--out", str(out), "--mode", mode, "--seed", str(seed), "--sandbox", sandbox.name,
-               "--execution", target.execution, "--marks-fd", str(write_fd)]
+    command = [
+        sys.executable,
+        "-m",
+        "targets.harness.child",
+        "--target",
+        target.ref,
+        "--stack",
+        str(stack_dir),
+        "--out",
+        str(out),
+        "--mode",
+        mode,
+        "--seed",
+        str(seed),
+        "--sandbox",
+        sandbox.name,
+        "--execution",
+        target.execution,
+        "--marks-fd",
+        str(write_fd),
+    ]
     if steps is not None:
         command += ["--steps", str(steps)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
@@ -110,8 +136,9 @@ def run_harness(target: Target, stack_dir: Path, out: Path, mode: str, limits: L
     log_path = out / f"{mode}.log"
     try:
         with log_path.open("w") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                       pass_fds=(write_fd,))
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, pass_fds=(write_fd,)
+            )
             os.close(write_fd)
             write_fd = -1
             killed = _watch(process, limits, read_fd, marks)
@@ -127,6 +154,7 @@ def run_harness(target: Target, stack_dir: Path, out: Path, mode: str, limits: L
     if process.returncode != 0:
         failed = next((p for p in phases if results.get(p, {}).get("status") != "ok"), mode)
         cause = results.get(failed, {}).get("error") or f"exited with code {process.returncode}: " + " | ".join(
-            log_path.read_text().splitlines()[-5:])
+            log_path.read_text().splitlines()[-5:]
+        )
         return HarnessRun(False, f"{failed} run failed: {cause}", out, results, marks)
     return HarnessRun(True, "", out, results, marks)

@@ -29,7 +29,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain")) / "models"
 
 
-def hf_config(model: ModelSpec) -> "transformers.PretrainedConfig":
+def hf_config(model: ModelSpec) -> transformers.PretrainedConfig:
     import transformers
 
     fields = model.config.model_dump(exclude_none=True)
@@ -86,14 +86,24 @@ def model_dir(model: ModelSpec) -> Path:
 def proxy_model(model: ModelSpec) -> ModelSpec:
     """A tiny random model of the same family (dense or MoE), float32: what the accuracy checks run
     on when the target's own model is only simulated."""
-    config = {"vocab_size": 64, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512}
+    config = {
+        "vocab_size": 64,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "max_position_embeddings": 512,
+    }
     if model.family == "qwen3_moe":
         config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
-    return ModelSpec.model_validate({"family": model.family, "dtype": "float32", "weights": "random(0)", "config": config})
+    return ModelSpec.model_validate(
+        {"family": model.family, "dtype": "float32", "weights": "random(0)", "config": config}
+    )
 
 
-def load_model(path: Path, dtype: str = "float32") -> "PreTrainedModel":
+def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -103,7 +113,7 @@ def load_model(path: Path, dtype: str = "float32") -> "PreTrainedModel":
     return model.eval()
 
 
-def load_tokenizer(path: Path) -> "PreTrainedTokenizerFast":
+def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(path)

@@ -7,7 +7,8 @@ comes back is decoded as hostile data."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from targets.api import (
     Aborted,
@@ -44,7 +45,9 @@ def raise_if_error(rx: Received, what: str) -> Received:
         raise ProtocolError(f"{what}: a malformed error reply")
     if error.get("type") == "Aborted":
         raise Aborted(str(error.get("message", ""))[:500])
-    raise CandidateError(f"{what}: {error.get('type')}: {str(error.get('message'))[:1000]}\n{str(error.get('traceback', ''))[-2000:]}")
+    raise CandidateError(
+        f"{what}: {error.get('type')}: {str(error.get('message'))[:1000]}\n{str(error.get('traceback', ''))[-2000:]}"
+    )
 
 
 class RemoteCluster:
@@ -146,10 +149,10 @@ class RemoteComponents:
             raise ProtocolError(f"the components process answered call {rx.get('id')!r}, not {self._next}")
         return raise_if_error(rx, method)
 
-    def make_engine(self) -> "RemoteEngine":
+    def make_engine(self) -> RemoteEngine:
         return RemoteEngine(self, field_of(self.call("make_engine").header, "handle", str, "make_engine"))
 
-    def make_engine_after(self, ready: Callable[[], object]) -> Callable[[], "RemoteEngine"]:
+    def make_engine_after(self, ready: Callable[[], object]) -> Callable[[], RemoteEngine]:
         """Ask for an engine now and return how to collect it, so the harness can work meanwhile
         (the candidate's first frame, ``ready``, is read before the engine's)."""
         self._next += 1
@@ -166,12 +169,12 @@ class RemoteComponents:
 
         return collect
 
-    def make_trainer(self, state: StateDict, config: TrainingConfig) -> "RemoteTrainer":
+    def make_trainer(self, state: StateDict, config: TrainingConfig) -> RemoteTrainer:
         frame = Frame()
         frame.header.update(state=put_state(frame, state), config=put_config(config))
         return RemoteTrainer(self, field_of(self.call("make_trainer", frame).header, "handle", str, "make_trainer"))
 
-    def sync_engine(self, engine: "RemoteEngine", state: StateDict, version: int) -> None:
+    def sync_engine(self, engine: RemoteEngine, state: StateDict, version: int) -> None:
         frame = Frame()
         frame.header["state"] = put_state(frame, state)
         self.call("sync_engine", frame, engine=engine.handle, version=version)
@@ -189,7 +192,9 @@ class RemoteEngine:
 
     @property
     def weight_version(self) -> int:
-        return field_of(self.components.call("engine_version", handle=self.handle).header, "version", int, "engine_version")
+        return field_of(
+            self.components.call("engine_version", handle=self.handle).header, "version", int, "engine_version"
+        )
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
         frame = Frame()
@@ -209,12 +214,16 @@ class RemoteTrainer:
 
     @property
     def version(self) -> int:
-        return field_of(self.components.call("trainer_version", handle=self.handle).header, "version", int, "trainer_version")
+        return field_of(
+            self.components.call("trainer_version", handle=self.handle).header, "version", int, "trainer_version"
+        )
 
     def train_step(self, batch: TrainBatch) -> int:
         frame = Frame()
         frame.header["batch"] = put_batch(frame, batch)
-        return field_of(self.components.call("trainer_step", frame, handle=self.handle).header, "version", int, "trainer_step")
+        return field_of(
+            self.components.call("trainer_step", frame, handle=self.handle).header, "version", int, "trainer_step"
+        )
 
     def state_dict(self) -> dict:
         rx = self.components.call("trainer_state", handle=self.handle)

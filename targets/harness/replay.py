@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 import random
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,8 +61,12 @@ def _position_logits(model: torch.nn.Module, sequence: list[int], positions: lis
     hidden = model.get_decoder()(input_ids=torch.tensor([sequence], device=device)).last_hidden_state[0]
     head = model.get_output_embeddings()
     index = torch.tensor(positions, device=device)
-    return torch.cat([head(hidden[index[i: i + POSITIONS_PER_CHUNK]]).float()
-                      for i in range(0, len(positions), POSITIONS_PER_CHUNK)])
+    return torch.cat(
+        [
+            head(hidden[index[i : i + POSITIONS_PER_CHUNK]]).float()
+            for i in range(0, len(positions), POSITIONS_PER_CHUNK)
+        ]
+    )
 
 
 def temperature_terms(logits: torch.Tensor, chosen: torch.Tensor, temperature: float) -> tuple[float, float]:
@@ -75,8 +80,14 @@ def temperature_terms(logits: torch.Tensor, chosen: torch.Tensor, temperature: f
     return deviation, variance
 
 
-def replay_turns(ix: "TraceIndex", r: "Reasons", spec: "TargetSpec", load_weights: Callable[[int], StateDict | None],
-                 make_model: Callable[[StateDict], torch.nn.Module], seed: int = 0) -> dict:
+def replay_turns(
+    ix: TraceIndex,
+    r: Reasons,
+    spec: TargetSpec,
+    load_weights: Callable[[int], StateDict | None],
+    make_model: Callable[[StateDict], torch.nn.Module],
+    seed: int = 0,
+) -> dict:
     turns = [g for gs in ix.generated.values() for g in gs if g.data["tokens"]]
     tokens = sum(len(g.data["prompt"]) + len(g.data["tokens"]) for g in turns)
     if 2 * spec.model.param_counts().active * tokens <= REPLAY_ALL_FLOPS:
@@ -101,15 +112,20 @@ def replay_turns(ix: "TraceIndex", r: "Reasons", spec: "TargetSpec", load_weight
                 at = 0
                 for g in riders:
                     n, chosen = len(g.data["tokens"]), torch.tensor(g.data["tokens"], device=logits.device)
-                    rows = logits[at: at + n]
+                    rows = logits[at : at + n]
                     at += n
                     actual = torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1)
                     diff = (actual - torch.tensor(g.data["logprobs"], device=logits.device)).abs()
                     worst = max(worst, float(diff.max()))
                     if float(diff.max()) > spec.accuracy.logprob_atol:
                         i = int(diff.argmax())
-                        r.add("replay", f"episode {g.data['episode']} turn {g.data['turn']}: logprob {g.data['logprobs'][i]:.4f} but "
-                                        f"the model under version {version} gives {float(actual[i]):.4f}: it did not run with those weights")
+                        r.add(
+                            "replay",
+                            f"episode {g.data['episode']} turn {g.data['turn']}: logprob {g.data['logprobs'][i]:.4f} "
+                            "but "
+                            f"the model under version {version} gives {float(actual[i]):.4f}: it did not run with "
+                            "those weights",
+                        )
                     temperature = g.data.get("temperature", 0.0)
                     if temperature > 0:
                         deviation, variance = temperature_terms(rows, chosen, temperature)
@@ -117,18 +133,26 @@ def replay_turns(ix: "TraceIndex", r: "Reasons", spec: "TargetSpec", load_weight
     z = z_sum / math.sqrt(z_var) if z_var > 0 else 0.0
     if abs(z) > TEMPERATURE_Z:
         how = "more likely (colder or greedier)" if z > 0 else "less likely (hotter)"
-        r.add("sampling temperature", f"over {sampled_tokens} sampled tokens, tokens are {how} than sampling at the spec's "
-                                      f"temperature {spec.workload.training.temperature} gives (z = {z:.1f}; an honest engine "
-                                      f"exceeds |z| > {TEMPERATURE_Z:g} with probability under 1e-4)")
-    return {"replay_coverage": coverage, "replayed_turns": len(sample), "max_replay_logprob_diff": worst,
-            "temperature_z": z, "temperature_tokens": sampled_tokens}
+        r.add(
+            "sampling temperature",
+            f"over {sampled_tokens} sampled tokens, tokens are {how} than sampling at the spec's "
+            f"temperature {spec.workload.training.temperature} gives (z = {z:.1f}; an honest engine "
+            f"exceeds |z| > {TEMPERATURE_Z:g} with probability under 1e-4)",
+        )
+    return {
+        "replay_coverage": coverage,
+        "replayed_turns": len(sample),
+        "max_replay_logprob_diff": worst,
+        "temperature_z": z,
+        "temperature_tokens": sampled_tokens,
+    }
 
 
 def _relative_update_error(before: StateDict, after: StateDict, reference_after: StateDict) -> float:
     err_sq = ref_sq = cand_sq = 0.0
     for name, start in before.items():
-        d_ref = (reference_after[name].double().cpu() - start.double())
-        d_cand = (after[name].double() - start.double())
+        d_ref = reference_after[name].double().cpu() - start.double()
+        d_cand = after[name].double() - start.double()
         err_sq += float((d_cand - d_ref).norm()) ** 2
         ref_sq += float(d_ref.norm()) ** 2
         cand_sq += float(d_cand.norm()) ** 2
@@ -137,8 +161,13 @@ def _relative_update_error(before: StateDict, after: StateDict, reference_after:
     return math.sqrt(err_sq / ref_sq)
 
 
-def replay_training(ix: "TraceIndex", r: "Reasons", spec: "TargetSpec", load_weights: Callable[[int], StateDict | None],
-                    make_model: Callable[[StateDict], torch.nn.Module]) -> dict:
+def replay_training(
+    ix: TraceIndex,
+    r: Reasons,
+    spec: TargetSpec,
+    load_weights: Callable[[int], StateDict | None],
+    make_model: Callable[[StateDict], torch.nn.Module],
+) -> dict:
     from targets.harness.reference.trainer import ReferenceTrainer
 
     initial = load_weights(0)
@@ -154,8 +183,13 @@ def replay_training(ix: "TraceIndex", r: "Reasons", spec: "TargetSpec", load_wei
             break
         trainer.load_state_dict(before)
         try:
-            batch = TrainBatch([Trajectory(t["episode"], t["group"], t["tokens"], t["loss_mask"], t["logprobs"], t["reward"], [])
-                                for t in train.data["trajectories"]], list(train.data["advantages"]))
+            batch = TrainBatch(
+                [
+                    Trajectory(t["episode"], t["group"], t["tokens"], t["loss_mask"], t["logprobs"], t["reward"], [])
+                    for t in train.data["trajectories"]
+                ],
+                list(train.data["advantages"]),
+            )
         except ValueError as error:
             r.add("training replay", f"step {k}: the recorded batch cannot be replayed ({error})")
             break
@@ -163,9 +197,12 @@ def replay_training(ix: "TraceIndex", r: "Reasons", spec: "TargetSpec", load_wei
         error = _relative_update_error(before, after, trainer.state_dict())
         errors.append(error)
         if error > spec.accuracy.update_rtol:
-            r.add("training replay", f"step {k}: the weights are not the reference GRPO step on the batch the harness saw "
-                                     f"(relative error {error:.3g} > {spec.accuracy.update_rtol:g}): the trainer dropped, "
-                                     "altered or skipped part of it, or trained differently than in check 2")
+            r.add(
+                "training replay",
+                f"step {k}: the weights are not the reference GRPO step on the batch the harness saw "
+                f"(relative error {error:.3g} > {spec.accuracy.update_rtol:g}): the trainer dropped, "
+                "altered or skipped part of it, or trained differently than in check 2",
+            )
         before = after
     last = load_weights(len(ix.trains)) if ix.trains else None
     if last is not None and all(torch.equal(initial[k], last[k]) for k in initial):

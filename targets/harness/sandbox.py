@@ -22,19 +22,48 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 log = logging.getLogger("vibetrain.sandbox")
 
-SAFE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "VIBETRAIN_CACHE",
-            "OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAY_USAGE_STATS_ENABLED", "CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV")
+SAFE_ENV = (
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+    "PYTHONPATH",
+    "PYTHONUNBUFFERED",
+    "PYTHONHASHSEED",
+    "VIBETRAIN_CACHE",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "RAY_USAGE_STATS_ENABLED",
+    "CUDA_VISIBLE_DEVICES",
+    "VIRTUAL_ENV",
+)
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
 BACKENDS = ("bubblewrap", "docker", "subprocess")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/sys")
-ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf", "hosts",
-             "host.conf", "gai.conf", "protocols", "services", "ssl", "ca-certificates", "alternatives", "mime.types")
+ETC_FILES = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "hosts",
+    "host.conf",
+    "gai.conf",
+    "protocols",
+    "services",
+    "ssl",
+    "ca-certificates",
+    "alternatives",
+    "mime.types",
+)
 _announced: set[str] = set()
 
 
@@ -45,15 +74,20 @@ class SandboxUnavailable(RuntimeError):
 def scrubbed_environment(env: dict[str, str]) -> dict[str, str]:
     """Only what a candidate needs; never anything that looks like a secret."""
     kept = {k: v for k, v in env.items() if k in SAFE_ENV and not SECRET.search(k)}
-    kept.setdefault("VIBETRAIN_CACHE", str(Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain"))))
+    kept.setdefault(
+        "VIBETRAIN_CACHE", str(Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain")))
+    )
     return kept
 
 
 def _bubblewrap_works() -> bool:
     if shutil.which("bwrap") is None:
         return False
-    probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(
+        ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"],
+        capture_output=True,
+        timeout=30,
+    )
     return probe.returncode == 0
 
 
@@ -76,8 +110,14 @@ def python_paths() -> list[Path]:
     and the project checkout itself (an editable install's import finder points there without
     putting it on sys.path)."""
     project = Path(__file__).resolve().parents[2]
-    return [Path(sys.prefix), Path(sys.exec_prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent, project,
-            *(Path(entry) for entry in sys.path if entry)]
+    return [
+        Path(sys.prefix),
+        Path(sys.exec_prefix),
+        Path(sys.base_prefix),
+        Path(sys.executable).resolve().parent,
+        project,
+        *(Path(entry) for entry in sys.path if entry),
+    ]
 
 
 def outermost(paths: Sequence[Path]) -> list[Path]:
@@ -85,8 +125,9 @@ def outermost(paths: Sequence[Path]) -> list[Path]:
     ancestors never qualify (the sandbox's /tmp is its own; a cwd of /tmp on sys.path is no reason
     to show the host's)."""
     private = Path("/tmp")
-    found = sorted({Path(p).resolve() for p in paths if Path(p).exists()} - {private, *private.parents},
-                   key=lambda p: len(p.parts))
+    found = sorted(
+        {Path(p).resolve() for p in paths if Path(p).exists()} - {private, *private.parents}, key=lambda p: len(p.parts)
+    )
     kept: list[Path] = []
     for path in found:
         if not any(path == k or k in path.parents for k in kept):
@@ -104,7 +145,7 @@ class Sandbox:
     docker_image: str | None = None
 
     @classmethod
-    def detect(cls, preferred: str = "auto") -> "Sandbox":
+    def detect(cls, preferred: str = "auto") -> Sandbox:
         """``auto``: bubblewrap, else Docker, else refuse. ``subprocess`` must be named to be used."""
         if preferred not in ("auto", *BACKENDS):
             raise SandboxUnavailable(f"unknown sandbox {preferred!r}; choose auto or one of {', '.join(BACKENDS)}")
@@ -115,15 +156,20 @@ class Sandbox:
         if preferred in ("auto", "docker") and (image := _docker_image()):
             return cls("docker", image)
         if preferred == "docker":
-            raise SandboxUnavailable("--sandbox docker: set VIBETRAIN_DOCKER_IMAGE to a local image and start a Docker daemon")
+            raise SandboxUnavailable(
+                "--sandbox docker: set VIBETRAIN_DOCKER_IMAGE to a local image and start a Docker daemon"
+            )
         if preferred == "auto":
             raise SandboxUnavailable(
                 "neither bubblewrap nor Docker can run here, so candidate code would run unisolated: install "
-                "bubblewrap (apt-get install bubblewrap), or pass --sandbox subprocess to accept no isolation")
+                "bubblewrap (apt-get install bubblewrap), or pass --sandbox subprocess to accept no isolation"
+            )
         if "subprocess" not in _announced:
             _announced.add("subprocess")
-            log.warning("SANDBOX: --sandbox subprocess: candidate code runs as a plain subprocess with time/memory/process "
-                        "limits and a scrubbed environment, but NO filesystem or network isolation")
+            log.warning(
+                "SANDBOX: --sandbox subprocess: candidate code runs as a plain subprocess with time/memory/process "
+                "limits and a scrubbed environment, but NO filesystem or network isolation"
+            )
         return cls("subprocess")
 
     @property
@@ -132,15 +178,23 @@ class Sandbox:
         return f"docker:{self.docker_image}" if self.backend == "docker" else self.backend
 
     @classmethod
-    def named(cls, name: str) -> "Sandbox":
+    def named(cls, name: str) -> Sandbox:
         if name.startswith("docker:"):
             return cls("docker", name.split(":", 1)[1])
         if name not in BACKENDS:
             raise SandboxUnavailable(f"unknown sandbox {name!r}")
         return cls(name)
 
-    def wrap(self, command: list[str], env: dict, *, readable: Sequence[Path] = (), writable: Sequence[Path] = (),
-             cwd: Path | None = None, gpus: bool = False) -> tuple[list[str], dict]:
+    def wrap(
+        self,
+        command: list[str],
+        env: dict,
+        *,
+        readable: Sequence[Path] = (),
+        writable: Sequence[Path] = (),
+        cwd: Path | None = None,
+        gpus: bool = False,
+    ) -> tuple[list[str], dict]:
         """The command and environment that run ``command`` inside this sandbox."""
         clean = scrubbed_environment(env)
         if self.backend == "subprocess":
@@ -148,13 +202,29 @@ class Sandbox:
         cache = Path(clean["VIBETRAIN_CACHE"]).resolve()
         cache.mkdir(parents=True, exist_ok=True)
         writable = outermost(writable)
-        readonly = [p for p in outermost([cache, *python_paths(), *readable, *(a for a in command if a.startswith("/"))])
-                    if not any(p == w or w in p.parents for w in writable)]
+        readonly = [
+            p
+            for p in outermost([cache, *python_paths(), *readable, *(a for a in command if a.startswith("/"))])
+            if not any(p == w or w in p.parents for w in writable)
+        ]
         cwd = Path(cwd or (writable[0] if writable else "/tmp"))
         variables = {**clean, "HOME": "/tmp/home", "TMPDIR": "/tmp", "RAY_AUTH_MODE": "disabled"}
         if self.backend == "bubblewrap":
-            wrapped = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-                       "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--dir", "/tmp/home"]
+            wrapped = [
+                "bwrap",
+                "--unshare-all",
+                "--die-with-parent",
+                "--new-session",
+                "--clearenv",
+                "--dev",
+                "/dev",
+                "--proc",
+                "/proc",
+                "--tmpfs",
+                "/tmp",
+                "--dir",
+                "/tmp/home",
+            ]
             for path in SYSTEM_PATHS:
                 if os.path.exists(path):
                     wrapped += ["--ro-bind", path, path]
@@ -164,7 +234,9 @@ class Sandbox:
             if gpus:
                 for node in gpu_device_nodes():
                     wrapped += ["--dev-bind", node, node]
-            mounts = sorted([(p, "--ro-bind") for p in readonly] + [(p, "--bind") for p in writable], key=lambda m: len(m[0].parts))
+            mounts = sorted(
+                [(p, "--ro-bind") for p in readonly] + [(p, "--bind") for p in writable], key=lambda m: len(m[0].parts)
+            )
             for path, how in mounts:
                 wrapped += [how, str(path), str(path)]
             wrapped += ["--remount-ro", "/"]  # everything not bound writable is read-only (the root's own tmpfs too)

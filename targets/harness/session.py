@@ -17,9 +17,9 @@ import hashlib
 import math
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from targets.api import TraceEvent
 from targets.harness.check_result import CheckResult
@@ -30,8 +30,22 @@ from targets.harness.target import Target
 from targets.harness.trace import Trace
 
 CLOCK_TOLERANCE = (0.05, 0.5)  # relative, absolute seconds: the pipe and the parent's wake-up are fast
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+T_975 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    12: 2.179,
+    15: 2.131,
+    20: 2.086,
+    30: 2.042,
+}
 
 
 def directory_digest(directory: Path) -> str:
@@ -49,13 +63,22 @@ def clock_check(run: HarnessRun, events: list[TraceEvent]) -> CheckResult:
     end = next((e.t for e in events if e.kind == "run_end"), None)
     measured = run.parent_seconds
     if start is None or end is None or measured is None:
-        return CheckResult("clock", False, ["the run's start and end were not both seen by the harness and the parent"], {})
+        return CheckResult(
+            "clock", False, ["the run's start and end were not both seen by the harness and the parent"], {}
+        )
     recorded = end - start
     allowed = CLOCK_TOLERANCE[0] * measured + CLOCK_TOLERANCE[1]
     details = {"trace_seconds": recorded, "parent_seconds": measured}
     if abs(recorded - measured) > allowed:
-        return CheckResult("clock", False, [f"the trace says the run took {recorded:.2f}s, the parent measured {measured:.2f}s: "
-                                            "the clock that stamped the trace did not keep time"], details)
+        return CheckResult(
+            "clock",
+            False,
+            [
+                f"the trace says the run took {recorded:.2f}s, the parent measured {measured:.2f}s: "
+                "the clock that stamped the trace did not keep time"
+            ],
+            details,
+        )
     return CheckResult("clock", True, [], details)
 
 
@@ -92,13 +115,21 @@ class Paired:
     against: str = ""
 
     @classmethod
-    def of(cls, candidate: list[float], baseline: list[float], maximize: bool = True, against: str = "",
-           deterministic: bool = False) -> "Paired":
+    def of(
+        cls,
+        candidate: list[float],
+        baseline: list[float],
+        maximize: bool = True,
+        against: str = "",
+        deterministic: bool = False,
+    ) -> Paired:
         logs = [math.log(c / b) if maximize else math.log(b / c) for c, b in zip(candidate, baseline)]
         n = len(logs)
         mean = statistics.fmean(logs)
         if n < 2:
-            half = 0.0 if deterministic else math.inf  # one simulated pair is exact for its seed; one real pair says nothing of noise
+            half = (
+                0.0 if deterministic else math.inf
+            )  # one simulated pair is exact for its seed; one real pair says nothing of noise
         else:
             t = T_975.get(n - 1) or next((v for k, v in sorted(T_975.items()) if k >= n - 1), 1.96)
             half = t * statistics.stdev(logs) / math.sqrt(n)
@@ -142,13 +173,20 @@ class Session:
     def _judged_run(self, stack_dir: Path, out: Path, mode: str, seed: int, steps: int | None = None) -> Measurement:
         integrity = scan_stack(Path(stack_dir))
         if not integrity.passed:
-            return Measurement([integrity, CheckResult("not_run", False, ["the candidate was not executed: it failed the integrity scan"])])
+            return Measurement(
+                [
+                    integrity,
+                    CheckResult("not_run", False, ["the candidate was not executed: it failed the integrity scan"]),
+                ]
+            )
         checks = [integrity]
         harness_before, stack_before = harness_digest(), directory_digest(Path(stack_dir) / "stack")
         run = run_harness(self.target, stack_dir, out, mode, self.limits, self.sandbox, seed=seed, steps=steps)
         changed = sorted(name for name, digest in harness_digest().items() if harness_before.get(name) != digest)
         if changed:
-            checks.append(CheckResult("harness_unchanged", False, [f"harness files changed during the run: {changed[:5]}"]))
+            checks.append(
+                CheckResult("harness_unchanged", False, [f"harness files changed during the run: {changed[:5]}"])
+            )
         if directory_digest(Path(stack_dir) / "stack") != stack_before:
             checks.append(CheckResult("candidate_unchanged", False, ["the candidate's own files changed while it ran"]))
         if mode == "check":
@@ -170,15 +208,22 @@ class Session:
         return Measurement(checks, metrics, out / "trace.jsonl", seed)
 
     # -- paired measurement ------------------------------------------------------------------------------
-    def compare(self, candidate: Path, baseline: Path, out: Path, seeds: list[int], against: str = "",
-                first: Measurement | None = None,
-                on_run: Callable[[str, int], None] = lambda name, i: None) -> tuple[list[Measurement], list[Measurement], Paired]:
+    def compare(
+        self,
+        candidate: Path,
+        baseline: Path,
+        out: Path,
+        seeds: list[int],
+        against: str = "",
+        first: Measurement | None = None,
+        on_run: Callable[[str, int], None] = lambda name, i: None,
+    ) -> tuple[list[Measurement], list[Measurement], Paired]:
         """Interleaved A B / B A pairs with one seed each; raises ``MeasurementFailed`` on any finding.
         ``first``: a candidate run already made with ``seeds[0]`` (the judge's), which opens pair 0."""
         ours, theirs = [], []
         for i, seed in enumerate(seeds):
             order = [("candidate", candidate, ours), ("baseline", baseline, theirs)]
-            for name, stack, into in (order if i % 2 == 0 else order[::-1]):
+            for name, stack, into in order if i % 2 == 0 else order[::-1]:
                 if i == 0 and name == "candidate" and first is not None:
                     measurement = first
                 else:
@@ -188,8 +233,13 @@ class Session:
                 into.append(measurement)
                 on_run(name, i)
         metric = self.target.spec.headline_metric
-        paired = Paired.of([m.metrics[metric.name] for m in ours], [m.metrics[metric.name] for m in theirs],
-                           metric.direction == "maximize", against, deterministic=self.target.simulated)
+        paired = Paired.of(
+            [m.metrics[metric.name] for m in ours],
+            [m.metrics[metric.name] for m in theirs],
+            metric.direction == "maximize",
+            against,
+            deterministic=self.target.simulated,
+        )
         return ours, theirs, paired
 
 

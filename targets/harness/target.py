@@ -35,15 +35,25 @@ def resolve_execution(spec: TargetSpec, simulate: bool = False) -> Literal["real
         return "real"
     if spec.execution == "auto":
         return "simulated"
-    raise TargetUnavailable(f"target {spec.id} executes for real on {spec.hardware.count} {spec.hardware.kind} GPU(s), "
-                            f"and this machine has {have}: run it on a machine with them, or pass --simulate")
+    raise TargetUnavailable(
+        f"target {spec.id} executes for real on {spec.hardware.count} {spec.hardware.kind} GPU(s), "
+        f"and this machine has {have}: run it on a machine with them, or pass --simulate"
+    )
 
 
 def workload_view(spec: TargetSpec) -> Workload:
     w = spec.workload
-    return Workload(batch_size=w.batch_size, group_size=w.group_size, async_ratio=w.async_ratio, prompt_tokens=w.tokens.prompt,
-                    observation_tokens=w.tokens.observation, response_tokens=w.tokens.response,
-                    max_sequence=w.tokens.max_sequence, temperature=w.training.temperature, training=w.training.config())
+    return Workload(
+        batch_size=w.batch_size,
+        group_size=w.group_size,
+        async_ratio=w.async_ratio,
+        prompt_tokens=w.tokens.prompt,
+        observation_tokens=w.tokens.observation,
+        response_tokens=w.tokens.response,
+        max_sequence=w.tokens.max_sequence,
+        temperature=w.training.temperature,
+        training=w.training.config(),
+    )
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ class Target:
     execution: Literal["real", "simulated"]
 
     @classmethod
-    def load(cls, ref: str | Path, simulate: bool = False) -> "Target":
+    def load(cls, ref: str | Path, simulate: bool = False) -> Target:
         spec = load_target(ref)
         path = Path(ref)
         named = str(path.resolve()) if path.exists() else str(ref)
@@ -83,9 +93,16 @@ class Target:
         from targets.harness.tokenizer import EOS, VOCAB
 
         model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
-        return Runtime(str(model_dir(model)), model.dtype, self.devices(), DEVICE_RESOURCE, (VOCAB.ids[EOS],),
-                       workload_view(self.spec), "cuda" if self.gpu else "cpu",
-                       int(self.spec.hardware.memory_gb * 1e9) if self.gpu else 0)
+        return Runtime(
+            str(model_dir(model)),
+            model.dtype,
+            self.devices(),
+            DEVICE_RESOURCE,
+            (VOCAB.ids[EOS],),
+            workload_view(self.spec),
+            "cuda" if self.gpu else "cpu",
+            int(self.spec.hardware.memory_gb * 1e9) if self.gpu else 0,
+        )
 
     def reference_model(self):
         """The model the checks and the audit compare against, on the same device and dtype."""

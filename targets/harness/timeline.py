@@ -48,8 +48,14 @@ def plot_timelines(runs: list[tuple[str, list[TraceEvent], list[str]]], path: Pa
     """``runs``: (title, events, device ids) per schedule."""
     panels = [(title, device_rows(events, devices)) for title, events, devices in runs]
     heights = [max(1, len(rows)) * 0.45 + 0.6 for _, rows in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights) + 0.8), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(12, sum(heights) + 0.8),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
     for ax, (title, rows) in zip(axes[:, 0], panels):
         for row, (_, exclusive) in enumerate(rows):
             for activity in ACTIVITIES:
@@ -60,8 +66,13 @@ def plot_timelines(runs: list[tuple[str, list[TraceEvent], list[str]]], path: Pa
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("seconds since run start")
-    fig.legend(handles=[Patch(color=COLORS[a], label=a) for a in ("rollout", "train", "sync", "switching")] +
-               [Patch(facecolor="white", edgecolor="grey", label="idle")], loc="upper right", ncol=5, fontsize=9)
+    fig.legend(
+        handles=[Patch(color=COLORS[a], label=a) for a in ("rollout", "train", "sync", "switching")]
+        + [Patch(facecolor="white", edgecolor="grey", label="idle")],
+        loc="upper right",
+        ncol=5,
+        fontsize=9,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)

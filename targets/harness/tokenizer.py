@@ -15,11 +15,24 @@ PAD, EOS, OBS, ACT, CTX = "<pad>", "<eos>", "<obs>", "<act>", "<ctx>"
 SPECIAL_WORDS = [PAD, EOS, OBS, ACT, CTX]
 DIGITS = [str(d) for d in range(10)]
 LETTERS = [chr(ord("a") + i) for i in range(26)]
-WORDS = ["guess", "number", "between", "and", "higher", "lower", "correct", "invalid", "repeat", "ok", "done", "timeout"]
+WORDS = [
+    "guess",
+    "number",
+    "between",
+    "and",
+    "higher",
+    "lower",
+    "correct",
+    "invalid",
+    "repeat",
+    "ok",
+    "done",
+    "timeout",
+]
 NAMED_VOCAB = SPECIAL_WORDS + DIGITS + LETTERS + WORDS
 
 
-def build_tokenizer(vocab_size: int) -> "PreTrainedTokenizerFast":
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

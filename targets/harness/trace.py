@@ -8,8 +8,9 @@ lists (``record_tokens=False``); everything that reads token payloads goes throu
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from targets.api import EventKind, TraceEvent
 from targets.harness.clock import Clock

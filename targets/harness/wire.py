@@ -13,7 +13,8 @@ so on a simulated controller link prompts and trajectories travel as counts (``T
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -63,8 +64,12 @@ def _ints(data: Any, key: str, where: str) -> list[int]:
 
 
 def put_params(p: SamplingParams) -> dict:
-    return {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "seed": p.seed,
-            "stop_token_ids": list(p.stop_token_ids)}
+    return {
+        "max_new_tokens": p.max_new_tokens,
+        "temperature": p.temperature,
+        "seed": p.seed,
+        "stop_token_ids": list(p.stop_token_ids),
+    }
 
 
 def get_params(d: Any) -> SamplingParams:
@@ -72,22 +77,36 @@ def get_params(d: Any) -> SamplingParams:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ProtocolError("params.seed: expected an integer or null")
     try:
-        return SamplingParams(field_of(d, "max_new_tokens", int, "params"), field_of(d, "temperature", float, "params"),
-                              seed, tuple(_ints(d, "stop_token_ids", "params")))
+        return SamplingParams(
+            field_of(d, "max_new_tokens", int, "params"),
+            field_of(d, "temperature", float, "params"),
+            seed,
+            tuple(_ints(d, "stop_token_ids", "params")),
+        )
     except ValueError as error:
         raise ProtocolError(f"params: {error}") from None
 
 
 def put_config(c: TrainingConfig) -> dict:
-    return {"lr": c.lr, "clip_eps": c.clip_eps, "kl_coef": c.kl_coef, "max_grad_norm": c.max_grad_norm,
-            "betas": list(c.betas), "eps": c.eps, "weight_decay": c.weight_decay}
+    return {
+        "lr": c.lr,
+        "clip_eps": c.clip_eps,
+        "kl_coef": c.kl_coef,
+        "max_grad_norm": c.max_grad_norm,
+        "betas": list(c.betas),
+        "eps": c.eps,
+        "weight_decay": c.weight_decay,
+    }
 
 
 def get_config(d: Any) -> TrainingConfig:
     betas = field_of(d, "betas", list, "config")
     if len(betas) != 2 or not all(isinstance(b, (int, float)) for b in betas):
         raise ProtocolError("config.betas: expected two numbers")
-    floats = {k: field_of(d, k, float, "config") for k in ("lr", "clip_eps", "kl_coef", "max_grad_norm", "eps", "weight_decay")}
+    floats = {
+        k: field_of(d, k, float, "config")
+        for k in ("lr", "clip_eps", "kl_coef", "max_grad_norm", "eps", "weight_decay")
+    }
     return TrainingConfig(**floats, betas=(float(betas[0]), float(betas[1])))
 
 
@@ -98,25 +117,55 @@ def put_devices(devices) -> list[dict]:
 def get_devices(data: Any) -> list[Device]:
     if not isinstance(data, list):
         raise ProtocolError("devices: expected a list")
-    return [Device(field_of(d, "id", str, "device"), field_of(d, "kind", str, "device"), field_of(d, "index", int, "device"))
-            for d in data]
+    return [
+        Device(
+            field_of(d, "id", str, "device"), field_of(d, "kind", str, "device"), field_of(d, "index", int, "device")
+        )
+        for d in data
+    ]
 
 
 def put_runtime(r: Runtime) -> dict:
     w = r.workload
-    workload = {k: getattr(w, k) for k in ("batch_size", "group_size", "async_ratio", "prompt_tokens", "observation_tokens",
-                                           "response_tokens", "max_sequence", "temperature")}
-    return {"model_path": r.model_path, "dtype": r.dtype, "devices": put_devices(r.devices), "device_resource": r.device_resource,
-            "stop_token_ids": list(r.stop_token_ids), "accelerator": r.accelerator, "device_memory_bytes": r.device_memory_bytes,
-            "workload": {**workload, "training": put_config(w.training)}}
+    workload = {
+        k: getattr(w, k)
+        for k in (
+            "batch_size",
+            "group_size",
+            "async_ratio",
+            "prompt_tokens",
+            "observation_tokens",
+            "response_tokens",
+            "max_sequence",
+            "temperature",
+        )
+    }
+    return {
+        "model_path": r.model_path,
+        "dtype": r.dtype,
+        "devices": put_devices(r.devices),
+        "device_resource": r.device_resource,
+        "stop_token_ids": list(r.stop_token_ids),
+        "accelerator": r.accelerator,
+        "device_memory_bytes": r.device_memory_bytes,
+        "workload": {**workload, "training": put_config(w.training)},
+    }
 
 
 def get_runtime(d: dict) -> Runtime:
     """Only candidate processes decode a runtime (the harness wrote it): no hostile input here."""
     w = d["workload"]
     workload = Workload(**{k: v for k, v in w.items() if k != "training"}, training=get_config(w["training"]))
-    return Runtime(d["model_path"], d["dtype"], tuple(get_devices(d["devices"])), d["device_resource"],
-                   tuple(d["stop_token_ids"]), workload, d["accelerator"], d["device_memory_bytes"])
+    return Runtime(
+        d["model_path"],
+        d["dtype"],
+        tuple(get_devices(d["devices"])),
+        d["device_resource"],
+        tuple(d["stop_token_ids"]),
+        workload,
+        d["accelerator"],
+        d["device_memory_bytes"],
+    )
 
 
 def put_declared(d: Declared) -> dict:
@@ -142,18 +191,32 @@ def get_step_result(d: dict) -> StepResult:
 
 
 def put_completion(frame: Frame, c: Completion) -> dict:
-    return {"tokens": frame.array(c.tokens, "i4"), "logprobs": frame.array(c.logprobs, "f8"),
-            "finish_reason": c.finish_reason, "weight_version": c.weight_version, "device": c.device}
+    return {
+        "tokens": frame.array(c.tokens, "i4"),
+        "logprobs": frame.array(c.logprobs, "f8"),
+        "finish_reason": c.finish_reason,
+        "weight_version": c.weight_version,
+        "device": c.device,
+    }
 
 
 def get_completion(rx: Received, d: Any) -> Completion:
     finish = field_of(d, "finish_reason", str, "completion")
     if finish not in FINISH_REASONS:
         raise ProtocolError(f"completion.finish_reason: {finish!r} is not one of {FINISH_REASONS}")
-    tokens, logprobs = rx.ints(field_of(d, "tokens", dict, "completion")), rx.floats(field_of(d, "logprobs", dict, "completion"))
+    tokens, logprobs = (
+        rx.ints(field_of(d, "tokens", dict, "completion")),
+        rx.floats(field_of(d, "logprobs", dict, "completion")),
+    )
     if len(tokens) != len(logprobs):
         raise ProtocolError(f"completion: {len(tokens)} tokens but {len(logprobs)} logprobs")
-    return Completion(tokens, logprobs, finish, field_of(d, "weight_version", int, "completion"), field_of(d, "device", str, "completion"))
+    return Completion(
+        tokens,
+        logprobs,
+        finish,
+        field_of(d, "weight_version", int, "completion"),
+        field_of(d, "device", str, "completion"),
+    )
 
 
 # -- prompts and trajectories, by reference to the episode's previous prompt ------------------------
@@ -227,8 +290,12 @@ class PromptMemory:
 
 
 def put_request(frame: Frame, r: GenerateRequest, memory: PromptMemory) -> dict:
-    return {"episode_id": r.episode_id, "turn": r.turn, "prompt": memory.put(frame, r.episode_id, r.prompt),
-            "params": put_params(r.params)}
+    return {
+        "episode_id": r.episode_id,
+        "turn": r.turn,
+        "prompt": memory.put(frame, r.episode_id, r.prompt),
+        "params": put_params(r.params),
+    }
 
 
 def get_request(rx: Received, d: Any, memory: PromptMemory) -> GenerateRequest:
@@ -236,12 +303,19 @@ def get_request(rx: Received, d: Any, memory: PromptMemory) -> GenerateRequest:
     prompt = memory.get(rx, field_of(d, "prompt", dict, "request"), episode)
     if not prompt:
         raise ProtocolError(f"request for {episode}: an empty prompt")
-    return GenerateRequest(episode, field_of(d, "turn", int, "request"), prompt, get_params(field_of(d, "params", dict, "request")))
+    return GenerateRequest(
+        episode, field_of(d, "turn", int, "request"), prompt, get_params(field_of(d, "params", dict, "request"))
+    )
 
 
 def put_plain_request(frame: Frame, r: GenerateRequest) -> dict:
     """A request with its whole prompt (the harness -> cluster leg: prompts of real runs are short)."""
-    return {"episode_id": r.episode_id, "turn": r.turn, "prompt": frame.array(r.prompt, "i4"), "params": put_params(r.params)}
+    return {
+        "episode_id": r.episode_id,
+        "turn": r.turn,
+        "prompt": frame.array(r.prompt, "i4"),
+        "params": put_params(r.params),
+    }
 
 
 def get_plain_request(rx: Received, d: dict) -> GenerateRequest:
@@ -250,8 +324,14 @@ def get_plain_request(rx: Received, d: dict) -> GenerateRequest:
 
 def put_trajectory(frame: Frame, t: Trajectory, memory: PromptMemory | None) -> dict:
     """Off the loss mask a trajectory's logprobs are 0.0 by the contract: only masked ones travel."""
-    fields = {"episode_id": t.episode_id, "group_id": t.group_id, "reward": t.reward, "weight_versions": list(t.weight_versions),
-              "created_at_step": t.created_at_step, "timed_out": t.timed_out}
+    fields = {
+        "episode_id": t.episode_id,
+        "group_id": t.group_id,
+        "reward": t.reward,
+        "weight_versions": list(t.weight_versions),
+        "created_at_step": t.created_at_step,
+        "timed_out": t.timed_out,
+    }
     if memory is not None and memory.counts:
         memory.forget(t.episode_id)
         return {**fields, "count": len(t.tokens)}
@@ -267,9 +347,17 @@ def put_trajectory(frame: Frame, t: Trajectory, memory: PromptMemory | None) -> 
 
 def _trajectory(d: Any, episode: str, tokens, loss_mask, logprobs) -> Trajectory:
     try:
-        return Trajectory(episode, field_of(d, "group_id", str, "trajectory"), tokens, loss_mask, logprobs,
-                          field_of(d, "reward", float, "trajectory"), _ints(d, "weight_versions", "trajectory"),
-                          field_of(d, "created_at_step", int, "trajectory"), field_of(d, "timed_out", bool, "trajectory"))
+        return Trajectory(
+            episode,
+            field_of(d, "group_id", str, "trajectory"),
+            tokens,
+            loss_mask,
+            logprobs,
+            field_of(d, "reward", float, "trajectory"),
+            _ints(d, "weight_versions", "trajectory"),
+            field_of(d, "created_at_step", int, "trajectory"),
+            field_of(d, "timed_out", bool, "trajectory"),
+        )
     except ValueError as error:
         raise ProtocolError(str(error)) from None
 
@@ -290,15 +378,20 @@ def get_trajectory(rx: Received, d: Any, memory: PromptMemory | None) -> Traject
         raise ProtocolError(f"trajectory {episode}: loss_mask must hold only 0 and 1")
     masked = rx.array(field_of(d, "logprobs", dict, "trajectory"), "f8")
     if len(mask) != len(tokens) or int(mask.sum()) != len(masked):
-        raise ProtocolError(f"trajectory {episode}: {len(tokens)} tokens, a mask of {len(mask)} with {int(mask.sum())} "
-                            f"response tokens, and {len(masked)} logprobs")
+        raise ProtocolError(
+            f"trajectory {episode}: {len(tokens)} tokens, a mask of {len(mask)} with {int(mask.sum())} "
+            f"response tokens, and {len(masked)} logprobs"
+        )
     logprobs = np.zeros(len(tokens))
     logprobs[mask == 1] = masked
     return _trajectory(d, episode, tokens, mask.astype(np.int64).tolist(), logprobs.tolist())
 
 
 def put_batch(frame: Frame, batch: TrainBatch, memory: PromptMemory | None = None) -> dict:
-    return {"trajectories": [put_trajectory(frame, t, memory) for t in batch.trajectories], "advantages": list(batch.advantages)}
+    return {
+        "trajectories": [put_trajectory(frame, t, memory) for t in batch.trajectories],
+        "advantages": list(batch.advantages),
+    }
 
 
 def get_batch(rx: Received, d: Any, memory: PromptMemory | None = None) -> TrainBatch:

@@ -8,7 +8,8 @@ could game — the clock, the latency, the reward bookkeeping, the record — li
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -54,7 +55,7 @@ class Episode:
         group_id: str,
         task_seed: int,
         episode_seed: int,
-        workload: "WorkloadSpec",
+        workload: WorkloadSpec,
         clock: Clock,
         trace: Trace,
     ) -> None:

@@ -16,7 +16,7 @@ dilute the credit (measured: 0.16 -> 0.21 in 30 steps instead of a clear rise).
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -19,7 +19,7 @@ DROP_REASONS = ("stale", "end_of_run", "max_sequence")
 class EnvironmentPool:
     """Follows ``targets.api.EnvSource`` and ``EnvDropper``."""
 
-    def __init__(self, workload: "WorkloadSpec", clock: Clock, trace: Trace, seed: int = 0) -> None:
+    def __init__(self, workload: WorkloadSpec, clock: Clock, trace: Trace, seed: int = 0) -> None:
         from targets.harness.environments import ENVIRONMENTS
 
         self.episode_class: type[Episode] = ENVIRONMENTS[workload.environment.name]

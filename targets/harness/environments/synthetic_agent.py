@@ -9,7 +9,7 @@ episode's reward is the mean turn score, paid out per step.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -3,7 +3,7 @@ KV cache), left-padded batches. Slow and obviously right: the yardstick for engi
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -18,11 +18,13 @@ def next_token_logits(model: PreTrainedModel, sequences: Sequence[TokenIds]) -> 
     tokens = torch.zeros(len(sequences), length, dtype=torch.long)
     attention = torch.zeros_like(tokens)
     for i, s in enumerate(sequences):
-        tokens[i, length - len(s):] = torch.tensor(s)
-        attention[i, length - len(s):] = 1
+        tokens[i, length - len(s) :] = torch.tensor(s)
+        attention[i, length - len(s) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     device = next(model.parameters()).device  # the reference runs where the target's model runs
-    logits = model(input_ids=tokens.to(device), attention_mask=attention.to(device), position_ids=positions.to(device)).logits
+    logits = model(
+        input_ids=tokens.to(device), attention_mask=attention.to(device), position_ids=positions.to(device)
+    ).logits
     return logits[:, -1].float().cpu()
 
 

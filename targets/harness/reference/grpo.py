@@ -39,8 +39,10 @@ class PaddedBatch:
     loss_mask: torch.Tensor  # [B, L] float, 1 for response tokens
     old_logprobs: torch.Tensor  # [B, L] behaviour logprobs (0 off the mask)
 
-    def to(self, device: torch.device) -> "PaddedBatch":
-        return PaddedBatch(self.tokens.to(device), self.attention.to(device), self.loss_mask.to(device), self.old_logprobs.to(device))
+    def to(self, device: torch.device) -> PaddedBatch:
+        return PaddedBatch(
+            self.tokens.to(device), self.attention.to(device), self.loss_mask.to(device), self.old_logprobs.to(device)
+        )
 
 
 def pad_trajectories(trajectories: list[Trajectory]) -> PaddedBatch:

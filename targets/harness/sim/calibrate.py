@@ -46,9 +46,13 @@ class Calibration:
 
     def yaml_fields(self) -> dict:
         """What to write into the target spec: ``hardware`` numbers and the ``simulator`` section."""
-        return {"hardware": {"mfu": round(self.mfu, 4), "bf16_tflops": round(self.bf16_tflops, 6)},
-                "simulator": {k: (round(v, 6) if isinstance(v, float) else v)
-                              for k, v in self.simulator.model_dump(exclude_none=True).items()}}
+        return {
+            "hardware": {"mfu": round(self.mfu, 4), "bf16_tflops": round(self.bf16_tflops, 6)},
+            "simulator": {
+                k: (round(v, 6) if isinstance(v, float) else v)
+                for k, v in self.simulator.model_dump(exclude_none=True).items()
+            },
+        }
 
 
 if TYPE_CHECKING:
@@ -173,7 +177,7 @@ def stack_batching(stack_dir: Path) -> str:
     return "continuous" if engine == "vllm" else "static"
 
 
-def measure_and_predict(session: "Session", stack_dir: Path, work: Path, steps: int | None = None) -> dict:
+def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: int | None = None) -> dict:
     """Run the stack for real, fit the cost model to its trace, write the calibrated target spec,
     simulate the same stack on it, and compare: the simulator's prediction error on that run. Both
     runs are judged like any measured run."""
@@ -200,6 +204,9 @@ def measure_and_predict(session: "Session", stack_dir: Path, work: Path, steps: 
     devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
     measured = compute_metrics(real_events, devices)
     predicted = compute_metrics(simulated.events(), devices)
-    compared = {m: {"real": measured[m], "simulated": predicted[m], "error": predicted[m] / measured[m] - 1}
-                for m in ("step_time_s", "rollout_throughput", "train_s") if measured[m]}
+    compared = {
+        m: {"real": measured[m], "simulated": predicted[m], "error": predicted[m] / measured[m] - 1}
+        for m in ("step_time_s", "rollout_throughput", "train_s")
+        if measured[m]
+    }
     return {"calibration": calibration, "calibrated_spec": calibrated_path, "compared": compared}

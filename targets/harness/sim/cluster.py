@@ -12,7 +12,7 @@ of the batch over the given devices; ``sync_weights`` drains each engine's runni
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 from targets.api import Aborted, Completion, Device, GenerateRequest, StateDict, TrainBatch
 from targets.harness.sim.cost_model import CostModel
@@ -30,8 +30,10 @@ class SimCluster:
                 f"{len(rollout)} rollout devices do not split into engines of {size} devices "
                 f"(the model needs {size} devices per engine)"
             )
-        self.engines = [SimEngine(f"engine{i}", [d.id for d in rollout[i * size : (i + 1) * size]], cost)
-                        for i in range(len(rollout) // size)]
+        self.engines = [
+            SimEngine(f"engine{i}", [d.id for d in rollout[i * size : (i + 1) * size]], cost)
+            for i in range(len(rollout) // size)
+        ]
         self._engine_of = {device: engine for engine in self.engines for device in engine.devices}
         self._active = set(self.engines)
         self._sticky: dict[str, SimEngine] = {}
@@ -98,8 +100,10 @@ class SimCluster:
             raise ValueError("train needs at least one device")
         awake = sorted(e.name for e in self._engines_on(devices) if not e.offloaded)
         if awake:
-            raise ValueError(f"the engines {awake} on the training devices are awake: shrink or suspend them first "
-                             "(an engine and a trainer never hold a device at once)")
+            raise ValueError(
+                f"the engines {awake} on the training devices are awake: shrink or suspend them first "
+                "(an engine and a trainer never hold a device at once)"
+            )
         self._training = {d.id for d in devices}
         await asyncio.sleep(self.cost.train_s([len(t.tokens) for t in batch.trajectories], len(devices)))
         self.version += 1

@@ -72,7 +72,7 @@ class CostModel:
     continuous_batching: bool = True
 
     @classmethod
-    def from_spec(cls, spec: TargetSpec) -> "CostModel":
+    def from_spec(cls, spec: TargetSpec) -> CostModel:
         model, hw, sim = spec.model, spec.hardware, spec.simulator
         c = model.config
         counts = model.param_counts()
@@ -135,13 +135,17 @@ class CostModel:
     def decode_iteration_s(self, batch: int, context_tokens: float) -> float:
         touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** batch if self.expert_params else 0.0
         weights = (self.dense_params + self.expert_params * touched) * self.dtype_bytes
-        memory_s = (weights + context_tokens * self.kv_bytes_per_token) / (self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency)
+        memory_s = (weights + context_tokens * self.kv_bytes_per_token) / (
+            self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency
+        )
         flops = 2 * self.active_params * batch + 4 * self.layers * self.attn_width * context_tokens
         compute_s = flops / (self.engine_devices * self.peak_flops * self.rollout_mfu)
         return max(memory_s, compute_s) + self.decode_step_overhead_s
 
     def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
-        flops = 2 * self.active_params * new_tokens + 4 * self.layers * self.attn_width * new_tokens * (cached_tokens + new_tokens / 2)
+        flops = 2 * self.active_params * new_tokens + 4 * self.layers * self.attn_width * new_tokens * (
+            cached_tokens + new_tokens / 2
+        )
         return flops / (self.engine_devices * self.peak_flops * self.rollout_mfu)
 
     # -- training and weights -------------------------------------------------------------------

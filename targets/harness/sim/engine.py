@@ -74,7 +74,9 @@ class SimEngine:
         if self.offloaded:
             raise RuntimeError(f"{self.name}: request routed to an offloaded engine")
         if prompt_tokens + max_new > self.capacity:
-            raise ValueError(f"{self.name}: a request of {prompt_tokens + max_new} tokens exceeds the KV capacity {self.capacity}")
+            raise ValueError(
+                f"{self.name}: a request of {prompt_tokens + max_new} tokens exceeds the KV capacity {self.capacity}"
+            )
         future = self._loop.create_future()
         head = not self.queue  # behind others, it cannot be admitted before they are: no need to interrupt
         self.queue.append(_Sequence(episode, prompt_tokens, max_new, future))
@@ -190,7 +192,11 @@ class SimEngine:
             return
         start, iteration = self._decoding
         self._decoding = None
-        progressed = min(min(s.max_new - s.generated for s in self.running), (self._loop.time() - start) / iteration) if self.running else 0.0
+        progressed = (
+            min(min(s.max_new - s.generated for s in self.running), (self._loop.time() - start) / iteration)
+            if self.running
+            else 0.0
+        )
         for seq in self.running:
             seq.generated += progressed
         self._context += progressed * len(self.running)
@@ -205,6 +211,7 @@ class SimEngine:
             seq.future.set_result(self._completion(seq, "length"))
         if done and not self.running:
             self._drained.set()
+
     def _completion(self, seq: _Sequence, finish: str) -> Completion:
         n = int(seq.generated + EPS) if finish == "abort" else seq.max_new
         start = zlib.crc32(seq.episode.encode()) % (len(FILLER) // 2)

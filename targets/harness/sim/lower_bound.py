@@ -56,17 +56,23 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
         return seconds * cost.engine_devices
 
     def critical_path(episode: str) -> float:
-        return sum(cost.prefill_s(new, context - new) + response * cost.decode_iteration_s(1, context + response / 2) + latency
-                   for context, new, response, latency in turns.get(episode, []))
+        return sum(
+            cost.prefill_s(new, context - new) + response * cost.decode_iteration_s(1, context + response / 2) + latency
+            for context, new, response, latency in turns.get(episode, [])
+        )
 
     work = []
     longest = 0.0
     for train in trains:
         episodes = [t["episode"] for t in train.data["trajectories"]]
         lengths = [token_count(t["tokens"]) for t in train.data["trajectories"]]
-        train_work = (cost.train_s(lengths, 1) - cost.train_step_overhead_s)
+        train_work = cost.train_s(lengths, 1) - cost.train_step_overhead_s
         work.append((sum(rollout_work(e) for e in episodes) + train_work) / devices)
         longest = max([longest] + [critical_path(e) for e in episodes])
     work_bound = sum(work) / len(work)
     path_bound = longest / (1 + spec.workload.async_ratio)
-    return {"lower_bound_step_s": max(work_bound, path_bound), "work_bound_s": work_bound, "critical_path_bound_s": path_bound}
+    return {
+        "lower_bound_step_s": max(work_bound, path_bound),
+        "work_bound_s": work_bound,
+        "critical_path_bound_s": path_bound,
+    }

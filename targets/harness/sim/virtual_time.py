@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import math
 import selectors
-from typing import Any, Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 
 class SimulationStalled(RuntimeError):
@@ -65,7 +66,7 @@ class _RealSelector(selectors.BaseSelector):
 class _ClockSelector(_RealSelector):
     """Real I/O first; when nothing is ready, the harness is idle and so is its peer, advance time."""
 
-    def __init__(self, loop: "VirtualTimeLoop") -> None:
+    def __init__(self, loop: VirtualTimeLoop) -> None:
         super().__init__()
         self._loop = loop
 
@@ -109,7 +110,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 class _FollowerSelector(_RealSelector):
-    def __init__(self, loop: "FollowerTimeLoop") -> None:
+    def __init__(self, loop: FollowerTimeLoop) -> None:
         super().__init__()
         self._loop = loop
 

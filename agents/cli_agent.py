@@ -22,7 +22,8 @@ COMMANDS = {
 
 
 class CLIImplementer:
-    def __init__(self, spec: TargetSpec, tool: str, accounting, timeout_s: float = 1800.0) -> None:
+    def __init__(self, spec: TargetSpec, tool: str, accounting, offline, timeout_s: float = 1800.0) -> None:
+        """``offline``: the offline implementer, which writes round 0's starter from the library."""
         if tool not in COMMANDS:
             raise AgentError(f"unknown coding-agent CLI {tool!r}; known: {', '.join(COMMANDS)}")
         if shutil.which(tool) is None:
@@ -31,7 +32,7 @@ class CLIImplementer:
                 "openai/anthropic/offline"
             )
         self.spec, self.tool, self.accounting, self.timeout_s = spec, tool, accounting, timeout_s
-        self.offline = None
+        self.offline = offline
 
     def starter(self, workspace: Path, controller: str) -> Attempt:
         return self.offline.starter(workspace, controller)

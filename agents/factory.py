@@ -55,8 +55,7 @@ def make_agents(
     if backend.startswith("cli:"):
         from agents.cli_agent import CLIImplementer
 
-        implementer = CLIImplementer(spec, backend.split(":", 1)[1], accounting)
-        implementer.offline = offline.implementer
+        implementer = CLIImplementer(spec, backend.split(":", 1)[1], accounting, offline.implementer)
         return Agents(backend, offline.planner, implementer, offline.judge, offline.evaluator, accounting)
     if not llm.get("model"):
         raise ValueError(f"--agents {backend} needs --model")
@@ -86,8 +85,7 @@ def make_agents(
             return "FAILED: " + "; ".join(measurement.reasons[:5])
         return "\n".join(f"{k}: {v:.4g}" for k, v in measurement.metrics.items() if isinstance(v, (int, float)))
 
-    implementer = LLMImplementer(spec, client, session.sandbox, checks, benchmark)
-    implementer.offline = offline.implementer
+    implementer = LLMImplementer(spec, client, session.sandbox, offline.implementer, checks, benchmark)
     return Agents(
         backend,
         offline.planner,

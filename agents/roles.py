@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from targets.harness.session import Measurement
+    from targets.spec import TargetSpec
 
 
 class AgentError(RuntimeError):
@@ -104,9 +105,14 @@ class Evaluator(Protocol):
 
 
 class Planner(Protocol):
+    """What the backlog and evolve policies ask of a planner: tasks that answer the evaluator's hints
+    on a candidate's parameters, and a random legal parameter move."""
+
+    spec: TargetSpec
+
     def tasks_from_hints(self, hints: list[Hint], params: dict) -> list[Task]: ...
 
-    def initial_tasks(self, params: dict) -> list[Task]: ...
+    def perturbation(self, params: dict) -> Task | None: ...
 
 
 @dataclass

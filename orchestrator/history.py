@@ -103,10 +103,21 @@ class History:
         archive.unlink()
         return directory
 
+    def read(self, commit: str, path: str) -> str:
+        """A file of a commit's tree (``stack/params.json``, ``DESIGN.md``)."""
+        try:
+            blob = self.repo.commit(commit).tree / path
+        except KeyError:
+            raise HistoryError(f"commit {commit[:10]} has no {path}") from None
+        return blob.data_stream.read().decode()
+
     def record(self, commit: str, name: str) -> dict:
         """A JSON record stored in a commit's tree under ``.vibetrain/``."""
-        blob = self.repo.commit(commit).tree / RECORD_DIR / name
-        return json.loads(blob.data_stream.read())
+        return json.loads(self.read(commit, f"{RECORD_DIR}/{name}"))
+
+    def params(self, commit: str) -> dict:
+        """The candidate's ``stack/params.json``."""
+        return json.loads(self.read(commit, "stack/params.json"))
 
     # -- worktrees ---------------------------------------------------------------------------------
     def root(self) -> str:

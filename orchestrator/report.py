@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from pathlib import Path
 
 import jinja2
@@ -17,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from orchestrator.history import History  # noqa: E402
-from orchestrator.rounds import RUNS_DIR  # noqa: E402
+from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RunState  # noqa: E402
 from targets.harness.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
@@ -95,15 +94,13 @@ def _tree(state: RunState, metric: str) -> str:
 
 
 def _timeline(run_dir: Path, state: RunState, devices: list[str], history: History) -> str | None:
-    traces = run_dir / ".git" / RUNS_DIR / "traces"
+    run = RunDir(run_dir)
     chosen: dict[int, str] = {}
     if state.best_round is not None:
         chosen[state.best_round] = "best"
     controllers: dict[str, tuple[float, int]] = {}
     for r in state.accepted():
-        controller = json.loads((history.repo.commit(r.commit).tree / "stack" / "params.json").data_stream.read())[
-            "controller"
-        ]
+        controller = history.params(r.commit)["controller"]
         if r.round == 0:
             chosen.setdefault(0, f"starter ({controller})")
         elif controller not in controllers or r.headline > controllers[controller][0]:
@@ -112,13 +109,13 @@ def _timeline(run_dir: Path, state: RunState, devices: list[str], history: Histo
         chosen.setdefault(number, f"best {controller}")
     panels = []
     for number, label in sorted(chosen.items()):
-        path = traces / f"round-{number}.jsonl"
+        path = run.trace(number)
         if path.exists():
             record = state.record(number)
             panels.append((f"round {number}, {label}: {record.headline:.3g}", Trace.load_events(path), devices))
     if not panels:
         return None
-    png = run_dir / ".git" / RUNS_DIR / "report-timeline.png"
+    png = RunDir(run_dir).timeline_png
     plot_timelines(panels, png)
     return base64.b64encode(png.read_bytes()).decode()
 

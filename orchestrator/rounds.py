@@ -12,7 +12,6 @@ with every validated commit intact and no round done twice.
 from __future__ import annotations
 
 import errno
-import json
 import random
 import shutil
 import time
@@ -21,15 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.roles import AgentError, Agents, Evaluation, Task, Verdict
-from orchestrator.design_doc import DesignDoc
 from orchestrator.history import History, Trailers
 from orchestrator.policies import Policy
+from orchestrator.run_dir import RunDir
 from orchestrator.state import RoundRecord, RunState, RunStateError
+from skills.design_doc import DesignDoc
 from targets.harness.session import Paired
 from targets.harness.target import Target
 from targets.spec import TargetSpec
-
-RUNS_DIR = "vibetrain"  # inside .git: judge and evaluator outputs, never tracked
 
 
 class RunError(RuntimeError):
@@ -129,7 +127,7 @@ class Loop:
             llm_before = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
         parent_commit = parent.commit if parent else self.history.root()
         workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
-        out = self.run_dir / ".git" / RUNS_DIR / f"round-{number}"
+        out = RunDir(self.run_dir).round_outputs(number)
         shutil.rmtree(out, ignore_errors=True)
         record = RoundRecord(
             round=number,
@@ -235,9 +233,9 @@ class Loop:
             workspace, record.round, record.task.title, trailers, {"round.json": record.model_dump(mode="json")}, body
         )
         if evaluation.trace_path is not None:
-            traces = self.run_dir / ".git" / RUNS_DIR / "traces"
-            traces.mkdir(parents=True, exist_ok=True)
-            shutil.copy(evaluation.trace_path, traces / f"round-{record.round}.jsonl")
+            run_dir = RunDir(self.run_dir)
+            run_dir.traces.mkdir(parents=True, exist_ok=True)
+            shutil.copy(evaluation.trace_path, run_dir.trace(record.round))
 
     def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict) -> None:
         record.verdict = "rejected"
@@ -270,7 +268,7 @@ class Loop:
         self.state.rounds.append(record)
         if record.verdict == "accepted":
             self.policy.observe(self.state, record, self.params_of(record))
-        shutil.rmtree(self.run_dir / ".git" / RUNS_DIR / f"round-{record.round}", ignore_errors=True)
+        shutil.rmtree(RunDir(self.run_dir).round_outputs(record.round), ignore_errors=True)
         self.save()
         self.on_event("round_end", record=record, best=self.state.best)
 
@@ -287,28 +285,25 @@ class Loop:
         )
 
     def params_of(self, record: RoundRecord) -> dict:
-        blob = self.history.repo.commit(record.commit).tree / "stack" / "params.json"
-        return json.loads(blob.data_stream.read())
+        return self.history.params(record.commit)
 
     def update_design(self, workspace: Path, record: RoundRecord) -> None:
         doc = DesignDoc.load(workspace / "DESIGN.md")
         task = record.task
         for earlier in self.state.rounds:  # the plan carries every round of the run, whatever its branch
             if not doc.step(earlier.task.id) and earlier.round > 0:
-                doc.set_status(earlier.task.id, earlier.task.title, *self._status(earlier))
-        if record.round > 0:
-            doc.set_status(task.id, task.title, *self._status(record))
+                doc.record_round(earlier.round, earlier.task.id, earlier.task.title, *self._status(earlier))
+        decision, findings = "", []
         if record.verdict == "accepted":
             metric = self.spec.headline_metric.name
             parent = f" (parent {record.parent_headline:.4g})" if record.parent_headline is not None else ""
-            doc.decisions.append(
-                f"Round {record.round}: {task.title}. Why: {task.rationale}. "
-                f"Change: {record.account}. Measured {metric} {record.headline:.4g}{parent}."
+            decision = (
+                f"{task.title}. Why: {task.rationale}. Change: {record.account}. "
+                f"Measured {metric} {record.headline:.4g}{parent}."
             )
-            doc.findings += [f"Round {record.round}: {h['message']} [{h['code']}]" for h in record.hints]
-        for pending in self.state.backlog:
-            if not doc.step(pending.id):
-                doc.plan_step(pending.id, pending.title)
+            findings = [f"{h['message']} [{h['code']}]" for h in record.hints]
+        doc.record_round(record.round, task.id, task.title, *self._status(record), decision, findings)
+        doc.plan_pending([(pending.id, pending.title) for pending in self.state.backlog])
         doc.save(workspace / "DESIGN.md")
 
     def _status(self, record: RoundRecord) -> tuple[str, str]:

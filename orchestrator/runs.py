@@ -56,7 +56,7 @@ def _loop(
         raise RunSetupError(str(error)) from None
 
     def design_of(record) -> str:
-        return history.repo.git.show(f"{record.commit}:DESIGN.md")
+        return history.read(record.commit, "DESIGN.md")
 
     policy = make_policy(config.policy, agents.planner, config.seed, agents.llm_planner, design_of)
     loop = Loop(target, state, history, agents, policy, run_dir, workspaces / run_dir.name, on_event)

@@ -15,8 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from agents.roles import Task
-
-STATE_FILE = "run_state.json"
+from orchestrator.run_dir import RunDir
 
 
 class RunStateError(RuntimeError):
@@ -105,7 +104,7 @@ class RunState(BaseModel):
     # -- persistence -------------------------------------------------------------------------------
     @classmethod
     def load(cls, run_dir: Path) -> RunState:
-        path = run_dir / ".git" / STATE_FILE
+        path = RunDir(run_dir).state_file
         if not path.exists():
             raise RunStateError(f"{run_dir} has no run state ({path}): not a vibetrain run, or it never started")
         try:
@@ -117,7 +116,7 @@ class RunState(BaseModel):
 
     def save(self, run_dir: Path) -> None:
         """Atomic: a reader (or a resumed run) sees the previous state or this one, never a torn file."""
-        path = run_dir / ".git" / STATE_FILE
+        path = RunDir(run_dir).state_file
         try:
             fd, tmp = tempfile.mkstemp(prefix=".state-", dir=path.parent)
             with os.fdopen(fd, "w") as f:

@@ -25,6 +25,18 @@ class ParamRange(BaseModel):
     max_fraction: float | None = Field(default=None, gt=0, le=1)
     step_engines: int | None = Field(default=None, gt=0)
     simulated: bool = Field(default=False, description="the cluster simulator models it (else tuning it there is moot)")
+    default: float | None = Field(default=None, description="the value a starter stack uses")
+
+    def bounds(self, device_count: int) -> tuple[float, float]:
+        high = self.max if self.max is not None else float("inf")
+        if self.max_fraction is not None:
+            high = min(high, self.max_fraction * device_count)
+        return self.min, high
+
+    def allows(self, value, device_count: int, engine_devices: int) -> bool:
+        low, high = self.bounds(device_count)
+        step = (self.step_engines or 0) * engine_devices
+        return low <= value <= high and (not step or value % step == 0)
 
 
 class Skill(BaseModel):
@@ -56,6 +68,33 @@ def parse_skill(path: Path) -> Skill:
 
 def load_skills(directory: Path = SKILLS_DIR) -> dict[str, Skill]:
     return {p.parent.name: parse_skill(p) for p in sorted(directory.glob("*/SKILL.md"))}
+
+
+def legal(
+    skills: dict[str, Skill],
+    name: str,
+    value,
+    device_count: int,
+    engine_devices: int = 1,
+    among: list[str] | None = None,
+) -> bool:
+    """Within the range every skill (of ``among``, if given) that declares ``name`` allows, on a
+    target of ``device_count`` devices whose rollout engines span ``engine_devices`` each."""
+    return all(
+        skill.params[name].allows(value, device_count, engine_devices)
+        for skill in skills.values()
+        if name in skill.params and (among is None or skill.name in among)
+    )
+
+
+def defaults(skills: dict[str, Skill] | None = None) -> dict[str, int | float]:
+    """Every parameter's starter value, as the skills' front matter states it."""
+    found: dict[str, int | float] = {}
+    for skill in (skills or load_skills()).values():
+        for name, param in skill.params.items():
+            if param.default is not None:
+                found[name] = int(param.default) if param.type == "int" else param.default
+    return found
 
 
 def search_skills(query: str, skills: dict[str, Skill] | None = None) -> list[Skill]:

@@ -7,7 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
-from skills.library import load_skills
+from skills.design_doc import DesignDoc
+from skills.library import defaults, load_skills
 from skills.validation import expand_file
 
 RECIPES = Path(__file__).parent / "recipes"
@@ -22,7 +23,7 @@ def starter_params(spec, controller: str) -> dict:
         raise ValueError(f"unknown controller {controller!r}; known: {', '.join(CONTROLLERS)}")
     count = spec.hardware.count
     baseline = next((b for b in spec.baselines if b.name == controller), None)
-    params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, "micro_batch_tokens": 4096}
+    params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, **defaults()}
     if controller == "static_split":
         params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
         params["rollout_devices"] = (
@@ -35,22 +36,6 @@ def starter_params(spec, controller: str) -> dict:
                 f"time_multiplex needs a device that never trains: train_devices {params['train_devices']} of {count}"
             )
     return params
-
-
-DESIGN_TEMPLATE = """# Stack design
-
-## Decisions
-- Round 0: controller `{controller}` with parameters `{params}`. Starter stack written from the
-  recipes in `skills/recipes` (paged-KV engine with continuous batching, FSDP2 GRPO trainer with
-  float32 master weights, weight sync by placement, one coroutine per episode, group buffer with the
-  staleness bound; a local cluster on one device, Ray otherwise).
-
-## Plan
-1. [DONE] Starter stack.
-
-## Findings
-(none yet)
-"""
 
 
 def write_starter(directory: Path, spec, controller: str, params: dict | None = None) -> Path:
@@ -67,6 +52,6 @@ def write_starter(directory: Path, spec, controller: str, params: dict | None = 
         '"""A vibetrain candidate stack."""\n\nfrom .build import build\n\n__all__ = ["build"]\n'
     )
     (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
-    (directory / "DESIGN.md").write_text(DESIGN_TEMPLATE.format(controller=controller, params=json.dumps(params)))
+    DesignDoc.starter(controller, params).save(directory / "DESIGN.md")
     (directory / ".gitignore").write_text("__pycache__/\n*.pyc\n")
     return directory

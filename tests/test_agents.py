@@ -17,7 +17,7 @@ from agents.offline.evaluator import concurrency_shares, hints_from
 from agents.offline.judge import OfflineJudge
 from agents.offline.planner import OfflinePlanner
 from agents.roles import Hint
-from orchestrator.design_doc import DesignDoc
+from skills.design_doc import DesignDoc
 from skills.library import load_skills
 from skills.starter import write_starter
 from skills.validation import AnnotationError, expand_source, unexpanded

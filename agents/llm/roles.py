@@ -107,11 +107,11 @@ def implementer_prompt(spec: TargetSpec, task: Task, workspace: Path, feedback: 
 
 class LLMImplementer:
     def __init__(
-        self, spec: TargetSpec, client: ChatClient, sandbox, checks, benchmark=None, max_turns: int = 40
+        self, spec: TargetSpec, client: ChatClient, sandbox, offline, checks, benchmark=None, max_turns: int = 40
     ) -> None:
         self.spec, self.client, self.sandbox, self.max_turns = spec, client, sandbox, max_turns
         self.checks, self.benchmark = checks, benchmark
-        self.offline = None  # the starter comes from the library, as the offline implementer writes it
+        self.offline = offline  # the starter comes from the library, as the offline implementer writes it
 
     def starter(self, workspace: Path, controller: str) -> Attempt:
         return self.offline.starter(workspace, controller)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from agents.roles import Hint, Task
-from skills.library import ParamRange, Skill, load_skills
+from skills.library import ParamRange, Skill, defaults, legal, load_skills
 from skills.starter import starter_params
 from targets.spec import TargetSpec
 
@@ -31,23 +31,9 @@ class OfflinePlanner:
         self.rng = random.Random(seed)
 
     # -- ranges ------------------------------------------------------------------------------------
-    def bounds(self, param: ParamRange) -> tuple[float, float]:
-        high = param.max if param.max is not None else float("inf")
-        if param.max_fraction is not None:
-            high = min(high, param.max_fraction * self.spec.hardware.count)
-        return param.min, high
-
     def legal(self, name: str, value, skills: list[str] | None = None) -> bool:
-        """Within the range every skill (of ``skills``, if given) that declares ``name`` allows."""
-        ranges = [
-            s.params[name] for s in self.skills.values() if name in s.params and (skills is None or s.name in skills)
-        ]
-        for param in ranges:
-            low, high = self.bounds(param)
-            step = (param.step_engines or 0) * self.engine_devices
-            if not (low <= value <= high and (not step or value % step == 0)):
-                return False
-        return True
+        """The library's answer on this target (its device count, its engines' size)."""
+        return legal(self.skills, name, value, self.spec.hardware.count, self.engine_devices, skills)
 
     def tunable(self, param: ParamRange) -> bool:
         return param.simulated or not self.simulated
@@ -128,16 +114,6 @@ class OfflinePlanner:
                         )
         return tasks
 
-    def initial_tasks(self, params: dict) -> list[Task]:
-        """Before any measurement: every controller skill, at low priority (hints will outrank them)."""
-        return [
-            t
-            for s in self.skills.values()
-            if s.kind == "controller"
-            for t in [self._controller_task(s, None, params)]
-            if t
-        ]
-
     def perturbation(self, params: dict) -> Task | None:
         """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation,
         and the backlog's fallback when it runs dry)."""
@@ -159,6 +135,5 @@ class OfflinePlanner:
         skill, name, current, value = self.rng.choice(candidates)
         return self._param_task(skill, name, value, f"explore: {name} {_fmt(current)} -> {_fmt(value)}", "mutation", 0)
 
-    @staticmethod
-    def _default(name: str):
-        return {"bucket_bytes": 64 << 20, "micro_batch_tokens": 4096}.get(name)
+    def _default(self, name: str):
+        return defaults(self.skills).get(name)

@@ -1,10 +1,12 @@
 """Each stack's ``DESIGN.md``, the document-driven planning state: decisions with their rationale
 and round, an ordered plan of steps with statuses (NOT_STARTED / IN_PROGRESS / DONE / ABANDONED
 with a reason), and the evaluator's findings. Agents read it every round; the round loop updates
-it every round (in the candidate's own tree, so each commit carries the plan it was made under)."""
+it every round (in the candidate's own tree, so each commit carries the plan it was made under).
+The starter's first version and the rules a round updates it by live here with the format."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,17 @@ class DesignDoc:
             elif section == "findings" and line.startswith("- "):
                 doc.findings.append(line[2:])
         return doc
+
+    @classmethod
+    def starter(cls, controller: str, params: dict) -> DesignDoc:
+        """Round 0's document: the starter's decision and a plan holding its one done step."""
+        decision = (
+            f"Round 0: controller `{controller}` with parameters `{json.dumps(params)}`. Starter stack written from "
+            "the recipes in `skills/recipes` (paged-KV engine with continuous batching, FSDP2 GRPO trainer with "
+            "float32 master weights, weight sync by placement, one coroutine per episode, group buffer with the "
+            "staleness bound; a local cluster on one device, Ray otherwise)."
+        )
+        return cls(decisions=[decision], plan=[Step("Starter stack.", "DONE")])
 
     @classmethod
     def load(cls, path: Path) -> DesignDoc:
@@ -90,3 +103,26 @@ class DesignDoc:
             raise ValueError("an ABANDONED step needs a reason")
         step = self.plan_step(step_id, text)
         step.status, step.reason = status, reason
+
+    def record_round(
+        self,
+        number: int,
+        step_id: str,
+        title: str,
+        status: str,
+        reason: str = "",
+        decision: str = "",
+        findings: list[str] = (),
+    ) -> None:
+        """One round's outcome: its plan step's status (round 0's step is the starter's), the decision
+        an accepted round made, and the evaluator's findings on it."""
+        if number > 0:
+            self.set_status(step_id, title, status, reason)
+        if decision:
+            self.decisions.append(f"Round {number}: {decision}")
+        self.findings += [f"Round {number}: {finding}" for finding in findings]
+
+    def plan_pending(self, steps: list[tuple[str, str]]) -> None:
+        """Steps still to try, as (id, title), appended NOT_STARTED unless the plan holds them."""
+        for step_id, title in steps:
+            self.plan_step(step_id, title)

@@ -1,0 +1,37 @@
+"""A generate run's directory and the named places in it. The best candidate's files are its work
+tree; everything else the run keeps (its state, the judge's and evaluator's outputs, traces) lives
+under ``.git/`` where no commit tracks it and ``git status`` stays clean."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / ".git" / "run_state.json"
+
+    @property
+    def outputs(self) -> Path:
+        """Judge and evaluator outputs of rounds in progress, traces, rendered figures."""
+        return self.root / ".git" / "vibetrain"
+
+    def round_outputs(self, number: int) -> Path:
+        return self.outputs / f"round-{number}"
+
+    @property
+    def traces(self) -> Path:
+        return self.outputs / "traces"
+
+    def trace(self, number: int) -> Path:
+        """The harness trace of an accepted round's median measured run."""
+        return self.traces / f"round-{number}.jsonl"
+
+    @property
+    def timeline_png(self) -> Path:
+        return self.outputs / "report-timeline.png"

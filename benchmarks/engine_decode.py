@@ -14,6 +14,7 @@ import torch
 import typer
 from rich.console import Console
 from rich.table import Table
+from transformers_baseline import generate_greedy
 
 from skills.recipes.paged_engine import PagedEngine
 from targets.api import SamplingParams
@@ -54,20 +55,8 @@ def main(
 
         return run
 
-    @torch.inference_mode()
     def run_hf() -> None:
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,  # logits too: the engine returns logprobs
-        )
-        assert out.sequences.shape[1] == prompt_tokens + new_tokens
+        generate_greedy(model, input_ids, new_tokens)
 
     tokens = batch * new_tokens
     results = {"transformers generate": _timed(run_hf, repeat)} | {

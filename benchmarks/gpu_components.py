@@ -22,6 +22,7 @@ import torch
 import typer
 from rich.console import Console
 from rich.table import Table
+from transformers_baseline import generate_greedy
 
 from skills.recipes.fsdp_trainer import FSDPTrainer
 from skills.recipes.kv_cache import KVPool
@@ -113,20 +114,8 @@ def main(
     reference = load_model(model_dir(spec.model), dtype).to(device)
     input_ids = torch.tensor(prompts, device=device)
 
-    @torch.inference_mode()
     def hf_generate() -> None:
-        out = reference.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )  # logits too: the engine returns logprobs
-        assert out.sequences.shape[1] == prompt_tokens + new_tokens
+        generate_greedy(reference, input_ids, new_tokens)
 
     hf_times = _timed(hf_generate, repeat, device)
     reference = None  # its GPU memory back before the trainer starts

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from agents.llm.roles import implementer_prompt
+from agents.llm.agents import implementer_prompt
 from agents.roles import AgentError, Attempt, Task
 from skills.validation import expand_file
 from targets.spec import TargetSpec

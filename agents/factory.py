@@ -46,8 +46,8 @@ def make_agents(
     offline = make_offline_agents(session, engine_devices=engine_devices, seed=seed, repeat=repeat)
     if backend == "offline":
         return offline
+    from agents.llm.agents import LLMEvaluator, LLMImplementer, LLMJudge, LLMPlanner
     from agents.llm.client import Accounting, ClientConfig, make_client
-    from agents.llm.roles import LLMEvaluator, LLMImplementer, LLMJudge, LLMPlanner
 
     spec = session.target.spec
     llm = llm or {}

@@ -16,8 +16,8 @@ import git
 import pytest
 from typer.testing import CliRunner
 
+from agents.llm.agents import ImplementerOutput, OutputSchemaError, answer
 from agents.llm.client import Accounting, ClientConfig, LLMError, ToolCall, make_client
-from agents.llm.roles import ImplementerOutput, OutputSchemaError, answer
 from agents.llm.tools import Toolbox, ToolCallError
 from orchestrator.cli import app
 from orchestrator.state import RunState

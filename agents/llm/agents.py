@@ -1,6 +1,6 @@
-"""The LLM backend's roles. Each renders its prompt (jinja2, StrictUndefined, one template per role),
-talks to the model through a ``ChatClient`` and validates a structured answer (pydantic), with one
-repair retry when the answer does not match its schema.
+"""The LLM backend's agents, one per role of ``agents/roles.py``. Each renders its prompt (jinja2,
+StrictUndefined, one template per role), talks to the model through a ``ChatClient`` and validates a
+structured answer (pydantic), with one repair retry when the answer does not match its schema.
 
 * implementer: a tool-use loop in the workspace until the model answers with its summary;
 * judge: the deterministic gate first (never overruled when it rejects), then a review of the diff

@@ -12,9 +12,8 @@ from skills.library import defaults, load_skills
 from skills.validation import expand_file
 
 RECIPES = Path(__file__).parent / "recipes"
-CONTROLLERS = tuple(
-    sorted(name for name, skill in load_skills().items() if skill.kind == "controller")
-)  # from front matter
+SKILLS = load_skills()  # read once: the front matter names the controllers and the parameter defaults
+CONTROLLERS = tuple(sorted(name for name, skill in SKILLS.items() if skill.kind == "controller"))
 
 
 def starter_params(spec, controller: str) -> dict:
@@ -23,7 +22,7 @@ def starter_params(spec, controller: str) -> dict:
         raise ValueError(f"unknown controller {controller!r}; known: {', '.join(CONTROLLERS)}")
     count = spec.hardware.count
     baseline = next((b for b in spec.baselines if b.name == controller), None)
-    params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, **defaults()}
+    params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, **defaults(SKILLS)}
     if controller == "static_split":
         params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
         params["rollout_devices"] = (

@@ -20,7 +20,11 @@ from targets.harness.accuracy import check_engine, check_trainer, check_weight_s
 from targets.harness.model import model_dir
 from targets.spec import AccuracySpec
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("no_process_group_left_behind"),
+]
 
 # bf16 keeps 8 significant bits: each matmul's output is off by ~2^-9 relative, and the tiny model's
 # logits (a few units) come out ~1e-2 apart from a float32 reference after its layers; greedy may
@@ -36,15 +40,6 @@ def path(tiny_spec) -> str:
 @pytest.fixture
 def reference(tiny_model):
     return tiny_model.to("cuda")
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left_behind():
-    import torch.distributed as dist
-
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _engine(path: str, dtype: str = "bfloat16", **options):

@@ -21,16 +21,7 @@ from targets.harness.model import load_model, model_dir, proxy_model
 from targets.harness.reference.trainer import ReferenceTrainer
 from targets.spec import AccuracySpec, load_target
 
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left_behind():
-    """A trainer the check made (and never closed) leaves this process rank 0 of 1: the next test
-    that wants rank 0 of 2 would be refused."""
-    import torch.distributed as dist
-
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_process_group_left_behind")
 
 
 @pytest.fixture(scope="module")

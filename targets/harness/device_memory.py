@@ -23,14 +23,14 @@ class DeviceMemoryMonitor:
             import pynvml
         except ImportError:
             raise RuntimeError("a GPU target's run samples device memory through NVML: install nvidia-ml-py") from None
-        self._nvml = pynvml
-        pynvml.nvmlInit()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = [int(i) for i in visible.split(",")] if visible else list(range(self.count))
-        if len(physical) < self.count:
+        if len(physical) < self.count:  # checked before NVML starts: a refusal leaves nothing open
             raise RuntimeError(
                 f"CUDA_VISIBLE_DEVICES={visible} shows {len(physical)} GPU(s); the target has {self.count}"
             )
+        self._nvml = pynvml
+        pynvml.nvmlInit()
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in physical[: self.count]]
         self._sample()
         self._thread = threading.Thread(target=self._run, name="device-memory", daemon=True)

@@ -56,6 +56,13 @@ class _RealSelector(selectors.BaseSelector):
     def modify(self, fileobj, events, data=None) -> selectors.SelectorKey:
         return self._real.modify(fileobj, events, data)
 
+    def _ready_first(self, timeout: float | None) -> list | None:
+        """What ``select`` returns before it considers waiting: nothing while callbacks are ready
+        (they run first; I/O waits for the loop to run dry), else the I/O ready now, if any."""
+        if timeout == 0:
+            return []
+        return self._real.select(0) or None
+
     def get_map(self):
         return self._real.get_map()
 
@@ -71,10 +78,8 @@ class _ClockSelector(_RealSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list:
-        if timeout == 0:  # callbacks are ready: run them first; I/O waits for the loop to run dry
-            return []
-        ready = self._real.select(0)
-        if ready:
+        ready = self._ready_first(timeout)
+        if ready is not None:
             return ready
         peer = self._loop.peer
         idle, deadline = peer.idle_until() if peer is not None else (True, None)
@@ -115,10 +120,8 @@ class _FollowerSelector(_RealSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list:
-        if timeout == 0:  # callbacks are ready: run them first; I/O waits for the loop to run dry
-            return []
-        ready = self._real.select(0)
-        if ready:
+        ready = self._ready_first(timeout)
+        if ready is not None:
             return ready
         if self._loop.on_idle is not None:
             self._loop.on_idle(None if timeout is None else self._loop.time() + timeout)

@@ -108,9 +108,11 @@ def main(
         assert all(len(c.tokens) == new_tokens for c in out)
 
     prefill_params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    console.log("paged engine: decode, then prefill (the first call compiles FlashInfer's kernels once)")
     engine_times = _timed(decode, repeat, device)
     prefill_times = _timed(lambda: engine.generate(prompts, prefill_params), repeat, device)
 
+    console.log("transformers generate")
     reference = load_model(model_dir(spec.model), dtype).to(device)
     input_ids = torch.tensor(prompts, device=device)
 
@@ -124,6 +126,7 @@ def main(
     roofline = batch * hardware.hbm_bandwidth_gbs * 1e9 / (weight_bytes + batch * mean_context * kv_per_token)
     decode_rate = batch * (new_tokens - 1) / decode_s
 
+    console.log("sleep and wake")
     # sleep and wake, then the trainer beside the sleeping engine (as the local cluster runs them)
     sleep_times, wake_times = [], []
     for _ in range(repeat):
@@ -139,6 +142,7 @@ def main(
         wake_times.append(time.perf_counter() - start)
     engine.sleep(["weights", "kv_cache"])
 
+    console.log("FSDP2 train step")
     trainer = FSDPTrainer(path, spec.workload.training.config(), dtype, device, micro_batch_tokens=8192)
     train_data = _batch(prompts[:train_batch], new_tokens)
     train_times = _timed(lambda: trainer.train_step(train_data), repeat, device)
@@ -153,6 +157,7 @@ def main(
     def sync() -> None:
         engine.load_weights(trainer.device_state(), trainer.version)
 
+    console.log("weight sync")
     sync_times = _timed(sync, repeat, device)
     trainer.close()
 

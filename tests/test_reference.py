@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from targets.api import SamplingParams, TrainingConfig, Trajectory
-from targets.harness.accuracy import fixed_prompts, reference_greedy
+from targets.harness.accuracy import fixed_prompts, fixed_train_batches, reference_greedy
 from targets.harness.reference.engine import ReferenceEngine
 from targets.harness.reference.grpo import group_advantages, grpo_loss, pad_trajectories
 from targets.harness.reference.loop import run_reference
+from targets.harness.reference.trainer import ReferenceTrainer, micro_batches
 
 
 def _traj(group: str, reward: float, tokens=(3, 4, 5), mask=(0, 1, 1), logprobs=(0.0, -1.0, -2.0)) -> Trajectory:
@@ -35,6 +36,38 @@ def test_grpo_loss_by_hand_with_clipping():
     # negative advantage: min picks the unclipped, larger-magnitude penalty
     loss = grpo_loss(new, batch, torch.tensor([-1.0]), config)
     assert float(loss) == pytest.approx(-(-math.exp(0.5) - 1.0) / 2)
+
+
+def test_micro_batches_bound_the_logits_and_keep_every_trajectory(monkeypatch):
+    import targets.harness.reference.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "LOGITS_BYTES", 4 * 100 * 10)  # 1000 logits of a 10-token vocabulary
+    trajectories = [
+        _traj("a", 0.0, tokens=range(n), mask=[0] + [1] * (n - 1), logprobs=[0.0] * n) for n in (30, 30, 40, 200, 5)
+    ]
+    groups = micro_batches(trajectories, vocab_size=10)
+    assert groups == [[0, 1], [2], [3], [4]]  # 2 x 40 x 10 = 800 fits, 3 x 40 would not; 200 goes alone
+    assert micro_batches(trajectories, vocab_size=1) == [[0, 1, 2, 3, 4]]
+
+
+def test_a_micro_batched_step_is_the_whole_batch_step(tiny_model, tiny_spec, monkeypatch):
+    """A large vocabulary splits the batch; the gradients must still add up to the batch's token mean."""
+    import copy
+
+    import targets.harness.reference.trainer as trainer_module
+
+    batch = fixed_train_batches(tiny_model)[0]
+    config = tiny_spec.workload.training.config()
+    whole = ReferenceTrainer(copy.deepcopy(tiny_model), config)
+    whole.train_step(batch)
+    monkeypatch.setattr(trainer_module, "LOGITS_BYTES", 1)  # one trajectory per forward
+    split = ReferenceTrainer(copy.deepcopy(tiny_model), config)
+    split.train_step(batch)
+    start, a, b = tiny_model.state_dict(), whole.state_dict(), split.state_dict()
+    moved = sum(float((a[k] - start[k]).norm()) ** 2 for k in a) ** 0.5
+    off = sum(float((a[k] - b[k]).norm()) ** 2 for k in a) ** 0.5
+    assert moved > 0 and off / moved < 1e-4, off / moved
+    assert split.last_loss == pytest.approx(whole.last_loss, rel=1e-5)
 
 
 def test_reference_engine_batches_like_single_prompts(tiny_model):

@@ -75,7 +75,7 @@ class PagedEngine:
         per_token = KVPool.bytes_per_token(self.model.layers, kv_heads, head_dim, self.dtype)
         if kv_tokens is None:
             kv_tokens = (
-                int(torch.cuda.mem_get_info(device)[1] * kv_memory_fraction // per_token)
+                int(torch.cuda.mem_get_info(device)[0] * kv_memory_fraction // per_token)  # of what is free now
                 if device.startswith("cuda")
                 else 1 << 15
             )

@@ -76,8 +76,10 @@ def grpo_loss(
     advantages: torch.Tensor,
     config: TrainingConfig,
     ref_logprobs: torch.Tensor | None = None,
+    response_tokens: float | None = None,
 ) -> torch.Tensor:
-    """Token-mean over all response tokens of the clipped surrogate (+ k3 KL to the reference)."""
+    """Token-mean over all response tokens of the clipped surrogate (+ k3 KL to the reference).
+    ``response_tokens``: the whole batch's count when this is one micro-batch of it."""
     ratio = torch.exp(new_logprobs - batch.old_logprobs)
     adv = advantages[:, None].to(new_logprobs.dtype)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv)
@@ -88,4 +90,5 @@ def grpo_loss(
         log_ratio = ref_logprobs - new_logprobs
         per_token = per_token + config.kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
     mask = batch.loss_mask
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    denominator = mask.sum().clamp(min=1.0) if response_tokens is None else response_tokens
+    return (per_token * mask).sum() / denominator

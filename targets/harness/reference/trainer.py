@@ -1,4 +1,5 @@
-"""The reference trainer: one process, whole batch in one forward, ``TrainingConfig``'s GRPO step."""
+"""The reference trainer: one process, ``TrainingConfig``'s GRPO step, the batch in as few forwards as
+its float32 logits allow (a whole batch of a 150k-token vocabulary would not fit one GPU)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,25 @@ import copy
 import torch
 from transformers import PreTrainedModel
 
-from targets.api import StateDict, TrainBatch, TrainingConfig
+from targets.api import StateDict, TrainBatch, TrainingConfig, Trajectory
 from targets.harness.reference.grpo import grpo_loss, pad_trajectories, token_logprobs
+
+LOGITS_BYTES = 1 << 30  # float32 logits of one micro-batch (padded positions x vocabulary x 4 bytes)
+
+
+def micro_batches(trajectories: list[Trajectory], vocab_size: int) -> list[list[int]]:
+    """Consecutive runs of trajectory indices whose padded float32 logits stay under ``LOGITS_BYTES``
+    (a trajectory alone always makes one). A small vocabulary keeps the whole batch in one."""
+    groups: list[list[int]] = [[]]
+    longest = 0
+    for i, trajectory in enumerate(trajectories):
+        length = max(longest, len(trajectory.tokens))
+        if groups[-1] and (len(groups[-1]) + 1) * length * vocab_size * 4 > LOGITS_BYTES:
+            groups.append([])
+            length = len(trajectory.tokens)
+        groups[-1].append(i)
+        longest = length
+    return groups
 
 
 class ReferenceTrainer:
@@ -27,19 +45,23 @@ class ReferenceTrainer:
 
     def train_step(self, batch: TrainBatch) -> int:
         device = next(self.model.parameters()).device
-        padded = pad_trajectories(batch.trajectories).to(device)
-        advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=device)
-        ref_logprobs = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logprobs = token_logprobs(self.reference, padded.tokens, padded.attention)
-        new_logprobs = token_logprobs(self.model, padded.tokens, padded.attention)
-        loss = grpo_loss(new_logprobs, padded, advantages, self.config, ref_logprobs)
+        response_tokens = max(1.0, float(sum(sum(t.loss_mask) for t in batch.trajectories)))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for group in micro_batches(batch.trajectories, self.model.config.vocab_size):
+            padded = pad_trajectories([batch.trajectories[i] for i in group]).to(device)
+            advantages = torch.tensor([batch.advantages[i] for i in group], dtype=torch.float32, device=device)
+            ref_logprobs = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logprobs = token_logprobs(self.reference, padded.tokens, padded.attention)
+            new_logprobs = token_logprobs(self.model, padded.tokens, padded.attention)
+            loss = grpo_loss(new_logprobs, padded, advantages, self.config, ref_logprobs, response_tokens)
+            loss.backward()  # gradients add up to the whole batch's token mean
+            total += float(loss.detach())
         self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
         self.optimizer.step()
-        self.last_loss = float(loss.detach())
+        self.last_loss = total
         self.version += 1
         return self.version
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 import typer
@@ -21,6 +23,12 @@ app.add_typer(target_app, name="target")
 
 console = Console()
 errors = Console(stderr=True)
+
+
+@app.callback()
+def _main() -> None:
+    """SIGTERM (a timeout, a scheduler) unwinds like Ctrl-C, so the harness takes its candidate processes down."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _load(target: str) -> TargetSpec:

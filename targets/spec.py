@@ -345,7 +345,8 @@ class LimitsSpec(Strict):
     """What the judge's child process (harness, reference model, candidate processes) may use. Unset,
     they follow the model's size: host memory holds a float32 reference copy, the trainer's offloaded
     float32 state (weights, gradients, AdamW moments) and the weight snapshots the audit replays
-    training from, about 40 bytes per parameter over a 12 GB base; time grows with billions of parameters."""
+    training from, about 48 bytes per parameter over a 16 GB base (the processes' CUDA and torch
+    libraries); time grows with billions of parameters."""
 
     host_memory_mb: float | None = Field(default=None, gt=0, description="resident memory of the child's process tree")
     time_s: float | None = Field(
@@ -354,7 +355,7 @@ class LimitsSpec(Strict):
 
     def resolved(self, parameters: int) -> tuple[float, float]:
         """(host memory in MB, seconds) for a model of ``parameters``."""
-        memory = self.host_memory_mb or 12_000 + 40 * parameters / 1e6
+        memory = self.host_memory_mb or 16_000 + 48 * parameters / 1e6
         seconds = self.time_s or 600 * max(1.0, parameters / 1e9)
         return memory, seconds
 

@@ -282,6 +282,37 @@ def test_a_candidate_that_eats_memory_is_killed_at_its_limit(tmp_path, tiny_spec
     assert not run.ok and "over its limit of 1500 MB" in run.cause, run.cause
 
 
+def test_memory_shared_by_forked_processes_counts_once(tmp_path):
+    """The limit counts proportional set sizes: four processes sharing 300 MB (as GPU processes share
+    their CUDA libraries) hold 300 MB, not 1.2 GB."""
+    import subprocess
+    import sys
+
+    from targets.harness.process_tree import process_tree, resident_mb
+
+    script = (
+        "import os, sys, time\n"
+        "block = bytearray(300 << 20)\n"
+        "for i in range(0, len(block), 4096): block[i] = 1\n"
+        "kids = [os.fork() for _ in range(1)]\n"
+        "kids += [os.fork() for _ in range(1)]\n"  # 4 processes share the block copy-on-write
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        tree = process_tree(holder.pid)
+        assert len(tree) == 4, tree
+        assert 300 < resident_mb(tree) < 500, resident_mb(tree)
+    finally:
+        from targets.harness.process_tree import kill_tree
+
+        kill_tree(holder.pid)
+        holder.wait()
+
+
 @pytest.mark.slow
 def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
     code = (

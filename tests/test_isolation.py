@@ -254,3 +254,45 @@ def test_the_sandbox_shows_no_host_files_beyond_what_the_run_needs(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "secret False" in result.stdout and "harness False" in result.stdout, result.stdout
     assert "home []" in result.stdout and "etc shadow False" in result.stdout, result.stdout
+
+
+def test_a_killed_command_takes_the_candidate_processes_with_it(tmp_path, fast_target):
+    """`timeout vibetrain check ...` sends SIGTERM: the candidate's processes (in their own sessions)
+    must not outlive the command and keep holding memory and devices."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from targets.harness.process_tree import process_tree
+
+    stack = tmp_path / "cand"
+    cli = [sys.executable, "-m", "orchestrator.cli"]
+    subprocess.run([*cli, "starter", str(fast_target), "--out", str(stack)], check=True, capture_output=True)
+    command = subprocess.Popen(
+        [*cli, "check", str(fast_target), "--stack", str(stack), "--sandbox", "subprocess"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline, tree = time.monotonic() + 120, []
+    while time.monotonic() < deadline and len(tree) < 3:  # the command, the harness child, a candidate process
+        time.sleep(0.5)
+        tree = process_tree(command.pid)
+    assert len(tree) >= 3, f"the check never started its candidate processes: {tree}"
+    command.send_signal(signal.SIGTERM)
+    assert command.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    alive = tree[1:]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in alive if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
+    assert not alive, f"left running after the command was killed: {alive}"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"  # gone while we looked

@@ -191,12 +191,12 @@ def test_limits_follow_the_model_size_unless_stated(catalog_yaml):
     from targets.harness.launch import Limits
     from targets.harness.target import Target
 
-    assert load_target("qwen3-0.6b-h100x1").limits.resolved(596_049_920) == (36_000, 900)  # stated
+    assert load_target("qwen3-0.6b-h100x1").limits.resolved(596_049_920) == (64_000, 900)  # stated
     assert parse_target(catalog_yaml).limits.resolved(8_190_000_000) == (
-        12_000 + 40 * 8190,
+        16_000 + 48 * 8190,
         600 * 8.19,
     )  # sized by the model
     tiny = Limits.of(Target.load("tiny-qwen3-cpu"))
-    assert tiny.memory_mb == pytest.approx(12_000 + 40 * 0.402304) and tiny.time_s == 600
+    assert tiny.memory_mb == pytest.approx(16_000 + 48 * 0.402304) and tiny.time_s == 600
     assert Limits.of(Target.load("qwen3-8b-h100x8", simulate=True)).time_s == 600  # simulated: a tiny proxy runs here
     assert Limits.of(Target.load("tiny-qwen3-cpu"), time_s=30).time_s == 30

@@ -141,7 +141,12 @@ def run_harness(
             )
             os.close(write_fd)
             write_fd = -1
-            killed = _watch(process, limits, read_fd, marks)
+            try:
+                killed = _watch(process, limits, read_fd, marks)
+            finally:
+                if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): its child tree too
+                    kill_tree(process.pid)
+                    process.wait()
     finally:
         os.close(read_fd)
         if write_fd >= 0:

@@ -28,14 +28,16 @@ def process_tree(root: int) -> list[int]:
 
 
 def resident_mb(pids: list[int]) -> float:
-    total = 0
+    """Resident memory of ``pids`` together: their proportional set sizes, so pages several of them
+    share (the CUDA and torch libraries every GPU process maps, ~1 GB each) count once, not per process."""
+    total_kb = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total_kb += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration, IndexError, ValueError):
             continue  # the process ended while we looked
-    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return total_kb / 1024
 
 
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:

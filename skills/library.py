@@ -26,6 +26,7 @@ class ParamRange(BaseModel):
     step_engines: int | None = Field(default=None, gt=0)
     simulated: bool = Field(default=False, description="the cluster simulator models it (else tuning it there is moot)")
     default: float | None = Field(default=None, description="the value a starter stack uses")
+    step: float | None = Field(default=None, gt=0, description="moves add or subtract this (a count may start at 0)")
 
     def bounds(self, device_count: int) -> tuple[float, float]:
         high = self.max if self.max is not None else float("inf")
@@ -42,7 +43,7 @@ class ParamRange(BaseModel):
 class Skill(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
-    kind: Literal["controller", "engine", "trainer", "mechanism"]
+    kind: Literal["controller", "engine", "trainer", "mechanism", "technique"]  # technique: adds onto a controller
     recipe: str
     triggers: list[str] = []
     params: dict[str, ParamRange] = {}

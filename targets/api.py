@@ -233,7 +233,11 @@ class EnvSource(Protocol):
 
     group_size: int
 
-    def new_group(self) -> list[EnvHandle]: ...
+    def new_group(self, extra: int = 0) -> list[EnvHandle]:
+        """``group_size + extra`` members; ``extra`` spares at most the stack's declared
+        ``redundant_per_group`` (the first ``group_size`` to finish make the group, the rest are
+        dropped as ``redundant``)."""
+        ...
 
 
 # --------------------------------------------------------------------------------------------

@@ -370,3 +370,62 @@ def test_redundant_drops_need_declared_redundancy(honest):
     spec = _mini_spec(honest)
     lines = _drop_reasons(spec, _group_trace("redundant", {"g0/e0": 2, "g0/e1": 2}))
     assert any("declares no redundancy" in line for line in lines), lines
+
+
+def _redundant_trace(group_size: int, spares: int, drop_at: float, declared: int) -> list[TraceEvent]:
+    """One group of ``group_size + spares`` members: the first ``group_size`` finish at t=2, the
+    spares are dropped as ``redundant`` at ``drop_at``."""
+    members = [f"g0/e{m}" for m in range(group_size + spares)]
+    events = [
+        TraceEvent(
+            "run_start",
+            0.0,
+            {
+                "devices": [],
+                "steps": 1,
+                "tokens_recorded": False,
+                "engines": {},
+                "declared": {"redundant_per_group": declared},
+            },
+        )
+    ]
+    events += [TraceEvent("episode_created", 0.0, {"episode": m, "group": "g0"}) for m in members]
+    events += [
+        TraceEvent("env_step", 2.0, {"episode": m, "action": 2, "observation": 2, "done": True})
+        for m in members[:group_size]
+    ]
+    events += [
+        TraceEvent("sample_dropped", drop_at, {"episode": m, "reason": "redundant"}) for m in members[group_size:]
+    ]
+    events.append(TraceEvent("run_end", 10.0))
+    return events
+
+
+def test_redundant_spares_dropped_once_their_group_finished_pass(honest):
+    spec = _mini_spec(honest)
+    assert _drop_reasons(spec, _redundant_trace(spec.workload.group_size, 2, drop_at=3.0, declared=2)) == []
+
+
+def test_a_spare_dropped_before_its_group_finished_is_rejected(honest):
+    """Planted: 'redundant' used to throw away a member the group still needed."""
+    spec = _mini_spec(honest)
+    lines = _drop_reasons(spec, _redundant_trace(spec.workload.group_size, 1, drop_at=1.0, declared=1))
+    assert any("dropped as redundant at 1.00s, when only 0" in line for line in lines), lines
+
+
+def test_more_redundant_drops_than_declared_are_rejected(honest):
+    spec = _mini_spec(honest)
+    lines = _drop_reasons(spec, _redundant_trace(spec.workload.group_size, 3, drop_at=3.0, declared=2))
+    assert any("dropped 3 episodes as redundant, over the declared 2" in line for line in lines), lines
+
+
+def test_the_harness_refuses_more_spares_than_declared(tiny_spec):
+    from targets.harness.clock import WallClock
+    from targets.harness.environments.pool import EnvironmentPool
+    from targets.harness.trace import Trace
+
+    pool = EnvironmentPool(tiny_spec.workload, WallClock(), Trace(WallClock()))
+    with pytest.raises(ValueError, match="declares redundant_per_group 0"):
+        pool.new_group(extra=1)
+    pool.max_extra = 2
+    assert len(pool.new_group(extra=2)) == tiny_spec.workload.group_size + 2

@@ -17,6 +17,7 @@ PARAM_MOVES = {
     ("slow_sync", "bucket_bytes"): 4.0,
     ("many_aborts", "train_devices"): -1,
     ("timeouts", "train_devices"): -1,
+    ("tail_idle", "redundant_envs"): +1,  # spares let a group finish with its fastest members
 }
 
 
@@ -77,9 +78,12 @@ class OfflinePlanner:
             ],
         )
 
-    def _moved(self, name: str, current, move):
+    def _moved(self, name: str, current, move, param: ParamRange):
         if name.endswith("_devices"):
             return int(current + move * self.engine_devices)
+        if param.step is not None:  # a count that may start at 0: moves add steps
+            value = current + move * param.step
+            return int(value) if param.type == "int" else round(value, 6)
         value = current * move
         return int(value) if isinstance(current, int) else round(value, 6)
 
@@ -100,7 +104,7 @@ class OfflinePlanner:
                     current = params.get(name, self._default(name))
                     if current is None:
                         continue
-                    value = self._moved(name, current, move)
+                    value = self._moved(name, current, move, skill.params[name])
                     if value != current and self.legal(name, value, [skill.name]) and self.tunable(skill.params[name]):
                         tasks.append(
                             self._param_task(
@@ -125,9 +129,9 @@ class OfflinePlanner:
                 current = params.get(name, self._default(name))
                 if current is None or not self.tunable(param):
                     continue
-                moves = (-1, 1) if name.endswith("_devices") else (0.5, 2.0)
+                moves = (-1, 1) if name.endswith("_devices") or param.step is not None else (0.5, 2.0)
                 for move in moves:
-                    value = self._moved(name, current, move)
+                    value = self._moved(name, current, move, param)
                     if value != current and self.legal(name, value, [skill.name]):
                         candidates.append((skill, name, current, value))
         if not candidates:

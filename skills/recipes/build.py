@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from targets.api import Runtime, Stack
+from targets.api import Declared, Runtime, Stack
 
 from .colocate import Colocate
 from .static_split import StaticSplit
@@ -82,4 +82,6 @@ def build(runtime: Runtime) -> Stack:
     def sync_engine(engine, state, version: int) -> None:
         engine.load_weights(merge(to_buckets(state, bucket_bytes)), version)
 
-    return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine)
+    # VAL: VAL_INT_RANGE (value=params.get("redundant_envs", 0), min=0, max=8)
+    declared = Declared(redundant_per_group=params.get("redundant_envs", 0))  # the audit bounds the spares by it
+    return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared)

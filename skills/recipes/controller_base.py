@@ -45,7 +45,10 @@ class ControllerBase:
 
     def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[GroupBuffer, EnvManager]:
         buffer = GroupBuffer(self.group_size, async_ratio, envs)
-        return buffer, EnvManager(cluster, envs, buffer, self.sampling, self.max_sequence)
+        manager = EnvManager(
+            cluster, envs, buffer, self.sampling, self.max_sequence, redundancy=self.params.get("redundant_envs", 0)
+        )
+        return buffer, manager
 
     def _refill(self, buffer: GroupBuffer, manager: EnvManager) -> Callable[[], None]:
         """Keep ``groups_per_step * (1 + async_ratio)`` groups in flight or waiting: sampling may run

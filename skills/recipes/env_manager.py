@@ -4,6 +4,11 @@ Each episode alternates ``cluster.generate`` and ``env.step`` on its own schedul
 call or a long episode never holds others back. A turn whose engine was shrunk mid-request raises
 ``Aborted``; it is retried (the cluster routes it to a still-active engine), so the turn is neither
 lost nor counted twice. Finished trajectories go to the group buffer.
+
+Redundant environments (``redundancy`` > 0, the ``redundant_envs`` technique): each group is
+launched with that many spare members; once ``group_size`` have finished, the spares still running
+are cancelled and handed back as ``redundant``, so a group waits for its fastest members, not its
+slowest.
 """
 
 from __future__ import annotations
@@ -17,37 +22,66 @@ from .sample_buffer import GroupBuffer
 
 class EnvManager:
     def __init__(
-        self, cluster: Cluster, envs, buffer: GroupBuffer, sampling: SamplingParams, max_sequence: int
+        self,
+        cluster: Cluster,
+        envs,
+        buffer: GroupBuffer,
+        sampling: SamplingParams,
+        max_sequence: int,
+        redundancy: int = 0,
     ) -> None:
         self.cluster, self.envs, self.buffer = cluster, envs, buffer
-        self.sampling, self.max_sequence = sampling, max_sequence
-        self.groups_in_flight = 0
+        self.sampling, self.max_sequence, self.redundancy = sampling, max_sequence, redundancy
         self._tasks: dict[asyncio.Task, str] = {}  # running episode coroutines -> episode id
+        self._group_tasks: dict[str, set[asyncio.Task]] = {}  # group -> its members still running
         self._failure: BaseException | None = None
+        buffer.on_complete = self._cancel_spares
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Groups with a member still running (a group's spares count it until they are cancelled)."""
+        return len(self._group_tasks)
 
     def launch(self, groups: int) -> None:
         for _ in range(groups):
-            episodes = self.envs.new_group()
+            episodes = self.envs.new_group(extra=self.redundancy)
             # VAL: VAL_NO_DUPLICATES (value=[e.episode_id for e in episodes])
-            self.buffer.expect(episodes[0].group_id)
-            self.groups_in_flight += 1
-            remaining = [len(episodes)]
+            group_id = episodes[0].group_id
+            self.buffer.expect(group_id)
+            members = self._group_tasks[group_id] = set()
             for episode in episodes:
-                task = asyncio.create_task(self._run_episode(episode, remaining))
+                task = asyncio.create_task(self._run_episode(episode))
                 self._tasks[task] = episode.episode_id
-                task.add_done_callback(self._finished)
+                members.add(task)
+                task.add_done_callback(lambda task, group_id=group_id: self._finished(task, group_id))
 
-    def _finished(self, task: asyncio.Task) -> None:
+    def _finished(self, task: asyncio.Task, group_id: str) -> None:
         self._tasks.pop(task, None)
+        members = self._group_tasks.get(group_id)
+        if members is not None:
+            members.discard(task)
+            if not members:
+                del self._group_tasks[group_id]
         if not task.cancelled() and task.exception() is not None and self._failure is None:
             self._failure = task.exception()
+
+    def _cancel_spares(self, group_id: str) -> None:
+        """The group has ``group_size`` finished members: its spares still running are not needed."""
+        finisher = asyncio.current_task()  # the member whose trajectory just completed the group
+        for task in list(self._group_tasks.get(group_id, ())):
+            if task is finisher or task.done():
+                continue
+            episode_id = self._tasks.pop(task, None)  # handed back here, never again by cancel_all
+            if episode_id is not None:
+                task.cancel()
+                self.envs.drop(episode_id, "redundant")
 
     def raise_if_failed(self) -> None:
         """Surface an episode coroutine's crash in the controller instead of hanging on it."""
         if self._failure is not None:
             raise RuntimeError("an episode coroutine failed") from self._failure
 
-    async def _run_episode(self, episode, remaining: list[int]) -> None:
+    async def _run_episode(self, episode) -> None:
         prompt = await episode.reset()
         t = Trajectory(
             episode.episode_id, episode.group_id, list(prompt), [0] * len(prompt), [0.0] * len(prompt), 0.0, []
@@ -66,9 +100,6 @@ class EnvManager:
             if result.done:
                 self.buffer.put(t)
                 break
-        remaining[0] -= 1
-        if remaining[0] == 0:
-            self.groups_in_flight -= 1
 
     async def _generate(self, request: GenerateRequest):
         while True:

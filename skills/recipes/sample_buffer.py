@@ -5,7 +5,8 @@ episodes, and the audit rejects it).
 The staleness bound is enforced when a batch is taken: a group holding a turn generated more than
 ``async_ratio`` versions before the current policy is dropped whole (handed back to the harness with
 the reason ``stale``, so it is counted, not lost); at the end of a run everything still waiting is
-handed back with ``end_of_run``.
+handed back with ``end_of_run``. A member that finishes after its group is complete (a spare of a
+group launched with redundancy) is handed back as ``redundant``.
 """
 
 from __future__ import annotations
@@ -22,17 +23,24 @@ class GroupBuffer:
         self._partial: dict[str, list[Trajectory]] = {}
         self._ready: dict[str, list[Trajectory]] = {}
         self._rank: dict[str, int] = {}  # group -> creation order
+        self._complete: set[str] = set()  # groups that reached group_size finished members
         self._changed = asyncio.Event()
+        self.on_complete: Callable[[str], None] = lambda group_id: None  # the manager cancels spares here
 
     def expect(self, group_id: str) -> None:
         """A group was just created: its place in the creation order."""
         self._rank[group_id] = len(self._rank)
 
     def put(self, trajectory: Trajectory) -> None:
+        if trajectory.group_id in self._complete:
+            self.envs.drop(trajectory.episode_id, "redundant")
+            return
         group = self._partial.setdefault(trajectory.group_id, [])
         group.append(trajectory)
         if len(group) == self.group_size:
             self._ready[trajectory.group_id] = self._partial.pop(trajectory.group_id)
+            self._complete.add(trajectory.group_id)
+            self.on_complete(trajectory.group_id)
             self._changed.set()
 
     @property

@@ -4,7 +4,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * exactly once: no episode is trained on twice, none the harness never created;
 * conservation: every created episode is trained once or dropped with a reason the trace confirms
   (``stale``: a member of its group is beyond the bound; ``end_of_run``: after the last step;
-  ``max_sequence``: the next turn cannot fit; ``redundant``: within the declared redundancy);
+  ``max_sequence``: the next turn cannot fit; ``redundant``: a spare, once ``group_size`` of its group had
+  finished, within the declared redundancy);
 * fidelity: a trained trajectory is exactly what the environment saw, every action any environment
   received came from ``cluster.generate``, and the behaviour logprobs are the engine's;
 * batches: each holds exactly ``batch_size`` trajectories of whole groups, with the group-relative
@@ -27,6 +28,7 @@ weights: there fidelity and prompts compare counts, and the replays are skipped 
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -210,15 +212,20 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
         elif reason == "redundant":
             group = ix.group_of.get(episode)
             redundant[group] += 1
-            trained = sum(1 for m in ix.created if ix.group_of[m] == group and m in ix.trained_in)
+            finished_before = sum(
+                1
+                for m in ix.created
+                if ix.group_of[m] == group and m != episode and (ix.finished_at(m) or math.inf) <= e.t
+            )
             if ix.declared.redundant_per_group == 0:
                 r.add(
                     "unjustified drop", f"episode {episode} dropped as redundant, but the stack declares no redundancy"
                 )
-            elif trained != workload.group_size:
+            elif finished_before < workload.group_size:
                 r.add(
                     "unjustified drop",
-                    f"episode {episode} dropped as redundant, but its group {group} was not trained whole",
+                    f"episode {episode} dropped as redundant at {e.t:.2f}s, when only {finished_before} of its "
+                    f"group {group} had finished (a group needs {workload.group_size})",
                 )
     for group, count in redundant.items():
         if ix.declared.redundant_per_group and count > ix.declared.redundant_per_group:

@@ -195,10 +195,10 @@ class ProxyEnvs:
         self._calls, self.group_size, self._memory = calls, group_size, memory
         self._groups = 0
 
-    def new_group(self) -> list[ProxyEpisode]:
+    def new_group(self, extra: int = 0) -> list[ProxyEpisode]:
         index, self._groups = self._groups, self._groups + 1
-        self._calls.channel.send(Frame(kind="env", method="new_group", group=index))
-        return [ProxyEpisode(self._calls, f"g{index}/e{m}", f"g{index}") for m in range(self.group_size)]
+        self._calls.channel.send(Frame(kind="env", method="new_group", group=index, extra=extra))
+        return [ProxyEpisode(self._calls, f"g{index}/e{m}", f"g{index}") for m in range(self.group_size + extra)]
 
     def drop(self, episode_id: str, reason: str) -> None:
         if reason not in DROP_REASONS:

@@ -212,6 +212,8 @@ class ControllerLink:
             self._idle_received, self._deadline = field_of(rx.header, "received", int, "idle"), deadline
         elif kind == "hello":
             if not self.hello.done():
+                # before the controller's first new_group, which may follow in the same burst
+                self.envs.max_extra = get_declared(field_of(rx.header, "declared", dict, "hello")).redundant_per_group
                 self.hello.set_result(rx)
         elif kind == "done":
             if not self.done.done():
@@ -230,7 +232,11 @@ class ControllerLink:
                 raise ProtocolError(
                     f"the controller numbered a new group {group}, the harness's next is {self.envs.groups_created}"
                 )
-            for episode in self.envs.new_group():
+            try:
+                episodes = self.envs.new_group(field_of(rx.header, "extra", int, "new_group"))
+            except ValueError as error:
+                raise ProtocolError(str(error)) from None
+            for episode in episodes:
                 self.episodes[episode.episode_id] = episode
         elif kind == "env" and rx.get("method") == "drop":
             episode = field_of(rx.header, "episode", str, "drop")

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from targets.api import DROP_REASONS
 from targets.harness.clock import Clock
 from targets.harness.environments.base import Episode
 from targets.harness.trace import Trace
 
 if TYPE_CHECKING:
     from targets.spec import WorkloadSpec
-
-
-DROP_REASONS = ("stale", "end_of_run", "max_sequence")
 
 
 class EnvironmentPool:
@@ -29,14 +27,19 @@ class EnvironmentPool:
         self.trace = trace
         self.seed = seed
         self.groups_created = 0
+        self.max_extra = 0  # the stack's declared redundancy, set once the stack has said it
 
-    def new_group(self) -> list[Episode]:
+    def new_group(self, extra: int = 0) -> list[Episode]:
+        if not 0 <= extra <= self.max_extra:
+            raise ValueError(
+                f"new_group asked for {extra} spare episodes; the stack declares redundant_per_group {self.max_extra}"
+            )
         index = self.groups_created
         self.groups_created += 1
         group_id = f"g{index}"
         task_seed = self.seed * 1_000_003 + index
         episodes = []
-        for member in range(self.group_size):
+        for member in range(self.group_size + extra):
             episode_id = f"{group_id}/e{member}"
             episode = self.episode_class(
                 episode_id=episode_id,

@@ -20,8 +20,12 @@ from targets.spec import parse_target
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path, fast_target, params: dict, simulate: bool):
-    spec = parse_target(yaml.safe_load(fast_target.read_text()))
+def _run(tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None):
+    data = yaml.safe_load(fast_target.read_text())
+    data["workload"].update(workload or {})
+    fast_target = tmp_path / "target.yaml"
+    fast_target.write_text(yaml.safe_dump(data))
+    spec = parse_target(data)
     stack = write_starter(tmp_path / "stack", spec, "time_multiplex")
     path = stack / "stack" / "params.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **params}))
@@ -52,3 +56,20 @@ def test_redundant_envs_keep_the_first_members_and_drop_the_spares(tmp_path, fas
     assert trained and set(trained.values()) == {spec.workload.group_size}  # groups train whole, spares never
     assert redundant and max(redundant.values()) <= 2
     assert sum(redundant[g] for g in trained) == 2 * len(trained)  # a trained group's spares all went back
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_progress_shrink_starts_the_switch_before_the_batch_is_complete(tmp_path, fast_target, simulate):
+    """async_ratio 0: at half the batch ready, half the outstanding groups still run, so one of the two
+    rollout devices is free; it is the training device, and it shrinks before the batch's last episode ends."""
+    spec, events = _run(tmp_path, fast_target, {"shrink_at": 0.5}, simulate, {"async_ratio": 0})
+    finished = {e.data["episode"]: e.t for e in events if e.kind == "env_step" and e.data["done"]}
+    trains = [e for e in events if e.kind == "train"]
+    shrinks = [e for e in events if e.kind == "shrink"]
+    assert len(trains) == spec.workload.train_steps
+    early, previous_end = 0, 0.0
+    for train in trains:  # a shrink of this step (after the last train ended) before its batch was complete
+        batch_done = max(finished[t["episode"]] for t in train.data["trajectories"])
+        early += any(previous_end < s.data["start"] < batch_done for s in shrinks)
+        previous_end = train.t
+    assert early >= 1, [(s.t, s.data) for s in shrinks]

@@ -18,6 +18,7 @@ PARAM_MOVES = {
     ("many_aborts", "train_devices"): -1,
     ("timeouts", "train_devices"): -1,
     ("tail_idle", "redundant_envs"): +1,  # spares let a group finish with its fastest members
+    ("tail_idle", "shrink_at"): 0.7,  # start the switch while the tail still runs
 }
 
 

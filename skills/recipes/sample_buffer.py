@@ -73,6 +73,17 @@ class GroupBuffer:
         ``refill`` is called whenever groups finish or are dropped (to keep episodes in flight);
         ``check`` raises if the episodes' coroutines failed, so a crash surfaces instead of a hang.
         """
+        await self.wait_ready(groups, policy_version, refill, check)
+        batch: list[Trajectory] = []
+        for group_id in sorted(self._ready, key=self._rank.__getitem__)[:groups]:
+            batch.extend(self._ready.pop(group_id))
+        # VAL: AST_POSTCONDITION (cond=len(batch) == groups * self.group_size)
+        return batch
+
+    async def wait_ready(
+        self, groups: int, policy_version: int, refill: Callable[[], None], check: Callable[[], None]
+    ) -> None:
+        """Wait until ``groups`` fresh groups are ready (taking none)."""
         while True:
             check()
             self.drop_stale(policy_version)
@@ -84,8 +95,3 @@ class GroupBuffer:
                 await asyncio.wait_for(self._changed.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 check()
-        batch: list[Trajectory] = []
-        for group_id in sorted(self._ready, key=self._rank.__getitem__)[:groups]:
-            batch.extend(self._ready.pop(group_id))
-        # VAL: AST_POSTCONDITION (cond=len(batch) == groups * self.group_size)
-        return batch

@@ -4,9 +4,16 @@ other devices keep sampling the long tail and the next batch, and expand back wi
 
 Rollout throughput approaches all devices' while training still gets dedicated devices; the price
 is the shrink/expand switch (abort, offload, reload, weight load) once per step.
+
+Progress-triggered partial shrink (``shrink_at`` < 1, the ``progress_shrink`` technique): once that
+fraction of the batch's groups is ready, the training devices the remaining demand no longer needs
+are shrunk early (their switch overlaps the batch's tail); the rest follow when the batch is
+complete. Demand is the share of the outstanding groups still running.
 """
 
 from __future__ import annotations
+
+import math
 
 from .controller_base import ControllerBase
 
@@ -22,9 +29,22 @@ class TimeMultiplex(ControllerBase):
         sampling_only = [d for d in rollout if d not in train]
         buffer, manager = self._wire(cluster, envs, self.async_ratio)
         refill = self._refill(buffer, manager)
+        shrink_at = self.params.get("shrink_at", 1.0)
+        if not 0.05 <= shrink_at <= 1.0:
+            raise ValueError(f"params shrink_at must be within [0.05, 1.0] (1.0: off), got {shrink_at}")
+        outstanding = self.groups_per_step * (1 + buffer.async_ratio)
         for _ in range(steps):
+            early = []
+            if shrink_at < 1.0:
+                ready = math.ceil(shrink_at * self.groups_per_step)
+                await buffer.wait_ready(ready, self.version, refill, manager.raise_if_failed)
+                demand = manager.groups_in_flight / outstanding
+                freed = len(rollout) - math.ceil(demand * len(rollout))
+                early = train[: max(0, min(len(train), freed))]
+                if early:
+                    await cluster.shrink(early)
             batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
-            await cluster.shrink(train)
+            await cluster.shrink([d for d in train if d not in early])
             version = await self._train(cluster, batch, train)
             await cluster.sync_weights(version, sampling_only)
             await cluster.expand(train)

@@ -57,13 +57,18 @@ class EnvManager:
 
     def _finished(self, task: asyncio.Task, group_id: str) -> None:
         self._tasks.pop(task, None)
+        self._leave(task, group_id)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+
+    def _leave(self, task: asyncio.Task, group_id: str) -> None:
+        """``task`` no longer holds its group in flight (called as it ends, before the buffer's
+        waiter refills, so a finished group is never counted both in flight and ready)."""
         members = self._group_tasks.get(group_id)
         if members is not None:
             members.discard(task)
             if not members:
                 del self._group_tasks[group_id]
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
 
     def _cancel_spares(self, group_id: str) -> None:
         """The group has ``group_size`` finished members: its spares still running are not needed."""
@@ -75,6 +80,7 @@ class EnvManager:
             if episode_id is not None:
                 task.cancel()
                 self.envs.drop(episode_id, "redundant")
+                self._leave(task, group_id)
 
     def raise_if_failed(self) -> None:
         """Surface an episode coroutine's crash in the controller instead of hanging on it."""
@@ -100,6 +106,7 @@ class EnvManager:
             if result.done:
                 self.buffer.put(t)
                 break
+        self._leave(asyncio.current_task(), episode.group_id)
 
     async def _generate(self, request: GenerateRequest):
         while True:

@@ -128,8 +128,8 @@ CHEATS = {
         "static_split",
         {
             "build.py": (
-                "from targets.api import Runtime, Stack",
-                "from targets.api import Runtime, Stack\nfrom targets.harness.trace import Trace  # noqa",
+                "from targets.api import Declared, Runtime, Stack",
+                "from targets.api import Declared, Runtime, Stack\nfrom targets.harness.trace import Trace  # noqa",
             )
         },
         "imports harness internals (targets.harness.trace)",

@@ -78,6 +78,7 @@ class TraceIndex:
     by_kind: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))
     created: list[str] = field(default_factory=list)  # episodes in creation order
     group_of: dict[str, str] = field(default_factory=dict)
+    members: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # group -> its episodes
     group_order: dict[str, int] = field(default_factory=dict)  # group -> creation rank
     resets: dict[str, TraceEvent] = field(default_factory=dict)
     env_steps: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))
@@ -104,6 +105,7 @@ class TraceIndex:
         for e in ix.by_kind["episode_created"]:
             ix.created.append(e.data["episode"])
             ix.group_of[e.data["episode"]] = e.data["group"]
+            ix.members[e.data["group"]].append(e.data["episode"])
             ix.group_order.setdefault(e.data["group"], len(ix.group_order))
         ix.resets = {e.data["episode"]: e for e in ix.by_kind["env_reset"]}
         for e in ix.by_kind["env_step"]:
@@ -187,11 +189,7 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             policy = ix.policy_at(e.t)
             group = ix.group_of.get(episode)
             versions = [
-                g.data["version"]
-                for m in ix.created
-                if ix.group_of[m] == group
-                for g in ix.generated.get(m, [])
-                if g.t <= e.t
+                g.data["version"] for m in ix.members.get(group, []) for g in ix.generated.get(m, []) if g.t <= e.t
             ]
             if not versions or policy - min(versions) <= workload.async_ratio:
                 r.add(
@@ -213,9 +211,7 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             group = ix.group_of.get(episode)
             redundant[group] += 1
             finished_before = sum(
-                1
-                for m in ix.created
-                if ix.group_of[m] == group and m != episode and (ix.finished_at(m) or math.inf) <= e.t
+                1 for m in ix.members.get(group, []) if m != episode and (ix.finished_at(m) or math.inf) <= e.t
             )
             if ix.declared.redundant_per_group == 0:
                 r.add(

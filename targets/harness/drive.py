@@ -159,6 +159,7 @@ class ControllerLink:
         self.cluster: TracedCluster | None = None  # set once the controller said hello
         self.memory = PromptMemory(counts=virtual)  # a simulated run keeps token counts only
         self.episodes: dict[str, Any] = {}
+        self.declared = Declared()  # what the controller's hello declares
         loop = asyncio.get_running_loop()
         self.hello: asyncio.Future = loop.create_future()
         self.done: asyncio.Future = loop.create_future()
@@ -212,8 +213,9 @@ class ControllerLink:
             self._idle_received, self._deadline = field_of(rx.header, "received", int, "idle"), deadline
         elif kind == "hello":
             if not self.hello.done():
+                self.declared = get_declared(field_of(rx.header, "declared", dict, "hello"))
                 # before the controller's first new_group, which may follow in the same burst
-                self.envs.max_extra = get_declared(field_of(rx.header, "declared", dict, "hello")).redundant_per_group
+                self.envs.max_extra = self.declared.redundant_per_group
                 self.hello.set_result(rx)
         elif kind == "done":
             if not self.done.done():
@@ -406,7 +408,7 @@ async def _hello(link: ControllerLink, processes: CandidateProcesses) -> tuple[l
     hello = link.hello.result()
     rollout = field_of(hello.header, "rollout", list, "hello")
     train = field_of(hello.header, "train", list, "hello")
-    return rollout, train, get_declared(field_of(hello.header, "declared", dict, "hello"))
+    return rollout, train, link.declared
 
 
 Marks = Callable[[str], None]

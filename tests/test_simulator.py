@@ -268,6 +268,22 @@ def test_calibrate_refuses_a_directory_that_is_not_a_candidate(tmp_path):
     assert result.exit_code == 2 and "not a candidate directory" in result.output
 
 
+def test_the_rollout_fit_keeps_both_constants_non_negative():
+    """Batches whose duration is all per-step cost plus noise: the unconstrained least squares gives
+    the FLOPs term a negative rate (a negative MFU); the fit puts it on the boundary instead and the
+    per-step overhead carries the durations."""
+    from targets.harness.sim.calibrate import _two_fit
+
+    rows = [(10, 1.0, 0.105), (20, 0.5, 0.199), (40, 3.0, 0.398), (80, 1.5, 0.801)]  # (steps, flops/peak, s)
+    a = sum(u * y for u, _, y in rows) / sum(u * u for u, _, _ in rows)
+    suu, svv = sum(u * u for u, _, _ in rows), sum(v * v for _, v, _ in rows)
+    suv, svy, suy = sum(u * v for u, v, _ in rows), sum(v * y for _, v, y in rows), sum(u * y for u, _, y in rows)
+    assert (svy * suu - suy * suv) / (suu * svv - suv * suv) < 0  # the plant: unconstrained b < 0
+    overhead, seconds_per_flop = _two_fit(rows)
+    assert seconds_per_flop == 0.0 and overhead == pytest.approx(a) and overhead > 0
+    assert _two_fit([(10, 1.0, 0.2), (20, 2.0, 0.4)]) is None  # collinear: nothing to separate
+
+
 @pytest.mark.slow
 def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, fast_target):
     """Calibration runs the time_multiplex starter for real, fits the cost model to its trace and

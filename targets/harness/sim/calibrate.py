@@ -11,7 +11,8 @@
   to its end: earlier members were queued behind the previous batch.
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time.
 
-Negative or degenerate fits fall back to the zero-overhead fit and say so in ``notes``; a device
+Both fits keep their constants non-negative (a term noise outweighs is fitted as zero); a
+degenerate fit falls back to the zero-overhead fit; each says so in ``notes``; a device
 measured faster than its catalog peak gets ``bf16_tflops`` raised (also in ``notes``).
 """
 
@@ -71,7 +72,10 @@ def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
 
 
 def _two_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """Least squares ``y = a * u + b * v`` (no intercept); None when singular."""
+    """Least squares ``y = a * u + b * v`` (no intercept) with ``a, b >= 0``; None when singular.
+
+    A negative coefficient means noise outweighs that term: the constrained optimum then lies on a
+    boundary (``a = 0`` or ``b = 0``), whichever one-term fit leaves the smaller squared residual."""
     suu = sum(u * u for u, _, _ in rows)
     svv = sum(v * v for _, v, _ in rows)
     suv = sum(u * v for u, v, _ in rows)
@@ -80,7 +84,11 @@ def _two_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float] | No
     det = suu * svv - suv * suv
     if det <= 1e-12 * max(suu * svv, 1e-300):
         return None
-    return (suy * svv - svy * suv) / det, (svy * suu - suy * suv) / det
+    a, b = (suy * svv - svy * suv) / det, (svy * suu - suy * suv) / det
+    if a >= 0 and b >= 0:
+        return a, b
+    boundaries = [(max(0.0, suy / suu), 0.0), (0.0, max(0.0, svy / svv))]
+    return min(boundaries, key=lambda ab: sum((y - ab[0] * u - ab[1] * v) ** 2 for u, v, y in rows))
 
 
 def engine_batches(events: list[TraceEvent], window_s: float = 0.003) -> list[tuple[float, list[TraceEvent]]]:
@@ -141,8 +149,16 @@ def calibrate(spec: TargetSpec, events: list[TraceEvent], batching: str = "conti
         rollout_rows.append((steps, flops / cost.peak_flops, duration))
     if rollout_rows:
         fit = _two_fit(rollout_rows)
-        if fit and fit[0] >= 0 and fit[1] > 0:
+        if fit and fit[1] > 0:
             fitted["decode_step_overhead_s"], fitted["rollout_mfu"] = fit[0], 1 / fit[1]
+            if fit[0] == 0:
+                notes.append("rollout: durations do not grow with decode steps beyond their FLOPs: no step overhead")
+        elif fit and fit[0] > 0:
+            # The FLOPs are too few to see next to the per-step cost: compute at the catalog peak.
+            fitted["rollout_mfu"] = 1.0
+            beyond_compute = sum(u * (y - v) for u, v, y in rollout_rows) / sum(u * u for u, _, _ in rollout_rows)
+            fitted["decode_step_overhead_s"] = max(0.0, beyond_compute)
+            notes.append("rollout: durations do not grow with FLOPs beyond the step cost: compute at the catalog peak")
         else:
             fitted["decode_step_overhead_s"] = 0.0
             fitted["rollout_mfu"] = sum(v for _, v, _ in rollout_rows) / sum(y for _, _, y in rollout_rows)

@@ -210,6 +210,27 @@ def test_hints_read_stalls_and_the_tail_from_the_trace():
     }
 
 
+def test_stale_drops_hint_the_early_abort(tiny_spec):
+    """One in ten episodes dropped as stale is a finding; the planner answers it with abort_stale."""
+    events = [_event("run_start", 0.0, devices=["cpu:0"]), _event("run_end", 4.0)]
+    events += [_event("episode_created", 0.0, episode=f"e{i}", group="g") for i in range(10)]
+    events += [_event("sample_dropped", 3.0, episode="e0", reason="stale")]
+    metrics = {
+        "mean_device_busy": 0.9,
+        "device_utilization": {},
+        "timeout_ratio": 0.0,
+        "aborted_turns": 0,
+        "sync_s": 0.0,
+        "duration_s": 4.0,
+    }
+    hints = [h for h in hints_from(metrics, events, simulated=True) if h.code == "stale_drops"]
+    assert len(hints) == 1 and hints[0].evidence == {"stale_drops": 1, "episodes": 10}
+    tasks = OfflinePlanner(tiny_spec).tasks_from_hints(hints, {"controller": "time_multiplex", "train_devices": 1})
+    assert [t.changes for t in tasks] == [{"abort_stale": 1}]
+    events[-1] = _event("sample_dropped", 3.0, episode="e0", reason="end_of_run")
+    assert not [h for h in hints_from(metrics, events, simulated=True) if h.code == "stale_drops"]
+
+
 @pytest.fixture(scope="module")
 def big_spec():
     return load_target("qwen3-235b-a22b-h800x160")

@@ -297,9 +297,11 @@ def _mini_spec(honest):
     return honest[0]
 
 
-def _group_trace(reason: str, versions: dict[str, int], declared: dict | None = None) -> list[TraceEvent]:
-    """Two episodes of one group, each generated once at the given version, both dropped for
-    ``reason`` after three training steps."""
+def _group_trace(
+    reason: str, versions: dict[str, int], declared: dict | None = None, drop_at: float = 9.0
+) -> list[TraceEvent]:
+    """Two episodes of one group, each generated once at the given version (at ``1 + version`` s), both
+    dropped for ``reason`` at ``drop_at`` (policy 1 from 5 s, 2 from 6 s, 3 from 7 s)."""
     events = [
         TraceEvent(
             "run_start",
@@ -344,7 +346,7 @@ def _group_trace(reason: str, versions: dict[str, int], declared: dict | None = 
             )
         )
     for episode in versions:
-        events.append(TraceEvent("sample_dropped", 9.0, {"episode": episode, "reason": reason}))
+        events.append(TraceEvent("sample_dropped", drop_at, {"episode": episode, "reason": reason}))
     events.append(TraceEvent("run_end", 10.0))
     return events
 
@@ -364,6 +366,15 @@ def test_a_group_goes_stale_whole_when_one_member_is_stale(honest):
     assert _drop_reasons(spec, _group_trace("stale", {"g0/e0": 0, "g0/e1": 2})) == []
     lines = _drop_reasons(spec, _group_trace("stale", {"g0/e0": 2, "g0/e1": 2}))
     assert any("unjustified drop" in line and "dropped as stale" in line for line in lines), lines
+
+
+def test_an_early_stale_abort_must_already_be_certain(honest):
+    """abort_stale hands a group back while it still runs: right once the policy is more than
+    async_ratio (1) past its oldest turn (policy 2 over version 0), planted one step too soon (policy 1)."""
+    spec = _mini_spec(honest)
+    assert _drop_reasons(spec, _group_trace("stale", {"g0/e0": 0, "g0/e1": 0}, drop_at=6.5)) == []
+    lines = _drop_reasons(spec, _group_trace("stale", {"g0/e0": 0, "g0/e1": 0}, drop_at=5.5))
+    assert any("dropped as stale but every turn of its group is within" in line for line in lines), lines
 
 
 def test_redundant_drops_need_declared_redundancy(honest):

@@ -73,3 +73,62 @@ def test_progress_shrink_starts_the_switch_before_the_batch_is_complete(tmp_path
         early += any(previous_end < s.data["start"] < batch_done for s in shrinks)
         previous_end = train.t
     assert early >= 1, [(s.t, s.data) for s in shrinks]
+
+
+def _stale_drops_in_flight(events) -> tuple[int, int]:
+    """(stale drops of an episode still running, all stale drops), with each stale group dropped whole."""
+    finished = {e.data["episode"]: e.t for e in events if e.kind == "env_step" and e.data["done"]}
+    group_of = {e.data["episode"]: e.data["group"] for e in events if e.kind == "episode_created"}
+    stale = [e for e in events if e.kind == "sample_dropped" and e.data["reason"] == "stale"]
+    stale_groups = {group_of[e.data["episode"]] for e in stale}
+    assert sum(1 for g in group_of.values() if g in stale_groups) == len(stale)  # whole groups
+    running = sum(1 for e in stale if finished.get(e.data["episode"], float("inf")) > e.t)
+    return running, len(stale)
+
+
+# Tool calls with a heavy tail (a few take seconds): some groups still run two versions after their
+# first turn, the point where async_ratio 1 can no longer train them.
+SLOW_TOOLS = {
+    "env_latency_s": {"kind": "lognormal", "median": 0.1, "sigma": 2.0},
+    "env_latency_max_s": 10.0,
+    "trajectory_timeout_s": 60,
+    "turns": {"max": 12, "dist": {"kind": "geometric", "mean": 4}},
+    "train_steps": 3,
+}
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_abort_stale_hands_groups_back_while_they_still_run(tmp_path, fast_target, simulate):
+    """A group whose oldest turn falls more than async_ratio behind the policy goes back as soon as
+    training returns that policy, mid-episode, not after its slowest member's last tool call."""
+    _, events = _run(tmp_path, fast_target, {"abort_stale": 1}, simulate, SLOW_TOOLS)
+    running, stale = _stale_drops_in_flight(events)
+    assert running >= 1, (running, stale)
+
+
+def test_abort_stale_planted_one_step_too_soon_fails_the_audit(tmp_path, fast_target):
+    """The misuse, really run (simulated): an abort one version too soon throws away groups a step
+    could still train; the audit names the unjustified drops."""
+    data = yaml.safe_load(fast_target.read_text())
+    data["workload"].update(SLOW_TOOLS)
+    target_path = tmp_path / "target.yaml"
+    target_path.write_text(yaml.safe_dump(data))
+    stack = write_starter(tmp_path / "stack", parse_target(data), "time_multiplex")
+    params = stack / "stack" / "params.json"
+    params.write_text(json.dumps({**json.loads(params.read_text()), "abort_stale": 1}))
+    manager = stack / "stack" / "env_manager.py"
+    honest = "if oldest is None or self.trained_from - oldest <= self.buffer.async_ratio:"
+    assert honest in manager.read_text()
+    manager.write_text(
+        manager.read_text().replace(honest, honest.replace("self.trained_from", "1 + self.trained_from"))
+    )
+    run = run_harness(
+        Target.load(target_path, simulate=True),
+        stack,
+        tmp_path / "out",
+        "measure",
+        Limits(time_s=300),
+        Sandbox("subprocess"),
+    )
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any("dropped as stale but every turn" in r for r in audit["reasons"]), audit

@@ -17,6 +17,7 @@ STALL_SHARE = 0.10  # share of the run with no request in flight
 TAIL_SHARE = 0.15  # share of the run with under a quarter of the peak in flight
 TRAIN_IDLE_SHARE = 0.4  # idle share of a training device that says it waits for data
 ABORT_SHARE = 0.05
+STALE_SHARE = 0.05  # share of created episodes dropped as stale
 SMALL_BATCH = 4.0
 SYNC_SHARE = 0.10
 
@@ -103,6 +104,16 @@ def hints_from(metrics: dict, events: list, simulated: bool) -> list[Hint]:
                 code="many_aborts",
                 message=f"{metrics['aborted_turns']} of {turns} turns aborted by shrinks",
                 evidence={"aborted_turns": metrics["aborted_turns"], "turns": turns},
+            )
+        )
+    created = sum(1 for e in events if e.kind == "episode_created")
+    stale = sum(1 for e in events if e.kind == "sample_dropped" and e.data["reason"] == "stale")
+    if created and stale / created > STALE_SHARE:
+        hints.append(
+            Hint(
+                code="stale_drops",
+                message=f"{stale} of {created} episodes dropped as stale (generated, never trained)",
+                evidence={"stale_drops": stale, "episodes": created},
             )
         )
     if not simulated:

@@ -19,6 +19,7 @@ PARAM_MOVES = {
     ("timeouts", "train_devices"): -1,
     ("tail_idle", "redundant_envs"): +1,  # spares let a group finish with its fastest members
     ("tail_idle", "shrink_at"): 0.7,  # start the switch while the tail still runs
+    ("stale_drops", "abort_stale"): +1,  # stop generating groups nobody can train
 }
 
 

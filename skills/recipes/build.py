@@ -82,6 +82,7 @@ def build(runtime: Runtime) -> Stack:
     def sync_engine(engine, state, version: int) -> None:
         engine.load_weights(merge(to_buckets(state, bucket_bytes)), version)
 
+    # VAL: VAL_INT_RANGE (value=params.get("abort_stale", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("redundant_envs", 0), min=0, max=8)
     declared = Declared(redundant_per_group=params.get("redundant_envs", 0))  # the audit bounds the spares by it
     return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared)

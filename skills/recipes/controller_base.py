@@ -38,6 +38,7 @@ class ControllerBase:
         )
         self.params = params
         self.version = 0
+        self._manager: EnvManager | None = None
 
     def placement(self, devices: list[Device]) -> tuple[list[Device], list[Device]]:
         """(devices with a rollout engine, devices with a trainer rank)."""
@@ -46,8 +47,15 @@ class ControllerBase:
     def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[GroupBuffer, EnvManager]:
         buffer = GroupBuffer(self.group_size, async_ratio, envs)
         manager = EnvManager(
-            cluster, envs, buffer, self.sampling, self.max_sequence, redundancy=self.params.get("redundant_envs", 0)
+            cluster,
+            envs,
+            buffer,
+            self.sampling,
+            self.max_sequence,
+            redundancy=self.params.get("redundant_envs", 0),
+            abort_stale=bool(self.params.get("abort_stale", 0)),
         )
+        self._manager = manager  # told of each new policy version by _train
         return buffer, manager
 
     def _refill(self, buffer: GroupBuffer, manager: EnvManager) -> Callable[[], None]:
@@ -68,4 +76,5 @@ class ControllerBase:
 
     async def _train(self, cluster: Cluster, batch: list[Trajectory], devices: list[Device]) -> int:
         self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)
+        self._manager.policy_advanced(self.version)
         return self.version

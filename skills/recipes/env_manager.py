@@ -9,6 +9,12 @@ Redundant environments (``redundancy`` > 0, the ``redundant_envs`` technique): e
 launched with that many spare members; once ``group_size`` have finished, the spares still running
 are cancelled and handed back as ``redundant``, so a group waits for its fastest members, not its
 slowest.
+
+Staleness-aware early abort (``abort_stale``, the ``abort_stale`` technique): a group is trained from
+a policy no older than the newest, so once ``policy - oldest turn > async_ratio`` for any turn of a
+group it can never be trained. The manager checks this as each turn completes and whenever the
+policy advances, and hands the whole group back as ``stale`` at once (running members cancelled,
+finished ones taken out of the buffer) instead of generating the rest of a batch nobody will train.
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ class EnvManager:
         sampling: SamplingParams,
         max_sequence: int,
         redundancy: int = 0,
+        abort_stale: bool = False,
     ) -> None:
         self.cluster, self.envs, self.buffer = cluster, envs, buffer
         self.sampling, self.max_sequence, self.redundancy = sampling, max_sequence, redundancy
+        self.abort_stale = abort_stale
+        self.trained_from = 0  # the version the next batch will be trained from
         self._tasks: dict[asyncio.Task, str] = {}  # running episode coroutines -> episode id
         self._group_tasks: dict[str, set[asyncio.Task]] = {}  # group -> its members still running
+        self._group_oldest: dict[str, int] = {}  # group -> its oldest generated turn's weight version
         self._failure: BaseException | None = None
         buffer.on_complete = self._cancel_spares
 
@@ -69,6 +79,7 @@ class EnvManager:
             members.discard(task)
             if not members:
                 del self._group_tasks[group_id]
+                self._group_oldest.pop(group_id, None)
 
     def _cancel_spares(self, group_id: str) -> None:
         """The group has ``group_size`` finished members: its spares still running are not needed."""
@@ -81,6 +92,29 @@ class EnvManager:
                 task.cancel()
                 self.envs.drop(episode_id, "redundant")
                 self._leave(task, group_id)
+
+    def policy_advanced(self, version: int) -> None:
+        """Training produced ``version``: with ``abort_stale``, groups now beyond the bound go back."""
+        self.trained_from = version
+        if self.abort_stale:
+            for group_id in list(self._group_tasks):
+                self._abort_if_stale(group_id)
+
+    def _abort_if_stale(self, group_id: str) -> bool:
+        """Hand the group back as ``stale`` if no step from the current policy on can train it."""
+        oldest = self._group_oldest.get(group_id)
+        if oldest is None or self.trained_from - oldest <= self.buffer.async_ratio:
+            return False
+        current = asyncio.current_task()
+        for task in list(self._group_tasks.get(group_id, ())):
+            episode_id = self._tasks.pop(task, None)  # handed back here, never again by cancel_all
+            if episode_id is not None:
+                if task is not current:
+                    task.cancel()
+                self.envs.drop(episode_id, "stale")
+                self._leave(task, group_id)
+        self.buffer.drop_group(group_id, "stale")
+        return True
 
     def raise_if_failed(self) -> None:
         """Surface an episode coroutine's crash in the controller instead of hanging on it."""
@@ -100,6 +134,10 @@ class EnvManager:
             # No copy of the context: the trajectory only grows after generate returns.
             request = GenerateRequest(episode.episode_id, turn, t.tokens, self.sampling)
             completion = await self._generate(request)
+            oldest = self._group_oldest.get(episode.group_id, completion.weight_version)
+            self._group_oldest[episode.group_id] = min(oldest, completion.weight_version)
+            if self.abort_stale and self._abort_if_stale(episode.group_id):
+                return  # this episode was handed back with its group
             result = await episode.step(completion.tokens)
             t.append_turn(completion, result)
             turn += 1

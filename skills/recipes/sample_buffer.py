@@ -57,6 +57,11 @@ class GroupBuffer:
                 self.envs.drop(t.episode_id, "stale")
         return len(stale)
 
+    def drop_group(self, group_id: str, reason: str) -> None:
+        """Hand back a group's finished members (its running ones are the manager's to stop)."""
+        for t in self._partial.pop(group_id, []):
+            self.envs.drop(t.episode_id, reason)
+
     def drop_all(self, reason: str) -> None:
         """End of run: hand back every trajectory still waiting (finished or partial groups)."""
         for groups in (self._ready, self._partial):

@@ -337,7 +337,8 @@ class Workload:
 
     batch_size: int
     group_size: int
-    async_ratio: int
+    async_ratio: int  # the target's staleness bound, unless the stack declares another
+    max_async_ratio: int  # the largest bound a stack may declare (``Declared.async_ratio``)
     prompt_tokens: int
     observation_tokens: int
     response_tokens: int  # max new tokens per turn
@@ -368,9 +369,12 @@ class Runtime:
 class Declared:
     """What a stack does on purpose that the audit would otherwise count against it; the audit
     bounds each by what is declared here. ``redundant_per_group``: extra episodes launched per
-    group (dropped as ``redundant`` once the group has ``group_size`` finished)."""
+    group (dropped as ``redundant`` once the group has ``group_size`` finished). ``async_ratio``: the
+    staleness bound the stack runs under when it chooses one (at most ``Workload.max_async_ratio``;
+    None: the workload's ``async_ratio``)."""
 
     redundant_per_group: int = 0
+    async_ratio: int | None = None
 
 
 @dataclass

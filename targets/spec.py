@@ -263,6 +263,9 @@ class WorkloadSpec(Strict):
     batch_size: int = Field(gt=0, description="trajectories per training step")
     group_size: int = Field(ge=2, description="trajectories per GRPO group (same task)")
     async_ratio: int = Field(ge=0, description="max weight versions a sample may lag behind")
+    max_async_ratio: int | None = Field(
+        default=None, ge=0, description="the largest async_ratio a stack may choose for itself (default: async_ratio)"
+    )
     train_steps: int = Field(gt=0, description="training steps a benchmark run measures")
     training: TrainingSpec = TrainingSpec()
 
@@ -271,6 +274,19 @@ class WorkloadSpec(Strict):
         if self.batch_size % self.group_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
         return self
+
+    @model_validator(mode="after")
+    def _max_async_ratio_covers_the_default(self) -> WorkloadSpec:
+        if self.max_async_ratio is not None and self.max_async_ratio < self.async_ratio:
+            raise ValueError(
+                f"max_async_ratio ({self.max_async_ratio}) must be at least async_ratio ({self.async_ratio})"
+            )
+        return self
+
+    @property
+    def staleness_limit(self) -> int:
+        """The largest staleness bound a stack may declare on this target."""
+        return self.async_ratio if self.max_async_ratio is None else self.max_async_ratio
 
     @model_validator(mode="after")
     def _turns_match_environment(self) -> WorkloadSpec:

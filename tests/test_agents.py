@@ -227,6 +227,10 @@ def test_stale_drops_hint_the_early_abort(tiny_spec):
     assert len(hints) == 1 and hints[0].evidence == {"stale_drops": 1, "episodes": 10}
     tasks = OfflinePlanner(tiny_spec).tasks_from_hints(hints, {"controller": "time_multiplex", "train_devices": 1})
     assert [t.changes for t in tasks] == [{"abort_stale": 1}]
+    limit = tiny_spec.workload.async_ratio + 1
+    looser = tiny_spec.model_copy(update={"workload": tiny_spec.workload.model_copy(update={"max_async_ratio": limit})})
+    tasks = OfflinePlanner(looser).tasks_from_hints(hints, {"controller": "time_multiplex", "train_devices": 1})
+    assert [t.changes for t in tasks] == [{"abort_stale": 1}, {"async_ratio": tiny_spec.workload.async_ratio + 1}]
     events[-1] = _event("sample_dropped", 3.0, episode="e0", reason="end_of_run")
     assert not [h for h in hints_from(metrics, events, simulated=True) if h.code == "stale_drops"]
 

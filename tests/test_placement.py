@@ -40,6 +40,7 @@ def _runtime(devices: int) -> Runtime:
         batch_size=4,
         group_size=2,
         async_ratio=0,
+        max_async_ratio=0,
         prompt_tokens=8,
         observation_tokens=8,
         response_tokens=4,

@@ -71,6 +71,14 @@ def test_wrong_type_names_field_and_value(catalog_yaml):
     assert "workload.group_size" in message and "'four'" in message
 
 
+def test_a_staleness_maximum_below_the_targets_own_bound_is_named(catalog_yaml):
+    assert parse_target(catalog_yaml).workload.staleness_limit == catalog_yaml["workload"]["async_ratio"]
+    catalog_yaml["workload"].update(async_ratio=2, max_async_ratio=1)
+    assert "max_async_ratio (1) must be at least async_ratio (2)" in _error(catalog_yaml)
+    catalog_yaml["workload"]["max_async_ratio"] = 3
+    assert parse_target(catalog_yaml).workload.staleness_limit == 3
+
+
 def test_missing_weights_path_is_named(catalog_yaml, tmp_path):
     catalog_yaml["model"]["weights"] = "no/such/model"
     with pytest.raises(SpecError) as caught:

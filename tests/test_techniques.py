@@ -132,3 +132,69 @@ def test_abort_stale_planted_one_step_too_soon_fails_the_audit(tmp_path, fast_ta
     )
     audit = run.results["audit"]["result"]
     assert not audit["passed"] and any("dropped as stale but every turn" in r for r in audit["reasons"]), audit
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_a_declared_staleness_bound_runs_further_ahead_within_the_targets_maximum(tmp_path, fast_target, simulate):
+    """A target that lets stacks choose up to 2: the stack declares 2 and keeps three steps' groups
+    outstanding, more than the default bound of 1 allows, and the audit holds it to 2."""
+    spec, events = _run(tmp_path, fast_target, {"async_ratio": 2}, simulate, {"max_async_ratio": 2})
+    w = spec.workload
+    start = next(e for e in events if e.kind == "run_start")
+    assert start.data["declared"]["async_ratio"] == 2
+    outstanding = peak = 0
+    changes = [(e.t, 1) for e in events if e.kind == "episode_created"]
+    changes += [(e.data["start"], -len(e.data["trajectories"])) for e in events if e.kind == "train"]
+    changes += [(e.t, -1) for e in events if e.kind == "sample_dropped"]
+    for _, delta in sorted(changes):
+        outstanding += delta
+        peak = max(peak, outstanding)
+    assert peak > w.groups_per_step * (1 + w.async_ratio) * w.group_size  # beyond what 1 allows
+
+
+def _simulated_run(tmp_path, fast_target, workload: dict, params: dict, patch=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = yaml.safe_load(fast_target.read_text())
+    data["workload"].update(workload)
+    target_path = tmp_path / "target.yaml"
+    target_path.write_text(yaml.safe_dump(data))
+    stack = write_starter(tmp_path / "stack", parse_target(data), "time_multiplex")
+    path = stack / "stack" / "params.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **params}))
+    if patch:
+        patch(stack / "stack")
+    return run_harness(
+        Target.load(target_path, simulate=True),
+        stack,
+        tmp_path / "out",
+        "measure",
+        Limits(time_s=300),
+        Sandbox("subprocess"),
+    )
+
+
+def test_a_staleness_bound_over_the_targets_maximum_is_refused(tmp_path, fast_target):
+    run = _simulated_run(tmp_path, fast_target, {"max_async_ratio": 2}, {"async_ratio": 1})
+    assert run.ok
+    build = 'Declared(redundant_per_group=params.get("redundant_envs", 0), async_ratio=params.get("async_ratio"))'
+
+    def declare_three(stack_dir):  # the controller stays within 2; only the declaration lies
+        path = stack_dir / "build.py"
+        assert build in path.read_text()
+        path.write_text(path.read_text().replace(build, build.replace('params.get("async_ratio")', "3")))
+
+    run = _simulated_run(tmp_path / "over", fast_target, {"max_async_ratio": 2}, {"async_ratio": 2}, declare_three)
+    assert not run.ok and "declares async_ratio 3, over the target's max_async_ratio 2" in run.cause
+
+
+def test_running_further_ahead_than_declared_fails_the_audit(tmp_path, fast_target):
+    """Planted: the controller runs at 2 but the stack declares nothing, so the run is held to the
+    target's 1; the audit finds the extra groups in flight."""
+
+    def declare_nothing(stack_dir):
+        path = stack_dir / "build.py"
+        path.write_text(path.read_text().replace('async_ratio=params.get("async_ratio")', "async_ratio=None"))
+
+    run = _simulated_run(tmp_path, fast_target, {"max_async_ratio": 2}, {"async_ratio": 2}, declare_nothing)
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any("too many episodes" in r for r in audit["reasons"]), audit["reasons"]

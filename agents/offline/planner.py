@@ -20,6 +20,8 @@ PARAM_MOVES = {
     ("tail_idle", "redundant_envs"): +1,  # spares let a group finish with its fastest members
     ("tail_idle", "shrink_at"): 0.7,  # start the switch while the tail still runs
     ("stale_drops", "abort_stale"): +1,  # stop generating groups nobody can train
+    ("stale_drops", "async_ratio"): +1,  # where the target allows it: let samples lag one more version
+    ("train_devices_idle", "async_ratio"): +1,  # sampling further ahead keeps the trainer fed
 }
 
 
@@ -35,7 +37,9 @@ class OfflinePlanner:
 
     # -- ranges ------------------------------------------------------------------------------------
     def legal(self, name: str, value, skills: list[str] | None = None) -> bool:
-        """The library's answer on this target (its device count, its engines' size)."""
+        """The library's answer on this target (its device count, its engines' size, its staleness limit)."""
+        if name == "async_ratio" and value > self.spec.workload.staleness_limit:
+            return False
         return legal(self.skills, name, value, self.spec.hardware.count, self.engine_devices, skills)
 
     def tunable(self, param: ParamRange) -> bool:
@@ -142,4 +146,6 @@ class OfflinePlanner:
         return self._param_task(skill, name, value, f"explore: {name} {_fmt(current)} -> {_fmt(value)}", "mutation", 0)
 
     def _default(self, name: str):
+        if name == "async_ratio":  # the target's own bound, which a stack runs under unless it declares one
+            return self.spec.workload.async_ratio
         return defaults(self.skills).get(name)

@@ -29,7 +29,12 @@ class ControllerBase:
         workload = runtime.workload
         self.groups_per_step = workload.groups_per_step
         self.group_size = workload.group_size
-        self.async_ratio = workload.async_ratio
+        self.async_ratio = params.get("async_ratio", workload.async_ratio)  # declared by build.py
+        if not 0 <= self.async_ratio <= workload.max_async_ratio:
+            raise ValueError(
+                f"params async_ratio must be within [0, {workload.max_async_ratio}] "
+                f"(the target's max_async_ratio), got {self.async_ratio}"
+            )
         self.max_sequence = workload.max_sequence
         self.sampling = SamplingParams(
             max_new_tokens=workload.response_tokens,

@@ -12,7 +12,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
   advantages of their rewards, taken oldest group first among those finished before the previous
   step ended;
 * in flight: never more episodes outstanding than the staleness bound (plus declared redundancy) needs;
-* staleness: no trained turn is more than ``async_ratio`` versions behind the policy;
+* staleness: no trained turn is more than ``async_ratio`` versions behind the policy (the stack's
+  declared bound, within the target's ``max_async_ratio``, else the workload's);
 * engine honesty: finish reasons match the tokens, each prompt is the episode's whole context so far,
   and requests ask for the spec's temperature and response budget;
 * mechanism: no request served by a shrunk engine, never zero active engines, the requested steps
@@ -171,10 +172,17 @@ def check_conservation(ix: TraceIndex, r: Reasons) -> None:
             r.add("fabricated episode", f"dropped {episode}, which the harness never created")
 
 
+def staleness_bound(ix: TraceIndex, spec: TargetSpec) -> int:
+    """The bound the run is held to: the stack's declared ``async_ratio`` (never above the target's
+    ``max_async_ratio``; the harness refuses more at hello), else the workload's."""
+    w = spec.workload
+    return w.async_ratio if ix.declared.async_ratio is None else min(ix.declared.async_ratio, w.staleness_limit)
+
+
 def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     """Each drop's reason must hold when it was made. Staleness is judged per group, as a buffer
     that trains whole groups must: a group with one member beyond the bound goes whole."""
-    workload = spec.workload
+    workload, bound = spec.workload, staleness_bound(ix, spec)
     last_train_end = max((t.t for t in ix.trains), default=None)
     redundant = Counter()
     for episode, e in ix.dropped.items():
@@ -191,11 +199,11 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             versions = [
                 g.data["version"] for m in ix.members.get(group, []) for g in ix.generated.get(m, []) if g.t <= e.t
             ]
-            if not versions or policy - min(versions) <= workload.async_ratio:
+            if not versions or policy - min(versions) <= bound:
                 r.add(
                     "unjustified drop",
                     f"episode {episode} dropped as stale but every turn of its group is within "
-                    f"async_ratio {workload.async_ratio} of policy {policy}",
+                    f"async_ratio {bound} of policy {policy}",
                 )
         elif reason == "max_sequence":
             if episode not in ix.resets:
@@ -236,7 +244,7 @@ def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     """Episodes outstanding (created, neither trained nor dropped) never exceed what the staleness
     bound needs: ``groups_per_step x (1 + async_ratio)`` groups (of ``group_size`` plus declared spares)."""
     w = spec.workload
-    bound = w.groups_per_step * (1 + w.async_ratio) * (w.group_size + ix.declared.redundant_per_group)
+    bound = w.groups_per_step * (1 + staleness_bound(ix, spec)) * (w.group_size + ix.declared.redundant_per_group)
     changes = [(e.t, 1, 1) for e in ix.by_kind["episode_created"]]
     changes += [(train.data["start"], 0, -len(train.data["trajectories"])) for train in ix.trains]
     changes += [(e.t, 0, -1) for e in ix.dropped.values()]
@@ -376,7 +384,7 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
 
 
 def check_staleness(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
-    ratio = spec.workload.async_ratio
+    ratio = staleness_bound(ix, spec)
     for k, train in enumerate(ix.trains):
         policy = k  # the step trains the policy of version k (its k predecessors)
         for t in train.data["trajectories"]:

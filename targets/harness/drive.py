@@ -42,6 +42,7 @@ from targets.harness.wire import (
     get_declared,
     get_request,
     put_completion,
+    put_declared,
     put_runtime,
 )
 from targets.spec import TargetSpec
@@ -214,6 +215,12 @@ class ControllerLink:
         elif kind == "hello":
             if not self.hello.done():
                 self.declared = get_declared(field_of(rx.header, "declared", dict, "hello"))
+                limit = self.envs.workload.staleness_limit
+                if self.declared.async_ratio is not None and self.declared.async_ratio > limit:
+                    raise ProtocolError(
+                        f"the stack declares async_ratio {self.declared.async_ratio}, over the target's "
+                        f"max_async_ratio {limit}"
+                    )
                 # before the controller's first new_group, which may follow in the same burst
                 self.envs.max_extra = self.declared.redundant_per_group
                 self.hello.set_result(rx)
@@ -450,7 +457,7 @@ async def drive_real(
             steps=steps,
             tokens_recorded=True,
             engines={},
-            declared={"redundant_per_group": declared.redundant_per_group},
+            declared=put_declared(declared),
         )
         await link.cluster._residency()
         mark("run_start")
@@ -498,7 +505,7 @@ def drive_simulated(
             steps=steps,
             tokens_recorded=False,
             engines=cluster.engine_devices,
-            declared={"redundant_per_group": declared.redundant_per_group},
+            declared=put_declared(declared),
         )
         await link.cluster._residency()
         try:

@@ -47,6 +47,7 @@ def workload_view(spec: TargetSpec) -> Workload:
         batch_size=w.batch_size,
         group_size=w.group_size,
         async_ratio=w.async_ratio,
+        max_async_ratio=w.staleness_limit,
         prompt_tokens=w.tokens.prompt,
         observation_tokens=w.tokens.observation,
         response_tokens=w.tokens.response,

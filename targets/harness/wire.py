@@ -133,6 +133,7 @@ def put_runtime(r: Runtime) -> dict:
             "batch_size",
             "group_size",
             "async_ratio",
+            "max_async_ratio",
             "prompt_tokens",
             "observation_tokens",
             "response_tokens",
@@ -169,14 +170,17 @@ def get_runtime(d: dict) -> Runtime:
 
 
 def put_declared(d: Declared) -> dict:
-    return {"redundant_per_group": d.redundant_per_group}
+    return {"redundant_per_group": d.redundant_per_group, "async_ratio": d.async_ratio}
 
 
 def get_declared(data: Any) -> Declared:
     redundant = field_of(data, "redundant_per_group", int, "declared")
     if redundant < 0:
         raise ProtocolError(f"declared.redundant_per_group: {redundant} is negative")
-    return Declared(redundant_per_group=redundant)
+    async_ratio = data.get("async_ratio")
+    if async_ratio is not None and (not isinstance(async_ratio, int) or async_ratio < 0):
+        raise ProtocolError(f"declared.async_ratio: expected a non-negative int or null, got {async_ratio!r}")
+    return Declared(redundant_per_group=redundant, async_ratio=async_ratio)
 
 
 def put_step_result(r: StepResult) -> dict:

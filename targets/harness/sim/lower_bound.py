@@ -8,7 +8,8 @@ No schedule can beat either of two limits:
   allows), times the engine's devices; training work is the batch's training FLOPs at the MFU.
 * **critical path**: the longest trajectory trained in the run, decoded alone (batch 1) with its
   environment latencies in between. Sampling may run ``async_ratio`` steps ahead, so a step can
-  hide at most ``1 + async_ratio`` such paths: the bound is the path over ``1 + async_ratio``.
+  hide at most ``1 + async_ratio`` such paths: the bound is the path over ``1 + async_ratio`` (the
+  target's ``max_async_ratio`` where it lets stacks choose).
 
 The step's bound is the larger of the two; ``fraction = bound / measured step time``.
 """
@@ -70,7 +71,7 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
         work.append((sum(rollout_work(e) for e in episodes) + train_work) / devices)
         longest = max([longest] + [critical_path(e) for e in episodes])
     work_bound = sum(work) / len(work)
-    path_bound = longest / (1 + spec.workload.async_ratio)
+    path_bound = longest / (1 + spec.workload.staleness_limit)  # the loosest bound any stack may declare
     return {
         "lower_bound_step_s": max(work_bound, path_bound),
         "work_bound_s": work_bound,

@@ -255,24 +255,39 @@ class ControllerLink:
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
         elif kind in ("env", "cluster"):
-            self._tasks.add(asyncio.create_task(self._answer(rx)))
+            # Tokens travel as deltas against the episode's last prompt: decode them now, in arrival
+            # order, before a drop later in the same burst (a cancelled spare) forgets that prompt.
+            tokens = self._decode_tokens(rx) if kind == "cluster" else None
+            self._tasks.add(asyncio.create_task(self._answer(rx, tokens)))
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")
 
-    async def _answer(self, rx: Received) -> None:
+    def _decode_tokens(self, rx: Received):
+        """A generate call's request or a train call's batch (both carry prompt deltas), else None."""
+        method = rx.get("method")
         try:
-            reply = await self._reply(rx)
+            if method == "generate":
+                return get_request(rx, field_of(rx.header, "request", dict, "generate"), self.memory)
+            if method == "train":
+                return get_batch(rx, field_of(rx.header, "batch", dict, "train"), self.memory)
+        except ValueError as error:  # a sampling or batch field the contract's own types refuse
+            raise ProtocolError(str(error)) from None
+        return None
+
+    async def _answer(self, rx: Received, tokens) -> None:
+        try:
+            reply = await self._reply(rx, tokens)
         finally:
             self._tasks.discard(asyncio.current_task())  # here, not in a done callback: one loop turn less per call
         if reply is not None:
             self.send(reply)
 
-    async def _reply(self, rx: Received) -> Frame | None:
+    async def _reply(self, rx: Received, tokens) -> Frame | None:
         """The answer to one call; an error the controller should see comes back as it would in-process."""
         request_id = rx.get("id")
         reply = Frame(id=request_id)
         try:
-            await (self._env(rx, reply) if rx["kind"] == "env" else self._cluster(rx, reply))
+            await (self._env(rx, reply) if rx["kind"] == "env" else self._cluster(rx, reply, tokens))
         except ProtocolError as error:
             self.fail(ProtocolError(f"the controller process broke the protocol: {error}"))
             return None
@@ -302,7 +317,8 @@ class ControllerLink:
         else:
             raise ProtocolError(f"unknown env method {rx['method']!r}")
 
-    async def _cluster(self, rx: Received, reply: Frame) -> None:
+    async def _cluster(self, rx: Received, reply: Frame, tokens) -> None:
+        """``tokens``: the generate request or train batch, decoded as the frame arrived."""
         cluster = self.cluster
         if cluster is None:
             raise ProtocolError("a cluster call before the controller's hello")
@@ -313,16 +329,12 @@ class ControllerLink:
         devices = [by_id[n] for n in names]
         method = rx.get("method")
         if method == "generate":
-            completion = await cluster.generate(
-                get_request(rx, field_of(rx.header, "request", dict, "generate"), self.memory)
-            )
+            completion = await cluster.generate(tokens)
             reply.header["completion"] = put_completion(reply, completion)
         elif method in ("shrink", "expand"):
             await getattr(cluster, method)(devices)
         elif method == "train":
-            reply.header["version"] = await cluster.train(
-                get_batch(rx, field_of(rx.header, "batch", dict, "train"), self.memory), devices
-            )
+            reply.header["version"] = await cluster.train(tokens, devices)
         elif method == "sync_weights":
             await cluster.sync_weights(field_of(rx.header, "version", int, "sync_weights"), devices)
         elif method in ("suspend", "resume"):

@@ -265,3 +265,46 @@ def test_device_memory_is_sampled_on_the_visible_gpus_and_keeps_the_peak(monkeyp
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(RuntimeError, match="shows 1 GPU"):
         DeviceMemoryMonitor(2).__enter__()
+
+
+def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
+    """A cancelled spare: its next turn's generate (a prompt delta against turn 0) and its drop arrive
+    in one burst. The harness decodes the delta as the frame arrives, so the drop that follows (which
+    forgets the episode's prompt) cannot break it; decoded in the call's task, it raised 'prefix 3'."""
+    import asyncio
+
+    from targets.api import Aborted, GenerateRequest, SamplingParams
+    from targets.harness.channel import Received
+    from targets.harness.drive import ControllerLink
+
+    controller_memory, seen, sent = PromptMemory(), [], []
+
+    class Envs:  # what the link needs of the pool here
+        def drop(self, episode, reason):
+            seen.append(("drop", episode, reason))
+
+    class Cluster:
+        by_id: dict = {}
+
+        async def generate(self, request):
+            seen.append(("generate", request.prompt))
+            raise Aborted("shrunk")
+
+    def frame_of(request: GenerateRequest, id: int) -> Received:
+        frame = Frame(kind="cluster", method="generate", id=id)
+        frame.header["request"] = put_request(frame, request, controller_memory)
+        return Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+
+    async def burst():
+        link = ControllerLink(None, Envs(), clock=None, virtual=False)
+        link.cluster, link.send = Cluster(), sent.append
+        link._dispatch(frame_of(GenerateRequest("g0/e5", 0, [1, 2, 3], SamplingParams(4)), 1))
+        await asyncio.gather(*link._tasks)  # turn 0 served; then the burst:
+        link._dispatch(frame_of(GenerateRequest("g0/e5", 1, [1, 2, 3, 4, 5], SamplingParams(4)), 2))
+        link._dispatch(Received({"kind": "env", "method": "drop", "episode": "g0/e5", "reason": "redundant"}, []))
+        await asyncio.gather(*link._tasks)
+        assert not link.done.done(), link.done.exception()
+
+    asyncio.run(burst())
+    assert ("generate", [1, 2, 3, 4, 5]) in seen and ("drop", "g0/e5", "redundant") in seen
+    assert len(sent) == 2  # both calls answered (Aborted), neither broke the protocol

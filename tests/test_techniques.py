@@ -20,23 +20,34 @@ from targets.spec import parse_target
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None):
+def _harness_run(tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None, patch=None):
+    """The time_multiplex starter with ``params`` on the fast target with ``workload`` changes, measured;
+    ``patch(stack_dir)`` plants a change in the written stack first. Returns (spec, run)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = yaml.safe_load(fast_target.read_text())
     data["workload"].update(workload or {})
-    fast_target = tmp_path / "target.yaml"
-    fast_target.write_text(yaml.safe_dump(data))
+    target_path = tmp_path / "target.yaml"
+    target_path.write_text(yaml.safe_dump(data))
     spec = parse_target(data)
     stack = write_starter(tmp_path / "stack", spec, "time_multiplex")
     path = stack / "stack" / "params.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **params}))
+    if patch:
+        patch(stack / "stack")
     run = run_harness(
-        Target.load(fast_target, simulate=simulate),
+        Target.load(target_path, simulate=simulate),
         stack,
         tmp_path / "out",
         "measure",
         Limits(time_s=300),
         Sandbox("subprocess"),
     )
+    return spec, run
+
+
+def _run(tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None):
+    """A run that must succeed and pass the audit: (spec, its trace's events)."""
+    spec, run = _harness_run(tmp_path, fast_target, params, simulate, workload)
     assert run.ok, run.cause
     audit = run.results["audit"]["result"]
     assert audit["passed"], audit["reasons"]
@@ -109,27 +120,16 @@ def test_abort_stale_hands_groups_back_while_they_still_run(tmp_path, fast_targe
 def test_abort_stale_planted_one_step_too_soon_fails_the_audit(tmp_path, fast_target):
     """The misuse, really run (simulated): an abort one version too soon throws away groups a step
     could still train; the audit names the unjustified drops."""
-    data = yaml.safe_load(fast_target.read_text())
-    data["workload"].update(SLOW_TOOLS)
-    target_path = tmp_path / "target.yaml"
-    target_path.write_text(yaml.safe_dump(data))
-    stack = write_starter(tmp_path / "stack", parse_target(data), "time_multiplex")
-    params = stack / "stack" / "params.json"
-    params.write_text(json.dumps({**json.loads(params.read_text()), "abort_stale": 1}))
-    manager = stack / "stack" / "env_manager.py"
     honest = "if oldest is None or self.trained_from - oldest <= self.buffer.async_ratio:"
-    assert honest in manager.read_text()
-    manager.write_text(
-        manager.read_text().replace(honest, honest.replace("self.trained_from", "1 + self.trained_from"))
-    )
-    run = run_harness(
-        Target.load(target_path, simulate=True),
-        stack,
-        tmp_path / "out",
-        "measure",
-        Limits(time_s=300),
-        Sandbox("subprocess"),
-    )
+
+    def one_version_too_soon(stack_dir):
+        manager = stack_dir / "env_manager.py"
+        assert honest in manager.read_text()
+        manager.write_text(
+            manager.read_text().replace(honest, honest.replace("self.trained_from", "1 + self.trained_from"))
+        )
+
+    _, run = _harness_run(tmp_path, fast_target, {"abort_stale": 1}, True, SLOW_TOOLS, one_version_too_soon)
     audit = run.results["audit"]["result"]
     assert not audit["passed"] and any("dropped as stale but every turn" in r for r in audit["reasons"]), audit
 
@@ -152,29 +152,8 @@ def test_a_declared_staleness_bound_runs_further_ahead_within_the_targets_maximu
     assert peak > w.groups_per_step * (1 + w.async_ratio) * w.group_size  # beyond what 1 allows
 
 
-def _simulated_run(tmp_path, fast_target, workload: dict, params: dict, patch=None):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    data = yaml.safe_load(fast_target.read_text())
-    data["workload"].update(workload)
-    target_path = tmp_path / "target.yaml"
-    target_path.write_text(yaml.safe_dump(data))
-    stack = write_starter(tmp_path / "stack", parse_target(data), "time_multiplex")
-    path = stack / "stack" / "params.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **params}))
-    if patch:
-        patch(stack / "stack")
-    return run_harness(
-        Target.load(target_path, simulate=True),
-        stack,
-        tmp_path / "out",
-        "measure",
-        Limits(time_s=300),
-        Sandbox("subprocess"),
-    )
-
-
 def test_a_staleness_bound_over_the_targets_maximum_is_refused(tmp_path, fast_target):
-    run = _simulated_run(tmp_path, fast_target, {"max_async_ratio": 2}, {"async_ratio": 1})
+    _, run = _harness_run(tmp_path, fast_target, {"async_ratio": 1}, True, {"max_async_ratio": 2})
     assert run.ok
     build = 'Declared(redundant_per_group=params.get("redundant_envs", 0), async_ratio=params.get("async_ratio"))'
 
@@ -183,7 +162,9 @@ def test_a_staleness_bound_over_the_targets_maximum_is_refused(tmp_path, fast_ta
         assert build in path.read_text()
         path.write_text(path.read_text().replace(build, build.replace('params.get("async_ratio")', "3")))
 
-    run = _simulated_run(tmp_path / "over", fast_target, {"max_async_ratio": 2}, {"async_ratio": 2}, declare_three)
+    _, run = _harness_run(
+        tmp_path / "over", fast_target, {"async_ratio": 2}, True, {"max_async_ratio": 2}, declare_three
+    )
     assert not run.ok and "declares async_ratio 3, over the target's max_async_ratio 2" in run.cause
 
 
@@ -195,6 +176,6 @@ def test_running_further_ahead_than_declared_fails_the_audit(tmp_path, fast_targ
         path = stack_dir / "build.py"
         path.write_text(path.read_text().replace('async_ratio=params.get("async_ratio")', "async_ratio=None"))
 
-    run = _simulated_run(tmp_path, fast_target, {"max_async_ratio": 2}, {"async_ratio": 2}, declare_nothing)
+    _, run = _harness_run(tmp_path, fast_target, {"async_ratio": 2}, True, {"max_async_ratio": 2}, declare_nothing)
     audit = run.results["audit"]["result"]
     assert not audit["passed"] and any("too many episodes" in r for r in audit["reasons"]), audit["reasons"]

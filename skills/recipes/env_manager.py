@@ -43,7 +43,7 @@ class EnvManager:
         self.trained_from = 0  # the version the next batch will be trained from
         self._tasks: dict[asyncio.Task, str] = {}  # running episode coroutines -> episode id
         self._group_tasks: dict[str, set[asyncio.Task]] = {}  # group -> its members still running
-        self._group_oldest: dict[str, int] = {}  # group -> its oldest generated turn's weight version
+        self._group_oldest: dict[str, int] = {}  # with abort_stale: group -> its oldest turn's weight version
         self._failure: BaseException | None = None
         buffer.on_complete = self._cancel_spares
 
@@ -85,13 +85,17 @@ class EnvManager:
         """The group has ``group_size`` finished members: its spares still running are not needed."""
         finisher = asyncio.current_task()  # the member whose trajectory just completed the group
         for task in list(self._group_tasks.get(group_id, ())):
-            if task is finisher or task.done():
-                continue
-            episode_id = self._tasks.pop(task, None)  # handed back here, never again by cancel_all
-            if episode_id is not None:
+            if task is not finisher and not task.done():
+                self._hand_back(task, group_id, "redundant")
+
+    def _hand_back(self, task: asyncio.Task, group_id: str, reason: str) -> None:
+        """Stop a running member (unless it is the caller, which returns by itself) and drop it."""
+        episode_id = self._tasks.pop(task, None)  # handed back here, never again by cancel_all
+        if episode_id is not None:
+            if task is not asyncio.current_task():
                 task.cancel()
-                self.envs.drop(episode_id, "redundant")
-                self._leave(task, group_id)
+            self.envs.drop(episode_id, reason)
+            self._leave(task, group_id)
 
     def policy_advanced(self, version: int) -> None:
         """Training produced ``version``: with ``abort_stale``, groups now beyond the bound go back."""
@@ -105,14 +109,8 @@ class EnvManager:
         oldest = self._group_oldest.get(group_id)
         if oldest is None or self.trained_from - oldest <= self.buffer.async_ratio:
             return False
-        current = asyncio.current_task()
         for task in list(self._group_tasks.get(group_id, ())):
-            episode_id = self._tasks.pop(task, None)  # handed back here, never again by cancel_all
-            if episode_id is not None:
-                if task is not current:
-                    task.cancel()
-                self.envs.drop(episode_id, "stale")
-                self._leave(task, group_id)
+            self._hand_back(task, group_id, "stale")
         self.buffer.drop_group(group_id, "stale")
         return True
 
@@ -134,10 +132,11 @@ class EnvManager:
             # No copy of the context: the trajectory only grows after generate returns.
             request = GenerateRequest(episode.episode_id, turn, t.tokens, self.sampling)
             completion = await self._generate(request)
-            oldest = self._group_oldest.get(episode.group_id, completion.weight_version)
-            self._group_oldest[episode.group_id] = min(oldest, completion.weight_version)
-            if self.abort_stale and self._abort_if_stale(episode.group_id):
-                return  # this episode was handed back with its group
+            if self.abort_stale:
+                oldest = self._group_oldest.get(episode.group_id, completion.weight_version)
+                self._group_oldest[episode.group_id] = min(oldest, completion.weight_version)
+                if self._abort_if_stale(episode.group_id):
+                    return  # this episode was handed back with its group
             result = await episode.step(completion.tokens)
             t.append_turn(completion, result)
             turn += 1

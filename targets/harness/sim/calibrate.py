@@ -11,8 +11,9 @@
   to its end: earlier members were queued behind the previous batch.
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time.
 
-Both fits keep their constants non-negative (a term noise outweighs is fitted as zero); a
-degenerate fit falls back to the zero-overhead fit; each says so in ``notes``; a device
+The rollout fit keeps both constants non-negative (a term noise outweighs is fitted as zero); a
+degenerate fit, or a training fit with a negative term, falls back to the zero-overhead fit; each
+says so in ``notes``; a device
 measured faster than its catalog peak gets ``bf16_tflops`` raised (also in ``notes``).
 """
 

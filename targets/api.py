@@ -67,12 +67,16 @@ class Completion:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One turn of one trajectory, as a controller asks the cluster to generate it."""
+    """One turn of one trajectory, as a controller asks the cluster to generate it.
+
+    ``device`` is a routing request: serve the turn on the engine that holds this device if that
+    engine is active; ``None`` (or an engine that is not active) leaves the choice to the cluster."""
 
     episode_id: str
     turn: int
     prompt: TokenIds
     params: SamplingParams
+    device: str | None = None
 
 
 class Aborted(Exception):
@@ -257,10 +261,11 @@ class Device:
 class Cluster(Protocol):
     """The mechanism a controller drives. Real stacks implement it on Ray; the harness simulates it.
 
-    ``generate`` is routed to the active rollout engines and raises ``Aborted`` if its engine is
-    shrunk mid-request. ``shrink``/``expand`` move devices out of/into the rollout pool (draining
-    and offloading/reloading engines). ``train`` runs a step on the given devices and returns the new
-    weight version; ``sync_weights`` pushes a version to the engines on ``devices``.
+    ``generate`` is routed to the active rollout engines (to the request's ``device`` when that
+    engine is active) and raises ``Aborted`` if its engine is shrunk mid-request. ``shrink``/``expand``
+    move devices out of/into the rollout pool (draining and offloading/reloading engines). ``train``
+    runs a step on the given devices and returns the new weight version; ``sync_weights`` pushes a
+    version to the engines on ``devices``.
     """
 
     devices: list[Device]
@@ -363,6 +368,7 @@ class Runtime:
     workload: Workload
     accelerator: Literal["cpu", "cuda"] = "cpu"  # where components put their tensors
     device_memory_bytes: int = 0  # each device's own memory (0: CPU logical devices share the host's)
+    engine_devices: int = 1  # consecutive rollout devices one engine spans (the simulator's tensor-parallel size)
 
 
 @dataclass(frozen=True)

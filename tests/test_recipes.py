@@ -6,6 +6,7 @@ where a bf16 trainer's updates round away; weight sync buckets and the broadcast
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import socket
 
@@ -323,3 +324,70 @@ def test_a_trainer_that_cannot_fit_its_devices_fails_at_build_with_the_arithmeti
     finally:
         sys.path.remove(str(tmp_path / "c"))
         sys.modules.pop("stack", None)
+
+
+class _HeldCluster:
+    """A cluster whose requests complete only when the test says so; it serves where it is asked."""
+
+    def __init__(self, devices: list[str]) -> None:
+        from targets.api import Device
+
+        self.devices = [Device(d, "cpu", i) for i, d in enumerate(devices)]
+        self.pending: list[tuple[object, asyncio.Future]] = []
+
+    async def generate(self, request):
+        done = asyncio.get_running_loop().create_future()
+        self.pending.append((request, done))
+        return await done
+
+    def answer(self, index: int = 0) -> None:
+        from targets.api import Completion
+
+        request, done = self.pending.pop(index)
+        done.set_result(Completion([5], [-1.0], "length", 0, request.device))
+
+
+def _request(episode: str, turn: int, prompt_tokens: int):
+    from targets.api import GenerateRequest
+
+    return GenerateRequest(episode, turn, [1] * prompt_tokens, SamplingParams(max_new_tokens=10))
+
+
+def test_the_router_admits_by_kv_longest_first_and_yields_its_sticky_engine_past_the_slack():
+    from skills.recipes.router import RoutedCluster
+
+    async def scenario():
+        cluster = _HeldCluster(["cpu:0", "cpu:1"])
+        router = RoutedCluster(cluster, ["cpu:0", "cpu:1"], 1, slack_tokens=0, admit_tokens=100)
+        first = [asyncio.create_task(router.generate(_request(f"e{i}", 0, 80))) for i in range(2)]
+        await asyncio.sleep(0)
+        assert [r.device for r, _ in cluster.pending] == ["cpu:0", "cpu:1"]  # 90 tokens each: one per engine
+        waiting = [asyncio.create_task(router.generate(_request(f"w{n}", 0, n))) for n in (20, 60, 40)]
+        await asyncio.sleep(0)
+        assert len(cluster.pending) == 2  # both engines hold 90 of their 100: all three wait
+        cluster.answer(0)  # cpu:0 frees: the longest waiting request goes first, then what still fits
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [(len(r.prompt), r.device) for r, _ in cluster.pending[1:]] == [(60, "cpu:0"), (20, "cpu:0")]
+        assert router.load == {"cpu:0": 100, "cpu:1": 90}
+        cluster.answer(0)  # cpu:1 frees; the 40-token request has waited all along
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert (len(cluster.pending[-1][0].prompt), cluster.pending[-1][0].device) == (40, "cpu:1")
+        while cluster.pending:
+            cluster.answer(0)
+            await asyncio.sleep(0)
+        await asyncio.gather(*first, *waiting)
+        # e0 served on cpu:0; with cpu:0 busier than cpu:1 by more than the slack, its next turn moves
+        busy = asyncio.create_task(router.generate(_request("x", 0, 50)))
+        await asyncio.sleep(0)
+        assert cluster.pending[-1][0].device == "cpu:0"
+        moved = asyncio.create_task(router.generate(_request("e0", 1, 30)))
+        await asyncio.sleep(0)
+        assert cluster.pending[-1][0].device == "cpu:1"
+        while cluster.pending:
+            cluster.answer(0)
+            await asyncio.sleep(0)
+        await asyncio.gather(busy, moved)
+
+    asyncio.run(scenario())

@@ -110,6 +110,10 @@ def test_decoders_check_every_field_of_what_a_candidate_sends():
     bad["params"]["max_new_tokens"] = "lots"
     with pytest.raises(ProtocolError, match="max_new_tokens"):
         get_request(rx, bad, PromptMemory())
+    bad = json.loads(json.dumps(rx["r"]))
+    bad["device"] = 3  # a routing request must name a device
+    with pytest.raises(ProtocolError, match="device must be a device id"):
+        get_request(rx, bad, PromptMemory())
     batch = TrainBatch([Trajectory("g0/e0", "g0", [1, 2, 3], [0, 1, 1], [0.0, -1.0, -2.0], 1.0, [0])], [0.5])
     frame = Frame()
     frame.header["b"] = put_batch(frame, batch)

@@ -79,8 +79,8 @@ CHEATS = {
         "static_split",
         {
             "static_split.py": (
-                "buffer, manager = self._wire(cluster, envs, self.async_ratio)",
-                "buffer, manager = self._wire(cluster, envs, 3)  # planted: samples up to 3 versions old",
+                "cluster, buffer, manager = self._wire(cluster, envs, self.async_ratio)",
+                "cluster, buffer, manager = self._wire(cluster, envs, 3)  # planted: samples up to 3 versions old",
             )
         },
         "stale sample",

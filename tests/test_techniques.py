@@ -4,6 +4,7 @@ misuse are in tests/test_audit.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -14,7 +15,7 @@ from skills.starter import write_starter
 from targets.harness.launch import Limits, run_harness
 from targets.harness.sandbox import Sandbox
 from targets.harness.target import Target
-from targets.harness.trace import Trace
+from targets.harness.trace import Trace, token_count
 from targets.spec import parse_target
 
 pytestmark = pytest.mark.slow
@@ -179,3 +180,75 @@ def test_running_further_ahead_than_declared_fails_the_audit(tmp_path, fast_targ
     _, run = _harness_run(tmp_path, fast_target, {"async_ratio": 2}, True, {"max_async_ratio": 2}, declare_nothing)
     audit = run.results["audit"]["result"]
     assert not audit["passed"] and any("too many episodes" in r for r in audit["reasons"]), audit["reasons"]
+
+
+def _need(generate) -> int:
+    return token_count(generate.data["prompt"]) + generate.data["max_new_tokens"]
+
+
+def _engine_kv_peaks(events) -> dict[str, int]:
+    """Per device, the most KV (context plus max_new_tokens) its answered requests held at once."""
+    peaks: dict[str, int] = {}
+    served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]
+    for g in served:
+        device = g.data["device"]
+        held = sum(_need(o) for o in served if o.data["device"] == device and o.data["start"] <= g.data["start"] < o.t)
+        peaks[g.data["device"]] = max(peaks.get(g.data["device"], 0), held)
+    return peaks
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_kv_routing_routes_each_turn_and_bounds_each_engines_kv(tmp_path, fast_target, simulate):
+    """Strict balance (slack 0) and an admission bound of one full sequence's KV per engine: every
+    turn is served where the controller asked, turns leave their previous engine when it is
+    the busier one, and no engine ever holds more than the bound, while the episodes in flight need
+    several times what both engines may hold."""
+    spec, events = _run(tmp_path, fast_target, {"kv_routing": 1, "route_slack": 0.0, "route_admit": 1.0}, simulate)
+    bound = spec.workload.tokens.max_sequence
+    served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]
+    routed = [g for g in served if g.data["routed"] is not None]
+    assert len(routed) == len(served)  # every turn routed: time_multiplex never suspends
+    assert all(g.data["device"] == g.data["routed"] for g in routed)  # the cluster honoured every request
+    previous: dict[str, str] = {}
+    moved = stayed = 0
+    for g in sorted(served, key=lambda e: e.data["start"]):
+        before = previous.get(g.data["episode"])
+        moved += before is not None and g.data["routed"] not in (None, before)
+        stayed += before is not None and g.data["routed"] == before
+        previous[g.data["episode"]] = g.data["device"]
+    assert moved and stayed  # sticky, and yielding to the less loaded engine
+    peaks = _engine_kv_peaks(events)
+    single = max(_need(g) for g in served)
+    assert max(peaks.values()) <= max(bound, single)
+    ended: dict[str, float] = {}
+    for e in events:
+        if e.kind == "sample_dropped" or (e.kind == "env_step" and e.data["done"]):
+            ended.setdefault(e.data["episode"], e.t)
+    created = [(e.t, ended.get(e.data["episode"], float("inf"))) for e in events if e.kind == "episode_created"]
+    most = max(sum(1 for c, end in created if c <= g.data["start"] < end) for g in served)
+    assert most * single_turn_need(spec) > 2 * bound  # demand the bound had to hold back
+
+
+def single_turn_need(spec) -> int:
+    """The least KV one turn can need: the first prompt plus the response budget."""
+    return spec.workload.tokens.prompt + spec.workload.tokens.response
+
+
+def test_a_cluster_obeying_a_route_to_a_shrunk_engine_fails_the_audit(tmp_path, fast_target):
+    """The misuse routing makes possible: a turn asked for (and served by) an engine the controller
+    had shrunk. Planted into a simulated routed run's trace: the audit rejects it."""
+    from targets.harness.audit import audit_run
+
+    spec, events = _run(tmp_path, fast_target, {"kv_routing": 1, "route_slack": 0.0}, simulate=True)
+    shrink = next(e for e in events if e.kind == "shrink")
+    shrunk = shrink.data["devices"][0]
+    expand = next(e for e in events if e.kind == "expand" and e.t > shrink.t and shrunk in e.data["devices"])
+    late = next(e for e in events if e.kind == "generate" and not e.data["aborted"] and e.data["start"] > shrink.t)
+    planted = dataclasses.replace(  # asked for the shrunk engine and served there, before the expand
+        late,
+        t=expand.data["start"] - 1e-3,
+        data={**late.data, "routed": shrunk, "device": shrunk, "start": shrink.t + 1e-3},
+    )
+    events[events.index(late)] = planted
+    result = audit_run(spec, events, lambda version: None, None, spec.workload.train_steps)
+    assert not result.passed and any("served while shrunk" in line for line in result.reasons), result.reasons

@@ -19,6 +19,7 @@ PARAM_MOVES = {
     ("timeouts", "train_devices"): -1,
     ("tail_idle", "redundant_envs"): +1,  # spares let a group finish with its fastest members
     ("tail_idle", "shrink_at"): 0.7,  # start the switch while the tail still runs
+    ("tail_idle", "kv_routing"): +1,  # balance engines by KV, admit the long turns first
     ("stale_drops", "abort_stale"): +1,  # stop generating groups nobody can train
     ("stale_drops", "async_ratio"): +1,  # where the target allows it: let samples lag one more version
     ("train_devices_idle", "async_ratio"): +1,  # sampling further ahead keeps the trainer fed

@@ -17,7 +17,7 @@ class Colocate(ControllerBase):
 
     async def run(self, cluster, envs, steps: int) -> None:
         _, train = self.placement(cluster.devices)
-        buffer, manager = self._wire(cluster, envs, async_ratio=0)
+        cluster, buffer, manager = self._wire(cluster, envs, async_ratio=0)
         for _ in range(steps):
             manager.launch(self.groups_per_step)
             batch = await buffer.next_batch(self.groups_per_step, self.version, lambda: None, manager.raise_if_failed)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from targets.api import Cluster, Device, Runtime, SamplingParams, TrainBatch, Trajectory
 
 from .env_manager import EnvManager
+from .router import RoutedCluster
 from .sample_buffer import GroupBuffer
 
 
@@ -36,6 +37,7 @@ class ControllerBase:
                 f"(the target's max_async_ratio), got {self.async_ratio}"
             )
         self.max_sequence = workload.max_sequence
+        self.engine_devices = runtime.engine_devices
         self.sampling = SamplingParams(
             max_new_tokens=workload.response_tokens,
             temperature=workload.temperature,
@@ -49,7 +51,19 @@ class ControllerBase:
         """(devices with a rollout engine, devices with a trainer rank)."""
         raise NotImplementedError
 
-    def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[GroupBuffer, EnvManager]:
+    def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[Cluster, GroupBuffer, EnvManager]:
+        """The cluster the controller drives (routed by the controller with ``kv_routing``), the
+        group buffer, and the environment manager generating on that cluster."""
+        if self.params.get("kv_routing", 0):
+            rollout, _ = self.placement(cluster.devices)
+            cluster = RoutedCluster(
+                cluster,
+                [d.id for d in rollout],
+                self.engine_devices,
+                # both in units of one full-length sequence's KV, so one setting means the same on any target
+                slack_tokens=round(self.params.get("route_slack", 1.0) * self.max_sequence),
+                admit_tokens=round(self.params.get("route_admit", 0.0) * self.max_sequence),
+            )
         buffer = GroupBuffer(self.group_size, async_ratio, envs)
         manager = EnvManager(
             cluster,
@@ -61,7 +75,7 @@ class ControllerBase:
             abort_stale=bool(self.params.get("abort_stale", 0)),
         )
         self._manager = manager  # told of each new policy version by _train
-        return buffer, manager
+        return cluster, buffer, manager
 
     def _refill(self, buffer: GroupBuffer, manager: EnvManager) -> Callable[[], None]:
         """Keep ``groups_per_step * (1 + async_ratio)`` groups in flight or waiting: sampling may run

@@ -218,7 +218,9 @@ class RayCluster:
         await asyncio.sleep(seconds)
 
     # -- rollout -----------------------------------------------------------------------------------
-    def _route(self, episode: str) -> str:
+    def _route(self, episode: str, device: str | None) -> str:
+        if device in self._active:  # the controller routed it (the kv_routing technique)
+            return device
         least = min(self._active, key=lambda d: (self._outstanding[d], d))
         sticky = self._sticky.get(episode)
         if sticky in self._active and self._outstanding[sticky] <= self._outstanding[least] + STICKY_SLACK:
@@ -229,7 +231,7 @@ class RayCluster:
         while self._suspended or not self._active:  # no await between the look and clear(): no lost wake-up
             self._routable.clear()
             await self._routable.wait()
-        device = self._route(request.episode_id)
+        device = self._route(request.episode_id, request.device)
         self._sticky[request.episode_id] = device
         self._outstanding[device] += 1
         try:

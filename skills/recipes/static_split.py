@@ -18,7 +18,7 @@ class StaticSplit(ControllerBase):
 
     async def run(self, cluster, envs, steps: int) -> None:
         rollout, train = self.placement(cluster.devices)
-        buffer, manager = self._wire(cluster, envs, self.async_ratio)
+        cluster, buffer, manager = self._wire(cluster, envs, self.async_ratio)
         refill = self._refill(buffer, manager)
         for _ in range(steps):
             batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)

@@ -27,7 +27,7 @@ class TimeMultiplex(ControllerBase):
     async def run(self, cluster, envs, steps: int) -> None:
         rollout, train = self.placement(cluster.devices)
         sampling_only = [d for d in rollout if d not in train]
-        buffer, manager = self._wire(cluster, envs, self.async_ratio)
+        cluster, buffer, manager = self._wire(cluster, envs, self.async_ratio)
         refill = self._refill(buffer, manager)
         shrink_at = self.params.get("shrink_at", 1.0)
         if not 0.05 <= shrink_at <= 1.0:

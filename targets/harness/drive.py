@@ -74,6 +74,7 @@ class TracedCluster:
             start=start,
             aborted=False,
             device=completion.device,
+            routed=request.device,
             prompt=tokens(request.prompt),
             tokens=tokens(completion.tokens),
             logprobs=tokens(completion.logprobs),

@@ -94,6 +94,11 @@ class Target:
         from targets.harness.tokenizer import EOS, VOCAB
 
         model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
+        engine_devices = 1  # a real stack places one engine per device
+        if self.simulated:
+            from targets.harness.sim.cost_model import CostModel
+
+            engine_devices = CostModel.from_spec(self.spec).engine_devices
         return Runtime(
             str(model_dir(model)),
             model.dtype,
@@ -103,6 +108,7 @@ class Target:
             workload_view(self.spec),
             "cuda" if self.gpu else "cpu",
             int(self.spec.hardware.memory_gb * 1e9) if self.gpu else 0,
+            engine_devices,
         )
 
     def reference_model(self):

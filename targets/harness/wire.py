@@ -149,6 +149,7 @@ def put_runtime(r: Runtime) -> dict:
         "stop_token_ids": list(r.stop_token_ids),
         "accelerator": r.accelerator,
         "device_memory_bytes": r.device_memory_bytes,
+        "engine_devices": r.engine_devices,
         "workload": {**workload, "training": put_config(w.training)},
     }
 
@@ -166,6 +167,7 @@ def get_runtime(d: dict) -> Runtime:
         workload,
         d["accelerator"],
         d["device_memory_bytes"],
+        d["engine_devices"],
     )
 
 
@@ -299,6 +301,7 @@ def put_request(frame: Frame, r: GenerateRequest, memory: PromptMemory) -> dict:
         "turn": r.turn,
         "prompt": memory.put(frame, r.episode_id, r.prompt),
         "params": put_params(r.params),
+        "device": r.device,
     }
 
 
@@ -307,8 +310,15 @@ def get_request(rx: Received, d: Any, memory: PromptMemory) -> GenerateRequest:
     prompt = memory.get(rx, field_of(d, "prompt", dict, "request"), episode)
     if not prompt:
         raise ProtocolError(f"request for {episode}: an empty prompt")
+    device = d.get("device")
+    if device is not None and not isinstance(device, str):
+        raise ProtocolError(f"request for {episode}: device must be a device id or null, got {device!r}")
     return GenerateRequest(
-        episode, field_of(d, "turn", int, "request"), prompt, get_params(field_of(d, "params", dict, "request"))
+        episode,
+        field_of(d, "turn", int, "request"),
+        prompt,
+        get_params(field_of(d, "params", dict, "request")),
+        device,
     )
 
 
@@ -319,11 +329,12 @@ def put_plain_request(frame: Frame, r: GenerateRequest) -> dict:
         "turn": r.turn,
         "prompt": frame.array(r.prompt, "i4"),
         "params": put_params(r.params),
+        "device": r.device,
     }
 
 
 def get_plain_request(rx: Received, d: dict) -> GenerateRequest:
-    return GenerateRequest(d["episode_id"], d["turn"], rx.ints(d["prompt"]), get_params(d["params"]))
+    return GenerateRequest(d["episode_id"], d["turn"], rx.ints(d["prompt"]), get_params(d["params"]), d["device"])
 
 
 def put_trajectory(frame: Frame, t: Trajectory, memory: PromptMemory | None) -> dict:

@@ -2,7 +2,8 @@
 virtual time, with every duration from the cost model.
 
 Rollout devices are grouped into engines of ``cost.engine_devices`` consecutive devices (a shrink
-or expand of any device takes its whole engine). ``generate`` goes to the engine that served the
+or expand of any device takes its whole engine). ``generate`` goes to the engine of the request's
+``device`` when that engine is active (the candidate routes), else to the engine that served the
 episode's previous turn while it is active (its prefix is cached there), else to the active engine
 with the fewest requests; ``shrink`` aborts what the engines hold and offloads them; ``expand``
 reloads them and loads the latest weights if they are stale; ``train`` takes the training FLOPs
@@ -60,7 +61,9 @@ class SimCluster:
         while self._suspended or not self._active:
             self._routable.clear()
             await self._routable.wait()
-        engine = self._sticky.get(request.episode_id)
+        engine = self._engine_of.get(request.device) if request.device is not None else None
+        if engine not in self._active:
+            engine = self._sticky.get(request.episode_id)
         if engine not in self._active:
             engine = min(self._active, key=lambda e: (e.load, e.name))
         self._sticky[request.episode_id] = engine

@@ -1,0 +1,124 @@
+"""Length- and KV-aware routing and admission (the ``kv_routing`` technique), on the controller's side.
+
+The cluster on its own keeps an episode on the engine that served its previous turn (the prefix is
+cached there). That ignores what the requests cost: one engine can hold many long contexts while
+another idles, and every request is sent the moment its turn starts, queueing behind a full KV cache.
+``RoutedCluster`` wraps the cluster a controller drives and routes each turn itself:
+
+* **load** of an engine is the KV a request needs (its context plus ``max_new_tokens``), summed over
+  the requests sent there and not yet answered: a long context weighs more than a short one;
+* **sticky with a gate** (verl's prefix routing with an imbalance gate): a turn goes back to the
+  engine of its previous turn unless that engine's load exceeds the least loaded one's by more than
+  ``slack_tokens``, then to the least loaded engine (losing the prefix, gaining the idle engine);
+* **admission** (``admit_tokens`` > 0): a request that would push its engine past ``admit_tokens``
+  waits here while the engine holds anything, and waiting requests are admitted longest context
+  first (Seer's longest-first: the long ones start early instead of ending the batch's tail).
+
+Engines are groups of ``runtime.engine_devices`` consecutive rollout devices (the cluster groups them
+the same way), each known by its first device, the one its completions name. An engine is routable
+while all its devices are in the rollout pool, which the wrapper tracks from the controller's
+shrink, expand, suspend and resume; while none is, the cluster chooses (``device=None``). The
+request's ``device`` is a routing request: a cluster serves a request for an engine that is not
+active elsewhere, so a routing mistake costs a prefix, never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import heapq
+import itertools
+
+from targets.api import Cluster, Completion, GenerateRequest
+
+
+class RoutedCluster:
+    def __init__(
+        self, cluster: Cluster, rollout_devices: list[str], engine_devices: int, slack_tokens: int, admit_tokens: int
+    ) -> None:
+        if slack_tokens < 0 or admit_tokens < 0:
+            raise ValueError(f"the routing slack and admission bound must be >= 0: {slack_tokens}, {admit_tokens}")
+        self.routed_cluster, self.devices = cluster, cluster.devices  # the cluster this one routes for
+        self.slack_tokens, self.admit_tokens = slack_tokens, admit_tokens
+        self.engines = {  # engine (its first device) -> its devices
+            rollout_devices[i]: set(rollout_devices[i : i + engine_devices])
+            for i in range(0, len(rollout_devices), engine_devices)
+        }
+        self._pool = set(rollout_devices)  # devices in the rollout pool (not shrunk)
+        self._suspended = False
+        self.load = dict.fromkeys(self.engines, 0)  # engine -> KV tokens of its requests not yet answered
+        self._previous: dict[str, str] = {}  # episode -> the engine of its previous turn
+        self._waiting: list[tuple[int, int, asyncio.Future]] = []  # (-tokens, arrival, wake-up): longest first
+        self._arrival = itertools.count()
+
+    def __getattr__(self, name: str):
+        return getattr(self.routed_cluster, name)  # train, sync_weights, now, sleep, ...: the cluster's own
+
+    # -- routing ----------------------------------------------------------------------------------
+    def _routable(self) -> list[str]:
+        if self._suspended:
+            return []
+        return [engine for engine, devices in self.engines.items() if devices <= self._pool]
+
+    def _choose(self, episode: str) -> str | None:
+        engines = self._routable()
+        if not engines:
+            return None
+        least = min(engines, key=lambda e: (self.load[e], e))
+        previous = self._previous.get(episode)
+        if previous in engines and self.load[previous] - self.load[least] <= self.slack_tokens:
+            return previous
+        return least
+
+    async def _admit(self, episode: str, tokens: int) -> str | None:
+        """The engine to send to, once it has room (``admit_tokens``); an engine holding nothing
+        always has room. Waiting requests look again whenever room may have freed, longest first."""
+        while True:
+            engine = self._choose(episode)
+            if engine is None or not self.admit_tokens or not self.load[engine]:
+                return engine
+            if self.load[engine] + tokens <= self.admit_tokens:
+                return engine
+            wake = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (-tokens, next(self._arrival), wake))
+            await wake
+
+    def _release(self) -> None:
+        """Room may have freed: every waiting request looks again, the longest first."""
+        waiting, self._waiting = sorted(self._waiting), []
+        for _, _, wake in waiting:
+            if not wake.done():
+                wake.set_result(None)
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        tokens = len(request.prompt) + request.params.max_new_tokens
+        engine = await self._admit(request.episode_id, tokens)
+        if engine is not None:
+            self.load[engine] += tokens
+        try:
+            completion = await self.routed_cluster.generate(dataclasses.replace(request, device=engine))
+        finally:
+            if engine is not None:
+                self.load[engine] -= tokens
+            self._release()
+        self._previous[request.episode_id] = completion.device
+        return completion
+
+    # -- the rollout pool -------------------------------------------------------------------------
+    async def shrink(self, devices) -> None:
+        self._pool -= {d.id for d in devices}
+        await self.routed_cluster.shrink(devices)
+
+    async def expand(self, devices) -> None:
+        await self.routed_cluster.expand(devices)
+        self._pool |= {d.id for d in devices}
+        self._release()
+
+    async def suspend(self) -> None:
+        self._suspended = True
+        await self.routed_cluster.suspend()
+
+    async def resume(self) -> None:
+        await self.routed_cluster.resume()
+        self._suspended = False
+        self._release()

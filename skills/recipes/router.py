@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import heapq
 import itertools
 
 from targets.api import Cluster, Completion, GenerateRequest
@@ -48,7 +47,7 @@ class RoutedCluster:
         self._suspended = False
         self.load = dict.fromkeys(self.engines, 0)  # engine -> KV tokens of its requests not yet answered
         self._previous: dict[str, str] = {}  # episode -> the engine of its previous turn
-        self._waiting: list[tuple[int, int, asyncio.Future]] = []  # (-tokens, arrival, wake-up): longest first
+        self._waiting: list[tuple[int, int, asyncio.Future]] = []  # (-tokens, arrival, wake-up), sorted at release
         self._arrival = itertools.count()
 
     def __getattr__(self, name: str):
@@ -80,7 +79,7 @@ class RoutedCluster:
             if self.load[engine] + tokens <= self.admit_tokens:
                 return engine
             wake = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (-tokens, next(self._arrival), wake))
+            self._waiting.append((-tokens, next(self._arrival), wake))
             await wake
 
     def _release(self) -> None:

@@ -61,7 +61,7 @@ class SimCluster:
         while self._suspended or not self._active:
             self._routable.clear()
             await self._routable.wait()
-        engine = self._engine_of.get(request.device) if request.device is not None else None
+        engine = self._engine_of.get(request.device)  # None when the candidate leaves it to us
         if engine not in self._active:
             engine = self._sticky.get(request.episode_id)
         if engine not in self._active:

@@ -70,20 +70,32 @@ class GenerateRequest:
     """One turn of one trajectory, as a controller asks the cluster to generate it.
 
     ``device`` is a routing request: serve the turn on the engine that holds this device if that
-    engine is active; ``None`` (or an engine that is not active) leaves the choice to the cluster."""
+    engine is active; ``None`` (or an engine that is not active) leaves the choice to the cluster.
+
+    ``continues`` > 0 resumes an interrupted turn (partial rollout): the prompt's last ``continues``
+    tokens are this turn's response so far (what ``Aborted.partial`` returned), and
+    ``params.max_new_tokens`` is the response budget left. The engine serves it as any prompt."""
 
     episode_id: str
     turn: int
     prompt: TokenIds
     params: SamplingParams
     device: str | None = None
+    continues: int = 0
 
 
 class Aborted(Exception):
-    """Raised by ``Cluster.generate`` when the engine serving the request was shrunk or suspended.
+    """Raised by ``Cluster.generate`` when the engine serving the request was shrunk, suspended or
+    interrupted by ``sync_weights(..., interrupt=True)``.
 
-    The turn produced nothing usable; the environment manager retries it on another engine.
+    ``partial`` holds the tokens decoded before the interruption (finish ``"abort"``, the version
+    that decoded them). The harness hands it to stacks that declare ``partial_rollout``; they resume
+    the turn with ``GenerateRequest.continues``. Others retry the turn from its start.
     """
+
+    def __init__(self, message: str = "", partial: Completion | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +277,9 @@ class Cluster(Protocol):
     engine is active) and raises ``Aborted`` if its engine is shrunk mid-request. ``shrink``/``expand``
     move devices out of/into the rollout pool (draining and offloading/reloading engines). ``train``
     runs a step on the given devices and returns the new weight version; ``sync_weights`` pushes a
-    version to the engines on ``devices``.
+    version to the engines on ``devices``: it lets the requests they are running finish first, or
+    with ``interrupt`` answers them at once with ``Aborted`` (their partial responses) and serves
+    their continuations under the new version.
     """
 
     devices: list[Device]
@@ -282,7 +296,7 @@ class Cluster(Protocol):
 
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int: ...
 
-    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None: ...
+    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None: ...
 
     async def suspend(self) -> None: ...
 
@@ -377,10 +391,13 @@ class Declared:
     bounds each by what is declared here. ``redundant_per_group``: extra episodes launched per
     group (dropped as ``redundant`` once the group has ``group_size`` finished). ``async_ratio``: the
     staleness bound the stack runs under when it chooses one (at most ``Workload.max_async_ratio``;
-    None: the workload's ``async_ratio``)."""
+    None: the workload's ``async_ratio``). ``partial_rollout``: the stack resumes interrupted turns
+    from their partial responses; only then may it resume any, and then it must resume every one it
+    trains (keeping some partials and restarting others would let it choose its samples)."""
 
     redundant_per_group: int = 0
     async_ratio: int | None = None
+    partial_rollout: bool = False
 
 
 @dataclass

@@ -440,3 +440,86 @@ def test_the_harness_refuses_more_spares_than_declared(tiny_spec):
         pool.new_group(extra=1)
     pool.max_extra = 2
     assert len(pool.new_group(extra=2)) == tiny_spec.workload.group_size + 2
+
+
+# -- partial rollout: a finished turn of the honest run split into an interrupted segment and its
+# resumption, exactly as a partial-rollout stack would have produced it (same tokens, same logprobs)
+
+
+def _resumed(honest, declared: bool = True, keep: int = 5):
+    """The honest trace with one turn of the last step's batch resumed after ``keep`` tokens:
+    (events, the interrupted segment, the resuming generate)."""
+    events = [  # the honest stack restarted its interrupted turns: as if none had decoded anything
+        TraceEvent(e.kind, e.t, {k: e.data[k] for k in ("episode", "turn", "start", "aborted")})
+        if e.kind == "generate" and e.data["aborted"]
+        else e
+        for e in _edited(honest)
+    ]
+    last = _train(events, -1)
+    trained = {t["episode"] for t in last.data["trajectories"]}
+    g = next(e for e in _generates(events) if e.data["episode"] in trained and e.data["finish"] == "length")
+    d = g.data
+    middle = d["start"] + (g.t - d["start"]) / 2
+    segment = TraceEvent(
+        "generate",
+        middle,
+        {
+            **copy.deepcopy(d),
+            "aborted": True,
+            "finish": "abort",
+            "tokens": d["tokens"][:keep],
+            "logprobs": d["logprobs"][:keep],
+        },
+    )
+    d.update(
+        start=middle,
+        prompt=d["prompt"] + d["tokens"][:keep],
+        continues=keep,
+        max_new_tokens=d["max_new_tokens"] - keep,
+        tokens=d["tokens"][keep:],
+        logprobs=d["logprobs"][keep:],
+    )
+    events.insert(events.index(g), segment)
+    _first(events, "run_start").data["declared"]["partial_rollout"] = declared
+    return events, segment, g
+
+
+def test_a_resumed_turn_that_resumes_what_was_interrupted_passes(honest):
+    events, _, _ = _resumed(honest)
+    result = _audit(honest, events)
+    assert result.passed, result.reasons
+    stripped = sum(1 for e in honest[1] if e.kind == "generate" and e.data["aborted"] and e.data.get("tokens"))
+    assert result.details["replayed_turns"] == _audit(honest).details["replayed_turns"] - stripped + 1  # the segment
+
+
+def test_resuming_without_declaring_partial_rollout(honest):
+    events, _, _ = _resumed(honest, declared=False)
+    _rejects(_audit(honest, events), "undeclared continuation")
+
+
+def test_resuming_from_tokens_no_interrupted_segment_produced(honest):
+    events, segment, _ = _resumed(honest)
+    segment.data["tokens"] = [t + 1 for t in segment.data["tokens"]]  # the prefix resumed is not what it decoded
+    _rejects(_audit(honest, events), "bad continuation")
+
+
+def test_a_resumed_turn_over_the_response_budget(honest):
+    events, _, resumed = _resumed(honest)
+    resumed.data["max_new_tokens"] += resumed.data["continues"]  # the whole budget again, on top of the partial
+    _rejects(_audit(honest, events), "sampling parameters")
+
+
+def test_an_interrupted_segment_beyond_the_staleness_bound(honest):
+    events, segment, _ = _resumed(honest)
+    segment.data["version"] = 0  # its first tokens from a policy the last step may not train on
+    _rejects(_audit(honest, events), "stale sample")
+
+
+def test_a_partial_discarded_and_the_turn_generated_anew(honest):
+    """The cherry-pick partial rollout would allow: an interrupted segment thrown away, the turn
+    sampled again from its start, by a stack that declares it resumes partials."""
+    events, segment, resumed = _resumed(honest)
+    discarded = TraceEvent("generate", segment.t, {**copy.deepcopy(segment.data), "tokens": segment.data["tokens"][:3]})
+    discarded.data["logprobs"] = discarded.data["logprobs"][:3]
+    events.insert(events.index(segment), discarded)
+    _rejects(_audit(honest, events), "discarded partial")

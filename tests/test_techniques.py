@@ -156,12 +156,12 @@ def test_a_declared_staleness_bound_runs_further_ahead_within_the_targets_maximu
 def test_a_staleness_bound_over_the_targets_maximum_is_refused(tmp_path, fast_target):
     _, run = _harness_run(tmp_path, fast_target, {"async_ratio": 1}, True, {"max_async_ratio": 2})
     assert run.ok
-    build = 'Declared(redundant_per_group=params.get("redundant_envs", 0), async_ratio=params.get("async_ratio"))'
+    build = 'async_ratio=params.get("async_ratio"),'
 
     def declare_three(stack_dir):  # the controller stays within 2; only the declaration lies
         path = stack_dir / "build.py"
         assert build in path.read_text()
-        path.write_text(path.read_text().replace(build, build.replace('params.get("async_ratio")', "3")))
+        path.write_text(path.read_text().replace(build, "async_ratio=3,"))
 
     _, run = _harness_run(
         tmp_path / "over", fast_target, {"async_ratio": 2}, True, {"max_async_ratio": 2}, declare_three
@@ -248,3 +248,55 @@ def test_a_cluster_obeying_a_route_to_a_shrunk_engine_fails_the_audit(tmp_path, 
     events[events.index(late)] = planted
     result = audit_run(spec, events, lambda version: None, None, spec.workload.train_steps)
     assert not result.passed and any("served while shrunk" in line for line in result.reasons), result.reasons
+
+
+def _resumed_turns(events) -> list[tuple[list, object]]:
+    """(the turn's interrupted segments it resumed, in order, and its final generate) for every
+    turn that resumed, rebuilt from the trace by matching each ``continues`` prefix."""
+    partials = [e for e in events if e.kind == "generate" and e.data["aborted"] and "tokens" in e.data]
+    out = []
+    for g in events:
+        if g.kind != "generate" or g.data["aborted"] or not g.data["continues"]:
+            continue
+        chain, need = [], g.data["continues"]
+        while need:
+            a = next(
+                a
+                for a in reversed(partials)
+                if a.data["episode"] == g.data["episode"]
+                and a.data["turn"] == g.data["turn"]
+                and a.t <= (chain[0] if chain else g).data["start"]
+                and a.data["continues"] + token_count(a.data["tokens"]) == need
+            )
+            chain.insert(0, a)
+            need = a.data["continues"]
+        out.append((chain, g))
+    return out
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_partial_rollout_resumes_interrupted_turns_under_the_new_weights(tmp_path, fast_target, simulate):
+    """Longer responses, so syncs and shrinks catch turns mid-decode: the sampling-only engine's sync
+    interrupts its running turns, and every interrupted turn that decoded something resumes from it
+    (its prompt grown by the partial response, its budget shrunk by it); some resume under a newer
+    version than their first segment's, and the audit (replaying every segment) passes."""
+    spec, events = _run(tmp_path, fast_target, {"partial_rollout": 1}, simulate, LONG_RESPONSES)
+    assert next(e for e in events if e.kind == "run_start").data["declared"]["partial_rollout"]
+    assert all(e.data["interrupt"] for e in events if e.kind == "sync")
+    resumed = _resumed_turns(events)
+    assert resumed, "no turn was resumed"
+    response = spec.workload.tokens.response
+    for chain, final in resumed:
+        assert final.data["max_new_tokens"] == response - final.data["continues"]
+        assert token_count(final.data["prompt"]) == token_count(chain[0].data["prompt"]) + final.data["continues"]
+    assert any(final.data["version"] > chain[0].data["version"] for chain, final in resumed)
+
+
+# Responses four times as long, twice the turns (within the model's 512 positions) and slower tools:
+# rollout, not training, bounds a step, so a sync finds turns decoding on the sampling-only engine,
+# and a turn spans many decode iterations.
+LONG_RESPONSES = {
+    "tokens": {"prompt": 12, "observation": 8, "response": 64, "max_sequence": 512},
+    "turns": {"max": 12, "dist": {"kind": "geometric", "mean": 6}},
+    "env_latency_s": {"kind": "lognormal", "median": 0.3, "sigma": 0.5},
+}

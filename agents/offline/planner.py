@@ -20,6 +20,8 @@ PARAM_MOVES = {
     ("tail_idle", "redundant_envs"): +1,  # spares let a group finish with its fastest members
     ("tail_idle", "shrink_at"): 0.7,  # start the switch while the tail still runs
     ("tail_idle", "kv_routing"): +1,  # balance engines by KV, admit the long turns first
+    ("many_aborts", "partial_rollout"): +1,  # keep what interrupted turns decoded
+    ("tail_idle", "partial_rollout"): +1,  # sync without waiting for the longest running turns
     ("stale_drops", "abort_stale"): +1,  # stop generating groups nobody can train
     ("stale_drops", "async_ratio"): +1,  # where the target allows it: let samples lag one more version
     ("train_devices_idle", "async_ratio"): +1,  # sampling further ahead keeps the trainer fed

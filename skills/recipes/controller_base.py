@@ -44,6 +44,7 @@ class ControllerBase:
             stop_token_ids=tuple(runtime.stop_token_ids),
         )
         self.params = params
+        self.partial_rollout = bool(params.get("partial_rollout", 0))  # resume interrupted turns; syncs interrupt
         self.version = 0
         self._manager: EnvManager | None = None
 
@@ -73,6 +74,7 @@ class ControllerBase:
             self.max_sequence,
             redundancy=self.params.get("redundant_envs", 0),
             abort_stale=bool(self.params.get("abort_stale", 0)),
+            partial_rollout=self.partial_rollout,
         )
         self._manager = manager  # told of each new policy version by _train
         return cluster, buffer, manager

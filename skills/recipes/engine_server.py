@@ -105,19 +105,26 @@ class EngineServer:
         return Completion([], [], "abort", self.engine.weight_version, self.name)
 
     # -- weights and memory ---------------------------------------------------------------------------------
-    async def load_weights(self, buckets: Sequence, version: int) -> None:
+    async def load_weights(self, buckets: Sequence, version: int, interrupt: bool = False) -> None:
         """Buckets of weights (dicts, or Ray object refs to them), applied while no step runs."""
         state = merge([await b if not isinstance(b, dict) else b for b in buckets])
-        await self.load_state(state, version)
+        await self.load_state(state, version, interrupt)
 
-    async def load_state(self, state: StateDict, version: int) -> None:
+    async def load_state(self, state: StateDict, version: int, interrupt: bool = False) -> None:
         """Drain, then load: requests running now finish under the weights they started with (no
-        request ever mixes two versions), requests arriving meanwhile wait, then run under the new."""
+        request ever mixes two versions), requests arriving meanwhile wait, then run under the new.
+        With ``interrupt`` the running requests are answered at once as aborted with what they
+        decoded (partial rollout resumes them under the new weights); vLLM aborts its waiting ones too."""
         if self.kind == "vllm":
+            if interrupt:
+                await self.engine.abort_all()
             async with self._lock:
                 await self.engine.load_weights_async(state, version)
             return
         self.engine.admitting = False
+        if interrupt:
+            for request in list(self.engine.running):
+                self.engine.abort(request.id)
         try:
             while self.engine.running:
                 self._drained.clear()

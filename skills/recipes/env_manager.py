@@ -15,13 +15,20 @@ a policy no older than the newest, so once ``policy - oldest turn > async_ratio`
 group it can never be trained. The manager checks this as each turn completes and whenever the
 policy advances, and hands the whole group back as ``stale`` at once (running members cancelled,
 finished ones taken out of the buffer) instead of generating the rest of a batch nobody will train.
+
+Partial rollout (``partial_rollout``, the ``partial_rollout`` technique): an interrupted turn is not
+generated anew but resumed from what it decoded (``Aborted.partial``): the request goes out again
+with that partial response appended to the prompt (``continues``) and the budget that is left. The
+turn's segments join into one completion whose version is the oldest segment's, the one the
+staleness bound binds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
-from targets.api import Aborted, Cluster, GenerateRequest, SamplingParams, Trajectory
+from targets.api import Aborted, Cluster, Completion, GenerateRequest, SamplingParams, Trajectory
 
 from .sample_buffer import GroupBuffer
 
@@ -36,10 +43,11 @@ class EnvManager:
         max_sequence: int,
         redundancy: int = 0,
         abort_stale: bool = False,
+        partial_rollout: bool = False,
     ) -> None:
         self.cluster, self.envs, self.buffer = cluster, envs, buffer
         self.sampling, self.max_sequence, self.redundancy = sampling, max_sequence, redundancy
-        self.abort_stale = abort_stale
+        self.abort_stale, self.partial_rollout = abort_stale, partial_rollout
         self.trained_from = 0  # the version the next batch will be trained from
         self._tasks: dict[asyncio.Task, str] = {}  # running episode coroutines -> episode id
         self._group_tasks: dict[str, set[asyncio.Task]] = {}  # group -> its members still running
@@ -145,12 +153,25 @@ class EnvManager:
                 break
         self._leave(asyncio.current_task(), episode.group_id)
 
-    async def _generate(self, request: GenerateRequest):
+    async def _generate(self, turn: GenerateRequest) -> Completion:
+        """Generate one turn, retrying it when interrupted (the cluster routes the retry to a
+        still-active engine); with ``partial_rollout`` each retry resumes the response so far."""
+        request, so_far = turn, None
         while True:
             try:
-                return await self.cluster.generate(request)
-            except Aborted:
-                continue  # the cluster routes the retry to a still-active engine
+                completion = await self.cluster.generate(request)
+            except Aborted as interrupted:
+                if self.partial_rollout and interrupted.partial is not None and interrupted.partial.tokens:
+                    so_far = joined(so_far, interrupted.partial)
+                    budget = self.sampling.max_new_tokens - len(so_far.tokens)
+                    request = dataclasses.replace(
+                        turn,
+                        prompt=turn.prompt + so_far.tokens,
+                        params=dataclasses.replace(turn.params, max_new_tokens=budget),
+                        continues=len(so_far.tokens),
+                    )
+                continue
+            return joined(so_far, completion)
 
     async def cancel_all(self) -> None:
         """End of run: stop every episode still in flight and hand it back (reason ``end_of_run``)."""
@@ -160,3 +181,16 @@ class EnvManager:
         await asyncio.gather(*running, return_exceptions=True)
         for episode_id in running.values():
             self.envs.drop(episode_id, "end_of_run")
+
+
+def joined(so_far: Completion | None, segment: Completion) -> Completion:
+    """A turn's response so far followed by its next segment; the version is the oldest segment's."""
+    if so_far is None:
+        return segment
+    return Completion(
+        so_far.tokens + segment.tokens,
+        so_far.logprobs + segment.logprobs,
+        segment.finish_reason,
+        min(so_far.weight_version, segment.weight_version),
+        segment.device,
+    )

@@ -71,7 +71,7 @@ class LocalCluster:
             await self._routable.wait()
         completion = await self.server.generate(request.prompt, request.params, request.episode_id)
         if completion.finish_reason == "abort":
-            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {self.device.id}")
+            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {self.device.id}", completion)
         return completion
 
     async def _to_trainer(self) -> None:
@@ -115,16 +115,16 @@ class LocalCluster:
         self.version = await asyncio.to_thread(self.trainer.train_step, batch)
         return self.version
 
-    async def _load(self, version: int) -> None:
+    async def _load(self, version: int, interrupt: bool = False) -> None:
         state = await asyncio.to_thread(self.trainer.device_state)
-        await self.server.load_state(state, version)
+        await self.server.load_state(state, version, interrupt)
         self._engine_version = version
 
-    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
+    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         if version != self.version:
             raise ValueError(f"can only sync the latest version {self.version}, not {version}")
         if self._engine_awake:  # asleep, it is brought to the latest version when it wakes
-            await self._load(version)
+            await self._load(version, interrupt)
 
     async def export_weights(self) -> StateDict:
         return await asyncio.to_thread(self.trainer.state_dict)

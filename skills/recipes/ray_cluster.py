@@ -78,17 +78,17 @@ class EngineActor(EngineServer):
     def join_broadcast(self, host: str, port: int, rank: int, world_size: int) -> None:
         self._group = BroadcastGroup(host, port, rank, world_size, self.engine.device)
 
-    async def receive_broadcast(self, layouts: list[Layout], version: int) -> bool:
+    async def receive_broadcast(self, layouts: list[Layout], version: int, interrupt: bool = False) -> bool:
         """Every member receives every broadcast; an engine whose weights sleep drops what it got
         (it is brought up to date when it wakes). Returns whether the weights were loaded."""
         buckets = await asyncio.to_thread(self._group.receive, layouts)
         if self.engine.offloaded:
             return False
-        await self.load_state(merge(buckets), version)
+        await self.load_state(merge(buckets), version, interrupt)
         return True
 
-    async def load_ipc(self, handles: list, version: int) -> None:
-        await self.load_state(merge(open_ipc(handles)), version)
+    async def load_ipc(self, handles: list, version: int, interrupt: bool = False) -> None:
+        await self.load_state(merge(open_ipc(handles)), version, interrupt)
 
 
 class TrainerActor(FSDPTrainer):
@@ -239,7 +239,7 @@ class RayCluster:
         finally:
             self._outstanding[device] -= 1
         if completion.finish_reason == "abort":
-            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {device}")
+            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {device}", completion)
         return completion
 
     async def _to_trainers(self, ids: set[str]) -> None:
@@ -302,14 +302,16 @@ class RayCluster:
         self.version = versions[0]
         return self.version
 
-    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
+    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         if version != self.version:
             raise ValueError(f"can only sync the latest version {self.version}, not {version}")
         awake = [d.id for d in devices if d.id in self._awake]  # sleeping engines sync when they wake
         if awake:
-            await self._load(awake, version)
+            await self._load(awake, version, interrupt)
 
-    async def _load(self, device_ids: list[str], version: int) -> None:
+    async def _load(self, device_ids: list[str], version: int, interrupt: bool = False) -> None:
+        """Bring the engines on ``device_ids`` to ``version``; with ``interrupt`` their running
+        requests come back aborted (with their partial responses) instead of finishing first."""
         if not self.cuda:
             if self._published is None or self._published[0] != version:
                 state = (await asyncio.gather(*(t.state_dict.remote() for t in self._trainers)))[
@@ -317,28 +319,29 @@ class RayCluster:
                 ]  # every rank gathers
                 self._published = (version, publish(state, self.bucket_bytes))
             await asyncio.gather(
-                *(self._engines[i].load_weights.remote(self._published[1], version) for i in device_ids)
+                *(self._engines[i].load_weights.remote(self._published[1], version, interrupt) for i in device_ids)
             )
             for i in device_ids:
                 self._engine_version[i] = version
         else:
             ipc = [i for i in device_ids if i == self.train_devices[0].id]
             if ipc:
-                await self._load_ipc(ipc[0], version)
+                await self._load_ipc(ipc[0], version, interrupt)
             if [i for i in device_ids if i not in ipc]:
-                await self._load_broadcast(version)
+                await self._load_broadcast(version, set(device_ids) if interrupt else set())
 
-    async def _load_ipc(self, device_id: str, version: int) -> None:
+    async def _load_ipc(self, device_id: str, version: int, interrupt: bool) -> None:
         handles = (
             await asyncio.gather(*(t.export_ipc.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers))
         )[0]
-        await self._engines[device_id].load_ipc.remote(handles, version)
+        await self._engines[device_id].load_ipc.remote(handles, version, interrupt)
         await self._trainers[0].release_ipc.remote()
         self._engine_version[device_id] = version
 
-    async def _load_broadcast(self, version: int) -> None:
+    async def _load_broadcast(self, version: int, interrupt: set[str]) -> None:
         """One group of trainer rank 0 and every engine not on its GPU, formed on first use; an engine
-        asleep still joins the broadcast (it receives, then loads when it wakes)."""
+        asleep still joins the broadcast (it receives, then loads when it wakes). Engines in
+        ``interrupt`` answer their running requests at once."""
         receivers = sorted(i for i in self._engines if i != self.train_devices[0].id)
         if not self._broadcast_ready:
             port = _free_port()
@@ -353,7 +356,7 @@ class RayCluster:
         layouts = await self._trainers[0].broadcast_layouts.remote(self.runtime.dtype, self.bucket_bytes)
         results = await asyncio.gather(
             *(t.broadcast_weights.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers),
-            *(self._engines[i].receive_broadcast.remote(layouts, version) for i in receivers),
+            *(self._engines[i].receive_broadcast.remote(layouts, version, i in interrupt) for i in receivers),
         )
         for i, loaded in zip(receivers, results[len(self._trainers) :]):
             if loaded:

@@ -1,6 +1,7 @@
 """static_split: disjoint pools. Rollout devices sample continuously (up to ``async_ratio`` versions
 ahead); training devices train whenever a batch is ready; weights sync to the rollout pool after
-each step. Rollout throughput is capped by the rollout pool, and training devices idle while they
+each step (with ``partial_rollout`` the turns running then are interrupted and resume under the new
+weights). Rollout throughput is capped by the rollout pool, and training devices idle while they
 wait for data."""
 
 from __future__ import annotations
@@ -23,5 +24,5 @@ class StaticSplit(ControllerBase):
         for _ in range(steps):
             batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
             version = await self._train(cluster, batch, train)
-            await cluster.sync_weights(version, rollout)
+            await cluster.sync_weights(version, rollout, interrupt=self.partial_rollout)
         await self._finish(buffer, manager)

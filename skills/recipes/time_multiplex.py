@@ -9,6 +9,10 @@ Progress-triggered partial shrink (``shrink_at`` < 1, the ``progress_shrink`` te
 fraction of the batch's groups is ready, the training devices the remaining demand no longer needs
 are shrunk early (their switch overlaps the batch's tail); the rest follow when the batch is
 complete. Demand is the share of the outstanding groups still running.
+
+Partial rollout (``partial_rollout``, the ``partial_rollout`` technique): the turns the shrink
+interrupts resume from what they decoded, and the sampling-only engines' sync interrupts their
+running turns instead of waiting for them (they resume under the new weights).
 """
 
 from __future__ import annotations
@@ -46,6 +50,6 @@ class TimeMultiplex(ControllerBase):
             batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
             await cluster.shrink([d for d in train if d not in early])
             version = await self._train(cluster, batch, train)
-            await cluster.sync_weights(version, sampling_only)
+            await cluster.sync_weights(version, sampling_only, interrupt=self.partial_rollout)
             await cluster.expand(train)
         await self._finish(buffer, manager)

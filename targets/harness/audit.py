@@ -16,6 +16,9 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
   declared bound, within the target's ``max_async_ratio``, else the workload's);
 * engine honesty: finish reasons match the tokens, each prompt is the episode's whole context so far,
   and requests ask for the spec's temperature and response budget;
+* partial rollout: a turn resumed from an interrupted segment (``continues``) resumes exactly what
+  that segment produced, its segments together keep to the response budget and each to the staleness
+  bound, and only a stack that declares ``partial_rollout`` resumes, and then every partial it trains;
 * mechanism: no request served by a shrunk engine, never zero active engines, the requested steps
   ran, each training step returned the next version, an engine and a trainer never held one device
   at once (the cluster's residency, recorded after every switch), and the weights changed;
@@ -84,6 +87,7 @@ class TraceIndex:
     resets: dict[str, TraceEvent] = field(default_factory=dict)
     env_steps: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))
     generated: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # non-aborted, in order
+    partials: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # aborted, with tokens
     dropped: dict[str, TraceEvent] = field(default_factory=dict)
     trained_in: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # episode -> train indices
     trains: list[TraceEvent] = field(default_factory=list)
@@ -91,6 +95,7 @@ class TraceIndex:
     declared: Declared = field(default_factory=Declared)
     start_t: float = 0.0
     end_t: float = 0.0
+    _responses: dict[int, Response] = field(default_factory=dict)
 
     @classmethod
     def of(cls, events: list[TraceEvent]) -> TraceIndex:
@@ -114,6 +119,8 @@ class TraceIndex:
         for e in ix.by_kind["generate"]:
             if not e.data["aborted"]:
                 ix.generated[e.data["episode"]].append(e)
+            elif "tokens" in e.data:
+                ix.partials[e.data["episode"]].append(e)
         for e in ix.by_kind["sample_dropped"]:
             ix.dropped.setdefault(e.data["episode"], e)
         ix.trains = sorted(ix.by_kind["train"], key=lambda e: e.data["start"])
@@ -142,9 +149,57 @@ class TraceIndex:
             out += s.data["action"] + s.data["observation"]
         return out
 
+    def response(self, g: TraceEvent) -> Response:
+        """The whole response a generate event ends (or, for an interrupted one, has so far): its
+        own tokens after those of the interrupted segment it resumes, found by matching the
+        request's last ``continues`` prompt tokens against what earlier segments of the turn
+        produced (their lengths, when tokens are not recorded)."""
+        known = self._responses.get(id(g))
+        if known is not None:
+            return known
+        d, recorded = g.data, self.tokens_recorded
+        own = Response(d["tokens"], list(d["logprobs"]) if recorded else [], [d["version"]], [g], True)
+        n = d.get("continues", 0)
+        if n:
+            tail = d["prompt"][len(d["prompt"]) - n :] if recorded else n
+            prefix = next(
+                (
+                    earlier
+                    for a in reversed(self.partials.get(d["episode"], []))
+                    if a is not g and a.data["turn"] == d["turn"] and a.t <= d["start"]
+                    for earlier in [self.response(a)]
+                    if earlier.tokens == tail
+                ),
+                None,
+            )
+            if prefix is None:
+                own = Response(own.tokens, own.logprobs, own.versions, own.segments, False)
+            else:
+                own = Response(
+                    prefix.tokens + own.tokens,
+                    prefix.logprobs + own.logprobs,
+                    prefix.versions + own.versions,
+                    prefix.segments + own.segments,
+                    prefix.chained,
+                )
+        self._responses[id(g)] = own
+        return own
+
     def policy_at(self, t: float) -> int:
         """The number of training steps finished by time ``t`` (the controller's policy version)."""
         return sum(1 for train in self.trains if train.t <= t)
+
+
+@dataclass(frozen=True)
+class Response:
+    """One turn's response as the engines produced it, segment by segment: with partial rollout an
+    interrupted request returns what it decoded and the turn resumes from it (``continues``)."""
+
+    tokens: list | int  # the whole response (its length when tokens are not recorded)
+    logprobs: list[float]
+    versions: list[int]  # per segment, the weight version that decoded it
+    segments: list[TraceEvent]
+    chained: bool  # every resumed prefix is what an interrupted segment of this turn produced
 
 
 # -- accounting --------------------------------------------------------------------------------------
@@ -197,7 +252,11 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             policy = ix.policy_at(e.t)
             group = ix.group_of.get(episode)
             versions = [
-                g.data["version"] for m in ix.members.get(group, []) for g in ix.generated.get(m, []) if g.t <= e.t
+                v
+                for m in ix.members.get(group, [])
+                for g in ix.generated.get(m, [])
+                if g.t <= e.t
+                for v in ix.response(g).versions
             ]
             if not versions or policy - min(versions) <= bound:
                 r.add(
@@ -337,10 +396,17 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
             gens.setdefault(g.data["turn"], g)
         for turn, s in enumerate(steps):
             g = gens.get(turn)
+            if g is not None and not ix.response(g).chained:
+                r.add(
+                    "bad continuation",
+                    f"episode {episode} turn {turn}: resumed from {g.data['continues']} tokens that no "
+                    "interrupted generate of this turn produced",
+                )
+                break
             same = g is not None and (
-                g.data["tokens"] == s.data["action"]
+                ix.response(g).tokens == s.data["action"]
                 if ix.tokens_recorded
-                else token_count(g.data["tokens"]) == token_count(s.data["action"])
+                else ix.response(g).tokens == token_count(s.data["action"])
             )
             if not same or g.t > s.t:
                 r.add(
@@ -377,48 +443,62 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
                 by_turn = {}
                 for g in ix.generated.get(episode, []):
                     by_turn.setdefault(g.data["turn"], g)
-                engine = [lp for turn in range(len(steps)) if turn in by_turn for lp in by_turn[turn].data["logprobs"]]
+                engine = [
+                    lp for turn in range(len(steps)) if turn in by_turn for lp in ix.response(by_turn[turn]).logprobs
+                ]
                 behaviour = [lp for lp, m in zip(t["logprobs"], t["loss_mask"]) if m]
                 if len(engine) != len(behaviour) or any(abs(a - b) > 1e-6 for a, b in zip(engine, behaviour)):
                     r.add("altered logprobs", f"episode {episode}: behaviour logprobs differ from the engine's")
 
 
 def check_staleness(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
+    """Per turn, and per segment of a resumed turn: the oldest segment is the one the bound binds."""
     ratio = staleness_bound(ix, spec)
     for k, train in enumerate(ix.trains):
         policy = k  # the step trains the policy of version k (its k predecessors)
         for t in train.data["trajectories"]:
             for g in ix.generated.get(t["episode"], []):
-                version, turn = g.data["version"], g.data["turn"]
-                if policy - version > ratio:
+                versions, turn = ix.response(g).versions, g.data["turn"]
+                if policy - min(versions) > ratio:
                     r.add(
                         "stale sample",
-                        f"episode {t['episode']} turn {turn}: generated at version {version}, trained at "
+                        f"episode {t['episode']} turn {turn}: generated at version {min(versions)}, trained at "
                         f"policy {policy} (async_ratio {ratio})",
                     )
-                if version > policy:
+                if max(versions) > policy:
                     r.add(
                         "future version",
-                        f"episode {t['episode']} turn {turn}: claims version {version} before policy {policy} existed",
+                        f"episode {t['episode']} turn {turn}: claims version {max(versions)} before policy "
+                        f"{policy} existed",
                     )
 
 
 def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
-    """Finish reasons agree with the tokens, a prompt is the episode's whole context so far, and a
-    request asks for the spec's sampling temperature and response budget."""
+    """Finish reasons agree with the tokens, a prompt is the episode's whole context so far (plus,
+    for a resumed turn, its response so far), and a request asks for the spec's sampling
+    temperature and what is left of the response budget. Interrupted segments are held to the same."""
     w = spec.workload
-    for episode, gens in ix.generated.items():
-        for g in gens:
+    for episode in sorted(set(ix.generated) | set(ix.partials)):
+        for g in [*ix.generated.get(episode, []), *ix.partials.get(episode, [])]:
             d = g.data
             where = f"episode {episode} turn {d['turn']}"
-            if d.get("temperature") != w.training.temperature or d.get("max_new_tokens") != w.tokens.response:
+            continues = d.get("continues", 0)
+            if (
+                d.get("temperature") != w.training.temperature
+                or d.get("max_new_tokens") != w.tokens.response - continues
+            ):
                 r.add(
                     "sampling parameters",
                     f"{where}: asked for temperature {d.get('temperature')} and {d.get('max_new_tokens')} "
-                    f"tokens; the spec says {w.training.temperature} and {w.tokens.response}",
+                    f"tokens; the spec says {w.training.temperature} and {w.tokens.response}"
+                    + (f" less the {continues} already generated" if continues else ""),
                 )
             n = token_count(d["tokens"])
-            if d["finish"] == "abort":
+            if d["aborted"]:
+                stopped = ix.tokens_recorded and any(tok in set(d.get("stop", [])) for tok in d["tokens"])
+                if stopped or n >= d["max_new_tokens"]:
+                    r.add("finish reason", f"{where}: an interrupted segment went on past a stop token or its budget")
+            elif d["finish"] == "abort":
                 r.add("finish reason", f"{where}: an aborted completion was handed back as a result")
             elif not ix.tokens_recorded:
                 if n > d["max_new_tokens"] or (d["finish"] == "length" and n != d["max_new_tokens"]):
@@ -440,16 +520,40 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     )
             if episode in ix.resets and d["turn"] <= len(ix.env_steps.get(episode, [])):
                 expected = ix.context_tokens(episode, d["turn"])
-                if d["prompt"] != expected:
+                prompt = d["prompt"][: len(d["prompt"]) - continues] if ix.tokens_recorded else d["prompt"] - continues
+                if prompt != expected:
                     r.add(
                         "incomplete prompt",
-                        f"{where}: the engine was asked with {token_count(d['prompt'])} tokens, "
+                        f"{where}: the engine was asked with {token_count(prompt)} tokens of context, "
                         f"not the episode's whole context of {token_count(expected)}",
                     )
 
 
+def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
+    """Resuming is declared, and then total: a stack that resumed some interrupted turns and
+    restarted others could keep the partial responses it likes and resample the rest."""
+    for episode in ix.trained_in:
+        for g in ix.generated.get(episode, []):
+            response, turn = ix.response(g), g.data["turn"]
+            if len(response.segments) > 1 and not ix.declared.partial_rollout:
+                r.add(
+                    "undeclared continuation",
+                    f"episode {episode} turn {turn} resumed an interrupted response, but the stack does not "
+                    "declare partial_rollout",
+                )
+            if ix.declared.partial_rollout:
+                for a in ix.partials.get(episode, []):
+                    if a.data["turn"] == turn and token_count(a.data["tokens"]) and a not in response.segments:
+                        r.add(
+                            "discarded partial",
+                            f"episode {episode} turn {turn}: {token_count(a.data['tokens'])} interrupted tokens "
+                            "were discarded and the turn generated anew (partial_rollout resumes every one)",
+                        )
+
+
 def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
-    serving = {g.data["device"] for gs in ix.generated.values() for g in gs}
+    served = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs]
+    serving = {g.data["device"] for g in served}
     inactive_since: dict[str, float] = {}
     windows: list[tuple[str, float, float]] = []  # device, shrunk at, expanded at
     for e in sorted(ix.by_kind["shrink"] + ix.by_kind["expand"], key=lambda e: e.t):
@@ -465,14 +569,13 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
     for suspend in ix.by_kind["suspend"]:
         until = next((e.data["start"] for e in resumes if e.t > suspend.t), ix.end_t)
         windows += [(device, suspend.t, until) for device in suspend.data["devices"]]
-    for gs in ix.generated.values():
-        for g in gs:
-            for device, since, until in windows:
-                if g.data["device"] == device and g.data["start"] > since and g.t < until:
-                    r.add(
-                        "served while shrunk",
-                        f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk",
-                    )
+    for g in served:
+        for device, since, until in windows:
+            if g.data["device"] == device and g.data["start"] > since and g.t < until:
+                r.add(
+                    "served while shrunk",
+                    f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk",
+                )
     for e in ix.by_kind["device_state"]:
         for device, components in e.data["resident"].items():
             if "engine" in components and "trainer" in components:
@@ -505,6 +608,7 @@ def audit_run(
     check_fidelity(ix, r)
     check_staleness(ix, r, spec)
     check_engine_honesty(ix, r, spec)
+    check_partial_rollout(ix, r)
     check_mechanism(ix, r, steps)
     details.update(
         episodes_created=len(ix.created),

@@ -28,6 +28,7 @@ from targets.harness.channel import AsyncChannel, Frame, Received, SyncChannel
 from targets.harness.sim.virtual_time import FollowerTimeLoop
 from targets.harness.wire import (
     PromptMemory,
+    get_aborted,
     get_batch,
     get_completion,
     get_config,
@@ -35,6 +36,7 @@ from targets.harness.wire import (
     get_runtime,
     get_state,
     get_step_result,
+    put_aborted,
     put_batch,
     put_completion,
     put_declared,
@@ -115,7 +117,9 @@ def _raise_if_error(rx: Received) -> Received:
     error = rx.get("error")
     if error is None:
         return rx
-    kind = {"Aborted": Aborted, "ValueError": ValueError, "PermissionError": PermissionError, "KeyError": KeyError}
+    if error["type"] == "Aborted":
+        raise get_aborted(rx, error)
+    kind = {"ValueError": ValueError, "PermissionError": PermissionError, "KeyError": KeyError}
     raise kind.get(error["type"], RuntimeError)(error["message"])
 
 
@@ -152,8 +156,8 @@ class ProxyCluster:
         frame.header["batch"] = put_batch(frame, batch, self._memory)
         return (_raise_if_error(await self._calls.call(frame)))["version"]
 
-    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
-        await self._call("sync_weights", version=version, devices=[d.id for d in devices])
+    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
+        await self._call("sync_weights", version=version, devices=[d.id for d in devices], interrupt=interrupt)
 
     async def suspend(self) -> None:
         await self._call("suspend")
@@ -297,7 +301,7 @@ async def _serve_cluster(channel: AsyncChannel, stack_dir: str) -> None:
             elif method == "train":
                 frame.header["version"] = await cluster.train(get_batch(rx, rx["batch"]), devices)
             elif method == "sync_weights":
-                await cluster.sync_weights(rx["version"], devices)
+                await cluster.sync_weights(rx["version"], devices, interrupt=rx["interrupt"])
             elif method in ("suspend", "resume"):
                 await getattr(cluster, method)()
             elif method == "residency":
@@ -311,6 +315,9 @@ async def _serve_cluster(channel: AsyncChannel, stack_dir: str) -> None:
                 _log("cluster closed")
             else:
                 raise ValueError(f"unknown cluster method {method!r}")
+        except Aborted as error:  # with its partial response, which the harness records
+            frame = Frame(id=rx["id"])
+            frame.header["error"] = put_aborted(frame, error)
         except Exception as error:  # goes back to the harness, which decides what it means
             frame = _error_frame(error, id=rx["id"])
         channel.send(frame)

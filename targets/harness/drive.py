@@ -41,6 +41,7 @@ from targets.harness.wire import (
     get_batch,
     get_declared,
     get_request,
+    put_aborted,
     put_completion,
     put_declared,
     put_runtime,
@@ -63,19 +64,27 @@ class TracedCluster:
         start = self.trace.clock.now()
         try:
             completion = await self.inner.generate(request)
-        except Aborted:
-            self.trace.record("generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True)
+        except Aborted as error:
+            if error.partial is None:
+                self.trace.record("generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True)
+            else:  # what it decoded is recorded: a resumed turn's response is checked against it
+                self._record(request, error.partial, start, aborted=True)
             raise
+        self._record(request, completion, start, aborted=False)
+        return completion
+
+    def _record(self, request: GenerateRequest, completion: Completion, start: float, aborted: bool) -> None:
         tokens, p = self.trace.tokens, request.params
         self.trace.record(
             "generate",
             episode=request.episode_id,
             turn=request.turn,
             start=start,
-            aborted=False,
+            aborted=aborted,
             device=completion.device,
             routed=request.device,
             prompt=tokens(request.prompt),
+            continues=request.continues,
             tokens=tokens(completion.tokens),
             logprobs=tokens(completion.logprobs),
             version=completion.weight_version,
@@ -84,7 +93,6 @@ class TracedCluster:
             max_new_tokens=p.max_new_tokens,
             stop=list(p.stop_token_ids),
         )
-        return completion
 
     async def _timed(self, kind, devices: Sequence[Device], call, **data) -> None:
         start = self.trace.clock.now()
@@ -110,8 +118,10 @@ class TracedCluster:
     async def expand(self, devices: Sequence[Device]) -> None:
         await self._timed("expand", devices, self.inner.expand(devices))
 
-    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
-        await self._timed("sync", devices, self.inner.sync_weights(version, devices), version=version)
+    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
+        await self._timed(
+            "sync", devices, self.inner.sync_weights(version, devices, interrupt), version=version, interrupt=interrupt
+        )
 
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         """The batch is recorded as the harness received it (what the trainer gets and the audit
@@ -292,8 +302,10 @@ class ControllerLink:
         except ProtocolError as error:
             self.fail(ProtocolError(f"the controller process broke the protocol: {error}"))
             return None
-        except Aborted as error:
-            return Frame(id=request_id, error={"type": "Aborted", "message": str(error)})
+        except Aborted as error:  # its partial response only goes to a stack that declared it resumes them
+            frame = Frame(id=request_id)
+            frame.header["error"] = put_aborted(frame, error if self.declared.partial_rollout else Aborted(str(error)))
+            return frame
         except (CandidateError, ValueError, KeyError, PermissionError, RuntimeError) as error:
             # the candidate's own cluster raised, or the controller misused the contract: it is told, as in-process
             kind = "RuntimeError" if isinstance(error, CandidateError) else type(error).__name__
@@ -337,7 +349,11 @@ class ControllerLink:
         elif method == "train":
             reply.header["version"] = await cluster.train(tokens, devices)
         elif method == "sync_weights":
-            await cluster.sync_weights(field_of(rx.header, "version", int, "sync_weights"), devices)
+            await cluster.sync_weights(
+                field_of(rx.header, "version", int, "sync_weights"),
+                devices,
+                interrupt=field_of(rx.header, "interrupt", bool, "sync_weights"),
+            )
         elif method in ("suspend", "resume"):
             await getattr(cluster, method)()
         else:

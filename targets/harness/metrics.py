@@ -24,7 +24,7 @@ def device_intervals(events: list[TraceEvent]) -> dict[str, dict[str, list[tuple
     start, engines = run_start.t, run_start.data.get("engines", {})
     out: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for e in events:
-        if e.kind == "generate" and not e.data["aborted"]:
+        if e.kind == "generate" and "device" in e.data:  # finished turns and interrupted segments decoded
             for device in engines.get(e.data["device"], [e.data["device"]]):  # an engine spans its devices
                 out[device]["rollout"].append((e.data["start"] - start, e.t - start))
         elif e.kind in ("train", "sync", "shrink", "expand", "suspend", "resume"):

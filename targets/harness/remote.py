@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from targets.api import (
-    Aborted,
     Completion,
     Device,
     GenerateRequest,
@@ -23,6 +22,7 @@ from targets.api import (
 from targets.harness.channel import AsyncChannel, Frame, ProtocolError, Received, SyncChannel
 from targets.harness.wire import (
     field_of,
+    get_aborted,
     get_completion,
     get_state,
     put_batch,
@@ -44,7 +44,7 @@ def raise_if_error(rx: Received, what: str) -> Received:
     if not isinstance(error, dict):
         raise ProtocolError(f"{what}: a malformed error reply")
     if error.get("type") == "Aborted":
-        raise Aborted(str(error.get("message", ""))[:500])
+        raise get_aborted(rx, error)
     raise CandidateError(
         f"{what}: {error.get('type')}: {str(error.get('message'))[:1000]}\n{str(error.get('traceback', ''))[-2000:]}"
     )
@@ -111,8 +111,9 @@ class RemoteCluster:
         frame.header["batch"] = put_batch(frame, batch)
         return field_of((await self._call(frame, "train")).header, "version", int, "train reply")
 
-    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
-        await self._call(Frame(method="sync_weights", version=version, devices=[d.id for d in devices]), "sync_weights")
+    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
+        frame = Frame(method="sync_weights", version=version, devices=[d.id for d in devices], interrupt=interrupt)
+        await self._call(frame, "sync_weights")
 
     async def suspend(self) -> None:
         await self._call(Frame(method="suspend"), "suspend")

@@ -1,10 +1,11 @@
 """The audit's replays: what really ran, recomputed by the reference from the harness's own weight
 snapshots (never from a candidate's word).
 
-* Turns: each generated turn is teacher-forced through the reference model under the weights of
-  the version the engine claimed; its logprobs must match. Every turn is replayed when that costs
-  under ``REPLAY_ALL_FLOPS``; otherwise ``SAMPLED_TURNS`` turns drawn at random, enough that an
-  engine claiming the wrong version on 1% of turns is caught with probability at least 0.99:
+* Turns: each generated turn (and each interrupted segment, which a resumed turn may keep) is
+  teacher-forced through the reference model under the weights of the version the engine claimed;
+  its logprobs must match. Every turn is replayed when that costs under ``REPLAY_ALL_FLOPS``;
+  otherwise ``SAMPLED_TURNS`` turns drawn at random, enough that an engine claiming the wrong version
+  on 1% of turns is caught with probability at least 0.99:
   P(miss) = 0.99^n <= 0.01  <=>  n >= ln(0.01) / ln(0.99) = 458.2, so n = 459.
 * Temperature: under the replayed distribution p_T = softmax(logits / T), a sampled token's
   log-probability x has mean E = sum p_T log p_T and variance V. Summed over the run's sampled
@@ -88,7 +89,7 @@ def replay_turns(
     make_model: Callable[[StateDict], torch.nn.Module],
     seed: int = 0,
 ) -> dict:
-    turns = [g for gs in ix.generated.values() for g in gs if g.data["tokens"]]
+    turns = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs if g.data["tokens"]]
     tokens = sum(len(g.data["prompt"]) + len(g.data["tokens"]) for g in turns)
     if 2 * spec.model.param_counts().active * tokens <= REPLAY_ALL_FLOPS:
         sample, coverage = turns, f"all {len(turns)} turns"

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from targets.api import (
+    Aborted,
     Completion,
     Declared,
     Device,
@@ -172,7 +173,11 @@ def get_runtime(d: dict) -> Runtime:
 
 
 def put_declared(d: Declared) -> dict:
-    return {"redundant_per_group": d.redundant_per_group, "async_ratio": d.async_ratio}
+    return {
+        "redundant_per_group": d.redundant_per_group,
+        "async_ratio": d.async_ratio,
+        "partial_rollout": d.partial_rollout,
+    }
 
 
 def get_declared(data: Any) -> Declared:
@@ -182,7 +187,11 @@ def get_declared(data: Any) -> Declared:
     async_ratio = data.get("async_ratio")
     if async_ratio is not None and (not isinstance(async_ratio, int) or async_ratio < 0):
         raise ProtocolError(f"declared.async_ratio: expected a non-negative int or null, got {async_ratio!r}")
-    return Declared(redundant_per_group=redundant, async_ratio=async_ratio)
+    return Declared(
+        redundant_per_group=redundant,
+        async_ratio=async_ratio,
+        partial_rollout=field_of(data, "partial_rollout", bool, "declared"),
+    )
 
 
 def put_step_result(r: StepResult) -> dict:
@@ -302,7 +311,17 @@ def put_request(frame: Frame, r: GenerateRequest, memory: PromptMemory) -> dict:
         "prompt": memory.put(frame, r.episode_id, r.prompt),
         "params": put_params(r.params),
         "device": r.device,
+        "continues": r.continues,
     }
+
+
+def _continues(d: Any, prompt_length: int, episode: str) -> int:
+    continues = field_of(d, "continues", int, "request")
+    if not 0 <= continues < prompt_length:
+        raise ProtocolError(
+            f"request for {episode}: continues {continues} must be within [0, {prompt_length}) (the prompt's length)"
+        )
+    return continues
 
 
 def get_request(rx: Received, d: Any, memory: PromptMemory) -> GenerateRequest:
@@ -319,6 +338,7 @@ def get_request(rx: Received, d: Any, memory: PromptMemory) -> GenerateRequest:
         prompt,
         get_params(field_of(d, "params", dict, "request")),
         device,
+        _continues(d, len(prompt), episode),
     )
 
 
@@ -330,11 +350,30 @@ def put_plain_request(frame: Frame, r: GenerateRequest) -> dict:
         "prompt": frame.array(r.prompt, "i4"),
         "params": put_params(r.params),
         "device": r.device,
+        "continues": r.continues,
     }
 
 
 def get_plain_request(rx: Received, d: dict) -> GenerateRequest:
-    return GenerateRequest(d["episode_id"], d["turn"], rx.ints(d["prompt"]), get_params(d["params"]), d["device"])
+    return GenerateRequest(
+        d["episode_id"], d["turn"], rx.ints(d["prompt"]), get_params(d["params"]), d["device"], d["continues"]
+    )
+
+
+def put_aborted(frame: Frame, error: Aborted) -> dict:
+    """An ``Aborted`` as an error reply, with its partial response when it has one."""
+    out = {"type": "Aborted", "message": str(error)[:500], "partial": None}
+    if error.partial is not None:
+        out["partial"] = put_completion(frame, error.partial)
+    return out
+
+
+def get_aborted(rx: Received, error: dict) -> Aborted:
+    partial = error.get("partial")
+    return Aborted(
+        str(error.get("message", ""))[:500],
+        None if partial is None else get_completion(rx, field_of(error, "partial", dict, "aborted")),
+    )
 
 
 def put_trajectory(frame: Frame, t: Trajectory, memory: PromptMemory | None) -> dict:

@@ -7,7 +7,8 @@ or expand of any device takes its whole engine). ``generate`` goes to the engine
 episode's previous turn while it is active (its prefix is cached there), else to the active engine
 with the fewest requests; ``shrink`` aborts what the engines hold and offloads them; ``expand``
 reloads them and loads the latest weights if they are stale; ``train`` takes the training FLOPs
-of the batch over the given devices; ``sync_weights`` drains each engine's running batch and loads.
+of the batch over the given devices; ``sync_weights`` drains each engine's running batch (or, with
+``interrupt``, answers it as aborted with what it decoded) and loads.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class SimCluster:
         self._sticky[request.episode_id] = engine
         completion = await engine.submit(request.episode_id, len(request.prompt), request.params.max_new_tokens)
         if completion.finish_reason == "abort":
-            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {engine.name}")
+            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {engine.name}", completion)
         return completion
 
     def _engines_on(self, devices: Sequence[Device]) -> list[SimEngine]:
@@ -112,11 +113,11 @@ class SimCluster:
         self.version += 1
         return self.version
 
-    async def sync_weights(self, version: int, devices: Sequence[Device]) -> None:
+    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         if version != self.version:
             raise ValueError(f"can only sync the latest version {self.version}, not {version}")
         engines = [e for e in self._engines_on(devices) if e in self._active]
-        await asyncio.gather(*(e.load_weights(version, self.cost.sync_s()) for e in engines))
+        await asyncio.gather(*(e.load_weights(version, self.cost.sync_s(), interrupt) for e in engines))
 
     async def export_weights(self) -> StateDict | None:
         return None

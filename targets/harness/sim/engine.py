@@ -99,9 +99,25 @@ class SimEngine:
         self._wake()
 
     # -- weights and memory -----------------------------------------------------------------------
-    async def load_weights(self, version: int, seconds: float) -> None:
-        """Stop admitting, let the running batch finish (never serve while weights change), load."""
+    def interrupt(self) -> None:
+        """Answer the running requests as aborted with the tokens decoded so far and free their KV
+        (a continuation prefills its whole context again); queued requests stay queued."""
+        self._progress()
+        for seq in self.running:
+            if not seq.future.done():
+                seq.future.set_result(self._completion(seq, "abort"))
+            self._kv_used -= seq.reserved
+        self.running, self._context = [], 0.0
+        self._epoch += 1
+        self._drained.set()
+        self._wake()
+
+    async def load_weights(self, version: int, seconds: float, interrupt: bool = False) -> None:
+        """Stop admitting, let the running batch finish (never serve while weights change) or with
+        ``interrupt`` answer it at once, load."""
         self._paused = True
+        if interrupt:
+            self.interrupt()
         self._wake()
         while self.running:
             self._drained.clear()

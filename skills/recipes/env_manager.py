@@ -163,7 +163,7 @@ class EnvManager:
             except Aborted as interrupted:
                 if self.partial_rollout and interrupted.partial is not None and interrupted.partial.tokens:
                     so_far = joined(so_far, interrupted.partial)
-                    budget = self.sampling.max_new_tokens - len(so_far.tokens)
+                    budget = turn.params.max_new_tokens - len(so_far.tokens)
                     request = dataclasses.replace(
                         turn,
                         prompt=turn.prompt + so_far.tokens,

@@ -84,21 +84,6 @@ class SimEngine:
             self._wake()
         return future
 
-    def abort(self) -> None:
-        """Answer every queued and running request as aborted (with the tokens decoded so far);
-        drop the prefix cache."""
-        self._progress()
-        for seq in [*self.running, *self.queue]:
-            if not seq.future.done():
-                seq.future.set_result(self._completion(seq, "abort"))
-        self.running, self.queue = [], deque()
-        self.cached.clear()
-        self._kv_used, self._context = 0, 0.0
-        self._epoch += 1
-        self._drained.set()
-        self._wake()
-
-    # -- weights and memory -----------------------------------------------------------------------
     def interrupt(self) -> None:
         """Answer the running requests as aborted with the tokens decoded so far and free their KV
         (a continuation prefills its whole context again); queued requests stay queued."""
@@ -112,6 +97,18 @@ class SimEngine:
         self._drained.set()
         self._wake()
 
+    def abort(self) -> None:
+        """Interrupt the running requests, answer the queued ones as aborted too, and drop the
+        prefix cache."""
+        self.interrupt()
+        for seq in self.queue:
+            if not seq.future.done():
+                seq.future.set_result(self._completion(seq, "abort"))
+        self.queue = deque()
+        self.cached.clear()
+        self._kv_used = 0
+
+    # -- weights and memory -----------------------------------------------------------------------
     async def load_weights(self, version: int, seconds: float, interrupt: bool = False) -> None:
         """Stop admitting, let the running batch finish (never serve while weights change) or with
         ``interrupt`` answer it at once, load."""

@@ -225,17 +225,45 @@ class TurnsSpec(Strict):
     dist: Distribution | None = None
 
 
+class ResponseLengthSpec(Strict):
+    """How many of a turn's ``tokens.response`` budget the simulated model generates (a real model
+    decides for itself, so real execution ignores this). Lognormal, cut at the budget: the product of
+    a per-task factor (``task_sigma``; shared by a group's members and by every turn of their
+    episodes, so a hard task stays long) and a per-turn factor (``turn_sigma``). ``mean`` is the mean
+    after the cut; ``targets/harness/sim/response_length.py`` solves for the median that gives it."""
+
+    mean: float = Field(gt=0, description="mean tokens a turn generates, after the cut at the budget")
+    task_sigma: float = Field(default=0.0, ge=0, le=3, description="log-space spread between tasks")
+    turn_sigma: float = Field(default=0.0, ge=0, le=3, description="log-space spread between turns of one task")
+
+
 class TokensSpec(Strict):
     prompt: int = Field(gt=0, description="prompt tokens at reset")
     observation: int = Field(gt=0, description="observation tokens per turn")
     response: int = Field(gt=0, description="max new tokens per turn")
     max_sequence: int = Field(gt=0, description="max tokens of a whole trajectory")
+    response_length: ResponseLengthSpec | None = Field(
+        default=None, description="simulator: tokens a turn generates (default: the whole budget, every turn)"
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> TokensSpec:
         if self.prompt + self.response > self.max_sequence:
             raise ValueError(
                 f"prompt ({self.prompt}) + response ({self.response}) exceeds max_sequence ({self.max_sequence})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _response_mean_reachable(self) -> TokensSpec:
+        r = self.response_length
+        if r is None:
+            return self
+        spread = r.task_sigma > 0 or r.turn_sigma > 0
+        if r.mean > self.response or (spread and r.mean >= self.response) or r.mean < 1:
+            raise ValueError(
+                f"response_length.mean ({r.mean}) must lie in [1, response ({self.response})]"
+                + (", below it when the lengths spread" if spread else "")
             )
         return self
 
@@ -259,6 +287,12 @@ class WorkloadSpec(Strict):
     tokens: TokensSpec
     env_latency_s: Distribution
     env_latency_max_s: float = Field(gt=0, description="cap on one environment step's latency")
+    env_failure_rate: float = Field(
+        default=0.0, ge=0, lt=1, description="chance an environment step fails (tool or sandbox crash)"
+    )
+    env_restart_s: float = Field(
+        default=30.0, ge=0, description="seconds to restart a failed environment to its state before the step"
+    )
     trajectory_timeout_s: float = Field(gt=0)
     batch_size: int = Field(gt=0, description="trajectories per training step")
     group_size: int = Field(ge=2, description="trajectories per GRPO group (same task)")

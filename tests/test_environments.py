@@ -149,3 +149,24 @@ def test_an_episode_ends_when_its_context_window_is_full(catalog_yaml):
     assert [r.done for r in results] == [False, False, True] and results[-1].observation == []
     assert [e.data["truncated"] for e in trace.of_kind("env_step")] == [False, False, True]
     assert episode.context_tokens + 16 > 90 >= episode.context_tokens
+
+
+def test_a_failed_environment_step_costs_a_restart_and_is_retried(catalog_yaml):
+    """With ``env_failure_rate`` a step may fail; the environment restarts (``env_restart_s``) and
+    the step runs again: the episode goes on, the time it lost is the harness's, and the trace says
+    how often it failed. Without failures the latency draws are exactly what they were."""
+    env, turns = {"name": "synthetic_agent"}, {"max": 8, "dist": {"kind": "fixed", "value": 8}}
+    common = {"env_latency_s": {"kind": "fixed", "value": 1.0}, "env_latency_max_s": 5.0, "trajectory_timeout_s": 1e6}
+    plain, plain_trace, _ = _pool(catalog_yaml, env, turns, **common)
+    failing, trace, clock = _pool(catalog_yaml, env, turns, **common, env_failure_rate=0.3, env_restart_s=10.0)
+    for pool in (plain, failing):
+        for episode in pool.new_group() + pool.new_group():  # 8 episodes of 8 turns, one after another
+            _run(episode.reset())
+            while not episode.done:
+                _run(episode.step(VOCAB.encode("a b")))
+    steps = [e.data for e in trace.of_kind("env_step")]
+    failures = sum(s["failures"] for s in steps)
+    assert len(steps) == 64 and 10 <= failures <= 45  # about 0.3 / 0.7 per step
+    assert all(s["latency"] == pytest.approx(1.0 + 11.0 * s["failures"]) for s in steps)
+    assert clock.t == pytest.approx(64 + 11.0 * failures)
+    assert all(e.data["failures"] == 0 and e.data["latency"] == 1.0 for e in plain_trace.of_kind("env_step"))

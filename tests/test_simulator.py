@@ -103,17 +103,78 @@ def _engine_run(cost: CostModel, body):
 
 def test_kv_capacity_queues_what_does_not_fit(big):
     cost = CostModel.from_spec(big)
+    most = cost.kv_capacity_tokens - 200
+
+    async def body(engine, loop):
+        first = engine.submit("a", most, 100)
+        second = engine.submit("b", 300, 100)  # its context does not fit beside the first's: waits
+        done_first = (await first, loop.time())[1]
+        done_second = (await second, loop.time())[1]
+        return done_first, done_second, engine.preemptions
+
+    first, second, preemptions = _engine_run(cost, body)
+    assert second > first and preemptions == 0  # served after, not beside, the first
+
+
+def test_kv_grows_with_the_tokens_and_a_full_cache_preempts_the_newest(big):
+    """Admission looks at what the running sequences hold now, not at their budgets; when their
+    growth fills the cache the last admitted is preempted and later prefilled again from scratch."""
+    cost = CostModel.from_spec(big)
     half = cost.kv_capacity_tokens // 2
 
     async def body(engine, loop):
-        first = engine.submit("a", half, 100)
-        second = engine.submit("b", half, 100)  # does not fit beside the first: waits
-        done_first = (await first, loop.time())[1]
-        done_second = (await second, loop.time())[1]
-        return done_first, done_second
+        first = engine.submit("a", half - 100, 1000)  # the two budgets together exceed the cache
+        second = engine.submit("b", half - 100, 1000)
+        await asyncio.sleep(1e-6)
+        both_running = len(engine.running)
+        a, b = await first, await second
+        return both_running, engine.preemptions, a, b, engine.peak_kv_tokens
 
-    first, second = _engine_run(cost, body)
-    assert second > 1.9 * first  # served after, not beside, the first
+    both_running, preemptions, a, b, peak = _engine_run(cost, body)
+    assert both_running == 2 and preemptions == 1
+    assert len(a.tokens) == len(b.tokens) == 1000 and a.finish_reason == b.finish_reason == "length"
+    assert peak <= cost.kv_capacity_tokens
+
+
+def test_a_turn_stops_at_its_drawn_length(big):
+    cost = CostModel.from_spec(big)
+
+    async def body(engine, loop):
+        short = await engine.submit("a", 100, 1000, length=37)
+        whole = await engine.submit("b", 100, 1000, length=1000)
+        return short, whole
+
+    short, whole = _engine_run(cost, body)
+    assert (len(short.tokens), short.finish_reason) == (37, "stop")
+    assert (len(whole.tokens), whole.finish_reason) == (1000, "length")
+
+
+def test_response_lengths_are_long_tailed_with_the_spec_mean_and_persist_per_task(big):
+    from targets.harness.sim.response_length import ResponseLengths
+
+    tokens = big.workload.tokens
+    assert tokens.response_length is not None
+    lengths = ResponseLengths(tokens, seed=0)
+    draws = {(g, e, t): lengths.of(f"g{g}/e{e}", t) for g in range(300) for e in range(4) for t in range(4)}
+    values = sorted(draws.values())
+    mean = sum(values) / len(values)
+    assert abs(mean - tokens.response_length.mean) < 0.1 * tokens.response_length.mean
+    assert values[-1] <= tokens.response and values[len(values) * 99 // 100] > 4 * values[len(values) // 2]
+    assert lengths.of("g3/e1", 2) == ResponseLengths(tokens, seed=0).of("g3/e1", 2)  # a retry is the same length
+    # per-task persistence: a group's members are more alike than members of different groups
+    by_group = [sum(draws[(g, e, t)] for e in range(4) for t in range(4)) / 16 for g in range(300)]
+    within = sum(abs(draws[(g, 0, 0)] - draws[(g, 1, 1)]) for g in range(300)) / 300
+    across = sum(abs(draws[(g, 0, 0)] - draws[((g + 1) % 300, 1, 1)]) for g in range(300)) / 300
+    assert within < 0.8 * across and max(by_group) > 5 * min(by_group)
+
+
+def test_a_response_mean_beyond_the_budget_is_refused():
+    from targets.spec import TokensSpec
+
+    with pytest.raises(ValueError, match="response_length.mean"):
+        TokensSpec(
+            prompt=10, observation=4, response=16, max_sequence=64, response_length={"mean": 16, "turn_sigma": 1}
+        )
 
 
 def test_the_next_turn_reuses_the_cached_prefix(big):
@@ -137,7 +198,7 @@ def test_abort_answers_everything_with_partial_tokens(big):
 
     async def body(engine, loop):
         running = engine.submit("a", 100, 1000)
-        queued = engine.submit("b", cost.kv_capacity_tokens - 500, 10)
+        queued = engine.submit("b", cost.kv_capacity_tokens - 50, 10)  # does not fit beside the first
         await asyncio.sleep(1.0)
         engine.abort()
         return await running, await queued

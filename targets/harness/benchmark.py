@@ -40,6 +40,7 @@ SUMMARIZED = (
     "peak_process_memory_mb",
     "peak_device_memory_mb",
     "peak_kv_fraction",
+    "kv_preemptions",
 )
 PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does not change what they measure
 
@@ -47,7 +48,7 @@ PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does no
 def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) -> dict:
     """Everything the benchmark reports for one run, from the harness trace (and the child's
     resource figures: peak process memory for real runs, and peak memory per GPU on a GPU target;
-    peak KV use for simulated ones)."""
+    peak KV use and KV preemptions for simulated ones)."""
     devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
     metrics = compute_metrics(events, devices) | step_lower_bound(spec, CostModel.from_spec(spec), events)
     metrics["lower_bound_fraction"] = (
@@ -56,6 +57,8 @@ def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) 
     for key in ("peak_process_memory_mb", "peak_device_memory_mb", "device_memory_mb", "peak_kv_fraction"):
         if key in child_result:
             metrics[key] = child_result[key]
+    if "preemptions" in child_result:
+        metrics["kv_preemptions"] = child_result["preemptions"]
     return metrics
 
 

@@ -508,6 +508,7 @@ def drive_simulated(
     """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
     from targets.harness.sim.cluster import SimCluster
     from targets.harness.sim.cost_model import CostModel
+    from targets.harness.sim.response_length import ResponseLengths
     from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual
 
     cost = cost or CostModel.from_spec(spec)
@@ -526,7 +527,8 @@ def drive_simulated(
         by_id = {d.id: d for d in runtime.devices}
         if any(i not in by_id for i in rollout_ids):
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
-        cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], cost)
+        lengths = ResponseLengths(spec.workload.tokens, seed)
+        cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], cost, lengths)
         link.cluster = TracedCluster(cluster, trace, {})
         trace.record(
             "run_start",
@@ -542,6 +544,7 @@ def drive_simulated(
         finally:
             trace.record("run_end")
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
+            summary["preemptions"] = cluster.preemptions
             await cluster.close()
             loop.peer = None
 

@@ -105,7 +105,7 @@ class Episode:
             raise RuntimeError(f"episode {self.episode_id} stepped before reset")
         if self.done:
             raise RuntimeError(f"episode {self.episode_id} stepped after it was done")
-        latency = min(self.workload.env_latency_s.sample(self.rng), self.workload.env_latency_max_s)
+        latency, failures = self._latency()
         await self.clock.sleep(latency)
         self.turn += 1
         timed_out = self.clock.now() - self.started_at > self.workload.trajectory_timeout_s
@@ -135,8 +135,22 @@ class Episode:
             timed_out=timed_out,
             truncated=truncated,
             latency=latency,
+            failures=failures,
         )
         return StepResult(observation=observation, reward=reward, done=done, timed_out=timed_out)
+
+    def _latency(self) -> tuple[float, int]:
+        """Seconds the step takes, and how many times the environment failed on it: each attempt
+        takes a latency draw (capped at ``env_latency_max_s``); with chance ``env_failure_rate`` it
+        fails, the environment restarts (``env_restart_s``: a fresh sandbox replayed to the state
+        before the step) and the step is tried again. The agent sees only the time it took."""
+        w = self.workload
+        seconds = min(w.env_latency_s.sample(self.rng), w.env_latency_max_s)
+        failures = 0
+        while w.env_failure_rate and self.rng.random() < w.env_failure_rate:
+            failures += 1
+            seconds += w.env_restart_s + min(w.env_latency_s.sample(self.rng), w.env_latency_max_s)
+        return seconds, failures
 
     def _padded(self, text: str, length: int) -> TokenIds:
         """Left-pad with context filler to the workload's token budget (never truncates meaning)."""

@@ -10,6 +10,11 @@
   A batch's duration runs from its last member's request (or the previous batch's end, if later)
   to its end: earlier members were queued behind the previous batch.
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time.
+* **response lengths** (``workload.tokens.response_length``): the mean tokens a completed turn
+  generated, and the log-space spreads by moments: ``turn_sigma^2`` the mean variance of log
+  lengths within a group, ``task_sigma^2`` the variance of the groups' mean log lengths less
+  ``turn_sigma^2 / turns per group`` (at least 0). Turns cut at the budget count at the budget,
+  so a model that often runs to its budget gets spreads on the low side.
 
 The rollout fit keeps both constants non-negative (a term noise outweighs is fitted as zero); a
 degenerate fit, or a training fit with a negative term, falls back to the zero-overhead fit; each
@@ -20,6 +25,7 @@ measured faster than its catalog peak gets ``bf16_tflops`` raised (also in ``not
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +36,7 @@ import yaml
 from targets.api import TraceEvent
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.trace import token_count
-from targets.spec import SimulatorSpec, TargetSpec, resolve_target_path
+from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, resolve_target_path
 
 
 @dataclass
@@ -38,23 +44,31 @@ class Calibration:
     simulator: SimulatorSpec
     mfu: float
     bf16_tflops: float
+    response_length: ResponseLengthSpec | None = None  # None: the run completed no turn
     notes: list[str] = field(default_factory=list)
     samples: dict[str, int] = field(default_factory=dict)
 
     def apply(self, spec: TargetSpec) -> TargetSpec:
         """The spec with the fitted constants in place."""
         hardware = spec.hardware.model_copy(update={"mfu": self.mfu, "bf16_tflops": self.bf16_tflops})
-        return spec.model_copy(update={"simulator": self.simulator, "hardware": hardware})
+        tokens = spec.workload.tokens.model_copy(update={"response_length": self.response_length})
+        workload = spec.workload.model_copy(update={"tokens": tokens})
+        return spec.model_copy(update={"simulator": self.simulator, "hardware": hardware, "workload": workload})
 
     def yaml_fields(self) -> dict:
-        """What to write into the target spec: ``hardware`` numbers and the ``simulator`` section."""
-        return {
+        """What to write into the target spec: ``hardware`` numbers, the ``simulator`` section and
+        the response lengths (under ``workload.tokens``)."""
+        fields = {
             "hardware": {"mfu": round(self.mfu, 4), "bf16_tflops": round(self.bf16_tflops, 6)},
             "simulator": {
                 k: (round(v, 6) if isinstance(v, float) else v)
                 for k, v in self.simulator.model_dump(exclude_none=True).items()
             },
         }
+        if self.response_length is not None:
+            lengths = {k: round(v, 4) for k, v in self.response_length.model_dump().items()}
+            fields["workload"] = {"tokens": {"response_length": lengths}}
+        return fields
 
 
 if TYPE_CHECKING:
@@ -183,8 +197,38 @@ def calibrate(spec: TargetSpec, events: list[TraceEvent], batching: str = "conti
     if scale > 1.0:
         notes.append(f"measured compute above the catalog peak ({peak:g} TFLOP/s): bf16_tflops raised {scale:.2f}x")
         peak, mfu, fitted["rollout_mfu"] = peak * scale, mfu / scale, fitted["rollout_mfu"] / scale
+    lengths = response_lengths(spec, events)
     samples = {"train_steps": len(train_rows), "engine_batches": len(rollout_rows)}
-    return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, notes, samples)
+    return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, lengths, notes, samples)
+
+
+def response_lengths(spec: TargetSpec, events: list[TraceEvent]) -> ResponseLengthSpec | None:
+    """The response-length model fitted to the turns the run completed whole (see the module doc)."""
+    budget = spec.workload.tokens.response
+    by_group: dict[str, list[float]] = defaultdict(list)
+    lengths = []
+    for e in events:
+        if e.kind == "generate" and not e.data["aborted"] and not e.data.get("continues"):
+            n = token_count(e.data["tokens"])
+            if n:
+                lengths.append(n)
+                by_group[e.data["episode"].split("/", 1)[0]].append(math.log(n))
+    if not lengths:
+        return None
+
+    def variance(xs: list[float]) -> float:
+        m = sum(xs) / len(xs)
+        return sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
+
+    groups = [g for g in by_group.values() if len(g) > 1]
+    turn_var = sum(variance(g) for g in groups) / len(groups) if groups else 0.0
+    means = [sum(g) / len(g) for g in by_group.values()]
+    per_group = sum(len(g) for g in by_group.values()) / len(by_group)
+    task_var = max(0.0, variance(means) - turn_var / per_group) if len(means) > 1 else 0.0
+    mean = sum(lengths) / len(lengths)
+    if turn_var + task_var == 0 or mean >= budget:
+        return ResponseLengthSpec(mean=min(mean, budget))  # every turn alike: no spread to fit
+    return ResponseLengthSpec(mean=mean, task_sigma=math.sqrt(task_var), turn_sigma=math.sqrt(turn_var))
 
 
 def stack_batching(stack_dir: Path) -> str:
@@ -212,6 +256,8 @@ def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: in
     fields = calibration.yaml_fields()
     raw["hardware"] = {**raw["hardware"], **fields["hardware"]}
     raw["simulator"] = fields["simulator"]
+    if "workload" in fields:
+        raw["workload"]["tokens"] = {**raw["workload"]["tokens"], **fields["workload"]["tokens"]}
     calibrated_path = work / f"{spec.id}.calibrated.yaml"
     calibrated_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits)

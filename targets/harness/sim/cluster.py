@@ -5,7 +5,8 @@ Rollout devices are grouped into engines of ``cost.engine_devices`` consecutive 
 or expand of any device takes its whole engine). ``generate`` goes to the engine of the request's
 ``device`` when that engine is active (the candidate routes), else to the engine that served the
 episode's previous turn while it is active (its prefix is cached there), else to the active engine
-with the fewest requests; ``shrink`` aborts what the engines hold and offloads them; ``expand``
+with the fewest requests; the turn generates as many tokens as ``ResponseLengths`` draws for it (a
+continuation the rest of them); ``shrink`` aborts what the engines hold and offloads them; ``expand``
 reloads them and loads the latest weights if they are stale; ``train`` takes the training FLOPs
 of the batch over the given devices; ``sync_weights`` drains each engine's running batch (or, with
 ``interrupt``, answers it as aborted with what it decoded) and loads.
@@ -19,12 +20,16 @@ from collections.abc import Sequence
 from targets.api import Aborted, Completion, Device, GenerateRequest, StateDict, TrainBatch
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
+from targets.harness.sim.response_length import ResponseLengths
 
 
 class SimCluster:
-    def __init__(self, devices: Sequence[Device], rollout: Sequence[Device], cost: CostModel) -> None:
+    def __init__(
+        self, devices: Sequence[Device], rollout: Sequence[Device], cost: CostModel, lengths: ResponseLengths
+    ) -> None:
         self.devices = list(devices)
         self.cost = cost
+        self.lengths = lengths
         size = cost.engine_devices
         rollout = list(rollout)
         if len(rollout) % size:
@@ -68,7 +73,9 @@ class SimCluster:
         if engine not in self._active:
             engine = min(self._active, key=lambda e: (e.load, e.name))
         self._sticky[request.episode_id] = engine
-        completion = await engine.submit(request.episode_id, len(request.prompt), request.params.max_new_tokens)
+        budget = request.params.max_new_tokens
+        length = min(budget, max(1, self.lengths.of(request.episode_id, request.turn) - request.continues))
+        completion = await engine.submit(request.episode_id, len(request.prompt), budget, length)
         if completion.finish_reason == "abort":
             raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {engine.name}", completion)
         return completion
@@ -161,6 +168,10 @@ class SimCluster:
     async def close(self) -> None:
         for engine in self.engines:
             engine.close()
+
+    @property
+    def preemptions(self) -> int:
+        return sum(e.preemptions for e in self.engines)
 
     @property
     def peak_kv_fraction(self) -> float:

@@ -1,15 +1,20 @@
 """One simulated rollout engine: continuous batching under a KV-capacity limit, with a prefix cache.
 
-Requests wait in a FIFO queue until their context plus ``max_new_tokens`` fits in the KV cache
-(idle cached prefixes are evicted, least recently used, to make room) and, under static batching,
-until the running batch has finished. Admitted requests are
-prefilled (decode pauses meanwhile), then decode one token per iteration together; an iteration's
-duration comes from the cost model for the current batch and context. The engine advances
-event to event (an arrival, a finished sequence, an abort), never token by token, so a run of
-millions of tokens simulates in seconds.
+KV is used as tokens are generated, as vLLM's paged cache is: a request is admitted when its
+context fits beside what the running sequences hold now (idle cached prefixes are evicted, least
+recently used, to make room), and under static batching only once the running batch has finished.
+Admitted requests are prefilled (decode pauses meanwhile), then decode one token per iteration
+together. When the running sequences' growth fills the cache, idle prefixes are evicted first;
+then the most recently admitted sequence is preempted: its KV is freed and it goes back to the
+head of the queue, to prefill its whole context (prompt plus what it generated) again when it fits
+(vLLM's recompute preemption). An iteration's duration comes from the cost model for the current
+batch and context. The engine advances event to event (an arrival, a finished sequence, a full
+cache, an abort), never token by token, so a run of millions of tokens simulates in seconds.
 
-A finished turn's KV stays cached for its episode, so the next turn on the same engine prefills
-only the new tokens; an abort (shrink, suspend) or an offload drops everything.
+A turn generates ``length`` tokens of its ``max_new`` budget (finish "stop" below it, "length" at
+it); the cluster draws the length (``response_length.py``). A finished turn's KV stays cached for
+its episode, so the next turn on the same engine prefills only the new tokens; an abort (shrink,
+suspend) or an offload drops everything.
 """
 
 from __future__ import annotations
@@ -32,17 +37,15 @@ class _Sequence:
     episode: str
     prompt_tokens: int
     max_new: int
+    length: int  # tokens this turn generates (<= max_new)
     future: asyncio.Future
     generated: float = 0.0
     version: int = 0
+    preempted: bool = False  # waiting to be prefilled again after its KV was taken back
 
     @property
     def context(self) -> float:
         return self.prompt_tokens + self.generated
-
-    @property
-    def reserved(self) -> int:
-        return self.prompt_tokens + self.max_new
 
 
 class SimEngine:
@@ -52,11 +55,12 @@ class SimEngine:
         self.version = 0
         self.offloaded = False
         self.queue: deque[_Sequence] = deque()
-        self.running: list[_Sequence] = []
+        self.running: list[_Sequence] = []  # in admission order: the last is the first preempted
         self.cached: OrderedDict[str, int] = OrderedDict()  # episode -> KV tokens kept after its turn
         self.peak_kv_tokens = 0
-        self._kv_used = 0  # reserved by running sequences plus cached prefixes
-        self._context = 0.0  # context tokens of the running batch (what one iteration reads)
+        self.preemptions = 0
+        self._cached_tokens = 0  # sum of ``cached``
+        self._context = 0.0  # KV held by the running batch: its context tokens (what one iteration reads)
         self._paused = False  # a weight load waits for the running batch to drain
         self._drained = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -70,28 +74,33 @@ class SimEngine:
     def load(self) -> int:
         return len(self.queue) + len(self.running)
 
-    def submit(self, episode: str, prompt_tokens: int, max_new: int) -> asyncio.Future:
+    def submit(self, episode: str, prompt_tokens: int, max_new: int, length: int | None = None) -> asyncio.Future:
+        """Queue a turn that generates ``length`` tokens (default: the whole ``max_new`` budget)."""
+        length = max_new if length is None else length
         if self.offloaded:
             raise RuntimeError(f"{self.name}: request routed to an offloaded engine")
         if prompt_tokens + max_new > self.capacity:
             raise ValueError(
                 f"{self.name}: a request of {prompt_tokens + max_new} tokens exceeds the KV capacity {self.capacity}"
             )
+        if not 1 <= length <= max_new:
+            raise ValueError(f"{self.name}: a turn of {length} tokens does not fit its budget of {max_new}")
         future = self._loop.create_future()
         head = not self.queue  # behind others, it cannot be admitted before they are: no need to interrupt
-        self.queue.append(_Sequence(episode, prompt_tokens, max_new, future))
+        self.queue.append(_Sequence(episode, prompt_tokens, max_new, length, future))
         if head and (self.cost.continuous_batching or not self.running):
             self._wake()
         return future
 
     def interrupt(self) -> None:
-        """Answer the running requests as aborted with the tokens decoded so far and free their KV
-        (a continuation prefills its whole context again); queued requests stay queued."""
+        """Answer the running requests (and the preempted ones waiting to resume) as aborted with the
+        tokens decoded so far and free their KV (a continuation prefills its whole context again);
+        queued requests stay queued."""
         self._progress()
-        for seq in self.running:
+        for seq in self.running + [s for s in self.queue if s.preempted]:
             if not seq.future.done():
                 seq.future.set_result(self._completion(seq, "abort"))
-            self._kv_used -= seq.reserved
+        self.queue = deque(s for s in self.queue if not s.preempted)
         self.running, self._context = [], 0.0
         self._epoch += 1
         self._drained.set()
@@ -106,17 +115,17 @@ class SimEngine:
                 seq.future.set_result(self._completion(seq, "abort"))
         self.queue = deque()
         self.cached.clear()
-        self._kv_used = 0
+        self._cached_tokens = 0
 
     # -- weights and memory -----------------------------------------------------------------------
     async def load_weights(self, version: int, seconds: float, interrupt: bool = False) -> None:
-        """Stop admitting, let the running batch finish (never serve while weights change) or with
-        ``interrupt`` answer it at once, load."""
+        """Stop admitting new requests, let the running batch (preempted members included) finish
+        (never serve while weights change) or with ``interrupt`` answer it at once, load."""
         self._paused = True
         if interrupt:
             self.interrupt()
         self._wake()
-        while self.running:
+        while self.running or any(s.preempted for s in self.queue):
             self._drained.clear()
             await self._drained.wait()
         await asyncio.sleep(seconds)
@@ -152,30 +161,44 @@ class SimEngine:
                 timer.cancel()
             self._wakeup = None
 
+    def _cache(self, episode: str, tokens: int) -> None:
+        self._uncache(episode)
+        self.cached[episode] = tokens
+        self._cached_tokens += tokens
+
+    def _uncache(self, episode: str) -> int:
+        tokens = self.cached.pop(episode, 0)
+        self._cached_tokens -= tokens
+        return tokens
+
+    def _evict_to(self, limit: float) -> None:
+        """Evict idle prefixes, least recently used first, until all KV fits in ``limit``."""
+        while self.cached and self._context + self._cached_tokens > limit + EPS:
+            self._cached_tokens -= self.cached.popitem(last=False)[1]
+
     def _admit(self) -> float:
-        """Move queued requests that fit into the batch; returns the prefill seconds they need."""
+        """Move queued requests whose context fits into the batch; returns the prefill seconds they need."""
         prefill = 0.0
         if self.running and not self.cost.continuous_batching:
             return prefill  # static batching: the running batch finishes first
-        while self.queue and not self._paused and not self.offloaded:
+        while self.queue and not self.offloaded:
             seq = self.queue[0]
-            cached = self.cached.pop(seq.episode, 0)
-            self._kv_used -= cached
-            cached = cached if cached <= seq.prompt_tokens else 0
-            if self._kv_used - sum(self.cached.values()) + seq.reserved > self.capacity:
-                if cached:  # does not fit even with every idle prefix evicted: wait, evicting nothing
-                    self.cached[seq.episode] = cached
-                    self._kv_used += cached
-                break
-            while self._kv_used + seq.reserved > self.capacity:
-                self._kv_used -= self.cached.popitem(last=False)[1]  # evict the least recently used idle prefix
+            if self._paused and not seq.preempted:
+                break  # a weight load waits: only the running batch's own preempted members go on
+            context = seq.context
+            if self._context + context + 1 > self.capacity:
+                break  # does not fit even with every idle prefix evicted: wait
+            cached = self._uncache(seq.episode)
+            cached = cached if cached <= context else 0
+            self._evict_to(self.capacity - context)
             self.queue.popleft()
-            seq.version = self.version
+            if not seq.preempted:
+                seq.version = self.version
+            seq.preempted = False
             self.running.append(seq)
-            self._kv_used += seq.reserved
-            self._context += seq.prompt_tokens
-            prefill += self.cost.prefill_s(seq.prompt_tokens - cached, cached)
-        self.peak_kv_tokens = max(self.peak_kv_tokens, self._kv_used)
+            self._context += context
+            prefill += self.cost.prefill_s(context - cached, cached)
+        self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
         return prefill
 
     async def _serve(self) -> None:
@@ -191,42 +214,61 @@ class SimEngine:
                 await self._wait(None)
                 continue
             iteration = self.cost.decode_iteration_s(len(self.running), self._context)
-            steps = min(s.max_new - s.generated for s in self.running)
+            to_finish = min(s.length - s.generated for s in self.running)
+            to_full = (self.capacity - self._context) / len(self.running)
             self._decoding = (self._loop.time(), iteration)
-            await self._wait(steps * iteration)
+            await self._wait(max(0.0, min(to_finish, to_full)) * iteration)
             if epoch != self._epoch:
                 continue
             self._progress()
-            self._finish([s for s in self.running if s.generated >= s.max_new - EPS])
+            self._finish([s for s in self.running if s.generated >= s.length - EPS])
+            if self.running and self._context >= self.capacity - EPS:
+                self._preempt()
 
     def _progress(self) -> None:
-        """Credit the running sequences with the iterations decoded since the chunk started."""
+        """Credit the running sequences with the iterations decoded since the chunk started; their
+        growth evicts idle prefixes."""
         if self._decoding is None:
             return
         start, iteration = self._decoding
         self._decoding = None
-        progressed = (
-            min(min(s.max_new - s.generated for s in self.running), (self._loop.time() - start) / iteration)
-            if self.running
-            else 0.0
+        if not self.running:
+            return
+        progressed = min(
+            min(s.length - s.generated for s in self.running),
+            (self.capacity - self._context) / len(self.running),
+            (self._loop.time() - start) / iteration,
         )
+        progressed = max(0.0, progressed)
         for seq in self.running:
             seq.generated += progressed
         self._context += progressed * len(self.running)
+        self._evict_to(self.capacity)
+        self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
+
+    def _preempt(self) -> None:
+        """The cache is full of running sequences: take back the last admitted one's KV; it waits at
+        the head of the queue to prefill its whole context again."""
+        seq = self.running.pop()
+        self._context -= seq.context
+        seq.preempted = True
+        self.queue.appendleft(seq)
+        self.preemptions += 1
 
     def _finish(self, done: list[_Sequence]) -> None:
         for seq in done:
             self.running.remove(seq)
             self._context -= seq.context
-            self._kv_used += seq.prompt_tokens + seq.max_new - seq.reserved  # the reservation becomes the cached prefix
-            seq.generated = seq.max_new
-            self.cached[seq.episode] = seq.prompt_tokens + seq.max_new
-            seq.future.set_result(self._completion(seq, "length"))
+            seq.generated = seq.length
+            self._cache(seq.episode, seq.prompt_tokens + seq.length)  # the turn's KV becomes the cached prefix
+            seq.future.set_result(self._completion(seq, "stop" if seq.length < seq.max_new else "length"))
         if done and not self.running:
+            self._context = 0.0  # no float drift carried into the next batch
             self._drained.set()
+        self._evict_to(self.capacity)
 
     def _completion(self, seq: _Sequence, finish: str) -> Completion:
-        n = int(seq.generated + EPS) if finish == "abort" else seq.max_new
+        n = int(seq.generated + EPS) if finish == "abort" else seq.length
         start = zlib.crc32(seq.episode.encode()) % (len(FILLER) // 2)
         if start + n <= len(FILLER):
             tokens = list(FILLER[start : start + n])

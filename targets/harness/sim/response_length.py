@@ -1,0 +1,58 @@
+"""How many tokens a simulated turn generates: long-tailed, and persistent per task.
+
+The spec's ``tokens.response_length`` gives a lognormal cut at the turn's budget ``B``
+(``tokens.response``): a turn of episode ``e`` in group ``g`` generates
+``min(B, max(1, round(exp(mu + task_sigma * z_g + turn_sigma * z_(e,turn)))))`` tokens, with
+``z_g`` one standard normal per group (every member of a group and every turn of its episodes share
+it: a hard task is long each time) and ``z_(e,turn)`` one per turn. Both are drawn from the run's
+seed and the names alone, so a retried or resumed turn, on any engine, is the same length. ``mu`` is
+solved (bisection) so that the mean after the cut is the spec's ``mean``:
+``E[min(B, X)] = exp(mu + s^2/2) * Phi((ln B - mu - s^2) / s) + B * (1 - Phi((ln B - mu) / s))``
+with ``s^2 = task_sigma^2 + turn_sigma^2``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from targets.spec import TokensSpec
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def truncated_mean(mu: float, sigma: float, budget: float) -> float:
+    """Mean of ``min(budget, X)`` for ``X`` lognormal(mu, sigma)."""
+    if sigma == 0:
+        return min(budget, math.exp(mu))
+    log_b = math.log(budget)
+    below = math.exp(mu + sigma**2 / 2) * _phi((log_b - mu - sigma**2) / sigma)
+    return below + budget * (1.0 - _phi((log_b - mu) / sigma))
+
+
+class ResponseLengths:
+    def __init__(self, tokens: TokensSpec, seed: int) -> None:
+        spec = tokens.response_length
+        self.budget = tokens.response
+        self.seed = seed
+        self.spec = spec
+        if spec is None:
+            return
+        sigma = math.hypot(spec.task_sigma, spec.turn_sigma)
+        low, high = -10.0, math.log(self.budget) + 10 * sigma + 1
+        for _ in range(200):  # the truncated mean rises with mu
+            mid = (low + high) / 2
+            low, high = (mid, high) if truncated_mean(mid, sigma, self.budget) < spec.mean else (low, mid)
+        self.mu = (low + high) / 2
+
+    def of(self, episode_id: str, turn: int) -> int:
+        """The tokens turn ``turn`` of ``episode_id`` generates, its whole budget without a spec."""
+        if self.spec is None:
+            return self.budget
+        group = episode_id.split("/", 1)[0]
+        z_task = random.Random(f"{self.seed}|task|{group}").gauss(0.0, 1.0)
+        z_turn = random.Random(f"{self.seed}|turn|{episode_id}|{turn}").gauss(0.0, 1.0)
+        tokens = math.exp(self.mu + self.spec.task_sigma * z_task + self.spec.turn_sigma * z_turn)
+        return min(self.budget, max(1, round(tokens)))

@@ -7,8 +7,13 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   kv_memory_fraction`` (at least a tenth of the usable memory is left for the KV cache).
 * **KV capacity** (tokens per engine): ``(d * memory * kv_memory_fraction - weight_bytes) /
   kv_bytes_per_token`` with ``kv_bytes_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes``.
-  A request reserves its whole context plus ``max_new_tokens`` when admitted; requests that do not
-  fit wait in the engine's queue.
+  A request is admitted when its context fits beside what the running sequences hold now (idle
+  cached prefixes are evicted to make room); the KV grows a token per sequence per iteration, and a
+  full cache preempts the newest sequence, which later prefills its whole context again (vLLM's
+  recompute; ``engine.py``). Requests that do not fit wait in the engine's queue.
+* **response length**: a turn generates as many of its ``max_new_tokens`` as
+  ``workload.tokens.response_length`` draws (long-tailed, persistent per task;
+  ``response_length.py``), all of them without it.
 * **decode iteration** (one token for each of ``b`` running sequences holding ``C`` context tokens):
   ``max(bytes / (d * hbm * hbm_efficiency), flops / (d * peak * rollout_mfu)) + decode_step_overhead_s``
   with ``bytes = dense_bytes + expert_bytes * (1 - (1 - k/E)^b) + C * kv_bytes_per_token`` (a MoE

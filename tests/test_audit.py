@@ -189,6 +189,17 @@ def test_request_served_by_a_shrunk_engine(honest):
     _rejects(_audit(honest, events), "served while shrunk")
 
 
+def test_an_engine_woken_before_its_trainer_left_the_device(honest):
+    """The shortcut an overlapped sync (``overlap_sync``) tempts: waking the training device's engine
+    while its trainer still holds the device, so the expand is quicker."""
+    events = _edited(honest)
+    expand = _first(events, "expand")
+    device = expand.data["devices"][0]
+    resident = {d: ["engine"] for d in _first(events, "run_start").data["devices"]} | {device: ["engine", "trainer"]}
+    events.insert(events.index(expand), TraceEvent("device_state", expand.data["start"] + 1e-4, {"resident": resident}))
+    _rejects(_audit(honest, events), "memory shared")
+
+
 def test_no_active_engine_left(honest):
     events = _edited(honest)
     shrink = _first(events, "shrink")

@@ -300,3 +300,18 @@ LONG_RESPONSES = {
     "turns": {"max": 12, "dist": {"kind": "geometric", "mean": 6}},
     "env_latency_s": {"kind": "lognormal", "median": 0.3, "sigma": 0.5},
 }
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_overlap_sync_expands_the_training_devices_while_the_others_sync(tmp_path, fast_target, simulate):
+    """After each training step the sampling-only engine's sync and the training device's expand are
+    issued together: their intervals overlap in the harness's record, every step, and the audit passes."""
+    spec, events = _run(tmp_path, fast_target, {"overlap_sync": 1}, simulate, LONG_RESPONSES)
+    trains = [e for e in events if e.kind == "train"]
+    syncs = [e for e in events if e.kind == "sync"]
+    expands = [e for e in events if e.kind == "expand"]
+    assert len(trains) == spec.workload.train_steps
+    for train in trains:
+        sync = min((e for e in syncs if e.data["start"] >= train.t), key=lambda e: e.data["start"])
+        expand = min((e for e in expands if e.data["start"] >= train.t), key=lambda e: e.data["start"])
+        assert sync.data["start"] < expand.t and expand.data["start"] < sync.t, (train.t, sync, expand)

@@ -15,6 +15,7 @@ from targets.spec import TargetSpec
 PARAM_MOVES = {
     ("small_engine_batches", "train_devices"): +1,  # fewer, fuller engines: continuous batching needs company
     ("slow_sync", "bucket_bytes"): 4.0,
+    ("slow_sync", "overlap_sync"): +1,  # expand the training devices while the others drain for the sync
     ("many_aborts", "train_devices"): -1,
     ("timeouts", "train_devices"): -1,
     ("tail_idle", "redundant_envs"): +1,  # spares let a group finish with its fastest members

@@ -151,6 +151,7 @@ class RayCluster:
         self._broadcast_ready = False
         self.version = 0
         self._published: tuple[int, list] | None = None
+        self._loading = asyncio.Lock()  # a sync and an expand at once (overlap_sync) publish once, broadcast in turn
 
     @classmethod
     async def start(
@@ -313,22 +314,25 @@ class RayCluster:
         """Bring the engines on ``device_ids`` to ``version``; with ``interrupt`` their running
         requests come back aborted (with their partial responses) instead of finishing first."""
         if not self.cuda:
-            if self._published is None or self._published[0] != version:
-                state = (await asyncio.gather(*(t.state_dict.remote() for t in self._trainers)))[
-                    0
-                ]  # every rank gathers
-                self._published = (version, publish(state, self.bucket_bytes))
+            async with self._loading:
+                if self._published is None or self._published[0] != version:
+                    state = (await asyncio.gather(*(t.state_dict.remote() for t in self._trainers)))[
+                        0
+                    ]  # every rank gathers
+                    self._published = (version, publish(state, self.bucket_bytes))
+                published = self._published[1]
             await asyncio.gather(
-                *(self._engines[i].load_weights.remote(self._published[1], version, interrupt) for i in device_ids)
+                *(self._engines[i].load_weights.remote(published, version, interrupt) for i in device_ids)
             )
             for i in device_ids:
                 self._engine_version[i] = version
         else:
-            ipc = [i for i in device_ids if i == self.train_devices[0].id]
-            if ipc:
-                await self._load_ipc(ipc[0], version, interrupt)
-            if [i for i in device_ids if i not in ipc]:
-                await self._load_broadcast(version, set(device_ids) if interrupt else set())
+            async with self._loading:  # one broadcast group and one IPC buffer: loads take turns
+                ipc = [i for i in device_ids if i == self.train_devices[0].id]
+                if ipc:
+                    await self._load_ipc(ipc[0], version, interrupt)
+                if [i for i in device_ids if i not in ipc]:
+                    await self._load_broadcast(version, set(device_ids) if interrupt else set())
 
     async def _load_ipc(self, device_id: str, version: int, interrupt: bool) -> None:
         handles = (

@@ -13,10 +13,15 @@ complete. Demand is the share of the outstanding groups still running.
 Partial rollout (``partial_rollout``, the ``partial_rollout`` technique): the turns the shrink
 interrupts resume from what they decoded, and the sampling-only engines' sync interrupts their
 running turns instead of waiting for them (they resume under the new weights).
+
+Overlapped sync (``overlap_sync``, the ``overlap_sync`` technique): the sampling-only engines' sync
+and the training devices' expand run at once, so the freed devices are serving again while the
+sampling-only engines still drain their running turns for the new weights.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from .controller_base import ControllerBase
@@ -50,6 +55,10 @@ class TimeMultiplex(ControllerBase):
             batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
             await cluster.shrink([d for d in train if d not in early])
             version = await self._train(cluster, batch, train)
-            await cluster.sync_weights(version, sampling_only, interrupt=self.partial_rollout)
-            await cluster.expand(train)
+            sync = cluster.sync_weights(version, sampling_only, interrupt=self.partial_rollout)
+            if self.params.get("overlap_sync", 0):
+                await asyncio.gather(sync, cluster.expand(train))
+            else:
+                await sync
+                await cluster.expand(train)
         await self._finish(buffer, manager)

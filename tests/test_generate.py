@@ -88,7 +88,6 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
             f"{run}@best",
             "--repeat",
             "1",
-            "--simulate",  # reading the stack from the run's history is the point here, not another real run
             "--json",
             str(tmp_path / "b.json"),
         ],

@@ -145,11 +145,14 @@ class Episode:
         fails, the environment restarts (``env_restart_s``: a fresh sandbox replayed to the state
         before the step) and the step is tried again. The agent sees only the time it took."""
         w = self.workload
-        seconds = min(w.env_latency_s.sample(self.rng), w.env_latency_max_s)
-        failures = 0
+
+        def attempt() -> float:
+            return min(w.env_latency_s.sample(self.rng), w.env_latency_max_s)
+
+        seconds, failures = attempt(), 0
         while w.env_failure_rate and self.rng.random() < w.env_failure_rate:
             failures += 1
-            seconds += w.env_restart_s + min(w.env_latency_s.sample(self.rng), w.env_latency_max_s)
+            seconds += w.env_restart_s + attempt()
         return seconds, failures
 
     def _padded(self, text: str, length: int) -> TokenIds:

@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from targets.spec import WorkloadSpec
 
 
+def episode_id_of(group_id: str, member: int) -> str:
+    return f"{group_id}/e{member}"
+
+
+def group_of(episode_id: str) -> str:
+    """The group an episode id names (the inverse of ``episode_id_of``)."""
+    return episode_id.split("/", 1)[0]
+
+
 class EnvironmentPool:
     """Follows ``targets.api.EnvSource`` and ``EnvDropper``."""
 
@@ -40,7 +49,7 @@ class EnvironmentPool:
         task_seed = self.seed * 1_000_003 + index
         episodes = []
         for member in range(self.group_size + extra):
-            episode_id = f"{group_id}/e{member}"
+            episode_id = episode_id_of(group_id, member)
             episode = self.episode_class(
                 episode_id=episode_id,
                 group_id=group_id,

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from targets.api import TraceEvent
+from targets.harness.environments.pool import group_of
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.trace import token_count
 from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, resolve_target_path
@@ -47,13 +48,6 @@ class Calibration:
     response_length: ResponseLengthSpec | None = None  # None: the run completed no turn
     notes: list[str] = field(default_factory=list)
     samples: dict[str, int] = field(default_factory=dict)
-
-    def apply(self, spec: TargetSpec) -> TargetSpec:
-        """The spec with the fitted constants in place."""
-        hardware = spec.hardware.model_copy(update={"mfu": self.mfu, "bf16_tflops": self.bf16_tflops})
-        tokens = spec.workload.tokens.model_copy(update={"response_length": self.response_length})
-        workload = spec.workload.model_copy(update={"tokens": tokens})
-        return spec.model_copy(update={"simulator": self.simulator, "hardware": hardware, "workload": workload})
 
     def yaml_fields(self) -> dict:
         """What to write into the target spec: ``hardware`` numbers, the ``simulator`` section and
@@ -212,7 +206,7 @@ def response_lengths(spec: TargetSpec, events: list[TraceEvent]) -> ResponseLeng
             n = token_count(e.data["tokens"])
             if n:
                 lengths.append(n)
-                by_group[e.data["episode"].split("/", 1)[0]].append(math.log(n))
+                by_group[group_of(e.data["episode"])].append(math.log(n))
     if not lengths:
         return None
 

@@ -214,10 +214,8 @@ class SimEngine:
                 await self._wait(None)
                 continue
             iteration = self.cost.decode_iteration_s(len(self.running), self._context)
-            to_finish = min(s.length - s.generated for s in self.running)
-            to_full = (self.capacity - self._context) / len(self.running)
             self._decoding = (self._loop.time(), iteration)
-            await self._wait(max(0.0, min(to_finish, to_full)) * iteration)
+            await self._wait(self._iterations_to_event() * iteration)
             if epoch != self._epoch:
                 continue
             self._progress()
@@ -234,17 +232,18 @@ class SimEngine:
         self._decoding = None
         if not self.running:
             return
-        progressed = min(
-            min(s.length - s.generated for s in self.running),
-            (self.capacity - self._context) / len(self.running),
-            (self._loop.time() - start) / iteration,
-        )
-        progressed = max(0.0, progressed)
+        progressed = min(self._iterations_to_event(), max(0.0, (self._loop.time() - start) / iteration))
         for seq in self.running:
             seq.generated += progressed
         self._context += progressed * len(self.running)
         self._evict_to(self.capacity)
         self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
+
+    def _iterations_to_event(self) -> float:
+        """Decode iterations the running batch can take before a sequence finishes or the cache is full."""
+        to_finish = min(s.length - s.generated for s in self.running)
+        to_full = (self.capacity - self._context) / len(self.running)
+        return max(0.0, min(to_finish, to_full))
 
     def _preempt(self) -> None:
         """The cache is full of running sequences: take back the last admitted one's KV; it waits at

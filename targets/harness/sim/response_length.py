@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 
+from targets.harness.environments.pool import group_of
 from targets.spec import TokensSpec
 
 
@@ -51,8 +52,7 @@ class ResponseLengths:
         """The tokens turn ``turn`` of ``episode_id`` generates, its whole budget without a spec."""
         if self.spec is None:
             return self.budget
-        group = episode_id.split("/", 1)[0]
-        z_task = random.Random(f"{self.seed}|task|{group}").gauss(0.0, 1.0)
+        z_task = random.Random(f"{self.seed}|task|{group_of(episode_id)}").gauss(0.0, 1.0)
         z_turn = random.Random(f"{self.seed}|turn|{episode_id}|{turn}").gauss(0.0, 1.0)
         tokens = math.exp(self.mu + self.spec.task_sigma * z_task + self.spec.turn_sigma * z_turn)
         return min(self.budget, max(1, round(tokens)))

@@ -379,6 +379,11 @@ class SimulatorSpec(Strict):
     decode_step_overhead_s: float = Field(
         default=0.003, ge=0, description="fixed cost of one engine iteration (scheduling, launches)"
     )
+    request_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="latency a generate call adds beside its engine's work (the calls to it and back)",
+    )
     train_step_overhead_s: float = Field(default=1.0, ge=0)
     sync_overhead_s: float = Field(default=0.5, ge=0)
     switch_overhead_s: float = Field(default=0.5, ge=0, description="fixed cost of an offload or a reload")

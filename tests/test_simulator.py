@@ -14,12 +14,15 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from skills.starter import write_starter
+from targets.api import Device, GenerateRequest, SamplingParams
 from targets.harness.audit import audit_run
 from targets.harness.launch import Limits, run_harness
 from targets.harness.metrics import compute_metrics
 from targets.harness.sandbox import Sandbox
+from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
+from targets.harness.sim.response_length import ResponseLengths
 from targets.harness.sim.virtual_time import SimulationStalled, VirtualTimeLoop, run_virtual
 from targets.harness.target import Target
 from targets.harness.trace import Trace
@@ -329,20 +332,57 @@ def test_calibrate_refuses_a_directory_that_is_not_a_candidate(tmp_path):
     assert result.exit_code == 2 and "not a candidate directory" in result.output
 
 
-def test_the_rollout_fit_keeps_both_constants_non_negative():
-    """Batches whose duration is all per-step cost plus noise: the unconstrained least squares gives
-    the FLOPs term a negative rate (a negative MFU); the fit puts it on the boundary instead and the
-    per-step overhead carries the durations."""
-    from targets.harness.sim.calibrate import _two_fit
+def test_the_rollout_fit_recovers_its_constants_and_keeps_them_non_negative():
+    """Exact latencies give back the constants they were made from; latencies that are all
+    per-iteration cost plus noise would give the FLOPs term a negative rate (a negative MFU) by
+    plain least squares: the fit puts it at zero instead and the other terms carry the latencies."""
+    from targets.harness.sim.calibrate import _nonnegative_fit
 
-    rows = [(10, 1.0, 0.105), (20, 0.5, 0.199), (40, 3.0, 0.398), (80, 1.5, 0.801)]  # (steps, flops/peak, s)
-    a = sum(u * y for u, _, y in rows) / sum(u * u for u, _, _ in rows)
-    suu, svv = sum(u * u for u, _, _ in rows), sum(v * v for _, v, _ in rows)
-    suv, svy, suy = sum(u * v for u, v, _ in rows), sum(v * y for _, v, y in rows), sum(u * y for u, _, y in rows)
-    assert (svy * suu - suy * suv) / (suu * svv - suv * suv) < 0  # the plant: unconstrained b < 0
-    overhead, seconds_per_flop = _two_fit(rows)
-    assert seconds_per_flop == 0.0 and overhead == pytest.approx(a) and overhead > 0
-    assert _two_fit([(10, 1.0, 0.2), (20, 2.0, 0.4)]) is None  # collinear: nothing to separate
+    made = [(n, v, 1.0, 0.002 * n + 3.0 * v + 0.01) for n, v in [(10, 0.01), (20, 0.004), (40, 0.03), (5, 0.02)]]
+    assert _nonnegative_fit(made) == pytest.approx((0.002, 3.0, 0.01))
+
+    rows = [(10, 1.0, 1.0, 0.105), (20, 0.5, 1.0, 0.199), (40, 3.0, 1.0, 0.398), (80, 1.5, 1.0, 0.801)]
+    import numpy as np
+
+    unconstrained = np.linalg.lstsq(np.array([r[:3] for r in rows]), np.array([r[3] for r in rows]), rcond=None)[0]
+    assert unconstrained[1] < 0  # the plant
+    step, per_flop, request = _nonnegative_fit(rows)
+    assert per_flop == 0.0 and step > 0 and request >= 0
+    assert _nonnegative_fit([(10, 1.0, 0.2), (20, 2.0, 0.4)]) == pytest.approx((0.02, 0.0))  # collinear: one term
+
+
+def test_request_concurrency_is_the_mean_batch_over_a_request_s_span():
+    from targets.api import TraceEvent
+    from targets.harness.sim.calibrate import request_concurrency
+
+    def request(start, end, device="cpu:0", aborted=False):
+        return TraceEvent("generate", end, {"start": start, "device": device, "aborted": aborted})
+
+    events = [request(0.0, 1.0), request(0.5, 1.5), request(0.0, 2.0, "cpu:1"), request(0.0, 0.25, aborted=True)]
+    batches = [batch for _, batch in request_concurrency(events)]
+    # the first shares half its span with the second and a quarter with the aborted one
+    assert batches == pytest.approx([1.75, 1.5, 1.0])
+
+
+def test_each_answer_reaches_its_caller_a_request_overhead_after_its_engine(tmp_path):
+    spec = load_target("tiny-qwen3-cpu")
+    slow = spec.model_copy(
+        update={"simulator": spec.simulator.model_copy(update={"request_overhead_s": 0.25, "batching": "continuous"})}
+    )
+    pool = [Device(f"cpu:{i}", "cpu", i) for i in range(2)]
+    latencies = []
+    for target in (spec, slow):
+
+        async def one(target=target):
+            cluster = SimCluster(
+                pool, pool, CostModel.from_spec(target), ResponseLengths(target.workload.tokens, seed=0)
+            )
+            start = cluster.now()
+            await cluster.generate(GenerateRequest("g0/e0", 0, [1, 2, 3], SamplingParams(max_new_tokens=8)))
+            return cluster.now() - start
+
+        latencies.append(run_virtual(one()))
+    assert latencies[1] == pytest.approx(latencies[0] + 0.25)
 
 
 @pytest.mark.slow
@@ -358,7 +398,8 @@ def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, f
     session = Session(Target.load(fast_target), Sandbox.detect("subprocess"), Limits(time_s=300))
     report = measure_and_predict(session, stack, tmp_path / "work")  # each run judged: it raises on a finding
     calibrated = load_target(report["calibrated_spec"])
-    assert calibrated.simulator.batching == "static" and calibrated.simulator.decode_step_overhead_s > 0
+    assert calibrated.simulator.batching == "continuous"
+    assert calibrated.simulator.decode_step_overhead_s + calibrated.simulator.request_overhead_s > 0
     for execution in ("real", "simulated"):
         audit = json.loads((tmp_path / "work" / execution / "audit.json").read_text())["result"]
         assert audit["passed"], (execution, audit["reasons"])

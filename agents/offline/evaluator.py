@@ -10,7 +10,7 @@ from pathlib import Path
 from agents.roles import Evaluation, Hint
 from targets.harness.benchmark import BenchRun
 from targets.harness.session import Measurement, MeasurementFailed, Session
-from targets.harness.sim.calibrate import engine_batches
+from targets.harness.sim.calibrate import request_concurrency
 
 DEVICES_BUSY = 0.75  # mean device busy share under which devices idle
 STALL_SHARE = 0.10  # share of the run with no request in flight
@@ -117,14 +117,14 @@ def hints_from(metrics: dict, events: list, simulated: bool) -> list[Hint]:
             )
         )
     if not simulated:
-        batches = engine_batches(events)
-        if batches:
-            size = statistics.mean(len(members) for _, members in batches)
+        requests = request_concurrency(events)
+        if requests:
+            size = statistics.mean(batch for _, batch in requests)
             if size < SMALL_BATCH:
                 hints.append(
                     Hint(
                         code="small_engine_batches",
-                        message=f"engines batch {size:.1f} requests on average",
+                        message=f"a request shares its engine with {size:.1f} requests on average (itself included)",
                         evidence={"mean_engine_batch": size},
                     )
                 )

@@ -3,12 +3,14 @@
 
 * **training**: each ``train`` event's duration against its FLOPs (cost-model formula) over its
   devices: least squares ``duration = flops / (devices * peak * mfu) + train_step_overhead_s``.
-* **rollout**: the real engines serve requests in batches (completions one device returns within
-  a few milliseconds of each other are one batch). A batch of ``b`` prompts padded to ``p`` tokens that
-  decodes ``s`` steps costs ``s * decode_step_overhead_s + flops / (peak * rollout_mfu)`` with the
-  cost model's prefill and decode FLOPs: least squares over the batches gives both constants.
-  A batch's duration runs from its last member's request (or the previous batch's end, if later)
-  to its end: earlier members were queued behind the previous batch.
+* **rollout**: both engine recipes batch continuously, so each completed request is one row. A
+  request that generated ``n`` tokens spanned ``n`` engine iterations beside, on average, ``b``
+  requests in flight on its device (``b`` from the trace: the overlap of the other requests' spans
+  with its own, plus itself). Its latency is ``n * decode_step_overhead_s + flops / (peak *
+  rollout_mfu) + request_overhead_s``, with the cost model's decode FLOPs of ``n`` iterations of a
+  ``b``-sequence batch plus the prefill FLOPs of the requests that joined meanwhile (new tokens
+  only: a prefix the same device served the episode's previous turn is cached). Non-negative least
+  squares over the requests gives the three constants.
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time.
 * **response lengths** (``workload.tokens.response_length``): the mean tokens a completed turn
   generated, and the log-space spreads by moments: ``turn_sigma^2`` the mean variance of log
@@ -16,21 +18,21 @@
   ``turn_sigma^2 / turns per group`` (at least 0). Turns cut at the budget count at the budget,
   so a model that often runs to its budget gets spreads on the low side.
 
-The rollout fit keeps both constants non-negative (a term noise outweighs is fitted as zero); a
-degenerate fit, or a training fit with a negative term, falls back to the zero-overhead fit; each
-says so in ``notes``; a device
+The rollout fit keeps its constants non-negative (a term noise outweighs is fitted as zero, and
+``notes`` says so); a training fit with a negative term falls back to the zero-overhead fit; a device
 measured faster than its catalog peak gets ``bf16_tflops`` raised (also in ``notes``).
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import yaml
 
 from targets.api import TraceEvent
@@ -80,55 +82,89 @@ def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return a, my - a * mx
 
 
-def _two_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """Least squares ``y = a * u + b * v`` (no intercept) with ``a, b >= 0``; None when singular.
+def _nonnegative_fit(rows: list[tuple[float, ...]]) -> tuple[float, ...] | None:
+    """Least squares ``y = sum_k c_k * x_k`` (no intercept; the last entry of a row is ``y``) with every
+    ``c_k >= 0``; None when no subset of the terms can be solved.
 
-    A negative coefficient means noise outweighs that term: the constrained optimum then lies on a
-    boundary (``a = 0`` or ``b = 0``), whichever one-term fit leaves the smaller squared residual."""
-    suu = sum(u * u for u, _, _ in rows)
-    svv = sum(v * v for _, v, _ in rows)
-    suv = sum(u * v for u, v, _ in rows)
-    suy = sum(u * y for u, _, y in rows)
-    svy = sum(v * y for _, v, y in rows)
-    det = suu * svv - suv * suv
-    if det <= 1e-12 * max(suu * svv, 1e-300):
-        return None
-    a, b = (suy * svv - svy * suv) / det, (svy * suu - suy * suv) / det
-    if a >= 0 and b >= 0:
-        return a, b
-    boundaries = [(max(0.0, suy / suu), 0.0), (0.0, max(0.0, svy / svv))]
-    return min(boundaries, key=lambda ab: sum((y - ab[0] * u - ab[1] * v) ** 2 for u, v, y in rows))
+    Exact for a handful of terms: the constrained optimum is the unconstrained fit on some subset of
+    the terms (the rest at zero), so every subset is solved and the best feasible one kept. A term
+    fitted as zero is one the noise outweighs."""
+    xs = np.array([row[:-1] for row in rows], dtype=float)
+    ys = np.array([row[-1] for row in rows], dtype=float)
+    terms = xs.shape[1]
+    best, best_residual = None, float("inf")
+    for subset in itertools.chain.from_iterable(itertools.combinations(range(terms), k) for k in range(1, terms + 1)):
+        columns = xs[:, subset]
+        if np.linalg.matrix_rank(columns) < len(subset):
+            continue
+        solution = np.linalg.lstsq(columns, ys, rcond=None)[0]
+        if (solution < 0).any():
+            continue
+        residual = float(((columns @ solution - ys) ** 2).sum())
+        if residual < best_residual - 1e-15:
+            coefficients = np.zeros(terms)
+            coefficients[list(subset)] = solution
+            best, best_residual = tuple(float(c) for c in coefficients), residual
+    return best
 
 
-def engine_batches(events: list[TraceEvent], window_s: float = 0.003) -> list[tuple[float, list[TraceEvent]]]:
-    """Completed generate events grouped into engine batches: on one device, completions the
-    harness saw within ``window_s`` of each other. Returns (batch start, members), the start being
-    the later of the last member's request and the previous batch's end on that device."""
+def request_concurrency(events: list[TraceEvent]) -> list[tuple[TraceEvent, float]]:
+    """Each completed request with the mean number of requests in flight on its device over its
+    span (itself included): the batch it shared its engine iterations with."""
     by_device: dict[str, list[TraceEvent]] = defaultdict(list)
     for e in events:
-        if e.kind == "generate" and not e.data["aborted"]:
+        if e.kind == "generate":
             by_device[e.data["device"]].append(e)
-    batches = []
-    for completions in by_device.values():
-        completions.sort(key=lambda e: e.t)
-        groups: list[list[TraceEvent]] = []
-        for e in completions:
-            if groups and e.t - groups[-1][0].t <= window_s:
-                groups[-1].append(e)
-            else:
-                groups.append([e])
-        previous_end = float("-inf")
-        for group in groups:
-            batches.append((max(previous_end, max(g.data["start"] for g in group)), group))
-            previous_end = group[-1].t
-    return batches
+    out = []
+    for requests in by_device.values():
+        requests.sort(key=lambda e: e.data["start"])
+        for e in requests:
+            start, end = e.data["start"], e.t
+            if e.data["aborted"] or end <= start:
+                continue
+            overlap = 0.0
+            for other in requests:  # sorted by start: the ones starting after ``end`` cannot overlap
+                if other.data["start"] >= end:
+                    break
+                if other is not e:
+                    overlap += max(0.0, min(end, other.t) - max(start, other.data["start"]))
+            out.append((e, 1.0 + overlap / (end - start)))
+    return out
 
 
-def calibrate(spec: TargetSpec, events: list[TraceEvent], batching: str = "continuous") -> Calibration:
-    """``batching``: how the run's engines batched (the torch engine recipe: ``static``)."""
+def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float, float, float, float]]:
+    """(iterations, FLOPs / peak, 1, latency) per completed request (see the module doc)."""
+    new_tokens: dict[int, int] = {}  # id(event) -> tokens its prefill computed
+    cached: dict[tuple[str, str], int] = {}  # (episode, device) -> context the device holds for it
+    for e in sorted((e for e in events if e.kind == "generate"), key=lambda e: e.data["start"]):
+        key = (e.data["episode"], e.data["device"])
+        prompt = token_count(e.data["prompt"])
+        prefix = cached.get(key, 0)
+        new_tokens[id(e)] = prompt - prefix if prefix <= prompt else prompt
+        if e.data["aborted"]:
+            cached.pop(key, None)  # an abort frees the sequence's KV
+        else:
+            cached[key] = prompt + token_count(e.data["tokens"])
+    by_device: dict[str, list[TraceEvent]] = defaultdict(list)
+    for e in events:
+        if e.kind == "generate":
+            by_device[e.data["device"]].append(e)
+    rows = []
+    for e, batch in request_concurrency(events):
+        start, end = e.data["start"], e.t
+        n = token_count(e.data["tokens"])
+        context = batch * (token_count(e.data["prompt"]) + n / 2)  # the batch's mean KV over the span
+        decode = n * cost.decode_flops(batch, context)
+        joined = [o for o in by_device[e.data["device"]] if start <= o.data["start"] < end]
+        prefill = sum(cost.prefill_flops(new_tokens[id(o)], 0) for o in joined)
+        rows.append((float(n), (decode + prefill) / cost.peak_flops, 1.0, end - start))
+    return rows
+
+
+def calibrate(spec: TargetSpec, events: list[TraceEvent]) -> Calibration:
     cost = CostModel.from_spec(spec)
     notes: list[str] = []
-    fitted = spec.simulator.model_dump() | {"batching": batching}
+    fitted = spec.simulator.model_dump() | {"batching": "continuous"}  # both engine recipes batch continuously
 
     # -- training ------------------------------------------------------------------------------
     train_rows = []
@@ -147,31 +183,19 @@ def calibrate(spec: TargetSpec, events: list[TraceEvent], batching: str = "conti
             notes.append("training: durations do not grow with FLOPs here; fitted the MFU with no fixed overhead")
 
     # -- rollout ---------------------------------------------------------------------------------
-    rollout_rows = []
-    for start, batch in engine_batches(events):
-        b = len(batch)
-        padded = max(token_count(g.data["prompt"]) for g in batch)
-        steps = max(token_count(g.data["tokens"]) for g in batch)
-        flops = 2 * cost.active_params * b * (padded + steps)
-        flops += 4 * cost.layers * cost.attn_width * b * (padded * padded / 2 + steps * (padded + steps / 2))
-        duration = batch[0].t - start
-        rollout_rows.append((steps, flops / cost.peak_flops, duration))
-    if rollout_rows:
-        fit = _two_fit(rollout_rows)
-        if fit and fit[1] > 0:
-            fitted["decode_step_overhead_s"], fitted["rollout_mfu"] = fit[0], 1 / fit[1]
-            if fit[0] == 0:
-                notes.append("rollout: durations do not grow with decode steps beyond their FLOPs: no step overhead")
-        elif fit and fit[0] > 0:
-            # The FLOPs are too few to see next to the per-step cost: compute at the catalog peak.
-            fitted["rollout_mfu"] = 1.0
-            beyond_compute = sum(u * (y - v) for u, v, y in rollout_rows) / sum(u * u for u, _, _ in rollout_rows)
-            fitted["decode_step_overhead_s"] = max(0.0, beyond_compute)
-            notes.append("rollout: durations do not grow with FLOPs beyond the step cost: compute at the catalog peak")
-        else:
-            fitted["decode_step_overhead_s"] = 0.0
-            fitted["rollout_mfu"] = sum(v for _, v, _ in rollout_rows) / sum(y for _, _, y in rollout_rows)
-            notes.append("rollout: no positive overhead fits; fitted the compute rate alone")
+    rollout_rows = _rollout_rows(cost, events)
+    fit = _nonnegative_fit(rollout_rows) if rollout_rows else None
+    if fit is not None and fit[1] > 0:
+        step, per_flop, request = fit
+        fitted |= {"decode_step_overhead_s": step, "rollout_mfu": 1 / per_flop, "request_overhead_s": request}
+        for value, term in ((step, "engine iterations"), (request, "requests")):
+            if value == 0:
+                notes.append(f"rollout: latencies do not grow with {term} beyond their FLOPs: no fixed cost per one")
+    elif fit is not None:
+        notes.append("rollout: latencies do not grow with FLOPs beyond the fixed costs: compute at the catalog peak")
+        fitted |= {"decode_step_overhead_s": fit[0], "rollout_mfu": 1.0, "request_overhead_s": fit[2]}
+    elif rollout_rows:
+        notes.append("rollout: too few distinct requests to fit; the spec's rollout constants kept")
 
     # -- weight sync and switching ---------------------------------------------------------------
     def mean_duration(kinds: tuple[str, ...]) -> float | None:
@@ -192,7 +216,7 @@ def calibrate(spec: TargetSpec, events: list[TraceEvent], batching: str = "conti
         notes.append(f"measured compute above the catalog peak ({peak:g} TFLOP/s): bf16_tflops raised {scale:.2f}x")
         peak, mfu, fitted["rollout_mfu"] = peak * scale, mfu / scale, fitted["rollout_mfu"] / scale
     lengths = response_lengths(spec, events)
-    samples = {"train_steps": len(train_rows), "engine_batches": len(rollout_rows)}
+    samples = {"train_steps": len(train_rows), "requests": len(rollout_rows)}
     return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, lengths, notes, samples)
 
 
@@ -225,13 +249,6 @@ def response_lengths(spec: TargetSpec, events: list[TraceEvent]) -> ResponseLeng
     return ResponseLengthSpec(mean=mean, task_sigma=math.sqrt(task_var), turn_sigma=math.sqrt(turn_var))
 
 
-def stack_batching(stack_dir: Path) -> str:
-    """How the stack's engines batch: the torch engine recipe runs static batches, vLLM continuous."""
-    params_path = stack_dir / "stack" / "params.json"
-    engine = json.loads(params_path.read_text()).get("engine", "torch") if params_path.exists() else "torch"
-    return "continuous" if engine == "vllm" else "static"
-
-
 def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: int | None = None) -> dict:
     """Run the stack for real, fit the cost model to its trace, write the calibrated target spec,
     simulate the same stack on it, and compare: the simulator's prediction error on that run. Both
@@ -245,7 +262,7 @@ def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: in
     if not real.ok:
         raise RuntimeError("the real run failed: " + "; ".join(real.reasons[:3]))
     real_events = real.events()
-    calibration = calibrate(spec, real_events, stack_batching(stack_dir))
+    calibration = calibrate(spec, real_events)
     raw = yaml.safe_load(resolve_target_path(session.target.ref).read_text())
     fields = calibration.yaml_fields()
     raw["hardware"] = {**raw["hardware"], **fields["hardware"]}

@@ -76,6 +76,8 @@ class SimCluster:
         budget = request.params.max_new_tokens
         length = min(budget, max(1, self.lengths.of(request.episode_id, request.turn) - request.continues))
         completion = await engine.submit(request.episode_id, len(request.prompt), budget, length)
+        if self.cost.request_overhead_s:
+            await asyncio.sleep(self.cost.request_overhead_s)  # the answer's way back; the engine serves on
         if completion.finish_reason == "abort":
             raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {engine.name}", completion)
         return completion

@@ -23,6 +23,9 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   the previous turn; full re-prefill after an abort or a move to another engine):
   ``flops = 2 * active_params * n + 4 * layers * attn_width * n * (p + n / 2)`` at
   ``d * peak * rollout_mfu``: compute-bound.
+* **request overhead**: every ``generate`` answer reaches its caller ``request_overhead_s`` after
+  its engine finished it (the calls between the controller and the engine; the engine is free
+  meanwhile).
 * **training** on trajectories of lengths ``L_i`` over ``g`` devices:
   ``sum_i (6 * active_params * L_i + 6 * layers * attn_width * L_i^2) / (g * peak * mfu) +
   train_step_overhead_s`` (dense FLOPs, plus causal attention forward ``2 * layers * attn_width *
@@ -70,6 +73,7 @@ class CostModel:
     hbm_efficiency: float
     kv_memory_fraction: float
     decode_step_overhead_s: float
+    request_overhead_s: float
     train_step_overhead_s: float
     sync_overhead_s: float
     switch_overhead_s: float
@@ -106,6 +110,7 @@ class CostModel:
             hbm_efficiency=sim.hbm_efficiency,
             kv_memory_fraction=sim.kv_memory_fraction,
             decode_step_overhead_s=sim.decode_step_overhead_s,
+            request_overhead_s=sim.request_overhead_s,
             train_step_overhead_s=sim.train_step_overhead_s,
             sync_overhead_s=sim.sync_overhead_s,
             switch_overhead_s=sim.switch_overhead_s,
@@ -143,15 +148,23 @@ class CostModel:
         memory_s = (weights + context_tokens * self.kv_bytes_per_token) / (
             self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency
         )
-        flops = 2 * self.active_params * batch + 4 * self.layers * self.attn_width * context_tokens
-        compute_s = flops / (self.engine_devices * self.peak_flops * self.rollout_mfu)
+        compute_s = self.decode_flops(batch, context_tokens) / (
+            self.engine_devices * self.peak_flops * self.rollout_mfu
+        )
         return max(memory_s, compute_s) + self.decode_step_overhead_s
 
-    def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
-        flops = 2 * self.active_params * new_tokens + 4 * self.layers * self.attn_width * new_tokens * (
+    def decode_flops(self, batch: float, context_tokens: float) -> float:
+        return 2 * self.active_params * batch + 4 * self.layers * self.attn_width * context_tokens
+
+    def prefill_flops(self, new_tokens: float, cached_tokens: float) -> float:
+        return 2 * self.active_params * new_tokens + 4 * self.layers * self.attn_width * new_tokens * (
             cached_tokens + new_tokens / 2
         )
-        return flops / (self.engine_devices * self.peak_flops * self.rollout_mfu)
+
+    def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
+        return self.prefill_flops(new_tokens, cached_tokens) / (
+            self.engine_devices * self.peak_flops * self.rollout_mfu
+        )
 
     # -- training and weights -------------------------------------------------------------------
     def train_s(self, lengths: list[int], devices: int) -> float:

@@ -7,9 +7,9 @@ No schedule can beat either of two limits:
   largest batch the KV capacity admits at that context (the cheapest per-token cost the model
   allows), times the engine's devices; training work is the batch's training FLOPs at the MFU.
 * **critical path**: the longest trajectory trained in the run, decoded alone (batch 1) with its
-  environment latencies in between. Sampling may run ``async_ratio`` steps ahead, so a step can
-  hide at most ``1 + async_ratio`` such paths: the bound is the path over ``1 + async_ratio`` (the
-  target's ``max_async_ratio`` where it lets stacks choose).
+  environment latencies and each request's overhead in between. Sampling may run ``async_ratio``
+  steps ahead, so a step can hide at most ``1 + async_ratio`` such paths: the bound is the path
+  over ``1 + async_ratio`` (the target's ``max_async_ratio`` where it lets stacks choose).
 
 The step's bound is the larger of the two; ``fraction = bound / measured step time``.
 """
@@ -58,7 +58,10 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
 
     def critical_path(episode: str) -> float:
         return sum(
-            cost.prefill_s(new, context - new) + response * cost.decode_iteration_s(1, context + response / 2) + latency
+            cost.prefill_s(new, context - new)
+            + response * cost.decode_iteration_s(1, context + response / 2)
+            + cost.request_overhead_s
+            + latency
             for context, new, response, latency in turns.get(episode, [])
         )
 

@@ -249,10 +249,12 @@ class EnvSource(Protocol):
 
     group_size: int
 
-    def new_group(self, extra: int = 0) -> list[EnvHandle]:
+    def new_group(self, extra: int = 0, relaunch: str | None = None) -> list[EnvHandle]:
         """``group_size + extra`` members; ``extra`` spares at most the stack's declared
         ``redundant_per_group`` (the first ``group_size`` to finish make the group, the rest are
-        dropped as ``redundant``)."""
+        dropped as ``redundant``). ``relaunch``: a group the stack deferred (dropped whole as
+        ``deferred``); the new group runs that group's task again, with new episodes. A deferred
+        group is relaunched once, and a relaunched group is never deferred."""
         ...
 
 
@@ -331,15 +333,16 @@ class Controller(Protocol):
     async def run(self, cluster: Cluster, envs: EnvSource, steps: int) -> None: ...
 
 
-DROP_REASONS = ("stale", "end_of_run", "max_sequence", "redundant")
+DROP_REASONS = ("stale", "end_of_run", "max_sequence", "redundant", "deferred")
 
 
 class EnvDropper(Protocol):
     """``EnvSource`` also takes back episodes a controller discards on purpose, with a reason the
     audit verifies: ``stale`` (a member of its group is beyond the staleness bound), ``end_of_run``
-    (after the last training step), ``max_sequence`` (the next turn cannot fit) or ``redundant`` (a
-    spare episode of a group launched with declared redundancy). Anything neither trained nor
-    dropped is lost."""
+    (after the last training step), ``max_sequence`` (the next turn cannot fit), ``redundant`` (a
+    spare episode of a group launched with declared redundancy) or ``deferred`` (tail batching: an
+    unfinished group handed back whole, its task to run again with ``new_group(relaunch=...)``).
+    Anything neither trained nor dropped is lost."""
 
     def drop(self, episode_id: str, reason: str) -> None: ...
 
@@ -393,11 +396,15 @@ class Declared:
     staleness bound the stack runs under when it chooses one (at most ``Workload.max_async_ratio``;
     None: the workload's ``async_ratio``). ``partial_rollout``: the stack resumes interrupted turns
     from their partial responses; only then may it resume any, and then it must resume every one it
-    trains (keeping some partials and restarting others would let it choose its samples)."""
+    trains (keeping some partials and restarting others would let it choose its samples).
+    ``tail_round``: the stack defers unfinished groups and relaunches their tasks ``tail_round`` at a
+    time (tail batching; 0: it defers none); at most ``tail_round - 1`` deferred tasks may still wait
+    for their relaunch when the run ends, so deferring cannot drop tasks it finds too long."""
 
     redundant_per_group: int = 0
     async_ratio: int | None = None
     partial_rollout: bool = False
+    tail_round: int = 0
 
 
 @dataclass

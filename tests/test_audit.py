@@ -534,3 +534,111 @@ def test_a_partial_discarded_and_the_turn_generated_anew(honest):
     discarded.data["logprobs"] = discarded.data["logprobs"][:3]
     events.insert(events.index(segment), discarded)
     _rejects(_audit(honest, events), "discarded partial")
+
+
+# -- tail batching: deferral is postponement, never selection -------------------------------------------
+
+
+def _deferral_trace(
+    group_size: int,
+    finished: int = 0,
+    deferred: int | None = None,
+    tail_round: int = 1,
+    relaunched: bool = True,
+    defer_the_relaunch: bool = False,
+) -> list[TraceEvent]:
+    """Group g0: ``finished`` members finish at t=2, ``deferred`` of them (default all) are dropped as
+    ``deferred`` at t=3; g1 relaunches g0's task at t=3.5 (``relaunched``) and finishes at t=5
+    (or is itself deferred at t=4.5)."""
+    members = [f"g0/e{m}" for m in range(group_size)]
+    again = [f"g1/e{m}" for m in range(group_size)]
+    deferred = group_size if deferred is None else deferred
+    declared = {"tail_round": tail_round}
+    events = [
+        TraceEvent(
+            "run_start", 0.0, {"devices": [], "steps": 1, "tokens_recorded": False, "engines": {}, "declared": declared}
+        )
+    ]
+    events += [TraceEvent("episode_created", 0.0, {"episode": m, "group": "g0"}) for m in members]
+    events += [
+        TraceEvent("env_step", 2.0, {"episode": m, "action": 2, "observation": 2, "done": True})
+        for m in members[:finished]
+    ]
+    events += [TraceEvent("sample_dropped", 3.0, {"episode": m, "reason": "deferred"}) for m in members[:deferred]]
+    events += [TraceEvent("sample_dropped", 3.0, {"episode": m, "reason": "end_of_run"}) for m in members[deferred:]]
+    if relaunched:
+        events += [TraceEvent("episode_created", 3.5, {"episode": m, "group": "g1", "relaunch": "g0"}) for m in again]
+        reason = "deferred" if defer_the_relaunch else "end_of_run"
+        events += [TraceEvent("sample_dropped", 4.5, {"episode": m, "reason": reason}) for m in again]
+    events.append(TraceEvent("run_end", 10.0))
+    return events
+
+
+def _deferral_reasons(spec, events):
+    from targets.harness.audit import Reasons, TraceIndex, check_deferrals, check_drop_reasons
+
+    r = Reasons()
+    ix = TraceIndex.of(events)
+    check_drop_reasons(ix, r, spec)
+    check_deferrals(ix, r)
+    return r.lines()
+
+
+def test_an_unfinished_group_deferred_whole_and_relaunched_passes(honest):
+    spec = _mini_spec(honest)
+    assert _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, finished=1)) == []
+
+
+def test_deferring_without_declaring_tail_batching(honest):
+    spec = _mini_spec(honest)
+    lines = _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, tail_round=0))
+    assert any("declares no tail_round" in line for line in lines), lines
+
+
+def test_deferring_a_group_that_had_finished(honest):
+    """Planted: 'deferred' used to throw away a finished group the stack did not want to train."""
+    spec = _mini_spec(honest)
+    size = spec.workload.group_size
+    lines = _deferral_reasons(spec, _deferral_trace(size, finished=size))
+    assert any(f"had {size} finished members: only an unfinished group may be deferred" in line for line in lines), (
+        lines
+    )
+
+
+def test_deferring_part_of_a_group(honest):
+    spec = _mini_spec(honest)
+    lines = _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, deferred=1))
+    assert any("was deferred in part" in line for line in lines), lines
+
+
+def test_deferring_a_relaunched_group_again(honest):
+    """Planted: a task deferred over and over is a task never trained."""
+    spec = _mini_spec(honest)
+    lines = _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, defer_the_relaunch=True))
+    assert any("was itself a relaunch" in line for line in lines), lines
+
+
+def test_deferred_tasks_that_never_run_again(honest):
+    """Planted: tasks deferred and dropped for good; tail_round 1 leaves none waiting at the end."""
+    spec = _mini_spec(honest)
+    lines = _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, relaunched=False))
+    assert any("deferred groups' tasks never ran again" in line for line in lines), lines
+    assert _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, relaunched=False, tail_round=2)) == []
+
+
+def test_the_harness_relaunches_only_a_deferred_group_and_only_once(tiny_spec):
+    from targets.harness.clock import WallClock
+    from targets.harness.environments.pool import EnvironmentPool
+    from targets.harness.trace import Trace
+
+    pool = EnvironmentPool(tiny_spec.workload, WallClock(), Trace(WallClock()))
+    first = pool.new_group()
+    with pytest.raises(ValueError, match="never deferred"):
+        pool.new_group(relaunch="g0")
+    for episode in first:
+        pool.drop(episode.episode_id, "deferred")
+    again = pool.new_group(relaunch="g0")
+    assert pool.task_of(again[0].episode_id) == pool.task_of(first[0].episode_id) == "g0"
+    assert again[0].task == first[0].task and again[0].group_id == "g1"  # the same task, new episodes
+    with pytest.raises(ValueError, match="already relaunched"):
+        pool.new_group(relaunch="g0")

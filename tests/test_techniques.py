@@ -315,3 +315,30 @@ def test_overlap_sync_expands_the_training_devices_while_the_others_sync(tmp_pat
         sync = min((e for e in syncs if e.data["start"] >= train.t), key=lambda e: e.data["start"])
         expand = min((e for e in expands if e.data["start"] >= train.t), key=lambda e: e.data["start"])
         assert sync.data["start"] < expand.t and expand.data["start"] < sync.t, (train.t, sync, expand)
+
+
+SLOW_TOOLS = {  # tool calls slow and long-tailed enough that some groups outlive a whole step
+    "env_latency_s": {"kind": "lognormal", "median": 0.5, "sigma": 1.5},
+    "env_latency_max_s": 8.0,
+    "trajectory_timeout_s": 60,
+}
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_tail_batching_defers_groups_that_outlive_a_step_and_runs_their_tasks_again(tmp_path, fast_target, simulate):
+    """Groups still unfinished a whole step after launch go back whole as ``deferred``; each deferred
+    task runs again in a relaunched group (tail_round 1: at once), which is never deferred itself."""
+    spec, events = _run(tmp_path, fast_target, {"tail_round": 1}, simulate, SLOW_TOOLS)
+    group_of = {e.data["episode"]: e.data["group"] for e in events if e.kind == "episode_created"}
+    dropped = {e.data["episode"]: e.data["reason"] for e in events if e.kind == "sample_dropped"}
+    deferred = {group_of[episode] for episode, reason in dropped.items() if reason == "deferred"}
+    assert deferred, "no group was deferred"
+    for group in deferred:  # whole groups
+        assert all(dropped.get(m) == "deferred" for m, g in group_of.items() if g == group)
+    relaunch_of = {
+        e.data["group"]: e.data["relaunch"] for e in events if e.kind == "episode_created" and "relaunch" in e.data
+    }
+    assert sorted(relaunch_of.values()) == sorted(deferred)  # each deferred task ran again, once
+    assert not deferred & set(relaunch_of)
+    trained = {t["group"] for e in events if e.kind == "train" for t in e.data["trajectories"]}
+    assert not trained & deferred

@@ -25,6 +25,8 @@ PARAM_MOVES = {
     ("tail_idle", "partial_rollout"): +1,  # sync without waiting for the longest running turns
     ("stale_drops", "abort_stale"): +1,  # stop generating groups nobody can train
     ("stale_drops", "async_ratio"): +1,  # where the target allows it: let samples lag one more version
+    ("stale_drops", "tail_round"): +1,  # defer the groups that overrun a step, rerun their tasks together
+    ("tail_idle", "tail_round"): +1,
     ("train_devices_idle", "async_ratio"): +1,  # sampling further ahead keeps the trainer fed
 }
 

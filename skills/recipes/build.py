@@ -86,10 +86,13 @@ def build(runtime: Runtime) -> Stack:
     # VAL: VAL_INT_RANGE (value=params.get("redundant_envs", 0), min=0, max=8)
     # VAL: VAL_INT_RANGE (value=params.get("kv_routing", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("partial_rollout", 0), min=0, max=1)
-    # The audit bounds the spares by what is declared, and holds the run to the declared staleness bound.
+    # VAL: VAL_INT_RANGE (value=params.get("tail_round", 0), min=0, max=64)
+    # The audit bounds the spares by what is declared, holds the run to the declared staleness bound,
+    # and lets only a stack declaring tail_round defer groups.
     declared = Declared(
         redundant_per_group=params.get("redundant_envs", 0),
         async_ratio=params.get("async_ratio"),
         partial_rollout=bool(params.get("partial_rollout", 0)),
+        tail_round=params.get("tail_round", 0),
     )
     return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared)

@@ -75,6 +75,7 @@ class ControllerBase:
             redundancy=self.params.get("redundant_envs", 0),
             abort_stale=bool(self.params.get("abort_stale", 0)),
             partial_rollout=self.partial_rollout,
+            tail_round=self.params.get("tail_round", 0),
         )
         self._manager = manager  # told of each new policy version by _train
         return cluster, buffer, manager

@@ -21,12 +21,20 @@ generated anew but resumed from what it decoded (``Aborted.partial``): the reque
 with that partial response appended to the prompt (``continues``) and the budget that is left. The
 turn's segments join into one completion whose version is the oldest segment's, the one the
 staleness bound binds.
+
+Tail batching (``tail_round`` > 0, the ``tail_batching`` technique): each time a batch is taken, the
+groups still unfinished that were launched before the previous batch was taken (they ran through a
+whole step) are handed back whole as ``deferred`` and their tasks queued; once ``tail_round`` tasks
+wait, a long round launches all of them (``new_group(relaunch=...)``) before any new task, so long
+tasks run beside each other instead of holding engines through every step's tail. A relaunched group
+is never deferred again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import deque
 
 from targets.api import Aborted, Cluster, Completion, GenerateRequest, SamplingParams, Trajectory
 
@@ -44,16 +52,23 @@ class EnvManager:
         redundancy: int = 0,
         abort_stale: bool = False,
         partial_rollout: bool = False,
+        tail_round: int = 0,
     ) -> None:
         self.cluster, self.envs, self.buffer = cluster, envs, buffer
         self.sampling, self.max_sequence, self.redundancy = sampling, max_sequence, redundancy
-        self.abort_stale, self.partial_rollout = abort_stale, partial_rollout
+        self.abort_stale, self.partial_rollout, self.tail_round = abort_stale, partial_rollout, tail_round
         self.trained_from = 0  # the version the next batch will be trained from
         self._tasks: dict[asyncio.Task, str] = {}  # running episode coroutines -> episode id
         self._group_tasks: dict[str, set[asyncio.Task]] = {}  # group -> its members still running
         self._group_oldest: dict[str, int] = {}  # with abort_stale: group -> its oldest turn's weight version
         self._failure: BaseException | None = None
+        self._batches_taken = 0
+        self._launched_in: dict[str, int] = {}  # group -> batches taken before it was launched
+        self._relaunches: set[str] = set()  # groups running a deferred task again: never deferred
+        self._deferred: deque[str] = deque()  # deferred groups whose tasks wait for a long round
+        self._long_round = False  # relaunching the queue, until it is empty
         buffer.on_complete = self._cancel_spares
+        buffer.on_batch = self._defer_tail
 
     @property
     def groups_in_flight(self) -> int:
@@ -62,9 +77,13 @@ class EnvManager:
 
     def launch(self, groups: int) -> None:
         for _ in range(groups):
-            episodes = self.envs.new_group(extra=self.redundancy)
+            relaunch = self._next_relaunch()
+            episodes = self.envs.new_group(extra=self.redundancy, relaunch=relaunch)
             # VAL: VAL_NO_DUPLICATES (value=[e.episode_id for e in episodes])
             group_id = episodes[0].group_id
+            self._launched_in[group_id] = self._batches_taken
+            if relaunch is not None:
+                self._relaunches.add(group_id)
             self.buffer.expect(group_id)
             members = self._group_tasks[group_id] = set()
             for episode in episodes:
@@ -104,6 +123,30 @@ class EnvManager:
                 task.cancel()
             self.envs.drop(episode_id, reason)
             self._leave(task, group_id)
+
+    def _next_relaunch(self) -> str | None:
+        """The deferred group whose task the next launch runs again: none until ``tail_round`` wait,
+        then every one queued (a long round), oldest first."""
+        if self.tail_round and len(self._deferred) >= self.tail_round:
+            self._long_round = True
+        if self._long_round and self._deferred:
+            return self._deferred.popleft()
+        self._long_round = False
+        return None
+
+    def _defer_tail(self) -> None:
+        """A batch was taken: with tail batching, hand back the groups that ran through a whole step
+        unfinished (whole, as ``deferred``) and queue their tasks."""
+        self._batches_taken += 1
+        if not self.tail_round:
+            return
+        for group_id in list(self._group_tasks):
+            if group_id in self._relaunches or self._launched_in[group_id] >= self._batches_taken - 1:
+                continue
+            for task in list(self._group_tasks.get(group_id, ())):
+                self._hand_back(task, group_id, "deferred")
+            self.buffer.drop_group(group_id, "deferred")
+            self._deferred.append(group_id)
 
     def policy_advanced(self, version: int) -> None:
         """Training produced ``version``: with ``abort_stale``, groups now beyond the bound go back."""

@@ -26,6 +26,7 @@ class GroupBuffer:
         self._complete: set[str] = set()  # groups that reached group_size finished members
         self._changed = asyncio.Event()
         self.on_complete: Callable[[str], None] = lambda group_id: None  # the manager cancels spares here
+        self.on_batch: Callable[[], None] = lambda: None  # a batch was taken (the manager defers tails here)
 
     def expect(self, group_id: str) -> None:
         """A group was just created: its place in the creation order."""
@@ -83,6 +84,7 @@ class GroupBuffer:
         for group_id in sorted(self._ready, key=self._rank.__getitem__)[:groups]:
             batch.extend(self._ready.pop(group_id))
         # VAL: AST_POSTCONDITION (cond=len(batch) == groups * self.group_size)
+        self.on_batch()
         return batch
 
     async def wait_ready(

@@ -5,7 +5,10 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * conservation: every created episode is trained once or dropped with a reason the trace confirms
   (``stale``: a member of its group is beyond the bound; ``end_of_run``: after the last step;
   ``max_sequence``: the next turn cannot fit; ``redundant``: a spare, once ``group_size`` of its group had
-  finished, within the declared redundancy);
+  finished, within the declared redundancy; ``deferred``: see deferral);
+* deferral (tail batching): only a stack that declares ``tail_round`` defers, only a group still
+  unfinished, always whole, never a relaunched one; each deferred task runs again once
+  (``new_group(relaunch=...)``), and at most ``tail_round - 1`` still wait for that when the run ends;
 * fidelity: a trained trajectory is exactly what the environment saw, every action any environment
   received came from ``cluster.generate``, and the behaviour logprobs are the engine's;
 * batches: each holds exactly ``batch_size`` trajectories of whole groups, with the group-relative
@@ -84,6 +87,7 @@ class TraceIndex:
     group_of: dict[str, str] = field(default_factory=dict)
     members: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # group -> its episodes
     group_order: dict[str, int] = field(default_factory=dict)  # group -> creation rank
+    relaunch_of: dict[str, str] = field(default_factory=dict)  # relaunched group -> the deferred group it reruns
     resets: dict[str, TraceEvent] = field(default_factory=dict)
     env_steps: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))
     generated: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # non-aborted, in order
@@ -113,6 +117,8 @@ class TraceIndex:
             ix.group_of[e.data["episode"]] = e.data["group"]
             ix.members[e.data["group"]].append(e.data["episode"])
             ix.group_order.setdefault(e.data["group"], len(ix.group_order))
+            if "relaunch" in e.data:
+                ix.relaunch_of[e.data["group"]] = e.data["relaunch"]
         ix.resets = {e.data["episode"]: e for e in ix.by_kind["env_reset"]}
         for e in ix.by_kind["env_step"]:
             ix.env_steps[e.data["episode"]].append(e)
@@ -290,6 +296,21 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     f"episode {episode} dropped as redundant at {e.t:.2f}s, when only {finished_before} of its "
                     f"group {group} had finished (a group needs {workload.group_size})",
                 )
+        elif reason == "deferred":
+            group = ix.group_of.get(episode)
+            finished = sum(1 for m in ix.members.get(group, []) if (ix.finished_at(m) or math.inf) <= e.t)
+            if not ix.declared.tail_round:
+                r.add(
+                    "unjustified drop", f"episode {episode} dropped as deferred, but the stack declares no tail_round"
+                )
+            elif group in ix.relaunch_of:
+                r.add("deferral", f"episode {episode} dropped as deferred, but its group {group} was itself a relaunch")
+            elif finished >= workload.group_size:
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as deferred at {e.t:.2f}s, when its group {group} had "
+                    f"{finished} finished members: only an unfinished group may be deferred",
+                )
     for group, count in redundant.items():
         if ix.declared.redundant_per_group and count > ix.declared.redundant_per_group:
             r.add(
@@ -297,6 +318,33 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                 f"group {group} dropped {count} episodes as redundant, over the declared "
                 f"{ix.declared.redundant_per_group} per group",
             )
+
+
+def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
+    """A deferred group goes whole, and its task runs again once: deferral may postpone a task the
+    stack finds long, never discard it (at most ``tail_round - 1`` wait unrelaunched at the end)."""
+    deferred = {ix.group_of.get(episode) for episode, e in ix.dropped.items() if e.data["reason"] == "deferred"}
+    for group in sorted(deferred, key=lambda g: ix.group_order.get(g, 0)):
+        kept = [
+            m
+            for m in ix.members.get(group, [])
+            if ix.dropped.get(m) is None or ix.dropped[m].data["reason"] != "deferred"
+        ]
+        if kept:
+            r.add("deferral", f"group {group} was deferred in part: {kept[0]} was not dropped as deferred")
+    relaunches = Counter(ix.relaunch_of.values())
+    for group, count in relaunches.items():
+        if group not in deferred:
+            r.add("deferral", f"a group relaunched {group}, which was never deferred")
+        elif count > 1:
+            r.add("deferral", f"deferred group {group}'s task was relaunched {count} times")
+    waiting = [g for g in deferred if g not in relaunches]
+    if len(waiting) > max(0, ix.declared.tail_round - 1):
+        r.add(
+            "deferral",
+            f"{len(waiting)} deferred groups' tasks never ran again (e.g. {sorted(waiting)[0]}); a stack with "
+            f"tail_round {ix.declared.tail_round} may leave at most {max(0, ix.declared.tail_round - 1)}",
+        )
 
 
 def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
@@ -603,6 +651,7 @@ def audit_run(
     check_exactly_once(ix, r)
     check_conservation(ix, r)
     check_drop_reasons(ix, r, spec)
+    check_deferrals(ix, r)
     details = check_in_flight(ix, r, spec)
     check_batches(ix, r, spec)
     check_fidelity(ix, r)

@@ -199,9 +199,9 @@ class ProxyEnvs:
         self._calls, self.group_size, self._memory = calls, group_size, memory
         self._groups = 0
 
-    def new_group(self, extra: int = 0) -> list[ProxyEpisode]:
+    def new_group(self, extra: int = 0, relaunch: str | None = None) -> list[ProxyEpisode]:
         index, self._groups = self._groups, self._groups + 1
-        self._calls.channel.send(Frame(kind="env", method="new_group", group=index, extra=extra))
+        self._calls.channel.send(Frame(kind="env", method="new_group", group=index, extra=extra, relaunch=relaunch))
         return [ProxyEpisode(self._calls, f"g{index}/e{m}", f"g{index}") for m in range(self.group_size + extra)]
 
     def drop(self, episode_id: str, reason: str) -> None:

@@ -252,8 +252,11 @@ class ControllerLink:
                 raise ProtocolError(
                     f"the controller numbered a new group {group}, the harness's next is {self.envs.groups_created}"
                 )
+            relaunch = rx.get("relaunch")
+            if relaunch is not None and not isinstance(relaunch, str):
+                raise ProtocolError(f"new_group.relaunch: expected a group id or null, got {relaunch!r}")
             try:
-                episodes = self.envs.new_group(field_of(rx.header, "extra", int, "new_group"))
+                episodes = self.envs.new_group(field_of(rx.header, "extra", int, "new_group"), relaunch)
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
             for episode in episodes:
@@ -527,7 +530,7 @@ def drive_simulated(
         by_id = {d.id: d for d in runtime.devices}
         if any(i not in by_id for i in rollout_ids):
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
-        lengths = ResponseLengths(spec.workload.tokens, seed)
+        lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
         cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], cost, lengths)
         link.cluster = TracedCluster(cluster, trace, {})
         trace.record(

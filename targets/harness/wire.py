@@ -177,6 +177,7 @@ def put_declared(d: Declared) -> dict:
         "redundant_per_group": d.redundant_per_group,
         "async_ratio": d.async_ratio,
         "partial_rollout": d.partial_rollout,
+        "tail_round": d.tail_round,
     }
 
 
@@ -187,10 +188,14 @@ def get_declared(data: Any) -> Declared:
     async_ratio = data.get("async_ratio")
     if async_ratio is not None and (not isinstance(async_ratio, int) or async_ratio < 0):
         raise ProtocolError(f"declared.async_ratio: expected a non-negative int or null, got {async_ratio!r}")
+    tail_round = field_of(data, "tail_round", int, "declared")
+    if tail_round < 0:
+        raise ProtocolError(f"declared.tail_round: {tail_round} is negative")
     return Declared(
         redundant_per_group=redundant,
         async_ratio=async_ratio,
         partial_rollout=field_of(data, "partial_rollout", bool, "declared"),
+        tail_round=tail_round,
     )
 
 

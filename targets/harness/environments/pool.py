@@ -37,16 +37,28 @@ class EnvironmentPool:
         self.seed = seed
         self.groups_created = 0
         self.max_extra = 0  # the stack's declared redundancy, set once the stack has said it
+        self._task_of_group: dict[str, int] = {}  # group -> the task it runs (its own index unless relaunched)
+        self._deferred: set[str] = set()  # groups a member of which was dropped as deferred
+        self._relaunched: set[str] = set()  # deferred groups whose task ran again
 
-    def new_group(self, extra: int = 0) -> list[Episode]:
+    def new_group(self, extra: int = 0, relaunch: str | None = None) -> list[Episode]:
         if not 0 <= extra <= self.max_extra:
             raise ValueError(
                 f"new_group asked for {extra} spare episodes; the stack declares redundant_per_group {self.max_extra}"
             )
+        task = self.groups_created
+        if relaunch is not None:
+            if relaunch not in self._deferred:
+                raise ValueError(f"new_group(relaunch={relaunch!r}): that group was never deferred")
+            if relaunch in self._relaunched:
+                raise ValueError(f"new_group(relaunch={relaunch!r}): that group's task was already relaunched")
+            self._relaunched.add(relaunch)
+            task = self._task_of_group[relaunch]
         index = self.groups_created
         self.groups_created += 1
         group_id = f"g{index}"
-        task_seed = self.seed * 1_000_003 + index
+        self._task_of_group[group_id] = task
+        task_seed = self.seed * 1_000_003 + task
         episodes = []
         for member in range(self.group_size + extra):
             episode_id = episode_id_of(group_id, member)
@@ -54,17 +66,29 @@ class EnvironmentPool:
                 episode_id=episode_id,
                 group_id=group_id,
                 task_seed=task_seed,
-                episode_seed=task_seed * 131 + member + 1,
+                episode_seed=(self.seed * 1_000_003 + index) * 131
+                + member
+                + 1,  # new episodes, even of a relaunched task
                 workload=self.workload,
                 clock=self.clock,
                 trace=self.trace,
             )
-            self.trace.record("episode_created", episode=episode_id, group=group_id)
+            if relaunch is None:
+                self.trace.record("episode_created", episode=episode_id, group=group_id)
+            else:
+                self.trace.record("episode_created", episode=episode_id, group=group_id, relaunch=relaunch)
             episodes.append(episode)
         return episodes
+
+    def task_of(self, episode_id: str) -> str:
+        """The task an episode runs, named by the group that ran it first (a relaunched group runs
+        its deferred group's task)."""
+        return f"g{self._task_of_group[group_of(episode_id)]}"
 
     def drop(self, episode_id: str, reason: str) -> None:
         """A controller discards an episode on purpose; recorded so the audit can verify the reason."""
         if reason not in DROP_REASONS:
             raise ValueError(f"drop reason must be one of {DROP_REASONS}, got {reason!r}")
+        if reason == "deferred":
+            self._deferred.add(group_of(episode_id))
         self.trace.record("sample_dropped", episode=episode_id, reason=reason)

@@ -3,8 +3,9 @@
 The spec's ``tokens.response_length`` gives a lognormal cut at the turn's budget ``B``
 (``tokens.response``): a turn of episode ``e`` in group ``g`` generates
 ``min(B, max(1, round(exp(mu + task_sigma * z_g + turn_sigma * z_(e,turn)))))`` tokens, with
-``z_g`` one standard normal per group (every member of a group and every turn of its episodes share
-it: a hard task is long each time) and ``z_(e,turn)`` one per turn. Both are drawn from the run's
+``z_g`` one standard normal per task (every member of a group and every turn of its episodes share
+it, and so does a group that runs a deferred group's task again: a hard task is long each time) and
+``z_(e,turn)`` one per turn. Both are drawn from the run's
 seed and the names alone, so a retried or resumed turn, on any engine, is the same length. ``mu`` is
 solved (bisection) so that the mean after the cut is the spec's ``mean``:
 ``E[min(B, X)] = exp(mu + s^2/2) * Phi((ln B - mu - s^2) / s) + B * (1 - Phi((ln B - mu) / s))``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 from targets.harness.environments.pool import group_of
 from targets.spec import TokensSpec
@@ -34,7 +36,9 @@ def truncated_mean(mu: float, sigma: float, budget: float) -> float:
 
 
 class ResponseLengths:
-    def __init__(self, tokens: TokensSpec, seed: int) -> None:
+    def __init__(self, tokens: TokensSpec, seed: int, task_of: Callable[[str], str] = group_of) -> None:
+        """``task_of``: the task an episode id runs (the harness's pool knows; by default its group)."""
+        self.task_of = task_of
         spec = tokens.response_length
         self.budget = tokens.response
         self.seed = seed
@@ -52,7 +56,7 @@ class ResponseLengths:
         """The tokens turn ``turn`` of ``episode_id`` generates, its whole budget without a spec."""
         if self.spec is None:
             return self.budget
-        z_task = random.Random(f"{self.seed}|task|{group_of(episode_id)}").gauss(0.0, 1.0)
+        z_task = random.Random(f"{self.seed}|task|{self.task_of(episode_id)}").gauss(0.0, 1.0)
         z_turn = random.Random(f"{self.seed}|turn|{episode_id}|{turn}").gauss(0.0, 1.0)
         tokens = math.exp(self.mu + self.spec.task_sigma * z_task + self.spec.turn_sigma * z_turn)
         return min(self.budget, max(1, round(tokens)))

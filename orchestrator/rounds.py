@@ -77,7 +77,8 @@ class Loop:
             llm_before = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
             proposal = self.policy.propose(self.state, self.params_of)  # an LLM planner's call counts to the round
             if proposal is None:
-                self.on_event("budget", reason="nothing left to try: the backlog is empty and no parameter move is new")
+                reason = "nothing left to try: the backlog is empty and no composition or parameter move is new"
+                self.on_event("budget", reason=reason)
                 break
             parent, task = proposal
             self.finish_round(self.round(self.state.next_round, parent, task, llm_before))

@@ -1,6 +1,8 @@
 """The skills library as data: each ``skills/<name>/SKILL.md`` opens with YAML front matter (what
 kind of component it is, its recipe module, the evaluator hints that trigger it, and its tunable
-parameters with their ranges); the Markdown below is the knowledge agents read."""
+parameters with their ranges; a technique also says how to switch it on, under which controllers it
+works, and which other techniques it requires or conflicts with); the Markdown below is the knowledge
+agents read."""
 
 from __future__ import annotations
 
@@ -47,7 +49,15 @@ class Skill(BaseModel):
     recipe: str
     triggers: list[str] = []
     params: dict[str, ParamRange] = {}
+    enable: dict[str, int | float] = {}  # a technique: the params.json changes that switch it on
+    controllers: list[str] = []  # a technique: the controllers it works under (empty: every one)
+    requires: list[str] = []  # techniques that must be on with it
+    conflicts: list[str] = []  # techniques that must be off with it
     text: str = ""
+
+    def is_on(self, params: dict) -> bool:
+        """A technique is on when a parameter that switches it on differs from its default."""
+        return any(params.get(name, self.params[name].default) != self.params[name].default for name in self.enable)
 
     @property
     def path(self) -> Path:
@@ -68,7 +78,31 @@ def parse_skill(path: Path) -> Skill:
 
 
 def load_skills(directory: Path = SKILLS_DIR) -> dict[str, Skill]:
-    return {p.parent.name: parse_skill(p) for p in sorted(directory.glob("*/SKILL.md"))}
+    skills = {p.parent.name: parse_skill(p) for p in sorted(directory.glob("*/SKILL.md"))}
+    controllers = {n for n, s in skills.items() if s.kind == "controller"}
+    techniques = {n for n, s in skills.items() if s.kind == "technique"}
+    for skill in skills.values():
+        unknown = [
+            *(f"controllers: {c}" for c in skill.controllers if c not in controllers),
+            *(f"requires: {t}" for t in skill.requires if t not in techniques),
+            *(f"conflicts: {t}" for t in skill.conflicts if t not in techniques),
+            *(f"enable: {p}" for p in skill.enable if p not in skill.params),
+        ]
+        if unknown:
+            raise ValueError(f"{skill.path}: front matter names what the library does not have: {unknown}")
+    return skills
+
+
+def applicable(skills: dict[str, Skill], technique: Skill, params: dict) -> bool:
+    """Whether ``technique`` may be on in a stack with ``params``: its controller, the techniques it
+    requires on, none it conflicts with on (either side's conflict counts)."""
+    on = {n for n, s in skills.items() if s.kind == "technique" and s.name != technique.name and s.is_on(params)}
+    return (
+        (not technique.controllers or params.get("controller") in technique.controllers)
+        and set(technique.requires) <= on
+        and not on & set(technique.conflicts)
+        and not any(technique.name in skills[n].conflicts for n in on)
+    )
 
 
 def legal(

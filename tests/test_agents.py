@@ -184,6 +184,74 @@ def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
     assert not planner.legal("train_devices", 130) and not planner.legal("micro_batch_tokens", 1)
 
 
+def test_composition_adds_what_the_controller_allows_and_removes_what_is_on(tiny_spec):
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    multiplexed = starter_params(tiny_spec, "time_multiplex")
+    added = {t.id: t.changes for t in planner.composition_tasks(multiplexed)}
+    assert added["add-overlap_sync"] == {"overlap_sync": 1} and added["add-tail_batching"] == {"tail_round": 8}
+    assert not [i for i in added if i.startswith("remove-")]
+    colocated = {t.id for t in planner.composition_tasks(starter_params(tiny_spec, "colocate"))}
+    assert colocated == {"add-redundant_envs", "add-kv_routing"}  # the others need another controller
+    on = {**multiplexed, "partial_rollout": 1}
+    ids = {t.id for t in planner.composition_tasks(on)}
+    assert "remove-partial_rollout" in ids and "add-partial_rollout" not in ids
+    removal = next(t for t in planner.composition_tasks(on) if t.id == "remove-partial_rollout")
+    assert removal.changes == {"partial_rollout": 0}
+    # a hint never proposes a technique the controller cannot run
+    hinted = planner.tasks_from_hints([Hint(code="tail_idle", message="tail")], starter_params(tiny_spec, "colocate"))
+    assert not {k for t in hinted for k in t.changes} & {"shrink_at", "partial_rollout", "tail_round"}
+
+
+def test_composition_honours_requires_and_conflicts(tiny_spec):
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    skills = dict(planner.skills)
+    skills["kv_routing"] = skills["kv_routing"].model_copy(update={"conflicts": ["redundant_envs"]})
+    skills["overlap_sync"] = skills["overlap_sync"].model_copy(update={"requires": ["partial_rollout"]})
+    planner.skills = skills
+    params = starter_params(tiny_spec, "time_multiplex")
+    ids = {t.id for t in planner.composition_tasks(params)}
+    assert "add-overlap_sync" not in ids and "add-kv_routing" in ids
+    ids = {t.id for t in planner.composition_tasks({**params, "redundant_envs": 2, "partial_rollout": 1})}
+    assert "add-kv_routing" not in ids and "add-overlap_sync" in ids
+    ids = {t.id for t in planner.composition_tasks({**params, "partial_rollout": 1, "overlap_sync": 1})}
+    assert "remove-overlap_sync" in ids and "remove-partial_rollout" not in ids  # overlap_sync needs it
+
+
+def test_a_skill_naming_what_the_library_lacks_is_refused(tmp_path):
+    from skills.library import load_skills
+
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "SKILL.md").write_text(
+        "---\nname: odd\nkind: technique\nrecipe: x.py\ncontrollers: [time_multiplx]\n"
+        "params:\n  odd: {type: int, min: 0, max: 1, default: 0}\nenable: {odd: 1}\n---\nbody\n"
+    )
+    with pytest.raises(ValueError, match="controllers: time_multiplx"):
+        load_skills(tmp_path)
+
+
+def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
+    from types import SimpleNamespace
+
+    from orchestrator.policies.backlog import BacklogPolicy
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    params = starter_params(tiny_spec, "time_multiplex")
+    tried: set = set()
+    state = SimpleNamespace(best=SimpleNamespace(commit="c0"), backlog=[], tried=lambda: tried, abandoned=lambda: set())
+    policy = BacklogPolicy(planner, seed=0)
+    composed = []
+    while (proposal := policy.propose(state, lambda record: params)) and proposal[1].source == "composition":
+        composed.append(proposal[1].id)
+        tried.add(("c0", proposal[1].id))
+    assert sorted(composed) == sorted(t.id for t in planner.composition_tasks(params)) and len(composed) >= 5
+    assert proposal[1].source == "mutation"  # then parameter moves
+
+
 def _event(kind, t, **data):
     return TraceEvent(kind, t, data)
 

@@ -1,13 +1,13 @@
-"""Offline planner: maps the evaluator's hints to skills by their triggers and writes tasks; when
-there is nothing left to react to, it proposes parameter perturbations within each skill's ranges.
-Deterministic for a seed."""
+"""Offline planner: maps the evaluator's hints to skills by their triggers and writes tasks; it
+composes techniques (add one the stack's controller and techniques allow, or remove one) and
+proposes parameter perturbations within each skill's ranges. Deterministic for a seed."""
 
 from __future__ import annotations
 
 import random
 
 from agents.roles import Hint, Task
-from skills.library import ParamRange, Skill, defaults, legal, load_skills
+from skills.library import ParamRange, Skill, applicable, defaults, legal, load_skills
 from skills.starter import starter_params
 from targets.spec import TargetSpec
 
@@ -99,12 +99,55 @@ class OfflinePlanner:
         value = current * move
         return int(value) if isinstance(current, int) else round(value, 6)
 
+    def composition_tasks(self, params: dict) -> list[Task]:
+        """Add each technique that is off and may go on top of ``params`` (its controller, what it
+        requires, nothing it conflicts with), or remove one that is on (unless another requires it)."""
+        tasks = []
+        for skill in self.skills.values():
+            if skill.kind != "technique" or not skill.enable:
+                continue
+            if not skill.is_on(params):
+                changes = {k: self._typed(skill, k, v) for k, v in skill.enable.items()}
+                if (
+                    applicable(self.skills, skill, params)
+                    and all(self.legal(k, v, [skill.name]) for k, v in changes.items())
+                    and all(self.tunable(skill.params[k]) for k in changes)
+                ):
+                    tasks.append(self._composition_task(skill, "add", changes, 5))
+            elif not any(skill.name in other.requires and other.is_on(params) for other in self.skills.values()):
+                changes = {
+                    k: self._typed(skill, k, p.default) for k, p in skill.params.items() if p.default is not None
+                }
+                tasks.append(self._composition_task(skill, "remove", changes, 2))
+        return tasks
+
+    def _typed(self, skill: Skill, name: str, value):
+        return int(value) if skill.params[name].type == "int" else value
+
+    def _composition_task(self, skill: Skill, verb: str, changes: dict, priority: int) -> Task:
+        summary = ", ".join(f"{k} {_fmt(v)}" for k, v in changes.items())
+        return Task(
+            id=f"{verb}-{skill.name}",
+            title=f"{verb} the {skill.name} technique ({summary})",
+            rationale=f"compose: {verb} {skill.name} on top of the parent's techniques",
+            skills=[skill.name],
+            changes=changes,
+            priority=priority,
+            source="composition",
+            acceptance=[
+                "vibetrain check passes",
+                f"{self.spec.headline_metric.name} improves beyond the noise threshold",
+            ],
+        )
+
     def tasks_from_hints(self, hints: list[Hint], params: dict) -> list[Task]:
         tasks: list[Task] = []
         for hint in hints:
             for skill in self.skills.values():
                 if hint.code not in skill.triggers:
                     continue
+                if skill.kind == "technique" and not (skill.is_on(params) or applicable(self.skills, skill, params)):
+                    continue  # not under this controller, or beside a technique it conflicts with
                 if skill.kind == "controller":
                     task = self._controller_task(skill, hint, params)
                     if task:
@@ -137,6 +180,8 @@ class OfflinePlanner:
         for skill in self.skills.values():
             if skill.kind == "controller" and params.get("controller") != skill.name:
                 continue
+            if skill.kind == "technique" and skill.enable and not skill.is_on(params):
+                continue  # a technique that is off: adding it is a composition task, tuning it moot
             for name, param in skill.params.items():
                 current = params.get(name, self._default(name))
                 if current is None or not self.tunable(param):

@@ -1,8 +1,9 @@
 """backlog: an issue tracker of structured tasks. Every round starts from the best candidate and
 takes the highest-priority task not yet tried on it and not abandoned anywhere in the run (measured
 without gain, or rejected: the plan's ABANDONED steps); the evaluator's hints (through the
-planner's skill triggers) add tasks. When the backlog runs dry, the planner proposes a parameter
-move."""
+planner's skill triggers) add tasks. When the backlog runs dry, the planner composes techniques
+(adds one, or removes one), then proposes a parameter move: the run stops on its budget while any
+composition is untried."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ class BacklogPolicy:
             ):
                 continue
             return parent, task
-        for _ in range(20):  # dry backlog: explore a parameter
+        for task in sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id)):
+            if (parent.commit, task.id) not in tried and task.id not in abandoned:
+                return parent, task
+        for _ in range(20):  # nothing left to compose on the best: explore a parameter
             task = self.planner.perturbation(params)
             if task is None:
                 return None

@@ -1,6 +1,6 @@
 """evolve: a population of validated candidates. The parent is the fitter of two drawn at random
 (tournament selection on the headline metric); the mutation applies a skill its hints triggered,
-or else perturbs one parameter. Deterministic for a seed."""
+adds or removes a technique, or perturbs one parameter. Deterministic for a seed."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ class EvolvePolicy:
             ]
             if skilled and self.rng.random() < 0.5:
                 return parent, max(skilled, key=lambda t: (t.priority, t.id))
+            composed = [t for t in self.planner.composition_tasks(params) if (parent.commit, t.id) not in tried]
+            if composed and self.rng.random() < 0.5:
+                return parent, self.rng.choice(composed)
             task = self.planner.perturbation(params)
             if task is not None and (parent.commit, task.id) not in tried:
                 return parent, task

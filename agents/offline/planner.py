@@ -69,11 +69,12 @@ class OfflinePlanner:
             changes=changes,
             priority=10 if hint else 1,
             source=f"trigger:{hint.code}" if hint else "skill",
-            acceptance=[
-                "vibetrain check passes",
-                f"{self.spec.headline_metric.name} improves beyond the noise threshold",
-            ],
+            acceptance=self._acceptance(),
         )
+
+    def _acceptance(self) -> list[str]:
+        """What every offline task must show: the gate passes and the headline clears the noise."""
+        return ["vibetrain check passes", f"{self.spec.headline_metric.name} improves beyond the noise threshold"]
 
     def _param_task(self, skill: Skill, name: str, value, reason: str, source: str, priority: int) -> Task:
         return Task(
@@ -84,10 +85,7 @@ class OfflinePlanner:
             changes={name: value},
             priority=priority,
             source=source,
-            acceptance=[
-                "vibetrain check passes",
-                f"{self.spec.headline_metric.name} improves beyond the noise threshold",
-            ],
+            acceptance=self._acceptance(),
         )
 
     def _moved(self, name: str, current, move, param: ParamRange):
@@ -134,10 +132,7 @@ class OfflinePlanner:
             changes=changes,
             priority=priority,
             source="composition",
-            acceptance=[
-                "vibetrain check passes",
-                f"{self.spec.headline_metric.name} improves beyond the noise threshold",
-            ],
+            acceptance=self._acceptance(),
         )
 
     def tasks_from_hints(self, hints: list[Hint], params: dict) -> list[Task]:

@@ -624,6 +624,13 @@ def test_deferred_tasks_that_never_run_again(honest):
     lines = _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, relaunched=False))
     assert any("deferred groups' tasks never ran again" in line for line in lines), lines
     assert _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, relaunched=False, tail_round=2)) == []
+    # deferred in the last step, nothing launched after: no relaunch could have been trained
+    steps = [TraceEvent("train", t, {"start": t - 0.5, "trajectories": []}) for t in (1.0, 2.5, 4.0)]
+    late = _deferral_trace(spec.workload.group_size, relaunched=False)
+    assert _deferral_reasons(spec, late[:1] + steps + late[1:]) == []
+    early = [TraceEvent("train", t, {"start": t - 0.5, "trajectories": []}) for t in (1.0, 4.0, 5.0)]
+    lines = _deferral_reasons(spec, late[:1] + early + late[1:])
+    assert any("deferred groups' tasks never ran again" in line for line in lines), lines
 
 
 def test_the_harness_relaunches_only_a_deferred_group_and_only_once(tiny_spec):

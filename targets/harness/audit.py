@@ -338,7 +338,16 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
             r.add("deferral", f"a group relaunched {group}, which was never deferred")
         elif count > 1:
             r.add("deferral", f"deferred group {group}'s task was relaunched {count} times")
-    waiting = [g for g in deferred if g not in relaunches]
+    # Deferred in the last step with nothing launched after it: no relaunch could have been trained,
+    # so these go uncounted, as end_of_run drops would.
+    last_step_from = ix.trains[-2].t if len(ix.trains) >= 2 else math.inf
+    last_created = max((e.t for e in ix.by_kind["episode_created"]), default=-math.inf)
+
+    def too_late(group: str) -> bool:
+        at = min(ix.dropped[m].t for m in ix.members.get(group, []) if m in ix.dropped)
+        return at >= last_step_from and at >= last_created
+
+    waiting = [g for g in deferred if g not in relaunches and not too_late(g)]
     if len(waiting) > max(0, ix.declared.tail_round - 1):
         r.add(
             "deferral",

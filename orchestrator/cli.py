@@ -380,6 +380,13 @@ def generate(
     time_limit: float | None = typer.Option(
         None, help="seconds each candidate child run may take [default: the target's limits.time_s]"
     ),
+    prescreen: bool = typer.Option(
+        True,
+        "--prescreen/--no-prescreen",
+        help="real targets: run each candidate on the twin calibrated from round 0 first; judge only those "
+        "predicted within --prescreen-margin of the best",
+    ),
+    prescreen_margin: float = typer.Option(0.05, help="how far (a fraction) below the best's prediction still goes on"),
 ) -> None:
     """Generate a stack for TARGET: rounds of plan -> implement -> judge -> evaluate -> commit."""
     import logging
@@ -417,6 +424,7 @@ def generate(
                 on_event=on_event,
                 max_cost=max_cost,
                 max_tokens=max_tokens,
+                prescreen=None if prescreen else False,
             )
         else:
             llm = {
@@ -449,6 +457,8 @@ def generate(
                 llm=llm,
                 max_cost=max_cost,
                 max_tokens=max_tokens,
+                prescreen=prescreen,
+                prescreen_margin=prescreen_margin,
             )
     except (RunSetupError, RunStateError, ValueError, RuntimeError) as error:
         errors.print(f"[red]error:[/red] {error}")
@@ -521,8 +531,12 @@ def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND
     if record.reasons:
         console.print(
             "[bold]judge[/bold]: "
-            + ("passed" if record.verdict == "accepted" else "\n  ".join(["rejected:", *record.reasons]))
+            + ("passed" if record.verdict == "accepted" else "\n  ".join([f"{record.verdict}:", *record.reasons]))
         )
+    if record.prediction is not None:
+        from orchestrator.prescreen import twin_said
+
+        console.print(twin_said(record), highlight=False, markup=False)
     if record.paired is not None:
         console.print(f"[bold]paired with the best[/bold]: {promotion(record)}", highlight=False)
     if record.metrics:

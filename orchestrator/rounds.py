@@ -1,9 +1,11 @@
 """The round loop, top to bottom in one place.
 
-A run is a git repository (``generated/<run>``) plus its state. Round 0 writes the starter stack;
-every later round: the policy picks a parent candidate and a task → the implementer edits a fresh
-worktree of the parent (up to ``max_attempts`` times, each fed the judge's reasons) → the judge
-gates it → the evaluator measures it → the candidate is committed (validated) or kept under a
+A run is a git repository (``generated/<run>``) plus its state. Round 0 writes the starter stack
+(on a real target with the pre-screen on, its measured trace calibrates the twin); every later
+round: the policy picks a parent candidate and a task → the implementer edits a fresh worktree of
+the parent (up to ``max_attempts`` times, each fed the judge's reasons) → the twin pre-screens it
+(a real target: one predicted too far behind the best ends the round here) → the judge gates it →
+the evaluator measures it → the candidate is committed (validated) or kept under a
 rejected ref → ``DESIGN.md``, the backlog and the run state are updated. One round's failure never
 stops the run; a budget (rounds, wall time) stops it cleanly between rounds; a killed run resumes
 with every validated commit intact and no round done twice.
@@ -22,10 +24,11 @@ from pathlib import Path
 from agents.roles import AgentError, Agents, Evaluation, Task, Verdict
 from orchestrator.history import History, Trailers
 from orchestrator.policies import Policy
+from orchestrator.prescreen import Twin, clears, twin_said
 from orchestrator.run_dir import RunDir
 from orchestrator.state import RoundRecord, RunState, RunStateError
 from skills.design_doc import DesignDoc
-from targets.harness.session import Paired
+from targets.harness.session import Paired, Session
 from targets.harness.target import Target
 from targets.spec import TargetSpec
 
@@ -44,7 +47,9 @@ class Loop:
     run_dir: Path
     workspaces: Path
     on_event: Callable[..., None] = lambda kind, **data: None
+    session: Session | None = None  # the judge's: the twin runs in its sandbox, under its limits
     _llm_at_start: dict = field(default_factory=dict)  # accounting when llm_used was last saved
+    _twin: Twin | None = None
 
     @property
     def spec(self) -> TargetSpec:
@@ -64,6 +69,8 @@ class Loop:
                 reason=f"the starter stack was not validated ({starter.verdict}): " + "; ".join(starter.reasons[:3]),
             )
             return self.state
+        if self.state.config.prescreen and self.state.twin is None:
+            self.calibrate_twin()
         while self.state.next_round <= self.state.config.rounds:
             elapsed = spent_before + time.monotonic() - started
             budget = self.state.config.max_minutes
@@ -154,6 +161,8 @@ class Loop:
                     self.reject(record, workspace, verdict)
                 else:
                     self.accept(record, evaluation, workspace)
+            elif record.prediction is not None and record.prediction.get("passed") is False:
+                self.reject(record, workspace, verdict, "prescreened")
             else:
                 self.reject(record, workspace, verdict)
         except OSError as error:
@@ -199,6 +208,14 @@ class Loop:
                 self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
                 feedback = verdict.reasons
                 continue
+            screened = self.prescreen(record, workspace, out / f"twin-{attempt}")
+            if screened is not None:
+                record.reasons = screened.reasons
+                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=screened.reasons)
+                if record.prediction is not None and record.prediction.get("passed") is False:
+                    return screened  # predicted too slow: another attempt at the same task is not the fix
+                verdict, feedback = screened, screened.reasons
+                continue
             verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}", record.task, seed)
             record.reasons = verdict.reasons
             self.on_event(
@@ -227,8 +244,11 @@ class Loop:
             f"{metric}={evaluation.headline:.6g}",
             self._parent_metric(record),
         )
-        body = f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{self.promotion(record)}\n\nHints: " + (
-            "; ".join(h.message for h in evaluation.hints) or "none"
+        body = f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{self.promotion(record)}\n\n"
+        body += (
+            (f"{twin_said(record)}\n\n" if record.prediction else "")
+            + "Hints: "
+            + ("; ".join(h.message for h in evaluation.hints) or "none")
         )
         record.commit = self.history.commit_validated(
             workspace, record.round, record.task.title, trailers, {"round.json": record.model_dump(mode="json")}, body
@@ -238,11 +258,12 @@ class Loop:
             run_dir.traces.mkdir(parents=True, exist_ok=True)
             shutil.copy(evaluation.trace_path, run_dir.trace(record.round))
 
-    def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict) -> None:
-        record.verdict = "rejected"
+    def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict, name: str = "rejected") -> None:
+        """Kept under the rejected ref with the reasons: by the judge, or (``prescreened``) by the twin."""
+        record.verdict = name
         self.update_design(workspace, record)
         trailers = Trailers(
-            record.round, record.task.id, self.agents.backend, "rejected", "none", self._parent_metric(record)
+            record.round, record.task.id, self.agents.backend, name, "none", self._parent_metric(record)
         )
         record.commit = self.history.commit_rejected(
             workspace,
@@ -272,6 +293,71 @@ class Loop:
         shutil.rmtree(RunDir(self.run_dir).round_outputs(record.round), ignore_errors=True)
         self.save()
         self.on_event("round_end", record=record, best=self.state.best)
+
+    # -- the twin pre-screen ------------------------------------------------------------------------
+    def calibrate_twin(self) -> None:
+        """The twin, fitted to the best's measured trace (the starter's, on a fresh run); once per run."""
+        trace = RunDir(self.run_dir).trace(self.state.best.round)
+        path = RunDir(self.run_dir).twin_spec
+        try:
+            self._twin = Twin.calibrated(self.session, trace, path)
+        except (OSError, ValueError, RuntimeError) as error:
+            raise RunError(
+                f"could not calibrate the twin from round {self.state.best.round}'s trace ({trace}): "
+                f"{type(error).__name__}: {error}; resume with --no-prescreen to judge every candidate for real"
+            ) from None
+        self.state.twin = str(path)
+        self.save()
+        self.on_event("twin", path=path)
+
+    def twin(self) -> Twin | None:
+        if not self.state.config.prescreen or self.state.twin is None:
+            return None
+        if self._twin is None:
+            self._twin = Twin.load(self.session, Path(self.state.twin))
+        return self._twin
+
+    def prescreen(self, record: RoundRecord, workspace: Path, out: Path) -> Verdict | None:
+        """None: the candidate goes on to the judge. Otherwise the verdict that stops it here: it
+        failed on the twin (the attempt's feedback), or ``record.prediction`` says it was predicted
+        beyond the margin behind the best."""
+        twin = self.twin()
+        best = self.state.best
+        if twin is None or record.round == 0 or best is None:
+            return None
+        metric = self.spec.headline_metric
+        best_headline = self.state.twin_predictions.get(best.commit)
+        if best_headline is None:
+            measured = twin.predict(self.history.export(best.commit, out / "best-stack"), out / "best")
+            if not measured.ok:  # the twin cannot run the best: judge for real, and say so
+                record.prediction = {
+                    "skipped": f"the best (round {best.round}) failed on the twin: " + "; ".join(measured.reasons[:2])
+                }
+                return None
+            best_headline = self.state.twin_predictions[best.commit] = twin.headline(measured)
+        measured = twin.predict(workspace, out / "candidate")
+        if not measured.ok:
+            reasons = [f"twin: {reason}" for reason in measured.reasons]
+            return Verdict(False, reasons, [{"name": "twin_prescreen", "passed": False, "reasons": reasons}])
+        predicted, margin = twin.headline(measured), self.state.config.prescreen_margin
+        passed = clears(predicted, best_headline, margin, metric.direction == "maximize")
+        record.prediction = {
+            "metric": metric.name,
+            "headline": predicted,
+            "best": best_headline,
+            "best_round": best.round,
+            "margin": margin,
+            "passed": passed,
+        }
+        self.on_event("prescreen", round=record.round, **record.prediction)
+        if passed:
+            return None
+        reason = (
+            f"twin pre-screen: predicted {metric.name} {predicted:.4g} against the best's (round {best.round}) "
+            f"{best_headline:.4g} ({predicted / best_headline - 1:+.1%}), beyond the {margin:.0%} margin: "
+            "not run for real"
+        )
+        return Verdict(False, [reason], [{"name": "twin_prescreen", "passed": False, "reasons": [reason]}])
 
     # -- helpers -----------------------------------------------------------------------------------
     def promotion(self, record: RoundRecord) -> str:

@@ -59,7 +59,7 @@ def _loop(
         return history.read(record.commit, "DESIGN.md")
 
     policy = make_policy(config.policy, agents.planner, config.seed, agents.llm_planner, design_of)
-    loop = Loop(target, state, history, agents, policy, run_dir, workspaces / run_dir.name, on_event)
+    loop = Loop(target, state, history, agents, policy, run_dir, workspaces / run_dir.name, on_event, session)
     on_event("setup", sandbox=sandbox.backend, simulated=target.simulated)
     return loop
 
@@ -101,7 +101,11 @@ def start_run(
     llm: dict | None = None,
     max_cost: float | None = None,
     max_tokens: int | None = None,
+    prescreen: bool = True,
+    prescreen_margin: float = 0.05,
 ) -> Loop:
+    """``prescreen``: on a real target, candidates run on the calibrated twin before the judge (a
+    simulated target has nothing to screen with: its measurement is the simulation)."""
     try:
         resolved = Target.load(target, simulate=simulate)
     except TargetUnavailable as error:
@@ -116,6 +120,8 @@ def start_run(
         raise RunSetupError(f"unknown agent backend {agents!r}; known: {', '.join(BACKENDS)}")
     if policy == "llm" and agents not in ("openai", "anthropic"):
         raise RunSetupError("--policy llm needs an LLM backend (--agents openai or anthropic)")
+    if not 0 <= prescreen_margin <= 1:
+        raise RunSetupError(f"--prescreen-margin {prescreen_margin:g}: a fraction of the best's prediction, 0 to 1")
     _check_backend(agents, llm or {})
     config = RunConfig(
         target=resolved.ref,
@@ -133,6 +139,8 @@ def start_run(
         llm=llm or {},
         max_cost=max_cost,
         max_tokens=max_tokens,
+        prescreen=prescreen and not resolved.simulated,
+        prescreen_margin=prescreen_margin,
     )
     history = History.create(run_dir, f"vibetrain run: {spec.id}\n\npolicy {policy}, agents {agents}, seed {seed}")
     state = new_state(config)
@@ -151,7 +159,10 @@ def resume_run(
     on_event: Callable[..., None],
     max_cost: float | None = None,
     max_tokens: int | None = None,
+    prescreen: bool | None = None,
 ) -> Loop:
+    """``prescreen=False`` turns the twin pre-screen off from here on (it cannot be turned on later:
+    the twin is calibrated from round 0)."""
     run_dir, workspaces = run_dir.resolve(), workspaces.resolve()  # git and the sandbox run elsewhere
     if not run_dir.exists():
         raise RunSetupError(f"{run_dir} does not exist: nothing to resume (start it without --resume)")
@@ -176,6 +187,7 @@ def resume_run(
             "max_minutes": max_minutes,
             "max_cost": max_cost,
             "max_tokens": max_tokens,
+            "prescreen": False if prescreen is False else None,
         }.items()
         if v is not None
     }

@@ -39,6 +39,8 @@ class RunConfig(BaseModel):
     llm: dict = {}  # model, base_url, api_key_env (the variable's name, never the key), prices, stream
     max_cost: float | None = None  # USD; the run stops between rounds once spent
     max_tokens: int | None = None  # input + output tokens, likewise
+    prescreen: bool = False  # a real target's candidates run on the calibrated twin before the judge
+    prescreen_margin: float = 0.05  # how far below the best's prediction a candidate may be predicted
 
 
 class RoundRecord(BaseModel):
@@ -47,7 +49,7 @@ class RoundRecord(BaseModel):
     task: Task
     parent_round: int | None
     parent_commit: str
-    verdict: str  # accepted | rejected | error
+    verdict: str  # accepted | rejected | prescreened | error
     commit: str | None = None
     headline: float | None = None
     parent_headline: float | None = None
@@ -55,6 +57,7 @@ class RoundRecord(BaseModel):
     spread: dict = {}
     hints: list[dict] = []
     paired: dict | None = None  # ratio, low, high, pairs, against: the paired comparison with the best
+    prediction: dict | None = None  # the twin's: metric, headline, best, best_round, margin, passed (or skipped: why)
     profile: str = ""  # the harness's view of where the median repeat's time went, per call
     llm: dict = {}  # this round's LLM calls, tokens and cost (an LLM backend only)
     reasons: list[str] = []
@@ -73,6 +76,8 @@ class RunState(BaseModel):
     seconds_used: float = 0.0
     llm_used: dict = {}  # calls, tokens and cost over the whole run, across resumes
     created_at: float = 0.0
+    twin: str | None = None  # the calibrated twin's spec, once round 0 has calibrated it
+    twin_predictions: dict[str, float] = {}  # commit -> its headline on the twin (the best's, reused)
 
     # -- queries -----------------------------------------------------------------------------------
     @property
@@ -90,11 +95,12 @@ class RunState(BaseModel):
         return [r for r in self.rounds if r.verdict == "accepted"]
 
     def abandoned(self) -> set[str]:
-        """Task ids the run gave up on: validated without beating the best, or rejected."""
+        """Task ids the run gave up on: validated without beating the best, rejected, or screened out."""
         return {
             r.task.id
             for r in self.rounds
-            if r.round > 0 and (r.verdict == "rejected" or (r.verdict == "accepted" and not r.became_best))
+            if r.round > 0
+            and (r.verdict in ("rejected", "prescreened") or (r.verdict == "accepted" and not r.became_best))
         }
 
     def tried(self) -> set[tuple[str, str]]:

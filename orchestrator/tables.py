@@ -115,7 +115,7 @@ class RoundsView:
             self.status = f"round {data['round']} attempt {data['attempt']}: judge {verdict}"
         elif kind == "round_end":
             r, best = data["record"], data["best"]
-            colour = {"accepted": "green", "rejected": "red"}.get(r.verdict, "yellow")
+            colour = {"accepted": "green", "rejected": "red", "prescreened": "magenta"}.get(r.verdict, "yellow")
             value = num(r.headline) if r.headline is not None else "-"
             self.rows.append(
                 (
@@ -126,6 +126,14 @@ class RoundsView:
                     paired_cell(r.paired),
                     f"round {best.round}: {num(best.headline)}" if best else "-",
                 )
+            )
+        elif kind == "twin":
+            self.status = f"twin calibrated from the best's trace: {data['path']}"
+        elif kind == "prescreen":
+            verdict = "goes on to the judge" if data["passed"] else "screened out"
+            self.status = (
+                f"round {data['round']}: the twin predicts {num(data['headline'])} against the best's "
+                f"{num(data['best'])}: {verdict}"
             )
         elif kind in ("budget", "recovered"):
             self.status = data.get("reason") or f"recovered round {data['round']} from git"

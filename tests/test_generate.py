@@ -47,7 +47,9 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     committed, paired against the starter, and not promoted, with the interval that says why."""
     run = tmp_path / "run"
     output = _generate(
-        str(fast_target), "--rounds", "1", "--repeat", "1", "--out", str(run), "--workspaces", str(tmp_path / "ws")
+        str(fast_target),
+        *("--rounds", "1", "--repeat", "1", "--prescreen-margin", "1"),  # the twin predicts; nothing screened out
+        *("--out", str(run), "--workspaces", str(tmp_path / "ws")),
     )
     state = RunState.load(run)
     assert [r.round for r in state.rounds] == [0, 1]
@@ -62,6 +64,15 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     body = git.Repo(run).git.log("-1", "--format=%B", "refs/vibetrain/rounds/1")
     assert re.search(r"not promoted: [+-]\d+(\.\d)?%", body) and "interval unbounded" in body, body
     assert f"Implementer: {candidate.account}" in body and candidate.account  # the implementer's own account
+    # the twin, calibrated from round 0's real trace, predicted round 1 before it ran for real
+    twin = yaml.safe_load(Path(state.twin).read_text())
+    assert state.config.prescreen and twin["simulator"] and twin["hardware"]["mfu"] > 0
+    prediction = candidate.prediction
+    assert prediction["passed"] and prediction["best_round"] == 0 and prediction["headline"] > 0
+    assert state.twin_predictions == {best.commit: prediction["best"]}
+    assert (
+        f"Twin: predicted goodput {prediction['headline']:.4g}" in body and f"measured {candidate.headline:.4g}" in body
+    )
     for record in state.accepted():
         commit = git.Repo(run).commit(record.commit)
         parent = commit.parents[0].hexsha
@@ -74,6 +85,7 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     assert "accepted (best)" in log_output and "starter stack (colocate)" in log_output
     show = runner.invoke(app, ["show", str(run), "1"], env=ENV).output
     assert "stack/params.json" in show and "rollout_throughput" in show and "not promoted" in show
+    assert "Twin: predicted goodput" in show
     report = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.html")], env=ENV)
     assert report.exit_code == 0 and (tmp_path / "r.html").stat().st_size > 20_000
     # the best candidate, benchmarked straight from the run's history against the starter's baseline
@@ -96,6 +108,58 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     assert bench.exit_code == 0, bench.output
     names = [r["name"] for r in json.loads((tmp_path / "b.json").read_text())["runs"]]
     assert names == ["colocate", "run@best"]
+
+
+@pytest.mark.slow
+def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjudged(tmp_path, fast_target):
+    """The twin (here the target's own uncalibrated simulation: static_split 8.8 goodput, colocate 4.8)
+    stops a switch to colocate before the real judge; it is kept as prescreened, never validated."""
+    from agents.roles import Task
+    from orchestrator.runs import start_run
+    from skills.starter import starter_params
+    from targets.spec import load_target
+
+    run = tmp_path / "run"
+    loop = start_run(
+        str(fast_target),
+        run,
+        tmp_path / "ws",
+        rounds=1,
+        policy="backlog",
+        agents="offline",
+        seed=0,
+        max_minutes=None,
+        max_attempts=2,
+        repeat=1,
+        starter="static_split",
+        sandbox="auto",
+        simulate=False,
+        time_limit_s=300,
+        on_event=lambda kind, **data: None,
+    )
+    loop.state.twin = str(fast_target)  # stands in for the calibrated one: deterministic predictions
+    loop.state.backlog = [
+        Task(
+            id="controller=colocate",
+            title="switch the controller to colocate",
+            rationale="a move the twin predicts far behind",
+            skills=["colocate"],
+            changes=starter_params(load_target(str(fast_target)), "colocate"),
+            priority=100,  # before anything round 0's hints add
+        )
+    ]
+    state = loop.run()
+    record = state.record(1)
+    assert record.verdict == "prescreened" and record.attempts == 1, (record.verdict, record.reasons)
+    prediction = record.prediction
+    assert not prediction["passed"] and prediction["headline"] < 0.95 * prediction["best"]
+    assert record.headline is None and record.commit and "twin pre-screen: predicted goodput" in record.reasons[0]
+    history = History.open(run)
+    assert history.round_commit(1) is None and history.rejected_commit(1) == record.commit  # never validated
+    assert "Verdict: prescreened" in history.repo.commit(record.commit).message
+    assert state.best_round == 0 and "controller=colocate" in state.abandoned()
+    show = runner.invoke(app, ["show", str(run), "1"], env=ENV).output
+    assert "prescreened:" in show and "not measured" in show
 
 
 # -- rejection: a planted cheat is caught, kept under its ref, and the run goes on ----------------
@@ -293,6 +357,14 @@ def test_the_default_relative_paths_work_from_any_directory(tmp_path, fast_targe
 
 
 # -- bad input ---------------------------------------------------------------------------------------
+
+
+def test_a_prescreen_margin_outside_zero_to_one_is_refused(tmp_path):
+    result = runner.invoke(
+        app, ["generate", "tiny-qwen3-cpu", "--prescreen-margin", "1.5", "--out", str(tmp_path / "r")], env=ENV
+    )
+    assert result.exit_code == 2 and "--prescreen-margin 1.5" in result.output
+    assert not (tmp_path / "r").exists()
 
 
 def test_an_unknown_target_is_named(tmp_path):

@@ -249,6 +249,18 @@ def response_lengths(spec: TargetSpec, events: list[TraceEvent]) -> ResponseLeng
     return ResponseLengthSpec(mean=mean, task_sigma=math.sqrt(task_var), turn_sigma=math.sqrt(turn_var))
 
 
+def write_calibrated_spec(target_ref: str, calibration: Calibration, path: Path) -> Path:
+    """The target's own YAML with the fitted numbers in place: the calibrated twin, a simulated target."""
+    raw = yaml.safe_load(resolve_target_path(target_ref).read_text())
+    fields = calibration.yaml_fields()
+    raw["hardware"] = {**raw["hardware"], **fields["hardware"]}
+    raw["simulator"] = fields["simulator"]
+    if "workload" in fields:
+        raw["workload"]["tokens"] = {**raw["workload"]["tokens"], **fields["workload"]["tokens"]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
 def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: int | None = None) -> dict:
     """Run the stack for real, fit the cost model to its trace, write the calibrated target spec,
     simulate the same stack on it, and compare: the simulator's prediction error on that run. Both
@@ -263,14 +275,7 @@ def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: in
         raise RuntimeError("the real run failed: " + "; ".join(real.reasons[:3]))
     real_events = real.events()
     calibration = calibrate(spec, real_events)
-    raw = yaml.safe_load(resolve_target_path(session.target.ref).read_text())
-    fields = calibration.yaml_fields()
-    raw["hardware"] = {**raw["hardware"], **fields["hardware"]}
-    raw["simulator"] = fields["simulator"]
-    if "workload" in fields:
-        raw["workload"]["tokens"] = {**raw["workload"]["tokens"], **fields["workload"]["tokens"]}
-    calibrated_path = work / f"{spec.id}.calibrated.yaml"
-    calibrated_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    calibrated_path = write_calibrated_spec(session.target.ref, calibration, work / f"{spec.id}.calibrated.yaml")
     twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits)
     simulated = twin.measure(stack_dir, work / "simulated", seed=0, steps=steps)
     if not simulated.ok:

@@ -1,7 +1,9 @@
 """Twin pre-screen (cascade evaluation) on a real target.
 
-Round 0's measured run calibrates the cluster simulator to this machine (``vibetrain calibrate``'s
-fit, from the starter's median trace): the *twin*, a simulated copy of the target. Every later
+The measured runs calibrate the cluster simulator to this machine (``vibetrain calibrate``'s fit):
+the *twin*, a simulated copy of the target. It is fitted first to round 0's median trace and again
+after every validated round, pooling all of them: a starter that never shrinks leaves the twin
+guessing what a shrink costs until a candidate that shrinks has run for real. Every later
 candidate is first run on the twin (seconds) next to the best, both on one seed; only a candidate
 predicted within ``margin`` of the best goes on to the real judge and benchmark. One predicted
 further behind is recorded as ``prescreened``, kept under the rejected ref, never validated. The
@@ -30,9 +32,9 @@ class Twin:
     session: Session  # a simulated target: the calibrated spec
 
     @classmethod
-    def calibrated(cls, real: Session, trace: Path, path: Path) -> Twin:
-        """Fit the simulator to a real run's trace and write the twin's spec to ``path``."""
-        calibration = calibrate(real.target.spec, Trace.load_events(trace))
+    def calibrated(cls, real: Session, traces: list[Path], path: Path) -> Twin:
+        """Fit the simulator to real runs' traces and write the twin's spec to ``path``."""
+        calibration = calibrate(real.target.spec, [Trace.load_events(trace) for trace in traces])
         write_calibrated_spec(real.target.ref, calibration, path)
         return cls.load(real, path)
 

@@ -1,7 +1,8 @@
 """The round loop, top to bottom in one place.
 
 A run is a git repository (``generated/<run>``) plus its state. Round 0 writes the starter stack
-(on a real target with the pre-screen on, its measured trace calibrates the twin); every later
+(on a real target with the pre-screen on, the measured traces of validated rounds calibrate the
+twin); every later
 round: the policy picks a parent candidate and a task → the implementer edits a fresh worktree of
 the parent (up to ``max_attempts`` times, each fed the judge's reasons) → the twin pre-screens it
 (a real target: one predicted too far behind the best ends the round here) → the judge gates it →
@@ -88,7 +89,10 @@ class Loop:
                 self.on_event("budget", reason=reason)
                 break
             parent, task = proposal
-            self.finish_round(self.round(self.state.next_round, parent, task, llm_before))
+            record = self.round(self.state.next_round, parent, task, llm_before)
+            self.finish_round(record)
+            if self.state.config.prescreen and record.verdict == "accepted":
+                self.calibrate_twin()  # one more real run to learn from
             self.state.seconds_used = spent_before + time.monotonic() - started
             self.save()
         self.state.seconds_used = spent_before + time.monotonic() - started
@@ -296,19 +300,21 @@ class Loop:
 
     # -- the twin pre-screen ------------------------------------------------------------------------
     def calibrate_twin(self) -> None:
-        """The twin, fitted to the best's measured trace (the starter's, on a fresh run); once per run."""
-        trace = RunDir(self.run_dir).trace(self.state.best.round)
-        path = RunDir(self.run_dir).twin_spec
+        """The twin, fitted to the median traces of every validated round so far; the predictions
+        made on the previous twin are dropped."""
+        run_dir = RunDir(self.run_dir)
+        rounds = [r.round for r in self.state.accepted() if run_dir.trace(r.round).exists()]
+        path = run_dir.twin_spec
         try:
-            self._twin = Twin.calibrated(self.session, trace, path)
+            self._twin = Twin.calibrated(self.session, [run_dir.trace(n) for n in rounds], path)
         except (OSError, ValueError, RuntimeError) as error:
             raise RunError(
-                f"could not calibrate the twin from round {self.state.best.round}'s trace ({trace}): "
-                f"{type(error).__name__}: {error}; resume with --no-prescreen to judge every candidate for real"
+                f"could not calibrate the twin from the traces of rounds {rounds}: {type(error).__name__}: "
+                f"{error}; resume with --no-prescreen to judge every candidate for real"
             ) from None
-        self.state.twin = str(path)
+        self.state.twin, self.state.twin_from, self.state.twin_predictions = str(path), rounds, {}
         self.save()
-        self.on_event("twin", path=path)
+        self.on_event("twin", path=path, rounds=rounds)
 
     def twin(self) -> Twin | None:
         if not self.state.config.prescreen or self.state.twin is None:

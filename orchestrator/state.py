@@ -77,7 +77,8 @@ class RunState(BaseModel):
     llm_used: dict = {}  # calls, tokens and cost over the whole run, across resumes
     created_at: float = 0.0
     twin: str | None = None  # the calibrated twin's spec, once round 0 has calibrated it
-    twin_predictions: dict[str, float] = {}  # commit -> its headline on the twin (the best's, reused)
+    twin_from: list[int] = []  # the validated rounds whose traces the twin is fitted to
+    twin_predictions: dict[str, float] = {}  # commit -> its headline on this twin (the best's, reused)
 
     # -- queries -----------------------------------------------------------------------------------
     @property

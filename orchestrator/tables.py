@@ -128,7 +128,7 @@ class RoundsView:
                 )
             )
         elif kind == "twin":
-            self.status = f"twin calibrated from the best's trace: {data['path']}"
+            self.status = f"twin calibrated to the traces of rounds {data['rounds']}: {data['path']}"
         elif kind == "prescreen":
             verdict = "goes on to the judge" if data["passed"] else "screened out"
             self.status = (

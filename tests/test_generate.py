@@ -64,12 +64,13 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     body = git.Repo(run).git.log("-1", "--format=%B", "refs/vibetrain/rounds/1")
     assert re.search(r"not promoted: [+-]\d+(\.\d)?%", body) and "interval unbounded" in body, body
     assert f"Implementer: {candidate.account}" in body and candidate.account  # the implementer's own account
-    # the twin, calibrated from round 0's real trace, predicted round 1 before it ran for real
+    # the twin, calibrated to round 0's real trace, predicted round 1 before it ran for real; then
+    # it was fitted again to both rounds' traces
     twin = yaml.safe_load(Path(state.twin).read_text())
     assert state.config.prescreen and twin["simulator"] and twin["hardware"]["mfu"] > 0
+    assert state.twin_from == [0, 1] and state.twin_predictions == {}  # predictions of the old twin dropped
     prediction = candidate.prediction
-    assert prediction["passed"] and prediction["best_round"] == 0 and prediction["headline"] > 0
-    assert state.twin_predictions == {best.commit: prediction["best"]}
+    assert prediction["passed"] and prediction["best_round"] == 0 and 0 < prediction["best"]
     assert (
         f"Twin: predicted goodput {prediction['headline']:.4g}" in body and f"measured {candidate.headline:.4g}" in body
     )

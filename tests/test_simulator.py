@@ -351,6 +351,26 @@ def test_the_rollout_fit_recovers_its_constants_and_keeps_them_non_negative():
     assert _nonnegative_fit([(10, 1.0, 0.2), (20, 2.0, 0.4)]) == pytest.approx((0.02, 0.0))  # collinear: one term
 
 
+def test_calibration_pools_runs_and_says_which_constants_no_run_measured():
+    """A starter that never shrinks leaves the switch cost at the spec's constant (and says so); a
+    second run that shrinks supplies it: the twin pre-screen refits on every validated round."""
+    from targets.api import TraceEvent
+    from targets.harness.sim.calibrate import calibrate
+    from targets.harness.sim.cost_model import CostModel
+    from targets.spec import load_target
+
+    spec = load_target("tiny-qwen3-cpu")
+    modelled = CostModel.from_spec(spec).offload_s() - spec.simulator.switch_overhead_s
+    colocate = [TraceEvent("run_start", 0.0), TraceEvent("run_end", 5.0)]
+    shrinks = [TraceEvent("shrink", 1.2, {"start": 1.0}), TraceEvent("expand", 2.4, {"start": 2.0})]
+    alone = calibrate(spec, [colocate])
+    assert alone.simulator.switch_overhead_s == spec.simulator.switch_overhead_s
+    assert any("no shrink or expand" in note for note in alone.notes)
+    pooled = calibrate(spec, [colocate, colocate + shrinks])
+    assert pooled.simulator.switch_overhead_s == pytest.approx(max(0.0, 0.3 - modelled))
+    assert not any("no shrink or expand" in note for note in pooled.notes)
+
+
 def test_request_concurrency_is_the_mean_batch_over_a_request_s_span():
     from targets.api import TraceEvent
     from targets.harness.sim.calibrate import request_concurrency

@@ -1,5 +1,9 @@
 """Fit the cost model's efficiencies and overheads (the spec's ``simulator`` section and
-``hardware.mfu``) from a real run's trace, so the simulator predicts runs of that hardware.
+``hardware.mfu``) from real runs' traces, so the simulator predicts runs of that hardware.
+
+Several runs pool their samples (each request's concurrency and each task's lengths read within its
+own run): a run of a controller that never shrinks has no offload to time, and a later run of one
+that does supplies it.
 
 * **training**: each ``train`` event's duration against its FLOPs (cost-model formula) over its
   devices: least squares ``duration = flops / (devices * peak * mfu) + train_step_overhead_s``.
@@ -11,7 +15,8 @@
   ``b``-sequence batch plus the prefill FLOPs of the requests that joined meanwhile (new tokens
   only: a prefix the same device served the episode's previous turn is cached). Non-negative least
   squares over the requests gives the three constants.
-* **weight sync** and **offload/reload**: their mean durations less the modelled transfer time.
+* **weight sync** and **offload/reload**: their mean durations less the modelled transfer time; with
+  none in any run, the spec's constants are kept (``notes`` says so).
 * **response lengths** (``workload.tokens.response_length``): the mean tokens a completed turn
   generated, and the log-space spreads by moments: ``turn_sigma^2`` the mean variance of log
   lengths within a group, ``task_sigma^2`` the variance of the groups' mean log lengths less
@@ -161,10 +166,12 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
     return rows
 
 
-def calibrate(spec: TargetSpec, events: list[TraceEvent]) -> Calibration:
+def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
+    """The fit over the events of one or more real runs of ``spec``."""
     cost = CostModel.from_spec(spec)
     notes: list[str] = []
     fitted = spec.simulator.model_dump() | {"batching": "continuous"}  # both engine recipes batch continuously
+    events = [e for run in runs for e in run]
 
     # -- training ------------------------------------------------------------------------------
     train_rows = []
@@ -183,7 +190,7 @@ def calibrate(spec: TargetSpec, events: list[TraceEvent]) -> Calibration:
             notes.append("training: durations do not grow with FLOPs here; fitted the MFU with no fixed overhead")
 
     # -- rollout ---------------------------------------------------------------------------------
-    rollout_rows = _rollout_rows(cost, events)
+    rollout_rows = [row for run in runs for row in _rollout_rows(cost, run)]
     fit = _nonnegative_fit(rollout_rows) if rollout_rows else None
     if fit is not None and fit[1] > 0:
         step, per_flop, request = fit
@@ -205,9 +212,13 @@ def calibrate(spec: TargetSpec, events: list[TraceEvent]) -> Calibration:
     sync = mean_duration(("sync",))
     if sync is not None:
         fitted["sync_overhead_s"] = max(0.0, sync - (cost.sync_s() - cost.sync_overhead_s))
+    else:
+        notes.append(f"no weight sync in the run(s): sync_overhead_s kept at {cost.sync_overhead_s:g} s")
     switch = mean_duration(("shrink", "expand"))
     if switch is not None:
         fitted["switch_overhead_s"] = max(0.0, switch - (cost.offload_s() - cost.switch_overhead_s))
+    else:
+        notes.append(f"no shrink or expand in the run(s): switch_overhead_s kept at {cost.switch_overhead_s:g} s")
     # Efficiencies are fractions of the catalog peak; a device faster than its catalog number gets
     # its peak raised so that the fastest fitted rate is 100% of it.
     peak = spec.hardware.bf16_tflops
@@ -215,22 +226,23 @@ def calibrate(spec: TargetSpec, events: list[TraceEvent]) -> Calibration:
     if scale > 1.0:
         notes.append(f"measured compute above the catalog peak ({peak:g} TFLOP/s): bf16_tflops raised {scale:.2f}x")
         peak, mfu, fitted["rollout_mfu"] = peak * scale, mfu / scale, fitted["rollout_mfu"] / scale
-    lengths = response_lengths(spec, events)
+    lengths = response_lengths(spec, runs)
     samples = {"train_steps": len(train_rows), "requests": len(rollout_rows)}
     return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, lengths, notes, samples)
 
 
-def response_lengths(spec: TargetSpec, events: list[TraceEvent]) -> ResponseLengthSpec | None:
-    """The response-length model fitted to the turns the run completed whole (see the module doc)."""
+def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> ResponseLengthSpec | None:
+    """The response-length model fitted to the turns the runs completed whole (see the module doc)."""
     budget = spec.workload.tokens.response
-    by_group: dict[str, list[float]] = defaultdict(list)
+    by_group: dict[tuple[int, str], list[float]] = defaultdict(list)  # a group is a task of its own run
     lengths = []
-    for e in events:
-        if e.kind == "generate" and not e.data["aborted"] and not e.data.get("continues"):
-            n = token_count(e.data["tokens"])
-            if n:
-                lengths.append(n)
-                by_group[group_of(e.data["episode"])].append(math.log(n))
+    for run, events in enumerate(runs):
+        for e in events:
+            if e.kind == "generate" and not e.data["aborted"] and not e.data.get("continues"):
+                n = token_count(e.data["tokens"])
+                if n:
+                    lengths.append(n)
+                    by_group[run, group_of(e.data["episode"])].append(math.log(n))
     if not lengths:
         return None
 
@@ -274,7 +286,7 @@ def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: in
     if not real.ok:
         raise RuntimeError("the real run failed: " + "; ".join(real.reasons[:3]))
     real_events = real.events()
-    calibration = calibrate(spec, real_events)
+    calibration = calibrate(spec, [real_events])
     calibrated_path = write_calibrated_spec(session.target.ref, calibration, work / f"{spec.id}.calibrated.yaml")
     twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits)
     simulated = twin.measure(stack_dir, work / "simulated", seed=0, steps=steps)

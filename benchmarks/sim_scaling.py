@@ -5,7 +5,10 @@ Prints wall seconds of the simulated system run, trajectory-turns simulated, and
 trajectory-turn (flat = linear scaling).
 
     python benchmarks/sim_scaling.py [--target qwen3-235b-a22b-h800x160] [--controller time_multiplex]
-                                     [--base-batch 128] [--steps 2] [--sandbox auto]
+                                     [--base-batch 128] [--steps 2] [--factors 1,2,4] [--sandbox auto]
+
+The production target as specified (160 devices, batch 512), ten steps:
+``--base-batch 512 --steps 10 --factors 1``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main(
     controller: str = "time_multiplex",
     base_batch: int = 128,
     steps: int = 2,
+    factors: str = typer.Option("1,2,4", help="multiples of --base-batch to run, comma-separated"),
     sandbox: str = "auto",
 ) -> None:
     spec = load_target(target)
@@ -39,10 +43,14 @@ def main(
     directory = write_starter(work / controller, spec, controller)
     raw = yaml.safe_load(resolve_target_path(target).read_text())
     box = Sandbox.detect(sandbox)
-    table = Table(title=f"simulation cost on {spec.id} ({controller}, {steps} steps)")
+    table = Table(title=f"simulation cost on {spec.id} ({spec.hardware.count} devices, {controller}, {steps} steps)")
     for column in ("batch", "wall s", "simulated s", "trajectory-turns", "µs per trajectory-turn"):
         table.add_column(column, justify="right")
-    for factor in (1, 2, 4):
+    try:
+        multiples = [int(f) for f in factors.split(",")]
+    except ValueError:
+        raise SystemExit(f"--factors {factors!r}: whole numbers separated by commas, e.g. 1,2,4") from None
+    for factor in multiples:
         batch = base_batch * factor
         raw["workload"].update(batch_size=batch, train_steps=steps)
         path = work / f"batch{batch}.yaml"

@@ -208,7 +208,7 @@ def test_abort_answers_everything_with_partial_tokens(big):
 
     running, queued = _engine_run(cost, body)
     assert running.finish_reason == queued.finish_reason == "abort"
-    assert 0 < len(running.tokens) < 1000 and queued.tokens == []
+    assert 0 < len(running.tokens) < 1000 and len(queued.tokens) == 0
 
 
 def test_static_batching_admits_only_between_batches():

@@ -15,7 +15,6 @@ frames as bytes arrive and hands each to a callback at once, and it can hold its
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import struct
 from collections import deque
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import orjson
 
 HEADER = struct.Struct("!I")
 MAX_HEADER_BYTES = 64 << 20
@@ -51,7 +51,7 @@ class Frame:
         return {**ref, "dtype": dtype}
 
     def encode(self) -> bytes:
-        header = json.dumps({**self.header, "blobs": [len(b) for b in self.blobs]}, separators=(",", ":")).encode()
+        header = orjson.dumps({**self.header, "blobs": [len(b) for b in self.blobs]}, option=orjson.OPT_SERIALIZE_NUMPY)
         return b"".join([HEADER.pack(len(header)), header, *self.blobs])
 
 
@@ -90,8 +90,8 @@ class Received:
 def _header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
     """The header and the total size of the blobs it announces."""
     try:
-        header = json.loads(bytes(data))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        header = orjson.loads(data)
+    except orjson.JSONDecodeError as error:
         raise ProtocolError(f"a frame header is not JSON: {error}") from None
     sizes = header.get("blobs") if isinstance(header, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):

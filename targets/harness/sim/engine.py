@@ -20,15 +20,18 @@ suspend) or an offload drops everything.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from targets.api import Completion
 from targets.harness.sim.cost_model import CostModel
 
-FILLER = tuple((7 * i + 3) % 40 + 5 for i in range(8192))  # the tokens a simulated engine "emits"
+# The tokens a simulated engine "emits": an array, as a completion crosses to the controller as bytes
+# (a list would be converted on every turn).
+FILLER = np.array([(7 * i + 3) % 40 + 5 for i in range(8192)], dtype=np.int32)
 EPS = 1e-9
 
 
@@ -267,10 +270,8 @@ class SimEngine:
         self._evict_to(self.capacity)
 
     def _completion(self, seq: _Sequence, finish: str) -> Completion:
+        """Filler tokens as arrays (they go to the controller as bytes; only their count is recorded)."""
         n = int(seq.generated + EPS) if finish == "abort" else seq.length
         start = zlib.crc32(seq.episode.encode()) % (len(FILLER) // 2)
-        if start + n <= len(FILLER):
-            tokens = list(FILLER[start : start + n])
-        else:
-            tokens = list(itertools.islice(itertools.cycle(FILLER), start, start + n))
-        return Completion(tokens, [-1.0] * n, finish, seq.version, self.devices[0])
+        tokens = FILLER[start : start + n] if start + n <= len(FILLER) else np.resize(np.roll(FILLER, -start), n)
+        return Completion(tokens, np.full(n, -1.0), finish, seq.version, self.devices[0])

@@ -43,6 +43,7 @@ class ResponseLengths:
         self.budget = tokens.response
         self.seed = seed
         self.spec = spec
+        self._z_task: dict[str, float] = {}  # one draw per task, made once (seeding a Random from a string is dear)
         if spec is None:
             return
         sigma = math.hypot(spec.task_sigma, spec.turn_sigma)
@@ -56,7 +57,10 @@ class ResponseLengths:
         """The tokens turn ``turn`` of ``episode_id`` generates, its whole budget without a spec."""
         if self.spec is None:
             return self.budget
-        z_task = random.Random(f"{self.seed}|task|{self.task_of(episode_id)}").gauss(0.0, 1.0)
+        task = self.task_of(episode_id)
+        z_task = self._z_task.get(task)
+        if z_task is None:
+            z_task = self._z_task[task] = random.Random(f"{self.seed}|task|{task}").gauss(0.0, 1.0)
         z_turn = random.Random(f"{self.seed}|turn|{episode_id}|{turn}").gauss(0.0, 1.0)
         tokens = math.exp(self.mu + self.spec.task_sigma * z_task + self.spec.turn_sigma * z_turn)
         return min(self.budget, max(1, round(tokens)))

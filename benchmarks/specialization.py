@@ -1,0 +1,114 @@
+"""Does the search specialize? For each simulated catalog target: a ``vibetrain generate`` run (offline
+agents), then its best stack benchmarked side by side with every hand-written baseline in one bench
+run. Prints one table: per target, the best's design (its controller, the techniques switched on and
+the parameters moved off their defaults) and its ratio over each baseline.
+
+    python benchmarks/specialization.py [--rounds 6] [--targets a,b] [--out generated/specialization]
+                                        [--policy backlog] [--sandbox auto]
+
+A target whose run directory exists already is resumed up to ``--rounds`` (a finished run is only read).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.runs import export_candidate
+from orchestrator.tables import bench_table
+from skills.library import defaults, load_skills
+from skills.starter import CONTROLLERS, write_starter
+from targets.harness.benchmark import benchmark
+from targets.harness.launch import Limits
+from targets.harness.sandbox import Sandbox
+from targets.harness.session import Session
+from targets.harness.target import Target
+from targets.spec import catalog_ids, load_target
+
+console = Console()
+
+
+def design(params: dict) -> str:
+    """What a stack is, read from its params.json: controller, techniques on, other parameters moved."""
+    skills = load_skills()
+    start = defaults(skills)
+    on = [name for name, s in skills.items() if s.kind == "technique" and s.is_on(params)]
+    switches = {p for name in on for p in skills[name].enable}
+    moved = [
+        f"{k}={v}"
+        for k, v in sorted(params.items())
+        if k not in ("controller", "engine") and k not in switches and k in start and v != start[k]
+    ]
+    return " + ".join([params.get("controller", "?"), *on]) + (f" ({', '.join(moved)})" if moved else "")
+
+
+def generate(target: str, run: Path, rounds: int, policy: str, sandbox: str) -> None:
+    vibetrain = shutil.which("vibetrain")
+    if vibetrain is None:
+        raise SystemExit("the vibetrain command is not on PATH: pip install -e . first")
+    command = [vibetrain, "generate", target, "--rounds", str(rounds), "--policy", policy, "--sandbox", sandbox]
+    command += ["--out", str(run), "--resume"] if run.exists() else ["--out", str(run)]
+    console.rule(f"[bold]{target}[/bold]: {' '.join(command[1:])}")
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(f"generate on {target} failed (its run directory: {run})")
+
+
+def main(
+    rounds: int = typer.Option(6, min=1, help="rounds after the starter, per target"),
+    targets: str = typer.Option("", help="comma-separated target ids; default every simulated catalog target"),
+    out: Path = typer.Option(Path("generated/specialization"), help="where each target's run directory goes"),
+    policy: str = typer.Option("backlog", help="the search policy: backlog | evolve"),
+    sandbox: str = "auto",
+) -> None:
+    import json
+
+    ids = [t.strip() for t in targets.split(",") if t.strip()] or [
+        i for i in catalog_ids() if load_target(i).execution == "simulated"
+    ]
+    summary = Table(
+        title=f"specialization: the best stack of a {rounds}-round generate run per target, against each baseline",
+        box=box.SIMPLE_HEAD,
+    )
+    summary.add_column("target", no_wrap=True)
+    summary.add_column("best design")
+    summary.add_column("goodput", justify="right")
+    for name in CONTROLLERS:
+        summary.add_column(f"x {name}", justify="right", no_wrap=True)
+    summary.add_column("timeouts", justify="right")
+    started = time.perf_counter()
+    for target in ids:
+        spec = load_target(target)
+        run = out / spec.id
+        generate(target, run, rounds, policy, sandbox)
+        best = export_candidate(f"{run}@best")
+        params = json.loads((best / "stack" / "params.json").read_text())
+        resolved = Target.load(target)
+        session = Session(resolved, Sandbox.detect(sandbox), Limits.of(resolved, None))
+        work = Path(tempfile.mkdtemp(prefix="specialization-"))
+        stacks = [(name, write_starter(work / "stacks" / name, spec, name)) for name in CONTROLLERS]
+        runs = benchmark(session, [*stacks, ("best", best)], 1, work / "runs")
+        console.print(bench_table(spec, runs, 1, True))
+        headline = spec.headline_metric.name
+        by_name = {r.name: r.median(headline) for r in runs}
+        summary.add_row(
+            spec.id,
+            design(params),
+            f"{by_name['best']:.3g}",
+            *(f"{by_name['best'] / by_name[name]:.2f}x" for name in CONTROLLERS),
+            f"{runs[-1].median('timeout_ratio'):.0%}",
+        )
+    console.print(summary)
+    console.print(f"{time.perf_counter() - started:.0f} s in all; command: python {' '.join(sys.argv)}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

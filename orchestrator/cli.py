@@ -22,7 +22,7 @@ target_app = typer.Typer(no_args_is_help=True, help="Inspect and validate target
 app.add_typer(target_app, name="target")
 
 console = Console()
-errors = Console(stderr=True)
+errors = Console(stderr=True, soft_wrap=True)  # an error names paths and values: never broken mid-word
 
 
 @app.callback()
@@ -70,8 +70,9 @@ def list_targets() -> None:
 def show_target(target: str) -> None:
     """Print a target's resolved spec (catalog hardware numbers filled in)."""
     spec = _load(target)
-    console.print(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), highlight=False, markup=False)
-    console.print(f"# params: {_params(spec)}; groups per step: {spec.workload.groups_per_step}", highlight=False)
+    # plain text, never wrapped: ``target show X > x.yaml`` must give a spec ``target validate`` accepts
+    sys.stdout.write(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, width=10_000))
+    sys.stdout.write(f"# params: {_params(spec)}; groups per step: {spec.workload.groups_per_step}\n")
 
 
 @target_app.command("validate")
@@ -135,11 +136,19 @@ def starter(
 
     spec = _load(target)
     try:
-        write_starter(out, spec, controller)
+        write_starter(_out_dir(out), spec, controller)
     except (ValueError, FileExistsError) as error:
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
     console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")
+
+
+def _out_dir(path: Path, option: str = "--out") -> Path:
+    """A directory this command may create or fill: an existing file there is refused by name."""
+    if path.exists() and not path.is_dir():
+        errors.print(f"[red]error:[/red] {option} {path}: a file is there; give a directory (new or existing)")
+        raise typer.Exit(2)
+    return path
 
 
 def _session(target: str, sandbox: str, time_limit: float | None, simulate: bool = False):
@@ -404,7 +413,7 @@ def generate(
         level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s"
     )
     spec = _load(target)
-    out = out or Path("generated") / spec.id
+    out = _out_dir(out or Path("generated") / spec.id)
     view, live = RoundsView(spec), None
 
     def on_event(kind: str, **data) -> None:
@@ -558,13 +567,21 @@ def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND
 
 @app.command("report")
 def report(
-    run: Path, out: Path = typer.Option(None, help="HTML file to write (default RUN/../<run>-report.html)")
+    run: Path,
+    out: Path = typer.Option(
+        None, help="HTML file to write, or a directory to put <run>-report.html in (default: beside RUN)"
+    ),
 ) -> None:
     """Static HTML: metric per round, the search tree, the timeline of best vs baselines, the rounds."""
     from orchestrator.report import write_report
 
     _state_and_history(run)  # clear errors for a path that is not a run
-    path = write_report(run, out or run.parent / f"{run.name}-report.html")
+    name = f"{run.resolve().name}-report.html"
+    out = out or run.parent / name
+    if out.is_dir():
+        out = out / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = write_report(run, out)
     console.print(f"report: {path}")
 
 

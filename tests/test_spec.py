@@ -219,3 +219,23 @@ def test_limits_follow_the_model_size_unless_stated(catalog_yaml):
     assert tiny.memory_mb == pytest.approx(16_000 + 48 * 0.402304) and tiny.time_s == 600
     assert Limits.of(Target.load("qwen3-8b-h100x8", simulate=True)).time_s == 600  # simulated: a tiny proxy runs here
     assert Limits.of(Target.load("tiny-qwen3-cpu"), time_s=30).time_s == 30
+
+
+def test_target_show_piped_is_a_spec_that_validates(tmp_path):
+    """Piped (not a terminal) the spec was wrapped at 80 columns mid-string and no longer parsed."""
+    shown = runner.invoke(app, ["target", "show", "tiny-qwen3-cpu"])
+    assert shown.exit_code == 0, shown.output
+    path = tmp_path / "t.yaml"
+    path.write_text(shown.output)
+    result = runner.invoke(app, ["target", "validate", str(path)])
+    assert result.exit_code == 0, result.output
+
+
+def test_an_out_path_that_is_a_file_is_refused_by_name(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    for command in (["starter", "tiny-qwen3-cpu"], ["generate", "tiny-qwen3-cpu"]):
+        result = runner.invoke(app, [*command, "--out", str(a_file)])
+        assert result.exit_code == 2, (command, result.output)
+        assert "a file is there" in result.output and isinstance(result.exception, SystemExit)
+    assert a_file.read_text() == "mine\n"

@@ -151,6 +151,15 @@ def _out_dir(path: Path, option: str = "--out") -> Path:
     return path
 
 
+def _candidate(path: Path) -> Path:
+    """A candidate directory (it holds the ``stack`` package), checked before any work starts."""
+    if not (path / "stack" / "__init__.py").is_file():
+        what = "does not exist" if not path.exists() else "holds no stack/__init__.py: it is not a candidate directory"
+        errors.print(f"[red]error:[/red] --stack {path} {what}")
+        raise typer.Exit(2)
+    return path
+
+
 def _session(target: str, sandbox: str, time_limit: float | None, simulate: bool = False):
     """The harness session for a command: the target resolved once, its model files built here (a
     sandboxed child sees the model cache read-only), the sandbox chosen."""
@@ -191,6 +200,8 @@ def check(
 
     from skills.starter import write_starter
 
+    if stack is not None:
+        _candidate(stack)
     session = _session(target, sandbox, time_limit, simulate)
     if stack is None:
         spec = session.target.spec
@@ -257,7 +268,7 @@ def bench(
             except RunSetupError as error:
                 errors.print(f"[red]error:[/red] {error}")
                 raise typer.Exit(2) from None
-        stacks.append((path.name, path))
+        stacks.append((path.name, _candidate(path)))
     if not stacks:
         errors.print("[red]error:[/red] nothing to benchmark: give --baselines and/or --stack")
         raise typer.Exit(2)

@@ -3,6 +3,7 @@ the same agents), and reading candidates back out of a run (``RUN@best``, ``RUN@
 
 from __future__ import annotations
 
+import difflib
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
 from orchestrator.rounds import Loop
 from orchestrator.state import RunConfig, RunState, new_state
+from skills.starter import CONTROLLERS
 from targets.harness.launch import Limits
 from targets.harness.sandbox import Sandbox, SandboxUnavailable
 from targets.harness.session import Session
@@ -24,6 +26,13 @@ POLICIES = ("backlog", "evolve", "llm")
 
 class RunSetupError(ValueError):
     """A run cannot start or resume as asked (the message says why and what to do)."""
+
+
+def unknown(what: str, name: str, known) -> str:
+    """``unknown starter 'colocat' (did you mean 'colocate'?); known: ...``"""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {what} {name!r}{hint}; known: {', '.join(known)}"
 
 
 def _loop(
@@ -115,9 +124,11 @@ def start_run(
     if run_dir.exists() and any(run_dir.iterdir()):
         raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
     if policy not in POLICIES:
-        raise RunSetupError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        raise RunSetupError(unknown("policy", policy, POLICIES))
     if agents not in BACKENDS:
-        raise RunSetupError(f"unknown agent backend {agents!r}; known: {', '.join(BACKENDS)}")
+        raise RunSetupError(unknown("agent backend", agents, BACKENDS))
+    if starter not in CONTROLLERS:
+        raise RunSetupError(unknown("starter", starter, CONTROLLERS))
     if policy == "llm" and agents not in ("openai", "anthropic"):
         raise RunSetupError("--policy llm needs an LLM backend (--agents openai or anthropic)")
     if not 0 <= prescreen_margin <= 1:

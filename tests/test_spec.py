@@ -239,3 +239,17 @@ def test_an_out_path_that_is_a_file_is_refused_by_name(tmp_path):
         assert result.exit_code == 2, (command, result.output)
         assert "a file is there" in result.output and isinstance(result.exception, SystemExit)
     assert a_file.read_text() == "mine\n"
+
+
+def test_a_mistyped_candidate_or_starter_is_refused_before_any_work(tmp_path):
+    """``bench --stack typo`` ran every baseline first; ``check --stack emptydir`` passed integrity and
+    then failed in accuracy; ``generate --starter colocat`` left a run directory nothing could use."""
+    bench = runner.invoke(app, ["bench", "qwen3-8b-h800x16", "--stack", str(tmp_path / "typo")])
+    assert bench.exit_code == 2 and f"--stack {tmp_path / 'typo'} does not exist" in bench.output, bench.output
+    (tmp_path / "empty").mkdir()
+    check = runner.invoke(app, ["check", "tiny-qwen3-cpu", "--stack", str(tmp_path / "empty")])
+    assert check.exit_code == 2 and "not a candidate directory" in check.output, check.output
+    run = tmp_path / "run"
+    generate = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--starter", "colocat", "--out", str(run)])
+    assert generate.exit_code == 2 and "did you mean 'colocate'?" in generate.output, generate.output
+    assert not run.exists()

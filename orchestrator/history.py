@@ -134,9 +134,15 @@ class History:
     def remove_worktree(self, path: Path) -> None:
         path = path.resolve()
         if path.exists():
-            if (path / ".git").is_file():
+            link = path / ".git"
+            gitdir = Path(link.read_text().removeprefix("gitdir:").strip()) if link.is_file() else None
+            if gitdir is not None and gitdir.resolve().is_relative_to(Path(self.repo.git_dir).resolve()):
                 self.repo.git.worktree("remove", "--force", str(path))
-            else:
+            elif gitdir is not None and gitdir.exists():
+                raise HistoryError(
+                    f"{path} is a worktree of another run's repository ({gitdir}); give this run its own --workspaces"
+                )
+            else:  # a plain directory, or left by a run whose repository is gone
                 shutil.rmtree(path)
         self.repo.git.worktree("prune")
 

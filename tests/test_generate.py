@@ -21,7 +21,7 @@ import yaml
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.history import History
+from orchestrator.history import History, HistoryError
 from orchestrator.state import RunState, RunStateError
 
 runner = CliRunner()
@@ -416,6 +416,24 @@ def test_a_dirty_run_worktree_is_refused_on_resume(tmp_path):
     (run / "edited-by-hand.txt").unlink()
     result = runner.invoke(app, ["generate", "qwen3-8b-h100x8", "--resume", "--out", str(run)], env=ENV)
     assert result.exit_code == 2 and "is a run for tiny-qwen3-cpu" in result.output
+
+
+def test_a_workspace_left_by_a_deleted_run_is_replaced_and_a_live_runs_is_refused(tmp_path):
+    """A killed run whose directory was deleted left its round worktree behind: the next run of the
+    target failed on ``git worktree remove`` (not its worktree) with a traceback."""
+    import shutil
+
+    workspace = tmp_path / "workspaces" / "round-1"
+    old = History.create(tmp_path / "old", "vibetrain run: old")
+    old.worktree(workspace, old.root())
+    new = History.create(tmp_path / "new", "vibetrain run: new")
+    with pytest.raises(HistoryError, match="a worktree of another run's repository"):
+        new.worktree(workspace, new.root())  # the old run still exists: its workspace is not ours to delete
+    shutil.rmtree(tmp_path / "old")
+    assert new.worktree(workspace, new.root()) == workspace.resolve()
+    assert git.Repo(workspace).head.commit.hexsha == new.root()  # a worktree of the new run, at its root
+    new.remove_worktree(workspace)
+    assert not workspace.exists()
 
 
 def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):

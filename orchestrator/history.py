@@ -136,14 +136,14 @@ class History:
         if path.exists():
             link = path / ".git"
             gitdir = Path(link.read_text().removeprefix("gitdir:").strip()) if link.is_file() else None
-            if gitdir is not None and gitdir.resolve().is_relative_to(Path(self.repo.git_dir).resolve()):
+            if gitdir is None or not gitdir.exists():  # a plain directory, or left by a repository now gone
+                shutil.rmtree(path)
+            elif gitdir.resolve().is_relative_to(Path(self.repo.git_dir).resolve()):
                 self.repo.git.worktree("remove", "--force", str(path))
-            elif gitdir is not None and gitdir.exists():
+            else:
                 raise HistoryError(
                     f"{path} is a worktree of another run's repository ({gitdir}); give this run its own --workspaces"
                 )
-            else:  # a plain directory, or left by a run whose repository is gone
-                shutil.rmtree(path)
         self.repo.git.worktree("prune")
 
     # -- commits -----------------------------------------------------------------------------------

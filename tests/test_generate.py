@@ -430,10 +430,18 @@ def test_a_workspace_left_by_a_deleted_run_is_replaced_and_a_live_runs_is_refuse
     with pytest.raises(HistoryError, match="a worktree of another run's repository"):
         new.worktree(workspace, new.root())  # the old run still exists: its workspace is not ours to delete
     shutil.rmtree(tmp_path / "old")
-    assert new.worktree(workspace, new.root()) == workspace.resolve()
-    assert git.Repo(workspace).head.commit.hexsha == new.root()  # a worktree of the new run, at its root
+    assert new.worktree(workspace, new.root()) == workspace.resolve()  # left by a deleted run: replaced
+    assert git.Repo(workspace).head.commit.hexsha == new.root()
     new.remove_worktree(workspace)
     assert not workspace.exists()
+    # a run deleted and started again at the same path: the workspace's link names the new repository's
+    # git directory, which has no such worktree
+    old = History.create(tmp_path / "old", "vibetrain run: old")
+    old.worktree(workspace, old.root())
+    shutil.rmtree(tmp_path / "old")
+    again = History.create(tmp_path / "old", "vibetrain run: old, again")
+    assert again.worktree(workspace, again.root()) == workspace.resolve()
+    assert git.Repo(workspace).head.commit.hexsha == again.root()
 
 
 def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):

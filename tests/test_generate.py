@@ -41,6 +41,17 @@ def _trailers(run: Path, ref: str = "best") -> str:
 # -- the main job on a real target -------------------------------------------------------------------
 
 
+def _start(target: Path, tmp_path: Path, **options):
+    """A run started through the API (not the CLI) with the tests' settings: offline agents, one
+    measured pair per candidate, round 0 the colocate starter."""
+    from orchestrator.runs import start_run
+
+    settings = dict(rounds=1, policy="backlog", agents="offline", seed=0, max_minutes=None, max_attempts=2)
+    settings.update(repeat=1, starter="colocate", sandbox="auto", simulate=False, time_limit_s=300)
+    on_event = lambda kind, **data: None  # noqa: E731
+    return start_run(str(target), tmp_path / "run", tmp_path / "ws", on_event=on_event, **{**settings, **options})
+
+
 @pytest.mark.slow
 def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fast_target):
     """One measured pair per round on a real target says nothing of noise: round 1 is validated and
@@ -116,28 +127,11 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
     """The twin (here the target's own uncalibrated simulation: static_split 8.8 goodput, colocate 4.8)
     stops a switch to colocate before the real judge; it is kept as prescreened, never validated."""
     from agents.roles import Task
-    from orchestrator.runs import start_run
     from skills.starter import starter_params
     from targets.spec import load_target
 
     run = tmp_path / "run"
-    loop = start_run(
-        str(fast_target),
-        run,
-        tmp_path / "ws",
-        rounds=1,
-        policy="backlog",
-        agents="offline",
-        seed=0,
-        max_minutes=None,
-        max_attempts=2,
-        repeat=1,
-        starter="static_split",
-        sandbox="auto",
-        simulate=False,
-        time_limit_s=300,
-        on_event=lambda kind, **data: None,
-    )
+    loop = _start(fast_target, tmp_path, starter="static_split")
     loop.state.twin = str(fast_target)  # stands in for the calibrated one: deterministic predictions
     loop.state.backlog = [
         Task(
@@ -169,7 +163,6 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
 @pytest.mark.slow
 def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
     from agents.offline.implementer import OfflineImplementer
-    from orchestrator.runs import start_run
 
     original = OfflineImplementer.implement
 
@@ -179,23 +172,7 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
         return attempt
 
     run = tmp_path / "run"
-    loop = start_run(
-        str(fast_target),
-        run,
-        tmp_path / "ws",
-        rounds=2,
-        policy="backlog",
-        agents="offline",
-        seed=0,
-        max_minutes=None,
-        max_attempts=2,
-        repeat=1,
-        starter="colocate",
-        sandbox="auto",
-        simulate=True,
-        time_limit_s=300,
-        on_event=lambda kind, **data: None,
-    )
+    loop = _start(fast_target, tmp_path, rounds=2, simulate=True)
     OfflineImplementer.implement = cheating
     try:
         state = loop.run()

@@ -11,6 +11,7 @@ A target whose run directory exists already is resumed up to ``--rounds`` (a fin
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -23,15 +24,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.runs import export_candidate
-from orchestrator.tables import bench_table
+from orchestrator.history import History
 from skills.library import defaults, load_skills
-from skills.starter import CONTROLLERS, write_starter
-from targets.harness.benchmark import benchmark
-from targets.harness.launch import Limits
-from targets.harness.sandbox import Sandbox
-from targets.harness.session import Session
-from targets.harness.target import Target
+from skills.starter import CONTROLLERS
 from targets.spec import catalog_ids, load_target
 
 console = Console()
@@ -51,15 +46,14 @@ def design(params: dict) -> str:
     return " + ".join([params.get("controller", "?"), *on]) + (f" ({', '.join(moved)})" if moved else "")
 
 
-def generate(target: str, run: Path, rounds: int, policy: str, sandbox: str) -> None:
-    vibetrain = shutil.which("vibetrain")
-    if vibetrain is None:
+def vibetrain(*args: str) -> None:
+    """One ``vibetrain`` command, its output on this terminal, exactly as a user would run it."""
+    command = shutil.which("vibetrain")
+    if command is None:
         raise SystemExit("the vibetrain command is not on PATH: pip install -e . first")
-    command = [vibetrain, "generate", target, "--rounds", str(rounds), "--policy", policy, "--sandbox", sandbox]
-    command += ["--out", str(run), "--resume"] if run.exists() else ["--out", str(run)]
-    console.rule(f"[bold]{target}[/bold]: {' '.join(command[1:])}")
-    if subprocess.run(command).returncode != 0:
-        raise SystemExit(f"generate on {target} failed (its run directory: {run})")
+    console.rule(f"[bold]vibetrain {' '.join(args)}")
+    if subprocess.run([command, *args]).returncode != 0:
+        raise SystemExit(f"vibetrain {' '.join(args)} failed")
 
 
 def main(
@@ -69,8 +63,6 @@ def main(
     policy: str = typer.Option("backlog", help="the search policy: backlog | evolve"),
     sandbox: str = "auto",
 ) -> None:
-    import json
-
     ids = [t.strip() for t in targets.split(",") if t.strip()] or [
         i for i in catalog_ids() if load_target(i).execution == "simulated"
     ]
@@ -88,23 +80,43 @@ def main(
     for target in ids:
         spec = load_target(target)
         run = out / spec.id
-        generate(target, run, rounds, policy, sandbox)
-        best = export_candidate(f"{run}@best")
-        params = json.loads((best / "stack" / "params.json").read_text())
-        resolved = Target.load(target)
-        session = Session(resolved, Sandbox.detect(sandbox), Limits.of(resolved, None))
-        work = Path(tempfile.mkdtemp(prefix="specialization-"))
-        stacks = [(name, write_starter(work / "stacks" / name, spec, name)) for name in CONTROLLERS]
-        runs = benchmark(session, [*stacks, ("best", best)], 1, work / "runs")
-        console.print(bench_table(spec, runs, 1, True))
+        resume = ["--resume"] if run.exists() else []
+        vibetrain(
+            "generate",
+            target,
+            "--rounds",
+            str(rounds),
+            "--policy",
+            policy,
+            "--sandbox",
+            sandbox,
+            "--out",
+            str(run),
+            *resume,
+        )
+        results = Path(tempfile.mkdtemp(prefix="specialization-")) / "bench.json"
+        baselines = ",".join(CONTROLLERS)
+        vibetrain(
+            "bench",
+            target,
+            "--baselines",
+            baselines,
+            "--stack",
+            f"{run}@best",
+            "--sandbox",
+            sandbox,
+            "--json",
+            str(results),
+        )
+        *bases, best = json.loads(results.read_text())["runs"]  # the baselines, then the --stack
         headline = spec.headline_metric.name
-        by_name = {r.name: r.median(headline) for r in runs}
+        history = History.open(run)
         summary.add_row(
             spec.id,
-            design(params),
-            f"{by_name['best']:.3g}",
-            *(f"{by_name['best'] / by_name[name]:.2f}x" for name in CONTROLLERS),
-            f"{runs[-1].median('timeout_ratio'):.0%}",
+            design(history.params(history.best())),
+            f"{best['metrics'][headline]:.3g}",
+            *(f"{best['metrics'][headline] / base['metrics'][headline]:.2f}x" for base in bases),
+            f"{best['metrics']['timeout_ratio']:.0%}",
         )
     console.print(summary)
     console.print(f"{time.perf_counter() - started:.0f} s in all; command: python {' '.join(sys.argv)}")

@@ -165,7 +165,7 @@ class Loop:
                     self.reject(record, workspace, verdict)
                 else:
                     self.accept(record, evaluation, workspace)
-            elif record.prediction is not None and record.prediction.get("passed") is False:
+            elif record.screened_out:
                 self.reject(record, workspace, verdict, "prescreened")
             else:
                 self.reject(record, workspace, verdict)
@@ -216,7 +216,7 @@ class Loop:
             if screened is not None:
                 record.reasons = screened.reasons
                 self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=screened.reasons)
-                if record.prediction is not None and record.prediction.get("passed") is False:
+                if record.screened_out:
                     return screened  # predicted too slow: another attempt at the same task is not the fix
                 verdict, feedback = screened, screened.reasons
                 continue

@@ -66,6 +66,11 @@ class RoundRecord(BaseModel):
     seconds: float = 0.0
     became_best: bool = False
 
+    @property
+    def screened_out(self) -> bool:
+        """The twin predicted it beyond the margin behind the best (not a twin failure, not a skip)."""
+        return self.prediction is not None and self.prediction.get("passed") is False
+
 
 class RunState(BaseModel):
     model_config = ConfigDict(extra="forbid")

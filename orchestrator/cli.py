@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
@@ -13,20 +14,50 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from orchestrator.tables import RoundsView, bench_table, checks_table, costs_table, num, promotion, rounds_table
+from orchestrator.tables import (
+    RoundsView,
+    bench_table,
+    checks_table,
+    costs_table,
+    num,
+    plain,
+    promotion,
+    rounds_table,
+)
 from skills.starter import CONTROLLERS
 from targets.spec import SpecError, TargetSpec, catalog_ids, load_target
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Generate and benchmark time-multiplexed RL stacks.")
-target_app = typer.Typer(no_args_is_help=True, help="Inspect and validate target specs.")
+HELP = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings=HELP,
+    help="Generate and benchmark time-multiplexed RL stacks.\n\n"
+    "Start with: vibetrain generate tiny-qwen3-cpu --rounds 2, then vibetrain log RUN and vibetrain show RUN best.",
+)
+target_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Inspect and validate target specs.")
 app.add_typer(target_app, name="target")
 
 console = Console()
 errors = Console(stderr=True, soft_wrap=True)  # an error names paths and values: never broken mid-word
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        from orchestrator.provenance import source_commit
+
+        sys.stdout.write(f"vibetrain {version('vibetrain')} ({source_commit()})\n")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and source commit, then exit"
+    ),
+) -> None:
     """SIGTERM (a timeout, a scheduler) unwinds like Ctrl-C, so the harness takes its candidate processes down."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
@@ -45,15 +76,36 @@ def _params(spec: TargetSpec) -> str:
     return fmt(counts.total) if counts.total == counts.active else f"{fmt(counts.total)} ({fmt(counts.active)} active)"
 
 
+def _print_table(table: Table) -> None:
+    """A table on a terminal; tab-separated rows in a pipe or a file (whole rows for grep and cut)."""
+    if console.is_terminal:
+        console.print(table)
+    else:
+        sys.stdout.write(plain(table))
+
+
+def _print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
+
+
+JSON_OPTION = typer.Option(False, "--json", help="print JSON instead of a table (for scripts)")
+
+
 @app.command("targets")
-def list_targets() -> None:
-    """List the catalog targets."""
+def list_targets(as_json: bool = JSON_OPTION) -> None:
+    """List the catalog targets.
+
+    Example: vibetrain targets --json | jq -r '.[].id'
+    """
+    specs = [_load(target_id) for target_id in catalog_ids()]
+    if as_json:
+        _print_json([{"params": _params(spec), **spec.model_dump(mode="json")} for spec in specs])
+        return
     table = Table(title="vibetrain targets")
     table.add_column("id", no_wrap=True)  # people copy ids from here: never truncate them
     for column in ("model", "hardware", "environment", "execution", "batch x group"):
-        table.add_column(column, overflow="fold")
-    for target_id in catalog_ids():
-        spec = _load(target_id)
+        table.add_column(column, overflow="fold", min_width=len(column))
+    for spec in specs:
         w = spec.workload
         table.add_row(
             spec.id,
@@ -63,12 +115,15 @@ def list_targets() -> None:
             spec.execution,
             f"{w.batch_size} x {w.group_size}",
         )
-    console.print(table)
+    _print_table(table)
 
 
 @target_app.command("show")
 def show_target(target: str) -> None:
-    """Print a target's resolved spec (catalog hardware numbers filled in)."""
+    """Print a target's resolved spec (catalog hardware numbers filled in) as YAML that ``target validate`` accepts.
+
+    Example: vibetrain target show tiny-qwen3-cpu > my-target.yaml
+    """
     spec = _load(target)
     # plain text, never wrapped: ``target show X > x.yaml`` must give a spec ``target validate`` accepts
     sys.stdout.write(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, width=10_000))
@@ -77,7 +132,10 @@ def show_target(target: str) -> None:
 
 @target_app.command("validate")
 def validate_target(path: Path) -> None:
-    """Validate a target spec YAML; exits non-zero naming each bad field."""
+    """Validate a target spec YAML; exits non-zero naming each bad field.
+
+    Example: vibetrain target validate my-target.yaml
+    """
     if not path.exists():
         errors.print(f"[red]error:[/red] target spec file not found: {path}")
         raise typer.Exit(2)
@@ -91,7 +149,10 @@ def reference(
     steps: int = typer.Option(30, min=1, help="training steps"),
     seed: int = typer.Option(0, help="seed for sampling and environments (weights come from the spec)"),
 ) -> None:
-    """Run the reference co-located synchronous GRPO loop and print the reward per step."""
+    """Run the reference co-located synchronous GRPO loop and print the reward per step.
+
+    Example: vibetrain reference tiny-qwen3-cpu --steps 3
+    """
     from targets.harness.reference.loop import run_reference  # heavy imports (torch) only here
 
     spec = _load(target)
@@ -131,7 +192,10 @@ def starter(
     out: Path = typer.Option(..., help="directory to create (holds stack/ and DESIGN.md)"),
     controller: str = typer.Option("time_multiplex", help="colocate | static_split | time_multiplex"),
 ) -> None:
-    """Write a starter candidate stack for TARGET (the recipes, wired for one controller)."""
+    """Write a starter candidate stack for TARGET (the recipes, wired for one controller).
+
+    Example: vibetrain starter tiny-qwen3-cpu --out my-stack --controller static_split
+    """
     from skills.starter import write_starter
 
     spec = _load(target)
@@ -194,7 +258,10 @@ def check(
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
     simulate: bool = typer.Option(False, help="run the system on the simulator, whatever the target's execution says"),
 ) -> None:
-    """Judge a candidate: integrity scan, accuracy checks 1-3, a system run and its audit. Exit 1 on failure."""
+    """Judge a candidate: integrity scan, accuracy checks 1-3, a system run and its audit. Exit 1 on failure.
+
+    Example: vibetrain check tiny-qwen3-cpu --stack my-stack --json verdict.json
+    """
     import json
     import tempfile
 
@@ -240,7 +307,10 @@ def bench(
     ),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
-    """Benchmark baselines and candidates side by side; ratios are to the first run listed."""
+    """Benchmark baselines and candidates side by side; ratios are to the first run listed.
+
+    Example: vibetrain bench tiny-qwen3-cpu --baselines colocate --stack generated/tiny-qwen3-cpu@best --json b.json
+    """
     import json
     import tempfile
 
@@ -297,7 +367,16 @@ def bench(
     console.print(costs_table(runs, simulated))
     if json_path:
         summaries = [r.summary(spec.headline_metric.name) for r in runs]
-        json_path.write_text(json.dumps({"target": spec.id, "repeat": repeat, "runs": summaries}, indent=1))
+        from orchestrator.provenance import BENCH_SCHEMA, provenance
+
+        data = {
+            "schema": BENCH_SCHEMA,
+            "provenance": provenance(spec, simulated, session.sandbox.backend),
+            "target": spec.id,
+            "repeat": repeat,
+            "runs": summaries,
+        }
+        json_path.write_text(json.dumps(data, indent=1))
         console.print(f"results: {json_path}")
     if timeline:
         devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
@@ -326,7 +405,10 @@ def calibrate(
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
     """Fit the simulator's cost model to a real run of STACK, then simulate the same stack and print
-    the prediction error; the calibrated spec is written for `vibetrain bench --simulate`."""
+    the prediction error; the calibrated spec is written for `vibetrain bench --simulate`.
+
+    Example: vibetrain calibrate tiny-qwen3-cpu --stack my-stack --out twin.yaml
+    """
     import shutil
     import tempfile
 
@@ -365,8 +447,51 @@ def calibrate(
     console.print(f"calibrated spec: {path}")
 
 
+RUN_FILE_SKIP = ("config", "print_config")
+
+
+def _stored_options(run: Path) -> dict:
+    """A run's stored configuration as ``generate`` options (``--print-config --resume``)."""
+    from orchestrator.state import RunState, RunStateError
+
+    try:
+        config = RunState.load(run).config
+    except RunStateError as error:
+        errors.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+    stored = config.model_dump(exclude={"target_id", "simulated", "llm"})
+    return {**stored, "simulate": config.simulated, "out": str(run), **config.llm}
+
+
+def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
+    """``--config run.yaml``: the file's values become this command's defaults (flags still win).
+    Its keys are the option names as ``--print-config`` writes them; an unknown key is refused."""
+    if path is None:
+        return None
+    from orchestrator.runs import unknown
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        errors.print(f"[red]error:[/red] --config {path}: {error}")
+        raise typer.Exit(2) from None
+    if not isinstance(data, dict):
+        errors.print(
+            f"[red]error:[/red] --config {path}: expected a mapping of option: value, got {type(data).__name__}"
+        )
+        raise typer.Exit(2)
+    known = [p.name for p in ctx.command.params if p.name not in RUN_FILE_SKIP]
+    bad = [key for key in data if key not in known]
+    if bad:
+        errors.print(f"[red]error:[/red] --config {path}: " + "; ".join(unknown("option", key, known) for key in bad))
+        raise typer.Exit(2)
+    ctx.default_map = {**(ctx.default_map or {}), **data}
+    return path
+
+
 @app.command("generate")
 def generate(
+    ctx: typer.Context,
     target: str,
     rounds: int = typer.Option(None, min=0, help="rounds after the starter (round 0); default 3, or the resumed run's"),
     policy: str = typer.Option("backlog", help="backlog | evolve | llm"),
@@ -407,8 +532,30 @@ def generate(
         "predicted within --prescreen-margin of the best",
     ),
     prescreen_margin: float = typer.Option(0.05, help="how far (a fraction) below the best's prediction still goes on"),
+    config: Path = typer.Option(
+        None,
+        "--config",
+        is_eager=True,
+        callback=_run_file,
+        help="YAML of option: value (as --print-config writes it); flags given here win",
+    ),
+    print_config: bool = typer.Option(
+        False, "--print-config", help="print this run's options as YAML for --config, and exit"
+    ),
 ) -> None:
-    """Generate a stack for TARGET: rounds of plan -> implement -> judge -> evaluate -> commit."""
+    """Generate a stack for TARGET: rounds of plan -> implement -> judge -> evaluate -> commit.
+
+    Example: vibetrain generate tiny-qwen3-cpu --rounds 3   (then: vibetrain log generated/tiny-qwen3-cpu)
+
+    Example: vibetrain generate tiny-qwen3-cpu --seed 4 --print-config > run.yaml; vibetrain generate --config run.yaml
+    """
+    if print_config:
+        values = {p.name: ctx.params[p.name] for p in ctx.command.params if p.name not in RUN_FILE_SKIP}
+        if resume:  # what the run state stores wins: the file reproduces that run
+            values.update(_stored_options(out or Path("generated") / _load(target).id))
+        values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+        sys.stdout.write(yaml.safe_dump(values, sort_keys=False))
+        raise typer.Exit()
     import logging
 
     from rich.live import Live
@@ -514,11 +661,24 @@ def _state_and_history(run: Path):
 
 
 @app.command("log")
-def log_rounds(run: Path) -> None:
-    """Table of a run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with reasons."""
+def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
+    """Table of a run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with
+    reasons, validated ones with why they were (not) promoted. Tab-separated rows in a pipe.
+
+    Example: vibetrain log generated/tiny-qwen3-cpu | grep rejected
+    """
     state, _ = _state_and_history(run)
-    table = rounds_table(run, state)
-    console.print(table)
+    if as_json:
+        _print_json(
+            {
+                "run": str(run),
+                "best_round": state.best_round,
+                "llm_used": state.llm_used,
+                "rounds": [r.model_dump(mode="json") for r in state.rounds],
+            }
+        )
+        return
+    _print_table(rounds_table(run, state))
     if state.llm_used:
         used = state.llm_used
         console.print(
@@ -528,52 +688,120 @@ def log_rounds(run: Path) -> None:
         )
 
 
-@app.command("show")
-def show_round(run: Path, round_number: int = typer.Argument(..., metavar="ROUND")) -> None:
-    """One round: task, diff stat, judge report, metrics, hints."""
-    state, history = _state_and_history(run)
-    record = state.record(round_number)
-    if record is None:
-        errors.print(f"[red]error:[/red] {run} has no round {round_number} (rounds 0-{state.next_round - 1})")
+def _round_of(run: Path, state, which: str):
+    """ROUND as the user wrote it: a number, ``best`` or ``latest``."""
+    if not state.rounds:
+        errors.print(f"[red]error:[/red] {run} has no finished round yet")
         raise typer.Exit(2)
-    console.print(
-        f"[bold]Round {record.round}[/bold]: {record.task.title}  ({record.verdict}, {record.attempts} attempt(s), "
-        f"{record.seconds:.0f}s)",
-        highlight=False,
+    if which == "best":
+        number = state.best_round
+        if number is None:
+            errors.print(f"[red]error:[/red] {run} has no validated candidate yet (vibetrain log {run})")
+            raise typer.Exit(2)
+    elif which == "latest":
+        number = state.rounds[-1].round
+    elif which.isdigit():
+        number = int(which)
+    else:
+        errors.print(f"[red]error:[/red] ROUND must be a round number, 'best' or 'latest', not {which!r}")
+        raise typer.Exit(2)
+    record = state.record(number)
+    if record is None:
+        errors.print(f"[red]error:[/red] {run} has no round {number} (rounds 0-{state.next_round - 1})")
+        raise typer.Exit(2)
+    return record
+
+
+def _judge_evidence(history, record) -> dict | None:
+    """The judge's report kept in the candidate's commit: every check, passed ones with their margins.
+    None for a round with no commit, or one validated before the report was kept for accepted rounds."""
+    from orchestrator.history import HistoryError
+
+    if not record.commit:
+        return None
+    try:
+        return history.record(record.commit, "judge.json")
+    except HistoryError:
+        return None
+
+
+def _detail(value) -> str:
+    if isinstance(value, float):
+        return num(value) if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_detail(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list) and len(value) > 6:
+        return "[" + ", ".join(_detail(v) for v in value[:6]) + f", ... {len(value) - 6} more]"
+    return str(value)
+
+
+@app.command("show")
+def show_round(
+    run: Path,
+    which: str = typer.Argument("best", metavar="ROUND", help="a round number, best or latest"),
+    as_json: bool = JSON_OPTION,
+    profile: bool = typer.Option(False, "--profile", help="also print the harness's per-call profile"),
+) -> None:
+    """One round: task, the implementer's account, the judge's evidence (each check with its
+    margins), metrics with spread, the paired comparison with the best, hints, then the stack's diff
+    against its parent (bookkeeping files left out).
+
+    Example: vibetrain show generated/tiny-qwen3-cpu best | less
+    """
+    state, history = _state_and_history(run)
+    record = _round_of(run, state, which)
+    judge = _judge_evidence(history, record)
+    diff = history.stack_diff(record.commit) if record.commit else ""
+    if as_json:
+        _print_json({**record.model_dump(mode="json"), "judge": judge, "diff": diff})
+        return
+    out = Console(soft_wrap=not console.is_terminal, highlight=False)  # whole lines in a pipe
+    best = " (best)" if record.round == state.best_round else ""
+    out.print(
+        f"[bold]Round {record.round}[/bold]{best}: {record.task.title}  ({record.verdict}, "
+        f"{record.attempts} attempt(s), {record.seconds:.0f}s)"
     )
-    console.print(f"task {record.task.id} from {record.task.source or '-'}: {record.task.rationale}", highlight=False)
-    console.print(
-        f"parent: round {record.parent_round} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}",
-        highlight=False,
+    out.print(f"task {record.task.id} from {record.task.source or '-'}: {record.task.rationale}", markup=False)
+    out.print(
+        f"parent: round {record.parent_round} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}"
     )
-    if record.commit:
-        console.print(history.diff_stat(record.commit), highlight=False, markup=False)
-    if record.reasons:
-        console.print(
-            "[bold]judge[/bold]: "
-            + ("passed" if record.verdict == "accepted" else "\n  ".join([f"{record.verdict}:", *record.reasons]))
+    out.print(f"[bold]implementer[/bold]: {record.account or '(no account)'}")
+    if judge is None:
+        out.print(
+            "[bold]judge[/bold]: no report kept for this round"
+            + (f": {'; '.join(record.reasons)}" if record.reasons else "")
         )
+    else:
+        out.print("[bold]judge[/bold]: " + ("passed" if not judge["reasons"] else f"{len(judge['reasons'])} reason(s)"))
+        for check in judge["checks"]:
+            mark = "[green]pass[/green]" if check["passed"] else "[red]FAIL[/red]"
+            details = ", ".join(f"{k} {_detail(v)}" for k, v in check.get("details", {}).items())
+            out.print(f"  {mark} {check['name']}" + (f": {details}" if details else ""))
+            for reason in check.get("reasons", []):
+                out.print(f"      {reason}", markup=False)
     if record.prediction is not None:
         from orchestrator.prescreen import twin_said
 
-        console.print(twin_said(record), highlight=False, markup=False)
-    if record.paired is not None:
-        console.print(f"[bold]paired with the best[/bold]: {promotion(record)}", highlight=False)
+        out.print(twin_said(record), markup=False)
+    if record.verdict == "accepted":
+        out.print(f"[bold]against the best[/bold]: {promotion(record)}")
     if record.metrics:
-        console.print(
+        out.print(
             "[bold]metrics[/bold] (median; ± max-min): "
             + ", ".join(
                 f"{k} {num(v)}" + (f" ± {num(record.spread[k])}" if k in record.spread else "")
                 for k, v in record.metrics.items()
                 if isinstance(v, (int, float))
-            ),
-            highlight=False,
+            )
         )
     for hint in record.hints:
-        console.print(f"hint {hint['code']}: {hint['message']}", highlight=False, markup=False)
-    if record.profile:
-        console.print("[bold]profile[/bold] (each call as the harness timed it, median repeat):")
-        console.print("\n".join(record.profile.strip().splitlines()[:30]), highlight=False, markup=False)
+        out.print(f"hint {hint['code']}: {hint['message']}", markup=False)
+    if profile and record.profile:
+        out.print("[bold]profile[/bold] (each call as the harness timed it, median repeat):")
+        out.print(record.profile.strip(), markup=False)
+    if diff:
+        out.print(f"[bold]diff against the parent[/bold] (git -C {run} show {record.commit[:10]} for everything):")
+        out.print(diff, markup=False)
 
 
 @app.command("report")
@@ -583,7 +811,10 @@ def report(
         None, help="HTML file to write, or a directory to put <run>-report.html in (default: beside RUN)"
     ),
 ) -> None:
-    """Static HTML: metric per round, the search tree, the timeline of best vs baselines, the rounds."""
+    """Static HTML: metric per round, the search tree, the timeline of best vs baselines, the rounds.
+
+    Example: vibetrain report generated/tiny-qwen3-cpu --out reports/
+    """
     from orchestrator.report import write_report
 
     _state_and_history(run)  # clear errors for a path that is not a run

@@ -177,8 +177,9 @@ class History:
         """Move ``best`` (the checked-out branch) so the run directory shows the best candidate."""
         self.repo.git.reset("--hard", commit)
 
-    def diff_stat(self, commit: str) -> str:
+    def stack_diff(self, commit: str, stat: bool = False) -> str:
+        """What the candidate changed against its parent: the stack and its DESIGN.md, never the
+        ``.vibetrain/`` bookkeeping (a round record would bury a one-line change)."""
         parents = self.repo.commit(commit).parents
-        if not parents:
-            return self.repo.git.show("--stat", "--format=", commit)
-        return self.repo.git.diff("--stat", parents[0].hexsha, commit)
+        base = parents[0].hexsha if parents else self.repo.git.hash_object("-t", "tree", "/dev/null")
+        return self.repo.git.diff(*(["--stat"] if stat else []), base, commit, "--", ".", f":(exclude){RECORD_DIR}")

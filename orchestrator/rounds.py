@@ -28,6 +28,7 @@ from orchestrator.policies import Policy
 from orchestrator.prescreen import Twin, clears, twin_said
 from orchestrator.run_dir import RunDir
 from orchestrator.state import RoundRecord, RunState, RunStateError
+from orchestrator.tables import promotion
 from skills.design_doc import DesignDoc
 from targets.harness.session import Paired, Session
 from targets.harness.target import Target
@@ -164,7 +165,7 @@ class Loop:
                     record.reasons = verdict.reasons
                     self.reject(record, workspace, verdict)
                 else:
-                    self.accept(record, evaluation, workspace)
+                    self.accept(record, evaluation, workspace, verdict)
             elif record.screened_out:
                 self.reject(record, workspace, verdict, "prescreened")
             else:
@@ -230,11 +231,13 @@ class Loop:
             feedback = verdict.reasons
         return verdict
 
-    def accept(self, record: RoundRecord, evaluation: Evaluation, workspace: Path) -> None:
+    def accept(self, record: RoundRecord, evaluation: Evaluation, workspace: Path, verdict: Verdict) -> None:
         record.verdict, record.headline = "accepted", evaluation.headline
         record.metrics = {k: v for k, v in evaluation.metrics.items() if k != "device_utilization"}
         record.spread, record.hints = evaluation.spread, [h.model_dump() for h in evaluation.hints]
-        record.profile, record.paired = evaluation.profile, evaluation.paired
+        record.profile = evaluation.profile
+        if evaluation.paired is not None:  # the rule it was promoted (or not) by stays with the pair
+            record.paired = {**evaluation.paired, "threshold": self.spec.noise_threshold}
         record.became_best = self.state.best is None or (
             evaluation.paired is not None and Paired(**evaluation.paired).clears(self.spec.noise_threshold)
         )
@@ -248,14 +251,18 @@ class Loop:
             f"{metric}={evaluation.headline:.6g}",
             self._parent_metric(record),
         )
-        body = f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{self.promotion(record)}\n\n"
+        body = f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{promotion(record)}\n\n"
         body += (
             (f"{twin_said(record)}\n\n" if record.prediction else "")
             + "Hints: "
             + ("; ".join(h.message for h in evaluation.hints) or "none")
         )
+        records = {  # the judge's evidence (each check with its margins) stays with the candidate it trusted
+            "judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
+            "round.json": record.model_dump(mode="json"),
+        }
         record.commit = self.history.commit_validated(
-            workspace, record.round, record.task.title, trailers, {"round.json": record.model_dump(mode="json")}, body
+            workspace, record.round, record.task.title, trailers, records, body
         )
         if evaluation.trace_path is not None:
             run_dir = RunDir(self.run_dir)
@@ -366,17 +373,6 @@ class Loop:
         return Verdict(False, [reason], [{"name": "twin_prescreen", "passed": False, "reasons": [reason]}])
 
     # -- helpers -----------------------------------------------------------------------------------
-    def promotion(self, record: RoundRecord) -> str:
-        """Why the candidate did or did not become best, in words a reviewer reads in the log."""
-        if record.paired is None:
-            return "promoted: the first validated candidate" if record.became_best else "not measured against the best"
-        paired = Paired(**record.paired)
-        verdict = "promoted" if record.became_best else "not promoted"
-        return (
-            f"{verdict}: {paired.describe()} against the best; promotion needs the interval's low end above "
-            f"+{self.spec.noise_threshold:.0%}"
-        )
-
     def params_of(self, record: RoundRecord) -> dict:
         return self.history.params(record.commit)
 
@@ -403,7 +399,7 @@ class Loop:
         if record.verdict == "accepted":
             if record.became_best or record.round == 0:
                 return "DONE", ""
-            return "ABANDONED", f"round {record.round}: {self.promotion(record)}"
+            return "ABANDONED", f"round {record.round}: {promotion(record)}"
         reason = record.reasons[0] if record.reasons else record.verdict
         return "ABANDONED", f"round {record.round} {record.verdict}: {reason[:160]}"
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from targets.spec import TargetSpec
 
@@ -140,34 +141,50 @@ class RoundsView:
 
 
 def promotion(record) -> str:
-    """ "promoted" or "not promoted", with the paired ratio against the best and its interval."""
+    """Why the candidate did or did not become best: the paired ratio against the best, its
+    interval, and the rule it had to clear (the spec's noise threshold, stored with the pair)."""
     from targets.harness.session import Paired
 
+    if record.paired is None:
+        return "promoted: the first validated candidate" if record.became_best else "not measured against the best"
+    threshold = record.paired.get("threshold")
+    paired = Paired(**{k: v for k, v in record.paired.items() if k != "threshold"})
     verb = "promoted" if record.became_best else "not promoted"
-    return f"{verb}: {Paired(**record.paired).describe()}"
+    rule = f"; promotion needs the interval's low end above +{threshold:.0%}" if threshold is not None else ""
+    return f"{verb}: {paired.describe()} against the best{rule}"
+
+
+def promotion_short(record) -> str:
+    """The table's form of ``promotion``: 'not promoted: +2.4% [-3.0%, +8.0%], needs low > +5%'."""
+    if record.paired is None:
+        return promotion(record)
+    p, threshold = record.paired, record.paired.get("threshold")
+    interval = "unbounded" if p["high"] is None else f"{p['low'] - 1:+.1%}, {p['high'] - 1:+.1%}"
+    rule = f", needs low > +{threshold:.0%}" if threshold is not None else ""
+    return f"{'promoted' if record.became_best else 'not promoted'}: {p['ratio'] - 1:+.1%} [{interval}]{rule}"
 
 
 def rounds_table(run: Path, state) -> Table:
-    """A run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with reasons."""
+    """A run's rounds: verdict, metric, delta vs parent, commit, and under each task why it ended as
+    it did (the judge's reasons, or the promotion rule and hints). Narrow columns hold only short
+    tokens, so at 80 columns words wrap whole in the one wide column."""
     table = Table(
         title=f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents",
         box=box.SIMPLE_HEAD,
     )
     table.add_column("round", justify="right", no_wrap=True)
-    table.add_column("task", overflow="fold", ratio=3)
     for column in ("verdict", "headline", "vs parent", "commit"):
         table.add_column(column, no_wrap=True)
     llm = any(r.llm for r in state.rounds)
     if llm:
         table.add_column("tokens in/out", no_wrap=True)
         table.add_column("cost $", no_wrap=True)
-    table.add_column("reasons / hints", overflow="fold", ratio=4)
+    table.add_column("task / why", overflow="fold")
     for r in state.rounds:
         delta = f"{r.headline / r.parent_headline - 1:+.1%}" if r.headline and r.parent_headline else "-"
         detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["code"] for h in r.hints)
-        if r.verdict == "accepted" and r.paired is not None:
-            detail = f"{promotion(r)}; {detail}" if detail else promotion(r)
-        verdict = r.verdict + (" (best)" if r.round == state.best_round else "")
+        if r.verdict == "accepted" and r.round > 0:
+            detail = "; ".join(part for part in (promotion_short(r), detail) if part)
         usage = (
             [f"{r.llm.get('input_tokens', 0)}/{r.llm.get('output_tokens', 0)}", f"{r.llm.get('cost_usd', 0.0):.4f}"]
             if llm
@@ -175,12 +192,24 @@ def rounds_table(run: Path, state) -> Table:
         )
         table.add_row(
             str(r.round),
-            r.task.title,
-            verdict,
+            r.verdict + (" (best)" if r.round == state.best_round else ""),
             num(r.headline) if r.headline is not None else "-",
             delta,
             (r.commit or "-")[:8],
             *usage,
-            detail or "-",
+            Text(r.task.title).append(f"\n{detail}" if detail else "", style="dim"),
         )
     return table
+
+
+def plain(table: Table) -> str:
+    """The table as tab-separated lines, header first, for a pipe or a file: no box, no wrapping,
+    no markup, so ``grep``, ``cut`` and ``sort`` see one whole row per line."""
+
+    def cell(value) -> str:
+        text = value.plain if isinstance(value, Text) else Text.from_markup(str(value)).plain
+        return " | ".join(" ".join(line.split()) for line in text.splitlines() if line.strip())  # one row
+
+    header = "\t".join(cell(column.header) for column in table.columns)
+    rows = zip(*(list(column.cells) for column in table.columns), strict=True)
+    return "\n".join([header, *("\t".join(cell(value) for value in row) for row in rows)]) + "\n"

@@ -118,8 +118,11 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
         env=ENV,
     )
     assert bench.exit_code == 0, bench.output
-    names = [r["name"] for r in json.loads((tmp_path / "b.json").read_text())["runs"]]
-    assert names == ["colocate", "run@best"]
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert [r["name"] for r in data["runs"]] == ["colocate", "run@best"]
+    source = data["provenance"]  # where the figures came from, with the spec's hash
+    assert data["schema"] == 2 and source["execution"] == "real" and len(source["spec_sha256"]) == 64
+    assert source["versions"]["torch"].startswith("2.") and source["commit"] and source["host"]
 
 
 @pytest.mark.slow

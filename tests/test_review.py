@@ -1,0 +1,112 @@
+"""The review commands as a reviewer uses them, on a run built without a model: ``log`` and
+``show`` whole in a pipe (one row per round, grep-able), JSON for scripts, the stack's own diff
+rather than the bookkeeping, the judge's evidence kept for validated rounds, why a validated round
+was not promoted; ``--config``/``--print-config``, ``-h`` and ``--version``."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from rich.console import Console
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.state import RunState
+from orchestrator.tables import rounds_table
+from tests.review_run import make_review_run
+
+runner = CliRunner()
+NARROW = {"COLUMNS": "80"}
+
+
+def _ok(*args: str, env=NARROW) -> str:
+    result = runner.invoke(app, list(args), env=env)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_log_in_a_pipe_is_one_whole_row_per_round(tmp_path):
+    """At 80 columns the table split words mid-token and ``log | grep -c time_multiplex`` printed 0."""
+    run = make_review_run(tmp_path)
+    terminal = Console(width=80, force_terminal=True, color_system=None, record=True)
+    terminal.print(rounds_table(run, RunState.load(run)))
+    words = set(terminal.export_text().split())
+    assert {"time_multiplex", "rollout_stalls", "trajectories"} <= words  # never folded mid-word
+    lines = _ok("log", str(run)).splitlines()
+    assert lines[0].split("\t") == ["round", "verdict", "headline", "vs parent", "commit", "task / why"]
+    rows = [line.split("\t") for line in lines[1:]]
+    assert [row[0] for row in rows] == ["0", "1", "2"]
+    assert sum("time_multiplex" in line for line in lines) == 1
+    assert "rollout_stalls" in lines[2]
+    # why round 1 is validated but not best: the pair and the rule it had to clear
+    assert "not promoted: +2.4% [-3.0%, +8.0%], needs low > +5%" in lines[2]
+    assert rows[2][1] == "rejected" and "never trained" in lines[3]
+
+
+def test_log_and_show_json_are_the_records(tmp_path):
+    run = make_review_run(tmp_path)
+    log = json.loads(_ok("log", str(run), "--json"))
+    assert log["best_round"] == 0 and [r["verdict"] for r in log["rounds"]] == ["accepted", "accepted", "rejected"]
+    shown = json.loads(_ok("show", str(run), "1", "--json"))
+    assert shown["round"] == 1 and shown["judge"]["checks"][1]["details"]["relative_update_error"] == 3.1e-7
+    assert '+ "controller": "time_multiplex"' in shown["diff"] and ".vibetrain" not in shown["diff"]
+    targets = json.loads(_ok("targets", "--json"))
+    assert "tiny-qwen3-cpu" in [t["id"] for t in targets] and all(t["params"] for t in targets)
+
+
+def test_show_prints_the_change_and_the_evidence_not_the_bookkeeping(tmp_path):
+    """``show RUN 2`` printed a diffstat dominated by .vibetrain/round.json, never the one-line change,
+    and an accepted round kept no judge evidence."""
+    run = make_review_run(tmp_path)
+    shown = _ok("show", str(run), "1")
+    assert '- "controller": "colocate"' in shown and '+ "controller": "time_multiplex"' in shown
+    assert ".vibetrain/" not in shown.replace(f"git -C {run}", "")
+    assert "implementer: set controller to time_multiplex" in shown
+    assert "pass trainer: relative_update_error 3.10e-07, steps 2" in shown
+    assert "not promoted: +2.4%" in shown and "goodput 43.5 ± 6.57" in shown
+    rejected = _ok("show", str(run), "2")
+    assert "FAIL system_audit" in rejected and "12 never trained" in rejected
+    assert _ok("show", str(run)) == _ok("show", str(run), "best")
+    assert "Round 0 (best)" in _ok("show", str(run), "best")
+    assert "Round 2:" in _ok("show", str(run), "latest")
+    for bad, said in (("7", "has no round 7"), ("-1", "not '-1'"), ("newest", "not 'newest'")):
+        result = runner.invoke(app, ["show", str(run), "--", bad], env=NARROW)
+        assert result.exit_code == 2 and said in result.output, result.output
+
+
+def test_print_config_round_trips_through_config(tmp_path):
+    printed = _ok("generate", "tiny-qwen3-cpu", "--seed", "4", "--rounds", "5", "--print-config")
+    values = yaml.safe_load(printed)
+    assert values["target"] == "tiny-qwen3-cpu" and values["seed"] == 4 and values["rounds"] == 5
+    path = tmp_path / "run.yaml"
+    path.write_text(printed)
+    again = yaml.safe_load(_ok("generate", "--config", str(path), "--policy", "evolve", "--print-config"))
+    assert again == {**values, "policy": "evolve"}  # the file's values, the flag on top
+    path.write_text("rounds: 2\npolciy: evolve\n")
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
+    assert result.exit_code == 2 and "unknown option 'polciy' (did you mean 'policy'?)" in result.output
+
+
+def test_print_config_of_a_run_reproduces_its_stored_configuration(tmp_path):
+    run = make_review_run(tmp_path)
+    values = yaml.safe_load(_ok("generate", "tiny-qwen3-cpu", "--out", str(run), "--resume", "--print-config"))
+    assert values["repeat"] == 3 and values["sandbox"] == "subprocess" and values["out"] == str(run)
+
+
+def test_short_help_and_version():
+    assert "show [OPTIONS] {run} [ROUND]" in _ok("show", "-h") and "Example:" in _ok("show", "-h")
+    assert _ok("--version").startswith("vibetrain 0.")
+
+
+def test_provenance_names_the_code_the_machine_and_the_exact_spec():
+    from orchestrator.provenance import provenance, spec_hash
+    from targets.spec import load_target
+
+    spec = load_target("tiny-qwen3-cpu")
+    source = provenance(spec, simulated=False, sandbox="bubblewrap")
+    assert source["spec_sha256"] == spec_hash(load_target("tiny-qwen3-cpu"))  # stable across loads
+    changed = spec.model_copy(update={"noise_threshold": spec.noise_threshold * 2})
+    assert spec_hash(changed) != source["spec_sha256"]
+    assert source["versions"]["torch"].startswith("2.") and source["sandbox"] == "bubblewrap"
+    assert len(source["commit"].removesuffix("+dirty")) == 40 or source["commit"].startswith("unknown")

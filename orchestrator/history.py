@@ -34,11 +34,13 @@ class Trailers:
     verdict: str
     metric: str  # "name=value"
     parent_metric: str
+    promotion: str = ""  # a validated round: promoted or not, the pair and the rule it had to clear
 
     def lines(self) -> str:
         return (
             f"Round: {self.round}\nTask: {self.task}\nAgent-Backend: {self.backend}\nVerdict: {self.verdict}\n"
             f"Headline-Metric: {self.metric}\nParent-Metric: {self.parent_metric}"
+            + (f"\nPromotion: {self.promotion}" if self.promotion else "")
         )
 
 

@@ -28,7 +28,7 @@ from orchestrator.policies import Policy
 from orchestrator.prescreen import Twin, clears, twin_said
 from orchestrator.run_dir import RunDir
 from orchestrator.state import RoundRecord, RunState, RunStateError
-from orchestrator.tables import promotion
+from orchestrator.tables import promotion, promotion_short
 from skills.design_doc import DesignDoc
 from targets.harness.session import Paired, Session
 from targets.harness.target import Target
@@ -250,6 +250,7 @@ class Loop:
             "accepted",
             f"{metric}={evaluation.headline:.6g}",
             self._parent_metric(record),
+            promotion_short(record),
         )
         body = f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{promotion(record)}\n\n"
         body += (

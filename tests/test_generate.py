@@ -99,6 +99,8 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     show = runner.invoke(app, ["show", str(run), "1"], env=ENV).output
     assert "stack/params.json" in show and "rollout_throughput" in show and "not promoted" in show
     assert "Twin: predicted goodput" in show
+    assert "pass system_audit" in show and "pass trainer: relative_update_error" in show  # why it was trusted
+    assert ".vibetrain/round.json" not in show  # the stack's change, not the bookkeeping
     report = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.html")], env=ENV)
     assert report.exit_code == 0 and (tmp_path / "r.html").stat().st_size > 20_000
     # the best candidate, benchmarked straight from the run's history against the starter's baseline

@@ -1,12 +1,17 @@
-"""``vibetrain report RUN``: one static HTML page a reviewer can open offline — the headline metric
-per round, the search tree (each candidate drawn from its parent, at its measured metric), the
-per-device timeline of the best candidate against the baselines the run measured (round 0's
-starter and the best candidate of each other controller), and the table of rounds."""
+"""``vibetrain report RUN``: one static HTML page a reviewer can open offline and trust without the
+terminal: where the run and the page came from (provenance), the headline metric per round with its
+unit, the repeats' spread and the noise band, the search tree, the best candidate's per-device
+timeline against the baselines, and every round expandable to its change, the judge's evidence and
+its own timeline. Reading a run never writes to it: figures are rendered in a temporary directory."""
 
 from __future__ import annotations
 
 import base64
+import datetime
 import io
+import platform
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -14,30 +19,163 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from orchestrator.history import History  # noqa: E402
+from orchestrator.history import History, HistoryError  # noqa: E402
+from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: E402
 from orchestrator.run_dir import RunDir  # noqa: E402
-from orchestrator.state import RunState  # noqa: E402
+from orchestrator.state import RoundRecord, RunState  # noqa: E402
 from targets.harness.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
-from targets.spec import load_target  # noqa: E402
+from targets.spec import TargetSpec, load_target  # noqa: E402
+
+# The harness's metrics (targets/harness/metrics.py, the evaluator's additions) and their units: by
+# name where the name does not say, else by suffix; the spec names the headline metric only.
+UNITS = {
+    "goodput": "trajectories/s",
+    "rollout_throughput": "episodes/s",
+    "tokens_per_s": "tokens/s",
+    "mean_device_busy": "fraction",
+    "trajectories": "count",
+    "aborted_turns": "count",
+    "kv_preemptions": "count",
+}
+UNIT_SUFFIXES = (
+    ("_s", "s"),
+    ("_mb", "MB"),
+    ("_gb", "GB"),
+    ("_fraction", "fraction"),
+    ("_ratio", "fraction"),
+)
+DIFF_LINES = 400  # a longer diff is cut here, with the command that shows the rest
+VERDICT_STYLE = {  # (colour, legend label) per node kind of the tree and the per-round plot
+    "promoted": ("#2e7d32", "accepted, promoted to best"),
+    "accepted": ("#9ccc65", "accepted, not promoted"),
+    "rejected": ("#c62828", "rejected by the judge"),
+    "prescreened": ("#8e24aa", "screened out by the twin"),
+    "error": ("#ef6c00", "error: the round failed"),
+}
+BEST_RING = "#f9a825"
 
 TEMPLATE = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=True).from_string("""<!doctype html>
-<html><head><meta charset="utf-8"><title>vibetrain run {{ name }}</title>
-<style>body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}
-table{border-collapse:collapse;font-size:14px}td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left}
-.accepted{color:#2e7d32}.rejected{color:#c62828}.error{color:#ef6c00}img{max-width:100%}</style></head>
-<body><h1>vibetrain run {{ name }}</h1>
-<p>target <b>{{ target }}</b>; {{ policy }} policy, {{ agents }} agents, seed {{ seed }}; {{ rounds|length }} rounds,
-{{ accepted }} validated; best: round {{ best_round }} with {{ metric }} {{ best_value }} ({{ ratio }} the starter).</p>
-<h2>{{ metric }} per round</h2><img src="data:image/png;base64,{{ per_round }}">
-<h2>Search tree</h2><p>Each candidate is drawn from the candidate it was derived from; rejected attempts are red crosses.</p>
-<img src="data:image/png;base64,{{ tree }}">
-{% if timeline %}<h2>Per-device timeline: best vs baselines</h2><img src="data:image/png;base64,{{ timeline }}">{% endif %}
-<h2>Rounds</h2><table><tr><th>round</th><th>task</th><th>verdict</th><th>{{ metric }}</th><th>parent</th><th>commit</th><th>reasons / hints</th></tr>
-{% for r in rounds %}<tr><td>{{ r.round }}</td><td>{{ r.task.title }}</td><td class="{{ r.verdict }}">{{ r.verdict }}{% if r.round == best_round %} (best){% endif %}</td>
-<td>{{ r.headline_text }}</td><td>{{ r.parent_round if r.parent_round is not none else "-" }}</td><td><code>{{ (r.commit or "-")[:10] }}</code></td><td>{{ r.detail }}</td></tr>
-{% endfor %}</table></body></html>
+<html lang="en"><head><meta charset="utf-8"><title>vibetrain run {{ name }}</title>
+<style>
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;max-width:1200px;margin:1.5em auto;
+  padding:0 1em;color:#222;line-height:1.4}
+h1{margin-bottom:.2em}h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}
+.lede{font-size:1.05em}.caption{color:#555;font-size:.9em;max-width:60em}
+.prov{display:grid;grid-template-columns:repeat(2,1fr);gap:.6em 2em;background:#f6f8fa;border:1px solid #e1e4e8;
+  border-radius:6px;padding:.8em 1.2em;font-size:.88em}
+.prov h3{margin:.1em 0 .3em;font-size:1em;color:#444}.prov table td{border:0;padding:1px 8px 1px 0;vertical-align:top}
+.prov td:first-child{color:#666;white-space:nowrap}
+table{border-collapse:collapse;font-size:14px}td,th{border-bottom:1px solid #e5e5e5;padding:4px 8px;text-align:left;
+  vertical-align:top}th{background:#fafafa}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+code{font-size:.92em}img{max-width:100%}.scroll{overflow-x:auto}.scroll img{max-width:none}
+.v-promoted{color:#2e7d32;font-weight:600}.v-accepted{color:#558b2f}.v-rejected{color:#c62828}
+.v-prescreened{color:#8e24aa}.v-error{color:#ef6c00}
+details.round{border:1px solid #ddd;border-radius:6px;margin:.5em 0;padding:0 .8em}
+details.round[open]{padding-bottom:.8em}
+details.round>summary{cursor:pointer;padding:.5em 0;font-weight:500}
+details.round>summary .meta{color:#666;font-weight:normal}
+details details>summary{cursor:pointer;color:#444}
+.pass{color:#2e7d32;font-weight:600}.fail{color:#c62828;font-weight:600}
+pre{background:#f6f8fa;border:1px solid #e1e4e8;border-radius:4px;padding:.6em;overflow-x:auto;font-size:12px;
+  line-height:1.35;max-height:40em}
+pre.diff span{display:block;white-space:pre-wrap;overflow-wrap:anywhere}.d-add{background:#e6ffed}.d-del{background:#ffeef0}
+.d-hunk{color:#6f42c1}.d-file{font-weight:600}
+.note{color:#666;font-style:italic}
+</style></head>
+<body><h1>vibetrain run <code>{{ name }}</code></h1>
+<p class="lede">Target <b>{{ target }}</b>: {{ rounds|length }} rounds, {{ accepted }} accepted.
+{% if best %}Best: <a href="#round-{{ best.round }}">round {{ best.round }}</a> with {{ metric }}
+<b>{{ best.value }}</b> {{ unit }}{% if ratio %} ({{ ratio }} round 0's starter){% endif %}.{% else %}No round was
+accepted yet.{% endif %}</p>
+
+<div class="prov">
+<div><h3>The run</h3><table>
+{% for k, v in run_facts %}<tr><td>{{ k }}</td><td>{{ v }}</td></tr>{% endfor %}
+</table></div>
+<div><h3>This page</h3><table>
+{% for k, v in page_facts %}<tr><td>{{ k }}</td><td>{{ v }}</td></tr>{% endfor %}
+</table><p class="note">The run does not record the machine or library versions it ran with; these are the
+rendering machine's.</p></div>
+</div>
+
+{% if not rows %}<p class="lede">No round has finished yet: there is nothing to plot.</p>{% else %}
+<h2>{{ metric }} per round</h2>
+<img alt="{{ metric }} per round" src="data:image/png;base64,{{ per_round }}">
+<p class="caption">Dots: each accepted round's median {{ metric }} over its {{ repeat }} measured
+repeat(s); the bar spans the repeats' max&minus;min, centred on the median{% if repeat == 1 %} (one repeat: no
+bar){% endif %}. Filled dots became the best; hollow ones did not; the percentage over a dot (where the dot alone would
+mislead: a promotion, or a round inside or above the band) is its paired ratio against the best. The line is the best so far and the shaded
+band is best &times; (1 &plusmn; {{ threshold }}), the target's noise threshold: a change inside it is
+indistinguishable from noise. Promotion is decided on the paired comparison with the best (interleaved runs,
+in each round below), and needs its interval's low end above +{{ threshold }}. Rounds that were never
+measured (rejected, screened out, failed) are marked along the bottom.{% if no_spread %} Round(s)
+{{ no_spread|join(", ") }} recorded no spread: no bar.{% endif %}</p>
+
+<h2>Search tree</h2>
+<div class="scroll"><img alt="search tree" src="data:image/png;base64,{{ tree }}"></div>
+<p class="caption">Each node is a candidate (one round), drawn to the right of the candidate it was derived from;
+colour is the verdict, the area is proportional to the measured {{ metric }}, the ring marks the current best and
+the thick line its lineage. Crosses were never measured.</p>{% endif %}
+
+{% if timeline %}<h2>Per-device timeline: best vs baselines</h2>
+<img alt="per-device timeline" src="data:image/png;base64,{{ timeline }}">
+<p class="caption">The best candidate against round 0's starter and the highest-scoring candidate of each other
+controller the run tried{% if simulated %}; times are the simulator's virtual seconds{% endif %}.</p>{% endif %}
+
+<h2>Rounds</h2>
+<table><tr><th>round</th><th>task</th><th>verdict</th><th>{{ metric }} ({{ unit }})</th><th>max&minus;min</th>
+<th>paired vs best</th><th>parent</th><th>commit</th></tr>
+{% for r in rows %}<tr><td class="num"><a href="#round-{{ r.round }}">{{ r.round }}</a></td><td>{{ r.title }}</td>
+<td class="v-{{ r.kind }}">{{ r.verdict_text }}</td><td class="num">{{ r.headline }}</td><td class="num">{{ r.spread }}</td>
+<td>{{ r.paired }}</td><td class="num">{{ r.parent }}</td><td><code>{{ r.short }}</code></td></tr>
+{% endfor %}</table>
+<p class="caption">Open a round for its change, the judge's evidence and its timeline.</p>
+
+{% for r in rows %}<details class="round" id="round-{{ r.round }}"{% if r.open %} open{% endif %}>
+<summary>Round {{ r.round }}: {{ r.title }} <span class="v-{{ r.kind }}">{{ r.verdict_text }}</span>
+<span class="meta">{% if r.headline != "-" %}{{ metric }} {{ r.headline }} {{ unit }}{% else %}not measured{% endif %}</span>
+</summary>
+<table>
+<tr><td>task</td><td><code>{{ r.task_id }}</code>{% if r.source %} ({{ r.source }}){% endif %}: {{ r.rationale }}</td></tr>
+<tr><td>parent</td><td>{% if r.parent != "-" %}round {{ r.parent }}, {% endif %}<code>{{ r.parent_commit }}</code></td></tr>
+<tr><td>commit</td><td>{% if r.commit %}<code>{{ r.commit }}</code> (<code>git -C {{ run_path }} show {{ r.short }}</code>)
+{% else %}none: the round failed before anything was committed{% endif %}</td></tr>
+<tr><td>implementer</td><td>{{ r.account or "(no account)" }}{% if r.attempts %}; {{ r.attempts }} attempt(s){% endif %}</td></tr>
+{% if r.promotion %}<tr><td>promotion</td><td>{{ r.promotion }}</td></tr>{% endif %}
+{% if r.prediction %}<tr><td>twin</td><td>{{ r.prediction }}</td></tr>{% endif %}
+{% if r.reasons %}<tr><td>reasons</td><td><ul>{% for x in r.reasons %}<li>{{ x }}</li>{% endfor %}</ul></td></tr>{% endif %}
+{% if r.hints %}<tr><td>evaluator hints</td><td><ul>{% for x in r.hints %}<li>{{ x }}</li>{% endfor %}</ul></td></tr>{% endif %}
+</table>
+{% if r.metrics %}<h4>Metrics (median of {{ repeat }} repeat(s), spread = max&minus;min)</h4>
+<table><tr><th>metric</th><th>median</th><th>spread</th><th>unit</th></tr>
+{% for m in r.metrics %}<tr><td>{{ m.name }}</td><td class="num">{{ m.value }}</td><td class="num">{{ m.spread }}</td>
+<td>{{ m.unit }}</td></tr>{% endfor %}</table>{% endif %}
+<h4>Judge evidence</h4>
+{% if r.checks is none %}<p class="note">{{ r.no_checks }}</p>{% else %}
+<table><tr><th>check</th><th>result</th><th>reasons</th><th>details</th></tr>
+{% for c in r.checks %}<tr><td>{{ c.name }}</td><td class="{{ 'pass' if c.passed else 'fail' }}">{{ 'pass' if c.passed
+else 'FAIL' }}</td><td>{{ c.reasons }}</td><td><code>{{ c.details }}</code></td></tr>{% endfor %}</table>{% endif %}
+<h4>Change against the parent</h4>
+{% if r.diff is none %}<p class="note">no commit, no change to show</p>{% else %}
+<pre>{{ r.diff_stat or "(no change to the stack or DESIGN.md)" }}</pre>
+{% if r.diff %}<pre class="diff">{% for cls, line in r.diff %}<span class="{{ cls }}">{{ line }}</span>{% endfor %}</pre>{% endif %}
+{% if r.diff_cut %}<p class="note">{{ r.diff_cut }}</p>{% endif %}{% endif %}
+<h4>Timeline</h4>
+{% if r.timeline %}<img alt="round {{ r.round }} timeline" src="data:image/png;base64,{{ r.timeline }}">
+{% else %}<p class="note">{{ r.no_timeline }}</p>{% endif %}
+{% if r.profile %}<details><summary>harness profile of the median repeat</summary><pre>{{ r.profile }}</pre>
+</details>{% endif %}
+</details>
+{% endfor %}
+<script>/* a link to #round-N opens that round */
+function openHash(){var e=document.getElementById(location.hash.slice(1));if(e&&e.tagName==="DETAILS")e.open=true;}
+window.addEventListener("hashchange",openHash);openHash();</script>
+</body></html>
 """)
 
 
@@ -48,110 +186,526 @@ def _png(fig) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def _per_round(state: RunState, metric: str) -> str:
-    fig, ax = plt.subplots(figsize=(9, 3.5))
-    accepted = [r for r in state.rounds if r.headline is not None]
-    ax.plot([r.round for r in accepted], [r.headline for r in accepted], "o", color="#2e7d32", label="validated")
-    best, line = None, []
+def _kind(r: RoundRecord) -> str:
+    """The node kind: the verdict, with accepted split by whether it became the best."""
+    if r.verdict == "accepted":
+        return "promoted" if r.became_best else "accepted"
+    if r.verdict not in VERDICT_STYLE:
+        raise ValueError(f"round {r.round} has an unknown verdict {r.verdict!r}")
+    return r.verdict
+
+
+def _unit(metric: str) -> str:
+    if metric in UNITS:
+        return UNITS[metric]
+    if metric.endswith("_per_s"):  # tokens_per_s: tokens/s
+        return metric.removesuffix("_per_s") + "/s"
+    suffix = next((unit for end, unit in UNIT_SUFFIXES if metric.endswith(end)), None)
+    return suffix or "unit unknown to the report"
+
+
+def _num(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
+
+
+def _pct(x: float) -> str:
+    return f"{(x - 1) * 100:+.1f}%"
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def _per_round(state: RunState, metric: str, threshold: float) -> str:
+    """Headline per round with the repeats' spread, the best-so-far line and its noise band."""
+    rounds = [r.round for r in state.rounds]
+    fig, ax = plt.subplots(figsize=(max(10, 0.42 * len(rounds)), 4))
+    best_line, best = [], None
     for r in state.rounds:
-        if r.became_best:
+        if r.became_best and r.headline is not None:
             best = r.headline
-        line.append(best)
-    ax.step([r.round for r in state.rounds], line, where="post", color="#1f77b4", label="best so far")
-    for r in state.rounds:
-        if r.verdict != "accepted" and r.parent_headline is not None:
-            ax.plot(r.round, r.parent_headline, "x", color="#c62828", markersize=9)
+        best_line.append(best)
+    known = [(x, b) for x, b in zip(rounds, best_line) if b is not None]
+    if known:
+        xs = [x for x, _ in known] + [known[-1][0] + 0.5]
+        ys = [b for _, b in known] + [known[-1][1]]
+        ax.fill_between(
+            xs,
+            [y * (1 - threshold) for y in ys],
+            [y * (1 + threshold) for y in ys],
+            step="post",
+            color="#1f77b4",
+            alpha=0.13,
+            label=f"noise band: best \u00d7 (1 \u00b1 {threshold:.0%})",
+        )
+        ax.step(xs, ys, where="post", color="#1f77b4", linewidth=1.5, label="best so far")
+    for kind in ("promoted", "accepted"):
+        chosen = [r for r in state.accepted() if _kind(r) == kind and r.headline is not None]
+        if not chosen:
+            continue
+        colour, label = VERDICT_STYLE[kind]
+        ax.errorbar(
+            [r.round for r in chosen],
+            [r.headline for r in chosen],
+            yerr=[r.spread.get(metric, 0.0) / 2 for r in chosen],
+            fmt="o",
+            markersize=8,
+            capsize=4,
+            color="#2e7d32",
+            markerfacecolor=colour if kind == "promoted" else "white",
+            markeredgewidth=1.6,
+            label=label,
+            zorder=3,
+        )
+    for r, best_before in zip(state.rounds, [None, *best_line]):
+        # the paired ratio decided promotion: shown where the dot alone would mislead (inside or above the band)
+        near = best_before is not None and r.headline is not None and r.headline >= best_before * (1 - threshold)
+        if r.paired is not None and (r.became_best or near):
+            ax.annotate(
+                _pct(r.paired["ratio"]),
+                (r.round, r.headline + r.spread.get(metric, 0.0) / 2),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                va="bottom",
+                fontsize=7.5,
+                color="#555",
+            )
+    unmeasured = [r for r in state.rounds if r.headline is None]
+    for kind in ("rejected", "prescreened", "error"):
+        chosen = [r for r in unmeasured if _kind(r) == kind]
+        if chosen:
+            colour, label = VERDICT_STYLE[kind]
+            ax.plot(
+                [r.round for r in chosen],
+                [0.04] * len(chosen),
+                "x",
+                color=colour,
+                markersize=9,
+                markeredgewidth=2,
+                transform=ax.get_xaxis_transform(),
+                label=f"{label} (not measured)",
+                clip_on=False,
+            )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(min(rounds) - 0.5, max(rounds) + 0.5)
+    ax.margins(y=0.12)  # room for the percentages over the top dots
     ax.set_xlabel("round")
-    ax.set_ylabel(metric)
-    ax.legend(loc="best", fontsize=8)
+    ax.set_ylabel(f"{metric} ({_unit(metric)})")
+    ax.grid(axis="y", color="#eee")
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: "not measured" in labels[i])  # measured first
+    ax.legend(
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=9,
+        frameon=False,
+    )
     return _png(fig)
+
+
+@dataclass
+class _Node:
+    record: RoundRecord
+    depth: int = 0
+    y: float = 0.0
+
+
+def _layout(state: RunState) -> dict[int, _Node]:
+    """A tidy tree: depth left to right, leaves one slot apart top to bottom, each parent centred on
+    its children (a round whose parent is not in the run, round 0, is a root)."""
+    nodes = {r.round: _Node(r) for r in state.rounds}
+    children: dict[int | None, list[int]] = {}
+    for r in state.rounds:
+        parent = r.parent_round if r.parent_round in nodes else None
+        children.setdefault(parent, []).append(r.round)
+    next_slot = 0.0
+
+    def place(number: int, depth: int) -> float:
+        nonlocal next_slot
+        node = nodes[number]
+        node.depth = depth
+        kids = sorted(children.get(number, []))
+        if not kids:
+            node.y, next_slot = next_slot, next_slot + 1
+        else:
+            ys = [place(k, depth + 1) for k in kids]
+            node.y = (ys[0] + ys[-1]) / 2
+        return node.y
+
+    for root in sorted(children.get(None, [])):
+        place(root, 0)
+    return nodes
+
+
+def _lineage(state: RunState) -> set[int]:
+    """The rounds from the best back to its root."""
+    chain, r = set(), state.best
+    while r is not None:
+        chain.add(r.round)
+        r = state.record(r.parent_round) if r.parent_round is not None else None
+    return chain
 
 
 def _tree(state: RunState, metric: str) -> str:
-    fig, ax = plt.subplots(figsize=(9, 4))
-    by_round = {r.round: r for r in state.rounds}
-    for r in state.rounds:
-        y = r.headline if r.headline is not None else r.parent_headline
-        parent = by_round.get(r.parent_round) if r.parent_round is not None else None
-        if parent is not None and parent.headline is not None and y is not None:
-            ax.plot([parent.round, r.round], [parent.headline, y], "-", color="#999", linewidth=1)
-        if y is None:
+    """Nodes are candidates, edges parent to child (elbow), colour the verdict, area the headline."""
+    nodes = _layout(state)
+    lineage = _lineage(state)
+    depth = max(n.depth for n in nodes.values())
+    leaves = max(n.y for n in nodes.values()) + 1
+    column = max(1.4, min(2.6, 22 / (depth + 1)))  # inches per depth: a deep tree still fits a page
+    fig, ax = plt.subplots(figsize=(column * (depth + 1) + 1.5, max(2.8, 0.85 * leaves + 0.8)))
+    label_chars = int(column * 72 / 5.2) - 4  # what fits in a column at 8.5 pt, less the "rN  " prefix
+    measured = [r.headline for r in state.rounds if r.headline is not None]
+    top = max(measured) if measured else 1.0
+
+    def area(value: float) -> float:
+        return max(40.0, 900.0 * value / top)
+
+    for node in nodes.values():
+        r = node.record
+        parent = nodes.get(r.parent_round) if r.parent_round is not None else None
+        if parent is None:
             continue
-        if r.verdict == "accepted":
-            ax.plot(
-                r.round,
-                y,
-                "o",
-                color="#1f77b4" if r.round == state.best_round else "#2e7d32",
-                markersize=9 if r.round == state.best_round else 6,
+        on_lineage = r.round in lineage and parent.record.round in lineage
+        mid = parent.depth + 0.5
+        ax.plot(
+            [parent.depth, mid, mid, node.depth],
+            [parent.y, parent.y, node.y, node.y],
+            "-",
+            color="#1f77b4" if on_lineage else "#aaa",
+            linewidth=2.6 if on_lineage else 1.2,
+            zorder=2 if on_lineage else 1,  # over the grey spine it shares with its siblings
+        )
+    for node in nodes.values():
+        r = node.record
+        colour = VERDICT_STYLE[_kind(r)][0]
+        best = r.round == state.best_round
+        if r.headline is not None:
+            size = area(r.headline)
+            ax.scatter(
+                node.depth,
+                node.y,
+                s=size,
+                color=colour,
+                edgecolors=BEST_RING if best else "#333",
+                linewidths=3.5 if best else 0.8,
+                zorder=3,
             )
-            ax.annotate(r.task.id, (r.round, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            value = f"{r.headline:.3g}"
         else:
-            ax.plot(r.round, y, "x", color="#c62828", markersize=9)
-    ax.set_xlabel("round")
-    ax.set_ylabel(metric)
+            size = 140.0
+            ax.scatter(node.depth, node.y, s=size, marker="X", color=colour, edgecolors="white", zorder=3)
+            value = "not measured"
+        radius = (size**0.5) / 2 + 3  # points: clear of the marker
+        task = r.task.id if len(r.task.id) <= label_chars else r.task.id[: label_chars - 1] + "\u2026"
+        ax.annotate(
+            f"r{r.round}  {task}",
+            (node.depth, node.y),
+            textcoords="offset points",
+            xytext=(0, radius),
+            ha="center",
+            va="bottom",
+            fontsize=8.5,
+            fontweight="bold" if best else "normal",
+            zorder=4,
+        )
+        ax.annotate(
+            value,
+            (node.depth, node.y),
+            textcoords="offset points",
+            xytext=(0, -radius),
+            ha="center",
+            va="top",
+            fontsize=8,
+            color="#444",
+            zorder=4,
+        )
+    present = {_kind(r) for r in state.rounds}
+    handles = [
+        Line2D(
+            [],
+            [],
+            marker="o" if kind in ("promoted", "accepted") else "X",
+            linestyle="",
+            markersize=9,
+            color=colour,
+            label=label,
+        )
+        for kind, (colour, label) in VERDICT_STYLE.items()
+        if kind in present
+    ]
+    if state.best_round is not None:
+        handles.append(
+            Line2D([], [], marker="o", linestyle="", markersize=10, color="white", markeredgecolor=BEST_RING,
+                   markeredgewidth=3, label="current best (its lineage: thick line)")
+        )  # fmt: skip
+    if measured:
+        handles += [
+            Line2D([], [], marker="o", linestyle="", color="#bbb", markersize=area(top * f) ** 0.5,
+                   label=f"area: {metric} {top * f:.3g} {_unit(metric)}")
+            for f in (1.0, 0.25)
+        ]  # fmt: skip
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=9, frameon=False,
+              labelspacing=1.6, borderpad=0.8, handletextpad=1.2)  # fmt: skip
+    ax.set_xlim(-0.6, depth + 0.6)
+    ax.set_ylim(leaves - 0.4, -0.6)
+    ax.set_xticks(range(depth + 1), [f"depth {d}" for d in range(depth + 1)], fontsize=8, color="#888")
+    ax.set_yticks([])
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.tick_params(axis="x", length=0)
     return _png(fig)
 
 
-def _timeline(run_dir: Path, state: RunState, devices: list[str], history: History) -> str | None:
-    run = RunDir(run_dir)
+def _timeline_png(panels: list, scratch: Path, name: str) -> str:
+    path = plot_timelines(panels, scratch / f"{name}.png")
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _baselines(state: RunState, history: History) -> dict[int, str]:
+    """round -> label: the best, round 0's starter and the highest-scoring candidate of each other controller."""
     chosen: dict[int, str] = {}
     if state.best_round is not None:
-        chosen[state.best_round] = "best"
-    controllers: dict[str, tuple[float, int]] = {}
+        chosen[state.best_round] = "the best"
+    controllers: dict[str, RoundRecord] = {}
     for r in state.accepted():
         controller = history.params(r.commit)["controller"]
         if r.round == 0:
-            chosen.setdefault(0, f"starter ({controller})")
-        elif controller not in controllers or r.headline > controllers[controller][0]:
-            controllers[controller] = (r.headline, r.round)
-    for controller, (_, number) in controllers.items():
-        chosen.setdefault(number, f"best {controller}")
-    panels = []
-    for number, label in sorted(chosen.items()):
-        path = run.trace(number)
-        if path.exists():
-            record = state.record(number)
-            panels.append((f"round {number}, {label}: {record.headline:.3g}", Trace.load_events(path), devices))
-    if not panels:
-        return None
-    png = RunDir(run_dir).timeline_png
-    plot_timelines(panels, png)
-    return base64.b64encode(png.read_bytes()).decode()
+            chosen.setdefault(0, f"the starter ({controller})")
+        elif controller not in controllers or r.headline > controllers[controller].headline:
+            controllers[controller] = r
+    for controller, r in controllers.items():
+        chosen.setdefault(r.round, f"highest-scoring {controller} candidate")
+    return chosen
+
+
+# -- per round -------------------------------------------------------------------------------------
+def _diff_lines(diff: str, run_path: str, commit: str) -> tuple[list[tuple[str, str]], str]:
+    lines = diff.splitlines()
+    styled = []
+    for line in lines[:DIFF_LINES]:
+        if line.startswith(("diff --git", "+++", "---", "index ")):
+            cls = "d-file"
+        elif line.startswith("+"):
+            cls = "d-add"
+        elif line.startswith("-"):
+            cls = "d-del"
+        elif line.startswith("@@"):
+            cls = "d-hunk"
+        else:
+            cls = ""
+        styled.append((cls, line))
+    cut = ""
+    if len(lines) > DIFF_LINES:
+        cut = (
+            f"The diff is cut at {DIFF_LINES} of its {len(lines)} lines; the whole of it: "
+            f"git -C {run_path} show {commit[:10]} -- . ':(exclude).vibetrain'"
+        )
+    return styled, cut
+
+
+def _checks(history: History, r: RoundRecord) -> tuple[list[dict] | None, str]:
+    """The judge's checks stored with the commit, or why there are none."""
+    if r.commit is None:
+        return None, "no judge evidence: the round failed before anything was committed"
+    try:
+        judge = history.record(r.commit, "judge.json")
+    except HistoryError:
+        if r.verdict == "accepted":
+            return None, (
+                "no judge evidence recorded: this run was made before accepted rounds kept the judge's "
+                "report (.vibetrain/judge.json) with their commit"
+            )
+        return None, f"no judge evidence recorded in commit {r.commit[:10]}"
+    checks = [
+        {
+            "name": c["name"],
+            "passed": c["passed"],
+            "reasons": "; ".join(c.get("reasons", [])) or "-",
+            "details": ", ".join(
+                f"{k}={_num(v) if isinstance(v, float) else v}" for k, v in c.get("details", {}).items()
+            )
+            or "-",
+        }
+        for c in judge["checks"]
+    ]
+    return checks, "the judge recorded no checks" if not checks else ""
+
+
+def _promotion(r: RoundRecord, threshold: float) -> str:
+    if r.verdict != "accepted":
+        return ""
+    if r.paired is None:
+        return "promoted: the first accepted candidate" if r.became_best else "not compared with the best"
+    p = r.paired
+    if p.get("high") is None:
+        interval = f"interval unbounded over {p['pairs']} pair (one real pair measures no noise)"
+    else:
+        interval = f"interval [{_pct(p['low'])}, {_pct(p['high'])}] over {p['pairs']} pair(s)"
+    rule = p.get("threshold", threshold)
+    verdict = "promoted" if r.became_best else "not promoted"
+    return (
+        f"{verdict}: {_pct(p['ratio'])} against the best, {interval}; promotion needs the interval's low end "
+        f"above +{rule:.0%}"
+    )
+
+
+def _paired_cell(r: RoundRecord) -> str:
+    if r.paired is None:
+        return "-"
+    p = r.paired
+    high = "\u221e" if p.get("high") is None else _pct(p["high"])
+    return f"{_pct(p['ratio'])} [{_pct(p['low'])}, {high}]"
+
+
+def _prediction(r: RoundRecord) -> str:
+    p = r.prediction
+    if not p:
+        return ""
+    if "skipped" in p:
+        return f"pre-screen skipped: {p['skipped']}"
+    return (
+        f"predicted {p['metric']} {_num(p['headline'])} against the best's (round {p['best_round']}) "
+        f"{_num(p['best'])}, margin {p['margin']:.0%}: {'passed' if p['passed'] else 'screened out'}"
+    )
+
+
+def _row(
+    r: RoundRecord,
+    state: RunState,
+    history: History,
+    spec: TargetSpec,
+    run_path: str,
+    timeline: str | None,
+    no_timeline: str,
+) -> dict:
+    metric = spec.headline_metric.name
+    kind = _kind(r)
+    verdict_text = {
+        "promoted": "accepted, promoted",
+        "accepted": "accepted, not promoted",
+        "rejected": "rejected by the judge",
+        "prescreened": "screened out by the twin",
+        "error": "error",
+    }[kind]
+    if r.round == state.best_round:
+        verdict_text += " (current best)"
+    checks, no_checks = _checks(history, r)
+    diff, diff_stat, diff_cut = None, "", ""
+    if r.commit is not None:
+        diff_stat = history.stack_diff(r.commit, stat=True)
+        diff, diff_cut = _diff_lines(history.stack_diff(r.commit), run_path, r.commit)
+    spread = r.spread.get(metric)
+    return {
+        "round": r.round,
+        "title": r.task.title,
+        "task_id": r.task.id,
+        "source": r.task.source,
+        "rationale": r.task.rationale,
+        "kind": kind,
+        "verdict_text": verdict_text,
+        "headline": _num(r.headline),
+        "spread": _num(spread) if r.headline is not None else "-",
+        "paired": _paired_cell(r),
+        "parent": r.parent_round if r.parent_round is not None else "-",
+        "parent_commit": r.parent_commit[:10],
+        "commit": r.commit,
+        "short": (r.commit or "-")[:10],
+        "account": r.account,
+        "attempts": r.attempts,
+        "promotion": _promotion(r, spec.noise_threshold),
+        "prediction": _prediction(r),
+        "reasons": r.reasons,
+        "hints": [h["message"] for h in r.hints],
+        "metrics": [
+            {"name": k, "value": _num(v), "spread": _num(r.spread.get(k)), "unit": _unit(k)}
+            for k, v in r.metrics.items()
+        ],
+        "checks": checks,
+        "no_checks": no_checks,
+        "diff": diff,
+        "diff_stat": diff_stat,
+        "diff_cut": diff_cut,
+        "timeline": timeline,
+        "no_timeline": no_timeline,
+        "profile": r.profile,
+        "open": r.round == state.best_round,
+    }
+
+
+def _when(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
 def write_report(run_dir: Path, path: Path) -> Path:
     state, history = RunState.load(run_dir), History.open(run_dir)
     spec = load_target(state.config.target)
-    metric = spec.headline_metric.name
+    metric, unit, threshold = spec.headline_metric.name, _unit(spec.headline_metric.name), spec.noise_threshold
     devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
+    run, run_path = RunDir(run_dir), str(run_dir.resolve())
     best, starter = state.best, state.record(0)
-    rows = []
-    for r in state.rounds:
-        detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["message"] for h in r.hints)
-        rows.append(
-            {
-                **r.model_dump(),
-                "task": r.task,
-                "headline_text": f"{r.headline:.4g}" if r.headline is not None else "-",
-                "detail": detail or "-",
-            }
-        )
+    config = state.config
+    with tempfile.TemporaryDirectory(prefix="vibetrain-report-") as scratch:
+        rows, panels, baselines = [], [], _baselines(state, history)
+        for r in state.rounds:  # one trace in memory at a time, bar the baselines' few
+            timeline, no_timeline = None, ""
+            if r.verdict == "accepted" and run.trace(r.round).exists():
+                events = Trace.load_events(run.trace(r.round))
+                title = f"round {r.round}: {metric} {r.headline:.3g} {unit}"
+                timeline = _timeline_png([(title, events, devices)], Path(scratch), f"round-{r.round}")
+                if r.round in baselines:
+                    title = f"round {r.round}, {baselines[r.round]}: {metric} {r.headline:.3g} {unit}"
+                    panels.append((title, events, devices))
+            elif r.verdict == "accepted":
+                no_timeline = f"no trace kept for this round ({run.trace(r.round)} is missing)"
+            else:
+                no_timeline = "no timeline: only accepted rounds are measured and keep a trace"
+            rows.append(_row(r, state, history, spec, run_path, timeline, no_timeline))
+        timeline = _timeline_png(panels, Path(scratch), "baselines") if panels else None
+    run_facts = [
+        ("directory", run_path),
+        ("target", f"{spec.id} ({config.target})"),
+        ("spec sha256", f"{spec_hash(spec)[:16]}\u2026 (the spec as it loads now)"),
+        ("execution", "simulated (cluster simulator)" if config.simulated else "real"),
+        ("sandbox", config.sandbox),
+        ("search", f"{config.policy} policy, {config.agents} agents, seed {config.seed}"),
+        ("repeats", f"{config.repeat} measured pair(s) per candidate, up to {config.max_attempts} attempt(s)"),
+        ("noise threshold", f"{threshold:.0%} ({spec.headline_metric.direction} {metric})"),
+        ("started", _when(state.created_at) if state.created_at else "not recorded"),
+        ("time used", f"{state.seconds_used / 60:.1f} min"),
+        ("best", f"round {best.round}, commit {best.commit}" if best else "none yet"),
+    ]
+    if state.llm_used:
+        run_facts.append(("LLM use", ", ".join(f"{k} {_num(v)}" for k, v in state.llm_used.items())))
+    found = versions()
+    page_facts = [
+        ("generated", _when(datetime.datetime.now().timestamp())),
+        ("host", platform.node()),
+        ("vibetrain commit", source_commit()),
+        *((name, version) for name, version in found.items()),
+    ]
     html = TEMPLATE.render(
-        name=run_dir.name,
+        name=run_dir.resolve().name,
+        run_path=run_path,
         target=spec.id,
-        policy=state.config.policy,
-        agents=state.config.agents,
-        seed=state.config.seed,
-        rounds=rows,
+        rows=rows,
+        rounds=state.rounds,
         accepted=len(state.accepted()),
-        best_round=state.best_round,
+        best={"round": best.round, "value": _num(best.headline)} if best else None,
+        ratio=f"{best.headline / starter.headline:.2f}\u00d7" if best and starter and starter.headline else "",
         metric=metric,
-        best_value=f"{best.headline:.4g}" if best else "-",
-        ratio=f"{best.headline / starter.headline:.2f}x" if best and starter and starter.headline else "n/a",
-        per_round=_per_round(state, metric),
-        tree=_tree(state, metric),
-        timeline=_timeline(run_dir, state, devices, history),
+        unit=unit,
+        threshold=f"{threshold:.0%}",
+        repeat=config.repeat,
+        simulated=config.simulated,
+        run_facts=run_facts,
+        page_facts=page_facts,
+        per_round=_per_round(state, metric, threshold) if state.rounds else None,
+        tree=_tree(state, metric) if state.rounds else None,
+        no_spread=[r.round for r in state.accepted() if metric not in r.spread],
+        timeline=timeline,
     )
     path.write_text(html)
     return path

@@ -23,9 +23,11 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from orchestrator.history import History, HistoryError  # noqa: E402
+from orchestrator.prescreen import twin_said  # noqa: E402
 from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: E402
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
+from orchestrator.tables import paired_cell, promotion  # noqa: E402
 from targets.harness.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
 from targets.spec import TargetSpec, load_target  # noqa: E402
@@ -534,44 +536,6 @@ def _checks(history: History, r: RoundRecord) -> tuple[list[dict] | None, str]:
     return checks, "the judge recorded no checks" if not checks else ""
 
 
-def _promotion(r: RoundRecord, threshold: float) -> str:
-    if r.verdict != "accepted":
-        return ""
-    if r.paired is None:
-        return "promoted: the first accepted candidate" if r.became_best else "not compared with the best"
-    p = r.paired
-    if p.get("high") is None:
-        interval = f"interval unbounded over {p['pairs']} pair (one real pair measures no noise)"
-    else:
-        interval = f"interval [{_pct(p['low'])}, {_pct(p['high'])}] over {p['pairs']} pair(s)"
-    rule = p.get("threshold", threshold)
-    verdict = "promoted" if r.became_best else "not promoted"
-    return (
-        f"{verdict}: {_pct(p['ratio'])} against the best, {interval}; promotion needs the interval's low end "
-        f"above +{rule:.0%}"
-    )
-
-
-def _paired_cell(r: RoundRecord) -> str:
-    if r.paired is None:
-        return "-"
-    p = r.paired
-    high = "\u221e" if p.get("high") is None else _pct(p["high"])
-    return f"{_pct(p['ratio'])} [{_pct(p['low'])}, {high}]"
-
-
-def _prediction(r: RoundRecord) -> str:
-    p = r.prediction
-    if not p:
-        return ""
-    if "skipped" in p:
-        return f"pre-screen skipped: {p['skipped']}"
-    return (
-        f"predicted {p['metric']} {_num(p['headline'])} against the best's (round {p['best_round']}) "
-        f"{_num(p['best'])}, margin {p['margin']:.0%}: {'passed' if p['passed'] else 'screened out'}"
-    )
-
-
 def _row(
     r: RoundRecord,
     state: RunState,
@@ -608,15 +572,15 @@ def _row(
         "verdict_text": verdict_text,
         "headline": _num(r.headline),
         "spread": _num(spread) if r.headline is not None else "-",
-        "paired": _paired_cell(r),
+        "paired": paired_cell(r.paired),
         "parent": r.parent_round if r.parent_round is not None else "-",
         "parent_commit": r.parent_commit[:10],
         "commit": r.commit,
         "short": (r.commit or "-")[:10],
         "account": r.account,
         "attempts": r.attempts,
-        "promotion": _promotion(r, spec.noise_threshold),
-        "prediction": _prediction(r),
+        "promotion": promotion(r, spec.noise_threshold) if r.verdict == "accepted" else "",
+        "prediction": twin_said(r) if r.prediction else "",
         "reasons": r.reasons,
         "hints": [h["message"] for h in r.hints],
         "metrics": [

@@ -140,14 +140,15 @@ class RoundsView:
             self.status = data.get("reason") or f"recovered round {data['round']} from git"
 
 
-def promotion(record) -> str:
+def promotion(record, threshold: float | None = None) -> str:
     """Why the candidate did or did not become best: the paired ratio against the best, its
-    interval, and the rule it had to clear (the spec's noise threshold, stored with the pair)."""
+    interval, and the rule it had to clear (the spec's noise threshold, stored with the pair; for
+    records older than that, ``threshold`` when the caller knows it)."""
     from targets.harness.session import Paired
 
     if record.paired is None:
         return "promoted: the first validated candidate" if record.became_best else "not measured against the best"
-    threshold = record.paired.get("threshold")
+    threshold = record.paired.get("threshold", threshold)  # older records did not store it
     paired = Paired(**{k: v for k, v in record.paired.items() if k != "threshold"})
     verb = "promoted" if record.became_best else "not promoted"
     rule = f"; promotion needs the interval's low end above +{threshold:.0%}" if threshold is not None else ""

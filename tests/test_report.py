@@ -143,7 +143,7 @@ def test_every_round_expands_to_its_diff_judge_evidence_and_timeline(report):
     promoted = _round_block(html, 1)
     assert "static_split" in promoted and 'class="d-add"' in promoted  # the diff, lines coloured
     assert "max_logprob_diff=0.00123" in promoted and 'class="pass"' in promoted  # the judge's margins
-    assert "+50.0% against the best, interval [+30.0%, +70.0%] over 3 pair(s)" in promoted
+    assert "+50.0%, interval [+30.0%, +70.0%] over 3 pair(s) against the best" in promoted
     assert 'alt="round 1 timeline"' in promoted
     assert commits[1] in promoted
     rejected = _round_block(html, 2)
@@ -152,7 +152,7 @@ def test_every_round_expands_to_its_diff_judge_evidence_and_timeline(report):
     assert "only accepted rounds are measured" in rejected
     old = _round_block(html, 3)
     assert "no judge evidence recorded: this run was made before accepted rounds kept" in old
-    assert "not promoted: +1.0% against the best" in old
+    assert "not promoted: +1.0%, interval" in old
     assert "screened out" in _round_block(html, 4)
     assert "failed before anything was committed" in _round_block(html, 5)
     assert "b/.vibetrain/" not in html  # bookkeeping never buries the change

@@ -299,6 +299,14 @@ def bench(
     ),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     timeline: Path = typer.Option(None, help="write the per-device timeline PNG here"),
+    track: str = typer.Option(
+        None,
+        help="tensorboard | jsonl: per training step ROLL-named scalars of every run (run <schedule>/r<repeat>), "
+        "and trace.json, the timeline for Perfetto",
+    ),
+    track_dir: Path = typer.Option(
+        None, help="where --track writes (default: beside --json, else --timeline, as <name>-track/; else a temp dir)"
+    ),
     time_limit: float | None = typer.Option(
         None, help="seconds each child run may take [default: the target's limits.time_s]"
     ),
@@ -314,10 +322,27 @@ def bench(
     import json
     import tempfile
 
+    from targets.harness.tracking import TrackingError, open_tracker, track_trace, write_chrome_trace
     from skills.starter import write_starter
     from targets.harness.benchmark import BenchmarkFailed, benchmark
     from targets.harness.timeline import plot_timelines
 
+    if track_dir is not None and track is None:
+        errors.print("[red]error:[/red] --track-dir needs --track tensorboard|jsonl")
+        raise typer.Exit(2)
+    tracker = None
+    if track is not None:  # before any run: a missing package is said in seconds, not after the bench
+        beside = json_path or timeline
+        if track_dir is None and beside is not None:
+            track_dir = beside.with_name(f"{beside.stem}-track")
+        elif track_dir is None:
+            track_dir = Path(tempfile.mkdtemp(prefix="vibetrain-track-"))
+        _out_dir(track_dir, "--track-dir")
+        try:
+            tracker = open_tracker(track, track_dir)
+        except TrackingError as error:
+            errors.print(f"[red]error:[/red] {error}")
+            raise typer.Exit(2) from None
     session = _session(target, sandbox, time_limit, simulate)
     spec, simulated = session.target.spec, session.target.simulated
     repeat = repeat or (1 if simulated else 3)
@@ -391,6 +416,19 @@ def bench(
         ]
         plot_timelines(titles, timeline)
         console.print(f"timeline: {timeline}")
+    if tracker is not None:
+        traces = {f"{r.name}/r{i}": m.events() for r in runs for i, m in enumerate(r.measurements)}
+        try:
+            for run_name, events in traces.items():
+                track_trace(tracker, run_name, events)
+            chrome = write_chrome_trace(traces, track_dir / "trace.json")
+        except TrackingError as error:
+            errors.print(f"[red]error:[/red] {error}")
+            raise typer.Exit(1) from None
+        finally:
+            tracker.close()
+        console.print(f"tracking ({track}): {track_dir}")
+        console.print(f"timeline for Perfetto (ui.perfetto.dev): {chrome}")
 
 
 @app.command("calibrate")
@@ -532,6 +570,12 @@ def generate(
         "predicted within --prescreen-margin of the best",
     ),
     prescreen_margin: float = typer.Option(0.05, help="how far (a fraction) below the best's prediction still goes on"),
+    track: str = typer.Option(
+        None,
+        help="tensorboard | jsonl: each validated round's per-step ROLL-named scalars (run round-N), "
+        "round/headline per round, and round-N.trace.json, its timeline for Perfetto",
+    ),
+    track_dir: Path = typer.Option(None, help="where --track writes (default: <out>/.git/vibetrain/track)"),
     config: Path = typer.Option(
         None,
         "--config",
@@ -573,9 +617,29 @@ def generate(
     spec = _load(target)
     out = _out_dir(out or Path("generated") / spec.id)
     view, live = RoundsView(spec), None
+    if track_dir is not None and track is None:
+        errors.print("[red]error:[/red] --track-dir needs --track tensorboard|jsonl")
+        raise typer.Exit(2)
+    tracker = None
+    if track is not None:
+        from orchestrator.run_dir import RunDir
+        from targets.harness.tracking import TrackingError, open_tracker, track_round
+
+        track_dir = _out_dir(track_dir or RunDir(out).outputs / "track", "--track-dir")
+        try:
+            tracker = open_tracker(track, track_dir)  # writes nothing yet: the run directory is made below
+        except TrackingError as error:
+            errors.print(f"[red]error:[/red] {error}")
+            raise typer.Exit(2) from None
 
     def on_event(kind: str, **data) -> None:
         view.event(kind, **data)
+        record = data.get("record")
+        if tracker is not None and kind == "round_end" and record.verdict == "accepted":
+            try:
+                track_round(tracker, record.round, record.headline, RunDir(out).trace(record.round))
+            except TrackingError as error:  # the run goes on: tracking is a view of it, not part of it
+                errors.print(f"[yellow]warning:[/yellow] --track: {error}")
         if live is not None:
             live.update(view.render())
 
@@ -636,6 +700,11 @@ def generate(
     except RunError as error:
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from None
+    finally:
+        if tracker is not None:
+            tracker.close()
+    if tracker is not None:
+        console.print(f"tracking ({track}): {track_dir}")
     best = state.best
     if best is None:
         console.print("[red]no validated candidate[/red] (see vibetrain log)")

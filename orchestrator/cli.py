@@ -873,6 +873,34 @@ def show_round(
         out.print(diff, markup=False)
 
 
+@app.command("export")
+def export(
+    candidate: str = typer.Argument(..., help="RUN@best, RUN@round-N, RUN@<commit>, or a candidate directory"),
+    out: Path = typer.Option(..., help="directory to create (new or empty): the standalone project"),
+    target: str = typer.Option(
+        None, help="the target it trains on (default: the run's; required with a candidate directory)"
+    ),
+) -> None:
+    """Write a candidate as a standalone project that trains on the target's hardware without vibetrain:
+    its stack, the contract and harness modules it imports, the target spec, pinned requirements, a
+    README and train.py.
+
+    Example: vibetrain export generated/tiny-qwen3-cpu@best --out best-stack  (then: python best-stack/train.py)
+    """
+    from rich.markup import escape
+
+    from orchestrator.export import ExportError, describe, export_project, resolve_candidate
+
+    _out_dir(out)
+    try:
+        path, target_ref = resolve_candidate(candidate, target)
+        exported = export_project(path, target_ref, out, source=candidate)
+    except ExportError as error:
+        errors.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(describe(exported), markup=False, highlight=False, soft_wrap=True)
+
+
 @app.command("report")
 def report(
     run: Path,

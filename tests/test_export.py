@@ -1,0 +1,161 @@
+"""``vibetrain export``: the exported project trains from its own launcher with nothing of vibetrain
+importable, and the export refuses what it cannot carry."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.export import PACKAGE, SOURCE_ROOT, ExportError, _module_file, export_project, resolve_candidate
+from skills.starter import write_starter
+from targets.spec import load_target
+
+runner = CliRunner()
+VIBETRAIN_PACKAGES = ("targets", "orchestrator", "skills", "agents")
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) reward (\S+) step_time (\S+)s train_time (\S+)s", re.MULTILINE)
+
+# Every process started with this directory on PYTHONPATH (the launcher and the Ray workers it
+# starts, which inherit PYTHONPATH) fails to import vibetrain's packages, installed or not.
+BLOCKER = f"""
+import sys
+
+class _NoVibetrain:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {VIBETRAIN_PACKAGES!r}:
+            raise ImportError(f"{{name}}: vibetrain is not importable from an exported project")
+        return None
+
+sys.meta_path.insert(0, _NoVibetrain())
+"""
+
+
+@pytest.fixture
+def starter(tmp_path, fast_target):
+    return write_starter(tmp_path / "candidate", load_target(fast_target), "time_multiplex")
+
+
+@pytest.fixture
+def without_vibetrain(tmp_path) -> dict[str, str]:
+    """An environment in which no process can import vibetrain's packages (checked here)."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONPATH": str(blocker)}
+    probe = subprocess.run([sys.executable, "-c", "import targets.api"], env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "vibetrain is not importable" in probe.stderr
+    return env
+
+
+def _imports(root: Path) -> set[str]:
+    names = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names.add(node.module)
+    return names
+
+
+@pytest.mark.slow
+def test_an_exported_starter_trains_from_its_launcher_with_vibetrain_unimportable(
+    tmp_path, starter, fast_target, without_vibetrain
+):
+    out = tmp_path / "exported"
+    result = runner.invoke(app, ["export", str(starter), "--out", str(out), "--target", str(fast_target)])
+    assert result.exit_code == 0, result.output
+    assert {n.split(".")[0] for n in _imports(out)}.isdisjoint(VIBETRAIN_PACKAGES)
+    assert f"{PACKAGE}.api" in _imports(out / "stack")
+    assert "pip install -r requirements.txt" in (out / "README.md").read_text()
+
+    run = subprocess.run(
+        [sys.executable, "train.py", "--steps", "2", "--track", "jsonl"],
+        cwd=out,
+        env=without_vibetrain,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    steps = STEP_LINE.findall(run.stdout)
+    assert [(int(s), int(n)) for s, n, *_ in steps] == [(1, 2), (2, 2)], run.stdout
+    for _, _, reward, step_time, train_time in steps:
+        assert 0.0 <= float(reward) <= 1.0 and math.isfinite(float(reward))
+        assert float(step_time) >= float(train_time) > 0.0
+    assert "done: 2 step(s)" in run.stdout
+    tracked = [json.loads(line) for line in (out / "track" / "metrics.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in tracked] == [1, 2] and tracked[1]["system/samples"] == 2 * tracked[0]["system/samples"]
+    assert all(t["time/step_total"] >= t["time/step_train"] > 0 for t in tracked)
+
+
+def test_vendored_modules_are_vibetrains_with_only_their_imports_renamed(tmp_path, starter, fast_target):
+    exported = export_project(starter, str(fast_target), tmp_path / "out")
+    assert {"targets.api", "targets.harness.environments.pool", "targets.harness.target"} <= set(exported.vendored)
+    for module in exported.vendored:
+        original = _module_file(module)
+        copy = tmp_path / "out" / PACKAGE / original.relative_to(SOURCE_ROOT / "targets")
+        lines, copied = original.read_text().splitlines(), copy.read_text().splitlines()
+        assert len(lines) == len(copied), module
+        changed = [(a, b) for a, b in zip(lines, copied) if a != b]
+        assert all(b == a.replace("targets", PACKAGE, 1) and "import" in a for a, b in changed), (module, changed)
+    torch_version = __import__("torch").__version__.split("+")[0]
+    assert f"torch=={torch_version}" in exported.requirements
+    assert not any(r.lower().startswith(("vllm", "flashinfer")) for r in exported.requirements)
+    assert "vllm" in exported.optional  # an optional engine: listed in the README, never installed by it
+    assert load_target(tmp_path / "out" / "target.yaml") == load_target(fast_target)
+
+
+def test_an_out_that_is_a_file_or_a_non_empty_directory_is_refused(tmp_path, starter):
+    file = tmp_path / "file"
+    file.write_text("x")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    for out, says in ((file, "a file is there"), (full, "is a directory that is not empty")):
+        result = runner.invoke(app, ["export", str(starter), "--out", str(out), "--target", "tiny-qwen3-cpu"])
+        assert result.exit_code == 2 and says in result.output, result.output
+    assert (full / "keep.txt").read_text() == "mine" and sorted(p.name for p in full.iterdir()) == ["keep.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_project(starter, "tiny-qwen3-cpu", empty)  # an empty directory is filled
+    assert (empty / "train.py").is_file() and not list(tmp_path.glob(".empty-export-*"))
+
+
+def test_a_stack_importing_vibetrain_internals_is_refused_by_file_and_line(tmp_path, starter):
+    (starter / "stack" / "sneaky.py").write_text('"""x"""\n\nfrom orchestrator.state import RunState\n')
+    with pytest.raises(ExportError, match=r"stack/sneaky.py:3 imports orchestrator.state"):
+        export_project(starter, "tiny-qwen3-cpu", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out-export-*"))
+    (starter / "stack" / "sneaky.py").write_text("def broken(:\n")
+    with pytest.raises(ExportError, match=r"stack/sneaky.py:1: not valid Python"):
+        export_project(starter, "tiny-qwen3-cpu", tmp_path / "out")
+
+
+def test_a_candidate_directory_needs_its_target_and_a_missing_run_is_named(tmp_path, starter):
+    with pytest.raises(ExportError, match="--target TARGET"):
+        resolve_candidate(str(starter), None)
+    with pytest.raises(ExportError, match="not RUN@best"):
+        resolve_candidate(str(tmp_path / "nowhere"), None)
+    result = runner.invoke(app, ["export", f"{tmp_path / 'norun'}@best", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "norun" in result.output and "Traceback" not in result.output
+
+
+def test_the_launcher_refuses_a_target_whose_hardware_this_machine_lacks(tmp_path, without_vibetrain):
+    spec = load_target("qwen3-8b-h100x8")  # 8 GPUs: simulated here, and on any test machine with fewer
+    out = tmp_path / "exported"
+    export_project(write_starter(tmp_path / "candidate", spec, "time_multiplex"), spec.id, out)
+    run = subprocess.run(
+        [sys.executable, "train.py"], cwd=out, env=without_vibetrain, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode != 0 and "step 1/" not in run.stdout
+    assert "trains on 8 h100 device(s)" in run.stderr and "this machine has" in run.stderr, run.stderr[-2000:]

@@ -47,7 +47,7 @@ def make_agents(
     if backend == "offline":
         return offline
     from agents.llm.agents import LLMEvaluator, LLMImplementer, LLMJudge, LLMPlanner
-    from agents.llm.client import Accounting, ClientConfig, make_client
+    from agents.llm.client import DEFAULT_MAX_OUTPUT_TOKENS, Accounting, ClientConfig, make_client
 
     spec = session.target.spec
     llm = llm or {}
@@ -66,6 +66,7 @@ def make_agents(
         api_key_env=api_key_env(backend, llm),
         stream=llm.get("stream", True),
         backoff_s=llm.get("backoff_s", 1.0),
+        max_output_tokens=llm.get("max_output_tokens", DEFAULT_MAX_OUTPUT_TOKENS),
     )
     client = make_client(config, accounting)
 

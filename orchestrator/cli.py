@@ -246,14 +246,14 @@ def _session(target: str, sandbox: str, time_limit: float | None, simulate: bool
 def check(
     target: str,
     stack: Path = typer.Option(
-        None, help="candidate directory (holds stack/) [default: the starter of the target's first baseline]"
+        None, help="candidate directory (holds stack/) (default: the starter of the target's first baseline)"
     ),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     out: Path = typer.Option(
         None, help="keep the harness's outputs here (trace, weights, candidate logs); default a temp dir"
     ),
     time_limit: float | None = typer.Option(
-        None, help="seconds each child run may take [default: the target's limits.time_s]"
+        None, help="seconds each child run may take (default: the target's limits.time_s)"
     ),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
     simulate: bool = typer.Option(False, help="run the system on the simulator, whatever the target's execution says"),
@@ -308,7 +308,7 @@ def bench(
         None, help="where --track writes (default: beside --json, else --timeline, as <name>-track/; else a temp dir)"
     ),
     time_limit: float | None = typer.Option(
-        None, help="seconds each child run may take [default: the target's limits.time_s]"
+        None, help="seconds each child run may take (default: the target's limits.time_s)"
     ),
     simulate: bool = typer.Option(
         False, "--simulate", help="run on the cluster simulator even if the target runs for real here"
@@ -322,10 +322,10 @@ def bench(
     import json
     import tempfile
 
-    from targets.harness.tracking import TrackingError, open_tracker, track_trace, write_chrome_trace
     from skills.starter import write_starter
     from targets.harness.benchmark import BenchmarkFailed, benchmark
     from targets.harness.timeline import plot_timelines
+    from targets.harness.tracking import TrackingError, open_tracker, track_trace, write_chrome_trace
 
     if track_dir is not None and track is None:
         errors.print("[red]error:[/red] --track-dir needs --track tensorboard|jsonl")
@@ -438,7 +438,7 @@ def calibrate(
     out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
     time_limit: float | None = typer.Option(
-        None, help="seconds each child run may take [default: the target's limits.time_s]"
+        None, help="seconds each child run may take (default: the target's limits.time_s)"
     ),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
@@ -539,10 +539,15 @@ def generate(
     api_key_env: str = typer.Option(
         None, help="the variable holding the API key (default OPENAI_API_KEY / ANTHROPIC_API_KEY)"
     ),
-    max_cost: float = typer.Option(None, help="USD budget for LLM calls; the run stops between rounds once spent"),
+    max_cost: float = typer.Option(
+        None, help="USD budget for LLM calls, checked before each call (the model needs a price: see --prices)"
+    ),
     max_tokens: int = typer.Option(None, help="token budget for LLM calls (input + output)"),
+    max_output_tokens: int = typer.Option(
+        None, min=1, help="the most tokens one LLM reply may have (default: 4096); a reply cut there is told so"
+    ),
     prices: Path = typer.Option(
-        None, help="YAML of model: [input, output] USD per million tokens (overrides the table)"
+        None, help="YAML of model: (input, output) USD per million tokens (overrides the table)"
     ),
     stream: bool = typer.Option(True, help="stream LLM responses"),
     out: Path = typer.Option(None, help="run directory (a git repository); default generated/<target id>"),
@@ -561,7 +566,7 @@ def generate(
     simulate: bool = typer.Option(False, "--simulate", help="run candidates on the cluster simulator"),
     workspaces: Path = typer.Option(Path("workspaces"), help="where each round's git worktree lives"),
     time_limit: float | None = typer.Option(
-        None, help="seconds each candidate child run may take [default: the target's limits.time_s]"
+        None, help="seconds each candidate child run may take (default: the target's limits.time_s)"
     ),
     prescreen: bool = typer.Option(
         True,
@@ -666,6 +671,7 @@ def generate(
                     "api_key_env": api_key_env,
                     "prices": str(prices.resolve()) if prices else None,
                     "stream": stream,
+                    "max_output_tokens": max_output_tokens,
                 }.items()
                 if v is not None
             }

@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from agents.factory import BACKENDS, api_key_env, make_agents
+from agents.factory import BACKENDS, api_key_env, load_prices, make_agents
 from agents.roles import AgentError
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
@@ -63,6 +63,9 @@ def _loop(
         )
     except AgentError as error:
         raise RunSetupError(str(error)) from None
+    if agents.accounting is not None:  # checked before every LLM call, not only between rounds
+        agents.accounting.max_cost, agents.accounting.max_tokens = config.max_cost, config.max_tokens
+        agents.accounting.spent_before = dict(state.llm_used)  # the run's earlier sessions
 
     def design_of(record) -> str:
         return history.read(record.commit, "DESIGN.md")
@@ -73,7 +76,7 @@ def _loop(
     return loop
 
 
-def _check_backend(agents: str, llm: dict) -> None:
+def _check_backend(agents: str, llm: dict, max_cost: float | None = None) -> None:
     """What an agent backend needs, checked before the run writes anything."""
     import os
     import shutil
@@ -86,8 +89,29 @@ def _check_backend(agents: str, llm: dict) -> None:
             raise RunSetupError(
                 f"--agents {agents}: no API key in ${env} (set it, or name another variable with --api-key-env)"
             )
+        _check_priced(llm, max_cost)
     if agents.startswith("cli:") and shutil.which(agents[4:]) is None:
         raise RunSetupError(f"--agents {agents}: the {agents[4:]} CLI is not installed (no `{agents[4:]}` on PATH)")
+
+
+def _check_priced(llm: dict, max_cost: float | None) -> None:
+    """``--max-cost`` needs the model's price: without one every call would count $0 and the budget
+    would never stop the run."""
+    if max_cost is None:
+        return
+    from agents.llm.client import Accounting
+
+    try:
+        prices = load_prices(llm.get("prices"))
+    except (OSError, ValueError) as error:
+        raise RunSetupError(f"--prices: {error}") from None
+    model = llm["model"]
+    if Accounting(prices=prices).priced_as(model) is None:
+        raise RunSetupError(
+            f"--max-cost {max_cost:g}: no price known for model {model!r}, so its calls would count $0 and "
+            f"the budget could never stop the run; give its price with --prices FILE (YAML: {model}: "
+            "[input, output] USD per million tokens), or budget tokens with --max-tokens instead"
+        )
 
 
 def start_run(
@@ -133,7 +157,7 @@ def start_run(
         raise RunSetupError("--policy llm needs an LLM backend (--agents openai or anthropic)")
     if not 0 <= prescreen_margin <= 1:
         raise RunSetupError(f"--prescreen-margin {prescreen_margin:g}: a fraction of the best's prediction, 0 to 1")
-    _check_backend(agents, llm or {})
+    _check_backend(agents, llm or {}, max_cost)
     config = RunConfig(
         target=resolved.ref,
         target_id=spec.id,
@@ -202,6 +226,8 @@ def resume_run(
         }.items()
         if v is not None
     }
+    if max_cost is not None and state.config.agents in ("openai", "anthropic"):
+        _check_priced(state.config.llm, max_cost)
     state.config = state.config.model_copy(update=updates)
     try:
         resolved = Target.load(state.config.target, simulate=state.config.simulated)

@@ -5,7 +5,16 @@ replaying scripted replies. The official SDK clients talk to it as to the real s
 A script is a queue of replies per role; the role of a request is read from the ``ROLE: <name>`` line
 the agents put in their system prompt. A reply is ``Reply(text=..., tool_calls=[(name, args)], ...)``
 or a fault: ``Fault(status=429)``, ``Fault(status=500)``, ``Fault(drop=True)`` (the stream is cut
-mid-way). Every request is recorded (``server.requests``) for the tests to inspect.
+mid-way), ``Fault(status=429, headers={"retry-after": "2"})``. ``Reply(cut=True)`` stops at the output
+limit (OpenAI ``finish_reason: length``, Anthropic ``stop_reason: max_tokens``). Every request is
+recorded (``server.requests``) for the tests to inspect.
+
+Requests the real services refuse are refused alike, with their 400s: an OpenAI reasoning model (o1,
+o3, o4, gpt-5, and ``fake-reasoner``, which no client knows by name) given ``max_tokens``;
+a ``legacy/...`` model (an older compatible server) given ``max_completion_tokens``; an Anthropic request
+without ``max_tokens``, or with a message whose content is empty or an empty or blank text block; an
+OpenAI assistant message with neither content nor tool calls (as strict compatible servers, Mistral's
+among them, refuse it).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ROLE = re.compile(r"ROLE: (\w+)")
+REFUSES_MAX_TOKENS = re.compile(r"^(o1|o3|o4|gpt-5)([-.]|$)|^fake-reasoner$")
 
 
 @dataclass
@@ -27,12 +37,14 @@ class Reply:
     tool_calls: list[tuple[str, dict | str]] = field(default_factory=list)  # str args: sent verbatim (invalid JSON)
     input_tokens: int = 100
     output_tokens: int = 20
+    cut: bool = False  # stopped at the output limit
 
 
 @dataclass
 class Fault:
     status: int | None = None  # an HTTP error status
     drop: bool = False  # start a stream, then cut the connection
+    headers: dict[str, str] = field(default_factory=dict)  # sent with the error (retry-after, ...)
 
 
 class FakeLLMServer:
@@ -106,30 +118,35 @@ class FakeLLMServer:
                         if not anthropic
                         else {"type": "error", "error": {"type": "not_found_error", "message": "model: no-such-model"}},
                     )
+                refused = _anthropic_refusal(body) if anthropic else _openai_refusal(body)
+                if refused is not None:
+                    return self._json(400, refused)
                 reply, why = server._next(role)
                 stream = bool(body.get("stream"))
                 if isinstance(reply, Fault):
                     if reply.drop:
                         return self._dropped(anthropic) if stream else self._truncated()
-                    return self._error(reply.status, why or f"scripted {reply.status}", anthropic)
+                    return self._error(reply.status, why or f"scripted {reply.status}", anthropic, reply.headers)
                 if anthropic:
                     return self._anthropic_stream(reply) if stream else self._json(200, _anthropic_message(reply, body))
                 return self._openai_stream(reply, body) if stream else self._json(200, _openai_completion(reply, body))
 
             # -- plumbing --------------------------------------------------------------------------
-            def _json(self, status: int, payload: dict) -> None:
+            def _json(self, status: int, payload: dict, headers: dict | None = None) -> None:
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _error(self, status: int, message: str, anthropic: bool) -> None:
+            def _error(self, status: int, message: str, anthropic: bool, headers: dict | None = None) -> None:
                 if anthropic:
                     kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "api_error")
-                    return self._json(status, {"type": "error", "error": {"type": kind, "message": message}})
-                return self._json(status, {"error": {"message": message, "type": "error", "code": status}})
+                    return self._json(status, {"type": "error", "error": {"type": kind, "message": message}}, headers)
+                return self._json(status, {"error": {"message": message, "type": "error", "code": status}}, headers)
 
             def _sse_start(self) -> None:
                 self.send_response(200)
@@ -218,7 +235,7 @@ class FakeLLMServer:
                     )
                     for piece in _pieces(arguments):
                         send({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
-                send({}, finish="tool_calls" if reply.tool_calls else "stop")
+                send({}, finish=_openai_finish(reply))
                 send(
                     None,
                     usage={
@@ -276,7 +293,7 @@ class FakeLLMServer:
                 send(
                     "message_delta",
                     {
-                        "delta": {"stop_reason": "tool_use" if reply.tool_calls else "end_turn", "stop_sequence": None},
+                        "delta": {"stop_reason": _anthropic_stop(reply), "stop_sequence": None},
                         "usage": {"output_tokens": reply.output_tokens},
                     },
                 )
@@ -306,7 +323,7 @@ def _openai_completion(reply: Reply, body: dict) -> dict:
         "object": "chat.completion",
         "created": 0,
         "model": body.get("model", "fake"),
-        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if reply.tool_calls else "stop"}],
+        "choices": [{"index": 0, "message": message, "finish_reason": _openai_finish(reply)}],
         "usage": {
             "prompt_tokens": reply.input_tokens,
             "completion_tokens": reply.output_tokens,
@@ -332,7 +349,65 @@ def _anthropic_message(reply: Reply, body: dict) -> dict:
         "role": "assistant",
         "model": body.get("model", "fake"),
         "content": content,
-        "stop_reason": "tool_use" if reply.tool_calls else "end_turn",
+        "stop_reason": _anthropic_stop(reply),
         "stop_sequence": None,
         "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens},
     }
+
+
+def _openai_finish(reply: Reply) -> str:
+    return "length" if reply.cut else "tool_calls" if reply.tool_calls else "stop"
+
+
+def _anthropic_stop(reply: Reply) -> str:
+    return "max_tokens" if reply.cut else "tool_use" if reply.tool_calls else "end_turn"
+
+
+def _openai_refusal(body: dict) -> dict | None:
+    """The 400 body OpenAI (or a strict compatible server) answers this request with; None if it is fine."""
+    model = body.get("model", "")
+    refused = "max_completion_tokens" if model.startswith("legacy/") else "max_tokens"
+    if refused in body and (refused == "max_completion_tokens" or REFUSES_MAX_TOKENS.match(model)):
+        other = "max_completion_tokens" if refused == "max_tokens" else "max_tokens"
+        return {
+            "error": {
+                "message": f"Unsupported parameter: '{refused}' is not supported with this model. "
+                f"Use '{other}' instead.",
+                "type": "invalid_request_error",
+                "param": refused,
+                "code": "unsupported_parameter",
+            }
+        }
+    for i, m in enumerate(body.get("messages", [])):
+        if m.get("role") == "assistant" and not m.get("content") and not m.get("tool_calls"):
+            return {
+                "error": {
+                    "message": f"messages.{i}: an assistant message must have either content or tool_calls",
+                    "type": "invalid_request_error",
+                    "param": f"messages.{i}",
+                    "code": None,
+                }
+            }
+    return None
+
+
+def _anthropic_refusal(body: dict) -> dict | None:
+    """The 400 body Anthropic answers this request with; None if it is fine."""
+
+    def refuse(message: str) -> dict:
+        return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+
+    if "max_tokens" not in body:
+        return refuse("max_tokens: Field required")
+    messages = body.get("messages", [])
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not content and not (i == len(messages) - 1 and m.get("role") == "assistant"):
+            return refuse(
+                f"messages.{i}: all messages must have non-empty content except for the optional "
+                "final assistant message"
+            )
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            if block.get("type") == "text" and not block.get("text", "").strip():
+                return refuse(f"messages.{i}.content.{j}.text: text content blocks must contain non-whitespace text")
+    return None

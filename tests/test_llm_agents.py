@@ -6,20 +6,33 @@ budgets, a coding-agent CLI, and keys that never reach the sandbox."""
 
 from __future__ import annotations
 
+import email.utils
 import json
 import os
+import random
 import stat
 import sys
+import time
 from pathlib import Path
 
 import git
 import pytest
 from typer.testing import CliRunner
 
-from agents.llm.agents import ImplementerOutput, OutputSchemaError, answer
-from agents.llm.client import Accounting, ClientConfig, LLMError, ToolCall, make_client
+from agents.llm.agents import ImplementerOutput, LLMImplementer, OutputSchemaError, Review, answer
+from agents.llm.client import (
+    EMPTY_REPLY,
+    Accounting,
+    BudgetSpent,
+    ClientConfig,
+    LLMError,
+    ToolCall,
+    make_client,
+)
 from agents.llm.tools import Toolbox, ToolCallError
+from agents.roles import AgentError, Task
 from orchestrator.cli import app
+from orchestrator.runs import RunSetupError, _check_backend
 from orchestrator.state import RunState
 from skills.starter import write_starter
 from targets.harness.sandbox import Sandbox
@@ -38,10 +51,12 @@ def server(monkeypatch):
         yield fake
 
 
-def _client(server, provider: str, stream: bool = True, retries: int = 3, model: str = "gpt-4o"):
+def _client(
+    server, provider: str, stream: bool = True, retries: int = 3, model: str = "gpt-4o", accounting=None, **options
+):
     base = server.url + "/v1" if provider == "openai" else server.url
-    config = ClientConfig(provider, model, KEY, base, stream=stream, max_retries=retries, backoff_s=0.01)
-    return make_client(config, Accounting())
+    config = ClientConfig(provider, model, KEY, base, stream=stream, max_retries=retries, backoff_s=0.01, **options)
+    return make_client(config, accounting or Accounting())
 
 
 # -- clients ----------------------------------------------------------------------------------------
@@ -117,6 +132,119 @@ def test_costs_come_from_the_price_table_and_unknown_models_say_so(caplog):
     )
 
 
+def _ask(client, role: str = "planner", messages: list | None = None):
+    return client.chat(f"ROLE: {role}", messages or [{"role": "user", "content": "x"}], [])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_output_limit_goes_under_the_name_each_model_takes(server, stream):
+    """Reasoning models get max_completion_tokens from the start; a model no list knows learns it from
+    OpenAI's 400 once (one retry, then remembered); the limit itself is configurable."""
+    limit = {"max_output_tokens": 777}
+    for model, sent in (
+        ("gpt-4o", "max_tokens"),
+        ("o4-mini", "max_completion_tokens"),
+        ("gpt-5.1", "max_completion_tokens"),
+    ):
+        server.requests.clear()
+        server.script("planner", Reply(text="ok"))
+        assert _ask(_client(server, "openai", stream, model=model, **limit)).text == "ok"
+        [request] = server.requests
+        assert request["body"][sent] == 777 and len({"max_tokens", "max_completion_tokens"} & set(request["body"])) == 1
+    for model, first, then in (
+        ("fake-reasoner", "max_tokens", "max_completion_tokens"),  # refuses max_tokens, though no list names it
+        ("legacy/o3", "max_completion_tokens", "max_tokens"),  # an older server that only knows max_tokens
+    ):
+        server.requests.clear()
+        server.script("planner", Reply(text="first"), Reply(text="second"))
+        client = _client(server, "openai", stream, model=model, **limit)
+        assert _ask(client).text == "first" and _ask(client).text == "second"
+        sent = [[k for k in ("max_tokens", "max_completion_tokens") if k in r["body"]] for r in server.requests]
+        assert sent == [[first], [then], [then]]  # switched once on the 400, then remembered
+    server.script("anthropic_judge", Reply(text="ok"))
+    _ask(_client(server, "anthropic", stream, model="claude-sonnet-4", **limit), role="anthropic_judge")
+    assert server.requests[-1]["body"]["max_tokens"] == 777
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_an_empty_reply_goes_back_as_a_placeholder_never_as_empty_content(server, provider):
+    """Anthropic refuses `content: []` and blank text blocks with a 400 (strict OpenAI-compatible servers
+    refuse an assistant message with neither content nor tool calls): the empty turn goes back as
+    EMPTY_REPLY, and blank text beside a tool call is left out."""
+    client = _client(server, provider)
+    server.script("judge", Reply(text=""), Reply(text='{"verdict": "accept"}'))
+    assert answer(client, "ROLE: judge", [{"role": "user", "content": "x"}], Review, "judge").verdict == "accept"
+    body = server.requests[-1]["body"]
+    assistant = [m for m in body["messages"] if m["role"] == "assistant"]
+    if provider == "openai":
+        assert assistant == [{"role": "assistant", "content": EMPTY_REPLY}]
+    else:
+        assert assistant == [{"role": "assistant", "content": [{"type": "text", "text": EMPTY_REPLY}]}]
+    server.script("judge", Reply(text="fine"))
+    call = ToolCall("call_0", "read_file", '{"path": "x"}')
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "text": "  \n", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "name": "read_file", "content": "data"},
+    ]
+    assert _ask(client, "judge", messages).text == "fine"  # no blank text block beside the tool call
+    sent = server.requests[-1]["body"]["messages"]
+    if provider == "anthropic":
+        assert [b["type"] for b in sent[1]["content"]] == ["tool_use"]
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_backoff_honours_retry_after_and_jitters(server, provider):
+    """The wait is max(retry-after, full jitter in [0, backoff * 2**(n-1)]): retry-after-ms, retry-after
+    in seconds or as an HTTP date; a retry-after longer than the cap gives up at once."""
+    in_ten_seconds = email.utils.formatdate(time.time() + 10, usegmt=True)
+    server.script(
+        "planner",
+        Fault(status=429, headers={"retry-after": "2"}),
+        Fault(status=503, headers={"retry-after-ms": "1500"}),
+        Fault(status=429),
+        Fault(status=429, headers={"retry-after": in_ten_seconds}),
+        Fault(status=500),
+        Reply(text="ok"),
+    )
+    client = _client(server, provider, retries=5)
+    waits: list[float] = []
+    client.sleep, client.random = waits.append, random.Random(7)
+    assert _ask(client).text == "ok"
+    reference = random.Random(7)
+    jitter = [reference.uniform(0, 0.01 * 2**n) for n in range(5)]
+    assert waits[:3] == [2.0, 1.5, jitter[2]] and waits[4] == jitter[4]
+    assert 8.0 < waits[3] <= 10.0  # the HTTP date, to the second
+    assert 0 < jitter[2] < 0.04  # jittered, not the bare exponential
+    server.requests.clear()
+    server.script("planner", Fault(status=429, headers={"retry-after": "600"}))
+    with pytest.raises(
+        LLMError, match=r"rate limited \(429\); the server asks to retry after 600s, more than the 120s"
+    ):
+        _ask(client)
+    assert len(server.requests) == 1 and len(waits) == 5
+
+
+def test_the_budget_is_checked_before_every_call(server):
+    """A spent budget refuses the next call before it is sent (BudgetSpent, an AgentError: the attempt
+    ends), counting the run's earlier sessions too."""
+    by_tokens = Accounting(max_tokens=100)
+    client = _client(server, "openai", accounting=by_tokens)
+    server.script("planner", Reply(text="one"), Reply(text="two"))
+    assert _ask(client).text == "one"  # 0 tokens spent when it started; 120 after
+    with pytest.raises(BudgetSpent, match=r"token budget of 100 spent \(120\)"):
+        _ask(client)
+    assert len(server.requests) == 1 and issubclass(BudgetSpent, AgentError)
+    by_cost = Accounting(max_cost=0.001, spent_before={"cost_usd": 0.0008, "input_tokens": 9, "output_tokens": 9})
+    client = _client(server, "anthropic", model="claude-sonnet-4", accounting=by_cost)
+    server.scripts["planner"].clear()
+    server.script("planner", Reply(text="three"), Reply(text="four"))
+    assert _ask(client).text == "three"  # $0.0008 before + 100 * 3 + 20 * 15 per Mtok = $0.0014
+    with pytest.raises(BudgetSpent, match=r"cost budget of \$0.001 spent \(\$0.0014\)"):
+        _ask(client)
+    assert len(server.requests) == 2
+
+
 # -- structured answers ------------------------------------------------------------------------------
 
 
@@ -133,6 +261,41 @@ def test_a_malformed_answer_gets_one_repair_and_then_fails_clearly(server):
     server.script("implementer", Reply(text='{"summary": ""}'), Reply(text='{"wrong": 1}'))
     with pytest.raises(OutputSchemaError, match="the implementer's answer failed its schema twice"):
         answer(client, "ROLE: implementer", [{"role": "user", "content": "x"}], ImplementerOutput, "implementer")
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_reply_cut_at_the_output_limit_is_reported_and_never_final(server, provider, tmp_path, tiny_spec):
+    """finish_reason "length" / stop_reason "max_tokens": the cut reply's tool calls are not run, its
+    text is not the answer even when it parses, and the model is told where it was cut."""
+    client = _client(server, provider, max_output_tokens=300)
+    server.script(
+        "judge",
+        Reply(text='{"verdict": "accept"}', cut=True),
+        Reply(text='{"verdict": "reject", "reasons": ["numbers made up"]}'),
+    )
+    review = answer(client, "ROLE: judge", [{"role": "user", "content": "x"}], Review, "judge")
+    assert review.verdict == "reject"
+    assert "Your reply was cut at the output limit of 300 tokens" in json.dumps(server.requests[-1]["body"]["messages"])
+    server.script("judge", Reply(text='{"verdict": "acc', cut=True), Reply(text='{"verdict": "accept"}', cut=True))
+    with pytest.raises(OutputSchemaError, match="cut at the output limit of 300 tokens twice"):
+        answer(client, "ROLE: judge", [{"role": "user", "content": "x"}], Review, "judge")
+
+    workspace = tmp_path / "ws"
+    write_starter(workspace, tiny_spec, "colocate")
+    server.script(
+        "implementer",
+        Reply(tool_calls=[("write_file", '{"path": "stack/new.py", "content": "print(1)\\nprint(')], cut=True),
+        Reply(text='{"summary": "done"}', cut=True),
+        Reply(text='{"summary": "wrote it in two edits"}'),
+    )
+    implementer = LLMImplementer(tiny_spec, client, Sandbox.detect("auto"), None, checks=lambda ws: "PASSED")
+    task = Task(id="t", title="write a file", rationale="test")
+    attempt = implementer.implement(task, workspace, [])
+    assert attempt.summary == "wrote it in two edits" and not (workspace / "stack/new.py").exists()
+    notes = [
+        m for m in server.requests[-1]["body"]["messages"] if m["role"] == "user" and "cut at the output" in str(m)
+    ]
+    assert len(notes) == 2 and "Its tool calls (write_file) were not run" in str(notes[0])
 
 
 # -- tools ---------------------------------------------------------------------------------------------
@@ -231,10 +394,10 @@ def _script_a_run(server, rounds: int, review: str = "accept") -> None:
         )
 
 
-def _generate(server, tmp_path, target, provider: str, *extra: str) -> tuple[int, str, Path]:
+def _generate(server, tmp_path, target, provider: str, *extra: str, model: str = "") -> tuple[int, str, Path]:
     run = tmp_path / f"run-{provider}"
     base = server.url + "/v1" if provider == "openai" else server.url
-    model = "gpt-4o" if provider == "openai" else "claude-sonnet-4"
+    model = model or ("gpt-4o" if provider == "openai" else "claude-sonnet-4")
     result = runner.invoke(
         app,
         [
@@ -342,6 +505,56 @@ def test_bad_tool_calls_end_attempts_and_a_budget_stops_the_run(server, tmp_path
     assert state.record(1).verdict == "rejected" and "invalid arguments" in reasons[0]
     assert "token budget of 400 spent" in output  # rounds 2 and 3 never started
     assert state.llm_used["input_tokens"] + state.llm_used["output_tokens"] == 480
+
+
+def test_max_cost_is_refused_for_a_model_without_a_price(server, tmp_path, fast_target):
+    """Its calls would count $0 and the budget could never stop the run: refused before anything is
+    written (exit 2, naming --prices); a price from the table or from --prices lets it through."""
+    code, output, run = _generate(
+        server, tmp_path, fast_target, "openai", "--max-cost", "1", "--rounds", "0", model="my-local-model"
+    )
+    assert code == 2 and "no price known for model 'my-local-model'" in output and "--prices" in output
+    assert not run.exists() and server.requests == []
+    llm = {"model": "my-local-model", "api_key_env": KEY}
+    with pytest.raises(RunSetupError, match="give its price with --prices FILE"):
+        _check_backend("openai", llm, max_cost=1.0)
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("my-local-model: [0.1, 0.2]\n")
+    _check_backend("openai", {**llm, "prices": str(prices)}, max_cost=1.0)
+    _check_backend("openai", {**llm, "model": "gpt-4o-2024-08-06"}, max_cost=1.0)
+    _check_backend("openai", llm, max_cost=None)  # no cost budget: an unpriced model is only warned about
+
+
+@pytest.mark.slow
+def test_a_cost_budget_is_checked_before_each_call_not_only_between_rounds(server, tmp_path, fast_target):
+    """$0.12 a call against $0.30: round 0's two calls leave $0.06, so round 1's implementer gets one
+    call and the next is refused inside the round; --max-output-tokens reaches every request."""
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("my-local-model: [1000, 1000]\n")
+    _script_a_run(server, rounds=1)
+    code, output, run = _generate(
+        server,
+        tmp_path,
+        fast_target,
+        "openai",
+        "--rounds",
+        "2",
+        "--max-cost",
+        "0.3",
+        "--prices",
+        str(prices),
+        "--max-output-tokens",
+        "1234",
+        model="my-local-model",
+    )
+    assert code == 0, output
+    assert [r["role"] for r in server.requests] == ["judge", "evaluator", "implementer"]
+    state = RunState.load(run)
+    assert [r.round for r in state.rounds] == [0, 1] and state.llm_used["cost_usd"] == pytest.approx(0.36)
+    assert state.record(1).verdict == "rejected"
+    assert "BudgetSpent: cost budget of $0.3 spent" in state.record(1).reasons[0]
+    assert "cost budget of $0.3 spent" in output
+    assert {r["body"]["max_tokens"] for r in server.requests} == {1234}
 
 
 def _fake_claude(tmp_path: Path) -> Path:

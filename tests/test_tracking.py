@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from targets.harness.tracking import JsonlTracker, steps, track_round, write_chrome_trace
 from targets.api import TraceEvent
+from targets.harness.tracking import JsonlTracker, steps, track_round, write_chrome_trace
 
 runner = CliRunner()
 ENV = {"COLUMNS": "120"}

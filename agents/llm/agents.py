@@ -19,7 +19,7 @@ import git
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agents.llm.client import ChatClient
+from agents.llm.client import AssistantTurn, ChatClient
 from agents.llm.tools import Toolbox
 from agents.roles import AgentError, Attempt, Evaluation, Hint, Task, Verdict
 from skills.library import load_skills
@@ -69,22 +69,40 @@ def _parse(text: str, schema: type[BaseModel]) -> BaseModel:
     return schema.model_validate(json.loads(match.group(0)))
 
 
+def cut_note(turn: AssistantTurn) -> str:
+    """What the model is told when its reply stopped at the output limit (``turn.cut_at``): the reply
+    was not used, its tool calls (whose arguments may be incomplete) were not run."""
+    calls = ", ".join(c.name for c in turn.tool_calls)
+    dropped = f" Its tool calls ({calls}) were not run: their arguments may be incomplete." if calls else ""
+    return (
+        f"Your reply was cut at the output limit of {turn.cut_at} tokens, so it was not used.{dropped} "
+        "Go on in smaller pieces: less text per reply, large files written as several edits, and a short "
+        "final JSON answer."
+    )
+
+
 def answer(client: ChatClient, system: str, messages: list[dict], schema: type[BaseModel], role: str) -> BaseModel:
-    """Ask for a structured answer; one repair request if it does not validate."""
+    """Ask for a structured answer; one repair request if it does not validate. A reply cut at the
+    output limit is never taken as the answer, even if the cut text parses: the repair request says it
+    was cut."""
     turn = client.chat(system, messages, [])
-    try:
-        return _parse(turn.text, schema)
-    except (ValueError, ValidationError) as error:
-        first = error
+    if turn.cut_at is not None:
+        problem = cut_note(turn)
+    else:
+        try:
+            return _parse(turn.text, schema)
+        except (ValueError, ValidationError) as error:
+            problem = f"Your answer did not match the required JSON ({error})."
     messages = messages + [
         {"role": "assistant", "text": turn.text, "tool_calls": []},
-        {
-            "role": "user",
-            "content": f"Your answer did not match the required JSON ({first}). "
-            "Answer again with only the JSON object.",
-        },
+        {"role": "user", "content": f"{problem} Answer again with only the JSON object."},
     ]
     turn = client.chat(system, messages, [])
+    if turn.cut_at is not None:
+        raise OutputSchemaError(
+            f"the {role}'s answer was cut at the output limit of {turn.cut_at} tokens twice "
+            "(raise it with --max-output-tokens)"
+        )
     try:
         return _parse(turn.text, schema)
     except (ValueError, ValidationError) as error:
@@ -127,6 +145,10 @@ class LLMImplementer:
         messages: list[dict] = [{"role": "user", "content": "Carry out the task, then answer with the JSON summary."}]
         for _ in range(self.max_turns):
             turn = self.client.chat(system, messages, toolbox.specs())
+            if turn.cut_at is not None:  # never an answer, and its calls are not run: the model is told
+                messages.append({"role": "assistant", "text": turn.text, "tool_calls": []})
+                messages.append({"role": "user", "content": cut_note(turn)})
+                continue
             messages.append({"role": "assistant", "text": turn.text, "tool_calls": turn.tool_calls})
             if not turn.tool_calls:
                 try:

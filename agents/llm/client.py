@@ -2,17 +2,28 @@
 server through ``base_url``: vLLM, llama.cpp) and Anthropic messages. One neutral conversation format,
 tool calls both ways, streaming or not.
 
-Retries are ours, not the SDK's (the SDK's own are switched off so they never stack): 429, 5xx,
-timeouts, dropped connections and streams cut mid-way are retried with exponential backoff; an
+Retries are ours, not the SDK's (the SDK's own are switched off with ``max_retries=0`` so they never
+stack): 429, 5xx, timeouts, dropped connections and streams cut mid-way are retried after
+``max(retry-after, full-jitter exponential)`` seconds (see ``_RetryingClient.delay``); an
 authentication failure, an unknown model or a malformed request ends the call at once with a message
-that says what to fix. Every call's tokens and cost go to the shared ``Accounting``.
+that says what to fix. Every call's tokens and cost go to the shared ``Accounting``, which refuses a
+call once the run's cost or token budget is spent (``BudgetSpent``).
+
+The output limit goes to OpenAI as ``max_tokens``, or as ``max_completion_tokens`` for the reasoning
+models that refuse ``max_tokens`` (o1, o3, o4, gpt-5 and their variants; any other model that answers
+with that 400 is switched once and remembered). A reply cut at the limit comes back with ``cut_at``
+set, so the agents tell the model instead of taking the cut text as an answer.
 """
 
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
+import math
 import os
+import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,8 +46,27 @@ DEFAULT_PRICES: dict[str, tuple[float, float]] = {
 }
 
 
+DEFAULT_MAX_OUTPUT_TOKENS = 4096  # one reply's limit unless --max-output-tokens says otherwise
+
+# OpenAI models that refuse ``max_tokens`` and need ``max_completion_tokens`` (the o-series reasoning
+# models and gpt-5), matched on the name after any ``provider/`` prefix: o3, o4-mini, gpt-5.1, ...
+COMPLETION_TOKENS_MODELS = re.compile(r"^(o1|o3|o4|gpt-5)([-.]|$)")
+
+# A reply with neither text nor a tool call goes back to the provider as this text: Anthropic refuses
+# an empty content list or an empty text block with a 400, and strict OpenAI-compatible servers refuse
+# an assistant message with neither content nor tool calls. A placeholder, not omission: omitting the
+# turn would put two user messages in a row (refused by chat templates that need alternating roles),
+# and would hide from the model that its last reply was empty.
+EMPTY_REPLY = "(empty reply: no text and no tool call)"
+
+
 class LLMError(AgentError):
     """A call that cannot succeed as configured, or that failed after its retries."""
+
+
+class BudgetSpent(LLMError):
+    """The run's LLM budget (``--max-cost``, ``--max-tokens``) is spent: no further call is made. An
+    ``AgentError``, so the attempt in progress ends and the round loop stops at its budget check."""
 
 
 @dataclass
@@ -52,6 +82,8 @@ class AssistantTurn:
     tool_calls: list[ToolCall]
     input_tokens: int = 0
     output_tokens: int = 0
+    cut_at: int | None = None  # the output limit the reply was cut at (finish_reason "length",
+    # stop_reason "max_tokens"): its text and tool calls may be incomplete; None when it finished
 
 
 @dataclass
@@ -63,17 +95,26 @@ class ToolSpec:
 
 @dataclass
 class Accounting:
-    """Tokens and dollars, per call and in total; ``prices`` in USD per million tokens."""
+    """Tokens and dollars, per call and in total; ``prices`` in USD per million tokens. ``max_cost`` and
+    ``max_tokens`` are the run's budget over ``spent_before`` (its earlier sessions' use) plus this
+    session's; ``check_budget`` is called before every model call."""
 
     prices: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRICES))
     calls: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
+    max_cost: float | None = None
+    max_tokens: int | None = None
+    spent_before: dict = field(default_factory=dict)
     _unpriced: set[str] = field(default_factory=set)
 
+    def priced_as(self, model: str) -> str | None:
+        """The price table's entry for ``model`` (itself, or its longest ``entry-`` prefix); None if none."""
+        return max((m for m in self.prices if model == m or model.startswith(m + "-")), key=len, default=None)
+
     def price(self, model: str) -> tuple[float, float]:
-        match = max((m for m in self.prices if model == m or model.startswith(m + "-")), key=len, default=None)
+        match = self.priced_as(model)
         if match is None:
             if model not in self._unpriced:
                 self._unpriced.add(model)
@@ -97,6 +138,20 @@ class Accounting:
         self.output_tokens += output_tokens
         self.cost_usd += cost_usd
 
+    def check_budget(self) -> None:
+        """Raise ``BudgetSpent`` when the run's cost or token budget is already spent."""
+        cost = self.spent_before.get("cost_usd", 0.0) + self.cost_usd
+        tokens = (
+            self.spent_before.get("input_tokens", 0)
+            + self.spent_before.get("output_tokens", 0)
+            + self.input_tokens
+            + self.output_tokens
+        )
+        if self.max_cost is not None and cost >= self.max_cost:
+            raise BudgetSpent(f"cost budget of ${self.max_cost:g} spent (${cost:.4f}): no further LLM call")
+        if self.max_tokens is not None and tokens >= self.max_tokens:
+            raise BudgetSpent(f"token budget of {self.max_tokens} spent ({tokens}): no further LLM call")
+
     def snapshot(self) -> dict:
         return {
             "calls": self.calls,
@@ -114,9 +169,10 @@ class ClientConfig:
     base_url: str | None = None
     stream: bool = True
     max_retries: int = 4
-    backoff_s: float = 1.0
+    backoff_s: float = 1.0  # the exponential backoff's first ceiling (doubled per retry)
+    max_backoff_s: float = 120.0  # no wait is longer; a longer retry-after gives up (as the SDKs do)
     timeout_s: float = 120.0
-    max_tokens: int = 4096
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS  # one reply's limit
 
     def api_key(self) -> str:
         key = os.environ.get(self.api_key_env)
@@ -139,13 +195,51 @@ def make_client(config: ClientConfig, accounting: Accounting) -> ChatClient:
     raise LLMError(f"unknown provider {config.provider!r}; known: openai, anthropic")
 
 
+def retry_after(error: Exception) -> float | None:
+    """Seconds the server asked to wait (``retry-after-ms``, else ``retry-after`` in seconds or as an
+    HTTP date; the headers both SDKs read), or None when the error carries no such header."""
+    response = getattr(error, "response", None)
+    headers = getattr(response, "headers", None)
+    if headers is None:
+        return None
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) / scale
+        except ValueError:
+            continue
+        if not math.isnan(seconds):
+            return max(seconds, 0.0)  # an infinite wait is more than any cap: the call gives up
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        log.warning("ignoring a retry-after header that is neither seconds nor a date: %r", value)
+        return None
+    return max(when.timestamp() - time.time(), 0.0)
+
+
 class _RetryingClient:
     """The retry loop both providers share; subclasses say which errors are transient."""
 
     def __init__(self, config: ClientConfig, accounting: Accounting) -> None:
         self.config, self.accounting = config, accounting
+        self.random = random.Random()
+        self.sleep = time.sleep  # tests record the waits instead of sleeping them
+
+    def delay(self, attempt: int, asked: float | None) -> float:
+        """The wait before retry ``attempt`` (1, 2, ...): full jitter, uniform in [0, ceiling] with the
+        ceiling ``backoff_s * 2**(attempt-1)`` capped at ``max_backoff_s``, but never shorter than the
+        server's ``retry-after`` (``asked``)."""
+        ceiling = min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
+        return max(asked or 0.0, self.random.uniform(0.0, ceiling))
 
     def chat(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
+        self.accounting.check_budget()
         attempt = 0
         while True:
             try:
@@ -159,9 +253,15 @@ class _RetryingClient:
                 attempt += 1
                 if attempt > self.config.max_retries:
                     raise LLMError(f"{message}; gave up after {self.config.max_retries} retries") from error
-                delay = self.config.backoff_s * 2 ** (attempt - 1)
+                asked = retry_after(error)
+                if asked is not None and asked > self.config.max_backoff_s:
+                    raise LLMError(
+                        f"{message}; the server asks to retry after {asked:.0f}s, more than the "
+                        f"{self.config.max_backoff_s:g}s this client waits"
+                    ) from error
+                delay = self.delay(attempt, asked)
                 log.warning("%s; retry %d/%d in %.1fs", message, attempt, self.config.max_retries, delay)
-                time.sleep(delay)
+                self.sleep(delay)
                 continue
             self.accounting.add(self.config.model, turn.input_tokens, turn.output_tokens)
             return turn
@@ -187,6 +287,14 @@ class _RetryingClient:
         return False, None
 
 
+def token_parameter(model: str) -> str:
+    """The name OpenAI takes the output limit under for ``model``: ``max_completion_tokens`` for the
+    reasoning models that refuse ``max_tokens``, else ``max_tokens`` (which every OpenAI-compatible
+    server, older vLLM and llama.cpp included, understands)."""
+    name = model.rsplit("/", 1)[-1]
+    return "max_completion_tokens" if COMPLETION_TOKENS_MODELS.match(name) else "max_tokens"
+
+
 class OpenAIChat(_RetryingClient):
     def __init__(self, config: ClientConfig, accounting: Accounting) -> None:
         super().__init__(config, accounting)
@@ -196,6 +304,32 @@ class OpenAIChat(_RetryingClient):
         self.client = openai.OpenAI(
             api_key=config.api_key(), base_url=config.base_url, max_retries=0, timeout=config.timeout_s
         )
+        self.token_parameter = token_parameter(config.model)
+        self._switched = False  # the parameter was switched once on the server's word; never again
+
+    def _create(self, **kwargs):
+        """``chat.completions.create`` with the output limit under the name the model takes. A model
+        that refuses the name sent (the 400 "Unsupported parameter: 'max_tokens' is not supported with
+        this model. Use 'max_completion_tokens' instead.", or the other way round) is asked again once
+        with the other name, which the client then keeps for the rest of the session."""
+        limit = {self.token_parameter: self.config.max_output_tokens}
+        try:
+            return self.client.chat.completions.create(**kwargs, **limit)
+        except self.sdk.BadRequestError as error:
+            other = "max_completion_tokens" if self.token_parameter == "max_tokens" else "max_tokens"
+            refused = getattr(error, "param", None) == self.token_parameter or (
+                f"'{self.token_parameter}' is not supported" in str(error.message)
+            )
+            if self._switched or not refused or other not in str(error.message):
+                raise
+            log.warning(
+                "%s refuses %r: sending the output limit as %r from now on",
+                self.config.model,
+                self.token_parameter,
+                other,
+            )
+            self.token_parameter, self._switched = other, True
+            return self.client.chat.completions.create(**kwargs, **{other: self.config.max_output_tokens})
 
     @staticmethod
     def _messages(system: str, messages: list[dict]) -> list[dict]:
@@ -204,7 +338,10 @@ class OpenAIChat(_RetryingClient):
             if m["role"] == "user":
                 out.append({"role": "user", "content": m["content"]})
             elif m["role"] == "assistant":
-                entry: dict = {"role": "assistant", "content": m.get("text") or None}
+                text = m.get("text") or ""
+                if not text.strip():
+                    text = "" if m.get("tool_calls") else EMPTY_REPLY
+                entry: dict = {"role": "assistant", "content": text or None}
                 if m.get("tool_calls"):
                     entry["tool_calls"] = [
                         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -216,11 +353,7 @@ class OpenAIChat(_RetryingClient):
         return out
 
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
-        kwargs: dict = {
-            "model": self.config.model,
-            "messages": self._messages(system, messages),
-            "max_tokens": self.config.max_tokens,
-        }
+        kwargs: dict = {"model": self.config.model, "messages": self._messages(system, messages)}
         if tools:
             kwargs["tools"] = [
                 {
@@ -230,7 +363,7 @@ class OpenAIChat(_RetryingClient):
                 for t in tools
             ]
         if not self.config.stream:
-            response = self.client.chat.completions.create(**kwargs)
+            response = self._create(**kwargs)
             message = response.choices[0].message
             calls = [ToolCall(c.id, c.function.name, c.function.arguments or "") for c in (message.tool_calls or [])]
             usage = response.usage
@@ -239,10 +372,11 @@ class OpenAIChat(_RetryingClient):
                 calls,
                 usage.prompt_tokens if usage else 0,
                 usage.completion_tokens if usage else 0,
+                self._cut_at(response.choices[0].finish_reason),
             )
         text, calls, usage = [], {}, None
-        finished = False
-        for chunk in self.client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        finished = None
+        for chunk in self._create(**kwargs, stream=True, stream_options={"include_usage": True}):
             usage = chunk.usage or usage
             for choice in chunk.choices:
                 delta = choice.delta
@@ -254,7 +388,7 @@ class OpenAIChat(_RetryingClient):
                     if call.function is not None:
                         entry["name"] += call.function.name or ""
                         entry["arguments"] += call.function.arguments or ""
-                finished = finished or choice.finish_reason is not None
+                finished = finished or choice.finish_reason
         if not finished:
             raise _StreamCut("the stream ended before the model finished")
         return AssistantTurn(
@@ -262,7 +396,11 @@ class OpenAIChat(_RetryingClient):
             [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())],
             usage.prompt_tokens if usage else 0,
             usage.completion_tokens if usage else 0,
+            self._cut_at(finished),
         )
+
+    def _cut_at(self, finish_reason: str | None) -> int | None:
+        return self.config.max_output_tokens if finish_reason == "length" else None
 
 
 class AnthropicChat(_RetryingClient):
@@ -282,7 +420,10 @@ class AnthropicChat(_RetryingClient):
             if m["role"] == "user":
                 out.append({"role": "user", "content": m["content"]})
             elif m["role"] == "assistant":
-                blocks: list[dict] = [{"type": "text", "text": m["text"]}] if m.get("text") else []
+                text = m.get("text") or ""
+                if not text.strip():  # an empty or blank text block is a 400 too
+                    text = "" if m.get("tool_calls") else EMPTY_REPLY
+                blocks: list[dict] = [{"type": "text", "text": text}] if text else []
                 for call in m.get("tool_calls") or []:
                     try:
                         arguments = json.loads(call.arguments) if call.arguments else {}
@@ -303,7 +444,7 @@ class AnthropicChat(_RetryingClient):
             "model": self.config.model,
             "system": system,
             "messages": self._messages(messages),
-            "max_tokens": self.config.max_tokens,
+            "max_tokens": self.config.max_output_tokens,
         }
         if tools:
             kwargs["tools"] = [
@@ -320,7 +461,8 @@ class AnthropicChat(_RetryingClient):
                 raise _StreamCut("the stream ended before the model finished")
         text = "".join(b.text for b in message.content if b.type == "text")
         calls = [ToolCall(b.id, b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"]
-        return AssistantTurn(text, calls, message.usage.input_tokens, message.usage.output_tokens)
+        cut_at = self.config.max_output_tokens if message.stop_reason == "max_tokens" else None
+        return AssistantTurn(text, calls, message.usage.input_tokens, message.usage.output_tokens, cut_at)
 
 
 class _StreamCut(RuntimeError):

@@ -18,6 +18,13 @@ CHECKS = [
 ]
 
 
+def run_config(**overrides) -> RunConfig:
+    """A tiny-qwen3-cpu run's configuration with the tests' defaults (offline agents, backlog policy)."""
+    settings = dict(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="backlog", agents="offline")
+    settings.update(seed=0, rounds=1, max_minutes=None, max_attempts=1, repeat=1, starter="colocate")
+    return RunConfig(**{**settings, "simulated": False, "sandbox": "auto", **overrides})
+
+
 def _round(history: History, workspaces: Path, record: RoundRecord, params: dict, judge: dict) -> RoundRecord:
     workspace = history.worktree(workspaces / f"round-{record.round}", record.parent_commit)
     (workspace / "stack").mkdir(exist_ok=True)
@@ -35,20 +42,7 @@ def _round(history: History, workspaces: Path, record: RoundRecord, params: dict
 def make_review_run(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     history = History.create(run, "vibetrain run: review test")
-    config = RunConfig(
-        target="tiny-qwen3-cpu",
-        target_id="tiny-qwen3-cpu",
-        policy="backlog",
-        agents="offline",
-        seed=0,
-        rounds=2,
-        max_minutes=None,
-        max_attempts=1,
-        repeat=3,
-        starter="colocate",
-        simulated=False,
-        sandbox="subprocess",
-    )
+    config = run_config(rounds=2, repeat=3, sandbox="subprocess")
     state = new_state(config)
     passed = {"reasons": [], "checks": CHECKS}
     starter = Task(id="starter", title="starter stack (colocate)", rationale="round 0", source="starter")

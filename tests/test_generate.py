@@ -368,24 +368,12 @@ def test_an_existing_out_without_resume_and_a_missing_run_with_resume_are_refuse
 
 
 def _empty_run(tmp_path: Path) -> Path:
-    from orchestrator.state import RunConfig, new_state
+    from orchestrator.state import new_state
+    from tests.review_run import run_config
 
     run = tmp_path / "run"
     History.create(run, "vibetrain run: test")
-    config = RunConfig(
-        target="tiny-qwen3-cpu",
-        target_id="tiny-qwen3-cpu",
-        policy="backlog",
-        agents="offline",
-        seed=0,
-        rounds=1,
-        max_minutes=None,
-        max_attempts=1,
-        repeat=1,
-        starter="colocate",
-        simulated=False,
-        sandbox="auto",
-    )
+    config = run_config()
     new_state(config).save(run)
     return run
 

@@ -17,7 +17,8 @@ from agents.roles import Task
 from orchestrator.history import History, Trailers
 from orchestrator.report import _layout, write_report
 from orchestrator.run_dir import RunDir
-from orchestrator.state import RoundRecord, RunConfig, RunState, new_state
+from orchestrator.state import RoundRecord, RunState, new_state
+from tests.review_run import run_config
 
 PASSING = [
     {"name": "integrity", "passed": True, "reasons": [], "details": {}},
@@ -46,20 +47,7 @@ def _make_run(tmp_path: Path) -> tuple[Path, dict[int, str]]:
     committed without judge.json (as older runs were), screened out by the twin, failed uncommitted."""
     run = tmp_path / "run"
     history = History.create(run, "vibetrain run: report test")
-    config = RunConfig(
-        target="tiny-qwen3-cpu",
-        target_id="tiny-qwen3-cpu",
-        policy="backlog",
-        agents="offline",
-        seed=0,
-        rounds=6,
-        max_minutes=None,
-        max_attempts=2,
-        repeat=3,
-        starter="colocate",
-        simulated=False,
-        sandbox="subprocess",
-    )
+    config = run_config(rounds=6, max_attempts=2, repeat=3, sandbox="subprocess")
     state = new_state(config)
     commits: dict[int, str] = {}
 
@@ -214,20 +202,7 @@ def test_the_report_renders_in_a_headless_browser(report, tmp_path):
 def test_a_run_with_no_finished_round_gets_a_page_that_says_so(tmp_path):
     run = tmp_path / "run"
     History.create(run, "vibetrain run: empty")
-    config = RunConfig(
-        target="tiny-qwen3-cpu",
-        target_id="tiny-qwen3-cpu",
-        policy="backlog",
-        agents="offline",
-        seed=0,
-        rounds=1,
-        max_minutes=None,
-        max_attempts=1,
-        repeat=1,
-        starter="colocate",
-        simulated=True,
-        sandbox="auto",
-    )
+    config = run_config(simulated=True)
     new_state(config).save(run)
     html = write_report(run, tmp_path / "r.html").read_text()
     assert "No round has finished yet" in html and "<details" not in html

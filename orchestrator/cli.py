@@ -215,6 +215,22 @@ def _out_dir(path: Path, option: str = "--out") -> Path:
     return path
 
 
+def _out_file(path: Path | None, option: str) -> Path | None:
+    """A file this command will write when it is done: checked (and its folder made) before any work,
+    so a typo never costs a finished benchmark."""
+    if path is None:
+        return None
+    if path.is_dir():
+        errors.print(f"[red]error:[/red] {option} {path}: a directory is there; give a file path")
+        raise typer.Exit(2)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        errors.print(f"[red]error:[/red] {option} {path}: cannot create its folder ({error.strerror})")
+        raise typer.Exit(2) from None
+    return path
+
+
 def _candidate(path: Path) -> Path:
     """A candidate directory (it holds the ``stack`` package), checked before any work starts."""
     if not (path / "stack" / "__init__.py").is_file():
@@ -269,6 +285,7 @@ def check(
 
     if stack is not None:
         _candidate(stack)
+    _out_file(json_path, "--json")
     session = _session(target, sandbox, time_limit, simulate)
     if stack is None:
         spec = session.target.spec
@@ -327,6 +344,8 @@ def bench(
     from targets.harness.timeline import plot_timelines
     from targets.harness.tracking import TrackingError, open_tracker, track_trace, write_chrome_trace
 
+    _out_file(json_path, "--json")
+    _out_file(timeline, "--timeline")
     if track_dir is not None and track is None:
         errors.print("[red]error:[/red] --track-dir needs --track tensorboard|jsonl")
         raise typer.Exit(2)

@@ -110,3 +110,19 @@ def test_provenance_names_the_code_the_machine_and_the_exact_spec():
     assert spec_hash(changed) != source["spec_sha256"]
     assert source["versions"]["torch"].startswith("2.") and source["sandbox"] == "bubblewrap"
     assert len(source["commit"].removesuffix("+dirty")) == 40 or source["commit"].startswith("unknown")
+
+
+def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_first(tmp_path):
+    """``report --out DIR`` and ``--out missing/x.html`` ended in tracebacks; ``bench --json dir/x.json``
+    with a missing folder failed only after every run, and ``--json DIR`` with a traceback."""
+    run = make_review_run(tmp_path)
+    (tmp_path / "reports").mkdir()
+    _ok("report", str(run), "--out", str(tmp_path / "reports"))
+    assert (tmp_path / "reports" / "run-report.html").stat().st_size > 10_000
+    _ok("report", str(run), "--out", str(tmp_path / "new" / "folder" / "r.html"))
+    assert (tmp_path / "new" / "folder" / "r.html").exists()
+    for option in ("--json", "--timeline"):
+        result = runner.invoke(app, ["bench", "tiny-qwen3-cpu", option, str(tmp_path / "reports")], env=NARROW)
+        assert result.exit_code == 2 and "a directory is there; give a file path" in result.output, result.output
+    check = runner.invoke(app, ["check", "tiny-qwen3-cpu", "--json", str(tmp_path / "reports")], env=NARROW)
+    assert check.exit_code == 2 and "a directory is there" in check.output, check.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -19,6 +20,7 @@ from orchestrator.tables import (
     bench_table,
     checks_table,
     costs_table,
+    detail,
     num,
     plain,
     promotion,
@@ -231,6 +233,25 @@ def _out_file(path: Path | None, option: str) -> Path | None:
     return path
 
 
+def _open_tracker(track: str | None, track_dir: Path | None, default_dir: Callable[[], Path]):
+    """``--track``'s writer and its directory, opened before any run (a missing package is said in
+    seconds, not after the work; the writer writes nothing until the first scalar); (None, None)
+    without ``--track``."""
+    from targets.harness.tracking import TrackingError, open_tracker
+
+    if track is None:
+        if track_dir is not None:
+            errors.print("[red]error:[/red] --track-dir needs --track tensorboard|jsonl")
+            raise typer.Exit(2)
+        return None, None
+    track_dir = _out_dir(track_dir or default_dir(), "--track-dir")
+    try:
+        return open_tracker(track, track_dir), track_dir
+    except TrackingError as error:
+        errors.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+
+
 def _candidate(path: Path) -> Path:
     """A candidate directory (it holds the ``stack`` package), checked before any work starts."""
     if not (path / "stack" / "__init__.py").is_file():
@@ -278,7 +299,6 @@ def check(
 
     Example: vibetrain check tiny-qwen3-cpu --stack my-stack --json verdict.json
     """
-    import json
     import tempfile
 
     from skills.starter import write_starter
@@ -336,32 +356,21 @@ def bench(
 
     Example: vibetrain bench tiny-qwen3-cpu --baselines colocate --stack generated/tiny-qwen3-cpu@best --json b.json
     """
-    import json
     import tempfile
 
     from skills.starter import write_starter
     from targets.harness.benchmark import BenchmarkFailed, benchmark
     from targets.harness.timeline import plot_timelines
-    from targets.harness.tracking import TrackingError, open_tracker, track_trace, write_chrome_trace
+    from targets.harness.tracking import TrackingError, track_trace, write_chrome_trace
 
     _out_file(json_path, "--json")
     _out_file(timeline, "--timeline")
-    if track_dir is not None and track is None:
-        errors.print("[red]error:[/red] --track-dir needs --track tensorboard|jsonl")
-        raise typer.Exit(2)
-    tracker = None
-    if track is not None:  # before any run: a missing package is said in seconds, not after the bench
-        beside = json_path or timeline
-        if track_dir is None and beside is not None:
-            track_dir = beside.with_name(f"{beside.stem}-track")
-        elif track_dir is None:
-            track_dir = Path(tempfile.mkdtemp(prefix="vibetrain-track-"))
-        _out_dir(track_dir, "--track-dir")
-        try:
-            tracker = open_tracker(track, track_dir)
-        except TrackingError as error:
-            errors.print(f"[red]error:[/red] {error}")
-            raise typer.Exit(2) from None
+    beside = json_path or timeline  # the tracking goes next to the other outputs, else a temp dir
+
+    def default_track_dir() -> Path:
+        return beside.with_name(f"{beside.stem}-track") if beside else Path(tempfile.mkdtemp(prefix="vibetrain-track-"))
+
+    tracker, track_dir = _open_tracker(track, track_dir, default_track_dir)
     session = _session(target, sandbox, time_limit, simulate)
     spec, simulated = session.target.spec, session.target.simulated
     repeat = repeat or (1 if simulated else 3)
@@ -630,8 +639,10 @@ def generate(
     from rich.logging import RichHandler
 
     from orchestrator.rounds import RunError
+    from orchestrator.run_dir import RunDir
     from orchestrator.runs import RunSetupError, resume_run, start_run
     from orchestrator.state import RunStateError
+    from targets.harness.tracking import TrackingError, track_round
 
     rounds_given = rounds is not None
     rounds = 3 if rounds is None else rounds
@@ -641,20 +652,7 @@ def generate(
     spec = _load(target)
     out = _out_dir(out or Path("generated") / spec.id)
     view, live = RoundsView(spec), None
-    if track_dir is not None and track is None:
-        errors.print("[red]error:[/red] --track-dir needs --track tensorboard|jsonl")
-        raise typer.Exit(2)
-    tracker = None
-    if track is not None:
-        from orchestrator.run_dir import RunDir
-        from targets.harness.tracking import TrackingError, open_tracker, track_round
-
-        track_dir = _out_dir(track_dir or RunDir(out).outputs / "track", "--track-dir")
-        try:
-            tracker = open_tracker(track, track_dir)  # writes nothing yet: the run directory is made below
-        except TrackingError as error:
-            errors.print(f"[red]error:[/red] {error}")
-            raise typer.Exit(2) from None
+    tracker, track_dir = _open_tracker(track, track_dir, lambda: RunDir(out).outputs / "track")
 
     def on_event(kind: str, **data) -> None:
         view.event(kind, **data)
@@ -806,29 +804,6 @@ def _round_of(run: Path, state, which: str):
     return record
 
 
-def _judge_evidence(history, record) -> dict | None:
-    """The judge's report kept in the candidate's commit: every check, passed ones with their margins.
-    None for a round with no commit, or one validated before the report was kept for accepted rounds."""
-    from orchestrator.history import HistoryError
-
-    if not record.commit:
-        return None
-    try:
-        return history.record(record.commit, "judge.json")
-    except HistoryError:
-        return None
-
-
-def _detail(value) -> str:
-    if isinstance(value, float):
-        return num(value) if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_detail(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list) and len(value) > 6:
-        return "[" + ", ".join(_detail(v) for v in value[:6]) + f", ... {len(value) - 6} more]"
-    return str(value)
-
-
 @app.command("show")
 def show_round(
     run: Path,
@@ -844,7 +819,7 @@ def show_round(
     """
     state, history = _state_and_history(run)
     record = _round_of(run, state, which)
-    judge = _judge_evidence(history, record)
+    judge = history.judge_report(record.commit) if record.commit else None
     diff = history.stack_diff(record.commit) if record.commit else ""
     if as_json:
         _print_json({**record.model_dump(mode="json"), "judge": judge, "diff": diff})
@@ -869,7 +844,7 @@ def show_round(
         out.print("[bold]judge[/bold]: " + ("passed" if not judge["reasons"] else f"{len(judge['reasons'])} reason(s)"))
         for check in judge["checks"]:
             mark = "[green]pass[/green]" if check["passed"] else "[red]FAIL[/red]"
-            details = ", ".join(f"{k} {_detail(v)}" for k, v in check.get("details", {}).items())
+            details = ", ".join(f"{k} {detail(v)}" for k, v in check.get("details", {}).items())
             out.print(f"  {mark} {check['name']}" + (f": {details}" if details else ""))
             for reason in check.get("reasons", []):
                 out.print(f"      {reason}", markup=False)

@@ -117,6 +117,14 @@ class History:
         """A JSON record stored in a commit's tree under ``.vibetrain/``."""
         return json.loads(self.read(commit, f"{RECORD_DIR}/{name}"))
 
+    def judge_report(self, commit: str) -> dict | None:
+        """The judge's report kept with a candidate (``{"reasons", "checks"}``, each check with its
+        details); None for a commit that kept none (validated before accepted rounds kept it)."""
+        try:
+            return self.record(commit, "judge.json")
+        except HistoryError:
+            return None
+
     def params(self, commit: str) -> dict:
         """The candidate's ``stack/params.json``."""
         return json.loads(self.read(commit, "stack/params.json"))

@@ -22,12 +22,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from orchestrator.history import History, HistoryError  # noqa: E402
+from orchestrator.history import History  # noqa: E402
 from orchestrator.prescreen import twin_said  # noqa: E402
 from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: E402
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
-from orchestrator.tables import paired_cell, promotion  # noqa: E402
+from orchestrator.tables import detail, paired_cell, promotion  # noqa: E402
 from targets.harness.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
 from targets.spec import TargetSpec, load_target  # noqa: E402
@@ -512,9 +512,8 @@ def _checks(history: History, r: RoundRecord) -> tuple[list[dict] | None, str]:
     """The judge's checks stored with the commit, or why there are none."""
     if r.commit is None:
         return None, "no judge evidence: the round failed before anything was committed"
-    try:
-        judge = history.record(r.commit, "judge.json")
-    except HistoryError:
+    judge = history.judge_report(r.commit)
+    if judge is None:
         if r.verdict == "accepted":
             return None, (
                 "no judge evidence recorded: this run was made before accepted rounds kept the judge's "
@@ -526,10 +525,7 @@ def _checks(history: History, r: RoundRecord) -> tuple[list[dict] | None, str]:
             "name": c["name"],
             "passed": c["passed"],
             "reasons": "; ".join(c.get("reasons", [])) or "-",
-            "details": ", ".join(
-                f"{k}={_num(v) if isinstance(v, float) else v}" for k, v in c.get("details", {}).items()
-            )
-            or "-",
+            "details": ", ".join(f"{k}={detail(v)}" for k, v in c.get("details", {}).items()) or "-",
         }
         for c in judge["checks"]
     ]

@@ -64,6 +64,16 @@ class LLMError(AgentError):
     """A call that cannot succeed as configured, or that failed after its retries."""
 
 
+def assistant_text(message: dict) -> str:
+    """An assistant turn's text as it goes back to the provider: blank text becomes "" beside a tool
+    call (dropped), or ``EMPTY_REPLY`` when the turn has nothing else (an empty or blank text block is
+    a 400 too)."""
+    text = message.get("text") or ""
+    if text.strip():
+        return text
+    return "" if message.get("tool_calls") else EMPTY_REPLY
+
+
 class BudgetSpent(LLMError):
     """The run's LLM budget (``--max-cost``, ``--max-tokens``) is spent: no further call is made. An
     ``AgentError``, so the attempt in progress ends and the round loop stops at its budget check."""
@@ -338,9 +348,7 @@ class OpenAIChat(_RetryingClient):
             if m["role"] == "user":
                 out.append({"role": "user", "content": m["content"]})
             elif m["role"] == "assistant":
-                text = m.get("text") or ""
-                if not text.strip():
-                    text = "" if m.get("tool_calls") else EMPTY_REPLY
+                text = assistant_text(m)
                 entry: dict = {"role": "assistant", "content": text or None}
                 if m.get("tool_calls"):
                     entry["tool_calls"] = [
@@ -420,9 +428,7 @@ class AnthropicChat(_RetryingClient):
             if m["role"] == "user":
                 out.append({"role": "user", "content": m["content"]})
             elif m["role"] == "assistant":
-                text = m.get("text") or ""
-                if not text.strip():  # an empty or blank text block is a 400 too
-                    text = "" if m.get("tool_calls") else EMPTY_REPLY
+                text = assistant_text(m)
                 blocks: list[dict] = [{"type": "text", "text": text}] if text else []
                 for call in m.get("tool_calls") or []:
                     try:

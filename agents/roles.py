@@ -55,6 +55,23 @@ class Attempt:
 
 
 @dataclass
+class RoundContext:
+    """What the round loop knows that an LLM agent's context pack shows: the parent's measurement
+    (with its spread and hints), the execution mode, which attempt this is and what the previous one
+    did (its edits stay in the workspace), and, for the judge, the implementer's account."""
+
+    parent_round: int | None = None
+    parent_metrics: dict = field(default_factory=dict)
+    parent_spread: dict = field(default_factory=dict)
+    parent_hints: list[dict] = field(default_factory=list)
+    simulated: bool = False
+    attempt: int = 1
+    max_attempts: int = 1
+    previous_account: str = ""
+    account: str = ""
+
+
+@dataclass
 class Verdict:
     """The judge's decision. ``run`` is the judge's own system run, audited like any measured run
     (its figures count as the first repeat of the candidate's measurement)."""
@@ -85,13 +102,18 @@ class Evaluation:
 class Implementer(Protocol):
     def starter(self, workspace: Path, controller: str) -> Attempt: ...
 
-    def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
-        """``feedback``: the judge's reasons for the previous attempt; ``hints``: the parent's findings."""
+    def implement(
+        self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = (), context: RoundContext = None
+    ) -> Attempt:
+        """``feedback``: the judge's reasons for the previous attempt; ``hints``: the parent's findings;
+        ``context``: the round's facts for an LLM's context pack (None outside a round)."""
         ...
 
 
 class Judge(Protocol):
-    def judge(self, workspace: Path, out: Path, task: Task | None = None, seed: int = 0) -> Verdict: ...
+    def judge(
+        self, workspace: Path, out: Path, task: Task | None = None, seed: int = 0, context: RoundContext = None
+    ) -> Verdict: ...
 
 
 class Evaluator(Protocol):

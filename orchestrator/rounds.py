@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agents.roles import AgentError, Agents, Evaluation, Task, Verdict
+from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Verdict
 from orchestrator.history import History, Trailers
 from orchestrator.policies import Policy
 from orchestrator.prescreen import Twin, clears, twin_said
@@ -196,17 +196,26 @@ class Loop:
         the record keeps the attempt count and the latest reasons even if a later step fails."""
         feedback: list[str] = []
         verdict = Verdict(False, ["no attempt was made"], [])
+        parent = self.state.record(record.parent_round) if record.round else None
+        context = RoundContext(
+            parent_round=record.parent_round,
+            parent_metrics=parent.metrics if parent else {},
+            parent_spread=parent.spread if parent else {},
+            parent_hints=parent.hints if parent else [],
+            simulated=self.state.config.simulated,
+            max_attempts=self.state.config.max_attempts,
+        )
         for attempt in range(1, self.state.config.max_attempts + 1):
-            record.attempts = attempt
+            record.attempts = context.attempt = attempt
+            context.previous_account, context.account = context.account, ""  # its edits stay in the workspace
             try:
                 if record.round == 0:
                     change = self.agents.implementer.starter(workspace, self.state.config.starter)
                 else:
-                    parent = self.state.record(record.parent_round)
                     change = self.agents.implementer.implement(
-                        record.task, workspace, feedback, parent.hints if parent else []
+                        record.task, workspace, feedback, context.parent_hints, context
                     )
-                record.account = change.summary
+                record.account = context.account = change.summary
             except AgentError as error:  # this attempt ends; the next one is told why
                 verdict = Verdict(False, [f"attempt {attempt}: {type(error).__name__}: {error}"], [])
                 record.reasons = verdict.reasons
@@ -221,7 +230,7 @@ class Loop:
                     return screened  # predicted too slow: another attempt at the same task is not the fix
                 verdict, feedback = screened, screened.reasons
                 continue
-            verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}", record.task, seed)
+            verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}", record.task, seed, context)
             record.reasons = verdict.reasons
             self.on_event(
                 "verdict", round=record.round, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons

@@ -172,7 +172,7 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
 
     original = OfflineImplementer.implement
 
-    def cheating(self, task, workspace, feedback, hints=()):  # every later round reports its own metrics
+    def cheating(self, task, workspace, feedback, hints=(), context=None):  # every later round reports its own metrics
         attempt = original(self, task, workspace, feedback, hints)
         (workspace / "stack" / "report.py").write_text("def report(n, s):\n    return {'rollout_throughput': n / s}\n")
         return attempt

@@ -33,7 +33,9 @@ class OfflineImplementer:
         write_starter(workspace, self.spec, controller)
         return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
 
-    def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
+    def implement(
+        self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = (), context=None
+    ) -> Attempt:
         stack = workspace / "stack"
         if not (stack / "params.json").exists():
             raise ImplementationError(f"{workspace} holds no stack/params.json: not a candidate workspace")

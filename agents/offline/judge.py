@@ -1,26 +1,101 @@
 """Offline judge: the harness's deterministic gate (``Session.check``: integrity scan, accuracy
-checks 1-3, a system run and its audit, the parent's own checks) plus the agents' static scan: no
-validation annotation left unexpanded. Candidate code runs in the sandbox, out of the harness's
-process."""
+checks 1-3, a system run and its audit, the parent's own checks) plus the agents' static scans: no
+validation annotation left unexpanded, and no file git ignores that the run could use. Candidate
+code runs in the sandbox, out of the harness's process.
+
+Why ignored files: the round commits the workspace with ``git add -A``, which leaves out what git
+ignores, and the LLM review reads the diff. A file git ignores would run in the judged candidate yet
+be missing from the review and from the committed one: an importable ``stack/x.pyc``, or a
+``stack/hack.py`` the candidate added to its ``.gitignore``. Bytecode caches are the exception: they
+are removed before every run (``remove_bytecode_caches``), so only source ever runs."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from agents.roles import Verdict
 from skills.validation import unexpanded
-from targets.harness.session import Session
+from targets.harness.check_result import CheckResult
+from targets.harness.session import Session, remove_bytecode_caches
+
+# What Python could import from the candidate's folder, which is on sys.path (a zip or egg once added to it).
+IMPORTABLE = (".py", ".pyc", ".pyo", ".pyd", ".so", ".pth", ".zip", ".egg")
+HARNESS_FOLDERS = (".vibetrain-check", ".vibetrain-bench", ".vibetrain-tmp")  # scratch the agents' tools write
+SHOWN = 50  # ignored files listed in a check's details
+
+
+def _git(workspace: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(workspace), *args], capture_output=True, text=True)
+
+
+def ignored_files(workspace: Path) -> list[str] | None:
+    """Files under ``workspace`` that git ignores (its ``.gitignore`` files, ``.git/info/exclude``,
+    the global excludes), relative to it; None when it is not in a git work tree (no commit then
+    leaves anything out). Ignored files in the harness's scratch folders are left out, unless
+    importable: those are refused wherever they are."""
+    inside = _git(workspace, "rev-parse", "--is-inside-work-tree")
+    if inside.returncode != 0 or inside.stdout.strip() != "true":
+        return None
+    listed = _git(workspace, "ls-files", "-z", "--others", "--ignored", "--exclude-standard")
+    if listed.returncode != 0:
+        raise RuntimeError(f"git ls-files in {workspace} failed: {listed.stderr.strip()}")
+    paths = sorted(p for p in listed.stdout.split("\0") if p)
+    return [p for p in paths if p.split("/")[0] not in HARNESS_FOLDERS or Path(p).suffix in IMPORTABLE]
+
+
+def ignore_rules(workspace: Path, paths: list[str]) -> dict[str, str]:
+    """For each ignored path, the rule that ignores it (``.gitignore:3:stack/hack.py``)."""
+    if not paths:
+        return {}
+    found = subprocess.run(
+        ["git", "-C", str(workspace), "check-ignore", "--verbose", "-z", "--stdin"],
+        input="\0".join(paths) + "\0",
+        capture_output=True,
+        text=True,
+    )
+    if found.returncode not in (0, 1):  # 1: none of them ignored
+        raise RuntimeError(f"git check-ignore in {workspace} failed: {found.stderr.strip()}")
+    fields = found.stdout.split("\0")  # source, line, pattern, path; per path
+    return {fields[i + 3]: f"{fields[i]}:{fields[i + 1]}:{fields[i + 2]}" for i in range(0, len(fields) - 3, 4)}
+
+
+def ignored_files_check(workspace: Path) -> CheckResult:
+    """Removes the bytecode caches, then fails on every file git ignores that lies under ``stack/``
+    or that the stack could import; the other ignored files are listed in the details (the LLM
+    review reads them)."""
+    removed = remove_bytecode_caches(workspace)
+    ignored = ignored_files(workspace)
+    details: dict = {"removed_bytecode_caches": removed}
+    if ignored is None:
+        details["ignored"] = "not in a git work tree: a commit leaves nothing out"
+        return CheckResult("ignored_files", True, [], details)
+    details["ignored"] = ignored[:SHOWN] + ([f"... {len(ignored) - SHOWN} more"] if len(ignored) > SHOWN else [])
+    refused = [p for p in ignored if p.startswith("stack/") or Path(p).suffix in IMPORTABLE]
+    rules = ignore_rules(workspace, refused)
+    where = {True: "it lies in stack/", False: "the stack could import it (its folder is on sys.path)"}
+    reasons = [
+        f"{path}: git ignores it ({rules.get(path, 'no rule reported')}), yet {where[path.startswith('stack/')]}: "
+        "the run would use a file the review and the commit never see; delete it or stop ignoring it"
+        for path in refused
+    ]
+    return CheckResult("ignored_files", not reasons, reasons, details)
 
 
 class OfflineJudge:
     def __init__(self, session: Session) -> None:
         self.session = session
 
-    def judge(self, workspace: Path, out: Path, task=None, seed: int = 0) -> Verdict:
+    def judge(self, workspace: Path, out: Path, task=None, seed: int = 0, context=None) -> Verdict:
+        ignored = ignored_files_check(workspace)
+        checks = [ignored.as_dict()]
         left = unexpanded(workspace)
         if left:
             reasons = [f"unexpanded validation annotation: {line}" for line in left]
-            return Verdict(False, reasons, [{"name": "annotations", "passed": False, "reasons": reasons}])
+            checks.append({"name": "annotations", "passed": False, "reasons": reasons})
+        if left or not ignored.passed:  # refused before anything runs
+            reasons = [f"{c['name']}: {r}" for c in checks if not c["passed"] for r in c["reasons"]]
+            return Verdict(False, reasons, checks)
         run = self.session.judge(workspace, out, seed=seed)
-        checks = [r.as_dict() for r in run.checks]
+        checks += [r.as_dict() for r in run.checks]
         return Verdict(run.ok, run.reasons, checks, run if run.ok else None)

@@ -3,8 +3,9 @@ the contract; it does not name the harness's metrics (metrics come from the harn
 that computes them is reporting its own); it does not patch clocks (``time``, ``asyncio``,
 ``datetime``) or reach into the harness objects it is handed (their ``trace``, ``clock``,
 ``inner`` cluster, event list); it uses no introspection escape hatches (``gc``, ``inspect``,
-``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``). Around a run: the harness's own files
-hash the same before and after (``harness_digest``)."""
+``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``); it holds no compiled module without its
+source (a ``.pyc`` or extension module Python would import but this scan cannot read). Around a
+run: the harness's own files hash the same before and after (``harness_digest``)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ METRIC_NAMES = {
     "mean_device_busy",
 }
 ALLOWED_CONTRACT_MODULES = {"targets", "targets.api"}
+COMPILED_SUFFIXES = {".pyc", ".pyo", ".pyd", ".so"}  # importable, but not source this scan can read
 
 
 def scan_stack(stack_dir: Path) -> CheckResult:
-    reasons: list[str] = []
+    reasons = [
+        f"{path.relative_to(stack_dir)}: compiled code with no source: Python would import it, but the "
+        "integrity scan reads source only"
+        for path in sorted((stack_dir / "stack").rglob("*"))
+        if path.suffix in COMPILED_SUFFIXES and "__pycache__" not in path.parts
+    ]
     for path in sorted((stack_dir / "stack").rglob("*.py")):
         where = path.relative_to(stack_dir)
         try:

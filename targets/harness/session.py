@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import shutil
 import statistics
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,9 +55,42 @@ def directory_digest(directory: Path) -> str:
     """sha256 over every file's path and bytes under ``directory`` (caches excluded)."""
     digest = hashlib.sha256()
     for path in sorted(Path(directory).rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and ".vibetrain" not in path.name:
-            digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes())
+        relative = path.relative_to(directory)
+        cache = any(part.startswith("__pycache__") for part in relative.parts)  # see remove_bytecode_caches
+        if path.is_file() and not cache and ".vibetrain" not in path.name:
+            digest.update(str(relative).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def remove_bytecode_caches(stack_dir: Path) -> list[str]:
+    """Delete every ``__pycache__`` folder of a candidate directory (git's own folder aside) and name
+    them. Called before each run of candidate code: Python loads a cached ``.pyc`` instead of its
+    source when the header matches the source's size and time, or whatever the source says when the
+    ``.pyc`` is unchecked-hash, so a planted one would run code the integrity scan never read (and the
+    ``candidate_unchanged`` digest skips caches). Removing them loses nothing: bytecode is rebuilt
+    from source on import, where the sandbox lets the candidate write it at all. The candidate's
+    directory is on ``sys.path`` (``candidate_process._import_stack``), so its root's caches go too.
+
+    Runs of one candidate may start side by side (``benchmark`` runs simulations in parallel), so a
+    cache is first renamed away, which only one of them can do, and then deleted: a run that finds it
+    gone leaves it to the other, and a candidate writing fresh bytecode starts a new folder."""
+    removed = []
+    for root, folders, _ in os.walk(stack_dir):
+        caches = [f for f in folders if f == "__pycache__"]
+        folders[:] = [f for f in folders if f != ".git" and not f.startswith("__pycache__")]
+        for name in caches:
+            cache = Path(root) / name
+            trash = cache.with_name(f"__pycache__.removing.{os.getpid()}.{threading.get_ident()}")
+            try:
+                os.rename(cache, trash)
+            except FileNotFoundError:
+                continue  # another run of this candidate removed it first
+            if trash.is_symlink():
+                trash.unlink()
+            else:
+                shutil.rmtree(trash)
+            removed.append(str(cache.relative_to(stack_dir)))
+    return sorted(removed)
 
 
 def clock_check(run: HarnessRun, events: list[TraceEvent]) -> CheckResult:
@@ -171,6 +207,7 @@ class Session:
         return self._judged_run(stack_dir, out, "measure", seed, steps)
 
     def _judged_run(self, stack_dir: Path, out: Path, mode: str, seed: int, steps: int | None = None) -> Measurement:
+        remove_bytecode_caches(Path(stack_dir))  # only source runs: a planted .pyc never shadows it
         integrity = scan_stack(Path(stack_dir))
         if not integrity.passed:
             return Measurement(

@@ -1,7 +1,8 @@
 """One place that turns a run's ``--agents`` choice into the four roles: ``offline``; ``openai`` or
 ``anthropic`` (LLM implementer, LLM review on top of the deterministic judge, LLM hints on top of the
 offline evaluator, and an LLM planner for ``--policy llm``); ``cli:claude`` or ``cli:codex`` (a
-coding-agent CLI as implementer, offline for the rest)."""
+coding-agent CLI as implementer and, read-only, as the LLM review on top of the deterministic judge;
+offline for the rest)."""
 
 from __future__ import annotations
 
@@ -39,24 +40,43 @@ def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
 
 
 def make_agents(
-    backend: str, session: Session, *, engine_devices: int, seed: int, repeat: int, llm: dict | None = None
+    backend: str,
+    session: Session,
+    *,
+    engine_devices: int,
+    seed: int,
+    repeat: int,
+    llm: dict | None = None,
+    llm_review_required: bool = False,
 ) -> Agents:
+    """``llm_review_required``: an LLM review that cannot be had rejects the candidate (otherwise the
+    deterministic gate decides alone, and the round records that the review was unavailable)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown agent backend {backend!r}; known: {', '.join(BACKENDS)}")
     offline = make_offline_agents(session, engine_devices=engine_devices, seed=seed, repeat=repeat)
     if backend == "offline":
         return offline
-    from agents.llm.agents import LLMEvaluator, LLMImplementer, LLMJudge, LLMPlanner
+    from agents.llm.agents import LLMEvaluator, LLMImplementer, LLMPlanner
     from agents.llm.client import DEFAULT_MAX_OUTPUT_TOKENS, Accounting, ClientConfig, make_client
+    from agents.llm.judge import LLMJudge
 
     spec = session.target.spec
     llm = llm or {}
     accounting = Accounting(prices=load_prices(llm.get("prices")))
-    if backend.startswith("cli:"):
-        from agents.cli_agent import CLIImplementer
+    if backend.startswith("cli:"):  # the CLI implements; the same CLI, read-only, reviews on top of the gate
+        from agents.cli_agent import CLIChatClient, CLIImplementer, cli_tool
 
-        implementer = CLIImplementer(spec, backend.split(":", 1)[1], accounting, offline.implementer)
-        return Agents(backend, offline.planner, implementer, offline.judge, offline.evaluator, accounting)
+        tool = cli_tool(backend.split(":", 1)[1])
+        model = llm.get("model")
+        implementer = CLIImplementer(session, tool, accounting, offline.implementer, model=model)
+        judge = LLMJudge(
+            offline.judge,
+            CLIChatClient(tool, accounting, model=model),
+            spec=spec,
+            review_required=llm_review_required,
+            file_access=False,  # the CLI review client answers in text only
+        )
+        return Agents(backend, offline.planner, implementer, judge, offline.evaluator, accounting)
     if not llm.get("model"):
         raise ValueError(f"--agents {backend} needs --model")
     config = ClientConfig(
@@ -86,12 +106,14 @@ def make_agents(
             return "FAILED: " + "; ".join(measurement.reasons[:5])
         return "\n".join(f"{k}: {v:.4g}" for k, v in measurement.metrics.items() if isinstance(v, (int, float)))
 
-    implementer = LLMImplementer(spec, client, session.sandbox, offline.implementer, checks, benchmark)
+    implementer = LLMImplementer(
+        spec, client, session.sandbox, offline.implementer, checks, benchmark, accounting=accounting
+    )
     return Agents(
         backend,
         offline.planner,
         implementer,
-        LLMJudge(offline.judge, client),
+        LLMJudge(offline.judge, client, spec=spec, review_required=llm_review_required),
         LLMEvaluator(spec, offline.evaluator, client),
         accounting,
         LLMPlanner(spec, client),

@@ -578,6 +578,12 @@ def generate(
         None, help="YAML of model: (input, output) USD per million tokens (overrides the table)"
     ),
     stream: bool = typer.Option(True, help="stream LLM responses"),
+    llm_review_required: bool = typer.Option(
+        False,
+        "--require-llm-review",
+        help="reject a candidate whose LLM review cannot be had (a provider outage); by default the "
+        "deterministic gate then decides alone and the round records that the review was unavailable",
+    ),
     out: Path = typer.Option(None, help="run directory (a git repository); default generated/<target id>"),
     resume: bool = typer.Option(False, "--resume", help="continue the run in --out"),
     seed: int = typer.Option(0, help="seed of the agents and the search"),
@@ -713,6 +719,7 @@ def generate(
                 max_tokens=max_tokens,
                 prescreen=prescreen,
                 prescreen_margin=prescreen_margin,
+                llm_review_required=llm_review_required,
             )
     except (RunSetupError, RunStateError, ValueError, RuntimeError) as error:
         errors.print(f"[red]error:[/red] {error}")

@@ -60,6 +60,7 @@ def _loop(
             seed=config.seed,
             repeat=config.repeat,
             llm=config.llm,
+            llm_review_required=config.llm_review_required,
         )
     except AgentError as error:
         raise RunSetupError(str(error)) from None
@@ -92,6 +93,13 @@ def _check_backend(agents: str, llm: dict, max_cost: float | None = None) -> Non
         _check_priced(llm, max_cost)
     if agents.startswith("cli:") and shutil.which(agents[4:]) is None:
         raise RunSetupError(f"--agents {agents}: the {agents[4:]} CLI is not installed (no `{agents[4:]}` on PATH)")
+    if agents == "cli:codex" and max_cost is not None:  # Codex reports tokens, never dollars: priced here
+        if not llm.get("model"):
+            raise RunSetupError(
+                "--agents cli:codex --max-cost: Codex reports no cost, so its tokens are priced by model; "
+                "give --model (with --prices if the table lacks it), or budget tokens with --max-tokens instead"
+            )
+        _check_priced(llm, max_cost)
 
 
 def _check_priced(llm: dict, max_cost: float | None) -> None:
@@ -136,9 +144,12 @@ def start_run(
     max_tokens: int | None = None,
     prescreen: bool = True,
     prescreen_margin: float = 0.05,
+    llm_review_required: bool = False,
 ) -> Loop:
     """``prescreen``: on a real target, candidates run on the calibrated twin before the judge (a
-    simulated target has nothing to screen with: its measurement is the simulation)."""
+    simulated target has nothing to screen with: its measurement is the simulation).
+    ``llm_review_required``: a candidate whose LLM review cannot be had is rejected (an LLM or CLI
+    backend only; otherwise the gate decides alone and the round records the missing review)."""
     try:
         resolved = Target.load(target, simulate=simulate)
     except TargetUnavailable as error:
@@ -155,6 +166,10 @@ def start_run(
         raise RunSetupError(unknown("starter", starter, CONTROLLERS))
     if policy == "llm" and agents not in ("openai", "anthropic"):
         raise RunSetupError("--policy llm needs an LLM backend (--agents openai or anthropic)")
+    if llm_review_required and agents == "offline":
+        raise RunSetupError(
+            "--require-llm-review needs a backend with an LLM review (--agents openai, anthropic or cli:...)"
+        )
     if not 0 <= prescreen_margin <= 1:
         raise RunSetupError(f"--prescreen-margin {prescreen_margin:g}: a fraction of the best's prediction, 0 to 1")
     _check_backend(agents, llm or {}, max_cost)
@@ -176,6 +191,7 @@ def start_run(
         max_tokens=max_tokens,
         prescreen=prescreen and not resolved.simulated,
         prescreen_margin=prescreen_margin,
+        llm_review_required=llm_review_required,
     )
     history = History.create(run_dir, f"vibetrain run: {spec.id}\n\npolicy {policy}, agents {agents}, seed {seed}")
     state = new_state(config)

@@ -41,6 +41,7 @@ class RunConfig(BaseModel):
     max_tokens: int | None = None  # input + output tokens, likewise
     prescreen: bool = False  # a real target's candidates run on the calibrated twin before the judge
     prescreen_margin: float = 0.05  # how far below the best's prediction a candidate may be predicted
+    llm_review_required: bool = False  # an LLM review that cannot be had rejects (else the gate decides alone)
 
 
 class RoundRecord(BaseModel):

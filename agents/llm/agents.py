@@ -2,28 +2,28 @@
 StrictUndefined, one template per role), talks to the model through a ``ChatClient`` and validates a
 structured answer (pydantic), with one repair retry when the answer does not match its schema.
 
-* implementer: a tool-use loop in the workspace until the model answers with its summary;
-* judge: the deterministic gate first (never overruled when it rejects), then a review of the diff
-  that may reject for reward hacking;
+* implementer: a tool loop (``loop.py``) in the workspace until the model finishes and the checks pass;
+* judge (``judge.py``): the deterministic gate first (never overruled when it rejects), then a
+  read-only review that may reject for reward hacking;
 * evaluator: the offline benchmark and hints, plus the model's hints from metrics and profile;
 * planner (``--policy llm``): the next parent and task from the run's state.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
-import git
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agents.llm.client import AssistantTurn, ChatClient
+from agents.llm import context as facts
+from agents.llm.client import BudgetSpent, ChatClient, LLMError
+from agents.llm.loop import cut_note, parse_answer, run_loop
 from agents.llm.tools import Toolbox
-from agents.roles import AgentError, Attempt, Evaluation, Hint, Task, Verdict
+from agents.roles import AgentError, Attempt, Evaluation, Hint, RoundContext, Task
 from skills.library import load_skills
 from skills.validation import expand_file
+from skills.validation.expand import AnnotationError
 from targets.spec import TargetSpec
 
 PROMPTS = jinja2.Environment(
@@ -31,7 +31,6 @@ PROMPTS = jinja2.Environment(
     undefined=jinja2.StrictUndefined,
     keep_trailing_newline=True,
 )
-JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 
 class OutputSchemaError(AgentError):
@@ -62,25 +61,6 @@ class PlannerOutput(BaseModel):
     plan: list[str] = []
 
 
-def _parse(text: str, schema: type[BaseModel]) -> BaseModel:
-    match = JSON_OBJECT.search(text)
-    if match is None:
-        raise ValueError("no JSON object in the answer")
-    return schema.model_validate(json.loads(match.group(0)))
-
-
-def cut_note(turn: AssistantTurn) -> str:
-    """What the model is told when its reply stopped at the output limit (``turn.cut_at``): the reply
-    was not used, its tool calls (whose arguments may be incomplete) were not run."""
-    calls = ", ".join(c.name for c in turn.tool_calls)
-    dropped = f" Its tool calls ({calls}) were not run: their arguments may be incomplete." if calls else ""
-    return (
-        f"Your reply was cut at the output limit of {turn.cut_at} tokens, so it was not used.{dropped} "
-        "Go on in smaller pieces: less text per reply, large files written as several edits, and a short "
-        "final JSON answer."
-    )
-
-
 def answer(client: ChatClient, system: str, messages: list[dict], schema: type[BaseModel], role: str) -> BaseModel:
     """Ask for a structured answer; one repair request if it does not validate. A reply cut at the
     output limit is never taken as the answer, even if the cut text parses: the repair request says it
@@ -90,7 +70,7 @@ def answer(client: ChatClient, system: str, messages: list[dict], schema: type[B
         problem = cut_note(turn)
     else:
         try:
-            return _parse(turn.text, schema)
+            return parse_answer(turn.text, schema)
         except (ValueError, ValidationError) as error:
             problem = f"Your answer did not match the required JSON ({error})."
     messages = messages + [
@@ -104,110 +84,120 @@ def answer(client: ChatClient, system: str, messages: list[dict], schema: type[B
             "(raise it with --max-output-tokens)"
         )
     try:
-        return _parse(turn.text, schema)
+        return parse_answer(turn.text, schema)
     except (ValueError, ValidationError) as error:
         raise OutputSchemaError(f"the {role}'s answer failed its schema twice: {error}") from None
 
 
-def implementer_prompt(spec: TargetSpec, task: Task, workspace: Path, feedback: list[str], hints) -> str:
-    """The implementer's instructions: target, task, the skills it names, DESIGN.md, hints, feedback."""
+def implementer_prompt(
+    spec: TargetSpec,
+    task: Task,
+    workspace: Path,
+    feedback: list[str],
+    hints,
+    context: RoundContext | None = None,
+    budget: str = "",
+) -> str:
+    """The implementer's context pack: target and mode, task, the measuring rule and the parent's
+    figures, the contract, a map of the files, the skills (the task's in full, the rest indexed),
+    DESIGN.md, the previous attempt, the rules and a workflow."""
     skills = load_skills()
     design = (workspace / "DESIGN.md").read_text() if (workspace / "DESIGN.md").exists() else "(none)"
+    context = context or RoundContext()
     return PROMPTS.get_template("implementer.j2").render(
         target=spec,
         task=task,
-        skills=[skills[s] for s in task.skills if s in skills],
-        design=design,
+        mode=facts.mode_text(context, spec),
+        attempt=context.attempt,
+        max_attempts=context.max_attempts,
+        budget=budget or "no budget given",
+        parent=facts.parent_lines(spec, context),
+        parent_round=context.parent_round,
         hints=[Hint(**h) for h in hints],
+        files=facts.file_map(workspace),
+        skills=[skills[s] for s in task.skills if s in skills],
+        index=[entry for entry in facts.skills_index() if entry[0] not in task.skills],
+        design=design,
+        previous_account=context.previous_account,
+        diff_stat=facts.diff_stat(workspace) if context.previous_account or feedback else "",
         feedback=feedback,
     )
 
 
+def expand_annotations(workspace: Path) -> list[str]:
+    """Expand the stack's ``# VAL:`` annotations in place; the errors, one line each (for the model)."""
+    problems = []
+    for path in sorted((workspace / "stack").rglob("*.py")):
+        try:
+            expand_file(path)
+        except AnnotationError as error:
+            problems.append(f"annotation error: {error}")
+    return problems
+
+
 class LLMImplementer:
+    """A tool loop in the workspace until the model calls ``finish`` and the checks pass (a failing
+    check or an annotation error goes back to the model while its turns last)."""
+
     def __init__(
-        self, spec: TargetSpec, client: ChatClient, sandbox, offline, checks, benchmark=None, max_turns: int = 40
+        self,
+        spec: TargetSpec,
+        client: ChatClient,
+        sandbox,
+        offline,
+        checks,
+        benchmark=None,
+        max_turns: int = 40,
+        accounting=None,
     ) -> None:
         self.spec, self.client, self.sandbox, self.max_turns = spec, client, sandbox, max_turns
-        self.checks, self.benchmark = checks, benchmark
+        self.checks, self.benchmark, self.accounting = checks, benchmark, accounting
         self.offline = offline  # the starter comes from the library, as the offline implementer writes it
 
     def starter(self, workspace: Path, controller: str) -> Attempt:
         return self.offline.starter(workspace, controller)
 
-    def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
-        system = implementer_prompt(self.spec, task, workspace, feedback, hints)
+    def implement(
+        self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = (), context=None
+    ) -> Attempt:
+        budget = facts.budget_line(self.accounting, self.max_turns)
+        system = implementer_prompt(self.spec, task, workspace, feedback, hints, context, budget)
+
+        def run_checks() -> str:
+            problems = expand_annotations(workspace)
+            return ("FAILED\n" + "\n".join(problems)) if problems else self.checks(workspace)
+
+        def on_finish(output: ImplementerOutput) -> str | None:
+            report = run_checks()
+            return None if report.startswith("PASSED") else report
+
         toolbox = Toolbox(
             workspace,
             self.sandbox,
-            checks=lambda: self.checks(workspace),
+            checks=run_checks,
             benchmark=(lambda: self.benchmark(workspace)) if self.benchmark else None,
         )
-        messages: list[dict] = [{"role": "user", "content": "Carry out the task, then answer with the JSON summary."}]
-        for _ in range(self.max_turns):
-            turn = self.client.chat(system, messages, toolbox.specs())
-            if turn.cut_at is not None:  # never an answer, and its calls are not run: the model is told
-                messages.append({"role": "assistant", "text": turn.text, "tool_calls": []})
-                messages.append({"role": "user", "content": cut_note(turn)})
-                continue
-            messages.append({"role": "assistant", "text": turn.text, "tool_calls": turn.tool_calls})
-            if not turn.tool_calls:
-                try:
-                    output = _parse(turn.text, ImplementerOutput)
-                except (ValueError, ValidationError) as error:
-                    output = answer(
-                        self.client,
-                        system,
-                        messages[:-1]
-                        + [
-                            {"role": "assistant", "text": turn.text, "tool_calls": []},
-                            {
-                                "role": "user",
-                                "content": f"That was not the JSON summary ({error}). "
-                                "Answer with only the JSON object.",
-                            },
-                        ],
-                        ImplementerOutput,
-                        "implementer",
-                    )
-                break
-            for call in turn.tool_calls:
-                messages.append(
-                    {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": toolbox.call(call)}
-                )
-        else:
-            raise AgentError(f"the implementer used {self.max_turns} turns without finishing")
-        for path in sorted((workspace / "stack").rglob("*.py")):
-            expand_file(path)
-        return Attempt(output.summary, output.files_changed)
-
-
-class LLMJudge:
-    """The deterministic gate decides first; the model may only add a rejection."""
-
-    def __init__(self, gate, client: ChatClient) -> None:
-        self.gate, self.client = gate, client
-
-    def judge(self, workspace: Path, out: Path, task: Task | None = None, seed: int = 0) -> Verdict:
-        verdict = self.gate.judge(workspace, out, task, seed)
-        if not verdict.passed:
-            return verdict
-        repo = git.Repo(workspace)
-        repo.git.add("-A")
-        diff = repo.git.diff("--cached", "HEAD", "--", ".", ":(exclude).vibetrain") or "(no change)"
-        task = task or Task(id="unknown", title="(not given)", rationale="")
-        system = PROMPTS.get_template("judge.j2").render(task=task, checks=verdict.checks, diff=diff[:30_000])
-        review = answer(self.client, system, [{"role": "user", "content": "Review the change."}], Review, "judge")
-        if review.verdict == "reject":
-            reasons = [f"llm review: {r}" for r in review.reasons] or ["llm review: rejected without a reason"]
-            return Verdict(
-                False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}]
-            )
-        return Verdict(
-            True, [], verdict.checks + [{"name": "llm_review", "passed": True, "reasons": review.reasons}], verdict.run
+        result = run_loop(
+            self.client,
+            system,
+            [{"role": "user", "content": "Carry out the task, then call finish."}],
+            toolbox,
+            ImplementerOutput,
+            finish_description="Call when the task is done: the checks run, and a failure comes back to you. "
+            "summary: what you changed and why (it goes into the commit message); files_changed: the files.",
+            on_finish=on_finish,
+            max_turns=self.max_turns,
+            role="implementer",
         )
+        return Attempt(result.output.summary, result.output.files_changed)
 
 
 class LLMEvaluator:
+    """The offline benchmark and hints, plus the model's hints. The model's hints are advice, not
+    evidence: when they cannot be had (the provider fails past its retries, the answer fails its
+    schema twice), the evaluation stands on the offline hints, with a ``llm_hints_unavailable`` hint
+    that says why, rather than losing a measured candidate. A spent budget still stops the run."""
+
     def __init__(self, spec: TargetSpec, offline, client: ChatClient) -> None:
         self.spec, self.offline, self.client = spec, offline, client
 
@@ -225,9 +215,21 @@ class LLMEvaluator:
             profile=evaluation.profile[:6000],
             codes=codes,
         )
-        output = answer(
-            self.client, system, [{"role": "user", "content": "Write the hints."}], EvaluatorOutput, "evaluator"
-        )
+        try:
+            output = answer(
+                self.client, system, [{"role": "user", "content": "Write the hints."}], EvaluatorOutput, "evaluator"
+            )
+        except BudgetSpent:
+            raise  # the run's LLM budget is spent: the run stops, this is no outage to fall back from
+        except (LLMError, OutputSchemaError) as error:
+            evaluation.hints.append(
+                Hint(
+                    code="llm_hints_unavailable",
+                    message=f"LLM hints unavailable ({type(error).__name__}: {error}); the hints above are the "
+                    "offline rules' only",
+                )
+            )
+            return evaluation
         known = {h.code for h in evaluation.hints}
         evaluation.hints += [h for h in output.hints if h.code not in known]
         return evaluation

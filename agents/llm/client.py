@@ -446,9 +446,11 @@ class AnthropicChat(_RetryingClient):
         return out
 
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
+        # Prompt caching: the system prompt and the tools are the same on every turn of a loop; marking
+        # their ends caches that prefix (OpenAI caches long prefixes by itself, with nothing to mark).
         kwargs: dict = {
             "model": self.config.model,
-            "system": system,
+            "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
             "messages": self._messages(messages),
             "max_tokens": self.config.max_output_tokens,
         }
@@ -456,6 +458,7 @@ class AnthropicChat(_RetryingClient):
             kwargs["tools"] = [
                 {"name": t.name, "description": t.description, "input_schema": t.parameters} for t in tools
             ]
+            kwargs["tools"][-1]["cache_control"] = {"type": "ephemeral"}
         if not self.config.stream:
             message = self.client.messages.create(**kwargs)
         else:
@@ -468,7 +471,11 @@ class AnthropicChat(_RetryingClient):
         text = "".join(b.text for b in message.content if b.type == "text")
         calls = [ToolCall(b.id, b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"]
         cut_at = self.config.max_output_tokens if message.stop_reason == "max_tokens" else None
-        return AssistantTurn(text, calls, message.usage.input_tokens, message.usage.output_tokens, cut_at)
+        usage = message.usage  # cached prefix tokens are counted apart; all count, at the input price (an upper bound)
+        cached = (getattr(usage, "cache_read_input_tokens", 0) or 0) + (
+            getattr(usage, "cache_creation_input_tokens", 0) or 0
+        )
+        return AssistantTurn(text, calls, usage.input_tokens + cached, usage.output_tokens, cut_at)
 
 
 class _StreamCut(RuntimeError):

@@ -1,8 +1,13 @@
-"""The tools an LLM agent gets: list/read/search files, edit by exact replacement, write a file, run a
-command in the sandbox, run the judge's checks, run the benchmark, search and read skills, read
-DESIGN.md. Every path stays inside the workspace; every result longer than ``MAX_RESULT`` is cut with
-a note that says so. A call naming an unknown tool, or with arguments that do not validate, raises
-``ToolCallError``: the attempt ends with that message (and the next attempt is told why)."""
+"""The tools an LLM agent gets: list/read (by line range, numbered)/search files, edit by exact
+replacement, write a file, run a command in the sandbox, run the judge's checks, run the benchmark,
+search and read skills, read DESIGN.md.
+
+Reads stay inside the workspace, plus the contract, read-only: ``targets/api.py`` and the library's
+recipes (``skills/recipes/*.py``), under the paths a candidate imports them by. Writes are limited to
+``stack/`` and ``DESIGN.md``; an edit answers with the lines around it and whether the file still
+compiles. A result longer than ``MAX_RESULT`` keeps its head and its tail (a traceback ends a long
+output) with a note of what was cut. A bad call (an unknown tool, arguments that do not validate)
+comes back to the model as a tool error: the loop goes on."""
 
 from __future__ import annotations
 
@@ -16,15 +21,15 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+import targets
 from agents.llm.client import ToolCall, ToolSpec
-from agents.roles import AgentError
 from skills.library import load_skills, search_skills
 
 MAX_RESULT = 12_000
-
-
-class ToolCallError(AgentError):
-    """The model called a tool that does not exist, or with arguments that do not validate."""
+VIEW_LINES = 250  # lines read_file shows when no end is given
+REPO = Path(targets.__file__).resolve().parent.parent
+CONTRACT = ("targets/api.py", "skills/recipes")  # read-only, outside the workspace
+WRITABLE = ("stack", "DESIGN.md")
 
 
 class _Args(BaseModel):
@@ -36,9 +41,11 @@ class ListFiles(_Args):
 
 
 class ReadFile(_Args):
-    path: str
-    offset: int = Field(default=0, ge=0, description="first character to return")
-    limit: int = Field(default=MAX_RESULT - 2000, gt=0, le=MAX_RESULT - 2000)
+    path: str = Field(
+        description="relative to the workspace; the contract reads as targets/api.py, skills/recipes/*.py"
+    )
+    start_line: int = Field(default=1, ge=1, description="first line to show (1-based)")
+    end_line: int | None = Field(default=None, ge=1, description=f"last line to show (default: {VIEW_LINES} lines on)")
 
 
 class SearchFiles(_Args):
@@ -75,9 +82,32 @@ class ReadSkill(_Args):
 
 
 def truncated(text: str, limit: int = MAX_RESULT) -> str:
+    """``text`` cut to its head (a third of ``limit``) and tail (the rest): an error ends an output."""
     if len(text) <= limit:
         return text
-    return text[:limit] + f"\n[... truncated: {len(text) - limit} more characters not shown; narrow the request]"
+    head, tail = limit // 3, limit - limit // 3
+    return (
+        text[:head]
+        + f"\n[... {len(text) - limit} characters cut from the middle; narrow the request to see them ...]\n"
+        + text[-tail:]
+    )
+
+
+def numbered(lines: list[str], first: int) -> str:
+    """Lines with their numbers, as edits and errors cite them."""
+    width = len(str(first + len(lines) - 1))
+    return "\n".join(f"{number:>{width}}| {line}" for number, line in enumerate(lines, first))
+
+
+def compile_note(path: Path, relative: str) -> str:
+    """Whether a Python file still compiles after a change (empty for other files)."""
+    if path.suffix != ".py":
+        return ""
+    try:
+        compile(path.read_text(), relative, "exec")
+    except SyntaxError as error:
+        return f"\nWARNING: {relative} no longer compiles: {error.msg} at line {error.lineno}; fix it."
+    return f"\n{relative} compiles."
 
 
 class Toolbox:
@@ -95,7 +125,11 @@ class Toolbox:
         self.workspace, self.sandbox, self.checks, self.benchmark = workspace.resolve(), sandbox, checks, benchmark
         self.tools: dict[str, tuple[type[_Args], Callable, str]] = {
             "list_files": (ListFiles, self.list_files, "List files under a directory of the workspace."),
-            "read_file": (ReadFile, self.read_file, "Read a file of the workspace (a window of it: offset, limit)."),
+            "read_file": (
+                ReadFile,
+                self.read_file,
+                "Lines of a file, numbered (start_line, end_line); the contract too: targets/api.py, skills/recipes/.",
+            ),
             "search_files": (
                 SearchFiles,
                 self.search_files,
@@ -115,8 +149,13 @@ class Toolbox:
         }
         if writable:
             self.tools |= {
-                "edit_file": (EditFile, self.edit_file, "Replace text that occurs exactly once in a file."),
-                "write_file": (WriteFile, self.write_file, "Create or overwrite a file of the workspace."),
+                "edit_file": (
+                    EditFile,
+                    self.edit_file,
+                    "Replace text that occurs exactly once in a file of stack/ or DESIGN.md; answers with the "
+                    "lines around the change and whether the file compiles.",
+                ),
+                "write_file": (WriteFile, self.write_file, "Create or overwrite a file of stack/, or DESIGN.md."),
                 "run_command": (
                     RunCommand,
                     self.run_command,
@@ -140,16 +179,15 @@ class Toolbox:
         return [ToolSpec(name, doc, model.model_json_schema()) for name, (model, _, doc) in self.tools.items()]
 
     def call(self, call: ToolCall) -> str:
+        """The tool's result, or an error the model can act on: a bad call does not end the attempt."""
         if call.name not in self.tools:
-            raise ToolCallError(f"the model called an unknown tool {call.name!r}; available: {', '.join(self.tools)}")
+            return f"error: there is no tool {call.name!r}; the tools are: {', '.join(self.tools)}"
         model, handler, _ = self.tools[call.name]
         try:
             raw = json.loads(call.arguments or "{}")
             arguments = model.model_validate(raw)
         except (json.JSONDecodeError, ValidationError) as error:
-            raise ToolCallError(
-                f"the model called {call.name} with invalid arguments ({call.arguments[:200]!r}): {error}"
-            ) from None
+            return f"error: {call.name} was called with invalid arguments ({call.arguments[:200]!r}): {error}"
         try:
             return truncated(handler(arguments))
         except ToolResultError as error:  # the tool ran and says what went wrong: the model reads it
@@ -159,9 +197,27 @@ class Toolbox:
     def _path(self, relative: str) -> Path:
         path = (self.workspace / relative).resolve()
         if path != self.workspace and self.workspace not in path.parents:
-            raise ToolResultError(f"{relative!r} is outside the workspace")
+            raise ToolResultError(
+                f"{relative!r} is outside the workspace (the contract reads as targets/api.py and skills/recipes/)"
+            )
         if ".git" in path.relative_to(self.workspace).parts:
             raise ToolResultError(f"{relative!r} is git's, not the candidate's")
+        return path
+
+    def _readable(self, relative: str) -> Path:
+        """A workspace file, or a contract file (read-only, from the installed vibetrain)."""
+        clean = relative.strip().removeprefix("./")
+        if clean == CONTRACT[0] or clean.startswith(CONTRACT[1] + "/"):
+            path = (REPO / clean).resolve()
+            if path == REPO / CONTRACT[0] or REPO / CONTRACT[1] in path.parents:
+                return path
+        return self._path(relative)
+
+    def _writable(self, relative: str) -> Path:
+        path = self._path(relative)
+        parts = path.relative_to(self.workspace).parts
+        if not parts or parts[0] not in WRITABLE or (parts[0] == "DESIGN.md" and len(parts) > 1):
+            raise ToolResultError(f"{relative!r} is not writable: only stack/ and DESIGN.md are the candidate's")
         return path
 
     # -- the tools -------------------------------------------------------------------------------
@@ -177,15 +233,18 @@ class Toolbox:
         return "\n".join(files) or "(empty)"
 
     def read_file(self, a: ReadFile) -> str:
-        path = self._path(a.path)
+        path = self._readable(a.path)
         if not path.is_file():
             raise ToolResultError(f"no file {a.path!r} (list_files shows what exists)")
-        text = path.read_text()
-        window = text[a.offset : a.offset + a.limit]
-        more = len(text) - a.offset - len(window)
-        return window + (
-            f"\n[... {more} more characters: read again with offset={a.offset + len(window)}]" if more > 0 else ""
-        )
+        lines = path.read_text(errors="replace").splitlines()
+        if a.start_line > max(len(lines), 1):
+            raise ToolResultError(f"{a.path} has {len(lines)} lines; start_line {a.start_line} is past its end")
+        end = min(a.end_line or a.start_line + VIEW_LINES - 1, len(lines))
+        if end < a.start_line:
+            raise ToolResultError(f"end_line {end} is before start_line {a.start_line}")
+        view = numbered(lines[a.start_line - 1 : end], a.start_line)
+        more = f"; read on with start_line={end + 1}" if end < len(lines) else ""
+        return f"{a.path}, lines {a.start_line}-{end} of {len(lines)}{more}\n{view}"
 
     def search_files(self, a: SearchFiles) -> str:
         try:
@@ -206,7 +265,7 @@ class Toolbox:
         )
 
     def edit_file(self, a: EditFile) -> str:
-        path = self._path(a.path)
+        path = self._writable(a.path)
         if not path.is_file():
             raise ToolResultError(f"no file {a.path!r} to edit (write_file creates one)")
         text = path.read_text()
@@ -224,14 +283,18 @@ class Toolbox:
             raise ToolResultError(
                 f"the old text occurs {count} times in {a.path} (lines {starts[:10]}); include more context to pick one"
             )
+        start = text[: text.index(a.old)].count("\n") + 1
         path.write_text(text.replace(a.old, a.new, 1))
-        return f"edited {a.path}"
+        lines = path.read_text().splitlines()
+        first, last = max(start - 3, 1), min(start + a.new.count("\n") + 3, len(lines))
+        snippet = numbered(lines[first - 1 : last], first)
+        return f"edited {a.path}; lines {first}-{last} now read:\n{snippet}{compile_note(path, a.path)}"
 
     def write_file(self, a: WriteFile) -> str:
-        path = self._path(a.path)
+        path = self._writable(a.path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(a.content)
-        return f"wrote {a.path} ({len(a.content)} characters)"
+        return f"wrote {a.path} ({len(a.content.splitlines())} lines){compile_note(path, a.path)}"
 
     def run_command(self, a: RunCommand) -> str:
         out = self.workspace / ".vibetrain-tmp"

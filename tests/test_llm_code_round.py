@@ -1,0 +1,234 @@
+"""A code round carried by an LLM implementer through the fake provider, end to end: the model reads
+the contract, views a file by lines, makes a malformed call and recovers, edits, calls ``finish``, gets
+a failing check back, fixes it, and is validated; the commit carries its account. Also the loop's
+own recoveries: a turn without a tool call is nudged, a model that repeats one call is stopped with a
+reason, old tool results are masked, and an answer is the last JSON object of a reply."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import git
+import pytest
+from pydantic import BaseModel
+from typer.testing import CliRunner
+
+from agents.llm.client import Accounting, ClientConfig, ToolCall, make_client
+from agents.llm.loop import MASKED, StuckError, last_json_object, masked, run_loop
+from agents.llm.tools import Toolbox
+from agents.roles import AgentError
+from orchestrator.cli import app
+from orchestrator.state import RunState
+from skills.starter import write_starter
+from targets.harness.sandbox import Sandbox
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_llm import FakeLLMServer, Reply  # noqa: E402
+
+runner = CliRunner()
+KEY = "VIBETRAIN_TEST_LLM_KEY"
+CHEAT = "from targets.harness import clock\n\nSTART = clock\n"
+SUMMARY = "static_split 1/1: training no longer blocks rollout; notes.py keeps the split's rationale"
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setenv(KEY, "sk-test-secret")
+    with FakeLLMServer() as fake:
+        yield fake
+
+
+def _finish(summary: str) -> tuple[str, dict]:
+    return ("finish", {"summary": summary, "files_changed": ["stack/params.json", "stack/notes.py"]})
+
+
+@pytest.mark.slow
+def test_a_scripted_code_round_recovers_fixes_a_failing_check_and_is_validated(server, tmp_path, fast_target):
+    for _ in range(2):  # round 0 (the starter) and round 1 are reviewed and evaluated
+        server.script("judge", Reply(text=json.dumps({"verdict": "accept", "reasons": ["plain change"]})))
+        server.script("evaluator", Reply(text=json.dumps({"hints": []})))
+    server.script(
+        "implementer",
+        Reply(text="First the contract.", tool_calls=[("read_file", {"path": "targets/api.py", "end_line": 40})]),
+        Reply(tool_calls=[("read_file", {"path": "stack/params.json", "start_line": 1, "end_line": 4})]),
+        Reply(tool_calls=[("edit_file", '{"path": "stack/params.json", "old": ')]),  # malformed: cut JSON
+        Reply(
+            tool_calls=[
+                (
+                    "edit_file",
+                    {
+                        "path": "stack/params.json",
+                        "old": '"controller": "colocate"',
+                        "new": '"controller": "static_split",\n  "rollout_devices": 1,\n  "train_devices": 1',
+                    },
+                ),
+                ("write_file", {"path": "stack/notes.py", "content": CHEAT}),
+            ]
+        ),
+        Reply(tool_calls=[_finish(SUMMARY)]),  # the integrity check fails: the import comes back to the model
+        Reply(tool_calls=[("write_file", {"path": "stack/notes.py", "content": '"""Why the split is 1/1."""\n'})]),
+        Reply(tool_calls=[_finish(SUMMARY)]),
+    )
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            str(fast_target),
+            "--agents",
+            "openai",
+            "--model",
+            "gpt-4o",
+            "--base-url",
+            server.url + "/v1",
+            "--api-key-env",
+            KEY,
+            "--simulate",
+            "--repeat",
+            "1",
+            "--rounds",
+            "1",
+            "--max-attempts",
+            "1",
+            "--out",
+            str(run),
+            "--workspaces",
+            str(tmp_path / "ws"),
+        ],
+        env={"COLUMNS": "140"},
+    )
+    assert result.exit_code == 0, result.output
+    state = RunState.load(run)
+    assert [r.verdict for r in state.rounds] == ["accepted", "accepted"], [r.reasons for r in state.rounds]
+
+    implementer = [r["body"] for r in server.requests if r["role"] == "implementer"]
+    assert len(implementer) == 7  # every scripted turn was asked for: nothing ended the attempt early
+    results = [m for m in implementer[-1]["messages"] if m["role"] == "tool"]
+    contract, view, malformed, edit, write, failed, fixed, *_ = (m["content"] for m in results)
+    assert contract.startswith("targets/api.py, lines 1-40 of ") and "|" in contract.splitlines()[1]
+    assert view.splitlines()[1:] == [
+        "1| {",
+        '2|   "controller": "colocate",',
+        *view.splitlines()[3:],
+    ] and view.startswith("stack/params.json, lines 1-4 of ")
+    assert malformed.startswith("error: edit_file was called with invalid arguments")
+    assert edit.startswith("edited stack/params.json; lines ") and write.endswith("stack/notes.py compiles.")
+    assert failed.startswith("Not finished yet:\nFAILED") and "imports harness internals (targets.harness)" in failed
+    assert fixed.endswith("stack/notes.py compiles.")
+
+    system = implementer[0]["messages"][0]["content"]  # the context pack
+    for fact in ("targets/api.py", "stack/params.json (", "noise threshold", "simulated: ", "40 turns"):
+        assert fact in system, fact
+
+    commit = git.Repo(run).commit(state.record(1).commit)
+    assert f"Implementer: {SUMMARY}" in commit.message
+    assert json.loads(git.Repo(run).git.show(f"{commit.hexsha}:stack/params.json"))["controller"] == "static_split"
+    assert "targets.harness" not in git.Repo(run).git.show(f"{commit.hexsha}:stack/notes.py")
+
+
+# -- the loop's recoveries, on one workspace ---------------------------------------------------------
+
+
+class Answer(BaseModel):
+    summary: str
+
+
+@pytest.fixture
+def loop_parts(server, tmp_path, tiny_spec):
+    write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    config = ClientConfig("openai", "gpt-4o", KEY, server.url + "/v1", backoff_s=0.01)
+    return make_client(config, Accounting()), Toolbox(tmp_path / "ws", Sandbox.detect("auto"))
+
+
+def _loop(client, toolbox, **options):
+    first = [{"role": "user", "content": "go"}]
+    return run_loop(client, "ROLE: implementer", first, toolbox, Answer, finish_description="done", **options)
+
+
+def test_a_turn_without_a_tool_call_is_nudged_and_a_text_answer_counts_as_finish(server, loop_parts):
+    server.script(
+        "implementer",
+        Reply(text="Let me think about this."),
+        Reply(text='Done. The {braces} in prose do not matter: {"summary": "ok"}'),
+    )
+    result = _loop(*loop_parts)
+    assert result.output.summary == "ok" and result.turns == 2
+    nudge = server.requests[-1]["body"]["messages"][-1]
+    assert "No tool was called" in nudge["content"] and "turns left" in nudge["content"]
+
+
+def test_nudges_in_a_row_stop_the_loop_with_a_reason(server, loop_parts):
+    server.script("implementer", *[Reply(text="thinking...") for _ in range(3)])
+    with pytest.raises(StuckError, match="3 turns in a row without a tool call"):
+        _loop(*loop_parts)
+
+
+def test_the_same_call_over_and_over_stops_the_loop_with_a_reason(server, loop_parts):
+    view = ("read_file", {"path": "stack/params.json"})
+    server.script("implementer", *[Reply(tool_calls=[view]) for _ in range(3)])
+    with pytest.raises(StuckError, match="called read_file with the same arguments 3 times in a row"):
+        _loop(*loop_parts)
+
+
+def test_turns_run_out_with_a_reason_and_a_warning_before(server, loop_parts):
+    server.script("implementer", *[Reply(tool_calls=[("list_files", {"path": p})]) for p in ("stack", ".", "stack")])
+    with pytest.raises(AgentError, match="used its 3 turns without finishing"):
+        _loop(*loop_parts, max_turns=3)
+    assert "turns left: finish soon" in server.requests[-1]["body"]["messages"][-1]["content"]
+
+
+def test_a_finish_with_bad_arguments_or_refused_by_the_checks_goes_on(server, loop_parts):
+    server.script(
+        "implementer",
+        Reply(tool_calls=[("finish", {"summry": "typo"})]),
+        Reply(tool_calls=[("finish", {"summary": "first"})]),
+        Reply(tool_calls=[("finish", {"summary": "second"})]),
+    )
+    seen = []
+    result = _loop(
+        *loop_parts, on_finish=lambda out: seen.append(out.summary) or ("FAILED x" if len(seen) == 1 else None)
+    )
+    assert result.output.summary == "second" and seen == ["first", "second"]
+    messages = server.requests[-1]["body"]["messages"]
+    tool_results = [m["content"] for m in messages if m["role"] == "tool"]
+    assert tool_results[0].startswith("error: finish was called with invalid arguments")
+    assert tool_results[1].startswith("Not finished yet:\nFAILED x")
+
+
+def test_old_tool_results_are_masked_past_the_budget_and_the_newest_kept():
+    messages = [{"role": "tool", "tool_call_id": str(n), "name": "read_file", "content": "x" * 100} for n in range(5)]
+    out = masked(messages, budget=250)
+    assert [m["content"] == MASKED for m in out] == [True, True, True, False, False]
+    assert [m["tool_call_id"] for m in out] == ["0", "1", "2", "3", "4"] and messages[0]["content"] == "x" * 100
+
+
+def test_the_answer_is_the_last_balanced_json_object():
+    assert last_json_object('I set {a} then {"x": {"y": 1}} and finally {"summary": "s"} done') == {"summary": "s"}
+    assert last_json_object('```json\n{"verdict": "accept", "reasons": ["a {b}"]}\n```') == {
+        "verdict": "accept",
+        "reasons": ["a {b}"],
+    }
+    assert last_json_object('{"hints": [{"code": "a", "message": "b"}]}') == {"hints": [{"code": "a", "message": "b"}]}
+    with pytest.raises(ValueError, match="no JSON object"):
+        last_json_object("no braces {here")
+
+
+def test_a_tool_call_object_round_trips_through_the_toolbox(loop_parts):
+    _, toolbox = loop_parts
+    assert toolbox.call(ToolCall("c", "list_files", '{"path": "stack"}')).startswith("stack/")
+
+
+def test_anthropic_requests_mark_the_system_prompt_and_tools_for_caching(server, tmp_path, tiny_spec):
+    write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    config = ClientConfig("anthropic", "claude-sonnet-4", KEY, server.url, backoff_s=0.01)
+    server.script("implementer", Reply(tool_calls=[("finish", {"summary": "ok"})]))
+    _loop(make_client(config, Accounting()), Toolbox(tmp_path / "ws", Sandbox.detect("auto")))
+    body = server.requests[-1]["body"]
+    assert (
+        body["system"][-1]["cache_control"] == {"type": "ephemeral"}
+        and "ROLE: implementer" in body["system"][0]["text"]
+    )
+    assert body["tools"][-1]["cache_control"] == {"type": "ephemeral"} and body["tools"][-1]["name"] == "finish"
+    assert all("cache_control" not in tool for tool in body["tools"][:-1])

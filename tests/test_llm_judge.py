@@ -1,0 +1,407 @@
+"""The LLM judge and the gate's refusal of files git ignores, against the fake provider: a review that
+reads a hack hidden in an ignored file and rejects it (and the gate refusing the same candidate by
+itself), an importable ``stack/x.pyc`` and a planted bytecode cache, a diff too long for the page
+cut with a note, and failure isolation: a 429 storm in the review leaves the gate to decide (the
+round commits its candidate and records why) unless the run requires the review, and one in the
+evaluator falls back to the offline hints."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import py_compile
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import git
+import pytest
+from typer.testing import CliRunner
+
+from agents.llm.agents import LLMEvaluator
+from agents.llm.client import Accounting, BudgetSpent, ClientConfig, make_client
+from agents.llm.judge import DIFF_LIMIT, HACKS, LLMJudge
+from agents.offline.judge import OfflineJudge
+from agents.roles import Evaluation, Hint, RoundContext, Task, Verdict
+from orchestrator.cli import app
+from orchestrator.state import RunState
+from skills.starter import write_starter
+from targets.harness.check_result import CheckResult
+from targets.harness.integrity import scan_stack
+from targets.harness.launch import Limits
+from targets.harness.session import Measurement, Session, remove_bytecode_caches
+from targets.harness.target import Target
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_llm import FakeLLMServer, Fault, Reply  # noqa: E402
+
+runner = CliRunner()
+KEY = "VIBETRAIN_TEST_LLM_KEY"
+TASK = Task(
+    id="split-one-one",
+    title="split the two devices 1/1",
+    rationale="training blocks rollout",
+    acceptance=["vibetrain check passes", "goodput beats the parent's beyond the noise threshold"],
+)
+HACK = '"""Helpers."""\n\nSKIP_TRAINING_WHEN_MEASURED = True  # planted\n'
+STORM = [Fault(status=429)] * 5  # one call and its four retries
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setenv(KEY, "sk-test-secret")
+    with FakeLLMServer() as fake:
+        yield fake
+
+
+def _client(server, accounting=None):
+    config = ClientConfig("openai", "gpt-4o", KEY, server.url + "/v1", max_retries=4, backoff_s=0.001)
+    return make_client(config, accounting or Accounting())
+
+
+@pytest.fixture
+def workspace(tmp_path, tiny_spec) -> Path:
+    """A starter stack committed as the parent, as a round's worktree starts."""
+    path = write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    repo = git.Repo.init(path)
+    repo.git.add("-A")
+    repo.index.commit("parent")
+    return path
+
+
+class PassingGate:
+    """The deterministic gate, passing with a run's figures: the review decides."""
+
+    def judge(self, workspace, out, task=None, seed=0, context=None) -> Verdict:
+        checks = [
+            {"name": "integrity", "passed": True, "reasons": [], "details": {}},
+            {"name": "trainer", "passed": True, "reasons": [], "details": {"relative_update_error": 3.1e-7}},
+        ]
+        run = Measurement([CheckResult("system_audit", True)], {"goodput": 0.84, "step_time_s": 2.5})
+        return Verdict(True, [], checks, run)
+
+
+def _context() -> RoundContext:
+    return RoundContext(
+        parent_round=0,
+        parent_metrics={"goodput": 0.70, "step_time_s": 3.0},
+        parent_spread={"goodput": 0.01},
+        simulated=True,
+        account="static_split 1/1: training no longer blocks rollout",
+    )
+
+
+def _system(server) -> str:
+    return server.requests[-1]["body"]["messages"][0]["content"]
+
+
+def _tool_results(server) -> list[str]:
+    return [m["content"] for m in server.requests[-1]["body"]["messages"] if m["role"] == "tool"]
+
+
+def _gate(fast_target, sandbox) -> OfflineJudge:
+    target = Target.load(str(fast_target), simulate=True)
+    return OfflineJudge(Session(target, sandbox, Limits.of(target)))
+
+
+# -- files git ignores ---------------------------------------------------------------------------
+
+
+def test_the_review_reads_a_hack_hidden_in_an_ignored_file_and_the_gate_refuses_it_alone(
+    server, workspace, tmp_path, tiny_spec, fast_target, sandbox
+):
+    (workspace / "stack" / "hack.py").write_text(HACK)
+    with (workspace / ".gitignore").open("a") as ignore:
+        ignore.write("stack/hack.py\n")
+    reason = "stack/hack.py (ignored by git, so in no diff) sets SKIP_TRAINING_WHEN_MEASURED"
+    server.script(
+        "judge",
+        Reply(text="Something is ignored.", tool_calls=[("list_files", {"path": "stack"})]),
+        Reply(tool_calls=[("read_file", {"path": "stack/hack.py"})]),
+        Reply(tool_calls=[("finish", {"verdict": "reject", "reasons": [reason]})]),
+    )
+    judge = LLMJudge(PassingGate(), _client(server), spec=tiny_spec)
+    verdict = judge.judge(workspace, tmp_path / "out", TASK, context=_context())
+    assert not verdict.passed and verdict.reasons == [f"llm review: {reason}"]
+    assert verdict.checks[-1] == {"name": "llm_review", "passed": False, "reasons": verdict.reasons}
+    system = _system(server)
+    assert "## Files git ignores in the workspace\n" in system and "- stack/hack.py\n" in system
+    listed, read = _tool_results(server)
+    assert "stack/hack.py" in listed.splitlines() and "SKIP_TRAINING_WHEN_MEASURED = True" in read
+
+    gate = _gate(fast_target, sandbox)  # the same candidate, the deterministic gate alone
+    alone = gate.judge(workspace, tmp_path / "gate")
+    assert not alone.passed and alone.run is None  # refused before anything ran
+    [check] = alone.checks
+    assert check["name"] == "ignored_files" and check["reasons"][0].startswith(
+        "stack/hack.py: git ignores it (.gitignore:3:stack/hack.py), yet it lies in stack/"
+    )
+    server.requests.clear()
+    assert not LLMJudge(gate, _client(server)).judge(workspace, tmp_path / "both").passed
+    assert server.requests == []  # a gate that refuses is never overruled, so the model is not asked
+
+
+def test_an_importable_pyc_in_the_stack_is_refused_by_the_gate_and_by_the_integrity_scan(
+    workspace, tmp_path, fast_target, sandbox
+):
+    source = tmp_path / "x.py"
+    source.write_text("import gc\n\nPLANTED = 'sourceless'\n")
+    py_compile.compile(str(source), cfile=str(workspace / "stack" / "x.pyc"), doraise=True)
+    imported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {str(workspace / 'stack')!r}); import x; print(x.PLANTED)",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert imported.stdout.strip() == "sourceless"  # the plant is real: Python imports a .pyc without source
+    verdict = _gate(fast_target, sandbox).judge(workspace, tmp_path / "gate")
+    assert not verdict.passed and verdict.reasons == [
+        "ignored_files: stack/x.pyc: git ignores it (.gitignore:2:*.pyc), yet it lies in stack/: the run would "
+        "use a file the review and the commit never see; delete it or stop ignoring it"
+    ]
+    scan = scan_stack(workspace)  # were *.pyc no longer ignored, the integrity scan refuses it still
+    assert not scan.passed and scan.reasons == [
+        "stack/x.pyc: compiled code with no source: Python would import it, but the integrity scan reads source only"
+    ]
+
+
+@pytest.mark.slow
+def test_a_planted_bytecode_cache_never_shadows_its_source(workspace, tmp_path, fast_target, sandbox):
+    """An unchecked-hash .pyc is loaded whatever its source says: the gate removes every cache before
+    the candidate runs, so the source the scan read is what runs."""
+    build = workspace / "stack" / "build.py"
+    doctored = tmp_path / "build.py"
+    doctored.write_text("raise RuntimeError('planted bytecode ran')\n")
+    cache = Path(importlib.util.cache_from_source(str(build)))
+    cache.parent.mkdir(exist_ok=True)
+    py_compile.compile(
+        str(doctored), cfile=str(cache), doraise=True, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
+    )
+    imported = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(workspace)!r}); import stack"],
+        capture_output=True,
+        text=True,
+    )
+    assert "planted bytecode ran" in imported.stderr  # the plant is real: it shadows build.py
+    verdict = _gate(fast_target, sandbox).judge(workspace, tmp_path / "gate")
+    assert verdict.passed, verdict.reasons
+    assert verdict.checks[0] == {
+        "name": "ignored_files",
+        "passed": True,
+        "reasons": [],
+        "details": {"removed_bytecode_caches": ["stack/__pycache__"], "ignored": []},
+    }
+    assert not cache.exists()
+
+
+def test_bytecode_caches_are_removed_once_when_runs_of_one_candidate_start_together(tmp_path):
+    """The benchmark runs simulations side by side, sometimes of one candidate: each cache goes once,
+    and no run fails on a cache another run removed first."""
+    for i in range(40):
+        (tmp_path / "stack" / f"part{i}" / "__pycache__").mkdir(parents=True)
+        (tmp_path / "stack" / f"part{i}" / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"planted")
+    removed: list[list[str]] = []
+    runs = [threading.Thread(target=lambda: removed.append(remove_bytecode_caches(tmp_path))) for _ in range(4)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert sorted(sum(removed, [])) == sorted(f"stack/part{i}/__pycache__" for i in range(40))
+    assert not [p for p in tmp_path.rglob("*") if "pycache" in p.name]
+
+
+# -- what the review is shown ----------------------------------------------------------------------
+
+
+def test_the_page_shows_the_account_the_criteria_the_details_and_the_figures_against_the_parent(
+    server, workspace, tmp_path, tiny_spec
+):
+    params = workspace / "stack" / "params.json"
+    params.write_text(params.read_text().replace('"colocate"', '"static_split"'))
+    server.script("judge", Reply(text='{"verdict": "accept", "reasons": ["a parameter change"]}'))
+    verdict = LLMJudge(PassingGate(), _client(server), spec=tiny_spec).judge(
+        workspace, tmp_path / "out", TASK, context=_context()
+    )
+    assert verdict.passed and verdict.checks[-1] == {
+        "name": "llm_review",
+        "passed": True,
+        "reasons": ["a parameter change"],
+    }
+    system = _system(server)
+    assert system.startswith("ROLE: judge\n")
+    assert "- goodput beats the parent's beyond the noise threshold\n" in system
+    assert "static_split 1/1: training no longer blocks rollout" in system  # the implementer's account
+    assert "- trainer: pass (details: relative_update_error=3.10e-07)" in system
+    assert "- goodput: 0.84; parent 0.7 (spread 0.01): +20.0% [the headline: higher is better]" in system
+    assert f"noise threshold of {tiny_spec.noise_threshold:.0%} on goodput" in system
+    assert "This run is simulated" in system and '+  "controller": "static_split"' in system
+    assert "The diff is" not in system  # whole: nothing was cut
+    assert "covered by integrity" in system and "not covered by a check" in system
+    tools = [t["function"]["name"] for t in server.requests[-1]["body"]["tools"]]
+    assert {"list_files", "read_file", "search_files", "finish"} <= set(tools)
+    assert not {"edit_file", "write_file", "run_command"} & set(tools)  # read-only
+
+
+def test_every_hack_the_checklist_calls_covered_names_a_check_the_gate_reports():
+    """The names are read from the code that makes the checks (harness and offline judge), so a
+    renamed or removed check cannot leave the review trusting a check that no longer exists."""
+    root = Path(__file__).parents[1]
+    sources = [*(root / "targets" / "harness").glob("*.py"), root / "agents" / "offline" / "judge.py"]
+    made = re.compile(r'CheckResult\(\s*"(\w+)"|\{"name": "(\w+)"')
+    names = {a or b for path in sources for a, b in made.findall(path.read_text())}
+    assert {"integrity", "engine", "trainer", "weight_sync", "system_audit", "clock", "ignored_files"} <= names
+    for hack in HACKS:
+        assert set(hack.checks) <= names, hack.name
+    assert any(not hack.checks for hack in HACKS) and "not covered by a check" in HACKS[4].coverage
+
+
+def test_a_diff_past_the_limit_is_cut_file_by_file_and_the_model_is_told(server, workspace, tmp_path, tiny_spec):
+    big = "".join(f"ROW_{i} = {i}  # a generated table, long enough to pass the limit\n" for i in range(800))
+    assert len(big) > DIFF_LIMIT
+    (workspace / "stack" / "table.py").write_text(big)
+    params = workspace / "stack" / "params.json"
+    params.write_text(params.read_text().replace('"colocate"', '"static_split"'))
+    server.script("judge", Reply(tool_calls=[("finish", {"verdict": "accept", "reasons": ["read table.py"]})]))
+    assert LLMJudge(PassingGate(), _client(server), spec=tiny_spec).judge(workspace, tmp_path / "out", TASK).passed
+    system = _system(server)
+    assert f"more than the {DIFF_LIMIT} this page holds, so the diffs of 1 file(s) are left out below" in system
+    assert "stack/table.py (+800 -0 lines" in system and "read_file shows each file as the candidate has it" in system
+    assert '+  "controller": "static_split"' in system and "ROW_1 = 1" not in system  # the file that fits is whole
+
+
+# -- failure isolation -----------------------------------------------------------------------------
+
+
+def test_a_review_that_cannot_be_had_leaves_the_gate_to_decide_unless_required(server, workspace, tmp_path):
+    server.script("judge", *STORM)
+    verdict = LLMJudge(PassingGate(), _client(server)).judge(workspace, tmp_path / "out", TASK)
+    assert verdict.passed and verdict.run is not None  # the gate's run still opens the measurement
+    [note] = verdict.checks[-1]["reasons"]
+    assert verdict.checks[-1]["name"] == "llm_review" and verdict.checks[-1]["passed"]
+    assert (
+        note.startswith("LLM review unavailable: LLMError: ") and "rate limited (429); gave up after 4 retries" in note
+    )
+    assert note.endswith("; the deterministic gate decided")
+
+    server.script("judge", *STORM)
+    required = LLMJudge(PassingGate(), _client(server), review_required=True).judge(workspace, tmp_path / "o", TASK)
+    assert not required.passed and required.checks[-1]["name"] == "llm_review" and not required.checks[-1]["passed"]
+    assert required.reasons[0].startswith("LLM review unavailable: LLMError: ")
+    assert "--require-llm-review" in required.reasons[0]
+
+    spent = Accounting(max_tokens=10, spent_before={"input_tokens": 10})
+    with pytest.raises(BudgetSpent):  # a spent budget is no outage: it stops the run
+        LLMJudge(PassingGate(), _client(server, spent)).judge(workspace, tmp_path / "b", TASK)
+
+
+def _evaluation() -> Evaluation:
+    return Evaluation(1.0, {"goodput": 1.0}, {}, [{}], [Hint(code="stall", message="rollout waits")])
+
+
+class OfflineEvaluator:
+    def evaluate(self, workspace, out, baseline, seeds, first=None) -> Evaluation:
+        return _evaluation()
+
+
+@pytest.mark.parametrize(
+    "replies, cause",
+    [
+        (STORM, "LLMError: openai gpt-4o at"),
+        ([Reply(text="no json"), Reply(text='{"hints": 3}')], "OutputSchemaError: the evaluator's answer failed"),
+    ],
+)
+def test_the_evaluator_falls_back_to_the_offline_hints_and_says_why(server, tmp_path, tiny_spec, replies, cause):
+    server.script("evaluator", *replies)
+    evaluation = LLMEvaluator(tiny_spec, OfflineEvaluator(), _client(server)).evaluate(tmp_path, tmp_path, None, [0])
+    stall, note = evaluation.hints
+    assert stall.code == "stall" and note.code == "llm_hints_unavailable"
+    assert note.message.startswith(f"LLM hints unavailable ({cause}")
+    assert note.message.endswith("the hints above are the offline rules' only")
+    with pytest.raises(BudgetSpent):
+        spent = Accounting(max_tokens=10, spent_before={"input_tokens": 10})
+        LLMEvaluator(tiny_spec, OfflineEvaluator(), _client(server, spent)).evaluate(tmp_path, tmp_path, None, [0])
+
+
+EDIT = (
+    "edit_file",
+    {
+        "path": "stack/params.json",
+        "old": '"controller": "colocate"',
+        "new": '"controller": "static_split",\n  "rollout_devices": 1,\n  "train_devices": 1',
+    },
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("required", [False, True])
+def test_a_429_storm_in_the_review_commits_the_gated_candidate_unless_the_review_is_required(
+    server, tmp_path, fast_target, monkeypatch, required
+):
+    monkeypatch.setattr("agents.llm.client._RetryingClient.delay", lambda self, attempt, asked: 0.0)
+    server.script("judge", Reply(text='{"verdict": "accept", "reasons": ["the starter"]}'), *STORM)
+    server.script("evaluator", *[Reply(text='{"hints": []}')] * 2)
+    server.script(
+        "implementer",
+        Reply(tool_calls=[EDIT]),
+        Reply(tool_calls=[("finish", {"summary": "static_split 1/1", "files_changed": ["stack/params.json"]})]),
+    )
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            str(fast_target),
+            "--agents",
+            "openai",
+            "--model",
+            "gpt-4o",
+            "--base-url",
+            server.url + "/v1",
+            "--api-key-env",
+            KEY,
+            "--simulate",
+            "--repeat",
+            "1",
+            "--rounds",
+            "1",
+            "--max-attempts",
+            "1",
+            "--out",
+            str(run),
+            "--workspaces",
+            str(tmp_path / "ws"),
+            *(["--require-llm-review"] if required else []),
+        ],
+        env={"COLUMNS": "140"},
+    )
+    state = RunState.load(run)
+    record = state.record(1)
+    assert state.config.llm_review_required is required
+    report = json.loads(git.Repo(run).git.show(f"{record.commit}:.vibetrain/judge.json"))
+    [review] = [c for c in report["checks"] if c["name"] == "llm_review"]
+    assert review["reasons"][0].startswith("LLM review unavailable: LLMError: ")
+    if required:
+        assert record.verdict == "rejected" and not review["passed"] and state.best_round == 0
+        assert "--require-llm-review" in record.reasons[0]
+    else:
+        assert result.exit_code == 0, result.output
+        assert record.verdict == "accepted" and review["passed"] and state.best_round == 1
+        assert review["reasons"][0].endswith("; the deterministic gate decided")
+    assert [r["role"] for r in server.requests].count("judge") == 6  # the starter's review, then the storm
+
+
+def test_require_llm_review_needs_a_backend_with_a_review_and_round_trips_through_the_config(tmp_path):
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--require-llm-review", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 2 and "--require-llm-review needs a backend with an LLM review" in result.output
+    assert not (tmp_path / "a").exists()
+    printed = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--require-llm-review", "--print-config"])
+    assert "llm_review_required: true" in printed.output
+    path = tmp_path / "run.yaml"
+    path.write_text(printed.output)
+    again = runner.invoke(app, ["generate", "--config", str(path), "--print-config"])
+    assert again.exit_code == 0 and again.output == printed.output

@@ -1,78 +1,565 @@
-"""The ``cli`` backend's implementer: an installed coding-agent CLI driven non-interactively in the
-workspace — Claude Code (``claude -p ... --output-format json``) or Codex (``codex exec --json``) — with
-the implementer prompt, its JSON output parsed for the summary and the usage it reports. The other
-roles are the offline ones (the deterministic gate and benchmark)."""
+"""The ``cli`` backend: an installed coding-agent CLI — Claude Code (``claude -p``) or Codex (``codex
+exec``) — as the implementer, and the same CLI, read-only, as the client of the LLM review on top of the
+deterministic judge. The planner and the evaluator stay offline.
+
+How the CLI is run, and why:
+
+* the prompt goes on **stdin**, never on the command line: argv is visible to every user in ``ps`` and
+  capped (128 KiB per argument on Linux) while DESIGN.md grows;
+* the CLI gets an **allowlisted environment** (``CLITool.environment``): the basics a program needs, the few
+  variables the judge's checks read, the provider key of that CLI, and its own config directory —
+  nothing else from ours, so no other secret reaches a process that runs model-written commands;
+* it runs in **its own process group** (``run_cli``): a timeout stops the CLI and everything it started
+  (SIGTERM, then SIGKILL after a grace), not only the direct child;
+* its output is parsed per the CLI's documented schema (``parse_claude``, ``parse_codex``), its usage
+  and cost go to the run's ``Accounting``, and a failure it reports becomes an ``AgentError`` whose
+  message is the next attempt's feedback.
+
+Claude Code runs with ``--max-turns`` and ``--max-budget-usd`` (the run's remaining ``--max-cost``, at
+most ``MAX_ATTEMPT_USD`` per call) and may use only the tools listed in ``ClaudeCode.EDIT_TOOLS``: read,
+search and edit files, and run exactly the check command it is told (``check_command``). Codex has no
+turn or cost flag: its budget is checked before each call, the timeout bounds it, and its sandbox
+(``--sandbox workspace-write``) confines what its commands may write to the workspace.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import shlex
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from agents.llm.agents import implementer_prompt
-from agents.roles import AgentError, Attempt, Task
-from skills.validation import expand_file
-from targets.spec import TargetSpec
+from pydantic import ValidationError
 
-COMMANDS = {
-    "claude": lambda prompt: ["claude", "-p", prompt, "--output-format", "json", "--permission-mode", "acceptEdits"],
-    "codex": lambda prompt: ["codex", "exec", "--json", "--full-auto", prompt],
-}
+import skills as skills_package
+import targets.api
+from agents.llm.agents import ImplementerOutput, implementer_prompt
+from agents.llm.client import Accounting, AssistantTurn, ToolSpec
+from agents.roles import AgentError, Attempt, Task
+from skills.validation import AnnotationError, expand_file
+
+log = logging.getLogger("vibetrain.cli_agent")
+
+KILL_GRACE_S = 5.0  # after SIGTERM, how long the CLI's process group has before SIGKILL
+MAX_ATTEMPT_USD = 5.0  # Claude Code's --max-budget-usd when the run has no --max-cost (per call)
+JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
+
+# What any program needs to start and find its tools and files.
+BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER")
+# What the judge's checks read when the CLI runs them (`vibetrain check`): the model cache they load
+# the target's model from, the image of the Docker sandbox, and the GPUs a GPU target's checks use.
+CHECK_ENV = ("VIBETRAIN_CACHE", "VIBETRAIN_DOCKER_IMAGE", "CUDA_VISIBLE_DEVICES")
+
+
+class CLIOutputError(AgentError):
+    """The CLI printed nothing that its output schema describes (no result object, no event)."""
+
+
+@dataclass
+class CLIResult:
+    """What one CLI call reported. ``cost_usd`` is None when the CLI reports none (Codex): the caller
+    prices the tokens. ``failure`` says why the call did not succeed (None when it did)."""
+
+    text: str
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float | None
+    failure: str | None = None
+
+
+def _json_lines(stdout: str) -> list[dict]:
+    """The JSON objects among stdout's lines (a CLI may print a stray non-JSON line; a line that starts
+    like JSON and does not parse is a broken stream and says so)."""
+    events = []
+    for number, line in enumerate(stdout.splitlines(), 1):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise CLIOutputError(
+                f"line {number} of the CLI's output is not valid JSON ({error}): {line[:200]!r}"
+            ) from None
+    return events
+
+
+def parse_claude(stdout: str) -> CLIResult:
+    """Claude Code's ``--output-format json``: one ``{"type": "result"}`` object. ``subtype`` is
+    ``success`` or an ``error_*`` (``error_max_turns``, ``error_max_budget_usd``,
+    ``error_during_execution``, ...) — an error even where ``is_error`` is false; a failed API call comes
+    as ``success`` with ``is_error`` true and the message in ``result``. Input tokens count the cached
+    ones too (Anthropic reports ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` apart)."""
+    results = [e for e in _json_lines(stdout) if e.get("type") == "result"]
+    if not results:
+        raise CLIOutputError(f"the claude CLI printed no result object: {stdout[-300:]!r}")
+    final = results[-1]
+    usage = final.get("usage") or {}
+    input_tokens = sum(
+        int(usage.get(k) or 0) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    )
+    subtype = final.get("subtype", "(none)")
+    text = str(final.get("result") or "")
+    failure = None
+    if subtype != "success":
+        details = "; ".join(str(e) for e in final.get("errors") or []) or text
+        turns = f" after {final['num_turns']} turns" if "num_turns" in final else ""
+        failure = f"the claude CLI stopped with {subtype}{turns}" + (f": {details[:400]}" if details else "")
+    elif final.get("is_error"):
+        failure = f"the claude CLI reported an error: {text[:400] or '(no message)'}"
+    return CLIResult(
+        text, input_tokens, int(usage.get("output_tokens") or 0), float(final.get("total_cost_usd") or 0.0), failure
+    )
+
+
+def parse_codex(stdout: str) -> CLIResult:
+    """Codex's ``exec --json`` events, one per line. The answer is the last ``item.completed`` whose item
+    is an ``agent_message``; usage comes with ``turn.completed`` (``input_tokens`` includes
+    ``cached_input_tokens``; Codex sends the thread's running total, so the last one counts); a
+    ``turn.failed`` is a failure with its ``error.message``. An ``error`` event is failure only when no
+    ``turn.completed`` follows it (Codex reports errors it then retries the same way). No cost is
+    reported: ``cost_usd`` is None."""
+    events = _json_lines(stdout)
+    if not events:
+        raise CLIOutputError(f"the codex CLI printed no JSON events: {stdout[-300:]!r}")
+    text, usage, failure, last_error = "", {}, None, None
+    for event in events:
+        kind = event.get("type")
+        item = event.get("item") or {}
+        if kind == "item.completed" and item.get("type") == "agent_message":
+            text = str(item.get("text") or "")
+        elif kind == "turn.completed":
+            usage, last_error = event.get("usage") or {}, None
+        elif kind == "turn.failed":
+            failure = f"the codex CLI's turn failed: {(event.get('error') or {}).get('message', '(no message)')}"
+        elif kind == "error":
+            last_error = str(event.get("message") or "(no message)")
+    if failure is None and last_error is not None:
+        failure = f"the codex CLI reported an error: {last_error}"
+    if failure is None and not any(e.get("type") == "turn.completed" for e in events):
+        failure = "the codex CLI ended without completing its turn (no turn.completed event)"
+    return CLIResult(text, int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0), None, failure)
+
+
+class CLITool:
+    """One coding-agent CLI: its name, the variables of ours it may see, its command lines, its parser."""
+
+    name: str
+    KEYS: tuple[str, ...]  # the provider key(s) the CLI authenticates with, passed when set
+    CONFIG: tuple[str, ...]  # the CLI's own configuration variables, passed when set
+    SHELL_RULE: str  # what the prompt says about running commands
+
+    def executable(self) -> str:
+        """The CLI's path; a missing CLI is refused here, before the run writes anything."""
+        found = shutil.which(self.name)
+        if found is None:
+            raise AgentError(
+                f"the {self.name} CLI is not installed (no `{self.name}` on PATH); install it, or use --agents "
+                "openai/anthropic/offline"
+            )
+        return found
+
+    def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """Our environment, allowlisted (see the module docstring), plus ``extra`` (settings we give)."""
+        names = BASE_ENV + CHECK_ENV + self.KEYS + self.CONFIG
+        return {k: os.environ[k] for k in names if k in os.environ} | (extra or {})
+
+    def edit_argv(self, exe: str, *, model: str | None, max_turns: int, budget_usd: float, check: str) -> list[str]:
+        raise NotImplementedError
+
+    def budget_text(self, max_turns: int, budget_usd: float) -> str:
+        """The limits of one attempt, as the implementer prompt states them."""
+        raise NotImplementedError
+
+    def review_argv(self, exe: str, *, model: str | None, budget_usd: float) -> list[str]:
+        raise NotImplementedError
+
+    def parse(self, stdout: str) -> CLIResult:
+        raise NotImplementedError
+
+
+class ClaudeCode(CLITool):
+    """``claude -p`` (the prompt read from stdin) with ``--output-format json``.
+
+    Tools: ``--allowedTools`` pre-approves what the implementer needs — reading and searching (Read,
+    Glob, Grep), editing ``stack/`` and ``DESIGN.md`` (nothing else: the harness and the contract stay
+    as they are), and in Bash exactly the check command (an exact rule, not a prefix: a prefix would let
+    ``--sandbox subprocess`` be appended and run candidate code unisolated) plus ``git status`` and
+    ``git diff`` to see its own change. Under ``-p`` nothing can be approved interactively, so any other
+    edit or command is denied; web access is removed outright. The candidate code itself only ever runs
+    inside the check, in the harness's sandbox."""
+
+    name = "claude"
+    KEYS = ("ANTHROPIC_API_KEY",)  # used whenever set under -p; without it, the login in CLAUDE_CONFIG_DIR
+    CONFIG = ("CLAUDE_CONFIG_DIR",)  # where its settings and login live (default ~/.claude)
+    # Edit rules cover every tool that edits files (Edit, MultiEdit, Write); paths are relative to the
+    # workspace, the CLI's working directory.
+    EDIT_TOOLS = (
+        "Read",
+        "Glob",
+        "Grep",
+        "Edit(./stack/**)",
+        "Edit(./DESIGN.md)",
+        "Bash(git status)",
+        "Bash(git diff:*)",
+    )
+    READ_TOOLS = ("Read", "Glob", "Grep")
+    NO_WEB = ("WebFetch", "WebSearch")
+    NO_CHANGE = ("Bash", "Edit", "MultiEdit", "Write", "NotebookEdit") + NO_WEB
+    REVIEW_TURNS = 3
+    SHELL_RULE = (
+        "Shell commands other than this one (run alone: no pipes, no `&&`, nothing appended), `git status` "
+        "and `git diff` are not permitted."
+    )
+
+    def edit_argv(self, exe: str, *, model: str | None, max_turns: int, budget_usd: float, check: str) -> list[str]:
+        tools = ",".join(self.EDIT_TOOLS + (f"Bash({check})",))
+        return [
+            exe,
+            "-p",
+            "--output-format",
+            "json",
+            "--max-turns",
+            str(max_turns),
+            "--max-budget-usd",
+            f"{budget_usd:.4f}",
+            "--allowedTools",
+            tools,
+            "--disallowedTools",
+            ",".join(self.NO_WEB),
+        ] + (["--model", model] if model else [])
+
+    def budget_text(self, max_turns: int, budget_usd: float) -> str:
+        return f"{max_turns} turns and ${budget_usd:.2f} for this attempt"
+
+    def review_argv(self, exe: str, *, model: str | None, budget_usd: float) -> list[str]:
+        return [
+            exe,
+            "-p",
+            "--output-format",
+            "json",
+            "--max-turns",
+            str(self.REVIEW_TURNS),
+            "--max-budget-usd",
+            f"{budget_usd:.4f}",
+            "--allowedTools",
+            ",".join(self.READ_TOOLS),
+            "--disallowedTools",
+            ",".join(self.NO_CHANGE),
+        ] + (["--model", model] if model else [])
+
+    def parse(self, stdout: str) -> CLIResult:
+        return parse_claude(stdout)
+
+
+class Codex(CLITool):
+    """``codex exec --json -`` (``-``: the prompt is read from stdin). The implementer runs with
+    ``--sandbox workspace-write`` (its commands may write only in the workspace and temp), the review
+    with ``--sandbox read-only`` in a scratch directory that is no git repository (hence
+    ``--skip-git-repo-check``). ``codex exec`` has no turn or cost limit to give it: ``max_turns`` and
+    ``budget_usd`` are not passed (the budget is checked before each call; the timeout bounds it)."""
+
+    name = "codex"
+    KEYS = ("CODEX_API_KEY", "OPENAI_API_KEY")  # exec's own key variable; the OpenAI provider's key
+    CONFIG = ("CODEX_HOME",)  # where its config and login live (default ~/.codex)
+    SHELL_RULE = "Your commands may write only inside the workspace."
+
+    def edit_argv(self, exe: str, *, model: str | None, max_turns: int, budget_usd: float, check: str) -> list[str]:
+        return [exe, "exec", "--json", "--sandbox", "workspace-write"] + (["--model", model] if model else []) + ["-"]
+
+    def budget_text(self, max_turns: int, budget_usd: float) -> str:
+        return "no turn or cost limit within the attempt: finish as soon as the checks pass"
+
+    def review_argv(self, exe: str, *, model: str | None, budget_usd: float) -> list[str]:
+        model_args = ["--model", model] if model else []
+        return [exe, "exec", "--json", "--sandbox", "read-only", "--skip-git-repo-check"] + model_args + ["-"]
+
+    def parse(self, stdout: str) -> CLIResult:
+        return parse_codex(stdout)
+
+
+TOOLS: dict[str, CLITool] = {"claude": ClaudeCode(), "codex": Codex()}
+
+
+def cli_tool(name: str) -> CLITool:
+    if name not in TOOLS:
+        raise AgentError(f"unknown coding-agent CLI {name!r}; known: {', '.join(TOOLS)}")
+    return TOOLS[name]
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group; False when no process is left in it."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the CLI's whole process group, SIGKILL to whatever is left after ``grace_s``."""
+    pgid = process.pid  # start_new_session: the CLI leads its own group
+    if _signal_group(pgid, signal.SIGTERM):
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            process.poll()  # reap the leader, so an exited one stops counting as a member
+            if not _signal_group(pgid, 0):
+                break
+            time.sleep(0.05)
+        _signal_group(pgid, signal.SIGKILL)
+    process.communicate()  # reap the leader and close its pipes
+
+
+def run_cli(
+    tool: CLITool,
+    argv: list[str],
+    prompt: str,
+    *,
+    cwd: Path,
+    env: dict,
+    timeout_s: float,
+    grace_s: float = KILL_GRACE_S,
+) -> CLIResult:
+    """Run one CLI call: ``prompt`` on stdin, in its own process group, its output parsed. Whatever it
+    started and left running is stopped when it ends; past ``timeout_s`` the whole group is stopped and
+    the call raises."""
+    process = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(prompt, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _stop_group(process, grace_s)
+        raise AgentError(
+            f"the {tool.name} CLI ran past {timeout_s:g}s; it and every process it started were stopped"
+        ) from None
+    _stop_group(process, grace_s)  # anything it left behind in its group
+    code = process.returncode
+    try:
+        result = tool.parse(stdout)
+    except CLIOutputError:
+        if code != 0:
+            raise AgentError(f"the {tool.name} CLI exited with {code}: {(stderr or stdout)[-400:]}") from None
+        raise
+    if code != 0 and result.failure is None:
+        result.failure = f"the {tool.name} CLI exited with {code}: {(stderr or stdout)[-400:]}"
+    return result
+
+
+def account(accounting: Accounting, tool: CLITool, result: CLIResult, model: str | None) -> None:
+    """Record one call's tokens and cost. A CLI that reports no cost (Codex) is priced from the price
+    table when the model is known (--model; cached input tokens at the full input price, so the figure
+    errs high); without a model its tokens are recorded at $0, with a warning."""
+    if result.cost_usd is not None:
+        accounting.add_reported(result.input_tokens, result.output_tokens, result.cost_usd)
+    elif model:
+        accounting.add(model, result.input_tokens, result.output_tokens)
+    else:
+        log.warning(
+            "the %s CLI reports no cost and no --model names its model: its tokens count $0 (give --model to "
+            "price them)",
+            tool.name,
+        )
+        accounting.add_reported(result.input_tokens, result.output_tokens, 0.0)
+
+
+def budget_usd(accounting: Accounting, cap: float) -> float:
+    """What one call may spend: the run's remaining ``--max-cost``, at most ``cap``."""
+    if accounting.max_cost is None:
+        return cap
+    spent = accounting.spent_before.get("cost_usd", 0.0) + accounting.cost_usd
+    return max(min(accounting.max_cost - spent, cap), 0.0)
+
+
+def vibetrain_executable() -> str:
+    """The ``vibetrain`` command installed beside this Python (so the checks run this very install),
+    else the one on PATH."""
+    beside = Path(sys.executable).with_name("vibetrain")
+    exe = str(beside) if beside.exists() else shutil.which("vibetrain")
+    if exe is None:
+        raise AgentError(
+            f"no `vibetrain` command beside {sys.executable} or on PATH: the coding-agent CLI could not run the "
+            "checks (install vibetrain with pip into this environment)"
+        )
+    return exe
+
+
+def check_command(exe: str, session, workspace: Path) -> str:
+    """The exact shell command that runs the judge's checks on ``workspace`` as this run runs them: the
+    same target, sandbox, time limit and execution mode."""
+    target = session.target
+    parts = [exe, "check", target.ref, "--stack", str(workspace), "--sandbox", session.sandbox.backend]
+    parts += ["--time-limit", f"{session.limits.time_s:g}"] + (["--simulate"] if target.simulated else [])
+    return shlex.join(parts)
+
+
+def cli_instructions(tool: CLITool, check: str, time_s: float) -> str:
+    """What the implementer prompt adds for a CLI: the prompt names the tool-loop driver's tools, so
+    this says what stands for each (the CLI's own tools, the exact check command, a final JSON message
+    instead of ``finish``)."""
+    api, skills = Path(targets.api.__file__), Path(skills_package.__file__).parent
+    return (
+        "\n## You are running as a coding-agent CLI\n"
+        "The tools named above belong to another driver; here they are:\n"
+        "- read_file, search_files, read_skill: your own read and search tools. The contract is "
+        f"{api}; a skill is {skills}/<name>/SKILL.md, its recipe {skills}/recipes/<name>.py (all read-only).\n"
+        "- edits: your own edit tools, in `stack/` and `DESIGN.md` only.\n"
+        "- run_checks: this command, exactly as written:\n\n"
+        f"      {check}\n\n"
+        f"  {tool.SHELL_RULE} It prints each check with pass or FAIL and its reasons, then PASS or FAIL (exit "
+        f"status 1 on FAIL). Each run it makes may take up to {time_s:g} s, so give the command a timeout of at "
+        f"least {int(3 * time_s)} s. `# VAL:` annotations are expanded after you finish, so until then the "
+        "checks report them as unexpanded; keep them well-formed.\n"
+        "- run_benchmark: not available.\n"
+        "- finish: instead of calling it, end with a final message that is only this JSON object, nothing "
+        'around it: {"summary": "<what you changed and why>", "files_changed": ["stack/..."]}\n'
+    )
 
 
 class CLIImplementer:
-    def __init__(self, spec: TargetSpec, tool: str, accounting, offline, timeout_s: float = 1800.0) -> None:
-        """``offline``: the offline implementer, which writes round 0's starter from the library."""
-        if tool not in COMMANDS:
-            raise AgentError(f"unknown coding-agent CLI {tool!r}; known: {', '.join(COMMANDS)}")
-        if shutil.which(tool) is None:
-            raise AgentError(
-                f"the {tool} CLI is not installed (no `{tool}` on PATH); install it, or use --agents "
-                "openai/anthropic/offline"
-            )
-        self.spec, self.tool, self.accounting, self.timeout_s = spec, tool, accounting, timeout_s
-        self.offline = offline
+    """The implementer: one CLI call per attempt in the workspace. Round 0's starter comes from the
+    offline implementer (the library writes it)."""
+
+    def __init__(
+        self,
+        session,
+        tool: CLITool,
+        accounting: Accounting,
+        offline,
+        *,
+        model: str | None = None,
+        max_turns: int = 40,
+        max_attempt_usd: float = MAX_ATTEMPT_USD,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        self.exe = tool.executable()
+        self.vibetrain = vibetrain_executable()  # refused now, not mid-run, when missing
+        self.session, self.tool, self.accounting, self.offline = session, tool, accounting, offline
+        self.model, self.max_turns, self.max_attempt_usd, self.timeout_s = model, max_turns, max_attempt_usd, timeout_s
 
     def starter(self, workspace: Path, controller: str) -> Attempt:
         return self.offline.starter(workspace, controller)
 
-    def implement(self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = ()) -> Attempt:
-        prompt = implementer_prompt(self.spec, task, workspace, feedback, hints)
-        try:
-            result = subprocess.run(
-                COMMANDS[self.tool](prompt), cwd=workspace, capture_output=True, text=True, timeout=self.timeout_s
-            )
-        except subprocess.TimeoutExpired:
-            raise AgentError(f"the {self.tool} CLI ran past {self.timeout_s:g}s") from None
-        if result.returncode != 0:
-            raise AgentError(
-                f"the {self.tool} CLI exited with {result.returncode}: {(result.stderr or result.stdout)[-400:]}"
-            )
-        summary = self._summary(result.stdout)
-        for path in sorted((workspace / "stack").rglob("*.py")):
-            expand_file(path)
-        return Attempt(summary)
-
-    def _summary(self, stdout: str) -> str:
-        """The last JSON object (Claude Code prints one; Codex prints a JSON line per event)."""
-        events = []
-        for line in stdout.strip().splitlines() or [stdout]:
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        if not events:
-            try:
-                events = [json.loads(stdout)]
-            except json.JSONDecodeError:
-                raise AgentError(f"the {self.tool} CLI printed no JSON: {stdout[-300:]!r}") from None
-        final = events[-1]
-        usage = final.get("usage") or {}
-        self.accounting.add_reported(
-            usage.get("input_tokens", 0), usage.get("output_tokens", 0), final.get("total_cost_usd", 0.0)
+    def implement(
+        self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = (), context=None
+    ) -> Attempt:
+        self.accounting.check_budget()
+        check = check_command(self.vibetrain, self.session, workspace)
+        budget = budget_usd(self.accounting, self.max_attempt_usd)
+        spec = self.session.target.spec
+        prompt = implementer_prompt(
+            spec, task, workspace, feedback, hints, context, self.tool.budget_text(self.max_turns, budget)
         )
-        if final.get("is_error"):
-            raise AgentError(f"the {self.tool} CLI reported an error: {final.get('result', final)!r}")
-        text = final.get("result") or final.get("message") or final.get("text") or json.dumps(final)
-        return str(text)[:2000]
+        prompt += cli_instructions(self.tool, check, self.session.limits.time_s)
+        argv = self.tool.edit_argv(self.exe, model=self.model, max_turns=self.max_turns, budget_usd=budget, check=check)
+        # Claude Code's Bash tool stops a command after 2 minutes unless told otherwise; the checks
+        # take longer, and may take as long as the whole call.
+        timeout_ms = str(int(self.timeout_s * 1000))
+        env = self.tool.environment({"BASH_DEFAULT_TIMEOUT_MS": timeout_ms, "BASH_MAX_TIMEOUT_MS": timeout_ms})
+        result = run_cli(self.tool, argv, prompt, cwd=workspace, env=env, timeout_s=self.timeout_s)
+        account(self.accounting, self.tool, result, self.model)
+        if result.failure:
+            raise AgentError(result.failure)
+        attempt = self._attempt(result.text)
+        try:
+            for path in sorted((workspace / "stack").rglob("*.py")):
+                expand_file(path)
+        except (AnnotationError, UnicodeDecodeError) as error:
+            raise AgentError(
+                f"the {self.tool.name} CLI left a validation annotation that cannot be expanded: {error}"
+            ) from None
+        return attempt
+
+    def _attempt(self, text: str) -> Attempt:
+        """The CLI's final message: the JSON summary the prompt asks for, or, when it answered in prose,
+        that prose as the summary (the change is in the workspace either way; the judge decides)."""
+        if not text.strip():
+            raise AgentError(f"the {self.tool.name} CLI finished without a final message")
+        match = JSON_OBJECT.search(text)
+        if match:
+            try:
+                output = ImplementerOutput.model_validate(json.loads(match.group(0)))
+            except (json.JSONDecodeError, ValidationError):
+                output = None
+            if output is not None:
+                return Attempt(output.summary, output.files_changed)
+        return Attempt(text.strip()[:2000])
+
+
+class CLIChatClient:
+    """A ``ChatClient`` that asks the CLI, read-only, for a text answer: the LLM review of CLI rounds
+    (``LLMJudge(gate, CLIChatClient(...), file_access=False)``). Each ``chat`` is one CLI call whose
+    prompt (on stdin) is the system text and the conversation so far; the whole question, the diff
+    included, is in it, so the CLI runs in an empty scratch directory with no tool that edits or runs
+    anything. No tools: the review answers in text."""
+
+    def __init__(
+        self,
+        tool: CLITool,
+        accounting: Accounting,
+        *,
+        model: str | None = None,
+        max_call_usd: float = 1.0,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.exe = tool.executable()
+        self.tool, self.accounting, self.model = tool, accounting, model
+        self.max_call_usd, self.timeout_s = max_call_usd, timeout_s
+
+    def chat(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
+        if tools:
+            raise ValueError(
+                f"the {self.tool.name} CLI review client answers in text only; it was given tools: "
+                f"{', '.join(t.name for t in tools)}"
+            )
+        self.accounting.check_budget()
+        argv = self.tool.review_argv(
+            self.exe, model=self.model, budget_usd=budget_usd(self.accounting, self.max_call_usd)
+        )
+        with tempfile.TemporaryDirectory(prefix="vibetrain-review-") as scratch:
+            result = run_cli(
+                self.tool,
+                argv,
+                conversation(system, messages),
+                cwd=Path(scratch),
+                env=self.tool.environment(),
+                timeout_s=self.timeout_s,
+            )
+        account(self.accounting, self.tool, result, self.model)
+        if result.failure:
+            raise AgentError(result.failure)
+        return AssistantTurn(result.text, [], result.input_tokens, result.output_tokens)
+
+
+def conversation(system: str, messages: list[dict]) -> str:
+    """One prompt from a system text and a conversation of user and assistant turns (a CLI call is
+    stateless, so a repair request carries the earlier answer with it)."""
+    if len(messages) == 1 and messages[0].get("role") == "user":
+        return f"{system}\n\n{messages[0]['content']}\n"
+    parts = [system, "\n## The conversation so far"]
+    for message in messages:
+        role = message.get("role")
+        if role == "user":
+            parts.append(f"\n### User\n{message['content']}")
+        elif role == "assistant":
+            parts.append(f"\n### You answered\n{message.get('text') or ''}")
+        else:
+            raise ValueError(f"a CLI review conversation has user and assistant turns only, got role {role!r}")
+    parts.append("\nAnswer the last user message.")
+    return "\n".join(parts) + "\n"

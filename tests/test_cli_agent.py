@@ -1,0 +1,331 @@
+"""The coding-agent CLI backend without a real CLI: recorded output streams of Claude Code and Codex
+(tests/fake_cli/, written from their documented schemas) parsed into answer, usage, cost and failure;
+a fake `claude`/`codex` on PATH that records what it received (the prompt on stdin, only allowlisted
+variables, the provider key), edits the workspace and prints a recorded stream; a timeout that stops the
+CLI's whole process group; and the read-only LLM review of a CLI round."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import git
+import pytest
+from typer.testing import CliRunner
+
+from agents.cli_agent import (
+    BASE_ENV,
+    CHECK_ENV,
+    TOOLS,
+    CLIChatClient,
+    CLIImplementer,
+    account,
+    budget_usd,
+    cli_tool,
+    parse_claude,
+    parse_codex,
+    run_cli,
+)
+from agents.llm.client import Accounting, BudgetSpent, ToolSpec
+from agents.llm.judge import LLMJudge
+from agents.roles import AgentError, Task, Verdict
+from orchestrator.cli import app
+from orchestrator.state import RunState
+from skills.starter import write_starter
+from targets.harness.launch import Limits
+from targets.harness.sandbox import Sandbox
+from targets.harness.session import Session
+from targets.harness.target import Target
+
+FAKE = Path(__file__).parent / "fake_cli"
+sys.path.insert(0, str(FAKE))
+from fake_cli import install  # noqa: E402
+
+runner = CliRunner()
+TASK = Task(id="static-split", title="Split the devices", rationale="rollout and training contend")
+CLAUDE_SUMMARY = "switched to static_split: 1 rollout + 1 train device; the checks pass"
+
+
+def _stream(name: str) -> str:
+    return (FAKE / name).read_text()
+
+
+def _fake(tmp_path: Path, monkeypatch, name: str, scenario: str) -> Path:
+    """Put a fake `name` CLI first on PATH, plant two secrets it must never see; its record file."""
+    record = tmp_path / f"{name}-calls.jsonl"
+    bin_dir = install(tmp_path / "bin", name, scenario, record)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SECRET_TOKEN", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    return record
+
+
+def _calls(record: Path) -> list[dict]:
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def _option(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.fixture
+def session():
+    return Session(Target.load("tiny-qwen3-cpu", simulate=True), Sandbox("subprocess"), Limits(time_s=120))
+
+
+@pytest.fixture
+def workspace(tmp_path, tiny_spec):
+    """A starter candidate committed as the parent, as a round's worktree is."""
+    directory = write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    repo = git.Repo.init(directory)
+    repo.git.add("-A")
+    repo.index.commit("parent")
+    return directory
+
+
+# -- recorded streams ------------------------------------------------------------------------------
+
+
+def test_claude_success_stream_gives_the_answer_usage_and_reported_cost():
+    result = parse_claude(_stream("claude_success.json"))
+    assert result.failure is None and json.loads(result.text)["summary"] == CLAUDE_SUMMARY
+    # input counts the cache reads and writes Anthropic reports apart: 1234 + 2000 + 10000
+    assert (result.input_tokens, result.output_tokens, result.cost_usd) == (13234, 56, 0.0123)
+
+
+def test_claude_max_turns_stream_is_a_failure_naming_the_subtype_and_still_costs():
+    result = parse_claude(_stream("claude_max_turns.json"))  # is_error is false: the subtype decides
+    assert result.failure == "the claude CLI stopped with error_max_turns after 41 turns"
+    assert (result.input_tokens, result.output_tokens, result.cost_usd) == (645120, 9100, 0.4821)
+
+
+def test_codex_success_stream_answers_with_its_last_agent_message_priced_by_model():
+    result = parse_codex(_stream("codex_success.jsonl"))
+    assert result.failure is None and json.loads(result.text)["files_changed"] == ["stack/params.json"]
+    assert (result.input_tokens, result.output_tokens, result.cost_usd) == (24763, 1220, None)
+    priced = Accounting()
+    account(priced, TOOLS["codex"], result, "o4-mini")  # (1.1, 4.4) USD per Mtok in the price table
+    assert priced.cost_usd == pytest.approx((24763 * 1.1 + 1220 * 4.4) / 1e6)
+    unpriced = Accounting()
+    account(unpriced, TOOLS["codex"], result, None)  # no model: tokens recorded, $0
+    assert unpriced.snapshot() == {"calls": 1, "input_tokens": 24763, "output_tokens": 1220, "cost_usd": 0.0}
+
+
+def test_codex_failed_stream_is_a_failure_with_the_turns_message():
+    result = parse_codex(_stream("codex_failed.jsonl"))
+    assert result.failure == "the codex CLI's turn failed: exceeded retry limit, last status: 429 Too Many Requests"
+    retried = "\n".join(
+        json.dumps(e)
+        for e in [
+            {"type": "error", "message": "stream disconnected; retrying 1/5"},
+            {"type": "item.completed", "item": {"id": "item_0", "type": "agent_message", "text": "done"}},
+            {"type": "turn.completed", "usage": {"input_tokens": 10, "cached_input_tokens": 0, "output_tokens": 2}},
+        ]
+    )
+    assert parse_codex(retried).failure is None  # an error that a completed turn follows was retried
+
+
+# -- the implementer through a fake CLI ------------------------------------------------------------
+
+
+def test_fake_claude_gets_the_prompt_on_stdin_and_only_allowlisted_variables(tmp_path, monkeypatch, session, workspace):
+    record = _fake(tmp_path, monkeypatch, "claude", "success")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-test")  # another CLI's key: not for claude
+    accounting = Accounting()
+    implementer = CLIImplementer(session, cli_tool("claude"), accounting, None, max_turns=12)
+    attempt = implementer.implement(TASK, workspace, ["check 2 failed: weights differ"])
+    assert attempt.summary == CLAUDE_SUMMARY and attempt.files_changed == ["stack/params.json"]
+    assert json.loads((workspace / "stack/params.json").read_text())["controller"] == "static_split"
+    [call] = _calls(record)
+    assert "ROLE: implementer" in call["stdin"] and "check 2 failed: weights differ" in call["stdin"]
+    assert not any("ROLE: implementer" in arg or "weights differ" in arg for arg in call["argv"])
+    env = call["env"]
+    assert env["ANTHROPIC_API_KEY"] == "sk-ant-test"
+    assert not {"SECRET_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY"} & env.keys()
+    allowed = set(BASE_ENV + CHECK_ENV + TOOLS["claude"].KEYS + TOOLS["claude"].CONFIG)
+    assert set(env) <= allowed | {"BASH_DEFAULT_TIMEOUT_MS", "BASH_MAX_TIMEOUT_MS"}
+    argv = call["argv"]
+    assert _option(argv, "--max-turns") == "12" and _option(argv, "--max-budget-usd") == "5.0000"
+    check = f"check tiny-qwen3-cpu --stack {workspace} --sandbox subprocess --time-limit 120 --simulate"
+    tools = _option(argv, "--allowedTools").split(",")
+    [bash_check] = [t for t in tools if t.startswith("Bash(") and "vibetrain" in t]
+    assert bash_check.endswith(f"vibetrain {check})")
+    assert {"Edit(./stack/**)", "Edit(./DESIGN.md)"} <= set(tools) and not {"Edit", "Write", "Bash"} & set(tools)
+    assert f"vibetrain {check}\n" in call["stdin"] and call["cwd"] == str(workspace)
+    assert accounting.snapshot() == {"calls": 1, "input_tokens": 13234, "output_tokens": 56, "cost_usd": 0.0123}
+
+
+def test_claude_gets_the_runs_remaining_budget_and_none_once_it_is_spent(tmp_path, monkeypatch, session, workspace):
+    record = _fake(tmp_path, monkeypatch, "claude", "success")
+    accounting = Accounting(max_cost=0.02)
+    implementer = CLIImplementer(session, cli_tool("claude"), accounting, None)
+    implementer.implement(TASK, workspace, [])
+    assert _option(_calls(record)[0]["argv"], "--max-budget-usd") == "0.0200"
+    assert budget_usd(accounting, 5.0) == pytest.approx(0.02 - 0.0123)
+    accounting.cost_usd = 0.03
+    with pytest.raises(BudgetSpent, match="cost budget of \\$0.02 spent"):
+        implementer.implement(TASK, workspace, [])
+    assert len(_calls(record)) == 1  # refused before the CLI started
+
+
+def test_claude_stopping_at_its_turn_limit_is_feedback_and_its_cost_counts(tmp_path, monkeypatch, session, workspace):
+    _fake(tmp_path, monkeypatch, "claude", "max_turns")
+    accounting = Accounting()
+    with pytest.raises(AgentError, match="^the claude CLI stopped with error_max_turns after 41 turns$"):
+        CLIImplementer(session, cli_tool("claude"), accounting, None).implement(TASK, workspace, [])
+    assert accounting.cost_usd == pytest.approx(0.4821)
+
+
+def test_an_annotation_the_cli_left_broken_is_feedback_not_a_crash(tmp_path, monkeypatch, session, workspace):
+    _fake(tmp_path, monkeypatch, "claude", "bad_annotation")
+    with pytest.raises(AgentError, match="left a validation annotation that cannot be expanded: .*missing \\['max'\\]"):
+        CLIImplementer(session, cli_tool("claude"), Accounting(), None).implement(TASK, workspace, [])
+
+
+def test_fake_codex_reads_the_prompt_from_stdin_and_sees_only_its_own_keys(tmp_path, monkeypatch, session, workspace):
+    record = _fake(tmp_path, monkeypatch, "codex", "success")
+    monkeypatch.setenv("CODEX_API_KEY", "sk-codex-test")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-test")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")  # another CLI's key: not for codex
+    accounting = Accounting()
+    attempt = CLIImplementer(session, cli_tool("codex"), accounting, None, model="o4-mini").implement(
+        TASK, workspace, []
+    )
+    assert attempt.summary.startswith("switched to static_split") and attempt.files_changed == ["stack/params.json"]
+    [call] = _calls(record)
+    argv = call["argv"]
+    assert argv[:2] == ["exec", "--json"] and argv[-1] == "-" and _option(argv, "--sandbox") == "workspace-write"
+    assert _option(argv, "--model") == "o4-mini"
+    assert "ROLE: implementer" in call["stdin"] and not any("ROLE: implementer" in arg for arg in argv)
+    env = call["env"]
+    assert env["CODEX_API_KEY"] == "sk-codex-test" and env["OPENAI_API_KEY"] == "sk-openai-test"
+    assert not {"SECRET_TOKEN", "AWS_SECRET_ACCESS_KEY", "ANTHROPIC_API_KEY"} & env.keys()
+    assert accounting.cost_usd == pytest.approx((24763 * 1.1 + 1220 * 4.4) / 1e6)
+
+
+def test_a_failed_codex_turn_is_an_agent_error_with_its_message(tmp_path, monkeypatch, session, workspace):
+    _fake(tmp_path, monkeypatch, "codex", "failed")  # prints the failed stream and exits 1
+    with pytest.raises(AgentError, match="^the codex CLI's turn failed: exceeded retry limit, last status: 429"):
+        CLIImplementer(session, cli_tool("codex"), Accounting(), None).implement(TASK, workspace, [])
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by whoever inherited it, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_timeout_stops_the_cli_and_every_process_it_started(tmp_path, monkeypatch, workspace):
+    record = _fake(tmp_path, monkeypatch, "claude", "hang")  # starts `sleep 300`, then sleeps itself
+    tool = cli_tool("claude")
+    with pytest.raises(AgentError, match="ran past 2s; it and every process it started were stopped"):
+        run_cli(tool, [tool.executable(), "-p"], "go", cwd=workspace, env=tool.environment(), timeout_s=2, grace_s=1)
+    [call] = _calls(record)
+    assert not _alive(call["grandchild"])
+
+
+def test_a_missing_or_unknown_cli_is_refused_before_anything_runs(tmp_path, monkeypatch, session):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(AgentError, match="the codex CLI is not installed \\(no `codex` on PATH\\)"):
+        CLIImplementer(session, cli_tool("codex"), Accounting(), None)
+    with pytest.raises(AgentError, match="unknown coding-agent CLI 'aider'; known: claude, codex"):
+        cli_tool("aider")
+
+
+def test_generate_refuses_a_missing_cli_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--agents", "cli:codex", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 2 and "the codex CLI is not installed" in result.output and not (tmp_path / "a").exists()
+
+
+def test_a_codex_cost_budget_needs_a_priced_model(tmp_path, monkeypatch):
+    """Codex reports tokens, never dollars: --max-cost without a priced --model could never stop a run."""
+    _fake(tmp_path, monkeypatch, "codex", "success")
+    out = tmp_path / "a"
+    base = ["generate", "tiny-qwen3-cpu", "--agents", "cli:codex", "--max-cost", "1", "--out", str(out)]
+    result = runner.invoke(app, base)
+    assert result.exit_code == 2 and "Codex reports no cost" in result.output and not out.exists()
+    result = runner.invoke(app, [*base, "--model", "codex-unknown-model"])
+    assert result.exit_code == 2 and "no price known for model 'codex-unknown-model'" in result.output
+    assert not out.exists()
+
+
+# -- the LLM review of a CLI round -----------------------------------------------------------------
+
+
+class PassingGate:
+    """The deterministic gate, passing: the review decides."""
+
+    def judge(self, workspace, out, task=None, seed=0, context=None) -> Verdict:
+        return Verdict(True, [], [{"name": "integrity", "passed": True, "reasons": []}])
+
+
+@pytest.mark.parametrize("scenario, passed", [("reject", False), ("success", True)])
+def test_the_llm_review_of_a_cli_round_asks_the_cli_read_only(tmp_path, monkeypatch, workspace, scenario, passed):
+    record = _fake(tmp_path, monkeypatch, "claude", scenario)
+    params = workspace / "stack/params.json"
+    params.write_text(params.read_text().replace('"colocate"', '"static_split"'))
+    accounting = Accounting()
+    judge = LLMJudge(PassingGate(), CLIChatClient(cli_tool("claude"), accounting), file_access=False)
+    verdict = judge.judge(workspace, tmp_path / "out", TASK)
+    assert verdict.passed is passed and [c["name"] for c in verdict.checks] == ["integrity", "llm_review"]
+    if not passed:
+        assert verdict.reasons == ["llm review: stack/params.json: sleeps less when the trace is on"]
+        assert verdict.checks[-1] == {"name": "llm_review", "passed": False, "reasons": verdict.reasons}
+    [call] = _calls(record)
+    assert "ROLE: judge" in call["stdin"] and '+  "controller": "static_split"' in call["stdin"]
+    assert call["cwd"] != str(workspace) and _option(call["argv"], "--allowedTools") == "Read,Glob,Grep"
+    assert {"Bash", "Edit", "Write"} <= set(_option(call["argv"], "--disallowedTools").split(","))
+    assert accounting.snapshot() == {"calls": 1, "input_tokens": 900, "output_tokens": 40, "cost_usd": 0.002}
+
+
+def test_the_cli_review_client_takes_no_tools(tmp_path, monkeypatch):
+    _fake(tmp_path, monkeypatch, "codex", "success")
+    client = CLIChatClient(cli_tool("codex"), Accounting())
+    with pytest.raises(ValueError, match="answers in text only; it was given tools: read_file"):
+        client.chat("ROLE: judge", [{"role": "user", "content": "x"}], [ToolSpec("read_file", "", {})])
+
+
+# -- a whole round ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_coding_agent_cli_implements_a_round(tmp_path, fast_target, monkeypatch):
+    record = _fake(tmp_path, monkeypatch, "claude", "success")
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            str(fast_target),
+            "--agents",
+            "cli:claude",
+            "--rounds",
+            "1",
+            "--simulate",
+            "--repeat",
+            "1",
+            "--out",
+            str(run),
+            "--workspaces",
+            str(tmp_path / "ws"),
+        ],
+        env={"COLUMNS": "140"},
+    )
+    assert result.exit_code == 0, result.output
+    state = RunState.load(run)
+    # the implementer's $0.0123 and the review's $0.002
+    assert state.record(1).verdict == "accepted" and state.record(1).llm["cost_usd"] == pytest.approx(0.0143)
+    assert (
+        json.loads(git.Repo(run).git.show(f"{state.record(1).commit}:stack/params.json"))["controller"]
+        == "static_split"
+    )
+    # round 0's starter is reviewed too; round 1 is implemented, then reviewed
+    assert ["ROLE: implementer" in c["stdin"] for c in _calls(record)] == [False, True, False]

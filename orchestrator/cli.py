@@ -20,13 +20,13 @@ from orchestrator.tables import (
     bench_table,
     checks_table,
     costs_table,
-    detail,
     num,
     plain,
     promotion,
     rounds_table,
 )
 from skills.starter import CONTROLLERS
+from targets.harness.check_result import detail
 from targets.spec import SpecError, TargetSpec, catalog_ids, load_target
 
 HELP = {"help_option_names": ["-h", "--help"]}

@@ -27,7 +27,8 @@ from orchestrator.prescreen import twin_said  # noqa: E402
 from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: E402
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
-from orchestrator.tables import detail, paired_cell, promotion  # noqa: E402
+from orchestrator.tables import paired_cell, promotion  # noqa: E402
+from targets.harness.check_result import detail  # noqa: E402
 from targets.harness.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
 from targets.spec import TargetSpec, load_target  # noqa: E402

@@ -26,18 +26,6 @@ def num(value: float) -> str:
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
-def detail(value) -> str:
-    """A judge check's detail value: numbers as ``num`` (tiny ones in exponent form, so 3.1e-07 is not
-    0), long lists cut to their first six."""
-    if isinstance(value, float):
-        return num(value) if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {detail(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list) and len(value) > 6:
-        return "[" + ", ".join(detail(v) for v in value[:6]) + f", ... {len(value) - 6} more]"
-    return str(value)
-
-
 def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
     first = runs[0]
     clock = "simulated seconds" if simulated else "wall seconds"

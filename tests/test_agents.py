@@ -440,3 +440,23 @@ def test_the_sandbox_sees_the_project_even_when_it_is_not_on_sys_path():
     project = Path(sandbox.__file__).resolve().parents[2]
     assert project in sandbox.python_paths()
     assert sandbox.outermost([Path("/tmp"), Path("/")]) == []  # /tmp itself is the sandbox's own
+
+
+def test_the_dependency_direction_holds_agents_and_targets_never_import_the_orchestrator():
+    """DESIGN §2: orchestrator -> agents -> targets, skills; targets imports neither agents nor the
+    orchestrator. Read from every import statement of the packages."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    forbidden = {"agents": {"orchestrator"}, "targets": {"orchestrator", "agents"}, "skills": {"orchestrator"}}
+    found = []
+    for package, banned in forbidden.items():
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                found += [
+                    f"{path.relative_to(root)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in banned
+                ]
+    assert found == []

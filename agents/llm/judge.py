@@ -29,8 +29,8 @@ from agents.llm.loop import run_loop
 from agents.llm.tools import Toolbox
 from agents.offline.judge import ignored_files
 from agents.roles import AgentError, RoundContext, Task, Verdict
-from orchestrator.tables import detail
 from targets.harness.benchmark import SUMMARIZED
+from targets.harness.check_result import detail
 from targets.spec import TargetSpec
 
 log = logging.getLogger("vibetrain.judge")

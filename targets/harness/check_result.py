@@ -20,3 +20,17 @@ class CheckResult:
     @classmethod
     def from_dict(cls, data: dict) -> CheckResult:
         return cls(data["name"], data["passed"], list(data.get("reasons", [])), dict(data.get("details", {})))
+
+
+def detail(value) -> str:
+    """A check's detail value as a reviewer reads it: numbers to three significant figures (tiny ones
+    in exponent form, so 3.1e-07 is not 0), long lists cut to their first six."""
+    if isinstance(value, float):
+        if abs(value) >= 1e-3 or value == 0:
+            return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+        return f"{value:.2e}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {detail(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list) and len(value) > 6:
+        return "[" + ", ".join(detail(v) for v in value[:6]) + f", ... {len(value) - 6} more]"
+    return str(value)

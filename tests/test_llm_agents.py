@@ -366,6 +366,29 @@ def test_paths_stay_in_the_workspace_and_long_results_keep_head_and_tail(toolbox
     assert loud.startswith("exit code 1")
 
 
+def test_links_out_of_the_workspace_are_never_followed(toolbox, tmp_path, monkeypatch):
+    """A candidate can make links (run_command); the tools run outside the sandbox, so a link to
+    /proc/self/environ would hand them the harness's keys."""
+    monkeypatch.setenv("VIBETRAIN_SECRET_PROBE", "sk-must-not-leak")
+    (toolbox.workspace / "stack" / "env").symlink_to("/proc/self/environ")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keys.txt").write_text("sk-must-not-leak\n")
+    (toolbox.workspace / "stack" / "out").symlink_to(outside)
+    assert "sk-must-not-leak" not in _call(toolbox, "search_files", pattern="sk-must", path=".")
+    listing = _call(toolbox, "list_files", path="stack")
+    assert "stack/env\n" not in listing + "\n" and "keys.txt" not in listing
+    assert "outside the workspace" in _call(toolbox, "read_file", path="stack/env")
+
+
+def test_file_system_errors_come_back_as_tool_errors(toolbox):
+    assert _call(toolbox, "write_file", path="stack", content="x").startswith("error: write_file failed: ")
+    (toolbox.workspace / "stack" / "blob.bin").write_bytes(b"\xff\xfe\x00")
+    assert _call(toolbox, "edit_file", path="stack/blob.bin", old="a", new="b").startswith("error: edit_file failed: ")
+    (toolbox.workspace / "stack" / "empty.py").write_text("")
+    assert _call(toolbox, "read_file", path="stack/empty.py") == "stack/empty.py is empty"
+
+
 def test_an_unknown_tool_or_invalid_arguments_come_back_as_tool_errors(toolbox):
     unknown = toolbox.call(ToolCall("c", "delete_everything", "{}"))
     assert unknown.startswith("error: there is no tool 'delete_everything'; the tools are: list_files")

@@ -172,6 +172,18 @@ def test_the_same_call_over_and_over_stops_the_loop_with_a_reason(server, loop_p
         _loop(*loop_parts)
 
 
+def test_measuring_again_is_never_taken_for_being_stuck(server, loop_parts, tmp_path):
+    client, toolbox = loop_parts
+    measuring = Toolbox(toolbox.workspace, toolbox.sandbox, checks=lambda: "PASSED", benchmark=lambda: "goodput: 1")
+    server.script(
+        "implementer",
+        *[Reply(tool_calls=[("run_benchmark", {})]) for _ in range(3)],
+        *[Reply(tool_calls=[("run_checks", {})]) for _ in range(3)],
+        Reply(tool_calls=[("finish", {"summary": "compared three runs"})]),
+    )
+    assert _loop(client, measuring).output.summary == "compared three runs"
+
+
 def test_turns_run_out_with_a_reason_and_a_warning_before(server, loop_parts):
     server.script("implementer", *[Reply(tool_calls=[("list_files", {"path": p})]) for p in ("stack", ".", "stack")])
     with pytest.raises(AgentError, match="used its 3 turns without finishing"):

@@ -277,6 +277,14 @@ def test_a_diff_past_the_limit_is_cut_file_by_file_and_the_model_is_told(server,
 # -- failure isolation -----------------------------------------------------------------------------
 
 
+def test_a_review_that_reaches_no_verdict_rejects_never_falls_back(server, workspace, tmp_path):
+    """A stuck reviewer is not an outage: a candidate's text can derail its reviewer on purpose."""
+    server.script("judge", *[Reply(text="Let me look at this more...") for _ in range(3)])
+    verdict = LLMJudge(PassingGate(), _client(server)).judge(workspace, tmp_path / "out", TASK)
+    assert not verdict.passed and verdict.checks[-1]["name"] == "llm_review" and not verdict.checks[-1]["passed"]
+    assert verdict.reasons[0].startswith("llm review reached no verdict: StuckError: ")
+
+
 def test_a_review_that_cannot_be_had_leaves_the_gate_to_decide_unless_required(server, workspace, tmp_path):
     server.script("judge", *STORM)
     verdict = LLMJudge(PassingGate(), _client(server)).judge(workspace, tmp_path / "out", TASK)

@@ -38,8 +38,8 @@ def file_map(workspace: Path) -> list[FileEntry]:
     """Every file of the candidate's ``stack/``, with its size in lines and what it says it is."""
     entries = []
     for path in sorted((workspace / "stack").rglob("*")):
-        if not path.is_file() or "__pycache__" in path.parts:
-            continue
+        if path.is_symlink() or not path.is_file() or "__pycache__" in path.parts:
+            continue  # a link is not followed: it may point out of the workspace
         text = path.read_text(errors="replace")
         about = _docstring_line(text) if path.suffix == ".py" else ""
         entries.append(FileEntry(str(path.relative_to(workspace)), len(text.splitlines()), about[:110]))

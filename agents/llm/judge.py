@@ -8,11 +8,13 @@ the gate already rules out, the diff (whole up to ``DIFF_LIMIT``, else file by f
 what was left out) and the files git ignores. It reads more through read-only tools and answers
 with a ``Review`` through the tool loop's ``finish``.
 
-When the review cannot be had (the provider fails past its retries, the model is stuck or out of
-turns, its answer fails its schema), the round keeps its gated candidate: the gate's verdict stands
+When the review cannot be had (the provider fails past its retries, a CLI fails), the round keeps
+its gated candidate: the gate's verdict stands
 with a passing ``llm_review`` check that says the review was unavailable, unless the run requires
 the review (``--require-llm-review``): then the candidate is rejected. A spent LLM budget is not such
-a failure: ``BudgetSpent`` propagates, and the run stops.
+a failure: ``BudgetSpent`` propagates, and the run stops. A review that ran and reached no verdict (the
+model stuck, out of turns, or answering outside its schema twice) rejects: the candidate's own text can
+cause that on purpose.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from pathlib import Path
 
 import git
 
-from agents.llm.agents import PROMPTS, Review, answer
+from agents.llm.agents import PROMPTS, OutputSchemaError, Review, answer
 from agents.llm.client import BudgetSpent, ChatClient
-from agents.llm.loop import run_loop
+from agents.llm.loop import StuckError, run_loop
 from agents.llm.tools import Toolbox
 from agents.offline.judge import ignored_files
 from agents.roles import AgentError, RoundContext, Task, Verdict
@@ -259,7 +261,13 @@ class LLMJudge:
             review = self.review(workspace, task, verdict, context)
         except BudgetSpent:
             raise  # the run's LLM budget is spent: the run stops, this is no outage to fall back from
-        except AgentError as error:  # the provider past its retries, a stuck model, a bad answer
+        except (StuckError, OutputSchemaError) as error:  # the model read the candidate and reached no verdict:
+            # content can cause that on purpose (a candidate built to derail its reviewer), so it rejects
+            reasons = [f"llm review reached no verdict: {type(error).__name__}: {error}"]
+            return Verdict(
+                False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}]
+            )
+        except AgentError as error:  # the provider past its retries, a CLI that failed: an outage
             return self.unavailable(verdict, error)
         if review.verdict == "reject":
             reasons = [f"llm review: {r}" for r in review.reasons] or ["llm review: rejected without a reason"]

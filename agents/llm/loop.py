@@ -23,12 +23,14 @@ from agents.roles import AgentError
 FINISH = "finish"
 RESULT_BUDGET = 60_000  # characters of tool results kept whole; older ones are masked
 REPEATS_TO_STOP = 3  # the same call (name and arguments) this many times in a row: stuck
+MEASURING = ("run_checks", "run_benchmark")  # repeating these is how a model compares figures: never stuck
 NUDGES_TO_STOP = 3  # this many turns in a row without a tool call: stuck
 MASKED = "[an older tool result, masked to save context: call the tool again if you need it]"
 
 
 class StuckError(AgentError):
-    """The model repeats itself without progress (the same call, or no call at all, turn after turn)."""
+    """The model repeats itself without progress (the same call, or no call at all, turn after turn),
+    or runs out of turns."""
 
 
 @dataclass
@@ -144,7 +146,7 @@ def run_loop(
         for call in calls:
             key = (call.name, call.arguments)
             recent = [*recent, key][-REPEATS_TO_STOP:]
-            if call.name != FINISH and len(recent) == REPEATS_TO_STOP and len(set(recent)) == 1:
+            if call.name not in (FINISH, *MEASURING) and len(recent) == REPEATS_TO_STOP and len(set(recent)) == 1:
                 raise StuckError(
                     f"the {role} called {call.name} with the same arguments {REPEATS_TO_STOP} times in a row "
                     f"({call.arguments[:120]})"
@@ -158,7 +160,7 @@ def run_loop(
             messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
             if output is not None:
                 return LoopResult(output, turn_number, messages)
-    raise AgentError(f"the {role} used its {max_turns} turns without finishing")
+    raise StuckError(f"the {role} used its {max_turns} turns without finishing")
 
 
 def _finish(call: ToolCall, schema: type[BaseModel], on_finish) -> tuple[str, BaseModel | None]:

@@ -192,6 +192,8 @@ class Toolbox:
             return truncated(handler(arguments))
         except ToolResultError as error:  # the tool ran and says what went wrong: the model reads it
             return f"error: {error}"
+        except (OSError, UnicodeError, ValueError) as error:  # a directory, a binary file, a NUL byte
+            return f"error: {call.name} failed: {type(error).__name__}: {error}"
 
     # -- paths -----------------------------------------------------------------------------------
     def _path(self, relative: str) -> Path:
@@ -203,6 +205,12 @@ class Toolbox:
         if ".git" in path.relative_to(self.workspace).parts:
             raise ToolResultError(f"{relative!r} is git's, not the candidate's")
         return path
+
+    def _inside(self, path: Path) -> bool:
+        """Whether ``path`` stays in the workspace once its links are followed: a link the candidate
+        made (to /proc/self/environ, to a home folder) must not let a tool read outside it."""
+        resolved = path.resolve()
+        return resolved == self.workspace or self.workspace in resolved.parents
 
     def _readable(self, relative: str) -> Path:
         """A workspace file, or a contract file (read-only, from the installed vibetrain)."""
@@ -228,7 +236,7 @@ class Toolbox:
         files = sorted(
             str(p.relative_to(self.workspace))
             for p in root.rglob("*")
-            if p.is_file() and ".git" not in p.parts and "__pycache__" not in p.parts
+            if self._inside(p) and p.is_file() and ".git" not in p.parts and "__pycache__" not in p.parts
         )
         return "\n".join(files) or "(empty)"
 
@@ -237,7 +245,9 @@ class Toolbox:
         if not path.is_file():
             raise ToolResultError(f"no file {a.path!r} (list_files shows what exists)")
         lines = path.read_text(errors="replace").splitlines()
-        if a.start_line > max(len(lines), 1):
+        if not lines:
+            return f"{a.path} is empty"
+        if a.start_line > len(lines):
             raise ToolResultError(f"{a.path} has {len(lines)} lines; start_line {a.start_line} is past its end")
         end = min(a.end_line or a.start_line + VIEW_LINES - 1, len(lines))
         if end < a.start_line:
@@ -253,7 +263,7 @@ class Toolbox:
             raise ToolResultError(f"bad regular expression {a.pattern!r}: {error}") from None
         hits = []
         for path in sorted(self._path(a.path).rglob("*")):
-            if not path.is_file() or ".git" in path.parts or "__pycache__" in path.parts:
+            if not self._inside(path) or not path.is_file() or ".git" in path.parts or "__pycache__" in path.parts:
                 continue
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
                 if regex.search(line):

@@ -42,10 +42,9 @@ from pydantic import ValidationError
 
 import skills as skills_package
 import targets.api
-from agents.llm.agents import ImplementerOutput, implementer_prompt
+from agents.llm.agents import ImplementerOutput, expand_annotations, implementer_prompt
 from agents.llm.client import Accounting, AssistantTurn, ToolSpec
 from agents.roles import AgentError, Attempt, Task
-from skills.validation import AnnotationError, expand_file
 
 log = logging.getLogger("vibetrain.cli_agent")
 
@@ -222,40 +221,22 @@ class ClaudeCode(CLITool):
     )
 
     def edit_argv(self, exe: str, *, model: str | None, max_turns: int, budget_usd: float, check: str) -> list[str]:
-        tools = ",".join(self.EDIT_TOOLS + (f"Bash({check})",))
-        return [
-            exe,
-            "-p",
-            "--output-format",
-            "json",
-            "--max-turns",
-            str(max_turns),
-            "--max-budget-usd",
-            f"{budget_usd:.4f}",
-            "--allowedTools",
-            tools,
-            "--disallowedTools",
-            ",".join(self.NO_WEB),
-        ] + (["--model", model] if model else [])
+        allowed = self.EDIT_TOOLS + (f"Bash({check})",)
+        return self._argv(exe, model, max_turns, budget_usd, allowed, self.NO_WEB)
 
     def budget_text(self, max_turns: int, budget_usd: float) -> str:
         return f"{max_turns} turns and ${budget_usd:.2f} for this attempt"
 
     def review_argv(self, exe: str, *, model: str | None, budget_usd: float) -> list[str]:
-        return [
-            exe,
-            "-p",
-            "--output-format",
-            "json",
-            "--max-turns",
-            str(self.REVIEW_TURNS),
-            "--max-budget-usd",
-            f"{budget_usd:.4f}",
-            "--allowedTools",
-            ",".join(self.READ_TOOLS),
-            "--disallowedTools",
-            ",".join(self.NO_CHANGE),
-        ] + (["--model", model] if model else [])
+        return self._argv(exe, model, self.REVIEW_TURNS, budget_usd, self.READ_TOOLS, self.NO_CHANGE)
+
+    @staticmethod
+    def _argv(exe: str, model: str | None, max_turns: int, budget_usd: float, allowed, denied) -> list[str]:
+        """``claude -p`` with its caps and permissions (the prompt goes on stdin)."""
+        argv = [exe, "-p", "--output-format", "json", "--max-turns", str(max_turns)]
+        argv += ["--max-budget-usd", f"{budget_usd:.4f}"]
+        argv += ["--allowedTools", ",".join(allowed), "--disallowedTools", ",".join(denied)]
+        return argv + (["--model", model] if model else [])
 
     def parse(self, stdout: str) -> CLIResult:
         return parse_claude(stdout)
@@ -383,8 +364,7 @@ def budget_usd(accounting: Accounting, cap: float) -> float:
     """What one call may spend: the run's remaining ``--max-cost``, at most ``cap``."""
     if accounting.max_cost is None:
         return cap
-    spent = accounting.spent_before.get("cost_usd", 0.0) + accounting.cost_usd
-    return max(min(accounting.max_cost - spent, cap), 0.0)
+    return max(min(accounting.max_cost - accounting.run_cost(), cap), 0.0)
 
 
 def vibetrain_executable() -> str:
@@ -477,13 +457,11 @@ class CLIImplementer:
         if result.failure:
             raise AgentError(result.failure)
         attempt = self._attempt(result.text)
-        try:
-            for path in sorted((workspace / "stack").rglob("*.py")):
-                expand_file(path)
-        except (AnnotationError, UnicodeDecodeError) as error:
+        problems = expand_annotations(workspace)
+        if problems:
             raise AgentError(
-                f"the {self.tool.name} CLI left a validation annotation that cannot be expanded: {error}"
-            ) from None
+                f"the {self.tool.name} CLI left a validation annotation that cannot be expanded: {'; '.join(problems)}"
+            )
         return attempt
 
     def _attempt(self, text: str) -> Attempt:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ROLE = re.compile(r"ROLE: (\w+)")
+KEY = "VIBETRAIN_TEST_LLM_KEY"  # the variable the tests put the fake key in
 REFUSES_MAX_TOKENS = re.compile(r"^(o1|o3|o4|gpt-5)([-.]|$)|^fake-reasoner$")
 
 
@@ -411,3 +412,20 @@ def _anthropic_refusal(body: dict) -> dict | None:
             if block.get("type") == "text" and not block.get("text", "").strip():
                 return refuse(f"messages.{i}.content.{j}.text: text content blocks must contain non-whitespace text")
     return None
+
+
+def generate(server: FakeLLMServer, tmp_path, target, provider: str, *extra: str, model: str = ""):
+    """``vibetrain generate`` against the fake server (simulated, one repeat, the key in ``KEY``):
+    (exit code, output, run directory)."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    run = tmp_path / f"run-{provider}"
+    base = server.url + "/v1" if provider == "openai" else server.url
+    model = model or ("gpt-4o" if provider == "openai" else "claude-sonnet-4")
+    options = ["--agents", provider, "--model", model, "--base-url", base, "--api-key-env", KEY]
+    places = ["--out", str(run), "--workspaces", str(tmp_path / "ws")]
+    argv = ["generate", str(target), *options, "--simulate", "--repeat", "1", *places, *extra]
+    result = CliRunner().invoke(app, argv, env={"COLUMNS": "140"})
+    return result.exit_code, result.output, run

@@ -36,10 +36,9 @@ from skills.starter import write_starter
 from targets.harness.sandbox import Sandbox
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_llm import FakeLLMServer, Fault, Reply  # noqa: E402
+from fake_llm import KEY, FakeLLMServer, Fault, Reply, generate  # noqa: E402
 
 runner = CliRunner()
-KEY = "VIBETRAIN_TEST_LLM_KEY"
 
 
 @pytest.fixture
@@ -440,37 +439,6 @@ def _script_a_run(server, rounds: int, review: str = "accept") -> None:
         )
 
 
-def _generate(server, tmp_path, target, provider: str, *extra: str, model: str = "") -> tuple[int, str, Path]:
-    run = tmp_path / f"run-{provider}"
-    base = server.url + "/v1" if provider == "openai" else server.url
-    model = model or ("gpt-4o" if provider == "openai" else "claude-sonnet-4")
-    result = runner.invoke(
-        app,
-        [
-            "generate",
-            str(target),
-            "--agents",
-            provider,
-            "--model",
-            model,
-            "--base-url",
-            base,
-            "--api-key-env",
-            KEY,
-            "--simulate",
-            "--repeat",
-            "1",
-            "--out",
-            str(run),
-            "--workspaces",
-            str(tmp_path / "ws"),
-            *extra,
-        ],
-        env={"COLUMNS": "140"},
-    )
-    return result.exit_code, result.output, run
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server, tmp_path, fast_target, provider):
@@ -497,7 +465,7 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
                 )
             ),
         )
-    code, output, run = _generate(server, tmp_path, fast_target, provider, "--rounds", "1", *policy)
+    code, output, run = generate(server, tmp_path, fast_target, provider, "--rounds", "1", *policy)
     assert code == 0, output
     state = RunState.load(run)
     assert [r.verdict for r in state.rounds] == ["accepted", "accepted"], [r.reasons for r in state.rounds]
@@ -527,7 +495,7 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
 @pytest.mark.slow
 def test_the_llm_review_rejects_a_hack_the_gate_let_through(server, tmp_path, fast_target):
     _script_a_run(server, rounds=1, review="reject")
-    code, output, run = _generate(server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-attempts", "1")
+    code, output, run = generate(server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-attempts", "1")
     state = RunState.load(run)
     assert state.record(1).verdict == "rejected"
     assert state.record(1).reasons == ["llm review: stack/report.py computes throughput itself"]
@@ -544,7 +512,7 @@ def test_bad_tool_calls_go_back_to_the_model_and_a_budget_stops_the_run(server, 
         Reply(tool_calls=[("rm_rf", {})]),  # an unknown tool
         Reply(tool_calls=[("edit_file", '{"path": 3')]),  # arguments that do not parse
     )
-    code, output, run = _generate(
+    code, output, run = generate(
         server, tmp_path, fast_target, "openai", "--rounds", "3", "--max-tokens", "400", "--max-attempts", "1"
     )
     state = RunState.load(run)
@@ -559,7 +527,7 @@ def test_bad_tool_calls_go_back_to_the_model_and_a_budget_stops_the_run(server, 
 def test_max_cost_is_refused_for_a_model_without_a_price(server, tmp_path, fast_target):
     """Its calls would count $0 and the budget could never stop the run: refused before anything is
     written (exit 2, naming --prices); a price from the table or from --prices lets it through."""
-    code, output, run = _generate(
+    code, output, run = generate(
         server, tmp_path, fast_target, "openai", "--max-cost", "1", "--rounds", "0", model="my-local-model"
     )
     assert code == 2 and "no price known for model 'my-local-model'" in output and "--prices" in output
@@ -581,7 +549,7 @@ def test_a_cost_budget_is_checked_before_each_call_not_only_between_rounds(serve
     prices = tmp_path / "prices.yaml"
     prices.write_text("my-local-model: [1000, 1000]\n")
     _script_a_run(server, rounds=1)
-    code, output, run = _generate(
+    code, output, run = generate(
         server,
         tmp_path,
         fast_target,

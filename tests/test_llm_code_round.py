@@ -13,22 +13,18 @@ from pathlib import Path
 import git
 import pytest
 from pydantic import BaseModel
-from typer.testing import CliRunner
 
 from agents.llm.client import Accounting, ClientConfig, ToolCall, make_client
 from agents.llm.loop import MASKED, StuckError, last_json_object, masked, run_loop
 from agents.llm.tools import Toolbox
 from agents.roles import AgentError
-from orchestrator.cli import app
 from orchestrator.state import RunState
 from skills.starter import write_starter
 from targets.harness.sandbox import Sandbox
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_llm import FakeLLMServer, Reply  # noqa: E402
+from fake_llm import KEY, FakeLLMServer, Reply, generate  # noqa: E402
 
-runner = CliRunner()
-KEY = "VIBETRAIN_TEST_LLM_KEY"
 CHEAT = "from targets.harness import clock\n\nSTART = clock\n"
 SUMMARY = "static_split 1/1: training no longer blocks rollout; notes.py keeps the split's rationale"
 
@@ -71,35 +67,8 @@ def test_a_scripted_code_round_recovers_fixes_a_failing_check_and_is_validated(s
         Reply(tool_calls=[("write_file", {"path": "stack/notes.py", "content": '"""Why the split is 1/1."""\n'})]),
         Reply(tool_calls=[_finish(SUMMARY)]),
     )
-    run = tmp_path / "run"
-    result = runner.invoke(
-        app,
-        [
-            "generate",
-            str(fast_target),
-            "--agents",
-            "openai",
-            "--model",
-            "gpt-4o",
-            "--base-url",
-            server.url + "/v1",
-            "--api-key-env",
-            KEY,
-            "--simulate",
-            "--repeat",
-            "1",
-            "--rounds",
-            "1",
-            "--max-attempts",
-            "1",
-            "--out",
-            str(run),
-            "--workspaces",
-            str(tmp_path / "ws"),
-        ],
-        env={"COLUMNS": "140"},
-    )
-    assert result.exit_code == 0, result.output
+    code, output, run = generate(server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-attempts", "1")
+    assert code == 0, output
     state = RunState.load(run)
     assert [r.verdict for r in state.rounds] == ["accepted", "accepted"], [r.reasons for r in state.rounds]
 

@@ -35,10 +35,9 @@ from targets.harness.session import Measurement, Session, remove_bytecode_caches
 from targets.harness.target import Target
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_llm import FakeLLMServer, Fault, Reply  # noqa: E402
+from fake_llm import KEY, FakeLLMServer, Fault, Reply, generate  # noqa: E402
 
 runner = CliRunner()
-KEY = "VIBETRAIN_TEST_LLM_KEY"
 TASK = Task(
     id="split-one-one",
     title="split the two devices 1/1",
@@ -358,34 +357,9 @@ def test_a_429_storm_in_the_review_commits_the_gated_candidate_unless_the_review
         Reply(tool_calls=[EDIT]),
         Reply(tool_calls=[("finish", {"summary": "static_split 1/1", "files_changed": ["stack/params.json"]})]),
     )
-    run = tmp_path / "run"
-    result = runner.invoke(
-        app,
-        [
-            "generate",
-            str(fast_target),
-            "--agents",
-            "openai",
-            "--model",
-            "gpt-4o",
-            "--base-url",
-            server.url + "/v1",
-            "--api-key-env",
-            KEY,
-            "--simulate",
-            "--repeat",
-            "1",
-            "--rounds",
-            "1",
-            "--max-attempts",
-            "1",
-            "--out",
-            str(run),
-            "--workspaces",
-            str(tmp_path / "ws"),
-            *(["--require-llm-review"] if required else []),
-        ],
-        env={"COLUMNS": "140"},
+    required_flag = ["--require-llm-review"] if required else []
+    code, output, run = generate(
+        server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-attempts", "1", *required_flag
     )
     state = RunState.load(run)
     record = state.record(1)
@@ -397,7 +371,7 @@ def test_a_429_storm_in_the_review_commits_the_gated_candidate_unless_the_review
         assert record.verdict == "rejected" and not review["passed"] and state.best_round == 0
         assert "--require-llm-review" in record.reasons[0]
     else:
-        assert result.exit_code == 0, result.output
+        assert code == 0, output
         assert record.verdict == "accepted" and review["passed"] and state.best_round == 1
         assert review["reasons"][0].endswith("; the deterministic gate decided")
     assert [r["role"] for r in server.requests].count("judge") == 6  # the starter's review, then the storm

@@ -130,7 +130,7 @@ def expand_annotations(workspace: Path) -> list[str]:
     for path in sorted((workspace / "stack").rglob("*.py")):
         try:
             expand_file(path)
-        except AnnotationError as error:
+        except (AnnotationError, UnicodeDecodeError) as error:  # the model wrote it: the model fixes it
             problems.append(f"annotation error: {error}")
     return problems
 

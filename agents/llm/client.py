@@ -148,15 +148,18 @@ class Accounting:
         self.output_tokens += output_tokens
         self.cost_usd += cost_usd
 
+    def run_cost(self) -> float:
+        """Dollars the whole run has spent: its earlier sessions' and this one's."""
+        return self.spent_before.get("cost_usd", 0.0) + self.cost_usd
+
+    def run_tokens(self) -> int:
+        """Tokens (input and output) the whole run has spent: its earlier sessions' and this one's."""
+        before = self.spent_before.get("input_tokens", 0) + self.spent_before.get("output_tokens", 0)
+        return before + self.input_tokens + self.output_tokens
+
     def check_budget(self) -> None:
         """Raise ``BudgetSpent`` when the run's cost or token budget is already spent."""
-        cost = self.spent_before.get("cost_usd", 0.0) + self.cost_usd
-        tokens = (
-            self.spent_before.get("input_tokens", 0)
-            + self.spent_before.get("output_tokens", 0)
-            + self.input_tokens
-            + self.output_tokens
-        )
+        cost, tokens = self.run_cost(), self.run_tokens()
         if self.max_cost is not None and cost >= self.max_cost:
             raise BudgetSpent(f"cost budget of ${self.max_cost:g} spent (${cost:.4f}): no further LLM call")
         if self.max_tokens is not None and tokens >= self.max_tokens:

@@ -91,16 +91,11 @@ def budget_line(accounting, max_turns: int) -> str:
     """The turns this attempt has and what is left of the run's LLM budget."""
     parts = [f"{max_turns} turns for this attempt"]
     if accounting is not None and accounting.max_cost is not None:
-        spent = accounting.spent_before.get("cost_usd", 0.0) + accounting.cost_usd
-        parts.append(f"${accounting.max_cost - spent:.2f} of the run's ${accounting.max_cost:g} left")
+        left = accounting.max_cost - accounting.run_cost()
+        parts.append(f"${left:.2f} of the run's ${accounting.max_cost:g} left")
     if accounting is not None and accounting.max_tokens is not None:
-        spent = (
-            accounting.spent_before.get("input_tokens", 0)
-            + accounting.spent_before.get("output_tokens", 0)
-            + accounting.input_tokens
-            + accounting.output_tokens
-        )
-        parts.append(f"{accounting.max_tokens - spent} of the run's {accounting.max_tokens} tokens left")
+        left = accounting.max_tokens - accounting.run_tokens()
+        parts.append(f"{left} of the run's {accounting.max_tokens} tokens left")
     return "; ".join(parts)
 
 

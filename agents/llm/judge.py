@@ -232,6 +232,13 @@ def change_of(workspace: Path, limit: int = DIFF_LIMIT) -> tuple[str, str]:
     return "\n".join(shown) or "(every file's diff was left out: see the note)", note
 
 
+def reviewed(verdict: Verdict, passed: bool, reasons: list[str]) -> Verdict:
+    """The gate's passing verdict with the ``llm_review`` check added: still passing (the gate's
+    reasons and run kept), or rejected for ``reasons``."""
+    checks = verdict.checks + [{"name": "llm_review", "passed": passed, "reasons": reasons}]
+    return Verdict(True, verdict.reasons, checks, verdict.run) if passed else Verdict(False, reasons, checks)
+
+
 class LLMJudge:
     """The deterministic gate decides first; the model may only add a rejection. ``file_access``:
     False for a client that answers in text only (a coding-agent CLI's review), which then judges
@@ -264,18 +271,13 @@ class LLMJudge:
         except (StuckError, OutputSchemaError) as error:  # the model read the candidate and reached no verdict:
             # content can cause that on purpose (a candidate built to derail its reviewer), so it rejects
             reasons = [f"llm review reached no verdict: {type(error).__name__}: {error}"]
-            return Verdict(
-                False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}]
-            )
+            return reviewed(verdict, False, reasons)
         except AgentError as error:  # the provider past its retries, a CLI that failed: an outage
             return self.unavailable(verdict, error)
         if review.verdict == "reject":
             reasons = [f"llm review: {r}" for r in review.reasons] or ["llm review: rejected without a reason"]
-            return Verdict(
-                False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}]
-            )
-        check = {"name": "llm_review", "passed": True, "reasons": review.reasons}
-        return Verdict(True, verdict.reasons, verdict.checks + [check], verdict.run)
+            return reviewed(verdict, False, reasons)
+        return reviewed(verdict, True, review.reasons)
 
     def unavailable(self, verdict: Verdict, error: AgentError) -> Verdict:
         """The gate's verdict with the missing review recorded, or a rejection if the run requires it."""
@@ -283,11 +285,8 @@ class LLMJudge:
         log.warning("%s", cause)
         if self.review_required:
             reasons = [f"{cause}; this run requires the review (--require-llm-review), so the candidate is rejected"]
-            return Verdict(
-                False, reasons, verdict.checks + [{"name": "llm_review", "passed": False, "reasons": reasons}]
-            )
-        check = {"name": "llm_review", "passed": True, "reasons": [f"{cause}; the deterministic gate decided"]}
-        return Verdict(True, verdict.reasons, verdict.checks + [check], verdict.run)
+            return reviewed(verdict, False, reasons)
+        return reviewed(verdict, True, [f"{cause}; the deterministic gate decided"])
 
     def prompt(self, workspace: Path, task: Task | None, verdict: Verdict, context: RoundContext | None) -> str:
         diff, note = change_of(workspace)

@@ -252,6 +252,64 @@ def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
     assert proposal[1].source == "mutation"  # then parameter moves
 
 
+def test_evolve_never_rebuilds_a_configuration_the_run_already_tried(tiny_spec):
+    """Novelty: removing the technique a child added rebuilds its parent, and adding a technique the run
+    already tried (and rejected) from the parent is the same point; evolve proposes neither, for any seed."""
+    from types import SimpleNamespace
+
+    from agents.roles import Task
+    from orchestrator.policies.evolve import EvolvePolicy, near_duplicates
+    from orchestrator.state import RoundRecord
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    p0 = starter_params(tiny_spec, "time_multiplex")
+    add = {t.id: t for t in planner.composition_tasks(p0)}
+    p1 = {**p0, **add["add-tail_batching"].changes}
+    rounds = [
+        RoundRecord(
+            round=0,
+            task=Task(id="starter", title="s", rationale="r"),
+            parent_round=None,
+            parent_commit="",
+            verdict="accepted",
+            commit="c0",
+            headline=1.0,
+        ),
+        RoundRecord(
+            round=1,
+            task=add["add-tail_batching"],
+            parent_round=0,
+            parent_commit="c0",
+            verdict="accepted",
+            commit="c1",
+            headline=1.1,
+        ),
+        RoundRecord(round=2, task=add["add-overlap_sync"], parent_round=0, parent_commit="c0", verdict="rejected"),
+    ]
+    params = {"c0": p0, "c1": p1}
+    state = SimpleNamespace(
+        rounds=rounds,
+        accepted=lambda: [r for r in rounds if r.verdict == "accepted"],
+        tried=lambda: {(r.parent_commit, r.task.id) for r in rounds},
+    )
+    built = [p0, p1, {**p0, **add["add-overlap_sync"].changes}]
+    # the planner does offer the duplicates: undoing round 1 from c1, round 2's technique from c1 is new
+    assert any(near_duplicates({**p1, **t.changes}, p0) for t in planner.composition_tasks(p1))
+    proposals = []
+    for seed in range(40):
+        proposal = EvolvePolicy(planner, seed).propose(state, lambda record: params[record.commit])
+        assert proposal is not None
+        parent, task = proposal
+        child = {**params[parent.commit], **task.changes}
+        assert not any(near_duplicates(child, b) for b in built), (parent.commit, task.id)
+        proposals.append((parent.commit, task.id))
+    assert len(set(proposals)) > 3  # still a search, not one fixed move
+    assert EvolvePolicy(planner, 7).propose(state, lambda r: params[r.commit])[1].id == proposals[7][1]  # seeded
+    assert near_duplicates({"x": 1.0, "n": 4}, {"x": 1.05, "n": 4}) and not near_duplicates({"x": 1.0}, {"x": 1.2})
+    assert not near_duplicates({"n": 4}, {"n": 5}) and not near_duplicates({"x": 1.0}, {"x": 1.0, "y": 0})
+
+
 def _event(kind, t, **data):
     return TraceEvent(kind, t, data)
 

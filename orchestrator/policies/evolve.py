@@ -1,13 +1,45 @@
 """evolve: a population of validated candidates. The parent is the fitter of two drawn at random
 (tournament selection on the headline metric); the mutation applies a skill its hints triggered,
-adds or removes a technique, or perturbs one parameter. Deterministic for a seed."""
+adds or removes a technique, or perturbs one parameter. A mutation whose result is a near-duplicate
+of a configuration the run already built (from any parent: adding A then B is B then A, and moving a
+parameter back is its grandparent) is not tried again. Deterministic for a seed."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from agents.roles import Hint, Task
 from orchestrator.state import RoundRecord, RunState
+
+NEAR = 0.1
+"""Real-valued parameters within this fraction of each other count as the same point (counts and
+device numbers must be equal)."""
+
+
+def near_duplicates(a: dict, b: dict) -> bool:
+    """Two configurations (params.json) that differ by no more than NEAR in any real-valued parameter."""
+    for key in a.keys() | b.keys():
+        x, y = a.get(key), b.get(key)
+        if x == y:
+            continue
+        reals = all(isinstance(v, float) for v in (x, y))
+        if not reals or abs(x - y) > NEAR * max(abs(x), abs(y)):
+            return False
+    return True
+
+
+def built_configurations(state: RunState, params_of: Callable[[RoundRecord], dict]) -> list[dict]:
+    """Every configuration the run has built or tried: a validated round's own parameters, and for the
+    others (rejected, screened out, failed) their parent's with the task's changes."""
+    parents = {r.commit: r for r in state.accepted() if r.commit}
+    built = []
+    for record in state.rounds:
+        if record.verdict == "accepted" and record.commit:
+            built.append(params_of(record))
+        elif record.task.changes and record.parent_commit in parents:
+            built.append({**params_of(parents[record.parent_commit]), **record.task.changes})
+    return built
 
 
 class EvolvePolicy:
@@ -24,25 +56,35 @@ class EvolvePolicy:
         contenders = self.rng.sample(population, min(2, len(population)))
         return max(contenders, key=lambda r: sign * r.headline)
 
-    def propose(self, state: RunState, params_of) -> tuple[RoundRecord, Task] | None:
+    def propose(self, state: RunState, params_of: Callable[[RoundRecord], dict]) -> tuple[RoundRecord, Task] | None:
         tried = state.tried()
+        cache: dict[str, dict] = {}
+
+        def params(record: RoundRecord) -> dict:
+            if record.commit not in cache:
+                cache[record.commit] = params_of(record)
+            return cache[record.commit]
+
+        built = built_configurations(state, params)
         for _ in range(20):
             parent = self._select(state)
             if parent is None:
                 return None
-            params = params_of(parent)
-            skilled = [
-                t
-                for t in self.planner.tasks_from_hints([Hint(**h) for h in parent.hints], params)
-                if (parent.commit, t.id) not in tried
-            ]
+            current = params(parent)
+
+            def novel(task: Task, parent: RoundRecord = parent, current: dict = current) -> bool:
+                if (parent.commit, task.id) in tried:
+                    return False
+                return not task.changes or not any(near_duplicates({**current, **task.changes}, b) for b in built)
+
+            skilled = [t for t in self.planner.tasks_from_hints([Hint(**h) for h in parent.hints], current) if novel(t)]
             if skilled and self.rng.random() < 0.5:
                 return parent, max(skilled, key=lambda t: (t.priority, t.id))
-            composed = [t for t in self.planner.composition_tasks(params) if (parent.commit, t.id) not in tried]
+            composed = [t for t in self.planner.composition_tasks(current) if novel(t)]
             if composed and self.rng.random() < 0.5:
                 return parent, self.rng.choice(composed)
-            task = self.planner.perturbation(params)
-            if task is not None and (parent.commit, task.id) not in tried:
+            task = self.planner.perturbation(current)
+            if task is not None and novel(task):
                 return parent, task
             if skilled:
                 return parent, max(skilled, key=lambda t: (t.priority, t.id))

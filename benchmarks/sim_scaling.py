@@ -1,8 +1,11 @@
 """Cost of simulation against the size of the work: the same controller on the same simulated
 target at 1x, 2x and 4x the batch, side by side in one run, each through the harness exactly as a
 judged run goes (the controller in its own sandboxed process, virtual time kept by the harness).
-Prints wall seconds of the simulated system run, trajectory-turns simulated, and microseconds per
-trajectory-turn (flat = linear scaling).
+Prints wall seconds of the simulated system run, trajectory-turns simulated, microseconds per
+trajectory-turn (flat = linear scaling), and the floor the isolation puts under it: the controller round
+trips the run needed (each time virtual time moved to an event the controller had to react to, the harness
+waited for it) times the cost of one bare round trip over the same channel between two processes,
+measured in the same run.
 
     python benchmarks/sim_scaling.py [--target qwen3-235b-a22b-h800x160] [--controller time_multiplex]
                                      [--base-batch 128] [--steps 2] [--factors 1,2,4] [--sandbox auto]
@@ -13,8 +16,12 @@ The production target as specified (160 devices, batch 512), ten steps:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 import typer
@@ -23,11 +30,55 @@ from rich.console import Console
 from rich.table import Table
 
 from skills.starter import write_starter
+from targets.harness.channel import AsyncChannel, Frame
 from targets.harness.launch import Limits, run_harness
 from targets.harness.sandbox import Sandbox
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 from targets.spec import load_target, resolve_target_path
+
+
+def bare_round_trip_us(count: int = 20_000) -> float:
+    """Microseconds for one call and its reply between two processes over ``AsyncChannel`` on asyncio,
+    with no work on either side: the least a controller round trip can cost."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = os.fork()
+    if child == 0:  # the echoing peer
+        ours.close()
+
+        async def echo() -> None:
+            channel, stop = await AsyncChannel.over(theirs), asyncio.get_running_loop().create_future()
+
+            def on_frame(rx) -> None:
+                if rx["kind"] == "stop":
+                    stop.set_result(None)
+                else:
+                    channel.send(Frame(kind="reply", id=rx["id"]))
+
+            channel.listen(on_frame, lambda error: None)
+            await stop
+
+        asyncio.run(echo())
+        os._exit(0)
+    theirs.close()
+
+    async def ping() -> float:
+        channel, loop = await AsyncChannel.over(ours), asyncio.get_running_loop()
+        waiter: list[asyncio.Future] = []
+        channel.listen(lambda rx: waiter[-1].set_result(rx), lambda error: None)
+        started = time.perf_counter()
+        for i in range(count):
+            waiter.append(loop.create_future())
+            channel.send(Frame(kind="call", id=i))
+            await waiter[-1]
+        seconds = time.perf_counter() - started
+        channel.send(Frame(kind="stop"))
+        await channel.close()
+        return seconds
+
+    seconds = asyncio.run(ping())
+    os.waitpid(child, 0)
+    return 1e6 * seconds / count
 
 
 def main(
@@ -44,12 +95,14 @@ def main(
     raw = yaml.safe_load(resolve_target_path(target).read_text())
     box = Sandbox.detect(sandbox)
     table = Table(title=f"simulation cost on {spec.id} ({spec.hardware.count} devices, {controller}, {steps} steps)")
-    for column in ("batch", "wall s", "simulated s", "trajectory-turns", "µs per trajectory-turn"):
+    columns = ("batch", "wall s", "simulated s", "trajectory-turns", "µs per trajectory-turn", "round trips", "floor s")
+    for column in columns:
         table.add_column(column, justify="right")
     try:
         multiples = [int(f) for f in factors.split(",")]
     except ValueError:
         raise SystemExit(f"--factors {factors!r}: whole numbers separated by commas, e.g. 1,2,4") from None
+    bare_us = bare_round_trip_us()
     for factor in multiples:
         batch = base_batch * factor
         raw["workload"].update(batch_size=batch, train_steps=steps)
@@ -73,8 +126,14 @@ def main(
             f"{summary['virtual_seconds']:.0f}",
             str(turns),
             f"{1e6 * summary['wall_seconds'] / turns:.0f}",
+            str(summary["controller_round_trips"]),
+            f"{summary['controller_round_trips'] * bare_us / 1e6:.1f}",
         )
     Console().print(table)
+    Console().print(
+        f"floor s = round trips x {bare_us:.0f} µs, one bare round trip between two processes over the same "
+        "channel (measured now): the wall time of the round trips alone, before any simulation or controller work"
+    )
 
 
 if __name__ == "__main__":

@@ -176,6 +176,7 @@ class ControllerLink:
         self.hello: asyncio.Future = loop.create_future()
         self.done: asyncio.Future = loop.create_future()
         self._idle_received, self._deadline = -1, None
+        self.waits = 0  # idle notices: how often the harness waited on the controller (round trips)
         self._tasks: set[asyncio.Task] = set()
 
     # -- IdlePeer ------------------------------------------------------------------------------------
@@ -223,6 +224,7 @@ class ControllerLink:
             if deadline is not None and not isinstance(deadline, (int, float)):
                 raise ProtocolError("idle.deadline: expected a number or null")
             self._idle_received, self._deadline = field_of(rx.header, "received", int, "idle"), deadline
+            self.waits += 1
         elif kind == "hello":
             if not self.hello.done():
                 self.declared = get_declared(field_of(rx.header, "declared", dict, "hello"))
@@ -548,6 +550,7 @@ def drive_simulated(
             trace.record("run_end")
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
             summary["preemptions"] = cluster.preemptions
+            summary["controller_round_trips"] = link.waits
             await cluster.close()
             loop.peer = None
 

@@ -214,6 +214,25 @@ def test_bytecode_caches_are_removed_once_when_runs_of_one_candidate_start_toget
     assert not [p for p in tmp_path.rglob("*") if "pycache" in p.name]
 
 
+def test_a_cache_inside_a_package_named_like_one_is_removed_and_its_files_are_digested(tmp_path):
+    """``__pycache__evil`` is an importable package: a planted cache inside it (or inside a folder named
+    like the removal's trash) goes like any other, and a change to its files changes the digest."""
+    from targets.harness.session import directory_digest
+
+    for package in ("__pycache__evil", "__pycache__.removing.1.2"):
+        (tmp_path / "stack" / package / "__pycache__").mkdir(parents=True)
+        (tmp_path / "stack" / package / "__init__.py").write_text("X = 1\n")
+        (tmp_path / "stack" / package / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"planted")
+    before = directory_digest(tmp_path)
+    assert sorted(remove_bytecode_caches(tmp_path)) == [
+        "stack/__pycache__.removing.1.2/__pycache__",
+        "stack/__pycache__evil/__pycache__",
+    ]
+    assert not list(tmp_path.rglob("*.pyc"))
+    (tmp_path / "stack" / "__pycache__evil" / "__init__.py").write_text("X = 2\n")
+    assert directory_digest(tmp_path) != before
+
+
 # -- what the review is shown ----------------------------------------------------------------------
 
 

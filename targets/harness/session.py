@@ -51,12 +51,20 @@ T_975 = {
 }
 
 
+TRASH = "__pycache__.removing."
+
+
+def _is_cache(name: str) -> bool:
+    """A bytecode cache, or one being removed; ``__pycache__x`` is a package like any other."""
+    return name == "__pycache__" or name.startswith(TRASH)
+
+
 def directory_digest(directory: Path) -> str:
     """sha256 over every file's path and bytes under ``directory`` (caches excluded)."""
     digest = hashlib.sha256()
     for path in sorted(Path(directory).rglob("*")):
         relative = path.relative_to(directory)
-        cache = any(part.startswith("__pycache__") for part in relative.parts)  # see remove_bytecode_caches
+        cache = any(_is_cache(part) for part in relative.parts)  # see remove_bytecode_caches
         if path.is_file() and not cache and ".vibetrain" not in path.name:
             digest.update(str(relative).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
@@ -77,10 +85,10 @@ def remove_bytecode_caches(stack_dir: Path) -> list[str]:
     removed = []
     for root, folders, _ in os.walk(stack_dir):
         caches = [f for f in folders if f == "__pycache__"]
-        folders[:] = [f for f in folders if f != ".git" and not f.startswith("__pycache__")]
+        folders[:] = [f for f in folders if f not in (".git", "__pycache__")]  # a folder named like trash too
         for name in caches:
             cache = Path(root) / name
-            trash = cache.with_name(f"__pycache__.removing.{os.getpid()}.{threading.get_ident()}")
+            trash = cache.with_name(f"{TRASH}{os.getpid()}.{threading.get_ident()}")
             try:
                 os.rename(cache, trash)
             except FileNotFoundError:

@@ -5,7 +5,10 @@ the *twin*, a simulated copy of the target. It is fitted first to round 0's medi
 after every validated round, pooling all of them: a starter that never shrinks leaves the twin
 guessing what a shrink costs until a candidate that shrinks has run for real. Every later
 candidate is first run on the twin (seconds) next to the best, both on one seed; only a candidate
-predicted within ``margin`` of the best goes on to the real judge and benchmark. One predicted
+predicted within ``margin`` of the best goes on to the real judge and benchmark. A candidate whose
+twin run uses a mechanism no real run has shown the twin yet (its cost is the spec's guess) is judged
+for real whatever the prediction: else the first candidate that shrinks would be screened out on a
+guess, and every one after it, since the twin only learns from candidates that ran for real. One predicted
 further behind is recorded as ``prescreened``, kept under the rejected ref, never validated. The
 prediction stays in the round record next to what the real benchmark then measured, so a reader
 can see how far to trust the twin.
@@ -30,17 +33,22 @@ TWIN_SEED = 0  # one workload for every prediction, so the best's is computed on
 @dataclass
 class Twin:
     session: Session  # a simulated target: the calibrated spec
+    unfitted: tuple[str, ...] = ()  # trace event kinds no calibration run had: their cost is a guess
 
     @classmethod
     def calibrated(cls, real: Session, traces: list[Path], path: Path) -> Twin:
         """Fit the simulator to real runs' traces and write the twin's spec to ``path``."""
         calibration = calibrate(real.target.spec, [Trace.load_events(trace) for trace in traces])
         write_calibrated_spec(real.target.ref, calibration, path)
-        return cls.load(real, path)
+        return cls.load(real, path, calibration.unfitted)
 
     @classmethod
-    def load(cls, real: Session, path: Path) -> Twin:
-        return cls(Session(Target.load(path, simulate=True), real.sandbox, real.limits))
+    def load(cls, real: Session, path: Path, unfitted=()) -> Twin:
+        return cls(Session(Target.load(path, simulate=True), real.sandbox, real.limits), tuple(unfitted))
+
+    def guessed(self, measurement: Measurement) -> list[str]:
+        """The mechanisms a twin run used whose cost no real run has fitted."""
+        return sorted({e.kind for e in measurement.events()} & set(self.unfitted))
 
     def predict(self, stack_dir: Path, out: Path) -> Measurement:
         """The candidate's audited run on the twin (its ``ok`` says whether it ran cleanly)."""

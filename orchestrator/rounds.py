@@ -330,6 +330,7 @@ class Loop:
                 f"{error}; resume with --no-prescreen to judge every candidate for real"
             ) from None
         self.state.twin, self.state.twin_from, self.state.twin_predictions = str(path), rounds, {}
+        self.state.twin_unfitted = list(self._twin.unfitted)
         self.save()
         self.on_event("twin", path=path, rounds=rounds)
 
@@ -337,7 +338,7 @@ class Loop:
         if not self.state.config.prescreen or self.state.twin is None:
             return None
         if self._twin is None:
-            self._twin = Twin.load(self.session, Path(self.state.twin))
+            self._twin = Twin.load(self.session, Path(self.state.twin), self.state.twin_unfitted)
         return self._twin
 
     def prescreen(self, record: RoundRecord, workspace: Path, out: Path) -> Verdict | None:
@@ -362,6 +363,13 @@ class Loop:
         if not measured.ok:
             reasons = [f"twin: {reason}" for reason in measured.reasons]
             return Verdict(False, reasons, [{"name": "twin_prescreen", "passed": False, "reasons": reasons}])
+        guessed = twin.guessed(measured)
+        if guessed:
+            record.prediction = {
+                "skipped": f"it does what no real run has shown the twin yet ({', '.join(guessed)}): the twin's cost "
+                "for that is the spec's guess, so it is judged for real"
+            }
+            return None
         predicted, margin = twin.headline(measured), self.state.config.prescreen_margin
         passed = clears(predicted, best_headline, margin, metric.direction == "maximize")
         record.prediction = {

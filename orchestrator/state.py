@@ -84,6 +84,7 @@ class RunState(BaseModel):
     created_at: float = 0.0
     twin: str | None = None  # the calibrated twin's spec, once round 0 has calibrated it
     twin_from: list[int] = []  # the validated rounds whose traces the twin is fitted to
+    twin_unfitted: list[str] = []  # what no calibration run did (a candidate that does it is judged for real)
     twin_predictions: dict[str, float] = {}  # commit -> its headline on this twin (the best's, reused)
 
     # -- queries -----------------------------------------------------------------------------------

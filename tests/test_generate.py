@@ -131,25 +131,39 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
 @pytest.mark.slow
 def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjudged(tmp_path, fast_target):
     """The twin (here the target's own uncalibrated simulation: static_split 8.8 goodput, colocate 4.8)
-    stops a switch to colocate before the real judge; it is kept as prescreened, never validated."""
+    stops a switch to colocate before the real judge; it is kept as prescreened, never validated. A
+    switch to time_multiplex, which shrinks where no real run has shrunk, is judged for real."""
     from agents.roles import Task
     from skills.starter import starter_params
     from targets.spec import load_target
 
     run = tmp_path / "run"
-    loop = _start(fast_target, tmp_path, starter="static_split")
+    loop = _start(fast_target, tmp_path, starter="static_split", rounds=2)
     loop.state.twin = str(fast_target)  # stands in for the calibrated one: deterministic predictions
+    loop.state.twin_unfitted = ["shrink", "expand"]  # as a twin fitted to a starter that never shrinks
+    spec = load_target(str(fast_target))
     loop.state.backlog = [
         Task(
             id="controller=colocate",
             title="switch the controller to colocate",
             rationale="a move the twin predicts far behind",
             skills=["colocate"],
-            changes=starter_params(load_target(str(fast_target)), "colocate"),
+            changes=starter_params(spec, "colocate"),
             priority=100,  # before anything round 0's hints add
-        )
+        ),
+        Task(
+            id="controller=time_multiplex",
+            title="switch the controller to time_multiplex",
+            rationale="it shrinks: the twin's cost for that is a guess",
+            skills=["time_multiplex"],
+            changes=starter_params(spec, "time_multiplex"),
+            priority=99,
+        ),
     ]
     state = loop.run()
+    judged = state.record(2)  # whatever the twin predicted for it: its shrinks cost what the spec guesses
+    assert judged.verdict == "accepted" and judged.headline is not None, (judged.verdict, judged.reasons)
+    assert "expand, shrink" in judged.prediction["skipped"] and "judged for real" in judged.prediction["skipped"]
     record = state.record(1)
     assert record.verdict == "prescreened" and record.attempts == 1, (record.verdict, record.reasons)
     prediction = record.prediction

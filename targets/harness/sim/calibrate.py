@@ -55,6 +55,7 @@ class Calibration:
     response_length: ResponseLengthSpec | None = None  # None: the run completed no turn
     notes: list[str] = field(default_factory=list)
     samples: dict[str, int] = field(default_factory=dict)
+    unfitted: list[str] = field(default_factory=list)  # trace event kinds whose cost stayed the spec's guess
 
     def yaml_fields(self) -> dict:
         """What to write into the target spec: ``hardware`` numbers, the ``simulator`` section and
@@ -209,16 +210,19 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         spans = [e.t - e.data["start"] for e in events if e.kind in kinds]
         return sum(spans) / len(spans) if spans else None
 
+    unfitted = []
     sync = mean_duration(("sync",))
     if sync is not None:
         fitted["sync_overhead_s"] = max(0.0, sync - (cost.sync_s() - cost.sync_overhead_s))
     else:
         notes.append(f"no weight sync in the run(s): sync_overhead_s kept at {cost.sync_overhead_s:g} s")
+        unfitted.append("sync")
     switch = mean_duration(("shrink", "expand"))
     if switch is not None:
         fitted["switch_overhead_s"] = max(0.0, switch - (cost.offload_s() - cost.switch_overhead_s))
     else:
         notes.append(f"no shrink or expand in the run(s): switch_overhead_s kept at {cost.switch_overhead_s:g} s")
+        unfitted += ["shrink", "expand"]
     # Efficiencies are fractions of the catalog peak; a device faster than its catalog number gets
     # its peak raised so that the fastest fitted rate is 100% of it.
     peak = spec.hardware.bf16_tflops
@@ -228,7 +232,7 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         peak, mfu, fitted["rollout_mfu"] = peak * scale, mfu / scale, fitted["rollout_mfu"] / scale
     lengths = response_lengths(spec, runs)
     samples = {"train_steps": len(train_rows), "requests": len(rollout_rows)}
-    return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, lengths, notes, samples)
+    return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, lengths, notes, samples, unfitted)
 
 
 def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> ResponseLengthSpec | None:

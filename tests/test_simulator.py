@@ -366,9 +366,11 @@ def test_calibration_pools_runs_and_says_which_constants_no_run_measured():
     alone = calibrate(spec, [colocate])
     assert alone.simulator.switch_overhead_s == spec.simulator.switch_overhead_s
     assert any("no shrink or expand" in note for note in alone.notes)
+    assert alone.unfitted == ["sync", "shrink", "expand"]  # what the pre-screen will not predict on a guess
     pooled = calibrate(spec, [colocate, colocate + shrinks])
     assert pooled.simulator.switch_overhead_s == pytest.approx(max(0.0, 0.3 - modelled))
     assert not any("no shrink or expand" in note for note in pooled.notes)
+    assert pooled.unfitted == ["sync"]
 
 
 def test_request_concurrency_is_the_mean_batch_over_a_request_s_span():

@@ -69,7 +69,9 @@ def twin_said(record) -> str:
     if "skipped" in prediction:
         return f"Twin: not consulted ({prediction['skipped']})"
     measured = f"; measured {record.headline:.4g}" if record.headline is not None else "; not measured"
+    untrusted = f"; not trusted: {prediction['untrusted']}" if "untrusted" in prediction else ""
     return (
         f"Twin: predicted {prediction['metric']} {prediction['headline']:.4g} against the best's "
-        f"{prediction['best']:.4g} (round {prediction['best_round']}, margin {prediction['margin']:.0%}){measured}"
+        f"{prediction['best']:.4g} (round {prediction['best_round']}, margin {prediction['margin']:.0%})"
+        f"{untrusted}{measured}"
     )

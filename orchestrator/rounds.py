@@ -363,15 +363,9 @@ class Loop:
         if not measured.ok:
             reasons = [f"twin: {reason}" for reason in measured.reasons]
             return Verdict(False, reasons, [{"name": "twin_prescreen", "passed": False, "reasons": reasons}])
-        guessed = twin.guessed(measured)
-        if guessed:
-            record.prediction = {
-                "skipped": f"it does what no real run has shown the twin yet ({', '.join(guessed)}): the twin's cost "
-                "for that is the spec's guess, so it is judged for real"
-            }
-            return None
         predicted, margin = twin.headline(measured), self.state.config.prescreen_margin
-        passed = clears(predicted, best_headline, margin, metric.direction == "maximize")
+        guessed = twin.guessed(measured)
+        passed = bool(guessed) or clears(predicted, best_headline, margin, metric.direction == "maximize")
         record.prediction = {
             "metric": metric.name,
             "headline": predicted,
@@ -380,6 +374,11 @@ class Loop:
             "margin": margin,
             "passed": passed,
         }
+        if guessed:
+            record.prediction["untrusted"] = (
+                f"it does what no real run has shown the twin yet ({', '.join(guessed)}): the twin's cost for that "
+                "is the spec's guess, so it is judged for real"
+            )
         self.on_event("prescreen", round=record.round, **record.prediction)
         if passed:
             return None

@@ -132,6 +132,8 @@ class RoundsView:
             self.status = f"twin calibrated to the traces of rounds {data['rounds']}: {data['path']}"
         elif kind == "prescreen":
             verdict = "goes on to the judge" if data["passed"] else "screened out"
+            if "untrusted" in data:
+                verdict = "not trusted (a cost it has only guessed), goes on to the judge"
             self.status = (
                 f"round {data['round']}: the twin predicts {num(data['headline'])} against the best's "
                 f"{num(data['best'])}: {verdict}"

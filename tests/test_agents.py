@@ -242,7 +242,14 @@ def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
     planner = OfflinePlanner(tiny_spec)
     params = starter_params(tiny_spec, "time_multiplex")
     tried: set = set()
-    state = SimpleNamespace(best=SimpleNamespace(commit="c0"), backlog=[], tried=lambda: tried, abandoned=lambda: set())
+    state = SimpleNamespace(
+        best=SimpleNamespace(commit="c0"),
+        backlog=[],
+        rounds=[],
+        accepted=lambda: [],
+        tried=lambda: tried,
+        abandoned=lambda: set(),
+    )
     policy = BacklogPolicy(planner, seed=0)
     composed = []
     while (proposal := policy.propose(state, lambda record: params)) and proposal[1].source == "composition":
@@ -258,7 +265,8 @@ def test_evolve_never_rebuilds_a_configuration_the_run_already_tried(tiny_spec):
     from types import SimpleNamespace
 
     from agents.roles import Task
-    from orchestrator.policies.evolve import EvolvePolicy, near_duplicates
+    from orchestrator.policies.evolve import EvolvePolicy
+    from orchestrator.policies.novelty import near_duplicates
     from orchestrator.state import RoundRecord
     from skills.starter import starter_params
 
@@ -305,6 +313,13 @@ def test_evolve_never_rebuilds_a_configuration_the_run_already_tried(tiny_spec):
         assert not any(near_duplicates(child, b) for b in built), (parent.commit, task.id)
         proposals.append((parent.commit, task.id))
     assert len(set(proposals)) > 3  # still a search, not one fixed move
+    # the backlog too: from c1, undoing its technique (a task the backlog holds) would rebuild c0
+    from orchestrator.policies.backlog import BacklogPolicy
+
+    undo = next(t for t in planner.composition_tasks(p1) if t.id == "remove-tail_batching")
+    state.best, state.backlog, state.abandoned = rounds[1], [undo], lambda: set()
+    parent, task = BacklogPolicy(planner, 0).propose(state, lambda record: params[record.commit])
+    assert task.id != undo.id and not any(near_duplicates({**p1, **task.changes}, b) for b in built)
     assert EvolvePolicy(planner, 7).propose(state, lambda r: params[r.commit])[1].id == proposals[7][1]  # seeded
     assert near_duplicates({"x": 1.0, "n": 4}, {"x": 1.05, "n": 4}) and not near_duplicates({"x": 1.0}, {"x": 1.2})
     assert not near_duplicates({"n": 4}, {"n": 5}) and not near_duplicates({"x": 1.0}, {"x": 1.0, "y": 0})

@@ -3,11 +3,12 @@ takes the highest-priority task not yet tried on it and not abandoned anywhere i
 without gain, or rejected: the plan's ABANDONED steps); the evaluator's hints (through the
 planner's skill triggers) add tasks. When the backlog runs dry, the planner composes techniques
 (adds one, or removes one), then proposes a parameter move: the run stops on its budget while any
-composition is untried."""
+composition is untried. A task whose result is a configuration the run built already is skipped."""
 
 from __future__ import annotations
 
 from agents.roles import Hint, Task
+from orchestrator.policies.novelty import built_configurations, near_duplicates
 from orchestrator.state import RoundRecord, RunState
 
 
@@ -23,22 +24,25 @@ class BacklogPolicy:
             return None
         params = params_of(parent)
         tried, abandoned = state.tried(), state.abandoned()
+        built = built_configurations(state, params_of)
+
+        def fresh(task: Task) -> bool:
+            """Not tried on this parent, not given up on, and not a configuration the run built already."""
+            if (parent.commit, task.id) in tried or task.id in abandoned:
+                return False
+            return not task.changes or not any(near_duplicates({**params, **task.changes}, b) for b in built)
+
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
-            if (
-                (parent.commit, task.id) in tried
-                or task.id in abandoned
-                or all(params.get(k) == v for k, v in task.changes.items())
-            ):
-                continue
-            return parent, task
+            if fresh(task):
+                return parent, task
         for task in sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id)):
-            if (parent.commit, task.id) not in tried and task.id not in abandoned:
+            if fresh(task):
                 return parent, task
         for _ in range(20):  # nothing left to compose on the best: explore a parameter
             task = self.planner.perturbation(params)
             if task is None:
                 return None
-            if (parent.commit, task.id) not in tried and task.id not in abandoned:
+            if fresh(task):
                 return parent, task
         return None
 

@@ -10,36 +10,8 @@ import random
 from collections.abc import Callable
 
 from agents.roles import Hint, Task
+from orchestrator.policies.novelty import built_configurations, near_duplicates
 from orchestrator.state import RoundRecord, RunState
-
-NEAR = 0.1
-"""Real-valued parameters within this fraction of each other count as the same point (counts and
-device numbers must be equal)."""
-
-
-def near_duplicates(a: dict, b: dict) -> bool:
-    """Two configurations (params.json) that differ by no more than NEAR in any real-valued parameter."""
-    for key in a.keys() | b.keys():
-        x, y = a.get(key), b.get(key)
-        if x == y:
-            continue
-        reals = all(isinstance(v, float) for v in (x, y))
-        if not reals or abs(x - y) > NEAR * max(abs(x), abs(y)):
-            return False
-    return True
-
-
-def built_configurations(state: RunState, params_of: Callable[[RoundRecord], dict]) -> list[dict]:
-    """Every configuration the run has built or tried: a validated round's own parameters, and for the
-    others (rejected, screened out, failed) their parent's with the task's changes."""
-    parents = {r.commit: r for r in state.accepted() if r.commit}
-    built = []
-    for record in state.rounds:
-        if record.verdict == "accepted" and record.commit:
-            built.append(params_of(record))
-        elif record.task.changes and record.parent_commit in parents:
-            built.append({**params_of(parents[record.parent_commit]), **record.task.changes})
-    return built
 
 
 class EvolvePolicy:

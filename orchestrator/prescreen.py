@@ -19,6 +19,7 @@ attempt fails with the twin's reasons, like a judge's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ class Twin:
         return cls.load(real, path, calibration.unfitted)
 
     @classmethod
-    def load(cls, real: Session, path: Path, unfitted=()) -> Twin:
+    def load(cls, real: Session, path: Path, unfitted: Sequence[str] = ()) -> Twin:
         return cls(Session(Target.load(path, simulate=True), real.sandbox, real.limits), tuple(unfitted))
 
     def guessed(self, measurement: Measurement) -> list[str]:

@@ -8,7 +8,7 @@ composition is untried. A task whose result is a configuration the run built alr
 from __future__ import annotations
 
 from agents.roles import Hint, Task
-from orchestrator.policies.novelty import built_configurations, near_duplicates
+from orchestrator.policies.novelty import built_configurations, rebuilds
 from orchestrator.state import RoundRecord, RunState
 
 
@@ -28,9 +28,8 @@ class BacklogPolicy:
 
         def fresh(task: Task) -> bool:
             """Not tried on this parent, not given up on, and not a configuration the run built already."""
-            if (parent.commit, task.id) in tried or task.id in abandoned:
-                return False
-            return not task.changes or not any(near_duplicates({**params, **task.changes}, b) for b in built)
+            given_up = (parent.commit, task.id) in tried or task.id in abandoned
+            return not given_up and not rebuilds(params, task, built)
 
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
             if fresh(task):

@@ -10,7 +10,7 @@ import random
 from collections.abc import Callable
 
 from agents.roles import Hint, Task
-from orchestrator.policies.novelty import built_configurations, near_duplicates
+from orchestrator.policies.novelty import built_configurations, rebuilds
 from orchestrator.state import RoundRecord, RunState
 
 
@@ -45,9 +45,7 @@ class EvolvePolicy:
             current = params(parent)
 
             def novel(task: Task, parent: RoundRecord = parent, current: dict = current) -> bool:
-                if (parent.commit, task.id) in tried:
-                    return False
-                return not task.changes or not any(near_duplicates({**current, **task.changes}, b) for b in built)
+                return (parent.commit, task.id) not in tried and not rebuilds(current, task, built)
 
             skilled = [t for t in self.planner.tasks_from_hints([Hint(**h) for h in parent.hints], current) if novel(t)]
             if skilled and self.rng.random() < 0.5:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from agents.roles import Task
 from orchestrator.state import RoundRecord, RunState
 
 NEAR = 0.1
@@ -25,13 +26,17 @@ def near_duplicates(a: dict, b: dict) -> bool:
 
 
 def built_configurations(state: RunState, params_of: Callable[[RoundRecord], dict]) -> list[dict]:
-    """Every configuration the run has built or tried: a validated round's own parameters, and for the
-    others (rejected, screened out, failed) their parent's with the task's changes."""
-    parents = {r.commit: r for r in state.accepted() if r.commit}
-    built = []
+    """Every configuration the run has built or tried: a validated round's own parameters (each read
+    once), and for the others (rejected, screened out, failed) their parent's with the task's changes."""
+    validated = {r.commit: params_of(r) for r in state.accepted() if r.commit}
+    built = list(validated.values())
     for record in state.rounds:
-        if record.verdict == "accepted" and record.commit:
-            built.append(params_of(record))
-        elif record.task.changes and record.parent_commit in parents:
-            built.append({**params_of(parents[record.parent_commit]), **record.task.changes})
+        if record.verdict != "accepted" and record.task.changes and record.parent_commit in validated:
+            built.append({**validated[record.parent_commit], **record.task.changes})
     return built
+
+
+def rebuilds(params: dict, task: Task, built: list[dict]) -> bool:
+    """Whether ``task`` applied to ``params`` gives a configuration the run built already (a task with no
+    ``changes``, an LLM's free-form edit, never does: its result is not known before it runs)."""
+    return bool(task.changes) and any(near_duplicates({**params, **task.changes}, b) for b in built)

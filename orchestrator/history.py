@@ -19,6 +19,8 @@ from pathlib import Path
 
 import git
 
+from agents import workspace_git
+
 RECORD_DIR = ".vibetrain"  # per-commit records (judge report, evaluation) inside the candidate tree
 
 
@@ -139,10 +141,13 @@ class History:
         self.remove_worktree(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.repo.git.worktree("add", "--detach", str(path), parent)
+        workspace_git.trust(path)  # from here on, git there goes through the git directory made now
         return path
 
     def remove_worktree(self, path: Path) -> None:
         path = path.resolve()
+        workspace_git.disarm(path)  # a link the agent rewrote must not decide what is removed
+        workspace_git.forget(path)
         if path.exists():
             link = path / ".git"
             gitdir = Path(link.read_text().removeprefix("gitdir:").strip()) if link.is_file() else None
@@ -158,14 +163,15 @@ class History:
 
     # -- commits -----------------------------------------------------------------------------------
     def _commit_workspace(self, workspace: Path, message: str, records: dict[str, dict]) -> str:
+        """``git add -A`` and commit, through the worktree's own git directory (``workspace_git``):
+        a workspace with a rewritten link or a planted repository raises ``Tampered``."""
         records_dir = workspace / RECORD_DIR
         records_dir.mkdir(exist_ok=True)
         for name, data in records.items():
             (records_dir / name).write_text(json.dumps(data, indent=1, default=str) + "\n")
-        repo = git.Repo(workspace)
-        repo.git.add("-A")
-        repo.git.commit("--allow-empty", "-m", message)
-        return repo.head.commit.hexsha
+        workspace_git.run(workspace, "add", "-A")
+        workspace_git.run(workspace, "commit", "--allow-empty", "-q", "-m", message)
+        return workspace_git.output(workspace, "rev-parse", "HEAD")
 
     def commit_validated(
         self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict], body: str = ""
@@ -178,6 +184,9 @@ class History:
     def commit_rejected(
         self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict], body: str = ""
     ) -> str:
+        undone = workspace_git.disarm(workspace)  # a refused candidate is still kept, as evidence
+        if undone:
+            body += "\n\nUndone before committing (git would have run what they name): " + "; ".join(undone)
         parts = [f"Round {number} (rejected): {subject}", body.strip(), trailers.lines()]
         commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
         self.repo.git.update_ref(f"refs/vibetrain/rejected/{number}", commit)

@@ -9,8 +9,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-import git
-
+from agents import workspace_git
 from agents.roles import RoundContext
 from skills.library import load_skills
 from targets.spec import TargetSpec
@@ -64,10 +63,13 @@ def skills_index() -> list[tuple[str, str, str]]:
 
 
 def diff_stat(workspace: Path) -> str:
-    """What the workspace changed since its parent commit (the previous attempts' edits stay)."""
-    repo = git.Repo(workspace)
-    stat = repo.git.diff("--stat", "HEAD", "--", "stack", "DESIGN.md")
-    untracked = repo.git.ls_files("--others", "--exclude-standard", "--", "stack")
+    """What the workspace changed since its parent commit (the previous attempts' edits stay); in a
+    workspace git must not run in, why (the judge refuses it for the same reasons)."""
+    reasons = workspace_git.tampering(workspace)
+    if reasons:
+        return "git cannot be run in this workspace: " + "; ".join(reasons)
+    stat = workspace_git.output(workspace, "diff", "--no-ext-diff", "--stat", "HEAD", "--", "stack", "DESIGN.md")
+    untracked = workspace_git.output(workspace, "ls-files", "--others", "--exclude-standard", "--", "stack")
     return "\n".join(filter(None, [stat, *(f"{p} (new)" for p in untracked.splitlines())])) or "(no change yet)"
 
 

@@ -23,8 +23,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import git
-
+from agents import workspace_git
 from agents.llm.agents import PROMPTS, OutputSchemaError, Review, answer
 from agents.llm.client import BudgetSpent, ChatClient
 from agents.llm.loop import StuckError, run_loop
@@ -208,18 +207,17 @@ def change_of(workspace: Path, limit: int = DIFF_LIMIT) -> tuple[str, str]:
     """The candidate's diff against its parent commit (the run's bookkeeping aside) and a note that
     says what was left out: whole if it fits in ``limit`` characters, else whole files' diffs while
     they fit, and a list of the others with their line counts."""
-    repo = git.Repo(workspace)
-    repo.git.add("-A")  # new files too (what the commit will hold); ignored files are listed apart
-    base = ["--cached", "--no-renames", "HEAD"]
-    full = repo.git.diff(*base, "--", ".", f":(exclude){RECORDS}")
+    workspace_git.run(workspace, "add", "-A")  # new files too (what the commit will hold); ignored ones apart
+    base = ["diff", "--no-ext-diff", "--no-textconv", "--cached", "--no-renames", "HEAD"]
+    full = workspace_git.output(workspace, *base, "--", ".", f":(exclude){RECORDS}")
     if len(full) <= limit:
         return full or "(no change)", ""
     shown, left_out, used = [], [], 0
-    for row in repo.git.diff(*base, "--numstat", "-z", "--", ".", f":(exclude){RECORDS}").split("\0"):
+    for row in workspace_git.output(workspace, *base, "--numstat", "-z", "--", ".", f":(exclude){RECORDS}").split("\0"):
         if not row:
             continue
         added, deleted, path = row.split("\t", 2)
-        text = repo.git.diff(*base, "--", f":(literal){path}")
+        text = workspace_git.output(workspace, *base, "--", f":(literal){path}")
         if used + len(text) <= limit:
             shown.append(text)
             used += len(text)

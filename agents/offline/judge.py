@@ -11,9 +11,9 @@ are removed before every run (``remove_bytecode_caches``), so only source ever r
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
+from agents import workspace_git
 from agents.roles import Verdict
 from skills.validation import unexpanded
 from targets.harness.check_result import CheckResult
@@ -25,22 +25,16 @@ HARNESS_FOLDERS = (".vibetrain-check", ".vibetrain-bench", ".vibetrain-tmp")  # 
 SHOWN = 50  # ignored files listed in a check's details
 
 
-def _git(workspace: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(workspace), *args], capture_output=True, text=True)
-
-
 def ignored_files(workspace: Path) -> list[str] | None:
     """Files under ``workspace`` that git ignores (its ``.gitignore`` files, ``.git/info/exclude``,
     the global excludes), relative to it; None when it is not in a git work tree (no commit then
     leaves anything out). Ignored files in the harness's scratch folders are left out, unless
     importable: those are refused wherever they are."""
-    inside = _git(workspace, "rev-parse", "--is-inside-work-tree")
+    inside = workspace_git.run(workspace, "rev-parse", "--is-inside-work-tree", check=False)
     if inside.returncode != 0 or inside.stdout.strip() != "true":
         return None
-    listed = _git(workspace, "ls-files", "-z", "--others", "--ignored", "--exclude-standard")
-    if listed.returncode != 0:
-        raise RuntimeError(f"git ls-files in {workspace} failed: {listed.stderr.strip()}")
-    paths = sorted(p for p in listed.stdout.split("\0") if p)
+    listed = workspace_git.output(workspace, "ls-files", "-z", "--others", "--ignored", "--exclude-standard")
+    paths = sorted(p for p in listed.split("\0") if p)
     return [p for p in paths if p.split("/")[0] not in HARNESS_FOLDERS or Path(p).suffix in IMPORTABLE]
 
 
@@ -48,11 +42,8 @@ def ignore_rules(workspace: Path, paths: list[str]) -> dict[str, str]:
     """For each ignored path, the rule that ignores it (``.gitignore:3:stack/hack.py``)."""
     if not paths:
         return {}
-    found = subprocess.run(
-        ["git", "-C", str(workspace), "check-ignore", "--verbose", "-z", "--stdin"],
-        input="\0".join(paths) + "\0",
-        capture_output=True,
-        text=True,
+    found = workspace_git.run(
+        workspace, "check-ignore", "--verbose", "-z", "--stdin", input="\0".join(paths) + "\0", check=False
     )
     if found.returncode not in (0, 1):  # 1: none of them ignored
         raise RuntimeError(f"git check-ignore in {workspace} failed: {found.stderr.strip()}")
@@ -87,6 +78,10 @@ class OfflineJudge:
         self.session = session
 
     def judge(self, workspace: Path, out: Path, task=None, seed: int = 0, context=None) -> Verdict:
+        tampered = workspace_git.tampering(workspace)
+        if tampered:  # refused before git, or anything else, runs there
+            checks = [{"name": "workspace_git", "passed": False, "reasons": tampered}]
+            return Verdict(False, [f"workspace_git: {r}" for r in tampered], checks)
         ignored = ignored_files_check(workspace)
         checks = [ignored.as_dict()]
         left = unexpanded(workspace)

@@ -1,0 +1,130 @@
+"""git in a candidate's workspace, run by the harness outside any sandbox, without trusting what the
+agent wrote there.
+
+A round's workspace is a linked worktree its agent may write in. Git run there reads the git
+directory its ``.git`` file names, and for a repository embedded in it (``stack/x/.git``) that
+repository's config too, when it asks whether the embedded one is dirty (``status``, ``diff``): an
+agent that rewrites the link or plants a repository chooses config (``core.fsmonitor``, hooks, diff
+drivers) that git would execute here, unsandboxed. An embedded repository also commits as a gitlink:
+the commit would hold a hash where the judged code was.
+
+So: the worktree's own git directory is recorded when the harness makes the worktree (``trust``),
+every command names it (``--git-dir``) instead of reading the link, and a workspace whose link changed
+or that holds a repository of its own is refused before git touches it (``Tampered``). ``disarm``
+restores the link and removes the planted repositories, so a refused candidate is still committed
+(its files, as evidence) and its worktree removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+# Config keys that make git run a program, off whatever config git reads (the user's own included).
+SAFE = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "diff.external=")
+
+_TRUSTED: dict[Path, tuple[Path, bytes]] = {}  # workspace -> (its git directory, its .git link as written)
+
+
+class Tampered(RuntimeError):
+    """The workspace's git metadata is not what the harness made: git will not be run in it."""
+
+
+class GitFailed(RuntimeError):
+    """A git command in the workspace exited with an error (its stderr is the message)."""
+
+
+def trust(workspace: Path) -> None:
+    """Record a worktree the harness has just made (nothing of the agent's is in it yet)."""
+    workspace = workspace.resolve()
+    link = (workspace / ".git").read_bytes()
+    git_dir = Path(link.decode().removeprefix("gitdir:").strip())
+    if not (git_dir / "commondir").is_file():
+        raise Tampered(f"{workspace} is not a linked worktree (its .git names {git_dir})")
+    _TRUSTED[workspace] = (git_dir, link)
+
+
+def forget(workspace: Path) -> None:
+    _TRUSTED.pop(workspace.resolve(), None)
+
+
+def planted_repositories(workspace: Path) -> list[str]:
+    """Every ``.git`` below the workspace's root (a repository, or a link to one), relative to it."""
+    found = []
+    for root, folders, files in os.walk(workspace):
+        here = Path(root)
+        if ".git" in folders or ".git" in files:
+            if here != workspace:
+                found.append(str((here / ".git").relative_to(workspace)))
+        folders[:] = [f for f in folders if f != ".git"]
+    return sorted(found)
+
+
+def tampering(workspace: Path) -> list[str]:
+    """Why git must not run in ``workspace`` (empty: it may)."""
+    workspace = workspace.resolve()
+    reasons = [
+        f"{path}: a git repository inside the candidate: git would read its config (which can name "
+        "programs git runs) and commit it as a bare hash instead of the code that was judged; delete it"
+        for path in planted_repositories(workspace)
+    ]
+    trusted = _TRUSTED.get(workspace)
+    if trusted is not None:
+        link = workspace / ".git"
+        if link.is_symlink() or not link.is_file() or link.read_bytes() != trusted[1]:
+            reasons.append(
+                ".git: the worktree's link to its git directory was changed: it is the harness's, and git "
+                "would read the config of whatever it names"
+            )
+    return reasons
+
+
+def run(workspace: Path, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """``git args`` in the workspace; a recorded worktree through its own git directory. Raises
+    ``Tampered`` before running anything in a tampered workspace, ``GitFailed`` on an error exit
+    (unless ``check`` is false)."""
+    workspace = workspace.resolve()
+    reasons = tampering(workspace)
+    if reasons:
+        raise Tampered("; ".join(reasons))
+    trusted = _TRUSTED.get(workspace)
+    where = ["--git-dir", str(trusted[0]), "--work-tree", str(workspace)] if trusted else []
+    done = subprocess.run(
+        ["git", *SAFE, *where, *args], cwd=workspace, input=input, capture_output=True, text=True, check=False
+    )
+    if check and done.returncode != 0:
+        raise GitFailed(f"git {' '.join(args)} in {workspace} failed: {done.stderr.strip()}")
+    return done
+
+
+def output(workspace: Path, *args: str) -> str:
+    """What ``git args`` prints, its last newline removed (as GitPython gives it)."""
+    return run(workspace, *args).stdout.removesuffix("\n")
+
+
+def disarm(workspace: Path) -> list[str]:
+    """Restore a recorded worktree's link and delete the repositories planted in it; say what was
+    undone. A folder the harness did not make is left as it is."""
+    workspace = workspace.resolve()
+    trusted = _TRUSTED.get(workspace)
+    if trusted is None or not workspace.is_dir():
+        return []
+    undone = []
+    for path in planted_repositories(workspace):
+        planted = workspace / path
+        if planted.is_dir() and not planted.is_symlink():
+            shutil.rmtree(planted)
+        else:
+            planted.unlink()
+        undone.append(f"removed {path}")
+    link = workspace / ".git"
+    if link.is_symlink() or not link.is_file() or link.read_bytes() != trusted[1]:
+        if link.is_dir() and not link.is_symlink():
+            shutil.rmtree(link)
+        else:
+            link.unlink(missing_ok=True)
+        link.write_bytes(trusted[1])
+        undone.append("restored .git")
+    return undone

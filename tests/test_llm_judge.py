@@ -169,6 +169,28 @@ def test_an_importable_pyc_in_the_stack_is_refused_by_the_gate_and_by_the_integr
     ]
 
 
+def test_code_beside_the_stack_is_scanned_like_the_stack(workspace):
+    """The candidate's root is on ``sys.path``: a module next to ``stack/`` runs as the stack's own,
+    so a clock patch or a sourceless module there is refused like one inside it."""
+    (workspace / "helpers.py").write_text("import time\n\ntime.monotonic = lambda: 0.0\n")
+    (workspace / "tools").mkdir()
+    (workspace / "tools" / "fast.so").write_bytes(b"\x7fELF")
+    init = workspace / "stack" / "__init__.py"
+    init.write_text("import helpers  # noqa\n" + init.read_text())
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, time; import stack; print(time.monotonic())"],
+        cwd=workspace,
+        capture_output=True,
+        text=True,
+    )
+    assert imported.stdout.strip() == "0.0"  # the plant is real: importing the stack patched the clock
+    scan = scan_stack(workspace)
+    assert not scan.passed and scan.reasons == [
+        "tools/fast.so: compiled code with no source: Python would import it, but the integrity scan reads source only",
+        "helpers.py:3: patches the clock (time.monotonic)",
+    ]
+
+
 @pytest.mark.slow
 def test_a_planted_bytecode_cache_never_shadows_its_source(workspace, tmp_path, fast_target, sandbox):
     """An unchecked-hash .pyc is loaded whatever its source says: the gate removes every cache before

@@ -1,4 +1,5 @@
-"""Integrity (design check 5). From the candidate's source: it imports only ``targets.api`` from
+"""Integrity (design check 5). From the candidate's source, every file of it (its root is on
+``sys.path``, so code beside ``stack/`` is the stack's too): it imports only ``targets.api`` from
 the contract; it does not name the harness's metrics (metrics come from the harness trace; a stack
 that computes them is reporting its own); it does not patch clocks (``time``, ``asyncio``,
 ``datetime``) or reach into the harness objects it is handed (their ``trace``, ``clock``,
@@ -33,14 +34,26 @@ ALLOWED_CONTRACT_MODULES = {"targets", "targets.api"}
 COMPILED_SUFFIXES = {".pyc", ".pyo", ".pyd", ".so"}  # importable, but not source this scan can read
 
 
+def candidate_files(stack_dir: Path) -> list[Path]:
+    """Every file of the candidate, not only ``stack/``: its root is on ``sys.path``, so a module
+    beside ``stack/`` (or in any folder the stack adds to the path) runs as the stack's own code.
+    Git's link or folder and bytecode caches (removed before every run) aside."""
+    return sorted(
+        path
+        for path in stack_dir.rglob("*")
+        if path.is_file() and not {".git", "__pycache__"} & set(path.relative_to(stack_dir).parts)
+    )
+
+
 def scan_stack(stack_dir: Path) -> CheckResult:
+    files = candidate_files(stack_dir)
     reasons = [
         f"{path.relative_to(stack_dir)}: compiled code with no source: Python would import it, but the "
         "integrity scan reads source only"
-        for path in sorted((stack_dir / "stack").rglob("*"))
-        if path.suffix in COMPILED_SUFFIXES and "__pycache__" not in path.parts
+        for path in files
+        if path.suffix in COMPILED_SUFFIXES
     ]
-    for path in sorted((stack_dir / "stack").rglob("*.py")):
+    for path in (p for p in files if p.suffix == ".py"):
         where = path.relative_to(stack_dir)
         try:
             tree = ast.parse(path.read_text(), filename=str(path))

@@ -44,6 +44,7 @@ import skills as skills_package
 import targets.api
 from agents.llm.agents import ImplementerOutput, expand_annotations, implementer_prompt
 from agents.llm.client import Accounting, AssistantTurn, ToolSpec
+from agents.llm.loop import StuckError
 from agents.roles import AgentError, Attempt, Task
 
 log = logging.getLogger("vibetrain.cli_agent")
@@ -73,6 +74,7 @@ class CLIResult:
     output_tokens: int
     cost_usd: float | None
     failure: str | None = None
+    out_of_turns: bool = False  # it stopped at its turn limit: the content can cause that, an outage cannot
 
 
 def _json_lines(stdout: str) -> list[dict]:
@@ -116,7 +118,12 @@ def parse_claude(stdout: str) -> CLIResult:
     elif final.get("is_error"):
         failure = f"the claude CLI reported an error: {text[:400] or '(no message)'}"
     return CLIResult(
-        text, input_tokens, int(usage.get("output_tokens") or 0), float(final.get("total_cost_usd") or 0.0), failure
+        text,
+        input_tokens,
+        int(usage.get("output_tokens") or 0),
+        float(final.get("total_cost_usd") or 0.0),
+        failure,
+        out_of_turns=subtype == "error_max_turns",
     )
 
 
@@ -192,8 +199,9 @@ class ClaudeCode(CLITool):
     Tools: ``--allowedTools`` pre-approves what the implementer needs — reading and searching (Read,
     Glob, Grep), editing ``stack/`` and ``DESIGN.md`` (nothing else: the harness and the contract stay
     as they are), and in Bash exactly the check command (an exact rule, not a prefix: a prefix would let
-    ``--sandbox subprocess`` be appended and run candidate code unisolated) plus ``git status`` and
-    ``git diff`` to see its own change. Under ``-p`` nothing can be approved interactively, so any other
+    ``--sandbox subprocess`` be appended and run candidate code unisolated) plus ``git status``, ``git
+    diff`` and ``git diff --stat`` to see its own change, each exact too (``git diff --output=PATH``
+    writes any file). Under ``-p`` nothing can be approved interactively, so any other
     edit or command is denied; web access is removed outright. The candidate code itself only ever runs
     inside the check, in the harness's sandbox."""
 
@@ -209,15 +217,16 @@ class ClaudeCode(CLITool):
         "Edit(./stack/**)",
         "Edit(./DESIGN.md)",
         "Bash(git status)",
-        "Bash(git diff:*)",
+        "Bash(git diff)",
+        "Bash(git diff --stat)",
     )
     READ_TOOLS = ("Read", "Glob", "Grep")
     NO_WEB = ("WebFetch", "WebSearch")
     NO_CHANGE = ("Bash", "Edit", "MultiEdit", "Write", "NotebookEdit") + NO_WEB
     REVIEW_TURNS = 3
     SHELL_RULE = (
-        "Shell commands other than this one (run alone: no pipes, no `&&`, nothing appended), `git status` "
-        "and `git diff` are not permitted."
+        "Shell commands other than this one (run alone: no pipes, no `&&`, nothing appended), `git status`, "
+        "`git diff` and `git diff --stat` are not permitted."
     )
 
     def edit_argv(self, exe: str, *, model: str | None, max_turns: int, budget_usd: float, check: str) -> list[str]:
@@ -520,8 +529,8 @@ class CLIChatClient:
                 timeout_s=self.timeout_s,
             )
         account(self.accounting, self.tool, result, self.model)
-        if result.failure:
-            raise AgentError(result.failure)
+        if result.failure:  # out of turns: the judge rejects (a candidate can derail its reviewer on purpose)
+            raise (StuckError if result.out_of_turns else AgentError)(result.failure)
         return AssistantTurn(result.text, [], result.input_tokens, result.output_tokens)
 
 

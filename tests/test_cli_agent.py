@@ -154,6 +154,8 @@ def test_fake_claude_gets_the_prompt_on_stdin_and_only_allowlisted_variables(tmp
     [bash_check] = [t for t in tools if t.startswith("Bash(") and "vibetrain" in t]
     assert bash_check.endswith(f"vibetrain {check})")
     assert {"Edit(./stack/**)", "Edit(./DESIGN.md)"} <= set(tools) and not {"Edit", "Write", "Bash"} & set(tools)
+    # every shell rule exact: a prefix rule lets options be appended (`git diff --output=PATH` writes anywhere)
+    assert not [t for t in tools if t.startswith("Bash(") and ":*" in t]
     assert f"vibetrain {check}\n" in call["stdin"] and call["cwd"] == str(workspace)
     assert accounting.snapshot() == {"calls": 1, "input_tokens": 13234, "output_tokens": 56, "cost_usd": 0.0123}
 
@@ -284,6 +286,16 @@ def test_the_llm_review_of_a_cli_round_asks_the_cli_read_only(tmp_path, monkeypa
     assert call["cwd"] != str(workspace) and _option(call["argv"], "--allowedTools") == "Read,Glob,Grep"
     assert {"Bash", "Edit", "Write"} <= set(_option(call["argv"], "--disallowedTools").split(","))
     assert accounting.snapshot() == {"calls": 1, "input_tokens": 900, "output_tokens": 40, "cost_usd": 0.002}
+
+
+def test_a_cli_review_that_runs_out_of_turns_rejects_never_falls_back_to_the_gate(tmp_path, monkeypatch, workspace):
+    """A candidate can be built to keep its reviewer busy: running out of turns is no outage."""
+    _fake(tmp_path, monkeypatch, "claude", "max_turns")
+    judge = LLMJudge(PassingGate(), CLIChatClient(cli_tool("claude"), Accounting()), file_access=False)
+    verdict = judge.judge(workspace, tmp_path / "out", TASK)
+    assert not verdict.passed and verdict.reasons == [
+        "llm review reached no verdict: StuckError: the claude CLI stopped with error_max_turns after 41 turns"
+    ]
 
 
 def test_the_cli_review_client_takes_no_tools(tmp_path, monkeypatch):

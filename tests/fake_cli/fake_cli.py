@@ -61,6 +61,9 @@ def main(name: str, scenario: str, record: str) -> None:
     if scenario == "hang":
         time.sleep(300)
         return
+    if review and scenario == "max_turns":
+        print((HERE / "claude_max_turns.json").read_text(), end="")
+        return
     if review:
         stream = "claude_review_reject.json" if scenario == "reject" else "claude_review_accept.json"
         if name == "codex":

@@ -13,13 +13,16 @@ import socket
 import struct
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from agents.offline.evaluator import extended, undecided
 from targets.api import TraceEvent
 from targets.harness.channel import AsyncChannel, Frame, ProtocolError, SyncChannel
+from targets.harness.check_result import CheckResult
 from targets.harness.launch import HarnessRun
-from targets.harness.session import Paired, clock_check
+from targets.harness.session import Measurement, Paired, Session, clock_check
 from targets.harness.wire import PromptMemory, get_batch, get_request, put_batch, put_request
 
 # -- paired measurement ------------------------------------------------------------------------------
@@ -49,6 +52,63 @@ def test_one_real_pair_says_nothing_of_noise_one_simulated_pair_is_exact():
     assert "unbounded" in Paired.of([200], [100]).describe()
     exact = Paired.of([200], [100], deterministic=True)
     assert exact.low == exact.high == pytest.approx(2.0) and exact.clears(0.05)
+
+
+class ScriptedSession(Session):
+    """``compare``'s own loop over runs whose headline is scripted per (stack, seed): no run is made."""
+
+    def __init__(self, goodput: dict[tuple[str, int], float]) -> None:
+        metric = SimpleNamespace(name="goodput", direction="maximize")
+        super().__init__(SimpleNamespace(spec=SimpleNamespace(headline_metric=metric), simulated=False), None)
+        self.goodput, self.runs = goodput, []
+
+    def measure(self, stack_dir, out, seed, steps=None) -> Measurement:
+        self.runs.append((str(stack_dir), seed))
+        return Measurement([CheckResult("system_audit", True)], {"goodput": self.goodput[str(stack_dir), seed]})
+
+
+def _scripted(ratios: list[float]) -> tuple[ScriptedSession, list[int]]:
+    seeds = list(range(100, 100 + len(ratios)))
+    goodput = {("base", s): 10.0 for s in seeds} | {("cand", s): 10.0 * r for s, r in zip(seeds, ratios)}
+    return ScriptedSession(goodput), seeds
+
+
+def test_an_undecided_gain_gets_more_pairs_until_its_interval_clears():
+    """Three pairs of a true +38% with one bad pair straddle the bar (as tiny-qwen3-cpu's time_multiplex
+    did: +31.9% [-2.0%, +77.3%]); the sequential rule adds pairs, interleaved as before, until it clears."""
+    session, seeds = _scripted([1.45, 0.98, 1.35, 1.38, 1.37, 1.39])
+    ours, theirs, paired = session.compare(
+        Path("cand"), Path("base"), Path("out"), seeds, pairs=3, more=undecided(0.05)
+    )
+    three = Paired.of([14.5, 9.8, 13.5], [10.0] * 3)
+    assert undecided(0.05)(three) and not three.clears(0.05)
+    assert paired.pairs in (4, 5) and paired.clears(0.05) and len(ours) == len(theirs) == paired.pairs
+    order = [name for name, _ in session.runs]
+    assert order[:8] == ["cand", "base", "base", "cand", "cand", "base", "base", "cand"]  # A B / B A
+
+
+def test_a_candidate_estimated_below_the_bar_stops_at_its_pairs():
+    session, seeds = _scripted([0.98, 1.0, 1.03, 1.5, 1.5, 1.5])
+    _, _, paired = session.compare(Path("cand"), Path("base"), Path("out"), seeds, pairs=3, more=undecided(0.05))
+    assert paired.pairs == 3 and len(session.runs) == 6
+
+
+def test_the_evaluator_extends_real_pairs_only_from_an_interval():
+    """Up to twice ``--repeat`` on a real target from two pairs; never on a simulated one (a pair is
+    exact for its seed) or from one real pair (its interval is unbounded)."""
+    from agents.offline.evaluator import OfflineEvaluator
+
+    def session(simulated: bool):
+        return SimpleNamespace(target=SimpleNamespace(simulated=simulated))
+
+    assert OfflineEvaluator(session(False), repeat=3).max_pairs == 6
+    assert OfflineEvaluator(session(False), repeat=1).max_pairs == 1
+    assert OfflineEvaluator(session(True), repeat=3).max_pairs == 3
+
+
+def test_extra_seeds_extend_the_rounds_own_and_are_the_same_on_a_rerun():
+    assert extended([5, 6, 7], 3)[:3] == [5, 6, 7] and extended([5, 6, 7], 3) == extended([5, 6, 7], 3)
+    assert len(set(extended([5, 6, 7], 3))) == 6 and extended([5, 6, 7], 0) == [5, 6, 7]
 
 
 # -- the parent's stopwatch ----------------------------------------------------------------------------

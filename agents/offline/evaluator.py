@@ -4,12 +4,14 @@ and rule-based hints read from the median trace: the findings the planner maps t
 
 from __future__ import annotations
 
+import random
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from agents.roles import Evaluation, Hint
 from targets.harness.benchmark import BenchRun
-from targets.harness.session import Measurement, MeasurementFailed, Session
+from targets.harness.session import Measurement, MeasurementFailed, Paired, Session
 from targets.harness.sim.calibrate import request_concurrency
 
 DEVICES_BUSY = 0.75  # mean device busy share under which devices idle
@@ -20,6 +22,7 @@ ABORT_SHARE = 0.05
 STALE_SHARE = 0.05  # share of created episodes dropped as stale
 SMALL_BATCH = 4.0
 SYNC_SHARE = 0.10
+MAX_PAIRS_FACTOR = 2  # a real target's undecided candidate gets up to this many times its pairs
 
 
 def concurrency_shares(events: list) -> tuple[float, float]:
@@ -158,6 +161,20 @@ def call_profile(events: list) -> str:
     return "\n".join(lines)
 
 
+def extended(seeds: list[int], count: int) -> list[int]:
+    """``seeds`` and ``count`` more, drawn from them: a rerun of the round measures the same ones."""
+    rng = random.Random(repr(seeds))
+    return seeds + [rng.randrange(2**31) for _ in range(count)]
+
+
+def undecided(noise_threshold: float) -> Callable[[Paired], bool]:
+    """The sequential rule: one more pair while the estimate clears the threshold and its interval
+    does not (a gain the pairs so far cannot tell from noise). A candidate estimated below the
+    threshold stops at once: extra pairs only ever go to a promotion."""
+    bar = 1 + noise_threshold
+    return lambda paired: paired.ratio > bar and paired.low <= bar
+
+
 class OfflineEvaluator:
     """Every measured run goes through ``Session.measure`` (judged like the check's run); with a
     baseline, runs are paired and interleaved (``Session.compare``)."""
@@ -166,6 +183,12 @@ class OfflineEvaluator:
         if repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {repeat}")
         self.session, self.repeat = session, repeat
+        # a real target's pairs vary by more than the threshold (tiny-qwen3-cpu: 3 pairs gave
+        # time_multiplex +31.9% [-2.0%, +77.3%] over colocate; 4 bench pairs, 1.38x [1.36, 1.41]).
+        # The rule needs an interval to start from (one real pair's is unbounded, two pairs' t is
+        # 12.7); a simulated pair is exact for its seed, so more pairs would never narrow it.
+        sequential = not session.target.simulated and repeat >= 2
+        self.max_pairs = MAX_PAIRS_FACTOR * repeat if sequential else repeat
 
     def evaluate(
         self, workspace: Path, out: Path, baseline: Path | None, seeds: list[int], first: Measurement | None = None
@@ -182,7 +205,14 @@ class OfflineEvaluator:
                     measurements.append(measurement)
             else:
                 measurements, _, paired = self.session.compare(
-                    workspace, baseline, out, seeds, against="best", first=first
+                    workspace,
+                    baseline,
+                    out,
+                    extended(seeds, self.max_pairs - len(seeds)),
+                    against="best",
+                    first=first,
+                    pairs=len(seeds),
+                    more=undecided(self.session.target.spec.noise_threshold),
                 )
         except MeasurementFailed as failure:
             return Evaluation(

@@ -262,11 +262,18 @@ class Session:
         against: str = "",
         first: Measurement | None = None,
         on_run: Callable[[str, int], None] = lambda name, i: None,
+        pairs: int | None = None,
+        more: Callable[[Paired], bool] = lambda paired: False,
     ) -> tuple[list[Measurement], list[Measurement], Paired]:
         """Interleaved A B / B A pairs with one seed each; raises ``MeasurementFailed`` on any finding.
-        ``first``: a candidate run already made with ``seeds[0]`` (the judge's), which opens pair 0."""
+        ``first``: a candidate run already made with ``seeds[0]`` (the judge's), which opens pair 0.
+        ``pairs`` (default: one per seed) are measured; each further seed adds a pair only while
+        ``more`` says the comparison so far needs one (a sequential test: the caller's rule)."""
         ours, theirs = [], []
+        pairs = len(seeds) if pairs is None else pairs
         for i, seed in enumerate(seeds):
+            if i >= pairs and not more(self._paired(ours, theirs, against)):
+                break
             order = [("candidate", candidate, ours), ("baseline", baseline, theirs)]
             for name, stack, into in order if i % 2 == 0 else order[::-1]:
                 if i == 0 and name == "candidate" and first is not None:
@@ -277,15 +284,17 @@ class Session:
                     raise MeasurementFailed(name, i, measurement.reasons)
                 into.append(measurement)
                 on_run(name, i)
+        return ours, theirs, self._paired(ours, theirs, against)
+
+    def _paired(self, ours: list[Measurement], theirs: list[Measurement], against: str) -> Paired:
         metric = self.target.spec.headline_metric
-        paired = Paired.of(
+        return Paired.of(
             [m.metrics[metric.name] for m in ours],
             [m.metrics[metric.name] for m in theirs],
             metric.direction == "maximize",
             against,
             deterministic=self.target.simulated,
         )
-        return ours, theirs, paired
 
 
 class MeasurementFailed(RuntimeError):

@@ -74,7 +74,7 @@ class CLIResult:
     output_tokens: int
     cost_usd: float | None
     failure: str | None = None
-    out_of_turns: bool = False  # it stopped at its turn limit: the content can cause that, an outage cannot
+    derailed: bool = False  # it stopped at its turn or cost limit: content can cause that, an outage cannot
 
 
 def _json_lines(stdout: str) -> list[dict]:
@@ -123,7 +123,7 @@ def parse_claude(stdout: str) -> CLIResult:
         int(usage.get("output_tokens") or 0),
         float(final.get("total_cost_usd") or 0.0),
         failure,
-        out_of_turns=subtype == "error_max_turns",
+        derailed=subtype in ("error_max_turns", "error_max_budget_usd"),
     )
 
 
@@ -529,8 +529,8 @@ class CLIChatClient:
                 timeout_s=self.timeout_s,
             )
         account(self.accounting, self.tool, result, self.model)
-        if result.failure:  # out of turns: the judge rejects (a candidate can derail its reviewer on purpose)
-            raise (StuckError if result.out_of_turns else AgentError)(result.failure)
+        if result.failure:  # out of turns or budget: the judge rejects (a candidate can derail its reviewer)
+            raise (StuckError if result.derailed else AgentError)(result.failure)
         return AssistantTurn(result.text, [], result.input_tokens, result.output_tokens)
 
 

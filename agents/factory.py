@@ -7,6 +7,7 @@ offline for the rest)."""
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -90,18 +91,22 @@ def make_agents(
     )
     client = make_client(config, accounting)
 
+    # The tools' runs write outside the workspace: a folder there could be a link the agent planted.
     def checks(workspace: Path) -> str:
-        verdict = offline.judge.judge(workspace, workspace / ".vibetrain-check")
+        out = Path(tempfile.mkdtemp(prefix="vibetrain-tool-check-"))
+        try:
+            verdict = offline.judge.judge(workspace, out)
+        finally:
+            shutil.rmtree(out)
         lines = [f"{c['name']}: {'pass' if c['passed'] else 'FAIL'} {'; '.join(c['reasons'])}" for c in verdict.checks]
-        shutil.rmtree(workspace / ".vibetrain-check", ignore_errors=True)
         return ("PASSED\n" if verdict.passed else "FAILED\n") + "\n".join(lines)
 
     def benchmark(workspace: Path) -> str:
-        out = workspace / ".vibetrain-bench"
+        out = Path(tempfile.mkdtemp(prefix="vibetrain-tool-bench-"))
         try:
             measurement = session.measure(workspace, out, seed=0)
         finally:
-            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(out)
         if not measurement.ok:
             return "FAILED: " + "; ".join(measurement.reasons[:5])
         return "\n".join(f"{k}: {v:.4g}" for k, v in measurement.metrics.items() if isinstance(v, (int, float)))

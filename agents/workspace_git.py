@@ -8,10 +8,16 @@ agent that rewrites the link or plants a repository chooses config (``core.fsmon
 drivers) that git would execute here, unsandboxed. An embedded repository also commits as a gitlink:
 the commit would hold a hash where the judged code was.
 
+Two more plants need no config at all: a ``.gitattributes`` (``-diff`` turns the review's diff into
+"Binary files differ", ``export-subst``/``export-ignore`` change what ``git archive`` exports as the
+best, ``eol``/``ident`` change the committed bytes), and a symbolic link (git commits the link, not
+what it names, and the harness, writing DESIGN.md or its records, would write through it wherever it
+points).
+
 So: the worktree's own git directory is recorded when the harness makes the worktree (``trust``),
-every command names it (``--git-dir``) instead of reading the link, and a workspace whose link changed
-or that holds a repository of its own is refused before git touches it (``Tampered``). ``disarm``
-restores the link and removes the planted repositories, so a refused candidate is still committed
+every command names it (``--git-dir``) instead of reading the link, and a workspace with a changed
+link, a repository of its own, a git control file or a symbolic link is refused before git or the
+harness touches it (``Tampered``). ``disarm`` undoes each, so a refused candidate is still committed
 (its files, as evidence) and its worktree removed.
 """
 
@@ -22,8 +28,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-# Config keys that make git run a program, off whatever config git reads (the user's own included).
-SAFE = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "diff.external=")
+# Config that makes git run a program, off whatever config git reads (the user's own included);
+# diffs pass --no-ext-diff --no-textconv.
+SAFE = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null")
 
 _TRUSTED: dict[Path, tuple[Path, bytes]] = {}  # workspace -> (its git directory, its .git link as written)
 
@@ -36,13 +43,17 @@ class GitFailed(RuntimeError):
     """A git command in the workspace exited with an error (its stderr is the message)."""
 
 
-def trust(workspace: Path) -> None:
-    """Record a worktree the harness has just made (nothing of the agent's is in it yet)."""
+CONTROL_FILES = (".gitattributes", ".lfsconfig", ".gitmodules")  # git reads them from the work tree
+
+
+def trust(workspace: Path, repository: Path) -> None:
+    """Record a worktree the harness has just made of ``repository`` (its git directory), before
+    anything of the agent's is in it."""
     workspace = workspace.resolve()
     link = (workspace / ".git").read_bytes()
-    git_dir = Path(link.decode().removeprefix("gitdir:").strip())
-    if not (git_dir / "commondir").is_file():
-        raise Tampered(f"{workspace} is not a linked worktree (its .git names {git_dir})")
+    git_dir = (workspace / link.decode().removeprefix("gitdir:").strip()).resolve()  # relative, or absolute
+    if git_dir.parent != (repository.resolve() / "worktrees") or not (git_dir / "commondir").is_file():
+        raise Tampered(f"{workspace} is not a linked worktree of {repository} (its .git names {git_dir})")
     _TRUSTED[workspace] = (git_dir, link)
 
 
@@ -50,25 +61,43 @@ def forget(workspace: Path) -> None:
     _TRUSTED.pop(workspace.resolve(), None)
 
 
-def planted_repositories(workspace: Path) -> list[str]:
-    """Every ``.git`` below the workspace's root (a repository, or a link to one), relative to it."""
-    found = []
+def plants(workspace: Path) -> dict[str, list[str]]:
+    """Below the workspace's root, relative to it: every ``.git`` (a repository, or a link to one),
+    git control file, and symbolic link (the root's own ``.git`` aside)."""
+    found: dict[str, list[str]] = {"repositories": [], "control": [], "links": []}
     for root, folders, files in os.walk(workspace):
         here = Path(root)
-        if ".git" in folders or ".git" in files:
-            if here != workspace:
-                found.append(str((here / ".git").relative_to(workspace)))
-        folders[:] = [f for f in folders if f != ".git"]
-    return sorted(found)
+        for name in folders + files:
+            relative = str((here / name).relative_to(workspace))
+            if name == ".git":
+                if here != workspace:
+                    found["repositories"].append(relative)
+            elif name in CONTROL_FILES:
+                found["control"].append(relative)
+            elif (here / name).is_symlink():
+                found["links"].append(relative)
+        folders[:] = [f for f in folders if f != ".git" and not (here / f).is_symlink()]
+    return {kind: sorted(paths) for kind, paths in found.items()}
 
 
 def tampering(workspace: Path) -> list[str]:
-    """Why git must not run in ``workspace`` (empty: it may)."""
+    """Why git (or the harness) must not touch ``workspace`` (empty: it may)."""
     workspace = workspace.resolve()
+    found = plants(workspace)
     reasons = [
         f"{path}: a git repository inside the candidate: git would read its config (which can name "
         "programs git runs) and commit it as a bare hash instead of the code that was judged; delete it"
-        for path in planted_repositories(workspace)
+        for path in found["repositories"]
+    ]
+    reasons += [
+        f"{path}: a git control file in the candidate: it changes what git diffs, commits and exports "
+        "(the review's diff, the committed bytes, the exported best); delete it"
+        for path in found["control"]
+    ]
+    reasons += [
+        f"{path}: a symbolic link in the candidate: git commits the link, not what it names, and the harness "
+        "would write through it; put the file itself there"
+        for path in found["links"]
     ]
     trusted = _TRUSTED.get(workspace)
     if trusted is not None:
@@ -105,14 +134,14 @@ def output(workspace: Path, *args: str) -> str:
 
 
 def disarm(workspace: Path) -> list[str]:
-    """Restore a recorded worktree's link and delete the repositories planted in it; say what was
-    undone. A folder the harness did not make is left as it is."""
+    """Restore a recorded worktree's link and delete what was planted in it (``plants``); say what
+    was undone. A folder the harness did not make is left as it is."""
     workspace = workspace.resolve()
     trusted = _TRUSTED.get(workspace)
     if trusted is None or not workspace.is_dir():
         return []
     undone = []
-    for path in planted_repositories(workspace):
+    for path in [p for paths in plants(workspace).values() for p in paths]:
         planted = workspace / path
         if planted.is_dir() and not planted.is_symlink():
             shutil.rmtree(planted)

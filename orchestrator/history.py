@@ -141,7 +141,7 @@ class History:
         self.remove_worktree(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.repo.git.worktree("add", "--detach", str(path), parent)
-        workspace_git.trust(path)  # from here on, git there goes through the git directory made now
+        workspace_git.trust(path, Path(self.repo.git_dir))  # from here on, git there uses the git directory made now
         return path
 
     def remove_worktree(self, path: Path) -> None:
@@ -184,9 +184,6 @@ class History:
     def commit_rejected(
         self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict], body: str = ""
     ) -> str:
-        undone = workspace_git.disarm(workspace)  # a refused candidate is still kept, as evidence
-        if undone:
-            body += "\n\nUndone before committing (git would have run what they name): " + "; ".join(undone)
         parts = [f"Round {number} (rejected): {subject}", body.strip(), trailers.lines()]
         commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
         self.repo.git.update_ref(f"refs/vibetrain/rejected/{number}", commit)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agents import workspace_git
 from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Verdict
 from orchestrator.history import History, Trailers
 from orchestrator.policies import Policy
@@ -241,6 +242,9 @@ class Loop:
         return verdict
 
     def accept(self, record: RoundRecord, evaluation: Evaluation, workspace: Path, verdict: Verdict) -> None:
+        tampered = workspace_git.tampering(workspace)  # since the judge looked: the harness writes there next
+        if tampered:
+            raise workspace_git.Tampered("; ".join(tampered))
         record.verdict, record.headline = "accepted", evaluation.headline
         record.metrics = {k: v for k, v in evaluation.metrics.items() if k != "device_utilization"}
         record.spread, record.hints = evaluation.spread, [h.model_dump() for h in evaluation.hints]
@@ -280,8 +284,10 @@ class Loop:
             shutil.copy(evaluation.trace_path, run_dir.trace(record.round))
 
     def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict, name: str = "rejected") -> None:
-        """Kept under the rejected ref with the reasons: by the judge, or (``prescreened``) by the twin."""
+        """Kept under the rejected ref with the reasons: by the judge, or (``prescreened``) by the twin.
+        What the agent planted for git or the harness is undone first (``workspace_git``): the files stay."""
         record.verdict = name
+        undone = workspace_git.disarm(workspace)
         self.update_design(workspace, record)
         trailers = Trailers(
             record.round, record.task.id, self.agents.backend, name, "none", self._parent_metric(record)
@@ -295,7 +301,8 @@ class Loop:
                 "judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
                 "round.json": record.model_dump(mode="json"),
             },
-            f"{record.task.rationale}\n\nImplementer: {record.account or '(no attempt)'}",
+            f"{record.task.rationale}\n\nImplementer: {record.account or '(no attempt)'}"
+            + (f"\n\nUndone before committing (planted for git or the harness): {'; '.join(undone)}" if undone else ""),
         )
 
     def _parent_metric(self, record: RoundRecord) -> str:

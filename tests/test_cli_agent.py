@@ -99,6 +99,9 @@ def test_claude_max_turns_stream_is_a_failure_naming_the_subtype_and_still_costs
     result = parse_claude(_stream("claude_max_turns.json"))  # is_error is false: the subtype decides
     assert result.failure == "the claude CLI stopped with error_max_turns after 41 turns"
     assert (result.input_tokens, result.output_tokens, result.cost_usd) == (645120, 9100, 0.4821)
+    assert result.derailed  # a limit the content can drive it to
+    budget = json.loads(_stream("claude_max_turns.json")) | {"subtype": "error_max_budget_usd"}
+    assert parse_claude(json.dumps(budget)).derailed and not parse_claude(_stream("claude_success.json")).derailed
 
 
 def test_codex_success_stream_answers_with_its_last_agent_message_priced_by_model():

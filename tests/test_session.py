@@ -300,6 +300,25 @@ def test_bubblewrap_binds_the_gpu_device_nodes_only_when_asked_and_keeps_writes_
         assert not outside.exists()
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_command_tool_never_mounts_what_a_planted_link_points_to(tmp_path):
+    """The implementer's shell command may write the workspace alone. A folder it named apart inside
+    the workspace (``.vibetrain-tmp``, once) was mounted writable wherever a link planted there pointed."""
+    from agents.llm.tools import RunCommand, Toolbox
+    from targets.harness import sandbox
+
+    workspace, elsewhere = tmp_path / "ws", tmp_path / "home"
+    workspace.mkdir()
+    elsewhere.mkdir()
+    (workspace / ".vibetrain-tmp").symlink_to(elsewhere)
+    box = sandbox.Sandbox("bubblewrap")
+    tools = Toolbox(workspace, box)
+    result = tools.run_command(RunCommand(command=f"touch {elsewhere}/planted; touch {workspace}/ok", timeout_s=60))
+    assert (workspace / "ok").exists() and not (elsewhere / "planted").exists(), result
+    with pytest.raises(ValueError, match="a writable path of the sandbox is a symbolic link"):
+        box.wrap(["true"], {}, writable=[workspace / ".vibetrain-tmp"])
+
+
 # -- device memory, as the harness samples it ------------------------------------------------------------
 
 

@@ -1,8 +1,9 @@
-"""The harness's git in a round's workspace, against an agent that plants git metadata: a repository
-inside the stack, or a rewritten ``.git`` link, each carrying config that makes git run a program.
-Each plant is first shown to work on plain git (the program runs), then the gate refuses the
-candidate before git touches it, the rejected commit keeps the candidate's files with the plant
-undone, and the program never ran."""
+"""The harness's git in a round's workspace, against an agent that plants what git or the harness
+would act on: a repository inside the stack, or a rewritten ``.git`` link, each carrying config that
+makes git run a program; a ``.gitattributes`` that hides the change from the review's diff; a
+DESIGN.md that is a link out of the workspace, which the round would write through. Each plant is
+first shown to work, then the gate refuses the candidate before git touches it, the rejected commit
+keeps the candidate's files with the plant undone, and the plant never took effect."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import git
 import pytest
 
 from agents import workspace_git
+from agents.llm.judge import change_of
 from agents.offline.judge import OfflineJudge
+from agents.roles import Task
 from orchestrator.history import History, Trailers
+from orchestrator.state import RoundRecord
 
 TRAILERS = Trailers(1, "t", "offline", "rejected", "none", "none")
 
@@ -93,15 +97,57 @@ def test_planted_git_metadata_is_refused_and_its_program_never_runs(run, tmp_pat
     with pytest.raises(workspace_git.Tampered, match=reason.split(":")[0]):
         workspace_git.run(workspace, "status")
 
+    undone = workspace_git.disarm(workspace)  # as the round's reject does, before it writes or commits
     commit = history.commit_rejected(workspace, 1, "a task", TRAILERS, {"judge.json": {"reasons": verdict.reasons}})
     tree = git.Repo(history.path).commit(commit).tree
     assert (tree / "stack" / "model.py").data_stream.read() == b"VALUE = 1\n"  # the candidate's files, as evidence
     if plant is _plant_repository:  # its files, not a gitlink: the code is in the commit
-        assert (tree / "stack" / "x" / "hidden.py").mode == 0o100644
-    message = git.Repo(history.path).commit(commit).message
-    assert "Undone before committing" in message
+        assert (tree / "stack" / "x" / "hidden.py").mode == 0o100644 and "removed stack/x/.git" in undone
+    else:
+        assert "restored .git" in undone
     history.remove_worktree(workspace)  # the link it rewrote does not decide what is removed
     assert not workspace.exists() and not marker.exists()
+
+
+def test_a_gitattributes_that_hides_the_change_from_the_review_is_refused(run, tmp_path):
+    history, workspace = run
+    (workspace / "stack" / "model.py").write_text("SKIP_TRAINING_WHEN_MEASURED = True\n")
+    (workspace / ".gitattributes").write_text("stack/*.py -diff\n")
+    subprocess.run(["git", "-C", str(workspace), "add", "-A"], check=True)  # plain git, as before
+    shown = subprocess.run(["git", "-C", str(workspace), "diff", "--cached", "HEAD"], capture_output=True, text=True)
+    assert "Binary files" in shown.stdout and "SKIP_TRAINING" not in shown.stdout  # the plant is real
+    verdict = OfflineJudge(session=None).judge(workspace, tmp_path / "judge")
+    assert not verdict.passed and verdict.reasons[0].startswith("workspace_git: .gitattributes: a git control file")
+    assert workspace_git.disarm(workspace) == ["removed .gitattributes"]
+    diff, _ = change_of(workspace)  # the review's diff, once the plant is undone
+    assert "+SKIP_TRAINING_WHEN_MEASURED = True" in diff
+
+
+def test_the_round_never_writes_through_a_link_the_agent_planted(tmp_path, fast_target):
+    """DESIGN.md as a link to a file outside: the round's reject writes the design record, and would
+    have written it there; the link is undone first and the file outside keeps its bytes."""
+    from orchestrator.runs import start_run
+
+    loop = start_run(
+        str(fast_target),
+        tmp_path / "run",
+        tmp_path / "ws",
+        on_event=lambda kind, **data: None,
+        **dict(rounds=1, policy="backlog", agents="offline", seed=0, max_minutes=None, max_attempts=1),
+        **dict(repeat=1, starter="colocate", sandbox="auto", simulate=True, time_limit_s=300),
+    )
+    outside = tmp_path / "bashrc"
+    outside.write_text("# the user's own\n")
+    workspace = loop.history.worktree(tmp_path / "ws" / "round-1", loop.history.root())
+    (workspace / "DESIGN.md").symlink_to(outside)
+    verdict = OfflineJudge(session=None).judge(workspace, tmp_path / "judge")
+    assert not verdict.passed and verdict.reasons[0].startswith("workspace_git: DESIGN.md: a symbolic link")
+    task = Task(id="t", title="a task", rationale="why")
+    record = RoundRecord(round=1, task=task, parent_round=None, parent_commit=loop.history.root(), verdict="error")
+    loop.reject(record, workspace, verdict)
+    assert outside.read_text() == "# the user's own\n"
+    commit = git.Repo(tmp_path / "run").commit(record.commit)
+    assert (commit.tree / "DESIGN.md").mode == 0o100644 and "removed DESIGN.md" in commit.message
 
 
 def test_an_untouched_workspace_commits_through_its_own_git_directory(run):

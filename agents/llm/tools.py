@@ -14,7 +14,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -307,19 +306,15 @@ class Toolbox:
         return f"wrote {a.path} ({len(a.content.splitlines())} lines){compile_note(path, a.path)}"
 
     def run_command(self, a: RunCommand) -> str:
-        out = self.workspace / ".vibetrain-tmp"
-        out.mkdir(exist_ok=True)
-        command, env = self.sandbox.wrap(
-            ["bash", "-c", a.command], {}, writable=[self.workspace, out], cwd=self.workspace
-        )
+        """Writable: the workspace alone (the sandbox's /tmp is its own). No folder inside it is named
+        apart: the sandbox would mount what a link planted there points to."""
+        command, env = self.sandbox.wrap(["bash", "-c", a.command], {}, writable=[self.workspace], cwd=self.workspace)
         try:
             result = subprocess.run(
                 command, env=env or None, cwd=self.workspace, capture_output=True, text=True, timeout=a.timeout_s
             )
         except subprocess.TimeoutExpired:
             raise ToolResultError(f"the command ran past {a.timeout_s:g}s and was killed") from None
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
         return f"exit code {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
     def search_skills_tool(self, a: SearchSkills) -> str:

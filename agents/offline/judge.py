@@ -21,21 +21,18 @@ from targets.harness.session import Session, remove_bytecode_caches
 
 # What Python could import from the candidate's folder, which is on sys.path (a zip or egg once added to it).
 IMPORTABLE = (".py", ".pyc", ".pyo", ".pyd", ".so", ".pth", ".zip", ".egg")
-HARNESS_FOLDERS = (".vibetrain-check", ".vibetrain-bench", ".vibetrain-tmp")  # scratch the agents' tools write
 SHOWN = 50  # ignored files listed in a check's details
 
 
 def ignored_files(workspace: Path) -> list[str] | None:
     """Files under ``workspace`` that git ignores (its ``.gitignore`` files, ``.git/info/exclude``,
     the global excludes), relative to it; None when it is not in a git work tree (no commit then
-    leaves anything out). Ignored files in the harness's scratch folders are left out, unless
-    importable: those are refused wherever they are."""
+    leaves anything out)."""
     inside = workspace_git.run(workspace, "rev-parse", "--is-inside-work-tree", check=False)
     if inside.returncode != 0 or inside.stdout.strip() != "true":
         return None
     listed = workspace_git.output(workspace, "ls-files", "-z", "--others", "--ignored", "--exclude-standard")
-    paths = sorted(p for p in listed.split("\0") if p)
-    return [p for p in paths if p.split("/")[0] not in HARNESS_FOLDERS or Path(p).suffix in IMPORTABLE]
+    return sorted(p for p in listed.split("\0") if p)
 
 
 def ignore_rules(workspace: Path, paths: list[str]) -> dict[str, str]:

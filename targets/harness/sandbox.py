@@ -201,6 +201,9 @@ class Sandbox:
             return command, clean
         cache = Path(clean["VIBETRAIN_CACHE"]).resolve()
         cache.mkdir(parents=True, exist_ok=True)
+        links = [str(p) for p in writable if Path(p).is_symlink()]
+        if links:  # resolved, it would mount wherever the link points writable: whoever made it chose that
+            raise ValueError(f"a writable path of the sandbox is a symbolic link: {', '.join(links)}")
         writable = outermost(writable)
         readonly = [
             p

@@ -99,15 +99,20 @@ def tampering(workspace: Path) -> list[str]:
         "would write through it; put the file itself there"
         for path in found["links"]
     ]
-    trusted = _TRUSTED.get(workspace)
-    if trusted is not None:
-        link = workspace / ".git"
-        if link.is_symlink() or not link.is_file() or link.read_bytes() != trusted[1]:
-            reasons.append(
-                ".git: the worktree's link to its git directory was changed: it is the harness's, and git "
-                "would read the config of whatever it names"
-            )
+    if _link_changed(workspace):
+        reasons.append(
+            ".git: the worktree's link to its git directory was changed: it is the harness's, and git "
+            "would read the config of whatever it names"
+        )
     return reasons
+
+
+def _link_changed(workspace: Path) -> bool:
+    """Whether a recorded worktree's ``.git`` is no longer the link the harness wrote (False for a
+    folder the harness did not make)."""
+    trusted = _TRUSTED.get(workspace)
+    link = workspace / ".git"
+    return trusted is not None and (link.is_symlink() or not link.is_file() or link.read_bytes() != trusted[1])
 
 
 def run(workspace: Path, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -149,7 +154,7 @@ def disarm(workspace: Path) -> list[str]:
             planted.unlink()
         undone.append(f"removed {path}")
     link = workspace / ".git"
-    if link.is_symlink() or not link.is_file() or link.read_bytes() != trusted[1]:
+    if _link_changed(workspace):
         if link.is_dir() and not link.is_symlink():
             shutil.rmtree(link)
         else:

@@ -164,7 +164,7 @@ class History:
     # -- commits -----------------------------------------------------------------------------------
     def _commit_workspace(self, workspace: Path, message: str, records: dict[str, dict]) -> str:
         """``git add -A`` and commit, through the worktree's own git directory (``workspace_git``):
-        a workspace with a rewritten link or a planted repository raises ``Tampered``."""
+        a workspace holding anything ``workspace_git.tampering`` names raises ``Tampered``."""
         records_dir = workspace / RECORD_DIR
         records_dir.mkdir(exist_ok=True)
         for name, data in records.items():

@@ -144,23 +144,20 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
     loop.state.twin = str(fast_target)  # stands in for the calibrated one: deterministic predictions
     loop.state.twin_unfitted = ["shrink", "expand"]  # as a twin fitted to a starter that never shrinks
     spec = load_target(str(fast_target))
-    loop.state.backlog = [
-        Task(
-            id="controller=colocate",
-            title="switch the controller to colocate",
-            rationale="a move the twin predicts far behind",
-            skills=["colocate"],
-            changes=starter_params(spec, "colocate"),
-            priority=100,  # before anything round 0's hints add
-        ),
-        Task(
-            id="controller=time_multiplex",
-            title="switch the controller to time_multiplex",
-            rationale="it shrinks: the twin's cost for that is a guess",
-            skills=["time_multiplex"],
-            changes=starter_params(spec, "time_multiplex"),
-            priority=99,
-        ),
+
+    def switch(controller: str, rationale: str, priority: int) -> Task:
+        return Task(
+            id=f"controller={controller}",
+            title=f"switch the controller to {controller}",
+            rationale=rationale,
+            skills=[controller],
+            changes=starter_params(spec, controller),
+            priority=priority,
+        )
+
+    loop.state.backlog = [  # before anything round 0's hints add
+        switch("colocate", "a move the twin predicts far behind", 100),
+        switch("time_multiplex", "it shrinks: the twin's cost for that is a guess", 99),
     ]
     state = loop.run()
     judged = state.record(2)  # whatever the twin predicted for it: its shrinks cost what the spec guesses

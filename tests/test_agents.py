@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,6 +125,45 @@ def test_integrity_scan_rejects_each_planted_escape(tmp_path, tiny_spec, reason)
     assert not result.passed and any(reason.split(" (")[0] in r and "planted.py" in r for r in result.reasons), (
         result.reasons
     )
+
+
+class _FinalizedGarbage:
+    """Garbage whose finalizer runs Python code: a collection during a parse hands the GIL over."""
+
+    def __del__(self):
+        sum(range(50))
+
+
+def test_parallel_scans_of_one_stack_agree(tmp_path, tiny_spec):
+    """A simulated bench scans its stacks from several threads at once; CPython 3.11's ast.parse is not
+    safe for that (SystemError "AST constructor recursion depth mismatch"), so the scan parses under a lock.
+    Without ``AST_PARSE_LOCK`` this test raises that SystemError."""
+    stack = write_starter(tmp_path / "s", tiny_spec, "time_multiplex")
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    errors: list[BaseException] = []
+
+    def scan_repeatedly():
+        for _ in range(15):
+            garbage = [_FinalizedGarbage() for _ in range(100)]
+            for item in garbage:
+                item.cycle = item
+            del garbage
+            try:
+                assert scan_stack(stack).passed
+            except BaseException as error:  # noqa: BLE001 -- handed to the main thread, which raises it
+                errors.append(error)
+                return
+
+    try:
+        threads = [threading.Thread(target=scan_repeatedly) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert not errors, errors[0]
 
 
 # -- DESIGN.md ------------------------------------------------------------------------------------

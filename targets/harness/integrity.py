@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import threading
 from pathlib import Path
 
 from targets.harness.check_result import CheckResult
@@ -32,6 +33,10 @@ METRIC_NAMES = {
 }
 ALLOWED_CONTRACT_MODULES = {"targets", "targets.api"}
 COMPILED_SUFFIXES = {".pyc", ".pyo", ".pyd", ".so"}  # importable, but not source this scan can read
+# CPython 3.11 keeps ast.parse's recursion depth in module-wide state: two threads parsing at once (a
+# simulated bench scans its stacks in parallel) can raise "SystemError: AST constructor recursion depth
+# mismatch" when a garbage collection runs Python finalizers mid-parse (CPython gh-106905).
+AST_PARSE_LOCK = threading.Lock()
 
 
 def candidate_files(stack_dir: Path) -> list[Path]:
@@ -45,6 +50,12 @@ def candidate_files(stack_dir: Path) -> list[Path]:
     )
 
 
+def parse_source(source: str, filename: str) -> ast.Module:
+    """``ast.parse``, one thread at a time (see ``AST_PARSE_LOCK``)."""
+    with AST_PARSE_LOCK:
+        return ast.parse(source, filename=filename)
+
+
 def scan_stack(stack_dir: Path) -> CheckResult:
     files = candidate_files(stack_dir)
     reasons = [
@@ -56,7 +67,7 @@ def scan_stack(stack_dir: Path) -> CheckResult:
     for path in (p for p in files if p.suffix == ".py"):
         where = path.relative_to(stack_dir)
         try:
-            tree = ast.parse(path.read_text(), filename=str(path))
+            tree = parse_source(path.read_text(), str(path))
         except SyntaxError as error:
             reasons.append(f"{where}:{error.lineno}: syntax error: {error.msg}")
             continue

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from targets.harness.environments import EnvironmentPool
-from targets.harness.tokenizer import VOCAB
+from targets.harness.tokenizer import LETTERS, NAMED_VOCAB, VOCAB
 from targets.harness.trace import Trace
 from targets.spec import Geometric, Lognormal, parse_target
 
@@ -96,6 +96,24 @@ def test_synthetic_agent_scores_repetition(catalog_yaml):
     result = _run(sloppy.step(VOCAB.encode(f"{wrong} {wrong}")))
     per_symbol = [1.0 if s == wrong else 0.25 for s in perfect.task[0]]
     assert result.reward == pytest.approx(sum(per_symbol) / 2 / 3)
+
+
+@pytest.mark.parametrize("filler_as_letters", [False, True])
+def test_filler_tokens_read_as_letters_only_when_asked(catalog_yaml, filler_as_letters):
+    """A random model with a real vocabulary says filler tokens: read as letters (id mod alphabet),
+    they can earn a reward; read as themselves, nothing does."""
+    env = {
+        "name": "synthetic_agent",
+        "params": {"alphabet": 8, "symbols_per_turn": 2, "filler_as_letters": filler_as_letters},
+    }
+    pool, _, _ = _pool(catalog_yaml, env, {"max": 1, "dist": {"kind": "fixed", "value": 1}})
+    episode = pool.new_group()[0]
+    _run(episode.reset())
+    wanted = episode.symbols(0)
+    first = (len(NAMED_VOCAB) // 8 + 1) * 8  # the first filler id divisible by the alphabet (56 of 64 here)
+    fillers = [first + LETTERS.index(symbol) for symbol in wanted]  # each the letter wanted in its place
+    result = _run(episode.step(fillers))
+    assert result.reward == pytest.approx(1.0 if filler_as_letters else 0.0)
 
 
 def test_lifecycle_misuse_raises(catalog_yaml):

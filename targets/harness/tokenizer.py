@@ -30,6 +30,7 @@ WORDS = [
     "timeout",
 ]
 NAMED_VOCAB = SPECIAL_WORDS + DIGITS + LETTERS + WORDS
+FILLER_PREFIX = "<u"  # filler token N is the word "<uN>"
 
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -41,7 +42,7 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
             f"model.config.vocab_size {vocab_size} is smaller than the harness vocabulary ({len(NAMED_VOCAB)} words)"
         )
     vocab = {word: i for i, word in enumerate(NAMED_VOCAB)}
-    vocab.update({f"<u{i}>": i for i in range(len(NAMED_VOCAB), vocab_size)})
+    vocab.update({f"{FILLER_PREFIX}{i}>": i for i in range(len(NAMED_VOCAB), vocab_size)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=CTX))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, unk_token=CTX)
@@ -58,7 +59,7 @@ class Vocab:
         return [self.ids[w] for w in text.split()]
 
     def word(self, token: int) -> str:
-        return self.words[token] if 0 <= token < len(self.words) else f"<u{token}>"
+        return self.words[token] if 0 <= token < len(self.words) else f"{FILLER_PREFIX}{token}>"
 
 
 VOCAB = Vocab()

@@ -4,6 +4,13 @@ tool latency follow the target's distributions (the stand-in for SWE-style tool 
 Each observation shows a few symbols; the agent must repeat them. A turn scores 1 per symbol
 repeated in place and ``partial_credit`` per symbol from the alphabet in the wrong place; the
 episode's reward is the mean turn score, paid out per step.
+
+``filler_as_letters`` is for randomly initialised models with a real vocabulary: Qwen3-0.6B's
+151,936 ids hold 53 named words, so a random policy all but never says a letter, every reward is 0,
+every GRPO advantage 0, and training changes nothing (the first H100 run of qwen3-0.6b-h100x1: 393
+turns, all rewarded 0; the audit failed it "weights unchanged"). With it, filler token ``<uN>`` reads
+as letter ``N mod alphabet``: a random policy says the right letter 1 time in ``alphabet``, rewards
+vary within a group, and the policy can learn to say the right ones.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from targets.harness.environments.base import Episode
-from targets.harness.tokenizer import ACT, LETTERS
+from targets.harness.tokenizer import ACT, FILLER_PREFIX, LETTERS
 
 
 class SyntheticAgentParams(BaseModel):
@@ -22,6 +29,7 @@ class SyntheticAgentParams(BaseModel):
     alphabet: int = Field(default=4, ge=2, le=26)
     symbols_per_turn: int = Field(default=2, ge=1, le=8)
     partial_credit: float = Field(default=0.25, ge=0, le=1)
+    filler_as_letters: bool = False
 
 
 class SyntheticAgent(Episode):
@@ -52,7 +60,7 @@ class SyntheticAgent(Episode):
         alphabet = set(LETTERS[: self.params.alphabet])
         score = 0.0
         for i, symbol in enumerate(wanted):
-            said = action_words[i] if i < len(action_words) else None
+            said = self._as_letter(action_words[i]) if i < len(action_words) else None
             if said == symbol:
                 score += 1.0
             elif said in alphabet:
@@ -60,3 +68,9 @@ class SyntheticAgent(Episode):
         reward = score / len(wanted) / self.max_turns
         done = self.turn >= self.max_turns
         return ("ok" if done else self._show(self.turn)), reward, done
+
+    def _as_letter(self, word: str) -> str:
+        """The word as said, or with ``filler_as_letters`` a filler token ``<uN>`` as its letter."""
+        if self.params.filler_as_letters and word.startswith(FILLER_PREFIX) and word.endswith(">"):
+            return LETTERS[int(word[len(FILLER_PREFIX) : -1]) % self.params.alphabet]
+        return word

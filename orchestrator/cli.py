@@ -465,6 +465,10 @@ def calibrate(
     stack: Path = typer.Option(..., help="candidate directory (holds stack/) to run for real"),
     out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
+    trace: Path = typer.Option(
+        None,
+        help="fit to this trace.jsonl of an earlier real run of STACK (a GPU machine's, say) instead of running it",
+    ),
     time_limit: float | None = typer.Option(
         None, help="seconds each child run may take (default: the target's limits.time_s)"
     ),
@@ -478,21 +482,31 @@ def calibrate(
     import shutil
     import tempfile
 
-    from targets.harness.sim.calibrate import measure_and_predict
+    from targets.harness.sim.calibrate import fit_and_predict, measure_and_predict, recorded_run
 
     session = _session(target, sandbox, time_limit)
-    if session.target.simulated:
+    if session.target.simulated and trace is None:
         errors.print(
-            f"[red]error:[/red] {session.target.id} is simulated here: calibration needs a real run of the stack"
+            f"[red]error:[/red] {session.target.id} is simulated here: calibration needs a real run of the stack "
+            "(or --trace, the trace.jsonl of one recorded elsewhere)"
         )
         raise typer.Exit(2)
     if not (stack / "stack" / "__init__.py").exists():
         errors.print(f"[red]error:[/red] {stack} has no stack/__init__.py: not a candidate directory")
         raise typer.Exit(2)
     work = Path(tempfile.mkdtemp(prefix="vibetrain-calibrate-"))
-    with console.status(f"running {stack} for real, fitting, then simulating it"):
+    doing = (
+        f"fitting to {trace}, then simulating {stack}"
+        if trace
+        else f"running {stack} for real, fitting, then simulating it"
+    )
+    with console.status(doing):
         try:
-            report = measure_and_predict(session, stack, work, steps)
+            if trace is None:
+                report = measure_and_predict(session, stack, work, steps)
+            else:
+                events, recorded_steps = recorded_run(trace, session.target.spec)
+                report = fit_and_predict(session.target.ref, session, stack, work, events, steps or recorded_steps)
         except RuntimeError as error:
             errors.print(f"[red]error:[/red] {error}")
             raise typer.Exit(1) from None

@@ -332,6 +332,39 @@ def test_calibrate_refuses_a_directory_that_is_not_a_candidate(tmp_path):
     assert result.exit_code == 2 and "not a candidate directory" in result.output
 
 
+def _trace_line(kind: str, t: float, **data) -> str:
+    return json.dumps({"kind": kind, "t": t, "data": data}) + "\n"
+
+
+REAL_START = _trace_line("run_start", 0.0, devices=["cpu:0", "cpu:1"], steps=1, tokens_recorded=True)
+BAD_TRACES = {
+    "missing": (None, "not a readable trace"),
+    "not JSON lines": ("not json\n", "not a readable trace"),
+    "not trace events": ('{"kind": "train"}\n', "not a readable trace"),
+    "unfinished": (REAL_START, "not the trace of a finished run"),
+    "simulated": (
+        _trace_line("run_start", 0.0, devices=["cpu:0", "cpu:1"], steps=1, tokens_recorded=False)
+        + _trace_line("run_end", 1.0),
+        "a simulated run",
+    ),
+    "other hardware": (
+        _trace_line("run_start", 0.0, devices=["h100:0"], steps=1, tokens_recorded=True) + _trace_line("run_end", 1.0),
+        "not tiny-qwen3-cpu's ['cpu:0', 'cpu:1']",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TRACES))
+def test_calibrate_refuses_a_trace_it_cannot_fit(tmp_path, tiny_spec, case):
+    content, says = BAD_TRACES[case]
+    stack = write_starter(tmp_path / "stack", tiny_spec, "colocate")
+    trace = tmp_path / "trace.jsonl"
+    if content is not None:
+        trace.write_text(content)
+    result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), "--trace", str(trace)])
+    assert result.exit_code == 1 and says in " ".join(result.output.split()), result.output
+
+
 def test_the_rollout_fit_recovers_its_constants_and_keeps_them_non_negative():
     """Exact latencies give back the constants they were made from; latencies that are all
     per-iteration cost plus noise would give the FLOPs term a negative rate (a negative MFU) by
@@ -365,12 +398,34 @@ def test_calibration_pools_runs_and_says_which_constants_no_run_measured():
     shrinks = [TraceEvent("shrink", 1.2, {"start": 1.0}), TraceEvent("expand", 2.4, {"start": 2.0})]
     alone = calibrate(spec, [colocate])
     assert alone.simulator.switch_overhead_s == spec.simulator.switch_overhead_s
-    assert any("no shrink or expand" in note for note in alone.notes)
-    assert alone.unfitted == ["sync", "shrink", "expand"]  # what the pre-screen will not predict on a guess
+    assert any("no shrink, expand or suspend" in note for note in alone.notes)
+    assert alone.unfitted == ["shrink", "expand", "suspend", "sync"]  # what the pre-screen will not predict on a guess
     pooled = calibrate(spec, [colocate, colocate + shrinks])
     assert pooled.simulator.switch_overhead_s == pytest.approx(max(0.0, 0.3 - modelled))
-    assert not any("no shrink or expand" in note for note in pooled.notes)
+    assert not any("no shrink, expand or suspend" in note for note in pooled.notes)
     assert pooled.unfitted == ["sync"]
+
+
+def test_one_device_s_suspends_and_resumes_time_the_switch_and_the_sync():
+    """Colocate on one device never shrinks or syncs apart: a suspend is an offload, and a resume is a
+    reload plus the sync to the weights trained meanwhile (the simulator's order)."""
+    from targets.api import TraceEvent
+    from targets.harness.sim.calibrate import calibrate
+    from targets.harness.sim.cost_model import CostModel
+    from targets.spec import load_target
+
+    spec = load_target("tiny-qwen3-cpu")
+    cost = CostModel.from_spec(spec)
+    run = [
+        TraceEvent("run_start", 0.0),
+        TraceEvent("suspend", 3.0, {"start": 1.0}),
+        TraceEvent("resume", 9.0, {"start": 4.0}),
+        TraceEvent("run_end", 10.0),
+    ]
+    fitted = calibrate(spec, [run])
+    assert fitted.simulator.switch_overhead_s == pytest.approx(2.0 - (cost.offload_s() - cost.switch_overhead_s))
+    assert fitted.simulator.sync_overhead_s == pytest.approx(3.0 - (cost.sync_s() - cost.sync_overhead_s))
+    assert fitted.unfitted == []
 
 
 def test_request_concurrency_is_the_mean_batch_over_a_request_s_span():
@@ -428,3 +483,18 @@ def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, f
     error = report["compared"]["step_time_s"]["error"]
     print(f"simulator step-time prediction error after calibration: {error:+.1%}")
     assert abs(error) < 1.0  # same order as the real run; the figure itself is reported, not gated
+    # the same trace fitted again from the file (as one fetched from a GPU machine): the same prediction
+    refit = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(fast_target),
+            "--stack",
+            str(stack),
+            "--trace",
+            str(tmp_path / "work" / "real" / "trace.jsonl"),
+        ],
+        env={"COLUMNS": "120"},
+    )
+    assert refit.exit_code == 0, refit.output
+    assert f"{error:+.1%}" in refit.output, refit.output

@@ -15,8 +15,9 @@ that does supplies it.
   ``b``-sequence batch plus the prefill FLOPs of the requests that joined meanwhile (new tokens
   only: a prefix the same device served the episode's previous turn is cached). Non-negative least
   squares over the requests gives the three constants.
-* **weight sync** and **offload/reload**: their mean durations less the modelled transfer time; with
-  none in any run, the spec's constants are kept (``notes`` says so).
+* **weight sync** and **offload/reload**: their mean durations less the modelled transfer time (a
+  suspend times an offload; a resume with no sync in the run times a reload and a sync); with none in
+  any run, the spec's constants are kept (``notes`` says so).
 * **response lengths** (``workload.tokens.response_length``): the mean tokens a completed turn
   generated, and the log-space spreads by moments: ``turn_sigma^2`` the mean variance of log
   lengths within a group, ``task_sigma^2`` the variance of the groups' mean log lengths less
@@ -211,18 +212,27 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         return sum(spans) / len(spans) if spans else None
 
     unfitted = []
+    # A suspend offloads every engine, as a shrink does one; a resume reloads them and then brings the
+    # stale ones to the latest weights (the simulator's order), so with no sync of its own a run's
+    # resumes time the sync too: what a resume takes beyond its reload (one device's colocate run).
+    switch = mean_duration(("shrink", "expand", "suspend"))
+    if switch is not None:
+        fitted["switch_overhead_s"] = max(0.0, switch - (cost.offload_s() - cost.switch_overhead_s))
+    else:
+        notes.append(
+            f"no shrink, expand or suspend in the run(s): switch_overhead_s kept at {cost.switch_overhead_s:g} s"
+        )
+        unfitted += ["shrink", "expand", "suspend"]
     sync = mean_duration(("sync",))
+    resume = mean_duration(("resume",))
+    if sync is None and resume is not None and switch is not None:
+        sync = resume - switch
+        notes.append(f"no weight sync in the run(s): fitted from the resumes, {sync:.3g} s beyond their reload")
     if sync is not None:
         fitted["sync_overhead_s"] = max(0.0, sync - (cost.sync_s() - cost.sync_overhead_s))
     else:
         notes.append(f"no weight sync in the run(s): sync_overhead_s kept at {cost.sync_overhead_s:g} s")
         unfitted.append("sync")
-    switch = mean_duration(("shrink", "expand"))
-    if switch is not None:
-        fitted["switch_overhead_s"] = max(0.0, switch - (cost.offload_s() - cost.switch_overhead_s))
-    else:
-        notes.append(f"no shrink or expand in the run(s): switch_overhead_s kept at {cost.switch_overhead_s:g} s")
-        unfitted += ["shrink", "expand"]
     # Efficiencies are fractions of the catalog peak; a device faster than its catalog number gets
     # its peak raised so that the fastest fitted rate is 100% of it.
     peak = spec.hardware.bf16_tflops
@@ -278,20 +288,46 @@ def write_calibrated_spec(target_ref: str, calibration: Calibration, path: Path)
 
 
 def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: int | None = None) -> dict:
-    """Run the stack for real, fit the cost model to its trace, write the calibrated target spec,
-    simulate the same stack on it, and compare: the simulator's prediction error on that run. Both
-    runs are judged like any measured run."""
+    """Run the stack for real, then ``fit_and_predict`` on its trace. The real run is judged like any
+    measured run."""
+    real = session.measure(stack_dir, work / "real", seed=0, steps=steps)
+    if not real.ok:
+        raise RuntimeError("the real run failed: " + "; ".join(real.reasons[:3]))
+    return fit_and_predict(session.target.ref, session, stack_dir, work, real.events(), steps)
+
+
+def recorded_run(trace_path: Path, spec: TargetSpec) -> tuple[list[TraceEvent], int]:
+    """The events and step count of a real run recorded elsewhere (a GPU machine's ``trace.jsonl``),
+    refused with the reason if it is not a finished run of ``spec``'s hardware."""
+    from targets.harness.trace import Trace
+
+    try:
+        events = Trace.load_events(trace_path)
+    except (OSError, ValueError, TypeError) as error:  # missing, not JSON lines, not trace events
+        raise RuntimeError(f"{trace_path}: not a readable trace ({error})") from None
+    starts = [e for e in events if e.kind == "run_start"]
+    if not starts or not any(e.kind == "run_end" for e in events):
+        raise RuntimeError(f"{trace_path}: not the trace of a finished run (no run_start/run_end event)")
+    devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
+    if starts[0].data.get("devices") != devices:
+        raise RuntimeError(f"{trace_path}: a run on {starts[0].data.get('devices')}, not {spec.id}'s {devices}")
+    if not starts[0].data.get("tokens_recorded"):
+        raise RuntimeError(f"{trace_path}: a simulated run (it recorded no tokens); calibration fits real ones")
+    return events, sum(1 for e in events if e.kind == "train")
+
+
+def fit_and_predict(
+    target_ref: str, session: Session, stack_dir: Path, work: Path, real_events: list[TraceEvent], steps: int | None
+) -> dict:
+    """Fit the cost model to a real run's events, write the calibrated target spec, simulate the same
+    stack on it, and compare: the simulator's prediction error on that run."""
     from targets.harness.metrics import compute_metrics
     from targets.harness.session import Session
     from targets.harness.target import Target
 
     spec = session.target.spec
-    real = session.measure(stack_dir, work / "real", seed=0, steps=steps)
-    if not real.ok:
-        raise RuntimeError("the real run failed: " + "; ".join(real.reasons[:3]))
-    real_events = real.events()
     calibration = calibrate(spec, [real_events])
-    calibrated_path = write_calibrated_spec(session.target.ref, calibration, work / f"{spec.id}.calibrated.yaml")
+    calibrated_path = write_calibrated_spec(target_ref, calibration, work / f"{spec.id}.calibrated.yaml")
     twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits)
     simulated = twin.measure(stack_dir, work / "simulated", seed=0, steps=steps)
     if not simulated.ok:

@@ -438,6 +438,7 @@ EventKind = Literal[
     "expand",
     "suspend",
     "resume",
+    "weight_export",  # the harness copying the trained weights for its audit; the train call waits for it
     "device_state",
     "sample_used",
     "sample_dropped",

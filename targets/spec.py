@@ -387,6 +387,12 @@ class SimulatorSpec(Strict):
     train_step_overhead_s: float = Field(default=1.0, ge=0)
     sync_overhead_s: float = Field(default=0.5, ge=0)
     switch_overhead_s: float = Field(default=0.5, ge=0, description="fixed cost of an offload or a reload")
+    weight_export_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="the harness's copy of the weights after each train step of a real run (the audit replays "
+        "from it), which the train call waits for; calibration fits it, 0 where a target only ever simulates",
+    )
     engine_devices: int | None = Field(
         default=None, gt=0, description="devices per rollout engine; default: the fewest that fit the weights"
     )

@@ -261,6 +261,23 @@ def test_each_recipe_controller_runs_on_the_simulator_and_passes_the_audit(tmp_p
     assert sum(1 for e in events if e.kind == "train") == spec.workload.train_steps
 
 
+def test_the_twin_charges_the_harness_s_weight_export_and_calibration_fits_it(tmp_path):
+    """A real run's train call waits for the harness's copy of the weights (21-24 s a step for the 0.6B
+    on the first H100 run, a fifth of its step): the twin charges its fitted ``weight_export_s`` after
+    every step, and calibration reads it back from the ``weight_export`` events."""
+    from targets.harness.sim.calibrate import calibrate
+
+    spec = load_target("tiny-qwen3-cpu")
+    exporting = spec.model_copy(update={"simulator": spec.simulator.model_copy(update={"weight_export_s": 3.0})})
+    _, events, _ = _simulated(tmp_path, exporting, "colocate", steps=2)
+    exports = [e for e in events if e.kind == "weight_export"]
+    assert [e.t - e.data["start"] for e in exports] == pytest.approx([3.0, 3.0])
+    assert calibrate(spec, [events]).simulator.weight_export_s == pytest.approx(3.0)
+    (tmp_path / "plain").mkdir()
+    _, plain, _ = _simulated(tmp_path / "plain", spec, "colocate", steps=2)
+    assert [e.t - e.data["start"] for e in plain if e.kind == "weight_export"] == [0.0, 0.0]
+
+
 def test_the_audit_still_catches_a_planted_cheat_in_a_simulated_trace(tmp_path):
     spec, events, _ = _simulated(tmp_path, load_target("tiny-qwen3-cpu"), "time_multiplex")
     train = next(e for e in events if e.kind == "train")

@@ -149,9 +149,11 @@ class TracedCluster:
                 for t in batch.trajectories
             ],
         )
+        export_start = self.trace.clock.now()
         state = await self.inner.export_weights()
         if state is not None:
             self.weights[step] = {k: v.detach().cpu().clone() for k, v in state.items()}
+        self.trace.record("weight_export", start=export_start, step=step)
         await self._residency()
         return version
 

@@ -18,6 +18,8 @@ that does supplies it.
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time (a
   suspend times an offload; a resume with no sync in the run times a reload and a sync); with none in
   any run, the spec's constants are kept (``notes`` says so).
+* **the harness's weight export** (``weight_export_s``): its mean duration; the train call of a real
+  run waits for it (the 0.6B's float32 copy took 21-24 s a step on the first H100 run).
 * **response lengths** (``workload.tokens.response_length``): the mean tokens a completed turn
   generated, and the log-space spreads by moments: ``turn_sigma^2`` the mean variance of log
   lengths within a group, ``task_sigma^2`` the variance of the groups' mean log lengths less
@@ -223,6 +225,11 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
             f"no shrink, expand or suspend in the run(s): switch_overhead_s kept at {cost.switch_overhead_s:g} s"
         )
         unfitted += ["shrink", "expand", "suspend"]
+    export = mean_duration(("weight_export",))
+    if export is not None:
+        fitted["weight_export_s"] = export
+    else:
+        notes.append(f"no weight export in the run(s): weight_export_s kept at {spec.simulator.weight_export_s:g} s")
     sync = mean_duration(("sync",))
     resume = mean_duration(("resume",))
     if sync is None and resume is not None and switch is not None:

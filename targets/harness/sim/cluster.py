@@ -129,6 +129,9 @@ class SimCluster:
         await asyncio.gather(*(e.load_weights(version, self.cost.sync_s(), interrupt) for e in engines))
 
     async def export_weights(self) -> StateDict | None:
+        """No weights to copy; the time a real harness's copy takes (the twin's fitted term) passes."""
+        if self.cost.weight_export_s:
+            await asyncio.sleep(self.cost.weight_export_s)
         return None
 
     # -- suspend / resume / close ------------------------------------------------------------------

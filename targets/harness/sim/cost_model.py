@@ -33,6 +33,8 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
 * **weight sync** to an engine: its shard ``weight_bytes / d`` per device over the link
   (intra-node when the whole cluster is one node, else inter-node) ``+ sync_overhead_s``.
 * **offload / reload**: the shard over the host link ``+ switch_overhead_s``.
+* **the harness's weight export** after each train step: ``weight_export_s`` (fitted; the real
+  harness's copy for the audit, not the stack's work, but the train call waits for it).
 * **batching**: ``continuous`` admits queued requests at every iteration (vLLM); ``static`` only
   when the running batch has finished (the torch engine recipe).
 
@@ -77,6 +79,7 @@ class CostModel:
     train_step_overhead_s: float
     sync_overhead_s: float
     switch_overhead_s: float
+    weight_export_s: float
     engine_devices: int
     continuous_batching: bool = True
 
@@ -114,6 +117,7 @@ class CostModel:
             train_step_overhead_s=sim.train_step_overhead_s,
             sync_overhead_s=sim.sync_overhead_s,
             switch_overhead_s=sim.switch_overhead_s,
+            weight_export_s=sim.weight_export_s,
             engine_devices=1,
             continuous_batching=sim.batching == "continuous",
         )

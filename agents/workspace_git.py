@@ -138,6 +138,30 @@ def output(workspace: Path, *args: str) -> str:
     return run(workspace, *args).stdout.removesuffix("\n")
 
 
+def copy_candidate(source: Path, target: Path) -> None:
+    """Make ``target``'s files those of ``source``: every file but git's link and bytecode caches,
+    a symbolic link as a link (never followed: ``tampering`` names it in the copy). ``target`` is a
+    worktree the harness made; its own ``.git`` stays."""
+    for path in sorted(target.iterdir()):
+        if path.name == ".git":
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    for path in sorted(source.rglob("*")):
+        relative = path.relative_to(source)
+        if {".git", "__pycache__"} & set(relative.parts):
+            continue
+        copy = target / relative
+        if path.is_symlink():
+            copy.symlink_to(os.readlink(path))
+        elif path.is_dir():
+            copy.mkdir(exist_ok=True)
+        elif path.is_file():
+            shutil.copy2(path, copy)
+
+
 def disarm(workspace: Path) -> list[str]:
     """Restore a recorded worktree's link and delete what was planted in it (``plants``); say what
     was undone. A folder the harness did not make is left as it is."""

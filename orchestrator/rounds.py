@@ -4,7 +4,8 @@ A run is a git repository (``generated/<run>``) plus its state. Round 0 writes t
 (on a real target with the pre-screen on, the measured traces of validated rounds calibrate the
 twin); every later
 round: the policy picks a parent candidate and a task → the implementer edits a fresh worktree of
-the parent (up to ``max_attempts`` times, each fed the judge's reasons) → the twin pre-screens it
+the parent (up to ``max_attempts`` times, each fed the judge's reasons) → what it left is copied
+into a worktree of the harness's own, the candidate from then on → the twin pre-screens it
 (a real target: one predicted too far behind the best ends the round here) → the judge gates it →
 the evaluator measures it → the candidate is committed (validated) or kept under a
 rejected ref → ``DESIGN.md``, the backlog and the run state are updated. One round's failure never
@@ -152,11 +153,12 @@ class Loop:
             parent_headline=parent.headline if parent else None,
         )
         seeds = self.seeds(number)
+        candidate = workspace  # until the agent's first attempt is frozen (``freeze``)
         try:
-            verdict = self.implement_and_judge(record, workspace, out, seeds[0])
+            verdict, candidate = self.implement_and_judge(record, workspace, out, seeds[0])
             if verdict.passed:
                 baseline = self.history.export(self.state.best.commit, out / "baseline") if self.state.best else None
-                evaluation = self.agents.evaluator.evaluate(workspace, out / "evaluate", baseline, seeds, verdict.run)
+                evaluation = self.agents.evaluator.evaluate(candidate, out / "evaluate", baseline, seeds, verdict.run)
                 if evaluation.findings:  # every measured run is judged: a finding in any one rejects
                     verdict = Verdict(
                         False,
@@ -164,13 +166,13 @@ class Loop:
                         verdict.checks + [{"name": "measured_runs", "passed": False, "reasons": evaluation.findings}],
                     )
                     record.reasons = verdict.reasons
-                    self.reject(record, workspace, verdict)
+                    self.reject(record, candidate, verdict)
                 else:
-                    self.accept(record, evaluation, workspace, verdict)
+                    self.accept(record, evaluation, candidate, verdict)
             elif record.screened_out:
-                self.reject(record, workspace, verdict, "prescreened")
+                self.reject(record, candidate, verdict, "prescreened")
             else:
-                self.reject(record, workspace, verdict)
+                self.reject(record, candidate, verdict)
         except OSError as error:
             if error.errno == errno.ENOSPC:
                 raise RunError(
@@ -184,6 +186,7 @@ class Loop:
         if self.agents.accounting is not None:
             record.llm = {k: v - llm_before.get(k, 0) for k, v in self.agents.accounting.snapshot().items()}
         self.history.remove_worktree(workspace)
+        self.history.remove_worktree(self._frozen(number))
         return record
 
     def seeds(self, number: int) -> list[int]:
@@ -192,11 +195,28 @@ class Loop:
         rng = random.Random(f"{self.state.config.seed}:{number}")
         return [rng.randrange(2**31) for _ in range(self.state.config.repeat)]
 
-    def implement_and_judge(self, record: RoundRecord, workspace: Path, out: Path, seed: int = 0) -> Verdict:
+    def _frozen(self, number: int) -> Path:
+        return self.workspaces / f"round-{number}-judged"
+
+    def freeze(self, workspace: Path, record: RoundRecord) -> Path:
+        """The candidate as its agent left it, copied into a worktree the agent never had: what the
+        twin predicts, the judge checks, the evaluator measures and the round commits. A process the
+        agent left running (a detached command, a container past its timeout) can go on writing in
+        the workspace, never in this copy, so what is committed is what was judged."""
+        frozen = self.history.worktree(self._frozen(record.round), record.parent_commit)
+        workspace_git.copy_candidate(workspace, frozen)
+        return frozen
+
+    def implement_and_judge(
+        self, record: RoundRecord, workspace: Path, out: Path, seed: int = 0
+    ) -> tuple[Verdict, Path]:
         """Up to ``max_attempts`` implementations, each fed the judge's reasons for the last one;
-        the record keeps the attempt count and the latest reasons even if a later step fails."""
+        the record keeps the attempt count and the latest reasons even if a later step fails.
+        Returns the verdict and the candidate it is about: the last attempt's frozen copy (the
+        workspace itself when no attempt got that far)."""
         feedback: list[str] = []
         verdict = Verdict(False, ["no attempt was made"], [])
+        candidate = workspace
         parent = self.state.record(record.parent_round) if record.round else None
         context = RoundContext(
             parent_round=record.parent_round,
@@ -223,15 +243,16 @@ class Loop:
                 self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
                 feedback = verdict.reasons
                 continue
-            screened = self.prescreen(record, workspace, out / f"twin-{attempt}")
+            candidate = self.freeze(workspace, record)
+            screened = self.prescreen(record, candidate, out / f"twin-{attempt}")
             if screened is not None:
                 record.reasons = screened.reasons
                 self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=screened.reasons)
                 if record.screened_out:
-                    return screened  # predicted too slow: another attempt at the same task is not the fix
+                    return screened, candidate  # predicted too slow: another attempt at the same task is not the fix
                 verdict, feedback = screened, screened.reasons
                 continue
-            verdict = self.agents.judge.judge(workspace, out / f"judge-{attempt}", record.task, seed, context)
+            verdict = self.agents.judge.judge(candidate, out / f"judge-{attempt}", record.task, seed, context)
             record.reasons = verdict.reasons
             self.on_event(
                 "verdict", round=record.round, attempt=attempt, passed=verdict.passed, reasons=verdict.reasons
@@ -239,7 +260,7 @@ class Loop:
             if verdict.passed:
                 break
             feedback = verdict.reasons
-        return verdict
+        return verdict, candidate
 
     def accept(self, record: RoundRecord, evaluation: Evaluation, workspace: Path, verdict: Verdict) -> None:
         tampered = workspace_git.tampering(workspace)  # since the judge looked: the harness writes there next

@@ -211,6 +211,38 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
     assert state.best_round == 0  # the starter stays best; nothing rejected ever became a candidate
 
 
+def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tmp_path, fast_target):
+    """The implementer returns while a detached process of its own goes on writing in its workspace
+    (a command under setsid, a container past its timeout): the round judges, measures and commits
+    the candidate as the agent left it. On the old flow (the workspace judged and committed) the late
+    write landed in the commit."""
+    from agents.offline.implementer import OfflineImplementer
+
+    original = OfflineImplementer.implement
+    written = tmp_path / "late-write-done"
+
+    def lingering(self, task, workspace, feedback, hints=(), context=None):
+        attempt = original(self, task, workspace, feedback, hints)
+        target = workspace / "stack" / "__init__.py"
+        script = (
+            f"import pathlib, time; time.sleep(1); p = pathlib.Path({str(target)!r}); "
+            f"p.write_text(p.read_text() + 'LATE = True\\n'); pathlib.Path({str(written)!r}).touch()"
+        )
+        subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+        return attempt
+
+    loop = _start(fast_target, tmp_path, rounds=1, simulate=True)
+    OfflineImplementer.implement = lingering
+    try:
+        state = loop.run()
+    finally:
+        OfflineImplementer.implement = original
+    assert written.exists(), "the late write never happened: the test shows nothing"
+    record = state.rounds[1]
+    assert record.commit, record.reasons
+    assert "LATE" not in History.open(tmp_path / "run").read(record.commit, "stack/__init__.py")
+
+
 # -- SIGKILL mid-round, then --resume, on a target written from scratch ----------------------------
 
 SCRATCH_TARGET = """

@@ -180,7 +180,7 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
 
 
 @pytest.mark.slow
-def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
+def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monkeypatch):
     from agents.offline.implementer import OfflineImplementer
 
     original = OfflineImplementer.implement
@@ -191,12 +191,8 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
         return attempt
 
     run = tmp_path / "run"
-    loop = _start(fast_target, tmp_path, rounds=2, simulate=True)
-    OfflineImplementer.implement = cheating
-    try:
-        state = loop.run()
-    finally:
-        OfflineImplementer.implement = original
+    monkeypatch.setattr(OfflineImplementer, "implement", cheating)
+    state = _start(fast_target, tmp_path, rounds=2, simulate=True).run()
     rejected = [r for r in state.rounds if r.verdict == "rejected"]
     assert [r.round for r in rejected] == [1, 2] and rejected[0].attempts == 2
     assert any("names the harness metric 'rollout_throughput'" in reason for reason in rejected[0].reasons)
@@ -211,7 +207,7 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target):
     assert state.best_round == 0  # the starter stays best; nothing rejected ever became a candidate
 
 
-def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tmp_path, fast_target):
+def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tmp_path, fast_target, monkeypatch):
     """The implementer returns while a detached process of its own goes on writing in its workspace
     (a command under setsid, a container past its timeout): the round judges, measures and commits
     the candidate as the agent left it. On the old flow (the workspace judged and committed) the late
@@ -231,12 +227,8 @@ def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tm
         subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
         return attempt
 
-    loop = _start(fast_target, tmp_path, rounds=1, simulate=True)
-    OfflineImplementer.implement = lingering
-    try:
-        state = loop.run()
-    finally:
-        OfflineImplementer.implement = original
+    monkeypatch.setattr(OfflineImplementer, "implement", lingering)
+    state = _start(fast_target, tmp_path, rounds=1, simulate=True).run()
     assert written.exists(), "the late write never happened: the test shows nothing"
     record = state.rounds[1]
     assert record.commit, record.reasons

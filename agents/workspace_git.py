@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -138,10 +139,20 @@ def output(workspace: Path, *args: str) -> str:
     return run(workspace, *args).stdout.removesuffix("\n")
 
 
-def copy_candidate(source: Path, target: Path) -> None:
-    """Make ``target``'s files those of ``source``: every file but git's link and bytecode caches,
-    a symbolic link as a link (never followed: ``tampering`` names it in the copy). ``target`` is a
-    worktree the harness made; its own ``.git`` stays."""
+MAX_CANDIDATE_BYTES = 256 * 2**20  # a candidate is source and small data; more is refused, not copied
+
+
+def copy_candidate(source: Path, target: Path) -> list[str]:
+    """Make ``target``'s files those of ``source`` (every file but git's link and bytecode caches) and
+    say what was not copied and why. ``target`` is a worktree the harness made; its ``.git`` stays.
+
+    A process of the agent's may still be changing ``source`` while this copies it, so nothing here
+    trusts a name twice: each folder and file is opened relative to its opened parent without following
+    links (a folder swapped for a link to ``~/.ssh`` is refused, not read), a file is copied only if the
+    opened thing is a regular file (a FIFO would block, a device would not end), at most
+    ``MAX_CANDIDATE_BYTES`` in all, and each copy is created new in a folder this made, so no write
+    goes through a link. Links are recreated as links (never followed) after every file, for the gate
+    to name."""
     for path in sorted(target.iterdir()):
         if path.name == ".git":
             continue
@@ -149,17 +160,59 @@ def copy_candidate(source: Path, target: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
-    for path in sorted(source.rglob("*")):
-        relative = path.relative_to(source)
-        if {".git", "__pycache__"} & set(relative.parts):
-            continue
-        copy = target / relative
-        if path.is_symlink():
-            copy.symlink_to(os.readlink(path))
-        elif path.is_dir():
-            copy.mkdir(exist_ok=True)
-        elif path.is_file():
-            shutil.copy2(path, copy)
+    refused: list[str] = []
+    links: list[tuple[Path, str]] = []
+    copied = 0
+
+    def walk(folder_fd: int, into: Path, relative: Path) -> None:
+        nonlocal copied
+        for name in sorted(os.listdir(folder_fd)):
+            if name in (".git", "__pycache__"):
+                continue
+            where = relative / name
+            try:
+                kind = os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode
+                if stat.S_ISLNK(kind):
+                    links.append((where, os.readlink(name, dir_fd=folder_fd)))
+                elif stat.S_ISDIR(kind):
+                    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder_fd)
+                    try:
+                        (into / name).mkdir()
+                        walk(fd, into / name, where)
+                    finally:
+                        os.close(fd)
+                elif stat.S_ISREG(kind):
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder_fd)
+                    with os.fdopen(fd, "rb") as file:
+                        opened = os.fstat(file.fileno())
+                        if not stat.S_ISREG(opened.st_mode):
+                            refused.append(f"{where}: changed into a special file while the harness copied it")
+                            continue
+                        if copied + opened.st_size > MAX_CANDIDATE_BYTES:
+                            refused.append(f"{where}: the candidate passes {MAX_CANDIDATE_BYTES // 2**20} MiB here")
+                            continue
+                        data = file.read(MAX_CANDIDATE_BYTES - copied + 1)  # it may have grown since
+                        if copied + len(data) > MAX_CANDIDATE_BYTES:
+                            refused.append(f"{where}: the candidate passes {MAX_CANDIDATE_BYTES // 2**20} MiB here")
+                            continue
+                        copied += len(data)
+                        with open(into / name, "xb") as out:
+                            out.write(data)
+                        os.chmod(into / name, opened.st_mode & 0o777)
+                else:
+                    refused.append(f"{where}: a special file (a FIFO, socket or device), not a file or folder")
+            except OSError as error:  # vanished, or swapped for a link, between the listing and the open
+                refused.append(f"{where}: changed while the harness copied it ({error.strerror})")
+
+    root = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        walk(root, target, Path())
+    finally:
+        os.close(root)
+    for where, points_to in links:
+        if (target / where).parent.is_dir():  # else its folder was refused, and said so
+            (target / where).symlink_to(points_to)
+    return refused
 
 
 def disarm(workspace: Path) -> list[str]:

@@ -23,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from git.exc import GitCommandError
+
 from agents import workspace_git
 from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Verdict
-from orchestrator.history import History, Trailers
+from orchestrator.history import History, HistoryError, Trailers
 from orchestrator.policies import Policy
 from orchestrator.prescreen import Twin, clears, twin_said
 from orchestrator.run_dir import RunDir
@@ -153,7 +155,6 @@ class Loop:
             parent_headline=parent.headline if parent else None,
         )
         seeds = self.seeds(number)
-        candidate = workspace  # until the agent's first attempt is frozen (``freeze``)
         try:
             verdict, candidate = self.implement_and_judge(record, workspace, out, seeds[0])
             if verdict.passed:
@@ -185,8 +186,11 @@ class Loop:
         record.seconds = time.monotonic() - started
         if self.agents.accounting is not None:
             record.llm = {k: v - llm_before.get(k, 0) for k, v in self.agents.accounting.snapshot().items()}
-        self.history.remove_worktree(workspace)
-        self.history.remove_worktree(self._frozen(number))
+        for tree in (workspace, self._frozen(number)):  # a tree that will not go is said, and the run goes on
+            try:
+                self.history.remove_worktree(tree)
+            except (HistoryError, GitCommandError, OSError) as error:
+                record.reasons.append(f"the worktree {tree} was not removed: {error}")
         return record
 
     def seeds(self, number: int) -> list[int]:
@@ -198,22 +202,21 @@ class Loop:
     def _frozen(self, number: int) -> Path:
         return self.workspaces / f"round-{number}-judged"
 
-    def freeze(self, workspace: Path, record: RoundRecord) -> Path:
+    def freeze(self, workspace: Path, record: RoundRecord) -> tuple[Path, list[str]]:
         """The candidate as its agent left it, copied into a worktree the agent never had: what the
-        twin predicts, the judge checks, the evaluator measures and the round commits. A process the
-        agent left running (a detached command, a container past its timeout) can go on writing in
-        the workspace, never in this copy, so what is committed is what was judged."""
+        twin predicts, the judge checks, the evaluator measures and the round commits (a rejection's
+        too). A process the agent left running (a detached command, a container past its timeout)
+        can go on writing in the workspace, never in this copy, so what is committed is what was
+        judged. Also: what could not be copied, and why (``workspace_git.copy_candidate``)."""
         frozen = self.history.worktree(self._frozen(record.round), record.parent_commit)
-        workspace_git.copy_candidate(workspace, frozen)
-        return frozen
+        return frozen, workspace_git.copy_candidate(workspace, frozen)
 
     def implement_and_judge(
         self, record: RoundRecord, workspace: Path, out: Path, seed: int = 0
     ) -> tuple[Verdict, Path]:
         """Up to ``max_attempts`` implementations, each fed the judge's reasons for the last one;
         the record keeps the attempt count and the latest reasons even if a later step fails.
-        Returns the verdict and the candidate it is about: the last attempt's frozen copy (the
-        workspace itself when no attempt got that far)."""
+        Returns the verdict and the candidate it is about: the last attempt's frozen copy."""
         feedback: list[str] = []
         verdict = Verdict(False, ["no attempt was made"], [])
         candidate = workspace
@@ -238,12 +241,23 @@ class Loop:
                     )
                 record.account = context.account = change.summary
             except AgentError as error:  # this attempt ends; the next one is told why
+                candidate, _ = self.freeze(workspace, record)  # what it left: the evidence a rejection keeps
                 verdict = Verdict(False, [f"attempt {attempt}: {type(error).__name__}: {error}"], [])
                 record.reasons = verdict.reasons
                 self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
                 feedback = verdict.reasons
                 continue
-            candidate = self.freeze(workspace, record)
+            candidate, refused = self.freeze(workspace, record)
+            if refused:
+                verdict = Verdict(
+                    False,
+                    [f"the candidate could not be copied as it is: {reason}" for reason in refused],
+                    [{"name": "frozen_copy", "passed": False, "reasons": refused}],
+                )
+                record.reasons = verdict.reasons
+                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
+                feedback = verdict.reasons
+                continue
             screened = self.prescreen(record, candidate, out / f"twin-{attempt}")
             if screened is not None:
                 record.reasons = screened.reasons

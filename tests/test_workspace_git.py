@@ -7,6 +7,8 @@ keeps the candidate's files with the plant undone, and the plant never took effe
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -157,3 +159,54 @@ def test_an_untouched_workspace_commits_through_its_own_git_directory(run):
     assert "stack/model.py" in workspace_git.output(workspace, "status", "--porcelain")
     commit = history.commit_validated(workspace, 1, "a task", TRAILERS, {})
     assert history.read(commit, "stack/model.py") == "VALUE = 2\n"
+
+
+# -- the frozen copy, against an agent still writing while it is made -----------------------------
+
+
+def test_the_frozen_copy_refuses_what_changes_under_it_and_never_follows_a_link(tmp_path, run, monkeypatch):
+    """An agent's process swaps a folder for a link to a folder outside (``~/.ssh``, say) between the
+    copy's look at it and its open, plants a FIFO (a read would block) and links: the copy reads and writes
+    nothing outside, names each, keeps links as links, and the files copied are the agent's."""
+    history, workspace = run
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "authorized_keys").write_text("SECRET\n")
+    (workspace / "stack" / "d").mkdir()
+    (workspace / "stack" / "d" / "authorized_keys").write_text("the agent's own\n")
+    (workspace / "stack" / "policy.py").write_text("X = 1\n")
+    (workspace / "stack" / "exe.sh").write_text("#!/bin/sh\n")
+    (workspace / "stack" / "exe.sh").chmod(0o755)
+    os.mkfifo(workspace / "stack" / "pipe")
+    (workspace / "stack" / "out").symlink_to(outside)
+    opened = os.open
+
+    def swapping(name, flags, *args, **kwargs):
+        here = workspace / "stack" / "d"
+        if name == "d" and here.is_dir() and not here.is_symlink():
+            shutil.rmtree(here)  # the agent's process, between the copy's look at "d" and its open
+            here.symlink_to(outside)
+        return opened(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swapping)
+    frozen = history.worktree(tmp_path / "workspaces" / "round-1-judged", history.root())
+    refused = workspace_git.copy_candidate(workspace, frozen)
+    monkeypatch.undo()
+    assert any(r.startswith("stack/d: changed while the harness copied it") for r in refused), refused
+    assert any(r.startswith("stack/pipe: a special file") for r in refused), refused
+    assert not (frozen / "stack" / "d").exists() and (outside / "authorized_keys").read_text() == "SECRET\n"
+    assert (frozen / "stack" / "out").is_symlink() and os.readlink(frozen / "stack" / "out") == str(outside)
+    assert (frozen / "stack" / "policy.py").read_text() == "X = 1\n"
+    assert os.access(frozen / "stack" / "exe.sh", os.X_OK)
+    assert any("symbolic link" in reason for reason in workspace_git.tampering(frozen))  # the gate names it
+
+
+def test_the_frozen_copy_stops_at_its_size_limit(tmp_path, run, monkeypatch):
+    history, workspace = run
+    monkeypatch.setattr(workspace_git, "MAX_CANDIDATE_BYTES", 1000)
+    (workspace / "stack" / "a.py").write_text("A = 1\n")
+    (workspace / "stack" / "z.bin").write_bytes(b"\0" * 5000)
+    frozen = history.worktree(tmp_path / "workspaces" / "round-1-judged", history.root())
+    refused = workspace_git.copy_candidate(workspace, frozen)
+    assert refused == ["stack/z.bin: the candidate passes 0 MiB here"]
+    assert (frozen / "stack" / "a.py").exists() and not (frozen / "stack" / "z.bin").exists()

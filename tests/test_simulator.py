@@ -359,6 +359,7 @@ BAD_TRACES = {
     "not JSON lines": ("not json\n", "not a readable trace"),
     "not trace events": ('{"kind": "train"}\n', "not a readable trace"),
     "unfinished": (REAL_START, "not the trace of a finished run"),
+    "stopped early": (REAL_START + _trace_line("run_end", 1.0), "the run trained 0 of its 1 steps"),
     "simulated": (
         _trace_line("run_start", 0.0, devices=["cpu:0", "cpu:1"], steps=1, tokens_recorded=False)
         + _trace_line("run_end", 1.0),

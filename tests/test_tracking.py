@@ -31,6 +31,7 @@ ROLL_TAGS = {
     "system/samples",
 }
 OURS = {
+    "time/step_weight_export",
     "system/goodput",
     "system/rollout_throughput",
     "system/tokens_per_s",
@@ -76,7 +77,7 @@ def _check_steps(value, metrics: dict) -> None:
     assert trained == pytest.approx(metrics["goodput"] * metrics["duration_s"], rel=1e-5)
     assert sum(value("system/aborted_turns")) <= metrics["aborted_turns"]
     for k in range(STEPS):  # the wait for the batch, the switches and the training fit in the step
-        parts = ("time/step_rollout", "time/step_shrink", "time/step_train")
+        parts = ("time/step_rollout", "time/step_shrink", "time/step_train", "time/step_weight_export")
         assert sum(value(tag)[k] for tag in parts) <= value("time/step_total")[k] + 1e-5
 
 
@@ -158,6 +159,7 @@ HAND = [  # two devices; cpu:1 is shrunk to train on, then expanded back
         devices=["cpu:1"],
         trajectories=[{"episode": "g0/e0", "tokens": 10}, {"episode": "g0/e1", "tokens": 20}],
     ),
+    _event("weight_export", 4.2, start=4.0, step=1),  # the harness's copy; overlaps the sync here
     _event("sync", 4.5, start=4.0, devices=["cpu:0"]),
     _event("expand", 5.5, start=4.5, devices=["cpu:1"]),
     _turn("g1/e0", "cpu:0", 2.6, 5.0),
@@ -179,6 +181,7 @@ def test_each_roll_name_measures_what_its_docstring_says():
             "time/step_rollout": 2.6 - 0.5,  # waiting for the batch, less the shrink in that time
             "time/step_shrink": 0.5,
             "time/step_train": 1.4,
+            "time/step_weight_export": 0.0,
             "shrink/shrink_duration_ms": 500.0,
             "shrink/aborted": 1,
             "expand/expand_duration_ms": 0.0,
@@ -200,6 +203,7 @@ def test_each_roll_name_measures_what_its_docstring_says():
             "time/step_rollout": 0.0,  # the batch was ready when the switches were done
             "time/step_shrink": 0.5,
             "time/step_train": 1.0,
+            "time/step_weight_export": 0.2,  # the copy after step 1 falls in step 2's window
             "shrink/shrink_duration_ms": 500.0,
             "shrink/aborted": 0,
             "expand/expand_duration_ms": 1000.0,

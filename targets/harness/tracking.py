@@ -18,11 +18,14 @@ ROLL name                             our figure for the step (from the trace)
                                       every inference GPU, the ones training freed included; its expand
                                       only re-routes)
 ``time/step_rollout``                 the trainer's wait for the batch (ROLL times ``get_batch``): from the
-                                      window's start to this step's ``train`` start, less the model-update
-                                      and shrink time in between. Near 0 when rollout overlapped training
+                                      window's start to this step's ``train`` start, less the model-update,
+                                      shrink and weight-export time in between. Near 0 when rollout
+                                      overlapped training
 ``time/step_shrink``                  wall time covered by ``shrink`` and ``suspend`` spans (a suspend
                                       offloads every engine: the colocated schedule's shrink)
 ``time/step_train``                   this step's ``train`` span
+``time/step_weight_export``           (ours) the harness's copy of the weights after a step, which the
+                                      controller's train call waits on; not counted in ``step_rollout``
 ``shrink/shrink_duration_ms``         the step's ``shrink`` and ``suspend`` spans summed, in ms
 ``shrink/aborted``                    turns aborted during those spans (on their devices when the trace
                                       names the device)
@@ -110,6 +113,8 @@ def steps(events: Sequence[TraceEvent]) -> list[Step]:
     }
     weights_in = [(a, b) for kind in WEIGHTS_IN for a, b, _ in spans[kind]]
     switch_out = [(a, b) for kind in SWITCH_OUT for a, b, _ in spans[kind]]
+    # the harness's copy of the weights after a step (its audit's): the controller's train call waits on it
+    exports = [(e.data["start"] - origin, e.t - origin) for e in events if e.kind == "weight_export"]
     done = [e for e in events if e.kind == "env_step" and e.data["done"]]
     timed_out = {e.data["episode"] for e in done if e.data["timed_out"]}  # as metrics.py: over the whole run
     aborts = [
@@ -156,9 +161,12 @@ def steps(events: Sequence[TraceEvent]) -> list[Step]:
         scalars = {
             "time/step_total": total,
             "time/step_model_update": _covered(weights_in, lo, hi),
-            "time/step_rollout": max(0.0, waited - _covered(weights_in + switch_out, lo, max(lo, train_start))),
+            "time/step_rollout": max(
+                0.0, waited - _covered(weights_in + switch_out + exports, lo, max(lo, train_start))
+            ),
             "time/step_shrink": _covered(switch_out, lo, hi),
             "time/step_train": train.t - train.data["start"],
+            "time/step_weight_export": _covered(exports, lo, hi),
             "shrink/shrink_duration_ms": spent_ms(SWITCH_OUT, inside),
             "shrink/aborted": aborted_during(SWITCH_OUT, inside),
             "expand/expand_duration_ms": spent_ms(SWITCH_IN, inside),

@@ -232,7 +232,7 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         notes.append(f"no weight export in the run(s): weight_export_s kept at {spec.simulator.weight_export_s:g} s")
     sync = mean_duration(("sync",))
     resume = mean_duration(("resume",))
-    if sync is None and resume is not None and switch is not None:
+    if sync is None and resume is not None and switch is not None and resume > switch:
         sync = resume - switch
         notes.append(f"no weight sync in the run(s): fitted from the resumes, {sync:.3g} s beyond their reload")
     if sync is not None:
@@ -318,9 +318,12 @@ def recorded_run(trace_path: Path, spec: TargetSpec) -> tuple[list[TraceEvent], 
     devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
     if starts[0].data.get("devices") != devices:
         raise RuntimeError(f"{trace_path}: a run on {starts[0].data.get('devices')}, not {spec.id}'s {devices}")
-    if not starts[0].data.get("tokens_recorded"):
+    if not starts[0].data.get("tokens_recorded", True):
         raise RuntimeError(f"{trace_path}: a simulated run (it recorded no tokens); calibration fits real ones")
-    return events, sum(1 for e in events if e.kind == "train")
+    trained, planned = sum(1 for e in events if e.kind == "train"), starts[0].data.get("steps")
+    if trained == 0 or (planned is not None and trained < planned):
+        raise RuntimeError(f"{trace_path}: the run trained {trained} of its {planned} steps: fit a finished run")
+    return events, trained
 
 
 def fit_and_predict(
@@ -333,7 +336,12 @@ def fit_and_predict(
     from targets.harness.target import Target
 
     spec = session.target.spec
-    calibration = calibrate(spec, [real_events])
+    try:
+        calibration = calibrate(spec, [real_events])
+    except (KeyError, TypeError, AttributeError, ValueError) as error:  # a trace of another harness version
+        raise RuntimeError(
+            f"the trace cannot be fitted: an event lacks what this harness records ({error!r})"
+        ) from None
     calibrated_path = write_calibrated_spec(target_ref, calibration, work / f"{spec.id}.calibrated.yaml")
     twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits)
     simulated = twin.measure(stack_dir, work / "simulated", seed=0, steps=steps)

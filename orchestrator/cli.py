@@ -505,8 +505,8 @@ def calibrate(
             if trace is None:
                 report = measure_and_predict(session, stack, work, steps)
             else:
-                events, recorded_steps = recorded_run(trace, session.target.spec)
-                report = fit_and_predict(session.target.ref, session, stack, work, events, steps or recorded_steps)
+                events, recorded_steps = recorded_run(trace, session.target)
+                report = fit_and_predict(session, stack, work, events, steps or recorded_steps)
         except RuntimeError as error:
             errors.print(f"[red]error:[/red] {error}")
             raise typer.Exit(1) from None

@@ -211,6 +211,12 @@ class Loop:
         frozen = self.history.worktree(self._frozen(record.round), record.parent_commit)
         return frozen, workspace_git.copy_candidate(workspace, frozen)
 
+    def _failed(self, record: RoundRecord, attempt: int, verdict: Verdict) -> list[str]:
+        """An attempt that ends before the judge: its reasons recorded and shown, and fed to the next."""
+        record.reasons = verdict.reasons
+        self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
+        return verdict.reasons
+
     def implement_and_judge(
         self, record: RoundRecord, workspace: Path, out: Path, seed: int = 0
     ) -> tuple[Verdict, Path]:
@@ -243,9 +249,7 @@ class Loop:
             except AgentError as error:  # this attempt ends; the next one is told why
                 candidate, _ = self.freeze(workspace, record)  # what it left: the evidence a rejection keeps
                 verdict = Verdict(False, [f"attempt {attempt}: {type(error).__name__}: {error}"], [])
-                record.reasons = verdict.reasons
-                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
-                feedback = verdict.reasons
+                feedback = self._failed(record, attempt, verdict)
                 continue
             candidate, refused = self.freeze(workspace, record)
             if refused:
@@ -254,17 +258,14 @@ class Loop:
                     [f"the candidate could not be copied as it is: {reason}" for reason in refused],
                     [{"name": "frozen_copy", "passed": False, "reasons": refused}],
                 )
-                record.reasons = verdict.reasons
-                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
-                feedback = verdict.reasons
+                feedback = self._failed(record, attempt, verdict)
                 continue
             screened = self.prescreen(record, candidate, out / f"twin-{attempt}")
             if screened is not None:
-                record.reasons = screened.reasons
-                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=screened.reasons)
+                feedback = self._failed(record, attempt, screened)
                 if record.screened_out:
                     return screened, candidate  # predicted too slow: another attempt at the same task is not the fix
-                verdict, feedback = screened, screened.reasons
+                verdict = screened
                 continue
             verdict = self.agents.judge.judge(candidate, out / f"judge-{attempt}", record.task, seed, context)
             record.reasons = verdict.reasons

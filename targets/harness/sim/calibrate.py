@@ -78,6 +78,7 @@ class Calibration:
 
 if TYPE_CHECKING:
     from targets.harness.session import Session
+    from targets.harness.target import Target
 
 
 def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
@@ -300,12 +301,12 @@ def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: in
     real = session.measure(stack_dir, work / "real", seed=0, steps=steps)
     if not real.ok:
         raise RuntimeError("the real run failed: " + "; ".join(real.reasons[:3]))
-    return fit_and_predict(session.target.ref, session, stack_dir, work, real.events(), steps)
+    return fit_and_predict(session, stack_dir, work, real.events(), steps)
 
 
-def recorded_run(trace_path: Path, spec: TargetSpec) -> tuple[list[TraceEvent], int]:
+def recorded_run(trace_path: Path, target: Target) -> tuple[list[TraceEvent], int]:
     """The events and step count of a real run recorded elsewhere (a GPU machine's ``trace.jsonl``),
-    refused with the reason if it is not a finished run of ``spec``'s hardware."""
+    refused with the reason if it is not a finished run of ``target``'s hardware."""
     from targets.harness.trace import Trace
 
     try:
@@ -315,9 +316,9 @@ def recorded_run(trace_path: Path, spec: TargetSpec) -> tuple[list[TraceEvent], 
     starts = [e for e in events if e.kind == "run_start"]
     if not starts or not any(e.kind == "run_end" for e in events):
         raise RuntimeError(f"{trace_path}: not the trace of a finished run (no run_start/run_end event)")
-    devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
+    devices = [d.id for d in target.devices()]
     if starts[0].data.get("devices") != devices:
-        raise RuntimeError(f"{trace_path}: a run on {starts[0].data.get('devices')}, not {spec.id}'s {devices}")
+        raise RuntimeError(f"{trace_path}: a run on {starts[0].data.get('devices')}, not {target.id}'s {devices}")
     if not starts[0].data.get("tokens_recorded", True):
         raise RuntimeError(f"{trace_path}: a simulated run (it recorded no tokens); calibration fits real ones")
     trained, planned = sum(1 for e in events if e.kind == "train"), starts[0].data.get("steps")
@@ -327,7 +328,7 @@ def recorded_run(trace_path: Path, spec: TargetSpec) -> tuple[list[TraceEvent], 
 
 
 def fit_and_predict(
-    target_ref: str, session: Session, stack_dir: Path, work: Path, real_events: list[TraceEvent], steps: int | None
+    session: Session, stack_dir: Path, work: Path, real_events: list[TraceEvent], steps: int | None
 ) -> dict:
     """Fit the cost model to a real run's events, write the calibrated target spec, simulate the same
     stack on it, and compare: the simulator's prediction error on that run."""
@@ -342,12 +343,12 @@ def fit_and_predict(
         raise RuntimeError(
             f"the trace cannot be fitted: an event lacks what this harness records ({error!r})"
         ) from None
-    calibrated_path = write_calibrated_spec(target_ref, calibration, work / f"{spec.id}.calibrated.yaml")
+    calibrated_path = write_calibrated_spec(session.target.ref, calibration, work / f"{spec.id}.calibrated.yaml")
     twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits)
     simulated = twin.measure(stack_dir, work / "simulated", seed=0, steps=steps)
     if not simulated.ok:
         raise RuntimeError("the simulated run failed: " + "; ".join(simulated.reasons[:3]))
-    devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
+    devices = [d.id for d in session.target.devices()]
     measured = compute_metrics(real_events, devices)
     predicted = compute_metrics(simulated.events(), devices)
     compared = {

@@ -244,6 +244,28 @@ def test_composition_adds_what_the_controller_allows_and_removes_what_is_on(tiny
     assert not {k for t in hinted for k in t.changes} & {"shrink_at", "partial_rollout", "tail_round"}
 
 
+def test_a_hint_switches_a_technique_on_as_composition_would_and_ranks_by_findings_answered(tiny_spec):
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    multiplexed = starter_params(tiny_spec, "time_multiplex")
+    composed = {t.id: t.changes for t in planner.composition_tasks(multiplexed)}
+    tail = Hint(code="tail_idle", message="the tail idles 30% of the run")
+    hinted = {t.id: t for t in planner.tasks_from_hints([tail], multiplexed)}
+    # the same task (id and changes) whichever way it is reached: the skill's enable, not a one-step move
+    assert hinted["add-redundant_envs"].changes == composed["add-redundant_envs"] == {"redundant_envs": 2}
+    assert hinted["add-progress_shrink"].changes == {"shrink_at": 0.4}
+    assert "tail idles 30%" in hinted["add-redundant_envs"].rationale
+    assert not [i for i in hinted if i.startswith(("redundant_envs=", "shrink_at=", "route_"))]  # nothing moot moved
+    stalls = Hint(code="rollout_stalls", message="no rollout in flight for 40%")
+    ranked = {t.id: t.priority for t in planner.tasks_from_hints([tail, stalls, tail], multiplexed)}
+    assert ranked["add-redundant_envs"] == 9 and ranked["add-kv_routing"] == 8  # answers two findings, not one
+    assert len([t for t in planner.tasks_from_hints([tail, tail], multiplexed) if t.id == "add-kv_routing"]) == 1
+    # once on, a hint moves it from there
+    moved = {t.id: t.changes for t in planner.tasks_from_hints([tail], {**multiplexed, "redundant_envs": 2})}
+    assert moved["redundant_envs=3"] == {"redundant_envs": 3}
+
+
 def test_composition_honours_requires_and_conflicts(tiny_spec):
     from skills.starter import starter_params
 

@@ -137,6 +137,9 @@ class OfflinePlanner:
 
     def tasks_from_hints(self, hints: list[Hint], params: dict) -> list[Task]:
         tasks: list[Task] = []
+        # a technique that answers more of the findings ranks higher among the additions
+        codes = {hint.code for hint in hints}
+        answered = {name: len(codes & set(skill.triggers)) for name, skill in self.skills.items()}
         for hint in hints:
             for skill in self.skills.values():
                 if hint.code not in skill.triggers:
@@ -147,6 +150,11 @@ class OfflinePlanner:
                     task = self._controller_task(skill, hint, params)
                     if task:
                         tasks.append(task)
+                if skill.kind == "technique" and skill.enable and not skill.is_on(params):
+                    task = self._hinted_addition(skill, hint, 7 + answered[skill.name])
+                    if task and task.id not in {t.id for t in tasks}:
+                        tasks.append(task)
+                    continue  # off: the hint switches it on as its skill says; moving it is for later hints
                 for name in skill.params:
                     move = PARAM_MOVES.get((hint.code, name))
                     if move is None or (skill.kind == "controller" and params.get("controller") != skill.name):
@@ -167,6 +175,18 @@ class OfflinePlanner:
                             )
                         )
         return tasks
+
+    def _hinted_addition(self, skill: Skill, hint: Hint, priority: int) -> Task | None:
+        """A hint that bears on a technique that is off switches it on the way its skill's ``enable``
+        says (the same task composition would propose, so one id whichever way it is reached), when one
+        of the parameters that switch it on is one the hint moves."""
+        if not any((hint.code, name) in PARAM_MOVES for name in skill.enable):
+            return None
+        changes = {k: self._typed(skill, k, v) for k, v in skill.enable.items()}
+        if not all(self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items()):
+            return None
+        task = self._composition_task(skill, "add", changes, priority)
+        return task.model_copy(update={"rationale": f"{hint.message}: {task.title}", "source": f"trigger:{hint.code}"})
 
     def perturbation(self, params: dict) -> Task | None:
         """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation,

@@ -9,8 +9,11 @@ How the CLI is run, and why:
 * the CLI gets an **allowlisted environment** (``CLITool.environment``): the basics a program needs, the few
   variables the judge's checks read, the provider key of that CLI, and its own config directory —
   nothing else from ours, so no other secret reaches a process that runs model-written commands;
-* it runs in **its own process group** (``run_cli``): a timeout stops the CLI and everything it started
-  (SIGTERM, then SIGKILL after a grace), not only the direct child;
+* it runs in **its own PID namespace** (``run_cli``, through bubblewrap): when the CLI exits, or a timeout
+  stops it (SIGTERM to its process group, then SIGKILL after a grace), the kernel kills every process it
+  started, even one that left the process group with ``setsid``: nothing it launched outlives the
+  attempt to write into the workspace later or to load the machine while the judge measures. Without a
+  working bubblewrap it runs in its own process group only, and the run says so once;
 * its output is parsed per the CLI's documented schema (``parse_claude``, ``parse_codex``), its usage
   and cost go to the run's ``Accounting``, and a failure it reports becomes an ``AgentError`` whose
   message is the next attempt's feedback.
@@ -24,6 +27,7 @@ turn or cost flag: its budget is checked before each call, the timeout bounds it
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -286,6 +290,27 @@ def cli_tool(name: str) -> CLITool:
     return TOOLS[name]
 
 
+@functools.cache
+def _pid_namespace() -> list[str]:
+    """The bubblewrap prefix that starts a command in a PID namespace of its own and leaves it everything
+    else (the filesystem, the network, /proc as it is: a fresh /proc would stop the checks' own sandbox
+    from mounting one), or [] where bubblewrap cannot, with a warning."""
+    prefix = ["bwrap", "--dev-bind", "/", "/", "--unshare-pid", "--die-with-parent"]
+    if shutil.which("bwrap") is not None:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0:
+            return prefix
+        why = f"bubblewrap cannot make a PID namespace here ({probe.stderr.strip()[-200:]})"
+    else:
+        why = "bubblewrap is not installed"
+    log.warning(
+        "%s: a process the coding-agent CLI starts with setsid can outlive it (install bubblewrap to have the "
+        "kernel stop everything the CLI started when it ends)",
+        why,
+    )
+    return []
+
+
 def _signal_group(pgid: int, sig: int) -> bool:
     """Send ``sig`` to the process group; False when no process is left in it."""
     try:
@@ -319,11 +344,12 @@ def run_cli(
     timeout_s: float,
     grace_s: float = KILL_GRACE_S,
 ) -> CLIResult:
-    """Run one CLI call: ``prompt`` on stdin, in its own process group, its output parsed. Whatever it
-    started and left running is stopped when it ends; past ``timeout_s`` the whole group is stopped and
-    the call raises."""
+    """Run one CLI call: ``prompt`` on stdin, in its own PID namespace and process group, its output
+    parsed. Whatever it started and left running is stopped when it ends (so its pipes close with it);
+    past ``timeout_s`` it is stopped with everything it started, and the call raises."""
+    namespace = _pid_namespace()
     process = subprocess.Popen(
-        argv,
+        [*namespace, "--chdir", str(cwd), "--", *argv] if namespace else argv,
         cwd=cwd,
         env=env,
         stdin=subprocess.PIPE,

@@ -21,6 +21,7 @@ from agents.cli_agent import (
     TOOLS,
     CLIChatClient,
     CLIImplementer,
+    _pid_namespace,
     account,
     budget_usd,
     cli_tool,
@@ -149,7 +150,8 @@ def test_fake_claude_gets_the_prompt_on_stdin_and_only_allowlisted_variables(tmp
     assert env["ANTHROPIC_API_KEY"] == "sk-ant-test"
     assert not {"SECRET_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY"} & env.keys()
     allowed = set(BASE_ENV + CHECK_ENV + TOOLS["claude"].KEYS + TOOLS["claude"].CONFIG)
-    assert set(env) <= allowed | {"BASH_DEFAULT_TIMEOUT_MS", "BASH_MAX_TIMEOUT_MS"}
+    assert set(env) <= allowed | {"BASH_DEFAULT_TIMEOUT_MS", "BASH_MAX_TIMEOUT_MS", "PWD"}
+    assert env.get("PWD", str(workspace)) == str(workspace)  # bubblewrap's --chdir says where it starts
     argv = call["argv"]
     assert _option(argv, "--max-turns") == "12" and _option(argv, "--max-budget-usd") == "5.0000"
     check = f"check tiny-qwen3-cpu --stack {workspace} --sandbox subprocess --time-limit 120 --simulate"
@@ -217,13 +219,16 @@ def test_a_failed_codex_turn_is_an_agent_error_with_its_message(tmp_path, monkey
         CLIImplementer(session, cli_tool("codex"), Accounting(), None).implement(TASK, workspace, [])
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped by whoever inherited it, counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+def _alive(token: str) -> bool:
+    """A running process has ``token`` on its command line (a zombie, dead but not yet reaped by whoever
+    inherited it, counts as gone)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if token in proc.joinpath("cmdline").read_bytes().decode(errors="replace"):
+                return proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # it ended while we looked, or is not ours to read
+    return False
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
@@ -232,6 +237,20 @@ def test_a_timeout_stops_the_cli_and_every_process_it_started(tmp_path, monkeypa
     tool = cli_tool("claude")
     with pytest.raises(AgentError, match="ran past 2s; it and every process it started were stopped"):
         run_cli(tool, [tool.executable(), "-p"], "go", cwd=workspace, env=tool.environment(), timeout_s=2, grace_s=1)
+    [call] = _calls(record)
+    assert not _alive(call["grandchild"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process command lines from /proc")
+@pytest.mark.skipif(not _pid_namespace(), reason="needs bubblewrap that can make a PID namespace")
+def test_a_process_the_cli_leaves_behind_with_setsid_ends_with_it(tmp_path, monkeypatch, workspace):
+    """A grandchild that leaves the CLI's process group (setsid) and holds its stdout: the call neither
+    waits for it (the pipe would keep it open until the timeout) nor leaves it running to write into the
+    workspace or load the machine while the judge measures."""
+    record = _fake(tmp_path, monkeypatch, "claude", "daemon")
+    tool = cli_tool("claude")
+    result = run_cli(tool, [tool.executable(), "-p"], "go", cwd=workspace, env=tool.environment(), timeout_s=60)
+    assert result.failure is None and result.text
     [call] = _calls(record)
     assert not _alive(call["grandchild"])
 

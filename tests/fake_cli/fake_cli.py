@@ -7,7 +7,9 @@ through variables).
 Scenarios: ``success`` (implement: edit stack/params.json; review: accept), ``reject`` (review: reject),
 ``max_turns`` (claude stops at its turn limit), ``failed`` (codex's turn fails, exit 1),
 ``bad_annotation`` (implement: leave an annotation that cannot be expanded), ``hang`` (start a sleeping
-grandchild, write its pid, sleep)."""
+grandchild, record the token on its command line, sleep), ``daemon`` (start a grandchild that leaves the
+process group with setsid and keeps stdout open, record its token, then succeed at once). A token, not a
+pid: a pid read inside the CLI's PID namespace names another process outside it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -53,9 +56,11 @@ def main(name: str, scenario: str, record: str) -> None:
     argv = sys.argv[1:]
     entry = {"name": name, "argv": argv, "stdin": sys.stdin.read(), "env": dict(os.environ), "cwd": os.getcwd()}
     review = _review_mode(name, argv)
-    if scenario == "hang":
-        sleeper = subprocess.Popen(["sleep", "300"])
-        entry["grandchild"] = sleeper.pid
+    if scenario in ("hang", "daemon"):
+        token = f"fake-cli-grandchild-{uuid.uuid4().hex}"
+        sleeper = [sys.executable, "-c", "import time; time.sleep(300)", token]
+        subprocess.Popen(sleeper, start_new_session=scenario == "daemon")  # the daemon inherits stdout
+        entry["grandchild"] = token
     with open(record, "a") as f:
         f.write(json.dumps(entry) + "\n")
     if scenario == "hang":
@@ -92,6 +97,7 @@ def main(name: str, scenario: str, record: str) -> None:
     streams = {
         ("claude", "success"): "claude_success.json",
         ("claude", "bad_annotation"): "claude_success.json",
+        ("claude", "daemon"): "claude_success.json",
         ("claude", "max_turns"): "claude_max_turns.json",
         ("codex", "success"): "codex_success.jsonl",
         ("codex", "bad_annotation"): "codex_success.jsonl",

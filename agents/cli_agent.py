@@ -206,8 +206,10 @@ class ClaudeCode(CLITool):
     ``--sandbox subprocess`` be appended and run candidate code unisolated) plus ``git status``, ``git
     diff`` and ``git diff --stat`` to see its own change, each exact too (``git diff --output=PATH``
     writes any file). Under ``-p`` nothing can be approved interactively, so any other
-    edit or command is denied; web access is removed outright. The candidate code itself only ever runs
-    inside the check, in the harness's sandbox."""
+    edit or command is denied; web access is removed outright. No settings file is read (``--setting-sources
+    ""``: a user's ``~/.claude/settings.json`` or a ``.claude/settings.json`` in the workspace would merge
+    their own allow rules, hooks and MCP servers into these; the login is not a setting) and no MCP server
+    is started. The candidate code itself only ever runs inside the check, in the harness's sandbox."""
 
     name = "claude"
     KEYS = ("ANTHROPIC_API_KEY",)  # used whenever set under -p; without it, the login in CLAUDE_CONFIG_DIR
@@ -249,6 +251,7 @@ class ClaudeCode(CLITool):
         argv = [exe, "-p", "--output-format", "json", "--max-turns", str(max_turns)]
         argv += ["--max-budget-usd", f"{budget_usd:.4f}"]
         argv += ["--allowedTools", ",".join(allowed), "--disallowedTools", ",".join(denied)]
+        argv += ["--setting-sources", "", "--strict-mcp-config", "--mcp-config", '{"mcpServers": {}}']
         return argv + (["--model", model] if model else [])
 
     def parse(self, stdout: str) -> CLIResult:

@@ -154,6 +154,9 @@ def test_fake_claude_gets_the_prompt_on_stdin_and_only_allowlisted_variables(tmp
     assert env.get("PWD", str(workspace)) == str(workspace)  # bubblewrap's --chdir says where it starts
     argv = call["argv"]
     assert _option(argv, "--max-turns") == "12" and _option(argv, "--max-budget-usd") == "5.0000"
+    # no settings file widens these permissions or adds hooks, and no MCP server is started
+    assert _option(argv, "--setting-sources") == "" and "--strict-mcp-config" in argv
+    assert json.loads(_option(argv, "--mcp-config")) == {"mcpServers": {}}
     check = f"check tiny-qwen3-cpu --stack {workspace} --sandbox subprocess --time-limit 120 --simulate"
     tools = _option(argv, "--allowedTools").split(",")
     [bash_check] = [t for t in tools if t.startswith("Bash(") and "vibetrain" in t]

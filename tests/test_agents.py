@@ -202,8 +202,9 @@ def test_every_skill_has_front_matter_and_the_planner_maps_hints_to_them(tiny_sp
     tasks = planner.tasks_from_hints(
         [Hint(code="rollout_stalls", message="no rollout in flight for 35% of the run")], params
     )
-    assert {t.id for t in tasks} == {"controller=static_split", "controller=time_multiplex"}
-    assert all(t.priority == 10 and "35%" in t.rationale for t in tasks)
+    assert {t.id for t in tasks} == {"controller=static_split", "controller=time_multiplex", "add-redundant_envs"}
+    assert all("35%" in t.rationale for t in tasks)
+    assert {t.id: t.priority for t in tasks}["add-redundant_envs"] == 8  # a controller switch (10) first
     big = OfflinePlanner(big_spec, engine_devices=8)
     moved = big.tasks_from_hints(
         [Hint(code="small_engine_batches", message="engines batch 1.7")],
@@ -256,10 +257,14 @@ def test_a_hint_switches_a_technique_on_as_composition_would_and_ranks_by_findin
     assert hinted["add-redundant_envs"].changes == composed["add-redundant_envs"] == {"redundant_envs": 2}
     assert hinted["add-progress_shrink"].changes == {"shrink_at": 0.4}
     assert "tail idles 30%" in hinted["add-redundant_envs"].rationale
+    assert hinted["add-redundant_envs"].source == "trigger:tail_idle"
     assert not [i for i in hinted if i.startswith(("redundant_envs=", "shrink_at=", "route_"))]  # nothing moot moved
     stalls = Hint(code="rollout_stalls", message="no rollout in flight for 40%")
     ranked = {t.id: t.priority for t in planner.tasks_from_hints([tail, stalls, tail], multiplexed)}
     assert ranked["add-redundant_envs"] == 9 and ranked["add-kv_routing"] == 8  # answers two findings, not one
+    assert max(ranked.values()) == ranked["controller=static_split"] == 10  # a controller switch still comes first
+    alone = {t.id for t in planner.tasks_from_hints([stalls], multiplexed)}
+    assert "add-redundant_envs" in alone  # any finding the skill lists as a trigger proposes it
     assert len([t for t in planner.tasks_from_hints([tail, tail], multiplexed) if t.id == "add-kv_routing"]) == 1
     # once on, a hint moves it from there
     moved = {t.id: t.changes for t in planner.tasks_from_hints([tail], {**multiplexed, "redundant_envs": 2})}

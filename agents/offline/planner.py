@@ -31,6 +31,11 @@ PARAM_MOVES = {
 }
 
 
+CONTROLLER_PRIORITY = 10  # a hinted controller switch comes first
+ADDITION_PRIORITY = 8  # a hinted technique (one finding answered; one more for each further finding)
+MOVE_PRIORITY = 8  # a hinted move of a parameter
+
+
 def _fmt(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -67,7 +72,7 @@ class OfflinePlanner:
             rationale=f"{why}the {skill.name} skill is triggered by {skill.triggers}",
             skills=[skill.name],
             changes=changes,
-            priority=10 if hint else 1,
+            priority=CONTROLLER_PRIORITY if hint else 1,
             source=f"trigger:{hint.code}" if hint else "skill",
             acceptance=self._acceptance(),
         )
@@ -105,19 +110,25 @@ class OfflinePlanner:
             if skill.kind != "technique" or not skill.enable:
                 continue
             if not skill.is_on(params):
-                changes = {k: self._typed(skill, k, v) for k, v in skill.enable.items()}
-                if (
-                    applicable(self.skills, skill, params)
-                    and all(self.legal(k, v, [skill.name]) for k, v in changes.items())
-                    and all(self.tunable(skill.params[k]) for k in changes)
-                ):
-                    tasks.append(self._composition_task(skill, "add", changes, 5))
+                task = self._addition(skill, params, 5)
+                if task:
+                    tasks.append(task)
             elif not any(skill.name in other.requires and other.is_on(params) for other in self.skills.values()):
                 changes = {
                     k: self._typed(skill, k, p.default) for k, p in skill.params.items() if p.default is not None
                 }
                 tasks.append(self._composition_task(skill, "remove", changes, 2))
         return tasks
+
+    def _addition(self, skill: Skill, params: dict, priority: int) -> Task | None:
+        """Switch a technique that is off on the way its skill's ``enable`` says, where it may go on top of
+        ``params`` (its controller, what it requires, nothing it conflicts with) and its values are legal."""
+        changes = {k: self._typed(skill, k, v) for k, v in skill.enable.items()}
+        if not applicable(self.skills, skill, params) or not all(
+            self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items()
+        ):
+            return None
+        return self._composition_task(skill, "add", changes, priority)
 
     def _typed(self, skill: Skill, name: str, value):
         return int(value) if skill.params[name].type == "int" else value
@@ -136,10 +147,11 @@ class OfflinePlanner:
         )
 
     def tasks_from_hints(self, hints: list[Hint], params: dict) -> list[Task]:
+        """Tasks for the skills the evaluator's hints trigger: switch to a controller; switch on a technique
+        that is off (the very task composition proposes, so one id whichever way it is reached), ranked by
+        how many of the findings it answers; move a parameter of one that is on."""
         tasks: list[Task] = []
-        # a technique that answers more of the findings ranks higher among the additions
         codes = {hint.code for hint in hints}
-        answered = {name: len(codes & set(skill.triggers)) for name, skill in self.skills.items()}
         for hint in hints:
             for skill in self.skills.values():
                 if hint.code not in skill.triggers:
@@ -151,10 +163,12 @@ class OfflinePlanner:
                     if task:
                         tasks.append(task)
                 if skill.kind == "technique" and skill.enable and not skill.is_on(params):
-                    task = self._hinted_addition(skill, hint, 7 + answered[skill.name])
+                    answered = len(codes & set(skill.triggers))  # 8 for one finding, 9 for more: below a controller
+                    task = self._addition(skill, params, min(ADDITION_PRIORITY + answered - 1, CONTROLLER_PRIORITY - 1))
                     if task and task.id not in {t.id for t in tasks}:
-                        tasks.append(task)
-                    continue  # off: the hint switches it on as its skill says; moving it is for later hints
+                        why = {"rationale": f"{hint.message}: {task.title}", "source": f"trigger:{hint.code}"}
+                        tasks.append(task.model_copy(update=why))
+                    continue  # while it is off its parameters are moot: later hints move them
                 for name in skill.params:
                     move = PARAM_MOVES.get((hint.code, name))
                     if move is None or (skill.kind == "controller" and params.get("controller") != skill.name):
@@ -171,22 +185,10 @@ class OfflinePlanner:
                                 value,
                                 f"{hint.message}: move {name} {_fmt(current)} -> {_fmt(value)}",
                                 f"trigger:{hint.code}",
-                                8,
+                                MOVE_PRIORITY,
                             )
                         )
         return tasks
-
-    def _hinted_addition(self, skill: Skill, hint: Hint, priority: int) -> Task | None:
-        """A hint that bears on a technique that is off switches it on the way its skill's ``enable``
-        says (the same task composition would propose, so one id whichever way it is reached), when one
-        of the parameters that switch it on is one the hint moves."""
-        if not any((hint.code, name) in PARAM_MOVES for name in skill.enable):
-            return None
-        changes = {k: self._typed(skill, k, v) for k, v in skill.enable.items()}
-        if not all(self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items()):
-            return None
-        task = self._composition_task(skill, "add", changes, priority)
-        return task.model_copy(update={"rationale": f"{hint.message}: {task.title}", "source": f"trigger:{hint.code}"})
 
     def perturbation(self, params: dict) -> Task | None:
         """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation,

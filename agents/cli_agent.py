@@ -9,11 +9,10 @@ How the CLI is run, and why:
 * the CLI gets an **allowlisted environment** (``CLITool.environment``): the basics a program needs, the few
   variables the judge's checks read, the provider key of that CLI, and its own config directory —
   nothing else from ours, so no other secret reaches a process that runs model-written commands;
-* it runs in **its own PID namespace** (``run_cli``, through bubblewrap): when the CLI exits, or a timeout
-  stops it (SIGTERM to its process group, then SIGKILL after a grace), the kernel kills every process it
-  started, even one that left the process group with ``setsid``: nothing it launched outlives the
-  attempt to write into the workspace later or to load the machine while the judge measures. Without a
-  working bubblewrap it runs in its own process group only, and the run says so once;
+* it runs under **a reaper** (``agents/reaper.py``, the CLI's subreaper): when the CLI exits, or a timeout
+  stops it (SIGTERM, then SIGKILL after a grace), every process it started is killed, even one that left
+  its process group with ``setsid``. Nothing it launched lives on to write into the workspace after the
+  harness copied it, to load the machine while the judge measures, or to hold the CLI's stdout open;
 * its output is parsed per the CLI's documented schema (``parse_claude``, ``parse_codex``), its usage
   and cost go to the run's ``Accounting``, and a failure it reports becomes an ``AgentError`` whose
   message is the next attempt's feedback.
@@ -27,7 +26,6 @@ turn or cost flag: its budget is checked before each call, the timeout bounds it
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -38,7 +36,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +50,8 @@ from agents.roles import AgentError, Attempt, Task
 
 log = logging.getLogger("vibetrain.cli_agent")
 
-KILL_GRACE_S = 5.0  # after SIGTERM, how long the CLI's process group has before SIGKILL
+KILL_GRACE_S = 5.0  # after SIGTERM, how long the CLI has to end before it and all it started are killed
+REAPER_MARGIN_S = 5.0  # how much longer the reaper has to kill them before its own group is killed
 MAX_ATTEMPT_USD = 5.0  # Claude Code's --max-budget-usd when the run has no --max-cost (per call)
 JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
@@ -205,11 +203,13 @@ class ClaudeCode(CLITool):
     as they are), and in Bash exactly the check command (an exact rule, not a prefix: a prefix would let
     ``--sandbox subprocess`` be appended and run candidate code unisolated) plus ``git status``, ``git
     diff`` and ``git diff --stat`` to see its own change, each exact too (``git diff --output=PATH``
-    writes any file). Under ``-p`` nothing can be approved interactively, so any other
-    edit or command is denied; web access is removed outright. No settings file is read (``--setting-sources
-    ""``: a user's ``~/.claude/settings.json`` or a ``.claude/settings.json`` in the workspace would merge
-    their own allow rules, hooks and MCP servers into these; the login is not a setting) and no MCP server
-    is started. The candidate code itself only ever runs inside the check, in the harness's sandbox."""
+    writes any file). Under ``-p`` nothing can be approved interactively, so any other edit or command
+    is denied; web access is removed outright. No settings file is read (``--setting-sources ""``: a
+    user's ``~/.claude/settings.json`` or a ``.claude/settings.json`` in the workspace would merge their
+    own allow rules, hooks and MCP servers into these) and no MCP server is started. It authenticates with
+    ``ANTHROPIC_API_KEY`` or the login kept in ``CLAUDE_CONFIG_DIR`` (not a setting); an ``apiKeyHelper``
+    or an ``env`` block in a settings file is not read. The candidate code itself only ever runs inside
+    the check, in the harness's sandbox."""
 
     name = "claude"
     KEYS = ("ANTHROPIC_API_KEY",)  # used whenever set under -p; without it, the login in CLAUDE_CONFIG_DIR
@@ -293,48 +293,22 @@ def cli_tool(name: str) -> CLITool:
     return TOOLS[name]
 
 
-@functools.cache
-def _pid_namespace() -> list[str]:
-    """The bubblewrap prefix that starts a command in a PID namespace of its own and leaves it everything
-    else (the filesystem, the network, /proc as it is: a fresh /proc would stop the checks' own sandbox
-    from mounting one), or [] where bubblewrap cannot, with a warning."""
-    prefix = ["bwrap", "--dev-bind", "/", "/", "--unshare-pid", "--die-with-parent"]
-    if shutil.which("bwrap") is not None:
-        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
-        if probe.returncode == 0:
-            return prefix
-        why = f"bubblewrap cannot make a PID namespace here ({probe.stderr.strip()[-200:]})"
-    else:
-        why = "bubblewrap is not installed"
-    log.warning(
-        "%s: a process the coding-agent CLI starts with setsid can outlive it (install bubblewrap to have the "
-        "kernel stop everything the CLI started when it ends)",
-        why,
-    )
-    return []
+def _reaped(argv: list[str], grace_s: float) -> list[str]:
+    """``argv`` under ``agents/reaper.py`` (see there: it kills whatever the CLI leaves running, a setsid'd
+    process too, and keeps process ids as they are). Run by its path in isolated mode: it runs in the
+    workspace, where a planted ``agents/reaper.py`` would otherwise be the one imported."""
+    return [sys.executable, "-I", str(Path(__file__).with_name("reaper.py")), "--grace", f"{grace_s:g}", *argv]
 
 
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to the process group; False when no process is left in it."""
+def _stop(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the reaper, which passes it to the CLI and kills the CLI's whole tree after ``grace_s``;
+    SIGKILL to the process group should the reaper itself not be gone by then."""
+    process.send_signal(signal.SIGTERM)
     try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _stop_group(process: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to the CLI's whole process group, SIGKILL to whatever is left after ``grace_s``."""
-    pgid = process.pid  # start_new_session: the CLI leads its own group
-    if _signal_group(pgid, signal.SIGTERM):
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            process.poll()  # reap the leader, so an exited one stops counting as a member
-            if not _signal_group(pgid, 0):
-                break
-            time.sleep(0.05)
-        _signal_group(pgid, signal.SIGKILL)
-    process.communicate()  # reap the leader and close its pipes
+        process.wait(grace_s + REAPER_MARGIN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # start_new_session: the reaper leads its own group
+    process.communicate()  # reap it and close its pipes
 
 
 def run_cli(
@@ -347,12 +321,11 @@ def run_cli(
     timeout_s: float,
     grace_s: float = KILL_GRACE_S,
 ) -> CLIResult:
-    """Run one CLI call: ``prompt`` on stdin, in its own PID namespace and process group, its output
-    parsed. Whatever it started and left running is stopped when it ends (so its pipes close with it);
-    past ``timeout_s`` it is stopped with everything it started, and the call raises."""
-    namespace = _pid_namespace()
+    """Run one CLI call: ``prompt`` on stdin, under the reaper, its output parsed. Whatever it started and
+    left running is killed when it ends (so nothing holds its pipes open); past ``timeout_s`` it gets
+    SIGTERM and ``grace_s`` to end, then it and everything it started are killed, and the call raises."""
     process = subprocess.Popen(
-        [*namespace, "--chdir", str(cwd), "--", *argv] if namespace else argv,
+        _reaped(argv, grace_s),
         cwd=cwd,
         env=env,
         stdin=subprocess.PIPE,
@@ -364,11 +337,10 @@ def run_cli(
     try:
         stdout, stderr = process.communicate(prompt, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _stop_group(process, grace_s)
+        _stop(process, grace_s)
         raise AgentError(
             f"the {tool.name} CLI ran past {timeout_s:g}s; it and every process it started were stopped"
         ) from None
-    _stop_group(process, grace_s)  # anything it left behind in its group
     code = process.returncode
     try:
         result = tool.parse(stdout)

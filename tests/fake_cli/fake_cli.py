@@ -7,14 +7,16 @@ through variables).
 Scenarios: ``success`` (implement: edit stack/params.json; review: accept), ``reject`` (review: reject),
 ``max_turns`` (claude stops at its turn limit), ``failed`` (codex's turn fails, exit 1),
 ``bad_annotation`` (implement: leave an annotation that cannot be expanded), ``hang`` (start a sleeping
-grandchild, record the token on its command line, sleep), ``daemon`` (start a grandchild that leaves the
-process group with setsid and keeps stdout open, record its token, then succeed at once). A token, not a
-pid: a pid read inside the CLI's PID namespace names another process outside it."""
+grandchild, record the token on its command line, sleep; on SIGTERM leave ``<record>.terminated``),
+``daemon`` (start a grandchild that leaves the process group with setsid and keeps stdout open, record
+its token, then succeed at once). A token, not a pid, names the grandchild: it is found in /proc by its
+command line."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -55,6 +57,7 @@ def _edit_params() -> None:
 def main(name: str, scenario: str, record: str) -> None:
     argv = sys.argv[1:]
     entry = {"name": name, "argv": argv, "stdin": sys.stdin.read(), "env": dict(os.environ), "cwd": os.getcwd()}
+    entry.update(pid=os.getpid(), proc_self=int(os.readlink("/proc/self")))  # differ in a PID namespace
     review = _review_mode(name, argv)
     if scenario in ("hang", "daemon"):
         token = f"fake-cli-grandchild-{uuid.uuid4().hex}"
@@ -64,6 +67,7 @@ def main(name: str, scenario: str, record: str) -> None:
     with open(record, "a") as f:
         f.write(json.dumps(entry) + "\n")
     if scenario == "hang":
+        signal.signal(signal.SIGTERM, lambda *_: (Path(record).with_suffix(".terminated").touch(), sys.exit(0)))
         time.sleep(300)
         return
     if review and scenario == "max_turns":

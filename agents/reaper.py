@@ -1,0 +1,113 @@
+"""Runs a command and, when it ends, kills everything it started: ``python -I reaper.py COMMAND...``.
+
+A coding-agent CLI runs model-written commands. A process one of them leaves running — even one that
+left the process group with ``setsid``, which a signal to the group never reaches — could write into the
+workspace after the harness took its copy, load the machine while the judge measures, or hold the CLI's
+stdout open so that its caller waits for it. This wrapper is the command's *subreaper*
+(``PR_SET_CHILD_SUBREAPER``): every orphan among its descendants is re-parented here instead of to init,
+so when the command exits the whole tree is still below this process and is killed (SIGKILL) before the
+wrapper exits with the command's status.
+
+Unlike a PID namespace, this leaves process ids as they are: the checks the CLI runs read ``/proc`` to
+watch their own children's memory and count, and must find them there under their own ids.
+
+SIGTERM (a timeout, from the caller) is passed to the command; after ``--grace`` seconds, or as soon as
+the command is gone, its whole tree is killed. If the caller dies, the wrapper gets SIGTERM too
+(``PR_SET_PDEATHSIG``) and does the same.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl({option}, {value}): {os.strerror(error)}")
+
+
+def descendants(root: int) -> set[int]:
+    """Every process below ``root``, read from /proc (a process that ends meanwhile is skipped)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = set(), [root]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in found:
+                found.add(child)
+                frontier.append(child)
+    return found
+
+
+def kill_tree() -> None:
+    """SIGKILL every descendant and reap them, until none is left (a process may fork while we look)."""
+    me = os.getpid()
+    while True:
+        alive = descendants(me)
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it ended since the scan
+        while True:  # reap what was re-parented here
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break  # no children left at all
+            if pid == 0:
+                break  # some still dying: scan again
+        if not alive:
+            return
+        time.sleep(0.01)
+
+
+def main(argv: list[str]) -> int:
+    grace = 5.0
+    if argv[:1] == ["--grace"]:
+        grace, argv = float(argv[1]), argv[2:]
+    if not argv:
+        print("usage: python -I reaper.py [--grace SECONDS] COMMAND...", file=sys.stderr)
+        return 2
+    caller = os.getppid()
+    stopping: list[float] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.monotonic()))
+    try:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (AttributeError, OSError) as error:  # no prctl: not Linux
+        print(f"reaper: cannot become the command's subreaper ({error}); this needs Linux", file=sys.stderr)
+        return 2
+    if os.getppid() != caller:  # the caller died before the death signal was armed
+        return 1
+    command = subprocess.Popen(argv)
+    while command.poll() is None and not stopping:
+        time.sleep(0.05)
+    if command.poll() is None:  # asked to stop: the command has the grace to end itself, then all goes
+        command.send_signal(signal.SIGTERM)
+        while command.poll() is None and time.monotonic() < stopping[0] + grace:
+            time.sleep(0.05)
+        if command.poll() is None:
+            command.kill()
+    code = command.wait()  # before kill_tree reaps anything, so its status is the command's own
+    kill_tree()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -61,6 +61,10 @@ def test_sampling_too_cold_or_too_hot_is_caught():
     greedy, logits = TemperatureTest(), _logits(generator, 300)  # always the likeliest token, 300 of them
     greedy.add(logits, logits.argmax(-1), 1.0)
     assert greedy.false_alarm_bound() < FALSE_ALARM and greedy.z > 0
+    impossible, logits = TemperatureTest(), _logits(generator, 30)  # one token the model rules out
+    logits[0, 5] = -math.inf
+    impossible.add(logits, torch.tensor([5] + [0] * 29), 1.0)
+    assert impossible.false_alarm_bound() == 0.0
 
 
 def test_the_replay_sample_catches_a_one_percent_cheat_with_probability_099():

@@ -105,6 +105,8 @@ class TemperatureTest:
     def false_alarm_bound(self) -> float:
         """At most this probable, for an engine that really samples at the temperature, is a deviation
         as large as this one (either way)."""
+        if not math.isfinite(self.deviation):
+            return 0.0  # a token the model gives probability zero: no honest engine samples it
         exponent = torch.maximum(LAMBDAS * self.deviation - self.colder, -LAMBDAS * self.deviation - self.hotter)
         return min(1.0, 2 * len(LAMBDAS) * math.exp(-float(exponent.max())))
 

@@ -19,7 +19,7 @@ import pytest
 
 from agents.offline.evaluator import extended, undecided
 from targets.api import TraceEvent
-from targets.harness.channel import AsyncChannel, Frame, ProtocolError, SyncChannel
+from targets.harness.channel import _BURST_END_BYTES, AsyncChannel, Frame, ProtocolError, SyncChannel
 from targets.harness.check_result import CheckResult
 from targets.harness.launch import HarnessRun
 from targets.harness.session import Measurement, Paired, Session, clock_check
@@ -225,6 +225,54 @@ def test_a_peer_that_said_done_and_exited_is_heard_even_if_a_write_to_it_fails_f
 
     kinds, lost = asyncio.run(main())
     assert kinds == ["done"] and len(lost) == 1
+
+
+def test_a_burst_is_handed_on_whole_however_the_socket_splits_it():
+    """Under virtual time a burst's frames must reach the peer together: bytes that trickle in one at a
+    time (a busy machine, a big burst) hand on nothing until the burst's marker, then all of it; a
+    burst cut short by the sender's exit still hands on what did arrive."""
+
+    async def main() -> tuple[list[str], list[str], list[str]]:
+        a, b = _pair()
+        receiver = await AsyncChannel.over(b)
+        receiver.bursts = True
+        handed: list[str] = []
+        receiver.listen(lambda rx: handed.append(rx.get("kind")), lambda error: handed.append("lost"))
+        burst = b"".join(Frame(kind=k, payload="x" * 3000).encode() for k in ("generate", "step", "idle"))
+        marked = burst + _BURST_END_BYTES
+        for at in range(len(marked) - 1):  # all but the marker's last byte, one byte a read
+            a.send(marked[at : at + 1])
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.02)
+        before = list(handed)
+        a.send(marked[-1:])
+        await asyncio.sleep(0.02)
+        whole = list(handed)
+        handed.clear()
+        a.sendall(Frame(kind="failed").encode())  # no marker: the sender died mid-burst
+        a.close()
+        await asyncio.sleep(0.05)
+        return before, whole, handed
+
+    before, whole, cut = asyncio.run(main())
+    assert before == [] and whole == ["generate", "step", "idle"]
+    assert cut == ["failed", "lost"]
+
+
+def test_a_corked_burst_channel_ends_each_flush_with_the_marker_and_counts_only_frames():
+    async def main() -> tuple[bytes, int]:
+        a, b = _pair()
+        sender = await AsyncChannel.over(a)
+        sender.corked = sender.bursts = True
+        sender.send(Frame(kind="generate"))
+        sender.send(Frame(kind="idle"))
+        sender.flush()
+        sender.flush()  # nothing queued: no empty burst
+        await asyncio.sleep(0.02)
+        return b.recv(1 << 16), sender.sent
+
+    data, sent = asyncio.run(main())
+    assert data == Frame(kind="generate").encode() + Frame(kind="idle").encode() + _BURST_END_BYTES and sent == 2
 
 
 def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_channel_lives():

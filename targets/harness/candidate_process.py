@@ -217,7 +217,7 @@ async def _controller(channel: AsyncChannel, stack_dir: str) -> None:
     if isinstance(loop, FollowerTimeLoop):
         # Writes wait for the loop to run dry; then, in one burst: the calls, and a notice of how far
         # this loop may sleep (its next timer) and how many harness frames it has taken in.
-        channel.corked = True
+        channel.corked = channel.bursts = True
 
         def on_idle(deadline: float | None) -> None:
             channel.send(Frame(kind="idle", received=channel.received, deadline=deadline))

@@ -117,6 +117,10 @@ def _header_length(data: bytes | bytearray) -> int:
     return length
 
 
+_BURST_END = "burst_end"  # the channel's own marker (``AsyncChannel.bursts``): never counted, never handed on
+_BURST_END_BYTES = Frame(kind=_BURST_END).encode()
+
+
 class SyncChannel:
     """Blocking frames over a socket: one side asks, the other answers, never both at once."""
 
@@ -149,7 +153,12 @@ class AsyncChannel(asyncio.BufferedProtocol):
     """Frames on an asyncio loop. Each complete frame goes to ``on_frame`` (once set; frames that
     arrive before wait in a queue for ``recv``). ``send`` never blocks: the transport buffers, or,
     while ``corked``, the channel does until ``flush``. Bytes are read into one reusable buffer
-    (a fresh 256 KiB object per read would cost more than the rest of a small frame's handling)."""
+    (a fresh 256 KiB object per read would cost more than the rest of a small frame's handling).
+
+    With ``bursts`` (both ends, under virtual time) each ``flush`` ends with a marker and frames are
+    handed on a whole burst at a time, however the socket splits the bytes: a peer then sees the
+    other's frames of one instant together, never half of them with its own callbacks run between,
+    so how fast each process happens to run cannot change what a simulated run does."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -158,6 +167,8 @@ class AsyncChannel(asyncio.BufferedProtocol):
         self.sent = 0  # frames sent (the virtual-time handshake counts them)
         self.received = 0  # frames handed on
         self.corked = False
+        self.bursts = False
+        self._held: list[Received] = []  # with ``bursts``: this burst's frames, until its marker
         self._out: list[bytes] = []
         self._buffer = bytearray(1 << 16)
         self._filled = 0  # bytes of _buffer holding data not yet parsed
@@ -238,6 +249,17 @@ class AsyncChannel(asyncio.BufferedProtocol):
 
     # -- frames ------------------------------------------------------------------------------------------
     def _deliver(self, rx: Received) -> None:
+        if self.bursts:
+            if rx.get("kind") != _BURST_END:
+                self._held.append(rx)
+                return
+            held, self._held = self._held, []
+            for each in held:
+                self._hand_on(each)
+            return
+        self._hand_on(rx)
+
+    def _hand_on(self, rx: Received) -> None:
         self.received += 1
         if self.on_frame is not None and not self._queue:
             self.on_frame(rx)
@@ -247,6 +269,9 @@ class AsyncChannel(asyncio.BufferedProtocol):
             self._waiter.set_result(None)
 
     def _lose(self, error: BaseException) -> None:
+        held, self._held = self._held, []
+        for each in held:  # a burst cut short by the peer's exit: what it did send still counts
+            self._hand_on(each)
         if self._lost is None:
             self._lost = error
             if self._waiter is not None and not self._waiter.done():
@@ -282,6 +307,8 @@ class AsyncChannel(asyncio.BufferedProtocol):
 
     def flush(self) -> None:
         if self._out and self.transport is not None and not self.transport.is_closing():
+            if self.bursts:
+                self._out.append(_BURST_END_BYTES)
             self.transport.write(b"".join(self._out))
         self._out.clear()
 

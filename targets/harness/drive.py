@@ -188,6 +188,9 @@ class ControllerLink:
     def wake(self, now: float) -> None:
         self.send(Frame(kind="time"))
 
+    def flush(self) -> None:
+        self.channel.flush()
+
     # -- frames ----------------------------------------------------------------------------------------
     def send(self, frame: Frame) -> None:
         if self.virtual:
@@ -527,6 +530,7 @@ def drive_simulated(
     async def main() -> None:
         envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed)
         link = ControllerLink(await _connect(processes, "controller-virtual"), envs, trace.clock, virtual=True)
+        link.channel.corked = link.channel.bursts = True  # flushed by the loop when it runs dry
         loop.peer = link
         link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=True))
         serving = asyncio.create_task(link.serve())

@@ -5,7 +5,9 @@ controller follows it.
 waiting. Its selector still does real I/O (the channel to the controller process): while the
 controller is busy the harness waits for it for real; only when the controller has said it is idle
 (and has taken in every frame the harness sent) does virtual time move, to the earlier of the
-harness's next timer and the controller's. ``FollowerTimeLoop`` (candidate) is the other half: its
+harness's next timer and the controller's. Each side sends what one instant produced as one burst
+when its loop runs dry, and takes in the other's bursts whole (``AsyncChannel.bursts``): a simulated
+run is the same run however fast either process happens to be. ``FollowerTimeLoop`` (candidate) is the other half: its
 ``time()`` is whatever the harness last said, and when it has nothing to run it reports its next
 timer and waits. A controller written for the real cluster (``asyncio.sleep``, ``wait_for``,
 events, futures) runs unchanged; a step that takes ten simulated minutes takes as long as the
@@ -38,6 +40,10 @@ class IdlePeer(Protocol):
 
     def wake(self, now: float) -> None:
         """Virtual time reached the peer's deadline: tell it (it becomes busy until its next idle)."""
+        ...
+
+    def flush(self) -> None:
+        """The harness ran out of callbacks: send the peer, in one burst, what this instant produced."""
         ...
 
 
@@ -78,10 +84,12 @@ class _ClockSelector(_RealSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list:
+        peer = self._loop.peer
+        if timeout != 0 and peer is not None:
+            peer.flush()
         ready = self._ready_first(timeout)
         if ready is not None:
             return ready
-        peer = self._loop.peer
         idle, deadline = peer.idle_until() if peer is not None else (True, None)
         if not idle:  # the controller is computing: wait for it for real
             return self._real.select(None)

@@ -9,6 +9,11 @@ How the CLI is run, and why:
 * the CLI gets an **allowlisted environment** (``CLITool.environment``): the basics a program needs, the few
   variables the judge's checks read, the provider key of that CLI, and its own config directory —
   nothing else from ours, so no other secret reaches a process that runs model-written commands;
+* it reads **no configuration of the user's** (``CLITool.private_home``): Claude Code is told to read no
+  settings file; Codex, which has no such flag, gets a scratch ``CODEX_HOME`` holding only a copy of the
+  user's login (``auth.json``), so the user's ``config.toml`` (its MCP servers, ``notify`` program,
+  provider, shell-environment policy, trusted projects) shapes no call; a login the CLI refreshed is
+  copied back;
 * it runs under **a reaper** (``agents/reaper.py``, the CLI's subreaper): when the CLI exits, or a timeout
   stops it (SIGTERM, then SIGKILL after a grace), every process it started is killed, even one that left
   its process group with ``setsid``. Nothing it launched lives on to write into the workspace after the
@@ -36,6 +41,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +188,12 @@ class CLITool:
         names = BASE_ENV + CHECK_ENV + self.KEYS + self.CONFIG
         return {k: os.environ[k] for k in names if k in os.environ} | (extra or {})
 
+    @contextmanager
+    def private_home(self) -> Iterator[dict[str, str]]:
+        """Variables that give one call a configuration home of its own (none: the CLI's flags already
+        keep the user's configuration out)."""
+        yield {}
+
     def edit_argv(self, exe: str, *, model: str | None, max_turns: int, budget_usd: float, check: str) -> list[str]:
         raise NotImplementedError
 
@@ -267,8 +280,34 @@ class Codex(CLITool):
 
     name = "codex"
     KEYS = ("CODEX_API_KEY", "OPENAI_API_KEY")  # exec's own key variable; the OpenAI provider's key
-    CONFIG = ("CODEX_HOME",)  # where its config and login live (default ~/.codex)
+    CONFIG = ()  # CODEX_HOME is a scratch one per call (private_home), never the user's
+    LOGIN = "auth.json"  # the login `codex login` keeps in CODEX_HOME
     SHELL_RULE = "Your commands may write only inside the workspace."
+
+    @contextmanager
+    def private_home(self) -> Iterator[dict[str, str]]:
+        """A scratch ``CODEX_HOME`` with a copy of the user's login and nothing else: ``codex exec`` has no
+        flag that skips ``config.toml``, whose MCP servers, ``notify`` program, provider or trusted projects
+        would otherwise shape the call. If the CLI refreshed the login, the fresh one is copied back (a
+        rotated refresh token would otherwise leave the user's copy dead), but only a login of the same
+        account: the scratch home lies where the CLI's commands may write."""
+        user_home = Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex")
+        with tempfile.TemporaryDirectory(prefix="vibetrain-codex-home-") as scratch:
+            login, copy = user_home / self.LOGIN, Path(scratch) / self.LOGIN
+            if login.is_file():
+                shutil.copyfile(login, copy)
+                copy.chmod(0o600)
+            before = copy.read_bytes() if copy.is_file() else None
+            yield {"CODEX_HOME": scratch}
+            after = copy.read_bytes() if copy.is_file() else None
+            if before is not None and after is not None and after != before:
+                if _codex_account(after) is None or _codex_account(after) != _codex_account(before):
+                    log.warning("the codex CLI left a login of another account (or none) in its home: not kept")
+                    return
+                fresh = login.with_name(f".{self.LOGIN}.vibetrain")
+                fresh.write_bytes(after)
+                fresh.chmod(0o600)
+                fresh.replace(login)
 
     def edit_argv(self, exe: str, *, model: str | None, max_turns: int, budget_usd: float, check: str) -> list[str]:
         return [exe, "exec", "--json", "--sandbox", "workspace-write"] + (["--model", model] if model else []) + ["-"]
@@ -282,6 +321,20 @@ class Codex(CLITool):
 
     def parse(self, stdout: str) -> CLIResult:
         return parse_codex(stdout)
+
+
+def _codex_account(login: bytes) -> str | None:
+    """The account a Codex login belongs to (``tokens.account_id``; an API-key login: its key), None when
+    the file is no login."""
+    try:
+        data = json.loads(login)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    tokens = data.get("tokens")
+    account = tokens.get("account_id") if isinstance(tokens, dict) else None
+    return str(account or data.get("OPENAI_API_KEY") or "") or None
 
 
 TOOLS: dict[str, CLITool] = {"claude": ClaudeCode(), "codex": Codex()}
@@ -324,6 +377,13 @@ def run_cli(
     """Run one CLI call: ``prompt`` on stdin, under the reaper, its output parsed. Whatever it started and
     left running is killed when it ends (so nothing holds its pipes open); past ``timeout_s`` it gets
     SIGTERM and ``grace_s`` to end, then it and everything it started are killed, and the call raises."""
+    with tool.private_home() as home:
+        return _run_reaped(tool, argv, prompt, cwd=cwd, env=env | home, timeout_s=timeout_s, grace_s=grace_s)
+
+
+def _run_reaped(
+    tool: CLITool, argv: list[str], prompt: str, *, cwd: Path, env: dict, timeout_s: float, grace_s: float
+) -> CLIResult:
     process = subprocess.Popen(
         _reaped(argv, grace_s),
         cwd=cwd,

@@ -216,6 +216,30 @@ def test_fake_codex_reads_the_prompt_from_stdin_and_sees_only_its_own_keys(tmp_p
     assert accounting.cost_usd == pytest.approx((24763 * 1.1 + 1220 * 4.4) / 1e6)
 
 
+@pytest.mark.parametrize("scenario", ["success", "refresh_login", "other_login"])
+def test_codex_reads_no_config_of_the_users_only_a_copy_of_its_login(
+    tmp_path, monkeypatch, session, workspace, scenario
+):
+    """``codex exec`` has no flag that skips config.toml: a user's MCP servers or ``notify`` program would
+    run in every call. Each call gets a scratch CODEX_HOME with the login alone; a login the CLI refreshed
+    is kept, one of another account (the scratch home is writable by the CLI's commands) is not."""
+    record = _fake(tmp_path, monkeypatch, "codex", scenario)
+    user_home = tmp_path / "codex-home"
+    user_home.mkdir()
+    (user_home / "config.toml").write_text('notify = ["/bin/sh", "-c", "touch /tmp/pwned"]\n')
+    login = {"tokens": {"account_id": "acct-1", "refresh_token": "r1"}, "last_refresh": "2026-11-01"}
+    (user_home / "auth.json").write_text(json.dumps(login))
+    monkeypatch.setenv("CODEX_HOME", str(user_home))
+    CLIImplementer(session, cli_tool("codex"), Accounting(), None, model="o4-mini").implement(TASK, workspace, [])
+    [call] = _calls(record)
+    seen = Path(call["env"]["CODEX_HOME"])
+    assert seen != user_home and not seen.exists()  # a scratch home, gone after the call
+    assert call["codex_home"] == {"auth.json": json.dumps(login)}  # the login, not config.toml
+    kept = json.loads((user_home / "auth.json").read_text())
+    assert kept["tokens"]["refresh_token"] == ("rotated" if scenario == "refresh_login" else "r1")
+    assert kept["tokens"]["account_id"] == "acct-1"
+
+
 def test_a_failed_codex_turn_is_an_agent_error_with_its_message(tmp_path, monkeypatch, session, workspace):
     _fake(tmp_path, monkeypatch, "codex", "failed")  # prints the failed stream and exits 1
     with pytest.raises(AgentError, match="^the codex CLI's turn failed: exceeded retry limit, last status: 429"):

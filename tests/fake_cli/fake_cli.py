@@ -9,8 +9,10 @@ Scenarios: ``success`` (implement: edit stack/params.json; review: accept), ``re
 ``bad_annotation`` (implement: leave an annotation that cannot be expanded), ``hang`` (start a sleeping
 grandchild, record the token on its command line, sleep; on SIGTERM leave ``<record>.terminated``),
 ``daemon`` (start a grandchild that leaves the process group with setsid and keeps stdout open, record
-its token, then succeed at once). A token, not a pid, names the grandchild: it is found in /proc by its
-command line."""
+its token, then succeed at once), ``refresh_login`` and ``other_login`` (codex: succeed, after
+rewriting the login in its CODEX_HOME with a new token of the same account, or with another account).
+The record lists the files of CODEX_HOME when it is set. A token, not a pid, names the grandchild: it
+is found in /proc by its command line."""
 
 from __future__ import annotations
 
@@ -58,6 +60,16 @@ def main(name: str, scenario: str, record: str) -> None:
     argv = sys.argv[1:]
     entry = {"name": name, "argv": argv, "stdin": sys.stdin.read(), "env": dict(os.environ), "cwd": os.getcwd()}
     entry.update(pid=os.getpid(), proc_self=int(os.readlink("/proc/self")))  # differ in a PID namespace
+    home = os.environ.get("CODEX_HOME")
+    if home:
+        entry["codex_home"] = {p.name: p.read_text() for p in sorted(Path(home).iterdir())}
+        if scenario in ("refresh_login", "other_login"):
+            login = json.loads((Path(home) / "auth.json").read_text())
+            login["tokens"]["refresh_token"] = "rotated"
+            if scenario == "other_login":
+                login["tokens"]["account_id"] = "someone-else"
+            (Path(home) / "auth.json").write_text(json.dumps(login))
+            scenario = "success"
     review = _review_mode(name, argv)
     if scenario in ("hang", "daemon"):
         token = f"fake-cli-grandchild-{uuid.uuid4().hex}"

@@ -326,6 +326,41 @@ def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
     assert proposal[1].source == "mutation"  # then parameter moves
 
 
+def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_means_what_it_says(tiny_spec):
+    """Hints on round 0 queued "add redundant_envs" (at 2); a later best has it on at 3. There the queued
+    addition would move it back to 2 under the label "add": it is passed over, as are a move of a
+    parameter of a technique that is off, a switch to the controller in use and a removal of a technique
+    that is off. The policy goes on to what does apply."""
+    from types import SimpleNamespace
+
+    from orchestrator.policies.backlog import BacklogPolicy
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    p0 = starter_params(tiny_spec, "time_multiplex")
+    add = {t.id: t for t in planner.composition_tasks(p0)}["add-redundant_envs"]
+    best = {**p0, "redundant_envs": 3}
+    kv = planner.skills["kv_routing"]
+    stale = [
+        add,
+        planner._param_task(kv, "route_slack", 2 * kv.params["route_slack"].default, "a hint", "trigger:x", 9),
+        planner._composition_task(planner.skills["tail_batching"], "remove", {"tail_round": 0}, 9),
+        planner._controller_task(planner.skills["time_multiplex"], None, {"controller": "colocate"}),
+    ]
+    assert planner.applies(add, p0) and planner.applies(stale[1], {**p0, "kv_routing": 1})
+    assert [planner.applies(t, best) for t in stale] == [False] * 4
+    state = SimpleNamespace(
+        best=SimpleNamespace(commit="c1"),
+        backlog=stale,
+        rounds=[],
+        accepted=lambda: [],
+        tried=lambda: set(),
+        abandoned=lambda: set(),
+    )
+    _, task = BacklogPolicy(planner, seed=0).propose(state, lambda record: best)
+    assert task.id not in {t.id for t in stale} and task.source == "composition", task.id
+
+
 def test_evolve_never_rebuilds_a_configuration_the_run_already_tried(tiny_spec):
     """Novelty: removing the technique a child added rebuilds its parent, and adding a technique the run
     already tried (and rejected) from the parent is the same point; evolve proposes neither, for any seed."""

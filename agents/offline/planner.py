@@ -190,6 +190,29 @@ class OfflinePlanner:
                         )
         return tasks
 
+    def applies(self, task: Task, params: dict) -> bool:
+        """Whether a task written for one parent still means what it says on ``params`` (a backlog task
+        may wait while the best changes): an addition of a technique that is off and may go on, a removal
+        of one that is on and nothing requires, a switch to another controller, a move of a parameter of
+        a skill in use, to a value it does not have. Other tasks (an LLM planner's) are not judged here."""
+        skill = self.skills.get(task.skills[0]) if len(task.skills) == 1 else None
+        if skill is None:
+            return True
+        verb = task.id.split("-", 1)[0] if task.id.startswith(("add-", "remove-")) else None
+        if verb == "add":
+            return not skill.is_on(params) and applicable(self.skills, skill, params)
+        if verb == "remove":
+            required = any(skill.name in s.requires and s.is_on(params) for s in self.skills.values())
+            return skill.is_on(params) and not required
+        if task.id.startswith("controller="):
+            return params.get("controller") != skill.name
+        in_use = (
+            params.get("controller") == skill.name
+            if skill.kind == "controller"
+            else not skill.enable or skill.is_on(params)
+        )
+        return in_use and any(params.get(k, self._default(k)) != v for k, v in task.changes.items())
+
     def perturbation(self, params: dict) -> Task | None:
         """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation,
         and the backlog's fallback when it runs dry)."""

@@ -27,9 +27,11 @@ class BacklogPolicy:
         built = built_configurations(state, params_of)
 
         def fresh(task: Task) -> bool:
-            """Not tried on this parent, not given up on, and not a configuration the run built already."""
+            """Not tried on this parent, not given up on, still meaning what it says on this parent (a task
+            queued under an earlier best may add a technique this one has on), and not a configuration the
+            run built already."""
             given_up = (parent.commit, task.id) in tried or task.id in abandoned
-            return not given_up and not rebuilds(params, task, built)
+            return not given_up and self.planner.applies(task, params) and not rebuilds(params, task, built)
 
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
             if fresh(task):

@@ -301,7 +301,8 @@ class Codex(CLITool):
             yield {"CODEX_HOME": scratch}
             after = copy.read_bytes() if copy.is_file() else None
             if before is not None and after is not None and after != before:
-                if _codex_account(after) is None or _codex_account(after) != _codex_account(before):
+                account = _codex_account(after)
+                if account is None or account != _codex_account(before):
                     log.warning("the codex CLI left a login of another account (or none) in its home: not kept")
                     return
                 fresh = login.with_name(f".{self.LOGIN}.vibetrain")

@@ -113,7 +113,7 @@ class OfflinePlanner:
                 task = self._addition(skill, params, 5)
                 if task:
                     tasks.append(task)
-            elif not any(skill.name in other.requires and other.is_on(params) for other in self.skills.values()):
+            elif not self._required(skill, params):
                 changes = {
                     k: self._typed(skill, k, p.default) for k, p in skill.params.items() if p.default is not None
                 }
@@ -198,30 +198,34 @@ class OfflinePlanner:
         skill = self.skills.get(task.skills[0]) if len(task.skills) == 1 else None
         if skill is None:
             return True
-        verb = task.id.split("-", 1)[0] if task.id.startswith(("add-", "remove-")) else None
-        if verb == "add":
+        if task.id.startswith("add-"):
             return not skill.is_on(params) and applicable(self.skills, skill, params)
-        if verb == "remove":
-            required = any(skill.name in s.requires and s.is_on(params) for s in self.skills.values())
-            return skill.is_on(params) and not required
+        if task.id.startswith("remove-"):
+            return skill.is_on(params) and not self._required(skill, params)
         if task.id.startswith("controller="):
             return params.get("controller") != skill.name
-        in_use = (
-            params.get("controller") == skill.name
-            if skill.kind == "controller"
-            else not skill.enable or skill.is_on(params)
+        return self._in_use(skill, params) and any(
+            params.get(k, self._default(k)) != v for k, v in task.changes.items()
         )
-        return in_use and any(params.get(k, self._default(k)) != v for k, v in task.changes.items())
+
+    def _required(self, skill: Skill, params: dict) -> bool:
+        """Another technique that is on in ``params`` requires ``skill``."""
+        return any(skill.name in other.requires and other.is_on(params) for other in self.skills.values())
+
+    def _in_use(self, skill: Skill, params: dict) -> bool:
+        """Whether ``skill``'s parameters matter in ``params``: a controller's under that controller, a
+        switchable technique's while it is on, the others' always."""
+        if skill.kind == "controller":
+            return params.get("controller") == skill.name
+        return not (skill.kind == "technique" and skill.enable) or skill.is_on(params)
 
     def perturbation(self, params: dict) -> Task | None:
         """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation,
         and the backlog's fallback when it runs dry)."""
         candidates = []
         for skill in self.skills.values():
-            if skill.kind == "controller" and params.get("controller") != skill.name:
-                continue
-            if skill.kind == "technique" and skill.enable and not skill.is_on(params):
-                continue  # a technique that is off: adding it is a composition task, tuning it moot
+            if not self._in_use(skill, params):
+                continue  # another controller's, or a technique that is off (adding it is a composition task)
             for name, param in skill.params.items():
                 current = params.get(name, self._default(name))
                 if current is None or not self.tunable(param):

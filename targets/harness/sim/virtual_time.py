@@ -7,11 +7,11 @@ controller is busy the harness waits for it for real; only when the controller h
 (and has taken in every frame the harness sent) does virtual time move, to the earlier of the
 harness's next timer and the controller's. Each side sends what one instant produced as one burst
 when its loop runs dry, and takes in the other's bursts whole (``AsyncChannel.bursts``): a simulated
-run is the same run however fast either process happens to be. ``FollowerTimeLoop`` (candidate) is the other half: its
-``time()`` is whatever the harness last said, and when it has nothing to run it reports its next
-timer and waits. A controller written for the real cluster (``asyncio.sleep``, ``wait_for``,
-events, futures) runs unchanged; a step that takes ten simulated minutes takes as long as the
-Python work in it.
+run is the same run however fast either process happens to be. ``FollowerTimeLoop`` (candidate) is
+the other half: its ``time()`` is whatever the harness last said, and when it has nothing to run it
+reports its next timer and waits. A controller written for the real cluster (``asyncio.sleep``,
+``wait_for``, events, futures) runs unchanged; a step that takes ten simulated minutes takes as long
+as the Python work in it.
 
 If every coroutine on both sides waits and no timer is pending, nothing can ever happen again, and
 the harness says so instead of hanging.

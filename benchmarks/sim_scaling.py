@@ -2,7 +2,8 @@
 target at 1x, 2x and 4x the batch, side by side in one run, each through the harness exactly as a
 judged run goes (the controller in its own sandboxed process, virtual time kept by the harness).
 Prints wall seconds of the simulated system run, trajectory-turns simulated, microseconds per
-trajectory-turn (flat = linear scaling), and the floor the isolation puts under it: the controller round
+trajectory-turn (flat = linear scaling), the CPU time per turn of each of the two processes (the harness's
+and the candidate controller's), and the floor the isolation puts under it: the controller round
 trips the run needed (each time virtual time moved to an event the controller had to react to, the harness
 waited for it) times the cost of one bare round trip over the same channel between two processes,
 measured in the same run.
@@ -95,7 +96,17 @@ def main(
     raw = yaml.safe_load(resolve_target_path(target).read_text())
     box = Sandbox.detect(sandbox)
     table = Table(title=f"simulation cost on {spec.id} ({spec.hardware.count} devices, {controller}, {steps} steps)")
-    columns = ("batch", "wall s", "simulated s", "trajectory-turns", "µs per trajectory-turn", "round trips", "floor s")
+    columns = (
+        "batch",
+        "wall s",
+        "simulated s",
+        "trajectory-turns",
+        "µs per trajectory-turn",
+        "harness CPU µs/turn",
+        "controller CPU µs/turn",
+        "round trips",
+        "floor s",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     try:
@@ -120,19 +131,26 @@ def main(
             raise SystemExit(f"batch {batch}: {run.cause}")
         summary = json.loads((run.out / "system.json").read_text())
         turns = sum(1 for e in Trace.load_events(run.out / "trace.jsonl") if e.kind == "env_step")
+        controller_cpu = summary["controller_cpu_seconds"]  # None in a sandbox: its namespace keeps it
         table.add_row(
             f"{batch} ({factor}x)",
             f"{summary['wall_seconds']:.2f}",
             f"{summary['virtual_seconds']:.0f}",
             str(turns),
             f"{1e6 * summary['wall_seconds'] / turns:.0f}",
+            f"{1e6 * summary['harness_cpu_seconds'] / turns:.0f}",
+            "n/a" if controller_cpu is None else f"{1e6 * controller_cpu / turns:.0f}",
             str(summary["controller_round_trips"]),
             f"{summary['controller_round_trips'] * bare_us / 1e6:.1f}",
         )
     Console().print(table)
     Console().print(
         f"floor s = round trips x {bare_us:.0f} µs, one bare round trip between two processes over the same "
-        "channel (measured now): the wall time of the round trips alone, before any simulation or controller work"
+        "channel (measured now): the wall time of the round trips alone, before any simulation or controller work; "
+        "CPU µs/turn: CPU time of the harness process (the simulator, environments, trace, its end of the channel) "
+        "and of the candidate's controller process (its own code and its end of the channel), per trajectory-turn. "
+        "The two take turns, so the wall time is close to their sum. The controller's is n/a in a sandbox (its "
+        "process namespace keeps it from the harness): --sandbox subprocess shows it"
     )
 
 

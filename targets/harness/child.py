@@ -74,9 +74,15 @@ def run_system(
     processes = CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu)
     try:
         if target.simulated:
+            runtime, children_before, harness_before = target.runtime(), _children_cpu_s(), time.process_time()
             mark("run_start")  # virtual time: the parent's clock checks nothing here, the marks only keep the shape
-            trace, summary = drive_simulated(target.spec, target.runtime(), processes, steps, seed)
+            trace, summary = drive_simulated(target.spec, runtime, processes, steps, seed)
             mark("run_end")
+            summary["harness_cpu_seconds"] = time.process_time() - harness_before
+            processes.stop()  # reaps the controller process, so its CPU time is counted below
+            # only a plain subprocess is reaped here: a sandbox's own process namespace keeps its CPU time
+            counted = sandbox.backend == "subprocess"
+            summary["controller_cpu_seconds"] = _children_cpu_s() - children_before if counted else None
             trace.save(out / "trace.jsonl")
             return summary
         from safetensors.torch import save_file
@@ -117,6 +123,12 @@ def run_system(
         resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     )
     return {**summary, "peak_process_memory_mb": peak_kb / 1024}
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of the child processes reaped so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def device_memory(target: Target):

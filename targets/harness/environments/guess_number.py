@@ -10,7 +10,9 @@ Why this shape (measured on tiny-qwen3-cpu, lr 3e-3, 40 GRPO steps): with a succ
 a range shown only once, or any digit of the response counting as the guess, the mean reward did
 not move; with all three fixed it rose from 0.03 to ~0.3 within 20 steps. Give it short responses
 (``tokens.response`` 4): the answer is one token, and with 16 the other 15 share its advantage and
-dilute the credit (measured: 0.16 -> 0.21 in 30 steps instead of a clear rise).
+dilute the credit (measured: 0.16 -> 0.21 in 30 steps instead of a clear rise). With 32 episodes a
+step the rise varies by seed (measured again on seeds 0-5, 30 steps: -0.05 to +0.26; one policy peaked
+at 0.43 and collapsed); with 64 it is +0.18 to +0.28 on all six.
 """
 
 from __future__ import annotations

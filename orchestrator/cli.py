@@ -41,6 +41,7 @@ target_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Insp
 app.add_typer(target_app, name="target")
 
 console = Console()
+console.soft_wrap = not console.is_terminal  # in a pipe or a file, whole lines: grep sees a path unbroken
 errors = Console(stderr=True, soft_wrap=True)  # an error names paths and values: never broken mid-word
 
 
@@ -313,7 +314,7 @@ def check(
         console.print(f"checking the {spec.baselines[0].name} starter ({stack})")
     with console.status(f"checking {stack} on {session.target.id}"):
         results = session.check(stack, out)
-    console.print(checks_table(results))
+    _print_table(checks_table(results))
     passed = all(r.passed for r in results)
     if json_path:
         json_path.write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))

@@ -685,6 +685,8 @@ def generate(
                 errors.print(f"[yellow]warning:[/yellow] --track: {error}")
         if live is not None:
             live.update(view.render())
+        else:  # a pipe or a file: nothing redraws there, so each change is a line of its own
+            console.print(view.line(kind))
 
     try:
         if resume:
@@ -740,8 +742,12 @@ def generate(
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
     try:
-        with Live(view.render(), console=console, refresh_per_second=4) as live:
+        if console.is_terminal:
+            with Live(view.render(), console=console, refresh_per_second=4) as live:
+                state = loop.run()
+        else:
             state = loop.run()
+            _print_table(view.render())
     except RunError as error:
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -106,13 +107,19 @@ class RoundsView:
             table.add_row(*row)
         return table
 
+    def line(self, kind: str) -> str:
+        """What the last event changed, as one line: for a pipe or a file, where nothing redraws."""
+        if kind == "round_end":
+            return "round " + "  ".join(self.rows[-1])
+        return self.status
+
     def event(self, kind: str, **data) -> None:
         if kind == "setup":
             self.status = f"sandbox: {data['sandbox']}; {'simulated' if data['simulated'] else 'real'} execution"
         elif kind == "round_start":
-            self.status = f"round {data['round']}: {data['task'].title} (from round {data['parent']})"
+            self.status = f"round {data['round']}: {escape(data['task'].title)} (from round {data['parent']})"
         elif kind == "verdict":
-            verdict = "passed" if data["passed"] else "failed: " + "; ".join(data["reasons"][:2])
+            verdict = "passed" if data["passed"] else "failed: " + "; ".join(escape(r) for r in data["reasons"][:2])
             self.status = f"round {data['round']} attempt {data['attempt']}: judge {verdict}"
         elif kind == "round_end":
             r, best = data["record"], data["best"]
@@ -121,10 +128,10 @@ class RoundsView:
             self.rows.append(
                 (
                     str(r.round),
-                    r.task.title,
+                    escape(r.task.title),  # an agent's title may hold brackets
                     f"[{colour}]{r.verdict}[/{colour}]" + (" *" if r.became_best else ""),
                     value,
-                    paired_cell(r.paired),
+                    escape(paired_cell(r.paired)),  # rich would take '[unbounded]' for a style
                     f"round {best.round}: {num(best.headline)}" if best else "-",
                 )
             )

@@ -371,7 +371,12 @@ def test_the_default_relative_paths_work_from_any_directory(tmp_path, fast_targe
     """The README's command relies on cwd-relative defaults (generated/<id>, workspaces/); git and the
     sandbox run in other directories, so every path must be made absolute first."""
     monkeypatch.chdir(tmp_path)
-    _generate(str(fast_target), "--rounds", "0", "--simulate", "--repeat", "1")
+    lines = _generate(str(fast_target), "--rounds", "0", "--simulate", "--repeat", "1").splitlines()
+    # in a pipe nothing redraws: each change is a line as it happens, then the table once, tab-separated
+    assert any("sandbox: " in line for line in lines), lines  # (after the model's progress bar, on a fresh cache)
+    finished = [i for i, line in enumerate(lines) if line.startswith("round 0  ")]
+    table = [i for i, line in enumerate(lines) if line.startswith("round\ttask\tverdict")]
+    assert finished and "accepted" in lines[finished[0]] and table and finished[0] < table[0], lines
     state = RunState.load(Path("generated") / "tiny-qwen3-cpu-fast")
     assert state.record(0).verdict == "accepted", state.record(0).reasons
     assert (tmp_path / "generated" / "tiny-qwen3-cpu-fast" / "stack" / "params.json").exists()

@@ -685,7 +685,7 @@ def generate(
                 errors.print(f"[yellow]warning:[/yellow] --track: {error}")
         if live is not None:
             live.update(view.render())
-        else:  # a pipe or a file: nothing redraws there, so each change is a line of its own
+        elif not console.is_terminal:  # a pipe or a file: nothing redraws there, so each change is a line of its own
             console.print(view.line(kind))
 
     try:

@@ -175,30 +175,27 @@ def test_the_local_cluster_time_shares_one_gpu(tiny_spec):
     assert back < awake * 1.5 and trained > 0  # after resume the trainer's copy is back on the host
 
 
-def _broadcast_receiver(port: int, layouts, queue) -> None:
+def _broadcast_receiver(rendezvous: str, layouts, queue) -> None:
     from skills.recipes.weight_sync import BroadcastGroup
 
     torch.cuda.set_device(1)
-    group = BroadcastGroup("127.0.0.1", port, 1, 2, "cuda:1")
+    group = BroadcastGroup(rendezvous, 1, 2, "cuda:1")
     queue.put({k: float(v.float().sum()) for bucket in group.receive(layouts) for k, v in bucket.items()})
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_broadcast_reaches_an_engine_on_another_gpu(tiny_model):
-    import socket
-
+    from skills.recipes.rendezvous import Rendezvous
     from skills.recipes.weight_sync import BroadcastGroup
 
     state = {k: v.to("cuda:0") for k, v in tiny_model.state_dict().items()}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    rendezvous = Rendezvous()
     layouts = BroadcastGroup.layouts(state, torch.bfloat16, 1 << 16)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    receiver = context.Process(target=_broadcast_receiver, args=(port, layouts, queue))
+    receiver = context.Process(target=_broadcast_receiver, args=(rendezvous.address, layouts, queue))
     receiver.start()
-    BroadcastGroup("127.0.0.1", port, 0, 2, "cuda:0").send(state, torch.bfloat16, 1 << 16)
+    BroadcastGroup(rendezvous.address, 0, 2, "cuda:0").send(state, torch.bfloat16, 1 << 16)
     received = queue.get(timeout=120)
     receiver.join(timeout=60)
     assert received == {k: float(v.to(torch.bfloat16).float().sum()) for k, v in state.items()}

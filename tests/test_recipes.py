@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import socket
 
 import pytest
 import torch
 
 from skills.recipes.fsdp_trainer import FSDPTrainer
 from skills.recipes.paged_engine import PagedEngine
+from skills.recipes.rendezvous import Rendezvous, connect
 from skills.recipes.weight_sync import BroadcastGroup, pack, to_buckets, unpack
 from targets.api import SamplingParams
 from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync, fixed_prompts, reference_greedy
@@ -151,13 +151,7 @@ def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path,
     assert result.passed, result.reasons
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _second_rank(path: str, port: int, done) -> None:
+def _second_rank(path: str, rendezvous: str, done) -> None:
     """Rank 1 of a two-rank trainer: the same steps on the same batches as rank 0 (run by the check)."""
     from targets.harness.accuracy import fixed_train_batches
 
@@ -167,7 +161,7 @@ def _second_rank(path: str, port: int, done) -> None:
         spec.workload.training.config(),
         rank=1,
         world_size=2,
-        init_method=f"tcp://127.0.0.1:{port}",
+        rendezvous=rendezvous,
         micro_batch_tokens=64,
     )
     for batch in fixed_train_batches(load_model(model_dir(spec.model))):
@@ -178,15 +172,15 @@ def _second_rank(path: str, port: int, done) -> None:
 
 
 def test_two_fsdp_ranks_over_gloo_pass_the_trainer_check(path, tiny_model, tiny_spec):
-    port = _free_port()
+    rendezvous = Rendezvous()
     context = multiprocessing.get_context("spawn")
     done = context.Queue()
-    other = context.Process(target=_second_rank, args=(path, port, done))
+    other = context.Process(target=_second_rank, args=(path, rendezvous.address, done))
     other.start()
     try:
         result = check_trainer(
             lambda state, c: FSDPTrainer(
-                path, c, rank=0, world_size=2, state=state, micro_batch_tokens=64, init_method=f"tcp://127.0.0.1:{port}"
+                path, c, rank=0, world_size=2, state=state, micro_batch_tokens=64, rendezvous=rendezvous.address
             ),
             tiny_model,
             tiny_spec.workload.training.config(),
@@ -196,6 +190,17 @@ def test_two_fsdp_ranks_over_gloo_pass_the_trainer_check(path, tiny_model, tiny_
     finally:
         other.join(timeout=60)
     assert result.passed, result.reasons
+
+
+def test_ranks_meet_only_at_a_rendezvous_address(path, tiny_spec):
+    """The store picks its own port (none is picked free and raced for); ranks without one, or with an
+    address that is not host:port, are refused with the reason instead of waiting for each other."""
+    first, second = Rendezvous(), Rendezvous()
+    assert first.address != second.address and first.address.startswith("127.0.0.1:")
+    with pytest.raises(ValueError, match="needs a rendezvous"):
+        FSDPTrainer(path, tiny_spec.workload.training.config(), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="host:port"):
+        connect("127.0.0.1", "trainer")
 
 
 def test_bf16_master_weights_round_small_updates_away_and_float32_masters_do_not(path, tiny_spec):
@@ -229,21 +234,21 @@ def test_flat_buckets_round_trip_with_their_layout(tiny_model):
         assert layout == BroadcastGroup.layouts(bucket, torch.bfloat16, 1 << 16)[0]
 
 
-def _receiver(port: int, layouts, queue) -> None:
-    group = BroadcastGroup("127.0.0.1", port, 1, 2, "cpu")
+def _receiver(rendezvous: str, layouts, queue) -> None:
+    group = BroadcastGroup(rendezvous, 1, 2, "cpu")
     # as numpy (pickled by value): a tensor would go by a file descriptor this process takes with it
     queue.put({k: v.numpy().copy() for bucket in group.receive(layouts) for k, v in bucket.items()})
 
 
 def test_the_broadcast_group_sends_every_bucket_to_a_receiver(tiny_model):
     state = {k: v.clone() for k, v in tiny_model.state_dict().items()}
-    port = _free_port()
+    rendezvous = Rendezvous()
     layouts = BroadcastGroup.layouts(state, torch.float32, 1 << 16)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    receiver = context.Process(target=_receiver, args=(port, layouts, queue))
+    receiver = context.Process(target=_receiver, args=(rendezvous.address, layouts, queue))
     receiver.start()
-    BroadcastGroup("127.0.0.1", port, 0, 2, "cpu").send(state, torch.float32, 1 << 16)
+    BroadcastGroup(rendezvous.address, 0, 2, "cpu").send(state, torch.float32, 1 << 16)
     received = queue.get(timeout=60)
     receiver.join(timeout=30)
     assert set(received) == set(state) and all(torch.equal(torch.from_numpy(received[k]), state[k]) for k in state)

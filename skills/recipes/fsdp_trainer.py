@@ -28,6 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 from targets.api import StateDict, TrainBatch, TrainingConfig, Trajectory
 
+from .rendezvous import connect
+
 
 class _Policy(torch.nn.Module):
     """The causal LM with a forward that returns each token's log-prob: FSDP2's root must own the
@@ -93,7 +95,7 @@ class FSDPTrainer:
         device: str = "cpu",
         rank: int = 0,
         world_size: int = 1,
-        init_method: str | None = None,
+        rendezvous: str | None = None,
         state: StateDict | None = None,
         micro_batch_tokens: int = 8192,
         logprob_chunk: int = 1024,
@@ -113,12 +115,14 @@ class FSDPTrainer:
             torch.cuda.set_device(device)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
-            init_method = (
-                init_method or f"file://{os.path.join(os.environ.get('TMPDIR', '/tmp'), f'vt-fsdp-{os.getpid()}')}"
-            )
-            dist.init_process_group(
-                "cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size
-            )
+            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+            if rendezvous is not None:
+                dist.init_process_group(backend, store=connect(rendezvous, "trainer"), rank=rank, world_size=world_size)
+            elif world_size == 1:  # alone: a file store of this process's own
+                path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vt-fsdp-{os.getpid()}")
+                dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
+            else:
+                raise ValueError(f"a trainer of {world_size} ranks needs a rendezvous (the address of a Rendezvous)")
         elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
             raise RuntimeError(
                 f"this process is already rank {dist.get_rank()} of a group of {dist.get_world_size()}, "

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import tempfile
 from collections.abc import Sequence
 
@@ -32,15 +31,10 @@ from targets.api import Aborted, Completion, Device, GenerateRequest, Runtime, S
 
 from .engine_server import EngineServer
 from .fsdp_trainer import FSDPTrainer
+from .rendezvous import Rendezvous
 from .weight_sync import DEFAULT_BUCKET_BYTES, BroadcastGroup, IPCExport, Layout, merge, open_ipc, publish
 
 STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and still keep its episodes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def placement_group_of(runtime: Runtime):
@@ -75,8 +69,8 @@ def actor_options(runtime: Runtime, device: Device, shared: bool, placement) -> 
 class EngineActor(EngineServer):
     """An engine server as a Ray actor, with the receiving ends of the GPU transports."""
 
-    def join_broadcast(self, host: str, port: int, rank: int, world_size: int) -> None:
-        self._group = BroadcastGroup(host, port, rank, world_size, self.engine.device)
+    def join_broadcast(self, rendezvous: str, rank: int, world_size: int) -> None:
+        self._group = BroadcastGroup(rendezvous, rank, world_size, self.engine.device)
 
     async def receive_broadcast(self, layouts: list[Layout], version: int, interrupt: bool = False) -> bool:
         """Every member receives every broadcast; an engine whose weights sleep drops what it got
@@ -94,8 +88,8 @@ class EngineActor(EngineServer):
 class TrainerActor(FSDPTrainer):
     """A trainer rank as a Ray actor, with the sending ends of the GPU transports (rank 0)."""
 
-    def join_broadcast(self, host: str, port: int, world_size: int) -> None:
-        self._group = BroadcastGroup(host, port, 0, world_size, self.device)
+    def join_broadcast(self, rendezvous: str, world_size: int) -> None:
+        self._group = BroadcastGroup(rendezvous, 0, world_size, self.device)
 
     def broadcast_weights(self, dtype: str, bucket_bytes: int) -> None:
         state = self.device_state()
@@ -131,8 +125,10 @@ class RayCluster:
         engines: dict,
         trainers: list,
         bucket_bytes: int,
+        rendezvous: Rendezvous,
     ) -> None:
         self.runtime, self.devices = runtime, list(runtime.devices)
+        self._rendezvous = rendezvous  # held while the cluster lives: its groups meet (and NCCL connects) through it
         self.rollout_devices, self.train_devices = list(rollout), list(train)
         self.cuda = runtime.accelerator == "cuda"
         self.bucket_bytes = bucket_bytes
@@ -190,7 +186,7 @@ class RayCluster:
             )
             for d in rollout
         }
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        rendezvous = Rendezvous()
         trainers = [
             Trainer.options(**on(d)).remote(
                 runtime.model_path,
@@ -199,7 +195,7 @@ class RayCluster:
                 torch_device,
                 rank=rank,
                 world_size=len(train),
-                init_method=init,
+                rendezvous=rendezvous.address,
                 threads=threads,
                 **(trainer_options or {}),
             )
@@ -209,7 +205,7 @@ class RayCluster:
             *(e.weight_version.remote() for e in engines.values()),
             *(t.offload.remote() for t, d in zip(trainers, train) if d.id in shared),
         )
-        return cls(runtime, rollout, train, engines, trainers, bucket_bytes)
+        return cls(runtime, rollout, train, engines, trainers, bucket_bytes, rendezvous)
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -348,11 +344,10 @@ class RayCluster:
         ``interrupt`` answer their running requests at once."""
         receivers = sorted(i for i in self._engines if i != self.train_devices[0].id)
         if not self._broadcast_ready:
-            port = _free_port()
             await asyncio.gather(
-                self._trainers[0].join_broadcast.remote("127.0.0.1", port, len(receivers) + 1),
+                self._trainers[0].join_broadcast.remote(self._rendezvous.address, len(receivers) + 1),
                 *(
-                    self._engines[i].join_broadcast.remote("127.0.0.1", port, r + 1, len(receivers) + 1)
+                    self._engines[i].join_broadcast.remote(self._rendezvous.address, r + 1, len(receivers) + 1)
                     for r, i in enumerate(receivers)
                 ),
             )

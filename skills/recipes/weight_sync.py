@@ -140,11 +140,13 @@ class BroadcastGroup:
     """Rank 0 (the trainer's first rank) and the engines that receive from it, in a process group of
     their own: NCCL between GPUs, gloo between CPU processes."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, device: str) -> None:
+    def __init__(self, rendezvous: str, rank: int, world_size: int, device: str) -> None:
         import torch.distributed as dist
 
+        from .rendezvous import connect
+
         self.rank, self.device = rank, device
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0)
+        store = connect(rendezvous, "broadcast")
         if device.startswith("cuda"):
             self.group = dist.ProcessGroupNCCL(store, rank, world_size)
         else:

@@ -195,9 +195,12 @@ def test_nccl_broadcast_reaches_an_engine_on_another_gpu(tiny_model):
     queue = context.Queue()
     receiver = context.Process(target=_broadcast_receiver, args=(rendezvous.address, layouts, queue))
     receiver.start()
-    BroadcastGroup(rendezvous.address, 0, 2, "cuda:0").send(state, torch.bfloat16, 1 << 16)
+    sender = BroadcastGroup(rendezvous.address, 0, 2, "cuda:0")  # kept until the receiver has it all
+    sender.send(state, torch.bfloat16, 1 << 16)
+    torch.cuda.synchronize()  # NCCL's wait orders the stream only
     received = queue.get(timeout=120)
     receiver.join(timeout=60)
+    del sender
     assert received == {k: float(v.to(torch.bfloat16).float().sum()) for k, v in state.items()}
 
 

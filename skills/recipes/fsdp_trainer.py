@@ -18,7 +18,6 @@ devices with ``torch.distributed.fsdp.fully_shard`` (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
@@ -118,9 +117,8 @@ class FSDPTrainer:
             backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
             if rendezvous is not None:
                 dist.init_process_group(backend, store=connect(rendezvous, "trainer"), rank=rank, world_size=world_size)
-            elif world_size == 1:  # alone: a file store of this process's own
-                path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vt-fsdp-{os.getpid()}")
-                dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
+            elif world_size == 1:  # alone: a store in this process's memory (no file, no port)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             else:
                 raise ValueError(f"a trainer of {world_size} ranks needs a rendezvous (the address of a Rendezvous)")
         elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):

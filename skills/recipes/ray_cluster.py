@@ -390,3 +390,4 @@ class RayCluster:
         for actor in [*self._engines.values(), *self._trainers]:
             ray.kill(actor)
         ray.shutdown()
+        self._rendezvous = None  # its store goes with the groups it served

@@ -10,7 +10,11 @@ communicators on the first collective, through the store).
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
+
+TIMEOUT = timedelta(minutes=30)  # how long a rank waits for the others (as init_process_group's own default)
 
 
 class Rendezvous:
@@ -26,4 +30,4 @@ def connect(address: str, group: str) -> dist.Store:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"a rendezvous address is host:port, got {address!r}")
-    return dist.PrefixStore(f"{group}/", dist.TCPStore(host, int(port), None, False))
+    return dist.PrefixStore(f"{group}/", dist.TCPStore(host, int(port), None, False, timeout=TIMEOUT))

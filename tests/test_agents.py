@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -539,7 +540,12 @@ def _planted_build(tmp_path, tiny_spec, code: str) -> Path:
 
 @pytest.mark.slow
 def test_a_candidate_that_eats_memory_is_killed_at_its_limit(tmp_path, tiny_spec):
-    stack = _planted_build(tmp_path, tiny_spec, "    hog = [bytearray(64 << 20) for _ in range(64)]  # planted: 4 GB\n")
+    stack = _planted_build(
+        tmp_path,
+        tiny_spec,
+        "    import time\n    hog = [bytearray(64 << 20) for _ in range(64)]  # planted: 4 GB\n"
+        "    time.sleep(60)  # held until the watchdog sees it (it samples every 0.25 s)\n",
+    )
     run = run_harness(
         Target.load("tiny-qwen3-cpu"),
         stack,
@@ -585,9 +591,10 @@ def test_memory_shared_by_forked_processes_counts_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
+    token = f"storm-{uuid.uuid4().hex}"  # pgrep finds this test's processes only, not another run's on the machine
     code = (
         "    import subprocess, sys\n"
-        "    kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+        f"    kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {token!r}])"
         " for _ in range(40)]  # planted\n"
         "    time.sleep(60)\n"
     )
@@ -603,7 +610,7 @@ def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
     )
     assert not run.ok and "processes, over its limit of 20" in run.cause, run.cause
     assert time.monotonic() - started < 60
-    leftovers = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
+    leftovers = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True).stdout.split()
     assert leftovers == [], "the storm outlived the kill"
 
 

@@ -211,7 +211,7 @@ def test_backoff_honours_retry_after_and_jitters(server, provider):
     reference = random.Random(7)
     jitter = [reference.uniform(0, 0.01 * 2**n) for n in range(5)]
     assert waits[:3] == [2.0, 1.5, jitter[2]] and waits[4] == jitter[4]
-    assert 8.0 < waits[3] <= 10.0  # the HTTP date, to the second
+    assert 5.0 < waits[3] <= 10.0  # the HTTP date, to the second (less the time the first four calls took)
     assert 0 < jitter[2] < 0.04  # jittered, not the bare exponential
     server.requests.clear()
     server.script("planner", Fault(status=429, headers={"retry-after": "600"}))

@@ -374,23 +374,30 @@ def test_device_memory_is_sampled_on_the_visible_gpus_and_keeps_the_peak(monkeyp
     """NVML numbers devices physically: with CUDA_VISIBLE_DEVICES=3,5 the target's devices 0 and 1
     are GPUs 3 and 5. A fake NVML whose GPU 5 fills up and empties again: the peak stays."""
     import sys
-    import time
+    import threading
     import types
 
     from targets.harness.device_memory import DeviceMemoryMonitor
 
     used = {3: 100 << 20, 5: 200 << 20}
+    full = threading.Event()  # the sampler read GPU 5 full (however late a busy machine ran it)
+
+    def memory_info(handle):
+        if used[handle] == 9000 << 20:
+            full.set()
+        return types.SimpleNamespace(used=used[handle])
+
     fake = types.SimpleNamespace(
         nvmlInit=lambda: None,
         nvmlShutdown=lambda: None,
         nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=used[handle]),
+        nvmlDeviceGetMemoryInfo=memory_info,
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     with DeviceMemoryMonitor(2, interval_s=0.005) as monitor:
         used[5] = 9000 << 20
-        time.sleep(0.05)
+        assert full.wait(timeout=60)
         used[5] = 300 << 20
     assert monitor.peaks_mb == {0: 100.0, 1: 9000.0}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")

@@ -71,6 +71,8 @@ def main(name: str, scenario: str, record: str) -> None:
             (Path(home) / "auth.json").write_text(json.dumps(login))
             scenario = "success"
     review = _review_mode(name, argv)
+    if scenario == "hang":  # first: a SIGTERM that comes early still finds the handler
+        signal.signal(signal.SIGTERM, lambda *_: (Path(record).with_suffix(".terminated").touch(), sys.exit(0)))
     if scenario in ("hang", "daemon"):
         token = f"fake-cli-grandchild-{uuid.uuid4().hex}"
         sleeper = [sys.executable, "-c", "import time; time.sleep(300)", token]
@@ -79,7 +81,6 @@ def main(name: str, scenario: str, record: str) -> None:
     with open(record, "a") as f:
         f.write(json.dumps(entry) + "\n")
     if scenario == "hang":
-        signal.signal(signal.SIGTERM, lambda *_: (Path(record).with_suffix(".terminated").touch(), sys.exit(0)))
         time.sleep(300)
         return
     if review and scenario == "max_turns":

@@ -141,7 +141,7 @@ def test_action_not_produced_by_generate(honest):
             and e.data["episode"] == step.data["episode"]
             and e.data["turn"] == 0
         ):
-            e.data["tokens"] = [t + 1 for t in e.data["tokens"]]
+            e.data["tokens"] = [(t + 1) % honest[0].model.config.vocab_size for t in e.data["tokens"]]
     _rejects(_audit(honest, events), "fabricated rollout")
 
 
@@ -510,8 +510,20 @@ def test_resuming_without_declaring_partial_rollout(honest):
 
 def test_resuming_from_tokens_no_interrupted_segment_produced(honest):
     events, segment, _ = _resumed(honest)
-    segment.data["tokens"] = [t + 1 for t in segment.data["tokens"]]  # the prefix resumed is not what it decoded
+    vocab = honest[0].model.config.vocab_size
+    segment.data["tokens"] = [(t + 1) % vocab for t in segment.data["tokens"]]  # not the prefix it resumed
     _rejects(_audit(honest, events), "bad continuation")
+
+
+@pytest.mark.parametrize("past_the_end", [True, False], ids=["one past the last id", "negative id"])
+def test_an_engine_returning_a_token_outside_the_vocabulary(honest, past_the_end):
+    """Judged by a clean reason, not by the replay crashing on an id no embedding has."""
+    events = _edited(honest)
+    g = next(e for e in _generates(events) if e.data["tokens"])
+    g.data["tokens"][0] = honest[0].model.config.vocab_size if past_the_end else -1
+    result = _audit(honest, events)
+    _rejects(result, "token outside the vocabulary")
+    assert "replayed_turns" not in result.details and "outside the vocabulary" in result.details["skipped"]
 
 
 def test_a_resumed_turn_over_the_response_budget(honest):

@@ -25,6 +25,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * mechanism: no request served by a shrunk engine, never zero active engines, the requested steps
   ran, each training step returned the next version, an engine and a trainer never held one device
   at once (the cluster's residency, recorded after every switch), and the weights changed;
+* token ids: every token prompted, generated or trained on is in the model's vocabulary (else nothing
+  is replayed: no model can embed it);
 * replay (``targets/harness/replay.py``): logprobs under the claimed weights, sampling at the spec's
   temperature, and every training step recomputed by the reference from the previous weights.
 
@@ -644,6 +646,35 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
             r.add("version numbering", f"training step {k} returned version {train.data['version']}, not {k}")
 
 
+def check_token_ids(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> bool:
+    """Every token a generate returned or was prompted with, and every token trained on, is an id of the
+    model's vocabulary: an engine that returns one outside it produced nothing the model can have
+    sampled, and nothing a replay could embed. True when all are."""
+    if not ix.tokens_recorded:
+        return True
+    vocab = spec.model.config.vocab_size
+    recorded = [(g, "generate", g.data["prompt"] + g.data["tokens"]) for gs in ix.generated.values() for g in gs]
+    recorded += [
+        (g, "interrupted generate", g.data["prompt"] + g.data["tokens"]) for gs in ix.partials.values() for g in gs
+    ]
+    recorded += [(train, "training batch", t["tokens"]) for train in ix.trains for t in train.data["trajectories"]]
+    clean = True
+    for event, what, tokens in recorded:
+        outside = [t for t in tokens if not 0 <= t < vocab]
+        if outside:
+            clean = False
+            where = (
+                f"episode {event.data['episode']} turn {event.data['turn']}"
+                if what != "training batch"
+                else "a trajectory"
+            )
+            r.add(
+                "token outside the vocabulary",
+                f"{what} ({where}): token id {outside[0]} is not in the model's vocabulary of {vocab}",
+            )
+    return clean
+
+
 # -- the audit -----------------------------------------------------------------------------------------
 
 
@@ -668,12 +699,15 @@ def audit_run(
     check_engine_honesty(ix, r, spec)
     check_partial_rollout(ix, r)
     check_mechanism(ix, r, steps)
+    ids_in_vocabulary = check_token_ids(ix, r, spec)
     details.update(
         episodes_created=len(ix.created),
         trained=len(ix.trained_in),
         dropped=dict(Counter(e.data["reason"] for e in ix.dropped.values())),
     )
-    if ix.tokens_recorded:
+    if not ids_in_vocabulary:
+        details["skipped"] = "tokens outside the vocabulary: no replay can embed them"
+    elif ix.tokens_recorded:
         from targets.harness.replay import replay_training, replay_turns
 
         details.update(replay_turns(ix, r, spec, load_weights, make_model, seed))

@@ -89,6 +89,23 @@ def test_the_recipes_carry_annotations_and_starters_carry_none(tmp_path, tiny_sp
     assert "# VAL expanded: VAL_INT_RANGE" in (stack / "stack" / "time_multiplex.py").read_text()
 
 
+def test_the_offline_implementer_brings_the_recipes_a_refreshed_module_imports(tmp_path, tiny_spec):
+    """A run resumed on a stack written before ``rendezvous.py`` existed: refreshing ``fsdp_trainer.py``
+    alone left it importing a module the stack lacked, and the attempt failed on an ImportError."""
+    from agents.offline.implementer import OfflineImplementer
+    from agents.roles import Task
+
+    workspace = write_starter(tmp_path / "w", tiny_spec, "colocate")
+    stack = workspace / "stack"
+    current = (stack / "rendezvous.py").read_text()
+    (stack / "rendezvous.py").unlink()  # the stack predates the recipe
+    task = Task(id="trainer", title="refresh the trainer", rationale="the library's is newer", skills=["fsdp_trainer"])
+    attempt = OfflineImplementer(tiny_spec, OfflinePlanner(tiny_spec)).implement(task, workspace, [])
+    assert (stack / "rendezvous.py").read_text() == current
+    assert "stack/rendezvous.py" in attempt.files_changed
+    assert "stack/fsdp_trainer.py" not in attempt.files_changed  # refreshed, but no different from the library's
+
+
 def test_the_judge_rejects_an_unexpanded_annotation_without_running_it(tmp_path, tiny_spec):
     stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
     path = stack / "stack" / "static_split.py"

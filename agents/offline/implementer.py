@@ -1,11 +1,14 @@
 """Offline implementer: composes the stack from the skills library. It refreshes the recipe modules
-a task names, applies the task's parameter changes to ``params.json`` (checked against the skills'
-ranges), expands every validation annotation, and records the decision in ``DESIGN.md``. Given the
-judge's feedback from a failed attempt, it restores every recipe module from the library (the
-repair it knows) before applying the task again."""
+a task names, with the recipe modules they import (a module newer than the stack's copy may need a
+module the stack predates: ``fsdp_trainer`` and ``rendezvous``), applies the task's parameter
+changes to ``params.json`` (checked against the skills' ranges), expands every validation
+annotation, and records the decision in ``DESIGN.md``. Given the judge's feedback from a failed
+attempt, it restores every recipe module from the library (the repair it knows) before applying the
+task again."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 from pathlib import Path
@@ -46,10 +49,12 @@ class OfflineImplementer:
             raise ImplementationError(f"task {task.id} names unknown skills {unknown}; known: {sorted(self.skills)}")
         if feedback:  # the repair it knows: every module back to the library's version
             modules |= {p.name for p in RECIPES.glob("*.py") if p.name != "__init__.py"}
-        for module in sorted(modules):
+        for module in sorted(recipe_imports(modules)):
+            before = (stack / module).read_bytes() if (stack / module).exists() else None
             shutil.copy2(RECIPES / module, stack / module)
             expand_file(stack / module)
-            changed.append(f"stack/{module}")
+            if (stack / module).read_bytes() != before:
+                changed.append(f"stack/{module}")
         params = json.loads((stack / "params.json").read_text())
         for name, value in task.changes.items():
             if not legal(self.skills, name, value, self.spec.hardware.count, self.planner.engine_devices, task.skills):
@@ -64,3 +69,20 @@ class OfflineImplementer:
         if feedback:
             summary += "; restored every recipe module from the library after the judge's feedback"
         return Attempt(summary, sorted(set(changed)))
+
+
+def recipe_imports(modules: set[str]) -> set[str]:
+    """``modules`` and every recipe module they import, transitively (``from .name import ...``)."""
+    closure, pending = set(), list(modules)
+    while pending:
+        module = pending.pop()
+        if module in closure:
+            continue
+        closure.add(module)
+        tree = ast.parse((RECIPES / module).read_text(), filename=module)
+        pending += [
+            f"{node.module}.py"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        ]
+    return closure

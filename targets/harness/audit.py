@@ -653,24 +653,28 @@ def check_token_ids(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> bool:
     if not ix.tokens_recorded:
         return True
     vocab = spec.model.config.vocab_size
-    recorded = [(g, "generate", g.data["prompt"] + g.data["tokens"]) for gs in ix.generated.values() for g in gs]
-    recorded += [
-        (g, "interrupted generate", g.data["prompt"] + g.data["tokens"]) for gs in ix.partials.values() for g in gs
+    recorded = [
+        (
+            f"{'interrupted generate' if g.data['aborted'] else 'generate'} (episode {g.data['episode']} "
+            f"turn {g.data['turn']})",
+            g.data["prompt"] + g.data["tokens"],
+        )
+        for gs in [*ix.generated.values(), *ix.partials.values()]
+        for g in gs
     ]
-    recorded += [(train, "training batch", t["tokens"]) for train in ix.trains for t in train.data["trajectories"]]
+    recorded += [
+        (f"training step {k} (episode {t['episode']})", t["tokens"])
+        for k, train in enumerate(ix.trains, start=1)
+        for t in train.data["trajectories"]
+    ]
     clean = True
-    for event, what, tokens in recorded:
+    for what, tokens in recorded:
         outside = [t for t in tokens if not 0 <= t < vocab]
         if outside:
             clean = False
-            where = (
-                f"episode {event.data['episode']} turn {event.data['turn']}"
-                if what != "training batch"
-                else "a trajectory"
-            )
             r.add(
                 "token outside the vocabulary",
-                f"{what} ({where}): token id {outside[0]} is not in the model's vocabulary of {vocab}",
+                f"{what}: token id {outside[0]} is not in the model's vocabulary of {vocab}",
             )
     return clean
 

@@ -280,6 +280,15 @@ def test_requests_at_another_temperature(honest):
     _rejects(_audit(honest, events), "sampling parameters")
 
 
+@pytest.mark.parametrize("stop", [[0, 1, 2], []], ids=["extra stop tokens", "no stop token"])
+def test_requests_that_stop_on_other_tokens(honest, stop):
+    """Planted: a controller that stops every turn on whatever it samples (each token a genuine
+    sample, so the replays pass) decodes and trains less per turn."""
+    events = _edited(honest)
+    _generates(events)[2].data["stop"] = stop
+    _rejects(_audit(honest, events), "asked to stop on tokens")
+
+
 def test_a_step_that_returns_the_wrong_version(honest):
     events = _edited(honest)
     _train(events, 1).data["version"] = 7
@@ -433,6 +442,29 @@ def test_a_spare_dropped_before_its_group_finished_is_rejected(honest):
     spec = _mini_spec(honest)
     lines = _drop_reasons(spec, _redundant_trace(spec.workload.group_size, 1, drop_at=1.0, declared=1))
     assert any("dropped as redundant at 1.00s, when only 0" in line for line in lines), lines
+
+
+def test_a_member_dropped_as_redundant_after_it_finished_among_the_first_is_rejected(honest):
+    """Planted: wait for every member, then drop as 'redundant' one of those that finished first (the
+    lowest reward, say) and train the spare that finished last in its place: selection by outcome."""
+    spec = _mini_spec(honest)
+    size = spec.workload.group_size
+    events = _redundant_trace(size, 1, drop_at=3.0, declared=1)
+    spare, first = f"g0/e{size}", "g0/e0"
+    for i, e in enumerate(events):
+        if e.kind == "sample_dropped" and e.data["episode"] == spare:
+            e.data["episode"] = first
+        if e.kind == "env_step" and e.data["episode"] == first:
+            events[i] = TraceEvent(e.kind, 1.0, e.data)
+    events.insert(-2, TraceEvent("env_step", 2.5, {"episode": spare, "action": 2, "observation": 2, "done": True}))
+    lines = _drop_reasons(spec, events)
+    assert any(f"episode {first} finished at 1.00s, before its group" in line for line in lines), lines
+    # the same member dropped while the spare still ran (the honest order) passes
+    honest_order = [e for e in events if not (e.kind == "env_step" and e.data["episode"] == spare)]
+    for e in honest_order:
+        if e.kind == "sample_dropped":
+            e.data["episode"] = spare
+    assert _drop_reasons(spec, honest_order) == []
 
 
 def test_more_redundant_drops_than_declared_are_rejected(honest):

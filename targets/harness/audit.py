@@ -18,7 +18,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * staleness: no trained turn is more than ``async_ratio`` versions behind the policy (the stack's
   declared bound, within the target's ``max_async_ratio``, else the workload's);
 * engine honesty: finish reasons match the tokens, each prompt is the episode's whole context so far,
-  and requests ask for the spec's temperature and response budget;
+  and requests ask for the spec's temperature and response budget and stop on the runtime's stop
+  tokens (more of them would cut every turn short);
 * partial rollout: a turn resumed from an interrupted segment (``continues``) resumes exactly what
   that segment produced, its segments together keep to the response budget and each to the staleness
   bound, and only a stack that declares ``partial_rollout`` resumes, and then every partial it trains;
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
+import secrets
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING
 from targets.api import Declared, StateDict, TraceEvent
 from targets.harness.check_result import CheckResult
 from targets.harness.reference.grpo import group_advantages_of
+from targets.harness.tokenizer import STOP_TOKEN_IDS
 from targets.harness.trace import Trace, token_count
 from targets.spec import TargetSpec
 
@@ -298,6 +301,19 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     f"episode {episode} dropped as redundant at {e.t:.2f}s, when only {finished_before} of its "
                     f"group {group} had finished (a group needs {workload.group_size})",
                 )
+            else:
+                # A spare is a member the group did not need: one still running when the group had
+                # ``group_size`` finished, or finishing with the last of them. Dropping an earlier
+                # finisher instead picks, after the fact, which members train (the lowest rewards, say).
+                finishes = sorted(t for m in ix.members.get(group, []) if (t := ix.finished_at(m)) is not None)
+                own, complete = ix.finished_at(episode), finishes[workload.group_size - 1]
+                if own is not None and own < complete:
+                    r.add(
+                        "unjustified drop",
+                        f"episode {episode} finished at {own:.2f}s, before its group {group} had "
+                        f"{workload.group_size} finished ({complete:.2f}s), and was dropped as redundant: a spare "
+                        "is a member the group did not need, not one picked once all had finished",
+                    )
         elif reason == "deferred":
             group = ix.group_of.get(episode)
             finished = sum(1 for m in ix.members.get(group, []) if (ix.finished_at(m) or math.inf) <= e.t)
@@ -535,7 +551,8 @@ def check_staleness(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
 def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     """Finish reasons agree with the tokens, a prompt is the episode's whole context so far (plus,
     for a resumed turn, its response so far), and a request asks for the spec's sampling
-    temperature and what is left of the response budget. Interrupted segments are held to the same."""
+    temperature, the runtime's stop tokens and what is left of the response budget. Interrupted
+    segments are held to the same."""
     w = spec.workload
     for episode in sorted(set(ix.generated) | set(ix.partials)):
         for g in [*ix.generated.get(episode, []), *ix.partials.get(episode, [])]:
@@ -551,6 +568,12 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     f"{where}: asked for temperature {d.get('temperature')} and {d.get('max_new_tokens')} "
                     f"tokens; the spec says {w.training.temperature} and {w.tokens.response}"
                     + (f" less the {continues} already generated" if continues else ""),
+                )
+            if sorted(d.get("stop", [])) != sorted(STOP_TOKEN_IDS):  # stopping early shortens every turn
+                r.add(
+                    "sampling parameters",
+                    f"{where}: asked to stop on tokens {d.get('stop', [])[:8]}; the runtime's stop tokens are "
+                    f"{list(STOP_TOKEN_IDS)}",
                 )
             n = token_count(d["tokens"])
             if d["aborted"]:
@@ -721,8 +744,10 @@ def audit_run(
     return CheckResult("system_audit", not r.lines(), r.lines(), details)
 
 
-def audit_directory(target: Target, out: Path, steps: int) -> CheckResult:
-    """The audit of a run the harness child wrote to ``out`` (trace and weight snapshots)."""
+def audit_directory(target: Target, out: Path, steps: int, seed: int | None = None) -> CheckResult:
+    """The audit of a run the harness child wrote to ``out`` (trace and weight snapshots). Where the
+    replay samples turns, ``seed`` (default: drawn now, once the run can no longer act) picks them, so
+    no candidate can know in advance which turns are checked; the details name it for a re-audit."""
     from safetensors.torch import load_file
 
     events = Trace.load_events(out / "trace.jsonl")
@@ -739,4 +764,6 @@ def audit_directory(target: Target, out: Path, steps: int) -> CheckResult:
         model.load_state_dict(state)
         return model
 
-    return audit_run(target.spec, events, load_weights, make_model, steps)
+    return audit_run(
+        target.spec, events, load_weights, make_model, steps, secrets.randbits(63) if seed is None else seed
+    )

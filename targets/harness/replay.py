@@ -125,7 +125,7 @@ def replay_turns(
         sample, coverage = turns, f"all {len(turns)} turns"
     else:
         sample = random.Random(seed).sample(turns, min(SAMPLED_TURNS, len(turns)))
-        coverage = f"{len(sample)} of {len(turns)} turns, drawn at random"
+        coverage = f"{len(sample)} of {len(turns)} turns, drawn at random (seed {seed})"
     by_version: dict[int, dict[str, list[TraceEvent]]] = defaultdict(lambda: defaultdict(list))
     for g in sample:
         by_version[g.data["version"]][g.data["episode"]].append(g)

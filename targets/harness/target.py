@@ -91,7 +91,7 @@ class Target:
         """On a simulated target the components run (for accuracy checks 1-3) on a tiny model of the
         same family: the checks prove the code right, and the target's own model may not fit here."""
         from targets.harness.model import model_dir, proxy_model
-        from targets.harness.tokenizer import EOS, VOCAB
+        from targets.harness.tokenizer import STOP_TOKEN_IDS
 
         model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
         engine_devices = 1  # a real stack places one engine per device
@@ -104,7 +104,7 @@ class Target:
             model.dtype,
             self.devices(),
             DEVICE_RESOURCE,
-            (VOCAB.ids[EOS],),
+            STOP_TOKEN_IDS,
             workload_view(self.spec),
             "cuda" if self.gpu else "cpu",
             int(self.spec.hardware.memory_gb * 1e9) if self.gpu else 0,

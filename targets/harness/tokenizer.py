@@ -63,3 +63,5 @@ class Vocab:
 
 
 VOCAB = Vocab()
+# The tokens every turn stops on (``Runtime.stop_token_ids``): the audit holds each request to them.
+STOP_TOKEN_IDS = (VOCAB.ids[EOS],)

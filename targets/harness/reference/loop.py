@@ -22,7 +22,7 @@ from targets.harness.model import load_model, model_dir
 from targets.harness.reference.engine import ReferenceEngine
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer
-from targets.harness.tokenizer import EOS, VOCAB
+from targets.harness.tokenizer import STOP_TOKEN_IDS
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec
 
@@ -60,7 +60,7 @@ async def rollout_lockstep(
             max_new_tokens=tokens_spec.response,
             temperature=training.temperature,
             seed=seed * 10_007 + turn,
-            stop_token_ids=(VOCAB.ids[EOS],),
+            stop_token_ids=STOP_TOKEN_IDS,
         )
         completions = engine.generate([built[i].tokens for i in active], params)
         results = await asyncio.gather(*(episodes[i].step(c.tokens) for i, c in zip(active, completions)))

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from skills.starter import write_starter
 from targets.api import TraceEvent
-from targets.harness.audit import audit_run
+from targets.harness.audit import ABORT_SLACK_S, audit_run
 from targets.harness.launch import Limits, run_harness
 from targets.harness.model import load_model, model_dir
 from targets.harness.sandbox import Sandbox
@@ -287,6 +287,19 @@ def test_requests_that_stop_on_other_tokens(honest, stop):
     events = _edited(honest)
     _generates(events)[2].data["stop"] = stop
     _rejects(_audit(honest, events), "asked to stop on tokens")
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["no partial", "with its partial"])
+def test_an_abort_no_mechanism_caused(honest, partial):
+    """Planted: the cluster aborts a turn it dislikes while nothing is being shrunk, suspended or
+    synced, and the controller retries it (a resample the audit would otherwise never see)."""
+    events = _edited(honest)
+    busy = [(e.data["start"], e.t) for e in events if e.kind in ("shrink", "suspend", "sync")]
+    g = next(g for g in _generates(events) if not any(s <= g.t <= e + ABORT_SLACK_S for s, e in busy))
+    aborted = copy.deepcopy(g.data) if partial else {k: g.data[k] for k in ("episode", "turn", "start")}
+    aborted["aborted"] = True
+    events.insert(events.index(g), TraceEvent("generate", g.t, aborted))
+    _rejects(_audit(honest, events), f"episode {g.data['episode']} turn {g.data['turn']} was aborted at")
 
 
 def test_a_step_that_returns_the_wrong_version(honest):

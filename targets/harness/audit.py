@@ -23,6 +23,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * partial rollout: a turn resumed from an interrupted segment (``continues``) resumes exactly what
   that segment produced, its segments together keep to the response budget and each to the staleness
   bound, and only a stack that declares ``partial_rollout`` resumes, and then every partial it trains;
+* aborts: every interrupted request was cut short by a shrink, a suspend or an interrupting sync in
+  progress (a cluster that aborts on its own could resample the turns it dislikes);
 * mechanism: no request served by a shrunk engine, never zero active engines, the requested steps
   ran, each training step returned the next version, an engine and a trainer never held one device
   at once (the cluster's residency, recorded after every switch), and the weights changed;
@@ -633,6 +635,27 @@ def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
                         )
 
 
+# Real runs: an abort's reply may reach the harness a little after the call that caused it returned.
+ABORT_SLACK_S = 1.0
+
+
+def check_aborts(ix: TraceIndex, r: Reasons) -> None:
+    """An interrupted request is one a shrink, a suspend or an interrupting sync cut short while it was
+    in flight: a cluster that aborts on its own could resample the turns it dislikes (the long ones,
+    or those that missed the reward) and hand the controller only the ones it likes."""
+    causes = [(e.data["start"], e.t) for e in ix.by_kind["shrink"] + ix.by_kind["suspend"]]
+    causes += [(e.data["start"], e.t) for e in ix.by_kind["sync"] if e.data.get("interrupt")]
+    for g in ix.by_kind["generate"]:
+        if g.data["aborted"] and not any(
+            g.data["start"] <= end and start <= g.t <= end + ABORT_SLACK_S for start, end in causes
+        ):
+            r.add(
+                "unexplained abort",
+                f"episode {g.data['episode']} turn {g.data['turn']} was aborted at {g.t:.2f}s with no shrink, "
+                "suspend or interrupting sync in progress",
+            )
+
+
 def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
     served = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs]
     serving = {g.data["device"] for g in served}
@@ -725,6 +748,7 @@ def audit_run(
     check_staleness(ix, r, spec)
     check_engine_honesty(ix, r, spec)
     check_partial_rollout(ix, r)
+    check_aborts(ix, r)
     check_mechanism(ix, r, steps)
     ids_in_vocabulary = check_token_ids(ix, r, spec)
     details.update(

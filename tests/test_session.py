@@ -54,6 +54,27 @@ def test_one_real_pair_says_nothing_of_noise_one_simulated_pair_is_exact():
     assert exact.low == exact.high == pytest.approx(2.0) and exact.clears(0.05)
 
 
+def test_a_headline_of_zero_or_infinity_is_an_unbounded_ratio_not_a_crash():
+    """Goodput 0 (every trained trajectory timed out) or a step time of infinity (no step finished)."""
+    worse = Paired.of([0.0, 9.0], [10.0, 10.0])
+    assert worse.ratio == 0.0 and worse.high is None and not worse.clears(0.05)
+    better = Paired.of([10.0, 10.0], [0.0, 10.0])
+    assert better.ratio == math.inf and not better.clears(0.05)  # no promotion over a baseline that broke
+    assert "a headline was zero or infinite" in better.describe()
+    assert Paired.of([math.inf, 5.0], [4.0, 5.0], maximize=False).ratio == 0.0
+    assert Paired.of([0.0, 0.0], [0.0, 0.0]).ratio == 1.0  # both trained nothing: no difference
+
+
+def test_the_t_value_between_table_rows_is_the_wider_one():
+    """11 degrees of freedom (12 pairs) use the row for 10 (2.228), never the narrower one for 12."""
+    logs = [math.log(r) for r in (1.1, 1.2, 1.0, 1.15, 1.05, 1.3, 0.95, 1.1, 1.2, 1.12, 1.08, 1.18)]
+    paired = Paired.of([100 * math.exp(x) for x in logs], [100.0] * 12)
+    half = math.log(paired.high / paired.ratio)
+    mean = sum(logs) / 12
+    stdev = math.sqrt(sum((x - mean) ** 2 for x in logs) / 11)
+    assert half == pytest.approx(2.228 * stdev / math.sqrt(12))
+
+
 class ScriptedSession(Session):
     """``compare``'s own loop over runs whose headline is scripted per (stack, seed): no run is made."""
 

@@ -119,7 +119,9 @@ def benchmark(
     if len(set(names)) != len(names):
         raise BenchmarkFailed(f"two runs share a name: {names}; rename a candidate directory")
     seeds = seeds or list(range(repeat))
-    jobs = [(name, stack_dir, i) for i in range(repeat) for name, stack_dir in stacks]
+    # each repeat in the other order (A B, B A, ...), as ``Session.compare`` pairs: a warm-up or an order
+    # effect then falls on every stack alike, not on the ratios
+    jobs = [(name, stack_dir, i) for i in range(repeat) for name, stack_dir in (stacks if i % 2 == 0 else stacks[::-1])]
 
     def run_one(job: tuple[str, Path, int]) -> Measurement:
         name, stack_dir, i = job

@@ -147,6 +147,18 @@ class Measurement:
         return Trace.load_events(self.trace_path) if self.trace_path else []
 
 
+def _log_ratio(better: float, worse: float) -> float:
+    """log(better / worse), with a headline of zero or infinity (no trajectory trained, no step
+    finished) as the infinite ratio it is, and two equal ones (both zero, say) as no difference."""
+    if better == worse:
+        return 0.0
+    if better == 0 or worse == math.inf:
+        return -math.inf
+    if worse == 0 or better == math.inf:
+        return math.inf
+    return math.log(better / worse)
+
+
 @dataclass
 class Paired:
     """Candidate over baseline on the headline (>1 is better whatever the metric's direction): the
@@ -167,15 +179,18 @@ class Paired:
         against: str = "",
         deterministic: bool = False,
     ) -> Paired:
-        logs = [math.log(c / b) if maximize else math.log(b / c) for c, b in zip(candidate, baseline)]
+        logs = [_log_ratio(c, b) if maximize else _log_ratio(b, c) for c, b in zip(candidate, baseline)]
         n = len(logs)
         mean = statistics.fmean(logs)
+        if not all(math.isfinite(x) for x in logs):  # a headline of zero or infinity: no interval
+            ratio = 0.0 if mean == -math.inf else math.inf if mean == math.inf else math.nan
+            return cls(ratio, 0.0, None, n, against)
         if n < 2:
             half = (
                 0.0 if deterministic else math.inf
             )  # one simulated pair is exact for its seed; one real pair says nothing of noise
         else:
-            t = T_975.get(n - 1) or next((v for k, v in sorted(T_975.items()) if k >= n - 1), 1.96)
+            t = T_975[max(df for df in T_975 if df <= n - 1)]  # between rows, the wider: never too narrow
             half = t * statistics.stdev(logs) / math.sqrt(n)
         if math.isinf(half):
             return cls(math.exp(mean), 0.0, None, n, against)
@@ -189,6 +204,10 @@ class Paired:
             return f"{(x - 1) * 100:+.1f}%"
 
         if self.high is None:
+            if not (math.isfinite(self.ratio) and self.ratio > 0):
+                return (
+                    f"{pct(self.ratio)}, interval unbounded over {self.pairs} pair(s) (a headline was zero or infinite)"
+                )
             return f"{pct(self.ratio)}, interval unbounded over {self.pairs} pair (one real pair measures no noise)"
         return f"{pct(self.ratio)}, interval [{pct(self.low)}, {pct(self.high)}] over {self.pairs} pair(s)"
 

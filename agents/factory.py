@@ -30,7 +30,17 @@ def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
 
     prices = dict(DEFAULT_PRICES)
     if path:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as error:
+            raise ValueError(f"{path}: {error.strerror or error}") from None
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path}: not YAML ({error})") from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{path}: a price table maps each model to [input, output] USD per million tokens, "
+                f"not a {type(data).__name__}"
+            )
         for model, pair in data.items():
             if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, (int, float)) for x in pair)):
                 raise ValueError(

@@ -291,7 +291,7 @@ def check(
         None, help="keep the harness's outputs here (trace, weights, candidate logs); default a temp dir"
     ),
     time_limit: float | None = typer.Option(
-        None, help="seconds each child run may take (default: the target's limits.time_s)"
+        None, min=1, help="seconds each child run may take (default: the target's limits.time_s)"
     ),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
     simulate: bool = typer.Option(False, help="run the system on the simulator, whatever the target's execution says"),
@@ -346,7 +346,7 @@ def bench(
         None, help="where --track writes (default: beside --json, else --timeline, as <name>-track/; else a temp dir)"
     ),
     time_limit: float | None = typer.Option(
-        None, help="seconds each child run may take (default: the target's limits.time_s)"
+        None, min=1, help="seconds each child run may take (default: the target's limits.time_s)"
     ),
     simulate: bool = typer.Option(
         False, "--simulate", help="run on the cluster simulator even if the target runs for real here"
@@ -471,7 +471,7 @@ def calibrate(
         help="fit to this trace.jsonl of an earlier real run of STACK (a GPU machine's, say) instead of running it",
     ),
     time_limit: float | None = typer.Option(
-        None, help="seconds each child run may take (default: the target's limits.time_s)"
+        None, min=1, help="seconds each child run may take (default: the target's limits.time_s)"
     ),
     sandbox: str = typer.Option("auto", help="auto | bubblewrap | docker | subprocess"),
 ) -> None:
@@ -583,9 +583,9 @@ def generate(
         None, help="the variable holding the API key (default OPENAI_API_KEY / ANTHROPIC_API_KEY)"
     ),
     max_cost: float = typer.Option(
-        None, help="USD budget for LLM calls, checked before each call (the model needs a price: see --prices)"
+        None, min=0, help="USD budget for LLM calls, checked before each call (the model needs a price: see --prices)"
     ),
-    max_tokens: int = typer.Option(None, help="token budget for LLM calls (input + output)"),
+    max_tokens: int = typer.Option(None, min=1, help="token budget for LLM calls (input + output)"),
     max_output_tokens: int = typer.Option(
         None, min=1, help="the most tokens one LLM reply may have (default: 4096); a reply cut there is told so"
     ),
@@ -615,7 +615,7 @@ def generate(
     simulate: bool = typer.Option(False, "--simulate", help="run candidates on the cluster simulator"),
     workspaces: Path = typer.Option(Path("workspaces"), help="where each round's git worktree lives"),
     time_limit: float | None = typer.Option(
-        None, help="seconds each candidate child run may take (default: the target's limits.time_s)"
+        None, min=1, help="seconds each candidate child run may take (default: the target's limits.time_s)"
     ),
     prescreen: bool = typer.Option(
         True,
@@ -659,6 +659,7 @@ def generate(
     from rich.live import Live
     from rich.logging import RichHandler
 
+    from orchestrator.history import HistoryError
     from orchestrator.rounds import RunError
     from orchestrator.run_dir import RunDir
     from orchestrator.runs import RunSetupError, resume_run, start_run
@@ -748,7 +749,7 @@ def generate(
         else:
             state = loop.run()
             _print_table(view.render())
-    except RunError as error:
+    except (RunError, HistoryError) as error:
         errors.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from None
     finally:

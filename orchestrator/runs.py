@@ -4,6 +4,7 @@ the same agents), and reading candidates back out of a run (``RUN@best``, ``RUN@
 from __future__ import annotations
 
 import difflib
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +46,12 @@ def _loop(
     time_limit_s: float | None,
 ) -> Loop:
     config = state.config
-    target.runtime()  # builds (and caches) the model files here: the sandbox cannot write them
+    try:
+        target.runtime()  # builds (and caches) the model files here: the sandbox cannot write them
+    except OSError as error:
+        raise RunSetupError(
+            f"cannot write the model cache ({error}): set $VIBETRAIN_CACHE to a writable directory"
+        ) from None
     engine_devices = CostModel.from_spec(target.spec).engine_devices if target.simulated else 1
     try:
         sandbox = Sandbox.detect(config.sandbox)
@@ -62,7 +68,7 @@ def _loop(
             llm=config.llm,
             llm_review_required=config.llm_review_required,
         )
-    except AgentError as error:
+    except (AgentError, ValueError) as error:
         raise RunSetupError(str(error)) from None
     if agents.accounting is not None:  # checked before every LLM call, not only between rounds
         agents.accounting.max_cost, agents.accounting.max_tokens = config.max_cost, config.max_tokens
@@ -196,7 +202,11 @@ def start_run(
     history = History.create(run_dir, f"vibetrain run: {spec.id}\n\npolicy {policy}, agents {agents}, seed {seed}")
     state = new_state(config)
     state.save(run_dir)
-    return _loop(resolved, state, history, run_dir, workspaces, on_event, time_limit_s)
+    try:
+        return _loop(resolved, state, history, run_dir, workspaces, on_event, time_limit_s)
+    except RunSetupError:  # nothing ran: take the new repository back, so the same command can be retried
+        shutil.rmtree(run_dir)
+        raise
 
 
 def resume_run(

@@ -473,6 +473,34 @@ def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):
     assert not list((run / ".git").glob(".state-*"))
 
 
+@pytest.mark.parametrize(
+    "mistake, says",
+    [
+        (["--sandbox", "foo"], "unknown sandbox 'foo'"),
+        (["--agents", "openai", "--model", "gpt-4o", "--prices", "{missing}"], "No such file"),
+        (["--agents", "openai", "--model", "gpt-4o", "--prices", "{a_list}"], "not a list"),
+    ],
+    ids=["unknown sandbox", "missing price table", "price table not a mapping"],
+)
+def test_a_setup_mistake_found_after_the_repository_was_made_leaves_nothing_behind(tmp_path, mistake, says):
+    """The same command, corrected, starts the run: no repository left over to refuse it."""
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    names = {"missing": str(tmp_path / "nope.yaml"), "a_list": str(tmp_path / "list.yaml")}
+    args = ["generate", "tiny-qwen3-cpu", "--rounds", "0", "--out", str(tmp_path / "r"), "--workspaces", str(tmp_path)]
+    result = runner.invoke(
+        app, [*args, *(m.format(**names) for m in mistake)], env={**ENV, "OPENAI_API_KEY": "sk-test"}
+    )
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # an error message, not a crash
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("option", ["--time-limit", "--max-tokens"])
+def test_a_limit_of_zero_is_refused(tmp_path, option):
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", option, "0", "--out", str(tmp_path / "r")], env=ENV)
+    assert result.exit_code == 2 and option in result.output and not (tmp_path / "r").exists()
+
+
 def test_an_unknown_policy_is_refused_before_anything_is_written(tmp_path):
     result = runner.invoke(
         app, ["generate", "tiny-qwen3-cpu", "--policy", "random", "--out", str(tmp_path / "r")], env=ENV

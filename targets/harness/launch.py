@@ -38,7 +38,7 @@ class Limits:
         proxy model here), the time overridden when given."""
         parameters = 0 if target.simulated else int(target.spec.model.param_counts().total)
         memory_mb, seconds = target.spec.limits.resolved(parameters)
-        return cls(time_s=time_s or seconds, memory_mb=memory_mb)
+        return cls(time_s=seconds if time_s is None else time_s, memory_mb=memory_mb)
 
 
 @dataclass

@@ -540,3 +540,33 @@ def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, f
     )
     assert refit.exit_code == 0, refit.output
     assert f"{error:+.1%}" in refit.output, refit.output
+
+
+def test_the_critical_path_bound_never_exceeds_the_mean_step_time():
+    """One long trajectory (a 1000 s tool call) trained at step 2 of ``a + 3`` short steps bounds the
+    steps it spans, not every step: the run's single longest path over ``1 + a`` would be more than
+    the mean step time it claims to bound; the per-step paths' mean is not."""
+    from targets.api import TraceEvent
+    from targets.harness.sim.lower_bound import step_lower_bound
+
+    spec = load_target("qwen3-8b-h800x16")
+    a = spec.workload.staleness_limit
+    steps = a + 3
+    ends = [800.0, 1000.0] + [1000.0 + 10 * k for k in range(1, steps - 1)]
+    events = [TraceEvent("run_start", 0.0, {"devices": [f"h800:{i}" for i in range(16)]})]
+    for k, end in enumerate(ends, start=1):
+        episode, latency = f"g{k}/e0", (999.0 if k == 2 else 1.0)
+        events += [
+            TraceEvent("env_reset", 0.0, {"episode": episode, "observation": 64}),
+            TraceEvent(
+                "env_step",
+                latency,
+                {"episode": episode, "action": 8, "observation": 8, "latency": latency, "done": True},
+            ),
+            TraceEvent("train", end, {"start": end - 1, "trajectories": [{"episode": episode, "tokens": 80}]}),
+        ]
+    events.append(TraceEvent("run_end", ends[-1]))
+    bound = step_lower_bound(spec, CostModel.from_spec(spec), events)
+    mean_step = ends[-1] / steps
+    assert 999.0 / (1 + a) > mean_step  # what the run's longest path alone would have claimed
+    assert 0 < bound["critical_path_bound_s"] <= mean_step

@@ -6,10 +6,13 @@ No schedule can beat either of two limits:
   rollout work is its prefill with the previous turn's prefix cached, plus its decode at the
   largest batch the KV capacity admits at that context (the cheapest per-token cost the model
   allows), times the engine's devices; training work is the batch's training FLOPs at the MFU.
-* **critical path**: the longest trajectory trained in the run, decoded alone (batch 1) with its
-  environment latencies and each request's overhead in between. Sampling may run ``async_ratio``
-  steps ahead, so a step can hide at most ``1 + async_ratio`` such paths: the bound is the path
-  over ``1 + async_ratio`` (the target's ``max_async_ratio`` where it lets stacks choose).
+* **critical path**: each step's longest trained trajectory, decoded alone (batch 1) with its
+  environment latencies and each request's overhead in between. A trajectory trained at step ``k``
+  was generated from a version no older than ``k - 1 - a`` (``a = async_ratio``), so it ran within
+  steps ``k - a .. k``: summed over the steps, these paths are at most ``1 + a`` times the run's
+  duration, and their mean over ``1 + a`` is at most the mean step time (the target's
+  ``max_async_ratio`` where it lets stacks choose). The run's single longest path would not be: one
+  long trajectory bounds the steps it spans, not every step.
 
 The step's bound is the larger of the two; ``fraction = bound / measured step time``.
 """
@@ -65,16 +68,16 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
             for context, new, response, latency in turns.get(episode, [])
         )
 
-    work = []
-    longest = 0.0
+    work, longest = [], []
     for train in trains:
         episodes = [t["episode"] for t in train.data["trajectories"]]
         lengths = [token_count(t["tokens"]) for t in train.data["trajectories"]]
         train_work = cost.train_s(lengths, 1) - cost.train_step_overhead_s
         work.append((sum(rollout_work(e) for e in episodes) + train_work) / devices)
-        longest = max([longest] + [critical_path(e) for e in episodes])
+        longest.append(max((critical_path(e) for e in episodes), default=0.0))
     work_bound = sum(work) / len(work)
-    path_bound = longest / (1 + spec.workload.staleness_limit)  # the loosest bound any stack may declare
+    # the loosest staleness any stack may declare
+    path_bound = sum(longest) / len(longest) / (1 + spec.workload.staleness_limit)
     return {
         "lower_bound_step_s": max(work_bound, path_bound),
         "work_bound_s": work_bound,

@@ -646,6 +646,22 @@ def test_an_unfinished_group_deferred_whole_and_relaunched_passes(honest):
     assert _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, finished=1)) == []
 
 
+def test_a_relaunch_made_after_the_last_training_step_does_not_count_as_running_the_task(honest):
+    """Planted: defer the slow group, and once training is over relaunch its task and drop it at once
+    as end_of_run: the task never ran again, and the tail was never paid for."""
+    spec = _mini_spec(honest)
+    train = TraceEvent(
+        "train", 3.2, {"start": 3.1, "step": 1, "version": 1, "devices": [], "advantages": [], "trajectories": []}
+    )
+    events = _deferral_trace(spec.workload.group_size, finished=1)
+    events.insert(-1, train)
+    lines = _deferral_reasons(spec, events)
+    assert any("1 deferred groups' tasks never ran again (e.g. g0)" in line for line in lines), lines
+    # the same relaunch made while training still ran passes
+    events[-2] = TraceEvent("train", 4.0, {**train.data, "start": 3.9})
+    assert _deferral_reasons(spec, events) == []
+
+
 def test_deferring_without_declaring_tail_batching(honest):
     spec = _mini_spec(honest)
     lines = _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, tail_round=0))

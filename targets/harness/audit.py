@@ -367,7 +367,15 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
         at = min(ix.dropped[m].t for m in ix.members.get(group, []) if m in ix.dropped)
         return at >= last_step_from and at >= last_created
 
-    waiting = [g for g in deferred if g not in relaunches and not too_late(g)]
+    # A relaunch made once the last training step has ended runs nothing that could be trained: its
+    # task waits as much as one never relaunched (else a stack could defer every slow group and, at
+    # the end, relaunch each and drop it at once as end_of_run).
+    last_train_end = ix.trains[-1].t if ix.trains else math.inf
+    created_at: dict[str, float] = {}
+    for e in ix.by_kind["episode_created"]:
+        created_at.setdefault(e.data["group"], e.t)
+    ran_again = {task for group, task in ix.relaunch_of.items() if created_at[group] < last_train_end}
+    waiting = [g for g in deferred if g not in ran_again and not too_late(g)]
     if len(waiting) > max(0, ix.declared.tail_round - 1):
         r.add(
             "deferral",

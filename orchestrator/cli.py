@@ -544,6 +544,31 @@ def _stored_options(run: Path) -> dict:
     return {**stored, "simulate": config.simulated, "out": str(run), **config.llm}
 
 
+# What --resume may change (or checks itself: the target, where the run is); every other option is
+# the run's own, fixed when it started.
+RESUME_MAY_CHANGE = (
+    *("rounds", "max_minutes", "max_cost", "max_tokens", "time_limit", "track", "track_dir"),
+    *("target", "out", "workspaces", "resume", "config", "print_config"),
+)
+
+
+def _changed_on_resume(ctx: typer.Context, run: Path) -> list[str]:
+    """Options given to ``--resume`` (on the command line or in --config) that differ from the run's
+    own: each would otherwise be ignored without a word."""
+    stored = _stored_options(run)
+    changed = []
+    for name, value in ctx.params.items():
+        source = ctx.get_parameter_source(name)
+        if name in RESUME_MAY_CHANGE or name not in stored or source is None or source.name == "DEFAULT":
+            continue
+        given = str(value.resolve()) if isinstance(value, Path) else value
+        if name == "prescreen" and not given:
+            continue  # --no-prescreen turns the twin off from here on
+        if given != stored[name]:
+            changed.append(f"--{name.replace('_', '-')} {value} (this run's: {stored[name]})")
+    return changed
+
+
 def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
     """``--config run.yaml``: the file's values become this command's defaults (flags still win).
     Its keys are the option names as ``--print-config`` writes them; an unknown key is refused."""
@@ -689,6 +714,15 @@ def generate(
         elif not console.is_terminal:  # a pipe or a file: nothing redraws there, so each change is a line of its own
             console.print(view.line(kind))
 
+    if resume and out.exists():
+        changed = _changed_on_resume(ctx, out)
+        if changed:
+            errors.print(
+                "[red]error:[/red] --resume continues a run as it was started, so these cannot change: "
+                + "; ".join(changed)
+                + " (drop them, or start a new run with another --out)"
+            )
+            raise typer.Exit(2)
     try:
         if resume:
             loop = resume_run(

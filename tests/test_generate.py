@@ -431,6 +431,17 @@ def test_a_dirty_run_worktree_is_refused_on_resume(tmp_path):
     assert result.exit_code == 2 and "is a run for tiny-qwen3-cpu" in result.output
 
 
+def test_options_fixed_when_the_run_started_are_refused_on_resume_by_name(tmp_path):
+    """--resume used to go on with the stored policy and seed without a word."""
+    run = _empty_run(tmp_path)
+    args = ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)]
+    result = runner.invoke(app, [*args, "--policy", "evolve", "--seed", "7", "--rounds", "9"], env=ENV)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "cannot change" in said, said
+    assert "--policy evolve (this run's: backlog)" in said and "--seed 7 (this run's: 0)" in said
+    assert "--rounds" not in said  # a resumed run may be given more rounds
+
+
 def test_a_workspace_left_by_a_deleted_run_is_replaced_and_a_live_runs_is_refused(tmp_path):
     """A killed run whose directory was deleted left its round worktree behind: the next run of the
     target failed on ``git worktree remove`` (not its worktree) with a traceback."""

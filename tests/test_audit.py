@@ -189,6 +189,21 @@ def test_request_served_by_a_shrunk_engine(honest):
     _rejects(_audit(honest, events), "served while shrunk")
 
 
+def test_a_shrink_that_leaves_its_requests_running(honest):
+    """Planted: the cluster's shrink returns without aborting what its engine runs, and the request
+    completes seconds later, decoded beside the trainer the shrink made room for."""
+    events = _edited(honest)
+    served = [e for e in events if e.kind == "generate" and not e.data["aborted"] and e.data["device"] == "cpu:0"]
+    g = served[len(served) // 2]
+    shrunk_at = g.data["start"] + 0.01
+    late = TraceEvent("generate", shrunk_at + ABORT_SLACK_S + 1.0, g.data)
+    events[events.index(g)] = late
+    events.insert(
+        events.index(late), TraceEvent("shrink", shrunk_at, {"start": shrunk_at - 0.005, "devices": ["cpu:0"]})
+    )
+    _rejects(_audit(honest, events), f"cpu:0 went on serving episode {g.data['episode']} turn {g.data['turn']}")
+
+
 def test_an_engine_woken_before_its_trainer_left_the_device(honest):
     """The shortcut an overlapped sync (``overlap_sync``) tempts: waking the training device's engine
     while its trainer still holds the device, so the expand is quicker."""
@@ -536,6 +551,9 @@ def _resumed(honest, declared: bool = True, keep: int = 5):
         logprobs=d["logprobs"][keep:],
     )
     events.insert(events.index(g), segment)
+    # what interrupted it: a sync that cut the running batch short (an abort needs a cause)
+    interrupt = {"start": middle - 0.001, "devices": [d["device"]], "version": d["version"], "interrupt": True}
+    events.insert(events.index(segment) + 1, TraceEvent("sync", middle + 0.001, interrupt))
     _first(events, "run_start").data["declared"]["partial_rollout"] = declared
     return events, segment, g
 

@@ -25,7 +25,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
   bound, and only a stack that declares ``partial_rollout`` resumes, and then every partial it trains;
 * aborts: every interrupted request was cut short by a shrink, a suspend or an interrupting sync in
   progress (a cluster that aborts on its own could resample the turns it dislikes);
-* mechanism: no request served by a shrunk engine, never zero active engines, the requested steps
+* mechanism: no request served by a shrunk engine, none completed well after its engine's shrink
+  returned (a shrink aborts what it holds), never zero active engines, the requested steps
   ran, each training step returned the next version, an engine and a trainer never held one device
   at once (the cluster's residency, recorded after every switch), and the weights changed;
 * token ids: every token prompted, generated or trained on is in the model's vocabulary (else nothing
@@ -688,6 +689,16 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
                 r.add(
                     "served while shrunk",
                     f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk",
+                )
+    # A request in flight when its engine's shrink returned was aborted by it; one that completed well
+    # after (the slack is a real run's reply order) kept decoding beside the trainer the shrink made room for.
+    for g in [g for gs in ix.generated.values() for g in gs]:
+        for device, since, _ in windows:
+            if g.data["device"] == device and g.data["start"] < since and g.t > since + ABORT_SLACK_S:
+                r.add(
+                    "shrink without abort",
+                    f"{device} went on serving episode {g.data['episode']} turn {g.data['turn']} after its "
+                    f"shrink returned at {since:.2f}s (completed at {g.t:.2f}s, not aborted)",
                 )
     for e in ix.by_kind["device_state"]:
         for device, components in e.data["resident"].items():

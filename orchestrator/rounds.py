@@ -311,13 +311,15 @@ class Loop:
             "judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
             "round.json": record.model_dump(mode="json"),
         }
-        record.commit = self.history.commit_validated(
-            workspace, record.round, record.task.title, trailers, records, body
-        )
+        # The trace is kept before the commit: a kill in between then leaves a round redone on --resume
+        # (its trace overwritten), never a validated round whose trace went with its outputs.
         if evaluation.trace_path is not None:
             run_dir = RunDir(self.run_dir)
             run_dir.traces.mkdir(parents=True, exist_ok=True)
             shutil.copy(evaluation.trace_path, run_dir.trace(record.round))
+        record.commit = self.history.commit_validated(
+            workspace, record.round, record.task.title, trailers, records, body
+        )
 
     def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict, name: str = "rejected") -> None:
         """Kept under the rejected ref with the reasons: by the judge, or (``prescreened``) by the twin.

@@ -117,7 +117,7 @@ def _check_priced(llm: dict, max_cost: float | None) -> None:
 
     try:
         prices = load_prices(llm.get("prices"))
-    except (OSError, ValueError) as error:
+    except ValueError as error:  # load_prices names the file, whatever went wrong reading it
         raise RunSetupError(f"--prices: {error}") from None
     model = llm["model"]
     if Accounting(prices=prices).priced_as(model) is None:

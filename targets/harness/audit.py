@@ -371,7 +371,7 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
     # A relaunch made once the last training step has ended runs nothing that could be trained: its
     # task waits as much as one never relaunched (else a stack could defer every slow group and, at
     # the end, relaunch each and drop it at once as end_of_run).
-    last_train_end = ix.trains[-1].t if ix.trains else math.inf
+    last_train_end = max((t.t for t in ix.trains), default=math.inf)
     created_at: dict[str, float] = {}
     for e in ix.by_kind["episode_created"]:
         created_at.setdefault(e.data["group"], e.t)
@@ -685,16 +685,16 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
         windows += [(device, suspend.t, until) for device in suspend.data["devices"]]
     for g in served:
         for device, since, until in windows:
-            if g.data["device"] == device and g.data["start"] > since and g.t < until:
+            if g.data["device"] != device:
+                continue
+            if g.data["start"] > since and g.t < until:
                 r.add(
                     "served while shrunk",
                     f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk",
                 )
-    # A request in flight when its engine's shrink returned was aborted by it; one that completed well
-    # after (the slack is a real run's reply order) kept decoding beside the trainer the shrink made room for.
-    for g in [g for gs in ix.generated.values() for g in gs]:
-        for device, since, _ in windows:
-            if g.data["device"] == device and g.data["start"] < since and g.t > since + ABORT_SLACK_S:
+            # In flight when its engine's shrink returned, a request was aborted by it; one completed well
+            # after (the slack is a real run's reply order) kept decoding beside the trainer that took its place.
+            elif not g.data["aborted"] and g.data["start"] < since and g.t > since + ABORT_SLACK_S:
                 r.add(
                     "shrink without abort",
                     f"{device} went on serving episode {g.data['episode']} turn {g.data['turn']} after its "

@@ -276,15 +276,46 @@ def _resumed_turns(events) -> list[tuple[list, object]]:
     return out
 
 
+# Long responses and batch 32, three steps. The first step's tail finishes during its training, so the
+# second batch is ready at once, and the second step trains while a fresh wave of 8 groups (32
+# trajectories, ~6 turns each) runs on the sampling-only engine alone: its sync meets turns decoding by
+# construction, not by the timing of one run. Real runs get quick tools (a turn decodes most of its
+# time: 12 turns caught where 0.3 s tools catch 4). The simulated twin switches slowly (its expand
+# takes 2 s, the real one 0.05 s), so the fresh wave needs 0.3 s tools to still be running at the sync;
+# a simulated run is deterministic, so passing once is passing always.
+SYNC_MEETS_DECODING = {
+    "tokens": {"prompt": 12, "observation": 8, "response": 64, "max_sequence": 512},
+    "turns": {"max": 12, "dist": {"kind": "geometric", "mean": 6}},
+    "batch_size": 32,
+    "train_steps": 3,
+}
+TOOL_LATENCY_MEDIAN_S = {False: 0.02, True: 0.3}  # by ``simulate``
+
+
+def _interrupted_by_syncs(events) -> list:
+    """The aborted generates with a partial that an interrupting sync of their device answered."""
+    syncs = [e for e in events if e.kind == "sync" and e.data["interrupt"]]
+    return [
+        g
+        for g in events
+        if g.kind == "generate"
+        and g.data["aborted"]
+        and "tokens" in g.data
+        and any(g.data["device"] in s.data["devices"] and s.data["start"] <= g.t <= s.t for s in syncs)
+    ]
+
+
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
 def test_partial_rollout_resumes_interrupted_turns_under_the_new_weights(tmp_path, fast_target, simulate):
-    """Longer responses, so syncs and shrinks catch turns mid-decode: the sampling-only engine's sync
-    interrupts its running turns, and every interrupted turn that decoded something resumes from it
-    (its prompt grown by the partial response, its budget shrunk by it); some resume under a newer
-    version than their first segment's, and the audit (replaying every segment) passes."""
-    spec, events = _run(tmp_path, fast_target, {"partial_rollout": 1}, simulate, LONG_RESPONSES)
+    """The sampling-only engine's sync interrupts its running turns, and every interrupted turn that
+    decoded something resumes from it (its prompt grown by the partial response, its budget shrunk by
+    it); some resume under a newer version than their first segment's, and the audit (replaying every
+    segment) passes."""
+    tools = {"env_latency_s": {"kind": "lognormal", "median": TOOL_LATENCY_MEDIAN_S[simulate], "sigma": 0.5}}
+    spec, events = _run(tmp_path, fast_target, {"partial_rollout": 1}, simulate, {**SYNC_MEETS_DECODING, **tools})
     assert next(e for e in events if e.kind == "run_start").data["declared"]["partial_rollout"]
     assert all(e.data["interrupt"] for e in events if e.kind == "sync")
+    assert _interrupted_by_syncs(events), "no sync interrupted a running turn"
     resumed = _resumed_turns(events)
     assert resumed, "no turn was resumed"
     response = spec.workload.tokens.response
@@ -295,8 +326,7 @@ def test_partial_rollout_resumes_interrupted_turns_under_the_new_weights(tmp_pat
 
 
 # Responses four times as long, twice the turns (within the model's 512 positions) and slower tools:
-# rollout, not training, bounds a step, so a sync finds turns decoding on the sampling-only engine,
-# and a turn spans many decode iterations.
+# rollout, not training, bounds a step, and a turn spans many decode iterations.
 LONG_RESPONSES = {
     "tokens": {"prompt": 12, "observation": 8, "response": 64, "max_sequence": 512},
     "turns": {"max": 12, "dist": {"kind": "geometric", "mean": 6}},

@@ -153,11 +153,9 @@ async def train(target: Target, steps: int, seed: int, report: Sequence[Reporter
     if stack.make_cluster is None:
         raise SystemExit("error: this stack has no real cluster (stack.build returned make_cluster=None)")
     workload, declared = target.spec.workload, stack.declared
-    if declared.async_ratio is not None and declared.async_ratio > workload.staleness_limit:
-        raise SystemExit(
-            f"error: the stack declares async_ratio {declared.async_ratio}, over the target's "
-            f"max_async_ratio {workload.staleness_limit}"
-        )
+    refused = workload.over_declared_limits(declared)
+    if refused:
+        raise SystemExit(f"error: {refused}")
     clock = WallClock()
     envs = EnvironmentPool(workload, clock, Trace(clock, record_tokens=False), seed=seed)
     envs.max_extra = declared.redundant_per_group  # the spares per group the stack declares it launches

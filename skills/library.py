@@ -6,6 +6,7 @@ agents read."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -18,7 +19,9 @@ SKILLS_DIR = Path(__file__).parent
 class ParamRange(BaseModel):
     """A tunable parameter of ``params.json``: an int or float range. ``max_fraction`` bounds it by
     a fraction of the target's device count; ``step_engines`` makes device counts move in whole
-    rollout engines; ``simulated`` says whether the cluster simulator models it."""
+    rollout engines; ``declares`` names the ``Declared`` field the stack sets from it, which the
+    target's workload bounds too (``WorkloadSpec.declared_limits``); ``simulated`` says whether the
+    cluster simulator models it."""
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["int", "float"]
@@ -26,18 +29,21 @@ class ParamRange(BaseModel):
     max: float | None = None
     max_fraction: float | None = Field(default=None, gt=0, le=1)
     step_engines: int | None = Field(default=None, gt=0)
+    declares: Literal["async_ratio", "redundant_per_group", "tail_round"] | None = None
     simulated: bool = Field(default=False, description="the cluster simulator models it (else tuning it there is moot)")
     default: float | None = Field(default=None, description="the value a starter stack uses")
     step: float | None = Field(default=None, gt=0, description="moves add or subtract this (a count may start at 0)")
 
-    def bounds(self, device_count: int) -> tuple[float, float]:
+    def bounds(self, device_count: int, declared_limits: Mapping[str, tuple[str, int]]) -> tuple[float, float]:
         high = self.max if self.max is not None else float("inf")
         if self.max_fraction is not None:
             high = min(high, self.max_fraction * device_count)
+        if self.declares is not None:
+            high = min(high, declared_limits[self.declares][1])
         return self.min, high
 
-    def allows(self, value, device_count: int, engine_devices: int) -> bool:
-        low, high = self.bounds(device_count)
+    def allows(self, value, device_count: int, engine_devices: int, declared_limits: Mapping) -> bool:
+        low, high = self.bounds(device_count, declared_limits)
         step = (self.step_engines or 0) * engine_devices
         return low <= value <= high and (not step or value % step == 0)
 
@@ -110,13 +116,15 @@ def legal(
     name: str,
     value,
     device_count: int,
-    engine_devices: int = 1,
+    engine_devices: int,
+    declared_limits: Mapping[str, tuple[str, int]],
     among: list[str] | None = None,
 ) -> bool:
     """Within the range every skill (of ``among``, if given) that declares ``name`` allows, on a
-    target of ``device_count`` devices whose rollout engines span ``engine_devices`` each."""
+    target of ``device_count`` devices whose rollout engines span ``engine_devices`` each and whose
+    workload bounds what a stack declares by ``declared_limits`` (``WorkloadSpec.declared_limits``)."""
     return all(
-        skill.params[name].allows(value, device_count, engine_devices)
+        skill.params[name].allows(value, device_count, engine_devices, declared_limits)
         for skill in skills.values()
         if name in skill.params and (among is None or skill.name in among)
     )

@@ -399,7 +399,9 @@ class Declared:
     trains (keeping some partials and restarting others would let it choose its samples).
     ``tail_round``: the stack defers unfinished groups and relaunches their tasks ``tail_round`` at a
     time (tail batching; 0: it defers none); at most ``tail_round - 1`` deferred tasks may still wait
-    for their relaunch when the run ends, so deferring cannot drop tasks it finds too long."""
+    for their relaunch when the run ends, so deferring cannot drop tasks it finds too long. The target
+    bounds each (``WorkloadSpec.declared_limits``: ``max_async_ratio``, ``group_size`` spares,
+    ``tail_round`` up to a step's groups); the harness refuses more at hello."""
 
     redundant_per_group: int = 0
     async_ratio: int | None = None

@@ -337,6 +337,28 @@ class WorkloadSpec(Strict):
     def groups_per_step(self) -> int:
         return self.batch_size // self.group_size
 
+    @property
+    def declared_limits(self) -> dict[str, tuple[str, int]]:
+        """The most a stack may declare (``targets.api.Declared``) on this workload, by field: (what
+        the limit is, its value). A staleness bound up to ``max_async_ratio``. Spares up to one more
+        group's worth per group: beyond that, keeping the first finishers is mostly a choice of the
+        quick episodes. Deferred tasks relaunched at most a step's groups at a time, since up to
+        ``tail_round - 1`` of them may go unrun at the end: less than one batch of tasks, never an
+        unbounded share of the run chosen by length."""
+        return {
+            "async_ratio": ("max_async_ratio", self.staleness_limit),
+            "redundant_per_group": ("group_size", self.group_size),
+            "tail_round": ("groups per step", self.groups_per_step),
+        }
+
+    def over_declared_limits(self, declared) -> str | None:
+        """Why ``declared`` (a ``targets.api.Declared``) asks for more than this workload allows, or None."""
+        for field, (what, limit) in self.declared_limits.items():
+            value = getattr(declared, field)
+            if value is not None and value > limit:
+                return f"the stack declares {field} {value}, over the target's {what} {limit}"
+        return None
+
 
 # --------------------------------------------------------------------------------------------
 # Baselines, accuracy tolerances, the target

@@ -171,6 +171,25 @@ def test_a_staleness_bound_over_the_targets_maximum_is_refused(tmp_path, fast_ta
     assert not run.ok and "declares async_ratio 3, over the target's max_async_ratio 2" in run.cause
 
 
+@pytest.mark.parametrize(
+    ("field", "param", "limit"),
+    [("tail_round", "tail_round", "groups per step 4"), ("redundant_per_group", "redundant_envs", "group_size 4")],
+)
+def test_a_declaration_over_what_the_workload_bounds_is_refused(tmp_path, fast_target, field, param, limit):
+    """Planted: a stack declares one more than the fast target allows (4 groups a step, groups of 4).
+    ``tail_round`` 5 could leave 4 deferred tasks, a whole batch's worth chosen by length, unrun at the
+    end; 5 spares a group would keep the quickest 4 of 9. The harness refuses either at hello."""
+    declared = f'{field}=params.get("{param}", 0),'
+
+    def declare_five(stack_dir):  # the controller is the starter's; only the declaration asks for more
+        path = stack_dir / "build.py"
+        assert declared in path.read_text()
+        path.write_text(path.read_text().replace(declared, f"{field}=5,"))
+
+    _, run = _harness_run(tmp_path, fast_target, {}, True, None, declare_five)
+    assert not run.ok and f"declares {field} 5, over the target's {limit}" in run.cause, run.cause
+
+
 def test_running_further_ahead_than_declared_fails_the_audit(tmp_path, fast_target):
     """Planted: the controller runs at 2 but the stack declares nothing, so the run is held to the
     target's 1; the audit finds the extra groups in flight."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from agents.offline.planner import OfflinePlanner
 from agents.roles import AgentError, Attempt, Task
-from skills.library import legal, load_skills
+from skills.library import load_skills
 from skills.starter import RECIPES, write_starter
 from skills.validation import expand_file
 from targets.spec import TargetSpec
@@ -57,8 +57,8 @@ class OfflineImplementer:
                 changed.append(f"stack/{module}")
         params = json.loads((stack / "params.json").read_text())
         for name, value in task.changes.items():
-            if not legal(self.skills, name, value, self.spec.hardware.count, self.planner.engine_devices, task.skills):
-                raise ImplementationError(f"task {task.id}: {name}={value!r} is outside the skill's range")
+            if not self.planner.legal(name, value, task.skills):
+                raise ImplementationError(f"task {task.id}: {name}={value!r} is outside the skill's range on this target")
             params[name] = value
         (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         changed.append("stack/params.json")

@@ -48,10 +48,10 @@ class OfflinePlanner:
 
     # -- ranges ------------------------------------------------------------------------------------
     def legal(self, name: str, value, skills: list[str] | None = None) -> bool:
-        """The library's answer on this target (its device count, its engines' size, its staleness limit)."""
-        if name == "async_ratio" and value > self.spec.workload.staleness_limit:
-            return False
-        return legal(self.skills, name, value, self.spec.hardware.count, self.engine_devices, skills)
+        """The library's answer on this target (its device count, its engines' size, what its workload
+        lets a stack declare)."""
+        w = self.spec.workload
+        return legal(self.skills, name, value, self.spec.hardware.count, self.engine_devices, w.declared_limits, skills)
 
     def tunable(self, param: ParamRange) -> bool:
         return param.simulated or not self.simulated

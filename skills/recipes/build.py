@@ -83,10 +83,10 @@ def build(runtime: Runtime) -> Stack:
         engine.load_weights(merge(to_buckets(state, bucket_bytes)), version)
 
     # VAL: VAL_INT_RANGE (value=params.get("abort_stale", 0), min=0, max=1)
-    # VAL: VAL_INT_RANGE (value=params.get("redundant_envs", 0), min=0, max=8)
+    # VAL: VAL_INT_RANGE (value=params.get("redundant_envs", 0), min=0, max=runtime.workload.group_size)
     # VAL: VAL_INT_RANGE (value=params.get("kv_routing", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("partial_rollout", 0), min=0, max=1)
-    # VAL: VAL_INT_RANGE (value=params.get("tail_round", 0), min=0, max=64)
+    # VAL: VAL_INT_RANGE (value=params.get("tail_round", 0), min=0, max=runtime.workload.groups_per_step)
     # The audit bounds the spares by what is declared, holds the run to the declared staleness bound,
     # and lets only a stack declaring tail_round defer groups.
     declared = Declared(

@@ -233,12 +233,9 @@ class ControllerLink:
         elif kind == "hello":
             if not self.hello.done():
                 self.declared = get_declared(field_of(rx.header, "declared", dict, "hello"))
-                limit = self.envs.workload.staleness_limit
-                if self.declared.async_ratio is not None and self.declared.async_ratio > limit:
-                    raise ProtocolError(
-                        f"the stack declares async_ratio {self.declared.async_ratio}, over the target's "
-                        f"max_async_ratio {limit}"
-                    )
+                refused = self.envs.workload.over_declared_limits(self.declared)
+                if refused:
+                    raise ProtocolError(refused)
                 # before the controller's first new_group, which may follow in the same burst
                 self.envs.max_extra = self.declared.redundant_per_group
                 self.hello.set_result(rx)

@@ -58,7 +58,7 @@ class OfflineImplementer:
         params = json.loads((stack / "params.json").read_text())
         for name, value in task.changes.items():
             if not self.planner.legal(name, value, task.skills):
-                raise ImplementationError(f"task {task.id}: {name}={value!r} is outside the skill's range on this target")
+                raise ImplementationError(f"task {task.id}: {name}={value!r} is outside its range on this target")
             params[name] = value
         (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         changed.append("stack/params.json")

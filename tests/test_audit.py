@@ -317,6 +317,20 @@ def test_an_abort_no_mechanism_caused(honest, partial):
     _rejects(_audit(honest, events), f"episode {g.data['episode']} turn {g.data['turn']} was aborted at")
 
 
+def test_an_abort_on_an_engine_the_shrink_in_progress_left_alone(honest):
+    """Planted: while one device shrinks, the cluster also aborts a turn another engine serves (one
+    it dislikes), and the controller retries it. The shrink explains aborts on its own devices only."""
+    events = _edited(honest)
+    shrink = next(e for e in events if e.kind == "shrink")
+    during = (shrink.data["start"] + shrink.t) / 2
+    g = next(
+        g for g in _generates(events) if g.data["device"] not in shrink.data["devices"] and g.data["start"] <= during
+    )
+    aborted = {**copy.deepcopy(g.data), "aborted": True, "finish": "abort"}
+    events.insert(events.index(shrink), TraceEvent("generate", during, aborted))
+    _rejects(_audit(honest, events), f"aborted at {during:.2f}s on {g.data['device']} with no shrink")
+
+
 def test_a_step_that_returns_the_wrong_version(honest):
     events = _edited(honest)
     _train(events, 1).data["version"] = 7
@@ -521,7 +535,7 @@ def _resumed(honest, declared: bool = True, keep: int = 5):
     """The honest trace with one turn of the last step's batch resumed after ``keep`` tokens:
     (events, the interrupted segment, the resuming generate)."""
     events = [  # the honest stack restarted its interrupted turns: as if none had decoded anything
-        TraceEvent(e.kind, e.t, {k: e.data[k] for k in ("episode", "turn", "start", "aborted")})
+        TraceEvent(e.kind, e.t, {k: e.data[k] for k in ("episode", "turn", "start", "aborted", "device")})
         if e.kind == "generate" and e.data["aborted"]
         else e
         for e in _edited(honest)

@@ -649,19 +649,31 @@ ABORT_SLACK_S = 1.0
 
 
 def check_aborts(ix: TraceIndex, r: Reasons) -> None:
-    """An interrupted request is one a shrink, a suspend or an interrupting sync cut short while it was
-    in flight: a cluster that aborts on its own could resample the turns it dislikes (the long ones,
-    or those that missed the reward) and hand the controller only the ones it likes."""
-    causes = [(e.data["start"], e.t) for e in ix.by_kind["shrink"] + ix.by_kind["suspend"]]
-    causes += [(e.data["start"], e.t) for e in ix.by_kind["sync"] if e.data.get("interrupt")]
+    """An interrupted request is one a shrink, a suspend or an interrupting sync cut short on the
+    engine it ran on, while it was in flight: a cluster that aborts on its own could resample the turns
+    it dislikes (the long ones, or those that missed the reward) and hand the controller only the ones
+    it likes. So every abort names its engine (``Aborted.partial``, possibly empty), and a call in
+    progress must cover that engine's device."""
+    causes = [(set(e.data["devices"]), e.data["start"], e.t) for e in ix.by_kind["shrink"] + ix.by_kind["suspend"]]
+    causes += [(set(e.data["devices"]), e.data["start"], e.t) for e in ix.by_kind["sync"] if e.data.get("interrupt")]
     for g in ix.by_kind["generate"]:
-        if g.data["aborted"] and not any(
-            g.data["start"] <= end and start <= g.t <= end + ABORT_SLACK_S for start, end in causes
+        if not g.data["aborted"]:
+            continue
+        where = f"episode {g.data['episode']} turn {g.data['turn']} was aborted at {g.t:.2f}s"
+        device = g.data.get("device")
+        if device is None:
+            r.add(
+                "unexplained abort",
+                f"{where} without naming the engine that served it (an Aborted carries its partial: what "
+                "the engine decoded, possibly nothing, and where)",
+            )
+        elif not any(
+            device in devices and g.data["start"] <= end and start <= g.t <= end + ABORT_SLACK_S
+            for devices, start, end in causes
         ):
             r.add(
                 "unexplained abort",
-                f"episode {g.data['episode']} turn {g.data['turn']} was aborted at {g.t:.2f}s with no shrink, "
-                "suspend or interrupting sync in progress",
+                f"{where} on {device} with no shrink, suspend or interrupting sync of it in progress",
             )
 
 

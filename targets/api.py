@@ -89,8 +89,11 @@ class Aborted(Exception):
     interrupted by ``sync_weights(..., interrupt=True)``.
 
     ``partial`` holds the tokens decoded before the interruption (finish ``"abort"``, the version
-    that decoded them). The harness hands it to stacks that declare ``partial_rollout``; they resume
-    the turn with ``GenerateRequest.continues``. Others retry the turn from its start.
+    that decoded them, the device that served them). A cluster always sends it, with no tokens if none
+    were decoded: the audit explains an abort only by a shrink, suspend or interrupting sync of that
+    device, and rejects one that names no device. The harness hands the partial to stacks that declare
+    ``partial_rollout``; they resume the turn with ``GenerateRequest.continues``. Others retry the turn
+    from its start.
     """
 
     def __init__(self, message: str = "", partial: Completion | None = None) -> None:

@@ -31,7 +31,7 @@ from orchestrator.history import History, HistoryError, Trailers
 from orchestrator.policies import Policy
 from orchestrator.prescreen import Twin, clears, twin_said
 from orchestrator.run_dir import RunDir
-from orchestrator.state import RoundRecord, RunState, RunStateError
+from orchestrator.state import RoundRecord, RunState, RunStateError, save_llm_spend
 from orchestrator.tables import promotion, promotion_short
 from skills.design_doc import DesignDoc
 from targets.harness.session import Paired, Session
@@ -476,6 +476,13 @@ class Loop:
             record.commit = commit
             self.on_event("recovered", round=number)
             self.finish_round(record)
+
+    def save_llm_spend(self) -> None:
+        """After every LLM call: a run killed mid-round resumes knowing what the round already spent."""
+        try:
+            save_llm_spend(self.run_dir, self.llm_totals())
+        except RunStateError as error:
+            raise RunError(str(error)) from None
 
     def save(self) -> None:
         self.state.llm_used = self.llm_totals()

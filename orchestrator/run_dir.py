@@ -17,6 +17,11 @@ class RunDir:
         return self.root / ".git" / "run_state.json"
 
     @property
+    def llm_spend_file(self) -> Path:
+        """The run's LLM use, saved after every call (the run state saves it only between rounds)."""
+        return self.root / ".git" / "llm_spend.json"
+
+    @property
     def outputs(self) -> Path:
         """Judge and evaluator outputs of rounds in progress, traces, rendered figures."""
         return self.root / ".git" / "vibetrain"

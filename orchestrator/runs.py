@@ -79,6 +79,8 @@ def _loop(
 
     policy = make_policy(config.policy, agents.planner, config.seed, agents.llm_planner, design_of)
     loop = Loop(target, state, history, agents, policy, run_dir, workspaces / run_dir.name, on_event, session)
+    if agents.accounting is not None:
+        agents.accounting.on_call = loop.save_llm_spend
     on_event("setup", sandbox=sandbox.backend, simulated=target.simulated)
     return loop
 

@@ -118,35 +118,65 @@ class RunState(BaseModel):
     # -- persistence -------------------------------------------------------------------------------
     @classmethod
     def load(cls, run_dir: Path) -> RunState:
-        path = RunDir(run_dir).state_file
-        if not path.exists():
-            raise RunStateError(f"{run_dir} has no run state ({path}): not a vibetrain run, or it never started")
+        """The saved state, with the LLM use of calls made after it was saved (a round killed midway
+        paid for them: forgetting them would let a resumed run spend its budget twice)."""
+        run = RunDir(run_dir)
+        if not run.state_file.exists():
+            raise RunStateError(
+                f"{run_dir} has no run state ({run.state_file}): not a vibetrain run, or it never started"
+            )
         try:
-            return cls.model_validate_json(path.read_text())
+            state = cls.model_validate_json(run.state_file.read_text())
         except ValueError as error:
             raise RunStateError(
-                f"{path} is corrupt ({error}); the candidates are intact in git (vibetrain log reads them)"
+                f"{run.state_file} is corrupt ({error}); the candidates are intact in git (vibetrain log reads them)"
             ) from None
+        spend = load_llm_spend(run_dir)
+        if spend.get("calls", 0) > state.llm_used.get("calls", 0):
+            state.llm_used = spend
+        return state
 
     def save(self, run_dir: Path) -> None:
         """Atomic: a reader (or a resumed run) sees the previous state or this one, never a torn file."""
-        path = RunDir(run_dir).state_file
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=".state-", dir=path.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.model_dump_json(indent=1))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as error:
-            if "tmp" in locals() and os.path.exists(tmp):
-                os.unlink(tmp)
-            if error.errno == errno.ENOSPC:
-                raise RunStateError(
-                    f"disk full while saving the run state to {path}: every validated candidate is "
-                    "committed in git; free some space and run again with --resume"
-                ) from None
-            raise
+        write_atomically(RunDir(run_dir).state_file, self.model_dump_json(indent=1), "the run state")
+
+
+def save_llm_spend(run_dir: Path, used: dict) -> None:
+    """The run's LLM use so far (calls, tokens, dollars), after every call."""
+    write_atomically(RunDir(run_dir).llm_spend_file, json.dumps(used), "the LLM spend")
+
+
+def load_llm_spend(run_dir: Path) -> dict:
+    path = RunDir(run_dir).llm_spend_file
+    if not path.exists():
+        return {}
+    try:
+        used = json.loads(path.read_text())
+    except ValueError as error:
+        raise RunStateError(f"{path} is corrupt ({error}); delete it to count only the spend saved by rounds") from None
+    if not isinstance(used, dict):
+        raise RunStateError(f"{path} holds {type(used).__name__}, not the run's LLM use; delete it")
+    return used
+
+
+def write_atomically(path: Path, text: str, what: str) -> None:
+    """Temp file, fsync, rename: a reader sees the previous version or this one, never a torn file."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as error:
+        if "tmp" in locals() and os.path.exists(tmp):
+            os.unlink(tmp)
+        if error.errno == errno.ENOSPC:
+            raise RunStateError(
+                f"disk full while saving {what} to {path}: every validated candidate is "
+                "committed in git; free some space and run again with --resume"
+            ) from None
+        raise
 
 
 def new_state(config: RunConfig) -> RunState:

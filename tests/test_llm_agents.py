@@ -31,7 +31,7 @@ from agents.llm.tools import Toolbox
 from agents.roles import AgentError, Task
 from orchestrator.cli import app
 from orchestrator.runs import RunSetupError, _check_backend
-from orchestrator.state import RunState
+from orchestrator.state import RunState, RunStateError, load_llm_spend, new_state, save_llm_spend
 from skills.starter import write_starter
 from targets.harness.sandbox import Sandbox
 
@@ -578,6 +578,38 @@ def test_a_cost_budget_is_checked_before_each_call_not_only_between_rounds(serve
     assert "BudgetSpent: cost budget of $0.3 spent" in state.record(1).reasons[0]
     assert "cost budget of $0.3 spent" in output
     assert {r["body"]["max_tokens"] for r in server.requests} == {1234}
+    assert load_llm_spend(run) == state.llm_used  # saved after each call too
+
+
+def test_a_run_killed_mid_round_resumes_knowing_what_the_round_spent(tmp_path):
+    """The run state saves LLM use between rounds; every call also saves it on its own. A run killed
+    after a call and before its round ended resumes with that call counted, so ``--max-cost`` is not
+    spent twice; a spend older than the state (fewer calls) never overrides it."""
+    from orchestrator.state import RunConfig
+
+    run = tmp_path / "run"
+    (run / ".git").mkdir(parents=True)
+    settings = dict(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="backlog", agents="openai", seed=0)
+    settings.update(rounds=1, max_minutes=None, max_attempts=1, repeat=1, starter="colocate", simulated=False)
+    state = new_state(RunConfig(**settings, sandbox="subprocess", max_cost=1.0))
+    state.llm_used = {"calls": 2, "input_tokens": 200, "output_tokens": 40, "cost_usd": 0.24}
+    state.save(run)
+    accounting = Accounting(spent_before=dict(state.llm_used))
+    accounting.prices["m"] = (1000.0, 1000.0)
+
+    def save():  # what generate wires in: the run's totals after each call
+        used = {k: state.llm_used[k] + v for k, v in accounting.snapshot().items()}
+        save_llm_spend(run, used)
+
+    accounting.on_call = save
+    accounting.add("m", 100, 20)  # the round's first call; then the process is killed
+    resumed = RunState.load(run)
+    assert resumed.llm_used == {"calls": 3, "input_tokens": 300, "output_tokens": 60, "cost_usd": pytest.approx(0.36)}
+    save_llm_spend(run, {"calls": 1, "cost_usd": 0.12})
+    assert RunState.load(run).llm_used["calls"] == 2
+    (run / ".git" / "llm_spend.json").write_text("{not json")
+    with pytest.raises(RunStateError, match="llm_spend.json is corrupt"):
+        RunState.load(run)
 
 
 def test_a_missing_key_or_llm_backend_is_refused_before_anything_is_written(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,7 +108,8 @@ class ToolSpec:
 class Accounting:
     """Tokens and dollars, per call and in total; ``prices`` in USD per million tokens. ``max_cost`` and
     ``max_tokens`` are the run's budget over ``spent_before`` (its earlier sessions' use) plus this
-    session's; ``check_budget`` is called before every model call."""
+    session's; ``check_budget`` is called before every model call. ``on_call`` runs after each call is
+    counted (the run saves its spend there, so a killed run resumes knowing every call it paid for)."""
 
     prices: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRICES))
     calls: int = 0
@@ -117,6 +119,7 @@ class Accounting:
     max_cost: float | None = None
     max_tokens: int | None = None
     spent_before: dict = field(default_factory=dict)
+    on_call: Callable[[], None] = lambda: None
     _unpriced: set[str] = field(default_factory=set)
 
     def priced_as(self, model: str) -> str | None:
@@ -139,6 +142,7 @@ class Accounting:
         self.input_tokens += input_tokens
         self.output_tokens += output_tokens
         self.cost_usd += cost
+        self.on_call()
         return cost
 
     def add_reported(self, input_tokens: int, output_tokens: int, cost_usd: float) -> None:
@@ -147,6 +151,7 @@ class Accounting:
         self.input_tokens += input_tokens
         self.output_tokens += output_tokens
         self.cost_usd += cost_usd
+        self.on_call()
 
     def run_cost(self) -> float:
         """Dollars the whole run has spent: its earlier sessions' and this one's."""

@@ -644,8 +644,11 @@ def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
                         )
 
 
-# Real runs: an abort's reply may reach the harness a little after the call that caused it returned.
-ABORT_SLACK_S = 1.0
+# Real runs: an abort's reply may reach the harness a little after the call that caused it returned
+# (the engine answers the request and the call separately). Measured over 392 aborts in 107 real runs
+# of the test suite on 2 cores: at most 18 ms late. A quarter second leaves room for a loaded machine
+# and bounds what a cluster can do past a shrink's return: decode beside the trainer that long at most.
+ABORT_SLACK_S = 0.25
 
 
 def check_aborts(ix: TraceIndex, r: Reasons) -> None:

@@ -72,7 +72,9 @@ class Loop:
             starter = self.state.record(0)
             self.on_event(
                 "budget",
-                reason=f"the starter stack was not validated ({starter.verdict}): " + "; ".join(starter.reasons[:3]),
+                reason=f"the starter stack was not validated ({starter.verdict}): "
+                + "; ".join(starter.reasons[:3])
+                + " (nothing to resume from: fix the cause and start the run again)",
             )
             return self.state
         if self.state.config.prescreen and self.state.twin is None:

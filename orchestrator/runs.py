@@ -243,6 +243,14 @@ def resume_run(
     given = str(Path(target).resolve()) if Path(target).exists() else target
     if given not in (state.config.target, state.config.target_id):
         raise RunSetupError(f"{run_dir} is a run for {state.config.target_id} ({state.config.target}), not {target}")
+    starter = state.record(0)
+    if starter is not None and state.best is None:
+        raise RunSetupError(
+            f"{run_dir}: its starter stack was not validated ({starter.verdict}: "
+            f"{'; '.join(starter.reasons[:2]) or 'no reason recorded'}), and every round derives from a "
+            f"validated one, so --resume has nothing to go on from. Fix the cause and start the run again "
+            f"(remove {run_dir}, or give another --out); vibetrain log {run_dir} shows the attempt"
+        )
     updates = {
         k: v
         for k, v in {

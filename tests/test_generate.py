@@ -431,6 +431,20 @@ def test_a_dirty_run_worktree_is_refused_on_resume(tmp_path):
     assert result.exit_code == 2 and "is a run for tiny-qwen3-cpu" in result.output
 
 
+def test_a_run_whose_starter_failed_says_resume_cannot_go_on(tmp_path):
+    """A 1 s time limit fails the starter at its accuracy run; a --resume with a sane limit used to
+    print the same failure and exit 0 having done nothing. It now says why it cannot go on, and what to do."""
+    run = tmp_path / "run"
+    args = ["generate", "tiny-qwen3-cpu", "--out", str(run), "--rounds", "1"]
+    result = runner.invoke(app, [*args, "--time-limit", "1"], env=ENV)
+    said = " ".join(result.output.split())
+    assert "starter stack was not validated" in said and "start the run again" in said, said
+    result = runner.invoke(app, [*args, "--resume", "--time-limit", "300"], env=ENV)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--resume has nothing to go on from" in said, said
+    assert "exceeded its time limit of 1s" in said and "start the run again" in said
+
+
 def test_options_fixed_when_the_run_started_are_refused_on_resume_by_name(tmp_path):
     """--resume used to go on with the stored policy and seed without a word."""
     run = _empty_run(tmp_path)

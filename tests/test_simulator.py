@@ -235,6 +235,7 @@ def _simulated(tmp_path, spec, controller, steps=None, seed=0):
     """The starter for ``controller`` run on the simulator through the harness, as any judged run:
     the controller in a process of its own, virtual time kept by the harness."""
     spec = spec.model_copy(update={"execution": "simulated"})
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{spec.id}-{controller}.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     stack = write_starter(tmp_path / controller, spec, controller)
@@ -424,6 +425,42 @@ def test_the_rollout_fit_recovers_its_constants_and_keeps_them_non_negative():
     step, per_flop, request = _nonnegative_fit(rows)
     assert per_flop == 0.0 and step > 0 and request >= 0
     assert _nonnegative_fit([(10, 1.0, 0.2), (20, 2.0, 0.4)]) == pytest.approx((0.02, 0.0))  # collinear: one term
+
+
+def test_the_rollout_fit_separates_memory_bound_iterations_from_fixed_costs():
+    """Latencies made by the simulator's formula, from batches that read-bound (small) and
+    compute-bound (large) iterations: the fit gives back both efficiencies and both fixed costs."""
+    from targets.harness.sim.calibrate import _rollout_fit
+
+    step, mfu, request, hbm = 0.003, 0.5, 0.2, 0.8
+    rows = []
+    for n, read, compute, prefill in [(5, 0.006, 0.0001, 0.01), (80, 0.007, 0.002, 0.02), (200, 0.009, 0.012, 0.05)]:
+        for k in range(1, 5):
+            r, c = read * k, compute * k**2
+            latency = n * (max(r / hbm, c / mfu) + step) + prefill * k / mfu + request
+            rows.append((float(n), r, c, prefill * k, latency))
+    fitted = _rollout_fit(rows)
+    assert fitted[:4] == pytest.approx((step, mfu, request, hbm), rel=0.01)
+
+
+@pytest.mark.slow
+def test_a_twin_calibrated_on_a_memory_bound_run_predicts_it(tmp_path):
+    """The 8B target on H100s decodes memory-bound. Calibrated on its own simulated run, the twin's
+    run of the same stack ends within 10% of it (fitting compute alone, 73% late: the reads became a
+    26 ms cost per iteration)."""
+    from targets.harness.sim.calibrate import calibrate
+    from targets.spec import load_target
+
+    spec = load_target("qwen3-8b-h100x8")
+    spec = spec.model_copy(update={"workload": spec.workload.model_copy(update={"train_steps": 1})})
+    _, events, _ = _simulated(tmp_path / "truth", spec, "time_multiplex")
+    fit = calibrate(spec, [events])
+    hardware = spec.hardware.model_copy(update={"bf16_tflops": fit.bf16_tflops, "mfu": fit.mfu})
+    twin = spec.model_copy(update={"id": f"{spec.id}-twin", "simulator": fit.simulator, "hardware": hardware})
+    _, predicted, _ = _simulated(tmp_path / "twin", twin, "time_multiplex")
+    ends = [next(e.t for e in reversed(run) if e.kind == "train") for run in (events, predicted)]
+    print(f"twin's step end {ends[1]:.1f} s, the run's {ends[0]:.1f} s ({ends[1] / ends[0] - 1:+.1%})")
+    assert ends[1] == pytest.approx(ends[0], rel=0.10)
 
 
 def test_calibration_pools_runs_and_says_which_constants_no_run_measured():

@@ -10,11 +10,15 @@ that does supplies it.
 * **rollout**: both engine recipes batch continuously, so each completed request is one row. A
   request that generated ``n`` tokens spanned ``n`` engine iterations beside, on average, ``b``
   requests in flight on its device (``b`` from the trace: the overlap of the other requests' spans
-  with its own, plus itself). Its latency is ``n * decode_step_overhead_s + flops / (peak *
-  rollout_mfu) + request_overhead_s``, with the cost model's decode FLOPs of ``n`` iterations of a
-  ``b``-sequence batch plus the prefill FLOPs of the requests that joined meanwhile (new tokens
-  only: a prefix the same device served the episode's previous turn is cached). Non-negative least
-  squares over the requests gives the three constants.
+  with its own, plus itself). Its latency is what the simulator charges: each of the ``n``
+  iterations takes the larger of its read (the weights a ``b``-sequence batch touches and its KV,
+  over the HBM bandwidth times ``hbm_efficiency``) and its decode FLOPs (over the peak times
+  ``rollout_mfu``), plus ``decode_step_overhead_s``; the prefills of the requests that joined
+  meanwhile add their FLOPs (new tokens only: a prefix the same device served the episode's previous
+  turn is cached); the answer adds ``request_overhead_s``. The ratio of the two efficiencies is
+  searched on a grid; at each, the rest is linear and solved by non-negative least squares. (A fit of compute
+  alone put a memory-bound engine's reads into the per-iteration cost: on a simulated 8B H100 run,
+  26 ms an iteration where the spec says 3.)
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time (a
   suspend times an offload; a resume with no sync in the run times a reload and a sync); with none in
   any run, the spec's constants are kept (``notes`` says so).
@@ -142,8 +146,10 @@ def request_concurrency(events: list[TraceEvent]) -> list[tuple[TraceEvent, floa
     return out
 
 
-def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float, float, float, float]]:
-    """(iterations, FLOPs / peak, 1, latency) per completed request (see the module doc)."""
+def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float, float, float, float, float]]:
+    """Per completed request: (iterations, one iteration's read time at full HBM bandwidth, one
+    iteration's decode compute time at the peak, its prefills' compute time at the peak, latency),
+    each over the engine's devices (see the module doc)."""
     new_tokens: dict[int, int] = {}  # id(event) -> tokens its prefill computed
     cached: dict[tuple[str, str], int] = {}  # (episode, device) -> context the device holds for it
     for e in sorted((e for e in events if e.kind == "generate"), key=lambda e: e.data["start"]):
@@ -159,16 +165,64 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
     for e in events:
         if e.kind == "generate":
             by_device[e.data["device"]].append(e)
+    bandwidth = cost.engine_devices * cost.hbm_bytes_per_s
+    compute = cost.engine_devices * cost.peak_flops
     rows = []
     for e, batch in request_concurrency(events):
         start, end = e.data["start"], e.t
         n = token_count(e.data["tokens"])
         context = batch * (token_count(e.data["prompt"]) + n / 2)  # the batch's mean KV over the span
-        decode = n * cost.decode_flops(batch, context)
         joined = [o for o in by_device[e.data["device"]] if start <= o.data["start"] < end]
         prefill = sum(cost.prefill_flops(new_tokens[id(o)], 0) for o in joined)
-        rows.append((float(n), (decode + prefill) / cost.peak_flops, 1.0, end - start))
+        read = cost.decode_bytes(batch, context) / bandwidth
+        rows.append((float(n), read, cost.decode_flops(batch, context) / compute, prefill / compute, end - start))
     return rows
+
+
+# An iteration takes the larger of its read and its compute, which no linear fit can express. But at a
+# given ratio of the two efficiencies each request's time is linear in the rest: (its iterations' larger
+# term plus its prefills) / rollout_mfu + n * decode_step_overhead_s + request_overhead_s. So the ratio
+# is searched on a log grid, then on finer ones around the best, and the rest solved exactly
+# (non-negative least squares) at each point.
+RATIO_GRID = np.logspace(-3, 3, 121)  # rollout_mfu / hbm_efficiency
+REFINEMENTS = 2  # each in tenths of the last step: the ratio to within 0.1%
+
+
+def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, float, float] | None:
+    """(decode_step_overhead_s, rollout_mfu, request_overhead_s, hbm_efficiency, squared error) with
+    latency = n * (max(read / hbm_efficiency, compute / rollout_mfu) + decode_step_overhead_s)
+    + prefill / rollout_mfu + request_overhead_s: the simulator's own formula, so a memory-bound
+    engine's reads are not fitted as a fixed cost per iteration. Of equally good fits the lowest ratio
+    is kept: an efficiency no request shows is not assumed lower than the data needs. None when too
+    few distinct requests."""
+    n, read, compute, prefill, latency = (np.array(column, dtype=float) for column in zip(*rows))
+    ones = np.ones_like(n)
+
+    def at(ratio: float) -> tuple[float, float, float, float, float] | None:
+        work = n * np.maximum(ratio * read, compute) + prefill  # seconds at 100% of the peak
+        fit = _nonnegative_fit(list(zip(work, n, ones, latency)))
+        if fit is None or fit[0] <= 0:
+            return None
+        per_work, step, request = fit
+        residual = float(((work * per_work + n * step + request - latency) ** 2).sum())
+        return step, 1 / per_work, request, 1 / (per_work * ratio), residual
+
+    def search(ratios, best):
+        for ratio in ratios:
+            fit = at(float(ratio))
+            if fit is not None and (best is None or fit[4] < best[4] * (1 - 1e-9)):
+                best, best_ratio[0] = fit, float(ratio)
+        return best
+
+    best_ratio = [0.0]
+    best = search(RATIO_GRID, None)
+    step = RATIO_GRID[1] / RATIO_GRID[0]
+    for _ in range(REFINEMENTS):
+        if best is None:
+            return None
+        best = search(best_ratio[0] * np.logspace(-1, 1, 21, base=step), best)
+        step = step**0.1
+    return best
 
 
 def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
@@ -196,16 +250,21 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
 
     # -- rollout ---------------------------------------------------------------------------------
     rollout_rows = [row for run in runs for row in _rollout_rows(cost, run)]
-    fit = _nonnegative_fit(rollout_rows) if rollout_rows else None
-    if fit is not None and fit[1] > 0:
-        step, per_flop, request = fit
-        fitted |= {"decode_step_overhead_s": step, "rollout_mfu": 1 / per_flop, "request_overhead_s": request}
+    fit = _rollout_fit(rollout_rows) if rollout_rows else None
+    if fit is not None:
+        step, mfu_rollout, request, hbm, _ = fit
+        if hbm > 1.0:
+            notes.append(f"rollout: reads {hbm:.2f}x faster than the catalog's bandwidth fit best; hbm_efficiency 1")
+            hbm = 1.0
+        fitted |= {
+            "decode_step_overhead_s": step,
+            "rollout_mfu": mfu_rollout,
+            "request_overhead_s": request,
+            "hbm_efficiency": hbm,
+        }
         for value, term in ((step, "engine iterations"), (request, "requests")):
             if value == 0:
-                notes.append(f"rollout: latencies do not grow with {term} beyond their FLOPs: no fixed cost per one")
-    elif fit is not None:
-        notes.append("rollout: latencies do not grow with FLOPs beyond the fixed costs: compute at the catalog peak")
-        fitted |= {"decode_step_overhead_s": fit[0], "rollout_mfu": 1.0, "request_overhead_s": fit[2]}
+                notes.append(f"rollout: latencies do not grow with {term} beyond their reads and FLOPs: no fixed cost")
     elif rollout_rows:
         notes.append("rollout: too few distinct requests to fit; the spec's rollout constants kept")
 

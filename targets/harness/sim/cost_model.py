@@ -147,15 +147,20 @@ class CostModel:
 
     # -- rollout -------------------------------------------------------------------------------
     def decode_iteration_s(self, batch: int, context_tokens: float) -> float:
-        touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** batch if self.expert_params else 0.0
-        weights = (self.dense_params + self.expert_params * touched) * self.dtype_bytes
-        memory_s = (weights + context_tokens * self.kv_bytes_per_token) / (
+        memory_s = self.decode_bytes(batch, context_tokens) / (
             self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency
         )
         compute_s = self.decode_flops(batch, context_tokens) / (
             self.engine_devices * self.peak_flops * self.rollout_mfu
         )
         return max(memory_s, compute_s) + self.decode_step_overhead_s
+
+    def decode_bytes(self, batch: float, context_tokens: float) -> float:
+        """What one decode iteration reads: the weights its batch touches (an MoE's experts, only
+        those its tokens route to) and the batch's KV."""
+        touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** batch if self.expert_params else 0.0
+        weights = (self.dense_params + self.expert_params * touched) * self.dtype_bytes
+        return weights + context_tokens * self.kv_bytes_per_token
 
     def decode_flops(self, batch: float, context_tokens: float) -> float:
         return 2 * self.active_params * batch + 4 * self.layers * self.attn_width * context_tokens

@@ -183,6 +183,8 @@ class Loop:
                     "free some space and run again with --resume"
                 ) from None
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
+        except RunError:  # the run itself cannot go on (its spend could not be saved): not this round's fault
+            raise
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         record.seconds = time.monotonic() - started

@@ -154,8 +154,10 @@ def load_llm_spend(run_dir: Path) -> dict:
         used = json.loads(path.read_text())
     except ValueError as error:
         raise RunStateError(f"{path} is corrupt ({error}); delete it to count only the spend saved by rounds") from None
-    if not isinstance(used, dict):
-        raise RunStateError(f"{path} holds {type(used).__name__}, not the run's LLM use; delete it")
+    if not isinstance(used, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in used.values()
+    ):
+        raise RunStateError(f"{path} holds {str(used)[:200]}, not the run's LLM use (numbers by name); delete it")
     return used
 
 

@@ -245,7 +245,8 @@ def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
 
 def test_what_a_stack_declares_stays_within_what_the_workload_bounds(tiny_spec):
     """The harness refuses a declaration over ``WorkloadSpec.declared_limits`` at hello, so the
-    planner never proposes one: tail_round up to the groups of a step, spares up to a group."""
+    planner never proposes one: tail_round up to the groups of a step, spares up to a group; a
+    technique switched on beyond the limit is switched on at it."""
     planner = OfflinePlanner(tiny_spec)  # 8 groups of 4 a step
     assert planner.legal("tail_round", 8) and not planner.legal("tail_round", 16)
     small = tiny_spec.workload.model_copy(update={"batch_size": 8, "group_size": 2})  # 4 groups of 2
@@ -254,7 +255,9 @@ def test_what_a_stack_declares_stays_within_what_the_workload_bounds(tiny_spec):
     assert planner.legal("redundant_envs", 2)
     assert not planner.legal("async_ratio", small.staleness_limit + 1)
     multiplexed = {"controller": "time_multiplex", "train_devices": 1}
-    assert "add-tail_batching" not in {t.id for t in planner.composition_tasks(multiplexed)}
+    added = {t.id: t.changes for t in planner.composition_tasks(multiplexed)}
+    assert added["add-tail_batching"] == {"tail_round": 4}  # the skill's 8, down to the step's 4 groups
+    assert added["add-redundant_envs"] == {"redundant_envs": 2}
 
 
 def test_composition_adds_what_the_controller_allows_and_removes_what_is_on(tiny_spec):

@@ -331,6 +331,41 @@ def test_an_abort_on_an_engine_the_shrink_in_progress_left_alone(honest):
     _rejects(_audit(honest, events), f"aborted at {during:.2f}s on {g.data['device']} with no shrink")
 
 
+def _engine_aborts(spec, aborts: list[tuple[str, float]], overhead: float = 0.0) -> list[str]:
+    """The abort check's reasons on a simulated trace of two engines of two devices each: device h:1
+    shrinks from 1.0 s to 1.5 s; each abort (the device its completion names, when) started at 0.5 s."""
+    from targets.harness.audit import Reasons, TraceIndex, check_aborts
+
+    simulator = spec.simulator.model_copy(update={"request_overhead_s": overhead})
+    spec = spec.model_copy(update={"simulator": simulator})
+    engines = {"h:0": ["h:0", "h:1"], "h:2": ["h:2", "h:3"]}
+    events = [TraceEvent("run_start", 0.0, {"tokens_recorded": False, "engines": engines, "declared": {}})]
+    events += [TraceEvent("shrink", 1.5, {"start": 1.0, "devices": ["h:1"]})]
+    for i, (device, t) in enumerate(aborts):
+        events.append(
+            TraceEvent(
+                "generate", t, {"episode": f"g0/e{i}", "turn": 0, "start": 0.5, "aborted": True, "device": device}
+            )
+        )
+    reasons = Reasons()
+    check_aborts(TraceIndex.of(sorted(events, key=lambda e: e.t)), reasons, spec)
+    return reasons.lines()
+
+
+def test_a_shrink_of_one_device_explains_aborts_on_its_whole_engine_only(tiny_spec):
+    """In the simulator an engine spans devices and a completion names its first: a shrink of h:1
+    takes engine h:0 whole, so an abort named h:0 is its doing (no false alarm), one on h:2 is not
+    (planted), and a simulated answer's way back (request_overhead_s) is no reason either."""
+    spec = tiny_spec
+    assert _engine_aborts(spec, [("h:0", 1.2)]) == []
+    lines = _engine_aborts(spec, [("h:0", 1.2), ("h:2", 1.2)])
+    assert len(lines) == 1 and "g0/e1 turn 0 was aborted at 1.20s on h:2 with no shrink" in lines[0], lines
+    late = 1.5 + ABORT_SLACK_S + 0.4
+    assert _engine_aborts(spec, [("h:0", late)], overhead=0.5) == []
+    assert "on h:0 with no shrink" in " ".join(_engine_aborts(spec, [("h:0", late)]))
+    assert "without naming the engine" in " ".join(_engine_aborts(spec, [("", 1.2)]))
+
+
 def test_a_step_that_returns_the_wrong_version(honest):
     events = _edited(honest)
     _train(events, 1).data["version"] = 7

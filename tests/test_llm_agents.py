@@ -610,6 +610,9 @@ def test_a_run_killed_mid_round_resumes_knowing_what_the_round_spent(tmp_path):
     (run / ".git" / "llm_spend.json").write_text("{not json")
     with pytest.raises(RunStateError, match="llm_spend.json is corrupt"):
         RunState.load(run)
+    (run / ".git" / "llm_spend.json").write_text('{"calls": "5"}')
+    with pytest.raises(RunStateError, match="not the run's LLM use"):
+        RunState.load(run)
 
 
 def test_a_missing_key_or_llm_backend_is_refused_before_anything_is_written(tmp_path, monkeypatch):

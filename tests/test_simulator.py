@@ -441,6 +441,13 @@ def test_the_rollout_fit_separates_memory_bound_iterations_from_fixed_costs():
             rows.append((float(n), r, c, prefill * k, latency))
     fitted = _rollout_fit(rows)
     assert fitted[:4] == pytest.approx((step, mfu, request, hbm), rel=0.01)
+    # compute-bound everywhere: reads no request waited on get the catalog's bandwidth, not the grid's
+    # edge (hbm_efficiency 1000x the MFU) and not a made-up lower one
+    bound = [(n, r / 100, c, p, n * (c / mfu + step) + p / mfu + request) for n, r, c, p, _ in rows]
+    fitted = _rollout_fit(bound)
+    assert fitted[:3] == pytest.approx((step, mfu, request), rel=0.01) and 0.99 <= fitted[3] <= 1.0
+    # no growth with the work at all: no fit here (calibrate keeps the fixed costs at catalog rates)
+    assert _rollout_fit([(n, r, c, p, n * step + request) for n, r, c, p, _ in rows]) is None
 
 
 @pytest.mark.slow

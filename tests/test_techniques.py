@@ -312,14 +312,15 @@ TOOL_LATENCY_MEDIAN_S = {False: 0.02, True: 0.3}  # by ``simulate``
 
 
 def _interrupted_by_syncs(events) -> list:
-    """The aborted generates with a partial that an interrupting sync of their device answered."""
+    """The aborted generates with a partial (some tokens decoded) that an interrupting sync of their
+    device answered."""
     syncs = [e for e in events if e.kind == "sync" and e.data["interrupt"]]
     return [
         g
         for g in events
         if g.kind == "generate"
         and g.data["aborted"]
-        and "tokens" in g.data
+        and token_count(g.data.get("tokens", []))
         and any(g.data["device"] in s.data["devices"] and s.data["start"] <= g.t <= s.t for s in syncs)
     ]
 

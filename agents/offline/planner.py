@@ -123,12 +123,20 @@ class OfflinePlanner:
     def _addition(self, skill: Skill, params: dict, priority: int) -> Task | None:
         """Switch a technique that is off on the way its skill's ``enable`` says, where it may go on top of
         ``params`` (its controller, what it requires, nothing it conflicts with) and its values are legal."""
-        changes = {k: self._typed(skill, k, v) for k, v in skill.enable.items()}
-        if not applicable(self.skills, skill, params) or not all(
-            self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items()
+        changes = {k: self._within_target(skill, k, self._typed(skill, k, v)) for k, v in skill.enable.items()}
+        if (
+            not skill.is_on(changes)
+            or not applicable(self.skills, skill, params)
+            or not all(self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items())
         ):
             return None
         return self._composition_task(skill, "add", changes, priority)
+
+    def _within_target(self, skill: Skill, name: str, value):
+        """An ``enable`` value over what this target lets a stack declare comes down to that limit
+        (tail_round 8 is 4 where a step has 4 groups)."""
+        declares = skill.params[name].declares
+        return value if declares is None else min(value, self.spec.workload.declared_limits[declares][1])
 
     def _typed(self, skill: Skill, name: str, value):
         return int(value) if skill.params[name].type == "int" else value

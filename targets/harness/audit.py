@@ -85,6 +85,13 @@ class Reasons:
         return out
 
 
+# Real runs: an abort's reply may reach the harness a little after the call that caused it returned
+# (the engine answers the request and the call separately). Measured over 392 aborts in 107 real runs
+# of the test suite on 2 cores: at most 18 ms late. A quarter second leaves room for a loaded machine
+# and bounds what a cluster can do past a shrink's return: decode beside the trainer that long at most.
+ABORT_SLACK_S = 0.25
+
+
 @dataclass
 class TraceIndex:
     """Everything the invariants ask of a trace, computed once."""
@@ -105,9 +112,20 @@ class TraceIndex:
     trains: list[TraceEvent] = field(default_factory=list)
     tokens_recorded: bool = True
     declared: Declared = field(default_factory=Declared)
+    engine_of: dict[str, str] = field(default_factory=dict)  # device -> its engine's name (its first device)
     start_t: float = 0.0
     end_t: float = 0.0
     _responses: dict[int, Response] = field(default_factory=dict)
+
+    def engine(self, device: str) -> str:
+        """The engine ``device`` is part of, by the name completions carry: in a simulated run an engine
+        spans ``engine_devices`` devices (a shrink of any one takes it whole); a real one, one device."""
+        return self.engine_of.get(device, device)
+
+    def reply_slack(self, spec: TargetSpec) -> float:
+        """How late an answer may reach the harness after the call that decided it: a real run's
+        reply order, plus in a simulated one the answer's modelled way back (``request_overhead_s``)."""
+        return ABORT_SLACK_S + (0.0 if self.tokens_recorded else spec.simulator.request_overhead_s)
 
     @classmethod
     def of(cls, events: list[TraceEvent]) -> TraceIndex:
@@ -119,6 +137,8 @@ class TraceIndex:
             ix.start_t = run_start.t
             ix.tokens_recorded = run_start.data.get("tokens_recorded", True)
             ix.declared = Declared(**run_start.data.get("declared", {}))
+            engines = run_start.data.get("engines") or {}
+            ix.engine_of = {device: name for name, devices in engines.items() for device in devices}
         ix.end_t = ix.by_kind["run_end"][0].t if ix.by_kind["run_end"] else (ix.events[-1].t if ix.events else 0.0)
         for e in ix.by_kind["episode_created"]:
             ix.created.append(e.data["episode"])
@@ -644,35 +664,29 @@ def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
                         )
 
 
-# Real runs: an abort's reply may reach the harness a little after the call that caused it returned
-# (the engine answers the request and the call separately). Measured over 392 aborts in 107 real runs
-# of the test suite on 2 cores: at most 18 ms late. A quarter second leaves room for a loaded machine
-# and bounds what a cluster can do past a shrink's return: decode beside the trainer that long at most.
-ABORT_SLACK_S = 0.25
-
-
-def check_aborts(ix: TraceIndex, r: Reasons) -> None:
+def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     """An interrupted request is one a shrink, a suspend or an interrupting sync cut short on the
     engine it ran on, while it was in flight: a cluster that aborts on its own could resample the turns
     it dislikes (the long ones, or those that missed the reward) and hand the controller only the ones
     it likes. So every abort names its engine (``Aborted.partial``, possibly empty), and a call in
-    progress must cover that engine's device."""
-    causes = [(set(e.data["devices"]), e.data["start"], e.t) for e in ix.by_kind["shrink"] + ix.by_kind["suspend"]]
-    causes += [(set(e.data["devices"]), e.data["start"], e.t) for e in ix.by_kind["sync"] if e.data.get("interrupt")]
+    progress must cover that engine."""
+    slack = ix.reply_slack(spec)
+    calls = ix.by_kind["shrink"] + ix.by_kind["suspend"] + [e for e in ix.by_kind["sync"] if e.data.get("interrupt")]
+    causes = [({ix.engine(d) for d in e.data["devices"]}, e.data["start"], e.t) for e in calls]
     for g in ix.by_kind["generate"]:
         if not g.data["aborted"]:
             continue
         where = f"episode {g.data['episode']} turn {g.data['turn']} was aborted at {g.t:.2f}s"
         device = g.data.get("device")
-        if device is None:
+        if not device:
             r.add(
                 "unexplained abort",
                 f"{where} without naming the engine that served it (an Aborted carries its partial: what "
                 "the engine decoded, possibly nothing, and where)",
             )
         elif not any(
-            device in devices and g.data["start"] <= end and start <= g.t <= end + ABORT_SLACK_S
-            for devices, start, end in causes
+            ix.engine(device) in engines and g.data["start"] <= end and start <= g.t <= end + slack
+            for engines, start, end in causes
         ):
             r.add(
                 "unexplained abort",
@@ -680,13 +694,13 @@ def check_aborts(ix: TraceIndex, r: Reasons) -> None:
             )
 
 
-def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
+def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) -> None:
     served = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs]
     serving = {g.data["device"] for g in served}
     inactive_since: dict[str, float] = {}
-    windows: list[tuple[str, float, float]] = []  # device, shrunk at, expanded at
+    windows: list[tuple[str, float, float]] = []  # engine, shrunk at, expanded at
     for e in sorted(ix.by_kind["shrink"] + ix.by_kind["expand"], key=lambda e: e.t):
-        for device in e.data["devices"]:
+        for device in sorted({ix.engine(d) for d in e.data["devices"]}):
             if e.kind == "shrink":
                 inactive_since[device] = e.t
             elif device in inactive_since:
@@ -697,7 +711,8 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
     resumes = sorted(ix.by_kind["resume"], key=lambda e: e.t)
     for suspend in ix.by_kind["suspend"]:
         until = next((e.data["start"] for e in resumes if e.t > suspend.t), ix.end_t)
-        windows += [(device, suspend.t, until) for device in suspend.data["devices"]]
+        windows += [(device, suspend.t, until) for device in {ix.engine(d) for d in suspend.data["devices"]}]
+    slack = ix.reply_slack(spec)
     for g in served:
         for device, since, until in windows:
             if g.data["device"] != device:
@@ -708,8 +723,8 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int) -> None:
                     f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk",
                 )
             # In flight when its engine's shrink returned, a request was aborted by it; one completed well
-            # after (the slack is a real run's reply order) kept decoding beside the trainer that took its place.
-            elif not g.data["aborted"] and g.data["start"] < since and g.t > since + ABORT_SLACK_S:
+            # after (the slack is the reply's way back) kept decoding beside the trainer that took its place.
+            elif not g.data["aborted"] and g.data["start"] < since and g.t > since + slack:
                 r.add(
                     "shrink without abort",
                     f"{device} went on serving episode {g.data['episode']} turn {g.data['turn']} after its "
@@ -782,8 +797,8 @@ def audit_run(
     check_staleness(ix, r, spec)
     check_engine_honesty(ix, r, spec)
     check_partial_rollout(ix, r)
-    check_aborts(ix, r)
-    check_mechanism(ix, r, steps)
+    check_aborts(ix, r, spec)
+    check_mechanism(ix, r, steps, spec)
     ids_in_vocabulary = check_token_ids(ix, r, spec)
     details.update(
         episodes_created=len(ix.created),

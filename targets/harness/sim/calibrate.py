@@ -192,9 +192,10 @@ def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, fl
     """(decode_step_overhead_s, rollout_mfu, request_overhead_s, hbm_efficiency, squared error) with
     latency = n * (max(read / hbm_efficiency, compute / rollout_mfu) + decode_step_overhead_s)
     + prefill / rollout_mfu + request_overhead_s: the simulator's own formula, so a memory-bound
-    engine's reads are not fitted as a fixed cost per iteration. Of equally good fits the lowest ratio
-    is kept: an efficiency no request shows is not assumed lower than the data needs. None when too
-    few distinct requests."""
+    engine's reads are not fitted as a fixed cost per iteration. Reads faster than the catalog's
+    bandwidth are not a fit (their ratio is skipped); of equally good fits the lowest ratio is kept, so
+    reads no request was bound by get the catalog's bandwidth, not a lower one. None when latencies do
+    not grow with the work at any ratio (or too few distinct requests)."""
     n, read, compute, prefill, latency = (np.array(column, dtype=float) for column in zip(*rows))
     ones = np.ones_like(n)
 
@@ -204,13 +205,19 @@ def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, fl
         if fit is None or fit[0] <= 0:
             return None
         per_work, step, request = fit
+        if per_work * ratio < 1.0:  # hbm_efficiency above 1
+            return None
         residual = float(((work * per_work + n * step + request - latency) ** 2).sum())
         return step, 1 / per_work, request, 1 / (per_work * ratio), residual
+
+    tie = 1e-9 * float((latency**2).sum())  # squared errors this close are equally good fits
 
     def search(ratios, best):
         for ratio in ratios:
             fit = at(float(ratio))
-            if fit is not None and (best is None or fit[4] < best[4] * (1 - 1e-9)):
+            if fit is None:
+                continue
+            if best is None or fit[4] < best[4] - tie or (fit[4] <= best[4] + tie and ratio < best_ratio[0]):
                 best, best_ratio[0] = fit, float(ratio)
         return best
 
@@ -251,11 +258,13 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
     # -- rollout ---------------------------------------------------------------------------------
     rollout_rows = [row for run in runs for row in _rollout_rows(cost, run)]
     fit = _rollout_fit(rollout_rows) if rollout_rows else None
+    if fit is None and rollout_rows:
+        fixed = _nonnegative_fit([(row[0], 1.0, row[-1]) for row in rollout_rows])
+        if fixed is not None:
+            notes.append("rollout: latencies do not grow with reads or FLOPs beyond fixed costs: both at catalog rates")
+            fit = (fixed[0], 1.0, fixed[1], 1.0, 0.0)
     if fit is not None:
         step, mfu_rollout, request, hbm, _ = fit
-        if hbm > 1.0:
-            notes.append(f"rollout: reads {hbm:.2f}x faster than the catalog's bandwidth fit best; hbm_efficiency 1")
-            hbm = 1.0
         fitted |= {
             "decode_step_overhead_s": step,
             "rollout_mfu": mfu_rollout,

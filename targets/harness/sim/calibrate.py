@@ -16,9 +16,9 @@ that does supplies it.
   ``rollout_mfu``), plus ``decode_step_overhead_s``; the prefills of the requests that joined
   meanwhile add their FLOPs (new tokens only: a prefix the same device served the episode's previous
   turn is cached); the answer adds ``request_overhead_s``. The ratio of the two efficiencies is
-  searched on a grid; at each, the rest is linear and solved by non-negative least squares. (A fit of compute
-  alone put a memory-bound engine's reads into the per-iteration cost: on a simulated 8B H100 run,
-  26 ms an iteration where the spec says 3.)
+  searched on a grid; at each, the rest is linear and solved by non-negative least squares. (A fit
+  of compute alone put a memory-bound engine's reads into the per-iteration cost: on a simulated 8B
+  H100 run, 26 ms an iteration where the spec says 3.)
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time (a
   suspend times an offload; a resume with no sync in the run times a reload and a sync); with none in
   any run, the spec's constants are kept (``notes`` says so).
@@ -212,22 +212,21 @@ def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, fl
 
     tie = 1e-9 * float((latency**2).sum())  # squared errors this close are equally good fits
 
-    def search(ratios, best):
-        for ratio in ratios:
-            fit = at(float(ratio))
+    def search(ratios, best, best_ratio):
+        for ratio in map(float, ratios):
+            fit = at(ratio)
             if fit is None:
                 continue
-            if best is None or fit[4] < best[4] - tie or (fit[4] <= best[4] + tie and ratio < best_ratio[0]):
-                best, best_ratio[0] = fit, float(ratio)
-        return best
+            if best is None or fit[4] < best[4] - tie or (fit[4] <= best[4] + tie and ratio < best_ratio):
+                best, best_ratio = fit, ratio
+        return best, best_ratio
 
-    best_ratio = [0.0]
-    best = search(RATIO_GRID, None)
+    best, best_ratio = search(RATIO_GRID, None, 0.0)
     step = RATIO_GRID[1] / RATIO_GRID[0]
     for _ in range(REFINEMENTS):
         if best is None:
             return None
-        best = search(best_ratio[0] * np.logspace(-1, 1, 21, base=step), best)
+        best, best_ratio = search(best_ratio * np.logspace(-1, 1, 21, base=step), best, best_ratio)
         step = step**0.1
     return best
 

@@ -14,7 +14,6 @@ from targets.api import Declared, Runtime, Stack
 from .colocate import Colocate
 from .static_split import StaticSplit
 from .time_multiplex import TimeMultiplex
-from .weight_sync import DEFAULT_BUCKET_BYTES, merge, to_buckets
 
 CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiplex": TimeMultiplex}
 ENGINE_OPTIONS = ("block_size", "kv_tokens", "kv_memory_fraction", "max_batch", "cuda_graphs")
@@ -32,7 +31,7 @@ def build(runtime: Runtime) -> Stack:
     cluster = params.get("cluster", "local" if len(runtime.devices) == 1 else "ray")
     # VAL: VAL_SUBSET (value=[cluster], of=["local", "ray"])
     threads = params.get("threads_per_actor", 1)
-    bucket_bytes = params.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    bucket_bytes = params.get("bucket_bytes")  # None: weight_sync's default (imported with torch, when used)
     engine_options = {k: params[k] for k in ENGINE_OPTIONS if k in params}
     if engine == "vllm":  # vLLM's own options: the longest sequence the workload makes
         engine_options = {"max_model_len": runtime.workload.max_sequence}
@@ -56,6 +55,7 @@ def build(runtime: Runtime) -> Stack:
                 trainer_options=trainer_options,
             )
         from .ray_cluster import RayCluster
+        from .weight_sync import DEFAULT_BUCKET_BYTES
 
         return await RayCluster.start(
             runtime,
@@ -66,7 +66,7 @@ def build(runtime: Runtime) -> Stack:
             threads=threads,
             engine_options=engine_options,
             trainer_options=trainer_options,
-            bucket_bytes=bucket_bytes,
+            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
         )
 
     def make_engine():
@@ -80,7 +80,9 @@ def build(runtime: Runtime) -> Stack:
         return FSDPTrainer(runtime.model_path, training_config, runtime.dtype, device, state=state, **trainer_options)
 
     def sync_engine(engine, state, version: int) -> None:
-        engine.load_weights(merge(to_buckets(state, bucket_bytes)), version)
+        from .weight_sync import DEFAULT_BUCKET_BYTES, merge, to_buckets
+
+        engine.load_weights(merge(to_buckets(state, bucket_bytes or DEFAULT_BUCKET_BYTES)), version)
 
     # VAL: VAL_INT_RANGE (value=params.get("abort_stale", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("redundant_envs", 0), min=0, max=runtime.workload.group_size)

@@ -93,16 +93,22 @@ def _header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
         header = orjson.loads(data)
     except orjson.JSONDecodeError as error:
         raise ProtocolError(f"a frame header is not JSON: {error}") from None
-    sizes = header.get("blobs") if isinstance(header, dict) else None
-    if not isinstance(sizes, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+    sizes = header.get("blobs") if type(header) is dict else None
+    if type(sizes) is not list:
         raise ProtocolError("a frame header must be a JSON object with a list of blob sizes")
-    total = sum(sizes)
+    total = 0
+    for n in sizes:
+        if type(n) is not int or n < 0:  # (a bool is not an int here)
+            raise ProtocolError("a frame header must be a JSON object with a list of blob sizes")
+        total += n
     if total > MAX_FRAME_BYTES:
         raise ProtocolError(f"a frame of {total} bytes is over the {MAX_FRAME_BYTES}-byte limit")
     return header, total
 
 
 def _split(header: dict, body: bytes | bytearray | memoryview) -> list[bytes]:
+    if not header["blobs"]:
+        return []
     blobs, at = [], 0
     for size in header["blobs"]:
         blobs.append(bytes(body[at : at + size]))
@@ -117,8 +123,10 @@ def _header_length(data: bytes | bytearray) -> int:
     return length
 
 
-_BURST_END = "burst_end"  # the channel's own marker (``AsyncChannel.bursts``): never counted, never handed on
-_BURST_END_BYTES = Frame(kind=_BURST_END).encode()
+# The channel's own marker (``AsyncChannel.bursts``), never counted, never handed on: a header length
+# no header can have, so it ends a burst without a header to parse.
+_BURST_END = 0xFFFFFFFF
+_BURST_END_BYTES = HEADER.pack(_BURST_END)
 
 
 class SyncChannel:
@@ -204,6 +212,10 @@ class AsyncChannel(asyncio.BufferedProtocol):
                 if self._pending is None:
                     if available < HEADER.size:
                         break
+                    if self.bursts and HEADER.unpack_from(view, start)[0] == _BURST_END:
+                        start += HEADER.size
+                        self._end_burst()
+                        continue
                     length = _header_length(view[start : start + HEADER.size])
                     if available < HEADER.size + length:
                         break
@@ -250,14 +262,14 @@ class AsyncChannel(asyncio.BufferedProtocol):
     # -- frames ------------------------------------------------------------------------------------------
     def _deliver(self, rx: Received) -> None:
         if self.bursts:
-            if rx.get("kind") != _BURST_END:
-                self._held.append(rx)
-                return
-            held, self._held = self._held, []
-            for each in held:
-                self._hand_on(each)
-            return
-        self._hand_on(rx)
+            self._held.append(rx)
+        else:
+            self._hand_on(rx)
+
+    def _end_burst(self) -> None:
+        held, self._held = self._held, []
+        for each in held:
+            self._hand_on(each)
 
     def _hand_on(self, rx: Received) -> None:
         self.received += 1

@@ -9,6 +9,11 @@ Three groups of types live here:
 
 Everything is plain dataclasses and ``typing.Protocol`` so a stack written by any agent can follow
 the contract without inheriting from harness code.
+
+In simulated execution every token sequence a controller handles (a prompt from ``reset``, a
+completion, an observation, a trajectory) is a ``TokenCount``: its length, nothing else. Code that
+only measures and joins sequences (``len``, ``+``, ``Trajectory.start`` / ``append_turn``) runs
+unchanged on both.
 """
 
 from __future__ import annotations
@@ -22,6 +27,46 @@ if TYPE_CHECKING:  # torch is only needed for annotations here; keep this module
 
 TokenIds = list[int]
 StateDict = Mapping[str, "torch.Tensor"]
+
+
+class TokenCount(Sequence[int]):
+    """A token (or logprob) sequence known by its length alone: what a simulated run's prompts,
+    completions, observations and trajectories are. A simulated cluster is the harness's cost model,
+    so a token's identity never matters there, only how many there are; joining counts adds them
+    (``TokenCount(3) + TokenCount(4) == TokenCount(7)``, and a list joined to a count is a count).
+    Reading a token raises: a controller that looks at token values works only on a real cluster.
+    ``ones`` is how many of a loss mask's entries are 1 (the response tokens)."""
+
+    __slots__ = ("n", "ones")
+
+    def __init__(self, n: int, ones: int = 0) -> None:
+        if n < 0 or not 0 <= ones <= n:
+            raise ValueError(f"TokenCount({n}, ones={ones}): a count is >= 0 and holds at most n ones")
+        self.n, self.ones = n, ones
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        raise TypeError("a simulated run keeps token counts, not tokens: this sequence has no values to read")
+
+    def __iter__(self):
+        raise TypeError("a simulated run keeps token counts, not tokens: this sequence has no values to read")
+
+    def __add__(self, other: Sequence) -> TokenCount:
+        return TokenCount(self.n + len(other))
+
+    __radd__ = __add__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenCount) and other.n == self.n
+
+    def __hash__(self) -> int:
+        return hash(("TokenCount", self.n))
+
+    def __repr__(self) -> str:
+        return f"TokenCount({self.n})"
+
 
 # --------------------------------------------------------------------------------------------
 # Generation
@@ -133,11 +178,27 @@ class Trajectory:
                 f"logprobs ({len(self.logprobs)}) must have equal lengths"
             )
 
+    @classmethod
+    def start(cls, episode_id: str, group_id: str, prompt: Sequence[int], created_at_step: int = 0) -> Trajectory:
+        """A trajectory holding only its prompt (what ``EnvHandle.reset`` returned): tokens of a real
+        run, a ``TokenCount`` of a simulated one."""
+        if isinstance(prompt, TokenCount):
+            n = len(prompt)
+            return cls(episode_id, group_id, TokenCount(n), TokenCount(n), TokenCount(n), 0.0, [], created_at_step)
+        n = len(prompt)
+        return cls(episode_id, group_id, list(prompt), [0] * n, [0.0] * n, 0.0, [], created_at_step)
+
     def append_turn(self, completion: Completion, result: StepResult) -> None:
         """Add one turn: the policy's response (trained on) and the environment's answer (not)."""
-        self.tokens += completion.tokens + result.observation
-        self.loss_mask += [1] * len(completion.tokens) + [0] * len(result.observation)
-        self.logprobs += completion.logprobs + [0.0] * len(result.observation)
+        response, observation = len(completion.tokens), len(result.observation)
+        if isinstance(self.tokens, TokenCount):
+            n = len(self.tokens) + response + observation
+            self.tokens, self.logprobs = TokenCount(n), TokenCount(n)
+            self.loss_mask = TokenCount(n, ones=self.loss_mask.ones + response)
+        else:
+            self.tokens += completion.tokens + result.observation
+            self.loss_mask += [1] * response + [0] * observation
+            self.logprobs += completion.logprobs + [0.0] * observation
         self.weight_versions.append(completion.weight_version)
         self.reward += result.reward
         self.timed_out = self.timed_out or result.timed_out
@@ -148,7 +209,7 @@ class Trajectory:
 
     @property
     def response_tokens(self) -> int:
-        return sum(self.loss_mask)
+        return self.loss_mask.ones if isinstance(self.loss_mask, TokenCount) else sum(self.loss_mask)
 
 
 @dataclass

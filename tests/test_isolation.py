@@ -193,9 +193,8 @@ def test_environment_handles_expose_only_the_contract(tmp_path, fast_target, san
         "static_split",
         {
             "env_manager.py": (
-                "        prompt = await episode.reset()\n",
-                "        prompt = await episode.reset()\n        budget = episode.max_turns  # planted: peek at the "
-                "turn limit\n",
+                "        t = Trajectory.start(",
+                "        budget = episode.max_turns  # planted: peek at the turn limit\n        t = Trajectory.start(",
             ),
         },
     )

@@ -458,10 +458,10 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
         link = ControllerLink(None, Envs(), clock=None, virtual=False)
         link.cluster, link.send = Cluster(), sent.append
         link._dispatch(frame_of(GenerateRequest("g0/e5", 0, [1, 2, 3], SamplingParams(4)), 1))
-        await asyncio.gather(*link._tasks)  # turn 0 served; then the burst:
+        await asyncio.gather(*link._tasks.values())  # turn 0 served; then the burst:
         link._dispatch(frame_of(GenerateRequest("g0/e5", 1, [1, 2, 3, 4, 5], SamplingParams(4)), 2))
         link._dispatch(Received({"kind": "env", "method": "drop", "episode": "g0/e5", "reason": "redundant"}, []))
-        await asyncio.gather(*link._tasks)
+        await asyncio.gather(*link._tasks.values())
         assert not link.done.done(), link.done.exception()
 
     asyncio.run(burst())

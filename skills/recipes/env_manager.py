@@ -171,10 +171,7 @@ class EnvManager:
             raise RuntimeError("an episode coroutine failed") from self._failure
 
     async def _run_episode(self, episode) -> None:
-        prompt = await episode.reset()
-        t = Trajectory(
-            episode.episode_id, episode.group_id, list(prompt), [0] * len(prompt), [0.0] * len(prompt), 0.0, []
-        )
+        t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())
         turn = 0
         while True:
             if len(t.tokens) + self.sampling.max_new_tokens > self.max_sequence:

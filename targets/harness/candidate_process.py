@@ -23,7 +23,17 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from targets.api import DROP_REASONS, Aborted, Completion, Device, GenerateRequest, Runtime, StepResult, TrainBatch
+from targets.api import (
+    DROP_REASONS,
+    Aborted,
+    Completion,
+    Device,
+    GenerateRequest,
+    Runtime,
+    StepResult,
+    TokenCount,
+    TrainBatch,
+)
 from targets.harness.channel import AsyncChannel, Frame, Received, SyncChannel
 from targets.harness.sim.virtual_time import FollowerTimeLoop
 from targets.harness.wire import (
@@ -36,12 +46,14 @@ from targets.harness.wire import (
     get_runtime,
     get_state,
     get_step_result,
+    get_tokens,
     put_aborted,
     put_batch,
     put_completion,
     put_declared,
     put_request,
     put_state,
+    put_tokens,
 )
 
 ROLES = ("controller", "cluster", "components")
@@ -90,6 +102,7 @@ class _Calls:
         self.channel, self.loop = channel, loop
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 0
+        self.counts = False  # a simulated run: token sequences travel as counts (set by the harness's init)
 
     async def call(self, frame: Frame) -> Received:
         self.next_id += 1
@@ -113,12 +126,12 @@ class _Calls:
         self.pending.clear()
 
 
-def _raise_if_error(rx: Received) -> Received:
+def _raise_if_error(rx: Received, counts: bool = False) -> Received:
     error = rx.get("error")
     if error is None:
         return rx
     if error["type"] == "Aborted":
-        raise get_aborted(rx, error)
+        raise get_aborted(rx, error, counts)
     kind = {"ValueError": ValueError, "PermissionError": PermissionError, "KeyError": KeyError}
     raise kind.get(error["type"], RuntimeError)(error["message"])
 
@@ -142,8 +155,9 @@ class ProxyCluster:
     async def generate(self, request: GenerateRequest) -> Completion:
         frame = Frame(kind="cluster", method="generate")
         frame.header["request"] = put_request(frame, request, self._memory)
-        rx = _raise_if_error(await self._calls.call(frame))
-        return get_completion(rx, rx["completion"])
+        counts = self._calls.counts
+        rx = _raise_if_error(await self._calls.call(frame), counts)
+        return get_completion(rx, rx["completion"], counts)
 
     async def shrink(self, devices: Sequence[Device]) -> None:
         await self._call("shrink", devices=[d.id for d in devices])
@@ -180,15 +194,15 @@ class ProxyEpisode:
     def __init__(self, calls: _Calls, episode_id: str, group_id: str) -> None:
         self._calls, self.episode_id, self.group_id = calls, episode_id, group_id
 
-    async def reset(self) -> list[int]:
+    async def reset(self) -> list[int] | TokenCount:
         rx = _raise_if_error(await self._calls.call(Frame(kind="env", method="reset", episode=self.episode_id)))
-        return rx.ints(rx["observation"])
+        return get_tokens(rx, rx["observation"], self._calls.counts, "observation")
 
-    async def step(self, action: list[int]) -> StepResult:
+    async def step(self, action: list[int] | TokenCount) -> StepResult:
         frame = Frame(kind="env", method="step", episode=self.episode_id)
-        frame.header["action"] = frame.array(action, "i4")
+        frame.header["action"] = put_tokens(frame, action, self._calls.counts)
         rx = _raise_if_error(await self._calls.call(frame))
-        return get_step_result({**rx["result"], "observation": rx.ints(rx["result"]["observation"])})
+        return get_step_result(rx, rx["result"], self._calls.counts)
 
 
 class ProxyEnvs:
@@ -241,6 +255,7 @@ async def _controller(channel: AsyncChannel, stack_dir: str) -> None:
             )
         )
         memory = PromptMemory(counts=init["counts"])
+        calls.counts = init["counts"]
         await stack.controller.run(
             ProxyCluster(calls, list(runtime.devices), memory),
             ProxyEnvs(calls, runtime.workload.group_size, memory),

@@ -16,6 +16,7 @@ virtual: the harness advances it only when the controller process says it is idl
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -34,6 +35,7 @@ from targets.harness.environments import EnvironmentPool
 from targets.harness.process_tree import kill_tree
 from targets.harness.remote import CandidateError, RemoteCluster, raise_if_error
 from targets.harness.sandbox import Sandbox
+from targets.harness.sim.engine import simulated_response
 from targets.harness.trace import Trace
 from targets.harness.wire import (
     PromptMemory,
@@ -41,10 +43,13 @@ from targets.harness.wire import (
     get_batch,
     get_declared,
     get_request,
+    get_tokens,
     put_aborted,
     put_completion,
     put_declared,
     put_runtime,
+    put_step_result,
+    put_tokens,
 )
 from targets.spec import TargetSpec
 
@@ -179,7 +184,9 @@ class ControllerLink:
         self.done: asyncio.Future = loop.create_future()
         self._idle_received, self._deadline = -1, None
         self.waits = 0  # idle notices: how often the harness waited on the controller (round trips)
-        self._tasks: set[asyncio.Task] = set()
+        self._numbers = itertools.count()  # numbers the calls under way
+        self._tasks: dict[int, asyncio.Task] = {}  # cluster calls being answered, by number
+        self._steps: dict[int, asyncio.TimerHandle] = {}  # environment steps under way, by number
 
     # -- IdlePeer ------------------------------------------------------------------------------------
     def idle_until(self) -> tuple[bool, float | None]:
@@ -207,9 +214,12 @@ class ControllerLink:
         try:
             await self.done
         finally:
-            for task in list(self._tasks):
+            for step in self._steps.values():
+                step.cancel()
+            tasks = list(self._tasks.values())
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _on_frame(self, rx: Received) -> None:
         if self.done.done():
@@ -272,11 +282,13 @@ class ControllerLink:
                 self.envs.drop(episode, field_of(rx.header, "reason", str, "drop"))
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
-        elif kind in ("env", "cluster"):
+        elif kind == "env":
+            self._env(rx)
+        elif kind == "cluster":
             # Tokens travel as deltas against the episode's last prompt: decode them now, in arrival
             # order, before a drop later in the same burst (a cancelled spare) forgets that prompt.
-            tokens = self._decode_tokens(rx) if kind == "cluster" else None
-            self._tasks.add(asyncio.create_task(self._answer(rx, tokens)))
+            tokens, key = self._decode_tokens(rx), next(self._numbers)
+            self._tasks[key] = asyncio.create_task(self._answer(rx, tokens, key))
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")
 
@@ -292,50 +304,68 @@ class ControllerLink:
             raise ProtocolError(str(error)) from None
         return None
 
-    async def _answer(self, rx: Received, tokens) -> None:
+    async def _answer(self, rx: Received, tokens, key: int) -> None:
+        """Answer one cluster call (a task of its own: it takes the cluster's time)."""
+        request_id = rx.get("id")
         try:
-            reply = await self._reply(rx, tokens)
+            reply = Frame(id=request_id)
+            await self._cluster(rx, reply, tokens)
+        except Exception as error:  # noqa: BLE001 - _error_reply sorts out what the controller is told
+            reply = self._error_reply(request_id, error)
         finally:
-            self._tasks.discard(asyncio.current_task())  # here, not in a done callback: one loop turn less per call
+            del self._tasks[key]  # here, not in a done callback: one loop turn less per call
         if reply is not None:
             self.send(reply)
 
-    async def _reply(self, rx: Received, tokens) -> Frame | None:
-        """The answer to one call; an error the controller should see comes back as it would in-process."""
-        request_id = rx.get("id")
-        reply = Frame(id=request_id)
-        try:
-            await (self._env(rx, reply) if rx["kind"] == "env" else self._cluster(rx, reply, tokens))
-        except ProtocolError as error:
+    def _error_reply(self, request_id: Any, error: Exception) -> Frame | None:
+        """What the controller is told of a call that raised, as it would be in-process; None (and
+        the run fails) when the call broke the protocol. Anything else is the harness's own bug: raised."""
+        if isinstance(error, ProtocolError):
             self.fail(ProtocolError(f"the controller process broke the protocol: {error}"))
             return None
-        except Aborted as error:  # its partial response only goes to a stack that declared it resumes them
+        if isinstance(error, Aborted):  # its partial response only goes to a stack that declared it resumes them
             frame = Frame(id=request_id)
-            frame.header["error"] = put_aborted(frame, error if self.declared.partial_rollout else Aborted(str(error)))
+            partial = error if self.declared.partial_rollout else Aborted(str(error))
+            frame.header["error"] = put_aborted(frame, partial, self.memory.counts)
             return frame
-        except (CandidateError, ValueError, KeyError, PermissionError, RuntimeError) as error:
+        if isinstance(error, (CandidateError, ValueError, KeyError, PermissionError, RuntimeError)):
             # the candidate's own cluster raised, or the controller misused the contract: it is told, as in-process
             kind = "RuntimeError" if isinstance(error, CandidateError) else type(error).__name__
             return Frame(id=request_id, error={"type": kind, "message": str(error)[:2000]})
-        return reply
+        raise error
 
-    async def _env(self, rx: Received, reply: Frame) -> None:
-        episode_id = field_of(rx.header, "episode", str, "env call")
-        if episode_id not in self.episodes:
-            raise KeyError(f"no episode {episode_id!r}: the harness never created it")
-        episode = self.episodes[episode_id]
-        if rx["method"] == "reset":
-            reply.header["observation"] = reply.array(await episode.reset(), "i4")
-        elif rx["method"] == "step":
-            result = await episode.step(rx.ints(field_of(rx.header, "action", dict, "step")))
-            reply.header["result"] = {
-                "observation": reply.array(result.observation, "i4"),
-                "reward": result.reward,
-                "done": result.done,
-                "timed_out": result.timed_out,
-            }
-        else:
-            raise ProtocolError(f"unknown env method {rx['method']!r}")
+    def _env(self, rx: Received) -> None:
+        """A reset is answered at once; a step when its latency has passed (a timer, not a task)."""
+        request_id, counts = rx.get("id"), self.memory.counts
+        reply = Frame(id=request_id)
+        try:
+            episode_id = field_of(rx.header, "episode", str, "env call")
+            if episode_id not in self.episodes:
+                raise KeyError(f"no episode {episode_id!r}: the harness never created it")
+            episode = self.episodes[episode_id]
+            if rx["method"] == "reset":
+                reply.header["observation"] = put_tokens(reply, episode.reset_now(), counts)
+            elif rx["method"] == "step":
+                action = get_tokens(rx, field_of(rx.header, "action", dict, "step"), counts, "step.action")
+                if counts:  # what a simulated engine's response of that length says (the environment reads it)
+                    action = simulated_response(episode_id, len(action))
+                latency, failures = episode.begin_step()
+                key = next(self._numbers)
+                self._steps[key] = asyncio.get_running_loop().call_later(
+                    latency, self._stepped, key, reply, episode, action, latency, failures
+                )
+                return
+            else:
+                raise ProtocolError(f"unknown env method {rx['method']!r}")
+        except Exception as error:  # noqa: BLE001 - _error_reply sorts out what the controller is told
+            reply = self._error_reply(request_id, error)
+        if reply is not None:
+            self.send(reply)
+
+    def _stepped(self, key: int, reply: Frame, episode, action, latency: float, failures: int) -> None:
+        del self._steps[key]
+        reply.header["result"] = put_step_result(reply, episode.end_step(action, latency, failures), self.memory.counts)
+        self.send(reply)
 
     async def _cluster(self, rx: Received, reply: Frame, tokens) -> None:
         """``tokens``: the generate request or train batch, decoded as the frame arrived."""
@@ -350,7 +380,7 @@ class ControllerLink:
         method = rx.get("method")
         if method == "generate":
             completion = await cluster.generate(tokens)
-            reply.header["completion"] = put_completion(reply, completion)
+            reply.header["completion"] = put_completion(reply, completion, self.memory.counts)
         elif method in ("shrink", "expand"):
             await getattr(cluster, method)(devices)
         elif method == "train":
@@ -554,6 +584,7 @@ def drive_simulated(
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
             summary["preemptions"] = cluster.preemptions
             summary["controller_round_trips"] = link.waits
+            summary["controller_wait_seconds"] = loop.waited_s
             await cluster.close()
             loop.peer = None
 

@@ -6,17 +6,18 @@ turn's prompt (usually the previous prompt plus a response and an observation) t
 reference to the episode's previous prompt plus the new suffix (``PromptMemory``).
 
 A simulated run records token counts, never tokens (its cluster is the harness's own cost model),
-so on a simulated controller link prompts and trajectories travel as counts (``TokenCount``): a
-64K-token context costs the same as a short one, and the audit checks the counts it always checked.
+so on a simulated controller link every token sequence travels as a count (``TokenCount``): prompts,
+completions (their logprobs with them), actions, observations and trajectories. A 64K-token context
+costs the same as a short one, and the audit checks the counts it always checked.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import orjson
 
 from targets.api import (
     Aborted,
@@ -28,6 +29,7 @@ from targets.api import (
     SamplingParams,
     StateDict,
     StepResult,
+    TokenCount,
     TrainBatch,
     TrainingConfig,
     Trajectory,
@@ -73,7 +75,23 @@ def put_params(p: SamplingParams) -> dict:
     }
 
 
+_PARAMS_SEEN: dict[bytes, SamplingParams] = {}  # a controller sends the same few, every turn
+
+
 def get_params(d: Any) -> SamplingParams:
+    """Checked once per distinct value: the cache is keyed by the value's JSON, which keeps
+    ``1``, ``1.0`` and ``true`` apart, so whatever it returns was checked as that exact value."""
+    key = orjson.dumps(d)
+    params = _PARAMS_SEEN.get(key)
+    if params is None:
+        params = _checked_params(d)
+        if len(_PARAMS_SEEN) >= 64:
+            _PARAMS_SEEN.clear()
+        _PARAMS_SEEN[key] = params
+    return params
+
+
+def _checked_params(d: Any) -> SamplingParams:
     seed = d.get("seed") if isinstance(d, dict) else None
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ProtocolError("params.seed: expected an integer or null")
@@ -199,35 +217,56 @@ def get_declared(data: Any) -> Declared:
     )
 
 
-def put_step_result(r: StepResult) -> dict:
-    return {"observation": list(r.observation), "reward": r.reward, "done": r.done, "timed_out": r.timed_out}
+def put_tokens(frame: Frame, tokens, counts: bool) -> dict:
+    """A token sequence: its count on a simulated link, else a typed array."""
+    return {"count": len(tokens)} if counts else frame.array(tokens, "i4")
 
 
-def get_step_result(d: dict) -> StepResult:
-    return StepResult(list(d["observation"]), d["reward"], d["done"], d["timed_out"])
+def get_tokens(rx: Received, ref: Any, counts: bool, where: str) -> list[int] | TokenCount:
+    if counts:
+        count = field_of(ref, "count", int, where)
+        if count < 0:
+            raise ProtocolError(f"{where}: a negative count")
+        return TokenCount(count)
+    return rx.ints(ref)
+
+
+def put_step_result(frame: Frame, r: StepResult, counts: bool) -> dict:
+    return {
+        "observation": put_tokens(frame, r.observation, counts),
+        "reward": r.reward,
+        "done": r.done,
+        "timed_out": r.timed_out,
+    }
+
+
+def get_step_result(rx: Received, d: dict, counts: bool) -> StepResult:
+    """Only candidate processes decode a step result (the harness wrote it): no hostile input here."""
+    return StepResult(get_tokens(rx, d["observation"], counts, "observation"), d["reward"], d["done"], d["timed_out"])
 
 
 # -- completions -------------------------------------------------------------------------------------
 
 
-def put_completion(frame: Frame, c: Completion) -> dict:
-    return {
-        "tokens": frame.array(c.tokens, "i4"),
-        "logprobs": frame.array(c.logprobs, "f8"),
-        "finish_reason": c.finish_reason,
-        "weight_version": c.weight_version,
-        "device": c.device,
-    }
+def put_completion(frame: Frame, c: Completion, counts: bool = False) -> dict:
+    """A completion; on a simulated link its count stands for its tokens and their logprobs."""
+    fields = {"finish_reason": c.finish_reason, "weight_version": c.weight_version, "device": c.device}
+    if counts:
+        return {**fields, "count": len(c.tokens)}
+    return {**fields, "tokens": frame.array(c.tokens, "i4"), "logprobs": frame.array(c.logprobs, "f8")}
 
 
-def get_completion(rx: Received, d: Any) -> Completion:
+def get_completion(rx: Received, d: Any, counts: bool = False) -> Completion:
     finish = field_of(d, "finish_reason", str, "completion")
     if finish not in FINISH_REASONS:
         raise ProtocolError(f"completion.finish_reason: {finish!r} is not one of {FINISH_REASONS}")
-    tokens, logprobs = (
-        rx.ints(field_of(d, "tokens", dict, "completion")),
-        rx.floats(field_of(d, "logprobs", dict, "completion")),
-    )
+    if counts:
+        tokens = logprobs = get_tokens(rx, d, True, "completion")
+    else:
+        tokens, logprobs = (
+            rx.ints(field_of(d, "tokens", dict, "completion")),
+            rx.floats(field_of(d, "logprobs", dict, "completion")),
+        )
     if len(tokens) != len(logprobs):
         raise ProtocolError(f"completion: {len(tokens)} tokens but {len(logprobs)} logprobs")
     return Completion(
@@ -240,27 +279,6 @@ def get_completion(rx: Received, d: Any) -> Completion:
 
 
 # -- prompts and trajectories, by reference to the episode's previous prompt ------------------------
-
-
-class TokenCount(Sequence[int]):
-    """A token sequence known by its length alone (simulated runs keep counts, not tokens)."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index):
-        raise TypeError("a simulated run keeps token counts, not tokens")
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, TokenCount) and other.n == self.n
-
-    def __repr__(self) -> str:
-        return f"TokenCount({self.n})"
 
 
 class PromptMemory:
@@ -365,19 +383,19 @@ def get_plain_request(rx: Received, d: dict) -> GenerateRequest:
     )
 
 
-def put_aborted(frame: Frame, error: Aborted) -> dict:
+def put_aborted(frame: Frame, error: Aborted, counts: bool = False) -> dict:
     """An ``Aborted`` as an error reply, with its partial response when it has one."""
     out = {"type": "Aborted", "message": str(error)[:500], "partial": None}
     if error.partial is not None:
-        out["partial"] = put_completion(frame, error.partial)
+        out["partial"] = put_completion(frame, error.partial, counts)
     return out
 
 
-def get_aborted(rx: Received, error: dict) -> Aborted:
+def get_aborted(rx: Received, error: dict, counts: bool = False) -> Aborted:
     partial = error.get("partial")
     return Aborted(
         str(error.get("message", ""))[:500],
-        None if partial is None else get_completion(rx, field_of(error, "partial", dict, "aborted")),
+        None if partial is None else get_completion(rx, field_of(error, "partial", dict, "aborted"), counts),
     )
 
 

@@ -31,8 +31,8 @@ class ActionWords(Sequence[str]):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [VOCAB.word(t) for t in self._tokens[index]]
-        return VOCAB.word(self._tokens[index])
+            return [VOCAB.word(int(t)) for t in self._tokens[index]]
+        return VOCAB.word(int(self._tokens[index]))  # (a simulated response is a numpy array)
 
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ class Episode:
         self.context_tokens = 0  # prompt + actions + observations so far
         self.started_at: float | None = None
         self.done = False
+        self.stepping = False  # between begin_step and end_step
         self.total_reward = 0.0
 
     # -- what a subclass defines ---------------------------------------------------------------
@@ -90,6 +91,15 @@ class Episode:
 
     # -- the EnvHandle protocol ----------------------------------------------------------------
     async def reset(self) -> TokenIds:
+        return self.reset_now()
+
+    async def step(self, action: TokenIds) -> StepResult:
+        latency, failures = self.begin_step()
+        await self.clock.sleep(latency)
+        return self.end_step(action, latency, failures)
+
+    # -- the same, as the harness's link serves them: a reset answers at once, a step is a timer ----
+    def reset_now(self) -> TokenIds:
         if self.started_at is not None:
             raise RuntimeError(f"episode {self.episode_id} was reset twice")
         self.started_at = self.clock.now()
@@ -100,13 +110,20 @@ class Episode:
         )
         return prompt
 
-    async def step(self, action: TokenIds) -> StepResult:
+    def begin_step(self) -> tuple[float, int]:
+        """Check the step may happen; (seconds it takes, failures on the way): ``end_step`` after them."""
         if self.started_at is None:
             raise RuntimeError(f"episode {self.episode_id} stepped before reset")
         if self.done:
             raise RuntimeError(f"episode {self.episode_id} stepped after it was done")
-        latency, failures = self._latency()
-        await self.clock.sleep(latency)
+        if self.stepping:
+            raise RuntimeError(f"episode {self.episode_id} stepped while its previous step was still running")
+        self.stepping = True
+        return self._latency()
+
+    def end_step(self, action: TokenIds, latency: float, failures: int) -> StepResult:
+        """The world's answer to ``action``, ``latency`` seconds after ``begin_step``."""
+        self.stepping = False
         self.turn += 1
         timed_out = self.clock.now() - self.started_at > self.workload.trajectory_timeout_s
         if timed_out:
@@ -158,4 +175,4 @@ class Episode:
     def _padded(self, text: str, length: int) -> TokenIds:
         """Left-pad with context filler to the workload's token budget (never truncates meaning)."""
         tokens = VOCAB.encode(text)
-        return VOCAB.encode(CTX) * max(0, length - len(tokens)) + tokens
+        return [VOCAB.ids[CTX]] * max(0, length - len(tokens)) + tokens

@@ -41,6 +41,7 @@ class SyntheticAgent(Episode):
         """The symbols of each turn, drawn as turns are reached (episodes of a group share the seed,
         so they see the same symbols; most episodes end long before ``turns.max``)."""
         self._task_rng = rng
+        self._alphabet = set(LETTERS[: self.params.alphabet])
         return []
 
     def symbols(self, turn: int) -> list[str]:
@@ -56,11 +57,11 @@ class SyntheticAgent(Episode):
         return self._show(0)
 
     def respond(self, action_words: Sequence[str]) -> tuple[str, float, bool]:
-        wanted = self.symbols(self.turn - 1)
-        alphabet = set(LETTERS[: self.params.alphabet])
+        wanted, alphabet = self.symbols(self.turn - 1), self._alphabet
+        words = action_words[: len(wanted)]  # one slice: the action may be hundreds of tokens long
         score = 0.0
         for i, symbol in enumerate(wanted):
-            said = self._as_letter(action_words[i]) if i < len(action_words) else None
+            said = self._as_letter(words[i]) if i < len(words) else None
             if said == symbol:
                 score += 1.0
             elif said in alphabet:

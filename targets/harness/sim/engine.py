@@ -26,16 +26,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from targets.api import Completion
+from targets.api import Completion, TokenCount
 from targets.harness.sim.cost_model import CostModel
 
-# The tokens a simulated engine "emits": an array, as a completion crosses to the controller as bytes
-# (a list would be converted on every turn).
+# What a simulated response says: a fixed filler stream per episode (an environment reads its first words).
 FILLER = np.array([(7 * i + 3) % 40 + 5 for i in range(8192)], dtype=np.int32)
 EPS = 1e-9
 
 
-@dataclass
+def simulated_response(episode: str, n: int) -> np.ndarray:
+    """The ``n`` tokens of a simulated turn of ``episode``: a completion crosses to the controller as
+    a count, and the environment it steps reads these."""
+    start = zlib.crc32(episode.encode()) % (len(FILLER) // 2)
+    return FILLER[start : start + n] if start + n <= len(FILLER) else np.resize(np.roll(FILLER, -start), n)
+
+
+@dataclass(eq=False)  # a sequence is itself: the batch finds and removes it by identity
 class _Sequence:
     episode: str
     prompt_tokens: int
@@ -67,10 +73,13 @@ class SimEngine:
         self._paused = False  # a weight load waits for the running batch to drain
         self._drained = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        self._wakeup: asyncio.Future | None = None  # set while the serving loop waits on a timer
         self._epoch = 0  # bumped by abort: work in progress from an older epoch is discarded
-        self._decoding: tuple[float, float] | None = None  # (start, seconds per iteration) of the chunk running now
-        self._task = self._loop.create_task(self._serve())
+        self._epoch_at_top = 0  # the epoch when the serving loop last went round
+        # (start, seconds per iteration, iterations to its event) of the chunk decoding now
+        self._decoding: tuple[float, float, float] | None = None
+        self._phase = "starting"  # the serving loop's state (see _wake)
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop.call_soon(self._top)
 
     # -- requests --------------------------------------------------------------------------------
     @property
@@ -145,24 +154,70 @@ class SimEngine:
         self._wake()
 
     def close(self) -> None:
-        self._task.cancel()
+        self._phase = "closed"
+        if self._timer is not None:
+            self._timer.cancel()
 
     # -- the serving loop --------------------------------------------------------------------------
+    # One loop, written as callbacks (a simulated run spends most of its time here, and a task's
+    # every wake-up costs a future and a step): go round (``_top``): admit what fits and prefill it
+    # (decode pauses, a wake changes nothing), then decode until the next sequence finishes or the
+    # cache fills, or until woken (an arrival, an abort, a pause), and go round again. Each wake and
+    # each timer takes one turn of the event loop before the engine acts on it, as an awaited
+    # future would, so the engine's events keep their order among everyone else's.
     def _wake(self) -> None:
         """Interrupt the serving loop's wait: something changed (an arrival, an abort, a pause)."""
-        if self._wakeup is not None and not self._wakeup.done():
-            self._wakeup.set_result(None)
+        if self._phase in ("idle", "decoding"):
+            self._woken_from, self._phase = self._phase, "woken"
+            self._loop.call_soon(self._resume)
 
-    async def _wait(self, seconds: float | None) -> None:
-        """Sleep until ``seconds`` pass (None: forever) or ``_wake`` is called, whichever is first."""
-        self._wakeup = self._loop.create_future()
-        timer = self._loop.call_later(seconds, self._wake) if seconds is not None else None
-        try:
-            await self._wakeup
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._wakeup = None
+    def _top(self) -> None:
+        if self._phase == "closed":
+            return
+        self._epoch_at_top = self._epoch
+        prefill = self._admit()
+        if prefill > 0:  # decode pauses while the new requests prefill
+            self._phase = "prefill"
+            self._timer = self._loop.call_later(prefill, self._prefilled)
+            return
+        self._decode()
+
+    def _prefilled(self) -> None:
+        self._loop.call_soon(self._after_prefill)
+
+    def _after_prefill(self) -> None:
+        if self._phase == "closed":
+            return
+        if self._epoch_at_top != self._epoch:
+            self._top()
+        else:
+            self._decode()
+
+    def _decode(self) -> None:
+        """Decode until the next event, or wait for a wake when nothing runs."""
+        if not self.running:
+            self._drained.set()
+            self._phase, self._timer = "idle", None
+            return
+        iteration = self.cost.decode_iteration_s(len(self.running), self._context)
+        to_event = self._iterations_to_event()
+        self._decoding = (self._loop.time(), iteration, to_event)
+        self._phase = "decoding"
+        self._timer = self._loop.call_later(to_event * iteration, self._wake)
+
+    def _resume(self) -> None:
+        """A turn after a wake (or the chunk's timer): credit what was decoded, finish, go round."""
+        if self._phase == "closed":
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._woken_from == "decoding" and self._epoch_at_top == self._epoch:
+            self._progress()
+            self._finish([s for s in self.running if s.generated >= s.length - EPS])
+            if self.running and self._context >= self.capacity - EPS:
+                self._preempt()
+        self._top()
 
     def _cache(self, episode: str, tokens: int) -> None:
         self._uncache(episode)
@@ -204,38 +259,16 @@ class SimEngine:
         self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
         return prefill
 
-    async def _serve(self) -> None:
-        while True:
-            epoch = self._epoch
-            prefill = self._admit()
-            if prefill > 0:
-                await asyncio.sleep(prefill)  # decode pauses while the new requests prefill
-                if epoch != self._epoch:
-                    continue
-            if not self.running:
-                self._drained.set()
-                await self._wait(None)
-                continue
-            iteration = self.cost.decode_iteration_s(len(self.running), self._context)
-            self._decoding = (self._loop.time(), iteration)
-            await self._wait(self._iterations_to_event() * iteration)
-            if epoch != self._epoch:
-                continue
-            self._progress()
-            self._finish([s for s in self.running if s.generated >= s.length - EPS])
-            if self.running and self._context >= self.capacity - EPS:
-                self._preempt()
-
     def _progress(self) -> None:
         """Credit the running sequences with the iterations decoded since the chunk started; their
         growth evicts idle prefixes."""
         if self._decoding is None:
             return
-        start, iteration = self._decoding
+        start, iteration, to_event = self._decoding  # the batch has not changed since the chunk started
         self._decoding = None
         if not self.running:
             return
-        progressed = min(self._iterations_to_event(), max(0.0, (self._loop.time() - start) / iteration))
+        progressed = min(to_event, max(0.0, (self._loop.time() - start) / iteration))
         for seq in self.running:
             seq.generated += progressed
         self._context += progressed * len(self.running)
@@ -270,8 +303,6 @@ class SimEngine:
         self._evict_to(self.capacity)
 
     def _completion(self, seq: _Sequence, finish: str) -> Completion:
-        """Filler tokens as arrays (they go to the controller as bytes; only their count is recorded)."""
-        n = int(seq.generated + EPS) if finish == "abort" else seq.length
-        start = zlib.crc32(seq.episode.encode()) % (len(FILLER) // 2)
-        tokens = FILLER[start : start + n] if start + n <= len(FILLER) else np.resize(np.roll(FILLER, -start), n)
-        return Completion(tokens, np.full(n, -1.0), finish, seq.version, self.devices[0])
+        """A count of tokens (a simulated run records counts; ``simulated_response`` says what they are)."""
+        n = TokenCount(int(seq.generated + EPS) if finish == "abort" else seq.length)
+        return Completion(n, n, finish, seq.version, self.devices[0])

@@ -786,6 +786,7 @@ def test_the_harness_relaunches_only_a_deferred_group_and_only_once(tiny_spec):
         pool.drop(episode.episode_id, "deferred")
     again = pool.new_group(relaunch="g0")
     assert pool.task_of(again[0].episode_id) == pool.task_of(first[0].episode_id) == "g0"
-    assert again[0].task == first[0].task and again[0].group_id == "g1"  # the same task, new episodes
+    assert again[0].group_id == "g1" and again[0].task is not first[0].task  # new episodes, of the same task:
+    assert [again[0].symbols(turn) for turn in range(5)] == [first[0].symbols(turn) for turn in range(5)]
     with pytest.raises(ValueError, match="already relaunched"):
         pool.new_group(relaunch="g0")

@@ -81,7 +81,8 @@ def test_synthetic_agent_scores_repetition(catalog_yaml):
     env = {"name": "synthetic_agent", "params": {"alphabet": 4, "symbols_per_turn": 2, "partial_credit": 0.25}}
     pool, _, _ = _pool(catalog_yaml, env, {"max": 6, "dist": {"kind": "fixed", "value": 3}})
     perfect, sloppy = pool.new_group()[:2]
-    assert [perfect.symbols(i) for i in range(6)] == [sloppy.symbols(i) for i in range(6)]  # a group shares its task
+    assert perfect.task is sloppy.task  # a group shares its task, drawn once
+    assert [perfect.symbols(i) for i in range(6)] == [sloppy.symbols(i) for i in range(6)]
     shown = _words(_run(perfect.reset())).split()
     _run(sloppy.reset())
     total = 0.0
@@ -92,9 +93,9 @@ def test_synthetic_agent_scores_repetition(catalog_yaml):
         shown = _words(result.observation).split()
     assert perfect.turn == 3 and total == pytest.approx(1.0)
     # a letter of the alphabet in the wrong place earns partial credit only
-    wrong = "a" if perfect.task[0][0] != "a" else "b"
+    wrong = "a" if perfect.symbols(0)[0] != "a" else "b"
     result = _run(sloppy.step(VOCAB.encode(f"{wrong} {wrong}")))
-    per_symbol = [1.0 if s == wrong else 0.25 for s in perfect.task[0]]
+    per_symbol = [1.0 if s == wrong else 0.25 for s in perfect.symbols(0)]
     assert result.reward == pytest.approx(sum(per_symbol) / 2 / 3)
 
 
@@ -127,6 +128,39 @@ def test_lifecycle_misuse_raises(catalog_yaml):
     _run(episode.step([1]))
     with pytest.raises(RuntimeError, match="after it was done"):
         _run(episode.step([1]))
+
+
+def test_a_step_while_the_previous_one_still_runs_is_refused(catalog_yaml):
+    """Two steps of one episode at once would answer two actions for one turn."""
+    pool, _, _ = _pool(catalog_yaml, {"name": "guess_number"}, {"max": 4})
+    episode = pool.new_group()[0]
+    episode.reset_now()
+    latency, failures = episode.begin_step()
+    with pytest.raises(RuntimeError, match="previous step was still running"):
+        episode.begin_step()
+    episode.end_step(VOCAB.encode("1"), latency, failures)
+    episode.begin_step()  # the next turn's step is fine
+
+
+def test_a_simulated_run_s_episodes_answer_with_counts_and_score_the_same(catalog_yaml):
+    """A simulated run's pool: prompts and observations are token counts of the lengths a real run's
+    are, and the rewards are the same (the environment still reads the action)."""
+    from targets.api import TokenCount
+
+    env = {"name": "synthetic_agent", "params": {"alphabet": 4, "symbols_per_turn": 2}}
+    catalog_yaml["workload"].update(environment=env, turns={"max": 3, "dist": {"kind": "fixed", "value": 3}})
+    spec = parse_target(catalog_yaml)
+    results = []
+    for counts in (False, True):
+        clock = ManualClock()
+        pool = EnvironmentPool(spec.workload, clock, Trace(clock, record_tokens=not counts), seed=3, counts=counts)
+        episode = pool.new_group()[0]
+        prompt = _run(episode.reset())
+        steps = [_run(episode.step(VOCAB.encode("a b"))) for _ in range(3)]
+        results.append((len(prompt), [(len(s.observation), s.reward, s.done) for s in steps]))
+        if counts:
+            assert isinstance(prompt, TokenCount) and isinstance(steps[0].observation, TokenCount)
+    assert results[0] == results[1]
 
 
 def test_trajectory_timeout_is_enforced_by_the_harness_clock(catalog_yaml):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from targets.api import StepResult, TokenIds
+from targets.api import StepResult, TokenCount, TokenIds
 from targets.harness.clock import Clock
 from targets.harness.tokenizer import CTX, VOCAB
 from targets.harness.trace import Trace
@@ -31,7 +31,9 @@ class ActionWords(Sequence[str]):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [VOCAB.word(int(t)) for t in self._tokens[index]]
+            tokens = self._tokens[index]
+            word = VOCAB.word
+            return [word(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
         return VOCAB.word(int(self._tokens[index]))  # (a simulated response is a numpy array)
 
 
@@ -58,7 +60,13 @@ class Episode:
         workload: WorkloadSpec,
         clock: Clock,
         trace: Trace,
+        task: Any = None,
+        counts: bool = False,
     ) -> None:
+        """``task``: the task another member of the group made from the same ``task_seed`` (members share
+        it rather than each drawing it again). ``counts``: a simulated run's episode, which answers with
+        token counts (``TokenCount``) and computes everything else as a real one does."""
+        self.counts = counts
         self.episode_id = episode_id
         self.group_id = group_id
         self.workload = workload
@@ -66,7 +74,7 @@ class Episode:
         self.clock = clock
         self.trace = trace
         self.rng = random.Random(episode_seed)
-        self.task = self.make_task(random.Random(task_seed))
+        self.task = self.make_task(random.Random(task_seed)) if task is None else task
         self.max_turns = workload.turns.max
         if self.draws_turns:
             drawn = int(round(workload.turns.dist.sample(self.rng)))
@@ -172,7 +180,9 @@ class Episode:
             seconds += w.env_restart_s + attempt()
         return seconds, failures
 
-    def _padded(self, text: str, length: int) -> TokenIds:
+    def _padded(self, text: str, length: int) -> TokenIds | TokenCount:
         """Left-pad with context filler to the workload's token budget (never truncates meaning)."""
+        if self.counts:
+            return TokenCount(max(length, len(text.split())))
         tokens = VOCAB.encode(text)
         return [VOCAB.ids[CTX]] * max(0, length - len(tokens)) + tokens

@@ -26,7 +26,8 @@ def group_of(episode_id: str) -> str:
 class EnvironmentPool:
     """Follows ``targets.api.EnvSource`` and ``EnvDropper``."""
 
-    def __init__(self, workload: WorkloadSpec, clock: Clock, trace: Trace, seed: int = 0) -> None:
+    def __init__(self, workload: WorkloadSpec, clock: Clock, trace: Trace, seed: int = 0, counts: bool = False) -> None:
+        """``counts``: a simulated run's pool, whose episodes answer with token counts."""
         from targets.harness.environments import ENVIRONMENTS
 
         self.episode_class: type[Episode] = ENVIRONMENTS[workload.environment.name]
@@ -35,6 +36,7 @@ class EnvironmentPool:
         self.clock = clock
         self.trace = trace
         self.seed = seed
+        self.counts = counts
         self.groups_created = 0
         self.max_extra = 0  # the stack's declared redundancy, set once the stack has said it
         self._task_of_group: dict[str, int] = {}  # group -> the task it runs (its own index unless relaunched)
@@ -72,6 +74,8 @@ class EnvironmentPool:
                 workload=self.workload,
                 clock=self.clock,
                 trace=self.trace,
+                task=episodes[0].task if episodes else None,
+                counts=self.counts,
             )
             if relaunch is None:
                 self.trace.record("episode_created", episode=episode_id, group=group_id)

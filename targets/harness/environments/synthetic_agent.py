@@ -32,23 +32,31 @@ class SyntheticAgentParams(BaseModel):
     filler_as_letters: bool = False
 
 
+class Symbols:
+    """A task: the symbols of each turn, drawn as turns are reached (most episodes end long before
+    ``turns.max``). The members of a group share one, so they see the same symbols."""
+
+    def __init__(self, rng: random.Random, letters: list[str], per_turn: int) -> None:
+        self.rng, self.letters, self.per_turn = rng, letters, per_turn
+        self.alphabet = set(letters)
+        self.drawn: list[list[str]] = []
+
+    def of(self, turn: int) -> list[str]:
+        while len(self.drawn) <= turn:
+            self.drawn.append([self.rng.choice(self.letters) for _ in range(self.per_turn)])
+        return self.drawn[turn]
+
+
 class SyntheticAgent(Episode):
     name = "synthetic_agent"
     Params = SyntheticAgentParams
     draws_turns = True
 
-    def make_task(self, rng: random.Random) -> list[list[str]]:
-        """The symbols of each turn, drawn as turns are reached (episodes of a group share the seed,
-        so they see the same symbols; most episodes end long before ``turns.max``)."""
-        self._task_rng = rng
-        self._alphabet = set(LETTERS[: self.params.alphabet])
-        return []
+    def make_task(self, rng: random.Random) -> Symbols:
+        return Symbols(rng, LETTERS[: self.params.alphabet], self.params.symbols_per_turn)
 
     def symbols(self, turn: int) -> list[str]:
-        letters = LETTERS[: self.params.alphabet]
-        while len(self.task) <= turn:
-            self.task.append([self._task_rng.choice(letters) for _ in range(self.params.symbols_per_turn)])
-        return self.task[turn]
+        return self.task.of(turn)
 
     def _show(self, turn: int) -> str:
         return f"repeat {' '.join(self.symbols(turn))} {ACT}"
@@ -57,7 +65,7 @@ class SyntheticAgent(Episode):
         return self._show(0)
 
     def respond(self, action_words: Sequence[str]) -> tuple[str, float, bool]:
-        wanted, alphabet = self.symbols(self.turn - 1), self._alphabet
+        wanted, alphabet = self.symbols(self.turn - 1), self.task.alphabet
         words = action_words[: len(wanted)]  # one slice: the action may be hundreds of tokens long
         score = 0.0
         for i, symbol in enumerate(wanted):

@@ -20,6 +20,9 @@ suspend) or an offload drops everything.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import math
 import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -48,12 +51,15 @@ class _Sequence:
     max_new: int
     length: int  # tokens this turn generates (<= max_new)
     future: asyncio.Future
-    generated: float = 0.0
+    generated: float = 0.0  # out of the batch; in it, what the engine's ``generated`` says
     version: int = 0
     preempted: bool = False  # waiting to be prefilled again after its KV was taken back
+    mark: float = 0.0  # in the batch: the batch's iterations when this one would have had none
+    admitted: int = -1  # in the batch: its admission number (the batch's order); -1 out of it
 
     @property
     def context(self) -> float:
+        """Prompt plus generated tokens, out of the batch (in it, the engine keeps them as a sum)."""
         return self.prompt_tokens + self.generated
 
 
@@ -70,6 +76,11 @@ class SimEngine:
         self.preemptions = 0
         self._cached_tokens = 0  # sum of ``cached``
         self._context = 0.0  # KV held by the running batch: its context tokens (what one iteration reads)
+        # Every sequence of the batch gains a token an iteration, so each one's progress is one number
+        # less its own mark, and the next to finish is the least (length + mark): a heap, never a scan.
+        self._decoded = 0.0  # iterations the batch decoded since it was last empty
+        self._ends: list[tuple[float, int, _Sequence]] = []  # (length + mark, admitted, sequence)
+        self._admissions = itertools.count()
         self._paused = False  # a weight load waits for the running batch to drain
         self._drained = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -109,11 +120,14 @@ class SimEngine:
         tokens decoded so far and free their KV (a continuation prefills its whole context again);
         queued requests stay queued."""
         self._progress()
+        for seq in self.running:
+            self._leave_batch(seq)
         for seq in self.running + [s for s in self.queue if s.preempted]:
             if not seq.future.done():
                 seq.future.set_result(self._completion(seq, "abort"))
         self.queue = deque(s for s in self.queue if not s.preempted)
-        self.running, self._context = [], 0.0
+        self.running = []
+        self._empty_batch()
         self._epoch += 1
         self._drained.set()
         self._wake()
@@ -214,7 +228,7 @@ class SimEngine:
             self._timer = None
         if self._woken_from == "decoding" and self._epoch_at_top == self._epoch:
             self._progress()
-            self._finish([s for s in self.running if s.generated >= s.length - EPS])
+            self._finish(self._finished())
             if self.running and self._context >= self.capacity - EPS:
                 self._preempt()
         self._top()
@@ -253,6 +267,8 @@ class SimEngine:
             if not seq.preempted:
                 seq.version = self.version
             seq.preempted = False
+            seq.mark, seq.admitted = self._decoded - seq.generated, next(self._admissions)
+            heapq.heappush(self._ends, (seq.length + seq.mark, seq.admitted, seq))
             self.running.append(seq)
             self._context += context
             prefill += self.cost.prefill_s(context - cached, cached)
@@ -269,23 +285,53 @@ class SimEngine:
         if not self.running:
             return
         progressed = min(to_event, max(0.0, (self._loop.time() - start) / iteration))
-        for seq in self.running:
-            seq.generated += progressed
+        self._decoded += progressed
         self._context += progressed * len(self.running)
+        if self._decoded > 1e6:  # a batch never empty for that long: rebase, so EPS stays above the rounding
+            for seq in self.running:
+                seq.mark -= self._decoded
+            self._ends = [(seq.length + seq.mark, seq.admitted, seq) for seq in self.running]
+            heapq.heapify(self._ends)
+            self._decoded = 0.0
         self._evict_to(self.capacity)
         self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
 
     def _iterations_to_event(self) -> float:
         """Decode iterations the running batch can take before a sequence finishes or the cache is full."""
-        to_finish = min(s.length - s.generated for s in self.running)
+        to_finish = self._next_end() - self._decoded
         to_full = (self.capacity - self._context) / len(self.running)
         return max(0.0, min(to_finish, to_full))
+
+    def _next_end(self) -> float:
+        """(length + mark) of the batch's next sequence to finish (entries of those gone are dropped)."""
+        ends = self._ends
+        while ends and ends[0][1] != ends[0][2].admitted:
+            heapq.heappop(ends)
+        return ends[0][0] if ends else math.inf
+
+    def _finished(self) -> list[_Sequence]:
+        """The batch's sequences that have generated their length, in the batch's order."""
+        done, ends = [], self._ends
+        while ends and self._next_end() - self._decoded <= EPS:
+            done.append(heapq.heappop(ends)[2])
+        return sorted(done, key=lambda seq: seq.admitted)
+
+    def _leave_batch(self, seq: _Sequence) -> None:
+        """``seq`` leaves the batch: its progress becomes its own again."""
+        seq.generated, seq.admitted = self._decoded - seq.mark, -1
+
+    def _empty_batch(self) -> None:
+        self._context, self._decoded = 0.0, 0.0  # no float drift carried into the next batch
+        self._ends.clear()
 
     def _preempt(self) -> None:
         """The cache is full of running sequences: take back the last admitted one's KV; it waits at
         the head of the queue to prefill its whole context again."""
         seq = self.running.pop()
+        self._leave_batch(seq)
         self._context -= seq.context
+        if not self.running:
+            self._empty_batch()
         seq.preempted = True
         self.queue.appendleft(seq)
         self.preemptions += 1
@@ -293,12 +339,13 @@ class SimEngine:
     def _finish(self, done: list[_Sequence]) -> None:
         for seq in done:
             self.running.remove(seq)
+            self._leave_batch(seq)
             self._context -= seq.context
             seq.generated = seq.length
             self._cache(seq.episode, seq.prompt_tokens + seq.length)  # the turn's KV becomes the cached prefix
             seq.future.set_result(self._completion(seq, "stop" if seq.length < seq.max_new else "length"))
         if done and not self.running:
-            self._context = 0.0  # no float drift carried into the next batch
+            self._empty_batch()
             self._drained.set()
         self._evict_to(self.capacity)
 

@@ -66,13 +66,19 @@ def _ints(data: Any, key: str, where: str) -> list[int]:
 # -- small values ------------------------------------------------------------------------------------
 
 
+_PARAMS_PUT: dict[int, tuple[SamplingParams, dict]] = {}  # by identity: a controller sends one object, every turn
+
+
 def put_params(p: SamplingParams) -> dict:
-    return {
-        "max_new_tokens": p.max_new_tokens,
-        "temperature": p.temperature,
-        "seed": p.seed,
-        "stop_token_ids": list(p.stop_token_ids),
-    }
+    seen = _PARAMS_PUT.get(id(p))
+    if seen is not None and seen[0] is p:
+        return seen[1]
+    out = {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "seed": p.seed}
+    out["stop_token_ids"] = list(p.stop_token_ids)
+    if len(_PARAMS_PUT) >= 64:
+        _PARAMS_PUT.clear()
+    _PARAMS_PUT[id(p)] = (p, out)  # holding p keeps its id from being reused while the entry lives
+    return out
 
 
 _PARAMS_SEEN: dict[bytes, SamplingParams] = {}  # a controller sends the same few, every turn

@@ -4,6 +4,7 @@ misuse are in tests/test_audit.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections import Counter
@@ -394,3 +395,39 @@ def test_tail_batching_defers_groups_that_outlive_a_step_and_runs_their_tasks_ag
     assert not deferred & set(relaunch_of)
     trained = {t["group"] for e in events if e.kind == "train" for t in e.data["trajectories"]}
     assert not trained & deferred
+
+
+def test_a_waiting_batch_refills_at_once_when_woken_and_never_on_a_timer():
+    """A group handed back whole (stale, deferred, its spares gone) frees a place the waiting batch
+    fills when the environment manager wakes the buffer; it used to look once a second, leaving the
+    place empty meanwhile and waking a simulated controller every virtual second for nothing."""
+    from skills.recipes.sample_buffer import GroupBuffer
+    from targets.api import Trajectory
+    from targets.harness.sim.virtual_time import run_virtual
+
+    looks, failures = [], []
+
+    def check():
+        if failures:
+            raise RuntimeError("an episode coroutine failed")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        buffer = GroupBuffer(group_size=1, async_ratio=0, envs=None)
+        buffer.expect("g0")
+        waiting = asyncio.ensure_future(buffer.wait_ready(1, 0, lambda: looks.append(loop.time()), check))
+        await asyncio.sleep(0.5)
+        buffer.wake()  # a group was handed back at 0.5 s
+        await asyncio.sleep(5.0)
+        buffer.put(Trajectory("g0/e0", "g0", [1], [0], [0.0], 1.0, [0]))
+        await waiting
+        crashed = asyncio.ensure_future(buffer.wait_ready(2, 0, lambda: None, check))
+        await asyncio.sleep(1.0)
+        failures.append(True)
+        buffer.wake()  # an episode coroutine failed: the waiting batch raises it now, not a second later
+        with pytest.raises(RuntimeError, match="coroutine failed"):
+            await crashed
+        return loop.time()
+
+    assert run_virtual(main()) == 6.5
+    assert looks == [0.0, 0.5, 5.5]

@@ -97,6 +97,7 @@ class EnvManager:
         self._leave(task, group_id)
         if not task.cancelled() and task.exception() is not None and self._failure is None:
             self._failure = task.exception()
+            self.buffer.wake()  # a batch waiting on the buffer raises it now
 
     def _leave(self, task: asyncio.Task, group_id: str) -> None:
         """``task`` no longer holds its group in flight (called as it ends, before the buffer's
@@ -107,6 +108,7 @@ class EnvManager:
             if not members:
                 del self._group_tasks[group_id]
                 self._group_oldest.pop(group_id, None)
+                self.buffer.wake()  # its place may be refilled (a group dropped whole never completes)
 
     def _cancel_spares(self, group_id: str) -> None:
         """The group has ``group_size`` finished members: its spares still running are not needed."""

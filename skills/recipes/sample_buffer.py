@@ -87,10 +87,17 @@ class GroupBuffer:
         self.on_batch()
         return batch
 
+    def wake(self) -> None:
+        """Something a waiting batch must look at again happened elsewhere: a group was handed back
+        (its place can be refilled), or an episode coroutine failed (``check`` raises)."""
+        self._changed.set()
+
     async def wait_ready(
         self, groups: int, policy_version: int, refill: Callable[[], None], check: Callable[[], None]
     ) -> None:
-        """Wait until ``groups`` fresh groups are ready (taking none)."""
+        """Wait until ``groups`` fresh groups are ready (taking none); look again whenever a group
+        completes or the buffer is woken, never on a timer (a poll would wake the controller for
+        nothing, and leave a handed-back group's place empty until it came round)."""
         while True:
             check()
             self.drop_stale(policy_version)
@@ -98,7 +105,4 @@ class GroupBuffer:
             if len(self._ready) >= groups:
                 break
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                check()
+            await self._changed.wait()

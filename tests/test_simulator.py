@@ -614,3 +614,26 @@ def test_the_critical_path_bound_never_exceeds_the_mean_step_time():
     mean_step = ends[-1] / steps
     assert 999.0 / (1 + a) > mean_step  # what the run's longest path alone would have claimed
     assert 0 < bound["critical_path_bound_s"] <= mean_step
+
+
+def test_a_simulated_run_s_controller_builds_its_stack_without_torch(tmp_path):
+    """The controller process of a simulated run builds the stack and never makes a component; torch
+    (imported by the weight-sync, engine and trainer recipes) cost it 1.2 s a run before build.py
+    imported them lazily."""
+    import subprocess
+    import sys
+
+    from targets.harness.wire import put_runtime
+
+    target = Target.load("qwen3-235b-a22b-h800x160", simulate=True)
+    directory = write_starter(tmp_path / "stack", target.spec, "time_multiplex")
+    code = (
+        "import json, sys\n"
+        "from targets.harness.wire import get_runtime\n"
+        f"sys.path.insert(0, {str(directory)!r})\n"
+        "import stack\n"
+        f"stack.build(get_runtime(json.loads({json.dumps(json.dumps(put_runtime(target.runtime())))})))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:500]

@@ -34,6 +34,7 @@ from targets.api import (
     TokenCount,
     TrainBatch,
 )
+from targets.harness import shared_ring
 from targets.harness.channel import AsyncChannel, Frame, Received, SyncChannel
 from targets.harness.sim.virtual_time import FollowerTimeLoop
 from targets.harness.wire import (
@@ -103,6 +104,7 @@ class _Calls:
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 0
         self.counts = False  # a simulated run: token sequences travel as counts (set by the harness's init)
+        self._follow = isinstance(loop, FollowerTimeLoop)
 
     async def call(self, frame: Frame) -> Received:
         self.next_id += 1
@@ -113,7 +115,7 @@ class _Calls:
         return await future
 
     def on_frame(self, rx: Received) -> None:
-        if isinstance(self.loop, FollowerTimeLoop):
+        if self._follow:
             self.loop.set_time(rx["t"])
         future = self.pending.pop(rx.get("id"), None)
         if future is not None and not future.done():
@@ -234,8 +236,7 @@ async def _controller(channel: AsyncChannel, stack_dir: str) -> None:
         channel.corked = channel.bursts = True
 
         def on_idle(deadline: float | None) -> None:
-            channel.send(Frame(kind="idle", received=channel.received, deadline=deadline))
-            channel.flush()
+            channel.flush(idle=(channel.received, deadline))
 
         loop.on_idle = on_idle
     init = await channel.recv()
@@ -268,15 +269,20 @@ async def _controller(channel: AsyncChannel, stack_dir: str) -> None:
 
 
 def run_controller(socket_path: str, stack_dir: str, virtual: bool) -> None:
-    async def main() -> None:
-        await _controller(await AsyncChannel.over(_connect(socket_path)), stack_dir)
-
     if not virtual:
+
+        async def main() -> None:
+            await _controller(await AsyncChannel.over(_connect(socket_path)), stack_dir)
+
         asyncio.run(main())
         return
     loop = FollowerTimeLoop()
+    asyncio.set_event_loop(loop)
+    sock = _connect(socket_path)
+    channel = AsyncChannel.polled(sock, shared_ring.accept(sock))  # driven by the loop itself
+    loop.io = channel.transport
     try:
-        loop.run_until_complete(main())
+        loop.run_until_complete(_controller(channel, stack_dir))
     finally:
         loop.close()
 

@@ -15,8 +15,12 @@ frames as bytes arrive and hands each to a callback at once, and it can hold its
 from __future__ import annotations
 
 import asyncio
+import math
+import mmap
+import select
 import socket
 import struct
+import sys
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +55,8 @@ class Frame:
         return {**ref, "dtype": dtype}
 
     def encode(self) -> bytes:
-        header = orjson.dumps({**self.header, "blobs": [len(b) for b in self.blobs]}, option=orjson.OPT_SERIALIZE_NUMPY)
+        self.header["blobs"] = [len(b) for b in self.blobs]
+        header = orjson.dumps(self.header, option=orjson.OPT_SERIALIZE_NUMPY)
         return b"".join([HEADER.pack(len(header)), header, *self.blobs])
 
 
@@ -123,10 +128,13 @@ def _header_length(data: bytes | bytearray) -> int:
     return length
 
 
-# The channel's own marker (``AsyncChannel.bursts``), never counted, never handed on: a header length
-# no header can have, so it ends a burst without a header to parse.
+# The channel's own markers (``AsyncChannel.bursts``), never counted as frames: header lengths no
+# header can have, so a burst ends without a header to parse. The idle one carries the sender's idle
+# notice (how many frames it has taken in; its next timer, NaN for none).
 _BURST_END = 0xFFFFFFFF
 _BURST_END_BYTES = HEADER.pack(_BURST_END)
+_IDLE_END = 0xFFFFFFFE
+IDLE = struct.Struct("!Qd")
 
 
 class SyncChannel:
@@ -157,6 +165,85 @@ class SyncChannel:
         self.sock.close()
 
 
+class PolledTransport:
+    """A transport its event loop drives itself (``poll``), for the virtual-time loops: asyncio's own
+    costs a handle, a selector round and several calls per read, more than a simulated burst's
+    frames cost to handle, twice a trajectory-turn on each side. Writes go out at once; what the
+    socket will not take waits here and goes out at the next write or poll, in order."""
+
+    def __init__(self, sock: socket.socket, protocol: AsyncChannel) -> None:
+        self.sock, self.protocol = sock, protocol
+        self._unsent = b""
+        self._closing = False
+        self._readable = select.epoll()  # asked before each read: a read of nothing raises, dearer
+        self._readable.register(sock.fileno(), select.EPOLLIN)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def write(self, data: bytes) -> None:
+        data = self._unsent + data if self._unsent else data
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as error:
+            self._lose(error)
+            return
+        self._unsent = data[sent:]
+
+    def poll(self) -> bool:
+        """Send what waits, read what has arrived and hand it to the protocol; whether anything came
+        (or the channel closed: nothing more will come, so nothing to wait for)."""
+        if self._closing:
+            return True  # nothing more will come: nothing to wait for
+        if self._unsent:
+            self.write(b"")
+        if not self._readable.poll(0):
+            return False
+        got = False
+        while not self._closing:
+            buffer = self.protocol.get_buffer(-1)
+            try:
+                count = self.sock.recv_into(buffer)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as error:
+                self._lose(error)
+                return True
+            finally:
+                buffer.release()  # the protocol's buffer may grow at the next read
+            if count == 0:
+                self._lose(None)
+                return True
+            self.protocol.buffer_updated(count)
+            got = True
+        return got
+
+    def close(self) -> None:
+        """Close, sending what waits first (blocking, briefly: the peer may have gone)."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._unsent:
+            try:
+                self.sock.settimeout(5.0)
+                self.sock.sendall(self._unsent)
+            except OSError as error:  # the peer is gone: what it did not take is lost with it
+                print(f"channel: {len(self._unsent)} bytes unsent at close: {error}", file=sys.stderr)
+        self._readable.close()
+        self.sock.close()
+
+    def _lose(self, error: BaseException | None) -> None:
+        self._closing = True
+        self._readable.close()
+        self.sock.close()
+        self.protocol.connection_lost(error)
+
+
 class AsyncChannel(asyncio.BufferedProtocol):
     """Frames on an asyncio loop. Each complete frame goes to ``on_frame`` (once set; frames that
     arrive before wait in a queue for ``recv``). ``send`` never blocks: the transport buffers, or,
@@ -172,6 +259,8 @@ class AsyncChannel(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.on_frame: Callable[[Received], None] | None = None
         self.on_lost: Callable[[BaseException], None] | None = None
+        self.on_idle: Callable[[int, float | None], None] | None = None  # a burst's idle notice (see flush)
+        self._early_idle: tuple[int, float | None] | None = None
         self.sent = 0  # frames sent (the virtual-time handshake counts them)
         self.received = 0  # frames handed on
         self.corked = False
@@ -193,6 +282,21 @@ class AsyncChannel(asyncio.BufferedProtocol):
         channel._sock = sock
         return channel
 
+    @classmethod
+    def polled(cls, sock: socket.socket, rings: tuple[mmap.mmap, int] | None = None) -> AsyncChannel:
+        """A channel that its virtual-time loop drives itself (``transport.poll()``): over shared-memory
+        rings (``rings``: the region and this process's side, see ``shared_ring``), else over ``sock``."""
+        from targets.harness.shared_ring import RingTransport  # (it imports this module)
+
+        channel = cls()
+        if rings is None:
+            sock.setblocking(False)
+            channel._sock = sock
+            channel.connection_made(PolledTransport(sock, channel))
+        else:
+            channel.connection_made(RingTransport(sock, rings[0], rings[1], channel))
+        return channel
+
     # -- asyncio.BufferedProtocol ------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -204,39 +308,55 @@ class AsyncChannel(asyncio.BufferedProtocol):
         return memoryview(self._buffer)[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._filled += nbytes
-        view, start = memoryview(self._buffer), 0
+        filled = self._filled = self._filled + nbytes
+        buffer, start, bursts = self._buffer, 0, self.bursts
+        view = memoryview(buffer)
         try:
             while True:
-                available = self._filled - start
+                available = filled - start
                 if self._pending is None:
-                    if available < HEADER.size:
+                    if available < 4:
                         break
-                    if self.bursts and HEADER.unpack_from(view, start)[0] == _BURST_END:
-                        start += HEADER.size
+                    (length,) = HEADER.unpack_from(buffer, start)
+                    if bursts and length == _BURST_END:
+                        start += 4
                         self._end_burst()
                         continue
-                    length = _header_length(view[start : start + HEADER.size])
-                    if available < HEADER.size + length:
+                    if bursts and length == _IDLE_END:
+                        if available < 4 + IDLE.size:
+                            break
+                        received, deadline = IDLE.unpack_from(buffer, start + 4)
+                        start += 4 + IDLE.size
+                        self._end_burst()
+                        self._idle(received, deadline)
+                        continue
+                    if length > MAX_HEADER_BYTES:
+                        _header_length(view[start : start + 4])  # raises, naming the limit
+                    if available < 4 + length:
                         break
-                    header, total = _header(view[start + HEADER.size : start + HEADER.size + length])
-                    self._pending = (HEADER.size + length, header, total)
+                    header, total = _header(view[start + 4 : start + 4 + length])
+                    self._pending = (4 + length, header, total)
                 offset, header, total = self._pending
                 if available < offset + total:
                     break
-                rx = Received(header, _split(header, view[start + offset : start + offset + total]))
+                blobs = _split(header, view[start + offset : start + offset + total])
                 start += offset + total
                 self._pending = None
-                self._deliver(rx)
+                if bursts:
+                    self._held.append(Received(header, blobs))
+                else:
+                    self._hand_on(Received(header, blobs))
         except ProtocolError as error:
             self._lose(error)
             self.transport.close()
         finally:
             view.release()
-            if start:  # keep only the unparsed tail, at the front
-                self._buffer[: self._filled - start] = self._buffer[start : self._filled]
+            if start == self._filled:
+                self._filled = 0
+            elif start:  # keep only the unparsed tail, at the front
+                buffer[: self._filled - start] = buffer[start : self._filled]
                 self._filled -= start
-            if self._filled == 0 and len(self._buffer) > 1 << 20:
+            if self._filled == 0 and len(buffer) > 1 << 20:
                 self._buffer = bytearray(1 << 16)  # a big frame has gone: give its room back
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -260,16 +380,21 @@ class AsyncChannel(asyncio.BufferedProtocol):
             self.buffer_updated(count)
 
     # -- frames ------------------------------------------------------------------------------------------
-    def _deliver(self, rx: Received) -> None:
-        if self.bursts:
-            self._held.append(rx)
-        else:
-            self._hand_on(rx)
-
     def _end_burst(self) -> None:
         held, self._held = self._held, []
         for each in held:
             self._hand_on(each)
+
+    def _idle(self, received: int, deadline: float) -> None:
+        if math.isinf(deadline):
+            raise ProtocolError(f"an idle notice with deadline {deadline}")
+        notice = (received, None if math.isnan(deadline) else deadline)
+        if self.on_frame is None:  # not listening yet: the latest notice waits for ``listen``
+            self._early_idle = notice
+        elif self.on_idle is None:
+            raise ProtocolError("an idle notice on a channel that takes none")
+        else:
+            self.on_idle(*notice)
 
     def _hand_on(self, rx: Received) -> None:
         self.received += 1
@@ -291,11 +416,20 @@ class AsyncChannel(asyncio.BufferedProtocol):
             if self.on_lost is not None:
                 self.on_lost(error)
 
-    def listen(self, on_frame: Callable[[Received], None], on_lost: Callable[[BaseException], None]) -> None:
-        """Hand every frame (those queued first) to ``on_frame``; ``on_lost`` when the peer goes."""
-        self.on_frame, self.on_lost = on_frame, on_lost
+    def listen(
+        self,
+        on_frame: Callable[[Received], None],
+        on_lost: Callable[[BaseException], None],
+        on_idle: Callable[[int, float | None], None] | None = None,
+    ) -> None:
+        """Hand every frame (those queued first) to ``on_frame``; ``on_lost`` when the peer goes;
+        ``on_idle`` each idle notice that ends a burst (the latest one that came before, first)."""
+        self.on_frame, self.on_lost, self.on_idle = on_frame, on_lost, on_idle
         while self._queue:
             on_frame(self._queue.popleft())
+        if self._early_idle is not None and on_idle is not None:
+            on_idle(*self._early_idle)
+        self._early_idle = None
         if self._lost is not None:
             on_lost(self._lost)
 
@@ -317,9 +451,16 @@ class AsyncChannel(asyncio.BufferedProtocol):
         else:
             self.transport.write(data)
 
-    def flush(self) -> None:
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            if self.bursts:
+    def flush(self, idle: tuple[int, float | None] | None = None) -> None:
+        """Send what was held back; with ``bursts``, as one burst, its end marked. ``idle``: end it with
+        this side's idle notice instead (frames it has taken in, its next timer), sent even if the
+        burst holds no frame."""
+        if (self._out or idle is not None) and self.transport is not None and not self.transport.is_closing():
+            if idle is not None:
+                received, deadline = idle
+                marker = HEADER.pack(_IDLE_END) + IDLE.pack(received, math.nan if deadline is None else deadline)
+                self._out.append(marker)
+            elif self.bursts:
                 self._out.append(_BURST_END_BYTES)
             self.transport.write(b"".join(self._out))
         self._out.clear()

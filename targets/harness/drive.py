@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from targets.api import Aborted, Cluster, Completion, Declared, Device, GenerateRequest, Runtime, StateDict, TrainBatch
+from targets.harness import shared_ring
 from targets.harness.channel import AsyncChannel, Frame, ProtocolError, Received
 from targets.harness.environments import EnvironmentPool
 from targets.harness.process_tree import kill_tree
@@ -198,6 +199,11 @@ class ControllerLink:
     def flush(self) -> None:
         self.channel.flush()
 
+    def _on_idle(self, received: int, deadline: float | None) -> None:
+        """The controller's idle notice (the end of its burst): it has taken in ``received`` frames."""
+        self._idle_received, self._deadline = received, deadline
+        self.waits += 1
+
     # -- frames ----------------------------------------------------------------------------------------
     def send(self, frame: Frame) -> None:
         if self.virtual:
@@ -210,7 +216,7 @@ class ControllerLink:
 
     async def serve(self) -> None:
         """Serve frames until the controller is done (or fails, or breaks the protocol)."""
-        self.channel.listen(self._on_frame, self._on_lost)
+        self.channel.listen(self._on_frame, self._on_lost, self._on_idle)
         try:
             await self.done
         finally:
@@ -234,13 +240,7 @@ class ControllerLink:
 
     def _dispatch(self, rx: Received) -> None:
         kind = rx.get("kind")
-        if kind == "idle":
-            deadline = rx.get("deadline")
-            if deadline is not None and not isinstance(deadline, (int, float)):
-                raise ProtocolError("idle.deadline: expected a number or null")
-            self._idle_received, self._deadline = field_of(rx.header, "received", int, "idle"), deadline
-            self.waits += 1
-        elif kind == "hello":
+        if kind == "hello":
             if not self.hello.done():
                 self.declared = get_declared(field_of(rx.header, "declared", dict, "hello"))
                 refused = self.envs.workload.over_declared_limits(self.declared)
@@ -372,11 +372,10 @@ class ControllerLink:
         cluster = self.cluster
         if cluster is None:
             raise ProtocolError("a cluster call before the controller's hello")
-        by_id = cluster.by_id
-        names = rx.get("devices", [])
-        if not isinstance(names, list) or any(n not in by_id for n in names):
+        by_id, names = cluster.by_id, rx.get("devices")
+        if names is not None and (not isinstance(names, list) or any(n not in by_id for n in names)):
             raise ValueError(f"unknown devices {names!r}; this cluster has {sorted(by_id)}")
-        devices = [by_id[n] for n in names]
+        devices = [] if names is None else [by_id[n] for n in names]
         method = rx.get("method")
         if method == "generate":
             completion = await cluster.generate(tokens)
@@ -555,10 +554,12 @@ def drive_simulated(
     processes.launch("controller-virtual")
 
     async def main() -> None:
-        envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed)
-        link = ControllerLink(await _connect(processes, "controller-virtual"), envs, trace.clock, virtual=True)
-        link.channel.corked = link.channel.bursts = True  # flushed by the loop when it runs dry
-        loop.peer = link
+        envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed, counts=True)
+        sock = processes.accept("controller-virtual")
+        channel = AsyncChannel.polled(sock, shared_ring.offer(sock))  # driven by the loop itself
+        link = ControllerLink(channel, envs, trace.clock, virtual=True)
+        channel.corked = channel.bursts = True  # flushed by the loop when it runs dry
+        loop.peer, loop.io = link, channel.transport
         link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=True))
         serving = asyncio.create_task(link.serve())
         rollout_ids, _, declared = await _hello(link, processes)
@@ -586,7 +587,7 @@ def drive_simulated(
             summary["controller_round_trips"] = link.waits
             summary["controller_wait_seconds"] = loop.waited_s
             await cluster.close()
-            loop.peer = None
+            loop.peer = loop.io = None
 
     started = time.perf_counter()
     run_virtual(main(), loop)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import heapq
+import itertools
 import math
 import os
 import selectors
@@ -51,14 +53,30 @@ class IdlePeer(Protocol):
         ...
 
 
-SPIN_S = 0.002  # how long a side polls for its peer before it sleeps in the kernel
+SPIN_S = 0.002  # how long a side polls for its peer before it dozes
+DOZE_S = 0.001  # how long a dozing side sleeps between looks
+
+
+class Polled(Protocol):
+    """The peer's channel, which the loop reads itself (``channel.PolledTransport``)."""
+
+    def poll(self) -> bool:
+        """Read what has arrived and hand it on; whether anything came."""
+        ...
+
+    def fileno(self) -> int: ...
+
+
+_PEER = object()  # the selector key data of the peer's socket while a wait blocks on it
 
 
 class _RealSelector(selectors.BaseSelector):
-    """Delegates registration to a real selector; subclasses decide how long ``select`` may block."""
+    """Delegates registration to a real selector; subclasses decide how long ``select`` may block.
+    The peer's channel (``loop.io``, when set) is not registered: the selector reads it itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: VirtualTimeLoop | FollowerTimeLoop) -> None:
         self._real = selectors.DefaultSelector()
+        self._loop = loop
         self.waited_s = 0.0  # wall seconds spent waiting for the peer (its share of a run, handoffs included)
 
     def register(self, fileobj, events, data=None) -> selectors.SelectorKey:
@@ -72,26 +90,51 @@ class _RealSelector(selectors.BaseSelector):
 
     def _ready_first(self, timeout: float | None) -> list | None:
         """What ``select`` returns before it considers waiting: nothing while callbacks are ready
-        (they run first; I/O waits for the loop to run dry), else the I/O ready now, if any."""
+        (they run first; I/O waits for the loop to run dry), else what the peer sent (handed on
+        already: nothing to return) or the I/O ready now, if any."""
         if timeout == 0:
+            return []
+        io = self._loop.io
+        if io is not None and io.poll():
             return []
         return self._real.select(0) or None
 
     def _wait_for_peer(self) -> list:
-        """Block until I/O is ready, polling first: under virtual time the two processes take
-        turns, and the peer's answer usually comes within tens of microseconds, less than the
-        kernel takes to put a process to sleep and wake it again (a blocking wait costs about 35 µs
-        a round trip on a 2-core VM, polling about 9). Each poll yields the CPU, so a process that
-        shares the core loses nothing; after ``SPIN_S`` without an answer the wait blocks."""
+        """Wait until the peer sends (or other I/O is ready), polling first: under virtual time the
+        two processes take turns, and the peer's answer usually comes within tens of microseconds,
+        less than the kernel takes to put a process to sleep and wake it again (a blocking wait
+        cost about 35 µs a round trip on a 2-core VM, polling about 9). Each poll yields the CPU,
+        so a process that shares the core loses nothing. After ``SPIN_S`` without an answer the
+        wait dozes: it sleeps a millisecond at a time (the peer's shared-memory ring wakes no one)."""
         started = time.perf_counter()
-        give_up = started + SPIN_S
+        give_up, io, polls = started + SPIN_S, self._loop.io, 0
         while True:
-            ready = self._real.select(0)
-            if ready or time.perf_counter() > give_up:
-                ready = ready or self._real.select(None)
-                self.waited_s += time.perf_counter() - started
-                return ready
-            os.sched_yield()
+            if io is not None and io.poll():
+                ready = []
+                break
+            polls += 1
+            if io is None or polls % 16 == 0:  # other I/O (only the loop's own wake-up pipe, in a run) now and then
+                dozing = time.perf_counter() > give_up
+                ready = self._doze(io) if dozing else self._real.select(0)
+                if ready:
+                    break
+                if dozing and io is None:
+                    continue
+            if polls % 16 == 0:
+                os.sched_yield()
+        self.waited_s += time.perf_counter() - started
+        return ready
+
+    def _doze(self, io: Polled | None) -> list:
+        """Sleep until other I/O is ready, the peer's socket is (it went away), or a millisecond passed."""
+        if io is None:
+            return self._real.select(None)
+        self._real.register(io.fileno(), selectors.EVENT_READ, _PEER)
+        try:
+            ready = self._real.select(DOZE_S)
+        finally:
+            self._real.unregister(io.fileno())
+        return [(key, events) for key, events in ready if key.data is not _PEER]
 
     def get_map(self):
         return self._real.get_map()
@@ -103,13 +146,14 @@ class _RealSelector(selectors.BaseSelector):
 class _ClockSelector(_RealSelector):
     """Real I/O first; when nothing is ready, the harness is idle and so is its peer, advance time."""
 
-    def __init__(self, loop: VirtualTimeLoop) -> None:
-        super().__init__()
-        self._loop = loop
-
     def select(self, timeout: float | None = None) -> list:
-        peer = self._loop.peer
-        if timeout != 0 and peer is not None:
+        if timeout == 0:  # callbacks are ready: they run first
+            return []
+        loop, peer = self._loop, self._loop.peer
+        if loop.timer_due():  # a timer of this instant runs before anything of it leaves
+            loop.call_soon(loop.run_due_timers)
+            return []
+        if peer is not None:
             peer.flush()
         ready = self._ready_first(timeout)
         if ready is not None:
@@ -117,26 +161,61 @@ class _ClockSelector(_RealSelector):
         idle, deadline = peer.idle_until() if peer is not None else (True, None)
         if not idle:  # the controller is computing: wait for it for real
             return self._wait_for_peer()
-        now = self._loop.time()
-        until = min(now + timeout if timeout is not None else math.inf, deadline if deadline is not None else math.inf)
+        now, timer = loop.time(), loop.next_timer()
+        until = min(
+            now + timeout if timeout is not None else math.inf,
+            deadline if deadline is not None else math.inf,
+            timer if timer is not None else math.inf,
+        )
         if until == math.inf:
             raise SimulationStalled(
                 "every coroutine is waiting and no timer is pending: the controller awaits something the "
                 "simulation never delivers (a thread, real I/O, or an event nobody sets)"
             )
-        self._loop.advance(max(0.0, until - now))
+        loop.advance(max(0.0, until - now))
         if peer is not None and deadline is not None and deadline <= until:
-            peer.wake(self._loop.time())
+            peer.wake(loop.time())
+        if timer is not None and timer <= until:
+            loop.call_soon(loop.run_due_timers)
         return []
+
+
+class VirtualTimer:
+    """What ``call_at`` returns on a virtual-time loop (asyncio's ``TimerHandle`` protocol: ``cancel``,
+    ``cancelled``, ``when``): an entry of the loop's own timer heap."""
+
+    __slots__ = ("_when", "_callback", "_args", "_cancelled")
+
+    def __init__(self, when: float, callback: Callable, args: tuple) -> None:
+        self._when, self._callback, self._args, self._cancelled = when, callback, args, False
+
+    def cancel(self) -> None:
+        self._cancelled, self._callback, self._args = True, None, ()
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def when(self) -> float:
+        return self._when
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """``time()`` is virtual seconds since the loop was made; it moves only when the loop (and its
-    peer, if any) would wait."""
+    peer, if any) would wait.
+
+    Timers (``call_at``, and so ``call_later``, ``asyncio.sleep`` and timeouts) live in a heap of its
+    own, of (when, order, timer) tuples: asyncio's ``TimerHandle`` costs a handle, a context copy and
+    Python-level comparisons in its heap, and a simulated run sets several timers a trajectory-turn
+    (every engine iteration chunk, every prefill, every environment step) and cancels most engine
+    ones. Timers due at one instant run in the order they were set, in one callback; they run in the
+    loop's context (nothing in the harness uses context variables)."""
 
     def __init__(self) -> None:
         self._virtual_now = 0.0
         self.peer: IdlePeer | None = None
+        self.io: Polled | None = None  # the peer's channel, read by the selector itself
+        self._timers: list[tuple[float, int, VirtualTimer]] = []
+        self._order = itertools.count()
         super().__init__(selector=_ClockSelector(self))
 
     def time(self) -> float:
@@ -145,6 +224,60 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def advance(self, seconds: float) -> None:
         self._virtual_now += seconds
 
+    def _run_once(self) -> None:
+        """One turn: every ready callback runs, those they schedule too, in order; when none is left,
+        the selector does I/O or moves time. asyncio's own turn polls the selector between batches of
+        callbacks, and ours returns nothing while callbacks are ready, so draining them all runs them
+        in the same order in fewer turns (a simulated run took ten turns a trajectory-turn, most of
+        them to run one callback)."""
+        ready = self._ready
+        if not ready:
+            self._process_events(self._selector.select(None))
+        while ready:
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
+
+    def call_at(self, when: float, callback: Callable, *args: Any, context: Any = None) -> VirtualTimer:
+        self._check_closed()
+        timer = VirtualTimer(when, callback, args)
+        heapq.heappush(self._timers, (when, next(self._order), timer))
+        return timer
+
+    def call_later(self, delay: float, callback: Callable, *args: Any, context: Any = None) -> VirtualTimer:
+        return self.call_at(self._virtual_now + delay, callback, *args)
+
+    def next_timer(self) -> float | None:
+        """When the earliest pending timer is due (None: none is pending)."""
+        timers = self._timers
+        while timers and timers[0][2]._cancelled:
+            heapq.heappop(timers)
+        return timers[0][0] if timers else None
+
+    def timer_due(self) -> bool:
+        timer = self.next_timer()
+        return timer is not None and timer <= self._virtual_now
+
+    def run_due_timers(self) -> None:
+        """Run every timer due now, in the order they were set (those set meanwhile for now too)."""
+        timers, now = self._timers, self._virtual_now
+        while timers and timers[0][0] <= now:
+            timer = heapq.heappop(timers)[2]
+            if timer._cancelled:
+                continue
+            callback, args = timer._callback, timer._args
+            timer._cancelled, timer._callback, timer._args = True, None, ()  # ran: a late cancel changes nothing
+            try:
+                callback(*args)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as error:  # as asyncio does for a callback: to the loop's handler, and on
+                self.call_exception_handler({"message": "Exception in a timer callback", "exception": error})
+
+    def close(self) -> None:
+        self._timers.clear()
+        super().close()
+
     @property
     def waited_s(self) -> float:
         """Wall seconds the harness spent waiting for the controller process."""
@@ -152,18 +285,14 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 class _FollowerSelector(_RealSelector):
-    def __init__(self, loop: FollowerTimeLoop) -> None:
-        super().__init__()
-        self._loop = loop
-
     def select(self, timeout: float | None = None) -> list:
         ready = self._ready_first(timeout)
         if ready is not None:
             return ready
         if self._loop.on_idle is not None:
             self._loop.on_idle(None if timeout is None else self._loop.time() + timeout)
-            ready = self._real.select(0)  # the notice itself may have been written just now
-            if ready:
+            ready = self._ready_first(timeout)  # the answer may be here already
+            if ready is not None:
                 return ready
         return self._wait_for_peer()
 
@@ -175,6 +304,7 @@ class FollowerTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self._now = 0.0
         self.on_idle: Callable[[float | None], None] | None = None
+        self.io: Polled | None = None  # the harness's channel, read by the selector itself
         super().__init__(selector=_FollowerSelector(self))
 
     def time(self) -> float:
@@ -182,6 +312,31 @@ class FollowerTimeLoop(asyncio.SelectorEventLoop):
 
     def set_time(self, now: float) -> None:
         self._now = max(self._now, float(now))
+
+    def _run_once(self) -> None:
+        """asyncio's turn, then its turns again while callbacks are ready, each without the selector
+        poll that would return nothing (``_FollowerSelector`` returns nothing while callbacks are
+        ready): callbacks and timers run in asyncio's order, in fewer turns."""
+        super()._run_once()
+        while self._ready and not self._stopping:
+            self._run_ready()
+
+    def _run_ready(self) -> None:
+        """One of asyncio's turns (``BaseEventLoop._run_once``) less the selector poll: drop cancelled
+        timers, make the timers due ready, run what is ready now (what that schedules runs next turn)."""
+        scheduled = self._scheduled
+        while scheduled and scheduled[0]._cancelled:
+            self._timer_cancelled_count -= 1
+            heapq.heappop(scheduled)._scheduled = False
+        end_time = self.time() + self._clock_resolution
+        while scheduled and scheduled[0]._when < end_time:
+            handle = heapq.heappop(scheduled)
+            handle._scheduled = False
+            self._ready.append(handle)
+        for _ in range(len(self._ready)):
+            handle = self._ready.popleft()
+            if not handle._cancelled:
+                handle._run()
 
 
 class VirtualClock:

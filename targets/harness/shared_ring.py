@@ -98,6 +98,7 @@ class RingTransport:
         self._out_base, self._in_base = COUNTERS + side * CAPACITY, COUNTERS + (1 - side) * CAPACITY
         self._closing = False
         self._polls = 0
+        self._free = 0  # room the reader had left the last time this side looked (it only grows since)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -107,12 +108,19 @@ class RingTransport:
 
     # -- writing ----------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
+        at = self._written % CAPACITY
+        if len(data) <= min(self._free, CAPACITY - at):  # room known already, and no wrap: one copy
+            self.memory[self._out_base + at : self._out_base + at + len(data)] = data
+            self._written += len(data)
+            self._free -= len(data)
+            self._counts[self._out_written] = self._written  # after the bytes: publish
+            return
         view, started = memoryview(data), None
         while view and not self._closing:
             read = self._count(self._out_read, self._written - CAPACITY, self._written)
             if read is None:
                 return
-            free = CAPACITY - (self._written - read)
+            free = self._free = CAPACITY - (self._written - read)
             if not free:  # the reader is behind by a whole ring: wait for it (it is the other process)
                 started = started or time.monotonic()
                 if time.monotonic() - started > FULL_RING_S:
@@ -125,6 +133,7 @@ class RingTransport:
             n = min(len(view), free, CAPACITY - at)
             self.memory[self._out_base + at : self._out_base + at + n] = view[:n]
             self._written += n
+            self._free -= n
             self._counts[self._out_written] = self._written  # after the bytes: publish
             view = view[n:]
 

@@ -88,7 +88,7 @@ class SimEngine:
         self._epoch_at_top = 0  # the epoch when the serving loop last went round
         # (start, seconds per iteration, iterations to its event) of the chunk decoding now
         self._decoding: tuple[float, float, float] | None = None
-        self._phase = "starting"  # the serving loop's state (see _wake)
+        self._phase = "starting"  # the serving loop's state: starting, prefill, decoding, idle, woken, closed
         self._timer: asyncio.TimerHandle | None = None
         self._loop.call_soon(self._top)
 
@@ -173,17 +173,19 @@ class SimEngine:
             self._timer.cancel()
 
     # -- the serving loop --------------------------------------------------------------------------
-    # One loop, written as callbacks (a simulated run spends most of its time here, and a task's
-    # every wake-up costs a future and a step): go round (``_top``): admit what fits and prefill it
-    # (decode pauses, a wake changes nothing), then decode until the next sequence finishes or the
-    # cache fills, or until woken (an arrival, an abort, a pause), and go round again. Each wake and
-    # each timer takes one turn of the event loop before the engine acts on it, as an awaited
-    # future would, so the engine's events keep their order among everyone else's.
+    # One loop, written as callbacks (a simulated run spends much of its time here, and a task's every
+    # wake-up costs a future and a step): go round (``_top``): admit what fits and prefill it (decode
+    # pauses, a wake changes nothing), then decode until the next sequence finishes or the cache
+    # fills, or until woken (an arrival, an abort, a pause), and go round again. A wake takes effect
+    # through a timer due at once, which runs after everything this instant has ready: the arrivals
+    # of one burst wake an engine once.
     def _wake(self) -> None:
         """Interrupt the serving loop's wait: something changed (an arrival, an abort, a pause)."""
         if self._phase in ("idle", "decoding"):
+            if self._timer is not None:
+                self._timer.cancel()
             self._woken_from, self._phase = self._phase, "woken"
-            self._loop.call_soon(self._resume)
+            self._timer = self._loop.call_later(0.0, self._resume)
 
     def _top(self) -> None:
         if self._phase == "closed":
@@ -192,12 +194,9 @@ class SimEngine:
         prefill = self._admit()
         if prefill > 0:  # decode pauses while the new requests prefill
             self._phase = "prefill"
-            self._timer = self._loop.call_later(prefill, self._prefilled)
+            self._timer = self._loop.call_later(prefill, self._after_prefill)
             return
         self._decode()
-
-    def _prefilled(self) -> None:
-        self._loop.call_soon(self._after_prefill)
 
     def _after_prefill(self) -> None:
         if self._phase == "closed":
@@ -206,6 +205,11 @@ class SimEngine:
             self._top()
         else:
             self._decode()
+
+    def _chunk_end(self) -> None:
+        """The decoding chunk reached its event (a sequence done, the cache full)."""
+        self._woken_from, self._phase = "decoding", "woken"
+        self._resume()
 
     def _decode(self) -> None:
         """Decode until the next event, or wait for a wake when nothing runs."""
@@ -217,15 +221,13 @@ class SimEngine:
         to_event = self._iterations_to_event()
         self._decoding = (self._loop.time(), iteration, to_event)
         self._phase = "decoding"
-        self._timer = self._loop.call_later(to_event * iteration, self._wake)
+        self._timer = self._loop.call_later(to_event * iteration, self._chunk_end)
 
     def _resume(self) -> None:
-        """A turn after a wake (or the chunk's timer): credit what was decoded, finish, go round."""
+        """After a wake or the chunk's end: credit what was decoded, finish, go round."""
         if self._phase == "closed":
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer = None  # the one that brought us here
         if self._woken_from == "decoding" and self._epoch_at_top == self._epoch:
             self._progress()
             self._finish(self._finished())

@@ -54,7 +54,8 @@ class ResponseLengths:
         self.budget = tokens.response
         self.seed = seed
         self.spec = spec
-        self._z_task: dict[str, float] = {}  # one draw per task, made once (seeding a Random from a string is dear)
+        self._z_task: dict[str, float] = {}  # one draw per task, made once
+        self._z_of_episode: dict[str, float] = {}  # the same, by episode (finding an episode's task is dearer)
         if spec is None:
             return
         sigma = math.hypot(spec.task_sigma, spec.turn_sigma)
@@ -68,10 +69,13 @@ class ResponseLengths:
         """The tokens turn ``turn`` of ``episode_id`` generates, its whole budget without a spec."""
         if self.spec is None:
             return self.budget
-        task = self.task_of(episode_id)
-        z_task = self._z_task.get(task)
+        z_task = self._z_of_episode.get(episode_id)
         if z_task is None:
-            z_task = self._z_task[task] = standard_normal(f"{self.seed}|task|{task}")
+            task = self.task_of(episode_id)
+            z_task = self._z_task.get(task)
+            if z_task is None:
+                z_task = self._z_task[task] = standard_normal(f"{self.seed}|task|{task}")
+            self._z_of_episode[episode_id] = z_task
         z_turn = standard_normal(f"{self.seed}|turn|{episode_id}|{turn}")
         tokens = math.exp(self.mu + self.spec.task_sigma * z_task + self.spec.turn_sigma * z_turn)
         return min(self.budget, max(1, round(tokens)))

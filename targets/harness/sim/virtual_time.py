@@ -26,6 +26,7 @@ import heapq
 import itertools
 import math
 import os
+import select
 import selectors
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -70,23 +71,42 @@ class Polled(Protocol):
 _PEER = object()  # the selector key data of the peer's socket while a wait blocks on it
 
 
+def _poll_mask(events: int) -> int:
+    return (select.POLLIN if events & selectors.EVENT_READ else 0) | (
+        select.POLLOUT if events & selectors.EVENT_WRITE else 0
+    )
+
+
 class _RealSelector(selectors.BaseSelector):
     """Delegates registration to a real selector; subclasses decide how long ``select`` may block.
     The peer's channel (``loop.io``, when set) is not registered: the selector reads it itself."""
 
     def __init__(self, loop: VirtualTimeLoop | FollowerTimeLoop) -> None:
         self._real = selectors.DefaultSelector()
+        # The same registrations, to ask "anything ready?" in one call: the selectors module's own
+        # select costs a microsecond of Python each time, and the loops ask several times an instant.
+        self._any = select.poll()
         self._loop = loop
         self.waited_s = 0.0  # wall seconds spent waiting for the peer (its share of a run, handoffs included)
 
     def register(self, fileobj, events, data=None) -> selectors.SelectorKey:
-        return self._real.register(fileobj, events, data)
+        key = self._real.register(fileobj, events, data)
+        self._any.register(key.fd, _poll_mask(events))
+        return key
 
     def unregister(self, fileobj) -> selectors.SelectorKey:
-        return self._real.unregister(fileobj)
+        key = self._real.unregister(fileobj)
+        self._any.unregister(key.fd)
+        return key
 
     def modify(self, fileobj, events, data=None) -> selectors.SelectorKey:
-        return self._real.modify(fileobj, events, data)
+        key = self._real.modify(fileobj, events, data)
+        self._any.modify(key.fd, _poll_mask(events))
+        return key
+
+    def _io_now(self) -> list:
+        """The I/O ready now (without waiting)."""
+        return self._real.select(0) if self._any.poll(0) else []
 
     def _ready_first(self, timeout: float | None) -> list | None:
         """What ``select`` returns before it considers waiting: nothing while callbacks are ready
@@ -97,33 +117,32 @@ class _RealSelector(selectors.BaseSelector):
         io = self._loop.io
         if io is not None and io.poll():
             return []
-        return self._real.select(0) or None
+        return self._io_now() or None
 
     def _wait_for_peer(self) -> list:
         """Wait until the peer sends (or other I/O is ready), polling first: under virtual time the
         two processes take turns, and the peer's answer usually comes within tens of microseconds,
         less than the kernel takes to put a process to sleep and wake it again (a blocking wait
-        cost about 35 µs a round trip on a 2-core VM, polling about 9). Each poll yields the CPU,
-        so a process that shares the core loses nothing. After ``SPIN_S`` without an answer the
-        wait dozes: it sleeps a millisecond at a time (the peer's shared-memory ring wakes no one)."""
+        cost about 35 µs a round trip on a 2-core VM). Every 16th poll also looks at other I/O and
+        yields the CPU, so a process that shares the core loses little. After ``SPIN_S`` without an
+        answer the wait dozes: it sleeps a millisecond at a time (the peer's shared-memory ring
+        wakes no one). ``waited_s`` counts until the answer is seen, not once it is handled."""
         started = time.perf_counter()
         give_up, io, polls = started + SPIN_S, self._loop.io, 0
         while True:
+            looked = time.perf_counter()
             if io is not None and io.poll():
-                ready = []
-                break
+                self.waited_s += looked - started
+                return []
             polls += 1
-            if io is None or polls % 16 == 0:  # other I/O (only the loop's own wake-up pipe, in a run) now and then
-                dozing = time.perf_counter() > give_up
-                ready = self._doze(io) if dozing else self._real.select(0)
+            if io is None or polls % 16 == 0:
+                dozing = looked > give_up
+                ready = self._doze(io) if dozing else self._io_now()
                 if ready:
-                    break
-                if dozing and io is None:
-                    continue
-            if polls % 16 == 0:
-                os.sched_yield()
-        self.waited_s += time.perf_counter() - started
-        return ready
+                    self.waited_s += time.perf_counter() - started
+                    return ready
+                if not dozing:
+                    os.sched_yield()
 
     def _doze(self, io: Polled | None) -> list:
         """Sleep until other I/O is ready, the peer's socket is (it went away), or a millisecond passed."""
@@ -151,7 +170,7 @@ class _ClockSelector(_RealSelector):
             return []
         loop, peer = self._loop, self._loop.peer
         if loop.timer_due():  # a timer of this instant runs before anything of it leaves
-            loop.call_soon(loop.run_due_timers)
+            loop.timers_due = True
             return []
         if peer is not None:
             peer.flush()
@@ -175,8 +194,7 @@ class _ClockSelector(_RealSelector):
         loop.advance(max(0.0, until - now))
         if peer is not None and deadline is not None and deadline <= until:
             peer.wake(loop.time())
-        if timer is not None and timer <= until:
-            loop.call_soon(loop.run_due_timers)
+        loop.timers_due = timer is not None and timer <= until
         return []
 
 
@@ -216,6 +234,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self.io: Polled | None = None  # the peer's channel, read by the selector itself
         self._timers: list[tuple[float, int, VirtualTimer]] = []
         self._order = itertools.count()
+        self.timers_due = False  # set by the selector: ``_run_once`` runs them
         super().__init__(selector=_ClockSelector(self))
 
     def time(self) -> float:
@@ -232,7 +251,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         them to run one callback)."""
         ready = self._ready
         if not ready:
-            self._process_events(self._selector.select(None))
+            events = self._selector.select(None)
+            if self.timers_due:  # the selector found timers due now (time may have moved to them)
+                self.timers_due = False
+                self.run_due_timers()
+            self._process_events(events)
         while ready:
             handle = ready.popleft()
             if not handle._cancelled:

@@ -184,8 +184,9 @@ def main(
             str(middle["controller_round_trips"]),
             f"{middle['controller_round_trips'] * bare_us / 1e6:.1f}",
         )
-    Console().print(table)
-    Console().print(
+    console = Console(width=max(Console().width, 160))  # the table's nine columns, whole even in a pipe
+    console.print(table)
+    console.print(
         f"floor s = round trips x {bare_us:.1f} µs, one bare controller round trip over the machinery a run uses "
         "(virtual-time loops, the shared-memory rings), measured now: the wall time of the round trips alone, "
         "before any simulation or controller work. harness µs/turn: the run's wall time less the time the harness "

@@ -434,7 +434,9 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
 
     from targets.api import Aborted, GenerateRequest, SamplingParams
     from targets.harness.channel import Received
-    from targets.harness.drive import ControllerLink
+    from targets.harness.clock import WallClock
+    from targets.harness.drive import ControllerLink, TracedCluster
+    from targets.harness.trace import Trace
 
     controller_memory, seen, sent = PromptMemory(), [], []
 
@@ -442,8 +444,8 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
         def drop(self, episode, reason):
             seen.append(("drop", episode, reason))
 
-    class Cluster:
-        by_id: dict = {}
+    class Cluster:  # a candidate's cluster, answering by await
+        devices: list = []
 
         async def generate(self, request):
             seen.append(("generate", request.prompt))
@@ -456,14 +458,58 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
 
     async def burst():
         link = ControllerLink(None, Envs(), clock=None, virtual=False)
-        link.cluster, link.send = Cluster(), sent.append
+        link.cluster, link.send = TracedCluster(Cluster(), Trace(WallClock()), {}), sent.append
         link._dispatch(frame_of(GenerateRequest("g0/e5", 0, [1, 2, 3], SamplingParams(4)), 1))
-        await asyncio.gather(*link._tasks.values())  # turn 0 served; then the burst:
+        await asyncio.gather(*link._tasks.values(), return_exceptions=True)  # turn 0 served; then the burst:
         link._dispatch(frame_of(GenerateRequest("g0/e5", 1, [1, 2, 3, 4, 5], SamplingParams(4)), 2))
         link._dispatch(Received({"kind": "env", "method": "drop", "episode": "g0/e5", "reason": "redundant"}, []))
-        await asyncio.gather(*link._tasks.values())
+        await asyncio.gather(*link._tasks.values(), return_exceptions=True)
         assert not link.done.done(), link.done.exception()
 
     asyncio.run(burst())
     assert ("generate", [1, 2, 3, 4, 5]) in seen and ("drop", "g0/e5", "redundant") in seen
     assert len(sent) == 2  # both calls answered (Aborted), neither broke the protocol
+
+
+def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
+    """A controller may say hello and call generate in one burst, before the harness has built the
+    cluster: the call is served once it has, not refused as a protocol break; a call before any
+    hello still is one."""
+    from targets.api import Completion, Declared, GenerateRequest, SamplingParams
+    from targets.harness.channel import Received
+    from targets.harness.clock import WallClock
+    from targets.harness.drive import ControllerLink, TracedCluster
+    from targets.harness.trace import Trace
+    from targets.harness.wire import put_declared
+
+    sent = []
+    envs = SimpleNamespace(workload=SimpleNamespace(over_declared_limits=lambda declared: None), max_extra=0)
+
+    class Cluster:
+        devices: list = []
+
+        async def generate(self, request):
+            return Completion([7, 8, 9], [0.0] * 3, "stop", 0)
+
+    def generate(id: int) -> Received:  # the controller's first call for the episode
+        frame = Frame(kind="cluster", method="generate", id=id)
+        request = GenerateRequest("g0/e0", 0, [1, 2], SamplingParams(4))
+        frame.header["request"] = put_request(frame, request, PromptMemory())
+        return Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+
+    async def run() -> None:
+        early = ControllerLink(None, envs, clock=None, virtual=False)
+        with pytest.raises(ProtocolError, match="before the controller's hello"):
+            early._dispatch(generate(1))
+        link = ControllerLink(None, envs, clock=None, virtual=False)
+        link.send = sent.append
+        hello = {"kind": "hello", "declared": put_declared(Declared()), "rollout": [], "train": []}
+        link._dispatch(Received(hello, []))
+        link._dispatch(generate(1))
+        assert not sent and not link._tasks  # waiting for the cluster
+        link.open(TracedCluster(Cluster(), Trace(WallClock()), {}))
+        await asyncio.gather(*link._tasks.values())
+        assert not link.done.done(), link.done.exception()
+
+    asyncio.run(run())
+    assert len(sent) == 1 and sent[0].header.get("id") == 1 and "completion" in sent[0].header

@@ -36,6 +36,7 @@ from targets.harness.environments import EnvironmentPool
 from targets.harness.process_tree import kill_tree
 from targets.harness.remote import CandidateError, RemoteCluster, raise_if_error
 from targets.harness.sandbox import Sandbox
+from targets.harness.sim.cluster import Answer
 from targets.harness.sim.engine import simulated_response
 from targets.harness.trace import Trace
 from targets.harness.wire import (
@@ -66,18 +67,28 @@ class TracedCluster:
         self.steps = 0
         self._resident: dict | None = None
 
-    async def generate(self, request: GenerateRequest) -> Completion:
+    def generate_then(self, request: GenerateRequest, done: Answer) -> asyncio.Task | None:
+        """Serve ``request`` on the cluster and record it; ``done`` is told its completion or the
+        error it ended in. The simulator answers by callback; a cluster that answers only by await
+        (a candidate's) gets a task, returned so the caller can cancel it at the end of the run."""
         start = self.trace.clock.now()
-        try:
-            completion = await self.inner.generate(request)
-        except Aborted as error:
-            if error.partial is None:
+
+        def recorded(result: Completion | BaseException) -> None:
+            if isinstance(result, Completion):
+                self._record(request, result, start, aborted=False)
+            elif isinstance(result, Aborted) and result.partial is None:
                 self.trace.record("generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True)
-            else:  # what it decoded is recorded: a resumed turn's response is checked against it
-                self._record(request, error.partial, start, aborted=True)
-            raise
-        self._record(request, completion, start, aborted=False)
-        return completion
+            elif isinstance(result, Aborted):  # what it decoded is recorded: a resumed turn's response is checked
+                self._record(request, result.partial, start, aborted=True)
+            done(result)
+
+        then = getattr(self.inner, "generate_then", None)
+        if then is not None:
+            then(request, recorded)
+            return None
+        task = asyncio.ensure_future(self.inner.generate(request))
+        task.add_done_callback(lambda task: None if task.cancelled() else recorded(task.exception() or task.result()))
+        return task
 
     def _record(self, request: GenerateRequest, completion: Completion, start: float, aborted: bool) -> None:
         tokens, p = self.trace.tokens, request.params
@@ -176,7 +187,8 @@ class ControllerLink:
 
     def __init__(self, channel: AsyncChannel, envs: EnvironmentPool, clock, virtual: bool) -> None:
         self.channel, self.envs, self.clock, self.virtual = channel, envs, clock, virtual
-        self.cluster: TracedCluster | None = None  # set once the controller said hello
+        self.cluster: TracedCluster | None = None  # set by ``open`` once the controller said hello
+        self._early: list[tuple[Received, Any]] = []  # cluster calls that came before ``open``
         self.memory = PromptMemory(counts=virtual)  # a simulated run keeps token counts only
         self.episodes: dict[str, Any] = {}
         self.declared = Declared()  # what the controller's hello declares
@@ -287,8 +299,13 @@ class ControllerLink:
         elif kind == "cluster":
             # Tokens travel as deltas against the episode's last prompt: decode them now, in arrival
             # order, before a drop later in the same burst (a cancelled spare) forgets that prompt.
-            tokens, key = self._decode_tokens(rx), next(self._numbers)
-            self._tasks[key] = asyncio.create_task(self._answer(rx, tokens, key))
+            tokens = self._decode_tokens(rx)
+            if self.cluster is not None:
+                self._call(rx, tokens)
+            elif self.hello.done():  # right behind the hello, before the harness built the cluster
+                self._early.append((rx, tokens))
+            else:
+                raise ProtocolError("a cluster call before the controller's hello")
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")
 
@@ -303,6 +320,43 @@ class ControllerLink:
         except ValueError as error:  # a sampling or batch field the contract's own types refuse
             raise ProtocolError(str(error)) from None
         return None
+
+    def open(self, cluster: TracedCluster) -> None:
+        """Serve cluster calls on ``cluster`` from now on, the ones that came early first, in order."""
+        self.cluster = cluster
+        early, self._early = self._early, []
+        for rx, tokens in early:
+            self._call(rx, tokens)
+
+    def _call(self, rx: Received, tokens) -> None:
+        key = next(self._numbers)
+        if rx.get("method") == "generate":
+            self._generate(rx.get("id"), tokens, key)
+        else:
+            self._tasks[key] = asyncio.create_task(self._answer(rx, tokens, key))
+
+    def _generate(self, request_id: Any, request: GenerateRequest, key: int) -> None:
+        """Answer a generate call when the cluster has served it (a callback, not a task a turn)."""
+
+        def done(result: Completion | BaseException) -> None:
+            self._tasks.pop(key, None)
+            if self.done.done():
+                return  # the run is over: nobody waits for this answer
+            try:
+                if isinstance(result, BaseException):
+                    reply = self._error_reply(request_id, result)
+                else:
+                    reply = Frame(id=request_id)
+                    reply.header["completion"] = put_completion(reply, result, self.memory.counts)
+            except Exception as error:  # noqa: BLE001 - a harness bug: the run fails with it, loudly
+                self.fail(error)
+                return
+            if reply is not None:
+                self.send(reply)
+
+        task = self.cluster.generate_then(request, done)
+        if task is not None:
+            self._tasks[key] = task
 
     async def _answer(self, rx: Received, tokens, key: int) -> None:
         """Answer one cluster call (a task of its own: it takes the cluster's time)."""
@@ -370,17 +424,12 @@ class ControllerLink:
     async def _cluster(self, rx: Received, reply: Frame, tokens) -> None:
         """``tokens``: the generate request or train batch, decoded as the frame arrived."""
         cluster = self.cluster
-        if cluster is None:
-            raise ProtocolError("a cluster call before the controller's hello")
         by_id, names = cluster.by_id, rx.get("devices")
         if names is not None and (not isinstance(names, list) or any(n not in by_id for n in names)):
             raise ValueError(f"unknown devices {names!r}; this cluster has {sorted(by_id)}")
         devices = [] if names is None else [by_id[n] for n in names]
         method = rx.get("method")
-        if method == "generate":
-            completion = await cluster.generate(tokens)
-            reply.header["completion"] = put_completion(reply, completion, self.memory.counts)
-        elif method in ("shrink", "expand"):
+        if method in ("shrink", "expand"):
             await getattr(cluster, method)(devices)
         elif method == "train":
             reply.header["version"] = await cluster.train(tokens, devices)
@@ -515,7 +564,7 @@ async def drive_real(
     serving = asyncio.create_task(link.serve())
     try:
         _, _, declared = await _hello(link, processes)
-        link.cluster = TracedCluster(remote, trace, weights)
+        traced = TracedCluster(remote, trace, weights)
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],
@@ -524,7 +573,8 @@ async def drive_real(
             engines={},
             declared=put_declared(declared),
         )
-        await link.cluster._residency()
+        link.open(traced)
+        await traced._residency()
         mark("run_start")
         await serving
     finally:
@@ -568,7 +618,7 @@ def drive_simulated(
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
         cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], cost, lengths)
-        link.cluster = TracedCluster(cluster, trace, {})
+        traced = TracedCluster(cluster, trace, {})
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],
@@ -577,7 +627,8 @@ def drive_simulated(
             engines=cluster.engine_devices,
             declared=put_declared(declared),
         )
-        await link.cluster._residency()
+        link.open(traced)
+        await traced._residency()
         try:
             await serving
         finally:

@@ -15,12 +15,15 @@ of the batch over the given devices; ``sync_weights`` drains each engine's runni
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 from targets.api import Aborted, Completion, Device, GenerateRequest, StateDict, TrainBatch
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
 from targets.harness.sim.response_length import ResponseLengths
+
+Answer = Callable[[Completion | BaseException], None]  # told a request's completion or the error it ended in
 
 
 class SimCluster:
@@ -44,8 +47,7 @@ class SimCluster:
         self._engine_of = {device: engine for engine in self.engines for device in engine.devices}
         self._active = set(self.engines)
         self._sticky: dict[str, SimEngine] = {}
-        self._routable = asyncio.Event()
-        self._routable.set()
+        self._blocked: list[tuple[GenerateRequest, Answer]] = []  # requests that came while no engine served
         self._suspended = False
         self._training: set[str] = set()  # devices the trainer last trained on
         self.version = 0
@@ -64,9 +66,20 @@ class SimCluster:
 
     # -- rollout -----------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> Completion:
-        while self._suspended or not self._active:
-            self._routable.clear()
-            await self._routable.wait()
+        answer = asyncio.get_running_loop().create_future()
+        self.generate_then(request, answer.set_result)
+        result = await answer
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def generate_then(self, request: GenerateRequest, done: Answer) -> None:
+        """Serve ``request``; ``done`` is told its completion, or the error it ended in (``Aborted``
+        when its engine was shrunk, suspended or interrupted). Callbacks, not a task a request: a
+        simulated run makes millions. While no engine serves, the request waits for one."""
+        if self._suspended or not self._active:
+            self._blocked.append((request, done))
+            return
         engine = self._engine_of.get(request.device)  # None when the candidate leaves it to us
         if engine not in self._active:
             engine = self._sticky.get(request.episode_id)
@@ -75,12 +88,32 @@ class SimCluster:
         self._sticky[request.episode_id] = engine
         budget = request.params.max_new_tokens
         length = min(budget, max(1, self.lengths.of(request.episode_id, request.turn) - request.continues))
-        completion = await engine.submit(request.episode_id, len(request.prompt), budget, length)
-        if self.cost.request_overhead_s:
-            await asyncio.sleep(self.cost.request_overhead_s)  # the answer's way back; the engine serves on
+        served = functools.partial(self._served, request, engine, done)
+        try:
+            engine.submit(request.episode_id, len(request.prompt), budget, length, served)
+        except (ValueError, RuntimeError) as error:  # a request the engine cannot take: its caller is told
+            done(error)
+
+    def _served(self, request: GenerateRequest, engine: SimEngine, done: Answer, completion: Completion) -> None:
+        if self.cost.request_overhead_s:  # the answer's way back; the engine serves on
+            asyncio.get_running_loop().call_later(
+                self.cost.request_overhead_s, self._answered, request, engine, done, completion
+            )
+        else:
+            self._answered(request, engine, done, completion)
+
+    @staticmethod
+    def _answered(request: GenerateRequest, engine: SimEngine, done: Answer, completion: Completion) -> None:
         if completion.finish_reason == "abort":
-            raise Aborted(f"{request.episode_id} turn {request.turn} aborted on {engine.name}", completion)
-        return completion
+            done(Aborted(f"{request.episode_id} turn {request.turn} aborted on {engine.name}", completion))
+        else:
+            done(completion)
+
+    def _unblock(self) -> None:
+        """Engines serve again: the requests that waited go out, in the order they came."""
+        blocked, self._blocked = self._blocked, []
+        for request, done in blocked:
+            self.generate_then(request, done)
 
     def _engines_on(self, devices: Sequence[Device]) -> list[SimEngine]:
         return sorted({self._engine_of[d.id] for d in devices if d.id in self._engine_of}, key=lambda e: e.name)
@@ -105,7 +138,7 @@ class SimCluster:
         stale = [e for e in engines if e.version != self.version]
         await asyncio.gather(*(e.load_weights(self.version, self.cost.sync_s()) for e in stale))
         self._active |= set(engines)
-        self._routable.set()
+        self._unblock()
 
     # -- training and weights ----------------------------------------------------------------------
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
@@ -138,7 +171,6 @@ class SimCluster:
     async def suspend(self) -> None:
         """All rollout paused: every engine offloaded (its requests aborted), the devices free to train."""
         self._suspended = True
-        self._routable.clear()
         engines = [e for e in self.engines if not e.offloaded]
         for engine in engines:
             engine.offload()
@@ -155,7 +187,7 @@ class SimCluster:
             stale = [e for e in engines if e.version != self.version]
             await asyncio.gather(*(e.load_weights(self.version, self.cost.sync_s()) for e in stale))
         self._suspended = False
-        self._routable.set()
+        self._unblock()
 
     async def residency(self) -> dict[str, list[str]]:
         """An awake engine holds its devices; a trainer holds a device it trained on while no awake

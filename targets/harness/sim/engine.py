@@ -25,6 +25,7 @@ import itertools
 import math
 import zlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,12 +51,13 @@ class _Sequence:
     prompt_tokens: int
     max_new: int
     length: int  # tokens this turn generates (<= max_new)
-    future: asyncio.Future
+    done: Callable[[Completion], None]  # told the completion, once
     generated: float = 0.0  # out of the batch; in it, what the engine's ``generated`` says
     version: int = 0
     preempted: bool = False  # waiting to be prefilled again after its KV was taken back
     mark: float = 0.0  # in the batch: the batch's iterations when this one would have had none
     admitted: int = -1  # in the batch: its admission number (the batch's order); -1 out of it
+    answered: bool = False
 
     @property
     def context(self) -> float:
@@ -97,8 +99,16 @@ class SimEngine:
     def load(self) -> int:
         return len(self.queue) + len(self.running)
 
-    def submit(self, episode: str, prompt_tokens: int, max_new: int, length: int | None = None) -> asyncio.Future:
-        """Queue a turn that generates ``length`` tokens (default: the whole ``max_new`` budget)."""
+    def submit(
+        self,
+        episode: str,
+        prompt_tokens: int,
+        max_new: int,
+        length: int | None = None,
+        done: Callable[[Completion], None] | None = None,
+    ) -> asyncio.Future | None:
+        """Queue a turn that generates ``length`` tokens (default: the whole ``max_new`` budget);
+        ``done`` is told its completion (when not given, a future is, and is returned)."""
         length = max_new if length is None else length
         if self.offloaded:
             raise RuntimeError(f"{self.name}: request routed to an offloaded engine")
@@ -108,9 +118,12 @@ class SimEngine:
             )
         if not 1 <= length <= max_new:
             raise ValueError(f"{self.name}: a turn of {length} tokens does not fit its budget of {max_new}")
-        future = self._loop.create_future()
+        future = None
+        if done is None:
+            future = self._loop.create_future()
+            done = future.set_result
         head = not self.queue  # behind others, it cannot be admitted before they are: no need to interrupt
-        self.queue.append(_Sequence(episode, prompt_tokens, max_new, length, future))
+        self.queue.append(_Sequence(episode, prompt_tokens, max_new, length, done))
         if head and (self.cost.continuous_batching or not self.running):
             self._wake()
         return future
@@ -122,26 +135,23 @@ class SimEngine:
         self._progress()
         for seq in self.running:
             self._leave_batch(seq)
-        for seq in self.running + [s for s in self.queue if s.preempted]:
-            if not seq.future.done():
-                seq.future.set_result(self._completion(seq, "abort"))
+        answered = self.running + [s for s in self.queue if s.preempted]
         self.queue = deque(s for s in self.queue if not s.preempted)
         self.running = []
         self._empty_batch()
         self._epoch += 1
         self._drained.set()
         self._wake()
+        self._answer([(seq, self._completion(seq, "abort")) for seq in answered])
 
     def abort(self) -> None:
         """Interrupt the running requests, answer the queued ones as aborted too, and drop the
         prefix cache."""
         self.interrupt()
-        for seq in self.queue:
-            if not seq.future.done():
-                seq.future.set_result(self._completion(seq, "abort"))
-        self.queue = deque()
+        answered, self.queue = self.queue, deque()
         self.cached.clear()
         self._cached_tokens = 0
+        self._answer([(seq, self._completion(seq, "abort")) for seq in answered])
 
     # -- weights and memory -----------------------------------------------------------------------
     async def load_weights(self, version: int, seconds: float, interrupt: bool = False) -> None:
@@ -345,11 +355,19 @@ class SimEngine:
             self._context -= seq.context
             seq.generated = seq.length
             self._cache(seq.episode, seq.prompt_tokens + seq.length)  # the turn's KV becomes the cached prefix
-            seq.future.set_result(self._completion(seq, "stop" if seq.length < seq.max_new else "length"))
         if done and not self.running:
             self._empty_batch()
             self._drained.set()
         self._evict_to(self.capacity)
+        self._answer([(seq, self._completion(seq, "stop" if seq.length < seq.max_new else "length")) for seq in done])
+
+    def _answer(self, answers: list[tuple[_Sequence, Completion]]) -> None:
+        """Tell each sequence its completion, once: after the engine's own state is whole again (an
+        answer may lead straight to another request)."""
+        for seq, completion in answers:
+            if not seq.answered:
+                seq.answered = True
+                seq.done(completion)
 
     def _completion(self, seq: _Sequence, finish: str) -> Completion:
         """A count of tokens (a simulated run records counts; ``simulated_response`` says what they are)."""

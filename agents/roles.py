@@ -128,14 +128,16 @@ class Evaluator(Protocol):
 
 class Planner(Protocol):
     """What the backlog and evolve policies ask of a planner: tasks that answer the evaluator's hints
-    on a candidate's parameters, the technique compositions open to it, and a random legal parameter
-    move."""
+    on a candidate's parameters, the technique compositions open to it, and its legal parameter moves
+    (all of them, or one at random)."""
 
     spec: TargetSpec
 
     def tasks_from_hints(self, hints: list[Hint], params: dict) -> list[Task]: ...
 
     def composition_tasks(self, params: dict) -> list[Task]: ...
+
+    def parameter_moves(self, params: dict) -> list[Task]: ...
 
     def perturbation(self, params: dict) -> Task | None: ...
 

@@ -361,6 +361,44 @@ def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
     assert proposal[1].source == "mutation"  # then parameter moves
 
 
+def test_a_dry_backlog_stops_only_when_every_move_and_composition_was_tried_on_the_best(tiny_spec):
+    """The run stops on its budget while anything is untried on the best: every legal parameter move
+    (not a few random draws), then the compositions given up on under an earlier best, which the rest
+    of this best's set may now favour. Only then is there nothing left."""
+    from types import SimpleNamespace
+
+    from orchestrator.policies.backlog import BacklogPolicy
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    params = starter_params(tiny_spec, "time_multiplex")
+    compositions = {t.id for t in planner.composition_tasks(params)}
+    moves = {t.id for t in planner.parameter_moves(params)}
+    assert len(moves) >= 4 and not moves & compositions
+    tried: set = set()
+    state = SimpleNamespace(
+        best=SimpleNamespace(commit="c1"),
+        backlog=[],
+        rounds=[],
+        accepted=lambda: [],
+        tried=lambda: tried,
+        abandoned=lambda: compositions,  # each measured without gain on the earlier best, c0
+    )
+    proposed = []
+    while proposal := BacklogPolicy(planner, seed=3).propose(state, lambda record: params):
+        assert proposal[1].id not in proposed, proposal[1].id
+        proposed.append(proposal[1].id)
+        tried.add(("c1", proposal[1].id))
+    assert set(proposed[: len(moves)]) == moves  # every move first, then the abandoned compositions
+    assert set(proposed[len(moves) :]) == compositions
+    again = []
+    tried.clear()
+    while (proposal := BacklogPolicy(planner, seed=3).propose(state, lambda record: params)) and len(again) < 3:
+        again.append(proposal[1].id)
+        tried.add(("c1", proposal[1].id))
+    assert again == proposed[:3]  # one order for a seed and a parent, resumed or not
+
+
 def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_means_what_it_says(tiny_spec):
     """Hints on round 0 queued "add redundant_envs" (at 2); a later best has it on at 3. There the queued
     addition would move it back to 2 under the label "add": it is passed over, as are a move of a

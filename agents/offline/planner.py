@@ -228,9 +228,14 @@ class OfflinePlanner:
         return not (skill.kind == "technique" and skill.enable) or skill.is_on(params)
 
     def perturbation(self, params: dict) -> Task | None:
-        """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation,
-        and the backlog's fallback when it runs dry)."""
-        candidates = []
+        """A random legal move of one tunable parameter that applies to ``params`` (evolve's mutation)."""
+        moves = self.parameter_moves(params)
+        return self.rng.choice(moves) if moves else None
+
+    def parameter_moves(self, params: dict) -> list[Task]:
+        """Every legal one-step move of a tunable parameter in use on ``params`` (a device count by one
+        engine, a stepped count by one step, anything else halved or doubled), in a fixed order."""
+        tasks = []
         for skill in self.skills.values():
             if not self._in_use(skill, params):
                 continue  # another controller's, or a technique that is off (adding it is a composition task)
@@ -242,11 +247,9 @@ class OfflinePlanner:
                 for move in moves:
                     value = self._moved(name, current, move, param)
                     if value != current and self.legal(name, value, [skill.name]):
-                        candidates.append((skill, name, current, value))
-        if not candidates:
-            return None
-        skill, name, current, value = self.rng.choice(candidates)
-        return self._param_task(skill, name, value, f"explore: {name} {_fmt(current)} -> {_fmt(value)}", "mutation", 0)
+                        reason = f"explore: {name} {_fmt(current)} -> {_fmt(value)}"
+                        tasks.append(self._param_task(skill, name, value, reason, "mutation", 0))
+        return tasks
 
     def _default(self, name: str):
         if name == "async_ratio":  # the target's own bound, which a stack runs under unless it declares one

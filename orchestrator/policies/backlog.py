@@ -2,10 +2,14 @@
 takes the highest-priority task not yet tried on it and not abandoned anywhere in the run (measured
 without gain, or rejected: the plan's ABANDONED steps); the evaluator's hints (through the
 planner's skill triggers) add tasks. When the backlog runs dry, the planner composes techniques
-(adds one, or removes one), then proposes a parameter move: the run stops on its budget while any
-composition is untried. A task whose result is a configuration the run built already is skipped."""
+(adds one, or removes one), then moves a parameter (in an order the run's seed shuffles), and last
+retries a composition abandoned on an earlier best on this one, where the rest of the set may now
+favour it: the run stops on its budget while any of these is untried on the best. A task whose
+result is a configuration the run built already is skipped."""
 
 from __future__ import annotations
+
+import random
 
 from agents.roles import Hint, Task
 from orchestrator.policies.novelty import built_configurations, rebuilds
@@ -16,7 +20,7 @@ class BacklogPolicy:
     name = "backlog"
 
     def __init__(self, planner, seed: int) -> None:
-        self.planner = planner
+        self.planner, self.seed = planner, seed
 
     def propose(self, state: RunState, params_of) -> tuple[RoundRecord, Task] | None:
         parent = state.best
@@ -39,12 +43,14 @@ class BacklogPolicy:
         for task in sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id)):
             if fresh(task):
                 return parent, task
-        for _ in range(20):  # nothing left to compose on the best: explore a parameter
-            task = self.planner.perturbation(params)
-            if task is None:
-                return None
+        moves = self.planner.parameter_moves(params)
+        random.Random(f"{self.seed}/{parent.commit}").shuffle(moves)  # the same order when a run resumes
+        for task in moves:
             if fresh(task):
                 return parent, task
+        for task in sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id)):
+            if (parent.commit, task.id) not in tried and not rebuilds(params, task, built):
+                return parent, task  # given up on under another best, never tried on this one
         return None
 
     def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:

@@ -399,6 +399,47 @@ def test_a_dry_backlog_stops_only_when_every_move_and_composition_was_tried_on_t
     assert again == proposed[:3]  # one order for a seed and a parent, resumed or not
 
 
+def test_a_controller_switch_that_lost_is_followed_once_by_the_technique_its_findings_call_for(tiny_spec):
+    """The long-CoT target's trap: time_multiplex alone loses to colocate (its syncs drain 16K-token
+    turns), time_multiplex + partial_rollout wins by 1.3x, and partial_rollout cannot go on colocate.
+    The backlog follows the losing switch with what its own findings (slow_sync, tail_idle) call for
+    most, on the switch itself; once followed up, it goes back to the best."""
+    from types import SimpleNamespace
+
+    from agents.roles import Task
+    from orchestrator.policies.backlog import BacklogPolicy
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    colocate, multiplexed = starter_params(tiny_spec, "colocate"), starter_params(tiny_spec, "time_multiplex")
+    hints = [{"code": "slow_sync", "message": "sync 40%"}, {"code": "tail_idle", "message": "tail 30%"}]
+
+    def record(commit, parent, task, became_best, hints=()):
+        return SimpleNamespace(
+            commit=commit, parent_commit=parent, task=task, verdict="accepted", became_best=became_best, hints=hints
+        )
+
+    best = record("c0", "", Task(id="starter", title="s", rationale="r"), True)
+    switch = record("c1", "c0", Task(id="controller=time_multiplex", title="t", rationale="r"), False, hints)
+    rounds, tried = [best, switch], {("c0", "controller=time_multiplex")}
+    state = SimpleNamespace(
+        best=best,
+        backlog=[],
+        rounds=rounds,
+        accepted=lambda: rounds,
+        tried=lambda: tried,
+        abandoned=lambda: {"controller=time_multiplex"},
+    )
+    params_of = {"c0": colocate, "c1": multiplexed}
+    parent, task = BacklogPolicy(planner, seed=0).propose(state, lambda record: params_of[record.commit])
+    assert parent is switch and task.id == "add-partial_rollout", (parent.commit, task.id)
+    rounds.append(record("c2", "c1", task, False))
+    tried.add(("c1", task.id))
+    params_of["c2"] = {**multiplexed, **task.changes}
+    parent, task = BacklogPolicy(planner, seed=0).propose(state, lambda record: params_of[record.commit])
+    assert parent is best and task.id != "add-partial_rollout"
+
+
 def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_means_what_it_says(tiny_spec):
     """Hints on round 0 queued "add redundant_envs" (at 2); a later best has it on at 3. There the queued
     addition would move it back to 2 under the label "add": it is passed over, as are a move of a

@@ -1,11 +1,12 @@
 """backlog: an issue tracker of structured tasks. Every round starts from the best candidate and
 takes the highest-priority task not yet tried on it and not abandoned anywhere in the run (measured
 without gain, or rejected: the plan's ABANDONED steps); the evaluator's hints (through the
-planner's skill triggers) add tasks. When the backlog runs dry, the planner composes techniques
-(adds one, or removes one), then moves a parameter (in an order the run's seed shuffles), and last
-retries a composition abandoned on an earlier best on this one, where the rest of the set may now
-favour it: the run stops on its budget while any of these is untried on the best. A task whose
-result is a configuration the run built already is skipped."""
+planner's skill triggers) add tasks. A controller switch measured without gain is first followed
+once by the technique its own findings call for most, on top of it. When the backlog runs dry, the
+planner composes techniques (adds one, or removes one), then moves a parameter (in an order the
+run's seed shuffles), and last retries a composition abandoned on an earlier best on this one,
+where the rest of the set may now favour it: the run stops on its budget while any of these is
+untried on the best. A task whose result is a configuration the run built already is skipped."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ class BacklogPolicy:
             given_up = (parent.commit, task.id) in tried or task.id in abandoned
             return not given_up and self.planner.applies(task, params) and not rebuilds(params, task, built)
 
+        follow_up = self._follow_up(state, params_of, tried, built)
+        if follow_up is not None:
+            return follow_up
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
             if fresh(task):
                 return parent, task
@@ -51,6 +55,29 @@ class BacklogPolicy:
         for task in sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id)):
             if (parent.commit, task.id) not in tried and not rebuilds(params, task, built):
                 return parent, task  # given up on under another best, never tried on this one
+        return None
+
+    def _follow_up(self, state: RunState, params_of, tried: set, built: list) -> tuple[RoundRecord, Task] | None:
+        """A controller switch that lost is followed once by the technique its own findings call for
+        most, on top of it: a controller is rarely worth it alone (time-multiplexing pays on a
+        long-CoT target only with partial rollout hiding its syncs' drains), and greedy steps from the
+        best would never come back to it."""
+        for record in state.accepted():
+            if not record.task.id.startswith("controller=") or record.became_best or not record.commit:
+                continue
+            if any(r.parent_commit == record.commit for r in state.rounds):
+                continue  # followed up already
+            params = params_of(record)
+            tasks = [
+                t
+                for t in self.planner.tasks_from_hints([Hint(**h) for h in record.hints], params)
+                if t.id.startswith("add-")
+                and self.planner.applies(t, params)
+                and (record.commit, t.id) not in tried
+                and not rebuilds(params, t, built)
+            ]
+            if tasks:
+                return record, max(tasks, key=lambda t: (t.priority, t.id))
         return None
 
     def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:

@@ -335,6 +335,23 @@ def test_a_skill_naming_what_the_library_lacks_is_refused(tmp_path):
         load_skills(tmp_path)
 
 
+def _backlog_state(best, *, backlog=(), rounds=None, tried=None, abandoned=()):
+    """What the backlog policy reads of a run's state: its best, backlog, rounds, what was tried on
+    which parent and what was given up on (``rounds`` and ``tried`` stay live: a test adds to them)."""
+    from types import SimpleNamespace
+
+    rounds = [] if rounds is None else rounds
+    tried = set() if tried is None else tried
+    return SimpleNamespace(
+        best=best,
+        backlog=list(backlog),
+        rounds=rounds,
+        accepted=lambda: [r for r in rounds if r.verdict == "accepted"],
+        tried=lambda: tried,
+        abandoned=lambda: set(abandoned),
+    )
+
+
 def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
     from types import SimpleNamespace
 
@@ -344,14 +361,7 @@ def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
     planner = OfflinePlanner(tiny_spec)
     params = starter_params(tiny_spec, "time_multiplex")
     tried: set = set()
-    state = SimpleNamespace(
-        best=SimpleNamespace(commit="c0"),
-        backlog=[],
-        rounds=[],
-        accepted=lambda: [],
-        tried=lambda: tried,
-        abandoned=lambda: set(),
-    )
+    state = _backlog_state(SimpleNamespace(commit="c0"), tried=tried)
     policy = BacklogPolicy(planner, seed=0)
     composed = []
     while (proposal := policy.propose(state, lambda record: params)) and proposal[1].source == "composition":
@@ -376,14 +386,8 @@ def test_a_dry_backlog_stops_only_when_every_move_and_composition_was_tried_on_t
     moves = {t.id for t in planner.parameter_moves(params)}
     assert len(moves) >= 4 and not moves & compositions
     tried: set = set()
-    state = SimpleNamespace(
-        best=SimpleNamespace(commit="c1"),
-        backlog=[],
-        rounds=[],
-        accepted=lambda: [],
-        tried=lambda: tried,
-        abandoned=lambda: compositions,  # each measured without gain on the earlier best, c0
-    )
+    # each composition measured without gain on the earlier best, c0
+    state = _backlog_state(SimpleNamespace(commit="c1"), tried=tried, abandoned=compositions)
     proposed = []
     while proposal := BacklogPolicy(planner, seed=3).propose(state, lambda record: params):
         assert proposal[1].id not in proposed, proposal[1].id
@@ -422,14 +426,7 @@ def test_a_controller_switch_that_lost_is_followed_once_by_the_technique_its_fin
     best = record("c0", "", Task(id="starter", title="s", rationale="r"), True)
     switch = record("c1", "c0", Task(id="controller=time_multiplex", title="t", rationale="r"), False, hints)
     rounds, tried = [best, switch], {("c0", "controller=time_multiplex")}
-    state = SimpleNamespace(
-        best=best,
-        backlog=[],
-        rounds=rounds,
-        accepted=lambda: rounds,
-        tried=lambda: tried,
-        abandoned=lambda: {"controller=time_multiplex"},
-    )
+    state = _backlog_state(best, rounds=rounds, tried=tried, abandoned={"controller=time_multiplex"})
     params_of = {"c0": colocate, "c1": multiplexed}
     parent, task = BacklogPolicy(planner, seed=0).propose(state, lambda record: params_of[record.commit])
     assert parent is switch and task.id == "add-partial_rollout", (parent.commit, task.id)
@@ -463,14 +460,7 @@ def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_me
     ]
     assert planner.applies(add, p0) and planner.applies(stale[1], {**p0, "kv_routing": 1})
     assert [planner.applies(t, best) for t in stale] == [False] * 4
-    state = SimpleNamespace(
-        best=SimpleNamespace(commit="c1"),
-        backlog=stale,
-        rounds=[],
-        accepted=lambda: [],
-        tried=lambda: set(),
-        abandoned=lambda: set(),
-    )
+    state = _backlog_state(SimpleNamespace(commit="c1"), backlog=stale)
     _, task = BacklogPolicy(planner, seed=0).propose(state, lambda record: best)
     assert task.id not in {t.id for t in stale} and task.source == "composition", task.id
 

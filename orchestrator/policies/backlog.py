@@ -44,7 +44,8 @@ class BacklogPolicy:
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
             if fresh(task):
                 return parent, task
-        for task in sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id)):
+        compositions = sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id))
+        for task in compositions:
             if fresh(task):
                 return parent, task
         moves = self.planner.parameter_moves(params)
@@ -52,7 +53,7 @@ class BacklogPolicy:
         for task in moves:
             if fresh(task):
                 return parent, task
-        for task in sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id)):
+        for task in compositions:
             if (parent.commit, task.id) not in tried and not rebuilds(params, task, built):
                 return parent, task  # given up on under another best, never tried on this one
         return None

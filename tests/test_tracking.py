@@ -231,17 +231,19 @@ def test_a_generate_round_is_tracked_with_its_headline_and_chrome_trace(tmp_path
     assert [(r["run"], r["step"]) for r in lines[1:]] == [("round-3", 1), ("round-3", 2)]
     events = json.loads(chrome.read_text())["traceEvents"]
     cpu1 = next(e["tid"] for e in events if e["name"] == "thread_name" and e["args"]["name"] == "cpu:1")
-    slices = sorted((e["name"], e["ts"], e["dur"]) for e in events if e["ph"] == "X" and e["tid"] == cpu1)
-    assert slices == pytest.approx(
-        sorted(
-            [
-                ("rollout", 0.0, 1.5e6),
-                ("switching", 1.5e6, 0.5e6),
-                ("train", 2.6e6, 1.4e6),
-                ("switching", 4.5e6, 1.5e6),  # expand then shrink, back to back: one slice
-                ("train", 6.0e6, 1.0e6),
-            ]
-        )
+    slices = sorted(
+        ((e["name"], e["ts"], e["dur"]) for e in events if e["ph"] == "X" and e["tid"] == cpu1), key=lambda s: s[1]
+    )
+    expected = [
+        ("rollout", 0.0, 1.5e6),
+        ("switching", 1.5e6, 0.5e6),
+        ("train", 2.6e6, 1.4e6),
+        ("switching", 4.5e6, 1.5e6),  # expand then shrink, back to back: one slice
+        ("train", 6.0e6, 1.0e6),
+    ]
+    assert [name for name, _, _ in slices] == [name for name, _, _ in expected]
+    assert [x for _, ts, dur in slices for x in (ts, dur)] == pytest.approx(
+        [x for _, ts, dur in expected for x in (ts, dur)]
     )
     missing = JsonlTracker(tmp_path / "other")
     with pytest.raises(ValueError, match="round 4 kept no trace"):

@@ -1,0 +1,58 @@
+"""The README's two commands are what a newcomer pastes; CI must run the test command as written."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CI = ROOT / ".ci" / "run"
+
+
+def _readme_commands_module():
+    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci" / "readme_commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_runs_the_readmes_test_command_and_no_other_pytest():
+    commands = _readme_commands_module().readme_commands()
+    printed = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "readme_commands.py"), "test"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert printed == commands["test"]
+    assert commands["test"].startswith('pip install "torch==2.13.0" -e ".[dev]"')
+    script = CI.read_text()
+    assert 'test_command="$(python3 .ci/readme_commands.py test)"' in script
+    assert 'bash -c "set -e; $test_command"' in script
+    code = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    runs = re.compile(r"(^\s*|[;&|(]\s*|-m\s+)(pytest|ruff)\b")  # pytest or ruff in a command's place
+    assert not [line for line in code if runs.search(line)], ".ci/run runs pytest or ruff besides the README's command"
+
+
+def test_the_main_command_runs_generate_on_the_default_target():
+    main = _readme_commands_module().readme_commands()["main"]
+    assert main.startswith('pip install "torch==2.13.0" -e .')
+    assert "vibetrain generate tiny-qwen3-cpu" in main
+
+
+@pytest.mark.parametrize(
+    "block, error",
+    [
+        ("no block here\n", "no ```bash block"),
+        ("```bash\npip install x && pytest   # one\n```\n", "exactly 2 commands"),
+        ("```bash\npip install x   # main\npip install y && pytest   # tests\n```\n", "vibetrain generate"),
+        ("```bash\nvibetrain generate t   # main\npytest && ruff check .   # tests\n```\n", "end by running `pytest`"),
+    ],
+)
+def test_a_readme_without_the_two_commands_is_an_error_naming_what_is_wrong(tmp_path, block, error):
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\n" + block)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        _readme_commands_module().readme_commands(readme)

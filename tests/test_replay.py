@@ -4,11 +4,17 @@ power against too cold, too hot or greedy sampling, and the replay sample size's
 
 from __future__ import annotations
 
+import copy
 import math
+from types import SimpleNamespace
 
 import torch
 
-from targets.harness.replay import FALSE_ALARM, SAMPLED_TURNS, TemperatureTest
+from targets.api import TraceEvent
+from targets.harness.accuracy import fixed_train_batches
+from targets.harness.audit import Reasons
+from targets.harness.reference.trainer import ReferenceTrainer
+from targets.harness.replay import FALSE_ALARM, SAMPLED_TURNS, TemperatureTest, replay_training
 
 
 def _test(logits: torch.Tensor, temperature: float, sampled_at: float, generator: torch.Generator) -> TemperatureTest:
@@ -70,3 +76,70 @@ def test_sampling_too_cold_or_too_hot_is_caught():
 def test_the_replay_sample_catches_a_one_percent_cheat_with_probability_099():
     assert SAMPLED_TURNS == 459
     assert 0.99**SAMPLED_TURNS <= 0.01 < 0.99 ** (SAMPLED_TURNS - 1)
+
+
+def _bf16_spec_and_model():
+    """tiny-qwen3-cpu in bfloat16 at lr 1e-6 with the 0.6B target's update bound: a bf16 AdamW step
+    at that rate does not move bf16 weights, so only a float32 replay can follow an honest trainer."""
+    import yaml
+
+    from targets.harness.model import load_model, model_dir
+    from targets.spec import CATALOG_DIR, parse_target
+
+    data = yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text())
+    data["model"]["dtype"] = "bfloat16"
+    data["workload"]["training"]["lr"] = 1e-6
+    data["accuracy"] = {"update_rtol": 0.25, "logprob_atol": 0.05}
+    spec = parse_target(data)
+    return spec, load_model(model_dir(spec.model), "bfloat16")
+
+
+def _train_event(batch) -> TraceEvent:
+    return TraceEvent(
+        "train",
+        1.0,
+        {
+            "start": 0.5,
+            "advantages": list(batch.advantages),
+            "trajectories": [
+                {
+                    "episode": t.episode_id,
+                    "group": t.group_id,
+                    "tokens": t.tokens,
+                    "loss_mask": t.loss_mask,
+                    "logprobs": t.logprobs,
+                    "reward": t.reward,
+                }
+                for t in batch.trajectories
+            ],
+        },
+    )
+
+
+def test_the_training_replay_follows_float32_masters_of_a_bf16_model():
+    spec, base = _bf16_spec_and_model()
+    batches = fixed_train_batches(base)
+    honest = ReferenceTrainer(copy.deepcopy(base).float(), spec.workload.training.config())  # float32 masters
+    weights = {0: {k: v.clone() for k, v in base.state_dict().items()}}  # the harness's v0, in bf16
+    for step, batch in enumerate(batches, start=1):
+        honest.train_step(batch)
+        weights[step] = honest.state_dict()  # exported in float32, as the harness writes every version
+    assert all(v.dtype == torch.bfloat16 for v in weights[0].values())
+    moved = [k for k in weights[0] if not torch.equal(weights[0][k], weights[2][k].to(torch.bfloat16))]
+    assert len(moved) < len(weights[0]), "lr 1e-6 must leave some bf16 weights unmoved for this test to mean much"
+
+    def make_model(state):  # what the turn replay needs: the model in its own dtype
+        model = copy.deepcopy(base)
+        model.load_state_dict(state)
+        return model
+
+    ix = SimpleNamespace(trains=[_train_event(b) for b in batches])
+    reasons = Reasons()
+    details = replay_training(ix, reasons, spec, weights.get, make_model)
+    assert not reasons.lines(), reasons.lines()
+    assert details["training_replay_steps"] == 2 and details["training_replay_max_error"] < 0.01
+
+    skipped = {**weights, 2: weights[1]}  # a trainer that skipped the second step still fails
+    reasons = Reasons()
+    replay_training(ix, reasons, spec, skipped.get, make_model)
+    assert any("relative error" in line for line in reasons.lines()), reasons.lines()

@@ -17,9 +17,10 @@ snapshots (never from a candidate's word).
   where K is each token's exact cumulant generating function under p_T (its whole vocabulary, so the
   skew is in it); Markov's inequality and a union bound over the grid give
   P_honest(deviation this large) <= 2G * min exp(-(+-lambda S - sum K)), and a bound under 1e-4 rejects.
-* Training: every step is recomputed by the reference GRPO trainer from the snapshot before it, on
-  the exact batch the harness forwarded, with the reference's own AdamW state carried along; the
-  update must match the snapshot after it within the target's ``update_rtol`` (as in check 2).
+* Training: every step is recomputed by the reference GRPO trainer, in float32 whatever the model's
+  dtype, from the snapshot before it, on the exact batch the harness forwarded, with the reference's
+  own AdamW state carried along; the update must match the snapshot after it within the target's
+  ``update_rtol`` (as in check 2).
 """
 
 from __future__ import annotations
@@ -205,7 +206,10 @@ def replay_training(
     if initial is None:
         r.add("training replay", "no weights recorded for version 0")
         return {}
-    trainer = ReferenceTrainer(make_model(initial), spec.workload.training.config())
+    # float32 whatever the model's dtype: a trainer keeps float32 masters (as in check 2), and a bf16
+    # AdamW step at a small learning rate would not move bf16 weights at all. Every snapshot after
+    # version 0 is the harness's float32 copy of those masters, loaded into float32 parameters exactly.
+    trainer = ReferenceTrainer(make_model(initial).float(), spec.workload.training.config())
     before, errors = initial, []
     for k, train in enumerate(ix.trains, start=1):
         after = load_weights(k)

@@ -335,6 +335,18 @@ class Device:
     index: int
 
 
+class WeightExport(Protocol):
+    """Where a cluster writes one weight version for the harness: a memory region the harness made
+    and seals once the cluster answers (``targets/harness/weight_export.py``). ``shapes`` names every weight the
+    model has (tied names, such as a tied embedding and head, share one tensor: writing either is
+    enough); ``write`` copies a tensor (any dtype, any device: a GPU tensor is copied by DMA) into
+    its place as float32."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+
+    def write(self, name: str, tensor: torch.Tensor) -> None: ...
+
+
 @runtime_checkable
 class Cluster(Protocol):
     """The mechanism a controller drives. Real stacks implement it on Ray; the harness simulates it.
@@ -368,10 +380,11 @@ class Cluster(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def export_weights(self) -> StateDict | None:
-        """The latest trained weights (CPU, transformers names) for the harness's audit, which
-        replays every training step against them; the simulator returns None. Called by the
-        harness after each ``train``, never by controllers."""
+    async def export_weights(self, into: WeightExport) -> None:
+        """Write the latest trained weights into ``into`` (every tensor once, float32 whatever the
+        trainer computes in) for the harness's audit, which replays every training step against
+        them; return only when done. Called by the harness after each ``train``, never by
+        controllers; the simulator's cluster is never asked."""
         ...
 
     async def residency(self) -> dict[str, list[str]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 from collections.abc import Callable
 
 from targets.api import GenerateRequest, Runtime, SamplingParams, TrainBatch, TrainingConfig, Trajectory
@@ -42,6 +44,7 @@ async def one_round(
         ]
         version = await cluster.train(TrainBatch(trajectories, [1.0 if i % 2 else -1.0 for i in range(8)]), [device])
         trained = memory()
+        await _exports_what_it_trained(cluster, runtime)
         await cluster.sync_weights(version, [device])
         await cluster.resume()
         assert await cluster.residency() == {device.id: ["engine"]}
@@ -51,3 +54,29 @@ async def one_round(
         return awake, trained, back
     finally:
         await cluster.close()
+
+
+async def _exports_what_it_trained(cluster, runtime: Runtime) -> None:
+    """The export the harness asks for after a step: into a sealed region, every weight in float32."""
+    import torch
+
+    from targets.harness.model import load_model
+    from targets.harness.weight_export import Layout, Region, RegionWriter
+
+    layout = Layout.of(load_model(runtime.model_path, runtime.dtype).state_dict())
+    region = Region(layout)
+    writer = RegionWriter(os.dup(region.fd), layout)
+    try:
+        await cluster.export_weights(writer)
+    finally:
+        writer.close()
+    assert writer.written() == [slot.names[0] for slot in layout.slots]
+    region.seal()
+    with mmap.mmap(region.fd, layout.nbytes, prot=mmap.PROT_READ) as memory:
+        flat = torch.frombuffer(memory, dtype=torch.float32).clone()
+    region.close()
+    trained = await asyncio.to_thread(cluster.trainer.state_dict)
+    for slot in layout.slots:
+        start = slot.offset // 4
+        got = flat[start : start + slot.numel].view(slot.shape)
+        assert torch.equal(got, trained[slot.names[0]].float().cpu()), slot.names

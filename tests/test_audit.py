@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import yaml
-from safetensors.torch import load_file
 
 from skills.starter import write_starter
 from targets.api import TraceEvent
@@ -18,6 +17,7 @@ from targets.harness.model import load_model, model_dir
 from targets.harness.sandbox import Sandbox
 from targets.harness.target import Target
 from targets.harness.trace import Trace
+from targets.harness.weight_export import load_snapshot
 from targets.spec import parse_target
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def honest(fast_target, tmp_path_factory):
     )
     assert run.ok, run.cause
     assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
-    weights = {int(p.stem[1:]): load_file(p) for p in (run.out / "weights").glob("v*.safetensors")}
+    weights = {int(p.stem[1:]): load_snapshot(p) for p in (run.out / "weights").glob("v*.safetensors")}
     return spec, Trace.load_events(run.out / "trace.jsonl"), weights, load_model(model_dir(spec.model))
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from targets.api import StateDict, TrainBatch, TrainingConfig, Trajectory
+from targets.api import StateDict, TrainBatch, TrainingConfig, Trajectory, WeightExport
 
 from .rendezvous import connect
 
@@ -234,6 +234,21 @@ class FSDPTrainer:
             name.removeprefix("lm."): tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             for name, tensor in self.module.state_dict().items()
         }
+
+    @torch.no_grad()
+    def export_to(self, into: WeightExport) -> None:
+        """Every distinct weight once (a tied embedding and head are one tensor) into the harness's
+        export region, straight from the device it lives on (the region takes float32 whatever the
+        masters are); every rank must call it (it gathers), rank 0 writes."""
+        parameter = {name: id(p) for name, p in self.module.named_parameters(remove_duplicate=False)}
+        seen: set[object] = set()  # the same on every rank, so every rank gathers the same tensors
+        for name, tensor in self.module.state_dict().items():
+            if parameter.get(name, name) in seen:
+                continue
+            seen.add(parameter.get(name, name))
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.rank == 0:
+                into.write(name.removeprefix("lm."), full)
 
     @torch.no_grad()
     def offload(self, parts: tuple[str, ...] = ("optimizer", "params")) -> None:

@@ -12,7 +12,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from targets.api import Aborted, Completion, Device, GenerateRequest, Runtime, StateDict, TrainBatch, TrainingConfig
+from targets.api import (
+    Aborted,
+    Completion,
+    Device,
+    GenerateRequest,
+    Runtime,
+    TrainBatch,
+    TrainingConfig,
+    WeightExport,
+)
 
 from .engine_server import EngineServer
 from .fsdp_trainer import FSDPTrainer
@@ -126,8 +135,8 @@ class LocalCluster:
         if self._engine_awake:  # asleep, it is brought to the latest version when it wakes
             await self._load(version, interrupt)
 
-    async def export_weights(self) -> StateDict:
-        return await asyncio.to_thread(self.trainer.state_dict)
+    async def export_weights(self, into: WeightExport) -> None:
+        await asyncio.to_thread(self.trainer.export_to, into)
 
     async def residency(self) -> dict[str, list[str]]:
         return {self.device.id: ["engine"] if self._engine_awake else ["trainer"]}

@@ -27,7 +27,17 @@ from collections.abc import Sequence
 
 import ray
 
-from targets.api import Aborted, Completion, Device, GenerateRequest, Runtime, StateDict, TrainBatch, TrainingConfig
+from targets.api import (
+    Aborted,
+    Completion,
+    Device,
+    GenerateRequest,
+    Runtime,
+    StateDict,
+    TrainBatch,
+    TrainingConfig,
+    WeightExport,
+)
 
 from .engine_server import EngineServer
 from .fsdp_trainer import FSDPTrainer
@@ -361,9 +371,10 @@ class RayCluster:
             if loaded:
                 self._engine_version[i] = version
 
-    async def export_weights(self) -> StateDict:
+    async def export_weights(self, into: WeightExport) -> None:
+        """Rank 0's full weights through the object store (every rank gathers), then into the region."""
         states = await asyncio.gather(*(t.state_dict.remote() for t in self._trainers))
-        return states[0]
+        await asyncio.to_thread(_write_all, into, states[0])
 
     async def residency(self) -> dict[str, list[str]]:
         return {
@@ -391,3 +402,11 @@ class RayCluster:
             ray.kill(actor)
         ray.shutdown()
         self._rendezvous = None  # its store goes with the groups it served
+
+
+def _write_all(into: WeightExport, state: StateDict) -> None:
+    written: set[int] = set()
+    for name, tensor in state.items():
+        if tensor.data_ptr() not in written:  # a tied embedding and head arrive as one tensor
+            written.add(tensor.data_ptr())
+            into.write(name, tensor)

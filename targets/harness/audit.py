@@ -821,14 +821,14 @@ def audit_directory(target: Target, out: Path, steps: int, seed: int | None = No
     """The audit of a run the harness child wrote to ``out`` (trace and weight snapshots). Where the
     replay samples turns, ``seed`` (default: drawn now, once the run can no longer act) picks them, so
     no candidate can know in advance which turns are checked; the details name it for a re-audit."""
-    from safetensors.torch import load_file
+    from targets.harness.weight_export import load_snapshot
 
     events = Trace.load_events(out / "trace.jsonl")
     base: list = []  # loaded on the first replay only (a simulated run replays nothing)
 
     def load_weights(version: int):
         path = out / "weights" / f"v{version}.safetensors"
-        return load_file(path) if path.exists() else None
+        return load_snapshot(path) if path.exists() else None
 
     def make_model(state):
         if not base:

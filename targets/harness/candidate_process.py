@@ -37,6 +37,7 @@ from targets.api import (
 from targets.harness import shared_ring
 from targets.harness.channel import AsyncChannel, Frame, Received, SyncChannel
 from targets.harness.sim.virtual_time import FollowerTimeLoop
+from targets.harness.weight_export import Layout, RegionWriter, receive_region
 from targets.harness.wire import (
     PromptMemory,
     get_aborted,
@@ -181,7 +182,7 @@ class ProxyCluster:
     async def resume(self) -> None:
         await self._call("resume")
 
-    async def export_weights(self):
+    async def export_weights(self, into):
         raise PermissionError("export_weights is the harness's; controllers do not call it")
 
     async def close(self) -> None:
@@ -290,7 +291,8 @@ def run_controller(socket_path: str, stack_dir: str, virtual: bool) -> None:
 # -- cluster -------------------------------------------------------------------------------------------
 
 
-async def _serve_cluster(channel: AsyncChannel, stack_dir: str) -> None:
+async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_dir: str) -> None:
+    """``exports``: the second connection, on which the harness hands over each weight region."""
     _log("connected")
     init = await channel.recv()
     runtime: Runtime = get_runtime(init["runtime"])
@@ -328,8 +330,13 @@ async def _serve_cluster(channel: AsyncChannel, stack_dir: str) -> None:
             elif method == "residency":
                 frame.header["resident"] = await cluster.residency()
             elif method == "export_weights":
-                state = await cluster.export_weights()
-                frame.header["state"] = None if state is None else put_state(frame, state)
+                layout = Layout.from_wire(rx["layout"])
+                writer = RegionWriter(receive_region(exports, rx["number"]), layout)
+                try:
+                    await cluster.export_weights(writer)
+                finally:
+                    writer.close()
+                frame.header["written"] = writer.written()
             elif method == "close":
                 _log("closing the cluster")
                 await cluster.close()
@@ -365,7 +372,9 @@ async def _serve_cluster(channel: AsyncChannel, stack_dir: str) -> None:
 
 def run_cluster(socket_path: str, stack_dir: str) -> None:
     async def main() -> None:
-        await _serve_cluster(await AsyncChannel.over(_connect(socket_path)), stack_dir)
+        channel = _connect(socket_path)
+        exports = _connect(socket_path)
+        await _serve_cluster(await AsyncChannel.over(channel), exports, stack_dir)
 
     asyncio.run(main())
 

@@ -85,13 +85,16 @@ def run_system(
             summary["controller_cpu_seconds"] = _children_cpu_s() - children_before if counted else None
             trace.save(out / "trace.jsonl")
             return summary
-        from safetensors.torch import save_file
+        from targets.harness.weight_export import Layout, save_snapshot
 
         trace = Trace(WallClock())
-        weights: dict = {}
+        weights = out / "weights"
+        weights.mkdir(exist_ok=True)
 
-        def version_zero() -> None:  # the harness's own v0, loaded while the candidate's cluster starts
-            weights[0] = {k: v.detach().cpu().clone() for k, v in target.reference_model().state_dict().items()}
+        def version_zero() -> Layout:  # the harness's own v0, written while the candidate's cluster starts
+            state = target.reference_model().state_dict()
+            save_snapshot(weights / "v0.safetensors", state)
+            return Layout.of(state)
 
         try:
             with device_memory(target) as monitor:
@@ -105,7 +108,7 @@ def run_system(
                         trace,
                         weights,
                         mark,
-                        while_starting=version_zero,
+                        version_zero,
                     )
                 )
             if monitor is not None:
@@ -114,9 +117,6 @@ def run_system(
                 summary["peak_device_memory_mb"] = max(monitor.peaks_mb.values())
         finally:
             trace.save(out / "trace.jsonl")
-            (out / "weights").mkdir(exist_ok=True)
-            for version, state in weights.items():
-                save_file({k: v.contiguous() for k, v in state.items()}, out / "weights" / f"v{version}.safetensors")
     finally:
         processes.stop()
     peak_kb = max(

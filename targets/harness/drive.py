@@ -29,16 +29,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from targets.api import Aborted, Cluster, Completion, Declared, Device, GenerateRequest, Runtime, StateDict, TrainBatch
+from targets.api import Aborted, Cluster, Completion, Declared, Device, GenerateRequest, Runtime, TrainBatch
 from targets.harness import shared_ring
 from targets.harness.channel import AsyncChannel, Frame, ProtocolError, Received
 from targets.harness.environments import EnvironmentPool
 from targets.harness.process_tree import kill_tree
 from targets.harness.remote import CandidateError, RemoteCluster, raise_if_error
 from targets.harness.sandbox import Sandbox
-from targets.harness.sim.cluster import Answer
+from targets.harness.sim.cluster import Answer, SimCluster
 from targets.harness.sim.engine import simulated_response
 from targets.harness.trace import Trace
+from targets.harness.weight_export import Layout, WeightExporter
 from targets.harness.wire import (
     PromptMemory,
     field_of,
@@ -58,10 +59,11 @@ from targets.spec import TargetSpec
 
 class TracedCluster:
     """The harness's proxy in front of a cluster: every call stamped into the trace, the weights
-    exported after every training step. ``steps`` counts training steps as the harness saw them."""
+    exported after every training step (a real run's; ``weight_export.py``). ``steps`` counts
+    training steps as the harness saw them."""
 
-    def __init__(self, inner: Cluster, trace: Trace, weights: dict[int, StateDict]) -> None:
-        self.inner, self.trace, self.weights = inner, trace, weights
+    def __init__(self, inner: Cluster, trace: Trace, exporter: WeightExporter | SimCluster) -> None:
+        self.inner, self.trace, self.exporter = inner, trace, exporter
         self.devices: list[Device] = list(inner.devices)
         self.by_id = {d.id: d for d in self.devices}
         self.steps = 0
@@ -144,6 +146,7 @@ class TracedCluster:
         """The batch is recorded as the harness received it (what the trainer gets and the audit
         replays); ``start`` is when those episodes stopped being in flight."""
         start = self.trace.clock.now()
+        await self.exporter.saved()  # the previous version's snapshot is on disk before the next step
         self.steps += 1
         step, tokens = self.steps, self.trace.tokens
         version = await self.inner.train(batch, devices)
@@ -167,9 +170,7 @@ class TracedCluster:
             ],
         )
         export_start = self.trace.clock.now()
-        state = await self.inner.export_weights()
-        if state is not None:
-            self.weights[step] = {k: v.detach().cpu().clone() for k, v in state.items()}
+        await self.exporter.export(step)
         self.trace.record("weight_export", start=export_start, step=step)
         await self._residency()
         return version
@@ -456,13 +457,16 @@ class CandidateProcesses:
         self.processes: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, IO] = {}
         self._listeners: dict[str, socket.socket] = {}
+        self._connections: dict[str, int] = {}  # connections each role has yet to make
 
-    def launch(self, role: str) -> None:
+    def launch(self, role: str, connections: int = 1) -> None:
+        """Starts ``role``, which connects ``connections`` times (each taken by one ``accept``)."""
         path = self.root / "sockets" / f"{role}.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
-        listener.listen(1)
+        listener.listen(connections)
         self._listeners[role] = listener
+        self._connections[role] = connections
         scratch = self.root / f"scratch-{role}"
         scratch.mkdir()
         command = [sys.executable, "-m", "targets.harness.candidate_process", role, str(path), str(self.stack_dir)]
@@ -481,13 +485,16 @@ class CandidateProcesses:
         )
 
     def accept(self, role: str) -> socket.socket:
-        """The role's connection; fails with the process's last words if it dies first."""
-        listener, process = self._listeners.pop(role), self.processes[role]
+        """The role's next connection, in the order it connects; fails with the process's last words
+        if it dies first. The socket goes once the last connection is made."""
+        listener, process = self._listeners[role], self.processes[role]
+        self._connections[role] -= 1
         listener.settimeout(0.25)
         try:
             while True:
                 try:
                     connection, _ = listener.accept()
+                    connection.settimeout(None)
                     return connection
                 except TimeoutError:
                     if process.poll() is not None:
@@ -496,8 +503,9 @@ class CandidateProcesses:
                             f"connecting:\n{self.log_tail(role)}"
                         ) from None
         finally:
-            listener.close()
-            (self.root / "sockets" / f"{role}.sock").unlink(missing_ok=True)
+            if self._connections[role] == 0 or process.poll() is not None:
+                self._listeners.pop(role).close()
+                (self.root / "sockets" / f"{role}.sock").unlink(missing_ok=True)
 
     def log_tail(self, role: str, lines: int = 15) -> str:
         self._logs[role].flush()
@@ -543,20 +551,24 @@ async def drive_real(
     steps: int,
     seed: int,
     trace: Trace,
-    weights: dict[int, StateDict],
+    weights: Path,
     mark: Marks,
-    while_starting: Callable[[], None] = lambda: None,
+    version_zero: Callable[[], Layout],
 ) -> dict:
     """A real run: the candidate's cluster process (its engines and trainers on Ray) behind the proxy.
-    ``while_starting`` runs in this process while the candidate's cluster starts up."""
-    processes.launch("cluster")
+    ``version_zero`` runs in this process while the candidate's cluster starts up: it writes the
+    harness's own version 0 into ``weights`` and says the model's layout, which every later
+    version is exported in."""
+    processes.launch("cluster", connections=2)
     processes.launch("controller")
     cluster_channel = await _connect(processes, "cluster")
+    exports = processes.accept("cluster")  # the cluster's second connection: weight regions travel on it
     cluster_channel.send(Frame(kind="init", runtime=put_runtime(runtime)))
-    while_starting()
+    layout = version_zero()
     ready = await cluster_channel.recv()
     raise_if_error(ready, "make_cluster")
     remote = RemoteCluster(cluster_channel, list(runtime.devices))
+    exporter = WeightExporter(layout, exports, weights, remote.export_into)
     remote.start()
     envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed)
     link = ControllerLink(await _connect(processes, "controller"), envs, trace.clock, virtual=False)
@@ -564,7 +576,7 @@ async def drive_real(
     serving = asyncio.create_task(link.serve())
     try:
         _, _, declared = await _hello(link, processes)
-        traced = TracedCluster(remote, trace, weights)
+        traced = TracedCluster(remote, trace, exporter)
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],
@@ -584,8 +596,12 @@ async def drive_real(
             serving.cancel()
         closing = asyncio.ensure_future(asyncio.wait_for(remote.close(), timeout=120))
         await asyncio.wait({closing})
+        saving = asyncio.ensure_future(exporter.saved())
+        await asyncio.wait({saving})
+        exporter.close()
     closing.result()  # reached only when the run itself succeeded: then a failed close is the candidate's failure
-    return {"steps": steps, "versions": sorted(weights)}
+    saving.result()
+    return {"steps": steps, "versions": [0, *exporter.versions]}
 
 
 def drive_simulated(
@@ -618,7 +634,7 @@ def drive_simulated(
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
         cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], cost, lengths)
-        traced = TracedCluster(cluster, trace, {})
+        traced = TracedCluster(cluster, trace, cluster)
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],

@@ -20,6 +20,7 @@ from targets.api import (
     TrainingConfig,
 )
 from targets.harness.channel import AsyncChannel, Frame, ProtocolError, Received, SyncChannel
+from targets.harness.weight_export import Layout
 from targets.harness.wire import (
     field_of,
     get_aborted,
@@ -121,9 +122,11 @@ class RemoteCluster:
     async def resume(self) -> None:
         await self._call(Frame(method="resume"), "resume")
 
-    async def export_weights(self) -> StateDict | None:
-        rx = await self._call(Frame(method="export_weights"), "export_weights")
-        return None if rx.get("state") is None else get_state(rx, rx["state"])
+    async def export_into(self, number: int, layout: Layout) -> object:
+        """Export ``number`` into the region the harness has just sent on the weights socket; the
+        reply is the names the cluster says it wrote (checked by the caller)."""
+        frame = Frame(method="export_weights", number=number, layout=layout.to_wire())
+        return (await self._call(frame, "export_weights")).get("written")
 
     async def residency(self) -> dict:
         return (await self._call(Frame(method="residency"), "residency")).get("resident")

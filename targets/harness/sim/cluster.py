@@ -18,7 +18,7 @@ import asyncio
 import functools
 from collections.abc import Callable, Sequence
 
-from targets.api import Aborted, Completion, Device, GenerateRequest, StateDict, TrainBatch
+from targets.api import Aborted, Completion, Device, GenerateRequest, TrainBatch
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
 from targets.harness.sim.response_length import ResponseLengths
@@ -161,11 +161,14 @@ class SimCluster:
         engines = [e for e in self._engines_on(devices) if e in self._active]
         await asyncio.gather(*(e.load_weights(version, self.cost.sync_s(), interrupt) for e in engines))
 
-    async def export_weights(self) -> StateDict | None:
-        """No weights to copy; the time a real harness's copy takes (the twin's fitted term) passes."""
+    async def export(self, step: int) -> None:
+        """The harness's weight export after a step: no weights to copy; the time a real export
+        takes (the twin's fitted term) passes."""
         if self.cost.weight_export_s:
             await asyncio.sleep(self.cost.weight_export_s)
-        return None
+
+    async def saved(self) -> None:
+        """A real export's file is written while training goes on; nothing is written here."""
 
     # -- suspend / resume / close ------------------------------------------------------------------
     async def suspend(self) -> None:

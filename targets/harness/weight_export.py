@@ -1,0 +1,326 @@
+"""The weight export: how each trained version reaches the harness's snapshot, which the audit
+replays, with one copy and no tensor on the socket.
+
+After every ``train`` the harness hands the cluster process a fresh memory region of its own making
+(a memfd, sealed against shrinking and growing, passed over a socket of its own) laid out by the
+harness: one float32 slot per distinct tensor of the model, tied names sharing one slot. The cluster
+writes each tensor into its slot (``targets.api.WeightExport``; from a GPU straight into the region,
+which the candidate's side registers with CUDA), unmaps it and answers. The harness then seals the
+region against every write (``F_SEAL_WRITE``, which the kernel grants only while no process maps it
+writable): from that moment the region is an immutable copy that only the harness holds, so the
+weights are the ones that existed when the train call was answered, and no candidate can change them
+after. The train call is answered then; the snapshot file is written from the sealed region in the
+background, and the next train call waits for it.
+
+A snapshot is a safetensors file (float32, one entry per slot, tied names in its metadata), the
+region's bytes verbatim after the header; ``load_snapshot`` gives every name back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import mmap
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from targets.api import StateDict
+from targets.harness.channel import ProtocolError
+
+FLOAT32 = 4  # bytes an element
+TIED = "vibetrain.tied"  # the metadata key naming each tied name's slot
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One distinct tensor: every name it goes by, its shape, where its float32 bytes start."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * FLOAT32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each of the model's tensors lives in an export region (float32, back to back)."""
+
+    slots: tuple[Slot, ...]
+
+    @classmethod
+    def of(cls, state: StateDict) -> Layout:
+        """From the harness's own state dict: names sharing storage (a tied embedding and head) get
+        one slot, so each distinct tensor is written and stored once."""
+        by_storage: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+        shapes: dict[tuple[int, int, tuple[int, ...]], tuple[int, ...]] = {}
+        for name, tensor in state.items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            by_storage.setdefault(key, []).append(name)
+            shapes[key] = tuple(tensor.shape)
+        slots, offset = [], 0
+        for key, names in by_storage.items():
+            slot = Slot(tuple(names), shapes[key], offset)
+            slots.append(slot)
+            offset += slot.nbytes
+        return cls(tuple(slots))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    def slot_of(self) -> dict[str, Slot]:
+        return {name: slot for slot in self.slots for name in slot.names}
+
+    def to_wire(self) -> list[dict]:
+        return [{"names": list(s.names), "shape": list(s.shape), "offset": s.offset} for s in self.slots]
+
+    @classmethod
+    def from_wire(cls, data: object) -> Layout:
+        """The layout as the harness sent it (the candidate's side reads it; checked all the same)."""
+        if not isinstance(data, list):
+            raise ProtocolError(f"a weight layout is a list of slots, got {type(data).__name__}")
+        slots, offset = [], 0
+        for entry in data:
+            slot = Slot(tuple(entry["names"]), tuple(int(s) for s in entry["shape"]), int(entry["offset"]))
+            if slot.offset != offset or not slot.names:
+                raise ProtocolError(f"weight layout slot {slot.names} is not where the previous one ends")
+            slots.append(slot)
+            offset += slot.nbytes
+        return cls(tuple(slots))
+
+
+def _views(memory: mmap.mmap, layout: Layout) -> dict[str, torch.Tensor]:
+    """Every name's float32 tensor over the region (tied names share one)."""
+    flat = torch.frombuffer(memory, dtype=torch.float32, count=layout.nbytes // FLOAT32) if layout.nbytes else None
+    views: dict[str, torch.Tensor] = {}
+    for slot in layout.slots:
+        start = slot.offset // FLOAT32
+        tensor = flat[start : start + slot.numel].view(slot.shape)
+        for name in slot.names:
+            views[name] = tensor
+    return views
+
+
+class Region:
+    """The harness's side of one version's export region."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.fd = os.memfd_create("vibetrain-weights", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        size = max(layout.nbytes, 1)
+        os.ftruncate(self.fd, size)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        os.posix_fallocate(self.fd, 0, size)  # its pages exist before the cluster writes: no faults to allocate them
+        self.sealed = False
+
+    def seal(self) -> None:
+        """No process may write the region again. The kernel refuses while any process still maps
+        it writable: then the cluster answered its export before it was done with the region."""
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        except OSError as error:
+            raise ProtocolError(
+                "the cluster answered export_weights while it still mapped the weight region writable "
+                f"({error.strerror}): an export must be finished, and the region unmapped, before it answers"
+            ) from None
+        self.sealed = True
+
+    def save(self, path: Path) -> None:
+        """The snapshot file: a safetensors header, then the sealed region's bytes verbatim."""
+        if not self.sealed:
+            raise RuntimeError("a weight region is saved only once sealed")
+        header: dict = {
+            slot.names[0]: {
+                "dtype": "F32",
+                "shape": list(slot.shape),
+                "data_offsets": [slot.offset, slot.offset + slot.nbytes],
+            }
+            for slot in self.layout.slots
+        }
+        tied = {name: slot.names[0] for slot in self.layout.slots for name in slot.names[1:]}
+        header["__metadata__"] = {TIED: json.dumps(tied)}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("wb") as out:
+            out.write(struct.pack("<Q", len(encoded)))
+            out.write(encoded)
+            if self.layout.nbytes:
+                with mmap.mmap(self.fd, self.layout.nbytes, prot=mmap.PROT_READ) as memory:
+                    out.write(memory)
+        tmp.replace(path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def save_snapshot(path: Path, state: StateDict) -> None:
+    """A snapshot of weights the harness holds itself (version 0), in the exported versions' format."""
+    layout = Layout.of(state)
+    region = Region(layout)
+    try:
+        with mmap.mmap(region.fd, max(layout.nbytes, 1)) as memory:
+            views = _views(memory, layout)
+            for slot in layout.slots:
+                views[slot.names[0]].copy_(state[slot.names[0]].detach().reshape(slot.shape))
+            del views
+        region.seal()
+        region.save(path)
+    finally:
+        region.close()
+
+
+def load_snapshot(path: Path) -> dict[str, torch.Tensor]:
+    """Every name of a snapshot, tied names as the same tensor."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    with safe_open(path, "pt") as f:
+        tied = json.loads((f.metadata() or {}).get(TIED, "{}"))
+    for name, source in tied.items():
+        state[name] = state[source]
+    return state
+
+
+def send_region(sock: socket.socket, region: Region, number: int) -> None:
+    """Hands the cluster process the region for export ``number`` over the weights socket."""
+    socket.send_fds(sock, [struct.pack("<Q", number)], [region.fd])
+
+
+class WeightExporter:
+    """The harness's side of every export of a run: a region per version (the next one made ready
+    while the last one is saved), sealed when the cluster answers, saved as ``v<step>.safetensors``
+    in the background; ``saved`` is what the next train call waits for."""
+
+    def __init__(
+        self, layout: Layout, sock: socket.socket, directory: Path, ask: Callable[[int, Layout], Awaitable[object]]
+    ) -> None:
+        """``ask(number, layout)`` has the cluster write export ``number`` into the region just sent
+        on ``sock`` and returns the names it says it wrote."""
+        self.layout, self.sock, self.directory, self.ask = layout, sock, directory, ask
+        self._next: Region | None = None
+        self._saving: asyncio.Future | None = None
+        self.versions: list[int] = []
+
+    async def saved(self) -> None:
+        """Until the last version's file is written (raises what writing it raised)."""
+        if self._saving is not None:
+            await self._saving
+
+    async def export(self, step: int) -> None:
+        """Version ``step``: hands the cluster a region, has it written, then seals it. Answered once
+        the harness holds its copy."""
+        await self.saved()
+        region, self._next = self._next or Region(self.layout), None
+        try:
+            send_region(self.sock, region, step)
+            claimed = await self.ask(step, self.layout)
+            names_written(claimed if isinstance(claimed, list) else [], self.layout)
+            region.seal()
+        except BaseException:
+            region.close()
+            raise
+        self._saving = asyncio.ensure_future(asyncio.to_thread(self._save, region, step))
+
+    def _save(self, region: Region, step: int) -> None:
+        try:
+            region.save(self.directory / f"v{step}.safetensors")
+        finally:
+            region.close()
+        self.versions.append(step)
+        self._next = Region(self.layout)  # its pages allocated now, off the next export's path
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.close()
+            self._next = None
+        self.sock.close()
+
+
+# -- the candidate's side ---------------------------------------------------------------------------
+
+
+class RegionWriter:
+    """``targets.api.WeightExport`` over a region the harness handed over: runs in the candidate's
+    cluster process (so nothing here is trusted; the harness checks the result by sealing)."""
+
+    def __init__(self, fd: int, layout: Layout) -> None:
+        self.layout = layout
+        self.shapes: Mapping[str, tuple[int, ...]] = {name: s.shape for s in layout.slots for name in s.names}
+        self._slot = layout.slot_of()
+        self._memory = mmap.mmap(fd, max(layout.nbytes, 1))
+        os.close(fd)
+        self._views = _views(self._memory, layout)
+        self._written: set[tuple[str, ...]] = set()
+        self._registered: int | None = None  # the region's address, once registered with CUDA
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        slot = self._slot.get(name)
+        if slot is None:
+            raise KeyError(f"export_weights: {name!r} is not a weight of this model")
+        if tuple(tensor.shape) != slot.shape:
+            raise ValueError(f"export_weights: {name} has shape {tuple(tensor.shape)}, the model's is {slot.shape}")
+        if tensor.is_cuda and self._registered is None:
+            self._register()
+        self._views[name].copy_(tensor.detach())
+        self._written.add(slot.names)
+
+    def _register(self) -> None:
+        """Page-locks the region so a GPU tensor is copied into it by DMA at full link speed."""
+        pointer = self._views[self.layout.slots[0].names[0]].data_ptr()
+        code = torch.cuda.cudart().cudaHostRegister(pointer, self.layout.nbytes, 0)
+        if int(code) != 0:
+            raise RuntimeError(f"cudaHostRegister of the weight region failed with CUDA error {int(code)}")
+        self._registered = pointer
+
+    def written(self) -> list[str]:
+        return [slot.names[0] for slot in self.layout.slots if slot.names in self._written]
+
+    def close(self) -> None:
+        """Unregisters and unmaps the region: the harness can seal it only then."""
+        if self._registered is not None:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+        self._views.clear()
+        self._memory.close()
+
+
+def receive_region(sock: socket.socket, number: int) -> int:
+    """The region fd for export ``number`` (the candidate's side of ``send_region``)."""
+    message, fds, _, _ = socket.recv_fds(sock, 8, 1)
+    if len(fds) != 1 or len(message) != 8 or struct.unpack("<Q", message)[0] != number:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"expected the weight region of export {number}, got {message!r} with {len(fds)} fds")
+    return fds[0]
+
+
+def names_written(claimed: Iterable[object], layout: Layout) -> None:
+    """The cluster's account of what it wrote must cover every slot (a tensor it forgot would keep the
+    region's zeros, which the training replay would also catch, later and less clearly)."""
+    names = layout.slot_of()
+    covered = {names[n].names for n in claimed if isinstance(n, str) and n in names}
+    missing = [slot.names[0] for slot in layout.slots if slot.names not in covered]
+    if missing:
+        raise ProtocolError(f"export_weights left {len(missing)} weights unwritten: {missing[:5]}")

@@ -1,0 +1,133 @@
+"""The weight export (targets/harness/weight_export.py): one sealed region per version, written by the
+cluster, sealed by the harness; a snapshot that gives every name back in float32."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import socket
+
+import pytest
+import torch
+
+from targets.harness.channel import ProtocolError
+from targets.harness.weight_export import (
+    Layout,
+    Region,
+    RegionWriter,
+    WeightExporter,
+    load_snapshot,
+    receive_region,
+    save_snapshot,
+)
+
+
+def _tied_state(dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    embed = torch.randn(16, 8, generator=generator).to(dtype)
+    return {
+        "model.embed_tokens.weight": embed,
+        "model.layers.0.mlp.up_proj.weight": torch.randn(24, 8, generator=generator).to(dtype),
+        "model.norm.weight": torch.ones(8, dtype=dtype),
+        "lm_head.weight": embed,  # tied: the same tensor under two names
+    }
+
+
+def test_a_tied_weight_is_one_slot_and_a_snapshot_gives_every_name_back_in_float32(tmp_path):
+    state = _tied_state()
+    layout = Layout.of(state)
+    assert [slot.names for slot in layout.slots][0] == ("model.embed_tokens.weight", "lm_head.weight")
+    assert layout.nbytes == (16 * 8 + 24 * 8 + 8) * 4
+    save_snapshot(tmp_path / "v0.safetensors", state)
+    loaded = load_snapshot(tmp_path / "v0.safetensors")
+    assert set(loaded) == set(state)
+    assert all(loaded[name].dtype == torch.float32 for name in loaded)
+    assert all(torch.equal(loaded[name].to(torch.bfloat16), state[name]) for name in state)  # bf16 -> f32 is exact
+    assert loaded["lm_head.weight"] is loaded["model.embed_tokens.weight"]
+
+
+class _Cluster:
+    """The candidate's side of the weights socket, in this process: what candidate_process runs."""
+
+    def __init__(self, sock: socket.socket, state: dict[str, torch.Tensor]) -> None:
+        self.sock, self.state = sock, state
+        self.keep_mapped = False  # the cheat: answer while the region is still mapped writable
+        self.kept_fd: int | None = None  # the cheat: keep a descriptor to write after answering
+        self.writers: list[RegionWriter] = []
+
+    async def ask(self, number: int, layout: Layout) -> object:
+        fd = receive_region(self.sock, number)
+        if self.kept_fd is None:
+            self.kept_fd = os.dup(fd)
+        writer = RegionWriter(fd, Layout.from_wire(layout.to_wire()))
+        for name, tensor in self.state.items():
+            if name != "lm_head.weight":
+                writer.write(name, tensor + number)
+        if self.keep_mapped:
+            self.writers.append(writer)
+        else:
+            writer.close()
+        return writer.written()
+
+
+def _exporter(tmp_path, state):
+    harness, candidate = socket.socketpair()
+    cluster = _Cluster(candidate, state)
+    return WeightExporter(Layout.of(state), harness, tmp_path, cluster.ask), cluster
+
+
+def test_each_version_is_sealed_then_saved_and_the_cluster_cannot_change_it_after(tmp_path):
+    state = _tied_state()
+    exporter, cluster = _exporter(tmp_path, state)
+
+    async def run() -> None:
+        for step in (1, 2):
+            await exporter.export(step)
+        await exporter.saved()
+
+    asyncio.run(run())
+    exporter.close()
+    assert exporter.versions == [1, 2]
+    for step in (1, 2):
+        loaded = load_snapshot(tmp_path / f"v{step}.safetensors")
+        assert torch.equal(loaded["lm_head.weight"], (state["lm_head.weight"] + step).float())
+    # the descriptor the cluster kept from export 1 can no longer write its region, nor map it writable
+    with pytest.raises(PermissionError):
+        mmap.mmap(cluster.kept_fd, 4)
+    with pytest.raises(PermissionError):
+        os.pwrite(cluster.kept_fd, b"\0\0\0\0", 0)
+    os.close(cluster.kept_fd)
+
+
+def test_a_cluster_that_answers_while_still_mapping_the_region_is_refused(tmp_path):
+    exporter, cluster = _exporter(tmp_path, _tied_state())
+    cluster.keep_mapped = True
+    with pytest.raises(ProtocolError, match="still mapped the weight region writable"):
+        asyncio.run(exporter.export(1))
+    for writer in cluster.writers:
+        writer.close()
+    exporter.close()
+    assert not (tmp_path / "v1.safetensors").exists()
+
+
+def test_a_cluster_that_leaves_a_weight_unwritten_is_refused(tmp_path):
+    state = _tied_state()
+    exporter, cluster = _exporter(tmp_path, state)
+    del cluster.state["model.norm.weight"]
+    with pytest.raises(ProtocolError, match=r"left 1 weights unwritten: \['model.norm.weight'\]"):
+        asyncio.run(exporter.export(1))
+    exporter.close()
+
+
+def test_a_write_of_an_unknown_name_or_a_wrong_shape_names_it():
+    layout = Layout.of(_tied_state())
+    region = Region(layout)
+    writer = RegionWriter(os.dup(region.fd), layout)
+    with pytest.raises(KeyError, match="'model.layers.9.mlp.up_proj.weight' is not a weight of this model"):
+        writer.write("model.layers.9.mlp.up_proj.weight", torch.zeros(24, 8))
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(9,\), the model's is \(8,\)"):
+        writer.write("model.norm.weight", torch.zeros(9))
+    writer.close()
+    region.seal()
+    region.close()

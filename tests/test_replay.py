@@ -14,7 +14,8 @@ from targets.api import TraceEvent
 from targets.harness.accuracy import fixed_train_batches
 from targets.harness.audit import Reasons
 from targets.harness.reference.trainer import ReferenceTrainer
-from targets.harness.replay import FALSE_ALARM, SAMPLED_TURNS, TemperatureTest, replay_training
+from targets.harness.replay import SAMPLED_TURNS, replay_training
+from targets.harness.sampling_tests import FALSE_ALARM, TemperatureTest
 
 
 def _test(logits: torch.Tensor, temperature: float, sampled_at: float, generator: torch.Generator) -> TemperatureTest:

@@ -219,6 +219,16 @@ class TraceIndex:
         self._responses[id(g)] = own
         return own
 
+    def latest_observation(self, g: TraceEvent) -> list[int]:
+        """What the environment said last before turn ``g``: the reset's observation before turn 0,
+        else the previous step's (empty when the trace does not hold it)."""
+        episode, turn = g.data["episode"], g.data["turn"]
+        if turn == 0:
+            reset = self.resets.get(episode)
+            return list(reset.data["observation"]) if reset is not None else []
+        steps = self.env_steps.get(episode, [])
+        return list(steps[turn - 1].data["observation"]) if turn <= len(steps) else []
+
     def policy_at(self, t: float) -> int:
         """The number of training steps finished by time ``t`` (the controller's policy version)."""
         return sum(1 for train in self.trains if train.t <= t)

@@ -7,16 +7,9 @@ snapshots (never from a candidate's word).
   otherwise ``SAMPLED_TURNS`` turns drawn at random, enough that an engine claiming the wrong version
   on 1% of turns is caught with probability at least 0.99:
   P(miss) = 0.99^n <= 0.01  <=>  n >= ln(0.01) / ln(0.99) = 458.2, so n = 459.
-* Temperature: under the replayed distribution p_T = softmax(logits / T), a sampled token's
-  log-probability x has mean E = sum p_T log p_T. Summed over the run's sampled tokens, S = sum(x - E)
-  is a martingale when the engine really sampled at T; greedy or too cold sampling pushes it up, too
-  hot sampling down (z = S / sqrt(sum Var x) says how far, for the report). The decision does not
-  trust a normal approximation: a peaked distribution with rare tokens makes S skewed, and honest runs
-  then passed |z| > 4 far more often than the normal's 6.3e-5 (a run was rejected so). Instead, for
-  each lambda of a grid and each direction, exp(+-lambda S - sum K(+-lambda)) is a martingale of mean 1,
-  where K is each token's exact cumulant generating function under p_T (its whole vocabulary, so the
-  skew is in it); Markov's inequality and a union bound over the grid give
-  P_honest(deviation this large) <= 2G * min exp(-(+-lambda S - sum K)), and a bound under 1e-4 rejects.
+* Sampling: which tokens were drawn, tested on the replayed distributions
+  (``sampling_tests.py``: temperature, ranks, stop and echo calibration, independence), each with an
+  exact false-alarm bound.
 * Training: every step is recomputed by the reference GRPO trainer, in float32 whatever the model's
   dtype, from the snapshot before it, on the exact batch the harness forwarded, with the reference's
   own AdamW state carried along; the update must match the snapshot after it within the target's
@@ -29,12 +22,12 @@ import math
 import random
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
+from targets.harness.sampling_tests import FALSE_ALARM, SamplingTests
 
 if TYPE_CHECKING:
     from targets.harness.audit import Reasons, TraceIndex
@@ -42,8 +35,6 @@ if TYPE_CHECKING:
 
 REPLAY_ALL_FLOPS = 4e12
 SAMPLED_TURNS = math.ceil(math.log(0.01) / math.log(0.99))  # 459
-FALSE_ALARM = 1e-4  # the temperature test rejects an honest engine at most this often
-LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the bound's grid: from 3000+ tokens down to a few
 POSITIONS_PER_CHUNK = 2048  # logits of at most this many positions at once (vocabularies are large)
 
 
@@ -77,41 +68,6 @@ def _position_logits(model: torch.nn.Module, sequence: list[int], positions: lis
     )
 
 
-@dataclass
-class TemperatureTest:
-    """The temperature test's running sums over the sampled tokens (see the module docstring)."""
-
-    deviation: float = 0.0  # S
-    variance: float = 0.0
-    tokens: int = 0
-    colder: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LAMBDAS), dtype=torch.float64))
-    hotter: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LAMBDAS), dtype=torch.float64))
-
-    def add(self, logits: torch.Tensor, chosen: torch.Tensor, temperature: float) -> None:
-        """Tokens ``chosen`` (one per row), claimed sampled from softmax(logits / temperature)."""
-        logp = torch.log_softmax(logits.double() / temperature, -1)
-        p = logp.exp()
-        mean = (p * logp).sum(-1)
-        self.deviation += float((logp.gather(-1, chosen[:, None]).squeeze(-1) - mean).sum())
-        self.variance += float(((p * logp**2).sum(-1) - mean**2).clamp(min=0).sum())
-        self.tokens += len(chosen)
-        for i, lam in enumerate(LAMBDAS.tolist()):  # K(+-lam) = log E exp(+-lam (x - E)), exactly
-            self.colder[i] += float((torch.logsumexp((1 + lam) * logp, -1) - lam * mean).sum())
-            self.hotter[i] += float((torch.logsumexp((1 - lam) * logp, -1) + lam * mean).sum())
-
-    @property
-    def z(self) -> float:
-        return self.deviation / math.sqrt(self.variance) if self.variance > 0 else 0.0
-
-    def false_alarm_bound(self) -> float:
-        """At most this probable, for an engine that really samples at the temperature, is a deviation
-        as large as this one (either way)."""
-        if not math.isfinite(self.deviation):
-            return 0.0  # a token the model gives probability zero: no honest engine samples it
-        exponent = torch.maximum(LAMBDAS * self.deviation - self.colder, -LAMBDAS * self.deviation - self.hotter)
-        return min(1.0, 2 * len(LAMBDAS) * math.exp(-float(exponent.max())))
-
-
 def replay_turns(
     ix: TraceIndex,
     r: Reasons,
@@ -130,7 +86,7 @@ def replay_turns(
     by_version: dict[int, dict[str, list[TraceEvent]]] = defaultdict(lambda: defaultdict(list))
     for g in sample:
         by_version[g.data["version"]][g.data["episode"]].append(g)
-    worst, temperature_test = 0.0, TemperatureTest()
+    worst, tests = 0.0, SamplingTests(spec.accuracy.logprob_atol, seed)
     for version in sorted(by_version):
         state = load_weights(version)
         if state is None:
@@ -160,24 +116,27 @@ def replay_turns(
                         )
                     temperature = g.data.get("temperature", 0.0)
                     if temperature > 0:
-                        temperature_test.add(rows, chosen, temperature)
-    z, bound = temperature_test.z, temperature_test.false_alarm_bound()
-    if bound < FALSE_ALARM:
-        how = "more likely (colder or greedier)" if z > 0 else "less likely (hotter)"
-        r.add(
-            "sampling temperature",
-            f"over {temperature_test.tokens} sampled tokens, tokens are {how} than sampling at the spec's "
-            f"temperature {spec.workload.training.temperature} gives (z = {z:.1f}; an honest engine deviates "
-            f"this far with probability at most {bound:.1e}, under {FALSE_ALARM:g})",
-        )
-    return {
+                        logp = tests.add(rows, chosen, temperature, g.data.get("stop", []), ix.latest_observation(g))
+                        if not g.data["aborted"]:
+                            key = (version, tuple(g.data["prompt"]))
+                            tests.add_response(g.data["start"], key, g.data["episode"], g.data["tokens"], logp)
+    details = {
         "replay_coverage": coverage,
         "replayed_turns": len(sample),
         "max_replay_logprob_diff": worst,
-        "temperature_z": z,
-        "temperature_false_alarm_bound": bound,
-        "temperature_tokens": temperature_test.tokens,
+        "sampled_tokens": tests.temperature.tokens,
+        "temperature_z": tests.temperature.z,
     }
+    for name, bound, seen in tests.results():
+        details[f"{name.replace(' ', '_')}_false_alarm_bound"] = bound
+        if bound < FALSE_ALARM:
+            r.add(
+                name,
+                f"{seen}: an engine that samples at the spec's temperature "
+                f"{spec.workload.training.temperature} from the claimed weights deviates this far with "
+                f"probability at most {bound:.1e}, under {FALSE_ALARM:g}",
+            )
+    return details
 
 
 def _relative_update_error(before: StateDict, after: StateDict, reference_after: StateDict) -> float:

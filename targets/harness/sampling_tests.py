@@ -1,0 +1,253 @@
+"""The audit's tests of how the engines sampled, on the distributions the replay recomputes under
+the weights each turn claims (``replay.py``): not only how likely the drawn tokens were, but which
+tokens were drawn.
+
+Under honest sampling at temperature T every test below is a sum of per-token terms whose
+conditional law given the past is known exactly, so each has an exact tail bound (Chernoff, with
+Markov's inequality, made uniform over a grid of exponents by a union bound) and rejects only when
+that bound puts an honest engine's chance of deviating as far under ``FALSE_ALARM``. No normal
+approximation is trusted (an honest starter was once rejected at z = -4.1 by one). The five tests
+together reject an honest engine with probability at most ``5 x FALSE_ALARM`` a run.
+
+* temperature: the sum of the drawn tokens' log-probabilities against its mean (greedy, colder or
+  hotter sampling); its bound uses each token's exact cumulant generating function.
+* rank: the randomized probability integral transform U of each drawn token, the vocabulary ordered
+  from most to least probable (ties by id), and a uniform draw from the harness's seed inside the
+  token's own mass. U is uniform on [0, 1] and independent of the past under honest sampling,
+  whatever the distribution; an engine that prefers tokens of some likelihood (the typical ones,
+  keeping the temperature test's sum on target) moves mass between U's bins. Tested at the 7 eighths.
+* stop calibration: how often a stop token was drawn against the summed probability of drawing one.
+  An engine that ends turns early where the model only might have catches it (in the last round's
+  plant: 421 stops where the model predicts 144).
+* echo calibration: how often the drawn token is one of those in the episode's latest observation
+  (the symbol an environment asks for), against the summed probability of drawing one.
+* independence: completions served to different episodes for the same (version, prompt) are
+  independent draws, so an identical response comes up only as often as the model's probability of
+  that response allows (the running sum of the probabilities of reproducing an earlier one); a
+  cluster that decodes one request and copies it to others is caught.
+
+Engine numerics: a real engine's probabilities differ from the replay's by up to the target's
+``logprob_atol`` (a per token, checked on the drawn tokens), so each test takes an honest engine's
+event probability anywhere in [p e^-2a, p e^2a] (the rank test: F(u) within (e^2a - 1) min(u, 1 - u)
+of u) and bounds the deviation against the most forgiving end. On float32 CPU targets (a = 1e-3) that
+margin is negligible; on bf16 GPU targets (a = 0.05) it is 10%, which a cheat that triples the stops
+still clears by far.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
+LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature bound's grid
+EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
+RANK_BINS = tuple(k / 8 for k in range(1, 8))  # the rank test's thresholds
+ROWS = 256  # rows of a vocabulary-wide computation at a time
+
+
+@dataclass
+class TemperatureTest:
+    """The sum S of the drawn tokens' log-probabilities minus their means. For each lambda of a grid
+    and each direction, exp(+-lambda S - sum K(+-lambda)) is a martingale of mean 1, K each token's
+    exact cumulant generating function under p_T (its whole vocabulary, so the skew of a peaked
+    distribution is in it); Markov's inequality and a union bound over the grid give
+    P_honest(deviation this large) <= 2G * min exp(-(+-lambda S - sum K))."""
+
+    deviation: float = 0.0  # S
+    variance: float = 0.0
+    tokens: int = 0
+    colder: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LAMBDAS), dtype=torch.float64))
+    hotter: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LAMBDAS), dtype=torch.float64))
+
+    def add(self, logits: torch.Tensor, chosen: torch.Tensor, temperature: float) -> None:
+        """Tokens ``chosen`` (one per row), claimed sampled from softmax(logits / temperature)."""
+        self.add_logp(torch.log_softmax(logits.double() / temperature, -1), chosen)
+
+    def add_logp(self, logp: torch.Tensor, chosen: torch.Tensor) -> None:
+        p = logp.exp()
+        mean = (p * logp).sum(-1)
+        self.deviation += float((logp.gather(-1, chosen[:, None]).squeeze(-1) - mean).sum())
+        self.variance += float(((p * logp**2).sum(-1) - mean**2).clamp(min=0).sum())
+        self.tokens += len(chosen)
+        lambdas = LAMBDAS.to(logp.device)
+        for i, lam in enumerate(lambdas.tolist()):  # K(+-lam) = log E exp(+-lam (x - E)), exactly
+            self.colder[i] += float((torch.logsumexp((1 + lam) * logp, -1) - lam * mean).sum())
+            self.hotter[i] += float((torch.logsumexp((1 - lam) * logp, -1) + lam * mean).sum())
+
+    @property
+    def z(self) -> float:
+        return self.deviation / math.sqrt(self.variance) if self.variance > 0 else 0.0
+
+    def false_alarm_bound(self) -> float:
+        """At most this probable, for an engine that really samples at the temperature, is a deviation
+        as large as this one (either way)."""
+        if not math.isfinite(self.deviation):
+            return 0.0  # a token the model gives probability zero: no honest engine samples it
+        exponent = torch.maximum(LAMBDAS * self.deviation - self.colder, -LAMBDAS * self.deviation - self.hotter)
+        return min(1.0, 2 * len(LAMBDAS) * math.exp(-float(exponent.max())))
+
+
+@dataclass
+class BernoulliSum:
+    """The count of events x_t ~ Bernoulli(p_t), each p_t known before its draw within [low, high]:
+    exp(lambda (X - sum log(1 - h + h e^lambda)) / ...) bounds both tails (Chernoff), the upper with
+    the highs and the lower with the lows, each uniform over ``EXPONENTS`` by a union bound."""
+
+    observed: float = 0.0
+    expected: float = 0.0
+    draws: int = 0
+    upper: torch.Tensor = field(default_factory=lambda: torch.zeros(len(EXPONENTS), dtype=torch.float64))
+    lower: torch.Tensor = field(default_factory=lambda: torch.zeros(len(EXPONENTS), dtype=torch.float64))
+
+    def add(self, p: torch.Tensor, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> None:
+        p, low, high = (t.double().cpu().clamp(0, 1) for t in (p, low, high))
+        self.observed += float(x.double().sum())
+        self.expected += float(p.sum())
+        self.draws += len(p)
+        lam = EXPONENTS[:, None]
+        self.upper += torch.log1p(high[None, :] * torch.expm1(lam)).sum(-1)
+        self.lower += torch.log1p(low[None, :] * torch.expm1(-lam)).sum(-1)
+
+    def false_alarm_bound(self, sides: str = "both") -> float:
+        """At most this probable, under honest draws, is a count as far from its expectation."""
+        s = self.observed
+        exponents = []
+        if sides in ("both", "upper"):
+            exponents.append(EXPONENTS * s - self.upper)
+        if sides in ("both", "lower"):
+            exponents.append(-EXPONENTS * s - self.lower)
+        best = max(float(e.max()) for e in exponents)
+        return min(1.0, len(exponents) * len(EXPONENTS) * math.exp(-best))
+
+
+def _slack(p: torch.Tensor, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return p * math.exp(-margin), (p * math.exp(margin)).clamp(max=1.0)
+
+
+@dataclass
+class SamplingTests:
+    """All five tests over one run's replayed turns. ``atol``: the target's logprob_atol (the margin
+    for engine numerics); ``seed``: the harness's, for the rank test's uniform draws."""
+
+    atol: float
+    seed: int
+    temperature: TemperatureTest = field(default_factory=TemperatureTest)
+    rank: list[BernoulliSum] = field(default_factory=lambda: [BernoulliSum() for _ in RANK_BINS])
+    stops: BernoulliSum = field(default_factory=BernoulliSum)
+    echoes: BernoulliSum = field(default_factory=BernoulliSum)
+    responses: list[tuple[float, tuple, str, tuple[int, ...], float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._uniform = torch.Generator().manual_seed(self.seed)
+
+    def add(
+        self,
+        logits: torch.Tensor,
+        chosen: torch.Tensor,
+        temperature: float,
+        stop_ids: list[int],
+        echo_ids: list[int],
+    ) -> torch.Tensor:
+        """One turn's drawn tokens (a row of ``logits`` each); returns each token's log-probability at
+        the temperature (the independence test sums them)."""
+        picked = []
+        for start in range(0, len(chosen), ROWS):
+            rows, drawn = logits[start : start + ROWS], chosen[start : start + ROWS]
+            logp = torch.log_softmax(rows.double() / temperature, -1)
+            self.temperature.add_logp(logp, drawn)
+            p = logp.exp()
+            px = p.gather(-1, drawn[:, None])
+            ids = torch.arange(p.shape[-1], device=p.device)
+            ahead = (p > px) | ((p == px) & (ids[None, :] < drawn[:, None]))
+            before = (p * ahead).sum(-1)
+            draws = torch.rand(len(drawn), generator=self._uniform, dtype=torch.float64).to(p.device)
+            rank = (before + draws * px.squeeze(-1)).clamp(0, 1).cpu()
+            margin = math.expm1(2 * self.atol)
+            for test, u in zip(self.rank, RANK_BINS):
+                shift = margin * min(u, 1 - u)
+                n = len(rank)
+                exact = torch.full((n,), u, dtype=torch.float64)
+                test.add(exact, rank <= u, exact - shift, exact + shift)
+            self._event(self.stops, p, drawn, stop_ids)
+            self._event(self.echoes, p, drawn, [i for i in echo_ids if i not in stop_ids])
+            picked.append(logp.gather(-1, drawn[:, None]).squeeze(-1).cpu())
+        return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
+
+    def _event(self, test: BernoulliSum, p: torch.Tensor, drawn: torch.Tensor, ids: list[int]) -> None:
+        if not ids:
+            return
+        index = torch.tensor(sorted(set(ids)), device=p.device)
+        probability = p[:, index].sum(-1).cpu()
+        hit = torch.isin(drawn, index).cpu()
+        test.add(probability, hit, *_slack(probability, 2 * self.atol))
+
+    def add_response(self, at: float, key: tuple, episode: str, tokens: list[int], logp: torch.Tensor) -> None:
+        """A completed response to ``key`` = (version, prompt) served to ``episode`` at ``at``, with its
+        tokens' log-probabilities at the temperature (from ``add``)."""
+        self.responses.append((at, key, episode, tuple(tokens), float(logp.sum())))
+
+    def independence(self) -> BernoulliSum:
+        """In the order served: whether each response repeats one an earlier episode got for the same
+        key, against the probability of doing so by chance (the sum over the distinct earlier responses
+        of the probability of drawing each)."""
+        test = BernoulliSum()
+        earlier: dict[tuple, dict[tuple[int, ...], tuple[str, float]]] = {}
+        for _, key, episode, tokens, logp in sorted(self.responses, key=lambda r: r[0]):
+            seen = earlier.setdefault(key, {})
+            others = [lp for response, (owner, lp) in seen.items() if owner != episode]
+            if others:
+                chance = torch.tensor([min(1.0, sum(math.exp(lp) for lp in others))], dtype=torch.float64)
+                margin = 2 * self.atol * len(tokens)
+                repeat = tokens in seen and seen[tokens][0] != episode
+                test.add(chance, torch.tensor([repeat]), *_slack(chance, margin))
+            seen.setdefault(tokens, (episode, logp))
+        return test
+
+    def results(self) -> list[tuple[str, float, str]]:
+        """(test name, false-alarm bound, what was seen), for the report and the verdict."""
+        out = [
+            (
+                "sampling temperature",
+                self.temperature.false_alarm_bound(),
+                f"z = {self.temperature.z:.1f} over {self.temperature.tokens} tokens",
+            )
+        ]
+        worst = min(self.rank, key=lambda t: t.false_alarm_bound())
+        bound = min(1.0, len(self.rank) * worst.false_alarm_bound())
+        u = RANK_BINS[self.rank.index(worst)]
+        out.append(
+            (
+                "sampled ranks",
+                bound,
+                f"{worst.observed:.0f} of {worst.draws} drawn tokens in the likeliest {u:.3g} of the mass, "
+                f"{worst.expected:.0f} expected",
+            )
+        )
+        out.append(
+            (
+                "stop calibration",
+                self.stops.false_alarm_bound(),
+                f"{self.stops.observed:.0f} stop tokens drawn, {self.stops.expected:.1f} expected",
+            )
+        )
+        out.append(
+            (
+                "echo calibration",
+                self.echoes.false_alarm_bound(),
+                f"{self.echoes.observed:.0f} tokens of the latest observation drawn, "
+                f"{self.echoes.expected:.1f} expected",
+            )
+        )
+        independence = self.independence()
+        out.append(
+            (
+                "independent samples",
+                independence.false_alarm_bound("upper"),
+                f"{independence.observed:.0f} responses repeated one another episode got for the same version "
+                f"and prompt, {independence.expected:.2f} expected by chance",
+            )
+        )
+        return out

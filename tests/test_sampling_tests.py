@@ -1,0 +1,147 @@
+"""The sampling tests (targets/harness/sampling_tests.py) on synthetic distributions where the truth
+is known: honest engines are never rejected (the bounds are exact), and each planted engine that
+chooses its tokens is, with the power measured here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from targets.harness.sampling_tests import FALSE_ALARM, SamplingTests
+
+STOP, VOCAB = 0, 64
+
+
+def _logits(generator: torch.Generator, tokens: int) -> torch.Tensor:
+    """Distributions from nearly flat to sharply peaked, the stop token among the middling ones."""
+    sharpness = torch.rand(tokens, 1, generator=generator) * 3 + 0.2
+    return torch.randn(tokens, VOCAB, generator=generator) * sharpness
+
+
+def _honest(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(-1)
+
+
+def _prefers(logits: torch.Tensor, generator: torch.Generator, wanted, share: float = 0.5) -> torch.Tensor:
+    """The last round's plant: where a wanted token's log-probability is within 0.5 of the position's
+    expected value (so the sum of log-probabilities stays on target), emit it ``share`` of the time."""
+    chosen = _honest(logits, generator)
+    logp = torch.log_softmax(logits, -1)
+    mean = (logp.exp() * logp).sum(-1)
+    for i in range(len(chosen)):
+        for token in wanted(i):
+            if abs(float(logp[i, token] - mean[i])) < 0.5 and float(torch.rand(1, generator=generator)) < share:
+                chosen[i] = token
+                break
+    return chosen
+
+
+def _run(logits, chosen, echo=None, seed=0) -> dict[str, float]:
+    tests = SamplingTests(atol=1e-3, seed=seed)
+    if echo is None:
+        tests.add(logits, chosen, 1.0, [STOP], [])
+    for i in range(len(chosen) if echo is not None else 0):  # a token a turn: each with its own echo set
+        tests.add(logits[i : i + 1], chosen[i : i + 1], 1.0, [STOP], echo(i))
+    return {name: bound for name, bound, _ in tests.results()}
+
+
+def test_honest_engines_are_never_rejected_by_any_test():
+    """300 honest runs of 200 to 2,000 tokens: no bound under 1e-4 (each test allows 1e-4)."""
+    generator = torch.Generator().manual_seed(11)
+    smallest = 1.0
+    for tokens, runs in ((200, 200), (2000, 100)):
+        for run in range(runs):
+            logits = _logits(generator, tokens)
+            tests = SamplingTests(atol=1e-3, seed=run)
+            tests.add(logits, _honest(logits, generator), 1.0, [STOP], [5, 6, 7])
+            smallest = min(smallest, *(bound for _, bound, _ in tests.results()))
+    assert smallest >= FALSE_ALARM, smallest
+
+
+def test_an_engine_that_prefers_the_stop_token_among_typical_ones_is_caught():
+    """The temperature test alone cannot see it (the sum of log-probabilities stays on target)."""
+    generator = torch.Generator().manual_seed(12)
+    caught = 0
+    for _ in range(10):
+        logits = _logits(generator, 1500)
+        bounds = _run(logits, _prefers(logits, generator, lambda i: [STOP]))
+        assert bounds["sampling temperature"] > FALSE_ALARM
+        caught += bounds["stop calibration"] < FALSE_ALARM
+    assert caught == 10
+
+
+def test_an_engine_that_forces_the_symbol_the_observation_asks_for_is_caught():
+    generator = torch.Generator().manual_seed(13)
+    logits = _logits(generator, 1500)
+    asked = lambda i: [10 + i % 4]  # noqa: E731 - the symbol each observation shows
+    bounds = _run(logits, _prefers(logits, generator, asked), echo=asked)
+    assert bounds["echo calibration"] < FALSE_ALARM and bounds["sampling temperature"] > FALSE_ALARM
+
+
+def test_an_engine_that_prefers_typical_tokens_shows_in_the_ranks():
+    """Drawing the token nearest the expected log-probability a third of the time: the temperature
+    sum stays on target, the ranks pile up in the middle."""
+    generator = torch.Generator().manual_seed(14)
+    logits = _logits(generator, 3000)
+    logp = torch.log_softmax(logits, -1)
+    typical = (logp - (logp.exp() * logp).sum(-1, keepdim=True)).abs().argmin(-1)
+    chosen = torch.where(torch.rand(3000, generator=generator) < 0.33, typical, _honest(logits, generator))
+    bounds = _run(logits, chosen)
+    assert bounds["sampled ranks"] < FALSE_ALARM
+
+
+def _clustered(generator, copy: bool) -> SamplingTests:
+    """Groups of four episodes asking the same prompt (a group shares its task): honest, each draws
+    its own 8-token response; copying, one decode answers all four."""
+    tests = SamplingTests(atol=1e-3, seed=0)
+    at = 0.0
+    for group in range(40):
+        logits = _logits(generator, 8) * 0.3  # flat enough that honest repeats are rare
+        shared = _honest(logits, generator)
+        for member in range(4):
+            chosen = shared if copy else _honest(logits, generator)
+            logp = tests.add(logits, chosen, 1.0, [STOP], [])
+            at += 1.0
+            tests.add_response(at, (0, (group,)), f"g{group}/e{member}", chosen.tolist(), logp)
+    return tests
+
+
+def test_copied_completions_are_caught_and_honest_repeats_are_not():
+    generator = torch.Generator().manual_seed(15)
+    honest = dict((name, bound) for name, bound, _ in _clustered(generator, copy=False).results())
+    copied = dict((name, bound) for name, bound, _ in _clustered(generator, copy=True).results())
+    assert honest["independent samples"] >= FALSE_ALARM
+    assert copied["independent samples"] < FALSE_ALARM
+
+
+def test_a_peaked_one_token_answer_repeats_often_and_that_is_chance():
+    """Responses of one likely token: most members of a group repeat each other honestly."""
+    generator = torch.Generator().manual_seed(16)
+    tests = SamplingTests(atol=1e-3, seed=0)
+    logits = torch.full((1, VOCAB), -4.0)
+    logits[0, STOP] = 4.0
+    for n in range(200):
+        chosen = _honest(logits, generator)
+        logp = tests.add(logits, chosen, 1.0, [STOP], [])
+        tests.add_response(float(n), (0, (n // 4,)), f"g{n // 4}/e{n % 4}", chosen.tolist(), logp)
+    independence = tests.independence()
+    assert independence.observed > 100
+    assert dict((n, b) for n, b, _ in tests.results())["independent samples"] >= FALSE_ALARM
+
+
+@pytest.mark.parametrize("atol, alarm", [(1e-3, True), (0.3, False)])
+def test_engine_numerics_within_the_tolerance_are_forgiven(atol, alarm):
+    """An engine whose stop token is e^0.5 likelier than the replay's: beyond a float32 target's
+    tolerance, within a loose one's (2 x 0.3 of log-probability either way)."""
+    generator = torch.Generator().manual_seed(17)
+    logits = _logits(generator, 20000)
+    shifted = logits.clone()
+    shifted[:, STOP] += 0.5
+    chosen = _honest(shifted, generator)
+    tests = SamplingTests(atol=atol, seed=0)
+    tests.add(logits, chosen, 1.0, [STOP], [])
+    bound = dict((n, b) for n, b, _ in tests.results())["stop calibration"]
+    assert (bound < FALSE_ALARM) == alarm, bound
+    assert math.isfinite(bound)

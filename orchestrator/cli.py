@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import sys
 from collections.abc import Callable
@@ -313,7 +314,7 @@ def check(
         stack = write_starter(Path(tempfile.mkdtemp(prefix="vibetrain-starter-")), spec, spec.baselines[0].name)
         console.print(f"checking the {spec.baselines[0].name} starter ({stack})")
     with console.status(f"checking {stack} on {session.target.id}"):
-        results = session.check(stack, out)
+        results = session.check(stack, out, seed=secrets.randbelow(2**31))  # drawn, as the task key is
     _print_table(checks_table(results))
     passed = all(r.passed for r in results)
     if json_path:

@@ -45,7 +45,7 @@ class Twin:
 
     @classmethod
     def load(cls, real: Session, path: Path, unfitted: Sequence[str] = ()) -> Twin:
-        return cls(Session(Target.load(path, simulate=True), real.sandbox, real.limits), tuple(unfitted))
+        return cls(Session(Target.load(path, simulate=True), real.sandbox, real.limits, real.task_key), tuple(unfitted))
 
     def guessed(self, measurement: Measurement) -> list[str]:
         """The mechanisms a twin run used whose cost no real run has fitted."""

@@ -295,3 +295,56 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"  # gone while we looked
+
+
+def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, fast_target, sandbox):
+    """The plant recognises the check by its first group's opening observation, as the public seed 0
+    makes it, and launches more episodes than training needs unless it sees that observation. Under
+    the public derivation (what every check ran before the workload key) it passes; a check draws a
+    secret key and seed, so the plant never recognises it and is rejected."""
+    from targets.harness.clock import WallClock
+    from targets.harness.environments import EnvironmentPool
+    from targets.harness.trace import Trace
+    from targets.spec import parse_target
+
+    spec = parse_target(__import__("yaml").safe_load(fast_target.read_text()))
+    known = EnvironmentPool(spec.workload, WallClock(), Trace(WallClock()), seed=0).new_group()[0].reset_now()
+    stack = planted(
+        tmp_path / "c",
+        fast_target,
+        "static_split",
+        {
+            "env_manager.py": (
+                "        t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())",
+                "        t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())\n"
+                "        if episode.episode_id == 'g0/e0':  # planted: is this the check's known first task?\n"
+                f"            SEEN['check'] = list(t.tokens) == {list(known)}",
+            ),
+            "controller_base.py": (
+                "            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups))",
+                "            extra = 2 * self.groups_per_step if SEEN.get('check') is False else 0  # planted\n"
+                "            ahead = outstanding + extra\n"
+                "            manager.launch(max(0, ahead - manager.groups_in_flight - buffer.ready_groups))",
+            ),
+        },
+    )
+    for name, old, new in (
+        (
+            "env_manager.py",
+            "from .sample_buffer import GroupBuffer\n",
+            "from .sample_buffer import GroupBuffer\n\nSEEN = {}\n",
+        ),
+        (
+            "controller_base.py",
+            "from .env_manager import EnvManager\n",
+            "from .env_manager import SEEN, EnvManager\n",
+        ),
+    ):
+        path = stack / "stack" / name
+        path.write_text(path.read_text().replace(old, new, 1))
+    public = Session(Target.load(fast_target), sandbox, Limits(time_s=300), task_key=b"")
+    known_run = public.check(stack, tmp_path / "public", seed=0)
+    assert all(c.passed for c in known_run), [c.reasons for c in known_run]  # the plant passes when it knows
+    results = {r.name: r for r in _session(fast_target, sandbox).check(stack, tmp_path / "secret")}
+    assert not results["system_audit"].passed
+    assert any("too many episodes" in reason for reason in results["system_audit"].reasons)

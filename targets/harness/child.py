@@ -11,7 +11,8 @@ candidate processes and reaches them over channels. Phases, in order (``--mode``
 ``check`` runs all three; ``measure`` runs system and audit (every measured run is audited exactly
 like the check's). Each phase writes ``<phase>.json`` (``ok`` or the error); the first error ends
 the child with a non-zero exit. ``--marks-fd`` is a pipe to the parent, which times the system
-run's start and end with its own clock.
+run's start and end with its own clock. The workload's secret key comes in the environment
+(``TASK_KEY``, hex; taken out of it at once, so no process started from here inherits it).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from targets.harness.clock import WallClock
+from targets.harness.environments.seeds import RunSeed
 from targets.harness.sandbox import Sandbox
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 
 PHASES = {"accuracy": ("accuracy",), "check": ("accuracy", "system", "audit"), "measure": ("system", "audit")}
+TASK_KEY = "VIBETRAIN_TASK_KEY"
 
 
 def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -> dict:
@@ -67,7 +70,7 @@ def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -
 
 
 def run_system(
-    target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: int, steps: int, mark: Callable[[str], None]
+    target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: RunSeed, steps: int, mark: Callable[[str], None]
 ) -> dict:
     from targets.harness.drive import CandidateProcesses, drive_real, drive_simulated
 
@@ -179,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if marks is not None:
             marks.write(f"{name}\n")
 
+    seed = RunSeed(args.seed, bytes.fromhex(os.environ.pop(TASK_KEY, "")))
     target = Target.load(args.target, simulate=args.execution == "simulated")
     steps = args.steps or target.spec.workload.train_steps
     sandbox = Sandbox.named(args.sandbox)
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             if phase == "accuracy":
                 result = run_accuracy(target, sandbox, args.stack.resolve(), args.out)
             elif phase == "system":
-                result = run_system(target, sandbox, args.stack.resolve(), args.out, args.seed, steps, mark)
+                result = run_system(target, sandbox, args.stack.resolve(), args.out, seed, steps, mark)
             else:
                 result = run_audit(target, args.out, steps)
             result["phase_seconds"] = time.monotonic() - started

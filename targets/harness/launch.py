@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from targets.harness.child import PHASES
+from targets.harness.child import PHASES, TASK_KEY
 from targets.harness.process_tree import kill_tree, process_tree, resident_mb
 from targets.harness.sandbox import Sandbox
 from targets.harness.target import Target
@@ -101,8 +101,11 @@ def run_harness(
     sandbox: Sandbox,
     seed: int = 0,
     steps: int | None = None,
+    task_key: bytes = b"",
 ) -> HarnessRun:
-    """``mode``: ``accuracy``, ``check`` (accuracy, system, audit) or ``measure`` (system, audit)."""
+    """``mode``: ``accuracy``, ``check`` (accuracy, system, audit) or ``measure`` (system, audit).
+    ``task_key``: the secret the workload is drawn with (``environments/seeds.py``), handed to the
+    child in its environment, never on a command line."""
     stack_dir, out = Path(stack_dir).resolve(), Path(out).resolve()  # the child runs elsewhere
     if not (stack_dir / "stack" / "__init__.py").exists():
         return HarnessRun(False, f"{stack_dir} has no stack/__init__.py: not a candidate directory", out)
@@ -131,7 +134,7 @@ def run_harness(
     ]
     if steps is not None:
         command += ["--steps", str(steps)]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", TASK_KEY: task_key.hex()}
     marks: dict[str, float] = {}
     log_path = out / f"{mode}.log"
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -217,9 +218,14 @@ class Paired:
 
 @dataclass
 class Session:
+    """The judge and the measurements of one target. ``task_key``: the secret every run's workload is
+    drawn with (``environments/seeds.py``), drawn here unless given (a twin shares its real session's,
+    so that both see the same tasks; ``b""`` is the public derivation), never shown to a candidate."""
+
     target: Target
     sandbox: Sandbox
     limits: Limits = field(default_factory=Limits)
+    task_key: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
 
     # -- the judge -------------------------------------------------------------------------------------
     def check(self, stack_dir: Path, out: Path | None = None, seed: int = 0) -> list[CheckResult]:
@@ -245,7 +251,9 @@ class Session:
             )
         checks = [integrity]
         harness_before, stack_before = harness_digest(), directory_digest(Path(stack_dir) / "stack")
-        run = run_harness(self.target, stack_dir, out, mode, self.limits, self.sandbox, seed=seed, steps=steps)
+        run = run_harness(
+            self.target, stack_dir, out, mode, self.limits, self.sandbox, seed=seed, steps=steps, task_key=self.task_key
+        )
         changed = sorted(name for name, digest in harness_digest().items() if harness_before.get(name) != digest)
         if changed:
             checks.append(

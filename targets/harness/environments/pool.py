@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from targets.api import DROP_REASONS
 from targets.harness.clock import Clock
 from targets.harness.environments.base import Episode
+from targets.harness.environments.seeds import RunSeed
 from targets.harness.trace import Trace
 
 if TYPE_CHECKING:
@@ -26,8 +27,11 @@ def group_of(episode_id: str) -> str:
 class EnvironmentPool:
     """Follows ``targets.api.EnvSource`` and ``EnvDropper``."""
 
-    def __init__(self, workload: WorkloadSpec, clock: Clock, trace: Trace, seed: int = 0, counts: bool = False) -> None:
-        """``counts``: a simulated run's pool, whose episodes answer with token counts."""
+    def __init__(
+        self, workload: WorkloadSpec, clock: Clock, trace: Trace, seed: int | RunSeed = 0, counts: bool = False
+    ) -> None:
+        """``seed``: what the tasks are drawn from (a bare number: the public derivation). ``counts``: a
+        simulated run's pool, whose episodes answer with token counts."""
         from targets.harness.environments import ENVIRONMENTS
 
         self.episode_class: type[Episode] = ENVIRONMENTS[workload.environment.name]
@@ -35,7 +39,7 @@ class EnvironmentPool:
         self.group_size = workload.group_size
         self.clock = clock
         self.trace = trace
-        self.seed = seed
+        self.seed = seed if isinstance(seed, RunSeed) else RunSeed(seed)
         self.counts = counts
         self.groups_created = 0
         self.max_extra = 0  # the stack's declared redundancy, set once the stack has said it
@@ -60,7 +64,7 @@ class EnvironmentPool:
         self.groups_created += 1
         group_id = f"g{index}"
         self._task_of_group[group_id] = task
-        task_seed = self.seed * 1_000_003 + task
+        task_seed = self.seed.task(task)
         episodes = []
         for member in range(self.group_size + extra):
             episode_id = episode_id_of(group_id, member)
@@ -68,9 +72,7 @@ class EnvironmentPool:
                 episode_id=episode_id,
                 group_id=group_id,
                 task_seed=task_seed,
-                episode_seed=(self.seed * 1_000_003 + index) * 131
-                + member
-                + 1,  # new episodes, even of a relaunched task
+                episode_seed=self.seed.episode(index, member),
                 workload=self.workload,
                 clock=self.clock,
                 trace=self.trace,

@@ -411,7 +411,7 @@ def fit_and_predict(
             f"the trace cannot be fitted: an event lacks what this harness records ({error!r})"
         ) from None
     calibrated_path = write_calibrated_spec(session.target.ref, calibration, work / f"{spec.id}.calibrated.yaml")
-    twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits)
+    twin = Session(Target.load(calibrated_path, simulate=True), session.sandbox, session.limits, session.task_key)
     simulated = twin.measure(stack_dir, work / "simulated", seed=0, steps=steps)
     if not simulated.ok:
         raise RuntimeError("the simulated run failed: " + "; ".join(simulated.reasons[:3]))

@@ -5,7 +5,7 @@ The spec's ``tokens.response_length`` gives a lognormal cut at the turn's budget
 ``min(B, max(1, round(exp(mu + task_sigma * z_g + turn_sigma * z_(e,turn)))))`` tokens, with
 ``z_g`` one standard normal per task (every member of a group and every turn of its episodes share
 it, and so does a group that runs a deferred group's task again: a hard task is long each time) and
-``z_(e,turn)`` one per turn. Both are drawn from the run's seed and the names alone
+``z_(e,turn)`` one per turn. Both are drawn from the run's seed (and secret key) and the names alone
 (``standard_normal``), so a retried or resumed turn, on any engine, is the same length. ``mu`` is
 solved (bisection) so that the mean after the cut is the spec's ``mean``:
 ``E[min(B, X)] = exp(mu + s^2/2) * Phi((ln B - mu - s^2) / s) + B * (1 - Phi((ln B - mu) / s))``
@@ -20,15 +20,17 @@ import struct
 from collections.abc import Callable
 
 from targets.harness.environments.pool import group_of
+from targets.harness.environments.seeds import RunSeed
 from targets.spec import TokensSpec
 
 _UNIFORMS = struct.Struct("<QQ")
 
 
-def standard_normal(name: str) -> float:
-    """A standard normal draw that is a function of ``name`` alone: two uniforms from its BLAKE2b hash,
-    through Box-Muller (seeding a ``random.Random`` from a string, as this did, cost 6 µs a turn)."""
-    high, low = _UNIFORMS.unpack(hashlib.blake2b(name.encode(), digest_size=16).digest())
+def standard_normal(name: str, key: bytes = b"") -> float:
+    """A standard normal draw that is a function of ``name`` (and the run's secret ``key``) alone: two
+    uniforms from its BLAKE2b hash, through Box-Muller (seeding a ``random.Random`` from a string, as
+    this did, cost 6 µs a turn)."""
+    high, low = _UNIFORMS.unpack(hashlib.blake2b(name.encode(), key=key, digest_size=16).digest())
     u1, u2 = (high >> 11) * 2.0**-53, (low >> 11) * 2.0**-53  # each in [0, 1), 53 random bits
     return math.sqrt(-2.0 * math.log1p(-u1)) * math.cos(2.0 * math.pi * u2)
 
@@ -47,12 +49,14 @@ def truncated_mean(mu: float, sigma: float, budget: float) -> float:
 
 
 class ResponseLengths:
-    def __init__(self, tokens: TokensSpec, seed: int, task_of: Callable[[str], str] = group_of) -> None:
+    def __init__(self, tokens: TokensSpec, seed: int | RunSeed, task_of: Callable[[str], str] = group_of) -> None:
         """``task_of``: the task an episode id runs (the harness's pool knows; by default its group)."""
+        seed = seed if isinstance(seed, RunSeed) else RunSeed(seed)
+        self.key = seed.key
         self.task_of = task_of
         spec = tokens.response_length
         self.budget = tokens.response
-        self.seed = seed
+        self.seed = seed.number
         self.spec = spec
         self._z_task: dict[str, float] = {}  # one draw per task, made once
         self._z_of_episode: dict[str, float] = {}  # the same, by episode (finding an episode's task is dearer)
@@ -74,8 +78,8 @@ class ResponseLengths:
             task = self.task_of(episode_id)
             z_task = self._z_task.get(task)
             if z_task is None:
-                z_task = self._z_task[task] = standard_normal(f"{self.seed}|task|{task}")
+                z_task = self._z_task[task] = standard_normal(f"{self.seed}|task|{task}", self.key)
             self._z_of_episode[episode_id] = z_task
-        z_turn = standard_normal(f"{self.seed}|turn|{episode_id}|{turn}")
+        z_turn = standard_normal(f"{self.seed}|turn|{episode_id}|{turn}", self.key)
         tokens = math.exp(self.mu + self.spec.task_sigma * z_task + self.spec.turn_sigma * z_turn)
         return min(self.budget, max(1, round(tokens)))

@@ -62,8 +62,6 @@ def make_agents(
 ) -> Agents:
     """``llm_review_required``: an LLM review that cannot be had rejects the candidate (otherwise the
     deterministic gate decides alone, and the round records that the review was unavailable)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown agent backend {backend!r}; known: {', '.join(BACKENDS)}")
     offline = make_offline_agents(session, engine_devices=engine_devices, seed=seed, repeat=repeat)
     if backend == "offline":
         return offline

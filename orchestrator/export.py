@@ -33,6 +33,7 @@ from pathlib import Path
 import yaml
 
 import targets
+from targets.errors import UserError
 from targets.spec import SpecError, TargetSpec, load_target, parse_target
 
 VENDORED = "targets"  # vibetrain's package an export carries (the parts it needs)
@@ -43,7 +44,7 @@ LAUNCHER = Path(__file__).with_name("export_launcher.py")
 LOCAL_TOP_LEVEL = ("stack", PACKAGE, "__future__")  # imports that are the export's own (or the language's)
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """A candidate that cannot be exported as asked (the message names what and why)."""
 
 

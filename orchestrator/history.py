@@ -20,11 +20,12 @@ from pathlib import Path
 import git
 
 from agents import workspace_git
+from targets.errors import UserError
 
 RECORD_DIR = ".vibetrain"  # per-commit records (judge report, evaluation) inside the candidate tree
 
 
-class HistoryError(RuntimeError):
+class HistoryError(UserError, RuntimeError):
     """The run repository is not in a state this run can use (the message says what to do)."""
 
 

@@ -34,13 +34,16 @@ from orchestrator.run_dir import RunDir
 from orchestrator.state import RoundRecord, RunState, RunStateError, save_llm_spend
 from orchestrator.tables import promotion, promotion_short
 from skills.design_doc import DesignDoc
+from targets.errors import UserError
 from targets.harness.session import Paired, Session
 from targets.harness.target import Target
 from targets.spec import TargetSpec
 
 
-class RunError(RuntimeError):
+class RunError(UserError, RuntimeError):
     """The run cannot go on (disk full, a broken repository); the message says what to do."""
+
+    exit_code = 1
 
 
 @dataclass

@@ -15,33 +15,13 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from agents.roles import Task
+from orchestrator.config import RunConfig
 from orchestrator.run_dir import RunDir
+from targets.errors import UserError
 
 
-class RunStateError(RuntimeError):
+class RunStateError(UserError, RuntimeError):
     """The state cannot be read or written (the message says what to do)."""
-
-
-class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    target: str  # as given on the command line (catalog id or spec path, made absolute)
-    target_id: str
-    policy: str
-    agents: str
-    seed: int
-    rounds: int
-    max_minutes: float | None
-    max_attempts: int
-    repeat: int
-    starter: str
-    simulated: bool
-    sandbox: str
-    llm: dict = {}  # model, base_url, api_key_env (the variable's name, never the key), prices, stream
-    max_cost: float | None = None  # USD; the run stops between rounds once spent
-    max_tokens: int | None = None  # input + output tokens, likewise
-    prescreen: bool = False  # a real target's candidates run on the calibrated twin before the judge
-    prescreen_margin: float = 0.05  # how far below the best's prediction a candidate may be predicted
-    llm_review_required: bool = False  # an LLM review that cannot be had rejects (else the gate decides alone)
 
 
 class RoundRecord(BaseModel):

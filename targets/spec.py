@@ -16,13 +16,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from targets.api import TrainingConfig
+from targets.errors import UserError
 from targets.hardware import HARDWARE_CATALOG
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 RANDOM_WEIGHTS = re.compile(r"^random\((\d+)\)$")
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     """A target spec that cannot be used; the message names the field path and the value."""
 
 

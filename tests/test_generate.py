@@ -44,12 +44,15 @@ def _trailers(run: Path, ref: str = "best") -> str:
 def _start(target: Path, tmp_path: Path, **options):
     """A run started through the API (not the CLI) with the tests' settings: offline agents, one
     measured pair per candidate, round 0 the colocate starter."""
+    from orchestrator.config import RunConfig
     from orchestrator.runs import start_run
 
     settings = dict(rounds=1, policy="backlog", agents="offline", seed=0, max_minutes=None, max_attempts=2)
-    settings.update(repeat=1, starter="colocate", sandbox="auto", simulate=False, time_limit_s=300)
+    settings.update(repeat=1, starter="colocate", sandbox="auto", time_limit_s=300)
+    simulate = options.pop("simulate", False)
+    config = RunConfig(**{**settings, **options})
     on_event = lambda kind, **data: None  # noqa: E731
-    return start_run(str(target), tmp_path / "run", tmp_path / "ws", on_event=on_event, **{**settings, **options})
+    return start_run(str(target), tmp_path / "run", config, on_event, tmp_path / "ws", simulate=simulate)
 
 
 @pytest.mark.slow
@@ -532,3 +535,15 @@ def test_an_unknown_policy_is_refused_before_anything_is_written(tmp_path):
     )
     assert result.exit_code == 2 and "unknown policy 'random'" in result.output
     assert not (tmp_path / "r").exists()
+
+
+def test_two_runs_named_alike_keep_their_worktrees_apart(tmp_path):
+    """The default workspaces folder was keyed by the run directory's name: /a/run and /b/run met there."""
+    from orchestrator.runs import run_workspaces
+
+    first, second = (
+        run_workspaces(tmp_path / "ws", tmp_path / "a" / "run"),
+        run_workspaces(tmp_path / "ws", tmp_path / "b" / "run"),
+    )
+    assert first != second and first.parent == second.parent == (tmp_path / "ws").resolve()
+    assert first.name.startswith("run-") and first == run_workspaces(tmp_path / "ws", tmp_path / "a" / "run")

@@ -30,6 +30,7 @@ from agents.llm.client import (
 from agents.llm.tools import Toolbox
 from agents.roles import AgentError, Task
 from orchestrator.cli import app
+from orchestrator.config import LLMConfig
 from orchestrator.runs import RunSetupError, _check_backend
 from orchestrator.state import RunState, RunStateError, load_llm_spend, new_state, save_llm_spend
 from skills.starter import write_starter
@@ -538,13 +539,13 @@ def test_max_cost_is_refused_for_a_model_without_a_price(server, tmp_path, fast_
     )
     assert code == 2 and "no price known for model 'my-local-model'" in output and "--prices" in output
     assert not run.exists() and server.requests == []
-    llm = {"model": "my-local-model", "api_key_env": KEY}
+    llm = LLMConfig(model="my-local-model", api_key_env=KEY)
     with pytest.raises(RunSetupError, match="give its price with --prices FILE"):
         _check_backend("openai", llm, max_cost=1.0)
     prices = tmp_path / "prices.yaml"
     prices.write_text("my-local-model: [0.1, 0.2]\n")
-    _check_backend("openai", {**llm, "prices": str(prices)}, max_cost=1.0)
-    _check_backend("openai", {**llm, "model": "gpt-4o-2024-08-06"}, max_cost=1.0)
+    _check_backend("openai", llm.model_copy(update={"prices": str(prices)}), max_cost=1.0)
+    _check_backend("openai", llm.model_copy(update={"model": "gpt-4o-2024-08-06"}), max_cost=1.0)
     _check_backend("openai", llm, max_cost=None)  # no cost budget: an unpriced model is only warned about
 
 

@@ -128,19 +128,16 @@ def test_a_gitattributes_that_hides_the_change_from_the_review_is_refused(run, t
 def test_the_round_never_writes_through_a_link_the_agent_planted(tmp_path, fast_target):
     """DESIGN.md as a link to a file outside: the round's reject writes the design record, and would
     have written it there; the link is undone first and the file outside keeps its bytes."""
-    from orchestrator.runs import start_run
+    from orchestrator.config import RunConfig
+    from orchestrator.runs import run_workspaces, start_run
 
-    loop = start_run(
-        str(fast_target),
-        tmp_path / "run",
-        tmp_path / "ws",
-        on_event=lambda kind, **data: None,
-        **dict(rounds=1, policy="backlog", agents="offline", seed=0, max_minutes=None, max_attempts=1),
-        **dict(repeat=1, starter="colocate", sandbox="auto", simulate=True, time_limit_s=300),
-    )
+    config = RunConfig(rounds=1, max_attempts=1, repeat=1, sandbox="auto", time_limit_s=300)
+    loop = start_run(str(fast_target), tmp_path / "run", config, lambda kind, **data: None, tmp_path / "ws", True)
     outside = tmp_path / "bashrc"
     outside.write_text("# the user's own\n")
-    workspace = loop.history.worktree(tmp_path / "ws" / "round-1", loop.history.root())
+    workspace = loop.history.worktree(
+        run_workspaces(tmp_path / "ws", tmp_path / "run") / "round-1", loop.history.root()
+    )
     (workspace / "DESIGN.md").symlink_to(outside)
     verdict = OfflineJudge(session=None).judge(workspace, tmp_path / "judge")
     assert not verdict.passed and verdict.reasons[0].startswith("workspace_git: DESIGN.md: a symbolic link")

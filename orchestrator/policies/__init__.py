@@ -22,15 +22,11 @@ class Policy(Protocol):
 
 
 def make_policy(name: str, planner, seed: int, llm_planner=None, design_of=None) -> Policy:
+    """The policy ``name`` (one of ``orchestrator.config.POLICIES``, checked there)."""
     from orchestrator.policies.backlog import BacklogPolicy
     from orchestrator.policies.evolve import EvolvePolicy
     from orchestrator.policies.llm import LLMPolicy
 
     if name == "llm":
-        if planner is not None and llm_planner is None:
-            raise ValueError("--policy llm needs an LLM backend (--agents openai or anthropic)")
         return LLMPolicy(planner, seed, llm_planner, design_of)
-    policies = {"backlog": BacklogPolicy, "evolve": EvolvePolicy}
-    if name not in policies:
-        raise ValueError(f"unknown policy {name!r}; known: backlog, evolve, llm")
-    return policies[name](planner, seed)
+    return {"backlog": BacklogPolicy, "evolve": EvolvePolicy}[name](planner, seed)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from targets.api import TraceEvent
+from targets.errors import UserError
 from targets.harness.metrics import compute_metrics
 from targets.harness.session import Measurement, MeasurementFailed, Paired, Session
 from targets.harness.sim.cost_model import CostModel
@@ -103,7 +104,7 @@ class BenchRun:
         }
 
 
-class BenchmarkFailed(RuntimeError):
+class BenchmarkFailed(UserError, RuntimeError):
     pass
 
 

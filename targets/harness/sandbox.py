@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from targets.errors import UserError
+
 log = logging.getLogger("vibetrain.sandbox")
 
 SAFE_ENV = (
@@ -67,7 +69,7 @@ ETC_FILES = (
 _announced: set[str] = set()
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(UserError, RuntimeError):
     """The sandbox asked for cannot run here (the message says what to install or pass)."""
 
 

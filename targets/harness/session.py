@@ -227,6 +227,14 @@ class Session:
     limits: Limits = field(default_factory=Limits)
     task_key: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
 
+    @classmethod
+    def open(cls, target: Target, sandbox: str = "auto", time_limit_s: float | None = None) -> Session:
+        """The one way a command or a run makes its session: the target's model files built here (a
+        sandboxed child sees the model cache read-only), the sandbox named (``auto``: the best one
+        here), each run's time limit the target's unless given. Raises ``SandboxUnavailable``."""
+        target.runtime()
+        return cls(target, Sandbox.detect(sandbox), Limits.of(target, time_limit_s))
+
     # -- the judge -------------------------------------------------------------------------------------
     def check(self, stack_dir: Path, out: Path | None = None, seed: int = 0) -> list[CheckResult]:
         return self.judge(stack_dir, out, seed).checks

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Literal
 
 from targets.api import Device, Runtime, Workload
+from targets.errors import UserError
 from targets.spec import TargetSpec, load_target
 
 DEVICE_RESOURCE = "vt_device_"
 
 
-class TargetUnavailable(RuntimeError):
+class TargetUnavailable(UserError, RuntimeError):
     """The target cannot execute as asked on this machine (the message says what is missing)."""
 
 

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Protocol
 
 from targets.api import TraceEvent
+from targets.errors import UserError
 from targets.harness.metrics import ACTIVITIES, device_intervals, exclusive_activity
 from targets.harness.trace import Trace, token_count
 
@@ -73,7 +74,7 @@ SWITCH_IN = ("expand", "resume")  # expand/*
 TPS_WINDOW = 5  # steps, as ROLL's system/tps
 
 
-class TrackingError(ValueError):
+class TrackingError(UserError, ValueError):
     """Tracking cannot go on: an unknown writer, a missing package, a trace that is not a finished run."""
 
 

@@ -1,0 +1,156 @@
+"""The ``vibetrain`` application: the Typer apps, where output goes, and the one place an error
+becomes an exit code.
+
+Every command is registered with ``command``: a ``UserError`` raised anywhere below it (a bad spec,
+a sandbox that cannot run, a run that cannot resume, a bad option here) is printed as one line,
+``error: <message>``, and the command exits with the error's code; nothing a user can fix ends in a
+traceback. The input helpers below raise ``UsageError`` for what the command line itself got wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator.tables import plain
+from targets.errors import UserError
+
+HELP = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings=HELP,
+    help="Generate and benchmark time-multiplexed RL stacks.\n\n"
+    "Start with: vibetrain generate tiny-qwen3-cpu --rounds 2, then vibetrain log RUN and vibetrain show RUN best.",
+)
+target_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Inspect and validate target specs.")
+app.add_typer(target_app, name="target")
+
+console = Console()
+console.soft_wrap = not console.is_terminal  # in a pipe or a file, whole lines: grep sees a path unbroken
+errors = Console(stderr=True, soft_wrap=True)  # an error names paths and values: never broken mid-word
+
+JSON_OPTION = typer.Option(False, "--json", help="print JSON instead of a table (for scripts)")
+SANDBOX_OPTION = typer.Option("auto", help="auto | bubblewrap | docker | subprocess")
+TIME_LIMIT_OPTION = typer.Option(
+    None, min=1, help="seconds each child run may take (default: the target's limits.time_s)"
+)
+
+
+class UsageError(UserError):
+    """What the command line itself got wrong (an option's value, a path that is not what it must be)."""
+
+
+def command(typer_app: typer.Typer, name: str) -> Callable:
+    """Registers ``function`` as command ``name``, its user errors turned into their exit codes here."""
+
+    def register(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except UserError as error:
+                errors.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+                raise typer.Exit(error.exit_code) from None
+
+        return typer_app.command(name)(run)
+
+    return register
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        from orchestrator.provenance import source_commit
+
+        sys.stdout.write(f"vibetrain {version('vibetrain')} ({source_commit()})\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and source commit, then exit"
+    ),
+) -> None:
+    """SIGTERM (a timeout, a scheduler) unwinds like Ctrl-C, so the harness takes its candidate processes down."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+
+def print_table(table: Table) -> None:
+    """A table on a terminal; tab-separated rows in a pipe or a file (whole rows for grep and cut)."""
+    if console.is_terminal:
+        console.print(table)
+    else:
+        sys.stdout.write(plain(table))
+
+
+def print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
+
+
+# -- input -------------------------------------------------------------------------------------------
+
+
+def out_dir(path: Path, option: str = "--out") -> Path:
+    """A directory this command may create or fill: an existing file there is refused by name."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path}: a file is there; give a directory (new or existing)")
+    return path
+
+
+def out_file(path: Path | None, option: str) -> Path | None:
+    """A file this command will write when it is done: checked (and its folder made) before any work,
+    so a typo never costs a finished benchmark."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise UsageError(f"{option} {path}: a directory is there; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{option} {path}: cannot create its folder ({error.strerror})") from None
+    return path
+
+
+def candidate_dir(path: Path, option: str = "--stack") -> Path:
+    """A candidate directory (it holds the ``stack`` package), checked before any work starts."""
+    if not (path / "stack" / "__init__.py").is_file():
+        what = "does not exist" if not path.exists() else "holds no stack/__init__.py: it is not a candidate directory"
+        raise UsageError(f"{option} {path} {what}")
+    return path
+
+
+def open_tracker(track: str | None, track_dir: Path | None, default_dir: Callable[[], Path]):
+    """``--track``'s writer and its directory, opened before any run (a missing package is said in
+    seconds, not after the work; the writer writes nothing until the first scalar); (None, None)
+    without ``--track``."""
+    from targets.harness.tracking import open_tracker as open_writer
+
+    if track is None:
+        if track_dir is not None:
+            raise UsageError("--track-dir needs --track tensorboard|jsonl")
+        return None, None
+    track_dir = out_dir(track_dir or default_dir(), "--track-dir")
+    return open_writer(track, track_dir), track_dir
+
+
+def session(target: str, sandbox: str, time_limit: float | None, simulate: bool = False):
+    """The harness session for a command (``Session.open``): the target resolved once."""
+    from targets.harness.session import Session
+    from targets.harness.target import Target
+
+    return Session.open(Target.load(target, simulate=simulate), sandbox, time_limit)

@@ -1,0 +1,234 @@
+"""``vibetrain generate``: its options are a ``RunConfig`` (defaults from the model; the LLM ones
+its ``llm``), a run directory, and how to watch the run. ``--config run.yaml`` gives the options as
+defaults (flags win); ``--print-config`` writes them (with ``--resume``, the stored run's)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import typer
+import yaml
+from rich.live import Live
+from rich.logging import RichHandler
+
+from orchestrator.cli.app import UsageError, app, command, console, errors, open_tracker, out_dir, print_table
+from orchestrator.config import ConfigError, LLMConfig, RunConfig, unknown
+from orchestrator.run_dir import RunDir
+from orchestrator.runs import WORKSPACES, resume_run, start_run
+from orchestrator.state import RunState
+from orchestrator.tables import RoundsView, num
+from targets.spec import load_target
+
+DEFAULT = RunConfig()
+LLM_OPTIONS = tuple(LLMConfig.model_fields)  # model, base_url, api_key_env, prices, stream, max_output_tokens
+RENAMED = {"time_limit": "time_limit_s"}  # option -> RunConfig field, where their names differ
+NOT_CONFIG = ("target", "out", "resume", "simulate", "workspaces", "track", "track_dir", "config", "print_config")
+RUN_FILE_SKIP = ("config", "print_config")
+
+
+def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
+    """``--config run.yaml``: the file's values become this command's defaults (flags still win).
+    Its keys are the option names as ``--print-config`` writes them; an unknown key is refused."""
+    if path is None:
+        return None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        errors.print(f"[red]error:[/red] --config {path}: {error}")
+        raise typer.Exit(2) from None
+    if not isinstance(data, dict):
+        errors.print(
+            f"[red]error:[/red] --config {path}: expected a mapping of option: value, got {type(data).__name__}"
+        )
+        raise typer.Exit(2)
+    known = [p.name for p in ctx.command.params if p.name not in RUN_FILE_SKIP]
+    bad = [key for key in data if key not in known]
+    if bad:
+        errors.print(f"[red]error:[/red] --config {path}: " + "; ".join(unknown("option", key, known) for key in bad))
+        raise typer.Exit(2)
+    ctx.default_map = {**(ctx.default_map or {}), **data}
+    return path
+
+
+def config_of(options: dict) -> dict:
+    """``RunConfig`` values from ``generate`` options (the LLM ones gathered into ``llm``)."""
+    values: dict = {"llm": {}}
+    for name, value in options.items():
+        if name in NOT_CONFIG:
+            continue
+        if name in LLM_OPTIONS:
+            values["llm"][name] = str(value.resolve()) if isinstance(value, Path) else value
+        else:
+            values[RENAMED.get(name, name)] = value
+    return values
+
+
+def options_of(config: RunConfig, run: Path) -> dict:
+    """A stored run's configuration as ``generate`` options (``--print-config --resume``)."""
+    values = {
+        name: getattr(config, name)
+        for name in RunConfig.model_fields
+        if name not in ("llm", "target_id", "simulated", *RENAMED.values())
+    }
+    values.update({option: getattr(config, field) for option, field in RENAMED.items()})
+    values.update(config.llm.model_dump(), simulate=config.simulated, out=str(run))
+    return values
+
+
+def _given(ctx: typer.Context) -> dict:
+    """The options this command was given, on the command line or by ``--config`` (not defaults)."""
+    return {
+        name: value
+        for name, value in ctx.params.items()
+        if (source := ctx.get_parameter_source(name)) is not None and source.name != "DEFAULT"
+    }
+
+
+@command(app, "generate")
+def generate(
+    ctx: typer.Context,
+    target: str,
+    rounds: int = typer.Option(DEFAULT.rounds, min=0, help="rounds after the starter (round 0)"),
+    policy: str = typer.Option(DEFAULT.policy, help="backlog | evolve | llm"),
+    agents: str = typer.Option(DEFAULT.agents, help="offline | openai | anthropic | cli:claude | cli:codex"),
+    model: str = typer.Option(None, help="the LLM (openai/anthropic backends)"),
+    base_url: str = typer.Option(None, help="an OpenAI-compatible server (vLLM, llama.cpp) or a proxy"),
+    api_key_env: str = typer.Option(
+        None, help="the variable holding the API key (default OPENAI_API_KEY / ANTHROPIC_API_KEY)"
+    ),
+    max_cost: float = typer.Option(
+        None, min=0, help="USD budget for LLM calls, checked before each call (the model needs a price: see --prices)"
+    ),
+    max_tokens: int = typer.Option(None, min=1, help="token budget for LLM calls (input + output)"),
+    max_output_tokens: int = typer.Option(
+        None, min=1, help="the most tokens one LLM reply may have (default: 4096); a reply cut there is told so"
+    ),
+    prices: Path = typer.Option(
+        None, help="YAML of model: (input, output) USD per million tokens (overrides the table)"
+    ),
+    stream: bool = typer.Option(DEFAULT.llm.stream, help="stream LLM responses"),
+    llm_review_required: bool = typer.Option(
+        DEFAULT.llm_review_required,
+        "--require-llm-review",
+        help="reject a candidate whose LLM review cannot be had (a provider outage); by default the "
+        "deterministic gate then decides alone and the round records that the review was unavailable",
+    ),
+    out: Path = typer.Option(None, help="run directory (a git repository); default generated/<target id>"),
+    resume: bool = typer.Option(False, "--resume", help="continue the run in --out"),
+    seed: int = typer.Option(DEFAULT.seed, help="seed of the agents and the search"),
+    max_minutes: float = typer.Option(None, help="wall-time budget; the run stops cleanly between rounds"),
+    repeat: int = typer.Option(
+        None,
+        min=1,
+        help="measured pairs per candidate, each a run of it and of the best on one "
+        "seed (default 3 real, 1 simulated: a simulation is exact for its seed)",
+    ),
+    max_attempts: int = typer.Option(
+        DEFAULT.max_attempts, min=1, help="implementer attempts per round, each fed the judge's reasons"
+    ),
+    starter: str = typer.Option(DEFAULT.starter, help="round 0's controller"),
+    sandbox: str = typer.Option(DEFAULT.sandbox, help="auto | bubblewrap | docker | subprocess"),
+    simulate: bool = typer.Option(False, "--simulate", help="run candidates on the cluster simulator"),
+    workspaces: Path = typer.Option(WORKSPACES, help="where each run keeps its rounds' git worktrees"),
+    time_limit: float | None = typer.Option(
+        None, min=1, help="seconds each candidate child run may take (default: the target's limits.time_s)"
+    ),
+    prescreen: bool = typer.Option(
+        DEFAULT.prescreen,
+        "--prescreen/--no-prescreen",
+        help="real targets: run each candidate on the twin calibrated from round 0 first; judge only those "
+        "predicted within --prescreen-margin of the best",
+    ),
+    prescreen_margin: float = typer.Option(
+        DEFAULT.prescreen_margin, help="how far (a fraction) below the best's prediction still goes on"
+    ),
+    track: str = typer.Option(
+        None,
+        help="tensorboard | jsonl: each validated round's per-step ROLL-named scalars (run round-N), "
+        "round/headline per round, and round-N.trace.json, its timeline for Perfetto",
+    ),
+    track_dir: Path = typer.Option(None, help="where --track writes (default: <out>/.git/vibetrain/track)"),
+    config: Path = typer.Option(
+        None,
+        "--config",
+        is_eager=True,
+        callback=_run_file,
+        help="YAML of option: value (as --print-config writes it); flags given here win",
+    ),
+    print_config: bool = typer.Option(
+        False, "--print-config", help="print this run's options as YAML for --config, and exit"
+    ),
+) -> None:
+    """Generate a stack for TARGET: rounds of plan -> implement -> judge -> evaluate -> commit.
+
+    Example: vibetrain generate tiny-qwen3-cpu --rounds 3   (then: vibetrain log generated/tiny-qwen3-cpu)
+
+    Example: vibetrain generate tiny-qwen3-cpu --seed 4 --print-config > run.yaml; vibetrain generate --config run.yaml
+    """
+    spec = load_target(target)
+    out = out_dir(out or Path("generated") / spec.id)
+    if print_config:
+        values = {p.name: ctx.params[p.name] for p in ctx.command.params if p.name not in RUN_FILE_SKIP}
+        if resume:  # what the run state stores wins: the file reproduces that run
+            values.update(options_of(RunState.load(out).config, out))
+        values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+        sys.stdout.write(yaml.safe_dump(values, sort_keys=False))
+        raise typer.Exit()
+    logging.basicConfig(
+        level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s"
+    )
+    view, live = RoundsView(spec), None
+    tracker, track_dir = open_tracker(track, track_dir, lambda: RunDir(out).outputs / "track")
+
+    def on_event(kind: str, **data) -> None:
+        view.event(kind, **data)
+        record = data.get("record")
+        if tracker is not None and kind == "round_end" and record.verdict == "accepted":
+            from targets.harness.tracking import TrackingError, track_round
+
+            try:
+                track_round(tracker, record.round, record.headline, RunDir(out).trace(record.round))
+            except TrackingError as error:  # the run goes on: tracking is a view of it, not part of it
+                errors.print(f"[yellow]warning:[/yellow] --track: {error}")
+        if live is not None:
+            live.update(view.render())
+        elif not console.is_terminal:  # a pipe or a file: nothing redraws there, so each change is a line of its own
+            console.print(view.line(kind))
+
+    try:
+        if resume:
+            overrides = config_of(_given(ctx))
+            if out.exists():
+                stored = RunState.load(out).config
+                overrides["llm"] = stored.llm.model_copy(update=overrides["llm"]).model_dump()
+            loop = resume_run(out, overrides, on_event, workspaces, target=target)
+        else:
+            run_config = RunConfig.parse(config_of(ctx.params))
+            loop = start_run(target, out, run_config, on_event, workspaces, simulate=simulate)
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
+    try:
+        if console.is_terminal:
+            with Live(view.render(), console=console, refresh_per_second=4) as live:
+                state = loop.run()
+        else:
+            state = loop.run()
+            print_table(view.render())
+    finally:
+        if tracker is not None:
+            tracker.close()
+    if tracker is not None:
+        console.print(f"tracking ({track}): {track_dir}")
+    best = state.best
+    if best is None:
+        console.print("[red]no validated candidate[/red] (see vibetrain log)")
+        raise typer.Exit(1)
+    starter_record = state.record(0)
+    ratio = best.headline / starter_record.headline if starter_record and starter_record.headline else float("nan")
+    console.print(
+        f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "
+        f"= {ratio:.2f}x the starter; {len(state.accepted())} validated of {len(state.rounds)} rounds"
+    )
+    console.print(f"review: vibetrain log {out}  |  git -C {out} log best  |  vibetrain report {out}")

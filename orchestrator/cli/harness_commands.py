@@ -1,0 +1,382 @@
+"""The commands that act on targets and the harness: list and inspect targets, the reference loop,
+starter stacks, the judge (``check``), side-by-side benchmarks (``bench``) and calibration."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import typer
+import yaml
+from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestrator.cli.app import (
+    JSON_OPTION,
+    SANDBOX_OPTION,
+    TIME_LIMIT_OPTION,
+    UsageError,
+    app,
+    candidate_dir,
+    command,
+    console,
+    open_tracker,
+    out_dir,
+    out_file,
+    print_json,
+    print_table,
+    session,
+    target_app,
+)
+from orchestrator.tables import bench_table, checks_table, costs_table, num
+from skills.starter import CONTROLLERS
+from targets.errors import UserError
+from targets.spec import TargetSpec, catalog_ids, load_target
+
+
+class Failed(UserError):
+    """The work the command was asked for could not be done (the message says why)."""
+
+    exit_code = 1
+
+
+def _params(spec: TargetSpec) -> str:
+    counts = spec.model.param_counts()
+    fmt = lambda n: f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"  # noqa: E731
+    return fmt(counts.total) if counts.total == counts.active else f"{fmt(counts.total)} ({fmt(counts.active)} active)"
+
+
+@command(app, "targets")
+def list_targets(as_json: bool = JSON_OPTION) -> None:
+    """List the catalog targets.
+
+    Example: vibetrain targets --json | jq -r '.[].id'
+    """
+    specs = [load_target(target_id) for target_id in catalog_ids()]
+    if as_json:
+        print_json([{"params": _params(spec), **spec.model_dump(mode="json")} for spec in specs])
+        return
+    table = Table(title="vibetrain targets")
+    table.add_column("id", no_wrap=True)  # people copy ids from here: never truncate them
+    for column in ("model", "hardware", "environment", "execution", "batch x group"):
+        table.add_column(column, overflow="fold", min_width=len(column))
+    for spec in specs:
+        w = spec.workload
+        table.add_row(
+            spec.id,
+            f"{spec.model.family} {_params(spec)}",
+            f"{spec.hardware.count}x {spec.hardware.kind}",
+            w.environment.name,
+            spec.execution,
+            f"{w.batch_size} x {w.group_size}",
+        )
+    print_table(table)
+
+
+@command(target_app, "show")
+def show_target(target: str) -> None:
+    """Print a target's resolved spec (catalog hardware numbers filled in) as YAML that ``target validate`` accepts.
+
+    Example: vibetrain target show tiny-qwen3-cpu > my-target.yaml
+    """
+    spec = load_target(target)
+    # plain text, never wrapped: ``target show X > x.yaml`` must give a spec ``target validate`` accepts
+    sys.stdout.write(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, width=10_000))
+    sys.stdout.write(f"# params: {_params(spec)}; groups per step: {spec.workload.groups_per_step}\n")
+
+
+@command(target_app, "validate")
+def validate_target(path: Path) -> None:
+    """Validate a target spec YAML; exits non-zero naming each bad field.
+
+    Example: vibetrain target validate my-target.yaml
+    """
+    if not path.exists():
+        raise UsageError(f"target spec file not found: {path}")
+    spec = load_target(str(path))
+    console.print(f"[green]ok[/green] {path} is a valid target spec (id {spec.id})")
+
+
+@command(app, "reference")
+def reference(
+    target: str,
+    steps: int = typer.Option(30, min=1, help="training steps"),
+    seed: int = typer.Option(0, help="seed for sampling and environments (weights come from the spec)"),
+) -> None:
+    """Run the reference co-located synchronous GRPO loop and print the reward per step.
+
+    Example: vibetrain reference tiny-qwen3-cpu --steps 3
+    """
+    from targets.harness.reference.loop import run_reference  # heavy imports (torch) only here
+
+    spec = load_target(target)
+    progress = Progress(
+        TextColumn("[bold]reference"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        console=console,
+    )
+    with progress:
+        task = progress.add_task("steps", total=steps, reward="-")
+
+        def on_step(s) -> None:
+            progress.console.print(
+                f"step {s.step:3d}  reward {s.mean_reward:.3f}  turns {s.mean_turns:.2f}  "
+                f"tokens {s.response_tokens:4d}  timeouts {s.timeouts}  loss {s.loss:+.4f}  {s.seconds:.2f}s",
+                highlight=False,
+            )
+            progress.update(task, advance=1, reward=f"{s.mean_reward:.3f}")
+
+        try:
+            history = run_reference(spec, steps, seed=seed, on_step=on_step)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    window = max(1, min(5, len(history) // 3))
+    first = sum(s.mean_reward for s in history[:window]) / window
+    last = sum(s.mean_reward for s in history[-window:]) / window
+    console.print(f"mean reward, first {window} steps: {first:.3f}; last {window} steps: {last:.3f}")
+
+
+@command(app, "starter")
+def starter(
+    target: str,
+    out: Path = typer.Option(..., help="directory to create (holds stack/ and DESIGN.md)"),
+    controller: str = typer.Option("time_multiplex", help="colocate | static_split | time_multiplex"),
+) -> None:
+    """Write a starter candidate stack for TARGET (the recipes, wired for one controller).
+
+    Example: vibetrain starter tiny-qwen3-cpu --out my-stack --controller static_split
+    """
+    from skills.starter import write_starter
+
+    spec = load_target(target)
+    try:
+        write_starter(out_dir(out), spec, controller)
+    except (ValueError, FileExistsError) as error:
+        raise UsageError(str(error)) from None
+    console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")
+
+
+@command(app, "check")
+def check(
+    target: str,
+    stack: Path = typer.Option(
+        None, help="candidate directory (holds stack/) (default: the starter of the target's first baseline)"
+    ),
+    json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
+    out: Path = typer.Option(
+        None, help="keep the harness's outputs here (trace, weights, candidate logs); default a temp dir"
+    ),
+    time_limit: float | None = TIME_LIMIT_OPTION,
+    sandbox: str = SANDBOX_OPTION,
+    simulate: bool = typer.Option(False, help="run the system on the simulator, whatever the target's execution says"),
+) -> None:
+    """Judge a candidate: integrity scan, accuracy checks 1-3, a system run and its audit. Exit 1 on failure.
+
+    The workload is drawn from a seed and a secret of this check's own: no stack can know it in advance.
+
+    Example: vibetrain check tiny-qwen3-cpu --stack my-stack --json verdict.json
+    """
+    from skills.starter import write_starter
+
+    if stack is not None:
+        candidate_dir(stack)
+    out_file(json_path, "--json")
+    judge = session(target, sandbox, time_limit, simulate)
+    if stack is None:
+        spec = judge.target.spec
+        stack = write_starter(Path(tempfile.mkdtemp(prefix="vibetrain-starter-")), spec, spec.baselines[0].name)
+        console.print(f"checking the {spec.baselines[0].name} starter ({stack})")
+    with console.status(f"checking {stack} on {judge.target.id}"):
+        results = judge.check(stack, out, seed=secrets.randbelow(2**31))
+    print_table(checks_table(results))
+    passed = all(r.passed for r in results)
+    if json_path:
+        json_path.write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))
+    console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
+    raise typer.Exit(0 if passed else 1)
+
+
+@command(app, "bench")
+def bench(
+    target: str,
+    stack: list[Path] = typer.Option(
+        [], help="candidate directory, or RUN@best / RUN@round-N of a generate run (repeatable)"
+    ),
+    baselines: str = typer.Option(",".join(CONTROLLERS), help="comma-separated starter schedules"),
+    repeat: int = typer.Option(
+        None,
+        min=1,
+        help="runs per schedule; default 3 real, 1 simulated (the simulator is "
+        "deterministic: repeats only vary the workload's seed)",
+    ),
+    json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
+    timeline: Path = typer.Option(None, help="write the per-device timeline PNG here"),
+    track: str = typer.Option(
+        None,
+        help="tensorboard | jsonl: per training step ROLL-named scalars of every run (run <schedule>/r<repeat>), "
+        "and trace.json, the timeline for Perfetto",
+    ),
+    track_dir: Path = typer.Option(
+        None, help="where --track writes (default: beside --json, else --timeline, as <name>-track/; else a temp dir)"
+    ),
+    time_limit: float | None = TIME_LIMIT_OPTION,
+    simulate: bool = typer.Option(
+        False, "--simulate", help="run on the cluster simulator even if the target runs for real here"
+    ),
+    sandbox: str = SANDBOX_OPTION,
+) -> None:
+    """Benchmark baselines and candidates side by side; ratios are to the first run listed.
+
+    Example: vibetrain bench tiny-qwen3-cpu --baselines colocate --stack generated/tiny-qwen3-cpu@best --json b.json
+    """
+    from orchestrator.runs import export_candidate
+    from skills.starter import write_starter
+    from targets.harness.benchmark import benchmark
+    from targets.harness.timeline import plot_timelines
+    from targets.harness.tracking import track_trace, write_chrome_trace
+
+    out_file(json_path, "--json")
+    out_file(timeline, "--timeline")
+    beside = json_path or timeline  # the tracking goes next to the other outputs, else a temp dir
+
+    def default_track_dir() -> Path:
+        return beside.with_name(f"{beside.stem}-track") if beside else Path(tempfile.mkdtemp(prefix="vibetrain-track-"))
+
+    tracker, track_dir = open_tracker(track, track_dir, default_track_dir)
+    measuring = session(target, sandbox, time_limit, simulate)
+    spec, simulated = measuring.target.spec, measuring.target.simulated
+    repeat = repeat or (1 if simulated else 3)
+    work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
+    stacks: list[tuple[str, Path]] = []
+    for name in [b.strip() for b in baselines.split(",") if b.strip()]:
+        try:
+            stacks.append((name, write_starter(work / "stacks" / name, spec, name)))
+        except ValueError as error:
+            raise UsageError(f"baseline {name!r}: {error}") from None
+    for path in stack:
+        if "@" in str(path) and not path.exists():  # RUN@best, RUN@round-3: a candidate from a run's history
+            path = export_candidate(str(path))
+        stacks.append((path.name, candidate_dir(path)))
+    if not stacks:
+        raise UsageError("nothing to benchmark: give --baselines and/or --stack")
+    progress = Progress(
+        TextColumn("[bold]bench"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+    )
+    with progress:
+        task = progress.add_task("", total=len(stacks) * repeat)
+        runs = benchmark(
+            measuring,
+            stacks,
+            repeat,
+            work / "runs",
+            on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"),
+        )
+    console.print(bench_table(spec, runs, repeat, simulated))
+    console.print(costs_table(runs, simulated))
+    if json_path:
+        from orchestrator.provenance import BENCH_SCHEMA, provenance
+
+        data = {
+            "schema": BENCH_SCHEMA,
+            "provenance": provenance(spec, simulated, measuring.sandbox.backend),
+            "target": spec.id,
+            "repeat": repeat,
+            "runs": [r.summary(spec.headline_metric.name) for r in runs],
+        }
+        json_path.write_text(json.dumps(data, indent=1))
+        console.print(f"results: {json_path}")
+    if timeline:
+        devices = [d.id for d in measuring.target.devices()]
+        headline = spec.headline_metric.name
+        titles = [
+            (
+                f"{r.name} (median repeat): {headline} {num(r.median(headline))}/s",
+                r.measurements[r.median_index(headline)].events(),
+                devices,
+            )
+            for r in runs
+        ]
+        plot_timelines(titles, timeline)
+        console.print(f"timeline: {timeline}")
+    if tracker is not None:
+        traces = {f"{r.name}/r{i}": m.events() for r in runs for i, m in enumerate(r.measurements)}
+        try:
+            for run_name, events in traces.items():
+                track_trace(tracker, run_name, events)
+            chrome = write_chrome_trace(traces, track_dir / "trace.json")
+        finally:
+            tracker.close()
+        console.print(f"tracking ({track}): {track_dir}")
+        console.print(f"timeline for Perfetto (ui.perfetto.dev): {chrome}")
+
+
+@command(app, "calibrate")
+def calibrate(
+    target: str,
+    stack: Path = typer.Option(..., help="candidate directory (holds stack/) to run for real"),
+    out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
+    steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
+    trace: Path = typer.Option(
+        None,
+        help="fit to this trace.jsonl of an earlier real run of STACK (a GPU machine's, say) instead of running it",
+    ),
+    time_limit: float | None = TIME_LIMIT_OPTION,
+    sandbox: str = SANDBOX_OPTION,
+) -> None:
+    """Fit the simulator's cost model to a real run of STACK, then simulate the same stack and print
+    the prediction error; the calibrated spec is written for `vibetrain bench --simulate`.
+
+    Example: vibetrain calibrate tiny-qwen3-cpu --stack my-stack --out twin.yaml
+    """
+    from targets.harness.sim.calibrate import fit_and_predict, measure_and_predict, recorded_run
+
+    fitting = session(target, sandbox, time_limit)
+    if fitting.target.simulated and trace is None:
+        raise UsageError(
+            f"{fitting.target.id} is simulated here: calibration needs a real run of the stack "
+            "(or --trace, the trace.jsonl of one recorded elsewhere)"
+        )
+    candidate_dir(stack)
+    work = Path(tempfile.mkdtemp(prefix="vibetrain-calibrate-"))
+    doing = (
+        f"fitting to {trace}, then simulating {stack}"
+        if trace
+        else f"running {stack} for real, fitting, then simulating it"
+    )
+    with console.status(doing):
+        try:
+            if trace is None:
+                report = measure_and_predict(fitting, stack, work, steps)
+            else:
+                events, recorded_steps = recorded_run(trace, fitting.target)
+                report = fit_and_predict(fitting, stack, work, events, steps or recorded_steps)
+        except RuntimeError as error:
+            raise Failed(str(error)) from None
+    calibration = report["calibration"]
+    console.print(yaml.safe_dump(calibration.yaml_fields(), sort_keys=False), highlight=False, markup=False)
+    for note in calibration.notes:
+        console.print(f"note: {note}", highlight=False)
+    table = Table(title=f"simulator prediction of the same run ({calibration.samples})", box=box.SIMPLE_HEAD)
+    for column in ("metric", "real", "simulated", "error"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    for metric, row in report["compared"].items():
+        table.add_row(metric, num(row["real"]), num(row["simulated"]), f"{row['error']:+.1%}")
+    console.print(table)
+    path = report["calibrated_spec"]
+    if out:
+        shutil.copy(path, out)
+        path = out
+    console.print(f"calibrated spec: {path}")

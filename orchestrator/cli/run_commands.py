@@ -1,0 +1,181 @@
+"""The commands that review a run: its rounds (``log``), one round (``show``), an HTML report, and
+a candidate exported as a standalone project."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from orchestrator.cli.app import JSON_OPTION, UsageError, app, command, console, out_dir, print_json, print_table
+from orchestrator.history import History
+from orchestrator.state import RunState
+from orchestrator.tables import num, promotion, rounds_table
+from targets.harness.check_result import detail
+
+
+def _state_and_history(run: Path) -> tuple[RunState, History]:
+    return RunState.load(run), History.open(run)
+
+
+@command(app, "log")
+def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
+    """Table of a run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with
+    reasons, validated ones with why they were (not) promoted. Tab-separated rows in a pipe.
+
+    Example: vibetrain log generated/tiny-qwen3-cpu | grep rejected
+    """
+    state, _ = _state_and_history(run)
+    if as_json:
+        print_json(
+            {
+                "run": str(run),
+                "best_round": state.best_round,
+                "llm_used": state.llm_used,
+                "rounds": [r.model_dump(mode="json") for r in state.rounds],
+            }
+        )
+        return
+    print_table(rounds_table(run, state))
+    if state.llm_used:
+        used = state.llm_used
+        console.print(
+            f"LLM use: {used.get('calls', 0)} calls, {used.get('input_tokens', 0)} tokens in, "
+            f"{used.get('output_tokens', 0)} out, ${used.get('cost_usd', 0.0):.4f}",
+            highlight=False,
+        )
+
+
+def _round_of(run: Path, state, which: str):
+    """ROUND as the user wrote it: a number, ``best`` or ``latest``."""
+    if not state.rounds:
+        raise UsageError(f"{run} has no finished round yet")
+    if which == "best":
+        number = state.best_round
+        if number is None:
+            raise UsageError(f"{run} has no validated candidate yet (vibetrain log {run})")
+    elif which == "latest":
+        number = state.rounds[-1].round
+    elif which.isdigit():
+        number = int(which)
+    else:
+        raise UsageError(f"ROUND must be a round number, 'best' or 'latest', not {which!r}")
+    record = state.record(number)
+    if record is None:
+        raise UsageError(f"{run} has no round {number} (rounds 0-{state.next_round - 1})")
+    return record
+
+
+@command(app, "show")
+def show_round(
+    run: Path,
+    which: str = typer.Argument("best", metavar="ROUND", help="a round number, best or latest"),
+    as_json: bool = JSON_OPTION,
+    profile: bool = typer.Option(False, "--profile", help="also print the harness's per-call profile"),
+) -> None:
+    """One round: task, the implementer's account, the judge's evidence (each check with its
+    margins), metrics with spread, the paired comparison with the best, hints, then the stack's diff
+    against its parent (bookkeeping files left out).
+
+    Example: vibetrain show generated/tiny-qwen3-cpu best | less
+    """
+    state, history = _state_and_history(run)
+    record = _round_of(run, state, which)
+    judge = history.judge_report(record.commit) if record.commit else None
+    diff = history.stack_diff(record.commit) if record.commit else ""
+    if as_json:
+        print_json({**record.model_dump(mode="json"), "judge": judge, "diff": diff})
+        return
+    out = Console(soft_wrap=not console.is_terminal, highlight=False)  # whole lines in a pipe
+    best = " (best)" if record.round == state.best_round else ""
+    out.print(
+        f"[bold]Round {record.round}[/bold]{best}: {record.task.title}  ({record.verdict}, "
+        f"{record.attempts} attempt(s), {record.seconds:.0f}s)"
+    )
+    out.print(f"task {record.task.id} from {record.task.source or '-'}: {record.task.rationale}", markup=False)
+    out.print(
+        f"parent: round {record.parent_round} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}"
+    )
+    out.print(f"[bold]implementer[/bold]: {record.account or '(no account)'}")
+    if judge is None:
+        out.print(
+            "[bold]judge[/bold]: no report kept for this round"
+            + (f": {'; '.join(record.reasons)}" if record.reasons else "")
+        )
+    else:
+        out.print("[bold]judge[/bold]: " + ("passed" if not judge["reasons"] else f"{len(judge['reasons'])} reason(s)"))
+        for check in judge["checks"]:
+            mark = "[green]pass[/green]" if check["passed"] else "[red]FAIL[/red]"
+            details = ", ".join(f"{k} {detail(v)}" for k, v in check.get("details", {}).items())
+            out.print(f"  {mark} {check['name']}" + (f": {details}" if details else ""))
+            for reason in check.get("reasons", []):
+                out.print(f"      {reason}", markup=False)
+    if record.prediction is not None:
+        from orchestrator.prescreen import twin_said
+
+        out.print(twin_said(record), markup=False)
+    if record.verdict == "accepted":
+        out.print(f"[bold]against the best[/bold]: {promotion(record)}")
+    if record.metrics:
+        out.print(
+            "[bold]metrics[/bold] (median; ± max-min): "
+            + ", ".join(
+                f"{k} {num(v)}" + (f" ± {num(record.spread[k])}" if k in record.spread else "")
+                for k, v in record.metrics.items()
+                if isinstance(v, (int, float))
+            )
+        )
+    for hint in record.hints:
+        out.print(f"hint {hint['code']}: {hint['message']}", markup=False)
+    if profile and record.profile:
+        out.print("[bold]profile[/bold] (each call as the harness timed it, median repeat):")
+        out.print(record.profile.strip(), markup=False)
+    if diff:
+        out.print(f"[bold]diff against the parent[/bold] (git -C {run} show {record.commit[:10]} for everything):")
+        out.print(diff, markup=False)
+
+
+@command(app, "export")
+def export(
+    candidate: str = typer.Argument(..., help="RUN@best, RUN@round-N, RUN@<commit>, or a candidate directory"),
+    out: Path = typer.Option(..., help="directory to create (new or empty): the standalone project"),
+    target: str = typer.Option(
+        None, help="the target it trains on (default: the run's; required with a candidate directory)"
+    ),
+) -> None:
+    """Write a candidate as a standalone project that trains on the target's hardware without vibetrain:
+    its stack, the contract and harness modules it imports, the target spec, pinned requirements, a
+    README and train.py.
+
+    Example: vibetrain export generated/tiny-qwen3-cpu@best --out best-stack  (then: python best-stack/train.py)
+    """
+    from orchestrator.export import describe, export_project, resolve_candidate
+
+    out_dir(out)
+    path, target_ref = resolve_candidate(candidate, target)
+    exported = export_project(path, target_ref, out, source=candidate)
+    console.print(describe(exported), markup=False, highlight=False, soft_wrap=True)
+
+
+@command(app, "report")
+def report(
+    run: Path,
+    out: Path = typer.Option(
+        None, help="HTML file to write, or a directory to put <run>-report.html in (default: beside RUN)"
+    ),
+) -> None:
+    """Static HTML: metric per round, the search tree, the timeline of best vs baselines, the rounds.
+
+    Example: vibetrain report generated/tiny-qwen3-cpu --out reports/
+    """
+    from orchestrator.report import write_report
+
+    _state_and_history(run)  # clear errors for a path that is not a run
+    name = f"{run.resolve().name}-report.html"
+    out = out or run.parent / name
+    if out.is_dir():
+        out = out / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = write_report(run, out)
+    console.print(f"report: {path}")

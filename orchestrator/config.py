@@ -1,0 +1,159 @@
+"""A run's configuration: one model from the command line (or ``--config run.yaml``) to the run state.
+
+Every name is checked here and nowhere else (a wrong one gets the closest right one); a field that
+``--resume`` may change says so (``resumable``); everything else is fixed when the run starts, and
+a resume that asks to change it is refused by name.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agents.factory import BACKENDS
+from skills.starter import CONTROLLERS
+from targets.errors import UserError
+
+POLICIES = ("backlog", "evolve", "llm")
+LLM_BACKENDS = ("openai", "anthropic")
+
+
+def unknown(what: str, name: str, known: Iterable[str]) -> str:
+    """``unknown starter 'colocat' (did you mean 'colocate'?); known: ...``"""
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {what} {name!r}{hint}; known: {', '.join(known)}"
+
+
+def resumable(default: Any, **kwargs) -> Any:
+    """A field ``--resume`` may change."""
+    return Field(default, json_schema_extra={"resumable": True}, **kwargs)
+
+
+class LLMConfig(BaseModel):
+    """An LLM backend's settings (never a key: only the name of the variable that holds it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    base_url: str | None = None  # an OpenAI-compatible server (vLLM, llama.cpp) or a proxy
+    api_key_env: str | None = None  # default OPENAI_API_KEY / ANTHROPIC_API_KEY
+    prices: str | None = None  # YAML of model: [input, output] USD per million tokens
+    stream: bool = True
+    max_output_tokens: int | None = Field(None, ge=1)
+
+
+class RunConfig(BaseModel):
+    """``target``, ``target_id`` and ``simulated`` are resolved when the run starts; ``repeat``
+    defaults to 3 measured pairs on a real target, 1 on a simulated one (exact for its seed)."""
+
+    model_config = ConfigDict(extra="forbid")
+    target: str = ""  # as given (catalog id, or a spec path made absolute)
+    target_id: str = ""
+    simulated: bool = False
+    policy: str = "backlog"
+    agents: str = "offline"
+    seed: int = 0  # of the agents and the search
+    rounds: int = resumable(3, ge=0)  # after the starter (round 0)
+    max_minutes: float | None = resumable(None, gt=0)  # wall time; the run stops cleanly between rounds
+    max_attempts: int = Field(2, ge=1)  # implementer attempts per round, each fed the judge's reasons
+    repeat: int | None = Field(None, ge=1)  # measured pairs per candidate
+    starter: str = "colocate"  # round 0's controller
+    sandbox: str = "auto"
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    max_cost: float | None = resumable(None, ge=0)  # USD; checked before each LLM call
+    max_tokens: int | None = resumable(None, ge=1)  # input + output, likewise
+    prescreen: bool = resumable(True)  # a real target's candidates run on the calibrated twin first (off for good)
+    prescreen_margin: float = Field(0.05, ge=0, le=1)  # how far below the best's prediction still goes on
+    llm_review_required: bool = False  # an LLM review that cannot be had rejects (else the gate decides alone)
+    time_limit_s: float | None = resumable(None, ge=1)  # per candidate child run (default: the target's)
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(unknown("policy", value, POLICIES))
+        return value
+
+    @field_validator("agents")
+    @classmethod
+    def _agents(cls, value: str) -> str:
+        if value not in BACKENDS:
+            raise ValueError(unknown("agent backend", value, BACKENDS))
+        return value
+
+    @field_validator("starter")
+    @classmethod
+    def _starter(cls, value: str) -> str:
+        if value not in CONTROLLERS:
+            raise ValueError(unknown("starter", value, CONTROLLERS))
+        return value
+
+    @model_validator(mode="after")
+    def _together(self) -> RunConfig:
+        if self.policy == "llm" and self.agents not in LLM_BACKENDS:
+            raise ValueError("--policy llm needs an LLM backend (--agents openai or anthropic)")
+        if self.llm_review_required and self.agents == "offline":
+            raise ValueError(
+                "--require-llm-review needs a backend with an LLM review (--agents openai, anthropic or cli:...)"
+            )
+        return self
+
+    @classmethod
+    def resumable_fields(cls) -> tuple[str, ...]:
+        return tuple(
+            name
+            for name, info in cls.model_fields.items()
+            if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("resumable")
+        )
+
+    @classmethod
+    def parse(cls, values: dict) -> RunConfig:
+        """From user values: a bad one is a ``ConfigError`` naming each field and what is wrong."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            raise ConfigError(described(error)) from None
+
+    def resumed(self, overrides: dict) -> RunConfig:
+        """This run's configuration with what a resume asks to change; a change to a field that is
+        fixed for the run is a ``ConfigError`` naming it and its value."""
+        stored, fixed = self.model_dump(), []
+        for name, value in overrides.items():
+            if name in self.resumable_fields() or value == stored.get(name):
+                continue
+            pairs = (
+                [(key, given, stored[name].get(key)) for key, given in value.items() if given != stored[name].get(key)]
+                if isinstance(value, dict)  # the LLM settings: name each that changed
+                else [(name, value, stored.get(name))]
+            )
+            fixed += [f"--{key.replace('_', '-')} {given} (this run's: {was})" for key, given, was in pairs]
+        if fixed:
+            raise ConfigError("a resumed run keeps what it started with, so these cannot change: " + "; ".join(fixed))
+        if overrides.get("prescreen") is True and not self.prescreen:
+            raise ConfigError("prescreen cannot be turned back on: the twin is calibrated from round 0")
+        return RunConfig.parse({**self.model_dump(), **overrides})
+
+
+class ConfigError(UserError, ValueError):
+    """A run configuration that cannot be (what is wrong, by field)."""
+
+
+FLAGS = {"time_limit_s": "time_limit", "llm_review_required": "require_llm_review"}  # field -> its option
+
+
+def described(error: ValidationError) -> str:
+    """One line per bad field, by the option that sets it: ``--policy evolv: unknown policy 'evolv'
+    (did you mean 'evolve'?)``."""
+    lines = []
+    for item in error.errors():
+        message = item["msg"].removeprefix("Value error, ")
+        if not item["loc"]:
+            lines.append(message)
+            continue
+        flag = "--" + FLAGS.get(str(item["loc"][-1]), str(item["loc"][-1])).replace("_", "-")
+        lines.append(f"{flag} {item.get('input')}: {message}")
+    return "; ".join(lines)

@@ -53,7 +53,7 @@ import targets.api
 from agents.llm.agents import ImplementerOutput, expand_annotations, implementer_prompt
 from agents.llm.client import Accounting, AssistantTurn, ToolSpec
 from agents.llm.loop import StuckError
-from agents.roles import AgentError, Attempt, Task
+from agents.roles import AgentError, Attempt, Hint, Task
 
 log = logging.getLogger("vibetrain.cli_agent")
 
@@ -504,12 +504,11 @@ class CLIImplementer:
         self.session, self.tool, self.accounting, self.offline = session, tool, accounting, offline
         self.model, self.max_turns, self.max_attempt_usd, self.timeout_s = model, max_turns, max_attempt_usd, timeout_s
 
-    def starter(self, workspace: Path, controller: str) -> Attempt:
-        return self.offline.starter(workspace, controller)
-
     def implement(
-        self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = (), context=None
+        self, task: Task, workspace: Path, feedback: list[str], hints: list[Hint] = (), context=None
     ) -> Attempt:
+        if task.source == "starter":  # the library writes starters
+            return self.offline.implement(task, workspace, feedback)
         self.accounting.check_budget()
         check = check_command(self.vibetrain, self.session, workspace)
         budget = budget_usd(self.accounting, self.max_attempt_usd)

@@ -106,7 +106,7 @@ def make_agents(
             verdict = offline.judge.judge(workspace, out)
         finally:
             shutil.rmtree(out)
-        lines = [f"{c['name']}: {'pass' if c['passed'] else 'FAIL'} {'; '.join(c['reasons'])}" for c in verdict.checks]
+        lines = [f"{c.name}: {'pass' if c.passed else 'FAIL'} {'; '.join(c.reasons)}" for c in verdict.checks]
         return ("PASSED\n" if verdict.passed else "FAILED\n") + "\n".join(lines)
 
     def benchmark(workspace: Path) -> str:

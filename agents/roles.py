@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from targets.harness.check_result import CheckResult
+
 if TYPE_CHECKING:
-    from targets.harness.session import Measurement
+    from targets.harness.session import Measurement, Paired
     from targets.spec import TargetSpec
 
 
@@ -35,6 +37,19 @@ class Task(BaseModel):
     acceptance: list[str] = []
     priority: int = 0  # higher first
     source: str = ""  # "starter", "trigger:<hint>", "mutation", ...
+
+
+def starter_task(controller: str) -> Task:
+    """Round 0's task: the starter stack for ``controller``, written from the skills library."""
+    return Task(
+        id=f"starter={controller}",
+        title=f"starter stack ({controller})",
+        source="starter",
+        rationale=f"the {controller} baseline built from the skills library's recipes",
+        skills=[controller],
+        changes={"controller": controller},
+        acceptance=["vibetrain check passes"],
+    )
 
 
 class Hint(BaseModel):
@@ -63,7 +78,7 @@ class RoundContext:
     parent_round: int | None = None
     parent_metrics: dict = field(default_factory=dict)
     parent_spread: dict = field(default_factory=dict)
-    parent_hints: list[dict] = field(default_factory=list)
+    parent_hints: list[Hint] = field(default_factory=list)
     simulated: bool = False
     attempt: int = 1
     max_attempts: int = 1
@@ -73,13 +88,34 @@ class RoundContext:
 
 @dataclass
 class Verdict:
-    """The judge's decision. ``run`` is the judge's own system run, audited like any measured run
+    """The judge's decision: its checks, each a ``CheckResult``; it passes when they all do (and
+    there is at least one). ``run`` is the judge's own system run, audited like any measured run
     (its figures count as the first repeat of the candidate's measurement)."""
 
-    passed: bool
-    reasons: list[str]
-    checks: list[dict]
+    checks: list[CheckResult]
     run: Measurement | None = None
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    @property
+    def reasons(self) -> list[str]:
+        """Every failed check's reasons, each after the check's name."""
+        return [f"{c.name}: {reason}" for c in self.checks if not c.passed for reason in c.reasons]
+
+    @classmethod
+    def refused(cls, check: str, reasons: list[str]) -> Verdict:
+        """A verdict of one failed check (what stopped a candidate before the judge's run)."""
+        return cls([CheckResult(check, False, list(reasons))])
+
+    def adding(self, check: CheckResult) -> Verdict:
+        """This verdict with one more check (a failed one drops the run: its figures no longer count)."""
+        return Verdict([*self.checks, check], self.run if check.passed else None)
+
+    def record(self) -> dict:
+        """What a round commits as ``judge.json``."""
+        return {"reasons": self.reasons, "checks": [c.as_dict() for c in self.checks]}
 
 
 @dataclass
@@ -95,18 +131,17 @@ class Evaluation:
     hints: list[Hint]
     profile: str = ""
     trace_path: Path | None = None  # the median repeat's trace (for timelines)
-    paired: dict | None = None  # Paired.as_dict(): ratio, low, high, pairs, against
+    paired: Paired | None = None
     findings: list[str] = field(default_factory=list)
 
 
 class Implementer(Protocol):
-    def starter(self, workspace: Path, controller: str) -> Attempt: ...
-
     def implement(
-        self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = (), context: RoundContext = None
+        self, task: Task, workspace: Path, feedback: list[str], hints: list[Hint] = (), context: RoundContext = None
     ) -> Attempt:
         """``feedback``: the judge's reasons for the previous attempt; ``hints``: the parent's findings;
-        ``context``: the round's facts for an LLM's context pack (None outside a round)."""
+        ``context``: the round's facts for an LLM's context pack (None outside a round). A starter
+        task (``starter_task``) writes a complete starter stack, afresh on every attempt."""
         ...
 
 

@@ -19,10 +19,14 @@ attempt fails with the twin's reasons, like a judge's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agents.roles import Verdict
+from orchestrator.history import History
+from orchestrator.run_dir import RunDir
+from orchestrator.state import Prediction, RoundRecord, RunState
 from targets.harness.session import Measurement, Session
 from targets.harness.sim.calibrate import calibrate, write_calibrated_spec
 from targets.harness.target import Target
@@ -66,13 +70,105 @@ def clears(predicted: float, best: float, margin: float, maximize: bool) -> bool
 
 def twin_said(record) -> str:
     """The twin's prediction for a round, next to what was then measured for real."""
-    prediction = record.prediction
-    if "skipped" in prediction:
-        return f"Twin: not consulted ({prediction['skipped']})"
+    p = record.prediction
+    if p.skipped is not None:
+        return f"Twin: not consulted ({p.skipped})"
     measured = f"; measured {record.headline:.4g}" if record.headline is not None else "; not measured"
-    untrusted = f"; not trusted: {prediction['untrusted']}" if "untrusted" in prediction else ""
+    untrusted = f"; not trusted: {p.untrusted}" if p.untrusted is not None else ""
     return (
-        f"Twin: predicted {prediction['metric']} {prediction['headline']:.4g} against the best's "
-        f"{prediction['best']:.4g} (round {prediction['best_round']}, margin {prediction['margin']:.0%})"
-        f"{untrusted}{measured}"
+        f"Twin: predicted {p.metric} {p.headline:.4g} against the best's "
+        f"{p.best:.4g} (round {p.best_round}, margin {p.margin:.0%}){untrusted}{measured}"
     )
+
+
+class TwinError(RuntimeError):
+    """The twin could not be calibrated (the round loop stops the run with what to do)."""
+
+
+@dataclass
+class PreScreen:
+    """The twin's life in a run: calibrated from the traces of the validated rounds (after round 0,
+    then after each validated round), and asked about each candidate before the judge."""
+
+    session: Session  # the judge's: the twin runs in its sandbox, under its limits, with its workload key
+    state: RunState
+    history: History
+    run_dir: RunDir
+    on_event: Callable[..., None]
+    _twin: Twin | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.state.config.prescreen
+
+    def calibrate(self) -> None:
+        """The twin, fitted to the median traces of every validated round so far; the predictions
+        made on the previous twin are dropped. The caller saves the state."""
+        rounds = [r.round for r in self.state.accepted() if self.run_dir.trace(r.round).exists()]
+        path = self.run_dir.twin_spec
+        try:
+            self._twin = Twin.calibrated(self.session, [self.run_dir.trace(n) for n in rounds], path)
+        except (OSError, ValueError, RuntimeError) as error:
+            raise TwinError(
+                f"could not calibrate the twin from the traces of rounds {rounds}: {type(error).__name__}: "
+                f"{error}; resume with --no-prescreen to judge every candidate for real"
+            ) from None
+        self.state.twin, self.state.twin_from, self.state.twin_predictions = str(path), rounds, {}
+        self.state.twin_unfitted = list(self._twin.unfitted)
+        self.on_event("twin", path=path, rounds=rounds)
+
+    def twin(self) -> Twin | None:
+        if not self.on or self.state.twin is None:
+            return None
+        if self._twin is None:
+            self._twin = Twin.load(self.session, Path(self.state.twin), self.state.twin_unfitted)
+        return self._twin
+
+    def screen(self, record: RoundRecord, workspace: Path, out: Path) -> Verdict | None:
+        """None: the candidate goes on to the judge. Otherwise the verdict that stops it here: it
+        failed on the twin (the attempt's feedback), or ``record.prediction`` says it was predicted
+        beyond the margin behind the best."""
+        twin, best = self.twin(), self.state.best
+        if twin is None or best is None:
+            return None
+        metric = self.session.target.spec.headline_metric
+        best_headline = self.state.twin_predictions.get(best.commit)
+        if best_headline is None:
+            measured = twin.predict(self.history.export(best.commit, out / "best-stack"), out / "best")
+            if not measured.ok:  # the twin cannot run the best: judge for real, and say so
+                failed = "; ".join(measured.reasons[:2])
+                record.prediction = Prediction(skipped=f"the best (round {best.round}) failed on the twin: {failed}")
+                return None
+            best_headline = self.state.twin_predictions[best.commit] = twin.headline(measured)
+        measured = twin.predict(workspace, out / "candidate")
+        if not measured.ok:
+            return Verdict.refused(
+                "twin_prescreen", [f"the candidate failed on the twin: {r}" for r in measured.reasons]
+            )
+        predicted, margin = twin.headline(measured), self.state.config.prescreen_margin
+        guessed = twin.guessed(measured)
+        passed = bool(guessed) or clears(predicted, best_headline, margin, metric.direction == "maximize")
+        untrusted = (
+            f"it does what no real run has shown the twin yet ({', '.join(guessed)}): the twin's cost for that "
+            "is the spec's guess, so it is judged for real"
+            if guessed
+            else None
+        )
+        record.prediction = Prediction(
+            metric=metric.name,
+            headline=predicted,
+            best=best_headline,
+            best_round=best.round,
+            margin=margin,
+            passed=passed,
+            untrusted=untrusted,
+        )
+        self.on_event("prescreen", round=record.round, prediction=record.prediction)
+        if passed:
+            return None
+        reason = (
+            f"predicted {metric.name} {predicted:.4g} against the best's (round {best.round}) "
+            f"{best_headline:.4g} ({predicted / best_headline - 1:+.1%}), beyond the {margin:.0%} margin: "
+            "not run for real"
+        )
+        return Verdict.refused("twin_prescreen", [reason])

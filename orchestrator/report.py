@@ -264,7 +264,7 @@ def _per_round(state: RunState, metric: str, threshold: float) -> str:
         near = best_before is not None and r.headline is not None and r.headline >= best_before * (1 - threshold)
         if r.paired is not None and (r.became_best or near):
             ax.annotate(
-                _pct(r.paired["ratio"]),
+                _pct(r.paired.ratio),
                 (r.round, r.headline + r.spread.get(metric, 0.0) / 2),
                 textcoords="offset points",
                 xytext=(0, 6),
@@ -579,7 +579,7 @@ def _row(
         "promotion": promotion(r, spec.noise_threshold) if r.verdict == "accepted" else "",
         "prediction": twin_said(r) if r.prediction else "",
         "reasons": r.reasons,
-        "hints": [h["message"] for h in r.hints],
+        "hints": [h.message for h in r.hints],
         "metrics": [
             {"name": k, "value": _num(v), "spread": _num(r.spread.get(k)), "unit": _unit(k)}
             for k, v in r.metrics.items()

@@ -1,16 +1,15 @@
 """The round loop, top to bottom in one place.
 
-A run is a git repository (``generated/<run>``) plus its state. Round 0 writes the starter stack
-(on a real target with the pre-screen on, the measured traces of validated rounds calibrate the
-twin); every later
-round: the policy picks a parent candidate and a task → the implementer edits a fresh worktree of
-the parent (up to ``max_attempts`` times, each fed the judge's reasons) → what it left is copied
-into a worktree of the harness's own, the candidate from then on → the twin pre-screens it
-(a real target: one predicted too far behind the best ends the round here) → the judge gates it →
-the evaluator measures it → the candidate is committed (validated) or kept under a
-rejected ref → ``DESIGN.md``, the backlog and the run state are updated. One round's failure never
-stops the run; a budget (rounds, wall time) stops it cleanly between rounds; a killed run resumes
-with every validated commit intact and no round done twice.
+A run is a git repository (``generated/<run>``) plus its state. Every round, the starter (round 0)
+included: the policy picks a parent candidate and a task (round 0's is the starter task) → the
+implementer edits a fresh worktree of the parent (up to ``max_attempts`` times, each fed the judge's
+reasons) → what it left is copied into a worktree of the harness's own, the candidate from then on →
+on a real target with the pre-screen on, the twin (calibrated from the validated rounds' traces)
+predicts it, and one predicted too far behind the best ends the round here → the judge gates it →
+the evaluator measures it → the candidate is committed (validated) or kept under a rejected ref →
+``DESIGN.md``, the backlog and the run state are updated. One round's failure never stops the run;
+a budget (rounds, wall time, LLM spend) stops it cleanly between rounds; a killed run resumes with
+every validated commit intact and no round done twice.
 """
 
 from __future__ import annotations
@@ -26,18 +25,19 @@ from pathlib import Path
 from git.exc import GitCommandError
 
 from agents import workspace_git
-from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Verdict
-from orchestrator.history import History, HistoryError, Trailers
+from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Verdict, starter_task
+from orchestrator import commits
+from orchestrator.budget import LLMBudget
+from orchestrator.design_record import update_design
+from orchestrator.history import History, HistoryError
 from orchestrator.policies import Policy
-from orchestrator.prescreen import Twin, clears, twin_said
+from orchestrator.prescreen import PreScreen, TwinError
 from orchestrator.run_dir import RunDir
-from orchestrator.state import RoundRecord, RunState, RunStateError, save_llm_spend
-from orchestrator.tables import promotion, promotion_short
-from skills.design_doc import DesignDoc
+from orchestrator.state import Promotion, RoundRecord, RunState, RunStateError, save_llm_spend
 from targets.errors import UserError
-from targets.harness.session import Paired, Session
+from targets.harness.check_result import CheckResult
+from targets.harness.session import Session
 from targets.harness.target import Target
-from targets.spec import TargetSpec
 
 
 class RunError(UserError, RuntimeError):
@@ -57,51 +57,50 @@ class Loop:
     workspaces: Path
     on_event: Callable[..., None] = lambda kind, **data: None
     session: Session | None = None  # the judge's: the twin runs in its sandbox, under its limits
-    _llm_at_start: dict = field(default_factory=dict)  # accounting when llm_used was last saved
-    _twin: Twin | None = None
+    budget: LLMBudget = field(init=False)
+    prescreen: PreScreen = field(init=False)
 
-    @property
-    def spec(self) -> TargetSpec:
-        return self.target.spec
+    def __post_init__(self) -> None:
+        self.budget = LLMBudget(self.agents.accounting)
+        self.prescreen = PreScreen(self.session, self.state, self.history, RunDir(self.run_dir), self.on_event)
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> RunState:
         started = time.monotonic()
         spent_before = self.state.seconds_used
         self.reconcile_with_git()
-        if self.state.next_round == 0:
-            self.finish_round(self.round_zero())
-        if self.state.best is None:
-            starter = self.state.record(0)
-            self.on_event(
-                "budget",
-                reason=f"the starter stack was not validated ({starter.verdict}): "
-                + "; ".join(starter.reasons[:3])
-                + " (nothing to resume from: fix the cause and start the run again)",
-            )
-            return self.state
-        if self.state.config.prescreen and self.state.twin is None:
-            self.calibrate_twin()
         while self.state.next_round <= self.state.config.rounds:
-            elapsed = spent_before + time.monotonic() - started
-            budget = self.state.config.max_minutes
-            if budget is not None and elapsed >= budget * 60:
-                self.on_event("budget", reason=f"wall-time budget of {budget:g} min spent ({elapsed / 60:.1f} min)")
+            if self.state.next_round > 0 and self.state.best is None:
+                starter = self.state.record(0)
+                reasons = "; ".join(starter.reasons[:3])
+                self.on_event(
+                    "budget",
+                    reason=f"the starter stack was not validated ({starter.verdict}): {reasons} "
+                    "(nothing to resume from: fix the cause and start the run again)",
+                )
                 break
-            spent = self.llm_budget_spent()
+            if self.prescreen.on and self.state.best is not None and self.state.twin is None:
+                self.calibrate_twin()
+            elapsed = spent_before + time.monotonic() - started
+            limit = self.state.config.max_minutes
+            if limit is not None and elapsed >= limit * 60:
+                self.on_event("budget", reason=f"wall-time budget of {limit:g} min spent ({elapsed / 60:.1f} min)")
+                break
+            spent = self.budget.spent(self.budget.totals(self.state.llm_used), self.state.config)
             if spent:
                 self.on_event("budget", reason=spent)
                 break
-            llm_before = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
-            proposal = self.policy.propose(self.state, self.params_of)  # an LLM planner's call counts to the round
+            llm_before = self.budget.snapshot()
+            proposal = self.propose()  # an LLM planner's call counts to the round
             if proposal is None:
                 reason = "nothing left to try: the backlog is empty and no composition or parameter move is new"
                 self.on_event("budget", reason=reason)
                 break
-            parent, task = proposal
-            record = self.round(self.state.next_round, parent, task, llm_before)
+            record = self.round(self.state.next_round, *proposal, llm_before)
             self.finish_round(record)
-            if self.state.config.prescreen and record.verdict == "accepted":
+            if record.task.source == "starter" and self.state.best is None:
+                continue  # the next turn says why the run cannot go on
+            if self.prescreen.on and record.verdict == "accepted" and self.state.twin is not None:
                 self.calibrate_twin()  # one more real run to learn from
             self.state.seconds_used = spent_before + time.monotonic() - started
             self.save()
@@ -109,44 +108,16 @@ class Loop:
         self.save()
         return self.state
 
-    def round_zero(self) -> RoundRecord:
-        starter = self.state.config.starter
-        task = Task(
-            id=f"starter={starter}",
-            title=f"starter stack ({starter})",
-            source="starter",
-            rationale=f"the {starter} baseline built from the skills library's recipes",
-            skills=[starter],
-            acceptance=["vibetrain check passes"],
-        )
-        return self.round(0, None, task)
-
-    def llm_budget_spent(self) -> str:
-        """Why the LLM budget stops the run ('' while it does not)."""
-        used, config = self.llm_totals(), self.state.config
-        if config.max_cost is not None and used.get("cost_usd", 0.0) >= config.max_cost:
-            return f"cost budget of ${config.max_cost:g} spent (${used['cost_usd']:.4f})"
-        if (
-            config.max_tokens is not None
-            and used.get("input_tokens", 0) + used.get("output_tokens", 0) >= config.max_tokens
-        ):
-            return f"token budget of {config.max_tokens} spent ({used['input_tokens'] + used['output_tokens']})"
-        return ""
-
-    def llm_totals(self) -> dict:
-        """This run's LLM use, previous sessions of it included."""
-        totals = dict(self.state.llm_used)
-        if self.agents.accounting is not None:
-            for key, value in self.agents.accounting.snapshot().items():
-                totals[key] = totals.get(key, 0) + value - self._llm_at_start.get(key, 0)
-        return totals
+    def propose(self) -> tuple[RoundRecord | None, Task] | None:
+        """Round 0 is the starter task; every later round's parent and task are the policy's."""
+        if self.state.next_round == 0:
+            return None, starter_task(self.state.config.starter)
+        return self.policy.propose(self.state, self.params_of)
 
     # -- one round ---------------------------------------------------------------------------------
-    def round(self, number: int, parent: RoundRecord | None, task: Task, llm_before: dict | None = None) -> RoundRecord:
+    def round(self, number: int, parent: RoundRecord | None, task: Task, llm_before: dict) -> RoundRecord:
         self.on_event("round_start", round=number, task=task, parent=parent.round if parent else None)
         started = time.monotonic()
-        if llm_before is None:
-            llm_before = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
         parent_commit = parent.commit if parent else self.history.root()
         workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
         out = RunDir(self.run_dir).round_outputs(number)
@@ -166,19 +137,13 @@ class Loop:
                 baseline = self.history.export(self.state.best.commit, out / "baseline") if self.state.best else None
                 evaluation = self.agents.evaluator.evaluate(candidate, out / "evaluate", baseline, seeds, verdict.run)
                 if evaluation.findings:  # every measured run is judged: a finding in any one rejects
-                    verdict = Verdict(
-                        False,
-                        [f"measurement: {f}" for f in evaluation.findings],
-                        verdict.checks + [{"name": "measured_runs", "passed": False, "reasons": evaluation.findings}],
-                    )
+                    verdict = verdict.adding(CheckResult("measured_runs", False, evaluation.findings))
                     record.reasons = verdict.reasons
                     self.reject(record, candidate, verdict)
                 else:
                     self.accept(record, evaluation, candidate, verdict)
-            elif record.screened_out:
-                self.reject(record, candidate, verdict, "prescreened")
             else:
-                self.reject(record, candidate, verdict)
+                self.reject(record, candidate, verdict, "prescreened" if record.screened_out else "rejected")
         except OSError as error:
             if error.errno == errno.ENOSPC:
                 raise RunError(
@@ -192,7 +157,7 @@ class Loop:
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         record.seconds = time.monotonic() - started
         if self.agents.accounting is not None:
-            record.llm = {k: v - llm_before.get(k, 0) for k, v in self.agents.accounting.snapshot().items()}
+            record.llm = self.budget.since(llm_before)
         for tree in (workspace, self._frozen(number)):  # a tree that will not go is said, and the run goes on
             try:
                 self.history.remove_worktree(tree)
@@ -202,7 +167,8 @@ class Loop:
 
     def seeds(self, number: int) -> list[int]:
         """The round's workload seeds, one per measured pair; the judge's run uses the first (and
-        opens pair 0). Drawn from the run's seed and the round: a rerun measures the same workloads."""
+        opens pair 0). Drawn from the run's seed and the round (each session's workload key keeps the
+        tasks behind them secret: ``targets/harness/environments/seeds.py``)."""
         rng = random.Random(f"{self.state.config.seed}:{number}")
         return [rng.randrange(2**31) for _ in range(self.state.config.repeat)]
 
@@ -231,9 +197,9 @@ class Loop:
         the record keeps the attempt count and the latest reasons even if a later step fails.
         Returns the verdict and the candidate it is about: the last attempt's frozen copy."""
         feedback: list[str] = []
-        verdict = Verdict(False, ["no attempt was made"], [])
+        verdict = Verdict.refused("implementer", ["no attempt was made"])
         candidate = workspace
-        parent = self.state.record(record.parent_round) if record.round else None
+        parent = self.state.record(record.parent_round) if record.parent_round is not None else None
         context = RoundContext(
             parent_round=record.parent_round,
             parent_metrics=parent.metrics if parent else {},
@@ -246,28 +212,23 @@ class Loop:
             record.attempts = context.attempt = attempt
             context.previous_account, context.account = context.account, ""  # its edits stay in the workspace
             try:
-                if record.round == 0:
-                    change = self.agents.implementer.starter(workspace, self.state.config.starter)
-                else:
-                    change = self.agents.implementer.implement(
-                        record.task, workspace, feedback, context.parent_hints, context
-                    )
+                change = self.agents.implementer.implement(
+                    record.task, workspace, feedback, context.parent_hints, context
+                )
                 record.account = context.account = change.summary
             except AgentError as error:  # this attempt ends; the next one is told why
                 candidate, _ = self.freeze(workspace, record)  # what it left: the evidence a rejection keeps
-                verdict = Verdict(False, [f"attempt {attempt}: {type(error).__name__}: {error}"], [])
+                verdict = Verdict.refused("implementer", [f"attempt {attempt}: {type(error).__name__}: {error}"])
                 feedback = self._failed(record, attempt, verdict)
                 continue
             candidate, refused = self.freeze(workspace, record)
             if refused:
-                verdict = Verdict(
-                    False,
-                    [f"the candidate could not be copied as it is: {reason}" for reason in refused],
-                    [{"name": "frozen_copy", "passed": False, "reasons": refused}],
+                verdict = Verdict.refused(
+                    "frozen_copy", [f"the candidate could not be copied as it is: {r}" for r in refused]
                 )
                 feedback = self._failed(record, attempt, verdict)
                 continue
-            screened = self.prescreen(record, candidate, out / f"twin-{attempt}")
+            screened = self.prescreen.screen(record, candidate, out / f"twin-{attempt}")
             if screened is not None:
                 feedback = self._failed(record, attempt, screened)
                 if record.screened_out:
@@ -290,34 +251,16 @@ class Loop:
             raise workspace_git.Tampered("; ".join(tampered))
         record.verdict, record.headline = "accepted", evaluation.headline
         record.metrics = {k: v for k, v in evaluation.metrics.items() if k != "device_utilization"}
-        record.spread, record.hints = evaluation.spread, [h.model_dump() for h in evaluation.hints]
+        record.spread, record.hints = evaluation.spread, list(evaluation.hints)
         record.profile = evaluation.profile
+        threshold = self.target.spec.noise_threshold
         if evaluation.paired is not None:  # the rule it was promoted (or not) by stays with the pair
-            record.paired = {**evaluation.paired, "threshold": self.spec.noise_threshold}
+            record.paired = Promotion(**evaluation.paired.as_dict(), threshold=threshold)
         record.became_best = self.state.best is None or (
-            evaluation.paired is not None and Paired(**evaluation.paired).clears(self.spec.noise_threshold)
+            evaluation.paired is not None and evaluation.paired.clears(threshold)
         )
-        self.update_design(workspace, record)
-        metric = self.spec.headline_metric.name
-        trailers = Trailers(
-            record.round,
-            record.task.id,
-            self.agents.backend,
-            "accepted",
-            f"{metric}={evaluation.headline:.6g}",
-            self._parent_metric(record),
-            promotion_short(record),
-        )
-        body = f"{record.task.rationale}\n\nImplementer: {record.account}\n\n{promotion(record)}\n\n"
-        body += (
-            (f"{twin_said(record)}\n\n" if record.prediction else "")
-            + "Hints: "
-            + ("; ".join(h.message for h in evaluation.hints) or "none")
-        )
-        records = {  # the judge's evidence (each check with its margins) stays with the candidate it trusted
-            "judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
-            "round.json": record.model_dump(mode="json"),
-        }
+        update_design(workspace, record, self.state, self.target.spec)
+        trailers, body = commits.validated(record, evaluation, self.target.spec, self.agents.backend)
         # The trace is kept before the commit: a kill in between then leaves a round redone on --resume
         # (its trace overwritten), never a validated round whose trace went with its outputs.
         if evaluation.trace_path is not None:
@@ -325,7 +268,7 @@ class Loop:
             run_dir.traces.mkdir(parents=True, exist_ok=True)
             shutil.copy(evaluation.trace_path, run_dir.trace(record.round))
         record.commit = self.history.commit_validated(
-            workspace, record.round, record.task.title, trailers, records, body
+            workspace, record.round, record.task.title, trailers, commits.records(record, verdict), body
         )
 
     def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict, name: str = "rejected") -> None:
@@ -333,27 +276,11 @@ class Loop:
         What the agent planted for git or the harness is undone first (``workspace_git``): the files stay."""
         record.verdict = name
         undone = workspace_git.disarm(workspace)
-        self.update_design(workspace, record)
-        trailers = Trailers(
-            record.round, record.task.id, self.agents.backend, name, "none", self._parent_metric(record)
-        )
+        update_design(workspace, record, self.state, self.target.spec)
+        trailers, body = commits.rejected(record, self.target.spec, self.agents.backend, undone)
         record.commit = self.history.commit_rejected(
-            workspace,
-            record.round,
-            record.task.title,
-            trailers,
-            {
-                "judge.json": {"reasons": verdict.reasons, "checks": verdict.checks},
-                "round.json": record.model_dump(mode="json"),
-            },
-            f"{record.task.rationale}\n\nImplementer: {record.account or '(no attempt)'}"
-            + (f"\n\nUndone before committing (planted for git or the harness): {'; '.join(undone)}" if undone else ""),
+            workspace, record.round, record.task.title, trailers, commits.records(record, verdict), body
         )
-
-    def _parent_metric(self, record: RoundRecord) -> str:
-        if record.parent_headline is None:
-            return "none"
-        return f"{self.spec.headline_metric.name}={record.parent_headline:.6g}"
 
     def finish_round(self, record: RoundRecord) -> None:
         """Git first, then the state: a kill in between is repaired by ``reconcile_with_git``."""
@@ -367,110 +294,16 @@ class Loop:
         self.save()
         self.on_event("round_end", record=record, best=self.state.best)
 
-    # -- the twin pre-screen ------------------------------------------------------------------------
     def calibrate_twin(self) -> None:
-        """The twin, fitted to the median traces of every validated round so far; the predictions
-        made on the previous twin are dropped."""
-        run_dir = RunDir(self.run_dir)
-        rounds = [r.round for r in self.state.accepted() if run_dir.trace(r.round).exists()]
-        path = run_dir.twin_spec
         try:
-            self._twin = Twin.calibrated(self.session, [run_dir.trace(n) for n in rounds], path)
-        except (OSError, ValueError, RuntimeError) as error:
-            raise RunError(
-                f"could not calibrate the twin from the traces of rounds {rounds}: {type(error).__name__}: "
-                f"{error}; resume with --no-prescreen to judge every candidate for real"
-            ) from None
-        self.state.twin, self.state.twin_from, self.state.twin_predictions = str(path), rounds, {}
-        self.state.twin_unfitted = list(self._twin.unfitted)
+            self.prescreen.calibrate()
+        except TwinError as error:
+            raise RunError(str(error)) from None
         self.save()
-        self.on_event("twin", path=path, rounds=rounds)
-
-    def twin(self) -> Twin | None:
-        if not self.state.config.prescreen or self.state.twin is None:
-            return None
-        if self._twin is None:
-            self._twin = Twin.load(self.session, Path(self.state.twin), self.state.twin_unfitted)
-        return self._twin
-
-    def prescreen(self, record: RoundRecord, workspace: Path, out: Path) -> Verdict | None:
-        """None: the candidate goes on to the judge. Otherwise the verdict that stops it here: it
-        failed on the twin (the attempt's feedback), or ``record.prediction`` says it was predicted
-        beyond the margin behind the best."""
-        twin = self.twin()
-        best = self.state.best
-        if twin is None or record.round == 0 or best is None:
-            return None
-        metric = self.spec.headline_metric
-        best_headline = self.state.twin_predictions.get(best.commit)
-        if best_headline is None:
-            measured = twin.predict(self.history.export(best.commit, out / "best-stack"), out / "best")
-            if not measured.ok:  # the twin cannot run the best: judge for real, and say so
-                record.prediction = {
-                    "skipped": f"the best (round {best.round}) failed on the twin: " + "; ".join(measured.reasons[:2])
-                }
-                return None
-            best_headline = self.state.twin_predictions[best.commit] = twin.headline(measured)
-        measured = twin.predict(workspace, out / "candidate")
-        if not measured.ok:
-            reasons = [f"twin: {reason}" for reason in measured.reasons]
-            return Verdict(False, reasons, [{"name": "twin_prescreen", "passed": False, "reasons": reasons}])
-        predicted, margin = twin.headline(measured), self.state.config.prescreen_margin
-        guessed = twin.guessed(measured)
-        passed = bool(guessed) or clears(predicted, best_headline, margin, metric.direction == "maximize")
-        record.prediction = {
-            "metric": metric.name,
-            "headline": predicted,
-            "best": best_headline,
-            "best_round": best.round,
-            "margin": margin,
-            "passed": passed,
-        }
-        if guessed:
-            record.prediction["untrusted"] = (
-                f"it does what no real run has shown the twin yet ({', '.join(guessed)}): the twin's cost for that "
-                "is the spec's guess, so it is judged for real"
-            )
-        self.on_event("prescreen", round=record.round, **record.prediction)
-        if passed:
-            return None
-        reason = (
-            f"twin pre-screen: predicted {metric.name} {predicted:.4g} against the best's (round {best.round}) "
-            f"{best_headline:.4g} ({predicted / best_headline - 1:+.1%}), beyond the {margin:.0%} margin: "
-            "not run for real"
-        )
-        return Verdict(False, [reason], [{"name": "twin_prescreen", "passed": False, "reasons": [reason]}])
 
     # -- helpers -----------------------------------------------------------------------------------
     def params_of(self, record: RoundRecord) -> dict:
         return self.history.params(record.commit)
-
-    def update_design(self, workspace: Path, record: RoundRecord) -> None:
-        doc = DesignDoc.load(workspace / "DESIGN.md")
-        task = record.task
-        for earlier in self.state.rounds:  # the plan carries every round of the run, whatever its branch
-            if not doc.step(earlier.task.id) and earlier.round > 0:
-                doc.record_round(earlier.round, earlier.task.id, earlier.task.title, *self._status(earlier))
-        decision, findings = "", []
-        if record.verdict == "accepted":
-            metric = self.spec.headline_metric.name
-            parent = f" (parent {record.parent_headline:.4g})" if record.parent_headline is not None else ""
-            decision = (
-                f"{task.title}. Why: {task.rationale}. Change: {record.account}. "
-                f"Measured {metric} {record.headline:.4g}{parent}."
-            )
-            findings = [f"{h['message']} [{h['code']}]" for h in record.hints]
-        doc.record_round(record.round, task.id, task.title, *self._status(record), decision, findings)
-        doc.plan_pending([(pending.id, pending.title) for pending in self.state.backlog])
-        doc.save(workspace / "DESIGN.md")
-
-    def _status(self, record: RoundRecord) -> tuple[str, str]:
-        if record.verdict == "accepted":
-            if record.became_best or record.round == 0:
-                return "DONE", ""
-            return "ABANDONED", f"round {record.round}: {promotion(record)}"
-        reason = record.reasons[0] if record.reasons else record.verdict
-        return "ABANDONED", f"round {record.round} {record.verdict}: {reason[:160]}"
 
     def reconcile_with_git(self) -> None:
         """Rounds committed to git after the last state save (a kill in between) join the state."""
@@ -487,13 +320,13 @@ class Loop:
     def save_llm_spend(self) -> None:
         """After every LLM call: a run killed mid-round resumes knowing what the round already spent."""
         try:
-            save_llm_spend(self.run_dir, self.llm_totals())
+            save_llm_spend(self.run_dir, self.budget.totals(self.state.llm_used))
         except RunStateError as error:
             raise RunError(str(error)) from None
 
     def save(self) -> None:
-        self.state.llm_used = self.llm_totals()
-        self._llm_at_start = self.agents.accounting.snapshot() if self.agents.accounting is not None else {}
+        self.state.llm_used = self.budget.totals(self.state.llm_used)
+        self.budget.saved()
         try:
             self.state.save(self.run_dir)
         except RunStateError as error:

@@ -14,14 +14,47 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from agents.roles import Task
+from agents.roles import Hint, Task
 from orchestrator.config import RunConfig
 from orchestrator.run_dir import RunDir
 from targets.errors import UserError
+from targets.harness.session import Paired
 
 
 class RunStateError(UserError, RuntimeError):
     """The state cannot be read or written (the message says what to do)."""
+
+
+class Promotion(BaseModel):
+    """The paired comparison with the best that a validated round was promoted (or not) by: the
+    geometric mean ratio, its 95% interval (``high`` None: unbounded), and the rule it had to clear
+    (``threshold``: the low end must be above ``1 + threshold``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ratio: float
+    low: float
+    high: float | None
+    pairs: int
+    against: str = ""
+    threshold: float | None = None  # older records did not store it
+
+    def paired(self) -> Paired:
+        return Paired(self.ratio, self.low, self.high, self.pairs, self.against)
+
+
+class Prediction(BaseModel):
+    """The twin's word on a candidate before the judge: its predicted headline against the best's,
+    and whether that cleared the margin; or why the twin was not consulted (``skipped``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    metric: str = ""
+    headline: float | None = None
+    best: float | None = None
+    best_round: int | None = None
+    margin: float | None = None
+    passed: bool | None = None
+    untrusted: str | None = None  # it did what no real run has shown the twin: judged for real
+    skipped: str | None = None
 
 
 class RoundRecord(BaseModel):
@@ -36,9 +69,9 @@ class RoundRecord(BaseModel):
     parent_headline: float | None = None
     metrics: dict = {}
     spread: dict = {}
-    hints: list[dict] = []
-    paired: dict | None = None  # ratio, low, high, pairs, against: the paired comparison with the best
-    prediction: dict | None = None  # the twin's: metric, headline, best, best_round, margin, passed (or skipped: why)
+    hints: list[Hint] = []
+    paired: Promotion | None = None
+    prediction: Prediction | None = None
     profile: str = ""  # the harness's view of where the median repeat's time went, per call
     llm: dict = {}  # this round's LLM calls, tokens and cost (an LLM backend only)
     reasons: list[str] = []
@@ -50,7 +83,7 @@ class RoundRecord(BaseModel):
     @property
     def screened_out(self) -> bool:
         """The twin predicted it beyond the margin behind the best (not a twin failure, not a skip)."""
-        return self.prediction is not None and self.prediction.get("passed") is False
+        return self.prediction is not None and self.prediction.passed is False
 
 
 class RunState(BaseModel):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.markup import escape
@@ -11,6 +12,9 @@ from rich.table import Table
 from rich.text import Text
 
 from targets.spec import TargetSpec
+
+if TYPE_CHECKING:
+    from orchestrator.state import Promotion
 
 
 def checks_table(results) -> Table:
@@ -84,12 +88,12 @@ def costs_table(runs, simulated: bool) -> Table:
     return costs
 
 
-def paired_cell(paired: dict | None) -> str:
+def paired_cell(paired: Promotion | None) -> str:
     """'+36% [+6%, +76%]': the candidate over the best, paired by seed, with its 95% interval."""
-    if not paired:
+    if paired is None:
         return "-"
-    interval = "unbounded" if paired["high"] is None else f"{paired['low'] - 1:+.0%}, {paired['high'] - 1:+.0%}"
-    return f"{paired['ratio'] - 1:+.0%} [{interval}]"
+    interval = "unbounded" if paired.high is None else f"{paired.low - 1:+.0%}, {paired.high - 1:+.0%}"
+    return f"{paired.ratio - 1:+.0%} [{interval}]"
 
 
 class RoundsView:
@@ -138,13 +142,12 @@ class RoundsView:
         elif kind == "twin":
             self.status = f"twin calibrated to the traces of rounds {data['rounds']}: {data['path']}"
         elif kind == "prescreen":
-            verdict = "goes on to the judge" if data["passed"] else "screened out"
-            if "untrusted" in data:
+            p = data["prediction"]
+            verdict = "goes on to the judge" if p.passed else "screened out"
+            if p.untrusted is not None:
                 verdict = "not trusted (a cost it has only guessed), goes on to the judge"
-            self.status = (
-                f"round {data['round']}: the twin predicts {num(data['headline'])} against the best's "
-                f"{num(data['best'])}: {verdict}"
-            )
+            predicted = f"the twin predicts {num(p.headline)} against the best's {num(p.best)}"
+            self.status = f"round {data['round']}: {predicted}: {verdict}"
         elif kind in ("budget", "recovered"):
             self.status = data.get("reason") or f"recovered round {data['round']} from git"
 
@@ -153,12 +156,10 @@ def promotion(record, threshold: float | None = None) -> str:
     """Why the candidate did or did not become best: the paired ratio against the best, its
     interval, and the rule it had to clear (the spec's noise threshold, stored with the pair; for
     records older than that, ``threshold`` when the caller knows it)."""
-    from targets.harness.session import Paired
-
     if record.paired is None:
         return "promoted: the first validated candidate" if record.became_best else "not measured against the best"
-    threshold = record.paired.get("threshold", threshold)  # older records did not store it
-    paired = Paired(**{k: v for k, v in record.paired.items() if k != "threshold"})
+    threshold = record.paired.threshold if record.paired.threshold is not None else threshold
+    paired = record.paired.paired()
     verb = "promoted" if record.became_best else "not promoted"
     rule = f"; promotion needs the interval's low end above +{threshold:.0%}" if threshold is not None else ""
     return f"{verb}: {paired.describe()} against the best{rule}"
@@ -168,10 +169,10 @@ def promotion_short(record) -> str:
     """The table's form of ``promotion``: 'not promoted: +2.4% [-3.0%, +8.0%], needs low > +5%'."""
     if record.paired is None:
         return promotion(record)
-    p, threshold = record.paired, record.paired.get("threshold")
-    interval = "unbounded" if p["high"] is None else f"{p['low'] - 1:+.1%}, {p['high'] - 1:+.1%}"
+    p, threshold = record.paired, record.paired.threshold
+    interval = "unbounded" if p.high is None else f"{p.low - 1:+.1%}, {p.high - 1:+.1%}"
     rule = f", needs low > +{threshold:.0%}" if threshold is not None else ""
-    return f"{'promoted' if record.became_best else 'not promoted'}: {p['ratio'] - 1:+.1%} [{interval}]{rule}"
+    return f"{'promoted' if record.became_best else 'not promoted'}: {p.ratio - 1:+.1%} [{interval}]{rule}"
 
 
 def rounds_table(run: Path, state) -> Table:
@@ -192,7 +193,7 @@ def rounds_table(run: Path, state) -> Table:
     table.add_column("task / why", overflow="fold")
     for r in state.rounds:
         delta = f"{r.headline / r.parent_headline - 1:+.1%}" if r.headline and r.parent_headline else "-"
-        detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h["code"] for h in r.hints)
+        detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h.code for h in r.hints)
         if r.verdict == "accepted" and r.round > 0:
             detail = "; ".join(part for part in (promotion_short(r), detail) if part)
         usage = (

@@ -416,7 +416,7 @@ def test_a_controller_switch_that_lost_is_followed_once_by_the_technique_its_fin
 
     planner = OfflinePlanner(tiny_spec)
     colocate, multiplexed = starter_params(tiny_spec, "colocate"), starter_params(tiny_spec, "time_multiplex")
-    hints = [{"code": "slow_sync", "message": "sync 40%"}, {"code": "tail_idle", "message": "tail 30%"}]
+    hints = [Hint(code="slow_sync", message="sync 40%"), Hint(code="tail_idle", message="tail 30%")]
 
     def record(commit, parent, task, became_best, hints=()):
         return SimpleNamespace(

@@ -34,6 +34,7 @@ from agents.roles import AgentError, Task, Verdict
 from orchestrator.cli import app
 from orchestrator.state import RunState
 from skills.starter import write_starter
+from targets.harness.check_result import CheckResult
 from targets.harness.launch import Limits
 from targets.harness.sandbox import Sandbox
 from targets.harness.session import Session
@@ -315,7 +316,7 @@ class PassingGate:
     """The deterministic gate, passing: the review decides."""
 
     def judge(self, workspace, out, task=None, seed=0, context=None) -> Verdict:
-        return Verdict(True, [], [{"name": "integrity", "passed": True, "reasons": []}])
+        return Verdict([CheckResult("integrity", True)])
 
 
 @pytest.mark.parametrize("scenario, passed", [("reject", False), ("success", True)])
@@ -326,10 +327,12 @@ def test_the_llm_review_of_a_cli_round_asks_the_cli_read_only(tmp_path, monkeypa
     accounting = Accounting()
     judge = LLMJudge(PassingGate(), CLIChatClient(cli_tool("claude"), accounting), file_access=False)
     verdict = judge.judge(workspace, tmp_path / "out", TASK)
-    assert verdict.passed is passed and [c["name"] for c in verdict.checks] == ["integrity", "llm_review"]
+    assert verdict.passed is passed and [c.name for c in verdict.checks] == ["integrity", "llm_review"]
     if not passed:
-        assert verdict.reasons == ["llm review: stack/params.json: sleeps less when the trace is on"]
-        assert verdict.checks[-1] == {"name": "llm_review", "passed": False, "reasons": verdict.reasons}
+        assert verdict.reasons == ["llm_review: stack/params.json: sleeps less when the trace is on"]
+        assert verdict.checks[-1] == CheckResult(
+            "llm_review", False, ["stack/params.json: sleeps less when the trace is on"]
+        )
     [call] = _calls(record)
     assert "ROLE: judge" in call["stdin"] and '+  "controller": "static_split"' in call["stdin"]
     assert call["cwd"] != str(workspace) and _option(call["argv"], "--allowedTools") == "Read,Glob,Grep"
@@ -343,7 +346,7 @@ def test_a_cli_review_that_runs_out_of_turns_rejects_never_falls_back_to_the_gat
     judge = LLMJudge(PassingGate(), CLIChatClient(cli_tool("claude"), Accounting()), file_access=False)
     verdict = judge.judge(workspace, tmp_path / "out", TASK)
     assert not verdict.passed and verdict.reasons == [
-        "llm review reached no verdict: StuckError: the claude CLI stopped with error_max_turns after 41 turns"
+        "llm_review: reached no verdict: StuckError: the claude CLI stopped with error_max_turns after 41 turns"
     ]
 
 

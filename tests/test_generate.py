@@ -69,7 +69,7 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     assert [r.round for r in state.rounds] == [0, 1]
     assert len(state.accepted()) == 2, [(r.round, r.verdict, r.reasons) for r in state.rounds]
     candidate, best = state.record(1), state.best
-    assert best.round == 0 and candidate.paired is not None and candidate.paired["pairs"] == 1
+    assert best.round == 0 and candidate.paired is not None and candidate.paired.pairs == 1
     assert "the starter" in output and "best: round" in output
     # the commit graph is the search tree, with trailers
     log = _trailers(run, "refs/vibetrain/rounds/1")
@@ -85,12 +85,10 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     assert state.config.prescreen and twin["simulator"] and twin["hardware"]["mfu"] > 0
     assert state.twin_from == [0, 1] and state.twin_predictions == {}  # predictions of the old twin dropped
     prediction = candidate.prediction
-    assert prediction["passed"] and prediction["best_round"] == 0 and 0 < prediction["best"]
-    assert (
-        f"Twin: predicted goodput {prediction['headline']:.4g}" in body and f"measured {candidate.headline:.4g}" in body
-    )
-    if "untrusted" in prediction:  # the colocate starter never syncs: the twin's sync cost was a guess
-        assert "(sync)" in prediction["untrusted"] and "not trusted: " in body
+    assert prediction.passed and prediction.best_round == 0 and 0 < prediction.best
+    assert f"Twin: predicted goodput {prediction.headline:.4g}" in body and f"measured {candidate.headline:.4g}" in body
+    if prediction.untrusted is not None:  # the colocate starter never syncs: the twin's sync cost was a guess
+        assert "(sync)" in prediction.untrusted and "not trusted: " in body
     for record in state.accepted():
         commit = git.Repo(run).commit(record.commit)
         parent = commit.parents[0].hexsha
@@ -165,12 +163,12 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
     state = loop.run()
     judged = state.record(2)  # whatever the twin predicted for it: its shrinks cost what the spec guesses
     assert judged.verdict == "accepted" and judged.headline is not None, (judged.verdict, judged.reasons)
-    assert judged.prediction["passed"] and "expand, shrink" in judged.prediction["untrusted"]
+    assert judged.prediction.passed and "expand, shrink" in judged.prediction.untrusted
     record = state.record(1)
     assert record.verdict == "prescreened" and record.attempts == 1, (record.verdict, record.reasons)
     prediction = record.prediction
-    assert not prediction["passed"] and prediction["headline"] < 0.95 * prediction["best"]
-    assert record.headline is None and record.commit and "twin pre-screen: predicted goodput" in record.reasons[0]
+    assert not prediction.passed and prediction.headline < 0.95 * prediction.best
+    assert record.headline is None and record.commit and "twin_prescreen: predicted goodput" in record.reasons[0]
     history = History.open(run)
     assert history.round_commit(1) is None and history.rejected_commit(1) == record.commit  # never validated
     assert "Verdict: prescreened" in history.repo.commit(record.commit).message

@@ -505,8 +505,8 @@ def test_the_llm_review_rejects_a_hack_the_gate_let_through(server, tmp_path, fa
     code, output, run = generate(server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-attempts", "1")
     state = RunState.load(run)
     assert state.record(1).verdict == "rejected"
-    assert state.record(1).reasons == ["llm review: stack/report.py computes throughput itself"]
-    assert "llm review" in runner.invoke(app, ["log", str(run)], env={"COLUMNS": "160"}).output
+    assert state.record(1).reasons == ["llm_review: stack/report.py computes throughput itself"]
+    assert "llm_review" in runner.invoke(app, ["log", str(run)], env={"COLUMNS": "160"}).output
     assert state.best_round == 0
 
 

@@ -74,12 +74,9 @@ class PassingGate:
     """The deterministic gate, passing with a run's figures: the review decides."""
 
     def judge(self, workspace, out, task=None, seed=0, context=None) -> Verdict:
-        checks = [
-            {"name": "integrity", "passed": True, "reasons": [], "details": {}},
-            {"name": "trainer", "passed": True, "reasons": [], "details": {"relative_update_error": 3.1e-7}},
-        ]
+        checks = [CheckResult("integrity", True), CheckResult("trainer", True, [], {"relative_update_error": 3.1e-7})]
         run = Measurement([CheckResult("system_audit", True)], {"goodput": 0.84, "step_time_s": 2.5})
-        return Verdict(True, [], checks, run)
+        return Verdict(checks, run)
 
 
 def _context() -> RoundContext:
@@ -123,8 +120,8 @@ def test_the_review_reads_a_hack_hidden_in_an_ignored_file_and_the_gate_refuses_
     )
     judge = LLMJudge(PassingGate(), _client(server), spec=tiny_spec)
     verdict = judge.judge(workspace, tmp_path / "out", TASK, context=_context())
-    assert not verdict.passed and verdict.reasons == [f"llm review: {reason}"]
-    assert verdict.checks[-1] == {"name": "llm_review", "passed": False, "reasons": verdict.reasons}
+    assert not verdict.passed and verdict.reasons == [f"llm_review: {reason}"]
+    assert verdict.checks[-1] == CheckResult("llm_review", False, [reason])
     system = _system(server)
     assert "## Files git ignores in the workspace\n" in system and "- stack/hack.py\n" in system
     listed, read = _tool_results(server)
@@ -134,7 +131,7 @@ def test_the_review_reads_a_hack_hidden_in_an_ignored_file_and_the_gate_refuses_
     alone = gate.judge(workspace, tmp_path / "gate")
     assert not alone.passed and alone.run is None  # refused before anything ran
     [check] = alone.checks
-    assert check["name"] == "ignored_files" and check["reasons"][0].startswith(
+    assert check.name == "ignored_files" and check.reasons[0].startswith(
         "stack/hack.py: git ignores it (.gitignore:3:stack/hack.py), yet it lies in stack/"
     )
     server.requests.clear()
@@ -211,12 +208,9 @@ def test_a_planted_bytecode_cache_never_shadows_its_source(workspace, tmp_path, 
     assert "planted bytecode ran" in imported.stderr  # the plant is real: it shadows build.py
     verdict = _gate(fast_target, sandbox).judge(workspace, tmp_path / "gate")
     assert verdict.passed, verdict.reasons
-    assert verdict.checks[0] == {
-        "name": "ignored_files",
-        "passed": True,
-        "reasons": [],
-        "details": {"removed_bytecode_caches": ["stack/__pycache__"], "ignored": []},
-    }
+    assert verdict.checks[0] == CheckResult(
+        "ignored_files", True, [], {"removed_bytecode_caches": ["stack/__pycache__"], "ignored": []}
+    )
     assert not cache.exists()
 
 
@@ -267,11 +261,7 @@ def test_the_page_shows_the_account_the_criteria_the_details_and_the_figures_aga
     verdict = LLMJudge(PassingGate(), _client(server), spec=tiny_spec).judge(
         workspace, tmp_path / "out", TASK, context=_context()
     )
-    assert verdict.passed and verdict.checks[-1] == {
-        "name": "llm_review",
-        "passed": True,
-        "reasons": ["a parameter change"],
-    }
+    assert verdict.passed and verdict.checks[-1] == CheckResult("llm_review", True, ["a parameter change"])
     system = _system(server)
     assert system.startswith("ROLE: judge\n")
     assert "- goodput beats the parent's beyond the noise threshold\n" in system
@@ -321,25 +311,23 @@ def test_a_review_that_reaches_no_verdict_rejects_never_falls_back(server, works
     """A stuck reviewer is not an outage: a candidate's text can derail its reviewer on purpose."""
     server.script("judge", *[Reply(text="Let me look at this more...") for _ in range(3)])
     verdict = LLMJudge(PassingGate(), _client(server)).judge(workspace, tmp_path / "out", TASK)
-    assert not verdict.passed and verdict.checks[-1]["name"] == "llm_review" and not verdict.checks[-1]["passed"]
-    assert verdict.reasons[0].startswith("llm review reached no verdict: StuckError: ")
+    assert not verdict.passed and verdict.checks[-1].name == "llm_review" and not verdict.checks[-1].passed
+    assert verdict.reasons[0].startswith("llm_review: reached no verdict: StuckError: ")
 
 
 def test_a_review_that_cannot_be_had_leaves_the_gate_to_decide_unless_required(server, workspace, tmp_path):
     server.script("judge", *STORM)
     verdict = LLMJudge(PassingGate(), _client(server)).judge(workspace, tmp_path / "out", TASK)
     assert verdict.passed and verdict.run is not None  # the gate's run still opens the measurement
-    [note] = verdict.checks[-1]["reasons"]
-    assert verdict.checks[-1]["name"] == "llm_review" and verdict.checks[-1]["passed"]
-    assert (
-        note.startswith("LLM review unavailable: LLMError: ") and "rate limited (429); gave up after 4 retries" in note
-    )
+    [note] = verdict.checks[-1].reasons
+    assert verdict.checks[-1].name == "llm_review" and verdict.checks[-1].passed
+    assert note.startswith("unavailable: LLMError: ") and "rate limited (429); gave up after 4 retries" in note
     assert note.endswith("; the deterministic gate decided")
 
     server.script("judge", *STORM)
     required = LLMJudge(PassingGate(), _client(server), review_required=True).judge(workspace, tmp_path / "o", TASK)
-    assert not required.passed and required.checks[-1]["name"] == "llm_review" and not required.checks[-1]["passed"]
-    assert required.reasons[0].startswith("LLM review unavailable: LLMError: ")
+    assert not required.passed and required.checks[-1].name == "llm_review" and not required.checks[-1].passed
+    assert required.reasons[0].startswith("llm_review: unavailable: LLMError: ")
     assert "--require-llm-review" in required.reasons[0]
 
     spent = Accounting(max_tokens=10, spent_before={"input_tokens": 10})
@@ -407,7 +395,7 @@ def test_a_429_storm_in_the_review_commits_the_gated_candidate_unless_the_review
     assert state.config.llm_review_required is required
     report = json.loads(git.Repo(run).git.show(f"{record.commit}:.vibetrain/judge.json"))
     [review] = [c for c in report["checks"] if c["name"] == "llm_review"]
-    assert review["reasons"][0].startswith("LLM review unavailable: LLMError: ")
+    assert review["reasons"][0].startswith("unavailable: LLMError: ")
     if required:
         assert record.verdict == "rejected" and not review["passed"] and state.best_round == 0
         assert "--require-llm-review" in record.reasons[0]

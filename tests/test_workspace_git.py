@@ -94,7 +94,7 @@ def test_planted_git_metadata_is_refused_and_its_program_never_runs(run, tmp_pat
     _real(workspace, marker)
 
     verdict = OfflineJudge(session=None).judge(workspace, tmp_path / "judge")  # refused before anything runs
-    assert not verdict.passed and verdict.checks[0]["name"] == "workspace_git"
+    assert not verdict.passed and verdict.checks[0].name == "workspace_git"
     assert verdict.reasons[0].startswith(f"workspace_git: {reason}")
     with pytest.raises(workspace_git.Tampered, match=reason.split(":")[0]):
         workspace_git.run(workspace, "status")

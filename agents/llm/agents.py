@@ -113,7 +113,7 @@ def implementer_prompt(
         budget=budget or "no budget given",
         parent=facts.parent_lines(spec, context),
         parent_round=context.parent_round,
-        hints=[Hint(**h) for h in hints],
+        hints=list(hints),
         files=facts.file_map(workspace),
         skills=[skills[s] for s in task.skills if s in skills],
         index=[entry for entry in facts.skills_index() if entry[0] not in task.skills],
@@ -154,12 +154,11 @@ class LLMImplementer:
         self.checks, self.benchmark, self.accounting = checks, benchmark, accounting
         self.offline = offline  # the starter comes from the library, as the offline implementer writes it
 
-    def starter(self, workspace: Path, controller: str) -> Attempt:
-        return self.offline.starter(workspace, controller)
-
     def implement(
-        self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = (), context=None
+        self, task: Task, workspace: Path, feedback: list[str], hints: list[Hint] = (), context=None
     ) -> Attempt:
+        if task.source == "starter":  # the library writes starters
+            return self.offline.implement(task, workspace, feedback)
         budget = facts.budget_line(self.accounting, self.max_turns)
         system = implementer_prompt(self.spec, task, workspace, feedback, hints, context, budget)
 

@@ -31,7 +31,7 @@ from agents.llm.tools import Toolbox
 from agents.offline.judge import ignored_files
 from agents.roles import AgentError, RoundContext, Task, Verdict
 from targets.harness.benchmark import SUMMARIZED
-from targets.harness.check_result import detail
+from targets.harness.check_result import CheckResult, detail
 from targets.spec import TargetSpec
 
 log = logging.getLogger("vibetrain.judge")
@@ -150,14 +150,14 @@ HACKS = (
 )
 
 
-def check_lines(checks: list[dict]) -> list[str]:
+def check_lines(checks: list[CheckResult]) -> list[str]:
     """Each check of the gate on one line: verdict, reasons, and its details (the margins it passed
     by), cut at ``DETAILS_LIMIT`` characters with a note."""
     lines = []
     for check in checks:
-        line = f"{check['name']}: {'pass' if check['passed'] else 'FAIL'}"
-        line += "".join(f"; {reason}" for reason in check.get("reasons", []))
-        details = check.get("details") or {}
+        line = f"{check.name}: {'pass' if check.passed else 'FAIL'}"
+        line += "".join(f"; {reason}" for reason in check.reasons)
+        details = check.details
         if details:
             text = ", ".join(f"{key}={detail(value)}" for key, value in details.items())
             if len(text) > DETAILS_LIMIT:
@@ -231,10 +231,9 @@ def change_of(workspace: Path, limit: int = DIFF_LIMIT) -> tuple[str, str]:
 
 
 def reviewed(verdict: Verdict, passed: bool, reasons: list[str]) -> Verdict:
-    """The gate's passing verdict with the ``llm_review`` check added: still passing (the gate's
-    reasons and run kept), or rejected for ``reasons``."""
-    checks = verdict.checks + [{"name": "llm_review", "passed": passed, "reasons": reasons}]
-    return Verdict(True, verdict.reasons, checks, verdict.run) if passed else Verdict(False, reasons, checks)
+    """The gate's passing verdict with the ``llm_review`` check added: still passing (the gate's run
+    kept, the review's remarks in the check), or rejected for ``reasons``."""
+    return verdict.adding(CheckResult("llm_review", passed, reasons))
 
 
 class LLMJudge:
@@ -268,18 +267,18 @@ class LLMJudge:
             raise  # the run's LLM budget is spent: the run stops, this is no outage to fall back from
         except (StuckError, OutputSchemaError) as error:  # the model read the candidate and reached no verdict:
             # content can cause that on purpose (a candidate built to derail its reviewer), so it rejects
-            reasons = [f"llm review reached no verdict: {type(error).__name__}: {error}"]
+            reasons = [f"reached no verdict: {type(error).__name__}: {error}"]
             return reviewed(verdict, False, reasons)
         except AgentError as error:  # the provider past its retries, a CLI that failed: an outage
             return self.unavailable(verdict, error)
         if review.verdict == "reject":
-            reasons = [f"llm review: {r}" for r in review.reasons] or ["llm review: rejected without a reason"]
+            reasons = list(review.reasons) or ["rejected without a reason"]
             return reviewed(verdict, False, reasons)
         return reviewed(verdict, True, review.reasons)
 
     def unavailable(self, verdict: Verdict, error: AgentError) -> Verdict:
         """The gate's verdict with the missing review recorded, or a rejection if the run requires it."""
-        cause = f"LLM review unavailable: {type(error).__name__}: {error}"
+        cause = f"unavailable: {type(error).__name__}: {error}"
         log.warning("%s", cause)
         if self.review_required:
             reasons = [f"{cause}; this run requires the review (--require-llm-review), so the candidate is rejected"]

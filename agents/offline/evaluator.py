@@ -236,5 +236,5 @@ class OfflineEvaluator:
             hints,
             call_profile(events),
             median.trace_path,
-            paired.as_dict() if paired else None,
+            paired,
         )

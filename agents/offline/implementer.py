@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from agents.offline.planner import OfflinePlanner
-from agents.roles import AgentError, Attempt, Task
+from agents.roles import AgentError, Attempt, Hint, Task
 from skills.library import load_skills
 from skills.starter import RECIPES, write_starter
 from skills.validation import expand_file
@@ -30,15 +30,14 @@ class OfflineImplementer:
         self.spec, self.planner = spec, planner
         self.skills = load_skills()
 
-    def starter(self, workspace: Path, controller: str) -> Attempt:
-        """Round 0: a complete starter candidate (written afresh on every attempt)."""
-        shutil.rmtree(workspace / "stack", ignore_errors=True)
-        write_starter(workspace, self.spec, controller)
-        return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
-
     def implement(
-        self, task: Task, workspace: Path, feedback: list[str], hints: list[dict] = (), context=None
+        self, task: Task, workspace: Path, feedback: list[str], hints: list[Hint] = (), context=None
     ) -> Attempt:
+        if task.source == "starter":  # a complete starter candidate, written afresh on every attempt
+            controller = task.changes["controller"]
+            shutil.rmtree(workspace / "stack", ignore_errors=True)
+            write_starter(workspace, self.spec, controller)
+            return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
         stack = workspace / "stack"
         if not (stack / "params.json").exists():
             raise ImplementationError(f"{workspace} holds no stack/params.json: not a candidate workspace")

@@ -77,17 +77,12 @@ class OfflineJudge:
     def judge(self, workspace: Path, out: Path, task=None, seed: int = 0, context=None) -> Verdict:
         tampered = workspace_git.tampering(workspace)
         if tampered:  # refused before git, or anything else, runs there
-            checks = [{"name": "workspace_git", "passed": False, "reasons": tampered}]
-            return Verdict(False, [f"workspace_git: {r}" for r in tampered], checks)
-        ignored = ignored_files_check(workspace)
-        checks = [ignored.as_dict()]
+            return Verdict.refused("workspace_git", tampered)
+        checks = [ignored_files_check(workspace)]
         left = unexpanded(workspace)
         if left:
-            reasons = [f"unexpanded validation annotation: {line}" for line in left]
-            checks.append({"name": "annotations", "passed": False, "reasons": reasons})
-        if left or not ignored.passed:  # refused before anything runs
-            reasons = [f"{c['name']}: {r}" for c in checks if not c["passed"] for r in c["reasons"]]
-            return Verdict(False, reasons, checks)
+            checks.append(CheckResult("annotations", False, [f"unexpanded validation annotation: {x}" for x in left]))
+        if not all(c.passed for c in checks):  # refused before anything runs
+            return Verdict(checks)
         run = self.session.judge(workspace, out, seed=seed)
-        checks += [r.as_dict() for r in run.checks]
-        return Verdict(run.ok, run.reasons, checks, run if run.ok else None)
+        return Verdict(checks + run.checks, run if run.ok else None)

@@ -127,7 +127,7 @@ def show_round(
             )
         )
     for hint in record.hints:
-        out.print(f"hint {hint['code']}: {hint['message']}", markup=False)
+        out.print(f"hint {hint.code}: {hint.message}", markup=False)
     if profile and record.profile:
         out.print("[bold]profile[/bold] (each call as the harness timed it, median repeat):")
         out.print(record.profile.strip(), markup=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from agents.roles import Hint, Task
+from agents.roles import Task
 from orchestrator.policies.novelty import built_configurations, rebuilds
 from orchestrator.state import RoundRecord, RunState
 
@@ -71,7 +71,7 @@ class BacklogPolicy:
             params = params_of(record)
             tasks = [
                 t
-                for t in self.planner.tasks_from_hints([Hint(**h) for h in record.hints], params)
+                for t in self.planner.tasks_from_hints(record.hints, params)
                 if t.id.startswith("add-")
                 and self.planner.applies(t, params)
                 and (record.commit, t.id) not in tried
@@ -84,7 +84,7 @@ class BacklogPolicy:
     def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:
         known = {t.id for t in state.backlog}
         if record.verdict == "accepted":
-            for task in self.planner.tasks_from_hints([Hint(**h) for h in record.hints], params):
+            for task in self.planner.tasks_from_hints(record.hints, params):
                 if task.id not in known:
                     state.backlog.append(task)
                     known.add(task.id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from agents.roles import Hint, Task
+from agents.roles import Task
 from orchestrator.policies.novelty import built_configurations, rebuilds
 from orchestrator.state import RoundRecord, RunState
 
@@ -47,7 +47,7 @@ class EvolvePolicy:
             def novel(task: Task, parent: RoundRecord = parent, current: dict = current) -> bool:
                 return (parent.commit, task.id) not in tried and not rebuilds(current, task, built)
 
-            skilled = [t for t in self.planner.tasks_from_hints([Hint(**h) for h in parent.hints], current) if novel(t)]
+            skilled = [t for t in self.planner.tasks_from_hints(parent.hints, current) if novel(t)]
             if skilled and self.rng.random() < 0.5:
                 return parent, max(skilled, key=lambda t: (t.priority, t.id))
             composed = [t for t in self.planner.composition_tasks(current) if novel(t)]

@@ -16,6 +16,7 @@ thread than the one stepping: they queue, and the step takes them in.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -95,7 +96,9 @@ class PagedEngine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.admitting = True  # False while draining for a weight load: running requests finish, none start
-        self._generator = torch.Generator(device=device).manual_seed(0)
+        # Each engine its own draws: engines seeded alike answered one prompt with one sample on every
+        # device at once (the audit's independence test caught it). A request's own seed still rules.
+        self._generator = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self._allocate_cache()
 
     # -- memory ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import shutil
 import tempfile
 import threading
@@ -53,7 +54,7 @@ class VLLMEngine:
             model=model_path,
             dtype=dtype,
             max_model_len=max_model_len,
-            seed=0,
+            seed=int.from_bytes(os.urandom(4), "little") >> 1,  # each engine its own draws (see paged_engine)
             skip_tokenizer_init=True,
             enable_sleep_mode=cuda,
             **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),

@@ -73,7 +73,8 @@ def make_agents(
     llm = llm or {}
     accounting = Accounting(prices=load_prices(llm.get("prices")))
     if backend.startswith("cli:"):  # the CLI implements; the same CLI, read-only, reviews on top of the gate
-        from agents.cli_agent import CLIChatClient, CLIImplementer, cli_tool
+        from agents.cli_agent import CLIChatClient, CLIImplementer
+        from agents.cli_tools import cli_tool
 
         tool = cli_tool(backend.split(":", 1)[1])
         model = llm.get("model")

@@ -15,19 +15,8 @@ import git
 import pytest
 from typer.testing import CliRunner
 
-from agents.cli_agent import (
-    BASE_ENV,
-    CHECK_ENV,
-    TOOLS,
-    CLIChatClient,
-    CLIImplementer,
-    account,
-    budget_usd,
-    cli_tool,
-    parse_claude,
-    parse_codex,
-    run_cli,
-)
+from agents.cli_agent import CLIChatClient, CLIImplementer, account, budget_usd
+from agents.cli_tools import BASE_ENV, CHECK_ENV, TOOLS, cli_tool, parse_claude, parse_codex, run_cli
 from agents.llm.client import Accounting, BudgetSpent, ToolSpec
 from agents.llm.judge import LLMJudge
 from agents.roles import AgentError, Task, Verdict

@@ -3,6 +3,7 @@ starter stacks, the judge (``check``), side-by-side benchmarks (``bench``) and c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import shutil
@@ -232,6 +233,11 @@ def bench(
         False, "--simulate", help="run on the cluster simulator even if the target runs for real here"
     ),
     sandbox: str = SANDBOX_OPTION,
+    task_key: str = typer.Option(
+        None,
+        help="the workload's secret, in hex, to reproduce a bench exactly (its --json records the one it drew); "
+        "'' is the public derivation, as before workloads had a secret",
+    ),
 ) -> None:
     """Benchmark baselines and candidates side by side; ratios are to the first run listed.
 
@@ -252,6 +258,11 @@ def bench(
 
     tracker, track_dir = open_tracker(track, track_dir, default_track_dir)
     measuring = session(target, sandbox, time_limit, simulate)
+    if task_key is not None:
+        try:
+            measuring = dataclasses.replace(measuring, task_key=bytes.fromhex(task_key))
+        except ValueError:
+            raise UsageError(f"--task-key {task_key!r}: not hex (write it as --json recorded it)") from None
     spec, simulated = measuring.target.spec, measuring.target.simulated
     repeat = repeat or (1 if simulated else 3)
     work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
@@ -292,6 +303,7 @@ def bench(
         data = {
             "schema": BENCH_SCHEMA,
             "provenance": provenance(spec, simulated, measuring.sandbox.backend),
+            "task_key": measuring.task_key.hex(),  # the bench's own session: no candidate runs under it again
             "target": spec.id,
             "repeat": repeat,
             "runs": [r.summary(spec.headline_metric.name) for r in runs],

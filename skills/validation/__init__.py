@@ -1,4 +1,4 @@
-"""Named validation patterns and their standard expansions (design §8)."""
+"""Named validation patterns and their standard expansions (`PATTERNS.md`)."""
 
 from .expand import PATTERNS, AnnotationError, expand_file, expand_source, unexpanded
 

@@ -4,7 +4,11 @@ its prefill tokens/s, the FSDP2 trainer's step time and MFU, the in-process weig
 and wake, each also as a fraction of a train step. Meant for the GPU target; ``--device cpu`` runs
 the same code on the tiny CPU target (a smoke run: CPU numbers say nothing about a GPU).
 
-    python benchmarks/gpu_components.py [--target qwen3-0.6b-h100x1] [--batch 64] [--new-tokens 256]
+    python benchmarks/gpu_components.py [--target qwen3-0.6b-h100x1] [--batch 64] [--new-tokens 256] [--json F]
+
+Decode is measured greedy and at temperature 1 (the system run samples); the train step cold (its
+first call) and warm; the weight export as the harness runs it (the trainer writes a sealed region:
+written, sealed, saved), each stage timed.
 
 Roofline of a decode iteration: every running sequence's next token needs the weights read once
 (shared by the batch) and its own KV read once, so tokens/s <= batch x HBM bandwidth / (weight bytes
@@ -14,9 +18,13 @@ Roofline of a decode iteration: every running sequence's next token needs the we
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import typer
@@ -30,6 +38,7 @@ from skills.recipes.paged_engine import PagedEngine
 from targets.api import SamplingParams, TrainBatch, Trajectory
 from targets.harness.accuracy import fixed_prompts
 from targets.harness.model import load_model, model_dir
+from targets.harness.weight_export import Layout, Region, RegionWriter
 from targets.spec import load_target
 
 
@@ -77,6 +86,7 @@ def main(
     new_tokens: int = 256,
     train_batch: int = 32,
     repeat: int = 3,
+    json_path: Path = typer.Option(None, "--json", help="also write every figure here"),
 ) -> None:
     spec = load_target(target)
     hardware = spec.hardware
@@ -107,9 +117,16 @@ def main(
         out = engine.generate(prompts, greedy)
         assert all(len(c.tokens) == new_tokens for c in out)
 
+    sampled = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)  # as a system run decodes
+
+    def decode_sampled() -> None:
+        out = engine.generate(prompts, sampled)
+        assert all(len(c.tokens) == new_tokens for c in out)
+
     prefill_params = SamplingParams(max_new_tokens=1, temperature=0.0)
     console.log("paged engine: decode, then prefill (the first call compiles FlashInfer's kernels once)")
     engine_times = _timed(decode, repeat, device)
+    sampled_times = _timed(decode_sampled, repeat, device)
     prefill_times = _timed(lambda: engine.generate(prompts, prefill_params), repeat, device)
 
     console.log("transformers generate")
@@ -125,6 +142,8 @@ def main(
     mean_context = prompt_tokens + new_tokens / 2
     roofline = batch * hardware.hbm_bandwidth_gbs * 1e9 / (weight_bytes + batch * mean_context * kv_per_token)
     decode_rate = batch * (new_tokens - 1) / decode_s
+    sampled_decode_s = statistics.median(sampled_times) - statistics.median(prefill_times)
+    sampled_rate = batch * (new_tokens - 1) / sampled_decode_s
 
     console.log("sleep and wake")
     # sleep and wake, then the trainer beside the sleeping engine (as the local cluster runs them)
@@ -145,6 +164,11 @@ def main(
     console.log("FSDP2 train step")
     trainer = FSDPTrainer(path, spec.workload.training.config(), dtype, device, micro_batch_tokens=8192)
     train_data = _batch(prompts[:train_batch], new_tokens)
+    _synchronize(device)
+    started = time.perf_counter()
+    trainer.train_step(train_data)  # cold: the first step (allocations, kernel selection)
+    _synchronize(device)
+    cold_s = time.perf_counter() - started
     train_times = _timed(lambda: trainer.train_step(train_data), repeat, device)
     tokens = sum(len(t.tokens) for t in train_data.trajectories)
     train_s = statistics.median(train_times)
@@ -159,6 +183,8 @@ def main(
 
     console.log("weight sync")
     sync_times = _timed(sync, repeat, device)
+    console.log("weight export, as the harness takes it")
+    export = _export_stages(trainer, path, dtype, repeat)
     trainer.close()
 
     table = Table(
@@ -212,7 +238,65 @@ def main(
     ):
         median = statistics.median(times)
         table.add_row(name, f"{median:.3f} s", spread(times), "", f"{median / train_s:.0%} of a train step")
+    table.add_row(
+        "paged engine, decode at temperature 1",
+        f"{sampled_decode_s:.3f} s",
+        "-",
+        f"{sampled_rate:,.0f} tok/s",
+        f"{sampled_rate / roofline:.0%} of roofline",
+    )
+    table.add_row("train step, cold (the first)", f"{cold_s:.3f} s", "-", "", f"{cold_s / train_s:.1f}x a warm one")
+    for stage, times in export.items():
+        table.add_row(f"weight export: {stage}", f"{statistics.median(times):.3f} s", spread(times), "", "")
     console.print(table)
+    if json_path is not None:
+        figures = {
+            "target": target,
+            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+            "parameters": parameters,
+            "repeat": repeat,
+            "decode_greedy_tok_s": decode_rate,
+            "decode_sampled_tok_s": sampled_rate,
+            "roofline_tok_s": roofline,
+            "decode_greedy_of_roofline": decode_rate / roofline,
+            "decode_sampled_of_roofline": sampled_rate / roofline,
+            "transformers_tok_s": hf_rate,
+            "prefill_tok_s": batch * prompt_tokens / prefill_s,
+            "train_step_s": train_times,
+            "train_step_cold_s": cold_s,
+            "train_tokens": tokens,
+            "mfu": mfu,
+            "sync_s": sync_times,
+            "sleep_s": sleep_times,
+            "wake_s": wake_times,
+            "export_s": export,
+        }
+        json_path.write_text(json.dumps(figures, indent=1))
+
+
+def _export_stages(trainer: FSDPTrainer, path: str, dtype: str, repeat: int) -> dict[str, list[float]]:
+    """The harness's export of the trainer's weights, stage by stage: the cluster writes the region
+    (a GPU tensor by DMA), the harness seals it (the train call is answered here), then saves it."""
+    layout = Layout.of(load_model(Path(path), dtype).state_dict())
+    stages: dict[str, list[float]] = {"write (on the train call)": [], "seal": [], "save (in the background)": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for i in range(repeat + 1):
+            region = Region(layout)
+            writer = RegionWriter(os.dup(region.fd), layout)
+            started = time.perf_counter()
+            trainer.export_to(writer)
+            writer.close()
+            written = time.perf_counter()
+            region.seal()
+            sealed = time.perf_counter()
+            region.save(Path(scratch) / f"v{i}.safetensors")
+            saved = time.perf_counter()
+            region.close()
+            if i:  # the first registers the region with CUDA for the first time
+                stages["write (on the train call)"].append(written - started)
+                stages["seal"].append(sealed - written)
+                stages["save (in the background)"].append(saved - sealed)
+    return stages
 
 
 if __name__ == "__main__":

@@ -745,3 +745,21 @@ def test_the_dependency_direction_holds_agents_and_targets_never_import_the_orch
                     f"{path.relative_to(root)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in banned
                 ]
     assert found == []
+
+
+def test_the_first_switch_is_the_controller_that_answers_most(tiny_spec):
+    """The main job has two rounds after the starter: the switch the library expects to pay most comes
+    first. A stalled colocate rollout is answered by both the static split and time-multiplexing; the
+    latter answers more kinds of finding (idle devices and tails), so it goes first."""
+    from skills.starter import starter_params
+
+    colocate = starter_params(tiny_spec, "colocate")
+    planner = OfflinePlanner(tiny_spec)
+    stalls = Hint(code="rollout_stalls", message="no rollout in flight for 35% of the run")
+    assert [t.id for t in planner.tasks_from_hints([stalls], colocate)][:2] == [
+        "controller=time_multiplex",
+        "controller=static_split",
+    ]
+    tail = Hint(code="tail_idle", message="tail")
+    ranked = {t.id: t.priority for t in planner.tasks_from_hints([stalls, tail], colocate)}
+    assert ranked["controller=time_multiplex"] > ranked["controller=static_split"]  # it answers both findings

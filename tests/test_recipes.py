@@ -396,3 +396,39 @@ def test_the_router_admits_by_kv_longest_first_and_yields_its_sticky_engine_past
         await asyncio.gather(busy, moved)
 
     asyncio.run(scenario())
+
+
+def test_the_paged_engine_draws_every_unseeded_row_of_a_step_in_one_call(tiny_spec, monkeypatch):
+    """A Python loop of one draw per row was a kernel launch and a host sync each on a GPU: the rows that
+    share the engine's generator are drawn together, once a step; a seeded request keeps its own draws."""
+    import torch
+
+    from skills.recipes.paged_engine import PagedEngine
+    from targets.api import SamplingParams
+    from targets.harness.model import model_dir
+
+    engine = PagedEngine(str(model_dir(tiny_spec.model)), "float32", device="cpu", kv_tokens=4096, max_batch=8)
+    calls, draw = [], torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda probs, *a, **k: calls.append(len(probs)) or draw(probs, *a, **k))
+    out = engine.generate([[1, 2, 3]] * 8, SamplingParams(max_new_tokens=3, temperature=1.0))
+    assert [len(c.tokens) for c in out] == [3] * 8
+    assert calls and max(calls) == 8 and len(calls) <= 3  # a call a step, every row in it
+    seeded = SamplingParams(max_new_tokens=3, temperature=1.0, seed=5)
+    again = [engine.generate([[1, 2, 3]], seeded)[0].tokens for _ in range(2)]
+    assert again[0] == again[1]  # a request's own seed still reproduces its draws
+
+
+def test_micro_batches_keep_their_padded_size_within_the_budget():
+    """Packed in arrival order, a long row padded every short one beside it: [10, 200, 12] in one
+    micro-batch is 600 padded tokens against a budget of 400."""
+    from skills.recipes.fsdp_trainer import micro_batches
+    from targets.api import Trajectory
+
+    lengths = [10, 200, 12, 190, 11, 500]
+    items = [(Trajectory(f"e{i}", "g", [1] * n, [1] * n, [0.0] * n, 0.0, [0]), 0.0) for i, n in enumerate(lengths)]
+    batches = micro_batches(items, 400)
+    assert sorted(len(t.tokens) for b in batches for t, _ in b) == sorted(lengths)  # every row, once
+    for batch in batches:
+        padded = len(batch) * max(len(t.tokens) for t, _ in batch)
+        assert padded <= 400 or len(batch) == 1, [len(t.tokens) for t, _ in batch]
+    assert [[len(t.tokens) for t, _ in b] for b in batches] == [[500], [200, 190], [12, 11, 10]]

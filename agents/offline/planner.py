@@ -31,7 +31,7 @@ PARAM_MOVES = {
 }
 
 
-CONTROLLER_PRIORITY = 10  # a hinted controller switch comes first
+CONTROLLER_PRIORITY = 10  # a hinted controller switch comes first (one more for each further finding it answers)
 ADDITION_PRIORITY = 8  # a hinted technique (one finding answered; one more for each further finding)
 MOVE_PRIORITY = 8  # a hinted move of a parameter
 
@@ -168,8 +168,12 @@ class OfflinePlanner:
                     continue  # not under this controller, or beside a technique it conflicts with
                 if skill.kind == "controller":
                     task = self._controller_task(skill, hint, params)
-                    if task:
-                        tasks.append(task)
+                    if task and task.id not in {t.id for t in tasks}:
+                        # the switch that answers the most findings first, then the one whose skill
+                        # answers more kinds of finding (time_multiplex's idle devices and tails over
+                        # the static split's idle devices alone)
+                        answered = len(codes & set(skill.triggers))
+                        tasks.append(task.model_copy(update={"priority": CONTROLLER_PRIORITY + answered - 1}))
                 if skill.kind == "technique" and skill.enable and not skill.is_on(params):
                     answered = len(codes & set(skill.triggers))  # 8 for one finding, 9 for more: below a controller
                     task = self._addition(skill, params, min(ADDITION_PRIORITY + answered - 1, CONTROLLER_PRIORITY - 1))
@@ -196,7 +200,8 @@ class OfflinePlanner:
                                 MOVE_PRIORITY,
                             )
                         )
-        return tasks
+        breadth = {name: len(s.triggers) for name, s in self.skills.items() if s.kind == "controller"}
+        return sorted(tasks, key=lambda t: (-t.priority, -breadth.get(t.skills[0], 0) if t.skills else 0))
 
     def applies(self, task: Task, params: dict) -> bool:
         """Whether a task written for one parent still means what it says on ``params`` (a backlog task

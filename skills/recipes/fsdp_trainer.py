@@ -4,10 +4,10 @@ devices with ``torch.distributed.fsdp.fully_shard`` (gloo on CPU, NCCL on GPU).
 * Master weights and optimizer state are float32 whatever the model's dtype: at lr 1e-6 an update
   of ~1e-6 would round away in bf16 for most weights. On GPU, compute runs in bf16 (FSDP2's
   mixed-precision policy: bf16 parameters in the forward, float32 gradient reduction).
-* Each rank trains on its share of the batch (trajectories ``rank::world_size``) in micro-batches
-  sized by a token budget. A rank's loss is its response-token sum over the *whole batch's*
-  response-token count, times the world size (FSDP2 averages gradients over ranks), so the result is
-  the token-mean loss of the whole batch.
+* Each rank trains on its share of the batch (trajectories ``rank::world_size``) in micro-batches of
+  like-length rows whose padded size stays within a token budget (``micro_batches``). A rank's loss
+  is its response-token sum over the *whole batch's* response-token count, times the world size
+  (FSDP2 averages gradients over ranks), so the result is the token-mean loss of the whole batch.
 * Log-probs come in chunks of positions, each chunk's logits recomputed in the backward pass:
   never the whole sequence's float32 full-vocabulary logits at once. Activation checkpointing per
   decoder layer is on by default on GPU.
@@ -83,6 +83,20 @@ def check_fits(model_path: str, ranks: int, device_memory_bytes: int) -> None:
         )
 
 
+def micro_batches(items: list[tuple[Trajectory, float]], budget: int) -> list[list[tuple[Trajectory, float]]]:
+    """Micro-batches whose *padded* size (rows x the longest row) stays within ``budget`` tokens: the
+    trajectories longest first, so each micro-batch holds rows of like length. Packed in arrival
+    order, one long row padded every short one beside it (a budget of raw tokens let the padded
+    batch run to several times the budget). A row longer than the budget goes alone."""
+    batches: list[list[tuple[Trajectory, float]]] = []
+    for item in sorted(items, key=lambda item: -len(item[0].tokens)):
+        if batches and (len(batches[-1]) + 1) * len(batches[-1][0][0].tokens) <= budget:
+            batches[-1].append(item)
+        else:
+            batches.append([item])
+    return batches or [[]]
+
+
 class FSDPTrainer:
     """Follows ``targets.api.Trainer``."""
 
@@ -127,7 +141,8 @@ class FSDPTrainer:
                 f"not rank {rank} of {world_size}: close the other trainer first"
             )
         mesh = init_device_mesh("cuda" if cuda else "cpu", (world_size,))
-        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # float32 master weights, always
+        # float32 master weights, always; SDPA named (not left to the default the installed transformers picks)
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         if state is not None:
             lm.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
         if checkpointing if checkpointing is not None else cuda:
@@ -136,7 +151,8 @@ class FSDPTrainer:
         compute = getattr(torch, dtype) if cuda else torch.float32
         self.reference = None
         if config.kl_coef > 0:  # the frozen reference policy (version 0), unsharded, in the compute dtype
-            self.reference = _Policy(AutoModelForCausalLM.from_pretrained(model_path, dtype=compute), logprob_chunk)
+            frozen = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute, attn_implementation="sdpa")
+            self.reference = _Policy(frozen, logprob_chunk)
             self.reference.lm.load_state_dict(lm.state_dict())
             self.reference.requires_grad_(False).eval().to(device)
         policy = _Policy(lm.to(device), logprob_chunk)
@@ -153,15 +169,7 @@ class FSDPTrainer:
 
     # -- the step -------------------------------------------------------------------------------------
     def _micro_batches(self, mine: list[tuple[Trajectory, float]]) -> list[list[tuple[Trajectory, float]]]:
-        batches: list[list[tuple[Trajectory, float]]] = [[]]
-        tokens = 0
-        for item in mine:
-            if batches[-1] and tokens + len(item[0].tokens) > self.micro_batch_tokens:
-                batches.append([])
-                tokens = 0
-            batches[-1].append(item)
-            tokens += len(item[0].tokens)
-        return batches
+        return micro_batches(mine, self.micro_batch_tokens)
 
     def train_step(self, batch: TrainBatch) -> int:
         if self.offloaded:

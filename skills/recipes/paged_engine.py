@@ -328,15 +328,25 @@ class PagedEngine:
         return self.model.logits(hidden[last])
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """One draw per row, on the device, in one call for every row that samples from the engine's
+        generator (a request with its own seed draws from its own, reproducibly); the tokens and
+        their log-probabilities come back to the host in one transfer."""
         logp = torch.log_softmax(logits, dim=-1)
         chosen = logits.argmax(-1)
+        temperatures = [request.params.temperature for request in batch]
+        shared = [i for i, r in enumerate(batch) if temperatures[i] > 0 and r.generator is None]
+        if shared:
+            rows = torch.tensor(shared, device=logits.device)
+            scale = torch.tensor([temperatures[i] for i in shared], device=logits.device, dtype=logits.dtype)
+            probs = torch.softmax(logits[rows] / scale[:, None], dim=-1)
+            chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
         for i, request in enumerate(batch):
-            temperature = request.params.temperature
-            if temperature > 0:
-                probs = torch.softmax(logits[i] / temperature, dim=-1)
-                chosen[i] = torch.multinomial(probs, 1, generator=request.generator or self._generator)[0]
+            if temperatures[i] > 0 and request.generator is not None:
+                probs = torch.softmax(logits[i] / temperatures[i], dim=-1)
+                chosen[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
         picked = logp.gather(-1, chosen[:, None]).squeeze(-1)
-        return chosen.tolist(), picked.tolist()
+        both = torch.stack([chosen.to(torch.float64), picked.to(torch.float64)]).cpu()  # ids are exact in float64
+        return both[0].long().tolist(), both[1].tolist()
 
     # -- CUDA graphs for decode steps ---------------------------------------------------------------------
     def _buckets(self) -> list[int]:

@@ -14,7 +14,7 @@ import yaml
 
 from agents.offline import make_offline_agents
 from agents.roles import Agents
-from targets.harness.session import Session
+from targets.harness.measure.session import Session
 
 BACKENDS = ("offline", "openai", "anthropic", "cli:claude", "cli:codex")
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from targets.harness.check_result import CheckResult
+from targets.harness.judge.check_result import CheckResult
 
 if TYPE_CHECKING:
-    from targets.harness.session import Measurement, Paired
+    from targets.harness.measure.session import Measurement, Paired
     from targets.spec import TargetSpec
 
 

@@ -18,7 +18,7 @@ from transformers_baseline import generate_greedy
 
 from skills.recipes.paged_engine import PagedEngine
 from targets.api import SamplingParams
-from targets.harness.accuracy import fixed_prompts
+from targets.harness.judge.accuracy import fixed_prompts
 from targets.harness.model import load_model, model_dir
 from targets.spec import load_target
 

@@ -36,9 +36,9 @@ from skills.recipes.fsdp_trainer import FSDPTrainer
 from skills.recipes.kv_cache import KVPool
 from skills.recipes.paged_engine import PagedEngine
 from targets.api import SamplingParams, TrainBatch, Trajectory
-from targets.harness.accuracy import fixed_prompts
+from targets.harness.ipc.weight_export import Layout, Region, RegionWriter
+from targets.harness.judge.accuracy import fixed_prompts
 from targets.harness.model import load_model, model_dir
-from targets.harness.weight_export import Layout, Region, RegionWriter
 from targets.spec import load_target
 
 

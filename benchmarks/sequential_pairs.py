@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agents.offline.evaluator import undecided
-from targets.harness.session import Paired
+from targets.harness.measure.session import Paired
 
 
 def promoted(true: float, noise: float, pairs: int, most: int, threshold: float, rng: random.Random):

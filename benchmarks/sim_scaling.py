@@ -31,10 +31,10 @@ from rich.console import Console
 from rich.table import Table
 
 from skills.starter import write_starter
-from targets.harness import shared_ring
-from targets.harness.channel import AsyncChannel, Frame
-from targets.harness.launch import Limits, run_harness
-from targets.harness.sandbox import Sandbox
+from targets.harness.ipc import shared_ring
+from targets.harness.ipc.channel import AsyncChannel, Frame
+from targets.harness.isolation.launch import Limits, run_harness
+from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.sim.virtual_time import FollowerTimeLoop, VirtualTimeLoop, run_virtual
 from targets.harness.target import Target
 from targets.harness.trace import Trace

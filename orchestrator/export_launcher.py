@@ -25,9 +25,9 @@ from pathlib import Path
 from targets.api import Cluster, Device, TrainBatch
 from targets.harness.clock import WallClock
 from targets.harness.environments import EnvironmentPool
+from targets.harness.measure.tracking import KINDS, Tracker, TrackingError, open_tracker
 from targets.harness.target import Target, TargetUnavailable, gpus_here
 from targets.harness.trace import Trace
-from targets.harness.tracking import KINDS, Tracker, TrackingError, open_tracker
 
 HERE = Path(__file__).resolve().parent
 TARGET_YAML = HERE / "target.yaml"

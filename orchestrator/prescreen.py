@@ -27,7 +27,7 @@ from agents.roles import Verdict
 from orchestrator.history import History
 from orchestrator.run_dir import RunDir
 from orchestrator.state import Prediction, RoundRecord, RunState
-from targets.harness.session import Measurement, Session
+from targets.harness.measure.session import Measurement, Session
 from targets.harness.sim.calibrate import calibrate, write_calibrated_spec
 from targets.harness.target import Target
 from targets.harness.trace import Trace

@@ -28,12 +28,12 @@ from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: 
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
 from orchestrator.tables import paired_cell, promotion  # noqa: E402
-from targets.harness.check_result import detail  # noqa: E402
-from targets.harness.timeline import plot_timelines  # noqa: E402
+from targets.harness.judge.check_result import detail  # noqa: E402
+from targets.harness.measure.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
 from targets.spec import TargetSpec, load_target  # noqa: E402
 
-# The harness's metrics (targets/harness/metrics.py, the evaluator's additions) and their units: by
+# The harness's metrics (targets/harness/measure/metrics.py, the evaluator's additions) and their units: by
 # name where the name does not say, else by suffix; the spec names the headline metric only.
 UNITS = {
     "goodput": "trajectories/s",
@@ -488,7 +488,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
     state, history = RunState.load(run_dir), History.open(run_dir)
     spec = load_target(state.config.target)
     metric, unit, threshold = spec.headline_metric.name, _unit(spec.headline_metric.name), spec.noise_threshold
-    devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
+    devices = spec.hardware.device_ids()
     run, run_path = RunDir(run_dir), str(run_dir.resolve())
     best, starter = state.best, state.record(0)
     config = state.config

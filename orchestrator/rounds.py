@@ -35,8 +35,8 @@ from orchestrator.prescreen import PreScreen, TwinError
 from orchestrator.run_dir import RunDir
 from orchestrator.state import Promotion, RoundRecord, RunState, RunStateError, save_llm_spend
 from targets.errors import UserError
-from targets.harness.check_result import CheckResult
-from targets.harness.session import Session
+from targets.harness.judge.check_result import CheckResult
+from targets.harness.measure.session import Session
 from targets.harness.target import Target
 
 

@@ -18,8 +18,8 @@ from orchestrator.policies import make_policy
 from orchestrator.rounds import Loop
 from orchestrator.state import RunState, new_state
 from targets.errors import UserError
-from targets.harness.sandbox import SandboxUnavailable
-from targets.harness.session import Session
+from targets.harness.isolation.sandbox import SandboxUnavailable
+from targets.harness.measure.session import Session
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.target import Target, TargetUnavailable
 from targets.spec import SpecError

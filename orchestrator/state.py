@@ -18,7 +18,7 @@ from agents.roles import Hint, Task
 from orchestrator.config import RunConfig
 from orchestrator.run_dir import RunDir
 from targets.errors import UserError
-from targets.harness.session import Paired
+from targets.harness.measure.session import Paired
 
 
 class RunStateError(UserError, RuntimeError):

@@ -138,7 +138,10 @@ class Aborted(Exception):
     were decoded: the audit explains an abort only by a shrink, suspend or interrupting sync of that
     device, and rejects one that names no device. The harness hands the partial to stacks that declare
     ``partial_rollout``; they resume the turn with ``GenerateRequest.continues``. Others retry the turn
-    from its start.
+    from its start. An engine admits requests in the order they arrive and preempts the youngest
+    first, so a request has decoded a token once one the same engine received after it has: for a
+    stack that declares ``partial_rollout`` the audit rejects an empty partial after that (reporting
+    it empty would resample the turn).
     """
 
     def __init__(self, message: str = "", partial: Completion | None = None) -> None:
@@ -337,7 +340,7 @@ class Device:
 
 class WeightExport(Protocol):
     """Where a cluster writes one weight version for the harness: a memory region the harness made
-    and seals once the cluster answers (``targets/harness/weight_export.py``). ``shapes`` names every weight the
+    and seals once the cluster answers (``targets/harness/ipc/weight_export.py``). ``shapes`` names every weight the
     model has (tied names, such as a tied embedding and head, share one tensor: writing either is
     enough); ``write`` copies a tensor (any dtype, any device: a GPU tensor is copied by DMA) into
     its place as float32."""

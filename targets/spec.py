@@ -188,6 +188,10 @@ class HardwareSpec(Strict):
     devices_per_node: int = Field(gt=0)
     mfu: float = Field(default=0.4, gt=0, le=1)
 
+    def device_ids(self) -> list[str]:
+        """The devices' names, ``kind:index``: the one way they are written everywhere."""
+        return [f"{self.kind}:{i}" for i in range(self.count)]
+
     @model_validator(mode="before")
     @classmethod
     def _fill_from_catalog(cls, data: Any) -> Any:
@@ -209,7 +213,7 @@ class EnvironmentRef(Strict):
 
     @model_validator(mode="after")
     def _known_environment(self) -> EnvironmentRef:
-        from targets.harness.environments import ENVIRONMENTS  # late: environments import this module
+        from targets.harness.environments.registry import ENVIRONMENTS  # late: environments import this module
 
         if self.name not in ENVIRONMENTS:
             raise ValueError(f"unknown environment {self.name!r}; known environments: {sorted(ENVIRONMENTS)}")
@@ -325,7 +329,7 @@ class WorkloadSpec(Strict):
 
     @model_validator(mode="after")
     def _turns_match_environment(self) -> WorkloadSpec:
-        from targets.harness.environments import ENVIRONMENTS
+        from targets.harness.environments.registry import ENVIRONMENTS
 
         env = ENVIRONMENTS[self.environment.name]
         if env.draws_turns and self.turns.dist is None:
@@ -385,6 +389,12 @@ class AccuracySpec(Strict):
     greedy_tie_margin: float = Field(default=1e-3, ge=0, description="top-2 logit gap under which greedy may differ")
     prompts: int = Field(default=4, gt=0)
     new_tokens: int = Field(default=12, gt=0)
+    selection_bias: float | None = Field(
+        default=None,
+        ge=0,
+        description="how much shorter or better rewarded (in standard deviations) the trained episodes may be "
+        "than every episode launched; default: what the stack's declared techniques are documented to bias",
+    )
 
 
 class SimulatorSpec(Strict):

@@ -60,7 +60,7 @@ def fast_target(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sandbox():
     """bubblewrap where it works (CI installs it), else the unisolated subprocess backend, named."""
-    from targets.harness.sandbox import Sandbox, SandboxUnavailable
+    from targets.harness.isolation.sandbox import Sandbox, SandboxUnavailable
 
     try:
         return Sandbox.detect("auto")

@@ -60,8 +60,8 @@ async def _exports_what_it_trained(cluster, runtime: Runtime) -> None:
     """The export the harness asks for after a step: into a sealed region, every weight in float32."""
     import torch
 
+    from targets.harness.ipc.weight_export import Layout, Region, RegionWriter
     from targets.harness.model import load_model
-    from targets.harness.weight_export import Layout, Region, RegionWriter
 
     layout = Layout.of(load_model(runtime.model_path, runtime.dtype).state_dict())
     region = Region(layout)

@@ -3,6 +3,7 @@ so a recipe change cannot silently un-plant a test), add files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -27,4 +28,98 @@ def planted(
         path.write_text(text.replace(old, new))
     for name, text in (extra or {}).items():
         (candidate / "stack" / name).write_text(text)
+    return candidate
+
+
+# -- the judge's statistical and selection plants, shared by tests/test_isolation.py and
+# benchmarks/judge_false_alarms.py (which measures the tests' power on them) ---------------------------
+
+SAMPLED = "            chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)\n"
+GENERATE = "    async def generate(self, request: GenerateRequest) -> Completion:\n"
+DECODE = (
+    "            completion = await self._engines[device].generate.remote("
+    "request.prompt, request.params, request.episode_id)\n"
+)
+
+# name: (controller, [(file, old, new)], params.json changes, the reason the audit must give)
+PLANTS: dict[str, tuple[str, list[tuple[str, str, str]], dict, str]] = {
+    "stop_preference": (
+        "static_split",
+        [
+            ("paged_engine.py", "import torch\n", "import random\n\nimport torch\n"),
+            (
+                "paged_engine.py",
+                SAMPLED,
+                SAMPLED + "            for i in shared:  # planted: the stop token where it is typical, half the time\n"
+                "                row = torch.log_softmax(logits[i] / temperatures[i], dim=-1)\n"
+                "                stop = batch[i].params.stop_token_ids[0]\n"
+                "                if abs(float(row[stop] - (row.exp() * row).sum())) < 0.5 and random.random() < 0.5:\n"
+                "                    chosen[i] = stop\n",
+            ),
+        ],
+        {},
+        "stop calibration",
+    ),
+    "copied_decodes": (
+        "static_split",
+        [
+            ("ray_cluster.py", GENERATE, "    _copies: dict = {}\n\n" + GENERATE),
+            (
+                "ray_cluster.py",
+                DECODE,
+                "            key = tuple(request.prompt)  # planted: one decode for every identical prompt in flight\n"
+                "            if key not in self._copies:\n"
+                "                self._copies[key] = asyncio.ensure_future(\n"
+                "                    self._engines[device].generate.remote(request.prompt, request.params, "
+                "request.episode_id)\n"
+                "                )\n"
+                "                self._copies[key].add_done_callback(lambda _, key=key: self._copies.pop(key, None))\n"
+                "            completion = await asyncio.shield(self._copies[key])\n",
+            ),
+        ],
+        {},
+        "independent samples",
+    ),
+    "empty_partials": (
+        "time_multiplex",
+        [
+            ("ray_cluster.py", "import asyncio\n", "import asyncio\nimport dataclasses\n"),
+            (
+                "ray_cluster.py",
+                '        if completion.finish_reason == "abort":\n',
+                '        if completion.finish_reason == "abort" and len(completion.tokens) > 1:  # planted: a restart\n'
+                "            completion = dataclasses.replace(completion, tokens=[], logprobs=[])\n"
+                '        if completion.finish_reason == "abort":\n',
+            ),
+        ],
+        {"partial_rollout": 1},
+        "empty partial",
+    ),
+    "early_deferral": (
+        "time_multiplex",
+        [
+            (
+                "env_manager.py",
+                "self._launched_in[group_id] >= self._batches_taken - 1:",
+                "self._launched_in[group_id] >= self._batches_taken:  # planted: not a whole step waited",
+            )
+        ],
+        {"tail_round": 2},
+        "waited through a whole step",
+    ),
+}
+
+
+def plant(name: str, directory: Path, target: Path) -> Path:
+    """A starter stack with the plant ``name`` (each edit must apply) and its parameters."""
+    controller, edits, params, _ = PLANTS[name]
+    candidate = planted(directory, target, controller)
+    for file, old, new in edits:
+        path = candidate / "stack" / file
+        text = path.read_text()
+        assert old in text, f"planting {name} failed: {old!r} not in {file}"
+        path.write_text(text.replace(old, new, 1))
+    if params:
+        path = candidate / "stack" / "params.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **params}, indent=2))
     return candidate

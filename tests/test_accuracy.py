@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from targets.api import TrainingConfig
-from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync, fixed_train_batches
+from targets.harness.judge.accuracy import check_engine, check_trainer, check_weight_sync, fixed_train_batches
 from targets.harness.reference.engine import ReferenceEngine
 from targets.harness.reference.grpo import grpo_loss, pad_trajectories, token_logprobs
 from targets.harness.reference.trainer import ReferenceTrainer

@@ -24,10 +24,10 @@ from skills.library import load_skills
 from skills.starter import write_starter
 from skills.validation import AnnotationError, expand_source, unexpanded
 from targets.api import TraceEvent
-from targets.harness.integrity import scan_stack
-from targets.harness.launch import Limits, run_harness
-from targets.harness.sandbox import Sandbox, scrubbed_environment
-from targets.harness.session import Session
+from targets.harness.isolation.launch import Limits, run_harness
+from targets.harness.isolation.sandbox import Sandbox, scrubbed_environment
+from targets.harness.judge.integrity import scan_stack
+from targets.harness.measure.session import Session
 from targets.harness.target import Target
 from targets.spec import load_target
 
@@ -666,7 +666,7 @@ def test_memory_shared_by_forked_processes_counts_once(tmp_path):
     import subprocess
     import sys
 
-    from targets.harness.process_tree import process_tree, resident_mb
+    from targets.harness.isolation.process_tree import process_tree, resident_mb
 
     script = (
         "import os, sys, time\n"
@@ -686,7 +686,7 @@ def test_memory_shared_by_forked_processes_counts_once(tmp_path):
         assert len(tree) == 4, tree
         assert 300 < resident_mb(tree) < 500, resident_mb(tree)
     finally:
-        from targets.harness.process_tree import kill_tree
+        from targets.harness.isolation.process_tree import kill_tree
 
         kill_tree(holder.pid)
         holder.wait()
@@ -720,10 +720,10 @@ def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
 def test_the_sandbox_sees_the_project_even_when_it_is_not_on_sys_path():
     """An editable install's import finder points at the checkout without putting it on sys.path; a
     checkout under /tmp (as CI's clean clone may be) must still be bound into the sandbox."""
-    from targets.harness import sandbox
+    from targets.harness.isolation import sandbox
 
-    project = Path(sandbox.__file__).resolve().parents[2]
-    assert project in sandbox.python_paths()
+    project = Path(sandbox.__file__).resolve().parents[3]
+    assert (project / "pyproject.toml").exists() and project in sandbox.python_paths()
     assert sandbox.outermost([Path("/tmp"), Path("/")]) == []  # /tmp itself is the sandbox's own
 
 

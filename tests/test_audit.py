@@ -11,13 +11,14 @@ import yaml
 
 from skills.starter import write_starter
 from targets.api import TraceEvent
-from targets.harness.audit import ABORT_SLACK_S, audit_run
-from targets.harness.launch import Limits, run_harness
+from targets.harness.ipc.weight_export import load_snapshot
+from targets.harness.isolation.launch import Limits, run_harness
+from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.judge.audit import audit_run
+from targets.harness.judge.trace_index import ABORT_SLACK_S
 from targets.harness.model import load_model, model_dir
-from targets.harness.sandbox import Sandbox
 from targets.harness.target import Target
 from targets.harness.trace import Trace
-from targets.harness.weight_export import load_snapshot
 from targets.spec import parse_target
 
 pytestmark = pytest.mark.slow
@@ -334,7 +335,8 @@ def test_an_abort_on_an_engine_the_shrink_in_progress_left_alone(honest):
 def _engine_aborts(spec, aborts: list[tuple[str, float]], overhead: float = 0.0) -> list[str]:
     """The abort check's reasons on a simulated trace of two engines of two devices each: device h:1
     shrinks from 1.0 s to 1.5 s; each abort (the device its completion names, when) started at 0.5 s."""
-    from targets.harness.audit import Reasons, TraceIndex, check_aborts
+    from targets.harness.judge.selection import check_aborts
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     simulator = spec.simulator.model_copy(update={"request_overhead_s": overhead})
     spec = spec.model_copy(update={"simulator": simulator})
@@ -449,7 +451,8 @@ def _group_trace(
 
 
 def _drop_reasons(spec, events):
-    from targets.harness.audit import Reasons, TraceIndex, check_drop_reasons
+    from targets.harness.judge.selection import check_drop_reasons
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     r = Reasons()
     check_drop_reasons(TraceIndex.of(events), r, spec)
@@ -670,10 +673,11 @@ def _deferral_trace(
     tail_round: int = 1,
     relaunched: bool = True,
     defer_the_relaunch: bool = False,
+    waited: bool = True,
 ) -> list[TraceEvent]:
-    """Group g0: ``finished`` members finish at t=2, ``deferred`` of them (default all) are dropped as
-    ``deferred`` at t=3; g1 relaunches g0's task at t=3.5 (``relaunched``) and finishes at t=5
-    (or is itself deferred at t=4.5)."""
+    """Group g0: launched at t=0, a batch taken at t=1 (``waited``), ``finished`` members finish at t=2,
+    ``deferred`` of them (default all) are dropped as ``deferred`` at t=3; g1 relaunches g0's task at
+    t=3.5 (``relaunched``) and finishes at t=5 (or is itself deferred at t=4.5)."""
     members = [f"g0/e{m}" for m in range(group_size)]
     again = [f"g1/e{m}" for m in range(group_size)]
     deferred = group_size if deferred is None else deferred
@@ -684,6 +688,14 @@ def _deferral_trace(
         )
     ]
     events += [TraceEvent("episode_created", 0.0, {"episode": m, "group": "g0"}) for m in members]
+    if waited:  # a batch taken while g0 ran: it waited through a whole step
+        events.append(
+            TraceEvent(
+                "train",
+                1.5,
+                {"start": 1.0, "step": 1, "version": 1, "devices": [], "advantages": [], "trajectories": []},
+            )
+        )
     events += [
         TraceEvent("env_step", 2.0, {"episode": m, "action": 2, "observation": 2, "done": True})
         for m in members[:finished]
@@ -699,7 +711,8 @@ def _deferral_trace(
 
 
 def _deferral_reasons(spec, events):
-    from targets.harness.audit import Reasons, TraceIndex, check_deferrals, check_drop_reasons
+    from targets.harness.judge.selection import check_deferrals, check_drop_reasons
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     r = Reasons()
     ix = TraceIndex.of(events)
@@ -710,7 +723,10 @@ def _deferral_reasons(spec, events):
 
 def test_an_unfinished_group_deferred_whole_and_relaunched_passes(honest):
     spec = _mini_spec(honest)
-    assert _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, finished=1)) == []
+    events = _deferral_trace(spec.workload.group_size, finished=1)
+    last = {"start": 4.0, "step": 2, "version": 2, "devices": [], "advantages": [], "trajectories": []}
+    events.insert(-1, TraceEvent("train", 4.4, last))  # the relaunch ran while this step trained
+    assert _deferral_reasons(spec, events) == []
 
 
 def test_a_relaunch_made_after_the_last_training_step_does_not_count_as_running_the_task(honest):
@@ -727,6 +743,15 @@ def test_a_relaunch_made_after_the_last_training_step_does_not_count_as_running_
     # the same relaunch made while training still ran passes
     events[-2] = TraceEvent("train", 4.0, {**train.data, "start": 3.9})
     assert _deferral_reasons(spec, events) == []
+
+
+def test_deferring_a_group_that_did_not_wait_through_a_whole_step(honest):
+    """Planted: deferring a group launched since the last batch was taken: on a real run its relaunch
+    redraws the episodes, so early deferral resamples the long ones (2.55 turns per trained episode
+    against 2.94 in the judge issue's run)."""
+    spec = _mini_spec(honest)
+    lines = _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, finished=1, waited=False))
+    assert any("only a group that waited through a whole step may be deferred" in line for line in lines), lines
 
 
 def test_deferring_without_declaring_tail_batching(honest):

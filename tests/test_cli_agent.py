@@ -23,10 +23,10 @@ from agents.roles import AgentError, Task, Verdict
 from orchestrator.cli import app
 from orchestrator.state import RunState
 from skills.starter import write_starter
-from targets.harness.check_result import CheckResult
-from targets.harness.launch import Limits
-from targets.harness.sandbox import Sandbox
-from targets.harness.session import Session
+from targets.harness.isolation.launch import Limits
+from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.judge.check_result import CheckResult
+from targets.harness.measure.session import Session
 from targets.harness.target import Target
 
 FAKE = Path(__file__).parent / "fake_cli"

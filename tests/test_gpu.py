@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from targets.api import SamplingParams
-from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync, fixed_prompts, fixed_train_batches
+from targets.harness.judge.accuracy import (
+    check_engine,
+    check_trainer,
+    check_weight_sync,
+    fixed_prompts,
+    fixed_train_batches,
+)
 from targets.harness.model import model_dir
 from targets.spec import AccuracySpec
 
@@ -205,7 +211,7 @@ def test_nccl_broadcast_reaches_an_engine_on_another_gpu(tiny_model):
 
 
 def test_the_harness_sees_a_gpu_allocation_through_nvml():
-    from targets.harness.device_memory import DeviceMemoryMonitor
+    from targets.harness.isolation.device_memory import DeviceMemoryMonitor
 
     # The allocator serves what it already holds without asking the driver (NVML sees nothing): ask for
     # 1 GiB more than it holds unused, after giving back what it can.
@@ -229,7 +235,7 @@ def test_a_sandboxed_candidate_sees_the_gpu_and_still_cannot_write_outside(tmp_p
     import sys
     from pathlib import Path
 
-    from targets.harness.sandbox import Sandbox
+    from targets.harness.isolation.sandbox import Sandbox
 
     work = tmp_path / "work"
     work.mkdir()

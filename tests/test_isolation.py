@@ -10,14 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from planting import planted
+from planting import PLANTS, plant, planted
 from typer.testing import CliRunner
 
 from agents.offline.evaluator import OfflineEvaluator
 from orchestrator.cli import app
-from targets.harness.launch import Limits
-from targets.harness.sandbox import Sandbox
-from targets.harness.session import Session
+from targets.harness.isolation.launch import Limits
+from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.measure.session import Session
 from targets.harness.target import Target
 
 pytestmark = pytest.mark.slow
@@ -132,8 +132,8 @@ def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, sand
         "static_split",
         {
             "paged_engine.py": (
-                "probs = torch.softmax(logits[i] / temperature, dim=-1)",
-                "probs = torch.softmax(logits[i] / (temperature * 0.7), dim=-1)  # planted",
+                "probs = torch.softmax(logits[rows] / scale[:, None], dim=-1)",
+                "probs = torch.softmax(logits[rows] / (scale[:, None] * 0.7), dim=-1)  # planted",
             ),
         },
     )
@@ -264,7 +264,7 @@ def test_a_killed_command_takes_the_candidate_processes_with_it(tmp_path, fast_t
     import sys
     import time
 
-    from targets.harness.process_tree import process_tree
+    from targets.harness.isolation.process_tree import process_tree
 
     stack = tmp_path / "cand"
     cli = [sys.executable, "-m", "orchestrator.cli"]
@@ -348,3 +348,16 @@ def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, f
     results = {r.name: r for r in _session(fast_target, sandbox).check(stack, tmp_path / "secret")}
     assert not results["system_audit"].passed
     assert any("too many episodes" in reason for reason in results["system_audit"].reasons)
+
+
+@pytest.mark.parametrize("name", sorted(PLANTS))
+def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_target, sandbox, name):
+    """Each plant (tests/planting.py) passed last round's judge while choosing which samples train or
+    which tokens were drawn: the engine preferring the stop token where it is typical (the temperature
+    test's sum stays near its target: it caught this plant in 1 of 3 runs, the stop calibration in
+    every one), one decode copied to every request for the same prompt, empty partials
+    for turns that had decoded (so they restart from scratch), deferral of groups that had not waited a
+    whole step (a relaunch redraws them)."""
+    measurement = _session(fast_target, sandbox).measure(plant(name, tmp_path / "c", fast_target), tmp_path / "o", 3)
+    reasons = _reasons(measurement)
+    assert PLANTS[name][3] in reasons, reasons

@@ -34,7 +34,7 @@ from orchestrator.config import LLMConfig
 from orchestrator.runs import RunSetupError, _check_backend
 from orchestrator.state import RunState, RunStateError, load_llm_spend, new_state, save_llm_spend
 from skills.starter import write_starter
-from targets.harness.sandbox import Sandbox
+from targets.harness.isolation.sandbox import Sandbox
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_llm import KEY, FakeLLMServer, Fault, Reply, generate  # noqa: E402

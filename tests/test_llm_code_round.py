@@ -20,7 +20,7 @@ from agents.llm.tools import Toolbox
 from agents.roles import AgentError
 from orchestrator.state import RunState
 from skills.starter import write_starter
-from targets.harness.sandbox import Sandbox
+from targets.harness.isolation.sandbox import Sandbox
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_llm import KEY, FakeLLMServer, Reply, generate  # noqa: E402

@@ -28,10 +28,10 @@ from agents.roles import Evaluation, Hint, RoundContext, Task, Verdict
 from orchestrator.cli import app
 from orchestrator.state import RunState
 from skills.starter import write_starter
-from targets.harness.check_result import CheckResult
-from targets.harness.integrity import scan_stack
-from targets.harness.launch import Limits
-from targets.harness.session import Measurement, Session, remove_bytecode_caches
+from targets.harness.isolation.launch import Limits
+from targets.harness.judge.check_result import CheckResult
+from targets.harness.judge.integrity import scan_stack
+from targets.harness.measure.session import Measurement, Session, remove_bytecode_caches
 from targets.harness.target import Target
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -233,7 +233,7 @@ def test_bytecode_caches_are_removed_once_when_runs_of_one_candidate_start_toget
 def test_a_cache_inside_a_package_named_like_one_is_removed_and_its_files_are_digested(tmp_path):
     """``__pycache__evil`` is an importable package: a planted cache inside it (or inside a folder named
     like the removal's trash) goes like any other, and a change to its files changes the digest."""
-    from targets.harness.session import directory_digest
+    from targets.harness.measure.session import directory_digest
 
     for package in ("__pycache__evil", "__pycache__.removing.1.2"):
         (tmp_path / "stack" / package / "__pycache__").mkdir(parents=True)
@@ -281,7 +281,7 @@ def test_every_hack_the_checklist_calls_covered_names_a_check_the_gate_reports()
     """The names are read from the code that makes the checks (harness and offline judge), so a
     renamed or removed check cannot leave the review trusting a check that no longer exists."""
     root = Path(__file__).parents[1]
-    sources = [*(root / "targets" / "harness").glob("*.py"), root / "agents" / "offline" / "judge.py"]
+    sources = [*(root / "targets" / "harness").rglob("*.py"), root / "agents" / "offline" / "judge.py"]
     made = re.compile(r'CheckResult\(\s*"(\w+)"|\{"name": "(\w+)"')
     names = {a or b for path in sources for a, b in made.findall(path.read_text())}
     assert {"integrity", "engine", "trainer", "weight_sync", "system_audit", "clock", "ignored_files"} <= names

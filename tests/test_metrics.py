@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from targets.api import TraceEvent
-from targets.harness.benchmark import BenchRun
-from targets.harness.check_result import CheckResult
-from targets.harness.metrics import compute_metrics
-from targets.harness.session import Measurement
+from targets.harness.judge.check_result import CheckResult
+from targets.harness.measure.benchmark import BenchRun
+from targets.harness.measure.metrics import compute_metrics
+from targets.harness.measure.session import Measurement
 
 
 def _event(kind, t, **data):

@@ -17,7 +17,13 @@ from skills.recipes.paged_engine import PagedEngine
 from skills.recipes.rendezvous import Rendezvous, connect
 from skills.recipes.weight_sync import BroadcastGroup, pack, to_buckets, unpack
 from targets.api import SamplingParams
-from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync, fixed_prompts, reference_greedy
+from targets.harness.judge.accuracy import (
+    check_engine,
+    check_trainer,
+    check_weight_sync,
+    fixed_prompts,
+    reference_greedy,
+)
 from targets.harness.model import load_model, model_dir, proxy_model
 from targets.harness.reference.trainer import ReferenceTrainer
 from targets.spec import AccuracySpec, load_target
@@ -153,7 +159,7 @@ def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path,
 
 def _second_rank(path: str, rendezvous: str, done) -> None:
     """Rank 1 of a two-rank trainer: the same steps on the same batches as rank 0 (run by the check)."""
-    from targets.harness.accuracy import fixed_train_batches
+    from targets.harness.judge.accuracy import fixed_train_batches
 
     spec = load_target("tiny-qwen3-cpu")
     trainer = FSDPTrainer(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from targets.api import SamplingParams, TrainingConfig, Trajectory
-from targets.harness.accuracy import fixed_prompts, fixed_train_batches, reference_greedy
+from targets.harness.judge.accuracy import fixed_prompts, fixed_train_batches, reference_greedy
 from targets.harness.reference.engine import ReferenceEngine
 from targets.harness.reference.grpo import group_advantages, grpo_loss, pad_trajectories
 from targets.harness.reference.loop import run_reference

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import torch
 
 from targets.api import TraceEvent
-from targets.harness.accuracy import fixed_train_batches
-from targets.harness.audit import Reasons
+from targets.harness.judge.accuracy import fixed_train_batches
+from targets.harness.judge.replay import SAMPLED_TURNS, replay_training
+from targets.harness.judge.sampling_tests import FALSE_ALARM, TemperatureTest
+from targets.harness.judge.trace_index import Reasons
 from targets.harness.reference.trainer import ReferenceTrainer
-from targets.harness.replay import SAMPLED_TURNS, replay_training
-from targets.harness.sampling_tests import FALSE_ALARM, TemperatureTest
 
 
 def _test(logits: torch.Tensor, temperature: float, sampled_at: float, generator: torch.Generator) -> TemperatureTest:

@@ -1,4 +1,4 @@
-"""The sampling tests (targets/harness/sampling_tests.py) on synthetic distributions where the truth
+"""The sampling tests (targets/harness/judge/sampling_tests.py) on synthetic distributions where the truth
 is known: honest engines are never rejected (the bounds are exact), and each planted engine that
 chooses its tokens is, with the power measured here."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from targets.harness.sampling_tests import FALSE_ALARM, SamplingTests
+from targets.harness.judge.sampling_tests import FALSE_ALARM, SamplingTests
 
 STOP, VOCAB = 0, 64
 

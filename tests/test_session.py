@@ -19,11 +19,12 @@ import pytest
 
 from agents.offline.evaluator import extended, undecided
 from targets.api import TraceEvent
-from targets.harness.channel import _BURST_END_BYTES, AsyncChannel, Frame, ProtocolError, SyncChannel
-from targets.harness.check_result import CheckResult
-from targets.harness.launch import HarnessRun
-from targets.harness.session import Measurement, Paired, Session, clock_check
-from targets.harness.wire import PromptMemory, get_batch, get_request, put_batch, put_request
+from targets.harness.ipc.channel import _BURST_END_BYTES, AsyncChannel, Frame, SyncChannel
+from targets.harness.ipc.protocol import ProtocolError
+from targets.harness.ipc.wire import PromptMemory, get_batch, get_request, put_batch, put_request
+from targets.harness.isolation.launch import HarnessRun
+from targets.harness.judge.check_result import CheckResult
+from targets.harness.measure.session import Measurement, Paired, Session, clock_check
 
 # -- paired measurement ------------------------------------------------------------------------------
 
@@ -179,7 +180,7 @@ def test_decoders_check_every_field_of_what_a_candidate_sends():
 
     request = GenerateRequest("g0/e0", 0, [1, 2, 3], SamplingParams(4))
     frame.header["r"] = put_request(frame, request, memory)
-    from targets.harness.channel import Received
+    from targets.harness.ipc.channel import Received
 
     rx = Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
     assert get_request(rx, rx["r"], PromptMemory()).prompt == [1, 2, 3]
@@ -301,8 +302,8 @@ def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_cha
     cluster's answers arrive afterwards. They must not take the cluster channel down (a CI run failed
     a candidate with 'the peer closed the channel (invalid state)')."""
     from targets.api import Completion, Device, GenerateRequest, SamplingParams
-    from targets.harness.remote import RemoteCluster
-    from targets.harness.wire import put_completion
+    from targets.harness.ipc.remote import RemoteCluster
+    from targets.harness.ipc.wire import put_completion
 
     async def main():
         a, b = _pair()
@@ -333,7 +334,7 @@ def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_cha
 
 
 def test_auto_refuses_to_run_candidates_unisolated(monkeypatch):
-    from targets.harness import sandbox
+    from targets.harness.isolation import sandbox
 
     monkeypatch.setattr(sandbox, "_bubblewrap_works", lambda: False)
     monkeypatch.setattr(sandbox, "_docker_image", lambda: None)
@@ -346,7 +347,7 @@ def test_auto_refuses_to_run_candidates_unisolated(monkeypatch):
 def test_bubblewrap_binds_the_gpu_device_nodes_only_when_asked_and_keeps_writes_in(monkeypatch, tmp_path):
     """On a GPU target the candidate gets the NVIDIA device nodes; here a host character device not
     in bubblewrap's own /dev stands in for them (tests/test_gpu.py runs CUDA inside the sandbox)."""
-    from targets.harness import sandbox
+    from targets.harness.isolation import sandbox
 
     node = next((n for n in ("/dev/vcs", "/dev/kmsg", "/dev/loop0", "/dev/vda") if os.path.exists(n)), None)
     if node is None:
@@ -374,7 +375,7 @@ def test_a_command_tool_never_mounts_what_a_planted_link_points_to(tmp_path):
     """The implementer's shell command may write the workspace alone. A folder it named apart inside
     the workspace (``.vibetrain-tmp``, once) was mounted writable wherever a link planted there pointed."""
     from agents.llm.tools import RunCommand, Toolbox
-    from targets.harness import sandbox
+    from targets.harness.isolation import sandbox
 
     workspace, elsewhere = tmp_path / "ws", tmp_path / "home"
     workspace.mkdir()
@@ -398,7 +399,7 @@ def test_device_memory_is_sampled_on_the_visible_gpus_and_keeps_the_peak(monkeyp
     import threading
     import types
 
-    from targets.harness.device_memory import DeviceMemoryMonitor
+    from targets.harness.isolation.device_memory import DeviceMemoryMonitor
 
     used = {3: 100 << 20, 5: 200 << 20}
     full = threading.Event()  # the sampler read GPU 5 full (however late a busy machine ran it)
@@ -433,9 +434,10 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
     import asyncio
 
     from targets.api import Aborted, GenerateRequest, SamplingParams
-    from targets.harness.channel import Received
     from targets.harness.clock import WallClock
-    from targets.harness.drive import ControllerLink, TracedCluster
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.drive import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
     from targets.harness.trace import Trace
 
     controller_memory, seen, sent = PromptMemory(), [], []
@@ -476,11 +478,12 @@ def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
     cluster: the call is served once it has, not refused as a protocol break; a call before any
     hello still is one."""
     from targets.api import Completion, Declared, GenerateRequest, SamplingParams
-    from targets.harness.channel import Received
     from targets.harness.clock import WallClock
-    from targets.harness.drive import ControllerLink, TracedCluster
+    from targets.harness.ipc.channel import Received
+    from targets.harness.ipc.wire import put_declared
+    from targets.harness.isolation.drive import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
     from targets.harness.trace import Trace
-    from targets.harness.wire import put_declared
 
     sent = []
     envs = SimpleNamespace(workload=SimpleNamespace(over_declared_limits=lambda declared: None), max_extra=0)

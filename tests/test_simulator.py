@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 from orchestrator.cli import app
 from skills.starter import write_starter
 from targets.api import Device, GenerateRequest, SamplingParams
-from targets.harness.audit import audit_run
-from targets.harness.launch import Limits, run_harness
-from targets.harness.metrics import compute_metrics
-from targets.harness.sandbox import Sandbox
+from targets.harness.isolation.launch import Limits, run_harness
+from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.judge.audit import audit_run
+from targets.harness.measure.metrics import compute_metrics
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
@@ -553,7 +553,7 @@ def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, f
     """Calibration runs the time_multiplex starter for real, fits the cost model to its trace and
     runs the very same stack directory on the simulator: both runs pass the audit, and the
     simulator's step time is compared with the real one."""
-    from targets.harness.session import Session
+    from targets.harness.measure.session import Session
     from targets.harness.sim.calibrate import measure_and_predict
 
     spec = parse_target(yaml.safe_load(fast_target.read_text()))
@@ -623,13 +623,13 @@ def test_a_simulated_run_s_controller_builds_its_stack_without_torch(tmp_path):
     import subprocess
     import sys
 
-    from targets.harness.wire import put_runtime
+    from targets.harness.ipc.wire import put_runtime
 
     target = Target.load("qwen3-235b-a22b-h800x160", simulate=True)
     directory = write_starter(tmp_path / "stack", target.spec, "time_multiplex")
     code = (
         "import json, sys\n"
-        "from targets.harness.wire import get_runtime\n"
+        "from targets.harness.ipc.wire import get_runtime\n"
         f"sys.path.insert(0, {str(directory)!r})\n"
         "import stack\n"
         f"stack.build(get_runtime(json.loads({json.dumps(json.dumps(put_runtime(target.runtime())))})))\n"

@@ -207,7 +207,7 @@ def test_a_gpu_target_forced_real_without_a_gpu_fails_with_one_clear_message(tmp
 
 
 def test_limits_follow_the_model_size_unless_stated(catalog_yaml):
-    from targets.harness.launch import Limits
+    from targets.harness.isolation.launch import Limits
     from targets.harness.target import Target
 
     assert load_target("qwen3-0.6b-h100x1").limits.resolved(596_049_920) == (64_000, 900)  # stated

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from skills.starter import write_starter
-from targets.harness.launch import Limits, run_harness
-from targets.harness.sandbox import Sandbox
+from targets.harness.isolation.launch import Limits, run_harness
+from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.target import Target
 from targets.harness.trace import Trace, token_count
 from targets.spec import parse_target
@@ -255,7 +255,7 @@ def test_kv_routing_routes_each_turn_and_bounds_each_engines_kv(tmp_path, fast_t
 def test_a_cluster_obeying_a_route_to_a_shrunk_engine_fails_the_audit(tmp_path, fast_target):
     """The misuse routing makes possible: a turn asked for (and served by) an engine the controller
     had shrunk. Planted into a simulated routed run's trace: the audit rejects it."""
-    from targets.harness.audit import audit_run
+    from targets.harness.judge.audit import audit_run
 
     spec, events = _run(tmp_path, fast_target, {"kv_routing": 1, "route_slack": 0.0}, simulate=True)
     shrink = next(e for e in events if e.kind == "shrink")

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from targets.api import TraceEvent
-from targets.harness.tracking import JsonlTracker, steps, track_round, write_chrome_trace
+from targets.harness.measure.tracking import JsonlTracker, steps, track_round, write_chrome_trace
 
 runner = CliRunner()
 ENV = {"COLUMNS": "120"}
@@ -67,7 +67,7 @@ def tensorboard_bench(tmp_path_factory, fast_target):
 
 def _check_steps(value, metrics: dict) -> None:
     """What holds for every schedule: STEPS points a tag, positive times, and the per-step figures add
-    up to the benchmark's own (targets/harness/metrics.py) over the steps."""
+    up to the benchmark's own (targets/harness/measure/metrics.py) over the steps."""
     assert all(v > 0 for v in value("time/step_total") + value("time/step_train") + value("system/tps"))
     assert value("time/step_rollout")[0] > 0  # step 1 waits for its whole batch
     samples = value("system/samples")

@@ -17,10 +17,11 @@ import time
 import pytest
 
 from targets.api import Completion, StepResult, TokenCount, Trajectory
-from targets.harness import shared_ring
-from targets.harness.channel import HEADER, IDLE, AsyncChannel, Frame, ProtocolError
+from targets.harness.ipc import shared_ring
+from targets.harness.ipc.channel import HEADER, IDLE, AsyncChannel, Frame
+from targets.harness.ipc.protocol import ProtocolError
+from targets.harness.ipc.wire import get_params, put_params
 from targets.harness.sim.virtual_time import VirtualTimeLoop, run_virtual
-from targets.harness.wire import get_params, put_params
 
 rings = pytest.mark.skipif(not shared_ring.supported(), reason="the rings need x86's store and load order")
 
@@ -143,7 +144,7 @@ def test_the_counters_are_never_seen_half_written():
     code = textwrap.dedent(
         """
         import os, socket, time
-        from targets.harness import shared_ring
+        from targets.harness.ipc import shared_ring
         a, b = socket.socketpair()
         if os.fork() == 0:
             a.close(); memory, _ = shared_ring.accept(b); counts = memoryview(memory)[:4096].cast("Q")

@@ -1,4 +1,4 @@
-"""The weight export (targets/harness/weight_export.py): one sealed region per version, written by the
+"""The weight export (targets/harness/ipc/weight_export.py): one sealed region per version, written by the
 cluster, sealed by the harness; a snapshot that gives every name back in float32."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import socket
 import pytest
 import torch
 
-from targets.harness.channel import ProtocolError
-from targets.harness.weight_export import (
+from targets.harness.ipc.protocol import ProtocolError
+from targets.harness.ipc.weight_export import (
     Layout,
     Region,
     RegionWriter,

@@ -6,7 +6,7 @@ import sys
 
 if __name__ == "__main__":
     from skills.recipes.vllm_engine import VLLMEngine
-    from targets.harness.accuracy import check_engine, check_weight_sync
+    from targets.harness.judge.accuracy import check_engine, check_weight_sync
     from targets.harness.model import load_model, model_dir
     from targets.spec import load_target
 

@@ -30,8 +30,8 @@ from agents.llm.loop import StuckError, run_loop
 from agents.llm.tools import Toolbox
 from agents.offline.judge import ignored_files
 from agents.roles import AgentError, RoundContext, Task, Verdict
-from targets.harness.benchmark import SUMMARIZED
-from targets.harness.check_result import CheckResult, detail
+from targets.harness.judge.check_result import CheckResult, detail
+from targets.harness.measure.benchmark import SUMMARIZED
 from targets.spec import TargetSpec
 
 log = logging.getLogger("vibetrain.judge")

@@ -7,7 +7,7 @@ from agents.offline.implementer import OfflineImplementer
 from agents.offline.judge import OfflineJudge
 from agents.offline.planner import OfflinePlanner
 from agents.roles import Agents
-from targets.harness.session import Session
+from targets.harness.measure.session import Session
 
 
 def make_offline_agents(session: Session, *, engine_devices: int, seed: int, repeat: int) -> Agents:

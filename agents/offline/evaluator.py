@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agents.roles import Evaluation, Hint
-from targets.harness.benchmark import BenchRun
-from targets.harness.session import Measurement, MeasurementFailed, Paired, Session
+from targets.harness.measure.benchmark import BenchRun
+from targets.harness.measure.session import Measurement, MeasurementFailed, Paired, Session
 from targets.harness.sim.calibrate import request_concurrency
 
 DEVICES_BUSY = 0.75  # mean device busy share under which devices idle

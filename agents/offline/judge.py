@@ -16,8 +16,8 @@ from pathlib import Path
 from agents import workspace_git
 from agents.roles import Verdict
 from skills.validation import unexpanded
-from targets.harness.check_result import CheckResult
-from targets.harness.session import Session, remove_bytecode_caches
+from targets.harness.judge.check_result import CheckResult
+from targets.harness.measure.session import Session, remove_bytecode_caches
 
 # What Python could import from the candidate's folder, which is on sys.path (a zip or egg once added to it).
 IMPORTABLE = (".py", ".pyc", ".pyo", ".pyd", ".so", ".pth", ".zip", ".egg")

@@ -138,7 +138,7 @@ def open_tracker(track: str | None, track_dir: Path | None, default_dir: Callabl
     """``--track``'s writer and its directory, opened before any run (a missing package is said in
     seconds, not after the work; the writer writes nothing until the first scalar); (None, None)
     without ``--track``."""
-    from targets.harness.tracking import open_tracker as open_writer
+    from targets.harness.measure.tracking import open_tracker as open_writer
 
     if track is None:
         if track_dir is not None:
@@ -150,7 +150,7 @@ def open_tracker(track: str | None, track_dir: Path | None, default_dir: Callabl
 
 def session(target: str, sandbox: str, time_limit: float | None, simulate: bool = False):
     """The harness session for a command (``Session.open``): the target resolved once."""
-    from targets.harness.session import Session
+    from targets.harness.measure.session import Session
     from targets.harness.target import Target
 
     return Session.open(Target.load(target, simulate=simulate), sandbox, time_limit)

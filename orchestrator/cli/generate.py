@@ -186,7 +186,7 @@ def generate(
         view.event(kind, **data)
         record = data.get("record")
         if tracker is not None and kind == "round_end" and record.verdict == "accepted":
-            from targets.harness.tracking import TrackingError, track_round
+            from targets.harness.measure.tracking import TrackingError, track_round
 
             try:
                 track_round(tracker, record.round, record.headline, RunDir(out).trace(record.round))

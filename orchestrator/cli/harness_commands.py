@@ -245,9 +245,9 @@ def bench(
     """
     from orchestrator.runs import export_candidate
     from skills.starter import write_starter
-    from targets.harness.benchmark import benchmark
-    from targets.harness.timeline import plot_timelines
-    from targets.harness.tracking import track_trace, write_chrome_trace
+    from targets.harness.measure.benchmark import benchmark
+    from targets.harness.measure.timeline import plot_timelines
+    from targets.harness.measure.tracking import track_trace, write_chrome_trace
 
     out_file(json_path, "--json")
     out_file(timeline, "--timeline")

@@ -12,7 +12,7 @@ from orchestrator.cli.app import JSON_OPTION, UsageError, app, command, console,
 from orchestrator.history import History
 from orchestrator.state import RunState
 from orchestrator.tables import num, promotion, rounds_table
-from targets.harness.check_result import detail
+from targets.harness.judge.check_result import detail
 
 
 def _state_and_history(run: Path) -> tuple[RunState, History]:

@@ -86,7 +86,7 @@ class Target:
 
     def devices(self) -> tuple[Device, ...]:
         kind = self.spec.hardware.kind
-        return tuple(Device(f"{kind}:{i}", kind, i) for i in range(self.spec.hardware.count))
+        return tuple(Device(name, kind, i) for i, name in enumerate(self.spec.hardware.device_ids()))
 
     def runtime(self) -> Runtime:
         """On a simulated target the components run (for accuracy checks 1-3) on a tiny model of the

@@ -1,10 +1,9 @@
-"""Harness-owned environments, by name. A target's ``workload.environment.name`` picks one."""
+"""Harness-owned environments: each episode an ``Episode`` (``base.py``), the built-in ones by name
+(``registry.py``), the ``EnvSource`` a controller draws groups from (``pool.py``), and the seeds a
+run's workload is drawn from (``seeds.py``)."""
 
 from targets.harness.environments.base import Episode
-from targets.harness.environments.guess_number import GuessNumber
 from targets.harness.environments.pool import EnvironmentPool
-from targets.harness.environments.synthetic_agent import SyntheticAgent
-
-ENVIRONMENTS: dict[str, type[Episode]] = {cls.name: cls for cls in (GuessNumber, SyntheticAgent)}
+from targets.harness.environments.registry import ENVIRONMENTS
 
 __all__ = ["ENVIRONMENTS", "Episode", "EnvironmentPool"]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from targets.api import DROP_REASONS
 from targets.harness.clock import Clock
 from targets.harness.environments.base import Episode
+from targets.harness.environments.registry import ENVIRONMENTS
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.trace import Trace
 
@@ -32,8 +33,6 @@ class EnvironmentPool:
     ) -> None:
         """``seed``: what the tasks are drawn from (a bare number: the public derivation). ``counts``: a
         simulated run's pool, whose episodes answer with token counts."""
-        from targets.harness.environments import ENVIRONMENTS
-
         self.episode_class: type[Episode] = ENVIRONMENTS[workload.environment.name]
         self.workload = workload
         self.group_size = workload.group_size

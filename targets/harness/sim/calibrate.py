@@ -81,7 +81,7 @@ class Calibration:
 
 
 if TYPE_CHECKING:
-    from targets.harness.session import Session
+    from targets.harness.measure.session import Session
     from targets.harness.target import Target
 
 
@@ -399,8 +399,8 @@ def fit_and_predict(
 ) -> dict:
     """Fit the cost model to a real run's events, write the calibrated target spec, simulate the same
     stack on it, and compare: the simulator's prediction error on that run."""
-    from targets.harness.metrics import compute_metrics
-    from targets.harness.session import Session
+    from targets.harness.measure.metrics import compute_metrics
+    from targets.harness.measure.session import Session
     from targets.harness.target import Target
 
     spec = session.target.spec

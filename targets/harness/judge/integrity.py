@@ -1,4 +1,4 @@
-"""Integrity (design check 5). From the candidate's source, every file of it (its root is on
+"""Integrity (docs/judge.md, before anything runs). From the candidate's source, every file of it (its root is on
 ``sys.path``, so code beside ``stack/`` is the stack's too): it imports only ``targets.api`` from
 the contract; it does not name the harness's metrics (metrics come from the harness trace; a stack
 that computes them is reporting its own); it does not patch clocks (``time``, ``asyncio``,
@@ -15,13 +15,13 @@ import hashlib
 import threading
 from pathlib import Path
 
-from targets.harness.check_result import CheckResult
+from targets.harness.judge.check_result import CheckResult
 
 CLOCK_MODULES = {"time", "asyncio", "datetime"}
 HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_version"}
 ESCAPE_MODULES = {"gc", "inspect", "ctypes"}
 ESCAPE_ATTRIBUTES = {"__dict__", "__globals__", "__code__", "__closure__", "modules"}
-HARNESS_ROOT = Path(__file__).resolve().parents[1]  # the targets package
+HARNESS_ROOT = Path(__file__).resolve().parents[2]  # the targets package
 METRIC_NAMES = {
     "goodput",
     "rollout_throughput",

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from targets.harness.child import PHASES, TASK_KEY
-from targets.harness.process_tree import kill_tree, process_tree, resident_mb
-from targets.harness.sandbox import Sandbox
+from targets.harness.isolation.child import PHASES, TASK_KEY
+from targets.harness.isolation.process_tree import kill_tree, process_tree, resident_mb
+from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.target import Target
 
 
@@ -114,7 +114,7 @@ def run_harness(
     command = [
         sys.executable,
         "-m",
-        "targets.harness.child",
+        "targets.harness.isolation.child",
         "--target",
         target.ref,
         "--stack",

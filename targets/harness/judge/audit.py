@@ -1,4 +1,4 @@
-"""The system-run audit (design check 4), from the harness's own trace and weight snapshots only:
+"""The system-run audit (docs/judge.md), from the harness's own trace and weight snapshots only:
 one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 
 * exactly once: no episode is trained on twice, none the harness never created;
@@ -31,7 +31,7 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
   at once (the cluster's residency, recorded after every switch), and the weights changed;
 * token ids: every token prompted, generated or trained on is in the model's vocabulary (else nothing
   is replayed: no model can embed it);
-* replay (``targets/harness/replay.py``): logprobs under the claimed weights, sampling at the spec's
+* replay (``targets/harness/judge/replay.py``): logprobs under the claimed weights, sampling at the spec's
   temperature, and every training step recomputed by the reference from the previous weights.
 
 A simulated run's trace keeps token counts, not tokens (``run_start.tokens_recorded``), and has no
@@ -41,16 +41,23 @@ weights: there fidelity and prompts compare counts, and the replays are skipped 
 from __future__ import annotations
 
 import copy
-import math
 import secrets
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from targets.api import Declared, StateDict, TraceEvent
-from targets.harness.check_result import CheckResult
+from targets.api import StateDict, TraceEvent
+from targets.harness.judge.check_result import CheckResult
+from targets.harness.judge.selection import (
+    check_aborts,
+    check_deferrals,
+    check_drop_reasons,
+    check_partial_progress,
+    check_partial_rollout,
+    check_selection,
+)
+from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
 from targets.harness.reference.grpo import group_advantages_of
 from targets.harness.tokenizer import STOP_TOKEN_IDS
 from targets.harness.trace import Trace, token_count
@@ -61,192 +68,7 @@ if TYPE_CHECKING:
 
     from targets.harness.target import Target
 
-MAX_REASONS_PER_KIND = 3
 ADVANTAGE_ATOL = 1e-4
-
-
-class Reasons:
-    """Collects reasons, keeping a few examples per kind and counting the rest."""
-
-    def __init__(self) -> None:
-        self.examples: dict[str, list[str]] = defaultdict(list)
-        self.counts: dict[str, int] = defaultdict(int)
-
-    def add(self, kind: str, message: str) -> None:
-        self.counts[kind] += 1
-        if len(self.examples[kind]) < MAX_REASONS_PER_KIND:
-            self.examples[kind].append(message)
-
-    def lines(self) -> list[str]:
-        out = []
-        for kind, examples in self.examples.items():
-            more = self.counts[kind] - len(examples)
-            out += [f"{kind}: {m}" for m in examples] + ([f"{kind}: ... and {more} more"] if more else [])
-        return out
-
-
-# Real runs: an abort's reply may reach the harness a little after the call that caused it returned
-# (the engine answers the request and the call separately). Measured over 392 aborts in 107 real runs
-# of the test suite on 2 cores: at most 18 ms late. A quarter second leaves room for a loaded machine
-# and bounds what a cluster can do past a shrink's return: decode beside the trainer that long at most.
-ABORT_SLACK_S = 0.25
-
-
-@dataclass
-class TraceIndex:
-    """Everything the invariants ask of a trace, computed once."""
-
-    events: list[TraceEvent]
-    by_kind: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))
-    created: list[str] = field(default_factory=list)  # episodes in creation order
-    group_of: dict[str, str] = field(default_factory=dict)
-    members: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # group -> its episodes
-    group_order: dict[str, int] = field(default_factory=dict)  # group -> creation rank
-    relaunch_of: dict[str, str] = field(default_factory=dict)  # relaunched group -> the deferred group it reruns
-    resets: dict[str, TraceEvent] = field(default_factory=dict)
-    env_steps: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))
-    generated: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # non-aborted, in order
-    partials: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # aborted, with tokens
-    dropped: dict[str, TraceEvent] = field(default_factory=dict)
-    trained_in: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # episode -> train indices
-    trains: list[TraceEvent] = field(default_factory=list)
-    tokens_recorded: bool = True
-    declared: Declared = field(default_factory=Declared)
-    engine_of: dict[str, str] = field(default_factory=dict)  # device -> its engine's name (its first device)
-    start_t: float = 0.0
-    end_t: float = 0.0
-    _responses: dict[int, Response] = field(default_factory=dict)
-
-    def engine(self, device: str) -> str:
-        """The engine ``device`` is part of, by the name completions carry: in a simulated run an engine
-        spans ``engine_devices`` devices (a shrink of any one takes it whole); a real one, one device."""
-        return self.engine_of.get(device, device)
-
-    def reply_slack(self, spec: TargetSpec) -> float:
-        """How late an answer may reach the harness after the call that decided it: a real run's
-        reply order, plus in a simulated one the answer's modelled way back (``request_overhead_s``)."""
-        return ABORT_SLACK_S + (0.0 if self.tokens_recorded else spec.simulator.request_overhead_s)
-
-    @classmethod
-    def of(cls, events: list[TraceEvent]) -> TraceIndex:
-        ix = cls(list(events))
-        for e in ix.events:
-            ix.by_kind[e.kind].append(e)
-        run_start = ix.by_kind["run_start"][0] if ix.by_kind["run_start"] else None
-        if run_start is not None:
-            ix.start_t = run_start.t
-            ix.tokens_recorded = run_start.data.get("tokens_recorded", True)
-            ix.declared = Declared(**run_start.data.get("declared", {}))
-            engines = run_start.data.get("engines") or {}
-            ix.engine_of = {device: name for name, devices in engines.items() for device in devices}
-        ix.end_t = ix.by_kind["run_end"][0].t if ix.by_kind["run_end"] else (ix.events[-1].t if ix.events else 0.0)
-        for e in ix.by_kind["episode_created"]:
-            ix.created.append(e.data["episode"])
-            ix.group_of[e.data["episode"]] = e.data["group"]
-            ix.members[e.data["group"]].append(e.data["episode"])
-            ix.group_order.setdefault(e.data["group"], len(ix.group_order))
-            if "relaunch" in e.data:
-                ix.relaunch_of[e.data["group"]] = e.data["relaunch"]
-        ix.resets = {e.data["episode"]: e for e in ix.by_kind["env_reset"]}
-        for e in ix.by_kind["env_step"]:
-            ix.env_steps[e.data["episode"]].append(e)
-        for e in ix.by_kind["generate"]:
-            if not e.data["aborted"]:
-                ix.generated[e.data["episode"]].append(e)
-            elif "tokens" in e.data:
-                ix.partials[e.data["episode"]].append(e)
-        for e in ix.by_kind["sample_dropped"]:
-            ix.dropped.setdefault(e.data["episode"], e)
-        ix.trains = sorted(ix.by_kind["train"], key=lambda e: e.data["start"])
-        for i, train in enumerate(ix.trains):
-            for t in train.data["trajectories"]:
-                ix.trained_in[t["episode"]].append(i)
-        return ix
-
-    def finished(self, episode: str) -> bool:
-        steps = self.env_steps.get(episode)
-        return bool(steps) and steps[-1].data["done"]
-
-    def finished_at(self, episode: str) -> float | None:
-        return self.env_steps[episode][-1].t if self.finished(episode) else None
-
-    def context_tokens(self, episode: str, turns: int) -> list | int:
-        """The episode's context after ``turns`` environment steps (tokens, or a count if not recorded)."""
-        reset = self.resets[episode].data["observation"]
-        steps = self.env_steps.get(episode, [])[:turns]
-        if not self.tokens_recorded:
-            return token_count(reset) + sum(
-                token_count(s.data["action"]) + token_count(s.data["observation"]) for s in steps
-            )
-        out = list(reset)
-        for s in steps:
-            out += s.data["action"] + s.data["observation"]
-        return out
-
-    def response(self, g: TraceEvent) -> Response:
-        """The whole response a generate event ends (or, for an interrupted one, has so far): its
-        own tokens after those of the interrupted segment it resumes, found by matching the
-        request's last ``continues`` prompt tokens against what earlier segments of the turn
-        produced (their lengths, when tokens are not recorded)."""
-        known = self._responses.get(id(g))
-        if known is not None:
-            return known
-        d, recorded = g.data, self.tokens_recorded
-        own = Response(d["tokens"], list(d["logprobs"]) if recorded else [], [d["version"]], [g], True)
-        n = d.get("continues", 0)
-        if n:
-            tail = d["prompt"][len(d["prompt"]) - n :] if recorded else n
-            prefix = next(
-                (
-                    earlier
-                    for a in reversed(self.partials.get(d["episode"], []))
-                    if a is not g and a.data["turn"] == d["turn"] and a.t <= d["start"]
-                    for earlier in [self.response(a)]
-                    if earlier.tokens == tail
-                ),
-                None,
-            )
-            if prefix is None:
-                own = Response(own.tokens, own.logprobs, own.versions, own.segments, False)
-            else:
-                own = Response(
-                    prefix.tokens + own.tokens,
-                    prefix.logprobs + own.logprobs,
-                    prefix.versions + own.versions,
-                    prefix.segments + own.segments,
-                    prefix.chained,
-                )
-        self._responses[id(g)] = own
-        return own
-
-    def latest_observation(self, g: TraceEvent) -> list[int]:
-        """What the environment said last before turn ``g``: the reset's observation before turn 0,
-        else the previous step's (empty when the trace does not hold it)."""
-        episode, turn = g.data["episode"], g.data["turn"]
-        if turn == 0:
-            reset = self.resets.get(episode)
-            return list(reset.data["observation"]) if reset is not None else []
-        steps = self.env_steps.get(episode, [])
-        return list(steps[turn - 1].data["observation"]) if turn <= len(steps) else []
-
-    def policy_at(self, t: float) -> int:
-        """The number of training steps finished by time ``t`` (the controller's policy version)."""
-        return sum(1 for train in self.trains if train.t <= t)
-
-
-@dataclass(frozen=True)
-class Response:
-    """One turn's response as the engines produced it, segment by segment: with partial rollout an
-    interrupted request returns what it decoded and the turn resumes from it (``continues``)."""
-
-    tokens: list | int  # the whole response (its length when tokens are not recorded)
-    logprobs: list[float]
-    versions: list[int]  # per segment, the weight version that decoded it
-    segments: list[TraceEvent]
-    chained: bool  # every resumed prefix is what an interrupted segment of this turn produced
-
-
-# -- accounting --------------------------------------------------------------------------------------
 
 
 def check_exactly_once(ix: TraceIndex, r: Reasons) -> None:
@@ -269,150 +91,6 @@ def check_conservation(ix: TraceIndex, r: Reasons) -> None:
     for episode in ix.dropped:
         if episode not in created:
             r.add("fabricated episode", f"dropped {episode}, which the harness never created")
-
-
-def staleness_bound(ix: TraceIndex, spec: TargetSpec) -> int:
-    """The bound the run is held to: the stack's declared ``async_ratio`` (never above the target's
-    ``max_async_ratio``; the harness refuses more at hello), else the workload's."""
-    w = spec.workload
-    return w.async_ratio if ix.declared.async_ratio is None else min(ix.declared.async_ratio, w.staleness_limit)
-
-
-def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
-    """Each drop's reason must hold when it was made. Staleness is judged per group, as a buffer
-    that trains whole groups must: a group with one member beyond the bound goes whole."""
-    workload, bound = spec.workload, staleness_bound(ix, spec)
-    last_train_end = max((t.t for t in ix.trains), default=None)
-    redundant = Counter()
-    for episode, e in ix.dropped.items():
-        reason = e.data["reason"]
-        if reason == "end_of_run":
-            if last_train_end is not None and e.t < last_train_end:
-                r.add(
-                    "unjustified drop",
-                    f"episode {episode} dropped as end_of_run at {e.t:.2f}s, before the last training step",
-                )
-        elif reason == "stale":
-            policy = ix.policy_at(e.t)
-            group = ix.group_of.get(episode)
-            versions = [
-                v
-                for m in ix.members.get(group, [])
-                for g in ix.generated.get(m, [])
-                if g.t <= e.t
-                for v in ix.response(g).versions
-            ]
-            if not versions or policy - min(versions) <= bound:
-                r.add(
-                    "unjustified drop",
-                    f"episode {episode} dropped as stale but every turn of its group is within "
-                    f"async_ratio {bound} of policy {policy}",
-                )
-        elif reason == "max_sequence":
-            if episode not in ix.resets:
-                r.add("unjustified drop", f"episode {episode} dropped for max_sequence before it was reset")
-                continue
-            length = token_count(ix.context_tokens(episode, len(ix.env_steps.get(episode, []))))
-            if length + workload.tokens.response <= workload.tokens.max_sequence:
-                r.add(
-                    "unjustified drop",
-                    f"episode {episode} dropped for max_sequence at {length} tokens, which still fits",
-                )
-        elif reason == "redundant":
-            group = ix.group_of.get(episode)
-            redundant[group] += 1
-            finished_before = sum(
-                1 for m in ix.members.get(group, []) if m != episode and (ix.finished_at(m) or math.inf) <= e.t
-            )
-            if ix.declared.redundant_per_group == 0:
-                r.add(
-                    "unjustified drop", f"episode {episode} dropped as redundant, but the stack declares no redundancy"
-                )
-            elif finished_before < workload.group_size:
-                r.add(
-                    "unjustified drop",
-                    f"episode {episode} dropped as redundant at {e.t:.2f}s, when only {finished_before} of its "
-                    f"group {group} had finished (a group needs {workload.group_size})",
-                )
-            else:
-                # A spare is a member the group did not need: one still running when the group had
-                # ``group_size`` finished, or finishing with the last of them. Dropping an earlier
-                # finisher instead picks, after the fact, which members train (the lowest rewards, say).
-                finishes = sorted(t for m in ix.members.get(group, []) if (t := ix.finished_at(m)) is not None)
-                own, complete = ix.finished_at(episode), finishes[workload.group_size - 1]
-                if own is not None and own < complete:
-                    r.add(
-                        "unjustified drop",
-                        f"episode {episode} finished at {own:.2f}s, before its group {group} had "
-                        f"{workload.group_size} finished ({complete:.2f}s), and was dropped as redundant: a spare "
-                        "is a member the group did not need, not one picked once all had finished",
-                    )
-        elif reason == "deferred":
-            group = ix.group_of.get(episode)
-            finished = sum(1 for m in ix.members.get(group, []) if (ix.finished_at(m) or math.inf) <= e.t)
-            if not ix.declared.tail_round:
-                r.add(
-                    "unjustified drop", f"episode {episode} dropped as deferred, but the stack declares no tail_round"
-                )
-            elif group in ix.relaunch_of:
-                r.add("deferral", f"episode {episode} dropped as deferred, but its group {group} was itself a relaunch")
-            elif finished >= workload.group_size:
-                r.add(
-                    "unjustified drop",
-                    f"episode {episode} dropped as deferred at {e.t:.2f}s, when its group {group} had "
-                    f"{finished} finished members: only an unfinished group may be deferred",
-                )
-    for group, count in redundant.items():
-        if ix.declared.redundant_per_group and count > ix.declared.redundant_per_group:
-            r.add(
-                "redundancy",
-                f"group {group} dropped {count} episodes as redundant, over the declared "
-                f"{ix.declared.redundant_per_group} per group",
-            )
-
-
-def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
-    """A deferred group goes whole, and its task runs again once: deferral may postpone a task the
-    stack finds long, never discard it (at most ``tail_round - 1`` wait unrelaunched at the end)."""
-    deferred = {ix.group_of.get(episode) for episode, e in ix.dropped.items() if e.data["reason"] == "deferred"}
-    for group in sorted(deferred, key=lambda g: ix.group_order.get(g, 0)):
-        kept = [
-            m
-            for m in ix.members.get(group, [])
-            if ix.dropped.get(m) is None or ix.dropped[m].data["reason"] != "deferred"
-        ]
-        if kept:
-            r.add("deferral", f"group {group} was deferred in part: {kept[0]} was not dropped as deferred")
-    relaunches = Counter(ix.relaunch_of.values())
-    for group, count in relaunches.items():
-        if group not in deferred:
-            r.add("deferral", f"a group relaunched {group}, which was never deferred")
-        elif count > 1:
-            r.add("deferral", f"deferred group {group}'s task was relaunched {count} times")
-    # Deferred in the last step with nothing launched after it: no relaunch could have been trained,
-    # so these go uncounted, as end_of_run drops would.
-    last_step_from = ix.trains[-2].t if len(ix.trains) >= 2 else math.inf
-    last_created = max((e.t for e in ix.by_kind["episode_created"]), default=-math.inf)
-
-    def too_late(group: str) -> bool:
-        at = min(ix.dropped[m].t for m in ix.members.get(group, []) if m in ix.dropped)
-        return at >= last_step_from and at >= last_created
-
-    # A relaunch made once the last training step has ended runs nothing that could be trained: its
-    # task waits as much as one never relaunched (else a stack could defer every slow group and, at
-    # the end, relaunch each and drop it at once as end_of_run).
-    last_train_end = max((t.t for t in ix.trains), default=math.inf)
-    created_at: dict[str, float] = {}
-    for e in ix.by_kind["episode_created"]:
-        created_at.setdefault(e.data["group"], e.t)
-    ran_again = {task for group, task in ix.relaunch_of.items() if created_at[group] < last_train_end}
-    waiting = [g for g in deferred if g not in ran_again and not too_late(g)]
-    if len(waiting) > max(0, ix.declared.tail_round - 1):
-        r.add(
-            "deferral",
-            f"{len(waiting)} deferred groups' tasks never ran again (e.g. {sorted(waiting)[0]}); a stack with "
-            f"tail_round {ix.declared.tail_round} may leave at most {max(0, ix.declared.tail_round - 1)}",
-        )
 
 
 def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
@@ -652,58 +330,6 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     )
 
 
-def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
-    """Resuming is declared, and then total: a stack that resumed some interrupted turns and
-    restarted others could keep the partial responses it likes and resample the rest."""
-    for episode in ix.trained_in:
-        for g in ix.generated.get(episode, []):
-            response, turn = ix.response(g), g.data["turn"]
-            if len(response.segments) > 1 and not ix.declared.partial_rollout:
-                r.add(
-                    "undeclared continuation",
-                    f"episode {episode} turn {turn} resumed an interrupted response, but the stack does not "
-                    "declare partial_rollout",
-                )
-            if ix.declared.partial_rollout:
-                for a in ix.partials.get(episode, []):
-                    if a.data["turn"] == turn and token_count(a.data["tokens"]) and a not in response.segments:
-                        r.add(
-                            "discarded partial",
-                            f"episode {episode} turn {turn}: {token_count(a.data['tokens'])} interrupted tokens "
-                            "were discarded and the turn generated anew (partial_rollout resumes every one)",
-                        )
-
-
-def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
-    """An interrupted request is one a shrink, a suspend or an interrupting sync cut short on the
-    engine it ran on, while it was in flight: a cluster that aborts on its own could resample the turns
-    it dislikes (the long ones, or those that missed the reward) and hand the controller only the ones
-    it likes. So every abort names its engine (``Aborted.partial``, possibly empty), and a call in
-    progress must cover that engine."""
-    slack = ix.reply_slack(spec)
-    calls = ix.by_kind["shrink"] + ix.by_kind["suspend"] + [e for e in ix.by_kind["sync"] if e.data.get("interrupt")]
-    causes = [({ix.engine(d) for d in e.data["devices"]}, e.data["start"], e.t) for e in calls]
-    for g in ix.by_kind["generate"]:
-        if not g.data["aborted"]:
-            continue
-        where = f"episode {g.data['episode']} turn {g.data['turn']} was aborted at {g.t:.2f}s"
-        device = g.data.get("device")
-        if not device:
-            r.add(
-                "unexplained abort",
-                f"{where} without naming the engine that served it (an Aborted carries its partial: what "
-                "the engine decoded, possibly nothing, and where)",
-            )
-        elif not any(
-            ix.engine(device) in engines and g.data["start"] <= end and start <= g.t <= end + slack
-            for engines, start, end in causes
-        ):
-            r.add(
-                "unexplained abort",
-                f"{where} on {device} with no shrink, suspend or interrupting sync of it in progress",
-            )
-
-
 def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) -> None:
     served = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs]
     serving = {g.data["device"] for g in served}
@@ -784,9 +410,6 @@ def check_token_ids(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> bool:
     return clean
 
 
-# -- the audit -----------------------------------------------------------------------------------------
-
-
 def audit_run(
     spec: TargetSpec,
     events: list[TraceEvent],
@@ -807,6 +430,8 @@ def audit_run(
     check_staleness(ix, r, spec)
     check_engine_honesty(ix, r, spec)
     check_partial_rollout(ix, r)
+    check_partial_progress(ix, r)
+    details.update(check_selection(ix, r, spec))
     check_aborts(ix, r, spec)
     check_mechanism(ix, r, steps, spec)
     ids_in_vocabulary = check_token_ids(ix, r, spec)
@@ -818,7 +443,7 @@ def audit_run(
     if not ids_in_vocabulary:
         details["skipped"] = "tokens outside the vocabulary: no replay can embed them"
     elif ix.tokens_recorded:
-        from targets.harness.replay import replay_training, replay_turns
+        from targets.harness.judge.replay import replay_training, replay_turns
 
         details.update(replay_turns(ix, r, spec, load_weights, make_model, seed))
         details.update(replay_training(ix, r, spec, load_weights, make_model))
@@ -831,7 +456,7 @@ def audit_directory(target: Target, out: Path, steps: int, seed: int | None = No
     """The audit of a run the harness child wrote to ``out`` (trace and weight snapshots). Where the
     replay samples turns, ``seed`` (default: drawn now, once the run can no longer act) picks them, so
     no candidate can know in advance which turns are checked; the details name it for a re-audit."""
-    from targets.harness.weight_export import load_snapshot
+    from targets.harness.ipc.weight_export import load_snapshot
 
     events = Trace.load_events(out / "trace.jsonl")
     base: list = []  # loaded on the first replay only (a simulated run replays nothing)

@@ -17,30 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from targets.api import Aborted, Cluster, Completion, Declared, Device, GenerateRequest, Runtime, TrainBatch
-from targets.harness import shared_ring
-from targets.harness.channel import AsyncChannel, Frame, ProtocolError, Received
+from targets.api import Aborted, Completion, Declared, GenerateRequest, Runtime
 from targets.harness.environments import EnvironmentPool
-from targets.harness.process_tree import kill_tree
-from targets.harness.remote import CandidateError, RemoteCluster, raise_if_error
-from targets.harness.sandbox import Sandbox
-from targets.harness.sim.cluster import Answer, SimCluster
-from targets.harness.sim.engine import simulated_response
-from targets.harness.trace import Trace
-from targets.harness.weight_export import Layout, WeightExporter
-from targets.harness.wire import (
+from targets.harness.ipc import shared_ring
+from targets.harness.ipc.channel import AsyncChannel, Frame, Received
+from targets.harness.ipc.protocol import ProtocolError
+from targets.harness.ipc.remote import CandidateError, RemoteCluster, raise_if_error
+from targets.harness.ipc.weight_export import Layout, WeightExporter
+from targets.harness.ipc.wire import (
     PromptMemory,
     field_of,
     get_batch,
@@ -54,132 +43,12 @@ from targets.harness.wire import (
     put_step_result,
     put_tokens,
 )
+from targets.harness.isolation.processes import CandidateProcesses, channel_of
+from targets.harness.isolation.traced_cluster import TracedCluster
+from targets.harness.sim.cluster import SimCluster
+from targets.harness.sim.engine import simulated_response
+from targets.harness.trace import Trace
 from targets.spec import TargetSpec
-
-
-class TracedCluster:
-    """The harness's proxy in front of a cluster: every call stamped into the trace, the weights
-    exported after every training step (a real run's; ``weight_export.py``). ``steps`` counts
-    training steps as the harness saw them."""
-
-    def __init__(self, inner: Cluster, trace: Trace, exporter: WeightExporter | SimCluster) -> None:
-        self.inner, self.trace, self.exporter = inner, trace, exporter
-        self.devices: list[Device] = list(inner.devices)
-        self.by_id = {d.id: d for d in self.devices}
-        self.steps = 0
-        self._resident: dict | None = None
-
-    def generate_then(self, request: GenerateRequest, done: Answer) -> asyncio.Task | None:
-        """Serve ``request`` on the cluster and record it; ``done`` is told its completion or the
-        error it ended in. The simulator answers by callback; a cluster that answers only by await
-        (a candidate's) gets a task, returned so the caller can cancel it at the end of the run."""
-        start = self.trace.clock.now()
-
-        def recorded(result: Completion | BaseException) -> None:
-            if isinstance(result, Completion):
-                self._record(request, result, start, aborted=False)
-            elif isinstance(result, Aborted) and result.partial is None:
-                self.trace.record("generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True)
-            elif isinstance(result, Aborted):  # what it decoded is recorded: a resumed turn's response is checked
-                self._record(request, result.partial, start, aborted=True)
-            done(result)
-
-        then = getattr(self.inner, "generate_then", None)
-        if then is not None:
-            then(request, recorded)
-            return None
-        task = asyncio.ensure_future(self.inner.generate(request))
-        task.add_done_callback(lambda task: None if task.cancelled() else recorded(task.exception() or task.result()))
-        return task
-
-    def _record(self, request: GenerateRequest, completion: Completion, start: float, aborted: bool) -> None:
-        tokens, p = self.trace.tokens, request.params
-        self.trace.record(
-            "generate",
-            episode=request.episode_id,
-            turn=request.turn,
-            start=start,
-            aborted=aborted,
-            device=completion.device,
-            routed=request.device,
-            prompt=tokens(request.prompt),
-            continues=request.continues,
-            tokens=tokens(completion.tokens),
-            logprobs=tokens(completion.logprobs),
-            version=completion.weight_version,
-            finish=completion.finish_reason,
-            temperature=p.temperature,
-            max_new_tokens=p.max_new_tokens,
-            stop=list(p.stop_token_ids),
-        )
-
-    async def _timed(self, kind, devices: Sequence[Device], call, **data) -> None:
-        start = self.trace.clock.now()
-        await call
-        self.trace.record(kind, start=start, devices=[d.id for d in devices], **data)
-        if kind != "sync":
-            await self._residency()
-
-    async def _residency(self) -> None:
-        """Who holds each device now, in the cluster's words (recorded when it changes)."""
-        state = await self.inner.residency()
-        if not isinstance(state, dict) or not all(
-            isinstance(v, list) and all(isinstance(c, str) for c in v) for v in state.values()
-        ):
-            raise ProtocolError(f"residency must map devices to lists of component names, got {str(state)[:200]}")
-        if state != self._resident:
-            self._resident = state
-            self.trace.record("device_state", resident={k: sorted(v) for k, v in state.items()})
-
-    async def shrink(self, devices: Sequence[Device]) -> None:
-        await self._timed("shrink", devices, self.inner.shrink(devices))
-
-    async def expand(self, devices: Sequence[Device]) -> None:
-        await self._timed("expand", devices, self.inner.expand(devices))
-
-    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
-        await self._timed(
-            "sync", devices, self.inner.sync_weights(version, devices, interrupt), version=version, interrupt=interrupt
-        )
-
-    async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
-        """The batch is recorded as the harness received it (what the trainer gets and the audit
-        replays); ``start`` is when those episodes stopped being in flight."""
-        start = self.trace.clock.now()
-        await self.exporter.saved()  # the previous version's snapshot is on disk before the next step
-        self.steps += 1
-        step, tokens = self.steps, self.trace.tokens
-        version = await self.inner.train(batch, devices)
-        self.trace.record(
-            "train",
-            start=start,
-            step=step,
-            devices=[d.id for d in devices],
-            version=version,
-            advantages=list(batch.advantages),
-            trajectories=[
-                {
-                    "episode": t.episode_id,
-                    "group": t.group_id,
-                    "tokens": tokens(t.tokens),
-                    "loss_mask": tokens(t.loss_mask),
-                    "logprobs": tokens(t.logprobs),
-                    "reward": t.reward,
-                }
-                for t in batch.trajectories
-            ],
-        )
-        export_start = self.trace.clock.now()
-        await self.exporter.export(step)
-        self.trace.record("weight_export", start=export_start, step=step)
-        await self._residency()
-        return version
-
-    async def suspend(self) -> None:
-        await self._timed("suspend", self.devices, self.inner.suspend())
-
-    async def resume(self) -> None:
-        await self._timed("resume", self.devices, self.inner.resume())
 
 
 class ControllerLink:
@@ -446,88 +315,6 @@ class ControllerLink:
             raise ProtocolError(f"unknown cluster method {method!r}")
 
 
-class CandidateProcesses:
-    """Starts candidate processes in the sandbox, each connected to the harness by a Unix socket of
-    its own (accepted once, then unlinked), and stops them all at the end."""
-
-    def __init__(self, sandbox: Sandbox, stack_dir: Path, logs: Path, gpus: bool = False) -> None:
-        self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
-        self.root = Path(tempfile.mkdtemp(prefix="vt-", dir="/tmp"))  # short: a socket path has 108 bytes
-        (self.root / "sockets").mkdir()
-        self.processes: dict[str, subprocess.Popen] = {}
-        self._logs: dict[str, IO] = {}
-        self._listeners: dict[str, socket.socket] = {}
-        self._connections: dict[str, int] = {}  # connections each role has yet to make
-
-    def launch(self, role: str, connections: int = 1) -> None:
-        """Starts ``role``, which connects ``connections`` times (each taken by one ``accept``)."""
-        path = self.root / "sockets" / f"{role}.sock"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(path))
-        listener.listen(connections)
-        self._listeners[role] = listener
-        self._connections[role] = connections
-        scratch = self.root / f"scratch-{role}"
-        scratch.mkdir()
-        command = [sys.executable, "-m", "targets.harness.candidate_process", role, str(path), str(self.stack_dir)]
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-        command, env = self.sandbox.wrap(
-            command,
-            env,
-            readable=[self.stack_dir, self.root / "sockets"],
-            writable=[scratch],
-            cwd=scratch,
-            gpus=self.gpus,
-        )
-        self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
-        self.processes[role] = subprocess.Popen(
-            command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None, cwd=scratch
-        )
-
-    def accept(self, role: str) -> socket.socket:
-        """The role's next connection, in the order it connects; fails with the process's last words
-        if it dies first. The socket goes once the last connection is made."""
-        listener, process = self._listeners[role], self.processes[role]
-        self._connections[role] -= 1
-        listener.settimeout(0.25)
-        try:
-            while True:
-                try:
-                    connection, _ = listener.accept()
-                    connection.settimeout(None)
-                    return connection
-                except TimeoutError:
-                    if process.poll() is not None:
-                        raise CandidateError(
-                            f"the candidate's {role} process exited with code {process.returncode} before "
-                            f"connecting:\n{self.log_tail(role)}"
-                        ) from None
-        finally:
-            if self._connections[role] == 0 or process.poll() is not None:
-                self._listeners.pop(role).close()
-                (self.root / "sockets" / f"{role}.sock").unlink(missing_ok=True)
-
-    def log_tail(self, role: str, lines: int = 15) -> str:
-        self._logs[role].flush()
-        return "\n".join((self.logs / f"{role.split('-')[0]}.log").read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        deadline = time.monotonic() + grace_s
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill_tree(process.pid, signal.SIGKILL)
-                process.wait()
-        for log in self._logs.values():
-            log.close()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-async def _connect(processes: CandidateProcesses, role: str) -> AsyncChannel:
-    return await AsyncChannel.over(processes.accept(role))
-
-
 async def _hello(link: ControllerLink, processes: CandidateProcesses) -> tuple[list[str], list[str], Declared]:
     """The controller's placement and declarations, once it has built its stack."""
     await asyncio.wait({link.hello, link.done}, return_when=asyncio.FIRST_COMPLETED)
@@ -561,7 +348,7 @@ async def drive_real(
     version is exported in."""
     processes.launch("cluster", connections=2)
     processes.launch("controller")
-    cluster_channel = await _connect(processes, "cluster")
+    cluster_channel = await channel_of(processes, "cluster")
     exports = processes.accept("cluster")  # the cluster's second connection: weight regions travel on it
     cluster_channel.send(Frame(kind="init", runtime=put_runtime(runtime)))
     layout = version_zero()
@@ -571,7 +358,7 @@ async def drive_real(
     exporter = WeightExporter(layout, exports, weights, remote.export_into)
     remote.start()
     envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed)
-    link = ControllerLink(await _connect(processes, "controller"), envs, trace.clock, virtual=False)
+    link = ControllerLink(await channel_of(processes, "controller"), envs, trace.clock, virtual=False)
     link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
     serving = asyncio.create_task(link.serve())
     try:
@@ -608,7 +395,6 @@ def drive_simulated(
     spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int, cost=None
 ) -> tuple[Trace, dict]:
     """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
-    from targets.harness.sim.cluster import SimCluster
     from targets.harness.sim.cost_model import CostModel
     from targets.harness.sim.response_length import ResponseLengths
     from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual

@@ -6,7 +6,7 @@ then plot on the same axes. A step is ROLL's step: model update, expand, wait fo
 train. Here step k's window runs from the end of training step k-1 (the run's start for step 1) to
 the end of training step k. The run's tail after its last training step (a final sync and expand,
 episodes no step will train) is no step's: the per-step figures add up to the benchmark's
-(``targets/harness/metrics.py``) over the run up to its last training step. Spans are the harness
+(``targets/harness/measure/metrics.py``) over the run up to its last training step. Spans are the harness
 proxy's stamps of the cluster calls, never the candidate's word.
 
 ====================================  ===================================================================
@@ -49,7 +49,7 @@ finished) and ``system/aborted_turns``.
 
 This module imports nothing from vibetrain but the trace reader (``targets.harness.trace``, with the
 ``targets.harness.clock`` it types against) and the device-activity functions the PNG timeline uses
-(``targets.harness.metrics``), which import only ``targets.api``: an exported project that tracks
+(``targets.harness.measure.metrics``), which import only ``targets.api``: an exported project that tracks
 copies those modules with this one.
 """
 
@@ -64,7 +64,7 @@ from typing import Protocol
 
 from targets.api import TraceEvent
 from targets.errors import UserError
-from targets.harness.metrics import ACTIVITIES, device_intervals, exclusive_activity
+from targets.harness.measure.metrics import ACTIVITIES, device_intervals, exclusive_activity
 from targets.harness.trace import Trace, token_count
 
 KINDS = ("tensorboard", "jsonl")

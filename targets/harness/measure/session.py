@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from targets.api import TraceEvent
-from targets.harness.check_result import CheckResult
-from targets.harness.integrity import harness_digest, scan_stack
-from targets.harness.launch import HarnessRun, Limits, run_harness
-from targets.harness.sandbox import Sandbox
+from targets.harness.isolation.launch import HarnessRun, Limits, run_harness
+from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.judge.check_result import CheckResult
+from targets.harness.judge.integrity import harness_digest, scan_stack
+from targets.harness.measure.run_metrics import run_metrics
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 
@@ -282,8 +283,6 @@ class Session:
         events = Trace.load_events(out / "trace.jsonl")
         if not self.target.simulated:
             checks.append(clock_check(run, events))
-        from targets.harness.benchmark import run_metrics
-
         metrics = run_metrics(self.target.spec, events, run.results["system"])
         return Measurement(checks, metrics, out / "trace.jsonl", seed)
 

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
-from targets.harness.sampling_tests import FALSE_ALARM, SamplingTests
+from targets.harness.judge.sampling_tests import FALSE_ALARM, SamplingTests
 
 if TYPE_CHECKING:
-    from targets.harness.audit import Reasons, TraceIndex
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
     from targets.spec import TargetSpec
 
 REPLAY_ALL_FLOPS = 4e12

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from targets.api import StateDict
-from targets.harness.channel import ProtocolError
+from targets.harness.ipc.protocol import ProtocolError
 
 FLOAT32 = 4  # bytes an element
 TIED = "vibetrain.tied"  # the metadata key naming each tied name's slot

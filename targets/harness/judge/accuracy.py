@@ -34,7 +34,7 @@ from targets.api import (
     TrainingConfig,
     Trajectory,
 )
-from targets.harness.check_result import CheckResult
+from targets.harness.judge.check_result import CheckResult
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer

@@ -19,9 +19,10 @@ from targets.api import (
     TrainBatch,
     TrainingConfig,
 )
-from targets.harness.channel import AsyncChannel, Frame, ProtocolError, Received, SyncChannel
-from targets.harness.weight_export import Layout
-from targets.harness.wire import (
+from targets.harness.ipc.channel import AsyncChannel, Frame, Received, SyncChannel
+from targets.harness.ipc.protocol import ProtocolError
+from targets.harness.ipc.weight_export import Layout
+from targets.harness.ipc.wire import (
     field_of,
     get_aborted,
     get_completion,

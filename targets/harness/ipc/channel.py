@@ -28,14 +28,13 @@ from typing import Any
 import numpy as np
 import orjson
 
+from targets.harness.ipc.protocol import ProtocolError
+from targets.harness.ipc.shared_ring import RingTransport
+
 HEADER = struct.Struct("!I")
 MAX_HEADER_BYTES = 64 << 20
 MAX_FRAME_BYTES = 64 << 30
 DTYPES = {"i4": np.int32, "f8": np.float64, "u1": np.uint8}
-
-
-class ProtocolError(RuntimeError):
-    """A peer sent something that is not a well-formed frame of the protocol (or hung up)."""
 
 
 class Frame:
@@ -286,8 +285,6 @@ class AsyncChannel(asyncio.BufferedProtocol):
     def polled(cls, sock: socket.socket, rings: tuple[mmap.mmap, int] | None = None) -> AsyncChannel:
         """A channel that its virtual-time loop drives itself (``transport.poll()``): over shared-memory
         rings (``rings``: the region and this process's side, see ``shared_ring``), else over ``sock``."""
-        from targets.harness.shared_ring import RingTransport  # (it imports this module)
-
         channel = cls()
         if rings is None:
             sock.setblocking(False)

@@ -111,7 +111,7 @@ def python_paths() -> list[Path]:
     """What a child's Python needs to see: its installation (a virtualenv, say), every import path,
     and the project checkout itself (an editable install's import finder points there without
     putting it on sys.path)."""
-    project = Path(__file__).resolve().parents[2]
+    project = Path(__file__).resolve().parents[3]
     return [
         Path(sys.prefix),
         Path(sys.exec_prefix),

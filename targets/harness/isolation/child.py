@@ -1,4 +1,4 @@
-"""The harness's child process: ``python -m targets.harness.child --target T --stack DIR --out DIR ...``.
+"""The harness's child process: ``python -m targets.harness.isolation.child --target T --stack DIR --out DIR ...``.
 
 It is trusted harness code, and it never runs candidate code itself: every phase starts sandboxed
 candidate processes and reaches them over channels. Phases, in order (``--mode``):
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from targets.harness.clock import WallClock
 from targets.harness.environments.seeds import RunSeed
-from targets.harness.sandbox import Sandbox
+from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 
@@ -42,11 +42,11 @@ TASK_KEY = "VIBETRAIN_TASK_KEY"
 
 
 def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -> dict:
-    from targets.harness.accuracy import check_engine, check_trainer, check_weight_sync
-    from targets.harness.channel import Frame, SyncChannel
-    from targets.harness.drive import CandidateProcesses
-    from targets.harness.remote import RemoteComponents, raise_if_error
-    from targets.harness.wire import put_runtime
+    from targets.harness.ipc.channel import Frame, SyncChannel
+    from targets.harness.ipc.remote import RemoteComponents, raise_if_error
+    from targets.harness.ipc.wire import put_runtime
+    from targets.harness.isolation.processes import CandidateProcesses
+    from targets.harness.judge.accuracy import check_engine, check_trainer, check_weight_sync
 
     runtime, accuracy = target.runtime(), target.spec.accuracy
     processes = CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu)
@@ -72,7 +72,8 @@ def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -
 def run_system(
     target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: RunSeed, steps: int, mark: Callable[[str], None]
 ) -> dict:
-    from targets.harness.drive import CandidateProcesses, drive_real, drive_simulated
+    from targets.harness.isolation.drive import drive_real, drive_simulated
+    from targets.harness.isolation.processes import CandidateProcesses
 
     processes = CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu)
     try:
@@ -88,7 +89,7 @@ def run_system(
             summary["controller_cpu_seconds"] = _children_cpu_s() - children_before if counted else None
             trace.save(out / "trace.jsonl")
             return summary
-        from targets.harness.weight_export import Layout, save_snapshot
+        from targets.harness.ipc.weight_export import Layout, save_snapshot
 
         trace = Trace(WallClock())
         weights = out / "weights"
@@ -115,8 +116,8 @@ def run_system(
                     )
                 )
             if monitor is not None:
-                kind = target.spec.hardware.kind
-                summary["device_memory_mb"] = {f"{kind}:{i}": mb for i, mb in monitor.peaks_mb.items()}
+                names = target.spec.hardware.device_ids()
+                summary["device_memory_mb"] = {names[i]: mb for i, mb in monitor.peaks_mb.items()}
                 summary["peak_device_memory_mb"] = max(monitor.peaks_mb.values())
         finally:
             trace.save(out / "trace.jsonl")
@@ -138,13 +139,13 @@ def device_memory(target: Target):
     """NVML sampling of the GPUs for a GPU target's real run; nothing to sample on CPU."""
     if not target.gpu:
         return contextlib.nullcontext()
-    from targets.harness.device_memory import DeviceMemoryMonitor
+    from targets.harness.isolation.device_memory import DeviceMemoryMonitor
 
     return DeviceMemoryMonitor(target.spec.hardware.count)
 
 
 def run_audit(target: Target, out: Path, steps: int) -> dict:
-    from targets.harness.audit import audit_directory
+    from targets.harness.judge.audit import audit_directory
 
     return {"result": audit_directory(target, out, steps).as_dict()}
 
@@ -164,7 +165,7 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
-    parser = argparse.ArgumentParser(prog="python -m targets.harness.child")
+    parser = argparse.ArgumentParser(prog="python -m targets.harness.isolation.child")
     parser.add_argument("--target", required=True)
     parser.add_argument("--stack", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)

@@ -35,7 +35,8 @@ from targets.api import (
     Trajectory,
     Workload,
 )
-from targets.harness.channel import Frame, ProtocolError, Received
+from targets.harness.ipc.channel import Frame, Received
+from targets.harness.ipc.protocol import ProtocolError
 
 FINISH_REASONS = ("stop", "length", "abort")
 

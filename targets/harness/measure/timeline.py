@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from targets.api import TraceEvent  # noqa: E402
-from targets.harness.metrics import ACTIVITIES, device_intervals, exclusive_activity  # noqa: E402
+from targets.harness.measure.metrics import ACTIVITIES, device_intervals, exclusive_activity  # noqa: E402
 
 COLORS = {"rollout": "#4caf50", "train": "#1f77b4", "sync": "#ff9800", "switching": "#d62728"}
 

@@ -34,10 +34,10 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
-from targets.harness.channel import ProtocolError
+from targets.harness.ipc.protocol import ProtocolError
 
 if TYPE_CHECKING:
-    from targets.harness.channel import AsyncChannel
+    from targets.harness.ipc.channel import AsyncChannel
 
 CAPACITY = 4 << 20  # bytes a ring holds: far more than a simulated burst
 COUNTERS = 4096

@@ -1,4 +1,4 @@
-"""What runs inside a candidate process: ``python -m targets.harness.candidate_process ROLE SOCKET STACK``.
+"""What runs inside a candidate process: ``python -m targets.harness.isolation.candidate_process ROLE SOCKET STACK``.
 
 The harness starts one sandboxed process per role and talks to it only over the channel:
 
@@ -34,11 +34,10 @@ from targets.api import (
     TokenCount,
     TrainBatch,
 )
-from targets.harness import shared_ring
-from targets.harness.channel import AsyncChannel, Frame, Received, SyncChannel
-from targets.harness.sim.virtual_time import FollowerTimeLoop
-from targets.harness.weight_export import Layout, RegionWriter, receive_region
-from targets.harness.wire import (
+from targets.harness.ipc import shared_ring
+from targets.harness.ipc.channel import AsyncChannel, Frame, Received, SyncChannel
+from targets.harness.ipc.weight_export import Layout, RegionWriter, receive_region
+from targets.harness.ipc.wire import (
     PromptMemory,
     get_aborted,
     get_batch,
@@ -57,6 +56,7 @@ from targets.harness.wire import (
     put_state,
     put_tokens,
 )
+from targets.harness.sim.virtual_time import FollowerTimeLoop
 
 ROLES = ("controller", "cluster", "components")
 
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3 or argv[0] not in ROLES + ("controller-virtual",):
         print(
-            f"usage: python -m targets.harness.candidate_process {{{','.join(ROLES)}}} SOCKET STACK_DIR",
+            f"usage: python -m targets.harness.isolation.candidate_process {{{','.join(ROLES)}}} SOCKET STACK_DIR",
             file=sys.stderr,
         )
         return 2

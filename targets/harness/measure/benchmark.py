@@ -16,13 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from targets.api import TraceEvent
 from targets.errors import UserError
-from targets.harness.metrics import compute_metrics
-from targets.harness.session import Measurement, MeasurementFailed, Paired, Session
-from targets.harness.sim.cost_model import CostModel
-from targets.harness.sim.lower_bound import step_lower_bound
-from targets.spec import TargetSpec
+from targets.harness.measure.session import Measurement, MeasurementFailed, Paired, Session
 
 SUMMARIZED = (
     "goodput",
@@ -44,23 +39,6 @@ SUMMARIZED = (
     "kv_preemptions",
 )
 PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does not change what they measure
-
-
-def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) -> dict:
-    """Everything the benchmark reports for one run, from the harness trace (and the child's
-    resource figures: peak process memory for real runs, and peak memory per GPU on a GPU target;
-    peak KV use and KV preemptions for simulated ones)."""
-    devices = [f"{spec.hardware.kind}:{i}" for i in range(spec.hardware.count)]
-    metrics = compute_metrics(events, devices) | step_lower_bound(spec, CostModel.from_spec(spec), events)
-    metrics["lower_bound_fraction"] = (
-        metrics["lower_bound_step_s"] / metrics["step_time_s"] if metrics["step_time_s"] else 0.0
-    )
-    for key in ("peak_process_memory_mb", "peak_device_memory_mb", "device_memory_mb", "peak_kv_fraction"):
-        if key in child_result:
-            metrics[key] = child_result[key]
-    if "preemptions" in child_result:
-        metrics["kv_preemptions"] = child_result["preemptions"]
-    return metrics
 
 
 @dataclass
@@ -105,7 +83,9 @@ class BenchRun:
 
 
 class BenchmarkFailed(UserError, RuntimeError):
-    pass
+    """A benchmarked run failed its checks: the bench cannot go on (the message says which and why)."""
+
+    exit_code = 1
 
 
 def benchmark(

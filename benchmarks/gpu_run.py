@@ -1,0 +1,213 @@
+"""All of the GPU work, as stages, on one GPU machine that starts bare: the first thing to run in any
+session lent a GPU.
+
+    python benchmarks/gpu_run.py prepare [--wheels gpu-wheels]        # here: what the machine lacks
+    python benchmarks/gpu_run.py run --out $OUT [--wheels gpu-wheels]   # there (OUT: where results go)
+    python benchmarks/gpu_run.py run --out /tmp/rehearsal --rehearse    # here: the same stages on CPU
+
+``prepare`` downloads, for the GPU machine's Python (3.12), the wheels vibetrain needs that the machine
+does not have (pydantic, orjson, GitPython and theirs), and bubblewrap's binary; carry that folder with
+the run (64 MiB a call in all). FlashInfer is not carried (62 MB, and a JIT build of minutes): the
+paged engine runs its SDPA path there.
+
+``run`` goes through the stages below, each with its own time limit, and writes ``OUT/stages.json``
+after every one (so a run cut short still returns what it measured), each stage's log beside it:
+
+1. ``setup``: installs the carried wheels, says what the machine is;
+2. ``components``: ``benchmarks/gpu_components.py`` (decode greedy and at temperature 1 against the
+   HBM roofline, prefill, the train step cold and warm, the weight export stage by stage, sleep, wake);
+3. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
+   and per-phase timings kept;
+4. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``;
+5. ``calibrate``: the simulator fitted to the check's trace, and its prediction error.
+
+``--rehearse`` runs the same stages on a one-device variant of the CPU target (the local cluster, as
+the GPU target uses), to prove the script before a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import typer
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+DEVICE_PYTHON = "3.12"  # the GPU machine's (the device tool's README)
+CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "orjson", "gitpython", "gitdb", "smmap")
+STAGES = {  # name: seconds it may take (all of them fit the 10 minutes a device call may run)
+    "setup": 60,
+    "components": 100,
+    "check": 240,
+    "generate": 150,
+    "calibrate": 40,
+}
+
+
+@app.command()
+def prepare(
+    wheels: Path = typer.Option(Path("gpu-wheels"), help="the folder to carry with the run"),
+    python: str = typer.Option(DEVICE_PYTHON, help="the Python the wheels are for (this one's, to rehearse)"),
+) -> None:
+    """Download what the bare GPU machine lacks into WHEELS (run here, where the registries are)."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            python,
+            "--platform",
+            "manylinux2014_x86_64",
+            "--platform",
+            "manylinux_2_17_x86_64",
+            "-d",
+            str(wheels),
+            *CARRIED,
+        ],
+        check=True,
+    )
+    bwrap = shutil.which("bwrap")
+    if bwrap is not None:  # a static enough binary: bubblewrap needs only libc and libcap
+        (wheels / "bin").mkdir(exist_ok=True)
+        shutil.copy2(bwrap, wheels / "bin" / "bwrap")
+    size = sum(p.stat().st_size for p in wheels.rglob("*") if p.is_file())
+    typer.echo(f"{wheels}: {size / 2**20:.1f} MiB to carry ({'with' if bwrap else 'without'} bwrap)")
+
+
+class Stages:
+    """Runs the stages in order, each a subprocess with its limit, recording as it goes."""
+
+    def __init__(self, out: Path, deadline_s: float) -> None:
+        self.out, self.started, self.deadline_s = out, time.monotonic(), deadline_s
+        self.results: dict[str, dict] = {}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        return self.deadline_s - (time.monotonic() - self.started)
+
+    def run(self, name: str, command: list[str], env: dict | None = None, cwd: Path = ROOT) -> bool:
+        limit = min(STAGES[name], self.left())
+        record = {"command": " ".join(command), "limit_s": round(limit, 1)}
+        if limit < 10:
+            record["status"] = "skipped: no time left"
+            self._save(name, record)
+            return False
+        log = self.out / f"{name}.log"
+        started = time.monotonic()
+        with log.open("w") as handle:
+            try:
+                process = subprocess.run(
+                    command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=limit
+                )
+                record["status"] = "ok" if process.returncode == 0 else f"exit {process.returncode}"
+            except subprocess.TimeoutExpired:
+                record["status"] = f"timed out after {limit:.0f} s"
+        record["seconds"] = round(time.monotonic() - started, 2)
+        record["log_tail"] = log.read_text(errors="replace").splitlines()[-15:]
+        self._save(name, record)
+        return record["status"] == "ok"
+
+    def _save(self, name: str, record: dict) -> None:
+        self.results[name] = record
+        summary = {"elapsed_s": round(time.monotonic() - self.started, 1), "stages": self.results}
+        (self.out / "stages.json").write_text(json.dumps(summary, indent=1))
+        typer.echo(f"[{summary['elapsed_s']:6.1f}s] {name}: {record['status']}")
+
+
+def _rehearsal_target(out: Path) -> str:
+    """The CPU target on one device: the local cluster the GPU target's colocate stack uses."""
+    from targets.spec import CATALOG_DIR
+
+    data = yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text())
+    data["id"] = "tiny-qwen3-cpu-one"
+    data["hardware"]["count"] = 1
+    data["workload"].update(batch_size=16, train_steps=3)
+    data["baselines"] = [{"name": "colocate"}]
+    path = out / "rehearsal-target.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@app.command()
+def setup(wheels: Path = typer.Option(Path("gpu-wheels"))) -> None:
+    """Stage 1, on the machine: install the carried wheels, then say what the machine is."""
+    found = sorted(str(p) for p in wheels.glob("*.whl")) if wheels.exists() else []
+    if found:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", *found], check=True)
+    import torch
+
+    typer.echo(f"{platform.platform()}; python {platform.python_version()}; torch {torch.__version__}")
+    typer.echo(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
+    for module in ("pydantic", "orjson", "git", "transformers", "safetensors", "typer", "rich", "yaml", "ray"):
+        try:
+            __import__(module)
+            typer.echo(f"{module}: present")
+        except ImportError as error:
+            typer.echo(f"{module}: missing ({error})")
+    typer.echo(f"bwrap: {shutil.which('bwrap') or 'missing'}")
+
+
+@app.command()
+def run(
+    out: Path = typer.Option(Path(os.environ.get("OUT", "gpu-out")), help="where results go (default $OUT)"),
+    wheels: Path = typer.Option(Path("gpu-wheels"), help="the folder `prepare` filled, carried with the run"),
+    target: str = typer.Option("qwen3-0.6b-h100x1"),
+    rehearse: bool = typer.Option(False, help="the same stages on the CPU target, here"),
+    deadline_s: float = typer.Option(580.0, help="the whole run's time; a stage gets what is left"),
+) -> None:
+    """Every stage, as the GPU session runs it; ``stages.json`` in OUT says what each did."""
+    stages = Stages(out.resolve(), deadline_s)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    if (wheels / "bin" / "bwrap").exists() and shutil.which("bwrap") is None:
+        env["PATH"] = f"{(wheels / 'bin').resolve()}:{env['PATH']}"
+    stages.run("setup", [sys.executable, __file__, "setup", "--wheels", str(wheels.resolve())], env)
+    if rehearse:
+        target = _rehearsal_target(stages.out)
+        components = [sys.executable, "gpu_components.py", "--target", "tiny-qwen3-cpu", "--device", "cpu"]
+        components += ["--batch", "4", "--new-tokens", "8", "--train-batch", "4", "--repeat", "1"]
+    else:
+        components = [sys.executable, "gpu_components.py", "--target", target]
+    stages.run("components", [*components, "--json", str(stages.out / "components.json")], env, ROOT / "benchmarks")
+    vibetrain = [sys.executable, "-m", "orchestrator.cli"]
+    starter = stages.out / "starter"
+    if not starter.exists():
+        subprocess.run([*vibetrain, "starter", target, "--out", str(starter), "--controller", "colocate"], env=env)
+    sandbox = "auto" if shutil.which("bwrap", path=env["PATH"]) else "subprocess"
+    stages.results["sandbox"] = {"status": sandbox}
+    check = [*vibetrain, "check", target, "--stack", str(starter), "--out", str(stages.out / "check")]
+    stages.run("check", [*check, "--json", str(stages.out / "check.json"), "--sandbox", sandbox], env)
+    run_dir = stages.out / "run"
+    generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
+    generate += ["--workspaces", str(stages.out / "workspaces"), "--sandbox", sandbox]
+    stages.run("generate", generate, env)
+    if run_dir.exists():
+        with tarfile.open(stages.out / "run.tar.gz", "w:gz") as tar:
+            tar.add(run_dir, arcname="run")
+    trace = stages.out / "check" / "trace.jsonl"
+    if trace.exists():
+        calibrate = [*vibetrain, "calibrate", target, "--stack", str(starter), "--trace", str(trace)]
+        stages.run("calibrate", [*calibrate, "--out", str(stages.out / "twin.yaml"), "--sandbox", sandbox], env)
+    else:
+        stages._save("calibrate", {"status": "skipped: the check left no trace"})
+    stages.results["machine"] = {"status": platform.node()}
+    stages._save("done", {"status": f"{sum(r.get('status') == 'ok' for r in stages.results.values())} stages ok"})
+
+
+if __name__ == "__main__":
+    app()

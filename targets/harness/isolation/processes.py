@@ -1,0 +1,110 @@
+"""The candidate's processes: each started in the sandbox, connected to the harness by a Unix socket
+of its own, and stopped (with everything it started) at the end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+from targets.harness.ipc.channel import AsyncChannel
+from targets.harness.ipc.remote import CandidateError
+from targets.harness.isolation.process_tree import kill_tree
+from targets.harness.isolation.sandbox import Sandbox
+
+
+class CandidateProcesses:
+    """Starts candidate processes in the sandbox, each connected to the harness by a Unix socket of
+    its own (accepted once, then unlinked), and stops them all at the end."""
+
+    def __init__(self, sandbox: Sandbox, stack_dir: Path, logs: Path, gpus: bool = False) -> None:
+        self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
+        self.root = Path(tempfile.mkdtemp(prefix="vt-", dir="/tmp"))  # short: a socket path has 108 bytes
+        (self.root / "sockets").mkdir()
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._logs: dict[str, IO] = {}
+        self._listeners: dict[str, socket.socket] = {}
+        self._connections: dict[str, int] = {}  # connections each role has yet to make
+
+    def launch(self, role: str, connections: int = 1) -> None:
+        """Starts ``role``, which connects ``connections`` times (each taken by one ``accept``)."""
+        path = self.root / "sockets" / f"{role}.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(connections)
+        self._listeners[role] = listener
+        self._connections[role] = connections
+        scratch = self.root / f"scratch-{role}"
+        scratch.mkdir()
+        command = [
+            sys.executable,
+            "-m",
+            "targets.harness.isolation.candidate_process",
+            role,
+            str(path),
+            str(self.stack_dir),
+        ]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+        command, env = self.sandbox.wrap(
+            command,
+            env,
+            readable=[self.stack_dir, self.root / "sockets"],
+            writable=[scratch],
+            cwd=scratch,
+            gpus=self.gpus,
+        )
+        self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
+        self.processes[role] = subprocess.Popen(
+            command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None, cwd=scratch
+        )
+
+    def accept(self, role: str) -> socket.socket:
+        """The role's next connection, in the order it connects; fails with the process's last words
+        if it dies first. The socket goes once the last connection is made."""
+        listener, process = self._listeners[role], self.processes[role]
+        self._connections[role] -= 1
+        listener.settimeout(0.25)
+        try:
+            while True:
+                try:
+                    connection, _ = listener.accept()
+                    connection.settimeout(None)
+                    return connection
+                except TimeoutError:
+                    if process.poll() is not None:
+                        raise CandidateError(
+                            f"the candidate's {role} process exited with code {process.returncode} before "
+                            f"connecting:\n{self.log_tail(role)}"
+                        ) from None
+        finally:
+            if self._connections[role] == 0 or process.poll() is not None:
+                self._listeners.pop(role).close()
+                (self.root / "sockets" / f"{role}.sock").unlink(missing_ok=True)
+
+    def log_tail(self, role: str, lines: int = 15) -> str:
+        self._logs[role].flush()
+        return "\n".join((self.logs / f"{role.split('-')[0]}.log").read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_tree(process.pid, signal.SIGKILL)
+                process.wait()
+        for log in self._logs.values():
+            log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+async def channel_of(processes: CandidateProcesses, role: str) -> AsyncChannel:
+    """The role's (first) connection as a channel."""
+    return await AsyncChannel.over(processes.accept(role))

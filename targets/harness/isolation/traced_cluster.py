@@ -1,0 +1,139 @@
+"""The harness's proxy in front of a cluster: the one place a candidate's cluster is reached during a
+system run. Every call is stamped with the harness's clock into its trace, and after every training
+step the weights are exported and sealed (``ipc/weight_export.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from targets.api import Aborted, Cluster, Completion, Device, GenerateRequest, TrainBatch
+from targets.harness.ipc.protocol import ProtocolError
+from targets.harness.ipc.weight_export import WeightExporter
+from targets.harness.sim.cluster import Answer, SimCluster
+from targets.harness.trace import Trace
+
+
+class TracedCluster:
+    """The harness's proxy in front of a cluster: every call stamped into the trace, the weights
+    exported after every training step (a real run's; ``weight_export.py``). ``steps`` counts
+    training steps as the harness saw them."""
+
+    def __init__(self, inner: Cluster, trace: Trace, exporter: WeightExporter | SimCluster) -> None:
+        self.inner, self.trace, self.exporter = inner, trace, exporter
+        self.devices: list[Device] = list(inner.devices)
+        self.by_id = {d.id: d for d in self.devices}
+        self.steps = 0
+        self._resident: dict | None = None
+
+    def generate_then(self, request: GenerateRequest, done: Answer) -> asyncio.Task | None:
+        """Serve ``request`` on the cluster and record it; ``done`` is told its completion or the
+        error it ended in. The simulator answers by callback; a cluster that answers only by await
+        (a candidate's) gets a task, returned so the caller can cancel it at the end of the run."""
+        start = self.trace.clock.now()
+
+        def recorded(result: Completion | BaseException) -> None:
+            if isinstance(result, Completion):
+                self._record(request, result, start, aborted=False)
+            elif isinstance(result, Aborted) and result.partial is None:
+                self.trace.record("generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True)
+            elif isinstance(result, Aborted):  # what it decoded is recorded: a resumed turn's response is checked
+                self._record(request, result.partial, start, aborted=True)
+            done(result)
+
+        then = getattr(self.inner, "generate_then", None)
+        if then is not None:
+            then(request, recorded)
+            return None
+        task = asyncio.ensure_future(self.inner.generate(request))
+        task.add_done_callback(lambda task: None if task.cancelled() else recorded(task.exception() or task.result()))
+        return task
+
+    def _record(self, request: GenerateRequest, completion: Completion, start: float, aborted: bool) -> None:
+        tokens, p = self.trace.tokens, request.params
+        self.trace.record(
+            "generate",
+            episode=request.episode_id,
+            turn=request.turn,
+            start=start,
+            aborted=aborted,
+            device=completion.device,
+            routed=request.device,
+            prompt=tokens(request.prompt),
+            continues=request.continues,
+            tokens=tokens(completion.tokens),
+            logprobs=tokens(completion.logprobs),
+            version=completion.weight_version,
+            finish=completion.finish_reason,
+            temperature=p.temperature,
+            max_new_tokens=p.max_new_tokens,
+            stop=list(p.stop_token_ids),
+        )
+
+    async def _timed(self, kind, devices: Sequence[Device], call, **data) -> None:
+        start = self.trace.clock.now()
+        await call
+        self.trace.record(kind, start=start, devices=[d.id for d in devices], **data)
+        if kind != "sync":
+            await self._residency()
+
+    async def _residency(self) -> None:
+        """Who holds each device now, in the cluster's words (recorded when it changes)."""
+        state = await self.inner.residency()
+        if not isinstance(state, dict) or not all(
+            isinstance(v, list) and all(isinstance(c, str) for c in v) for v in state.values()
+        ):
+            raise ProtocolError(f"residency must map devices to lists of component names, got {str(state)[:200]}")
+        if state != self._resident:
+            self._resident = state
+            self.trace.record("device_state", resident={k: sorted(v) for k, v in state.items()})
+
+    async def shrink(self, devices: Sequence[Device]) -> None:
+        await self._timed("shrink", devices, self.inner.shrink(devices))
+
+    async def expand(self, devices: Sequence[Device]) -> None:
+        await self._timed("expand", devices, self.inner.expand(devices))
+
+    async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
+        await self._timed(
+            "sync", devices, self.inner.sync_weights(version, devices, interrupt), version=version, interrupt=interrupt
+        )
+
+    async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
+        """The batch is recorded as the harness received it (what the trainer gets and the audit
+        replays); ``start`` is when those episodes stopped being in flight."""
+        start = self.trace.clock.now()
+        await self.exporter.saved()  # the previous version's snapshot is on disk before the next step
+        self.steps += 1
+        step, tokens = self.steps, self.trace.tokens
+        version = await self.inner.train(batch, devices)
+        self.trace.record(
+            "train",
+            start=start,
+            step=step,
+            devices=[d.id for d in devices],
+            version=version,
+            advantages=list(batch.advantages),
+            trajectories=[
+                {
+                    "episode": t.episode_id,
+                    "group": t.group_id,
+                    "tokens": tokens(t.tokens),
+                    "loss_mask": tokens(t.loss_mask),
+                    "logprobs": tokens(t.logprobs),
+                    "reward": t.reward,
+                }
+                for t in batch.trajectories
+            ],
+        )
+        export_start = self.trace.clock.now()
+        await self.exporter.export(step)
+        self.trace.record("weight_export", start=export_start, step=step)
+        await self._residency()
+        return version
+
+    async def suspend(self) -> None:
+        await self._timed("suspend", self.devices, self.inner.suspend())
+
+    async def resume(self) -> None:
+        await self._timed("resume", self.devices, self.inner.resume())

@@ -1,0 +1,336 @@
+"""The audit's rules for work that is dropped, deferred, cancelled or restarted: each is a way to
+choose which samples train, so each has its rule (a drop's reason must hold when it is made, a
+deferral only of a group that waited a whole step, a partial is what the request decoded, an abort
+has its cause), and ``check_selection`` nets them all: the trained episodes against every episode
+launched (docs/judge.md)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import Counter, defaultdict
+
+from targets.api import TraceEvent
+from targets.harness.judge.trace_index import ABORT_SLACK_S, Reasons, TraceIndex, staleness_bound
+from targets.harness.trace import token_count
+from targets.spec import TargetSpec
+
+
+def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
+    """Each drop's reason must hold when it was made. Staleness is judged per group, as a buffer
+    that trains whole groups must: a group with one member beyond the bound goes whole."""
+    workload, bound = spec.workload, staleness_bound(ix, spec)
+    last_train_end = max((t.t for t in ix.trains), default=None)
+    redundant = Counter()
+    for episode, e in ix.dropped.items():
+        reason = e.data["reason"]
+        if reason == "end_of_run":
+            if last_train_end is not None and e.t < last_train_end:
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as end_of_run at {e.t:.2f}s, before the last training step",
+                )
+        elif reason == "stale":
+            policy = ix.policy_at(e.t)
+            group = ix.group_of.get(episode)
+            versions = [
+                v
+                for m in ix.members.get(group, [])
+                for g in ix.generated.get(m, [])
+                if g.t <= e.t
+                for v in ix.response(g).versions
+            ]
+            if not versions or policy - min(versions) <= bound:
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as stale but every turn of its group is within "
+                    f"async_ratio {bound} of policy {policy}",
+                )
+        elif reason == "max_sequence":
+            if episode not in ix.resets:
+                r.add("unjustified drop", f"episode {episode} dropped for max_sequence before it was reset")
+                continue
+            length = token_count(ix.context_tokens(episode, len(ix.env_steps.get(episode, []))))
+            if length + workload.tokens.response <= workload.tokens.max_sequence:
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped for max_sequence at {length} tokens, which still fits",
+                )
+        elif reason == "redundant":
+            group = ix.group_of.get(episode)
+            redundant[group] += 1
+            finished_before = sum(
+                1 for m in ix.members.get(group, []) if m != episode and (ix.finished_at(m) or math.inf) <= e.t
+            )
+            if ix.declared.redundant_per_group == 0:
+                r.add(
+                    "unjustified drop", f"episode {episode} dropped as redundant, but the stack declares no redundancy"
+                )
+            elif finished_before < workload.group_size:
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as redundant at {e.t:.2f}s, when only {finished_before} of its "
+                    f"group {group} had finished (a group needs {workload.group_size})",
+                )
+            else:
+                # A spare is a member the group did not need: one still running when the group had
+                # ``group_size`` finished, or finishing with the last of them. Dropping an earlier
+                # finisher instead picks, after the fact, which members train (the lowest rewards, say).
+                finishes = sorted(t for m in ix.members.get(group, []) if (t := ix.finished_at(m)) is not None)
+                own, complete = ix.finished_at(episode), finishes[workload.group_size - 1]
+                if own is not None and own < complete:
+                    r.add(
+                        "unjustified drop",
+                        f"episode {episode} finished at {own:.2f}s, before its group {group} had "
+                        f"{workload.group_size} finished ({complete:.2f}s), and was dropped as redundant: a spare "
+                        "is a member the group did not need, not one picked once all had finished",
+                    )
+        elif reason == "deferred":
+            group = ix.group_of.get(episode)
+            finished = sum(1 for m in ix.members.get(group, []) if (ix.finished_at(m) or math.inf) <= e.t)
+            if not ix.declared.tail_round:
+                r.add(
+                    "unjustified drop", f"episode {episode} dropped as deferred, but the stack declares no tail_round"
+                )
+            elif group in ix.relaunch_of:
+                r.add("deferral", f"episode {episode} dropped as deferred, but its group {group} was itself a relaunch")
+            elif finished >= workload.group_size:
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as deferred at {e.t:.2f}s, when its group {group} had "
+                    f"{finished} finished members: only an unfinished group may be deferred",
+                )
+            elif not any(ix.created_at.get(group, math.inf) < t.data["start"] < e.t for t in ix.trains):
+                # Deferring a group that has not waited through a whole step picks which episodes train:
+                # on a real run the relaunch redraws them, so deferring early is resampling the long ones.
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped as deferred at {e.t:.2f}s, but its group {group} was launched at "
+                    f"{ix.created_at.get(group, math.nan):.2f}s and no batch was taken between: only a group that "
+                    "waited through a whole step may be deferred",
+                )
+    for group, count in redundant.items():
+        if ix.declared.redundant_per_group and count > ix.declared.redundant_per_group:
+            r.add(
+                "redundancy",
+                f"group {group} dropped {count} episodes as redundant, over the declared "
+                f"{ix.declared.redundant_per_group} per group",
+            )
+
+
+def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
+    """A deferred group goes whole, and its task runs again once: deferral may postpone a task the
+    stack finds long, never discard it (at most ``tail_round - 1`` wait unrelaunched at the end)."""
+    deferred = {ix.group_of.get(episode) for episode, e in ix.dropped.items() if e.data["reason"] == "deferred"}
+    for group in sorted(deferred, key=lambda g: ix.group_order.get(g, 0)):
+        kept = [
+            m
+            for m in ix.members.get(group, [])
+            if ix.dropped.get(m) is None or ix.dropped[m].data["reason"] != "deferred"
+        ]
+        if kept:
+            r.add("deferral", f"group {group} was deferred in part: {kept[0]} was not dropped as deferred")
+    relaunches = Counter(ix.relaunch_of.values())
+    for group, count in relaunches.items():
+        if group not in deferred:
+            r.add("deferral", f"a group relaunched {group}, which was never deferred")
+        elif count > 1:
+            r.add("deferral", f"deferred group {group}'s task was relaunched {count} times")
+    # Deferred in the last step with nothing launched after it: no relaunch could have been trained,
+    # so these go uncounted, as end_of_run drops would.
+    last_step_from = ix.trains[-2].t if len(ix.trains) >= 2 else math.inf
+    last_created = max((e.t for e in ix.by_kind["episode_created"]), default=-math.inf)
+
+    def too_late(group: str) -> bool:
+        at = min(ix.dropped[m].t for m in ix.members.get(group, []) if m in ix.dropped)
+        return at >= last_step_from and at >= last_created
+
+    # A relaunch made once the last training step has ended runs nothing that could be trained: its
+    # task waits as much as one never relaunched (else a stack could defer every slow group and, at
+    # the end, relaunch each and drop it at once as end_of_run).
+    last_train_end = max((t.t for t in ix.trains), default=math.inf)
+    created_at: dict[str, float] = {}
+    for e in ix.by_kind["episode_created"]:
+        created_at.setdefault(e.data["group"], e.t)
+    ran_again = {task for group, task in ix.relaunch_of.items() if created_at[group] < last_train_end}
+    waiting = [g for g in deferred if g not in ran_again and not too_late(g)]
+    if len(waiting) > max(0, ix.declared.tail_round - 1):
+        r.add(
+            "deferral",
+            f"{len(waiting)} deferred groups' tasks never ran again (e.g. {sorted(waiting)[0]}); a stack with "
+            f"tail_round {ix.declared.tail_round} may leave at most {max(0, ix.declared.tail_round - 1)}",
+        )
+
+
+def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
+    """Resuming is declared, and then total: a stack that resumed some interrupted turns and
+    restarted others could keep the partial responses it likes and resample the rest."""
+    for episode in ix.trained_in:
+        for g in ix.generated.get(episode, []):
+            response, turn = ix.response(g), g.data["turn"]
+            if len(response.segments) > 1 and not ix.declared.partial_rollout:
+                r.add(
+                    "undeclared continuation",
+                    f"episode {episode} turn {turn} resumed an interrupted response, but the stack does not "
+                    "declare partial_rollout",
+                )
+            if ix.declared.partial_rollout:
+                for a in ix.partials.get(episode, []):
+                    if a.data["turn"] == turn and token_count(a.data["tokens"]) and a not in response.segments:
+                        r.add(
+                            "discarded partial",
+                            f"episode {episode} turn {turn}: {token_count(a.data['tokens'])} interrupted tokens "
+                            "were discarded and the turn generated anew (partial_rollout resumes every one)",
+                        )
+
+
+# The selection audit's documented biases: by how much (in standard deviations of the launched
+# episodes) the trained episodes may be shorter, in turns or response tokens, or better rewarded
+# than every episode launched (those dropped at the end of the run aside), for what a stack declares.
+# A stack that declares nothing may drop only stale or overlong episodes: a small allowance. Spares
+# keep the first ``group_size`` finishers of each group, the shorter ones (measured on the CPU target:
+# ``benchmarks/judge_false_alarms.py``); tail batching relaunches a deferred task, whose first
+# episodes are never trained. A target may set its own bound (``accuracy.selection_bias``).
+SELECTION_BIAS_BASE = 0.25
+
+
+SELECTION_BIAS_PER_SPARE = 0.25
+
+
+SELECTION_BIAS_TAIL = 0.25
+
+
+def selection_bound(ix: TraceIndex, spec: TargetSpec) -> float:
+    if spec.accuracy.selection_bias is not None:
+        return spec.accuracy.selection_bias
+    declared = ix.declared
+    return (
+        SELECTION_BIAS_BASE
+        + SELECTION_BIAS_PER_SPARE * declared.redundant_per_group
+        + (SELECTION_BIAS_TAIL if declared.tail_round else 0.0)
+    )
+
+
+def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
+    """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
+    has its rule above; this is the net over all of them: the trained episodes against every episode
+    launched (at its progress when it was dropped, if it never finished; those dropped at the run's
+    end aside, since nothing could train them), in turns, response tokens and reward. The trained may
+    be shorter or better rewarded by at most the bound (``selection_bound``), in standard deviations
+    of the launched ones."""
+    launched = [e for e in ix.created if not (e in ix.dropped and ix.dropped[e].data["reason"] == "end_of_run")]
+    trained = [e for e in launched if e in ix.trained_in]
+    details: dict = {"selection_bound": selection_bound(ix, spec)}
+    if len(trained) == len(launched) or len(trained) < 2:
+        return details
+
+    def measured(episodes: list[str]) -> dict[str, list[float]]:
+        steps = [ix.env_steps.get(e, []) for e in episodes]
+        return {
+            "turns": [float(len(s)) for s in steps],
+            "response tokens": [float(sum(token_count(x.data["action"]) for x in s)) for s in steps],
+            "reward": [float(sum(x.data["reward"] for x in s)) for s in steps],
+        }
+
+    everything, kept = measured(launched), measured(trained)
+    for name in everything:
+        spread = statistics.pstdev(everything[name])
+        if spread == 0:
+            continue
+        shift = (statistics.fmean(kept[name]) - statistics.fmean(everything[name])) / spread
+        favoured = shift if name == "reward" else -shift  # shorter, or better rewarded
+        details[f"selection_{name.replace(' ', '_')}"] = shift
+        if favoured > details["selection_bound"]:
+            how = "better rewarded" if name == "reward" else "shorter"
+            r.add(
+                "selection",
+                f"the {len(trained)} trained episodes are {how} than the {len(launched)} launched by {favoured:.2f} "
+                f"standard deviations of {name} (mean {statistics.fmean(kept[name]):.2f} against "
+                f"{statistics.fmean(everything[name]):.2f}), over the bound of {details['selection_bound']:.2f} "
+                "for what the stack declares",
+            )
+    return details
+
+
+# An engine receives a cluster's requests a little after the harness stamps them (the cluster process
+# serves calls concurrently). Order slack for the partial-progress rule: a request stamped this much
+# later than another reached the engine after it. Over the 95 honest runs of
+# benchmarks/judge_false_alarms.py (1,270 interrupted requests, 217 of them with nothing decoded) no
+# request the same engine received later had decoded a token before an empty one was interrupted, at
+# any slack (the harness forwards calls in the order it stamps them; a cluster and its actors keep
+# it); the interrupted requests of the CPU target run 10-30 ms, so the slack must be small.
+ORDER_SLACK_S = 0.0005
+
+
+def check_partial_progress(ix: TraceIndex, r: Reasons) -> None:
+    """With ``partial_rollout`` an interrupted request's partial is what it decoded, and the turn
+    resumes from it: a cluster that reports an empty partial for a request it had decoded restarts
+    the turn from scratch, choosing which responses it keeps. Engines admit requests in the order they
+    arrive and preempt the youngest first (``targets.api.Aborted``), so once a request the same engine
+    received later has produced a token, an earlier one has too: an empty partial after that is a
+    reason. Real runs only (a simulated engine is the harness's). An engine that prefills a long prompt
+    in chunks across steps while admitting later short ones could decode those first: with long
+    prompts, such an engine should report its partials honestly or not declare ``partial_rollout``."""
+    if not ix.declared.partial_rollout or not ix.tokens_recorded:
+        return
+    by_engine: dict[str, list[TraceEvent]] = defaultdict(list)
+    for gs in [*ix.generated.values(), *ix.partials.values()]:
+        for g in gs:
+            by_engine[ix.engine(g.data["device"])].append(g)
+    for g in ix.by_kind["generate"]:
+        if g.data["aborted"] and "tokens" not in g.data and g.data.get("device"):
+            by_engine[ix.engine(g.data["device"])].append(g)
+    for engine, requests in by_engine.items():
+        requests.sort(key=lambda g: g.data["start"])
+        starts = [g.data["start"] for g in requests]
+        # From index i on: the earliest moment one of them is known to have decoded a token: when it
+        # completed, or, interrupted with tokens, a little before its reply (the interruption that cut
+        # it short cut the others on its engine short at once; their replies come in any order)
+        first_token_by = [math.inf] * (len(requests) + 1)
+        for i in range(len(requests) - 1, -1, -1):
+            b = requests[i]
+            decoded = token_count(b.data.get("tokens", [])) > 0
+            by = (b.t - ABORT_SLACK_S if b.data["aborted"] else b.t) if decoded else math.inf
+            first_token_by[i] = min(first_token_by[i + 1], by)
+        for a in requests:
+            if not a.data["aborted"] or token_count(a.data.get("tokens", [])) > 0:
+                continue
+            later = bisect.bisect_right(starts, a.data["start"] + ORDER_SLACK_S)
+            if first_token_by[later] <= a.t:
+                r.add(
+                    "empty partial",
+                    f"episode {a.data['episode']} turn {a.data['turn']} was interrupted on {engine} at {a.t:.2f}s "
+                    f"with no token decoded, after a request that engine received later had decoded one "
+                    f"(engines serve in arrival order): the partial was discarded, and the turn resampled",
+                )
+
+
+def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
+    """An interrupted request is one a shrink, a suspend or an interrupting sync cut short on the
+    engine it ran on, while it was in flight: a cluster that aborts on its own could resample the turns
+    it dislikes (the long ones, or those that missed the reward) and hand the controller only the ones
+    it likes. So every abort names its engine (``Aborted.partial``, possibly empty), and a call in
+    progress must cover that engine."""
+    slack = ix.reply_slack(spec)
+    calls = ix.by_kind["shrink"] + ix.by_kind["suspend"] + [e for e in ix.by_kind["sync"] if e.data.get("interrupt")]
+    causes = [({ix.engine(d) for d in e.data["devices"]}, e.data["start"], e.t) for e in calls]
+    for g in ix.by_kind["generate"]:
+        if not g.data["aborted"]:
+            continue
+        where = f"episode {g.data['episode']} turn {g.data['turn']} was aborted at {g.t:.2f}s"
+        device = g.data.get("device")
+        if not device:
+            r.add(
+                "unexplained abort",
+                f"{where} without naming the engine that served it (an Aborted carries its partial: what "
+                "the engine decoded, possibly nothing, and where)",
+            )
+        elif not any(
+            ix.engine(device) in engines and g.data["start"] <= end and start <= g.t <= end + slack
+            for engines, start, end in causes
+        ):
+            r.add(
+                "unexplained abort",
+                f"{where} on {device} with no shrink, suspend or interrupting sync of it in progress",
+            )

@@ -98,8 +98,8 @@ class Loop:
                 break
             record = self.round(self.state.next_round, *proposal, llm_before)
             self.finish_round(record)
-            if record.task.source == "starter" and self.state.best is None:
-                continue  # the next turn says why the run cannot go on
+            if record.task.source == "starter":
+                continue  # the next turn calibrates the first twin, or says why the run cannot go on
             if self.prescreen.on and record.verdict == "accepted" and self.state.twin is not None:
                 self.calibrate_twin()  # one more real run to learn from
             self.state.seconds_used = spent_before + time.monotonic() - started

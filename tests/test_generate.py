@@ -188,6 +188,8 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monk
 
     def cheating(self, task, workspace, feedback, hints=(), context=None):  # every later round reports its own metrics
         attempt = original(self, task, workspace, feedback, hints)
+        if task.source == "starter":
+            return attempt
         (workspace / "stack" / "report.py").write_text("def report(n, s):\n    return {'rollout_throughput': n / s}\n")
         return attempt
 

@@ -482,7 +482,7 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
     assert "Implementer: static_split: 1 rollout + 1 train device" in commit.message  # the agent's own account
     assert "Change: static_split: 1 rollout + 1 train device" in repo.git.show(f"{commit.hexsha}:DESIGN.md")
     assert json.loads(repo.git.show(f"{commit.hexsha}:stack/params.json"))["controller"] == "static_split"
-    assert any(h["code"] == "llm_note" for h in state.record(1).hints)
+    assert any(h.code == "llm_note" for h in state.record(1).hints)
     calls = 6 if provider == "openai" else 5  # implementer 3, judge, evaluator (+ the planner)
     assert state.record(1).llm["calls"] == calls and state.record(1).llm["input_tokens"] == 100 * calls
     if provider == "openai":

@@ -281,29 +281,55 @@ def check_partial_progress(ix: TraceIndex, r: Reasons) -> None:
     for g in ix.by_kind["generate"]:
         if g.data["aborted"] and "tokens" not in g.data and g.data.get("device"):
             by_engine[ix.engine(g.data["device"])].append(g)
+    causes = interruptions(ix, ABORT_SLACK_S)
     for engine, requests in by_engine.items():
         requests.sort(key=lambda g: g.data["start"])
         starts = [g.data["start"] for g in requests]
-        # From index i on: the earliest moment one of them is known to have decoded a token: when it
-        # completed, or, interrupted with tokens, a little before its reply (the interruption that cut
-        # it short cut the others on its engine short at once; their replies come in any order)
-        first_token_by = [math.inf] * (len(requests) + 1)
+        # From index i on: the earliest completion of one that decoded (its token came before it)
+        completed_by = [math.inf] * (len(requests) + 1)
         for i in range(len(requests) - 1, -1, -1):
             b = requests[i]
-            decoded = token_count(b.data.get("tokens", [])) > 0
-            by = (b.t - ABORT_SLACK_S if b.data["aborted"] else b.t) if decoded else math.inf
-            first_token_by[i] = min(first_token_by[i + 1], by)
+            done = not b.data["aborted"] and token_count(b.data.get("tokens", [])) > 0
+            completed_by[i] = min(completed_by[i + 1], b.t if done else math.inf)
+        # Per interruption, the latest-received request it cut short that had decoded a token (the
+        # interruption cut every request on its engine at once: their replies come in any order)
+        latest_decoding: dict[int, float] = {}
+        for b in requests:
+            cause = causes.get(id(b))
+            if b.data["aborted"] and cause is not None and token_count(b.data.get("tokens", [])) > 0:
+                latest_decoding[cause] = max(latest_decoding.get(cause, -math.inf), b.data["start"])
         for a in requests:
             if not a.data["aborted"] or token_count(a.data.get("tokens", [])) > 0:
                 continue
             later = bisect.bisect_right(starts, a.data["start"] + ORDER_SLACK_S)
-            if first_token_by[later] <= a.t:
+            cause = causes.get(id(a))
+            interrupted_later = (
+                cause is not None and latest_decoding.get(cause, -math.inf) > a.data["start"] + ORDER_SLACK_S
+            )
+            if completed_by[later] <= a.t or interrupted_later:
                 r.add(
                     "empty partial",
                     f"episode {a.data['episode']} turn {a.data['turn']} was interrupted on {engine} at {a.t:.2f}s "
                     f"with no token decoded, after a request that engine received later had decoded one "
                     f"(engines serve in arrival order): the partial was discarded, and the turn resampled",
                 )
+
+
+def interruptions(ix: TraceIndex, slack: float) -> dict[int, int]:
+    """Which call (a shrink, a suspend or an interrupting sync, by index) cut each interrupted request
+    short: the first in progress on its engine when its reply came (``id`` of the event -> index)."""
+    calls = ix.by_kind["shrink"] + ix.by_kind["suspend"] + [e for e in ix.by_kind["sync"] if e.data.get("interrupt")]
+    spans = [({ix.engine(d) for d in e.data["devices"]}, e.data["start"], e.t) for e in calls]
+    found: dict[int, int] = {}
+    for g in ix.by_kind["generate"]:
+        device = g.data.get("device")
+        if not g.data["aborted"] or not device:
+            continue
+        for k, (engines, start, end) in enumerate(spans):
+            if ix.engine(device) in engines and g.data["start"] <= end and start <= g.t <= end + slack:
+                found[id(g)] = k
+                break
+    return found
 
 
 def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:

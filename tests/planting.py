@@ -34,6 +34,7 @@ def planted(
 # -- the judge's statistical and selection plants, shared by tests/test_isolation.py and
 # benchmarks/judge_false_alarms.py (which measures the tests' power on them) ---------------------------
 
+FIRED = "planted: a partial emptied"  # in cluster.log each time the empty-partials plant acts
 SAMPLED = "            chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)\n"
 GENERATE = "    async def generate(self, request: GenerateRequest) -> Completion:\n"
 DECODE = (
@@ -83,12 +84,13 @@ PLANTS: dict[str, tuple[str, list[tuple[str, str, str]], dict, str]] = {
     "empty_partials": (
         "time_multiplex",
         [
-            ("ray_cluster.py", "import asyncio\n", "import asyncio\nimport dataclasses\n"),
+            ("ray_cluster.py", "import asyncio\n", "import asyncio\nimport dataclasses\nimport sys\n"),
             (
                 "ray_cluster.py",
                 '        if completion.finish_reason == "abort":\n',
                 '        if completion.finish_reason == "abort" and len(completion.tokens) > 1:  # planted: a restart\n'
                 "            completion = dataclasses.replace(completion, tokens=[], logprobs=[])\n"
+                f'            print("{FIRED}", file=sys.stderr, flush=True)\n'
                 '        if completion.finish_reason == "abort":\n',
             ),
         ],

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from planting import PLANTS, plant, planted
+from planting import FIRED, PLANTS, plant, planted
 from typer.testing import CliRunner
 
 from agents.offline.evaluator import OfflineEvaluator
@@ -19,6 +19,7 @@ from targets.harness.isolation.launch import Limits
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.measure.session import Session
 from targets.harness.target import Target
+from targets.spec import CATALOG_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -298,17 +299,19 @@ def _state(pid: int) -> str:
 
 
 def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, fast_target, sandbox):
-    """The plant recognises the check by its first group's opening observation, as the public seed 0
-    makes it, and launches more episodes than training needs unless it sees that observation. Under
-    the public derivation (what every check ran before the workload key) it passes; a check draws a
-    secret key and seed, so the plant never recognises it and is rejected."""
+    """The plant recognises the check by its first eight groups' opening observations, as the public
+    seed 0 makes them, and launches more episodes than training needs once one differs. Under the
+    public derivation (what every check ran before the workload key) it passes; a check draws a secret
+    key and seed, so the plant never recognises it and is rejected. (One opening would not do: the
+    CPU target's shows one of four letters, so a secret draw matched it one run in four.)"""
     from targets.harness.clock import WallClock
     from targets.harness.environments import EnvironmentPool
     from targets.harness.trace import Trace
     from targets.spec import parse_target
 
     spec = parse_target(__import__("yaml").safe_load(fast_target.read_text()))
-    known = EnvironmentPool(spec.workload, WallClock(), Trace(WallClock()), seed=0).new_group()[0].reset_now()
+    pool = EnvironmentPool(spec.workload, WallClock(), Trace(WallClock()), seed=0)
+    known = {f"g{k}": list(pool.new_group()[0].reset_now()) for k in range(8)}
     stack = planted(
         tmp_path / "c",
         fast_target,
@@ -317,8 +320,9 @@ def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, f
             "env_manager.py": (
                 "        t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())",
                 "        t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())\n"
-                "        if episode.episode_id == 'g0/e0':  # planted: is this the check's known first task?\n"
-                f"            SEEN['check'] = list(t.tokens) == {list(known)}",
+                "        if episode.episode_id in {f'{g}/e0' for g in KNOWN}:  # planted: the check's known tasks?\n"
+                "            if list(t.tokens) != KNOWN[episode.group_id]:\n"
+                "                SEEN['check'] = False",
             ),
             "controller_base.py": (
                 "            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups))",
@@ -332,7 +336,7 @@ def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, f
         (
             "env_manager.py",
             "from .sample_buffer import GroupBuffer\n",
-            "from .sample_buffer import GroupBuffer\n\nSEEN = {}\n",
+            f"from .sample_buffer import GroupBuffer\n\nSEEN = {{}}\nKNOWN = {known!r}\n",
         ),
         (
             "controller_base.py",
@@ -357,7 +361,15 @@ def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_tar
     test's sum stays near its target: it caught this plant in 1 of 3 runs, the stop calibration in
     every one), one decode copied to every request for the same prompt, empty partials
     for turns that had decoded (so they restart from scratch), deferral of groups that had not waited a
-    whole step (a relaunch redraws them)."""
-    measurement = _session(fast_target, sandbox).measure(plant(name, tmp_path / "c", fast_target), tmp_path / "o", 3)
+    whole step (a relaunch redraws them).
+
+    The empty-partial rule needs a witness (a request the engine received later that decoded first):
+    on the fast target's four steps it found one in 2 of 6 runs where the plant acted, on the CPU
+    target's eight steps in every run (benchmarks/judge_false_alarms.py), so that plant runs there."""
+    target = CATALOG_DIR / "tiny-qwen3-cpu.yaml" if name == "empty_partials" else fast_target
+    out = tmp_path / "o"
+    measurement = _session(target, sandbox).measure(plant(name, tmp_path / "c", target), out, 3)
     reasons = _reasons(measurement)
+    if name == "empty_partials":
+        assert FIRED in (out / "cluster.log").read_text()  # the plant acted in this run
     assert PLANTS[name][3] in reasons, reasons

@@ -363,13 +363,17 @@ def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_tar
     for turns that had decoded (so they restart from scratch), deferral of groups that had not waited a
     whole step (a relaunch redraws them).
 
-    The empty-partial rule needs a witness (a request the engine received later that decoded first):
-    on the fast target's four steps it found one in 2 of 6 runs where the plant acted, on the CPU
-    target's eight steps in every run (benchmarks/judge_false_alarms.py), so that plant runs there."""
+    The empty-partial rule needs a witness (a request the engine received later that decoded first).
+    On the fast target's four steps it found one in 2 of 6 runs in which the plant acted; on the CPU
+    target's eight steps in 9 of 10, so that plant runs there, on up to three seeds as a candidate's
+    check and measured runs are each audited: it must act in every run, and be caught in one."""
     target = CATALOG_DIR / "tiny-qwen3-cpu.yaml" if name == "empty_partials" else fast_target
-    out = tmp_path / "o"
-    measurement = _session(target, sandbox).measure(plant(name, tmp_path / "c", target), out, 3)
-    reasons = _reasons(measurement)
-    if name == "empty_partials":
-        assert FIRED in (out / "cluster.log").read_text()  # the plant acted in this run
+    candidate = plant(name, tmp_path / "c", target)
+    for seed in (3, 4, 5) if name == "empty_partials" else (3,):
+        out = tmp_path / f"o{seed}"
+        reasons = _reasons(_session(target, sandbox).measure(candidate, out, seed))
+        if name == "empty_partials":
+            assert FIRED in (out / "cluster.log").read_text()  # the plant acted in this run
+        if PLANTS[name][3] in reasons:
+            break
     assert PLANTS[name][3] in reasons, reasons

@@ -83,6 +83,31 @@ def test_aborting_one_request_leaves_the_others_right(path, tiny_model):
         assert requests[i].generated == reference_greedy(tiny_model, prompts[i], 20).tokens, i
 
 
+@pytest.mark.parametrize("separate", [False, True])
+def test_separated_prefill_leaves_every_decode_step_pure_and_the_tokens_unchanged(path, tiny_model, separate):
+    """Requests admitted while others decode: a mixed step runs eagerly on a GPU (no captured graph
+    replays it). Separated, each step prefills or decodes, never both, decode waits at most one step,
+    and the tokens are the reference's."""
+    engine = PagedEngine(path, block_size=4, kv_tokens=2048, separate_prefill=separate)
+    steps: list[list[int]] = []
+    forward = engine._forward
+    engine._forward = lambda layout, tokens: (steps.append(list(layout.new)), forward(layout, tokens))[1]
+    prompts = fixed_prompts(6)
+    requests = [engine.submit(p, _greedy(12)) for p in prompts[:4]]
+    for _ in range(3):
+        engine.step()
+    requests += [engine.submit(p, _greedy(12)) for p in prompts[4:]]
+    while not all(r.finish for r in requests):
+        engine.step()
+    mixed = [new for new in steps if max(new) > 1 and min(new) == 1]
+    assert bool(mixed) is not separate, steps
+    if separate:
+        prefills = [i for i, new in enumerate(steps) if min(new) > 1]
+        assert all(b - a > 1 for a, b in zip(prefills, prefills[1:])), steps  # a decode step between
+    for prompt, request in zip(prompts, requests):
+        assert request.generated == reference_greedy(tiny_model, prompt, 12).tokens
+
+
 def test_kv_blocks_of_finished_and_aborted_requests_are_reused(path):
     engine = PagedEngine(path, block_size=4, kv_tokens=64)  # 16 blocks
     total = engine.blocks.free_blocks

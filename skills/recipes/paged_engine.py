@@ -67,7 +67,11 @@ class PagedEngine:
         max_batch: int = 256,
         cuda_graphs: bool = True,
         attention: str = "auto",
+        separate_prefill: bool | None = None,
     ) -> None:
+        """``separate_prefill``: steps either prefill newly admitted requests or decode the running ones,
+        never both, so every decode step is one the captured graphs replay (default: where graphs are
+        captured; on CPU a mixed step is one forward instead of two)."""
         self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
         self.config, self.weights = load_checkpoint(model_path, device, self.dtype)
         self.model = Qwen3(self.config, self.weights)
@@ -87,6 +91,8 @@ class PagedEngine:
         )
         self._attention_kind = "flashinfer" if use_flashinfer else "sdpa"
         self._graph_batch = max_batch if (use_flashinfer and cuda_graphs and not self.model.moe) else 0
+        self.separate_prefill = bool(self._graph_batch) if separate_prefill is None else separate_prefill
+        self._prefilled_last = False  # the previous step was a prefill step (the next one decodes)
         self.weight_version = 0
         self._asleep: set[str] = set()
         self._host_weights: dict[str, torch.Tensor] | None = None
@@ -293,7 +299,7 @@ class PagedEngine:
         self._grow()
         if not self.running:
             return finished
-        batch = list(self.running)
+        batch = self._this_step()
         layout = StepLayout(
             [r.blocks for r in batch],
             [len(r.tokens) for r in batch],
@@ -313,6 +319,16 @@ class PagedEngine:
             elif len(request.generated) >= request.params.max_new_tokens:
                 finished.append(self._retire(request, "length"))
         return finished
+
+    def _this_step(self) -> list[Request]:
+        """The running requests this step computes: all of them, or (separating prefill) those with
+        context to prefill, in admission order, then a decode step, so decoding waits one step at most."""
+        if not self.separate_prefill:
+            return list(self.running)
+        prefill = [r for r in self.running if len(r.tokens) - r.computed > 1]
+        decode = [r for r in self.running if len(r.tokens) - r.computed <= 1]
+        self._prefilled_last = bool(prefill) and not (self._prefilled_last and decode)
+        return prefill if self._prefilled_last else decode
 
     @torch.inference_mode()
     def _forward(self, layout: StepLayout, tokens: list[int]) -> torch.Tensor:

@@ -49,9 +49,8 @@ def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -
     from targets.harness.judge.accuracy import check_engine, check_trainer, check_weight_sync
 
     runtime, accuracy = target.runtime(), target.spec.accuracy
-    processes = CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu)
-    processes.launch("components")
-    try:
+    with CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu) as processes:
+        processes.launch("components")
         channel = SyncChannel(processes.accept("components"))
         channel.send(Frame(kind="init", runtime=put_runtime(runtime)))
         components = RemoteComponents(channel)
@@ -64,8 +63,6 @@ def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -
             check_weight_sync(engine, lambda state, v: components.sync_engine(engine, state, v), reference, accuracy)
         )
         components.close()
-    finally:
-        processes.stop()
     return {"checks": [r.as_dict() for r in results]}
 
 
@@ -75,8 +72,7 @@ def run_system(
     from targets.harness.isolation.drive import drive_real, drive_simulated
     from targets.harness.isolation.processes import CandidateProcesses
 
-    processes = CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu)
-    try:
+    with CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu) as processes:
         if target.simulated:
             runtime, children_before, harness_before = target.runtime(), _children_cpu_s(), time.process_time()
             mark("run_start")  # virtual time: the parent's clock checks nothing here, the marks only keep the shape
@@ -121,8 +117,6 @@ def run_system(
                 summary["peak_device_memory_mb"] = max(monitor.peaks_mb.values())
         finally:
             trace.save(out / "trace.jsonl")
-    finally:
-        processes.stop()
     peak_kb = max(
         resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     )

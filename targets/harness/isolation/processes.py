@@ -19,10 +19,18 @@ from targets.harness.ipc.remote import CandidateError
 from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
 
+# How long candidate processes get to exit on their own once a run is over: a cluster closes Ray and
+# its actors. A run the harness abandoned (a refusal at hello, a failed check, an error) leaves them
+# waiting on channels nobody will answer, so they get only the short grace (the suite spent 20 s on
+# each such run before).
+STOP_GRACE_S = 20.0
+ABANDONED_GRACE_S = 2.0
+
 
 class CandidateProcesses:
     """Starts candidate processes in the sandbox, each connected to the harness by a Unix socket of
-    its own (accepted once, then unlinked), and stops them all at the end."""
+    its own (accepted once, then unlinked), and stops them all at the end: used as a context manager,
+    with the short grace when the run is abandoned by an exception."""
 
     def __init__(self, sandbox: Sandbox, stack_dir: Path, logs: Path, gpus: bool = False) -> None:
         self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
@@ -92,7 +100,14 @@ class CandidateProcesses:
         self._logs[role].flush()
         return "\n".join((self.logs / f"{role.split('-')[0]}.log").read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self, grace_s: float = 20.0) -> None:
+    def __enter__(self) -> CandidateProcesses:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.stop(STOP_GRACE_S if kind is None else ABANDONED_GRACE_S)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Waits up to ``grace_s`` for every process to exit, then kills what is left (again: a no-op)."""
         deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             try:

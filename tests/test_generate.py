@@ -210,6 +210,7 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monk
     assert state.best_round == 0  # the starter stays best; nothing rejected ever became a candidate
 
 
+@pytest.mark.slow
 def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tmp_path, fast_target, monkeypatch):
     """The implementer returns while a detached process of its own goes on writing in its workspace
     (a command under setsid, a container past its timeout): the round judges, measures and commits

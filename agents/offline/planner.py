@@ -8,7 +8,7 @@ import random
 
 from agents.roles import Hint, Task
 from skills.library import ParamRange, Skill, applicable, defaults, legal, load_skills
-from skills.starter import starter_params
+from skills.starter import starter_params, unfit
 from targets.spec import TargetSpec
 
 # How a hint moves a parameter of the skill it triggers (factor for floats/ints, or engines +-).
@@ -58,7 +58,7 @@ class OfflinePlanner:
 
     # -- tasks -------------------------------------------------------------------------------------
     def _controller_task(self, skill: Skill, hint: Hint | None, params: dict) -> Task | None:
-        if params.get("controller") == skill.name:
+        if params.get("controller") == skill.name or unfit(self.spec, skill.name) is not None:
             return None
         changes = {
             k: v

@@ -65,17 +65,22 @@ def main(
     if not steps:
         raise typer.BadParameter(f"{run_out / 'trace.jsonl'} records no train call", param_hint="RUN_OUT")
     trainer = FSDPTrainer(str(model_dir(spec.model)), spec.workload.training.config(), spec.model.dtype, device)
+
+    def synchronize() -> None:
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize(device)
+
     trainer.train_step(steps[0][2])  # warm: allocations and kernel choices before anything is timed
+    synchronize()
     rows = []
     for k, (system_s, devices, batch) in enumerate(steps, start=1):
         times = []
         for _ in range(repeat):
             started = time.perf_counter()
             trainer.train_step(batch)
-            if device.startswith("cuda"):
-                import torch
-
-                torch.cuda.synchronize(device)
+            synchronize()
             times.append(time.perf_counter() - started)
         component_s = statistics.median(times)
         tokens = sum(len(t.tokens) for t in batch.trajectories)

@@ -17,6 +17,7 @@ from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
 from orchestrator.rounds import Loop
 from orchestrator.state import RunState, new_state
+from skills.starter import unfit
 from targets.errors import UserError
 from targets.harness.isolation.sandbox import SandboxUnavailable
 from targets.harness.measure.session import Session
@@ -137,6 +138,8 @@ def start_run(
         resolved = Target.load(target, simulate=simulate)
     except (SpecError, TargetUnavailable) as error:
         raise RunSetupError(str(error)) from None
+    if (why := unfit(resolved.spec, config.starter)) is not None:
+        raise RunSetupError(f"--starter {config.starter}: {why}")
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
         raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")

@@ -212,3 +212,20 @@ def test_bench_prints_ratios_and_writes_json_and_timeline(tmp_path, fast_target)
         assert metrics["rollout_throughput"] > 0 and metrics["tokens_per_s"] > 0 and metrics["step_time_s"] > 0
         assert set(metrics["device_utilization"]) == {"cpu:0", "cpu:1"} and len(run["repeats"]) == 1
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_on_a_one_device_target_bench_takes_the_starters_that_fit_and_generate_refuses_one_that_does_not(tmp_path):
+    """The one-GPU target (simulated here) has one device: static_split and time_multiplex keep rollout
+    and training on different devices. bench's default baselines are the starters that fit (colocate
+    alone); generate with --starter static_split is refused before a run directory is made."""
+    result = runner.invoke(
+        app, ["bench", "qwen3-0.6b-h100x1", "--repeat", "1", "--json", str(tmp_path / "b.json")], env={"COLUMNS": "120"}
+    )
+    assert result.exit_code == 0, result.output
+    assert [r["name"] for r in json.loads((tmp_path / "b.json").read_text())["runs"]] == ["colocate"]
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app, ["generate", "qwen3-0.6b-h100x1", "--starter", "static_split", "--rounds", "1", "--out", str(run)]
+    )
+    assert result.exit_code != 0 and "--starter static_split" in result.output and "one device" in result.output
+    assert "Traceback" not in result.output and not run.exists()

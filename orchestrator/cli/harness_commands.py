@@ -35,7 +35,7 @@ from orchestrator.cli.app import (
     target_app,
 )
 from orchestrator.tables import bench_table, checks_table, costs_table, num
-from skills.starter import CONTROLLERS
+from skills.starter import CONTROLLERS, unfit
 from targets.errors import UserError
 from targets.spec import TargetSpec, catalog_ids, load_target
 
@@ -211,7 +211,9 @@ def bench(
     stack: list[Path] = typer.Option(
         [], help="candidate directory, or RUN@best / RUN@round-N of a generate run (repeatable)"
     ),
-    baselines: str = typer.Option(",".join(CONTROLLERS), help="comma-separated starter schedules"),
+    baselines: str = typer.Option(
+        "", help="comma-separated starter schedules (default: every one that fits the target's devices)"
+    ),
     repeat: int = typer.Option(
         None,
         min=1,
@@ -267,7 +269,8 @@ def bench(
     repeat = repeat or (1 if simulated else 3)
     work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
     stacks: list[tuple[str, Path]] = []
-    for name in [b.strip() for b in baselines.split(",") if b.strip()]:
+    names = [b.strip() for b in baselines.split(",") if b.strip()] or [c for c in CONTROLLERS if unfit(spec, c) is None]
+    for name in names:
         try:
             stacks.append((name, write_starter(work / "stacks" / name, spec, name)))
         except ValueError as error:

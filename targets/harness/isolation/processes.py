@@ -20,7 +20,7 @@ from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
 
 # How long candidate processes get to exit on their own once a run is over: a cluster closes Ray and
-# its actors. A run the harness abandoned (a refusal at hello, a failed check, an error) leaves them
+# its actors. A run the harness abandoned (a refusal at hello, a crash, any error) leaves them
 # waiting on channels nobody will answer, so they get only the short grace (the suite spent 20 s on
 # each such run before).
 STOP_GRACE_S = 20.0
@@ -117,6 +117,9 @@ class CandidateProcesses:
                 process.wait()
         for log in self._logs.values():
             log.close()
+        for listener in self._listeners.values():  # a role that never connected
+            listener.close()
+        self._listeners.clear()
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -189,7 +189,9 @@ def replay_training(
             break
         trainer.train_step(batch)
         reference = trainer.state_dict()
-        reference_moved = reference_moved or any(not torch.equal(before[k].float(), reference[k]) for k in before)
+        # (the reference trains where the target's model lives, a GPU on a GPU target; snapshots are on the host)
+        moved = any(not torch.equal(before[name].float(), reference[name].cpu()) for name in before)
+        reference_moved = reference_moved or moved
         error = _relative_update_error(before, after, reference)
         errors.append(error)
         if error > spec.accuracy.update_rtol:

@@ -27,7 +27,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from skills.recipes.fsdp_trainer import FSDPTrainer  # noqa: E402
-from targets.api import TrainBatch, Trajectory  # noqa: E402
+from targets.api import TrainBatch  # noqa: E402
+from targets.harness.judge.replay import recorded_batch  # noqa: E402
 from targets.harness.model import model_dir  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
 from targets.spec import load_target  # noqa: E402
@@ -41,15 +42,7 @@ def recorded_steps(trace: Path) -> list[tuple[float, list[str], TrainBatch]]:
     for event in Trace.load_events(trace):
         if event.kind != "train":
             continue
-        data = event.data
-        batch = TrainBatch(
-            [
-                Trajectory(t["episode"], t["group"], t["tokens"], t["loss_mask"], t["logprobs"], t["reward"], [])
-                for t in data["trajectories"]
-            ],
-            list(data["advantages"]),
-        )
-        steps.append((event.t - data["start"], list(data["devices"]), batch))
+        steps.append((event.t - event.data["start"], list(event.data["devices"]), recorded_batch(event.data)))
     return steps
 
 

@@ -139,6 +139,17 @@ def replay_turns(
     return details
 
 
+def recorded_batch(train: dict) -> TrainBatch:
+    """The batch a train call carried, as the harness recorded it (a ``train`` event's data)."""
+    return TrainBatch(
+        [
+            Trajectory(t["episode"], t["group"], t["tokens"], t["loss_mask"], t["logprobs"], t["reward"], [])
+            for t in train["trajectories"]
+        ],
+        list(train["advantages"]),
+    )
+
+
 def _relative_update_error(before: StateDict, after: StateDict, reference_after: StateDict) -> float:
     err_sq = ref_sq = cand_sq = 0.0
     for name, start in before.items():
@@ -177,13 +188,7 @@ def replay_training(
             break
         trainer.load_state_dict(before)
         try:
-            batch = TrainBatch(
-                [
-                    Trajectory(t["episode"], t["group"], t["tokens"], t["loss_mask"], t["logprobs"], t["reward"], [])
-                    for t in train.data["trajectories"]
-                ],
-                list(train.data["advantages"]),
-            )
+            batch = recorded_batch(train.data)
         except ValueError as error:
             r.add("training replay", f"step {k}: the recorded batch cannot be replayed ({error})")
             break

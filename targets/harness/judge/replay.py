@@ -150,7 +150,9 @@ def recorded_batch(train: dict) -> TrainBatch:
     )
 
 
-def _relative_update_error(before: StateDict, after: StateDict, reference_after: StateDict) -> float:
+def _relative_update_error(before: StateDict, after: StateDict, reference_after: StateDict) -> tuple[float, bool]:
+    """The candidate's update against the reference's, relative to the reference's; and whether the
+    reference step moved the weights at all."""
     err_sq = ref_sq = cand_sq = 0.0
     for name, start in before.items():
         d_ref = reference_after[name].double().cpu() - start.double()
@@ -159,8 +161,8 @@ def _relative_update_error(before: StateDict, after: StateDict, reference_after:
         ref_sq += float(d_ref.norm()) ** 2
         cand_sq += float(d_cand.norm()) ** 2
     if ref_sq == 0:
-        return 0.0 if cand_sq == 0 else math.inf
-    return math.sqrt(err_sq / ref_sq)
+        return (0.0 if cand_sq == 0 else math.inf), False
+    return math.sqrt(err_sq / ref_sq), True
 
 
 def replay_training(
@@ -193,11 +195,8 @@ def replay_training(
             r.add("training replay", f"step {k}: the recorded batch cannot be replayed ({error})")
             break
         trainer.train_step(batch)
-        reference = trainer.state_dict()
-        # (the reference trains where the target's model lives, a GPU on a GPU target; snapshots are on the host)
-        moved = any(not torch.equal(before[name].float(), reference[name].cpu()) for name in before)
+        error, moved = _relative_update_error(before, after, trainer.state_dict())
         reference_moved = reference_moved or moved
-        error = _relative_update_error(before, after, reference)
         errors.append(error)
         if error > spec.accuracy.update_rtol:
             r.add(

@@ -182,8 +182,8 @@ def test_a_hanging_candidate_is_killed_at_its_time_limit(tmp_path, fast_target):
             )
         },
     )
-    code, output = _check(fast_target, stack, time_limit=30)
-    assert code == 1 and "exceeded its time limit of 30s" in output, output
+    code, output = _check(fast_target, stack, time_limit=20)
+    assert code == 1 and "system run exceeded its time limit of 20s" in output, output  # the hang was reached
 
 
 def test_bench_prints_ratios_and_writes_json_and_timeline(tmp_path, fast_target):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -341,16 +341,21 @@ async def drive_real(
     weights: Path,
     mark: Marks,
     version_zero: Callable[[], Layout],
+    before_run: Callable[[], Awaitable[None]] | None = None,
 ) -> dict:
     """A real run: the candidate's cluster process (its engines and trainers on Ray) behind the proxy.
     ``version_zero`` runs in this process while the candidate's cluster starts up: it writes the
     harness's own version 0 into ``weights`` and says the model's layout, which every later
-    version is exported in."""
+    version is exported in. ``before_run`` is awaited while the cluster starts, before this process
+    touches a model: a check's accuracy phase, in a thread of this process, finishes first (torch's
+    defaults are process-wide, and a model loading here would change them under it)."""
     processes.launch("cluster", connections=2)
     processes.launch("controller")
     cluster_channel = await channel_of(processes, "cluster")
     exports = processes.accept("cluster")  # the cluster's second connection: weight regions travel on it
     cluster_channel.send(Frame(kind="init", runtime=put_runtime(runtime)))
+    if before_run is not None:
+        await before_run()
     layout = version_zero()
     ready = await cluster_channel.recv()
     raise_if_error(ready, "make_cluster")

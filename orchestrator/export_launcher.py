@@ -157,7 +157,7 @@ async def train(target: Target, steps: int, seed: int, report: Sequence[Reporter
     if refused:
         raise SystemExit(f"error: {refused}")
     clock = WallClock()
-    envs = EnvironmentPool(workload, clock, Trace(clock, record_tokens=False), seed=seed)
+    envs = EnvironmentPool(workload, clock, Trace(clock, record_tokens=False), seed=seed, model_path=runtime.model_path)
     envs.max_extra = declared.redundant_per_group  # the spares per group the stack declares it launches
     cluster = await stack.make_cluster()
     try:

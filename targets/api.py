@@ -310,6 +310,28 @@ class EnvHandle(Protocol):
     async def step(self, action: TokenIds) -> StepResult: ...
 
 
+@dataclass(frozen=True)
+class TextStep:
+    """What a user's environment answers an action with: its text, the reward, whether it ended."""
+
+    observation: str
+    reward: float
+    done: bool
+
+
+@runtime_checkable
+class TextEnvironment(Protocol):
+    """A user's own environment (``workload.environment.entry``; adapters in
+    ``targets/harness/environments/adapters.py`` make one from gymnasium-style environments and from
+    sets of verifiable tasks). One instance an episode, made and run by the harness in its own
+    processes: text in, text out, the reward is the reward. ``task`` is the seed the episode's group
+    shares (the same task for every member)."""
+
+    async def reset(self, task: int) -> str: ...
+
+    async def step(self, action: str) -> TextStep: ...
+
+
 @runtime_checkable
 class EnvSource(Protocol):
     """Hands out new episodes, a GRPO group at a time (all members share one task)."""

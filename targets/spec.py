@@ -121,6 +121,7 @@ class ModelSpec(Strict):
     config: ModelConfig
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     weights: str
+    tokenizer: Literal["words", "bpe"] | None = None  # built with random weights (docs/targets.md)
     params: ParamCounts | None = None
 
     @field_validator("weights")
@@ -145,6 +146,19 @@ class ModelSpec(Strict):
         if self.family == "qwen3" and have:
             raise ValueError(f"family qwen3 is dense; remove MoE config fields {have}")
         return self
+
+    @model_validator(mode="after")
+    def _tokenizer_with_random_weights(self) -> ModelSpec:
+        if self.tokenizer is not None and self.random_seed is None:
+            raise ValueError(
+                f"tokenizer: {self.tokenizer} is for random weights; the model directory {self.weights} brings its own"
+            )
+        return self
+
+    @property
+    def tokenizer_kind(self) -> str | None:
+        """The tokenizer built with random weights (``words`` unless stated); None for a directory's own."""
+        return None if self.random_seed is None else self.tokenizer or "words"
 
     @property
     def random_seed(self) -> int | None:
@@ -208,17 +222,38 @@ class HardwareSpec(Strict):
 
 
 class EnvironmentRef(Strict):
-    name: str
+    """A harness environment by ``name``, or the user's own by ``entry`` (``package.module:callable``,
+    called with ``params``) spoken to through an ``adapter`` (``docs/targets.md``)."""
+
+    name: str | None = None
+    entry: str | None = None
+    adapter: Literal["gymnasium", "tasks", "text"] | None = None
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _known_environment(self) -> EnvironmentRef:
         from targets.harness.environments.registry import ENVIRONMENTS  # late: environments import this module
 
+        if (self.name is None) == (self.entry is None):
+            raise ValueError("name a harness environment (name) or bring your own (entry: package.module:callable)")
+        if self.entry is not None:
+            if self.adapter is None:
+                raise ValueError(f"entry {self.entry}: say its adapter (gymnasium, tasks or text)")
+            from targets.harness.environments.adapters import load_entry
+
+            load_entry(self.entry)  # importable now, or an error that names it
+            return self
+        if self.adapter is not None:
+            raise ValueError(f"adapter {self.adapter} is for a user's entry, not the harness environment {self.name}")
         if self.name not in ENVIRONMENTS:
             raise ValueError(f"unknown environment {self.name!r}; known environments: {sorted(ENVIRONMENTS)}")
         ENVIRONMENTS[self.name].Params.model_validate(self.params)
         return self
+
+    @property
+    def label(self) -> str:
+        """How a person names it: the harness environment's name or the user's entry."""
+        return self.name or str(self.entry)
 
 
 class TurnsSpec(Strict):
@@ -331,11 +366,12 @@ class WorkloadSpec(Strict):
     def _turns_match_environment(self) -> WorkloadSpec:
         from targets.harness.environments.registry import ENVIRONMENTS
 
-        env = ENVIRONMENTS[self.environment.name]
-        if env.draws_turns and self.turns.dist is None:
-            raise ValueError(f"environment {env.name} draws turn counts: set turns.dist")
-        if not env.draws_turns and self.turns.dist is not None:
-            raise ValueError(f"environment {env.name} ends episodes by play, not by a drawn count: remove turns.dist")
+        env = self.environment
+        draws = env.name is not None and ENVIRONMENTS[env.name].draws_turns  # a user's environment ends by play
+        if draws and self.turns.dist is None:
+            raise ValueError(f"environment {env.label} draws turn counts: set turns.dist")
+        if not draws and self.turns.dist is not None:
+            raise ValueError(f"environment {env.label} ends episodes by play, not by a drawn count: remove turns.dist")
         return self
 
     @property
@@ -472,6 +508,18 @@ class TargetSpec(Strict):
     accuracy: AccuracySpec = AccuracySpec()
     simulator: SimulatorSpec = SimulatorSpec()
     limits: LimitsSpec = LimitsSpec()
+
+    @model_validator(mode="after")
+    def _user_environment_speaks_the_models_text(self) -> TargetSpec:
+        entry = self.workload.environment.entry
+        if entry is not None and self.execution == "simulated":
+            raise ValueError(f"workload.environment {entry} is the user's own: it runs for real (execution: real)")
+        if entry is not None and self.model.tokenizer_kind == "words":
+            raise ValueError(
+                f"workload.environment {entry} speaks its own text: the model needs a tokenizer with a chat "
+                "template (model.tokenizer: bpe, or a model directory)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _baselines_fit(self) -> TargetSpec:

@@ -341,7 +341,11 @@ def _engine_aborts(spec, aborts: list[tuple[str, float]], overhead: float = 0.0)
     simulator = spec.simulator.model_copy(update={"request_overhead_s": overhead})
     spec = spec.model_copy(update={"simulator": simulator})
     engines = {"h:0": ["h:0", "h:1"], "h:2": ["h:2", "h:3"]}
-    events = [TraceEvent("run_start", 0.0, {"tokens_recorded": False, "engines": engines, "declared": {}})]
+    events = [
+        TraceEvent(
+            "run_start", 0.0, {"stop_token_ids": [1], "tokens_recorded": False, "engines": engines, "declared": {}}
+        )
+    ]
     events += [TraceEvent("shrink", 1.5, {"start": 1.0, "devices": ["h:1"]})]
     for i, (device, t) in enumerate(aborts):
         events.append(
@@ -405,7 +409,14 @@ def _group_trace(
         TraceEvent(
             "run_start",
             0.0,
-            {"devices": [], "steps": 3, "tokens_recorded": False, "engines": {}, "declared": declared or {}},
+            {
+                "devices": [],
+                "steps": 3,
+                "stop_token_ids": [1],
+                "tokens_recorded": False,
+                "engines": {},
+                "declared": declared or {},
+            },
         )
     ]
     for episode in versions:
@@ -494,6 +505,7 @@ def _redundant_trace(group_size: int, spares: int, drop_at: float, declared: int
             {
                 "devices": [],
                 "steps": 1,
+                "stop_token_ids": [1],
                 "tokens_recorded": False,
                 "engines": {},
                 "declared": {"redundant_per_group": declared},
@@ -688,7 +700,16 @@ def _deferral_trace(
     declared = {"tail_round": tail_round}
     events = [
         TraceEvent(
-            "run_start", 0.0, {"devices": [], "steps": 1, "tokens_recorded": False, "engines": {}, "declared": declared}
+            "run_start",
+            0.0,
+            {
+                "devices": [],
+                "steps": 1,
+                "stop_token_ids": [1],
+                "tokens_recorded": False,
+                "engines": {},
+                "declared": declared,
+            },
         )
     ]
     events += [TraceEvent("episode_created", 0.0, {"episode": m, "group": "g0"}) for m in members]

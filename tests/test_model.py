@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -49,3 +51,55 @@ def test_vocabulary_too_small_is_refused():
     with pytest.raises(ValueError, match="vocab_size 10 is smaller than the harness vocabulary"):
         build_tokenizer(10)
     assert len(build_tokenizer(len(NAMED_VOCAB))) == len(NAMED_VOCAB)
+
+
+def test_a_bpe_target_gets_a_chat_tokenizer_and_stops_on_its_end_of_turn(catalog_yaml, tmp_path):
+    """``tokenizer: bpe``: any text encodes and decodes, the ChatML template renders a turn, and the
+    runtime's stop tokens are the tokenizer's own (``<|im_end|>``), not the word-level ``<eos>``."""
+    from targets.harness.target import Target
+    from targets.harness.tokenizer import IM_END, STOP_TOKEN_IDS, stop_token_ids
+
+    catalog_yaml["model"].update(tokenizer="bpe")
+    catalog_yaml["model"]["config"]["vocab_size"] = 320
+    path = tmp_path / "bpe.yaml"
+    path.write_text(__import__("yaml").safe_dump(catalog_yaml))
+    target = Target.load(path)
+    directory = model_dir(target.spec.model)
+    tokenizer = load_tokenizer(directory)
+    assert len(tokenizer) == 320 and tokenizer.chat_template
+    text = "At turn 2, you guessed 5: the number is higher. \\boxed{7} ünïcode"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert tokenizer.decode(rendered) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    assert stop_token_ids(directory) == (im_end,) == target.runtime().stop_token_ids != STOP_TOKEN_IDS
+    assert model_dir(target.spec.model) == directory  # cached: built once
+    words = model_dir(target.spec.model.model_copy(update={"tokenizer": None}))
+    assert words != directory and stop_token_ids(words) == STOP_TOKEN_IDS
+
+
+def test_a_model_directory_brings_its_tokenizer_and_its_generation_configs_end_ids(catalog_yaml, tmp_path):
+    import json
+    import shutil
+
+    from targets.harness.tokenizer import stop_token_ids
+    from targets.spec import SpecError, parse_target
+
+    catalog_yaml["model"].update(tokenizer="bpe")
+    catalog_yaml["model"]["config"]["vocab_size"] = 320
+    mine = tmp_path / "my-model"
+    shutil.copytree(model_dir(parse_target(catalog_yaml).model), mine)
+    (mine / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    catalog_yaml["model"].update(weights=str(mine), tokenizer=None)
+    assert stop_token_ids(model_dir(parse_target(catalog_yaml).model)) == (0, 2)
+    catalog_yaml["model"].update(tokenizer="bpe")
+    with pytest.raises(SpecError, match="model.*tokenizer: bpe is for random weights"):
+        parse_target(catalog_yaml)
+    (mine / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nowhere|>"}))
+    with pytest.raises(ValueError, match=re.escape("eos_token '<|nowhere|>' is not in the tokenizer's vocabulary")):
+        stop_token_ids(mine)
+
+
+def test_a_vocabulary_too_small_for_a_bpe_is_refused():
+    with pytest.raises(ValueError, match="vocab_size 64 is too small for a byte-level BPE"):
+        build_tokenizer(64, "bpe")

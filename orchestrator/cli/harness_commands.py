@@ -72,7 +72,7 @@ def list_targets(as_json: bool = JSON_OPTION) -> None:
             spec.id,
             f"{spec.model.family} {_params(spec)}",
             f"{spec.hardware.count}x {spec.hardware.kind}",
-            w.environment.name,
+            w.environment.label,
             spec.execution,
             f"{w.batch_size} x {w.group_size}",
         )

@@ -16,7 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from targets.harness.tokenizer import NAMED_VOCAB, build_tokenizer
+from targets.harness.tokenizer import build_tokenizer, tokenizer_key
 from targets.spec import ModelSpec
 
 if TYPE_CHECKING:  # torch and transformers load where a model is built or loaded, not on import:
@@ -44,7 +44,7 @@ def content_hash(model: ModelSpec) -> str:
         "config": model.config.model_dump(),
         "dtype": model.dtype,
         "weights": model.weights,
-        "vocab": NAMED_VOCAB,
+        "vocab": tokenizer_key(model.tokenizer_kind),
         "factory": FACTORY_VERSION,
         "transformers_major": version("transformers").split(".")[0],
     }
@@ -71,7 +71,7 @@ def model_dir(model: ModelSpec) -> Path:
         torch.manual_seed(seed)
         built = AutoModelForCausalLM.from_config(hf_config(model), dtype=getattr(torch, model.dtype))
         built.save_pretrained(staging)
-        build_tokenizer(model.config.vocab_size).save_pretrained(staging)
+        build_tokenizer(model.config.vocab_size, model.tokenizer_kind).save_pretrained(staging)
         try:
             staging.rename(target)
         except OSError:  # another process built it first; theirs is identical

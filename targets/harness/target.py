@@ -92,20 +92,21 @@ class Target:
         """On a simulated target the components run (for accuracy checks 1-3) on a tiny model of the
         same family: the checks prove the code right, and the target's own model may not fit here."""
         from targets.harness.model import model_dir, proxy_model
-        from targets.harness.tokenizer import STOP_TOKEN_IDS
+        from targets.harness.tokenizer import stop_token_ids
 
         model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
+        path = model_dir(model)
         engine_devices = 1  # a real stack places one engine per device
         if self.simulated:
             from targets.harness.sim.cost_model import CostModel
 
             engine_devices = CostModel.from_spec(self.spec).engine_devices
         return Runtime(
-            str(model_dir(model)),
+            str(path),
             model.dtype,
             self.devices(),
             DEVICE_RESOURCE,
-            STOP_TOKEN_IDS,
+            stop_token_ids(path),
             workload_view(self.spec),
             "cuda" if self.gpu else "cpu",
             int(self.spec.hardware.memory_gb * 1e9) if self.gpu else 0,

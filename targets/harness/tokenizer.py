@@ -1,11 +1,19 @@
-"""The offline tokenizer: a word-level vocabulary the harness environments speak, built with the
-``tokenizers`` library (no hub). Words are whitespace-separated; ids past the named words are
-filler tokens ``<uN>`` so the tokenizer covers the model's whole vocabulary (a random model emits
-them, and they decode cleanly).
+"""The offline tokenizers of random-weight targets (``model.tokenizer``), built with the ``tokenizers``
+library (no hub), and the stop tokens of any model directory.
+
+* ``words``: a word-level vocabulary the harness's own environments speak. Words are
+  whitespace-separated; ids past the named words are filler tokens ``<uN>`` so the tokenizer covers
+  the model's whole vocabulary (a random model emits them, and they decode cleanly).
+* ``bpe``: a byte-level BPE trained here on ``tokenizer_corpus.txt`` (text of the kind real
+  environments write: game rules, hints, arithmetic), with ChatML special tokens and chat template,
+  as Qwen's: what a target whose environment speaks its own text uses (any text encodes).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where a tokenizer is built: a simulated run never needs them
@@ -33,7 +41,10 @@ NAMED_VOCAB = SPECIAL_WORDS + DIGITS + LETTERS + WORDS
 FILLER_PREFIX = "<u"  # filler token N is the word "<uN>"
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int, kind: str = "words") -> PreTrainedTokenizerFast:
+    """The ``kind`` of tokenizer (``words`` or ``bpe``) covering ``vocab_size`` ids exactly."""
+    if kind == "bpe":
+        return build_chat_tokenizer(vocab_size)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,6 +57,51 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=CTX))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS, unk_token=CTX)
+
+
+CORPUS = Path(__file__).with_name("tokenizer_corpus.txt")
+END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (  # ChatML, as Qwen's templates render a conversation
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+MIN_BPE_VOCAB = 256 + 3  # every byte, and the three special tokens
+
+
+def build_chat_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of exactly ``vocab_size`` ids trained on the bundled corpus (deterministic:
+    the same ids on every machine), ending a turn with ``<|im_end|>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < MIN_BPE_VOCAB:
+        raise ValueError(
+            f"model.config.vocab_size {vocab_size} is too small for a byte-level BPE (at least {MIN_BPE_VOCAB})"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([str(CORPUS)], trainer)
+    filler = vocab_size - tokenizer.get_vocab_size()  # a corpus with fewer merges than asked: named fillers
+    if filler:
+        tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(filler)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=IM_END, pad_token=END_OF_TEXT, chat_template=CHAT_TEMPLATE
+    )
+
+
+def tokenizer_key(kind: str | None):
+    """What determines a built tokenizer (part of a random model's content hash)."""
+    if kind == "bpe":
+        return ["bpe", hashlib.sha256(CORPUS.read_bytes()).hexdigest()[:16], CHAT_TEMPLATE]
+    return NAMED_VOCAB
 
 
 class Vocab:
@@ -63,5 +119,30 @@ class Vocab:
 
 
 VOCAB = Vocab()
-# The tokens every turn stops on (``Runtime.stop_token_ids``): the audit holds each request to them.
-STOP_TOKEN_IDS = (VOCAB.ids[EOS],)
+STOP_TOKEN_IDS = (VOCAB.ids[EOS],)  # the word-level tokenizer's (``stop_token_ids`` of its directory)
+
+
+def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """The tokens every turn stops on (``Runtime.stop_token_ids``; the audit holds each request to
+    them): the model's own, read from its directory: the tokenizer's end of sequence and the
+    generation config's end ids (a chat model ends its turn on one of them)."""
+    from tokenizers import Tokenizer  # the Rust library alone: no transformers import for a list of ids
+
+    model_dir = Path(model_dir)
+    vocabulary = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids: set[int] = set()
+    config_path = model_dir / "tokenizer_config.json"
+    eos = json.loads(config_path.read_text()).get("eos_token") if config_path.exists() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is not None:
+        eos_id = vocabulary.token_to_id(eos)
+        if eos_id is None:
+            raise ValueError(f"{config_path}: eos_token {eos!r} is not in the tokenizer's vocabulary")
+        ids.add(eos_id)
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        stated = json.loads(generation.read_text()).get("eos_token_id")
+        ids.update([stated] if isinstance(stated, int) else stated or [])
+    if not ids:
+        raise ValueError(f"{model_dir}: the tokenizer names no end-of-sequence token, so no turn could stop")
+    return tuple(sorted(ids))

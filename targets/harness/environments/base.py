@@ -49,6 +49,7 @@ class Episode:
     name: ClassVar[str]
     Params: ClassVar[type[BaseModel]] = NoParams
     draws_turns: ClassVar[bool] = False  # True: the turn count comes from workload.turns.dist
+    asynchronous: ClassVar[bool] = False  # True: reset and step await the environment (a user's own)
 
     def __init__(
         self,
@@ -108,10 +109,15 @@ class Episode:
 
     # -- the same, as the harness's link serves them: a reset answers at once, a step is a timer ----
     def reset_now(self) -> TokenIds:
+        self._start()
+        return self._reset_with(self._padded(self.first_observation(), self.workload.tokens.prompt))
+
+    def _start(self) -> None:
         if self.started_at is not None:
             raise RuntimeError(f"episode {self.episode_id} was reset twice")
         self.started_at = self.clock.now()
-        prompt = self._padded(self.first_observation(), self.workload.tokens.prompt)
+
+    def _reset_with(self, prompt: TokenIds) -> TokenIds:
         self.context_tokens = len(prompt)
         self.trace.record(
             "env_reset", episode=self.episode_id, group=self.group_id, observation=self.trace.tokens(prompt)
@@ -129,17 +135,20 @@ class Episode:
         self.stepping = True
         return self._latency()
 
-    def end_step(self, action: TokenIds, latency: float, failures: int) -> StepResult:
-        """The world's answer to ``action``, ``latency`` seconds after ``begin_step``."""
+    def end_step(
+        self, action: TokenIds, latency: float, failures: int, answer: tuple[str, float, bool] | None = None
+    ) -> StepResult:
+        """The world's answer to ``action``, ``latency`` seconds after ``begin_step``: ``answer`` when
+        the environment already gave it (a user's own), else ``respond``'s."""
         self.stepping = False
         self.turn += 1
         timed_out = self.clock.now() - self.started_at > self.workload.trajectory_timeout_s
         if timed_out:
             text, reward, done = "timeout", 0.0, True
         else:
-            text, reward, done = self.respond(ActionWords(action))
+            text, reward, done = answer if answer is not None else self.respond(ActionWords(action))
             done = done or self.turn >= self.max_turns
-        observation = [] if done else self._padded(text, self.workload.tokens.observation)
+        observation = [] if done else self.observe(text, action)
         self.context_tokens += len(action) + len(observation)
         tokens = self.workload.tokens
         truncated = not done and self.context_tokens + tokens.response > tokens.max_sequence
@@ -163,6 +172,10 @@ class Episode:
             failures=failures,
         )
         return StepResult(observation=observation, reward=reward, done=done, timed_out=timed_out)
+
+    def observe(self, text: str, action: TokenIds) -> TokenIds | TokenCount:
+        """The tokens of the observation ``text`` that answers ``action``."""
+        return self._padded(text, self.workload.tokens.observation)
 
     def _latency(self) -> tuple[float, int]:
         """Seconds the step takes, and how many times the environment failed on it: each attempt

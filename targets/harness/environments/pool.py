@@ -3,6 +3,7 @@ recorded in the trace the moment it exists (so the audit can account for every o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from targets.api import DROP_REASONS
@@ -29,11 +30,18 @@ class EnvironmentPool:
     """Follows ``targets.api.EnvSource`` and ``EnvDropper``."""
 
     def __init__(
-        self, workload: WorkloadSpec, clock: Clock, trace: Trace, seed: int | RunSeed = 0, counts: bool = False
+        self,
+        workload: WorkloadSpec,
+        clock: Clock,
+        trace: Trace,
+        seed: int | RunSeed = 0,
+        counts: bool = False,
+        model_path: str | None = None,
     ) -> None:
         """``seed``: what the tasks are drawn from (a bare number: the public derivation). ``counts``: a
-        simulated run's pool, whose episodes answer with token counts."""
-        self.episode_class: type[Episode] = ENVIRONMENTS[workload.environment.name]
+        simulated run's pool, whose episodes answer with token counts. ``model_path``: the model whose
+        tokenizer a user's environment's text is rendered with (a real run's)."""
+        self.make_episode = episode_maker(workload, None if counts else model_path)
         self.workload = workload
         self.group_size = workload.group_size
         self.clock = clock
@@ -67,7 +75,7 @@ class EnvironmentPool:
         episodes = []
         for member in range(self.group_size + extra):
             episode_id = episode_id_of(group_id, member)
-            episode = self.episode_class(
+            episode = self.make_episode(
                 episode_id=episode_id,
                 group_id=group_id,
                 task_seed=task_seed,
@@ -97,3 +105,31 @@ class EnvironmentPool:
         if reason == "deferred":
             self._deferred.add(group_of(episode_id))
         self.trace.record("sample_dropped", episode=episode_id, reason=reason)
+
+
+def episode_maker(workload: WorkloadSpec, model_path: str | None) -> Callable[..., Episode]:
+    """What makes one episode (called with ``Episode``'s keywords). A user's environment speaks text,
+    so it needs the model's tokenizer (``model_path``): it runs for real, never on the simulator."""
+    from targets.harness.environments.adapters import UserEnvironmentError
+
+    env = workload.environment
+    if env.name is not None:
+        return ENVIRONMENTS[env.name]
+    if model_path is None:
+        raise UserEnvironmentError(
+            f"environment {env.entry} is the user's own: it runs for real with the target's model and tokenizer, "
+            "not on the simulator (a simulated target takes a workload measured on it)"
+        )
+    from targets.harness.environments.adapters import environment_factory
+    from targets.harness.environments.chat_format import ChatFormat
+    from targets.harness.environments.text_episode import TextEpisode
+    from targets.harness.model import load_tokenizer
+    from targets.harness.tokenizer import stop_token_ids
+
+    make_environment = environment_factory(str(env.entry), str(env.adapter), env.params)
+    chat = ChatFormat(load_tokenizer(model_path), stop_token_ids(model_path))
+
+    def make(**episode) -> TextEpisode:
+        return TextEpisode(environment=make_environment(), chat=chat, entry=str(env.entry), **episode)
+
+    return make

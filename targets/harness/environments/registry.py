@@ -1,4 +1,5 @@
-"""The harness-owned environments by name: a target's ``workload.environment.name`` picks one."""
+"""The harness-owned environments by name: a target's ``workload.environment.name`` picks one (a
+user's own, by ``entry``, is made by ``EnvironmentPool``)."""
 
 from __future__ import annotations
 

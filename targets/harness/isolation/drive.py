@@ -22,7 +22,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from targets.api import Aborted, Completion, Declared, GenerateRequest, Runtime
+from targets.api import Aborted, Completion, Declared, GenerateRequest, Runtime, TokenIds
+from targets.errors import UserError
 from targets.harness.environments import EnvironmentPool
 from targets.harness.ipc import shared_ring
 from targets.harness.ipc.channel import AsyncChannel, Frame, Received
@@ -267,6 +268,13 @@ class ControllerLink:
             if episode_id not in self.episodes:
                 raise KeyError(f"no episode {episode_id!r}: the harness never created it")
             episode = self.episodes[episode_id]
+            if episode.asynchronous and rx["method"] in ("reset", "step"):  # a user's environment: its own time
+                action = None
+                if rx["method"] == "step":
+                    action = get_tokens(rx, field_of(rx.header, "action", dict, "step"), counts, "step.action")
+                key = next(self._numbers)
+                self._tasks[key] = asyncio.create_task(self._user_env(key, request_id, reply, episode, action))
+                return
             if rx["method"] == "reset":
                 reply.header["observation"] = put_tokens(reply, episode.reset_now(), counts)
             elif rx["method"] == "step":
@@ -283,6 +291,25 @@ class ControllerLink:
                 raise ProtocolError(f"unknown env method {rx['method']!r}")
         except Exception as error:  # noqa: BLE001 - _error_reply sorts out what the controller is told
             reply = self._error_reply(request_id, error)
+        if reply is not None:
+            self.send(reply)
+
+    async def _user_env(self, key: int, request_id: Any, reply: Frame, episode, action: TokenIds | None) -> None:
+        """A reset (``action`` None) or a step of a user's environment, answered when it answers. A call
+        the contract forbids (a second reset, a step after the end) is the controller's error; the
+        environment raising ends the run with its message (the user's code, not the candidate's)."""
+        try:
+            if action is None:
+                reply.header["observation"] = put_tokens(reply, await episode.reset(), self.memory.counts)
+            else:
+                reply.header["result"] = put_step_result(reply, await episode.step(action), self.memory.counts)
+        except UserError as error:
+            self.fail(error)
+            return
+        except Exception as error:  # noqa: BLE001 - _error_reply sorts out what the controller is told
+            reply = self._error_reply(request_id, error)
+        finally:
+            self._tasks.pop(key, None)
         if reply is not None:
             self.send(reply)
 
@@ -362,7 +389,7 @@ async def drive_real(
     remote = RemoteCluster(cluster_channel, list(runtime.devices))
     exporter = WeightExporter(layout, exports, weights, remote.export_into)
     remote.start()
-    envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed)
+    envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed, model_path=runtime.model_path)
     link = ControllerLink(await channel_of(processes, "controller"), envs, trace.clock, virtual=False)
     link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
     serving = asyncio.create_task(link.serve())
@@ -373,6 +400,7 @@ async def drive_real(
             "run_start",
             devices=[d.id for d in runtime.devices],
             steps=steps,
+            stop_token_ids=list(runtime.stop_token_ids),
             tokens_recorded=True,
             engines={},
             declared=put_declared(declared),
@@ -430,6 +458,7 @@ def drive_simulated(
             "run_start",
             devices=[d.id for d in runtime.devices],
             steps=steps,
+            stop_token_ids=list(runtime.stop_token_ids),
             tokens_recorded=False,
             engines=cluster.engine_devices,
             declared=put_declared(declared),

@@ -59,7 +59,6 @@ from targets.harness.judge.selection import (
 )
 from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
 from targets.harness.reference.grpo import group_advantages_of
-from targets.harness.tokenizer import STOP_TOKEN_IDS
 from targets.harness.trace import Trace, token_count
 from targets.spec import TargetSpec
 
@@ -288,11 +287,11 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     f"tokens; the spec says {w.training.temperature} and {w.tokens.response}"
                     + (f" less the {continues} already generated" if continues else ""),
                 )
-            if sorted(d.get("stop", [])) != sorted(STOP_TOKEN_IDS):  # stopping early shortens every turn
+            if sorted(d.get("stop", [])) != sorted(ix.stop_token_ids):  # stopping early shortens every turn
                 r.add(
                     "sampling parameters",
                     f"{where}: asked to stop on tokens {d.get('stop', [])[:8]}; the runtime's stop tokens are "
-                    f"{list(STOP_TOKEN_IDS)}",
+                    f"{list(ix.stop_token_ids)}",
                 )
             n = token_count(d["tokens"])
             if d["aborted"]:

@@ -61,6 +61,7 @@ class TraceIndex:
     trained_in: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # episode -> train indices
     trains: list[TraceEvent] = field(default_factory=list)
     tokens_recorded: bool = True
+    stop_token_ids: tuple[int, ...] = ()  # what the harness's runtime handed the candidate
     declared: Declared = field(default_factory=Declared)
     engine_of: dict[str, str] = field(default_factory=dict)  # device -> its engine's name (its first device)
     start_t: float = 0.0
@@ -86,6 +87,7 @@ class TraceIndex:
         if run_start is not None:
             ix.start_t = run_start.t
             ix.tokens_recorded = run_start.data.get("tokens_recorded", True)
+            ix.stop_token_ids = tuple(run_start.data.get("stop_token_ids", ()))  # none: every request is named
             ix.declared = Declared(**run_start.data.get("declared", {}))
             engines = run_start.data.get("engines") or {}
             ix.engine_of = {device: name for name, devices in engines.items() for device in devices}

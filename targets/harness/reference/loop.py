@@ -22,7 +22,7 @@ from targets.harness.model import load_model, model_dir
 from targets.harness.reference.engine import ReferenceEngine
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer
-from targets.harness.tokenizer import STOP_TOKEN_IDS
+from targets.harness.tokenizer import stop_token_ids
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec
 
@@ -40,9 +40,9 @@ class StepStats:
 
 
 async def rollout_lockstep(
-    engine: ReferenceEngine, episodes: list[Episode], spec: TargetSpec, seed: int
+    engine: ReferenceEngine, episodes: list[Episode], spec: TargetSpec, seed: int, stops: tuple[int, ...]
 ) -> list[Trajectory]:
-    """Roll every episode to its end; returns one Trajectory per episode, in order."""
+    """Roll every episode to its end, each turn stopping on ``stops``; one Trajectory per episode, in order."""
     tokens_spec, training = spec.workload.tokens, spec.workload.training
     prompts = await asyncio.gather(*(e.reset() for e in episodes))
     built = [
@@ -60,7 +60,7 @@ async def rollout_lockstep(
             max_new_tokens=tokens_spec.response,
             temperature=training.temperature,
             seed=seed * 10_007 + turn,
-            stop_token_ids=STOP_TOKEN_IDS,
+            stop_token_ids=stops,
         )
         completions = engine.generate([built[i].tokens for i in active], params)
         results = await asyncio.gather(*(episodes[i].step(c.tokens) for i, c in zip(active, completions)))
@@ -80,16 +80,17 @@ def run_reference(
     if spec.execution == "simulated":
         raise ValueError(f"target {spec.id} is simulated-only; the reference loop needs real execution")
     torch.manual_seed(seed)
-    model = load_model(model_dir(spec.model), spec.model.dtype)
+    path = model_dir(spec.model)
+    model, stops = load_model(path, spec.model.dtype), stop_token_ids(path)
     trainer = ReferenceTrainer(model, spec.workload.training.config())
     engine = ReferenceEngine(copy.deepcopy(model))
     clock = WallClock()
-    pool = EnvironmentPool(spec.workload, clock, Trace(clock), seed=seed)
+    pool = EnvironmentPool(spec.workload, clock, Trace(clock), seed=seed, model_path=str(path))
     history = []
     for step in range(steps):
         started = time.monotonic()
         episodes = [e for _ in range(spec.workload.groups_per_step) for e in pool.new_group()]
-        trajectories = asyncio.run(rollout_lockstep(engine, episodes, spec, seed=seed * 100_003 + step))
+        trajectories = asyncio.run(rollout_lockstep(engine, episodes, spec, seed * 100_003 + step, stops))
         version = trainer.train_step(TrainBatch(trajectories, group_advantages(trajectories)))
         engine.load_weights(trainer.state_dict(), version)
         stats = StepStats(

@@ -1,0 +1,136 @@
+"""The environments users already have, behind the contract's ``TextEnvironment`` (one instance an
+episode, in the harness's processes), loaded from the spec's ``entry`` (``package.module:callable``,
+called with ``params``) and spoken to as its ``adapter`` says:
+
+* ``gymnasium``: a text environment with gymnasium's interface, as GEM's and TextArena's single-agent
+  environments have it: ``reset(seed=...) -> (observation, info)`` and ``step(text) -> (observation,
+  reward, terminated, truncated, info)``. ``entry`` makes one (``gem:make`` with ``{env_id: ...}``).
+* ``tasks``: a set of verifiable single-turn tasks with its scoring function, as reasoning-gym
+  generates them offline: ``len(tasks)``, ``tasks[i]`` a dict with the ``question``, and
+  ``tasks.score_answer(answer, entry) -> float``. ``entry`` makes the set, once
+  (``reasoning_gym:create_dataset`` with ``{name: ..., size: ..., seed: ...}``); an episode's task seed
+  picks ``tasks[seed % len(tasks)]``, and the score is the reward.
+* ``text``: ``entry`` makes an object that is a ``TextEnvironment`` itself (async ``reset``/``step``).
+
+A user's environment code runs in threads of the harness's process (``asyncio.to_thread``), so a slow
+step never stalls the harness's clock. Every failure to load, make or run one names the entry
+(``UserEnvironmentError``): a user's mistake is a message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from targets.api import TextEnvironment, TextStep
+from targets.errors import UserError
+
+ADAPTERS = ("gymnasium", "tasks", "text")
+
+
+class UserEnvironmentError(UserError, ValueError):
+    """A user environment that cannot be loaded, made or run (the message names its entry)."""
+
+
+def load_entry(entry: str) -> Callable:
+    """The callable ``package.module:attribute`` names, imported here."""
+    module_name, sep, attribute = entry.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UserEnvironmentError(f"environment entry {entry!r}: write it as package.module:callable")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UserEnvironmentError(f"environment entry {entry!r}: cannot import {module_name} ({error})") from None
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise UserEnvironmentError(f"environment entry {entry!r}: {module_name} has no attribute {attribute}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise UserEnvironmentError(f"environment entry {entry!r}: {attribute} is not callable")
+    return target
+
+
+def _make(entry: str, factory: Callable, params: dict) -> Any:
+    try:
+        inspect.signature(factory).bind(**params)
+    except TypeError as error:
+        raise UserEnvironmentError(f"environment entry {entry!r} does not take params {params}: {error}") from None
+    except ValueError:  # a builtin without a signature: the call itself says
+        pass
+    try:
+        return factory(**params)
+    except Exception as error:  # noqa: BLE001 - the user's code raised: named, with what it said
+        raise UserEnvironmentError(
+            f"environment entry {entry!r} raised {type(error).__name__} making an environment: {error}"
+        ) from None
+
+
+def _needs(entry: str, made: Any, methods: tuple[str, ...], what: str) -> None:
+    missing = [m for m in methods if not callable(getattr(made, m, None))]
+    if missing:
+        raise UserEnvironmentError(
+            f"environment entry {entry!r} made a {type(made).__name__}, which has no {', '.join(missing)}: {what}"
+        )
+
+
+class GymnasiumText:
+    """``TextEnvironment`` over a gymnasium-style text environment."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+
+    async def reset(self, task: int) -> str:
+        result = await asyncio.to_thread(self.env.reset, seed=task)
+        return str(result[0] if isinstance(result, tuple) else result)
+
+    async def step(self, action: str) -> TextStep:
+        observation, reward, terminated, truncated, _ = await asyncio.to_thread(self.env.step, action)
+        return TextStep(str(observation), float(reward), bool(terminated or truncated))
+
+
+class TaskSet:
+    """``TextEnvironment`` over a set of verifiable tasks: one turn, its score the reward."""
+
+    def __init__(self, tasks: Any) -> None:
+        self.tasks, self.entry = tasks, None
+
+    async def reset(self, task: int) -> str:
+        self.entry = self.tasks[task % len(self.tasks)]
+        return str(self.entry["question"])
+
+    async def step(self, action: str) -> TextStep:
+        score = await asyncio.to_thread(self.tasks.score_answer, action, self.entry)
+        return TextStep("", float(score or 0.0), True)
+
+
+def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], TextEnvironment]:
+    """What makes one episode's environment, checked now by making one (a task set is made once and
+    shared: its tasks are read-only)."""
+    if adapter not in ADAPTERS:
+        raise UserEnvironmentError(f"environment adapter {adapter!r}: known adapters are {', '.join(ADAPTERS)}")
+    factory = load_entry(entry)
+    made = _make(entry, factory, params)
+    if adapter == "tasks":
+        _needs(entry, made, ("__len__", "__getitem__", "score_answer"), "a task set is indexed and scores answers")
+        if not len(made):
+            raise UserEnvironmentError(f"environment entry {entry!r} made an empty task set")
+        return lambda: TaskSet(made)
+    first = [made]  # the instance made to check the entry is the first episode's
+    if adapter == "gymnasium":
+        _needs(entry, made, ("reset", "step"), "a gymnasium environment resets and steps")
+        if any(inspect.iscoroutinefunction(getattr(made, method)) for method in ("reset", "step")):
+            raise UserEnvironmentError(
+                f"environment entry {entry!r} made a {type(made).__name__} with async reset/step: gymnasium's are "
+                "plain calls (an async one is a text environment: adapter: text)"
+            )
+        return lambda: GymnasiumText(first.pop() if first else _make(entry, factory, params))
+    if not all(inspect.iscoroutinefunction(getattr(made, method, None)) for method in ("reset", "step")):
+        raise UserEnvironmentError(
+            f"environment entry {entry!r} made a {type(made).__name__}: a text environment has async "
+            "reset(task) and step(action) (targets.api.TextEnvironment)"
+        )
+    return lambda: first.pop() if first else _make(entry, factory, params)

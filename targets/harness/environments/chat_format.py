@@ -1,0 +1,46 @@
+"""How a user environment's text becomes the tokens a stack trains on, with the model's own tokenizer
+and chat template: the first observation is a user turn and the assistant's generation prompt; every
+later observation is what the template puts after an assistant turn (its end, the next user turn, the
+next generation prompt). The model's own tokens stay as it generated them: only the environment's
+text is tokenized, so a trajectory is always the prompt, then action and observation tokens in turn
+(the prefix the engines cache and the audit replays)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ACTION = "\u2063ACTION\u2063"  # a placeholder no environment writes: where the assistant's text goes
+
+
+class ChatFormat:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_ids: tuple[int, ...]) -> None:
+        if not tokenizer.chat_template:
+            raise ValueError("the model's tokenizer has no chat template: an environment's text cannot be rendered")
+        self.tokenizer, self.stop_ids = tokenizer, frozenset(stop_ids)
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def first(self, observation: str) -> list[int]:
+        return self._encode(self._render([{"role": "user", "content": observation}], True))
+
+    def next(self, observation: str, stopped: bool) -> list[int]:
+        """The tokens after an action: the template's close of the assistant turn (less its stop token
+        when the model generated it), the user turn holding ``observation``, the next generation prompt."""
+        messages = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": ACTION},
+            {"role": "user", "content": observation},
+        ]
+        ids = self._encode(self._render(messages, True).split(ACTION, 1)[1])
+        return ids[1:] if stopped and ids and ids[0] in self.stop_ids else ids
+
+    def text(self, action) -> str:
+        """An action's text as the environment reads it (special tokens left out)."""
+        return self.tokenizer.decode(list(action), skip_special_tokens=True)

@@ -1,0 +1,61 @@
+"""An episode of a user's environment (``targets.api.TextEnvironment``, made by an adapter): the
+harness's ``Episode`` with the environment's own text, reward, end and time. Observations are
+rendered with the model's chat template (``ChatFormat``); the environment reads each action as the
+model's text. The environment's own time is the step's latency (nothing is added), and every reset
+and step is in the trace like a built-in environment's."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from targets.api import StepResult, TextEnvironment, TokenIds
+from targets.harness.environments.adapters import UserEnvironmentError
+from targets.harness.environments.base import Episode
+from targets.harness.environments.chat_format import ChatFormat
+
+
+class UserParams(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the user's entry takes them (checked when it is made)
+
+
+class TextEpisode(Episode):
+    name = "user"
+    Params = UserParams
+    asynchronous = True
+
+    def __init__(self, *, environment: TextEnvironment, chat: ChatFormat, entry: str, **kwargs) -> None:
+        self.environment, self.chat, self.entry = environment, chat, entry
+        super().__init__(**kwargs)
+
+    def make_task(self, rng: random.Random) -> int:
+        """The seed the environment resets from (a group's members share it: one task)."""
+        return rng.randrange(2**31)
+
+    def _latency(self) -> tuple[float, int]:
+        return 0.0, 0  # the environment's own time is the step's
+
+    async def _call(self, call: Awaitable, doing: str) -> Any:
+        try:
+            return await call
+        except Exception as error:  # noqa: BLE001 - the user's code: named, never a traceback of ours
+            raise UserEnvironmentError(
+                f"environment {self.entry} raised {type(error).__name__} {doing} {self.episode_id}: {error}"
+            ) from None
+
+    async def reset(self) -> TokenIds:
+        self._start()
+        observation = await self._call(self.environment.reset(self.task), "resetting")
+        return self._reset_with(self.chat.first(str(observation)))
+
+    async def step(self, action: TokenIds) -> StepResult:
+        self.begin_step()
+        started = self.clock.now()
+        answer = await self._call(self.environment.step(self.chat.text(action)), f"at turn {self.turn + 1} of")
+        return self.end_step(action, self.clock.now() - started, 0, (answer.observation, answer.reward, answer.done))
+
+    def observe(self, text: str, action: TokenIds) -> TokenIds:
+        return self.chat.next(text, stopped=bool(action) and action[-1] in self.chat.stop_ids)

@@ -1,0 +1,310 @@
+"""A user's own environment, plugged in by import path (``workload.environment.entry``) through an
+adapter: its text rendered with the model's chat template, its reward the reward, every reset and
+step in the harness's trace; a bad entry is a clear error that names it, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import textwrap
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from skills.starter import write_starter
+from targets.harness.environments import EnvironmentPool
+from targets.harness.environments.adapters import UserEnvironmentError
+from targets.harness.isolation.launch import Limits, run_harness
+from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.model import load_tokenizer, model_dir
+from targets.harness.target import Target
+from targets.harness.trace import Trace
+from targets.spec import SpecError, parse_target
+
+PACKAGE = '''
+import random
+import re
+
+from targets.api import TextStep
+
+
+class HiddenNumber:
+    """gymnasium-style: find a number from 1 to ``high``; the answer's first number counts."""
+
+    def __init__(self, high: int = 3):
+        self.high = high
+
+    def reset(self, seed=None):
+        self.secret = random.Random(seed).randint(1, self.high)
+        return f"Guess a number from 1 to {self.high}.", {"secret": self.secret}
+
+    def step(self, action):
+        found = re.findall(r"\\d+", action)
+        if found and int(found[0]) == self.secret:
+            return "Correct!", 1.0, True, False, {}
+        hint = ("Higher." if int(found[0]) < self.secret else "Lower.") if found else "A number."
+        return hint, 0.0, False, False, {}
+
+
+class Echo:
+    """A text environment of its own (async): the reward is how many times the action says 'echo'."""
+
+    def __init__(self, word: str = "echo"):
+        self.word = word
+
+    async def reset(self, task):
+        self.task = task
+        return f"Task {task}: say {self.word}."
+
+    async def step(self, action):
+        return TextStep(f"You said {action!r}.", float(action.count(self.word)), True)
+
+
+class Breaks:
+    """Raises at its second step (the user's bug)."""
+
+    def reset(self, seed=None):
+        self.turn = 0
+        return "Begin.", {}
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 2:
+            raise KeyError("lost the board")
+        return "Go on.", 0.0, False, False, {}
+
+
+class Tasks(list):
+    """A verifiable task set, as reasoning-gym's datasets are."""
+
+    def score_answer(self, answer, entry):
+        return 1.0 if answer.strip() == entry["answer"] else 0.0
+
+
+def tasks(size: int = 3):
+    return Tasks({"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(size))
+
+
+NOT_CALLABLE = 3
+'''
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text(textwrap.dedent(PACKAGE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_envs"
+
+
+def _spec(catalog_yaml, environment: dict, **model):
+    catalog_yaml["model"].update({"tokenizer": "bpe", **model})
+    catalog_yaml["model"]["config"]["vocab_size"] = 320
+    catalog_yaml["workload"].update(environment=environment, turns={"max": 3})
+    return parse_target(catalog_yaml)
+
+
+def _pool(spec):
+    clock = ManualClock()
+    trace = Trace(clock)
+    return EnvironmentPool(spec.workload, clock, trace, seed=1, model_path=str(model_dir(spec.model))), trace
+
+
+def test_a_gymnasium_style_environment_speaks_through_the_chat_template(catalog_yaml, user_package):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium", "params": {"high": 3}})
+    pool, trace = _pool(spec)
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    first, second = pool.new_group()[:2]
+    prompt = asyncio.run(first.reset())
+    assert (
+        tokenizer.decode(prompt) == "<|im_start|>user\nGuess a number from 1 to 3.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    asyncio.run(second.reset())
+    assert first.environment.env.secret == second.environment.env.secret  # a group shares its task
+    wrong = 1 if first.environment.env.secret != 1 else 2
+    action = tokenizer.encode(f"It is {wrong}", add_special_tokens=False) + [tokenizer.eos_token_id]
+    result = asyncio.run(first.step(action))
+    hint = "Higher." if wrong < first.environment.env.secret else "Lower."
+    # the model's own stop token closed its turn: the observation does not repeat it
+    assert tokenizer.decode(result.observation) == f"\n<|im_start|>user\n{hint}<|im_end|>\n<|im_start|>assistant\n"
+    assert (result.reward, result.done) == (0.0, False)
+    right = tokenizer.encode(str(first.environment.env.secret), add_special_tokens=False)
+    result = asyncio.run(first.step(right))
+    assert (result.reward, result.done, result.observation) == (1.0, True, [])
+    steps = [e for e in trace.events if e.kind == "env_step"]
+    assert [(e.data["turn"], e.data["reward"], e.data["done"]) for e in steps] == [(1, 0.0, False), (2, 1.0, True)]
+    assert [e.data["action"] for e in steps] == [action, right]
+
+
+def test_a_text_environment_by_import_path_and_a_task_set(catalog_yaml, user_package):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Echo", "adapter": "text", "params": {"word": "echo"}})
+    pool, _ = _pool(spec)
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    episode = pool.new_group()[0]
+    assert tokenizer.decode(asyncio.run(episode.reset())).startswith(
+        f"<|im_start|>user\nTask {episode.task}: say echo."
+    )
+    result = asyncio.run(episode.step(tokenizer.encode("echo, echo", add_special_tokens=False)))
+    assert (result.reward, result.done) == (2.0, True)
+
+    catalog_yaml["workload"]["environment"] = {"entry": "my_envs:tasks", "adapter": "tasks", "params": {"size": 3}}
+    pool, _ = _pool(parse_target(catalog_yaml))
+    episode = pool.new_group()[0]
+    question = tokenizer.decode(asyncio.run(episode.reset()), skip_special_tokens=True)
+    i = episode.task % 3
+    assert f"What is {i} + {i}?" in question
+    result = asyncio.run(episode.step(tokenizer.encode(str(2 * i), add_special_tokens=False)))
+    assert (result.reward, result.done) == (1.0, True)
+
+
+@pytest.mark.parametrize(
+    ("environment", "message"),
+    [
+        ({"entry": "no_such_package.envs:Env", "adapter": "gymnasium"}, "cannot import no_such_package.envs"),
+        ({"entry": "my_envs:Missing", "adapter": "gymnasium"}, "my_envs has no attribute Missing"),
+        ({"entry": "my_envs:NOT_CALLABLE", "adapter": "gymnasium"}, "NOT_CALLABLE is not callable"),
+        ({"entry": "my_envs", "adapter": "gymnasium"}, "write it as package.module:callable"),
+        ({"entry": "my_envs:HiddenNumber"}, "say its adapter"),
+        ({"name": "guess_number", "entry": "my_envs:HiddenNumber", "adapter": "gymnasium"}, "or bring your own"),
+        ({"entry": "my_envs:HiddenNumber", "adapter": "docker"}, "adapter"),
+    ],
+    ids=[
+        "missing module",
+        "missing attribute",
+        "not callable",
+        "no callable named",
+        "no adapter",
+        "both",
+        "bad adapter",
+    ],
+)
+def test_a_bad_entry_is_a_spec_error_naming_it(catalog_yaml, user_package, environment, message):
+    with pytest.raises(SpecError, match="workload.environment") as caught:
+        _spec(catalog_yaml, environment)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("environment", "message"),
+    [
+        (
+            {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium", "params": {"size": 3}},
+            "'my_envs:HiddenNumber' does not take params {'size': 3}",
+        ),
+        ({"entry": "my_envs:tasks", "adapter": "tasks", "params": {"size": 0}}, "made an empty task set"),
+        ({"entry": "my_envs:Echo", "adapter": "gymnasium"}, "async reset/step: gymnasium's are plain calls"),
+        ({"entry": "my_envs:HiddenNumber", "adapter": "text"}, "a text environment has async reset(task)"),
+        ({"entry": "my_envs:tasks", "adapter": "gymnasium"}, "which has no reset, step"),
+    ],
+    ids=["wrong params", "empty task set", "async as gymnasium", "sync as text", "not an environment"],
+)
+def test_an_entry_that_cannot_make_an_environment_is_named_when_the_run_makes_it(
+    catalog_yaml, user_package, environment, message
+):
+    spec = _spec(catalog_yaml, environment)
+    with pytest.raises(UserEnvironmentError, match="environment entry 'my_envs:") as caught:
+        _pool(spec)
+    assert message in str(caught.value)
+
+
+def test_an_environment_that_raises_is_named_with_its_episode_and_turn(catalog_yaml, user_package):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Breaks", "adapter": "gymnasium"})
+    pool, _ = _pool(spec)
+    episode = pool.new_group()[0]
+    asyncio.run(episode.reset())
+    asyncio.run(episode.step([5, 6]))
+    with pytest.raises(UserEnvironmentError, match="environment my_envs:Breaks raised KeyError at turn 2 of g0/e0"):
+        asyncio.run(episode.step([5, 6]))
+
+
+def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, user_package, tmp_path):
+    environment = {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium"}
+    with pytest.raises(SpecError, match="speaks its own text: the model needs a tokenizer with a chat template"):
+        _spec(catalog_yaml, environment, tokenizer=None)
+    catalog_yaml["execution"] = "simulated"
+    with pytest.raises(SpecError, match="runs for real"):
+        _spec(catalog_yaml, environment)
+    catalog_yaml["execution"] = "real"
+    path = tmp_path / "bad.yaml"
+    catalog_yaml["workload"]["environment"] = {"entry": "my_envs:Nowhere", "adapter": "gymnasium"}
+    path.write_text(yaml.safe_dump(catalog_yaml))
+    result = CliRunner().invoke(app, ["target", "validate", str(path)])
+    assert result.exit_code == 2 and "my_envs has no attribute Nowhere" in result.output
+    assert "Traceback" not in result.output
+
+
+def _real_run(fast_target, tmp_path, monkeypatch, entry: str, mode: str):
+    """A real run of the time_multiplex starter on the fast target with the user's environment, the
+    package importable by the harness's own processes (never the candidate's)."""
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    data = yaml.safe_load(fast_target.read_text())
+    data["model"]["tokenizer"] = "bpe"
+    data["model"]["config"]["vocab_size"] = 320
+    data["workload"].update(environment={"entry": entry, "adapter": "gymnasium"}, turns={"max": 3})
+    data["workload"]["tokens"].update(prompt=24, observation=16)
+    path = tmp_path / "target.yaml"
+    path.write_text(yaml.safe_dump(data))
+    stack = write_starter(tmp_path / "stack", parse_target(data), "time_multiplex")
+    target = Target.load(path)
+    return run_harness(target, stack, tmp_path / "out", mode, Limits(time_s=300), Sandbox("subprocess"))
+
+
+@pytest.mark.slow
+def test_a_real_run_on_a_user_environment_passes_check_with_its_rewards(
+    fast_target, tmp_path, user_package, monkeypatch
+):
+    run = _real_run(fast_target, tmp_path, monkeypatch, "my_envs:HiddenNumber", "check")
+    assert run.ok, run.cause
+    assert all(c["passed"] for c in run.results["accuracy"]["checks"]), run.results["accuracy"]
+    assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
+    steps = [e for e in Trace.load_events(run.out / "trace.jsonl") if e.kind == "env_step"]
+    assert steps and {e.data["reward"] for e in steps} <= {0.0, 1.0} and max(e.data["turn"] for e in steps) <= 3
+
+
+@pytest.mark.slow
+def test_a_real_run_whose_environment_raises_fails_naming_it(fast_target, tmp_path, user_package, monkeypatch):
+    run = _real_run(fast_target, tmp_path, monkeypatch, "my_envs:Breaks", "measure")
+    assert not run.ok
+    assert "system run failed: UserEnvironmentError: environment my_envs:Breaks raised KeyError at turn 2" in run.cause
+    assert "Traceback" not in run.cause
+
+
+def test_the_ecosystems_own_environments_through_the_adapters(catalog_yaml):
+    """GEM's Guess-the-Number (a gymnasium-style text game) and a reasoning-gym task set, offline,
+    as a target names them (the ``envs`` extra installs both)."""
+    pytest.importorskip("gem", reason="GEM comes with the envs extra: pip install -e '.[envs]'")
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym comes with the envs extra: pip install -e '.[envs]'")
+    environment = {"entry": "gem:make", "adapter": "gymnasium", "params": {"env_id": "game:GuessTheNumber-v0-easy"}}
+    spec = _spec(catalog_yaml, environment)
+    pool, trace = _pool(spec)
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    episode = pool.new_group()[0]
+    rules = tokenizer.decode(asyncio.run(episode.reset()), skip_special_tokens=True)
+    assert "You are playing Guess The Number" in rules
+    secret = episode.environment.env.game_number
+    result = asyncio.run(episode.step(tokenizer.encode(f"\\boxed{{{secret}}}", add_special_tokens=False)))
+    assert result.done and result.reward > 0, result
+
+    catalog_yaml["workload"]["environment"] = {
+        "entry": "reasoning_gym:create_dataset",
+        "adapter": "tasks",
+        "params": {"name": "basic_arithmetic", "size": 8, "seed": 1},
+    }
+    pool, _ = _pool(parse_target(catalog_yaml))
+    episode = pool.new_group()[0]
+    asyncio.run(episode.reset())
+    answer = episode.environment.entry["answer"]
+    result = asyncio.run(episode.step(tokenizer.encode(answer, add_special_tokens=False)))
+    assert (result.reward, result.done) == (1.0, True)

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from skills.starter import write_starter
+from targets.harness.clock import WallClock
 from targets.harness.environments import EnvironmentPool
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.isolation.launch import Limits, run_harness
@@ -91,17 +92,6 @@ NOT_CALLABLE = 3
 '''
 
 
-class ManualClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:
-        self.t += seconds
-
-
 @pytest.fixture
 def user_package(tmp_path, monkeypatch):
     (tmp_path / "my_envs.py").write_text(textwrap.dedent(PACKAGE))
@@ -117,7 +107,7 @@ def _spec(catalog_yaml, environment: dict, **model):
 
 
 def _pool(spec):
-    clock = ManualClock()
+    clock = WallClock()  # a user's environment takes its own time: nothing here sleeps
     trace = Trace(clock)
     return EnvironmentPool(spec.workload, clock, trace, seed=1, model_path=str(model_dir(spec.model))), trace
 

@@ -25,6 +25,7 @@ from targets.harness.trace import Trace
 from targets.spec import SpecError, parse_target
 
 PACKAGE = '''
+import asyncio
 import random
 import re
 
@@ -86,6 +87,17 @@ class Tasks(list):
 
 def tasks(size: int = 3):
     return Tasks({"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(size))
+
+
+class Mumbles:
+    """A text environment whose step answers with a tuple, not a TextStep."""
+
+    async def reset(self, task):
+        await asyncio.sleep(0.01)  # as a remote environment would take its time
+        return "Go."
+
+    async def step(self, action):
+        return ("ok", 1.0, True)
 
 
 NOT_CALLABLE = 3
@@ -207,6 +219,32 @@ def test_an_entry_that_cannot_make_an_environment_is_named_when_the_run_makes_it
     with pytest.raises(UserEnvironmentError, match="environment entry 'my_envs:") as caught:
         _pool(spec)
     assert message in str(caught.value)
+
+
+def test_an_answer_that_is_not_a_text_step_and_a_step_during_the_reset_are_named(catalog_yaml, user_package):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Mumbles", "adapter": "text"})
+    pool, _ = _pool(spec)
+    episode, other = pool.new_group()[:2]
+    asyncio.run(episode.reset())
+    with pytest.raises(UserEnvironmentError, match="answered a step of g0/e0 with a tuple, not a targets.api.TextStep"):
+        asyncio.run(episode.step([5]))
+
+    async def step_while_resetting():
+        resetting = asyncio.ensure_future(other.reset())
+        await asyncio.sleep(0)  # the reset has started and awaits the environment
+        try:
+            await other.step([5])
+        finally:
+            await resetting
+
+    with pytest.raises(RuntimeError, match="stepped while its previous step was still running"):
+        asyncio.run(step_while_resetting())
+
+
+def test_a_module_that_raises_as_it_imports_is_named(catalog_yaml, user_package, tmp_path):
+    (tmp_path / "broken_envs.py").write_text("this is not python\n")
+    with pytest.raises(SpecError, match=r"cannot import broken_envs \(NameError: name 'this' is not defined"):
+        _spec(catalog_yaml, {"entry": "broken_envs:Env", "adapter": "gymnasium"})
 
 
 def test_an_environment_that_raises_is_named_with_its_episode_and_turn(catalog_yaml, user_package):

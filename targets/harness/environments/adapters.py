@@ -12,14 +12,16 @@ called with ``params``) and spoken to as its ``adapter`` says:
   picks ``tasks[seed % len(tasks)]``, and the score is the reward.
 * ``text``: ``entry`` makes an object that is a ``TextEnvironment`` itself (async ``reset``/``step``).
 
-A user's environment code runs in threads of the harness's process (``asyncio.to_thread``), so a slow
-step never stalls the harness's clock. Every failure to load, make or run one names the entry
+A user's environment code runs in threads of the harness's process (``USER_THREADS``), so a slow step
+never stalls the harness's clock. Every failure to load, make or run one names the entry
 (``UserEnvironmentError``): a user's mistake is a message, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -29,6 +31,13 @@ from targets.api import TextEnvironment, TextStep
 from targets.errors import UserError
 
 ADAPTERS = ("gymnasium", "tasks", "text")
+# The user's environment code runs here, apart from the default pool the harness saves weights on: a
+# step that takes its time never queues the harness's own work (nor is queued behind it and timed).
+USER_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="user-environment")
+
+
+async def in_user_thread(function: Callable, *args, **kwargs) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(USER_THREADS, functools.partial(function, *args, **kwargs))
 
 
 class UserEnvironmentError(UserError, ValueError):
@@ -42,8 +51,10 @@ def load_entry(entry: str) -> Callable:
         raise UserEnvironmentError(f"environment entry {entry!r}: write it as package.module:callable")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UserEnvironmentError(f"environment entry {entry!r}: cannot import {module_name} ({error})") from None
+    except Exception as error:  # noqa: BLE001 - the user's module (missing, or raising as it imports): named
+        raise UserEnvironmentError(
+            f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
+        ) from None
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):
@@ -84,11 +95,11 @@ class GymnasiumText:
         self.env = env
 
     async def reset(self, task: int) -> str:
-        result = await asyncio.to_thread(self.env.reset, seed=task)
+        result = await in_user_thread(self.env.reset, seed=task)
         return str(result[0] if isinstance(result, tuple) else result)
 
     async def step(self, action: str) -> TextStep:
-        observation, reward, terminated, truncated, _ = await asyncio.to_thread(self.env.step, action)
+        observation, reward, terminated, truncated, _ = await in_user_thread(self.env.step, action)
         return TextStep(str(observation), float(reward), bool(terminated or truncated))
 
 
@@ -103,7 +114,7 @@ class TaskSet:
         return str(self.entry["question"])
 
     async def step(self, action: str) -> TextStep:
-        score = await asyncio.to_thread(self.tasks.score_answer, action, self.entry)
+        score = await in_user_thread(self.tasks.score_answer, action, self.entry)
         return TextStep("", float(score or 0.0), True)
 
 

@@ -30,16 +30,18 @@ class ChatFormat:
     def first(self, observation: str) -> list[int]:
         return self._encode(self._render([{"role": "user", "content": observation}], True))
 
-    def next(self, observation: str, stopped: bool) -> list[int]:
-        """The tokens after an action: the template's close of the assistant turn (less its stop token
-        when the model generated it), the user turn holding ``observation``, the next generation prompt."""
+    def next(self, observation: str, stopped_on: int | None) -> list[int]:
+        """The tokens after an action that ended on ``stopped_on``: the template's close of the assistant
+        turn (less its first token when the model generated that very token), the user turn holding
+        ``observation``, the next generation prompt."""
         messages = [
             {"role": "user", "content": "x"},
             {"role": "assistant", "content": ACTION},
             {"role": "user", "content": observation},
         ]
         ids = self._encode(self._render(messages, True).split(ACTION, 1)[1])
-        return ids[1:] if stopped and ids and ids[0] in self.stop_ids else ids
+        closed = bool(ids) and stopped_on in self.stop_ids and ids[0] == stopped_on
+        return ids[1:] if closed else ids
 
     def text(self, action) -> str:
         """An action's text as the environment reads it (special tokens left out)."""

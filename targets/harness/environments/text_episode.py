@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from targets.api import StepResult, TextEnvironment, TokenIds
+from targets.api import StepResult, TextEnvironment, TextStep, TokenIds
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.base import Episode
 from targets.harness.environments.chat_format import ChatFormat
@@ -48,14 +48,21 @@ class TextEpisode(Episode):
 
     async def reset(self) -> TokenIds:
         self._start()
+        self.stepping = True  # until the environment has answered: a step now is the controller's error
         observation = await self._call(self.environment.reset(self.task), "resetting")
+        self.stepping = False
         return self._reset_with(self.chat.first(str(observation)))
 
     async def step(self, action: TokenIds) -> StepResult:
         self.begin_step()
         started = self.clock.now()
         answer = await self._call(self.environment.step(self.chat.text(action)), f"at turn {self.turn + 1} of")
+        if not isinstance(answer, TextStep):
+            raise UserEnvironmentError(
+                f"environment {self.entry} answered a step of {self.episode_id} with a {type(answer).__name__}, "
+                "not a targets.api.TextStep"
+            )
         return self.end_step(action, self.clock.now() - started, 0, (answer.observation, answer.reward, answer.done))
 
     def observe(self, text: str, action: TokenIds) -> TokenIds:
-        return self.chat.next(text, stopped=bool(action) and action[-1] in self.chat.stop_ids)
+        return self.chat.next(text, stopped_on=int(action[-1]) if len(action) else None)

@@ -307,7 +307,11 @@ class ControllerLink:
             self.fail(error)
             return
         except Exception as error:  # noqa: BLE001 - _error_reply sorts out what the controller is told
-            reply = self._error_reply(request_id, error)
+            try:
+                reply = self._error_reply(request_id, error)
+            except Exception as unclassified:  # noqa: BLE001 - a harness bug: the run fails with it, loudly
+                self.fail(unclassified)
+                return
         finally:
             self._tasks.pop(key, None)
         if reply is not None:

@@ -64,6 +64,22 @@ def _first(events, kind):
     return next(e for e in events if e.kind == kind)
 
 
+def _simulated_start(steps: int, declared: dict) -> TraceEvent:
+    """The run_start of a simulated run (no tokens recorded) of ``steps`` steps declaring ``declared``."""
+    return TraceEvent(
+        "run_start",
+        0.0,
+        {
+            "devices": [],
+            "steps": steps,
+            "stop_token_ids": [1],
+            "tokens_recorded": False,
+            "engines": {},
+            "declared": declared,
+        },
+    )
+
+
 def _rejects(result, reason: str) -> None:
     assert not result.passed
     assert any(reason in r for r in result.reasons), result.reasons
@@ -406,18 +422,7 @@ def _group_trace(
     """Two episodes of one group, each generated once at the given version (at ``1 + version`` s), both
     dropped for ``reason`` at ``drop_at`` (policy 1 from 5 s, 2 from 6 s, 3 from 7 s)."""
     events = [
-        TraceEvent(
-            "run_start",
-            0.0,
-            {
-                "devices": [],
-                "steps": 3,
-                "stop_token_ids": [1],
-                "tokens_recorded": False,
-                "engines": {},
-                "declared": declared or {},
-            },
-        )
+        _simulated_start(3, declared or {}),
     ]
     for episode in versions:
         events.append(TraceEvent("episode_created", 0.0, {"episode": episode, "group": "g0"}))
@@ -499,18 +504,7 @@ def _redundant_trace(group_size: int, spares: int, drop_at: float, declared: int
     spares are dropped as ``redundant`` at ``drop_at``."""
     members = [f"g0/e{m}" for m in range(group_size + spares)]
     events = [
-        TraceEvent(
-            "run_start",
-            0.0,
-            {
-                "devices": [],
-                "steps": 1,
-                "stop_token_ids": [1],
-                "tokens_recorded": False,
-                "engines": {},
-                "declared": {"redundant_per_group": declared},
-            },
-        )
+        _simulated_start(1, {"redundant_per_group": declared}),
     ]
     events += [TraceEvent("episode_created", 0.0, {"episode": m, "group": "g0"}) for m in members]
     events += [
@@ -699,18 +693,7 @@ def _deferral_trace(
     deferred = group_size if deferred is None else deferred
     declared = {"tail_round": tail_round}
     events = [
-        TraceEvent(
-            "run_start",
-            0.0,
-            {
-                "devices": [],
-                "steps": 1,
-                "stop_token_ids": [1],
-                "tokens_recorded": False,
-                "engines": {},
-                "declared": declared,
-            },
-        )
+        _simulated_start(1, declared),
     ]
     events += [TraceEvent("episode_created", 0.0, {"episode": m, "group": "g0"}) for m in members]
     if waited:  # a batch taken while g0 ran: it waited through a whole step

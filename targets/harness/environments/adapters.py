@@ -131,6 +131,10 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
             raise UserEnvironmentError(f"environment entry {entry!r} made an empty task set")
         return lambda: TaskSet(made)
     first = [made]  # the instance made to check the entry is the first episode's
+
+    def fresh() -> Any:
+        return first.pop() if first else _make(entry, factory, params)
+
     if adapter == "gymnasium":
         _needs(entry, made, ("reset", "step"), "a gymnasium environment resets and steps")
         if any(inspect.iscoroutinefunction(getattr(made, method)) for method in ("reset", "step")):
@@ -138,10 +142,10 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
                 f"environment entry {entry!r} made a {type(made).__name__} with async reset/step: gymnasium's are "
                 "plain calls (an async one is a text environment: adapter: text)"
             )
-        return lambda: GymnasiumText(first.pop() if first else _make(entry, factory, params))
+        return lambda: GymnasiumText(fresh())
     if not all(inspect.iscoroutinefunction(getattr(made, method, None)) for method in ("reset", "step")):
         raise UserEnvironmentError(
             f"environment entry {entry!r} made a {type(made).__name__}: a text environment has async "
             "reset(task) and step(action) (targets.api.TextEnvironment)"
         )
-    return lambda: first.pop() if first else _make(entry, factory, params)
+    return fresh

@@ -110,7 +110,7 @@ class EnvironmentPool:
 def episode_maker(workload: WorkloadSpec, model_path: str | None) -> Callable[..., Episode]:
     """What makes one episode (called with ``Episode``'s keywords). A user's environment speaks text,
     so it needs the model's tokenizer (``model_path``): it runs for real, never on the simulator."""
-    from targets.harness.environments.adapters import UserEnvironmentError
+    from targets.harness.environments.adapters import UserEnvironmentError, environment_factory
 
     env = workload.environment
     if env.name is not None:
@@ -120,7 +120,6 @@ def episode_maker(workload: WorkloadSpec, model_path: str | None) -> Callable[..
             f"environment {env.entry} is the user's own: it runs for real with the target's model and tokenizer, "
             "not on the simulator (a simulated target takes a workload measured on it)"
         )
-    from targets.harness.environments.adapters import environment_factory
     from targets.harness.environments.chat_format import ChatFormat
     from targets.harness.environments.text_episode import TextEpisode
     from targets.harness.model import load_tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ def _error(data: dict) -> str:
     return str(caught.value)
 
 
-def test_catalog_has_the_six_targets():
+def test_catalog_has_the_seven_targets():
     assert catalog_ids() == [
         "qwen3-0.6b-h100x1",
         "qwen3-235b-a22b-h800x160",
@@ -29,6 +30,7 @@ def test_catalog_has_the_six_targets():
         "qwen3-8b-h100x8",
         "qwen3-8b-h800x16",
         "tiny-qwen3-cpu",
+        "tiny-qwen3-cpu-arithmetic",
     ]
     math = load_target("qwen3-30b-a3b-h20x64")  # single-turn long chain-of-thought
     assert math.workload.turns.max == 1 and math.workload.group_size == 16 and math.workload.tokens.response == 16384
@@ -157,6 +159,20 @@ def test_cli_targets_lists_the_catalog():
     assert result.exit_code == 0
     for target in catalog_ids():
         assert target in result.output
+    assert "unavailable" not in result.output
+
+
+def test_a_catalog_target_whose_environment_is_not_installed_is_listed_as_unavailable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if the envs extra were not installed
+    result = runner.invoke(app, ["targets"])
+    assert result.exit_code == 0 and "tiny-qwen3-cpu\t" in result.output
+    assert (
+        "unavailable: field `workload.environment`: environment entry 'reasoning_gym:create_dataset': "
+        "reasoning_gym is not installed here; the envs extra installs it: pip install -e '.[envs]'"
+    ) in result.output
+    result = runner.invoke(app, ["check", "tiny-qwen3-cpu-arithmetic"])
+    assert result.exit_code == 2 and "reasoning_gym is not installed here" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_cli_validate_accepts_a_good_spec_and_names_a_misspelled_field(catalog_yaml, tmp_path: Path):

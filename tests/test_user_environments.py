@@ -174,7 +174,8 @@ def test_a_text_environment_by_import_path_and_a_task_set(catalog_yaml, user_pac
 @pytest.mark.parametrize(
     ("environment", "message"),
     [
-        ({"entry": "no_such_package.envs:Env", "adapter": "gymnasium"}, "cannot import no_such_package.envs"),
+        ({"entry": "no_such_package.envs:Env", "adapter": "gymnasium"}, "no_such_package is not installed here"),
+        ({"entry": "my_envs.nowhere:Env", "adapter": "gymnasium"}, "cannot import my_envs.nowhere"),
         ({"entry": "my_envs:Missing", "adapter": "gymnasium"}, "my_envs has no attribute Missing"),
         ({"entry": "my_envs:NOT_CALLABLE", "adapter": "gymnasium"}, "NOT_CALLABLE is not callable"),
         ({"entry": "my_envs", "adapter": "gymnasium"}, "write it as package.module:callable"),
@@ -183,6 +184,7 @@ def test_a_text_environment_by_import_path_and_a_task_set(catalog_yaml, user_pac
         ({"entry": "my_envs:HiddenNumber", "adapter": "docker"}, "adapter"),
     ],
     ids=[
+        "missing package",
         "missing module",
         "missing attribute",
         "not callable",

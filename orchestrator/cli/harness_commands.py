@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 import yaml
 from rich import box
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -37,7 +38,7 @@ from orchestrator.cli.app import (
 from orchestrator.tables import bench_table, checks_table, costs_table, num
 from skills.starter import CONTROLLERS, unfit
 from targets.errors import UserError
-from targets.spec import TargetSpec, catalog_ids, load_target
+from targets.spec import SpecError, TargetSpec, catalog_ids, load_target
 
 
 class Failed(UserError):
@@ -58,9 +59,15 @@ def list_targets(as_json: bool = JSON_OPTION) -> None:
 
     Example: vibetrain targets --json | jq -r '.[].id'
     """
-    specs = [load_target(target_id) for target_id in catalog_ids()]
+    specs, unavailable = [], {}
+    for target_id in catalog_ids():
+        try:
+            specs.append(load_target(target_id))
+        except SpecError as error:  # one target whose environment is not installed here: named, not fatal
+            unavailable[target_id] = str(error).splitlines()[-1].strip()
     if as_json:
-        print_json([{"params": _params(spec), **spec.model_dump(mode="json")} for spec in specs])
+        listed = [{"params": _params(spec), **spec.model_dump(mode="json")} for spec in specs]
+        print_json(listed + [{"id": target_id, "unavailable": why} for target_id, why in unavailable.items()])
         return
     table = Table(title="vibetrain targets")
     table.add_column("id", no_wrap=True)  # people copy ids from here: never truncate them
@@ -76,6 +83,8 @@ def list_targets(as_json: bool = JSON_OPTION) -> None:
             spec.execution,
             f"{w.batch_size} x {w.group_size}",
         )
+    for target_id, why in unavailable.items():
+        table.add_row(target_id, "-", "-", escape(f"unavailable: {why}"), "-", "-")
     print_table(table)
 
 

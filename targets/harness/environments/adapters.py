@@ -44,6 +44,9 @@ class UserEnvironmentError(UserError, ValueError):
     """A user environment that cannot be loaded, made or run (the message names its entry)."""
 
 
+ENVS_EXTRA = ("gem", "reasoning_gym")  # the ecosystems' packages the envs extra installs (pyproject.toml)
+
+
 def load_entry(entry: str) -> Callable:
     """The callable ``package.module:attribute`` names, imported here."""
     module_name, sep, attribute = entry.partition(":")
@@ -51,7 +54,15 @@ def load_entry(entry: str) -> Callable:
         raise UserEnvironmentError(f"environment entry {entry!r}: write it as package.module:callable")
     try:
         module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - the user's module (missing, or raising as it imports): named
+    except ModuleNotFoundError as error:
+        top = module_name.partition(".")[0]
+        if error.name != top:
+            raise UserEnvironmentError(
+                f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
+            ) from None
+        extra = "; the envs extra installs it: pip install -e '.[envs]'" if top in ENVS_EXTRA else ""
+        raise UserEnvironmentError(f"environment entry {entry!r}: {top} is not installed here{extra}") from None
+    except Exception as error:  # noqa: BLE001 - the user's module (raising as it imports): named
         raise UserEnvironmentError(
             f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
         ) from None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import re
 import shutil
 import sys
@@ -54,6 +55,7 @@ class Exported:
     vendored: list[str] = field(default_factory=list)  # vibetrain module names copied into vt_harness/
     requirements: list[str] = field(default_factory=list)  # pinned distributions
     optional: dict[str, str] = field(default_factory=dict)  # import -> the files importing it, what provides it here
+    environment: str = ""  # a user's environment: the pinned distribution providing it, or the files copied
 
 
 def resolve_candidate(ref: str, target: str | None) -> tuple[Path, str]:
@@ -115,6 +117,10 @@ def _write(candidate: Path, spec: TargetSpec, root: Path, source: str) -> Export
     exported.vendored = _vendor(pending, root)
     (root / "target.yaml").write_text(_target_yaml(spec))
     exported.requirements, exported.optional = _requirements(root)
+    if spec.workload.environment.entry is not None:
+        exported.environment = _environment(spec.workload.environment.entry, root)
+        if "==" in exported.environment:
+            exported.requirements = sorted({*exported.requirements, exported.environment}, key=str.lower)
     (root / "requirements.txt").write_text("".join(f"{r}\n" for r in exported.requirements))
     (root / "README.md").write_text(_readme(spec, source, exported))
     return exported
@@ -200,7 +206,36 @@ def _vendor(pending: list[str], root: Path) -> list[str]:
             copy.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, copy)
             pending += _rewrite(copy, Path(VENDORED) / relative)
+            _copy_data(source, copy.parent)
     return sorted(done)
+
+
+def _copy_data(module: Path, into: Path) -> None:
+    """The data files a vendored module names beside itself (the BPE tokenizer's training corpus)."""
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"[\w.-]+\.\w+", node.value):
+            data = module.parent / node.value
+            if data.is_file() and data.suffix != ".py":
+                shutil.copy2(data, into / node.value)
+
+
+def _environment(entry: str, root: Path) -> str:
+    """What makes the user's environment importable where the export trains: the installed
+    distribution providing its package, pinned; else (a module of the user's own, not installed) its
+    file or package copied beside train.py, whose folder Python puts first on the import path."""
+    top = _top(entry.partition(":")[0])
+    providers = importlib.metadata.packages_distributions().get(top, [])
+    if providers:
+        return f"{providers[0]}=={importlib.metadata.version(providers[0]).split('+')[0]}"
+    spec = importlib.util.find_spec(top)
+    if spec is None or spec.origin is None:
+        raise ExportError(f"environment entry {entry!r}: {top} is not importable here, so it cannot be exported")
+    origin = Path(spec.origin)
+    if origin.name == "__init__.py":
+        shutil.copytree(origin.parent, root / top, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        return f"{top}/ (copied)"
+    shutil.copy2(origin, root / origin.name)
+    return f"{origin.name} (copied)"
 
 
 def _normalized(distribution: str) -> str:
@@ -292,6 +327,8 @@ def _readme(spec: TargetSpec, source: str, exported: Exported) -> str:
         "`train.py` prints one line per training step: the batch's mean reward, the step's wall time "
         "(since the previous step ended) and the time of the train call itself.",
     ]
+    if exported.environment:
+        lines += ["", f"The environment `{workload.environment.entry}` comes from `{exported.environment}`."]
     if torch_pin and hardware.kind != "cpu":
         lines += [
             "",

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from targets.api import TrainingConfig
 from targets.errors import UserError
 from targets.hardware import HARDWARE_CATALOG
+from targets.workload_profile import with_profile
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 RANDOM_WEIGHTS = re.compile(r"^random\((\d+)\)$")
@@ -343,14 +344,17 @@ class WorkloadSpec(Strict):
     train_steps: int = Field(gt=0, description="training steps a benchmark run measures")
     training: TrainingSpec = TrainingSpec()
 
-    @model_validator(mode="after")
-    def _groups_divide(self) -> WorkloadSpec:
-        if self.batch_size % self.group_size:
-            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
-        return self
+    profile: str | None = Field(default=None, description="the measured workload profile its keys came from")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profiled(cls, data: Any, info: ValidationInfo) -> Any:
+        return with_profile(data, Path((info.context or {}).get("base_dir", Path.cwd())))
 
     @model_validator(mode="after")
-    def _max_async_ratio_covers_the_default(self) -> WorkloadSpec:
+    def _groups_and_ratios(self) -> WorkloadSpec:
+        if self.batch_size % self.group_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
         if self.max_async_ratio is not None and self.max_async_ratio < self.async_ratio:
             raise ValueError(
                 f"max_async_ratio ({self.max_async_ratio}) must be at least async_ratio ({self.async_ratio})"
@@ -439,12 +443,8 @@ class SimulatorSpec(Strict):
     them from a real run's trace; the defaults are typical of large GPU deployments."""
 
     rollout_mfu: float = Field(default=0.5, gt=0, le=1, description="compute efficiency of prefill and decode")
-    hbm_efficiency: float = Field(
-        default=0.8, gt=0, le=1, description="achieved fraction of memory bandwidth in decode"
-    )
-    kv_memory_fraction: float = Field(
-        default=0.9, gt=0, le=1, description="device memory an engine may use (weights + KV)"
-    )
+    hbm_efficiency: float = Field(default=0.8, gt=0, le=1, description="achieved fraction of HBM bandwidth in decode")
+    kv_memory_fraction: float = Field(default=0.9, gt=0, le=1, description="device memory an engine may use")
     decode_step_overhead_s: float = Field(
         default=0.003, ge=0, description="fixed cost of one engine iteration (scheduling, launches)"
     )

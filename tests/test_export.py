@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
@@ -159,3 +160,68 @@ def test_the_launcher_refuses_a_target_whose_hardware_this_machine_lacks(tmp_pat
     )
     assert run.returncode != 0 and "step 1/" not in run.stdout
     assert "trains on 8 h100 device(s)" in run.stderr and "this machine has" in run.stderr, run.stderr[-2000:]
+
+
+USER_ENVIRONMENT = '''
+import random
+import re
+
+
+class HiddenNumber:
+    """gymnasium-style: find a number from 1 to 3; any answer without the number goes on."""
+
+    def reset(self, seed=None):
+        self.secret = random.Random(seed).randint(1, 3)
+        return "Guess a number from 1 to 3.", {}
+
+    def step(self, action):
+        found = re.findall(r"\\d+", action)
+        if found and int(found[0]) == self.secret:
+            return "Correct!", 1.0, True, False, {}
+        return "Again.", 0.0, False, False, {}
+'''
+
+
+def test_an_export_carries_the_environment_the_target_names(tmp_path):
+    """An installed ecosystem package is pinned; the BPE tokenizer's corpus comes with the tokenizer."""
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym comes with the envs extra: pip install -e '.[envs]'")
+    spec = load_target("tiny-qwen3-cpu-arithmetic")
+    candidate = write_starter(tmp_path / "candidate", spec, "colocate")
+    exported = export_project(candidate, "tiny-qwen3-cpu-arithmetic", tmp_path / "out")
+    version = __import__("importlib.metadata").metadata.version("reasoning_gym")
+    assert f"reasoning_gym=={version}" in exported.requirements
+    assert f"reasoning_gym=={version}\n" in (tmp_path / "out" / "requirements.txt").read_text()
+    assert (tmp_path / "out" / PACKAGE / "harness" / "tokenizer_corpus.txt").is_file()
+    assert "comes from `reasoning_gym==" in (tmp_path / "out" / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_an_export_trains_on_the_users_own_environment_copied_beside_its_launcher(
+    tmp_path, fast_target, without_vibetrain, monkeypatch
+):
+    package = tmp_path / "users_code"
+    package.mkdir()
+    (package / "number_envs.py").write_text(USER_ENVIRONMENT)
+    monkeypatch.syspath_prepend(str(package))  # importable where vibetrain exports it, nowhere else
+    data = yaml.safe_load(fast_target.read_text())
+    data["model"]["tokenizer"] = "bpe"
+    data["model"]["config"]["vocab_size"] = 320
+    data["workload"].update(environment={"entry": "number_envs:HiddenNumber", "adapter": "gymnasium"}, turns={"max": 3})
+    target = tmp_path / "target.yaml"
+    target.write_text(yaml.safe_dump(data))
+    candidate = write_starter(tmp_path / "candidate", load_target(target), "time_multiplex")
+    out = tmp_path / "exported"
+    result = runner.invoke(app, ["export", str(candidate), "--out", str(out), "--target", str(target)])
+    assert result.exit_code == 0, result.output
+    assert (out / "number_envs.py").read_text() == USER_ENVIRONMENT
+    assert "comes from `number_envs.py (copied)`" in (out / "README.md").read_text()
+    run = subprocess.run(
+        [sys.executable, "train.py", "--steps", "2"],
+        cwd=out,
+        env=without_vibetrain,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert [int(s) for s, *_ in STEP_LINE.findall(run.stdout)] == [1, 2], run.stdout

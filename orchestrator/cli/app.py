@@ -34,6 +34,8 @@ app = typer.Typer(
 )
 target_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Inspect and validate target specs.")
 app.add_typer(target_app, name="target")
+workload_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Measure a target's workload.")
+app.add_typer(workload_app, name="workload")
 
 console = Console()
 console.soft_wrap = not console.is_terminal  # in a pipe or a file, whole lines: grep sees a path unbroken

@@ -34,6 +34,7 @@ from orchestrator.cli.app import (
     print_table,
     session,
     target_app,
+    workload_app,
 )
 from orchestrator.tables import bench_table, checks_table, costs_table, num
 from skills.starter import CONTROLLERS, unfit
@@ -405,3 +406,49 @@ def calibrate(
         shutil.copy(path, out)
         path = out
     console.print(f"calibrated spec: {path}")
+
+
+@command(workload_app, "profile")
+def profile_workload(
+    target: str,
+    out: Path = typer.Option(..., help="write the profile (a YAML fragment of workload keys) here"),
+    stack: Path = typer.Option(
+        None, help="candidate directory (holds stack/) to run (default: the starter of the target's first baseline)"
+    ),
+    steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
+    time_limit: float | None = TIME_LIMIT_OPTION,
+    sandbox: str = SANDBOX_OPTION,
+) -> None:
+    """Run TARGET's environment for real and fit what the simulator draws from (turn counts, prompt,
+    observation and response lengths, the environment's latency and failures); a simulated spec
+    takes them with `workload: {profile: FILE}` and scales them to its own cluster.
+
+    Example: vibetrain workload profile tiny-qwen3-cpu-arithmetic --out arithmetic.profile.yaml
+    """
+    from skills.starter import write_starter
+    from targets.harness.sim.profile_fit import ProfileError, fit_profile
+
+    out_file(out, "--out")
+    measuring = dataclasses.replace(session(target, sandbox, time_limit), task_key=b"")
+    spec = measuring.target.spec
+    if measuring.target.simulated:
+        raise UsageError(f"{spec.id} is simulated here: a profile measures a real run of its environment")
+    if stack is None:
+        stack = write_starter(Path(tempfile.mkdtemp(prefix="vibetrain-starter-")), spec, spec.baselines[0].name)
+    candidate_dir(stack)
+    with console.status(f"running {stack} on {spec.id} for real"):
+        run = measuring.measure(stack, Path(tempfile.mkdtemp(prefix="vibetrain-profile-")), seed=0, steps=steps)
+    if not run.ok:
+        raise Failed("the real run failed: " + "; ".join(run.reasons[:3]))
+    try:
+        profile = fit_profile(spec, [run.events()], f"{spec.id} ({spec.workload.environment.label})")
+    except ProfileError as error:
+        raise Failed(str(error)) from None
+    out.write_text(yaml.safe_dump(profile, sort_keys=False))
+    samples = profile["samples"]
+    console.print(
+        f"profile of {samples['episodes']} episodes, {samples['steps']} steps: {out}\n"
+        f"use it in a simulated spec as workload: {{profile: {out}}}",
+        highlight=False,
+        markup=False,
+    )

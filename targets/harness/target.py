@@ -27,6 +27,11 @@ def gpus_here() -> int:
 def resolve_execution(spec: TargetSpec, simulate: bool = False) -> Literal["real", "simulated"]:
     """``auto`` is real when this machine has the target's devices; ``real`` on a GPU target without
     enough GPUs is an error that names both counts."""
+    if simulate and spec.workload.environment.entry is not None:
+        raise TargetUnavailable(
+            f"target {spec.id} runs the user's environment {spec.workload.environment.entry}, which only runs for "
+            "real: simulate its calibrated twin (vibetrain calibrate) or a spec with its workload profile instead"
+        )
     if simulate or spec.execution == "simulated":
         return "simulated"
     if spec.hardware.kind == "cpu":

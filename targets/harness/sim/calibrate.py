@@ -38,7 +38,6 @@ measured faster than its catalog peak gets ``bf16_tflops`` raised (also in ``not
 from __future__ import annotations
 
 import itertools
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +47,8 @@ import numpy as np
 import yaml
 
 from targets.api import TraceEvent
-from targets.harness.environments.pool import group_of
 from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.profile_fit import fit_profile, response_lengths, stand_in_workload
 from targets.harness.trace import token_count
 from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, resolve_target_path
 
@@ -63,6 +62,7 @@ class Calibration:
     notes: list[str] = field(default_factory=list)
     samples: dict[str, int] = field(default_factory=dict)
     unfitted: list[str] = field(default_factory=list)  # trace event kinds whose cost stayed the spec's guess
+    profile: dict | None = None  # a user's environment's measured workload (profile_fit), which the twin plays
 
     def yaml_fields(self) -> dict:
         """What to write into the target spec: ``hardware`` numbers, the ``simulator`` section and
@@ -317,45 +317,20 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         peak, mfu, fitted["rollout_mfu"] = peak * scale, mfu / scale, fitted["rollout_mfu"] / scale
     lengths = response_lengths(spec, runs)
     samples = {"train_steps": len(train_rows), "requests": len(rollout_rows)}
-    return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, lengths, notes, samples, unfitted)
-
-
-def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> ResponseLengthSpec | None:
-    """The response-length model fitted to the turns the runs completed whole (see the module doc)."""
-    budget = spec.workload.tokens.response
-    by_group: dict[tuple[int, str], list[float]] = defaultdict(list)  # a group is a task of its own run
-    lengths = []
-    for run, events in enumerate(runs):
-        for e in events:
-            if e.kind == "generate" and not e.data["aborted"] and not e.data.get("continues"):
-                n = token_count(e.data["tokens"])
-                if n:
-                    lengths.append(n)
-                    by_group[run, group_of(e.data["episode"])].append(math.log(n))
-    if not lengths:
-        return None
-
-    def variance(xs: list[float]) -> float:
-        m = sum(xs) / len(xs)
-        return sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
-
-    groups = [g for g in by_group.values() if len(g) > 1]
-    turn_var = sum(variance(g) for g in groups) / len(groups) if groups else 0.0
-    means = [sum(g) / len(g) for g in by_group.values()]
-    per_group = sum(len(g) for g in by_group.values()) / len(by_group)
-    task_var = max(0.0, variance(means) - turn_var / per_group) if len(means) > 1 else 0.0
-    mean = sum(lengths) / len(lengths)
-    if turn_var + task_var == 0 or mean >= budget:
-        return ResponseLengthSpec(mean=min(mean, budget))  # every turn alike: no spread to fit
-    return ResponseLengthSpec(mean=mean, task_sigma=math.sqrt(task_var), turn_sigma=math.sqrt(turn_var))
+    # a user's environment only runs for real: the twin plays its measured profile on the stand-in
+    stand_in = fit_profile(spec, runs, f"{spec.id} (calibration)") if spec.workload.environment.entry else None
+    return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, lengths, notes, samples, unfitted, stand_in)
 
 
 def write_calibrated_spec(target_ref: str, calibration: Calibration, path: Path) -> Path:
-    """The target's own YAML with the fitted numbers in place: the calibrated twin, a simulated target."""
+    """The target's own YAML with the fitted numbers in place: the calibrated twin, a simulated target.
+    A user's environment, which only runs for real, is played by the stand-in with its measured profile."""
     raw = yaml.safe_load(resolve_target_path(target_ref).read_text())
     fields = calibration.yaml_fields()
     raw["hardware"] = {**raw["hardware"], **fields["hardware"]}
     raw["simulator"] = fields["simulator"]
+    if calibration.profile is not None:
+        raw["workload"] = stand_in_workload(raw["workload"], calibration.profile)
     if "workload" in fields:
         raw["workload"]["tokens"] = {**raw["workload"]["tokens"], **fields["workload"]["tokens"]}
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

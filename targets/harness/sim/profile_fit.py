@@ -1,0 +1,130 @@
+"""The workload a real run's trace shows, fitted for the simulator: the response lengths the
+calibration writes into a twin, and a whole workload profile (``vibetrain workload profile``; the
+fragment's format is ``targets/workload_profile.py``'s).
+
+* **response lengths** (``workload.tokens.response_length``): the mean tokens a completed turn
+  generated, and the log-space spreads by moments: ``turn_sigma^2`` the mean variance of log lengths
+  within a group, ``task_sigma^2`` the variance of the groups' mean log lengths less
+  ``turn_sigma^2 / turns per group`` (at least 0). Turns cut at the budget count at the budget, so a
+  model that often runs to its budget gets spreads on the low side.
+* **the profile**, from the episodes the runs finished and every environment step the harness timed:
+  the turn count (``fixed`` when every episode took as many, else lognormal: median and log-space
+  sigma, capped at the most seen), the mean prompt and observation lengths, the response lengths
+  above, the environment's latency (lognormal) and its largest, and its failure rate (failed attempts
+  over attempts). The fragment says how many samples are behind it.
+
+Several runs pool their samples (a group is a task of its own run).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+from targets.api import TraceEvent
+from targets.harness.environments.pool import group_of
+from targets.harness.trace import token_count
+from targets.spec import ResponseLengthSpec, TargetSpec
+from targets.workload_profile import MEASURED
+
+STAND_IN = {"name": "synthetic_agent"}  # plays a profiled environment in simulation: its shape, not its text
+
+
+class ProfileError(ValueError):
+    """The runs hold too little to fit a profile from (no finished episode)."""
+
+
+def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> ResponseLengthSpec | None:
+    """The response-length model fitted to the turns the runs completed whole (see the module doc)."""
+    budget = spec.workload.tokens.response
+    by_group: dict[tuple[int, str], list[float]] = defaultdict(list)
+    lengths = []
+    for run, events in enumerate(runs):
+        for e in events:
+            if e.kind == "generate" and not e.data["aborted"] and not e.data.get("continues"):
+                n = token_count(e.data["tokens"])
+                if n:
+                    lengths.append(n)
+                    by_group[run, group_of(e.data["episode"])].append(math.log(n))
+    if not lengths:
+        return None
+
+    def variance(xs: list[float]) -> float:
+        m = sum(xs) / len(xs)
+        return sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
+
+    groups = [g for g in by_group.values() if len(g) > 1]
+    turn_var = sum(variance(g) for g in groups) / len(groups) if groups else 0.0
+    means = [sum(g) / len(g) for g in by_group.values()]
+    per_group = sum(len(g) for g in by_group.values()) / len(by_group)
+    task_var = max(0.0, variance(means) - turn_var / per_group) if len(means) > 1 else 0.0
+    mean = sum(lengths) / len(lengths)
+    if turn_var + task_var == 0 or mean >= budget:
+        return ResponseLengthSpec(mean=min(mean, budget))  # every turn alike: no spread to fit
+    return ResponseLengthSpec(mean=mean, task_sigma=math.sqrt(task_var), turn_sigma=math.sqrt(turn_var))
+
+
+def _spread(logs: list[float]) -> float:
+    return round(statistics.pstdev(logs), 4) if len(logs) > 1 else 0.0
+
+
+def _lognormal(values: list[float]) -> dict:
+    logs = [math.log(v) for v in values if v > 0]
+    if not logs:
+        return {"kind": "fixed", "value": 0.0}
+    return {"kind": "lognormal", "median": round(math.exp(statistics.median(logs)), 6), "sigma": _spread(logs)}
+
+
+def fit_profile(spec: TargetSpec, runs: list[list[TraceEvent]], measured_on: str) -> dict:
+    """The profile fragment of real runs of ``spec``'s environment (see the module doc)."""
+    steps: dict[tuple[int, str], list[TraceEvent]] = defaultdict(list)
+    resets: dict[tuple[int, str], TraceEvent] = {}
+    for run, events in enumerate(runs):
+        for e in events:
+            if e.kind == "env_step":
+                steps[run, e.data["episode"]].append(e)
+            elif e.kind == "env_reset":
+                resets[run, e.data["episode"]] = e
+    finished = [key for key, taken in steps.items() if taken[-1].data["done"] and key in resets]
+    if not finished:
+        raise ProfileError("the run finished no episode: nothing to fit a profile from")
+    turns = [len(steps[key]) for key in finished]
+    taken = [s for key in finished for s in steps[key]]
+    observations = [token_count(s.data["observation"]) for s in taken if not s.data["done"]]
+    latencies = [s.data["latency"] for s in taken]
+    failures = sum(s.data["failures"] for s in taken)
+    tokens: dict = {
+        "prompt": max(1, round(statistics.fmean(token_count(resets[key].data["observation"]) for key in finished))),
+        "observation": max(1, round(statistics.fmean(observations))) if observations else 1,
+    }
+    lengths = response_lengths(spec, runs)
+    if lengths is not None:
+        # rounded down: a mean rounded up to the budget would no longer be one a spread reaches
+        tokens["response_length"] = {k: math.floor(v * 1e4) / 1e4 for k, v in lengths.model_dump().items()}
+    drawn = (
+        {"kind": "fixed", "value": float(turns[0])}
+        if len(set(turns)) == 1
+        else {
+            "kind": "lognormal",
+            "median": float(statistics.median(turns)),
+            "sigma": _spread([math.log(t) for t in turns]),
+        }
+    )
+    return {
+        "measured_on": measured_on,
+        "samples": {"episodes": len(finished), "steps": len(taken), "failed_attempts": failures},
+        "turns": {"max": max(turns), "dist": drawn},
+        "tokens": tokens,
+        "env_latency_s": _lognormal(latencies),
+        "env_latency_max_s": round(max(max(latencies), 1e-6), 6),
+        "env_failure_rate": round(failures / (len(taken) + failures), 6),
+    }
+
+
+def stand_in_workload(workload: dict, profile: dict) -> dict:
+    """A spec's ``workload`` (YAML) with its environment played by the stand-in and the keys the
+    profile measured in place of the spec's own: what a simulation of a user's environment runs."""
+    kept = {k: v for k, v in workload.items() if k not in (*MEASURED, "environment", "profile")}
+    tokens = {**workload["tokens"], **profile["tokens"]}
+    return {**kept, "environment": dict(STAND_IN), **{k: profile[k] for k in MEASURED}, "tokens": tokens}

@@ -1,0 +1,157 @@
+"""Workload profiles: the distributions a simulated target draws from, fitted to a real run of an
+environment (``vibetrain workload profile``), named by a spec (``workload: {profile: FILE}``) with
+each key set in one place; the calibrated twin of a target whose environment is the user's plays the
+profile on the stand-in."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from targets.api import TraceEvent
+from targets.harness.sim.profile_fit import ProfileError, fit_profile, stand_in_workload
+from targets.spec import SpecError, load_target, parse_target
+
+runner = CliRunner()
+MEASURED_KEYS = ("turns", "env_latency_s", "env_latency_max_s", "env_failure_rate")
+
+
+def _episode(group: int, member: int, turns: int, latency: float, response: int, failures: int = 0) -> list:
+    """A finished episode's events as the harness records them (token lists kept)."""
+    episode = f"g{group}/{member}"
+    events = [TraceEvent("env_reset", 0.0, {"episode": episode, "group": f"g{group}", "observation": [1] * 10})]
+    for turn in range(1, turns + 1):
+        events.append(
+            TraceEvent(
+                "generate",
+                0.0,
+                {"episode": episode, "tokens": [2] * response, "aborted": False},
+            )
+        )
+        done = turn == turns
+        events.append(
+            TraceEvent(
+                "env_step",
+                0.0,
+                {
+                    "episode": episode,
+                    "turn": turn,
+                    "action": [2] * response,
+                    "observation": [] if done else [3] * 6,
+                    "reward": 0.0,
+                    "done": done,
+                    "latency": latency,
+                    "failures": failures,
+                },
+            )
+        )
+    return events
+
+
+def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
+    events = []
+    for group, (turns, latency) in enumerate([(1, 0.01), (2, 0.02), (4, 0.04), (8, 0.08)]):
+        for member in range(2):
+            events += _episode(group, member, turns, latency, response=4 + group, failures=member)
+    unfinished = _episode(9, 0, 3, 0.5, response=16)[:-1]  # its last step never came: not fitted
+    profile = fit_profile(tiny_spec, [events + unfinished], "planted")
+    assert profile["samples"] == {"episodes": 8, "steps": 30, "failed_attempts": 15}
+    assert profile["turns"]["max"] == 8 and profile["turns"]["dist"]["kind"] == "lognormal"
+    assert profile["turns"]["dist"]["median"] == 3.0  # the median of 1, 1, 2, 2, 4, 4, 8, 8
+    assert profile["tokens"]["prompt"] == 10 and profile["tokens"]["observation"] == 6
+    assert profile["env_latency_max_s"] == 0.08 and profile["env_failure_rate"] == round(15 / 45, 6)
+    latency = profile["env_latency_s"]
+    # per step: 16 of the 30 steps are the 8-turn episodes' (0.08 s), so the median is theirs
+    assert latency["kind"] == "lognormal" and math.isclose(latency["median"], 0.08, rel_tol=1e-6)
+    lengths = profile["tokens"]["response_length"]
+    assert lengths["task_sigma"] > 0 and lengths["turn_sigma"] == 0  # each group's turns are alike here
+    single = fit_profile(tiny_spec, [_episode(0, 0, 1, 0.01, 5) + _episode(1, 0, 1, 0.02, 5)], "planted")
+    assert single["turns"] == {"max": 1, "dist": {"kind": "fixed", "value": 1.0}}
+    with pytest.raises(ProfileError, match="finished no episode"):
+        fit_profile(tiny_spec, [unfinished], "planted")
+
+
+def _profiled_spec(catalog_yaml, tmp_path, fragment: dict, **workload) -> dict:
+    (tmp_path / "profiles").mkdir(exist_ok=True)
+    (tmp_path / "profiles" / "env.yaml").write_text(yaml.safe_dump(fragment))
+    data = dict(catalog_yaml)
+    kept = {k: v for k, v in data["workload"].items() if k not in MEASURED_KEYS}
+    kept["tokens"] = {k: v for k, v in kept["tokens"].items() if k in ("response", "max_sequence")}
+    data["workload"] = {**kept, "profile": "profiles/env.yaml", **workload}
+    data["execution"] = "simulated"
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data))
+    return data
+
+
+FRAGMENT = {
+    "measured_on": "planted",
+    "samples": {"episodes": 8, "steps": 30, "failed_attempts": 0},
+    "turns": {"max": 6, "dist": {"kind": "lognormal", "median": 2.0, "sigma": 0.7}},
+    "tokens": {"prompt": 40, "observation": 12, "response_length": {"mean": 9.5, "task_sigma": 0.3, "turn_sigma": 0.2}},
+    "env_latency_s": {"kind": "lognormal", "median": 0.03, "sigma": 1.1},
+    "env_latency_max_s": 0.4,
+    "env_failure_rate": 0.01,
+}
+
+
+def test_a_spec_takes_its_profiles_keys_from_the_file_beside_it(catalog_yaml, tmp_path):
+    _profiled_spec(catalog_yaml, tmp_path, FRAGMENT)
+    spec = load_target(tmp_path / "spec.yaml")  # the profile's path is relative to the spec's own folder
+    w = spec.workload
+    assert w.profile == str(tmp_path / "profiles" / "env.yaml")
+    assert (w.turns.max, w.turns.dist.median, w.tokens.prompt, w.tokens.observation) == (6, 2.0, 40, 12)
+    assert w.tokens.response == catalog_yaml["workload"]["tokens"]["response"]  # the spec's own budget
+    assert (w.env_latency_s.median, w.env_latency_max_s, w.env_failure_rate) == (0.03, 0.4, 0.01)
+    assert w.tokens.response_length.mean == 9.5
+
+
+@pytest.mark.parametrize(
+    ("fragment", "workload", "message"),
+    [
+        (FRAGMENT, {"env_latency_max_s": 1.0}, "measured env_latency_max_s: set each in one place"),
+        (FRAGMENT, {"tokens": {"response": 16, "max_sequence": 256, "prompt": 8}}, "measured tokens.prompt"),
+        ({**FRAGMENT, "batch_size": 4}, {}, "batch_size are not what a profile measures"),
+        ({**FRAGMENT, "tokens": {"response": 4}}, {}, "tokens.response are not what a profile measures"),
+        ([1, 2], {}, "a mapping of workload keys, got list"),
+        ({**FRAGMENT, "env_latency_s": {"kind": "normal"}}, {}, "workload.env_latency_s"),
+        (FRAGMENT, {"profile": "nowhere.yaml"}, "nowhere.yaml: cannot read it"),
+    ],
+    ids=[
+        "set twice",
+        "token set twice",
+        "not measured",
+        "budget not measured",
+        "not a mapping",
+        "bad value",
+        "missing",
+    ],
+)
+def test_a_bad_profile_is_a_spec_error_naming_the_file_or_key(catalog_yaml, tmp_path, fragment, workload, message):
+    _profiled_spec(catalog_yaml, tmp_path, fragment, **workload)
+    with pytest.raises(SpecError) as caught:
+        load_target(tmp_path / "spec.yaml")
+    assert message in str(caught.value)
+    result = runner.invoke(app, ["target", "validate", str(tmp_path / "spec.yaml")])
+    assert result.exit_code == 2 and message.split(":")[0] in result.output and "Traceback" not in result.output
+
+
+def test_the_stand_in_plays_a_users_environment_from_its_profile(catalog_yaml):
+    """What the calibrated twin of a user-environment target simulates: the stand-in, with the
+    profile's keys in place of the spec's, the spec's own budgets and batch kept."""
+    arithmetic = yaml.safe_load(load_target("tiny-qwen3-cpu-arithmetic").model_dump_json())
+    workload = stand_in_workload(arithmetic["workload"], FRAGMENT)
+    spec = parse_target({**arithmetic, "workload": workload, "execution": "simulated"})
+    assert spec.workload.environment.name == "synthetic_agent"
+    assert spec.workload.turns.dist.median == 2.0 and spec.workload.tokens.prompt == 40
+    assert spec.workload.batch_size == arithmetic["workload"]["batch_size"]
+    assert spec.workload.tokens.max_sequence == arithmetic["workload"]["tokens"]["max_sequence"]
+
+
+def test_a_users_environment_is_never_simulated_as_it_is():
+    result = runner.invoke(app, ["check", "tiny-qwen3-cpu-arithmetic", "--simulate"])
+    assert result.exit_code != 0 and "only runs for real: simulate its calibrated twin" in result.output
+    assert "Traceback" not in result.output

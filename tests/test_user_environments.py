@@ -100,6 +100,22 @@ class Mumbles:
         return ("ok", 1.0, True)
 
 
+class Hangs:
+    """A gymnasium environment whose second step never returns (a tool waiting on a dead socket)."""
+
+    def reset(self, seed=None):
+        self.turn = 0
+        return "Begin.", {}
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 2:
+            import time
+
+            time.sleep(3)
+        return "Go on.", 0.0, False, False, {}
+
+
 NOT_CALLABLE = 3
 '''
 
@@ -338,3 +354,17 @@ def test_the_ecosystems_own_environments_through_the_adapters(catalog_yaml):
     answer = episode.environment.entry["answer"]
     result = asyncio.run(episode.step(tokenizer.encode(answer, add_special_tokens=False)))
     assert (result.reward, result.done) == (1.0, True)
+
+
+def test_an_environment_that_hangs_is_named_at_the_trajectory_timeout(catalog_yaml, user_package):
+    catalog_yaml["workload"]["trajectory_timeout_s"] = 0.5
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Hangs", "adapter": "gymnasium"})
+    pool, _ = _pool(spec)
+    episode = pool.new_group()[0]
+    asyncio.run(episode.reset())
+    asyncio.run(episode.step([5, 6]))
+    with pytest.raises(
+        UserEnvironmentError,
+        match=r"my_envs:Hangs did not answer at turn 2 of g0/e0 within the trajectory timeout \(0.5 s\): a hung",
+    ):
+        asyncio.run(episode.step([5, 6]))

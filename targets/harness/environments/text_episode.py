@@ -6,6 +6,7 @@ and step is in the trace like a built-in environment's."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Awaitable
 from typing import Any
@@ -39,8 +40,16 @@ class TextEpisode(Episode):
         return 0.0, 0  # the environment's own time is the step's
 
     async def _call(self, call: Awaitable, doing: str) -> Any:
+        """The environment's answer; a call that outlasts the whole trajectory's timeout is hung (its
+        thread cannot be stopped, so the run fails naming it rather than waiting on it forever)."""
+        limit = self.workload.trajectory_timeout_s
         try:
-            return await call
+            return await asyncio.wait_for(call, timeout=limit)
+        except asyncio.TimeoutError:  # Python 3.10: not yet the builtin TimeoutError
+            raise UserEnvironmentError(
+                f"environment {self.entry} did not answer {doing} {self.episode_id} within the trajectory "
+                f"timeout ({limit:g} s): a hung environment"
+            ) from None
         except Exception as error:  # noqa: BLE001 - the user's code: named, never a traceback of ours
             raise UserEnvironmentError(
                 f"environment {self.entry} raised {type(error).__name__} {doing} {self.episode_id}: {error}"

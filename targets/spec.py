@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from targets.api import TrainingConfig
 from targets.errors import UserError
 from targets.hardware import HARDWARE_CATALOG
+from targets.harness.tokenizer import has_chat_template
 from targets.workload_profile import with_profile
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
@@ -32,8 +33,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-# --------------------------------------------------------------------------------------------
-# Distributions (turn counts, environment latency)
+# -- Distributions (turn counts, environment latency) --------------------------------------
 
 
 class Fixed(Strict):
@@ -80,8 +80,7 @@ class Lognormal(Strict):
 Distribution = Annotated[Fixed | Geometric | Lognormal, Field(discriminator="kind")]
 
 
-# --------------------------------------------------------------------------------------------
-# Model
+# -- Model ---------------------------------------------------------------------------------
 
 
 class ModelConfig(Strict):
@@ -185,8 +184,7 @@ class ModelSpec(Strict):
         return ParamCounts(total=total, active=total)
 
 
-# --------------------------------------------------------------------------------------------
-# Hardware
+# -- Hardware ------------------------------------------------------------------------------
 
 
 class HardwareSpec(Strict):
@@ -218,8 +216,7 @@ class HardwareSpec(Strict):
         return {**HARDWARE_CATALOG[kind], **data}
 
 
-# --------------------------------------------------------------------------------------------
-# Workload
+# -- Workload ------------------------------------------------------------------------------
 
 
 class EnvironmentRef(Strict):
@@ -405,8 +402,7 @@ class WorkloadSpec(Strict):
         return None
 
 
-# --------------------------------------------------------------------------------------------
-# Baselines, accuracy tolerances, the target
+# -- Baselines, accuracy tolerances, the target --------------------------------------------
 
 
 class BaselineSpec(Strict):
@@ -514,10 +510,11 @@ class TargetSpec(Strict):
         entry = self.workload.environment.entry
         if entry is not None and self.execution == "simulated":
             raise ValueError(f"workload.environment {entry} is the user's own: it runs for real (execution: real)")
-        if entry is not None and self.model.tokenizer_kind == "words":
+        words, directory = self.model.tokenizer_kind == "words", self.model.random_seed is None
+        if entry is not None and (words or (directory and not has_chat_template(Path(self.model.weights)))):
             raise ValueError(
                 f"workload.environment {entry} speaks its own text: the model needs a tokenizer with a chat "
-                "template (model.tokenizer: bpe, or a model directory)"
+                "template (model.tokenizer: bpe, or a model directory whose tokenizer has one)"
             )
         return self
 
@@ -537,8 +534,7 @@ class TargetSpec(Strict):
         return self
 
 
-# --------------------------------------------------------------------------------------------
-# Loading
+# -- Loading -------------------------------------------------------------------------------
 
 
 def _format_errors(source: str, error: ValidationError) -> str:

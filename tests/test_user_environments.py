@@ -20,9 +20,9 @@ from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.isolation.launch import Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.model import load_tokenizer, model_dir
-from targets.harness.target import Target
+from targets.harness.target import Target, TargetUnavailable, resolve_execution
 from targets.harness.trace import Trace
-from targets.spec import SpecError, parse_target
+from targets.spec import SpecError, load_target, parse_target
 
 PACKAGE = '''
 import asyncio
@@ -279,9 +279,18 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
     environment = {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium"}
     with pytest.raises(SpecError, match="speaks its own text: the model needs a tokenizer with a chat template"):
         _spec(catalog_yaml, environment, tokenizer=None)
+    words_model = model_dir(load_target("tiny-qwen3-cpu").model)  # the word-level tokenizer has no chat template
+    catalog_yaml["model"]["weights"] = str(words_model)
+    with pytest.raises(SpecError, match="a model directory whose tokenizer has one"):
+        _spec(catalog_yaml, environment, tokenizer=None)
+    catalog_yaml["model"]["weights"] = "random(0)"
     catalog_yaml["execution"] = "simulated"
     with pytest.raises(SpecError, match="runs for real"):
         _spec(catalog_yaml, environment)
+    catalog_yaml.update(execution="auto", hardware={"kind": "h100", "count": 2})  # no GPU here: it would simulate
+    with pytest.raises(TargetUnavailable, match="would be simulated as this machine has 0 of its 2 GPUs"):
+        resolve_execution(_spec(catalog_yaml, environment))
+    catalog_yaml["hardware"] = {"kind": "cpu", "count": 2}
     catalog_yaml["execution"] = "real"
     path = tmp_path / "bad.yaml"
     catalog_yaml["workload"]["environment"] = {"entry": "my_envs:Nowhere", "adapter": "gymnasium"}

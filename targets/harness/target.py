@@ -27,24 +27,30 @@ def gpus_here() -> int:
 def resolve_execution(spec: TargetSpec, simulate: bool = False) -> Literal["real", "simulated"]:
     """``auto`` is real when this machine has the target's devices; ``real`` on a GPU target without
     enough GPUs is an error that names both counts."""
-    if simulate and spec.workload.environment.entry is not None:
-        raise TargetUnavailable(
-            f"target {spec.id} runs the user's environment {spec.workload.environment.entry}, which only runs for "
-            "real: simulate its calibrated twin (vibetrain calibrate) or a spec with its workload profile instead"
-        )
     if simulate or spec.execution == "simulated":
-        return "simulated"
+        return _simulable(spec, "as asked")
     if spec.hardware.kind == "cpu":
         return "real"
     have = gpus_here()
     if have >= spec.hardware.count:
         return "real"
     if spec.execution == "auto":
-        return "simulated"
+        return _simulable(spec, f"as this machine has {have} of its {spec.hardware.count} GPUs")
     raise TargetUnavailable(
         f"target {spec.id} executes for real on {spec.hardware.count} {spec.hardware.kind} GPU(s), "
         f"and this machine has {have}: run it on a machine with them, or pass --simulate"
     )
+
+
+def _simulable(spec: TargetSpec, why: str) -> Literal["simulated"]:
+    """Simulated, unless the environment is the user's, which only runs for real."""
+    if spec.workload.environment.entry is not None:
+        raise TargetUnavailable(
+            f"target {spec.id} would be simulated {why}, but its environment {spec.workload.environment.entry} "
+            "is the user's and only runs for real: simulate its calibrated twin (vibetrain calibrate) or a spec "
+            "with its workload profile instead"
+        )
+    return "simulated"
 
 
 def workload_view(spec: TargetSpec) -> Workload:

@@ -146,3 +146,13 @@ def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
     if not ids:
         raise ValueError(f"{model_dir}: the tokenizer names no end-of-sequence token, so no turn could stop")
     return tuple(sorted(ids))
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether a model directory's tokenizer carries a chat template (in ``tokenizer_config.json`` or
+    beside it, as transformers saves one), read without loading the tokenizer."""
+    model_dir = Path(model_dir)
+    config = model_dir / "tokenizer_config.json"
+    if config.exists() and json.loads(config.read_text()).get("chat_template"):
+        return True
+    return any((model_dir / name).exists() for name in ("chat_template.jinja", "chat_template.json"))

@@ -22,9 +22,10 @@ def _error(data: dict) -> str:
     return str(caught.value)
 
 
-def test_catalog_has_the_seven_targets():
+def test_catalog_has_the_eight_targets():
     assert catalog_ids() == [
         "qwen3-0.6b-h100x1",
+        "qwen3-0.6b-h100x1-arithmetic",
         "qwen3-235b-a22b-h800x160",
         "qwen3-30b-a3b-h20x64",
         "qwen3-8b-h100x8",
@@ -36,6 +37,9 @@ def test_catalog_has_the_seven_targets():
     assert math.workload.turns.max == 1 and math.workload.group_size == 16 and math.workload.tokens.response == 16384
     tools = load_target("qwen3-8b-h800x16")  # slow, failing tools
     assert tools.workload.env_failure_rate == 0.02 and tools.workload.env_latency_s.median == 10.0
+    for real_environment in ("tiny-qwen3-cpu-arithmetic", "qwen3-0.6b-h100x1-arithmetic"):
+        spec = load_target(real_environment)  # the entry imports here (the envs extra)
+        assert spec.workload.environment.adapter == "tasks" and spec.model.tokenizer_kind == "bpe"
     big = load_target("qwen3-235b-a22b-h800x160")
     assert big.hardware.kind == "h800" and big.hardware.count == 160
     assert big.workload.turns.max == 100 and big.workload.tokens.max_sequence == 65536

@@ -68,6 +68,20 @@ def _imports(root: Path) -> set[str]:
     return names
 
 
+def _train(out: Path, env: dict[str, str], *options: str) -> subprocess.CompletedProcess:
+    """The exported launcher's two training steps, which must succeed."""
+    run = subprocess.run(
+        [sys.executable, "train.py", "--steps", "2", *options],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.slow
 def test_an_exported_starter_trains_from_its_launcher_with_vibetrain_unimportable(
     tmp_path, starter, fast_target, without_vibetrain
@@ -79,15 +93,7 @@ def test_an_exported_starter_trains_from_its_launcher_with_vibetrain_unimportabl
     assert f"{PACKAGE}.api" in _imports(out / "stack")
     assert "pip install -r requirements.txt" in (out / "README.md").read_text()
 
-    run = subprocess.run(
-        [sys.executable, "train.py", "--steps", "2", "--track", "jsonl"],
-        cwd=out,
-        env=without_vibetrain,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _train(out, without_vibetrain, "--track", "jsonl")
     steps = STEP_LINE.findall(run.stdout)
     assert [(int(s), int(n)) for s, n, *_ in steps] == [(1, 2), (2, 2)], run.stdout
     for _, _, reward, step_time, train_time in steps:
@@ -215,13 +221,5 @@ def test_an_export_trains_on_the_users_own_environment_copied_beside_its_launche
     assert result.exit_code == 0, result.output
     assert (out / "number_envs.py").read_text() == USER_ENVIRONMENT
     assert "comes from `number_envs.py (copied)`" in (out / "README.md").read_text()
-    run = subprocess.run(
-        [sys.executable, "train.py", "--steps", "2"],
-        cwd=out,
-        env=without_vibetrain,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _train(out, without_vibetrain)
     assert [int(s) for s, *_ in STEP_LINE.findall(run.stdout)] == [1, 2], run.stdout

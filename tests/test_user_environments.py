@@ -28,6 +28,7 @@ PACKAGE = '''
 import asyncio
 import random
 import re
+import time
 
 from targets.api import TextStep
 
@@ -74,8 +75,18 @@ class Breaks:
     def step(self, action):
         self.turn += 1
         if self.turn == 2:
-            raise KeyError("lost the board")
+            self.fail()
         return "Go on.", 0.0, False, False, {}
+
+    def fail(self):
+        raise KeyError("lost the board")
+
+
+class Hangs(Breaks):
+    """Its second step never returns in time (a tool waiting on a dead socket)."""
+
+    def fail(self):
+        time.sleep(3)
 
 
 class Tasks(list):
@@ -98,22 +109,6 @@ class Mumbles:
 
     async def step(self, action):
         return ("ok", 1.0, True)
-
-
-class Hangs:
-    """A gymnasium environment whose second step never returns (a tool waiting on a dead socket)."""
-
-    def reset(self, seed=None):
-        self.turn = 0
-        return "Begin.", {}
-
-    def step(self, action):
-        self.turn += 1
-        if self.turn == 2:
-            import time
-
-            time.sleep(3)
-        return "Go on.", 0.0, False, False, {}
 
 
 NOT_CALLABLE = 3

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -87,6 +89,13 @@ class Hangs(Breaks):
 
     def fail(self):
         time.sleep(3)
+
+
+class TimesOut(Breaks):
+    """Its own tool call times out at once: the user's TimeoutError, not a hang."""
+
+    def fail(self):
+        raise TimeoutError("the tool's socket timed out")
 
 
 class Tasks(list):
@@ -360,15 +369,42 @@ def test_the_ecosystems_own_environments_through_the_adapters(catalog_yaml):
     assert (result.reward, result.done) == (1.0, True)
 
 
-def test_an_environment_that_hangs_is_named_at_the_trajectory_timeout(catalog_yaml, user_package):
+def test_a_step_that_does_not_answer_in_time_times_the_episode_out(catalog_yaml, user_package):
+    """As a built-in environment's slow step: the episode ends timed out, the call is abandoned."""
     catalog_yaml["workload"]["trajectory_timeout_s"] = 0.5
     spec = _spec(catalog_yaml, {"entry": "my_envs:Hangs", "adapter": "gymnasium"})
-    pool, _ = _pool(spec)
+    pool, trace = _pool(spec)
     episode = pool.new_group()[0]
     asyncio.run(episode.reset())
+    assert not asyncio.run(episode.step([5, 6])).done
+    result = asyncio.run(episode.step([5, 6]))  # the environment sleeps 3 s: past the 0.5 s timeout
+    assert result.done and result.timed_out and result.reward == 0.0
+    last = [e for e in trace.events if e.kind == "env_step"][-1]
+    assert last.data["timed_out"] and 0.5 <= last.data["latency"] < 3
+
+    spec = _spec(catalog_yaml, {"entry": "my_envs:TimesOut", "adapter": "gymnasium"})
+    episode = _pool(spec)[0].new_group()[0]
+    asyncio.run(episode.reset())
     asyncio.run(episode.step([5, 6]))
-    with pytest.raises(
-        UserEnvironmentError,
-        match=r"my_envs:Hangs did not answer at turn 2 of g0/e0 within the trajectory timeout \(0.5 s\): a hung",
-    ):
-        asyncio.run(episode.step([5, 6]))
+    with pytest.raises(UserEnvironmentError, match="my_envs:TimesOut raised TimeoutError at turn 2 of g0/e0"):
+        asyncio.run(episode.step([5, 6]))  # its own timeout, at once: named as raised, not as a hang
+
+
+def test_an_abandoned_call_never_holds_the_process_open():
+    script = textwrap.dedent(
+        """
+        import asyncio, time
+        from targets.harness.environments.adapters import in_user_thread
+
+        async def main():
+            call = asyncio.ensure_future(in_user_thread(time.sleep, 60))
+            done, _ = await asyncio.wait({call}, timeout=0.1)
+            assert not done
+            call.cancel()
+
+        asyncio.run(main())
+        print("left")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0 and "left" in run.stdout, run.stderr

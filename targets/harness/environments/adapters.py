@@ -12,7 +12,7 @@ called with ``params``) and spoken to as its ``adapter`` says:
   picks ``tasks[seed % len(tasks)]``, and the score is the reward.
 * ``text``: ``entry`` makes an object that is a ``TextEnvironment`` itself (async ``reset``/``step``).
 
-A user's environment code runs in threads of the harness's process (``USER_THREADS``), so a slow step
+A user's environment code runs in threads of the harness's process (``in_user_thread``), so a slow step
 never stalls the harness's clock. Every failure to load, make or run one names the entry
 (``UserEnvironmentError``): a user's mistake is a message, never a traceback.
 """
@@ -20,10 +20,10 @@ never stalls the harness's clock. Every failure to load, make or run one names t
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
+import contextlib
 import importlib
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,13 +31,30 @@ from targets.api import TextEnvironment, TextStep
 from targets.errors import UserError
 
 ADAPTERS = ("gymnasium", "tasks", "text")
-# The user's environment code runs here, apart from the default pool the harness saves weights on: a
-# step that takes its time never queues the harness's own work (nor is queued behind it and timed).
-USER_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="user-environment")
 
 
 async def in_user_thread(function: Callable, *args, **kwargs) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(USER_THREADS, functools.partial(function, *args, **kwargs))
+    """``function``'s result, computed in a daemon thread of its own: apart from the pool the harness
+    saves weights on (a slow step never queues the harness's work, nor is queued behind it and timed),
+    and never joined, so a call that does not return is abandoned when its episode times out instead of
+    holding the process open at its exit (a pool's threads are joined then)."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not answer.done():  # an abandoned call's answer goes nowhere
+            answer.set_exception(error) if error is not None else answer.set_result(result)
+
+    def call() -> None:
+        try:
+            result, error = function(*args, **kwargs), None
+        except BaseException as raised:  # noqa: BLE001 - handed to whoever awaits it, never lost
+            result, error = None, raised
+        with contextlib.suppress(RuntimeError):  # the loop closed while the call ran: no one waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=call, name="user-environment", daemon=True).start()
+    return await answer
 
 
 class UserEnvironmentError(UserError, ValueError):

@@ -18,6 +18,9 @@ from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.base import Episode
 from targets.harness.environments.chat_format import ChatFormat
 
+HUNG = object()  # what ``_call`` returns for a call that did not answer in time
+TIMEOUT_MARGIN_S = 0.01  # waited past the trajectory's deadline, so the harness clock sees it passed
+
 
 class UserParams(BaseModel):
     model_config = ConfigDict(extra="allow")  # the user's entry takes them (checked when it is made)
@@ -39,17 +42,16 @@ class TextEpisode(Episode):
     def _latency(self) -> tuple[float, int]:
         return 0.0, 0  # the environment's own time is the step's
 
-    async def _call(self, call: Awaitable, doing: str) -> Any:
-        """The environment's answer; a call that outlasts the whole trajectory's timeout is hung (its
-        thread cannot be stopped, so the run fails naming it rather than waiting on it forever)."""
-        limit = self.workload.trajectory_timeout_s
+    async def _call(self, call: Awaitable, doing: str, limit: float) -> Any:
+        """The environment's answer, or ``HUNG`` when none came within ``limit`` seconds (the call is
+        abandoned: a thread cannot be stopped). Whatever the user's code raised is named."""
+        answering = asyncio.ensure_future(call)
+        done, _ = await asyncio.wait({answering}, timeout=limit)
+        if not done:
+            answering.cancel()
+            return HUNG
         try:
-            return await asyncio.wait_for(call, timeout=limit)
-        except asyncio.TimeoutError:  # Python 3.10: not yet the builtin TimeoutError
-            raise UserEnvironmentError(
-                f"environment {self.entry} did not answer {doing} {self.episode_id} within the trajectory "
-                f"timeout ({limit:g} s): a hung environment"
-            ) from None
+            return answering.result()
         except Exception as error:  # noqa: BLE001 - the user's code: named, never a traceback of ours
             raise UserEnvironmentError(
                 f"environment {self.entry} raised {type(error).__name__} {doing} {self.episode_id}: {error}"
@@ -58,14 +60,26 @@ class TextEpisode(Episode):
     async def reset(self) -> TokenIds:
         self._start()
         self.stepping = True  # until the environment has answered: a step now is the controller's error
-        observation = await self._call(self.environment.reset(self.task), "resetting")
+        limit = self.workload.trajectory_timeout_s
+        observation = await self._call(self.environment.reset(self.task), "resetting", limit)
+        if observation is HUNG:
+            raise UserEnvironmentError(
+                f"environment {self.entry} did not reset {self.episode_id} within the trajectory timeout "
+                f"({limit:g} s): a hung environment"
+            )
         self.stepping = False
         return self._reset_with(self.chat.first(str(observation)))
 
     async def step(self, action: TokenIds) -> StepResult:
+        """The environment's answer; one that does not come before the trajectory's time is up ends the
+        episode as timed out (as a built-in environment's slow step does), its call abandoned."""
         self.begin_step()
         started = self.clock.now()
-        answer = await self._call(self.environment.step(self.chat.text(action)), f"at turn {self.turn + 1} of")
+        left = self.workload.trajectory_timeout_s - (started - self.started_at) + TIMEOUT_MARGIN_S
+        doing = f"at turn {self.turn + 1} of"
+        answer = await self._call(self.environment.step(self.chat.text(action)), doing, max(left, TIMEOUT_MARGIN_S))
+        if answer is HUNG:
+            return self.end_step(action, self.clock.now() - started, 0, ("timeout", 0.0, True))
         if not isinstance(answer, TextStep):
             raise UserEnvironmentError(
                 f"environment {self.entry} answered a step of {self.episode_id} with a {type(answer).__name__}, "

@@ -291,7 +291,7 @@ def _requirements(root: Path) -> tuple[list[str], dict[str, str]]:
 def _target_yaml(spec: TargetSpec) -> str:
     """The resolved spec (catalog hardware numbers filled in), checked to load back as the same spec."""
     text = yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, width=10_000)
-    if parse_target(yaml.safe_load(text), source="target.yaml") != spec:
+    if parse_target(yaml.safe_load(text), source="target.yaml").model_dump() != spec.model_dump():
         raise ExportError(f"target {spec.id}: the resolved spec does not load back as itself from YAML")
     return f"# target {spec.id}, resolved by vibetrain export\n{text}"
 

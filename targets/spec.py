@@ -341,7 +341,7 @@ class WorkloadSpec(Strict):
     train_steps: int = Field(gt=0, description="training steps a benchmark run measures")
     training: TrainingSpec = TrainingSpec()
 
-    profile: str | None = Field(default=None, description="the measured workload profile its keys came from")
+    profile: str | None = Field(default=None, exclude=True, description="the workload profile its keys came from")
 
     @model_validator(mode="before")
     @classmethod

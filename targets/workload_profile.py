@@ -22,10 +22,11 @@ PROVENANCE = ("measured_on", "samples")  # what the fragment says of itself: kep
 
 def with_profile(workload: Any, base_dir: Path) -> Any:
     """``workload`` with its profile's measured keys in place (unchanged if it names none). Raises
-    ``ValueError`` naming the file or the key, which the spec reports under ``workload.profile``."""
+    ``ValueError`` naming the file or the key, which the spec reports under ``workload``. A resolved
+    spec's dump carries the keys themselves, not the file (``WorkloadSpec.profile`` is not dumped)."""
     if not isinstance(workload, dict) or workload.get("profile") is None:
         return workload
-    path = Path(str(workload["profile"]))
+    path = Path(str(workload["profile"])).expanduser()
     path = path if path.is_absolute() else base_dir / path
     try:
         fragment = yaml.safe_load(path.read_text())
@@ -35,6 +36,10 @@ def with_profile(workload: Any, base_dir: Path) -> Any:
         raise ValueError(f"profile {path}: not valid YAML ({error})") from None
     if not isinstance(fragment, dict):
         raise ValueError(f"profile {path}: a mapping of workload keys, got {type(fragment).__name__}")
+    if not isinstance(fragment.get("tokens", {}), dict):
+        raise ValueError(f"profile {path}: tokens: a mapping of workload keys, got {type(fragment['tokens']).__name__}")
+    if not isinstance(workload.get("tokens", {}), dict):
+        raise ValueError(f"tokens: a mapping (prompt, response, ...), got {type(workload['tokens']).__name__}")
     unknown = sorted(set(fragment) - {*MEASURED, "tokens", *PROVENANCE})
     unknown += sorted(f"tokens.{k}" for k in set(fragment.get("tokens") or {}) - set(MEASURED_TOKENS))
     if unknown:

@@ -273,3 +273,13 @@ def test_a_mistyped_candidate_or_starter_is_refused_before_any_work(tmp_path):
     generate = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--starter", "colocat", "--out", str(run)])
     assert generate.exit_code == 2 and "did you mean 'colocate'?" in generate.output, generate.output
     assert not run.exists()
+
+
+def test_a_broken_catalog_entry_is_an_error_not_an_unavailable_row(monkeypatch, tmp_path, catalog_yaml):
+    import targets.spec
+
+    catalog_yaml["workload"]["bacth_size"] = catalog_yaml["workload"].pop("batch_size")
+    (tmp_path / "tiny-qwen3-cpu.yaml").write_text(yaml.safe_dump(catalog_yaml))
+    monkeypatch.setattr(targets.spec, "CATALOG_DIR", tmp_path)
+    result = runner.invoke(app, ["targets"])
+    assert result.exit_code == 2 and "bacth_size" in result.output and "unavailable" not in result.output

@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from targets.api import TraceEvent
+from targets.harness.sim.calibrate import Calibration, write_calibrated_spec
 from targets.harness.sim.profile_fit import ProfileError, fit_profile, stand_in_workload
-from targets.spec import SpecError, load_target, parse_target
+from targets.spec import ResponseLengthSpec, SimulatorSpec, SpecError, load_target, parse_target
 
 runner = CliRunner()
 MEASURED_KEYS = ("turns", "env_latency_s", "env_latency_max_s", "env_failure_rate")
@@ -109,6 +110,23 @@ def test_a_spec_takes_its_profiles_keys_from_the_file_beside_it(catalog_yaml, tm
     assert w.tokens.response_length.mean == 9.5
 
 
+def test_a_profiled_spec_resolves_to_one_that_stands_alone(catalog_yaml, tmp_path):
+    """What ``target show`` prints (and export writes, and provenance hashes) carries the measured
+    keys themselves: it validates anywhere, and its calibrated twin is refitted from it."""
+    _profiled_spec(catalog_yaml, tmp_path, FRAGMENT)
+    shown = runner.invoke(app, ["target", "show", str(tmp_path / "spec.yaml")])
+    assert shown.exit_code == 0 and "profile" not in shown.output
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "shown.yaml").write_text(shown.output)
+    again = load_target(tmp_path / "elsewhere" / "shown.yaml")
+    assert again.model_dump() == load_target(tmp_path / "spec.yaml").model_dump()
+
+    fitted = Calibration(SimulatorSpec(), 0.5, 1.0, ResponseLengthSpec(mean=7.0, turn_sigma=0.1))
+    twin = load_target(write_calibrated_spec(str(tmp_path / "spec.yaml"), fitted, tmp_path / "elsewhere" / "t.yaml"))
+    assert twin.workload.turns.dist.median == 2.0 and twin.workload.tokens.prompt == 40  # the profile's
+    assert twin.workload.tokens.response_length.mean == 7.0  # refitted
+
+
 @pytest.mark.parametrize(
     ("fragment", "workload", "message"),
     [
@@ -119,6 +137,8 @@ def test_a_spec_takes_its_profiles_keys_from_the_file_beside_it(catalog_yaml, tm
         ([1, 2], {}, "a mapping of workload keys, got list"),
         ({**FRAGMENT, "env_latency_s": {"kind": "normal"}}, {}, "workload.env_latency_s"),
         (FRAGMENT, {"profile": "nowhere.yaml"}, "nowhere.yaml: cannot read it"),
+        ({**FRAGMENT, "tokens": [1]}, {}, "tokens: a mapping of workload keys, got list"),
+        (FRAGMENT, {"tokens": "prompt"}, "tokens: a mapping (prompt, response, ...), got str"),
     ],
     ids=[
         "set twice",
@@ -128,6 +148,8 @@ def test_a_spec_takes_its_profiles_keys_from_the_file_beside_it(catalog_yaml, tm
         "not a mapping",
         "bad value",
         "missing",
+        "tokens not a mapping",
+        "spec tokens not a mapping",
     ],
 )
 def test_a_bad_profile_is_a_spec_error_naming_the_file_or_key(catalog_yaml, tmp_path, fragment, workload, message):

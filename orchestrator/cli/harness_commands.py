@@ -39,6 +39,7 @@ from orchestrator.cli.app import (
 from orchestrator.tables import bench_table, checks_table, costs_table, num
 from skills.starter import CONTROLLERS, unfit
 from targets.errors import UserError
+from targets.harness.environments.adapters import NOT_INSTALLED
 from targets.spec import SpecError, TargetSpec, catalog_ids, load_target
 
 
@@ -65,6 +66,8 @@ def list_targets(as_json: bool = JSON_OPTION) -> None:
         try:
             specs.append(load_target(target_id))
         except SpecError as error:  # one target whose environment is not installed here: named, not fatal
+            if NOT_INSTALLED not in str(error):
+                raise  # a catalog entry that is wrong, not one this machine lacks a package for
             unavailable[target_id] = str(error).splitlines()[-1].strip()
     if as_json:
         listed = [{"params": _params(spec), **spec.model_dump(mode="json")} for spec in specs]

@@ -61,6 +61,7 @@ class UserEnvironmentError(UserError, ValueError):
     """A user environment that cannot be loaded, made or run (the message names its entry)."""
 
 
+NOT_INSTALLED = "is not installed here"  # what a catalog listing shows as unavailable, not as broken
 ENVS_EXTRA = ("gem", "reasoning_gym")  # the ecosystems' packages the envs extra installs (pyproject.toml)
 
 
@@ -78,7 +79,7 @@ def load_entry(entry: str) -> Callable:
                 f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
             ) from None
         extra = "; the envs extra installs it: pip install -e '.[envs]'" if top in ENVS_EXTRA else ""
-        raise UserEnvironmentError(f"environment entry {entry!r}: {top} is not installed here{extra}") from None
+        raise UserEnvironmentError(f"environment entry {entry!r}: {top} {NOT_INSTALLED}{extra}") from None
     except Exception as error:  # noqa: BLE001 - the user's module (raising as it imports): named
         raise UserEnvironmentError(
             f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"

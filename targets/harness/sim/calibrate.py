@@ -38,6 +38,7 @@ measured faster than its catalog peak gets ``bf16_tflops`` raised (also in ``not
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ from targets.api import TraceEvent
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.profile_fit import fit_profile, response_lengths, stand_in_workload
 from targets.harness.trace import token_count
-from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, resolve_target_path
+from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, load_target, resolve_target_path
 
 
 @dataclass
@@ -75,7 +76,8 @@ class Calibration:
             },
         }
         if self.response_length is not None:
-            lengths = {k: round(v, 4) for k, v in self.response_length.model_dump().items()}
+            # rounded down: a mean rounded up to the budget would no longer be one a spread reaches
+            lengths = {k: math.floor(v * 1e4) / 1e4 for k, v in self.response_length.model_dump().items()}
             fields["workload"] = {"tokens": {"response_length": lengths}}
         return fields
 
@@ -326,6 +328,8 @@ def write_calibrated_spec(target_ref: str, calibration: Calibration, path: Path)
     """The target's own YAML with the fitted numbers in place: the calibrated twin, a simulated target.
     A user's environment, which only runs for real, is played by the stand-in with its measured profile."""
     raw = yaml.safe_load(resolve_target_path(target_ref).read_text())
+    if isinstance(raw.get("workload"), dict) and "profile" in raw["workload"]:  # its keys inline, then refitted
+        raw["workload"] = load_target(target_ref).workload.model_dump(mode="json", exclude_none=True)
     fields = calibration.yaml_fields()
     raw["hardware"] = {**raw["hardware"], **fields["hardware"]}
     raw["simulator"] = fields["simulator"]

@@ -100,7 +100,6 @@ def fit_profile(spec: TargetSpec, runs: list[list[TraceEvent]], measured_on: str
     }
     lengths = response_lengths(spec, runs)
     if lengths is not None:
-        # rounded down: a mean rounded up to the budget would no longer be one a spread reaches
         tokens["response_length"] = {k: math.floor(v * 1e4) / 1e4 for k, v in lengths.model_dump().items()}
     drawn = (
         {"kind": "fixed", "value": float(turns[0])}

@@ -111,16 +111,17 @@ def _write(candidate: Path, spec: TargetSpec, root: Path, source: str) -> Export
     if (candidate / "DESIGN.md").is_file():
         shutil.copy2(candidate / "DESIGN.md", root / "DESIGN.md")
     shutil.copy2(LAUNCHER, root / "train.py")
+    copied: list[Path] = []
+    if spec.workload.environment.entry is not None:  # first: a module of the user's is rewritten like the stack
+        exported.environment, copied = _environment(spec.workload.environment.entry, root)
     pending: list[str] = []
-    for path in sorted(root.joinpath("stack").rglob("*.py")) + [root / "train.py"]:
+    for path in sorted(root.joinpath("stack").rglob("*.py")) + [root / "train.py"] + copied:
         pending += _rewrite(path, path.relative_to(root))
     exported.vendored = _vendor(pending, root)
     (root / "target.yaml").write_text(_target_yaml(spec))
     exported.requirements, exported.optional = _requirements(root)
-    if spec.workload.environment.entry is not None:
-        exported.environment = _environment(spec.workload.environment.entry, root)
-        if "==" in exported.environment:
-            exported.requirements = sorted({*exported.requirements, exported.environment}, key=str.lower)
+    if "==" in exported.environment:
+        exported.requirements = sorted({*exported.requirements, exported.environment}, key=str.lower)
     (root / "requirements.txt").write_text("".join(f"{r}\n" for r in exported.requirements))
     (root / "README.md").write_text(_readme(spec, source, exported))
     return exported
@@ -219,23 +220,33 @@ def _copy_data(module: Path, into: Path) -> None:
                 shutil.copy2(data, into / node.value)
 
 
-def _environment(entry: str, root: Path) -> str:
-    """What makes the user's environment importable where the export trains: the installed
-    distribution providing its package, pinned; else (a module of the user's own, not installed) its
-    file or package copied beside train.py, whose folder Python puts first on the import path."""
+def _environment(entry: str, root: Path) -> tuple[str, list[Path]]:
+    """What makes the user's environment importable where the export trains, and the Python files
+    copied for it: the distribution providing its package, pinned, when it came from an index; else (a
+    module of the user's own, or a package installed from a local directory, an archive or a checkout,
+    which an index may not have, or may have as someone else's) its source copied beside train.py, whose
+    folder Python puts first on the import path."""
     top = _top(entry.partition(":")[0])
-    providers = importlib.metadata.packages_distributions().get(top, [])
-    if providers:
-        return f"{providers[0]}=={importlib.metadata.version(providers[0]).split('+')[0]}"
+    if top in (*LOCAL_TOP_LEVEL, "train", VENDORED, *INTERNAL):
+        raise ExportError(f"environment entry {entry!r}: its package {top} has the name of the export's own {top}")
+    for distribution in importlib.metadata.packages_distributions().get(top, []):
+        if _from_an_index(distribution):
+            return f"{distribution}=={importlib.metadata.version(distribution).split('+')[0]}", []
     spec = importlib.util.find_spec(top)
-    if spec is None or spec.origin is None:
-        raise ExportError(f"environment entry {entry!r}: {top} is not importable here, so it cannot be exported")
+    if spec is None or spec.origin is None or not Path(spec.origin).is_file():
+        raise ExportError(f"environment entry {entry!r}: {top} is not importable here as a module or a package")
     origin = Path(spec.origin)
     if origin.name == "__init__.py":
         shutil.copytree(origin.parent, root / top, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        return f"{top}/ (copied)"
+        return f"{top}/ (copied)", sorted((root / top).rglob("*.py"))
     shutil.copy2(origin, root / origin.name)
-    return f"{origin.name} (copied)"
+    return f"{origin.name} (copied)", [root / origin.name]
+
+
+def _from_an_index(distribution: str) -> bool:
+    """Installed from a package index: one from a local directory, an archive or a checkout records
+    where it came from (PEP 610's ``direct_url.json``)."""
+    return importlib.metadata.distribution(distribution).read_text("direct_url.json") is None
 
 
 def _normalized(distribution: str) -> str:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from orchestrator import export as export_module
 from orchestrator.cli import app
 from orchestrator.export import PACKAGE, SOURCE_ROOT, ExportError, _module_file, export_project, resolve_candidate
 from skills.starter import write_starter
@@ -172,20 +173,37 @@ USER_ENVIRONMENT = '''
 import random
 import re
 
+from targets.api import TextStep
+
 
 class HiddenNumber:
-    """gymnasium-style: find a number from 1 to 3; any answer without the number goes on."""
+    """A text environment (async): find a number from 1 to 3; any answer without it goes on."""
 
-    def reset(self, seed=None):
-        self.secret = random.Random(seed).randint(1, 3)
-        return "Guess a number from 1 to 3.", {}
+    async def reset(self, task):
+        self.secret = random.Random(task).randint(1, 3)
+        return "Guess a number from 1 to 3."
 
-    def step(self, action):
+    async def step(self, action):
         found = re.findall(r"\\d+", action)
         if found and int(found[0]) == self.secret:
-            return "Correct!", 1.0, True, False, {}
-        return "Again.", 0.0, False, False, {}
+            return TextStep("Correct!", 1.0, True)
+        return TextStep("Again.", 0.0, False)
 '''
+
+
+def _user_target(tmp_path: Path, fast_target: Path, monkeypatch) -> Path:
+    """The fast target on the user's own module (importable where vibetrain exports it, nowhere else)."""
+    package = tmp_path / "users_code"
+    package.mkdir()
+    (package / "number_envs.py").write_text(USER_ENVIRONMENT)
+    monkeypatch.syspath_prepend(str(package))
+    data = yaml.safe_load(fast_target.read_text())
+    data["model"]["tokenizer"] = "bpe"
+    data["model"]["config"]["vocab_size"] = 320
+    data["workload"].update(environment={"entry": "number_envs:HiddenNumber", "adapter": "text"}, turns={"max": 3})
+    target = tmp_path / "target.yaml"
+    target.write_text(yaml.safe_dump(data))
+    return target
 
 
 def test_an_export_carries_the_environment_the_target_names(tmp_path):
@@ -201,25 +219,34 @@ def test_an_export_carries_the_environment_the_target_names(tmp_path):
     assert "comes from `reasoning_gym==" in (tmp_path / "out" / "README.md").read_text()
 
 
+def test_a_users_package_installed_from_a_directory_is_copied_not_pinned(tmp_path, fast_target, monkeypatch):
+    """An editable or path install (PEP 610's direct_url.json) is not on an index, or is someone else's
+    there: its source goes with the export."""
+    target = _user_target(tmp_path, fast_target, monkeypatch)
+    assert not export_module._from_an_index("vibetrain")  # itself: installed from its directory (pip install -e .)
+    installed = export_module.importlib.metadata.packages_distributions()
+    monkeypatch.setattr(
+        export_module.importlib.metadata, "packages_distributions", lambda: {**installed, "number_envs": ["n-e"]}
+    )
+    monkeypatch.setattr(export_module, "_from_an_index", lambda distribution: distribution != "n-e")
+    candidate = write_starter(tmp_path / "candidate", load_target(target), "colocate")
+    exported = export_project(candidate, str(target), tmp_path / "out")
+    assert exported.environment == "number_envs.py (copied)" and not any("n-e" in r for r in exported.requirements)
+    copied = (tmp_path / "out" / "number_envs.py").read_text()
+    assert f"from {PACKAGE}.api import TextStep" in copied  # rewritten as the stack is
+    assert copied.replace(PACKAGE, "targets", 1) == USER_ENVIRONMENT
+
+
 @pytest.mark.slow
 def test_an_export_trains_on_the_users_own_environment_copied_beside_its_launcher(
     tmp_path, fast_target, without_vibetrain, monkeypatch
 ):
-    package = tmp_path / "users_code"
-    package.mkdir()
-    (package / "number_envs.py").write_text(USER_ENVIRONMENT)
-    monkeypatch.syspath_prepend(str(package))  # importable where vibetrain exports it, nowhere else
-    data = yaml.safe_load(fast_target.read_text())
-    data["model"]["tokenizer"] = "bpe"
-    data["model"]["config"]["vocab_size"] = 320
-    data["workload"].update(environment={"entry": "number_envs:HiddenNumber", "adapter": "gymnasium"}, turns={"max": 3})
-    target = tmp_path / "target.yaml"
-    target.write_text(yaml.safe_dump(data))
+    target = _user_target(tmp_path, fast_target, monkeypatch)
     candidate = write_starter(tmp_path / "candidate", load_target(target), "time_multiplex")
     out = tmp_path / "exported"
     result = runner.invoke(app, ["export", str(candidate), "--out", str(out), "--target", str(target)])
     assert result.exit_code == 0, result.output
-    assert (out / "number_envs.py").read_text() == USER_ENVIRONMENT
+    assert (out / "number_envs.py").read_text() == USER_ENVIRONMENT.replace("targets.api", f"{PACKAGE}.api")
     assert "comes from `number_envs.py (copied)`" in (out / "README.md").read_text()
     run = _train(out, without_vibetrain)
     assert [int(s) for s, *_ in STEP_LINE.findall(run.stdout)] == [1, 2], run.stdout

@@ -223,12 +223,13 @@ def test_a_users_package_installed_from_a_directory_is_copied_not_pinned(tmp_pat
     """An editable or path install (PEP 610's direct_url.json) is not on an index, or is someone else's
     there: its source goes with the export."""
     target = _user_target(tmp_path, fast_target, monkeypatch)
-    assert not export_module._from_an_index("vibetrain")  # itself: installed from its directory (pip install -e .)
-    installed = export_module.importlib.metadata.packages_distributions()
-    monkeypatch.setattr(
-        export_module.importlib.metadata, "packages_distributions", lambda: {**installed, "number_envs": ["n-e"]}
-    )
-    monkeypatch.setattr(export_module, "_from_an_index", lambda distribution: distribution != "n-e")
+    site = tmp_path / "site" / "n_e-1.0.dist-info"  # installed as pip records a local directory's install
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: n-e\nVersion: 1.0\n")
+    (site / "top_level.txt").write_text("number_envs\n")
+    (site / "direct_url.json").write_text('{"url": "file:///home/me/number-envs", "dir_info": {"editable": true}}')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert "n-e" in export_module.importlib.metadata.packages_distributions()["number_envs"]
     candidate = write_starter(tmp_path / "candidate", load_target(target), "colocate")
     exported = export_project(candidate, str(target), tmp_path / "out")
     assert exported.environment == "number_envs.py (copied)" and not any("n-e" in r for r in exported.requirements)

@@ -21,7 +21,9 @@ runner = CliRunner()
 MEASURED_KEYS = ("turns", "env_latency_s", "env_latency_max_s", "env_failure_rate")
 
 
-def _episode(group: int, member: int, turns: int, latency: float, response: int, failures: int = 0) -> list:
+def _episode(
+    group: int, member: int, turns: int, latency: float, response: int, failures: int = 0, timed_out: bool = False
+) -> list:
     """A finished episode's events as the harness records them (token lists kept)."""
     episode = f"g{group}/{member}"
     events = [TraceEvent("env_reset", 0.0, {"episode": episode, "group": f"g{group}", "observation": [1] * 10})]
@@ -47,6 +49,8 @@ def _episode(group: int, member: int, turns: int, latency: float, response: int,
                     "done": done,
                     "latency": latency,
                     "failures": failures,
+                    "timed_out": timed_out and done,
+                    "truncated": False,
                 },
             )
         )
@@ -59,15 +63,18 @@ def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
         for member in range(2):
             events += _episode(group, member, turns, latency, response=4 + group, failures=member)
     unfinished = _episode(9, 0, 3, 0.5, response=16)[:-1]  # its last step never came: not fitted
-    profile = fit_profile(tiny_spec, [events + unfinished], "planted")
-    assert profile["samples"] == {"episodes": 8, "steps": 30, "failed_attempts": 15}
+    cut = _episode(10, 0, 20, 0.01, response=4, timed_out=True)  # the clock ended it: not a turn count
+    profile = fit_profile(tiny_spec, [events + unfinished + cut], "planted")
+    samples = profile["samples"]
+    assert (samples["episodes"], samples["ended_by_the_environment"], samples["steps"]) == (9, 8, 50)
+    assert samples["failed_attempts"] == 15 and samples["response_budget"] == tiny_spec.workload.tokens.response
     assert profile["turns"]["max"] == 8 and profile["turns"]["dist"]["kind"] == "lognormal"
     assert profile["turns"]["dist"]["median"] == 3.0  # the median of 1, 1, 2, 2, 4, 4, 8, 8
     assert profile["tokens"]["prompt"] == 10 and profile["tokens"]["observation"] == 6
-    assert profile["env_latency_max_s"] == 0.08 and profile["env_failure_rate"] == round(15 / 45, 6)
+    assert profile["env_latency_max_s"] == 0.08 and profile["env_failure_rate"] == round(15 / 65, 6)
     latency = profile["env_latency_s"]
-    # per step: 16 of the 30 steps are the 8-turn episodes' (0.08 s), so the median is theirs
-    assert latency["kind"] == "lognormal" and math.isclose(latency["median"], 0.08, rel_tol=1e-6)
+    # the steps no failure slowed (member 0's, and the cut episode's 20 at 0.01 s): 8 of 35 at 0.08 s
+    assert latency["kind"] == "lognormal" and math.isclose(latency["median"], 0.01, rel_tol=1e-6)
     lengths = profile["tokens"]["response_length"]
     assert lengths["task_sigma"] > 0 and lengths["turn_sigma"] == 0  # each group's turns are alike here
     single = fit_profile(tiny_spec, [_episode(0, 0, 1, 0.01, 5) + _episode(1, 0, 1, 0.02, 5)], "planted")

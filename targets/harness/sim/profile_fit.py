@@ -7,11 +7,14 @@ fragment's format is ``targets/workload_profile.py``'s).
   within a group, ``task_sigma^2`` the variance of the groups' mean log lengths less
   ``turn_sigma^2 / turns per group`` (at least 0). Turns cut at the budget count at the budget, so a
   model that often runs to its budget gets spreads on the low side.
-* **the profile**, from the episodes the runs finished and every environment step the harness timed:
-  the turn count (``fixed`` when every episode took as many, else lognormal: median and log-space
-  sigma, capped at the most seen), the mean prompt and observation lengths, the response lengths
-  above, the environment's latency (lognormal) and its largest, and its failure rate (failed attempts
-  over attempts). The fragment says how many samples are behind it.
+* **the profile**, from the episodes the runs finished and the steps the harness timed in them: the
+  turn count of those the environment ended itself (``fixed`` when all took as many, else lognormal:
+  median and log-space sigma, capped at the most seen; an episode cut by the trajectory timeout or the
+  context window is the simulation's to cut again), the mean prompt and observation lengths, the
+  response lengths above (the policy's: the fragment names the model, tokenizer and budget), the
+  latency of the steps no failure slowed (lognormal) and its largest, and the failure rate (failed
+  attempts over attempts; a user's environment that raises fails its run instead, so its rate is 0).
+  The fragment says how many samples are behind each.
 
 Several runs pool their samples (a group is a task of its own run).
 """
@@ -87,12 +90,16 @@ def fit_profile(spec: TargetSpec, runs: list[list[TraceEvent]], measured_on: str
             elif e.kind == "env_reset":
                 resets[run, e.data["episode"]] = e
     finished = [key for key, taken in steps.items() if taken[-1].data["done"] and key in resets]
-    if not finished:
-        raise ProfileError("the run finished no episode: nothing to fit a profile from")
-    turns = [len(steps[key]) for key in finished]
+    # the turn count is the environment's where the episode ended by itself (not cut by the clock or the
+    # context window, which the simulation applies again under its own budgets)
+    ended = [key for key in finished if not (steps[key][-1].data["timed_out"] or steps[key][-1].data["truncated"])]
+    if not ended:
+        raise ProfileError("the run finished no episode by the environment's own end: nothing to fit a profile from")
+    turns = [len(steps[key]) for key in ended]
     taken = [s for key in finished for s in steps[key]]
     observations = [token_count(s.data["observation"]) for s in taken if not s.data["done"]]
-    latencies = [s.data["latency"] for s in taken]
+    # a failed attempt's restart is in its step's latency, and the simulator adds it again from the rate
+    latencies = [s.data["latency"] for s in taken if not s.data["failures"]]
     failures = sum(s.data["failures"] for s in taken)
     tokens: dict = {
         "prompt": max(1, round(statistics.fmean(token_count(resets[key].data["observation"]) for key in finished))),
@@ -112,11 +119,20 @@ def fit_profile(spec: TargetSpec, runs: list[list[TraceEvent]], measured_on: str
     )
     return {
         "measured_on": measured_on,
-        "samples": {"episodes": len(finished), "steps": len(taken), "failed_attempts": failures},
+        "samples": {
+            "episodes": len(finished),
+            "ended_by_the_environment": len(ended),
+            "steps": len(taken),
+            "failed_attempts": failures,
+            # response lengths are the policy's: the model, tokenizer and budget they were measured with
+            "model": spec.model.weights,
+            "tokenizer": spec.model.tokenizer_kind or "the model directory's",
+            "response_budget": spec.workload.tokens.response,
+        },
         "turns": {"max": max(turns), "dist": drawn},
         "tokens": tokens,
         "env_latency_s": _lognormal(latencies),
-        "env_latency_max_s": round(max(max(latencies), 1e-6), 6),
+        "env_latency_max_s": round(max(max(latencies, default=0.0), 1e-6), 6),
         "env_failure_rate": round(failures / (len(taken) + failures), 6),
     }
 

@@ -103,3 +103,13 @@ def test_a_model_directory_brings_its_tokenizer_and_its_generation_configs_end_i
 def test_a_vocabulary_too_small_for_a_bpe_is_refused():
     with pytest.raises(ValueError, match="vocab_size 64 is too small for a byte-level BPE"):
         build_tokenizer(64, "bpe")
+
+
+def test_a_bpe_past_its_corpus_merges_pads_with_fillers_no_environment_reads():
+    """Qwen3-0.6B's 151,936 ids from a small corpus: the rest are named fillers, special tokens, so the
+    text an environment reads of a random model's answer holds only what it generated as text."""
+    tokenizer = build_tokenizer(151_936, "bpe")
+    four = tokenizer.convert_tokens_to_ids("4")
+    answer = [151_935, 151_000, four]
+    assert len(tokenizer) == 151_936 and "<|filler_" in tokenizer.decode(answer)
+    assert tokenizer.decode(answer, skip_special_tokens=True) == "4"  # what ChatFormat.text hands over

@@ -89,9 +89,11 @@ def build_chat_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tokenizer.train([str(CORPUS)], trainer)
-    filler = vocab_size - tokenizer.get_vocab_size()  # a corpus with fewer merges than asked: named fillers
+    # a corpus with fewer merges than asked: named fillers, special so an environment never reads them as
+    # text (a random 0.6B model samples them nearly always, and their digits would score arithmetic)
+    filler = vocab_size - tokenizer.get_vocab_size()
     if filler:
-        tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(filler)])
+        tokenizer.add_special_tokens([f"<|filler_{i}|>" for i in range(filler)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=IM_END, pad_token=END_OF_TEXT, chat_template=CHAT_TEMPLATE
     )
@@ -100,7 +102,7 @@ def build_chat_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 def tokenizer_key(kind: str | None):
     """What determines a built tokenizer (part of a random model's content hash)."""
     if kind == "bpe":
-        return ["bpe", hashlib.sha256(CORPUS.read_bytes()).hexdigest()[:16], CHAT_TEMPLATE]
+        return ["bpe", hashlib.sha256(CORPUS.read_bytes()).hexdigest()[:16], CHAT_TEMPLATE, "special fillers"]
     return NAMED_VOCAB
 
 

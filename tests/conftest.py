@@ -44,9 +44,10 @@ def catalog_yaml():
 
 @pytest.fixture(scope="session")
 def fast_target(tmp_path_factory):
-    """tiny-qwen3-cpu with a smaller batch and fewer steps: same mechanisms, shorter runs. The
-    end-to-end tests that take it (the judge's plants among them) run on another real CPU target of the
-    catalog with ``VIBETRAIN_TEST_TARGET=<id>`` (tiny-qwen3-cpu-arithmetic: a real environment)."""
+    """tiny-qwen3-cpu with a smaller batch and fewer steps: same mechanisms, shorter runs. With
+    ``VIBETRAIN_TEST_TARGET=<id>`` it is another real CPU target of the catalog: for the judge's plants
+    on a real environment (``VIBETRAIN_TEST_TARGET=tiny-qwen3-cpu-arithmetic pytest
+    tests/test_stack_kit.py -k planted``); tests that simulate it, or name its id, expect the default."""
     import yaml
 
     from targets.spec import CATALOG_DIR

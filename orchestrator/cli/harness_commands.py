@@ -451,7 +451,8 @@ def profile_workload(
     samples = profile["samples"]
     console.print(
         f"profile of {samples['episodes']} episodes, {samples['steps']} steps: {out}\n"
-        f"use it in a simulated spec as workload: {{profile: {out}}}",
+        f"a simulated spec names it as workload: {{profile: {out.resolve()}}} (or a path relative to the spec's "
+        "own file), with a stand-in environment such as {name: synthetic_agent}",
         highlight=False,
         markup=False,
     )

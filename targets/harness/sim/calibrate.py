@@ -49,7 +49,7 @@ import yaml
 
 from targets.api import TraceEvent
 from targets.harness.sim.cost_model import CostModel
-from targets.harness.sim.profile_fit import fit_profile, response_lengths, stand_in_workload
+from targets.harness.sim.profile_fit import ProfileError, fit_profile, response_lengths, stand_in_workload
 from targets.harness.trace import token_count
 from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, load_target, resolve_target_path
 
@@ -385,6 +385,8 @@ def fit_and_predict(
     spec = session.target.spec
     try:
         calibration = calibrate(spec, [real_events])
+    except ProfileError as error:  # the run itself gave too little
+        raise RuntimeError(f"the run cannot be fitted: {error}") from None
     except (KeyError, TypeError, AttributeError, ValueError) as error:  # a trace of another harness version
         raise RuntimeError(
             f"the trace cannot be fitted: an event lacks what this harness records ({error!r})"

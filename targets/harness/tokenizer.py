@@ -155,6 +155,9 @@ def has_chat_template(model_dir: Path) -> bool:
     beside it, as transformers saves one), read without loading the tokenizer."""
     model_dir = Path(model_dir)
     config = model_dir / "tokenizer_config.json"
-    if config.exists() and json.loads(config.read_text()).get("chat_template"):
-        return True
+    try:
+        if config.exists() and json.loads(config.read_text()).get("chat_template"):
+            return True
+    except (json.JSONDecodeError, AttributeError) as error:  # not JSON, or not an object
+        raise ValueError(f"{config}: not a tokenizer config ({error})") from None
     return any((model_dir / name).exists() for name in ("chat_template.jinja", "chat_template.json"))

@@ -119,7 +119,7 @@ def _write(candidate: Path, spec: TargetSpec, root: Path, source: str) -> Export
         pending += _rewrite(path, path.relative_to(root))
     exported.vendored = _vendor(pending, root)
     (root / "target.yaml").write_text(_target_yaml(spec))
-    exported.requirements, exported.optional = _requirements(root)
+    exported.requirements, exported.optional = _requirements(root, copied)
     if "==" in exported.environment:
         exported.requirements = sorted({*exported.requirements, exported.environment}, key=str.lower)
     (root / "requirements.txt").write_text("".join(f"{r}\n" for r in exported.requirements))
@@ -236,11 +236,11 @@ def _environment(entry: str, root: Path) -> tuple[str, list[Path]]:
     if spec is None or spec.origin is None or not Path(spec.origin).is_file():
         raise ExportError(f"environment entry {entry!r}: {top} is not importable here as a module or a package")
     origin = Path(spec.origin)
-    if origin.name == "__init__.py":
+    if origin.stem == "__init__":
         shutil.copytree(origin.parent, root / top, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         return f"{top}/ (copied)", sorted((root / top).rglob("*.py"))
     shutil.copy2(origin, root / origin.name)
-    return f"{origin.name} (copied)", [root / origin.name]
+    return f"{origin.name} (copied)", [root / origin.name] if origin.suffix == ".py" else []
 
 
 def _from_an_index(distribution: str) -> bool:
@@ -263,12 +263,15 @@ def _core_dependencies() -> set[str]:
     return {_normalized(m.group(0)) for m in names if m}
 
 
-def _requirements(root: Path) -> tuple[list[str], dict[str, str]]:
+def _requirements(root: Path, environment: list[Path]) -> tuple[list[str], dict[str, str]]:
     """Third-party imports of the exported files, split in two. Required: those vibetrain's own
-    dependencies provide (the stack kit is built on them), pinned to the versions installed here (local
-    build labels such as ``+cpu`` dropped: no public index serves them). Optional: everything else (the
-    kit's optional engines, vLLM and FlashInfer, are vibetrain extras imported only where they run), each
-    with the files importing it and what provides it here, for the README."""
+    dependencies provide (the stack kit is built on them), and whatever a copied user environment
+    (``environment``, its files) imports that is installed here, pinned to the versions installed here
+    (local build labels such as ``+cpu`` dropped: no public index serves them). Optional: everything
+    else (the kit's optional engines, vLLM and FlashInfer, are vibetrain extras imported only where they
+    run), each with the files importing it and what provides it here, for the README."""
+    local = {*LOCAL_TOP_LEVEL, *(path.relative_to(root).parts[0].removesuffix(".py") for path in environment)}
+    environment_imports: set[str] = set()
     users: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -280,14 +283,16 @@ def _requirements(root: Path) -> tuple[list[str], dict[str, str]]:
                 continue
             for name in names:
                 top = _top(name)
-                if top not in sys.stdlib_module_names and top not in LOCAL_TOP_LEVEL:
+                if top not in sys.stdlib_module_names and top not in local:
                     users.setdefault(top, set()).add(str(path.relative_to(root)))
+                    if path in environment:
+                        environment_imports.add(top)
     core, providers = _core_dependencies(), importlib.metadata.packages_distributions()
     pins: set[str] = set()
     optional: dict[str, str] = {}
     for top, files in sorted(users.items()):
         installed = [f"{d}=={importlib.metadata.version(d)}" for d in providers.get(top, [])]
-        required = [d for d in providers.get(top, []) if _normalized(d) in core]
+        required = [d for d in providers.get(top, []) if _normalized(d) in core or top in environment_imports]
         if required:
             pins.update(f"{d}=={importlib.metadata.version(d).split('+')[0]}" for d in required)
         else:

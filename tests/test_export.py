@@ -191,12 +191,13 @@ class HiddenNumber:
 '''
 
 
-def _user_target(tmp_path: Path, fast_target: Path, monkeypatch) -> Path:
+def _user_target(tmp_path: Path, fast_target: Path, monkeypatch, source: str = USER_ENVIRONMENT) -> Path:
     """The fast target on the user's own module (importable where vibetrain exports it, nowhere else)."""
     package = tmp_path / "users_code"
     package.mkdir()
-    (package / "number_envs.py").write_text(USER_ENVIRONMENT)
+    (package / "number_envs.py").write_text(source)
     monkeypatch.syspath_prepend(str(package))
+    monkeypatch.delitem(sys.modules, "number_envs", raising=False)  # another test's copy, imported earlier
     data = yaml.safe_load(fast_target.read_text())
     data["model"]["tokenizer"] = "bpe"
     data["model"]["config"]["vocab_size"] = 320
@@ -222,7 +223,9 @@ def test_an_export_carries_the_environment_the_target_names(tmp_path):
 def test_a_users_package_installed_from_a_directory_is_copied_not_pinned(tmp_path, fast_target, monkeypatch):
     """An editable or path install (PEP 610's direct_url.json) is not on an index, or is someone else's
     there: its source goes with the export."""
-    target = _user_target(tmp_path, fast_target, monkeypatch)
+    pytest.importorskip("tabulate", reason="reasoning-gym's dependency, with the envs extra")
+    source = USER_ENVIRONMENT.replace("import re\n", "import re\n\nimport tabulate  # noqa: F401\n")
+    target = _user_target(tmp_path, fast_target, monkeypatch, source)
     site = tmp_path / "site" / "n_e-1.0.dist-info"  # installed as pip records a local directory's install
     site.mkdir(parents=True)
     (site / "METADATA").write_text("Metadata-Version: 2.1\nName: n-e\nVersion: 1.0\n")
@@ -235,7 +238,10 @@ def test_a_users_package_installed_from_a_directory_is_copied_not_pinned(tmp_pat
     assert exported.environment == "number_envs.py (copied)" and not any("n-e" in r for r in exported.requirements)
     copied = (tmp_path / "out" / "number_envs.py").read_text()
     assert f"from {PACKAGE}.api import TextStep" in copied  # rewritten as the stack is
-    assert copied.replace(PACKAGE, "targets", 1) == USER_ENVIRONMENT
+    assert copied.replace(PACKAGE, "targets", 1) == source
+    version = __import__("importlib.metadata").metadata.version("tabulate")
+    assert f"tabulate=={version}" in exported.requirements  # what the copied environment imports: required
+    assert "number_envs" not in exported.optional  # itself: the export's own now
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import yaml
@@ -89,6 +91,13 @@ class Hangs(Breaks):
 
     def fail(self):
         time.sleep(3)
+
+
+class Exhausted(Breaks):
+    """Calls next() on an empty iterator: a StopIteration, which no future can hold."""
+
+    def fail(self):
+        next(iter(()))
 
 
 class TimesOut(Breaks):
@@ -408,3 +417,31 @@ def test_an_abandoned_call_never_holds_the_process_open():
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert run.returncode == 0 and "left" in run.stdout, run.stderr
+
+
+def test_what_no_future_can_hold_is_still_named_and_a_pile_of_running_calls_is_refused(
+    catalog_yaml, user_package, monkeypatch
+):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Exhausted", "adapter": "gymnasium"})
+    episode = _pool(spec)[0].new_group()[0]
+    asyncio.run(episode.reset())
+    asyncio.run(episode.step([5, 6]))
+    with pytest.raises(UserEnvironmentError, match="my_envs:Exhausted raised RuntimeError at turn 2 of g0/e0: StopIt"):
+        asyncio.run(episode.step([5, 6]))
+
+    from targets.harness.environments import adapters
+
+    monkeypatch.setattr(adapters, "RUNNING", threading.BoundedSemaphore(1))
+    adapters.RUNNING.acquire()  # one call still running: the most this test allows
+    with pytest.raises(RuntimeError, match="1024 calls of the environment are still running"):
+        asyncio.run(adapters.in_user_thread(print, "never"))
+
+
+def test_a_step_after_the_trajectorys_time_is_up_never_reaches_the_environment(catalog_yaml, user_package):
+    catalog_yaml["workload"]["trajectory_timeout_s"] = 0.2
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Breaks", "adapter": "gymnasium"})
+    episode = _pool(spec)[0].new_group()[0]
+    asyncio.run(episode.reset())
+    time.sleep(0.3)
+    result = asyncio.run(episode.step([5, 6]))
+    assert result.done and result.timed_out and episode.environment.env.turn == 0  # never asked

@@ -33,6 +33,10 @@ from targets.errors import UserError
 ADAPTERS = ("gymnasium", "tasks", "text")
 
 
+MAX_RUNNING = 1024  # calls at once: more than any batch runs, fewer than a process's thread limit
+RUNNING = threading.BoundedSemaphore(MAX_RUNNING)
+
+
 async def in_user_thread(function: Callable, *args, **kwargs) -> Any:
     """``function``'s result, computed in a daemon thread of its own: apart from the pool the harness
     saves weights on (a slow step never queues the harness's work, nor is queued behind it and timed),
@@ -49,10 +53,20 @@ async def in_user_thread(function: Callable, *args, **kwargs) -> Any:
         try:
             result, error = function(*args, **kwargs), None
         except BaseException as raised:  # noqa: BLE001 - handed to whoever awaits it, never lost
-            result, error = None, raised
+            # as an Exception the step names: a future cannot hold a StopIteration, and a SystemExit,
+            # KeyboardInterrupt or CancelledError of the user's code must not stop the harness's loop
+            plain = isinstance(raised, Exception) and not isinstance(raised, StopIteration)
+            result, error = None, raised if plain else RuntimeError(f"{type(raised).__name__}: {raised}")
+        finally:
+            RUNNING.release()
         with contextlib.suppress(RuntimeError):  # the loop closed while the call ran: no one waits
             loop.call_soon_threadsafe(settle, result, error)
 
+    if not RUNNING.acquire(blocking=False):
+        raise RuntimeError(
+            f"{MAX_RUNNING} calls of the environment are still running (slow, or abandoned when their "
+            "episodes timed out): it hangs"
+        )
     threading.Thread(target=call, name="user-environment", daemon=True).start()
     return await answer
 
@@ -73,13 +87,14 @@ def load_entry(entry: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        top = module_name.partition(".")[0]
-        if error.name != top:
+        top, missing = module_name.partition(".")[0], error.name or module_name
+        if missing != top and (module_name + ".").startswith(missing + "."):  # the entry's own module is not there
             raise UserEnvironmentError(
                 f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
             ) from None
+        needed = "" if missing == top else f" (imported by {module_name})"
         extra = "; the envs extra installs it: pip install -e '.[envs]'" if top in ENVS_EXTRA else ""
-        raise UserEnvironmentError(f"environment entry {entry!r}: {top} {NOT_INSTALLED}{extra}") from None
+        raise UserEnvironmentError(f"environment entry {entry!r}: {missing} {NOT_INSTALLED}{needed}{extra}") from None
     except Exception as error:  # noqa: BLE001 - the user's module (raising as it imports): named
         raise UserEnvironmentError(
             f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"

@@ -46,10 +46,16 @@ class TextEpisode(Episode):
         """The environment's answer, or ``HUNG`` when none came within ``limit`` seconds (the call is
         abandoned: a thread cannot be stopped). Whatever the user's code raised is named."""
         answering = asyncio.ensure_future(call)
-        done, _ = await asyncio.wait({answering}, timeout=limit)
+        try:
+            done, _ = await asyncio.wait({answering}, timeout=limit)
+        except asyncio.CancelledError:  # the episode itself was abandoned: so is its call
+            answering.cancel()
+            raise
         if not done:
             answering.cancel()
             return HUNG
+        if answering.cancelled():  # the user's own coroutine cancelled itself
+            raise UserEnvironmentError(f"environment {self.entry} was cancelled {doing} {self.episode_id}")
         try:
             return answering.result()
         except Exception as error:  # noqa: BLE001 - the user's code: named, never a traceback of ours
@@ -76,8 +82,10 @@ class TextEpisode(Episode):
         self.begin_step()
         started = self.clock.now()
         left = self.workload.trajectory_timeout_s - (started - self.started_at) + TIMEOUT_MARGIN_S
+        if left <= TIMEOUT_MARGIN_S:  # the trajectory's time is already up: the environment is not asked
+            return self.end_step(action, 0.0, 0, ("timeout", 0.0, True))
         doing = f"at turn {self.turn + 1} of"
-        answer = await self._call(self.environment.step(self.chat.text(action)), doing, max(left, TIMEOUT_MARGIN_S))
+        answer = await self._call(self.environment.step(self.chat.text(action)), doing, left)
         if answer is HUNG:
             return self.end_step(action, self.clock.now() - started, 0, ("timeout", 0.0, True))
         if not isinstance(answer, TextStep):

@@ -7,9 +7,10 @@ reasons) → what it left is copied into a worktree of the harness's own, the ca
 on a real target with the pre-screen on, the twin (calibrated from the validated rounds' traces)
 predicts it, and one predicted too far behind the best ends the round here → the judge gates it →
 the evaluator measures it → the candidate is committed (validated) or kept under a rejected ref →
-``DESIGN.md``, the backlog and the run state are updated. One round's failure never stops the run;
-a budget (rounds, wall time, LLM spend) stops it cleanly between rounds; a killed run resumes with
-every validated commit intact and no round done twice.
+``DESIGN.md``, the backlog and the run state are updated. One round's failure never stops the run
+(the user's environment failing does: every later round would meet it, and the round is redone on
+``--resume``); a budget (rounds, wall time, LLM spend) stops it cleanly between rounds; a killed
+run resumes with every validated commit intact and no round done twice.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.state import Promotion, RoundRecord, RunState, RunStateError, save_llm_spend
 from targets.errors import UserError
 from targets.harness.judge.check_result import CheckResult
-from targets.harness.measure.session import Session
+from targets.harness.measure.session import EnvironmentFailed, Session
 from targets.harness.target import Target
 
 
@@ -131,6 +132,7 @@ class Loop:
             parent_headline=parent.headline if parent else None,
         )
         seeds = self.seeds(number)
+        stop: RunError | None = None
         try:
             verdict, candidate = self.implement_and_judge(record, workspace, out, seeds[0])
             if verdict.passed:
@@ -153,6 +155,12 @@ class Loop:
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         except RunError:  # the run itself cannot go on (its spend could not be saved): not this round's fault
             raise
+        except EnvironmentFailed as error:  # the user's code, which every later round would meet too
+            stop = RunError(
+                f"round {number} stopped: {error}. This is the environment's failure, not the candidate's: "
+                "every validated candidate is committed; fix the environment and run again with --resume "
+                "(the round is redone)"
+            )
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         record.seconds = time.monotonic() - started
@@ -163,6 +171,8 @@ class Loop:
                 self.history.remove_worktree(tree)
             except (HistoryError, GitCommandError, OSError) as error:
                 record.reasons.append(f"the worktree {tree} was not removed: {error}")
+        if stop is not None:
+            raise stop
         return record
 
     def seeds(self, number: int) -> list[int]:

@@ -11,12 +11,15 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
+from orchestrator.history import History
+from orchestrator.state import RunState
 from skills.starter import write_starter
 from targets.harness.clock import WallClock
 from targets.harness.environments import EnvironmentPool
@@ -30,6 +33,7 @@ from targets.spec import SpecError, load_target, parse_target
 
 PACKAGE = '''
 import asyncio
+import os
 import random
 import re
 import time
@@ -105,6 +109,19 @@ class TimesOut(Breaks):
 
     def fail(self):
         raise TimeoutError("the tool's socket timed out")
+
+
+class BreaksOnceFlagged(HiddenNumber):
+    """Steps as HiddenNumber until a file appears, then raises (a service it calls went away mid-run)."""
+
+    def __init__(self, flag: str, high: int = 3):
+        super().__init__(high)
+        self.flag = flag
+
+    def step(self, action):
+        if os.path.exists(self.flag):
+            raise ConnectionError("the game server went away")
+        return super().step(action)
 
 
 class Tasks(list):
@@ -313,17 +330,25 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
     assert "Traceback" not in result.output
 
 
-def _real_run(fast_target, tmp_path, monkeypatch, entry: str, mode: str):
-    """A real run of the time_multiplex starter on the fast target with the user's environment, the
-    package importable by the harness's own processes (never the candidate's)."""
+def _user_target(fast_target, tmp_path, monkeypatch, entry: str, **params) -> Path:
+    """The fast target with the user's environment, the package importable by the harness's own
+    processes (never the candidate's)."""
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     data = yaml.safe_load(fast_target.read_text())
     data["model"]["tokenizer"] = "bpe"
     data["model"]["config"]["vocab_size"] = 320
-    data["workload"].update(environment={"entry": entry, "adapter": "gymnasium"}, turns={"max": 3})
+    environment = {"entry": entry, "adapter": "gymnasium", **({"params": params} if params else {})}
+    data["workload"].update(environment=environment, turns={"max": 3})
     data["workload"]["tokens"].update(prompt=24, observation=16)
     path = tmp_path / "target.yaml"
     path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _real_run(fast_target, tmp_path, monkeypatch, entry: str, mode: str):
+    """A real run of the time_multiplex starter on the fast target with the user's environment."""
+    path = _user_target(fast_target, tmp_path, monkeypatch, entry)
+    data = yaml.safe_load(path.read_text())
     stack = write_starter(tmp_path / "stack", parse_target(data), "time_multiplex")
     target = Target.load(path)
     return run_harness(target, stack, tmp_path / "out", mode, Limits(time_s=300), Sandbox("subprocess"))
@@ -347,6 +372,47 @@ def test_a_real_run_whose_environment_raises_fails_naming_it(fast_target, tmp_pa
     assert not run.ok
     assert "system run failed: UserEnvironmentError: environment my_envs:Breaks raised KeyError at turn 2" in run.cause
     assert "Traceback" not in run.cause
+
+
+@pytest.mark.slow
+def test_an_environment_that_fails_mid_run_stops_it_with_every_validated_round_kept(
+    fast_target, tmp_path, user_package, monkeypatch
+):
+    flag = tmp_path / "server-gone"
+    target = _user_target(fast_target, tmp_path, monkeypatch, "my_envs:BreaksOnceFlagged", flag=str(flag))
+    run, workspaces = tmp_path / "run", tmp_path / "ws"
+    args = ["generate", str(target), "--rounds", "1", "--repeat", "1", "--out", str(run)]
+    args += ["--workspaces", str(workspaces)]
+    committed = run / ".git" / "refs" / "vibetrain" / "rounds" / "0"
+    watching = threading.Event()
+
+    def break_after_round_0() -> None:  # round 1's system run starts seconds after round 0's commit
+        while not watching.wait(0.05):
+            if committed.exists():
+                flag.touch()
+                return
+
+    watcher = threading.Thread(target=break_after_round_0, daemon=True)
+    watcher.start()
+    try:
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    finally:
+        watching.set()
+    assert result.exit_code == 1, result.output
+    assert "round 1 stopped: environment my_envs:BreaksOnceFlagged raised ConnectionError at turn" in result.output
+    assert "not the candidate's" in result.output and "--resume" in result.output
+    assert "Traceback" not in result.output
+    state, history = RunState.load(run), History.open(run)
+    assert [r.round for r in state.rounds] == [0] and state.next_round == 1  # round 1 is not held against anyone
+    round_0 = history.round_commit(0)
+    assert round_0 and state.best.commit == round_0 and history.rejected_commit(1) is None
+
+    flag.unlink()  # the server is back
+    result = CliRunner().invoke(app, [*args, "--resume"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    state = RunState.load(run)
+    assert [r.round for r in state.rounds] == [0, 1] and state.record(1).verdict in ("accepted", "rejected")
+    assert History.open(run).round_commit(0) == round_0
 
 
 def test_the_ecosystems_own_environments_through_the_adapters(catalog_yaml):

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from targets.harness.clock import WallClock
+from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.target import Target
@@ -217,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def record_phase(out: Path, phase: str, run: Callable[[], dict]) -> bool:
     """Runs one phase and writes ``<phase>.json``: ``ok`` with its result, or the error (the parent
-    reports it; nothing is swallowed). Whether it succeeded."""
+    reports it; nothing is swallowed). Whether it succeeded. A user's environment that failed (its
+    entry, its reset or a step raised, hung while resetting, answered out of contract) is marked
+    ``fault: environment``: the user's code failed, not the candidate's."""
     started = time.monotonic()
     try:
         result = run()
@@ -225,6 +228,8 @@ def record_phase(out: Path, phase: str, run: Callable[[], dict]) -> bool:
         return False  # accuracy.json says why; the run never started
     except Exception as error:  # noqa: BLE001 - written for the parent, which reports it
         report = {"status": "error", "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        if isinstance(error, UserEnvironmentError):  # raised in this process, by the harness: no candidate sets it
+            report.update(fault="environment", message=str(error))
         (out / f"{phase}.json").write_text(json.dumps(report, indent=1))
         traceback.print_exc()
         return False

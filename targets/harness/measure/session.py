@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from targets.api import TraceEvent
+from targets.errors import UserError
 from targets.harness.isolation.launch import HarnessRun, Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.judge.check_result import CheckResult
@@ -275,6 +276,8 @@ class Session:
             if accuracy.get("status") != "ok":
                 return Measurement(checks + [CheckResult("accuracy", False, [run.cause])], seed=seed)
             checks += [CheckResult.from_dict(c) for c in accuracy["checks"]]
+        if run.results.get("system", {}).get("fault") == "environment":
+            raise EnvironmentFailed(run.results["system"]["message"])
         if run.results.get("system", {}).get("status") != "ok":
             return Measurement(checks + [CheckResult("system_run", False, [run.cause])], seed=seed)
         if run.results.get("audit", {}).get("status") != "ok":
@@ -337,3 +340,10 @@ class MeasurementFailed(RuntimeError):
     def __init__(self, name: str, repeat: int, reasons: list[str]) -> None:
         super().__init__(f"{name} (repeat {repeat}): " + "; ".join(reasons[:5]))
         self.name, self.repeat, self.reasons = name, repeat, reasons
+
+
+class EnvironmentFailed(UserError, RuntimeError):
+    """The user's environment failed during a system run (the message names its entry, episode and
+    turn): the user's code to fix, never held against the candidate that was running."""
+
+    exit_code = 1

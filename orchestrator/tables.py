@@ -64,6 +64,33 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
     return table
 
 
+def phases_table(runs) -> Table:
+    """Where a step's time went beside what each phase needs at least (``sim/lower_bound.py``): the
+    gap to the bound, phase by phase."""
+    table = Table(title="where a step goes (seconds per step, mean over devices; median run)", box=box.SIMPLE_HEAD)
+    table.add_column("schedule", no_wrap=True)
+    for column in ("rollout (work)", "train (work)", "sync", "switch", "idle", "step", "bound"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for run in runs:
+        m = run.median
+        path_bound = m("critical_path_bound_s") > m("work_bound_s")
+        table.add_row(
+            run.name,
+            f"{num(m('step_rollout_s'))} ({num(m('rollout_bound_s'))})",
+            f"{num(m('step_train_s'))} ({num(m('train_bound_s'))})",
+            num(m("step_sync_s")),
+            num(m("step_switching_s")),
+            num(m("step_idle_s")),
+            num(m("step_time_s")),
+            f"{num(m('lower_bound_step_s'))} {'path' if path_bound else 'work'}",
+        )
+    table.caption = (
+        "(work): the phase's work spread over every device, its least time; sync, switching and idle need none. "
+        "bound: the larger of the work (rollout + train) and the critical path (the longest trajectories alone)"
+    )
+    return table
+
+
 def costs_table(runs, simulated: bool) -> Table:
     memory = ("peak KV", "peak_kv_fraction", "{:.0%}") if simulated else ("peak MB", "peak_process_memory_mb", "{:.0f}")
     costs = Table(title=f"mechanism costs (median seconds per event; {memory[0]})", box=box.SIMPLE_HEAD)

@@ -356,17 +356,29 @@ def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tm
             str(tmp_path / "b.json"),
             "--timeline",
             str(tmp_path / "t.png"),
+            "--phases",
+            str(tmp_path / "p.png"),
         ],
         env={"COLUMNS": "80"},
     )
     assert result.exit_code == 0, result.output
-    assert "simulated seconds" in result.output and "LB" in result.output
+    assert "simulated seconds" in result.output and "LB" in result.output and "where a step goes" in result.output
     runs = json.loads((tmp_path / "b.json").read_text())["runs"]
     for run in runs:
-        assert 0 < run["metrics"]["lower_bound_fraction"] <= 1.0
-        assert run["metrics"]["lower_bound_step_s"] > 0 and "peak_kv_fraction" in run["metrics"]
+        m = run["metrics"]
+        assert 0 < m["lower_bound_fraction"] <= 1.0
+        assert m["lower_bound_step_s"] > 0 and "peak_kv_fraction" in m
+        # where the step went sums to the step; each phase takes at least its work spread over every device
+        phases = [m[f"step_{a}_s"] for a in ("rollout", "train", "sync", "switching", "idle")]
+        assert sum(phases) == pytest.approx(m["step_time_s"], rel=1e-6)
+        assert m["rollout_bound_s"] + m["train_bound_s"] == pytest.approx(m["work_bound_s"])
+        assert m["step_rollout_s"] >= m["rollout_bound_s"] and m["step_train_s"] >= m["train_bound_s"]
+        steps = run["lower_bound_steps"]
+        assert [s["step"] for s in steps] == [1, 2] and all(s["measured_s"] > 0 for s in steps)
+        assert sum(s["measured_s"] for s in steps) <= m["duration_s"]
+        assert max(m["work_bound_s"], m["critical_path_bound_s"]) == m["lower_bound_step_s"]
     assert runs[1]["metrics"]["rollout_throughput"] > runs[0]["metrics"]["rollout_throughput"]
-    assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert (tmp_path / "t.png").stat().st_size > 10_000 and (tmp_path / "p.png").stat().st_size > 10_000
 
 
 def test_calibrate_refuses_a_directory_that_is_not_a_candidate(tmp_path):

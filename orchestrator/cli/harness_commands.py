@@ -36,7 +36,7 @@ from orchestrator.cli.app import (
     target_app,
     workload_app,
 )
-from orchestrator.tables import bench_table, checks_table, costs_table, num
+from orchestrator.tables import bench_table, checks_table, costs_table, num, phases_table
 from skills.starter import CONTROLLERS, unfit
 from targets.errors import UserError
 from targets.harness.environments.adapters import NOT_INSTALLED
@@ -235,6 +235,7 @@ def bench(
     ),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     timeline: Path = typer.Option(None, help="write the per-device timeline PNG here"),
+    phases: Path = typer.Option(None, help="write where a step goes (each phase beside its least time) as a PNG here"),
     track: str = typer.Option(
         None,
         help="tensorboard | jsonl: per training step ROLL-named scalars of every run (run <schedule>/r<repeat>), "
@@ -261,11 +262,12 @@ def bench(
     from orchestrator.runs import export_candidate
     from skills.starter import write_starter
     from targets.harness.measure.benchmark import benchmark
-    from targets.harness.measure.timeline import plot_timelines
+    from targets.harness.measure.timeline import plot_step_phases, plot_timelines
     from targets.harness.measure.tracking import track_trace, write_chrome_trace
 
     out_file(json_path, "--json")
     out_file(timeline, "--timeline")
+    out_file(phases, "--phases")
     beside = json_path or timeline  # the tracking goes next to the other outputs, else a temp dir
 
     def default_track_dir() -> Path:
@@ -312,6 +314,7 @@ def bench(
             on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"),
         )
     console.print(bench_table(spec, runs, repeat, simulated))
+    console.print(phases_table(runs))
     console.print(costs_table(runs, simulated))
     if json_path:
         from orchestrator.provenance import BENCH_SCHEMA, provenance
@@ -339,6 +342,9 @@ def bench(
         ]
         plot_timelines(titles, timeline)
         console.print(f"timeline: {timeline}")
+    if phases:
+        plot_step_phases([(r.name, r.summary(spec.headline_metric.name)["metrics"]) for r in runs], phases)
+        console.print(f"where a step goes: {phases}")
     if tracker is not None:
         traces = {f"{r.name}/r{i}": m.events() for r in runs for i, m in enumerate(r.measurements)}
         try:

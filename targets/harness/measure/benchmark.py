@@ -33,6 +33,15 @@ SUMMARIZED = (
     "aborted_turns",
     "lower_bound_step_s",
     "lower_bound_fraction",
+    "work_bound_s",
+    "critical_path_bound_s",
+    "rollout_bound_s",
+    "train_bound_s",
+    "step_rollout_s",
+    "step_train_s",
+    "step_sync_s",
+    "step_switching_s",
+    "step_idle_s",
     "peak_process_memory_mb",
     "peak_device_memory_mb",
     "peak_kv_fraction",
@@ -69,13 +78,14 @@ class BenchRun:
 
     def summary(self, headline: str) -> dict:
         """The metrics a round or a bench reports: medians, spreads, and the median repeat's
-        utilization and duration (one way, everywhere)."""
+        utilization, duration and per-step bounds (one way, everywhere)."""
         present = [m for m in SUMMARIZED if self.has(m)]
         middle = self.repeats[self.median_index(headline)]
         return {
             "name": self.name,
             "metrics": {m: self.median(m) for m in present}
             | {"device_utilization": middle["device_utilization"], "duration_s": middle["duration_s"]},
+            "lower_bound_steps": middle.get("lower_bound_steps", []),
             "spread": {m: self.spread(m) for m in present},
             "paired": self.paired.as_dict() if self.paired else None,
             "repeats": self.repeats,

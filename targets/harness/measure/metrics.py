@@ -102,4 +102,15 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
         "sync_s": mean_duration("sync"),
         "train_s": mean_duration("train"),
         "aborted_turns": sum(1 for e in events if e.kind == "generate" and e.data["aborted"]),
+    } | step_phases(utilization, duration, len(trains))
+
+
+def step_phases(utilization: dict[str, dict[str, float]], duration: float, steps: int) -> dict[str, float]:
+    """Where a step's time went, per device on average (``step_<activity>_s``; they sum to the step
+    time): what ``sim/lower_bound.py``'s per-phase work is set beside."""
+    if not steps:
+        return {f"step_{a}_s": 0.0 for a in (*ACTIVITIES, "idle")}
+    return {
+        f"step_{a}_s": sum(u[a] for u in utilization.values()) / len(utilization) * duration / steps
+        for a in (*ACTIVITIES, "idle")
     }

@@ -77,3 +77,42 @@ def plot_timelines(runs: list[tuple[str, list[TraceEvent], list[str]]], path: Pa
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_step_phases(runs: list[tuple[str, dict]], path: Path) -> Path:
+    """Where a step goes, one pair of bars per schedule: above, the measured step split by activity
+    (``step_<activity>_s``); below, what rollout and training need at least (their work spread over
+    every device), with the step's lower bound marked. ``runs``: (name, median metrics)."""
+    fig, ax = plt.subplots(figsize=(10, 0.9 * len(runs) + 1.5))
+    for row, (_, m) in enumerate(runs):
+        left = 0.0
+        for activity in (*ACTIVITIES[::-1], "idle"):  # rollout, sync, train, switching, then idle
+            width = m[f"step_{activity}_s"]
+            ax.barh(row - 0.18, width, 0.34, left=left, color=COLORS.get(activity, "white"), edgecolor="grey")
+            left += width
+        left = 0.0
+        for activity in ("rollout", "train"):
+            width = m[f"{activity}_bound_s"]
+            ax.barh(row + 0.2, width, 0.26, left=left, color=COLORS[activity], alpha=0.45, hatch="//")
+            left += width
+        bound = m["lower_bound_step_s"]
+        ax.plot([bound, bound], [row - 0.4, row + 0.38], color="black", linewidth=1.5)
+        ax.text(m["step_time_s"], row - 0.18, f" {m['lower_bound_fraction']:.0%} of the bound", va="center", fontsize=8)
+    longest = max(max(m["step_time_s"], m["lower_bound_step_s"]) for _, m in runs)
+    ax.set_xlim(0, longest * 1.2)  # room for the labels
+    ax.set_yticks(range(len(runs)), [name for name, _ in runs])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step (mean over devices): measured above, the work each phase needs below")
+    fig.legend(
+        handles=[Patch(color=COLORS[a], label=a) for a in ("rollout", "train", "sync", "switching")]
+        + [Patch(facecolor="white", edgecolor="grey", label="idle"), Patch(facecolor="white", hatch="//", label="work")]
+        + [plt.Line2D([], [], color="black", label="lower bound")],
+        loc="upper right",
+        fontsize=8,
+        ncol=7,
+    )
+    ax.set_title("where a step goes", fontsize=10, loc="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

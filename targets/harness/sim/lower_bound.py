@@ -14,7 +14,13 @@ No schedule can beat either of two limits:
   ``max_async_ratio`` where it lets stacks choose). The run's single longest path would not be: one
   long trajectory bounds the steps it spans, not every step.
 
-The step's bound is the larger of the two; ``fraction = bound / measured step time``.
+The step's bound is the larger of the two; ``fraction = bound / measured step time``. The work bound
+is also given by phase (``rollout_bound_s``, ``train_bound_s``: each phase's work over all devices),
+to set beside where the devices' time went (``metrics.py``: ``step_rollout_s``, ... ``step_idle_s``):
+the rest of the gap is each phase's excess over its work, switching and sync (whose bound is zero),
+and idle time. Per step (``lower_bound_steps``): each step's measured time (from the previous train
+call's end to its own), its rollout and train work per device, and its longest path over ``1 + a``;
+the bound holds for their mean, not for every step (work may move between neighbouring steps).
 """
 
 from __future__ import annotations
@@ -48,8 +54,11 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
     turns = _turns(events)
     trains = [e for e in events if e.kind == "train"]
     if not trains:
-        return {"lower_bound_step_s": 0.0, "work_bound_s": 0.0, "critical_path_bound_s": 0.0}
-    devices = len(next(e for e in events if e.kind == "run_start").data["devices"])
+        zero = ("lower_bound_step_s", "work_bound_s", "critical_path_bound_s", "rollout_bound_s", "train_bound_s")
+        return dict.fromkeys(zero, 0.0) | {"lower_bound_steps": []}
+    run_start = next(e for e in events if e.kind == "run_start")
+    devices = len(run_start.data["devices"])
+    stretch = 1 + spec.workload.staleness_limit  # the loosest staleness any stack may declare
 
     def rollout_work(episode: str) -> float:
         seconds = 0.0
@@ -68,18 +77,31 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
             for context, new, response, latency in turns.get(episode, [])
         )
 
-    work, longest = [], []
-    for train in trains:
+    steps = []
+    previous_end = run_start.t
+    for number, train in enumerate(trains, start=1):
         episodes = [t["episode"] for t in train.data["trajectories"]]
         lengths = [token_count(t["tokens"]) for t in train.data["trajectories"]]
-        train_work = cost.train_s(lengths, 1) - cost.train_step_overhead_s
-        work.append((sum(rollout_work(e) for e in episodes) + train_work) / devices)
-        longest.append(max((critical_path(e) for e in episodes), default=0.0))
-    work_bound = sum(work) / len(work)
-    # the loosest staleness any stack may declare
-    path_bound = sum(longest) / len(longest) / (1 + spec.workload.staleness_limit)
+        steps.append(
+            {
+                "step": number,
+                "measured_s": train.t - previous_end,
+                "rollout_s": sum(rollout_work(e) for e in episodes) / devices,
+                "train_s": (cost.train_s(lengths, 1) - cost.train_step_overhead_s) / devices,
+                "path_s": max((critical_path(e) for e in episodes), default=0.0) / stretch,
+            }
+        )
+        previous_end = train.t
+
+    def mean(key: str) -> float:
+        return sum(step[key] for step in steps) / len(steps)
+
+    work_bound, path_bound = mean("rollout_s") + mean("train_s"), mean("path_s")
     return {
         "lower_bound_step_s": max(work_bound, path_bound),
         "work_bound_s": work_bound,
         "critical_path_bound_s": path_bound,
+        "rollout_bound_s": mean("rollout_s"),
+        "train_bound_s": mean("train_s"),
+        "lower_bound_steps": steps,
     }

@@ -48,7 +48,8 @@ class LLMConfig(BaseModel):
 
 class RunConfig(BaseModel):
     """``target``, ``target_id`` and ``simulated`` are resolved when the run starts; ``repeat``
-    defaults to 3 measured pairs on a real target, 1 on a simulated one (exact for its seed)."""
+    defaults to 3 measured pairs on a real target, 1 on a simulated one (exact for its seed);
+    ``held_out`` to 3 on a simulated target, 0 on a real one (each seed is four more real runs)."""
 
     model_config = ConfigDict(extra="forbid")
     target: str = ""  # as given (catalog id, or a spec path made absolute)
@@ -61,6 +62,7 @@ class RunConfig(BaseModel):
     max_minutes: float | None = resumable(None, gt=0)  # wall time; the run stops cleanly between rounds
     max_attempts: int = Field(2, ge=1)  # implementer attempts per round, each fed the judge's reasons
     repeat: int | None = Field(None, ge=1)  # measured pairs per candidate
+    held_out: int | None = resumable(None, ge=0)  # seeds no round used, the best measured on at the end
     starter: str = "colocate"  # round 0's controller
     sandbox: str = "auto"
     llm: LLMConfig = Field(default_factory=LLMConfig)

@@ -16,7 +16,7 @@ run resumes with every validated commit intact and no round done twice.
 from __future__ import annotations
 
 import errno
-import random
+import itertools
 import shutil
 import time
 from collections.abc import Callable
@@ -30,6 +30,7 @@ from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Ver
 from orchestrator import commits
 from orchestrator.budget import LLMBudget
 from orchestrator.design_record import update_design
+from orchestrator.generalization import held_out_seeds, measure_generalization, round_seeds
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import Policy
 from orchestrator.prescreen import PreScreen, TwinError
@@ -37,7 +38,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.state import Promotion, RoundRecord, RunState, RunStateError, save_llm_spend
 from targets.errors import UserError
 from targets.harness.judge.check_result import CheckResult
-from targets.harness.measure.session import EnvironmentFailed, Session
+from targets.harness.measure.session import EnvironmentFailed, MeasurementFailed, Session
 from targets.harness.target import Target
 
 
@@ -70,6 +71,7 @@ class Loop:
         started = time.monotonic()
         spent_before = self.state.seconds_used
         self.reconcile_with_git()
+        out_of_time = False
         while self.state.next_round <= self.state.config.rounds:
             if self.state.next_round > 0 and self.state.best is None:
                 starter = self.state.record(0)
@@ -86,6 +88,7 @@ class Loop:
             limit = self.state.config.max_minutes
             if limit is not None and elapsed >= limit * 60:
                 self.on_event("budget", reason=f"wall-time budget of {limit:g} min spent ({elapsed / 60:.1f} min)")
+                out_of_time = True
                 break
             spent = self.budget.spent(self.budget.totals(self.state.llm_used), self.state.config)
             if spent:
@@ -105,6 +108,8 @@ class Loop:
                 self.calibrate_twin()  # one more real run to learn from
             self.state.seconds_used = spent_before + time.monotonic() - started
             self.save()
+        if not out_of_time:  # the best, where the search never looked (more runs: not past the wall-time budget)
+            self.generalize()
         self.state.seconds_used = spent_before + time.monotonic() - started
         self.save()
         return self.state
@@ -179,8 +184,7 @@ class Loop:
         """The round's workload seeds, one per measured pair; the judge's run uses the first (and
         opens pair 0). Drawn from the run's seed and the round (each session's workload key keeps the
         tasks behind them secret: ``targets/harness/environments/seeds.py``)."""
-        rng = random.Random(f"{self.state.config.seed}:{number}")
-        return [rng.randrange(2**31) for _ in range(self.state.config.repeat)]
+        return round_seeds(self.state.config.seed, number, self.state.config.repeat)
 
     def _frozen(self, number: int) -> Path:
         return self.workspaces / f"round-{number}-judged"
@@ -310,6 +314,36 @@ class Loop:
         except TwinError as error:
             raise RunError(str(error)) from None
         self.save()
+
+    def generalize(self) -> None:
+        """The best over the starter on its own round's seeds, on ``held_out`` seeds no round used and
+        on those with the workload perturbed (``generalization.py``); once per best, so a resumed run
+        that found no new one does not measure it again. A failed run is said, and loses nothing."""
+        best, count = self.state.best, self.state.config.held_out or 0
+        done = self.state.generalization
+        if not count or best is None or best.round == 0 or self.session is None:
+            return
+        if done is not None and done.best_commit == best.commit and len(done.held_out_seeds) == count:
+            return
+        used = [seed for number in range(self.state.next_round) for seed in self.seeds(number)]
+        held_out = held_out_seeds(self.state.config.seed, used, count)
+        out = RunDir(self.run_dir).outputs / "generalization"
+        shutil.rmtree(out, ignore_errors=True)
+        best_dir = self.history.export(best.commit, out / "best")
+        starter_dir = self.history.export(self.state.record(0).commit, out / "starter")
+        runs, done = 2 * (len(self.seeds(best.round)) + 2 * count), itertools.count(1)
+
+        def on_run(name: str, i: int) -> None:
+            self.on_event("generalize", round=best.round, run=name, done=next(done), runs=runs)
+
+        self.on_event("generalize", round=best.round, run="", done=0, runs=runs)
+        try:
+            self.state.generalization = measure_generalization(
+                self.session, (best.round, best.commit, best_dir), starter_dir, self.seeds(best.round), held_out,
+                out / "runs", on_run,
+            )  # fmt: skip
+        except MeasurementFailed as error:
+            self.on_event("budget", reason=f"the best was not measured where the search never looked: {error}")
 
     # -- helpers -----------------------------------------------------------------------------------
     def params_of(self, record: RoundRecord) -> dict:

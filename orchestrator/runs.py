@@ -149,6 +149,7 @@ def start_run(
             "target_id": resolved.spec.id,
             "simulated": resolved.simulated,
             "repeat": config.repeat or (1 if resolved.simulated else 3),
+            "held_out": config.held_out if config.held_out is not None else (3 if resolved.simulated else 0),
             "prescreen": config.prescreen and not resolved.simulated,
         }
     )

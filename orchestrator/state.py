@@ -57,6 +57,27 @@ class Prediction(BaseModel):
     skipped: str | None = None
 
 
+class Generalization(BaseModel):
+    """The best over the starter, paired by seed: in search (the best round's seeds), held out, and
+    held out on a perturbed workload (``orchestrator/generalization.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    best_round: int
+    best_commit: str
+    in_search: Promotion
+    held_out: Promotion
+    held_out_seeds: list[int]
+    perturbed: Promotion | None = None
+    perturbation: str = ""  # what was scaled, and by how much
+    not_perturbed: str | None = None  # why the workload could not be perturbed
+
+    def kept(self, figure: Promotion | None) -> float | None:
+        """The share of the in-search ratio a figure keeps (1.0: all of it)."""
+        if figure is None or not self.in_search.ratio:
+            return None
+        return figure.ratio / self.in_search.ratio
+
+
 class RoundRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
     round: int
@@ -99,6 +120,7 @@ class RunState(BaseModel):
     twin_from: list[int] = []  # the validated rounds whose traces the twin is fitted to
     twin_unfitted: list[str] = []  # what no calibration run did (a candidate that does it is judged for real)
     twin_predictions: dict[str, float] = {}  # commit -> its headline on this twin (the best's, reused)
+    generalization: Generalization | None = None  # the best, measured where the search never looked
 
     # -- queries -----------------------------------------------------------------------------------
     @property

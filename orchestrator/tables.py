@@ -14,7 +14,7 @@ from rich.text import Text
 from targets.spec import TargetSpec
 
 if TYPE_CHECKING:
-    from orchestrator.state import Promotion
+    from orchestrator.state import Generalization, Promotion
 
 
 def checks_table(results) -> Table:
@@ -175,6 +175,12 @@ class RoundsView:
                 verdict = "not trusted (a cost it has only guessed), goes on to the judge"
             predicted = f"the twin predicts {num(p.headline)} against the best's {num(p.best)}"
             self.status = f"round {data['round']}: {predicted}: {verdict}"
+        elif kind == "generalize":
+            doing = f": {data['run']}" if data["run"] else ""
+            self.status = (
+                f"the best (round {data['round']}) over the starter, where the search never looked: "
+                f"run {data['done']} of {data['runs']}{doing}"
+            )
         elif kind in ("budget", "recovered"):
             self.status = data.get("reason") or f"recovered round {data['round']} from git"
 
@@ -200,6 +206,25 @@ def promotion_short(record) -> str:
     interval = "unbounded" if p.high is None else f"{p.low - 1:+.1%}, {p.high - 1:+.1%}"
     rule = f", needs low > +{threshold:.0%}" if threshold is not None else ""
     return f"{'promoted' if record.became_best else 'not promoted'}: {p.ratio - 1:+.1%} [{interval}]{rule}"
+
+
+def generalization_table(g: Generalization) -> Table:
+    """The best over the starter where the search never looked, beside its in-search figure: a
+    candidate tuned to the search's seeds or to this one workload shows up as a gap."""
+    table = Table(title=f"the best (round {g.best_round}) over the starter, paired by seed", box=box.SIMPLE_HEAD)
+    table.add_column(f"best (round {g.best_round}) / starter, measured on", no_wrap=True)
+    for column in ("ratio [95% CI]", "pairs", "of in-search"):
+        table.add_column(column, justify="right", no_wrap=True)
+    rows = [(f"round {g.best_round}'s seeds (in search)", g.in_search), ("held-out seeds", g.held_out)]
+    rows.append((f"held out, {g.perturbation}" if g.perturbed else f"not perturbed: {g.not_perturbed}", g.perturbed))
+    for label, figure in rows:
+        if figure is None:
+            table.add_row(escape(label), "-", "-", "-")
+            continue
+        interval = f"[{figure.low:.2f}, {figure.high:.2f}]" if figure.high is not None else "[unbounded]"
+        kept = g.kept(figure)
+        table.add_row(escape(label), f"{figure.ratio:.2f}x {escape(interval)}", str(figure.pairs), f"{kept:.0%}")
+    return table
 
 
 def rounds_table(run: Path, state) -> Table:

@@ -365,6 +365,8 @@ def test_a_coding_agent_cli_implements_a_round(tmp_path, fast_target, monkeypatc
             "--simulate",
             "--repeat",
             "1",
+            "--held-out",
+            "0",
             "--out",
             str(run),
             "--workspaces",

@@ -21,8 +21,13 @@ import yaml
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
+from orchestrator.generalization import PERTURBATION, round_seeds
 from orchestrator.history import History, HistoryError
+from orchestrator.run_dir import RunDir
 from orchestrator.state import RunState, RunStateError
+from targets.harness.measure.metrics import compute_metrics
+from targets.harness.trace import Trace
+from targets.spec import load_target
 
 runner = CliRunner()
 ENV = {"COLUMNS": "120"}
@@ -286,6 +291,7 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
     target.write_text(SCRATCH_TARGET)
     run, ws = tmp_path / "run", tmp_path / "ws"
     args = [str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(ws), "--repeat", "1", "--simulate"]
+    args += ["--held-out", "0"]  # what generate measures after its last round: tests/test_generate.py's big target
     process = _spawn(args, tmp_path / "first.log")
     deadline = time.monotonic() + 400
     while not (run / ".git" / "refs" / "vibetrain" / "rounds" / "1").exists():
@@ -328,13 +334,14 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
 
 
 @pytest.mark.slow
-def test_generate_on_the_simulated_production_target_beats_the_static_split(tmp_path):
+def test_generate_on_the_simulated_production_target_beats_the_static_split_where_it_never_looked(tmp_path):
     raw = yaml.safe_load(Path("targets/catalog/qwen3-235b-a22b-h800x160.yaml").read_text())
     raw["workload"].update(batch_size=64, train_steps=2)
     target = tmp_path / "big.yaml"
     target.write_text(yaml.safe_dump(raw))
     run = tmp_path / "run"
-    _generate(str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(tmp_path / "ws"), "--repeat", "1")
+    args = [str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(tmp_path / "ws"), "--repeat", "1"]
+    output = _generate(*args, "--held-out", "2")
     state = RunState.load(run)
     history = History.open(run)
     controllers = {
@@ -344,6 +351,35 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split(tmp_
     static = [r for r in state.accepted() if controllers[r.round] == "static_split"]
     assert static and state.best.headline > max(r.headline for r in static)
     assert controllers[state.best_round] == "time_multiplex"
+
+    # after the last round, the best over the starter where the search never looked (orchestrator/generalization.py)
+    best, g = state.best, state.generalization
+    assert g is not None and (g.best_round, g.best_commit) == (best.round, best.commit) and best.round > 0
+    assert g.in_search.pairs == 1 and g.held_out.pairs == g.perturbed.pairs == 2
+    assert g.in_search.ratio > 1 and g.held_out.ratio > 1 and g.perturbed.ratio > 0
+    assert f"x{PERTURBATION:g}" in g.perturbation and g.not_perturbed is None
+    assert not set(g.held_out_seeds) & {s for r in range(3) for s in round_seeds(state.config.seed, r, 1)}
+    assert "held-out seeds" in output and "of in-search" in output
+    runs = RunDir(run).outputs / "generalization" / "runs"
+    events = Trace.load_events(runs / "in-search" / "candidate-0" / "trace.jsonl")
+    devices = next(e for e in events if e.kind == "run_start").data["devices"]
+    # the in-search figure is on the best round's own seed: a simulation repeats the round's measurement
+    assert compute_metrics(events, devices)["goodput"] == pytest.approx(best.headline, rel=1e-9)
+    assert load_target(runs / "perturbed.yaml").workload.tokens.observation == round(
+        raw["workload"]["tokens"]["observation"] * PERTURBATION
+    )
+    turns = {name: _mean_turns(runs / name / "baseline-0" / "trace.jsonl") for name in ("held-out", "perturbed")}
+    assert turns["perturbed"] > turns["held-out"]  # the starter on one seed: the longer workload ran
+    log = runner.invoke(app, ["log", str(run), "--json"])
+    assert json.loads(log.output)["generalization"]["best_commit"] == best.commit
+    stamp = (runs / "held-out" / "candidate-0" / "trace.jsonl").stat().st_mtime_ns
+    _generate(*args, "--held-out", "2", "--resume")  # no new best: not measured again
+    assert (runs / "held-out" / "candidate-0" / "trace.jsonl").stat().st_mtime_ns == stamp
+
+
+def _mean_turns(trace: Path) -> float:
+    steps = [e for e in Trace.load_events(trace) if e.kind == "env_step"]
+    return len(steps) / len({e.data["episode"] for e in steps})
 
 
 @pytest.mark.slow
@@ -360,6 +396,8 @@ def test_the_evolve_policy_runs_rounds_from_its_population(tmp_path, fast_target
         "1",
         "--seed",
         "3",
+        "--held-out",
+        "0",
         "--out",
         str(run),
         "--workspaces",

@@ -18,7 +18,7 @@ from orchestrator.config import ConfigError, LLMConfig, RunConfig, unknown
 from orchestrator.run_dir import RunDir
 from orchestrator.runs import WORKSPACES, resume_run, start_run
 from orchestrator.state import RunState
-from orchestrator.tables import RoundsView, num
+from orchestrator.tables import RoundsView, generalization_table, num
 from targets.spec import load_target
 
 DEFAULT = RunConfig()
@@ -125,6 +125,12 @@ def generate(
         help="measured pairs per candidate, each a run of it and of the best on one "
         "seed (default 3 real, 1 simulated: a simulation is exact for its seed)",
     ),
+    held_out: int = typer.Option(
+        None,
+        min=0,
+        help="after the last round, measure the best over the starter on this many seeds no round used, and "
+        "on them with the workload perturbed (default 3 simulated, 0 real: each is four more real runs)",
+    ),
     max_attempts: int = typer.Option(
         DEFAULT.max_attempts, min=1, help="implementer attempts per round, each fed the judge's reasons"
     ),
@@ -226,9 +232,18 @@ def generate(
         console.print("[red]no validated candidate[/red] (see vibetrain log)")
         raise typer.Exit(1)
     starter_record = state.record(0)
-    ratio = best.headline / starter_record.headline if starter_record and starter_record.headline else float("nan")
+    generalization = (
+        state.generalization if state.generalization and state.generalization.best_commit == best.commit else None
+    )
+    if generalization is not None:
+        ratio = f"{generalization.in_search.ratio:.2f}x the starter on its round's seeds (paired)"
+    else:
+        ratio = best.headline / starter_record.headline if starter_record and starter_record.headline else float("nan")
+        ratio = f"{ratio:.2f}x the starter's (each on its own round's seeds)"
     console.print(
         f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "
-        f"= {ratio:.2f}x the starter; {len(state.accepted())} validated of {len(state.rounds)} rounds"
+        f"= {ratio}; {len(state.accepted())} validated of {len(state.rounds)} rounds"
     )
+    if generalization is not None:
+        print_table(generalization_table(generalization))
     console.print(f"review: vibetrain log {out}  |  git -C {out} log best  |  vibetrain report {out}")

@@ -11,7 +11,7 @@ from rich.console import Console
 from orchestrator.cli.app import JSON_OPTION, UsageError, app, command, console, out_dir, print_json, print_table
 from orchestrator.history import History
 from orchestrator.state import RunState
-from orchestrator.tables import num, promotion, rounds_table
+from orchestrator.tables import generalization_table, num, promotion, rounds_table
 from targets.harness.judge.check_result import detail
 
 
@@ -32,12 +32,15 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
             {
                 "run": str(run),
                 "best_round": state.best_round,
+                "generalization": state.generalization.model_dump(mode="json") if state.generalization else None,
                 "llm_used": state.llm_used,
                 "rounds": [r.model_dump(mode="json") for r in state.rounds],
             }
         )
         return
     print_table(rounds_table(run, state))
+    if state.generalization is not None:
+        print_table(generalization_table(state.generalization))
     if state.llm_used:
         used = state.llm_used
         console.print(

@@ -36,6 +36,7 @@ import asyncio
 import os
 import random
 import re
+import sys
 import time
 
 from targets.api import TextStep
@@ -133,6 +134,13 @@ class Tasks(list):
 
 def tasks(size: int = 3):
     return Tasks({"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(size))
+
+
+class Quits(Echo):
+    """An async text environment whose step calls sys.exit() (a tool's error path that exits)."""
+
+    async def step(self, action):
+        sys.exit(3)
 
 
 class Mumbles:
@@ -302,6 +310,16 @@ def test_an_environment_that_raises_is_named_with_its_episode_and_turn(catalog_y
     asyncio.run(episode.reset())
     asyncio.run(episode.step([5, 6]))
     with pytest.raises(UserEnvironmentError, match="environment my_envs:Breaks raised KeyError at turn 2 of g0/e0"):
+        asyncio.run(episode.step([5, 6]))
+
+
+def test_a_sys_exit_in_an_async_environment_is_named_and_never_stops_the_harness(catalog_yaml, user_package):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Quits", "adapter": "text"})
+    pool, _ = _pool(spec)
+    episode = pool.new_group()[0]
+    asyncio.run(episode.reset())
+    named = "my_envs:Quits raised RuntimeError at turn 1 of g0/e0: SystemExit: 3"
+    with pytest.raises(UserEnvironmentError, match=named):
         asyncio.run(episode.step([5, 6]))
 
 

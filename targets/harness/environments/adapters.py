@@ -86,19 +86,8 @@ def load_entry(entry: str) -> Callable:
         raise UserEnvironmentError(f"environment entry {entry!r}: write it as package.module:callable")
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        top, missing = module_name.partition(".")[0], error.name or module_name
-        if missing != top and (module_name + ".").startswith(missing + "."):  # the entry's own module is not there
-            raise UserEnvironmentError(
-                f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
-            ) from None
-        needed = "" if missing == top else f" (imported by {module_name})"
-        extra = "; the envs extra installs it: pip install -e '.[envs]'" if top in ENVS_EXTRA else ""
-        raise UserEnvironmentError(f"environment entry {entry!r}: {missing} {NOT_INSTALLED}{needed}{extra}") from None
-    except Exception as error:  # noqa: BLE001 - the user's module (raising as it imports): named
-        raise UserEnvironmentError(
-            f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
-        ) from None
+    except Exception as error:  # noqa: BLE001 - the user's module (missing, or raising as it imports): named
+        raise UserEnvironmentError(_import_failure(entry, module_name, error)) from None
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):
@@ -107,6 +96,19 @@ def load_entry(entry: str) -> Callable:
     if not callable(target):
         raise UserEnvironmentError(f"environment entry {entry!r}: {attribute} is not callable")
     return target
+
+
+def _import_failure(entry: str, module_name: str, error: Exception) -> str:
+    """Why the entry's module did not import: a package it needs that is not installed here (with the
+    extra that installs it, for the ecosystems' own), or the module's own error."""
+    if isinstance(error, ModuleNotFoundError):
+        top, missing = module_name.partition(".")[0], error.name or module_name
+        own = missing != top and (module_name + ".").startswith(missing + ".")  # the entry's own module is not there
+        if not own:
+            needed = "" if missing == top else f" (imported by {module_name})"
+            extra = "; the envs extra installs it: pip install -e '.[envs]'" if top in ENVS_EXTRA else ""
+            return f"environment entry {entry!r}: {missing} {NOT_INSTALLED}{needed}{extra}"
+    return f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
 
 
 def _make(entry: str, factory: Callable, params: dict) -> Any:

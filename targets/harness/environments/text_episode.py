@@ -22,6 +22,15 @@ HUNG = object()  # what ``_call`` returns for a call that did not answer in time
 TIMEOUT_MARGIN_S = 0.01  # waited past the trajectory's deadline, so the harness clock sees it passed
 
 
+async def _named_exit(call: Awaitable) -> Any:
+    """The user's coroutine, a ``sys.exit()`` in it named as the error it is: asyncio lets a
+    SystemExit out of a task stop the harness's event loop (a thread's is named by ``in_user_thread``)."""
+    try:
+        return await call
+    except SystemExit as error:
+        raise RuntimeError(f"SystemExit: {error}") from None
+
+
 class UserParams(BaseModel):
     model_config = ConfigDict(extra="allow")  # the user's entry takes them (checked when it is made)
 
@@ -45,7 +54,7 @@ class TextEpisode(Episode):
     async def _call(self, call: Awaitable, doing: str, limit: float) -> Any:
         """The environment's answer, or ``HUNG`` when none came within ``limit`` seconds (the call is
         abandoned: a thread cannot be stopped). Whatever the user's code raised is named."""
-        answering = asyncio.ensure_future(call)
+        answering = asyncio.ensure_future(_named_exit(call))
         try:
             done, _ = await asyncio.wait({answering}, timeout=limit)
         except asyncio.CancelledError:  # the episode itself was abandoned: so is its call
@@ -81,11 +90,11 @@ class TextEpisode(Episode):
         episode as timed out (as a built-in environment's slow step does), its call abandoned."""
         self.begin_step()
         started = self.clock.now()
-        left = self.workload.trajectory_timeout_s - (started - self.started_at) + TIMEOUT_MARGIN_S
-        if left <= TIMEOUT_MARGIN_S:  # the trajectory's time is already up: the environment is not asked
+        left = self.workload.trajectory_timeout_s - (started - self.started_at)
+        if left <= 0:  # the trajectory's time is already up: the environment is not asked
             return self.end_step(action, 0.0, 0, ("timeout", 0.0, True))
         doing = f"at turn {self.turn + 1} of"
-        answer = await self._call(self.environment.step(self.chat.text(action)), doing, left)
+        answer = await self._call(self.environment.step(self.chat.text(action)), doing, left + TIMEOUT_MARGIN_S)
         if answer is HUNG:
             return self.end_step(action, self.clock.now() - started, 0, ("timeout", 0.0, True))
         if not isinstance(answer, TextStep):

@@ -38,7 +38,6 @@ measured faster than its catalog peak gets ``bf16_tflops`` raised (also in ``not
 from __future__ import annotations
 
 import itertools
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +48,7 @@ import yaml
 
 from targets.api import TraceEvent
 from targets.harness.sim.cost_model import CostModel
-from targets.harness.sim.profile_fit import ProfileError, fit_profile, response_lengths, stand_in_workload
+from targets.harness.sim.profile_fit import ProfileError, fit_profile, lengths_yaml, response_lengths, stand_in_workload
 from targets.harness.trace import token_count
 from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, load_target, resolve_target_path
 
@@ -76,9 +75,7 @@ class Calibration:
             },
         }
         if self.response_length is not None:
-            # rounded down: a mean rounded up to the budget would no longer be one a spread reaches
-            lengths = {k: math.floor(v * 1e4) / 1e4 for k, v in self.response_length.model_dump().items()}
-            fields["workload"] = {"tokens": {"response_length": lengths}}
+            fields["workload"] = {"tokens": {"response_length": lengths_yaml(self.response_length)}}
         return fields
 
 
@@ -320,7 +317,7 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
     lengths = response_lengths(spec, runs)
     samples = {"train_steps": len(train_rows), "requests": len(rollout_rows)}
     # a user's environment only runs for real: the twin plays its measured profile on the stand-in
-    stand_in = fit_profile(spec, runs, f"{spec.id} (calibration)") if spec.workload.environment.entry else None
+    stand_in = fit_profile(spec, runs, f"{spec.id} (calibration)", lengths) if spec.workload.environment.entry else None
     return Calibration(SimulatorSpec.model_validate(fitted), mfu, peak, lengths, notes, samples, unfitted, stand_in)
 
 

@@ -79,8 +79,17 @@ def _lognormal(values: list[float]) -> dict:
     return {"kind": "lognormal", "median": round(math.exp(statistics.median(logs)), 6), "sigma": _spread(logs)}
 
 
-def fit_profile(spec: TargetSpec, runs: list[list[TraceEvent]], measured_on: str) -> dict:
-    """The profile fragment of real runs of ``spec``'s environment (see the module doc)."""
+def lengths_yaml(lengths: ResponseLengthSpec) -> dict:
+    """Response lengths as a spec writes them: rounded down, since a mean rounded up to the budget
+    would no longer be one a spread reaches."""
+    return {k: math.floor(v * 1e4) / 1e4 for k, v in lengths.model_dump().items()}
+
+
+def fit_profile(
+    spec: TargetSpec, runs: list[list[TraceEvent]], measured_on: str, lengths: ResponseLengthSpec | None = None
+) -> dict:
+    """The profile fragment of real runs of ``spec``'s environment (see the module doc); ``lengths``:
+    the runs' response lengths, where the caller has fitted them already."""
     steps: dict[tuple[int, str], list[TraceEvent]] = defaultdict(list)
     resets: dict[tuple[int, str], TraceEvent] = {}
     for run, events in enumerate(runs):
@@ -105,9 +114,9 @@ def fit_profile(spec: TargetSpec, runs: list[list[TraceEvent]], measured_on: str
         "prompt": max(1, round(statistics.fmean(token_count(resets[key].data["observation"]) for key in finished))),
         "observation": max(1, round(statistics.fmean(observations))) if observations else 1,
     }
-    lengths = response_lengths(spec, runs)
+    lengths = lengths or response_lengths(spec, runs)
     if lengths is not None:
-        tokens["response_length"] = {k: math.floor(v * 1e4) / 1e4 for k, v in lengths.model_dump().items()}
+        tokens["response_length"] = lengths_yaml(lengths)
     drawn = (
         {"kind": "fixed", "value": float(turns[0])}
         if len(set(turns)) == 1

@@ -1,7 +1,9 @@
 """Does the search specialize? For each simulated catalog target: a ``vibetrain generate`` run (offline
 agents), then its best stack benchmarked side by side with every hand-written baseline in one bench
 run. Prints one table: per target, the best's design (its controller, the techniques switched on and
-the parameters moved off their defaults) and its ratio over each baseline.
+the parameters moved off their defaults), its ratio over each baseline, and its ratio over the starter
+where the search never looked beside its in-search one (what ``generate`` measured after its last
+round: on held-out seeds, and on them with the workload perturbed; ``orchestrator/generalization.py``).
 
     python benchmarks/specialization.py [--rounds 6] [--targets a,b] [--out generated/specialization]
                                         [--policy backlog] [--sandbox auto]
@@ -25,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.history import History
+from orchestrator.state import RunState
 from skills.library import defaults, load_skills
 from skills.starter import CONTROLLERS
 from targets.spec import catalog_ids, load_target
@@ -76,6 +79,8 @@ def main(
     for name in CONTROLLERS:
         summary.add_column(f"x {name}", justify="right", no_wrap=True)
     summary.add_column("timeouts", justify="right")
+    for column in ("/ starter in search", "held out", "perturbed"):
+        summary.add_column(column, justify="right", no_wrap=True)
     started = time.perf_counter()
     for target in ids:
         spec = load_target(target)
@@ -111,12 +116,15 @@ def main(
         *bases, best = json.loads(results.read_text())["runs"]  # the baselines, then the --stack
         headline = spec.headline_metric.name
         history = History.open(run)
+        g = RunState.load(run).generalization
+        figures = (g.in_search, g.held_out, g.perturbed) if g is not None else (None, None, None)
         summary.add_row(
             spec.id,
             design(history.params(history.best())),
             f"{best['metrics'][headline]:.3g}",
             *(f"{best['metrics'][headline] / base['metrics'][headline]:.2f}x" for base in bases),
             f"{best['metrics']['timeout_ratio']:.0%}",
+            *(f"{f.ratio:.2f}x" if f is not None else "-" for f in figures),
         )
     console.print(summary)
     console.print(f"{time.perf_counter() - started:.0f} s in all; command: python {' '.join(sys.argv)}")

@@ -217,8 +217,10 @@ class SimEngine:
             self._decode()
 
     def _chunk_end(self) -> None:
-        """The decoding chunk reached its event (a sequence done, the cache full)."""
-        self._woken_from, self._phase = "decoding", "woken"
+        """The decoding chunk reached its event (a sequence done, the cache full): credited whole. From
+        the clock, a chunk shorter than the clock resolves at that hour (1e-11 iterations at 4171 s)
+        decoded nothing, and came round again for ever."""
+        self._woken_from, self._phase = "chunk", "woken"
         self._resume()
 
     def _decode(self) -> None:
@@ -238,10 +240,10 @@ class SimEngine:
         if self._phase == "closed":
             return
         self._timer = None  # the one that brought us here
-        if self._woken_from == "decoding" and self._epoch_at_top == self._epoch:
-            self._progress()
+        if self._woken_from in ("decoding", "chunk") and self._epoch_at_top == self._epoch:
+            self._progress(whole=self._woken_from == "chunk")
             self._finish(self._finished())
-            if self.running and self._context >= self.capacity - EPS:
+            if self.running and self._iterations_to_full() <= EPS:
                 self._preempt()
         self._top()
 
@@ -287,16 +289,16 @@ class SimEngine:
         self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
         return prefill
 
-    def _progress(self) -> None:
-        """Credit the running sequences with the iterations decoded since the chunk started; their
-        growth evicts idle prefixes."""
+    def _progress(self, whole: bool = False) -> None:
+        """Credit the running sequences with the iterations decoded since the chunk started (``whole``:
+        all of the chunk's); their growth evicts idle prefixes."""
         if self._decoding is None:
             return
         start, iteration, to_event = self._decoding  # the batch has not changed since the chunk started
         self._decoding = None
         if not self.running:
             return
-        progressed = min(to_event, max(0.0, (self._loop.time() - start) / iteration))
+        progressed = to_event if whole else min(to_event, max(0.0, (self._loop.time() - start) / iteration))
         self._decoded += progressed
         self._context += progressed * len(self.running)
         if self._decoded > 1e6:  # a batch never empty for that long: rebase, so EPS stays above the rounding
@@ -310,9 +312,10 @@ class SimEngine:
 
     def _iterations_to_event(self) -> float:
         """Decode iterations the running batch can take before a sequence finishes or the cache is full."""
-        to_finish = self._next_end() - self._decoded
-        to_full = (self.capacity - self._context) / len(self.running)
-        return max(0.0, min(to_finish, to_full))
+        return max(0.0, min(self._next_end() - self._decoded, self._iterations_to_full()))
+
+    def _iterations_to_full(self) -> float:
+        return (self.capacity - self._context) / len(self.running)
 
     def _next_end(self) -> float:
         """(length + mark) of the batch's next sequence to finish (entries of those gone are dropped)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from orchestrator.state import Generalization, Promotion
-from targets.harness.measure.session import Paired, Session
+from targets.harness.measure.session import Session
 from targets.harness.target import Target
 from targets.spec import TargetSpec
 
@@ -103,7 +103,7 @@ def measure_generalization(
         _, _, paired = measuring.compare(
             best_dir, starter, out / name, seeds, "round 0", on_run=lambda who, i: on_run(f"{name} {who}", i)
         )
-        return _promotion(paired)
+        return Promotion(**paired.as_dict())
 
     in_search = compare(session, in_search_seeds, "in-search")
     held = compare(session, held_out, "held-out")
@@ -119,7 +119,3 @@ def measure_generalization(
         perturbation=what if perturbed is not None else "",
         not_perturbed=None if perturbed is not None else what,
     )
-
-
-def _promotion(paired: Paired) -> Promotion:
-    return Promotion(ratio=paired.ratio, low=paired.low, high=paired.high, pairs=paired.pairs, against="round 0")

@@ -320,10 +320,10 @@ class Loop:
         on those with the workload perturbed (``generalization.py``); once per best, so a resumed run
         that found no new one does not measure it again. A failed run is said, and loses nothing."""
         best, count = self.state.best, self.state.config.held_out or 0
-        done = self.state.generalization
+        measured = self.state.generalization
         if not count or best is None or best.round == 0 or self.session is None:
             return
-        if done is not None and done.best_commit == best.commit and len(done.held_out_seeds) == count:
+        if measured is not None and measured.best_commit == best.commit and len(measured.held_out_seeds) == count:
             return
         used = [seed for number in range(self.state.next_round) for seed in self.seeds(number)]
         held_out = held_out_seeds(self.state.config.seed, used, count)

@@ -30,6 +30,13 @@ def _label(devices: list[str]) -> str:
     return f"{first}-{last.removeprefix(prefix)} ({len(devices)})"
 
 
+def _activity_handles() -> list[Patch]:
+    """The legend's entries for the device activities, idle last (white, as the bars draw it)."""
+    return [Patch(color=COLORS[a], label=a) for a in ("rollout", "train", "sync", "switching")] + [
+        Patch(facecolor="white", edgecolor="grey", label="idle")
+    ]
+
+
 def device_rows(events: list[TraceEvent], devices: list[str]) -> list[tuple[str, dict[str, list[tuple[float, float]]]]]:
     """(row label, activity -> intervals), merging runs of consecutive devices with identical activity."""
     intervals = device_intervals(events)
@@ -67,8 +74,7 @@ def plot_timelines(runs: list[tuple[str, list[TraceEvent], list[str]]], path: Pa
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("seconds since run start")
     fig.legend(
-        handles=[Patch(color=COLORS[a], label=a) for a in ("rollout", "train", "sync", "switching")]
-        + [Patch(facecolor="white", edgecolor="grey", label="idle")],
+        handles=_activity_handles(),
         loc="upper right",
         ncol=5,
         fontsize=9,
@@ -104,9 +110,11 @@ def plot_step_phases(runs: list[tuple[str, dict]], path: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step (mean over devices): measured above, the work each phase needs below")
     fig.legend(
-        handles=[Patch(color=COLORS[a], label=a) for a in ("rollout", "train", "sync", "switching")]
-        + [Patch(facecolor="white", edgecolor="grey", label="idle"), Patch(facecolor="white", hatch="//", label="work")]
-        + [plt.Line2D([], [], color="black", label="lower bound")],
+        handles=[
+            *_activity_handles(),
+            Patch(facecolor="white", hatch="//", label="work"),
+            plt.Line2D([], [], color="black", label="lower bound"),
+        ],
         loc="upper right",
         fontsize=8,
         ncol=7,

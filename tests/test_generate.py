@@ -48,12 +48,13 @@ def _trailers(run: Path, ref: str = "best") -> str:
 
 def _start(target: Path, tmp_path: Path, **options):
     """A run started through the API (not the CLI) with the tests' settings: offline agents, one
-    measured pair per candidate, round 0 the colocate starter."""
+    measured pair per candidate, round 0 the colocate starter, no held-out measurement after the last
+    round (the production-scale test measures that)."""
     from orchestrator.config import RunConfig
     from orchestrator.runs import start_run
 
     settings = dict(rounds=1, policy="backlog", agents="offline", seed=0, max_minutes=None, max_attempts=2)
-    settings.update(repeat=1, starter="colocate", sandbox="auto", time_limit_s=300)
+    settings.update(repeat=1, starter="colocate", sandbox="auto", time_limit_s=300, held_out=0)
     simulate = options.pop("simulate", False)
     config = RunConfig(**{**settings, **options})
     on_event = lambda kind, **data: None  # noqa: E731

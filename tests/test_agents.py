@@ -228,7 +228,11 @@ def test_every_skill_has_front_matter_and_the_planner_maps_hints_to_them(tiny_sp
         [Hint(code="small_engine_batches", message="engines batch 1.7")],
         {"controller": "static_split", "train_devices": 64},
     )
-    assert [t.changes for t in moved if not t.id.startswith("controller=")] == [{"train_devices": 72}]
+    # a real target's small batches: more devices to train, or drafts for each decode step
+    assert [t.changes for t in moved if not t.id.startswith("controller=")] == [
+        {"train_devices": 72},
+        {"speculative_tokens": 4},
+    ]
 
 
 def test_on_one_device_the_planner_never_switches_to_a_controller_that_needs_two(tiny_spec):
@@ -286,7 +290,8 @@ def test_composition_adds_what_the_controller_allows_and_removes_what_is_on(tiny
     assert added["add-overlap_sync"] == {"overlap_sync": 1} and added["add-tail_batching"] == {"tail_round": 8}
     assert not [i for i in added if i.startswith("remove-")]
     colocated = {t.id for t in planner.composition_tasks(starter_params(tiny_spec, "colocate"))}
-    assert colocated == {"add-redundant_envs", "add-kv_routing"}  # the others need another controller
+    # the engine's speculative decoding runs under any; the others need another controller
+    assert colocated == {"add-redundant_envs", "add-kv_routing", "add-speculative_decoding"}
     on = {**multiplexed, "partial_rollout": 1}
     ids = {t.id for t in planner.composition_tasks(on)}
     assert "remove-partial_rollout" in ids and "add-partial_rollout" not in ids

@@ -91,7 +91,7 @@ def test_separated_prefill_leaves_every_decode_step_pure_and_the_tokens_unchange
     engine = PagedEngine(path, block_size=4, kv_tokens=2048, separate_prefill=separate)
     steps: list[list[int]] = []
     forward = engine._forward
-    engine._forward = lambda layout, tokens: (steps.append(list(layout.new)), forward(layout, tokens))[1]
+    engine._forward = lambda layout, tokens, *rows: (steps.append(list(layout.new)), forward(layout, tokens, *rows))[1]
     prompts = fixed_prompts(6)
     requests = [engine.submit(p, _greedy(12)) for p in prompts[:4]]
     for _ in range(3):
@@ -166,6 +166,59 @@ def test_paged_engine_sampling_matches_its_own_logprobs(path, tiny_model):
             expected = next_token_logits(tiny_model, [sequence])[0].log_softmax(-1)[token]
             assert logprob == pytest.approx(float(expected), abs=1e-4)
             sequence.append(token)
+
+
+def _repetitive_prompts() -> list[list[int]]:
+    """Prompts that repeat themselves, so prompt-lookup drafts find matches from the first step."""
+    return [[5, 6, 7, 8, 9] * 4 + [5, 6], [11, 12, 13] * 5 + [11], [20, 21, 22, 23] * 3 + [20, 21], [30, 31] * 6]
+
+
+class _HalfWrongDrafts(PagedEngine):
+    """Every other step's drafts one id off what was found: drafts the model refuses."""
+
+    steps = 0
+
+    def _drafts(self, batch):
+        self.steps += 1
+        return [[t + self.steps % 2 for t in draft] for draft in super()._drafts(batch)]
+
+
+@pytest.mark.parametrize("engine_class", [PagedEngine, _HalfWrongDrafts])
+def test_speculative_greedy_decoding_keeps_every_token_and_logprob(path, tiny_model, engine_class):
+    """Greedy decoding with drafts gives the plain engine's tokens (and the reference's), whether the
+    drafts are kept or refused: the kept drafts' keys are cached, the refused ones overwritten."""
+    prompts = _repetitive_prompts()
+    plain = PagedEngine(path, block_size=4, kv_tokens=2048).generate(prompts, _greedy(24))
+    engine = engine_class(path, block_size=4, kv_tokens=2048, speculative_tokens=4, speculative_ngram=1)
+    drafted = engine.generate(prompts, _greedy(24))
+    assert engine.accepted > 0, (engine.drafted, engine.accepted)
+    if engine_class is _HalfWrongDrafts:
+        assert engine.drafted > engine.accepted
+    for prompt, a, b in zip(prompts, plain, drafted):
+        assert b.tokens == a.tokens == reference_greedy(tiny_model, prompt, 24).tokens
+        assert b.finish_reason == a.finish_reason
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
+def test_speculative_sampling_draws_each_token_with_the_models_probability(path):
+    """The verification's refusal-and-redraw, run 20,000 times on one distribution and a draft of two
+    tokens: each first token's frequency is its probability (within 4.5 standard errors), the second
+    token given the first is kept too, and a draft the model finds unlikely is mostly refused."""
+    engine = PagedEngine(path, block_size=4, kv_tokens=256, speculative_tokens=2)
+    request = type("R", (), {})()
+    request.params, request.generator = SamplingParams(max_new_tokens=8, temperature=0.7), None
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=generator) * 2
+    probs = torch.softmax(logits / 0.7, dim=-1)
+    draft = [int(probs[0].argmin()), int(probs[1].argmax())]  # an unlikely first token, a likely second
+    counts, runs = torch.zeros(6), 20_000
+    for _ in range(runs):
+        tokens, logprobs = engine._verify(request, draft, logits)
+        counts[tokens[0]] += 1
+        assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]), abs=1e-6)
+    error = (probs[0] * (1 - probs[0]) / runs).sqrt()
+    assert ((counts / runs - probs[0]).abs() <= 4.5 * error + 1e-4).all(), (counts / runs, probs[0])
+    assert engine.accepted < 0.2 * runs and engine.drafted == 2 * runs
 
 
 # -- the FSDP2 trainer ---------------------------------------------------------------------------------

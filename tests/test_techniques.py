@@ -1,12 +1,14 @@
 """Each scheduling technique, seen working from the harness's trace: in a real run of the tiny CPU
 target and in a simulated one, with the audit passing. (The audit's plants of each technique's
-misuse are in tests/test_audit.py.)"""
+misuse are in tests/test_audit.py.) Speculative decoding, which works inside the engine, is read
+from the engine's own log, real only (the simulator does not model it yet), with its misuse planted here."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -442,3 +444,41 @@ def test_a_waiting_batch_refills_at_once_when_woken_and_never_on_a_timer():
 
     assert run_virtual(main()) == 6.5
     assert looks == [0.0, 0.5, 5.5]
+
+
+# -- speculative decoding: a mechanism inside the engine, so its account is the engine's own log ------
+
+SPECULATIVE = {"speculative_tokens": 4, "speculative_ngram": 1, "speculative_batch": 64}
+KEEP_IF = "                kept = float(uniform[j]) < float(probs[j, proposal])\n"
+
+
+def _drafted_in(out) -> tuple[int, int]:
+    """(kept, drafted) over the engines, from the cluster's log (the engine's own count)."""
+    log = (out / "cluster.log").read_text()
+    counts = re.findall(r"speculative decoding on \S+: (\d+) of (\d+) drafted tokens kept", log)
+    return sum(int(k) for k, _ in counts), sum(int(d) for _, d in counts)
+
+
+def test_speculative_decoding_drafts_and_keeps_tokens_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):
+    """Every request the engines run at once drafts (batch limit 64); a turn's sampled tokens repeat
+    often enough for one-token lookups to be kept, and the audit's replay and sampling tests pass."""
+    _, events = _run(tmp_path, fast_target, SPECULATIVE, False)
+    assert any(e.kind == "generate" for e in events)
+    kept, drafted = _drafted_in(tmp_path / "out")
+    assert drafted > 0 and 0 < kept < drafted, (kept, drafted)
+
+
+def test_a_verification_that_keeps_every_draft_is_rejected_by_the_audit(tmp_path, fast_target):
+    """Planted: drafts kept without drawing against the model (the context copied forward). Each
+    token still carries its true logprob; the audit finds the draws are not the model's."""
+
+    def keep_every_draft(stack_dir):
+        engine = stack_dir / "paged_engine.py"
+        assert KEEP_IF in engine.read_text()
+        engine.write_text(engine.read_text().replace(KEEP_IF, "                kept = True  # planted\n"))
+
+    _, run = _harness_run(tmp_path, fast_target, SPECULATIVE, False, patch=keep_every_draft)
+    kept, drafted = _drafted_in(tmp_path / "out")
+    assert kept == drafted > 0, (kept, drafted)  # the plant acted
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any(r.startswith("echo calibration: ") for r in audit["reasons"]), audit

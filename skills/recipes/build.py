@@ -17,6 +17,7 @@ from .time_multiplex import TimeMultiplex
 
 CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiplex": TimeMultiplex}
 ENGINE_OPTIONS = ("block_size", "kv_tokens", "kv_memory_fraction", "max_batch", "cuda_graphs")
+ENGINE_OPTIONS += ("speculative_tokens", "speculative_ngram", "speculative_batch")  # the speculative_decoding skill
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
 
 
@@ -34,6 +35,8 @@ def build(runtime: Runtime) -> Stack:
     bucket_bytes = params.get("bucket_bytes")  # None: weight_sync's default (imported with torch, when used)
     engine_options = {k: params[k] for k in ENGINE_OPTIONS if k in params}
     if engine == "vllm":  # vLLM's own options: the longest sequence the workload makes
+        if params.get("speculative_tokens", 0):
+            raise ValueError("speculative_tokens: the speculative_decoding recipe is the paged engine's, not vLLM's")
         engine_options = {"max_model_len": runtime.workload.max_sequence}
     trainer_options = {k: params[k] for k in TRAINER_OPTIONS if k in params}
     device = "cuda:0" if runtime.accelerator == "cuda" else "cpu"

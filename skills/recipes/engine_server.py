@@ -168,3 +168,7 @@ class EngineServer:
 
     async def asleep(self) -> bool:
         return self.engine.offloaded
+
+    async def speculation(self) -> tuple[int, int]:
+        """(drafted tokens, those kept) by speculative decoding: the engine's own count, for its log."""
+        return getattr(self.engine, "drafted", 0), getattr(self.engine, "accepted", 0)

@@ -8,6 +8,14 @@ per decoding request side by side), samples one token for each, and retires fini
 that cannot grow because the cache is full preempts the youngest running request, which later
 recomputes its context. Logprobs are of the unscaled distribution (``targets.api.SamplingParams``).
 
+Speculative decoding (``speculative_tokens`` > 0, the ``speculative_decoding`` skill): while at most
+``speculative_batch`` requests run (the tail of a rollout, where a decode step reads all the weights
+for a handful of tokens), a decoding request whose last ``speculative_ngram`` tokens occurred earlier
+in its own context proposes the tokens that followed them there (prompt-lookup drafts: no draft
+model). The step computes the draft beside the last token, and ``_verify`` keeps each drafted token
+with the probability the model gives it, else draws from the model's distribution without it:
+exactly the distribution of drawing token by token (speculative sampling with a one-hot draft).
+
 ``generate`` (the ``RolloutEngine`` protocol) submits a batch and steps until it is done; the engine
 server drives ``step`` itself for many concurrent callers. ``submit``/``abort`` are safe from another
 thread than the one stepping: they queue, and the step takes them in.
@@ -68,10 +76,25 @@ class PagedEngine:
         cuda_graphs: bool = True,
         attention: str = "auto",
         separate_prefill: bool | None = None,
+        speculative_tokens: int = 0,
+        speculative_ngram: int = 2,
+        speculative_batch: int = 8,
     ) -> None:
         """``separate_prefill``: steps either prefill newly admitted requests or decode the running ones,
         never both, so every decode step is one the captured graphs replay (default: where graphs are
-        captured; on CPU a mixed step is one forward instead of two)."""
+        captured; on CPU a mixed step is one forward instead of two). ``speculative_*``: drafts of up
+        to that many tokens, found by a match of that many last tokens, while at most that many
+        requests run (0 tokens: off)."""
+        for option, value, low in (
+            ("speculative_tokens", speculative_tokens, 0),
+            ("speculative_ngram", speculative_ngram, 1),
+            ("speculative_batch", speculative_batch, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: {option} must be an integer >= {low}, not {value!r}")
+        self.speculative_tokens, self.speculative_ngram = speculative_tokens, speculative_ngram
+        self.speculative_batch = speculative_batch
+        self.drafted = self.accepted = 0  # drafted tokens, and those the verification kept
         self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
         self.config, self.weights = load_checkpoint(model_path, device, self.dtype)
         self.model = Qwen3(self.config, self.weights)
@@ -300,25 +323,117 @@ class PagedEngine:
         if not self.running:
             return finished
         batch = self._this_step()
+        drafts = self._drafts(batch)
         layout = StepLayout(
             [r.blocks for r in batch],
-            [len(r.tokens) for r in batch],
-            [len(r.tokens) - r.computed for r in batch],
+            [len(r.tokens) + len(d) for r, d in zip(batch, drafts)],
+            [len(r.tokens) - r.computed + len(d) for r, d in zip(batch, drafts)],
             self.block_size,
         )
-        tokens = [t for r in batch for t in r.tokens[r.computed :]]
-        logits = self._forward(layout, tokens)
-        for request in batch:
-            request.computed = len(request.tokens)
-        chosen, logprobs = self._sample(batch, logits)
-        for request, token, logprob in zip(batch, chosen, logprobs):
-            request.tokens.append(token)
-            request.logprobs.append(logprob)
-            if token in request.params.stop_token_ids:
-                finished.append(self._retire(request, "stop"))
-            elif len(request.generated) >= request.params.max_new_tokens:
-                finished.append(self._retire(request, "length"))
+        tokens = [t for r, d in zip(batch, drafts) for t in r.tokens[r.computed :] + d]
+        if not any(drafts):  # the plain step: one row of logits a request, one batched draw
+            chosen, logprobs = self._sample(batch, self._forward(layout, tokens))
+            news = [([token], [logprob]) for token, logprob in zip(chosen, logprobs)]
+        else:
+            news = self._verified(batch, drafts, self._forward(layout, tokens, [len(d) + 1 for d in drafts]))
+        for request, (new_tokens, new_logprobs) in zip(batch, news):
+            request.computed = len(request.tokens) + len(new_tokens) - 1  # a kept draft's keys are cached
+            for token, logprob in zip(new_tokens, new_logprobs):
+                request.tokens.append(token)
+                request.logprobs.append(logprob)
+                if token in request.params.stop_token_ids:
+                    finished.append(self._retire(request, "stop"))
+                    break
+                if len(request.generated) >= request.params.max_new_tokens:
+                    finished.append(self._retire(request, "length"))
+                    break
+            request.computed = min(request.computed, len(request.tokens))
         return finished
+
+    # -- speculative decoding ---------------------------------------------------------------------------
+    def _drafts(self, batch: list[Request]) -> list[list[int]]:
+        """Each request's draft (most empty): a decoding request's continuation of the latest earlier
+        occurrence of its last ``speculative_ngram`` tokens, short of its token budget, with the
+        blocks it needs taken now (from free blocks and cached prefixes only: a draft never preempts)."""
+        if not self.speculative_tokens or len(batch) > self.speculative_batch:
+            return [[] for _ in batch]
+        drafts = []
+        n = self.speculative_ngram
+        for request in batch:
+            room = min(self.speculative_tokens, request.params.max_new_tokens - len(request.generated) - 1)
+            tokens = request.tokens
+            if len(tokens) - request.computed != 1 or room <= 0 or len(tokens) <= n:
+                drafts.append([])
+                continue
+            tail, draft = tokens[-n:], []
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tail:
+                    draft = tokens[start + n : start + n + room]
+                    break
+            need = self.blocks.blocks_for(len(tokens) + len(draft)) - len(request.blocks)
+            more = self.blocks.allocate(need) if need > 0 and draft else []
+            if more is None:
+                draft = []
+            else:
+                request.blocks += more
+            drafts.append(draft)
+        return drafts
+
+    def _verified(
+        self, batch: list[Request], drafts: list[list[int]], logits: torch.Tensor
+    ) -> list[tuple[list[int], list[float]]]:
+        """Each request's new tokens and logprobs from its rows of ``logits`` (its draft's and its last
+        token's): a request without a draft samples its one row with the others, batched."""
+        ends = torch.tensor([len(d) + 1 for d in drafts]).cumsum(0)
+        plain = [i for i, d in enumerate(drafts) if not d]
+        news: dict[int, tuple[list[int], list[float]]] = {}
+        if plain:
+            chosen, logprobs = self._sample([batch[i] for i in plain], logits[ends[plain] - 1])
+            news = {i: ([token], [logprob]) for i, token, logprob in zip(plain, chosen, logprobs)}
+        for i, (request, draft) in enumerate(zip(batch, drafts)):
+            if draft:
+                end = int(ends[i])
+                news[i] = self._verify(request, draft, logits[end - len(draft) - 1 : end])
+        return [news[i] for i in range(len(batch))]
+
+    def _verify(self, request: Request, draft: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Speculative sampling against a one-hot draft: row ``j`` of ``logits`` is the model's next-token
+        distribution before ``draft[j]`` (the last row, after the whole draft). ``draft[j]`` is kept
+        with probability ``p(draft[j])`` (greedy: when it is the argmax); at the first refusal the token
+        is drawn from ``p`` without ``draft[j]``, renormalised; when all are kept a last token is drawn
+        from the last row. Each token then has exactly the probability of sampling it directly."""
+        temperature = request.params.temperature
+        generator = request.generator if request.generator is not None else self._generator
+        logp = torch.log_softmax(logits, dim=-1)
+        probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
+        uniform = torch.rand(len(draft), generator=generator, device=logits.device, dtype=torch.float64)
+        tokens: list[int] = []
+        for j, proposal in enumerate(draft):
+            if temperature > 0:
+                kept = float(uniform[j]) < float(probs[j, proposal])
+            else:
+                kept = int(logits[j].argmax()) == proposal
+            if not kept:
+                if temperature > 0:
+                    rest = probs[j].clone()
+                    rest[proposal] = 0.0
+                    token = int(torch.multinomial(rest / rest.sum(), 1, generator=generator)[0])
+                else:
+                    token = int(logits[j].argmax())
+                tokens.append(token)
+                break
+            tokens.append(proposal)
+        else:
+            last = len(draft)
+            if temperature > 0:
+                tokens.append(int(torch.multinomial(probs[last], 1, generator=generator)[0]))
+            else:
+                tokens.append(int(logits[last].argmax()))
+        self.drafted += len(draft)
+        kept = next((j for j, (a, b) in enumerate(zip(tokens, draft)) if a != b), min(len(tokens), len(draft)))
+        self.accepted += kept
+        picked = logp[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, device=logits.device)]
+        return tokens, picked.double().cpu().tolist()
 
     def _this_step(self) -> list[Request]:
         """The running requests this step computes: all of them, or (separating prefill) those with
@@ -331,8 +446,9 @@ class PagedEngine:
         return prefill if self._prefilled_last else decode
 
     @torch.inference_mode()
-    def _forward(self, layout: StepLayout, tokens: list[int]) -> torch.Tensor:
-        """Logits of each sequence's last new token, ``[batch, vocab]`` float32."""
+    def _forward(self, layout: StepLayout, tokens: list[int], last: list[int] | None = None) -> torch.Tensor:
+        """Logits of each sequence's last ``last[b]`` new tokens (default one), stacked in order,
+        ``[sum(last), vocab]`` float32."""
         if layout.decode_only and self.graphs and len(tokens) <= max(self.graphs):
             return self._replay(layout, tokens)
         self.attention.plan(layout, self.device)
@@ -340,8 +456,12 @@ class PagedEngine:
         hidden = self.model.hidden(
             torch.tensor(tokens, dtype=torch.long, device=self.device), positions, self.attention
         )
-        last = torch.tensor(layout.new, device=self.device).cumsum(0) - 1
-        return self.model.logits(hidden[last])
+        if last is None:
+            rows = torch.tensor(layout.new, device=self.device).cumsum(0) - 1
+        else:
+            ends = torch.tensor(layout.new).cumsum(0).tolist()
+            rows = torch.tensor([r for end, k in zip(ends, last) for r in range(end - k, end)], device=self.device)
+        return self.model.logits(hidden[rows])
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """One draw per row, on the device, in one call for every row that samples from the engine's

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import tempfile
 from collections.abc import Sequence
 
@@ -396,6 +397,10 @@ class RayCluster:
         self._routable.set()
 
     async def close(self) -> None:
+        counts = await asyncio.gather(*(e.speculation.remote() for e in self._engines.values()))
+        for device, (drafted, kept) in zip(self._engines, counts):
+            if drafted:  # the speculative_decoding skill's own account, in the cluster's log
+                print(f"speculative decoding on {device}: {kept} of {drafted} drafted tokens kept", file=sys.stderr)
         for trainer in self._trainers:
             await trainer.close.remote()
         for actor in [*self._engines.values(), *self._trainers]:

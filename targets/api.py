@@ -511,6 +511,16 @@ class Declared:
     tail_round: int = 0
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the cluster simulator models of the stack's engines (in a real run the engines are the
+    stack's own code, and the harness only records this). ``speculative_tokens``: draft tokens a
+    decoding request verifies each step while at most ``speculative_batch`` requests run (0: none)."""
+
+    speculative_tokens: int = 0
+    speculative_batch: int = 0
+
+
 @dataclass
 class Stack:
     """A candidate, as ``stack.build(runtime)`` returns it.
@@ -527,6 +537,7 @@ class Stack:
     make_trainer: Callable[[StateDict, TrainingConfig], Trainer]
     sync_engine: Callable[[RolloutEngine, StateDict, int], None]
     declared: Declared = field(default_factory=Declared)
+    engine: EngineSettings = field(default_factory=EngineSettings)
 
 
 # --------------------------------------------------------------------------------------------

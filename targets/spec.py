@@ -283,6 +283,9 @@ class TokensSpec(Strict):
     response_length: ResponseLengthSpec | None = Field(
         default=None, description="simulator: tokens a turn generates (default: the whole budget, every turn)"
     )
+    draft_acceptance: float = Field(
+        default=0.0, ge=0, lt=1, description="simulator: share of speculative draft tokens the model keeps"
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> TokensSpec:

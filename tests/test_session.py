@@ -477,10 +477,10 @@ def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
     """A controller may say hello and call generate in one burst, before the harness has built the
     cluster: the call is served once it has, not refused as a protocol break; a call before any
     hello still is one."""
-    from targets.api import Completion, Declared, GenerateRequest, SamplingParams
+    from targets.api import Completion, Declared, EngineSettings, GenerateRequest, SamplingParams
     from targets.harness.clock import WallClock
     from targets.harness.ipc.channel import Received
-    from targets.harness.ipc.wire import put_declared
+    from targets.harness.ipc.wire import put_declared, put_engine_settings
     from targets.harness.isolation.drive import ControllerLink
     from targets.harness.isolation.traced_cluster import TracedCluster
     from targets.harness.trace import Trace
@@ -507,6 +507,7 @@ def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
         link = ControllerLink(None, envs, clock=None, virtual=False)
         link.send = sent.append
         hello = {"kind": "hello", "declared": put_declared(Declared()), "rollout": [], "train": []}
+        hello["engine"] = put_engine_settings(EngineSettings())
         link._dispatch(Received(hello, []))
         link._dispatch(generate(1))
         assert not sent and not link._tasks  # waiting for the cluster

@@ -82,6 +82,47 @@ def test_cost_model_formulas_by_hand(big):
     assert cost.train_s([1000], 128) == pytest.approx(train)
 
 
+def test_speculative_decoding_by_hand_pays_on_a_dense_model_in_the_tail_not_on_a_moe_at_batch_1(big):
+    """``E = (1 - a^(k+1)) / (1 - a)`` tokens per verification of ``k + 1`` positions: on the dense 8B,
+    batch 1 reads the weights once for E tokens (half the time a token); the 235B MoE's four draft
+    positions route to their own experts, so at batch 1 a verification reads ~3x the expert bytes for
+    under 2x the tokens and saves only the step's fixed overhead; compute-bound (a full batch without
+    context), drafts only cost. With acceptance 0 nothing changes."""
+    dense_spec = load_target("qwen3-8b-h100x8")
+    tokens = dense_spec.workload.tokens.model_copy(update={"draft_acceptance": 0.5})
+    dense = CostModel.from_spec(
+        dense_spec.model_copy(update={"workload": dense_spec.workload.model_copy(update={"tokens": tokens})})
+    )
+    assert dense.tokens_per_step(4) == pytest.approx((1 - 0.5**5) / 0.5)  # 1.9375
+    drafting = dense.speculating(4, 8)
+    plain_1 = dense.decode_iteration_s(1, 4000)
+    assert drafting.decode_token_s(1, 4000) == pytest.approx(dense.decode_iteration_s(1, 4000, 5) / 1.9375)
+    assert drafting.decode_token_s(1, 4000) < 0.6 * plain_1  # the weights read once for ~1.9 tokens
+    assert drafting.decode_token_s(9, 9 * 4000) == dense.decode_iteration_s(9, 9 * 4000)  # above the batch limit
+    full = dense.speculating(4, 1024)
+    assert full.decode_token_s(1024, 0) > dense.decode_iteration_s(1024, 0)  # compute-bound: drafts only cost
+    assert dense.fastest_token_s(1, 4000) <= drafting.decode_token_s(1, 4000)
+    moe = CostModel.from_spec(big)  # its catalog workload: half the drafted tokens kept
+    assert moe.draft_acceptance == 0.5
+    assert moe.speculating(4, 8).decode_token_s(1, 4000) > 0.9 * moe.decode_iteration_s(1, 4000)
+    assert moe.fastest_token_s(1, 4000) <= moe.decode_iteration_s(1, 4000)
+    plain = CostModel.from_spec(dense_spec)  # the 8B's workload: no acceptance given
+    assert plain.draft_acceptance == 0 and plain.fastest_token_s(16, 16_000) == plain.decode_iteration_s(16, 16_000)
+
+
+def test_engine_settings_a_hello_cannot_carry_are_refused_by_name():
+    from targets.harness.ipc.protocol import ProtocolError
+    from targets.harness.ipc.wire import get_engine_settings
+
+    assert get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8}).speculative_tokens == 4
+    with pytest.raises(ProtocolError, match=r"engine.speculative_tokens: 65 is not in \[0, 64\]"):
+        get_engine_settings({"speculative_tokens": 65, "speculative_batch": 8})
+    with pytest.raises(ProtocolError, match="engine.speculative_batch: -1 is negative"):
+        get_engine_settings({"speculative_tokens": 4, "speculative_batch": -1})
+    with pytest.raises(ProtocolError, match="speculative_tokens"):
+        get_engine_settings({"speculative_batch": 8})
+
+
 def test_a_model_too_big_for_the_cluster_is_refused(big):
     small = big.model_copy(update={"hardware": big.hardware.model_copy(update={"count": 4})})
     with pytest.raises(ValueError, match="need 8 devices per engine, but hardware.count is 4"):

@@ -128,8 +128,9 @@ CHEATS = {
         "static_split",
         {
             "build.py": (
-                "from targets.api import Declared, Runtime, Stack",
-                "from targets.api import Declared, Runtime, Stack\nfrom targets.harness.trace import Trace  # noqa",
+                "from targets.api import Declared, EngineSettings, Runtime, Stack",
+                "from targets.api import Declared, EngineSettings, Runtime, Stack\n"
+                "from targets.harness.trace import Trace  # noqa",
             )
         },
         "imports harness internals (targets.harness.trace)",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from targets.api import Declared, Runtime, Stack
+from targets.api import Declared, EngineSettings, Runtime, Stack
 
 from .colocate import Colocate
 from .static_split import StaticSplit
@@ -92,6 +92,7 @@ def build(runtime: Runtime) -> Stack:
     # VAL: VAL_INT_RANGE (value=params.get("kv_routing", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("partial_rollout", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("tail_round", 0), min=0, max=runtime.workload.groups_per_step)
+    # VAL: VAL_INT_RANGE (value=params.get("speculative_tokens", 0), min=0, max=8)
     # The audit bounds the spares by what is declared, holds the run to the declared staleness bound,
     # and lets only a stack declaring tail_round defer groups.
     declared = Declared(
@@ -100,4 +101,8 @@ def build(runtime: Runtime) -> Stack:
         partial_rollout=bool(params.get("partial_rollout", 0)),
         tail_round=params.get("tail_round", 0),
     )
-    return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared)
+    # what the simulator models of the engines (on a real cluster the engine options above do it)
+    engine_settings = EngineSettings(
+        speculative_tokens=params.get("speculative_tokens", 0), speculative_batch=params.get("speculative_batch", 8)
+    )
+    return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared, engine_settings)

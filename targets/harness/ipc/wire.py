@@ -24,6 +24,7 @@ from targets.api import (
     Completion,
     Declared,
     Device,
+    EngineSettings,
     GenerateRequest,
     Runtime,
     SamplingParams,
@@ -195,6 +196,23 @@ def get_runtime(d: dict) -> Runtime:
         d["device_memory_bytes"],
         d["engine_devices"],
     )
+
+
+MAX_SPECULATIVE_TOKENS = 64  # a draft longer than this verifies more positions than any engine keeps
+
+
+def put_engine_settings(e: EngineSettings) -> dict:
+    return {"speculative_tokens": e.speculative_tokens, "speculative_batch": e.speculative_batch}
+
+
+def get_engine_settings(data: Any) -> EngineSettings:
+    tokens = field_of(data, "speculative_tokens", int, "engine")
+    batch = field_of(data, "speculative_batch", int, "engine")
+    if not 0 <= tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ProtocolError(f"engine.speculative_tokens: {tokens} is not in [0, {MAX_SPECULATIVE_TOKENS}]")
+    if batch < 0:
+        raise ProtocolError(f"engine.speculative_batch: {batch} is negative")
+    return EngineSettings(speculative_tokens=tokens, speculative_batch=batch)
 
 
 def put_declared(d: Declared) -> dict:

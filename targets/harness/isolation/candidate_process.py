@@ -52,6 +52,7 @@ from targets.harness.ipc.wire import (
     put_batch,
     put_completion,
     put_declared,
+    put_engine_settings,
     put_request,
     put_state,
     put_tokens,
@@ -254,6 +255,7 @@ async def _controller(channel: AsyncChannel, stack_dir: str) -> None:
                 rollout=[d.id for d in rollout],
                 train=[d.id for d in train],
                 declared=put_declared(stack.declared),
+                engine=put_engine_settings(stack.engine),
             )
         )
         memory = PromptMemory(counts=init["counts"])

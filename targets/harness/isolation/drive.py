@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from targets.api import Aborted, Completion, Declared, GenerateRequest, Runtime, TokenIds
+from targets.api import Aborted, Completion, Declared, EngineSettings, GenerateRequest, Runtime, TokenIds
 from targets.errors import UserError
 from targets.harness.environments import EnvironmentPool
 from targets.harness.ipc import shared_ring
@@ -35,11 +35,13 @@ from targets.harness.ipc.wire import (
     field_of,
     get_batch,
     get_declared,
+    get_engine_settings,
     get_request,
     get_tokens,
     put_aborted,
     put_completion,
     put_declared,
+    put_engine_settings,
     put_runtime,
     put_step_result,
     put_tokens,
@@ -63,6 +65,7 @@ class ControllerLink:
         self.memory = PromptMemory(counts=virtual)  # a simulated run keeps token counts only
         self.episodes: dict[str, Any] = {}
         self.declared = Declared()  # what the controller's hello declares
+        self.engine = EngineSettings()  # what the simulator models of its engines (the hello says)
         loop = asyncio.get_running_loop()
         self.hello: asyncio.Future = loop.create_future()
         self.done: asyncio.Future = loop.create_future()
@@ -126,6 +129,7 @@ class ControllerLink:
         if kind == "hello":
             if not self.hello.done():
                 self.declared = get_declared(field_of(rx.header, "declared", dict, "hello"))
+                self.engine = get_engine_settings(field_of(rx.header, "engine", dict, "hello"))
                 refused = self.envs.workload.over_declared_limits(self.declared)
                 if refused:
                     raise ProtocolError(refused)
@@ -408,6 +412,7 @@ async def drive_real(
             tokens_recorded=True,
             engines={},
             declared=put_declared(declared),
+            engine=put_engine_settings(link.engine),
         )
         link.open(traced)
         await traced._residency()
@@ -456,7 +461,8 @@ def drive_simulated(
         if any(i not in by_id for i in rollout_ids):
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
-        cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], cost, lengths)
+        speculating = cost.speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
+        cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], speculating, lengths)
         traced = TracedCluster(cluster, trace, cluster)
         trace.record(
             "run_start",
@@ -466,6 +472,7 @@ def drive_simulated(
             tokens_recorded=False,
             engines=cluster.engine_devices,
             declared=put_declared(declared),
+            engine=put_engine_settings(link.engine),
         )
         link.open(traced)
         await traced._residency()

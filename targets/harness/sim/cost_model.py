@@ -19,6 +19,15 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   with ``bytes = dense_bytes + expert_bytes * (1 - (1 - k/E)^b) + C * kv_bytes_per_token`` (a MoE
   layer reads each expert that at least one of the ``b`` tokens routes to) and
   ``flops = 2 * active_params * b + 4 * layers * attn_width * C``: bandwidth-bound at small batch.
+* **speculative decoding** (a stack's ``speculative_tokens`` ``k``, while at most
+  ``speculative_batch`` sequences run): each sequence verifies ``k`` draft tokens beside its last
+  one, so a step computes ``w = k + 1`` positions per sequence, reading the experts ``b * w`` tokens
+  route to (``bytes`` with ``b * w``) and doing ``w`` times the FLOPs, and yields
+  ``E = (1 - a^(k+1)) / (1 - a)`` tokens per sequence on average, ``a`` the workload's
+  ``tokens.draft_acceptance`` (the share of drafted tokens the model keeps, each kept only if the
+  ones before it were). A sequence then progresses a token every ``iteration(b, C, w) / E`` seconds;
+  the draft's extra KV slots are not modelled. Above ``speculative_batch`` (or with ``k = 0``) the
+  plain iteration. The fluid lower bound takes the cheapest ``k`` in ``0..MAX_DRAFT_TOKENS`` at each batch.
 * **prefill** of ``n`` new tokens after ``p`` cached ones (prefix reuse on the engine that served
   the previous turn; full re-prefill after an abort or a move to another engine):
   ``flops = 2 * active_params * n + 4 * layers * attn_width * n * (p + n / 2)`` at
@@ -49,6 +58,7 @@ from dataclasses import dataclass, replace
 from targets.spec import TargetSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_DRAFT_TOKENS = 8  # the longest draft the speculative_decoding skill lets a stack choose
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,10 @@ class CostModel:
     weight_export_s: float
     engine_devices: int
     continuous_batching: bool = True
+    # speculative decoding: the workload's draft acceptance; the stack's draft length and batch limit
+    draft_acceptance: float = 0.0
+    speculative_tokens: int = 0
+    speculative_batch: int = 0
 
     @classmethod
     def from_spec(cls, spec: TargetSpec) -> CostModel:
@@ -120,6 +134,7 @@ class CostModel:
             weight_export_s=sim.weight_export_s,
             engine_devices=1,
             continuous_batching=sim.batching == "continuous",
+            draft_acceptance=spec.workload.tokens.draft_acceptance,
         )
         devices = sim.engine_devices or cost._smallest_engine()
         if devices > hw.count:
@@ -146,14 +161,45 @@ class CostModel:
         return max(0, int(free / self.kv_bytes_per_token))
 
     # -- rollout -------------------------------------------------------------------------------
-    def decode_iteration_s(self, batch: int, context_tokens: float) -> float:
-        memory_s = self.decode_bytes(batch, context_tokens) / (
+    def decode_iteration_s(self, batch: int, context_tokens: float, width: int = 1) -> float:
+        """One decode step of ``batch`` sequences holding ``context_tokens`` in all, ``width``
+        positions each (1, or a draft's ``k + 1``)."""
+        memory_s = self.decode_bytes(batch * width, context_tokens) / (
             self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency
         )
-        compute_s = self.decode_flops(batch, context_tokens) / (
-            self.engine_devices * self.peak_flops * self.rollout_mfu
+        compute_s = (
+            width
+            * self.decode_flops(batch, context_tokens)
+            / (self.engine_devices * self.peak_flops * self.rollout_mfu)
         )
         return max(memory_s, compute_s) + self.decode_step_overhead_s
+
+    def tokens_per_step(self, draft_tokens: int) -> float:
+        """``E``: tokens a sequence gains per verification of a ``draft_tokens``-token draft."""
+        a = self.draft_acceptance
+        return float(draft_tokens + 1) if a >= 1 else (1 - a ** (draft_tokens + 1)) / (1 - a)
+
+    def speculating(self, draft_tokens: int, batch_limit: int) -> CostModel:
+        """This cost model for a stack whose engines draft ``draft_tokens`` while at most
+        ``batch_limit`` sequences run."""
+        return replace(self, speculative_tokens=draft_tokens, speculative_batch=batch_limit)
+
+    def decode_token_s(self, batch: int, context_tokens: float) -> float:
+        """Seconds per token of each running sequence's progress: the plain iteration, or with the
+        stack's drafts (at most ``speculative_batch`` running) the verification over ``E``."""
+        k = self.speculative_tokens
+        if k and batch <= self.speculative_batch:
+            return self.decode_iteration_s(batch, context_tokens, k + 1) / self.tokens_per_step(k)
+        return self.decode_iteration_s(batch, context_tokens)
+
+    def fastest_token_s(self, batch: int, context_tokens: float) -> float:
+        """The least ``decode_token_s`` any draft length gives (the lower bound's decode cost)."""
+        if self.draft_acceptance <= 0:
+            return self.decode_iteration_s(batch, context_tokens)
+        return min(
+            self.decode_iteration_s(batch, context_tokens, k + 1) / self.tokens_per_step(k)
+            for k in range(MAX_DRAFT_TOKENS + 1)
+        )
 
     def decode_bytes(self, batch: float, context_tokens: float) -> float:
         """What one decode iteration reads: the weights its batch touches (an MoE's experts, only

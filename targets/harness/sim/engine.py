@@ -229,7 +229,7 @@ class SimEngine:
             self._drained.set()
             self._phase, self._timer = "idle", None
             return
-        iteration = self.cost.decode_iteration_s(len(self.running), self._context)
+        iteration = self.cost.decode_token_s(len(self.running), self._context)  # a token of each one's progress
         to_event = self._iterations_to_event()
         self._decoding = (self._loop.time(), iteration, to_event)
         self._phase = "decoding"

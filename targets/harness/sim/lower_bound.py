@@ -6,6 +6,8 @@ No schedule can beat either of two limits:
   rollout work is its prefill with the previous turn's prefix cached, plus its decode at the
   largest batch the KV capacity admits at that context (the cheapest per-token cost the model
   allows), times the engine's devices; training work is the batch's training FLOPs at the MFU.
+  Decoding costs the cheapest draft length's ``iteration / E`` (``cost_model.py``: speculative
+  decoding; with ``tokens.draft_acceptance`` 0, the plain iteration).
 * **critical path**: each step's longest trained trajectory, decoded alone (batch 1) with its
   environment latencies and each request's overhead in between. A trajectory trained at step ``k``
   was generated from a version no older than ``k - 1 - a`` (``a = async_ratio``), so it ran within
@@ -64,14 +66,14 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
         seconds = 0.0
         for context, new, response, _ in turns.get(episode, []):
             batch = max(1, cost.kv_capacity_tokens // max(1, context + response))
-            per_token = cost.decode_iteration_s(batch, batch * (context + response / 2)) / batch
+            per_token = cost.fastest_token_s(batch, batch * (context + response / 2)) / batch
             seconds += cost.prefill_s(new, context - new) + response * per_token
         return seconds * cost.engine_devices
 
     def critical_path(episode: str) -> float:
         return sum(
             cost.prefill_s(new, context - new)
-            + response * cost.decode_iteration_s(1, context + response / 2)
+            + response * cost.fastest_token_s(1, context + response / 2)
             + cost.request_overhead_s
             + latency
             for context, new, response, latency in turns.get(episode, [])

@@ -158,6 +158,7 @@ class RayCluster:
         self._broadcast_ready = False
         self.version = 0
         self._published: tuple[int, list] | None = None
+        self.speculating = False  # the engines draft tokens (the speculative_decoding skill): their count is logged
         self._loading = asyncio.Lock()  # a sync and an expand at once (overlap_sync) publish once, broadcast in turn
 
     @classmethod
@@ -216,7 +217,9 @@ class RayCluster:
             *(e.weight_version.remote() for e in engines.values()),
             *(t.offload.remote() for t, d in zip(trainers, train) if d.id in shared),
         )
-        return cls(runtime, rollout, train, engines, trainers, bucket_bytes, rendezvous)
+        cluster = cls(runtime, rollout, train, engines, trainers, bucket_bytes, rendezvous)
+        cluster.speculating = bool((engine_options or {}).get("speculative_tokens"))
+        return cluster
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -397,10 +400,17 @@ class RayCluster:
         self._routable.set()
 
     async def close(self) -> None:
-        counts = await asyncio.gather(*(e.speculation.remote() for e in self._engines.values()))
-        for device, (drafted, kept) in zip(self._engines, counts):
-            if drafted:  # the speculative_decoding skill's own account, in the cluster's log
-                print(f"speculative decoding on {device}: {kept} of {drafted} drafted tokens kept", file=sys.stderr)
+        if self.speculating:  # the speculative_decoding skill's own account, in the cluster's log
+            counts = await asyncio.gather(
+                *(e.speculation.remote() for e in self._engines.values()), return_exceptions=True
+            )
+            for device, count in zip(self._engines, counts):
+                said = (
+                    f"{count[1]} of {count[0]} drafted tokens kept"
+                    if isinstance(count, tuple)
+                    else f"no count: {count!r}"
+                )
+                print(f"speculative decoding on {device}: {said}", file=sys.stderr)
         for trainer in self._trainers:
             await trainer.close.remote()
         for actor in [*self._engines.values(), *self._trainers]:

@@ -495,7 +495,7 @@ def test_speculative_decoding_in_the_simulator_decodes_faster_and_the_trace_says
         start = next(e for e in events if e.kind == "run_start")
         told = {
             "speculative_tokens": params.get("speculative_tokens", 0),
-            "speculative_batch": params.get("speculative_batch", 8),
+            "speculative_batch": params.get("speculative_batch", 64),
         }
         assert start.data["engine"] == told
         served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]

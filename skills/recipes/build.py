@@ -103,6 +103,6 @@ def build(runtime: Runtime) -> Stack:
     )
     # what the simulator models of the engines (on a real cluster the engine options above do it)
     engine_settings = EngineSettings(
-        speculative_tokens=params.get("speculative_tokens", 0), speculative_batch=params.get("speculative_batch", 8)
+        speculative_tokens=params.get("speculative_tokens", 0), speculative_batch=params.get("speculative_batch", 64)
     )
     return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared, engine_settings)

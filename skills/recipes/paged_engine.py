@@ -78,7 +78,7 @@ class PagedEngine:
         separate_prefill: bool | None = None,
         speculative_tokens: int = 0,
         speculative_ngram: int = 2,
-        speculative_batch: int = 8,
+        speculative_batch: int = 64,
     ) -> None:
         """``separate_prefill``: steps either prefill newly admitted requests or decode the running ones,
         never both, so every decode step is one the captured graphs replay (default: where graphs are

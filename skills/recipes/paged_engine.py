@@ -54,6 +54,8 @@ class Request:
     finish: str | None = None
     generator: torch.Generator | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    ngrams: dict[tuple[int, ...], int] = field(default_factory=dict)  # speculative drafts: n-gram -> its latest start
+    indexed: int = 0  # start positions in ``ngrams`` so far
 
     @property
     def generated(self) -> list[int]:
@@ -365,11 +367,11 @@ class PagedEngine:
             if len(tokens) - request.computed != 1 or room <= 0 or len(tokens) <= n:
                 drafts.append([])
                 continue
-            tail, draft = tokens[-n:], []
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == tail:
-                    draft = tokens[start + n : start + n + room]
-                    break
+            for start in range(request.indexed, len(tokens) - n):  # each start indexed once: O(1) a token
+                request.ngrams[tuple(tokens[start : start + n])] = start
+            request.indexed = max(request.indexed, len(tokens) - n)
+            start = request.ngrams.get(tuple(tokens[-n:]))
+            draft = [] if start is None else tokens[start + n : start + n + room]
             need = self.blocks.blocks_for(len(tokens) + len(draft)) - len(request.blocks)
             more = self.blocks.allocate(need) if need > 0 and draft else []
             if more is None:

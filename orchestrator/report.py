@@ -43,6 +43,8 @@ UNITS = {
     "trajectories": "count",
     "aborted_turns": "count",
     "kv_preemptions": "count",
+    "decode_batch": "sequences",
+    "decode_share": "fraction",
 }
 UNIT_SUFFIXES = (
     ("_s", "s"),

@@ -439,6 +439,11 @@ def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tm
         assert [s["step"] for s in steps] == [1, 2] and all(s["measured_s"] > 0 for s in steps)
         assert sum(s["measured_s"] for s in steps) <= m["duration_s"]
         assert max(m["work_bound_s"], m["critical_path_bound_s"]) == m["lower_bound_step_s"]
+        # how full the engines' batches were while decoding, and the devices' time spent decoding
+        assert m["decode_batch"] >= 1 and 0 < m["decode_share"] <= m["mean_device_busy"] + 1e-9
+    static, multiplexed = (run["metrics"] for run in runs)
+    assert static["decode_share"] <= 32 / 160 + 1e-9  # its engines hold 32 of the 160 devices
+    assert multiplexed["decode_share"] > static["decode_share"] and "decode batch:" in result.output
     assert runs[1]["metrics"]["rollout_throughput"] > runs[0]["metrics"]["rollout_throughput"]
     assert (tmp_path / "t.png").stat().st_size > 10_000 and (tmp_path / "p.png").stat().st_size > 10_000
 

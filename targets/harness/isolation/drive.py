@@ -482,6 +482,7 @@ def drive_simulated(
             trace.record("run_end")
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
             summary["preemptions"] = cluster.preemptions
+            summary["decode_seconds"], summary["decode_batch"] = cluster.decoding()
             summary["controller_round_trips"] = link.waits
             summary["controller_wait_seconds"] = loop.waited_s
             await cluster.close()

@@ -46,6 +46,8 @@ SUMMARIZED = (
     "peak_device_memory_mb",
     "peak_kv_fraction",
     "kv_preemptions",
+    "decode_batch",
+    "decode_share",
 )
 PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does not change what they measure
 

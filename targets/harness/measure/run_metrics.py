@@ -13,7 +13,7 @@ from targets.spec import TargetSpec
 def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) -> dict:
     """Everything the benchmark reports for one run, from the harness trace (and the child's
     resource figures: peak process memory for real runs, and peak memory per GPU on a GPU target;
-    peak KV use and KV preemptions for simulated ones)."""
+    peak KV use, KV preemptions and how full the engines' batches were while decoding for simulated ones)."""
     devices = spec.hardware.device_ids()
     metrics = compute_metrics(events, devices) | step_lower_bound(spec, CostModel.from_spec(spec), events)
     metrics["lower_bound_fraction"] = (
@@ -24,4 +24,9 @@ def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) 
             metrics[key] = child_result[key]
     if "preemptions" in child_result:
         metrics["kv_preemptions"] = child_result["preemptions"]
+    if "decode_batch" in child_result:  # the simulator's engines: how full their batches were while decoding
+        metrics["decode_batch"] = child_result["decode_batch"]
+        device_seconds = len(devices) * metrics["duration_s"]
+        decoding = child_result["decode_seconds"] * child_result["engine_devices"]
+        metrics["decode_share"] = decoding / device_seconds if device_seconds else 0.0
     return metrics

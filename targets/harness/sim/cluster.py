@@ -213,6 +213,13 @@ class SimCluster:
     def preemptions(self) -> int:
         return sum(e.preemptions for e in self.engines)
 
+    def decoding(self) -> tuple[float, float]:
+        """(seconds the engines spent decoding, summed; the mean number of sequences decoding then): how
+        full the batches were that the rollout time went to."""
+        seconds = sum(e.decode_seconds for e in self.engines)
+        batch = sum(e.decode_sequence_seconds for e in self.engines) / seconds if seconds else 0.0
+        return seconds, batch
+
     @property
     def peak_kv_fraction(self) -> float:
         return max((e.peak_kv_tokens / e.capacity for e in self.engines if e.capacity), default=0.0)

@@ -76,6 +76,8 @@ class SimEngine:
         self.cached: OrderedDict[str, int] = OrderedDict()  # episode -> KV tokens kept after its turn
         self.peak_kv_tokens = 0
         self.preemptions = 0
+        self.decode_seconds = 0.0  # virtual seconds spent decoding (the running batch gaining tokens)
+        self.decode_sequence_seconds = 0.0  # the same, each second times the sequences decoding in it
         self._cached_tokens = 0  # sum of ``cached``
         self._context = 0.0  # KV held by the running batch: its context tokens (what one iteration reads)
         # Every sequence of the batch gains a token an iteration, so each one's progress is one number
@@ -299,6 +301,8 @@ class SimEngine:
         if not self.running:
             return
         progressed = to_event if whole else min(to_event, max(0.0, (self._loop.time() - start) / iteration))
+        self.decode_seconds += progressed * iteration
+        self.decode_sequence_seconds += progressed * iteration * len(self.running)
         self._decoded += progressed
         self._context += progressed * len(self.running)
         if self._decoded > 1e6:  # a batch never empty for that long: rebase, so EPS stays above the rounding

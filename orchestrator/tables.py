@@ -97,15 +97,23 @@ def costs_table(runs, simulated: bool) -> Table:
     costs.add_column("schedule", no_wrap=True)
     gpu = any(run.has("peak_device_memory_mb") for run in runs)
     decoding = ["decode batch", "decoding"] if simulated else []  # the simulator's engines: their batches' fill
-    for column in ("shrink", "expand", "sync", "train", "aborted turns", *decoding, memory[0]):
+    for column in (
+        "shrink",
+        "expand",
+        "sync",
+        "train",
+        "aborted turns",
+        *decoding,
+        memory[0],
+        *(["peak GPU MB"] if gpu else []),
+    ):
         costs.add_column(column, justify="right", no_wrap=True)
-    if gpu:
-        costs.add_column("peak GPU MB", justify="right", no_wrap=True)
     for run in runs:
         m = run.median
         peak = memory[2].format(m(memory[1])) if run.has(memory[1]) else "-"
         device = [f"{m('peak_device_memory_mb'):.0f}" if run.has("peak_device_memory_mb") else "-"] if gpu else []
         fill = [f"{m('decode_batch'):.1f}", f"{m('decode_share'):.0%}"] if run.has("decode_batch") else ["-", "-"]
+        fill = fill if simulated else []
         costs.add_row(
             run.name,
             f"{m('shrink_s'):.3f}",
@@ -113,7 +121,7 @@ def costs_table(runs, simulated: bool) -> Table:
             f"{m('sync_s'):.3f}",
             f"{m('train_s'):.3f}",
             f"{m('aborted_turns'):.0f}",
-            *(fill if simulated else []),
+            *fill,
             peak,
             *device,
         )

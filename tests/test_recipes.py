@@ -235,6 +235,38 @@ def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path,
     assert result.passed, result.reasons
 
 
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_the_trainers_own_qwen3_is_transformers_qwen3_in_names_values_and_gradients(path, family):
+    """The trainer's model (no transformers import) against transformers' class on a right-padded batch:
+    the same parameter names in the same order, the same hidden states and the same gradients, with
+    and without activation checkpointing."""
+    from skills.recipes.qwen3_trainable import Qwen3ForTraining
+
+    if family == "moe":
+        directory = str(model_dir(proxy_model(load_target("qwen3-235b-a22b-h800x160").model)))
+        reference = load_model(directory).float()
+    else:
+        directory, reference = path, load_model(path).float()  # its own copy: the gradients stay here
+    ours = Qwen3ForTraining.from_pretrained(directory, torch.float32)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert list(ours.state_dict()) == list(reference.state_dict())
+    tokens = torch.randint(0, reference.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones_like(tokens)
+    attention[1, 9:], attention[2, 4:] = 0, 0
+    valid = attention.bool()
+    want = reference.model(input_ids=tokens, attention_mask=attention).last_hidden_state
+    want[valid].square().sum().backward()
+    for checkpointing in (False, True):
+        ours.zero_grad()
+        ours.checkpointing = checkpointing
+        got = ours.hidden(tokens, attention)
+        got[valid].square().sum().backward()
+        torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-6)
+        grads = dict(reference.named_parameters())
+        for name, parameter in ours.named_parameters():
+            torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _second_rank(path: str, rendezvous: str, done) -> None:
     """Rank 1 of a two-rank trainer: the same steps on the same batches as rank 0 (run by the check)."""
     from targets.harness.judge.accuracy import fixed_train_batches

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from targets.api import StateDict, TrainBatch, TrainingConfig, Trajectory, WeightExport
 
+from .qwen3_trainable import Qwen3ForTraining
 from .rendezvous import connect
 
 
@@ -45,8 +46,8 @@ class _Policy(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """out[b, i] = log p(tokens[b, i] | tokens[b, :i]); out[:, 0] = 0."""
-        hidden = self.lm.model(input_ids=tokens, attention_mask=attention).last_hidden_state
-        head = self.lm.get_output_embeddings()
+        hidden = self.lm.hidden(tokens, attention)
+        head = self.lm.lm_head
         pieces = []
         for start in range(0, tokens.shape[1] - 1, self.chunk):
             end = min(start + self.chunk, tokens.shape[1] - 1)
@@ -117,7 +118,6 @@ class FSDPTrainer:
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
 
         if threads is not None:
             torch.set_num_threads(threads)
@@ -141,17 +141,15 @@ class FSDPTrainer:
                 f"not rank {rank} of {world_size}: close the other trainer first"
             )
         mesh = init_device_mesh("cuda" if cuda else "cpu", (world_size,))
-        # float32 master weights, always; SDPA named (not left to the default the installed transformers picks)
-        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        lm = Qwen3ForTraining.from_pretrained(model_path, torch.float32)  # float32 master weights, always
         if state is not None:
             lm.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-        if checkpointing if checkpointing is not None else cuda:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.checkpointing = checkpointing if checkpointing is not None else cuda
         # the forward's dtype: the model's on GPU; float32 on CPU (its kernels are fastest there, and exact)
         compute = getattr(torch, dtype) if cuda else torch.float32
         self.reference = None
         if config.kl_coef > 0:  # the frozen reference policy (version 0), unsharded, in the compute dtype
-            frozen = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute, attn_implementation="sdpa")
+            frozen = Qwen3ForTraining.from_pretrained(model_path, compute)
             self.reference = _Policy(frozen, logprob_chunk)
             self.reference.lm.load_state_dict(lm.state_dict())
             self.reference.requires_grad_(False).eval().to(device)

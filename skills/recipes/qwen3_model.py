@@ -80,16 +80,23 @@ def _fuse_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_frequencies(config: dict, head_dim: int) -> torch.Tensor:
+    """RoPE's inverse frequencies in float32, as transformers computes them (default rope type)."""
+    theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0)
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponent)
 
 
 class Qwen3:
@@ -109,10 +116,8 @@ class Qwen3:
         self.moe = bool(self.moe_layers)
         self.top_k = config.get("num_experts_per_tok", 0)
         self.norm_topk = config.get("norm_topk_prob", False)
-        theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0)
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
         device = weights["model.embed_tokens.weight"].device
-        self.inv_freq = (1.0 / (theta**exponent)).to(device)  # on the device: a captured graph copies nothing
+        self.inv_freq = rope_frequencies(config, self.head_dim).to(device)  # on the device: a graph copies nothing
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -146,17 +151,17 @@ class Qwen3:
         cos, sin = self.rope(positions, h.dtype)
         for i in range(self.layers):
             p = f"model.layers.{i}."
-            x = _rms_norm(h, w[p + "input_layernorm.weight"], self.eps)
+            x = rms_norm(h, w[p + "input_layernorm.weight"], self.eps)
             q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(-1, self.heads, self.head_dim)
             k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(-1, self.kv_heads, self.head_dim)
             v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(-1, self.kv_heads, self.head_dim)
-            q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], self.eps)
-            k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q = rms_norm(q, w[p + "self_attn.q_norm.weight"], self.eps)
+            k = rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             a = attention(i, q, k, v).reshape(-1, self.heads * self.head_dim)
             h = h + F.linear(a, w[p + "self_attn.o_proj.weight"])
-            h = h + self._mlp(i, _rms_norm(h, w[p + "post_attention_layernorm.weight"], self.eps))
-        return _rms_norm(h, w["model.norm.weight"], self.eps)
+            h = h + self._mlp(i, rms_norm(h, w[p + "post_attention_layernorm.weight"], self.eps))
+        return rms_norm(h, w["model.norm.weight"], self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the rows of ``hidden`` (only the rows that sample: never the whole batch)."""

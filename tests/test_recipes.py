@@ -80,7 +80,7 @@ def test_aborting_one_request_leaves_the_others_right(path, tiny_model):
     assert requests[1].finish == "abort" and 0 < len(requests[1].generated) < 20
     for i in (0, 2, 3):
         assert requests[i].finish == "length"
-        assert requests[i].generated == reference_greedy(tiny_model, prompts[i], 20).tokens, i
+        assert requests[i].generated == reference_greedy(tiny_model, [prompts[i]], 20)[0].tokens, i
 
 
 @pytest.mark.parametrize("separate", [False, True])
@@ -105,7 +105,7 @@ def test_separated_prefill_leaves_every_decode_step_pure_and_the_tokens_unchange
         prefills = [i for i, new in enumerate(steps) if min(new) > 1]
         assert all(b - a > 1 for a, b in zip(prefills, prefills[1:])), steps  # a decode step between
     for prompt, request in zip(prompts, requests):
-        assert request.generated == reference_greedy(tiny_model, prompt, 12).tokens
+        assert request.generated == reference_greedy(tiny_model, [prompt], 12)[0].tokens
 
 
 def test_kv_blocks_of_finished_and_aborted_requests_are_reused(path):
@@ -142,7 +142,7 @@ def test_the_next_turn_of_an_episode_reuses_its_prefix(path, tiny_model):
     assert second.blocks[: len(kept)] == kept and second.computed == 4 * len(kept)  # only the rest is prefilled
     while not second.finish:
         engine.step()
-    assert second.generated == reference_greedy(tiny_model, following, 6).tokens
+    assert second.generated == reference_greedy(tiny_model, [following], 6)[0].tokens
 
 
 def test_a_full_cache_preempts_and_recomputes_without_changing_the_tokens(path, tiny_model):
@@ -150,7 +150,7 @@ def test_a_full_cache_preempts_and_recomputes_without_changing_the_tokens(path, 
     prompts = fixed_prompts(6)
     out = engine.generate(prompts, _greedy(20))
     for prompt, completion in zip(prompts, out):
-        assert completion.tokens == reference_greedy(tiny_model, prompt, 20).tokens
+        assert completion.tokens == reference_greedy(tiny_model, [prompt], 20)[0].tokens
 
 
 def test_paged_engine_sampling_matches_its_own_logprobs(path, tiny_model):
@@ -195,7 +195,7 @@ def test_speculative_greedy_decoding_keeps_every_token_and_logprob(path, tiny_mo
     if engine_class is _HalfWrongDrafts:
         assert engine.drafted > engine.accepted
     for prompt, a, b in zip(prompts, plain, drafted):
-        assert b.tokens == a.tokens == reference_greedy(tiny_model, prompt, 24).tokens
+        assert b.tokens == a.tokens == reference_greedy(tiny_model, [prompt], 24)[0].tokens
         assert b.finish_reason == a.finish_reason
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
 

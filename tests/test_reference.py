@@ -70,14 +70,17 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tiny_model, tiny_spec, mon
     assert split.last_loss == pytest.approx(whole.last_loss, rel=1e-5)
 
 
-def test_reference_engine_batches_like_single_prompts(tiny_model):
+def test_reference_engine_and_greedy_batch_like_single_prompts(tiny_model):
     engine = ReferenceEngine(tiny_model)
     prompts = fixed_prompts(5)
     completions = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0))
-    for prompt, completion in zip(prompts, completions):
-        single = reference_greedy(tiny_model, prompt, 8)
-        assert completion.tokens == single.tokens
+    batched = reference_greedy(tiny_model, prompts, 8)  # left-padded, as the judge's checks 1 and 3 run it
+    for prompt, completion, padded in zip(prompts, completions, batched):
+        single = reference_greedy(tiny_model, [prompt], 8)[0]  # alone: no padding
+        assert completion.tokens == single.tokens == padded.tokens
         assert completion.logprobs == pytest.approx(single.logprobs, abs=1e-4)
+        assert padded.logprobs == pytest.approx(single.logprobs, abs=1e-5)
+        assert padded.margins == pytest.approx(single.margins, abs=1e-5)
 
 
 def test_sampling_is_seeded_and_stops_at_stop_tokens(tiny_model):

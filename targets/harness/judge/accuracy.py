@@ -56,18 +56,21 @@ def fixed_prompts(count: int, seed: int = 1234) -> list[TokenIds]:
 
 
 @torch.no_grad()
-def reference_greedy(model: PreTrainedModel, prompt: TokenIds, new_tokens: int) -> GreedyReference:
-    """Greedy decoding of one prompt with a full forward per token: no batching, no padding, no cache."""
-    sequence = list(prompt)
-    out = GreedyReference([], [], [])
+def reference_greedy(model: PreTrainedModel, prompts: Sequence[TokenIds], new_tokens: int) -> list[GreedyReference]:
+    """Greedy decoding of each prompt with a full forward per token over the left-padded batch (no
+    cache): one forward a token for all the prompts (a prompt alone has no padding; padded, its
+    logprobs move by ~1e-7, tests/test_reference.py)."""
+    sequences = [list(p) for p in prompts]
+    out = [GreedyReference([], [], []) for _ in prompts]
     for _ in range(new_tokens):
-        logits = next_token_logits(model, [sequence])[0]
-        top2 = torch.topk(logits, 2).values
-        token = int(logits.argmax())
-        out.tokens.append(token)
-        out.logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-        out.margins.append(float(top2[0] - top2[1]))
-        sequence.append(token)
+        logits = next_token_logits(model, sequences)
+        top2 = torch.topk(logits, 2, dim=-1).values
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for i, token in enumerate(logits.argmax(-1).tolist()):
+            out[i].tokens.append(token)
+            out[i].logprobs.append(float(logprobs[i, token]))
+            out[i].margins.append(float(top2[i, 0] - top2[i, 1]))
+            sequences[i].append(token)
     return out
 
 
@@ -123,7 +126,7 @@ def check_engine(
     prompts: Sequence[TokenIds] | None = None,
 ) -> CheckResult:
     prompts = list(prompts) if prompts is not None else fixed_prompts(accuracy.prompts)
-    references = [reference_greedy(reference_model, p, accuracy.new_tokens) for p in prompts]
+    references = reference_greedy(reference_model, prompts, accuracy.new_tokens)
     completions = _greedy(engine, prompts, accuracy)
     reasons, worst = compare_greedy(completions, references, accuracy)
     versions = {c.weight_version for c in completions}
@@ -255,8 +258,8 @@ def check_weight_sync(
     new_state = perturbed_state(base_model.state_dict())
     new_model = copy.deepcopy(base_model)
     new_model.load_state_dict(new_state)
-    want_new = [reference_greedy(new_model, p, accuracy.new_tokens) for p in prompts]
-    want_old = [reference_greedy(base_model, p, accuracy.new_tokens) for p in prompts]
+    want_new = reference_greedy(new_model, prompts, accuracy.new_tokens)
+    want_old = reference_greedy(base_model, prompts, accuracy.new_tokens)
     distinct, _ = compare_greedy([Completion(w.tokens, w.logprobs, "length", 0) for w in want_old], want_new, accuracy)
     if not distinct:
         raise RuntimeError(

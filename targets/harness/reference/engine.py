@@ -1,5 +1,7 @@
-"""The reference rollout engine: transformers forward over the whole sequence at every token (no
-KV cache), left-padded batches. Slow and obviously right: the yardstick for engines."""
+"""The reference rollout engine: transformers' forward over left-padded batches. ``next_token_logits``
+runs the whole sequence at every token (no KV cache): slow and obviously right, the yardstick the
+judge's checks compare engines with. ``ReferenceEngine`` (the reference loop's rollouts, check 2's
+batches) decodes with transformers' own KV cache, held to that yardstick by tests/test_reference.py."""
 
 from __future__ import annotations
 
@@ -40,9 +42,19 @@ class ReferenceEngine:
         self.model.load_state_dict(dict(state), strict=True)
         self.weight_version = version
 
+    @torch.no_grad()
     def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
+        """Every row stays in the batch to the end (a finished one decodes on, unread), so the cache
+        keeps its shape; the draws are over the unfinished rows only, as without a cache."""
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        sequences = [list(p) for p in prompts]
+        device = next(self.model.parameters()).device
+        length = max(len(p) for p in prompts)
+        tokens = torch.zeros(len(prompts), length, dtype=torch.long)
+        attention = torch.zeros_like(tokens)
+        for i, p in enumerate(prompts):
+            tokens[i, length - len(p) :], attention[i, length - len(p) :] = torch.tensor(p), 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = None
         outputs: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         finished: list[str | None] = [None] * len(prompts)
@@ -50,20 +62,31 @@ class ReferenceEngine:
             active = [i for i, f in enumerate(finished) if f is None]
             if not active:
                 break
-            logits = next_token_logits(self.model, [sequences[i] for i in active])
+            out = self.model(
+                input_ids=tokens.to(device),
+                attention_mask=attention.to(device),
+                position_ids=positions.to(device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1].float().cpu()[active]
             logp = torch.log_softmax(logits, dim=-1)
             if params.temperature == 0:
                 chosen = logits.argmax(-1)
             else:
                 probs = torch.softmax(logits / params.temperature, dim=-1)
                 chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            tokens = torch.zeros(len(prompts), 1, dtype=torch.long)  # a finished row's next input: unread
             for row, i in enumerate(active):
                 token = int(chosen[row])
-                sequences[i].append(token)
+                tokens[i, 0] = token
                 outputs[i].append(token)
                 logprobs[i].append(float(logp[row, token]))
                 if token in params.stop_token_ids:
                     finished[i] = "stop"
+            attention = torch.cat([attention, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
+            positions = positions[:, -1:] + 1
         return [
             Completion(outputs[i], logprobs[i], finished[i] or "length", self.weight_version, self.device)
             for i in range(len(prompts))

@@ -1,6 +1,6 @@
-"""GPU placement of the Ray cluster, on CPU with Ray told it has two GPUs (it only counts them): an
-engine and a trainer rank that share a device land on that device's GPU, half each; actors of two
-devices land on two GPUs; a third full actor does not fit a shared GPU."""
+"""GPU placement of the Ray cluster, on CPU with Ray told it has two GPUs (it only counts them): each
+device's actor (its engine, its trainer rank, or both) lands on a GPU of its own, and holds all of it:
+a second actor for the same device waits."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def fake_gpus():
 
 @ray.remote
 class Probe:
-    """Stands in for an engine or a trainer rank: reports the GPUs Ray gave it."""
+    """Stands in for a device's actor: reports the GPUs Ray gave it."""
 
     def gpus(self) -> list:
         return [str(g) for g in ray.get_gpu_ids()]
@@ -59,18 +59,16 @@ def _runtime(devices: int) -> Runtime:
     )
 
 
-def test_engine_and_trainer_sharing_a_device_get_its_gpu_and_other_devices_other_gpus(fake_gpus):
+def test_each_device_s_actor_gets_a_gpu_of_its_own_and_all_of_it(fake_gpus):
     runtime = _runtime(2)
     group = asyncio.run(placement_group_of(runtime))
     gpu0, gpu1 = runtime.devices
-    engine0 = Probe.options(**actor_options(runtime, gpu0, True, group)).remote()
-    trainer0 = Probe.options(**actor_options(runtime, gpu0, True, group)).remote()
-    engine1 = Probe.options(**actor_options(runtime, gpu1, False, group)).remote()
-    seen = ray.get([engine0.gpus.remote(), trainer0.gpus.remote(), engine1.gpus.remote()], timeout=60)
-    assert len(seen[0]) == 1 and seen[0] == seen[1], seen
-    assert len(seen[2]) == 1 and seen[2] != seen[0], seen
-    # the shared GPU is full: a whole-GPU actor for device 0 cannot be placed
-    extra = Probe.options(**actor_options(runtime, gpu0, False, group)).remote()
+    device0 = Probe.options(**actor_options(runtime, gpu0, group)).remote()
+    device1 = Probe.options(**actor_options(runtime, gpu1, group)).remote()
+    seen = ray.get([device0.gpus.remote(), device1.gpus.remote()], timeout=60)
+    assert len(seen[0]) == 1 and len(seen[1]) == 1 and seen[0] != seen[1], seen
+    # device 0's GPU is held whole: a second actor for device 0 cannot be placed
+    extra = Probe.options(**actor_options(runtime, gpu0, group)).remote()
     ready, _ = ray.wait([extra.gpus.remote()], timeout=3)
     assert not ready
     ray.kill(extra)
@@ -82,4 +80,4 @@ def test_cpu_devices_are_custom_resources():
         "unused", "float32", (Device("cpu:0", "cpu", 0),), "vt_device_", (0,), _runtime(1).workload, "cpu"
     )
     assert asyncio.run(placement_group_of(runtime)) is None
-    assert actor_options(runtime, runtime.devices[0], True, None) == {"num_cpus": 0, "resources": {"vt_device_0": 0.5}}
+    assert actor_options(runtime, runtime.devices[0], None) == {"num_cpus": 0, "resources": {"vt_device_0": 1.0}}

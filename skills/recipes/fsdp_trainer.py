@@ -234,7 +234,7 @@ class FSDPTrainer:
 
     @torch.no_grad()
     def device_state(self) -> dict[str, torch.Tensor]:
-        """The full weights on the training device (no host round trip), for a sync by copy, CUDA IPC
+        """The full weights on the training device (no host round trip), for a sync by copy
         or broadcast; every rank must call it (it gathers the shards)."""
         return {
             name.removeprefix("lm."): tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

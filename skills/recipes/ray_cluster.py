@@ -1,17 +1,17 @@
-"""The real ``targets.api.Cluster`` on Ray: an engine actor on every device that may roll out, an FSDP2
-trainer rank on every training device.
+"""The real ``targets.api.Cluster`` on Ray: one actor per device, holding the device's rollout engine
+(a device that may roll out), its FSDP2 trainer rank (a training device), or both.
 
-Placement: on GPU targets a placement group with one GPU bundle per device, an engine and a trainer
-rank that share a device taking half of its GPU each; on CPU targets one custom Ray resource per
-logical device. Ray starts here (the candidate's cluster process) and stops on ``close``.
+Placement: on GPU targets a placement group with one GPU bundle per device, each actor on its own
+bundle; on CPU targets one custom Ray resource per logical device. Ray starts here (the candidate's
+cluster process) and stops on ``close``.
 
 Memory: a device hosting both an engine and a trainer rank gives it to one at a time. ``shrink`` (or
 ``suspend``) puts the engines to sleep and brings the trainers back; ``expand`` (or ``resume``)
 offloads the trainers' optimizer state, wakes the engines' weights, syncs them, offloads the
 trainers' parameters and wakes the KV caches. ``train`` refuses devices whose engine is awake.
 
-Weight sync, by placement: the object store on CPU; on GPU, CUDA IPC from trainer rank 0 to an engine
-on its own GPU and a broadcast group (NCCL) to engines on other GPUs.
+Weight sync, by placement: the object store on CPU; on GPU, an in-place copy to the engine on trainer
+rank 0's device (the same process) and a broadcast group (NCCL) to engines on other GPUs.
 
 Mechanism only; the controller decides when to shrink, train, sync and expand. ``generate`` goes to the
 active engine that served the episode's previous turn (its prefix is cached there) unless that engine
@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
@@ -43,7 +44,7 @@ from targets.api import (
 from .engine_server import EngineServer
 from .fsdp_trainer import FSDPTrainer
 from .rendezvous import Rendezvous
-from .weight_sync import DEFAULT_BUCKET_BYTES, BroadcastGroup, IPCExport, Layout, merge, open_ipc, publish
+from .weight_sync import DEFAULT_BUCKET_BYTES, BroadcastGroup, Layout, merge, publish
 
 STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and still keep its episodes
 
@@ -60,71 +61,116 @@ async def placement_group_of(runtime: Runtime):
     return group
 
 
-def actor_options(runtime: Runtime, device: Device, shared: bool, placement) -> dict:
-    """Where the actor of an engine or a trainer rank on ``device`` runs: the device's bundle on GPU,
-    its custom resource on CPU; half of it when an engine and a trainer rank share the device."""
-    share = 0.5 if shared else 1.0
+def actor_options(runtime: Runtime, device: Device, placement) -> dict:
+    """Where the actor of ``device`` runs, holding all of it: the device's bundle on GPU, its custom
+    resource on CPU."""
     if runtime.accelerator == "cuda":
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return {
             "num_cpus": 0,
-            "num_gpus": share,
+            "num_gpus": 1.0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement, placement_group_bundle_index=device.index
             ),
         }
-    return {"num_cpus": 0, "resources": {f"{runtime.device_resource}{device.index}": share}}
+    return {"num_cpus": 0, "resources": {f"{runtime.device_resource}{device.index}": 1.0}}
 
 
-class EngineActor(EngineServer):
-    """An engine server as a Ray actor, with the receiving ends of the GPU transports."""
+class DeviceActor:
+    """One device's Ray actor: its rollout engine, its trainer rank, or both. A device that changes
+    role keeps one process (no second Ray worker and torch import; the sync on trainer rank 0's device
+    is an in-place copy, as in the local cluster). Engine calls run on the actor's event loop (the
+    ``EngineServer``); trainer calls on one thread of their own, one at a time in arrival order (so
+    every rank meets its collectives in the same order), and the loop keeps answering meanwhile."""
+
+    def __init__(self, engine: dict | None, trainer: dict | None) -> None:
+        self.server = EngineServer(**engine) if engine is not None else None
+        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="trainer")  # CUDA's device is per thread
+        self.trainer = self._trainer_thread.submit(FSDPTrainer, **trainer).result() if trainer is not None else None
+        self._group: BroadcastGroup | None = None
+
+    def _on_trainer(self, method, *args):
+        """``method(*args)`` on the trainer's thread, queued now (before the caller's first await)."""
+        return asyncio.wrap_future(self._trainer_thread.submit(method, *args))
+
+    # -- the engine ------------------------------------------------------------------------------------
+    async def generate(self, prompt, params, episode=None) -> Completion:
+        return await self.server.generate(prompt, params, episode)
+
+    async def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
+        return await self.server.sleep(tags)
+
+    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        await self.server.wake(tags)
+
+    async def load_weights(self, buckets: Sequence, version: int, interrupt: bool = False) -> None:
+        await self.server.load_weights(buckets, version, interrupt)
+
+    async def weight_version(self) -> int:
+        return await self.server.weight_version()
+
+    async def speculation(self) -> tuple[int, int]:
+        return await self.server.speculation()
+
+    # -- the trainer rank ------------------------------------------------------------------------------
+    async def train_step(self, batch: TrainBatch) -> int:
+        return await self._on_trainer(self.trainer.train_step, batch)
+
+    async def state_dict(self) -> StateDict:
+        return await self._on_trainer(self.trainer.state_dict)
+
+    async def offload(self, parts: tuple[str, ...] = ("optimizer", "params")) -> None:
+        await self._on_trainer(self.trainer.offload, parts)
+
+    async def reload(self) -> None:
+        await self._on_trainer(self.trainer.reload)
+
+    async def close(self) -> None:
+        if self.trainer is not None:
+            await self._on_trainer(self.trainer.close)
+        self._trainer_thread.shutdown(wait=False)
+
+    # -- weight sync on GPU ----------------------------------------------------------------------------
+    async def sync_local(self, version: int, interrupt: bool, load: bool) -> None:
+        """Every trainer rank gathers the full weights; with ``load``, this device's engine copies them
+        in place (trainer rank 0's device: engine and trainer share the process and the GPU)."""
+        state = await self._on_trainer(self.trainer.device_state)
+        if load:
+            await self.server.load_state(state, version, interrupt)
 
     def join_broadcast(self, rendezvous: str, rank: int, world_size: int) -> None:
-        self._group = BroadcastGroup(rendezvous, rank, world_size, self.engine.device)
+        """Rank 0 sends (trainer rank 0's device); the others receive (engines on other devices)."""
+        self._group = BroadcastGroup(rendezvous, rank, world_size, "cuda:0")
 
-    async def receive_broadcast(self, layouts: list[Layout], version: int, interrupt: bool = False) -> bool:
-        """Every member receives every broadcast; an engine whose weights sleep drops what it got
-        (it is brought up to date when it wakes). Returns whether the weights were loaded."""
-        buckets = await asyncio.to_thread(self._group.receive, layouts)
-        if self.engine.offloaded:
-            return False
-        await self.load_state(merge(buckets), version, interrupt)
-        return True
-
-    async def load_ipc(self, handles: list, version: int, interrupt: bool = False) -> None:
-        await self.load_state(merge(open_ipc(handles)), version, interrupt)
-
-
-class TrainerActor(FSDPTrainer):
-    """A trainer rank as a Ray actor, with the sending ends of the GPU transports (rank 0)."""
-
-    def join_broadcast(self, rendezvous: str, world_size: int) -> None:
-        self._group = BroadcastGroup(rendezvous, 0, world_size, self.device)
-
-    def broadcast_weights(self, dtype: str, bucket_bytes: int) -> None:
-        state = self.device_state()
-        if self.rank == 0:
-            import torch
-
-            self._group.send(state, getattr(torch, dtype), bucket_bytes)
-
-    def broadcast_layouts(self, dtype: str, bucket_bytes: int) -> list[Layout]:
+    async def broadcast_layouts(self, dtype: str, bucket_bytes: int) -> list[Layout]:
         import torch
 
-        return BroadcastGroup.layouts(self.module.state_dict(), getattr(torch, dtype), bucket_bytes)
+        def layouts() -> list[Layout]:
+            return BroadcastGroup.layouts(self.trainer.module.state_dict(), getattr(torch, dtype), bucket_bytes)
 
-    def export_ipc(self, dtype: str, bucket_bytes: int) -> list | None:
+        return await self._on_trainer(layouts)
+
+    async def broadcast(
+        self, layouts: list[Layout], version: int, dtype: str, bucket_bytes: int, interrupt: bool
+    ) -> bool | None:
+        """This device's part of one broadcast, in one order on every device: a trainer rank first
+        gathers the full weights (a collective of all ranks), then rank 0 sends or an engine receives,
+        never both communicators at once on one GPU. An engine whose weights sleep drops what it got
+        (it is brought up to date when it wakes). Returns whether this device's engine loaded them."""
         import torch
 
-        state = self.device_state()
-        if self.rank != 0:
+        state = await self._on_trainer(self.trainer.device_state) if self.trainer is not None else None
+        if self._group is None:
             return None
-        self._ipc = IPCExport(state, self.device, getattr(torch, dtype), bucket_bytes)
-        return self._ipc.handles
-
-    def release_ipc(self) -> None:
-        self._ipc.release()
+        if self._group.rank == 0:
+            await self._on_trainer(self._group.send, state, getattr(torch, dtype), bucket_bytes)
+            return None
+        buckets = await asyncio.to_thread(self._group.receive, layouts)
+        if self.server.engine.offloaded:
+            return False
+        await self.server.load_state(merge(buckets), version, interrupt)
+        return True
 
 
 class RayCluster:
@@ -133,8 +179,7 @@ class RayCluster:
         runtime: Runtime,
         rollout: Sequence[Device],
         train: Sequence[Device],
-        engines: dict,
-        trainers: list,
+        actors: dict,
         bucket_bytes: int,
         rendezvous: Rendezvous,
         speculating: bool = False,
@@ -144,8 +189,9 @@ class RayCluster:
         self.rollout_devices, self.train_devices = list(rollout), list(train)
         self.cuda = runtime.accelerator == "cuda"
         self.bucket_bytes = bucket_bytes
-        self._engines = engines  # device id -> actor
-        self._trainers = trainers
+        self._actors = actors  # device id -> its DeviceActor
+        self._engines = {d.id: actors[d.id] for d in rollout}  # the same actors, by role
+        self._trainers = [actors[d.id] for d in train]  # in rank order
         self._shared = {d.id for d in rollout} & {d.id for d in train}
         self._awake = {d.id for d in rollout}  # engines holding their device
         self._active = {d.id for d in rollout}  # engines taking requests
@@ -187,39 +233,44 @@ class RayCluster:
             )
         shared = {d.id for d in rollout} & {d.id for d in train}
         placement = await placement_group_of(runtime)
-
-        def on(device: Device) -> dict:
-            return actor_options(runtime, device, device.id in shared, placement)
-
         torch_device = "cuda:0" if cuda else "cpu"  # Ray shows each actor only its own GPU
-        Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
-        engines = {
-            d.id: Engine.options(**on(d)).remote(
-                runtime.model_path, runtime.dtype, d.id, threads, engine, torch_device, **(engine_options or {})
-            )
-            for d in rollout
-        }
         rendezvous = Rendezvous()
-        trainers = [
-            Trainer.options(**on(d)).remote(
-                runtime.model_path,
-                config,
-                runtime.dtype,
-                torch_device,
-                rank=rank,
+        ranks = {d.id: rank for rank, d in enumerate(train)}
+        rolling = {d.id for d in rollout}
+        Actor = ray.remote(DeviceActor)
+        actors = {}
+        for d in runtime.devices:  # one actor a device, holding the whole device, whatever its roles
+            if d.id not in rolling and d.id not in ranks:
+                continue
+            engine_kwargs = dict(
+                model_path=runtime.model_path,
+                dtype=runtime.dtype,
+                name=d.id,
+                threads=threads,
+                engine=engine,
+                device=torch_device,
+                **(engine_options or {}),
+            )
+            trainer_kwargs = dict(
+                model_path=runtime.model_path,
+                config=config,
+                dtype=runtime.dtype,
+                device=torch_device,
+                rank=ranks.get(d.id),
                 world_size=len(train),
                 rendezvous=rendezvous.address,
                 threads=threads,
                 **(trainer_options or {}),
             )
-            for rank, d in enumerate(train)
-        ]
+            actors[d.id] = Actor.options(**actor_options(runtime, d, placement)).remote(
+                engine_kwargs if d.id in rolling else None, trainer_kwargs if d.id in ranks else None
+            )
         await asyncio.gather(
-            *(e.weight_version.remote() for e in engines.values()),
-            *(t.offload.remote() for t, d in zip(trainers, train) if d.id in shared),
+            *(actors[d.id].weight_version.remote() for d in rollout),
+            *(actors[d.id].offload.remote() for d in train if d.id in shared),
         )
         speculating = bool((engine_options or {}).get("speculative_tokens"))
-        return cls(runtime, rollout, train, engines, trainers, bucket_bytes, rendezvous, speculating)
+        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, speculating)
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -337,19 +388,16 @@ class RayCluster:
             for i in device_ids:
                 self._engine_version[i] = version
         else:
-            async with self._loading:  # one broadcast group and one IPC buffer: loads take turns
-                ipc = [i for i in device_ids if i == self.train_devices[0].id]
-                if ipc:
-                    await self._load_ipc(ipc[0], version, interrupt)
-                if [i for i in device_ids if i not in ipc]:
+            async with self._loading:  # one broadcast group: loads take turns
+                local = [i for i in device_ids if i == self.train_devices[0].id]
+                if local:
+                    await self._load_local(local[0], version, interrupt)
+                if [i for i in device_ids if i not in local]:
                     await self._load_broadcast(version, set(device_ids) if interrupt else set())
 
-    async def _load_ipc(self, device_id: str, version: int, interrupt: bool) -> None:
-        handles = (
-            await asyncio.gather(*(t.export_ipc.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers))
-        )[0]
-        await self._engines[device_id].load_ipc.remote(handles, version, interrupt)
-        await self._trainers[0].release_ipc.remote()
+    async def _load_local(self, device_id: str, version: int, interrupt: bool) -> None:
+        """The engine on trainer rank 0's device copies the gathered weights in place (one process)."""
+        await asyncio.gather(*(t.sync_local.remote(version, interrupt, r == 0) for r, t in enumerate(self._trainers)))
         self._engine_version[device_id] = version
 
     async def _load_broadcast(self, version: int, interrupt: set[str]) -> None:
@@ -359,7 +407,7 @@ class RayCluster:
         receivers = sorted(i for i in self._engines if i != self.train_devices[0].id)
         if not self._broadcast_ready:
             await asyncio.gather(
-                self._trainers[0].join_broadcast.remote(self._rendezvous.address, len(receivers) + 1),
+                self._trainers[0].join_broadcast.remote(self._rendezvous.address, 0, len(receivers) + 1),
                 *(
                     self._engines[i].join_broadcast.remote(self._rendezvous.address, r + 1, len(receivers) + 1)
                     for r, i in enumerate(receivers)
@@ -367,12 +415,15 @@ class RayCluster:
             )
             self._broadcast_ready = True
         layouts = await self._trainers[0].broadcast_layouts.remote(self.runtime.dtype, self.bucket_bytes)
-        results = await asyncio.gather(
-            *(t.broadcast_weights.remote(self.runtime.dtype, self.bucket_bytes) for t in self._trainers),
-            *(self._engines[i].receive_broadcast.remote(layouts, version, i in interrupt) for i in receivers),
+        members = {d.id: self._actors[d.id] for d in self.train_devices} | {i: self._engines[i] for i in receivers}
+        results = await asyncio.gather(  # one call a device: a trainer rank and an engine there act in turn
+            *(
+                actor.broadcast.remote(layouts, version, self.runtime.dtype, self.bucket_bytes, i in interrupt)
+                for i, actor in members.items()
+            )
         )
-        for i, loaded in zip(receivers, results[len(self._trainers) :]):
-            if loaded:
+        for i, loaded in zip(members, results):
+            if i in receivers and loaded:
                 self._engine_version[i] = version
 
     async def export_weights(self, into: WeightExport) -> None:
@@ -411,9 +462,8 @@ class RayCluster:
                     else f"no count: {count!r}"
                 )
                 print(f"speculative decoding on {device}: {said}", file=sys.stderr)
-        for trainer in self._trainers:
-            await trainer.close.remote()
-        for actor in [*self._engines.values(), *self._trainers]:
+        for actor in self._actors.values():
+            await actor.close.remote()
             ray.kill(actor)
         ray.shutdown()
         self._rendezvous = None  # its store goes with the groups it served

@@ -1,8 +1,7 @@
 """Versioned, bucketed weight sync from the trainer to the engines, the transport chosen by placement:
 
-* **in place**: engine and trainer in one process: the engine copies each tensor into its own;
-* **CUDA IPC**: another process on the same GPU: each bucket is one flat device buffer whose IPC
-  handle the engine opens and copies from (device-to-device, no host round trip);
+* **in place**: engine and trainer in one process (the local cluster; a Ray cluster's actor on trainer
+  rank 0's device): the engine copies each tensor into its own, device to device;
 * **broadcast group**: engines on other devices: trainer rank 0 and those engines form a process
   group of their own (NCCL on GPU, gloo on CPU; a TCP store, not the trainers' world) and each
   bucket is broadcast as one flat buffer;
@@ -101,36 +100,6 @@ def publish(state: StateDict, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list:
     import ray  # only the Ray cluster publishes
 
     return [ray.put(bucket) for bucket in to_buckets(state, bucket_bytes)]
-
-
-# -- CUDA IPC (another process on the same GPU) -----------------------------------------------------------
-
-
-class IPCExport:
-    """The trainer's side: flat device buffers, kept alive until ``release``, and their handles."""
-
-    def __init__(
-        self, state: StateDict, device: str, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    ) -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        self.buffers, self.handles = [], []
-        for bucket in to_buckets(state, bucket_bytes):
-            flat, layout = pack(bucket, device, dtype)
-            self.buffers.append(flat)
-            self.handles.append((reduce_tensor(flat), layout))
-        torch.cuda.synchronize(device)
-
-    def release(self) -> None:
-        self.buffers.clear()
-
-
-def open_ipc(handles: list) -> list[dict[str, torch.Tensor]]:
-    """The engine's side: each bucket as views of the exporter's memory (copy before it is released)."""
-    buckets = []
-    for (rebuild, args), layout in handles:
-        buckets.append(unpack(rebuild(*args), layout))
-    return buckets
 
 
 # -- broadcast group (engines on other devices) -------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Launching the harness child with limits: its own process group (killed whole on any limit), its
+"""Launching the harness child with limits: a fork of the zygote (``zygote.py``: the imports every
+child needs, made once per orchestrator), in its own process group (killed whole on any limit), its
 output captured to a log, and a watchdog over the whole process tree (the harness and the candidate
 processes it starts): wall time, resident memory summed over the tree, and the number of processes
 (a fork bomb). A crash, a hang, a memory blow-up or a fork storm becomes a clear cause, never a hung
@@ -14,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from targets.harness.isolation.child import PHASES, TASK_KEY
 from targets.harness.isolation.process_tree import kill_tree, process_tree, resident_mb
 from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.isolation.zygote import MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
 
 
@@ -57,7 +57,7 @@ class HarnessRun:
         return None
 
 
-def _watch(process: subprocess.Popen, limits: Limits, marks_fd: int, marks: dict[str, float]) -> str:
+def _watch(process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str, float]) -> str:
     """Wait for the child, stamping its marks as they arrive; returns '' when it exited, else why it was killed."""
     deadline = time.monotonic() + limits.time_s
     pending = b""
@@ -111,10 +111,7 @@ def run_harness(
         return HarnessRun(False, f"{stack_dir} has no stack/__init__.py: not a candidate directory", out)
     out.mkdir(parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
-    command = [
-        sys.executable,
-        "-m",
-        "targets.harness.isolation.child",
+    argv = [  # what ``python -m targets.harness.isolation.child`` takes; run by a fork of the zygote
         "--target",
         target.ref,
         "--stack",
@@ -130,18 +127,16 @@ def run_harness(
         "--execution",
         target.execution,
         "--marks-fd",
-        str(write_fd),
+        str(MARKS_FD),
     ]
     if steps is not None:
-        command += ["--steps", str(steps)]
+        argv += ["--steps", str(steps)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", TASK_KEY: task_key.hex()}
     marks: dict[str, float] = {}
     log_path = out / f"{mode}.log"
     try:
         with log_path.open("w") as log:
-            process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, pass_fds=(write_fd,)
-            )
+            process = zygote().spawn(argv, env, log.fileno(), write_fd)  # in a session of its own
             os.close(write_fd)
             write_fd = -1
             try:

@@ -462,8 +462,9 @@ class RayCluster:
                     else f"no count: {count!r}"
                 )
                 print(f"speculative decoding on {device}: {said}", file=sys.stderr)
-        for actor in self._actors.values():
+        for actor in self._actors.values():  # every trainer rank leaves its group before any process goes
             await actor.close.remote()
+        for actor in self._actors.values():
             ray.kill(actor)
         ray.shutdown()
         self._rendezvous = None  # its store goes with the groups it served

@@ -242,29 +242,35 @@ class RayCluster:
         for d in runtime.devices:  # one actor a device, holding the whole device, whatever its roles
             if d.id not in rolling and d.id not in ranks:
                 continue
-            engine_kwargs = dict(
-                model_path=runtime.model_path,
-                dtype=runtime.dtype,
-                name=d.id,
-                threads=threads,
-                engine=engine,
-                device=torch_device,
-                **(engine_options or {}),
+            engine_kwargs = (
+                dict(
+                    model_path=runtime.model_path,
+                    dtype=runtime.dtype,
+                    name=d.id,
+                    threads=threads,
+                    engine=engine,
+                    device=torch_device,
+                    **(engine_options or {}),
+                )
+                if d.id in rolling
+                else None
             )
-            trainer_kwargs = dict(
-                model_path=runtime.model_path,
-                config=config,
-                dtype=runtime.dtype,
-                device=torch_device,
-                rank=ranks.get(d.id),
-                world_size=len(train),
-                rendezvous=rendezvous.address,
-                threads=threads,
-                **(trainer_options or {}),
+            trainer_kwargs = (
+                dict(
+                    model_path=runtime.model_path,
+                    config=config,
+                    dtype=runtime.dtype,
+                    device=torch_device,
+                    rank=ranks[d.id],
+                    world_size=len(train),
+                    rendezvous=rendezvous.address,
+                    threads=threads,
+                    **(trainer_options or {}),
+                )
+                if d.id in ranks
+                else None
             )
-            actors[d.id] = Actor.options(**actor_options(runtime, d, placement)).remote(
-                engine_kwargs if d.id in rolling else None, trainer_kwargs if d.id in ranks else None
-            )
+            actors[d.id] = Actor.options(**actor_options(runtime, d, placement)).remote(engine_kwargs, trainer_kwargs)
         await asyncio.gather(
             *(actors[d.id].weight_version.remote() for d in rollout),
             *(actors[d.id].offload.remote() for d in train if d.id in shared),

@@ -93,8 +93,8 @@ class Zygote:
                 while (message := self._receive(block=False)) is not None:
                     self._note(message)
             except ZygoteError:
-                return self._exits.get(pid, -signal.SIGKILL)  # its children kill themselves when it goes
-            return self._exits.get(pid)
+                return self._exits.pop(pid, -signal.SIGKILL)  # its children kill themselves when it goes
+            return self._exits.pop(pid, None)  # the child keeps it (``returncode``): none piles up here
 
 
 class ZygoteChild:

@@ -13,16 +13,21 @@ from transformers import PreTrainedModel
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
 
-@torch.no_grad()
-def next_token_logits(model: PreTrainedModel, sequences: Sequence[TokenIds]) -> torch.Tensor:
-    """Logits of the next token after each sequence, [B, V] in float32."""
+def left_padded(sequences: Sequence[TokenIds]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, attention mask, position ids) of ``sequences`` padded on the left to one length."""
     length = max(len(s) for s in sequences)
     tokens = torch.zeros(len(sequences), length, dtype=torch.long)
     attention = torch.zeros_like(tokens)
     for i, s in enumerate(sequences):
         tokens[i, length - len(s) :] = torch.tensor(s)
         attention[i, length - len(s) :] = 1
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return tokens, attention, (attention.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def next_token_logits(model: PreTrainedModel, sequences: Sequence[TokenIds]) -> torch.Tensor:
+    """Logits of the next token after each sequence, [B, V] in float32."""
+    tokens, attention, positions = left_padded(sequences)
     device = next(model.parameters()).device  # the reference runs where the target's model runs
     logits = model(
         input_ids=tokens.to(device), attention_mask=attention.to(device), position_ids=positions.to(device)
@@ -48,12 +53,7 @@ class ReferenceEngine:
         keeps its shape; the draws are over the unfinished rows only, as without a cache."""
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         device = next(self.model.parameters()).device
-        length = max(len(p) for p in prompts)
-        tokens = torch.zeros(len(prompts), length, dtype=torch.long)
-        attention = torch.zeros_like(tokens)
-        for i, p in enumerate(prompts):
-            tokens[i, length - len(p) :], attention[i, length - len(p) :] = torch.tensor(p), 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        tokens, attention, positions = left_padded(prompts)
         cache = None
         outputs: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]

@@ -276,10 +276,10 @@ def test_a_mistyped_candidate_or_starter_is_refused_before_any_work(tmp_path):
 
 
 def test_a_broken_catalog_entry_is_an_error_not_an_unavailable_row(monkeypatch, tmp_path, catalog_yaml):
-    import targets.spec
+    import targets.spec.loading
 
     catalog_yaml["workload"]["bacth_size"] = catalog_yaml["workload"].pop("batch_size")
     (tmp_path / "tiny-qwen3-cpu.yaml").write_text(yaml.safe_dump(catalog_yaml))
-    monkeypatch.setattr(targets.spec, "CATALOG_DIR", tmp_path)
+    monkeypatch.setattr(targets.spec.loading, "CATALOG_DIR", tmp_path)
     result = runner.invoke(app, ["targets"])
     assert result.exit_code == 2 and "bacth_size" in result.output and "unavailable" not in result.output

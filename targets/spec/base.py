@@ -1,0 +1,15 @@
+"""What every part of a target spec shares: the strict base model and the error a bad spec raises."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from targets.errors import UserError
+
+
+class SpecError(UserError, ValueError):
+    """A target spec that cannot be used; the message names the field path and the value."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)

@@ -1,0 +1,73 @@
+"""Loading a target: a catalog id or a YAML path, validated, every problem named by its field path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from targets.spec.base import SpecError
+from targets.spec.target import TargetSpec
+
+CATALOG_DIR = Path(__file__).parent.parent / "catalog"
+
+
+def _format_errors(source: str, error: ValidationError) -> str:
+    lines = [f"invalid target spec {source}:"]
+    for item in error.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "<top level>"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field (check its spelling)"
+        shown = item.get("input")
+        shown = repr(shown) if not isinstance(shown, (dict, list)) else type(shown).__name__
+        lines.append(f"  field `{path}`: {message} (got {shown})")
+    return "\n".join(lines)
+
+
+def parse_target(data: Any, source: str = "<dict>", base_dir: Path | None = None) -> TargetSpec:
+    """Validate an already-parsed spec; raises SpecError naming every bad field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"invalid target spec {source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return TargetSpec.model_validate(data, context={"base_dir": base_dir or Path.cwd()})
+    except ValidationError as error:
+        raise SpecError(_format_errors(source, error)) from None
+
+
+def load_target_file(path: Path) -> TargetSpec:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise SpecError(f"cannot read target spec {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise SpecError(f"target spec {path} is not valid YAML: {error}") from None
+    return parse_target(data, source=str(path), base_dir=path.parent)
+
+
+def catalog_ids() -> list[str]:
+    return sorted(p.stem for p in CATALOG_DIR.glob("*.yaml"))
+
+
+def resolve_target_path(ref: str | Path) -> Path:
+    """The YAML file behind a catalog id (``tiny-qwen3-cpu``) or a path."""
+    path = Path(ref)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise SpecError(f"target spec file not found: {path}")
+        return path
+    catalog_path = CATALOG_DIR / f"{ref}.yaml"
+    if not catalog_path.exists():
+        raise SpecError(
+            f"unknown target {str(ref)!r}: not a catalog id (known: {', '.join(catalog_ids())}) and no such file"
+        )
+    return catalog_path
+
+
+def load_target(ref: str | Path) -> TargetSpec:
+    """A catalog id (``tiny-qwen3-cpu``) or a path to a YAML file."""
+    return load_target_file(resolve_target_path(ref))

@@ -1,0 +1,114 @@
+"""The model a target trains: family, HF-style config, dtype, weights (a directory or ``random(seed)``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from targets.spec.base import Strict
+
+RANDOM_WEIGHTS = re.compile(r"^random\((\d+)\)$")
+
+
+class ModelConfig(Strict):
+    """The HF-style config fields vibetrain uses (Qwen3 dense and MoE)."""
+
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    num_experts: int | None = Field(default=None, gt=0)
+    num_experts_per_tok: int | None = Field(default=None, gt=0)
+    moe_intermediate_size: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        return self
+
+
+class ParamCounts(Strict):
+    total: float = Field(gt=0)
+    active: float = Field(gt=0)
+
+
+class ModelSpec(Strict):
+    family: Literal["qwen3", "qwen3_moe"]
+    config: ModelConfig
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    weights: str
+    tokenizer: Literal["words", "bpe"] | None = None  # built with random weights (docs/targets.md)
+    params: ParamCounts | None = None
+
+    @field_validator("weights")
+    @classmethod
+    def _weights_exist(cls, value: str, info: ValidationInfo) -> str:
+        if RANDOM_WEIGHTS.match(value):
+            return value
+        base = (info.context or {}).get("base_dir", Path.cwd())
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() else Path(base) / path
+        if not path.exists():
+            raise ValueError(f"weights path does not exist: {path} (use a local model directory or random(SEED))")
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _family_fields(self) -> ModelSpec:
+        moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        have = [f for f in moe_fields if getattr(self.config, f) is not None]
+        if self.family == "qwen3_moe" and len(have) != len(moe_fields):
+            missing = [f for f in moe_fields if f not in have]
+            raise ValueError(f"family qwen3_moe needs config fields {missing}")
+        if self.family == "qwen3" and have:
+            raise ValueError(f"family qwen3 is dense; remove MoE config fields {have}")
+        return self
+
+    @model_validator(mode="after")
+    def _tokenizer_with_random_weights(self) -> ModelSpec:
+        if self.tokenizer is not None and self.random_seed is None:
+            raise ValueError(
+                f"tokenizer: {self.tokenizer} is for random weights; the model directory {self.weights} brings its own"
+            )
+        return self
+
+    @property
+    def tokenizer_kind(self) -> str | None:
+        """The tokenizer built with random weights (``words`` unless stated); None for a directory's own."""
+        return None if self.random_seed is None else self.tokenizer or "words"
+
+    @property
+    def random_seed(self) -> int | None:
+        match = RANDOM_WEIGHTS.match(self.weights)
+        return int(match.group(1)) if match else None
+
+    def param_counts(self) -> ParamCounts:
+        """Stated counts, else computed from the config (embeddings included)."""
+        if self.params is not None:
+            return self.params
+        c = self.config
+        attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        attn += 2 * c.head_dim + 2 * c.hidden_size  # q/k norms, two RMSNorms per layer
+        embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.hidden_size
+        if self.family == "qwen3_moe":
+            expert = 3 * c.hidden_size * c.moe_intermediate_size
+            router = c.hidden_size * c.num_experts
+            total = embed + c.num_hidden_layers * (attn + router + c.num_experts * expert)
+            active = embed + c.num_hidden_layers * (attn + router + c.num_experts_per_tok * expert)
+            return ParamCounts(total=total, active=active)
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        total = embed + c.num_hidden_layers * (attn + mlp)
+        return ParamCounts(total=total, active=total)

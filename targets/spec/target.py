@@ -1,0 +1,143 @@
+"""The whole target: model, hardware, workload, baselines, the judge's tolerances, the simulator's terms, limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from targets.harness.tokenizer import has_chat_template
+from targets.spec.base import Strict
+from targets.spec.hardware import HardwareSpec
+from targets.spec.model import ModelSpec
+from targets.spec.workload import WorkloadSpec
+
+
+class BaselineSpec(Strict):
+    name: Literal["colocate", "static_split", "time_multiplex"]
+    rollout_devices: int | None = Field(default=None, gt=0)
+    train_devices: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _split_given(self) -> BaselineSpec:
+        if self.name == "static_split" and (self.rollout_devices is None or self.train_devices is None):
+            raise ValueError("static_split needs rollout_devices and train_devices")
+        return self
+
+
+class AccuracySpec(Strict):
+    """Tolerances of the judge's deterministic checks (fp32 CPU defaults)."""
+
+    logprob_atol: float = Field(default=1e-3, gt=0)
+    update_rtol: float = Field(default=2e-2, gt=0, description="relative error of a train step's update")
+    greedy_tie_margin: float = Field(default=1e-3, ge=0, description="top-2 logit gap under which greedy may differ")
+    prompts: int = Field(default=4, gt=0)
+    new_tokens: int = Field(default=12, gt=0)
+    selection_bias: float | None = Field(
+        default=None,
+        ge=0,
+        description="how much shorter or better rewarded (in standard deviations) the trained episodes may be "
+        "than every episode launched; default: what the stack's declared techniques are documented to bias",
+    )
+
+
+class SimulatorSpec(Strict):
+    """Efficiencies and fixed overheads of the cluster simulator's cost model
+    (``targets/harness/sim/cost_model.py`` documents each formula). ``vibetrain calibrate`` fits
+    them from a real run's trace; the defaults are typical of large GPU deployments."""
+
+    rollout_mfu: float = Field(default=0.5, gt=0, le=1, description="compute efficiency of prefill and decode")
+    hbm_efficiency: float = Field(default=0.8, gt=0, le=1, description="achieved fraction of HBM bandwidth in decode")
+    kv_memory_fraction: float = Field(default=0.9, gt=0, le=1, description="device memory an engine may use")
+    decode_step_overhead_s: float = Field(
+        default=0.003, ge=0, description="fixed cost of one engine iteration (scheduling, launches)"
+    )
+    request_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="latency a generate call adds beside its engine's work (the calls to it and back)",
+    )
+    train_step_overhead_s: float = Field(default=1.0, ge=0)
+    sync_overhead_s: float = Field(default=0.5, ge=0)
+    switch_overhead_s: float = Field(default=0.5, ge=0, description="fixed cost of an offload or a reload")
+    weight_export_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="the harness's copy of the weights after each train step of a real run (the audit replays "
+        "from it), which the train call waits for; calibration fits it, 0 where a target only ever simulates",
+    )
+    engine_devices: int | None = Field(
+        default=None, gt=0, description="devices per rollout engine; default: the fewest that fit the weights"
+    )
+    batching: Literal["continuous", "static"] = Field(
+        default="continuous",
+        description="continuous: requests join the running batch (vLLM); static: a batch runs to its end first",
+    )
+
+
+class LimitsSpec(Strict):
+    """What the judge's child process (harness, reference model, candidate processes) may use. Unset,
+    they follow the model's size: host memory holds a float32 reference copy, the trainer's offloaded
+    float32 state (weights, gradients, AdamW moments) and the weight snapshots the audit replays
+    training from, about 48 bytes per parameter over a 16 GB base (the processes' CUDA and torch
+    libraries); time grows with billions of parameters."""
+
+    host_memory_mb: float | None = Field(default=None, gt=0, description="resident memory of the child's process tree")
+    time_s: float | None = Field(
+        default=None, gt=0, description="seconds one child run (a check, a measurement) may take"
+    )
+
+    def resolved(self, parameters: int) -> tuple[float, float]:
+        """(host memory in MB, seconds) for a model of ``parameters``."""
+        memory = self.host_memory_mb or 16_000 + 48 * parameters / 1e6
+        seconds = self.time_s or 600 * max(1.0, parameters / 1e9)
+        return memory, seconds
+
+
+class HeadlineMetric(Strict):
+    name: str
+    direction: Literal["maximize", "minimize"]
+
+
+class TargetSpec(Strict):
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    description: str
+    headline_metric: HeadlineMetric
+    noise_threshold: float = Field(ge=0, lt=1, description="relative change below which results are noise")
+    model: ModelSpec
+    hardware: HardwareSpec
+    workload: WorkloadSpec
+    execution: Literal["real", "simulated", "auto"]
+    baselines: list[BaselineSpec] = Field(min_length=1)
+    accuracy: AccuracySpec = AccuracySpec()
+    simulator: SimulatorSpec = SimulatorSpec()
+    limits: LimitsSpec = LimitsSpec()
+
+    @model_validator(mode="after")
+    def _user_environment_speaks_the_models_text(self) -> TargetSpec:
+        entry = self.workload.environment.entry
+        if entry is not None and self.execution == "simulated":
+            raise ValueError(f"workload.environment {entry} is the user's own: it runs for real (execution: real)")
+        words, directory = self.model.tokenizer_kind == "words", self.model.random_seed is None
+        if entry is not None and (words or (directory and not has_chat_template(Path(self.model.weights)))):
+            raise ValueError(
+                f"workload.environment {entry} speaks its own text: the model needs a tokenizer with a chat "
+                "template (model.tokenizer: bpe, or a model directory whose tokenizer has one)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _baselines_fit(self) -> TargetSpec:
+        for i, baseline in enumerate(self.baselines):
+            used = (baseline.rollout_devices or 0) + (baseline.train_devices or 0)
+            if baseline.name == "static_split" and used > self.hardware.count:
+                raise ValueError(
+                    f"baselines[{i}] static_split uses {used} devices but hardware.count is {self.hardware.count}"
+                )
+            if baseline.rollout_devices and baseline.rollout_devices > self.hardware.count:
+                raise ValueError(
+                    f"baselines[{i}] rollout_devices {baseline.rollout_devices} exceeds hardware.count "
+                    f"{self.hardware.count}"
+                )
+        return self

@@ -1,0 +1,199 @@
+"""The agentic-RL job: the environment, turns, token budgets, latencies, batch and staleness, training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, model_validator
+
+from targets.api import TrainingConfig
+from targets.spec.base import Strict
+from targets.spec.distributions import Distribution
+from targets.workload_profile import with_profile
+
+
+class EnvironmentRef(Strict):
+    """A harness environment by ``name``, or the user's own by ``entry`` (``package.module:callable``,
+    called with ``params``) spoken to through an ``adapter`` (``docs/targets.md``)."""
+
+    name: str | None = None
+    entry: str | None = None
+    adapter: Literal["gymnasium", "tasks", "text"] | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_environment(self) -> EnvironmentRef:
+        from targets.harness.environments.registry import ENVIRONMENTS  # late: environments import this module
+
+        if (self.name is None) == (self.entry is None):
+            raise ValueError("name a harness environment (name) or bring your own (entry: package.module:callable)")
+        if self.entry is not None:
+            if self.adapter is None:
+                raise ValueError(f"entry {self.entry}: say its adapter (gymnasium, tasks or text)")
+            from targets.harness.environments.adapters import load_entry
+
+            load_entry(self.entry)  # importable now, or an error that names it
+            return self
+        if self.adapter is not None:
+            raise ValueError(f"adapter {self.adapter} is for a user's entry, not the harness environment {self.name}")
+        if self.name not in ENVIRONMENTS:
+            raise ValueError(f"unknown environment {self.name!r}; known environments: {sorted(ENVIRONMENTS)}")
+        ENVIRONMENTS[self.name].Params.model_validate(self.params)
+        return self
+
+    @property
+    def label(self) -> str:
+        """How a person names it: the harness environment's name or the user's entry."""
+        return self.name or str(self.entry)
+
+
+class TurnsSpec(Strict):
+    """Turns per episode, capped at ``max``. ``dist`` is given exactly when the environment draws the
+    turn count (``synthetic_agent``); environments whose episodes end by the policy's own play
+    (``guess_number``) reject it rather than silently ignore it."""
+
+    max: int = Field(gt=0)
+    dist: Distribution | None = None
+
+
+class ResponseLengthSpec(Strict):
+    """How many of a turn's ``tokens.response`` budget the simulated model generates (a real model
+    decides for itself, so real execution ignores this). Lognormal, cut at the budget: the product of
+    a per-task factor (``task_sigma``; shared by a group's members and by every turn of their
+    episodes, so a hard task stays long) and a per-turn factor (``turn_sigma``). ``mean`` is the mean
+    after the cut; ``targets/harness/sim/response_length.py`` solves for the median that gives it."""
+
+    mean: float = Field(gt=0, description="mean tokens a turn generates, after the cut at the budget")
+    task_sigma: float = Field(default=0.0, ge=0, le=3, description="log-space spread between tasks")
+    turn_sigma: float = Field(default=0.0, ge=0, le=3, description="log-space spread between turns of one task")
+
+
+class TokensSpec(Strict):
+    prompt: int = Field(gt=0, description="prompt tokens at reset")
+    observation: int = Field(gt=0, description="observation tokens per turn")
+    response: int = Field(gt=0, description="max new tokens per turn")
+    max_sequence: int = Field(gt=0, description="max tokens of a whole trajectory")
+    response_length: ResponseLengthSpec | None = Field(
+        default=None, description="simulator: tokens a turn generates (default: the whole budget, every turn)"
+    )
+    draft_acceptance: float = Field(
+        default=0.0, ge=0, lt=1, description="simulator: share of speculative draft tokens the model keeps"
+    )
+
+    @model_validator(mode="after")
+    def _fits(self) -> TokensSpec:
+        if self.prompt + self.response > self.max_sequence:
+            raise ValueError(
+                f"prompt ({self.prompt}) + response ({self.response}) exceeds max_sequence ({self.max_sequence})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _response_mean_reachable(self) -> TokensSpec:
+        r = self.response_length
+        if r is None:
+            return self
+        spread = r.task_sigma > 0 or r.turn_sigma > 0
+        if r.mean > self.response or (spread and r.mean >= self.response) or r.mean < 1:
+            raise ValueError(
+                f"response_length.mean ({r.mean}) must lie in [1, response ({self.response})]"
+                + (", below it when the lengths spread" if spread else "")
+            )
+        return self
+
+
+class TrainingSpec(Strict):
+    lr: float = Field(default=1e-3, gt=0)
+    clip_eps: float = Field(default=0.2, gt=0)
+    kl_coef: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    temperature: float = Field(default=1.0, gt=0)
+
+    def config(self) -> TrainingConfig:
+        return TrainingConfig(
+            lr=self.lr, clip_eps=self.clip_eps, kl_coef=self.kl_coef, max_grad_norm=self.max_grad_norm
+        )
+
+
+class WorkloadSpec(Strict):
+    environment: EnvironmentRef
+    turns: TurnsSpec
+    tokens: TokensSpec
+    env_latency_s: Distribution
+    env_latency_max_s: float = Field(gt=0, description="cap on one environment step's latency")
+    env_failure_rate: float = Field(
+        default=0.0, ge=0, lt=1, description="chance an environment step fails (tool or sandbox crash)"
+    )
+    env_restart_s: float = Field(
+        default=30.0, ge=0, description="seconds to restart a failed environment to its state before the step"
+    )
+    trajectory_timeout_s: float = Field(gt=0)
+    batch_size: int = Field(gt=0, description="trajectories per training step")
+    group_size: int = Field(ge=2, description="trajectories per GRPO group (same task)")
+    async_ratio: int = Field(ge=0, description="max weight versions a sample may lag behind")
+    max_async_ratio: int | None = Field(
+        default=None, ge=0, description="the largest async_ratio a stack may choose for itself (default: async_ratio)"
+    )
+    train_steps: int = Field(gt=0, description="training steps a benchmark run measures")
+    training: TrainingSpec = TrainingSpec()
+
+    profile: str | None = Field(default=None, exclude=True, description="the workload profile its keys came from")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profiled(cls, data: Any, info: ValidationInfo) -> Any:
+        return with_profile(data, Path((info.context or {}).get("base_dir", Path.cwd())))
+
+    @model_validator(mode="after")
+    def _groups_and_ratios(self) -> WorkloadSpec:
+        if self.batch_size % self.group_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
+        if self.max_async_ratio is not None and self.max_async_ratio < self.async_ratio:
+            raise ValueError(
+                f"max_async_ratio ({self.max_async_ratio}) must be at least async_ratio ({self.async_ratio})"
+            )
+        return self
+
+    @property
+    def staleness_limit(self) -> int:
+        """The largest staleness bound a stack may declare on this target."""
+        return self.async_ratio if self.max_async_ratio is None else self.max_async_ratio
+
+    @model_validator(mode="after")
+    def _turns_match_environment(self) -> WorkloadSpec:
+        from targets.harness.environments.registry import ENVIRONMENTS
+
+        env = self.environment
+        draws = env.name is not None and ENVIRONMENTS[env.name].draws_turns  # a user's environment ends by play
+        if draws and self.turns.dist is None:
+            raise ValueError(f"environment {env.label} draws turn counts: set turns.dist")
+        if not draws and self.turns.dist is not None:
+            raise ValueError(f"environment {env.label} ends episodes by play, not by a drawn count: remove turns.dist")
+        return self
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.batch_size // self.group_size
+
+    @property
+    def declared_limits(self) -> dict[str, tuple[str, int]]:
+        """The most a stack may declare (``targets.api.Declared``) on this workload, by field: (what
+        the limit is, its value). A staleness bound up to ``max_async_ratio``. Spares up to one more
+        group's worth per group: beyond that, keeping the first finishers is mostly a choice of the
+        quick episodes. Deferred tasks relaunched at most a step's groups at a time, since up to
+        ``tail_round - 1`` of them may go unrun at the end: less than one batch of tasks, never an
+        unbounded share of the run chosen by length."""
+        return {
+            "async_ratio": ("max_async_ratio", self.staleness_limit),
+            "redundant_per_group": ("group_size", self.group_size),
+            "tail_round": ("groups per step", self.groups_per_step),
+        }
+
+    def over_declared_limits(self, declared) -> str | None:
+        """Why ``declared`` (a ``targets.api.Declared``) asks for more than this workload allows, or None."""
+        for field, (what, limit) in self.declared_limits.items():
+            value = getattr(declared, field)
+            if value is not None and value > limit:
+                return f"the stack declares {field} {value}, over the target's {what} {limit}"
+        return None

@@ -326,7 +326,7 @@ def _readme(spec: TargetSpec, source: str, exported: Exported) -> str:
         f"# {spec.id}: an exported vibetrain stack",
         "",
         f"The stack `{source}`, exported by `vibetrain export` as a project of its own: it trains a "
-        f"{spec.model.family} model ({weights}) on {hardware.count} {hardware.kind} device(s), "
+        f"{spec.model.family} model ({weights}) on {hardware.summary} device(s), "
         f"{workload.batch_size} trajectories a step in groups of {workload.group_size}, on the "
         f"`{workload.environment.label}` environment. Nothing here imports vibetrain.",
         "",

@@ -131,7 +131,7 @@ def load_target() -> Target:
     hardware = target.spec.hardware
     if target.simulated:
         raise SystemExit(
-            f"error: target {target.id} trains on {hardware.count} {hardware.kind} device(s) "
+            f"error: target {target.id} trains on {hardware.summary} device(s) "
             f"(execution: {target.spec.execution}); this machine has {gpus_here()} GPU(s). "
             "Run this on a machine with the target's hardware."
         )
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be >= 1, got {steps}")
     hardware = target.spec.hardware
     print(
-        f"training target {target.id} on {hardware.count} {hardware.kind} device(s) for {steps} step(s)",
+        f"training target {target.id} on {hardware.summary} device(s) for {steps} step(s)",
         flush=True,
     )
     try:

@@ -353,11 +353,15 @@ class EnvSource(Protocol):
 
 @dataclass(frozen=True)
 class Device:
-    """A schedulable device: a GPU, or on CPU targets a logical device (a custom Ray resource)."""
+    """A schedulable device: a GPU, or on CPU targets a logical device (a custom Ray resource).
+    ``bf16_tflops`` and ``hbm_bandwidth_gbs`` are its kind's peak numbers (0: not known): on mixed
+    hardware, how compute-rich or bandwidth-rich it is, which a router may use."""
 
     id: str
     kind: str
     index: int
+    bf16_tflops: float = 0.0
+    hbm_bandwidth_gbs: float = 0.0
 
 
 class WeightExport(Protocol):

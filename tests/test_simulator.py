@@ -20,7 +20,7 @@ from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.judge.audit import audit_run
 from targets.harness.measure.metrics import compute_metrics
 from targets.harness.sim.cluster import SimCluster
-from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.cost_model import ClusterCosts, CostModel
 from targets.harness.sim.engine import SimEngine
 from targets.harness.sim.response_length import ResponseLengths
 from targets.harness.sim.virtual_time import SimulationStalled, VirtualTimeLoop, run_virtual
@@ -606,6 +606,51 @@ def test_request_concurrency_is_the_mean_batch_over_a_request_s_span():
     assert batches == pytest.approx([1.75, 1.5, 1.0])
 
 
+def _mixed(engine_devices=None):
+    """The 8B target on two pools: bandwidth-rich H20s beside compute-rich H800s, 25 GB/s between."""
+    data = load_target("qwen3-8b-h800x16").model_dump(mode="json")
+    data["hardware"] = {
+        "pools": {"rollout": {"kind": "h20", "count": 2}, "train": {"kind": "h800", "count": 2}},
+        "links": [{"between": ["train", "rollout"], "bandwidth_gbs": 25}],
+    }
+    data["baselines"] = [{"name": "colocate"}]
+    data["simulator"]["engine_devices"] = engine_devices
+    return parse_target(data)
+
+
+def test_pools_cost_what_their_devices_do_and_weights_cross_between_them_over_their_link():
+    costs = ClusterCosts.from_spec(_mixed())
+    h20, h800 = costs.of("rollout:1"), costs.of("train:0")
+    # prefill is compute-bound: 989 / 148 TFLOP/s apart; decode at batch 1 is bandwidth-bound: 4000 / 3350 GB/s
+    assert h20.prefill_s(2048, 0) / h800.prefill_s(2048, 0) == pytest.approx(989 / 148)
+    assert h800.decode_iteration_s(1, 1000) > h20.decode_iteration_s(1, 1000)
+    # a step on devices of both pools waits for its slowest rank
+    assert costs.train_s([1000], ["train:0", "train:1"]) == pytest.approx(h800.train_s([1000], 2))
+    assert costs.train_s([1000], ["rollout:0", "train:0"]) == pytest.approx(h20.train_s([1000], 2))
+    # version v made on the H800s reaches an H20 engine over the 25 GB/s link; within a pool, the pool's own
+    assert costs.sync_s(["rollout:0"], {"train:0"}) == pytest.approx(h20.weight_bytes / 25e9 + h20.sync_overhead_s)
+    assert costs.sync_s(["train:1"], {"train:0"}) == pytest.approx(h800.sync_s())
+    assert costs.sync_s(["rollout:0"], set()) == pytest.approx(h20.sync_s())  # version 0: the harness's, local
+    # an engine costs what its pool's devices do
+    lengths = ResponseLengths(_mixed().workload.tokens, seed=0)
+    devices = [Device(d, "", i) for i, d in enumerate(_mixed().hardware.device_ids())]
+
+    async def engine_costs():
+        cluster = SimCluster(devices, devices, costs, lengths)
+        await cluster.close()
+        return {e.devices[0]: e.cost for e in cluster.engines}
+
+    assert run_virtual(engine_costs()) == {"rollout:0": h20, "rollout:1": h20, "train:0": h800, "train:1": h800}
+
+
+def test_an_engine_never_spans_two_pools():
+    spec = _mixed(engine_devices=2)
+    devices = [Device(d, "", i) for i, d in enumerate(spec.hardware.device_ids())]
+    lengths = ResponseLengths(spec.workload.tokens, seed=0)
+    with pytest.raises(ValueError, match=r"the engine on \['rollout:1', 'train:0'\] would span pools"):
+        SimCluster(devices, devices[1:3], ClusterCosts.from_spec(spec), lengths)
+
+
 def test_each_answer_reaches_its_caller_a_request_overhead_after_its_engine(tmp_path):
     spec = load_target("tiny-qwen3-cpu")
     slow = spec.model_copy(
@@ -617,7 +662,7 @@ def test_each_answer_reaches_its_caller_a_request_overhead_after_its_engine(tmp_
 
         async def one(target=target):
             cluster = SimCluster(
-                pool, pool, CostModel.from_spec(target), ResponseLengths(target.workload.tokens, seed=0)
+                pool, pool, ClusterCosts.from_spec(target), ResponseLengths(target.workload.tokens, seed=0)
             )
             start = cluster.now()
             await cluster.generate(GenerateRequest("g0/e0", 0, [1, 2, 3], SamplingParams(max_new_tokens=8)))
@@ -690,7 +735,7 @@ def test_the_critical_path_bound_never_exceeds_the_mean_step_time():
             TraceEvent("train", end, {"start": end - 1, "trajectories": [{"episode": episode, "tokens": 80}]}),
         ]
     events.append(TraceEvent("run_end", ends[-1]))
-    bound = step_lower_bound(spec, CostModel.from_spec(spec), events)
+    bound = step_lower_bound(spec, ClusterCosts.from_spec(spec), events)
     mean_step = ends[-1] / steps
     assert 999.0 / (1 + a) > mean_step  # what the run's longest path alone would have claimed
     assert 0 < bound["critical_path_bound_s"] <= mean_step

@@ -75,6 +75,52 @@ def test_hardware_numbers_come_from_the_catalog_and_can_be_overridden(catalog_ya
     assert spec.hardware.memory_gb == 94 and spec.hardware.hbm_bandwidth_gbs == 3350.0
 
 
+MIXED = {
+    "pools": {"rollout": {"kind": "h20", "count": 2}, "train": {"kind": "h800", "count": 2, "mfu": 0.3}},
+    "links": [{"between": ["rollout", "train"], "bandwidth_gbs": 25}],
+}
+
+
+def test_pools_name_their_devices_and_take_their_numbers_from_the_catalog(catalog_yaml):
+    catalog_yaml["hardware"] = MIXED
+    hardware = parse_target(catalog_yaml).hardware
+    assert hardware.device_ids() == ["rollout:0", "rollout:1", "train:0", "train:1"]
+    assert hardware.count == 4 and hardware.kind == "mixed" and hardware.summary == "2x h20 (rollout) + 2x h800 (train)"
+    assert hardware.pool_of("train:1").bf16_tflops == 989.0 and hardware.pool_of("train:1").mfu == 0.3
+    assert hardware.pool_of("rollout:0").hbm_bandwidth_gbs == 4000.0 and hardware.link_gbs("train", "rollout") == 25
+    catalog_yaml["hardware"] = {"kind": "cpu", "count": 2}  # one pool: named by its kind, as before
+    single = parse_target(catalog_yaml).hardware
+    assert single.device_ids() == ["cpu:0", "cpu:1"] and list(single.pools) == ["cpu"] and single.links == ()
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda h: h["pools"]["train"].update(count=0), "field `hardware.pools.train.count`: Input should be greater"),
+        (
+            lambda h: h["pools"]["train"].update(kind="h900"),
+            "field `hardware.pools.train`: unknown hardware kind 'h900'",
+        ),
+        (lambda h: h["pools"]["train"].update(memroy_gb=1), "field `hardware.pools.train.memroy_gb`: unknown field"),
+        (lambda h: h["links"][0].update(between=["rollout", "trian"]), "links.0.between names the pool 'trian'"),
+        (
+            lambda h: h["links"][0].update(between=["train", "train"]),
+            "links.0.between joins the pool 'train' to itself",
+        ),
+        (lambda h: h.update(links=[]), "no link between the pools 'rollout' and 'train'"),
+        (lambda h: h["pools"].update(Serve={"kind": "h20", "count": 1}), "field `hardware.pools.Serve.[key]`"),
+        (lambda h: h["links"][0].update(bandwidth_gbs=0), "field `hardware.links.0.bandwidth_gbs`"),
+    ],
+)
+def test_a_bad_pool_or_link_is_named_by_its_path(catalog_yaml, change, named):
+    import copy
+
+    hardware = copy.deepcopy(MIXED)
+    change(hardware)
+    catalog_yaml["hardware"] = hardware
+    assert named in _error(catalog_yaml)
+
+
 def test_misspelled_field_is_named(catalog_yaml):
     catalog_yaml["workload"]["batch_sise"] = catalog_yaml["workload"].pop("batch_size")
     message = _error(catalog_yaml)

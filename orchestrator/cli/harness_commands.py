@@ -82,7 +82,7 @@ def list_targets(as_json: bool = JSON_OPTION) -> None:
         table.add_row(
             spec.id,
             f"{spec.model.family} {_params(spec)}",
-            f"{spec.hardware.count}x {spec.hardware.kind}",
+            spec.hardware.summary,
             w.environment.label,
             spec.execution,
             f"{w.batch_size} x {w.group_size}",

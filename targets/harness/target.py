@@ -37,7 +37,7 @@ def resolve_execution(spec: TargetSpec, simulate: bool = False) -> Literal["real
     if spec.execution == "auto":
         return _simulable(spec, f"as this machine has {have} of its {spec.hardware.count} GPUs")
     raise TargetUnavailable(
-        f"target {spec.id} executes for real on {spec.hardware.count} {spec.hardware.kind} GPU(s), "
+        f"target {spec.id} executes for real on {spec.hardware.summary} GPU(s), "
         f"and this machine has {have}: run it on a machine with them, or pass --simulate"
     )
 
@@ -96,8 +96,12 @@ class Target:
         return self.spec.hardware.kind != "cpu" and not self.simulated
 
     def devices(self) -> tuple[Device, ...]:
-        kind = self.spec.hardware.kind
-        return tuple(Device(name, kind, i) for i, name in enumerate(self.spec.hardware.device_ids()))
+        hardware = self.spec.hardware
+        return tuple(
+            Device(name, pool.kind, i, pool.bf16_tflops, pool.hbm_bandwidth_gbs)
+            for i, name in enumerate(hardware.device_ids())
+            for pool in [hardware.pool_of(name)]
+        )
 
     def runtime(self) -> Runtime:
         """On a simulated target the components run (for accuracy checks 1-3) on a tiny model of the
@@ -109,9 +113,9 @@ class Target:
         path = model_dir(model)
         engine_devices = 1  # a real stack places one engine per device
         if self.simulated:
-            from targets.harness.sim.cost_model import CostModel
+            from targets.harness.sim.cost_model import ClusterCosts
 
-            engine_devices = CostModel.from_spec(self.spec).engine_devices
+            engine_devices = ClusterCosts.from_spec(self.spec).engine_devices
         return Runtime(
             str(path),
             model.dtype,
@@ -120,7 +124,7 @@ class Target:
             stop_token_ids(path),
             workload_view(self.spec),
             "cuda" if self.gpu else "cpu",
-            int(self.spec.hardware.memory_gb * 1e9) if self.gpu else 0,
+            int(min(p.memory_gb for p in self.spec.hardware.pools.values()) * 1e9) if self.gpu else 0,
             engine_devices,
         )
 

@@ -6,7 +6,7 @@ being silently ignored. ``SpecError`` carries one readable line per problem.
 
 from targets.spec.base import SpecError, Strict
 from targets.spec.distributions import Distribution, Fixed, Geometric, Lognormal
-from targets.spec.hardware import HardwareSpec
+from targets.spec.hardware import HardwareSpec, LinkSpec, PooledHardwareSpec
 from targets.spec.loading import (
     CATALOG_DIR,
     catalog_ids,
@@ -43,6 +43,8 @@ __all__ = [
     "Fixed",
     "Geometric",
     "HardwareSpec",
+    "LinkSpec",
+    "PooledHardwareSpec",
     "HeadlineMetric",
     "LimitsSpec",
     "Lognormal",

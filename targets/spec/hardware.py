@@ -1,17 +1,26 @@
-"""The devices a target runs on: a kind from ``targets.hardware``'s catalog, its count and any overrides."""
+"""The devices a target runs on: one pool of one kind (``kind``, ``count`` and any overrides of the
+catalog's numbers), or several named pools and the links between them (``docs/targets.md``).
+
+Devices are named ``pool:index`` everywhere; a single pool is named by its kind, so a one-pool
+target's devices are ``kind:index``. Pools are listed in the order their devices are numbered, which
+is the order a stack's controllers see them in (``targets.api.Runtime.devices``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from targets.hardware import HARDWARE_CATALOG
 from targets.spec.base import Strict
 
+POOL_NAME = r"^[a-z][a-z0-9_]*$"
+
 
 class HardwareSpec(Strict):
-    """A device kind from ``targets.hardware`` plus any per-spec overrides of its numbers."""
+    """One pool: a device kind from ``targets.hardware`` plus any per-spec overrides of its numbers."""
 
     kind: str
     count: int = Field(gt=0)
@@ -24,10 +33,6 @@ class HardwareSpec(Strict):
     devices_per_node: int = Field(gt=0)
     mfu: float = Field(default=0.4, gt=0, le=1)
 
-    def device_ids(self) -> list[str]:
-        """The devices' names, ``kind:index``: the one way they are written everywhere."""
-        return [f"{self.kind}:{i}" for i in range(self.count)]
-
     @model_validator(mode="before")
     @classmethod
     def _fill_from_catalog(cls, data: Any) -> Any:
@@ -37,3 +42,98 @@ class HardwareSpec(Strict):
         if kind not in HARDWARE_CATALOG:
             raise ValueError(f"unknown hardware kind {kind!r}; known kinds: {sorted(HARDWARE_CATALOG)}")
         return {**HARDWARE_CATALOG[kind], **data}
+
+    # -- what every hardware spec answers (``PooledHardwareSpec`` too) ---------------------------
+    @property
+    def pools(self) -> dict[str, HardwareSpec]:
+        return {self.kind: self}
+
+    @property
+    def links(self) -> tuple[LinkSpec, ...]:
+        return ()
+
+    @property
+    def summary(self) -> str:
+        """How a person reads it: ``8x h100``."""
+        return f"{self.count}x {self.kind}"
+
+    def device_ids(self) -> list[str]:
+        """The devices' names, ``kind:index``: the one way they are written everywhere."""
+        return [f"{self.kind}:{i}" for i in range(self.count)]
+
+    def pool_of(self, device: str) -> HardwareSpec:
+        return self
+
+
+class LinkSpec(Strict):
+    """The bandwidth between two pools' devices: what each device can send to the other pool (a NIC's
+    share, GB/s), which weights crossing from a training pool to a rollout pool travel over."""
+
+    between: tuple[str, str]
+    bandwidth_gbs: float = Field(gt=0)
+
+
+class PooledHardwareSpec(Strict):
+    """Several pools, named, of possibly different kinds (a compute-rich training pool beside a
+    bandwidth-rich rollout pool), and a link between every two of them."""
+
+    pools: dict[Annotated[str, Field(pattern=POOL_NAME)], HardwareSpec] = Field(min_length=2)
+    links: tuple[LinkSpec, ...]
+
+    @model_validator(mode="after")
+    def _links_join_the_pools(self) -> PooledHardwareSpec:
+        seen: set[frozenset[str]] = set()
+        for i, link in enumerate(self.links):
+            unknown = [name for name in link.between if name not in self.pools]
+            if unknown:
+                raise ValueError(f"links.{i}.between names the pool {unknown[0]!r}; the pools are {sorted(self.pools)}")
+            pair = frozenset(link.between)
+            if len(pair) != 2:
+                raise ValueError(f"links.{i}.between joins the pool {link.between[0]!r} to itself")
+            if pair in seen:
+                raise ValueError(f"links.{i}.between joins {' and '.join(sorted(pair))} a second time")
+            seen.add(pair)
+        for a, b in itertools.combinations(self.pools, 2):
+            if frozenset((a, b)) not in seen:
+                raise ValueError(f"no link between the pools {a!r} and {b!r}: weights could not reach one of them")
+        return self
+
+    @property
+    def count(self) -> int:
+        return sum(pool.count for pool in self.pools.values())
+
+    @property
+    def kind(self) -> str:
+        """The one kind every pool has, else ``mixed``."""
+        kinds = {pool.kind for pool in self.pools.values()}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def summary(self) -> str:
+        return " + ".join(f"{pool.count}x {pool.kind} ({name})" for name, pool in self.pools.items())
+
+    def device_ids(self) -> list[str]:
+        return [f"{name}:{i}" for name, pool in self.pools.items() for i in range(pool.count)]
+
+    def pool_of(self, device: str) -> HardwareSpec:
+        name = device.partition(":")[0]
+        if name not in self.pools:
+            raise ValueError(f"device {device!r} is in none of the pools {sorted(self.pools)}")
+        return self.pools[name]
+
+    def link_gbs(self, a: str, b: str) -> float:
+        """The bandwidth between the pools ``a`` and ``b`` (GB/s per device)."""
+        for link in self.links:
+            if set(link.between) == {a, b}:
+                return link.bandwidth_gbs
+        raise ValueError(f"no link between the pools {a!r} and {b!r}")
+
+
+def _form(data: Any) -> str:
+    return "pooled" if isinstance(data, dict) and "pools" in data else "single"
+
+
+AnyHardware = Annotated[
+    Annotated[HardwareSpec, Tag("single")] | Annotated[PooledHardwareSpec, Tag("pooled")], Discriminator(_form)
+]
+HARDWARE_FORMS = ("single", "pooled")  # the tags pydantic puts in an error's path; a person never wrote them

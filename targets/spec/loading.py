@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from targets.spec.base import SpecError
+from targets.spec.hardware import HARDWARE_FORMS
 from targets.spec.target import TargetSpec
 
 CATALOG_DIR = Path(__file__).parent.parent / "catalog"
@@ -17,7 +18,10 @@ CATALOG_DIR = Path(__file__).parent.parent / "catalog"
 def _format_errors(source: str, error: ValidationError) -> str:
     lines = [f"invalid target spec {source}:"]
     for item in error.errors():
-        path = ".".join(str(p) for p in item["loc"]) or "<top level>"
+        loc = item["loc"]
+        if loc[:1] == ("hardware",) and len(loc) > 1 and loc[1] in HARDWARE_FORMS:
+            loc = loc[:1] + loc[2:]  # the form's tag: not a field anyone wrote
+        path = ".".join(str(p) for p in loc) or "<top level>"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field (check its spelling)"

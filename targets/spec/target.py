@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from targets.harness.tokenizer import has_chat_template
 from targets.spec.base import Strict
-from targets.spec.hardware import HardwareSpec
+from targets.spec.hardware import AnyHardware
 from targets.spec.model import ModelSpec
 from targets.spec.workload import WorkloadSpec
 
@@ -106,7 +106,7 @@ class TargetSpec(Strict):
     headline_metric: HeadlineMetric
     noise_threshold: float = Field(ge=0, lt=1, description="relative change below which results are noise")
     model: ModelSpec
-    hardware: HardwareSpec
+    hardware: AnyHardware
     workload: WorkloadSpec
     execution: Literal["real", "simulated", "auto"]
     baselines: list[BaselineSpec] = Field(min_length=1)

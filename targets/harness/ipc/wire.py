@@ -138,7 +138,16 @@ def get_config(d: Any) -> TrainingConfig:
 
 
 def put_devices(devices) -> list[dict]:
-    return [{"id": d.id, "kind": d.kind, "index": d.index} for d in devices]
+    return [
+        {
+            "id": d.id,
+            "kind": d.kind,
+            "index": d.index,
+            "bf16_tflops": d.bf16_tflops,
+            "hbm_bandwidth_gbs": d.hbm_bandwidth_gbs,
+        }
+        for d in devices
+    ]
 
 
 def get_devices(data: Any) -> list[Device]:
@@ -146,7 +155,11 @@ def get_devices(data: Any) -> list[Device]:
         raise ProtocolError("devices: expected a list")
     return [
         Device(
-            field_of(d, "id", str, "device"), field_of(d, "kind", str, "device"), field_of(d, "index", int, "device")
+            field_of(d, "id", str, "device"),
+            field_of(d, "kind", str, "device"),
+            field_of(d, "index", int, "device"),
+            field_of(d, "bf16_tflops", float, "device"),
+            field_of(d, "hbm_bandwidth_gbs", float, "device"),
         )
         for d in data
     ]

@@ -434,14 +434,14 @@ async def drive_real(
 
 
 def drive_simulated(
-    spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int, cost=None
+    spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int
 ) -> tuple[Trace, dict]:
     """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
-    from targets.harness.sim.cost_model import CostModel
+    from targets.harness.sim.cost_model import ClusterCosts
     from targets.harness.sim.response_length import ResponseLengths
     from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual
 
-    cost = cost or CostModel.from_spec(spec)
+    costs = ClusterCosts.from_spec(spec)
     loop = VirtualTimeLoop()
     trace = Trace(VirtualClock(loop), record_tokens=False)
     summary: dict = {}
@@ -461,7 +461,7 @@ def drive_simulated(
         if any(i not in by_id for i in rollout_ids):
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
-        speculating = cost.speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
+        speculating = costs.speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
         cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], speculating, lengths)
         traced = TracedCluster(cluster, trace, cluster)
         trace.record(
@@ -494,8 +494,8 @@ def drive_simulated(
         virtual_seconds=trace.clock.now(),
         wall_seconds=time.perf_counter() - started,
         simulated=True,
-        engine_devices=cost.engine_devices,
-        kv_capacity_tokens=cost.kv_capacity_tokens,
+        engine_devices=costs.engine_devices,
+        kv_capacity_tokens=min(cost.kv_capacity_tokens for cost in costs.pools.values()),  # the smallest pool's
         steps=steps,
     )
     return trace, summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from targets.api import TraceEvent
 from targets.harness.measure.metrics import compute_metrics
-from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.lower_bound import step_lower_bound
 from targets.spec import TargetSpec
 
@@ -15,7 +15,7 @@ def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) 
     resource figures: peak process memory for real runs, and peak memory per GPU on a GPU target;
     peak KV use, KV preemptions and how full the engines' batches were while decoding for simulated ones)."""
     devices = spec.hardware.device_ids()
-    metrics = compute_metrics(events, devices) | step_lower_bound(spec, CostModel.from_spec(spec), events)
+    metrics = compute_metrics(events, devices) | step_lower_bound(spec, ClusterCosts.from_spec(spec), events)
     metrics["lower_bound_fraction"] = (
         metrics["lower_bound_step_s"] / metrics["step_time_s"] if metrics["step_time_s"] else 0.0
     )

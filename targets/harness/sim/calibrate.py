@@ -232,6 +232,9 @@ def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, fl
 
 def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
     """The fit over the events of one or more real runs of ``spec``."""
+    if len(spec.hardware.pools) > 1:
+        pools = sorted(spec.hardware.pools)
+        raise ValueError(f"calibration fits one device kind; target {spec.id} has the pools {pools}")
     cost = CostModel.from_spec(spec)
     notes: list[str] = []
     fitted = spec.simulator.model_dump() | {"batching": "continuous"}  # both engine recipes batch continuously

@@ -1,15 +1,16 @@
-"""The simulated ``targets.api.Cluster``: the same mechanism the Ray cluster implements, under
-virtual time, with every duration from the cost model.
+"""The simulated ``targets.api.Cluster``: the same mechanism the Ray cluster implements, under virtual
+time, with every duration from the cost model.
 
-Rollout devices are grouped into engines of ``cost.engine_devices`` consecutive devices (a shrink
-or expand of any device takes its whole engine). ``generate`` goes to the engine of the request's
-``device`` when that engine is active (the candidate routes), else to the engine that served the
-episode's previous turn while it is active (its prefix is cached there), else to the active engine
-with the fewest requests; the turn generates as many tokens as ``ResponseLengths`` draws for it (a
-continuation the rest of them); ``shrink`` aborts what the engines hold and offloads them; ``expand``
-reloads them and loads the latest weights if they are stale; ``train`` takes the training FLOPs
-of the batch over the given devices; ``sync_weights`` drains each engine's running batch (or, with
-``interrupt``, answers it as aborted with what it decoded) and loads.
+Rollout devices are grouped into engines of ``costs.engine_devices`` consecutive devices of one pool
+(a shrink or expand of any device takes its whole engine); an engine costs what its pool's devices
+do. ``generate`` goes to the engine of the request's ``device`` when that engine is active (the
+candidate routes), else to the engine that served the episode's previous turn while it is active
+(its prefix is cached there), else to the active engine with the fewest requests; the turn generates
+as many tokens as ``ResponseLengths`` draws for it (a continuation the rest of them); ``shrink``
+aborts what the engines hold and offloads them; ``expand`` reloads them and loads the latest weights
+if they are stale; ``train`` takes the training FLOPs of the batch over the given devices;
+``sync_weights`` drains each engine's running batch (or, with ``interrupt``, answers it as aborted
+with what it decoded) and loads.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from targets.api import Aborted, Completion, Device, GenerateRequest, TrainBatch
-from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.engine import SimEngine
 from targets.harness.sim.response_length import ResponseLengths
 
@@ -28,22 +29,23 @@ Answer = Callable[[Completion | BaseException], None]  # told a request's comple
 
 class SimCluster:
     def __init__(
-        self, devices: Sequence[Device], rollout: Sequence[Device], cost: CostModel, lengths: ResponseLengths
+        self, devices: Sequence[Device], rollout: Sequence[Device], costs: ClusterCosts, lengths: ResponseLengths
     ) -> None:
         self.devices = list(devices)
-        self.cost = cost
+        self.costs = costs
         self.lengths = lengths
-        size = cost.engine_devices
+        size = costs.engine_devices
         rollout = list(rollout)
         if len(rollout) % size:
             raise ValueError(
                 f"{len(rollout)} rollout devices do not split into engines of {size} devices "
                 f"(the model needs {size} devices per engine)"
             )
-        self.engines = [
-            SimEngine(f"engine{i}", [d.id for d in rollout[i * size : (i + 1) * size]], cost)
-            for i in range(len(rollout) // size)
-        ]
+        groups = [[d.id for d in rollout[i * size : (i + 1) * size]] for i in range(len(rollout) // size)]
+        for group in groups:
+            if len({costs.pool_of[d] for d in group}) > 1:
+                raise ValueError(f"the engine on {group} would span pools: an engine's devices are of one pool")
+        self.engines = [SimEngine(f"engine{i}", group, costs.of(group[0])) for i, group in enumerate(groups)]
         self._engine_of = {device: engine for engine in self.engines for device in engine.devices}
         self._active = set(self.engines)
         self._sticky: dict[str, SimEngine] = {}
@@ -95,9 +97,9 @@ class SimCluster:
             done(error)
 
     def _served(self, request: GenerateRequest, engine: SimEngine, done: Answer, completion: Completion) -> None:
-        if self.cost.request_overhead_s:  # the answer's way back; the engine serves on
+        if engine.cost.request_overhead_s:  # the answer's way back; the engine serves on
             asyncio.get_running_loop().call_later(
-                self.cost.request_overhead_s, self._answered, request, engine, done, completion
+                engine.cost.request_overhead_s, self._answered, request, engine, done, completion
             )
         else:
             self._answered(request, engine, done, completion)
@@ -126,7 +128,7 @@ class SimCluster:
         for engine in engines:
             engine.offload()
         if engines:
-            await asyncio.sleep(self.cost.offload_s())
+            await asyncio.sleep(max(e.cost.offload_s() for e in engines))
 
     async def expand(self, devices: Sequence[Device]) -> None:
         engines = [e for e in self._engines_on(devices) if e not in self._active]
@@ -134,9 +136,9 @@ class SimCluster:
             return
         for engine in engines:
             engine.reload()
-        await asyncio.sleep(self.cost.reload_s())
+        await asyncio.sleep(max(e.cost.reload_s() for e in engines))
         stale = [e for e in engines if e.version != self.version]
-        await asyncio.gather(*(e.load_weights(self.version, self.cost.sync_s()) for e in stale))
+        await asyncio.gather(*(e.load_weights(self.version, self._sync_s(e)) for e in stale))
         self._active |= set(engines)
         self._unblock()
 
@@ -151,7 +153,7 @@ class SimCluster:
                 "(an engine and a trainer never hold a device at once)"
             )
         self._training = {d.id for d in devices}
-        await asyncio.sleep(self.cost.train_s([len(t.tokens) for t in batch.trajectories], len(devices)))
+        await asyncio.sleep(self.costs.train_s([len(t.tokens) for t in batch.trajectories], [d.id for d in devices]))
         self.version += 1
         return self.version
 
@@ -159,13 +161,17 @@ class SimCluster:
         if version != self.version:
             raise ValueError(f"can only sync the latest version {self.version}, not {version}")
         engines = [e for e in self._engines_on(devices) if e in self._active]
-        await asyncio.gather(*(e.load_weights(version, self.cost.sync_s(), interrupt) for e in engines))
+        await asyncio.gather(*(e.load_weights(version, self._sync_s(e), interrupt) for e in engines))
+
+    def _sync_s(self, engine: SimEngine) -> float:
+        """Loading the latest version into ``engine``: from the pool that trained it (``ClusterCosts.sync_s``)."""
+        return self.costs.sync_s(engine.devices, self._training if self.version else set())
 
     async def export(self, step: int) -> None:
         """The harness's weight export after a step: no weights to copy; the time a real export
         takes (the twin's fitted term) passes."""
-        if self.cost.weight_export_s:
-            await asyncio.sleep(self.cost.weight_export_s)
+        if self.costs.shared.weight_export_s:
+            await asyncio.sleep(self.costs.shared.weight_export_s)
 
     async def saved(self) -> None:
         """A real export's file is written while training goes on; nothing is written here."""
@@ -178,7 +184,7 @@ class SimCluster:
         for engine in engines:
             engine.offload()
         if engines:
-            await asyncio.sleep(self.cost.offload_s())
+            await asyncio.sleep(max(e.cost.offload_s() for e in engines))
 
     async def resume(self) -> None:
         """Every engine reloaded and brought to the latest weights, then routed to again."""
@@ -186,9 +192,9 @@ class SimCluster:
         for engine in engines:
             engine.reload()
         if engines:
-            await asyncio.sleep(self.cost.reload_s())
+            await asyncio.sleep(max(e.cost.reload_s() for e in engines))
             stale = [e for e in engines if e.version != self.version]
-            await asyncio.gather(*(e.load_weights(self.version, self.cost.sync_s()) for e in stale))
+            await asyncio.gather(*(e.load_weights(self.version, self._sync_s(e)) for e in stale))
         self._suspended = False
         self._unblock()
 

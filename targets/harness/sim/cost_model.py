@@ -98,8 +98,12 @@ class CostModel:
     speculative_batch: int = 0
 
     @classmethod
-    def from_spec(cls, spec: TargetSpec) -> CostModel:
-        model, hw, sim = spec.model, spec.hardware, spec.simulator
+    def from_spec(cls, spec: TargetSpec, pool: str | None = None) -> CostModel:
+        """The cost model of the devices of ``pool`` (a single-pool target's only pool when None)."""
+        pools = spec.hardware.pools
+        if pool is None and len(pools) > 1:
+            raise ValueError(f"target {spec.id} has the pools {sorted(pools)}: name one (or use ClusterCosts)")
+        model, hw, sim = spec.model, pools[pool] if pool is not None else next(iter(pools.values())), spec.simulator
         c = model.config
         counts = model.param_counts()
         expert_params = 0.0
@@ -138,9 +142,10 @@ class CostModel:
         )
         devices = sim.engine_devices or cost._smallest_engine()
         if devices > hw.count:
+            where = "hardware.count" if pool is None else f"hardware.pools.{pool}.count"
             raise ValueError(
                 f"the model's weights ({cost.weight_bytes / 1e9:.0f} GB) need {devices} devices per engine, "
-                f"but hardware.count is {hw.count}"
+                f"but {where} is {hw.count}"
             )
         return replace(cost, engine_devices=devices)
 
@@ -234,3 +239,68 @@ class CostModel:
         return self.weight_bytes / self.engine_devices / self.host_bytes_per_s + self.switch_overhead_s
 
     reload_s = offload_s
+
+
+@dataclass(frozen=True)
+class ClusterCosts:
+    """What work costs on each device: each pool's ``CostModel``, the pool a device is in, and the
+    bandwidth between pools (a single-pool target: one pool, no links; the formulas above unchanged).
+
+    * **engines** lie within one pool and cost what their pool's devices cost; every pool's engines
+      span the same ``engine_devices`` (set ``simulator.engine_devices`` where the fewest that fit differ).
+    * **training** on devices of several pools runs at the slowest one's pace (a data-parallel step
+      waits for its slowest rank): the largest of its pools' ``train_s`` over all the devices.
+    * **weight sync** to an engine outside the pool that trained: its shard over the link between
+      the two pools (``hardware.links``, per device) ``+ sync_overhead_s``; within it, the pool's own
+      ``sync_s``.
+    """
+
+    pools: dict[str, CostModel]
+    pool_of: dict[str, str]  # device id -> its pool
+    links: dict[frozenset[str], float]  # two pools -> bytes/s per device between them
+
+    @classmethod
+    def from_spec(cls, spec: TargetSpec) -> ClusterCosts:
+        hardware = spec.hardware
+        if len(hardware.pools) == 1:
+            pools = {name: CostModel.from_spec(spec) for name in hardware.pools}
+        else:
+            pools = {name: CostModel.from_spec(spec, name) for name in hardware.pools}
+        sizes = {name: cost.engine_devices for name, cost in pools.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"the pools need engines of different sizes {sizes}: set simulator.engine_devices to one size"
+            )
+        pool_of = {device: device.partition(":")[0] for device in hardware.device_ids()}  # pool:index
+        links = {frozenset(link.between): link.bandwidth_gbs * 1e9 for link in hardware.links}
+        return cls(pools, pool_of, links)
+
+    @property
+    def engine_devices(self) -> int:
+        return next(iter(self.pools.values())).engine_devices
+
+    @property
+    def shared(self) -> CostModel:
+        """A pool's model for the terms every pool shares (the model's sizes, the spec's overheads)."""
+        return next(iter(self.pools.values()))
+
+    def of(self, device: str) -> CostModel:
+        return self.pools[self.pool_of[device]]
+
+    def speculating(self, draft_tokens: int, batch_limit: int) -> ClusterCosts:
+        pools = {name: cost.speculating(draft_tokens, batch_limit) for name, cost in self.pools.items()}
+        return replace(self, pools=pools)
+
+    def train_s(self, lengths: list[int], devices: list[str]) -> float:
+        return max(self.of(d).train_s(lengths, len(devices)) for d in devices)
+
+    def sync_s(self, engine: list[str], trained_on: set[str]) -> float:
+        """Seconds to load a version into the engine on ``engine`` from the pools of ``trained_on``
+        (the devices that made it; empty: the harness's version 0, loaded within the pool)."""
+        pool = self.pool_of[engine[0]]
+        cost = self.pools[pool]
+        sources = {self.pool_of[d] for d in trained_on}
+        if not sources or pool in sources:
+            return cost.sync_s()
+        link = max(self.links[frozenset((pool, source))] for source in sources)
+        return cost.weight_bytes / cost.engine_devices / link + cost.sync_overhead_s

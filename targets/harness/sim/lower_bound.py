@@ -18,11 +18,14 @@ No schedule can beat either of two limits:
 
 The step's bound is the larger of the two; ``fraction = bound / measured step time``. The work bound
 is also given by phase (``rollout_bound_s``, ``train_bound_s``: each phase's work over all devices),
-to set beside where the devices' time went (``metrics.py``: ``step_rollout_s``, ... ``step_idle_s``):
-the rest of the gap is each phase's excess over its work, switching and sync (whose bound is zero),
-and idle time. Per step (``lower_bound_steps``): each step's measured time (from the previous train
-call's end to its own), its rollout and train work per device, and its longest path over ``1 + a``;
-the bound holds for their mean, not for every step (work may move between neighbouring steps).
+to set beside where the devices' time went (``metrics.py``: ``step_rollout_s``, ...
+``step_idle_s``): the rest of the gap is each phase's excess over its work, switching and sync
+(whose bound is zero), and idle time. On hardware of several pools every turn's work, every step's
+training and every turn of a critical path is counted at the pool where it is cheapest: no placement
+does better, so the bound still holds (and is loose by what the cheapest pool cannot hold). Per step
+(``lower_bound_steps``): each step's measured time (from the previous train call's end to its own),
+its rollout and train work per device, and its longest path over ``1 + a``; the bound holds for
+their mean, not for every step (work may move between neighbouring steps).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from targets.api import TraceEvent
-from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.trace import token_count
 from targets.spec import TargetSpec
 
@@ -52,7 +55,7 @@ def _turns(events: list[TraceEvent]) -> dict[str, list[tuple[int, int, int, floa
     return turns
 
 
-def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]) -> dict:
+def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEvent]) -> dict:
     turns = _turns(events)
     trains = [e for e in events if e.kind == "train"]
     if not trains:
@@ -62,22 +65,28 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
     devices = len(run_start.data["devices"])
     stretch = 1 + spec.workload.staleness_limit  # the loosest staleness any stack may declare
 
+    pools = list(costs.pools.values())
+
+    def turn_work(cost, context: int, new: int, response: int) -> float:
+        batch = max(1, cost.kv_capacity_tokens // max(1, context + response))
+        per_token = cost.fastest_token_s(batch, batch * (context + response / 2)) / batch
+        return (cost.prefill_s(new, context - new) + response * per_token) * cost.engine_devices
+
     def rollout_work(episode: str) -> float:
-        seconds = 0.0
-        for context, new, response, _ in turns.get(episode, []):
-            batch = max(1, cost.kv_capacity_tokens // max(1, context + response))
-            per_token = cost.fastest_token_s(batch, batch * (context + response / 2)) / batch
-            seconds += cost.prefill_s(new, context - new) + response * per_token
-        return seconds * cost.engine_devices
+        return sum(min(turn_work(c, *turn[:3]) for c in pools) for turn in turns.get(episode, []))
 
     def critical_path(episode: str) -> float:
         return sum(
-            cost.prefill_s(new, context - new)
-            + response * cost.fastest_token_s(1, context + response / 2)
-            + cost.request_overhead_s
+            min(
+                c.prefill_s(new, context - new) + response * c.fastest_token_s(1, context + response / 2) for c in pools
+            )
+            + costs.shared.request_overhead_s
             + latency
             for context, new, response, latency in turns.get(episode, [])
         )
+
+    def train_work(lengths: list[int]) -> float:
+        return min(c.train_s(lengths, 1) - c.train_step_overhead_s for c in pools)
 
     steps = []
     previous_end = run_start.t
@@ -89,7 +98,7 @@ def step_lower_bound(spec: TargetSpec, cost: CostModel, events: list[TraceEvent]
                 "step": number,
                 "measured_s": train.t - previous_end,
                 "rollout_s": sum(rollout_work(e) for e in episodes) / devices,
-                "train_s": (cost.train_s(lengths, 1) - cost.train_step_overhead_s) / devices,
+                "train_s": train_work(lengths) / devices,
                 "path_s": max((critical_path(e) for e in episodes), default=0.0) / stretch,
             }
         )

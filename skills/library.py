@@ -59,6 +59,7 @@ class Skill(BaseModel):
     controllers: list[str] = []  # a technique: the controllers it works under (empty: every one)
     requires: list[str] = []  # techniques that must be on with it
     conflicts: list[str] = []  # techniques that must be off with it
+    hardware: Literal["any", "mixed"] = "any"  # mixed: only where the target's devices are of several kinds
     text: str = ""
 
     def is_on(self, params: dict) -> bool:

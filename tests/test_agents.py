@@ -605,6 +605,33 @@ def test_stale_drops_hint_the_early_abort(tiny_spec):
     assert not [h for h in hints_from(metrics, events, simulated=True) if h.code == "stale_drops"]
 
 
+def test_rollout_on_devices_of_several_kinds_hints_hardware_affinity_which_only_mixed_targets_get(tiny_spec):
+    """Turns served on an H20 and an H800 are the ``mixed_kinds`` finding; the planner answers it with
+    hardware_affinity, which it never proposes (by hint or by composition) where devices are of one kind."""
+    events = [_event("run_start", 0.0, devices=["h20:0", "h800:0"]), _event("run_end", 4.0)]
+    events += [_event("generate", 1.0, start=0.0, aborted=False, device=d) for d in ("h20:0", "h800:0", "h20:0")]
+    metrics = {
+        "mean_device_busy": 0.9,
+        "device_utilization": {},
+        "timeout_ratio": 0.0,
+        "aborted_turns": 0,
+        "sync_s": 0.0,
+        "duration_s": 4.0,
+    }
+    kinds = {"h20:0": "h20", "h800:0": "h800"}
+    hints = [h for h in hints_from(metrics, events, simulated=True, kinds=kinds) if h.code == "mixed_kinds"]
+    assert len(hints) == 1 and hints[0].evidence == {"turns_by_kind": {"h20": 2, "h800": 1}}
+    assert not [h for h in hints_from(metrics, events, simulated=True, kinds={}) if h.code == "mixed_kinds"]
+    params = {"controller": "time_multiplex", "train_devices": 8}
+    mixed = OfflinePlanner(load_target("qwen3-8b-h20x8-h800x8"), simulated=True)
+    assert [t.changes for t in mixed.tasks_from_hints(hints, params)] == [{"affinity_ratio": 4.0}]
+    assert "add-hardware_affinity" in [t.id for t in mixed.composition_tasks(params)]
+    single = OfflinePlanner(tiny_spec)
+    params = {"controller": "time_multiplex", "train_devices": 1}
+    assert not single.tasks_from_hints(hints, params)
+    assert "add-hardware_affinity" not in [t.id for t in single.composition_tasks(params)]
+
+
 @pytest.fixture(scope="module")
 def big_spec():
     return load_target("qwen3-235b-a22b-h800x160")

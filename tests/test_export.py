@@ -166,7 +166,7 @@ def test_the_launcher_refuses_a_target_whose_hardware_this_machine_lacks(tmp_pat
         [sys.executable, "train.py"], cwd=out, env=without_vibetrain, capture_output=True, text=True, timeout=300
     )
     assert run.returncode != 0 and "step 1/" not in run.stdout
-    assert "trains on 8 h100 device(s)" in run.stderr and "this machine has" in run.stderr, run.stderr[-2000:]
+    assert "trains on 8x h100 device(s)" in run.stderr and "this machine has" in run.stderr, run.stderr[-2000:]
 
 
 USER_ENVIRONMENT = '''

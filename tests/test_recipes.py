@@ -239,7 +239,9 @@ def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path,
 def test_the_trainers_own_qwen3_is_transformers_qwen3_in_names_values_and_gradients(path, family):
     """The trainer's model (no transformers import) against transformers' class on a right-padded batch:
     the same parameter names in the same order, the same hidden states and the same gradients, with
-    and without activation checkpointing."""
+    and without activation checkpointing. The gradients are compared by norm: the MoE router's backward
+    through the top-k renormalisation cancels, so a sum in another order moves elements by ~1e-4 of the
+    gradient on some CPUs (a wrong sign or a dropped term moves it by its whole size)."""
     from skills.recipes.qwen3_trainable import Qwen3ForTraining
 
     if family == "moe":
@@ -263,8 +265,13 @@ def test_the_trainers_own_qwen3_is_transformers_qwen3_in_names_values_and_gradie
         got[valid].square().sum().backward()
         torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-6)
         grads = dict(reference.named_parameters())
-        for name, parameter in ours.named_parameters():
-            torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+        for name, parameter in ours.named_parameters():  # summed in another order: relative to the whole gradient
+            want_grad = grads[name].grad
+            if want_grad is None:  # a tied head's own name, or a parameter no token reached
+                assert parameter.grad is None, name
+                continue
+            error = ((parameter.grad - want_grad).norm() / want_grad.norm()).item()
+            assert error < 1e-3, f"{name}: the gradient differs by {error:.1e} of its norm"
 
 
 def _second_rank(path: str, rendezvous: str, done) -> None:
@@ -450,10 +457,11 @@ def test_a_trainer_that_cannot_fit_its_devices_fails_at_build_with_the_arithmeti
 class _HeldCluster:
     """A cluster whose requests complete only when the test says so; it serves where it is asked."""
 
-    def __init__(self, devices: list[str]) -> None:
+    def __init__(self, devices: list[str], kinds: dict[str, tuple[float, float]] | None = None) -> None:
         from targets.api import Device
 
-        self.devices = [Device(d, "cpu", i) for i, d in enumerate(devices)]
+        kinds = kinds or {}  # device -> (its kind's TFLOP/s, its HBM GB/s)
+        self.devices = [Device(d, "cpu", i, *kinds.get(d, (0.0, 0.0))) for i, d in enumerate(devices)]
         self.pending: list[tuple[object, asyncio.Future]] = []
 
     async def generate(self, request):
@@ -461,11 +469,11 @@ class _HeldCluster:
         self.pending.append((request, done))
         return await done
 
-    def answer(self, index: int = 0) -> None:
+    def answer(self, index: int = 0, tokens: int = 1) -> None:
         from targets.api import Completion
 
         request, done = self.pending.pop(index)
-        done.set_result(Completion([5], [-1.0], "length", 0, request.device))
+        done.set_result(Completion([5] * tokens, [-1.0] * tokens, "length", 0, request.device))
 
 
 def _request(episode: str, turn: int, prompt_tokens: int):
@@ -512,6 +520,62 @@ def test_the_router_admits_by_kv_longest_first_and_yields_its_sticky_engine_past
         await asyncio.gather(busy, moved)
 
     asyncio.run(scenario())
+
+
+def test_hardware_affinity_sends_prefill_heavy_episodes_to_compute_rich_engines_and_yields_past_the_slack():
+    from skills.recipes.router import RoutedCluster
+
+    h20, h800 = (148.0, 4000.0), (989.0, 3350.0)
+    devices = ["h20:0", "h20:1", "h800:0"]
+
+    async def scenario():
+        cluster = _HeldCluster(devices, {"h20:0": h20, "h20:1": h20, "h800:0": h800})
+        router = RoutedCluster(cluster, devices, 1, slack_tokens=1000, admit_tokens=0, affinity_ratio=4.0)
+        assert router.compute_rich == {"h800:0"}
+
+        async def turn(episode, number, prompt, generated):
+            task = asyncio.create_task(router.generate(_request(episode, number, prompt)))
+            await asyncio.sleep(0)
+            device = cluster.pending[-1][0].device
+            cluster.answer(len(cluster.pending) - 1, generated)
+            await task
+            return device
+
+        # first turns: nothing measured, least loaded first (names break ties)
+        assert await turn("tool", 0, 400, 20) == "h20:0"  # 400 prompt tokens for 20 generated: prefill-heavy
+        assert await turn("math", 0, 40, 200) == "h20:0"  # 40 for 200: decode-heavy
+        # later turns go to the kind their measured balance prefers
+        assert await turn("tool", 1, 820, 20) == "h800:0"  # 400 more prompt tokens: 800 for 40 generated
+        assert await turn("math", 1, 250, 200) in ("h20:0", "h20:1")
+        # a preferred kind busier than the slack yields to the least loaded engine of any kind
+        held = asyncio.create_task(router.generate(_request("long", 0, 3000)))
+        await asyncio.sleep(0)
+        assert cluster.pending[-1][0].device == "h20:0"
+        hog = asyncio.create_task(router.generate(_request("hog", 0, 3000)))
+        await asyncio.sleep(0)
+        assert cluster.pending[-1][0].device == "h20:1"
+        busy = asyncio.create_task(router.generate(_request("busy", 0, 1500)))
+        await asyncio.sleep(0)
+        assert cluster.pending[-1][0].device == "h800:0"  # now every engine holds over 1000 tokens
+        moved = asyncio.create_task(
+            router.generate(
+                _request(
+                    "math",
+                    2,
+                    460,
+                )
+            )
+        )
+        await asyncio.sleep(0)
+        assert cluster.pending[-1][0].device == "h800:0"  # the H20s hold 1000 more than the H800: past the slack
+        while cluster.pending:
+            cluster.answer(0)
+            await asyncio.sleep(0)
+        await asyncio.gather(held, hog, busy, moved)
+
+    asyncio.run(scenario())
+    # one kind of device: nothing to choose, no preference
+    assert RoutedCluster(_HeldCluster(devices), devices, 1, 0, 0, affinity_ratio=4.0).compute_rich == set()
 
 
 def test_the_paged_engine_draws_every_unseeded_row_of_a_step_in_one_call(tiny_spec, monkeypatch):

@@ -610,7 +610,7 @@ def _mixed(engine_devices=None):
     """The 8B target on two pools: bandwidth-rich H20s beside compute-rich H800s, 25 GB/s between."""
     data = load_target("qwen3-8b-h800x16").model_dump(mode="json")
     data["hardware"] = {
-        "pools": {"rollout": {"kind": "h20", "count": 2}, "train": {"kind": "h800", "count": 2}},
+        "pools": [{"name": "rollout", "kind": "h20", "count": 2}, {"name": "train", "kind": "h800", "count": 2}],
         "links": [{"between": ["train", "rollout"], "bandwidth_gbs": 25}],
     }
     data["baselines"] = [{"name": "colocate"}]

@@ -22,19 +22,22 @@ def _error(data: dict) -> str:
     return str(caught.value)
 
 
-def test_catalog_has_the_eight_targets():
+def test_catalog_has_the_nine_targets():
     assert catalog_ids() == [
         "qwen3-0.6b-h100x1",
         "qwen3-0.6b-h100x1-arithmetic",
         "qwen3-235b-a22b-h800x160",
         "qwen3-30b-a3b-h20x64",
         "qwen3-8b-h100x8",
+        "qwen3-8b-h20x8-h800x8",
         "qwen3-8b-h800x16",
         "tiny-qwen3-cpu",
         "tiny-qwen3-cpu-arithmetic",
     ]
     math = load_target("qwen3-30b-a3b-h20x64")  # single-turn long chain-of-thought
     assert math.workload.turns.max == 1 and math.workload.group_size == 16 and math.workload.tokens.response == 16384
+    mixed = load_target("qwen3-8b-h20x8-h800x8")  # RollArt-like: H20s beside H800s, 25 GB/s between
+    assert mixed.hardware.summary == "8x h20 (h20) + 8x h800 (h800)" and mixed.hardware.link_gbs("h20", "h800") == 25
     tools = load_target("qwen3-8b-h800x16")  # slow, failing tools
     assert tools.workload.env_failure_rate == 0.02 and tools.workload.env_latency_s.median == 10.0
     for real_environment in ("tiny-qwen3-cpu-arithmetic", "qwen3-0.6b-h100x1-arithmetic"):
@@ -76,7 +79,10 @@ def test_hardware_numbers_come_from_the_catalog_and_can_be_overridden(catalog_ya
 
 
 MIXED = {
-    "pools": {"rollout": {"kind": "h20", "count": 2}, "train": {"kind": "h800", "count": 2, "mfu": 0.3}},
+    "pools": [
+        {"name": "rollout", "kind": "h20", "count": 2},
+        {"name": "train", "kind": "h800", "count": 2, "mfu": 0.3},
+    ],
     "links": [{"between": ["rollout", "train"], "bandwidth_gbs": 25}],
 }
 
@@ -90,25 +96,26 @@ def test_pools_name_their_devices_and_take_their_numbers_from_the_catalog(catalo
     assert hardware.pool_of("rollout:0").hbm_bandwidth_gbs == 4000.0 and hardware.link_gbs("train", "rollout") == 25
     catalog_yaml["hardware"] = {"kind": "cpu", "count": 2}  # one pool: named by its kind, as before
     single = parse_target(catalog_yaml).hardware
-    assert single.device_ids() == ["cpu:0", "cpu:1"] and list(single.pools) == ["cpu"] and single.links == ()
+    assert single.device_ids() == ["cpu:0", "cpu:1"] and list(single.by_name) == ["cpu"] and single.links == ()
 
 
 @pytest.mark.parametrize(
     "change, named",
     [
-        (lambda h: h["pools"]["train"].update(count=0), "field `hardware.pools.train.count`: Input should be greater"),
+        (lambda h: h["pools"][1].update(count=0), "field `hardware.pools.1.count`: Input should be greater"),
         (
-            lambda h: h["pools"]["train"].update(kind="h900"),
-            "field `hardware.pools.train`: unknown hardware kind 'h900'",
+            lambda h: h["pools"][1].update(kind="h900"),
+            "field `hardware.pools.1`: unknown hardware kind 'h900'",
         ),
-        (lambda h: h["pools"]["train"].update(memroy_gb=1), "field `hardware.pools.train.memroy_gb`: unknown field"),
+        (lambda h: h["pools"][1].update(memroy_gb=1), "field `hardware.pools.1.memroy_gb`: unknown field"),
         (lambda h: h["links"][0].update(between=["rollout", "trian"]), "links.0.between names the pool 'trian'"),
         (
             lambda h: h["links"][0].update(between=["train", "train"]),
             "links.0.between joins the pool 'train' to itself",
         ),
         (lambda h: h.update(links=[]), "no link between the pools 'rollout' and 'train'"),
-        (lambda h: h["pools"].update(Serve={"kind": "h20", "count": 1}), "field `hardware.pools.Serve.[key]`"),
+        (lambda h: h["pools"][1].update(name="Train"), "field `hardware.pools.1.name`: String should match pattern"),
+        (lambda h: h["pools"][1].update(name="rollout"), "pools: two pools are named 'rollout'"),
         (lambda h: h["links"][0].update(bandwidth_gbs=0), "field `hardware.links.0.bandwidth_gbs`"),
     ],
 )
@@ -269,7 +276,7 @@ def test_a_gpu_target_forced_real_without_a_gpu_fails_with_one_clear_message(tmp
     result = runner.invoke(app, ["check", str(path)])
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
-    assert "executes for real on 1 h100 GPU(s), and this machine has 0" in said and "Traceback" not in said
+    assert "executes for real on 1x h100 GPU(s), and this machine has 0" in said and "Traceback" not in said
 
 
 def test_limits_follow_the_model_size_unless_stated(catalog_yaml):

@@ -257,6 +257,59 @@ def test_kv_routing_routes_each_turn_and_bounds_each_engines_kv(tmp_path, fast_t
     assert most * least_need > 2 * bound  # demand the bound had to hold back
 
 
+TWO_KINDS = {  # one logical CPU device rich in bandwidth, one rich in compute (their numbers overridden)
+    "pools": [
+        {"name": "wide", "kind": "cpu", "count": 1, "bf16_tflops": 0.05, "hbm_bandwidth_gbs": 20.0},
+        {"name": "dense", "kind": "cpu", "count": 1, "bf16_tflops": 0.4, "hbm_bandwidth_gbs": 10.0},
+    ],
+    "links": [{"between": ["wide", "dense"], "bandwidth_gbs": 1.0}],
+}
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_hardware_affinity_routes_by_each_episodes_measured_prefill_decode_balance(tmp_path, fast_target, simulate):
+    """Two pools of different balance (time_multiplex trains on the compute-rich one, the last): read
+    from the trace, every turn of an episode that had added at least ``affinity_ratio`` prompt tokens
+    per generated token went to the compute-rich engine while it was rolling out, and every other
+    measured turn to the bandwidth-rich one (the slack is wide enough never to override)."""
+    data = yaml.safe_load(fast_target.read_text())
+    data["hardware"] = TWO_KINDS
+    target = tmp_path / "two-kinds.yaml"
+    target.write_text(yaml.safe_dump(data))
+    ratio = 0.6  # between a first turn's 12 prompt tokens per 16 generated and later turns' 8 per 16
+    spec, events = _run(tmp_path, target, {"affinity_ratio": ratio, "route_slack": 16.0}, simulate, {"train_steps": 2})
+    assert [e.data["devices"] for e in events if e.kind == "run_start"] == [["wide:0", "dense:0"]]
+    rolling: set[str] = {"wide:0", "dense:0"}  # time_multiplex starts with every engine awake
+    counted: dict[str, list[int]] = {}  # episode -> [prefill, decode] before the turn, as the router counts
+    context: dict[str, int] = {}
+    classes = Counter()
+
+    def when(e) -> float:  # the router drops an engine as its shrink starts and routes to it once expanded
+        return e.data["start"] if e.kind in ("generate", "shrink", "suspend") else e.t
+
+    for e in sorted(events, key=when):
+        if e.kind in ("shrink", "suspend"):
+            rolling -= set(e.data.get("devices", rolling))
+        elif e.kind in ("expand", "resume"):
+            rolling |= set(e.data.get("devices", ["wide:0", "dense:0"]))
+        if e.kind != "generate" or e.data["aborted"] or e.data["continues"]:
+            continue
+        episode, prompt, generated = e.data["episode"], token_count(e.data["prompt"]), token_count(e.data["tokens"])
+        if episode in counted and e.data["routed"] is not None:
+            prefill, decode = counted[episode]
+            heavy = prefill >= ratio * max(1, decode)
+            if heavy and "dense:0" in rolling:
+                assert e.data["routed"] == "dense:0", (episode, counted[episode])
+                classes["prefill-heavy"] += 1
+            elif not heavy:
+                assert e.data["routed"] == "wide:0", (episode, counted[episode])
+                classes["decode-heavy"] += 1
+        before = counted.setdefault(episode, [0, 0])
+        counted[episode] = [before[0] + max(0, prompt - context.get(episode, 0)), before[1] + generated]
+        context[episode] = prompt + generated
+    assert classes["prefill-heavy"] and classes["decode-heavy"], classes
+
+
 def test_a_cluster_obeying_a_route_to_a_shrunk_engine_fails_the_audit(tmp_path, fast_target):
     """The misuse routing makes possible: a turn asked for (and served by) an engine the controller
     had shrunk. Planted into a simulated routed run's trace: the audit rejects it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,9 +51,22 @@ def concurrency_shares(events: list) -> tuple[float, float]:
     return stalled, tail
 
 
-def hints_from(metrics: dict, events: list, simulated: bool) -> list[Hint]:
-    """Findings, each with its evidence; ``code`` is what skills list as triggers."""
+def hints_from(metrics: dict, events: list, simulated: bool, kinds: dict[str, str] | None = None) -> list[Hint]:
+    """Findings, each with its evidence; ``code`` is what skills list as triggers. ``kinds``: each
+    device's kind (one kind unless the target has pools of several)."""
     hints = []
+    served = Counter((kinds or {}).get(e.data["device"], "") for e in events if e.kind == "generate")
+    served.pop("", None)
+    if len(served) > 1:
+        hints.append(
+            Hint(
+                code="mixed_kinds",
+                message="rollout ran on devices of "
+                + ", ".join(f"{k} ({n} turns)" for k, n in sorted(served.items()))
+                + ": each turn may go where its prefill or decode is cheapest",
+                evidence={"turns_by_kind": dict(served)},
+            )
+        )
     stalled, tail = concurrency_shares(events)
     if stalled > STALL_SHARE:
         hints.append(
@@ -227,7 +241,8 @@ class OfflineEvaluator:
         summary = run.summary(headline)
         median = measurements[run.median_index(headline)]
         events = median.events()
-        hints = hints_from(summary["metrics"], events, self.session.target.simulated)
+        kinds = {d.id: d.kind for d in self.session.target.devices()}
+        hints = hints_from(summary["metrics"], events, self.session.target.simulated, kinds)
         return Evaluation(
             summary["metrics"][headline],
             summary["metrics"],

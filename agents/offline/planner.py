@@ -126,6 +126,7 @@ class OfflinePlanner:
         changes = {k: self._within_target(skill, k, self._typed(skill, k, v)) for k, v in skill.enable.items()}
         if (
             not skill.is_on(changes)
+            or (skill.hardware == "mixed" and len({p.kind for p in self.spec.hardware.by_name.values()}) < 2)
             or not applicable(self.skills, skill, params)
             or not all(self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items())
         ):

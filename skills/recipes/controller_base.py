@@ -53,9 +53,10 @@ class ControllerBase:
         raise NotImplementedError
 
     def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[Cluster, GroupBuffer, EnvManager]:
-        """The cluster the controller drives (routed by the controller with ``kv_routing``), the
+        """The cluster the controller drives (routed by the controller with ``kv_routing`` or
+        ``hardware_affinity``), the
         group buffer, and the environment manager generating on that cluster."""
-        if self.params.get("kv_routing", 0):
+        if self.params.get("kv_routing", 0) or self.params.get("affinity_ratio", 0.0):
             rollout, _ = self.placement(cluster.devices)
             cluster = RoutedCluster(
                 cluster,
@@ -64,6 +65,7 @@ class ControllerBase:
                 # both in units of one full-length sequence's KV, so one setting means the same on any target
                 slack_tokens=round(self.params.get("route_slack", 1.0) * self.max_sequence),
                 admit_tokens=round(self.params.get("route_admit", 0.0) * self.max_sequence),
+                affinity_ratio=self.params.get("affinity_ratio", 0.0),
             )
         buffer = GroupBuffer(self.group_size, async_ratio, envs)
         manager = EnvManager(

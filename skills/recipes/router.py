@@ -1,4 +1,5 @@
-"""Length- and KV-aware routing and admission (the ``kv_routing`` technique), on the controller's side.
+"""Length- and KV-aware routing and admission (the ``kv_routing`` technique) and hardware-affinity
+routing (``hardware_affinity``), on the controller's side.
 
 The cluster on its own keeps an episode on the engine that served its previous turn (the prefix is
 cached there). That ignores what the requests cost: one engine can hold many long contexts while
@@ -13,6 +14,16 @@ another idles, and every request is sent the moment its turn starts, queueing be
 * **admission** (``admit_tokens`` > 0): a request that would push its engine past ``admit_tokens``
   waits here while the engine holds anything, and waiting requests are admitted longest context
   first (Seer's longest-first: the long ones start early instead of ending the batch's tail).
+
+* **hardware affinity** (``affinity_ratio`` > 0, on devices of more than one kind): each episode's
+  prefill tokens (what each turn adds to the prompt) and decode tokens (what it generates) are counted
+  as it runs; an episode adding at least ``affinity_ratio`` prompt tokens per generated token is
+  prefill-heavy (compute-bound) and prefers the compute-rich engines (the highest peak FLOP/s per byte
+  of HBM bandwidth), the others the bandwidth-rich ones (RollArt's mapping of FrozenLake and SWE
+  trajectories to H800s and single-turn math to H20s, decided here per trajectory as it runs). A
+  preference yields to the gate: when the preferred kind's least loaded engine holds more than
+  ``slack_tokens`` over the least loaded engine of any kind, the turn goes there. An episode's first
+  turn, before anything is measured, has no preference.
 
 Engines are groups of ``runtime.engine_devices`` consecutive rollout devices (the cluster groups them
 the same way), each known by its first device, the one its completions name. An engine is routable
@@ -33,10 +44,19 @@ from targets.api import Cluster, Completion, GenerateRequest
 
 class RoutedCluster:
     def __init__(
-        self, cluster: Cluster, rollout_devices: list[str], engine_devices: int, slack_tokens: int, admit_tokens: int
+        self,
+        cluster: Cluster,
+        rollout_devices: list[str],
+        engine_devices: int,
+        slack_tokens: int,
+        admit_tokens: int,
+        affinity_ratio: float = 0.0,
     ) -> None:
-        if slack_tokens < 0 or admit_tokens < 0:
-            raise ValueError(f"the routing slack and admission bound must be >= 0: {slack_tokens}, {admit_tokens}")
+        if slack_tokens < 0 or admit_tokens < 0 or affinity_ratio < 0:
+            raise ValueError(
+                "the routing slack, admission bound and affinity ratio must be >= 0: "
+                f"{slack_tokens}, {admit_tokens}, {affinity_ratio}"
+            )
         self.routed_cluster, self.devices = cluster, cluster.devices  # the cluster this one routes for
         self.slack_tokens, self.admit_tokens = slack_tokens, admit_tokens
         self.engines = {  # engine (its first device) -> its devices
@@ -49,6 +69,24 @@ class RoutedCluster:
         self._previous: dict[str, str] = {}  # episode -> the engine of its previous turn
         self._waiting: list[tuple[int, int, asyncio.Future]] = []  # (-tokens, arrival, wake-up), sorted at release
         self._arrival = itertools.count()
+        self.affinity_ratio = affinity_ratio
+        self.compute_rich = self._compute_rich(cluster.devices) if affinity_ratio else set()
+        self.tokens: dict[str, list[int]] = {}  # episode -> [prefill tokens, decode tokens] so far
+        self._context: dict[str, int] = {}  # episode -> its context after its last turn
+
+    def _compute_rich(self, devices) -> set[str]:
+        """The engines on the kind with the most FLOP/s per byte of bandwidth; none when one kind (or
+        unknown numbers) leaves nothing to choose."""
+        by_id = {d.id: d for d in devices}
+        ridge = {
+            engine: by_id[engine].bf16_tflops / by_id[engine].hbm_bandwidth_gbs
+            for engine in self.engines
+            if by_id[engine].hbm_bandwidth_gbs > 0
+        }
+        if len(ridge) < len(self.engines) or len(set(ridge.values())) < 2:
+            return set()
+        top = max(ridge.values())
+        return {engine for engine, value in ridge.items() if value == top}
 
     def __getattr__(self, name: str):
         return getattr(self.routed_cluster, name)  # train, sync_weights, now, sleep, ...: the cluster's own
@@ -64,10 +102,31 @@ class RoutedCluster:
         if not engines:
             return None
         least = min(engines, key=lambda e: (self.load[e], e))
+        preferred = self._preferred(episode, engines)
+        if preferred:
+            least_preferred = min(preferred, key=lambda e: (self.load[e], e))
+            if self.load[least_preferred] - self.load[least] <= self.slack_tokens:
+                engines, least = preferred, least_preferred
         previous = self._previous.get(episode)
         if previous in engines and self.load[previous] - self.load[least] <= self.slack_tokens:
             return previous
         return least
+
+    def _preferred(self, episode: str, engines: list[str]) -> list[str]:
+        """The routable engines of the kind this episode's measured balance prefers (none: no preference)."""
+        if not self.compute_rich or episode not in self.tokens:
+            return []
+        prefill, decode = self.tokens[episode]
+        wants_compute = prefill >= self.affinity_ratio * max(1, decode)
+        return [e for e in engines if (e in self.compute_rich) == wants_compute]
+
+    def _measure(self, request: GenerateRequest, completion: Completion) -> None:
+        """Count what the turn prefilled (the prompt past the previous turn's context) and decoded."""
+        episode = request.episode_id
+        prefill, decode = self.tokens.setdefault(episode, [0, 0])
+        added = len(request.prompt) - self._context.get(episode, 0)
+        self.tokens[episode] = [prefill + max(0, added), decode + len(completion.tokens)]
+        self._context[episode] = len(request.prompt) + len(completion.tokens)
 
     async def _admit(self, episode: str, tokens: int) -> str | None:
         """The engine to send to, once it has room (``admit_tokens``); an engine holding nothing
@@ -101,6 +160,8 @@ class RoutedCluster:
                 self.load[engine] -= tokens
             self._release()
         self._previous[request.episode_id] = completion.device
+        if self.compute_rich:
+            self._measure(request, completion)
         return completion
 
     # -- the rollout pool -------------------------------------------------------------------------

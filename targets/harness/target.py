@@ -124,7 +124,7 @@ class Target:
             stop_token_ids(path),
             workload_view(self.spec),
             "cuda" if self.gpu else "cpu",
-            int(min(p.memory_gb for p in self.spec.hardware.pools.values()) * 1e9) if self.gpu else 0,
+            int(min(p.memory_gb for p in self.spec.hardware.by_name.values()) * 1e9) if self.gpu else 0,
             engine_devices,
         )
 

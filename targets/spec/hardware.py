@@ -2,7 +2,7 @@
 catalog's numbers), or several named pools and the links between them (``docs/targets.md``).
 
 Devices are named ``pool:index`` everywhere; a single pool is named by its kind, so a one-pool
-target's devices are ``kind:index``. Pools are listed in the order their devices are numbered, which
+target's devices are ``kind:index``. Pools are a list, in the order their devices are numbered, which
 is the order a stack's controllers see them in (``targets.api.Runtime.devices``).
 """
 
@@ -45,7 +45,8 @@ class HardwareSpec(Strict):
 
     # -- what every hardware spec answers (``PooledHardwareSpec`` too) ---------------------------
     @property
-    def pools(self) -> dict[str, HardwareSpec]:
+    def by_name(self) -> dict[str, HardwareSpec]:
+        """Each pool by its name (a single pool is named by its kind), in device order."""
         return {self.kind: self}
 
     @property
@@ -65,6 +66,12 @@ class HardwareSpec(Strict):
         return self
 
 
+class PoolSpec(HardwareSpec):
+    """One of several pools: a device kind and count as a single pool has, and a name."""
+
+    name: str = Field(pattern=POOL_NAME)
+
+
 class LinkSpec(Strict):
     """The bandwidth between two pools' devices: what each device can send to the other pool (a NIC's
     share, GB/s), which weights crossing from a training pool to a rollout pool travel over."""
@@ -77,49 +84,56 @@ class PooledHardwareSpec(Strict):
     """Several pools, named, of possibly different kinds (a compute-rich training pool beside a
     bandwidth-rich rollout pool), and a link between every two of them."""
 
-    pools: dict[Annotated[str, Field(pattern=POOL_NAME)], HardwareSpec] = Field(min_length=2)
+    pools: tuple[PoolSpec, ...] = Field(min_length=2)
     links: tuple[LinkSpec, ...]
+
+    @property
+    def by_name(self) -> dict[str, HardwareSpec]:
+        return {pool.name: pool for pool in self.pools}
 
     @model_validator(mode="after")
     def _links_join_the_pools(self) -> PooledHardwareSpec:
+        names = [pool.name for pool in self.pools]
+        if len(set(names)) < len(names):
+            raise ValueError(f"pools: two pools are named {next(n for n in names if names.count(n) > 1)!r}")
         seen: set[frozenset[str]] = set()
         for i, link in enumerate(self.links):
-            unknown = [name for name in link.between if name not in self.pools]
+            unknown = [name for name in link.between if name not in self.by_name]
             if unknown:
-                raise ValueError(f"links.{i}.between names the pool {unknown[0]!r}; the pools are {sorted(self.pools)}")
+                raise ValueError(f"links.{i}.between names the pool {unknown[0]!r}; the pools are {names}")
             pair = frozenset(link.between)
             if len(pair) != 2:
                 raise ValueError(f"links.{i}.between joins the pool {link.between[0]!r} to itself")
             if pair in seen:
                 raise ValueError(f"links.{i}.between joins {' and '.join(sorted(pair))} a second time")
             seen.add(pair)
-        for a, b in itertools.combinations(self.pools, 2):
+        for a, b in itertools.combinations(names, 2):
             if frozenset((a, b)) not in seen:
                 raise ValueError(f"no link between the pools {a!r} and {b!r}: weights could not reach one of them")
         return self
 
     @property
     def count(self) -> int:
-        return sum(pool.count for pool in self.pools.values())
+        return sum(pool.count for pool in self.pools)
 
     @property
     def kind(self) -> str:
         """The one kind every pool has, else ``mixed``."""
-        kinds = {pool.kind for pool in self.pools.values()}
+        kinds = {pool.kind for pool in self.pools}
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
     @property
     def summary(self) -> str:
-        return " + ".join(f"{pool.count}x {pool.kind} ({name})" for name, pool in self.pools.items())
+        return " + ".join(f"{pool.count}x {pool.kind} ({pool.name})" for pool in self.pools)
 
     def device_ids(self) -> list[str]:
-        return [f"{name}:{i}" for name, pool in self.pools.items() for i in range(pool.count)]
+        return [f"{pool.name}:{i}" for pool in self.pools for i in range(pool.count)]
 
     def pool_of(self, device: str) -> HardwareSpec:
         name = device.partition(":")[0]
-        if name not in self.pools:
-            raise ValueError(f"device {device!r} is in none of the pools {sorted(self.pools)}")
-        return self.pools[name]
+        if name not in self.by_name:
+            raise ValueError(f"device {device!r} is in none of the pools {list(self.by_name)}")
+        return self.by_name[name]
 
     def link_gbs(self, a: str, b: str) -> float:
         """The bandwidth between the pools ``a`` and ``b`` (GB/s per device)."""
@@ -130,7 +144,9 @@ class PooledHardwareSpec(Strict):
 
 
 def _form(data: Any) -> str:
-    return "pooled" if isinstance(data, dict) and "pools" in data else "single"
+    """Which form: pydantic asks with the YAML's mapping when validating, with the model when dumping."""
+    pooled = isinstance(data, PooledHardwareSpec) or (isinstance(data, dict) and "pools" in data)
+    return "pooled" if pooled else "single"
 
 
 AnyHardware = Annotated[

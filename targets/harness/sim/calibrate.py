@@ -232,8 +232,8 @@ def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, fl
 
 def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
     """The fit over the events of one or more real runs of ``spec``."""
-    if len(spec.hardware.pools) > 1:
-        pools = sorted(spec.hardware.pools)
+    if len(spec.hardware.by_name) > 1:
+        pools = list(spec.hardware.by_name)
         raise ValueError(f"calibration fits one device kind; target {spec.id} has the pools {pools}")
     cost = CostModel.from_spec(spec)
     notes: list[str] = []

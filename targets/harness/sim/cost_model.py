@@ -100,7 +100,7 @@ class CostModel:
     @classmethod
     def from_spec(cls, spec: TargetSpec, pool: str | None = None) -> CostModel:
         """The cost model of the devices of ``pool`` (a single-pool target's only pool when None)."""
-        pools = spec.hardware.pools
+        pools = spec.hardware.by_name
         if pool is None and len(pools) > 1:
             raise ValueError(f"target {spec.id} has the pools {sorted(pools)}: name one (or use ClusterCosts)")
         model, hw, sim = spec.model, pools[pool] if pool is not None else next(iter(pools.values())), spec.simulator
@@ -262,10 +262,10 @@ class ClusterCosts:
     @classmethod
     def from_spec(cls, spec: TargetSpec) -> ClusterCosts:
         hardware = spec.hardware
-        if len(hardware.pools) == 1:
-            pools = {name: CostModel.from_spec(spec) for name in hardware.pools}
+        if len(hardware.by_name) == 1:
+            pools = {name: CostModel.from_spec(spec) for name in hardware.by_name}
         else:
-            pools = {name: CostModel.from_spec(spec, name) for name in hardware.pools}
+            pools = {name: CostModel.from_spec(spec, name) for name in hardware.by_name}
         sizes = {name: cost.engine_devices for name, cost in pools.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(

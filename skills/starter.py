@@ -31,7 +31,7 @@ def starter_params(spec, controller: str) -> dict:
     if (why := unfit(spec, controller)) is not None:
         raise ValueError(why)
     count = spec.hardware.count
-    baseline = next((b for b in spec.baselines if b.name == controller), None)
+    baseline = next((b for b in spec.baselines if b.name == controller and b.hardware is None), None)
     params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, **defaults(SKILLS)}
     if controller == "static_split":
         params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)

@@ -624,7 +624,7 @@ def test_rollout_on_devices_of_several_kinds_hints_hardware_affinity_which_only_
     assert not [h for h in hints_from(metrics, events, simulated=True, kinds={}) if h.code == "mixed_kinds"]
     params = {"controller": "time_multiplex", "train_devices": 8}
     mixed = OfflinePlanner(load_target("qwen3-8b-h20x8-h800x8"), simulated=True)
-    assert [t.changes for t in mixed.tasks_from_hints(hints, params)] == [{"affinity_ratio": 4.0}]
+    assert [t.changes for t in mixed.tasks_from_hints(hints, params)] == [{"affinity_ratio": 8.0}]
     assert "add-hardware_affinity" in [t.id for t in mixed.composition_tasks(params)]
     single = OfflinePlanner(tiny_spec)
     params = {"controller": "time_multiplex", "train_devices": 1}

@@ -400,6 +400,26 @@ def test_the_environment_ends_an_episode_whose_context_is_full(tmp_path, big_sma
 # -- the bench and calibration through the CLI ----------------------------------------------------
 
 
+def test_bench_runs_a_baseline_on_its_own_hardware_paired_by_seed_with_the_mixed_cluster(tmp_path):
+    """The RollArt-like target's equal-cost H800-only cluster, beside the mixed one, in one bench: its
+    runs are on its own 11 devices, paired with the others by seed; every run is within its bound."""
+    raw = yaml.safe_load(Path("targets/catalog/qwen3-8b-h20x8-h800x8.yaml").read_text())
+    raw["workload"].update(batch_size=32, train_steps=1)
+    target = tmp_path / "mixed.yaml"
+    target.write_text(yaml.safe_dump(raw, sort_keys=False))
+    args = ["bench", str(target), "--baselines", "time_multiplex,h800-only", "--repeat", "1"]
+    result = runner.invoke(app, [*args, "--json", str(tmp_path / "b.json")], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    runs = {run["name"]: run for run in json.loads((tmp_path / "b.json").read_text())["runs"]}
+    assert set(runs) == {"time_multiplex", "h800-only"}
+    assert runs["h800-only"]["paired"]["against"] == "time_multiplex"
+    for run in runs.values():
+        assert 0 < run["metrics"]["lower_bound_fraction"] <= 1.0
+    mixed, single = (set(runs[n]["metrics"]["device_utilization"]) for n in ("time_multiplex", "h800-only"))
+    assert mixed == {f"h20:{i}" for i in range(8)} | {f"h800:{i}" for i in range(8)}
+    assert single == {f"h800:{i}" for i in range(11)}
+
+
 def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tmp_path, big_small_batch):
     raw = yaml.safe_load(Path("targets/catalog/qwen3-235b-a22b-h800x160.yaml").read_text())
     raw["workload"].update(batch_size=128, train_steps=2)

@@ -128,6 +128,24 @@ def test_a_bad_pool_or_link_is_named_by_its_path(catalog_yaml, change, named):
     assert named in _error(catalog_yaml)
 
 
+def test_a_baseline_on_other_hardware_is_labelled_and_fits_its_own_devices(catalog_yaml):
+    """A single-kind cluster of the same cost beside a mixed one: the baseline's devices are counted on
+    its own hardware, it needs a label, and the target as it runs it has that hardware alone."""
+    catalog_yaml["hardware"] = MIXED
+    other = {"name": "static_split", "rollout_devices": 4, "train_devices": 2, "hardware": {"kind": "h800", "count": 6}}
+    catalog_yaml["baselines"] = [{"name": "colocate"}, {**other, "label": "h800-only"}]
+    spec = parse_target(catalog_yaml)
+    variant = spec.on_hardware(spec.baselines[1])
+    assert variant.id == f"{spec.id}-h800-only" and variant.hardware.device_ids()[-1] == "h800:5"
+    assert [b.name for b in variant.baselines] == ["static_split"] and variant.baselines[0].hardware is None
+    catalog_yaml["baselines"] = [other]
+    assert "a baseline on other hardware needs a label" in _error(catalog_yaml)
+    catalog_yaml["baselines"] = [{**other, "label": "h800-only", "hardware": {"kind": "h800", "count": 5}}]
+    assert "static_split uses 6 devices but baselines[0].hardware.count is 5" in _error(catalog_yaml)
+    catalog_yaml["baselines"] = [{**other, "label": "colocate"}, {"name": "colocate"}]
+    assert "two baselines are named 'colocate'" in _error(catalog_yaml)
+
+
 def test_misspelled_field_is_named(catalog_yaml):
     catalog_yaml["workload"]["batch_sise"] = catalog_yaml["workload"].pop("batch_size")
     message = _error(catalog_yaml)

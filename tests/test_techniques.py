@@ -270,8 +270,8 @@ TWO_KINDS = {  # one logical CPU device rich in bandwidth, one rich in compute (
 def test_hardware_affinity_routes_by_each_episodes_measured_prefill_decode_balance(tmp_path, fast_target, simulate):
     """Two pools of different balance (time_multiplex trains on the compute-rich one, the last): read
     from the trace, every turn of an episode that had added at least ``affinity_ratio`` prompt tokens
-    per generated token went to the compute-rich engine while it was rolling out, and every other
-    measured turn to the bandwidth-rich one (the slack is wide enough never to override)."""
+    per generated token went to the compute-rich engine while it was rolling out (the slack is wide
+    enough never to override), and the other episodes' turns went to both engines."""
     data = yaml.safe_load(fast_target.read_text())
     data["hardware"] = TWO_KINDS
     target = tmp_path / "two-kinds.yaml"
@@ -301,13 +301,14 @@ def test_hardware_affinity_routes_by_each_episodes_measured_prefill_decode_balan
             if heavy and "dense:0" in rolling:
                 assert e.data["routed"] == "dense:0", (episode, counted[episode])
                 classes["prefill-heavy"] += 1
-            elif not heavy:
-                assert e.data["routed"] == "wide:0", (episode, counted[episode])
-                classes["decode-heavy"] += 1
+            elif not heavy:  # no preference: the least loaded engine, wherever it is
+                classes[f"decode-heavy on {e.data['routed']}"] += 1
         before = counted.setdefault(episode, [0, 0])
         counted[episode] = [before[0] + max(0, prompt - context.get(episode, 0)), before[1] + generated]
         context[episode] = prompt + generated
-    assert classes["prefill-heavy"] and classes["decode-heavy"], classes
+    assert classes["prefill-heavy"] and classes["decode-heavy on wide:0"] and classes["decode-heavy on dense:0"], (
+        classes
+    )
 
 
 def test_a_cluster_obeying_a_route_to_a_shrunk_engine_fails_the_audit(tmp_path, fast_target):

@@ -218,6 +218,18 @@ def check(
     raise typer.Exit(0 if passed else 1)
 
 
+def other_hardware_session(measuring, baseline, work: Path, sandbox: str, time_limit: float | None):
+    """The session a baseline on other hardware runs under: the target on that hardware (written where
+    the harness's child reads it), simulated, drawing the bench's own workload secret so its runs pair
+    with the others' by seed."""
+    if not measuring.target.simulated:
+        raise UsageError(f"baseline {baseline.label!r} runs on other hardware: only a simulated bench runs it")
+    path = work / f"{baseline.label}.yaml"
+    variant = measuring.target.spec.on_hardware(baseline)
+    path.write_text(yaml.safe_dump(variant.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    return dataclasses.replace(session(str(path), sandbox, time_limit, True), task_key=measuring.task_key)
+
+
 @command(app, "bench")
 def bench(
     target: str,
@@ -284,8 +296,18 @@ def bench(
     repeat = repeat or (1 if simulated else 3)
     work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
     stacks: list[tuple[str, Path]] = []
-    names = [b.strip() for b in baselines.split(",") if b.strip()] or [c for c in CONTROLLERS if unfit(spec, c) is None]
+    elsewhere = {b.label: b for b in spec.baselines if b.hardware is not None}  # equal-cost other hardware
+    names = [b.strip() for b in baselines.split(",") if b.strip()] or [
+        *(c for c in CONTROLLERS if unfit(spec, c) is None),
+        *elsewhere,
+    ]
+    sessions = {}
     for name in names:
+        if name in elsewhere:
+            sessions[name] = other_hardware_session(measuring, elsewhere[name], work, sandbox, time_limit)
+            variant = sessions[name].target.spec
+            stacks.append((name, write_starter(work / "stacks" / name, variant, elsewhere[name].name)))
+            continue
         try:
             stacks.append((name, write_starter(work / "stacks" / name, spec, name)))
         except ValueError as error:
@@ -311,6 +333,7 @@ def bench(
             stacks,
             repeat,
             work / "runs",
+            sessions=sessions,
             on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"),
         )
     console.print(bench_table(spec, runs, repeat, simulated))

@@ -19,11 +19,11 @@ another idles, and every request is sent the moment its turn starts, queueing be
   prefill tokens (what each turn adds to the prompt) and decode tokens (what it generates) are counted
   as it runs; an episode adding at least ``affinity_ratio`` prompt tokens per generated token is
   prefill-heavy (compute-bound) and prefers the compute-rich engines (the highest peak FLOP/s per byte
-  of HBM bandwidth), the others the bandwidth-rich ones (RollArt's mapping of FrozenLake and SWE
-  trajectories to H800s and single-turn math to H20s, decided here per trajectory as it runs). A
-  preference yields to the gate: when the preferred kind's least loaded engine holds more than
-  ``slack_tokens`` over the least loaded engine of any kind, the turn goes there. An episode's first
-  turn, before anything is measured, has no preference.
+  of HBM bandwidth: RollArt's mapping of FrozenLake and SWE trajectories to H800s, decided here per
+  trajectory as it runs); the others, whose decode costs about the same on any kind, go where the load
+  is least. A preference yields to the gate: when the compute-rich engines' least loaded one holds more
+  than ``slack_tokens`` over the least loaded engine of any kind, the turn goes there. An episode's
+  first turn, before anything is measured, has no preference.
 
 Engines are groups of ``runtime.engine_devices`` consecutive rollout devices (the cluster groups them
 the same way), each known by its first device, the one its completions name. An engine is routable
@@ -113,12 +113,16 @@ class RoutedCluster:
         return least
 
     def _preferred(self, episode: str, engines: list[str]) -> list[str]:
-        """The routable engines of the kind this episode's measured balance prefers (none: no preference)."""
+        """The routable compute-rich engines for a prefill-heavy episode; none (no preference) for the
+        rest: a prefill costs several times more on a bandwidth-rich device (6.7x on an H20 against an
+        H800) while decode costs about the same anywhere (1.2x), so only prefill-heavy work is worth
+        steering; decode-heavy work goes where the load is least."""
         if not self.compute_rich or episode not in self.tokens:
             return []
         prefill, decode = self.tokens[episode]
-        wants_compute = prefill >= self.affinity_ratio * max(1, decode)
-        return [e for e in engines if (e in self.compute_rich) == wants_compute]
+        if prefill < self.affinity_ratio * max(1, decode):
+            return []
+        return [e for e in engines if e in self.compute_rich]
 
     def _measure(self, request: GenerateRequest, completion: Completion) -> None:
         """Count what the turn prefilled (the prompt past the previous turn's context) and decoded."""

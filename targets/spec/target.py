@@ -15,15 +15,28 @@ from targets.spec.workload import WorkloadSpec
 
 
 class BaselineSpec(Strict):
+    """A starter schedule the bench compares against: on the target's hardware, or with ``hardware``
+    on other hardware of the same cost (a single-kind cluster beside a mixed one), named by ``label``."""
+
     name: Literal["colocate", "static_split", "time_multiplex"]
     rollout_devices: int | None = Field(default=None, gt=0)
     train_devices: int | None = Field(default=None, gt=0)
+    label: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    hardware: AnyHardware | None = Field(
+        default=None, description="other hardware of the target's cost this baseline runs on (simulated)"
+    )
 
     @model_validator(mode="after")
     def _split_given(self) -> BaselineSpec:
         if self.name == "static_split" and (self.rollout_devices is None or self.train_devices is None):
             raise ValueError("static_split needs rollout_devices and train_devices")
+        if self.hardware is not None and self.label is None:
+            raise ValueError("a baseline on other hardware needs a label (how the bench names it)")
         return self
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
 
 
 class AccuracySpec(Strict):
@@ -130,14 +143,23 @@ class TargetSpec(Strict):
     @model_validator(mode="after")
     def _baselines_fit(self) -> TargetSpec:
         for i, baseline in enumerate(self.baselines):
+            count = (baseline.hardware or self.hardware).count
+            where = f"baselines[{i}].hardware" if baseline.hardware else "hardware"
             used = (baseline.rollout_devices or 0) + (baseline.train_devices or 0)
-            if baseline.name == "static_split" and used > self.hardware.count:
+            if baseline.name == "static_split" and used > count:
+                raise ValueError(f"baselines[{i}] static_split uses {used} devices but {where}.count is {count}")
+            if baseline.rollout_devices and baseline.rollout_devices > count:
                 raise ValueError(
-                    f"baselines[{i}] static_split uses {used} devices but hardware.count is {self.hardware.count}"
+                    f"baselines[{i}] rollout_devices {baseline.rollout_devices} exceeds {where}.count {count}"
                 )
-            if baseline.rollout_devices and baseline.rollout_devices > self.hardware.count:
-                raise ValueError(
-                    f"baselines[{i}] rollout_devices {baseline.rollout_devices} exceeds hardware.count "
-                    f"{self.hardware.count}"
-                )
+        titles = [b.title for b in self.baselines]
+        if len(set(titles)) < len(titles):
+            raise ValueError(f"two baselines are named {next(t for t in titles if titles.count(t) > 1)!r}: label one")
         return self
+
+    def on_hardware(self, baseline: BaselineSpec) -> TargetSpec:
+        """This target as ``baseline`` runs it: on its other hardware, with it as the only baseline."""
+        plain = baseline.model_copy(update={"hardware": None, "label": None})
+        return self.model_copy(
+            update={"id": f"{self.id}-{baseline.label}", "hardware": baseline.hardware, "baselines": [plain]}
+        )

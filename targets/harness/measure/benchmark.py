@@ -107,7 +107,11 @@ def benchmark(
     out: Path,
     seeds: list[int] | None = None,
     on_run: Callable[[str, int], None] = lambda name, i: None,
+    sessions: dict[str, Session] | None = None,
 ) -> list[BenchRun]:
+    """Each stack ``repeat`` times, interleaved; ``sessions`` names the stacks measured under another
+    session (a baseline on other hardware), the rest run under ``session``."""
+    sessions = sessions or {}
     names = [name for name, _ in stacks]
     if len(set(names)) != len(names):
         raise BenchmarkFailed(f"two runs share a name: {names}; rename a candidate directory")
@@ -118,7 +122,7 @@ def benchmark(
 
     def run_one(job: tuple[str, Path, int]) -> Measurement:
         name, stack_dir, i = job
-        measurement = session.measure(stack_dir, out / name / f"r{i}", seeds[i])
+        measurement = sessions.get(name, session).measure(stack_dir, out / name / f"r{i}", seeds[i])
         if not measurement.ok:
             raise BenchmarkFailed(str(MeasurementFailed(name, i, measurement.reasons)))
         on_run(name, i)

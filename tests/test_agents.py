@@ -579,13 +579,9 @@ def test_hints_read_stalls_and_the_tail_from_the_trace():
     }
 
 
-def test_stale_drops_hint_the_early_abort(tiny_spec):
-    """One in ten episodes dropped as stale is a finding; the planner answers it with abort_stale and
-    tail batching (and a looser bound where the target allows one)."""
-    events = [_event("run_start", 0.0, devices=["cpu:0"]), _event("run_end", 4.0)]
-    events += [_event("episode_created", 0.0, episode=f"e{i}", group="g") for i in range(10)]
-    events += [_event("sample_dropped", 3.0, episode="e0", reason="stale")]
-    metrics = {
+def _busy_run_metrics() -> dict:
+    """A 4-second run's metrics that give no finding of their own (busy devices, no timeouts, aborts or sync)."""
+    return {
         "mean_device_busy": 0.9,
         "device_utilization": {},
         "timeout_ratio": 0.0,
@@ -593,6 +589,15 @@ def test_stale_drops_hint_the_early_abort(tiny_spec):
         "sync_s": 0.0,
         "duration_s": 4.0,
     }
+
+
+def test_stale_drops_hint_the_early_abort(tiny_spec):
+    """One in ten episodes dropped as stale is a finding; the planner answers it with abort_stale and
+    tail batching (and a looser bound where the target allows one)."""
+    events = [_event("run_start", 0.0, devices=["cpu:0"]), _event("run_end", 4.0)]
+    events += [_event("episode_created", 0.0, episode=f"e{i}", group="g") for i in range(10)]
+    events += [_event("sample_dropped", 3.0, episode="e0", reason="stale")]
+    metrics = _busy_run_metrics()
     hints = [h for h in hints_from(metrics, events, simulated=True) if h.code == "stale_drops"]
     assert len(hints) == 1 and hints[0].evidence == {"stale_drops": 1, "episodes": 10}
     tasks = OfflinePlanner(tiny_spec).tasks_from_hints(hints, {"controller": "time_multiplex", "train_devices": 1})
@@ -610,14 +615,7 @@ def test_rollout_on_devices_of_several_kinds_hints_hardware_affinity_which_only_
     hardware_affinity, which it never proposes (by hint or by composition) where devices are of one kind."""
     events = [_event("run_start", 0.0, devices=["h20:0", "h800:0"]), _event("run_end", 4.0)]
     events += [_event("generate", 1.0, start=0.0, aborted=False, device=d) for d in ("h20:0", "h800:0", "h20:0")]
-    metrics = {
-        "mean_device_busy": 0.9,
-        "device_utilization": {},
-        "timeout_ratio": 0.0,
-        "aborted_turns": 0,
-        "sync_s": 0.0,
-        "duration_s": 4.0,
-    }
+    metrics = _busy_run_metrics()
     kinds = {"h20:0": "h20", "h800:0": "h800"}
     hints = [h for h in hints_from(metrics, events, simulated=True, kinds=kinds) if h.code == "mixed_kinds"]
     assert len(hints) == 1 and hints[0].evidence == {"turns_by_kind": {"h20": 2, "h800": 1}}

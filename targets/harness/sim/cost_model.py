@@ -262,10 +262,8 @@ class ClusterCosts:
     @classmethod
     def from_spec(cls, spec: TargetSpec) -> ClusterCosts:
         hardware = spec.hardware
-        if len(hardware.by_name) == 1:
-            pools = {name: CostModel.from_spec(spec) for name in hardware.by_name}
-        else:
-            pools = {name: CostModel.from_spec(spec, name) for name in hardware.by_name}
+        several = len(hardware.by_name) > 1  # a single pool's errors name hardware.count, as they always did
+        pools = {name: CostModel.from_spec(spec, name if several else None) for name in hardware.by_name}
         sizes = {name: cost.engine_devices for name, cost in pools.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(
@@ -277,7 +275,7 @@ class ClusterCosts:
 
     @property
     def engine_devices(self) -> int:
-        return next(iter(self.pools.values())).engine_devices
+        return self.shared.engine_devices  # the same in every pool (from_spec checks)
 
     @property
     def shared(self) -> CostModel:

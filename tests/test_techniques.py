@@ -7,63 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import re
 from collections import Counter
 
 import pytest
 import yaml
 
-from skills.starter import write_starter
-from targets.harness.isolation.launch import Limits, run_harness
-from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.target import Target
-from targets.harness.trace import Trace, token_count
-from targets.spec import parse_target
+from targets.harness.trace import token_count
+from tests.technique_run import audited_run, harness_run
 
 pytestmark = pytest.mark.slow
 
 
-def _harness_run(
-    tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None, patch=None, seed: int = 0
-):
-    """The time_multiplex starter with ``params`` on the fast target with ``workload`` changes, measured;
-    ``patch(stack_dir)`` plants a change in the written stack first. Returns (spec, run)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    data = yaml.safe_load(fast_target.read_text())
-    data["workload"].update(workload or {})
-    target_path = tmp_path / "target.yaml"
-    target_path.write_text(yaml.safe_dump(data))
-    spec = parse_target(data)
-    stack = write_starter(tmp_path / "stack", spec, "time_multiplex")
-    path = stack / "stack" / "params.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **params}))
-    if patch:
-        patch(stack / "stack")
-    run = run_harness(
-        Target.load(target_path, simulate=simulate),
-        stack,
-        tmp_path / "out",
-        "measure",
-        Limits(time_s=300),
-        Sandbox("subprocess"),
-        seed=seed,
-    )
-    return spec, run
-
-
-def _run(tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None, seed: int = 0):
-    """A run that must succeed and pass the audit: (spec, its trace's events)."""
-    spec, run = _harness_run(tmp_path, fast_target, params, simulate, workload, seed=seed)
-    assert run.ok, run.cause
-    audit = run.results["audit"]["result"]
-    assert audit["passed"], audit["reasons"]
-    return spec, Trace.load_events(run.out / "trace.jsonl")
-
-
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
 def test_redundant_envs_keep_the_first_members_and_drop_the_spares(tmp_path, fast_target, simulate):
-    spec, events = _run(tmp_path, fast_target, {"redundant_envs": 2}, simulate)
+    spec, events = audited_run(tmp_path, fast_target, {"redundant_envs": 2}, simulate)
     created = Counter(e.data["group"] for e in events if e.kind == "episode_created")
     assert set(created.values()) == {spec.workload.group_size + 2}  # every group launched with its spares
     group_of = {e.data["episode"]: e.data["group"] for e in events if e.kind == "episode_created"}
@@ -80,7 +38,7 @@ def test_redundant_envs_keep_the_first_members_and_drop_the_spares(tmp_path, fas
 def test_progress_shrink_starts_the_switch_before_the_batch_is_complete(tmp_path, fast_target, simulate):
     """async_ratio 0: at half the batch ready, half the outstanding groups still run, so one of the two
     rollout devices is free; it is the training device, and it shrinks before the batch's last episode ends."""
-    spec, events = _run(tmp_path, fast_target, {"shrink_at": 0.5}, simulate, {"async_ratio": 0})
+    spec, events = audited_run(tmp_path, fast_target, {"shrink_at": 0.5}, simulate, {"async_ratio": 0})
     finished = {e.data["episode"]: e.t for e in events if e.kind == "env_step" and e.data["done"]}
     trains = [e for e in events if e.kind == "train"]
     shrinks = [e for e in events if e.kind == "shrink"]
@@ -121,7 +79,7 @@ def test_abort_stale_hands_groups_back_while_they_still_run(tmp_path, fast_targe
     training returns that policy, mid-episode, not after its slowest member's last tool call. Five steps:
     whether some group is still running when it turns stale is chance (one seed in six misses it with
     three steps on the simulator; none of ten with five)."""
-    _, events = _run(tmp_path, fast_target, {"abort_stale": 1}, simulate, {**SLOW_TOOLS, "train_steps": 5})
+    _, events = audited_run(tmp_path, fast_target, {"abort_stale": 1}, simulate, {**SLOW_TOOLS, "train_steps": 5})
     running, stale = _stale_drops_in_flight(events)
     assert running >= 1, (running, stale)
 
@@ -138,7 +96,7 @@ def test_abort_stale_planted_one_step_too_soon_fails_the_audit(tmp_path, fast_ta
             manager.read_text().replace(honest, honest.replace("self.trained_from", "1 + self.trained_from"))
         )
 
-    _, run = _harness_run(tmp_path, fast_target, {"abort_stale": 1}, True, SLOW_TOOLS, one_version_too_soon)
+    _, run = harness_run(tmp_path, fast_target, {"abort_stale": 1}, True, SLOW_TOOLS, one_version_too_soon)
     audit = run.results["audit"]["result"]
     assert not audit["passed"] and any("dropped as stale but every turn" in r for r in audit["reasons"]), audit
 
@@ -147,7 +105,7 @@ def test_abort_stale_planted_one_step_too_soon_fails_the_audit(tmp_path, fast_ta
 def test_a_declared_staleness_bound_runs_further_ahead_within_the_targets_maximum(tmp_path, fast_target, simulate):
     """A target that lets stacks choose up to 2: the stack declares 2 and keeps three steps' groups
     outstanding, more than the default bound of 1 allows, and the audit holds it to 2."""
-    spec, events = _run(tmp_path, fast_target, {"async_ratio": 2}, simulate, {"max_async_ratio": 2})
+    spec, events = audited_run(tmp_path, fast_target, {"async_ratio": 2}, simulate, {"max_async_ratio": 2})
     w = spec.workload
     start = next(e for e in events if e.kind == "run_start")
     assert start.data["declared"]["async_ratio"] == 2
@@ -162,7 +120,7 @@ def test_a_declared_staleness_bound_runs_further_ahead_within_the_targets_maximu
 
 
 def test_a_staleness_bound_over_the_targets_maximum_is_refused(tmp_path, fast_target):
-    _, run = _harness_run(tmp_path, fast_target, {"async_ratio": 1}, True, {"max_async_ratio": 2})
+    _, run = harness_run(tmp_path, fast_target, {"async_ratio": 1}, True, {"max_async_ratio": 2})
     assert run.ok
     build = 'async_ratio=params.get("async_ratio"),'
 
@@ -171,7 +129,7 @@ def test_a_staleness_bound_over_the_targets_maximum_is_refused(tmp_path, fast_ta
         assert build in path.read_text()
         path.write_text(path.read_text().replace(build, "async_ratio=3,"))
 
-    _, run = _harness_run(
+    _, run = harness_run(
         tmp_path / "over", fast_target, {"async_ratio": 2}, True, {"max_async_ratio": 2}, declare_three
     )
     assert not run.ok and "declares async_ratio 3, over the target's max_async_ratio 2" in run.cause
@@ -192,7 +150,7 @@ def test_a_declaration_over_what_the_workload_bounds_is_refused(tmp_path, fast_t
         assert declared in path.read_text()
         path.write_text(path.read_text().replace(declared, f"{field}=5,"))
 
-    _, run = _harness_run(tmp_path, fast_target, {}, True, None, declare_five)
+    _, run = harness_run(tmp_path, fast_target, {}, True, None, declare_five)
     assert not run.ok and f"declares {field} 5, over the target's {limit}" in run.cause, run.cause
 
 
@@ -204,7 +162,7 @@ def test_running_further_ahead_than_declared_fails_the_audit(tmp_path, fast_targ
         path = stack_dir / "build.py"
         path.write_text(path.read_text().replace('async_ratio=params.get("async_ratio")', "async_ratio=None"))
 
-    _, run = _harness_run(tmp_path, fast_target, {"async_ratio": 2}, True, {"max_async_ratio": 2}, declare_nothing)
+    _, run = harness_run(tmp_path, fast_target, {"async_ratio": 2}, True, {"max_async_ratio": 2}, declare_nothing)
     audit = run.results["audit"]["result"]
     assert not audit["passed"] and any("too many episodes" in r for r in audit["reasons"]), audit["reasons"]
 
@@ -230,7 +188,9 @@ def test_kv_routing_routes_each_turn_and_bounds_each_engines_kv(tmp_path, fast_t
     turn is served where the controller asked, turns leave their previous engine when it is
     the busier one, and no engine ever holds more than the bound, while the episodes in flight need
     several times what both engines may hold."""
-    spec, events = _run(tmp_path, fast_target, {"kv_routing": 1, "route_slack": 0.0, "route_admit": 1.0}, simulate)
+    spec, events = audited_run(
+        tmp_path, fast_target, {"kv_routing": 1, "route_slack": 0.0, "route_admit": 1.0}, simulate
+    )
     bound = spec.workload.tokens.max_sequence
     served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]
     routed = [g for g in served if g.data["routed"] is not None]
@@ -277,7 +237,9 @@ def test_hardware_affinity_routes_by_each_episodes_measured_prefill_decode_balan
     target = tmp_path / "two-kinds.yaml"
     target.write_text(yaml.safe_dump(data))
     ratio = 0.6  # between a first turn's 12 prompt tokens per 16 generated and later turns' 8 per 16
-    spec, events = _run(tmp_path, target, {"affinity_ratio": ratio, "route_slack": 16.0}, simulate, {"train_steps": 2})
+    spec, events = audited_run(
+        tmp_path, target, {"affinity_ratio": ratio, "route_slack": 16.0}, simulate, {"train_steps": 2}
+    )
     assert [e.data["devices"] for e in events if e.kind == "run_start"] == [["wide:0", "dense:0"]]
     rolling: set[str] = {"wide:0", "dense:0"}  # time_multiplex starts with every engine awake
     counted: dict[str, list[int]] = {}  # episode -> [prefill, decode] before the turn, as the router counts
@@ -316,7 +278,7 @@ def test_a_cluster_obeying_a_route_to_a_shrunk_engine_fails_the_audit(tmp_path, 
     had shrunk. Planted into a simulated routed run's trace: the audit rejects it."""
     from targets.harness.judge.audit import audit_run
 
-    spec, events = _run(tmp_path, fast_target, {"kv_routing": 1, "route_slack": 0.0}, simulate=True)
+    spec, events = audited_run(tmp_path, fast_target, {"kv_routing": 1, "route_slack": 0.0}, simulate=True)
     shrink = next(e for e in events if e.kind == "shrink")
     shrunk = shrink.data["devices"][0]
     expand = next(e for e in events if e.kind == "expand" and e.t > shrink.t and shrunk in e.data["devices"])
@@ -398,7 +360,9 @@ def test_partial_rollout_resumes_interrupted_turns_under_the_new_weights(tmp_pat
     tools = {"env_latency_s": {"kind": "lognormal", "median": TOOL_LATENCY_MEDIAN_S[simulate], "sigma": 0.5}}
     for attempt in range(3 if not simulate else 1):
         workload = {**SYNC_MEETS_DECODING, **tools}
-        spec, events = _run(tmp_path / str(attempt), fast_target, {"partial_rollout": 1}, simulate, workload, attempt)
+        spec, events = audited_run(
+            tmp_path / str(attempt), fast_target, {"partial_rollout": 1}, simulate, workload, attempt
+        )
         assert next(e for e in events if e.kind == "run_start").data["declared"]["partial_rollout"]
         assert all(e.data["interrupt"] for e in events if e.kind == "sync")
         if _interrupted_by_syncs(events):
@@ -426,7 +390,7 @@ LONG_RESPONSES = {
 def test_overlap_sync_expands_the_training_devices_while_the_others_sync(tmp_path, fast_target, simulate):
     """After each training step the sampling-only engine's sync and the training device's expand are
     issued together: their intervals overlap in the harness's record, every step, and the audit passes."""
-    spec, events = _run(tmp_path, fast_target, {"overlap_sync": 1}, simulate, LONG_RESPONSES)
+    spec, events = audited_run(tmp_path, fast_target, {"overlap_sync": 1}, simulate, LONG_RESPONSES)
     trains = [e for e in events if e.kind == "train"]
     syncs = [e for e in events if e.kind == "sync"]
     expands = [e for e in events if e.kind == "expand"]
@@ -448,7 +412,7 @@ TAIL_TOOLS = {  # tool calls slow and long-tailed enough that some groups outliv
 def test_tail_batching_defers_groups_that_outlive_a_step_and_runs_their_tasks_again(tmp_path, fast_target, simulate):
     """Groups still unfinished a whole step after launch go back whole as ``deferred``; each deferred
     task runs again in a relaunched group (tail_round 1: at once), which is never deferred itself."""
-    spec, events = _run(tmp_path, fast_target, {"tail_round": 1}, simulate, TAIL_TOOLS)
+    spec, events = audited_run(tmp_path, fast_target, {"tail_round": 1}, simulate, TAIL_TOOLS)
     group_of = {e.data["episode"]: e.data["group"] for e in events if e.kind == "episode_created"}
     dropped = {e.data["episode"]: e.data["reason"] for e in events if e.kind == "sample_dropped"}
     deferred = {group_of[episode] for episode, reason in dropped.items() if reason == "deferred"}
@@ -516,7 +480,7 @@ def _drafted_in(out) -> tuple[int, int]:
 def test_speculative_decoding_drafts_and_keeps_tokens_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):
     """Every request the engines run at once drafts (batch limit 64); a turn's sampled tokens repeat
     often enough for one-token lookups to be kept, and the audit's replay and sampling tests pass."""
-    _, events = _run(tmp_path, fast_target, SPECULATIVE, False)
+    _, events = audited_run(tmp_path, fast_target, SPECULATIVE, False)
     assert any(e.kind == "generate" for e in events)
     kept, drafted = _drafted_in(tmp_path / "out")
     assert drafted > 0 and 0 < kept < drafted, (kept, drafted)
@@ -531,7 +495,7 @@ def test_a_verification_that_keeps_every_draft_is_rejected_by_the_audit(tmp_path
         assert KEEP_IF in engine.read_text()
         engine.write_text(engine.read_text().replace(KEEP_IF, "                kept = True  # planted\n"))
 
-    _, run = _harness_run(tmp_path, fast_target, SPECULATIVE, False, patch=keep_every_draft)
+    _, run = harness_run(tmp_path, fast_target, SPECULATIVE, False, patch=keep_every_draft)
     kept, drafted = _drafted_in(tmp_path / "out")
     assert kept == drafted > 0, (kept, drafted)  # the plant acted
     audit = run.results["audit"]["result"]
@@ -545,7 +509,7 @@ def test_speculative_decoding_in_the_simulator_decodes_faster_and_the_trace_says
     tokens = {**yaml.safe_load(fast_target.read_text())["workload"]["tokens"], "draft_acceptance": 0.8}
     runs = {}
     for name, params in (("plain", {}), ("drafting", {"speculative_tokens": 4, "speculative_batch": 64})):
-        _, events = _run(tmp_path / name, fast_target, params, True, {"tokens": tokens})
+        _, events = audited_run(tmp_path / name, fast_target, params, True, {"tokens": tokens})
         start = next(e for e in events if e.kind == "run_start")
         told = {
             "speculative_tokens": params.get("speculative_tokens", 0),

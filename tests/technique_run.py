@@ -1,0 +1,52 @@
+"""A technique's run for the tests: the time_multiplex starter with chosen params on the fast target
+(conftest.py), real or simulated, measured by the harness; the audited form must pass the audit."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from skills.starter import write_starter
+from targets.harness.isolation.launch import Limits, run_harness
+from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.target import Target
+from targets.harness.trace import Trace
+from targets.spec import parse_target
+
+
+def harness_run(
+    tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None, patch=None, seed: int = 0
+):
+    """The time_multiplex starter with ``params`` on the fast target with ``workload`` changes, measured;
+    ``patch(stack_dir)`` plants a change in the written stack first. Returns (spec, run)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = yaml.safe_load(fast_target.read_text())
+    data["workload"].update(workload or {})
+    target_path = tmp_path / "target.yaml"
+    target_path.write_text(yaml.safe_dump(data))
+    spec = parse_target(data)
+    stack = write_starter(tmp_path / "stack", spec, "time_multiplex")
+    path = stack / "stack" / "params.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **params}))
+    if patch:
+        patch(stack / "stack")
+    run = run_harness(
+        Target.load(target_path, simulate=simulate),
+        stack,
+        tmp_path / "out",
+        "measure",
+        Limits(time_s=300),
+        Sandbox("subprocess"),
+        seed=seed,
+    )
+    return spec, run
+
+
+def audited_run(tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None, seed: int = 0):
+    """A run that must succeed and pass the audit: (spec, its trace's events)."""
+    spec, run = harness_run(tmp_path, fast_target, params, simulate, workload, seed=seed)
+    assert run.ok, run.cause
+    audit = run.results["audit"]["result"]
+    assert audit["passed"], audit["reasons"]
+    return spec, Trace.load_events(run.out / "trace.jsonl")

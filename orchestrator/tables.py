@@ -57,7 +57,7 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
             f"{m('mean_device_busy'):.0%}",
         )
     table.caption = (
-        f"{headline}: trajectories trained on that did not time out, per second; ratio: {headline} over "
+        f"{headline}: trajectories trained on that neither timed out nor were lost, per second; ratio: {headline} over "
         f"{first.name}'s, paired by seed; traj/s: rollout throughput; LB: the step's fluid lower bound over its step "
         "time"
     )

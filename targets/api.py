@@ -290,12 +290,16 @@ class Trainer(Protocol):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What an environment answers to one action."""
+    """What an environment answers to one action. ``state_changed``: the turn changed state a crash
+    would lose (``Workload.env_state``: what a stack's checkpoint policy reads). ``lost``: the
+    environment crashed with state no checkpoint held, and the episode ends here."""
 
     observation: TokenIds
     reward: float
     done: bool
     timed_out: bool = False
+    state_changed: bool = True
+    lost: bool = False
 
 
 @runtime_checkable
@@ -308,6 +312,12 @@ class EnvHandle(Protocol):
     async def reset(self) -> TokenIds: ...
 
     async def step(self, action: TokenIds) -> StepResult: ...
+
+    async def checkpoint(self) -> None:
+        """Save the environment's state at this turn boundary (between steps), so a crash later
+        restores it instead of losing the episode; it takes the environment's time. Only where
+        ``Workload.env_state``: elsewhere environments keep their state through a crash."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -473,6 +483,7 @@ class Workload:
     max_sequence: int  # max tokens of a whole trajectory
     temperature: float
     training: TrainingConfig
+    env_state: bool = False  # a crash loses an environment's state back to its last checkpoint
 
     @property
     def groups_per_step(self) -> int:

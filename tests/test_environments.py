@@ -222,3 +222,76 @@ def test_a_failed_environment_step_costs_a_restart_and_is_retried(catalog_yaml):
     assert all(s["latency"] == pytest.approx(1.0 + 11.0 * s["failures"]) for s in steps)
     assert clock.t == pytest.approx(64 + 11.0 * failures)
     assert all(e.data["failures"] == 0 and e.data["latency"] == 1.0 for e in plain_trace.of_kind("env_step"))
+
+
+STATEFUL = {
+    "env_failure_rate": 0.3,
+    "env_state": {"change_rate": 0.5, "checkpoint_s": 0.1, "restore_s": 1.0, "checkpoint_mb": 2.0},
+}
+
+
+def _play(episode, level: int) -> list:
+    """Play ``episode`` to its end, checkpointing as ``checkpoint_level`` ``level`` says (0 never,
+    1 after a turn that changed state, 2 every turn); its step results."""
+
+    async def play() -> list:
+        await episode.reset()
+        results = []
+        while not results or not results[-1].done:
+            results.append(await episode.step(VOCAB.encode("a")))
+            if not results[-1].done and (level == 2 or (level == 1 and results[-1].state_changed)):
+                await episode.checkpoint()
+        return results
+
+    return _run(play())
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_a_crash_loses_the_episode_unless_its_own_last_checkpoint_holds_its_state(catalog_yaml, level):
+    """Crab's model: a failed step takes the sandbox with it; the harness restores the episode's own
+    last checkpoint (``restore_s``) when no turn since changed state, else the episode ends lost.
+    Never checkpointing loses episodes; checkpointing the turns that changed state loses none with
+    fewer checkpoints than every turn."""
+    pool, trace, _ = _pool(
+        catalog_yaml, {"name": "synthetic_agent"}, {"max": 8, "dist": {"kind": "geometric", "mean": 4}}, **STATEFUL
+    )
+    episodes = [e for _ in range(20) for e in pool.new_group()]
+    played = {e.episode_id: _play(e, level) for e in episodes}
+    lost = [results for results in played.values() if results[-1].lost]
+    steps = [e for e in trace.events if e.kind == "env_step"]
+    checkpoints = [e for e in trace.events if e.kind == "env_checkpoint"]
+    changed_and_live = sum(r.state_changed for results in played.values() for r in results if not r.done)
+    live = sum(not r.done for results in played.values() for r in results)
+    restored = [e for e in steps if e.data["failures"] and not e.data["lost"]]
+    assert all(results[-1].reward == 0 and results[-1].done for results in lost)
+    assert all(not r.lost for results in played.values() for r in results[:-1])  # lost ends the episode
+    assert sum(e.data["lost"] for e in steps) == len(lost)
+    assert all(e.data["latency"] >= 1.0 for e in restored)  # each restore took restore_s
+    if level == 0:
+        assert len(lost) >= 5 and not checkpoints, (len(lost), len(checkpoints))
+    else:
+        assert not lost and restored
+        assert len(checkpoints) == (changed_and_live if level == 1 else live) and changed_and_live < live
+        assert all(c.data["mb"] == 2.0 and c.t - c.data["start"] == pytest.approx(0.1) for c in checkpoints)
+
+
+def test_a_checkpoint_only_at_a_turn_boundary_of_a_live_episode(catalog_yaml):
+    pool, _, _ = _pool(
+        catalog_yaml, {"name": "synthetic_agent"}, {"max": 1, "dist": {"kind": "geometric", "mean": 1}}, **STATEFUL
+    )
+    episode = pool.new_group()[0]
+    with pytest.raises(RuntimeError, match="checkpointed before reset"):
+        _run(episode.checkpoint())
+    _run(episode.reset())
+    episode.begin_step()
+    with pytest.raises(RuntimeError, match="checkpointed while a step was still running"):
+        episode.begin_checkpoint()
+    episode.end_step(VOCAB.encode("a"), 0.0, 0)
+    with pytest.raises(RuntimeError, match="checkpointed after it was done"):
+        _run(episode.checkpoint())
+    turns = {"max": 2, "dist": {"kind": "geometric", "mean": 2}}
+    stateless, _, _ = _pool(catalog_yaml, {"name": "synthetic_agent"}, turns, env_state=None)
+    episode = stateless.new_group()[0]
+    _run(episode.reset())
+    with pytest.raises(ValueError, match="keep their state through a crash"):
+        _run(episode.checkpoint())

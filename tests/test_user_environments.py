@@ -529,3 +529,11 @@ def test_a_step_after_the_trajectorys_time_is_up_never_reaches_the_environment(c
     time.sleep(0.3)
     result = asyncio.run(episode.step([5, 6]))
     assert result.done and result.timed_out and episode.environment.env.turn == 0  # never asked
+
+
+def test_env_state_is_the_harness_environments_not_a_users(catalog_yaml, user_package):
+    """A crash that loses state is modelled on the harness's environments; a user's crashes (or not)
+    on its own, so a spec modelling it there is refused by name."""
+    catalog_yaml["workload"]["env_state"] = {"change_rate": 0.2, "checkpoint_s": 1, "restore_s": 2}
+    with pytest.raises(SpecError, match="env_state models crashes.*my_envs:HiddenNumber is the user's"):
+        _spec(catalog_yaml, {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium"})

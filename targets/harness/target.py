@@ -66,6 +66,7 @@ def workload_view(spec: TargetSpec) -> Workload:
         max_sequence=w.tokens.max_sequence,
         temperature=w.training.temperature,
         training=w.training.config(),
+        env_state=w.env_state is not None,
     )
 
 

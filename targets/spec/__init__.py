@@ -26,6 +26,7 @@ from targets.spec.target import (
 )
 from targets.spec.workload import (
     EnvironmentRef,
+    EnvStateSpec,
     ResponseLengthSpec,
     TokensSpec,
     TrainingSpec,
@@ -40,6 +41,7 @@ __all__ = [
     "BaselineSpec",
     "Distribution",
     "EnvironmentRef",
+    "EnvStateSpec",
     "Fixed",
     "Geometric",
     "HardwareSpec",

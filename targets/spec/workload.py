@@ -116,6 +116,18 @@ class TrainingSpec(Strict):
         )
 
 
+class EnvStateSpec(Strict):
+    """Environments whose state a crash loses (Crab's agent sandboxes): a failed step takes the
+    sandbox with it, and the harness can bring it back only from the episode's own last checkpoint,
+    and only when no turn since changed state; otherwise the episode is lost (it ends with what it
+    has, trained on, never counted as goodput). A stack checkpoints through ``EnvHandle.checkpoint``."""
+
+    change_rate: float = Field(ge=0, le=1, description="chance a turn changes state a crash would lose")
+    checkpoint_s: float = Field(ge=0, description="seconds one checkpoint takes, at a turn boundary")
+    restore_s: float = Field(ge=0, description="seconds to restore a sandbox from its checkpoint")
+    checkpoint_mb: float = Field(default=0.0, ge=0, description="size of one checkpoint (reported as traffic)")
+
+
 class WorkloadSpec(Strict):
     environment: EnvironmentRef
     turns: TurnsSpec
@@ -127,6 +139,9 @@ class WorkloadSpec(Strict):
     )
     env_restart_s: float = Field(
         default=30.0, ge=0, description="seconds to restart a failed environment to its state before the step"
+    )
+    env_state: EnvStateSpec | None = Field(
+        default=None, description="crashes lose the environment's state unless it was checkpointed"
     )
     trajectory_timeout_s: float = Field(gt=0)
     batch_size: int = Field(gt=0, description="trajectories per training step")
@@ -170,6 +185,15 @@ class WorkloadSpec(Strict):
             raise ValueError(f"environment {env.label} draws turn counts: set turns.dist")
         if not draws and self.turns.dist is not None:
             raise ValueError(f"environment {env.label} ends episodes by play, not by a drawn count: remove turns.dist")
+        return self
+
+    @model_validator(mode="after")
+    def _state_is_the_harness_s(self) -> WorkloadSpec:
+        if self.env_state is not None and self.environment.entry is not None:
+            raise ValueError(
+                f"env_state models crashes of the harness's environments; {self.environment.label} is the user's "
+                "and crashes (or not) on its own: remove env_state"
+            )
         return self
 
     @property

@@ -86,6 +86,12 @@ class Episode:
         self.done = False
         self.stepping = False  # between begin_step and end_step
         self.total_reward = 0.0
+        # what a crash may lose (workload.env_state): the last turn that changed state, the last turn
+        # checkpointed (turn 0, the reset state, is remade from the task), a checkpoint in progress
+        self.changed_turn = 0
+        self.checkpoint_turn = 0
+        self.checkpointing = False
+        self._crashed = False  # the step in flight crashed with state no checkpoint held
 
     # -- what a subclass defines ---------------------------------------------------------------
     def make_task(self, rng: random.Random) -> Any:
@@ -106,6 +112,11 @@ class Episode:
         latency, failures = self.begin_step()
         await self.clock.sleep(latency)
         return self.end_step(action, latency, failures)
+
+    async def checkpoint(self) -> None:
+        seconds = self.begin_checkpoint()
+        await self.clock.sleep(seconds)
+        self.end_checkpoint(seconds)
 
     # -- the same, as the harness's link serves them: a reset answers at once, a step is a timer ----
     def reset_now(self) -> TokenIds:
@@ -130,10 +141,43 @@ class Episode:
             raise RuntimeError(f"episode {self.episode_id} stepped before reset")
         if self.done:
             raise RuntimeError(f"episode {self.episode_id} stepped after it was done")
-        if self.stepping:
-            raise RuntimeError(f"episode {self.episode_id} stepped while its previous step was still running")
+        if self.stepping or self.checkpointing:
+            doing = "its previous step" if self.stepping else "its checkpoint"
+            raise RuntimeError(f"episode {self.episode_id} stepped while {doing} was still running")
         self.stepping = True
         return self._latency()
+
+    def begin_checkpoint(self) -> float:
+        """Check a checkpoint may be taken now, at a turn boundary of a live episode; the seconds it
+        takes (``end_checkpoint`` after them). A checkpoint in the middle of a step would save state
+        the turn has not reached, so it is the controller's error, as a step during a step is."""
+        state = self.workload.env_state
+        if state is None:
+            raise ValueError(
+                f"episode {self.episode_id} checkpointed, but this workload's environments keep their state "
+                "through a crash (the target has no workload.env_state)"
+            )
+        if self.started_at is None:
+            raise RuntimeError(f"episode {self.episode_id} checkpointed before reset")
+        if self.done:
+            raise RuntimeError(f"episode {self.episode_id} checkpointed after it was done")
+        if self.stepping or self.checkpointing:
+            doing = "a step" if self.stepping else "another checkpoint"
+            raise RuntimeError(f"episode {self.episode_id} checkpointed while {doing} was still running")
+        self.checkpointing = True
+        return state.checkpoint_s
+
+    def end_checkpoint(self, seconds: float) -> None:
+        self.checkpointing = False
+        self.checkpoint_turn = self.turn
+        self.trace.record(
+            "env_checkpoint",
+            episode=self.episode_id,
+            group=self.group_id,
+            turn=self.turn,
+            start=self.clock.now() - seconds,
+            mb=self.workload.env_state.checkpoint_mb,
+        )
 
     def end_step(
         self, action: TokenIds, latency: float, failures: int, answer: tuple[str, float, bool] | None = None
@@ -142,9 +186,12 @@ class Episode:
         the environment already gave it (a user's own), else ``respond``'s."""
         self.stepping = False
         self.turn += 1
+        lost, self._crashed = self._crashed, False
         timed_out = self.clock.now() - self.started_at > self.workload.trajectory_timeout_s
         if timed_out:
             text, reward, done = "timeout", 0.0, True
+        elif lost:  # the sandbox is gone and nothing can bring back its state: the episode ends here
+            text, reward, done = "lost", 0.0, True
         else:
             text, reward, done = answer if answer is not None else self.respond(ActionWords(action))
             done = done or self.turn >= self.max_turns
@@ -157,6 +204,7 @@ class Episode:
             observation, done = [], True
         self.done = done
         self.total_reward += reward
+        changed = self._changes_state()
         self.trace.record(
             "env_step",
             episode=self.episode_id,
@@ -170,8 +218,22 @@ class Episode:
             truncated=truncated,
             latency=latency,
             failures=failures,
+            lost=lost,
+            state_changed=changed,
         )
-        return StepResult(observation=observation, reward=reward, done=done, timed_out=timed_out)
+        return StepResult(observation, reward, done, timed_out, state_changed=changed, lost=lost)
+
+    def _changes_state(self) -> bool:
+        """Whether this turn changed state a crash would lose: a draw at ``env_state.change_rate``
+        for a live episode (Crab measured most turns change none); every turn where crashes lose
+        nothing (there is nothing to skip)."""
+        state = self.workload.env_state
+        if state is None:
+            return True
+        if self.done or self.rng.random() >= state.change_rate:
+            return False
+        self.changed_turn = self.turn
+        return True
 
     def observe(self, text: str, action: TokenIds) -> TokenIds | TokenCount:
         """The tokens of the observation ``text`` that answers ``action``."""
@@ -181,7 +243,11 @@ class Episode:
         """Seconds the step takes, and how many times the environment failed on it: each attempt
         takes a latency draw (capped at ``env_latency_max_s``); with chance ``env_failure_rate`` it
         fails, the environment restarts (``env_restart_s``: a fresh sandbox replayed to the state
-        before the step) and the step is tried again. The agent sees only the time it took."""
+        before the step) and the step is tried again. The agent sees only the time it took.
+
+        With ``env_state`` a failure loses the sandbox's state: the harness restores the episode's
+        own last checkpoint (``restore_s``) when no turn since changed state, and otherwise the
+        episode is lost (``end_step`` ends it)."""
         w = self.workload
 
         def attempt() -> float:
@@ -190,7 +256,13 @@ class Episode:
         seconds, failures = attempt(), 0
         while w.env_failure_rate and self.rng.random() < w.env_failure_rate:
             failures += 1
-            seconds += w.env_restart_s + attempt()
+            if w.env_state is None:
+                seconds += w.env_restart_s + attempt()
+            elif self.checkpoint_turn >= self.changed_turn:
+                seconds += w.env_state.restore_s + attempt()
+            else:
+                self._crashed = True
+                break
         return seconds, failures
 
     def _padded(self, text: str, length: int) -> TokenIds | TokenCount:

@@ -13,6 +13,7 @@ costs the same as a short one, and the audit checks the counts it always checked
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -167,20 +168,7 @@ def get_devices(data: Any) -> list[Device]:
 
 def put_runtime(r: Runtime) -> dict:
     w = r.workload
-    workload = {
-        k: getattr(w, k)
-        for k in (
-            "batch_size",
-            "group_size",
-            "async_ratio",
-            "max_async_ratio",
-            "prompt_tokens",
-            "observation_tokens",
-            "response_tokens",
-            "max_sequence",
-            "temperature",
-        )
-    }
+    workload = {f.name: getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "training"}
     return {
         "model_path": r.model_path,
         "dtype": r.dtype,
@@ -275,12 +263,15 @@ def put_step_result(frame: Frame, r: StepResult, counts: bool) -> dict:
         "reward": r.reward,
         "done": r.done,
         "timed_out": r.timed_out,
+        "state_changed": r.state_changed,
+        "lost": r.lost,
     }
 
 
 def get_step_result(rx: Received, d: dict, counts: bool) -> StepResult:
     """Only candidate processes decode a step result (the harness wrote it): no hostile input here."""
-    return StepResult(get_tokens(rx, d["observation"], counts, "observation"), d["reward"], d["done"], d["timed_out"])
+    observation = get_tokens(rx, d["observation"], counts, "observation")
+    return StepResult(observation, d["reward"], d["done"], d["timed_out"], d["state_changed"], d["lost"])
 
 
 # -- completions -------------------------------------------------------------------------------------

@@ -190,7 +190,7 @@ class ProxyCluster:
 
 
 class ProxyEpisode:
-    """One harness episode (follows ``targets.api.EnvHandle``): its id, its group, reset and step."""
+    """One harness episode (follows ``targets.api.EnvHandle``): its id, its group, reset, step, checkpoint."""
 
     __slots__ = ("_calls", "episode_id", "group_id")
 
@@ -206,6 +206,9 @@ class ProxyEpisode:
         frame.header["action"] = put_tokens(frame, action, self._calls.counts)
         rx = _raise_if_error(await self._calls.call(frame))
         return get_step_result(rx, rx["result"], self._calls.counts)
+
+    async def checkpoint(self) -> None:
+        _raise_if_error(await self._calls.call(Frame(kind="env", method="checkpoint", episode=self.episode_id)))
 
 
 class ProxyEnvs:

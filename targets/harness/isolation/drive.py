@@ -73,7 +73,7 @@ class ControllerLink:
         self.waits = 0  # idle notices: how often the harness waited on the controller (round trips)
         self._numbers = itertools.count()  # numbers the calls under way
         self._tasks: dict[int, asyncio.Task] = {}  # cluster calls being answered, by number
-        self._steps: dict[int, asyncio.TimerHandle] = {}  # environment steps under way, by number
+        self._steps: dict[int, asyncio.TimerHandle] = {}  # environment steps and checkpoints under way, by number
 
     # -- IdlePeer ------------------------------------------------------------------------------------
     def idle_until(self) -> tuple[bool, float | None]:
@@ -264,7 +264,7 @@ class ControllerLink:
         raise error
 
     def _env(self, rx: Received) -> None:
-        """A reset is answered at once; a step when its latency has passed (a timer, not a task)."""
+        """A reset is answered at once; a step or a checkpoint when its time has passed (a timer, not a task)."""
         request_id, counts = rx.get("id"), self.memory.counts
         reply = Frame(id=request_id)
         try:
@@ -289,6 +289,13 @@ class ControllerLink:
                 key = next(self._numbers)
                 self._steps[key] = asyncio.get_running_loop().call_later(
                     latency, self._stepped, key, reply, episode, action, latency, failures
+                )
+                return
+            elif rx["method"] == "checkpoint":
+                seconds = episode.begin_checkpoint()
+                key = next(self._numbers)
+                self._steps[key] = asyncio.get_running_loop().call_later(
+                    seconds, self._checkpointed, key, reply, episode, seconds
                 )
                 return
             else:
@@ -324,6 +331,11 @@ class ControllerLink:
     def _stepped(self, key: int, reply: Frame, episode, action, latency: float, failures: int) -> None:
         del self._steps[key]
         reply.header["result"] = put_step_result(reply, episode.end_step(action, latency, failures), self.memory.counts)
+        self.send(reply)
+
+    def _checkpointed(self, key: int, reply: Frame, episode, seconds: float) -> None:
+        del self._steps[key]
+        episode.end_checkpoint(seconds)
         self.send(reply)
 
     async def _cluster(self, rx: Received, reply: Frame, tokens) -> None:

@@ -25,6 +25,8 @@ SUMMARIZED = (
     "tokens_per_s",
     "step_time_s",
     "timeout_ratio",
+    "lost_ratio",
+    "checkpoint_s",
     "mean_device_busy",
     "shrink_s",
     "expand_s",

@@ -1,6 +1,7 @@
 """Benchmark metrics, computed from the harness trace alone.
 
-The headline is **goodput**: trajectories trained on that did not time out, per second of the run.
+The headline is **goodput**: trajectories trained on that neither timed out nor lost their environment in a
+crash, per second of the run.
 An episode that finished but was never trained (dropped at the end, or stale) does not count, nor
 does one that timed out: launching more episodes than training uses cannot raise it. Rollout
 throughput (episodes the environments saw finish, per second; the time-sharing report's figure)
@@ -65,6 +66,12 @@ def exclusive_activity(per_activity: dict[str, list[tuple[float, float]]]) -> di
     return out
 
 
+def failed_episodes(done: list[TraceEvent]) -> set[str]:
+    """Episodes that ended without a result worth the name (from their last ``env_step``): timed
+    out, or lost with their environment's state in a crash. Trained on, never goodput."""
+    return {e.data["episode"] for e in done if e.data["timed_out"] or e.data.get("lost", False)}
+
+
 def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
     start = next(e.t for e in events if e.kind == "run_start")
     end = next(e.t for e in events if e.kind == "run_end")
@@ -72,7 +79,8 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
     steps = [e for e in events if e.kind == "env_step"]
     done = [e for e in steps if e.data["done"]]
     trains = [e for e in events if e.kind == "train"]
-    timed_out = {e.data["episode"] for e in done if e.data["timed_out"]}
+    failed = failed_episodes(done)
+    checkpoints = [e for e in events if e.kind == "env_checkpoint"]
     trained = {t["episode"] for e in trains for t in e.data["trajectories"]}
     intervals = device_intervals(events)
     utilization = {}
@@ -89,11 +97,14 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
 
     return {
         "duration_s": duration,
-        "goodput": len(trained - timed_out) / duration,
+        "goodput": len(trained - failed) / duration,
         "rollout_throughput": len(done) / duration,
         "tokens_per_s": sum(token_count(e.data["action"]) for e in steps) / duration,
         "step_time_s": duration / len(trains) if trains else float("inf"),
         "timeout_ratio": sum(e.data["timed_out"] for e in done) / len(done) if done else 0.0,
+        "lost_ratio": sum(e.data.get("lost", False) for e in done) / len(done) if done else 0.0,
+        "checkpoint_mb": sum(e.data["mb"] for e in checkpoints) / len(done) if done else 0.0,
+        "checkpoint_s": sum(e.t - e.data["start"] for e in checkpoints) / len(done) if done else 0.0,
         "trajectories": len(done),
         "mean_device_busy": sum(u["busy"] for u in utilization.values()) / len(utilization),
         "device_utilization": utilization,

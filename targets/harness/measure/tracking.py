@@ -41,9 +41,9 @@ Not emitted: ``shrink/remapped`` (the router's environment-to-engine map is not 
 (our proxy times the whole call once: that is ``*_duration_ms``). ROLL has no goodput and logs
 timeouts only per environment tag, so ours go under its ``system/`` namespace, defined as the
 benchmark's restricted to the step's window:
-``system/goodput`` (trajectories trained in this step that did not time out, per second of the window),
-``system/rollout_throughput`` (episodes the environments saw finish in the window, per second),
-``system/tokens_per_s`` (response tokens the environments received, per second), ``system/timeouts``
+``system/goodput`` (trajectories trained in this step that neither timed out nor lost their environment, per
+second of the window), ``system/rollout_throughput`` (episodes the environments saw finish in the window, per
+second), ``system/tokens_per_s`` (response tokens the environments received, per second), ``system/timeouts``
 and ``system/timeout_ratio`` (episodes that finished timed out in the window; their fraction of those
 finished) and ``system/aborted_turns``.
 
@@ -64,7 +64,7 @@ from typing import Protocol
 
 from targets.api import TraceEvent
 from targets.errors import UserError
-from targets.harness.measure.metrics import ACTIVITIES, device_intervals, exclusive_activity
+from targets.harness.measure.metrics import ACTIVITIES, device_intervals, exclusive_activity, failed_episodes
 from targets.harness.trace import Trace, token_count
 
 KINDS = ("tensorboard", "jsonl")
@@ -117,7 +117,7 @@ def steps(events: Sequence[TraceEvent]) -> list[Step]:
     # the harness's copy of the weights after a step (its audit's): the controller's train call waits on it
     exports = [(e.data["start"] - origin, e.t - origin) for e in events if e.kind == "weight_export"]
     done = [e for e in events if e.kind == "env_step" and e.data["done"]]
-    timed_out = {e.data["episode"] for e in done if e.data["timed_out"]}  # as metrics.py: over the whole run
+    failed = failed_episodes(done)  # as metrics.py: over the whole run
     aborts = [
         (e.t - origin, set(engines.get(e.data["device"], [e.data["device"]])) if "device" in e.data else None)
         for e in events
@@ -174,7 +174,7 @@ def steps(events: Sequence[TraceEvent]) -> list[Step]:
             "expand/aborted": aborted_during(SWITCH_IN, inside),
             "system/tps": sum(n for n, _ in recent) / recent_s if recent_s > 0 else 0.0,
             "system/samples": samples,
-            "system/goodput": rate(len({t["episode"] for t in trajectories} - timed_out)),
+            "system/goodput": rate(len({t["episode"] for t in trajectories} - failed)),
             "system/rollout_throughput": rate(len(finished)),
             "system/tokens_per_s": rate(sum(token_count(e.data["action"]) for e in turns)),
             "system/timeouts": timeouts,

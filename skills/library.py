@@ -60,6 +60,7 @@ class Skill(BaseModel):
     requires: list[str] = []  # techniques that must be on with it
     conflicts: list[str] = []  # techniques that must be off with it
     hardware: Literal["any", "mixed"] = "any"  # mixed: only where the target's devices are of several kinds
+    environments: Literal["any", "stateful"] = "any"  # stateful: only where a crash loses state (env_state)
     text: str = ""
 
     def is_on(self, params: dict) -> bool:

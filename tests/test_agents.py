@@ -568,6 +568,8 @@ def test_hints_read_stalls_and_the_tail_from_the_trace():
         "mean_device_busy": 0.5,
         "device_utilization": {"cpu:0": {"train": 0.0, "idle": 0.5}},
         "timeout_ratio": 0.0,
+        "lost_ratio": 0.0,
+        "checkpoint_s": 0.0,
         "aborted_turns": 0,
         "sync_s": 0.0,
         "duration_s": 4.0,
@@ -585,6 +587,8 @@ def _busy_run_metrics() -> dict:
         "mean_device_busy": 0.9,
         "device_utilization": {},
         "timeout_ratio": 0.0,
+        "lost_ratio": 0.0,
+        "checkpoint_s": 0.0,
         "aborted_turns": 0,
         "sync_s": 0.0,
         "duration_s": 4.0,
@@ -628,6 +632,24 @@ def test_rollout_on_devices_of_several_kinds_hints_hardware_affinity_which_only_
     params = {"controller": "time_multiplex", "train_devices": 1}
     assert not single.tasks_from_hints(hints, params)
     assert "add-hardware_affinity" not in [t.id for t in single.composition_tasks(params)]
+
+
+def test_lost_episodes_hint_env_checkpoint_which_only_targets_with_stateful_environments_get(tiny_spec):
+    """Trajectories lost with their environment's state are the ``lost_episodes`` finding; the planner
+    answers it with env_checkpoint, which it never proposes where crashes lose nothing."""
+    events = [_event("run_start", 0.0, devices=["h800:0"]), _event("run_end", 4.0)]
+    metrics = _busy_run_metrics() | {"lost_ratio": 0.15}
+    hints = [h for h in hints_from(metrics, events, simulated=True) if h.code == "lost_episodes"]
+    assert len(hints) == 1 and hints[0].evidence == {"lost_ratio": 0.15, "checkpoint_s": 0.0}
+    assert not [h for h in hints_from(_busy_run_metrics(), events, simulated=True) if h.code == "lost_episodes"]
+    params = {"controller": "time_multiplex", "train_devices": 8}
+    stateful = OfflinePlanner(load_target("qwen3-8b-h800x16-sandbox"), simulated=True)
+    assert [t.changes for t in stateful.tasks_from_hints(hints, params)] == [{"checkpoint_level": 1}]
+    assert "add-env_checkpoint" in [t.id for t in stateful.composition_tasks(params)]
+    single = OfflinePlanner(tiny_spec)
+    params = {"controller": "time_multiplex", "train_devices": 1}
+    assert not single.tasks_from_hints(hints, params)
+    assert "add-env_checkpoint" not in [t.id for t in single.composition_tasks(params)]
 
 
 @pytest.fixture(scope="module")

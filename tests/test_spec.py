@@ -22,7 +22,7 @@ def _error(data: dict) -> str:
     return str(caught.value)
 
 
-def test_catalog_has_the_nine_targets():
+def test_catalog_has_the_ten_targets():
     assert catalog_ids() == [
         "qwen3-0.6b-h100x1",
         "qwen3-0.6b-h100x1-arithmetic",
@@ -31,12 +31,15 @@ def test_catalog_has_the_nine_targets():
         "qwen3-8b-h100x8",
         "qwen3-8b-h20x8-h800x8",
         "qwen3-8b-h800x16",
+        "qwen3-8b-h800x16-sandbox",
         "tiny-qwen3-cpu",
         "tiny-qwen3-cpu-arithmetic",
     ]
     math = load_target("qwen3-30b-a3b-h20x64")  # single-turn long chain-of-thought
     assert math.workload.turns.max == 1 and math.workload.group_size == 16 and math.workload.tokens.response == 16384
     mixed = load_target("qwen3-8b-h20x8-h800x8")  # RollArt-like: H20s beside H800s, 25 GB/s between
+    sandbox = load_target("qwen3-8b-h800x16-sandbox")  # Crab-like: crashes lose state; 3 turns in 4 change none
+    assert sandbox.workload.env_state.change_rate == 0.25 and sandbox.workload.env_failure_rate == 0.01
     assert mixed.hardware.summary == "8x h20 (h20) + 8x h800 (h800)" and mixed.hardware.link_gbs("h20", "h800") == 25
     tools = load_target("qwen3-8b-h800x16")  # slow, failing tools
     assert tools.workload.env_failure_rate == 0.02 and tools.workload.env_latency_s.median == 10.0
@@ -354,3 +357,10 @@ def test_a_broken_catalog_entry_is_an_error_not_an_unavailable_row(monkeypatch, 
     monkeypatch.setattr(targets.spec.loading, "CATALOG_DIR", tmp_path)
     result = runner.invoke(app, ["targets"])
     assert result.exit_code == 2 and "bacth_size" in result.output and "unavailable" not in result.output
+
+
+def test_env_state_errors_name_their_field(catalog_yaml):
+    catalog_yaml["workload"]["env_state"] = {"change_rate": 1.5, "checkpoint_s": 1, "restore_s": 2}
+    assert "workload.env_state.change_rate" in _error(catalog_yaml)
+    catalog_yaml["workload"]["env_state"] = {"change_rate": 0.2, "checkpoint_s": 1}
+    assert "workload.env_state.restore_s" in _error(catalog_yaml)

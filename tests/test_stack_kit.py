@@ -111,10 +111,10 @@ CHEATS = {
         "static_split",
         {
             "env_manager.py": (
-                "            result = await episode.step(completion.tokens)",
-                "            result = await episode.step(completion.tokens) if turn == 0 else StepResult([], 0.0, "
+                "                result = await episode.step(completion.tokens)",
+                "                result = await episode.step(completion.tokens) if turn == 0 else StepResult([], 0.0, "
                 "True)\n"
-                "            from targets.api import StepResult  # noqa (planted)",
+                "                from targets.api import StepResult  # noqa (planted)",
             )
         },
         "skipped environment steps",

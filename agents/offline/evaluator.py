@@ -21,6 +21,7 @@ TAIL_SHARE = 0.15  # share of the run with under a quarter of the peak in flight
 TRAIN_IDLE_SHARE = 0.4  # idle share of a training device that says it waits for data
 ABORT_SHARE = 0.05
 STALE_SHARE = 0.05  # share of created episodes dropped as stale
+LOST_SHARE = 0.01  # share of finished trajectories lost with their environment's state in a crash
 SMALL_BATCH = 4.0
 SYNC_SHARE = 0.10
 MAX_PAIRS_FACTOR = 2  # a real target's undecided candidate gets up to this many times its pairs
@@ -112,6 +113,15 @@ def hints_from(metrics: dict, events: list, simulated: bool, kinds: dict[str, st
                 code="timeouts",
                 message=f"{metrics['timeout_ratio']:.0%} of trajectories timed out",
                 evidence={"timeout_ratio": metrics["timeout_ratio"]},
+            )
+        )
+    if metrics["lost_ratio"] > LOST_SHARE:
+        hints.append(
+            Hint(
+                code="lost_episodes",
+                message=f"{metrics['lost_ratio']:.0%} of trajectories lost their environment in a crash "
+                "(state no checkpoint held)",
+                evidence={"lost_ratio": metrics["lost_ratio"], "checkpoint_s": metrics["checkpoint_s"]},
             )
         )
     turns = sum(1 for e in events if e.kind == "generate")

@@ -45,6 +45,8 @@ class ControllerBase:
         )
         self.params = params
         self.partial_rollout = bool(params.get("partial_rollout", 0))  # resume interrupted turns; syncs interrupt
+        # where a crash loses an environment's state: 0 never checkpoint, 1 after turns that changed it, 2 every turn
+        self.checkpoint_level = params.get("checkpoint_level", 0) if workload.env_state else 0
         self.version = 0
         self._manager: EnvManager | None = None
 
@@ -78,6 +80,7 @@ class ControllerBase:
             abort_stale=bool(self.params.get("abort_stale", 0)),
             partial_rollout=self.partial_rollout,
             tail_round=self.params.get("tail_round", 0),
+            checkpoint_level=self.checkpoint_level,
         )
         self._manager = manager  # told of each new policy version by _train
         return cluster, buffer, manager

@@ -28,6 +28,13 @@ whole step) are handed back whole as ``deferred`` and their tasks queued; once `
 wait, a long round launches all of them (``new_group(relaunch=...)``) before any new task, so long
 tasks run beside each other instead of holding engines through every step's tail. A relaunched group
 is never deferred again.
+
+Environment checkpoints (``checkpoint_level``, the ``env_checkpoint`` technique), where a crash loses
+an environment's state (``Workload.env_state``): after each turn the episode checkpoints its
+environment, every turn (2) or only after a turn that changed state (1: the environment says which,
+and a checkpoint of unchanged state would save what the last one holds), so a crash later is restored
+rather than losing the episode. 0 never checkpoints. The checkpoint runs while the next turn
+generates, and the next step waits for it.
 """
 
 from __future__ import annotations
@@ -53,10 +60,12 @@ class EnvManager:
         abort_stale: bool = False,
         partial_rollout: bool = False,
         tail_round: int = 0,
+        checkpoint_level: int = 0,
     ) -> None:
         self.cluster, self.envs, self.buffer = cluster, envs, buffer
         self.sampling, self.max_sequence, self.redundancy = sampling, max_sequence, redundancy
         self.abort_stale, self.partial_rollout, self.tail_round = abort_stale, partial_rollout, tail_round
+        self.checkpoint_level = checkpoint_level
         self.trained_from = 0  # the version the next batch will be trained from
         self._tasks: dict[asyncio.Task, str] = {}  # running episode coroutines -> episode id
         self._group_tasks: dict[str, set[asyncio.Task]] = {}  # group -> its members still running
@@ -174,25 +183,36 @@ class EnvManager:
 
     async def _run_episode(self, episode) -> None:
         t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())
-        turn = 0
-        while True:
-            if len(t.tokens) + self.sampling.max_new_tokens > self.max_sequence:
-                self.envs.drop(episode.episode_id, "max_sequence")
-                break
-            # No copy of the context: the trajectory only grows after generate returns.
-            request = GenerateRequest(episode.episode_id, turn, t.tokens, self.sampling)
-            completion = await self._generate(request)
-            if self.abort_stale:
-                oldest = self._group_oldest.get(episode.group_id, completion.weight_version)
-                self._group_oldest[episode.group_id] = min(oldest, completion.weight_version)
-                if self._abort_if_stale(episode.group_id):
-                    return  # this episode was handed back with its group
-            result = await episode.step(completion.tokens)
-            t.append_turn(completion, result)
-            turn += 1
-            if result.done:
-                self.buffer.put(t)
-                break
+        turn, checkpointing = 0, None
+        try:
+            while True:
+                if len(t.tokens) + self.sampling.max_new_tokens > self.max_sequence:
+                    self.envs.drop(episode.episode_id, "max_sequence")
+                    break
+                # No copy of the context: the trajectory only grows after generate returns.
+                request = GenerateRequest(episode.episode_id, turn, t.tokens, self.sampling)
+                completion = await self._generate(request)
+                if self.abort_stale:
+                    oldest = self._group_oldest.get(episode.group_id, completion.weight_version)
+                    self._group_oldest[episode.group_id] = min(oldest, completion.weight_version)
+                    if self._abort_if_stale(episode.group_id):
+                        return  # this episode was handed back with its group
+                if checkpointing is not None:  # the environment steps from the state its checkpoint holds
+                    await checkpointing
+                result = await episode.step(completion.tokens)
+                t.append_turn(completion, result)
+                turn += 1
+                if result.done:
+                    self.buffer.put(t)
+                    break
+                if self.checkpoint_level == 2 or (self.checkpoint_level == 1 and result.state_changed):
+                    # taken while the next turn generates, as Crab overlaps it with the model's wait
+                    checkpointing = asyncio.ensure_future(episode.checkpoint())
+                else:
+                    checkpointing = None
+        finally:
+            if checkpointing is not None and not checkpointing.done():
+                checkpointing.cancel()  # the episode ended before its next step: nobody needs that state
         self._leave(asyncio.current_task(), episode.group_id)
 
     async def _generate(self, turn: GenerateRequest) -> Completion:

@@ -62,6 +62,10 @@ class HardwareSpec(Strict):
         """The devices' names, ``kind:index``: the one way they are written everywhere."""
         return [f"{self.kind}:{i}" for i in range(self.count)]
 
+    def pool_name(self, device: str) -> str:
+        """The name of the pool ``device`` (one of ``device_ids``) is in: ``by_name``'s key."""
+        return self.kind
+
     def pool_of(self, device: str) -> HardwareSpec:
         return self
 
@@ -129,11 +133,14 @@ class PooledHardwareSpec(Strict):
     def device_ids(self) -> list[str]:
         return [f"{pool.name}:{i}" for pool in self.pools for i in range(pool.count)]
 
-    def pool_of(self, device: str) -> HardwareSpec:
-        name = device.partition(":")[0]
+    def pool_name(self, device: str) -> str:
+        name = device.partition(":")[0]  # pool:index
         if name not in self.by_name:
             raise ValueError(f"device {device!r} is in none of the pools {list(self.by_name)}")
-        return self.by_name[name]
+        return name
+
+    def pool_of(self, device: str) -> HardwareSpec:
+        return self.by_name[self.pool_name(device)]
 
     def link_gbs(self, a: str, b: str) -> float:
         """The bandwidth between the pools ``a`` and ``b`` (GB/s per device)."""

@@ -269,7 +269,7 @@ class ClusterCosts:
             raise ValueError(
                 f"the pools need engines of different sizes {sizes}: set simulator.engine_devices to one size"
             )
-        pool_of = {device: device.partition(":")[0] for device in hardware.device_ids()}  # pool:index
+        pool_of = {device: hardware.pool_name(device) for device in hardware.device_ids()}
         links = {frozenset(link.between): link.bandwidth_gbs * 1e9 for link in hardware.links}
         return cls(pools, pool_of, links)
 

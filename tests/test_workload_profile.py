@@ -22,9 +22,17 @@ MEASURED_KEYS = ("turns", "env_latency_s", "env_latency_max_s", "env_failure_rat
 
 
 def _episode(
-    group: int, member: int, turns: int, latency: float, response: int, failures: int = 0, timed_out: bool = False
+    group: int,
+    member: int,
+    turns: int,
+    latency: float,
+    response: int,
+    failures: int = 0,
+    timed_out: bool = False,
+    lost: bool = False,
 ) -> list:
-    """A finished episode's events as the harness records them (token lists kept)."""
+    """A finished episode's events as the harness records them (token lists kept; ``lost`` only where
+    set, as a trace from before ``env_state`` has none)."""
     episode = f"g{group}/{member}"
     events = [TraceEvent("env_reset", 0.0, {"episode": episode, "group": f"g{group}", "observation": [1] * 10})]
     for turn in range(1, turns + 1):
@@ -51,7 +59,8 @@ def _episode(
                     "failures": failures,
                     "timed_out": timed_out and done,
                     "truncated": False,
-                },
+                }
+                | ({"lost": True} if lost and done else {}),
             )
         )
     return events
@@ -64,16 +73,17 @@ def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
             events += _episode(group, member, turns, latency, response=4 + group, failures=member)
     unfinished = _episode(9, 0, 3, 0.5, response=16)[:-1]  # its last step never came: not fitted
     cut = _episode(10, 0, 20, 0.01, response=4, timed_out=True)  # the clock ended it: not a turn count
-    profile = fit_profile(tiny_spec, [events + unfinished + cut], "planted")
+    crashed = _episode(11, 0, 10, 0.01, response=4, lost=True)  # a crash lost its state: nor is this
+    profile = fit_profile(tiny_spec, [events + unfinished + cut + crashed], "planted")
     samples = profile["samples"]
-    assert (samples["episodes"], samples["ended_by_the_environment"], samples["steps"]) == (9, 8, 50)
+    assert (samples["episodes"], samples["ended_by_the_environment"], samples["steps"]) == (10, 8, 60)
     assert samples["failed_attempts"] == 15 and samples["response_budget"] == tiny_spec.workload.tokens.response
     assert profile["turns"]["max"] == 8 and profile["turns"]["dist"]["kind"] == "lognormal"
     assert profile["turns"]["dist"]["median"] == 3.0  # the median of 1, 1, 2, 2, 4, 4, 8, 8
     assert profile["tokens"]["prompt"] == 10 and profile["tokens"]["observation"] == 6
-    assert profile["env_latency_max_s"] == 0.08 and profile["env_failure_rate"] == round(15 / 65, 6)
+    assert profile["env_latency_max_s"] == 0.08 and profile["env_failure_rate"] == round(15 / 75, 6)
     latency = profile["env_latency_s"]
-    # the steps no failure slowed (member 0's, and the cut episode's 20 at 0.01 s): 8 of 35 at 0.08 s
+    # the steps no failure slowed (member 0's, and the cut and lost episodes' 30 at 0.01 s): 8 of 45 at 0.08 s
     assert latency["kind"] == "lognormal" and math.isclose(latency["median"], 0.01, rel_tol=1e-6)
     lengths = profile["tokens"]["response_length"]
     assert lengths["task_sigma"] > 0 and lengths["turn_sigma"] == 0  # each group's turns are alike here

@@ -99,9 +99,10 @@ def fit_profile(
             elif e.kind == "env_reset":
                 resets[run, e.data["episode"]] = e
     finished = [key for key, taken in steps.items() if taken[-1].data["done"] and key in resets]
-    # the turn count is the environment's where the episode ended by itself (not cut by the clock or the
-    # context window, which the simulation applies again under its own budgets)
-    ended = [key for key in finished if not (steps[key][-1].data["timed_out"] or steps[key][-1].data["truncated"])]
+    # the turn count is the environment's where the episode ended by itself (not cut by the clock, the
+    # context window or a crash that lost its state, which the simulation applies again under its own
+    # budgets and rates; a trace from before env_state has no "lost")
+    ended = [key for key in finished if not _cut(steps[key][-1].data)]
     if not ended:
         raise ProfileError("the run finished no episode by the environment's own end: nothing to fit a profile from")
     turns = [len(steps[key]) for key in ended]
@@ -144,6 +145,11 @@ def fit_profile(
         "env_latency_max_s": round(max(max(latencies, default=0.0), 1e-6), 6),
         "env_failure_rate": round(failures / (len(taken) + failures), 6),
     }
+
+
+def _cut(last_step: dict) -> bool:
+    """Whether an episode's last step ended it from outside the environment's own play."""
+    return last_step["timed_out"] or last_step["truncated"] or last_step.get("lost", False)
 
 
 def stand_in_workload(workload: dict, profile: dict) -> dict:

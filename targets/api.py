@@ -561,6 +561,7 @@ class Stack:
 EventKind = Literal[
     "env_reset",
     "env_step",
+    "env_checkpoint",
     "generate",
     "train",
     "sync",

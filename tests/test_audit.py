@@ -114,7 +114,7 @@ def test_trained_and_dropped(honest):
 def test_episode_neither_trained_nor_dropped(honest):
     events = _edited(honest)
     events = [e for e in events if not (e.kind == "sample_dropped")]
-    _rejects(_audit(honest, events), "lost: episode")
+    _rejects(_audit(honest, events), "unaccounted: episode")
 
 
 @pytest.mark.parametrize("reason", ["end_of_run", "stale", "max_sequence"])

@@ -62,7 +62,7 @@ CHEATS = {
                 "        self.version = await cluster.train(TrainBatch(batch,",
             )
         },
-        "lost: episode",
+        "unaccounted: episode",
     ),
     "uses a trajectory twice": (
         "time_multiplex",

@@ -213,6 +213,8 @@ class EnvManager:
         finally:
             if checkpointing is not None and not checkpointing.done():
                 checkpointing.cancel()  # the episode ended before its next step: nobody needs that state
+            elif checkpointing is not None and not checkpointing.cancelled():
+                checkpointing.result()  # a checkpoint the harness refused is the run's error, not hidden
         self._leave(asyncio.current_task(), episode.group_id)
 
     async def _generate(self, turn: GenerateRequest) -> Completion:

@@ -91,6 +91,7 @@ class Episode:
         self.changed_turn = 0
         self.checkpoint_turn = 0
         self.checkpointing = False
+        self._checkpoint_began = 0.0
         self._crashed = False  # the step in flight crashed with state no checkpoint held
 
     # -- what a subclass defines ---------------------------------------------------------------
@@ -115,8 +116,12 @@ class Episode:
 
     async def checkpoint(self) -> None:
         seconds = self.begin_checkpoint()
-        await self.clock.sleep(seconds)
-        self.end_checkpoint(seconds)
+        try:
+            await self.clock.sleep(seconds)
+        except BaseException:  # cancelled before it was taken: none was, and the episode may step again
+            self.checkpointing = False
+            raise
+        self.end_checkpoint()
 
     # -- the same, as the harness's link serves them: a reset answers at once, a step is a timer ----
     def reset_now(self) -> TokenIds:
@@ -165,9 +170,10 @@ class Episode:
             doing = "a step" if self.stepping else "another checkpoint"
             raise RuntimeError(f"episode {self.episode_id} checkpointed while {doing} was still running")
         self.checkpointing = True
+        self._checkpoint_began = self.clock.now()
         return state.checkpoint_s
 
-    def end_checkpoint(self, seconds: float) -> None:
+    def end_checkpoint(self) -> None:
         self.checkpointing = False
         self.checkpoint_turn = self.turn
         self.trace.record(
@@ -175,7 +181,7 @@ class Episode:
             episode=self.episode_id,
             group=self.group_id,
             turn=self.turn,
-            start=self.clock.now() - seconds,
+            start=self._checkpoint_began,
             mb=self.workload.env_state.checkpoint_mb,
         )
 
@@ -186,8 +192,8 @@ class Episode:
         the environment already gave it (a user's own), else ``respond``'s."""
         self.stepping = False
         self.turn += 1
-        lost, self._crashed = self._crashed, False
         timed_out = self.clock.now() - self.started_at > self.workload.trajectory_timeout_s
+        lost, self._crashed = self._crashed and not timed_out, False  # a timeout ends it first: counted once
         if timed_out:
             text, reward, done = "timeout", 0.0, True
         elif lost:  # the sandbox is gone and nothing can bring back its state: the episode ends here

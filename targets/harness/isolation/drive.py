@@ -295,7 +295,7 @@ class ControllerLink:
                 seconds = episode.begin_checkpoint()
                 key = next(self._numbers)
                 self._steps[key] = asyncio.get_running_loop().call_later(
-                    seconds, self._checkpointed, key, reply, episode, seconds
+                    seconds, self._checkpointed, key, reply, episode
                 )
                 return
             else:
@@ -333,9 +333,9 @@ class ControllerLink:
         reply.header["result"] = put_step_result(reply, episode.end_step(action, latency, failures), self.memory.counts)
         self.send(reply)
 
-    def _checkpointed(self, key: int, reply: Frame, episode, seconds: float) -> None:
+    def _checkpointed(self, key: int, reply: Frame, episode) -> None:
         del self._steps[key]
-        episode.end_checkpoint(seconds)
+        episode.end_checkpoint()
         self.send(reply)
 
     async def _cluster(self, rx: Received, reply: Frame, tokens) -> None:

@@ -85,7 +85,7 @@ def check_conservation(ix: TraceIndex, r: Reasons) -> None:
             r.add("trained and dropped", f"episode {episode} was trained on and also dropped")
         elif episode not in ix.trained_in and episode not in ix.dropped:
             state = "finished" if ix.finished(episode) else "unfinished"
-            r.add("lost", f"episode {episode} ({state}) was neither trained on nor dropped")
+            r.add("unaccounted", f"episode {episode} ({state}) was neither trained on nor dropped")
     created = set(ix.created)
     for episode in ix.dropped:
         if episode not in created:

@@ -51,6 +51,14 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             if episode not in ix.resets:
                 r.add("unjustified drop", f"episode {episode} dropped for max_sequence before it was reset")
                 continue
+            finished = ix.finished_at(episode)
+            if finished is not None and finished <= e.t:  # it ended: nothing more was to be generated
+                r.add(
+                    "unjustified drop",
+                    f"episode {episode} dropped for max_sequence at {e.t:.2f}s, after it had finished "
+                    f"({finished:.2f}s)",
+                )
+                continue
             length = token_count(ix.context_tokens(episode, len(ix.env_steps.get(episode, []))))
             if length + workload.tokens.response <= workload.tokens.max_sequence:
                 r.add(

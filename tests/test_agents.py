@@ -624,14 +624,22 @@ def test_rollout_on_devices_of_several_kinds_hints_hardware_affinity_which_only_
     hints = [h for h in hints_from(metrics, events, simulated=True, kinds=kinds) if h.code == "mixed_kinds"]
     assert len(hints) == 1 and hints[0].evidence == {"turns_by_kind": {"h20": 2, "h800": 1}}
     assert not [h for h in hints_from(metrics, events, simulated=True, kinds={}) if h.code == "mixed_kinds"]
+    _answered_only_where_it_applies(
+        tiny_spec, "qwen3-8b-h20x8-h800x8", hints, "hardware_affinity", {"affinity_ratio": 8.0}
+    )
+
+
+def _answered_only_where_it_applies(tiny_spec, target: str, hints, skill: str, changes: dict) -> None:
+    """The planner answers ``hints`` by switching ``skill`` on (``changes``) on ``target``, by hint and
+    by composition, and proposes it neither way on the tiny target, where it does not apply."""
     params = {"controller": "time_multiplex", "train_devices": 8}
-    mixed = OfflinePlanner(load_target("qwen3-8b-h20x8-h800x8"), simulated=True)
-    assert [t.changes for t in mixed.tasks_from_hints(hints, params)] == [{"affinity_ratio": 8.0}]
-    assert "add-hardware_affinity" in [t.id for t in mixed.composition_tasks(params)]
+    where = OfflinePlanner(load_target(target), simulated=True)
+    assert [t.changes for t in where.tasks_from_hints(hints, params)] == [changes]
+    assert f"add-{skill}" in [t.id for t in where.composition_tasks(params)]
     single = OfflinePlanner(tiny_spec)
     params = {"controller": "time_multiplex", "train_devices": 1}
     assert not single.tasks_from_hints(hints, params)
-    assert "add-hardware_affinity" not in [t.id for t in single.composition_tasks(params)]
+    assert f"add-{skill}" not in [t.id for t in single.composition_tasks(params)]
 
 
 def test_lost_episodes_hint_env_checkpoint_which_only_targets_with_stateful_environments_get(tiny_spec):
@@ -642,14 +650,9 @@ def test_lost_episodes_hint_env_checkpoint_which_only_targets_with_stateful_envi
     hints = [h for h in hints_from(metrics, events, simulated=True) if h.code == "lost_episodes"]
     assert len(hints) == 1 and hints[0].evidence == {"lost_ratio": 0.15, "checkpoint_s": 0.0}
     assert not [h for h in hints_from(_busy_run_metrics(), events, simulated=True) if h.code == "lost_episodes"]
-    params = {"controller": "time_multiplex", "train_devices": 8}
-    stateful = OfflinePlanner(load_target("qwen3-8b-h800x16-sandbox"), simulated=True)
-    assert [t.changes for t in stateful.tasks_from_hints(hints, params)] == [{"checkpoint_level": 1}]
-    assert "add-env_checkpoint" in [t.id for t in stateful.composition_tasks(params)]
-    single = OfflinePlanner(tiny_spec)
-    params = {"controller": "time_multiplex", "train_devices": 1}
-    assert not single.tasks_from_hints(hints, params)
-    assert "add-env_checkpoint" not in [t.id for t in single.composition_tasks(params)]
+    _answered_only_where_it_applies(
+        tiny_spec, "qwen3-8b-h800x16-sandbox", hints, "env_checkpoint", {"checkpoint_level": 1}
+    )
 
 
 @pytest.fixture(scope="module")

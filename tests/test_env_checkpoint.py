@@ -27,6 +27,17 @@ def _by_episode(events, kind: str) -> dict[str, list]:
     return out
 
 
+def _planted(honest: str, cheat: str):
+    """A patch for ``harness_run``: ``honest`` lines of the stack's env_manager.py become ``cheat``."""
+
+    def patch(stack_dir) -> None:
+        manager = stack_dir / "env_manager.py"
+        assert honest in manager.read_text()
+        manager.write_text(manager.read_text().replace(honest, cheat))
+
+    return patch
+
+
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
 def test_checkpoints_follow_exactly_the_turns_that_changed_state_and_no_episode_is_lost(
     tmp_path, fast_target, simulate
@@ -61,21 +72,13 @@ def test_without_checkpoints_crashes_lose_episodes_which_train_but_are_not_goodp
 def test_a_checkpoint_in_the_middle_of_a_step_is_refused(tmp_path, fast_target):
     """A checkpoint taken while the step runs would hold state the turn has not reached; the harness
     refuses it as the controller's error and the run fails with the reason."""
-    honest = "                result = await episode.step(completion.tokens)\n"
-
-    def checkpoint_mid_step(stack_dir):
-        manager = stack_dir / "env_manager.py"
-        assert honest in manager.read_text()
-        manager.write_text(
-            manager.read_text().replace(
-                honest,
-                "                stepping = asyncio.ensure_future(episode.step(completion.tokens))\n"
-                "                await asyncio.sleep(0)\n"
-                "                await episode.checkpoint()\n"
-                "                result = await stepping\n",
-            )
-        )
-
+    checkpoint_mid_step = _planted(
+        "                result = await episode.step(completion.tokens)\n",
+        "                stepping = asyncio.ensure_future(episode.step(completion.tokens))\n"
+        "                await asyncio.sleep(0)\n"
+        "                await episode.checkpoint()\n"
+        "                result = await stepping\n",
+    )
     _, run = harness_run(tmp_path, fast_target, {"checkpoint_level": 1}, True, CRASHING, checkpoint_mid_step)
     assert not run.ok and "checkpointed while a step was still running" in run.cause, run.cause
 
@@ -84,19 +87,12 @@ def test_keeping_lost_episodes_out_of_the_batch_fails_the_audit(tmp_path, fast_t
     """A lost episode is a finished trajectory with reward 0: dropping it (here as max_sequence, a
     reason that does not hold) would train on the survivors only, a choice of samples."""
     honest = "                t.append_turn(completion, result)\n"
-
-    def drop_the_lost(stack_dir):
-        manager = stack_dir / "env_manager.py"
-        assert honest in manager.read_text()
-        manager.write_text(
-            manager.read_text().replace(
-                honest,
-                honest + "                if result.lost:\n"
-                "                    self.envs.drop(episode.episode_id, 'max_sequence')\n"
-                "                    break\n",
-            )
-        )
-
+    drop_the_lost = _planted(
+        honest,
+        honest + "                if result.lost:\n"
+        "                    self.envs.drop(episode.episode_id, 'max_sequence')\n"
+        "                    break\n",
+    )
     _, run = harness_run(tmp_path, fast_target, {}, True, CRASHING, drop_the_lost)
     audit = run.results["audit"]["result"]
     assert not audit["passed"] and any("dropped for max_sequence" in r for r in audit["reasons"]), audit

@@ -90,8 +90,7 @@ class Episode:
         # checkpointed (turn 0, the reset state, is remade from the task), a checkpoint in progress
         self.changed_turn = 0
         self.checkpoint_turn = 0
-        self.checkpointing = False
-        self._checkpoint_began = 0.0
+        self.checkpoint_began: float | None = None  # a checkpoint in progress, since then
         self._crashed = False  # the step in flight crashed with state no checkpoint held
 
     # -- what a subclass defines ---------------------------------------------------------------
@@ -119,7 +118,7 @@ class Episode:
         try:
             await self.clock.sleep(seconds)
         except BaseException:  # cancelled before it was taken: none was, and the episode may step again
-            self.checkpointing = False
+            self.checkpoint_began = None
             raise
         self.end_checkpoint()
 
@@ -169,19 +168,22 @@ class Episode:
         if self.stepping or self.checkpointing:
             doing = "a step" if self.stepping else "another checkpoint"
             raise RuntimeError(f"episode {self.episode_id} checkpointed while {doing} was still running")
-        self.checkpointing = True
-        self._checkpoint_began = self.clock.now()
+        self.checkpoint_began = self.clock.now()
         return state.checkpoint_s
 
+    @property
+    def checkpointing(self) -> bool:
+        return self.checkpoint_began is not None
+
     def end_checkpoint(self) -> None:
-        self.checkpointing = False
+        began, self.checkpoint_began = self.checkpoint_began, None
         self.checkpoint_turn = self.turn
         self.trace.record(
             "env_checkpoint",
             episode=self.episode_id,
             group=self.group_id,
             turn=self.turn,
-            start=self._checkpoint_began,
+            start=began,
             mb=self.workload.env_state.checkpoint_mb,
         )
 

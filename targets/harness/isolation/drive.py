@@ -286,17 +286,15 @@ class ControllerLink:
                 if counts:  # what a simulated engine's response of that length says (the environment reads it)
                     action = simulated_response(episode_id, len(action))
                 latency, failures = episode.begin_step()
-                key = next(self._numbers)
-                self._steps[key] = asyncio.get_running_loop().call_later(
-                    latency, self._stepped, key, reply, episode, action, latency, failures
-                )
+
+                def stepped() -> None:
+                    result = episode.end_step(action, latency, failures)
+                    reply.header["result"] = put_step_result(reply, result, counts)
+
+                self._answer_after(latency, reply, stepped)
                 return
             elif rx["method"] == "checkpoint":
-                seconds = episode.begin_checkpoint()
-                key = next(self._numbers)
-                self._steps[key] = asyncio.get_running_loop().call_later(
-                    seconds, self._checkpointed, key, reply, episode
-                )
+                self._answer_after(episode.begin_checkpoint(), reply, episode.end_checkpoint)
                 return
             else:
                 raise ProtocolError(f"unknown env method {rx['method']!r}")
@@ -328,15 +326,17 @@ class ControllerLink:
         if reply is not None:
             self.send(reply)
 
-    def _stepped(self, key: int, reply: Frame, episode, action, latency: float, failures: int) -> None:
-        del self._steps[key]
-        reply.header["result"] = put_step_result(reply, episode.end_step(action, latency, failures), self.memory.counts)
-        self.send(reply)
+    def _answer_after(self, seconds: float, reply: Frame, finish: Callable[[], None]) -> None:
+        """Send ``reply`` once ``seconds`` have passed, ``finish`` having ended the environment's work
+        (and filled the reply): a timer, not a task, cancelled with the link if the run ends first."""
+        key = next(self._numbers)
 
-    def _checkpointed(self, key: int, reply: Frame, episode) -> None:
-        del self._steps[key]
-        episode.end_checkpoint()
-        self.send(reply)
+        def answer() -> None:
+            del self._steps[key]
+            finish()
+            self.send(reply)
+
+        self._steps[key] = asyncio.get_running_loop().call_later(seconds, answer)
 
     async def _cluster(self, rx: Received, reply: Frame, tokens) -> None:
         """``tokens``: the generate request or train batch, decoded as the frame arrived."""

@@ -43,12 +43,16 @@ def test_checkpoints_follow_exactly_the_turns_that_changed_state_and_no_episode_
     tmp_path, fast_target, simulate
 ):
     """At ``checkpoint_level`` 1 every live turn that changed state is followed by a checkpoint at
-    that turn before the episode's next step, no other turn is, and every crash is restored."""
+    that turn before the episode's next step, no other turn is, and every crash is restored. A turn
+    the episode never stepped past (its group cancelled, or the run ended) may have its checkpoint
+    cancelled: nobody needs that state."""
     _, events = audited_run(tmp_path, fast_target, {"checkpoint_level": 1}, simulate, CRASHING)
     steps, checkpoints = _by_episode(events, "env_step"), _by_episode(events, "env_checkpoint")
     for episode, taken in steps.items():
         changed = [s.data["turn"] for s in taken if s.data["state_changed"] and not s.data["done"]]
-        assert [c.data["turn"] for c in checkpoints.get(episode, [])] == changed, episode
+        stepped_past = [turn for turn in changed if turn < len(taken)]
+        checkpointed = [c.data["turn"] for c in checkpoints.get(episode, [])]
+        assert checkpointed in (stepped_past, changed), episode
         for c in checkpoints.get(episode, []):  # taken after its turn's step and before the next one began
             assert c.data["start"] >= taken[c.data["turn"] - 1].t - 1e-9
             assert all(c.t <= s.t - s.data["latency"] + 1e-9 for s in taken if s.data["turn"] == c.data["turn"] + 1)

@@ -58,6 +58,7 @@ class _Sequence:
     mark: float = 0.0  # in the batch: the batch's iterations when this one would have had none
     admitted: int = -1  # in the batch: its admission number (the batch's order); -1 out of it
     answered: bool = False
+    started: Callable[[], None] | None = None  # told when its prefill ends (its first token): a serving request's TTFT
 
     @property
     def context(self) -> float:
@@ -93,6 +94,7 @@ class SimEngine:
         # (start, seconds per iteration, iterations to its event) of the chunk decoding now
         self._decoding: tuple[float, float, float] | None = None
         self._phase = "starting"  # the serving loop's state: starting, prefill, decoding, idle, woken, closed
+        self._prefilling: list[_Sequence] = []  # admitted with a ``started`` to tell when the prefill ends
         self._timer: asyncio.TimerHandle | None = None
         self._loop.call_soon(self._top)
 
@@ -101,6 +103,11 @@ class SimEngine:
     def load(self) -> int:
         return len(self.queue) + len(self.running)
 
+    @property
+    def pending(self) -> int:
+        """Requests still to be prefilled here (queued, or in the prefill running now)."""
+        return len(self.queue) + len(self._prefilling)
+
     def submit(
         self,
         episode: str,
@@ -108,9 +115,11 @@ class SimEngine:
         max_new: int,
         length: int | None = None,
         done: Callable[[Completion], None] | None = None,
+        started: Callable[[], None] | None = None,
     ) -> asyncio.Future | None:
         """Queue a turn that generates ``length`` tokens (default: the whole ``max_new`` budget);
-        ``done`` is told its completion (when not given, a future is, and is returned)."""
+        ``done`` is told its completion (when not given, a future is, and is returned), ``started``
+        each time its prefill ends."""
         length = max_new if length is None else length
         if self.offloaded:
             raise RuntimeError(f"{self.name}: request routed to an offloaded engine")
@@ -125,7 +134,7 @@ class SimEngine:
             future = self._loop.create_future()
             done = future.set_result
         head = not self.queue  # behind others, it cannot be admitted before they are: no need to interrupt
-        self.queue.append(_Sequence(episode, prompt_tokens, max_new, length, done))
+        self.queue.append(_Sequence(episode, prompt_tokens, max_new, length, done, started=started))
         if head and (self.cost.continuous_batching or not self.running):
             self._wake()
         return future
@@ -208,15 +217,19 @@ class SimEngine:
             self._phase = "prefill"
             self._timer = self._loop.call_later(prefill, self._after_prefill)
             return
+        prefilled, self._prefilling = self._prefilling, []  # all of it cached: started at once
+        for seq in prefilled:
+            seq.started()
         self._decode()
 
     def _after_prefill(self) -> None:
         if self._phase == "closed":
             return
-        if self._epoch_at_top != self._epoch:
-            self._top()
-        else:
-            self._decode()
+        prefilled, self._prefilling = self._prefilling, []
+        if self._epoch_at_top == self._epoch:
+            for seq in prefilled:
+                seq.started()
+        self._top()  # what arrived during the prefill is admitted now, as an iteration's scheduler would
 
     def _chunk_end(self) -> None:
         """The decoding chunk reached its event (a sequence done, the cache full): credited whole. From
@@ -288,6 +301,8 @@ class SimEngine:
             self.running.append(seq)
             self._context += context
             prefill += self.cost.prefill_s(context - cached, cached)
+            if seq.started is not None:
+                self._prefilling.append(seq)
         self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
         return prefill
 

@@ -59,7 +59,8 @@ class Skill(BaseModel):
     controllers: list[str] = []  # a technique: the controllers it works under (empty: every one)
     requires: list[str] = []  # techniques that must be on with it
     conflicts: list[str] = []  # techniques that must be off with it
-    hardware: Literal["any", "mixed"] = "any"  # mixed: only where the target's devices are of several kinds
+    # mixed: only where the target's devices are of several kinds; serving: only beside a serving pool
+    hardware: Literal["any", "mixed", "serving"] = "any"
     environments: Literal["any", "stateful"] = "any"  # stateful: only where a crash loses state (env_state)
     text: str = ""
 

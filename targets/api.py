@@ -1,14 +1,10 @@
 """The target contract's public types: the only harness module a candidate stack may import.
 
-Three groups of types live here:
-
-* the data that flows through a stack (sampling parameters, completions, trajectories, batches),
-* the protocols a candidate implements or drives (``RolloutEngine``, ``Trainer``, ``Cluster``,
-  ``Controller``) and the environment handles the harness hands it (``EnvHandle``, ``EnvSource``),
-* the trace events the harness records (the audit and the benchmark read only these).
-
-Everything is plain dataclasses and ``typing.Protocol`` so a stack written by any agent can follow
-the contract without inheriting from harness code.
+The data that flows through a stack (sampling parameters, completions, trajectories, batches); the
+protocols a candidate implements or drives (``RolloutEngine``, ``Trainer``, ``Cluster``,
+``Controller``) and the environment handles the harness hands it (``EnvHandle``, ``EnvSource``); the
+trace events the harness records (the audit and the benchmark read only these). Plain dataclasses
+and ``typing.Protocol``: a stack written by any agent follows the contract without harness code.
 
 In simulated execution every token sequence a controller handles (a prompt from ``reset``, a
 completion, an observation, a trajectory) is a ``TokenCount``: its length, nothing else. Code that
@@ -134,14 +130,12 @@ class Aborted(Exception):
     interrupted by ``sync_weights(..., interrupt=True)``.
 
     ``partial`` holds the tokens decoded before the interruption (finish ``"abort"``, the version
-    that decoded them, the device that served them). A cluster always sends it, with no tokens if none
-    were decoded: the audit explains an abort only by a shrink, suspend or interrupting sync of that
-    device, and rejects one that names no device. The harness hands the partial to stacks that declare
-    ``partial_rollout``; they resume the turn with ``GenerateRequest.continues``. Others retry the turn
-    from its start. An engine admits requests in the order they arrive and preempts the youngest
-    first, so a request has decoded a token once one the same engine received after it has: for a
-    stack that declares ``partial_rollout`` the audit rejects an empty partial after that (reporting
-    it empty would resample the turn).
+    that decoded them, the device that served them), always sent, empty if none were: the audit
+    explains an abort only by a shrink, suspend or interrupting sync of that device. Stacks that
+    declare ``partial_rollout`` get it and resume the turn (``GenerateRequest.continues``); others
+    retry from the start. Engines admit in arrival order and preempt the youngest first, so a request
+    has decoded a token once a later one on its engine has: for those stacks the audit rejects an
+    empty partial after that (reporting it empty would resample the turn).
     """
 
     def __init__(self, message: str = "", partial: Completion | None = None) -> None:
@@ -290,9 +284,8 @@ class Trainer(Protocol):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What an environment answers to one action. ``state_changed``: the turn changed state a crash
-    would lose (``Workload.env_state``: what a stack's checkpoint policy reads). ``lost``: the
-    environment crashed with state no checkpoint held, and the episode ends here."""
+    """What an environment answers an action. ``state_changed``: the turn changed state a crash would
+    lose (``Workload.env_state``). ``lost``: a crash lost state no checkpoint held; the episode ends."""
 
     observation: TokenIds
     reward: float
@@ -331,11 +324,10 @@ class TextStep:
 
 @runtime_checkable
 class TextEnvironment(Protocol):
-    """A user's own environment (``workload.environment.entry``; adapters in
-    ``targets/harness/environments/adapters.py`` make one from gymnasium-style environments and from
-    sets of verifiable tasks). One instance an episode, made and run by the harness in its own
-    processes: text in, text out, the reward is the reward. ``task`` is the seed the episode's group
-    shares (the same task for every member)."""
+    """A user's own environment (``workload.environment.entry``; ``environments/adapters.py`` makes
+    one from gymnasium-style environments and verifiable task sets). One instance an episode, run by
+    the harness in its processes: text in, text out, the reward is the reward; ``task`` is the seed
+    the episode's group shares."""
 
     async def reset(self, task: int) -> str: ...
 
@@ -349,11 +341,10 @@ class EnvSource(Protocol):
     group_size: int
 
     def new_group(self, extra: int = 0, relaunch: str | None = None) -> list[EnvHandle]:
-        """``group_size + extra`` members; ``extra`` spares at most the stack's declared
-        ``redundant_per_group`` (the first ``group_size`` to finish make the group, the rest are
-        dropped as ``redundant``). ``relaunch``: a group the stack deferred (dropped whole as
-        ``deferred``); the new group runs that group's task again, with new episodes. A deferred
-        group is relaunched once, and a relaunched group is never deferred."""
+        """``group_size + extra`` members, ``extra`` spares at most the declared ``redundant_per_group``
+        (the first ``group_size`` to finish make the group, the rest are dropped as ``redundant``).
+        ``relaunch``: a group the stack deferred (dropped whole as ``deferred``), whose task the new
+        group runs again with new episodes; once, and a relaunched group is never deferred."""
         ...
 
 
@@ -363,9 +354,8 @@ class EnvSource(Protocol):
 
 @dataclass(frozen=True)
 class Device:
-    """A schedulable device: a GPU, or on CPU targets a logical device (a custom Ray resource).
-    ``bf16_tflops`` and ``hbm_bandwidth_gbs`` are its kind's peak numbers (0: not known): on mixed
-    hardware, how compute-rich or bandwidth-rich it is, which a router may use."""
+    """A schedulable device: a GPU, or on CPU targets a logical device (a custom Ray resource). Its
+    kind's peak numbers (0: not known) say how compute- or bandwidth-rich it is, for a router."""
 
     id: str
     kind: str
@@ -376,10 +366,9 @@ class Device:
 
 class WeightExport(Protocol):
     """Where a cluster writes one weight version for the harness: a memory region the harness made
-    and seals once the cluster answers (``targets/harness/ipc/weight_export.py``). ``shapes`` names every weight the
-    model has (tied names, such as a tied embedding and head, share one tensor: writing either is
-    enough); ``write`` copies a tensor (any dtype, any device: a GPU tensor is copied by DMA) into
-    its place as float32."""
+    and seals once the cluster answers (``ipc/weight_export.py``). ``shapes`` names every weight (tied
+    names share one tensor: writing either is enough); ``write`` copies a tensor (any dtype, any
+    device: a GPU tensor by DMA) into its place as float32."""
 
     shapes: Mapping[str, tuple[int, ...]]
 
@@ -426,6 +415,10 @@ class Cluster(Protocol):
         controllers; the simulator's cluster is never asked."""
         ...
 
+    async def serving_load(self) -> ServingLoad:
+        """The serving pools' traffic now (the harness answers it; a target without one refuses)."""
+        ...
+
     async def residency(self) -> dict[str, list[str]]:
         """Which components hold memory on each device (``"engine"``, ``"trainer"``); the harness
         records it after every shrink, expand, train, suspend and resume, and the audit requires
@@ -453,14 +446,30 @@ DROP_REASONS = ("stale", "end_of_run", "max_sequence", "redundant", "deferred")
 
 
 class EnvDropper(Protocol):
-    """``EnvSource`` also takes back episodes a controller discards on purpose, with a reason the
-    audit verifies: ``stale`` (a member of its group is beyond the staleness bound), ``end_of_run``
-    (after the last training step), ``max_sequence`` (the next turn cannot fit), ``redundant`` (a
-    spare episode of a group launched with declared redundancy) or ``deferred`` (tail batching: an
-    unfinished group handed back whole, its task to run again with ``new_group(relaunch=...)``).
+    """``EnvSource`` also takes back episodes a controller discards on purpose, for a reason the audit
+    verifies: ``stale`` (a group member beyond the staleness bound), ``end_of_run`` (after the last
+    step), ``max_sequence`` (the next turn cannot fit), ``redundant`` (a declared spare) or ``deferred``
+    (tail batching: a group handed back whole, its task run again by ``new_group(relaunch=...)``).
     Anything neither trained nor dropped is lost."""
 
     def drop(self, episode_id: str, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServingLoad:
+    """A serving pool's traffic over the last ``window_s`` (the harness's measure): requests/s, devices
+    serving and lent, p99 TTFT (those still waiting count their wait) and TPOT of the requests then,
+    the SLOs, and the rate one device serves within them (``capacity_rps``, the harness's profile)."""
+
+    rate_rps: float
+    serving: int
+    lent: int
+    ttft_p99_s: float
+    tpot_p99_s: float
+    ttft_slo_s: float
+    tpot_slo_s: float
+    capacity_rps: float
+    window_s: float
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,6 +512,7 @@ class Runtime:
     accelerator: Literal["cpu", "cuda"] = "cpu"  # where components put their tensors
     device_memory_bytes: int = 0  # each device's own memory (0: CPU logical devices share the host's)
     engine_devices: int = 1  # consecutive rollout devices one engine spans (the simulator's tensor-parallel size)
+    serving_devices: tuple[Device, ...] = ()  # a serving pool's: rollout may borrow them (expand), never train
 
 
 @dataclass(frozen=True)
@@ -528,9 +538,8 @@ class Declared:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What the cluster simulator models of the stack's engines (in a real run the engines are the
-    stack's own code, and the harness only records this). ``speculative_tokens``: draft tokens a
-    decoding request verifies each step while at most ``speculative_batch`` requests run (0: none)."""
+    """What the simulator models of the stack's engines (a real run's are the stack's own code; the
+    harness records this): ``speculative_tokens`` drafted a step while at most ``speculative_batch`` run."""
 
     speculative_tokens: int = 0
     speculative_batch: int = 0
@@ -570,6 +579,7 @@ EventKind = Literal[
     "suspend",
     "resume",
     "weight_export",  # the harness copying the trained weights for its audit; the train call waits for it
+    "serving",  # a serving pool's run: its requests' p99 TTFT and TPOT, its SLOs, the device-seconds lent
     "device_state",
     "sample_used",
     "sample_dropped",

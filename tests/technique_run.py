@@ -20,9 +20,15 @@ def harness_run(
 ):
     """The time_multiplex starter with ``params`` on the fast target with ``workload`` changes, measured;
     ``patch(stack_dir)`` plants a change in the written stack first. Returns (spec, run)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
     data = yaml.safe_load(fast_target.read_text())
     data["workload"].update(workload or {})
+    return target_run(tmp_path, data, params, simulate, patch, seed)
+
+
+def target_run(tmp_path, data: dict, params: dict, simulate: bool, patch=None, seed: int = 0):
+    """The time_multiplex starter with ``params`` on the target ``data`` (a spec's YAML as a dict),
+    measured; ``patch(stack_dir)`` plants a change first. Returns (spec, run)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     target_path = tmp_path / "target.yaml"
     target_path.write_text(yaml.safe_dump(data))
     spec = parse_target(data)
@@ -50,3 +56,14 @@ def audited_run(tmp_path, fast_target, params: dict, simulate: bool, workload: d
     audit = run.results["audit"]["result"]
     assert audit["passed"], audit["reasons"]
     return spec, Trace.load_events(run.out / "trace.jsonl")
+
+
+def planted(file: str, honest: str, cheat: str):
+    """A patch for ``harness_run``/``target_run``: ``honest`` text of the stack's ``file`` becomes ``cheat``."""
+
+    def patch(stack_dir) -> None:
+        path = stack_dir / file
+        assert honest in path.read_text()
+        path.write_text(path.read_text().replace(honest, cheat))
+
+    return patch

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from targets.harness.measure.metrics import compute_metrics
-from tests.technique_run import audited_run, harness_run
+from tests.technique_run import audited_run, harness_run, planted
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +25,6 @@ def _by_episode(events, kind: str) -> dict[str, list]:
         if e.kind == kind:
             out.setdefault(e.data["episode"], []).append(e)
     return out
-
-
-def _planted(honest: str, cheat: str):
-    """A patch for ``harness_run``: ``honest`` lines of the stack's env_manager.py become ``cheat``."""
-
-    def patch(stack_dir) -> None:
-        manager = stack_dir / "env_manager.py"
-        assert honest in manager.read_text()
-        manager.write_text(manager.read_text().replace(honest, cheat))
-
-    return patch
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
@@ -76,7 +65,8 @@ def test_without_checkpoints_crashes_lose_episodes_which_train_but_are_not_goodp
 def test_a_checkpoint_in_the_middle_of_a_step_is_refused(tmp_path, fast_target):
     """A checkpoint taken while the step runs would hold state the turn has not reached; the harness
     refuses it as the controller's error and the run fails with the reason."""
-    checkpoint_mid_step = _planted(
+    checkpoint_mid_step = planted(
+        "env_manager.py",
         "                result = await episode.step(completion.tokens)\n",
         "                stepping = asyncio.ensure_future(episode.step(completion.tokens))\n"
         "                await asyncio.sleep(0)\n"
@@ -91,7 +81,8 @@ def test_keeping_lost_episodes_out_of_the_batch_fails_the_audit(tmp_path, fast_t
     """A lost episode is a finished trajectory with reward 0: dropping it (here as max_sequence, a
     reason that does not hold) would train on the survivors only, a choice of samples."""
     honest = "                t.append_turn(completion, result)\n"
-    drop_the_lost = _planted(
+    drop_the_lost = planted(
+        "env_manager.py",
         honest,
         honest + "                if result.lost:\n"
         "                    self.envs.drop(episode.episode_id, 'max_sequence')\n"

@@ -22,7 +22,7 @@ def _error(data: dict) -> str:
     return str(caught.value)
 
 
-def test_catalog_has_the_ten_targets():
+def test_catalog_has_the_eleven_targets():
     assert catalog_ids() == [
         "qwen3-0.6b-h100x1",
         "qwen3-0.6b-h100x1-arithmetic",
@@ -32,6 +32,7 @@ def test_catalog_has_the_ten_targets():
         "qwen3-8b-h20x8-h800x8",
         "qwen3-8b-h800x16",
         "qwen3-8b-h800x16-sandbox",
+        "qwen3-8b-h800x16-serving",
         "tiny-qwen3-cpu",
         "tiny-qwen3-cpu-arithmetic",
     ]

@@ -22,6 +22,7 @@ TRAIN_IDLE_SHARE = 0.4  # idle share of a training device that says it waits for
 ABORT_SHARE = 0.05
 STALE_SHARE = 0.05  # share of created episodes dropped as stale
 LOST_SHARE = 0.01  # share of finished trajectories lost with their environment's state in a crash
+SERVING_SLACK = 0.6  # a serving pool whose p99 TTFT stayed under this share of its SLO has room to lend
 SMALL_BATCH = 4.0
 SYNC_SHARE = 0.10
 MAX_PAIRS_FACTOR = 2  # a real target's undecided candidate gets up to this many times its pairs
@@ -122,6 +123,18 @@ def hints_from(metrics: dict, events: list, simulated: bool, kinds: dict[str, st
                 message=f"{metrics['lost_ratio']:.0%} of trajectories lost their environment in a crash "
                 "(state no checkpoint held)",
                 evidence={"lost_ratio": metrics["lost_ratio"], "checkpoint_s": metrics["checkpoint_s"]},
+            )
+        )
+    serving = [e.data for e in events if e.kind == "serving"]
+    if serving and serving[-1]["ttft_p99_s"] < SERVING_SLACK * serving[-1]["ttft_slo_s"]:
+        s = serving[-1]
+        hints.append(
+            Hint(
+                code="serving_headroom",
+                message=f"the serving pool kept its p99 TTFT at {s['ttft_p99_s'] * 1e3:.0f} ms of its "
+                f"{s['ttft_slo_s'] * 1e3:.0f} ms SLO while lending {metrics.get('lent_devices', 0.0):.1f} "
+                f"of its {len(s['devices'])} devices on average: rollout may borrow more",
+                evidence={"ttft_p99_s": s["ttft_p99_s"], "lent_devices": metrics.get("lent_devices", 0.0)},
             )
         )
     turns = sum(1 for e in events if e.kind == "generate")

@@ -127,6 +127,7 @@ class OfflinePlanner:
         if (
             not skill.is_on(changes)
             or (skill.hardware == "mixed" and len({p.kind for p in self.spec.hardware.by_name.values()}) < 2)
+            or (skill.hardware == "serving" and not self.spec.hardware.serving_device_ids())
             or (skill.environments == "stateful" and self.spec.workload.env_state is None)
             or not applicable(self.skills, skill, params)
             or not all(self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items())

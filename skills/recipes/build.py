@@ -94,6 +94,7 @@ def build(runtime: Runtime) -> Stack:
     # VAL: VAL_INT_RANGE (value=params.get("tail_round", 0), min=0, max=runtime.workload.groups_per_step)
     # VAL: VAL_INT_RANGE (value=params.get("speculative_tokens", 0), min=0, max=8)
     # VAL: VAL_INT_RANGE (value=params.get("checkpoint_level", 0), min=0, max=2)
+    # VAL: VAL_INT_RANGE (value=params.get("serving_harvest", 0), min=0, max=1)
     # The audit bounds the spares by what is declared, holds the run to the declared staleness bound,
     # and lets only a stack declaring tail_round defer groups.
     declared = Declared(

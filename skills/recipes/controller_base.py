@@ -11,6 +11,7 @@ from targets.api import Cluster, Device, Runtime, SamplingParams, TrainBatch, Tr
 from .env_manager import EnvManager
 from .router import RoutedCluster
 from .sample_buffer import GroupBuffer
+from .serving_harvest import ServingHarvest
 
 
 def group_advantages(trajectories: list[Trajectory]) -> list[float]:
@@ -47,8 +48,12 @@ class ControllerBase:
         self.partial_rollout = bool(params.get("partial_rollout", 0))  # resume interrupted turns; syncs interrupt
         # where a crash loses an environment's state: 0 never checkpoint, 1 after turns that changed it, 2 every turn
         self.checkpoint_level = params.get("checkpoint_level", 0) if workload.env_state else 0
+        self.serving_devices = list(runtime.serving_devices)  # a serving pool's, lent by serving_harvest
+        if params.get("serving_harvest", 0) and not self.serving_devices:
+            raise ValueError("params serving_harvest: this target has no serving pool to borrow from")
         self.version = 0
         self._manager: EnvManager | None = None
+        self._harvest: ServingHarvest | None = None
 
     def placement(self, devices: list[Device]) -> tuple[list[Device], list[Device]]:
         """(devices with a rollout engine, devices with a trainer rank)."""
@@ -57,7 +62,14 @@ class ControllerBase:
     def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[Cluster, GroupBuffer, EnvManager]:
         """The cluster the controller drives (routed by the controller with ``kv_routing`` or
         ``hardware_affinity``), the
-        group buffer, and the environment manager generating on that cluster."""
+        group buffer, and the environment manager generating on that cluster; with ``serving_harvest``
+        the harvester lending a serving pool's devices to rollout starts."""
+        if self.params.get("serving_harvest", 0):
+            margin = self.params.get("harvest_margin", 0.3)
+            self._harvest = ServingHarvest(
+                cluster, self.serving_devices, self.engine_devices, margin, self.partial_rollout
+            )
+            self._harvest.start()
         if self.params.get("kv_routing", 0) or self.params.get("affinity_ratio", 0.0):
             rollout, _ = self.placement(cluster.devices)
             cluster = RoutedCluster(
@@ -81,6 +93,7 @@ class ControllerBase:
             partial_rollout=self.partial_rollout,
             tail_round=self.params.get("tail_round", 0),
             checkpoint_level=self.checkpoint_level,
+            start_after=self._harvest.ready if self._harvest is not None else None,
         )
         self._manager = manager  # told of each new policy version by _train
         return cluster, buffer, manager
@@ -98,10 +111,14 @@ class ControllerBase:
     async def _finish(self, buffer: GroupBuffer, manager: EnvManager) -> None:
         """Hand back every episode not trained on: in flight or waiting in the buffer."""
         manager.raise_if_failed()
+        if self._harvest is not None:
+            await self._harvest.stop()
         await manager.cancel_all()
         buffer.drop_all("end_of_run")
 
     async def _train(self, cluster: Cluster, batch: list[Trajectory], devices: list[Device]) -> int:
         self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)
         self._manager.policy_advanced(self.version)
+        if self._harvest is not None:
+            self._harvest.policy_advanced(self.version)
         return self.version

@@ -61,8 +61,10 @@ class EnvManager:
         partial_rollout: bool = False,
         tail_round: int = 0,
         checkpoint_level: int = 0,
+        start_after: asyncio.Event | None = None,
     ) -> None:
         self.cluster, self.envs, self.buffer = cluster, envs, buffer
+        self.start_after = start_after  # episodes generate once it is set (serving_harvest's first lend)
         self.sampling, self.max_sequence, self.redundancy = sampling, max_sequence, redundancy
         self.abort_stale, self.partial_rollout, self.tail_round = abort_stale, partial_rollout, tail_round
         self.checkpoint_level = checkpoint_level
@@ -183,6 +185,8 @@ class EnvManager:
 
     async def _run_episode(self, episode) -> None:
         t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())
+        if self.start_after is not None:
+            await self.start_after.wait()
         turn, checkpointing = 0, None
         try:
             while True:

@@ -96,11 +96,14 @@ class Target:
         """Candidate processes see the GPUs (real execution on a GPU target)."""
         return self.spec.hardware.kind != "cpu" and not self.simulated
 
-    def devices(self) -> tuple[Device, ...]:
+    def devices(self, serving: bool = False) -> tuple[Device, ...]:
+        """The job's devices, or with ``serving`` the serving pools' (numbered after the job's)."""
         hardware = self.spec.hardware
+        names = hardware.serving_device_ids() if serving else hardware.device_ids()
+        first = len(hardware.device_ids()) if serving else 0
         return tuple(
-            Device(name, pool.kind, i, pool.bf16_tflops, pool.hbm_bandwidth_gbs)
-            for i, name in enumerate(hardware.device_ids())
+            Device(name, pool.kind, first + i, pool.bf16_tflops, pool.hbm_bandwidth_gbs)
+            for i, name in enumerate(names)
             for pool in [hardware.pool_of(name)]
         )
 
@@ -127,6 +130,7 @@ class Target:
             "cuda" if self.gpu else "cpu",
             int(min(p.memory_gb for p in self.spec.hardware.by_name.values()) * 1e9) if self.gpu else 0,
             engine_devices,
+            self.devices(serving=True),
         )
 
     def reference_model(self):

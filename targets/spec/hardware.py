@@ -15,6 +15,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from targets.hardware import HARDWARE_CATALOG
 from targets.spec.base import Strict
+from targets.spec.serving import ServingSpec
 
 POOL_NAME = r"^[a-z][a-z0-9_]*$"
 
@@ -62,8 +63,13 @@ class HardwareSpec(Strict):
         """The devices' names, ``kind:index``: the one way they are written everywhere."""
         return [f"{self.kind}:{i}" for i in range(self.count)]
 
+    def serving_device_ids(self) -> list[str]:
+        """The devices of serving pools, which rollout may borrow and training never uses (none here)."""
+        return []
+
     def pool_name(self, device: str) -> str:
-        """The name of the pool ``device`` (one of ``device_ids``) is in: ``by_name``'s key."""
+        """The name of the pool ``device`` (one of ``device_ids`` or ``serving_device_ids``) is in:
+        ``by_name``'s key."""
         return self.kind
 
     def pool_of(self, device: str) -> HardwareSpec:
@@ -71,9 +77,12 @@ class HardwareSpec(Strict):
 
 
 class PoolSpec(HardwareSpec):
-    """One of several pools: a device kind and count as a single pool has, and a name."""
+    """One of several pools: a device kind and count as a single pool has, and a name. With
+    ``serving`` it is a serving pool: its devices serve that traffic and are not the job's; rollout
+    may borrow them (``Runtime.serving_devices``)."""
 
     name: str = Field(pattern=POOL_NAME)
+    serving: ServingSpec | None = None
 
 
 class LinkSpec(Strict):
@@ -86,7 +95,8 @@ class LinkSpec(Strict):
 
 class PooledHardwareSpec(Strict):
     """Several pools, named, of possibly different kinds (a compute-rich training pool beside a
-    bandwidth-rich rollout pool), and a link between every two of them."""
+    bandwidth-rich rollout pool, or beside a serving pool), and a link between every two of them.
+    The job's devices are those of the pools that do not serve."""
 
     pools: tuple[PoolSpec, ...] = Field(min_length=2)
     links: tuple[LinkSpec, ...]
@@ -114,24 +124,44 @@ class PooledHardwareSpec(Strict):
         for a, b in itertools.combinations(names, 2):
             if frozenset((a, b)) not in seen:
                 raise ValueError(f"no link between the pools {a!r} and {b!r}: weights could not reach one of them")
+        if not self.job_pools:
+            raise ValueError("every pool serves: the job needs at least one pool without serving")
+        if len(self.serving_pools) > 1:
+            raise ValueError(f"pools: {len(self.serving_pools)} serving pools; a target may have one")
         return self
 
     @property
+    def job_pools(self) -> tuple[PoolSpec, ...]:
+        """The pools the job owns (rollout and training), in device order."""
+        return tuple(pool for pool in self.pools if pool.serving is None)
+
+    @property
+    def serving_pools(self) -> tuple[PoolSpec, ...]:
+        return tuple(pool for pool in self.pools if pool.serving is not None)
+
+    @property
     def count(self) -> int:
-        return sum(pool.count for pool in self.pools)
+        """The job's devices (a serving pool's are lent, never owned)."""
+        return sum(pool.count for pool in self.job_pools)
 
     @property
     def kind(self) -> str:
-        """The one kind every pool has, else ``mixed``."""
-        kinds = {pool.kind for pool in self.pools}
+        """The one kind every pool of the job has, else ``mixed``."""
+        kinds = {pool.kind for pool in self.job_pools}
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
     @property
     def summary(self) -> str:
-        return " + ".join(f"{pool.count}x {pool.kind} ({pool.name})" for pool in self.pools)
+        def one(pool: PoolSpec) -> str:
+            return f"{pool.count}x {pool.kind} ({pool.name}{', serving' if pool.serving else ''})"
+
+        return " + ".join(one(pool) for pool in self.pools)
 
     def device_ids(self) -> list[str]:
-        return [f"{pool.name}:{i}" for pool in self.pools for i in range(pool.count)]
+        return [f"{pool.name}:{i}" for pool in self.job_pools for i in range(pool.count)]
+
+    def serving_device_ids(self) -> list[str]:
+        return [f"{pool.name}:{i}" for pool in self.serving_pools for i in range(pool.count)]
 
     def pool_name(self, device: str) -> str:
         name = device.partition(":")[0]  # pool:index

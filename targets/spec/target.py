@@ -141,6 +141,15 @@ class TargetSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _serving_is_simulated(self) -> TargetSpec:
+        for i, pool in enumerate(getattr(self.hardware, "pools", ())):
+            if pool.serving is not None and self.execution != "simulated":
+                raise ValueError(
+                    f"hardware.pools.{i}.serving: a serving pool's traffic is simulated only (execution: simulated)"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _baselines_fit(self) -> TargetSpec:
         for i, baseline in enumerate(self.baselines):
             count = (baseline.hardware or self.hardware).count

@@ -23,6 +23,10 @@ class RunSeed:
         text = "|".join(str(p) for p in (self.number, *parts)).encode()
         return int.from_bytes(hashlib.blake2b(text, key=self.key, digest_size=8).digest(), "little")
 
+    def stream(self, name: str) -> int:
+        """The seed of a random stream of the run's own, named ``name`` (a serving pool's arrivals)."""
+        return self._keyed("stream", name) if self.key else self.number * 1_000_003 + len(name)
+
     def task(self, task: int) -> int:
         """The seed of task ``task`` (the ``task``-th group's, or the group a relaunch reruns)."""
         return self._keyed("task", task) if self.key else self.number * 1_000_003 + task

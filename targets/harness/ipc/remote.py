@@ -129,6 +129,9 @@ class RemoteCluster:
         frame = Frame(method="export_weights", number=number, layout=layout.to_wire())
         return (await self._call(frame, "export_weights")).get("written")
 
+    async def serving_load(self):
+        raise ValueError("this target has no serving pool (serving pools are simulated only)")
+
     async def residency(self) -> dict:
         return (await self._call(Frame(method="residency"), "residency")).get("resident")
 

@@ -178,6 +178,7 @@ def put_runtime(r: Runtime) -> dict:
         "accelerator": r.accelerator,
         "device_memory_bytes": r.device_memory_bytes,
         "engine_devices": r.engine_devices,
+        "serving_devices": put_devices(r.serving_devices),
         "workload": {**workload, "training": put_config(w.training)},
     }
 
@@ -196,6 +197,7 @@ def get_runtime(d: dict) -> Runtime:
         d["accelerator"],
         d["device_memory_bytes"],
         d["engine_devices"],
+        tuple(get_devices(d["serving_devices"])),
     )
 
 

@@ -30,6 +30,7 @@ from targets.api import (
     Device,
     GenerateRequest,
     Runtime,
+    ServingLoad,
     StepResult,
     TokenCount,
     TrainBatch,
@@ -175,6 +176,9 @@ class ProxyCluster:
 
     async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         await self._call("sync_weights", version=version, devices=[d.id for d in devices], interrupt=interrupt)
+
+    async def serving_load(self) -> ServingLoad:
+        return ServingLoad(**(await self._call("serving_load"))["load"])
 
     async def suspend(self) -> None:
         await self._call("suspend")

@@ -16,6 +16,7 @@ virtual: the harness advances it only when the controller process says it is idl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ from typing import Any
 from targets.api import Aborted, Completion, Declared, EngineSettings, GenerateRequest, Runtime, TokenIds
 from targets.errors import UserError
 from targets.harness.environments import EnvironmentPool
+from targets.harness.environments.seeds import RunSeed
 from targets.harness.ipc import shared_ring
 from targets.harness.ipc.channel import AsyncChannel, Frame, Received
 from targets.harness.ipc.protocol import ProtocolError
@@ -358,8 +360,27 @@ class ControllerLink:
             )
         elif method in ("suspend", "resume"):
             await getattr(cluster, method)()
+        elif method == "serving_load":
+            reply.header["load"] = dataclasses.asdict(await cluster.serving_load())
         else:
             raise ProtocolError(f"unknown cluster method {method!r}")
+
+
+def _serving_pool(spec: TargetSpec, seed: int | RunSeed) -> Callable[[], Any] | None:
+    """What makes the target's serving pool inside the run (None without one); its capacity is
+    profiled here, before the run's loop starts (a profile is a simulation of its own)."""
+    from targets.harness.sim.cost_model import CostModel
+    from targets.harness.sim.serving import ServingPool, serving_capacity
+
+    pools = getattr(spec.hardware, "serving_pools", ())
+    if not pools:
+        return None
+    (pool,) = pools  # the spec allows one
+    cost = CostModel.from_spec(spec, pool.name, pool.serving.model)
+    devices = [d for d in spec.hardware.serving_device_ids() if spec.hardware.pool_name(d) == pool.name]
+    capacity = serving_capacity(pool.serving, cost)
+    stream = (seed if isinstance(seed, RunSeed) else RunSeed(seed)).stream("serving")
+    return lambda: ServingPool(pool.serving, devices, cost, stream, capacity)
 
 
 async def _hello(link: ControllerLink, processes: CandidateProcesses) -> tuple[list[str], list[str], Declared]:
@@ -454,6 +475,7 @@ def drive_simulated(
     from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual
 
     costs = ClusterCosts.from_spec(spec)
+    make_serving = _serving_pool(spec, seed)
     loop = VirtualTimeLoop()
     trace = Trace(VirtualClock(loop), record_tokens=False)
     summary: dict = {}
@@ -467,14 +489,16 @@ def drive_simulated(
         channel.corked = channel.bursts = True  # flushed by the loop when it runs dry
         loop.peer, loop.io = link, channel.transport
         link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=True))
-        serving = asyncio.create_task(link.serve())
+        answering = asyncio.create_task(link.serve())
         rollout_ids, _, declared = await _hello(link, processes)
         by_id = {d.id: d for d in runtime.devices}
         if any(i not in by_id for i in rollout_ids):
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
         speculating = costs.speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
-        cluster = SimCluster(list(runtime.devices), [by_id[i] for i in rollout_ids], speculating, lengths)
+        serving = make_serving() if make_serving is not None else None
+        devices = list(runtime.devices + runtime.serving_devices)
+        cluster = SimCluster(devices, [by_id[i] for i in rollout_ids], speculating, lengths, serving)
         traced = TracedCluster(cluster, trace, cluster)
         trace.record(
             "run_start",
@@ -489,8 +513,10 @@ def drive_simulated(
         link.open(traced)
         await traced._residency()
         try:
-            await serving
+            await answering
         finally:
+            if serving is not None:
+                trace.record("serving", **serving.summary())
             trace.record("run_end")
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
             summary["preemptions"] = cluster.preemptions

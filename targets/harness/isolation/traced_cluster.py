@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from targets.api import Aborted, Cluster, Completion, Device, GenerateRequest, TrainBatch
+from targets.api import Aborted, Cluster, Completion, Device, GenerateRequest, ServingLoad, TrainBatch
 from targets.harness.ipc.protocol import ProtocolError
 from targets.harness.ipc.weight_export import WeightExporter
 from targets.harness.sim.cluster import Answer, SimCluster
@@ -131,6 +131,10 @@ class TracedCluster:
         self.trace.record("weight_export", start=export_start, step=step)
         await self._residency()
         return version
+
+    async def serving_load(self) -> ServingLoad:
+        """The harness's measure of the serving traffic (the simulator's; nothing a stack reports)."""
+        return await self.inner.serving_load()
 
     async def suspend(self) -> None:
         await self._timed("suspend", self.devices, self.inner.suspend())

@@ -29,6 +29,9 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
   returned (a shrink aborts what it holds), never zero active engines, the requested steps
   ran, each training step returned the next version, an engine and a trainer never held one device
   at once (the cluster's residency, recorded after every switch), and the weights changed;
+* serving SLOs (a target with a serving pool): the traffic the harness served beside the run kept
+  its p99 TTFT and TPOT within the pool's SLOs, and a rollout engine on a serving device served only
+  between that device's expand and shrink (lending is an expand);
 * token ids: every token prompted, generated or trained on is in the model's vocabulary (else nothing
   is replayed: no model can embed it);
 * replay (``targets/harness/judge/replay.py``): logprobs under the claimed weights, sampling at the spec's
@@ -332,12 +335,14 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
 def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) -> None:
     served = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs]
     serving = {g.data["device"] for g in served}
-    inactive_since: dict[str, float] = {}
+    # a serving pool's devices serve its traffic, not rollout, until a stack borrows them
+    lendable = {ix.engine(d) for e in ix.by_kind["serving"] for d in e.data["devices"]}
+    inactive_since: dict[str, float] = dict.fromkeys(lendable, ix.start_t)
     windows: list[tuple[str, float, float]] = []  # engine, shrunk at, expanded at
     for e in sorted(ix.by_kind["shrink"] + ix.by_kind["expand"], key=lambda e: e.t):
         for device in sorted({ix.engine(d) for d in e.data["devices"]}):
             if e.kind == "shrink":
-                inactive_since[device] = e.t
+                inactive_since.setdefault(device, e.t)  # shrunk again: inactive since the first
             elif device in inactive_since:
                 windows.append((device, inactive_since.pop(device), e.data["start"]))
         if e.kind == "shrink" and serving and serving <= set(inactive_since):
@@ -409,6 +414,26 @@ def check_token_ids(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> bool:
     return clean
 
 
+def check_serving(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
+    """The serving traffic the run displaced kept its SLOs (the harness measured every request)."""
+    record = ix.by_kind["serving"]
+    if not getattr(spec.hardware, "serving_pools", ()):
+        return {}
+    if not record:
+        r.add("serving SLO", "the run has no record of its serving pool's traffic")
+        return {}
+    s = record[-1].data
+    for what in ("ttft", "tpot"):
+        if s[f"{what}_p99_s"] > s[f"{what}_slo_s"]:
+            r.add(
+                "serving SLO",
+                f"the serving traffic's p99 {what.upper()} was {s[f'{what}_p99_s'] * 1e3:.0f} ms, over its SLO "
+                f"of {s[f'{what}_slo_s'] * 1e3:.0f} ms ({s['requests']} requests; serving devices lent to "
+                f"rollout for {s['lent_device_s']:.0f} device-seconds)",
+            )
+    return {"serving_ttft_p99_s": s["ttft_p99_s"], "serving_tpot_p99_s": s["tpot_p99_s"]}
+
+
 def audit_run(
     spec: TargetSpec,
     events: list[TraceEvent],
@@ -433,6 +458,7 @@ def audit_run(
     details.update(check_selection(ix, r, spec))
     check_aborts(ix, r, spec)
     check_mechanism(ix, r, steps, spec)
+    details.update(check_serving(ix, r, spec))
     ids_in_vocabulary = check_token_ids(ix, r, spec)
     details.update(
         episodes_created=len(ix.created),

@@ -113,7 +113,21 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
         "sync_s": mean_duration("sync"),
         "train_s": mean_duration("train"),
         "aborted_turns": sum(1 for e in events if e.kind == "generate" and e.data["aborted"]),
-    } | step_phases(utilization, duration, len(trains))
+    } | step_phases(utilization, duration, len(trains)) | serving_metrics(events)
+
+
+def serving_metrics(events: list[TraceEvent]) -> dict[str, float]:
+    """A serving pool's run (``serving`` event): its traffic's p99 TTFT and TPOT, the devices lent on
+    average over the run. Nothing on a target without one."""
+    serving = [e for e in events if e.kind == "serving"]
+    if not serving:
+        return {}
+    s, start, end = serving[-1].data, events[0].t, serving[-1].t
+    return {
+        "serving_ttft_p99_s": s["ttft_p99_s"],
+        "serving_tpot_p99_s": s["tpot_p99_s"],
+        "lent_devices": s["lent_device_s"] / (end - start) if end > start else 0.0,
+    }
 
 
 def step_phases(utilization: dict[str, dict[str, float]], duration: float, steps: int) -> dict[str, float]:

@@ -11,6 +11,10 @@ aborts what the engines hold and offloads them; ``expand`` reloads them and load
 if they are stale; ``train`` takes the training FLOPs of the batch over the given devices;
 ``sync_weights`` drains each engine's running batch (or, with ``interrupt``, answers it as aborted
 with what it decoded) and loads.
+
+A serving pool's devices (``serving.py``) hold offloaded engines too: ``expand`` of one borrows it
+(its serving traffic drains and goes to the pool's other devices first), ``shrink`` gives it back;
+no trainer ever runs there.
 """
 
 from __future__ import annotations
@@ -19,40 +23,56 @@ import asyncio
 import functools
 from collections.abc import Callable, Sequence
 
-from targets.api import Aborted, Completion, Device, GenerateRequest, TrainBatch
+from targets.api import Aborted, Completion, Device, GenerateRequest, ServingLoad, TrainBatch
 from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.engine import SimEngine
 from targets.harness.sim.response_length import ResponseLengths
+from targets.harness.sim.serving import ServingPool
 
 Answer = Callable[[Completion | BaseException], None]  # told a request's completion or the error it ended in
 
 
 class SimCluster:
     def __init__(
-        self, devices: Sequence[Device], rollout: Sequence[Device], costs: ClusterCosts, lengths: ResponseLengths
+        self,
+        devices: Sequence[Device],
+        rollout: Sequence[Device],
+        costs: ClusterCosts,
+        lengths: ResponseLengths,
+        serving: ServingPool | None = None,
     ) -> None:
+        self.serving = serving
+        lendable = [] if serving is None else sorted(serving.engines)
         self.devices = list(devices)
         self.costs = costs
         self.lengths = lengths
         size = costs.engine_devices
-        rollout = list(rollout)
-        if len(rollout) % size:
-            raise ValueError(
-                f"{len(rollout)} rollout devices do not split into engines of {size} devices "
-                f"(the model needs {size} devices per engine)"
-            )
-        groups = [[d.id for d in rollout[i * size : (i + 1) * size]] for i in range(len(rollout) // size)]
-        for group in groups:
-            if len({costs.pool_of[d] for d in group}) > 1:
-                raise ValueError(f"the engine on {group} would span pools: an engine's devices are of one pool")
-        self.engines = [SimEngine(f"engine{i}", group, costs.of(group[0])) for i, group in enumerate(groups)]
+        groups = self._engine_groups([d.id for d in rollout], size)
+        borrowed = self._engine_groups(lendable, size)
+        self.engines = [
+            SimEngine(f"engine{i}", group, costs.of(group[0])) for i, group in enumerate(groups + borrowed)
+        ]
         self._engine_of = {device: engine for engine in self.engines for device in engine.devices}
-        self._active = set(self.engines)
+        self._active = set(self.engines[: len(groups)])
+        for engine in self.engines[len(groups) :]:  # a serving device's engine: asleep until borrowed
+            engine.offload()
         self._sticky: dict[str, SimEngine] = {}
         self._blocked: list[tuple[GenerateRequest, Answer]] = []  # requests that came while no engine served
         self._suspended = False
         self._training: set[str] = set()  # devices the trainer last trained on
         self.version = 0
+
+    def _engine_groups(self, rollout: list[str], size: int) -> list[list[str]]:
+        if len(rollout) % size:
+            raise ValueError(
+                f"{len(rollout)} rollout devices do not split into engines of {size} devices "
+                f"(the model needs {size} devices per engine)"
+            )
+        groups = [rollout[i * size : (i + 1) * size] for i in range(len(rollout) // size)]
+        for group in groups:
+            if len({self.costs.pool_of[d] for d in group}) > 1:
+                raise ValueError(f"the engine on {group} would span pools: an engine's devices are of one pool")
+        return groups
 
     @property
     def engine_devices(self) -> dict[str, list[str]]:
@@ -129,11 +149,15 @@ class SimCluster:
             engine.offload()
         if engines:
             await asyncio.sleep(max(e.cost.offload_s() for e in engines))
+        given_back = [d for e in engines for d in e.devices if self.serving and d in self.serving.engines]
+        await asyncio.gather(*(self.serving.give_back(d) for d in given_back))
 
     async def expand(self, devices: Sequence[Device]) -> None:
         engines = [e for e in self._engines_on(devices) if e not in self._active]
         if not engines:
             return
+        borrowed = [d for e in engines for d in e.devices if self.serving and d in self.serving.engines]
+        await asyncio.gather(*(self.serving.lend(d) for d in borrowed))
         for engine in engines:
             engine.reload()
         await asyncio.sleep(max(e.cost.reload_s() for e in engines))
@@ -146,6 +170,9 @@ class SimCluster:
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         if not devices:
             raise ValueError("train needs at least one device")
+        serving = [d.id for d in devices if self.serving and d.id in self.serving.engines]
+        if serving:
+            raise ValueError(f"{serving} serve production traffic: rollout may borrow them, training never")
         awake = sorted(e.name for e in self._engines_on(devices) if not e.offloaded)
         if awake:
             raise ValueError(
@@ -211,9 +238,16 @@ class SimCluster:
                 out[device].append("trainer")
         return out
 
+    async def serving_load(self) -> ServingLoad:
+        if self.serving is None:
+            raise ValueError("this target has no serving pool")
+        return self.serving.load()
+
     async def close(self) -> None:
         for engine in self.engines:
             engine.close()
+        if self.serving is not None:
+            self.serving.close()
 
     @property
     def preemptions(self) -> int:

@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from targets.spec import TargetSpec
+from targets.spec.model import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_DRAFT_TOKENS = 8  # the longest draft the speculative_decoding skill lets a stack choose
@@ -98,12 +99,14 @@ class CostModel:
     speculative_batch: int = 0
 
     @classmethod
-    def from_spec(cls, spec: TargetSpec, pool: str | None = None) -> CostModel:
-        """The cost model of the devices of ``pool`` (a single-pool target's only pool when None)."""
+    def from_spec(cls, spec: TargetSpec, pool: str | None = None, model: ModelSpec | None = None) -> CostModel:
+        """The cost model of the devices of ``pool`` (a single-pool target's only pool when None)
+        running the target's model, or ``model`` (a serving pool's)."""
         pools = spec.hardware.by_name
         if pool is None and len(pools) > 1:
             raise ValueError(f"target {spec.id} has the pools {sorted(pools)}: name one (or use ClusterCosts)")
-        model, hw, sim = spec.model, pools[pool] if pool is not None else next(iter(pools.values())), spec.simulator
+        hw, sim = pools[pool] if pool is not None else next(iter(pools.values())), spec.simulator
+        model = model or spec.model
         c = model.config
         counts = model.param_counts()
         expert_params = 0.0
@@ -269,7 +272,8 @@ class ClusterCosts:
             raise ValueError(
                 f"the pools need engines of different sizes {sizes}: set simulator.engine_devices to one size"
             )
-        pool_of = {device: hardware.pool_name(device) for device in hardware.device_ids()}
+        devices = hardware.device_ids() + hardware.serving_device_ids()  # rollout may borrow a serving device
+        pool_of = {device: hardware.pool_name(device) for device in devices}
         links = {frozenset(link.between): link.bandwidth_gbs * 1e9 for link in hardware.links}
         return cls(pools, pool_of, links)
 

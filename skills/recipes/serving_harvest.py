@@ -1,0 +1,103 @@
+"""serving_harvest: rollout on a serving pool's headroom (ROSE), backing off before its SLOs break.
+
+A serving pool's devices (``Runtime.serving_devices``) serve production traffic; a stack may borrow
+them for rollout (``Cluster.expand``: the pool drains the device and serves on the others) and give
+them back (``shrink``), never train on them. Every ``CHECK_S`` the harvester reads the pool's traffic
+as the harness measures it (``Cluster.serving_load``) and keeps serving as many devices as that
+traffic needs, ``rate * (1 + harvest_margin) / capacity`` (rounded up), or while a recent p99 is
+over ``BACK_OFF`` of its SLO those serving now and half of those lent; it lends the rest, all in one
+``expand``, and gives back the most recently lent first, all in one ``shrink``. Lent engines load
+each new policy version as soon as it is trained (``policy_advanced``), and a borrow brings the
+latest version with it (``expand`` loads it), so they sample under the same staleness bound. The
+first episodes start once the first lend is in place (an episode's turns stay on the engine that
+served its first, for its prefix cache, so engines lent later get only episodes launched later). The
+syncs run beside the harvest: one waits for the lent engines' running turns, and the traffic may
+want a device back meanwhile (the give-back aborts those turns, and the sync ends with them).
+
+Its price: each borrow drains the device's serving requests and reloads an engine with weights
+across the pools' link; each give-back aborts the turns the engine held (they retry elsewhere).
+A margin too small lets a burst arrive before the give-back, and the SLO audit rejects the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Sequence
+
+from targets.api import Cluster, Device, ServingLoad
+
+CHECK_S = 2.0  # how often the traffic is read (the harness measures it over the last 10 s)
+BACK_OFF = 0.8  # a recent p99 over this share of its SLO gives a device back whatever the rate says
+
+
+class ServingHarvest:
+    def __init__(
+        self, cluster: Cluster, devices: Sequence[Device], engine_devices: int, margin: float, interrupt: bool
+    ) -> None:
+        if margin < 0:
+            raise ValueError(f"params harvest_margin must be at least 0, got {margin}")
+        self.cluster, self.margin, self.interrupt = cluster, margin, interrupt
+        devices = list(devices)
+        self.size = engine_devices
+        # engines in the order they are lent (the pool's last devices first); given back in reverse
+        self.engines = [devices[i : i + engine_devices] for i in range(0, len(devices), engine_devices)][::-1]
+        self.lent: list[list[Device]] = []
+        self._task: asyncio.Task | None = None
+        self._syncs: set[asyncio.Task] = set()
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self._sleeping: asyncio.Future | None = None
+        self.ready = asyncio.Event()  # set once the first lend is in place: episodes start on every engine
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            await self._adjust(await self.cluster.serving_load())
+            self.ready.set()
+            if not self._stopping:
+                self._sleeping = asyncio.ensure_future(self.cluster.sleep(CHECK_S))
+                with contextlib.suppress(asyncio.CancelledError):  # stop() ends the wait, nothing else
+                    await self._sleeping
+
+    async def _adjust(self, load: ServingLoad) -> None:
+        """Lend or give back engines, all at once, until the devices serving are what the traffic needs."""
+        needed = math.ceil(load.rate_rps * (1 + self.margin) / load.capacity_rps) if load.capacity_rps else load.serving
+        hot = load.ttft_p99_s > BACK_OFF * load.ttft_slo_s or load.tpot_p99_s > BACK_OFF * load.tpot_slo_s
+        keep = max(1, needed, load.serving + math.ceil(load.lent / 2) if hot else 0)  # devices that must serve
+        lend = max(0, (len(self.engines) * self.size - keep) // self.size)
+        if len(self.lent) > lend:
+            back, self.lent = self.lent[lend:], self.lent[:lend]
+            await self.cluster.shrink([d for engine in back for d in engine])
+        elif len(self.lent) < lend:
+            more = self.engines[len(self.lent) : lend]
+            await self.cluster.expand([d for engine in more for d in engine])  # loads the latest version
+            self.lent += more
+
+    def policy_advanced(self, version: int) -> None:
+        """A new version was trained: the engines lent now load it, beside the harvest (a sync waits for
+        their running turns, and the traffic may want a device back meanwhile)."""
+        if self.lent:
+            devices = [d for engine in self.lent for d in engine]
+            sync = asyncio.ensure_future(self.cluster.sync_weights(version, devices, self.interrupt))
+            self._syncs.add(sync)
+            sync.add_done_callback(self._synced)
+
+    def _synced(self, sync: asyncio.Task) -> None:
+        self._syncs.discard(sync)
+        if not sync.cancelled() and sync.exception() is not None and self._failure is None:
+            self._failure = sync.exception()
+
+    async def stop(self) -> None:
+        """End the harvest (the run is over) once the lend, give-back or sync under way has finished: a
+        call cut off midway would leave its aborts with no call to explain them. A failure it met is
+        the run's."""
+        self._stopping = True
+        if self._sleeping is not None:
+            self._sleeping.cancel()
+        await asyncio.gather(*[task for task in [self._task, *self._syncs] if task is not None])
+        if self._failure is not None:
+            raise self._failure

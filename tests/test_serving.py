@@ -1,0 +1,214 @@
+"""A serving pool beside the job (ROSE-like targets): the spec and its refusals, the harness's serving
+traffic and its SLO measure, and the serving_harvest technique seen from the trace, with its misuses
+planted: lending without headroom (the SLO audit), training on a serving device (refused), rollout
+on a serving device before it was lent (the mechanism audit)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import yaml
+
+from targets.harness.judge.audit import audit_run
+from targets.harness.measure.metrics import compute_metrics
+from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.serving import ServingPool, serving_capacity
+from targets.harness.sim.virtual_time import run_virtual
+from targets.harness.trace import Trace
+from targets.spec import CATALOG_DIR, SpecError, load_target, parse_target
+from tests.technique_run import planted, target_run
+
+SERVING = "qwen3-8b-h800x16-serving"
+
+
+def _catalog() -> dict:
+    return yaml.safe_load((CATALOG_DIR / f"{SERVING}.yaml").read_text())
+
+
+def _small() -> dict:
+    """The ROSE-like target at a quarter of its size: 4 job devices beside 4 serving ones, whose
+    traffic needs 2 of them at its quiet rate and all 4 at its burst."""
+    data = _catalog()
+    job, serving = data["hardware"]["pools"]
+    job["count"] = serving["count"] = 4
+    serving["serving"].update(rate=[[0, 20], [90, 60], [150, 20]], period_s=240)
+    data["workload"].update(batch_size=64, train_steps=3)
+    data["baselines"] = [{"name": "time_multiplex", "train_devices": 2}]
+    return data
+
+
+def test_the_serving_target_lends_a_pool_the_job_does_not_own():
+    spec = load_target(SERVING)
+    assert spec.hardware.count == 16 and spec.hardware.device_ids()[-1] == "h800:15"
+    assert spec.hardware.serving_device_ids() == [f"serving:{i}" for i in range(16)]
+    assert spec.hardware.summary == "16x h800 (h800) + 16x h800 (serving, serving)"
+    serving = spec.hardware.serving_pools[0].serving
+    assert serving.rate_at(250.0) == (240, 20.0) and serving.rate_at(310.0) == (60, 200.0)  # it repeats
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s: s.update(rate=[[5, 80]]), "hardware.pools.1.serving"),
+        (lambda s: s.update(rate=[[0, 80], [600, 90]]), "not within period_s"),
+        (lambda s: s.update(rate=[[0, 80], [60, -1]]), "rate.1: a rate of -1.0 requests/s is negative"),
+        (lambda s: s.update(rate=[[0, 80], [0, 90]]), "rate.1: 0.0 s does not come after 0.0 s"),
+        (lambda s: s["slo"].pop("tpot_p99_ms"), "tpot_p99_ms"),
+    ],
+    ids=["start", "period", "negative", "order", "slo"],
+)
+def test_a_bad_serving_field_is_named_by_its_path(change, message):
+    data = _catalog()
+    change(data["hardware"]["pools"][1]["serving"])
+    with pytest.raises(SpecError, match=message):
+        parse_target(data)
+
+
+def test_serving_pools_are_one_and_simulated():
+    data = _catalog()
+    data["execution"] = "real"
+    with pytest.raises(SpecError, match=r"hardware.pools.1.serving: a serving pool's traffic is simulated only"):
+        parse_target(data)
+    data = _catalog()
+    data["hardware"]["pools"][0]["serving"] = data["hardware"]["pools"][1]["serving"]
+    with pytest.raises(SpecError, match="every pool serves"):
+        parse_target(data)
+    data = _catalog()
+    third = {**data["hardware"]["pools"][1], "name": "serving2"}
+    data["hardware"]["pools"].append(third)
+    data["hardware"]["links"] += [
+        {"between": ["h800", "serving2"], "bandwidth_gbs": 25},
+        {"between": ["serving", "serving2"], "bandwidth_gbs": 25},
+    ]
+    with pytest.raises(SpecError, match="2 serving pools; a target may have one"):
+        parse_target(data)
+
+
+def _pool_run(rate: float, devices: int, seconds: float = 120.0, lend: int = 0) -> dict:
+    """The small target's serving pool alone at a constant ``rate``, ``lend`` devices lent at the start."""
+    spec = parse_target(_small())
+    pool = spec.hardware.serving_pools[0]
+    constant = pool.serving.model_copy(update={"rate": ((0.0, rate),)})
+    cost = CostModel.from_spec(spec, "serving", pool.serving.model)
+
+    async def main() -> dict:
+        serving = ServingPool(constant, [f"serving:{i}" for i in range(devices)], cost, 0, capacity_rps=1.0)
+        await asyncio.gather(*(serving.lend(f"serving:{i}") for i in range(lend)))
+        await asyncio.sleep(seconds)
+        load = serving.load()
+        serving.close()
+        return {**serving.summary(), "load": load, "prefill_s": cost.prefill_s(constant.prompt_tokens, 0)}
+
+    return run_virtual(main())
+
+
+def test_the_serving_pool_holds_its_slo_with_headroom_and_counts_requests_that_never_started():
+    calm = _pool_run(rate=20.0, devices=4)
+    assert calm["ttft_p99_s"] == pytest.approx(calm["prefill_s"])  # nobody queues: TTFT is the prefill
+    assert calm["tpot_p99_s"] < calm["tpot_slo_s"] and calm["requests"] > 2000
+    assert calm["load"].rate_rps == pytest.approx(20.0, rel=0.3) and calm["load"].serving == 4
+    swamped = _pool_run(rate=200.0, devices=4, lend=3)  # one device left for ten times what it serves
+    assert swamped["ttft_p99_s"] > swamped["ttft_slo_s"] and swamped["requests"] > swamped["finished"]
+    assert swamped["load"].serving == 1 and swamped["load"].lent == 3
+    assert swamped["lent_device_s"] == pytest.approx(3 * 120.0, rel=0.1)
+
+
+def test_the_last_serving_device_is_never_lent():
+    with pytest.raises(ValueError, match="would leave the serving pool no device"):
+        _pool_run(rate=10.0, devices=2, lend=2)
+
+
+def test_the_capacity_profile_is_a_rate_one_device_holds_its_slos_at():
+    spec = parse_target(_small())
+    pool = spec.hardware.serving_pools[0]
+    capacity = serving_capacity(pool.serving, CostModel.from_spec(spec, "serving", pool.serving.model))
+    assert 5 < capacity < 40
+    held = _pool_run(rate=0.8 * capacity, devices=1, seconds=300.0)
+    assert held["ttft_p99_s"] <= held["ttft_slo_s"] and held["tpot_p99_s"] <= held["tpot_slo_s"]
+    broken = _pool_run(rate=1.5 * capacity, devices=1, seconds=300.0)
+    assert broken["ttft_p99_s"] > broken["ttft_slo_s"]
+
+
+@pytest.fixture(scope="module")
+def harvested(tmp_path_factory):
+    """The time_multiplex starter with serving_harvest on the small target, simulated: (spec, events)."""
+    spec, run = target_run(
+        tmp_path_factory.mktemp("harvest"), _small(), {"serving_harvest": 1, "harvest_margin": 1.0}, True
+    )
+    assert run.ok, run.cause
+    assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
+    return spec, Trace.load_events(run.out / "trace.jsonl")
+
+
+@pytest.mark.slow
+def test_harvest_lends_serving_devices_to_rollout_and_the_slo_holds(harvested):
+    spec, events = harvested
+    serving = set(spec.hardware.serving_device_ids())
+    lent = [e for e in events if e.kind == "expand" and serving & set(e.data["devices"])]
+    given_back = [e for e in events if e.kind == "shrink" and serving & set(e.data["devices"])]
+    turns = [e for e in events if e.kind == "generate" and e.data["device"] in serving]
+    assert lent and given_back and turns  # borrowed at the quiet rate, some given back at the burst
+    for turn in turns:  # each between an expand of its device and the shrink after it
+        device = turn.data["device"]
+        since = max(e.t for e in lent if device in e.data["devices"] and e.t <= turn.data["start"])
+        assert not any(since < e.data["start"] < turn.data["start"] for e in given_back if device in e.data["devices"])
+    for train in (e for e in events if e.kind == "train"):
+        assert not serving & set(train.data["devices"])
+    synced = {d for e in events if e.kind == "sync" for d in e.data["devices"]}
+    assert synced & serving  # lent engines load the versions trained while they are lent
+    record = next(e for e in events if e.kind == "serving").data
+    assert record["ttft_p99_s"] <= record["ttft_slo_s"] and record["lent_device_s"] > 0
+    metrics = compute_metrics(events, spec.hardware.device_ids())
+    assert 0 < metrics["lent_devices"] < 4 and metrics["serving_tpot_p99_s"] == record["tpot_p99_s"]
+
+
+@pytest.mark.slow
+def test_the_starter_alone_never_touches_the_serving_pool(tmp_path):
+    spec, run = target_run(tmp_path, _small(), {}, True)
+    assert run.ok and run.results["audit"]["result"]["passed"], run.cause
+    events = Trace.load_events(run.out / "trace.jsonl")
+    serving = set(spec.hardware.serving_device_ids())
+    assert not any(serving & set(e.data.get("devices", [])) for e in events if e.kind in ("expand", "shrink"))
+    assert next(e for e in events if e.kind == "serving").data["lent_device_s"] == 0
+
+
+@pytest.mark.slow
+def test_lending_without_headroom_breaks_the_slo_and_the_audit_rejects_the_run(tmp_path):
+    greedy = planted(
+        "serving_harvest.py",
+        "        keep = max(1, needed, load.serving + math.ceil(load.lent / 2) if hot else 0)",
+        "        keep = 1",
+    )
+    _, run = target_run(tmp_path, _small(), {"serving_harvest": 1}, True, patch=greedy)
+    assert run.ok, run.cause
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any(r.startswith("serving SLO: the serving traffic's p99") for r in audit["reasons"])
+
+
+@pytest.mark.slow
+def test_training_on_a_serving_device_is_refused(tmp_path):
+    trains_on_serving = planted(
+        "controller_base.py",
+        "        self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)",
+        "        devices = [*devices, *self.serving_devices[:1]]\n"
+        "        self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)",
+    )
+    _, run = target_run(tmp_path, _small(), {}, True, patch=trains_on_serving)
+    assert not run.ok and "['serving:0'] serve production traffic: rollout may borrow them, training never" in (
+        run.cause
+    )
+
+
+@pytest.mark.slow
+def test_rollout_on_a_serving_device_before_it_was_lent_is_rejected(harvested):
+    """The harness's simulator never does it; the audit would catch a cluster that did: the trace with
+    the serving devices' expands taken out shows them serving turns they were never lent for."""
+    spec, events = harvested
+    serving = set(spec.hardware.serving_device_ids())
+    unlent = [e for e in events if not (e.kind == "expand" and serving & set(e.data["devices"]))]
+    result = audit_run(spec, unlent, lambda version: None, None, spec.workload.train_steps)
+    assert not result.passed and any(r.startswith("served while shrunk: serving:") for r in result.reasons)
+    doctored = [e for e in events if e.kind != "serving"]
+    result = audit_run(spec, doctored, lambda version: None, None, spec.workload.train_steps)
+    assert not result.passed and "serving SLO: the run has no record of its serving pool's traffic" in result.reasons

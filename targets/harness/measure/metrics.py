@@ -95,25 +95,29 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
         spans = [e.t - e.data["start"] for e in events if e.kind == kind]
         return sum(spans) / len(spans) if spans else 0.0
 
-    return {
-        "duration_s": duration,
-        "goodput": len(trained - failed) / duration,
-        "rollout_throughput": len(done) / duration,
-        "tokens_per_s": sum(token_count(e.data["action"]) for e in steps) / duration,
-        "step_time_s": duration / len(trains) if trains else float("inf"),
-        "timeout_ratio": sum(e.data["timed_out"] for e in done) / len(done) if done else 0.0,
-        "lost_ratio": sum(e.data.get("lost", False) for e in done) / len(done) if done else 0.0,
-        "checkpoint_mb": sum(e.data["mb"] for e in checkpoints) / len(done) if done else 0.0,
-        "checkpoint_s": sum(e.t - e.data["start"] for e in checkpoints) / len(done) if done else 0.0,
-        "trajectories": len(done),
-        "mean_device_busy": sum(u["busy"] for u in utilization.values()) / len(utilization),
-        "device_utilization": utilization,
-        "shrink_s": mean_duration("shrink"),
-        "expand_s": mean_duration("expand"),
-        "sync_s": mean_duration("sync"),
-        "train_s": mean_duration("train"),
-        "aborted_turns": sum(1 for e in events if e.kind == "generate" and e.data["aborted"]),
-    } | step_phases(utilization, duration, len(trains)) | serving_metrics(events)
+    return (
+        {
+            "duration_s": duration,
+            "goodput": len(trained - failed) / duration,
+            "rollout_throughput": len(done) / duration,
+            "tokens_per_s": sum(token_count(e.data["action"]) for e in steps) / duration,
+            "step_time_s": duration / len(trains) if trains else float("inf"),
+            "timeout_ratio": sum(e.data["timed_out"] for e in done) / len(done) if done else 0.0,
+            "lost_ratio": sum(e.data.get("lost", False) for e in done) / len(done) if done else 0.0,
+            "checkpoint_mb": sum(e.data["mb"] for e in checkpoints) / len(done) if done else 0.0,
+            "checkpoint_s": sum(e.t - e.data["start"] for e in checkpoints) / len(done) if done else 0.0,
+            "trajectories": len(done),
+            "mean_device_busy": sum(u["busy"] for u in utilization.values()) / len(utilization),
+            "device_utilization": utilization,
+            "shrink_s": mean_duration("shrink"),
+            "expand_s": mean_duration("expand"),
+            "sync_s": mean_duration("sync"),
+            "train_s": mean_duration("train"),
+            "aborted_turns": sum(1 for e in events if e.kind == "generate" and e.data["aborted"]),
+        }
+        | step_phases(utilization, duration, len(trains))
+        | serving_metrics(events)
+    )
 
 
 def serving_metrics(events: list[TraceEvent]) -> dict[str, float]:

@@ -49,9 +49,7 @@ class SimCluster:
         size = costs.engine_devices
         groups = self._engine_groups([d.id for d in rollout], size)
         borrowed = self._engine_groups(lendable, size)
-        self.engines = [
-            SimEngine(f"engine{i}", group, costs.of(group[0])) for i, group in enumerate(groups + borrowed)
-        ]
+        self.engines = [SimEngine(f"engine{i}", group, costs.of(group[0])) for i, group in enumerate(groups + borrowed)]
         self._engine_of = {device: engine for engine in self.engines for device in engine.devices}
         self._active = set(self.engines[: len(groups)])
         for engine in self.engines[len(groups) :]:  # a serving device's engine: asleep until borrowed

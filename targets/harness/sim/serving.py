@@ -65,9 +65,7 @@ def p99(values: list[float]) -> float:
 
 
 class ServingPool:
-    def __init__(
-        self, spec: ServingSpec, devices: list[str], cost: CostModel, seed: int, capacity_rps: float
-    ) -> None:
+    def __init__(self, spec: ServingSpec, devices: list[str], cost: CostModel, seed: int, capacity_rps: float) -> None:
         self.spec, self.cost, self.capacity_rps = spec, cost, capacity_rps
         self.engines = {device: SimEngine(f"{device}/serving", [device], cost) for device in devices}
         self.lent: set[str] = set()

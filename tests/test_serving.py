@@ -164,6 +164,17 @@ def test_harvest_lends_serving_devices_to_rollout_and_the_slo_holds(harvested):
 
 
 @pytest.mark.slow
+def test_a_controller_that_routes_its_turns_routes_them_to_the_lent_engines_too(tmp_path):
+    """With kv_routing the controller's router sends every turn; the engines lent join what it routes to."""
+    params = {"serving_harvest": 1, "harvest_margin": 1.0, "kv_routing": 1}
+    spec, run = target_run(tmp_path, _small(), params, True)
+    assert run.ok and run.results["audit"]["result"]["passed"], (run.cause, run.results["audit"])
+    serving = set(spec.hardware.serving_device_ids())
+    events = Trace.load_events(run.out / "trace.jsonl")
+    assert sum(e.kind == "generate" and e.data["device"] in serving for e in events) > 20
+
+
+@pytest.mark.slow
 def test_the_starter_alone_never_touches_the_serving_pool(tmp_path):
     spec, run = target_run(tmp_path, _small(), {}, True)
     assert run.ok and run.results["audit"]["result"]["passed"], run.cause

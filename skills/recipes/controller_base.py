@@ -64,12 +64,7 @@ class ControllerBase:
         ``hardware_affinity``), the
         group buffer, and the environment manager generating on that cluster; with ``serving_harvest``
         the harvester lending a serving pool's devices to rollout starts."""
-        if self.params.get("serving_harvest", 0):
-            margin = self.params.get("harvest_margin", 0.3)
-            self._harvest = ServingHarvest(
-                cluster, self.serving_devices, self.engine_devices, margin, self.partial_rollout
-            )
-            self._harvest.start()
+        harvest = bool(self.params.get("serving_harvest", 0))
         if self.params.get("kv_routing", 0) or self.params.get("affinity_ratio", 0.0):
             rollout, _ = self.placement(cluster.devices)
             cluster = RoutedCluster(
@@ -80,7 +75,14 @@ class ControllerBase:
                 slack_tokens=round(self.params.get("route_slack", 1.0) * self.max_sequence),
                 admit_tokens=round(self.params.get("route_admit", 0.0) * self.max_sequence),
                 affinity_ratio=self.params.get("affinity_ratio", 0.0),
+                lendable=self.serving_devices if harvest else (),
             )
+        if harvest:  # lends through the router, if any, which then routes to the lent engines too
+            margin = self.params.get("harvest_margin", 0.3)
+            self._harvest = ServingHarvest(
+                cluster, self.serving_devices, self.engine_devices, margin, self.partial_rollout
+            )
+            self._harvest.start()
         buffer = GroupBuffer(self.group_size, async_ratio, envs)
         manager = EnvManager(
             cluster,

@@ -28,7 +28,8 @@ another idles, and every request is sent the moment its turn starts, queueing be
 Engines are groups of ``runtime.engine_devices`` consecutive rollout devices (the cluster groups them
 the same way), each known by its first device, the one its completions name. An engine is routable
 while all its devices are in the rollout pool, which the wrapper tracks from the controller's
-shrink, expand, suspend and resume; while none is, the cluster chooses (``device=None``). The
+shrink, expand, suspend and resume (a serving pool's engines, ``lendable``, join it when
+``serving_harvest`` lends them); while none is, the cluster chooses (``device=None``). The
 request's ``device`` is a routing request: a cluster serves a request for an engine that is not
 active elsewhere, so a routing mistake costs a prefix, never correctness.
 """
@@ -38,8 +39,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
-from targets.api import Cluster, Completion, GenerateRequest
+from targets.api import Cluster, Completion, Device, GenerateRequest
 
 
 class RoutedCluster:
@@ -51,6 +53,7 @@ class RoutedCluster:
         slack_tokens: int,
         admit_tokens: int,
         affinity_ratio: float = 0.0,
+        lendable: Sequence[Device] = (),
     ) -> None:
         if slack_tokens < 0 or admit_tokens < 0 or affinity_ratio < 0:
             raise ValueError(
@@ -59,18 +62,18 @@ class RoutedCluster:
             )
         self.routed_cluster, self.devices = cluster, cluster.devices  # the cluster this one routes for
         self.slack_tokens, self.admit_tokens = slack_tokens, admit_tokens
+        known = [*rollout_devices, *(d.id for d in lendable)]  # a serving pool's too: routable once lent
         self.engines = {  # engine (its first device) -> its devices
-            rollout_devices[i]: set(rollout_devices[i : i + engine_devices])
-            for i in range(0, len(rollout_devices), engine_devices)
+            known[i]: set(known[i : i + engine_devices]) for i in range(0, len(known), engine_devices)
         }
-        self._pool = set(rollout_devices)  # devices in the rollout pool (not shrunk)
+        self._pool = set(rollout_devices)  # devices in the rollout pool (not shrunk; lent: expanded)
         self._suspended = False
         self.load = dict.fromkeys(self.engines, 0)  # engine -> KV tokens of its requests not yet answered
         self._previous: dict[str, str] = {}  # episode -> the engine of its previous turn
         self._waiting: list[tuple[int, int, asyncio.Future]] = []  # (-tokens, arrival, wake-up), sorted at release
         self._arrival = itertools.count()
         self.affinity_ratio = affinity_ratio
-        self.compute_rich = self._compute_rich(cluster.devices) if affinity_ratio else set()
+        self.compute_rich = self._compute_rich([*cluster.devices, *lendable]) if affinity_ratio else set()
         self.tokens: dict[str, list[int]] = {}  # episode -> [prefill tokens, decode tokens] so far
         self._context: dict[str, int] = {}  # episode -> its context after its last turn
 

@@ -119,6 +119,8 @@ class ControllerBase:
         buffer.drop_all("end_of_run")
 
     async def _train(self, cluster: Cluster, batch: list[Trajectory], devices: list[Device]) -> int:
+        if self._harvest is not None:
+            await self._harvest.synced()  # lent engines hold the last version before the next is trained
         self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)
         self._manager.policy_advanced(self.version)
         if self._harvest is not None:

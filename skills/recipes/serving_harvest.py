@@ -44,6 +44,7 @@ class ServingHarvest:
         # engines in the order they are lent (the pool's last devices first); given back in reverse
         self.engines = [devices[i : i + engine_devices] for i in range(0, len(devices), engine_devices)][::-1]
         self.lent: list[list[Device]] = []
+        self.version = 0  # the latest version trained (``policy_advanced``)
         self._task: asyncio.Task | None = None
         self._syncs: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
@@ -74,17 +75,30 @@ class ServingHarvest:
             await self.cluster.shrink([d for engine in back for d in engine])
         elif len(self.lent) < lend:
             more = self.engines[len(self.lent) : lend]
+            version = self.version
             await self.cluster.expand([d for engine in more for d in engine])  # loads the latest version
             self.lent += more
+            if self.version != version:  # trained meanwhile: the expand may have loaded the version before
+                self._sync(self.version, more)
+
+    async def synced(self) -> None:
+        """Wait for the lent engines' syncs: the controller trains the next version only once they hold
+        this one, as it waits for its own engines' (a turn decoding under an older version meanwhile
+        would be trained beyond the staleness bound)."""
+        await asyncio.gather(*list(self._syncs))
 
     def policy_advanced(self, version: int) -> None:
         """A new version was trained: the engines lent now load it, beside the harvest (a sync waits for
         their running turns, and the traffic may want a device back meanwhile)."""
+        self.version = version
         if self.lent:
-            devices = [d for engine in self.lent for d in engine]
-            sync = asyncio.ensure_future(self.cluster.sync_weights(version, devices, self.interrupt))
-            self._syncs.add(sync)
-            sync.add_done_callback(self._synced)
+            self._sync(version, self.lent)
+
+    def _sync(self, version: int, engines: list[list[Device]]) -> None:
+        devices = [d for engine in engines for d in engine]
+        sync = asyncio.ensure_future(self.cluster.sync_weights(version, devices, self.interrupt))
+        self._syncs.add(sync)
+        sync.add_done_callback(self._synced)
 
     def _synced(self, sync: asyncio.Task) -> None:
         self._syncs.discard(sync)

@@ -63,6 +63,11 @@ class HardwareSpec(Strict):
         """The devices' names, ``kind:index``: the one way they are written everywhere."""
         return [f"{self.kind}:{i}" for i in range(self.count)]
 
+    @property
+    def serving_pools(self) -> tuple[PoolSpec, ...]:
+        """Pools whose devices serve production traffic (none here)."""
+        return ()
+
     def serving_device_ids(self) -> list[str]:
         """The devices of serving pools, which rollout may borrow and training never uses (none here)."""
         return []

@@ -372,7 +372,7 @@ def _serving_pool(spec: TargetSpec, seed: int | RunSeed) -> Callable[[], Any] | 
     from targets.harness.sim.cost_model import CostModel
     from targets.harness.sim.serving import ServingPool, serving_capacity
 
-    pools = getattr(spec.hardware, "serving_pools", ())
+    pools = spec.hardware.serving_pools
     if not pools:
         return None
     (pool,) = pools  # the spec allows one

@@ -417,7 +417,7 @@ def check_token_ids(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> bool:
 def check_serving(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     """The serving traffic the run displaced kept its SLOs (the harness measured every request)."""
     record = ix.by_kind["serving"]
-    if not getattr(spec.hardware, "serving_pools", ()):
+    if not spec.hardware.serving_pools:
         return {}
     if not record:
         r.add("serving SLO", "the run has no record of its serving pool's traffic")

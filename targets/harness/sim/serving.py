@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,8 +53,7 @@ class _Request:
 
 @dataclass
 class ServingRecord:
-    """What the run's serving traffic met: every request's TTFT and TPOT (finished ones), and the
-    device-seconds lent to rollout."""
+    """What the run's serving traffic met: each finished request's TTFT, TPOT and finish time."""
 
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
@@ -72,12 +72,10 @@ class ServingPool:
         self.record = ServingRecord()
         self._waiting: dict[int, _Request] = {}  # arrived, not finished
         self._arrivals: deque[float] = deque()  # arrival times within the last window
-        self._lent_since: dict[str, float] = {}
         self._lent_changes: list[tuple[float, int]] = [(0.0, 0)]  # (time, devices lent from then)
-        self.lent_seconds = 0.0
         self._rng = np.random.default_rng(seed)
         self._loop = asyncio.get_running_loop()
-        self._numbers = iter(range(1 << 62))
+        self._numbers = itertools.count()
         self._closed = False
         self._timer = self._loop.call_soon(self._schedule)
 
@@ -128,7 +126,6 @@ class ServingPool:
         if len(self.engines) - len(self.lent) <= 1:
             raise ValueError(f"lending {device} would leave the serving pool no device to serve its traffic")
         self.lent.add(device)
-        self._lent_since[device] = self._loop.time()
         self._lent_changes.append((self._loop.time(), len(self.lent)))
         engine = self.engines[device]
         while engine.load:
@@ -143,7 +140,6 @@ class ServingPool:
         self.engines[device].reload()
         await asyncio.sleep(self.cost.reload_s())
         self.lent.discard(device)
-        self.lent_seconds += self._loop.time() - self._lent_since.pop(device)
         self._lent_changes.append((self._loop.time(), len(self.lent)))
 
     # -- measures --------------------------------------------------------------------------------
@@ -171,7 +167,8 @@ class ServingPool:
         first token counts with its wait so far), the SLOs, the device-seconds lent."""
         now = self._loop.time()
         waiting = self._still_waiting(now)
-        lent = self.lent_seconds + sum(now - t for t in self._lent_since.values())
+        ends = [t for t, _ in self._lent_changes[1:]] + [now]
+        lent = sum((end - t) * n for (t, n), end in zip(self._lent_changes, ends, strict=True))
         slo = self.spec.slo
         return {
             "requests": len(self.record.ttft) + len(self._waiting),

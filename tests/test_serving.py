@@ -85,8 +85,9 @@ def test_serving_pools_are_one_and_simulated():
         parse_target(data)
 
 
-def _pool_run(rate: float, devices: int, seconds: float = 120.0, lend: int = 0) -> dict:
-    """The small target's serving pool alone at a constant ``rate``, ``lend`` devices lent at the start."""
+def _pool_run(rate: float, devices: int, seconds: float = 120.0, lend: int = 0, finish: bool = False) -> dict:
+    """The small target's serving pool alone at a constant ``rate``, ``lend`` devices lent at the start;
+    with ``finish`` the requests in flight at the end are served out, as a run's end does."""
     spec = parse_target(_small())
     pool = spec.hardware.serving_pools[0]
     constant = pool.serving.model_copy(update={"rate": ((0.0, rate),)})
@@ -96,9 +97,11 @@ def _pool_run(rate: float, devices: int, seconds: float = 120.0, lend: int = 0) 
         serving = ServingPool(constant, [f"serving:{i}" for i in range(devices)], cost, 0, capacity_rps=1.0)
         await asyncio.gather(*(serving.lend(f"serving:{i}") for i in range(lend)))
         await asyncio.sleep(seconds)
-        load = serving.load()
+        load, end = serving.load(), asyncio.get_running_loop().time()
+        if finish:
+            await serving.finish()
         serving.close()
-        return {**serving.summary(), "load": load, "prefill_s": cost.prefill_s(constant.prompt_tokens, 0)}
+        return {**serving.summary(end), "load": load, "prefill_s": cost.prefill_s(constant.prompt_tokens, 0)}
 
     return run_virtual(main())
 
@@ -112,6 +115,16 @@ def test_the_serving_pool_holds_its_slo_with_headroom_and_counts_requests_that_n
     assert swamped["ttft_p99_s"] > swamped["ttft_slo_s"] and swamped["requests"] > swamped["finished"]
     assert swamped["load"].serving == 1 and swamped["load"].lent == 3
     assert swamped["lent_device_s"] == pytest.approx(3 * 120.0, rel=0.1)
+
+
+def test_the_end_of_a_run_serves_out_every_request_it_left_in_flight():
+    """A job's end is not the traffic's: what arrived before it is measured to its last token, and the
+    device-seconds lent stop with the job."""
+    cut = _pool_run(rate=30.0, devices=2, lend=1, seconds=60.0)
+    served = _pool_run(rate=30.0, devices=2, lend=1, seconds=60.0, finish=True)
+    assert cut["requests"] > cut["finished"]  # the end caught requests in flight
+    assert served["requests"] == served["finished"] == cut["requests"]  # the same arrivals, all served
+    assert served["lent_device_s"] == pytest.approx(cut["lent_device_s"]) == pytest.approx(60.0, rel=0.1)
 
 
 def test_the_last_serving_device_is_never_lent():

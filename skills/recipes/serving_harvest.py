@@ -6,7 +6,10 @@ them back (``shrink``), never train on them. Every ``CHECK_S`` the harvester rea
 as the harness measures it (``Cluster.serving_load``) and keeps serving as many devices as that
 traffic needs, ``rate * (1 + harvest_margin) / capacity`` (rounded up), or while a recent p99 is
 over ``BACK_OFF`` of its SLO those serving now and half of those lent; it lends the rest, all in one
-``expand``, and gives back the most recently lent first, all in one ``shrink``. Lent engines load
+``expand``, and gives back the most recently lent first, all in one ``shrink``. The rate the harness
+reports is an average over its window, which trails a burst by most of that window: while it rises,
+the harvester reads it as ``rate + slope * window`` (the slope since its last reading), where the
+burst is heading rather than where it was. Lent engines load
 each new policy version as soon as it is trained (``policy_advanced``), and a borrow brings the
 latest version with it (``expand`` loads it), so they sample under the same staleness bound. The
 first episodes start once the first lend is in place (an episode's turns stay on the engine that
@@ -45,6 +48,7 @@ class ServingHarvest:
         self.engines = [devices[i : i + engine_devices] for i in range(0, len(devices), engine_devices)][::-1]
         self.lent: list[list[Device]] = []
         self.version = 0  # the latest version trained (``policy_advanced``)
+        self._last: tuple[float, float] | None = None  # (when, rate) of the last reading
         self._task: asyncio.Task | None = None
         self._syncs: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
@@ -64,9 +68,19 @@ class ServingHarvest:
                 with contextlib.suppress(asyncio.CancelledError):  # stop() ends the wait, nothing else
                     await self._sleeping
 
+    def _rate(self, load: ServingLoad) -> float:
+        """The traffic's rate ahead of the harness's trailing window while it rises (module docstring)."""
+        now, last = self.cluster.now(), self._last
+        self._last = (now, load.rate_rps)
+        if last is None or now <= last[0]:
+            return load.rate_rps
+        slope = (load.rate_rps - last[1]) / (now - last[0])
+        return load.rate_rps + max(0.0, slope) * load.window_s
+
     async def _adjust(self, load: ServingLoad) -> None:
         """Lend or give back engines, all at once, until the devices serving are what the traffic needs."""
-        needed = math.ceil(load.rate_rps * (1 + self.margin) / load.capacity_rps) if load.capacity_rps else load.serving
+        rate = self._rate(load)
+        needed = math.ceil(rate * (1 + self.margin) / load.capacity_rps) if load.capacity_rps else load.serving
         hot = load.ttft_p99_s > BACK_OFF * load.ttft_slo_s or load.tpot_p99_s > BACK_OFF * load.tpot_slo_s
         keep = max(1, needed, load.serving + math.ceil(load.lent / 2) if hot else 0)  # devices that must serve
         lend = max(0, (len(self.engines) * self.size - keep) // self.size)

@@ -515,9 +515,12 @@ def drive_simulated(
         try:
             await answering
         finally:
-            if serving is not None:
-                trace.record("serving", **serving.summary())
             trace.record("run_end")
+            if serving is not None:  # after the job's end: the requests it left in flight are served out
+                end = trace.clock.now()
+                loop.peer = loop.io = None  # the controller is done: virtual time is the harness's alone
+                await serving.finish()
+                trace.record("serving", **serving.summary(end))
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
             summary["preemptions"] = cluster.preemptions
             summary["decode_seconds"], summary["decode_batch"] = cluster.decoding()

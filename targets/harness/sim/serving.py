@@ -15,9 +15,10 @@ that are not lent to rollout, each request measured against the pool's SLOs (ROS
   finish (drain), and its serving engine offloads (the serving model's shard over the host link);
   the last serving device is never lent. **Giving back** (``shrink``): the serving engine reloads,
   then takes requests again.
-* **what the audit reads**: the run's p99 TTFT and TPOT over every request that arrived; one still
-  waiting for its first token at the end counts with its wait so far, so starving requests until the
-  run ends hides nothing.
+* **what the audit reads**: the run's p99 TTFT and TPOT over every request that arrived while the job
+  ran. When the job ends the traffic stops and the pool serves what it holds to the last token on the
+  devices still serving (``finish``), so starving requests or slowing their decode until the run
+  ends hides nothing; the lent device-seconds end with the job.
 * **capacity**: the rate one device serves within both SLOs, as ROSE profiles its serving engines
   offline: one device's engine under Poisson arrivals at a constant rate for ``PROFILE_S`` virtual
   seconds, the rate bisected until its p99 TTFT and TPOT sit at the SLOs. It is what the harness
@@ -43,6 +44,8 @@ from targets.spec.serving import ServingSpec
 
 WINDOW_S = 10.0  # what ``load`` measures over: short enough to follow a burst, long enough for a p99
 PROFILE_S, PROFILE_STEPS = 300.0, 6  # the capacity profile: seconds at each rate tried, bisection steps
+FINISH_POLL_S = 0.05  # how often ``finish`` looks whether the last requests are served (virtual seconds)
+FINISH_LIMIT_S = 3600.0  # a drain longer than this is a simulator bug, said out loud
 
 
 @dataclass
@@ -162,13 +165,29 @@ class ServingPool:
             window_s=WINDOW_S,
         )
 
-    def summary(self) -> dict:
+    async def finish(self) -> None:
+        """No more arrivals; wait until every request that arrived is served to its last token, on the
+        devices still serving, so the run's p99s are measured over all of them (a request the job's
+        last lends slowed counts as much as any other)."""
+        self._closed = True
+        self._timer.cancel()
+        started = self._loop.time()
+        while self._waiting:
+            if self._loop.time() - started > FINISH_LIMIT_S:
+                raise RuntimeError(
+                    f"{len(self._waiting)} serving requests still unserved {FINISH_LIMIT_S:.0f} s after the run"
+                )
+            await asyncio.sleep(FINISH_POLL_S)
+
+    def summary(self, end: float) -> dict:
         """The run's serving figures for the trace: p99s over every request (one still waiting for its
-        first token counts with its wait so far), the SLOs, the device-seconds lent."""
+        first token counts with its wait so far; none is after ``finish``), the SLOs, and the
+        device-seconds lent up to ``end``, the job's end."""
         now = self._loop.time()
         waiting = self._still_waiting(now)
-        ends = [t for t, _ in self._lent_changes[1:]] + [now]
-        lent = sum((end - t) * n for (t, n), end in zip(self._lent_changes, ends, strict=True))
+        changes = [(t, n) for t, n in self._lent_changes if t <= end]
+        ends = [t for t, _ in changes[1:]] + [end]
+        lent = sum((stop - t) * n for (t, n), stop in zip(changes, ends, strict=True))
         slo = self.spec.slo
         return {
             "requests": len(self.record.ttft) + len(self._waiting),
@@ -222,7 +241,7 @@ def serving_capacity(spec: ServingSpec, cost: CostModel) -> float:
             pool = ServingPool(constant, ["profile:0"], cost, seed=0, capacity_rps=0.0)
             await asyncio.sleep(PROFILE_S)
             pool.close()
-            return pool.summary()
+            return pool.summary(asyncio.get_running_loop().time())
 
         s = run_virtual(profile())
         return s["ttft_p99_s"] <= s["ttft_slo_s"] and s["tpot_p99_s"] <= s["tpot_slo_s"]

@@ -62,6 +62,7 @@ class Skill(BaseModel):
     # mixed: only where the target's devices are of several kinds; serving: only beside a serving pool
     hardware: Literal["any", "mixed", "serving"] = "any"
     environments: Literal["any", "stateful"] = "any"  # stateful: only where a crash loses state (env_state)
+    rewards: Literal["any", "serverless"] = "any"  # serverless: only where a reward model offers a serverless service
     text: str = ""
 
     def is_on(self, params: dict) -> bool:

@@ -6,10 +6,8 @@ protocols a candidate implements or drives (``RolloutEngine``, ``Trainer``, ``Cl
 trace events the harness records (the audit and the benchmark read only these). Plain dataclasses
 and ``typing.Protocol``: a stack written by any agent follows the contract without harness code.
 
-In simulated execution every token sequence a controller handles (a prompt from ``reset``, a
-completion, an observation, a trajectory) is a ``TokenCount``: its length, nothing else. Code that
-only measures and joins sequences (``len``, ``+``, ``Trajectory.start`` / ``append_turn``) runs
-unchanged on both.
+In simulated execution every token sequence a controller handles is a ``TokenCount``: its length.
+Code that only measures and joins sequences (``len``, ``+``, ``Trajectory.append_turn``) runs on both.
 """
 
 from __future__ import annotations
@@ -26,12 +24,10 @@ StateDict = Mapping[str, "torch.Tensor"]
 
 
 class TokenCount(Sequence[int]):
-    """A token (or logprob) sequence known by its length alone: what a simulated run's prompts,
-    completions, observations and trajectories are. A simulated cluster is the harness's cost model,
-    so a token's identity never matters there, only how many there are; joining counts adds them
-    (``TokenCount(3) + TokenCount(4) == TokenCount(7)``, and a list joined to a count is a count).
-    Reading a token raises: a controller that looks at token values works only on a real cluster.
-    ``ones`` is how many of a loss mask's entries are 1 (the response tokens)."""
+    """A token (or logprob) sequence known by its length alone: a simulated run's prompts, completions,
+    observations and trajectories (its cluster is a cost model: only how many tokens matter). Joining
+    counts adds them (a list joined to a count is a count); reading a token raises (a controller that
+    looks at token values works only on a real cluster). ``ones``: a loss mask's 1 entries."""
 
     __slots__ = ("n", "ones")
 
@@ -127,16 +123,13 @@ class GenerateRequest:
 
 class Aborted(Exception):
     """Raised by ``Cluster.generate`` when the engine serving the request was shrunk, suspended or
-    interrupted by ``sync_weights(..., interrupt=True)``.
-
-    ``partial`` holds the tokens decoded before the interruption (finish ``"abort"``, the version
-    that decoded them, the device that served them), always sent, empty if none were: the audit
-    explains an abort only by a shrink, suspend or interrupting sync of that device. Stacks that
-    declare ``partial_rollout`` get it and resume the turn (``GenerateRequest.continues``); others
-    retry from the start. Engines admit in arrival order and preempt the youngest first, so a request
-    has decoded a token once a later one on its engine has: for those stacks the audit rejects an
-    empty partial after that (reporting it empty would resample the turn).
-    """
+    interrupted by ``sync_weights(..., interrupt=True)``. ``partial`` holds the tokens decoded before
+    the interruption (finish ``"abort"``, the version and device that decoded them), always sent,
+    empty if none were: the audit explains an abort only by a shrink, suspend or interrupting sync of
+    that device. Stacks that declare ``partial_rollout`` resume the turn from it
+    (``GenerateRequest.continues``); others retry from the start. Engines admit in arrival order and
+    preempt the youngest first, so a request has decoded a token once a later one on its engine has:
+    for those stacks the audit rejects an empty partial after that (it would resample the turn)."""
 
     def __init__(self, message: str = "", partial: Completion | None = None) -> None:
         super().__init__(message)
@@ -493,6 +486,7 @@ class Workload:
     temperature: float
     training: TrainingConfig
     env_state: bool = False  # a crash loses an environment's state back to its last checkpoint
+    reward_model: bool = False  # an LLM judge scores each finished trajectory (``EngineSettings.reward``)
 
     @property
     def groups_per_step(self) -> int:
@@ -539,10 +533,14 @@ class Declared:
 @dataclass(frozen=True)
 class EngineSettings:
     """What the simulator models of the stack's engines (a real run's are the stack's own code; the
-    harness records this): ``speculative_tokens`` drafted a step while at most ``speculative_batch`` run."""
+    harness records this): ``speculative_tokens`` drafted a step while at most ``speculative_batch`` run;
+    where the target's reward model judges (``Workload.reward_model``): beside the policy on the engine
+    of the episode's last turn, on ``reward_devices`` (never rollout or training), or serverless."""
 
     speculative_tokens: int = 0
     speculative_batch: int = 0
+    reward: Literal["colocated", "dedicated", "serverless"] = "colocated"
+    reward_devices: tuple[str, ...] = ()  # the job's devices set aside for the judge (``dedicated``)
 
 
 @dataclass
@@ -580,6 +578,8 @@ EventKind = Literal[
     "resume",
     "weight_export",  # the harness copying the trained weights for its audit; the train call waits for it
     "serving",  # a serving pool's run: its requests' p99 TTFT and TPOT, its SLOs, the device-seconds lent
+    "reward",  # the reward model judged a finished trajectory: where, its tokens, when
+    "reward_service",  # the run's reward placement: devices and device-seconds it held, their busy share
     "device_state",
     "sample_used",
     "sample_dropped",

@@ -670,6 +670,24 @@ def test_a_serving_pool_with_headroom_hints_serving_harvest_which_only_targets_b
     )
 
 
+def test_a_judge_beside_the_policy_or_idle_on_its_own_devices_hints_reward_placement_where_a_service_is(tiny_spec):
+    """A reward model colocated with rollout, or on dedicated devices mostly idle, is the
+    ``judge_placement`` finding; the planner answers it with reward_placement (serverless), which it
+    never proposes where the target's judge offers no serverless service."""
+    events = [_event("run_start", 0.0, devices=["h800:0"]), _event("run_end", 4.0)]
+    metrics = _busy_run_metrics() | {"reward_verdict_s": 3.0}
+    record = {"where": "colocated", "scored": 10, "instances": 0, "device_s": 0.0, "busy_s": 0.0, "utilization": 0.0}
+    events.insert(1, _event("reward_service", 4.0, **record))
+    hints = [h for h in hints_from(metrics, events, simulated=True) if h.code == "judge_placement"]
+    assert len(hints) == 1 and hints[0].evidence == {"where": "colocated", "busy": 0.0, "verdict_s": 3.0}
+    busy = {**record, "where": "serverless", "instances": 2, "device_s": 100.0, "busy_s": 90.0, "utilization": 0.9}
+    events[1] = _event("reward_service", 4.0, **busy)  # its own devices busy most of the time they are held
+    assert not [h for h in hints_from(metrics, events, simulated=True) if h.code == "judge_placement"]
+    _answered_only_where_it_applies(
+        tiny_spec, "qwen3-8b-h800x16-judge", hints, "reward_placement", {"reward_placement": 2}
+    )
+
+
 @pytest.fixture(scope="module")
 def big_spec():
     return load_target("qwen3-235b-a22b-h800x160")

@@ -114,13 +114,20 @@ def test_engine_settings_a_hello_cannot_carry_are_refused_by_name():
     from targets.harness.ipc.protocol import ProtocolError
     from targets.harness.ipc.wire import get_engine_settings
 
-    assert get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8}).speculative_tokens == 4
+    reward = {"reward": "colocated", "reward_devices": []}
+    assert get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward}).speculative_tokens == 4
     with pytest.raises(ProtocolError, match=r"engine.speculative_tokens: 65 is not in \[0, 64\]"):
-        get_engine_settings({"speculative_tokens": 65, "speculative_batch": 8})
+        get_engine_settings({"speculative_tokens": 65, "speculative_batch": 8, **reward})
     with pytest.raises(ProtocolError, match="engine.speculative_batch: -1 is negative"):
-        get_engine_settings({"speculative_tokens": 4, "speculative_batch": -1})
+        get_engine_settings({"speculative_tokens": 4, "speculative_batch": -1, **reward})
     with pytest.raises(ProtocolError, match="speculative_tokens"):
-        get_engine_settings({"speculative_batch": 8})
+        get_engine_settings({"speculative_batch": 8, **reward})
+    with pytest.raises(ProtocolError, match="engine.reward: 'nearby' is not one of colocated, dedicated, serverless"):
+        get_engine_settings({"speculative_tokens": 0, "speculative_batch": 0, "reward": "nearby", "reward_devices": []})
+    with pytest.raises(ProtocolError, match="engine.reward_devices: .* not a list of distinct device ids"):
+        get_engine_settings(
+            {"speculative_tokens": 0, "speculative_batch": 0, "reward": "dedicated", "reward_devices": ["a", "a"]}
+        )
 
 
 def test_a_model_too_big_for_the_cluster_is_refused(big):

@@ -22,7 +22,7 @@ def _error(data: dict) -> str:
     return str(caught.value)
 
 
-def test_catalog_has_the_eleven_targets():
+def test_catalog_has_the_twelve_targets():
     assert catalog_ids() == [
         "qwen3-0.6b-h100x1",
         "qwen3-0.6b-h100x1-arithmetic",
@@ -31,6 +31,7 @@ def test_catalog_has_the_eleven_targets():
         "qwen3-8b-h100x8",
         "qwen3-8b-h20x8-h800x8",
         "qwen3-8b-h800x16",
+        "qwen3-8b-h800x16-judge",
         "qwen3-8b-h800x16-sandbox",
         "qwen3-8b-h800x16-serving",
         "tiny-qwen3-cpu",

@@ -22,6 +22,7 @@ TRAIN_IDLE_SHARE = 0.4  # idle share of a training device that says it waits for
 ABORT_SHARE = 0.05
 STALE_SHARE = 0.05  # share of created episodes dropped as stale
 LOST_SHARE = 0.01  # share of finished trajectories lost with their environment's state in a crash
+JUDGE_BUSY = 0.5  # a reward model's own devices busy less than this share of the time they are held: move it
 SERVING_SLACK = 0.6  # a serving pool whose p99 TTFT stayed under this share of its SLO has room to lend
 SMALL_BATCH = 4.0
 SYNC_SHARE = 0.10
@@ -135,6 +136,21 @@ def hints_from(metrics: dict, events: list, simulated: bool, kinds: dict[str, st
                 f"{s['ttft_slo_s'] * 1e3:.0f} ms SLO while lending {metrics.get('lent_devices', 0.0):.1f} "
                 f"of its {len(s['devices'])} devices on average: rollout may borrow more",
                 evidence={"ttft_p99_s": s["ttft_p99_s"], "lent_devices": metrics.get("lent_devices", 0.0)},
+            )
+        )
+    judge = [e.data for e in events if e.kind == "reward_service"]
+    if judge and (judge[-1]["where"] == "colocated" or judge[-1]["utilization"] < JUDGE_BUSY):
+        j = judge[-1]
+        where = (
+            "beside the policy on the rollout engines (its weights in their KV cache)"
+            if j["where"] == "colocated"
+            else f"on {j['where']} devices busy {j['utilization']:.0%} of the {j['device_s']:.0f} device-seconds held"
+        )
+        hints.append(
+            Hint(
+                code="judge_placement",
+                message=f"the reward model judges {where}; a verdict took {metrics['reward_verdict_s']:.1f} s",
+                evidence={"where": j["where"], "busy": j["utilization"], "verdict_s": metrics["reward_verdict_s"]},
             )
         )
     turns = sum(1 for e in events if e.kind == "generate")

@@ -129,11 +129,16 @@ class OfflinePlanner:
             or (skill.hardware == "mixed" and len({p.kind for p in self.spec.hardware.by_name.values()}) < 2)
             or (skill.hardware == "serving" and not self.spec.hardware.serving_device_ids())
             or (skill.environments == "stateful" and self.spec.workload.env_state is None)
+            or (skill.rewards == "serverless" and not self._serverless_judge())
             or not applicable(self.skills, skill, params)
             or not all(self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items())
         ):
             return None
         return self._composition_task(skill, "add", changes, priority)
+
+    def _serverless_judge(self) -> bool:
+        judge = self.spec.workload.reward_model
+        return judge is not None and judge.serverless is not None
 
     def _within_target(self, skill: Skill, name: str, value):
         """An ``enable`` value over what this target lets a stack declare comes down to that limit

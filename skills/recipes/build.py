@@ -12,6 +12,7 @@ from pathlib import Path
 from targets.api import Declared, EngineSettings, Runtime, Stack
 
 from .colocate import Colocate
+from .reward_placement import place_reward
 from .static_split import StaticSplit
 from .time_multiplex import TimeMultiplex
 
@@ -23,6 +24,7 @@ TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
 
 def build(runtime: Runtime) -> Stack:
     params = json.loads(Path(__file__).with_name("params.json").read_text())
+    runtime, reward, reward_devices = place_reward(runtime, params)  # a dedicated judge's devices set aside
     # VAL: VAL_SUBSET (value=[params["controller"]], of=CONTROLLERS)
     controller = CONTROLLERS[params["controller"]](runtime, params)
     rollout, train = controller.placement(list(runtime.devices))
@@ -105,6 +107,9 @@ def build(runtime: Runtime) -> Stack:
     )
     # what the simulator models of the engines (on a real cluster the engine options above do it)
     engine_settings = EngineSettings(
-        speculative_tokens=params.get("speculative_tokens", 0), speculative_batch=params.get("speculative_batch", 64)
+        speculative_tokens=params.get("speculative_tokens", 0),
+        speculative_batch=params.get("speculative_batch", 64),
+        reward=reward,
+        reward_devices=reward_devices,
     )
     return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared, engine_settings)

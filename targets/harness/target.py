@@ -67,6 +67,7 @@ def workload_view(spec: TargetSpec) -> Workload:
         temperature=w.training.temperature,
         training=w.training.config(),
         env_state=w.env_state is not None,
+        reward_model=w.reward_model is not None,
     )
 
 

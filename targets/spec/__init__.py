@@ -16,6 +16,7 @@ from targets.spec.loading import (
     resolve_target_path,
 )
 from targets.spec.model import RANDOM_WEIGHTS, ModelConfig, ModelSpec, ParamCounts
+from targets.spec.reward import RewardModelSpec, ServerlessSpec
 from targets.spec.target import (
     AccuracySpec,
     BaselineSpec,
@@ -54,6 +55,8 @@ __all__ = [
     "ModelSpec",
     "ParamCounts",
     "ResponseLengthSpec",
+    "RewardModelSpec",
+    "ServerlessSpec",
     "SimulatorSpec",
     "SpecError",
     "Strict",

@@ -10,6 +10,7 @@ from pydantic import Field, ValidationInfo, model_validator
 from targets.api import TrainingConfig
 from targets.spec.base import Strict
 from targets.spec.distributions import Distribution
+from targets.spec.reward import RewardModelSpec
 from targets.workload_profile import with_profile
 
 
@@ -142,6 +143,9 @@ class WorkloadSpec(Strict):
     )
     env_state: EnvStateSpec | None = Field(
         default=None, description="crashes lose the environment's state unless it was checkpointed"
+    )
+    reward_model: RewardModelSpec | None = Field(
+        default=None, description="an LLM judge scores each finished trajectory before its reward is known"
     )
     trajectory_timeout_s: float = Field(gt=0)
     batch_size: int = Field(gt=0, description="trajectories per training step")

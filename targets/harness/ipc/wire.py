@@ -204,18 +204,32 @@ def get_runtime(d: dict) -> Runtime:
 MAX_SPECULATIVE_TOKENS = 64  # a draft longer than this verifies more positions than any engine keeps
 
 
+REWARD_PLACEMENTS = ("colocated", "dedicated", "serverless")
+
+
 def put_engine_settings(e: EngineSettings) -> dict:
-    return {"speculative_tokens": e.speculative_tokens, "speculative_batch": e.speculative_batch}
+    return {
+        "speculative_tokens": e.speculative_tokens,
+        "speculative_batch": e.speculative_batch,
+        "reward": e.reward,
+        "reward_devices": list(e.reward_devices),
+    }
 
 
 def get_engine_settings(data: Any) -> EngineSettings:
     tokens = field_of(data, "speculative_tokens", int, "engine")
     batch = field_of(data, "speculative_batch", int, "engine")
+    reward = field_of(data, "reward", str, "engine")
+    devices = field_of(data, "reward_devices", list, "engine")
     if not 0 <= tokens <= MAX_SPECULATIVE_TOKENS:
         raise ProtocolError(f"engine.speculative_tokens: {tokens} is not in [0, {MAX_SPECULATIVE_TOKENS}]")
     if batch < 0:
         raise ProtocolError(f"engine.speculative_batch: {batch} is negative")
-    return EngineSettings(speculative_tokens=tokens, speculative_batch=batch)
+    if reward not in REWARD_PLACEMENTS:
+        raise ProtocolError(f"engine.reward: {reward!r} is not one of {', '.join(REWARD_PLACEMENTS)}")
+    if not all(isinstance(d, str) for d in devices) or len(set(devices)) < len(devices):
+        raise ProtocolError(f"engine.reward_devices: {devices!r} is not a list of distinct device ids")
+    return EngineSettings(tokens, batch, reward, tuple(devices))
 
 
 def put_declared(d: Declared) -> dict:

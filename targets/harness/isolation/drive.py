@@ -68,6 +68,7 @@ class ControllerLink:
         self.episodes: dict[str, Any] = {}
         self.declared = Declared()  # what the controller's hello declares
         self.engine = EngineSettings()  # what the simulator models of its engines (the hello says)
+        self.judge: Callable[[str, int, Callable[[], None]], None] | None = None  # a reward model's (simulated)
         loop = asyncio.get_running_loop()
         self.hello: asyncio.Future = loop.create_future()
         self.done: asyncio.Future = loop.create_future()
@@ -289,9 +290,13 @@ class ControllerLink:
                     action = simulated_response(episode_id, len(action))
                 latency, failures = episode.begin_step()
 
-                def stepped() -> None:
+                def stepped() -> bool:
                     result = episode.end_step(action, latency, failures)
                     reply.header["result"] = put_step_result(reply, result, counts)
+                    if self.judge is None or not result.done or result.timed_out or result.lost:
+                        return False
+                    self.judge(episode_id, episode.context_tokens, lambda: self.send(reply))  # the verdict first
+                    return True
 
                 self._answer_after(latency, reply, stepped)
                 return
@@ -328,15 +333,16 @@ class ControllerLink:
         if reply is not None:
             self.send(reply)
 
-    def _answer_after(self, seconds: float, reply: Frame, finish: Callable[[], None]) -> None:
+    def _answer_after(self, seconds: float, reply: Frame, finish: Callable[[], bool | None]) -> None:
         """Send ``reply`` once ``seconds`` have passed, ``finish`` having ended the environment's work
-        (and filled the reply): a timer, not a task, cancelled with the link if the run ends first."""
+        (and filled the reply; True: a reward model judges first, and ``finish`` sends it then): a
+        timer, not a task, cancelled with the link if the run ends first."""
         key = next(self._numbers)
 
         def answer() -> None:
             del self._steps[key]
-            finish()
-            self.send(reply)
+            if not finish():  # True: ``finish`` sends the reply itself, later
+                self.send(reply)
 
         self._steps[key] = asyncio.get_running_loop().call_later(seconds, answer)
 
@@ -383,8 +389,12 @@ def _serving_pool(spec: TargetSpec, seed: int | RunSeed) -> Callable[[], Any] | 
     return lambda: ServingPool(pool.serving, devices, cost, stream, capacity)
 
 
-async def _hello(link: ControllerLink, processes: CandidateProcesses) -> tuple[list[str], list[str], Declared]:
+async def _hello(
+    link: ControllerLink, processes: CandidateProcesses, devices: list[str]
+) -> tuple[list[str], list[str], Declared]:
     """The controller's placement and declarations, once it has built its stack."""
+    from targets.harness.sim.reward import placement_refused  # a reward model's placement, checked either way
+
     await asyncio.wait({link.hello, link.done}, return_when=asyncio.FIRST_COMPLETED)
     if not link.hello.done():
         link.done.result()  # the controller failed before saying hello: raise why
@@ -392,6 +402,9 @@ async def _hello(link: ControllerLink, processes: CandidateProcesses) -> tuple[l
     hello = link.hello.result()
     rollout = field_of(hello.header, "rollout", list, "hello")
     train = field_of(hello.header, "train", list, "hello")
+    refused = placement_refused(link.envs.workload, link.engine, rollout, train, devices)
+    if refused:
+        raise CandidateError(refused)
     return rollout, train, link.declared
 
 
@@ -435,7 +448,7 @@ async def drive_real(
     link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
     serving = asyncio.create_task(link.serve())
     try:
-        _, _, declared = await _hello(link, processes)
+        _, _, declared = await _hello(link, processes, [d.id for d in runtime.devices])
         traced = TracedCluster(remote, trace, exporter)
         trace.record(
             "run_start",
@@ -472,6 +485,7 @@ def drive_simulated(
     """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
     from targets.harness.sim.cost_model import ClusterCosts
     from targets.harness.sim.response_length import ResponseLengths
+    from targets.harness.sim.reward import RewardService, judge_cost_of
     from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual
 
     costs = ClusterCosts.from_spec(spec)
@@ -490,15 +504,23 @@ def drive_simulated(
         loop.peer, loop.io = link, channel.transport
         link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=True))
         answering = asyncio.create_task(link.serve())
-        rollout_ids, _, declared = await _hello(link, processes)
+        rollout_ids, _, declared = await _hello(link, processes, [d.id for d in runtime.devices])
         by_id = {d.id: d for d in runtime.devices}
         if any(i not in by_id for i in rollout_ids):
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
-        speculating = costs.speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
+        engine_costs = costs.speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
+        judge, judge_cost = None, judge_cost_of(spec)
+        if judge_cost is not None and link.engine.reward == "colocated":  # the judge's weights beside each engine
+            engine_costs = engine_costs.hosting(judge_cost.weight_bytes)
         serving = make_serving() if make_serving is not None else None
         devices = list(runtime.devices + runtime.serving_devices)
-        cluster = SimCluster(devices, [by_id[i] for i in rollout_ids], speculating, lengths, serving)
+        cluster = SimCluster(
+            devices, [by_id[i] for i in rollout_ids], engine_costs, lengths, serving, link.engine.reward_devices
+        )
+        if judge_cost is not None:
+            judge = RewardService(spec.workload.reward_model, link.engine, cluster, judge_cost, costs.shared, trace)
+            link.judge = judge.judge
         traced = TracedCluster(cluster, trace, cluster)
         trace.record(
             "run_start",
@@ -521,6 +543,9 @@ def drive_simulated(
                 loop.peer = loop.io = None  # the controller is done: virtual time is the harness's alone
                 await serving.finish()
                 trace.record("serving", **serving.summary(end))
+            if judge is not None:
+                trace.record("reward_service", **judge.summary(trace.clock.now()))
+                judge.close()
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
             summary["preemptions"] = cluster.preemptions
             summary["decode_seconds"], summary["decode_batch"] = cluster.decoding()

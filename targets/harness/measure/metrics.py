@@ -117,6 +117,7 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
         }
         | step_phases(utilization, duration, len(trains))
         | serving_metrics(events)
+        | reward_metrics(events)
     )
 
 
@@ -126,11 +127,27 @@ def serving_metrics(events: list[TraceEvent]) -> dict[str, float]:
     serving = [e for e in events if e.kind == "serving"]
     if not serving:
         return {}
-    s, start, end = serving[-1].data, events[0].t, serving[-1].t
+    s, start = serving[-1].data, events[0].t
+    end = next(e.t for e in events if e.kind == "run_end")  # the record itself comes once the traffic is served out
     return {
         "serving_ttft_p99_s": s["ttft_p99_s"],
         "serving_tpot_p99_s": s["tpot_p99_s"],
         "lent_devices": s["lent_device_s"] / (end - start) if end > start else 0.0,
+    }
+
+
+def reward_metrics(events: list[TraceEvent]) -> dict[str, float]:
+    """A reward model's run (``reward`` and ``reward_service`` events): the mean seconds a verdict
+    took, the device-seconds the judge held beyond the job's rollout engines and its busy share of
+    them. Nothing on a target without one."""
+    service = [e.data for e in events if e.kind == "reward_service"]
+    if not service:
+        return {}
+    verdicts = [e.t - e.data["start"] for e in events if e.kind == "reward"]
+    return {
+        "reward_verdict_s": sum(verdicts) / len(verdicts) if verdicts else 0.0,
+        "judge_device_s": service[-1]["device_s"],
+        "judge_utilization": service[-1]["utilization"],
     }
 
 

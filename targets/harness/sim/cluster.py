@@ -40,8 +40,10 @@ class SimCluster:
         costs: ClusterCosts,
         lengths: ResponseLengths,
         serving: ServingPool | None = None,
+        judging: Sequence[str] = (),
     ) -> None:
         self.serving = serving
+        self.judging = set(judging)  # the job's devices set aside for a dedicated reward model
         lendable = [] if serving is None else sorted(serving.engines)
         self.devices = list(devices)
         self.costs = costs
@@ -55,7 +57,9 @@ class SimCluster:
         for engine in self.engines[len(groups) :]:  # a serving device's engine: asleep until borrowed
             engine.offload()
         self._sticky: dict[str, SimEngine] = {}
-        self._blocked: list[tuple[GenerateRequest, Answer]] = []  # requests that came while no engine served
+        self._blocked: list[
+            tuple[GenerateRequest, Answer, int | None]
+        ] = []  # requests that came while no engine served
         self._suspended = False
         self._training: set[str] = set()  # devices the trainer last trained on
         self.version = 0
@@ -93,12 +97,13 @@ class SimCluster:
             raise result
         return result
 
-    def generate_then(self, request: GenerateRequest, done: Answer) -> None:
+    def generate_then(self, request: GenerateRequest, done: Answer, length: int | None = None) -> None:
         """Serve ``request``; ``done`` is told its completion, or the error it ended in (``Aborted``
         when its engine was shrunk, suspended or interrupted). Callbacks, not a task a request: a
-        simulated run makes millions. While no engine serves, the request waits for one."""
+        simulated run makes millions. While no engine serves, the request waits for one. ``length``:
+        the tokens it generates (a colocated judge's verdict), else what ``ResponseLengths`` draws."""
         if self._suspended or not self._active:
-            self._blocked.append((request, done))
+            self._blocked.append((request, done, length))
             return
         engine = self._engine_of.get(request.device)  # None when the candidate leaves it to us
         if engine not in self._active:
@@ -107,7 +112,8 @@ class SimCluster:
             engine = min(self._active, key=lambda e: (e.load, e.name))
         self._sticky[request.episode_id] = engine
         budget = request.params.max_new_tokens
-        length = min(budget, max(1, self.lengths.of(request.episode_id, request.turn) - request.continues))
+        if length is None:
+            length = min(budget, max(1, self.lengths.of(request.episode_id, request.turn) - request.continues))
         served = functools.partial(self._served, request, engine, done)
         try:
             engine.submit(request.episode_id, len(request.prompt), budget, length, served)
@@ -132,8 +138,13 @@ class SimCluster:
     def _unblock(self) -> None:
         """Engines serve again: the requests that waited go out, in the order they came."""
         blocked, self._blocked = self._blocked, []
-        for request, done in blocked:
-            self.generate_then(request, done)
+        for request, done, length in blocked:
+            self.generate_then(request, done, length)
+
+    def last_device(self, episode: str) -> str | None:
+        """The device of the engine that served ``episode``'s last turn (None before its first)."""
+        engine = self._sticky.get(episode)
+        return engine.devices[0] if engine is not None else None
 
     def _engines_on(self, devices: Sequence[Device]) -> list[SimEngine]:
         return sorted({self._engine_of[d.id] for d in devices if d.id in self._engine_of}, key=lambda e: e.name)
@@ -171,6 +182,9 @@ class SimCluster:
         serving = [d.id for d in devices if self.serving and d.id in self.serving.engines]
         if serving:
             raise ValueError(f"{serving} serve production traffic: rollout may borrow them, training never")
+        judging = sorted(d.id for d in devices if d.id in self.judging)
+        if judging:
+            raise ValueError(f"{judging} are set aside for the reward model (reward_devices): training never")
         awake = sorted(e.name for e in self._engines_on(devices) if not e.offloaded)
         if awake:
             raise ValueError(

@@ -97,6 +97,7 @@ class CostModel:
     draft_acceptance: float = 0.0
     speculative_tokens: int = 0
     speculative_batch: int = 0
+    resident_bytes: float = 0.0  # another model's weights an engine's devices hold (a colocated judge's)
 
     @classmethod
     def from_spec(cls, spec: TargetSpec, pool: str | None = None, model: ModelSpec | None = None) -> CostModel:
@@ -165,7 +166,9 @@ class CostModel:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        free = self.engine_devices * self.memory_bytes * self.kv_memory_fraction - self.weight_bytes
+        free = (
+            self.engine_devices * self.memory_bytes * self.kv_memory_fraction - self.weight_bytes - self.resident_bytes
+        )
         return max(0, int(free / self.kv_bytes_per_token))
 
     # -- rollout -------------------------------------------------------------------------------
@@ -292,6 +295,10 @@ class ClusterCosts:
     def speculating(self, draft_tokens: int, batch_limit: int) -> ClusterCosts:
         pools = {name: cost.speculating(draft_tokens, batch_limit) for name, cost in self.pools.items()}
         return replace(self, pools=pools)
+
+    def hosting(self, resident_bytes: float) -> ClusterCosts:
+        """Every engine also holding ``resident_bytes`` of another model's weights (a colocated judge)."""
+        return replace(self, pools={name: replace(c, resident_bytes=resident_bytes) for name, c in self.pools.items()})
 
     def train_s(self, lengths: list[int], devices: list[str]) -> float:
         return max(self.of(d).train_s(lengths, len(devices)) for d in devices)

@@ -1,0 +1,237 @@
+"""A reward model under virtual time (RollArt-like targets): an LLM judge reads each finished
+trajectory and gives its verdict before the environment's last answer reaches the controller. The
+verdict is the environment's reward (a simulated target has no text to judge): what is modelled is
+where the judge runs and what it costs there, as the stack declares (``EngineSettings.reward``).
+
+* **colocated** (every stack's default): the judge shares the rollout engines' devices. A verdict
+  is a request on the engine that served the episode's last turn (else the least loaded active
+  one), of ``ratio`` times the trajectory's tokens and the verdict's, ``ratio`` being the judge's
+  active parameters over the policy's: to first order its prefill FLOPs and its decode's weight
+  reads. The judge's weights take their bytes from every engine's KV cache. A shrink, suspend or
+  interrupting sync aborts a verdict as it aborts a turn; it is asked again, never lost.
+* **dedicated**: ``reward_devices`` of the job's set aside for the judge, one engine of the judge's
+  model each (its own cost model on that device), each verdict to the least loaded. They never roll
+  out or train; they hold the whole run (their device-seconds are the run's length each).
+* **serverless** (the target's ``reward_model.serverless``): instances of the judge on devices of
+  the job's first pool's kind, outside the job. A verdict goes to a ready instance with fewer than
+  ``SERVERLESS_CONCURRENCY`` verdicts under way; when none has room and fewer than ``max_devices``
+  exist, a new one is asked for and serves ``cold_start_s`` later; an instance idle ``keep_warm_s``
+  is released. Billed from its start to its release (or the run's end).
+
+Each verdict is a ``reward`` event (episode, where, device, tokens, start); the run's end a
+``reward_service`` event: the device-seconds the judge held beyond the job's own devices' rollout
+(dedicated, serverless) and the share of them it was busy (an engine with a verdict under way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from targets.api import Aborted, EngineSettings, GenerateRequest, SamplingParams, TokenCount
+from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.engine import SimEngine
+from targets.harness.trace import Trace
+from targets.spec import TargetSpec, WorkloadSpec
+from targets.spec.reward import RewardModelSpec
+
+SERVERLESS_CONCURRENCY = 32  # verdicts one serverless instance takes at once before another is asked for
+
+
+def placement_refused(
+    workload: WorkloadSpec, engine: EngineSettings, rollout: list, train: list, devices: list
+) -> str | None:
+    """Why the stack's reward placement (its hello) cannot run on this target, or None."""
+    judge, where, reserved = workload.reward_model, engine.reward, list(engine.reward_devices)
+    if where != "colocated" and judge is None:
+        return f"the stack places the reward model {where}, but the target has none (workload.reward_model)"
+    if where == "serverless" and judge.serverless is None:
+        return "the stack places the reward model serverless, but the target offers no serverless service"
+    if (where == "dedicated") != bool(reserved):
+        return f"reward_devices {reserved} go with a dedicated reward model, and only there (placed {where})"
+    unknown = [d for d in reserved if d not in devices]
+    if unknown:
+        return f"reward_devices {unknown} are not the job's devices {devices}"
+    used = sorted(set(reserved) & (set(rollout) | set(train)))
+    if used:
+        return (
+            f"reward_devices {used} are set aside for the reward model: the controller places rollout or training there"
+        )
+    return None
+
+
+def judge_cost_of(spec: TargetSpec) -> CostModel | None:
+    """The reward model's cost model on the job's first pool's devices (None without one)."""
+    judge = spec.workload.reward_model
+    if judge is None:
+        return None
+    hardware = spec.hardware
+    pool = hardware.pool_name(hardware.device_ids()[0]) if len(hardware.by_name) > 1 else None
+    return CostModel.from_spec(spec, pool, judge.model)
+
+
+@dataclass
+class _Instance:
+    """A judge engine the service runs (dedicated or serverless) and how long it has been busy."""
+
+    engine: SimEngine
+    started: float
+    ready: bool = True
+    released: float | None = None
+    busy_since: float | None = None
+    busy_s: float = 0.0
+    waiting: list[Callable[[], None]] = field(default_factory=list)  # verdicts held for its cold start
+    release: asyncio.TimerHandle | None = None
+
+
+class RewardService:
+    def __init__(
+        self,
+        spec: RewardModelSpec,
+        placement: EngineSettings,
+        cluster,  # the run's SimCluster
+        judge_cost: CostModel,
+        policy_cost: CostModel,
+        trace: Trace,
+    ) -> None:
+        self.spec, self.where, self.cluster, self.trace = spec, placement.reward, cluster, trace
+        self.judge_cost = judge_cost
+        self.ratio = judge_cost.active_params / policy_cost.active_params
+        self._loop = asyncio.get_running_loop()
+        self.instances: list[_Instance] = []
+        self.scored = 0
+        if self.where == "dedicated":  # held from the run's start
+            for device in placement.reward_devices:
+                engine = SimEngine(f"judge:{device}", [device], judge_cost)
+                self.instances.append(_Instance(engine, started=self._loop.time()))
+
+    # -- verdicts ---------------------------------------------------------------------------------
+    def judge(self, episode: str, tokens: int, then: Callable[[], None]) -> None:
+        """Judge ``episode``'s ``tokens``; ``then`` once the verdict is in."""
+        start = self._loop.time()
+
+        def judged(device: str) -> None:
+            self.scored += 1
+            self.trace.record("reward", episode=episode, where=self.where, device=device, tokens=tokens, start=start)
+            then()
+
+        if self.where == "colocated":
+            self._colocated(episode, tokens, judged)
+        else:
+            self._on_instance(episode, tokens, judged)
+
+    def _colocated(self, episode: str, tokens: int, judged: Callable[[str], None]) -> None:
+        out = max(1, math.ceil(self.spec.output_tokens * self.ratio))
+        request = GenerateRequest(
+            f"{episode}#judge",
+            0,
+            TokenCount(max(1, math.ceil(tokens * self.ratio))),
+            SamplingParams(max_new_tokens=out),
+            device=self.cluster.last_device(episode),
+        )
+
+        def answered(result) -> None:
+            if isinstance(result, Aborted):  # its engine was shrunk or suspended: asked again
+                self.cluster.generate_then(request, answered, length=out)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                judged(result.device)
+
+        self.cluster.generate_then(request, answered, length=out)
+
+    def _on_instance(self, episode: str, tokens: int, judged: Callable[[str], None]) -> None:
+        instance = self._instance_for()
+        out = self.spec.output_tokens
+
+        def submit() -> None:
+            self._busy(instance, +1)
+            instance.engine.submit(f"{episode}#judge", tokens, out, out, lambda _: done())
+
+        def done() -> None:
+            self._busy(instance, -1)
+            judged(instance.engine.devices[0])
+
+        if instance.ready:
+            submit()
+        else:
+            instance.waiting.append(submit)
+
+    def _instance_for(self) -> _Instance:
+        live = [i for i in self.instances if i.released is None]
+        if self.where == "dedicated":
+            return min(live, key=lambda i: (i.engine.load, i.engine.name))
+        room = [i for i in live if i.engine.load + len(i.waiting) < SERVERLESS_CONCURRENCY]
+        serverless = self.spec.serverless
+        if room:
+            return min(room, key=lambda i: (not i.ready, i.engine.load + len(i.waiting), i.engine.name))
+        if len(live) < serverless.max_devices:
+            return self._start_instance()
+        return min(live, key=lambda i: (i.engine.load + len(i.waiting), i.engine.name))
+
+    def _start_instance(self) -> _Instance:
+        engine = SimEngine(
+            f"judge:serverless{len(self.instances)}", [f"serverless:{len(self.instances)}"], self.judge_cost
+        )
+        engine.offload()  # not ready until its cold start is over
+        instance = _Instance(engine, started=self._loop.time(), ready=False)
+        self.instances.append(instance)
+
+        def ready() -> None:
+            instance.ready = True
+            engine.reload()
+            waiting, instance.waiting = instance.waiting, []
+            for submit in waiting:
+                submit()
+            self._idle_check(instance)
+
+        self._loop.call_later(self.spec.serverless.cold_start_s, ready)
+        return instance
+
+    # -- busy time and release ----------------------------------------------------------------------
+    def _busy(self, instance: _Instance, change: int) -> None:
+        """Track the time ``instance`` has a verdict under way (its load before ``change`` lands)."""
+        now = self._loop.time()
+        if change > 0 and instance.busy_since is None:
+            instance.busy_since = now
+            if instance.release is not None:
+                instance.release.cancel()
+                instance.release = None
+        elif change < 0 and instance.engine.load == 0 and instance.busy_since is not None:
+            instance.busy_s += now - instance.busy_since
+            instance.busy_since = None
+            self._idle_check(instance)
+
+    def _idle_check(self, instance: _Instance) -> None:
+        """A serverless instance idle ``keep_warm_s`` from now is released."""
+        if self.where != "serverless" or instance.busy_since is not None or instance.waiting:
+            return
+
+        def release() -> None:
+            if instance.busy_since is None and not instance.waiting and instance.released is None:
+                instance.released = self._loop.time()
+                instance.engine.close()
+
+        instance.release = self._loop.call_later(self.spec.serverless.keep_warm_s, release)
+
+    # -- the run's figures ------------------------------------------------------------------------
+    def summary(self, end: float) -> dict:
+        """The judge's device-seconds beyond the job's rollout and its busy share of them, to ``end``."""
+        held = sum((i.released if i.released is not None else end) - i.started for i in self.instances)
+        busy = sum(i.busy_s + (end - i.busy_since if i.busy_since is not None else 0.0) for i in self.instances)
+        return {
+            "where": self.where,
+            "scored": self.scored,
+            "instances": len(self.instances),
+            "device_s": held,
+            "busy_s": busy,
+            "utilization": busy / held if held else 0.0,
+        }
+
+    def close(self) -> None:
+        for instance in self.instances:
+            if instance.release is not None:
+                instance.release.cancel()
+            instance.engine.close()

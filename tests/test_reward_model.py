@@ -1,0 +1,237 @@
+"""A reward model that judges each finished trajectory (RollArt-like targets): the spec and its
+refusals, the simulated judge where a stack places it (beside the policy, on devices set aside,
+serverless), and the reward_placement technique seen from the trace, with its misuses planted: a
+dedicated device the controller rolls out on, a placement the target does not offer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import yaml
+
+from targets.api import Device, EngineSettings, TokenCount, TrainBatch, Trajectory
+from targets.harness.sim.cluster import SimCluster
+from targets.harness.sim.cost_model import ClusterCosts
+from targets.harness.sim.response_length import ResponseLengths
+from targets.harness.sim.reward import SERVERLESS_CONCURRENCY, RewardService, judge_cost_of, placement_refused
+from targets.harness.sim.virtual_time import run_virtual
+from targets.harness.trace import Trace
+from targets.spec import CATALOG_DIR, SpecError, parse_target
+from tests.technique_run import planted, target_run
+
+JUDGE = "qwen3-8b-h800x16-judge"
+
+
+def _catalog() -> dict:
+    return yaml.safe_load((CATALOG_DIR / f"{JUDGE}.yaml").read_text())
+
+
+def _small() -> dict:
+    """The judged target at a quarter of its size: 4 devices, batch 16, 2 steps."""
+    data = _catalog()
+    data["hardware"]["count"] = 4
+    data["workload"].update(batch_size=16, train_steps=2)
+    data["baselines"] = [{"name": "time_multiplex", "train_devices": 2}]
+    return data
+
+
+# -- the contract --------------------------------------------------------------------------------------
+
+
+def test_the_judged_target_carries_its_reward_model_and_the_stack_is_told_of_it():
+    from targets.harness.target import workload_view
+
+    spec = parse_target(_catalog())
+    judge = spec.workload.reward_model
+    assert judge.model.param_counts().active == pytest.approx(7.62e9) and judge.serverless.max_devices == 8
+    assert workload_view(spec).reward_model and not workload_view(parse_target(_plain())).reward_model
+
+
+def _plain() -> dict:
+    data = _catalog()
+    del data["workload"]["reward_model"]
+    return data
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"execution": "real"}, "workload.reward_model: a reward model's cost is simulated only"),
+        ({"workload.reward_model.output_tokens": 0}, "workload.reward_model.output_tokens"),
+        ({"workload.reward_model.serverless.cold_start_s": -1}, "workload.reward_model.serverless.cold_start_s"),
+        ({"workload.reward_model.serverless.pool": "h20"}, "`workload.reward_model.serverless.pool`: unknown field"),
+    ],
+)
+def test_a_bad_reward_model_field_is_named_by_its_path(change, message):
+    data = _catalog()
+    for path, value in change.items():
+        *parents, last = path.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    with pytest.raises(SpecError, match=message):
+        parse_target(data)
+
+
+def test_a_placement_the_target_does_not_offer_is_refused_by_name():
+    judged, plain = parse_target(_catalog()).workload, parse_target(_plain()).workload
+    devices = [f"h800:{i}" for i in range(16)]
+    rollout, train = devices[:8], devices[8:14]
+    dedicated = EngineSettings(reward="dedicated", reward_devices=("h800:14", "h800:15"))
+    assert placement_refused(judged, dedicated, rollout, train, devices) is None
+    assert placement_refused(judged, EngineSettings(reward="serverless"), rollout, train, devices) is None
+    cases = [
+        (plain, EngineSettings(reward="serverless"), "the target has none"),
+        (
+            judged.model_copy(update={"reward_model": judged.reward_model.model_copy(update={"serverless": None})}),
+            EngineSettings(reward="serverless"),
+            "offers no serverless service",
+        ),
+        (judged, EngineSettings(reward="dedicated"), "go with a dedicated reward model"),
+        (judged, EngineSettings(reward="colocated", reward_devices=("h800:15",)), "go with a dedicated reward model"),
+        (judged, EngineSettings(reward="dedicated", reward_devices=("h20:0",)), "are not the job's devices"),
+        (judged, EngineSettings(reward="dedicated", reward_devices=("h800:7",)), "the controller places rollout"),
+    ]
+    for workload, engine, message in cases:
+        assert message in placement_refused(workload, engine, rollout, train, devices)
+
+
+# -- the judge alone ---------------------------------------------------------------------------------
+
+
+def _judged(where: str, finishing: list[float], reserved: tuple[str, ...] = ()) -> tuple[dict, list, dict]:
+    """The small target's judge placed ``where``, fed one 8K-token trajectory at each time of
+    ``finishing`` (virtual seconds): (its summary at the end, each verdict's (start, end), what
+    the rollout engines' KV capacity is)."""
+    spec = parse_target(_small())
+    every = [Device(f"h800:{i}", "h800", i) for i in range(4)]
+    devices = [d for d in every if d.id not in reserved]
+    costs = ClusterCosts.from_spec(spec)
+    judge_cost = judge_cost_of(spec)
+    if where == "colocated":
+        costs = costs.hosting(judge_cost.weight_bytes)
+    placement = EngineSettings(reward=where, reward_devices=reserved)
+
+    async def main():
+        trace = Trace(_Clock(), record_tokens=False)
+        lengths = ResponseLengths(spec.workload.tokens, 0)
+        cluster = SimCluster(every, devices, costs, lengths, judging=reserved)
+        service = RewardService(spec.workload.reward_model, placement, cluster, judge_cost, costs.shared, trace)
+        loop, verdicts = asyncio.get_running_loop(), []
+        for i, t in enumerate(finishing):
+
+            def finish(i=i, start=t):
+                service.judge(f"g{i}/e0", 8192, lambda: verdicts.append((start, loop.time())))
+
+            loop.call_at(t, finish)
+        while len(verdicts) < len(finishing):
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(200)  # long enough for idle instances to be released
+        summary = service.summary(loop.time())
+        return summary, verdicts, {"capacity": cluster.engines[0].capacity, "cluster": cluster, "trace": trace}
+
+    return run_virtual(main())
+
+
+class _Clock:
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+
+def test_colocated_verdicts_run_on_the_rollout_engines_and_take_room_from_their_kv_cache():
+    summary, verdicts, state = _judged("colocated", [1.0, 1.0, 5.0])
+    spec = parse_target(_small())
+    policy = ClusterCosts.from_spec(spec).shared
+    judge_tokens = judge_cost_of(spec).weight_bytes / policy.kv_bytes_per_token  # the policy's KV it displaces
+    assert state["capacity"] == pytest.approx(policy.kv_capacity_tokens - judge_tokens, abs=2)
+    assert summary["where"] == "colocated" and summary["scored"] == 3 and summary["device_s"] == 0
+    assert all(end > start for start, end in verdicts)
+    records = [e for e in state["trace"].events if e.kind == "reward"]
+    assert len(records) == 3 and {r.data["device"] for r in records} <= {f"h800:{i}" for i in range(4)}
+
+
+def test_a_serverless_judge_starts_instances_cold_scales_with_its_verdicts_and_lets_idle_ones_go():
+    serverless = parse_target(_small()).workload.reward_model.serverless
+    burst = [1.0] * (SERVERLESS_CONCURRENCY + 1) + [100.0]  # one more than an instance takes, then one late
+    summary, verdicts, _ = _judged("serverless", burst)
+    first = verdicts[0]
+    assert first[1] - first[0] >= serverless.cold_start_s  # the first verdict waited for a cold start
+    assert summary["instances"] == 2  # the burst outgrew one instance; the late verdict found one warm
+    late = verdicts[-1]
+    assert late[1] - late[0] < serverless.cold_start_s
+    # billed from each start to its release, keep_warm_s after its last verdict: less than the whole run
+    assert 0 < summary["busy_s"] < summary["device_s"] < 2 * (100 + 200)
+    assert 0 < summary["utilization"] < 1
+
+
+def test_a_dedicated_judge_holds_its_devices_for_the_whole_run_and_they_never_train():
+    summary, verdicts, state = _judged("dedicated", [1.0, 2.0, 3.0], reserved=("h800:3",))
+    end = max(t for _, t in verdicts) + 200
+    assert summary["instances"] == 1 and summary["device_s"] == pytest.approx(end, abs=1)  # held from the start
+    assert summary["utilization"] < 0.5  # three verdicts in a run of over 200 s: idle most of it
+    assert {e.data["device"] for e in state["trace"].events if e.kind == "reward"} == {"h800:3"}
+    cluster = state["cluster"]
+    assert "h800:3" not in {d for e in cluster.engines for d in e.devices}
+
+    async def train():
+        batch = TrainBatch([Trajectory.start("g0/e0", "g0", TokenCount(16))], [1.0])
+        await cluster.train(batch, [d for d in cluster.devices if d.id == "h800:3"])
+
+    with pytest.raises(ValueError, match=r"set aside for the reward model \(reward_devices\): training never"):
+        run_virtual(train())
+
+
+# -- the technique, simulated end to end ---------------------------------------------------------------
+
+
+def _run(tmp_path, params: dict, patch=None):
+    spec, run = target_run(tmp_path, _small(), params, True, patch=patch)
+    return spec, run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("placement", "where"), [(0, "colocated"), (1, "dedicated"), (2, "serverless")])
+def test_every_trained_trajectory_was_judged_where_the_stack_placed_the_judge(tmp_path, placement, where):
+    params = {"reward_placement": placement, "reward_devices": 1, "train_devices": 1}
+    spec, run = _run(tmp_path, params)
+    assert run.ok, run.cause
+    assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
+    events = Trace.load_events(run.out / "trace.jsonl")
+    verdicts = {e.data["episode"]: e for e in events if e.kind == "reward"}
+    assert {e.data["where"] for e in verdicts.values()} == {where}
+    ends = {e.data["episode"]: e for e in events if e.kind == "env_step" and e.data["done"]}
+    used = [e.data["episode"] for e in events if e.kind == "sample_used"]
+    for episode in used:
+        end = ends[episode]
+        if not end.data["timed_out"] and not end.data["lost"]:
+            assert episode in verdicts and verdicts[episode].data["start"] == pytest.approx(end.t)
+    service = next(e.data for e in events if e.kind == "reward_service")
+    assert service["where"] == where and service["scored"] == len(verdicts)
+    if where == "dedicated":
+        assert service["device_s"] > 0 and not any(
+            "h800:3" in e.data.get("devices", [e.data.get("device")]) for e in events if e.kind in ("generate", "train")
+        )
+    start = next(e for e in events if e.kind == "run_start").data["engine"]
+    assert start["reward"] == where
+
+
+@pytest.mark.slow
+def test_a_controller_that_rolls_out_on_the_judges_devices_is_refused_at_its_hello(tmp_path):
+    # the plant: the judge's devices set aside in the declaration, but the controller still given them
+    greedy = planted(
+        "reward_placement.py",
+        "    return dataclasses.replace(runtime, devices=kept), where, tuple(d.id for d in reserved)",
+        "    return runtime, where, tuple(d.id for d in reserved)",
+    )
+    _, run = _run(tmp_path, {"reward_placement": 1, "reward_devices": 1, "train_devices": 1}, patch=greedy)
+    assert not run.ok and "set aside for the reward model: the controller places rollout or training there" in run.cause
+
+
+@pytest.mark.slow
+def test_a_serverless_judge_on_a_target_without_the_service_is_refused_by_name(tmp_path):
+    data = _small()
+    del data["workload"]["reward_model"]["serverless"]
+    _, run = target_run(tmp_path, data, {"reward_placement": 2}, True)
+    assert not run.ok and "the target offers no serverless service" in run.cause

@@ -12,7 +12,7 @@ from .controller_base import ControllerBase
 
 
 class Colocate(ControllerBase):
-    def placement(self, devices):
+    def _place(self, devices):
         return list(devices), list(devices)
 
     async def run(self, cluster, envs, steps: int) -> None:

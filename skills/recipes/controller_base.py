@@ -49,6 +49,7 @@ class ControllerBase:
         # where a crash loses an environment's state: 0 never checkpoint, 1 after turns that changed it, 2 every turn
         self.checkpoint_level = params.get("checkpoint_level", 0) if workload.env_state else 0
         self.serving_devices = list(runtime.serving_devices)  # a serving pool's, lent by serving_harvest
+        self.own = {d.id for d in runtime.devices}  # the job's devices less a dedicated reward model's (build.py)
         if params.get("serving_harvest", 0) and not self.serving_devices:
             raise ValueError("params serving_harvest: this target has no serving pool to borrow from")
         self.version = 0
@@ -56,7 +57,10 @@ class ControllerBase:
         self._harvest: ServingHarvest | None = None
 
     def placement(self, devices: list[Device]) -> tuple[list[Device], list[Device]]:
-        """(devices with a rollout engine, devices with a trainer rank)."""
+        """(devices with a rollout engine, devices with a trainer rank), among this controller's own."""
+        return self._place([d for d in devices if d.id in self.own])
+
+    def _place(self, devices: list[Device]) -> tuple[list[Device], list[Device]]:
         raise NotImplementedError
 
     def _wire(self, cluster: Cluster, envs, async_ratio: int) -> tuple[Cluster, GroupBuffer, EnvManager]:

@@ -10,7 +10,7 @@ from .controller_base import ControllerBase
 
 
 class StaticSplit(ControllerBase):
-    def placement(self, devices):
+    def _place(self, devices):
         # VAL: VAL_INT_RANGE (min=1, max=len(devices) - 1)
         n_rollout = self.params["rollout_devices"]
         # VAL: VAL_INT_RANGE (min=1, max=len(devices) - n_rollout)

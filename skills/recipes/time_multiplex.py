@@ -28,7 +28,7 @@ from .controller_base import ControllerBase
 
 
 class TimeMultiplex(ControllerBase):
-    def placement(self, devices):
+    def _place(self, devices):
         # VAL: VAL_INT_RANGE (min=1, max=len(devices) - 1)
         n_train = self.params["train_devices"]
         return list(devices), list(devices[len(devices) - n_train :])

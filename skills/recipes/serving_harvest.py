@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 from targets.api import Cluster, Device, ServingLoad
 
-CHECK_S = 2.0  # how often the traffic is read (the harness measures it over the last 10 s)
-BACK_OFF = 0.8  # a recent p99 over this share of its SLO gives a device back whatever the rate says
+CHECK_S = 0.5  # how often the traffic is read (the harness measures it over the last 10 s)
+BACK_OFF = 0.3  # a recent p99 over this share of its SLO gives devices back whatever the rate says: requests queue
 
 
 class ServingHarvest:

@@ -680,6 +680,10 @@ def test_a_judge_beside_the_policy_or_idle_on_its_own_devices_hints_reward_place
     events.insert(1, _event("reward_service", 4.0, **record))
     hints = [h for h in hints_from(metrics, events, simulated=True) if h.code == "judge_placement"]
     assert len(hints) == 1 and hints[0].evidence == {"where": "colocated", "busy": 0.0, "verdict_s": 3.0}
+    idle = {**record, "where": "dedicated", "instances": 4, "device_s": 400.0, "busy_s": 40.0, "utilization": 0.1}
+    events[1] = _event("reward_service", 4.0, **idle)  # its own devices idle most of the time they are held
+    found = [h for h in hints_from(metrics, events, simulated=True) if h.code == "judge_placement"]
+    assert len(found) == 1 and found[0].evidence["busy"] == 0.1 and "busy 10%" in found[0].message
     busy = {**record, "where": "serverless", "instances": 2, "device_s": 100.0, "busy_s": 90.0, "utilization": 0.9}
     events[1] = _event("reward_service", 4.0, **busy)  # its own devices busy most of the time they are held
     assert not [h for h in hints_from(metrics, events, simulated=True) if h.code == "judge_placement"]

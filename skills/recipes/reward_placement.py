@@ -24,7 +24,7 @@ def place_reward(runtime: Runtime, params: dict) -> tuple[Runtime, str, tuple[st
     where = PLACEMENTS[params.get("reward_placement", 0)]
     if where != "dedicated":
         return runtime, where, ()
-    count = params.get("reward_devices", 1)
+    count = params.get("reward_devices", 2)
     # VAL: VAL_INT_RANGE (value=count, min=1, max=len(runtime.devices) - 2)
     kept, reserved = runtime.devices[:-count], runtime.devices[-count:]
     return dataclasses.replace(runtime, devices=kept), where, tuple(d.id for d in reserved)

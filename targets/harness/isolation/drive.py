@@ -295,8 +295,8 @@ class ControllerLink:
                     reply.header["result"] = put_step_result(reply, result, counts)
                     if self.judge is None or not result.done or result.timed_out or result.lost:
                         return False
-                    self.judge(episode_id, episode.context_tokens, lambda: self.send(reply))  # the verdict first
-                    return True
+                    self.judge(episode_id, episode.context_tokens, lambda: self._send_unless_done(reply))
+                    return True  # answered once the verdict is in
 
                 self._answer_after(latency, reply, stepped)
                 return
@@ -331,6 +331,11 @@ class ControllerLink:
         finally:
             self._tasks.pop(key, None)
         if reply is not None:
+            self.send(reply)
+
+    def _send_unless_done(self, reply: Frame) -> None:
+        """A reply that may come after the controller is done (a verdict the run's end overtook): dropped then."""
+        if not self.done.done():
             self.send(reply)
 
     def _answer_after(self, seconds: float, reply: Frame, finish: Callable[[], bool | None]) -> None:
@@ -519,7 +524,9 @@ def drive_simulated(
             devices, [by_id[i] for i in rollout_ids], engine_costs, lengths, serving, link.engine.reward_devices
         )
         if judge_cost is not None:
-            judge = RewardService(spec.workload.reward_model, link.engine, cluster, judge_cost, costs.shared, trace)
+            judge = RewardService(
+                spec.workload.reward_model, link.engine, cluster, judge_cost, costs.shared, trace, link.fail
+            )
             link.judge = judge.judge
         traced = TracedCluster(cluster, trace, cluster)
         trace.record(
@@ -538,14 +545,15 @@ def drive_simulated(
             await answering
         finally:
             trace.record("run_end")
-            if serving is not None:  # after the job's end: the requests it left in flight are served out
-                end = trace.clock.now()
+            end = trace.clock.now()
+            if judge is not None:
+                trace.record("reward_service", **judge.summary(end))
+                judge.close()
+            ran = answering.done() and not answering.cancelled() and answering.exception() is None
+            if serving is not None and ran:  # after the job's end: the requests it left in flight are served out
                 loop.peer = loop.io = None  # the controller is done: virtual time is the harness's alone
                 await serving.finish()
                 trace.record("serving", **serving.summary(end))
-            if judge is not None:
-                trace.record("reward_service", **judge.summary(trace.clock.now()))
-                judge.close()
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
             summary["preemptions"] = cluster.preemptions
             summary["decode_seconds"], summary["decode_batch"] = cluster.decoding()

@@ -95,8 +95,10 @@ class RewardService:
         judge_cost: CostModel,
         policy_cost: CostModel,
         trace: Trace,
+        fail: Callable[[BaseException], None],
     ) -> None:
-        self.spec, self.where, self.cluster, self.trace = spec, placement.reward, cluster, trace
+        """``fail``: what ends the run when a verdict cannot be served (an engine refused it)."""
+        self.spec, self.where, self.cluster, self.trace, self.fail = spec, placement.reward, cluster, trace, fail
         self.judge_cost = judge_cost
         self.ratio = judge_cost.active_params / policy_cost.active_params
         self._loop = asyncio.get_running_loop()
@@ -135,8 +137,8 @@ class RewardService:
         def answered(result) -> None:
             if isinstance(result, Aborted):  # its engine was shrunk or suspended: asked again
                 self.cluster.generate_then(request, answered, length=out)
-            elif isinstance(result, BaseException):
-                raise result
+            elif isinstance(result, BaseException):  # the engine refused it: the run cannot go on
+                self.fail(result)
             else:
                 judged(result.device)
 
@@ -147,8 +149,12 @@ class RewardService:
         out = self.spec.output_tokens
 
         def submit() -> None:
+            try:
+                instance.engine.submit(f"{episode}#judge", tokens, out, out, lambda _: done())
+            except (ValueError, RuntimeError) as error:  # the engine refused it: the run cannot go on
+                self.fail(error)
+                return
             self._busy(instance, +1)
-            instance.engine.submit(f"{episode}#judge", tokens, out, out, lambda _: done())
 
         def done() -> None:
             self._busy(instance, -1)
@@ -192,7 +198,8 @@ class RewardService:
 
     # -- busy time and release ----------------------------------------------------------------------
     def _busy(self, instance: _Instance, change: int) -> None:
-        """Track the time ``instance`` has a verdict under way (its load before ``change`` lands)."""
+        """Track the time ``instance`` has a verdict under way (called after its engine took a verdict
+        in, or answered one)."""
         now = self._loop.time()
         if change > 0 and instance.busy_since is None:
             instance.busy_since = now
@@ -219,7 +226,7 @@ class RewardService:
     # -- the run's figures ------------------------------------------------------------------------
     def summary(self, end: float) -> dict:
         """The judge's device-seconds beyond the job's rollout and its busy share of them, to ``end``."""
-        held = sum((i.released if i.released is not None else end) - i.started for i in self.instances)
+        held = sum(min(i.released if i.released is not None else end, end) - i.started for i in self.instances)
         busy = sum(i.busy_s + (end - i.busy_since if i.busy_since is not None else 0.0) for i in self.instances)
         return {
             "where": self.where,

@@ -514,6 +514,8 @@ def test_speculative_decoding_in_the_simulator_decodes_faster_and_the_trace_says
         told = {
             "speculative_tokens": params.get("speculative_tokens", 0),
             "speculative_batch": params.get("speculative_batch", 64),
+            "reward": "colocated",  # the target has no reward model: the default placement, never used
+            "reward_devices": [],
         }
         assert start.data["engine"] == told
         served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]

@@ -116,19 +116,19 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
             "aborted_turns": sum(1 for e in events if e.kind == "generate" and e.data["aborted"]),
         }
         | step_phases(utilization, duration, len(trains))
-        | serving_metrics(events)
+        | serving_metrics(events, end)
         | reward_metrics(events)
     )
 
 
-def serving_metrics(events: list[TraceEvent]) -> dict[str, float]:
+def serving_metrics(events: list[TraceEvent], end: float) -> dict[str, float]:
     """A serving pool's run (``serving`` event): its traffic's p99 TTFT and TPOT, the devices lent on
-    average over the run. Nothing on a target without one."""
+    average over the run (to ``end``, the job's: the record itself comes once the traffic is served
+    out). Nothing on a target without one."""
     serving = [e for e in events if e.kind == "serving"]
     if not serving:
         return {}
     s, start = serving[-1].data, events[0].t
-    end = next(e.t for e in events if e.kind == "run_end")  # the record itself comes once the traffic is served out
     return {
         "serving_ttft_p99_s": s["ttft_p99_s"],
         "serving_tpot_p99_s": s["tpot_p99_s"],

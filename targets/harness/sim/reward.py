@@ -78,12 +78,16 @@ class _Instance:
 
     engine: SimEngine
     started: float
-    ready: bool = True
     released: float | None = None
     busy_since: float | None = None
     busy_s: float = 0.0
     waiting: list[Callable[[], None]] = field(default_factory=list)  # verdicts held for its cold start
     release: asyncio.TimerHandle | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Its cold start is over (a serverless instance's engine stays offloaded until then)."""
+        return not self.engine.offloaded
 
 
 class RewardService:
@@ -182,11 +186,10 @@ class RewardService:
             f"judge:serverless{len(self.instances)}", [f"serverless:{len(self.instances)}"], self.judge_cost
         )
         engine.offload()  # not ready until its cold start is over
-        instance = _Instance(engine, started=self._loop.time(), ready=False)
+        instance = _Instance(engine, started=self._loop.time())
         self.instances.append(instance)
 
         def ready() -> None:
-            instance.ready = True
             engine.reload()
             waiting, instance.waiting = instance.waiting, []
             for submit in waiting:

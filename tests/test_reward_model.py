@@ -6,11 +6,14 @@ dedicated device the controller rolls out on, a placement the target does not of
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 
 import pytest
 import yaml
 
-from targets.api import Device, EngineSettings, TokenCount, TrainBatch, Trajectory
+from targets.api import Device, EngineSettings, TokenCount, TraceEvent, TrainBatch, Trajectory
+from targets.harness.judge.audit import audit_run
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.response_length import ResponseLengths
@@ -242,6 +245,65 @@ def test_a_serverless_judge_on_a_target_without_the_service_is_refused_by_name(t
     del data["workload"]["reward_model"]["serverless"]
     _, run = target_run(tmp_path, data, {"reward_placement": 2}, True)
     assert not run.ok and "the target offers no serverless service" in run.cause
+
+
+# -- the audit: a reward is the judge's, on the trajectory trained, before it is trained on ------------
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory):
+    """An honest colocated run on the small judged target: (spec, its trace's events)."""
+    spec, run = _run(tmp_path_factory.mktemp("judged"), {"train_devices": 1})
+    assert run.ok, run.cause
+    return spec, Trace.load_events(run.out / "trace.jsonl")
+
+
+def _verdict_of_a_trained_episode(events) -> tuple[TraceEvent, TraceEvent]:
+    """(the verdict of the first trained episode that was judged, the train event that used it)."""
+    train = min((e for e in events if e.kind == "train"), key=lambda e: e.data["start"])
+    verdicts = {e.data["episode"]: e for e in events if e.kind == "reward"}
+    episode = next(t["episode"] for t in train.data["trajectories"] if t["episode"] in verdicts)
+    return verdicts[episode], train
+
+
+def _audit_of(spec, events):
+    return audit_run(spec, events, lambda v: None, lambda s: None, spec.workload.train_steps)
+
+
+def _moved_after(verdict, train):
+    return dataclasses.replace(verdict, t=train.data["start"] + 1.0)
+
+
+def _read_less(verdict, train):
+    return dataclasses.replace(verdict, data={**verdict.data, "tokens": verdict.data["tokens"] - 1})
+
+
+@pytest.mark.slow
+def test_the_honest_judged_run_passes_the_verdict_audit(judged):
+    spec, events = judged
+    result = _audit_of(spec, events)
+    assert result.passed, result.reasons
+    assert result.details["verdicts"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("plant", "reason"),
+    [
+        (None, "with 0 verdicts of the reward model"),  # a reward the judge never gave
+        (_moved_after, "before the reward model's verdict"),  # trained on a guessed reward
+        (_read_less, "not its whole context"),  # the judge read another trajectory
+    ],
+)
+def test_a_reward_that_is_not_the_judges_verdict_on_the_trained_trajectory_is_rejected(judged, plant, reason):
+    spec, events = judged
+    events = copy.deepcopy(events)
+    verdict, train = _verdict_of_a_trained_episode(events)
+    at = events.index(verdict)
+    events[at : at + 1] = [plant(verdict, train)] if plant else []
+    result = _audit_of(spec, events)
+    assert not result.passed
+    assert any(reason in line and verdict.data["episode"] in line for line in result.reasons), result.reasons
 
 
 @pytest.mark.parametrize("where", ["colocated", "dedicated", "serverless"])

@@ -32,6 +32,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * serving SLOs (a target with a serving pool): the traffic the harness served beside the run kept
   its p99 TTFT and TPOT within the pool's SLOs, and a rollout engine on a serving device served only
   between that device's expand and shrink (lending is an expand);
+* verdicts (a target with a reward model): every trajectory trained on that ended well was judged by
+  the reward model once, on its whole context, before the training step that used it started;
 * token ids: every token prompted, generated or trained on is in the model's vocabulary (else nothing
   is replayed: no model can embed it);
 * replay (``targets/harness/judge/replay.py``): logprobs under the claimed weights, sampling at the spec's
@@ -434,6 +436,43 @@ def check_serving(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     return {"serving_ttft_p99_s": s["ttft_p99_s"], "serving_tpot_p99_s": s["tpot_p99_s"]}
 
 
+def check_verdicts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
+    """With a reward model, a reward is the judge's: each trained trajectory that ended well (not timed
+    out, not lost) has one verdict, asked when its last step ended, on its whole context, and in before
+    the training step that used it started (a stack that guessed the reward could train sooner)."""
+    if spec.workload.reward_model is None:
+        return {}
+    verdicts: dict[str, list[TraceEvent]] = defaultdict(list)
+    for e in ix.by_kind["reward"]:
+        verdicts[e.data["episode"]].append(e)
+    for episode, steps_in in ix.trained_in.items():
+        if not ix.finished(episode):
+            continue  # not an environment's episode: exactly-once and fidelity say so
+        end = ix.env_steps[episode][-1]
+        if end.data["timed_out"] or end.data["lost"]:
+            continue  # nothing to judge: the harness pays no reward for it
+        judged = verdicts.get(episode, [])
+        if len(judged) != 1:
+            r.add("reward verdict", f"episode {episode} was trained on with {len(judged)} verdicts of the reward model")
+            continue
+        (verdict,) = judged
+        train = ix.trains[steps_in[0]]
+        context = token_count(ix.context_tokens(episode, len(ix.env_steps[episode])))
+        if verdict.data["tokens"] != context or abs(verdict.data["start"] - end.t) > 1e-6:
+            r.add(
+                "reward verdict",
+                f"episode {episode}: the verdict read {verdict.data['tokens']} tokens asked at "
+                f"{verdict.data['start']:.3f} s, not its whole context of {context} as its last step ended at {end.t:.3f} s",
+            )
+        if verdict.t > train.data["start"]:
+            r.add(
+                "reward verdict",
+                f"episode {episode} was trained on by step {steps_in[0] + 1} at {train.data['start']:.3f} s, "
+                f"before the reward model's verdict at {verdict.t:.3f} s",
+            )
+    return {"verdicts": sum(map(len, verdicts.values()))}
+
+
 def audit_run(
     spec: TargetSpec,
     events: list[TraceEvent],
@@ -459,6 +498,7 @@ def audit_run(
     check_aborts(ix, r, spec)
     check_mechanism(ix, r, steps, spec)
     details.update(check_serving(ix, r, spec))
+    details.update(check_verdicts(ix, r, spec))
     ids_in_vocabulary = check_token_ids(ix, r, spec)
     details.update(
         episodes_created=len(ix.created),

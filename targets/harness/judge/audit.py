@@ -462,7 +462,8 @@ def check_verdicts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
             r.add(
                 "reward verdict",
                 f"episode {episode}: the verdict read {verdict.data['tokens']} tokens asked at "
-                f"{verdict.data['start']:.3f} s, not its whole context of {context} as its last step ended at {end.t:.3f} s",
+                f"{verdict.data['start']:.3f} s, not its whole context of {context} as its last step ended "
+                f"at {end.t:.3f} s",
             )
         if verdict.t > train.data["start"]:
             r.add(

@@ -17,7 +17,13 @@ from targets.harness.judge.audit import audit_run
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.response_length import ResponseLengths
-from targets.harness.sim.reward import SERVERLESS_CONCURRENCY, RewardService, judge_cost_of, placement_refused
+from targets.harness.sim.reward import (
+    SERVERLESS_CONCURRENCY,
+    RewardService,
+    dedicated_engines,
+    judge_costs_of,
+    placement_refused,
+)
 from targets.harness.sim.virtual_time import run_virtual
 from targets.harness.trace import Trace
 from targets.spec import CATALOG_DIR, SpecError, parse_target
@@ -114,9 +120,9 @@ def _judged(
     every = [Device(f"h800:{i}", "h800", i) for i in range(4)]
     devices = [d for d in every if d.id not in reserved]
     costs = ClusterCosts.from_spec(spec)
-    judge_cost = judge_cost_of(spec)
+    judge_costs = judge_costs_of(spec)
     if where == "colocated":
-        costs = costs.hosting(judge_cost.weight_bytes)
+        costs = costs.hosting(judge_costs.shared.weight_bytes)
     placement = EngineSettings(reward=where, reward_devices=reserved)
 
     async def main():
@@ -125,7 +131,7 @@ def _judged(
         cluster = SimCluster(every, devices, costs, lengths, judging=reserved)
         failures: list[BaseException] = []
         service = RewardService(
-            spec.workload.reward_model, placement, cluster, judge_cost, costs.shared, trace, failures.append
+            spec.workload.reward_model, placement, cluster, judge_costs, costs.shared, trace, failures.append
         )
         loop, verdicts = asyncio.get_running_loop(), []
         for i, t in enumerate(finishing):
@@ -155,7 +161,7 @@ def test_colocated_verdicts_run_on_the_rollout_engines_and_take_room_from_their_
     summary, verdicts, state = _judged("colocated", [1.0, 1.0, 5.0])
     spec = parse_target(_small())
     policy = ClusterCosts.from_spec(spec).shared
-    judge_tokens = judge_cost_of(spec).weight_bytes / policy.kv_bytes_per_token  # the policy's KV it displaces
+    judge_tokens = judge_costs_of(spec).shared.weight_bytes / policy.kv_bytes_per_token  # the policy's KV it displaces
     assert state["capacity"] == pytest.approx(policy.kv_capacity_tokens - judge_tokens, abs=2)
     assert summary["where"] == "colocated" and summary["scored"] == 3 and summary["device_s"] == 0
     assert all(end > start for start, end in verdicts)
@@ -191,6 +197,34 @@ def test_a_dedicated_judge_holds_its_devices_for_the_whole_run_and_they_never_tr
 
     with pytest.raises(ValueError, match=r"set aside for the reward model \(reward_devices\): training never"):
         run_virtual(train())
+
+
+def _mixed_judged() -> ClusterCosts:
+    """The RollArt-like H20 + H800 target with the judged target's reward model: its judge's costs."""
+    data = yaml.safe_load((CATALOG_DIR / "qwen3-8b-h20x8-h800x8.yaml").read_text())
+    data["workload"]["reward_model"] = _catalog()["workload"]["reward_model"]
+    return judge_costs_of(parse_target(data))
+
+
+def test_a_dedicated_judge_runs_at_the_pace_of_the_pool_its_devices_are_in():
+    judge_costs = _mixed_judged()
+    engines = dedicated_engines(("h20:0", "h800:0"), judge_costs)
+    assert engines == [["h20:0"], ["h800:0"]]
+    h20, h800 = judge_costs.of("h20:0"), judge_costs.of("h800:0")
+    assert h20.prefill_s(8192, 0) > 2 * h800.prefill_s(8192, 0)  # H20: under a sixth of an H800's FLOP/s
+
+
+def test_a_judge_whose_weights_need_two_devices_gets_engines_of_two_within_one_pool():
+    judge_costs = dataclasses.replace(
+        _mixed_judged(), pools={n: dataclasses.replace(c, engine_devices=2) for n, c in _mixed_judged().pools.items()}
+    )
+    assert dedicated_engines(("h800:0", "h800:1", "h20:2", "h20:3"), judge_costs) == [
+        ["h800:0", "h800:1"],
+        ["h20:2", "h20:3"],
+    ]
+    for reserved in [("h800:0",), ("h800:0", "h20:0"), ("h800:0", "h800:1", "h800:2")]:
+        refused = dedicated_engines(reserved, judge_costs)
+        assert isinstance(refused, str) and "engines of the reward model's 2 devices within one pool" in refused
 
 
 # -- the technique, simulated end to end ---------------------------------------------------------------
@@ -252,10 +286,10 @@ def test_a_serverless_judge_on_a_target_without_the_service_is_refused_by_name(t
 
 @pytest.fixture(scope="module")
 def judged(tmp_path_factory):
-    """An honest colocated run on the small judged target: (spec, its trace's events)."""
+    """An honest colocated run on the small judged target: (spec, its trace's events, its summary)."""
     spec, run = _run(tmp_path_factory.mktemp("judged"), {"train_devices": 1})
     assert run.ok, run.cause
-    return spec, Trace.load_events(run.out / "trace.jsonl")
+    return spec, Trace.load_events(run.out / "trace.jsonl"), run.results["system"]
 
 
 def _verdict_of_a_trained_episode(events) -> tuple[TraceEvent, TraceEvent]:
@@ -280,10 +314,14 @@ def _read_less(verdict, train):
 
 @pytest.mark.slow
 def test_the_honest_judged_run_passes_the_verdict_audit(judged):
-    spec, events = judged
+    spec, events, summary = judged
     result = _audit_of(spec, events)
     assert result.passed, result.reasons
     assert result.details["verdicts"] > 0
+    # the run's summary says the KV room its engines had, the judge's weights beside them taken out
+    policy, judge = ClusterCosts.from_spec(spec), judge_costs_of(spec)
+    assert summary["kv_capacity_tokens"] == policy.hosting(judge.shared.weight_bytes).shared.kv_capacity_tokens
+    assert summary["kv_capacity_tokens"] < policy.shared.kv_capacity_tokens
 
 
 @pytest.mark.slow
@@ -296,7 +334,7 @@ def test_the_honest_judged_run_passes_the_verdict_audit(judged):
     ],
 )
 def test_a_reward_that_is_not_the_judges_verdict_on_the_trained_trajectory_is_rejected(judged, plant, reason):
-    spec, events = judged
+    spec, events, _ = judged
     events = copy.deepcopy(events)
     verdict, train = _verdict_of_a_trained_episode(events)
     at = events.index(verdict)

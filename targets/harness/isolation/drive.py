@@ -490,7 +490,7 @@ def drive_simulated(
     """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
     from targets.harness.sim.cost_model import ClusterCosts
     from targets.harness.sim.response_length import ResponseLengths
-    from targets.harness.sim.reward import RewardService, judge_cost_of
+    from targets.harness.sim.reward import RewardService, dedicated_engines, judge_costs_of
     from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual
 
     costs = ClusterCosts.from_spec(spec)
@@ -515,17 +515,21 @@ def drive_simulated(
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
         engine_costs = costs.speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
-        judge, judge_cost = None, judge_cost_of(spec)
-        if judge_cost is not None and link.engine.reward == "colocated":  # the judge's weights beside each engine
-            engine_costs = engine_costs.hosting(judge_cost.weight_bytes)
+        judge, judge_costs = None, judge_costs_of(spec)
+        if judge_costs is not None and link.engine.reward == "colocated":  # the judge's weights beside each engine
+            engine_costs = engine_costs.hosting(judge_costs.shared.weight_bytes)
+        if judge_costs is not None and link.engine.reward == "dedicated":
+            engines = dedicated_engines(link.engine.reward_devices, judge_costs)
+            if isinstance(engines, str):
+                raise CandidateError(engines)
         serving = make_serving() if make_serving is not None else None
         devices = list(runtime.devices + runtime.serving_devices)
         cluster = SimCluster(
             devices, [by_id[i] for i in rollout_ids], engine_costs, lengths, serving, link.engine.reward_devices
         )
-        if judge_cost is not None:
+        if judge_costs is not None:
             judge = RewardService(
-                spec.workload.reward_model, link.engine, cluster, judge_cost, costs.shared, trace, link.fail
+                spec.workload.reward_model, link.engine, cluster, judge_costs, costs.shared, trace, link.fail
             )
             link.judge = judge.judge
         traced = TracedCluster(cluster, trace, cluster)
@@ -555,6 +559,8 @@ def drive_simulated(
                 await serving.finish()
                 trace.record("serving", **serving.summary(end))
             summary["peak_kv_fraction"] = cluster.peak_kv_fraction
+            # the smallest pool's, less what a colocated judge's weights take from it
+            summary["kv_capacity_tokens"] = min(cost.kv_capacity_tokens for cost in engine_costs.pools.values())
             summary["preemptions"] = cluster.preemptions
             summary["decode_seconds"], summary["decode_batch"] = cluster.decoding()
             summary["controller_round_trips"] = link.waits
@@ -569,7 +575,6 @@ def drive_simulated(
         wall_seconds=time.perf_counter() - started,
         simulated=True,
         engine_devices=costs.engine_devices,
-        kv_capacity_tokens=min(cost.kv_capacity_tokens for cost in costs.pools.values()),  # the smallest pool's
         steps=steps,
     )
     return trace, summary

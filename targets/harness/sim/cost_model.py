@@ -266,10 +266,11 @@ class ClusterCosts:
     links: dict[frozenset[str], float]  # two pools -> bytes/s per device between them
 
     @classmethod
-    def from_spec(cls, spec: TargetSpec) -> ClusterCosts:
+    def from_spec(cls, spec: TargetSpec, model: ModelSpec | None = None) -> ClusterCosts:
+        """Each pool running the target's model, or ``model`` (a reward model's)."""
         hardware = spec.hardware
         several = len(hardware.by_name) > 1  # a single pool's errors name hardware.count, as they always did
-        pools = {name: CostModel.from_spec(spec, name if several else None) for name in hardware.by_name}
+        pools = {name: CostModel.from_spec(spec, name if several else None, model) for name in hardware.by_name}
         sizes = {name: cost.engine_devices for name, cost in pools.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(

@@ -9,14 +9,16 @@ where the judge runs and what it costs there, as the stack declares (``EngineSet
   active parameters over the policy's: to first order its prefill FLOPs and its decode's weight
   reads. The judge's weights take their bytes from every engine's KV cache. A shrink, suspend or
   interrupting sync aborts a verdict as it aborts a turn; it is asked again, never lost.
-* **dedicated**: ``reward_devices`` of the job's set aside for the judge, one engine of the judge's
-  model each (its own cost model on that device), each verdict to the least loaded. They never roll
-  out or train; they hold the whole run (their device-seconds are the run's length each).
-* **serverless** (the target's ``reward_model.serverless``): instances of the judge on devices of
-  the job's first pool's kind, outside the job. A verdict goes to a ready instance with fewer than
-  ``SERVERLESS_CONCURRENCY`` verdicts under way; when none has room and fewer than ``max_devices``
-  exist, a new one is asked for and serves ``cold_start_s`` later; an instance idle ``keep_warm_s``
-  is released. Billed from its start to its release (or the run's end).
+* **dedicated**: ``reward_devices`` of the job's set aside for the judge, in engines of the judge's
+  model (as many consecutive devices of one pool each as its weights need, at that pool's pace), each
+  verdict to the least loaded. They never roll out or train; they hold the whole run (their
+  device-seconds are the run's length each).
+* **serverless** (the target's ``reward_model.serverless``): instances of the judge (an engine's
+  devices each) of the job's first pool's kind, outside the job. A verdict goes to a ready instance
+  with fewer than ``SERVERLESS_CONCURRENCY`` verdicts under way; when none has room and another
+  instance keeps within ``max_devices``, one is asked for and serves ``cold_start_s`` later; an
+  instance idle ``keep_warm_s`` is released. Billed per device from its start to its release (or
+  the run's end).
 
 Each verdict is a ``reward`` event (episode, where, device, tokens, start); the run's end a
 ``reward_service`` event: the device-seconds the judge held beyond the job's own devices' rollout
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from targets.api import Aborted, EngineSettings, GenerateRequest, SamplingParams, TokenCount
-from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.cost_model import ClusterCosts, CostModel
 from targets.harness.sim.engine import SimEngine
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec, WorkloadSpec
@@ -62,14 +64,29 @@ def placement_refused(
     return None
 
 
-def judge_cost_of(spec: TargetSpec) -> CostModel | None:
-    """The reward model's cost model on the job's first pool's devices (None without one)."""
+def judge_costs_of(spec: TargetSpec) -> ClusterCosts | None:
+    """The reward model's cost on each pool's devices (None without one)."""
     judge = spec.workload.reward_model
-    if judge is None:
-        return None
-    hardware = spec.hardware
-    pool = hardware.pool_name(hardware.device_ids()[0]) if len(hardware.by_name) > 1 else None
-    return CostModel.from_spec(spec, pool, judge.model)
+    return None if judge is None else ClusterCosts.from_spec(spec, judge.model)
+
+
+def dedicated_engines(reserved: tuple[str, ...], judge_costs: ClusterCosts) -> list[list[str]] | str:
+    """The judge's engines on the devices set aside for it: consecutive runs of ``engine_devices``
+    (as many as its weights need) within one pool; or why the devices cannot hold whole engines."""
+    size, engines, pending = judge_costs.engine_devices, [], []
+    for device in reserved:
+        if pending and judge_costs.pool_of[device] != judge_costs.pool_of[pending[0]]:
+            break
+        pending.append(device)
+        if len(pending) == size:
+            engines.append(pending)
+            pending = []
+    if pending or sum(map(len, engines)) != len(reserved):
+        return (
+            f"reward_devices {list(reserved)} do not divide into engines of the reward model's {size} devices "
+            "within one pool each"
+        )
+    return engines
 
 
 @dataclass
@@ -96,21 +113,24 @@ class RewardService:
         spec: RewardModelSpec,
         placement: EngineSettings,
         cluster,  # the run's SimCluster
-        judge_cost: CostModel,
+        judge_costs: ClusterCosts,
         policy_cost: CostModel,
         trace: Trace,
         fail: Callable[[BaseException], None],
     ) -> None:
         """``fail``: what ends the run when a verdict cannot be served (an engine refused it)."""
         self.spec, self.where, self.cluster, self.trace, self.fail = spec, placement.reward, cluster, trace, fail
-        self.judge_cost = judge_cost
-        self.ratio = judge_cost.active_params / policy_cost.active_params
+        self.judge_costs = judge_costs
+        self.ratio = judge_costs.shared.active_params / policy_cost.active_params
         self._loop = asyncio.get_running_loop()
         self.instances: list[_Instance] = []
         self.scored = 0
         if self.where == "dedicated":  # held from the run's start
-            for device in placement.reward_devices:
-                engine = SimEngine(f"judge:{device}", [device], judge_cost)
+            engines = dedicated_engines(placement.reward_devices, judge_costs)
+            if isinstance(engines, str):
+                raise ValueError(engines)  # the harness refused the placement at hello (drive.py)
+            for devices in engines:  # each at its own pool's pace
+                engine = SimEngine(f"judge:{devices[0]}", devices, judge_costs.of(devices[0]))
                 self.instances.append(_Instance(engine, started=self._loop.time()))
 
     # -- verdicts ---------------------------------------------------------------------------------
@@ -177,13 +197,14 @@ class RewardService:
         serverless = self.spec.serverless
         if room:
             return min(room, key=lambda i: (not i.ready, i.engine.load + len(i.waiting), i.engine.name))
-        if len(live) < serverless.max_devices:
+        if (len(live) + 1) * self.judge_costs.engine_devices <= serverless.max_devices:
             return self._start_instance()
         return min(live, key=lambda i: (i.engine.load + len(i.waiting), i.engine.name))
 
     def _start_instance(self) -> _Instance:
+        n, size = len(self.instances), self.judge_costs.engine_devices
         engine = SimEngine(
-            f"judge:serverless{len(self.instances)}", [f"serverless:{len(self.instances)}"], self.judge_cost
+            f"judge:serverless{n}", [f"serverless:{n}.{i}" for i in range(size)], self.judge_costs.shared
         )
         engine.offload()  # not ready until its cold start is over
         instance = _Instance(engine, started=self._loop.time())
@@ -229,8 +250,14 @@ class RewardService:
     # -- the run's figures ------------------------------------------------------------------------
     def summary(self, end: float) -> dict:
         """The judge's device-seconds beyond the job's rollout and its busy share of them, to ``end``."""
-        held = sum(min(i.released if i.released is not None else end, end) - i.started for i in self.instances)
-        busy = sum(i.busy_s + (end - i.busy_since if i.busy_since is not None else 0.0) for i in self.instances)
+        held = sum(
+            (min(i.released if i.released is not None else end, end) - i.started) * len(i.engine.devices)
+            for i in self.instances
+        )
+        busy = sum(
+            (i.busy_s + (end - i.busy_since if i.busy_since is not None else 0.0)) * len(i.engine.devices)
+            for i in self.instances
+        )
         return {
             "where": self.where,
             "scored": self.scored,

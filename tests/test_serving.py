@@ -174,6 +174,10 @@ def test_harvest_lends_serving_devices_to_rollout_and_the_slo_holds(harvested):
     assert record["ttft_p99_s"] <= record["ttft_slo_s"] and record["lent_device_s"] > 0
     metrics = compute_metrics(events, spec.hardware.device_ids())
     assert 0 < metrics["lent_devices"] < 4 and metrics["serving_tpot_p99_s"] == record["tpot_p99_s"]
+    # what lending cost rollout, counted from the same trace
+    assert (metrics["serving_lends"], metrics["serving_give_backs"]) == (len(lent), len(given_back))
+    cut = [e for e in events if e.kind == "generate" and e.data["aborted"] and e.data.get("device") in serving]
+    assert metrics["serving_aborted_turns"] == len(cut)
 
 
 @pytest.mark.slow

@@ -124,15 +124,27 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
 def serving_metrics(events: list[TraceEvent], end: float) -> dict[str, float]:
     """A serving pool's run (``serving`` event): its traffic's p99 TTFT and TPOT, the devices lent on
     average over the run (to ``end``, the job's: the record itself comes once the traffic is served
-    out). Nothing on a target without one."""
+    out), and what lending cost rollout: how often serving devices were borrowed (an expand that
+    takes one) and given back (a shrink), and the turns those give-backs cut short. Nothing on a
+    target without one."""
     serving = [e for e in events if e.kind == "serving"]
     if not serving:
         return {}
     s, start = serving[-1].data, events[0].t
+    devices = set(s["devices"])
+
+    def touching(kind: str) -> int:
+        return sum(1 for e in events if e.kind == kind and devices & set(e.data["devices"]))
+
     return {
         "serving_ttft_p99_s": s["ttft_p99_s"],
         "serving_tpot_p99_s": s["tpot_p99_s"],
         "lent_devices": s["lent_device_s"] / (end - start) if end > start else 0.0,
+        "serving_lends": touching("expand"),
+        "serving_give_backs": touching("shrink"),
+        "serving_aborted_turns": sum(
+            1 for e in events if e.kind == "generate" and e.data["aborted"] and e.data.get("device") in devices
+        ),
     }
 
 

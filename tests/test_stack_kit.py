@@ -211,7 +211,8 @@ def test_bench_prints_ratios_and_writes_json_and_timeline(tmp_path, fast_target)
     data = json.loads((tmp_path / "b.json").read_text())
     assert [r["name"] for r in data["runs"]] == ["static_split", "time_multiplex"]
     source = data["provenance"]  # where the figures came from, with the spec's hash
-    assert data["schema"] == 2 and source["execution"] == "real" and len(source["spec_sha256"]) == 64
+    assert data["schema"] == 3 and data["failed"] == []
+    assert source["execution"] == "real" and len(source["spec_sha256"]) == 64
     assert source["versions"]["torch"].startswith("2.") and source["commit"] and source["host"]
     for run in data["runs"]:
         metrics = run["metrics"]

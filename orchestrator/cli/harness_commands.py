@@ -273,7 +273,7 @@ def bench(
     """
     from orchestrator.runs import export_candidate
     from skills.starter import write_starter
-    from targets.harness.measure.benchmark import benchmark
+    from targets.harness.measure.benchmark import BenchmarkFailed, benchmark
     from targets.harness.measure.timeline import plot_step_phases, plot_timelines
     from targets.harness.measure.tracking import track_trace, write_chrome_trace
 
@@ -336,9 +336,14 @@ def bench(
             sessions=sessions,
             on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"),
         )
-    console.print(bench_table(spec, runs, repeat, simulated))
-    console.print(phases_table(runs))
-    console.print(costs_table(runs, simulated))
+    failed = [f for r in runs for f in r.failures]
+    runs = [r for r in runs if not r.failures]  # a failed schedule's figures do not count
+    if runs:
+        console.print(bench_table(spec, runs, repeat, simulated))
+        console.print(phases_table(runs))
+        console.print(costs_table(runs, simulated))
+    for failure in failed:
+        console.print(f"[red]failed its checks:[/red] {failure}")
     if json_path:
         from orchestrator.provenance import BENCH_SCHEMA, provenance
 
@@ -349,10 +354,11 @@ def bench(
             "target": spec.id,
             "repeat": repeat,
             "runs": [r.summary(spec.headline_metric.name) for r in runs],
+            "failed": [{"name": f.name, "repeat": f.repeat, "reasons": f.reasons} for f in failed],
         }
         json_path.write_text(json.dumps(data, indent=1))
         console.print(f"results: {json_path}")
-    if timeline:
+    if timeline and runs:
         devices = [d.id for d in measuring.target.devices()]
         headline = spec.headline_metric.name
         titles = [
@@ -365,7 +371,7 @@ def bench(
         ]
         plot_timelines(titles, timeline)
         console.print(f"timeline: {timeline}")
-    if phases:
+    if phases and runs:
         plot_step_phases([(r.name, r.summary(spec.headline_metric.name)["metrics"]) for r in runs], phases)
         console.print(f"where a step goes: {phases}")
     if tracker is not None:
@@ -378,6 +384,12 @@ def bench(
             tracker.close()
         console.print(f"tracking ({track}): {track_dir}")
         console.print(f"timeline for Perfetto (ui.perfetto.dev): {chrome}")
+    if failed:
+        names = sorted({f.name for f in failed})
+        raise BenchmarkFailed(
+            f"{len(failed)} run(s) failed their checks ({', '.join(names)}): their figures are left out"
+            + ("" if runs else "; no schedule passed")
+        )
 
 
 @command(app, "calibrate")

@@ -60,7 +60,12 @@ class BenchRun:
 
     name: str
     measurements: list[Measurement] = field(default_factory=list)
-    paired: Paired | None = None  # against the first schedule (None for the first itself)
+    paired: Paired | None = None  # against the first schedule that passed (None for that one itself)
+
+    @property
+    def failures(self) -> list[MeasurementFailed]:
+        """Its repeats that failed their checks: then none of its figures count."""
+        return [MeasurementFailed(self.name, i, m.reasons) for i, m in enumerate(self.measurements) if not m.ok]
 
     @property
     def repeats(self) -> list[dict]:
@@ -112,7 +117,9 @@ def benchmark(
     sessions: dict[str, Session] | None = None,
 ) -> list[BenchRun]:
     """Each stack ``repeat`` times, interleaved; ``sessions`` names the stacks measured under another
-    session (a baseline on other hardware), the rest run under ``session``."""
+    session (a baseline on other hardware), the rest run under ``session``. A run that fails its
+    checks fails its stack (``BenchRun.failures``), not the bench: the others are still measured and
+    paired with the first stack that passed."""
     sessions = sessions or {}
     names = [name for name, _ in stacks]
     if len(set(names)) != len(names):
@@ -125,8 +132,6 @@ def benchmark(
     def run_one(job: tuple[str, Path, int]) -> Measurement:
         name, stack_dir, i = job
         measurement = sessions.get(name, session).measure(stack_dir, out / name / f"r{i}", seeds[i])
-        if not measurement.ok:
-            raise BenchmarkFailed(str(MeasurementFailed(name, i, measurement.reasons)))
         on_run(name, i)
         return measurement
 
@@ -135,14 +140,14 @@ def benchmark(
     runs = {name: BenchRun(name) for name, _ in stacks}
     for (name, _, _), measurement in zip(jobs, outcomes):
         runs[name].measurements.append(measurement)
-    ordered = list(runs.values())
+    passed = [run for run in runs.values() if not run.failures]
     metric = session.target.spec.headline_metric
-    for run in ordered[1:]:
+    for run in passed[1:]:
         run.paired = Paired.of(
             [r[metric.name] for r in run.repeats],
-            [r[metric.name] for r in ordered[0].repeats],
+            [r[metric.name] for r in passed[0].repeats],
             metric.direction == "maximize",
-            ordered[0].name,
+            passed[0].name,
             deterministic=session.target.simulated,
         )
-    return ordered
+    return list(runs.values())

@@ -67,3 +67,17 @@ def planted(file: str, honest: str, cheat: str):
         path.write_text(path.read_text().replace(honest, cheat))
 
     return patch
+
+
+def round_hints(spec, events, child_result: dict) -> list:
+    """The offline evaluator's hints on this run as a round draws them: from the summary a round reads
+    (``BenchRun.summary``, which keeps only the metrics it summarizes), not from hand-made metrics."""
+    from agents.offline.evaluator import hints_from
+    from targets.harness.judge.check_result import CheckResult
+    from targets.harness.measure.benchmark import BenchRun
+    from targets.harness.measure.run_metrics import run_metrics
+    from targets.harness.measure.session import Measurement
+
+    measured = Measurement([CheckResult("system_audit", True, [], {})], run_metrics(spec, events, child_result))
+    summary = BenchRun("candidate", [measured]).summary(spec.headline_metric.name)
+    return hints_from(summary["metrics"], events, simulated=True)

@@ -661,10 +661,11 @@ def test_a_serving_pool_with_headroom_hints_serving_harvest_which_only_targets_b
     events = [_event("run_start", 0.0, devices=["h800:0"]), _event("run_end", 4.0)]
     record = {"ttft_p99_s": 0.1, "ttft_slo_s": 0.5, "devices": ["serving:0", "serving:1"]}
     events.insert(1, _event("serving", 4.0, **record))
-    hints = [h for h in hints_from(_busy_run_metrics(), events, simulated=True) if h.code == "serving_headroom"]
+    metrics = _busy_run_metrics() | {"lent_devices": 0.0}
+    hints = [h for h in hints_from(metrics, events, simulated=True) if h.code == "serving_headroom"]
     assert len(hints) == 1 and hints[0].evidence == {"ttft_p99_s": 0.1, "lent_devices": 0.0}
     events[1] = _event("serving", 4.0, **{**record, "ttft_p99_s": 0.45})  # near its SLO: no room
-    assert not [h for h in hints_from(_busy_run_metrics(), events, simulated=True) if h.code == "serving_headroom"]
+    assert not [h for h in hints_from(metrics, events, simulated=True) if h.code == "serving_headroom"]
     _answered_only_where_it_applies(
         tiny_spec, "qwen3-8b-h800x16-serving", hints, "serving_harvest", {"serving_harvest": 1}
     )

@@ -27,7 +27,7 @@ from targets.harness.sim.reward import (
 from targets.harness.sim.virtual_time import run_virtual
 from targets.harness.trace import Trace
 from targets.spec import CATALOG_DIR, SpecError, parse_target
-from tests.technique_run import planted, target_run
+from tests.technique_run import planted, round_hints, target_run
 
 JUDGE = "qwen3-8b-h800x16-judge"
 
@@ -322,6 +322,9 @@ def test_the_honest_judged_run_passes_the_verdict_audit(judged):
     policy, judge = ClusterCosts.from_spec(spec), judge_costs_of(spec)
     assert summary["kv_capacity_tokens"] == policy.hosting(judge.shared.weight_bytes).shared.kv_capacity_tokens
     assert summary["kv_capacity_tokens"] < policy.shared.kv_capacity_tokens
+    # a round's evaluator reads the judge's figures from the summary it keeps: the placement hint follows
+    (hint,) = [h for h in round_hints(spec, events, summary) if h.code == "judge_placement"]
+    assert hint.evidence["where"] == "colocated" and hint.evidence["verdict_s"] > 0
 
 
 @pytest.mark.slow

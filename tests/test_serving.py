@@ -17,7 +17,7 @@ from targets.harness.sim.serving import ServingPool, serving_capacity
 from targets.harness.sim.virtual_time import run_virtual
 from targets.harness.trace import Trace
 from targets.spec import CATALOG_DIR, SpecError, load_target, parse_target
-from tests.technique_run import planted, target_run
+from tests.technique_run import planted, round_hints, target_run
 
 SERVING = "qwen3-8b-h800x16-serving"
 
@@ -151,12 +151,12 @@ def harvested(tmp_path_factory):
     )
     assert run.ok, run.cause
     assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
-    return spec, Trace.load_events(run.out / "trace.jsonl")
+    return spec, Trace.load_events(run.out / "trace.jsonl"), run.results["system"]
 
 
 @pytest.mark.slow
 def test_harvest_lends_serving_devices_to_rollout_and_the_slo_holds(harvested):
-    spec, events = harvested
+    spec, events, child = harvested
     serving = set(spec.hardware.serving_device_ids())
     lent = [e for e in events if e.kind == "expand" and serving & set(e.data["devices"])]
     given_back = [e for e in events if e.kind == "shrink" and serving & set(e.data["devices"])]
@@ -178,6 +178,9 @@ def test_harvest_lends_serving_devices_to_rollout_and_the_slo_holds(harvested):
     assert (metrics["serving_lends"], metrics["serving_give_backs"]) == (len(lent), len(given_back))
     cut = [e for e in events if e.kind == "generate" and e.data["aborted"] and e.data.get("device") in serving]
     assert metrics["serving_aborted_turns"] == len(cut)
+    # a round's evaluator reads the lending from the summary it keeps (p99 far under its SLO: headroom)
+    (hint,) = [h for h in round_hints(spec, events, child) if h.code == "serving_headroom"]
+    assert hint.evidence["lent_devices"] == pytest.approx(metrics["lent_devices"]) and hint.evidence["lent_devices"] > 0
 
 
 @pytest.mark.slow
@@ -232,7 +235,7 @@ def test_training_on_a_serving_device_is_refused(tmp_path):
 def test_rollout_on_a_serving_device_before_it_was_lent_is_rejected(harvested):
     """The harness's simulator never does it; the audit would catch a cluster that did: the trace with
     the serving devices' expands taken out shows them serving turns they were never lent for."""
-    spec, events = harvested
+    spec, events, _ = harvested
     serving = set(spec.hardware.serving_device_ids())
     unlent = [e for e in events if not (e.kind == "expand" and serving & set(e.data["devices"]))]
     result = audit_run(spec, unlent, lambda version: None, None, spec.workload.train_steps)

@@ -133,9 +133,9 @@ def hints_from(metrics: dict, events: list, simulated: bool, kinds: dict[str, st
             Hint(
                 code="serving_headroom",
                 message=f"the serving pool kept its p99 TTFT at {s['ttft_p99_s'] * 1e3:.0f} ms of its "
-                f"{s['ttft_slo_s'] * 1e3:.0f} ms SLO while lending {metrics.get('lent_devices', 0.0):.1f} "
+                f"{s['ttft_slo_s'] * 1e3:.0f} ms SLO while lending {metrics['lent_devices']:.1f} "
                 f"of its {len(s['devices'])} devices on average: rollout may borrow more",
-                evidence={"ttft_p99_s": s["ttft_p99_s"], "lent_devices": metrics.get("lent_devices", 0.0)},
+                evidence={"ttft_p99_s": s["ttft_p99_s"], "lent_devices": metrics["lent_devices"]},
             )
         )
     judge = [e.data for e in events if e.kind == "reward_service"]

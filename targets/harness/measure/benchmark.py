@@ -50,6 +50,15 @@ SUMMARIZED = (
     "kv_preemptions",
     "decode_batch",
     "decode_share",
+    "serving_ttft_p99_s",  # a serving pool's (measure/metrics.py serving_metrics)
+    "serving_tpot_p99_s",
+    "lent_devices",
+    "serving_lends",
+    "serving_give_backs",
+    "serving_aborted_turns",
+    "reward_verdict_s",  # a reward model's (reward_metrics)
+    "judge_device_s",
+    "judge_utilization",
 )
 PARALLEL_SIMULATIONS = 2  # virtual time: contention slows them down, it does not change what they measure
 

@@ -21,7 +21,6 @@ from skills.starter import unfit
 from targets.errors import UserError
 from targets.harness.isolation.sandbox import SandboxUnavailable
 from targets.harness.measure.session import Session
-from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.target import Target, TargetUnavailable
 from targets.spec import SpecError
 
@@ -49,7 +48,7 @@ def _loop(
         raise RunSetupError(
             f"cannot write the model cache ({error}): set $VIBETRAIN_CACHE to a writable directory"
         ) from None
-    engine_devices = ClusterCosts.from_spec(target.spec).engine_devices if target.simulated else 1
+    engine_devices = target.engine_devices
     try:
         session = Session.open(target, config.sandbox, config.time_limit_s)
     except SandboxUnavailable as error:

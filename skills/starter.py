@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from skills.design_doc import DesignDoc
-from skills.library import defaults, load_skills
+from skills.library import applicable, defaults, legal, load_skills
 from skills.validation import expand_file
 
 RECIPES = Path(__file__).parent / "recipes"
@@ -31,7 +31,7 @@ def starter_params(spec, controller: str) -> dict:
     if (why := unfit(spec, controller)) is not None:
         raise ValueError(why)
     count = spec.hardware.count
-    baseline = next((b for b in spec.baselines if b.name == controller and b.hardware is None), None)
+    baseline = next((b for b in spec.baselines if b.name == controller and b.label is None), None)
     params: dict = {"controller": controller, "engine": "paged", "threads_per_actor": 1, **defaults(SKILLS)}
     if controller == "static_split":
         params["train_devices"] = baseline.train_devices if baseline and baseline.train_devices else max(1, count // 2)
@@ -43,6 +43,28 @@ def starter_params(spec, controller: str) -> dict:
         if params["train_devices"] >= count:
             raise ValueError(
                 f"time_multiplex needs a device that never trains: train_devices {params['train_devices']} of {count}"
+            )
+    return params
+
+
+def baseline_params(spec, baseline, engine_devices: int = 1) -> dict:
+    """A labelled baseline's starter parameters: its controller's, then its own ``params``, each a
+    parameter some skill declares, within that skill's range, its technique allowed beside the rest
+    (``ValueError`` naming the baseline and the parameter otherwise)."""
+    params = {**starter_params(spec, baseline.name), **baseline.params}
+    where = f"baseline {baseline.label!r}"
+    for name, value in baseline.params.items():
+        declaring = [skill for skill in SKILLS.values() if name in skill.params]
+        if not declaring:
+            raise ValueError(f"{where}: params.{name} is no parameter of the skills library")
+        if not legal(SKILLS, name, value, spec.hardware.count, engine_devices, spec.workload.declared_limits):
+            raise ValueError(f"{where}: params.{name} = {value} is outside the range its skill allows")
+    for skill in SKILLS.values():
+        if skill.kind == "technique" and skill.is_on(params) and not applicable(SKILLS, skill, params):
+            raise ValueError(
+                f"{where}: the {skill.name} technique its params turn on needs a controller in "
+                f"{list(skill.controllers) or 'any'}, the techniques {list(skill.requires)} and none of "
+                f"{list(skill.conflicts)}"
             )
     return params
 

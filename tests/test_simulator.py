@@ -793,11 +793,14 @@ def test_a_simulated_run_s_controller_builds_its_stack_without_torch(tmp_path):
 
 def test_a_bench_run_that_fails_its_checks_is_named_and_the_others_still_count(tmp_path):
     """A failing candidate does not cost the bench its other runs: they are measured, paired and
-    written; the failure is named with its reasons, and the command exits non-zero after all that."""
+    written; the failure is named with its reasons, and the command exits non-zero after all that.
+    The baseline beside it is a labelled one carrying a technique (an elastic or tuned baseline)."""
     raw = yaml.safe_load(Path("targets/catalog/qwen3-8b-h800x16.yaml").read_text())
     raw["hardware"]["count"] = 4
     raw["workload"].update(batch_size=16, train_steps=1)
-    raw["baselines"] = [{"name": "time_multiplex", "train_devices": 2}]
+    raw["baselines"] = [
+        {"name": "time_multiplex", "train_devices": 2, "label": "tm-partial", "params": {"partial_rollout": 1}}
+    ]
     target = tmp_path / "small.yaml"
     target.write_text(yaml.safe_dump(raw))
     cheat = write_starter(tmp_path / "twice", parse_target(raw), "time_multiplex")
@@ -811,7 +814,7 @@ def test_a_bench_run_that_fails_its_checks_is_named_and_the_others_still_count(t
             "bench",
             str(target),
             "--baselines",
-            "colocate",
+            "tm-partial",
             "--stack",
             str(cheat),
             "--json",
@@ -823,6 +826,6 @@ def test_a_bench_run_that_fails_its_checks_is_named_and_the_others_still_count(t
     assert "failed its checks: twice (repeat 0): system_audit:" in result.output
     assert "1 run(s) failed their checks (twice): their figures are left out" in result.output
     data = json.loads((tmp_path / "b.json").read_text())
-    assert [r["name"] for r in data["runs"]] == ["colocate"] and data["runs"][0]["metrics"]["goodput"] > 0
+    assert [r["name"] for r in data["runs"]] == ["tm-partial"] and data["runs"][0]["metrics"]["goodput"] > 0
     (failed,) = data["failed"]
     assert failed["name"] == "twice" and "system_audit: used twice: episode" in failed["reasons"][0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -149,6 +150,35 @@ def test_a_baseline_on_other_hardware_is_labelled_and_fits_its_own_devices(catal
     assert "static_split uses 6 devices but baselines[0].hardware.count is 5" in _error(catalog_yaml)
     catalog_yaml["baselines"] = [{**other, "label": "colocate"}, {"name": "colocate"}]
     assert "two baselines are named 'colocate'" in _error(catalog_yaml)
+
+
+def test_a_baseline_with_technique_params_is_labelled_and_its_params_are_the_skills(catalog_yaml):
+    """An elastic or tuned baseline (a starter with techniques on, as the papers' baselines run): its
+    params need a label, name parameters some skill declares, within range, techniques allowed together."""
+    from skills.starter import baseline_params
+
+    tuned = {"name": "time_multiplex", "train_devices": 1, "label": "tm-partial", "params": {"partial_rollout": 1}}
+    catalog_yaml["baselines"] = [{"name": "colocate"}, tuned]
+    spec = parse_target(catalog_yaml)
+    params = baseline_params(spec, spec.baselines[1])
+    assert params["controller"] == "time_multiplex" and params["train_devices"] == 1 and params["partial_rollout"] == 1
+    bad = [
+        ({"partial_rolout": 1}, "params.partial_rolout is no parameter of the skills library"),
+        ({"partial_rollout": 7}, "params.partial_rollout = 7 is outside the range its skill allows"),
+        (
+            {"shrink_at": 0.5},
+            "the progress_shrink technique its params turn on needs a controller in ['time_multiplex']",
+        ),
+    ]
+    for params, message in bad:
+        name = "static_split" if "shrink_at" in params else "time_multiplex"
+        split = {"rollout_devices": 1, "train_devices": 1} if name == "static_split" else {"train_devices": 1}
+        catalog_yaml["baselines"] = [{"name": name, **split, "label": "tuned", "params": params}]
+        spec = parse_target(catalog_yaml)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            baseline_params(spec, spec.baselines[0])
+    catalog_yaml["baselines"] = [{**tuned, "label": None}]
+    assert "a baseline with technique params needs a label" in _error(catalog_yaml)
 
 
 def test_misspelled_field_is_named(catalog_yaml):

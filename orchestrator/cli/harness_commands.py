@@ -272,7 +272,7 @@ def bench(
     Example: vibetrain bench tiny-qwen3-cpu --baselines colocate --stack generated/tiny-qwen3-cpu@best --json b.json
     """
     from orchestrator.runs import export_candidate
-    from skills.starter import write_starter
+    from skills.starter import baseline_params, write_starter
     from targets.harness.measure.benchmark import BenchmarkFailed, benchmark
     from targets.harness.measure.timeline import plot_step_phases, plot_timelines
     from targets.harness.measure.tracking import track_trace, write_chrome_trace
@@ -296,17 +296,23 @@ def bench(
     repeat = repeat or (1 if simulated else 3)
     work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
     stacks: list[tuple[str, Path]] = []
-    elsewhere = {b.label: b for b in spec.baselines if b.hardware is not None}  # equal-cost other hardware
+    labelled = {b.label: b for b in spec.baselines if b.label is not None}  # other hardware, or techniques on
     names = [b.strip() for b in baselines.split(",") if b.strip()] or [
         *(c for c in CONTROLLERS if unfit(spec, c) is None),
-        *elsewhere,
+        *labelled,
     ]
     sessions = {}
     for name in names:
-        if name in elsewhere:
-            sessions[name] = other_hardware_session(measuring, elsewhere[name], work, sandbox, time_limit)
-            variant = sessions[name].target.spec
-            stacks.append((name, write_starter(work / "stacks" / name, variant, elsewhere[name].name)))
+        if name in labelled:
+            baseline, variant = labelled[name], spec
+            if baseline.hardware is not None:  # equal-cost other hardware
+                sessions[name] = other_hardware_session(measuring, baseline, work, sandbox, time_limit)
+                variant = sessions[name].target.spec
+            try:
+                params = baseline_params(variant, baseline, measuring.target.engine_devices)
+            except ValueError as error:
+                raise UsageError(str(error)) from None
+            stacks.append((name, write_starter(work / "stacks" / name, variant, baseline.name, params)))
             continue
         try:
             stacks.append((name, write_starter(work / "stacks" / name, spec, name)))

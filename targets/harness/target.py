@@ -108,6 +108,16 @@ class Target:
             for pool in [hardware.pool_of(name)]
         )
 
+    @property
+    def engine_devices(self) -> int:
+        """How many devices a rollout engine spans: one in a real stack; in a simulated one, as many
+        as the model's weights need (the cost model's)."""
+        if not self.simulated:
+            return 1
+        from targets.harness.sim.cost_model import ClusterCosts
+
+        return ClusterCosts.from_spec(self.spec).engine_devices
+
     def runtime(self) -> Runtime:
         """On a simulated target the components run (for accuracy checks 1-3) on a tiny model of the
         same family: the checks prove the code right, and the target's own model may not fit here."""
@@ -116,11 +126,6 @@ class Target:
 
         model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
         path = model_dir(model)
-        engine_devices = 1  # a real stack places one engine per device
-        if self.simulated:
-            from targets.harness.sim.cost_model import ClusterCosts
-
-            engine_devices = ClusterCosts.from_spec(self.spec).engine_devices
         return Runtime(
             str(path),
             model.dtype,
@@ -130,7 +135,7 @@ class Target:
             workload_view(self.spec),
             "cuda" if self.gpu else "cpu",
             int(min(p.memory_gb for p in self.spec.hardware.by_name.values()) * 1e9) if self.gpu else 0,
-            engine_devices,
+            self.engine_devices,
             self.devices(serving=True),
         )
 

@@ -16,7 +16,9 @@ from targets.spec.workload import WorkloadSpec
 
 class BaselineSpec(Strict):
     """A starter schedule the bench compares against: on the target's hardware, or with ``hardware``
-    on other hardware of the same cost (a single-kind cluster beside a mixed one), named by ``label``."""
+    on other hardware of the same cost (a single-kind cluster beside a mixed one), or with ``params``
+    carrying techniques of the skills library (an elastic baseline: ``serving_harvest: 1``); either is
+    named by ``label``."""
 
     name: Literal["colocate", "static_split", "time_multiplex"]
     rollout_devices: int | None = Field(default=None, gt=0)
@@ -25,6 +27,9 @@ class BaselineSpec(Strict):
     hardware: AnyHardware | None = Field(
         default=None, description="other hardware of the target's cost this baseline runs on (simulated)"
     )
+    params: dict[str, int | float] = Field(
+        default_factory=dict, description="technique parameters its starter carries (checked against the skills)"
+    )
 
     @model_validator(mode="after")
     def _split_given(self) -> BaselineSpec:
@@ -32,6 +37,8 @@ class BaselineSpec(Strict):
             raise ValueError("static_split needs rollout_devices and train_devices")
         if self.hardware is not None and self.label is None:
             raise ValueError("a baseline on other hardware needs a label (how the bench names it)")
+        if self.params and self.label is None:
+            raise ValueError("a baseline with technique params needs a label (how the bench names it)")
         return self
 
     @property
@@ -174,7 +181,7 @@ class TargetSpec(Strict):
 
     def on_hardware(self, baseline: BaselineSpec) -> TargetSpec:
         """This target as ``baseline`` runs it: on its other hardware, with it as the only baseline."""
-        plain = baseline.model_copy(update={"hardware": None, "label": None})
+        plain = baseline.model_copy(update={"hardware": None, "label": None, "params": {}})  # the bench applies params
         return self.model_copy(
             update={"id": f"{self.id}-{baseline.label}", "hardware": baseline.hardware, "baselines": [plain]}
         )

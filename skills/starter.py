@@ -51,7 +51,8 @@ def baseline_params(spec, baseline, engine_devices: int = 1) -> dict:
     """A labelled baseline's starter parameters: its controller's, then its own ``params``, each a
     parameter some skill declares, within that skill's range, its technique allowed beside the rest
     (``ValueError`` naming the baseline and the parameter otherwise)."""
-    params = {**starter_params(spec, baseline.name), **baseline.params}
+    own = spec.model_copy(update={"baselines": [baseline.model_copy(update={"label": None, "params": {}})]})
+    params = {**starter_params(own, baseline.name), **baseline.params}  # its own split, then its techniques
     where = f"baseline {baseline.label!r}"
     for name, value in baseline.params.items():
         declaring = [skill for skill in SKILLS.values() if name in skill.params]

@@ -162,6 +162,13 @@ def test_a_baseline_with_technique_params_is_labelled_and_its_params_are_the_ski
     spec = parse_target(catalog_yaml)
     params = baseline_params(spec, spec.baselines[1])
     assert params["controller"] == "time_multiplex" and params["train_devices"] == 1 and params["partial_rollout"] == 1
+    split = {"name": "static_split", "rollout_devices": 1, "train_devices": 1}  # its own split, not the plain one's
+    labelled = {**split, "rollout_devices": 2, "label": "ss-partial", "params": {"partial_rollout": 1}}
+    catalog_yaml["baselines"] = [split, labelled]
+    catalog_yaml["hardware"]["count"] = 3
+    spec = parse_target(catalog_yaml)
+    assert baseline_params(spec, spec.baselines[1])["rollout_devices"] == 2
+    catalog_yaml["hardware"]["count"] = 2
     bad = [
         ({"partial_rolout": 1}, "params.partial_rolout is no parameter of the skills library"),
         ({"partial_rollout": 7}, "params.partial_rollout = 7 is outside the range its skill allows"),

@@ -262,6 +262,20 @@ def test_every_trained_trajectory_was_judged_where_the_stack_placed_the_judge(tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("technique", [{"redundant_envs": 2}, {"tail_round": 4}])
+def test_spares_and_deferrals_are_judged_by_when_the_stack_heard_of_the_end_the_verdict(tmp_path, technique):
+    """With a reward model an episode's last answer waits for its verdict: until then the stack knows
+    it as running, so a spare dropped or a group deferred in that wait is honest. The audit reads an
+    episode's end from the verdict (a 20-round search rejected both techniques when it read the step)."""
+    spec, run = _run(tmp_path, {"train_devices": 1, **technique})
+    assert run.ok, run.cause
+    assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
+    events = Trace.load_events(run.out / "trace.jsonl")
+    reason = "redundant" if "redundant_envs" in technique else "deferred"
+    assert any(e.kind == "sample_dropped" and e.data["reason"] == reason for e in events)
+
+
+@pytest.mark.slow
 def test_a_controller_that_rolls_out_on_the_judges_devices_is_refused_at_its_hello(tmp_path):
     # the plant: the judge's devices set aside in the declaration, but the controller still given them
     greedy = planted(

@@ -217,8 +217,12 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
             episode = t["episode"]
             if episode not in ix.group_of:
                 continue
-            if not ix.finished(episode) or ix.finished_at(episode) > train.data["start"]:
-                r.add("skipped environment steps", f"episode {episode} was trained on before its environment finished")
+            if (at := ix.finished_at(episode)) is None or at > train.data["start"]:
+                r.add(
+                    "skipped environment steps",
+                    f"episode {episode} was trained on before its environment finished"
+                    + (" and the reward model judged it" if ix.judged else ""),
+                )
                 continue
             steps = ix.env_steps[episode]
             expected = ix.context_tokens(episode, len(steps))
@@ -482,7 +486,7 @@ def audit_run(
     steps: int,
     seed: int = 0,
 ) -> CheckResult:
-    ix = TraceIndex.of(events)
+    ix = TraceIndex.of(events, judged=spec.workload.reward_model is not None)
     r = Reasons()
     check_exactly_once(ix, r)
     check_conservation(ix, r)

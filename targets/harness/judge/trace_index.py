@@ -59,6 +59,8 @@ class TraceIndex:
     partials: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # aborted, with tokens
     dropped: dict[str, TraceEvent] = field(default_factory=dict)
     trained_in: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # episode -> train indices
+    verdict_at: dict[str, float] = field(default_factory=dict)  # episode -> its reward model's first verdict
+    judged: bool = False  # a reward model judges every episode that ends well
     trains: list[TraceEvent] = field(default_factory=list)
     tokens_recorded: bool = True
     stop_token_ids: tuple[int, ...] = ()  # what the harness's runtime handed the candidate
@@ -79,8 +81,9 @@ class TraceIndex:
         return ABORT_SLACK_S + (0.0 if self.tokens_recorded else spec.simulator.request_overhead_s)
 
     @classmethod
-    def of(cls, events: list[TraceEvent]) -> TraceIndex:
-        ix = cls(list(events))
+    def of(cls, events: list[TraceEvent], judged: bool = False) -> TraceIndex:
+        """``judged``: the target has a reward model (``workload.reward_model``)."""
+        ix = cls(list(events), judged=judged)
         for e in ix.events:
             ix.by_kind[e.kind].append(e)
         run_start = ix.by_kind["run_start"][0] if ix.by_kind["run_start"] else None
@@ -108,6 +111,8 @@ class TraceIndex:
                 ix.generated[e.data["episode"]].append(e)
             elif "tokens" in e.data:
                 ix.partials[e.data["episode"]].append(e)
+        for e in ix.by_kind["reward"]:
+            ix.verdict_at.setdefault(e.data["episode"], e.t)
         for e in ix.by_kind["sample_dropped"]:
             ix.dropped.setdefault(e.data["episode"], e)
         ix.trains = sorted(ix.by_kind["train"], key=lambda e: e.data["start"])
@@ -121,7 +126,15 @@ class TraceIndex:
         return bool(steps) and steps[-1].data["done"]
 
     def finished_at(self, episode: str) -> float | None:
-        return self.env_steps[episode][-1].t if self.finished(episode) else None
+        """When the controller could know the episode had ended (None: never): its last step's answer,
+        which with a reward model waits for the verdict of an episode that ended well (a spare or a
+        deferral is judged by what the stack knew; one whose verdict never came was running to it)."""
+        if not self.finished(episode):
+            return None
+        end = self.env_steps[episode][-1]
+        if not self.judged or end.data["timed_out"] or end.data["lost"]:
+            return end.t
+        return self.verdict_at.get(episode)
 
     def context_tokens(self, episode: str, turns: int) -> list | int:
         """The episode's context after ``turns`` environment steps (tokens, or a count if not recorded)."""

@@ -252,6 +252,30 @@ def test_on_one_device_the_planner_never_switches_to_a_controller_that_needs_two
         starter_params(one, "time_multiplex")
 
 
+def test_the_planner_moves_only_to_device_counts_the_stack_can_place():
+    """A 20-round search on the judged target lost round 17 to "set train_devices to 9" on a static
+    split already rolling out on 8 of its 16 devices: the build refused it. A range per parameter cannot
+    say that; the planner now checks that the stack's devices add up, for its moves and its backlog."""
+    from skills.starter import starter_params
+
+    spec = load_target("qwen3-8b-h800x16-judge")
+    planner = OfflinePlanner(spec, simulated=True)
+    params = starter_params(spec, "static_split")  # 8 rolling out + 8 training: every device placed
+    assert (params["rollout_devices"], params["train_devices"]) == (8, 8)
+    assert planner.legal("train_devices", 9) and not planner.fits({**params, "train_devices": 9})
+    moves = {(k, v) for t in planner.parameter_moves(params) for k, v in t.changes.items()}
+    assert ("train_devices", 7) in moves and ("train_devices", 9) not in moves
+    hints = [Hint(code="train_devices_idle", message="x"), Hint(code="tail_idle", message="y")]
+    for task in planner.tasks_from_hints(hints, params) + planner.composition_tasks(params):
+        assert planner.fits({**params, **task.changes}), task.id
+    stale = next(
+        t for t in planner.parameter_moves({**params, "rollout_devices": 4}) if t.changes == {"train_devices": 9}
+    )
+    assert not planner.applies(stale, params)  # planned on a parent rolling out on 4, it no longer fits
+    judged = {**params, "rollout_devices": 4, "reward_placement": 1, "reward_devices": 4}  # 4 + 8 + 4 judge
+    assert planner.fits(judged) and not planner.fits({**judged, "reward_devices": 5})
+
+
 def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
     planner = OfflinePlanner(big_spec, engine_devices=8, seed=1)
     params = {"controller": "time_multiplex", "train_devices": 128, "micro_batch_tokens": 4096}

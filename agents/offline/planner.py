@@ -53,6 +53,19 @@ class OfflinePlanner:
         w = self.spec.workload
         return legal(self.skills, name, value, self.spec.hardware.count, self.engine_devices, w.declared_limits, skills)
 
+    def fits(self, params: dict) -> bool:
+        """The stack's devices add up on this target, as its controller's build checks: a static split's
+        two pools, and a dedicated judge's devices, within the job's; time_multiplex keeping a device that
+        never trains (a range per parameter cannot say it: 9 training devices fit 16, not beside 8 rolling)."""
+        count = self.spec.hardware.count
+        judge = params.get("reward_devices", 0) if params.get("reward_placement") == 1 else 0
+        train = params.get("train_devices", 0)
+        if params.get("controller") == "static_split":
+            return params.get("rollout_devices", 0) + train + judge <= count
+        if params.get("controller") == "time_multiplex":
+            return train + judge < count
+        return judge < count
+
     def tunable(self, param: ParamRange) -> bool:
         return param.simulated or not self.simulated
 
@@ -132,6 +145,7 @@ class OfflinePlanner:
             or (skill.rewards == "serverless" and not self._serverless_judge())
             or not applicable(self.skills, skill, params)
             or not all(self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items())
+            or not self.fits({**params, **changes})
         ):
             return None
         return self._composition_task(skill, "add", changes, priority)
@@ -197,7 +211,12 @@ class OfflinePlanner:
                     if current is None:
                         continue
                     value = self._moved(name, current, move, skill.params[name])
-                    if value != current and self.legal(name, value, [skill.name]) and self.tunable(skill.params[name]):
+                    if (
+                        value != current
+                        and self.legal(name, value, [skill.name])
+                        and self.tunable(skill.params[name])
+                        and self.fits({**params, name: value})
+                    ):
                         tasks.append(
                             self._param_task(
                                 skill,
@@ -220,13 +239,19 @@ class OfflinePlanner:
         if skill is None:
             return True
         if task.id.startswith("add-"):
-            return not skill.is_on(params) and applicable(self.skills, skill, params)
+            return (
+                not skill.is_on(params)
+                and applicable(self.skills, skill, params)
+                and self.fits({**params, **task.changes})
+            )
         if task.id.startswith("remove-"):
             return skill.is_on(params) and not self._required(skill, params)
         if task.id.startswith("controller="):
             return params.get("controller") != skill.name
-        return self._in_use(skill, params) and any(
-            params.get(k, self._default(k)) != v for k, v in task.changes.items()
+        return (
+            self._in_use(skill, params)
+            and any(params.get(k, self._default(k)) != v for k, v in task.changes.items())
+            and self.fits({**params, **task.changes})
         )
 
     def _required(self, skill: Skill, params: dict) -> bool:
@@ -259,7 +284,11 @@ class OfflinePlanner:
                 moves = (-1, 1) if name.endswith("_devices") or param.step is not None else (0.5, 2.0)
                 for move in moves:
                     value = self._moved(name, current, move, param)
-                    if value != current and self.legal(name, value, [skill.name]):
+                    if (
+                        value != current
+                        and self.legal(name, value, [skill.name])
+                        and self.fits({**params, name: value})
+                    ):
                         reason = f"explore: {name} {_fmt(current)} -> {_fmt(value)}"
                         tasks.append(self._param_task(skill, name, value, reason, "mutation", 0))
         return tasks

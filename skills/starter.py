@@ -55,8 +55,7 @@ def baseline_params(spec, baseline, engine_devices: int = 1) -> dict:
     params = {**starter_params(own, baseline.name), **baseline.params}  # its own split, then its techniques
     where = f"baseline {baseline.label!r}"
     for name, value in baseline.params.items():
-        declaring = [skill for skill in SKILLS.values() if name in skill.params]
-        if not declaring:
+        if not any(name in skill.params for skill in SKILLS.values()):
             raise ValueError(f"{where}: params.{name} is no parameter of the skills library")
         if not legal(SKILLS, name, value, spec.hardware.count, engine_devices, spec.workload.declared_limits):
             raise ValueError(f"{where}: params.{name} = {value} is outside the range its skill allows")

@@ -440,22 +440,19 @@ def check_serving(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     return {"serving_ttft_p99_s": s["ttft_p99_s"], "serving_tpot_p99_s": s["tpot_p99_s"]}
 
 
-def check_verdicts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
+def check_verdicts(ix: TraceIndex, r: Reasons) -> dict:
     """With a reward model, a reward is the judge's: each trained trajectory that ended well (not timed
     out, not lost) has one verdict, asked when its last step ended, on its whole context, and in before
     the training step that used it started (a stack that guessed the reward could train sooner)."""
-    if spec.workload.reward_model is None:
+    if not ix.judged:
         return {}
-    verdicts: dict[str, list[TraceEvent]] = defaultdict(list)
-    for e in ix.by_kind["reward"]:
-        verdicts[e.data["episode"]].append(e)
     for episode, steps_in in ix.trained_in.items():
         if not ix.finished(episode):
             continue  # not an environment's episode: exactly-once and fidelity say so
         end = ix.env_steps[episode][-1]
         if end.data["timed_out"] or end.data["lost"]:
             continue  # nothing to judge: the harness pays no reward for it
-        judged = verdicts.get(episode, [])
+        judged = ix.verdicts.get(episode, [])
         if len(judged) != 1:
             r.add("reward verdict", f"episode {episode} was trained on with {len(judged)} verdicts of the reward model")
             continue
@@ -475,7 +472,7 @@ def check_verdicts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
                 f"episode {episode} was trained on by step {steps_in[0] + 1} at {train.data['start']:.3f} s, "
                 f"before the reward model's verdict at {verdict.t:.3f} s",
             )
-    return {"verdicts": sum(map(len, verdicts.values()))}
+    return {"verdicts": len(ix.by_kind["reward"])}
 
 
 def audit_run(
@@ -503,7 +500,7 @@ def audit_run(
     check_aborts(ix, r, spec)
     check_mechanism(ix, r, steps, spec)
     details.update(check_serving(ix, r, spec))
-    details.update(check_verdicts(ix, r, spec))
+    details.update(check_verdicts(ix, r))
     ids_in_vocabulary = check_token_ids(ix, r, spec)
     details.update(
         episodes_created=len(ix.created),

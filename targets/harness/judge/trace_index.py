@@ -59,7 +59,7 @@ class TraceIndex:
     partials: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # aborted, with tokens
     dropped: dict[str, TraceEvent] = field(default_factory=dict)
     trained_in: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # episode -> train indices
-    verdict_at: dict[str, float] = field(default_factory=dict)  # episode -> its reward model's first verdict
+    verdicts: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # the reward model's
     judged: bool = False  # a reward model judges every episode that ends well
     trains: list[TraceEvent] = field(default_factory=list)
     tokens_recorded: bool = True
@@ -112,7 +112,7 @@ class TraceIndex:
             elif "tokens" in e.data:
                 ix.partials[e.data["episode"]].append(e)
         for e in ix.by_kind["reward"]:
-            ix.verdict_at.setdefault(e.data["episode"], e.t)
+            ix.verdicts[e.data["episode"]].append(e)
         for e in ix.by_kind["sample_dropped"]:
             ix.dropped.setdefault(e.data["episode"], e)
         ix.trains = sorted(ix.by_kind["train"], key=lambda e: e.data["start"])
@@ -134,7 +134,8 @@ class TraceIndex:
         end = self.env_steps[episode][-1]
         if not self.judged or end.data["timed_out"] or end.data["lost"]:
             return end.t
-        return self.verdict_at.get(episode)
+        verdicts = self.verdicts.get(episode)
+        return verdicts[0].t if verdicts else None
 
     def context_tokens(self, episode: str, turns: int) -> list | int:
         """The episode's context after ``turns`` environment steps (tokens, or a count if not recorded)."""

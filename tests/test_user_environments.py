@@ -400,7 +400,8 @@ def test_an_environment_that_fails_mid_run_stops_it_with_every_validated_round_k
     target = _user_target(fast_target, tmp_path, monkeypatch, "my_envs:BreaksOnceFlagged", flag=str(flag))
     run, workspaces = tmp_path / "run", tmp_path / "ws"
     args = ["generate", str(target), "--rounds", "1", "--repeat", "1", "--out", str(run)]
-    args += ["--workspaces", str(workspaces)]
+    # round 1 must run for real to meet the broken server: the twin could screen it out unrun
+    args += ["--workspaces", str(workspaces), "--no-prescreen"]
     committed = run / ".git" / "refs" / "vibetrain" / "rounds" / "0"
     watching = threading.Event()
 

@@ -578,7 +578,7 @@ EventKind = Literal[
     "resume",
     "weight_export",  # the harness copying the trained weights for its audit; the train call waits for it
     "serving",  # a serving pool's run: its requests' p99 TTFT and TPOT, its SLOs, the device-seconds lent
-    "reward",  # the reward model judged a finished trajectory: where, its tokens, when
+    "reward",  # the reward model judged a finished trajectory: where, its tokens, when, its score
     "reward_service",  # the run's reward placement: devices and device-seconds it held, their busy share
     "device_state",
     "sample_used",

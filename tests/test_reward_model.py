@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import types
 
 import pytest
 import yaml
@@ -66,7 +67,6 @@ def _plain() -> dict:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"execution": "real"}, "workload.reward_model: a reward model's cost is simulated only"),
         ({"workload.reward_model.output_tokens": 0}, "workload.reward_model.output_tokens"),
         ({"workload.reward_model.serverless.cold_start_s": -1}, "workload.reward_model.serverless.cold_start_s"),
         ({"workload.reward_model.serverless.pool": "h20"}, "`workload.reward_model.serverless.pool`: unknown field"),
@@ -136,8 +136,11 @@ def _judged(
         loop, verdicts = asyncio.get_running_loop(), []
         for i, t in enumerate(finishing):
 
-            def finish(i=i, start=t):
-                service.judge(f"g{i}/e0", tokens, lambda: verdicts.append((start, loop.time())))
+            def finish(i=i, start=t):  # what the judge reads of an episode whose last step ended now
+                ended = types.SimpleNamespace(
+                    episode_id=f"g{i}/e0", context_tokens=tokens, last_step=TraceEvent("env_step", loop.time(), {})
+                )
+                service.judge(ended, lambda score: verdicts.append((start, loop.time())))
 
             loop.call_at(t, finish)
         for _ in range(2000):  # 1,000 virtual seconds at most: a verdict never answered fails the test
@@ -368,3 +371,82 @@ def test_a_verdict_no_engine_can_take_fails_the_run_by_name(where):
     _, verdicts, state = _judged(where, [1.0], reserved=reserved, tokens=10**8)
     assert not verdicts and len(state["failed"]) == 1
     assert "exceeds the KV capacity" in str(state["failed"][0])
+
+
+# -- the judge run for real on the CPU target ---------------------------------------------------------
+
+
+def _real_judged(fast_target, devices: int) -> dict:
+    """The fast CPU target with a tiny reward model of its own weights (seed 1), on ``devices``
+    devices, and a serverless service that starts an instance in half a second and lets it go after
+    one idle second."""
+    data = yaml.safe_load(fast_target.read_text())
+    data["hardware"]["count"] = devices
+    judge = copy.deepcopy(data["model"])
+    judge["weights"] = "random(1)"
+    data["workload"]["reward_model"] = {
+        "model": judge,
+        "serverless": {"cold_start_s": 0.5, "keep_warm_s": 1.0, "max_devices": 2},
+    }
+    return data
+
+
+def _real_run(tmp_path, fast_target, placement: int, devices: int = 2, patch=None):
+    params = {"reward_placement": placement, **({"reward_devices": 1} if placement == 1 else {})}
+    return target_run(tmp_path, _real_judged(fast_target, devices), params, simulate=False, patch=patch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("placement", "where", "devices"), [(0, "colocated", 2), (1, "dedicated", 3), (2, "serverless", 2)]
+)
+def test_a_real_reward_model_judges_each_trajectory_where_the_stack_places_it(
+    tmp_path, fast_target, placement, where, devices
+):
+    """The judge's processes really run: each verdict is its score of the episode's whole context,
+    added to the environment's last reward, and the audit holds the trained rewards to it."""
+    spec, run = _real_run(tmp_path, fast_target, placement, devices)
+    assert run.ok, run.cause
+    audit = run.results["audit"]["result"]
+    assert audit["passed"], audit["reasons"]
+    events = Trace.load_events(run.out / "trace.jsonl")
+    verdicts = [e for e in events if e.kind == "reward"]
+    trained = {t["episode"] for e in events if e.kind == "train" for t in e.data["trajectories"]}
+    assert trained and trained <= {v.data["episode"] for v in verdicts} | _ended_badly(events)
+    scores = [v.data["score"] for v in verdicts]
+    assert all(0 < s < 1 for s in scores) and len(set(scores)) > 1  # a model's verdicts, not a constant
+    assert {v.data["where"] for v in verdicts} == {where}
+    (service,) = [e.data for e in events if e.kind == "reward_service"]
+    assert service["scored"] == len(verdicts) and service["busy_s"] > 0
+    rolled = {e.data["device"] for e in events if e.kind == "generate" and not e.data["aborted"]}
+    if where == "colocated":  # beside the engine that served the last turn
+        assert {v.data["device"] for v in verdicts} <= rolled and service["device_s"] == 0
+    elif where == "dedicated":  # the job's last device, set aside: it never rolls out or trains
+        assert {v.data["device"] for v in verdicts} == {"cpu:2"} and "cpu:2" not in rolled
+        assert not any("cpu:2" in e.data["devices"] for e in events if e.kind == "train")
+        assert 0 < service["utilization"] < 1
+    else:  # outside the job, started cold on demand
+        assert all(v.data["device"].startswith("serverless:") for v in verdicts)
+        assert service["instances"] >= 1 and service["device_s"] > 0
+        first = min(verdicts, key=lambda v: v.t)
+        assert first.t - first.data["start"] >= 0.5  # the first verdict waited for a cold start
+
+
+def _ended_badly(events) -> set[str]:
+    return {e.data["episode"] for e in events if e.kind == "env_step" and (e.data["timed_out"] or e.data["lost"])}
+
+
+@pytest.mark.slow
+def test_a_stack_that_scores_its_own_episodes_is_rejected_for_the_reward_it_trained_on(tmp_path, fast_target):
+    """A stack that gives each finished episode full marks in place of the judge's verdict."""
+    patch = planted(
+        "env_manager.py",
+        "result = await episode.step(completion.tokens)\n",
+        "result = await episode.step(completion.tokens)\n"
+        "                if result.done:  # planted: the stack's own verdict\n"
+        "                    result = dataclasses.replace(result, reward=1.0)\n",
+    )
+    _, run = _real_run(tmp_path, fast_target, 0, patch=patch)
+    assert not run.ok or not run.results["audit"]["result"]["passed"]
+    reasons = run.results["audit"]["result"]["reasons"]
+    assert any("altered reward" in r and "environment and reward model paid" in r for r in reasons), reasons

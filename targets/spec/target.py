@@ -157,12 +157,6 @@ class TargetSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _reward_model_is_simulated(self) -> TargetSpec:
-        if self.workload.reward_model is not None and self.execution != "simulated":
-            raise ValueError("workload.reward_model: a reward model's cost is simulated only (execution: simulated)")
-        return self
-
-    @model_validator(mode="after")
     def _baselines_fit(self) -> TargetSpec:
         for i, baseline in enumerate(self.baselines):
             count = (baseline.hardware or self.hardware).count

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from targets.api import StepResult, TokenCount, TokenIds
+from targets.api import StepResult, TokenCount, TokenIds, TraceEvent
 from targets.harness.clock import Clock
 from targets.harness.tokenizer import CTX, VOCAB
 from targets.harness.trace import Trace
@@ -82,6 +82,8 @@ class Episode:
             self.max_turns = max(1, min(self.max_turns, drawn))
         self.turn = 0
         self.context_tokens = 0  # prompt + actions + observations so far
+        self.context: list[int] = []  # their ids (a real run's: what a reward model reads)
+        self.last_step: TraceEvent | None = None  # the latest env_step recorded
         self.started_at: float | None = None
         self.done = False
         self.stepping = False  # between begin_step and end_step
@@ -134,6 +136,8 @@ class Episode:
 
     def _reset_with(self, prompt: TokenIds) -> TokenIds:
         self.context_tokens = len(prompt)
+        if not self.counts:
+            self.context = [int(t) for t in prompt]
         self.trace.record(
             "env_reset", episode=self.episode_id, group=self.group_id, observation=self.trace.tokens(prompt)
         )
@@ -210,10 +214,12 @@ class Episode:
         if truncated:  # the context window is full: the episode ends here, as a real agent's would
             self.context_tokens -= len(observation)
             observation, done = [], True
+        if not self.counts:
+            self.context += [int(t) for t in action] + [int(t) for t in observation]
         self.done = done
         self.total_reward += reward
         changed = self._changes_state()
-        self.trace.record(
+        self.last_step = self.trace.record(
             "env_step",
             episode=self.episode_id,
             group=self.group_id,

@@ -23,10 +23,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from targets.api import Aborted, Completion, Declared, EngineSettings, GenerateRequest, Runtime, TokenIds
+from targets.api import Aborted, Completion, Declared, EngineSettings, GenerateRequest, Runtime, StepResult, TokenIds
 from targets.errors import UserError
-from targets.harness.environments import EnvironmentPool
-from targets.harness.environments.seeds import RunSeed
+from targets.harness.environments import EnvironmentPool, Episode
 from targets.harness.ipc import shared_ring
 from targets.harness.ipc.channel import AsyncChannel, Frame, Received
 from targets.harness.ipc.protocol import ProtocolError
@@ -50,8 +49,11 @@ from targets.harness.ipc.wire import (
 )
 from targets.harness.isolation.processes import CandidateProcesses, channel_of
 from targets.harness.isolation.traced_cluster import TracedCluster
+from targets.harness.reward_model.service import RewardModelService
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.engine import simulated_response
+from targets.harness.sim.reward import judge_costs_of, placement_refused
+from targets.harness.sim.serving import serving_pool_of
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec
 
@@ -68,7 +70,8 @@ class ControllerLink:
         self.episodes: dict[str, Any] = {}
         self.declared = Declared()  # what the controller's hello declares
         self.engine = EngineSettings()  # what the simulator models of its engines (the hello says)
-        self.judge: Callable[[str, int, Callable[[], None]], None] | None = None  # a reward model's (simulated)
+        # a reward model's: judge(episode, then) as the episode's last step ends; then(score) with the verdict
+        self.judge: Callable[[Episode, Callable[[float], None]], None] | None = None
         loop = asyncio.get_running_loop()
         self.hello: asyncio.Future = loop.create_future()
         self.done: asyncio.Future = loop.create_future()
@@ -292,10 +295,16 @@ class ControllerLink:
 
                 def stepped() -> bool:
                     result = episode.end_step(action, latency, failures)
-                    reply.header["result"] = put_step_result(reply, result, counts)
-                    if self.judge is None or not result.done or result.timed_out or result.lost:
+                    if not self._judged(result):
+                        reply.header["result"] = put_step_result(reply, result, counts)
                         return False
-                    self.judge(episode_id, episode.context_tokens, lambda: self._send_unless_done(reply))
+
+                    def verdict(score: float) -> None:  # the judge's score joins the last turn's reward
+                        judged = dataclasses.replace(result, reward=result.reward + score)
+                        reply.header["result"] = put_step_result(reply, judged, counts)
+                        self._send_unless_done(reply)
+
+                    self.judge(episode, verdict)
                     return True  # answered once the verdict is in
 
                 self._answer_after(latency, reply, stepped)
@@ -318,7 +327,12 @@ class ControllerLink:
             if action is None:
                 reply.header["observation"] = put_tokens(reply, await episode.reset(), self.memory.counts)
             else:
-                reply.header["result"] = put_step_result(reply, await episode.step(action), self.memory.counts)
+                result = await episode.step(action)
+                if self._judged(result):  # the judge's score joins the last turn's reward
+                    verdict = asyncio.get_running_loop().create_future()
+                    self.judge(episode, lambda score: None if verdict.done() else verdict.set_result(score))
+                    result = dataclasses.replace(result, reward=result.reward + await verdict)
+                reply.header["result"] = put_step_result(reply, result, self.memory.counts)
         except UserError as error:
             self.fail(error)
             return
@@ -332,6 +346,10 @@ class ControllerLink:
             self._tasks.pop(key, None)
         if reply is not None:
             self.send(reply)
+
+    def _judged(self, result: StepResult) -> bool:
+        """Whether a reward model judges the episode this step ended (it ended well)."""
+        return self.judge is not None and result.done and not result.timed_out and not result.lost
 
     def _send_unless_done(self, reply: Frame) -> None:
         """A reply that may come after the controller is done (a verdict the run's end overtook): dropped then."""
@@ -377,28 +395,10 @@ class ControllerLink:
             raise ProtocolError(f"unknown cluster method {method!r}")
 
 
-def _serving_pool(spec: TargetSpec, seed: int | RunSeed) -> Callable[[], Any] | None:
-    """What makes the target's serving pool inside the run (None without one); its capacity is
-    profiled here, before the run's loop starts (a profile is a simulation of its own)."""
-    from targets.harness.sim.cost_model import CostModel
-    from targets.harness.sim.serving import ServingPool, serving_capacity
-
-    pools = spec.hardware.serving_pools
-    if not pools:
-        return None
-    (pool,) = pools  # the spec allows one
-    cost = CostModel.from_spec(spec, pool.name, pool.serving.model)
-    devices = [d for d in spec.hardware.serving_device_ids() if spec.hardware.pool_name(d) == pool.name]
-    capacity = serving_capacity(pool.serving, cost)
-    stream = (seed if isinstance(seed, RunSeed) else RunSeed(seed)).stream("serving")
-    return lambda: ServingPool(pool.serving, devices, cost, stream, capacity)
-
-
 async def _hello(
     link: ControllerLink, processes: CandidateProcesses, devices: list[str]
 ) -> tuple[list[str], list[str], Declared]:
     """The controller's placement and declarations, once it has built its stack."""
-    from targets.harness.sim.reward import placement_refused  # a reward model's placement, checked either way
 
     await asyncio.wait({link.hello, link.done}, return_when=asyncio.FIRST_COMPLETED)
     if not link.hello.done():
@@ -452,9 +452,14 @@ async def drive_real(
     link = ControllerLink(await channel_of(processes, "controller"), envs, trace.clock, virtual=False)
     link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
     serving = asyncio.create_task(link.serve())
+    judge: RewardModelService | None = None
     try:
-        _, _, declared = await _hello(link, processes, [d.id for d in runtime.devices])
+        rollout, _, declared = await _hello(link, processes, [d.id for d in runtime.devices])
         traced = TracedCluster(remote, trace, exporter)
+        if spec.workload.reward_model is not None:  # its instances loaded before the run starts
+            judge = RewardModelService.for_run(spec, link.engine, runtime, trace, traced.last_device.get, link.fail)
+            await judge.start(rollout)
+            link.judge = judge.judge
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],
@@ -474,6 +479,9 @@ async def drive_real(
         mark("run_end")
         if not serving.done():
             serving.cancel()
+        if judge is not None:
+            trace.record("reward_service", **judge.summary(trace.clock.now()))
+            await judge.close()
         closing = asyncio.ensure_future(asyncio.wait_for(remote.close(), timeout=120))
         await asyncio.wait({closing})
         saving = asyncio.ensure_future(exporter.saved())
@@ -490,11 +498,11 @@ def drive_simulated(
     """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
     from targets.harness.sim.cost_model import ClusterCosts
     from targets.harness.sim.response_length import ResponseLengths
-    from targets.harness.sim.reward import RewardService, dedicated_engines, judge_costs_of
+    from targets.harness.sim.reward import RewardService, dedicated_engines
     from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual
 
     costs = ClusterCosts.from_spec(spec)
-    make_serving = _serving_pool(spec, seed)
+    make_serving = serving_pool_of(spec, seed)
     loop = VirtualTimeLoop()
     trace = Trace(VirtualClock(loop), record_tokens=False)
     summary: dict = {}

@@ -25,6 +25,7 @@ class TracedCluster:
         self.by_id = {d.id: d for d in self.devices}
         self.steps = 0
         self._resident: dict | None = None
+        self.last_device: dict[str, str] = {}  # episode -> the device that served its latest turn
 
     def generate_then(self, request: GenerateRequest, done: Answer) -> asyncio.Task | None:
         """Serve ``request`` on the cluster and record it; ``done`` is told its completion or the
@@ -51,6 +52,7 @@ class TracedCluster:
 
     def _record(self, request: GenerateRequest, completion: Completion, start: float, aborted: bool) -> None:
         tokens, p = self.trace.tokens, request.params
+        self.last_device[request.episode_id] = completion.device
         self.trace.record(
             "generate",
             episode=request.episode_id,

@@ -235,11 +235,13 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
                 altered = t["tokens"] != expected
             if altered:
                 r.add("altered trajectory", f"episode {episode}: trained tokens differ from what the environment saw")
-            reward = sum(s.data["reward"] for s in steps)
+            reward = ix.paid(episode)
             if abs(t["reward"] - reward) > 1e-6:
                 r.add(
                     "altered reward",
-                    f"episode {episode}: trained reward {t['reward']:.4f}, environment paid {reward:.4f}",
+                    f"episode {episode}: trained reward {t['reward']:.4f}, "
+                    + ("environment and reward model" if ix.judged else "environment")
+                    + f" paid {reward:.4f}",
                 )
             if ix.tokens_recorded:
                 by_turn = {}

@@ -137,6 +137,13 @@ class TraceIndex:
         verdicts = self.verdicts.get(episode)
         return verdicts[0].t if verdicts else None
 
+    def paid(self, episode: str) -> float:
+        """The episode's reward: what its environment paid each turn, and a reward model's score of it
+        (its first verdict's: one is all ``check_verdicts`` lets through)."""
+        paid = sum(s.data["reward"] for s in self.env_steps[episode])
+        verdicts = self.verdicts.get(episode)
+        return paid + (verdicts[0].data["score"] if verdicts else 0.0)
+
     def context_tokens(self, episode: str, turns: int) -> list | int:
         """The episode's context after ``turns`` environment steps (tokens, or a count if not recorded)."""
         reset = self.resets[episode].data["observation"]

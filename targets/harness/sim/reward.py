@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from targets.api import Aborted, EngineSettings, GenerateRequest, SamplingParams, TokenCount
+from targets.harness.environments.base import Episode
 from targets.harness.sim.cost_model import ClusterCosts, CostModel
 from targets.harness.sim.engine import SimEngine
 from targets.harness.trace import Trace
@@ -134,14 +135,17 @@ class RewardService:
                 self.instances.append(_Instance(engine, started=self._loop.time()))
 
     # -- verdicts ---------------------------------------------------------------------------------
-    def judge(self, episode: str, tokens: int, then: Callable[[], None]) -> None:
-        """Judge ``episode``'s ``tokens``; ``then`` once the verdict is in."""
-        start = self._loop.time()
+    def judge(self, episode: Episode, then: Callable[[float], None]) -> None:
+        """Judge ``episode``'s whole context as its last step ends; ``then(0.0)`` once the verdict is in
+        (a simulated judge has no text to read: its score adds nothing to the environment's reward)."""
+        start, tokens, episode = episode.last_step.t, episode.context_tokens, episode.episode_id
 
         def judged(device: str) -> None:
             self.scored += 1
-            self.trace.record("reward", episode=episode, where=self.where, device=device, tokens=tokens, start=start)
-            then()
+            self.trace.record(
+                "reward", episode=episode, where=self.where, device=device, tokens=tokens, start=start, score=0.0
+            )
+            then(0.0)
 
         if self.where == "colocated":
             self._colocated(episode, tokens, judged)

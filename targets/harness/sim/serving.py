@@ -33,13 +33,16 @@ import functools
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from targets.api import ServingLoad
+from targets.harness.environments.seeds import RunSeed
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
+from targets.spec import TargetSpec
 from targets.spec.serving import ServingSpec
 
 WINDOW_S = 10.0  # what ``load`` measures over: short enough to follow a burst, long enough for a p99
@@ -251,3 +254,17 @@ def serving_capacity(spec: ServingSpec, cost: CostModel) -> float:
         mid = (low + high) / 2
         low, high = (mid, high) if holds(mid) else (low, mid)
     return low
+
+
+def serving_pool_of(spec: TargetSpec, seed: int | RunSeed) -> Callable[[], ServingPool] | None:
+    """What makes the target's serving pool inside a run (None without one); its capacity is
+    profiled here, before the run's loop starts (a profile is a simulation of its own)."""
+    pools = spec.hardware.serving_pools
+    if not pools:
+        return None
+    (pool,) = pools  # the spec allows one
+    cost = CostModel.from_spec(spec, pool.name, pool.serving.model)
+    devices = [d for d in spec.hardware.serving_device_ids() if spec.hardware.pool_name(d) == pool.name]
+    capacity = serving_capacity(pool.serving, cost)
+    stream = (seed if isinstance(seed, RunSeed) else RunSeed(seed)).stream("serving")
+    return lambda: ServingPool(pool.serving, devices, cost, stream, capacity)

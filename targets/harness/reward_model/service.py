@@ -1,0 +1,309 @@
+"""The reward model of a real run, placed where the stack says (``EngineSettings.reward``), each
+instance a judge process of the harness's (``judge_process.py``) on the devices it stands for:
+
+* **colocated**: an instance on each device the stack rolls out on, started before the run; a
+  verdict goes to the instance on the device that served the episode's last turn (one is started
+  there if the stack rolled out on a device it did not name at hello). It shares that device with
+  the stack's engine, as a judge beside the policy does.
+* **dedicated**: an instance per engine of the devices the stack set aside (``reward_devices``,
+  grouped as the simulator groups them), started before the run and held to its end; a verdict to
+  the least loaded.
+* **serverless** (CPU targets: the host stands for the service's machines): instances started on
+  demand, each ready once its process has loaded the judge and ``cold_start_s`` has passed, released
+  after ``keep_warm_s`` idle, at most ``max_devices``.
+
+A verdict is asked as the episode's last step ends, on its whole context; the ``reward`` event and
+the run's ``reward_service`` summary are those of the simulated service (``sim/reward.py``), with
+the judge's score, which the harness adds to the environment's last reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from targets.api import Device, EngineSettings, Runtime
+from targets.harness.environments.base import Episode
+from targets.harness.model import model_dir
+from targets.harness.sim.cost_model import ClusterCosts
+from targets.harness.sim.reward import SERVERLESS_CONCURRENCY, dedicated_engines, judge_costs_of
+from targets.harness.trace import Trace
+from targets.spec import TargetSpec
+from targets.spec.reward import RewardModelSpec
+
+REPO = Path(__file__).resolve().parents[3]  # the harness's own code, importable by the judge's process
+
+
+class JudgeProcessError(RuntimeError):
+    """A judge process ended or answered out of turn: the harness's fault or the machine's, never the candidate's."""
+
+
+@dataclass
+class JudgeInstance:
+    """One judge process, the devices it stands for, and how long it has had verdicts under way."""
+
+    name: str
+    devices: list[str]
+    started: float
+    process: asyncio.subprocess.Process | None = None
+    log: object = None  # its stderr, read back when it fails
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # one verdict at a time through its pipe
+    load: int = 0  # verdicts routed to it and not yet answered (waiting for its start included)
+    active: int = 0  # of them, those past its start: it is busy while any is
+    busy_since: float | None = None
+    busy_s: float = 0.0
+    released: float | None = None
+    release: asyncio.TimerHandle | None = None
+    starting: asyncio.Future | None = None  # its process loading (and a serverless cold start)
+
+    def begin(self, judge_dir: Path, policy_dir: Path, cuda_index: int | None, cold_start_s: float = 0.0) -> None:
+        """Start its process; it is ready once the process has loaded the judge and ``cold_start_s`` passed."""
+        loading = self._start(judge_dir, policy_dir, cuda_index)
+        self.starting = asyncio.ensure_future(asyncio.gather(loading, asyncio.sleep(cold_start_s)))
+
+    @property
+    def ready(self) -> bool:
+        return self.starting is not None and self.starting.done()
+
+    async def _start(self, judge_dir: Path, policy_dir: Path, cuda_index: int | None) -> None:
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        if cuda_index is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(cuda_index)
+        self.log = tempfile.TemporaryFile()
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "targets.harness.reward_model.judge_process",
+            str(judge_dir),
+            str(policy_dir),
+            "cpu" if cuda_index is None else "cuda",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+        )
+        said = await self.process.stdout.readline()
+        if said.strip() != b"ready":
+            raise self._failed(f"said {said[:200]!r} instead of ready")
+
+    async def score(self, context: list[int]) -> float:
+        async with self.turn:
+            self.process.stdin.write(json.dumps(context).encode() + b"\n")
+            await self.process.stdin.drain()
+            line = await self.process.stdout.readline()
+        if not line:
+            raise self._failed("ended before its verdict")
+        return float(json.loads(line)["score"])
+
+    def _failed(self, what: str) -> JudgeProcessError:
+        self.log.seek(0)
+        tail = self.log.read()[-3000:].decode(errors="replace")
+        return JudgeProcessError(f"the reward model's process {self.name} {what}:\n{tail}")
+
+    async def close(self) -> None:
+        if self.release is not None:
+            self.release.cancel()
+        if self.starting is not None and not self.starting.done():
+            self.starting.cancel()
+            await asyncio.gather(self.starting, return_exceptions=True)
+        if self.process is not None and self.process.returncode is None:
+            self.process.stdin.close()
+            try:
+                await asyncio.wait_for(self.process.wait(), timeout=10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        if self.log is not None:
+            self.log.close()
+
+
+class RewardModelService:
+    """The judge's instances for one real run, and every verdict asked of them."""
+
+    def __init__(
+        self,
+        spec: RewardModelSpec,
+        placement: EngineSettings,
+        devices: list[Device],
+        judge_dir: Path,
+        policy_dir: Path,
+        judge_costs: ClusterCosts,
+        trace: Trace,
+        last_device: Callable[[str], str | None],
+        fail: Callable[[BaseException], None],
+        cuda: bool,
+    ) -> None:
+        """``last_device``: the device that served an episode's last turn (the harness's proxy knows);
+        ``fail``: what ends the run when a verdict cannot be had."""
+        self.spec, self.where, self.trace, self.fail = spec, placement.reward, trace, fail
+        self.placement, self.judge_costs, self.last_device = placement, judge_costs, last_device
+        self.judge_dir, self.policy_dir = judge_dir, policy_dir
+        self.index = {d.id: d.index for d in devices}
+        self.cuda = cuda
+        if self.where == "serverless" and cuda:
+            raise ValueError("a serverless reward model runs for real on a CPU target only (no device outside the job)")
+        self.instances: list[JudgeInstance] = []
+        self.on_device: dict[str, JudgeInstance] = {}
+        self.scored = 0
+        self._verdicts: set[asyncio.Task] = set()
+
+    @classmethod
+    def for_run(
+        cls, spec: TargetSpec, placement: EngineSettings, runtime: Runtime, trace: Trace, last_device, fail
+    ) -> RewardModelService:
+        """The service of a real run of ``spec`` (which has a reward model), placed as the stack said."""
+        judge = spec.workload.reward_model
+        return cls(
+            judge,
+            placement,
+            list(runtime.devices),
+            model_dir(judge.model),
+            Path(runtime.model_path),
+            judge_costs_of(spec),
+            trace,
+            last_device,
+            fail,
+            cuda=runtime.accelerator == "cuda",
+        )
+
+    def _spawn(
+        self, name: str, devices: list[str], cuda_device: str | None, cold_start_s: float = 0.0
+    ) -> JudgeInstance:
+        index = self.index[cuda_device] if self.cuda and cuda_device is not None else None
+        instance = JudgeInstance(name, devices, self.trace.clock.now())
+        instance.begin(self.judge_dir, self.policy_dir, index, cold_start_s)
+        self.instances.append(instance)
+        return instance
+
+    async def start(self, rollout: list[str]) -> None:
+        """The instances held from the run's start (colocated, dedicated), loaded before it starts."""
+        if self.where == "colocated":
+            for device in rollout:
+                self.on_device[device] = self._spawn(f"judge:{device}", [device], device)
+        elif self.where == "dedicated":
+            engines = dedicated_engines(self.placement.reward_devices, self.judge_costs)
+            if isinstance(engines, str):
+                raise ValueError(engines)  # the harness refused the placement at hello (drive.py)
+            for devices in engines:
+                self._spawn(f"judge:{devices[0]}", devices, devices[0])
+        await asyncio.gather(*(i.starting for i in self.instances))
+        for instance in self.instances:  # held from the run's start: their loading is not the run's
+            instance.started = self.trace.clock.now()
+
+    # -- verdicts ---------------------------------------------------------------------------------
+    def judge(self, episode: Episode, then: Callable[[float], None]) -> None:
+        """Judge ``episode``'s whole context as its last step ends; ``then(score)`` once the verdict is in."""
+        start, context = episode.last_step.t, list(episode.context)
+        try:
+            instance = self._instance_for(episode.episode_id)
+        except ValueError as error:
+            self.fail(error)
+            return
+        instance.load += 1
+        task = asyncio.ensure_future(self._verdict(instance, episode.episode_id, context, start, then))
+        self._verdicts.add(task)
+        task.add_done_callback(self._verdicts.discard)
+
+    async def _verdict(self, instance: JudgeInstance, episode: str, context: list[int], start: float, then) -> None:
+        try:
+            await instance.starting
+            self._busy(instance, +1)
+            try:
+                score = await instance.score(context)
+            finally:
+                self._busy(instance, -1)
+        except (JudgeProcessError, OSError) as error:
+            self.fail(error)
+            return
+        finally:
+            instance.load -= 1
+        self.scored += 1
+        device = instance.devices[0]
+        self.trace.record(
+            "reward", episode=episode, where=self.where, device=device, tokens=len(context), start=start, score=score
+        )
+        then(score)
+
+    def _instance_for(self, episode: str) -> JudgeInstance:
+        if self.where == "colocated":
+            device = self.last_device(episode)
+            if device is None or device not in self.index:
+                raise ValueError(f"episode {episode} ended with no turn served on any of the job's devices")
+            if device not in self.on_device:
+                self.on_device[device] = self._spawn(f"judge:{device}", [device], device)
+            return self.on_device[device]
+        live = [i for i in self.instances if i.released is None]
+        if self.where == "dedicated":
+            return min(live, key=lambda i: (i.load, i.name))
+        room = [i for i in live if i.load < SERVERLESS_CONCURRENCY]
+        if room:
+            return min(room, key=lambda i: (not i.ready, i.load, i.name))
+        if len(live) + 1 <= self.spec.serverless.max_devices:
+            return self._start_serverless()
+        return min(live, key=lambda i: (i.load, i.name))
+
+    def _start_serverless(self) -> JudgeInstance:
+        n = len(self.instances)
+        return self._spawn(f"judge:serverless{n}", [f"serverless:{n}.0"], None, self.spec.serverless.cold_start_s)
+
+    # -- busy time and release (as the simulated service's) -------------------------------------------
+    def _busy(self, instance: JudgeInstance, change: int) -> None:
+        now = self.trace.clock.now()
+        instance.active += change
+        if change > 0 and instance.busy_since is None:
+            instance.busy_since = now
+            if instance.release is not None:
+                instance.release.cancel()
+                instance.release = None
+        elif change < 0 and instance.active == 0 and instance.busy_since is not None:
+            instance.busy_s += now - instance.busy_since
+            instance.busy_since = None
+            self._idle_check(instance)
+
+    def _idle_check(self, instance: JudgeInstance) -> None:
+        """A serverless instance idle ``keep_warm_s`` from now is released: its process ends."""
+        if self.where != "serverless":
+            return
+
+        def release() -> None:
+            if instance.load == 0 and instance.released is None:
+                instance.released = self.trace.clock.now()
+                task = asyncio.ensure_future(instance.close())
+                self._verdicts.add(task)
+                task.add_done_callback(self._verdicts.discard)
+
+        instance.release = asyncio.get_running_loop().call_later(self.spec.serverless.keep_warm_s, release)
+
+    # -- the run's figures ------------------------------------------------------------------------
+    def summary(self, end: float) -> dict:
+        """As the simulated service's: the device-seconds held beyond the job's own rollout devices
+        (none colocated) and the share of them busy; ``busy_s`` whatever the placement."""
+        beyond = [] if self.where == "colocated" else self.instances
+        held = sum(
+            (min(i.released if i.released is not None else end, end) - i.started) * len(i.devices) for i in beyond
+        )
+
+        def busy(i: JudgeInstance) -> float:
+            return (i.busy_s + (end - i.busy_since if i.busy_since is not None else 0.0)) * len(i.devices)
+
+        busy_beyond = sum(map(busy, beyond))
+        return {
+            "where": self.where,
+            "scored": self.scored,
+            "instances": len(self.instances),
+            "device_s": held,
+            "busy_s": sum(map(busy, self.instances)),
+            "utilization": busy_beyond / held if held else 0.0,
+        }
+
+    async def close(self) -> None:
+        for task in list(self._verdicts):
+            task.cancel()
+        await asyncio.gather(*self._verdicts, return_exceptions=True)
+        await asyncio.gather(*(i.close() for i in self.instances))

@@ -376,36 +376,29 @@ def test_a_verdict_no_engine_can_take_fails_the_run_by_name(where):
 # -- the judge run for real on the CPU target ---------------------------------------------------------
 
 
-def _real_judged(fast_target, devices: int) -> dict:
-    """The fast CPU target with a tiny reward model of its own weights (seed 1), on ``devices``
-    devices, and a serverless service that starts an instance in half a second and lets it go after
-    one idle second."""
-    data = yaml.safe_load(fast_target.read_text())
+def _real_judged(devices: int) -> dict:
+    """The CPU judged target (its tiny judge, a serverless service starting an instance in a second),
+    on ``devices`` devices, at the fast target's batch and two steps."""
+    data = yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu-judge.yaml").read_text())
     data["hardware"]["count"] = devices
-    judge = copy.deepcopy(data["model"])
-    judge["weights"] = "random(1)"
-    data["workload"]["reward_model"] = {
-        "model": judge,
-        "serverless": {"cold_start_s": 0.5, "keep_warm_s": 1.0, "max_devices": 2},
-    }
+    data["workload"].update(batch_size=16, train_steps=2)
+    data["baselines"] = [{"name": "time_multiplex"}]  # the catalog's splits need its 3 devices
     return data
 
 
-def _real_run(tmp_path, fast_target, placement: int, devices: int = 2, patch=None):
+def _real_run(tmp_path, placement: int, devices: int = 2, patch=None):
     params = {"reward_placement": placement, **({"reward_devices": 1} if placement == 1 else {})}
-    return target_run(tmp_path, _real_judged(fast_target, devices), params, simulate=False, patch=patch)
+    return target_run(tmp_path, _real_judged(devices), params, simulate=False, patch=patch)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("placement", "where", "devices"), [(0, "colocated", 2), (1, "dedicated", 3), (2, "serverless", 2)]
 )
-def test_a_real_reward_model_judges_each_trajectory_where_the_stack_places_it(
-    tmp_path, fast_target, placement, where, devices
-):
+def test_a_real_reward_model_judges_each_trajectory_where_the_stack_places_it(tmp_path, placement, where, devices):
     """The judge's processes really run: each verdict is its score of the episode's whole context,
     added to the environment's last reward, and the audit holds the trained rewards to it."""
-    spec, run = _real_run(tmp_path, fast_target, placement, devices)
+    spec, run = _real_run(tmp_path, placement, devices)
     assert run.ok, run.cause
     audit = run.results["audit"]["result"]
     assert audit["passed"], audit["reasons"]
@@ -429,7 +422,8 @@ def test_a_real_reward_model_judges_each_trajectory_where_the_stack_places_it(
         assert all(v.data["device"].startswith("serverless:") for v in verdicts)
         assert service["instances"] >= 1 and service["device_s"] > 0
         first = min(verdicts, key=lambda v: v.t)
-        assert first.t - first.data["start"] >= 0.5  # the first verdict waited for a cold start
+        cold = _real_judged(devices)["workload"]["reward_model"]["serverless"]["cold_start_s"]
+        assert first.t - first.data["start"] >= cold  # the first verdict waited for a cold start
 
 
 def _ended_badly(events) -> set[str]:
@@ -437,7 +431,7 @@ def _ended_badly(events) -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_stack_that_scores_its_own_episodes_is_rejected_for_the_reward_it_trained_on(tmp_path, fast_target):
+def test_a_stack_that_scores_its_own_episodes_is_rejected_for_the_reward_it_trained_on(tmp_path):
     """A stack that gives each finished episode full marks in place of the judge's verdict."""
     patch = planted(
         "env_manager.py",
@@ -446,7 +440,7 @@ def test_a_stack_that_scores_its_own_episodes_is_rejected_for_the_reward_it_trai
         "                if result.done:  # planted: the stack's own verdict\n"
         "                    result = dataclasses.replace(result, reward=1.0)\n",
     )
-    _, run = _real_run(tmp_path, fast_target, 0, patch=patch)
+    _, run = _real_run(tmp_path, 0, patch=patch)
     assert not run.ok or not run.results["audit"]["result"]["passed"]
     reasons = run.results["audit"]["result"]["reasons"]
     assert any("altered reward" in r and "environment and reward model paid" in r for r in reasons), reasons

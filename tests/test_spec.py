@@ -23,7 +23,7 @@ def _error(data: dict) -> str:
     return str(caught.value)
 
 
-def test_catalog_has_the_twelve_targets():
+def test_catalog_has_the_thirteen_targets():
     assert catalog_ids() == [
         "qwen3-0.6b-h100x1",
         "qwen3-0.6b-h100x1-arithmetic",
@@ -37,6 +37,7 @@ def test_catalog_has_the_twelve_targets():
         "qwen3-8b-h800x16-serving",
         "tiny-qwen3-cpu",
         "tiny-qwen3-cpu-arithmetic",
+        "tiny-qwen3-cpu-judge",
     ]
     math = load_target("qwen3-30b-a3b-h20x64")  # single-turn long chain-of-thought
     assert math.workload.turns.max == 1 and math.workload.group_size == 16 and math.workload.tokens.response == 16384

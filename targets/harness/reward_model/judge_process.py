@@ -7,7 +7,7 @@ last ``max_position_embeddings`` tokens kept) and its verdict is the probability
 against ``0`` as its next token: a score in [0, 1] that the harness adds to what the environment
 paid at the episode's last turn (``docs/targets.md``).
 
-Run as ``python -m targets.harness.reward_model.judge_process JUDGE_DIR POLICY_DIR DEVICE``.
+Run as ``python -m targets.harness.reward_model.judge_process JUDGE_DIR POLICY_DIR DEVICE DTYPE``.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def verdict_ids(tokenizer) -> tuple[int, int]:
     return ids[0], ids[1]
 
 
-def main(judge_dir: str, policy_dir: str, device: str) -> None:
+def main(judge_dir: str, policy_dir: str, device: str, dtype: str) -> None:
     import torch
 
     from targets.harness.model import load_model, load_tokenizer
 
     torch.set_num_threads(1)  # one core's worth, as an engine's: the host's cores are the job's
-    model = load_model(judge_dir).to(device)
+    model = load_model(judge_dir, dtype).to(device)
     judge_tokenizer, policy_tokenizer = load_tokenizer(judge_dir), load_tokenizer(policy_dir)
     yes, no = verdict_ids(judge_tokenizer)
     window = model.config.max_position_embeddings
@@ -51,4 +51,4 @@ def main(judge_dir: str, policy_dir: str, device: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -62,31 +62,19 @@ class JudgeInstance:
     release: asyncio.TimerHandle | None = None
     starting: asyncio.Future | None = None  # its process loading (and a serverless cold start)
 
-    def begin(self, judge_dir: Path, policy_dir: Path, cuda_index: int | None, cold_start_s: float = 0.0) -> None:
-        """Start its process; it is ready once the process has loaded the judge and ``cold_start_s`` passed."""
-        loading = self._start(judge_dir, policy_dir, cuda_index)
-        self.starting = asyncio.ensure_future(asyncio.gather(loading, asyncio.sleep(cold_start_s)))
+    def begin(self, argv: list[str], env: dict[str, str], cold_start_s: float = 0.0) -> None:
+        """Start its process (``argv``, ``env``); it is ready once the process has loaded the judge and
+        ``cold_start_s`` has passed."""
+        self.starting = asyncio.ensure_future(asyncio.gather(self._start(argv, env), asyncio.sleep(cold_start_s)))
 
     @property
     def ready(self) -> bool:
         return self.starting is not None and self.starting.done()
 
-    async def _start(self, judge_dir: Path, policy_dir: Path, cuda_index: int | None) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        if cuda_index is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(cuda_index)
+    async def _start(self, argv: list[str], env: dict[str, str]) -> None:
         self.log = tempfile.TemporaryFile()
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "targets.harness.reward_model.judge_process",
-            str(judge_dir),
-            str(policy_dir),
-            "cpu" if cuda_index is None else "cuda",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=self.log,
-            env=env,
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=self.log, env=env
         )
         said = await self.process.stdout.readline()
         if said.strip() != b"ready":
@@ -175,9 +163,14 @@ class RewardModelService:
     def _spawn(
         self, name: str, devices: list[str], cuda_device: str | None, cold_start_s: float = 0.0
     ) -> JudgeInstance:
-        index = self.index[cuda_device] if self.cuda and cuda_device is not None else None
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        if self.cuda and cuda_device is not None:  # the judge sees that device alone
+            env["CUDA_VISIBLE_DEVICES"] = str(self.index[cuda_device])
+        device = "cuda" if self.cuda and cuda_device is not None else "cpu"
+        argv = [sys.executable, "-m", "targets.harness.reward_model.judge_process"]
+        argv += [str(self.judge_dir), str(self.policy_dir), device, self.spec.model.dtype]
         instance = JudgeInstance(name, devices, self.trace.clock.now())
-        instance.begin(self.judge_dir, self.policy_dir, index, cold_start_s)
+        instance.begin(argv, env, cold_start_s)
         self.instances.append(instance)
         return instance
 

@@ -91,6 +91,11 @@ def export_project(candidate: Path, target: str, out: Path, source: str | None =
         spec = load_target(target)
     except SpecError as error:
         raise ExportError(str(error)) from None
+    if spec.workload.reward_model is not None:
+        raise ExportError(
+            f"target {spec.id} has a reward model (workload.reward_model): the exported launcher trains on its "
+            "environment's rewards alone, with no judge to score them; export is for targets without one"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-export-", dir=out.parent))
     try:

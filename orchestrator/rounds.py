@@ -162,8 +162,8 @@ class Loop:
             raise
         except EnvironmentFailed as error:  # the user's code, which every later round would meet too
             stop = RunError(
-                f"round {number} stopped: {error}. This is the environment's failure, not the candidate's: "
-                "every validated candidate is committed; fix the environment and run again with --resume "
+                f"round {number} stopped: {error}. This is the {error.part}'s failure, not the candidate's: "
+                f"every validated candidate is committed; fix the {error.part} and run again with --resume "
                 "(the round is redone)"
             )
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown

@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import yaml
 
 from targets.api import Device, EngineSettings, TokenCount, TraceEvent, TrainBatch, Trajectory
 from targets.harness.judge.audit import audit_run
+from targets.harness.reward_model.service import JudgeProcessError, RewardModelService
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.response_length import ResponseLengths
@@ -28,6 +31,7 @@ from targets.harness.sim.reward import (
 from targets.harness.sim.virtual_time import run_virtual
 from targets.harness.trace import Trace
 from targets.spec import CATALOG_DIR, SpecError, parse_target
+from targets.spec.reward import ServerlessSpec
 from tests.technique_run import planted, round_hints, target_run
 
 JUDGE = "qwen3-8b-h800x16-judge"
@@ -406,6 +410,13 @@ def test_a_real_reward_model_judges_each_trajectory_where_the_stack_places_it(tm
     verdicts = [e for e in events if e.kind == "reward"]
     trained = {t["episode"] for e in events if e.kind == "train" for t in e.data["trajectories"]}
     assert trained and trained <= {v.data["episode"] for v in verdicts} | _ended_badly(events)
+    paid = {e.data["episode"]: 0.0 for e in events if e.kind == "env_step"}
+    for e in events:
+        if e.kind == "env_step":
+            paid[e.data["episode"]] += e.data["reward"]
+    score = {v.data["episode"]: v.data["score"] for v in verdicts}
+    for t in (t for e in events if e.kind == "train" for t in e.data["trajectories"]):  # the score reached training
+        assert t["reward"] == pytest.approx(paid[t["episode"]] + score.get(t["episode"], 0.0), abs=1e-6)
     scores = [v.data["score"] for v in verdicts]
     assert all(0 < s < 1 for s in scores) and len(set(scores)) > 1  # a model's verdicts, not a constant
     assert {v.data["where"] for v in verdicts} == {where}
@@ -418,6 +429,14 @@ def test_a_real_reward_model_judges_each_trajectory_where_the_stack_places_it(tm
         assert {v.data["device"] for v in verdicts} == {"cpu:2"} and "cpu:2" not in rolled
         assert not any("cpu:2" in e.data["devices"] for e in events if e.kind == "train")
         assert 0 < service["utilization"] < 1
+        # planted: a train call on the judge's device, which a real cluster would not refuse by itself
+        train = next(e for e in events if e.kind == "train")
+        planted_events = [
+            dataclasses.replace(e, data={**e.data, "devices": [*e.data["devices"], "cpu:2"]}) if e is train else e
+            for e in events
+        ]
+        result = _audit_of(spec, planted_events)
+        assert any("reward device used" in line and "cpu:2" in line for line in result.reasons), result.reasons
     else:  # outside the job, started cold on demand
         assert all(v.data["device"].startswith("serverless:") for v in verdicts)
         assert service["instances"] >= 1 and service["device_s"] > 0
@@ -444,3 +463,125 @@ def test_a_stack_that_scores_its_own_episodes_is_rejected_for_the_reward_it_trai
     assert not run.ok or not run.results["audit"]["result"]["passed"]
     reasons = run.results["audit"]["result"]["reasons"]
     assert any("altered reward" in r and "environment and reward model paid" in r for r in reasons), reasons
+
+
+# -- the real service's failures, with stand-in judge processes (no model to load) ------------------------
+
+JUDGE_ANSWERS = (
+    "import json, sys\nprint('ready', flush=True)\nfor line in sys.stdin: print(json.dumps({'score': 0.5}), flush=True)"
+)
+JUDGE_DIES = "import sys\nsys.stderr.write('no weights at that path')\nsys.exit(3)"
+JUDGE_BABBLES = "import sys\nprint('ready', flush=True)\nfor line in sys.stdin: print('I think so', flush=True)"
+
+
+class _StandInJudges(RewardModelService):
+    """The real service with a judge process that runs ``code`` in place of a model's."""
+
+    def __init__(self, code: str, where: str, failures: list, keep_warm_s: float = 60.0) -> None:
+        spec = parse_target(_real_judged(3))
+        judge = spec.workload.reward_model.model_copy(
+            update={"serverless": ServerlessSpec(cold_start_s=0.0, keep_warm_s=keep_warm_s, max_devices=2)}
+        )
+        reserved = ("cpu:2",) if where == "dedicated" else ()
+        placement = EngineSettings(reward=where, reward_devices=reserved)
+        devices = ["cpu:0", "cpu:1", "cpu:2"]
+        trace = Trace(_Clock(), record_tokens=False)
+        nowhere = Path("/nonexistent")  # the stand-ins read no model
+        super().__init__(
+            judge, placement, devices, nowhere, nowhere, judge_costs_of(spec), trace, {}.get, failures.append
+        )
+        self.code = code
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.code]
+
+
+def _ended(name: str, at: float) -> types.SimpleNamespace:
+    return types.SimpleNamespace(episode_id=name, context=[5, 6, 7], last_step=TraceEvent("env_step", at, {}))
+
+
+def test_a_judge_process_that_dies_at_start_fails_the_run_by_name():
+    async def main():
+        service = _StandInJudges(JUDGE_DIES, "dedicated", [])
+        try:
+            with pytest.raises(
+                JudgeProcessError, match="judge:cpu:2 said b'' instead of ready:\nno weights at that path"
+            ):
+                await service.start(["cpu:0"])
+        finally:
+            await service.close()
+
+    asyncio.run(main())
+
+
+def test_a_judge_that_answers_no_verdict_fails_the_run_never_leaves_the_episode_waiting():
+    async def main():
+        failures: list = []
+        service = _StandInJudges(JUDGE_BABBLES, "dedicated", failures)
+        await service.start(["cpu:0"])
+        answered: list = []
+        service.judge(_ended("g0/e0", 0.0), answered.append)
+        for _ in range(100):
+            if failures:
+                break
+            await asyncio.sleep(0.05)
+        await service.close()
+        return failures, answered
+
+    failures, answered = asyncio.run(main())
+    assert not answered and len(failures) == 1 and isinstance(failures[0], JudgeProcessError)
+    assert "judge:cpu:2 answered out of turn" in str(failures[0])
+
+
+def test_a_real_serverless_judge_lets_an_idle_instance_go_and_starts_another_when_asked_again():
+    async def main():
+        failures: list = []
+        service = _StandInJudges(JUDGE_ANSWERS, "serverless", failures, keep_warm_s=0.3)
+        await service.start([])
+        answered: list = []
+        loop = asyncio.get_running_loop()
+        for name in ("g0/e0", "g1/e0"):  # the second long after the first instance went idle
+            service.judge(_ended(name, loop.time()), answered.append)
+            for _ in range(200):
+                if len(answered) == (1 if name == "g0/e0" else 2) or failures:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+        summary = service.summary(loop.time())
+        processes = [i.process for i in service.instances]
+        await service.close()
+        return failures, answered, summary, processes
+
+    failures, answered, summary, processes = asyncio.run(main())
+    assert not failures and answered == [0.5, 0.5]
+    assert summary["instances"] == 2 and summary["scored"] == 2  # the first was let go, the second started cold
+    assert all(p.returncode is not None for p in processes)  # each process ended with its release or the close
+    assert 0 < summary["busy_s"] < summary["device_s"] < 2 * 2.5
+
+
+def test_the_reference_loop_and_export_refuse_a_judged_target_by_name(tmp_path):
+    """Both would train on the environment's rewards alone, with no judge: they say so instead."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+    from orchestrator.export import ExportError, export_project
+    from skills.starter import write_starter
+    from targets.spec import load_target
+
+    result = CliRunner().invoke(app, ["reference", "tiny-qwen3-cpu-judge", "--steps", "1"])
+    assert result.exit_code == 2 and "has a reward model" in result.output and "Traceback" not in result.output
+    candidate = write_starter(tmp_path / "stack", load_target("tiny-qwen3-cpu-judge"), "colocate")
+    with pytest.raises(ExportError, match=r"has a reward model \(workload.reward_model\)"):
+        export_project(candidate, "tiny-qwen3-cpu-judge", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_real_reward_model_on_gpus_or_with_a_long_verdict_is_refused_by_its_path():
+    data = _real_judged(3)
+    data["hardware"] = {"kind": "h100", "count": 3}
+    with pytest.raises(SpecError, match="workload.reward_model: a reward model runs for real on CPU targets only"):
+        parse_target(data)
+    data = _real_judged(3)
+    data["workload"]["reward_model"]["output_tokens"] = 16
+    with pytest.raises(SpecError, match="a real judge gives a score, one token; got 16"):
+        parse_target(data)

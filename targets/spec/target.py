@@ -157,6 +157,23 @@ class TargetSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _reward_model_runs_here(self) -> TargetSpec:
+        judge = self.workload.reward_model
+        if judge is None or self.execution == "simulated":
+            return self
+        kinds = sorted({h.kind for h in self.hardware.by_name.values()})
+        if kinds != ["cpu"]:
+            raise ValueError(
+                f"workload.reward_model: a reward model runs for real on CPU targets only (this one's devices "
+                f"are {', '.join(kinds)}); simulate it (execution: simulated)"
+            )
+        if judge.output_tokens != 1:
+            raise ValueError(
+                f"workload.reward_model.output_tokens: a real judge gives a score, one token; got {judge.output_tokens}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _baselines_fit(self) -> TargetSpec:
         for i, baseline in enumerate(self.baselines):
             count = (baseline.hardware or self.hardware).count

@@ -36,6 +36,7 @@ from targets.harness.clock import WallClock
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.reward_model.service import JudgeProcessError
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 
@@ -220,7 +221,8 @@ def record_phase(out: Path, phase: str, run: Callable[[], dict]) -> bool:
     """Runs one phase and writes ``<phase>.json``: ``ok`` with its result, or the error (the parent
     reports it; nothing is swallowed). Whether it succeeded. A user's environment that failed (its
     entry, its reset or a step raised, hung while resetting, answered out of contract) is marked
-    ``fault: environment``: the user's code failed, not the candidate's."""
+    ``fault: environment``, and a reward model's process that failed ``fault: reward model``: the
+    user's code or the harness's failed, not the candidate's."""
     started = time.monotonic()
     try:
         result = run()
@@ -230,6 +232,8 @@ def record_phase(out: Path, phase: str, run: Callable[[], dict]) -> bool:
         report = {"status": "error", "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
         if isinstance(error, UserEnvironmentError):  # raised in this process, by the harness: no candidate sets it
             report.update(fault="environment", message=str(error))
+        elif isinstance(error, JudgeProcessError):  # the reward model's process, the harness's own
+            report.update(fault="reward model", message=str(error))
         (out / f"{phase}.json").write_text(json.dumps(report, indent=1))
         traceback.print_exc()
         return False

@@ -65,7 +65,9 @@ class ControllerLink:
     def __init__(self, channel: AsyncChannel, envs: EnvironmentPool, clock, virtual: bool) -> None:
         self.channel, self.envs, self.clock, self.virtual = channel, envs, clock, virtual
         self.cluster: TracedCluster | None = None  # set by ``open`` once the controller said hello
-        self._early: list[tuple[Received, Any]] = []  # cluster calls that came before ``open``
+        # environment and cluster calls that came before ``open``: served then, in order, so nothing
+        # the controller asks starts before the run does (a reward model's judges load in between)
+        self._held: list[Received] = []
         self.memory = PromptMemory(counts=virtual)  # a simulated run keeps token counts only
         self.episodes: dict[str, Any] = {}
         self.declared = Declared()  # what the controller's hello declares
@@ -132,7 +134,11 @@ class ControllerLink:
 
     def _dispatch(self, rx: Received) -> None:
         kind = rx.get("kind")
-        if kind == "hello":
+        if kind in ("env", "cluster") and self.cluster is None:
+            if kind == "cluster" and not self.hello.done():
+                raise ProtocolError("a cluster call before the controller's hello")
+            self._held.append(rx)
+        elif kind == "hello":
             if not self.hello.done():
                 self.declared = get_declared(field_of(rx.header, "declared", dict, "hello"))
                 self.engine = get_engine_settings(field_of(rx.header, "engine", dict, "hello"))
@@ -180,13 +186,7 @@ class ControllerLink:
         elif kind == "cluster":
             # Tokens travel as deltas against the episode's last prompt: decode them now, in arrival
             # order, before a drop later in the same burst (a cancelled spare) forgets that prompt.
-            tokens = self._decode_tokens(rx)
-            if self.cluster is not None:
-                self._call(rx, tokens)
-            elif self.hello.done():  # right behind the hello, before the harness built the cluster
-                self._early.append((rx, tokens))
-            else:
-                raise ProtocolError("a cluster call before the controller's hello")
+            self._call(rx, self._decode_tokens(rx))
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")
 
@@ -203,11 +203,12 @@ class ControllerLink:
         return None
 
     def open(self, cluster: TracedCluster) -> None:
-        """Serve cluster calls on ``cluster`` from now on, the ones that came early first, in order."""
+        """Serve calls on ``cluster`` from now on: the run has started. The calls that came before
+        are served first, in the order they came (a drop after a generate forgets its prompt after)."""
         self.cluster = cluster
-        early, self._early = self._early, []
-        for rx, tokens in early:
-            self._call(rx, tokens)
+        held, self._held = self._held, []
+        for rx in held:
+            self._on_frame(rx)
 
     def _call(self, rx: Received, tokens) -> None:
         key = next(self._numbers)

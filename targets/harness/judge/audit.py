@@ -236,11 +236,11 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
             if altered:
                 r.add("altered trajectory", f"episode {episode}: trained tokens differ from what the environment saw")
             reward = ix.paid(episode)
-            if abs(t["reward"] - reward) > 1e-6:
+            if not abs(t["reward"] - reward) <= 1e-6:  # a NaN is no match
                 r.add(
                     "altered reward",
                     f"episode {episode}: trained reward {t['reward']:.4f}, "
-                    + ("environment and reward model" if ix.judged else "environment")
+                    + ("environment and reward model" if ix.verdicts.get(episode) else "environment")
                     + f" paid {reward:.4f}",
                 )
             if ix.tokens_recorded:
@@ -474,7 +474,31 @@ def check_verdicts(ix: TraceIndex, r: Reasons) -> dict:
                 f"episode {episode} was trained on by step {steps_in[0] + 1} at {train.data['start']:.3f} s, "
                 f"before the reward model's verdict at {verdict.t:.3f} s",
             )
+    check_reward_devices(ix, r)
     return {"verdicts": len(ix.by_kind["reward"])}
+
+
+def check_reward_devices(ix: TraceIndex, r: Reasons) -> None:
+    """The devices a stack set aside for a dedicated judge (its hello's ``reward_devices``) never roll
+    out, train, sync or take an engine: the harness refuses the placement at hello, and a real
+    cluster's calls are held to it here (a simulated one refuses them as they come)."""
+    start = ix.by_kind["run_start"]
+    reserved = set((start[0].data.get("engine") or {}).get("reward_devices", ())) if start else set()
+    if not reserved:
+        return
+    for e in ix.events:
+        if e.kind == "generate" and e.data.get("device") in reserved:
+            used = [e.data["device"]]
+        elif e.kind in ("train", "sync", "expand", "shrink"):
+            used = sorted(reserved & set(e.data["devices"]))
+        else:
+            continue
+        if used:
+            r.add(
+                "reward device used",
+                f"{e.kind} at {e.t:.3f} s on {used}, set aside for the reward model (reward_devices)",
+            )
+            return
 
 
 def audit_run(

@@ -238,7 +238,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
         return {
             "turns": [float(len(s)) for s in steps],
             "response tokens": [float(sum(token_count(x.data["action"]) for x in s)) for s in steps],
-            "reward": [float(sum(x.data["reward"] for x in s)) for s in steps],
+            "reward": [ix.paid(e) for e in episodes],  # a reward model's score included
         }
 
     everything, kept = measured(launched), measured(trained)

@@ -140,7 +140,7 @@ class TraceIndex:
     def paid(self, episode: str) -> float:
         """The episode's reward: what its environment paid each turn, and a reward model's score of it
         (its first verdict's: one is all ``check_verdicts`` lets through)."""
-        paid = sum(s.data["reward"] for s in self.env_steps[episode])
+        paid = sum(s.data["reward"] for s in self.env_steps.get(episode, []))
         verdicts = self.verdicts.get(episode)
         return paid + (verdicts[0].data["score"] if verdicts else 0.0)
 

@@ -276,8 +276,9 @@ class Session:
             if accuracy.get("status") != "ok":
                 return Measurement(checks + [CheckResult("accuracy", False, [run.cause])], seed=seed)
             checks += [CheckResult.from_dict(c) for c in accuracy["checks"]]
-        if run.results.get("system", {}).get("fault") == "environment":
-            raise EnvironmentFailed(run.results["system"]["message"])
+        fault = run.results.get("system", {}).get("fault")
+        if fault is not None:  # the environment's or the reward model's, never held against the candidate
+            raise EnvironmentFailed(run.results["system"]["message"], fault)
         if run.results.get("system", {}).get("status") != "ok":
             return Measurement(checks + [CheckResult("system_run", False, [run.cause])], seed=seed)
         if run.results.get("audit", {}).get("status") != "ok":
@@ -343,7 +344,12 @@ class MeasurementFailed(RuntimeError):
 
 
 class EnvironmentFailed(UserError, RuntimeError):
-    """The user's environment failed during a system run (the message names its entry, episode and
-    turn): the user's code to fix, never held against the candidate that was running."""
+    """The user's environment, or the reward model's process, failed during a system run (the message
+    names it, and the episode and turn): never held against the candidate that was running. ``part``
+    says which (``environment``, ``reward model``)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, part: str = "environment") -> None:
+        super().__init__(message)
+        self.part = part

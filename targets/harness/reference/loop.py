@@ -79,6 +79,8 @@ def run_reference(
 ) -> list[StepStats]:
     if spec.execution == "simulated":
         raise ValueError(f"target {spec.id} is simulated-only; the reference loop needs real execution")
+    if spec.workload.reward_model is not None:
+        raise ValueError(f"target {spec.id} has a reward model: the reference loop trains on environment rewards only")
     torch.manual_seed(seed)
     path = model_dir(spec.model)
     model, stops = load_model(path, spec.model.dtype), stop_token_ids(path)

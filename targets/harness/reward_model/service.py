@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from targets.api import Device, EngineSettings, Runtime
+from targets.api import EngineSettings, Runtime
 from targets.harness.environments.base import Episode
 from targets.harness.model import model_dir
 from targets.harness.sim.cost_model import ClusterCosts
@@ -38,6 +38,7 @@ from targets.spec import TargetSpec
 from targets.spec.reward import RewardModelSpec
 
 REPO = Path(__file__).resolve().parents[3]  # the harness's own code, importable by the judge's process
+VERDICT_TIMEOUT_S = 300.0  # a verdict not in by then: the judge's process hangs, and the run fails saying so
 
 
 class JudgeProcessError(RuntimeError):
@@ -104,7 +105,7 @@ class JudgeInstance:
             self.process.stdin.close()
             try:
                 await asyncio.wait_for(self.process.wait(), timeout=10)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 self.process.kill()
                 await self.process.wait()
         if self.log is not None:
@@ -118,24 +119,20 @@ class RewardModelService:
         self,
         spec: RewardModelSpec,
         placement: EngineSettings,
-        devices: list[Device],
+        job_devices: list[str],
         judge_dir: Path,
         policy_dir: Path,
         judge_costs: ClusterCosts,
         trace: Trace,
         last_device: Callable[[str], str | None],
         fail: Callable[[BaseException], None],
-        cuda: bool,
     ) -> None:
         """``last_device``: the device that served an episode's last turn (the harness's proxy knows);
         ``fail``: what ends the run when a verdict cannot be had."""
         self.spec, self.where, self.trace, self.fail = spec, placement.reward, trace, fail
         self.placement, self.judge_costs, self.last_device = placement, judge_costs, last_device
         self.judge_dir, self.policy_dir = judge_dir, policy_dir
-        self.index = {d.id: d.index for d in devices}
-        self.cuda = cuda
-        if self.where == "serverless" and cuda:
-            raise ValueError("a serverless reward model runs for real on a CPU target only (no device outside the job)")
+        self.job_devices = set(job_devices)
         self.instances: list[JudgeInstance] = []
         self.on_device: dict[str, JudgeInstance] = {}
         self.scored = 0
@@ -150,41 +147,39 @@ class RewardModelService:
         return cls(
             judge,
             placement,
-            list(runtime.devices),
+            [d.id for d in runtime.devices],
             model_dir(judge.model),
             Path(runtime.model_path),
             judge_costs_of(spec),
             trace,
             last_device,
             fail,
-            cuda=runtime.accelerator == "cuda",
         )
 
-    def _spawn(
-        self, name: str, devices: list[str], cuda_device: str | None, cold_start_s: float = 0.0
-    ) -> JudgeInstance:
+    def command(self) -> list[str]:
+        """A judge process's command line (``judge_process.py``; the host's CPU: the spec refuses a real
+        reward model on other devices until its GPU placement is built and tested)."""
+        module = "targets.harness.reward_model.judge_process"
+        return [sys.executable, "-m", module, str(self.judge_dir), str(self.policy_dir), "cpu", self.spec.model.dtype]
+
+    def _spawn(self, name: str, devices: list[str], cold_start_s: float = 0.0) -> JudgeInstance:
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        if self.cuda and cuda_device is not None:  # the judge sees that device alone
-            env["CUDA_VISIBLE_DEVICES"] = str(self.index[cuda_device])
-        device = "cuda" if self.cuda and cuda_device is not None else "cpu"
-        argv = [sys.executable, "-m", "targets.harness.reward_model.judge_process"]
-        argv += [str(self.judge_dir), str(self.policy_dir), device, self.spec.model.dtype]
         instance = JudgeInstance(name, devices, self.trace.clock.now())
-        instance.begin(argv, env, cold_start_s)
+        instance.begin(self.command(), env, cold_start_s)
         self.instances.append(instance)
         return instance
 
     async def start(self, rollout: list[str]) -> None:
         """The instances held from the run's start (colocated, dedicated), loaded before it starts."""
         if self.where == "colocated":
-            for device in rollout:
-                self.on_device[device] = self._spawn(f"judge:{device}", [device], device)
+            for device in dict.fromkeys(d for d in rollout if d in self.job_devices):  # each once, the job's only
+                self.on_device[device] = self._spawn(f"judge:{device}", [device])
         elif self.where == "dedicated":
             engines = dedicated_engines(self.placement.reward_devices, self.judge_costs)
             if isinstance(engines, str):
                 raise ValueError(engines)  # the harness refused the placement at hello (drive.py)
             for devices in engines:
-                self._spawn(f"judge:{devices[0]}", devices, devices[0])
+                self._spawn(f"judge:{devices[0]}", devices)
         await asyncio.gather(*(i.starting for i in self.instances))
         for instance in self.instances:  # held from the run's start: their loading is not the run's
             instance.started = self.trace.clock.now()
@@ -195,7 +190,7 @@ class RewardModelService:
         start, context = episode.last_step.t, list(episode.context)
         try:
             instance = self._instance_for(episode.episode_id)
-        except ValueError as error:
+        except Exception as error:  # noqa: BLE001 - raised in the loop's callback it would be lost: the run's
             self.fail(error)
             return
         instance.load += 1
@@ -204,32 +199,50 @@ class RewardModelService:
         task.add_done_callback(self._verdicts.discard)
 
     async def _verdict(self, instance: JudgeInstance, episode: str, context: list[int], start: float, then) -> None:
+        """One verdict; whatever stops it (a process that ends, hangs or answers out of turn) ends the
+        run with its reason, never leaves the episode waiting."""
         try:
-            await instance.starting
+            await asyncio.shield(instance.starting)  # shared by every verdict routed to it
             self._busy(instance, +1)
             try:
-                score = await instance.score(context)
+                score = await asyncio.wait_for(instance.score(context), VERDICT_TIMEOUT_S)
+            except (ValueError, KeyError, TypeError) as error:  # a line that is no verdict
+                raise JudgeProcessError(
+                    f"the reward model's process {instance.name} answered out of turn: {error}"
+                ) from None
+            except asyncio.TimeoutError:
+                raise JudgeProcessError(
+                    f"the reward model's process {instance.name} gave no verdict in {VERDICT_TIMEOUT_S:.0f} s"
+                ) from None
             finally:
                 self._busy(instance, -1)
-        except (JudgeProcessError, OSError) as error:
+            if not 0.0 <= score <= 1.0:  # NaN included
+                raise JudgeProcessError(f"the reward model's process {instance.name} scored {score!r}, not in [0, 1]")
+            self.scored += 1
+            self.trace.record(
+                "reward",
+                episode=episode,
+                where=self.where,
+                device=instance.devices[0],
+                tokens=len(context),
+                start=start,
+                score=score,
+            )
+            then(score)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure of a verdict is the run's, said by name
             self.fail(error)
-            return
         finally:
             instance.load -= 1
-        self.scored += 1
-        device = instance.devices[0]
-        self.trace.record(
-            "reward", episode=episode, where=self.where, device=device, tokens=len(context), start=start, score=score
-        )
-        then(score)
 
     def _instance_for(self, episode: str) -> JudgeInstance:
         if self.where == "colocated":
             device = self.last_device(episode)
-            if device is None or device not in self.index:
+            if device is None or device not in self.job_devices:
                 raise ValueError(f"episode {episode} ended with no turn served on any of the job's devices")
             if device not in self.on_device:
-                self.on_device[device] = self._spawn(f"judge:{device}", [device], device)
+                self.on_device[device] = self._spawn(f"judge:{device}", [device])
             return self.on_device[device]
         live = [i for i in self.instances if i.released is None]
         if self.where == "dedicated":
@@ -243,7 +256,7 @@ class RewardModelService:
 
     def _start_serverless(self) -> JudgeInstance:
         n = len(self.instances)
-        return self._spawn(f"judge:serverless{n}", [f"serverless:{n}.0"], None, self.spec.serverless.cold_start_s)
+        return self._spawn(f"judge:serverless{n}", [f"serverless:{n}.0"], self.spec.serverless.cold_start_s)
 
     # -- busy time and release (as the simulated service's) -------------------------------------------
     def _busy(self, instance: JudgeInstance, change: int) -> None:

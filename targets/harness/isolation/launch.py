@@ -34,10 +34,14 @@ class Limits:
 
     @classmethod
     def of(cls, target: Target, time_s: float | None = None) -> Limits:
-        """The target's ``limits`` (by default sized by its model; a simulated target runs a tiny
-        proxy model here), the time overridden when given."""
-        parameters = 0 if target.simulated else int(target.spec.model.param_counts().total)
-        memory_mb, seconds = target.spec.limits.resolved(parameters)
+        """The target's ``limits`` (by default sized by its model and a real reward model's, whose
+        processes are in the tree too; a simulated target runs a tiny proxy model here), the time
+        overridden when given."""
+        spec, parameters = target.spec, 0
+        if not target.simulated:
+            judge = spec.workload.reward_model
+            parameters = int(spec.model.param_counts().total + (judge.model.param_counts().total if judge else 0))
+        memory_mb, seconds = spec.limits.resolved(parameters)
         return cls(time_s=seconds if time_s is None else time_s, memory_mb=memory_mb)
 
 

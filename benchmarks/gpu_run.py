@@ -19,8 +19,12 @@ after every one (so a run cut short still returns what it measured), each stage'
 3. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
    and per-phase timings kept; then ``train_ratio``: ``benchmarks/train_step_ratio.py`` on that trace
    (each system train step against the trainer alone on the same batch);
-4. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``;
-5. ``calibrate``: the simulator fitted to the check's trace, and its prediction error.
+4. ``calibrate``: the simulator fitted to the check's trace, and its prediction error;
+5. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``
+   (last: it takes whatever time is left).
+
+``--bundle FILE`` packs OUT after every stage into one tarball (weight snapshots and workspaces left
+out): the device tool brings back at most 8 files, and a run cut short still returns its last bundle.
 
 ``--rehearse`` runs the same stages on a one-device variant of the CPU target (the local cluster, as
 the GPU target uses), to prove the script before a GPU is lent.
@@ -32,6 +36,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -48,14 +53,17 @@ app = typer.Typer(add_completion=False, no_args_is_help=True)
 
 DEVICE_PYTHON = "3.12"  # the GPU machine's (the device tool's README)
 CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "orjson", "gitpython", "gitdb", "smmap")
+CARRIED_BINARIES = ("bwrap", "git")  # the sandbox, and what GitPython runs
+CARRIED_LIBRARIES = ("libselinux.so.1", "libcap.so.2", "libpcre2-8.so.0")  # theirs beyond libc and zlib
 STAGES = {  # name: seconds it may take (all of them fit the 10 minutes a device call may run)
     "setup": 60,
     "components": 100,
-    "check": 240,
+    "check": 270,
     "train_ratio": 45,
-    "generate": 150,
     "calibrate": 40,
+    "generate": 200,
 }
+BUNDLE_LEFT_OUT = ("workspaces", "run", "starter")  # folders of OUT the bundle leaves out (run is tarred apart)
 
 
 @app.command()
@@ -85,19 +93,38 @@ def prepare(
         ],
         check=True,
     )
-    bwrap = shutil.which("bwrap")
-    if bwrap is not None:  # a static enough binary: bubblewrap needs only libc and libcap
-        (wheels / "bin").mkdir(exist_ok=True)
-        shutil.copy2(bwrap, wheels / "bin" / "bwrap")
+    carried = [name for name in CARRIED_BINARIES if _carry_binary(name, wheels)]
     size = sum(p.stat().st_size for p in wheels.rglob("*") if p.is_file())
-    typer.echo(f"{wheels}: {size / 2**20:.1f} MiB to carry ({'with' if bwrap else 'without'} bwrap)")
+    typer.echo(f"{wheels}: {size / 2**20:.1f} MiB to carry (binaries: {', '.join(carried) or 'none'})")
+
+
+def _carry_binary(name: str, wheels: Path) -> bool:
+    """This machine's NAME, with the libraries a bare image may lack, behind a wrapper in WHEELS/bin.
+
+    The run puts WHEELS/bin last on PATH, so the machine's own binary wins where it has one."""
+    found = shutil.which(name)
+    if found is None:
+        return False
+    for folder in ("bin", "libexec", "lib"):
+        (wheels / folder).mkdir(exist_ok=True)
+    shutil.copy2(found, wheels / "libexec" / name)
+    for library in CARRIED_LIBRARIES:
+        if Path("/lib/x86_64-linux-gnu", library).exists():
+            shutil.copy2(Path("/lib/x86_64-linux-gnu", library), wheels / "lib" / library)
+    wrapper = wheels / "bin" / name
+    wrapper.write_text(
+        '#!/bin/sh\nhere=$(dirname "$(readlink -f "$0")")\n'
+        f'LD_LIBRARY_PATH="$here/../lib${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" exec "$here/../libexec/{name}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return True
 
 
 class Stages:
     """Runs the stages in order, each a subprocess with its limit, recording as it goes."""
 
-    def __init__(self, out: Path, deadline_s: float) -> None:
-        self.out, self.started, self.deadline_s = out, time.monotonic(), deadline_s
+    def __init__(self, out: Path, deadline_s: float, bundle: Path | None = None) -> None:
+        self.out, self.started, self.deadline_s, self.bundle = out, time.monotonic(), deadline_s, bundle
         self.results: dict[str, dict] = {}
         out.mkdir(parents=True, exist_ok=True)
 
@@ -113,14 +140,17 @@ class Stages:
             return False
         log = self.out / f"{name}.log"
         started = time.monotonic()
-        with log.open("w") as handle:
+        with log.open("w") as handle:  # a session of its own: a stage cut short leaves no process on the GPU
+            process = subprocess.Popen(
+                command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+            )
             try:
-                process = subprocess.run(
-                    command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=limit
-                )
-                record["status"] = "ok" if process.returncode == 0 else f"exit {process.returncode}"
+                returncode = process.wait(timeout=limit)
+                record["status"] = "ok" if returncode == 0 else f"exit {returncode}"
             except subprocess.TimeoutExpired:
                 record["status"] = f"timed out after {limit:.0f} s"
+            finally:
+                _end_session(process)
         record["seconds"] = round(time.monotonic() - started, 2)
         record["log_tail"] = log.read_text(errors="replace").splitlines()[-15:]
         self._save(name, record)
@@ -131,6 +161,32 @@ class Stages:
         summary = {"elapsed_s": round(time.monotonic() - self.started, 1), "stages": self.results}
         (self.out / "stages.json").write_text(json.dumps(summary, indent=1))
         typer.echo(f"[{summary['elapsed_s']:6.1f}s] {name}: {record['status']}")
+        if self.bundle is not None:
+            self.pack()
+
+    def pack(self) -> None:
+        """OUT into one tarball, written beside and renamed, so the bundle is never half a file."""
+        partial = self.bundle.with_name(self.bundle.name + ".partial")
+        with tarfile.open(partial, "w:gz") as tar:
+            for path in sorted(self.out.iterdir()):
+                if path.name not in BUNDLE_LEFT_OUT:
+                    tar.add(path, arcname=f"gpu-run/{path.name}", filter=_without_weights)
+        partial.replace(self.bundle)
+        shutil.copy2(self.out / "stages.json", self.bundle.with_name("stages.json"))
+
+
+def _without_weights(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """Weight snapshots stay behind (a 0.6B version is 2.4 GB in float32)."""
+    return None if member.name.endswith(".safetensors") else member
+
+
+def _end_session(process: subprocess.Popen) -> None:
+    """Kill what a stage left running (its candidate processes, judges, sandboxes)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the stage's whole session has already ended
+    process.wait()
 
 
 def _rehearsal_target(out: Path) -> str:
@@ -145,6 +201,22 @@ def _rehearsal_target(out: Path) -> str:
     path = out / "rehearsal-target.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
+
+
+def _sandbox(env: dict) -> tuple[str, str]:
+    """bubblewrap where it runs on this machine (as a user would), else the plain subprocess, and why."""
+    bwrap = shutil.which("bwrap", path=env["PATH"])
+    if bwrap is None:
+        return "subprocess", "no bwrap on PATH, carried or the machine's"
+    probe = subprocess.run(
+        [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        return "subprocess", f"{bwrap} cannot make a sandbox here: {probe.stderr.strip()[:300]}"
+    return "auto", f"{bwrap} works"
 
 
 @app.command()
@@ -163,7 +235,8 @@ def setup(wheels: Path = typer.Option(Path("gpu-wheels"))) -> None:
             typer.echo(f"{module}: present")
         except ImportError as error:
             typer.echo(f"{module}: missing ({error})")
-    typer.echo(f"bwrap: {shutil.which('bwrap') or 'missing'}")
+    for binary in CARRIED_BINARIES:
+        typer.echo(f"{binary}: {shutil.which(binary) or 'missing'}")
 
 
 @app.command()
@@ -173,13 +246,14 @@ def run(
     target: str = typer.Option("qwen3-0.6b-h100x1"),
     rehearse: bool = typer.Option(False, help="the same stages on the CPU target, here"),
     deadline_s: float = typer.Option(580.0, help="the whole run's time; a stage gets what is left"),
+    bundle: Path | None = typer.Option(None, help="a tarball of OUT refreshed after every stage"),
 ) -> None:
     """Every stage, as the GPU session runs it; ``stages.json`` in OUT says what each did."""
-    stages = Stages(out.resolve(), deadline_s)
+    stages = Stages(out.resolve(), deadline_s, bundle.resolve() if bundle else None)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    if (wheels / "bin" / "bwrap").exists() and shutil.which("bwrap") is None:
-        env["PATH"] = f"{(wheels / 'bin').resolve()}:{env['PATH']}"
+    if (wheels / "bin").exists():  # last: the machine's own bwrap and git come first
+        env["PATH"] = f"{env['PATH']}:{(wheels / 'bin').resolve()}"
     stages.run("setup", [sys.executable, __file__, "setup", "--wheels", str(wheels.resolve())], env)
     if rehearse:
         target = _rehearsal_target(stages.out)
@@ -192,8 +266,8 @@ def run(
     starter = stages.out / "starter"
     if not starter.exists():
         subprocess.run([*vibetrain, "starter", target, "--out", str(starter), "--controller", "colocate"], env=env)
-    sandbox = "auto" if shutil.which("bwrap", path=env["PATH"]) else "subprocess"
-    stages.results["sandbox"] = {"status": sandbox}
+    sandbox, why = _sandbox(env)
+    stages.results["sandbox"] = {"status": sandbox, "why": why}
     check = [*vibetrain, "check", target, "--stack", str(starter), "--out", str(stages.out / "check")]
     stages.run("check", [*check, "--json", str(stages.out / "check.json"), "--sandbox", sandbox], env)
     if (stages.out / "check" / "trace.jsonl").exists():  # the system run's train step against the trainer alone
@@ -201,19 +275,19 @@ def run(
         ratio += ["--device", "cpu" if rehearse else "cuda:0", "--repeat", "2"]
         ratio += ["--json", str(stages.out / "train_ratio.json")]
         stages.run("train_ratio", ratio, env, ROOT / "benchmarks")
-    run_dir = stages.out / "run"
-    generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
-    generate += ["--workspaces", str(stages.out / "workspaces"), "--sandbox", sandbox]
-    stages.run("generate", generate, env)
-    if run_dir.exists():
-        with tarfile.open(stages.out / "run.tar.gz", "w:gz") as tar:
-            tar.add(run_dir, arcname="run")
     trace = stages.out / "check" / "trace.jsonl"
     if trace.exists():
         calibrate = [*vibetrain, "calibrate", target, "--stack", str(starter), "--trace", str(trace)]
         stages.run("calibrate", [*calibrate, "--out", str(stages.out / "twin.yaml"), "--sandbox", sandbox], env)
     else:
         stages._save("calibrate", {"status": "skipped: the check left no trace"})
+    run_dir = stages.out / "run"
+    generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
+    generate += ["--workspaces", str(stages.out / "workspaces"), "--sandbox", sandbox]
+    stages.run("generate", generate, env)
+    if run_dir.exists():
+        with tarfile.open(stages.out / "run.tar.gz", "w:gz") as tar:
+            tar.add(run_dir, arcname="run", filter=_without_weights)
     stages.results["machine"] = {"status": platform.node()}
     stages._save("done", {"status": f"{sum(r.get('status') == 'ok' for r in stages.results.values())} stages ok"})
 

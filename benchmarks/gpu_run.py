@@ -260,7 +260,7 @@ def run(
         components = [sys.executable, "gpu_components.py", "--target", "tiny-qwen3-cpu", "--device", "cpu"]
         components += ["--batch", "4", "--new-tokens", "8", "--train-batch", "4", "--repeat", "1"]
     else:
-        components = [sys.executable, "gpu_components.py", "--target", target]
+        components = [sys.executable, "gpu_components.py", "--target", target, "--repeat", "2"]
     stages.run("components", [*components, "--json", str(stages.out / "components.json")], env, ROOT / "benchmarks")
     vibetrain = [sys.executable, "-m", "orchestrator.cli"]
     starter = stages.out / "starter"

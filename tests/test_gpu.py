@@ -55,7 +55,7 @@ def _engine(path: str, dtype: str = "bfloat16", **options):
 
 def test_flashinfer_engine_in_bf16_passes_checks_1_and_3(path, reference):
     engine = _engine(path)
-    assert engine._attention_kind == "flashinfer"
+    assert engine.attention_kind == "flashinfer"
     result = check_engine(engine, reference, BF16)
     assert result.passed, result.reasons
     result = check_weight_sync(engine, engine.load_weights, reference, BF16)
@@ -75,7 +75,7 @@ def test_cuda_graph_decode_gives_the_eager_tokens(path):
 
 def test_float32_engine_on_cuda_passes_the_strict_checks(path, reference, tiny_spec):
     engine = _engine(path, "float32")
-    assert engine._attention_kind == "sdpa"
+    assert engine.attention_kind == "sdpa"
     result = check_engine(engine, reference, tiny_spec.accuracy)
     assert result.passed, result.reasons
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from skills.recipes.fsdp_trainer import FSDPTrainer
-from skills.recipes.paged_engine import PagedEngine
+from skills.recipes.paged_engine import PagedEngine, choose_attention
 from skills.recipes.rendezvous import Rendezvous, connect
 from skills.recipes.weight_sync import BroadcastGroup, pack, to_buckets, unpack
 from targets.api import SamplingParams
@@ -57,6 +57,24 @@ def test_paged_engine_passes_engine_and_sync_checks_also_after_sleep_and_wake(pa
     engine.wake(["kv_cache"])
     result = check_engine(engine, tiny_model, tiny_spec.accuracy)
     assert result.passed and engine.weight_version == 6, result.reasons
+
+
+def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_name_or_fits(monkeypatch):
+    """The GPU machine has no FlashInfer: its first run crashed at the engine's import of it. ``auto``
+    takes SDPA there; naming FlashInfer where it is missing is an error that says so."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flashinfer" else real(name))
+    assert choose_attention("auto", "cuda:0", torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="FlashInfer is not installed"):
+        choose_attention("flashinfer", "cuda:0", torch.bfloat16)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flashinfer" else real(name))
+    assert choose_attention("auto", "cuda:0", torch.bfloat16) == "flashinfer"
+    assert choose_attention("auto", "cuda:0", torch.float32) == "sdpa"
+    assert choose_attention("auto", "cpu", torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        choose_attention("triton", "cuda:0", torch.bfloat16)
 
 
 def test_paged_engine_runs_a_mixture_of_experts_model():

@@ -23,6 +23,7 @@ thread than the one stepping: they queue, and the step takes them in.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import threading
@@ -60,6 +61,23 @@ class Request:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
+
+
+ATTENTION_KINDS = ("auto", "flashinfer", "sdpa")
+
+
+def choose_attention(requested: str, device: str, dtype: torch.dtype) -> str:
+    """``auto``: FlashInfer's paged kernels (and the decode graphs they allow) on a GPU in half precision
+    where FlashInfer is installed; torch SDPA on CPU, in float32, or on a GPU machine without it. The
+    engine's ``attention_kind`` says which ran; asking for FlashInfer where it is missing is an error."""
+    if requested not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, not {requested!r}")
+    installed = importlib.util.find_spec("flashinfer") is not None
+    if requested == "flashinfer" and not installed:
+        raise ValueError("attention='flashinfer' asked for, but FlashInfer is not installed (flashinfer-python)")
+    if requested != "auto":
+        return requested
+    return "flashinfer" if installed and device.startswith("cuda") and dtype != torch.float32 else "sdpa"
 
 
 class PagedEngine:
@@ -111,10 +129,8 @@ class PagedEngine:
             )
         self.num_blocks = max(2, kv_tokens // block_size) + 1  # the last block is a dummy for padded graph rows
         self.capacity_tokens = (self.num_blocks - 1) * block_size
-        use_flashinfer = attention == "flashinfer" or (
-            attention == "auto" and device.startswith("cuda") and self.dtype != torch.float32
-        )
-        self._attention_kind = "flashinfer" if use_flashinfer else "sdpa"
+        self.attention_kind = choose_attention(attention, device, self.dtype)
+        use_flashinfer = self.attention_kind == "flashinfer"
         self._graph_batch = max_batch if (use_flashinfer and cuda_graphs and not self.model.moe) else 0
         self.separate_prefill = bool(self._graph_batch) if separate_prefill is None else separate_prefill
         self._prefilled_last = False  # the previous step was a prefill step (the next one decodes)
@@ -145,7 +161,7 @@ class PagedEngine:
             self.device,
         )
         heads, kv_heads, head_dim = self.model.heads, self.model.kv_heads, self.model.head_dim
-        if self._attention_kind == "flashinfer":
+        if self.attention_kind == "flashinfer":
             self.attention = FlashInferAttention(
                 self.pool,
                 heads,

@@ -122,6 +122,27 @@ def main(
         if name != "lm_head.weight" or not spec.model.config.tie_word_embeddings
     )
     weight_bytes = parameters * torch.empty(0, dtype=engine.dtype).element_size()
+    figures: dict = {
+        "target": target,
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        "parameters": parameters,
+        "attention": engine.attention_kind,
+        "graphs": sorted(engine.graphs),
+        "card_hbm_gbs": hardware.hbm_bandwidth_gbs,
+        "card_bf16_tflops": hardware.bf16_tflops,
+        "batch": batch,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "repeat": repeat,
+    }
+
+    def record(**measured: object) -> None:
+        """Each section's figures as soon as it has them: a run cut at its time limit keeps what it did."""
+        figures.update(measured)
+        console.log(", ".join(f"{k} {_short(v)}" for k, v in measured.items()))
+        if json_path is not None:
+            json_path.write_text(json.dumps(figures, indent=1))
+
     kv_per_token = KVPool.bytes_per_token(
         engine.model.layers, engine.model.kv_heads, engine.model.head_dim, engine.dtype
     )
@@ -141,8 +162,11 @@ def main(
         f"paged engine ({engine.attention_kind} attention, {len(engine.graphs)} decode graphs): decode, then prefill"
     )
     engine_times = _timed(decode, repeat, device)
+    record(decode_greedy_run_s=engine_times)
     sampled_times = _timed(decode_sampled, repeat, device)
+    record(decode_sampled_run_s=sampled_times)
     prefill_times = _timed(lambda: engine.generate(prompts, prefill_params), repeat, device)
+    record(prefill_run_s=prefill_times)
 
     console.log("transformers generate")
     reference = load_model(model_dir(spec.model), dtype).to(device)
@@ -152,6 +176,7 @@ def main(
         generate_greedy(reference, input_ids, new_tokens)
 
     hf_times = _timed(hf_generate, repeat, device)
+    record(transformers_run_s=hf_times)
     reference = None  # its GPU memory back before the trainer starts
     decode_s = statistics.median(engine_times) - statistics.median(prefill_times)  # the decode iterations alone
     mean_context = prompt_tokens + new_tokens / 2
@@ -175,6 +200,7 @@ def main(
         _synchronize(device)
         wake_times.append(time.perf_counter() - start)
     engine.sleep(["weights", "kv_cache"])
+    record(sleep_s=sleep_times, wake_s=wake_times)
 
     console.log("FSDP2 train step")
     trainer = FSDPTrainer(path, spec.workload.training.config(), dtype, device, micro_batch_tokens=8192)
@@ -184,6 +210,7 @@ def main(
     trainer.train_step(train_data)  # cold: the first step (allocations, kernel selection)
     _synchronize(device)
     cold_s = time.perf_counter() - started
+    record(train_step_cold_s=cold_s)
     train_times = _timed(lambda: trainer.train_step(train_data), repeat, device)
     tokens = sum(len(t.tokens) for t in train_data.trajectories)
     train_s = statistics.median(train_times)
@@ -198,8 +225,10 @@ def main(
 
     console.log("weight sync")
     sync_times = _timed(sync, repeat, device)
+    record(train_step_s=train_times, train_tokens=tokens, mfu=mfu, sync_s=sync_times)
     console.log("weight export, as the harness takes it")
     export = _export_stages(trainer, path, dtype, repeat)
+    record(export_s=export)
     trainer.close()
 
     table = Table(
@@ -264,33 +293,23 @@ def main(
     for stage, times in export.items():
         table.add_row(f"weight export: {stage}", f"{statistics.median(times):.3f} s", spread(times), "", "")
     console.print(table)
-    if json_path is not None:
-        figures = {
-            "target": target,
-            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-            "parameters": parameters,
-            "attention": engine.attention_kind,
-            "graphs": sorted(engine.graphs),
-            "card_hbm_gbs": hardware.hbm_bandwidth_gbs,
-            "card_bf16_tflops": hardware.bf16_tflops,
-            "repeat": repeat,
-            "decode_greedy_tok_s": decode_rate,
-            "decode_sampled_tok_s": sampled_rate,
-            "roofline_tok_s": roofline,
-            "decode_greedy_of_roofline": decode_rate / roofline,
-            "decode_sampled_of_roofline": sampled_rate / roofline,
-            "transformers_tok_s": hf_rate,
-            "prefill_tok_s": batch * prompt_tokens / prefill_s,
-            "train_step_s": train_times,
-            "train_step_cold_s": cold_s,
-            "train_tokens": tokens,
-            "mfu": mfu,
-            "sync_s": sync_times,
-            "sleep_s": sleep_times,
-            "wake_s": wake_times,
-            "export_s": export,
-        }
-        json_path.write_text(json.dumps(figures, indent=1))
+    record(
+        decode_greedy_tok_s=decode_rate,
+        decode_sampled_tok_s=sampled_rate,
+        roofline_tok_s=roofline,
+        decode_greedy_of_roofline=decode_rate / roofline,
+        decode_sampled_of_roofline=sampled_rate / roofline,
+        transformers_tok_s=hf_rate,
+        prefill_tok_s=batch * prompt_tokens / prefill_s,
+    )
+
+
+def _short(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_short(v) for v in value) + "]"
+    return str(value)
 
 
 def _export_stages(trainer: FSDPTrainer, path: str, dtype: str, repeat: int) -> dict[str, list[float]]:

@@ -377,3 +377,39 @@ def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_tar
         if PLANTS[name][3] in reasons:
             break
     assert PLANTS[name][3] in reasons, reasons
+
+
+def test_a_real_runs_trace_survives_a_kill_up_to_its_last_step(tmp_path):
+    """The first GPU check of 2026-11-28 was cut at its stage's limit after ~200 s of system run and left
+    no trace: the harness saved it only when the run ended. It is now written as it is recorded, flushed
+    at every train and sync, so a kill leaves every step done; ``save`` then writes the whole trace."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "trace.jsonl"
+    script = f"""
+import os, signal
+from pathlib import Path
+from targets.harness.clock import WallClock
+from targets.harness.trace import Trace
+trace = Trace(WallClock())
+trace.stream_to(Path({str(path)!r}))
+trace.record("run_start")
+trace.record("generate", tokens=[1, 2, 3])
+trace.record("train", version=1, tokens=3)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    killed = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent)
+    assert killed.returncode == -9
+    kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+    assert kinds == ["run_start", "generate", "train"]
+
+    from targets.harness.clock import WallClock
+    from targets.harness.trace import Trace
+
+    trace = Trace(WallClock())
+    trace.stream_to(path)
+    trace.record("run_start")
+    trace.record("generate", tokens=[4])
+    trace.save(path)
+    assert [e.kind for e in Trace.load_events(path)] == ["run_start", "generate"]

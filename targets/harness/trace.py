@@ -3,6 +3,8 @@
 The audit and the benchmark read only this, never a candidate's own report. A simulated run of a
 production workload moves billions of tokens, so its trace keeps token *counts* instead of token
 lists (``record_tokens=False``); everything that reads token payloads goes through ``token_count``.
+A real run's trace is also written as it is recorded (``stream_to``), so a run killed midway (a GPU
+stage cut at its time limit) still leaves the events up to its last step on disk.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from targets.api import EventKind, TraceEvent
 from targets.harness.clock import Clock
@@ -26,6 +28,7 @@ class Trace:
         self.clock = clock
         self.record_tokens = record_tokens
         self._events: list[TraceEvent] = []
+        self._stream: IO[str] | None = None
 
     def tokens(self, payload: Sequence) -> list | int:
         """What to record for a token (or logprob) sequence: a copy, or only its length."""
@@ -34,7 +37,18 @@ class Trace:
     def record(self, kind: EventKind, **data: Any) -> TraceEvent:
         event = TraceEvent(kind=kind, t=self.clock.now(), data=data)
         self._events.append(event)
+        if self._stream is not None:
+            self._stream.write(_line(event))
+            if kind in FLUSHED_AFTER:
+                self._stream.flush()
         return event
+
+    def stream_to(self, path: Path) -> None:
+        """Write every event to PATH as it is recorded, until ``save``."""
+        self._stream = path.open("w")
+        for event in self._events:
+            self._stream.write(_line(event))
+        self._stream.flush()
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:
@@ -44,10 +58,21 @@ class Trace:
         return (e for e in self._events if e.kind == kind)
 
     def save(self, path: Path) -> None:
+        """Every event to PATH (a streamed file is rewritten whole: the run's final word)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         with path.open("w") as f:
             for e in self._events:
-                f.write(json.dumps({"kind": e.kind, "t": e.t, "data": e.data}) + "\n")
+                f.write(_line(e))
 
     @staticmethod
     def load_events(path: Path) -> list[TraceEvent]:
         return [TraceEvent(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+FLUSHED_AFTER = frozenset({"train", "sync", "weight_export", "suspend", "resume", "run_start", "run_end"})
+
+
+def _line(event: TraceEvent) -> str:
+    return json.dumps({"kind": event.kind, "t": event.t, "data": event.data}) + "\n"

@@ -99,6 +99,7 @@ def run_system(
         from targets.harness.ipc.weight_export import Layout, save_snapshot
 
         trace = Trace(WallClock())
+        trace.stream_to(out / "trace.jsonl")  # what a run killed midway did stays on disk
         weights = out / "weights"
         weights.mkdir(exist_ok=True)
 

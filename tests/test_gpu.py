@@ -54,8 +54,20 @@ def _engine(path: str, dtype: str = "bfloat16", **options):
 
 
 def test_flashinfer_engine_in_bf16_passes_checks_1_and_3(path, reference):
-    engine = _engine(path)
+    pytest.importorskip("flashinfer")
+    engine = _engine(path, attention="flashinfer")
     assert engine.attention_kind == "flashinfer"
+    result = check_engine(engine, reference, BF16)
+    assert result.passed, result.reasons
+    result = check_weight_sync(engine, engine.load_weights, reference, BF16)
+    assert result.passed, result.reasons
+
+
+def test_triton_engine_in_bf16_passes_checks_1_and_3_with_its_decode_graphs(path, reference):
+    """What a GPU machine without FlashInfer runs (the lent ones): Triton decode steps, captured."""
+    pytest.importorskip("triton")
+    engine = _engine(path, attention="triton")
+    assert engine.attention_kind == "triton" and engine.graphs
     result = check_engine(engine, reference, BF16)
     assert result.passed, result.reasons
     result = check_weight_sync(engine, engine.load_weights, reference, BF16)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,20 +62,92 @@ def test_paged_engine_passes_engine_and_sync_checks_also_after_sleep_and_wake(pa
 
 def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_name_or_fits(monkeypatch):
     """The GPU machine has no FlashInfer: its first run crashed at the engine's import of it. ``auto``
-    takes SDPA there; naming FlashInfer where it is missing is an error that says so."""
+    takes the Triton decode kernel there (SDPA where Triton is missing too); naming a kind that cannot
+    run is an error that says why."""
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flashinfer" else real(name))
-    assert choose_attention("auto", "cuda:0", torch.bfloat16) == "sdpa"
+    installed = {"flashinfer": False, "triton": True}
+
+    def find_spec(name):
+        return (object() if installed[name] else None) if name in installed else real(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert choose_attention("auto", "cuda:0", torch.bfloat16) == "triton"
     with pytest.raises(ValueError, match="FlashInfer is not installed"):
         choose_attention("flashinfer", "cuda:0", torch.bfloat16)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flashinfer" else real(name))
+    with pytest.raises(ValueError, match="needs a GPU device"):
+        choose_attention("triton", "cpu", torch.float32)
+    installed["triton"] = False
+    assert choose_attention("auto", "cuda:0", torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="Triton is not installed"):
+        choose_attention("triton", "cuda:0", torch.bfloat16)
+    installed["flashinfer"] = True
     assert choose_attention("auto", "cuda:0", torch.bfloat16) == "flashinfer"
     assert choose_attention("auto", "cuda:0", torch.float32) == "sdpa"
     assert choose_attention("auto", "cpu", torch.bfloat16) == "sdpa"
     with pytest.raises(ValueError, match="attention must be one of"):
-        choose_attention("triton", "cuda:0", torch.bfloat16)
+        choose_attention("xformers", "cuda:0", torch.bfloat16)
+
+
+TRITON_DECODE_CHECK = """
+import torch
+from skills.recipes.paged_engine import PagedEngine
+from skills.recipes.triton_attention import paged_decode
+from targets.api import SamplingParams
+from targets.harness.judge.accuracy import fixed_prompts
+
+torch.manual_seed(0)  # the kernel against attention written out, on a scattered block table and a GQA group
+blocks, size, kv_heads, dim, heads, lengths = 40, 16, 2, 64, 6, [1, 17, 50, 33]
+k, v = torch.randn(blocks, size, kv_heads, dim), torch.randn(blocks, size, kv_heads, dim)
+order, tables = torch.randperm(blocks).tolist(), []
+for n in lengths:
+    tables.append([order.pop() for _ in range((n + size - 1) // size)])
+width = max(map(len, tables))
+padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+q = torch.randn(len(lengths), heads, dim)
+out = paged_decode(q, k, v, padded, torch.tensor(lengths, dtype=torch.int32))
+worst = 0.0
+for b, n in enumerate(lengths):
+    rows = torch.tensor([tables[b][p // size] * size + p % size for p in range(n)])
+    keys = k.view(-1, kv_heads, dim)[rows].repeat_interleave(heads // kv_heads, 1)
+    values = v.view(-1, kv_heads, dim)[rows].repeat_interleave(heads // kv_heads, 1)
+    weights = (torch.einsum("hd,lhd->hl", q[b], keys) * dim**-0.5).softmax(-1)
+    worst = max(worst, float((torch.einsum("hl,lhd->hd", weights, values) - out[b]).abs().max()))
+assert worst < 1e-5, worst
+
+params = SamplingParams(max_new_tokens=12, temperature=0.0)
+prompts = fixed_prompts(5)
+engines = [PagedEngine(PATH, "float32", attention=kind, max_batch=8) for kind in ("triton", "sdpa")]
+assert engines[0].attention_kind == "triton"
+a, b = (engine.generate(prompts, params) for engine in engines)
+assert [c.tokens for c in a] == [c.tokens for c in b]
+print("worst", worst, "logprobs", max(abs(x - y) for p, r in zip(a, b) for x, y in zip(p.logprobs, r.logprobs)))
+"""
+
+
+def test_the_triton_decode_kernel_matches_attention_and_the_engine_decodes_the_sdpa_tokens(path):
+    """The decode kernel the engine takes on a GPU without FlashInfer (what the lent machines are), run
+    by Triton's interpreter on CPU: the scores and values of a scattered block table, and an engine on
+    it greedy-decoding the SDPA engine's tokens (its prefill steps are SDPA's)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = f"PATH = {path!r}\n" + TRITON_DECODE_CHECK
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "worst" in result.stdout
 
 
 def test_paged_engine_runs_a_mixture_of_experts_model():

@@ -1,6 +1,7 @@
 """Paged-KV rollout engine (in the spirit of nano-vllm): continuous batching over a block-managed KV
 cache, per-request abort, prefix reuse across the turns of one episode, sleep and wake by tag, and on
-GPU FlashInfer's paged kernels with CUDA graphs for decode steps.
+GPU paged decode kernels (FlashInfer's, or Triton's where FlashInfer is missing) with CUDA graphs for
+decode steps.
 
 Every ``step`` admits waiting requests while their blocks fit (KV capacity, not a batch size, is the
 limit), computes the new tokens of every running request in one flat forward (prompts and one token
@@ -63,21 +64,30 @@ class Request:
         return self.tokens[len(self.prompt) :]
 
 
-ATTENTION_KINDS = ("auto", "flashinfer", "sdpa")
+ATTENTION_KINDS = ("auto", "flashinfer", "triton", "sdpa")
+GRAPHED_ATTENTION = ("flashinfer", "triton")  # the kinds whose decode steps CUDA graphs capture
 
 
 def choose_attention(requested: str, device: str, dtype: torch.dtype) -> str:
-    """``auto``: FlashInfer's paged kernels (and the decode graphs they allow) on a GPU in half precision
-    where FlashInfer is installed; torch SDPA on CPU, in float32, or on a GPU machine without it. The
-    engine's ``attention_kind`` says which ran; asking for FlashInfer where it is missing is an error."""
+    """``auto``: on a GPU in half precision, FlashInfer's paged kernels where FlashInfer is installed,
+    else the Triton decode kernel (``triton_attention.py``; the GPU machines lent here have Triton and
+    no FlashInfer); torch SDPA on CPU or in float32. The engine's ``attention_kind`` says which ran.
+    Asking for a kind that cannot run here is an error that says why."""
     if requested not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, not {requested!r}")
-    installed = importlib.util.find_spec("flashinfer") is not None
-    if requested == "flashinfer" and not installed:
+    flashinfer = importlib.util.find_spec("flashinfer") is not None
+    triton = importlib.util.find_spec("triton") is not None
+    if requested == "flashinfer" and not flashinfer:
         raise ValueError("attention='flashinfer' asked for, but FlashInfer is not installed (flashinfer-python)")
+    if requested == "triton" and not triton:
+        raise ValueError("attention='triton' asked for, but Triton is not installed")
+    if requested == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention='triton' needs a GPU device (or TRITON_INTERPRET=1 to interpret it on CPU)")
     if requested != "auto":
         return requested
-    return "flashinfer" if installed and device.startswith("cuda") and dtype != torch.float32 else "sdpa"
+    if not device.startswith("cuda") or dtype == torch.float32:
+        return "sdpa"
+    return "flashinfer" if flashinfer else "triton" if triton else "sdpa"
 
 
 class PagedEngine:
@@ -130,8 +140,8 @@ class PagedEngine:
         self.num_blocks = max(2, kv_tokens // block_size) + 1  # the last block is a dummy for padded graph rows
         self.capacity_tokens = (self.num_blocks - 1) * block_size
         self.attention_kind = choose_attention(attention, device, self.dtype)
-        use_flashinfer = self.attention_kind == "flashinfer"
-        self._graph_batch = max_batch if (use_flashinfer and cuda_graphs and not self.model.moe) else 0
+        graphed = self.attention_kind in GRAPHED_ATTENTION and device.startswith("cuda")
+        self._graph_batch = max_batch if (graphed and cuda_graphs and not self.model.moe) else 0
         self.separate_prefill = bool(self._graph_batch) if separate_prefill is None else separate_prefill
         self._prefilled_last = False  # the previous step was a prefill step (the next one decodes)
         self.weight_version = 0
@@ -172,6 +182,10 @@ class PagedEngine:
                 self.num_blocks,
                 graph_batch=self._graph_batch,
             )
+        elif self.attention_kind == "triton":
+            from .triton_attention import TritonAttention  # imported where it runs: Triton is optional
+
+            self.attention = TritonAttention(self.pool, heads, kv_heads, head_dim, self.device, self.num_blocks)
         else:
             self.attention = SDPAAttention(self.pool, heads, kv_heads, head_dim)
         self.graphs: dict[int, tuple] = {}

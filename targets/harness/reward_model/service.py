@@ -32,7 +32,13 @@ from targets.api import EngineSettings, Runtime
 from targets.harness.environments.base import Episode
 from targets.harness.model import model_dir
 from targets.harness.sim.cost_model import ClusterCosts
-from targets.harness.sim.reward import SERVERLESS_CONCURRENCY, dedicated_engines, judge_costs_of
+from targets.harness.sim.reward import (
+    SERVERLESS_CONCURRENCY,
+    Usage,
+    dedicated_engines,
+    judge_costs_of,
+    usage_summary,
+)
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec
 from targets.spec.reward import RewardModelSpec
@@ -51,16 +57,12 @@ class JudgeInstance:
 
     name: str
     devices: list[str]
-    started: float
+    usage: Usage
     process: asyncio.subprocess.Process | None = None
     log: object = None  # its stderr, read back when it fails
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # one verdict at a time through its pipe
     load: int = 0  # verdicts routed to it and not yet answered (waiting for its start included)
     active: int = 0  # of them, those past its start: it is busy while any is
-    busy_since: float | None = None
-    busy_s: float = 0.0
-    released: float | None = None
-    release: asyncio.TimerHandle | None = None
     starting: asyncio.Future | None = None  # its process loading (and a serverless cold start)
 
     def begin(self, argv: list[str], env: dict[str, str], cold_start_s: float = 0.0) -> None:
@@ -96,8 +98,8 @@ class JudgeInstance:
         return JudgeProcessError(f"the reward model's process {self.name} {what}:\n{tail}")
 
     async def close(self) -> None:
-        if self.release is not None:
-            self.release.cancel()
+        if self.usage.release is not None:
+            self.usage.release.cancel()
         if self.starting is not None and not self.starting.done():
             self.starting.cancel()
             await asyncio.gather(self.starting, return_exceptions=True)
@@ -164,7 +166,7 @@ class RewardModelService:
 
     def _spawn(self, name: str, devices: list[str], cold_start_s: float = 0.0) -> JudgeInstance:
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        instance = JudgeInstance(name, devices, self.trace.clock.now())
+        instance = JudgeInstance(name, devices, Usage(self.trace.clock.now(), len(devices)))
         instance.begin(self.command(), env, cold_start_s)
         self.instances.append(instance)
         return instance
@@ -182,7 +184,7 @@ class RewardModelService:
                 self._spawn(f"judge:{devices[0]}", devices)
         await asyncio.gather(*(i.starting for i in self.instances))
         for instance in self.instances:  # held from the run's start: their loading is not the run's
-            instance.started = self.trace.clock.now()
+            instance.usage.started = self.trace.clock.now()
 
     # -- verdicts ---------------------------------------------------------------------------------
     def judge(self, episode: Episode, then: Callable[[float], None]) -> None:
@@ -244,7 +246,7 @@ class RewardModelService:
             if device not in self.on_device:
                 self.on_device[device] = self._spawn(f"judge:{device}", [device])
             return self.on_device[device]
-        live = [i for i in self.instances if i.released is None]
+        live = [i for i in self.instances if i.usage.released is None]
         if self.where == "dedicated":
             return min(live, key=lambda i: (i.load, i.name))
         room = [i for i in live if i.load < SERVERLESS_CONCURRENCY]
@@ -260,53 +262,32 @@ class RewardModelService:
 
     # -- busy time and release (as the simulated service's) -------------------------------------------
     def _busy(self, instance: JudgeInstance, change: int) -> None:
-        now = self.trace.clock.now()
         instance.active += change
-        if change > 0 and instance.busy_since is None:
-            instance.busy_since = now
-            if instance.release is not None:
-                instance.release.cancel()
-                instance.release = None
-        elif change < 0 and instance.active == 0 and instance.busy_since is not None:
-            instance.busy_s += now - instance.busy_since
-            instance.busy_since = None
+        if change > 0:
+            instance.usage.busy(self.trace.clock.now())
+        elif instance.active == 0:
+            instance.usage.idle(self.trace.clock.now())
             self._idle_check(instance)
 
     def _idle_check(self, instance: JudgeInstance) -> None:
         """A serverless instance idle ``keep_warm_s`` from now is released: its process ends."""
         if self.where != "serverless":
             return
+        usage = instance.usage
 
         def release() -> None:
-            if instance.load == 0 and instance.released is None:
-                instance.released = self.trace.clock.now()
+            if instance.load == 0 and usage.released is None:
+                usage.released = self.trace.clock.now()
                 task = asyncio.ensure_future(instance.close())
                 self._verdicts.add(task)
                 task.add_done_callback(self._verdicts.discard)
 
-        instance.release = asyncio.get_running_loop().call_later(self.spec.serverless.keep_warm_s, release)
+        usage.release = asyncio.get_running_loop().call_later(self.spec.serverless.keep_warm_s, release)
 
     # -- the run's figures ------------------------------------------------------------------------
     def summary(self, end: float) -> dict:
-        """As the simulated service's: the device-seconds held beyond the job's own rollout devices
-        (none colocated) and the share of them busy; ``busy_s`` whatever the placement."""
-        beyond = [] if self.where == "colocated" else self.instances
-        held = sum(
-            (min(i.released if i.released is not None else end, end) - i.started) * len(i.devices) for i in beyond
-        )
-
-        def busy(i: JudgeInstance) -> float:
-            return (i.busy_s + (end - i.busy_since if i.busy_since is not None else 0.0)) * len(i.devices)
-
-        busy_beyond = sum(map(busy, beyond))
-        return {
-            "where": self.where,
-            "scored": self.scored,
-            "instances": len(self.instances),
-            "device_s": held,
-            "busy_s": sum(map(busy, self.instances)),
-            "utilization": busy_beyond / held if held else 0.0,
-        }
+        """The simulated service's figures (``usage_summary``) for these processes."""
+        return usage_summary(self.where, self.scored, [i.usage for i in self.instances], end)
 
     async def close(self) -> None:
         for task in list(self._verdicts):

@@ -91,16 +91,64 @@ def dedicated_engines(reserved: tuple[str, ...], judge_costs: ClusterCosts) -> l
 
 
 @dataclass
-class _Instance:
-    """A judge engine the service runs (dedicated or serverless) and how long it has been busy."""
+class Usage:
+    """A judge instance's time, as the simulated and the real services both account it: held on
+    ``devices`` devices from ``started`` to ``released`` (or the run's end), busy while a verdict is
+    under way, and while idle perhaps a ``release`` pending (serverless)."""
 
-    engine: SimEngine
     started: float
+    devices: int
     released: float | None = None
     busy_since: float | None = None
     busy_s: float = 0.0
-    waiting: list[Callable[[], None]] = field(default_factory=list)  # verdicts held for its cold start
     release: asyncio.TimerHandle | None = None
+
+    def busy(self, now: float) -> None:
+        """A verdict begins: busy from now if it was idle, a pending release called off."""
+        if self.busy_since is None:
+            self.busy_since = now
+        if self.release is not None:
+            self.release.cancel()
+            self.release = None
+
+    def idle(self, now: float) -> None:
+        """The last verdict under way ended."""
+        if self.busy_since is not None:
+            self.busy_s += now - self.busy_since
+            self.busy_since = None
+
+    def held_s(self, end: float) -> float:
+        """Device-seconds held by ``end``."""
+        return (min(self.released if self.released is not None else end, end) - self.started) * self.devices
+
+    def busy_device_s(self, end: float) -> float:
+        """Device-seconds busy by ``end``."""
+        return (self.busy_s + (end - self.busy_since if self.busy_since is not None else 0.0)) * self.devices
+
+
+def usage_summary(where: str, scored: int, usages: list[Usage], end: float) -> dict:
+    """The run's ``reward_service`` figures: the device-seconds held beyond the job's own rollout devices
+    (none colocated) and the busy share of them; ``busy_s`` whatever the placement."""
+    beyond = [] if where == "colocated" else usages
+    held = sum(u.held_s(end) for u in beyond)
+    busy_beyond = sum(u.busy_device_s(end) for u in beyond)
+    return {
+        "where": where,
+        "scored": scored,
+        "instances": len(usages),
+        "device_s": held,
+        "busy_s": sum(u.busy_device_s(end) for u in usages),
+        "utilization": busy_beyond / held if held else 0.0,
+    }
+
+
+@dataclass
+class _Instance:
+    """A judge engine the service runs (dedicated or serverless) and its time."""
+
+    engine: SimEngine
+    usage: Usage
+    waiting: list[Callable[[], None]] = field(default_factory=list)  # verdicts held for its cold start
 
     @property
     def ready(self) -> bool:
@@ -132,7 +180,7 @@ class RewardService:
                 raise ValueError(engines)  # the harness refused the placement at hello (drive.py)
             for devices in engines:  # each at its own pool's pace
                 engine = SimEngine(f"judge:{devices[0]}", devices, judge_costs.of(devices[0]))
-                self.instances.append(_Instance(engine, started=self._loop.time()))
+                self.instances.append(_Instance(engine, Usage(self._loop.time(), len(devices))))
 
     # -- verdicts ---------------------------------------------------------------------------------
     def judge(self, episode: Episode, then: Callable[[float], None]) -> None:
@@ -194,7 +242,7 @@ class RewardService:
             instance.waiting.append(submit)
 
     def _instance_for(self) -> _Instance:
-        live = [i for i in self.instances if i.released is None]
+        live = [i for i in self.instances if i.usage.released is None]
         if self.where == "dedicated":
             return min(live, key=lambda i: (i.engine.load, i.engine.name))
         room = [i for i in live if i.engine.load + len(i.waiting) < SERVERLESS_CONCURRENCY]
@@ -211,7 +259,7 @@ class RewardService:
             f"judge:serverless{n}", [f"serverless:{n}.{i}" for i in range(size)], self.judge_costs.shared
         )
         engine.offload()  # not ready until its cold start is over
-        instance = _Instance(engine, started=self._loop.time())
+        instance = _Instance(engine, Usage(self._loop.time(), size))
         self.instances.append(instance)
 
         def ready() -> None:
@@ -228,51 +276,32 @@ class RewardService:
     def _busy(self, instance: _Instance, change: int) -> None:
         """Track the time ``instance`` has a verdict under way (called after its engine took a verdict
         in, or answered one)."""
-        now = self._loop.time()
-        if change > 0 and instance.busy_since is None:
-            instance.busy_since = now
-            if instance.release is not None:
-                instance.release.cancel()
-                instance.release = None
-        elif change < 0 and instance.engine.load == 0 and instance.busy_since is not None:
-            instance.busy_s += now - instance.busy_since
-            instance.busy_since = None
+        if change > 0:
+            instance.usage.busy(self._loop.time())
+        elif instance.engine.load == 0 and instance.usage.busy_since is not None:
+            instance.usage.idle(self._loop.time())
             self._idle_check(instance)
 
     def _idle_check(self, instance: _Instance) -> None:
         """A serverless instance idle ``keep_warm_s`` from now is released."""
-        if self.where != "serverless" or instance.busy_since is not None or instance.waiting:
+        usage = instance.usage
+        if self.where != "serverless" or usage.busy_since is not None or instance.waiting:
             return
 
         def release() -> None:
-            if instance.busy_since is None and not instance.waiting and instance.released is None:
-                instance.released = self._loop.time()
+            if usage.busy_since is None and not instance.waiting and usage.released is None:
+                usage.released = self._loop.time()
                 instance.engine.close()
 
-        instance.release = self._loop.call_later(self.spec.serverless.keep_warm_s, release)
+        usage.release = self._loop.call_later(self.spec.serverless.keep_warm_s, release)
 
     # -- the run's figures ------------------------------------------------------------------------
     def summary(self, end: float) -> dict:
         """The judge's device-seconds beyond the job's rollout and its busy share of them, to ``end``."""
-        held = sum(
-            (min(i.released if i.released is not None else end, end) - i.started) * len(i.engine.devices)
-            for i in self.instances
-        )
-        busy = sum(
-            (i.busy_s + (end - i.busy_since if i.busy_since is not None else 0.0)) * len(i.engine.devices)
-            for i in self.instances
-        )
-        return {
-            "where": self.where,
-            "scored": self.scored,
-            "instances": len(self.instances),
-            "device_s": held,
-            "busy_s": busy,
-            "utilization": busy / held if held else 0.0,
-        }
+        return usage_summary(self.where, self.scored, [i.usage for i in self.instances], end)
 
     def close(self) -> None:
         for instance in self.instances:
-            if instance.release is not None:
-                instance.release.cancel()
+            if instance.usage.release is not None:
+                instance.usage.release.cancel()
             instance.engine.close()

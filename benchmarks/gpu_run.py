@@ -25,7 +25,9 @@ after every one (so a run cut short still returns what it measured), each stage'
 4. ``components``: ``benchmarks/gpu_components.py`` (decode greedy and at temperature 1 against the
    HBM roofline of the card that runs, prefill, the train step cold and warm, the weight export stage
    by stage, sleep, wake; each section's figures written as soon as it has them);
-5. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``
+5. ``gpu_tests``: ``pytest -m gpu tests/test_gpu.py`` (the engine's kernels and graphs against the
+   reference, sleep, wake, the trainer on the device), its JUnit report kept;
+6. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``
    (last: it takes whatever time is left).
 
 ``--bundle FILE`` packs OUT after every stage into one tarball (weight snapshots and workspaces left
@@ -66,6 +68,7 @@ STAGES = {  # name: seconds it may take, in the order they run (the acceptance's
     "train_ratio": 45,
     "calibrate": 40,
     "components": 120,
+    "gpu_tests": 90,
     "generate": 200,
 }
 GRACE_S = 10  # a stage past its limit is asked to stop (SIGTERM: the CLI unwinds) this long before it is killed
@@ -293,6 +296,8 @@ def run(
     else:  # 128 new tokens: the first H200 run's SDPA decode did not finish 256 (x3, and transformers') in 100 s
         components = [sys.executable, "gpu_components.py", "--target", target, "--repeat", "2", "--new-tokens", "128"]
     stages.run("components", [*components, "--json", str(stages.out / "components.json")], env, ROOT / "benchmarks")
+    tests = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"]
+    stages.run("gpu_tests", [*tests, f"--junitxml={stages.out / 'gpu_tests.xml'}"], env)
     run_dir = stages.out / "run"
     generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
     generate += ["--workspaces", str(stages.out / "workspaces"), "--sandbox", sandbox]

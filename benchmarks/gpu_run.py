@@ -11,12 +11,15 @@ session lent a GPU.
 does not have (pydantic, orjson, GitPython and theirs), and bubblewrap's binary; carry that folder with
 the run (64 MiB a call in all), and bwrap and git behind wrappers (used only where the machine lacks
 its own). FlashInfer is not carried (62 MB, and a JIT build of minutes): the paged engine's ``auto``
-attention takes its SDPA path there (eager decode steps, no graphs).
+attention takes its Triton decode kernel there, in CUDA graphs (``skills/recipes/triton_attention.py``).
 
 ``run`` goes through the stages below, each with its own time limit, and writes ``OUT/stages.json``
 after every one (so a run cut short still returns what it measured), each stage's log beside it:
 
-1. ``setup``: installs the carried wheels, says what the machine is;
+1. ``setup``: installs the carried wheels, says what the machine is; then ``gpu_tests``:
+   ``pytest -m gpu tests/test_gpu.py`` (the engine's kernels and graphs against the reference, sleep,
+   wake, the trainer on the device), its JUnit report kept: first, as it says in a minute or two
+   whether the engine the check needs is sound;
 2. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
    (written as the run goes, so a check cut short keeps its steps) and per-phase timings kept; then
    ``train_ratio``: ``benchmarks/train_step_ratio.py`` on that trace (each system train step against
@@ -25,9 +28,7 @@ after every one (so a run cut short still returns what it measured), each stage'
 4. ``components``: ``benchmarks/gpu_components.py`` (decode greedy and at temperature 1 against the
    HBM roofline of the card that runs, prefill, the train step cold and warm, the weight export stage
    by stage, sleep, wake; each section's figures written as soon as it has them);
-5. ``gpu_tests``: ``pytest -m gpu tests/test_gpu.py`` (the engine's kernels and graphs against the
-   reference, sleep, wake, the trainer on the device), its JUnit report kept;
-6. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``
+5. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``
    (last: it takes whatever time is left).
 
 ``--bundle FILE`` packs OUT after every stage into one tarball (weight snapshots and workspaces left
@@ -62,13 +63,13 @@ DEVICE_PYTHON = "3.12"  # the GPU machine's (the device tool's README)
 CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "orjson", "gitpython", "gitdb", "smmap")
 CARRIED_BINARIES = ("bwrap", "git")  # the sandbox, and what GitPython runs
 CARRIED_LIBRARIES = ("libselinux.so.1", "libcap.so.2", "libpcre2-8.so.0")  # theirs beyond libc and zlib
-STAGES = {  # name: seconds it may take, in the order they run (the acceptance's check first)
+STAGES = {  # name: seconds it may take, in the order they run; a stage gets at most what is left
     "setup": 30,
+    "gpu_tests": 90,
     "check": 300,
     "train_ratio": 45,
     "calibrate": 40,
     "components": 120,
-    "gpu_tests": 90,
     "generate": 200,
 }
 GRACE_S = 10  # a stage past its limit is asked to stop (SIGTERM: the CLI unwinds) this long before it is killed
@@ -135,7 +136,17 @@ class Stages:
     def __init__(self, out: Path, deadline_s: float, bundle: Path | None = None) -> None:
         self.out, self.started, self.deadline_s, self.bundle = out, time.monotonic(), deadline_s, bundle
         self.results: dict[str, dict] = {}
+        self.current: subprocess.Popen | None = None  # the stage running now
         out.mkdir(parents=True, exist_ok=True)
+        if bundle is not None and out in bundle.parents:
+            raise typer.BadParameter(f"--bundle {bundle} must lie outside --out {out} (it packs --out)")
+        signal.signal(signal.SIGTERM, self._terminated)
+
+    def _terminated(self, signum: int, frame: object) -> None:
+        """The device tool ending this script ends the stage too (its session would outlive us)."""
+        if self.current is not None:
+            _end_session(self.current)
+        sys.exit(128 + signum)
 
     def left(self) -> float:
         return self.deadline_s - (time.monotonic() - self.started)
@@ -150,7 +161,7 @@ class Stages:
         log = self.out / f"{name}.log"
         started = time.monotonic()
         with log.open("w") as handle:  # a session of its own: a stage cut short leaves no process on the GPU
-            process = subprocess.Popen(
+            process = self.current = subprocess.Popen(
                 command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
             )
             try:
@@ -160,6 +171,7 @@ class Stages:
                 record["status"] = f"timed out after {limit:.0f} s"
             finally:
                 _end_session(process)
+                self.current = None
         record["seconds"] = round(time.monotonic() - started, 2)
         record["log_tail"] = log.read_text(errors="replace").splitlines()[-15:]
         self._save(name, record)
@@ -269,6 +281,8 @@ def run(
     if (wheels / "bin").exists():  # last: the machine's own bwrap and git come first
         env["PATH"] = f"{env['PATH']}:{(wheels / 'bin').resolve()}"
     stages.run("setup", [sys.executable, __file__, "setup", "--wheels", str(wheels.resolve())], env)
+    tests = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"]
+    stages.run("gpu_tests", [*tests, f"--junitxml={stages.out / 'gpu_tests.xml'}"], env)
     if rehearse:
         target = _rehearsal_target(stages.out)
     vibetrain = [sys.executable, "-m", "orchestrator.cli"]
@@ -296,8 +310,6 @@ def run(
     else:  # 128 new tokens: the first H200 run's SDPA decode did not finish 256 (x3, and transformers') in 100 s
         components = [sys.executable, "gpu_components.py", "--target", target, "--repeat", "2", "--new-tokens", "128"]
     stages.run("components", [*components, "--json", str(stages.out / "components.json")], env, ROOT / "benchmarks")
-    tests = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"]
-    stages.run("gpu_tests", [*tests, f"--junitxml={stages.out / 'gpu_tests.xml'}"], env)
     run_dir = stages.out / "run"
     generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
     generate += ["--workspaces", str(stages.out / "workspaces"), "--sandbox", sandbox]

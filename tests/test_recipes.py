@@ -89,6 +89,10 @@ def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_nam
     assert choose_attention("auto", "cpu", torch.bfloat16) == "sdpa"
     with pytest.raises(ValueError, match="attention must be one of"):
         choose_attention("xformers", "cuda:0", torch.bfloat16)
+    installed.update(flashinfer=False, triton=True)  # Triton's kernel wants powers of two: SDPA for 96
+    assert choose_attention("auto", "cuda:0", torch.bfloat16, head_dim=96) == "sdpa"
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        choose_attention("triton", "cuda:0", torch.bfloat16, head_dim=96)
 
 
 TRITON_DECODE_CHECK = """

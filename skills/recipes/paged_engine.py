@@ -68,26 +68,30 @@ ATTENTION_KINDS = ("auto", "flashinfer", "triton", "sdpa")
 GRAPHED_ATTENTION = ("flashinfer", "triton")  # the kinds whose decode steps CUDA graphs capture
 
 
-def choose_attention(requested: str, device: str, dtype: torch.dtype) -> str:
+def choose_attention(requested: str, device: str, dtype: torch.dtype, head_dim: int = 128, block_size: int = 16) -> str:
     """``auto``: on a GPU in half precision, FlashInfer's paged kernels where FlashInfer is installed,
     else the Triton decode kernel (``triton_attention.py``; the GPU machines lent here have Triton and
-    no FlashInfer); torch SDPA on CPU or in float32. The engine's ``attention_kind`` says which ran.
-    Asking for a kind that cannot run here is an error that says why."""
+    no FlashInfer; its kernel needs a power-of-two head dim and block size); torch SDPA on CPU or in
+    float32. The engine's ``attention_kind`` says which ran. Asking for a kind that cannot run here is
+    an error that says why."""
     if requested not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, not {requested!r}")
     flashinfer = importlib.util.find_spec("flashinfer") is not None
     triton = importlib.util.find_spec("triton") is not None
+    fits_triton = not (head_dim & (head_dim - 1) or block_size & (block_size - 1))
     if requested == "flashinfer" and not flashinfer:
         raise ValueError("attention='flashinfer' asked for, but FlashInfer is not installed (flashinfer-python)")
     if requested == "triton" and not triton:
         raise ValueError("attention='triton' asked for, but Triton is not installed")
+    if requested == "triton" and not fits_triton:
+        raise ValueError(f"attention='triton' needs a power-of-two head dim ({head_dim}) and block size ({block_size})")
     if requested == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention='triton' needs a GPU device (or TRITON_INTERPRET=1 to interpret it on CPU)")
     if requested != "auto":
         return requested
     if not device.startswith("cuda") or dtype == torch.float32:
         return "sdpa"
-    return "flashinfer" if flashinfer else "triton" if triton else "sdpa"
+    return "flashinfer" if flashinfer else "triton" if triton and fits_triton else "sdpa"
 
 
 class PagedEngine:
@@ -139,7 +143,7 @@ class PagedEngine:
             )
         self.num_blocks = max(2, kv_tokens // block_size) + 1  # the last block is a dummy for padded graph rows
         self.capacity_tokens = (self.num_blocks - 1) * block_size
-        self.attention_kind = choose_attention(attention, device, self.dtype)
+        self.attention_kind = choose_attention(attention, device, self.dtype, self.model.head_dim, block_size)
         graphed = self.attention_kind in GRAPHED_ATTENTION and device.startswith("cuda")
         self._graph_batch = max_batch if (graphed and cuda_graphs and not self.model.moe) else 0
         self.separate_prefill = bool(self._graph_batch) if separate_prefill is None else separate_prefill

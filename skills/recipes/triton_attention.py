@@ -82,8 +82,11 @@ def paged_decode(
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its paged context: ``q`` ``[batch, heads, dim]``,
     the caches ``[blocks, block_size, kv_heads, dim]``; returns ``[batch, heads, dim]``."""
+    q = q.contiguous()  # the kernel steps through a row's dims one element apart, as the caches' are
     batch, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("paged_decode needs the key and value caches laid out alike, each row's dims contiguous")
     if heads % kv_heads or dim & (dim - 1) or block_size & (block_size - 1):
         raise ValueError(
             f"paged_decode needs heads ({heads}) a multiple of kv_heads ({kv_heads}), and a power-of-two "

@@ -189,7 +189,9 @@ class PagedEngine:
         elif self.attention_kind == "triton":
             from .triton_attention import TritonAttention  # imported where it runs: Triton is optional
 
-            self.attention = TritonAttention(self.pool, heads, kv_heads, head_dim, self.device, self.num_blocks)
+            longest = -(-self.config.get("max_position_embeddings", self.capacity_tokens) // self.block_size)
+            widest = min(self.num_blocks, longest + 1)  # a graph's block-table row: one sequence's most blocks
+            self.attention = TritonAttention(self.pool, heads, kv_heads, head_dim, self.device, widest)
         else:
             self.attention = SDPAAttention(self.pool, heads, kv_heads, head_dim)
         self.graphs: dict[int, tuple] = {}

@@ -293,12 +293,12 @@ def run(
     stages.results["sandbox"] = {"status": sandbox, "why": why}
     check = [*vibetrain, "check", target, "--stack", str(starter), "--out", str(stages.out / "check")]
     stages.run("check", [*check, "--json", str(stages.out / "check.json"), "--sandbox", sandbox], env)
-    if (stages.out / "check" / "trace.jsonl").exists():  # the system run's train step against the trainer alone
+    trace = stages.out / "check" / "trace.jsonl"  # streamed: a check cut short leaves its steps
+    if trace.exists():  # the system run's train step against the trainer alone
         ratio = [sys.executable, "train_step_ratio.py", str(stages.out / "check"), "--target", target]
         ratio += ["--device", "cpu" if rehearse else "cuda:0", "--repeat", "2"]
         ratio += ["--json", str(stages.out / "train_ratio.json")]
         stages.run("train_ratio", ratio, env, ROOT / "benchmarks")
-    trace = stages.out / "check" / "trace.jsonl"
     if trace.exists():
         calibrate = [*vibetrain, "calibrate", target, "--stack", str(starter), "--trace", str(trace)]
         stages.run("calibrate", [*calibrate, "--out", str(stages.out / "twin.yaml"), "--sandbox", sandbox], env)

@@ -126,8 +126,7 @@ class TritonAttention:
     theirs)."""
 
     def __init__(self, pool: KVPool, heads: int, kv_heads: int, head_dim: int, device: str, max_blocks: int) -> None:
-        self.pool, self.heads, self.kv_heads, self.head_dim = pool, heads, kv_heads, head_dim
-        self.device, self.max_blocks = device, max_blocks
+        self.pool, self.device, self.max_blocks = pool, device, max_blocks  # the kernel reads heads off the tensors
         self.sdpa = SDPAAttention(pool, heads, kv_heads, head_dim)
         self.graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.decoding = False

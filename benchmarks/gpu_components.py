@@ -36,7 +36,7 @@ from skills.recipes.fsdp_trainer import FSDPTrainer
 from skills.recipes.kv_cache import KVPool
 from skills.recipes.paged_engine import PagedEngine
 from targets.api import SamplingParams, TrainBatch, Trajectory
-from targets.hardware import HARDWARE_CATALOG
+from targets.hardware import HARDWARE_CATALOG, card_kind
 from targets.harness.ipc.weight_export import Layout, Region, RegionWriter
 from targets.harness.judge.accuracy import fixed_prompts
 from targets.harness.model import load_model, model_dir
@@ -79,16 +79,24 @@ def _batch(prompts: list[list[int]], new_tokens: int) -> TrainBatch:
     return TrainBatch(trajectories, [1.0 if i % 2 else -1.0 for i in range(len(prompts))])
 
 
-def _card(target_hardware: HardwareSpec, device: str) -> HardwareSpec:
-    """The roofline and MFU of the card that runs: a session lent an H200 for the H100 target measures
-    against the H200's 4.8 TB/s, not the H100's 3.35 (the catalog's numbers for the kind its name says)."""
-    if not device.startswith("cuda"):
-        return target_hardware
-    name = torch.cuda.get_device_name(device).lower()  # "nvidia h200", "nvidia h100 80gb hbm3"
-    kind = next((kind for kind in HARDWARE_CATALOG if kind != "cpu" and kind in name.split()), None)
-    if kind is None or kind == target_hardware.kind:
-        return target_hardware
-    return target_hardware.model_copy(update={"kind": kind, **HARDWARE_CATALOG[kind]})
+def _card(target_hardware: HardwareSpec, device_name: str) -> tuple[HardwareSpec, str]:
+    """The roofline and MFU of the card that runs, and a line saying whose figures they are: a session
+    lent an H200 for the H100 target measures against the H200's 4.8 TB/s, not the H100's 3.35. A card
+    the catalog does not list (an H100 PCIe, an unknown one) is measured against the target's figures,
+    and the line says so: its fractions are then of a card it is not."""
+    kind = card_kind(device_name)
+    if kind is None:
+        note = (
+            f"{device_name!r} is not in the catalog's card table (targets/hardware.py CARD_KINDS): "
+            f"fractions below are of the target's {target_hardware.kind} figures "
+            f"({target_hardware.hbm_bandwidth_gbs:g} GB/s, {target_hardware.bf16_tflops:g} TFLOP/s), not this card's"
+        )
+        return target_hardware, note
+    hardware = target_hardware.model_copy(update={"kind": kind, **HARDWARE_CATALOG[kind]})
+    return (
+        hardware,
+        f"figures of the catalog's {kind} ({hardware.hbm_bandwidth_gbs:g} GB/s, {hardware.bf16_tflops:g} TFLOP/s)",
+    )
 
 
 def main(
@@ -102,17 +110,18 @@ def main(
     json_path: Path = typer.Option(None, "--json", help="also write every figure here"),
 ) -> None:
     spec = load_target(target)
-    hardware = _card(spec.hardware, device)
+    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    if device_name == "cpu":
+        hardware, figures_of = spec.hardware, f"figures of the target's {spec.hardware.kind}"
+    else:
+        hardware, figures_of = _card(spec.hardware, device_name)
     path = str(model_dir(spec.model))
     dtype = spec.model.dtype
     console = Console()
     prompts = [(p * prompt_tokens)[:prompt_tokens] for p in fixed_prompts(batch)]  # equal lengths: no padding for HF
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)  # no stop tokens: exactly new_tokens each
 
-    console.print(
-        f"[bold]{target}[/bold] on {device} "
-        f"({torch.cuda.get_device_name(device) if device.startswith('cuda') else 'cpu'})"
-    )
+    console.print(f"[bold]{target}[/bold] on {device} ({device_name}); roofline and MFU: {figures_of}")
     engine = PagedEngine(
         path, dtype, device=device, kv_tokens=batch * (prompt_tokens + new_tokens) * 2, max_batch=batch
     )
@@ -124,12 +133,13 @@ def main(
     weight_bytes = parameters * torch.empty(0, dtype=engine.dtype).element_size()
     figures: dict = {
         "target": target,
-        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        "device": device_name,
         "parameters": parameters,
         "attention": engine.attention_kind,
         "graphs": sorted(engine.graphs),
         "card_hbm_gbs": hardware.hbm_bandwidth_gbs,
         "card_bf16_tflops": hardware.bf16_tflops,
+        "card_figures": figures_of,
         "batch": batch,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,

@@ -65,3 +65,19 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "devices_per_node": 8,
     },
 }
+
+# What ``torch.cuda.get_device_name`` prints for the cards whose figures are the catalog's (SXM form
+# factor, lower case), and their kind. Other form factors of the same chip (PCIe, NVL) have less
+# bandwidth and compute (an H100 PCIe: 2.0 TB/s, 756 TFLOP/s): they are not listed, so nothing
+# measures them against an SXM's figures.
+CARD_KINDS: dict[str, str] = {
+    "nvidia h100 80gb hbm3": "h100",
+    "nvidia h800": "h800",
+    "nvidia h20": "h20",
+    "nvidia h200": "h200",
+}
+
+
+def card_kind(device_name: str) -> str | None:
+    """The catalog kind of a card by the name its driver gives, or None for a card not in CARD_KINDS."""
+    return CARD_KINDS.get(" ".join(device_name.lower().split()))

@@ -404,3 +404,20 @@ def test_env_state_errors_name_their_field(catalog_yaml):
     assert "workload.env_state.change_rate" in _error(catalog_yaml)
     catalog_yaml["workload"]["env_state"] = {"change_rate": 0.2, "checkpoint_s": 1}
     assert "workload.env_state.restore_s" in _error(catalog_yaml)
+
+
+def test_the_component_benchmark_measures_a_card_against_its_own_figures_and_says_whose(monkeypatch):
+    """An H200 lent for the H100 target gets the H200's 4.8 TB/s; an H100 PCIe (2.0 TB/s) is not in the
+    card table, so its fractions are of the target's figures and the line says so (before, it got the
+    SXM's figures by a word of its name, and an unknown card kept the target's without a word)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    card = importlib.import_module("gpu_components")._card
+    h100 = load_target("qwen3-0.6b-h100x1").hardware
+    for name, kind, hbm in (("NVIDIA H200", "h200", 4800), ("NVIDIA  H100 80GB HBM3", "h100", 3350)):
+        hardware, line = card(h100, name)
+        assert (hardware.kind, hardware.hbm_bandwidth_gbs) == (kind, hbm) and f"catalog's {kind}" in line
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA B200"):
+        hardware, line = card(h100, name)
+        assert hardware == h100 and repr(name) in line and "not this card's" in line and "3350 GB/s" in line

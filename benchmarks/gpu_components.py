@@ -79,24 +79,27 @@ def _batch(prompts: list[list[int]], new_tokens: int) -> TrainBatch:
     return TrainBatch(trajectories, [1.0 if i % 2 else -1.0 for i in range(len(prompts))])
 
 
+def _figures(hardware: HardwareSpec) -> str:
+    return f"{hardware.kind} ({hardware.hbm_bandwidth_gbs:g} GB/s, {hardware.bf16_tflops:g} TFLOP/s)"
+
+
 def _card(target_hardware: HardwareSpec, device_name: str) -> tuple[HardwareSpec, str]:
     """The roofline and MFU of the card that runs, and a line saying whose figures they are: a session
-    lent an H200 for the H100 target measures against the H200's 4.8 TB/s, not the H100's 3.35. A card
-    the catalog does not list (an H100 PCIe, an unknown one) is measured against the target's figures,
-    and the line says so: its fractions are then of a card it is not."""
-    kind = card_kind(device_name)
+    lent an H200 for the H100 target measures against the H200's 4.8 TB/s, not the H100's 3.35. The CPU,
+    and a card of the target's own kind, keep the target's figures (a spec may override the catalog's).
+    A card the catalog does not list (an H100 PCIe, an unknown one) is measured against the target's
+    figures, and the line says so: its fractions are then of a card it is not."""
+    kind = target_hardware.kind if device_name == "cpu" else card_kind(device_name)
+    if kind == target_hardware.kind:
+        return target_hardware, f"figures of the target's {_figures(target_hardware)}"
     if kind is None:
         note = (
             f"{device_name!r} is not in the catalog's card table (targets/hardware.py CARD_KINDS): "
-            f"fractions below are of the target's {target_hardware.kind} figures "
-            f"({target_hardware.hbm_bandwidth_gbs:g} GB/s, {target_hardware.bf16_tflops:g} TFLOP/s), not this card's"
+            f"fractions below are of the target's {_figures(target_hardware)}, not this card's"
         )
         return target_hardware, note
     hardware = target_hardware.model_copy(update={"kind": kind, **HARDWARE_CATALOG[kind]})
-    return (
-        hardware,
-        f"figures of the catalog's {kind} ({hardware.hbm_bandwidth_gbs:g} GB/s, {hardware.bf16_tflops:g} TFLOP/s)",
-    )
+    return hardware, f"figures of the catalog's {_figures(hardware)}"
 
 
 def main(
@@ -111,10 +114,7 @@ def main(
 ) -> None:
     spec = load_target(target)
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    if device_name == "cpu":
-        hardware, figures_of = spec.hardware, f"figures of the target's {spec.hardware.kind}"
-    else:
-        hardware, figures_of = _card(spec.hardware, device_name)
+    hardware, figures_of = _card(spec.hardware, device_name)
     path = str(model_dir(spec.model))
     dtype = spec.model.dtype
     console = Console()

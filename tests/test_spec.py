@@ -415,9 +415,11 @@ def test_the_component_benchmark_measures_a_card_against_its_own_figures_and_say
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
     card = importlib.import_module("gpu_components")._card
     h100 = load_target("qwen3-0.6b-h100x1").hardware
-    for name, kind, hbm in (("NVIDIA H200", "h200", 4800), ("NVIDIA  H100 80GB HBM3", "h100", 3350)):
+    hardware, line = card(h100, "NVIDIA H200")
+    assert (hardware.kind, hardware.hbm_bandwidth_gbs) == ("h200", 4800) and "catalog's h200 (4800 GB/s" in line
+    for name in ("NVIDIA  H100 80GB HBM3", "cpu"):  # the target's kind, and a CPU run: the target's own figures
         hardware, line = card(h100, name)
-        assert (hardware.kind, hardware.hbm_bandwidth_gbs) == (kind, hbm) and f"catalog's {kind}" in line
+        assert hardware == h100 and "target's h100 (3350 GB/s" in line and "not this card's" not in line
     for name in ("NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA B200"):
         hardware, line = card(h100, name)
         assert hardware == h100 and repr(name) in line and "not this card's" in line and "3350 GB/s" in line

@@ -81,3 +81,21 @@ def no_process_group_left_behind():
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One Ray cluster for the module's subprocess-sandbox runs to join (tests/ray_session.py)."""
+    from tests.ray_session import shared_ray_cluster
+
+    with shared_ray_cluster() as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def judge_sandbox(shared_ray):
+    """For tests of the judge, whose verdicts read the harness's own trace whatever the sandbox: the
+    subprocess one, its candidates joining the module's shared Ray cluster."""
+    from targets.harness.isolation.sandbox import Sandbox
+
+    return Sandbox.detect("subprocess")

@@ -732,6 +732,21 @@ def test_the_environment_loses_its_secrets():
     assert set(env) == {"PATH", "LANG", "VIBETRAIN_CACHE"}
 
 
+def test_a_ray_cluster_address_reaches_only_a_sandbox_with_the_network(caplog, monkeypatch):
+    """``RAY_ADDRESS``: the subprocess sandbox's candidates join that cluster (without a token: no secret
+    passes); bubblewrap's have no network, so theirs start their own, and the log says so."""
+    env = {"PATH": "/bin", "RAY_ADDRESS": "127.0.0.1:6380", "RAY_AUTH_TOKEN": "t"}
+    _, plain = Sandbox("subprocess").wrap(["true"], env)
+    assert plain["RAY_ADDRESS"] == "127.0.0.1:6380" and plain["RAY_AUTH_MODE"] == "disabled"
+    assert "RAY_AUTH_TOKEN" not in plain
+    assert "RAY_ADDRESS" not in Sandbox("subprocess").wrap(["true"], {"PATH": "/bin"})[1]
+    monkeypatch.setattr("targets.harness.isolation.sandbox._announced", set())  # said once a process
+    with caplog.at_level("WARNING", logger="vibetrain.sandbox"):
+        command, _ = Sandbox("bubblewrap").wrap(["true"], env)
+    assert "RAY_ADDRESS=" not in " ".join(command) and "127.0.0.1:6380" not in command
+    assert "candidates start a Ray cluster of their own" in caplog.text
+
+
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 
 

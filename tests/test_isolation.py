@@ -102,7 +102,7 @@ def test_a_controller_that_patches_the_clock_and_hunts_the_trace_changes_nothing
     assert claimed < recorded / 5, (claimed, recorded)  # while the controller's own clock ran ten times slow
 
 
-def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch(tmp_path, fast_target, sandbox):
+def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch(tmp_path, fast_target, judge_sandbox):
     """The cluster hands its trainers half the batch: check 2 (which meets the trainer alone) passes,
     the system run's training replay does not."""
     stack = planted(
@@ -118,7 +118,7 @@ def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch
             ),
         },
     )
-    results = {r.name: r for r in _session(fast_target, sandbox).check(stack, tmp_path / "out")}
+    results = {r.name: r for r in _session(fast_target, judge_sandbox).check(stack, tmp_path / "out")}
     assert results["trainer"].passed
     assert not results["system_audit"].passed
     assert any("training replay" in reason for reason in results["system_audit"].reasons), results[
@@ -126,7 +126,7 @@ def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch
     ].reasons
 
 
-def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, sandbox):
+def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, judge_sandbox):
     stack = planted(
         tmp_path / "c",
         fast_target,
@@ -138,11 +138,11 @@ def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, sand
             ),
         },
     )
-    measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
+    measurement = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "sampling temperature" in _reasons(measurement), _reasons(measurement)
 
 
-def test_a_buffer_that_picks_the_shortest_groups(tmp_path, fast_target, sandbox):
+def test_a_buffer_that_picks_the_shortest_groups(tmp_path, fast_target, judge_sandbox):
     """Waiting for a spare group and training the shortest ones biases training toward short
     episodes (and leaves the long ones to go stale): the audit wants the oldest finished first."""
     stack = planted(
@@ -163,11 +163,11 @@ def test_a_buffer_that_picks_the_shortest_groups(tmp_path, fast_target, sandbox)
             "            if len(self._ready) >= groups + 1:  # planted: a spare to choose from",
         )
     )
-    measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
+    measurement = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "out of order" in _reasons(measurement), _reasons(measurement)
 
 
-def test_launching_more_episodes_than_training_needs(tmp_path, fast_target, sandbox):
+def test_launching_more_episodes_than_training_needs(tmp_path, fast_target, judge_sandbox):
     """Extra episodes would raise rollout throughput; goodput ignores them and the audit bounds them.
     Every measured run is judged: the evaluator's repeat alone rejects the candidate."""
     stack = planted(
@@ -181,7 +181,7 @@ def test_launching_more_episodes_than_training_needs(tmp_path, fast_target, sand
             ),
         },
     )
-    evaluation = OfflineEvaluator(_session(fast_target, sandbox), repeat=1).evaluate(
+    evaluation = OfflineEvaluator(_session(fast_target, judge_sandbox), repeat=1).evaluate(
         stack, tmp_path / "out", None, [11]
     )
     assert any("too many episodes" in finding for finding in evaluation.findings), evaluation.findings
@@ -298,7 +298,7 @@ def _state(pid: int) -> str:
         return "Z"  # gone while we looked
 
 
-def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, fast_target, sandbox):
+def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, fast_target, judge_sandbox):
     """The plant recognises the check by its first eight groups' opening observations, as the public
     seed 0 makes them, and launches more episodes than training needs once one differs. Under the
     public derivation (what every check ran before the workload key) it passes; a check draws a secret
@@ -346,16 +346,16 @@ def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, f
     ):
         path = stack / "stack" / name
         path.write_text(path.read_text().replace(old, new, 1))
-    public = Session(Target.load(fast_target), sandbox, Limits(time_s=300), task_key=b"")
+    public = Session(Target.load(fast_target), judge_sandbox, Limits(time_s=300), task_key=b"")
     known_run = public.check(stack, tmp_path / "public", seed=0)
     assert all(c.passed for c in known_run), [c.reasons for c in known_run]  # the plant passes when it knows
-    results = {r.name: r for r in _session(fast_target, sandbox).check(stack, tmp_path / "secret")}
+    results = {r.name: r for r in _session(fast_target, judge_sandbox).check(stack, tmp_path / "secret")}
     assert not results["system_audit"].passed
     assert any("too many episodes" in reason for reason in results["system_audit"].reasons)
 
 
 @pytest.mark.parametrize("name", sorted(PLANTS))
-def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_target, sandbox, name):
+def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_target, judge_sandbox, name):
     """Each plant (tests/planting.py) passed last round's judge while choosing which samples train or
     which tokens were drawn: the engine preferring the stop token where it is typical (the temperature
     test's sum stays near its target: it caught this plant in 1 of 3 runs, the stop calibration in
@@ -371,7 +371,7 @@ def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_tar
     candidate = plant(name, tmp_path / "c", target)
     for seed in (3, 4, 5) if name == "empty_partials" else (3,):
         out = tmp_path / f"o{seed}"
-        reasons = _reasons(_session(target, sandbox).measure(candidate, out, seed))
+        reasons = _reasons(_session(target, judge_sandbox).measure(candidate, out, seed))
         if name == "empty_partials":
             assert FIRED in (out / "cluster.log").read_text()  # the plant acted in this run
         if PLANTS[name][3] in reasons:

@@ -34,6 +34,8 @@ from targets.spec import CATALOG_DIR, SpecError, parse_target
 from targets.spec.reward import ServerlessSpec
 from tests.technique_run import planted, round_hints, target_run
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # its real runs join one Ray cluster (conftest.py)
+
 JUDGE = "qwen3-8b-h800x16-judge"
 
 

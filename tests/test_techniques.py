@@ -1,7 +1,9 @@
 """Each scheduling technique, seen working from the harness's trace: in a real run of the tiny CPU
 target and in a simulated one, with the audit passing. (The audit's plants of each technique's
 misuse are in tests/test_audit.py.) Speculative decoding, which works inside the engine, is read
-from the engine's own log, real only (the simulator does not model it yet), with its misuse planted here."""
+from the engine's own log in a real run and from the turns' speed in a simulated one, with its misuse
+planted here.
+The real runs join one Ray cluster the module shares (``shared_ray``), as a stack on a Ray cluster would."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import yaml
 from targets.harness.trace import token_count
 from tests.technique_run import audited_run, harness_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
@@ -522,3 +524,22 @@ def test_speculative_decoding_in_the_simulator_decodes_faster_and_the_trace_says
         runs[name] = sum(e.t - e.data["start"] for e in served) / sum(token_count(e.data["tokens"]) for e in served)
     # E = (1 - 0.8^5) / 0.2 = 3.4 tokens a verification, on a model whose step is mostly fixed cost: 0.4x measured
     assert runs["drafting"] < 0.8 * runs["plain"], runs
+
+
+# -- the Ray cluster this module's real runs join (conftest.py's shared_ray) -------------------------------
+
+
+def test_a_stack_refuses_a_ray_cluster_that_lacks_its_devices(shared_ray):
+    from types import SimpleNamespace
+
+    import ray
+
+    from skills.recipes.ray_cluster import join_or_start_ray
+    from targets.harness.target import DEVICE_RESOURCE
+    from tests.ray_session import DEVICES
+
+    devices = [SimpleNamespace(index=i) for i in range(DEVICES + 1)]
+    runtime = SimpleNamespace(accelerator="cpu", device_resource=DEVICE_RESOURCE, devices=devices)
+    with pytest.raises(RuntimeError, match=rf"RAY_ADDRESS={shared_ray} lacks {DEVICE_RESOURCE}{DEVICES} \(1\)"):
+        join_or_start_ray(runtime)
+    assert not ray.is_initialized()

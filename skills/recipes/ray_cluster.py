@@ -3,7 +3,8 @@
 
 Placement: on GPU targets a placement group with one GPU bundle per device, each actor on its own
 bundle; on CPU targets one custom Ray resource per logical device. Ray starts here (the candidate's
-cluster process) and stops on ``close``.
+cluster process) and stops on ``close``, unless ``RAY_ADDRESS`` names a cluster already running: the
+actors then join it, and ``close`` leaves it running.
 
 Memory: a device hosting both an engine and a trainer rank gives it to one at a time. ``shrink`` (or
 ``suspend``) puts the engines to sleep and brings the trainers back; ``expand`` (or ``resume``)
@@ -47,6 +48,35 @@ from .rendezvous import Rendezvous
 from .weight_sync import DEFAULT_BUCKET_BYTES, BroadcastGroup, Layout, merge, publish
 
 STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and still keep its episodes
+
+
+def join_or_start_ray(runtime: Runtime) -> None:
+    """Joins the Ray cluster ``RAY_ADDRESS`` names (already running, its resources naming the devices:
+    a multi-machine cluster, or one a test module shares), else starts one on this machine."""
+    resources = (
+        {} if runtime.accelerator == "cuda" else {f"{runtime.device_resource}{d.index}": 1.0 for d in runtime.devices}
+    )
+    if not os.environ.get("RAY_ADDRESS"):
+        ray.init(
+            num_cpus=os.cpu_count(),
+            resources=resources,
+            include_dashboard=False,
+            configure_logging=False,
+            _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"),
+        )
+        return
+    # its workers are the cluster's: they import the stack by the path this process was given
+    ray.init(configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    address = os.environ["RAY_ADDRESS"]
+    offered = ray.cluster_resources()
+    needed = {"GPU": float(len(runtime.devices))} if runtime.accelerator == "cuda" else resources
+    missing = sorted(f"{name} ({amount:g})" for name, amount in needed.items() if offered.get(name, 0) < amount)
+    if missing:
+        ray.shutdown()
+        raise RuntimeError(
+            f"the Ray cluster at RAY_ADDRESS={address} lacks {', '.join(missing)}: start it with the devices' resources"
+        )
+    print(f"joined the Ray cluster at {address}", file=sys.stderr)
 
 
 async def placement_group_of(runtime: Runtime):
@@ -223,14 +253,7 @@ class RayCluster:
     ) -> RayCluster:
         cuda = runtime.accelerator == "cuda"
         if not ray.is_initialized():
-            resources = {} if cuda else {f"{runtime.device_resource}{d.index}": 1.0 for d in runtime.devices}
-            ray.init(
-                num_cpus=os.cpu_count(),
-                resources=resources,
-                include_dashboard=False,
-                configure_logging=False,
-                _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"),
-            )
+            join_or_start_ray(runtime)
         shared = {d.id for d in rollout} & {d.id for d in train}
         placement = await placement_group_of(runtime)
         torch_device = "cuda:0" if cuda else "cpu"  # Ray shows each actor only its own GPU

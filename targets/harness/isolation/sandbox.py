@@ -82,6 +82,13 @@ def scrubbed_environment(env: dict[str, str]) -> dict[str, str]:
     return kept
 
 
+def ray_cluster_environment(env: dict[str, str]) -> dict[str, str]:
+    """A Ray cluster already running that the candidate's actors join (``RAY_ADDRESS``), for a sandbox
+    that shares the network; the cluster must run without token authentication (no secret passes)."""
+    address = env.get("RAY_ADDRESS")
+    return {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"} if address else {}
+
+
 def _bubblewrap_works() -> bool:
     if shutil.which("bwrap") is None:
         return False
@@ -200,7 +207,13 @@ class Sandbox:
         """The command and environment that run ``command`` inside this sandbox."""
         clean = scrubbed_environment(env)
         if self.backend == "subprocess":
-            return command, clean
+            return command, clean | ray_cluster_environment(env)
+        if env.get("RAY_ADDRESS") and f"ray-{self.backend}" not in _announced:
+            _announced.add(f"ray-{self.backend}")
+            log.warning(
+                "RAY_ADDRESS is set, but the %s sandbox has no network: candidates start a Ray cluster of their own",
+                self.backend,
+            )
         cache = Path(clean["VIBETRAIN_CACHE"]).resolve()
         cache.mkdir(parents=True, exist_ok=True)
         links = [str(p) for p in writable if Path(p).is_symlink()]

@@ -256,9 +256,10 @@ def test_the_sandbox_shows_no_host_files_beyond_what_the_run_needs(tmp_path):
     assert "home []" in result.stdout and "etc shadow False" in result.stdout, result.stdout
 
 
-def test_a_killed_command_takes_the_candidate_processes_with_it(tmp_path, fast_target):
+def test_a_killed_command_takes_the_candidate_processes_with_it(tmp_path, fast_target, monkeypatch):
     """`timeout vibetrain check ...` sends SIGTERM: the candidate's processes (in their own sessions)
-    must not outlive the command and keep holding memory and devices."""
+    must not outlive the command and keep holding memory and devices. Its Ray cluster is its own (the
+    module's shared one would hold its actors outside the command's tree)."""
     import os
     import signal
     import subprocess
@@ -267,6 +268,7 @@ def test_a_killed_command_takes_the_candidate_processes_with_it(tmp_path, fast_t
 
     from targets.harness.isolation.process_tree import process_tree
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     stack = tmp_path / "cand"
     cli = [sys.executable, "-m", "orchestrator.cli"]
     subprocess.run([*cli, "starter", str(fast_target), "--out", str(stack)], check=True, capture_output=True)

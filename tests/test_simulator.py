@@ -82,6 +82,22 @@ def test_cost_model_formulas_by_hand(big):
     assert cost.train_s([1000], 128) == pytest.approx(train)
 
 
+def test_an_engine_across_nodes_pays_its_all_reduces_over_the_inter_node_link_by_hand(big):
+    """Engines of 16 H800s span two nodes of 8: each step pays two hierarchical all-reduces a layer
+    across them; an engine of one node pays none (its all-reduces are in the step's fitted overhead)."""
+    node = CostModel.from_spec(big)
+    assert node.tensor_parallel_s(64) == 0.0
+    wide = CostModel.from_spec(
+        big.model_copy(update={"simulator": big.simulator.model_copy(update={"engine_devices": 16})})
+    )
+    share = 64 * 4096 * 2 / 8  # 64 positions of the 4096-wide activations, a node's device's share
+    across = 2 * 94 * (30e-6 + 2 * (2 - 1) / 2 * share / 50e9)
+    assert wide.tensor_parallel_s(64) == pytest.approx(across)
+    bandwidth = node.decode_bytes(64, 64_000) / (16 * 3350e9 * 0.8)  # the same read over twice the devices
+    assert wide.decode_iteration_s(64, 64_000) == pytest.approx(bandwidth + 0.003 + across)
+    assert wide.prefill_s(1000, 0) == pytest.approx(node.prefill_s(1000, 0) / 2 + wide.tensor_parallel_s(1000))
+
+
 def test_speculative_decoding_by_hand_pays_on_a_dense_model_in_the_tail_not_on_a_moe_at_batch_1(big):
     """``E = (1 - a^(k+1)) / (1 - a)`` tokens per verification of ``k + 1`` positions: on the dense 8B,
     batch 1 reads the weights once for E tokens (half the time a token); the 235B MoE's four draft

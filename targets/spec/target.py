@@ -90,6 +90,11 @@ class SimulatorSpec(Strict):
     engine_devices: int | None = Field(
         default=None, gt=0, description="devices per rollout engine; default: the fewest that fit the weights"
     )
+    inter_node_latency_s: float = Field(
+        default=30e-6,
+        ge=0,
+        description="fixed cost of one collective across nodes: each all-reduce of an engine that spans nodes",
+    )
     batching: Literal["continuous", "static"] = Field(
         default="continuous",
         description="continuous: requests join the running batch (vLLM); static: a batch runs to its end first",

@@ -28,10 +28,16 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   ones before it were). A sequence then progresses a token every ``iteration(b, C, w) / E`` seconds;
   the draft's extra KV slots are not modelled. Above ``speculative_batch`` (or with ``k = 0``) the
   plain iteration. The fluid lower bound takes the cheapest ``k`` in ``0..MAX_DRAFT_TOKENS`` at each batch.
+* **tensor-parallel traffic** of an engine spanning ``N = d / devices_per_node > 1`` nodes: each
+  decode or prefill step over ``t`` token positions (``b * w``, or ``n``) pays two all-reduces a layer
+  across the nodes, hierarchical (each device sends its node's share of the activations):
+  ``2 * layers * (inter_node_latency_s + 2 * (N - 1) / N * t * hidden * dtype_bytes / devices_per_node
+  / inter_node_bandwidth)``. Within a node the all-reduces are part of ``decode_step_overhead_s``
+  (fitted at the target's engine size), so an engine of one node pays no term.
 * **prefill** of ``n`` new tokens after ``p`` cached ones (prefix reuse on the engine that served
   the previous turn; full re-prefill after an abort or a move to another engine):
   ``flops = 2 * active_params * n + 4 * layers * attn_width * n * (p + n / 2)`` at
-  ``d * peak * rollout_mfu``: compute-bound.
+  ``d * peak * rollout_mfu`` (plus the tensor-parallel traffic): compute-bound.
 * **request overhead**: every ``generate`` answer reaches its caller ``request_overhead_s`` after
   its engine finished it (the calls between the controller and the engine; the engine is free
   meanwhile).
@@ -93,6 +99,11 @@ class CostModel:
     weight_export_s: float
     engine_devices: int
     continuous_batching: bool = True
+    # an engine across nodes: its all-reduces over the inter-node link
+    hidden_size: int = 0
+    devices_per_node: int = 1
+    inter_node_bytes_per_s: float = 0.0
+    inter_node_latency_s: float = 0.0
     # speculative decoding: the workload's draft acceptance; the stack's draft length and batch limit
     draft_acceptance: float = 0.0
     speculative_tokens: int = 0
@@ -143,6 +154,10 @@ class CostModel:
             engine_devices=1,
             continuous_batching=sim.batching == "continuous",
             draft_acceptance=spec.workload.tokens.draft_acceptance,
+            hidden_size=c.hidden_size,
+            devices_per_node=hw.devices_per_node,
+            inter_node_bytes_per_s=hw.inter_node_bandwidth_gbs * 1e9,
+            inter_node_latency_s=sim.inter_node_latency_s,
         )
         devices = sim.engine_devices or cost._smallest_engine()
         if devices > hw.count:
@@ -183,7 +198,19 @@ class CostModel:
             * self.decode_flops(batch, context_tokens)
             / (self.engine_devices * self.peak_flops * self.rollout_mfu)
         )
-        return max(memory_s, compute_s) + self.decode_step_overhead_s
+        return max(memory_s, compute_s) + self.decode_step_overhead_s + self.tensor_parallel_s(batch * width)
+
+    def tensor_parallel_s(self, positions: float) -> float:
+        """The all-reduces of one step over ``positions`` token positions that cross nodes (0 within one)."""
+        nodes = self.engine_devices / self.devices_per_node
+        if nodes <= 1:
+            return 0.0
+        share = positions * self.hidden_size * self.dtype_bytes / self.devices_per_node
+        return (
+            2
+            * self.layers
+            * (self.inter_node_latency_s + 2 * (nodes - 1) / nodes * share / self.inter_node_bytes_per_s)
+        )
 
     def tokens_per_step(self, draft_tokens: int) -> float:
         """``E``: tokens a sequence gains per verification of a ``draft_tokens``-token draft."""
@@ -231,7 +258,7 @@ class CostModel:
     def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
         return self.prefill_flops(new_tokens, cached_tokens) / (
             self.engine_devices * self.peak_flops * self.rollout_mfu
-        )
+        ) + self.tensor_parallel_s(new_tokens)
 
     # -- training and weights -------------------------------------------------------------------
     def train_s(self, lengths: list[int], devices: int) -> float:

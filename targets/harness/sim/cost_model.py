@@ -98,12 +98,12 @@ class CostModel:
     switch_overhead_s: float
     weight_export_s: float
     engine_devices: int
-    continuous_batching: bool = True
     # an engine across nodes: its all-reduces over the inter-node link
-    hidden_size: int = 0
-    devices_per_node: int = 1
-    inter_node_bytes_per_s: float = 0.0
-    inter_node_latency_s: float = 0.0
+    hidden_size: int
+    devices_per_node: int
+    inter_node_bytes_per_s: float
+    inter_node_latency_s: float
+    continuous_batching: bool = True
     # speculative decoding: the workload's draft acceptance; the stack's draft length and batch limit
     draft_acceptance: float = 0.0
     speculative_tokens: int = 0

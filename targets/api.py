@@ -535,23 +535,22 @@ class EngineSettings:
     """What the simulator models of the stack's engines (a real run's are the stack's own code; the
     harness records this): ``speculative_tokens`` drafted a step while at most ``speculative_batch`` run;
     where the target's reward model judges (``Workload.reward_model``): beside the policy on the engine
-    of the episode's last turn, on ``reward_devices`` (never rollout or training), or serverless."""
+    of the episode's last turn, on ``reward_devices`` (never rollout or training), or serverless;
+    ``engine_scale`` times ``Runtime.engine_devices`` devices an engine (up to the target's maximum)."""
 
     speculative_tokens: int = 0
     speculative_batch: int = 0
     reward: Literal["colocated", "dedicated", "serverless"] = "colocated"
     reward_devices: tuple[str, ...] = ()  # the job's devices set aside for the judge (``dedicated``)
+    engine_scale: int = 1
 
 
 @dataclass
 class Stack:
-    """A candidate, as ``stack.build(runtime)`` returns it.
-
-    ``make_cluster`` starts the candidate's real cluster (None for a simulated-only stack);
-    ``make_engine``/``make_trainer``/``sync_engine`` expose single components so the judge can run
-    accuracy checks 1-3 on them. Each runs in a candidate process of its own; the harness reaches
-    them only through the contract's calls.
-    """
+    """A candidate, as ``stack.build(runtime)`` returns it. ``make_cluster`` starts the candidate's
+    real cluster (None for a simulated-only stack); ``make_engine``/``make_trainer``/``sync_engine``
+    expose single components so the judge can run accuracy checks 1-3 on them. Each runs in a
+    candidate process of its own; the harness reaches them only through the contract's calls."""
 
     controller: Controller
     make_cluster: Callable[[], Awaitable[Cluster]] | None

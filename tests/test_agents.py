@@ -288,6 +288,23 @@ def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
     assert not planner.legal("train_devices", 130) and not planner.legal("micro_batch_tokens", 1)
 
 
+def test_the_planner_grows_engines_only_where_the_target_lets_them_and_in_whole_engines(big_spec):
+    """engine_scale 2 (engines of 16 on the 235B target) fits only a target whose
+    ``simulator.max_engine_scale`` allows it, with its training devices in whole engines of 16; a
+    ``tail_idle`` finding proposes it there, and nowhere else."""
+    params = {"controller": "time_multiplex", "train_devices": 128, "micro_batch_tokens": 4096}
+    tail = [Hint(code="tail_idle", message="the tail holds the step")]
+    planner = OfflinePlanner(big_spec, engine_devices=8, simulated=True)
+    assert not planner.fits({**params, "engine_scale": 2})
+    assert "add-engine_scale" not in {t.id for t in planner.tasks_from_hints(tail, params)}
+    simulator = big_spec.simulator.model_copy(update={"max_engine_scale": 2})
+    planner = OfflinePlanner(big_spec.model_copy(update={"simulator": simulator}), engine_devices=8, simulated=True)
+    assert planner.fits({**params, "engine_scale": 2}) and planner.fits({**params, "train_devices": 120})
+    assert not planner.fits({**params, "engine_scale": 2, "train_devices": 120})
+    added = next(t for t in planner.tasks_from_hints(tail, params) if t.id == "add-engine_scale")
+    assert added.changes == {"engine_scale": 2}
+
+
 def test_what_a_stack_declares_stays_within_what_the_workload_bounds(tiny_spec):
     """The harness refuses a declaration over ``WorkloadSpec.declared_limits`` at hello, so the
     planner never proposes one: tail_round up to the groups of a step, spares up to a group; a

@@ -98,6 +98,30 @@ def test_an_engine_across_nodes_pays_its_all_reduces_over_the_inter_node_link_by
     assert wide.prefill_s(1000, 0) == pytest.approx(node.prefill_s(1000, 0) / 2 + wide.tensor_parallel_s(1000))
 
 
+def test_the_bound_decodes_at_the_cheapest_engine_size_a_stack_may_choose(big):
+    """With ``simulator.max_engine_scale`` 2 a stack may run engines of twice the devices, so the bound
+    counts each turn at the cheaper size: the 235B's path stays at engines of one node (8: 4.3 ms a token
+    alone, against 6.1 across two nodes), the 8B's on one H100 falls by a third (engines of 2 within a
+    node pay no traffic term); the default, 1, offers the target's size only."""
+    from targets.harness.sim.lower_bound import engine_options
+
+    def options(spec, scale):
+        spec = spec.model_copy(update={"simulator": spec.simulator.model_copy(update={"max_engine_scale": scale})})
+        return engine_options(spec, ClusterCosts.from_spec(spec))
+
+    assert [c.engine_devices for c in options(big, 1)] == [8]
+    wide = options(big, 2)
+    assert [c.engine_devices for c in wide] == [8, 16]
+    assert min(wide, key=lambda c: c.fastest_token_s(1, 8000)).engine_devices == 8
+    dense = load_target("qwen3-8b-h100x8")
+    one, two = options(dense, 2)
+    assert two.fastest_token_s(1, 8000) < 0.7 * one.fastest_token_s(1, 8000)  # 6.3 ms against 9.6
+    assert [
+        c.engine_devices
+        for c in options(dense.model_copy(update={"hardware": dense.hardware.model_copy(update={"count": 1})}), 4)
+    ] == [1]
+
+
 def test_speculative_decoding_by_hand_pays_on_a_dense_model_in_the_tail_not_on_a_moe_at_batch_1(big):
     """``E = (1 - a^(k+1)) / (1 - a)`` tokens per verification of ``k + 1`` positions: on the dense 8B,
     batch 1 reads the weights once for E tokens (half the time a token); the 235B MoE's four draft
@@ -130,8 +154,10 @@ def test_engine_settings_a_hello_cannot_carry_are_refused_by_name():
     from targets.harness.ipc.protocol import ProtocolError
     from targets.harness.ipc.wire import get_engine_settings
 
-    reward = {"reward": "colocated", "reward_devices": []}
+    reward = {"reward": "colocated", "reward_devices": [], "engine_scale": 1}
     assert get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward}).speculative_tokens == 4
+    with pytest.raises(ProtocolError, match="engine.engine_scale: 3 is not one of 1, 2, 4"):
+        get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward, "engine_scale": 3})
     with pytest.raises(ProtocolError, match=r"engine.speculative_tokens: 65 is not in \[0, 64\]"):
         get_engine_settings({"speculative_tokens": 65, "speculative_batch": 8, **reward})
     with pytest.raises(ProtocolError, match="engine.speculative_batch: -1 is negative"):
@@ -139,10 +165,16 @@ def test_engine_settings_a_hello_cannot_carry_are_refused_by_name():
     with pytest.raises(ProtocolError, match="speculative_tokens"):
         get_engine_settings({"speculative_batch": 8, **reward})
     with pytest.raises(ProtocolError, match="engine.reward: 'nearby' is not one of colocated, dedicated, serverless"):
-        get_engine_settings({"speculative_tokens": 0, "speculative_batch": 0, "reward": "nearby", "reward_devices": []})
+        get_engine_settings({"speculative_tokens": 0, "speculative_batch": 0, **reward, "reward": "nearby"})
     with pytest.raises(ProtocolError, match="engine.reward_devices: .* not a list of distinct device ids"):
         get_engine_settings(
-            {"speculative_tokens": 0, "speculative_batch": 0, "reward": "dedicated", "reward_devices": ["a", "a"]}
+            {
+                "speculative_tokens": 0,
+                "speculative_batch": 0,
+                **reward,
+                "reward": "dedicated",
+                "reward_devices": ["a", "a"],
+            }
         )
 
 

@@ -56,10 +56,16 @@ class OfflinePlanner:
     def fits(self, params: dict) -> bool:
         """The stack's devices add up on this target, as its controller's build checks: a static split's
         two pools, and a dedicated judge's devices, within the job's; time_multiplex keeping a device that
-        never trains (a range per parameter cannot say it: 9 training devices fit 16, not beside 8 rolling)."""
+        never trains (a range per parameter cannot say it: 9 training devices fit 16, not beside 8 rolling);
+        an engine_scale the target allows, with the device counts in whole engines of that size."""
         count = self.spec.hardware.count
         judge = params.get("reward_devices", 0) if params.get("reward_placement") == 1 else 0
         train = params.get("train_devices", 0)
+        scale = params.get("engine_scale", 1)  # larger engines, where the target lets a stack choose: moved whole
+        engine = self.engine_devices * scale
+        rollout = params.get("rollout_devices", 0)
+        if scale != 1 and (scale > self.spec.simulator.max_engine_scale or train % engine or rollout % engine):
+            return False
         if params.get("controller") == "static_split":
             return params.get("rollout_devices", 0) + train + judge <= count
         if params.get("controller") == "time_multiplex":

@@ -47,7 +47,15 @@ def build(runtime: Runtime) -> Stack:
 
         check_fits(runtime.model_path, len(train), runtime.device_memory_bytes)
 
+    engine_scale = params.get("engine_scale", 1)
+    # VAL: VAL_SUBSET (value=[engine_scale], of=[1, 2, 4])
+
     async def make_cluster():
+        if engine_scale != 1:  # the engine_scale skill: merged engines are the simulator's
+            raise ValueError(
+                f"engine_scale {engine_scale}: a real cluster's engines here span {runtime.engine_devices} "
+                "device(s) each (the recipes shard no engine across devices); set engine_scale 1"
+            )
         if cluster == "local":
             from .local_cluster import LocalCluster
 
@@ -111,5 +119,6 @@ def build(runtime: Runtime) -> Stack:
         speculative_batch=params.get("speculative_batch", 64),
         reward=reward,
         reward_devices=reward_devices,
+        engine_scale=engine_scale,
     )
     return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared, engine_settings)

@@ -38,7 +38,7 @@ class ControllerBase:
                 f"(the target's max_async_ratio), got {self.async_ratio}"
             )
         self.max_sequence = workload.max_sequence
-        self.engine_devices = runtime.engine_devices
+        self.engine_devices = runtime.engine_devices * params.get("engine_scale", 1)  # the engine_scale skill
         self.sampling = SamplingParams(
             max_new_tokens=workload.response_tokens,
             temperature=workload.temperature,

@@ -90,6 +90,11 @@ class SimulatorSpec(Strict):
     engine_devices: int | None = Field(
         default=None, gt=0, description="devices per rollout engine; default: the fewest that fit the weights"
     )
+    max_engine_scale: Literal[1, 2, 4] = Field(
+        default=1,
+        description="how many times engine_devices a stack's engines may span (EngineSettings.engine_scale): "
+        "larger engines decode each sequence faster and pay their tensor-parallel traffic",
+    )
     inter_node_latency_s: float = Field(
         default=30e-6,
         ge=0,

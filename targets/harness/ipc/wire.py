@@ -205,6 +205,7 @@ MAX_SPECULATIVE_TOKENS = 64  # a draft longer than this verifies more positions 
 
 
 REWARD_PLACEMENTS = ("colocated", "dedicated", "serverless")
+ENGINE_SCALES = (1, 2, 4)  # the multiples of the target's engine size an engine may span
 
 
 def put_engine_settings(e: EngineSettings) -> dict:
@@ -213,6 +214,7 @@ def put_engine_settings(e: EngineSettings) -> dict:
         "speculative_batch": e.speculative_batch,
         "reward": e.reward,
         "reward_devices": list(e.reward_devices),
+        "engine_scale": e.engine_scale,
     }
 
 
@@ -221,6 +223,7 @@ def get_engine_settings(data: Any) -> EngineSettings:
     batch = field_of(data, "speculative_batch", int, "engine")
     reward = field_of(data, "reward", str, "engine")
     devices = field_of(data, "reward_devices", list, "engine")
+    scale = field_of(data, "engine_scale", int, "engine")
     if not 0 <= tokens <= MAX_SPECULATIVE_TOKENS:
         raise ProtocolError(f"engine.speculative_tokens: {tokens} is not in [0, {MAX_SPECULATIVE_TOKENS}]")
     if batch < 0:
@@ -229,7 +232,9 @@ def get_engine_settings(data: Any) -> EngineSettings:
         raise ProtocolError(f"engine.reward: {reward!r} is not one of {', '.join(REWARD_PLACEMENTS)}")
     if not all(isinstance(d, str) for d in devices) or len(set(devices)) < len(devices):
         raise ProtocolError(f"engine.reward_devices: {devices!r} is not a list of distinct device ids")
-    return EngineSettings(tokens, batch, reward, tuple(devices))
+    if scale not in ENGINE_SCALES:
+        raise ProtocolError(f"engine.engine_scale: {scale} is not one of {', '.join(map(str, ENGINE_SCALES))}")
+    return EngineSettings(tokens, batch, reward, tuple(devices), scale)
 
 
 def put_declared(d: Declared) -> dict:

@@ -523,7 +523,13 @@ def drive_simulated(
         if any(i not in by_id for i in rollout_ids):
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
-        engine_costs = costs.speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
+        scale = link.engine.engine_scale
+        if scale > spec.simulator.max_engine_scale:
+            raise CandidateError(
+                f"the stack's engines span {scale} x {costs.engine_devices} devices (engine_scale {scale}), over "
+                f"the target's simulator.max_engine_scale {spec.simulator.max_engine_scale}"
+            )
+        engine_costs = costs.scaled(scale).speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
         judge, judge_costs = None, judge_costs_of(spec)
         if judge_costs is not None and link.engine.reward == "colocated":  # the judge's weights beside each engine
             engine_costs = engine_costs.hosting(judge_costs.shared.weight_bytes)

@@ -68,7 +68,7 @@ class SimCluster:
         if len(rollout) % size:
             raise ValueError(
                 f"{len(rollout)} rollout devices do not split into engines of {size} devices "
-                f"(the model needs {size} devices per engine)"
+                f"(the model's engine size times the stack's engine_scale)"
             )
         groups = [rollout[i * size : (i + 1) * size] for i in range(len(rollout) // size)]
         for group in groups:

@@ -324,6 +324,13 @@ class ClusterCosts:
         pools = {name: cost.speculating(draft_tokens, batch_limit) for name, cost in self.pools.items()}
         return replace(self, pools=pools)
 
+    def scaled(self, scale: int) -> ClusterCosts:
+        """Engines of ``scale`` times ``engine_devices`` (a stack's ``EngineSettings.engine_scale``):
+        more KV room and bandwidth an engine, and the tensor-parallel traffic of their span."""
+        return replace(
+            self, pools={n: replace(c, engine_devices=c.engine_devices * scale) for n, c in self.pools.items()}
+        )
+
     def hosting(self, resident_bytes: float) -> ClusterCosts:
         """Every engine also holding ``resident_bytes`` of another model's weights (a colocated judge)."""
         return replace(self, pools={name: replace(c, resident_bytes=resident_bytes) for name, c in self.pools.items()})

@@ -22,7 +22,8 @@ to set beside where the devices' time went (``metrics.py``: ``step_rollout_s``, 
 ``step_idle_s``): the rest of the gap is each phase's excess over its work, switching and sync
 (whose bound is zero), and idle time. On hardware of several pools every turn's work, every step's
 training and every turn of a critical path is counted at the pool where it is cheapest: no placement
-does better, so the bound still holds (and is loose by what the cheapest pool cannot hold). Per step
+does better, so the bound still holds (and is loose by what the cheapest pool cannot hold); likewise
+at every engine size the target lets a stack choose (``simulator.max_engine_scale``). Per step
 (``lower_bound_steps``): each step's measured time (from the previous train call's end to its own),
 its rollout and train work per device, and its longest path over ``1 + a``; the bound holds for
 their mean, not for every step (work may move between neighbouring steps).
@@ -30,10 +31,10 @@ their mean, not for every step (work may move between neighbouring steps).
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from targets.api import TraceEvent
-from targets.harness.sim.cost_model import ClusterCosts
+from targets.harness.sim.cost_model import ClusterCosts, CostModel
 from targets.harness.trace import token_count
 from targets.spec import TargetSpec
 
@@ -55,6 +56,19 @@ def _turns(events: list[TraceEvent]) -> dict[str, list[tuple[int, int, int, floa
     return turns
 
 
+def engine_options(spec: TargetSpec, costs: ClusterCosts) -> list[CostModel]:
+    """Every pool's cost model at every engine size a stack may choose (``simulator.max_engine_scale``)
+    that its devices hold: the bound takes the cheapest, so it holds whatever size a stack picks."""
+    sizes = Counter(costs.pool_of.values())
+    scales = [scale for scale in (1, 2, 4) if scale <= spec.simulator.max_engine_scale]
+    return [
+        cost
+        for scale in scales
+        for name, cost in costs.scaled(scale).pools.items()
+        if cost.engine_devices <= sizes[name]
+    ]
+
+
 def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEvent]) -> dict:
     turns = _turns(events)
     trains = [e for e in events if e.kind == "train"]
@@ -65,7 +79,7 @@ def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEv
     devices = len(run_start.data["devices"])
     stretch = 1 + spec.workload.staleness_limit  # the loosest staleness any stack may declare
 
-    pools = list(costs.pools.values())
+    pools = engine_options(spec, costs)
 
     def turn_work(cost, context: int, new: int, response: int) -> float:
         batch = max(1, cost.kv_capacity_tokens // max(1, context + response))

@@ -537,8 +537,9 @@ def _four_devices(fast_target, max_engine_scale: int) -> dict:
 
 def test_engine_scale_runs_engines_of_twice_the_devices_which_decode_faster(tmp_path, fast_target):
     """Simulated: with engine_scale 2 the harness groups the four rollout devices into two engines of
-    two (the run_start event says so, and the stack's setting), and the same seed's turns decode faster
-    a token than on four engines of one; the audit passes."""
+    two (the run_start event says so, and the stack's setting; the run's summary weighs decoding time by
+    that size), and the same seed's turns decode faster a token than on four engines of one; the audit
+    passes."""
     per_token = {}
     for scale in (1, 2):
         params = {"engine_scale": scale, "train_devices": 2}
@@ -548,6 +549,7 @@ def test_engine_scale_runs_engines_of_twice_the_devices_which_decode_faster(tmp_
         start = next(e for e in events if e.kind == "run_start")
         assert start.data["engine"]["engine_scale"] == scale
         assert sorted(len(devices) for devices in start.data["engines"].values()) == [scale] * (4 // scale)
+        assert run.results["system"]["engine_devices"] == scale  # what the metrics weigh decoding time by
         served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]
         per_token[scale] = sum(e.t - e.data["start"] for e in served) / sum(
             token_count(e.data["tokens"]) for e in served

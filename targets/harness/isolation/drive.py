@@ -530,6 +530,7 @@ def drive_simulated(
                 f"the target's simulator.max_engine_scale {spec.simulator.max_engine_scale}"
             )
         engine_costs = costs.scaled(scale).speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
+        summary["engine_devices"] = engine_costs.engine_devices  # the stack's engines, which the metrics weigh
         judge, judge_costs = None, judge_costs_of(spec)
         if judge_costs is not None and link.engine.reward == "colocated":  # the judge's weights beside each engine
             engine_costs = engine_costs.hosting(judge_costs.shared.weight_bytes)
@@ -589,7 +590,6 @@ def drive_simulated(
         virtual_seconds=trace.clock.now(),
         wall_seconds=time.perf_counter() - started,
         simulated=True,
-        engine_devices=costs.engine_devices,
         steps=steps,
     )
     return trace, summary

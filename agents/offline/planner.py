@@ -67,7 +67,7 @@ class OfflinePlanner:
         if scale != 1 and (scale > self.spec.simulator.max_engine_scale or train % engine or rollout % engine):
             return False
         if params.get("controller") == "static_split":
-            return params.get("rollout_devices", 0) + train + judge <= count
+            return rollout + train + judge <= count
         if params.get("controller") == "time_multiplex":
             return train + judge < count
         return judge < count

@@ -60,7 +60,7 @@ def engine_options(spec: TargetSpec, costs: ClusterCosts) -> list[CostModel]:
     """Every pool's cost model at every engine size a stack may choose (``simulator.max_engine_scale``)
     that its devices hold: the bound takes the cheapest, so it holds whatever size a stack picks."""
     sizes = Counter(costs.pool_of.values())
-    scales = [scale for scale in (1, 2, 4) if scale <= spec.simulator.max_engine_scale]
+    scales = [1 << i for i in range(spec.simulator.max_engine_scale.bit_length())]  # 1, 2, ... up to the maximum
     return [
         cost
         for scale in scales

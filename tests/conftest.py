@@ -83,13 +83,27 @@ def no_process_group_left_behind():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def shared_ray():
-    """One Ray cluster for the module's subprocess-sandbox runs to join (tests/ray_session.py)."""
+@pytest.fixture(scope="session")
+def _ray_holder():
+    """The one Ray cluster of the test session (tests/ray_session.py), started when a module first asks
+    for it: its address. Its jobs' actors die with each run's driver, so runs never share state."""
     from tests.ray_session import shared_ray_cluster
 
     with shared_ray_cluster() as address:
         yield address
+
+
+@pytest.fixture(scope="module")
+def shared_ray(_ray_holder):
+    """The session's Ray cluster for this module's subprocess-sandbox runs to join: ``RAY_ADDRESS`` is set
+    while the module runs, and only then (a module that never asks starts clusters of its own)."""
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = _ray_holder
+    yield _ray_holder
+    if previous is None:
+        del os.environ["RAY_ADDRESS"]
+    else:
+        os.environ["RAY_ADDRESS"] = previous
 
 
 @pytest.fixture(scope="module")

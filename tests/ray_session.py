@@ -1,5 +1,6 @@
-"""One Ray cluster a test module's real runs share (``RAY_ADDRESS``): a candidate in the subprocess
-sandbox joins it instead of starting its own, which costs ~5 s of a ~15 s run on 2 cores. The cluster
+"""One Ray cluster the test session's real runs share (``RAY_ADDRESS``, set by conftest.py's ``shared_ray``
+for the modules that ask): a candidate in the subprocess sandbox joins it instead of starting its own,
+which costs ~5 s of a ~15 s run on 2 cores. The cluster
 lives in a process of its own (``python tests/ray_session.py``), which prints the cluster's address,
 offers the device resources the harness names, and shuts the cluster down when its stdin closes."""
 
@@ -16,7 +17,7 @@ DEVICES = 8  # device resources offered: the most any real CPU target of the tes
 
 @contextmanager
 def shared_ray_cluster():
-    """The cluster, running, with ``RAY_ADDRESS`` set in this process's environment meanwhile."""
+    """The cluster's address while it runs (the caller sets ``RAY_ADDRESS`` where runs should join it)."""
     holder = subprocess.Popen(
         [sys.executable, __file__],
         stdin=subprocess.PIPE,
@@ -28,15 +29,9 @@ def shared_ray_cluster():
     if not address:
         holder.wait()
         raise RuntimeError(f"the shared Ray cluster did not start (exit code {holder.returncode})")
-    previous = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = address
     try:
         yield address
     finally:
-        if previous is None:
-            del os.environ["RAY_ADDRESS"]
-        else:
-            os.environ["RAY_ADDRESS"] = previous
         holder.stdin.close()
         holder.wait(timeout=60)
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def honest(fast_target, tmp_path_factory):
+def honest(fast_target, tmp_path_factory, shared_ray):  # the run joins the session's Ray cluster (conftest.py)
     spec = parse_target(yaml.safe_load(fast_target.read_text()))
     work = tmp_path_factory.mktemp("audit")
     stack = write_starter(work / "stack", spec, "time_multiplex")

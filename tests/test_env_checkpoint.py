@@ -1,7 +1,7 @@
 """The env_checkpoint technique, seen from the harness's trace: environments whose state a crash
 loses (``workload.env_state``) checkpointed after the turns that changed state, real and simulated,
 with the audit passing; and its misuses planted: a checkpoint in the middle of a step, a lost
-episode kept out of the batch."""
+episode kept out of the batch. The real runs join the module's shared Ray cluster (conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from targets.harness.measure.metrics import compute_metrics
 from tests.technique_run import audited_run, harness_run, planted
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 CRASHING = {  # a crash every fifth step or so; two turns in five change state a crash would lose
     "env_failure_rate": 0.2,

@@ -127,16 +127,18 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
 
 
 @pytest.mark.slow
-def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjudged(tmp_path, fast_target):
+def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjudged(tmp_path, fast_target, shared_ray):
     """The twin (here the target's own uncalibrated simulation: static_split 8.8 goodput, colocate 4.8)
     stops a switch to colocate before the real judge; it is kept as prescreened, never validated. A
-    switch to time_multiplex, which shrinks where no real run has shrunk, is judged for real."""
+    switch to time_multiplex, which shrinks where no real run has shrunk, is judged for real (in the
+    subprocess sandbox, on the module's shared Ray cluster: the main job's test above runs the default
+    sandbox)."""
     from agents.roles import Task
     from skills.starter import starter_params
     from targets.spec import load_target
 
     run = tmp_path / "run"
-    loop = _start(fast_target, tmp_path, starter="static_split", rounds=2)
+    loop = _start(fast_target, tmp_path, starter="static_split", rounds=2, sandbox="subprocess")
     loop.state.twin = str(fast_target)  # stands in for the calibrated one: deterministic predictions
     loop.state.twin_unfitted = ["shrink", "expand"]  # as a twin fitted to a starter that never shrinks
     spec = load_target(str(fast_target))

@@ -748,7 +748,7 @@ def test_each_answer_reaches_its_caller_a_request_overhead_after_its_engine(tmp_
 
 
 @pytest.mark.slow
-def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, fast_target):
+def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, fast_target, shared_ray):
     """Calibration runs the time_multiplex starter for real, fits the cost model to its trace and
     runs the very same stack directory on the simulator: both runs pass the audit, and the
     simulator's step time is compared with the real one."""

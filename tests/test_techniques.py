@@ -3,7 +3,7 @@ target and in a simulated one, with the audit passing. (The audit's plants of ea
 misuse are in tests/test_audit.py.) Speculative decoding, which works inside the engine, is read
 from the engine's own log in a real run and from the turns' speed in a simulated one, with its misuse
 planted here.
-The real runs join one Ray cluster the module shares (``shared_ray``), as a stack on a Ray cluster would."""
+The real runs join the test session's shared Ray cluster (``shared_ray``), as a stack on a Ray cluster would."""
 
 from __future__ import annotations
 
@@ -567,7 +567,7 @@ def test_engine_scale_over_the_targets_maximum_is_refused_at_hello_and_on_a_real
     assert not run.ok and "engine_scale 2: a real cluster's engines here span 1 device(s)" in run.cause, run.cause
 
 
-# -- the Ray cluster this module's real runs join (conftest.py's shared_ray) -------------------------------
+# -- the Ray cluster the real runs join (conftest.py's shared_ray) ----------------------------------------
 
 
 def test_a_stack_refuses_a_ray_cluster_that_lacks_its_devices(shared_ray):

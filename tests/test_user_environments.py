@@ -364,7 +364,8 @@ def _user_target(fast_target, tmp_path, monkeypatch, entry: str, **params) -> Pa
 
 
 def _real_run(fast_target, tmp_path, monkeypatch, entry: str, mode: str):
-    """A real run of the time_multiplex starter on the fast target with the user's environment."""
+    """A real run of the time_multiplex starter on the fast target with the user's environment (the
+    tests that call it join the module's shared Ray cluster: conftest.py's ``shared_ray``)."""
     path = _user_target(fast_target, tmp_path, monkeypatch, entry)
     data = yaml.safe_load(path.read_text())
     stack = write_starter(tmp_path / "stack", parse_target(data), "time_multiplex")
@@ -374,7 +375,7 @@ def _real_run(fast_target, tmp_path, monkeypatch, entry: str, mode: str):
 
 @pytest.mark.slow
 def test_a_real_run_on_a_user_environment_passes_check_with_its_rewards(
-    fast_target, tmp_path, user_package, monkeypatch
+    fast_target, tmp_path, user_package, monkeypatch, shared_ray
 ):
     run = _real_run(fast_target, tmp_path, monkeypatch, "my_envs:HiddenNumber", "check")
     assert run.ok, run.cause
@@ -385,7 +386,9 @@ def test_a_real_run_on_a_user_environment_passes_check_with_its_rewards(
 
 
 @pytest.mark.slow
-def test_a_real_run_whose_environment_raises_fails_naming_it(fast_target, tmp_path, user_package, monkeypatch):
+def test_a_real_run_whose_environment_raises_fails_naming_it(
+    fast_target, tmp_path, user_package, monkeypatch, shared_ray
+):
     run = _real_run(fast_target, tmp_path, monkeypatch, "my_envs:Breaks", "measure")
     assert not run.ok
     assert "system run failed: UserEnvironmentError: environment my_envs:Breaks raised KeyError at turn 2" in run.cause
@@ -394,12 +397,12 @@ def test_a_real_run_whose_environment_raises_fails_naming_it(fast_target, tmp_pa
 
 @pytest.mark.slow
 def test_an_environment_that_fails_mid_run_stops_it_with_every_validated_round_kept(
-    fast_target, tmp_path, user_package, monkeypatch
+    fast_target, tmp_path, user_package, monkeypatch, shared_ray
 ):
     flag = tmp_path / "server-gone"
     target = _user_target(fast_target, tmp_path, monkeypatch, "my_envs:BreaksOnceFlagged", flag=str(flag))
     run, workspaces = tmp_path / "run", tmp_path / "ws"
-    args = ["generate", str(target), "--rounds", "1", "--repeat", "1", "--out", str(run)]
+    args = ["generate", str(target), "--rounds", "1", "--repeat", "1", "--out", str(run), "--sandbox", "subprocess"]
     # round 1 must run for real to meet the broken server: the twin could screen it out unrun
     args += ["--workspaces", str(workspaces), "--no-prescreen"]
     committed = run / ".git" / "refs" / "vibetrain" / "rounds" / "0"

@@ -50,7 +50,7 @@ def _reasons(measurement) -> str:
 
 
 def test_a_controller_that_patches_the_clock_and_hunts_the_trace_changes_nothing_recorded(
-    tmp_path, fast_target, sandbox
+    tmp_path, fast_target, judge_sandbox
 ):
     stack = planted(
         tmp_path / "c",
@@ -82,7 +82,7 @@ def test_a_controller_that_patches_the_clock_and_hunts_the_trace_changes_nothing
             "--stack",
             str(stack),
             "--sandbox",
-            sandbox.name,
+            judge_sandbox.name,
             "--out",
             str(out),
             "--json",
@@ -187,7 +187,7 @@ def test_launching_more_episodes_than_training_needs(tmp_path, fast_target, judg
     assert any("too many episodes" in finding for finding in evaluation.findings), evaluation.findings
 
 
-def test_environment_handles_expose_only_the_contract(tmp_path, fast_target, sandbox):
+def test_environment_handles_expose_only_the_contract(tmp_path, fast_target, judge_sandbox):
     stack = planted(
         tmp_path / "c",
         fast_target,
@@ -199,13 +199,13 @@ def test_environment_handles_expose_only_the_contract(tmp_path, fast_target, san
             ),
         },
     )
-    measurement = _session(fast_target, sandbox).measure(stack, tmp_path / "out", seed=1)
+    measurement = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "has no attribute 'max_turns'" in _reasons(measurement), _reasons(measurement)
 
 
-def test_a_candidate_that_rewrites_its_own_files_during_the_run(tmp_path, fast_target, sandbox):
-    """Unsandboxed (subprocess) the write lands and the before/after hash catches it; in bubblewrap
-    the candidate's directory is read-only and the write never lands."""
+def test_a_candidate_that_rewrites_its_own_files_during_the_run(tmp_path, fast_target, sandbox, judge_sandbox):
+    """Unsandboxed (subprocess, on the shared Ray cluster) the write lands and the before/after hash
+    catches it; in bubblewrap the candidate's directory is read-only and the write never lands."""
     plant = {
         "static_split.py": (
             "        rollout, train = self.placement(cluster.devices)\n",
@@ -217,7 +217,7 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(tmp_path, fast_t
         )
     }
     stack = planted(tmp_path / "c", fast_target, "static_split", plant)
-    measurement = _session(fast_target, Sandbox.detect("subprocess")).measure(stack, tmp_path / "out", seed=1)
+    measurement = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "candidate_unchanged" in _reasons(measurement), _reasons(measurement)
     if sandbox.backend == "bubblewrap":
         again = planted(tmp_path / "d", fast_target, "static_split", plant)

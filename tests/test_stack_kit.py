@@ -2,8 +2,8 @@
 default sandbox; each planted cheat is rejected with a reason that names it; a crash and a hang fail
 cleanly; the benchmark prints its table and writes JSON and the timeline. The verdicts read the
 harness's own trace whatever the sandbox, so the plants, the hang and the bench run in the subprocess
-sandbox on the module's shared Ray cluster (conftest.py's ``shared_ray``), as a stack on a Ray cluster
-would."""
+sandbox on the test session's shared Ray cluster (conftest.py's ``shared_ray``), as a stack on a Ray
+cluster would."""
 
 from __future__ import annotations
 

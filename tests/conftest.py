@@ -97,19 +97,15 @@ def _ray_holder():
 def shared_ray(_ray_holder):
     """The session's Ray cluster for this module's subprocess-sandbox runs to join: ``RAY_ADDRESS`` is set
     while the module runs, and only then (a module that never asks starts clusters of its own)."""
-    previous = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = _ray_holder
-    yield _ray_holder
-    if previous is None:
-        del os.environ["RAY_ADDRESS"]
-    else:
-        os.environ["RAY_ADDRESS"] = previous
+    with pytest.MonkeyPatch.context() as patch:  # the module-scoped form of the monkeypatch fixture
+        patch.setenv("RAY_ADDRESS", _ray_holder)
+        yield _ray_holder
 
 
 @pytest.fixture(scope="module")
 def judge_sandbox(shared_ray):
     """For tests of the judge, whose verdicts read the harness's own trace whatever the sandbox: the
-    subprocess one, its candidates joining the module's shared Ray cluster."""
+    subprocess one, its candidates joining the test session's shared Ray cluster."""
     from targets.harness.isolation.sandbox import Sandbox
 
     return Sandbox.detect("subprocess")

@@ -1,7 +1,7 @@
 """The env_checkpoint technique, seen from the harness's trace: environments whose state a crash
 loses (``workload.env_state``) checkpointed after the turns that changed state, real and simulated,
 with the audit passing; and its misuses planted: a checkpoint in the middle of a step, a lost
-episode kept out of the batch. The real runs join the module's shared Ray cluster (conftest.py)."""
+episode kept out of the batch. The real runs join the test session's shared Ray cluster (conftest.py)."""
 
 from __future__ import annotations
 

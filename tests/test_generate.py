@@ -131,7 +131,7 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
     """The twin (here the target's own uncalibrated simulation: static_split 8.8 goodput, colocate 4.8)
     stops a switch to colocate before the real judge; it is kept as prescreened, never validated. A
     switch to time_multiplex, which shrinks where no real run has shrunk, is judged for real (in the
-    subprocess sandbox, on the module's shared Ray cluster: the main job's test above runs the default
+    subprocess sandbox, on the test session's shared Ray cluster: the main job's test above runs the default
     sandbox)."""
     from agents.roles import Task
     from skills.starter import starter_params

@@ -259,7 +259,7 @@ def test_the_sandbox_shows_no_host_files_beyond_what_the_run_needs(tmp_path):
 def test_a_killed_command_takes_the_candidate_processes_with_it(tmp_path, fast_target, monkeypatch):
     """`timeout vibetrain check ...` sends SIGTERM: the candidate's processes (in their own sessions)
     must not outlive the command and keep holding memory and devices. Its Ray cluster is its own (the
-    module's shared one would hold its actors outside the command's tree)."""
+    session's shared one would hold its actors outside the command's tree)."""
     import os
     import signal
     import subprocess

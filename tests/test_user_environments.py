@@ -365,7 +365,7 @@ def _user_target(fast_target, tmp_path, monkeypatch, entry: str, **params) -> Pa
 
 def _real_run(fast_target, tmp_path, monkeypatch, entry: str, mode: str):
     """A real run of the time_multiplex starter on the fast target with the user's environment (the
-    tests that call it join the module's shared Ray cluster: conftest.py's ``shared_ray``)."""
+    tests that call it join the test session's shared Ray cluster: conftest.py's ``shared_ray``)."""
     path = _user_target(fast_target, tmp_path, monkeypatch, entry)
     data = yaml.safe_load(path.read_text())
     stack = write_starter(tmp_path / "stack", parse_target(data), "time_multiplex")

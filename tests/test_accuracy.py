@@ -41,6 +41,17 @@ class VersionLyingEngine(ReferenceEngine):
         self.model.load_state_dict(dict(state))
 
 
+class NaNLogprobEngine(ReferenceEngine):
+    """The reference's tokens, with a NaN for one logprob of each completion: a NaN compares false with
+    any tolerance, so a check written ``diff > atol`` would pass it."""
+
+    def generate(self, prompts, params):
+        completions = super().generate(prompts, params)
+        for c in completions:
+            c.logprobs[len(c.logprobs) // 2] = float("nan")
+        return completions
+
+
 # --- planted wrong trainers ---------------------------------------------------------------
 
 
@@ -58,6 +69,16 @@ class SkippedStepTrainer(ReferenceTrainer):
         loss.backward()
         self.version += 1
         return self.version
+
+
+class NaNWeightTrainer(ReferenceTrainer):
+    """Steps as the reference does, then leaves a NaN in one weight: the relative error is NaN."""
+
+    def train_step(self, batch):
+        version = super().train_step(batch)
+        with torch.no_grad():
+            next(self.model.parameters()).view(-1)[0] = float("nan")
+        return version
 
 
 class UnclippedTrainer(ReferenceTrainer):
@@ -110,6 +131,12 @@ def test_engine_check_rejects_biased_logits(tiny_model):
     assert any("greedy token" in r and "reference" in r for r in result.reasons)
 
 
+def test_engine_check_rejects_nan_logprobs(tiny_model):
+    result = check_engine(NaNLogprobEngine(copy.deepcopy(tiny_model)), tiny_model, ACCURACY)
+    assert not result.passed
+    assert any("logprob of token" in r and "nan" in r for r in result.reasons), result.reasons
+
+
 # --- check 2 ------------------------------------------------------------------------------
 
 
@@ -138,6 +165,7 @@ def test_fixed_batches_exercise_clipping(tiny_model, batches):
         (SkippedStepTrainer, "optimizer step did not happen"),
         (UnclippedTrainer, "differs from the reference trainer"),
         (AscentTrainer, "differs from the reference trainer"),
+        (NaNWeightTrainer, "relative error nan"),
     ],
 )
 def test_trainer_check_rejects_planted_trainers(tiny_model, batches, planted, expected):

@@ -170,6 +170,18 @@ def test_behaviour_logprobs_altered(honest):
     _rejects(_audit(honest, events), "altered logprobs")
 
 
+def test_a_nan_behaviour_logprob_switches_no_comparison_off(honest):
+    """A NaN compares false with every tolerance: one behaviour logprob of NaN (which the wire refuses;
+    planted past it here) must not pass the logprob comparison, and through the GRPO ratio it makes the
+    reference step NaN, which must not pass the training replay either."""
+    events = _edited(honest)
+    trajectory = _first(events, "train").data["trajectories"][0]
+    trajectory["logprobs"][trajectory["loss_mask"].index(1)] = float("nan")
+    result = _audit(honest, events)
+    _rejects(result, "altered logprobs")
+    _rejects(result, "training replay")
+
+
 def test_turn_claiming_a_version_from_the_future(honest):
     events = _edited(honest)
     episode = _first(events, "train").data["trajectories"][0]["episode"]

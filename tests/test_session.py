@@ -21,7 +21,15 @@ from agents.offline.evaluator import extended, undecided
 from targets.api import TraceEvent
 from targets.harness.ipc.channel import _BURST_END_BYTES, AsyncChannel, Frame, SyncChannel
 from targets.harness.ipc.protocol import ProtocolError
-from targets.harness.ipc.wire import PromptMemory, get_batch, get_request, put_batch, put_request
+from targets.harness.ipc.wire import (
+    PromptMemory,
+    get_batch,
+    get_completion,
+    get_request,
+    put_batch,
+    put_completion,
+    put_request,
+)
 from targets.harness.isolation.launch import HarnessRun
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.measure.session import Measurement, Paired, Session, clock_check
@@ -205,6 +213,22 @@ def test_decoders_check_every_field_of_what_a_candidate_sends():
     bad["advantages"] = [float("nan")]
     with pytest.raises(ProtocolError, match="finite"):
         get_batch(rx, bad)
+    # a NaN logprob compares false with every tolerance: let through, it would switch off the audit's
+    # logprob comparisons and (through the GRPO ratio) the training replay
+    nan = TrainBatch([Trajectory("g0/e0", "g0", [1, 2, 3], [0, 1, 1], [0.0, -1.0, math.nan], 1.0, [0])], [0.5])
+    frame = Frame()
+    frame.header["b"] = put_batch(frame, nan)
+    rx = Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+    with pytest.raises(ProtocolError, match=r"trajectory g0/e0.logprobs: 1 non-finite value\(s\), the first nan at"):
+        get_batch(rx, rx["b"])
+    from targets.api import Completion
+
+    for value in (math.nan, math.inf):
+        frame = Frame()
+        frame.header["c"] = put_completion(frame, Completion([4, 5], [-0.1, value], "length", 0, "cpu:0"))
+        rx = Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+        with pytest.raises(ProtocolError, match="completion.logprobs: 1 non-finite value.* at position 1"):
+            get_completion(rx, rx["c"])
     with pytest.raises(ValueError, match="only 0 and 1"):  # a mask that would weight tokens twice cannot even be sent
         put_batch(Frame(), TrainBatch([Trajectory("g0/e0", "g0", [1, 2], [0, 2], [0.0, -1.0], 1.0, [0])], [0.5]))
 

@@ -87,8 +87,16 @@ class Received:
     def ints(self, ref: Any) -> list[int]:
         return self.array(ref, "i4").tolist()
 
-    def floats(self, ref: Any) -> list[float]:
-        return self.array(ref, "f8").tolist()
+    def logprobs(self, ref: Any, what: str) -> np.ndarray:
+        """Log-probabilities: float64, every one finite. A NaN compares false with any tolerance, so
+        one let through would switch off the checks that compare logprobs (the audit's, the replay's)."""
+        values = self.array(ref, "f8")
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            raise ProtocolError(
+                f"{what}.logprobs: {bad.size} non-finite value(s), the first {values[bad[0]]} at position {bad[0]}"
+            )
+        return values
 
 
 def _header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:

@@ -315,7 +315,7 @@ def get_completion(rx: Received, d: Any, counts: bool = False) -> Completion:
     else:
         tokens, logprobs = (
             rx.ints(field_of(d, "tokens", dict, "completion")),
-            rx.floats(field_of(d, "logprobs", dict, "completion")),
+            rx.logprobs(field_of(d, "logprobs", dict, "completion"), "completion").tolist(),
         )
     if len(tokens) != len(logprobs):
         raise ProtocolError(f"completion: {len(tokens)} tokens but {len(logprobs)} logprobs")
@@ -503,7 +503,7 @@ def get_trajectory(rx: Received, d: Any, memory: PromptMemory | None) -> Traject
     mask = rx.array(field_of(d, "loss_mask", dict, "trajectory"), "u1")
     if mask.size and mask.max() > 1:
         raise ProtocolError(f"trajectory {episode}: loss_mask must hold only 0 and 1")
-    masked = rx.array(field_of(d, "logprobs", dict, "trajectory"), "f8")
+    masked = rx.logprobs(field_of(d, "logprobs", dict, "trajectory"), f"trajectory {episode}")
     if len(mask) != len(tokens) or int(mask.sum()) != len(masked):
         raise ProtocolError(
             f"trajectory {episode}: {len(tokens)} tokens, a mask of {len(mask)} with {int(mask.sum())} "

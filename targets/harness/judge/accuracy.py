@@ -102,7 +102,7 @@ def compare_greedy(
                 break
             diff = abs(got.logprobs[j] - want.logprobs[j])
             worst = max(worst, diff)
-            if diff > accuracy.logprob_atol:
+            if not diff <= accuracy.logprob_atol:  # a NaN is over any bound
                 reasons.append(
                     f"prompt {i}: logprob of token {j} is {got.logprobs[j]:.5f}, reference {want.logprobs[j]:.5f} "
                     f"(|diff| {diff:.2e} > atol {accuracy.logprob_atol:.0e})"
@@ -209,7 +209,7 @@ def check_trainer(
     rel = math.sqrt(err_sq / ref_sq)
     if cand_sq == 0:
         reasons.append("parameters are unchanged after training: the optimizer step did not happen")
-    elif rel > accuracy.update_rtol:
+    elif not rel <= accuracy.update_rtol:  # NaN weights are no match
         reasons.append(
             f"parameter update differs from the reference trainer's: relative error {rel:.3g} > "
             f"{accuracy.update_rtol:g} (worst tensor {worst_name}: {worst_rel:.3g})"

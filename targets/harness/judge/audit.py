@@ -154,7 +154,7 @@ def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                 r.add("partial group", f"training step {k + 1} files episode {t['episode']} under group {t['group']}")
         expected = group_advantages_of([(t["group"], t["reward"]) for t in trajectories])
         given = train.data.get("advantages", [])
-        if len(given) != len(expected) or any(abs(a - b) > ADVANTAGE_ATOL for a, b in zip(given, expected)):
+        if len(given) != len(expected) or any(not abs(a - b) <= ADVANTAGE_ATOL for a, b in zip(given, expected)):
             r.add(
                 "altered advantages",
                 f"training step {k + 1}: the advantages are not the group-relative ones of the rewards",
@@ -251,7 +251,7 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
                     lp for turn in range(len(steps)) if turn in by_turn for lp in ix.response(by_turn[turn]).logprobs
                 ]
                 behaviour = [lp for lp, m in zip(t["logprobs"], t["loss_mask"]) if m]
-                if len(engine) != len(behaviour) or any(abs(a - b) > 1e-6 for a, b in zip(engine, behaviour)):
+                if len(engine) != len(behaviour) or any(not abs(a - b) <= 1e-6 for a, b in zip(engine, behaviour)):
                     r.add("altered logprobs", f"episode {episode}: behaviour logprobs differ from the engine's")
 
 
@@ -432,7 +432,7 @@ def check_serving(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
         return {}
     s = record[-1].data
     for what in ("ttft", "tpot"):
-        if s[f"{what}_p99_s"] > s[f"{what}_slo_s"]:
+        if not s[f"{what}_p99_s"] <= s[f"{what}_slo_s"]:
             r.add(
                 "serving SLO",
                 f"the serving traffic's p99 {what.upper()} was {s[f'{what}_p99_s'] * 1e3:.0f} ms, over its SLO "

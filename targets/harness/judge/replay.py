@@ -105,7 +105,7 @@ def replay_turns(
                     actual = torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1)
                     diff = (actual - torch.tensor(g.data["logprobs"], device=logits.device)).abs()
                     worst = max(worst, float(diff.max()))
-                    if float(diff.max()) > spec.accuracy.logprob_atol:
+                    if not float(diff.max()) <= spec.accuracy.logprob_atol:  # a NaN is over any bound
                         i = int(diff.argmax())
                         r.add(
                             "replay",
@@ -198,7 +198,7 @@ def replay_training(
         error, moved = _relative_update_error(before, after, trainer.state_dict())
         reference_moved = reference_moved or moved
         errors.append(error)
-        if error > spec.accuracy.update_rtol:
+        if not error <= spec.accuracy.update_rtol:  # a NaN (a NaN in the batch) is no match
             r.add(
                 "training replay",
                 f"step {k}: the weights are not the reference GRPO step on the batch the harness saw "

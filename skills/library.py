@@ -126,11 +126,11 @@ def legal(
 ) -> bool:
     """Within the range every skill (of ``among``, if given) that declares ``name`` allows, on a
     target of ``device_count`` devices whose rollout engines span ``engine_devices`` each and whose
-    workload bounds what a stack declares by ``declared_limits`` (``WorkloadSpec.declared_limits``)."""
-    return all(
-        skill.params[name].allows(value, device_count, engine_devices, declared_limits)
-        for skill in skills.values()
-        if name in skill.params and (among is None or skill.name in among)
+    workload bounds what a stack declares by ``declared_limits`` (``WorkloadSpec.declared_limits``).
+    A name no such skill declares is not legal: nothing would read it."""
+    declaring = [s for s in skills.values() if name in s.params and (among is None or s.name in among)]
+    return bool(declaring) and all(
+        skill.params[name].allows(value, device_count, engine_devices, declared_limits) for skill in declaring
     )
 
 

@@ -286,6 +286,7 @@ def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
             if name == "train_devices":
                 assert value % 8 == 0 and value in (120, 136)
     assert not planner.legal("train_devices", 130) and not planner.legal("micro_batch_tokens", 1)
+    assert not planner.legal("kv_routng", 1)  # a name no skill declares: nothing would read it
 
 
 def test_the_planner_grows_engines_only_where_the_target_lets_them_and_in_whole_engines(big_spec):

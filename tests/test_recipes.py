@@ -697,3 +697,45 @@ def test_micro_batches_keep_their_padded_size_within_the_budget():
         padded = len(batch) * max(len(t.tokens) for t, _ in batch)
         assert padded <= 400 or len(batch) == 1, [len(t.tokens) for t, _ in batch]
     assert [[len(t.tokens) for t, _ in b] for b in batches] == [[500], [200, 190], [12, 11, 10]]
+
+
+def test_every_parameter_a_skill_declares_or_a_recipe_reads_is_a_name_the_build_knows():
+    """build.py refuses names it does not know (a misspelt technique would otherwise be silently off),
+    so its list must hold every name the skills declare and every name the recipes read."""
+    import re
+
+    from skills.library import load_skills
+    from skills.recipes.build import KNOWN_PARAMS
+
+    declared = set().union(*(set(skill.params) for skill in load_skills().values()))
+    read = set()
+    for module in Path("skills/recipes").glob("*.py"):
+        read |= set(re.findall(r'params(?:\.get\(|\[)"([a-z_]+)"', module.read_text()))
+    assert read and declared <= set(KNOWN_PARAMS) and read <= set(KNOWN_PARAMS), (
+        declared - set(KNOWN_PARAMS),
+        read - set(KNOWN_PARAMS),
+    )
+
+
+def test_a_misspelt_parameter_fails_the_build_by_name(tmp_path, tiny_spec):
+    import json
+    import subprocess
+    import sys
+
+    from skills.starter import write_starter
+    from targets.harness.ipc.wire import put_runtime
+    from targets.harness.target import Target
+
+    directory = write_starter(tmp_path / "stack", tiny_spec, "static_split")
+    params = json.loads((directory / "stack" / "params.json").read_text())
+    (directory / "stack" / "params.json").write_text(json.dumps({**params, "kv_routng": 1}))
+    runtime = json.dumps(put_runtime(Target.load("tiny-qwen3-cpu").runtime()))
+    code = (
+        "import json, sys\n"
+        "from targets.harness.ipc.wire import get_runtime\n"
+        f"sys.path.insert(0, {str(directory)!r})\n"
+        "import stack\n"
+        f"stack.build(get_runtime(json.loads({runtime!r})))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "params.json names ['kv_routng'], which no recipe" in done.stderr, done.stderr

@@ -17,13 +17,31 @@ from .static_split import StaticSplit
 from .time_multiplex import TimeMultiplex
 
 CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiplex": TimeMultiplex}
-ENGINE_OPTIONS = ("block_size", "kv_tokens", "kv_memory_fraction", "max_batch", "cuda_graphs")
+ENGINE_OPTIONS = ("block_size", "kv_tokens", "kv_memory_fraction", "max_batch", "cuda_graphs", "attention")
 ENGINE_OPTIONS += ("speculative_tokens", "speculative_ngram", "speculative_batch")  # the speculative_decoding skill
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
+STRUCTURE = ("controller", "engine", "cluster", "threads_per_actor", "rollout_devices", "train_devices", "bucket_bytes")
+TECHNIQUE_PARAMS = (  # what the controllers, the router, the harvester and the reward placement read
+    *("abort_stale", "affinity_ratio", "async_ratio", "checkpoint_level", "engine_scale", "harvest_margin"),
+    *("kv_routing", "overlap_sync", "partial_rollout", "redundant_envs", "reward_devices", "reward_placement"),
+    *("route_admit", "route_slack", "serving_harvest", "shrink_at", "tail_round"),
+)
+KNOWN_PARAMS = STRUCTURE + ENGINE_OPTIONS + TRAINER_OPTIONS + TECHNIQUE_PARAMS
+
+
+def _validate_param_names(params: dict) -> None:
+    """Every name in params.json is one a recipe reads: a misspelt one would otherwise be ignored, its
+    technique silently off. A stack that adds a parameter of its own adds its name here."""
+    unknown = sorted(set(params) - set(KNOWN_PARAMS))
+    if unknown:
+        raise ValueError(
+            f"params.json names {unknown}, which no recipe of this stack reads; known: {sorted(KNOWN_PARAMS)}"
+        )
 
 
 def build(runtime: Runtime) -> Stack:
     params = json.loads(Path(__file__).with_name("params.json").read_text())
+    _validate_param_names(params)
     runtime, reward, reward_devices = place_reward(runtime, params)  # a dedicated judge's devices set aside
     # VAL: VAL_SUBSET (value=[params["controller"]], of=CONTROLLERS)
     controller = CONTROLLERS[params["controller"]](runtime, params)

@@ -739,3 +739,38 @@ def test_a_misspelt_parameter_fails_the_build_by_name(tmp_path, tiny_spec):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "params.json names ['kv_routng'], which no recipe" in done.stderr, done.stderr
+
+
+def test_an_engine_whose_step_failed_tells_every_later_caller_instead_of_hanging(path):
+    """The stepping loop ends at a failed step: the callers waiting learn why, and so do later ones
+    (before, a later generate waited on a loop that was gone, and a weight load on a drain that never came)."""
+    from skills.recipes.engine_server import EngineServer
+
+    async def main() -> list[str]:
+        server = EngineServer(path, "float32", "e0")
+        calls = 0
+        real_step = server.engine.step
+
+        def step():
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise RuntimeError("planted: the kernel failed")
+            return real_step()
+
+        server.engine.step = step
+        seen = []
+        for call in (
+            lambda: server.generate([1, 2, 3], _greedy(8)),
+            lambda: server.generate([1, 2, 3], _greedy(8)),
+            lambda: server.load_state({}, 1),
+        ):
+            with pytest.raises(RuntimeError) as raised:
+                await asyncio.wait_for(call(), timeout=30)
+            seen.append(f"{raised.value} / {raised.value.__cause__}")
+        return seen
+
+    first, later, load = asyncio.run(main())
+    assert "planted: the kernel failed" in first
+    assert "e0: the engine's step failed earlier" in later and "planted" in later
+    assert "e0: the engine's step failed earlier" in load

@@ -3,10 +3,11 @@ actor on a device, or an object inside a local cluster.
 
 For the paged engine, concurrent ``generate`` calls join its running batch (continuous batching): a
 stepping loop runs ``engine.step`` in a worker thread while any request is in flight, and resolves
-each caller as its request finishes. ``abort`` answers everything in flight as aborted (the caller
-retries elsewhere). Weight loads, sleep and wake wait for the step in progress, so no request is
-served while weights change, and an engine asleep answers every request as aborted. The vLLM engine
-has its own async loop and abort; this class only forwards to it.
+each caller as its request finishes; a step that raises ends the loop, and the callers waiting and
+every later call (a generate, a weight load's drain) are told why. ``abort`` answers everything in
+flight as aborted (the caller retries elsewhere). Weight loads, sleep and wake wait for the step in
+progress, so no request is served while weights change, and an engine asleep answers every request
+as aborted. The vLLM engine has its own async loop and abort; this class only forwards to it.
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ class EngineServer:
         self._wakeup = asyncio.Event()
         self._drained = asyncio.Event()
         self._stepper: asyncio.Task | None = None
+        self._failed: BaseException | None = None  # why the stepping loop ended: every later call is told
 
     # -- generation ---------------------------------------------------------------------------------
     async def generate(self, prompt: TokenIds, params: SamplingParams, episode: str | None = None) -> Completion:
         if self.kind == "vllm":
             return await self.engine.generate_async(prompt, params)
+        self._raise_if_failed()
         if self.engine.offloaded:  # routed here just before a shrink: the caller retries elsewhere
             return self._aborted()
         loop = asyncio.get_running_loop()
@@ -78,12 +81,13 @@ class EngineServer:
                 async with self._lock:
                     try:
                         finished = await asyncio.to_thread(self.engine.step)
-                    except Exception as error:  # every waiting caller learns why; the engine is left as it is
+                    except Exception as error:  # every caller, waiting now or later, learns why
+                        self._failed = error
                         for future in self._pending.values():
                             if not future.done():
                                 future.set_exception(error)
                         self._pending.clear()
-                        raise
+                        return
                 for request in finished:
                     future = self._pending.pop(request.id, None)
                     if future is not None and not future.done():
@@ -92,6 +96,22 @@ class EngineServer:
                     self._drained.set()
                     if not self.engine.admitting:
                         break  # a weight load waits for this: step again once it is done
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"{self.name}: the engine's step failed earlier; it serves no more") from self._failed
+
+    async def _until_drained(self) -> None:
+        """Wait for the running batch to finish, or raise why the stepping loop ended instead."""
+        self._drained.clear()
+        self._wakeup.set()
+        drained = asyncio.ensure_future(self._drained.wait())
+        try:
+            stepping = {self._stepper} if self._stepper is not None else set()
+            await asyncio.wait({drained, *stepping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+        self._raise_if_failed()
 
     async def abort(self) -> None:
         """Everything in flight comes back aborted."""
@@ -127,9 +147,8 @@ class EngineServer:
                 self.engine.abort(request.id)
         try:
             while self.engine.running:
-                self._drained.clear()
-                self._wakeup.set()
-                await self._drained.wait()
+                await self._until_drained()
+            self._raise_if_failed()
             async with self._lock:
                 await asyncio.to_thread(self.engine.load_weights, state, version)
         finally:

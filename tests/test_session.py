@@ -541,3 +541,33 @@ def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
 
     asyncio.run(run())
     assert len(sent) == 1 and sent[0].header.get("id") == 1 and "completion" in sent[0].header
+
+
+def test_a_harness_error_in_a_cluster_call_fails_the_run_instead_of_leaving_the_controller_waiting():
+    """An error no cluster call may raise (a harness bug: here a ZeroDivisionError out of suspend) fails
+    the run with it at once; before, it escaped a task nobody awaited and the controller waited for
+    its answer until the run's time limit."""
+    from targets.harness.clock import WallClock
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.drive import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    sent = []
+
+    class Cluster:
+        devices: list = []
+
+        async def suspend(self):
+            raise ZeroDivisionError("planted: a harness bug")
+
+    async def run() -> BaseException | None:
+        link = ControllerLink(None, SimpleNamespace(), clock=None, virtual=False)
+        link.cluster, link.send = TracedCluster(Cluster(), Trace(WallClock()), {}), sent.append
+        link._dispatch(Received({"kind": "cluster", "method": "suspend", "id": 1}, []))
+        await asyncio.gather(*link._tasks.values())
+        return link.done.exception() if link.done.done() else None
+
+    failure = asyncio.run(run())
+    assert isinstance(failure, ZeroDivisionError) and "planted" in str(failure), failure
+    assert not sent  # nothing to answer: the run is over

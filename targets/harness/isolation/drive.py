@@ -255,7 +255,9 @@ class ControllerLink:
 
     def _error_reply(self, request_id: Any, error: Exception) -> Frame | None:
         """What the controller is told of a call that raised, as it would be in-process; None (and
-        the run fails) when the call broke the protocol. Anything else is the harness's own bug: raised."""
+        the run fails) when the call broke the protocol, or when the error is none a call may raise:
+        the harness's own bug, which fails the run with it (raised here, in a task nobody awaits, it
+        would leave the controller waiting for an answer until the run's time limit)."""
         if isinstance(error, ProtocolError):
             self.fail(ProtocolError(f"the controller process broke the protocol: {error}"))
             return None
@@ -268,7 +270,8 @@ class ControllerLink:
             # the candidate's own cluster raised, or the controller misused the contract: it is told, as in-process
             kind = "RuntimeError" if isinstance(error, CandidateError) else type(error).__name__
             return Frame(id=request_id, error={"type": kind, "message": str(error)[:2000]})
-        raise error
+        self.fail(error)
+        return None
 
     def _env(self, rx: Received) -> None:
         """A reset is answered at once; a step or a checkpoint when its time has passed (a timer, not a task)."""
@@ -338,11 +341,7 @@ class ControllerLink:
             self.fail(error)
             return
         except Exception as error:  # noqa: BLE001 - _error_reply sorts out what the controller is told
-            try:
-                reply = self._error_reply(request_id, error)
-            except Exception as unclassified:  # noqa: BLE001 - a harness bug: the run fails with it, loudly
-                self.fail(unclassified)
-                return
+            reply = self._error_reply(request_id, error)
         finally:
             self._tasks.pop(key, None)
         if reply is not None:

@@ -316,3 +316,22 @@ def test_a_frame_whose_array_is_empty_keeps_its_blob():
     sender.send(frame)
     receiver.transport.poll()
     assert frames and frames[0].ints(frames[0]["observation"]) == []
+
+
+@pytest.mark.parametrize("schedule", ["call_later", "call_soon"])
+def test_a_simulation_callback_that_raises_ends_the_run_with_its_error(schedule):
+    """An engine's timer or a cluster's answer that raises is the simulator's bug: the run ends with it
+    (the loop's default handler only logged it, and the simulation went on without what it did)."""
+    from targets.harness.sim.virtual_time import SimulationError
+
+    def broken() -> None:
+        raise ZeroDivisionError("planted: a simulator bug")
+
+    async def main() -> str:
+        loop = asyncio.get_running_loop()
+        loop.call_later(5.0, broken) if schedule == "call_later" else loop.call_soon(broken)
+        await asyncio.sleep(3600.0)  # virtual: the run would otherwise wait it out, and pass
+        return "finished"
+
+    with pytest.raises(SimulationError, match="planted: a simulator bug"):
+        run_virtual(main())

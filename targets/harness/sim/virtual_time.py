@@ -389,12 +389,38 @@ def fewer_collections() -> Iterator[None]:
         gc.set_threshold(*previous)
 
 
+class SimulationError(RuntimeError):
+    """A callback of the simulation (an engine's timer, a cluster's answer) raised: the run ends with it."""
+
+
 def run_virtual(main: Awaitable, loop: VirtualTimeLoop | None = None) -> Any:
-    """``asyncio.run`` on a virtual-time loop."""
+    """``asyncio.run`` on a virtual-time loop. A callback that raises ends the run with its error (the
+    loop's default would only log it, and the simulation would go on without what it did, or stall)."""
     loop = loop or VirtualTimeLoop()
+    failures: list[BaseException] = []
+    running: list[asyncio.Task] = []
+
+    def on_exception(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        error = context.get("exception")
+        if error is None or not context.get("message", "").startswith("Exception in"):
+            loop.default_exception_handler(context)  # not a callback's failure (a task's, reported at collection)
+            return
+        failures.append(error)
+        if running and not running[0].done():
+            running[0].cancel()
+
+    loop.set_exception_handler(on_exception)
     try:
         with fewer_collections():
-            return loop.run_until_complete(main)
+            running.append(loop.create_task(main))
+            try:
+                result = loop.run_until_complete(running[0])
+            except asyncio.CancelledError:
+                if not failures:
+                    raise
+            if failures:
+                raise SimulationError(f"a simulation callback raised {failures[0]!r}") from failures[0]
+            return result
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()

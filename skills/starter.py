@@ -69,11 +69,16 @@ def baseline_params(spec, baseline, engine_devices: int = 1) -> dict:
     return params
 
 
-def write_starter(directory: Path, spec, controller: str, params: dict | None = None) -> Path:
+def write_starter(directory: Path, spec, controller: str, params: dict | None = None, replace: bool = False) -> Path:
+    """A starter candidate in ``directory``: never over a stack, DESIGN.md or .gitignore already there,
+    unless ``replace`` (a round's own workspace, its starter written afresh on every attempt)."""
     params = params or starter_params(spec, controller)
     stack = directory / "stack"
-    if stack.exists():
-        raise FileExistsError(f"{stack} already exists")
+    there = [path for path in (stack, directory / "DESIGN.md", directory / ".gitignore") if path.exists()]
+    if there and not replace:  # a starter never writes over what a user has
+        raise FileExistsError(f"{', '.join(str(p) for p in there)} already exist(s): choose a new directory")
+    if replace and stack.exists():
+        shutil.rmtree(stack)
     stack.mkdir(parents=True)
     for recipe in sorted(RECIPES.glob("*.py")):
         if recipe.name != "__init__.py":

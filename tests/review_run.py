@@ -70,7 +70,8 @@ def make_review_run(tmp_path: Path) -> Path:
         account="set controller to time_multiplex in stack/params.json",
     )
     r1 = _round(history, tmp_path / "ws", r1, {"controller": "time_multiplex"}, passed)
-    hack = Task(id="skip-train", title="skip training of long episodes", rationale="faster", source="y")
+    # an agent's text is text: a title holding what rich reads as markup must print as written
+    hack = Task(id="skip-train", title="skip training of [/bold] long [red]episodes", rationale="faster", source="y")
     failed = {
         "reasons": ["system_audit: 12 trajectories counted as trained were never trained"],
         "checks": [

@@ -67,6 +67,7 @@ def test_show_prints_the_change_and_the_evidence_not_the_bookkeeping(tmp_path):
     assert "not promoted: +2.4%" in shown and "goodput 43.5 ± 6.57" in shown
     rejected = _ok("show", str(run), "2")
     assert "FAIL system_audit" in rejected and "12 never trained" in rejected
+    assert "Round 2: skip training of [/bold] long [red]episodes" in rejected  # a title crashed show
     assert _ok("show", str(run)) == _ok("show", str(run), "best")
     assert "Round 0 (best)" in _ok("show", str(run), "best")
     assert "Round 2:" in _ok("show", str(run), "latest")
@@ -86,6 +87,12 @@ def test_print_config_round_trips_through_config(tmp_path):
     path.write_text("rounds: 2\npolciy: evolve\n")
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
     assert result.exit_code == 2 and "unknown option 'polciy' (did you mean 'policy'?)" in result.output
+    path.write_text("rounds: [1, 2\n")  # the YAML error's own brackets were read as markup and lost
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
+    assert result.exit_code == 2 and "rounds: [1, 2" in result.output and "expected ','" in result.output
+    path.write_bytes(b"\xff\xfe\x00")  # not text: a UnicodeDecodeError traceback before
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
+    assert result.exit_code == 2 and "can't decode byte 0xff" in result.output, result.output
 
 
 def test_print_config_of_a_run_reproduces_its_stored_configuration(tmp_path):
@@ -126,3 +133,14 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
         assert result.exit_code == 2 and "a directory is there; give a file path" in result.output, result.output
     check = runner.invoke(app, ["check", "tiny-qwen3-cpu", "--json", str(tmp_path / "reports")], env=NARROW)
     assert check.exit_code == 2 and "a directory is there" in check.output, check.output
+    (tmp_path / "a-file").write_text("")  # a folder that is a file: a FileExistsError traceback before
+    under_file = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "a-file" / "r.html")], env=NARROW)
+    assert under_file.exit_code == 2 and "cannot create its folder" in under_file.output, under_file.output
+    stack = tmp_path / "candidate"
+    _ok("starter", "tiny-qwen3-cpu", "--out", str(stack))
+    for args, said in (  # calibrate checks its paths before the run, not after it
+        (["--out", str(tmp_path / "a-file" / "twin.yaml")], "cannot create its folder"),
+        (["--trace", str(tmp_path / "missing.jsonl")], "--trace"),
+    ):
+        result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), *args], env=NARROW)
+        assert result.exit_code == 2 and said in result.output, result.output

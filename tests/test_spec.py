@@ -305,6 +305,13 @@ def test_cli_validate_accepts_a_good_spec_and_names_a_misspelled_field(catalog_y
     assert "modle" in result.output and "unknown field" in result.output
 
 
+def test_cli_names_a_spec_that_is_not_text(tmp_path: Path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    result = runner.invoke(app, ["target", "validate", str(binary)])
+    assert result.exit_code == 2 and "is not UTF-8 text" in result.output, result.output
+
+
 def test_cli_show_prints_resolved_hardware():
     result = runner.invoke(app, ["target", "show", "qwen3-8b-h100x8"])
     assert result.exit_code == 0 and "hbm_bandwidth_gbs: 3350.0" in result.output
@@ -322,7 +329,13 @@ def test_cli_starter_writes_a_candidate_and_refuses_bad_input(tmp_path):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "c" / "stack" / "params.json").exists() and (tmp_path / "c" / "DESIGN.md").exists()
     again = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "c")])
-    assert again.exit_code == 2 and "already exists" in again.output
+    assert again.exit_code == 2 and "already exist" in again.output
+    own = tmp_path / "own"  # a folder of the user's: its notes are never written over
+    own.mkdir()
+    (own / "DESIGN.md").write_text("my notes\n")
+    refused = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(own)])
+    assert refused.exit_code == 2 and "DESIGN.md already exist" in refused.output, refused.output
+    assert (own / "DESIGN.md").read_text() == "my notes\n" and not (own / "stack").exists()
     unknown = runner.invoke(
         app, ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "d"), "--controller", "round_robin"]
     )

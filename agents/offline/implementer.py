@@ -35,8 +35,7 @@ class OfflineImplementer:
     ) -> Attempt:
         if task.source == "starter":  # a complete starter candidate, written afresh on every attempt
             controller = task.changes["controller"]
-            shutil.rmtree(workspace / "stack", ignore_errors=True)
-            write_starter(workspace, self.spec, controller)
+            write_starter(workspace, self.spec, controller, replace=True)
             return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
         stack = workspace / "stack"
         if not (stack / "params.json").exists():

@@ -12,6 +12,7 @@ import typer
 import yaml
 from rich.live import Live
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from orchestrator.cli.app import UsageError, app, command, console, errors, open_tracker, out_dir, print_table
 from orchestrator.config import ConfigError, LLMConfig, RunConfig, unknown
@@ -33,21 +34,21 @@ def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
     Its keys are the option names as ``--print-config`` writes them; an unknown key is refused."""
     if path is None:
         return None
+
+    def refuse(message: str) -> typer.Exit:  # an option's callback runs before the command's own error handling
+        errors.print(f"[red]error:[/red] --config {escape(str(path))}: {escape(message)}", highlight=False)
+        return typer.Exit(2)
+
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        errors.print(f"[red]error:[/red] --config {path}: {error}")
-        raise typer.Exit(2) from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise refuse(str(error)) from None
     if not isinstance(data, dict):
-        errors.print(
-            f"[red]error:[/red] --config {path}: expected a mapping of option: value, got {type(data).__name__}"
-        )
-        raise typer.Exit(2)
+        raise refuse(f"expected a mapping of option: value, got {type(data).__name__}")
     known = [p.name for p in ctx.command.params if p.name not in RUN_FILE_SKIP]
     bad = [key for key in data if key not in known]
     if bad:
-        errors.print(f"[red]error:[/red] --config {path}: " + "; ".join(unknown("option", key, known) for key in bad))
-        raise typer.Exit(2)
+        raise refuse("; ".join(unknown("option", key, known) for key in bad))
     ctx.default_map = {**(ctx.default_map or {}), **data}
     return path
 

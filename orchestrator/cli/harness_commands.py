@@ -426,6 +426,9 @@ def calibrate(
             "(or --trace, the trace.jsonl of one recorded elsewhere)"
         )
     candidate_dir(stack)
+    out = out_file(out, "--out")  # before the run: a typo never costs it
+    if trace is not None and not trace.is_file():
+        raise UsageError(f"--trace {trace}: no such file (the trace.jsonl of a recorded real run)")
     work = Path(tempfile.mkdtemp(prefix="vibetrain-calibrate-"))
     doing = (
         f"fitting to {trace}, then simulating {stack}"

@@ -7,8 +7,19 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from orchestrator.cli.app import JSON_OPTION, UsageError, app, command, console, out_dir, print_json, print_table
+from orchestrator.cli.app import (
+    JSON_OPTION,
+    UsageError,
+    app,
+    command,
+    console,
+    out_dir,
+    out_file,
+    print_json,
+    print_table,
+)
 from orchestrator.history import History
 from orchestrator.state import RunState
 from orchestrator.tables import generalization_table, num, promotion, rounds_table
@@ -92,26 +103,26 @@ def show_round(
         return
     out = Console(soft_wrap=not console.is_terminal, highlight=False)  # whole lines in a pipe
     best = " (best)" if record.round == state.best_round else ""
-    out.print(
-        f"[bold]Round {record.round}[/bold]{best}: {record.task.title}  ({record.verdict}, "
+    out.print(  # what agents wrote is text, never markup (an LLM's "[/bold]" would break the line)
+        f"[bold]Round {record.round}[/bold]{best}: {escape(record.task.title)}  ({record.verdict}, "
         f"{record.attempts} attempt(s), {record.seconds:.0f}s)"
     )
     out.print(f"task {record.task.id} from {record.task.source or '-'}: {record.task.rationale}", markup=False)
     out.print(
         f"parent: round {record.parent_round} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}"
     )
-    out.print(f"[bold]implementer[/bold]: {record.account or '(no account)'}")
+    out.print(f"[bold]implementer[/bold]: {escape(record.account or '(no account)')}")
     if judge is None:
         out.print(
             "[bold]judge[/bold]: no report kept for this round"
-            + (f": {'; '.join(record.reasons)}" if record.reasons else "")
+            + (f": {escape('; '.join(record.reasons))}" if record.reasons else "")
         )
     else:
         out.print("[bold]judge[/bold]: " + ("passed" if not judge["reasons"] else f"{len(judge['reasons'])} reason(s)"))
         for check in judge["checks"]:
             mark = "[green]pass[/green]" if check["passed"] else "[red]FAIL[/red]"
             details = ", ".join(f"{k} {detail(v)}" for k, v in check.get("details", {}).items())
-            out.print(f"  {mark} {check['name']}" + (f": {details}" if details else ""))
+            out.print(f"  {mark} {escape(check['name'])}" + (f": {escape(details)}" if details else ""))
             for reason in check.get("reasons", []):
                 out.print(f"      {reason}", markup=False)
     if record.prediction is not None:
@@ -119,7 +130,7 @@ def show_round(
 
         out.print(twin_said(record), markup=False)
     if record.verdict == "accepted":
-        out.print(f"[bold]against the best[/bold]: {promotion(record)}")
+        out.print(f"[bold]against the best[/bold]: {escape(promotion(record))}")
     if record.metrics:
         out.print(
             "[bold]metrics[/bold] (median; ± max-min): "
@@ -179,6 +190,5 @@ def report(
     out = out or run.parent / name
     if out.is_dir():
         out = out / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path = write_report(run, out)
+    path = write_report(run, out_file(out, "--out"))
     console.print(f"report: {path}")

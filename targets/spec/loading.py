@@ -46,6 +46,8 @@ def load_target_file(path: Path) -> TargetSpec:
         text = path.read_text()
     except OSError as error:
         raise SpecError(f"cannot read target spec {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise SpecError(f"target spec {path} is not UTF-8 text (byte {error.start}): is it the YAML file?") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:

@@ -131,6 +131,17 @@ PLANTS = {
     "imports gc, an introspection escape hatch": "import gc\n",
     "uses .__globals__, an introspection escape hatch": "def f(g):\n    return g.__globals__\n",
     "uses .modules, an introspection escape hatch": "import sys\nsys.modules['time'] = None\n",
+    # the same, through another name or by a call: the scan follows what a name is bound to
+    "patches the clock (t.monotonic)": "import time as t\nt.monotonic = lambda: 0.0\n",
+    "patches the clock (setattr on aio)": "import asyncio as aio\nsetattr(aio, 'sleep', None)\n",
+    "uses .modules, an introspection escape hatch (aliased)": "import sys as s\ns.modules.pop('time')\n",
+    "imports sys.modules, an introspection escape hatch": "from sys import modules\nmodules.pop('time')\n",
+    "imports gc, an introspection escape hatch (by __import__)": "__import__('gc').get_objects()\n",
+    "imports gc, an introspection escape hatch (by importlib)": "import importlib\nimportlib.import_module('gc')\n",
+    "imports harness internals (by import_module)": (
+        "from importlib import import_module as im\nim('targets.harness.trace')\n"
+    ),
+    "imports a module by a computed name": "import importlib\nimportlib.import_module('g' + 'c')\n",
 }
 
 

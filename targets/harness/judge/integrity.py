@@ -5,7 +5,9 @@ that computes them is reporting its own); it does not patch clocks (``time``, ``
 ``datetime``) or reach into the harness objects it is handed (their ``trace``, ``clock``,
 ``inner`` cluster, event list); it uses no introspection escape hatches (``gc``, ``inspect``,
 ``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``); it holds no compiled module without its
-source (a ``.pyc`` or extension module Python would import but this scan cannot read). Around a
+source (a ``.pyc`` or extension module Python would import but this scan cannot read). A module is
+followed through the names an import binds it to (``import time as t``), and ``__import__`` or
+``importlib.import_module`` is an import like any other (of a computed name: refused). Around a
 run: the harness's own files hash the same before and after (``harness_digest``)."""
 
 from __future__ import annotations
@@ -71,12 +73,23 @@ def scan_stack(stack_dir: Path) -> CheckResult:
         except SyntaxError as error:
             reasons.append(f"{where}:{error.lineno}: syntax error: {error.msg}")
             continue
+        bound = _module_names(tree)  # ``import time as t``: t is the time module wherever it is used
         for node in ast.walk(tree):
             modules: list[str] = []
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 modules = [node.module]
+                if node.module == "sys" and any(alias.name == "modules" for alias in node.names):
+                    reasons.append(f"{where}:{node.lineno}: imports sys.modules, an introspection escape hatch")
+            elif isinstance(node, ast.Call) and _imports_by_call(node, bound):
+                name = node.args[0] if node.args else None
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    modules = [name.value]  # an import all the same: the same rules
+                else:
+                    reasons.append(
+                        f"{where}:{node.lineno}: imports a module by a computed name: the scan cannot read which"
+                    )
             for module in modules:
                 if module.split(".")[0] == "targets" and module not in ALLOWED_CONTRACT_MODULES:
                     reasons.append(
@@ -85,17 +98,13 @@ def scan_stack(stack_dir: Path) -> CheckResult:
             for module in modules:
                 if module.split(".")[0] in ESCAPE_MODULES:
                     reasons.append(f"{where}:{node.lineno}: imports {module}, an introspection escape hatch")
-            reasons += [f"{where}:{node.lineno}: {r}" for r in _patching(node)]
+            reasons += [f"{where}:{node.lineno}: {r}" for r in _patching(node, bound)]
             if isinstance(node, ast.Attribute) and node.attr in HARNESS_ATTRIBUTES:
                 reasons.append(
                     f"{where}:{node.lineno}: reaches into a harness object (.{node.attr}): the proxy and "
                     "environments are opaque"
                 )
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr in ESCAPE_ATTRIBUTES
-                and not (node.attr == "modules" and not (isinstance(node.value, ast.Name) and node.value.id == "sys"))
-            ):
+            if isinstance(node, ast.Attribute) and node.attr in ESCAPE_ATTRIBUTES and _escapes(node, bound):
                 reasons.append(f"{where}:{node.lineno}: uses .{node.attr}, an introspection escape hatch")
             if isinstance(node, ast.Constant) and node.value in METRIC_NAMES:
                 reasons.append(
@@ -110,14 +119,50 @@ def scan_stack(stack_dir: Path) -> CheckResult:
     return CheckResult("integrity", not reasons, reasons, {})
 
 
-def _patching(node: ast.AST) -> list[str]:
-    """Assignments to (or setattr/delattr on) a clock module's attributes."""
+def _module_names(tree: ast.Module) -> dict[str, str]:
+    """Each name a module is bound to by an import (``import time as t``: t -> time), and the modules'
+    own names: what the checks below look through."""
+    names = {module: module for module in (*CLOCK_MODULES, "sys", "importlib")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                names[alias.asname or top] = alias.name if alias.asname else top
+        elif isinstance(node, ast.ImportFrom) and node.module == "importlib":
+            for alias in node.names:
+                if alias.name in ("import_module", "__import__"):
+                    names[alias.asname or alias.name] = "importlib.import_module"
+    return names
+
+
+def _escapes(node: ast.Attribute, bound: dict[str, str]) -> bool:
+    """``.modules`` only on the sys module (by any name): other objects have attributes of that name."""
+    if node.attr != "modules":
+        return True
+    return isinstance(node.value, ast.Name) and bound.get(node.value.id) == "sys"
+
+
+def _imports_by_call(node: ast.Call, bound: dict[str, str]) -> bool:
+    """``__import__(...)``, ``importlib.import_module(...)`` (through any name they are bound to)."""
+    func = node.func
+    if isinstance(func, ast.Name):
+        return func.id == "__import__" or bound.get(func.id) == "importlib.import_module"
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr in ("import_module", "__import__")
+        and isinstance(func.value, ast.Name)
+        and bound.get(func.value.id) == "importlib"
+    )
+
+
+def _patching(node: ast.AST, bound: dict[str, str]) -> list[str]:
+    """Assignments to (or setattr/delattr on) a clock module's attributes, by whatever name it is bound to."""
 
     def clock_attribute(target: ast.AST) -> bool:
         return (
             isinstance(target, ast.Attribute)
             and isinstance(target.value, ast.Name)
-            and target.value.id in CLOCK_MODULES
+            and bound.get(target.value.id) in CLOCK_MODULES
         )
 
     targets: list[ast.AST] = []
@@ -134,7 +179,7 @@ def _patching(node: ast.AST) -> list[str]:
         and node.func.id in ("setattr", "delattr")
         and node.args
         and isinstance(node.args[0], ast.Name)
-        and node.args[0].id in CLOCK_MODULES
+        and bound.get(node.args[0].id) in CLOCK_MODULES
     ):
         found.append(f"patches the clock ({node.func.id} on {node.args[0].id})")
     return found

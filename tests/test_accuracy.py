@@ -4,6 +4,7 @@ with a reason that names what is wrong."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -52,6 +53,30 @@ class NaNLogprobEngine(ReferenceEngine):
         return completions
 
 
+class DroppingEngine(ReferenceEngine):
+    """Answers one prompt fewer than it was asked."""
+
+    def generate(self, prompts, params):
+        return super().generate(prompts, params)[:-1]
+
+
+class ShortEngine(ReferenceEngine):
+    """Stops each completion two tokens early."""
+
+    def generate(self, prompts, params):
+        return [
+            dataclasses.replace(c, tokens=c.tokens[:-2], logprobs=c.logprobs[:-2])
+            for c in super().generate(prompts, params)
+        ]
+
+
+class MisstampingEngine(ReferenceEngine):
+    """Stamps its completions with a version it does not hold (what it did before a sync, say)."""
+
+    def generate(self, prompts, params):
+        return [dataclasses.replace(c, weight_version=c.weight_version + 1) for c in super().generate(prompts, params)]
+
+
 # --- planted wrong trainers ---------------------------------------------------------------
 
 
@@ -79,6 +104,22 @@ class NaNWeightTrainer(ReferenceTrainer):
         with torch.no_grad():
             next(self.model.parameters()).view(-1)[0] = float("nan")
         return version
+
+
+class VersionSkippingTrainer(ReferenceTrainer):
+    """Trains as the reference does but counts two versions a step."""
+
+    def train_step(self, batch):
+        super().train_step(batch)
+        self.version += 1
+        return self.version
+
+
+class PartialStateTrainer(ReferenceTrainer):
+    """Exports every parameter but the output head's."""
+
+    def state_dict(self):
+        return {k: v for k, v in super().state_dict().items() if "lm_head" not in k}
 
 
 class UnclippedTrainer(ReferenceTrainer):
@@ -131,6 +172,26 @@ def test_engine_check_rejects_biased_logits(tiny_model):
     assert any("greedy token" in r and "reference" in r for r in result.reasons)
 
 
+@pytest.mark.parametrize(
+    "planted, expected",
+    [
+        (DroppingEngine, "completions for 4 prompts"),
+        (ShortEngine, "engine stopped after"),
+        (MisstampingEngine, "completions report weight versions [1], engine is at 0"),
+    ],
+)
+def test_engine_check_rejects_planted_engines(tiny_model, planted, expected):
+    result = check_engine(planted(copy.deepcopy(tiny_model)), tiny_model, ACCURACY)
+    assert not result.passed and any(expected in r for r in result.reasons), result.reasons
+
+
+def test_weight_sync_check_rejects_completions_stamped_with_another_version(tiny_model):
+    engine = MisstampingEngine(copy.deepcopy(tiny_model))
+    result = check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY, version=3)
+    assert not result.passed
+    assert any("completions after sync are stamped with versions [4], expected 3" in r for r in result.reasons)
+
+
 def test_engine_check_rejects_nan_logprobs(tiny_model):
     result = check_engine(NaNLogprobEngine(copy.deepcopy(tiny_model)), tiny_model, ACCURACY)
     assert not result.passed
@@ -166,6 +227,8 @@ def test_fixed_batches_exercise_clipping(tiny_model, batches):
         (UnclippedTrainer, "differs from the reference trainer"),
         (AscentTrainer, "differs from the reference trainer"),
         (NaNWeightTrainer, "relative error nan"),
+        (VersionSkippingTrainer, "after step 1 the trainer returned version 2 and reports 2"),
+        (PartialStateTrainer, "trainer state_dict lacks parameters"),
     ],
 )
 def test_trainer_check_rejects_planted_trainers(tiny_model, batches, planted, expected):

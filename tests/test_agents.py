@@ -142,6 +142,8 @@ PLANTS = {
         "from importlib import import_module as im\nim('targets.harness.trace')\n"
     ),
     "imports a module by a computed name": "import importlib\nimportlib.import_module('g' + 'c')\n",
+    "syntax error": "def f(:\n    pass\n",  # a file the scan cannot read is refused, not skipped
+    "defines or uses 'goodput'": "goodput = 0.9\n",
 }
 
 

@@ -135,6 +135,32 @@ def test_drop_reason_the_trace_does_not_confirm(honest, reason):
     _rejects(_audit(honest, events), "unjustified drop")
 
 
+def test_a_max_sequence_drop_of_an_episode_whose_context_still_fits(honest):
+    events = _edited(honest)
+    steps = {}
+    for e in events:
+        if e.kind == "env_step":
+            steps.setdefault(e.data["episode"], []).append(e)
+    episode, (first, second, *_) = next((ep, s) for ep, s in steps.items() if len(s) >= 2)
+    for e in events:  # out of training, dropped between its first and second turn, claiming max_sequence
+        if e.kind == "train":
+            e.data["trajectories"] = [t for t in e.data["trajectories"] if t["episode"] != episode]
+        if e.kind == "sample_dropped" and e.data["episode"] == episode:
+            e.data["episode"] = "ignored"
+    at = (first.t + second.t) / 2
+    events.insert(
+        events.index(second), TraceEvent("sample_dropped", at, {"episode": episode, "reason": "max_sequence"})
+    )
+    _rejects(_audit(honest, events), "which still fits")
+
+
+@pytest.mark.parametrize("missing, said", [(0, "no weights recorded for version 0"), (1, "after training step 1")])
+def test_a_version_the_harness_has_no_snapshot_of(honest, missing, said):
+    """The replays read every version from the harness's own snapshots: one missing is named, never skipped."""
+    _, _, weights, _ = honest
+    _rejects(_audit(honest, weights={v: w for v, w in weights.items() if v != missing}), said)
+
+
 def test_trained_tokens_differ_from_the_environment_record(honest):
     events = _edited(honest)
     trajectory = _first(events, "train").data["trajectories"][0]
@@ -302,6 +328,43 @@ def test_a_finish_reason_the_tokens_contradict(honest):
     g = next(g for g in _generates(events) if g.data["finish"] == "length")
     g.data["finish"] = "stop"
     _rejects(_audit(honest, events), "finish reason")
+
+
+def test_a_finish_length_short_of_the_budget(honest):
+    events = _edited(honest)
+    g = next(g for g in _generates(events) if g.data["finish"] == "stop" and len(g.data["tokens"]) > 1)
+    g.data["finish"], g.data["tokens"], g.data["logprobs"] = "length", g.data["tokens"][:-1], g.data["logprobs"][:-1]
+    _rejects(_audit(honest, events), "finish 'length' after")
+
+
+def test_an_aborted_completion_handed_back_as_a_result(honest):
+    events = _edited(honest)
+    g = next(g for g in _generates(events) if g.data["finish"] == "length")
+    g.data["finish"] = "abort"
+    _rejects(_audit(honest, events), "an aborted completion was handed back as a result")
+
+
+def test_an_interrupted_segment_that_went_on_past_its_budget(honest):
+    events = _edited(honest)
+    g = next(g for g in _generates(events) if g.data["finish"] == "length")
+    g.data["aborted"] = True  # an abort claimed for a segment that had decoded its whole budget
+    _rejects(_audit(honest, events), "an interrupted segment went on past a stop token or its budget")
+
+
+def test_a_dropped_episode_the_harness_never_created(honest):
+    events = _edited(honest)
+    drop = _first(events, "sample_dropped")
+    events.append(TraceEvent("sample_dropped", drop.t, {**drop.data, "episode": "g999/e0"}))
+    _rejects(_audit(honest, events), "dropped g999/e0, which the harness never created")
+
+
+def test_a_loss_mask_that_trains_on_what_the_environment_said(honest):
+    events = _edited(honest)
+    trajectory = _first(events, "train").data["trajectories"][0]
+    trajectory["loss_mask"][0] = 1  # the first observation token counted as the policy's
+    result = _audit(honest, events)
+    _rejects(result, "altered trajectory")
+    _rejects(result, "the recorded batch cannot be replayed")  # named, where the replay crashed before
 
 
 def test_generation_past_a_stop_token(honest):

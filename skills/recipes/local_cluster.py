@@ -1,10 +1,10 @@
 """The ``targets.api.Cluster`` for a stack on one device: the engine and the trainer live in this one
 process and time-share the device. While rolling out, the engine holds the device and the trainer is
-offloaded to host memory; ``suspend`` (or a shrink of the device) puts the engine to sleep and brings
-the trainer back; ``resume`` (or an expand) offloads the trainer, wakes the engine's weights, copies
-the new weights in place (engine and trainer share a process: no serialization, device to device on
-GPU), then wakes its KV cache. Engine and trainer never hold memory on the device at the same time,
-and ``residency`` says so to the harness.
+offloaded to host memory; ``suspend`` puts the engine to sleep and brings the trainer back (a shrink
+of the only device is refused: it would leave no rollout engine); ``resume`` (or an expand) offloads
+the trainer, wakes the engine's weights, copies the new weights in place (engine and trainer share a
+process: no serialization, device to device on GPU), then wakes its KV cache. Engine and trainer
+never hold memory on the device at the same time, and ``residency`` says so to the harness.
 """
 
 from __future__ import annotations

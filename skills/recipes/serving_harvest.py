@@ -25,7 +25,6 @@ A margin too small lets a burst arrive before the give-back, and the SLO audit r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import Sequence
 
@@ -65,8 +64,11 @@ class ServingHarvest:
             self.ready.set()
             if not self._stopping:
                 self._sleeping = asyncio.ensure_future(self.cluster.sleep(CHECK_S))
-                with contextlib.suppress(asyncio.CancelledError):  # stop() ends the wait, nothing else
+                try:
                     await self._sleeping
+                except asyncio.CancelledError:
+                    if not self._stopping:  # stop() ends the wait; a cancel of the harvest itself ends it
+                        raise
 
     def _rate(self, load: ServingLoad) -> float:
         """The traffic's rate ahead of the harness's trailing window while it rises (module docstring)."""

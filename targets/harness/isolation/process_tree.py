@@ -35,8 +35,8 @@ def resident_mb(pids: list[int]) -> float:
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 total_kb += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
-        except (OSError, StopIteration, IndexError, ValueError):
-            continue  # the process ended while we looked
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the process ended while we looked (a file we may not read is an error, not zero)
     return total_kb / 1024
 
 

@@ -19,6 +19,7 @@ import errno
 import itertools
 import shutil
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,7 +168,11 @@ class Loop:
                 "(the round is redone)"
             )
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
-            record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
+            # with where it happened: an error in the loop, a policy or an agent looks like any other otherwise
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "error.txt").write_text("".join(traceback.format_exception(error)))
+            record.verdict = "error"
+            record.reasons = [f"{type(error).__name__}: {error} (traceback: {out / 'error.txt'})", *record.reasons]
         record.seconds = time.monotonic() - started
         if self.agents.accounting is not None:
             record.llm = self.budget.since(llm_before)

@@ -207,3 +207,24 @@ def test_the_frozen_copy_stops_at_its_size_limit(tmp_path, run, monkeypatch):
     refused = workspace_git.copy_candidate(workspace, frozen)
     assert refused == ["stack/z.bin: the candidate passes 0 MiB here"]
     assert (frozen / "stack" / "a.py").exists() and not (frozen / "stack" / "z.bin").exists()
+
+
+def test_a_round_that_meets_a_bug_keeps_its_traceback_and_the_run_goes_on(tmp_path, fast_target):
+    """One round's failure never stops the run; its record says what and where (the traceback in the
+    round's outputs): a bug in an agent or the loop would otherwise look like any failed candidate."""
+    from orchestrator.config import RunConfig
+    from orchestrator.runs import start_run
+
+    config = RunConfig(rounds=1, max_attempts=1, repeat=1, sandbox="subprocess", time_limit_s=300)
+    loop = start_run(str(fast_target), tmp_path / "run", config, lambda kind, **data: None, tmp_path / "ws", True)
+
+    class Broken:
+        def implement(self, *args, **kwargs):
+            raise TypeError("planted: an agent's bug")
+
+    loop.agents.implementer = Broken()
+    task = Task(id="t", title="a task", rationale="why")
+    record = loop.round(1, None, task, loop.budget.snapshot())
+    assert record.verdict == "error" and record.reasons[0].startswith("TypeError: planted: an agent's bug (traceback: ")
+    saved = Path(record.reasons[0].split("(traceback: ")[1].rstrip(")")).read_text()
+    assert "Traceback (most recent call last)" in saved and "def implement" not in saved and "in implement" in saved

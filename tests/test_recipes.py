@@ -659,8 +659,9 @@ def test_hardware_affinity_sends_prefill_heavy_episodes_to_compute_rich_engines_
         await asyncio.gather(*held, busy, moved)
 
     asyncio.run(scenario())
-    # one kind of device: nothing to choose, no preference
-    assert RoutedCluster(_HeldCluster(devices), devices, 1, 0, 0, affinity_ratio=4.0).compute_rich == set()
+    # one kind of device: nothing to choose, and a ratio that would do nothing is refused by name
+    with pytest.raises(ValueError, match="params affinity_ratio 4.0: the rollout devices are of one kind"):
+        RoutedCluster(_HeldCluster(devices), devices, 1, 0, 0, affinity_ratio=4.0)
 
 
 def test_the_paged_engine_draws_every_unseeded_row_of_a_step_in_one_call(tiny_spec, monkeypatch):
@@ -774,3 +775,15 @@ def test_an_engine_whose_step_failed_tells_every_later_caller_instead_of_hanging
     assert "planted: the kernel failed" in first
     assert "e0: the engine's step failed earlier" in later and "planted" in later
     assert "e0: the engine's step failed earlier" in load
+
+
+def test_a_technique_that_would_do_nothing_on_this_target_is_refused_by_name():
+    """checkpoint_level on environments that keep no state was silently 0: the stack believed it was on."""
+    from skills.recipes.time_multiplex import TimeMultiplex
+    from targets.harness.target import Target
+
+    runtime = Target.load("tiny-qwen3-cpu").runtime()
+    assert not runtime.workload.env_state
+    with pytest.raises(ValueError, match="params checkpoint_level 1: this target's environments keep no state"):
+        TimeMultiplex(runtime, {"controller": "time_multiplex", "train_devices": 1, "checkpoint_level": 1})
+    TimeMultiplex(runtime, {"controller": "time_multiplex", "train_devices": 1, "checkpoint_level": 0})

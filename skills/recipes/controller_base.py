@@ -47,7 +47,12 @@ class ControllerBase:
         self.params = params
         self.partial_rollout = bool(params.get("partial_rollout", 0))  # resume interrupted turns; syncs interrupt
         # where a crash loses an environment's state: 0 never checkpoint, 1 after turns that changed it, 2 every turn
-        self.checkpoint_level = params.get("checkpoint_level", 0) if workload.env_state else 0
+        self.checkpoint_level = params.get("checkpoint_level", 0)
+        if self.checkpoint_level and not workload.env_state:  # on, it would do nothing: said, not silently ignored
+            raise ValueError(
+                f"params checkpoint_level {self.checkpoint_level}: this target's environments keep no state to "
+                "checkpoint (workload.env_state); set it to 0"
+            )
         self.serving_devices = list(runtime.serving_devices)  # a serving pool's, lent by serving_harvest
         self.own = {d.id for d in runtime.devices}  # the job's devices less a dedicated reward model's (build.py)
         if params.get("serving_harvest", 0) and not self.serving_devices:

@@ -74,6 +74,11 @@ class RoutedCluster:
         self._arrival = itertools.count()
         self.affinity_ratio = affinity_ratio
         self.compute_rich = self._compute_rich([*cluster.devices, *lendable]) if affinity_ratio else set()
+        if affinity_ratio and not self.compute_rich:  # on, it would do nothing: said, not silently ignored
+            raise ValueError(
+                f"params affinity_ratio {affinity_ratio}: the rollout devices are of one kind (or their FLOP/s "
+                "and bandwidth are unknown): there is no compute-rich engine to prefer; set it to 0"
+            )
         self.tokens: dict[str, list[int]] = {}  # episode -> [prefill tokens, decode tokens] so far
         self._context: dict[str, int] = {}  # episode -> its context after its last turn
 

@@ -64,6 +64,8 @@ def resolve_candidate(ref: str, target: str | None) -> tuple[Path, str]:
     unless ``target`` names another."""
     path = Path(ref)
     if path.is_dir():
+        if not (path / "stack" / "__init__.py").is_file():
+            raise ExportError(f"{ref} is a directory but not a candidate (it holds no stack/__init__.py)")
         if target is None:
             raise ExportError(f"{ref} is a candidate directory: name the target it trains with (--target TARGET)")
         return path, target

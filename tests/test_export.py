@@ -154,6 +154,9 @@ def test_a_candidate_directory_needs_its_target_and_a_missing_run_is_named(tmp_p
         resolve_candidate(str(starter), None)
     with pytest.raises(ExportError, match="not RUN@best"):
         resolve_candidate(str(tmp_path / "nowhere"), None)
+    (tmp_path / "plain").mkdir()  # a folder that is no candidate: said so, not asked for its target
+    with pytest.raises(ExportError, match="plain is a directory but not a candidate"):
+        resolve_candidate(str(tmp_path / "plain"), "tiny-qwen3-cpu")
     result = runner.invoke(app, ["export", f"{tmp_path / 'norun'}@best", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "norun" in result.output and "Traceback" not in result.output
 

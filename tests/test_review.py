@@ -131,6 +131,8 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     for option in ("--json", "--timeline"):
         result = runner.invoke(app, ["bench", "tiny-qwen3-cpu", option, str(tmp_path / "reports")], env=NARROW)
         assert result.exit_code == 2 and "a directory is there; give a file path" in result.output, result.output
+    nothing = runner.invoke(app, ["bench", "tiny-qwen3-cpu", "--baselines", " , "], env=NARROW)
+    assert nothing.exit_code == 2 and "names no baseline" in nothing.output, nothing.output  # not "every one"
     check = runner.invoke(app, ["check", "tiny-qwen3-cpu", "--json", str(tmp_path / "reports")], env=NARROW)
     assert check.exit_code == 2 and "a directory is there" in check.output, check.output
     (tmp_path / "a-file").write_text("")  # a folder that is a file: a FileExistsError traceback before

@@ -294,13 +294,13 @@ def bench(
             raise UsageError(f"--task-key {task_key!r}: not hex (write it as --json recorded it)") from None
     spec, simulated = measuring.target.spec, measuring.target.simulated
     repeat = repeat or (1 if simulated else 3)
+    labelled = {b.label: b for b in spec.baselines if b.label is not None}  # other hardware, or techniques on
+    names = [b.strip() for b in baselines.split(",") if b.strip()]
+    if baselines.strip() and not names:  # " , " names nothing: said, not read as "every baseline"
+        raise UsageError(f"--baselines {baselines!r} names no baseline")
+    names = names or [*(c for c in CONTROLLERS if unfit(spec, c) is None), *labelled]
     work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
     stacks: list[tuple[str, Path]] = []
-    labelled = {b.label: b for b in spec.baselines if b.label is not None}  # other hardware, or techniques on
-    names = [b.strip() for b in baselines.split(",") if b.strip()] or [
-        *(c for c in CONTROLLERS if unfit(spec, c) is None),
-        *labelled,
-    ]
     sessions = {}
     for name in names:
         if name in labelled:

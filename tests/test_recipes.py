@@ -787,3 +787,19 @@ def test_a_technique_that_would_do_nothing_on_this_target_is_refused_by_name():
     with pytest.raises(ValueError, match="params checkpoint_level 1: this target's environments keep no state"):
         TimeMultiplex(runtime, {"controller": "time_multiplex", "train_devices": 1, "checkpoint_level": 1})
     TimeMultiplex(runtime, {"controller": "time_multiplex", "train_devices": 1, "checkpoint_level": 0})
+
+
+def test_a_vllm_stack_s_engine_options_are_vllm_s_or_refused_never_dropped():
+    from skills.recipes.build import vllm_options
+
+    options = vllm_options({"block_size": 16, "kv_memory_fraction": 0.5, "max_batch": 64, "cuda_graphs": False}, 4096)
+    assert options == {  # the paged engine's block size stays its own: vLLM's CPU backend refuses 16
+        "max_model_len": 4096,
+        "gpu_memory_utilization": 0.5,
+        "max_num_seqs": 64,
+        "enforce_eager": True,
+    }
+    with pytest.raises(ValueError, match=r"params \['kv_tokens'\]: the paged engine's options"):
+        vllm_options({"kv_tokens": 8192}, 4096)
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        vllm_options({"speculative_tokens": 4}, 4096)

@@ -39,6 +39,25 @@ def _validate_param_names(params: dict) -> None:
         )
 
 
+VLLM_NAMES = {"kv_memory_fraction": "gpu_memory_utilization", "max_batch": "max_num_seqs"}
+
+
+def vllm_options(params: dict, max_sequence: int) -> dict:
+    """The engine options in vLLM's names (the longest sequence the workload makes, the cache's share of
+    memory, the batch bound, graphs or eager); the paged engine's own options that vLLM has no
+    equivalent of are refused rather than dropped. ``block_size`` (every starter's) stays the paged
+    engine's: vLLM picks its block size per attention backend (its CPU backend takes multiples of 32)."""
+    if params.get("speculative_tokens", 0):
+        raise ValueError("speculative_tokens: the speculative_decoding recipe is the paged engine's, not vLLM's")
+    own = [k for k in ("kv_tokens", "attention") if k in params and params[k] not in (None, "auto")]
+    if own:
+        raise ValueError(f"params {own}: the paged engine's options; vLLM sizes its cache by kv_memory_fraction")
+    options = {"max_model_len": max_sequence, **{VLLM_NAMES[k]: params[k] for k in VLLM_NAMES if k in params}}
+    if "cuda_graphs" in params:
+        options["enforce_eager"] = not params["cuda_graphs"]
+    return options
+
+
 def build(runtime: Runtime) -> Stack:
     params = json.loads(Path(__file__).with_name("params.json").read_text())
     _validate_param_names(params)
@@ -54,10 +73,8 @@ def build(runtime: Runtime) -> Stack:
     threads = params.get("threads_per_actor", 1)
     bucket_bytes = params.get("bucket_bytes")  # None: weight_sync's default (imported with torch, when used)
     engine_options = {k: params[k] for k in ENGINE_OPTIONS if k in params}
-    if engine == "vllm":  # vLLM's own options: the longest sequence the workload makes
-        if params.get("speculative_tokens", 0):
-            raise ValueError("speculative_tokens: the speculative_decoding recipe is the paged engine's, not vLLM's")
-        engine_options = {"max_model_len": runtime.workload.max_sequence}
+    if engine == "vllm":
+        engine_options = vllm_options(params, runtime.workload.max_sequence)
     trainer_options = {k: params[k] for k in TRAINER_OPTIONS if k in params}
     device = "cuda:0" if runtime.accelerator == "cuda" else "cpu"
     if runtime.device_memory_bytes:  # before anything starts: a trainer that cannot fit fails with the arithmetic

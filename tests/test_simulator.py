@@ -534,7 +534,7 @@ def _trace_line(kind: str, t: float, **data) -> str:
 
 REAL_START = _trace_line("run_start", 0.0, devices=["cpu:0", "cpu:1"], steps=1, tokens_recorded=True)
 BAD_TRACES = {
-    "missing": (None, "not a readable trace"),
+    "missing": (None, "no such file (the trace.jsonl of a recorded real run)"),
     "not JSON lines": ("not json\n", "not a readable trace"),
     "not trace events": ('{"kind": "train"}\n', "not a readable trace"),
     "unfinished": (REAL_START, "not the trace of a finished run"),
@@ -559,7 +559,8 @@ def test_calibrate_refuses_a_trace_it_cannot_fit(tmp_path, tiny_spec, case):
     if content is not None:
         trace.write_text(content)
     result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), "--trace", str(trace)])
-    assert result.exit_code == 1 and says in " ".join(result.output.split()), result.output
+    code = 2 if content is None else 1  # no file is the command line's mistake, said before any work
+    assert result.exit_code == code and says in " ".join(result.output.split()), result.output
 
 
 def test_the_rollout_fit_recovers_its_constants_and_keeps_them_non_negative():

@@ -81,13 +81,13 @@ class History:
     def round_commit(self, number: int) -> str | None:
         try:
             return self.repo.commit(f"refs/vibetrain/rounds/{number}").hexsha
-        except (git.BadName, ValueError):
+        except git.BadName:  # no such round (a ref that is there but unreadable is an error: raised)
             return None
 
     def rejected_commit(self, number: int) -> str | None:
         try:
             return self.repo.commit(f"refs/vibetrain/rejected/{number}").hexsha
-        except (git.BadName, ValueError):
+        except git.BadName:  # no such round (a ref that is there but unreadable is an error: raised)
             return None
 
     def best(self) -> str | None:

@@ -30,7 +30,10 @@ def source_commit() -> str:
     if not (root / ".git").exists():
         return f"unknown: {root} is not a git checkout"
     git = ["git", "-C", str(root)]
-    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if done.returncode != 0:  # a checkout git will not read (another user's: "dubious ownership"): said, not raised
+        return f"unknown: git rev-parse failed in {root} ({(done.stderr.strip().splitlines() or ['no message'])[0]})"
+    head = done.stdout.strip()
     dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
     return head + ("+dirty" if dirty.stdout.strip() else "")
 

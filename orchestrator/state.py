@@ -163,8 +163,10 @@ class RunState(BaseModel):
         try:
             state = cls.model_validate_json(run.state_file.read_text())
         except ValueError as error:
+            first = str(error).strip().splitlines()[0]
             raise RunStateError(
-                f"{run.state_file} is corrupt ({error}); the candidates are intact in git (vibetrain log reads them)"
+                f"{run.state_file} is corrupt ({first}); the candidates are intact in git: "
+                f"git -C {run_dir} log --all lists them, each with its round's record"
             ) from None
         spend = load_llm_spend(run_dir)
         if spend.get("calls", 0) > state.llm_used.get("calls", 0):

@@ -146,3 +146,36 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     ):
         result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), *args], env=NARROW)
         assert result.exit_code == 2 and said in result.output, result.output
+
+
+def test_a_corrupt_run_state_is_named_with_advice_that_works(tmp_path):
+    """The advice was 'vibetrain log reads them', which failed with the same error."""
+    import subprocess
+
+    from orchestrator.run_dir import RunDir
+
+    run = make_review_run(tmp_path)
+    RunDir(run).state_file.write_text('{"rounds": [')
+    result = runner.invoke(app, ["log", str(run)], env=NARROW)
+    assert result.exit_code == 2 and "is corrupt (" in result.output, result.output
+    advice = f"git -C {run} log --all"
+    assert advice in " ".join(result.output.split())
+    listed = subprocess.run(advice.split(), capture_output=True, text=True, check=True).stdout
+    assert "skip training of" in listed  # the rejected round's candidate is there too
+
+
+def test_the_version_of_a_checkout_git_will_not_read_is_said_not_raised(tmp_path, monkeypatch):
+    import subprocess
+
+    from orchestrator import provenance
+
+    real = subprocess.run
+
+    def refusing(command, **kwargs):
+        if "rev-parse" in command:
+            return subprocess.CompletedProcess(command, 128, "", "fatal: detected dubious ownership in repository\n")
+        return real(command, **kwargs)
+
+    monkeypatch.setattr(provenance.subprocess, "run", refusing)
+    assert provenance.source_commit().startswith("unknown: git rev-parse failed in ")
+    assert "dubious ownership" in provenance.source_commit()

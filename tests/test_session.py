@@ -571,3 +571,32 @@ def test_a_harness_error_in_a_cluster_call_fails_the_run_instead_of_leaving_the_
     failure = asyncio.run(run())
     assert isinstance(failure, ZeroDivisionError) and "planted" in str(failure), failure
     assert not sent  # nothing to answer: the run is over
+
+
+def test_a_device_memory_sample_that_fails_mid_run_is_raised_not_a_lower_peak(monkeypatch):
+    """NVML failing in the sampling thread ended the thread quietly: the peaks stopped there and the
+    run's peak memory was under-reported. A fake NVML (this machine has no GPU) fails its third sample."""
+    import time
+    import types
+
+    from targets.harness.isolation.device_memory import DeviceMemoryMonitor
+
+    samples = []
+
+    def memory_info(handle):
+        samples.append(handle)
+        if len(samples) == 3:
+            raise OSError("planted: NVML_ERROR_GPU_IS_LOST")
+        return SimpleNamespace(used=len(samples) * 2**20)
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=memory_info,
+    )
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(RuntimeError, match="failed mid-run: planted: NVML_ERROR_GPU_IS_LOST"):
+        with DeviceMemoryMonitor(1, interval_s=0.01):
+            time.sleep(0.2)

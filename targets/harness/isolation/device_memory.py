@@ -17,6 +17,7 @@ class DeviceMemoryMonitor:
         self.peaks_mb: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None  # a sample that failed in the thread, raised at exit
 
     def __enter__(self) -> DeviceMemoryMonitor:
         try:
@@ -43,12 +44,20 @@ class DeviceMemoryMonitor:
             self.peaks_mb[index] = max(self.peaks_mb.get(index, 0.0), used)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
+        try:
+            while not self._stop.wait(self.interval_s):
+                self._sample()
+        except Exception as error:  # noqa: BLE001 - raised at exit: peaks with a gap would be under-reported
+            self._failure = error
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._sample()
-        self._nvml.nvmlShutdown()
+        try:
+            self._sample()
+        finally:
+            self._nvml.nvmlShutdown()
+        if self._failure is not None:
+            failure = self._failure
+            raise RuntimeError(f"sampling device memory through NVML failed mid-run: {failure}") from failure

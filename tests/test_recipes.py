@@ -718,7 +718,15 @@ def test_every_parameter_a_skill_declares_or_a_recipe_reads_is_a_name_the_build_
     )
 
 
-def test_a_misspelt_parameter_fails_the_build_by_name(tmp_path, tiny_spec):
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        ({"kv_routng": 1}, "params.json names ['kv_routng'], which no recipe"),
+        ({"bucket_bytes": 0}, 'params.get("bucket_bytes", 1 << 26) must be an int in'),  # was read as the default
+    ],
+    ids=["misspelt", "zero bucket"],
+)
+def test_a_parameter_the_build_cannot_honour_fails_it_by_name(tmp_path, tiny_spec, extra, said):
     import json
     import subprocess
     import sys
@@ -729,7 +737,7 @@ def test_a_misspelt_parameter_fails_the_build_by_name(tmp_path, tiny_spec):
 
     directory = write_starter(tmp_path / "stack", tiny_spec, "static_split")
     params = json.loads((directory / "stack" / "params.json").read_text())
-    (directory / "stack" / "params.json").write_text(json.dumps({**params, "kv_routng": 1}))
+    (directory / "stack" / "params.json").write_text(json.dumps({**params, **extra}))
     runtime = json.dumps(put_runtime(Target.load("tiny-qwen3-cpu").runtime()))
     code = (
         "import json, sys\n"
@@ -739,7 +747,7 @@ def test_a_misspelt_parameter_fails_the_build_by_name(tmp_path, tiny_spec):
         f"stack.build(get_runtime(json.loads({runtime!r})))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "params.json names ['kv_routng'], which no recipe" in done.stderr, done.stderr
+    assert done.returncode != 0 and said in done.stderr, done.stderr
 
 
 def test_an_engine_whose_step_failed_tells_every_later_caller_instead_of_hanging(path):

@@ -72,6 +72,7 @@ def build(runtime: Runtime) -> Stack:
     # VAL: VAL_SUBSET (value=[cluster], of=["local", "ray"])
     threads = params.get("threads_per_actor", 1)
     bucket_bytes = params.get("bucket_bytes")  # None: weight_sync's default (imported with torch, when used)
+    # VAL: VAL_INT_RANGE (value=params.get("bucket_bytes", 1 << 26), min=1 << 20, max=1 << 30)
     engine_options = {k: params[k] for k in ENGINE_OPTIONS if k in params}
     if engine == "vllm":
         engine_options = vllm_options(params, runtime.workload.max_sequence)
@@ -114,7 +115,7 @@ def build(runtime: Runtime) -> Stack:
             threads=threads,
             engine_options=engine_options,
             trainer_options=trainer_options,
-            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+            bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
         )
 
     def make_engine():
@@ -130,7 +131,9 @@ def build(runtime: Runtime) -> Stack:
     def sync_engine(engine, state, version: int) -> None:
         from .weight_sync import DEFAULT_BUCKET_BYTES, merge, to_buckets
 
-        engine.load_weights(merge(to_buckets(state, bucket_bytes or DEFAULT_BUCKET_BYTES)), version)
+        engine.load_weights(
+            merge(to_buckets(state, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)), version
+        )
 
     # VAL: VAL_INT_RANGE (value=params.get("abort_stale", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("redundant_envs", 0), min=0, max=runtime.workload.group_size)

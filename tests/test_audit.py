@@ -323,11 +323,20 @@ def test_more_episodes_in_flight_than_the_staleness_bound_needs(honest):
     _rejects(_audit(honest, events), "too many episodes")
 
 
-def test_a_finish_reason_the_tokens_contradict(honest):
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        ({"finish": "stop"}, "finish reason"),  # the tokens say it ran to its budget
+        ({"finish": "abort"}, "an aborted completion was handed back as a result"),
+        ({"aborted": True}, "an interrupted segment went on past a stop token or its budget"),  # it decoded it all
+    ],
+    ids=["stop", "abort", "interrupted"],
+)
+def test_a_finish_reason_the_tokens_contradict(honest, edit, said):
     events = _edited(honest)
     g = next(g for g in _generates(events) if g.data["finish"] == "length")
-    g.data["finish"] = "stop"
-    _rejects(_audit(honest, events), "finish reason")
+    g.data.update(edit)
+    _rejects(_audit(honest, events), said)
 
 
 def test_a_finish_length_short_of_the_budget(honest):
@@ -335,20 +344,6 @@ def test_a_finish_length_short_of_the_budget(honest):
     g = next(g for g in _generates(events) if g.data["finish"] == "stop" and len(g.data["tokens"]) > 1)
     g.data["finish"], g.data["tokens"], g.data["logprobs"] = "length", g.data["tokens"][:-1], g.data["logprobs"][:-1]
     _rejects(_audit(honest, events), "finish 'length' after")
-
-
-def test_an_aborted_completion_handed_back_as_a_result(honest):
-    events = _edited(honest)
-    g = next(g for g in _generates(events) if g.data["finish"] == "length")
-    g.data["finish"] = "abort"
-    _rejects(_audit(honest, events), "an aborted completion was handed back as a result")
-
-
-def test_an_interrupted_segment_that_went_on_past_its_budget(honest):
-    events = _edited(honest)
-    g = next(g for g in _generates(events) if g.data["finish"] == "length")
-    g.data["aborted"] = True  # an abort claimed for a segment that had decoded its whole budget
-    _rejects(_audit(honest, events), "an interrupted segment went on past a stop token or its budget")
 
 
 def test_a_dropped_episode_the_harness_never_created(honest):

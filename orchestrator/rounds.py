@@ -169,10 +169,14 @@ class Loop:
             )
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
             # with where it happened: an error in the loop, a policy or an agent looks like any other otherwise
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "error.txt").write_text("".join(traceback.format_exception(error)))
+            where = out / "error.txt"
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                where.write_text("".join(traceback.format_exception(error)))
+            except OSError as unsaved:  # a full disk, say: the round still ends, its reason says so
+                where = f"not saved: {unsaved}"
             record.verdict = "error"
-            record.reasons = [f"{type(error).__name__}: {error} (traceback: {out / 'error.txt'})", *record.reasons]
+            record.reasons = [f"{type(error).__name__}: {error} (traceback: {where})", *record.reasons]
         record.seconds = time.monotonic() - started
         if self.agents.accounting is not None:
             record.llm = self.budget.since(llm_before)

@@ -22,7 +22,8 @@ def checks_table(results) -> Table:
     for column in ("check", "verdict", "reasons"):
         table.add_column(column, overflow="fold")
     for r in results:
-        table.add_row(r.name, "[green]pass[/green]" if r.passed else "[red]FAIL[/red]", "\n".join(r.reasons) or "-")
+        reasons = Text("\n".join(r.reasons) or "-")  # a candidate's error text, never read as markup
+        table.add_row(Text(r.name), "[green]pass[/green]" if r.passed else "[red]FAIL[/red]", reasons)
     return table
 
 

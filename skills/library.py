@@ -127,11 +127,14 @@ def legal(
     """Within the range every skill (of ``among``, if given) that declares ``name`` allows, on a
     target of ``device_count`` devices whose rollout engines span ``engine_devices`` each and whose
     workload bounds what a stack declares by ``declared_limits`` (``WorkloadSpec.declared_limits``).
-    A name no such skill declares is not legal: nothing would read it."""
+    A name no skill declares is legal only if it is one of the stack's structure (``controller``, the
+    device split: the planner checks those values itself); any other name nothing would read."""
+    from skills.recipes.build import STRUCTURE
+
     declaring = [s for s in skills.values() if name in s.params and (among is None or s.name in among)]
-    return bool(declaring) and all(
-        skill.params[name].allows(value, device_count, engine_devices, declared_limits) for skill in declaring
-    )
+    if not any(name in s.params for s in skills.values()):
+        return name in STRUCTURE
+    return all(skill.params[name].allows(value, device_count, engine_devices, declared_limits) for skill in declaring)
 
 
 def defaults(skills: dict[str, Skill] | None = None) -> dict[str, int | float]:

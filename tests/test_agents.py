@@ -134,6 +134,7 @@ PLANTS = {
     # the same, through another name or by a call: the scan follows what a name is bound to
     "patches the clock (t.monotonic)": "import time as t\nt.monotonic = lambda: 0.0\n",
     "patches the clock (setattr on aio)": "import asyncio as aio\nsetattr(aio, 'sleep', None)\n",
+    "patches the clock (a submodule)": "import asyncio.events as ev\nev.get_event_loop = None\n",
     "uses .modules, an introspection escape hatch (aliased)": "import sys as s\ns.modules.pop('time')\n",
     "imports sys.modules, an introspection escape hatch": "from sys import modules\nmodules.pop('time')\n",
     "imports gc, an introspection escape hatch (by __import__)": "__import__('gc').get_objects()\n",
@@ -300,6 +301,7 @@ def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
                 assert value % 8 == 0 and value in (120, 136)
     assert not planner.legal("train_devices", 130) and not planner.legal("micro_batch_tokens", 1)
     assert not planner.legal("kv_routng", 1)  # a name no skill declares: nothing would read it
+    assert planner.legal("controller", "static_split") and planner.legal("rollout_devices", 1)  # the structure
 
 
 def test_the_planner_grows_engines_only_where_the_target_lets_them_and_in_whole_engines(big_spec):
@@ -682,6 +684,13 @@ def test_rollout_on_devices_of_several_kinds_hints_hardware_affinity_which_only_
     _answered_only_where_it_applies(
         tiny_spec, "qwen3-8b-h20x8-h800x8", hints, "hardware_affinity", {"affinity_ratio": 8.0}
     )
+    # nor on a mixed target whose controller rolls out on one kind (a static split's H20s): the router
+    # would refuse it at build
+    mixed = OfflinePlanner(load_target("qwen3-8b-h20x8-h800x8"), simulated=True)
+    split = {"controller": "static_split", "rollout_devices": 8, "train_devices": 8}
+    assert not mixed.tasks_from_hints(hints, split)
+    assert "add-hardware_affinity" not in [t.id for t in mixed.composition_tasks(split)]
+    assert mixed.fits({**split, "rollout_devices": 9, "train_devices": 7, "affinity_ratio": 8.0})
 
 
 def _answered_only_where_it_applies(tiny_spec, target: str, hints, skill: str, changes: dict) -> None:

@@ -179,3 +179,15 @@ def test_the_version_of_a_checkout_git_will_not_read_is_said_not_raised(tmp_path
     monkeypatch.setattr(provenance.subprocess, "run", refusing)
     assert provenance.source_commit().startswith("unknown: git rev-parse failed in ")
     assert "dubious ownership" in provenance.source_commit()
+
+
+def test_the_check_table_prints_a_candidate_s_error_text_as_written():
+    """A reason is a candidate's exception text: '[/bold]' in it crashed the table (rich markup)."""
+    from rich.console import Console
+
+    from orchestrator.tables import checks_table
+    from targets.harness.judge.check_result import CheckResult
+
+    console = Console(record=True, width=120)
+    console.print(checks_table([CheckResult("system_run", False, ["RuntimeError: bad [/bold] thing [red]x"], {})]))
+    assert "RuntimeError: bad [/bold] thing [red]x" in console.export_text()

@@ -335,3 +335,22 @@ def test_a_simulation_callback_that_raises_ends_the_run_with_its_error(schedule)
 
     with pytest.raises(SimulationError, match="planted: a simulator bug"):
         run_virtual(main())
+
+
+def test_a_callback_s_error_survives_a_cleanup_that_raises_after_the_cancel():
+    """The run's own cleanup (closing its cluster, serving out its traffic) may raise once the failure
+    cancels it: the callback's error is still the one the run ends with."""
+    from targets.harness.sim.virtual_time import SimulationError
+
+    def broken() -> None:
+        raise ZeroDivisionError("planted: a simulator bug")
+
+    async def main() -> None:
+        asyncio.get_running_loop().call_later(1.0, broken)
+        try:
+            await asyncio.sleep(3600.0)
+        finally:
+            raise RuntimeError("cleanup that fails after the cancel")
+
+    with pytest.raises(SimulationError, match="planted: a simulator bug"):
+        run_virtual(main())

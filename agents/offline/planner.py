@@ -66,11 +66,22 @@ class OfflinePlanner:
         rollout = params.get("rollout_devices", 0)
         if scale != 1 and (scale > self.spec.simulator.max_engine_scale or train % engine or rollout % engine):
             return False
+        if params.get("affinity_ratio", 0.0) and self._rollout_kinds(params) < 2:
+            return False  # hardware affinity on engines of one kind: the router refuses it (nothing to prefer)
         if params.get("controller") == "static_split":
             return rollout + train + judge <= count
         if params.get("controller") == "time_multiplex":
             return train + judge < count
         return judge < count
+
+    def _rollout_kinds(self, params: dict) -> int:
+        """How many device kinds the controller's rollout engines span: a static split rolls out on its
+        first ``rollout_devices``, the others on every device."""
+        hardware = self.spec.hardware
+        devices = hardware.device_ids()
+        if params.get("controller") == "static_split":
+            devices = devices[: params.get("rollout_devices", len(devices))]
+        return len({hardware.by_name[hardware.pool_name(d)].kind for d in devices})
 
     def tunable(self, param: ParamRange) -> bool:
         return param.simulated or not self.simulated
@@ -145,7 +156,7 @@ class OfflinePlanner:
         changes = {k: self._within_target(skill, k, self._typed(skill, k, v)) for k, v in skill.enable.items()}
         if (
             not skill.is_on(changes)
-            or (skill.hardware == "mixed" and len({p.kind for p in self.spec.hardware.by_name.values()}) < 2)
+            or (skill.hardware == "mixed" and self._rollout_kinds(params) < 2)
             or (skill.hardware == "serving" and not self.spec.hardware.serving_device_ids())
             or (skill.environments == "stateful" and self.spec.workload.env_state is None)
             or (skill.rewards == "serverless" and not self._serverless_judge())

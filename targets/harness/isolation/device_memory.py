@@ -50,14 +50,15 @@ class DeviceMemoryMonitor:
         except Exception as error:  # noqa: BLE001 - raised at exit: peaks with a gap would be under-reported
             self._failure = error
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         try:
-            self._sample()
+            if self._failure is None:
+                self._sample()
         finally:
             self._nvml.nvmlShutdown()
-        if self._failure is not None:
+        if self._failure is not None and kind is None:  # a run that failed already keeps its own error
             failure = self._failure
             raise RuntimeError(f"sampling device memory through NVML failed mid-run: {failure}") from failure

@@ -87,10 +87,15 @@ def _watch(process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str,
             why = f"exceeded its time limit of {limits.time_s:g}s"
         elif len(tree) > limits.processes:
             why = f"ran {len(tree)} processes, over its limit of {limits.processes} (a fork storm?)"
-        elif (resident := resident_mb(tree)) > limits.memory_mb:
-            why = f"used {resident:.0f} MB of resident memory, over its limit of {limits.memory_mb:g} MB"
         else:
-            continue
+            try:
+                resident = resident_mb(tree)
+            except PermissionError as error:  # a process made itself unreadable: its memory is not counted
+                why = f"hid a process's memory from the harness ({error}): the memory limit cannot be held"
+            else:
+                if resident <= limits.memory_mb:
+                    continue
+                why = f"used {resident:.0f} MB of resident memory, over its limit of {limits.memory_mb:g} MB"
         kill_tree(process.pid)
         process.wait()
         return why

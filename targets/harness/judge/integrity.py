@@ -162,7 +162,7 @@ def _patching(node: ast.AST, bound: dict[str, str]) -> list[str]:
         return (
             isinstance(target, ast.Attribute)
             and isinstance(target.value, ast.Name)
-            and bound.get(target.value.id) in CLOCK_MODULES
+            and bound.get(target.value.id, "").split(".")[0] in CLOCK_MODULES
         )
 
     targets: list[ast.AST] = []
@@ -179,7 +179,7 @@ def _patching(node: ast.AST, bound: dict[str, str]) -> list[str]:
         and node.func.id in ("setattr", "delattr")
         and node.args
         and isinstance(node.args[0], ast.Name)
-        and bound.get(node.args[0].id) in CLOCK_MODULES
+        and bound.get(node.args[0].id, "").split(".")[0] in CLOCK_MODULES
     ):
         found.append(f"patches the clock ({node.func.id} on {node.args[0].id})")
     return found

@@ -415,7 +415,7 @@ def run_virtual(main: Awaitable, loop: VirtualTimeLoop | None = None) -> Any:
             running.append(loop.create_task(main))
             try:
                 result = loop.run_until_complete(running[0])
-            except asyncio.CancelledError:
+            except BaseException:  # the cancel, or whatever the run's cleanup raised after it: the callback's first
                 if not failures:
                     raise
             if failures:

@@ -24,17 +24,20 @@ from targets.spec import CATALOG_DIR
 pytestmark = pytest.mark.slow
 
 WARP = '''"""Planted: make the run look ten times faster from inside the controller, without naming any
-module the static scan looks for, and hunt for the harness's trace in this process's memory."""
+module or import call the static scan looks for (a scan can always be evaded: what keeps the record
+true is the process boundary), and hunt for the harness's trace in this process's memory."""
+import builtins
 
 
 def warp():
-    modules = getattr(__import__("s" + "ys"), "mod" + "ules")
+    load = getattr(builtins, "__imp" + "ort__")
+    modules = getattr(load("s" + "ys"), "mod" + "ules")
     clock = modules["ti" + "me"]
     real = getattr(clock, "mono" + "tonic")
     start = real()
     setattr(clock, "mono" + "tonic", lambda: start + (real() - start) / 10)
     setattr(clock, "perf_" + "counter", getattr(clock, "mono" + "tonic"))
-    collector = __import__("import" + "lib").import_module("g" + "c")
+    collector = load("g" + "c")
     names = ("Trace", "TracedCluster", "WallClock", "EnvironmentPool", "VirtualClock")
     found = [o for o in getattr(collector, "get_" + "objects")() if type(o).__name__ in names]
     print(f"WARP: clock patched; harness objects in this process: {len(found)}", flush=True)

@@ -139,6 +139,7 @@ class RewardModelService:
         self.on_device: dict[str, JudgeInstance] = {}
         self.scored = 0
         self._verdicts: set[asyncio.Task] = set()
+        self._closing = False  # set when the run's figures are taken: a verdict landing later is not one
 
     @classmethod
     def for_run(
@@ -218,6 +219,8 @@ class RewardModelService:
                 ) from None
             finally:
                 self._busy(instance, -1)
+            if self._closing:  # the run ended while it was scored (Python 3.11's wait_for can swallow the
+                return  # cancel of a call that just finished): neither counted nor recorded after the figures
             if not 0.0 <= score <= 1.0:  # NaN included
                 raise JudgeProcessError(f"the reward model's process {instance.name} scored {score!r}, not in [0, 1]")
             self.scored += 1
@@ -290,6 +293,7 @@ class RewardModelService:
         return usage_summary(self.where, self.scored, [i.usage for i in self.instances], end)
 
     async def close(self) -> None:
+        self._closing = True
         for task in list(self._verdicts):
             task.cancel()
         await asyncio.gather(*self._verdicts, return_exceptions=True)

@@ -811,3 +811,10 @@ def test_a_vllm_stack_s_engine_options_are_vllm_s_or_refused_never_dropped():
         vllm_options({"kv_tokens": 8192}, 4096)
     with pytest.raises(ValueError, match="speculative_tokens"):
         vllm_options({"speculative_tokens": 4}, 4096)
+    with pytest.raises(ValueError, match="vLLM on CPU sizes its cache by VLLM_CPU_KVCACHE_SPACE"):
+        vllm_options({"kv_memory_fraction": 0.5}, 4096, cuda=False)  # it would do nothing there
+
+
+def test_a_kv_cache_too_small_for_two_blocks_is_refused_not_enlarged(path):
+    with pytest.raises(ValueError, match="a KV cache of 16 tokens holds fewer than two blocks of 16"):
+        PagedEngine(path, "float32", kv_tokens=16, block_size=16)

@@ -42,7 +42,7 @@ def _validate_param_names(params: dict) -> None:
 VLLM_NAMES = {"kv_memory_fraction": "gpu_memory_utilization", "max_batch": "max_num_seqs"}
 
 
-def vllm_options(params: dict, max_sequence: int) -> dict:
+def vllm_options(params: dict, max_sequence: int, cuda: bool = True) -> dict:
     """The engine options in vLLM's names (the longest sequence the workload makes, the cache's share of
     memory, the batch bound, graphs or eager); the paged engine's own options that vLLM has no
     equivalent of are refused rather than dropped. ``block_size`` (every starter's) stays the paged
@@ -52,6 +52,8 @@ def vllm_options(params: dict, max_sequence: int) -> dict:
     own = [k for k in ("kv_tokens", "attention") if k in params and params[k] not in (None, "auto")]
     if own:
         raise ValueError(f"params {own}: the paged engine's options; vLLM sizes its cache by kv_memory_fraction")
+    if not cuda and "kv_memory_fraction" in params:
+        raise ValueError("params kv_memory_fraction: vLLM on CPU sizes its cache by VLLM_CPU_KVCACHE_SPACE (GiB)")
     options = {"max_model_len": max_sequence, **{VLLM_NAMES[k]: params[k] for k in VLLM_NAMES if k in params}}
     if "cuda_graphs" in params:
         options["enforce_eager"] = not params["cuda_graphs"]
@@ -75,7 +77,7 @@ def build(runtime: Runtime) -> Stack:
     # VAL: VAL_INT_RANGE (value=params.get("bucket_bytes", 1 << 26), min=1 << 20, max=1 << 30)
     engine_options = {k: params[k] for k in ENGINE_OPTIONS if k in params}
     if engine == "vllm":
-        engine_options = vllm_options(params, runtime.workload.max_sequence)
+        engine_options = vllm_options(params, runtime.workload.max_sequence, runtime.accelerator == "cuda")
     trainer_options = {k: params[k] for k in TRAINER_OPTIONS if k in params}
     device = "cuda:0" if runtime.accelerator == "cuda" else "cpu"
     if runtime.device_memory_bytes:  # before anything starts: a trainer that cannot fit fails with the arithmetic

@@ -141,7 +141,12 @@ class PagedEngine:
                 if device.startswith("cuda")
                 else 1 << 15
             )
-        self.num_blocks = max(2, kv_tokens // block_size) + 1  # the last block is a dummy for padded graph rows
+        if kv_tokens < 2 * block_size:  # said, not raised to two blocks: an engine that small serves nothing
+            raise ValueError(
+                f"{name}: a KV cache of {kv_tokens} tokens holds fewer than two blocks of {block_size} "
+                "(free device memory times kv_memory_fraction, or kv_tokens, is too small)"
+            )
+        self.num_blocks = kv_tokens // block_size + 1  # the last block is a dummy for padded graph rows
         self.capacity_tokens = (self.num_blocks - 1) * block_size
         self.attention_kind = choose_attention(attention, device, self.dtype, self.model.head_dim, block_size)
         graphed = self.attention_kind in GRAPHED_ATTENTION and device.startswith("cuda")

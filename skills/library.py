@@ -13,6 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from skills.recipes.build import STRUCTURE
+
 SKILLS_DIR = Path(__file__).parent
 
 
@@ -129,12 +131,13 @@ def legal(
     workload bounds what a stack declares by ``declared_limits`` (``WorkloadSpec.declared_limits``).
     A name no skill declares is legal only if it is one of the stack's structure (``controller``, the
     device split: the planner checks those values itself); any other name nothing would read."""
-    from skills.recipes.build import STRUCTURE
-
-    declaring = [s for s in skills.values() if name in s.params and (among is None or s.name in among)]
-    if not any(name in s.params for s in skills.values()):
+    if not any(name in skill.params for skill in skills.values()):
         return name in STRUCTURE
-    return all(skill.params[name].allows(value, device_count, engine_devices, declared_limits) for skill in declaring)
+    return all(
+        skill.params[name].allows(value, device_count, engine_devices, declared_limits)
+        for skill in skills.values()
+        if name in skill.params and (among is None or skill.name in among)
+    )
 
 
 def defaults(skills: dict[str, Skill] | None = None) -> dict[str, int | float]:

@@ -398,7 +398,7 @@ def run_virtual(main: Awaitable, loop: VirtualTimeLoop | None = None) -> Any:
     loop's default would only log it, and the simulation would go on without what it did, or stall)."""
     loop = loop or VirtualTimeLoop()
     failures: list[BaseException] = []
-    running: list[asyncio.Task] = []
+    task = loop.create_task(main)
 
     def on_exception(loop: asyncio.AbstractEventLoop, context: dict) -> None:
         error = context.get("exception")
@@ -406,15 +406,14 @@ def run_virtual(main: Awaitable, loop: VirtualTimeLoop | None = None) -> Any:
             loop.default_exception_handler(context)  # not a callback's failure (a task's, reported at collection)
             return
         failures.append(error)
-        if running and not running[0].done():
-            running[0].cancel()
+        if not task.done():
+            task.cancel()
 
     loop.set_exception_handler(on_exception)
     try:
         with fewer_collections():
-            running.append(loop.create_task(main))
             try:
-                result = loop.run_until_complete(running[0])
+                result = loop.run_until_complete(task)
             except BaseException:  # the cancel, or whatever the run's cleanup raised after it: the callback's first
                 if not failures:
                     raise

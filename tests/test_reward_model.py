@@ -561,6 +561,24 @@ def test_a_real_serverless_judge_lets_an_idle_instance_go_and_starts_another_whe
     assert 0 < summary["busy_s"] < summary["device_s"] < 2 * 2.5
 
 
+def test_a_judge_process_imports_the_harness_whatever_folder_the_run_started_in(tmp_path, monkeypatch):
+    """Its ``python -m`` imports from its working directory first: a run started in a folder holding a
+    ``targets`` package of its own (the user's project) gave the judge's process that one."""
+    (tmp_path / "targets").mkdir()
+    (tmp_path / "targets" / "__init__.py").write_text("raise ImportError('the decoy targets package')\n")
+    monkeypatch.chdir(tmp_path)
+    imports_the_harness = "import targets.harness.reward_model.judge_process\n" + JUDGE_BABBLES
+
+    async def main():
+        service = _StandInJudges(imports_the_harness, "dedicated", [])
+        try:
+            await service.start(["cpu:0"])  # raises with the process's last words if it never said ready
+        finally:
+            await service.close()
+
+    asyncio.run(main())
+
+
 def test_the_reference_loop_and_export_refuse_a_judged_target_by_name(tmp_path):
     """Both would train on the environment's rewards alone, with no judge: they say so instead."""
     from typer.testing import CliRunner

@@ -9,10 +9,10 @@ import os
 import signal
 import time
 
-from targets.harness.isolation.zygote import MARKS_FD, zygote
+from targets.harness.isolation.zygote import MARKS_FD, Zygote, zygote
 
 
-def _spawn(tmp_path, name: str):
+def _spawn(tmp_path, name: str, owner: Zygote | None = None):
     """A child whose target is a FIFO: it blocks reading it until the test writes one."""
     fifo = tmp_path / f"{name}.yaml"
     os.mkfifo(fifo)
@@ -20,7 +20,7 @@ def _spawn(tmp_path, name: str):
     read_fd, write_fd = os.pipe()
     argv = ["--target", fifo.name, "--stack", str(tmp_path), "--out", str(tmp_path / name)]  # relative: cwd
     argv += ["--mode", "check", "--sandbox", "subprocess", "--execution", "real", "--marks-fd", str(MARKS_FD)]
-    child = zygote().spawn(argv, dict(os.environ), log.fileno(), write_fd)
+    child = (owner or zygote()).spawn(argv, dict(os.environ), log.fileno(), write_fd)
     os.close(write_fd)
     log.close()
     return child, fifo, read_fd
@@ -66,3 +66,23 @@ def test_the_children_of_a_zygote_that_went_away_end_too(tmp_path, monkeypatch):
     while time.monotonic() < deadline and os.path.exists(f"/proc/{child.pid}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{child.pid}"), "the orphaned child outlived its zygote"
+
+
+def test_a_targets_folder_where_the_user_runs_never_stands_in_for_the_harness(tmp_path, monkeypatch):
+    """``python -m`` imports from its working directory first: a zygote started in a folder holding a
+    ``targets`` package of its own (the user's project, another checkout) imported that one, and its
+    children ran it (and a sandbox then lacked the harness the orchestrator had)."""
+    decoy = tmp_path / "targets"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy targets package was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    owner = Zygote()  # a fresh one, started here (the process's own may have started elsewhere)
+    try:
+        child, fifo, _ = _spawn(tmp_path, "shadowed", owner)
+        fifo.write_text("id: [not a target\n")
+        assert child.wait() == 1
+        said = (tmp_path / "shadowed.log").read_text()
+        assert "decoy targets" not in said and "shadowed.yaml" in said, said  # the harness's child read the target
+    finally:
+        owner.process.kill()
+        owner.process.wait()

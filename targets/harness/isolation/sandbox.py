@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from targets import PROJECT_ROOT
 from targets.errors import UserError
 
 log = logging.getLogger("vibetrain.sandbox")
@@ -118,13 +119,12 @@ def python_paths() -> list[Path]:
     """What a child's Python needs to see: its installation (a virtualenv, say), every import path,
     and the project checkout itself (an editable install's import finder points there without
     putting it on sys.path)."""
-    project = Path(__file__).resolve().parents[3]
     return [
         Path(sys.prefix),
         Path(sys.exec_prefix),
         Path(sys.base_prefix),
         Path(sys.executable).resolve().parent,
-        project,
+        PROJECT_ROOT,
         *(Path(entry) for entry in sys.path if entry),
     ]
 

@@ -30,6 +30,8 @@ import threading
 import time
 import traceback
 
+from targets import PROJECT_ROOT
+
 MARKS_FD = 3  # where a forked child finds its marks pipe (its argv says --marks-fd 3)
 _MESSAGE_BYTES = 1 << 20
 
@@ -53,6 +55,7 @@ class Zygote:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            cwd=PROJECT_ROOT,  # ``-m`` imports from its cwd first: the user's would import a ``targets`` of theirs
         )
         theirs.close()
         self._socket, self._lock = ours, threading.Lock()

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from targets import PROJECT_ROOT
 from targets.api import EngineSettings, Runtime
 from targets.harness.environments.base import Episode
 from targets.harness.model import model_dir
@@ -43,7 +44,6 @@ from targets.harness.trace import Trace
 from targets.spec import TargetSpec
 from targets.spec.reward import RewardModelSpec
 
-REPO = Path(__file__).resolve().parents[3]  # the harness's own code, importable by the judge's process
 VERDICT_TIMEOUT_S = 300.0  # a verdict not in by then: the judge's process hangs, and the run fails saying so
 
 
@@ -77,7 +77,12 @@ class JudgeInstance:
     async def _start(self, argv: list[str], env: dict[str, str]) -> None:
         self.log = tempfile.TemporaryFile()
         self.process = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=self.log, env=env
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            cwd=PROJECT_ROOT,  # ``-m`` imports from its cwd first: never the user's (a ``targets`` folder of theirs)
         )
         said = await self.process.stdout.readline()
         if said.strip() != b"ready":
@@ -166,7 +171,7 @@ class RewardModelService:
         return [sys.executable, "-m", module, str(self.judge_dir), str(self.policy_dir), "cpu", self.spec.model.dtype]
 
     def _spawn(self, name: str, devices: list[str], cold_start_s: float = 0.0) -> JudgeInstance:
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, "PYTHONPATH": f"{PROJECT_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         instance = JudgeInstance(name, devices, Usage(self.trace.clock.now(), len(devices)))
         instance.begin(self.command(), env, cold_start_s)
         self.instances.append(instance)

@@ -500,6 +500,8 @@ def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tm
     )
     assert result.exit_code == 0, result.output
     assert "simulated seconds" in result.output and "LB" in result.output and "where a step goes" in result.output
+    # in a pipe at 80 columns the tables kept their width: no figure cut to an ellipsis ('1.33x [0.45, 3.…')
+    assert "…" not in result.output and "ratio [95% CI]" in result.output
     runs = json.loads((tmp_path / "b.json").read_text())["runs"]
     for run in runs:
         m = run["metrics"]

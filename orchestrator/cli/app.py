@@ -19,6 +19,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from orchestrator.tables import plain
@@ -98,6 +99,16 @@ def print_table(table: Table) -> None:
         console.print(table)
     else:
         sys.stdout.write(plain(table))
+
+
+def print_report(table: Table) -> None:
+    """A measured report (bench, calibrate) with its title and caption; in a pipe or a file at its whole
+    width, where 80 columns cut its figures to ellipses ('1.33x [0.45, 3.…')."""
+    if console.is_terminal:
+        console.print(table)
+    else:
+        whole = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        Console(width=max(console.width, whole), highlight=False).print(table)  # print's own width stops at 80
 
 
 def print_json(data) -> None:

@@ -31,6 +31,7 @@ from orchestrator.cli.app import (
     out_dir,
     out_file,
     print_json,
+    print_report,
     print_table,
     session,
     target_app,
@@ -345,9 +346,9 @@ def bench(
     failed = [f for r in runs for f in r.failures]
     runs = [r for r in runs if not r.failures]  # a failed schedule's figures do not count
     if runs:
-        console.print(bench_table(spec, runs, repeat, simulated))
-        console.print(phases_table(runs))
-        console.print(costs_table(runs, simulated))
+        print_report(bench_table(spec, runs, repeat, simulated))
+        print_report(phases_table(runs))
+        print_report(costs_table(runs, simulated))
     for failure in failed:
         console.print(f"[red]failed its checks:[/red] {failure}")
     if json_path:
@@ -453,7 +454,7 @@ def calibrate(
         table.add_column(column, justify="right" if column != "metric" else "left")
     for metric, row in report["compared"].items():
         table.add_row(metric, num(row["real"]), num(row["simulated"]), f"{row['error']:+.1%}")
-    console.print(table)
+    print_report(table)
     path = report["calibrated_spec"]
     if out:
         shutil.copy(path, out)

@@ -254,6 +254,18 @@ def test_a_bad_entry_is_a_spec_error_naming_it(catalog_yaml, user_package, envir
     assert message in str(caught.value)
 
 
+def test_a_module_in_the_working_folder_but_not_importable_says_how_to_import_it(catalog_yaml, tmp_path, monkeypatch):
+    """'my_env is not installed here' sent a user with my_env.py beside them to pip: the message says
+    the working folder is not imported from, and how to put it on the path."""
+    (tmp_path / "loose_env.py").write_text(textwrap.dedent(PACKAGE))
+    monkeypatch.chdir(tmp_path)  # not on sys.path: a console script's path holds no working folder
+    with pytest.raises(SpecError, match="loose_env.py is in the working folder") as caught:
+        _spec(catalog_yaml, {"entry": "loose_env:HiddenNumber", "adapter": "gymnasium"})
+    assert "PYTHONPATH=$PWD" in str(caught.value)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _spec(catalog_yaml, {"entry": "loose_env:HiddenNumber", "adapter": "gymnasium"})  # as the message says
+
+
 @pytest.mark.parametrize(
     ("environment", "message"),
     [

@@ -25,6 +25,7 @@ import importlib
 import inspect
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from targets.api import TextEnvironment, TextStep
@@ -107,8 +108,20 @@ def _import_failure(entry: str, module_name: str, error: Exception) -> str:
         if not own:
             needed = "" if missing == top else f" (imported by {module_name})"
             extra = "; the envs extra installs it: pip install -e '.[envs]'" if top in ENVS_EXTRA else ""
-            return f"environment entry {entry!r}: {missing} {NOT_INSTALLED}{needed}{extra}"
+            return f"environment entry {entry!r}: {missing} {NOT_INSTALLED}{needed}{extra}{_beside(missing)}"
     return f"environment entry {entry!r}: cannot import {module_name} ({type(error).__name__}: {error})"
+
+
+def _beside(missing: str) -> str:
+    """A module the user wrote in the folder they run in is no installed package: say how to import it."""
+    top = missing.partition(".")[0]
+    here = next((p for p in (Path(f"{top}.py"), Path(top) / "__init__.py") if p.is_file()), None)
+    if here is None:
+        return ""
+    return (
+        f"; {here} is in the working folder, which vibetrain does not import from: put that folder on "
+        f"PYTHONPATH (PYTHONPATH=$PWD vibetrain ...) or install your package"
+    )
 
 
 def _make(entry: str, factory: Callable, params: dict) -> Any:

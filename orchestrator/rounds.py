@@ -73,6 +73,9 @@ class Loop:
         spent_before = self.state.seconds_used
         self.reconcile_with_git()
         out_of_time = False
+        if self.state.next_round > self.state.config.rounds:  # a finished run resumed as it was
+            rounds = self.state.config.rounds
+            self.on_event("budget", reason=f"its {rounds} round(s) were done: --resume --rounds {rounds + 1} goes on")
         while self.state.next_round <= self.state.config.rounds:
             if self.state.next_round > 0 and self.state.best is None:
                 starter = self.state.record(0)

@@ -191,3 +191,13 @@ def test_the_check_table_prints_a_candidate_s_error_text_as_written():
     console = Console(record=True, width=120)
     console.print(checks_table([CheckResult("system_run", False, ["RuntimeError: bad [/bold] thing [red]x"], {})]))
     assert "RuntimeError: bad [/bold] thing [red]x" in console.export_text()
+
+
+def test_a_finished_run_resumed_as_it_was_says_how_to_go_on(tmp_path):
+    """It printed an empty table and its best: nothing said that its rounds were all done, or how to
+    run more."""
+    run = make_review_run(tmp_path)
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run), "--resume"], env=NARROW)
+    assert result.exit_code == 0, result.output
+    assert "its 2 round(s) were done: --resume --rounds 3 goes on" in result.output
+    assert "round\ttask" not in result.output  # no table of the rounds this invocation ran: it ran none

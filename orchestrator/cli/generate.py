@@ -222,7 +222,8 @@ def generate(
                 state = loop.run()
         else:
             state = loop.run()
-            print_table(view.render())
+            if view.rows:  # the rounds this invocation ran (none: a finished run resumed as it was)
+                print_table(view.render())
     finally:
         if tracker is not None:
             tracker.close()

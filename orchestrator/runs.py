@@ -233,4 +233,5 @@ def export_candidate(ref: str) -> Path:
     try:
         return history.export(commit, Path(tempfile.mkdtemp(prefix="vibetrain-candidate-")) / f"{run_dir.name}@{which}")
     except HistoryError as error:
-        raise RunSetupError(f"{ref}: {error}") from None
+        hint = "" if which == "best" or which.startswith("round-") else " (write RUN@best, RUN@round-N or RUN@<commit>)"
+        raise RunSetupError(f"{ref}: {error}{hint}") from None

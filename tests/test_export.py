@@ -161,6 +161,16 @@ def test_a_candidate_directory_needs_its_target_and_a_missing_run_is_named(tmp_p
     assert result.exit_code == 2 and "norun" in result.output and "Traceback" not in result.output
 
 
+def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_path):
+    from tests.review_run import make_review_run
+
+    run = make_review_run(tmp_path)
+    result = runner.invoke(app, ["export", f"{run}@3", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "write RUN@best, RUN@round-N or RUN@<commit>" in result.output
+    result = runner.invoke(app, ["export", f"{run}@round-9", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "no such candidate" in result.output
+
+
 def test_the_launcher_refuses_a_target_whose_hardware_this_machine_lacks(tmp_path, without_vibetrain):
     spec = load_target("qwen3-8b-h100x8")  # 8 GPUs: simulated here, and on any test machine with fewer
     out = tmp_path / "exported"

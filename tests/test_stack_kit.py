@@ -57,7 +57,7 @@ def _planted(
 def test_starter_stacks_pass_check(tmp_path, fast_target, controller):
     code, output = _check(fast_target, _planted(tmp_path, fast_target, controller, {}))
     assert code == 0, output
-    assert "PASS" in output
+    assert "PASS" in output and "-fast: real execution, " in output
 
 
 CHEATS = {
@@ -243,6 +243,7 @@ def test_on_a_one_device_target_bench_takes_the_starters_that_fit_and_generate_r
         app, ["bench", "qwen3-0.6b-h100x1", "--repeat", "1", "--json", str(tmp_path / "b.json")], env={"COLUMNS": "120"}
     )
     assert result.exit_code == 0, result.output
+    assert "qwen3-0.6b-h100x1: simulated execution (execution auto: this machine lacks its 1x h100)" in result.output
     assert [r["name"] for r in json.loads((tmp_path / "b.json").read_text())["runs"]] == ["colocate"]
     run = tmp_path / "run"
     result = runner.invoke(

@@ -179,6 +179,16 @@ def starter(
     console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")
 
 
+def say_execution(judge, simulate: bool) -> None:
+    """Where the runs will happen, before they do: a GPU target on a machine without its GPUs is
+    simulated (execution auto), which a PASS alone would not tell."""
+    spec = judge.target.spec
+    why = ""
+    if judge.target.simulated and spec.execution == "auto" and not simulate:
+        why = f" (execution auto: this machine lacks its {spec.hardware.summary})"
+    console.print(f"{spec.id}: {judge.target.execution} execution{why}, {judge.sandbox.backend} sandbox")
+
+
 @command(app, "check")
 def check(
     target: str,
@@ -205,8 +215,9 @@ def check(
         candidate_dir(stack)
     out_file(json_path, "--json")
     judge = session(target, sandbox, time_limit, simulate)
+    say_execution(judge, simulate)
+    spec = judge.target.spec
     if stack is None:
-        spec = judge.target.spec
         stack = write_starter(Path(tempfile.mkdtemp(prefix="vibetrain-starter-")), spec, spec.baselines[0].name)
         console.print(f"checking the {spec.baselines[0].name} starter ({stack})")
     with console.status(f"checking {stack} on {judge.target.id}"):
@@ -288,6 +299,7 @@ def bench(
 
     tracker, track_dir = open_tracker(track, track_dir, default_track_dir)
     measuring = session(target, sandbox, time_limit, simulate)
+    say_execution(measuring, simulate)
     if task_key is not None:
         try:
             measuring = dataclasses.replace(measuring, task_key=bytes.fromhex(task_key))

@@ -270,3 +270,23 @@ def test_an_export_trains_on_the_users_own_environment_copied_beside_its_launche
     assert "comes from `number_envs.py (copied)`" in (out / "README.md").read_text()
     run = _train(out, without_vibetrain)
     assert [int(s) for s, *_ in STEP_LINE.findall(run.stdout)] == [1, 2], run.stdout
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", "tiny-qwen3-cpu"],
+        ["calibrate", "tiny-qwen3-cpu"],
+        ["workload", "profile", "tiny-qwen3-cpu", "--out", "p.yaml"],
+    ],
+    ids=["check", "calibrate", "workload profile"],
+)
+def test_every_command_that_takes_a_stack_takes_a_runs_candidate(tmp_path, command):
+    """bench took RUN@best and check, calibrate and profile said it did not exist: each now exports it
+    (this run's commits hold no stack package, which is what each then says, of the exported folder)."""
+    from tests.review_run import make_review_run
+
+    run = make_review_run(tmp_path)
+    result = runner.invoke(app, [*command, "--stack", f"{run}@best"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "run@best holds no stack/__init__.py" in result.output and "does not exist" not in result.output

@@ -140,7 +140,13 @@ def out_file(path: Path | None, option: str) -> Path | None:
 
 
 def candidate_dir(path: Path, option: str = "--stack") -> Path:
-    """A candidate directory (it holds the ``stack`` package), checked before any work starts."""
+    """A candidate directory (it holds the ``stack`` package), checked before any work starts; or
+    ``RUN@best``, ``RUN@round-N``, ``RUN@<commit>``: that candidate of a generate run, exported to a
+    temporary directory (what every command that takes a stack takes)."""
+    if "@" in str(path) and not path.exists():
+        from orchestrator.runs import export_candidate
+
+        path = export_candidate(str(path))
     if not (path / "stack" / "__init__.py").is_file():
         what = "does not exist" if not path.exists() else "holds no stack/__init__.py: it is not a candidate directory"
         raise UsageError(f"{option} {path} {what}")

@@ -193,7 +193,8 @@ def say_execution(judge, simulate: bool) -> None:
 def check(
     target: str,
     stack: Path = typer.Option(
-        None, help="candidate directory (holds stack/) (default: the starter of the target's first baseline)"
+        None,
+        help="candidate directory (holds stack/) or RUN@best / RUN@round-N (default: the first baseline's starter)",
     ),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     out: Path = typer.Option(
@@ -212,7 +213,7 @@ def check(
     from skills.starter import write_starter
 
     if stack is not None:
-        candidate_dir(stack)
+        stack = candidate_dir(stack)
     out_file(json_path, "--json")
     judge = session(target, sandbox, time_limit, simulate)
     say_execution(judge, simulate)
@@ -283,7 +284,6 @@ def bench(
 
     Example: vibetrain bench tiny-qwen3-cpu --baselines colocate --stack generated/tiny-qwen3-cpu@best --json b.json
     """
-    from orchestrator.runs import export_candidate
     from skills.starter import baseline_params, write_starter
     from targets.harness.measure.benchmark import BenchmarkFailed, benchmark
     from targets.harness.measure.timeline import plot_step_phases, plot_timelines
@@ -332,9 +332,8 @@ def bench(
         except ValueError as error:
             raise UsageError(f"baseline {name!r}: {error}") from None
     for path in stack:
-        if "@" in str(path) and not path.exists():  # RUN@best, RUN@round-3: a candidate from a run's history
-            path = export_candidate(str(path))
-        stacks.append((path.name, candidate_dir(path)))
+        path = candidate_dir(path)
+        stacks.append((path.name, path))
     if not stacks:
         raise UsageError("nothing to benchmark: give --baselines and/or --stack")
     progress = Progress(
@@ -414,7 +413,7 @@ def bench(
 @command(app, "calibrate")
 def calibrate(
     target: str,
-    stack: Path = typer.Option(..., help="candidate directory (holds stack/) to run for real"),
+    stack: Path = typer.Option(..., help="candidate directory (holds stack/) or RUN@best / RUN@round-N: run for real"),
     out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
     trace: Path = typer.Option(
@@ -438,7 +437,7 @@ def calibrate(
             f"{fitting.target.id} is simulated here: calibration needs a real run of the stack "
             "(or --trace, the trace.jsonl of one recorded elsewhere)"
         )
-    candidate_dir(stack)
+    stack = candidate_dir(stack)
     out = out_file(out, "--out")  # before the run: a typo never costs it
     if trace is not None and not trace.is_file():
         raise UsageError(f"--trace {trace}: no such file (the trace.jsonl of a recorded real run)")
@@ -479,7 +478,8 @@ def profile_workload(
     target: str,
     out: Path = typer.Option(..., help="write the profile (a YAML fragment of workload keys) here"),
     stack: Path = typer.Option(
-        None, help="candidate directory (holds stack/) to run (default: the starter of the target's first baseline)"
+        None,
+        help="candidate directory (holds stack/) or RUN@best / RUN@round-N (default: the first baseline's starter)",
     ),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
     time_limit: float | None = TIME_LIMIT_OPTION,
@@ -501,7 +501,7 @@ def profile_workload(
         raise UsageError(f"{spec.id} is simulated here: a profile measures a real run of its environment")
     if stack is None:
         stack = write_starter(Path(tempfile.mkdtemp(prefix="vibetrain-starter-")), spec, spec.baselines[0].name)
-    candidate_dir(stack)
+    stack = candidate_dir(stack)
     with console.status(f"running {stack} on {spec.id} for real"):
         run = measuring.measure(stack, Path(tempfile.mkdtemp(prefix="vibetrain-profile-")), seed=0, steps=steps)
     if not run.ok:

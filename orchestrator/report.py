@@ -27,7 +27,7 @@ from orchestrator.prescreen import twin_said  # noqa: E402
 from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: E402
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
-from orchestrator.tables import paired_cell, promotion  # noqa: E402
+from orchestrator.tables import best_over_starter, paired_cell, promotion  # noqa: E402
 from targets.harness.judge.check_result import detail  # noqa: E402
 from targets.harness.measure.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
@@ -492,7 +492,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
     metric, unit, threshold = spec.headline_metric.name, _unit(spec.headline_metric.name), spec.noise_threshold
     devices = spec.hardware.device_ids()
     run, run_path = RunDir(run_dir), str(run_dir.resolve())
-    best, starter = state.best, state.record(0)
+    best = state.best
     config = state.config
     with tempfile.TemporaryDirectory(prefix="vibetrain-report-") as scratch:
         rows, panels, baselines = [], [], _baselines(state, history)
@@ -541,7 +541,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
         rounds=state.rounds,
         accepted=len(state.accepted()),
         best={"round": best.round, "value": _num(best.headline)} if best else None,
-        ratio=f"{best.headline / starter.headline:.2f}\u00d7" if best and starter and starter.headline else "",
+        ratio=best_over_starter(state),
         metric=metric,
         unit=unit,
         threshold=f"{threshold:.0%}",

@@ -227,6 +227,18 @@ def promotion_short(record) -> str:
     return f"{'promoted' if record.became_best else 'not promoted'}: {p.ratio - 1:+.1%} [{interval}]{rule}"
 
 
+def best_over_starter(state) -> str:
+    """'1.96x the starter on its round's seeds (paired)' where the best was measured beside the starter
+    (a generalization); else the two headlines' ratio, each on its own round's seeds. '' without both."""
+    best, starter = state.best, state.record(0)
+    g = state.generalization
+    if best is not None and g is not None and g.best_commit == best.commit:
+        return f"{g.in_search.ratio:.2f}x the starter on its round's seeds (paired)"
+    if best is None or starter is None or not starter.headline:
+        return ""
+    return f"{best.headline / starter.headline:.2f}x the starter's (each on its own round's seeds)"
+
+
 def generalization_table(g: Generalization) -> Table:
     """The best over the starter where the search never looked, beside its in-search figure: a
     candidate tuned to the search's seeds or to this one workload shows up as a gap."""

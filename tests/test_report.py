@@ -154,6 +154,8 @@ def test_the_page_carries_units_the_noise_band_and_provenance(report):
     for fact in (platform.node(), "spec sha256", "subprocess", commits[1], "python"):
         assert fact in html, fact
     assert html.count("data:image/png;base64,") == 2 + 1 + 3  # per round, tree, baselines, 3 round timelines
+    # the best over the starter in the words generate's last line uses (no generalization here: unpaired)
+    assert re.search(r"trajectories/s, [0-9.]+x the starter&#39;s \(each on its own round&#39;s seeds\)\.", html)
 
 
 def test_the_tree_layout_centres_parents_on_their_children(tmp_path):

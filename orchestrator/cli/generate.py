@@ -19,7 +19,7 @@ from orchestrator.config import ConfigError, LLMConfig, RunConfig, unknown
 from orchestrator.run_dir import RunDir
 from orchestrator.runs import WORKSPACES, resume_run, start_run
 from orchestrator.state import RunState
-from orchestrator.tables import RoundsView, generalization_table, num
+from orchestrator.tables import RoundsView, best_over_starter, generalization_table, num
 from targets.spec import load_target
 
 DEFAULT = RunConfig()
@@ -233,15 +233,10 @@ def generate(
     if best is None:
         console.print("[red]no validated candidate[/red] (see vibetrain log)")
         raise typer.Exit(1)
-    starter_record = state.record(0)
     generalization = (
         state.generalization if state.generalization and state.generalization.best_commit == best.commit else None
     )
-    if generalization is not None:
-        ratio = f"{generalization.in_search.ratio:.2f}x the starter on its round's seeds (paired)"
-    else:
-        ratio = best.headline / starter_record.headline if starter_record and starter_record.headline else float("nan")
-        ratio = f"{ratio:.2f}x the starter's (each on its own round's seeds)"
+    ratio = best_over_starter(state) or "no starter figure to compare"
     console.print(
         f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "
         f"= {ratio}; {len(state.accepted())} validated of {len(state.rounds)} rounds"

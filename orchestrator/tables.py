@@ -227,12 +227,18 @@ def promotion_short(record) -> str:
     return f"{'promoted' if record.became_best else 'not promoted'}: {p.ratio - 1:+.1%} [{interval}]{rule}"
 
 
+def best_generalization(state) -> Generalization | None:
+    """The run's generalization measurement, if it measured the current best (a later best has none)."""
+    g, best = state.generalization, state.best
+    return g if g is not None and best is not None and g.best_commit == best.commit else None
+
+
 def best_over_starter(state) -> str:
     """'1.96x the starter on its round's seeds (paired)' where the best was measured beside the starter
     (a generalization); else the two headlines' ratio, each on its own round's seeds. '' without both."""
     best, starter = state.best, state.record(0)
-    g = state.generalization
-    if best is not None and g is not None and g.best_commit == best.commit:
+    g = best_generalization(state)
+    if g is not None:
         return f"{g.in_search.ratio:.2f}x the starter on its round's seeds (paired)"
     if best is None or starter is None or not starter.headline:
         return ""

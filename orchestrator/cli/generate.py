@@ -19,7 +19,7 @@ from orchestrator.config import ConfigError, LLMConfig, RunConfig, unknown
 from orchestrator.run_dir import RunDir
 from orchestrator.runs import WORKSPACES, resume_run, start_run
 from orchestrator.state import RunState
-from orchestrator.tables import RoundsView, best_over_starter, generalization_table, num
+from orchestrator.tables import RoundsView, best_generalization, best_over_starter, generalization_table, num
 from targets.spec import load_target
 
 DEFAULT = RunConfig()
@@ -233,9 +233,7 @@ def generate(
     if best is None:
         console.print("[red]no validated candidate[/red] (see vibetrain log)")
         raise typer.Exit(1)
-    generalization = (
-        state.generalization if state.generalization and state.generalization.best_commit == best.commit else None
-    )
+    generalization = best_generalization(state)
     ratio = best_over_starter(state) or "no starter figure to compare"
     console.print(
         f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "

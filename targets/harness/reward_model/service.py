@@ -171,9 +171,8 @@ class RewardModelService:
         return [sys.executable, "-m", module, str(self.judge_dir), str(self.policy_dir), "cpu", self.spec.model.dtype]
 
     def _spawn(self, name: str, devices: list[str], cold_start_s: float = 0.0) -> JudgeInstance:
-        env = {**os.environ, "PYTHONPATH": f"{PROJECT_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         instance = JudgeInstance(name, devices, Usage(self.trace.clock.now(), len(devices)))
-        instance.begin(self.command(), env, cold_start_s)
+        instance.begin(self.command(), dict(os.environ), cold_start_s)  # imports the harness from PROJECT_ROOT, its cwd
         self.instances.append(instance)
         return instance
 

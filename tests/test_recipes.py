@@ -785,6 +785,28 @@ def test_an_engine_whose_step_failed_tells_every_later_caller_instead_of_hanging
     assert "e0: the engine's step failed earlier" in load
 
 
+def test_a_weight_load_that_meets_a_sleeping_engine_keeps_its_version_for_the_wake_to_update(path):
+    """A serving device given back while a sync to it waited (serving_harvest): the engine falls asleep
+    first, and a Ray cluster's load of it then skips, saying the version the engine still holds, so
+    the wake that lends it again loads the latest; a load nobody allowed to skip still refuses."""
+    from skills.recipes.engine_server import EngineServer
+
+    async def main() -> tuple[int, int, int, str]:
+        server = EngineServer(path, "float32", "e0")
+        state = {name: tensor.clone() for name, tensor in server.engine.weights.items()}
+        await server.sleep()
+        skipped = await server.load_state(state, 1, unless_asleep=True)
+        with pytest.raises(RuntimeError) as refused:
+            await server.load_state(state, 1)
+        woken = await server.wake()
+        loaded = await server.load_state(state, 1, unless_asleep=True)
+        return skipped, woken, loaded, str(refused.value)
+
+    skipped, woken, loaded, refused = asyncio.run(main())
+    assert (skipped, woken, loaded) == (0, 0, 1)
+    assert "load_weights while the weights sleep" in refused
+
+
 def test_a_technique_that_would_do_nothing_on_this_target_is_refused_by_name():
     """checkpoint_level on environments that keep no state was silently 0: the stack believed it was on."""
     from skills.recipes.time_multiplex import TimeMultiplex

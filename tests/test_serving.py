@@ -38,6 +38,48 @@ def _small() -> dict:
     return data
 
 
+def _real(burst_at: float | None = None) -> dict:
+    """A real CPU target beside a serving pool: the tiny CPU target's 2 devices and 2 serving ones,
+    whose traffic (a model of ~6M parameters, 64-token prompts, 16-token answers) one device serves
+    within its SLOs up to ~14 requests/s by the harness's profile: 0.5 requests/s (the harvester
+    lends one device: with its margin of 0.6 a spike of 4 arrivals in one reading would be needed to
+    give it back, about 1 in 5,000), and from ``burst_at`` seconds into the run 12 (a give-back)."""
+    data = yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text())
+    data["id"] = "tiny-qwen3-cpu-serving"
+    data["workload"].update(batch_size=16, train_steps=3)
+    model = {
+        "family": "qwen3",
+        "dtype": "float32",
+        "weights": "random(1)",
+        "config": {
+            "vocab_size": 64,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "max_position_embeddings": 512,
+        },
+    }
+    serving = {
+        "model": model,
+        "prompt_tokens": 64,
+        "output_tokens": 16,
+        "rate": [[0, 0.5]] if burst_at is None else [[0, 0.5], [burst_at, 12]],
+        "period_s": 1000,
+        "slo": {"ttft_p99_ms": 500, "tpot_p99_ms": 60},
+    }
+    data["hardware"] = {
+        "pools": [
+            {"name": "cpu", "kind": "cpu", "count": 2},
+            {"name": "serving", "kind": "cpu", "count": 2, "serving": serving},
+        ],
+        "links": [{"between": ["cpu", "serving"], "bandwidth_gbs": 10}],
+    }
+    return data
+
+
 def test_the_serving_target_lends_a_pool_the_job_does_not_own():
     spec = load_target(SERVING)
     assert spec.hardware.count == 16 and spec.hardware.device_ids()[-1] == "h800:15"
@@ -65,11 +107,12 @@ def test_a_bad_serving_field_is_named_by_its_path(change, message):
         parse_target(data)
 
 
-def test_serving_pools_are_one_and_simulated():
+def test_serving_pools_are_one_and_real_on_cpu_only():
     data = _catalog()
     data["execution"] = "real"
-    with pytest.raises(SpecError, match=r"hardware.pools.1.serving: a serving pool's traffic is simulated only"):
+    with pytest.raises(SpecError, match=r"hardware.pools.1.serving: a serving pool runs for real on CPU targets only"):
         parse_target(data)
+    assert parse_target(_real()).execution == "real"
     data = _catalog()
     data["hardware"]["pools"][0]["serving"] = data["hardware"]["pools"][1]["serving"]
     with pytest.raises(SpecError, match="every pool serves"):
@@ -243,3 +286,100 @@ def test_rollout_on_a_serving_device_before_it_was_lent_is_rejected(harvested):
     doctored = [e for e in events if e.kind != "serving"]
     result = audit_run(spec, doctored, lambda version: None, None, spec.workload.train_steps)
     assert not result.passed and "serving SLO: the run has no record of its serving pool's traffic" in result.reasons
+
+
+# -- for real on CPU: the candidate's engines on the serving devices, the harness's traffic on the wall clock
+
+
+def _serving_windows(spec, events) -> tuple[list, list, list]:
+    """(expands and shrinks of serving devices, the turns served there) in a real run's trace, after
+    checking each turn came while its device was lent: after an expand of it, before the shrink after."""
+    serving = set(spec.hardware.serving_device_ids())
+    lent = [e for e in events if e.kind == "expand" and serving & set(e.data["devices"])]
+    given_back = [e for e in events if e.kind == "shrink" and serving & set(e.data["devices"])]
+    turns = [e for e in events if e.kind == "generate" and e.data["device"] in serving and not e.data["aborted"]]
+    for turn in turns:
+        device = turn.data["device"]
+        since = max(e.t for e in lent if device in e.data["devices"] and e.t <= turn.data["start"])
+        assert not any(since < e.data["start"] < turn.data["start"] for e in given_back if device in e.data["devices"])
+    assert not any(serving & set(e.data["devices"]) for e in events if e.kind == "train")
+    record = next(e for e in events if e.kind == "serving").data
+    assert record["requests"] == record["finished"] > 0 and record["lent_device_s"] > 0
+    assert record["ttft_p99_s"] <= record["ttft_slo_s"] and record["tpot_p99_s"] <= record["tpot_slo_s"]
+    return lent, given_back, turns
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
+def test_a_real_harvest_rolls_out_on_a_lent_engine_that_loads_each_version_trained(tmp_path):
+    """The candidate's Ray cluster keeps an engine asleep on each serving device; at quiet traffic the
+    harvester lends one at once: its engine wakes, rolls out, and loads each version trained while it
+    is lent; the harness served the traffic beside it and every request kept its SLOs."""
+    spec, run = target_run(tmp_path, _real(), {"serving_harvest": 1}, False)
+    assert run.ok and run.results["audit"]["result"]["passed"], (run.cause, run.results.get("audit"))
+    events = Trace.load_events(run.out / "trace.jsonl")
+    lent, _, turns = _serving_windows(spec, events)
+    assert lent and turns
+    synced = {e.data["version"] for e in events if e.kind == "sync" and "serving:1" in e.data["devices"]}
+    assert synced and max(t.data["version"] for t in turns) > 0  # it sampled a version trained while lent
+    resident = [e.data["resident"] for e in events if e.kind == "device_state"]
+    assert resident[0] == {"cpu:0": ["engine"], "cpu:1": ["engine"], "serving:0": [], "serving:1": []}
+    assert any(r["serving:1"] == ["engine"] for r in resident) and all(r["serving:0"] == [] for r in resident)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
+def test_a_real_harvest_gives_the_device_back_when_the_traffic_bursts(tmp_path):
+    spec, run = target_run(tmp_path, _real(burst_at=1.0), {"serving_harvest": 1}, False)
+    assert run.ok and run.results["audit"]["result"]["passed"], (run.cause, run.results.get("audit"))
+    events = Trace.load_events(run.out / "trace.jsonl")
+    lent, given_back, turns = _serving_windows(spec, events)
+    assert lent and given_back and turns
+    resident = [e.data["resident"] for e in events if e.kind == "device_state"]
+    assert resident[-1]["serving:1"] == []  # its engine asleep again
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
+def test_a_real_cluster_whose_serving_engines_roll_out_unlent_is_rejected(tmp_path):
+    """The misuse, planted in the candidate's Ray cluster: its serving devices' engines awake and
+    taking turns from the start, as if lent; the audit sees them serve outside any expand."""
+    unlent = planted(
+        "ray_cluster.py",
+        "        self._awake = {d.id for d in rollout}  # engines holding their device\n"
+        "        self._active = {d.id for d in rollout}  # engines taking requests",
+        "        self._awake = set(self._engines)\n        self._active = set(self._engines)",
+    )
+    wake = planted(
+        "ray_cluster.py",
+        "            asyncio.gather(*(actors[d.id].sleep.remote() for d in lendable)),  # asleep until borrowed",
+        "            asyncio.gather(*(actors[d.id].weight_version.remote() for d in lendable)),",
+    )
+
+    def both(stack_dir) -> None:
+        unlent(stack_dir)
+        wake(stack_dir)
+
+    data = _real()
+    data["workload"]["train_steps"] = 2  # enough to see it: an unlent engine is never synced, and its stale turns churn
+    _, run = target_run(tmp_path, data, {"serving_harvest": 1}, False, patch=both)
+    assert run.ok, run.cause
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any(r.startswith("served while shrunk: serving:") for r in audit["reasons"]), audit
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
+def test_training_on_a_serving_device_is_refused_by_the_harness_in_a_real_run(tmp_path):
+    trains_on_serving = planted(
+        "controller_base.py",
+        "        self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)",
+        "        devices = [*devices, *self.serving_devices[:1]]\n"
+        "        self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)",
+    )
+    data = _real()
+    data["workload"]["train_steps"] = 1
+    _, run = target_run(tmp_path, data, {}, False, patch=trains_on_serving)
+    assert not run.ok and "['serving:0'] serve production traffic: rollout may borrow them, training never" in (
+        run.cause
+    )

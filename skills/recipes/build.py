@@ -70,8 +70,11 @@ def build(runtime: Runtime) -> Stack:
     config = runtime.workload.training
     engine = params.get("engine", "paged")
     # VAL: VAL_SUBSET (value=[engine], of=["paged", "vllm"])
-    cluster = params.get("cluster", "local" if len(runtime.devices) == 1 else "ray")
+    harvest = bool(params.get("serving_harvest", 0))  # a serving pool's engines: the Ray cluster's to lend
+    cluster = params.get("cluster", "local" if len(runtime.devices) == 1 and not harvest else "ray")
     # VAL: VAL_SUBSET (value=[cluster], of=["local", "ray"])
+    if harvest and cluster == "local":
+        raise ValueError("params serving_harvest: a serving pool's devices are lent to a Ray cluster; set cluster ray")
     threads = params.get("threads_per_actor", 1)
     bucket_bytes = params.get("bucket_bytes")  # None: weight_sync's default (imported with torch, when used)
     # VAL: VAL_INT_RANGE (value=params.get("bucket_bytes", 1 << 26), min=1 << 20, max=1 << 30)
@@ -113,6 +116,7 @@ def build(runtime: Runtime) -> Stack:
             rollout,
             train,
             config,
+            lendable=runtime.serving_devices if harvest else (),
             engine=engine,
             threads=threads,
             engine_options=engine_options,

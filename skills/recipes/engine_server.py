@@ -125,22 +125,30 @@ class EngineServer:
         return Completion([], [], "abort", self.engine.weight_version, self.name)
 
     # -- weights and memory ---------------------------------------------------------------------------------
-    async def load_weights(self, buckets: Sequence, version: int, interrupt: bool = False) -> None:
+    async def load_weights(
+        self, buckets: Sequence, version: int, interrupt: bool = False, unless_asleep: bool = False
+    ) -> int:
         """Buckets of weights (dicts, or Ray object refs to them), applied while no step runs."""
         state = merge([await b if not isinstance(b, dict) else b for b in buckets])
-        await self.load_state(state, version, interrupt)
+        return await self.load_state(state, version, interrupt, unless_asleep)
 
-    async def load_state(self, state: StateDict, version: int, interrupt: bool = False) -> None:
+    async def load_state(
+        self, state: StateDict, version: int, interrupt: bool = False, unless_asleep: bool = False
+    ) -> int:
         """Drain, then load: requests running now finish under the weights they started with (no
         request ever mixes two versions), requests arriving meanwhile wait, then run under the new.
         With ``interrupt`` the running requests are answered at once as aborted with what they
-        decoded (partial rollout resumes them under the new weights); vLLM aborts its waiting ones too."""
+        decoded (partial rollout resumes them under the new weights); vLLM aborts its waiting ones too.
+        With ``unless_asleep`` an engine put to sleep while the load waited (a device given back
+        beside a sync) keeps the weights it had: whoever wakes it brings it up to date. Returns the
+        engine's weight version after the call."""
         if self.kind == "vllm":
             if interrupt:
                 await self.engine.abort_all()
             async with self._lock:
-                await self.engine.load_weights_async(state, version)
-            return
+                if not (unless_asleep and self.engine.offloaded):
+                    await self.engine.load_weights_async(state, version)
+            return self.engine.weight_version
         self.engine.admitting = False
         if interrupt:
             for request in list(self.engine.running):
@@ -150,10 +158,12 @@ class EngineServer:
                 await self._until_drained()
             self._raise_if_failed()
             async with self._lock:
-                await asyncio.to_thread(self.engine.load_weights, state, version)
+                if not (unless_asleep and self.engine.offloaded):
+                    await asyncio.to_thread(self.engine.load_weights, state, version)
         finally:
             self.engine.admitting = True
             self._wakeup.set()
+        return self.engine.weight_version
 
     async def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
         """Returns the engine's weight version after sleeping (-1: the weights were discarded, and a
@@ -169,12 +179,14 @@ class EngineServer:
                         future.set_result(self.engine.completion(request))
         return self.engine.weight_version
 
-    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
+        """Returns the engine's weight version (what a load must bring up to date)."""
         async with self._lock:
             if self.kind == "vllm":
                 await self.engine.wake_async(tags)
             else:
                 await asyncio.to_thread(self.engine.wake, tags)
+        return self.engine.weight_version
 
     async def offload(self) -> None:
         await self.sleep()

@@ -6,6 +6,10 @@ bundle; on CPU targets one custom Ray resource per logical device. Ray starts he
 cluster process) and stops on ``close``, unless ``RAY_ADDRESS`` names a cluster already running: the
 actors then join it, and ``close`` leaves it running.
 
+A serving pool's devices (``lendable``, from ``Runtime.serving_devices``) get an engine each, asleep
+until an ``expand`` borrows the device (the harness drains its serving traffic first) and asleep
+again from the ``shrink`` that gives it back; no trainer rank ever runs there.
+
 Memory: a device hosting both an engine and a trainer rank gives it to one at a time. ``shrink`` (or
 ``suspend``) puts the engines to sleep and brings the trainers back; ``expand`` (or ``resume``)
 offloads the trainers' optimizer state, wakes the engines' weights, syncs them, offloads the
@@ -53,9 +57,8 @@ STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and 
 def join_or_start_ray(runtime: Runtime) -> None:
     """Joins the Ray cluster ``RAY_ADDRESS`` names (already running, its resources naming the devices:
     a multi-machine cluster, or one a test module shares), else starts one on this machine."""
-    resources = (
-        {} if runtime.accelerator == "cuda" else {f"{runtime.device_resource}{d.index}": 1.0 for d in runtime.devices}
-    )
+    devices = (*runtime.devices, *runtime.serving_devices)  # a serving pool's too: rollout may borrow them
+    resources = {} if runtime.accelerator == "cuda" else {f"{runtime.device_resource}{d.index}": 1.0 for d in devices}
     if not os.environ.get("RAY_ADDRESS"):
         ray.init(
             num_cpus=os.cpu_count(),
@@ -131,11 +134,12 @@ class DeviceActor:
     async def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
         return await self.server.sleep(tags)
 
-    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
-        await self.server.wake(tags)
+    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
+        return await self.server.wake(tags)
 
-    async def load_weights(self, buckets: Sequence, version: int, interrupt: bool = False) -> None:
-        await self.server.load_weights(buckets, version, interrupt)
+    async def load_weights(self, buckets: Sequence, version: int, interrupt: bool = False) -> int:
+        """The engine's version after the load: an engine put to sleep meanwhile skips it."""
+        return await self.server.load_weights(buckets, version, interrupt, unless_asleep=True)
 
     async def weight_version(self) -> int:
         return await self.server.weight_version()
@@ -213,21 +217,23 @@ class RayCluster:
         bucket_bytes: int,
         rendezvous: Rendezvous,
         speculating: bool = False,
+        lendable: Sequence[Device] = (),
+        lendable_versions: Sequence[int] = (),
     ) -> None:
-        self.runtime, self.devices = runtime, list(runtime.devices)
+        self.runtime, self.devices = runtime, [*runtime.devices, *lendable]
         self._rendezvous = rendezvous  # held while the cluster lives: its groups meet (and NCCL connects) through it
         self.rollout_devices, self.train_devices = list(rollout), list(train)
         self.cuda = runtime.accelerator == "cuda"
         self.bucket_bytes = bucket_bytes
         self._actors = actors  # device id -> its DeviceActor
-        self._engines = {d.id: actors[d.id] for d in rollout}  # the same actors, by role
+        self._engines = {d.id: actors[d.id] for d in [*rollout, *lendable]}  # the same actors, by role
         self._trainers = [actors[d.id] for d in train]  # in rank order
         self._shared = {d.id for d in rollout} & {d.id for d in train}
         self._awake = {d.id for d in rollout}  # engines holding their device
         self._active = {d.id for d in rollout}  # engines taking requests
         self._trainer_loaded = {d.id for d in train} - self._shared
-        self._outstanding = {d.id: 0 for d in rollout}
-        self._engine_version = {d.id: 0 for d in rollout}
+        self._outstanding = dict.fromkeys(self._engines, 0)
+        self._engine_version = {d.id: 0 for d in rollout} | {d.id: v for d, v in zip(lendable, lendable_versions)}
         self._sticky: dict[str, str] = {}
         self._routable = asyncio.Event()
         self._routable.set()
@@ -250,6 +256,7 @@ class RayCluster:
         engine_options: dict | None = None,
         trainer_options: dict | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        lendable: Sequence[Device] = (),
     ) -> RayCluster:
         cuda = runtime.accelerator == "cuda"
         if not ray.is_initialized():
@@ -259,10 +266,12 @@ class RayCluster:
         torch_device = "cuda:0" if cuda else "cpu"  # Ray shows each actor only its own GPU
         rendezvous = Rendezvous()
         ranks = {d.id: rank for rank, d in enumerate(train)}
-        rolling = {d.id for d in rollout}
+        if lendable and cuda:
+            raise ValueError("a serving pool's devices are lent to a real cluster on CPU targets only")
+        rolling = {d.id for d in [*rollout, *lendable]}
         Actor = ray.remote(DeviceActor)
         actors = {}
-        for d in runtime.devices:  # one actor a device, holding the whole device, whatever its roles
+        for d in [*runtime.devices, *lendable]:  # one actor a device, holding the whole device, whatever its roles
             if d.id not in rolling and d.id not in ranks:
                 continue
             engine_kwargs = (
@@ -294,12 +303,13 @@ class RayCluster:
                 else None
             )
             actors[d.id] = Actor.options(**actor_options(runtime, d, placement)).remote(engine_kwargs, trainer_kwargs)
-        await asyncio.gather(
+        lendable_versions, *_ = await asyncio.gather(
+            asyncio.gather(*(actors[d.id].sleep.remote() for d in lendable)),  # asleep until borrowed
             *(actors[d.id].weight_version.remote() for d in rollout),
             *(actors[d.id].offload.remote() for d in train if d.id in shared),
         )
         speculating = bool((engine_options or {}).get("speculative_tokens"))
-        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, speculating)
+        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, speculating, lendable, lendable_versions)
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -345,19 +355,28 @@ class RayCluster:
 
     async def _to_engines(self, ids: set[str]) -> None:
         """Trainer ranks on ``ids`` offload their optimizer state, engines there wake their weights and
-        sync, the ranks offload their parameters, the engines wake their KV caches."""
+        sync, the ranks offload their parameters, the engines wake their KV caches. On GPU the engine on
+        trainer rank 0's device copies the weights from its parameters, so both hold the device for the
+        sync; on CPU nothing moves and the sync goes through the object store: the ranks leave whole
+        first, and no moment has both (another call's residency may look in meanwhile)."""
         waking = [i for i in ids if i in self._engines and i not in self._awake]
         if not waking:
             return
         ranks = [r for r, d in enumerate(self.train_devices) if d.id in ids and d.id in self._trainer_loaded]
-        await asyncio.gather(*(self._trainers[r].offload.remote(("optimizer",)) for r in ranks))
-        await asyncio.gather(*(self._engines[i].wake.remote(["weights"]) for i in waking))
+        leaving = {self.train_devices[r].id for r in ranks}
+        first = ("optimizer",) if self.cuda else ("optimizer", "params")
+        await asyncio.gather(*(self._trainers[r].offload.remote(first) for r in ranks))
+        if not self.cuda:
+            self._trainer_loaded -= leaving
+        versions = await asyncio.gather(*(self._engines[i].wake.remote(["weights"]) for i in waking))
+        self._engine_version.update(zip(waking, versions))  # the engines' own word: a load skipped while asleep shows
         self._awake |= set(waking)
         stale = [i for i in waking if self._engine_version[i] != self.version]
         if stale:
             await self._load(stale, self.version)
-        await asyncio.gather(*(self._trainers[r].offload.remote(("params",)) for r in ranks))
-        self._trainer_loaded -= {self.train_devices[r].id for r in ranks}
+        if self.cuda:
+            await asyncio.gather(*(self._trainers[r].offload.remote(("params",)) for r in ranks))
+            self._trainer_loaded -= leaving
         await asyncio.gather(*(self._engines[i].wake.remote(["kv_cache"]) for i in waking))
 
     async def shrink(self, devices: Sequence[Device]) -> None:
@@ -411,11 +430,10 @@ class RayCluster:
                     ]  # every rank gathers
                     self._published = (version, publish(state, self.bucket_bytes))
                 published = self._published[1]
-            await asyncio.gather(
+            versions = await asyncio.gather(
                 *(self._engines[i].load_weights.remote(published, version, interrupt) for i in device_ids)
             )
-            for i in device_ids:
-                self._engine_version[i] = version
+            self._engine_version.update(zip(device_ids, versions))  # given back meanwhile: still the old one
         else:
             async with self._loading:  # one broadcast group: loads take turns
                 local = [i for i in device_ids if i == self.train_devices[0].id]
@@ -475,7 +493,8 @@ class RayCluster:
         await self._to_trainers(set(self._engines) | {d.id for d in self.train_devices})
 
     async def resume(self) -> None:
-        await self._to_engines(set(self._engines))
+        """Wake the engines that were active (a shrunk engine, or a serving device's not lent, stays asleep)."""
+        await self._to_engines(set(self._active))
         self._suspended = False
         self._routable.set()
 

@@ -158,11 +158,18 @@ class TargetSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _serving_is_simulated(self) -> TargetSpec:
+    def _serving_runs_here(self) -> TargetSpec:
+        """A real run's serving pool lends real devices (the candidate's engines there) while the
+        harness serves the pool's traffic on the wall clock by the cost model: on CPU targets, where
+        both are tested; a GPU target's is simulated."""
+        if self.execution == "simulated":
+            return self
+        kinds = sorted({h.kind for h in self.hardware.by_name.values()})
         for i, pool in enumerate(getattr(self.hardware, "pools", ())):
-            if pool.serving is not None and self.execution != "simulated":
+            if pool.serving is not None and kinds != ["cpu"]:
                 raise ValueError(
-                    f"hardware.pools.{i}.serving: a serving pool's traffic is simulated only (execution: simulated)"
+                    f"hardware.pools.{i}.serving: a serving pool runs for real on CPU targets only (this one's "
+                    f"devices are {', '.join(kinds)}); simulate it (execution: simulated)"
                 )
         return self
 

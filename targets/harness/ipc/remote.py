@@ -130,7 +130,7 @@ class RemoteCluster:
         return (await self._call(frame, "export_weights")).get("written")
 
     async def serving_load(self):
-        raise ValueError("this target has no serving pool (serving pools are simulated only)")
+        raise ValueError("this target has no serving pool")
 
     async def residency(self) -> dict:
         return (await self._call(Frame(method="residency"), "residency")).get("resident")

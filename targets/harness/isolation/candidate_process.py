@@ -308,7 +308,7 @@ async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_di
     _log("connected")
     init = await channel.recv()
     runtime: Runtime = get_runtime(init["runtime"])
-    by_id = {d.id: d for d in runtime.devices}
+    by_id = {d.id: d for d in (*runtime.devices, *runtime.serving_devices)}  # a serving pool's: lent by expand
     try:
         stack = _import_stack(stack_dir).build(runtime)
         if stack.make_cluster is None:

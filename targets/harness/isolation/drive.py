@@ -48,6 +48,7 @@ from targets.harness.ipc.wire import (
     put_tokens,
 )
 from targets.harness.isolation.processes import CandidateProcesses, channel_of
+from targets.harness.isolation.serving_gate import ServingGate
 from targets.harness.isolation.traced_cluster import TracedCluster
 from targets.harness.reward_model.service import RewardModelService
 from targets.harness.sim.cluster import SimCluster
@@ -429,12 +430,11 @@ async def drive_real(
     version_zero: Callable[[], Layout],
     before_run: Callable[[], Awaitable[None]] | None = None,
 ) -> dict:
-    """A real run: the candidate's cluster process (its engines and trainers on Ray) behind the proxy.
-    ``version_zero`` runs in this process while the candidate's cluster starts up: it writes the
-    harness's own version 0 into ``weights`` and says the model's layout, which every later
-    version is exported in. ``before_run`` is awaited while the cluster starts, before this process
-    touches a model: a check's accuracy phase, in a thread of this process, finishes first (torch's
-    defaults are process-wide, and a model loading here would change them under it)."""
+    """A real run: the candidate's cluster process (its engines and trainers on Ray) behind the proxy, a serving
+    pool's traffic beside it (``serving_gate.py``). ``version_zero`` runs here while the candidate's cluster
+    starts: it writes the harness's own version 0 into ``weights`` and says the layout every later version is
+    exported in. ``before_run`` (a check's accuracy phase, in a thread) is awaited before this process touches a
+    model: torch's defaults are process-wide, and a model loading here would change them under it."""
     processes.launch("cluster", connections=2)
     processes.launch("controller")
     cluster_channel = await channel_of(processes, "cluster")
@@ -443,8 +443,8 @@ async def drive_real(
     if before_run is not None:
         await before_run()
     layout = version_zero()
-    ready = await cluster_channel.recv()
-    raise_if_error(ready, "make_cluster")
+    make_pool = await asyncio.to_thread(serving_pool_of, spec, seed)  # its capacity profile: a loop of its own
+    raise_if_error(await cluster_channel.recv(), "make_cluster")
     remote = RemoteCluster(cluster_channel, list(runtime.devices))
     exporter = WeightExporter(layout, exports, weights, remote.export_into)
     remote.start()
@@ -453,9 +453,12 @@ async def drive_real(
     link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
     serving = asyncio.create_task(link.serve())
     judge: RewardModelService | None = None
+    gate: ServingGate | None = None
     try:
         rollout, _, declared = await _hello(link, processes, [d.id for d in runtime.devices])
-        traced = TracedCluster(remote, trace, exporter)
+        if make_pool is not None:  # its traffic starts with the run
+            gate = ServingGate(remote, make_pool(trace.clock.now), runtime.serving_devices)
+        traced = TracedCluster(gate or remote, trace, exporter)
         if spec.workload.reward_model is not None:  # its instances loaded before the run starts
             judge = RewardModelService.for_run(spec, link.engine, runtime, trace, traced.last_device.get, link.fail)
             await judge.start(rollout)
@@ -477,11 +480,14 @@ async def drive_real(
     finally:
         trace.record("run_end")
         mark("run_end")
+        end = trace.clock.now()
         if not serving.done():
             serving.cancel()
         if judge is not None:
-            trace.record("reward_service", **judge.summary(trace.clock.now()))
+            trace.record("reward_service", **judge.summary(end))
             await judge.close()
+        if gate is not None:
+            await gate.close(trace, end, ran=serving.done() and not serving.cancelled() and not serving.exception())
         closing = asyncio.ensure_future(asyncio.wait_for(remote.close(), timeout=120))
         await asyncio.wait({closing})
         saving = asyncio.ensure_future(exporter.saved())

@@ -71,16 +71,28 @@ def p99(values: list[float]) -> float:
 
 
 class ServingPool:
-    def __init__(self, spec: ServingSpec, devices: list[str], cost: CostModel, seed: int, capacity_rps: float) -> None:
+    def __init__(
+        self,
+        spec: ServingSpec,
+        devices: list[str],
+        cost: CostModel,
+        seed: int,
+        capacity_rps: float,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """``clock``: the time the pool measures in (the run's trace clock; the loop's, virtual, by
+        default); its traffic's curve starts at the clock's time now, when the job does."""
         self.spec, self.cost, self.capacity_rps = spec, cost, capacity_rps
         self.engines = {device: SimEngine(f"{device}/serving", [device], cost) for device in devices}
         self.lent: set[str] = set()
         self.record = ServingRecord()
         self._waiting: dict[int, _Request] = {}  # arrived, not finished
         self._arrivals: deque[float] = deque()  # arrival times within the last window
-        self._lent_changes: list[tuple[float, int]] = [(0.0, 0)]  # (time, devices lent from then)
-        self._rng = np.random.default_rng(seed)
         self._loop = asyncio.get_running_loop()
+        self._now = clock or self._loop.time
+        self.origin = self._now()  # when the job started: the rate curve's 0 s
+        self._lent_changes: list[tuple[float, int]] = [(self.origin, 0)]  # (time, devices lent from then)
+        self._rng = np.random.default_rng(seed)
         self._numbers = itertools.count()
         self._closed = False
         self._timer = self._loop.call_soon(self._schedule)
@@ -88,19 +100,19 @@ class ServingPool:
     # -- traffic -----------------------------------------------------------------------------------
     def _schedule(self) -> None:
         """The next arrival, from now."""
-        t = self._loop.time()
+        t = self._now()
         while True:
-            rps, left = self.spec.rate_at(t)
+            rps, left = self.spec.rate_at(t - self.origin)
             gap = self._rng.exponential(1.0 / rps) if rps > 0 else math.inf
             if gap < left:
                 break
             t += left
-        self._timer = self._loop.call_later(t + gap - self._loop.time(), self._arrive)
+        self._timer = self._loop.call_later(t + gap - self._now(), self._arrive)
 
     def _arrive(self) -> None:
         if self._closed:
             return
-        now = self._loop.time()
+        now = self._now()
         number = next(self._numbers)
         request = self._waiting[number] = _Request(now)
         self._arrivals.append(now)
@@ -110,13 +122,13 @@ class ServingPool:
 
         def started() -> None:
             if request.first is None:
-                request.first = self._loop.time()
+                request.first = self._now()
 
         def done(completion) -> None:
             if completion.finish_reason == "abort":  # never: a serving engine is not offloaded while it holds requests
                 raise RuntimeError(f"serving request {number} on {engine.name} was aborted")
             del self._waiting[number]
-            finished = self._loop.time()
+            finished = self._now()
             self.record.ttft.append(request.first - request.arrived)
             self.record.tpot.append((finished - request.first) / (out - 1))
             self.record.finished_at.append(finished)
@@ -132,7 +144,7 @@ class ServingPool:
         if len(self.engines) - len(self.lent) <= 1:
             raise ValueError(f"lending {device} would leave the serving pool no device to serve its traffic")
         self.lent.add(device)
-        self._lent_changes.append((self._loop.time(), len(self.lent)))
+        self._lent_changes.append((self._now(), len(self.lent)))
         engine = self.engines[device]
         while engine.load:
             await asyncio.sleep(0.05)
@@ -146,14 +158,14 @@ class ServingPool:
         self.engines[device].reload()
         await asyncio.sleep(self.cost.reload_s())
         self.lent.discard(device)
-        self._lent_changes.append((self._loop.time(), len(self.lent)))
+        self._lent_changes.append((self._now(), len(self.lent)))
 
     # -- measures --------------------------------------------------------------------------------
     def load(self) -> ServingLoad:
-        now = self._loop.time()
+        now = self._now()
         while self._arrivals and self._arrivals[0] < now - WINDOW_S:
             self._arrivals.popleft()
-        before_run = max(0.0, WINDOW_S - now) * self.spec.rate_at(0.0)[0]  # the traffic before the job started
+        before_run = max(0.0, WINDOW_S - (now - self.origin)) * self.spec.rate_at(0.0)[0]  # the traffic before the job
         first = bisect.bisect_left(self.record.finished_at, now - WINDOW_S)
         slo = self.spec.slo
         return ServingLoad(
@@ -174,9 +186,9 @@ class ServingPool:
         last lends slowed counts as much as any other)."""
         self._closed = True
         self._timer.cancel()
-        started = self._loop.time()
+        started = self._now()
         while self._waiting:
-            if self._loop.time() - started > FINISH_LIMIT_S:
+            if self._now() - started > FINISH_LIMIT_S:
                 raise RuntimeError(
                     f"{len(self._waiting)} serving requests still unserved {FINISH_LIMIT_S:.0f} s after the run"
                 )
@@ -186,7 +198,7 @@ class ServingPool:
         """The run's serving figures for the trace: p99s over every request (one still waiting for its
         first token counts with its wait so far; none is after ``finish``), the SLOs, and the
         device-seconds lent up to ``end``, the job's end."""
-        now = self._loop.time()
+        now = self._now()
         waiting = self._still_waiting(now)
         changes = [(t, n) for t, n in self._lent_changes if t <= end]
         ends = [t for t, _ in changes[1:]] + [end]
@@ -212,7 +224,7 @@ class ServingPool:
         """Per ``WINDOW_S`` of the run: [end, requests finished, most devices lent, p99 TTFT, p99 TPOT]."""
         out, first = [], 0
         finished = self.record.finished_at
-        for end in np.arange(WINDOW_S, now + WINDOW_S, WINDOW_S):
+        for end in np.arange(self.origin + WINDOW_S, now + WINDOW_S, WINDOW_S):
             last = bisect.bisect_left(finished, end)
             changes = [n for t, n in self._lent_changes if end - WINDOW_S <= t < end]
             lent = max([*changes, self._lent_at(end - WINDOW_S)])
@@ -256,9 +268,10 @@ def serving_capacity(spec: ServingSpec, cost: CostModel) -> float:
     return low
 
 
-def serving_pool_of(spec: TargetSpec, seed: int | RunSeed) -> Callable[[], ServingPool] | None:
-    """What makes the target's serving pool inside a run (None without one); its capacity is
-    profiled here, before the run's loop starts (a profile is a simulation of its own)."""
+def serving_pool_of(spec: TargetSpec, seed: int | RunSeed) -> Callable[..., ServingPool] | None:
+    """What makes the target's serving pool inside a run, on the loop's clock or the ``clock`` it is
+    given (None without one); its capacity is profiled here, outside any running loop (a profile is a
+    simulation of its own)."""
     pools = spec.hardware.serving_pools
     if not pools:
         return None
@@ -267,4 +280,4 @@ def serving_pool_of(spec: TargetSpec, seed: int | RunSeed) -> Callable[[], Servi
     devices = [d for d in spec.hardware.serving_device_ids() if spec.hardware.pool_name(d) == pool.name]
     capacity = serving_capacity(pool.serving, cost)
     stream = (seed if isinstance(seed, RunSeed) else RunSeed(seed)).stream("serving")
-    return lambda: ServingPool(pool.serving, devices, cost, stream, capacity)
+    return lambda clock=None: ServingPool(pool.serving, devices, cost, stream, capacity, clock)

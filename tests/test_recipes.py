@@ -791,19 +791,23 @@ def test_a_weight_load_that_meets_a_sleeping_engine_keeps_its_version_for_the_wa
     the wake that lends it again loads the latest; a load nobody allowed to skip still refuses."""
     from skills.recipes.engine_server import EngineServer
 
-    async def main() -> tuple[int, int, int, str]:
+    async def main() -> tuple[int, int, int, int, str]:
         server = EngineServer(path, "float32", "e0")
         state = {name: tensor.clone() for name, tensor in server.engine.weights.items()}
         await server.sleep()
         skipped = await server.load_state(state, 1, unless_asleep=True)
         with pytest.raises(RuntimeError) as refused:
             await server.load_state(state, 1)
-        woken = await server.wake()
+        woken = await server.wake(["weights"])  # an expand: the weights wake, the load, then the KV cache
         loaded = await server.load_state(state, 1, unless_asleep=True)
-        return skipped, woken, loaded, str(refused.value)
+        await server.wake(["kv_cache"])
+        await server.sleep()
+        await server.wake()
+        again = await server.load_state(state, 2, unless_asleep=True)
+        return skipped, woken, loaded, again, str(refused.value)
 
-    skipped, woken, loaded, refused = asyncio.run(main())
-    assert (skipped, woken, loaded) == (0, 0, 1)
+    skipped, woken, loaded, again, refused = asyncio.run(main())
+    assert (skipped, woken, loaded, again) == (0, 0, 1, 2)
     assert "load_weights while the weights sleep" in refused
 
 

@@ -51,6 +51,7 @@ class EngineServer:
         self.name, self.kind = name, engine
         self.engine = make_engine(engine, model_path, dtype, name, device=device, **options)
         self._lock = asyncio.Lock()  # a step, a weight load, a sleep or a wake: one at a time
+        self.weights_asleep = False  # by sleep and wake's tags (an expand loads between the weights' wake and the KV's)
         self._pending: dict[int, asyncio.Future] = {}
         self._wakeup = asyncio.Event()
         self._drained = asyncio.Event()
@@ -139,14 +140,14 @@ class EngineServer:
         request ever mixes two versions), requests arriving meanwhile wait, then run under the new.
         With ``interrupt`` the running requests are answered at once as aborted with what they
         decoded (partial rollout resumes them under the new weights); vLLM aborts its waiting ones too.
-        With ``unless_asleep`` an engine put to sleep while the load waited (a device given back
-        beside a sync) keeps the weights it had: whoever wakes it brings it up to date. Returns the
+        With ``unless_asleep`` an engine whose weights were put to sleep while the load waited (a
+        device given back beside a sync) keeps the weights it had: whoever wakes it brings it up to date. Returns the
         engine's weight version after the call."""
         if self.kind == "vllm":
             if interrupt:
                 await self.engine.abort_all()
             async with self._lock:
-                if not (unless_asleep and self.engine.offloaded):
+                if not (unless_asleep and self.weights_asleep):
                     await self.engine.load_weights_async(state, version)
             return self.engine.weight_version
         self.engine.admitting = False
@@ -158,7 +159,7 @@ class EngineServer:
                 await self._until_drained()
             self._raise_if_failed()
             async with self._lock:
-                if not (unless_asleep and self.engine.offloaded):
+                if not (unless_asleep and self.weights_asleep):
                     await asyncio.to_thread(self.engine.load_weights, state, version)
         finally:
             self.engine.admitting = True
@@ -177,6 +178,7 @@ class EngineServer:
                     future = self._pending.pop(request.id, None)
                     if future is not None and not future.done():
                         future.set_result(self.engine.completion(request))
+            self.weights_asleep = self.weights_asleep or "weights" in tags
         return self.engine.weight_version
 
     async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
@@ -186,6 +188,7 @@ class EngineServer:
                 await self.engine.wake_async(tags)
             else:
                 await asyncio.to_thread(self.engine.wake, tags)
+            self.weights_asleep = self.weights_asleep and "weights" not in tags
         return self.engine.weight_version
 
     async def offload(self) -> None:

@@ -580,7 +580,14 @@ def test_a_stack_refuses_a_ray_cluster_that_lacks_its_devices(shared_ray):
     from tests.ray_session import DEVICES
 
     devices = [SimpleNamespace(index=i) for i in range(DEVICES + 1)]
-    runtime = SimpleNamespace(accelerator="cpu", device_resource=DEVICE_RESOURCE, devices=devices)
+    runtime = SimpleNamespace(accelerator="cpu", device_resource=DEVICE_RESOURCE, devices=devices, serving_devices=())
     with pytest.raises(RuntimeError, match=rf"RAY_ADDRESS={shared_ray} lacks {DEVICE_RESOURCE}{DEVICES} \(1\)"):
+        join_or_start_ray(runtime)
+    assert not ray.is_initialized()
+    # a serving pool's devices, which rollout may borrow, are the cluster's to offer too
+    runtime = SimpleNamespace(
+        accelerator="cpu", device_resource=DEVICE_RESOURCE, devices=devices[:2], serving_devices=devices[-2:]
+    )
+    with pytest.raises(RuntimeError, match=rf"lacks {DEVICE_RESOURCE}{DEVICES} \(1\)"):
         join_or_start_ray(runtime)
     assert not ray.is_initialized()

@@ -13,7 +13,8 @@ again from the ``shrink`` that gives it back; no trainer rank ever runs there.
 Memory: a device hosting both an engine and a trainer rank gives it to one at a time. ``shrink`` (or
 ``suspend``) puts the engines to sleep and brings the trainers back; ``expand`` (or ``resume``)
 offloads the trainers' optimizer state, wakes the engines' weights, syncs them, offloads the
-trainers' parameters and wakes the KV caches. ``train`` refuses devices whose engine is awake.
+trainers' parameters and wakes the KV caches (on CPU the trainers leave whole first: nothing moves
+there, and the sync needs no parameters on the device). ``train`` refuses devices whose engine is awake.
 
 Weight sync, by placement: the object store on CPU; on GPU, an in-place copy to the engine on trainer
 rank 0's device (the same process) and a broadcast group (NCCL) to engines on other GPUs.

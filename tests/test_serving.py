@@ -352,8 +352,8 @@ def test_a_real_cluster_whose_serving_engines_roll_out_unlent_is_rejected(tmp_pa
     )
     wake = planted(
         "ray_cluster.py",
-        "            asyncio.gather(*(actors[d.id].sleep.remote() for d in lendable)),  # asleep until borrowed",
-        "            asyncio.gather(*(actors[d.id].weight_version.remote() for d in lendable)),",
+        "            *(actors[d.id].sleep.remote() for d in lendable),  # asleep until borrowed",
+        "            *(actors[d.id].weight_version.remote() for d in lendable),",
     )
 
     def both(stack_dir) -> None:

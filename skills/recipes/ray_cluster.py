@@ -219,7 +219,6 @@ class RayCluster:
         rendezvous: Rendezvous,
         speculating: bool = False,
         lendable: Sequence[Device] = (),
-        lendable_versions: Sequence[int] = (),
     ) -> None:
         self.runtime, self.devices = runtime, [*runtime.devices, *lendable]
         self._rendezvous = rendezvous  # held while the cluster lives: its groups meet (and NCCL connects) through it
@@ -234,7 +233,6 @@ class RayCluster:
         self._active = {d.id for d in rollout}  # engines taking requests
         self._trainer_loaded = {d.id for d in train} - self._shared
         self._outstanding = dict.fromkeys(self._engines, 0)
-        self._engine_version = {d.id: 0 for d in rollout} | {d.id: v for d, v in zip(lendable, lendable_versions)}
         self._sticky: dict[str, str] = {}
         self._routable = asyncio.Event()
         self._routable.set()
@@ -304,13 +302,13 @@ class RayCluster:
                 else None
             )
             actors[d.id] = Actor.options(**actor_options(runtime, d, placement)).remote(engine_kwargs, trainer_kwargs)
-        lendable_versions, *_ = await asyncio.gather(
-            asyncio.gather(*(actors[d.id].sleep.remote() for d in lendable)),  # asleep until borrowed
+        await asyncio.gather(
+            *(actors[d.id].sleep.remote() for d in lendable),  # asleep until borrowed
             *(actors[d.id].weight_version.remote() for d in rollout),
             *(actors[d.id].offload.remote() for d in train if d.id in shared),
         )
         speculating = bool((engine_options or {}).get("speculative_tokens"))
-        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, speculating, lendable, lendable_versions)
+        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, speculating, lendable)
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -347,8 +345,7 @@ class RayCluster:
     async def _to_trainers(self, ids: set[str]) -> None:
         """Engines on ``ids`` to sleep, then the trainer ranks there back on the device."""
         asleep = [i for i in ids if i in self._awake]
-        versions = await asyncio.gather(*(self._engines[i].sleep.remote() for i in asleep))
-        self._engine_version.update(zip(asleep, versions))  # -1: the engine discarded its weights
+        await asyncio.gather(*(self._engines[i].sleep.remote() for i in asleep))
         self._awake -= set(asleep)
         ranks = [r for r, d in enumerate(self.train_devices) if d.id in ids and d.id not in self._trainer_loaded]
         await asyncio.gather(*(self._trainers[r].reload.remote() for r in ranks))
@@ -369,10 +366,11 @@ class RayCluster:
         await asyncio.gather(*(self._trainers[r].offload.remote(first) for r in ranks))
         if not self.cuda:
             self._trainer_loaded -= leaving
+        # each engine's own word on its version: -1 when its weights were discarded, an older one when a
+        # load came while it slept (a serving device given back beside a sync skips it)
         versions = await asyncio.gather(*(self._engines[i].wake.remote(["weights"]) for i in waking))
-        self._engine_version.update(zip(waking, versions))  # the engines' own word: a load skipped while asleep shows
         self._awake |= set(waking)
-        stale = [i for i in waking if self._engine_version[i] != self.version]
+        stale = [i for i, v in zip(waking, versions) if v != self.version]
         if stale:
             await self._load(stale, self.version)
         if self.cuda:
@@ -431,22 +429,20 @@ class RayCluster:
                     ]  # every rank gathers
                     self._published = (version, publish(state, self.bucket_bytes))
                 published = self._published[1]
-            versions = await asyncio.gather(
+            await asyncio.gather(
                 *(self._engines[i].load_weights.remote(published, version, interrupt) for i in device_ids)
             )
-            self._engine_version.update(zip(device_ids, versions))  # given back meanwhile: still the old one
         else:
             async with self._loading:  # one broadcast group: loads take turns
                 local = [i for i in device_ids if i == self.train_devices[0].id]
                 if local:
-                    await self._load_local(local[0], version, interrupt)
+                    await self._load_local(version, interrupt)
                 if [i for i in device_ids if i not in local]:
                     await self._load_broadcast(version, set(device_ids) if interrupt else set())
 
-    async def _load_local(self, device_id: str, version: int, interrupt: bool) -> None:
+    async def _load_local(self, version: int, interrupt: bool) -> None:
         """The engine on trainer rank 0's device copies the gathered weights in place (one process)."""
         await asyncio.gather(*(t.sync_local.remote(version, interrupt, r == 0) for r, t in enumerate(self._trainers)))
-        self._engine_version[device_id] = version
 
     async def _load_broadcast(self, version: int, interrupt: set[str]) -> None:
         """One group of trainer rank 0 and every engine not on its GPU, formed on first use; an engine
@@ -464,15 +460,12 @@ class RayCluster:
             self._broadcast_ready = True
         layouts = await self._trainers[0].broadcast_layouts.remote(self.runtime.dtype, self.bucket_bytes)
         members = {d.id: self._actors[d.id] for d in self.train_devices} | {i: self._engines[i] for i in receivers}
-        results = await asyncio.gather(  # one call a device: a trainer rank and an engine there act in turn
+        await asyncio.gather(  # one call a device: a trainer rank and an engine there act in turn
             *(
                 actor.broadcast.remote(layouts, version, self.runtime.dtype, self.bucket_bytes, i in interrupt)
                 for i, actor in members.items()
             )
         )
-        for i, loaded in zip(members, results):
-            if i in receivers and loaded:
-                self._engine_version[i] = version
 
     async def export_weights(self, into: WeightExport) -> None:
         """Rank 0's full weights through the object store (every rank gathers), then into the region."""

@@ -27,10 +27,9 @@ class ServingGate:
     def __init__(self, inner: RemoteCluster, pool: ServingPool, serving_devices: Sequence[Device]) -> None:
         self.inner, self.pool = inner, pool
         self.devices = [*inner.devices, *serving_devices]
-        self._serving = {d.id for d in serving_devices}
 
     def _of_pool(self, devices: Sequence[Device]) -> list[str]:
-        return [d.id for d in devices if d.id in self._serving]
+        return [d.id for d in devices if d.id in self.pool.engines]
 
     async def generate(self, request: GenerateRequest) -> Completion:
         return await self.inner.generate(request)
@@ -47,9 +46,7 @@ class ServingGate:
         await asyncio.gather(*(self.pool.give_back(d) for d in self._of_pool(devices)))
 
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
-        serving = self._of_pool(devices)
-        if serving:
-            raise ValueError(f"{serving} serve production traffic: rollout may borrow them, training never")
+        self.pool.refuse_training([d.id for d in devices])
         return await self.inner.train(batch, devices)
 
     async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:

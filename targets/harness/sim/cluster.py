@@ -179,9 +179,8 @@ class SimCluster:
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         if not devices:
             raise ValueError("train needs at least one device")
-        serving = [d.id for d in devices if self.serving and d.id in self.serving.engines]
-        if serving:
-            raise ValueError(f"{serving} serve production traffic: rollout may borrow them, training never")
+        if self.serving is not None:
+            self.serving.refuse_training([d.id for d in devices])
         judging = sorted(d.id for d in devices if d.id in self.judging)
         if judging:
             raise ValueError(f"{judging} are set aside for the reward model (reward_devices): training never")

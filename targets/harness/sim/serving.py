@@ -137,6 +137,12 @@ class ServingPool:
         self._schedule()
 
     # -- lending ---------------------------------------------------------------------------------
+    def refuse_training(self, devices: list[str]) -> None:
+        """Rollout may borrow the pool's devices; a training call on any of them is refused."""
+        serving = [d for d in devices if d in self.engines]
+        if serving:
+            raise ValueError(f"{serving} serve production traffic: rollout may borrow them, training never")
+
     async def lend(self, device: str) -> None:
         """Stop serving on ``device``: no new requests, its own drain, its serving engine offloads."""
         if device in self.lent:

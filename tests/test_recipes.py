@@ -811,6 +811,29 @@ def test_a_weight_load_that_meets_a_sleeping_engine_keeps_its_version_for_the_wa
     assert "load_weights while the weights sleep" in refused
 
 
+def test_a_broadcast_received_between_an_expand_s_weight_wake_and_kv_wake_is_loaded(path):
+    """On GPU an engine off trainer rank 0's device gets each version by broadcast; an expand wakes its
+    weights, loads, then wakes its KV cache. The receiver dropped what it got whenever any part of the
+    engine slept, so an expanded engine kept its old weights; now only sleeping weights drop it. (The
+    NCCL group is stood in for: what is tested is what the receiving device does with the buckets.)"""
+    from types import SimpleNamespace
+
+    from skills.recipes.ray_cluster import DeviceActor
+
+    async def main() -> tuple[int, int]:
+        actor = DeviceActor({"model_path": path, "dtype": "float32", "name": "e1"}, None)
+        state = {name: tensor.clone() for name, tensor in actor.server.engine.weights.items()}
+        actor._group = SimpleNamespace(rank=1, receive=lambda layouts: [state])
+        await actor.server.sleep()
+        await actor.broadcast([], 1, "float32", 1 << 26, False)  # weights asleep: dropped
+        dropped = actor.server.engine.weight_version
+        await actor.server.wake(["weights"])
+        await actor.broadcast([], 2, "float32", 1 << 26, False)  # weights awake, KV cache not yet
+        return dropped, actor.server.engine.weight_version
+
+    assert asyncio.run(main()) == (0, 2)
+
+
 def test_a_technique_that_would_do_nothing_on_this_target_is_refused_by_name():
     """checkpoint_level on environments that keep no state was silently 0: the stack believed it was on."""
     from skills.recipes.time_multiplex import TimeMultiplex

@@ -188,24 +188,22 @@ class DeviceActor:
 
     async def broadcast(
         self, layouts: list[Layout], version: int, dtype: str, bucket_bytes: int, interrupt: bool
-    ) -> bool | None:
+    ) -> None:
         """This device's part of one broadcast, in one order on every device: a trainer rank first
         gathers the full weights (a collective of all ranks), then rank 0 sends or an engine receives,
         never both communicators at once on one GPU. An engine whose weights sleep drops what it got
-        (it is brought up to date when it wakes). Returns whether this device's engine loaded them."""
+        (it is brought up to date when it wakes); one whose weights are awake loads them, its KV cache
+        awake or not (an expand loads before it wakes the cache)."""
         import torch
 
         state = await self._on_trainer(self.trainer.device_state) if self.trainer is not None else None
         if self._group is None:
-            return None
+            return
         if self._group.rank == 0:
             await self._on_trainer(self._group.send, state, getattr(torch, dtype), bucket_bytes)
-            return None
+            return
         buckets = await asyncio.to_thread(self._group.receive, layouts)
-        if self.server.engine.offloaded:
-            return False
-        await self.server.load_state(merge(buckets), version, interrupt)
-        return True
+        await self.server.load_state(merge(buckets), version, interrupt, unless_asleep=True)
 
 
 class RayCluster:

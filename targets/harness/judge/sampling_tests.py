@@ -46,6 +46,7 @@ LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature 
 EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
 RANK_BINS = tuple(k / 8 for k in range(1, 8))  # the rank test's thresholds
 ROWS = 256  # rows of a vocabulary-wide computation at a time
+CGF_ELEMENTS = 1 << 24  # the temperature bound's grid over rows and vocabulary: at most this many at once
 
 
 @dataclass
@@ -72,10 +73,12 @@ class TemperatureTest:
         self.deviation += float((logp.gather(-1, chosen[:, None]).squeeze(-1) - mean).sum())
         self.variance += float(((p * logp**2).sum(-1) - mean**2).clamp(min=0).sum())
         self.tokens += len(chosen)
-        lambdas = LAMBDAS.to(logp.device)
-        for i, lam in enumerate(lambdas.tolist()):  # K(+-lam) = log E exp(+-lam (x - E)), exactly
-            self.colder[i] += float((torch.logsumexp((1 + lam) * logp, -1) - lam * mean).sum())
-            self.hotter[i] += float((torch.logsumexp((1 - lam) * logp, -1) + lam * mean).sum())
+        lambdas = LAMBDAS.to(logp.device)[:, None, None]
+        rows = max(1, CGF_ELEMENTS // (len(LAMBDAS) * logp.shape[-1]))  # the whole grid at once, in bounded memory
+        for start in range(0, len(chosen), rows):  # K(+-lam) = log E exp(+-lam (x - E)), exactly
+            part, centre = logp[None, start : start + rows], lambdas[..., 0] * mean[None, start : start + rows]
+            self.colder += (torch.logsumexp((1 + lambdas) * part, -1) - centre).sum(-1).cpu()
+            self.hotter += (torch.logsumexp((1 - lambdas) * part, -1) + centre).sum(-1).cpu()
 
     @property
     def z(self) -> float:
@@ -135,10 +138,12 @@ class SamplingTests:
     atol: float
     seed: int
     temperature: TemperatureTest = field(default_factory=TemperatureTest)
-    rank: list[BernoulliSum] = field(default_factory=lambda: [BernoulliSum() for _ in RANK_BINS])
-    stops: BernoulliSum = field(default_factory=BernoulliSum)
-    echoes: BernoulliSum = field(default_factory=BernoulliSum)
     responses: list[tuple[float, tuple, str, tuple[int, ...], float]] = field(default_factory=list)
+    # Per drawn token, kept until ``results``: its rank U, and the probability of the stop (echo) event
+    # with whether it happened. A token is a few numbers; the tests' sums are taken once, at the end.
+    _ranks: list[torch.Tensor] = field(default_factory=list)
+    _stops: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _echoes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._uniform = torch.Generator().manual_seed(self.seed)
@@ -154,6 +159,8 @@ class SamplingTests:
         """One turn's drawn tokens (a row of ``logits`` each); returns each token's log-probability at
         the temperature (the independence test sums them)."""
         picked = []
+        stops = sorted(set(stop_ids))
+        echoes = sorted(set(echo_ids) - set(stops))
         for start in range(0, len(chosen), ROWS):
             rows, drawn = logits[start : start + ROWS], chosen[start : start + ROWS]
             logp = torch.log_softmax(rows.double() / temperature, -1)
@@ -164,25 +171,41 @@ class SamplingTests:
             ahead = (p > px) | ((p == px) & (ids[None, :] < drawn[:, None]))
             before = (p * ahead).sum(-1)
             draws = torch.rand(len(drawn), generator=self._uniform, dtype=torch.float64).to(p.device)
-            rank = (before + draws * px.squeeze(-1)).clamp(0, 1).cpu()
-            margin = math.expm1(2 * self.atol)
-            for test, u in zip(self.rank, RANK_BINS):
-                shift = margin * min(u, 1 - u)
-                n = len(rank)
-                exact = torch.full((n,), u, dtype=torch.float64)
-                test.add(exact, rank <= u, exact - shift, exact + shift)
-            self._event(self.stops, p, drawn, stop_ids)
-            self._event(self.echoes, p, drawn, [i for i in echo_ids if i not in stop_ids])
+            self._ranks.append((before + draws * px.squeeze(-1)).clamp(0, 1).cpu())
+            for kept, event in ((self._stops, stops), (self._echoes, echoes)):
+                if event:
+                    index = torch.tensor(event, device=p.device)
+                    kept.append((p[:, index].sum(-1).cpu(), torch.isin(drawn, index).cpu()))
             picked.append(logp.gather(-1, drawn[:, None]).squeeze(-1).cpu())
         return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
 
-    def _event(self, test: BernoulliSum, p: torch.Tensor, drawn: torch.Tensor, ids: list[int]) -> None:
-        if not ids:
-            return
-        index = torch.tensor(sorted(set(ids)), device=p.device)
-        probability = p[:, index].sum(-1).cpu()
-        hit = torch.isin(drawn, index).cpu()
-        test.add(probability, hit, *_slack(probability, 2 * self.atol))
+    def rank_tests(self) -> list[BernoulliSum]:
+        """For each of ``RANK_BINS`` u: how many drawn tokens have U <= u, each with probability exactly
+        u under honest sampling (within the numerics' shift)."""
+        ranks = torch.cat(self._ranks) if self._ranks else torch.zeros(0, dtype=torch.float64)
+        margin = math.expm1(2 * self.atol)
+        tests = []
+        for u in RANK_BINS:
+            test, exact, shift = BernoulliSum(), torch.full_like(ranks, u), margin * min(u, 1 - u)
+            if len(ranks):
+                test.add(exact, ranks <= u, exact - shift, exact + shift)
+            tests.append(test)
+        return tests
+
+    def _calibration(self, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> BernoulliSum:
+        test = BernoulliSum()
+        if kept:
+            probability, hit = torch.cat([k[0] for k in kept]), torch.cat([k[1] for k in kept])
+            test.add(probability, hit, *_slack(probability, 2 * self.atol))
+        return test
+
+    def stops(self) -> BernoulliSum:
+        """Stop tokens drawn against the summed probability of drawing one."""
+        return self._calibration(self._stops)
+
+    def echoes(self) -> BernoulliSum:
+        """Tokens of the latest observation drawn against the summed probability of drawing one."""
+        return self._calibration(self._echoes)
 
     def add_response(self, at: float, key: tuple, episode: str, tokens: list[int], logp: torch.Tensor) -> None:
         """A completed response to ``key`` = (version, prompt) served to ``episode`` at ``at``, with its
@@ -215,9 +238,10 @@ class SamplingTests:
                 f"z = {self.temperature.z:.1f} over {self.temperature.tokens} tokens",
             )
         ]
-        worst = min(self.rank, key=lambda t: t.false_alarm_bound())
-        bound = min(1.0, len(self.rank) * worst.false_alarm_bound())
-        u = RANK_BINS[self.rank.index(worst)]
+        rank, stops, echoes = self.rank_tests(), self.stops(), self.echoes()
+        worst = min(rank, key=lambda t: t.false_alarm_bound())
+        bound = min(1.0, len(rank) * worst.false_alarm_bound())
+        u = RANK_BINS[rank.index(worst)]
         out.append(
             (
                 "sampled ranks",
@@ -229,16 +253,15 @@ class SamplingTests:
         out.append(
             (
                 "stop calibration",
-                self.stops.false_alarm_bound(),
-                f"{self.stops.observed:.0f} stop tokens drawn, {self.stops.expected:.1f} expected",
+                stops.false_alarm_bound(),
+                f"{stops.observed:.0f} stop tokens drawn, {stops.expected:.1f} expected",
             )
         )
         out.append(
             (
                 "echo calibration",
-                self.echoes.false_alarm_bound(),
-                f"{self.echoes.observed:.0f} tokens of the latest observation drawn, "
-                f"{self.echoes.expected:.1f} expected",
+                echoes.false_alarm_bound(),
+                f"{echoes.observed:.0f} tokens of the latest observation drawn, {echoes.expected:.1f} expected",
             )
         )
         independence = self.independence()

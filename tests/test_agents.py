@@ -851,11 +851,12 @@ def test_a_candidate_that_eats_memory_is_killed_at_its_limit(tmp_path, tiny_spec
 
 def test_memory_shared_by_forked_processes_counts_once(tmp_path):
     """The limit counts proportional set sizes: four processes sharing 300 MB (as GPU processes share
-    their CUDA libraries) hold 300 MB, not 1.2 GB."""
+    their CUDA libraries) hold 300 MB, not 1.2 GB. The watchdog looks that closely only when the resident
+    set sizes (1.2 GB here, a bound from above) pass the limit."""
     import subprocess
     import sys
 
-    from targets.harness.isolation.process_tree import process_tree, resident_mb
+    from targets.harness.isolation.process_tree import process_tree, resident_bound_mb, resident_mb
 
     script = (
         "import os, sys, time\n"
@@ -874,6 +875,7 @@ def test_memory_shared_by_forked_processes_counts_once(tmp_path):
         tree = process_tree(holder.pid)
         assert len(tree) == 4, tree
         assert 300 < resident_mb(tree) < 500, resident_mb(tree)
+        assert resident_bound_mb(tree) > 1200, resident_bound_mb(tree)  # the watchdog's cheap bound: RSS, each copy
     finally:
         from targets.harness.isolation.process_tree import kill_tree
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from targets.harness.isolation.child import PHASES, TASK_KEY
-from targets.harness.isolation.process_tree import kill_tree, process_tree, resident_mb
+from targets.harness.isolation.process_tree import kill_tree, process_tree, resident_bound_mb, resident_mb
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.zygote import MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
@@ -87,6 +87,8 @@ def _watch(process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str,
             why = f"exceeded its time limit of {limits.time_s:g}s"
         elif len(tree) > limits.processes:
             why = f"ran {len(tree)} processes, over its limit of {limits.processes} (a fork storm?)"
+        elif resident_bound_mb(tree) <= limits.memory_mb:  # within it by the cheap bound: no closer look needed
+            continue
         else:
             try:
                 resident = resident_mb(tree)

@@ -40,6 +40,21 @@ def resident_mb(pids: list[int]) -> float:
     return total_kb / 1024
 
 
+def resident_bound_mb(pids: list[int]) -> float:
+    """An upper bound on ``resident_mb``, a hundred times cheaper: the resident set sizes, which count
+    shared pages once per process (a proportional share is never more than the whole page). Reading a
+    torch process's ``smaps_rollup`` takes ~2 ms of kernel time, its ``statm`` ~15 µs."""
+    page_kb = os.sysconf("SC_PAGE_SIZE") // 1024
+    total_kb = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total_kb += int(f.read().split()[1]) * page_kb
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the process ended while we looked
+    return total_kb / 1024
+
+
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
     """Signal ``root``'s process group and every descendant (also those that left the group)."""
     pids = process_tree(root)

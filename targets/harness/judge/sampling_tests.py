@@ -46,7 +46,7 @@ LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature 
 EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
 RANK_BINS = tuple(k / 8 for k in range(1, 8))  # the rank test's thresholds
 ROWS = 256  # rows of a vocabulary-wide computation at a time
-CGF_ELEMENTS = 1 << 24  # the temperature bound's grid over rows and vocabulary: at most this many at once
+CGF_ELEMENTS = 1 << 26  # the temperature bound's grid over rows and vocabulary at once (512 MB of float64)
 
 
 @dataclass

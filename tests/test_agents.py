@@ -4,6 +4,7 @@ planner's mapping of hints to skills, and the sandbox's isolation."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -849,38 +850,59 @@ def test_a_candidate_that_eats_memory_is_killed_at_its_limit(tmp_path, tiny_spec
     assert not run.ok and "over its limit of 1500 MB" in run.cause, run.cause
 
 
-def test_memory_shared_by_forked_processes_counts_once(tmp_path):
-    """The limit counts proportional set sizes: four processes sharing 300 MB (as GPU processes share
-    their CUDA libraries) hold 300 MB, not 1.2 GB. The watchdog looks that closely only when the resident
-    set sizes (1.2 GB here, a bound from above) pass the limit."""
-    import subprocess
-    import sys
+_SHARED_300_MB = (  # four processes sharing one 300 MB block copy-on-write (as GPU processes share CUDA)
+    "import os, sys, time\n"
+    "block = bytearray(300 << 20)\n"
+    "for i in range(0, len(block), 4096): block[i] = 1\n"
+    "first = os.getpid()\n"
+    "os.fork()\n"
+    "os.fork()\n"
+    "if os.getpid() == first: print('ready', flush=True)\n"  # one writer: the lines cannot interleave
+    "time.sleep(30)\n"
+)
 
-    from targets.harness.isolation.process_tree import process_tree, resident_bound_mb, resident_mb
 
-    script = (
-        "import os, sys, time\n"
-        "block = bytearray(300 << 20)\n"
-        "for i in range(0, len(block), 4096): block[i] = 1\n"
-        "first = os.getpid()\n"
-        "os.fork()\n"
-        "os.fork()\n"  # 4 processes share the block copy-on-write
-        "if os.getpid() == first: print('ready', flush=True)\n"  # one writer: the lines cannot interleave
-        "time.sleep(30)\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def _sharing_tree():
+    from targets.harness.isolation.process_tree import kill_tree
+
+    holder = subprocess.Popen([sys.executable, "-c", _SHARED_300_MB], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
         time.sleep(0.5)
+        yield holder
+    finally:
+        kill_tree(holder.pid)
+        holder.wait()
+
+
+def test_memory_shared_by_forked_processes_counts_once():
+    """The limit counts proportional set sizes: four processes sharing 300 MB (as GPU processes share
+    their CUDA libraries) hold 300 MB, not 1.2 GB. The watchdog's cheap bound (resident set sizes)
+    counts 1.2 GB, and it is only a bound from above."""
+    from targets.harness.isolation.process_tree import process_tree, resident_bound_mb, resident_mb
+
+    with _sharing_tree() as holder:
         tree = process_tree(holder.pid)
         assert len(tree) == 4, tree
         assert 300 < resident_mb(tree) < 500, resident_mb(tree)
-        assert resident_bound_mb(tree) > 1200, resident_bound_mb(tree)  # the watchdog's cheap bound: RSS, each copy
-    finally:
-        from targets.harness.isolation.process_tree import kill_tree
+        assert resident_bound_mb(tree) > 1200, resident_bound_mb(tree)
 
-        kill_tree(holder.pid)
-        holder.wait()
+
+@pytest.mark.parametrize("limit_mb, killed_for", [(800, "time limit"), (200, "over its limit of 200 MB")])
+def test_the_watchdog_decides_on_proportional_sizes_when_resident_sizes_pass_the_limit(limit_mb, killed_for):
+    """Past the cheap bound (1.2 GB of resident set sizes) the watchdog looks closer: the tree's 300 MB
+    of proportional sizes is within 800 MB (the run goes on until its time limit), over 200 MB."""
+    from targets.harness.isolation.launch import _watch
+
+    read_fd, write_fd = os.pipe()
+    try:
+        with _sharing_tree() as holder:
+            why = _watch(holder, Limits(time_s=2.0, memory_mb=limit_mb), read_fd, {})
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert killed_for in why, why
 
 
 @pytest.mark.slow

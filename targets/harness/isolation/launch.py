@@ -87,11 +87,11 @@ def _watch(process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str,
             why = f"exceeded its time limit of {limits.time_s:g}s"
         elif len(tree) > limits.processes:
             why = f"ran {len(tree)} processes, over its limit of {limits.processes} (a fork storm?)"
-        elif resident_bound_mb(tree) <= limits.memory_mb:  # within it by the cheap bound: no closer look needed
-            continue
         else:
             try:
-                resident = resident_mb(tree)
+                resident = resident_bound_mb(tree)  # cheap, from above: the exact measure only past the limit
+                if resident > limits.memory_mb:
+                    resident = resident_mb(tree)
             except PermissionError as error:  # a process made itself unreadable: its memory is not counted
                 why = f"hid a process's memory from the harness ({error}): the memory limit cannot be held"
             else:

@@ -46,7 +46,11 @@ LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature 
 EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
 RANK_BINS = tuple(k / 8 for k in range(1, 8))  # the rank test's thresholds
 ROWS = 256  # rows of a vocabulary-wide computation at a time
-CGF_ELEMENTS = 1 << 26  # the temperature bound's grid over rows and vocabulary at once (512 MB of float64)
+# The temperature bound's grid over rows and vocabulary at once: on a CPU, few enough that the
+# temporaries are reused rather than mapped afresh (page faults cost more than the arithmetic); on an
+# accelerator, many, so that a large vocabulary still takes tens of rows a launch.
+CGF_ELEMENTS = {"cpu": 1 << 18}  # 2 MB of float64 a temporary
+CGF_ELEMENTS_ACCELERATOR = 1 << 26
 
 
 @dataclass
@@ -74,7 +78,8 @@ class TemperatureTest:
         self.variance += float(((p * logp**2).sum(-1) - mean**2).clamp(min=0).sum())
         self.tokens += len(chosen)
         lambdas = LAMBDAS.to(logp.device)[:, None, None]
-        rows = max(1, CGF_ELEMENTS // (len(LAMBDAS) * logp.shape[-1]))  # the whole grid at once, in bounded memory
+        elements = CGF_ELEMENTS.get(logp.device.type, CGF_ELEMENTS_ACCELERATOR)
+        rows = max(1, elements // (len(LAMBDAS) * logp.shape[-1]))  # the whole grid at once, in bounded memory
         for start in range(0, len(chosen), rows):  # K(+-lam) = log E exp(+-lam (x - E)), exactly
             part, centre = logp[None, start : start + rows], lambdas[..., 0] * mean[None, start : start + rows]
             self.colder += (torch.logsumexp((1 + lambdas) * part, -1) - centre).sum(-1).cpu()

@@ -164,3 +164,20 @@ def test_the_temperature_bound_is_the_same_whether_its_grid_is_taken_whole_or_in
         test = sampling_tests.TemperatureTest()
         test.add_logp(logp, chosen)
         assert torch.allclose(test.colder, colder, rtol=1e-12) and torch.allclose(test.hotter, hotter, rtol=1e-12)
+
+
+def test_the_bernoulli_bounds_are_the_same_whether_their_tokens_are_summed_whole_or_in_chunks(monkeypatch):
+    """The rank and calibration tests sum their tokens ``BERNOULLI_ROWS`` at a time (a long run's million
+    tokens would otherwise make gigabyte temporaries): 7 at a time gives the bounds of all at once."""
+    from targets.harness.judge import sampling_tests
+
+    generator = torch.Generator().manual_seed(19)
+    logits = _logits(generator, 400)
+    chosen = _prefers(logits, generator, lambda i: [STOP])
+    bounds = []
+    for rows in (1 << 16, 7):
+        monkeypatch.setattr(sampling_tests, "BERNOULLI_ROWS", rows)
+        bounds.append(_run(logits, chosen, echo=lambda i: [10 + i % 4]))
+    assert bounds[0]["stop calibration"] < FALSE_ALARM  # bounds that mean something, not 1.0 everywhere
+    for name, bound in bounds[0].items():
+        assert math.isclose(bound, bounds[1][name], rel_tol=1e-9), (name, bound, bounds[1][name])

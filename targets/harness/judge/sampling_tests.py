@@ -51,6 +51,7 @@ ROWS = 256  # rows of a vocabulary-wide computation at a time
 # accelerator, many, so that a large vocabulary still takes tens of rows a launch.
 CGF_ELEMENTS = {"cpu": 1 << 18}  # 2 MB of float64 a temporary
 CGF_ELEMENTS_ACCELERATOR = 1 << 26
+BERNOULLI_ROWS = 1 << 16  # drawn tokens a Bernoulli bound's grid takes at once (26 x 64K float64: 13 MB)
 
 
 @dataclass
@@ -191,9 +192,11 @@ class SamplingTests:
         margin = math.expm1(2 * self.atol)
         tests = []
         for u in RANK_BINS:
-            test, exact, shift = BernoulliSum(), torch.full_like(ranks, u), margin * min(u, 1 - u)
-            if len(ranks):
-                test.add(exact, ranks <= u, exact - shift, exact + shift)
+            test, shift = BernoulliSum(), margin * min(u, 1 - u)
+            for start in range(0, len(ranks), BERNOULLI_ROWS):
+                part = ranks[start : start + BERNOULLI_ROWS]
+                exact = torch.full_like(part, u)
+                test.add(exact, part <= u, exact - shift, exact + shift)
             tests.append(test)
         return tests
 
@@ -201,7 +204,9 @@ class SamplingTests:
         test = BernoulliSum()
         if kept:
             probability, hit = torch.cat([k[0] for k in kept]), torch.cat([k[1] for k in kept])
-            test.add(probability, hit, *_slack(probability, 2 * self.atol))
+            for start in range(0, len(probability), BERNOULLI_ROWS):
+                p = probability[start : start + BERNOULLI_ROWS]
+                test.add(p, hit[start : start + BERNOULLI_ROWS], *_slack(p, 2 * self.atol))
         return test
 
     def stops(self) -> BernoulliSum:

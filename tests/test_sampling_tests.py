@@ -167,8 +167,8 @@ def test_the_temperature_bound_is_the_same_whether_its_grid_is_taken_whole_or_in
 
 
 def test_the_bernoulli_bounds_are_the_same_whether_their_tokens_are_summed_whole_or_in_chunks(monkeypatch):
-    """The rank and calibration tests sum their tokens ``BERNOULLI_ROWS`` at a time (a long run's million
-    tokens would otherwise make gigabyte temporaries): 7 at a time gives the bounds of all at once."""
+    """A Bernoulli bound sums its events ``BERNOULLI_ROWS`` at a time (a long run's million tokens would
+    otherwise make gigabyte temporaries): 7 at a time gives the bounds, and both tails' grids, of all at once."""
     from targets.harness.judge import sampling_tests
 
     generator = torch.Generator().manual_seed(19)
@@ -181,3 +181,12 @@ def test_the_bernoulli_bounds_are_the_same_whether_their_tokens_are_summed_whole
     assert bounds[0]["stop calibration"] < FALSE_ALARM  # bounds that mean something, not 1.0 everywhere
     for name, bound in bounds[0].items():
         assert math.isclose(bound, bounds[1][name], rel_tol=1e-9), (name, bound, bounds[1][name])
+    p = torch.rand(400, generator=generator, dtype=torch.float64)  # both tails' grids, not only the reported one
+    sums = []
+    for rows in (1 << 16, 7):
+        monkeypatch.setattr(sampling_tests, "BERNOULLI_ROWS", rows)
+        test = sampling_tests.BernoulliSum()
+        test.add(p, p < 0.5, p * 0.9, p * 1.1)
+        sums.append(test)
+    assert torch.allclose(sums[0].upper, sums[1].upper, rtol=1e-12)
+    assert torch.allclose(sums[0].lower, sums[1].lower, rtol=1e-12)

@@ -51,7 +51,7 @@ ROWS = 256  # rows of a vocabulary-wide computation at a time
 # accelerator, many, so that a large vocabulary still takes tens of rows a launch.
 CGF_ELEMENTS = {"cpu": 1 << 18}  # 2 MB of float64 a temporary
 CGF_ELEMENTS_ACCELERATOR = 1 << 26
-BERNOULLI_ROWS = 1 << 16  # drawn tokens a Bernoulli bound's grid takes at once (26 x 64K float64: 13 MB)
+BERNOULLI_ROWS = 1 << 16  # events a Bernoulli bound's grid takes at once (26 x 64K float64: 13 MB)
 
 
 @dataclass
@@ -117,8 +117,9 @@ class BernoulliSum:
         self.expected += float(p.sum())
         self.draws += len(p)
         lam = EXPONENTS[:, None]
-        self.upper += torch.log1p(high[None, :] * torch.expm1(lam)).sum(-1)
-        self.lower += torch.log1p(low[None, :] * torch.expm1(-lam)).sum(-1)
+        for start in range(0, len(p), BERNOULLI_ROWS):  # the grid over a run's million tokens, in bounded memory
+            self.upper += torch.log1p(high[None, start : start + BERNOULLI_ROWS] * torch.expm1(lam)).sum(-1)
+            self.lower += torch.log1p(low[None, start : start + BERNOULLI_ROWS] * torch.expm1(-lam)).sum(-1)
 
     def false_alarm_bound(self, sides: str = "both") -> float:
         """At most this probable, under honest draws, is a count as far from its expectation."""
@@ -192,11 +193,8 @@ class SamplingTests:
         margin = math.expm1(2 * self.atol)
         tests = []
         for u in RANK_BINS:
-            test, shift = BernoulliSum(), margin * min(u, 1 - u)
-            for start in range(0, len(ranks), BERNOULLI_ROWS):
-                part = ranks[start : start + BERNOULLI_ROWS]
-                exact = torch.full_like(part, u)
-                test.add(exact, part <= u, exact - shift, exact + shift)
+            test, exact, shift = BernoulliSum(), torch.full_like(ranks, u), margin * min(u, 1 - u)
+            test.add(exact, ranks <= u, exact - shift, exact + shift)
             tests.append(test)
         return tests
 
@@ -204,9 +202,7 @@ class SamplingTests:
         test = BernoulliSum()
         if kept:
             probability, hit = torch.cat([k[0] for k in kept]), torch.cat([k[1] for k in kept])
-            for start in range(0, len(probability), BERNOULLI_ROWS):
-                p = probability[start : start + BERNOULLI_ROWS]
-                test.add(p, hit[start : start + BERNOULLI_ROWS], *_slack(p, 2 * self.atol))
+            test.add(probability, hit, *_slack(probability, 2 * self.atol))
         return test
 
     def stops(self) -> BernoulliSum:

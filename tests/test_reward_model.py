@@ -255,7 +255,8 @@ def test_every_trained_trajectory_was_judged_where_the_stack_placed_the_judge(tm
     verdicts = {e.data["episode"]: e for e in events if e.kind == "reward"}
     assert {e.data["where"] for e in verdicts.values()} == {where}
     ends = {e.data["episode"]: e for e in events if e.kind == "env_step" and e.data["done"]}
-    used = [e.data["episode"] for e in events if e.kind == "sample_used"]
+    used = [t["episode"] for e in events if e.kind == "train" for t in e.data["trajectories"]]
+    assert len(used) == spec.workload.batch_size * spec.workload.train_steps
     for episode in used:
         end = ends[episode]
         if not end.data["timed_out"] and not end.data["lost"]:

@@ -70,16 +70,21 @@ class StepMeter:
         self.devices: list[Device] = list(inner.devices)
         self.done = 0
         self.started = self.last_end = time.monotonic()
+        self._parts: list = []  # the next step's trajectories given early (stream training)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
+        await self.inner.train_part(batch, devices)
+        self._parts += batch.trajectories
 
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         start = time.monotonic()
         version = await self.inner.train(batch, devices)
         end = time.monotonic()
         self.done += 1
-        trajectories = batch.trajectories
+        trajectories, self._parts = [*self._parts, *batch.trajectories], []
         record = StepRecord(
             step=self.done,
             steps=self.steps,

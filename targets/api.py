@@ -39,11 +39,10 @@ class TokenCount(Sequence[int]):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, index):
+    def _no_values(self, *_):
         raise TypeError("a simulated run keeps token counts, not tokens: this sequence has no values to read")
 
-    def __iter__(self):
-        raise TypeError("a simulated run keeps token counts, not tokens: this sequence has no values to read")
+    __getitem__ = __iter__ = _no_values
 
     def __add__(self, other: Sequence) -> TokenCount:
         return TokenCount(self.n + len(other))
@@ -375,7 +374,8 @@ class Cluster(Protocol):
     ``generate`` is routed to the active rollout engines (to the request's ``device`` when that
     engine is active) and raises ``Aborted`` if its engine is shrunk mid-request. ``shrink``/``expand``
     move devices out of/into the rollout pool (draining and offloading/reloading engines). ``train``
-    runs a step on the given devices and returns the new weight version; ``sync_weights`` pushes a
+    runs a step on the given devices and returns the new weight version (each ``train_part`` before
+    it starts that step early on whole groups, on the same devices: stream training); ``sync_weights`` pushes a
     version to the engines on ``devices``: it lets the requests they are running finish first, or
     with ``interrupt`` answers them at once with ``Aborted`` (their partial responses) and serves
     their continuations under the new version.
@@ -394,6 +394,8 @@ class Cluster(Protocol):
     async def expand(self, devices: Sequence[Device]) -> None: ...
 
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int: ...
+
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None: ...
 
     async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None: ...
 
@@ -472,8 +474,7 @@ class ServingLoad:
 @dataclass(frozen=True)
 class Workload:
     """What a stack may know of the workload: the batch it must train on, the staleness bound, the
-    token budgets and the GRPO step. Environments' turn counts, seeds and latencies stay with the
-    harness."""
+    token budgets and the GRPO step (environments' turns, seeds and latencies stay with the harness)."""
 
     batch_size: int
     group_size: int
@@ -570,6 +571,7 @@ EventKind = Literal[
     "env_checkpoint",
     "generate",
     "train",
+    "train_part",  # stream training: groups given to the next step early (``Cluster.train_part``)
     "sync",
     "shrink",
     "expand",
@@ -580,7 +582,6 @@ EventKind = Literal[
     "reward",  # the reward model judged a finished trajectory: where, its tokens, when, its score
     "reward_service",  # the run's reward placement: devices and device-seconds it held, their busy share
     "device_state",
-    "sample_used",
     "sample_dropped",
     "episode_created",
     "run_start",

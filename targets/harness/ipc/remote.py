@@ -113,6 +113,11 @@ class RemoteCluster:
         frame.header["batch"] = put_batch(frame, batch)
         return field_of((await self._call(frame, "train")).header, "version", int, "train reply")
 
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
+        frame = Frame(method="train_part", devices=[d.id for d in devices])
+        frame.header["batch"] = put_batch(frame, batch)
+        await self._call(frame, "train_part")
+
     async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         frame = Frame(method="sync_weights", version=version, devices=[d.id for d in devices], interrupt=interrupt)
         await self._call(frame, "sync_weights")

@@ -174,6 +174,11 @@ class ProxyCluster:
         frame.header["batch"] = put_batch(frame, batch, self._memory)
         return (_raise_if_error(await self._calls.call(frame)))["version"]
 
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
+        frame = Frame(kind="cluster", method="train_part", devices=[d.id for d in devices])
+        frame.header["batch"] = put_batch(frame, batch, self._memory)
+        _raise_if_error(await self._calls.call(frame))
+
     async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         await self._call("sync_weights", version=version, devices=[d.id for d in devices], interrupt=interrupt)
 
@@ -335,6 +340,8 @@ async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_di
                 await getattr(cluster, method)(devices)
             elif method == "train":
                 frame.header["version"] = await cluster.train(get_batch(rx, rx["batch"]), devices)
+            elif method == "train_part":
+                await cluster.train_part(get_batch(rx, rx["batch"]), devices)
             elif method == "sync_weights":
                 await cluster.sync_weights(rx["version"], devices, interrupt=rx["interrupt"])
             elif method in ("suspend", "resume"):

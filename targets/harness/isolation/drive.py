@@ -154,12 +154,8 @@ class ControllerLink:
                 self.done.set_result(None)
         elif kind == "failed":
             error = rx.get("error") or {}
-            self.fail(
-                CandidateError(
-                    f"the controller raised {error.get('type')}: {error.get('message')}\n"
-                    f"{str(error.get('traceback', ''))[-3000:]}"
-                )
-            )
+            raised = f"the controller raised {error.get('type')}: {error.get('message')}\n"
+            self.fail(CandidateError(raised + str(error.get("traceback", ""))[-3000:]))
         elif kind == "env" and rx.get("method") == "new_group":
             group = field_of(rx.header, "group", int, "new_group")
             if group != self.envs.groups_created:
@@ -192,13 +188,13 @@ class ControllerLink:
             raise ProtocolError(f"unknown frame kind {kind!r}")
 
     def _decode_tokens(self, rx: Received):
-        """A generate call's request or a train call's batch (both carry prompt deltas), else None."""
+        """A generate call's request or a train (or train_part) call's batch (both carry prompt deltas), else None."""
         method = rx.get("method")
         try:
             if method == "generate":
                 return get_request(rx, field_of(rx.header, "request", dict, "generate"), self.memory)
-            if method == "train":
-                return get_batch(rx, field_of(rx.header, "batch", dict, "train"), self.memory)
+            if method in ("train", "train_part"):
+                return get_batch(rx, field_of(rx.header, "batch", dict, method), self.memory)
         except ValueError as error:  # a sampling or batch field the contract's own types refuse
             raise ProtocolError(str(error)) from None
         return None
@@ -382,6 +378,8 @@ class ControllerLink:
             await getattr(cluster, method)(devices)
         elif method == "train":
             reply.header["version"] = await cluster.train(tokens, devices)
+        elif method == "train_part":
+            await cluster.train_part(tokens, devices)
         elif method == "sync_weights":
             await cluster.sync_weights(
                 field_of(rx.header, "version", int, "sync_weights"),

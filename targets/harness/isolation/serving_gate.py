@@ -49,6 +49,10 @@ class ServingGate:
         self.pool.refuse_training([d.id for d in devices])
         return await self.inner.train(batch, devices)
 
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
+        self.pool.refuse_training([d.id for d in devices])
+        await self.inner.train_part(batch, devices)
+
     async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         await self.inner.sync_weights(version, devices, interrupt)
 

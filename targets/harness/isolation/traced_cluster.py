@@ -24,6 +24,8 @@ class TracedCluster:
         self.devices: list[Device] = list(inner.devices)
         self.by_id = {d.id: d for d in self.devices}
         self.steps = 0
+        self._parts: list[tuple[float, TrainBatch]] = []  # the next step's parts so far (stream training)
+        self._part_devices: list[str] = []
         self._resident: dict | None = None
         self.last_device: dict[str, str] = {}  # episode -> the device that served its latest turn
 
@@ -101,21 +103,51 @@ class TracedCluster:
             "sync", devices, self.inner.sync_weights(version, devices, interrupt), version=version, interrupt=interrupt
         )
 
+    def _same_devices(self, devices: Sequence[Device], call: str) -> None:
+        """A step's parts and the step itself run on one set of devices (one trainer holds the
+        parts' gradients)."""
+        ids = [d.id for d in devices]
+        if self._parts and sorted(ids) != sorted(self._part_devices):
+            raise ValueError(
+                f"{call} on {ids}: this step's parts were trained on {self._part_devices} "
+                "(a step and its parts run on the same devices)"
+            )
+        self._part_devices = ids
+
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
+        """Stream training: the groups are recorded with the step they join, and the step's ``train``
+        event lists them with the time each was taken (``consumed``)."""
+        self._same_devices(devices, "train_part")
+        start = self.trace.clock.now()
+        await self.inner.train_part(batch, devices)
+        self._parts.append((start, batch))
+        self.trace.record(
+            "train_part",
+            start=start,
+            step=self.steps + 1,
+            devices=[d.id for d in devices],
+            episodes=[t.episode_id for t in batch.trajectories],
+        )
+        await self._residency()
+
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         """The batch is recorded as the harness received it (what the trainer gets and the audit
-        replays); ``start`` is when those episodes stopped being in flight."""
+        replays): this step's parts first, each trajectory with ``consumed``, when it stopped being
+        in flight (its part's start; ``start``, the call's, for the batch's own)."""
+        self._same_devices(devices, "train")
         start = self.trace.clock.now()
         await self.exporter.saved()  # the previous version's snapshot is on disk before the next step
         self.steps += 1
         step, tokens = self.steps, self.trace.tokens
         version = await self.inner.train(batch, devices)
+        parts, self._parts = [*self._parts, (start, batch)], []
         self.trace.record(
             "train",
             start=start,
             step=step,
             devices=[d.id for d in devices],
             version=version,
-            advantages=list(batch.advantages),
+            advantages=[a for _, part in parts for a in part.advantages],
             trajectories=[
                 {
                     "episode": t.episode_id,
@@ -124,8 +156,10 @@ class TracedCluster:
                     "loss_mask": tokens(t.loss_mask),
                     "logprobs": tokens(t.logprobs),
                     "reward": t.reward,
+                    "consumed": consumed,
                 }
-                for t in batch.trajectories
+                for consumed, part in parts
+                for t in part.trajectories
             ],
         )
         export_start = self.trace.clock.now()

@@ -103,7 +103,7 @@ def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     w = spec.workload
     bound = w.groups_per_step * (1 + staleness_bound(ix, spec)) * (w.group_size + ix.declared.redundant_per_group)
     changes = [(e.t, 1, 1) for e in ix.by_kind["episode_created"]]
-    changes += [(train.data["start"], 0, -len(train.data["trajectories"])) for train in ix.trains]
+    changes += [(ix.consumed(train, t), 0, -1) for train in ix.trains for t in train.data["trajectories"]]
     changes += [(e.t, 0, -1) for e in ix.dropped.values()]
     outstanding = peak = 0
     for when, _, delta in sorted(changes):
@@ -127,7 +127,7 @@ def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     consumed_at: dict[str, float] = {}
     for train in ix.trains:
         for t in train.data["trajectories"]:
-            consumed_at.setdefault(ix.group_of.get(t["episode"], t["group"]), train.data["start"])
+            consumed_at.setdefault(ix.group_of.get(t["episode"], t["group"]), ix.consumed(train, t))
     for e in ix.dropped.values():
         consumed_at.setdefault(ix.group_of.get(e.data["episode"], ""), e.t)
     finished_groups: dict[str, list[float]] = defaultdict(list)
@@ -161,7 +161,7 @@ def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             )
         if k == 0:
             continue
-        previous_end, start = ix.trains[k - 1].t, train.data["start"]
+        previous_end, start = ix.trains[k - 1].t, ix.taken_from(train)
         passed_over = [
             g
             for g, done in group_done.items()
@@ -217,7 +217,7 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
             episode = t["episode"]
             if episode not in ix.group_of:
                 continue
-            if (at := ix.finished_at(episode)) is None or at > train.data["start"]:
+            if (at := ix.finished_at(episode)) is None or at > ix.consumed(train, t):
                 r.add(
                     "skipped environment steps",
                     f"episode {episode} was trained on before its environment finished"
@@ -468,10 +468,11 @@ def check_verdicts(ix: TraceIndex, r: Reasons) -> dict:
                 f"{verdict.data['start']:.3f} s, not its whole context of {context} as its last step ended "
                 f"at {end.t:.3f} s",
             )
-        if verdict.t > train.data["start"]:
+        taken = ix.consumed(train, next(t for t in train.data["trajectories"] if t["episode"] == episode))
+        if verdict.t > taken:
             r.add(
                 "reward verdict",
-                f"episode {episode} was trained on by step {steps_in[0] + 1} at {train.data['start']:.3f} s, "
+                f"episode {episode} was trained on by step {steps_in[0] + 1} at {taken:.3f} s, "
                 f"before the reward model's verdict at {verdict.t:.3f} s",
             )
     check_reward_devices(ix, r)

@@ -121,6 +121,16 @@ class TraceIndex:
                 ix.trained_in[t["episode"]].append(i)
         return ix
 
+    @staticmethod
+    def consumed(train: TraceEvent, t: dict) -> float:
+        """When a trained trajectory stopped being in flight: its part's start (stream training), else
+        its step's."""
+        return t.get("consumed", train.data["start"])
+
+    def taken_from(self, train: TraceEvent) -> float:
+        """When a step began taking its batch: its first part's start (stream training), else its own."""
+        return min((self.consumed(train, t) for t in train.data["trajectories"]), default=train.data["start"])
+
     def finished(self, episode: str) -> bool:
         steps = self.env_steps.get(episode)
         return bool(steps) and steps[-1].data["done"]

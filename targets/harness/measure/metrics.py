@@ -28,8 +28,8 @@ def device_intervals(events: list[TraceEvent]) -> dict[str, dict[str, list[tuple
         if e.kind == "generate" and "device" in e.data:  # finished turns and interrupted segments decoded
             for device in engines.get(e.data["device"], [e.data["device"]]):  # an engine spans its devices
                 out[device]["rollout"].append((e.data["start"] - start, e.t - start))
-        elif e.kind in ("train", "sync", "shrink", "expand", "suspend", "resume"):
-            activity = {"train": "train", "sync": "sync"}.get(e.kind, "switching")
+        elif e.kind in ("train", "train_part", "sync", "shrink", "expand", "suspend", "resume"):
+            activity = {"train": "train", "train_part": "train", "sync": "sync"}.get(e.kind, "switching")
             for device in e.data["devices"]:
                 out[device][activity].append((e.data["start"] - start, e.t - start))
     return out

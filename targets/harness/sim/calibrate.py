@@ -242,8 +242,9 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
 
     # -- training ------------------------------------------------------------------------------
     train_rows = []
-    for e in (e for e in events if e.kind == "train"):
-        lengths = [token_count(t["tokens"]) for t in e.data["trajectories"]]
+    for e in (e for e in events if e.kind == "train"):  # a streamed step's call trains its own batch only
+        own = [t for t in e.data["trajectories"] if t.get("consumed", e.data["start"]) == e.data["start"]]
+        lengths = [token_count(t["tokens"]) for t in own]
         flops = (cost.train_s(lengths, 1) - cost.train_step_overhead_s) * cost.peak_flops * cost.train_mfu
         train_rows.append((flops / (len(e.data["devices"]) * cost.peak_flops), e.t - e.data["start"]))
     mfu = spec.hardware.mfu

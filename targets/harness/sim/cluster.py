@@ -177,6 +177,19 @@ class SimCluster:
 
     # -- training and weights ----------------------------------------------------------------------
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
+        self._take_for_training(devices)
+        await asyncio.sleep(self.costs.train_s([len(t.tokens) for t in batch.trajectories], [d.id for d in devices]))
+        self.version += 1
+        return self.version
+
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
+        """Stream training: the part's forward and backward now (its FLOPs); the step's fixed cost
+        (the optimizer, the gradient reduction: ``train_step_overhead_s``) is paid once, by ``train``."""
+        self._take_for_training(devices)
+        lengths = [len(t.tokens) for t in batch.trajectories]
+        await asyncio.sleep(self.costs.train_s(lengths, [d.id for d in devices], overhead=False))
+
+    def _take_for_training(self, devices: Sequence[Device]) -> None:
         if not devices:
             raise ValueError("train needs at least one device")
         if self.serving is not None:
@@ -191,9 +204,6 @@ class SimCluster:
                 "(an engine and a trainer never hold a device at once)"
             )
         self._training = {d.id for d in devices}
-        await asyncio.sleep(self.costs.train_s([len(t.tokens) for t in batch.trajectories], [d.id for d in devices]))
-        self.version += 1
-        return self.version
 
     async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         if version != self.version:

@@ -261,9 +261,10 @@ class CostModel:
         ) + self.tensor_parallel_s(new_tokens)
 
     # -- training and weights -------------------------------------------------------------------
-    def train_s(self, lengths: list[int], devices: int) -> float:
+    def train_s(self, lengths: list[int], devices: int, overhead: bool = True) -> float:
+        """A step's forward and backward over ``lengths`` (``overhead``: and its fixed cost, once a step)."""
         flops = sum(6 * self.active_params * n + 6 * self.layers * self.attn_width * n * n for n in lengths)
-        return flops / (devices * self.peak_flops * self.train_mfu) + self.train_step_overhead_s
+        return flops / (devices * self.peak_flops * self.train_mfu) + (self.train_step_overhead_s if overhead else 0.0)
 
     def sync_s(self) -> float:
         return self.weight_bytes / self.engine_devices / self.link_bytes_per_s + self.sync_overhead_s
@@ -335,8 +336,8 @@ class ClusterCosts:
         """Every engine also holding ``resident_bytes`` of another model's weights (a colocated judge)."""
         return replace(self, pools={name: replace(c, resident_bytes=resident_bytes) for name, c in self.pools.items()})
 
-    def train_s(self, lengths: list[int], devices: list[str]) -> float:
-        return max(self.of(d).train_s(lengths, len(devices)) for d in devices)
+    def train_s(self, lengths: list[int], devices: list[str], overhead: bool = True) -> float:
+        return max(self.of(d).train_s(lengths, len(devices), overhead) for d in devices)
 
     def sync_s(self, engine: list[str], trained_on: set[str]) -> float:
         """Seconds to load a version into the engine on ``engine`` from the pools of ``trained_on``

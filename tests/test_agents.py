@@ -291,6 +291,18 @@ def test_the_planner_moves_only_to_device_counts_the_stack_can_place():
     assert planner.fits(judged) and not planner.fits({**judged, "reward_devices": 5})
 
 
+def test_the_planner_never_moves_a_parameter_so_that_a_technique_loses_what_it_requires(big_spec):
+    """Stream training requires progress_shrink: doubling shrink_at 0.5 switches that off (1.0), which
+    would leave a stack its controller refuses; removing progress_shrink is refused the same way."""
+    planner = OfflinePlanner(big_spec, engine_devices=8, seed=1)
+    params = {"controller": "time_multiplex", "train_devices": 128, "shrink_at": 0.5, "stream_train": 1}
+    assert planner.fits(params) and not planner.fits({**params, "shrink_at": 1.0})
+    moves = {(k, v) for t in planner.parameter_moves(params) for k, v in t.changes.items()}
+    assert ("shrink_at", 0.25) in moves and ("shrink_at", 1.0) not in moves
+    removals = {t.id for t in planner.composition_tasks(params) if t.id.startswith("remove-")}
+    assert removals == {"remove-stream_training"}  # never progress_shrink while stream training needs it
+
+
 def test_perturbations_stay_in_range_and_move_whole_engines(big_spec):
     planner = OfflinePlanner(big_spec, engine_devices=8, seed=1)
     params = {"controller": "time_multiplex", "train_devices": 128, "micro_batch_tokens": 4096}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from targets.harness.trace import Trace, token_count
-from tests.technique_run import audited_run, harness_run, target_run
+from tests.technique_run import audited_run, harness_run, planted, target_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
@@ -591,3 +591,120 @@ def test_a_stack_refuses_a_ray_cluster_that_lacks_its_devices(shared_ray):
     with pytest.raises(RuntimeError, match=rf"lacks {DEVICE_RESOURCE}{DEVICES} \(1\)"):
         join_or_start_ray(runtime)
     assert not ray.is_initialized()
+
+
+# -- stream training: the step's groups trained as they arrive ---------------------------------------
+
+STREAM = {"shrink_at": 0.5, "stream_train": 1}
+# Groups finish far apart (the first ones wait for the tail); async_ratio 0: no next batch runs beside
+# the tail, so at half the batch ready the remaining demand frees the training device.
+STREAM_TOOLS = {**TAIL_TOOLS, "train_steps": 3, "async_ratio": 0}
+PART_CALL = "                await cluster.train_part(TrainBatch(part, group_advantages(part)), train)\n"
+STEP_CALL = "                return await self._train(cluster, batch, train)\n"
+
+
+def _streamed_parts(events) -> list[tuple[object, list]]:
+    """Each training step with the trajectories it took early (``consumed`` before the step's call),
+    after checking that those are exactly its parts' episodes."""
+    parts = [e for e in events if e.kind == "train_part"]
+    steps = []
+    for train in (e for e in events if e.kind == "train"):
+        early = [t for t in train.data["trajectories"] if t["consumed"] < train.data["start"]]
+        given = [p for p in parts if p.data["step"] == train.data["step"]]
+        assert [t["episode"] for t in early] == [ep for p in given for ep in p.data["episodes"]]
+        assert all(p.t <= train.data["start"] and p.data["devices"] == train.data["devices"] for p in given)
+        steps.append((train, early))
+    return steps
+
+
+@pytest.fixture(scope="module")
+def streamed(fast_target, tmp_path_factory, shared_ray):
+    """A real streamed run, on the session's Ray cluster: (spec, run, events)."""
+    spec, run = harness_run(tmp_path_factory.mktemp("streamed"), fast_target, STREAM, False, STREAM_TOOLS)
+    assert run.ok, run.cause
+    return spec, run, Trace.load_events(run.out / "trace.jsonl")
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_stream_training_trains_the_first_groups_while_the_batch_still_decodes(
+    tmp_path, fast_target, request, simulate
+):
+    """At half the batch ready the remaining demand frees the training device: it leaves rollout and
+    trains the ready groups as parts of the step, before the batch's last episode ends; the step lists
+    them first, each with when it was taken, and the audit (the real run's training replay of every
+    step) passes."""
+    if simulate:
+        spec, events = audited_run(tmp_path, fast_target, STREAM, True, STREAM_TOOLS)
+    else:
+        spec, run, events = request.getfixturevalue("streamed")
+        audit = run.results["audit"]["result"]
+        assert audit["passed"], audit["reasons"]
+        assert audit["details"]["training_replay_steps"] == spec.workload.train_steps == 3
+    finished = {e.data["episode"]: e.t for e in events if e.kind == "env_step" and e.data["done"]}
+    steps = _streamed_parts(events)
+    assert len(steps) == 3 and any(early for _, early in steps)
+    for train, early in steps:
+        if early:
+            batch_done = max(finished[t["episode"]] for t in train.data["trajectories"])
+            assert min(t["consumed"] for t in early) < batch_done  # training began inside the tail
+            assert all(finished[t["episode"]] <= t["consumed"] for t in train.data["trajectories"])
+
+
+def test_a_trainer_that_drops_its_parts_gradients_is_rejected_by_the_training_replay(streamed):
+    """What a trainer that kept only the step's own groups leaves behind (the reference step on them
+    alone, from the previous version): the replay of the whole batch, parts first, rejects that step.
+    The step is one whose parts carry a training signal (a group whose rewards differ): dropping groups
+    of equal rewards, whose advantages are zero, changes nothing a replay could see."""
+    import copy
+
+    from targets.harness.ipc.weight_export import load_snapshot
+    from targets.harness.judge.replay import recorded_batch, replay_training
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+    from targets.harness.model import load_model, model_dir
+    from targets.harness.reference.trainer import ReferenceTrainer
+
+    spec, run, events = streamed
+    weights = {int(p.stem[1:]): load_snapshot(p) for p in (run.out / "weights").glob("v*.safetensors")}
+    base = load_model(model_dir(spec.model))
+
+    def make_model(state):
+        model = copy.deepcopy(base)
+        model.load_state_dict(state)
+        return model
+
+    k, (train, early) = next(
+        (k, (train, early))
+        for k, (train, early) in enumerate(_streamed_parts(events), start=1)
+        if any(abs(a) > 1e-6 for a, t in zip(train.data["advantages"], train.data["trajectories"]) if t in early)
+    )
+    own = [i for i, t in enumerate(train.data["trajectories"]) if t not in early]
+    kept = {
+        "trajectories": [train.data["trajectories"][i] for i in own],
+        "advantages": [train.data["advantages"][i] for i in own],
+    }
+    trainer = ReferenceTrainer(make_model(weights[k - 1]).float(), spec.workload.training.config())
+    trainer.train_step(recorded_batch(kept))
+    reasons = Reasons()
+    replay_training(TraceIndex.of(events), reasons, spec, weights.get, make_model)
+    assert not reasons.lines()  # the honest weights replay
+    forged = {**weights, k: trainer.state_dict()}
+    replay_training(TraceIndex.of(events), reasons, spec, forged.get, make_model)
+    assert any(r.startswith(f"training replay: step {k}: ") for r in reasons.lines()), reasons.lines()
+
+
+def test_a_group_given_in_two_parts_is_used_twice(tmp_path, fast_target):
+    _, run = harness_run(
+        tmp_path, fast_target, STREAM, True, STREAM_TOOLS, patch=planted("time_multiplex.py", PART_CALL, PART_CALL * 2)
+    )
+    assert run.ok, run.cause
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any(r.startswith("used twice: ") for r in audit["reasons"]), audit
+
+
+def test_a_step_on_other_devices_than_its_parts_is_refused_at_the_call(tmp_path, fast_target):
+    elsewhere = STEP_CALL.replace("batch, train)", "batch, cluster.devices[:1])")
+    _, run = harness_run(
+        tmp_path, fast_target, STREAM, True, STREAM_TOOLS, patch=planted("time_multiplex.py", STEP_CALL, elsewhere)
+    )
+    assert not run.ok
+    assert "this step's parts were trained on ['cpu:1'] (a step and its parts run on the same devices)" in run.cause

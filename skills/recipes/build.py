@@ -24,7 +24,7 @@ STRUCTURE = ("controller", "engine", "cluster", "threads_per_actor", "rollout_de
 TECHNIQUE_PARAMS = (  # what the controllers, the router, the harvester and the reward placement read
     *("abort_stale", "affinity_ratio", "async_ratio", "checkpoint_level", "engine_scale", "harvest_margin"),
     *("kv_routing", "overlap_sync", "partial_rollout", "redundant_envs", "reward_devices", "reward_placement"),
-    *("route_admit", "route_slack", "serving_harvest", "shrink_at", "tail_round"),
+    *("route_admit", "route_slack", "serving_harvest", "shrink_at", "stream_train", "tail_round"),
 )
 KNOWN_PARAMS = STRUCTURE + ENGINE_OPTIONS + TRAINER_OPTIONS + TECHNIQUE_PARAMS
 
@@ -149,6 +149,7 @@ def build(runtime: Runtime) -> Stack:
     # VAL: VAL_INT_RANGE (value=params.get("speculative_tokens", 0), min=0, max=8)
     # VAL: VAL_INT_RANGE (value=params.get("checkpoint_level", 0), min=0, max=2)
     # VAL: VAL_INT_RANGE (value=params.get("serving_harvest", 0), min=0, max=1)
+    # VAL: VAL_INT_RANGE (value=params.get("stream_train", 0), min=0, max=1)
     # The audit bounds the spares by what is declared, holds the run to the declared staleness bound,
     # and lets only a stack declaring tail_round defer groups.
     declared = Declared(

@@ -115,7 +115,7 @@ class ControllerBase:
         outstanding = self.groups_per_step * (1 + buffer.async_ratio)
 
         def refill() -> None:
-            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups))
+            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups - buffer.streamed))
 
         return refill
 

@@ -164,6 +164,7 @@ class FSDPTrainer:
         )
         self.version = 0
         self.offloaded = False
+        self._streamed: int | None = None  # response tokens of this step's parts so far (stream training)
 
     # -- the step -------------------------------------------------------------------------------------
     def _micro_batches(self, mine: list[tuple[Trajectory, float]]) -> list[list[tuple[Trajectory, float]]]:
@@ -172,31 +173,50 @@ class FSDPTrainer:
     def train_step(self, batch: TrainBatch) -> int:
         if self.offloaded:
             raise RuntimeError("train_step while offloaded; reload first")
-        total_tokens = max(1, sum(t.response_tokens for t in batch.trajectories))
+        tokens = sum(t.response_tokens for t in batch.trajectories)
+        if self._streamed is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._backward(batch, self.world_size / max(1, tokens))
+        else:  # the parts' gradients are sums: the step's token mean needs all of its tokens
+            self._backward(batch, self.world_size)
+            total = max(1, self._streamed + tokens)
+            for parameter in self.module.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.div_(total)
+            self._streamed = None
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.version += 1
+        return self.version
+
+    def train_part(self, batch: TrainBatch) -> None:
+        """Stream training: this part's gradients now, summed over its tokens (the step's count is not
+        known yet); ``train_step`` adds its own batch's, divides by the step's tokens, clips and steps."""
+        if self.offloaded:
+            raise RuntimeError("train_part while offloaded; reload first")
+        if self._streamed is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._streamed = 0
+        self._backward(batch, self.world_size)
+        self._streamed += sum(t.response_tokens for t in batch.trajectories)
+
+    def _backward(self, batch: TrainBatch, scale: float) -> None:
+        """The batch's loss sums times ``scale``, backward, its gradients reduced once at the end.
+        Every rank runs as many micro-batches as the busiest one (each forward and the last backward
+        are collectives): a rank with fewer runs zero-weight ones."""
         pairs = list(zip(batch.trajectories, batch.advantages))
-        # Every rank runs as many micro-batches as the busiest one (each forward and the last
-        # backward are collectives): a rank with fewer runs zero-weight ones. Gradients reduce once.
         counts = [
             len(self._micro_batches(pairs[r :: self.world_size])) if pairs[r :: self.world_size] else 0
             for r in range(self.world_size)
         ]
         chunks = self._micro_batches(pairs[self.rank :: self.world_size]) if counts[self.rank] else []
-        self.optimizer.zero_grad(set_to_none=True)
         for i in range(max(counts)):
             self.module.set_requires_gradient_sync(i == max(counts) - 1)
             if i < len(chunks):  # FSDP2 averages gradients over ranks: scaled by the world size, they sum
-                loss = (
-                    self._loss_sum([t for t, _ in chunks[i]], [a for _, a in chunks[i]])
-                    * self.world_size
-                    / total_tokens
-                )
+                loss = self._loss_sum([t for t, _ in chunks[i]], [a for _, a in chunks[i]]) * scale
             else:
                 loss = self._loss_sum(batch.trajectories[:1], [0.0]) * 0.0
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
-        self.optimizer.step()
-        self.version += 1
-        return self.version
 
     def _loss_sum(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> torch.Tensor:
         """Sum over the chunk's response tokens of the clipped surrogate (+ k3 KL)."""

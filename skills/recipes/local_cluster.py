@@ -116,13 +116,20 @@ class LocalCluster:
 
     # -- training and weights ---------------------------------------------------------------------------------
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
+        self._trainer_holds_device()
+        self.version = await asyncio.to_thread(self.trainer.train_step, batch)
+        return self.version
+
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
+        self._trainer_holds_device()
+        await asyncio.to_thread(self.trainer.train_part, batch)
+
+    def _trainer_holds_device(self) -> None:
         if self._engine_awake:
             raise ValueError(
                 f"the engine on {self.device.id} is awake: suspend it before training there "
                 "(engine and trainer never hold the device at once)"
             )
-        self.version = await asyncio.to_thread(self.trainer.train_step, batch)
-        return self.version
 
     async def _load(self, version: int, interrupt: bool = False) -> None:
         state = await asyncio.to_thread(self.trainer.device_state)

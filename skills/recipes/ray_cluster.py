@@ -152,6 +152,9 @@ class DeviceActor:
     async def train_step(self, batch: TrainBatch) -> int:
         return await self._on_trainer(self.trainer.train_step, batch)
 
+    async def train_part(self, batch: TrainBatch) -> None:
+        await self._on_trainer(self.trainer.train_part, batch)
+
     async def state_dict(self) -> StateDict:
         return await self._on_trainer(self.trainer.state_dict)
 
@@ -392,6 +395,19 @@ class RayCluster:
 
     # -- training and weights ----------------------------------------------------------------------
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
+        await self._trainers_on(devices)
+        versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"trainer ranks disagree on the version: {versions}")
+        self.version = versions[0]
+        return self.version
+
+    async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
+        """Stream training: every trainer rank computes the part's gradients and keeps them for the step."""
+        await self._trainers_on(devices)
+        await asyncio.gather(*(t.train_part.remote(batch) for t in self._trainers))
+
+    async def _trainers_on(self, devices: Sequence[Device]) -> None:
         if {d.id for d in devices} != {d.id for d in self.train_devices}:
             raise ValueError(
                 f"this cluster trains on {[d.id for d in self.train_devices]}, not {[d.id for d in devices]}"
@@ -403,11 +419,6 @@ class RayCluster:
                 "(an engine and a trainer never hold a device at once)"
             )
         await self._to_trainers({d.id for d in self.train_devices})
-        versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"trainer ranks disagree on the version: {versions}")
-        self.version = versions[0]
-        return self.version
 
     async def sync_weights(self, version: int, devices: Sequence[Device], interrupt: bool = False) -> None:
         if version != self.version:

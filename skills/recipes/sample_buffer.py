@@ -24,6 +24,7 @@ class GroupBuffer:
         self._ready: dict[str, list[Trajectory]] = {}
         self._rank: dict[str, int] = {}  # group -> creation order
         self._complete: set[str] = set()  # groups that reached group_size finished members
+        self.streamed = 0  # groups taken as parts of the step not yet trained (stream training)
         self._changed = asyncio.Event()
         self.on_complete: Callable[[str], None] = lambda group_id: None  # the manager cancels spares here
         self.on_batch: Callable[[], None] = lambda: None  # a batch was taken (the manager defers tails here)
@@ -80,12 +81,27 @@ class GroupBuffer:
         ``check`` raises if the episodes' coroutines failed, so a crash surfaces instead of a hang.
         """
         await self.wait_ready(groups, policy_version, refill, check)
-        batch: list[Trajectory] = []
-        for group_id in sorted(self._ready, key=self._rank.__getitem__)[:groups]:
-            batch.extend(self._ready.pop(group_id))
+        batch = self.take(groups)
         # VAL: AST_POSTCONDITION (cond=len(batch) == groups * self.group_size)
         self.on_batch()
         return batch
+
+    def take(self, groups: int) -> list[Trajectory]:
+        """The step's batch (or, streamed, the groups that complete it): ``groups`` ready groups, oldest first."""
+        self.streamed = 0
+        return self._oldest(groups)
+
+    def take_part(self, groups: int) -> list[Trajectory]:
+        """A part of a streamed step: still the step's until it trains (``streamed``, which ``refill``
+        counts as waiting: the next batch's groups start when this one is taken whole, not sooner)."""
+        self.streamed += groups
+        return self._oldest(groups)
+
+    def _oldest(self, groups: int) -> list[Trajectory]:
+        taken: list[Trajectory] = []
+        for group_id in sorted(self._ready, key=self._rank.__getitem__)[:groups]:
+            taken.extend(self._ready.pop(group_id))
+        return taken
 
     def wake(self) -> None:
         """Something a waiting batch must look at again happened elsewhere: a group was handed back

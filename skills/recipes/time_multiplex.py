@@ -14,6 +14,12 @@ Partial rollout (``partial_rollout``, the ``partial_rollout`` technique): the tu
 interrupts resume from what they decoded, and the sampling-only engines' sync interrupts their
 running turns instead of waiting for them (they resume under the new weights).
 
+Stream training (``stream_train``, the ``stream_training`` technique, with ``shrink_at``): when the
+partial shrink frees every training device (the remaining demand needs none of them), they train the
+ready groups as parts of the step (``Cluster.train_part``), oldest first, while the rest of the batch
+still decodes; the groups that complete the batch are the step's own, so its last call computes only
+them. When it frees fewer, the step is progress_shrink's.
+
 Overlapped sync (``overlap_sync``, the ``overlap_sync`` technique): the sampling-only engines' sync
 and the training devices' expand run at once, so the freed devices are serving again while the
 sampling-only engines still drain their running turns for the new weights.
@@ -24,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import math
 
-from .controller_base import ControllerBase
+from targets.api import TrainBatch
+
+from .controller_base import ControllerBase, group_advantages
 
 
 class TimeMultiplex(ControllerBase):
@@ -41,20 +49,11 @@ class TimeMultiplex(ControllerBase):
         shrink_at = self.params.get("shrink_at", 1.0)
         if not 0.05 <= shrink_at <= 1.0:
             raise ValueError(f"params shrink_at must be within [0.05, 1.0] (1.0: off), got {shrink_at}")
-        outstanding = self.groups_per_step * (1 + buffer.async_ratio)
+        stream = bool(self.params.get("stream_train", 0))
+        if stream and shrink_at >= 1.0:
+            raise ValueError("params stream_train needs shrink_at < 1.0 (progress_shrink): when training may start")
         for _ in range(steps):
-            early = []
-            if shrink_at < 1.0:
-                ready = math.ceil(shrink_at * self.groups_per_step)
-                await buffer.wait_ready(ready, self.version, refill, manager.raise_if_failed)
-                demand = manager.groups_in_flight / outstanding
-                freed = len(rollout) - math.ceil(demand * len(rollout))
-                early = train[: max(0, min(len(train), freed))]
-                if early:
-                    await cluster.shrink(early)
-            batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
-            await cluster.shrink([d for d in train if d not in early])
-            version = await self._train(cluster, batch, train)
+            version = await self._step(cluster, buffer, manager, refill, rollout, train, shrink_at, stream)
             sync = cluster.sync_weights(version, sampling_only, interrupt=self.partial_rollout)
             if self.params.get("overlap_sync", 0):
                 await asyncio.gather(sync, cluster.expand(train))
@@ -62,3 +61,44 @@ class TimeMultiplex(ControllerBase):
                 await sync
                 await cluster.expand(train)
         await self._finish(buffer, manager)
+
+    def _freed(self, manager, buffer, rollout) -> int:
+        """How many rollout devices the remaining demand no longer needs (progress_shrink's rule):
+        demand is the share of the outstanding groups still running."""
+        demand = manager.groups_in_flight / (self.groups_per_step * (1 + buffer.async_ratio))
+        return len(rollout) - math.ceil(demand * len(rollout))
+
+    async def _step(self, cluster, buffer, manager, refill, rollout, train, shrink_at: float, stream: bool) -> int:
+        """One step trained once its batch is complete (with ``shrink_at`` < 1, the training devices
+        the remaining demand frees are shrunk early), or streamed when that freed all of them."""
+        early = []
+        if shrink_at < 1.0:
+            await buffer.wait_ready(
+                math.ceil(shrink_at * self.groups_per_step), self.version, refill, manager.raise_if_failed
+            )
+            early = train[: max(0, min(len(train), self._freed(manager, buffer, rollout)))]
+            if early:
+                await cluster.shrink(early)
+        if stream and len(early) == len(train):
+            return await self._streamed(cluster, buffer, manager, refill, train)
+        batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
+        await cluster.shrink([d for d in train if d not in early])
+        return await self._train(cluster, batch, train)
+
+    async def _streamed(self, cluster, buffer, manager, refill, train) -> int:
+        """The rest of the step on training devices rollout no longer needs: the ready groups train as
+        a part, whatever is ready when a part ends makes the next, and the groups that complete the
+        batch are the step's own."""
+        taken = 0
+        while True:
+            ready = buffer.ready_groups
+            if taken + ready >= self.groups_per_step:
+                batch = buffer.take(self.groups_per_step - taken)
+                buffer.on_batch()
+                return await self._train(cluster, batch, train)
+            if ready:
+                part = buffer.take_part(ready)
+                taken += ready
+                await cluster.train_part(TrainBatch(part, group_advantages(part)), train)
+            else:
+                await buffer.wait_ready(1, self.version, refill, manager.raise_if_failed)

@@ -17,7 +17,7 @@ from skills.recipes.fsdp_trainer import FSDPTrainer
 from skills.recipes.paged_engine import PagedEngine, choose_attention
 from skills.recipes.rendezvous import Rendezvous, connect
 from skills.recipes.weight_sync import BroadcastGroup, pack, to_buckets, unpack
-from targets.api import SamplingParams
+from targets.api import SamplingParams, TrainBatch
 from targets.harness.judge.accuracy import (
     check_engine,
     check_trainer,
@@ -330,6 +330,47 @@ def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path,
     assert result.passed, result.reasons
 
 
+class _Streamed:
+    """A trainer driven as stream training drives it: each batch's groups but the last as parts of one
+    group each (``train_part``), the last group as the step itself. ``parts=False``: a trainer that
+    drops its parts (what the judge must see)."""
+
+    def __init__(self, trainer: FSDPTrainer, parts: bool = True) -> None:
+        self.trainer, self.parts = trainer, parts
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def train_step(self, batch: TrainBatch) -> int:
+        groups = list(dict.fromkeys(t.group_id for t in batch.trajectories))
+
+        def of(group: str) -> TrainBatch:
+            pairs = [(t, a) for t, a in zip(batch.trajectories, batch.advantages) if t.group_id == group]
+            return TrainBatch([t for t, _ in pairs], [a for _, a in pairs])
+
+        for group in groups[:-1] if self.parts else []:
+            self.trainer.train_part(of(group))
+        return self.trainer.train_step(of(groups[-1]))
+
+    def state_dict(self):
+        return self.trainer.state_dict()
+
+
+@pytest.mark.parametrize("parts", [True, False], ids=["streamed", "parts dropped"])
+def test_a_step_trained_in_parts_is_the_reference_step_on_the_whole_batch(path, tiny_model, tiny_spec, parts):
+    """Stream training's trainer: parts' gradients summed, the step's own added, the sum divided by the
+    whole batch's response tokens, then clipped and stepped: the trainer check's two steps pass (two
+    and three groups a batch). Dropping the parts fails it: the check sees the difference."""
+    result = check_trainer(
+        lambda state, c: _Streamed(FSDPTrainer(path, c, state=state, micro_batch_tokens=64), parts),
+        tiny_model,
+        tiny_spec.workload.training.config(),
+        tiny_spec.accuracy,
+    )
+    assert result.passed == parts, result.reasons
+
+
 @pytest.mark.parametrize("family", ["dense", "moe"])
 def test_the_trainers_own_qwen3_is_transformers_qwen3_in_names_values_and_gradients(path, family):
     """The trainer's model (no transformers import) against transformers' class on a right-padded batch:
@@ -369,8 +410,9 @@ def test_the_trainers_own_qwen3_is_transformers_qwen3_in_names_values_and_gradie
             assert error < 1e-3, f"{name}: the gradient differs by {error:.1e} of its norm"
 
 
-def _second_rank(path: str, rendezvous: str, done) -> None:
-    """Rank 1 of a two-rank trainer: the same steps on the same batches as rank 0 (run by the check)."""
+def _second_rank(path: str, rendezvous: str, done, streamed: bool = False) -> None:
+    """Rank 1 of a two-rank trainer: the same steps on the same batches as rank 0 (run by the check),
+    in parts as rank 0 takes them when ``streamed``."""
     from targets.harness.judge.accuracy import fixed_train_batches
 
     spec = load_target("tiny-qwen3-cpu")
@@ -382,24 +424,32 @@ def _second_rank(path: str, rendezvous: str, done) -> None:
         rendezvous=rendezvous,
         micro_batch_tokens=64,
     )
+    stepper = _Streamed(trainer) if streamed else trainer
     for batch in fixed_train_batches(load_model(model_dir(spec.model))):
-        trainer.train_step(batch)
+        stepper.train_step(batch)
     trainer.state_dict()  # a collective: rank 0's check gathers the full weights
     trainer.close()
     done.put("ok")
 
 
-def test_two_fsdp_ranks_over_gloo_pass_the_trainer_check(path, tiny_model, tiny_spec):
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_two_fsdp_ranks_over_gloo_pass_the_trainer_check(path, tiny_model, tiny_spec, streamed):
+    """Also in parts: each part's gradients are reduced over the ranks as it ends, and add up."""
     rendezvous = Rendezvous()
     context = multiprocessing.get_context("spawn")
     done = context.Queue()
-    other = context.Process(target=_second_rank, args=(path, rendezvous.address, done))
+    other = context.Process(target=_second_rank, args=(path, rendezvous.address, done, streamed))
     other.start()
+
+    def make(state, c):
+        trainer = FSDPTrainer(
+            path, c, rank=0, world_size=2, state=state, micro_batch_tokens=64, rendezvous=rendezvous.address
+        )
+        return _Streamed(trainer) if streamed else trainer
+
     try:
         result = check_trainer(
-            lambda state, c: FSDPTrainer(
-                path, c, rank=0, world_size=2, state=state, micro_batch_tokens=64, rendezvous=rendezvous.address
-            ),
+            make,
             tiny_model,
             tiny_spec.workload.training.config(),
             tiny_spec.accuracy,

@@ -708,3 +708,35 @@ def test_a_step_on_other_devices_than_its_parts_is_refused_at_the_call(tmp_path,
     )
     assert not run.ok
     assert "this step's parts were trained on ['cpu:1'] (a step and its parts run on the same devices)" in run.cause
+
+
+def test_a_part_the_run_never_trains_leaves_its_episodes_unaccounted(tmp_path, fast_target):
+    """Planted: after the last step the controller takes one more group as a part and ends the run."""
+    finish = "        await self._finish(buffer, manager)\n"
+    extra = (
+        "        await cluster.shrink(train)\n"
+        "        await buffer.wait_ready(1, self.version, refill, manager.raise_if_failed)\n"
+        "        part = buffer.take_part(1)\n"
+        "        await cluster.train_part(TrainBatch(part, group_advantages(part)), train)\n"
+    )
+    _, run = harness_run(
+        tmp_path, fast_target, STREAM, True, STREAM_TOOLS, patch=planted("time_multiplex.py", finish, extra + finish)
+    )
+    assert run.ok, run.cause
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any(r.startswith("unaccounted: ") for r in audit["reasons"]), audit
+
+
+def test_parts_sent_at_once_on_other_devices_are_refused_however_they_race(tmp_path, fast_target):
+    """Planted: a part on the training device and the same groups on the other device, both sent at
+    once; the harness takes training calls one at a time, so the second meets the first's devices."""
+    both = PART_CALL.replace(
+        "await cluster.train_part(TrainBatch(part, group_advantages(part)), train)",
+        "await asyncio.gather(*(cluster.train_part(TrainBatch(part, group_advantages(part)), on) "
+        "for on in (train, cluster.devices[:1])))",
+    )
+    _, run = harness_run(
+        tmp_path, fast_target, STREAM, True, STREAM_TOOLS, patch=planted("time_multiplex.py", PART_CALL, both)
+    )
+    assert not run.ok
+    assert "(a step and its parts run on the same devices)" in run.cause, run.cause

@@ -91,6 +91,8 @@ class TimeMultiplex(ControllerBase):
         batch are the step's own."""
         taken = 0
         while True:
+            buffer.drop_stale(self.version)  # as a batch taken whole: a part trains no stale group
+            refill()
             ready = buffer.ready_groups
             if taken + ready >= self.groups_per_step:
                 batch = buffer.take(self.groups_per_step - taken)

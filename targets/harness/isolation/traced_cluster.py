@@ -26,6 +26,7 @@ class TracedCluster:
         self.steps = 0
         self._parts: list[tuple[float, TrainBatch]] = []  # the next step's parts so far (stream training)
         self._part_devices: list[str] = []
+        self._training = asyncio.Lock()  # one training call at a time: a part is checked and filed whole
         self._resident: dict | None = None
         self.last_device: dict[str, str] = {}  # episode -> the device that served its latest turn
 
@@ -116,26 +117,33 @@ class TracedCluster:
 
     async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
         """Stream training: the groups are recorded with the step they join, and the step's ``train``
-        event lists them with the time each was taken (``consumed``)."""
-        self._same_devices(devices, "train_part")
-        start = self.trace.clock.now()
-        await self.inner.train_part(batch, devices)
-        self._parts.append((start, batch))
-        self.trace.record(
-            "train_part",
-            start=start,
-            step=self.steps + 1,
-            devices=[d.id for d in devices],
-            episodes=[t.episode_id for t in batch.trajectories],
-        )
-        await self._residency()
+        event lists them with the time each was taken (``consumed``). Training calls run one at a
+        time (calls a controller makes at once wait their turn), so parts can neither race the device
+        check nor land in another step than the one they were taken for."""
+        async with self._training:
+            start = self.trace.clock.now()
+            self._same_devices(devices, "train_part")
+            await self.inner.train_part(batch, devices)
+            self._parts.append((start, batch))
+            self.trace.record(
+                "train_part",
+                start=start,
+                step=self.steps + 1,
+                devices=[d.id for d in devices],
+                episodes=[t.episode_id for t in batch.trajectories],
+            )
+            await self._residency()
 
     async def train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
+        async with self._training:
+            return await self._train(batch, devices)
+
+    async def _train(self, batch: TrainBatch, devices: Sequence[Device]) -> int:
         """The batch is recorded as the harness received it (what the trainer gets and the audit
         replays): this step's parts first, each trajectory with ``consumed``, when it stopped being
         in flight (its part's start; ``start``, the call's, for the batch's own)."""
-        self._same_devices(devices, "train")
         start = self.trace.clock.now()
+        self._same_devices(devices, "train")
         await self.exporter.saved()  # the previous version's snapshot is on disk before the next step
         self.steps += 1
         step, tokens = self.steps, self.trace.tokens

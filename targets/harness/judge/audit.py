@@ -33,7 +33,7 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
   its p99 TTFT and TPOT within the pool's SLOs, and a rollout engine on a serving device served only
   between that device's expand and shrink (lending is an expand);
 * verdicts (a target with a reward model): every trajectory trained on that ended well was judged by
-  the reward model once, on its whole context, before the training step that used it started;
+  the reward model once, on its whole context, before the training step (or its part) took it;
 * token ids: every token prompted, generated or trained on is in the model's vocabulary (else nothing
   is replayed: no model can embed it);
 * replay (``targets/harness/judge/replay.py``): logprobs under the claimed weights, sampling at the spec's
@@ -445,7 +445,7 @@ def check_serving(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
 def check_verdicts(ix: TraceIndex, r: Reasons) -> dict:
     """With a reward model, a reward is the judge's: each trained trajectory that ended well (not timed
     out, not lost) has one verdict, asked when its last step ended, on its whole context, and in before
-    the training step that used it started (a stack that guessed the reward could train sooner)."""
+    the training step (or its part) took it (a stack that guessed the reward could train sooner)."""
     if not ix.judged:
         return {}
     for episode, steps_in in ix.trained_in.items():
@@ -490,7 +490,7 @@ def check_reward_devices(ix: TraceIndex, r: Reasons) -> None:
     for e in ix.events:
         if e.kind == "generate" and e.data.get("device") in reserved:
             used = [e.data["device"]]
-        elif e.kind in ("train", "sync", "expand", "shrink"):
+        elif e.kind in ("train", "train_part", "sync", "expand", "shrink"):
             used = sorted(reserved & set(e.data["devices"]))
         else:
             continue

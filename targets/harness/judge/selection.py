@@ -109,7 +109,9 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     f"episode {episode} dropped as deferred at {e.t:.2f}s, when its group {group} had "
                     f"{finished} finished members: only an unfinished group may be deferred",
                 )
-            elif not any(ix.created_at.get(group, math.inf) < ix.taken_from(t) < e.t for t in ix.trains):
+            elif not any(
+                ix.created_at.get(group, math.inf) < ix.taken_from(t) and t.data["start"] < e.t for t in ix.trains
+            ):
                 # Deferring a group that has not waited through a whole step picks which episodes train:
                 # on a real run the relaunch redraws them, so deferring early is resampling the long ones.
                 r.add(

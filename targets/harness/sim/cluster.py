@@ -191,7 +191,7 @@ class SimCluster:
 
     def _take_for_training(self, devices: Sequence[Device]) -> None:
         if not devices:
-            raise ValueError("train needs at least one device")
+            raise ValueError("training needs at least one device")
         if self.serving is not None:
             self.serving.refuse_training([d.id for d in devices])
         judging = sorted(d.id for d in devices if d.id in self.judging)

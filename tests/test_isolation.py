@@ -330,10 +330,12 @@ def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, f
                 "                SEEN['check'] = False",
             ),
             "controller_base.py": (
-                "            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups))",
+                "            manager.launch(max(0, outstanding - manager.groups_in_flight - buffer.ready_groups"
+                " - buffer.streamed))",
                 "            extra = 2 * self.groups_per_step if SEEN.get('check') is False else 0  # planted\n"
                 "            ahead = outstanding + extra\n"
-                "            manager.launch(max(0, ahead - manager.groups_in_flight - buffer.ready_groups))",
+                "            manager.launch(max(0, ahead - manager.groups_in_flight - buffer.ready_groups"
+                " - buffer.streamed))",
             ),
         },
     )

@@ -599,7 +599,7 @@ STREAM = {"shrink_at": 0.5, "stream_train": 1}
 # Groups finish far apart (the first ones wait for the tail); async_ratio 0: no next batch runs beside
 # the tail, so at half the batch ready the remaining demand frees the training device.
 STREAM_TOOLS = {**TAIL_TOOLS, "train_steps": 3, "async_ratio": 0}
-PART_CALL = "                await cluster.train_part(TrainBatch(part, group_advantages(part)), train)\n"
+PART_CALL = "            await cluster.train_part(TrainBatch(part, group_advantages(part)), train)\n"
 STEP_CALL = "                return await self._train(cluster, batch, train)\n"
 
 

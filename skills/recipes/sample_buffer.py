@@ -81,15 +81,11 @@ class GroupBuffer:
         ``check`` raises if the episodes' coroutines failed, so a crash surfaces instead of a hang.
         """
         await self.wait_ready(groups, policy_version, refill, check)
-        batch = self.take(groups)
+        self.streamed = 0  # a streamed step's parts are trained with this, the rest of its batch
+        batch = self._oldest(groups)
         # VAL: AST_POSTCONDITION (cond=len(batch) == groups * self.group_size)
         self.on_batch()
         return batch
-
-    def take(self, groups: int) -> list[Trajectory]:
-        """The step's batch (or, streamed, the groups that complete it): ``groups`` ready groups, oldest first."""
-        self.streamed = 0
-        return self._oldest(groups)
 
     def take_part(self, groups: int) -> list[Trajectory]:
         """A part of a streamed step: still the step's until it trains (``streamed``, which ``refill``

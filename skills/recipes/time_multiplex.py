@@ -90,17 +90,13 @@ class TimeMultiplex(ControllerBase):
         a part, whatever is ready when a part ends makes the next, and the groups that complete the
         batch are the step's own."""
         taken = 0
-        while True:
-            buffer.drop_stale(self.version)  # as a batch taken whole: a part trains no stale group
-            refill()
+        while True:  # waiting drops stale groups and refills, as for a batch taken whole
+            await buffer.wait_ready(1, self.version, refill, manager.raise_if_failed)
             ready = buffer.ready_groups
             if taken + ready >= self.groups_per_step:
-                batch = buffer.take(self.groups_per_step - taken)
-                buffer.on_batch()
+                rest = self.groups_per_step - taken
+                batch = await buffer.next_batch(rest, self.version, refill, manager.raise_if_failed)
                 return await self._train(cluster, batch, train)
-            if ready:
-                part = buffer.take_part(ready)
-                taken += ready
-                await cluster.train_part(TrainBatch(part, group_advantages(part)), train)
-            else:
-                await buffer.wait_ready(1, self.version, refill, manager.raise_if_failed)
+            part = buffer.take_part(ready)
+            taken += ready
+            await cluster.train_part(TrainBatch(part, group_advantages(part)), train)

@@ -23,6 +23,12 @@ def token_count(payload: list | int) -> int:
     return payload if isinstance(payload, int) else len(payload)
 
 
+def consumed_at(train: TraceEvent, trajectory: dict) -> float:
+    """When a trajectory of a ``train`` event stopped being in flight: its part's start (stream
+    training), else its step's."""
+    return trajectory.get("consumed", train.data["start"])
+
+
 class Trace:
     def __init__(self, clock: Clock, record_tokens: bool = True) -> None:
         self.clock = clock

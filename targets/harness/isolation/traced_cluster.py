@@ -113,7 +113,6 @@ class TracedCluster:
                 f"{call} on {ids}: this step's parts were trained on {self._part_devices} "
                 "(a step and its parts run on the same devices)"
             )
-        self._part_devices = ids
 
     async def train_part(self, batch: TrainBatch, devices: Sequence[Device]) -> None:
         """Stream training: the groups are recorded with the step they join, and the step's ``train``
@@ -125,6 +124,7 @@ class TracedCluster:
             self._same_devices(devices, "train_part")
             await self.inner.train_part(batch, devices)
             self._parts.append((start, batch))
+            self._part_devices = [d.id for d in devices]
             self.trace.record(
                 "train_part",
                 start=start,

@@ -64,7 +64,7 @@ from targets.harness.judge.selection import (
 )
 from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
 from targets.harness.reference.grpo import group_advantages_of
-from targets.harness.trace import Trace, token_count
+from targets.harness.trace import Trace, consumed_at, token_count
 from targets.spec import TargetSpec
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     w = spec.workload
     bound = w.groups_per_step * (1 + staleness_bound(ix, spec)) * (w.group_size + ix.declared.redundant_per_group)
     changes = [(e.t, 1, 1) for e in ix.by_kind["episode_created"]]
-    changes += [(ix.consumed(train, t), 0, -1) for train in ix.trains for t in train.data["trajectories"]]
+    changes += [(consumed_at(train, t), 0, -1) for train in ix.trains for t in train.data["trajectories"]]
     changes += [(e.t, 0, -1) for e in ix.dropped.values()]
     outstanding = peak = 0
     for when, _, delta in sorted(changes):
@@ -124,12 +124,12 @@ def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     finished before the previous step ended (so it waited in the buffer when this batch was taken)
     may not be passed over for a younger one, nor left there until it goes stale."""
     w = spec.workload
-    consumed_at: dict[str, float] = {}
+    group_taken: dict[str, float] = {}  # group -> when a step (or its part) took it, or it was dropped
     for train in ix.trains:
         for t in train.data["trajectories"]:
-            consumed_at.setdefault(ix.group_of.get(t["episode"], t["group"]), ix.consumed(train, t))
+            group_taken.setdefault(ix.group_of.get(t["episode"], t["group"]), consumed_at(train, t))
     for e in ix.dropped.values():
-        consumed_at.setdefault(ix.group_of.get(e.data["episode"], ""), e.t)
+        group_taken.setdefault(ix.group_of.get(e.data["episode"], ""), e.t)
     finished_groups: dict[str, list[float]] = defaultdict(list)
     for episode in ix.created:
         if (at := ix.finished_at(episode)) is not None:
@@ -165,7 +165,7 @@ def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
         passed_over = [
             g
             for g, done in group_done.items()
-            if done < previous_end and consumed_at.get(g, float("inf")) >= start and g not in members
+            if done < previous_end and group_taken.get(g, float("inf")) >= start and g not in members
         ]
         youngest = max((ix.group_order.get(g, -1) for g in members), default=-1)
         for group in sorted(passed_over, key=lambda g: ix.group_order.get(g, 0)):
@@ -217,7 +217,7 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
             episode = t["episode"]
             if episode not in ix.group_of:
                 continue
-            if (at := ix.finished_at(episode)) is None or at > ix.consumed(train, t):
+            if (at := ix.finished_at(episode)) is None or at > consumed_at(train, t):
                 r.add(
                     "skipped environment steps",
                     f"episode {episode} was trained on before its environment finished"
@@ -448,6 +448,10 @@ def check_verdicts(ix: TraceIndex, r: Reasons) -> dict:
     the training step (or its part) took it (a stack that guessed the reward could train sooner)."""
     if not ix.judged:
         return {}
+    taken: dict[str, float] = {}  # episode -> when its first training step (or part) took it
+    for train in ix.trains:
+        for t in train.data["trajectories"]:
+            taken.setdefault(t["episode"], consumed_at(train, t))
     for episode, steps_in in ix.trained_in.items():
         if not ix.finished(episode):
             continue  # not an environment's episode: exactly-once and fidelity say so
@@ -459,7 +463,6 @@ def check_verdicts(ix: TraceIndex, r: Reasons) -> dict:
             r.add("reward verdict", f"episode {episode} was trained on with {len(judged)} verdicts of the reward model")
             continue
         (verdict,) = judged
-        train = ix.trains[steps_in[0]]
         context = token_count(ix.context_tokens(episode, len(ix.env_steps[episode])))
         if verdict.data["tokens"] != context or abs(verdict.data["start"] - end.t) > 1e-6:
             r.add(
@@ -468,11 +471,10 @@ def check_verdicts(ix: TraceIndex, r: Reasons) -> dict:
                 f"{verdict.data['start']:.3f} s, not its whole context of {context} as its last step ended "
                 f"at {end.t:.3f} s",
             )
-        taken = ix.consumed(train, next(t for t in train.data["trajectories"] if t["episode"] == episode))
-        if verdict.t > taken:
+        if verdict.t > taken[episode]:
             r.add(
                 "reward verdict",
-                f"episode {episode} was trained on by step {steps_in[0] + 1} at {taken:.3f} s, "
+                f"episode {episode} was trained on by step {steps_in[0] + 1} at {taken[episode]:.3f} s, "
                 f"before the reward model's verdict at {verdict.t:.3f} s",
             )
     check_reward_devices(ix, r)

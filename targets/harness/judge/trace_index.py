@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from targets.api import Declared, TraceEvent
-from targets.harness.trace import token_count
+from targets.harness.trace import consumed_at, token_count
 from targets.spec import TargetSpec
 
 MAX_REASONS_PER_KIND = 3
@@ -122,14 +122,9 @@ class TraceIndex:
         return ix
 
     @staticmethod
-    def consumed(train: TraceEvent, t: dict) -> float:
-        """When a trained trajectory stopped being in flight: its part's start (stream training), else
-        its step's."""
-        return t.get("consumed", train.data["start"])
-
-    def taken_from(self, train: TraceEvent) -> float:
+    def taken_from(train: TraceEvent) -> float:
         """When a step began taking its batch: its first part's start (stream training), else its own."""
-        return min((self.consumed(train, t) for t in train.data["trajectories"]), default=train.data["start"])
+        return min((consumed_at(train, t) for t in train.data["trajectories"]), default=train.data["start"])
 
     def finished(self, episode: str) -> bool:
         steps = self.env_steps.get(episode)

@@ -49,7 +49,7 @@ import yaml
 from targets.api import TraceEvent
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.profile_fit import ProfileError, fit_profile, lengths_yaml, response_lengths, stand_in_workload
-from targets.harness.trace import token_count
+from targets.harness.trace import consumed_at, token_count
 from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, load_target, resolve_target_path
 
 
@@ -243,7 +243,7 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
     # -- training ------------------------------------------------------------------------------
     train_rows = []
     for e in (e for e in events if e.kind == "train"):  # a streamed step's call trains its own batch only
-        own = [t for t in e.data["trajectories"] if t.get("consumed", e.data["start"]) == e.data["start"]]
+        own = [t for t in e.data["trajectories"] if consumed_at(e, t) == e.data["start"]]
         lengths = [token_count(t["tokens"]) for t in own]
         flops = (cost.train_s(lengths, 1) - cost.train_step_overhead_s) * cost.peak_flops * cost.train_mfu
         train_rows.append((flops / (len(e.data["devices"]) * cost.peak_flops), e.t - e.data["start"]))

@@ -121,14 +121,13 @@ class GenerateRequest:
 
 
 class Aborted(Exception):
-    """Raised by ``Cluster.generate`` when the engine serving the request was shrunk, suspended or
-    interrupted by ``sync_weights(..., interrupt=True)``. ``partial`` holds the tokens decoded before
-    the interruption (finish ``"abort"``, the version and device that decoded them), always sent,
-    empty if none were: the audit explains an abort only by a shrink, suspend or interrupting sync of
-    that device. Stacks that declare ``partial_rollout`` resume the turn from it
-    (``GenerateRequest.continues``); others retry from the start. Engines admit in arrival order and
-    preempt the youngest first, so a request has decoded a token once a later one on its engine has:
-    for those stacks the audit rejects an empty partial after that (it would resample the turn)."""
+    """Raised by ``Cluster.generate`` when the engine serving the request was shrunk, suspended or interrupted by
+    ``sync_weights(..., interrupt=True)``. ``partial`` holds the tokens decoded before the interruption (finish
+    ``"abort"``, the version and device that decoded them), always sent, empty if none were: the audit explains an
+    abort only by a shrink, suspend or interrupting sync of that device. Stacks that declare ``partial_rollout``
+    resume the turn from it (``GenerateRequest.continues``); others retry from the start. Engines admit in arrival
+    order and preempt the youngest first, so a request has decoded a token once a later one on its engine has: for
+    those stacks the audit rejects an empty partial after that (it would resample the turn)."""
 
     def __init__(self, message: str = "", partial: Completion | None = None) -> None:
         super().__init__(message)
@@ -512,18 +511,17 @@ class Runtime:
 
 @dataclass(frozen=True)
 class Declared:
-    """What a stack does on purpose that the audit would otherwise count against it; the audit
-    bounds each by what is declared here. ``redundant_per_group``: extra episodes launched per
-    group (dropped as ``redundant`` once the group has ``group_size`` finished). ``async_ratio``: the
-    staleness bound the stack runs under when it chooses one (at most ``Workload.max_async_ratio``;
-    None: the workload's ``async_ratio``). ``partial_rollout``: the stack resumes interrupted turns
-    from their partial responses; only then may it resume any, and then it must resume every one it
-    trains (keeping some partials and restarting others would let it choose its samples).
-    ``tail_round``: the stack defers unfinished groups and relaunches their tasks ``tail_round`` at a
-    time (tail batching; 0: it defers none); at most ``tail_round - 1`` deferred tasks may still wait
-    for their relaunch when the run ends, so deferring cannot drop tasks it finds too long. The target
-    bounds each (``WorkloadSpec.declared_limits``: ``max_async_ratio``, ``group_size`` spares,
-    ``tail_round`` up to a step's groups); the harness refuses more at hello."""
+    """What a stack does on purpose that the audit would otherwise count against it; the audit bounds each by what is
+    declared here. ``redundant_per_group``: extra episodes launched per group (dropped as ``redundant`` once the
+    group has ``group_size`` finished). ``async_ratio``: the staleness bound the stack runs under when it chooses one
+    (at most ``Workload.max_async_ratio``; None: the workload's ``async_ratio``). ``partial_rollout``: the stack
+    resumes interrupted turns from their partial responses; only then may it resume any, and then it must resume
+    every one it trains (keeping some partials and restarting others would let it choose its samples).
+    ``tail_round``: the stack defers unfinished groups and relaunches their tasks ``tail_round`` at a time (tail
+    batching; 0: it defers none); at most ``tail_round - 1`` deferred tasks may still wait for their relaunch when
+    the run ends, so deferring cannot drop tasks it finds too long. The target bounds each
+    (``WorkloadSpec.declared_limits``: ``max_async_ratio``, ``group_size`` spares, ``tail_round`` up to a step's
+    groups); the harness refuses more at hello."""
 
     redundant_per_group: int = 0
     async_ratio: int | None = None
@@ -533,17 +531,19 @@ class Declared:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What the simulator models of the stack's engines (a real run's are the stack's own code; the
-    harness records this): ``speculative_tokens`` drafted a step while at most ``speculative_batch`` run;
-    where the target's reward model judges (``Workload.reward_model``): beside the policy on the engine
-    of the episode's last turn, on ``reward_devices`` (never rollout or training), or serverless;
-    ``engine_scale`` times ``Runtime.engine_devices`` devices an engine (up to the target's maximum)."""
+    """What the simulator models of the stack's engines (a real run's are the stack's own code; the harness records
+    this): ``speculative_tokens`` drafted a step while at most ``speculative_batch`` run; where the target's reward
+    model judges (``Workload.reward_model``): beside the policy on the engine of the episode's last turn, on
+    ``reward_devices`` (never rollout or training), or serverless; ``engine_scale`` times ``Runtime.engine_devices``
+    devices an engine (up to the target's maximum); ``host_kv_tokens`` of evicted prefixes an engine keeps in host
+    memory (the ``kv_host_tier`` skill)."""
 
     speculative_tokens: int = 0
     speculative_batch: int = 0
     reward: Literal["colocated", "dedicated", "serverless"] = "colocated"
     reward_devices: tuple[str, ...] = ()  # the job's devices set aside for the judge (``dedicated``)
     engine_scale: int = 1
+    host_kv_tokens: int = 0
 
 
 @dataclass

@@ -240,6 +240,42 @@ def test_the_next_turn_of_an_episode_reuses_its_prefix(path, tiny_model):
     assert second.generated == reference_greedy(tiny_model, [following], 6)[0].tokens
 
 
+@pytest.mark.parametrize("host_kv_tokens", [0, 512])
+def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(path, tiny_model, host_kv_tokens):
+    """Another episode's turn evicts the first episode's prefix (the cache holds one context); with a
+    host tier the next turn reloads it (no prefill of its blocks), without one it prefills it all
+    again, and either way its tokens and logprobs are the reference's. A weight load drops the tier."""
+    from targets.harness.reference.engine import next_token_logits
+
+    engine = PagedEngine(path, block_size=4, kv_tokens=48, host_kv_tokens=host_kv_tokens)
+    prompt = fixed_prompts(1)[0] + [5, 6, 7, 8, 9, 10, 11]
+    first = engine.submit(prompt, _greedy(6), episode="g0/e0")
+    while not first.finish:
+        engine.step()
+    other = engine.submit([(7 * i + 3) % 60 + 2 for i in range(30)], _greedy(6), episode="g0/e1")  # needs its blocks
+    while not other.finish:
+        engine.step()
+    assert "g0/e0" not in engine.blocks.prefixes  # evicted
+    following = prompt + first.generated + [12, 13, 14]
+    second = engine.submit(following, _greedy(6), episode="g0/e0")
+    engine._drain_control()
+    engine._admit()
+    whole = 4 * ((len(prompt) + 5) // 4)  # the first turn's whole blocks
+    assert second.computed == (whole if host_kv_tokens else 0)
+    while not second.finish:
+        engine.step()
+    assert second.generated == reference_greedy(tiny_model, [following], 6)[0].tokens
+    sequence = list(following)
+    for token, logprob in zip(second.generated, second.logprobs):
+        expected = next_token_logits(tiny_model, [sequence])[0].log_softmax(-1)[token]
+        assert logprob == pytest.approx(float(expected), abs=1e-4)
+        sequence.append(token)
+    if host_kv_tokens:
+        assert engine.host_kv.restored_tokens == whole and engine.host_kv.saved_tokens >= whole
+        engine.load_weights({}, 1)
+        assert not engine.host_kv.saved  # computed under the old weights
+
+
 def test_a_full_cache_preempts_and_recomputes_without_changing_the_tokens(path, tiny_model):
     engine = PagedEngine(path, block_size=4, kv_tokens=96)  # 24 blocks for 6 requests that each want 8
     prompts = fixed_prompts(6)

@@ -519,6 +519,7 @@ def test_speculative_decoding_in_the_simulator_decodes_faster_and_the_trace_says
             "reward": "colocated",  # the target has no reward model: the default placement, never used
             "reward_devices": [],
             "engine_scale": 1,
+            "host_kv_tokens": 0,
         }
         assert start.data["engine"] == told
         served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]
@@ -740,3 +741,54 @@ def test_parts_sent_at_once_on_other_devices_are_refused_however_they_race(tmp_p
     )
     assert not run.ok
     assert "(a step and its parts run on the same devices)" in run.cause, run.cause
+
+
+# -- kv_host_tier: evicted prefixes restored from host memory ----------------------------------------
+
+# The real engines' caches hold 384 tokens (one and a half full sequences): the episodes in flight evict
+# each other's prefixes between turns. The simulator's engines (memory overridden) hold 625.
+HOST_TIER = {"host_kv": 8, "kv_tokens": 384}
+SMALL_KV = {"kind": "cpu", "count": 2, "memory_gb": 0.0025}
+RESTORE_KEYS = "            pool.k[layer].index_copy_(0, index, k[layer][:usable].to(pool.k[layer].device))\n"
+
+
+def _host_tier_counts(out) -> tuple[int, int]:
+    """(tokens restored, tokens saved) over the engines, from the cluster's log (the engine's own count)."""
+    log = (out / "cluster.log").read_text()
+    counts = re.findall(r"host tier on \S+: (\d+) tokens restored of (\d+) saved", log)
+    return sum(int(r) for r, _ in counts), sum(int(s) for _, s in counts)
+
+
+def test_kv_host_tier_restores_evicted_prefixes_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):
+    """The engines save the prefixes they evict and restore some when their episodes come back; every
+    turn's logprobs, restored context included, pass the audit's replay."""
+    audited_run(tmp_path, fast_target, HOST_TIER, False)
+    restored, saved = _host_tier_counts(tmp_path / "out")
+    assert 0 < restored <= saved, (restored, saved)
+
+
+def test_a_host_tier_that_restores_other_keys_is_rejected_by_the_replay(tmp_path, fast_target):
+    """Planted: a tier that restores zeros for the keys (what it saves is not what it gives back). The
+    turns that read them carry logprobs the claimed weights do not give: the audit's replay rejects the run."""
+    lost = RESTORE_KEYS.replace("k[layer][:usable]", "torch.zeros_like(k[layer][:usable])")
+    _, run = harness_run(tmp_path, fast_target, HOST_TIER, False, patch=planted("kv_cache.py", RESTORE_KEYS, lost))
+    assert _host_tier_counts(tmp_path / "out")[0] > 0  # the plant acted
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any(r.startswith("replay: ") for r in audit["reasons"]), audit["reasons"]
+
+
+def test_kv_host_tier_in_the_simulator_restores_instead_of_prefilling(tmp_path, fast_target):
+    """Simulated on engines whose cache the episodes in flight overfill: with the tier the run's
+    engines restore evicted prefixes and prefill fewer tokens than the same seed without it; the
+    stack's hello tells the harness the tier's size, and the audit passes."""
+    runs = {}
+    for name, params in (("plain", {}), ("tier", {"host_kv": 8})):
+        data = yaml.safe_load(fast_target.read_text())
+        data["hardware"] = SMALL_KV
+        _, run = target_run(tmp_path / name, data, params, True)
+        assert run.ok and run.results["audit"]["result"]["passed"], (run.cause, run.results.get("audit"))
+        start = next(e for e in Trace.load_events(run.out / "trace.jsonl") if e.kind == "run_start")
+        assert start.data["engine"]["host_kv_tokens"] == 8 * data["workload"]["tokens"]["max_sequence"] * bool(params)
+        runs[name] = run.results["system"]
+    assert runs["plain"]["restored_tokens"] == 0 < runs["tier"]["restored_tokens"], runs
+    assert runs["tier"]["prefilled_tokens"] < runs["plain"]["prefilled_tokens"], runs

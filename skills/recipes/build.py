@@ -22,7 +22,7 @@ ENGINE_OPTIONS += ("speculative_tokens", "speculative_ngram", "speculative_batch
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
 STRUCTURE = ("controller", "engine", "cluster", "threads_per_actor", "rollout_devices", "train_devices", "bucket_bytes")
 TECHNIQUE_PARAMS = (  # what the controllers, the router, the harvester and the reward placement read
-    *("abort_stale", "affinity_ratio", "async_ratio", "checkpoint_level", "engine_scale", "harvest_margin"),
+    *("abort_stale", "affinity_ratio", "async_ratio", "checkpoint_level", "engine_scale", "harvest_margin", "host_kv"),
     *("kv_routing", "overlap_sync", "partial_rollout", "redundant_envs", "reward_devices", "reward_placement"),
     *("route_admit", "route_slack", "serving_harvest", "shrink_at", "stream_train", "tail_round"),
 )
@@ -47,8 +47,9 @@ def vllm_options(params: dict, max_sequence: int, cuda: bool = True) -> dict:
     memory, the batch bound, graphs or eager); the paged engine's own options that vLLM has no
     equivalent of are refused rather than dropped. ``block_size`` (every starter's) stays the paged
     engine's: vLLM picks its block size per attention backend (its CPU backend takes multiples of 32)."""
-    if params.get("speculative_tokens", 0):
-        raise ValueError("speculative_tokens: the speculative_decoding recipe is the paged engine's, not vLLM's")
+    for own in ("speculative_tokens", "host_kv"):
+        if params.get(own, 0):
+            raise ValueError(f"{own}: the paged engine's (its skill's recipe), not vLLM's")
     own = [k for k in ("kv_tokens", "attention") if k in params and params[k] not in (None, "auto")]
     if own:
         raise ValueError(f"params {own}: the paged engine's options; vLLM sizes its cache by kv_memory_fraction")
@@ -79,6 +80,10 @@ def build(runtime: Runtime) -> Stack:
     bucket_bytes = params.get("bucket_bytes")  # None: weight_sync's default (imported with torch, when used)
     # VAL: VAL_INT_RANGE (value=params.get("bucket_bytes", 1 << 26), min=1 << 20, max=1 << 30)
     engine_options = {k: params[k] for k in ENGINE_OPTIONS if k in params}
+    # VAL: VAL_INT_RANGE (value=params.get("host_kv", 0), min=0, max=1024)
+    host_kv_tokens = params.get("host_kv", 0) * runtime.workload.max_sequence  # the kv_host_tier skill, an engine
+    if host_kv_tokens:
+        engine_options["host_kv_tokens"] = host_kv_tokens
     if engine == "vllm":
         engine_options = vllm_options(params, runtime.workload.max_sequence, runtime.accelerator == "cuda")
     trainer_options = {k: params[k] for k in TRAINER_OPTIONS if k in params}
@@ -165,5 +170,6 @@ def build(runtime: Runtime) -> Stack:
         reward=reward,
         reward_devices=reward_devices,
         engine_scale=engine_scale,
+        host_kv_tokens=host_kv_tokens,
     )
     return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared, engine_settings)

@@ -203,6 +203,13 @@ class EngineServer:
     async def asleep(self) -> bool:
         return self.engine.offloaded
 
-    async def speculation(self) -> tuple[int, int]:
-        """(drafted tokens, those kept) by speculative decoding: the engine's own count, for its log."""
-        return getattr(self.engine, "drafted", 0), getattr(self.engine, "accepted", 0)
+    async def counts(self) -> dict[str, int]:
+        """The engine's own counts, for the cluster's log: tokens drafted and kept (speculative_decoding),
+        tokens saved to and restored from its host tier (kv_host_tier)."""
+        host = getattr(self.engine, "host_kv", None)
+        return {
+            "drafted": getattr(self.engine, "drafted", 0),
+            "kept": getattr(self.engine, "accepted", 0),
+            "host_saved": host.saved_tokens if host is not None else 0,
+            "host_restored": host.restored_tokens if host is not None else 0,
+        }

@@ -2,11 +2,18 @@
 sequences (a block table per sequence, a free list), keeps a finished turn's blocks as its episode's
 prefix so the next turn reuses them, and evicts those prefixes, least recently used, when a running
 sequence needs room. Capacity, not a batch size, limits how many sequences run at once.
+
+The host tier (``HostKV``, the ``kv_host_tier`` skill): an evicted prefix's keys and values are copied
+to host memory instead of being lost, so an episode back from a long tool call reloads its context
+over the host link instead of prefilling it again (a copy of its bytes against a forward pass over
+all of its tokens). Keys and values hold only under the weights that computed them: a weight load
+drops the host tier with the device's prefixes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +26,16 @@ class CachedPrefix:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, spill: Callable[[str, CachedPrefix], None] | None = None
+    ) -> None:
+        """``spill``: told of each prefix evicted for room, before its blocks are reused (the host tier)."""
         # VAL: VAL_INT_RANGE (value=num_blocks, min=1, max=1 << 30)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self.prefixes: OrderedDict[str, CachedPrefix] = OrderedDict()  # episode -> its last turn's blocks
+        self.spill = spill
 
     @property
     def free_blocks(self) -> int:
@@ -40,7 +51,10 @@ class BlockManager:
     def allocate(self, count: int) -> list[int] | None:
         """``count`` blocks, evicting cached prefixes (oldest first) if need be; None if even that is not enough."""
         while len(self.free) < count and self.prefixes:
-            self.release(self.prefixes.popitem(last=False)[1].blocks)
+            episode, prefix = self.prefixes.popitem(last=False)
+            if self.spill is not None:
+                self.spill(episode, prefix)
+            self.release(prefix.blocks)
         if len(self.free) < count:
             return None
         return [self.free.pop() for _ in range(count)]
@@ -54,16 +68,20 @@ class BlockManager:
         if episode is None or episode not in self.prefixes:
             return [], 0
         cached = self.prefixes.pop(episode)
-        usable = 0
-        while usable < len(cached.blocks):
-            start, end = usable * self.block_size, (usable + 1) * self.block_size
-            if (
-                end > len(prompt) - 1 or prompt[start:end] != cached.tokens[start:end]
-            ):  # the last prompt token is always recomputed
-                break
-            usable += 1
+        usable = self.usable_blocks(cached.tokens, prompt)
         self.release(cached.blocks[usable:])
         return cached.blocks[:usable], usable * self.block_size
+
+    def usable_blocks(self, cached: list[int], prompt: list[int]) -> int:
+        """How many whole blocks of ``cached`` the prompt starts with (its last token is always
+        computed again: it gives the first logits)."""
+        usable = 0
+        while (usable + 1) * self.block_size <= min(len(cached), len(prompt) - 1):
+            start, end = usable * self.block_size, (usable + 1) * self.block_size
+            if prompt[start:end] != cached[start:end]:
+                break
+            usable += 1
+        return usable
 
     def keep_prefix(self, episode: str | None, tokens: list[int], blocks: list[int]) -> None:
         """A finished turn's whole blocks become its episode's prefix; a partial last block is freed."""
@@ -107,3 +125,56 @@ class KVPool:
         kv_heads, head_dim = k.shape[1], k.shape[2]
         self.k[layer].view(-1, kv_heads, head_dim)[slots] = k
         self.v[layer].view(-1, kv_heads, head_dim)[slots] = v
+
+
+class HostKV:
+    """Evicted prefixes' keys and values in host memory, the least recently saved dropped first beyond
+    ``capacity_tokens``."""
+
+    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+        # VAL: VAL_INT_RANGE (value=capacity_tokens, min=block_size, max=1 << 40)
+        self.capacity_tokens, self.block_size = capacity_tokens, block_size
+        self.saved: OrderedDict[str, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        self.tokens = 0  # held now
+        self.saved_tokens = self.restored_tokens = 0  # so far: what went out, and what came back
+
+    def save(self, pool: KVPool, episode: str, prefix: CachedPrefix) -> None:
+        if len(prefix.tokens) > self.capacity_tokens:
+            return
+        self.drop(episode)
+        index = torch.tensor(prefix.blocks, device=pool.k[0].device)
+        k = [layer.index_select(0, index).to("cpu") for layer in pool.k]
+        v = [layer.index_select(0, index).to("cpu") for layer in pool.v]
+        self.saved[episode] = (list(prefix.tokens), k, v)
+        self.tokens += len(prefix.tokens)
+        self.saved_tokens += len(prefix.tokens)
+        while self.tokens > self.capacity_tokens:
+            self.drop(next(iter(self.saved)))
+
+    def restore(
+        self, pool: KVPool, blocks: BlockManager, episode: str | None, prompt: list[int]
+    ) -> tuple[list[int], int]:
+        """The episode's saved prefix that the prompt starts with, copied into blocks of the pool:
+        (blocks, tokens they hold); nothing if none is saved, it does not match, or no room."""
+        if episode is None or episode not in self.saved:
+            return [], 0
+        tokens, k, v = self.saved[episode]
+        self.drop(episode)
+        usable = blocks.usable_blocks(tokens, prompt)
+        taken = blocks.allocate(usable) if usable else None
+        if not taken:
+            return [], 0
+        index = torch.tensor(taken, device=pool.k[0].device)
+        for layer in range(len(pool.k)):
+            pool.k[layer].index_copy_(0, index, k[layer][:usable].to(pool.k[layer].device))
+            pool.v[layer].index_copy_(0, index, v[layer][:usable].to(pool.v[layer].device))
+        self.restored_tokens += usable * self.block_size
+        return taken, usable * self.block_size
+
+    def drop(self, episode: str) -> None:
+        if episode in self.saved:
+            self.tokens -= len(self.saved.pop(episode)[0])
+
+    def clear(self) -> None:
+        self.saved.clear()
+        self.tokens = 0

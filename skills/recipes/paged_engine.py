@@ -36,7 +36,7 @@ import torch
 
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
-from .kv_cache import BlockManager, KVPool
+from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
 from .qwen3_model import Qwen3, load_checkpoint
 
@@ -113,12 +113,14 @@ class PagedEngine:
         speculative_tokens: int = 0,
         speculative_ngram: int = 2,
         speculative_batch: int = 64,
+        host_kv_tokens: int = 0,
     ) -> None:
         """``separate_prefill``: steps either prefill newly admitted requests or decode the running ones,
         never both, so every decode step is one the captured graphs replay (default: where graphs are
         captured; on CPU a mixed step is one forward instead of two). ``speculative_*``: drafts of up
         to that many tokens, found by a match of that many last tokens, while at most that many
-        requests run (0 tokens: off)."""
+        requests run (0 tokens: off). ``host_kv_tokens``: the host tier's capacity for evicted prefixes
+        (the ``kv_host_tier`` skill; 0: an evicted prefix is lost)."""
         for option, value, low in (
             ("speculative_tokens", speculative_tokens, 0),
             ("speculative_ngram", speculative_ngram, 1),
@@ -133,6 +135,7 @@ class PagedEngine:
         self.config, self.weights = load_checkpoint(model_path, device, self.dtype)
         self.model = Qwen3(self.config, self.weights)
         self.block_size, self.max_batch = block_size, max_batch
+        self.host_kv = HostKV(host_kv_tokens, block_size) if host_kv_tokens else None
         kv_heads, head_dim = self.model.kv_heads, self.model.head_dim
         per_token = KVPool.bytes_per_token(self.model.layers, kv_heads, head_dim, self.dtype)
         if kv_tokens is None:
@@ -169,7 +172,8 @@ class PagedEngine:
 
     # -- memory ---------------------------------------------------------------------------------------
     def _allocate_cache(self) -> None:
-        self.blocks = BlockManager(self.num_blocks - 1, self.block_size)
+        spill = (lambda episode, prefix: self.host_kv.save(self.pool, episode, prefix)) if self.host_kv else None
+        self.blocks = BlockManager(self.num_blocks - 1, self.block_size, spill)
         self.pool = KVPool(
             self.model.layers,
             self.num_blocks,
@@ -259,6 +263,8 @@ class PagedEngine:
             raise RuntimeError(f"{self.name}: load_weights with {len(self.running)} requests running; drain first")
         if self.blocks is not None:
             self.blocks.drop_prefixes()
+        if self.host_kv is not None:
+            self.host_kv.clear()
         for name, tensor in state.items():
             if name not in self.weights:
                 raise KeyError(f"{self.name}: no parameter {name!r} in this model")
@@ -334,6 +340,8 @@ class PagedEngine:
             reused, cached = (
                 self.blocks.take_prefix(request.episode, request.tokens) if not request.computed else ([], 0)
             )
+            if not cached and not request.computed and self.host_kv is not None:  # evicted: back from the host
+                reused, cached = self.host_kv.restore(self.pool, self.blocks, request.episode, request.tokens)
             fresh = self.blocks.allocate(self.blocks.blocks_for(len(request.tokens)) - len(reused))
             if fresh is None:
                 self.blocks.release(reused)

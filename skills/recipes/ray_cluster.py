@@ -145,8 +145,8 @@ class DeviceActor:
     async def weight_version(self) -> int:
         return await self.server.weight_version()
 
-    async def speculation(self) -> tuple[int, int]:
-        return await self.server.speculation()
+    async def counts(self) -> dict[str, int]:
+        return await self.server.counts()
 
     # -- the trainer rank ------------------------------------------------------------------------------
     async def train_step(self, batch: TrainBatch) -> int:
@@ -218,7 +218,7 @@ class RayCluster:
         actors: dict,
         bucket_bytes: int,
         rendezvous: Rendezvous,
-        speculating: bool = False,
+        counted: tuple[str, ...] = (),
         lendable: Sequence[Device] = (),
     ) -> None:
         self.runtime, self.devices = runtime, [*runtime.devices, *lendable]
@@ -241,7 +241,7 @@ class RayCluster:
         self._broadcast_ready = False
         self.version = 0
         self._published: tuple[int, list] | None = None
-        self.speculating = speculating  # the engines draft tokens (speculative_decoding): their count is logged
+        self.counted = counted  # the engines' techniques whose own counts the log gets at close
         self._loading = asyncio.Lock()  # a sync and an expand at once (overlap_sync) publish once, broadcast in turn
 
     @classmethod
@@ -308,8 +308,9 @@ class RayCluster:
             *(actors[d.id].weight_version.remote() for d in rollout),
             *(actors[d.id].offload.remote() for d in train if d.id in shared),
         )
-        speculating = bool((engine_options or {}).get("speculative_tokens"))
-        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, speculating, lendable)
+        on = {"speculative_tokens": "speculative decoding", "host_kv_tokens": "host tier"}
+        counted = tuple(name for option, name in on.items() if (engine_options or {}).get(option))
+        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, counted, lendable)
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -502,23 +503,25 @@ class RayCluster:
         self._routable.set()
 
     async def close(self) -> None:
-        if self.speculating:  # the speculative_decoding skill's own account, in the cluster's log
-            counts = await asyncio.gather(
-                *(e.speculation.remote() for e in self._engines.values()), return_exceptions=True
-            )
+        if self.counted:  # the techniques' own account, in the cluster's log
+            counts = await asyncio.gather(*(e.counts.remote() for e in self._engines.values()), return_exceptions=True)
             for device, count in zip(self._engines, counts):
-                said = (
-                    f"{count[1]} of {count[0]} drafted tokens kept"
-                    if isinstance(count, tuple)
-                    else f"no count: {count!r}"
-                )
-                print(f"speculative decoding on {device}: {said}", file=sys.stderr)
+                for name in self.counted:
+                    print(f"{name} on {device}: {_said(name, count)}", file=sys.stderr)
         for actor in self._actors.values():  # every trainer rank leaves its group before any process goes
             await actor.close.remote()
         for actor in self._actors.values():
             ray.kill(actor)
         ray.shutdown()
         self._rendezvous = None  # its store goes with the groups it served
+
+
+def _said(name: str, count) -> str:
+    if not isinstance(count, dict):
+        return f"no count: {count!r}"
+    if name == "host tier":
+        return f"{count['host_restored']} tokens restored of {count['host_saved']} saved"
+    return f"{count['kept']} of {count['drafted']} drafted tokens kept"
 
 
 def _write_all(into: WeightExport, state: StateDict) -> None:

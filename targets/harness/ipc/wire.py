@@ -215,6 +215,7 @@ def put_engine_settings(e: EngineSettings) -> dict:
         "reward": e.reward,
         "reward_devices": list(e.reward_devices),
         "engine_scale": e.engine_scale,
+        "host_kv_tokens": e.host_kv_tokens,
     }
 
 
@@ -224,6 +225,7 @@ def get_engine_settings(data: Any) -> EngineSettings:
     reward = field_of(data, "reward", str, "engine")
     devices = field_of(data, "reward_devices", list, "engine")
     scale = field_of(data, "engine_scale", int, "engine")
+    host_kv = field_of(data, "host_kv_tokens", int, "engine")
     if not 0 <= tokens <= MAX_SPECULATIVE_TOKENS:
         raise ProtocolError(f"engine.speculative_tokens: {tokens} is not in [0, {MAX_SPECULATIVE_TOKENS}]")
     if batch < 0:
@@ -234,7 +236,9 @@ def get_engine_settings(data: Any) -> EngineSettings:
         raise ProtocolError(f"engine.reward_devices: {devices!r} is not a list of distinct device ids")
     if scale not in ENGINE_SCALES:
         raise ProtocolError(f"engine.engine_scale: {scale} is not one of {', '.join(map(str, ENGINE_SCALES))}")
-    return EngineSettings(tokens, batch, reward, tuple(devices), scale)
+    if host_kv < 0:
+        raise ProtocolError(f"engine.host_kv_tokens: {host_kv} is negative")
+    return EngineSettings(tokens, batch, reward, tuple(devices), scale, host_kv)
 
 
 def put_declared(d: Declared) -> dict:

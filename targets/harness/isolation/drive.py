@@ -532,7 +532,7 @@ def drive_simulated(
                 f"the stack's engines span {scale} x {costs.engine_devices} devices (engine_scale {scale}), over "
                 f"the target's simulator.max_engine_scale {spec.simulator.max_engine_scale}"
             )
-        engine_costs = costs.scaled(scale).speculating(link.engine.speculative_tokens, link.engine.speculative_batch)
+        engine_costs = costs.for_engines(link.engine)
         summary["engine_devices"] = engine_costs.engine_devices  # the stack's engines, which the metrics weigh
         judge, judge_costs = None, judge_costs_of(spec)
         if judge_costs is not None and link.engine.reward == "colocated":  # the judge's weights beside each engine
@@ -582,6 +582,7 @@ def drive_simulated(
             summary["kv_capacity_tokens"] = min(cost.kv_capacity_tokens for cost in engine_costs.pools.values())
             summary["preemptions"] = cluster.preemptions
             summary["decode_seconds"], summary["decode_batch"] = cluster.decoding()
+            summary["prefilled_tokens"], summary["restored_tokens"] = cluster.prefills()
             summary["controller_round_trips"] = link.waits
             summary["controller_wait_seconds"] = loop.waited_s
             await cluster.close()

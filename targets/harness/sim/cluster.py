@@ -281,6 +281,10 @@ class SimCluster:
         batch = sum(e.decode_sequence_seconds for e in self.engines) / seconds if seconds else 0.0
         return seconds, batch
 
+    def prefills(self) -> tuple[int, int]:
+        """(context tokens the engines prefilled, and those they restored from a host tier instead)."""
+        return sum(e.prefilled_tokens for e in self.engines), sum(e.restored_tokens for e in self.engines)
+
     @property
     def peak_kv_fraction(self) -> float:
         return max((e.peak_kv_tokens / e.capacity for e in self.engines if e.capacity), default=0.0)

@@ -14,6 +14,11 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
 * **response length**: a turn generates as many of its ``max_new_tokens`` as
   ``workload.tokens.response_length`` draws (long-tailed, persistent per task;
   ``response_length.py``), all of them without it.
+* **host tier** (a stack's ``host_kv_tokens`` an engine, the ``kv_host_tier`` skill): an idle prefix
+  evicted for room is kept in host memory; the episode's next turn on that engine restores it in
+  ``tokens * kv_bytes_per_token / (d * host_link_bandwidth)`` seconds (decode pauses, as for a
+  prefill) instead of prefilling those tokens again. A weight load drops the tier (its keys and values
+  are the old weights'), as a real engine's does.
 * **decode iteration** (one token for each of ``b`` running sequences holding ``C`` context tokens):
   ``max(bytes / (d * hbm * hbm_efficiency), flops / (d * peak * rollout_mfu)) + decode_step_overhead_s``
   with ``bytes = dense_bytes + expert_bytes * (1 - (1 - k/E)^b) + C * kv_bytes_per_token`` (a MoE
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from targets.api import EngineSettings
 from targets.spec import TargetSpec
 from targets.spec.model import ModelSpec
 
@@ -108,6 +114,7 @@ class CostModel:
     draft_acceptance: float = 0.0
     speculative_tokens: int = 0
     speculative_batch: int = 0
+    host_kv_tokens: int = 0  # the stack's host tier an engine (0: none)
     resident_bytes: float = 0.0  # another model's weights an engine's devices hold (a colocated judge's)
 
     @classmethod
@@ -222,6 +229,14 @@ class CostModel:
         ``batch_limit`` sequences run."""
         return replace(self, speculative_tokens=draft_tokens, speculative_batch=batch_limit)
 
+    def with_host_tier(self, tokens: int) -> CostModel:
+        """This cost model for a stack whose engines keep up to ``tokens`` of evicted prefixes on the host."""
+        return replace(self, host_kv_tokens=tokens)
+
+    def restore_s(self, tokens: float) -> float:
+        """Copying ``tokens`` of an engine's keys and values back from host memory, over each device's link."""
+        return tokens * self.kv_bytes_per_token / self.engine_devices / self.host_bytes_per_s
+
     def decode_token_s(self, batch: int, context_tokens: float) -> float:
         """Seconds per token of each running sequence's progress: the plain iteration, or with the
         stack's drafts (at most ``speculative_batch`` running) the verification over ``E``."""
@@ -321,8 +336,14 @@ class ClusterCosts:
     def of(self, device: str) -> CostModel:
         return self.pools[self.pool_of[device]]
 
-    def speculating(self, draft_tokens: int, batch_limit: int) -> ClusterCosts:
-        pools = {name: cost.speculating(draft_tokens, batch_limit) for name, cost in self.pools.items()}
+    def for_engines(self, engine: EngineSettings) -> ClusterCosts:
+        """The costs of a stack's engines as it declares them: their span, their drafts, their host tier."""
+        pools = {
+            name: cost.speculating(engine.speculative_tokens, engine.speculative_batch).with_host_tier(
+                engine.host_kv_tokens
+            )
+            for name, cost in self.scaled(engine.engine_scale).pools.items()
+        }
         return replace(self, pools=pools)
 
     def scaled(self, scale: int) -> ClusterCosts:

@@ -7,9 +7,12 @@ Admitted requests are prefilled (decode pauses meanwhile), then decode one token
 together. When the running sequences' growth fills the cache, idle prefixes are evicted first;
 then the most recently admitted sequence is preempted: its KV is freed and it goes back to the
 head of the queue, to prefill its whole context (prompt plus what it generated) again when it fits
-(vLLM's recompute preemption). An iteration's duration comes from the cost model for the current
-batch and context. The engine advances event to event (an arrival, a finished sequence, a full
-cache, an abort), never token by token, so a run of millions of tokens simulates in seconds.
+(vLLM's recompute preemption); with a host tier (``CostModel.host_kv_tokens``) an evicted prefix is
+kept on the host, least recently evicted dropped first, and restored when its episode's next turn
+comes back (``CostModel.restore_s``), until a weight load drops it. An iteration's duration comes
+from the cost model for the current batch and context. The engine advances event to event (an
+arrival, a finished sequence, a full cache, an abort), never token by token, so a run of millions of
+tokens simulates in seconds.
 
 A turn generates ``length`` tokens of its ``max_new`` budget (finish "stop" below it, "length" at
 it); the cluster draws the length (``response_length.py``). A finished turn's KV stays cached for
@@ -75,6 +78,9 @@ class SimEngine:
         self.queue: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # in admission order: the last is the first preempted
         self.cached: OrderedDict[str, int] = OrderedDict()  # episode -> KV tokens kept after its turn
+        self.host: OrderedDict[str, int] = OrderedDict()  # episode -> KV tokens of its evicted prefix on the host
+        self._host_tokens = 0  # sum of ``host``
+        self.prefilled_tokens = self.restored_tokens = 0  # computed by prefills; copied back from the host
         self.peak_kv_tokens = 0
         self.preemptions = 0
         self.decode_seconds = 0.0  # virtual seconds spent decoding (the running batch gaining tokens)
@@ -176,6 +182,7 @@ class SimEngine:
             self._drained.clear()
             await self._drained.wait()
         await asyncio.sleep(seconds)
+        self._drop_host()  # computed under the old weights
         self.version = version
         self._paused = False
         self._wake()
@@ -273,9 +280,26 @@ class SimEngine:
         return tokens
 
     def _evict_to(self, limit: float) -> None:
-        """Evict idle prefixes, least recently used first, until all KV fits in ``limit``."""
+        """Evict idle prefixes, least recently used first, until all KV fits in ``limit`` (to the host
+        tier, if the stack has one)."""
         while self.cached and self._context + self._cached_tokens > limit + EPS:
-            self._cached_tokens -= self.cached.popitem(last=False)[1]
+            episode, tokens = self.cached.popitem(last=False)
+            self._cached_tokens -= tokens
+            if tokens <= self.cost.host_kv_tokens:
+                self.host[episode] = tokens
+                self._host_tokens += tokens
+                while self._host_tokens > self.cost.host_kv_tokens:
+                    self._host_tokens -= self.host.popitem(last=False)[1]
+
+    def _restore(self, episode: str, context: float) -> int:
+        """The episode's prefix from the host tier (taken out of it), if it holds one that fits."""
+        tokens = self.host.pop(episode, 0)
+        self._host_tokens -= tokens
+        return tokens if tokens <= context else 0
+
+    def _drop_host(self) -> None:
+        self.host.clear()
+        self._host_tokens = 0
 
     def _admit(self) -> float:
         """Move queued requests whose context fits into the batch; returns the prefill seconds they need."""
@@ -291,6 +315,7 @@ class SimEngine:
                 break  # does not fit even with every idle prefix evicted: wait
             cached = self._uncache(seq.episode)
             cached = cached if cached <= context else 0
+            restored = self._restore(seq.episode, context) if not cached else 0
             self._evict_to(self.capacity - context)
             self.queue.popleft()
             if not seq.preempted:
@@ -300,7 +325,11 @@ class SimEngine:
             heapq.heappush(self._ends, (seq.length + seq.mark, seq.admitted, seq))
             self.running.append(seq)
             self._context += context
+            if restored:
+                prefill += self.cost.restore_s(restored)
+                cached, self.restored_tokens = restored, self.restored_tokens + restored
             prefill += self.cost.prefill_s(context - cached, cached)
+            self.prefilled_tokens += context - cached
             if seq.started is not None:
                 self._prefilling.append(seq)
         self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))

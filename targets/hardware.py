@@ -12,6 +12,8 @@ Sources (public vendor datasheets, dense figures, SXM form factor):
   dense, NVLink 900 GB/s.
 * Inter-node bandwidth for all GPU kinds: one 400 Gb/s InfiniBand NDR NIC per GPU = 50 GB/s,
   the common HGX configuration.
+* Host memory for all GPU kinds: 2 TB a node of 8 GPUs (256 GB a device), the common HGX
+  configuration; what a host tier of KV (the ``kv_host_tier`` skill) may fill at most.
 * ``cpu`` — a logical device on a 2-core developer machine (one core each): rough, measured-order
   numbers (AVX2 fp32 ~50 GFLOP/s per core, DRAM ~10 GB/s per core); only the simulator uses them.
 """
@@ -26,6 +28,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "intra_node_bandwidth_gbs": 10.0,
         "inter_node_bandwidth_gbs": 1.0,
         "host_link_bandwidth_gbs": 10.0,
+        "host_memory_gb": 8.0,
         "devices_per_node": 2,
     },
     "h100": {
@@ -35,6 +38,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "intra_node_bandwidth_gbs": 900.0,
         "inter_node_bandwidth_gbs": 50.0,
         "host_link_bandwidth_gbs": 64.0,
+        "host_memory_gb": 256.0,
         "devices_per_node": 8,
     },
     "h800": {
@@ -44,6 +48,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "intra_node_bandwidth_gbs": 400.0,
         "inter_node_bandwidth_gbs": 50.0,
         "host_link_bandwidth_gbs": 64.0,
+        "host_memory_gb": 256.0,
         "devices_per_node": 8,
     },
     "h20": {
@@ -53,6 +58,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "intra_node_bandwidth_gbs": 900.0,
         "inter_node_bandwidth_gbs": 50.0,
         "host_link_bandwidth_gbs": 64.0,
+        "host_memory_gb": 256.0,
         "devices_per_node": 8,
     },
     "h200": {
@@ -62,6 +68,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "intra_node_bandwidth_gbs": 900.0,
         "inter_node_bandwidth_gbs": 50.0,
         "host_link_bandwidth_gbs": 64.0,
+        "host_memory_gb": 256.0,
         "devices_per_node": 8,
     },
 }

@@ -315,6 +315,48 @@ def test_the_next_turn_reuses_the_cached_prefix(big):
     assert cold - warm == pytest.approx(cost.prefill_s(20_510, 0) - cost.prefill_s(500, 20_010), rel=1e-6)
 
 
+def test_a_host_tier_gives_back_an_evicted_prefix_at_the_link_s_speed_until_a_weight_load(big):
+    """Another episode's long context evicts the first one's prefix; its next turn prefills the whole
+    context again, or with a host tier restores it, paying the copies out (b's prefix, evicted in turn)
+    and back over the host link instead. After a weight load neither tier holds anything."""
+    full = CostModel.from_spec(big).kv_capacity_tokens - 1000
+
+    def turn_after_eviction(tier: int):
+        cost = CostModel.from_spec(big).with_host_tier(tier)
+
+        async def body(engine, loop):
+            await engine.submit("a", 20_000, 10)  # a's 20,010 tokens cached
+            await engine.submit("b", full, 10)  # b needs the room: a's prefix is evicted
+            assert ("a" in engine.host) is bool(tier) and "a" not in engine.cached
+            start = loop.time()
+            await engine.submit("a", 20_010 + 500, 10)
+            took, restored = loop.time() - start, engine.restored_tokens
+            await engine.load_weights(1, 0.0)
+            assert not engine.cached and not engine.host  # the old weights' keys and values
+            await engine.submit("a", 20_520 + 500, 10)
+            assert engine.restored_tokens == restored
+            return took, restored
+
+        return cost, _engine_run(cost, body)
+
+    cost, (with_tier, restored) = turn_after_eviction(10**6)
+    _, (without, none) = turn_after_eviction(0)
+    assert restored == 20_010 and none == 0
+    saved = cost.prefill_s(20_510, 0) - cost.prefill_s(500, 20_010) - cost.restore_s(20_010) - cost.restore_s(full + 10)
+    assert without - with_tier == pytest.approx(saved, rel=1e-6)
+
+
+def test_a_host_tier_larger_than_the_engines_host_memory_is_refused(big):
+    from targets.api import EngineSettings
+    from targets.harness.sim.cost_model import ClusterCosts
+
+    costs = ClusterCosts.from_spec(big)
+    limit = costs.shared.host_tier_limit_tokens  # 8 devices of 256 GB, 188 KB a token
+    assert limit == int(8 * 256e9 / costs.shared.kv_bytes_per_token)
+    assert costs.refusal(EngineSettings(host_kv_tokens=limit), 1) is None
+    assert "over its devices' host memory" in costs.refusal(EngineSettings(host_kv_tokens=limit + 1), 1)
+
+
 def test_abort_answers_everything_with_partial_tokens(big):
     cost = CostModel.from_spec(big)
 

@@ -472,11 +472,16 @@ SPECULATIVE = {"speculative_tokens": 4, "speculative_ngram": 1, "speculative_bat
 KEEP_IF = "                kept = float(uniform[j]) < float(probs[j, proposal])\n"
 
 
+def _engine_counts(out, pattern: str) -> tuple[int, int]:
+    """The two numbers ``pattern`` reads from each engine's line of the cluster's log (the engine's own
+    counts), summed over the engines."""
+    counts = re.findall(pattern, (out / "cluster.log").read_text())
+    return sum(int(a) for a, _ in counts), sum(int(b) for _, b in counts)
+
+
 def _drafted_in(out) -> tuple[int, int]:
-    """(kept, drafted) over the engines, from the cluster's log (the engine's own count)."""
-    log = (out / "cluster.log").read_text()
-    counts = re.findall(r"speculative decoding on \S+: (\d+) of (\d+) drafted tokens kept", log)
-    return sum(int(k) for k, _ in counts), sum(int(d) for _, d in counts)
+    """(kept, drafted) over the engines."""
+    return _engine_counts(out, r"speculative decoding on \S+: (\d+) of (\d+) drafted tokens kept")
 
 
 def test_speculative_decoding_drafts_and_keeps_tokens_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):
@@ -753,10 +758,8 @@ RESTORE_KEYS = "            pool.k[layer].index_copy_(0, index, k[layer][:usable
 
 
 def _host_tier_counts(out) -> tuple[int, int]:
-    """(tokens restored, tokens saved) over the engines, from the cluster's log (the engine's own count)."""
-    log = (out / "cluster.log").read_text()
-    counts = re.findall(r"host tier on \S+: (\d+) tokens restored of (\d+) saved", log)
-    return sum(int(r) for r, _ in counts), sum(int(s) for _, s in counts)
+    """(tokens restored, tokens saved) over the engines."""
+    return _engine_counts(out, r"host tier on \S+: (\d+) tokens restored of (\d+) saved")
 
 
 def test_kv_host_tier_restores_evicted_prefixes_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):

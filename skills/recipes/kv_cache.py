@@ -152,19 +152,18 @@ class HostKV:
             self.drop(next(iter(self.saved)))
 
     def restore(
-        self, pool: KVPool, blocks: BlockManager, episode: str | None, prompt: list[int]
-    ) -> tuple[list[int], int]:
-        """The episode's saved prefix that the prompt starts with, copied into blocks of the pool:
-        (blocks, tokens they hold); nothing if none is saved, it does not match, or no room."""
-        if episode is None or episode not in self.saved:
-            return [], 0
+        self, pool: KVPool, blocks: BlockManager, episode: str, prompt: list[int], needed: int
+    ) -> tuple[list[int], int] | None:
+        """The ``needed`` blocks of a request whose episode's prefix is saved here, its whole blocks that
+        the prompt starts with copied back into the first of them: (blocks, tokens restored); None
+        while the cache has no room (the prefix stays saved for the next try)."""
         tokens, k, v = self.saved[episode]
+        taken = blocks.allocate(needed)
+        if taken is None:
+            return None
         self.drop(episode)
         usable = blocks.usable_blocks(tokens, prompt)
-        taken = blocks.allocate(usable) if usable else None
-        if not taken:
-            return [], 0
-        index = torch.tensor(taken, device=pool.k[0].device)
+        index = torch.tensor(taken[:usable], device=pool.k[0].device)
         for layer in range(len(pool.k)):
             pool.k[layer].index_copy_(0, index, k[layer][:usable].to(pool.k[layer].device))
             pool.v[layer].index_copy_(0, index, v[layer][:usable].to(pool.v[layer].device))

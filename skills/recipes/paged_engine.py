@@ -337,12 +337,18 @@ class PagedEngine:
     def _admit(self) -> None:
         while self.admitting and self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
+            needed = self.blocks.blocks_for(len(request.tokens))
+            if not request.computed and self.host_kv is not None and request.episode in self.host_kv.saved:
+                restored = self.host_kv.restore(self.pool, self.blocks, request.episode, request.tokens, needed)
+                if restored is None:  # evicted, saved on the host, and no room for the request yet
+                    break
+                request.blocks, request.computed = restored
+                self.running.append(self.waiting.popleft())
+                continue
             reused, cached = (
                 self.blocks.take_prefix(request.episode, request.tokens) if not request.computed else ([], 0)
             )
-            if not cached and not request.computed and self.host_kv is not None:  # evicted: back from the host
-                reused, cached = self.host_kv.restore(self.pool, self.blocks, request.episode, request.tokens)
-            fresh = self.blocks.allocate(self.blocks.blocks_for(len(request.tokens)) - len(reused))
+            fresh = self.blocks.allocate(needed - len(reused))
             if fresh is None:
                 self.blocks.release(reused)
                 break

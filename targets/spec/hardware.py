@@ -31,6 +31,7 @@ class HardwareSpec(Strict):
     intra_node_bandwidth_gbs: float = Field(gt=0)
     inter_node_bandwidth_gbs: float = Field(gt=0)
     host_link_bandwidth_gbs: float = Field(gt=0)
+    host_memory_gb: float = Field(gt=0)  # a device's share of its node's host memory
     devices_per_node: int = Field(gt=0)
     mfu: float = Field(default=0.4, gt=0, le=1)
 

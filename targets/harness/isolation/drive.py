@@ -526,12 +526,9 @@ def drive_simulated(
         if any(i not in by_id for i in rollout_ids):
             raise CandidateError(f"the controller placed engines on unknown devices {rollout_ids}")
         lengths = ResponseLengths(spec.workload.tokens, seed, envs.task_of)
-        scale = link.engine.engine_scale
-        if scale > spec.simulator.max_engine_scale:
-            raise CandidateError(
-                f"the stack's engines span {scale} x {costs.engine_devices} devices (engine_scale {scale}), over "
-                f"the target's simulator.max_engine_scale {spec.simulator.max_engine_scale}"
-            )
+        refused = costs.refusal(link.engine, spec.simulator.max_engine_scale)
+        if refused:
+            raise CandidateError(refused)
         engine_costs = costs.for_engines(link.engine)
         summary["engine_devices"] = engine_costs.engine_devices  # the stack's engines, which the metrics weigh
         judge, judge_costs = None, judge_costs_of(spec)

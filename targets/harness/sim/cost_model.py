@@ -15,10 +15,11 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   ``workload.tokens.response_length`` draws (long-tailed, persistent per task;
   ``response_length.py``), all of them without it.
 * **host tier** (a stack's ``host_kv_tokens`` an engine, the ``kv_host_tier`` skill): an idle prefix
-  evicted for room is kept in host memory; the episode's next turn on that engine restores it in
-  ``tokens * kv_bytes_per_token / (d * host_link_bandwidth)`` seconds (decode pauses, as for a
-  prefill) instead of prefilling those tokens again. A weight load drops the tier (its keys and values
-  are the old weights'), as a real engine's does.
+  evicted for room is kept in host memory (at most ``d * host_memory``); the copy out and, at the
+  episode's next turn on that engine, the copy back each take ``tokens * kv_bytes_per_token / (d *
+  host_link_bandwidth)`` seconds (decode pauses, as for a prefill) instead of a prefill of those
+  tokens. A weight load drops the tier and the device's prefix cache (their keys and values are the
+  old weights'), as a real engine does.
 * **decode iteration** (one token for each of ``b`` running sequences holding ``C`` context tokens):
   ``max(bytes / (d * hbm * hbm_efficiency), flops / (d * peak * rollout_mfu)) + decode_step_overhead_s``
   with ``bytes = dense_bytes + expert_bytes * (1 - (1 - k/E)^b) + C * kv_bytes_per_token`` (a MoE
@@ -91,6 +92,7 @@ class CostModel:
     hbm_bytes_per_s: float
     link_bytes_per_s: float
     host_bytes_per_s: float
+    host_memory_bytes: float  # a device's share of its node's host memory
     memory_bytes: float
     train_mfu: float
     # efficiencies and overheads (the spec's ``simulator`` section; calibration fits them)
@@ -147,6 +149,7 @@ class CostModel:
             hbm_bytes_per_s=hw.hbm_bandwidth_gbs * 1e9,
             link_bytes_per_s=(hw.intra_node_bandwidth_gbs if single_node else hw.inter_node_bandwidth_gbs) * 1e9,
             host_bytes_per_s=hw.host_link_bandwidth_gbs * 1e9,
+            host_memory_bytes=hw.host_memory_gb * 1e9,
             memory_bytes=hw.memory_gb * 1e9,
             train_mfu=hw.mfu,
             rollout_mfu=sim.rollout_mfu,
@@ -232,6 +235,11 @@ class CostModel:
     def with_host_tier(self, tokens: int) -> CostModel:
         """This cost model for a stack whose engines keep up to ``tokens`` of evicted prefixes on the host."""
         return replace(self, host_kv_tokens=tokens)
+
+    @property
+    def host_tier_limit_tokens(self) -> int:
+        """The most KV an engine's host tier may hold: all of its devices' host memory."""
+        return int(self.engine_devices * self.host_memory_bytes / self.kv_bytes_per_token)
 
     def restore_s(self, tokens: float) -> float:
         """Copying ``tokens`` of an engine's keys and values back from host memory, over each device's link."""
@@ -335,6 +343,21 @@ class ClusterCosts:
 
     def of(self, device: str) -> CostModel:
         return self.pools[self.pool_of[device]]
+
+    def refusal(self, engine: EngineSettings, max_engine_scale: int) -> str | None:
+        """Why the target cannot run the engines a stack declares (None: it can): wider than the target
+        lets them grow, or a host tier larger than their devices' host memory."""
+        scale = engine.engine_scale
+        if scale > max_engine_scale:
+            return (
+                f"the stack's engines span {scale} x {self.engine_devices} devices (engine_scale {scale}), over "
+                f"the target's simulator.max_engine_scale {max_engine_scale}"
+            )
+        limit = min(cost.host_tier_limit_tokens for cost in self.scaled(scale).pools.values())
+        if engine.host_kv_tokens > limit:
+            tokens = engine.host_kv_tokens
+            return f"a host tier of {tokens} tokens an engine (host_kv_tokens): over its devices' host memory, {limit}"
+        return None
 
     def for_engines(self, engine: EngineSettings) -> ClusterCosts:
         """The costs of a stack's engines as it declares them: their span, their drafts, their host tier."""

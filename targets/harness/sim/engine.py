@@ -9,7 +9,8 @@ then the most recently admitted sequence is preempted: its KV is freed and it go
 head of the queue, to prefill its whole context (prompt plus what it generated) again when it fits
 (vLLM's recompute preemption); with a host tier (``CostModel.host_kv_tokens``) an evicted prefix is
 kept on the host, least recently evicted dropped first, and restored when its episode's next turn
-comes back (``CostModel.restore_s``), until a weight load drops it. An iteration's duration comes
+comes back (``CostModel.restore_s``). A weight load drops every prefix, cached or on the host (their
+keys and values are the old weights'). An iteration's duration comes
 from the cost model for the current batch and context. The engine advances event to event (an
 arrival, a finished sequence, a full cache, an abort), never token by token, so a run of millions of
 tokens simulates in seconds.
@@ -80,6 +81,7 @@ class SimEngine:
         self.cached: OrderedDict[str, int] = OrderedDict()  # episode -> KV tokens kept after its turn
         self.host: OrderedDict[str, int] = OrderedDict()  # episode -> KV tokens of its evicted prefix on the host
         self._host_tokens = 0  # sum of ``host``
+        self._saving_s = 0.0  # copies to the host tier not yet charged
         self.prefilled_tokens = self.restored_tokens = 0  # computed by prefills; copied back from the host
         self.peak_kv_tokens = 0
         self.preemptions = 0
@@ -182,7 +184,9 @@ class SimEngine:
             self._drained.clear()
             await self._drained.wait()
         await asyncio.sleep(seconds)
-        self._drop_host()  # computed under the old weights
+        self.cached.clear()  # computed under the old weights, as the host tier's are
+        self._cached_tokens = 0
+        self._drop_host()
         self.version = version
         self._paused = False
         self._wake()
@@ -286,8 +290,9 @@ class SimEngine:
             episode, tokens = self.cached.popitem(last=False)
             self._cached_tokens -= tokens
             if tokens <= self.cost.host_kv_tokens:
+                self._host_tokens += tokens - self.host.pop(episode, 0)
                 self.host[episode] = tokens
-                self._host_tokens += tokens
+                self._saving_s += self.cost.restore_s(tokens)  # the copy out: the engine's next pause pays it
                 while self._host_tokens > self.cost.host_kv_tokens:
                     self._host_tokens -= self.host.popitem(last=False)[1]
 
@@ -295,7 +300,7 @@ class SimEngine:
         """The episode's prefix from the host tier (taken out of it), if it holds one that fits."""
         tokens = self.host.pop(episode, 0)
         self._host_tokens -= tokens
-        return tokens if tokens <= context else 0
+        return tokens if tokens < context else 0  # the prompt's last token is always computed
 
     def _drop_host(self) -> None:
         self.host.clear()
@@ -303,7 +308,7 @@ class SimEngine:
 
     def _admit(self) -> float:
         """Move queued requests whose context fits into the batch; returns the prefill seconds they need."""
-        prefill = 0.0
+        prefill, self._saving_s = self._saving_s, 0.0
         if self.running and not self.cost.continuous_batching:
             return prefill  # static batching: the running batch finishes first
         while self.queue and not self.offloaded:

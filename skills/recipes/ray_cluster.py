@@ -52,7 +52,13 @@ from .fsdp_trainer import FSDPTrainer
 from .rendezvous import Rendezvous
 from .weight_sync import DEFAULT_BUCKET_BYTES, BroadcastGroup, Layout, merge, publish
 
-STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and still keep its episodes
+STICKY_SLACK = 4
+# The engine options whose technique keeps counts of its own (``EngineServer.counts``): what the
+# cluster's log calls it, and the line it writes for each engine at close.
+COUNTED = {
+    "speculative_tokens": ("speculative decoding", "{kept} of {drafted} drafted tokens kept"),
+    "host_kv_tokens": ("host tier", "{host_restored} tokens restored of {host_saved} saved"),
+}  # requests an engine may have beyond the least loaded one and still keep its episodes
 
 
 def join_or_start_ray(runtime: Runtime) -> None:
@@ -218,7 +224,7 @@ class RayCluster:
         actors: dict,
         bucket_bytes: int,
         rendezvous: Rendezvous,
-        counted: tuple[str, ...] = (),
+        counted: tuple[str, ...] = (),  # engine options of COUNTED that are on
         lendable: Sequence[Device] = (),
     ) -> None:
         self.runtime, self.devices = runtime, [*runtime.devices, *lendable]
@@ -308,8 +314,7 @@ class RayCluster:
             *(actors[d.id].weight_version.remote() for d in rollout),
             *(actors[d.id].offload.remote() for d in train if d.id in shared),
         )
-        on = {"speculative_tokens": "speculative decoding", "host_kv_tokens": "host tier"}
-        counted = tuple(name for option, name in on.items() if (engine_options or {}).get(option))
+        counted = tuple(option for option in COUNTED if (engine_options or {}).get(option))
         return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, counted, lendable)
 
     # -- clock -------------------------------------------------------------------------------------
@@ -506,22 +511,16 @@ class RayCluster:
         if self.counted:  # the techniques' own account, in the cluster's log
             counts = await asyncio.gather(*(e.counts.remote() for e in self._engines.values()), return_exceptions=True)
             for device, count in zip(self._engines, counts):
-                for name in self.counted:
-                    print(f"{name} on {device}: {_said(name, count)}", file=sys.stderr)
+                for option in self.counted:
+                    name, line = COUNTED[option]
+                    said = line.format(**count) if isinstance(count, dict) else f"no count: {count!r}"
+                    print(f"{name} on {device}: {said}", file=sys.stderr)
         for actor in self._actors.values():  # every trainer rank leaves its group before any process goes
             await actor.close.remote()
         for actor in self._actors.values():
             ray.kill(actor)
         ray.shutdown()
         self._rendezvous = None  # its store goes with the groups it served
-
-
-def _said(name: str, count) -> str:
-    if not isinstance(count, dict):
-        return f"no count: {count!r}"
-    if name == "host tier":
-        return f"{count['host_restored']} tokens restored of {count['host_saved']} saved"
-    return f"{count['kept']} of {count['drafted']} drafted tokens kept"
 
 
 def _write_all(into: WeightExport, state: StateDict) -> None:

@@ -58,7 +58,10 @@ def _paged_decode(
         positions = start + tl.arange(0, TOKENS)
         inside = positions < length
         block = tl.load(tables + b * tables_stride_b + positions // BLOCK_SIZE, mask=inside, other=0)
-        rows = block * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_pos + kv_head * cache_stride_h
+        # in int64: a small model's cache on a large card has more than 2^31 elements a layer (the tiny
+        # target's on an H200 ran past it in int32 and read outside the cache)
+        rows = block.to(tl.int64) * cache_stride_block
+        rows += (positions % BLOCK_SIZE) * cache_stride_pos + kv_head * cache_stride_h
         keys = tl.load(k_cache + rows[:, None] + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
         scores = tl.sum(q_rows[:, None, :] * keys[None, :, :], axis=2)  # [GROUP_P2, TOKENS]
         scores = tl.where(inside[None, :], scores, float("-inf"))

@@ -5,6 +5,7 @@ power against too cold, too hot or greedy sampling, and the replay sample size's
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from types import SimpleNamespace
 
@@ -117,7 +118,7 @@ def _train_event(batch) -> TraceEvent:
     )
 
 
-def test_the_training_replay_follows_float32_masters_of_a_bf16_model():
+def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
     spec, base = _bf16_spec_and_model()
     batches = fixed_train_batches(base)
     honest = ReferenceTrainer(copy.deepcopy(base).float(), spec.workload.training.config())  # float32 masters
@@ -136,9 +137,12 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model():
 
     ix = SimpleNamespace(trains=[_train_event(b) for b in batches])
     reasons = Reasons()
-    details = replay_training(ix, reasons, spec, weights.get, make_model)
+    with caplog.at_level(logging.INFO, logger="vibetrain.audit"):
+        details = replay_training(ix, reasons, spec, weights.get, make_model)
     assert not reasons.lines(), reasons.lines()
     assert details["training_replay_steps"] == 2 and details["training_replay_max_error"] < 0.01
+    # each step says where its time went (a GPU check ran out of time in an audit that said nothing)
+    assert [m.split(":")[0] for m in caplog.messages] == ["training step 1 replayed", "training step 2 replayed"]
 
     skipped = {**weights, 2: weights[1]}  # a trainer that skipped the second step still fails
     reasons = Reasons()

@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import resource
 import signal
@@ -152,9 +153,19 @@ def device_memory(target: Target):
 
 
 def run_audit(target: Target, out: Path, steps: int) -> dict:
+    """The audit, its progress in this phase's log (a 0.6B replay takes minutes; a run cut short
+    still says where it was)."""
     from targets.harness.judge.audit import audit_directory
 
-    return {"result": audit_directory(target, out, steps).as_dict()}
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[audit %(asctime)s] %(message)s", "%H:%M:%S"))
+    audit_log = logging.getLogger("vibetrain.audit")
+    audit_log.addHandler(handler)
+    audit_log.setLevel(logging.INFO)
+    try:
+        return {"result": audit_directory(target, out, steps).as_dict()}
+    finally:
+        audit_log.removeHandler(handler)
 
 
 def _die_with_parent() -> None:

@@ -46,7 +46,9 @@ weights: there fidelity and prompts compare counts, and the replays are skipped 
 from __future__ import annotations
 
 import copy
+import logging
 import secrets
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +68,8 @@ from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bou
 from targets.harness.reference.grpo import group_advantages_of
 from targets.harness.trace import Trace, consumed_at, token_count
 from targets.spec import TargetSpec
+
+log = logging.getLogger("vibetrain.audit")
 
 if TYPE_CHECKING:
     import torch
@@ -512,8 +516,10 @@ def audit_run(
     steps: int,
     seed: int = 0,
 ) -> CheckResult:
+    started = time.monotonic()
     ix = TraceIndex.of(events, judged=spec.workload.reward_model is not None)
     r = Reasons()
+    log.info("auditing %d events: %d turns, %d train steps", len(events), len(ix.by_kind["generate"]), len(ix.trains))
     check_exactly_once(ix, r)
     check_conservation(ix, r)
     check_drop_reasons(ix, r, spec)
@@ -541,8 +547,14 @@ def audit_run(
     elif ix.tokens_recorded:
         from targets.harness.judge.replay import replay_training, replay_turns
 
+        seconds = {"invariants": time.monotonic() - started}
+        replayed = time.monotonic()
         details.update(replay_turns(ix, r, spec, load_weights, make_model, seed))
+        seconds["turn_replay"] = time.monotonic() - replayed
+        replayed = time.monotonic()
         details.update(replay_training(ix, r, spec, load_weights, make_model))
+        seconds["training_replay"] = time.monotonic() - replayed
+        details["audit_seconds"] = seconds  # where a slow audit spends its time (a GPU check ran out of it)
     else:
         details["skipped"] = "simulated run: no tokens or weights recorded, so no replay"
     return CheckResult("system_audit", not r.lines(), r.lines(), details)

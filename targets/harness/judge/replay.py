@@ -18,8 +18,10 @@ snapshots (never from a candidate's word).
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -32,6 +34,8 @@ from targets.harness.judge.sampling_tests import FALSE_ALARM, SamplingTests
 if TYPE_CHECKING:
     from targets.harness.judge.trace_index import Reasons, TraceIndex
     from targets.spec import TargetSpec
+
+log = logging.getLogger("vibetrain.audit")
 
 REPLAY_ALL_FLOPS = 4e12
 SAMPLED_TURNS = math.ceil(math.log(0.01) / math.log(0.99))  # 459
@@ -87,13 +91,19 @@ def replay_turns(
     for g in sample:
         by_version[g.data["version"]][g.data["episode"]].append(g)
     worst, tests = 0.0, SamplingTests(spec.accuracy.logprob_atol, seed)
+    log.info("replaying %s", coverage)
     for version in sorted(by_version):
+        started = time.monotonic()
         state = load_weights(version)
         if state is None:
             r.add("replay", f"no weights recorded for version {version}")
             continue
         model = make_model(state)
-        for gens in by_version[version].values():
+        loaded = time.monotonic()
+        episodes = by_version[version]
+        for done, gens in enumerate(episodes.values(), start=1):
+            if done % 32 == 0:
+                log.info("version %d: %d of %d episodes replayed", version, done, len(episodes))
             for sequence, riders in _covering_sequences(gens):
                 positions = [len(g.data["prompt"]) - 1 + i for g in riders for i in range(len(g.data["tokens"]))]
                 logits = _position_logits(model, sequence, positions)
@@ -120,6 +130,13 @@ def replay_turns(
                         if not g.data["aborted"]:
                             key = (version, tuple(g.data["prompt"]))
                             tests.add_response(g.data["start"], key, g.data["episode"], g.data["tokens"], logp)
+        log.info(
+            "version %d: %d episodes replayed in %.1f s (weights loaded in %.1f s)",
+            version,
+            len(episodes),
+            time.monotonic() - loaded,
+            loaded - started,
+        )
     details = {
         "replay_coverage": coverage,
         "replayed_turns": len(sample),
@@ -184,6 +201,7 @@ def replay_training(
     trainer = ReferenceTrainer(make_model(initial).float(), spec.workload.training.config())
     before, errors, reference_moved = initial, [], False
     for k, train in enumerate(ix.trains, start=1):
+        started = time.monotonic()
         after = load_weights(k)
         if after is None:
             r.add("training replay", f"no weights recorded after training step {k}")
@@ -194,7 +212,15 @@ def replay_training(
         except ValueError as error:
             r.add("training replay", f"step {k}: the recorded batch cannot be replayed ({error})")
             break
+        stepped = time.monotonic()
         error, moved = _relative_update_error(before, after, trainer.state_dict())
+        log.info(
+            "training step %d replayed: %.1f s loading and stepping, %.1f s comparing (relative error %.3g)",
+            k,
+            stepped - started,
+            time.monotonic() - stepped,
+            error,
+        )
         reference_moved = reference_moved or moved
         errors.append(error)
         if not error <= spec.accuracy.update_rtol:  # a NaN (a NaN in the batch) is no match

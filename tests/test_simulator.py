@@ -631,6 +631,8 @@ def test_the_rollout_fit_recovers_its_constants_and_keeps_them_non_negative():
 def test_the_rollout_fit_separates_memory_bound_iterations_from_fixed_costs():
     """Latencies made by the simulator's formula, from batches that read-bound (small) and
     compute-bound (large) iterations: the fit gives back both efficiencies and both fixed costs."""
+    import numpy as np
+
     from targets.harness.sim.calibrate import _rollout_fit
 
     step, mfu, request, hbm = 0.003, 0.5, 0.2, 0.8
@@ -649,6 +651,17 @@ def test_the_rollout_fit_separates_memory_bound_iterations_from_fixed_costs():
     assert fitted[:3] == pytest.approx((step, mfu, request), rel=0.01) and 0.99 <= fitted[3] <= 1.0
     # no growth with the work at all: no fit here (calibrate keeps the fixed costs at catalog rates)
     assert _rollout_fit([(n, r, c, p, n * step + request) for n, r, c, p, _ in rows]) is None
+    # host-bound (the H200 run of 11-29): latencies grow with the work 100x faster than the peak allows;
+    # unbounded the fit said rollout_mfu 100 (then the catalog's peak was raised 100x to hold it)
+    small = [(n, r / 1000, c / 1000, p / 1000) for n, r, c, p, _ in rows]  # the work: a sliver of each latency
+    noise = 1 + 0.03 * np.random.default_rng(0).standard_normal(len(small))  # measured, not made exact
+    host = [
+        (n, r, c, p, (n * step + request + 0.01 * (n * max(r, c) + p)) * e) for (n, r, c, p), e in zip(small, noise)
+    ]
+    fitted = _rollout_fit(host)
+    assert fitted[1] == 1.0 and fitted[3] <= 1.0  # the fixed costs (and the reads) carry what compute did not
+    predicted = [n * (max(r / fitted[3], c) + fitted[0]) + p + fitted[2] for n, r, c, p, _ in host]
+    assert predicted == pytest.approx([row[-1] for row in host], rel=0.05)
 
 
 @pytest.mark.slow

@@ -137,6 +137,7 @@ def main(
         "parameters": parameters,
         "attention": engine.attention_kind,
         "graphs": sorted(engine.graphs),
+        "fused_kernels": engine.fused_kernels,
         "card_hbm_gbs": hardware.hbm_bandwidth_gbs,
         "card_bf16_tflops": hardware.bf16_tflops,
         "card_figures": figures_of,
@@ -177,6 +178,21 @@ def main(
     record(decode_sampled_run_s=sampled_times)
     prefill_times = _timed(lambda: engine.generate(prompts, prefill_params), repeat, device)
     record(prefill_run_s=prefill_times)
+    unfused_times: list[float] = []
+    if engine.fused_kernels:  # the same decode in torch ops, measured beside: what the fused kernels bought
+        console.log("the same engine with the torch ops (fused_kernels=False)")
+        unfused = PagedEngine(
+            path,
+            dtype,
+            device=device,
+            kv_tokens=batch * (prompt_tokens + new_tokens) * 2,
+            max_batch=batch,
+            fused_kernels=False,
+        )
+        unfused_times = _timed(lambda: unfused.generate(prompts, greedy), repeat, device)
+        record(decode_unfused_run_s=unfused_times)
+        unfused = None
+        torch.cuda.empty_cache()
 
     console.log("transformers generate")
     reference = load_model(model_dir(spec.model), dtype).to(device)
@@ -274,6 +290,15 @@ def main(
         f"{decode_rate:,.0f} tok/s",
         f"{decode_rate / roofline:.0%} of roofline {roofline:,.0f} tok/s",
     )
+    if unfused_times:
+        unfused_s = statistics.median(unfused_times) - statistics.median(prefill_times)
+        table.add_row(
+            "decode only, torch ops (unfused)",
+            f"{unfused_s:.3f} s",
+            "-",
+            f"{batch * (new_tokens - 1) / unfused_s:,.0f} tok/s",
+            f"fused: {unfused_s / decode_s:.2f}x faster",
+        )
     prefill_s = statistics.median(prefill_times)
     table.add_row(
         "prefill", f"{prefill_s:.3f} s", spread(prefill_times), f"{batch * prompt_tokens / prefill_s:,.0f} tok/s", ""

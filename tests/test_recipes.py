@@ -95,6 +95,19 @@ def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_nam
         choose_attention("triton", "cuda:0", torch.bfloat16, head_dim=96)
 
 
+def test_fused_kernels_are_chosen_where_they_can_run_and_refused_where_not(monkeypatch):
+    from skills.recipes.paged_engine import choose_fused
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert choose_fused(None, "triton", "cuda:0", 128) and choose_fused(None, "flashinfer", "cuda:0", 128)
+    assert not choose_fused(None, "sdpa", "cuda:0", 128) and not choose_fused(None, "triton", "cuda:0", 96)
+    assert not choose_fused(False, "triton", "cuda:0", 128)
+    with pytest.raises(ValueError, match="needs a GPU device"):
+        choose_fused(True, "sdpa", "cpu", 128)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        choose_fused(True, "triton", "cuda:0", 96)
+
+
 TRITON_DECODE_CHECK = """
 import torch
 from skills.recipes.paged_engine import PagedEngine
@@ -121,10 +134,27 @@ for b, n in enumerate(lengths):
     worst = max(worst, float((torch.einsum("hl,lhd->hd", weights, values) - out[b]).abs().max()))
 assert worst < 1e-5, worst
 
+from skills.recipes import fused_ops  # the fused kernels against the torch ops they replace
+from skills.recipes.qwen3_model import TorchOps
+
+T, n, heads, dim = 5, 96, 3, 64
+h, d, w = torch.randn(T, n), torch.randn(T, n), torch.randn(n)
+x, wq, angles = torch.randn(T, heads, dim), torch.randn(dim), torch.randn(T, dim // 2)
+cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+gate, up = torch.randn(T, 3000), torch.randn(T, 3000)
+pairs = [
+    *zip(fused_ops.add_rms_norm(h, d, w, 1e-6), TorchOps.add_rms_norm(h, d, w, 1e-6)),
+    (fused_ops.add_rms_norm(h, None, w, 1e-6)[1], TorchOps.add_rms_norm(h, None, w, 1e-6)[1]),
+    (fused_ops.norm_rope(x, wq, cos, sin, 1e-6), TorchOps.norm_rope(x, wq, cos, sin, 1e-6)),
+    (fused_ops.silu_mul(gate, up), TorchOps.silu_mul(gate, up)),
+]
+fused_worst = max(float((a - b).abs().max()) for a, b in pairs)
+assert fused_worst < 1e-5, fused_worst  # float32: the interpreter rounds bf16 by truncation, a GPU to nearest
+
 params = SamplingParams(max_new_tokens=12, temperature=0.0)
 prompts = fixed_prompts(5)
 engines = [PagedEngine(PATH, "float32", attention=kind, max_batch=8) for kind in ("triton", "sdpa")]
-assert engines[0].attention_kind == "triton"
+assert engines[0].attention_kind == "triton" and engines[0].fused_kernels and not engines[1].fused_kernels
 a, b = (engine.generate(prompts, params) for engine in engines)
 assert [c.tokens for c in a] == [c.tokens for c in b]
 print("worst", worst, "logprobs", max(abs(x - y) for p, r in zip(a, b) for x, y in zip(p.logprobs, r.logprobs)))
@@ -133,8 +163,9 @@ print("worst", worst, "logprobs", max(abs(x - y) for p, r in zip(a, b) for x, y 
 
 def test_the_triton_decode_kernel_matches_attention_and_the_engine_decodes_the_sdpa_tokens(path):
     """The decode kernel the engine takes on a GPU without FlashInfer (what the lent machines are), run
-    by Triton's interpreter on CPU: the scores and values of a scattered block table, and an engine on
-    it greedy-decoding the SDPA engine's tokens (its prefill steps are SDPA's)."""
+    by Triton's interpreter on CPU: the scores and values of a scattered block table; the fused norm,
+    RoPE and activation kernels against the torch ops; and an engine on both greedy-decoding the
+    SDPA engine's tokens with the torch ops (its prefill steps are SDPA's)."""
     import os
     import subprocess
     import sys

@@ -38,7 +38,7 @@ from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
 from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
-from .qwen3_model import Qwen3, load_checkpoint
+from .qwen3_model import Qwen3, head_dim_of, load_checkpoint
 
 TAGS = ("weights", "kv_cache")
 
@@ -94,6 +94,22 @@ def choose_attention(requested: str, device: str, dtype: torch.dtype, head_dim: 
     return "flashinfer" if flashinfer else "triton" if triton and fits_triton else "sdpa"
 
 
+def choose_fused(requested: bool | None, attention: str, device: str, head_dim: int) -> bool:
+    """Whether the layers' elementwise work runs in the Triton kernels of ``fused_ops.py``. ``None``:
+    where decode runs a GPU kernel (FlashInfer's or Triton's), whose steps are otherwise a chain of
+    tiny torch kernels; never with SDPA (CPU, float32). Asking for them where they cannot run is an
+    error that says why."""
+    triton = importlib.util.find_spec("triton") is not None
+    fits = not head_dim & (head_dim - 1)
+    if requested is None:
+        return attention in ("flashinfer", "triton") and triton and fits
+    if requested and not (triton and fits):
+        raise ValueError(f"fused_kernels needs Triton installed and a power-of-two head dim ({head_dim})")
+    if requested and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("fused_kernels needs a GPU device (or TRITON_INTERPRET=1 to interpret them on CPU)")
+    return requested
+
+
 class PagedEngine:
     """Follows ``targets.api.RolloutEngine``."""
 
@@ -114,13 +130,15 @@ class PagedEngine:
         speculative_ngram: int = 2,
         speculative_batch: int = 64,
         host_kv_tokens: int = 0,
+        fused_kernels: bool | None = None,
     ) -> None:
         """``separate_prefill``: steps either prefill newly admitted requests or decode the running ones,
         never both, so every decode step is one the captured graphs replay (default: where graphs are
         captured; on CPU a mixed step is one forward instead of two). ``speculative_*``: drafts of up
         to that many tokens, found by a match of that many last tokens, while at most that many
         requests run (0 tokens: off). ``host_kv_tokens``: the host tier's capacity for evicted prefixes
-        (the ``kv_host_tier`` skill; 0: an evicted prefix is lost)."""
+        (the ``kv_host_tier`` skill; 0: an evicted prefix is lost). ``fused_kernels``: norms, RoPE and the
+        MLP's activation in Triton kernels (``choose_fused``; default: with a GPU attention kernel)."""
         for option, value, low in (
             ("speculative_tokens", speculative_tokens, 0),
             ("speculative_ngram", speculative_ngram, 1),
@@ -133,7 +151,10 @@ class PagedEngine:
         self.drafted = self.accepted = 0  # drafted tokens, and those the verification kept
         self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
         self.config, self.weights = load_checkpoint(model_path, device, self.dtype)
-        self.model = Qwen3(self.config, self.weights)
+        head_dim = head_dim_of(self.config)
+        self.attention_kind = choose_attention(attention, device, self.dtype, head_dim, block_size)
+        self.fused_kernels = choose_fused(fused_kernels, self.attention_kind, device, head_dim)
+        self.model = Qwen3(self.config, self.weights, fused=self.fused_kernels)
         self.block_size, self.max_batch = block_size, max_batch
         self.host_kv = HostKV(host_kv_tokens, block_size) if host_kv_tokens else None
         kv_heads, head_dim = self.model.kv_heads, self.model.head_dim
@@ -151,7 +172,6 @@ class PagedEngine:
             )
         self.num_blocks = kv_tokens // block_size + 1  # the last block is a dummy for padded graph rows
         self.capacity_tokens = (self.num_blocks - 1) * block_size
-        self.attention_kind = choose_attention(attention, device, self.dtype, self.model.head_dim, block_size)
         graphed = self.attention_kind in GRAPHED_ATTENTION and device.startswith("cuda")
         self._graph_batch = max_batch if (graphed and cuda_graphs and not self.model.moe) else 0
         self.separate_prefill = bool(self._graph_batch) if separate_prefill is None else separate_prefill

@@ -92,6 +92,31 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def head_dim_of(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+class TorchOps:
+    """The layer's elementwise work in torch ops: the arithmetic of record (``fused_ops.py`` computes
+    the same in three Triton kernels, for a GPU's decode steps)."""
+
+    @staticmethod
+    def add_rms_norm(
+        h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = h if delta is None else h + delta
+        return total, rms_norm(total, weight, eps)
+
+    @staticmethod
+    def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+        x = rms_norm(x, weight, eps)
+        return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
 def rope_frequencies(config: dict, head_dim: int) -> torch.Tensor:
     """RoPE's inverse frequencies in float32, as transformers computes them (default rope type)."""
     theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0)
@@ -103,11 +128,17 @@ class Qwen3:
     """The forward pass over ``weights`` (tensors shared with the engine: a weight load replaces them
     in place, so nothing here holds a stale copy)."""
 
-    def __init__(self, config: dict, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor], fused: bool = False) -> None:
+        """``fused``: the elementwise work in Triton kernels (``fused_ops.py``), else in torch ops."""
         self.config, self.weights = config, weights
+        if fused:
+            from . import fused_ops as ops  # imported where it runs: Triton is optional
+        else:
+            ops = TorchOps
+        self.ops = ops
         self.layers = config["num_hidden_layers"]
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-        self.head_dim = config.get("head_dim") or config["hidden_size"] // self.heads
+        self.head_dim = head_dim_of(config)
         self.eps = config["rms_norm_eps"]
         experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 writes the latter
         sparse = set(range(self.layers)) - set(config.get("mlp_only_layers") or [])
@@ -120,15 +151,16 @@ class Qwen3:
         self.inv_freq = rope_frequencies(config, self.head_dim).to(device)  # on the device: a graph copies nothing
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` of each position, ``[T, head_dim]``."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         w, p = self.weights, f"model.layers.{i}.mlp."
         if i not in self.moe_layers:
             return F.linear(
-                F.silu(F.linear(h, w[p + "gate_proj.weight"])) * F.linear(h, w[p + "up_proj.weight"]),
+                self.ops.silu_mul(F.linear(h, w[p + "gate_proj.weight"]), F.linear(h, w[p + "up_proj.weight"])),
                 w[p + "down_proj.weight"],
             )
         router = torch.softmax(F.linear(h, w[p + "gate.weight"]), dim=-1, dtype=torch.float32)
@@ -146,22 +178,24 @@ class Qwen3:
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Final hidden states of every new token, ``[T, hidden]``."""
-        w = self.weights
+        w, ops, eps = self.weights, self.ops, self.eps
         h = w["model.embed_tokens.weight"][tokens]
         cos, sin = self.rope(positions, h.dtype)
+        delta = None  # what the last block adds to the residual stream, added by the next norm
         for i in range(self.layers):
             p = f"model.layers.{i}."
-            x = rms_norm(h, w[p + "input_layernorm.weight"], self.eps)
+            h, x = ops.add_rms_norm(h, delta, w[p + "input_layernorm.weight"], eps)
             q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(-1, self.heads, self.head_dim)
             k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(-1, self.kv_heads, self.head_dim)
             v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(-1, self.kv_heads, self.head_dim)
-            q = rms_norm(q, w[p + "self_attn.q_norm.weight"], self.eps)
-            k = rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            q = ops.norm_rope(q, w[p + "self_attn.q_norm.weight"], cos, sin, eps)
+            k = ops.norm_rope(k, w[p + "self_attn.k_norm.weight"], cos, sin, eps)
             a = attention(i, q, k, v).reshape(-1, self.heads * self.head_dim)
-            h = h + F.linear(a, w[p + "self_attn.o_proj.weight"])
-            h = h + self._mlp(i, rms_norm(h, w[p + "post_attention_layernorm.weight"], self.eps))
-        return rms_norm(h, w["model.norm.weight"], self.eps)
+            h, x = ops.add_rms_norm(
+                h, F.linear(a, w[p + "self_attn.o_proj.weight"]), w[p + "post_attention_layernorm.weight"], eps
+            )
+            delta = self._mlp(i, x)
+        return ops.add_rms_norm(h, delta, w["model.norm.weight"], eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the rows of ``hidden`` (only the rows that sample: never the whole batch)."""

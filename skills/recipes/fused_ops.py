@@ -1,0 +1,135 @@
+"""The decoder layer's elementwise work in three Triton kernels instead of ~45 torch ops: a residual
+add fused with the RMSNorm after it, the per-head q/k norms fused with RoPE, and SiLU(gate) * up.
+
+Why: a decode step of a small model is a chain of tiny kernels, and on the H200 each costs the GPU a
+few microseconds whatever its size: the 0.6B engine's ~55 kernels a layer (28 layers) in CUDA graphs
+took 6.8 ms an iteration against a 0.54 ms roofline. With these, a layer is ~14 kernels.
+
+Each kernel rounds where the torch ops it replaces round (every op's output is in the model's dtype;
+RMSNorm computes in float32, as transformers' Qwen3 does), so the fused model gives the unfused one's
+numbers up to float32 summation order. Triton's interpreter (``TRITON_INTERPRET=1``) runs them on CPU
+tensors, which is how the tests compare them with the torch ops on a machine with no GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm(
+    h,  # [rows, n]: the residual stream
+    delta,  # [rows, n]: what is added to it first (HAS_DELTA)
+    weight,  # [n]
+    total,  # [rows, n]: h + delta, written (HAS_DELTA)
+    out,  # [rows, n]: the norm of h (+ delta), scaled by weight
+    n,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n
+    x = tl.load(h + row * n + cols, mask=inside, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        x += tl.load(delta + row * n + cols, mask=inside, other=0.0).to(tl.float32)
+        x = x.to(total.dtype.element_ty)  # rounded as the torch add's output is
+        tl.store(total + row * n + cols, x, mask=inside)
+        x = x.to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    normed = (x * scale).to(out.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + row * n + cols, (w * normed).to(out.dtype.element_ty), mask=inside)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, rms_norm(h + delta) * weight)``; with no ``delta``, ``(h, rms_norm(h) * weight)``."""
+    n = h.shape[-1]
+    if not h.is_contiguous() or (delta is not None and not delta.is_contiguous()):
+        raise ValueError("add_rms_norm needs contiguous rows")
+    total = torch.empty_like(h) if delta is not None else h
+    out = torch.empty_like(h)
+    _add_rms_norm[(h.numel() // n,)](
+        h,
+        delta if delta is not None else h,
+        weight,
+        total,
+        out,
+        n,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=triton.next_power_of_2(n),
+    )
+    return total, out
+
+
+@triton.jit
+def _norm_rope(
+    x,  # [tokens, heads, dim]
+    weight,  # [dim]
+    cos,  # [tokens, dim]
+    sin,
+    out,  # [tokens, heads, dim]
+    heads,
+    eps,
+    HALF: tl.constexpr,  # dim // 2
+):
+    row = tl.program_id(0).to(tl.int64)  # one (token, head)
+    token = row // heads
+    cols = tl.arange(0, HALF)
+    first = tl.load(x + row * 2 * HALF + cols).to(tl.float32)
+    second = tl.load(x + row * 2 * HALF + HALF + cols).to(tl.float32)
+    scale = tl.rsqrt((tl.sum(first * first, axis=0) + tl.sum(second * second, axis=0)) / (2 * HALF) + eps)
+    kind = out.dtype.element_ty
+    w1 = tl.load(weight + cols).to(tl.float32)
+    w2 = tl.load(weight + HALF + cols).to(tl.float32)
+    first = (w1 * (first * scale).to(kind).to(tl.float32)).to(kind).to(tl.float32)
+    second = (w2 * (second * scale).to(kind).to(tl.float32)).to(kind).to(tl.float32)
+    c1 = tl.load(cos + token * 2 * HALF + cols).to(tl.float32)
+    c2 = tl.load(cos + token * 2 * HALF + HALF + cols).to(tl.float32)
+    s1 = tl.load(sin + token * 2 * HALF + cols).to(tl.float32)
+    s2 = tl.load(sin + token * 2 * HALF + HALF + cols).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-second, first); each product rounded, then the sum
+    low = (first * c1).to(kind).to(tl.float32) + (-second * s1).to(kind).to(tl.float32)
+    high = (second * c2).to(kind).to(tl.float32) + (first * s2).to(kind).to(tl.float32)
+    tl.store(out + row * 2 * HALF + cols, low.to(kind))
+    tl.store(out + row * 2 * HALF + HALF + cols, high.to(kind))
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm (scaled by ``weight``) then RoPE: ``x`` ``[tokens, heads, dim]``, ``cos`` and
+    ``sin`` ``[tokens, dim]`` in ``x``'s dtype."""
+    tokens, heads, dim = x.shape
+    if dim % 2 or dim & (dim - 1) or not x.is_contiguous():
+        raise ValueError(f"norm_rope needs contiguous heads of a power-of-two dim, not {dim}")
+    out = torch.empty_like(x)
+    _norm_rope[(tokens * heads,)](x, weight, cos.contiguous(), sin.contiguous(), out, heads, eps, HALF=dim // 2)
+    return out
+
+
+@triton.jit
+def _silu_mul(gate, up, out, n, BLOCK: tl.constexpr):
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = at < n
+    g = tl.load(gate + at, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up + at, mask=inside, other=0.0).to(tl.float32)
+    activated = (g / (1.0 + tl.exp(-g))).to(out.dtype.element_ty).to(tl.float32)  # F.silu's output, rounded
+    tl.store(out + at, (activated * u).to(out.dtype.element_ty), mask=inside)
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up``."""
+    if gate.shape != up.shape or not (gate.is_contiguous() and up.is_contiguous()):
+        raise ValueError("silu_mul needs contiguous gate and up of one shape")
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    _silu_mul[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, BLOCK=SILU_BLOCK)
+    return out

@@ -60,6 +60,23 @@ def _timed(fn: Callable[[], object], repeat: int, device: str) -> list[float]:
     return times
 
 
+def _graph_replay_ms(engine: PagedEngine, batch: int, replays: int = 50) -> float | None:
+    """The GPU time of one captured decode step of ``batch`` rows, replayed back to back (CUDA events):
+    against a whole step's time, how much of a decode iteration is kernels and how much the host's
+    scheduling, uploads and sampling. None where the engine has no graph of that size."""
+    if batch not in engine.graphs:
+        return None
+    graph = engine.graphs[batch][0]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def _batch(prompts: list[list[int]], new_tokens: int) -> TrainBatch:
     """GRPO-shaped: prompt tokens masked out, response tokens with behaviour logprobs, +-1 advantages."""
     trajectories = []
@@ -178,6 +195,9 @@ def main(
     record(decode_sampled_run_s=sampled_times)
     prefill_times = _timed(lambda: engine.generate(prompts, prefill_params), repeat, device)
     record(prefill_run_s=prefill_times)
+    graph_ms = _graph_replay_ms(engine, batch)
+    if graph_ms is not None:
+        record(decode_graph_replay_ms=graph_ms)
     unfused_times: list[float] = []
     if engine.fused_kernels:  # the same decode in torch ops, measured beside: what the fused kernels bought
         console.log("the same engine with the torch ops (fused_kernels=False)")
@@ -290,6 +310,15 @@ def main(
         f"{decode_rate:,.0f} tok/s",
         f"{decode_rate / roofline:.0%} of roofline {roofline:,.0f} tok/s",
     )
+    if graph_ms is not None:
+        step_ms = decode_s / (new_tokens - 1) * 1e3
+        table.add_row(
+            f"one decode step's graph alone (batch {batch})",
+            f"{graph_ms:.3f} ms",
+            "-",
+            f"a step: {step_ms:.3f} ms",
+            f"{graph_ms / step_ms:.0%} of a step on the GPU, the rest the host's",
+        )
     if unfused_times:
         unfused_s = statistics.median(unfused_times) - statistics.median(prefill_times)
         table.add_row(

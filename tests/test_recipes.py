@@ -592,9 +592,10 @@ def test_the_broadcast_group_sends_every_bucket_to_a_receiver(tiny_model):
 # -- the one-device local cluster --------------------------------------------------------------------------
 
 
-def test_the_local_cluster_time_shares_one_cpu_device(tiny_spec):
+def test_the_local_cluster_time_shares_one_cpu_device(tiny_spec, capsys):
     """Engine and trainer in one process on one device: train refuses while the engine is awake;
-    after suspend, train, sync and resume the engine serves the new version."""
+    after suspend, train, sync and resume the engine serves the new version; each switch says where
+    its time went."""
     import asyncio
     import dataclasses
 
@@ -605,6 +606,9 @@ def test_the_local_cluster_time_shares_one_cpu_device(tiny_spec):
     base = Target.load("tiny-qwen3-cpu").runtime()
     runtime = dataclasses.replace(base, devices=base.devices[:1])
     asyncio.run(one_round(runtime, tiny_spec.workload.training.config()))
+    said = capsys.readouterr().err
+    assert "to the trainer on cpu:0: engine asleep" in said and "trainer reloaded" in said, said
+    assert "to the engine on cpu:0: optimizer out" in said and "KV cache (and decode graphs)" in said, said
 
 
 def test_the_local_cluster_refuses_to_train_beside_an_awake_engine(tiny_spec):

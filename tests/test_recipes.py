@@ -60,6 +60,26 @@ def test_paged_engine_passes_engine_and_sync_checks_also_after_sleep_and_wake(pa
     assert result.passed and engine.weight_version == 6, result.reasons
 
 
+def test_an_engine_that_discarded_its_weights_serves_nothing_until_a_whole_version_is_loaded(
+    path, tiny_model, tiny_spec
+):
+    """What the local cluster's suspend does (the trainer's next version is loaded on wake anyway): no
+    copy out, the tensors freed, version -1; a load that leaves a tensor uninitialised is refused."""
+    engine = PagedEngine(path, block_size=4, kv_tokens=1024)
+    before = engine.generate([[3, 4, 5]], _greedy(6))[0].tokens
+    engine.sleep(discard_weights=True)
+    assert engine.weight_version == -1 and engine.weights["model.norm.weight"].numel() == 0
+    engine.wake()
+    with pytest.raises(RuntimeError, match="discarded at sleep"):
+        engine.generate([[3, 4]], _greedy(2))
+    state = tiny_model.state_dict()
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        engine.load_weights({k: v for k, v in state.items() if k != "model.norm.weight"}, version=1)
+    engine.load_weights(state, version=1)
+    assert engine.generate([[3, 4, 5]], _greedy(6))[0].tokens == before
+    assert check_engine(engine, tiny_model, tiny_spec.accuracy).passed
+
+
 def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_name_or_fits(monkeypatch):
     """The GPU machine has no FlashInfer: its first run crashed at the engine's import of it. ``auto``
     takes the Triton decode kernel there (SDPA where Triton is missing too); naming a kind that cannot

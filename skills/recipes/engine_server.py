@@ -166,15 +166,15 @@ class EngineServer:
             self._wakeup.set()
         return self.engine.weight_version
 
-    async def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
+    async def sleep(self, tags: Sequence[str] = ("weights", "kv_cache"), discard_weights: bool = False) -> int:
         """Returns the engine's weight version after sleeping (-1: the weights were discarded, and a
-        wake must be followed by a load)."""
+        wake must be followed by a load). ``discard_weights``: no copy to host (vLLM always discards)."""
         await self.abort()
         async with self._lock:
             if self.kind == "vllm":
                 await self.engine.sleep_async(tags)
             else:
-                for request in self.engine.sleep(tags):
+                for request in self.engine.sleep(tags, discard_weights):
                     future = self._pending.pop(request.id, None)
                     if future is not None and not future.done():
                         future.set_result(self.engine.completion(request))

@@ -1,7 +1,8 @@
 """The ``targets.api.Cluster`` for a stack on one device: the engine and the trainer live in this one
 process and time-share the device. While rolling out, the engine holds the device and the trainer is
-offloaded to host memory; ``suspend`` puts the engine to sleep and brings the trainer back (a shrink
-of the only device is refused: it would leave no rollout engine); ``resume`` (or an expand) offloads
+offloaded to host memory; ``suspend`` puts the engine to sleep (its weights discarded: it wakes to
+the trainer's, copied in place) and brings the trainer back (a shrink of the only device is refused:
+it would leave no rollout engine); ``resume`` (or an expand) offloads
 the trainer, wakes the engine's weights, copies the new weights in place (engine and trainer share a
 process: no serialization, device to device on GPU), then wakes its KV cache. Engine and trainer
 never hold memory on the device at the same time, and ``residency`` says so to the harness.
@@ -105,7 +106,8 @@ class LocalCluster:
         if self._engine_awake:
             self._engine_awake = False
             times = SwitchTimes(f"to the trainer on {self.device.id}")
-            self._engine_version = await self.server.sleep()  # -1: the engine discarded its weights
+            # discarded, not copied out: the trainer's next version is loaded when the engine wakes
+            self._engine_version = await self.server.sleep(discard_weights=True)  # -1 then
             times.done("engine asleep")
             await asyncio.to_thread(self.trainer.reload)
             times.done("trainer reloaded")

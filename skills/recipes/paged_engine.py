@@ -178,7 +178,8 @@ class PagedEngine:
         self._prefilled_last = False  # the previous step was a prefill step (the next one decodes)
         self.weight_version = 0
         self._asleep: set[str] = set()
-        self._host_weights: dict[str, torch.Tensor] | None = None
+        self._pinned: dict[str, torch.Tensor] = {}  # host copies of the weights while they sleep, kept for the next
+        self._weights_on_host = False  # the sleeping weights are in _pinned (else discarded, or never moved: CPU)
         self._ids = itertools.count()
         self._incoming: deque[Request] = deque()
         self._aborts: deque[int | None] = deque()  # None: abort everything
@@ -231,9 +232,12 @@ class PagedEngine:
     def offloaded(self) -> bool:
         return bool(self._asleep)
 
-    def sleep(self, tags: Sequence[str] = TAGS) -> list[Request]:
-        """Free the KV cache and/or move the weights to host memory (pinned on GPU), keeping the
-        tensors' identities for wake. Every request in flight is aborted: they are returned."""
+    def sleep(self, tags: Sequence[str] = TAGS, discard_weights: bool = False) -> list[Request]:
+        """Free the KV cache and/or move the weights to host memory (on GPU into pinned buffers kept
+        from one sleep to the next: one copy each way, no allocation), keeping the tensors' identities
+        for wake. ``discard_weights``: free them with no copy (a cluster that loads a new version on
+        wake anyway); the version is then -1 and the engine takes no request until a load. Every
+        request in flight is aborted: they are returned."""
         unknown = set(tags) - set(TAGS)
         if unknown:
             raise ValueError(f"unknown sleep tags {sorted(unknown)}; known: {TAGS}")
@@ -244,9 +248,19 @@ class PagedEngine:
             self.pool = self.attention = self.blocks = None
             self._asleep.add("kv_cache")
         if "weights" in tags and "weights" not in self._asleep:
-            if self.device.startswith("cuda"):
-                self._host_weights = {k: v.to("cpu", non_blocking=True).pin_memory() for k, v in self.weights.items()}
-                for tensor in self.weights.values():
+            unique = {id(t): (name, t) for name, t in self.weights.items()}.values()  # tied ones once
+            self._shapes = {name: tensor.shape for name, tensor in unique}
+            if discard_weights:
+                self.weight_version = -1
+            elif self.device.startswith("cuda"):
+                for name, tensor in unique:
+                    if name not in self._pinned:
+                        self._pinned[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                    self._pinned[name].copy_(tensor, non_blocking=True)
+                torch.cuda.synchronize(self.device)
+                self._weights_on_host = True
+            if discard_weights or self.device.startswith("cuda"):
+                for _, tensor in unique:
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
             self._asleep.add("weights")
         if self.device.startswith("cuda"):
@@ -257,10 +271,12 @@ class PagedEngine:
         """Wake by tag; the order that avoids holding both copies is weights, then a weight load,
         then ``kv_cache`` (the engine refuses to serve until both are awake)."""
         if "weights" in tags and "weights" in self._asleep:
-            if self._host_weights is not None:
-                for name, tensor in self.weights.items():
-                    tensor.data = self._host_weights[name].to(self.device, non_blocking=True)
-                self._host_weights = None
+            for name, tensor in {id(t): (n, t) for n, t in self.weights.items()}.values():
+                if tensor.numel() == 0 and self._shapes[name].numel():  # freed at sleep: room again
+                    tensor.data = torch.empty(self._shapes[name], dtype=tensor.dtype, device=self.device)
+                    if self._weights_on_host:
+                        tensor.data.copy_(self._pinned[name], non_blocking=True)
+            self._weights_on_host = False
             self._asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             self._asleep.discard("kv_cache")
@@ -285,6 +301,13 @@ class PagedEngine:
             self.blocks.drop_prefixes()
         if self.host_kv is not None:
             self.host_kv.clear()
+        if self.weight_version < 0:  # discarded at sleep: a load must cover every tensor (a tied one by either name)
+            names: dict[int, list[str]] = {}
+            for name, tensor in self.weights.items():
+                names.setdefault(id(tensor), []).append(name)
+            missing = sorted(group[0] for group in names.values() if not set(group) & set(state))
+            if missing:
+                raise KeyError(f"{self.name}: its weights were discarded; the load lacks {missing[:5]}")
         for name, tensor in state.items():
             if name not in self.weights:
                 raise KeyError(f"{self.name}: no parameter {name!r} in this model")
@@ -302,6 +325,8 @@ class PagedEngine:
             )
         if not prompt:
             raise ValueError(f"{self.name}: an empty prompt")
+        if self.weight_version < 0:
+            raise RuntimeError(f"{self.name}: its weights were discarded at sleep; load a version first")
         request = Request(next(self._ids), list(prompt), params, episode, tokens=list(prompt))
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)

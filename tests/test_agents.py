@@ -719,6 +719,21 @@ def _answered_only_where_it_applies(tiny_spec, target: str, hints, skill: str, c
     assert f"add-{skill}" not in [t.id for t in single.composition_tasks(params)]
 
 
+def test_engines_prefilling_a_third_of_their_time_hint_the_host_tier():
+    """Engines that spent over 30% of their busy time prefilling (the paper-scale best: 47%) are the
+    ``prefill_bound`` finding; the planner answers it with kv_host_tier on a simulated target."""
+    events = [_event("run_start", 0.0, devices=["h800:0"]), _event("run_end", 4.0)]
+    metrics = _busy_run_metrics() | {"prefill_share": 0.47, "prefilled_tokens": 9e8}
+    hints = [h for h in hints_from(metrics, events, simulated=True) if h.code == "prefill_bound"]
+    assert len(hints) == 1 and hints[0].evidence == {"prefill_share": 0.47, "prefilled_tokens": 9e8}
+    assert "47% of their busy time prefilling" in hints[0].message
+    calm = _busy_run_metrics() | {"prefill_share": 0.2, "prefilled_tokens": 1e8}
+    assert not [h for h in hints_from(calm, events, simulated=True) if h.code == "prefill_bound"]
+    planner = OfflinePlanner(load_target("qwen3-235b-a22b-h800x160"), simulated=True)
+    params = {"controller": "time_multiplex", "train_devices": 128}
+    assert [t.changes for t in planner.tasks_from_hints(hints, params)] == [{"host_kv": 16}]
+
+
 def test_lost_episodes_hint_env_checkpoint_which_only_targets_with_stateful_environments_get(tiny_spec):
     """Trajectories lost with their environment's state are the ``lost_episodes`` finding; the planner
     answers it with env_checkpoint, which it never proposes where crashes lose nothing."""

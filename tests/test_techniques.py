@@ -795,3 +795,5 @@ def test_kv_host_tier_in_the_simulator_restores_instead_of_prefilling(tmp_path, 
         runs[name] = run.results["system"]
     assert runs["plain"]["restored_tokens"] == 0 < runs["tier"]["restored_tokens"], runs
     assert runs["tier"]["prefilled_tokens"] < runs["plain"]["prefilled_tokens"], runs
+    # the seconds those prefills took are what the evaluator's prefill_bound finding reads (prefill_share)
+    assert 0 < runs["tier"]["prefill_seconds"] < runs["plain"]["prefill_seconds"], runs

@@ -26,6 +26,7 @@ JUDGE_BUSY = 0.5  # a reward model's own devices busy less than this share of th
 SERVING_SLACK = 0.6  # a serving pool whose p99 TTFT stayed under this share of its SLO has room to lend
 SMALL_BATCH = 4.0
 SYNC_SHARE = 0.10
+PREFILL_SHARE = 0.3  # of the engines' busy time spent prefilling (decode paused meanwhile)
 MAX_PAIRS_FACTOR = 2  # a real target's undecided candidate gets up to this many times its pairs
 
 
@@ -184,6 +185,16 @@ def hints_from(metrics: dict, events: list, simulated: bool, kinds: dict[str, st
                         evidence={"mean_engine_batch": size},
                     )
                 )
+    if metrics.get("prefill_share", 0.0) > PREFILL_SHARE:  # the simulator's engines count it
+        hints.append(
+            Hint(
+                code="prefill_bound",
+                message=f"the engines spent {metrics['prefill_share']:.0%} of their busy time prefilling "
+                f"({metrics['prefilled_tokens']:,.0f} tokens): contexts evicted while their episodes waited "
+                "on tools are computed again whole",
+                evidence={"prefill_share": metrics["prefill_share"], "prefilled_tokens": metrics["prefilled_tokens"]},
+            )
+        )
     steps = max(1, sum(1 for e in events if e.kind == "train"))
     if metrics["sync_s"] * steps / metrics["duration_s"] > SYNC_SHARE:
         hints.append(

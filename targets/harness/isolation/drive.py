@@ -579,7 +579,7 @@ def drive_simulated(
             summary["kv_capacity_tokens"] = min(cost.kv_capacity_tokens for cost in engine_costs.pools.values())
             summary["preemptions"] = cluster.preemptions
             summary["decode_seconds"], summary["decode_batch"] = cluster.decoding()
-            summary["prefilled_tokens"], summary["restored_tokens"] = cluster.prefills()
+            summary["prefilled_tokens"], summary["restored_tokens"], summary["prefill_seconds"] = cluster.prefills()
             summary["controller_round_trips"] = link.waits
             summary["controller_wait_seconds"] = loop.waited_s
             await cluster.close()

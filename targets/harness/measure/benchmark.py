@@ -50,6 +50,8 @@ SUMMARIZED = (
     "kv_preemptions",
     "decode_batch",
     "decode_share",
+    "prefill_share",  # of the engines' busy time (simulated): prefills and host-tier copies, decode paused
+    "prefilled_tokens",
     "serving_ttft_p99_s",  # a serving pool's (measure/metrics.py serving_metrics)
     "serving_tpot_p99_s",
     "lent_devices",

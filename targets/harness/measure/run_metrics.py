@@ -29,4 +29,7 @@ def run_metrics(spec: TargetSpec, events: list[TraceEvent], child_result: dict) 
         device_seconds = len(devices) * metrics["duration_s"]
         decoding = child_result["decode_seconds"] * child_result["engine_devices"]
         metrics["decode_share"] = decoding / device_seconds if device_seconds else 0.0
+        engine_seconds = child_result["decode_seconds"] + child_result["prefill_seconds"]
+        metrics["prefill_share"] = child_result["prefill_seconds"] / engine_seconds if engine_seconds else 0.0
+        metrics["prefilled_tokens"] = child_result["prefilled_tokens"]
     return metrics

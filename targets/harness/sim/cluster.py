@@ -281,9 +281,14 @@ class SimCluster:
         batch = sum(e.decode_sequence_seconds for e in self.engines) / seconds if seconds else 0.0
         return seconds, batch
 
-    def prefills(self) -> tuple[int, int]:
-        """(context tokens the engines prefilled, and those they restored from a host tier instead)."""
-        return sum(e.prefilled_tokens for e in self.engines), sum(e.restored_tokens for e in self.engines)
+    def prefills(self) -> tuple[int, int, float]:
+        """(context tokens the engines prefilled, those they restored from a host tier instead, and the
+        seconds the prefills and copies took, summed)."""
+        return (
+            sum(e.prefilled_tokens for e in self.engines),
+            sum(e.restored_tokens for e in self.engines),
+            sum(e.prefill_seconds for e in self.engines),
+        )
 
     @property
     def peak_kv_fraction(self) -> float:

@@ -83,6 +83,7 @@ class SimEngine:
         self._host_tokens = 0  # sum of ``host``
         self._saving_s = 0.0  # copies to the host tier not yet charged
         self.prefilled_tokens = self.restored_tokens = 0  # computed by prefills; copied back from the host
+        self.prefill_seconds = 0.0  # virtual seconds of prefills (and host-tier copies), decode paused
         self.peak_kv_tokens = 0
         self.preemptions = 0
         self.decode_seconds = 0.0  # virtual seconds spent decoding (the running batch gaining tokens)
@@ -338,6 +339,7 @@ class SimEngine:
             if seq.started is not None:
                 self._prefilling.append(seq)
         self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
+        self.prefill_seconds += prefill
         return prefill
 
     def _progress(self, whole: bool = False) -> None:

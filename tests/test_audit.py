@@ -34,6 +34,13 @@ def honest(fast_target, tmp_path_factory, shared_ray):  # the run joins the sess
     )
     assert run.ok, run.cause
     assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
+    said = (run.out / "measure.log").read_text()  # where the audit's time went, said as it went
+    assert "[audit " in said and "training step 1 replayed" in said, said[-2000:]
+    assert set(run.results["audit"]["result"]["details"]["audit_seconds"]) == {
+        "invariants",
+        "turn_replay",
+        "training_replay",
+    }
     weights = {int(p.stem[1:]): load_snapshot(p) for p in (run.out / "weights").glob("v*.safetensors")}
     return spec, Trace.load_events(run.out / "trace.jsonl"), weights, load_model(model_dir(spec.model))
 

@@ -45,8 +45,33 @@ PHASES = {"accuracy": ("accuracy",), "check": ("accuracy", "system", "audit"), "
 TASK_KEY = "VIBETRAIN_TASK_KEY"
 
 
+@contextlib.contextmanager
+def progress_lines(phase: str):
+    """The phase's logger (``vibetrain.<phase>``) writes timed lines to this process's output, the
+    phase's log: a 0.6B check takes minutes, and one cut short still says where it was."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[{phase} %(asctime)s] %(message)s", "%H:%M:%S"))
+    logger = logging.getLogger(f"vibetrain.{phase}")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield logger
+    finally:
+        logger.removeHandler(handler)
+
+
 def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -> dict:
+    with progress_lines("accuracy") as log:
+        return _accuracy(target, sandbox, stack_dir, out, log)
+
+
+def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, log: logging.Logger) -> dict:
     from targets.harness.isolation.processes import CandidateProcesses
+
+    started = time.monotonic()
+
+    def said(what: str) -> None:
+        log.info("%s (%.1f s in)", what, time.monotonic() - started)
 
     with CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu) as processes:
         processes.launch("components")  # first: its start-up runs while this process imports what follows
@@ -61,12 +86,17 @@ def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -
         components = RemoteComponents(channel)
         engine = components.make_engine_after(lambda: raise_if_error(channel.recv(), "build"))
         reference = target.reference_model()  # loads here while the candidate's process builds its engine
+        said("reference model loaded")
         results = [check_engine(engine(), reference, accuracy)]
+        said(f"check 1 (engine): {'passed' if results[-1].passed else 'failed'}")
         results.append(check_trainer(components.make_trainer, reference, runtime.workload.training, accuracy))
+        said(f"check 2 (trainer): {'passed' if results[-1].passed else 'failed'}")
         engine = components.make_engine()
+        said("a second engine built")
         results.append(
             check_weight_sync(engine, lambda state, v: components.sync_engine(engine, state, v), reference, accuracy)
         )
+        said(f"check 3 (weight sync): {'passed' if results[-1].passed else 'failed'}")
         components.close()
     return {"checks": [r.as_dict() for r in results]}
 
@@ -157,15 +187,8 @@ def run_audit(target: Target, out: Path, steps: int) -> dict:
     still says where it was)."""
     from targets.harness.judge.audit import audit_directory
 
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[audit %(asctime)s] %(message)s", "%H:%M:%S"))
-    audit_log = logging.getLogger("vibetrain.audit")
-    audit_log.addHandler(handler)
-    audit_log.setLevel(logging.INFO)
-    try:
+    with progress_lines("audit"):
         return {"result": audit_directory(target, out, steps).as_dict()}
-    finally:
-        audit_log.removeHandler(handler)
 
 
 def _die_with_parent() -> None:

@@ -138,11 +138,16 @@ class RunState(BaseModel):
         return [r for r in self.rounds if r.verdict == "accepted"]
 
     def abandoned(self) -> set[str]:
-        """Task ids the run gave up on: validated without beating the best, rejected, or screened out."""
+        """Task ids the run gave up on: validated without beating the best, rejected, or screened out,
+        where tried on a best. A follow-up on a controller switch that lost (its parent never the best)
+        says nothing of the technique on the best's controller: the paper-scale search's host tier,
+        tried first on a losing static split, was otherwise never tried again on the best's line."""
+        bests = {r.commit for r in self.rounds if r.became_best and r.commit}
         return {
             r.task.id
             for r in self.rounds
             if r.round > 0
+            and r.parent_commit in bests
             and (r.verdict in ("rejected", "prescreened") or (r.verdict == "accepted" and not r.became_best))
         }
 

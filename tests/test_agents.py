@@ -19,7 +19,7 @@ import pytest
 from agents.offline.evaluator import concurrency_shares, hints_from
 from agents.offline.judge import OfflineJudge
 from agents.offline.planner import OfflinePlanner
-from agents.roles import Hint
+from agents.roles import Hint, Task
 from skills.design_doc import DesignDoc
 from skills.library import load_skills
 from skills.starter import write_starter
@@ -527,6 +527,34 @@ def test_a_controller_switch_that_lost_is_followed_once_by_the_technique_its_fin
     params_of["c2"] = {**multiplexed, **task.changes}
     parent, task = BacklogPolicy(planner, seed=0).propose(state, lambda record: params_of[record.commit])
     assert parent is best and task.id != "add-partial_rollout"
+
+
+def test_a_technique_tried_only_on_a_losing_controller_switch_is_not_given_up_on():
+    """Round 2 switches to static_split and loses; round 3 follows it up with the host tier (on static
+    split, so it loses to the best too); round 4 adds redundant_envs to the best and loses. Only the
+    switch and round 4's task are given up on: the tier was never tried on the best's line."""
+    from orchestrator.state import RoundRecord, RunState
+
+    def record(n, parent, task, best):
+        task = Task(id=task, title=task, rationale="r")
+        return RoundRecord(
+            round=n,
+            task=task,
+            parent_round=None,
+            parent_commit=parent,
+            verdict="accepted",
+            commit=f"c{n}",
+            became_best=best,
+        )
+
+    rounds = [
+        record(0, "", "starter", True),
+        record(1, "c0", "controller=time_multiplex", True),
+        record(2, "c1", "controller=static_split", False),
+        record(3, "c2", "add-kv_host_tier", False),
+        record(4, "c1", "add-redundant_envs", False),
+    ]
+    assert RunState.model_construct(rounds=rounds).abandoned() == {"controller=static_split", "add-redundant_envs"}
 
 
 def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_means_what_it_says(tiny_spec):

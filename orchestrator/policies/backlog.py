@@ -1,6 +1,6 @@
 """backlog: an issue tracker of structured tasks. Every round starts from the best candidate and
 takes the highest-priority task not yet tried on it and not abandoned anywhere in the run (measured
-without gain, or rejected: the plan's ABANDONED steps); the evaluator's hints (through the
+without gain, or rejected, on a best: the plan's ABANDONED steps); the evaluator's hints (through the
 planner's skill triggers) add tasks. A controller switch measured without gain is first followed
 once by the technique its own findings call for most, on top of it. When the backlog runs dry, the
 planner composes techniques (adds one, or removes one), then moves a parameter (in an order the

@@ -926,6 +926,42 @@ def test_an_engine_whose_step_failed_tells_every_later_caller_instead_of_hanging
     assert "e0: the engine's step failed earlier" in load
 
 
+def test_a_turn_cut_by_a_discarding_sleep_keeps_the_version_its_tokens_were_computed_under(path):
+    """The local cluster's suspend discards the engine's weights (version -1): a turn it cuts mid-decode
+    is answered with the tokens it had, stamped with the version they came from, not -1 (a partial
+    rollout resumes it, and the audit replays it under that version)."""
+    from skills.recipes.engine_server import EngineServer
+
+    async def main():
+        server = EngineServer(path, "float32", "e0")
+        await server.load_state(server.engine.weights, 3)
+        real_step, held, release = server.engine.step, threading.Event(), threading.Event()
+
+        def step():  # once held, a step ends only when released: the sleep's abort then meets the engine's
+            finished = real_step()  # own sleep, not a step (the path the fix is for; a step answers it right)
+            if held.is_set():
+                release.wait()
+            return finished
+
+        server.engine.step = step
+        turn = asyncio.create_task(server.generate([1, 2, 3], _greedy(400)))
+        while not server.engine.running or not server.engine.running[0].generated:
+            await asyncio.sleep(0.01)
+        held.set()
+        await asyncio.sleep(0.1)  # a step is held now, its control drained before the abort
+        sleeping = asyncio.create_task(server.sleep(discard_weights=True))
+        await asyncio.sleep(0.1)  # the abort queued; the sleep waits for the step's lock
+        held.clear()
+        release.set()
+        return await sleeping, await turn
+
+    import asyncio
+    import threading
+
+    version, cut = asyncio.run(main())
+    assert version == -1 and cut.finish_reason == "abort" and cut.tokens and cut.weight_version == 3, cut
+
+
 def test_a_weight_load_that_meets_a_sleeping_engine_keeps_its_version_for_the_wake_to_update(path):
     """A serving device given back while a sync to it waited (serving_harvest): the engine falls asleep
     first, and a Ray cluster's load of it then skips, saying the version the engine still holds, so

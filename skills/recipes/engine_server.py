@@ -13,6 +13,7 @@ as aborted. The vLLM engine has its own async loop and abort; this class only fo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -174,10 +175,12 @@ class EngineServer:
             if self.kind == "vllm":
                 await self.engine.sleep_async(tags)
             else:
+                version = self.engine.weight_version  # what the aborted requests' tokens were computed under
                 for request in self.engine.sleep(tags, discard_weights):
                     future = self._pending.pop(request.id, None)
                     if future is not None and not future.done():
-                        future.set_result(self.engine.completion(request))
+                        completion = self.engine.completion(request)  # stamped -1 once the weights are discarded
+                        future.set_result(dataclasses.replace(completion, weight_version=version))
             self.weights_asleep = self.weights_asleep or "weights" in tags
         return self.engine.weight_version
 

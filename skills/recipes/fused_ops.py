@@ -54,6 +54,7 @@ def add_rms_norm(
         raise ValueError("add_rms_norm needs contiguous rows")
     total = torch.empty_like(h) if delta is not None else h
     out = torch.empty_like(h)
+    block = triton.next_power_of_2(n)
     _add_rms_norm[(h.numel() // n,)](
         h,
         delta if delta is not None else h,
@@ -63,7 +64,8 @@ def add_rms_norm(
         n,
         eps,
         HAS_DELTA=delta is not None,
-        BLOCK=triton.next_power_of_2(n),
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8),  # a row of 8K in 4 warps spills registers (Triton's layer-norm rule)
     )
     return total, out
 

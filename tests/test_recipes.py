@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from skills.recipes.fsdp_trainer import FSDPTrainer
-from skills.recipes.paged_engine import PagedEngine, choose_attention
+from skills.recipes.kernel_choice import choose_attention
+from skills.recipes.paged_engine import PagedEngine
 from skills.recipes.rendezvous import Rendezvous, connect
 from skills.recipes.weight_sync import BroadcastGroup, pack, to_buckets, unpack
 from targets.api import SamplingParams, TrainBatch
@@ -116,7 +117,7 @@ def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_nam
 
 
 def test_fused_kernels_are_chosen_where_they_can_run_and_refused_where_not(monkeypatch):
-    from skills.recipes.paged_engine import choose_fused
+    from skills.recipes.kernel_choice import choose_fused
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert choose_fused(None, "triton", "cuda:0", 128) and choose_fused(None, "flashinfer", "cuda:0", 128)

@@ -24,7 +24,6 @@ thread than the one stepping: they queue, and the step takes them in.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import threading
@@ -36,6 +35,7 @@ import torch
 
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
+from .kernel_choice import GRAPHED_ATTENTION, choose_attention, choose_fused
 from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
 from .qwen3_model import Qwen3, head_dim_of, load_checkpoint
@@ -62,52 +62,6 @@ class Request:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
-
-
-ATTENTION_KINDS = ("auto", "flashinfer", "triton", "sdpa")
-GRAPHED_ATTENTION = ("flashinfer", "triton")  # the kinds whose decode steps CUDA graphs capture
-
-
-def choose_attention(requested: str, device: str, dtype: torch.dtype, head_dim: int = 128, block_size: int = 16) -> str:
-    """``auto``: on a GPU in half precision, FlashInfer's paged kernels where FlashInfer is installed,
-    else the Triton decode kernel (``triton_attention.py``; the GPU machines lent here have Triton and
-    no FlashInfer; its kernel needs a power-of-two head dim and block size); torch SDPA on CPU or in
-    float32. The engine's ``attention_kind`` says which ran. Asking for a kind that cannot run here is
-    an error that says why."""
-    if requested not in ATTENTION_KINDS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, not {requested!r}")
-    flashinfer = importlib.util.find_spec("flashinfer") is not None
-    triton = importlib.util.find_spec("triton") is not None
-    fits_triton = not (head_dim & (head_dim - 1) or block_size & (block_size - 1))
-    if requested == "flashinfer" and not flashinfer:
-        raise ValueError("attention='flashinfer' asked for, but FlashInfer is not installed (flashinfer-python)")
-    if requested == "triton" and not triton:
-        raise ValueError("attention='triton' asked for, but Triton is not installed")
-    if requested == "triton" and not fits_triton:
-        raise ValueError(f"attention='triton' needs a power-of-two head dim ({head_dim}) and block size ({block_size})")
-    if requested == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention='triton' needs a GPU device (or TRITON_INTERPRET=1 to interpret it on CPU)")
-    if requested != "auto":
-        return requested
-    if not device.startswith("cuda") or dtype == torch.float32:
-        return "sdpa"
-    return "flashinfer" if flashinfer else "triton" if triton and fits_triton else "sdpa"
-
-
-def choose_fused(requested: bool | None, attention: str, device: str, head_dim: int) -> bool:
-    """Whether the layers' elementwise work runs in the Triton kernels of ``fused_ops.py``. ``None``:
-    where decode runs a GPU kernel (FlashInfer's or Triton's), whose steps are otherwise a chain of
-    tiny torch kernels; never with SDPA (CPU, float32). Asking for them where they cannot run is an
-    error that says why."""
-    triton = importlib.util.find_spec("triton") is not None
-    fits = not head_dim & (head_dim - 1)
-    if requested is None:
-        return attention in ("flashinfer", "triton") and triton and fits
-    if requested and not (triton and fits):
-        raise ValueError(f"fused_kernels needs Triton installed and a power-of-two head dim ({head_dim})")
-    if requested and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("fused_kernels needs a GPU device (or TRITON_INTERPRET=1 to interpret them on CPU)")
-    return requested
 
 
 class PagedEngine:

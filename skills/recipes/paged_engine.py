@@ -133,6 +133,7 @@ class PagedEngine:
         self.weight_version = 0
         self._asleep: set[str] = set()
         self._pinned: dict[str, torch.Tensor] = {}  # host copies of the weights while they sleep, kept for the next
+        self._shapes: dict[str, torch.Size] = {}  # the weights' shapes while they sleep (their tensors emptied)
         self._weights_on_host = False  # the sleeping weights are in _pinned (else discarded, or never moved: CPU)
         self._ids = itertools.count()
         self._incoming: deque[Request] = deque()
@@ -186,6 +187,13 @@ class PagedEngine:
     def offloaded(self) -> bool:
         return bool(self._asleep)
 
+    def _distinct_weights(self) -> list[tuple[list[str], torch.Tensor]]:
+        """Each weight tensor once, with every name it has (tied embeddings: two names, one tensor)."""
+        named: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for name, tensor in self.weights.items():
+            named.setdefault(id(tensor), ([], tensor))[0].append(name)
+        return list(named.values())
+
     def sleep(self, tags: Sequence[str] = TAGS, discard_weights: bool = False) -> list[Request]:
         """Free the KV cache and/or move the weights to host memory (on GPU into pinned buffers kept
         from one sleep to the next: one copy each way, no allocation), keeping the tensors' identities
@@ -202,7 +210,7 @@ class PagedEngine:
             self.pool = self.attention = self.blocks = None
             self._asleep.add("kv_cache")
         if "weights" in tags and "weights" not in self._asleep:
-            unique = {id(t): (name, t) for name, t in self.weights.items()}.values()  # tied ones once
+            unique = [(names[0], tensor) for names, tensor in self._distinct_weights()]
             self._shapes = {name: tensor.shape for name, tensor in unique}
             if discard_weights:
                 self.weight_version = -1
@@ -225,7 +233,7 @@ class PagedEngine:
         """Wake by tag; the order that avoids holding both copies is weights, then a weight load,
         then ``kv_cache`` (the engine refuses to serve until both are awake)."""
         if "weights" in tags and "weights" in self._asleep:
-            for name, tensor in {id(t): (n, t) for n, t in self.weights.items()}.values():
+            for (name, *_), tensor in self._distinct_weights():
                 if tensor.numel() == 0 and self._shapes[name].numel():  # freed at sleep: room again
                     tensor.data = torch.empty(self._shapes[name], dtype=tensor.dtype, device=self.device)
                     if self._weights_on_host:
@@ -256,10 +264,7 @@ class PagedEngine:
         if self.host_kv is not None:
             self.host_kv.clear()
         if self.weight_version < 0:  # discarded at sleep: a load must cover every tensor (a tied one by either name)
-            names: dict[int, list[str]] = {}
-            for name, tensor in self.weights.items():
-                names.setdefault(id(tensor), []).append(name)
-            missing = sorted(group[0] for group in names.values() if not set(group) & set(state))
+            missing = sorted(names[0] for names, _ in self._distinct_weights() if not set(names) & set(state))
             if missing:
                 raise KeyError(f"{self.name}: its weights were discarded; the load lacks {missing[:5]}")
         for name, tensor in state.items():

@@ -52,13 +52,13 @@ from .fsdp_trainer import FSDPTrainer
 from .rendezvous import Rendezvous
 from .weight_sync import DEFAULT_BUCKET_BYTES, BroadcastGroup, Layout, merge, publish
 
-STICKY_SLACK = 4
+STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and still keep its episodes
 # The engine options whose technique keeps counts of its own (``EngineServer.counts``): what the
 # cluster's log calls it, and the line it writes for each engine at close.
 COUNTED = {
     "speculative_tokens": ("speculative decoding", "{kept} of {drafted} drafted tokens kept"),
     "host_kv_tokens": ("host tier", "{host_restored} tokens restored of {host_saved} saved"),
-}  # requests an engine may have beyond the least loaded one and still keep its episodes
+}
 
 
 def join_or_start_ray(runtime: Runtime) -> None:

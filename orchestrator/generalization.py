@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -99,10 +100,13 @@ def measure_generalization(
     round_, commit, best_dir = best
     out.mkdir(parents=True, exist_ok=True)
 
+    bound: dict[str, float] = {}
+
     def compare(measuring: Session, seeds: list[int], name: str) -> Promotion:
-        _, _, paired = measuring.compare(
+        ours, _, paired = measuring.compare(
             best_dir, starter, out / name, seeds, "round 0", on_run=lambda who, i: on_run(f"{name} {who}", i)
         )
+        bound[name] = statistics.median(m.metrics["lower_bound_fraction"] for m in ours)
         return Promotion(**paired.as_dict())
 
     in_search = compare(session, in_search_seeds, "in-search")
@@ -118,4 +122,5 @@ def measure_generalization(
         perturbed=perturbed,
         perturbation=what if perturbed is not None else "",
         not_perturbed=None if perturbed is not None else what,
+        bound=bound,
     )

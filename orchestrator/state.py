@@ -70,6 +70,10 @@ class Generalization(BaseModel):
     perturbed: Promotion | None = None
     perturbation: str = ""  # what was scaled, and by how much
     not_perturbed: str | None = None  # why the workload could not be perturbed
+    # the best's step as a fraction of the step's fluid lower bound (median of its runs), per figure
+    # ("in-search", "held-out", "perturbed"): unlike a ratio over the starter, it does not move with
+    # how the starter itself fares on a workload (a tail-bound starter gains where the tail is capped)
+    bound: dict[str, float] = {}
 
     def kept(self, figure: Promotion | None) -> float | None:
         """The share of the in-search ratio a figure keeps (1.0: all of it)."""

@@ -247,20 +247,26 @@ def best_over_starter(state) -> str:
 
 def generalization_table(g: Generalization) -> Table:
     """The best over the starter where the search never looked, beside its in-search figure: a
-    candidate tuned to the search's seeds or to this one workload shows up as a gap."""
+    candidate tuned to the search's seeds or to this one workload shows up as a gap. Beside each, the
+    best's own share of the step's lower bound, which the starter's fortunes on a workload do not move."""
     table = Table(title=f"the best (round {g.best_round}) over the starter, paired by seed", box=box.SIMPLE_HEAD)
-    table.add_column(f"best (round {g.best_round}) / starter, measured on", no_wrap=True)
-    for column in ("ratio [95% CI]", "pairs", "of in-search"):
-        table.add_column(column, justify="right", no_wrap=True)
-    rows = [(f"round {g.best_round}'s seeds (in search)", g.in_search), ("held-out seeds", g.held_out)]
-    rows.append((f"held out, {g.perturbation}" if g.perturbed else f"not perturbed: {g.not_perturbed}", g.perturbed))
-    for label, figure in rows:
+    table.add_column(f"best (round {g.best_round}) / starter, measured on", overflow="fold")  # the one that wraps
+    for column in ("ratio [95% CI]", "pairs", "of in-search", "of its bound"):
+        table.add_column(column, justify="right", no_wrap=True, min_width=len(column))
+    perturbed = f"held out, {g.perturbation}" if g.perturbed else f"not perturbed: {g.not_perturbed}"
+    rows = [
+        (f"round {g.best_round}'s seeds (in search)", "in-search", g.in_search),
+        ("held-out seeds", "held-out", g.held_out),
+        (perturbed, "perturbed", g.perturbed),
+    ]
+    for label, name, figure in rows:
         if figure is None:
-            table.add_row(escape(label), "-", "-", "-")
+            table.add_row(escape(label), "-", "-", "-", "-")
             continue
         interval = f"[{figure.low:.2f}, {figure.high:.2f}]" if figure.high is not None else "[unbounded]"
-        kept = g.kept(figure)
-        table.add_row(escape(label), f"{figure.ratio:.2f}x {escape(interval)}", str(figure.pairs), f"{kept:.0%}")
+        bound = f"{g.bound[name]:.0%}" if name in g.bound else "-"  # runs recorded before it was kept: none
+        kept = f"{g.kept(figure):.0%}"
+        table.add_row(escape(label), f"{figure.ratio:.2f}x {escape(interval)}", str(figure.pairs), kept, bound)
     return table
 
 

@@ -26,6 +26,7 @@ from orchestrator.history import History, HistoryError
 from orchestrator.run_dir import RunDir
 from orchestrator.state import RunState, RunStateError
 from targets.harness.measure.metrics import compute_metrics
+from targets.harness.measure.run_metrics import run_metrics
 from targets.harness.trace import Trace
 from targets.spec import load_target
 
@@ -353,12 +354,16 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split_wher
     assert g.in_search.ratio > 1 and g.held_out.ratio > 1 and g.perturbed.ratio > 0
     assert f"x{PERTURBATION:g}" in g.perturbation and g.not_perturbed is None
     assert not set(g.held_out_seeds) & {s for r in range(3) for s in round_seeds(state.config.seed, r, 1)}
-    assert "held-out seeds" in output and "of in-search" in output
+    assert "held-out seeds" in output and "of in-search" in output and "of its bound" in output
     runs = RunDir(run).outputs / "generalization" / "runs"
     events = Trace.load_events(runs / "in-search" / "candidate-0" / "trace.jsonl")
     devices = next(e for e in events if e.kind == "run_start").data["devices"]
     # the in-search figure is on the best round's own seed: a simulation repeats the round's measurement
     assert compute_metrics(events, devices)["goodput"] == pytest.approx(best.headline, rel=1e-9)
+    # beside each ratio, the best's own share of the step's lower bound (its runs' median; one run in search)
+    assert set(g.bound) == {"in-search", "held-out", "perturbed"} and all(0 < f <= 1 for f in g.bound.values())
+    fraction = run_metrics(load_target(target), events, {})["lower_bound_fraction"]
+    assert g.bound["in-search"] == pytest.approx(fraction, rel=1e-9) and f"{g.bound['perturbed']:.0%}" in output
     assert load_target(runs / "perturbed.yaml").workload.tokens.observation == round(
         raw["workload"]["tokens"]["observation"] * PERTURBATION
     )

@@ -13,6 +13,19 @@ ATTENTION_KINDS = ("auto", "flashinfer", "triton", "sdpa")
 GRAPHED_ATTENTION = ("flashinfer", "triton")  # the kinds whose decode steps CUDA graphs capture
 
 
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _power_of_two(n: int) -> bool:
+    return not n & (n - 1)
+
+
+def _triton_runs_on(device: str) -> bool:
+    """A Triton kernel runs on a GPU, or on CPU in Triton's interpreter (``TRITON_INTERPRET=1``, the tests')."""
+    return device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def choose_attention(requested: str, device: str, dtype: torch.dtype, head_dim: int = 128, block_size: int = 16) -> str:
     """``auto``: on a GPU in half precision, FlashInfer's paged kernels where FlashInfer is installed,
     else the Triton decode kernel (``triton_attention.py``; the GPU machines lent here have Triton and
@@ -21,16 +34,15 @@ def choose_attention(requested: str, device: str, dtype: torch.dtype, head_dim: 
     an error that says why."""
     if requested not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, not {requested!r}")
-    flashinfer = importlib.util.find_spec("flashinfer") is not None
-    triton = importlib.util.find_spec("triton") is not None
-    fits_triton = not (head_dim & (head_dim - 1) or block_size & (block_size - 1))
+    flashinfer, triton = _installed("flashinfer"), _installed("triton")
+    fits_triton = _power_of_two(head_dim) and _power_of_two(block_size)
     if requested == "flashinfer" and not flashinfer:
         raise ValueError("attention='flashinfer' asked for, but FlashInfer is not installed (flashinfer-python)")
     if requested == "triton" and not triton:
         raise ValueError("attention='triton' asked for, but Triton is not installed")
     if requested == "triton" and not fits_triton:
         raise ValueError(f"attention='triton' needs a power-of-two head dim ({head_dim}) and block size ({block_size})")
-    if requested == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+    if requested == "triton" and not _triton_runs_on(device):
         raise ValueError("attention='triton' needs a GPU device (or TRITON_INTERPRET=1 to interpret it on CPU)")
     if requested != "auto":
         return requested
@@ -44,12 +56,11 @@ def choose_fused(requested: bool | None, attention: str, device: str, head_dim: 
     where decode runs a GPU kernel (FlashInfer's or Triton's), whose steps are otherwise a chain of
     tiny torch kernels; never with SDPA (CPU, float32). Asking for them where they cannot run is an
     error that says why."""
-    triton = importlib.util.find_spec("triton") is not None
-    fits = not head_dim & (head_dim - 1)
+    triton, fits = _installed("triton"), _power_of_two(head_dim)
     if requested is None:
         return attention in ("flashinfer", "triton") and triton and fits
     if requested and not (triton and fits):
         raise ValueError(f"fused_kernels needs Triton installed and a power-of-two head dim ({head_dim})")
-    if requested and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+    if requested and not _triton_runs_on(device):
         raise ValueError("fused_kernels needs a GPU device (or TRITON_INTERPRET=1 to interpret them on CPU)")
     return requested

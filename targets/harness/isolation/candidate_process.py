@@ -70,7 +70,7 @@ def _connect(path: str) -> socket.socket:
 
 def _import_stack(stack_dir: str):
     """``stack`` from the candidate directory, importable by this process and the ones it starts
-    (Ray workers inherit PYTHONPATH)."""
+    (Ray workers inherit PYTHONPATH; a stack joining a running cluster hands it on to its workers)."""
     sys.path.insert(0, stack_dir)
     os.environ["PYTHONPATH"] = os.pathsep.join([stack_dir, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return importlib.import_module("stack")

@@ -1,7 +1,8 @@
-"""The harness child's warm start: each run's child is a fork of one zygote per orchestrator process,
+"""Warm starts. The harness child: each run's child is a fork of one zygote per orchestrator process,
 in a session of its own, with the run's working directory, log and marks pipe; its exit code comes
 back through the zygote; a zygote that went away is started again, and its children (watching their
-parent) go down with it."""
+parent) go down with it. The subprocess sandbox's candidate processes: forks of a zygote that holds
+nothing secret, killed with the connection that asked for them."""
 
 from __future__ import annotations
 
@@ -84,5 +85,90 @@ def test_a_targets_folder_where_the_user_runs_never_stands_in_for_the_harness(tm
         said = (tmp_path / "shadowed.log").read_text()
         assert "decoy targets" not in said and "shadowed.yaml" in said, said  # the harness's child read the target
     finally:
+        owner.process.kill()
+        owner.process.wait()
+
+
+# -- the candidate zygote: the subprocess sandbox's candidate processes -----------------------------------
+
+_PROBE = """import json, os, sys
+
+facts = {
+    "session": os.getsid(0), "pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(),
+    "mark": os.environ.get("MARK"), "keys": [k for k in os.environ if "KEY" in k],
+    "secret_in_exec_env": b"orchestrator-secret" in open("/proc/self/environ", "rb").read(),
+    "warm": "torch.distributed.fsdp" in sys.modules,
+}
+print("FACTS " + json.dumps(facts), flush=True)
+
+
+def build(runtime):
+    raise RuntimeError("the probe builds no stack")
+"""
+
+
+def _heap_or_stack_holds(pid: int, needle: bytes) -> bool:
+    """Whether the process's heap or stack (where the environment it was started with lies) holds ``needle``."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
+        for line in maps:
+            fields = line.split()
+            if len(fields) > 5 and fields[5] in ("[heap]", "[stack]"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                mem.seek(start)
+                if needle in mem.read(end - start):
+                    return True
+    return False
+
+
+def test_a_candidate_process_is_a_warm_fork_that_holds_none_of_the_orchestrators_secrets(tmp_path, monkeypatch):
+    """In the subprocess sandbox a run's candidate processes are forks of the candidate zygote: warm (torch
+    and FSDP2 already imported), each in a session of its own with the run's environment, working
+    directory and log. The zygote was started with the scrubbed environment, so no secret of the
+    orchestrator's is in a fork's environment, its exec-time environment or its heap and stack; its exit
+    code and CPU time come back; a connection that closes takes the children it asked for along."""
+    import json
+    import socket
+
+    from targets.harness.ipc.channel import Frame, SyncChannel
+    from targets.harness.ipc.wire import put_runtime
+    from targets.harness.isolation.zygote import ZygoteClient
+    from targets.harness.target import Target
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-orchestrator-secret")
+    owner = Zygote("candidate")  # a fresh one, started from this environment
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "c.sock"))
+    listener.listen(2)
+    try:
+        (tmp_path / "cand" / "stack").mkdir(parents=True)
+        (tmp_path / "cand" / "stack" / "__init__.py").write_text(_PROBE)
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        env = {"PATH": os.environ["PATH"], "VIBETRAIN_CACHE": os.environ["VIBETRAIN_CACHE"], "MARK": "the run's"}
+        asker = ZygoteClient(owner.connect(), "candidate")
+        argv = ["components", str(tmp_path / "c.sock"), str(tmp_path / "cand")]
+        with (tmp_path / "probe.log").open("w") as log:
+            child = asker.spawn(argv, env, log.fileno(), cwd=str(scratch))
+        channel = SyncChannel(listener.accept()[0])
+        channel.send(Frame(kind="init", runtime=put_runtime(Target.load("tiny-qwen3-cpu").runtime())))
+        assert channel.recv()["kind"] == "failed"  # the probe's build: the process then ends on its own
+        assert child.wait(timeout=30) == 0 and child.cpu_s > 0
+        said = (tmp_path / "probe.log").read_text()
+        facts = json.loads(next(line[6:] for line in said.splitlines() if line.startswith("FACTS ")))
+        assert facts["session"] == facts["pid"] == child.pid and facts["parent"] == owner.process.pid
+        assert facts["cwd"] == str(scratch) and facts["mark"] == "the run's" and facts["warm"], facts
+        assert facts["keys"] == [] and not facts["secret_in_exec_env"], facts
+        assert not _heap_or_stack_holds(owner.process.pid, b"sk-orchestrator-secret")  # what every fork starts from
+
+        with (tmp_path / "held.log").open("w") as log:  # waits for an init frame that never comes
+            held = asker.spawn(argv, env, log.fileno(), cwd=str(scratch))
+        listener.accept()
+        asker._socket.close()  # whoever asked went away: so does what it started
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{held.pid}"):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{held.pid}"), "a candidate process outlived the connection that asked for it"
+    finally:
+        listener.close()
         owner.process.kill()
         owner.process.wait()

@@ -465,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     role, socket_path, stack_dir = argv
+    global _STARTED
+    _STARTED = time.monotonic()  # its log's clock: from here, whether this process is fresh or a fork of a zygote
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if role == "controller":
         run_controller(socket_path, stack_dir, virtual=False)

@@ -11,8 +11,10 @@ candidate processes and reaches them over channels. Phases, in order (``--mode``
 ``check`` runs all three; ``measure`` runs system and audit (every measured run is audited exactly
 like the check's). Each phase writes ``<phase>.json`` (``ok`` or the error); the first error ends
 the child with a non-zero exit. ``--marks-fd`` is a pipe to the parent, which times the system
-run's start and end with its own clock. The workload's secret key comes in the environment
-(``TASK_KEY``, hex; taken out of it at once, so no process started from here inherits it).
+run's start and end with its own clock (and hears there of each candidate process forked over
+``--forks-fd``, a connection to the candidate zygote, so its limits hold them too). The workload's
+secret key comes in the environment (``TASK_KEY``, hex; taken out of it at once, so no process
+started from here inherits it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,6 +46,7 @@ from targets.harness.trace import Trace
 
 PHASES = {"accuracy": ("accuracy",), "check": ("accuracy", "system", "audit"), "measure": ("system", "audit")}
 TASK_KEY = "VIBETRAIN_TASK_KEY"
+CANDIDATE = "candidate"  # a marks line ``candidate PID``: a process forked for this run, for the watchdog
 
 
 @contextlib.contextmanager
@@ -124,7 +128,8 @@ def run_system(
             processes.stop()  # reaps the controller process, so its CPU time is counted below
             # only a plain subprocess is reaped here: a sandbox's own process namespace keeps its CPU time
             counted = sandbox.backend == "subprocess"
-            summary["controller_cpu_seconds"] = _children_cpu_s() - children_before if counted else None
+            cpu_s = _children_cpu_s() - children_before + processes.forked_cpu_seconds()
+            summary["controller_cpu_seconds"] = cpu_s if counted else None
             trace.save(out / "trace.jsonl")
             return summary
         from targets.harness.ipc.weight_export import Layout, save_snapshot
@@ -216,13 +221,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--execution", choices=["real", "simulated"], required=True)
     parser.add_argument("--marks-fd", type=int, default=None)
+    parser.add_argument("--forks-fd", type=int, default=None, help="a connection to the candidate zygote")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     marks = os.fdopen(args.marks_fd, "w", buffering=1) if args.marks_fd is not None else None
+    writing = threading.Lock()  # the accuracy phase may start processes beside the system run
 
     def mark(name: str) -> None:
         if marks is not None:
-            marks.write(f"{name}\n")
+            with writing:
+                marks.write(f"{name}\n")
+
+    if args.forks_fd is not None:  # its candidate processes are not its children: the watchdog hears of each
+        from targets.harness.isolation.processes import use_forks
+        from targets.harness.isolation.zygote import ZygoteClient
+
+        def forked(pid: int) -> None:
+            mark(f"{CANDIDATE} {pid}")
+
+        use_forks(ZygoteClient(socket.socket(fileno=args.forks_fd), "candidate"), forked)
 
     seed = RunSeed(args.seed, bytes.fromhex(os.environ.pop(TASK_KEY, "")))
     target = Target.load(args.target, simulate=args.execution == "simulated")

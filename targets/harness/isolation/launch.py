@@ -1,9 +1,9 @@
 """Launching the harness child with limits: a fork of the zygote (``zygote.py``: the imports every
 child needs, made once per orchestrator), in its own process group (killed whole on any limit), its
 output captured to a log, and a watchdog over the whole process tree (the harness and the candidate
-processes it starts): wall time, resident memory summed over the tree, and the number of processes
-(a fork bomb). A crash, a hang, a memory blow-up or a fork storm becomes a clear cause, never a hung
-or starved judge.
+processes it starts, and in the subprocess sandbox those the candidate zygote forked for it): wall
+time, resident memory summed over the tree, and the number of processes (a fork bomb). A crash, a
+hang, a memory blow-up or a fork storm becomes a clear cause, never a hung or starved judge.
 
 The parent also keeps its own time: the child tells it (over a pipe) the moment the system run
 starts and ends, and the parent stamps both with its own clock, an independent measurement of the
@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from targets.harness.isolation.child import PHASES, TASK_KEY
+from targets.harness.isolation.child import CANDIDATE, PHASES, TASK_KEY
 from targets.harness.isolation.process_tree import kill_tree, process_tree, resident_bound_mb, resident_mb
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.zygote import MARKS_FD, ZygoteChild, zygote
+from targets.harness.isolation.zygote import FORKS_FD, MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
 
 
@@ -61,8 +61,36 @@ class HarnessRun:
         return None
 
 
-def _watch(process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str, float]) -> str:
-    """Wait for the child, stamping its marks as they arrive; returns '' when it exited, else why it was killed."""
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None  # it ended
+
+
+def _run_tree(child: int, forked: list[int], forker: int | None) -> list[int]:
+    """The run's processes: the harness child's tree, and the tree of each candidate process it had
+    forked that is still the candidate zygote's child (a pid that ended and was reused is not ours)."""
+    tree = process_tree(child)
+    for pid in forked:
+        if forker is not None and _parent_of(pid) == forker:
+            tree += process_tree(pid)
+    return tree
+
+
+def _kill_run(child: int, forked: list[int], forker: int | None) -> None:
+    kill_tree(child)
+    for pid in forked:
+        if forker is not None and _parent_of(pid) == forker:
+            kill_tree(pid)
+
+
+def _watch(
+    process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str, float], forked: list[int], forker: int | None
+) -> str:
+    """Wait for the child, stamping its marks as they arrive (and adding to ``forked`` each candidate
+    process it says it forked); returns '' when it exited, else why it was killed."""
     deadline = time.monotonic() + limits.time_s
     pending = b""
     open_fd = True
@@ -77,12 +105,16 @@ def _watch(process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str,
                 pending += chunk
                 while b"\n" in pending:
                     line, pending = pending.split(b"\n", 1)
-                    marks.setdefault(line.decode(errors="replace"), now)
+                    name = line.decode(errors="replace")
+                    if name.startswith(f"{CANDIDATE} "):
+                        forked.append(int(name.split()[1]))
+                    else:
+                        marks.setdefault(name, now)
         else:
             time.sleep(0.25)
         if process.poll() is not None:
             return ""
-        tree = process_tree(process.pid)
+        tree = _run_tree(process.pid, forked, forker)
         if time.monotonic() > deadline:
             why = f"exceeded its time limit of {limits.time_s:g}s"
         elif len(tree) > limits.processes:
@@ -98,7 +130,7 @@ def _watch(process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str,
                 if resident <= limits.memory_mb:
                     continue
                 why = f"used {resident:.0f} MB of resident memory, over its limit of {limits.memory_mb:g} MB"
-        kill_tree(process.pid)
+        _kill_run(process.pid, forked, forker)
         process.wait()
         return why
 
@@ -144,22 +176,34 @@ def run_harness(
         argv += ["--steps", str(steps)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", TASK_KEY: task_key.hex()}
     marks: dict[str, float] = {}
+    forked: list[int] = []  # the candidate processes forked for this run (subprocess sandbox)
+    forker, forks = None, None
+    harness = zygote()  # started (on first use) before the candidate zygote is waited for: both warm at once
+    if sandbox.backend == "subprocess":  # warm candidate processes, forked by the candidate zygote
+        candidates = zygote("candidate")
+        forker, forks = candidates.process.pid, candidates.connect()
+        argv += ["--forks-fd", str(FORKS_FD)]
     log_path = out / f"{mode}.log"
     try:
         with log_path.open("w") as log:
-            process = zygote().spawn(argv, env, log.fileno(), write_fd)  # in a session of its own
+            extra = [write_fd] if forks is None else [write_fd, forks.fileno()]
+            process = harness.spawn(argv, env, log.fileno(), *extra)  # in a session of its own
             os.close(write_fd)
             write_fd = -1
+            if forks is not None:
+                forks.close()  # the child holds it now: when it ends, its candidate processes are killed
             try:
-                killed = _watch(process, limits, read_fd, marks)
+                killed = _watch(process, limits, read_fd, marks, forked, forker)
             finally:
-                if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): its child tree too
-                    kill_tree(process.pid)
+                if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): the run's processes too
+                    _kill_run(process.pid, forked, forker)
                     process.wait()
     finally:
         os.close(read_fd)
         if write_fd >= 0:
             os.close(write_fd)
+        if forks is not None and forks.fileno() >= 0:
+            forks.close()
     phases = PHASES[mode]
     results = {p: json.loads((out / f"{p}.json").read_text()) for p in phases if (out / f"{p}.json").exists()}
     if killed:

@@ -1,5 +1,8 @@
 """The candidate's processes: each started in the sandbox, connected to the harness by a Unix socket
-of its own, and stopped (with everything it started) at the end."""
+of its own, and stopped (with everything it started) at the end. In the ``subprocess`` sandbox a harness
+child that was given a connection to the candidate zygote (``zygote.py``) forks them from there,
+warm, and tells its watchdog each one's pid (they are not its children); otherwise each is a fresh
+process."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -18,6 +22,7 @@ from targets.harness.ipc.channel import AsyncChannel
 from targets.harness.ipc.remote import CandidateError
 from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.isolation.zygote import ZygoteChild, ZygoteClient
 
 # How long candidate processes get to exit on their own once a run is over: a cluster closes Ray and
 # its actors. A run the harness abandoned (a refusal at hello, a crash, any error) leaves them
@@ -25,6 +30,16 @@ from targets.harness.isolation.sandbox import Sandbox
 # each such run before).
 STOP_GRACE_S = 20.0
 ABANDONED_GRACE_S = 2.0
+
+_forks: ZygoteClient | None = None  # this process's connection to the candidate zygote, if it was given one
+_report: Callable[[int], None] | None = None
+
+
+def use_forks(forks: ZygoteClient, report: Callable[[int], None]) -> None:
+    """Candidate processes this process starts in the ``subprocess`` sandbox are forks over ``forks``;
+    ``report(pid)`` tells whoever holds this process's limits of each (a harness child's watchdog)."""
+    global _forks, _report
+    _forks, _report = forks, report
 
 
 class CandidateProcesses:
@@ -36,7 +51,7 @@ class CandidateProcesses:
         self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
         self.root = Path(tempfile.mkdtemp(prefix="vt-", dir="/tmp"))  # short: a socket path has 108 bytes
         (self.root / "sockets").mkdir()
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.processes: dict[str, subprocess.Popen | ZygoteChild] = {}
         self._logs: dict[str, IO] = {}
         self._listeners: dict[str, socket.socket] = {}
         self._connections: dict[str, int] = {}  # connections each role has yet to make
@@ -69,9 +84,15 @@ class CandidateProcesses:
             gpus=self.gpus,
         )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
-        self.processes[role] = subprocess.Popen(
-            command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None, cwd=scratch
-        )
+        if self.sandbox.backend == "subprocess" and _forks is not None:
+            argv = command[command.index("targets.harness.isolation.candidate_process") + 1 :]
+            self.processes[role] = _forks.spawn(argv, env, self._logs[role].fileno(), cwd=str(scratch))
+            if _report is not None:
+                _report(self.processes[role].pid)
+        else:
+            self.processes[role] = subprocess.Popen(
+                command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None, cwd=scratch
+            )
 
     def accept(self, role: str) -> socket.socket:
         """The role's next connection, in the order it connects; fails with the process's last words
@@ -95,6 +116,11 @@ class CandidateProcesses:
             if self._connections[role] == 0 or process.poll() is not None:
                 self._listeners.pop(role).close()
                 (self.root / "sockets" / f"{role}.sock").unlink(missing_ok=True)
+
+    def forked_cpu_seconds(self) -> float:
+        """CPU time of the processes forked for this run that ended (a fresh process's is its parent's
+        ``RUSAGE_CHILDREN`` once reaped)."""
+        return sum(p.cpu_s for p in self.processes.values() if isinstance(p, ZygoteChild) and p.poll() is not None)
 
     def log_tail(self, role: str, lines: int = 15) -> str:
         self._logs[role].flush()

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-from targets.harness.isolation.zygote import MARKS_FD, Zygote, zygote
+from targets.harness.isolation.zygote_client import MARKS_FD, Zygote, zygote
 
 
 def _spawn(tmp_path, name: str, owner: Zygote | None = None):
@@ -131,7 +131,7 @@ def test_a_candidate_process_is_a_warm_fork_that_holds_none_of_the_orchestrators
 
     from targets.harness.ipc.channel import Frame, SyncChannel
     from targets.harness.ipc.wire import put_runtime
-    from targets.harness.isolation.zygote import ZygoteClient
+    from targets.harness.isolation.zygote_client import ZygoteClient
     from targets.harness.target import Target
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-orchestrator-secret")

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.forks_fd is not None:  # its candidate processes are not its children: the watchdog hears of each
         from targets.harness.isolation.processes import use_forks
-        from targets.harness.isolation.zygote import ZygoteClient
+        from targets.harness.isolation.zygote_client import ZygoteClient
 
         def forked(pid: int) -> None:
             mark(f"{CANDIDATE} {pid}")

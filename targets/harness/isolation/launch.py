@@ -22,7 +22,7 @@ from pathlib import Path
 from targets.harness.isolation.child import CANDIDATE, PHASES, TASK_KEY
 from targets.harness.isolation.process_tree import kill_tree, process_tree, resident_bound_mb, resident_mb
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.zygote import FORKS_FD, MARKS_FD, ZygoteChild, zygote
+from targets.harness.isolation.zygote_client import FORKS_FD, MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
 
 

@@ -22,7 +22,7 @@ from targets.harness.ipc.channel import AsyncChannel
 from targets.harness.ipc.remote import CandidateError
 from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.zygote import ZygoteChild, ZygoteClient
+from targets.harness.isolation.zygote_client import ZygoteChild, ZygoteClient
 
 # How long candidate processes get to exit on their own once a run is over: a cluster closes Ray and
 # its actors. A run the harness abandoned (a refusal at hello, a crash, any error) leaves them

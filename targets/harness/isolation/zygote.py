@@ -26,6 +26,7 @@ child) -> ``{"pid"}`` or ``{"error"}``, later ``{"exit": pid, "code", "cpu_s"}``
 killed by that signal); ``{"connect": true}`` with a socket -> a new connection. When a connection
 closes, the children it asked for are killed; when the first one closes, the zygote kills all of its
 children and exits (a harness child also watches its parent, and a candidate process dies with it).
+This module is the zygote's side; the requesting side is ``zygote_client.py``.
 """
 
 from __future__ import annotations
@@ -38,153 +39,14 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 import traceback
 
-from targets import PROJECT_ROOT
+from targets.harness.isolation.zygote_client import MESSAGE_BYTES
 
-MARKS_FD = 3  # where a forked harness child finds its marks pipe (its argv says --marks-fd 3)
-FORKS_FD = 4  # where it finds its connection to the candidate zygote (--forks-fd 4), in the subprocess sandbox
-_MESSAGE_BYTES = 1 << 20
 MAINS = {"harness": "targets.harness.isolation.child", "candidate": "targets.harness.isolation.candidate_process"}
 _PR_SET_PDEATHSIG = 1
-
-
-# -- the requesting side ---------------------------------------------------------------------------------
-
-
-class ZygoteError(RuntimeError):
-    """The zygote could not fork a child, or went away."""
-
-
-class ZygoteClient:
-    """One connection to a zygote: forks, and the exit codes of the children it asked for. Safe to
-    share between threads."""
-
-    def __init__(self, sock: socket.socket, kind: str) -> None:
-        self._socket, self.kind, self._lock = sock, kind, threading.Lock()
-        self._exits: dict[int, tuple[int, float]] = {}
-        self.gone = False
-
-    def _last_words(self) -> str:
-        return "its connection closed"
-
-    def _receive(self, block: bool) -> dict | None:
-        """One message (caller holds the lock); None when none is waiting and ``block`` is false."""
-        if not block and not select.select([self._socket], [], [], 0)[0]:
-            return None
-        data = self._socket.recv(_MESSAGE_BYTES)
-        if not data:
-            self.gone = True
-            raise ZygoteError(f"the {self.kind} zygote went away: {self._last_words()}")
-        return json.loads(data)
-
-    def _note(self, message: dict) -> None:
-        self._exits[message["exit"]] = (message["code"], message["cpu_s"])
-
-    def _ask(self, request: dict, fds: list[int]) -> dict:
-        with self._lock:
-            socket.send_fds(self._socket, [json.dumps(request).encode()], fds)
-            while True:
-                message = self._receive(block=True)
-                if "exit" in message:
-                    self._note(message)
-                elif "error" in message:
-                    raise ZygoteError(message["error"])
-                else:
-                    return message
-
-    def spawn(self, argv: list[str], env: dict[str, str], log_fd: int, *extra_fds: int, cwd: str = "") -> ZygoteChild:
-        """A fork running ``python -m <the kind's module> *argv``: output to ``log_fd``, ``extra_fds``
-        at 3, 4, ... and ``cwd`` (default: ours) its working directory."""
-        request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd()}
-        return ZygoteChild(self, self._ask(request, [log_fd, *extra_fds])["pid"])
-
-    def connect(self) -> socket.socket:
-        """A further connection to this zygote, for another process to ask on (its forks are its own)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._ask({"connect": True}, [theirs.fileno()])
-        finally:
-            theirs.close()
-        return ours
-
-    def exit_of(self, pid: int) -> tuple[int, float] | None:
-        """``(exit code, CPU seconds)`` of ``pid`` once it ended; None while it runs."""
-        with self._lock:
-            try:
-                while (message := self._receive(block=False)) is not None:
-                    self._note(message)
-            except ZygoteError:
-                return self._exits.pop(pid, (-signal.SIGKILL, 0.0))  # its children are killed when it goes
-            return self._exits.pop(pid, None)  # the child keeps it (``returncode``): none piles up here
-
-
-class Zygote(ZygoteClient):
-    """A zygote process of ``kind`` and the orchestrator's connection to it."""
-
-    def __init__(self, kind: str = "harness") -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._log = tempfile.TemporaryFile()  # its own last words, for the error if it goes away
-        env = None
-        if kind == "candidate":  # what a candidate's environment may hold, and nothing more (sandbox.py)
-            from targets.harness.isolation.sandbox import scrubbed_environment
-
-            env = scrubbed_environment(dict(os.environ))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "targets.harness.isolation.zygote", str(theirs.fileno()), kind],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=PROJECT_ROOT,  # ``-m`` imports from its cwd first: the user's would import a ``targets`` of theirs
-            env=env,
-        )
-        theirs.close()
-        super().__init__(ours, kind)
-
-    def _last_words(self) -> str:
-        self._log.seek(0)
-        last = self._log.read().decode(errors="replace").strip().splitlines()[-5:]
-        return f"(pid {self.process.pid}) " + " | ".join(last)
-
-
-class ZygoteChild:
-    """What a launcher needs of ``subprocess.Popen``: ``pid``, ``poll``, ``wait``, ``returncode``; and
-    the CPU time it used, once it ended (``cpu_s``)."""
-
-    def __init__(self, owner: ZygoteClient, pid: int) -> None:
-        self.owner, self.pid, self.returncode, self.cpu_s = owner, pid, None, 0.0
-
-    def poll(self) -> int | None:
-        if self.returncode is None and (ended := self.owner.exit_of(self.pid)) is not None:
-            self.returncode, self.cpu_s = ended
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-
-_zygotes: dict[str, Zygote] = {}
-_starting = threading.Lock()
-
-
-def zygote(kind: str = "harness") -> Zygote:
-    """This process's zygote of ``kind``, started on first use (and again if it went away)."""
-    with _starting:
-        owner = _zygotes.get(kind)
-        if owner is None or owner.gone or owner.process.poll() is not None:
-            owner = _zygotes[kind] = Zygote(kind)
-        return owner
 
 
 # -- the zygote's side -----------------------------------------------------------------------------------
@@ -294,7 +156,7 @@ class _Server:
 
     def serve(self, connection: socket.socket) -> bool:
         """One request on ``connection``; False once the first connection closed (the zygote ends)."""
-        data, fds, _, _ = socket.recv_fds(connection, _MESSAGE_BYTES, 4)
+        data, fds, _, _ = socket.recv_fds(connection, MESSAGE_BYTES, 4)
         if not data:
             del self.connections[connection.fileno()]
             _kill([pid for pid, asker in self.asked_by.items() if asker is connection])

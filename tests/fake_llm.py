@@ -426,6 +426,9 @@ def generate(server: FakeLLMServer, tmp_path, target, provider: str, *extra: str
     model = model or ("gpt-4o" if provider == "openai" else "claude-sonnet-4")
     options = ["--agents", provider, "--model", model, "--base-url", base, "--api-key-env", KEY]
     places = ["--out", str(run), "--workspaces", str(tmp_path / "ws")]
+    # the subprocess sandbox: its candidate processes start warm (the sandboxes' own tests are test_agents.py's)
     argv = ["generate", str(target), *options, "--simulate", "--repeat", "1", "--held-out", "0", *places, *extra]
+    if "--sandbox" not in extra:
+        argv += ["--sandbox", "subprocess"]
     result = CliRunner().invoke(app, argv, env={"COLUMNS": "140"})
     return result.exit_code, result.output, run

@@ -193,7 +193,7 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monk
 
     run = tmp_path / "run"
     monkeypatch.setattr(OfflineImplementer, "implement", cheating)
-    state = _start(fast_target, tmp_path, rounds=2, simulate=True).run()
+    state = _start(fast_target, tmp_path, rounds=2, simulate=True, sandbox="subprocess").run()
     rejected = [r for r in state.rounds if r.verdict == "rejected"]
     assert [r.round for r in rejected] == [1, 2] and rejected[0].attempts == 2
     assert any("names the harness metric 'rollout_throughput'" in reason for reason in rejected[0].reasons)
@@ -285,6 +285,7 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
     run, ws = tmp_path / "run", tmp_path / "ws"
     args = [str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(ws), "--repeat", "1", "--simulate"]
     args += ["--held-out", "0"]  # what generate measures after its last round: tests/test_generate.py's big target
+    args += ["--sandbox", "subprocess"]  # its candidate processes start warm
     process = _spawn(args, tmp_path / "first.log")
     deadline = time.monotonic() + 400
     while not (run / ".git" / "refs" / "vibetrain" / "rounds" / "1").exists():
@@ -334,6 +335,7 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split_wher
     target.write_text(yaml.safe_dump(raw))
     run = tmp_path / "run"
     args = [str(target), "--rounds", "2", "--out", str(run), "--workspaces", str(tmp_path / "ws"), "--repeat", "1"]
+    args += ["--sandbox", "subprocess"]  # its candidate processes start warm (simulated: no Ray to join)
     output = _generate(*args, "--held-out", "2")
     state = RunState.load(run)
     history = History.open(run)
@@ -401,6 +403,7 @@ def test_the_evolve_policy_runs_rounds_from_its_population(tmp_path, fast_target
         str(run),
         "--workspaces",
         str(tmp_path / "ws"),
+        *("--sandbox", "subprocess"),  # its candidate processes start warm
     )
     state = RunState.load(run)
     assert state.config.policy == "evolve" and [r.round for r in state.rounds] == [0, 1, 2]

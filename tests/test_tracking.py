@@ -49,6 +49,7 @@ def _bench(fast_target: Path, out: Path, track: str, baselines: str) -> dict:
             "bench",
             str(fast_target),
             "--simulate",
+            *("--sandbox", "subprocess"),  # its candidate processes start warm
             *("--baselines", baselines, "--repeat", "1"),
             *("--json", str(out / "b.json"), "--track", track),
         ],

@@ -91,9 +91,15 @@ def test_a_targets_folder_where_the_user_runs_never_stands_in_for_the_harness(tm
 
 # -- the candidate zygote: the subprocess sandbox's candidate processes -----------------------------------
 
-_PROBE = """import json, os, sys
+_PROBE = """import json, os, sys, time
+
+orphan = os.fork()
+if orphan == 0:  # left running when the process ends: re-parented away from it, still in its process group
+    time.sleep(120)
+    os._exit(0)
 
 facts = {
+    "orphan": orphan,
     "session": os.getsid(0), "pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(),
     "mark": os.environ.get("MARK"), "keys": [k for k in os.environ if "KEY" in k],
     "secret_in_exec_env": b"orchestrator-secret" in open("/proc/self/environ", "rb").read(),
@@ -105,6 +111,15 @@ print("FACTS " + json.dumps(facts), flush=True)
 def build(runtime):
     raise RuntimeError("the probe builds no stack")
 """
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a killed orphan nobody reaped yet is a zombie: it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _heap_or_stack_holds(pid: int, needle: bytes) -> bool:
@@ -125,7 +140,8 @@ def test_a_candidate_process_is_a_warm_fork_that_holds_none_of_the_orchestrators
     and FSDP2 already imported), each in a session of its own with the run's environment, working
     directory and log. The zygote was started with the scrubbed environment, so no secret of the
     orchestrator's is in a fork's environment, its exec-time environment or its heap and stack; its exit
-    code and CPU time come back; a connection that closes takes the children it asked for along."""
+    code and CPU time come back; a connection that closes takes the children it asked for along, and
+    what an ended one left running."""
     import json
     import socket
 
@@ -163,12 +179,39 @@ def test_a_candidate_process_is_a_warm_fork_that_holds_none_of_the_orchestrators
         with (tmp_path / "held.log").open("w") as log:  # waits for an init frame that never comes
             held = asker.spawn(argv, env, log.fileno(), cwd=str(scratch))
         listener.accept()
-        asker._socket.close()  # whoever asked went away: so does what it started
+        assert _running(facts["orphan"])  # what the first one left, still running
+        asker._socket.close()  # whoever asked went away: so does what it started, and what that left
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and os.path.exists(f"/proc/{held.pid}"):
+        left = [held.pid, facts["orphan"]]
+        while time.monotonic() < deadline and (left := [p for p in left if _running(p)]):
             time.sleep(0.1)
-        assert not os.path.exists(f"/proc/{held.pid}"), "a candidate process outlived the connection that asked for it"
+        assert not left, f"outlived the connection that asked for them: {left}"
     finally:
         listener.close()
+        owner.process.kill()
+        owner.process.wait()
+
+
+def test_a_connection_killed_with_an_exit_report_unread_leaves_the_zygote_serving(tmp_path):
+    """A harness child the watchdog kills may leave the zygote's report of a candidate's exit unread: the
+    zygote then reads a reset, not an end of file, and must treat it as the same close (it used to die
+    of it, and the next run in the subprocess sandbox with it)."""
+    from targets.harness.isolation.zygote_client import ZygoteClient
+
+    owner = Zygote("candidate")
+    try:
+        asker = ZygoteClient(owner.connect(), "candidate")
+        with (tmp_path / "usage.log").open("w") as log:  # no arguments: it prints its usage and exits
+            child = asker.spawn([], {"PATH": os.environ["PATH"]}, log.fileno(), cwd=str(tmp_path))
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{child.pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # its exit report is waiting, unread, on the asker's socket
+        asker._socket.close()
+        again = ZygoteClient(owner.connect(), "candidate")
+        with (tmp_path / "again.log").open("w") as log:
+            assert again.spawn([], {"PATH": os.environ["PATH"]}, log.fileno(), cwd=str(tmp_path)).wait(30) == 2
+        assert owner.process.poll() is None
+    finally:
         owner.process.kill()
         owner.process.wait()

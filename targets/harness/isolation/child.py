@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         def forked(pid: int) -> None:
             mark(f"{CANDIDATE} {pid}")
 
+        os.set_inheritable(args.forks_fd, False)  # no process it starts may keep its candidates' connection open
         use_forks(ZygoteClient(socket.socket(fileno=args.forks_fd), "candidate"), forked)
 
     seed = RunSeed(args.seed, bytes.fromhex(os.environ.pop(TASK_KEY, "")))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,10 +81,17 @@ def _run_tree(child: int, forked: list[int], forker: int | None) -> list[int]:
 
 
 def _kill_run(child: int, forked: list[int], forker: int | None) -> None:
+    """The harness child's tree, and each forked candidate process's tree while it is still the zygote's
+    child, else its process group (it led one: what it left running, re-parented away, is there)."""
     kill_tree(child)
     for pid in forked:
         if forker is not None and _parent_of(pid) == forker:
             kill_tree(pid)
+        else:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it left nothing behind
 
 
 def _watch(
@@ -153,7 +161,6 @@ def run_harness(
     if not (stack_dir / "stack" / "__init__.py").exists():
         return HarnessRun(False, f"{stack_dir} has no stack/__init__.py: not a candidate directory", out)
     out.mkdir(parents=True, exist_ok=True)
-    read_fd, write_fd = os.pipe()
     argv = [  # what ``python -m targets.harness.isolation.child`` takes; run by a fork of the zygote
         "--target",
         target.ref,
@@ -184,6 +191,7 @@ def run_harness(
         forker, forks = candidates.process.pid, candidates.connect()
         argv += ["--forks-fd", str(FORKS_FD)]
     log_path = out / f"{mode}.log"
+    read_fd, write_fd = os.pipe()  # after the zygotes: one that failed to start leaves no descriptor open
     try:
         with log_path.open("w") as log:
             extra = [write_fd] if forks is None else [write_fd, forks.fileno()]

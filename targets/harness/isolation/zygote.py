@@ -91,7 +91,7 @@ def _place(fds: list[int]) -> None:
     os.closerange(3 + len(high) - 1, os.sysconf("SC_OPEN_MAX"))
 
 
-def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str]) -> None:
+def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str], zygote_pid: int) -> None:
     """In the forked process: the child's session, descriptors, environment and path, then its main."""
     code = 1
     try:
@@ -100,6 +100,8 @@ def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str]
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if kind == "candidate":  # killed with the zygote; a harness child watches its parent itself
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != zygote_pid:  # it died before the signal was asked for
+                os._exit(1)
         _place(fds)
         for stream in (sys.stdout, sys.stderr):  # as PYTHONUNBUFFERED gives a fresh child: a killed run's log is whole
             stream.reconfigure(line_buffering=True, write_through=True)
@@ -123,11 +125,20 @@ def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str]
         os._exit(code)
 
 
-def _kill(pids) -> None:
+def _kill(pids, running) -> None:
+    """Each child's process group (it leads a session of its own: what it left running when it ended,
+    re-parented away from it, is still there) and, while it runs (``running``: not yet reaped, so its
+    pid is still its own), its tree."""
     from targets.harness.isolation.process_tree import kill_tree
 
     for pid in pids:
-        kill_tree(pid)
+        if pid in running:
+            kill_tree(pid)
+        else:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it left nothing behind
 
 
 class _Server:
@@ -136,7 +147,8 @@ class _Server:
     def __init__(self, kind: str, first: socket.socket, base_path: list[str]) -> None:
         self.kind, self.first, self.base_path = kind, first, base_path
         self.connections: dict[int, socket.socket] = {first.fileno(): first}
-        self.asked_by: dict[int, socket.socket] = {}  # child pid -> the connection that asked for it
+        self.asked_by: dict[int, socket.socket] = {}  # running child pid -> the connection that asked for it
+        self.forked_for: dict[int, list[int]] = {}  # connection's descriptor -> every child forked for it
 
     def reap(self) -> None:
         while True:
@@ -156,10 +168,13 @@ class _Server:
 
     def serve(self, connection: socket.socket) -> bool:
         """One request on ``connection``; False once the first connection closed (the zygote ends)."""
-        data, fds, _, _ = socket.recv_fds(connection, MESSAGE_BYTES, 4)
+        try:
+            data, fds, _, _ = socket.recv_fds(connection, MESSAGE_BYTES, 4)
+        except ConnectionResetError:  # its holder was killed with a message of ours unread: closed all the same
+            data, fds = b"", []
         if not data:
             del self.connections[connection.fileno()]
-            _kill([pid for pid, asker in self.asked_by.items() if asker is connection])
+            _kill(self.forked_for.pop(connection.fileno(), []), self.asked_by)
             connection.close()
             return connection is not self.first
         request = json.loads(data)
@@ -172,12 +187,14 @@ class _Server:
             names = [t.name for t in threading.enumerate()]
             connection.send(json.dumps({"error": f"the zygote runs Python threads {names}: it cannot fork"}).encode())
         else:
+            zygote_pid = os.getpid()
             pid = os.fork()
             if pid == 0:
                 for open_connection in self.connections.values():
                     open_connection.close()
-                _become_child(self.kind, request, fds, self.base_path)
+                _become_child(self.kind, request, fds, self.base_path, zygote_pid)
             self.asked_by[pid] = connection
+            self.forked_for.setdefault(connection.fileno(), []).append(pid)
             connection.send(json.dumps({"pid": pid}).encode())
         for descriptor in fds:
             os.close(descriptor)
@@ -206,7 +223,7 @@ def main(fd: int, kind: str) -> None:
                         return  # the orchestrator went away: so does the zygote, and its children with it
             server.reap()
     finally:
-        _kill(list(server.asked_by))
+        _kill([pid for pids in server.forked_for.values() for pid in pids], server.asked_by)
 
 
 if __name__ == "__main__":

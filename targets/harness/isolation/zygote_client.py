@@ -42,7 +42,10 @@ class ZygoteClient:
         """One message (caller holds the lock); None when none is waiting and ``block`` is false."""
         if not block and not select.select([self._socket], [], [], 0)[0]:
             return None
-        data = self._socket.recv(MESSAGE_BYTES)
+        try:
+            data = self._socket.recv(MESSAGE_BYTES)
+        except ConnectionResetError:
+            data = b""  # it went away with a request of ours unread
         if not data:
             self.gone = True
             raise ZygoteError(f"the {self.kind} zygote went away: {self._last_words()}")

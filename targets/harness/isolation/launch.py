@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from targets.harness.isolation.child import CANDIDATE, PHASES, TASK_KEY
-from targets.harness.isolation.process_tree import kill_tree, process_tree, resident_bound_mb, resident_mb
+from targets.harness.isolation.process_tree import kill_group, kill_tree, process_tree, resident_bound_mb, resident_mb
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.zygote_client import FORKS_FD, MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
@@ -88,10 +87,7 @@ def _kill_run(child: int, forked: list[int], forker: int | None) -> None:
         if forker is not None and _parent_of(pid) == forker:
             kill_tree(pid)
         else:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # it left nothing behind
+            kill_group(pid)
 
 
 def _watch(

@@ -67,3 +67,12 @@ def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def kill_group(leader: int, sig: int = signal.SIGKILL) -> None:
+    """Signal the process group ``leader`` led, if any of it is left: what a session leader that ended
+    left running (re-parented away from it, so no tree reaches it) is still there."""
+    try:
+        os.killpg(leader, sig)
+    except ProcessLookupError:
+        pass  # it left nothing behind

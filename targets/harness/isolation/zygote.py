@@ -129,16 +129,13 @@ def _kill(pids, running) -> None:
     """Each child's process group (it leads a session of its own: what it left running when it ended,
     re-parented away from it, is still there) and, while it runs (``running``: not yet reaped, so its
     pid is still its own), its tree."""
-    from targets.harness.isolation.process_tree import kill_tree
+    from targets.harness.isolation.process_tree import kill_group, kill_tree
 
     for pid in pids:
         if pid in running:
             kill_tree(pid)
         else:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # it left nothing behind
+            kill_group(pid)
 
 
 class _Server:

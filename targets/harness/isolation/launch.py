@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from targets.harness.isolation.child import CANDIDATE, PHASES, TASK_KEY
-from targets.harness.isolation.process_tree import kill_group, kill_tree, process_tree, resident_bound_mb, resident_mb
+from targets.harness.isolation.process_tree import (
+    children_of,
+    kill_group,
+    kill_tree,
+    process_tree,
+    resident_bound_mb,
+    resident_mb,
+)
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.zygote_client import FORKS_FD, MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
@@ -61,30 +68,22 @@ class HarnessRun:
         return None
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None  # it ended
-
-
 def _run_tree(child: int, forked: list[int], forker: int | None) -> list[int]:
-    """The run's processes: the harness child's tree, and the tree of each candidate process it had
-    forked that is still the candidate zygote's child (a pid that ended and was reused is not ours)."""
-    tree = process_tree(child)
-    for pid in forked:
-        if forker is not None and _parent_of(pid) == forker:
-            tree += process_tree(pid)
-    return tree
+    """The run's processes, from one read of the process table: the harness child's tree, and the tree
+    of each candidate process it had forked that is still the candidate zygote's child (a pid that
+    ended and was reused is not ours)."""
+    children = children_of()
+    running = set(children.get(forker, ())) if forker is not None else set()
+    return [p for root in (child, *(pid for pid in forked if pid in running)) for p in process_tree(root, children)]
 
 
 def _kill_run(child: int, forked: list[int], forker: int | None) -> None:
     """The harness child's tree, and each forked candidate process's tree while it is still the zygote's
     child, else its process group (it led one: what it left running, re-parented away, is there)."""
     kill_tree(child)
+    running = set(children_of().get(forker, ())) if forker is not None else set()
     for pid in forked:
-        if forker is not None and _parent_of(pid) == forker:
+        if pid in running:
             kill_tree(pid)
         else:
             kill_group(pid)

@@ -7,8 +7,8 @@ import os
 import signal
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and every descendant, from /proc (parent links)."""
+def children_of() -> dict[int, list[int]]:
+    """Every process's children, from /proc (parent links): one read of the process table."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -19,6 +19,12 @@ def process_tree(root: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue  # the process ended while we looked
         children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def process_tree(root: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """``root`` and every descendant (``children``: a table ``children_of`` read, else a fresh one)."""
+    children = children_of() if children is None else children
     tree, frontier = [], [root]
     while frontier:
         pid = frontier.pop()

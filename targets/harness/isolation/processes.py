@@ -31,15 +31,15 @@ from targets.harness.isolation.zygote_client import ZygoteChild, ZygoteClient
 STOP_GRACE_S = 20.0
 ABANDONED_GRACE_S = 2.0
 
-_forks: ZygoteClient | None = None  # this process's connection to the candidate zygote, if it was given one
-_report: Callable[[int], None] | None = None
+# this process's connection to the candidate zygote, if it was given one, and whom to tell of each fork
+_forks: tuple[ZygoteClient, Callable[[int], None]] | None = None
 
 
 def use_forks(forks: ZygoteClient, report: Callable[[int], None]) -> None:
     """Candidate processes this process starts in the ``subprocess`` sandbox are forks over ``forks``;
     ``report(pid)`` tells whoever holds this process's limits of each (a harness child's watchdog)."""
-    global _forks, _report
-    _forks, _report = forks, report
+    global _forks
+    _forks = forks, report
 
 
 class CandidateProcesses:
@@ -66,14 +66,8 @@ class CandidateProcesses:
         self._connections[role] = connections
         scratch = self.root / f"scratch-{role}"
         scratch.mkdir()
-        command = [
-            sys.executable,
-            "-m",
-            "targets.harness.isolation.candidate_process",
-            role,
-            str(path),
-            str(self.stack_dir),
-        ]
+        argv = [role, str(path), str(self.stack_dir)]  # what the candidate process's main takes
+        command = [sys.executable, "-m", "targets.harness.isolation.candidate_process", *argv]
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
         command, env = self.sandbox.wrap(
             command,
@@ -85,10 +79,9 @@ class CandidateProcesses:
         )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
         if self.sandbox.backend == "subprocess" and _forks is not None:
-            argv = command[command.index("targets.harness.isolation.candidate_process") + 1 :]
-            self.processes[role] = _forks.spawn(argv, env, self._logs[role].fileno(), cwd=str(scratch))
-            if _report is not None:
-                _report(self.processes[role].pid)
+            forks, report = _forks
+            self.processes[role] = forks.spawn(argv, env, self._logs[role].fileno(), cwd=str(scratch))
+            report(self.processes[role].pid)
         else:
             self.processes[role] = subprocess.Popen(
                 command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None, cwd=scratch

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -369,8 +370,12 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split_wher
     assert load_target(runs / "perturbed.yaml").workload.tokens.observation == round(
         raw["workload"]["tokens"]["observation"] * PERTURBATION
     )
-    turns = {name: _mean_turns(runs / name / "baseline-0" / "trace.jsonl") for name in ("held-out", "perturbed")}
-    assert turns["perturbed"] > turns["held-out"]  # the starter on one seed: the longer workload ran
+    # the starter on one seed: the longer workload ran (its observations; not its turn count, which a fuller
+    # context and the unchanged trajectory timeout cut short, by an amount the controller's CPU time moves)
+    lengths = {
+        name: _mean_observation(runs / name / "baseline-0" / "trace.jsonl") for name in ("held-out", "perturbed")
+    }
+    assert lengths["perturbed"] > 1.15 * lengths["held-out"], lengths
     log = runner.invoke(app, ["log", str(run), "--json"])
     assert json.loads(log.output)["generalization"]["best_commit"] == best.commit
     stamp = (runs / "held-out" / "candidate-0" / "trace.jsonl").stat().st_mtime_ns
@@ -378,9 +383,11 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split_wher
     assert (runs / "held-out" / "candidate-0" / "trace.jsonl").stat().st_mtime_ns == stamp
 
 
-def _mean_turns(trace: Path) -> float:
-    steps = [e for e in Trace.load_events(trace) if e.kind == "env_step"]
-    return len(steps) / len({e.data["episode"] for e in steps})
+def _mean_observation(trace: Path) -> float:
+    """The mean length of the observations the environment answered with (a last step's is empty)."""
+    lengths = [e.data["observation"] for e in Trace.load_events(trace) if e.kind == "env_step"]
+    lengths = [n if isinstance(n, int) else len(n) for n in lengths]
+    return statistics.mean(n for n in lengths if n > 0)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -983,6 +984,22 @@ def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
     assert time.monotonic() - started < 60
     leftovers = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True).stdout.split()
     assert leftovers == [], "the storm outlived the kill"
+
+
+def test_a_killed_run_is_waited_for_until_its_processes_are_gone():
+    """A SIGKILL acts when its process next runs: the watchdog waits for the killed (a zombie has
+    exited) and names what is still running at its deadline, found by pid or by process group."""
+    from targets.harness.isolation.process_tree import wait_exited
+
+    sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert wait_exited([sleeper.pid], [], 0.05) == [sleeper.pid]
+        assert wait_exited([], [sleeper.pid], 0.05) == [sleeper.pid]  # a member of the group
+        os.kill(sleeper.pid, signal.SIGKILL)
+        assert wait_exited([sleeper.pid], [sleeper.pid], 5) == []  # not yet reaped: a zombie, gone
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_the_sandbox_sees_the_project_even_when_it_is_not_on_sys_path():

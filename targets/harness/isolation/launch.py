@@ -27,10 +27,13 @@ from targets.harness.isolation.process_tree import (
     process_tree,
     resident_bound_mb,
     resident_mb,
+    wait_exited,
 )
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.zygote_client import FORKS_FD, MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
+
+KILLED_EXIT_S = 10.0  # how long a killed run's processes get to be gone (a SIGKILL acts when each next runs)
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,11 @@ def _run_tree(child: int, forked: list[int], forker: int | None) -> list[int]:
     return [p for root in (child, *(pid for pid in forked if pid in running)) for p in process_tree(root, children)]
 
 
-def _kill_run(child: int, forked: list[int], forker: int | None) -> None:
+def _kill_run(child: int, forked: list[int], forker: int | None) -> list[int]:
     """The harness child's tree, and each forked candidate process's tree while it is still the zygote's
-    child, else its process group (it led one: what it left running, re-parented away, is there)."""
+    child, else its process group (it led one: what it left running, re-parented away, is there).
+    Returns those of them still running ``KILLED_EXIT_S`` after the signal (normally none)."""
+    doomed = _run_tree(child, forked, forker)
     kill_tree(child)
     running = set(children_of().get(forker, ())) if forker is not None else set()
     for pid in forked:
@@ -87,6 +92,7 @@ def _kill_run(child: int, forked: list[int], forker: int | None) -> None:
             kill_tree(pid)
         else:
             kill_group(pid)
+    return wait_exited(doomed, [child, *forked], KILLED_EXIT_S)
 
 
 def _watch(
@@ -133,8 +139,10 @@ def _watch(
                 if resident <= limits.memory_mb:
                     continue
                 why = f"used {resident:.0f} MB of resident memory, over its limit of {limits.memory_mb:g} MB"
-        _kill_run(process.pid, forked, forker)
+        left = _kill_run(process.pid, forked, forker)
         process.wait()
+        if left:
+            why += f" ({len(left)} of its processes still running {KILLED_EXIT_S:g}s after they were killed)"
         return why
 
 

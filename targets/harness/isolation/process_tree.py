@@ -5,21 +5,44 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 
-def children_of() -> dict[int, list[int]]:
-    """Every process's children, from /proc (parent links): one read of the process table."""
-    children: dict[int, list[int]] = {}
+def _process_table() -> list[tuple[int, str, int, int]]:
+    """Every process as (pid, state, parent, process group), from /proc: one read of the table."""
+    table = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+                state, parent, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
             continue  # the process ended while we looked
-        children.setdefault(parent, []).append(int(entry))
+        table.append((int(entry), state, int(parent), int(group)))
+    return table
+
+
+def children_of() -> dict[int, list[int]]:
+    """Every process's children, from /proc (parent links): one read of the process table."""
+    children: dict[int, list[int]] = {}
+    for pid, _, parent, _ in _process_table():
+        children.setdefault(parent, []).append(pid)
     return children
+
+
+def wait_exited(pids: list[int], groups: list[int], timeout_s: float) -> list[int]:
+    """Waits until each of ``pids`` and every member of the process groups ``groups`` has exited (a
+    zombie has: it holds no memory and runs nothing); returns those still running after ``timeout_s``.
+    A SIGKILL is delivered when its process next runs, so a killed storm is not gone the moment the
+    signal is sent: the next run must not start beside it."""
+    pids_, groups_ = set(pids), set(groups)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [p for p, state, _, g in _process_table() if state not in "ZX" and (p in pids_ or g in groups_)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.01)
 
 
 def process_tree(root: int, children: dict[int, list[int]] | None = None) -> list[int]:

@@ -215,3 +215,41 @@ def test_a_connection_killed_with_an_exit_report_unread_leaves_the_zygote_servin
     finally:
         owner.process.kill()
         owner.process.wait()
+
+
+def test_a_zygote_whose_orchestrator_dies_while_it_warms_ends_at_once(tmp_path):
+    """A zygote imports for seconds (longer on a busy machine) before it first reads its connection: an
+    orchestrator killed meanwhile (``timeout vibetrain check ...``) must not leave it importing on. Its
+    warm-up is held here by a ``safetensors`` on its path that sleeps a minute."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    planted = tmp_path / "path" / "safetensors"
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text("import time\ntime.sleep(60)\n")
+    project = Path(__file__).resolve().parents[1]
+    script = "from targets.harness.isolation.zygote_client import Zygote\nprint(Zygote('candidate').process.pid)\n"
+    orchestrator = subprocess.Popen(
+        [sys.executable, "-c", script + "import time\ntime.sleep(60)\n"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": str(planted.parent), "PYTHONUNBUFFERED": "1"},
+    )
+    warming = int(orchestrator.stdout.readline())
+    time.sleep(1)  # well into its imports
+    orchestrator.kill()
+    orchestrator.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(warming):
+        time.sleep(0.1)
+    assert not _running(warming), "the zygote warmed on after its orchestrator died"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False

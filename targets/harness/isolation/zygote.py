@@ -41,6 +41,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 
 from targets.harness.isolation.zygote_client import MESSAGE_BYTES
@@ -198,11 +199,27 @@ class _Server:
         return True
 
 
+def _end_with_parent_while(parent: int, warming: threading.Event) -> None:
+    """Until ``warming`` is cleared, poll the zygote's parent: the imports take seconds (more on a busy
+    machine) before the zygote first reads its connection, and an orchestrator killed meanwhile must not
+    leave it importing on. Once it serves, the connection's close ends it."""
+    while warming.is_set():
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(0.1)
+
+
 def main(fd: int, kind: str) -> None:
     first = socket.socket(fileno=fd)
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own]  # without the zygote's cwd and PYTHONPATH
+    warming = threading.Event()
+    warming.set()
+    watcher = threading.Thread(target=_end_with_parent_while, args=(os.getppid(), warming), daemon=True)
+    watcher.start()
     _warm(kind)
+    warming.clear()
+    watcher.join()  # no Python thread but the zygote's own when it forks
     server = _Server(kind, first, base_path)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)

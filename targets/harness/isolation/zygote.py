@@ -71,6 +71,7 @@ def _warm(kind: str) -> None:
         import targets.harness.sim.virtual_time  # noqa: F401
     else:  # what the contract's side of the wire and a stack's engine and trainer import, never a stack itself
         import safetensors.torch  # noqa: F401
+        import torch._dynamo  # noqa: F401 - torch imports it on a module's first random init (~1-2 CPU-s a trainer)
         import torch.distributed.fsdp  # noqa: F401
         from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
 

@@ -478,6 +478,7 @@ def big_small_batch(big):
     return big.model_copy(update={"workload": big.workload.model_copy(update={"batch_size": 128, "train_steps": 2})})
 
 
+@pytest.mark.slow  # simulated runs of the 160-device target end to end
 def test_time_multiplexing_beats_the_static_split_at_scale(tmp_path, big_small_batch):
     measured = {}
     for controller in ("static_split", "time_multiplex"):
@@ -519,6 +520,7 @@ def test_bench_runs_a_baseline_on_its_own_hardware_paired_by_seed_with_the_mixed
     assert single == {f"h800:{i}" for i in range(11)}
 
 
+@pytest.mark.slow  # simulated runs of the 160-device target end to end
 def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tmp_path, big_small_batch):
     raw = yaml.safe_load(Path("targets/catalog/qwen3-235b-a22b-h800x160.yaml").read_text())
     raw["workload"].update(batch_size=128, train_steps=2)

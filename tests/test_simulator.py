@@ -824,7 +824,11 @@ def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, f
     report = measure_and_predict(session, stack, tmp_path / "work")  # each run judged: it raises on a finding
     calibrated = load_target(report["calibrated_spec"])
     assert calibrated.simulator.batching == "continuous"
-    assert calibrated.simulator.decode_step_overhead_s + calibrated.simulator.request_overhead_s > 0
+    # the tiny engine is host-bound, but its iterations and its work grow together here: the fit may give
+    # the latencies to fixed costs or to the work (CI once fitted both fixed costs at 0); zeros are said
+    fixed = calibrated.simulator.decode_step_overhead_s + calibrated.simulator.request_overhead_s
+    notes = report["calibration"].notes
+    assert fixed > 0 or sum("no fixed cost" in note for note in notes) == 2, notes
     for execution in ("real", "simulated"):
         audit = json.loads((tmp_path / "work" / execution / "audit.json").read_text())["result"]
         assert audit["passed"], (execution, audit["reasons"])

@@ -22,7 +22,7 @@ from pathlib import Path
 from targets.harness.isolation.child import CANDIDATE, PHASES, TASK_KEY
 from targets.harness.isolation.process_tree import (
     children_of,
-    kill_group,
+    kill_forked,
     kill_tree,
     process_tree,
     resident_bound_mb,
@@ -71,27 +71,21 @@ class HarnessRun:
         return None
 
 
-def _run_tree(child: int, forked: list[int], forker: int | None) -> list[int]:
-    """The run's processes, from one read of the process table: the harness child's tree, and the tree
-    of each candidate process it had forked that is still the candidate zygote's child (a pid that
-    ended and was reused is not ours)."""
-    children = children_of()
+def _run_tree(child: int, forked: list[int], forker: int | None, children: dict[int, list[int]]) -> list[int]:
+    """The run's processes, from one read of the process table (``children``): the harness child's tree,
+    and the tree of each candidate process it had forked that is still the candidate zygote's child (a
+    pid that ended and was reused is not ours)."""
     running = set(children.get(forker, ())) if forker is not None else set()
     return [p for root in (child, *(pid for pid in forked if pid in running)) for p in process_tree(root, children)]
 
 
 def _kill_run(child: int, forked: list[int], forker: int | None) -> list[int]:
-    """The harness child's tree, and each forked candidate process's tree while it is still the zygote's
-    child, else its process group (it led one: what it left running, re-parented away, is there).
-    Returns those of them still running ``KILLED_EXIT_S`` after the signal (normally none)."""
-    doomed = _run_tree(child, forked, forker)
+    """The harness child's tree, and each forked candidate process's (``kill_forked``). Returns those of
+    them still running ``KILLED_EXIT_S`` after the signal (normally none)."""
+    children = children_of()
+    doomed = _run_tree(child, forked, forker, children)
     kill_tree(child)
-    running = set(children_of().get(forker, ())) if forker is not None else set()
-    for pid in forked:
-        if pid in running:
-            kill_tree(pid)
-        else:
-            kill_group(pid)
+    kill_forked(forked, set(children.get(forker, ())) if forker is not None else set())
     return wait_exited(doomed, [child, *forked], KILLED_EXIT_S)
 
 
@@ -123,7 +117,7 @@ def _watch(
             time.sleep(0.25)
         if process.poll() is not None:
             return ""
-        tree = _run_tree(process.pid, forked, forker)
+        tree = _run_tree(process.pid, forked, forker, children_of())
         if time.monotonic() > deadline:
             why = f"exceeded its time limit of {limits.time_s:g}s"
         elif len(tree) > limits.processes:

@@ -105,3 +105,13 @@ def kill_group(leader: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(leader, sig)
     except ProcessLookupError:
         pass  # it left nothing behind
+
+
+def kill_forked(pids: list[int], running) -> None:
+    """Each forked child's tree while it runs (``running``: still its forker's child, so its pid is its
+    own), else its process group (it led one: what it left running, re-parented away, is there)."""
+    for pid in pids:
+        if pid in running:
+            kill_tree(pid)
+        else:
+            kill_group(pid)

@@ -44,6 +44,7 @@ import threading
 import time
 import traceback
 
+from targets.harness.isolation.process_tree import kill_forked
 from targets.harness.isolation.zygote_client import MESSAGE_BYTES
 
 MAINS = {"harness": "targets.harness.isolation.child", "candidate": "targets.harness.isolation.candidate_process"}
@@ -127,19 +128,6 @@ def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str]
         os._exit(code)
 
 
-def _kill(pids, running) -> None:
-    """Each child's process group (it leads a session of its own: what it left running when it ended,
-    re-parented away from it, is still there) and, while it runs (``running``: not yet reaped, so its
-    pid is still its own), its tree."""
-    from targets.harness.isolation.process_tree import kill_group, kill_tree
-
-    for pid in pids:
-        if pid in running:
-            kill_tree(pid)
-        else:
-            kill_group(pid)
-
-
 class _Server:
     """The zygote's loop: connections, forks, and who asked for which child."""
 
@@ -173,7 +161,7 @@ class _Server:
             data, fds = b"", []
         if not data:
             del self.connections[connection.fileno()]
-            _kill(self.forked_for.pop(connection.fileno(), []), self.asked_by)
+            kill_forked(self.forked_for.pop(connection.fileno(), []), self.asked_by)
             connection.close()
             return connection is not self.first
         request = json.loads(data)
@@ -238,7 +226,7 @@ def main(fd: int, kind: str) -> None:
                         return  # the orchestrator went away: so does the zygote, and its children with it
             server.reap()
     finally:
-        _kill([pid for pids in server.forked_for.values() for pid in pids], server.asked_by)
+        kill_forked([pid for pids in server.forked_for.values() for pid in pids], server.asked_by)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ where a bf16 trainer's updates round away; weight sync buckets and the broadcast
 from __future__ import annotations
 
 import asyncio
+import copy
 import multiprocessing
+import threading
 from pathlib import Path
 
 import pytest
@@ -961,6 +963,61 @@ def test_a_turn_cut_by_a_discarding_sleep_keeps_the_version_its_tokens_were_comp
 
     version, cut = asyncio.run(main())
     assert version == -1 and cut.finish_reason == "abort" and cut.tokens and cut.weight_version == 3, cut
+
+
+def _logprobs_under(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Each token's log-probability after the prompt and the tokens before it, one forward of the model."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)
+    return rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+
+
+def test_a_request_preempted_while_a_load_drains_finishes_before_the_load(path, tiny_model):
+    """A full cache preempts the youngest request, which recomputes its context when readmitted. One
+    preempted while a weight load drains the engine has decoded under the old weights: readmitted only
+    after the load, it finished under the new ones, one turn under two versions stamped with the newer
+    (a host tier's run, its cache small, was rejected by the replay for it). The drain now readmits it:
+    it finishes under the version it started with, and every turn's logprobs are its version's."""
+    from skills.recipes.engine_server import EngineServer
+
+    newer = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for parameter in newer.parameters():
+            parameter.mul_(1.05)
+    models = {0: tiny_model, 1: newer}
+    prompts = fixed_prompts(6)
+
+    async def main() -> tuple[list, int, list]:
+        server = EngineServer(path, "float32", "e0", block_size=4, kv_tokens=96)  # 24 blocks, 6 requests of 8
+        engine, real_step = server.engine, server.engine.step
+        preempted, release, held = threading.Event(), threading.Event(), []
+
+        def step():  # the first step after which a request that decoded waits again holds until released
+            finished = real_step()
+            if not preempted.is_set() and any(r.generated for r in engine.waiting):
+                held.extend(r.prompt for r in engine.waiting if r.generated)
+                preempted.set()
+                release.wait()
+            return finished
+
+        engine.step = step
+        turns = [asyncio.create_task(server.generate(p, _greedy(20))) for p in prompts]
+        while not preempted.is_set():
+            await asyncio.sleep(0.01)
+        load = asyncio.create_task(server.load_state(newer.state_dict(), 1))
+        await asyncio.sleep(0.05)  # the load has stopped admissions and waits for the held step
+        release.set()
+        return await asyncio.gather(*turns), await load, held
+
+    completions, version, held = asyncio.run(main())
+    assert version == 1 and held
+    for prompt, completion in zip(prompts, completions):
+        assert completion.finish_reason == "length" and len(completion.tokens) == 20, completion
+        if prompt in held:
+            assert completion.weight_version == 0, completion
+        expected = _logprobs_under(models[completion.weight_version], prompt, completion.tokens)
+        assert completion.logprobs == pytest.approx(expected, abs=1e-4), (completion.weight_version, completion)
 
 
 def test_a_weight_load_that_meets_a_sleeping_engine_keeps_its_version_for_the_wake_to_update(path):

@@ -40,7 +40,21 @@ if __name__ == "__main__":
         fresh = await engine.generate_async([3, 4, 5], SamplingParams(max_new_tokens=4, temperature=0.0))
         return [c.finish_reason for c in aborted], fresh.finish_reason, len(fresh.tokens)
 
+    async def load_while_decoding():
+        """A load waits for the request in flight, which finishes under the version it started with,
+        and holds a request that comes meanwhile until the new version is in."""
+        state = {name: tensor.clone() for name, tensor in reference.state_dict().items()}
+        params = SamplingParams(max_new_tokens=200, temperature=0.0)
+        started = asyncio.ensure_future(engine.generate_async([3, 4, 5, 6], params))
+        await asyncio.sleep(0.05)
+        load = asyncio.ensure_future(engine.load_weights_async(state, 3))
+        await asyncio.sleep(0.01)
+        later = asyncio.ensure_future(engine.generate_async([7, 8, 9], params))
+        await load
+        return await started, await later
+
     finishes, fresh_finish, fresh_tokens = asyncio.run(abort_one_of_many())
+    started, later = asyncio.run(load_while_decoding())
     results = {
         c.name + suffix: {"passed": c.passed, "reasons": c.reasons, "details": c.details}
         for c, suffix in ((first, ""), (after_reload, "_after_reload"), (sync, ""))
@@ -51,6 +65,15 @@ if __name__ == "__main__":
         and fresh_finish == "length"
         and fresh_tokens == 4,
         "reasons": [f"{finishes}, then {fresh_finish} with {fresh_tokens} tokens"],
+        "details": {},
+    }
+    results["load_drains"] = {
+        "passed": (started.weight_version, later.weight_version) == (2, 3)
+        and (started.finish_reason, len(started.tokens)) == ("length", 200),
+        "reasons": [
+            f"started before the load: {started.finish_reason} under {started.weight_version}; "
+            f"during it: {later.finish_reason} under {later.weight_version}"
+        ],
         "details": {},
     }
     engine.close()

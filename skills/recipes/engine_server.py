@@ -94,7 +94,7 @@ class EngineServer:
                     future = self._pending.pop(request.id, None)
                     if future is not None and not future.done():
                         future.set_result(self.engine.completion(request))
-                if not self.engine.running:
+                if not self.engine.started:
                     self._drained.set()
                     if not self.engine.admitting:
                         break  # a weight load waits for this: step again once it is done
@@ -137,9 +137,10 @@ class EngineServer:
     async def load_state(
         self, state: StateDict, version: int, interrupt: bool = False, unless_asleep: bool = False
     ) -> int:
-        """Drain, then load: requests running now finish under the weights they started with (no
-        request ever mixes two versions), requests arriving meanwhile wait, then run under the new.
-        With ``interrupt`` the running requests are answered at once as aborted with what they
+        """Drain, then load: requests running now, and those a full cache preempted after they decoded,
+        finish under the weights they started with (no request ever mixes two versions); requests
+        arriving meanwhile wait, then run under the new.
+        With ``interrupt`` the started requests are answered at once as aborted with what they
         decoded (partial rollout resumes them under the new weights); vLLM aborts its waiting ones too.
         With ``unless_asleep`` an engine whose weights were put to sleep while the load waited (a
         device given back beside a sync) keeps the weights it had: whoever wakes it brings it up to date. Returns the
@@ -153,10 +154,10 @@ class EngineServer:
             return self.engine.weight_version
         self.engine.admitting = False
         if interrupt:
-            for request in list(self.engine.running):
+            for request in [*self.engine.running, *(r for r in self.engine.waiting if r.generated)]:
                 self.engine.abort(request.id)
         try:
-            while self.engine.running:
+            while self.engine.started:
                 await self._until_drained()
             self._raise_if_failed()
             async with self._lock:

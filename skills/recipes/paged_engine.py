@@ -257,8 +257,8 @@ class PagedEngine:
         the server drains first), and cached prefixes, computed under the old weights, are dropped."""
         if "weights" in self._asleep:
             raise RuntimeError(f"{self.name}: load_weights while the weights sleep; wake them first")
-        if self.running:
-            raise RuntimeError(f"{self.name}: load_weights with {len(self.running)} requests running; drain first")
+        if self.started:
+            raise RuntimeError(f"{self.name}: load_weights with requests started under the old weights; drain first")
         if self.blocks is not None:
             self.blocks.drop_prefixes()
         if self.host_kv is not None:
@@ -301,6 +301,12 @@ class PagedEngine:
     def has_work(self) -> bool:
         return bool(self._incoming or self._aborts or self.waiting or self.running)
 
+    @property
+    def started(self) -> bool:
+        """Requests decoding under the current weights: running, or preempted and waiting to recompute
+        their context (a weight load waits for both; readmitted after it, one would mix two versions)."""
+        return bool(self.running) or any(request.generated for request in self.waiting)
+
     def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
         if self.offloaded:
             raise RuntimeError(f"{self.name}: generate while asleep")
@@ -339,8 +345,12 @@ class PagedEngine:
         return request
 
     def _admit(self) -> None:
-        while self.admitting and self.waiting and len(self.running) < self.max_batch:
+        """While draining for a weight load (``admitting`` False) only preempted requests that decoded
+        come back: they finish under the weights they started with. Preempted ones wait at the front."""
+        while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
+            if not self.admitting and not request.generated:
+                break
             needed = self.blocks.blocks_for(len(request.tokens))
             if not request.computed and self.host_kv is not None and request.episode in self.host_kv.saved:
                 restored = self.host_kv.restore(self.pool, self.blocks, request.episode, request.tokens, needed)

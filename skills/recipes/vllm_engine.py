@@ -6,7 +6,9 @@ logprobs of the unscaled distribution out).
 Weights: vLLM's engine core runs in a process of its own, so a new version is written as safetensors
 to a private directory and reloaded in place (``reload_weights(weights_path=...)``). Sleep is level 2
 (weights discarded, KV freed); wake goes weights, then the weight load, then ``kv_cache`` (verl's
-order: the new weights never sit beside a full KV cache).
+order: the new weights never sit beside a full KV cache). A load waits for the requests in flight to
+finish and holds new ones until it is done, so no request is decoded under two versions (vLLM
+preempts and recomputes on its own: a request it held back must not resume under newer weights).
 
 The async engine lives on an event loop of its own in a thread, so the same object serves the judge's
 synchronous checks (``generate``, ``load_weights``) and an async server (the ``*_async`` methods) from
@@ -67,6 +69,8 @@ class VLLMEngine:
         self.llm = self._run(create())
         self._ids = itertools.count()
         self._in_flight: set[str] = set()
+        self._loading = False  # a weight load waits for the requests in flight; new requests wait for it
+        self._changes = asyncio.Condition()  # told when a request ends or a load does
         self._asleep = False
         self._weights_dir = Path(tempfile.mkdtemp(prefix=f"{name}-weights-"))
 
@@ -91,24 +95,29 @@ class VLLMEngine:
             ignore_eos=True,
         )
         request_id = f"{self.name}-{next(self._ids)}"
-        self._in_flight.add(request_id)
+        async with self._changes:
+            await self._changes.wait_for(lambda: not self._loading)
+            version = self.weight_version  # every token of this request is decoded under it
+            self._in_flight.add(request_id)
         final = None
         try:
             async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sampling, request_id):
                 final = output
         finally:
-            self._in_flight.discard(request_id)
+            async with self._changes:
+                self._in_flight.discard(request_id)
+                self._changes.notify_all()
         sample = final.outputs[0] if final is not None else None
         if sample is None or sample.finish_reason == "abort":
             tokens = list(sample.token_ids) if sample is not None else []
             logprobs = (
                 [float(step[t].logprob) for step, t in zip(sample.logprobs, tokens)] if sample is not None else []
             )
-            return Completion(tokens, logprobs, "abort", self.weight_version, self.name)
+            return Completion(tokens, logprobs, "abort", version, self.name)
         tokens = list(sample.token_ids)
         logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
         finish = "stop" if tokens and tokens[-1] in params.stop_token_ids else "length"
-        return Completion(tokens, logprobs, finish, self.weight_version, self.name)
+        return Completion(tokens, logprobs, finish, version, self.name)
 
     def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
         if self._asleep:
@@ -141,10 +150,20 @@ class VLLMEngine:
         )
 
     async def _load(self, state: StateDict, version: int) -> None:
-        await asyncio.to_thread(self._write, state)
-        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
-        await self.llm.reset_prefix_cache()  # cached prefixes were computed under the old weights
-        self.weight_version = version
+        """Drain, then load: the requests in flight finish under the weights they started with."""
+        async with self._changes:
+            await self._changes.wait_for(lambda: not self._loading)  # one load at a time
+            self._loading = True
+            await self._changes.wait_for(lambda: not self._in_flight)
+        try:
+            await asyncio.to_thread(self._write, state)
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+            await self.llm.reset_prefix_cache()  # cached prefixes were computed under the old weights
+            self.weight_version = version
+        finally:
+            async with self._changes:
+                self._loading = False
+                self._changes.notify_all()
 
     def load_weights(self, state: StateDict, version: int) -> None:
         if self._asleep:

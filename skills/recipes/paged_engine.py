@@ -140,7 +140,7 @@ class PagedEngine:
         self._aborts: deque[int | None] = deque()  # None: abort everything
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.admitting = True  # False while draining for a weight load: running requests finish, none start
+        self.admitting = True  # False while a load drains: ``started`` requests finish (preempted first), none start
         # Each engine its own draws: engines seeded alike answered one prompt with one sample on every
         # device at once (the audit's independence test caught it). A request's own seed still rules.
         self._generator = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
@@ -302,9 +302,7 @@ class PagedEngine:
         return bool(self._incoming or self._aborts or self.waiting or self.running)
 
     @property
-    def started(self) -> bool:
-        """Requests decoding under the current weights: running, or preempted and waiting to recompute
-        their context (a weight load waits for both; readmitted after it, one would mix two versions)."""
+    def started(self) -> bool:  # requests running, or preempted after they decoded: a weight load waits for both
         return bool(self.running) or any(request.generated for request in self.waiting)
 
     def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
@@ -345,8 +343,6 @@ class PagedEngine:
         return request
 
     def _admit(self) -> None:
-        """While draining for a weight load (``admitting`` False) only preempted requests that decoded
-        come back: they finish under the weights they started with. Preempted ones wait at the front."""
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
             if not self.admitting and not request.generated:

@@ -124,8 +124,15 @@ def test_episode_neither_trained_nor_dropped(honest):
     _rejects(_audit(honest, events), "unaccounted: episode")
 
 
-@pytest.mark.parametrize("reason", ["end_of_run", "stale", "max_sequence"])
-def test_drop_reason_the_trace_does_not_confirm(honest, reason):
+@pytest.mark.parametrize(
+    "reason, said",
+    [
+        ("end_of_run", "dropped as end_of_run at"),
+        ("stale", "dropped as stale but every turn of its group is within"),
+        ("max_sequence", "unjustified drop"),  # which of its rules: the episode's; each has its own test
+    ],
+)
+def test_drop_reason_the_trace_does_not_confirm(honest, reason, said):
     events = _edited(honest)
     train = _first(events, "train")
     first_step = _first(events, "env_step")
@@ -139,7 +146,7 @@ def test_drop_reason_the_trace_does_not_confirm(honest, reason):
     events.insert(
         events.index(train), TraceEvent("sample_dropped", train.t - 0.001, {"episode": episode, "reason": reason})
     )
-    _rejects(_audit(honest, events), "unjustified drop")
+    _rejects(_audit(honest, events), said)
 
 
 def test_a_max_sequence_drop_of_an_episode_whose_context_still_fits(honest):
@@ -161,11 +168,21 @@ def test_a_max_sequence_drop_of_an_episode_whose_context_still_fits(honest):
     _rejects(_audit(honest, events), "which still fits")
 
 
-@pytest.mark.parametrize("missing, said", [(0, "no weights recorded for version 0"), (1, "after training step 1")])
+@pytest.mark.parametrize(
+    "missing, said",
+    [
+        (0, ["replay: no weights recorded for version 0", "training replay: no weights recorded for version 0"]),
+        (1, ["training replay: no weights recorded after training step 1"]),
+    ],
+)
 def test_a_version_the_harness_has_no_snapshot_of(honest, missing, said):
-    """The replays read every version from the harness's own snapshots: one missing is named, never skipped."""
+    """The replays read every version from the harness's own snapshots: one missing is named, never
+    skipped, by the turns' replay and the training replay each (version 0 starts both)."""
     _, _, weights, _ = honest
-    _rejects(_audit(honest, weights={v: w for v, w in weights.items() if v != missing}), said)
+    result = _audit(honest, weights={v: w for v, w in weights.items() if v != missing})
+    assert not result.passed
+    for line in said:
+        assert line in result.reasons, (line, result.reasons)
 
 
 def test_trained_tokens_differ_from_the_environment_record(honest):
@@ -333,7 +350,7 @@ def test_more_episodes_in_flight_than_the_staleness_bound_needs(honest):
 @pytest.mark.parametrize(
     "edit, said",
     [
-        ({"finish": "stop"}, "finish reason"),  # the tokens say it ran to its budget
+        ({"finish": "stop"}, "finish 'stop' but the last token"),  # the tokens say it ran to its budget
         ({"finish": "abort"}, "an aborted completion was handed back as a result"),
         ({"aborted": True}, "an interrupted segment went on past a stop token or its budget"),  # it decoded it all
     ],
@@ -900,3 +917,127 @@ def test_the_harness_relaunches_only_a_deferred_group_and_only_once(tiny_spec):
     assert [again[0].symbols(turn) for turn in range(5)] == [first[0].symbols(turn) for turn in range(5)]
     with pytest.raises(ValueError, match="already relaunched"):
         pool.new_group(relaunch="g0")
+
+
+# -- plants for the checks no run above exercises ----------------------------------------------------------
+
+
+def test_a_trajectory_filed_under_another_group_of_its_batch(honest):
+    """Planted: one trajectory labelled with another group of the batch (the counts per group still
+    hold, by the harness's own record of the groups): its advantage is that group's."""
+    events = _edited(honest)
+    trajectories = _train(events).data["trajectories"]
+    first = trajectories[0]
+    other = next(t["group"] for t in trajectories if t["group"] != first["group"])
+    first["group"] = other
+    _rejects(_audit(honest, events), f"files episode {first['episode']} under group {other}")
+
+
+def _selection_reasons(spec, trained: list[str], rewards: dict[str, float], turns: dict[str, int], dropped: str):
+    """Check ``check_selection`` alone on group g0 of four episodes, each run to its end with the given
+    turns and reward: ``trained`` train, the others are dropped for ``dropped``."""
+    from targets.harness.judge.selection import check_selection
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    events = [_simulated_start(1, {})]
+    events += [TraceEvent("episode_created", 0.0, {"episode": e, "group": "g0"}) for e in rewards]
+    for episode, reward in rewards.items():
+        for turn in range(turns[episode]):
+            last = turn == turns[episode] - 1
+            step = {"episode": episode, "action": 2, "observation": 2, "done": last, "reward": reward if last else 0.0}
+            events.append(TraceEvent("env_step", 1.0 + turn, step))
+    batch = [{"episode": e, "group": "g0", "reward": rewards[e]} for e in trained]
+    events.append(TraceEvent("train", 6.0, {"start": 5.5, "step": 1, "version": 1, "trajectories": batch}))
+    events += [
+        TraceEvent("sample_dropped", 5.0, {"episode": e, "reason": dropped}) for e in rewards if e not in trained
+    ]
+    events.append(TraceEvent("run_end", 7.0))
+    r = Reasons()
+    check_selection(TraceIndex.of(events), r, spec)
+    return r.lines()
+
+
+def test_trained_episodes_chosen_for_their_reward_or_length_are_rejected_as_selection(tiny_spec):
+    """Planted: each episode ran to its end, and the stack trained the rewarded half (or the shortest
+    half) and dropped the rest: whatever reasons the drops gave, the trained are better rewarded (or
+    shorter) than every episode launched, beyond the bound for a stack that declares nothing. The same
+    trace training a half that is neither passes, and so do drops at the run's end (nothing could
+    train those)."""
+    episodes = ["g0/e0", "g0/e1", "g0/e2", "g0/e3"]
+    rewards = dict(zip(episodes, [1.0, 1.0, 0.0, 0.0]))
+    same_turns = dict.fromkeys(episodes, 2)
+    lines = _selection_reasons(tiny_spec, episodes[:2], rewards, same_turns, "stale")
+    assert any(
+        "trained episodes are better rewarded than the 4 launched by 1.00 standard deviations" in x for x in lines
+    )
+    turns = dict(zip(episodes, [1, 1, 3, 3]))
+    even = dict.fromkeys(episodes, 1.0)
+    lines = _selection_reasons(tiny_spec, episodes[:2], even, turns, "stale")
+    assert any(
+        "trained episodes are shorter than the 4 launched by 1.00 standard deviations of turns" in x for x in lines
+    )
+    assert _selection_reasons(tiny_spec, ["g0/e0", "g0/e2"], rewards, turns, "stale") == []
+    assert _selection_reasons(tiny_spec, episodes[:2], rewards, same_turns, "end_of_run") == []
+
+
+def test_a_max_sequence_drop_of_an_episode_never_reset(tiny_spec):
+    """Planted: an episode whose environment never started cannot have outgrown the context."""
+    lines = _drop_reasons(tiny_spec, _group_trace("max_sequence", {"g0/e0": 0, "g0/e1": 0}))
+    assert any("episode g0/e0 dropped for max_sequence before it was reset" in line for line in lines), lines
+
+
+def test_relaunching_a_group_that_was_never_deferred(tiny_spec):
+    """Planted: a group dropped at the end of the run, its task launched again: a second draw of a task
+    the stack chose, not a postponement (the harness's pool refuses it; the audit is the backstop)."""
+    lines = _deferral_reasons(tiny_spec, _deferral_trace(tiny_spec.workload.group_size, deferred=0))
+    assert any("a group relaunched g0, which was never deferred" in line for line in lines), lines
+
+
+def test_relaunching_a_deferred_task_twice(tiny_spec):
+    """Planted: a deferred task relaunched twice: two draws of one task, one of them chosen."""
+    size = tiny_spec.workload.group_size
+    events = _deferral_trace(size, finished=1)
+    again = [f"g2/e{m}" for m in range(size)]
+    events[-1:-1] = [TraceEvent("episode_created", 3.6, {"episode": m, "group": "g2", "relaunch": "g0"}) for m in again]
+    events[-1:-1] = [TraceEvent("sample_dropped", 4.5, {"episode": m, "reason": "end_of_run"}) for m in again]
+    lines = _deferral_reasons(tiny_spec, events)
+    assert any("deferred group g0's task was relaunched 2 times" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("finish, tokens", [("length", 3), ("stop", 10_000)], ids=["length short", "over budget"])
+def test_a_simulated_turn_whose_finish_its_token_count_contradicts(tiny_spec, finish, tokens):
+    """Planted on a simulated run (token counts, no ids): 'length' short of the budget, or any finish
+    past it."""
+    from targets.harness.judge.audit import check_engine_honesty
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    w = tiny_spec.workload
+    turn = {
+        "episode": "g0/e0",
+        "turn": 0,
+        "start": 0.5,
+        "aborted": False,
+        "device": "cpu:0",
+        "prompt": 4,
+        "tokens": tokens,
+        "logprobs": tokens,
+        "version": 0,
+        "finish": finish,
+        "temperature": w.training.temperature,
+        "max_new_tokens": w.tokens.response,
+        "stop": [1],
+    }
+    events = [
+        _simulated_start(1, {}),
+        TraceEvent("episode_created", 0.0, {"episode": "g0/e0", "group": "g0"}),
+        TraceEvent("generate", 1.0, turn),
+        TraceEvent("run_end", 2.0),
+    ]
+    r = Reasons()
+    check_engine_honesty(TraceIndex.of(events), r, tiny_spec)
+    said = f"episode g0/e0 turn 0: finish {finish} with {tokens} of {w.tokens.response} tokens"
+    assert any(said in line for line in r.lines()), r.lines()
+    turn.update(finish="length", tokens=w.tokens.response, logprobs=w.tokens.response)  # the honest one
+    r = Reasons()
+    check_engine_honesty(TraceIndex.of(events), r, tiny_spec)
+    assert r.lines() == []

@@ -206,15 +206,26 @@ def test_environment_handles_expose_only_the_contract(tmp_path, fast_target, jud
     assert "has no attribute 'max_turns'" in _reasons(measurement), _reasons(measurement)
 
 
-def test_a_candidate_that_rewrites_its_own_files_during_the_run(tmp_path, fast_target, sandbox, judge_sandbox):
-    """Unsandboxed (subprocess, on the shared Ray cluster) the write lands and the before/after hash
-    catches it; in bubblewrap the candidate's directory is read-only and the write never lands."""
+def test_a_candidate_that_rewrites_its_own_files_during_the_run(
+    tmp_path, fast_target, sandbox, judge_sandbox, monkeypatch
+):
+    """Unsandboxed (subprocess, on the shared Ray cluster) the writes land, to its own files and to the
+    harness's, and the before/after hashes catch both; in bubblewrap the candidate's directory is
+    read-only, the harness not even visible, and no write lands. (The harness the hash reads is a copy
+    here, so the plant never edits the repository: ``HARNESS_ROOT`` points at it.)"""
+    from targets.harness.judge import integrity
+
+    harness = tmp_path / "harness"
+    harness.mkdir()
+    (harness / "audit.py").write_text("BOUND = 1\n")
+    monkeypatch.setattr(integrity, "HARNESS_ROOT", harness)
     plant = {
         "static_split.py": (
             "        rollout, train = self.placement(cluster.devices)\n",
             "        import pathlib\n        try:\n"
             "            target = pathlib.Path(__file__).with_name('params.json')\n"
             "            target.write_text(target.read_text() + ' ')  # planted\n"
+            f"            pathlib.Path('{harness / 'audit.py'}').write_text('BOUND = 99\\n')  # planted\n"
             "        except OSError as error:\n            print('REFUSED', error, flush=True)\n"
             "        rollout, train = self.placement(cluster.devices)\n",
         )
@@ -222,6 +233,8 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(tmp_path, fast_t
     stack = planted(tmp_path / "c", fast_target, "static_split", plant)
     measurement = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "candidate_unchanged" in _reasons(measurement), _reasons(measurement)
+    assert "harness files changed during the run: ['audit.py']" in _reasons(measurement), _reasons(measurement)
+    (harness / "audit.py").write_text("BOUND = 1\n")
     if sandbox.backend == "bubblewrap":
         again = planted(tmp_path / "d", fast_target, "static_split", plant)
         measurement = _session(fast_target, sandbox).measure(again, tmp_path / "out2", seed=1)

@@ -1020,6 +1020,31 @@ def test_a_request_preempted_while_a_load_drains_finishes_before_the_load(path, 
         assert completion.logprobs == pytest.approx(expected, abs=1e-4), (completion.weight_version, completion)
 
 
+def test_a_draining_engine_readmits_a_preempted_request_behind_one_that_never_started(path):
+    """Separating prefill, a request whose context was all cached but its last token decodes beside the
+    running ones while another still waits for its prefill step: preempted together, the one that never
+    started can stand first in ``waiting``. A drain that readmitted only the front waited for ever; the
+    request that decoded comes back wherever it stands, and the other waits for the load."""
+    engine = PagedEngine(path, block_size=4, kv_tokens=256, separate_prefill=True)
+    started = engine.submit([3, 4, 5, 6, 7], _greedy(8))
+    while not started.generated:
+        engine.step()
+    fresh = engine.submit([8, 9, 10], _greedy(8))
+    engine._drain_control()
+    engine.running.remove(started)  # preempted as _grow does: nothing computed, its blocks given back
+    engine.blocks.release(started.blocks)
+    started.blocks, started.computed = [], 0
+    engine.waiting.append(started)  # behind the request that never started
+    assert list(engine.waiting) == [fresh, started] and engine.started
+    engine.admitting = False
+    for _ in range(50):  # eight tokens to decode: far fewer steps (a drain stuck at the front never ends)
+        if not engine.started:
+            break
+        engine.step()
+    assert started.finish == "length" and len(started.generated) == 8, (started, list(engine.waiting))
+    assert fresh.finish is None and not fresh.generated and list(engine.waiting) == [fresh]
+
+
 def test_a_weight_load_that_meets_a_sleeping_engine_keeps_its_version_for_the_wake_to_update(path):
     """A serving device given back while a sync to it waited (serving_harvest): the engine falls asleep
     first, and a Ray cluster's load of it then skips, saying the version the engine still holds, so

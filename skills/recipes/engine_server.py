@@ -57,6 +57,7 @@ class EngineServer:
         self._wakeup = asyncio.Event()
         self._drained = asyncio.Event()
         self._stepper: asyncio.Task | None = None
+        self._draining = 0  # weight loads waiting for the engine to drain
         self._failed: BaseException | None = None  # why the stepping loop ended: every later call is told
 
     # -- generation ---------------------------------------------------------------------------------
@@ -152,19 +153,24 @@ class EngineServer:
                 if not (unless_asleep and self.weights_asleep):
                     await self.engine.load_weights_async(state, version)
             return self.engine.weight_version
+        self._draining += 1  # loads that overlap: admission reopens when the last one is done
         self.engine.admitting = False
-        if interrupt:
-            for request in [*self.engine.running, *(r for r in self.engine.waiting if r.generated)]:
-                self.engine.abort(request.id)
         try:
-            while self.engine.started:
-                await self._until_drained()
-            self._raise_if_failed()
-            async with self._lock:
-                if not (unless_asleep and self.weights_asleep):
-                    await asyncio.to_thread(self.engine.load_weights, state, version)
+            while True:
+                async with self._lock:  # no step runs: ``running`` and ``waiting`` hold still while read
+                    self._raise_if_failed()
+                    if interrupt:  # queued now, retired by the next step under the weights they decoded with
+                        for request in [*self.engine.running, *(r for r in self.engine.waiting if r.decoded)]:
+                            self.engine.abort(request.id)
+                        interrupt = False
+                    if not self.engine.started:
+                        if not (unless_asleep and self.weights_asleep):
+                            await asyncio.to_thread(self.engine.load_weights, state, version)
+                        break
+                await self._until_drained()  # no await since the lock: no step's end is missed
         finally:
-            self.engine.admitting = True
+            self._draining -= 1
+            self.engine.admitting = not self._draining
             self._wakeup.set()
         return self.engine.weight_version
 

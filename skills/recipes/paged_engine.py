@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -39,29 +37,9 @@ from .kernel_choice import GRAPHED_ATTENTION, choose_attention, choose_fused
 from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
 from .qwen3_model import Qwen3, head_dim_of, load_checkpoint
+from .request import Request
 
 TAGS = ("weights", "kv_cache")
-
-
-@dataclass(eq=False)  # a request is itself: compared by identity
-class Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    episode: str | None
-    tokens: list[int] = field(default_factory=list)  # prompt + generated
-    logprobs: list[float] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0  # leading tokens whose keys and values are in the cache
-    finish: str | None = None
-    generator: torch.Generator | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    ngrams: dict[tuple[int, ...], int] = field(default_factory=dict)  # speculative drafts: n-gram -> its latest start
-    indexed: int = 0  # start positions in ``ngrams`` so far
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt) :]
 
 
 class PagedEngine:
@@ -259,6 +237,9 @@ class PagedEngine:
             raise RuntimeError(f"{self.name}: load_weights while the weights sleep; wake them first")
         if self.started:
             raise RuntimeError(f"{self.name}: load_weights with requests started under the old weights; drain first")
+        unknown = sorted(set(state) - set(self.weights))  # refused before a tensor is copied: never half a load
+        if unknown:
+            raise KeyError(f"{self.name}: no parameter {unknown[0]!r} in this model")
         if self.blocks is not None:
             self.blocks.drop_prefixes()
         if self.host_kv is not None:
@@ -268,8 +249,6 @@ class PagedEngine:
             if missing:
                 raise KeyError(f"{self.name}: its weights were discarded; the load lacks {missing[:5]}")
         for name, tensor in state.items():
-            if name not in self.weights:
-                raise KeyError(f"{self.name}: no parameter {name!r} in this model")
             self.weights[name].copy_(tensor.to(self.device, self.dtype), non_blocking=True)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
@@ -303,7 +282,7 @@ class PagedEngine:
 
     @property
     def started(self) -> bool:  # requests running, or preempted after they decoded: a weight load waits for both
-        return bool(self.running) or any(request.generated for request in self.waiting)
+        return bool(self.running) or any(request.decoded for request in self.waiting)
 
     def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
         if self.offloaded:
@@ -344,8 +323,8 @@ class PagedEngine:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting[0]
-            if not self.admitting and not request.generated:
+            request = self.waiting[0] if self.admitting else next((r for r in self.waiting if r.decoded), None)
+            if request is None:  # draining: a preempted request that decoded may sit behind one that did not
                 break
             needed = self.blocks.blocks_for(len(request.tokens))
             if not request.computed and self.host_kv is not None and request.episode in self.host_kv.saved:
@@ -353,7 +332,8 @@ class PagedEngine:
                 if restored is None:  # evicted, saved on the host, and no room for the request yet
                     break
                 request.blocks, request.computed = restored
-                self.running.append(self.waiting.popleft())
+                self.waiting.remove(request)
+                self.running.append(request)
                 continue
             reused, cached = (
                 self.blocks.take_prefix(request.episode, request.tokens) if not request.computed else ([], 0)
@@ -363,7 +343,8 @@ class PagedEngine:
                 self.blocks.release(reused)
                 break
             request.blocks, request.computed = reused + fresh, cached
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(request)
+            self.running.append(request)
 
     def _grow(self) -> None:
         """Every running request needs a block for the token it computes next; when none is left,

@@ -7,8 +7,9 @@ Weights: vLLM's engine core runs in a process of its own, so a new version is wr
 to a private directory and reloaded in place (``reload_weights(weights_path=...)``). Sleep is level 2
 (weights discarded, KV freed); wake goes weights, then the weight load, then ``kv_cache`` (verl's
 order: the new weights never sit beside a full KV cache). A load waits for the requests in flight to
-finish and holds new ones until it is done, so no request is decoded under two versions (vLLM
-preempts and recomputes on its own: a request it held back must not resume under newer weights).
+finish, a sleep aborts them, and either holds new ones until it is done, so no request is decoded
+under two versions (vLLM preempts and recomputes on its own: a request it held back must not resume
+under newer weights).
 
 The async engine lives on an event loop of its own in a thread, so the same object serves the judge's
 synchronous checks (``generate``, ``load_weights``) and an async server (the ``*_async`` methods) from
@@ -69,8 +70,8 @@ class VLLMEngine:
         self.llm = self._run(create())
         self._ids = itertools.count()
         self._in_flight: set[str] = set()
-        self._loading = False  # a weight load waits for the requests in flight; new requests wait for it
-        self._changes = asyncio.Condition()  # told when a request ends or a load does
+        self._changing = False  # a weight load or a sleep waits for the requests in flight; new ones wait for it
+        self._changes = asyncio.Condition()  # told when a request ends, or a load or sleep does
         self._asleep = False
         self._weights_dir = Path(tempfile.mkdtemp(prefix=f"{name}-weights-"))
 
@@ -96,7 +97,9 @@ class VLLMEngine:
         )
         request_id = f"{self.name}-{next(self._ids)}"
         async with self._changes:
-            await self._changes.wait_for(lambda: not self._loading)
+            await self._changes.wait_for(lambda: not self._changing)
+            if self._asleep:  # put to sleep while this request waited
+                return Completion([], [], "abort", self.weight_version, self.name)
             version = self.weight_version  # every token of this request is decoded under it
             self._in_flight.add(request_id)
         final = None
@@ -104,8 +107,8 @@ class VLLMEngine:
             async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sampling, request_id):
                 final = output
         finally:
+            self._in_flight.discard(request_id)  # before the lock: a cancel while waiting for it keeps no id
             async with self._changes:
-                self._in_flight.discard(request_id)
                 self._changes.notify_all()
         sample = final.outputs[0] if final is not None else None
         if sample is None or sample.finish_reason == "abort":
@@ -149,21 +152,33 @@ class VLLMEngine:
             self._weights_dir / "model.safetensors",
         )
 
+    async def _alone(self, change, abort: bool = False) -> None:
+        """``change()`` with no request in flight: those in flight finish first (with ``abort``, are
+        aborted first), and new ones wait until it is done. One change at a time."""
+        async with self._changes:
+            await self._changes.wait_for(lambda: not self._changing)
+            self._changing = True
+        try:
+            if abort and self._in_flight:
+                await self.llm.abort(list(self._in_flight))
+            async with self._changes:
+                await self._changes.wait_for(lambda: not self._in_flight)
+            await change()
+        finally:
+            async with self._changes:
+                self._changing = False
+                self._changes.notify_all()
+
     async def _load(self, state: StateDict, version: int) -> None:
         """Drain, then load: the requests in flight finish under the weights they started with."""
-        async with self._changes:
-            await self._changes.wait_for(lambda: not self._loading)  # one load at a time
-            self._loading = True
-            await self._changes.wait_for(lambda: not self._in_flight)
-        try:
+
+        async def load() -> None:
             await asyncio.to_thread(self._write, state)
             await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
             await self.llm.reset_prefix_cache()  # cached prefixes were computed under the old weights
             self.weight_version = version
-        finally:
-            async with self._changes:
-                self._loading = False
-                self._changes.notify_all()
+
+        await self._alone(load)
 
     def load_weights(self, state: StateDict, version: int) -> None:
         if self._asleep:
@@ -177,10 +192,14 @@ class VLLMEngine:
         """Level 2 when the weights sleep: they are discarded, and ``weight_version`` becomes -1 until
         the next load (a wake alone does not bring them back)."""
         level = 2 if "weights" in tags else 1
-        await self._bridge(self.llm.sleep(level=level))
-        self._asleep = True
-        if level == 2:
-            self.weight_version = -1
+
+        async def sleep() -> None:  # with nothing in flight: vLLM's sleep expects none
+            await self.llm.sleep(level=level)
+            self._asleep = True
+            if level == 2:
+                self.weight_version = -1
+
+        await self._bridge(self._alone(sleep, abort=True))
 
     async def wake_async(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         await self._bridge(self.llm.wake_up(tags=list(tags)))

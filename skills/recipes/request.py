@@ -1,0 +1,37 @@
+"""One request of the paged engine (``paged_engine.py``): its tokens so far, the KV blocks that hold
+them, how far they are computed, and how it finished. The engine moves it between ``waiting`` and
+``running``; a preempted one goes back to waiting with nothing computed and recomputes its context."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from targets.api import SamplingParams
+
+
+@dataclass(eq=False)  # a request is itself: compared by identity
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    episode: str | None
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    logprobs: list[float] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens whose keys and values are in the cache
+    finish: str | None = None
+    generator: torch.Generator | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    ngrams: dict[tuple[int, ...], int] = field(default_factory=dict)  # speculative drafts: n-gram -> its latest start
+    indexed: int = 0  # start positions in ``ngrams`` so far
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    @property
+    def decoded(self) -> bool:  # some tokens generated (under the weights it started with)
+        return len(self.tokens) > len(self.prompt)

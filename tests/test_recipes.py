@@ -966,11 +966,12 @@ def test_a_turn_cut_by_a_discarding_sleep_keeps_the_version_its_tokens_were_comp
 
 
 def _logprobs_under(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    """Each token's log-probability after the prompt and the tokens before it, one forward of the model."""
+    """Each token's log-probability after the prompt and the tokens before it (the reference's own)."""
+    from targets.harness.reference.grpo import token_logprobs
+
+    sequence = torch.tensor([prompt + tokens])
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)
-    return rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+        return token_logprobs(model, sequence, torch.ones_like(sequence))[0, len(prompt) :].tolist()
 
 
 def test_a_request_preempted_while_a_load_drains_finishes_before_the_load(path, tiny_model):

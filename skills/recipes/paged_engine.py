@@ -237,17 +237,17 @@ class PagedEngine:
             raise RuntimeError(f"{self.name}: load_weights while the weights sleep; wake them first")
         if self.started:
             raise RuntimeError(f"{self.name}: load_weights with requests started under the old weights; drain first")
-        unknown = sorted(set(state) - set(self.weights))  # refused before a tensor is copied: never half a load
+        unknown = sorted(set(state) - set(self.weights))  # refused before anything changes: never half a load
         if unknown:
             raise KeyError(f"{self.name}: no parameter {unknown[0]!r} in this model")
-        if self.blocks is not None:
-            self.blocks.drop_prefixes()
-        if self.host_kv is not None:
-            self.host_kv.clear()
         if self.weight_version < 0:  # discarded at sleep: a load must cover every tensor (a tied one by either name)
             missing = sorted(names[0] for names, _ in self._distinct_weights() if not set(names) & set(state))
             if missing:
                 raise KeyError(f"{self.name}: its weights were discarded; the load lacks {missing[:5]}")
+        if self.blocks is not None:
+            self.blocks.drop_prefixes()
+        if self.host_kv is not None:
+            self.host_kv.clear()
         for name, tensor in state.items():
             self.weights[name].copy_(tensor.to(self.device, self.dtype), non_blocking=True)
         if self.device.startswith("cuda"):

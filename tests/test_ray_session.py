@@ -32,7 +32,8 @@ DRIVER = textwrap.dedent(
             return {"torch_at_start": self.torch_at_start, "parent": parent, "sum": sum(range(10))}
 
     ray.init(configure_logging=False)
-    print(json.dumps(ray.get(Probe.remote().report.remote())))
+    probe = Probe.remote()  # held: an actor whose last handle goes is cancelled before it starts
+    print(json.dumps(ray.get(probe.report.remote())))
     """
 )
 

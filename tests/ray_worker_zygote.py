@@ -7,8 +7,7 @@ planted-cheat runs 93 s -> 72 s of wall time, 146 -> 112 CPU-seconds).
 Only the tests' shared cluster starts its workers this way; a candidate's own Ray cluster (bubblewrap,
 or no ``RAY_ADDRESS``) starts them as Ray does. A fork runs what ``python default_worker.py <args>``
 would: Ray's own worker script, with the launcher's arguments, environment, working directory and
-standard descriptors. Ray itself is not imported here: it reads its settings from the environment at
-import, and a worker's environment is the raylet's, not this process's.
+standard descriptors; torch is imported here once, Ray in each worker.
 
 Protocol: one ``SOCK_SEQPACKET`` connection per worker; the launcher sends ``{"argv", "env", "cwd"}`` with
 its descriptors 0, 1, 2, and gets ``{"pid"}`` (or ``{"error"}``), later ``{"exit": code}``. A launcher that
@@ -68,8 +67,12 @@ def write_launcher(path: str, zygote_socket: str) -> str:
 
 
 def _warm() -> None:
-    """What a device actor of the tests' stacks imports, once: torch, its FSDP2, safetensors."""
+    """What a device actor of the tests' stacks imports, once: torch, its FSDP2, safetensors. Not Ray:
+    a worker forked from a process that imported ``ray._raylet`` crashes in its native start-up (tried)."""
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # never initialise CUDA in a process that forks
+    # A fresh worker imports torch after Ray set its OMP_NUM_THREADS from the actor's CPUs (1 for every
+    # actor of the tests' stacks), and torch's thread pool keeps what it read then: so 1 here too.
+    os.environ["OMP_NUM_THREADS"] = "1"
     import safetensors.torch  # noqa: F401
     import torch._dynamo  # noqa: F401 - imported by a module's first random init
     import torch.distributed.fsdp  # noqa: F401

@@ -29,7 +29,10 @@ DRIVER = textwrap.dedent(
         def report(self):
             with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
                 parent = f.read().replace(b"\\0", b" ").decode()
-            return {"torch_at_start": self.torch_at_start, "parent": parent, "sum": sum(range(10))}
+            import torch
+
+            threads = torch.get_num_threads()  # a fresh worker's: the OMP_NUM_THREADS Ray gives it
+            return {"torch_at_start": self.torch_at_start, "parent": parent, "threads": threads, "sum": sum(range(10))}
 
     ray.init(configure_logging=False)
     probe = Probe.remote()  # held: an actor whose last handle goes is cancelled before it starts
@@ -42,7 +45,7 @@ def test_an_actor_of_the_shared_cluster_runs_in_a_warm_fork(shared_ray):
     done = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["sum"] == 45
+    assert report["sum"] == 45 and report["threads"] == 1
     assert report["torch_at_start"] and "ray_worker_zygote.py" in report["parent"], report
 
 

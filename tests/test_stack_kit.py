@@ -54,8 +54,13 @@ def _planted(
 
 
 @pytest.mark.parametrize("controller", ["colocate", "static_split", "time_multiplex"])
-def test_starter_stacks_pass_check(tmp_path, fast_target, controller):
-    code, output = _check(fast_target, _planted(tmp_path, fast_target, controller, {}))
+def test_starter_stacks_pass_check(tmp_path, fast_target, controller, request):
+    """Colocate as a user's ``vibetrain check`` runs it (the default sandbox, bubblewrap where it works,
+    with a Ray cluster of its own); the other two on the test session's shared cluster."""
+    sandbox = "auto" if controller == "colocate" else "subprocess"
+    if sandbox == "subprocess":
+        request.getfixturevalue("shared_ray")
+    code, output = _check(fast_target, _planted(tmp_path, fast_target, controller, {}), sandbox)
     assert code == 0, output
     assert "PASS" in output and "-fast: real execution, " in output
 

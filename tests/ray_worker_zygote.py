@@ -27,6 +27,8 @@ import sys
 import threading
 import traceback
 
+from targets.harness.isolation.zygote import child_exit_wakeup
+
 _PR_SET_PDEATHSIG = 1
 
 LAUNCHER = '''#!{python} -S
@@ -131,10 +133,7 @@ def serve(temp_dir: str, launcher: str) -> None:
     print("ready", flush=True)
     connections: dict[int, socket.socket] = {}
     worker_of: dict[int, int] = {}  # connection descriptor -> its worker's pid
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    wake_read = child_exit_wakeup()
     try:
         while True:
             readable, _, _ = select.select([listener, wake_read, *connections.values()], [], [])

@@ -5,6 +5,7 @@ a second actor for the same device waits."""
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 
 import pytest
@@ -16,6 +17,7 @@ from targets.api import Device, Runtime, TrainingConfig, Workload
 
 @pytest.fixture(scope="module")
 def fake_gpus():
+    environment = dict(os.environ)  # ray.init leaves RAY_AUTH_MODE=token behind, which later drivers would inherit
     ray.init(
         num_cpus=2,
         num_gpus=2,
@@ -25,6 +27,8 @@ def fake_gpus():
     )
     yield
     ray.shutdown()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 @ray.remote

@@ -188,6 +188,15 @@ class _Server:
         return True
 
 
+def child_exit_wakeup() -> int:
+    """A descriptor a ``select`` loop can wait on: readable whenever a child exits (SIGCHLD)."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return wake_read
+
+
 def _end_with_parent_while(parent: int, warming: threading.Event) -> None:
     """Until ``warming`` is cleared, poll the zygote's parent: the imports take seconds (more on a busy
     machine) before the zygote first reads its connection, and an orchestrator killed meanwhile must not
@@ -210,10 +219,7 @@ def main(fd: int, kind: str) -> None:
     warming.clear()
     watcher.join()  # no Python thread but the zygote's own when it forks
     server = _Server(kind, first, base_path)
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    wake_read = child_exit_wakeup()
     try:
         while True:
             readable, _, _ = select.select([*server.connections.values(), wake_read], [], [])

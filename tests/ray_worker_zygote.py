@@ -2,7 +2,7 @@
 Python worker through a launcher (``write_launcher``) that asks this process to fork one instead of a
 fresh interpreter importing torch again. Each real run of the suite starts two device actors in fresh
 workers of its own job, and those imports were a fifth of the suite's CPU (measured: the stack kit's
-planted-cheat runs 93 s -> 72 s of wall time, 146 -> 112 CPU-seconds).
+eight planted-cheat checks 91-95 s -> 60 s of wall time, 146-158 -> 89 busy core-seconds).
 
 Only the tests' shared cluster starts its workers this way; a candidate's own Ray cluster (bubblewrap,
 or no ``RAY_ADDRESS``) starts them as Ray does. A fork runs what ``python default_worker.py <args>``

@@ -331,7 +331,7 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
 @pytest.mark.slow
 def test_generate_on_the_simulated_production_target_beats_the_static_split_where_it_never_looked(tmp_path):
     raw = yaml.safe_load(Path("targets/catalog/qwen3-235b-a22b-h800x160.yaml").read_text())
-    raw["workload"].update(batch_size=64, train_steps=2)
+    raw["workload"].update(batch_size=32, train_steps=2)
     target = tmp_path / "big.yaml"
     target.write_text(yaml.safe_dump(raw))
     run = tmp_path / "run"

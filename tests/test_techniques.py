@@ -75,13 +75,29 @@ SLOW_TOOLS = {
 }
 
 
+def quicker_tools(workload: dict, factor: float) -> dict:
+    """``workload`` with its tool latency's median and cap ``factor`` times theirs: a real run waits for
+    its tools in wall time (a simulated one in virtual time, for nothing), so a real run whose tools'
+    tail already outlasts a step gets the same phenomenon sooner."""
+    latency = workload["env_latency_s"]
+    return {
+        **workload,
+        "env_latency_s": {**latency, "median": latency["median"] * factor},
+        "env_latency_max_s": workload["env_latency_max_s"] * factor,
+    }
+
+
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
 def test_abort_stale_hands_groups_back_while_they_still_run(tmp_path, fast_target, simulate):
     """A group whose oldest turn falls more than async_ratio behind the policy goes back as soon as
     training returns that policy, mid-episode, not after its slowest member's last tool call. Five steps:
     whether some group is still running when it turns stale is chance (one seed in six misses it with
-    three steps on the simulator; none of ten with five)."""
-    _, events = audited_run(tmp_path, fast_target, {"abort_stale": 1}, simulate, {**SLOW_TOOLS, "train_steps": 5})
+    three steps on the simulator; none of ten with five). The real run's tools at half the latency
+    (seeds 0-2: 4-7 groups still running when dropped, against 3-6 at full latency; the run 20-22 s ->
+    10-13 s)."""
+    workload = {**SLOW_TOOLS, "train_steps": 5}
+    workload = workload if simulate else quicker_tools(workload, 0.5)
+    _, events = audited_run(tmp_path, fast_target, {"abort_stale": 1}, simulate, workload)
     running, stale = _stale_drops_in_flight(events)
     assert running >= 1, (running, stale)
 
@@ -417,8 +433,11 @@ TAIL_TOOLS = {  # tool calls slow and long-tailed enough that some groups outliv
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
 def test_tail_batching_defers_groups_that_outlive_a_step_and_runs_their_tasks_again(tmp_path, fast_target, simulate):
     """Groups still unfinished a whole step after launch go back whole as ``deferred``; each deferred
-    task runs again in a relaunched group (tail_round 1: at once), which is never deferred itself."""
-    spec, events = audited_run(tmp_path, fast_target, {"tail_round": 1}, simulate, TAIL_TOOLS)
+    task runs again in a relaunched group (tail_round 1: at once), which is never deferred itself. The
+    real run's tools at half the latency (seeds 0-2: 1, 2 and 2 groups deferred, as at full latency;
+    the run 19-25 s -> 10-14 s)."""
+    workload = TAIL_TOOLS if simulate else quicker_tools(TAIL_TOOLS, 0.5)
+    spec, events = audited_run(tmp_path, fast_target, {"tail_round": 1}, simulate, workload)
     group_of = {e.data["episode"]: e.data["group"] for e in events if e.kind == "episode_created"}
     dropped = {e.data["episode"]: e.data["reason"] for e in events if e.kind == "sample_dropped"}
     deferred = {group_of[episode] for episode, reason in dropped.items() if reason == "deferred"}
@@ -610,9 +629,7 @@ STREAM = {"shrink_at": 0.5, "stream_train": 1}
 # the tail, so at half the batch ready the remaining demand frees the training device. Tail batching's
 # long-tailed tools at half the latency: the tail still outlasts half the batch (the real run 48 s -> 28 s).
 STREAM_TOOLS = {
-    **TAIL_TOOLS,
-    "env_latency_s": {"kind": "lognormal", "median": 0.25, "sigma": 1.5},
-    "env_latency_max_s": 4.0,
+    **quicker_tools(TAIL_TOOLS, 0.5),
     "train_steps": 3,
     "async_ratio": 0,
 }

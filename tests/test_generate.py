@@ -64,14 +64,16 @@ def _start(target: Path, tmp_path: Path, **options):
 
 
 @pytest.mark.slow
-def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fast_target):
+def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fast_target, shared_ray):
     """One measured pair per round on a real target says nothing of noise: round 1 is validated and
-    committed, paired against the starter, and not promoted, with the interval that says why."""
+    committed, paired against the starter, and not promoted, with the interval that says why. (In the
+    subprocess sandbox, on the test session's shared Ray cluster: the default sandbox's real runs are
+    tests/test_stack_kit.py's colocate starter and tests/test_isolation.py's; a simulated generate in it, below.)"""
     run = tmp_path / "run"
     output = _generate(
         str(fast_target),
         *("--rounds", "1", "--repeat", "1", "--prescreen-margin", "1"),  # the twin predicts; nothing screened out
-        *("--out", str(run), "--workspaces", str(tmp_path / "ws")),
+        *("--out", str(run), "--workspaces", str(tmp_path / "ws"), "--sandbox", "subprocess"),
     )
     state = RunState.load(run)
     assert [r.round for r in state.rounds] == [0, 1]
@@ -133,8 +135,7 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
     """The twin (here the target's own uncalibrated simulation: static_split 8.8 goodput, colocate 4.8)
     stops a switch to colocate before the real judge; it is kept as prescreened, never validated. A
     switch to time_multiplex, which shrinks where no real run has shrunk, is judged for real (in the
-    subprocess sandbox, on the test session's shared Ray cluster: the main job's test above runs the default
-    sandbox)."""
+    subprocess sandbox, on the test session's shared Ray cluster)."""
     from agents.roles import Task
     from skills.starter import starter_params
     from targets.spec import load_target

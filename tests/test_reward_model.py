@@ -17,7 +17,7 @@ import yaml
 
 from targets.api import Device, EngineSettings, TokenCount, TraceEvent, TrainBatch, Trajectory
 from targets.harness.judge.audit import audit_run
-from targets.harness.reward_model.service import JudgeProcessError, RewardModelService
+from targets.harness.reward_model.service import JudgeProcessError, RewardModelService, fresh_process
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.response_length import ResponseLengths
@@ -470,11 +470,14 @@ def test_a_stack_that_scores_its_own_episodes_is_rejected_for_the_reward_it_trai
 
 # -- the real service's failures, with stand-in judge processes (no model to load) ------------------------
 
+PIPES = (  # a judge process's two pipes, the last arguments of its command line
+    "import json, os, sys\nrequests, verdicts = open(int(sys.argv[-2])), open(int(sys.argv[-1]), 'w', buffering=1)\n"
+)
 JUDGE_ANSWERS = (
-    "import json, sys\nprint('ready', flush=True)\nfor line in sys.stdin: print(json.dumps({'score': 0.5}), flush=True)"
+    PIPES + "verdicts.write('ready\\n')\nfor line in requests: verdicts.write(json.dumps({'score': 0.5}) + '\\n')"
 )
 JUDGE_DIES = "import sys\nsys.stderr.write('no weights at that path')\nsys.exit(3)"
-JUDGE_BABBLES = "import sys\nprint('ready', flush=True)\nfor line in sys.stdin: print('I think so', flush=True)"
+JUDGE_BABBLES = PIPES + "verdicts.write('ready\\n')\nfor line in requests: verdicts.write('I think so\\n')"
 
 
 class _StandInJudges(RewardModelService):
@@ -495,8 +498,8 @@ class _StandInJudges(RewardModelService):
         )
         self.code = code
 
-    def command(self) -> list[str]:
-        return [sys.executable, "-c", self.code]
+    async def launch(self, requests: int, verdicts: int, log: int, env: dict[str, str]):
+        return await fresh_process([sys.executable, "-c", self.code], requests, verdicts, log, env)
 
 
 def _ended(name: str, at: float) -> types.SimpleNamespace:
@@ -560,6 +563,52 @@ def test_a_real_serverless_judge_lets_an_idle_instance_go_and_starts_another_whe
     assert summary["instances"] == 2 and summary["scored"] == 2  # the first was let go, the second started cold
     assert all(p.returncode is not None for p in processes)  # each process ended with its release or the close
     assert 0 < summary["busy_s"] < summary["device_s"] < 2 * 2.5
+
+
+def test_a_launched_runs_judge_is_a_warm_fork_of_the_harness_zygote_and_scores_as_a_fresh_one():
+    """A harness child the launcher started forks its judges from the harness zygote (torch and
+    transformers imported there once; a fresh judge process imports them, ~5 CPU-seconds), tells its
+    watchdog of each (the run's limits hold them), and a fork's verdict is a fresh process's."""
+    from targets.harness.isolation.zygote_client import ZygoteClient, zygote
+    from targets.harness.model import model_dir
+    from targets.harness.reward_model import service as judges
+
+    spec = parse_target(_real_judged(2))
+    judge = spec.workload.reward_model
+
+    def colocated() -> RewardModelService:
+        trace = Trace(_Clock(), record_tokens=False)
+        return RewardModelService(
+            judge,
+            EngineSettings(reward="colocated"),
+            ["cpu:0", "cpu:1"],
+            model_dir(judge.model),
+            model_dir(spec.model),
+            judge_costs_of(spec),
+            trace,
+            {}.get,
+            pytest.fail,
+        )
+
+    async def score_once(service: RewardModelService):
+        await service.start(["cpu:0"])
+        (instance,) = service.instances
+        try:
+            return instance.process, await instance.score([5, 6, 7, 8])
+        finally:
+            await service.close()
+
+    harness, reported = zygote(), []
+    judges.use_judge_forks(ZygoteClient(harness.connect(), "harness"), reported.append)
+    try:
+        forked, forked_score = asyncio.run(score_once(colocated()))
+    finally:
+        judges._forks = None
+    assert isinstance(forked, judges.ForkedJudge) and reported == [forked.child.pid]
+    assert forked.returncode == 0  # it ended with the service's close
+    fresh, fresh_score = asyncio.run(score_once(colocated()))
+    assert isinstance(fresh, asyncio.subprocess.Process) and fresh.returncode == 0
+    assert 0 < forked_score < 1 and forked_score == fresh_score
 
 
 def test_a_judge_process_imports_the_harness_whatever_folder_the_run_started_in(tmp_path, monkeypatch):

@@ -2,13 +2,16 @@
 in a session of its own, with the run's working directory, log and marks pipe; its exit code comes
 back through the zygote; a zygote that went away is started again, and its children (watching their
 parent) go down with it. The subprocess sandbox's candidate processes: forks of a zygote that holds
-nothing secret, killed with the connection that asked for them."""
+nothing secret, killed with the connection that asked for them. A zygote forks only its kind's modules
+(the harness zygote: harness children and their judges)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+
+import pytest
 
 from targets.harness.isolation.zygote_client import MARKS_FD, Zygote, zygote
 
@@ -253,3 +256,13 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
     except FileNotFoundError:
         return False
+
+
+def test_a_zygote_forks_only_the_modules_its_kind_runs(tmp_path):
+    """A harness child may ask the harness zygote for its run's judges (``judge_process``) besides
+    harness children; a request for any other module is refused by name, and nothing is forked."""
+    from targets.harness.isolation.zygote_client import ZygoteError
+
+    with (tmp_path / "log").open("w") as log:
+        with pytest.raises(ZygoteError, match="a harness zygote runs none of 'os'"):
+            zygote().spawn([], dict(os.environ), log.fileno(), main="os")

@@ -11,8 +11,9 @@ candidate processes and reaches them over channels. Phases, in order (``--mode``
 ``check`` runs all three; ``measure`` runs system and audit (every measured run is audited exactly
 like the check's). Each phase writes ``<phase>.json`` (``ok`` or the error); the first error ends
 the child with a non-zero exit. ``--marks-fd`` is a pipe to the parent, which times the system
-run's start and end with its own clock (and hears there of each candidate process forked over
-``--forks-fd``, a connection to the candidate zygote, so its limits hold them too). The workload's
+run's start and end with its own clock (and hears there of each process forked for the run, so its
+limits hold them too: the judges forked over ``--judges-fd``, a connection to the harness zygote, and
+the candidate processes over ``--forks-fd``, a connection to the candidate zygote). The workload's
 secret key comes in the environment (``TASK_KEY``, hex; taken out of it at once, so no process
 started from here inherits it).
 """
@@ -40,13 +41,14 @@ from targets.harness.clock import WallClock
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.reward_model.service import JudgeProcessError
+from targets.harness.isolation.zygote_client import ZygoteClient
+from targets.harness.reward_model.service import JudgeProcessError, use_judge_forks
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 
 PHASES = {"accuracy": ("accuracy",), "check": ("accuracy", "system", "audit"), "measure": ("system", "audit")}
 TASK_KEY = "VIBETRAIN_TASK_KEY"
-CANDIDATE = "candidate"  # a marks line ``candidate PID``: a process forked for this run, for the watchdog
+FORKED = "forked"  # a marks line ``forked PID``: a process forked for this run, for the watchdog
 
 
 @contextlib.contextmanager
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--execution", choices=["real", "simulated"], required=True)
     parser.add_argument("--marks-fd", type=int, default=None)
     parser.add_argument("--forks-fd", type=int, default=None, help="a connection to the candidate zygote")
+    parser.add_argument("--judges-fd", type=int, default=None, help="a connection to the harness zygote")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     marks = os.fdopen(args.marks_fd, "w", buffering=1) if args.marks_fd is not None else None
@@ -232,15 +235,17 @@ def main(argv: list[str] | None = None) -> int:
             with writing:
                 marks.write(f"{name}\n")
 
-    if args.forks_fd is not None:  # its candidate processes are not its children: the watchdog hears of each
-        from targets.harness.isolation.processes import use_forks
-        from targets.harness.isolation.zygote_client import ZygoteClient
+    def forked(pid: int) -> None:  # a process forked for the run is not its child: the watchdog hears of each
+        mark(f"{FORKED} {pid}")
 
-        def forked(pid: int) -> None:
-            mark(f"{CANDIDATE} {pid}")
+    if args.forks_fd is not None:
+        from targets.harness.isolation.processes import use_forks
 
         os.set_inheritable(args.forks_fd, False)  # no process it starts may keep its candidates' connection open
         use_forks(ZygoteClient(socket.socket(fileno=args.forks_fd), "candidate"), forked)
+    if args.judges_fd is not None:
+        os.set_inheritable(args.judges_fd, False)
+        use_judge_forks(ZygoteClient(socket.socket(fileno=args.judges_fd), "harness"), forked)
 
     seed = RunSeed(args.seed, bytes.fromhex(os.environ.pop(TASK_KEY, "")))
     target = Target.load(args.target, simulate=args.execution == "simulated")

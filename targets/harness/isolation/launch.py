@@ -1,9 +1,10 @@
 """Launching the harness child with limits: a fork of the zygote (``zygote.py``: the imports every
 child needs, made once per orchestrator), in its own process group (killed whole on any limit), its
 output captured to a log, and a watchdog over the whole process tree (the harness and the candidate
-processes it starts, and in the subprocess sandbox those the candidate zygote forked for it): wall
-time, resident memory summed over the tree, and the number of processes (a fork bomb). A crash, a
-hang, a memory blow-up or a fork storm becomes a clear cause, never a hung or starved judge.
+processes it starts, the judge processes the harness zygote forked for it, and in the subprocess
+sandbox the candidate processes the candidate zygote forked for it): wall time, resident memory
+summed over the tree, and the number of processes (a fork bomb). A crash, a hang, a memory blow-up
+or a fork storm becomes a clear cause, never a hung or starved judge.
 
 The parent also keeps its own time: the child tells it (over a pipe) the moment the system run
 starts and ends, and the parent stamps both with its own clock, an independent measurement of the
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from targets.harness.isolation.child import CANDIDATE, PHASES, TASK_KEY
+from targets.harness.isolation.child import FORKED, PHASES, TASK_KEY
 from targets.harness.isolation.process_tree import (
     children_of,
     kill_forked,
@@ -30,7 +31,7 @@ from targets.harness.isolation.process_tree import (
     wait_exited,
 )
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.zygote_client import FORKS_FD, MARKS_FD, ZygoteChild, zygote
+from targets.harness.isolation.zygote_client import FORKS_FD, JUDGES_FD, MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
 
 KILLED_EXIT_S = 10.0  # how long a killed run's processes get to be gone (a SIGKILL acts when each next runs)
@@ -71,29 +72,34 @@ class HarnessRun:
         return None
 
 
-def _run_tree(child: int, forked: list[int], forker: int | None, children: dict[int, list[int]]) -> list[int]:
+def _forks_running(forkers: list[int], children: dict[int, list[int]]) -> set[int]:
+    """The zygotes' children now: a pid the run was told of counts only while it is one of them (a pid
+    that ended and was reused is not ours)."""
+    return {pid for forker in forkers for pid in children.get(forker, ())}
+
+
+def _run_tree(child: int, forked: list[int], forkers: list[int], children: dict[int, list[int]]) -> list[int]:
     """The run's processes, from one read of the process table (``children``): the harness child's tree,
-    and the tree of each candidate process it had forked that is still the candidate zygote's child (a
-    pid that ended and was reused is not ours)."""
-    running = set(children.get(forker, ())) if forker is not None else set()
+    and the tree of each process forked for it (judges, candidate processes) that is still running."""
+    running = _forks_running(forkers, children)
     return [p for root in (child, *(pid for pid in forked if pid in running)) for p in process_tree(root, children)]
 
 
-def _kill_run(child: int, forked: list[int], forker: int | None) -> list[int]:
-    """The harness child's tree, and each forked candidate process's (``kill_forked``). Returns those of
-    them still running ``KILLED_EXIT_S`` after the signal (normally none)."""
+def _kill_run(child: int, forked: list[int], forkers: list[int]) -> list[int]:
+    """The harness child's tree, and each forked process's (``kill_forked``). Returns those of them
+    still running ``KILLED_EXIT_S`` after the signal (normally none)."""
     children = children_of()
-    doomed = _run_tree(child, forked, forker, children)
+    doomed = _run_tree(child, forked, forkers, children)
     kill_tree(child)
-    kill_forked(forked, set(children.get(forker, ())) if forker is not None else set())
+    kill_forked(forked, _forks_running(forkers, children))
     return wait_exited(doomed, [child, *forked], KILLED_EXIT_S)
 
 
 def _watch(
-    process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str, float], forked: list[int], forker: int | None
+    process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str, float], forked: list[int], forkers: list[int]
 ) -> str:
-    """Wait for the child, stamping its marks as they arrive (and adding to ``forked`` each candidate
-    process it says it forked); returns '' when it exited, else why it was killed."""
+    """Wait for the child, stamping its marks as they arrive (and adding to ``forked`` each process it
+    says was forked for it); returns '' when it exited, else why it was killed."""
     deadline = time.monotonic() + limits.time_s
     pending = b""
     open_fd = True
@@ -109,7 +115,7 @@ def _watch(
                 while b"\n" in pending:
                     line, pending = pending.split(b"\n", 1)
                     name = line.decode(errors="replace")
-                    if name.startswith(f"{CANDIDATE} "):
+                    if name.startswith(f"{FORKED} "):
                         forked.append(int(name.split()[1]))
                     else:
                         marks.setdefault(name, now)
@@ -117,7 +123,7 @@ def _watch(
             time.sleep(0.25)
         if process.poll() is not None:
             return ""
-        tree = _run_tree(process.pid, forked, forker, children_of())
+        tree = _run_tree(process.pid, forked, forkers, children_of())
         if time.monotonic() > deadline:
             why = f"exceeded its time limit of {limits.time_s:g}s"
         elif len(tree) > limits.processes:
@@ -133,7 +139,7 @@ def _watch(
                 if resident <= limits.memory_mb:
                     continue
                 why = f"used {resident:.0f} MB of resident memory, over its limit of {limits.memory_mb:g} MB"
-        left = _kill_run(process.pid, forked, forker)
+        left = _kill_run(process.pid, forked, forkers)
         process.wait()
         if left:
             why += f" ({len(left)} of its processes still running {KILLED_EXIT_S:g}s after they were killed)"
@@ -180,35 +186,41 @@ def run_harness(
         argv += ["--steps", str(steps)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", TASK_KEY: task_key.hex()}
     marks: dict[str, float] = {}
-    forked: list[int] = []  # the candidate processes forked for this run (subprocess sandbox)
-    forker, forks = None, None
+    forked: list[int] = []  # the processes forked for this run: judges, and candidate processes (subprocess sandbox)
+    forks = None
     harness = zygote()  # started (on first use) before the candidate zygote is waited for: both warm at once
+    forkers = [harness.process.pid]
     if sandbox.backend == "subprocess":  # warm candidate processes, forked by the candidate zygote
         candidates = zygote("candidate")
-        forker, forks = candidates.process.pid, candidates.connect()
+        forkers.append(candidates.process.pid)
+        forks = candidates.connect()
         argv += ["--forks-fd", str(FORKS_FD)]
+    judges = harness.connect()  # the run's judge processes, forked warm by the harness zygote
+    argv += ["--judges-fd", str(JUDGES_FD)]
     log_path = out / f"{mode}.log"
     read_fd, write_fd = os.pipe()  # after the zygotes: one that failed to start leaves no descriptor open
     try:
         with log_path.open("w") as log:
-            extra = [write_fd] if forks is None else [write_fd, forks.fileno()]
+            extra = [write_fd, judges.fileno()] + ([] if forks is None else [forks.fileno()])
             process = harness.spawn(argv, env, log.fileno(), *extra)  # in a session of its own
             os.close(write_fd)
             write_fd = -1
-            if forks is not None:
-                forks.close()  # the child holds it now: when it ends, its candidate processes are killed
+            for connection in (judges, forks):  # the child holds them now: when it ends, what it had forked is killed
+                if connection is not None:
+                    connection.close()
             try:
-                killed = _watch(process, limits, read_fd, marks, forked, forker)
+                killed = _watch(process, limits, read_fd, marks, forked, forkers)
             finally:
                 if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): the run's processes too
-                    _kill_run(process.pid, forked, forker)
+                    _kill_run(process.pid, forked, forkers)
                     process.wait()
     finally:
         os.close(read_fd)
         if write_fd >= 0:
             os.close(write_fd)
-        if forks is not None and forks.fileno() >= 0:
-            forks.close()
+        for connection in (judges, forks):
+            if connection is not None and connection.fileno() >= 0:
+                connection.close()
     phases = PHASES[mode]
     results = {p: json.loads((out / f"{p}.json").read_text()) for p in phases if (out / f"{p}.json").exists()}
     if killed:

@@ -3,7 +3,8 @@ of a fresh interpreter paying those imports every time. Two kinds, one process o
 orchestrator process, started on first use:
 
 * ``harness``: forks each run's harness child (``child.py``), warm with torch, transformers and the
-  harness's checks and drivers (3-4 CPU-seconds a run);
+  harness's checks and drivers (3-4 CPU-seconds a run), and, asked by a harness child, the reward
+  model's judge processes of its run (``reward_model/judge_process.py``: ~5 CPU-seconds each fresh);
 * ``candidate``: forks the candidate processes (``candidate_process.py``) of runs in the
   ``subprocess`` sandbox, warm with torch, its FSDP2 and the contract's wire (~4 CPU-seconds each for
   the components process, ~2 for the cluster's, every run). It is started with the scrubbed
@@ -20,9 +21,10 @@ connection that asked for it.
 
 Connections are ``SOCK_SEQPACKET`` sockets; messages are single JSON datagrams, descriptors passed
 alongside. The orchestrator holds the first connection; ``connect`` hands a further one to someone
-else (a harness child asks the candidate zygote for its run's processes over one). Requests:
-``{"argv", "env", "cwd"}`` with the log descriptor and any extra ones (they become 3, 4, ... in the
-child) -> ``{"pid"}`` or ``{"error"}``, later ``{"exit": pid, "code", "cpu_s"}`` (a negative code:
+else (a harness child asks the candidate zygote for its run's processes over one, the harness zygote
+for its judges over another). Requests: ``{"argv", "env", "cwd"}`` (and ``"main"``, one of the kind's
+``MAINS``; the first by default) with the log descriptor and any extra ones (they become 3, 4, ... in
+the child) -> ``{"pid"}`` or ``{"error"}``, later ``{"exit": pid, "code", "cpu_s"}`` (a negative code:
 killed by that signal); ``{"connect": true}`` with a socket -> a new connection. When a connection
 closes, the children it asked for are killed; when the first one closes, the zygote kills all of its
 children and exits (a harness child also watches its parent, and a candidate process dies with it).
@@ -47,7 +49,10 @@ import traceback
 from targets.harness.isolation.process_tree import kill_forked
 from targets.harness.isolation.zygote_client import MESSAGE_BYTES
 
-MAINS = {"harness": "targets.harness.isolation.child", "candidate": "targets.harness.isolation.candidate_process"}
+MAINS = {  # the modules a zygote's children may run, by kind: the first unless a request names another
+    "harness": ("targets.harness.isolation.child", "targets.harness.reward_model.judge_process"),
+    "candidate": ("targets.harness.isolation.candidate_process",),
+}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -63,12 +68,14 @@ def _warm(kind: str) -> None:
 
     if kind == "harness":
         import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: F401 - how models load
 
         import targets.harness.ipc.remote  # noqa: F401
         import targets.harness.isolation.child  # noqa: F401
         import targets.harness.isolation.drive  # noqa: F401
         import targets.harness.judge.accuracy  # noqa: F401
         import targets.harness.judge.audit  # noqa: F401
+        import targets.harness.reward_model.judge_process  # noqa: F401
         import targets.harness.sim.virtual_time  # noqa: F401
     else:  # what the contract's side of the wire and a stack's engine and trainer import, never a stack itself
         import safetensors.torch  # noqa: F401
@@ -114,7 +121,7 @@ def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str]
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [request["cwd"], *extra, *base_path]  # as a fresh ``python -m`` there would have it
         importlib.invalidate_caches()
-        module = importlib.import_module(MAINS[kind])
+        module = importlib.import_module(request.get("main") or MAINS[kind][0])
         sys.argv = [module.__file__, *request["argv"]]
         code = module.main(request["argv"])
     except SystemExit as exit_:
@@ -170,7 +177,9 @@ class _Server:
             self.connections[added.fileno()] = added
             connection.send(json.dumps({"connected": True}).encode())
             return True
-        if threading.active_count() != 1:
+        if request.get("main", MAINS[self.kind][0]) not in MAINS[self.kind]:
+            connection.send(json.dumps({"error": f"a {self.kind} zygote runs none of {request['main']!r}"}).encode())
+        elif threading.active_count() != 1:
             names = [t.name for t in threading.enumerate()]
             connection.send(json.dumps({"error": f"the zygote runs Python threads {names}: it cannot fork"}).encode())
         else:

@@ -18,7 +18,8 @@ import time
 from targets import PROJECT_ROOT
 
 MARKS_FD = 3  # where a forked harness child finds its marks pipe (its argv says --marks-fd 3)
-FORKS_FD = 4  # where it finds its connection to the candidate zygote (--forks-fd 4), in the subprocess sandbox
+JUDGES_FD = 4  # where it finds its connection to the harness zygote, for its run's judges (--judges-fd 4)
+FORKS_FD = 5  # where it finds its connection to the candidate zygote (--forks-fd 5), in the subprocess sandbox
 MESSAGE_BYTES = 1 << 20
 
 
@@ -66,10 +67,12 @@ class ZygoteClient:
                 else:
                     return message
 
-    def spawn(self, argv: list[str], env: dict[str, str], log_fd: int, *extra_fds: int, cwd: str = "") -> ZygoteChild:
-        """A fork running ``python -m <the kind's module> *argv``: output to ``log_fd``, ``extra_fds``
-        at 3, 4, ... and ``cwd`` (default: ours) its working directory."""
-        request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd()}
+    def spawn(
+        self, argv: list[str], env: dict[str, str], log_fd: int, *extra_fds: int, cwd: str = "", main: str = ""
+    ) -> ZygoteChild:
+        """A fork running ``python -m <main> *argv`` (default main: the kind's first, ``zygote.MAINS``):
+        output to ``log_fd``, ``extra_fds`` at 3, 4, ... and ``cwd`` (default: ours) its working directory."""
+        request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), **({"main": main} if main else {})}
         return ZygoteChild(self, self._ask(request, [log_fd, *extra_fds])["pid"])
 
     def connect(self) -> socket.socket:

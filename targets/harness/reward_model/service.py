@@ -15,6 +15,9 @@ instance a judge process of the harness's (``judge_process.py``) on the devices 
 A verdict is asked as the episode's last step ends, on its whole context; the ``reward`` event and
 the run's ``reward_service`` summary are those of the simulated service (``sim/reward.py``), with
 the judge's score, which the harness adds to the environment's last reward.
+
+A judge process of a run the launcher started (``isolation/launch.py``) is a fork of the harness
+zygote, which has imported what a judge loads; elsewhere (a harness child run by hand) a fresh process.
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from targets import PROJECT_ROOT
 from targets.api import EngineSettings, Runtime
 from targets.harness.environments.base import Episode
+from targets.harness.isolation.zygote_client import ZygoteChild, ZygoteClient
 from targets.harness.model import model_dir
 from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.reward import (
@@ -51,6 +57,68 @@ class JudgeProcessError(RuntimeError):
     """A judge process ended or answered out of turn: the harness's fault or the machine's, never the candidate's."""
 
 
+JUDGE_MODULE = "targets.harness.reward_model.judge_process"
+# this process's connection to the harness zygote, if it was given one, and whom to tell of each fork
+_forks: tuple[ZygoteClient, Callable[[int], None]] | None = None
+
+
+def use_judge_forks(forks: ZygoteClient, report: Callable[[int], None]) -> None:
+    """Judge processes this process starts are forks over ``forks`` (warm: the harness zygote has
+    imported what a judge loads); ``report(pid)`` tells whoever holds this process's limits of each (a
+    harness child's watchdog)."""
+    global _forks
+    _forks = forks, report
+
+
+class JudgeProcess(Protocol):
+    """What an instance needs of its process: a fresh one (``asyncio.subprocess.Process``) or a fork."""
+
+    returncode: int | None
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+class ForkedJudge:
+    """A judge process the harness zygote forked, as an instance uses its process."""
+
+    def __init__(self, child: ZygoteChild) -> None:
+        self.child = child
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.poll()
+
+    async def wait(self) -> int:
+        while self.child.poll() is None:
+            await asyncio.sleep(0.05)
+        return self.child.returncode
+
+    def kill(self) -> None:
+        if self.child.poll() is None:
+            os.kill(self.child.pid, signal.SIGKILL)
+
+
+async def fresh_process(command: list[str], requests: int, verdicts: int, log: int, env: dict[str, str]):
+    """``command`` as a fresh process, its two pipes' descriptors appended to it."""
+    return await asyncio.create_subprocess_exec(
+        *command,
+        str(requests),
+        str(verdicts),
+        pass_fds=(requests, verdicts),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        env=env,
+        cwd=PROJECT_ROOT,  # ``-m`` imports from its cwd first: never the user's (a ``targets`` folder of theirs)
+    )
+
+
+# starts a judge process: (requests read end, verdicts write end, log descriptor, environment) -> it
+Launch = Callable[[int, int, int, dict[str, str]], Awaitable[JudgeProcess]]
+
+
 @dataclass
 class JudgeInstance:
     """One judge process, the devices it stands for, and how long it has had verdicts under way."""
@@ -58,41 +126,53 @@ class JudgeInstance:
     name: str
     devices: list[str]
     usage: Usage
-    process: asyncio.subprocess.Process | None = None
-    log: object = None  # its stderr, read back when it fails
-    turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # one verdict at a time through its pipe
+    process: JudgeProcess | None = None
+    log: object = None  # its output, read back when it fails
+    requests: asyncio.StreamWriter | None = None  # contexts to it, a line each
+    verdicts: asyncio.StreamReader | None = None  # its answers, a line each
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # one verdict at a time through its pipes
     load: int = 0  # verdicts routed to it and not yet answered (waiting for its start included)
     active: int = 0  # of them, those past its start: it is busy while any is
     starting: asyncio.Future | None = None  # its process loading (and a serverless cold start)
+    _transports: list[asyncio.BaseTransport] = field(default_factory=list)
 
-    def begin(self, argv: list[str], env: dict[str, str], cold_start_s: float = 0.0) -> None:
-        """Start its process (``argv``, ``env``); it is ready once the process has loaded the judge and
+    def begin(self, launch: Launch, env: dict[str, str], cold_start_s: float = 0.0) -> None:
+        """Start its process (``launch``, ``env``); it is ready once the process has loaded the judge and
         ``cold_start_s`` has passed."""
-        self.starting = asyncio.ensure_future(asyncio.gather(self._start(argv, env), asyncio.sleep(cold_start_s)))
+        self.starting = asyncio.ensure_future(asyncio.gather(self._start(launch, env), asyncio.sleep(cold_start_s)))
 
     @property
     def ready(self) -> bool:
         return self.starting is not None and self.starting.done()
 
-    async def _start(self, argv: list[str], env: dict[str, str]) -> None:
+    async def _start(self, launch: Launch, env: dict[str, str]) -> None:
         self.log = tempfile.TemporaryFile()
-        self.process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=self.log,
-            env=env,
-            cwd=PROJECT_ROOT,  # ``-m`` imports from its cwd first: never the user's (a ``targets`` folder of theirs)
-        )
-        said = await self.process.stdout.readline()
+        loop = asyncio.get_running_loop()
+        requests_read, requests_write = os.pipe()
+        verdicts_read, verdicts_write = os.pipe()
+        try:  # our ends as streams first: from here on they close with their transports
+            self.verdicts = asyncio.StreamReader()
+            reading, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(self.verdicts), os.fdopen(verdicts_read, "rb", 0)
+            )
+            writing, protocol = await loop.connect_write_pipe(
+                asyncio.streams.FlowControlMixin, os.fdopen(requests_write, "wb", 0)
+            )
+            self._transports += [reading, writing]
+            self.requests = asyncio.StreamWriter(writing, protocol, None, loop)
+            self.process = await launch(requests_read, verdicts_write, self.log.fileno(), env)
+        finally:  # the process's ends are its own now: its verdicts' pipe ends when it does
+            os.close(requests_read)
+            os.close(verdicts_write)
+        said = await self.verdicts.readline()
         if said.strip() != b"ready":
             raise self._failed(f"said {said[:200]!r} instead of ready")
 
     async def score(self, context: list[int]) -> float:
         async with self.turn:
-            self.process.stdin.write(json.dumps(context).encode() + b"\n")
-            await self.process.stdin.drain()
-            line = await self.process.stdout.readline()
+            self.requests.write(json.dumps(context).encode() + b"\n")
+            await self.requests.drain()
+            line = await self.verdicts.readline()
         if not line:
             raise self._failed("ended before its verdict")
         return float(json.loads(line)["score"])
@@ -108,13 +188,16 @@ class JudgeInstance:
         if self.starting is not None and not self.starting.done():
             self.starting.cancel()
             await asyncio.gather(self.starting, return_exceptions=True)
+        if self.requests is not None:
+            self.requests.close()  # its end of file: the process's loop ends
         if self.process is not None and self.process.returncode is None:
-            self.process.stdin.close()
             try:
                 await asyncio.wait_for(self.process.wait(), timeout=10)
             except asyncio.TimeoutError:
                 self.process.kill()
                 await self.process.wait()
+        for transport in self._transports:
+            transport.close()
         if self.log is not None:
             self.log.close()
 
@@ -164,15 +247,24 @@ class RewardModelService:
             fail,
         )
 
-    def command(self) -> list[str]:
-        """A judge process's command line (``judge_process.py``; the host's CPU: the spec refuses a real
-        reward model on other devices until its GPU placement is built and tested)."""
-        module = "targets.harness.reward_model.judge_process"
-        return [sys.executable, "-m", module, str(self.judge_dir), str(self.policy_dir), "cpu", self.spec.model.dtype]
+    async def launch(self, requests: int, verdicts: int, log: int, env: dict[str, str]) -> JudgeProcess:
+        """A judge process (``judge_process.py``; the host's CPU: the spec refuses a real reward model on
+        other devices until its GPU placement is built and tested) reading contexts from ``requests`` and
+        writing verdicts to ``verdicts``: a warm fork of the harness zygote where this process was given a
+        connection to it (a harness child the launcher started), else a fresh process."""
+        arguments = [str(self.judge_dir), str(self.policy_dir), "cpu", self.spec.model.dtype]
+        if _forks is None:
+            return await fresh_process([sys.executable, "-m", JUDGE_MODULE, *arguments], requests, verdicts, log, env)
+        forks, report = _forks
+        child = forks.spawn(
+            [*arguments, "3", "4"], env, log, requests, verdicts, cwd=str(PROJECT_ROOT), main=JUDGE_MODULE
+        )
+        report(child.pid)
+        return ForkedJudge(child)
 
     def _spawn(self, name: str, devices: list[str], cold_start_s: float = 0.0) -> JudgeInstance:
         instance = JudgeInstance(name, devices, Usage(self.trace.clock.now(), len(devices)))
-        instance.begin(self.command(), dict(os.environ), cold_start_s)  # imports the harness from PROJECT_ROOT, its cwd
+        instance.begin(self.launch, dict(os.environ), cold_start_s)  # imports the harness from PROJECT_ROOT, its cwd
         self.instances.append(instance)
         return instance
 

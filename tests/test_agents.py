@@ -954,7 +954,7 @@ def test_the_watchdog_decides_on_proportional_sizes_when_resident_sizes_pass_the
     read_fd, write_fd = os.pipe()
     try:
         with _sharing_tree() as holder:
-            why = _watch(holder, Limits(time_s=2.0, memory_mb=limit_mb), read_fd, {}, [], None)
+            why = _watch(holder, Limits(time_s=2.0, memory_mb=limit_mb), read_fd, {}, [], [])
     finally:
         os.close(read_fd)
         os.close(write_fd)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from targets.harness.isolation.zygote_client import MARKS_FD, Zygote, zygote
+from targets.harness.isolation.zygote_client import MARKS_FD, Zygote, ZygoteError, zygote
 
 
 def _spawn(tmp_path, name: str, owner: Zygote | None = None):
@@ -42,6 +42,11 @@ def test_a_child_is_a_fork_of_the_zygote_in_its_own_session_and_a_dead_zygote_co
     first = zygote()
     child, fifo, marks = _spawn(tmp_path, "one")
     assert _session_of(child.pid) == child.pid  # a session (and process group) of its own: killed whole
+    with (
+        (tmp_path / "refused.log").open("w") as log,
+        pytest.raises(ZygoteError, match="harness zygote runs none of 'os'"),
+    ):
+        first.spawn([], dict(os.environ), log.fileno(), main="os")  # its kind's modules only (child, judge_process)
     fifo.write_text("id: [not a target\n")  # it reads this through its relative path: it runs in our cwd
     assert child.wait() == 1
     assert os.read(marks, 100) == b""  # the marks pipe reached it (and closed when it ended)
@@ -256,13 +261,3 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
     except FileNotFoundError:
         return False
-
-
-def test_a_zygote_forks_only_the_modules_its_kind_runs(tmp_path):
-    """A harness child may ask the harness zygote for its run's judges (``judge_process``) besides
-    harness children; a request for any other module is refused by name, and nothing is forked."""
-    from targets.harness.isolation.zygote_client import ZygoteError
-
-    with (tmp_path / "log").open("w") as log:
-        with pytest.raises(ZygoteError, match="a harness zygote runs none of 'os'"):
-            zygote().spawn([], dict(os.environ), log.fileno(), main="os")

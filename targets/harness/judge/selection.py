@@ -114,8 +114,8 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             ):
                 # Deferring a group that has not waited through a whole step picks which episodes train:
                 # on a real run the relaunch redraws them, so deferring early is resampling the long ones.
-                r.add(
-                    "unjustified drop",
+                r.add(  # a kind of its own: the examples of other unjustified drops never hide it
+                    "early deferral",
                     f"episode {episode} dropped as deferred at {e.t:.2f}s, but its group {group} was launched at "
                     f"{ix.created_at.get(group, math.nan):.2f}s and no batch was taken between: only a group that "
                     "waited through a whole step may be deferred",

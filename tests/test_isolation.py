@@ -211,8 +211,9 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(
 ):
     """Unsandboxed (subprocess, on the shared Ray cluster) the writes land, to its own files and to the
     harness's, and the before/after hashes catch both; in bubblewrap the candidate's directory is
-    read-only, the harness not even visible, and no write lands. (The harness the hash reads is a copy
-    here, so the plant never edits the repository: ``HARNESS_ROOT`` points at it.)"""
+    read-only, the harness not even visible, and no write lands: its whole check passes there, as a
+    user's ``vibetrain check`` runs it (the default sandbox, a Ray cluster of its own). (The harness the
+    hash reads is a copy here, so the plant never edits the repository: ``HARNESS_ROOT`` points at it.)"""
     from targets.harness.judge import integrity
 
     harness = tmp_path / "harness"
@@ -237,8 +238,9 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(
     (harness / "audit.py").write_text("BOUND = 1\n")
     if sandbox.backend == "bubblewrap":
         again = planted(tmp_path / "d", fast_target, "static_split", plant)
-        measurement = _session(fast_target, sandbox).measure(again, tmp_path / "out2", seed=1)
+        measurement = _session(fast_target, sandbox).judge(again, tmp_path / "out2", seed=1)
         assert measurement.ok, _reasons(measurement)
+        assert {"engine", "trainer", "weight_sync", "system_audit"} <= {c.name for c in measurement.checks}
         assert "REFUSED" in (tmp_path / "out2" / "controller.log").read_text()
 
 

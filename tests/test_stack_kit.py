@@ -54,13 +54,10 @@ def _planted(
 
 
 @pytest.mark.parametrize("controller", ["colocate", "static_split", "time_multiplex"])
-def test_starter_stacks_pass_check(tmp_path, fast_target, controller, request):
-    """Colocate as a user's ``vibetrain check`` runs it (the default sandbox, bubblewrap where it works,
-    with a Ray cluster of its own); the other two on the test session's shared cluster."""
-    sandbox = "auto" if controller == "colocate" else "subprocess"
-    if sandbox == "subprocess":
-        request.getfixturevalue("shared_ray")
-    code, output = _check(fast_target, _planted(tmp_path, fast_target, controller, {}), sandbox)
+def test_starter_stacks_pass_check(tmp_path, fast_target, controller, shared_ray):
+    """On the test session's shared cluster (the default sandbox's check, bubblewrap with a Ray cluster of
+    its own: tests/test_isolation.py's run that rewrites its own files)."""
+    code, output = _check(fast_target, _planted(tmp_path, fast_target, controller, {}), "subprocess")
     assert code == 0, output
     assert "PASS" in output and "-fast: real execution, " in output
 

@@ -67,8 +67,8 @@ def _start(target: Path, tmp_path: Path, **options):
 def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fast_target, shared_ray):
     """One measured pair per round on a real target says nothing of noise: round 1 is validated and
     committed, paired against the starter, and not promoted, with the interval that says why. (In the
-    subprocess sandbox, on the test session's shared Ray cluster: the default sandbox's real runs are
-    tests/test_stack_kit.py's colocate starter and tests/test_isolation.py's; a simulated generate in it, below.)"""
+    subprocess sandbox, on the test session's shared Ray cluster: the default sandbox's real check is
+    tests/test_isolation.py's bubblewrap run; a simulated generate in it, below.)"""
     run = tmp_path / "run"
     output = _generate(
         str(fast_target),

@@ -1,22 +1,26 @@
 """Run by tests/test_vllm_engine.py in a child process (vLLM spawns workers: needs a __main__ guard).
 Prints one JSON line: the judge's engine and weight-sync checks on VLLMEngine, and offload/reload."""
 
+import asyncio
 import json
 import sys
 
 if __name__ == "__main__":
+    from vllm.model_executor.models import registry
+
     from skills.recipes.vllm_engine import VLLMEngine
+    from targets.api import SamplingParams
     from targets.harness.judge.accuracy import check_engine, check_weight_sync
     from targets.harness.model import load_model, model_dir
     from targets.spec import load_target
 
+    # vLLM inspects a model's class in a subprocess the first time its cache root sees it (so that this
+    # process never initialises CUDA): a fresh interpreter importing vLLM, 18 s of a cold CI machine's two
+    # cores (the test 55 s -> 37 s with the cache warm). On CPU there is no CUDA to keep out: inspect here.
+    registry._run_in_subprocess = lambda inspect: inspect()
     spec = load_target("tiny-qwen3-cpu")
     path = model_dir(spec.model)
     reference = load_model(path)
-    import asyncio
-
-    from targets.api import SamplingParams
-
     # eager: the checks are about tokens, logprobs, sync and abort, not speed; vLLM's torch.compile of the
     # model costs ~20 s of a fresh machine's 2 cores (45 s -> 26-35 s measured, warm and cold caches)
     engine = VLLMEngine(

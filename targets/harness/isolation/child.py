@@ -41,8 +41,8 @@ from targets.harness.clock import WallClock
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.zygote_client import ZygoteClient
-from targets.harness.reward_model.service import JudgeProcessError, use_judge_forks
+from targets.harness.isolation.zygote_client import ReportedForks, ZygoteClient, use_forks
+from targets.harness.reward_model.service import JudgeProcessError
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 
@@ -238,14 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     def forked(pid: int) -> None:  # a process forked for the run is not its child: the watchdog hears of each
         mark(f"{FORKED} {pid}")
 
-    if args.forks_fd is not None:
-        from targets.harness.isolation.processes import use_forks
-
-        os.set_inheritable(args.forks_fd, False)  # no process it starts may keep its candidates' connection open
-        use_forks(ZygoteClient(socket.socket(fileno=args.forks_fd), "candidate"), forked)
-    if args.judges_fd is not None:
-        os.set_inheritable(args.judges_fd, False)
-        use_judge_forks(ZygoteClient(socket.socket(fileno=args.judges_fd), "harness"), forked)
+    for fd, kind in ((args.forks_fd, "candidate"), (args.judges_fd, "harness")):
+        if fd is not None:
+            os.set_inheritable(fd, False)  # no process it starts may keep the connection open
+            use_forks(ReportedForks(ZygoteClient(socket.socket(fileno=fd), kind), forked), kind)
 
     seed = RunSeed(args.seed, bytes.fromhex(os.environ.pop(TASK_KEY, "")))
     target = Target.load(args.target, simulate=args.execution == "simulated")

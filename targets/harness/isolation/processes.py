@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -22,7 +21,7 @@ from targets.harness.ipc.channel import AsyncChannel
 from targets.harness.ipc.remote import CandidateError
 from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.zygote_client import ZygoteChild, ZygoteClient
+from targets.harness.isolation.zygote_client import ZygoteChild, forks_of
 
 # How long candidate processes get to exit on their own once a run is over: a cluster closes Ray and
 # its actors. A run the harness abandoned (a refusal at hello, a crash, any error) leaves them
@@ -31,17 +30,8 @@ from targets.harness.isolation.zygote_client import ZygoteChild, ZygoteClient
 STOP_GRACE_S = 20.0
 ABANDONED_GRACE_S = 2.0
 
+
 # this process's connection to the candidate zygote, if it was given one, and whom to tell of each fork
-_forks: tuple[ZygoteClient, Callable[[int], None]] | None = None
-
-
-def use_forks(forks: ZygoteClient, report: Callable[[int], None]) -> None:
-    """Candidate processes this process starts in the ``subprocess`` sandbox are forks over ``forks``;
-    ``report(pid)`` tells whoever holds this process's limits of each (a harness child's watchdog)."""
-    global _forks
-    _forks = forks, report
-
-
 class CandidateProcesses:
     """Starts candidate processes in the sandbox, each connected to the harness by a Unix socket of
     its own (accepted once, then unlinked), and stops them all at the end: used as a context manager,
@@ -78,10 +68,9 @@ class CandidateProcesses:
             gpus=self.gpus,
         )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
-        if self.sandbox.backend == "subprocess" and _forks is not None:
-            forks, report = _forks
+        forks = forks_of("candidate")
+        if self.sandbox.backend == "subprocess" and forks is not None:
             self.processes[role] = forks.spawn(argv, env, self._logs[role].fileno(), cwd=str(scratch))
-            report(self.processes[role].pid)
         else:
             self.processes[role] = subprocess.Popen(
                 command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None, cwd=scratch

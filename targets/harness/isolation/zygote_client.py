@@ -14,12 +14,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from targets import PROJECT_ROOT
 
-MARKS_FD = 3  # where a forked harness child finds its marks pipe (its argv says --marks-fd 3)
-JUDGES_FD = 4  # where it finds its connection to the harness zygote, for its run's judges (--judges-fd 4)
-FORKS_FD = 5  # where it finds its connection to the candidate zygote (--forks-fd 5), in the subprocess sandbox
+
+def passed_fd(position: int) -> int:
+    """Where a fork finds the ``position``-th descriptor passed beside its log (``zygote.py`` places them
+    at 3, 4, ... in the order given)."""
+    return 3 + position
+
+
+MARKS_FD = passed_fd(0)  # where a forked harness child finds its marks pipe (its argv says --marks-fd 3)
+JUDGES_FD = passed_fd(1)  # its connection to the harness zygote, for its run's judges (--judges-fd 4)
+FORKS_FD = passed_fd(2)  # its connection to the candidate zygote (--forks-fd 5), in the subprocess sandbox
 MESSAGE_BYTES = 1 << 20
 
 
@@ -143,6 +152,40 @@ class ZygoteChild:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
             time.sleep(0.02)
         return self.returncode
+
+
+@dataclass
+class ReportedForks:
+    """Forks over a connection to a zygote, each reported as it starts: ``report(pid)`` tells whoever holds
+    this process's limits (a harness child's watchdog), since a fork is the zygote's child, not ours."""
+
+    client: ZygoteClient
+    report: Callable[[int], None]
+
+    def spawn(
+        self, argv: list[str], env: dict[str, str], log_fd: int, *extra_fds: int, cwd: str = "", main: str = ""
+    ) -> ZygoteChild:
+        child = self.client.spawn(argv, env, log_fd, *extra_fds, cwd=cwd, main=main)
+        self.report(child.pid)
+        return child
+
+
+_forks: dict[str, ReportedForks] = {}  # zygote kind -> the forks this process starts of that kind
+
+
+def use_forks(forks: ReportedForks | None, kind: str) -> None:
+    """The processes of ``kind`` this process starts are forks over ``forks`` (None: fresh processes
+    again): a harness child's candidate processes over the candidate zygote (subprocess sandbox), its
+    run's judges over the harness zygote, each connection given by its launcher."""
+    if forks is None:
+        _forks.pop(kind, None)
+    else:
+        _forks[kind] = forks
+
+
+def forks_of(kind: str) -> ReportedForks | None:
+    """What ``use_forks`` set for ``kind``, if anything."""
+    return _forks.get(kind)
 
 
 _zygotes: dict[str, Zygote] = {}

@@ -36,7 +36,7 @@ from typing import Protocol
 from targets import PROJECT_ROOT
 from targets.api import EngineSettings, Runtime
 from targets.harness.environments.base import Episode
-from targets.harness.isolation.zygote_client import ZygoteChild, ZygoteClient
+from targets.harness.isolation.zygote_client import ZygoteChild, forks_of, passed_fd
 from targets.harness.model import model_dir
 from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.reward import (
@@ -58,16 +58,6 @@ class JudgeProcessError(RuntimeError):
 
 
 JUDGE_MODULE = "targets.harness.reward_model.judge_process"
-# this process's connection to the harness zygote, if it was given one, and whom to tell of each fork
-_forks: tuple[ZygoteClient, Callable[[int], None]] | None = None
-
-
-def use_judge_forks(forks: ZygoteClient, report: Callable[[int], None]) -> None:
-    """Judge processes this process starts are forks over ``forks`` (warm: the harness zygote has
-    imported what a judge loads); ``report(pid)`` tells whoever holds this process's limits of each (a
-    harness child's watchdog)."""
-    global _forks
-    _forks = forks, report
 
 
 class JudgeProcess(Protocol):
@@ -253,13 +243,13 @@ class RewardModelService:
         writing verdicts to ``verdicts``: a warm fork of the harness zygote where this process was given a
         connection to it (a harness child the launcher started), else a fresh process."""
         arguments = [str(self.judge_dir), str(self.policy_dir), "cpu", self.spec.model.dtype]
-        if _forks is None:
+        forks = forks_of("harness")
+        if forks is None:
             return await fresh_process([sys.executable, "-m", JUDGE_MODULE, *arguments], requests, verdicts, log, env)
-        forks, report = _forks
+        pipes = [str(passed_fd(0)), str(passed_fd(1))]  # where the fork finds ``requests`` and ``verdicts``
         child = forks.spawn(
-            [*arguments, "3", "4"], env, log, requests, verdicts, cwd=str(PROJECT_ROOT), main=JUDGE_MODULE
+            [*arguments, *pipes], env, log, requests, verdicts, cwd=str(PROJECT_ROOT), main=JUDGE_MODULE
         )
-        report(child.pid)
         return ForkedJudge(child)
 
     def _spawn(self, name: str, devices: list[str], cold_start_s: float = 0.0) -> JudgeInstance:

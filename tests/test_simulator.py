@@ -22,6 +22,7 @@ from targets.harness.measure.metrics import compute_metrics
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import ClusterCosts, CostModel
 from targets.harness.sim.engine import SimEngine
+from targets.harness.sim.lower_bound import step_lower_bound
 from targets.harness.sim.response_length import ResponseLengths
 from targets.harness.sim.virtual_time import SimulationStalled, VirtualTimeLoop, run_virtual
 from targets.harness.target import Target
@@ -943,3 +944,21 @@ def test_a_bench_run_that_fails_its_checks_is_named_and_the_others_still_count(t
     assert [r["name"] for r in data["runs"]] == ["tm-partial"] and data["runs"][0]["metrics"]["goodput"] > 0
     (failed,) = data["failed"]
     assert failed["name"] == "twice" and "system_audit: used twice: episode" in failed["reasons"][0]
+
+
+def test_the_dual_bound_holds_for_each_schedule_and_reaches_the_path_term(tmp_path, monkeypatch):
+    """benchmarks/bound_tightness.py's bound, which charges the engines for the batch a fast path allows: a
+    lower bound, so no run beats it, and its largest-lambda end is the fluid bound's critical path."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    from bound_tightness import dual_bound
+
+    for controller in ("colocate", "time_multiplex"):
+        spec, events, _ = _simulated(tmp_path / controller, load_target("tiny-qwen3-cpu"), controller)
+        costs = ClusterCosts.from_spec(spec)
+        bound, top, weight = dual_bound(spec, costs, events)
+        measured = compute_metrics(events, next(e for e in events if e.kind == "run_start").data["devices"])
+        fluid = step_lower_bound(spec, costs, events)
+        assert 0 < bound <= measured["step_time_s"], controller
+        # the tiny target's engines have room to spare: decoding the longest trajectories alone costs the rest
+        # nothing, so the dual is the fluid bound's path term (its steps' longest paths over 1 + async ratio)
+        assert bound == pytest.approx(fluid["critical_path_bound_s"], rel=0.05) and top == 1, controller

@@ -569,7 +569,7 @@ def test_a_launched_runs_judge_is_a_warm_fork_of_the_harness_zygote_and_scores_a
     """A harness child the launcher started forks its judges from the harness zygote (torch and
     transformers imported there once; a fresh judge process imports them, ~5 CPU-seconds), tells its
     watchdog of each (the run's limits hold them), and a fork's verdict is a fresh process's."""
-    from targets.harness.isolation.zygote_client import ReportedForks, ZygoteClient, use_forks, zygote
+    from targets.harness.isolation.zygote_client import ReportedForks, ZygoteClient, drop_forks, use_forks, zygote
     from targets.harness.model import model_dir
     from targets.harness.reward_model import service as judges
 
@@ -599,11 +599,11 @@ def test_a_launched_runs_judge_is_a_warm_fork_of_the_harness_zygote_and_scores_a
             await service.close()
 
     harness, reported = zygote(), []
-    use_forks(ReportedForks(ZygoteClient(harness.connect(), "harness"), reported.append), "harness")
+    use_forks(ReportedForks(ZygoteClient(harness.connect(), "harness"), reported.append))
     try:
         forked, forked_score = asyncio.run(score_once(colocated()))
     finally:
-        use_forks(None, "harness")
+        drop_forks("harness")
     assert isinstance(forked, judges.ForkedJudge) and reported == [forked.child.pid]
     assert forked.returncode == 0  # it ended with the service's close
     fresh, fresh_score = asyncio.run(score_once(colocated()))

@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -22,7 +23,7 @@ from targets.harness.measure.metrics import compute_metrics
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import ClusterCosts, CostModel
 from targets.harness.sim.engine import SimEngine
-from targets.harness.sim.lower_bound import step_lower_bound
+from targets.harness.sim.lower_bound import engine_options, step_lower_bound
 from targets.harness.sim.response_length import ResponseLengths
 from targets.harness.sim.virtual_time import SimulationStalled, VirtualTimeLoop, run_virtual
 from targets.harness.target import Target
@@ -955,10 +956,36 @@ def test_the_dual_bound_holds_for_each_schedule_and_reaches_the_path_term(tmp_pa
     for controller in ("colocate", "time_multiplex"):
         spec, events, _ = _simulated(tmp_path / controller, load_target("tiny-qwen3-cpu"), controller)
         costs = ClusterCosts.from_spec(spec)
-        bound, top, weight = dual_bound(spec, costs, events)
+        bound, top, weight, split = dual_bound(spec, costs, events)
         measured = compute_metrics(events, next(e for e in events if e.kind == "run_start").data["devices"])
         fluid = step_lower_bound(spec, costs, events)
         assert 0 < bound <= measured["step_time_s"], controller
         # the tiny target's engines have room to spare: decoding the longest trajectories alone costs the rest
         # nothing, so the dual is the fluid bound's path term (its steps' longest paths over 1 + async ratio)
         assert bound == pytest.approx(fluid["critical_path_bound_s"], rel=0.05) and top == 1, controller
+
+
+def test_the_dual_bounds_charge_for_a_token_is_at_most_what_any_batch_would_pay(big, monkeypatch):
+    """Its batches come in ranges: a token's least charge over them is no more than its charge at any batch the
+    KV cache admits, between the ranges' edges and at the largest, for any draft length and multiplier."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    from bound_tightness import token_charges
+
+    (cost,) = engine_options(big, ClusterCosts.from_spec(big))
+    d, capacity = cost.engine_devices, cost.kv_capacity_tokens
+    bandwidth = d * cost.hbm_bytes_per_s * cost.hbm_efficiency
+    contexts = [0, 700, 8_000, 20_000, 300_000]
+    for split in (1, 12, 10**9):
+        seconds, charges = token_charges([cost], np.array(contexts), split)
+        for row, context in enumerate(contexts):
+            most = capacity - context + 1
+            for batch in sorted({1, 7, 13, 100, 700, 1025, 5000, most} & set(range(1, most + 1))):
+                for k in (0, 4):
+                    gained, iteration = cost.tokens_per_step(k), cost.decode_iteration_s(batch, context, k + 1)
+                    reads = cost.decode_bytes(batch * (k + 1), 0) / bandwidth + cost.decode_step_overhead_s
+                    by_context = (reads + cost.tensor_parallel_s(batch * (k + 1))) * context / capacity
+                    by_context += context * cost.kv_bytes_per_token / bandwidth
+                    paid = d * (iteration / batch if batch < split else by_context) / gained
+                    for weight in (0.0, 1.0, 100.0):
+                        least = np.min(charges[row] + weight * seconds[row])
+                        assert least <= paid + weight * iteration / gained + 1e-12, (split, context, batch, k)

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for fd, kind in ((args.forks_fd, "candidate"), (args.judges_fd, "harness")):
         if fd is not None:
             os.set_inheritable(fd, False)  # no process it starts may keep the connection open
-            use_forks(ReportedForks(ZygoteClient(socket.socket(fileno=fd), kind), forked), kind)
+            use_forks(ReportedForks(ZygoteClient(socket.socket(fileno=fd), kind), forked))
 
     seed = RunSeed(args.seed, bytes.fromhex(os.environ.pop(TASK_KEY, "")))
     target = Target.load(args.target, simulate=args.execution == "simulated")

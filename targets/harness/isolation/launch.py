@@ -201,6 +201,7 @@ def run_harness(
     read_fd, write_fd = os.pipe()  # after the zygotes: one that failed to start leaves no descriptor open
     try:
         with log_path.open("w") as log:
+            # in the order MARKS_FD, JUDGES_FD, FORKS_FD say: the zygote places them at passed_fd(0), (1), (2)
             extra = [write_fd, judges.fileno()] + ([] if forks is None else [forks.fileno()])
             process = harness.spawn(argv, env, log.fileno(), *extra)  # in a session of its own
             os.close(write_fd)

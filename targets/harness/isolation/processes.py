@@ -31,7 +31,6 @@ STOP_GRACE_S = 20.0
 ABANDONED_GRACE_S = 2.0
 
 
-# this process's connection to the candidate zygote, if it was given one, and whom to tell of each fork
 class CandidateProcesses:
     """Starts candidate processes in the sandbox, each connected to the harness by a Unix socket of
     its own (accepted once, then unlinked), and stops them all at the end: used as a context manager,
@@ -68,7 +67,7 @@ class CandidateProcesses:
             gpus=self.gpus,
         )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
-        forks = forks_of("candidate")
+        forks = forks_of("candidate")  # a harness child's connection to the candidate zygote, if it was given one
         if self.sandbox.backend == "subprocess" and forks is not None:
             self.processes[role] = forks.spawn(argv, env, self._logs[role].fileno(), cwd=str(scratch))
         else:

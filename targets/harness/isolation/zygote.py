@@ -47,7 +47,7 @@ import time
 import traceback
 
 from targets.harness.isolation.process_tree import kill_forked
-from targets.harness.isolation.zygote_client import MESSAGE_BYTES
+from targets.harness.isolation.zygote_client import MESSAGE_BYTES, passed_fd
 
 MAINS = {  # the modules a zygote's children may run, by kind: the first unless a request names another
     "harness": ("targets.harness.isolation.child", "targets.harness.reward_model.judge_process"),
@@ -96,9 +96,9 @@ def _place(fds: list[int]) -> None:
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd in fds]
     os.dup2(high[0], 1)
     os.dup2(high[0], 2)
-    for target, fd in enumerate(high[1:], start=3):
-        os.dup2(fd, target)
-    os.closerange(3 + len(high) - 1, os.sysconf("SC_OPEN_MAX"))
+    for position, fd in enumerate(high[1:]):
+        os.dup2(fd, passed_fd(position))
+    os.closerange(passed_fd(len(high) - 1), os.sysconf("SC_OPEN_MAX"))
 
 
 def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str], zygote_pid: int) -> None:

@@ -173,14 +173,16 @@ class ReportedForks:
 _forks: dict[str, ReportedForks] = {}  # zygote kind -> the forks this process starts of that kind
 
 
-def use_forks(forks: ReportedForks | None, kind: str) -> None:
-    """The processes of ``kind`` this process starts are forks over ``forks`` (None: fresh processes
-    again): a harness child's candidate processes over the candidate zygote (subprocess sandbox), its
-    run's judges over the harness zygote, each connection given by its launcher."""
-    if forks is None:
-        _forks.pop(kind, None)
-    else:
-        _forks[kind] = forks
+def use_forks(forks: ReportedForks) -> None:
+    """The processes of its zygote's kind this process starts are forks over ``forks``: a harness child's
+    candidate processes over the candidate zygote (subprocess sandbox), its run's judges over the harness
+    zygote, each connection given by its launcher."""
+    _forks[forks.client.kind] = forks
+
+
+def drop_forks(kind: str) -> None:
+    """The processes of ``kind`` this process starts are fresh ones again."""
+    _forks.pop(kind, None)
 
 
 def forks_of(kind: str) -> ReportedForks | None:

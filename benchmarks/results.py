@@ -45,7 +45,12 @@ def bench_table(path: Path) -> tuple[str, dict]:
 
 
 def render_entry(path: Path) -> tuple[str, str]:
-    entry = yaml.safe_load(path.read_text())
+    try:
+        entry = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:  # a command with ': ' in it, say: quote it, or write it as a block (>-)
+        raise ValueError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: an entry is a mapping of title, section, command, ...; found {type(entry).__name__}")
     missing = [k for k in ("title", "section", "command") if k not in entry]
     if missing or entry.get("section") not in SECTIONS:
         raise ValueError(f"{path}: needs title, section (one of {SECTIONS}) and command; missing {missing}")
@@ -93,7 +98,10 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    text = render()
+    try:
+        text = render()
+    except ValueError as error:
+        sys.exit(f"results.py: {error}")
     if "--check" in sys.argv:
         sys.exit(0 if RESULTS.exists() and RESULTS.read_text() == text else 1)
     RESULTS.write_text(text)

@@ -56,3 +56,16 @@ def test_a_readme_without_the_two_commands_is_an_error_naming_what_is_wrong(tmp_
     readme.write_text("# title\n\n" + block)
     with pytest.raises(ValueError, match=re.escape(error)):
         _readme_commands_module().readme_commands(readme)
+
+
+def test_the_results_file_is_what_its_entries_build_and_a_broken_entry_is_named(tmp_path, monkeypatch):
+    """benchmarks/RESULTS.md is built from benchmarks/results/*.yaml: an entry edited without rebuilding it
+    shows here; an entry that is not YAML (a command with ': ' left unquoted) is named (the script prints it)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import results
+
+    assert results.render() == results.RESULTS.read_text(), "run: python benchmarks/results.py"
+    (tmp_path / "bad.yaml").write_text("title: t\nsection: cpu\ncommand: vibetrain bench --params a: b\n")
+    monkeypatch.setattr(results, "ENTRIES", tmp_path)
+    with pytest.raises(ValueError, match=r"bad\.yaml: not valid YAML"):
+        results.render()

@@ -31,8 +31,8 @@ lowers it, so it is a lower bound on the run's mean step time whatever the sched
   The bound is the largest over ``split``, ``m`` and ``lambda`` (finite grids: each point is a bound),
   divided by the steps. Targets with a serving pool are refused (rollout may borrow devices beyond ``D``).
 
-Where it comes out at the fluid bound, the engines' capacity does not stand between a schedule and the
-fluid bound: one that knew early which trajectories will be long could decode them nearly alone. The
+Where it comes out at the fluid bound, this relaxation sees no obstruction from the engines' capacity (a
+fluid one: it does not see that engines are whole, nor that many long trajectories run at once). The
 script also reports, for the 32 longest-lived trajectories of each step (creation to last turn), how much
 longer they spent in generate than their prefills and decode alone, and how well the task's first turns
 predict them.

@@ -261,3 +261,33 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
     except FileNotFoundError:
         return False
+
+
+def test_a_runs_candidate_processes_are_forks_reported_as_they_start_and_fresh_ones_once_dropped(tmp_path):
+    """A harness child given a connection to the candidate zygote forks its candidate processes there
+    (in the subprocess sandbox) and reports each pid as it starts, for the watchdog that holds the run's
+    limits (a fork is the zygote's child, not the harness child's); dropped, they are fresh processes."""
+    import subprocess
+
+    from targets.harness.isolation.processes import CandidateProcesses
+    from targets.harness.isolation.sandbox import Sandbox
+    from targets.harness.isolation.zygote_client import ReportedForks, ZygoteChild, ZygoteClient, drop_forks, use_forks
+
+    (tmp_path / "cand" / "stack").mkdir(parents=True)
+    (tmp_path / "cand" / "stack" / "__init__.py").write_text("")
+    reported: list[int] = []
+    use_forks(ReportedForks(ZygoteClient(zygote("candidate").connect(), "candidate"), reported.append))
+    forked = CandidateProcesses(Sandbox("subprocess"), tmp_path / "cand", tmp_path)
+    try:
+        forked.launch("components")
+        assert isinstance(forked.processes["components"], ZygoteChild)
+        assert reported == [forked.processes["components"].pid]
+    finally:
+        drop_forks("candidate")
+        forked.stop(grace_s=0)  # it waits for a connection nobody accepts: killed at once
+    fresh = CandidateProcesses(Sandbox("subprocess"), tmp_path / "cand", tmp_path)
+    try:
+        fresh.launch("components")
+        assert isinstance(fresh.processes["components"], subprocess.Popen) and len(reported) == 1
+    finally:
+        fresh.stop(grace_s=0)

@@ -25,9 +25,10 @@ lowers it, so it is a lower bound on the run's mean step time whatever the sched
   that deadline is at least ``L_i(lambda) - lambda (W_k - F_i)``, with
   ``L_i(lambda) = sum over its tokens of min over batch ranges of (charge + lambda t)`` (weak duality).
 * Give ``lambda`` to the ``m`` trajectories of each step with the longest alone-path, 0 to the rest;
-  the engines' device-seconds (``D`` devices over the run's ``T``, prefills and training included) must
-  hold all of it, and ``sum_k W_k <= (1 + a) T``, so
-  ``T >= (sum_top [L_i(lambda) + lambda F_i] + sum_rest L_i(0) + prefill + train) / (D + (1 + a) m lambda)``.
+  the engines' device-seconds (``D`` devices over the run's ``T``, training included; prefills not, since
+  chunked they may take the compute a decode step leaves idle) must hold all of it, and
+  ``sum_k W_k <= (1 + a) T``, so
+  ``T >= (sum_top [L_i(lambda) + lambda F_i] + sum_rest L_i(0) + train) / (D + (1 + a) m lambda)``.
   The bound is the largest over ``split``, ``m`` and ``lambda`` (finite grids: each point is a bound),
   divided by the steps. Targets with a serving pool are refused (rollout may borrow devices beyond ``D``).
 
@@ -114,7 +115,9 @@ def dual_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEvent]) 
     stretch = 1 + spec.workload.staleness_limit
     pools = engine_options(spec, costs)
     grid = np.unique(np.concatenate([[0], np.floor(np.geomspace(1, 2**20, 160))]))  # contexts, floored onto it
-    other, steps = 0.0, []  # prefill and training device-seconds; per step, its turns' tokens and fixed seconds
+    # training device-seconds (prefills left out: chunked, they may run in the compute decode leaves idle);
+    # per step, its turns' tokens by context and their fixed seconds
+    other, steps = 0.0, []
     for train in trains:
         episodes = [t["episode"] for t in train.data["trajectories"]]
         lengths = [token_count(t["tokens"]) for t in train.data["trajectories"]]
@@ -126,7 +129,6 @@ def dual_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEvent]) 
                 tokens_at[i, np.searchsorted(grid, context, side="right") - 1] += response
                 fixed[i] += min(c.prefill_s(new, context - new) for c in pools)
                 fixed[i] += costs.shared.request_overhead_s + latency
-                other += min(c.prefill_s(new, context - new) * c.engine_devices for c in pools)
         steps.append((tokens_at, fixed))
     best = (0.0, 0, 0.0, 0)
     for split in SPLITS:

@@ -68,8 +68,7 @@ class SamplingParams:
     """How to decode one request. ``temperature == 0`` means greedy.
 
     Logprobs are always those of the *unscaled* model distribution (temperature 1), so the trainer's
-    ratio is computed against the same quantity whatever temperature sampled the token.
-    """
+    ratio is computed against the same quantity whatever temperature sampled the token."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -544,6 +543,7 @@ class EngineSettings:
     reward_devices: tuple[str, ...] = ()  # the job's devices set aside for the judge (``dedicated``)
     engine_scale: int = 1
     host_kv_tokens: int = 0
+    prefill_chunk: int = 0  # prompt tokens an iteration computes beside the decoding batch (``chunked_prefill``)
 
 
 @dataclass

@@ -362,7 +362,8 @@ def test_composition_adds_what_the_controller_allows_and_removes_what_is_on(tiny
     assert not [i for i in added if i.startswith("remove-")]
     colocated = {t.id for t in planner.composition_tasks(starter_params(tiny_spec, "colocate"))}
     # the engine's speculative decoding runs under any; the others need another controller
-    assert colocated == {"add-redundant_envs", "add-kv_routing", "add-speculative_decoding", "add-kv_host_tier"}
+    engine_techniques = {"add-speculative_decoding", "add-kv_host_tier", "add-chunked_prefill"}
+    assert colocated == {"add-redundant_envs", "add-kv_routing", *engine_techniques}
     on = {**multiplexed, "partial_rollout": 1}
     ids = {t.id for t in planner.composition_tasks(on)}
     assert "remove-partial_rollout" in ids and "add-partial_rollout" not in ids

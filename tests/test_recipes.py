@@ -257,6 +257,41 @@ def test_separated_prefill_leaves_every_decode_step_pure_and_the_tokens_unchange
         assert request.generated == reference_greedy(tiny_model, [prompt], 12)[0].tokens
 
 
+@pytest.mark.parametrize("separate", [False, True])
+def test_chunked_prefill_computes_prompts_in_chunks_beside_decoding_and_changes_no_token(path, tiny_model, separate):
+    """With ``prefill_chunk`` a step computes at most that many prompt tokens (the rest wait for the next
+    step) beside every decoding request, which gains its token each (mixed) step; a request samples only
+    once its whole prompt is computed; tokens are the reference's and logprobs its own, chunked or not."""
+    from targets.harness.reference.engine import next_token_logits
+
+    engine = PagedEngine(path, block_size=4, kv_tokens=2048, prefill_chunk=5, separate_prefill=separate)
+    steps: list[list[int]] = []
+    forward = engine._forward
+    engine._forward = lambda layout, tokens, *rows: (steps.append(list(layout.new)), forward(layout, tokens, *rows))[1]
+    prompts = fixed_prompts(4)
+    long_prompt = prompts[3] + [(5 * i + 1) % 60 + 2 for i in range(23)]
+    requests = [engine.submit(p, _greedy(12)) for p in prompts[:3]]
+    while not all(len(r.generated) >= 2 for r in requests):
+        engine.step()
+    steps.clear()
+    late = engine.submit(long_prompt, _greedy(12))
+    while not all(r.finish for r in [*requests, late]):
+        engine.step()
+    prompt_tokens = [sum(n for n in new if n > 1) for new in steps]
+    assert max(prompt_tokens) <= 5 and sum(prompt_tokens) >= len(long_prompt) - 5, steps
+    chunked = [new for new in steps if any(n > 1 for n in new)]
+    assert len(chunked) >= len(long_prompt) // 5, steps  # the prompt took several steps
+    if not separate:  # the decoding requests take part in each of those steps
+        assert all(new.count(1) == 3 for new in chunked[: len(long_prompt) // 5 - 1]), steps
+    for prompt, request in zip([*prompts[:3], long_prompt], [*requests, late]):
+        assert request.generated == reference_greedy(tiny_model, [prompt], 12)[0].tokens
+    sequence = list(long_prompt)
+    for token, logprob in zip(late.generated, late.logprobs):
+        expected = next_token_logits(tiny_model, [sequence])[0].log_softmax(-1)[token]
+        assert logprob == pytest.approx(float(expected), abs=1e-4)
+        sequence.append(token)
+
+
 def test_kv_blocks_of_finished_and_aborted_requests_are_reused(path):
     engine = PagedEngine(path, block_size=4, kv_tokens=64)  # 16 blocks
     total = engine.blocks.free_blocks
@@ -1121,6 +1156,8 @@ def test_a_vllm_stack_s_engine_options_are_vllm_s_or_refused_never_dropped():
         vllm_options({"kv_tokens": 8192}, 4096)
     with pytest.raises(ValueError, match="speculative_tokens"):
         vllm_options({"speculative_tokens": 4}, 4096)
+    with pytest.raises(ValueError, match="prefill_chunk: the paged engine's"):
+        vllm_options({"prefill_chunk": 2048}, 4096)
     with pytest.raises(ValueError, match="vLLM on CPU sizes its cache by VLLM_CPU_KVCACHE_SPACE"):
         vllm_options({"kv_memory_fraction": 0.5}, 4096, cuda=False)  # it would do nothing there
 

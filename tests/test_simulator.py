@@ -156,7 +156,7 @@ def test_engine_settings_a_hello_cannot_carry_are_refused_by_name():
     from targets.harness.ipc.protocol import ProtocolError
     from targets.harness.ipc.wire import get_engine_settings
 
-    reward = {"reward": "colocated", "reward_devices": [], "engine_scale": 1, "host_kv_tokens": 0}
+    reward = {"reward": "colocated", "reward_devices": [], "engine_scale": 1, "host_kv_tokens": 0, "prefill_chunk": 0}
     assert get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward}).speculative_tokens == 4
     with pytest.raises(ProtocolError, match="engine.engine_scale: 3 is not one of 1, 2, 4"):
         get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward, "engine_scale": 3})
@@ -164,6 +164,8 @@ def test_engine_settings_a_hello_cannot_carry_are_refused_by_name():
         get_engine_settings({"speculative_tokens": 65, "speculative_batch": 8, **reward})
     with pytest.raises(ProtocolError, match="engine.host_kv_tokens: -8 is negative"):
         get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward, "host_kv_tokens": -8})
+    with pytest.raises(ProtocolError, match="engine.prefill_chunk: -512 is negative"):
+        get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward, "prefill_chunk": -512})
     with pytest.raises(ProtocolError, match="engine.speculative_batch: -1 is negative"):
         get_engine_settings({"speculative_tokens": 4, "speculative_batch": -1, **reward})
     with pytest.raises(ProtocolError, match="speculative_tokens"):
@@ -237,6 +239,54 @@ def test_kv_grows_with_the_tokens_and_a_full_cache_preempts_the_newest(big):
     assert both_running == 2 and preemptions == 1
     assert len(a.tokens) == len(b.tokens) == 1000 and a.finish_reason == b.finish_reason == "length"
     assert peak <= cost.kv_capacity_tokens
+
+
+def test_chunked_prefill_keeps_the_batch_decoding_while_a_long_prompt_is_computed_beside_it(big):
+    """With ``prefill_chunk`` a request admitted while another decodes is computed a chunk an iteration
+    beside it (stall-free batching): the decoding one never pauses, so it finishes sooner than when decode
+    stops for the whole prompt; the newcomer's first token comes later (its prompt shares iterations); by
+    hand, those iterations take ``max(memory, compute + chunk's compute) + overhead`` each."""
+    paused = CostModel.from_spec(big)
+    chunked = paused.chunking(2048)
+
+    async def body(engine, loop):
+        first = engine.submit("a", 1000, 2000)
+        await asyncio.sleep(0.5)  # a decodes alone
+        started: list[float] = []
+        second = engine.submit("b", 60_000, 50, started=lambda: started.append(loop.time()))
+        await asyncio.sleep(1e-6)
+        joining = len(engine.joining)
+        a, a_done = await first, loop.time()
+        b = await second
+        return a_done, started[0], joining, len(a.tokens), len(b.tokens), engine.prefill_seconds
+
+    a_paused, b_first_paused, joining_paused, *tokens_paused, pause = _engine_run(paused, body)
+    a_chunked, b_first_chunked, joining_chunked, *tokens_chunked, no_pause = _engine_run(chunked, body)
+    assert tokens_paused == tokens_chunked == [2000, 50] and joining_paused == 0 < joining_chunked == 1
+    assert a_chunked < a_paused and b_first_chunked > b_first_paused and no_pause < pause
+    prompt_s = paused.prefill_s(60_000, 0)
+    iteration = paused.decode_iteration_s(
+        1, 1000 + 0.5 / paused.decode_token_s(1, 1000), 1, (2048 * prompt_s / 60_000, 2048)
+    )
+    assert iteration > paused.decode_iteration_s(1, 1000) and iteration * 60_000 / 2048 > prompt_s
+    assert b_first_chunked - 0.5 == pytest.approx(iteration * 60_000 / 2048, rel=0.02)
+
+
+def test_a_request_aborted_while_its_prompt_is_computed_in_chunks_is_answered_and_frees_its_kv(big):
+    chunked = CostModel.from_spec(big).chunking(512)
+
+    async def body(engine, loop):
+        first = engine.submit("a", 1000, 5000)
+        await asyncio.sleep(0.1)
+        second = engine.submit("b", 40_000, 50)
+        await asyncio.sleep(0.05)
+        held = engine._held
+        engine.abort()
+        return held, await first, await second, engine.joining, engine._held
+
+    held, a, b, joining, left = _engine_run(chunked, body)
+    assert held > 40_000 and a.finish_reason == b.finish_reason == "abort" and len(b.tokens) == 0
+    assert not joining and left == 0
 
 
 @pytest.mark.timeout(60)
@@ -882,6 +932,33 @@ def test_the_critical_path_bound_never_exceeds_the_mean_step_time():
     mean_step = ends[-1] / steps
     assert 999.0 / (1 + a) > mean_step  # what the run's longest path alone would have claimed
     assert 0 < bound["critical_path_bound_s"] <= mean_step
+
+
+@pytest.mark.parametrize("prompt, response", [(60_000, 16), (64, 4000)], ids=["prefill-heavy", "decode-heavy"])
+def test_the_work_bound_lets_a_prefill_hide_in_the_compute_decode_leaves_idle(big, prompt, response):
+    """A prompt computed in chunks beside a memory-bound decode (chunked prefill) costs no device time of
+    its own while the decode leaves compute idle: the bound's rollout work is the larger of the decode at
+    its cheapest batch and the compute (the prefill, and the decoded tokens' FLOPs), never their sum."""
+    from targets.api import TraceEvent
+
+    cost = CostModel.from_spec(big)
+    devices = [f"h800:{i}" for i in range(160)]
+    events = [
+        TraceEvent("run_start", 0.0, {"devices": devices}),
+        TraceEvent("env_reset", 0.0, {"episode": "g0/e0", "observation": prompt}),
+        TraceEvent("env_step", 1.0, {"episode": "g0/e0", "action": response, "observation": 0, "latency": 0.0}),
+        TraceEvent("train", 10.0, {"start": 9.0, "trajectories": [{"episode": "g0/e0", "tokens": prompt + response}]}),
+        TraceEvent("run_end", 10.0),
+    ]
+    bound = step_lower_bound(big, ClusterCosts.from_spec(big), events)
+    batch = cost.kv_capacity_tokens // (prompt + response)
+    decode = response * cost.fastest_token_s(batch, batch * (prompt + response / 2)) / batch
+    computed = cost.prefill_s(prompt, 0) + response * cost.token_compute_s(prompt + response / 2)
+    by_hand = max(decode, computed) * cost.engine_devices / len(devices)
+    assert bound["rollout_bound_s"] == pytest.approx(by_hand) and bound["rollout_bound_s"] < (
+        (decode + cost.prefill_s(prompt, 0)) * cost.engine_devices / len(devices)
+    )
+    assert (computed > decode) is (prompt > response)
 
 
 def test_a_simulated_run_s_controller_builds_its_stack_without_torch(tmp_path):

@@ -829,3 +829,48 @@ def test_kv_host_tier_in_the_simulator_restores_instead_of_prefilling(tmp_path, 
     assert runs["tier"]["prefilled_tokens"] < runs["plain"]["prefilled_tokens"], runs
     # the seconds those prefills took are what the evaluator's prefill_bound finding reads (prefill_share)
     assert 0 < runs["tier"]["prefill_seconds"] < runs["plain"]["prefill_seconds"], runs
+
+
+# -- chunked_prefill: prompts computed in chunks beside the decoding batch ------------------------------
+
+CHUNKS = {"prefill_chunk": 8}
+WHOLE_ROWS = "        whole = [r.computed + n == len(r.tokens) for r, n in zip(batch, takes)]"  # prompts done
+
+
+def _chunks_in(out) -> int:
+    """Prompt chunks computed short of their prompt's end, over the engines (each engine's log line)."""
+    return sum(
+        int(n) for n in re.findall(r"chunked prefill on \S+: (\d+) prompt chunks", (out / "cluster.log").read_text())
+    )
+
+
+def test_chunked_prefill_computes_prompts_in_chunks_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):
+    """The engines compute prompts 8 tokens a step beside their decoding requests; every turn's logprobs
+    pass the audit's replay (a chunk's keys and values are the whole prompt's)."""
+    audited_run(tmp_path, fast_target, CHUNKS, False)
+    assert _chunks_in(tmp_path / "out") > 0
+
+
+def test_a_chunked_engine_that_samples_before_its_prompt_is_computed_is_rejected_by_the_replay(tmp_path, fast_target):
+    """Planted: a request samples its first token after its prompt's first chunk (the rest of the prompt
+    never computed). Its tokens' logprobs are not what the claimed weights give the whole context: the
+    audit's replay rejects the run."""
+    early = "        whole = [True for r in batch]"
+    _, run = harness_run(tmp_path, fast_target, CHUNKS, False, patch=planted("paged_engine.py", WHOLE_ROWS, early))
+    audit = run.results["audit"]["result"]
+    assert not audit["passed"] and any(r.startswith("replay: ") for r in audit["reasons"]), audit["reasons"]
+
+
+def test_chunked_prefill_in_the_simulator_pauses_decode_less(tmp_path, fast_target):
+    """Simulated on engines whose episodes keep arriving while others decode: with chunks the engines pause
+    decode for fewer seconds than the same seed without (the prompts are computed beside the batch); the
+    stack's hello tells the harness the chunk, and the audit passes."""
+    runs = {}
+    for name, params in (("plain", {}), ("chunked", {"prefill_chunk": 64})):
+        data = yaml.safe_load(fast_target.read_text())
+        _, run = target_run(tmp_path / name, data, params, True)
+        assert run.ok and run.results["audit"]["result"]["passed"], (run.cause, run.results.get("audit"))
+        start = next(e for e in Trace.load_events(run.out / "trace.jsonl") if e.kind == "run_start")
+        assert start.data["engine"]["prefill_chunk"] == params.get("prefill_chunk", 0)
+        runs[name] = run.results["system"]
+    assert 0 <= runs["chunked"]["prefill_seconds"] < runs["plain"]["prefill_seconds"], runs

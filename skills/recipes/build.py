@@ -19,6 +19,7 @@ from .time_multiplex import TimeMultiplex
 CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiplex": TimeMultiplex}
 ENGINE_OPTIONS = ("block_size", "kv_tokens", "kv_memory_fraction", "max_batch", "cuda_graphs", "attention")
 ENGINE_OPTIONS += ("speculative_tokens", "speculative_ngram", "speculative_batch")  # the speculative_decoding skill
+ENGINE_OPTIONS += ("prefill_chunk",)  # the chunked_prefill skill
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
 STRUCTURE = ("controller", "engine", "cluster", "threads_per_actor", "rollout_devices", "train_devices", "bucket_bytes")
 TECHNIQUE_PARAMS = (  # what the controllers, the router, the harvester and the reward placement read
@@ -47,7 +48,7 @@ def vllm_options(params: dict, max_sequence: int, cuda: bool = True) -> dict:
     memory, the batch bound, graphs or eager); the paged engine's own options that vLLM has no
     equivalent of are refused rather than dropped. ``block_size`` (every starter's) stays the paged
     engine's: vLLM picks its block size per attention backend (its CPU backend takes multiples of 32)."""
-    for own in ("speculative_tokens", "host_kv"):
+    for own in ("speculative_tokens", "host_kv", "prefill_chunk"):
         if params.get(own, 0):
             raise ValueError(f"{own}: the paged engine's (its skill's recipe), not vLLM's")
     own = [k for k in ("kv_tokens", "attention") if k in params and params[k] not in (None, "auto")]
@@ -152,6 +153,7 @@ def build(runtime: Runtime) -> Stack:
     # VAL: VAL_INT_RANGE (value=params.get("partial_rollout", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("tail_round", 0), min=0, max=runtime.workload.groups_per_step)
     # VAL: VAL_INT_RANGE (value=params.get("speculative_tokens", 0), min=0, max=8)
+    # VAL: VAL_INT_RANGE (value=params.get("prefill_chunk", 0), min=0, max=1 << 20)
     # VAL: VAL_INT_RANGE (value=params.get("checkpoint_level", 0), min=0, max=2)
     # VAL: VAL_INT_RANGE (value=params.get("serving_harvest", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("stream_train", 0), min=0, max=1)
@@ -171,5 +173,6 @@ def build(runtime: Runtime) -> Stack:
         reward_devices=reward_devices,
         engine_scale=engine_scale,
         host_kv_tokens=host_kv_tokens,
+        prefill_chunk=params.get("prefill_chunk", 0),
     )
     return Stack(controller, make_cluster, make_engine, make_trainer, sync_engine, declared, engine_settings)

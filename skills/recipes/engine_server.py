@@ -215,9 +215,10 @@ class EngineServer:
 
     async def counts(self) -> dict[str, int]:
         """The engine's own counts, for the cluster's log: tokens drafted and kept (speculative_decoding),
-        tokens saved to and restored from its host tier (kv_host_tier)."""
+        tokens saved to and restored from its host tier (kv_host_tier), prompt chunks (chunked_prefill)."""
         host = getattr(self.engine, "host_kv", None)
         return {
+            "chunks": getattr(self.engine, "chunks", 0),
             "drafted": getattr(self.engine, "drafted", 0),
             "kept": getattr(self.engine, "accepted", 0),
             "host_saved": host.saved_tokens if host is not None else 0,

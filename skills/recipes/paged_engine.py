@@ -37,7 +37,7 @@ from .kernel_choice import GRAPHED_ATTENTION, choose_attention, choose_fused
 from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
 from .qwen3_model import Qwen3, head_dim_of, load_checkpoint
-from .request import Request
+from .request import Request, step_takes
 
 TAGS = ("weights", "kv_cache")
 
@@ -63,6 +63,7 @@ class PagedEngine:
         speculative_batch: int = 64,
         host_kv_tokens: int = 0,
         fused_kernels: bool | None = None,
+        prefill_chunk: int = 0,
     ) -> None:
         """``separate_prefill``: steps either prefill newly admitted requests or decode the running ones,
         never both, so every decode step is one the captured graphs replay (default: where graphs are
@@ -70,17 +71,19 @@ class PagedEngine:
         to that many tokens, found by a match of that many last tokens, while at most that many
         requests run (0 tokens: off). ``host_kv_tokens``: the host tier's capacity for evicted prefixes
         (the ``kv_host_tier`` skill; 0: an evicted prefix is lost). ``fused_kernels``: norms, RoPE and the
-        MLP's activation in Triton kernels (``choose_fused``; default: with a GPU attention kernel)."""
+        MLP's activation in Triton kernels (``choose_fused``; default: with a GPU attention kernel).
+        ``prefill_chunk``: prompt tokens a step computes beside the decoding requests (0: whole prompts)."""
         for option, value, low in (
             ("speculative_tokens", speculative_tokens, 0),
             ("speculative_ngram", speculative_ngram, 1),
             ("speculative_batch", speculative_batch, 1),
+            ("prefill_chunk", prefill_chunk, 0),
         ):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {option} must be an integer >= {low}, not {value!r}")
         self.speculative_tokens, self.speculative_ngram = speculative_tokens, speculative_ngram
-        self.speculative_batch = speculative_batch
-        self.drafted = self.accepted = 0  # drafted tokens, and those the verification kept
+        self.speculative_batch, self.prefill_chunk = speculative_batch, prefill_chunk
+        self.drafted = self.accepted = self.chunks = 0  # drafted tokens, those kept; prompt chunks short of a prompt
         self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
         self.config, self.weights = load_checkpoint(model_path, device, self.dtype)
         head_dim = head_dim_of(self.config)
@@ -371,19 +374,33 @@ class PagedEngine:
         if not self.running:
             return finished
         batch = self._this_step()
-        drafts = self._drafts(batch)
+        takes = step_takes(batch, self.prefill_chunk)
+        batch, takes = [r for r, n in zip(batch, takes) if n], [n for n in takes if n]
+        drafts = self._drafts(batch)  # a request part-way through its prompt drafts nothing
         layout = StepLayout(
             [r.blocks for r in batch],
-            [len(r.tokens) + len(d) for r, d in zip(batch, drafts)],
-            [len(r.tokens) - r.computed + len(d) for r, d in zip(batch, drafts)],
+            [r.computed + n + len(d) for r, n, d in zip(batch, takes, drafts)],
+            [n + len(d) for n, d in zip(takes, drafts)],
             self.block_size,
         )
-        tokens = [t for r, d in zip(batch, drafts) for t in r.tokens[r.computed :] + d]
+        tokens = [t for r, n, d in zip(batch, takes, drafts) for t in r.tokens[r.computed : r.computed + n] + d]
+        logits = self._forward(layout, tokens, [len(d) + 1 for d in drafts] if any(drafts) else None)
+        whole = [r.computed + n == len(r.tokens) for r, n in zip(batch, takes)]  # the rest: a chunk, no token yet
+        if not all(whole):
+            self.chunks += whole.count(False)
+            ends = itertools.accumulate(len(d) + 1 for d in drafts)  # each request's rows of logits end here
+            rows = [row for end, d, w in zip(ends, drafts, whole) if w for row in range(end - len(d) - 1, end)]
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            for request, n, w in zip(batch, takes, whole):
+                request.computed += 0 if w else n
+            batch, drafts = [r for r, w in zip(batch, whole) if w], [d for d, w in zip(drafts, whole) if w]
+        if not batch:
+            return finished
         if not any(drafts):  # the plain step: one row of logits a request, one batched draw
-            chosen, logprobs = self._sample(batch, self._forward(layout, tokens))
+            chosen, logprobs = self._sample(batch, logits)
             news = [([token], [logprob]) for token, logprob in zip(chosen, logprobs)]
         else:
-            news = self._verified(batch, drafts, self._forward(layout, tokens, [len(d) + 1 for d in drafts]))
+            news = self._verified(batch, drafts, logits)
         for request, (new_tokens, new_logprobs) in zip(batch, news):
             request.computed = len(request.tokens) + len(new_tokens) - 1  # a kept draft's keys are cached
             for token, logprob in zip(new_tokens, new_logprobs):

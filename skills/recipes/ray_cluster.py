@@ -59,6 +59,7 @@ STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and 
 COUNTED = {
     "speculative_tokens": ("speculative decoding", "{kept} of {drafted} drafted tokens kept"),
     "host_kv_tokens": ("host tier", "{host_restored} tokens restored of {host_saved} saved"),
+    "prefill_chunk": ("chunked prefill", "{chunks} prompt chunks computed short of their prompt's end"),
 }
 
 

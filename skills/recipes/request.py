@@ -35,3 +35,18 @@ class Request:
     @property
     def decoded(self) -> bool:  # some tokens generated (under the weights it started with)
         return len(self.tokens) > len(self.prompt)
+
+
+def step_takes(batch: list[Request], prefill_chunk: int) -> list[int]:
+    """How many of its uncomputed tokens each request of a step computes: a decoding request its last
+    token; a prefilling one the rest of its context, or with ``prefill_chunk`` (the ``chunked_prefill``
+    skill) its share of that many tokens a step, in admission order (0: it waits for the next step)."""
+    takes, left = [], prefill_chunk
+    for request in batch:
+        remaining = len(request.tokens) - request.computed
+        if remaining <= 1 or not prefill_chunk:
+            takes.append(remaining)
+            continue
+        takes.append(min(remaining, left))
+        left -= takes[-1]
+    return takes

@@ -216,6 +216,7 @@ def put_engine_settings(e: EngineSettings) -> dict:
         "reward_devices": list(e.reward_devices),
         "engine_scale": e.engine_scale,
         "host_kv_tokens": e.host_kv_tokens,
+        "prefill_chunk": e.prefill_chunk,
     }
 
 
@@ -226,6 +227,7 @@ def get_engine_settings(data: Any) -> EngineSettings:
     devices = field_of(data, "reward_devices", list, "engine")
     scale = field_of(data, "engine_scale", int, "engine")
     host_kv = field_of(data, "host_kv_tokens", int, "engine")
+    chunk = field_of(data, "prefill_chunk", int, "engine")
     if not 0 <= tokens <= MAX_SPECULATIVE_TOKENS:
         raise ProtocolError(f"engine.speculative_tokens: {tokens} is not in [0, {MAX_SPECULATIVE_TOKENS}]")
     if batch < 0:
@@ -238,7 +240,9 @@ def get_engine_settings(data: Any) -> EngineSettings:
         raise ProtocolError(f"engine.engine_scale: {scale} is not one of {', '.join(map(str, ENGINE_SCALES))}")
     if host_kv < 0:
         raise ProtocolError(f"engine.host_kv_tokens: {host_kv} is negative")
-    return EngineSettings(tokens, batch, reward, tuple(devices), scale, host_kv)
+    if chunk < 0:
+        raise ProtocolError(f"engine.prefill_chunk: {chunk} is negative")
+    return EngineSettings(tokens, batch, reward, tuple(devices), scale, host_kv, chunk)
 
 
 def put_declared(d: Declared) -> dict:

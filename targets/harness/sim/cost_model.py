@@ -44,6 +44,13 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   the previous turn; full re-prefill after an abort or a move to another engine):
   ``flops = 2 * active_params * n + 4 * layers * attn_width * n * (p + n / 2)`` at
   ``d * peak * rollout_mfu`` (plus the tensor-parallel traffic): compute-bound.
+* **chunked prefill** (a stack's ``prefill_chunk`` ``c`` tokens, the ``chunked_prefill`` skill): while
+  sequences decode, an admitted request's prompt is computed ``c`` tokens an iteration beside them
+  (Sarathi-Serve's stall-free batching) instead of decode pausing for all of it: such an iteration takes
+  ``max(memory_s, compute_s + x) + decode_step_overhead_s`` plus the tensor-parallel traffic of its
+  positions and the chunk's, ``x = c * prefill_s(n, p) / n`` (the request's prefill spread evenly over its
+  ``n`` new tokens), so a chunk uses the compute a memory-bound iteration leaves idle. The request joins
+  the batch when its last chunk is computed; an engine with nothing decoding prefills whole, as without.
 * **request overhead**: every ``generate`` answer reaches its caller ``request_overhead_s`` after
   its engine finished it (the calls between the controller and the engine; the engine is free
   meanwhile).
@@ -117,6 +124,7 @@ class CostModel:
     speculative_tokens: int = 0
     speculative_batch: int = 0
     host_kv_tokens: int = 0  # the stack's host tier an engine (0: none)
+    prefill_chunk: int = 0  # the stack's prompt tokens an iteration computes beside its decode (0: decode pauses)
     resident_bytes: float = 0.0  # another model's weights an engine's devices hold (a colocated judge's)
 
     @classmethod
@@ -197,9 +205,12 @@ class CostModel:
         return max(0, int(free / self.kv_bytes_per_token))
 
     # -- rollout -------------------------------------------------------------------------------
-    def decode_iteration_s(self, batch: int, context_tokens: float, width: int = 1) -> float:
+    def decode_iteration_s(
+        self, batch: int, context_tokens: float, width: int = 1, beside: tuple[float, int] = (0.0, 0)
+    ) -> float:
         """One decode step of ``batch`` sequences holding ``context_tokens`` in all, ``width``
-        positions each (1, or a draft's ``k + 1``)."""
+        positions each (1, or a draft's ``k + 1``); ``beside``: the compute seconds and tokens of a
+        prefill chunk the same step computes (chunked prefill), which take the compute the reads leave."""
         memory_s = self.decode_bytes(batch * width, context_tokens) / (
             self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency
         )
@@ -208,7 +219,12 @@ class CostModel:
             * self.decode_flops(batch, context_tokens)
             / (self.engine_devices * self.peak_flops * self.rollout_mfu)
         )
-        return max(memory_s, compute_s) + self.decode_step_overhead_s + self.tensor_parallel_s(batch * width)
+        prefill_s, prefill_tokens = beside
+        return (
+            max(memory_s, compute_s + prefill_s)
+            + self.decode_step_overhead_s
+            + self.tensor_parallel_s(batch * width + prefill_tokens)
+        )
 
     def tensor_parallel_s(self, positions: float) -> float:
         """The all-reduces of one step over ``positions`` token positions that cross nodes (0 within one)."""
@@ -236,6 +252,11 @@ class CostModel:
         """This cost model for a stack whose engines keep up to ``tokens`` of evicted prefixes on the host."""
         return replace(self, host_kv_tokens=tokens)
 
+    def chunking(self, tokens: int) -> CostModel:
+        """This cost model for a stack whose engines compute up to ``tokens`` of prompts an iteration beside
+        the decoding batch (the ``chunked_prefill`` skill; 0: decode pauses for a prefill)."""
+        return replace(self, prefill_chunk=tokens)
+
     @property
     def host_tier_limit_tokens(self) -> int:
         """The most KV an engine's host tier may hold: all of its devices' host memory."""
@@ -245,17 +266,26 @@ class CostModel:
         """Copying ``tokens`` of an engine's keys and values back from host memory, over each device's link."""
         return tokens * self.kv_bytes_per_token / self.engine_devices / self.host_bytes_per_s
 
-    def decode_token_s(self, batch: int, context_tokens: float) -> float:
+    def decode_token_s(self, batch: int, context_tokens: float, beside: tuple[float, int] = (0.0, 0)) -> float:
         """Seconds per token of each running sequence's progress: the plain iteration, or with the
-        stack's drafts (at most ``speculative_batch`` running) the verification over ``E``."""
+        stack's drafts (at most ``speculative_batch`` running) the verification over ``E``; ``beside``:
+        a prefill chunk each iteration computes too (``decode_iteration_s``)."""
         k = self.speculative_tokens
         if k and batch <= self.speculative_batch:
-            return self.drafting_token_s(batch, context_tokens, k)
-        return self.decode_iteration_s(batch, context_tokens)
+            return self.drafting_token_s(batch, context_tokens, k, beside)
+        return self.decode_iteration_s(batch, context_tokens, 1, beside)
 
-    def drafting_token_s(self, batch: int, context_tokens: float, draft_tokens: int) -> float:
+    def tokens_per_iteration(self, batch: int) -> float:
+        """Tokens of progress each of ``batch`` sequences gains an iteration: its drafts' ``E``, or 1."""
+        k = self.speculative_tokens
+        return self.tokens_per_step(k) if k and batch <= self.speculative_batch else 1.0
+
+    def drafting_token_s(
+        self, batch: int, context_tokens: float, draft_tokens: int, beside: tuple[float, int] = (0.0, 0)
+    ) -> float:
         """Seconds per token of progress verifying ``draft_tokens`` drafts a step: ``iteration(b, C, k + 1) / E``."""
-        return self.decode_iteration_s(batch, context_tokens, draft_tokens + 1) / self.tokens_per_step(draft_tokens)
+        iteration = self.decode_iteration_s(batch, context_tokens, draft_tokens + 1, beside)
+        return iteration / self.tokens_per_step(draft_tokens)
 
     def fastest_token_s(self, batch: int, context_tokens: float) -> float:
         """The least ``decode_token_s`` any draft length gives (the lower bound's decode cost)."""
@@ -269,6 +299,11 @@ class CostModel:
         touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** batch if self.expert_params else 0.0
         weights = (self.dense_params + self.expert_params * touched) * self.dtype_bytes
         return weights + context_tokens * self.kv_bytes_per_token
+
+    def token_compute_s(self, context_tokens: float) -> float:
+        """Compute seconds of one sequence's token at ``context_tokens`` of context: what any decode step
+        spends on it at least, whatever its batch or drafts (the fluid bound's compute floor)."""
+        return self.decode_flops(1, context_tokens) / (self.engine_devices * self.peak_flops * self.rollout_mfu)
 
     def decode_flops(self, batch: float, context_tokens: float) -> float:
         return 2 * self.active_params * batch + 4 * self.layers * self.attn_width * context_tokens
@@ -360,11 +395,11 @@ class ClusterCosts:
         return None
 
     def for_engines(self, engine: EngineSettings) -> ClusterCosts:
-        """The costs of a stack's engines as it declares them: their span, their drafts, their host tier."""
+        """The costs of a stack's engines as it declares them: their span, drafts, host tier and prefill chunks."""
         pools = {
-            name: cost.speculating(engine.speculative_tokens, engine.speculative_batch).with_host_tier(
-                engine.host_kv_tokens
-            )
+            name: cost.speculating(engine.speculative_tokens, engine.speculative_batch)
+            .with_host_tier(engine.host_kv_tokens)
+            .chunking(engine.prefill_chunk)
             for name, cost in self.scaled(engine.engine_scale).pools.items()
         }
         return replace(self, pools=pools)

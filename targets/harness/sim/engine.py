@@ -4,7 +4,9 @@ KV is used as tokens are generated, as vLLM's paged cache is: a request is admit
 context fits beside what the running sequences hold now (idle cached prefixes are evicted, least
 recently used, to make room), and under static batching only once the running batch has finished.
 Admitted requests are prefilled (decode pauses meanwhile), then decode one token per iteration
-together. When the running sequences' growth fills the cache, idle prefixes are evicted first;
+together; with chunked prefill (``CostModel.prefill_chunk``) a request admitted while others decode is
+computed a chunk an iteration beside them (``_Joining``) and joins the batch when its prompt is done.
+When the running sequences' growth fills the cache, idle prefixes are evicted first;
 then the most recently admitted sequence is preempted: its KV is freed and it goes back to the
 head of the queue, to prefill its whole context (prompt plus what it generated) again when it fits
 (vLLM's recompute preemption); with a host tier (``CostModel.host_kv_tokens``) an evicted prefix is
@@ -70,6 +72,16 @@ class _Sequence:
         return self.prompt_tokens + self.generated
 
 
+@dataclass(eq=False)
+class _Joining:
+    """An admitted request whose prompt is computed in chunks beside the decoding batch: its KV is held,
+    ``left`` tokens are still to compute, each at ``seconds_per_token`` of the engine's compute."""
+
+    seq: _Sequence
+    left: float
+    seconds_per_token: float
+
+
 class SimEngine:
     def __init__(self, name: str, devices: list[str], cost: CostModel) -> None:
         self.name, self.devices, self.cost = name, devices, cost
@@ -78,6 +90,8 @@ class SimEngine:
         self.offloaded = False
         self.queue: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # in admission order: the last is the first preempted
+        self.joining: deque[_Joining] = deque()  # admitted, prefilled a chunk an iteration (chunked prefill)
+        self._joining_tokens = 0.0  # the KV they hold
         self.cached: OrderedDict[str, int] = OrderedDict()  # episode -> KV tokens kept after its turn
         self.host: OrderedDict[str, int] = OrderedDict()  # episode -> KV tokens of its evicted prefix on the host
         self._host_tokens = 0  # sum of ``host``
@@ -100,8 +114,9 @@ class SimEngine:
         self._loop = asyncio.get_running_loop()
         self._epoch = 0  # bumped by abort: work in progress from an older epoch is discarded
         self._epoch_at_top = 0  # the epoch when the serving loop last went round
-        # (start, seconds per iteration, iterations to its event) of the chunk decoding now
-        self._decoding: tuple[float, float, float] | None = None
+        # (start, seconds per iteration, iterations to its event, prompt tokens an iteration) of the chunk
+        # decoding now
+        self._decoding: tuple[float, float, float, int] | None = None
         self._phase = "starting"  # the serving loop's state: starting, prefill, decoding, idle, woken, closed
         self._prefilling: list[_Sequence] = []  # admitted with a ``started`` to tell when the prefill ends
         self._timer: asyncio.TimerHandle | None = None
@@ -110,12 +125,17 @@ class SimEngine:
     # -- requests --------------------------------------------------------------------------------
     @property
     def load(self) -> int:
-        return len(self.queue) + len(self.running)
+        return len(self.queue) + len(self.joining) + len(self.running)
 
     @property
     def pending(self) -> int:
-        """Requests still to be prefilled here (queued, or in the prefill running now)."""
-        return len(self.queue) + len(self._prefilling)
+        """Requests still to be prefilled here (queued, or in the prefill running now, or joining)."""
+        return len(self.queue) + len(self._prefilling) + len(self.joining)
+
+    @property
+    def _held(self) -> float:
+        """KV the admitted requests hold: the running batch's and the joining requests'."""
+        return self._context + self._joining_tokens
 
     def submit(
         self,
@@ -155,9 +175,11 @@ class SimEngine:
         self._progress()
         for seq in self.running:
             self._leave_batch(seq)
-        answered = self.running + [s for s in self.queue if s.preempted]
+        answered = self.running + [j.seq for j in self.joining] + [s for s in self.queue if s.preempted]
         self.queue = deque(s for s in self.queue if not s.preempted)
         self.running = []
+        self.joining.clear()
+        self._joining_tokens = 0.0
         self._empty_batch()
         self._epoch += 1
         self._drained.set()
@@ -181,7 +203,7 @@ class SimEngine:
         if interrupt:
             self.interrupt()
         self._wake()
-        while self.running or any(s.preempted for s in self.queue):
+        while self.running or self.joining or any(s.preempted for s in self.queue):
             self._drained.clear()
             await self._drained.wait()
         await asyncio.sleep(seconds)
@@ -225,6 +247,8 @@ class SimEngine:
             return
         self._epoch_at_top = self._epoch
         prefill = self._admit()
+        if self.joining and not self.running:  # nothing decodes beside them: they prefill whole
+            prefill += self._join_all()
         if prefill > 0:  # decode pauses while the new requests prefill
             self._phase = "prefill"
             self._timer = self._loop.call_later(prefill, self._after_prefill)
@@ -256,9 +280,14 @@ class SimEngine:
             self._drained.set()
             self._phase, self._timer = "idle", None
             return
-        iteration = self.cost.decode_token_s(len(self.running), self._context)  # a token of each one's progress
-        to_event = self._iterations_to_event()
-        self._decoding = (self._loop.time(), iteration, to_event)
+        to_event, chunk, beside = self._iterations_to_event(), 0.0, (0.0, 0)
+        if self.joining:  # a chunk of the head's prompt each iteration, beside the batch
+            head, tokens = self.joining[0], self.cost.prefill_chunk
+            beside = (tokens * head.seconds_per_token, tokens)
+            chunk = tokens / self.cost.tokens_per_iteration(len(self.running))  # prompt tokens a token of progress
+            to_event = min(to_event, head.left / chunk)
+        iteration = self.cost.decode_token_s(len(self.running), self._context, beside)  # a token of each one's progress
+        self._decoding = (self._loop.time(), iteration, to_event, chunk)
         self._phase = "decoding"
         self._timer = self._loop.call_later(to_event * iteration, self._chunk_end)
 
@@ -287,7 +316,7 @@ class SimEngine:
     def _evict_to(self, limit: float) -> None:
         """Evict idle prefixes, least recently used first, until all KV fits in ``limit`` (to the host
         tier, if the stack has one)."""
-        while self.cached and self._context + self._cached_tokens > limit + EPS:
+        while self.cached and self._held + self._cached_tokens > limit + EPS:
             episode, tokens = self.cached.popitem(last=False)
             self._cached_tokens -= tokens
             if tokens <= self.cost.host_kv_tokens:
@@ -308,16 +337,18 @@ class SimEngine:
         self._host_tokens = 0
 
     def _admit(self) -> float:
-        """Move queued requests whose context fits into the batch; returns the prefill seconds they need."""
+        """Move queued requests whose context fits into the batch; returns the prefill seconds they need
+        (requests admitted while others decode, with chunked prefill, join instead: none of their seconds)."""
         prefill, self._saving_s = self._saving_s, 0.0
         if self.running and not self.cost.continuous_batching:
             return prefill  # static batching: the running batch finishes first
+        beside = self.cost.prefill_chunk > 0 and bool(self.running)  # chunks beside a decoding batch
         while self.queue and not self.offloaded:
             seq = self.queue[0]
             if self._paused and not seq.preempted:
                 break  # a weight load waits: only the running batch's own preempted members go on
             context = seq.context
-            if self._context + context + 1 > self.capacity:
+            if self._held + context + 1 > self.capacity:
                 break  # does not fit even with every idle prefix evicted: wait
             cached = self._uncache(seq.episode)
             cached = cached if cached <= context else 0
@@ -327,27 +358,54 @@ class SimEngine:
             if not seq.preempted:
                 seq.version = self.version
             seq.preempted = False
-            seq.mark, seq.admitted = self._decoded - seq.generated, next(self._admissions)
-            heapq.heappush(self._ends, (seq.length + seq.mark, seq.admitted, seq))
-            self.running.append(seq)
-            self._context += context
             if restored:
                 prefill += self.cost.restore_s(restored)
                 cached, self.restored_tokens = restored, self.restored_tokens + restored
-            prefill += self.cost.prefill_s(context - cached, cached)
+            seconds = self.cost.prefill_s(context - cached, cached)
             self.prefilled_tokens += context - cached
+            if beside and context - cached >= 1:
+                self.joining.append(_Joining(seq, context - cached, seconds / (context - cached)))
+                self._joining_tokens += context
+                continue
+            self._join(seq, context)
+            prefill += seconds
             if seq.started is not None:
                 self._prefilling.append(seq)
-        self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
+        self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._held + self._cached_tokens))
         self.prefill_seconds += prefill
         return prefill
+
+    def _join(self, seq: _Sequence, context: float) -> None:
+        """``seq``, its prompt computed, enters the decoding batch holding ``context`` tokens of KV."""
+        seq.mark, seq.admitted = self._decoded - seq.generated, next(self._admissions)
+        heapq.heappush(self._ends, (seq.length + seq.mark, seq.admitted, seq))
+        self.running.append(seq)
+        self._context += context
+
+    def _joined(self, joining: _Joining) -> None:
+        """A joining request's prompt is computed: its KV moves to the batch, which it enters."""
+        context = joining.seq.context
+        self._joining_tokens -= context
+        self._join(joining.seq, context)
+
+    def _join_all(self) -> float:
+        """Every joining request enters the batch at once; returns the seconds their prompts' rest takes
+        (decode pauses: nothing else decodes)."""
+        seconds = sum(j.left * j.seconds_per_token for j in self.joining)
+        for joining in self.joining:
+            self._joined(joining)
+            if joining.seq.started is not None:
+                self._prefilling.append(joining.seq)
+        self.joining.clear()
+        self.prefill_seconds += seconds
+        return seconds
 
     def _progress(self, whole: bool = False) -> None:
         """Credit the running sequences with the iterations decoded since the chunk started (``whole``:
         all of the chunk's); their growth evicts idle prefixes."""
         if self._decoding is None:
             return
-        start, iteration, to_event = self._decoding  # the batch has not changed since the chunk started
+        start, iteration, to_event, chunk = self._decoding  # the batch has not changed since the chunk started
         self._decoding = None
         if not self.running:
             return
@@ -362,15 +420,24 @@ class SimEngine:
             self._ends = [(seq.length + seq.mark, seq.admitted, seq) for seq in self.running]
             heapq.heapify(self._ends)
             self._decoded = 0.0
+        computed = progressed * chunk  # prompt tokens of the joining requests, the head first
+        while self.joining and computed > 0:
+            head = self.joining[0]
+            used = min(head.left, computed)
+            head.left, computed = head.left - used, computed - used
+            if head.left <= EPS * max(1.0, chunk):
+                self._joined(self.joining.popleft())
+                if head.seq.started is not None:
+                    head.seq.started()
         self._evict_to(self.capacity)
-        self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._context + self._cached_tokens))
+        self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._held + self._cached_tokens))
 
     def _iterations_to_event(self) -> float:
         """Decode iterations the running batch can take before a sequence finishes or the cache is full."""
         return max(0.0, min(self._next_end() - self._decoded, self._iterations_to_full()))
 
     def _iterations_to_full(self) -> float:
-        return (self.capacity - self._context) / len(self.running)
+        return (self.capacity - self._held) / len(self.running)
 
     def _next_end(self) -> float:
         """(length + mark) of the batch's next sequence to finish (entries of those gone are dropped)."""

@@ -2,10 +2,12 @@
 
 No schedule can beat either of two limits:
 
-* **work**: the step's rollout and training work spread perfectly over all devices. A turn's
-  rollout work is its prefill with the previous turn's prefix cached, plus its decode at the
-  largest batch the KV capacity admits at that context (the cheapest per-token cost the model
-  allows), times the engine's devices; training work is the batch's training FLOPs at the MFU.
+* **work**: the step's rollout and training work spread perfectly over all devices. Rollout work is
+  the larger of the turns' decode at the largest batch the KV capacity admits at its context (the
+  cheapest per-token cost the model allows) and their compute alone (each turn's prefill with the
+  previous turn's prefix cached, plus its decoded tokens' FLOPs), times the engine's devices: a prefill
+  may run in the compute a memory-bound decode step leaves idle (chunked prefill), so the two do not
+  add up. Training work is the batch's training FLOPs at the MFU.
   Decoding costs the cheapest draft length's ``iteration / E`` (``cost_model.py``: speculative
   decoding; with ``tokens.draft_acceptance`` 0, the plain iteration).
 * **critical path**: each step's longest trained trajectory, decoded alone (batch 1) with its
@@ -81,13 +83,20 @@ def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEv
 
     pools = engine_options(spec, costs)
 
-    def turn_work(cost, context: int, new: int, response: int) -> float:
+    def decode_work(cost, context: int, response: int) -> float:
         batch = max(1, cost.kv_capacity_tokens // max(1, context + response))
         per_token = cost.fastest_token_s(batch, batch * (context + response / 2)) / batch
-        return (cost.prefill_s(new, context - new) + response * per_token) * cost.engine_devices
+        return response * per_token * cost.engine_devices
 
-    def rollout_work(episode: str) -> float:
-        return sum(min(turn_work(c, *turn[:3]) for c in pools) for turn in turns.get(episode, []))
+    def compute_work(cost, context: int, new: int, response: int) -> float:
+        computed = cost.prefill_s(new, context - new) + response * cost.token_compute_s(context + response / 2)
+        return computed * cost.engine_devices
+
+    def rollout_work(episodes: list[str]) -> float:
+        every = [turn for e in episodes for turn in turns.get(e, [])]
+        decode = sum(min(decode_work(c, context, response) for c in pools) for context, _, response, _ in every)
+        computed = sum(min(compute_work(c, *turn[:3]) for c in pools) for turn in every)
+        return max(decode, computed)
 
     def critical_path(episode: str) -> float:
         return sum(
@@ -111,7 +120,7 @@ def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEv
             {
                 "step": number,
                 "measured_s": train.t - previous_end,
-                "rollout_s": sum(rollout_work(e) for e in episodes) / devices,
+                "rollout_s": rollout_work(episodes) / devices,
                 "train_s": train_work(lengths) / devices,
                 "path_s": max((critical_path(e) for e in episodes), default=0.0) / stretch,
             }

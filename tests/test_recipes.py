@@ -257,12 +257,23 @@ def test_separated_prefill_leaves_every_decode_step_pure_and_the_tokens_unchange
         assert request.generated == reference_greedy(tiny_model, [prompt], 12)[0].tokens
 
 
+def _assert_the_references_tokens_and_logprobs(tiny_model, prompt: list[int], request, tokens: int) -> None:
+    """The request's ``tokens`` greedy tokens are the reference's for ``prompt``, each logprob the reference's."""
+    from targets.harness.reference.engine import next_token_logits
+
+    assert request.generated == reference_greedy(tiny_model, [prompt], tokens)[0].tokens
+    sequence = list(prompt)
+    for token, logprob in zip(request.generated, request.logprobs):
+        expected = next_token_logits(tiny_model, [sequence])[0].log_softmax(-1)[token]
+        assert logprob == pytest.approx(float(expected), abs=1e-4)
+        sequence.append(token)
+
+
 @pytest.mark.parametrize("separate", [False, True])
 def test_chunked_prefill_computes_prompts_in_chunks_beside_decoding_and_changes_no_token(path, tiny_model, separate):
     """With ``prefill_chunk`` a step computes at most that many prompt tokens (the rest wait for the next
     step) beside every decoding request, which gains its token each (mixed) step; a request samples only
     once its whole prompt is computed; tokens are the reference's and logprobs its own, chunked or not."""
-    from targets.harness.reference.engine import next_token_logits
 
     engine = PagedEngine(path, block_size=4, kv_tokens=2048, prefill_chunk=5, separate_prefill=separate)
     steps: list[list[int]] = []
@@ -283,13 +294,9 @@ def test_chunked_prefill_computes_prompts_in_chunks_beside_decoding_and_changes_
     assert len(chunked) >= len(long_prompt) // 5, steps  # the prompt took several steps
     if not separate:  # the decoding requests take part in each of those steps
         assert all(new.count(1) == 3 for new in chunked[: len(long_prompt) // 5 - 1]), steps
-    for prompt, request in zip([*prompts[:3], long_prompt], [*requests, late]):
+    for prompt, request in zip(prompts[:3], requests):
         assert request.generated == reference_greedy(tiny_model, [prompt], 12)[0].tokens
-    sequence = list(long_prompt)
-    for token, logprob in zip(late.generated, late.logprobs):
-        expected = next_token_logits(tiny_model, [sequence])[0].log_softmax(-1)[token]
-        assert logprob == pytest.approx(float(expected), abs=1e-4)
-        sequence.append(token)
+    _assert_the_references_tokens_and_logprobs(tiny_model, long_prompt, late, 12)
 
 
 def test_kv_blocks_of_finished_and_aborted_requests_are_reused(path):
@@ -334,7 +341,6 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(pa
     """Another episode's turn evicts the first episode's prefix (the cache holds one context); with a
     host tier the next turn reloads it (no prefill of its blocks), without one it prefills it all
     again, and either way its tokens and logprobs are the reference's. A weight load drops the tier."""
-    from targets.harness.reference.engine import next_token_logits
 
     engine = PagedEngine(path, block_size=4, kv_tokens=48, host_kv_tokens=host_kv_tokens)
     prompt = fixed_prompts(1)[0] + [5, 6, 7, 8, 9, 10, 11]
@@ -353,12 +359,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(pa
     assert second.computed == (whole if host_kv_tokens else 0)
     while not second.finish:
         engine.step()
-    assert second.generated == reference_greedy(tiny_model, [following], 6)[0].tokens
-    sequence = list(following)
-    for token, logprob in zip(second.generated, second.logprobs):
-        expected = next_token_logits(tiny_model, [sequence])[0].log_softmax(-1)[token]
-        assert logprob == pytest.approx(float(expected), abs=1e-4)
-        sequence.append(token)
+    _assert_the_references_tokens_and_logprobs(tiny_model, following, second, 6)
     if host_kv_tokens:
         assert engine.host_kv.restored_tokens == whole and engine.host_kv.saved_tokens >= whole
         engine.load_weights({}, 1)

@@ -549,6 +549,7 @@ def test_speculative_decoding_in_the_simulator_decodes_faster_and_the_trace_says
             "reward_devices": [],
             "engine_scale": 1,
             "host_kv_tokens": 0,
+            "prefill_chunk": 0,
         }
         assert start.data["engine"] == told
         served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]

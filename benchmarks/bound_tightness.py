@@ -62,7 +62,7 @@ from targets.harness.isolation.launch import Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.measure.metrics import compute_metrics
 from targets.harness.sim.cost_model import MAX_DRAFT_TOKENS, ClusterCosts
-from targets.harness.sim.lower_bound import _turns, engine_options, step_lower_bound
+from targets.harness.sim.lower_bound import alone_s, engine_options, step_lower_bound, trace_turns
 from targets.harness.target import Target
 from targets.harness.trace import Trace, token_count
 from targets.spec import TargetSpec, load_target, resolve_target_path
@@ -89,11 +89,10 @@ def token_charges(pools: list, contexts: np.ndarray, split: int) -> tuple[np.nda
             high = min(BATCH_EDGES[j + 1] - 1, most) if j + 1 < len(BATCH_EDGES) else most
             gained = cost.tokens_per_step(k)
             iteration = cost.decode_iteration_s(low, context, k + 1)  # the others' keys and values left out
-            bandwidth = cost.engine_devices * cost.hbm_bytes_per_s * cost.hbm_efficiency
             # the iteration's memory time alone, split by context: its weights, plus each context's own reads
-            reads = cost.decode_bytes(low * (k + 1), 0) / bandwidth + cost.decode_step_overhead_s
+            reads = cost.decode_bytes(low * (k + 1), 0) / cost.read_bytes_per_s + cost.decode_step_overhead_s
             by_context = (reads + cost.tensor_parallel_s(low * (k + 1))) * context / cost.kv_capacity_tokens
-            by_context += context * cost.kv_bytes_per_token / bandwidth
+            by_context += context * cost.kv_bytes_per_token / cost.read_bytes_per_s
             share = iteration / high if low < split else by_context
             seconds[row, column] = iteration / gained
             device_seconds[row, column] = cost.engine_devices * share / gained
@@ -107,7 +106,7 @@ def dual_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEvent]) 
         raise ValueError(
             f"{spec.id} has a serving pool, whose devices rollout may borrow: the bound counts {spec.id}'s own"
         )
-    turns = _turns(events)
+    turns = trace_turns(events)
     trains = [e for e in events if e.kind == "train"]
     if not trains:
         return 0.0, 0, 0.0, 0
@@ -168,15 +167,12 @@ def longest_lived(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEvent
             answers.setdefault(d["episode"], []).append(token_count(d["action"]))
         elif e.kind == "generate":
             generating[d["episode"]] = generating.get(d["episode"], 0.0) + e.t - d["start"]
-    turns = _turns(events)
+    turns = trace_turns(events)
     pools = engine_options(spec, costs)
 
     def alone(episode: str) -> tuple[float, float]:
         """(its prefills and decode at batch 1, its whole alone-path), as lower_bound.py's critical path."""
-        engine = sum(
-            min(c.prefill_s(n, x - n) + r * c.fastest_token_s(1, x + r / 2) for c in pools)
-            for x, n, r, _ in turns[episode]
-        )
+        engine = sum(alone_s(pools, x, n, r) for x, n, r, _ in turns[episode])
         waits = sum(costs.shared.request_overhead_s + latency for *_, latency in turns[episode])
         return engine, engine + waits
 

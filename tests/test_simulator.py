@@ -1050,7 +1050,6 @@ def test_the_dual_bounds_charge_for_a_token_is_at_most_what_any_batch_would_pay(
 
     (cost,) = engine_options(big, ClusterCosts.from_spec(big))
     d, capacity = cost.engine_devices, cost.kv_capacity_tokens
-    bandwidth = d * cost.hbm_bytes_per_s * cost.hbm_efficiency
     contexts = [0, 700, 8_000, 20_000, 300_000]
     for split in (1, 12, 10**9):
         seconds, charges = token_charges([cost], np.array(contexts), split)
@@ -1059,9 +1058,9 @@ def test_the_dual_bounds_charge_for_a_token_is_at_most_what_any_batch_would_pay(
             for batch in sorted({1, 7, 13, 100, 700, 1025, 5000, most} & set(range(1, most + 1))):
                 for k in (0, 4):
                     gained, iteration = cost.tokens_per_step(k), cost.decode_iteration_s(batch, context, k + 1)
-                    reads = cost.decode_bytes(batch * (k + 1), 0) / bandwidth + cost.decode_step_overhead_s
+                    reads = cost.decode_bytes(batch * (k + 1), 0) / cost.read_bytes_per_s + cost.decode_step_overhead_s
                     by_context = (reads + cost.tensor_parallel_s(batch * (k + 1))) * context / capacity
-                    by_context += context * cost.kv_bytes_per_token / bandwidth
+                    by_context += context * cost.kv_bytes_per_token / cost.read_bytes_per_s
                     paid = d * (iteration / batch if batch < split else by_context) / gained
                     for weight in (0.0, 1.0, 100.0):
                         least = np.min(charges[row] + weight * seconds[row])

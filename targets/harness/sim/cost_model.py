@@ -211,9 +211,7 @@ class CostModel:
         """One decode step of ``batch`` sequences holding ``context_tokens`` in all, ``width``
         positions each (1, or a draft's ``k + 1``); ``beside``: the compute seconds and tokens of a
         prefill chunk the same step computes (chunked prefill), which take the compute the reads leave."""
-        memory_s = self.decode_bytes(batch * width, context_tokens) / (
-            self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency
-        )
+        memory_s = self.decode_bytes(batch * width, context_tokens) / self.read_bytes_per_s
         compute_s = (
             width
             * self.decode_flops(batch, context_tokens)
@@ -225,6 +223,11 @@ class CostModel:
             + self.decode_step_overhead_s
             + self.tensor_parallel_s(batch * width + prefill_tokens)
         )
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        """What an engine's devices read a second while decoding: their HBM bandwidth at its efficiency."""
+        return self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency
 
     def tensor_parallel_s(self, positions: float) -> float:
         """The all-reduces of one step over ``positions`` token positions that cross nodes (0 within one)."""
@@ -270,15 +273,12 @@ class CostModel:
         """Seconds per token of each running sequence's progress: the plain iteration, or with the
         stack's drafts (at most ``speculative_batch`` running) the verification over ``E``; ``beside``:
         a prefill chunk each iteration computes too (``decode_iteration_s``)."""
-        k = self.speculative_tokens
-        if k and batch <= self.speculative_batch:
-            return self.drafting_token_s(batch, context_tokens, k, beside)
-        return self.decode_iteration_s(batch, context_tokens, 1, beside)
+        return self.drafting_token_s(batch, context_tokens, self.drafts_at(batch), beside)
 
-    def tokens_per_iteration(self, batch: int) -> float:
-        """Tokens of progress each of ``batch`` sequences gains an iteration: its drafts' ``E``, or 1."""
+    def drafts_at(self, batch: int) -> int:
+        """The draft length the stack's engines verify while ``batch`` sequences run (0: plain decode)."""
         k = self.speculative_tokens
-        return self.tokens_per_step(k) if k and batch <= self.speculative_batch else 1.0
+        return k if k and batch <= self.speculative_batch else 0
 
     def drafting_token_s(
         self, batch: int, context_tokens: float, draft_tokens: int, beside: tuple[float, int] = (0.0, 0)

@@ -116,7 +116,7 @@ class SimEngine:
         self._epoch_at_top = 0  # the epoch when the serving loop last went round
         # (start, seconds per iteration, iterations to its event, prompt tokens an iteration) of the chunk
         # decoding now
-        self._decoding: tuple[float, float, float, int] | None = None
+        self._decoding: tuple[float, float, float, float] | None = None
         self._phase = "starting"  # the serving loop's state: starting, prefill, decoding, idle, woken, closed
         self._prefilling: list[_Sequence] = []  # admitted with a ``started`` to tell when the prefill ends
         self._timer: asyncio.TimerHandle | None = None
@@ -284,7 +284,8 @@ class SimEngine:
         if self.joining:  # a chunk of the head's prompt each iteration, beside the batch
             head, tokens = self.joining[0], self.cost.prefill_chunk
             beside = (tokens * head.seconds_per_token, tokens)
-            chunk = tokens / self.cost.tokens_per_iteration(len(self.running))  # prompt tokens a token of progress
+            gained = self.cost.tokens_per_step(self.cost.drafts_at(len(self.running)))  # tokens an iteration
+            chunk = tokens / gained  # prompt tokens a token of progress
             to_event = min(to_event, head.left / chunk)
         iteration = self.cost.decode_token_s(len(self.running), self._context, beside)  # a token of each one's progress
         self._decoding = (self._loop.time(), iteration, to_event, chunk)

@@ -41,7 +41,7 @@ from targets.harness.trace import token_count
 from targets.spec import TargetSpec
 
 
-def _turns(events: list[TraceEvent]) -> dict[str, list[tuple[int, int, int, float]]]:
+def trace_turns(events: list[TraceEvent]) -> dict[str, list[tuple[int, int, int, float]]]:
     """episode -> [(context before the turn, new prompt tokens, response tokens, env latency)]."""
     context: dict[str, int] = {}
     pending: dict[str, int] = {}  # prompt tokens not yet in any engine's cache
@@ -58,6 +58,12 @@ def _turns(events: list[TraceEvent]) -> dict[str, list[tuple[int, int, int, floa
     return turns
 
 
+def alone_s(pools: list[CostModel], context: int, new: int, response: int) -> float:
+    """A turn's prefill and decode with nothing else on its engine (batch 1, the cheapest draft length), at
+    the cheapest engine option: its least time in the engines."""
+    return min(c.prefill_s(new, context - new) + response * c.fastest_token_s(1, context + response / 2) for c in pools)
+
+
 def engine_options(spec: TargetSpec, costs: ClusterCosts) -> list[CostModel]:
     """Every pool's cost model at every engine size a stack may choose (``simulator.max_engine_scale``)
     that its devices hold: the bound takes the cheapest, so it holds whatever size a stack picks."""
@@ -72,7 +78,7 @@ def engine_options(spec: TargetSpec, costs: ClusterCosts) -> list[CostModel]:
 
 
 def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEvent]) -> dict:
-    turns = _turns(events)
+    turns = trace_turns(events)
     trains = [e for e in events if e.kind == "train"]
     if not trains:
         zero = ("lower_bound_step_s", "work_bound_s", "critical_path_bound_s", "rollout_bound_s", "train_bound_s")
@@ -100,11 +106,7 @@ def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEv
 
     def critical_path(episode: str) -> float:
         return sum(
-            min(
-                c.prefill_s(new, context - new) + response * c.fastest_token_s(1, context + response / 2) for c in pools
-            )
-            + costs.shared.request_overhead_s
-            + latency
+            alone_s(pools, context, new, response) + costs.shared.request_overhead_s + latency
             for context, new, response, latency in turns.get(episode, [])
         )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.state import RoundRecord, RunState
+from orchestrator.state import RoundRecord, RunState, near_miss
 from orchestrator.tables import promotion
 from skills.design_doc import DesignDoc
 from targets.spec import TargetSpec
@@ -17,7 +17,8 @@ def status(record: RoundRecord) -> tuple[str, str]:
     if record.verdict == "accepted":
         if record.became_best:
             return "DONE", ""
-        return "ABANDONED", f"round {record.round}: {promotion(record)}"
+        again = " (a near miss: tried once more on a later best)" if near_miss(record) else ""
+        return "ABANDONED", f"round {record.round}: {promotion(record)}{again}"
     reason = record.reasons[0] if record.reasons else record.verdict
     return "ABANDONED", f"round {record.round} {record.verdict}: {reason[:160]}"
 

@@ -3,10 +3,12 @@ takes the highest-priority task not yet tried on it and not abandoned anywhere i
 without gain, or rejected, on a best: the plan's ABANDONED steps); the evaluator's hints (through the
 planner's skill triggers) add tasks. A controller switch measured without gain is first followed
 once by the technique its own findings call for most, on top of it. When the backlog runs dry, the
-planner composes techniques (adds one, or removes one), then moves a parameter (in an order the
-run's seed shuffles), and last retries a composition abandoned on an earlier best on this one,
-where the rest of the set may now favour it: the run stops on its budget while any of these is
-untried on the best. A task whose result is a configuration the run built already is skipped."""
+planner composes techniques (adds one, or removes one: additions first); a near miss (a gain inside
+the noise on an earlier best) is then tried once more on this one, before the removals; then a
+parameter moves (in an order the run's seed shuffles), and last a composition abandoned on an
+earlier best is retried on this one, where the rest of the set may now favour it: the run stops on
+its budget while any of these is untried on the best. A task whose result is a configuration the run
+built already is skipped."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class BacklogPolicy:
             return None
         params = params_of(parent)
         tried, abandoned = state.tried(), state.abandoned()
+        near_misses = [r.task for r in state.near_misses()]
+        retrying = {t.id for t in near_misses}
         built = built_configurations(state, params_of)
 
         def fresh(task: Task) -> bool:
@@ -42,10 +46,12 @@ class BacklogPolicy:
         if follow_up is not None:
             return follow_up
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
-            if fresh(task):
+            if task.id not in retrying and fresh(task):
                 return parent, task
         compositions = sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id))
-        for task in compositions:
+        additions = [t for t in compositions if t.id.startswith("add-") and t.id not in retrying]
+        removals = [t for t in compositions if not t.id.startswith("add-") and t.id not in retrying]
+        for task in [*additions, *near_misses, *removals]:
             if fresh(task):
                 return parent, task
         moves = self.planner.parameter_moves(params)

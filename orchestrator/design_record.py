@@ -17,7 +17,7 @@ def status(record: RoundRecord) -> tuple[str, str]:
     if record.verdict == "accepted":
         if record.became_best:
             return "DONE", ""
-        again = " (a near miss: tried once more on a later best)" if near_miss(record) else ""
+        again = " (a near miss: a gain inside the noise)" if near_miss(record) else ""
         return "ABANDONED", f"round {record.round}: {promotion(record)}{again}"
     reason = record.reasons[0] if record.reasons else record.verdict
     return "ABANDONED", f"round {record.round} {record.verdict}: {reason[:160]}"

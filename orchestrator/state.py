@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import tempfile
 import time
@@ -29,9 +30,14 @@ NEAR_MISS_TRIES = 2  # a gain inside the noise is tried on one later best before
 
 
 def near_miss(record: RoundRecord) -> bool:
-    """Validated, not promoted, and its paired interval still reaches a gain (a single pair: a ratio above 1)."""
+    """Validated, not promoted, and its paired interval still reaches a gain: its upper end above 1, or
+    where the interval is unbounded (a single real pair) its ratio. A controller switch is never one
+    (a switch that lost has its own follow-up, ``policies/backlog.py``)."""
     paired = record.paired
-    return paired is not None and (paired.high is None or paired.high > 1.0)
+    if record.verdict != "accepted" or record.became_best or paired is None or record.task.id.startswith("controller="):
+        return False
+    reach = paired.ratio if paired.high is None else paired.high
+    return math.isfinite(reach) and reach > 1.0
 
 
 class Promotion(BaseModel):
@@ -159,7 +165,7 @@ class RunState(BaseModel):
         missed: dict[str, int] = {}
         given_up = set()
         for r in self._measured_on_a_best():
-            if r.verdict == "accepted" and near_miss(r):
+            if near_miss(r):
                 missed[r.task.id] = missed.get(r.task.id, 0) + 1
             else:
                 given_up.add(r.task.id)
@@ -169,9 +175,10 @@ class RunState(BaseModel):
         """The latest trial of each task that came out a gain inside the noise on a best (its paired
         interval reaches above 1 but its low end did not clear the threshold) and is not given up on:
         worth one more try on a later best, where the rest of the set may now favour it (the paper-scale
-        search's host tier: +1% on round 4's best, 12-19% on later ones). The closest to promotion first."""
-        abandoned = self.abandoned()
-        latest = {r.task.id: r for r in self._measured_on_a_best() if r.task.id not in abandoned}
+        search's host tier: +1% on round 4's best, 12-19% on later ones); none that a later try
+        promoted. The closest to promotion first."""
+        over = self.abandoned() | {r.task.id for r in self.rounds if r.became_best}
+        latest = {r.task.id: r for r in self._measured_on_a_best() if r.task.id not in over}
         return sorted(latest.values(), key=lambda r: (-r.paired.ratio, r.round))
 
     def _measured_on_a_best(self) -> list[RoundRecord]:

@@ -622,6 +622,18 @@ def test_a_near_miss_is_tried_once_more_on_a_later_best_before_its_removals_and_
     twice.append(record(3, "c2", add[chosen[0]], 1.01))
     twice = RunState.model_construct(rounds=twice, backlog=[])
     assert chosen[0] in twice.abandoned() and twice.near_misses() == []
+    # one real pair has no interval (high None): its ratio decides; a controller switch is never a near
+    # miss (it has its own follow-up); a task promoted on its second try is no longer one
+    real = [rounds[0], record(1, "c0", add[chosen[0]], None), record(2, "c0", add[chosen[2]], None)]
+    real[1].paired = Promotion(ratio=0.9, low=0.0, high=None, pairs=1)
+    real[2].paired = Promotion(ratio=1.01, low=0.0, high=None, pairs=1)
+    switch = Task(id="controller=static_split", title="s", rationale="r")
+    real.append(record(3, "c0", switch, 1.01))
+    real = RunState.model_construct(rounds=real, backlog=[])
+    assert real.abandoned() == {chosen[0], switch.id} and [r.task.id for r in real.near_misses()] == [chosen[2]]
+    real.rounds.append(record(4, "c0", others[0], 1.2, best=True))
+    real.rounds.append(record(5, "c4", add[chosen[2]], 1.1, best=True))
+    assert real.near_misses() == [] and chosen[2] not in real.abandoned()
 
 
 def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_means_what_it_says(tiny_spec):

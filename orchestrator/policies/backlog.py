@@ -1,14 +1,15 @@
 """backlog: an issue tracker of structured tasks. Every round starts from the best candidate and
-takes the highest-priority task not yet tried on it and not abandoned anywhere in the run (measured
-without gain, or rejected, on a best: the plan's ABANDONED steps); the evaluator's hints (through the
+takes the highest-priority task not yet tried on it and not abandoned anywhere in the run (rejected,
+or measured without gain on a best: the plan's ABANDONED steps); the evaluator's hints (through the
 planner's skill triggers) add tasks. A controller switch measured without gain is first followed
 once by the technique its own findings call for most, on top of it. When the backlog runs dry, the
-planner composes techniques (adds one, or removes one: additions first); a near miss (a gain inside
-the noise on an earlier best) is then tried once more on this one, before the removals; then a
-parameter moves (in an order the run's seed shuffles), and last a composition abandoned on an
-earlier best is retried on this one, where the rest of the set may now favour it: the run stops on
-its budget while any of these is untried on the best. A task whose result is a configuration the run
-built already is skipped."""
+planner composes techniques (adds one, or removes one: additions first). A near miss (a gain inside
+the noise on an earlier best; ``RunState.near_misses``) is not abandoned at once: it waits until the
+additions never tried have run on this best, is tried once more before the removals, and a second
+near miss gives it up. Then a parameter moves (in an order the run's seed shuffles), and last a
+composition abandoned on an earlier best is retried on this one, where the rest of the set may now
+favour it: the run stops on its budget while any of these is untried on the best. A task whose
+result is a configuration the run built already is skipped."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ class BacklogPolicy:
             return None
         params = params_of(parent)
         tried, abandoned = state.tried(), state.abandoned()
-        near_misses = [r.task for r in state.near_misses()]
-        retrying = {t.id for t in near_misses}
+        near = state.near_misses()
+        retrying = {r.task.id for r in near}
         built = built_configurations(state, params_of)
 
         def fresh(task: Task) -> bool:
@@ -49,8 +50,11 @@ class BacklogPolicy:
             if task.id not in retrying and fresh(task):
                 return parent, task
         compositions = sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id))
+        # a near miss as this parent's planner writes it (its record's task where it no longer does)
+        by_id = {t.id: t for t in [*state.backlog, *compositions]}
+        near_misses = [by_id.get(r.task.id, r.task) for r in near]
         additions = [t for t in compositions if t.id.startswith("add-") and t.id not in retrying]
-        removals = [t for t in compositions if not t.id.startswith("add-") and t.id not in retrying]
+        removals = [t for t in compositions if t.id.startswith("remove-") and t.id not in retrying]
         for task in [*additions, *near_misses, *removals]:
             if fresh(task):
                 return parent, task

@@ -533,23 +533,30 @@ def test_a_controller_switch_that_lost_is_followed_once_by_the_technique_its_fin
     assert parent is best and task.id != "add-partial_rollout"
 
 
+def _validated_round(n, parent, task, best, paired=None):
+    """Round ``n``: ``task`` validated on ``parent`` as commit ``c<n>``, promoted or not, with its pair."""
+    from orchestrator.state import RoundRecord
+
+    return RoundRecord(
+        round=n,
+        task=task,
+        parent_round=None,
+        parent_commit=parent,
+        verdict="accepted",
+        commit=f"c{n}",
+        became_best=best,
+        paired=paired,
+    )
+
+
 def test_a_technique_tried_only_on_a_losing_controller_switch_is_not_given_up_on():
     """Round 2 switches to static_split and loses; round 3 follows it up with the host tier (on static
     split, so it loses to the best too); round 4 adds redundant_envs to the best and loses. Only the
     switch and round 4's task are given up on: the tier was never tried on the best's line."""
-    from orchestrator.state import RoundRecord, RunState
+    from orchestrator.state import RunState
 
     def record(n, parent, task, best):
-        task = Task(id=task, title=task, rationale="r")
-        return RoundRecord(
-            round=n,
-            task=task,
-            parent_round=None,
-            parent_commit=parent,
-            verdict="accepted",
-            commit=f"c{n}",
-            became_best=best,
-        )
+        return _validated_round(n, parent, Task(id=task, title=task, rationale="r"), best)
 
     rounds = [
         record(0, "", "starter", True),
@@ -568,7 +575,7 @@ def test_a_near_miss_is_tried_once_more_on_a_later_best_before_its_removals_and_
     moves; a second near miss gives it up, as does a loss; a clear loss is given up at once."""
     from orchestrator.design_record import status
     from orchestrator.policies.backlog import BacklogPolicy
-    from orchestrator.state import Promotion, RoundRecord, RunState
+    from orchestrator.state import Promotion, RunState
     from skills.starter import starter_params
 
     planner = OfflinePlanner(tiny_spec)
@@ -579,16 +586,7 @@ def test_a_near_miss_is_tried_once_more_on_a_later_best_before_its_removals_and_
 
     def record(n, parent, task, ratio, best=False):
         paired = None if ratio is None else Promotion(ratio=ratio, low=ratio, high=ratio, pairs=1, threshold=0.02)
-        return RoundRecord(
-            round=n,
-            task=task,
-            parent_round=None,
-            parent_commit=parent,
-            verdict="accepted",
-            commit=f"c{n}",
-            became_best=best,
-            paired=paired,
-        )
+        return _validated_round(n, parent, task, best, paired)
 
     starter = Task(id="starter", title="s", rationale="r")
     rounds = [

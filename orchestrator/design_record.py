@@ -17,8 +17,8 @@ def status(record: RoundRecord) -> tuple[str, str]:
     if record.verdict == "accepted":
         if record.became_best:
             return "DONE", ""
-        again = " (a near miss: a gain inside the noise)" if near_miss(record) else ""
-        return "ABANDONED", f"round {record.round}: {promotion(record)}{again}"
+        inside = " (a near miss: a gain inside the noise)" if near_miss(record) else ""
+        return "ABANDONED", f"round {record.round}: {promotion(record)}{inside}"
     reason = record.reasons[0] if record.reasons else record.verdict
     return "ABANDONED", f"round {record.round} {record.verdict}: {reason[:160]}"
 

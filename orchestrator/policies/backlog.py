@@ -50,8 +50,8 @@ class BacklogPolicy:
             if task.id not in retrying and fresh(task):
                 return parent, task
         compositions = sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id))
-        # a near miss as this parent's planner writes it (its record's task where it no longer does)
-        by_id = {t.id: t for t in [*state.backlog, *compositions]}
+        # a near miss as this parent's planner writes it (the task its round ran where it writes none)
+        by_id = {t.id: t for t in compositions}
         near_misses = [by_id.get(r.task.id, r.task) for r in near]
         additions = [t for t in compositions if t.id.startswith("add-") and t.id not in retrying]
         removals = [t for t in compositions if t.id.startswith("remove-") and t.id not in retrying]

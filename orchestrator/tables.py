@@ -38,10 +38,12 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
     headline = spec.headline_metric.name
     table = Table(title=f"{spec.id}: median of {repeat} (±max-min), {clock}", box=box.SIMPLE_HEAD, padding=(0, 1))
     table.add_column("schedule", no_wrap=True)
-    for column in (headline, "ratio [95% CI]", "traj/s", "step s", "LB", "timeouts", "busy"):
+    for column in (headline, "ratio [95% CI]", "tokens", "traj/s", "step s", "LB", "timeouts", "busy"):
         table.add_column(column, justify="right", no_wrap=True)
+    first_tokens = first.median("trained_tokens_per_s")  # 0 where the first schedule trained nothing: no ratio
     for run in runs:
         m = run.median
+        tokens = m("trained_tokens_per_s") / first_tokens if first_tokens else None
         if run.paired is None:
             ratio = "1.00x"
         else:
@@ -51,6 +53,7 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
             run.name,
             f"{num(m(headline))}±{num(run.spread(headline))}",
             ratio,
+            "-" if tokens is None else f"{tokens:.2f}x",
             num(m("rollout_throughput")),
             num(m("step_time_s")),
             f"{m('lower_bound_fraction'):.0%}",
@@ -59,8 +62,9 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
         )
     table.caption = (
         f"{headline}: trajectories trained on that neither timed out nor were lost, per second; ratio: {headline} over "
-        f"{first.name}'s, paired by seed; traj/s: rollout throughput; LB: the step's fluid lower bound over its step "
-        "time"
+        f"{first.name}'s, paired by seed; tokens: the same in the response tokens of the trajectories trained, medians "
+        f"over {first.name}'s (below the ratio: shorter trajectories trained); traj/s: rollout throughput; LB: the "
+        "step's fluid lower bound over its step time"
     )
     return table
 

@@ -43,6 +43,7 @@ def test_metrics_from_a_hand_built_trace():
     assert m["goodput"] == pytest.approx(0.1)  # two trained, one of them timed out
     assert m["rollout_throughput"] == pytest.approx(0.2)  # two episodes finished in 10 s
     assert m["tokens_per_s"] == pytest.approx(0.6)
+    assert m["trained_tokens_per_s"] == pytest.approx(0.5)  # e1's five tokens: e2 timed out
     assert m["timeout_ratio"] == pytest.approx(0.5)
     assert m["step_time_s"] == 10.0 and m["aborted_turns"] == 1
     d0, d1 = m["device_utilization"]["d0"], m["device_utilization"]["d1"]
@@ -59,6 +60,28 @@ def test_goodput_ignores_finished_episodes_nobody_trained():
     )  # finished, never trained
     m = compute_metrics(events, ["d0", "d1"])
     assert m["goodput"] == pytest.approx(0.1) and m["rollout_throughput"] == pytest.approx(0.3)
+    assert m["trained_tokens_per_s"] == pytest.approx(0.5)
+
+
+def test_training_the_shorter_trajectories_raises_goodput_more_than_trained_tokens():
+    """Two schedules on one workload of a short and a long episode, one trained each: the same goodput,
+    and the tokens say which trained the long one."""
+
+    def run(trained: str) -> dict:
+        return compute_metrics(
+            [
+                _event("run_start", 0.0),
+                _event("env_step", 1.0, episode="short", action=[1], done=True, timed_out=False),
+                _event("env_step", 5.0, episode="long", action=list(range(9)), done=True, timed_out=False),
+                _event("train", 6.0, start=5.0, devices=["d0"], version=1, trajectories=[{"episode": trained}]),
+                _event("run_end", 10.0),
+            ],
+            ["d0"],
+        )
+
+    short, long = run("short"), run("long")
+    assert short["goodput"] == long["goodput"] == pytest.approx(0.1)
+    assert short["trained_tokens_per_s"] == pytest.approx(0.1) and long["trained_tokens_per_s"] == pytest.approx(0.9)
 
 
 def test_timeline_shows_the_median_repeat():

@@ -620,6 +620,10 @@ def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tm
     assert static["decode_share"] <= 32 / 160 + 1e-9  # its engines hold 32 of the 160 devices
     assert multiplexed["decode_share"] > static["decode_share"] and "decode batch:" in result.output
     assert runs[1]["metrics"]["rollout_throughput"] > runs[0]["metrics"]["rollout_throughput"]
+    # beside the paired ratio, the same in trained response tokens (one repeat: the medians are the runs)
+    tokens = multiplexed["trained_tokens_per_s"] / static["trained_tokens_per_s"]
+    row = next(line for line in result.output.splitlines() if line.strip().startswith("time_multiplex "))
+    assert f" {tokens:.2f}x " in row, row
     assert (tmp_path / "t.png").stat().st_size > 10_000 and (tmp_path / "p.png").stat().st_size > 10_000
 
 

@@ -23,6 +23,7 @@ SUMMARIZED = (
     "goodput",
     "rollout_throughput",
     "tokens_per_s",
+    "trained_tokens_per_s",
     "step_time_s",
     "timeout_ratio",
     "lost_ratio",

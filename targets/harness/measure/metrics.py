@@ -5,8 +5,10 @@ crash, per second of the run.
 An episode that finished but was never trained (dropped at the end, or stale) does not count, nor
 does one that timed out: launching more episodes than training uses cannot raise it. Rollout
 throughput (episodes the environments saw finish, per second; the time-sharing report's figure)
-stays as a secondary metric. Device activity comes from the proxy's stamps of
-generate/train/sync/shrink/expand.
+stays as a secondary metric, and so does goodput counted in the response tokens of those trajectories
+(``trained_tokens_per_s``): a schedule that trains the shorter trajectories of a workload (spares keep
+the first to finish, a staleness bound drops the longest-lived) raises goodput more than this. Device
+activity comes from the proxy's stamps of generate/train/sync/shrink/expand.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
     failed = failed_episodes(done)
     checkpoints = [e for e in events if e.kind == "env_checkpoint"]
     trained = {t["episode"] for e in trains for t in e.data["trajectories"]}
+    counted = trained - failed  # goodput's trajectories
     intervals = device_intervals(events)
     utilization = {}
     for device in devices:
@@ -98,9 +101,12 @@ def compute_metrics(events: list[TraceEvent], devices: list[str]) -> dict:
     return (
         {
             "duration_s": duration,
-            "goodput": len(trained - failed) / duration,
+            "goodput": len(counted) / duration,
             "rollout_throughput": len(done) / duration,
             "tokens_per_s": sum(token_count(e.data["action"]) for e in steps) / duration,
+            # the goodput in response tokens: beside it, a schedule that trains shorter trajectories shows
+            "trained_tokens_per_s": sum(token_count(e.data["action"]) for e in steps if e.data["episode"] in counted)
+            / duration,
             "step_time_s": duration / len(trains) if trains else float("inf"),
             "timeout_ratio": sum(e.data["timed_out"] for e in done) / len(done) if done else 0.0,
             "lost_ratio": sum(e.data.get("lost", False) for e in done) / len(done) if done else 0.0,

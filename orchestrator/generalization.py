@@ -101,12 +101,14 @@ def measure_generalization(
     out.mkdir(parents=True, exist_ok=True)
 
     bound: dict[str, float] = {}
+    tokens: dict[str, float] = {}
 
     def compare(measuring: Session, seeds: list[int], name: str) -> Promotion:
-        ours, _, paired = measuring.compare(
+        ours, theirs, paired = measuring.compare(
             best_dir, starter, out / name, seeds, "round 0", on_run=lambda who, i: on_run(f"{name} {who}", i)
         )
         bound[name] = statistics.median(m.metrics["lower_bound_fraction"] for m in ours)
+        tokens[name] = _median_ratio(ours, theirs, "trained_tokens_per_s")
         return Promotion(**paired.as_dict())
 
     in_search = compare(session, in_search_seeds, "in-search")
@@ -123,4 +125,11 @@ def measure_generalization(
         perturbation=what if perturbed is not None else "",
         not_perturbed=None if perturbed is not None else what,
         bound=bound,
+        tokens=tokens,
     )
+
+
+def _median_ratio(ours: list, theirs: list, metric: str) -> float:
+    """Our runs' median ``metric`` over theirs (0 where theirs is 0: nothing to compare with)."""
+    base = statistics.median(m.metrics[metric] for m in theirs)
+    return statistics.median(m.metrics[metric] for m in ours) / base if base else 0.0

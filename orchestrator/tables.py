@@ -255,7 +255,7 @@ def generalization_table(g: Generalization) -> Table:
     best's own share of the step's lower bound, which the starter's fortunes on a workload do not move."""
     table = Table(title=f"the best (round {g.best_round}) over the starter, paired by seed", box=box.SIMPLE_HEAD)
     table.add_column(f"best (round {g.best_round}) / starter, measured on", overflow="fold")  # the one that wraps
-    for column in ("ratio [95% CI]", "pairs", "of in-search", "of its bound"):
+    for column in ("ratio [95% CI]", "in tokens", "pairs", "of in-search", "of its bound"):
         table.add_column(column, justify="right", no_wrap=True, min_width=len(column))
     perturbed = f"held out, {g.perturbation}" if g.perturbed else f"not perturbed: {g.not_perturbed}"
     rows = [
@@ -265,12 +265,17 @@ def generalization_table(g: Generalization) -> Table:
     ]
     for label, name, figure in rows:
         if figure is None:
-            table.add_row(escape(label), "-", "-", "-", "-")
+            table.add_row(escape(label), "-", "-", "-", "-", "-")
             continue
         interval = f"[{figure.low:.2f}, {figure.high:.2f}]" if figure.high is not None else "[unbounded]"
         bound = f"{g.bound[name]:.0%}" if name in g.bound else "-"  # runs recorded before it was kept: none
+        tokens = f"{g.tokens[name]:.2f}x" if name in g.tokens else "-"  # likewise
         kept = f"{g.kept(figure):.0%}"
-        table.add_row(escape(label), f"{figure.ratio:.2f}x {escape(interval)}", str(figure.pairs), kept, bound)
+        table.add_row(escape(label), f"{figure.ratio:.2f}x {escape(interval)}", tokens, str(figure.pairs), kept, bound)
+    table.caption = (
+        "in tokens: the best's trained response tokens per second over the starter's (medians); below the "
+        "ratio, the best trained shorter trajectories than the starter on the same seeds"
+    )
     return table
 
 

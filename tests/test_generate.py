@@ -370,6 +370,14 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split_wher
     assert set(g.bound) == {"in-search", "held-out", "perturbed"} and all(0 < f <= 1 for f in g.bound.values())
     fraction = run_metrics(load_target(target), events, {})["lower_bound_fraction"]
     assert g.bound["in-search"] == pytest.approx(fraction, rel=1e-9) and f"{g.bound['perturbed']:.0%}" in output
+    # and the same ratio in the trained trajectories' response tokens (one pair each: that pair's ratio)
+    trained = [
+        compute_metrics(Trace.load_events(runs / "held-out" / f"{who}-0" / "trace.jsonl"), devices)
+        for who in ("candidate", "baseline")
+    ]
+    tokens = trained[0]["trained_tokens_per_s"] / trained[1]["trained_tokens_per_s"]
+    assert set(g.tokens) == set(g.bound) and g.tokens["held-out"] == pytest.approx(tokens, rel=1e-9)
+    assert "in tokens" in output and f"{g.tokens['perturbed']:.2f}x" in output
     assert load_target(runs / "perturbed.yaml").workload.tokens.observation == round(
         raw["workload"]["tokens"]["observation"] * PERTURBATION
     )

@@ -330,7 +330,9 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
 
 
 @pytest.mark.slow
-def test_generate_on_the_simulated_production_target_beats_the_static_split_where_it_never_looked(tmp_path):
+def test_generate_on_the_simulated_production_target_beats_the_static_split_where_it_never_looked(
+    tmp_path, monkeypatch, capsys
+):
     raw = yaml.safe_load(Path("targets/catalog/qwen3-235b-a22b-h800x160.yaml").read_text())
     raw["workload"].update(batch_size=64, train_steps=2)  # at 32 a static split beat the best on its seed once
     target = tmp_path / "big.yaml"
@@ -378,6 +380,13 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split_wher
     tokens = trained[0]["trained_tokens_per_s"] / trained[1]["trained_tokens_per_s"]
     assert set(g.tokens) == set(g.bound) and g.tokens["held-out"] == pytest.approx(tokens, rel=1e-9)
     assert "in tokens" in output and f"{g.tokens['perturbed']:.2f}x" in output
+    # benchmarks/trained_lengths.py reads the same pairs, seed by seed
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    from trained_lengths import main as trained_lengths
+
+    trained_lengths(run)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| held-out | ")]
+    assert len(rows) == 1 and f"| {g.held_out.ratio:.2f}x | {g.tokens['held-out']:.2f}x |" in rows[0], rows
     assert load_target(runs / "perturbed.yaml").workload.tokens.observation == round(
         raw["workload"]["tokens"]["observation"] * PERTURBATION
     )

@@ -189,6 +189,16 @@ def test_a_baseline_with_technique_params_is_labelled_and_its_params_are_the_ski
     assert "a baseline with technique params needs a label" in _error(catalog_yaml)
 
 
+def test_a_headline_metric_no_run_measures_is_named(catalog_yaml):
+    from targets.harness.measure.benchmark import SUMMARIZED
+    from targets.spec.target import HEADLINE_METRICS
+
+    catalog_yaml["headline_metric"]["name"] = "goodputt"
+    message = _error(catalog_yaml)
+    assert "headline_metric.name" in message and "unknown metric 'goodputt'" in message, message
+    assert set(HEADLINE_METRICS) <= set(SUMMARIZED)  # every one a round's summary keeps
+
+
 def test_misspelled_field_is_named(catalog_yaml):
     catalog_yaml["workload"]["batch_sise"] = catalog_yaml["workload"].pop("batch_size")
     message = _error(catalog_yaml)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from targets.harness.tokenizer import has_chat_template
 from targets.spec.base import Strict
@@ -125,9 +125,20 @@ class LimitsSpec(Strict):
         return memory, seconds
 
 
+# what a round's summary keeps that may rank candidates (targets/harness/measure/metrics.py says what each is)
+HEADLINE_METRICS = ("goodput", "trained_tokens_per_s", "rollout_throughput", "tokens_per_s", "step_time_s")
+
+
 class HeadlineMetric(Strict):
     name: str
     direction: Literal["maximize", "minimize"]
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in HEADLINE_METRICS:
+            raise ValueError(f"unknown metric {name!r}: a headline is one of {', '.join(HEADLINE_METRICS)}")
+        return name
 
 
 class TargetSpec(Strict):

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from targets.spec import TargetSpec
+from targets.spec.target import HEADLINE_METRICS
 
 if TYPE_CHECKING:
     from orchestrator.state import Generalization, Promotion
@@ -61,10 +62,10 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
             f"{m('mean_device_busy'):.0%}",
         )
     table.caption = (
-        f"{headline}: trajectories trained on that neither timed out nor were lost, per second; ratio: {headline} over "
-        f"{first.name}'s, paired by seed; tokens: the same in the response tokens of the trajectories trained, medians "
-        f"over {first.name}'s (below the ratio: shorter trajectories trained); traj/s: rollout throughput; LB: the "
-        "step's fluid lower bound over its step time"
+        f"{headline}: {HEADLINE_METRICS[headline]}; ratio: {headline} over {first.name}'s, paired by seed; tokens: "
+        f"the response tokens of the trajectories trained a second over {first.name}'s, medians (below a goodput "
+        "ratio: shorter trajectories trained); traj/s: rollout throughput; LB: the step's fluid lower bound over "
+        "its step time"
     )
     return table
 

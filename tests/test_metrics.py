@@ -95,3 +95,30 @@ def test_timeline_shows_the_median_repeat():
     )
     middle = run.measurements[run.median_index("goodput")]
     assert middle.trace_path == Path("median") and run.median("goodput") == 39.0
+
+
+def test_the_bench_table_says_what_its_headline_counts_and_the_tokens_beside_it(tiny_spec):
+    """A target ranked by trained tokens: the caption says so (not goodput's trajectories), and the tokens
+    column is each schedule's median over the first's."""
+    from orchestrator.tables import bench_table
+
+    spec = tiny_spec.model_copy(
+        update={"headline_metric": tiny_spec.headline_metric.model_copy(update={"name": "trained_tokens_per_s"})}
+    )
+    figures = {"rollout_throughput": 1.0, "step_time_s": 2.0, "lower_bound_fraction": 0.5, "timeout_ratio": 0.0}
+    figures["mean_device_busy"] = 0.9
+
+    def run(name: str, tokens: list[float]) -> BenchRun:
+        passed = [CheckResult("system_audit", True)]
+        return BenchRun(
+            name,
+            [
+                Measurement(passed, {**figures, "trained_tokens_per_s": t}, Path(f"{name}{i}"))
+                for i, t in enumerate(tokens)
+            ],
+        )
+
+    table = bench_table(spec, [run("colocate", [10.0, 20.0, 30.0]), run("best", [15.0, 50.0, 45.0])], 3, True)
+    assert "trained_tokens_per_s: the response tokens of the trajectories trained" in str(table.caption)
+    assert "trajectories trained on that" not in str(table.caption).split(";")[0]
+    assert list(table.columns[3].cells) == ["1.00x", "2.25x"]  # medians 45 over 20

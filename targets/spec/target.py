@@ -125,8 +125,15 @@ class LimitsSpec(Strict):
         return memory, seconds
 
 
-# what a round's summary keeps that may rank candidates (targets/harness/measure/metrics.py says what each is)
-HEADLINE_METRICS = ("goodput", "trained_tokens_per_s", "rollout_throughput", "tokens_per_s", "step_time_s")
+# what a round's summary keeps that may rank candidates, and what each is (targets/harness/measure/metrics.py)
+HEADLINE_METRICS = {
+    "goodput": "trajectories trained on that neither timed out nor were lost, per second",
+    "trained_tokens_per_s": "the response tokens of the trajectories trained that neither timed out nor were lost, "
+    "per second",
+    "rollout_throughput": "episodes the environments saw finish, per second",
+    "tokens_per_s": "response tokens the environments saw, per second",
+    "step_time_s": "seconds a training step takes",
+}
 
 
 class HeadlineMetric(Strict):

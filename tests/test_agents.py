@@ -147,6 +147,7 @@ PLANTS = {
     "imports a module by a computed name": "import importlib\nimportlib.import_module('g' + 'c')\n",
     "syntax error": "def f(:\n    pass\n",  # a file the scan cannot read is refused, not skipped
     "defines or uses 'goodput'": "goodput = 0.9\n",
+    "names the harness metric 'trained_tokens_per_s'": "REPORT = {'trained_tokens_per_s': 1e9}\n",  # a headline too
 }
 
 

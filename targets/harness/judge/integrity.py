@@ -18,21 +18,14 @@ import threading
 from pathlib import Path
 
 from targets.harness.judge.check_result import CheckResult
+from targets.spec.target import HEADLINE_METRICS
 
 CLOCK_MODULES = {"time", "asyncio", "datetime"}
 HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_version"}
 ESCAPE_MODULES = {"gc", "inspect", "ctypes"}
 ESCAPE_ATTRIBUTES = {"__dict__", "__globals__", "__code__", "__closure__", "modules"}
 HARNESS_ROOT = Path(__file__).resolve().parents[2]  # the targets package
-METRIC_NAMES = {
-    "goodput",
-    "rollout_throughput",
-    "tokens_per_s",
-    "step_time_s",
-    "timeout_ratio",
-    "device_utilization",
-    "mean_device_busy",
-}
+METRIC_NAMES = {*HEADLINE_METRICS, "timeout_ratio", "device_utilization", "mean_device_busy"}
 ALLOWED_CONTRACT_MODULES = {"targets", "targets.api"}
 COMPILED_SUFFIXES = {".pyc", ".pyo", ".pyd", ".so"}  # importable, but not source this scan can read
 # CPython 3.11 keeps ast.parse's recursion depth in module-wide state: two threads parsing at once (a

@@ -39,6 +39,7 @@ UNITS = {
     "goodput": "trajectories/s",
     "rollout_throughput": "episodes/s",
     "tokens_per_s": "tokens/s",
+    "trained_tokens_per_s": "trained response tokens/s",
     "mean_device_busy": "fraction",
     "trajectories": "count",
     "aborted_turns": "count",

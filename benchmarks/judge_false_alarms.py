@@ -2,7 +2,7 @@
 starters on many seeds, of each technique alone on a few, and of each plant of tests/planting.py on a
 few, on a real target (the CPU one by default), each audited exactly as a measured run is; then, per
 stack, how many were rejected and the smallest false-alarm bound each statistical test reached (a test
-rejects under 1e-4) and the largest selection shift (against its bound).
+rejects under 1e-4) and the largest selection shortfalls and reward shift (against their bounds).
 
     python benchmarks/judge_false_alarms.py [--target tiny-qwen3-cpu] [--starter-seeds 20]
         [--technique-seeds 5] [--plant-seeds 3] [--out generated/judge-false-alarms] [--sandbox auto]
@@ -130,7 +130,13 @@ def main(
     if reaudit:
         ledger.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
     table = Table(title=f"honest stacks on {target.id}: rejections and the smallest false-alarm bound per test")
-    for column in ("stack", "runs", "rejected", *BOUNDS, "largest selection shift / bound"):
+    # the audit's selection details: each part's measurements (by prefix) and its bound
+    selection = {
+        "tasks": "selection_task_bound",
+        "members": "selection_member_bound",
+        "reward": "selection_reward_bound",
+    }
+    for column in ("stack", "runs", "rejected", *BOUNDS, *(f"selection: {part} / bound" for part in selection)):
         table.add_column(column.replace("_", " "))
     for name in [*STARTERS, *TECHNIQUES, *(f"plant:{p}" for p in PLANTS)]:
         runs = [r for (stack, _), r in done.items() if stack == name]
@@ -141,13 +147,14 @@ def main(
             values = [r["details"].get(f"{bound}_false_alarm_bound") for r in runs]
             values = [v for v in values if v is not None]
             row.append(f"{min(values):.2g}" if values else "-")
-        shifts = [
-            (abs(v), r["details"].get("selection_bound", 0.0))
-            for r in runs
-            for k, v in r["details"].items()
-            if k.startswith("selection_") and k != "selection_bound"
-        ]
-        row.append(f"{max(shifts)[0]:.2f} / {max(shifts)[1]:.2f}" if shifts else "0 (nothing dropped)")
+        for part, bound in selection.items():  # the largest shortfall (tasks, members) or reward shift
+            shifts = [
+                (v, r["details"][bound])
+                for r in runs
+                for k, v in r["details"].items()
+                if k.startswith(f"selection_{part}") and not k.endswith("_bound")
+            ]
+            row.append(f"{max(shifts)[0]:.2f} / {max(shifts)[1]:.2f}" if shifts else "- (nothing dropped)")
         table.add_row(*row)
     console.print(table)
     for record in done.values():

@@ -933,20 +933,29 @@ def test_a_trajectory_filed_under_another_group_of_its_batch(honest):
     _rejects(_audit(honest, events), f"files episode {first['episode']} under group {other}")
 
 
-def _selection_reasons(spec, trained: list[str], rewards: dict[str, float], turns: dict[str, int], dropped: str):
-    """Check ``check_selection`` alone on group g0 of four episodes, each run to its end with the given
-    turns and reward: ``trained`` train, the others are dropped for ``dropped``."""
+def _selection_reasons(
+    spec,
+    trained: list[str],
+    rewards: dict[str, float],
+    turns: dict[str, int],
+    dropped: str,
+    finished: bool = True,
+    declared: dict | None = None,
+) -> list[str]:
+    """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
+    turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
+    train, the others are dropped for ``dropped``; the stack declares ``declared``."""
     from targets.harness.judge.selection import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
-    events = [_simulated_start(1, {})]
-    events += [TraceEvent("episode_created", 0.0, {"episode": e, "group": "g0"}) for e in rewards]
+    events = [_simulated_start(1, declared or {})]
+    events += [TraceEvent("episode_created", 0.0, {"episode": e, "group": e.split("/")[0]}) for e in rewards]
     for episode, reward in rewards.items():
         for turn in range(turns[episode]):
-            last = turn == turns[episode] - 1
+            last = turn == turns[episode] - 1 and (finished or episode in trained)
             step = {"episode": episode, "action": 2, "observation": 2, "done": last, "reward": reward if last else 0.0}
             events.append(TraceEvent("env_step", 1.0 + turn, step))
-    batch = [{"episode": e, "group": "g0", "reward": rewards[e]} for e in trained]
+    batch = [{"episode": e, "group": e.split("/")[0], "reward": rewards[e]} for e in trained]
     events.append(TraceEvent("train", 6.0, {"start": 5.5, "step": 1, "version": 1, "trajectories": batch}))
     events += [
         TraceEvent("sample_dropped", 5.0, {"episode": e, "reason": dropped}) for e in rewards if e not in trained
@@ -957,27 +966,59 @@ def _selection_reasons(spec, trained: list[str], rewards: dict[str, float], turn
     return r.lines()
 
 
-def test_trained_episodes_chosen_for_their_reward_or_length_are_rejected_as_selection(tiny_spec):
-    """Planted: each episode ran to its end, and the stack trained the rewarded half (or the shortest
-    half) and dropped the rest: whatever reasons the drops gave, the trained are better rewarded (or
-    shorter) than every episode launched, beyond the bound for a stack that declares nothing. The same
-    trace training a half that is neither passes, and so do drops at the run's end (nothing could
-    train those)."""
+def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selection(tiny_spec):
+    """Planted: the four members of a group each ran to its end, and the stack trained the rewarded
+    half (or the shortest half) and dropped the rest: whatever reasons the drops gave, the trained are
+    better rewarded than every finished episode (or shorter than every member of their group), beyond
+    the bounds for a stack that declares nothing. The same trace training a half that is neither
+    passes, and so do drops at the run's end (nothing could train those)."""
     episodes = ["g0/e0", "g0/e1", "g0/e2", "g0/e3"]
     rewards = dict(zip(episodes, [1.0, 1.0, 0.0, 0.0]))
     same_turns = dict.fromkeys(episodes, 2)
     lines = _selection_reasons(tiny_spec, episodes[:2], rewards, same_turns, "stale")
-    assert any(
-        "trained episodes are better rewarded than the 4 launched by 1.00 standard deviations" in x for x in lines
-    )
+    better = "trained episodes are better rewarded than the 4 that finished by 1.00 standard deviations"
+    assert any(better in x for x in lines), lines
     turns = dict(zip(episodes, [1, 1, 3, 3]))
     even = dict.fromkeys(episodes, 1.0)
     lines = _selection_reasons(tiny_spec, episodes[:2], even, turns, "stale")
-    assert any(
-        "trained episodes are shorter than the 4 launched by 1.00 standard deviations of turns" in x for x in lines
-    )
+    assert any("the 2 episodes trained are 50% shorter in turns than the 4 members of their groups" in x for x in lines)
     assert _selection_reasons(tiny_spec, ["g0/e0", "g0/e2"], rewards, turns, "stale") == []
     assert _selection_reasons(tiny_spec, episodes[:2], rewards, same_turns, "end_of_run") == []
+
+
+def test_long_tasks_dropped_while_running_are_rejected_as_selection(tiny_spec):
+    """Planted: of four tasks (groups of two) the two long ones were still running when the stack
+    dropped them as stale and never ran them again; the short ones trained. Each unfinished episode
+    counts at its progress (it was at least that long): the trained tasks are 33% shorter in turns than
+    the tasks launched, over the 10% any stack may favour the short tasks, whatever it declares (here
+    four spares a group and tail batching). Counted in standard deviations of the launched lengths, as
+    the audit did before, the same trace was 1.0 of them short: inside the 1.25 such a stack was allowed
+    (what let the paper-scale search's best train tasks 20-27% shorter in response tokens than it
+    launched). Dropping two tasks as long as the trained ones passes."""
+    episodes = [f"g{k}/e{m}" for k in range(4) for m in range(2)]
+    rewards = dict.fromkeys(episodes, 1.0)
+    turns = {e: 2 if e < "g2" else 4 for e in episodes}  # g0, g1 short; g2, g3 at 4 turns and running
+    declared = {"redundant_per_group": 4, "tail_round": 2}
+    lines = _selection_reasons(tiny_spec, episodes[:4], rewards, turns, "stale", finished=False, declared=declared)
+    assert any(
+        "the 2 tasks trained are 33% shorter in turns than the 4 launched (mean 2.0 against 3.0" in x for x in lines
+    ), lines
+    same = dict.fromkeys(episodes, 2)
+    assert _selection_reasons(tiny_spec, episodes[:4], rewards, same, "stale", finished=False, declared=declared) == []
+
+
+def test_the_selection_bounds_follow_what_the_stack_declares_and_the_target_sets(tiny_spec):
+    """A spare a group widens the members' allowance (the first ``group_size`` to finish train), never
+    the tasks' (a spare does not choose which tasks train); a target's own bounds replace the defaults."""
+    from targets.api import Declared
+    from targets.harness.judge.selection import SelectionBounds
+
+    plain = SelectionBounds.of(Declared(), tiny_spec)
+    spares = SelectionBounds.of(Declared(redundant_per_group=2), tiny_spec)
+    assert spares.tasks == plain.tasks and spares.members > plain.members and spares.reward > plain.reward
+    own = tiny_spec.accuracy.model_copy(update={"selection_task_shortfall": 0.5, "selection_bias": 0.0})
+    strict = SelectionBounds.of(Declared(), tiny_spec.model_copy(update={"accuracy": own}))
+    assert (strict.tasks, strict.members, strict.reward) == (0.5, plain.members, 0.0)
 
 
 def test_a_max_sequence_drop_of_an_episode_never_reset(tiny_spec):

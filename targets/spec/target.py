@@ -54,11 +54,25 @@ class AccuracySpec(Strict):
     greedy_tie_margin: float = Field(default=1e-3, ge=0, description="top-2 logit gap under which greedy may differ")
     prompts: int = Field(default=4, gt=0)
     new_tokens: int = Field(default=12, gt=0)
+    selection_task_shortfall: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="how much shorter (a fraction of the mean, in turns or response tokens) the tasks trained may be "
+        "than the tasks launched; default 0.10",
+    )
+    selection_member_shortfall: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="how much shorter the members trained may be than every member of their groups; default 0.05 "
+        "plus 0.06 for each spare a group the stack declares",
+    )
     selection_bias: float | None = Field(
         default=None,
         ge=0,
-        description="how much shorter or better rewarded (in standard deviations) the trained episodes may be "
-        "than every episode launched; default: what the stack's declared techniques are documented to bias",
+        description="how much better rewarded (in standard deviations) the trained episodes may be than every "
+        "finished episode; default: what the stack's declared techniques are documented to bias",
     )
 
 

@@ -1,8 +1,8 @@
 """The audit's rules for work that is dropped, deferred, cancelled or restarted: each is a way to
 choose which samples train, so each has its rule (a drop's reason must hold when it is made, a
 deferral only of a group that waited a whole step, a partial is what the request decoded, an abort
-has its cause), and ``check_selection`` nets them all: the trained episodes against every episode
-launched (docs/judge.md)."""
+has its cause), and ``check_selection`` nets them all: the tasks and members trained against every
+episode launched (docs/judge.md)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import bisect
 import math
 import statistics
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 
-from targets.api import TraceEvent
+from targets.api import Declared, TraceEvent
 from targets.harness.judge.trace_index import ABORT_SLACK_S, Reasons, TraceIndex, staleness_bound
 from targets.harness.trace import token_count
 from targets.spec import TargetSpec
@@ -195,70 +196,129 @@ def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
                         )
 
 
-# The selection audit's documented biases: by how much (in standard deviations of the launched
-# episodes) the trained episodes may be shorter, in turns or response tokens, or better rewarded
-# than every episode launched (those dropped at the end of the run aside), for what a stack declares.
-# A stack that declares nothing may drop only stale or overlong episodes: a small allowance. Spares
-# keep the first ``group_size`` finishers of each group, the shorter ones (measured on the CPU target:
-# ``benchmarks/judge_false_alarms.py``); tail batching relaunches a deferred task, whose first
-# episodes are never trained. A target may set its own bound (``accuracy.selection_bias``).
-SELECTION_BIAS_BASE = 0.25
+# The selection audit's allowances (docs/judge.md). Lengths are long-tailed (on the paper-scale
+# target a standard deviation of response tokens exceeds their mean, so an allowance counted in them
+# allowed any shortfall at all): they are judged as a fraction of the mean launched. Two choices are
+# told apart. Which *tasks* train: no technique may favour the short ones by design (tail batching
+# relaunches the tasks it defers; a spare changes which members train, not which tasks). Honest stacks
+# favoured them by at most 4% (the CPU target's starters and techniques, 30 runs) and 2%
+# (time_multiplex at paper scale), the run's end set aside; at paper scale spares alone made the long
+# tasks go stale, 7-12%, and tail batching left deferred ones unrun, 5-7%: the bound keeps those near
+# it, and rejects what composing them did (the goodput search's best: 19-27%). Which *members* of a
+# trained group train: only spares choose (the first ``group_size`` to finish), 10-14% for two and 18%
+# for four (CPU and paper-scale targets). Reward is bounded: its bias is counted in standard deviations
+# of the finished episodes' rewards (an unfinished episode's reward is unknown, not 0). Measurements:
+# benchmarks/results/judge-selection.yaml. A target may set each bound (``accuracy.selection_*``).
+TASK_SHORTFALL = 0.10
 
 
-SELECTION_BIAS_PER_SPARE = 0.25
+MEMBER_SHORTFALL_BASE = 0.05
 
 
-SELECTION_BIAS_TAIL = 0.25
+MEMBER_SHORTFALL_PER_SPARE = 0.06
 
 
-def selection_bound(ix: TraceIndex, spec: TargetSpec) -> float:
-    if spec.accuracy.selection_bias is not None:
-        return spec.accuracy.selection_bias
-    declared = ix.declared
-    return (
-        SELECTION_BIAS_BASE
-        + SELECTION_BIAS_PER_SPARE * declared.redundant_per_group
-        + (SELECTION_BIAS_TAIL if declared.tail_round else 0.0)
-    )
+REWARD_BIAS_BASE = 0.25
+
+
+REWARD_BIAS_PER_SPARE = 0.25
+
+
+REWARD_BIAS_TAIL = 0.25
+
+
+@dataclass(frozen=True)
+class SelectionBounds:
+    """How much the trained may be favoured: shorter tasks and shorter members (fractions of the
+    launched mean), better rewarded (standard deviations)."""
+
+    tasks: float
+    members: float
+    reward: float
+
+    @classmethod
+    def of(cls, declared: Declared, spec: TargetSpec) -> SelectionBounds:
+        accuracy, spares = spec.accuracy, declared.redundant_per_group
+
+        def given(value: float | None, default: float) -> float:
+            return default if value is None else value
+
+        return cls(
+            tasks=given(accuracy.selection_task_shortfall, TASK_SHORTFALL),
+            members=given(
+                accuracy.selection_member_shortfall, MEMBER_SHORTFALL_BASE + MEMBER_SHORTFALL_PER_SPARE * spares
+            ),
+            reward=given(
+                accuracy.selection_bias,
+                REWARD_BIAS_BASE + REWARD_BIAS_PER_SPARE * spares + (REWARD_BIAS_TAIL if declared.tail_round else 0.0),
+            ),
+        )
 
 
 def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
-    has its rule above; this is the net over all of them: the trained episodes against every episode
-    launched (at its progress when it was dropped, if it never finished; those dropped at the run's
-    end aside, since nothing could train them), in turns, response tokens and reward. The trained may
-    be shorter or better rewarded by at most the bound (``selection_bound``), in standard deviations
-    of the launched ones."""
+    has its rule above; this is the net over all of them, against every episode launched (an
+    unfinished one at its progress, which it was at least; those dropped at the run's end aside, since
+    nothing could train them): the tasks trained against the tasks launched (a deferred task and its
+    relaunch are one), the members trained against every member of the groups trained, in turns and
+    response tokens, and the rewards trained against every finished episode's."""
+    bounds = SelectionBounds.of(ix.declared, spec)
+    details: dict = {
+        "selection_task_bound": bounds.tasks,
+        "selection_member_bound": bounds.members,
+        "selection_reward_bound": bounds.reward,
+    }
     launched = [e for e in ix.created if not (e in ix.dropped and ix.dropped[e].data["reason"] == "end_of_run")]
     trained = [e for e in launched if e in ix.trained_in]
-    details: dict = {"selection_bound": selection_bound(ix, spec)}
     if len(trained) == len(launched) or len(trained) < 2:
         return details
-
-    def measured(episodes: list[str]) -> dict[str, list[float]]:
-        steps = [ix.env_steps.get(e, []) for e in episodes]
-        return {
-            "turns": [float(len(s)) for s in steps],
-            "response tokens": [float(sum(token_count(x.data["action"]) for x in s)) for s in steps],
-            "reward": [ix.paid(e) for e in episodes],  # a reward model's score included
-        }
-
-    everything, kept = measured(launched), measured(trained)
-    for name in everything:
-        spread = statistics.pstdev(everything[name])
-        if spread == 0:
-            continue
-        shift = (statistics.fmean(kept[name]) - statistics.fmean(everything[name])) / spread
-        favoured = shift if name == "reward" else -shift  # shorter, or better rewarded
-        details[f"selection_{name.replace(' ', '_')}"] = shift
-        if favoured > details["selection_bound"]:
-            how = "better rewarded" if name == "reward" else "shorter"
+    lengths = {
+        "turns": {e: float(len(ix.env_steps.get(e, []))) for e in launched},
+        "response tokens": {
+            e: float(sum(token_count(x.data["action"]) for x in ix.env_steps.get(e, []))) for e in launched
+        },
+    }
+    tasks: dict[str, list[str]] = defaultdict(list)
+    groups: dict[str, list[str]] = defaultdict(list)
+    for e in launched:
+        group = ix.group_of[e]
+        tasks[ix.relaunch_of.get(group, group)].append(e)
+        groups[group].append(e)
+    trained_tasks = [t for t, members in tasks.items() if any(m in ix.trained_in for m in members)]
+    trained_groups = [g for g, members in groups.items() if any(m in ix.trained_in for m in members)]
+    for name, length in lengths.items():
+        task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
+        kept, every = statistics.fmean(task_length[t] for t in trained_tasks), statistics.fmean(task_length.values())
+        details[f"selection_tasks_{name.replace(' ', '_')}"] = shortfall = 1 - kept / every if every else 0.0
+        if shortfall > bounds.tasks:
             r.add(
                 "selection",
-                f"the {len(trained)} trained episodes are {how} than the {len(launched)} launched by {favoured:.2f} "
-                f"standard deviations of {name} (mean {statistics.fmean(kept[name]):.2f} against "
-                f"{statistics.fmean(everything[name]):.2f}), over the bound of {details['selection_bound']:.2f} "
-                "for what the stack declares",
+                f"the {len(trained_tasks)} tasks trained are {shortfall:.0%} shorter in {name} than the {len(tasks)} "
+                f"launched (mean {kept:.1f} against {every:.1f}, an unfinished episode at its progress), over the "
+                f"{bounds.tasks:.0%} any stack may favour the short tasks",
+            )
+        members = [m for g in trained_groups for m in groups[g]]
+        kept = statistics.fmean(length[m] for m in members if m in ix.trained_in)
+        every = statistics.fmean(length[m] for m in members)
+        details[f"selection_members_{name.replace(' ', '_')}"] = shortfall = 1 - kept / every if every else 0.0
+        if shortfall > bounds.members:
+            r.add(
+                "selection",
+                f"the {len(trained)} episodes trained are {shortfall:.0%} shorter in {name} than the {len(members)} "
+                f"members of their groups (mean {kept:.1f} against {every:.1f}), over the {bounds.members:.0%} "
+                f"allowed for {ix.declared.redundant_per_group} spares a group",
+            )
+    finished = [ix.paid(e) for e in launched if ix.finished(e)]
+    spread = statistics.pstdev(finished) if len(finished) > 1 else 0.0
+    if spread:
+        shift = (statistics.fmean(ix.paid(e) for e in trained) - statistics.fmean(finished)) / spread
+        details["selection_reward"] = shift
+        if shift > bounds.reward:
+            r.add(
+                "selection",
+                f"the {len(trained)} trained episodes are better rewarded than the {len(finished)} that finished by "
+                f"{shift:.2f} standard deviations (mean {statistics.fmean(ix.paid(e) for e in trained):.2f} against "
+                f"{statistics.fmean(finished):.2f}), over the bound of {bounds.reward:.2f} for what the stack declares",
             )
     return details
 

@@ -59,7 +59,7 @@ class AccuracySpec(Strict):
         ge=0,
         le=1,
         description="how much shorter (a fraction of the mean, in turns or response tokens) the tasks trained may be "
-        "than the tasks launched; default 0.10",
+        "than the tasks launched; default 0.20",
     )
     selection_member_shortfall: float | None = Field(
         default=None,

@@ -199,17 +199,18 @@ def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
 # The selection audit's allowances (docs/judge.md). Lengths are long-tailed (on the paper-scale
 # target a standard deviation of response tokens exceeds their mean, so an allowance counted in them
 # allowed any shortfall at all): they are judged as a fraction of the mean launched. Two choices are
-# told apart. Which *tasks* train: no technique may favour the short ones by design (tail batching
-# relaunches the tasks it defers; a spare changes which members train, not which tasks). Honest stacks
-# favoured them by at most 4% (the CPU target's starters and techniques, 30 runs) and 2%
-# (time_multiplex at paper scale), the run's end set aside; at paper scale spares alone made the long
-# tasks go stale, 7-12%, and tail batching left deferred ones unrun, 5-7%: the bound keeps those near
-# it, and rejects what composing them did (the goodput search's best: 19-27%). Which *members* of a
-# trained group train: only spares choose (the first ``group_size`` to finish), 10-14% for two and 18%
-# for four (CPU and paper-scale targets). Reward is bounded: its bias is counted in standard deviations
-# of the finished episodes' rewards (an unfinished episode's reward is unknown, not 0). Measurements:
-# benchmarks/results/judge-selection.yaml. A target may set each bound (``accuracy.selection_*``).
-TASK_SHORTFALL = 0.10
+# told apart. Which *tasks* train: no technique chooses them by design (tail batching relaunches the
+# tasks it defers; a spare changes which members train, not which tasks), but a stale drop discards its
+# task, and at paper scale the long tasks are the ones that go stale: the time_multiplex starter alone
+# favoured the short tasks by 1.6-13.5% in response tokens over 11 seeds (at most 4% on the CPU
+# target, 30 runs of the starters and techniques), spares alone 7-12%, tail batching alone 5-7%. The
+# bound sits above the starter's; what composing them did (the goodput search's best: 19-27%) is
+# mostly over it. Which *members* of a trained group train: only spares choose (the first
+# ``group_size`` to finish), 10-14% for two and 18% for four (CPU and paper-scale targets). Reward is
+# bounded: its bias is counted in standard deviations of the finished episodes' rewards (an unfinished
+# episode's reward is unknown, not 0). Measurements: benchmarks/results/judge-selection.yaml. A target
+# may set each bound (``accuracy.selection_*``).
+TASK_SHORTFALL = 0.20
 
 
 MEMBER_SHORTFALL_BASE = 0.05

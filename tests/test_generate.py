@@ -387,6 +387,16 @@ def test_generate_on_the_simulated_production_target_beats_the_static_split_wher
     trained_lengths(run)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| held-out | ")]
     assert len(rows) == 1 and f"| {g.held_out.ratio:.2f}x | {g.tokens['held-out']:.2f}x |" in rows[0], rows
+    # benchmarks/judge_selection.py reads the selection net off the same runs, as their audits computed it
+    from judge_selection import selection_of
+
+    candidate = runs / "held-out" / "candidate-0"
+    audited = json.loads((candidate / "audit.json").read_text())["result"]
+    read = selection_of(load_target(target), candidate)
+    assert "selection_task_bound" in read and set(read["reasons"]) <= set(audited["reasons"])
+    assert {k: v for k, v in read.items() if k.startswith("selection_")} == {
+        k: v for k, v in audited["details"].items() if k.startswith("selection_")
+    }
     assert load_target(runs / "perturbed.yaml").workload.tokens.observation == round(
         raw["workload"]["tokens"]["observation"] * PERTURBATION
     )

@@ -1,0 +1,129 @@
+"""How much shorter, or better rewarded, what a stack trains is than what it launched: the selection net
+of the audit (``targets/harness/judge/selection.py``) read from recorded runs, against its bounds. Runs
+the given stacks on a target for the given seeds (traces kept under ``OUT/<stack>/<seed>/``; a rerun
+skips those already there), or reads runs already recorded (``--runs``: a search's generalization runs,
+say), and prints per run the tasks' and members' shortfall in turns and response tokens and the reward
+shift, then per stack the range of each.
+
+    python benchmarks/judge_selection.py --target qwen3-235b-a22b-h800x160 --seeds 0-9 \\
+        --stack time_multiplex --stack spares4=time_multiplex:redundant_envs=4 --stack best=PATH
+    python benchmarks/judge_selection.py --runs RUN/.git/vibetrain/generalization/runs/*/*
+
+A stack is ``NAME=CONTROLLER[:PARAM=VALUE,...]`` (a starter with its params.json changed), ``NAME=PATH``
+(a stack directory), or a starter's name alone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from skills.starter import write_starter
+from targets.harness.judge.selection import check_selection
+from targets.harness.judge.trace_index import Reasons, TraceIndex
+from targets.harness.measure.session import Session
+from targets.harness.target import Target
+from targets.harness.trace import Trace
+from targets.spec import TargetSpec
+
+console = Console()
+
+PARTS = (  # column, the audit's detail, the bound it is held to
+    ("tasks: turns", "selection_tasks_turns", "selection_task_bound"),
+    ("tasks: response tokens", "selection_tasks_response_tokens", "selection_task_bound"),
+    ("members: turns", "selection_members_turns", "selection_member_bound"),
+    ("members: response tokens", "selection_members_response_tokens", "selection_member_bound"),
+    ("reward (SD)", "selection_reward", "selection_reward_bound"),
+)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0-9`` or ``0,3,5``."""
+    if "-" in text:
+        first, last = text.split("-", 1)
+        return list(range(int(first), int(last) + 1))
+    return [int(s) for s in text.split(",")]
+
+
+def make_stack(spec: TargetSpec, text: str, stacks: Path) -> tuple[str, Path]:
+    """A stack directory for ``NAME=CONTROLLER[:PARAM=VALUE,...]``, ``NAME=PATH`` or a starter's name."""
+    name, _, how = text.partition("=")
+    how = how or name
+    directory = stacks / name
+    if Path(how).is_dir():
+        if not directory.exists():
+            shutil.copytree(how, directory)
+        return name, directory
+    controller, _, assignments = how.partition(":")
+    if not directory.exists():
+        write_starter(directory, spec, controller)
+        path = directory / "stack" / "params.json"
+        params = json.loads(path.read_text())
+        for assignment in filter(None, assignments.split(",")):
+            key, _, value = assignment.partition("=")
+            if key not in params:
+                raise typer.BadParameter(f"{text}: the {controller} starter has no parameter {key!r}")
+            params[key] = json.loads(value)
+        path.write_text(json.dumps(params, indent=2))
+    return name, directory
+
+
+def selection_of(spec: TargetSpec, run: Path) -> dict:
+    """The selection net's details on a recorded run, and its reasons."""
+    reasons = Reasons()
+    details = check_selection(TraceIndex.of(Trace.load_events(run / "trace.jsonl")), reasons, spec)
+    return {**details, "reasons": reasons.lines()}
+
+
+def main(
+    target_ref: str = typer.Option("qwen3-235b-a22b-h800x160", "--target"),
+    stack: list[str] = typer.Option([], help="NAME=CONTROLLER[:PARAM=VALUE,...], NAME=PATH, or a starter"),
+    seeds: str = typer.Option("0-1", help="0-9 or 0,3,5"),
+    runs: list[Path] = typer.Option([], help="recorded run directories (each with its trace.jsonl) to read instead"),
+    out: Path = typer.Option(Path("generated/judge-selection")),
+    sandbox: str = typer.Option("auto"),
+) -> None:
+    target = Target.load(target_ref)
+    measured: dict[str, list[tuple[str, dict]]] = {}
+    for run in runs:
+        if not (run / "trace.jsonl").exists():
+            raise typer.BadParameter(f"{run} has no trace.jsonl")
+        # held-out/candidate-2 reads as held-out/candidate
+        group = f"{run.parent.name}/{run.name.rstrip('-0123456789') or run.name}"
+        measured.setdefault(group, []).append((str(run), selection_of(target.spec, run)))
+    session = Session.open(target, sandbox=sandbox) if stack else None
+    for text in stack:
+        name, directory = make_stack(target.spec, text, out / "stacks")
+        for seed in parse_seeds(seeds):
+            run = out / name / str(seed)
+            if not (run / "trace.jsonl").exists():
+                measurement = session.measure(directory, run, seed)
+                console.print(
+                    f"{name} seed {seed}: " + ("passed" if measurement.ok else "; ".join(measurement.reasons[:2]))
+                )
+            measured.setdefault(name, []).append((f"{name} seed {seed}", selection_of(target.spec, run)))
+    table = Table(
+        title=f"selection on {target.id}: what trained against what was launched (shortfall: a fraction of the mean)"
+    )
+    for column in ("stack", "runs", "rejected", *(f"{part} / bound" for part, _, _ in PARTS)):
+        table.add_column(column)
+    for name, results in measured.items():
+        row = [name, str(len(results)), str(sum(bool(r["reasons"]) for _, r in results))]
+        for _, key, bound in PARTS:
+            values = [r[key] for _, r in results if key in r]
+            row.append(f"{min(values):.3f} to {max(values):.3f} / {results[0][1][bound]:.2f}" if values else "-")
+        table.add_row(*row)
+    console.print(table)
+    for results in measured.values():
+        for where, r in results:
+            for reason in r["reasons"]:
+                console.print(f"{where}: {reason}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

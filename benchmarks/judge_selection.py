@@ -1,13 +1,13 @@
 """How much shorter, or better rewarded, what a stack trains is than what it launched: the selection net
 of the audit (``targets/harness/judge/selection.py``) read from recorded runs, against its bounds. Runs
 the given stacks on a target for the given seeds (traces kept under ``OUT/<stack>/<seed>/``; a rerun
-skips those already there), or reads runs already recorded (``--runs``: a search's generalization runs,
+skips those already there), or reads runs already recorded (a search's generalization runs,
 say), and prints per run the tasks' and members' shortfall in turns and response tokens and the reward
 shift, then per stack the range of each.
 
     python benchmarks/judge_selection.py --target qwen3-235b-a22b-h800x160 --seeds 0-9 \\
         --stack time_multiplex --stack spares4=time_multiplex:redundant_envs=4 --stack best=PATH
-    python benchmarks/judge_selection.py --runs RUN/.git/vibetrain/generalization/runs/*/*
+    python benchmarks/judge_selection.py RUN/.git/vibetrain/generalization/runs/*/*
 
 A stack is ``NAME=CONTROLLER[:PARAM=VALUE,...]`` (a starter with its params.json changed), ``NAME=PATH``
 (a stack directory), or a starter's name alone.
@@ -84,17 +84,17 @@ def main(
     target_ref: str = typer.Option("qwen3-235b-a22b-h800x160", "--target"),
     stack: list[str] = typer.Option([], help="NAME=CONTROLLER[:PARAM=VALUE,...], NAME=PATH, or a starter"),
     seeds: str = typer.Option("0-1", help="0-9 or 0,3,5"),
-    runs: list[Path] = typer.Option([], help="recorded run directories (each with its trace.jsonl) to read instead"),
+    runs: list[Path] = typer.Argument(None, help="recorded run directories (each with its trace.jsonl) to read"),
     out: Path = typer.Option(Path("generated/judge-selection")),
     sandbox: str = typer.Option("auto"),
 ) -> None:
     target = Target.load(target_ref)
     measured: dict[str, list[tuple[str, dict]]] = {}
-    for run in runs:
+    for run in runs or []:
         if not (run / "trace.jsonl").exists():
             raise typer.BadParameter(f"{run} has no trace.jsonl")
-        # held-out/candidate-2 reads as held-out/candidate
-        group = f"{run.parent.name}/{run.name.rstrip('-0123456789') or run.name}"
+        # OUT/<stack>/<seed> reads as <stack>, a search's held-out/candidate-2 as held-out/candidate
+        group = run.parent.name if run.name.isdigit() else f"{run.parent.name}/{run.name.rstrip('-0123456789')}"
         measured.setdefault(group, []).append((str(run), selection_of(target.spec, run)))
     session = Session.open(target, sandbox=sandbox) if stack else None
     for text in stack:

@@ -578,6 +578,19 @@ def test_a_group_goes_stale_whole_when_one_member_is_stale(honest):
     assert any("unjustified drop" in line and "dropped as stale" in line for line in lines), lines
 
 
+def test_a_group_dropped_stale_in_part_while_its_other_members_train(honest):
+    """Planted: a group with one member kept old on purpose (version 0) has it dropped as stale together
+    with a fresh sibling it dislikes, and trains its third member: the stale reason holds for the group,
+    so with spares this picks which members train by their reward. A group with a stale turn goes whole."""
+    spec = _mini_spec(honest)
+    events = _group_trace("stale", {"g0/e0": 0, "g0/e1": 2})
+    events.insert(1, TraceEvent("episode_created", 0.0, {"episode": "g0/e2", "group": "g0"}))
+    last_train = max(i for i, e in enumerate(events) if e.kind == "train")
+    events[last_train].data["trajectories"] = [{"episode": "g0/e2", "group": "g0", "reward": 1.0}]
+    lines = _drop_reasons(spec, events)
+    assert any("dropped as stale while g0/e2 of its group g0 trained" in line for line in lines), lines
+
+
 def test_an_early_stale_abort_must_already_be_certain(honest):
     """abort_stale hands a group back while it still runs: right once the policy is more than
     async_ratio (1) past its oldest turn (policy 2 over version 0), planted one step too soon (policy 1)."""
@@ -941,10 +954,12 @@ def _selection_reasons(
     dropped: str,
     finished: bool = True,
     declared: dict | None = None,
+    verdicts: dict[str, float] | None = None,
 ) -> list[str]:
     """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
     turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
-    train, the others are dropped for ``dropped``; the stack declares ``declared``."""
+    train, the others are dropped for ``dropped``; the stack declares ``declared``. With ``verdicts`` the
+    target has a reward model, whose score of each episode named there comes at its end."""
     from targets.harness.judge.selection import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -954,7 +969,9 @@ def _selection_reasons(
         for turn in range(turns[episode]):
             last = turn == turns[episode] - 1 and (finished or episode in trained)
             step = {"episode": episode, "action": 2, "observation": 2, "done": last, "reward": reward if last else 0.0}
-            events.append(TraceEvent("env_step", 1.0 + turn, step))
+            events.append(TraceEvent("env_step", 1.0 + turn, {**step, "timed_out": False, "lost": False}))
+            if last and episode in (verdicts or {}):
+                events.append(TraceEvent("reward", 1.5 + turn, {"episode": episode, "score": verdicts[episode]}))
     batch = [{"episode": e, "group": e.split("/")[0], "reward": rewards[e]} for e in trained]
     events.append(TraceEvent("train", 6.0, {"start": 5.5, "step": 1, "version": 1, "trajectories": batch}))
     events += [
@@ -962,49 +979,70 @@ def _selection_reasons(
     ]
     events.append(TraceEvent("run_end", 7.0))
     r = Reasons()
-    check_selection(TraceIndex.of(events), r, spec)
+    check_selection(TraceIndex.of(events, judged=verdicts is not None), r, spec)
     return r.lines()
 
 
 def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selection(tiny_spec):
-    """Planted: the four members of a group each ran to its end, and the stack trained the rewarded
-    half (or the shortest half) and dropped the rest: whatever reasons the drops gave, the trained are
-    better rewarded than every finished episode (or shorter than every member of their group), beyond
-    the bounds for a stack that declares nothing. The same trace training a half that is neither
-    passes, and so do drops at the run's end (nothing could train those)."""
-    episodes = ["g0/e0", "g0/e1", "g0/e2", "g0/e3"]
-    rewards = dict(zip(episodes, [1.0, 1.0, 0.0, 0.0]))
+    """Planted: the four members of each of five groups ran to their end, and the stack trained the
+    rewarded half (or the shortest half) of each and dropped the rest: whatever reasons the drops gave,
+    the trained are better rewarded than every finished episode (or shorter than every member of their
+    groups), beyond the bounds for a stack that declares nothing and beyond chance. The same trace
+    training a half that is neither passes, and so do drops at the run's end (nothing could train
+    those); the shortest half of one group of four is within what chance does."""
+    episodes = [f"g{k}/e{m}" for k in range(5) for m in range(4)]
+    first_half = [e for e in episodes if e[-1] in "01"]
+    rewards = {e: 1.0 if e[-1] in "01" else 0.0 for e in episodes}
     same_turns = dict.fromkeys(episodes, 2)
-    lines = _selection_reasons(tiny_spec, episodes[:2], rewards, same_turns, "stale")
-    better = "trained episodes are better rewarded than the 4 that finished by 1.00 standard deviations"
+    lines = _selection_reasons(tiny_spec, first_half, rewards, same_turns, "stale")
+    better = "trained episodes are better rewarded than the 20 that finished by 1.00 standard deviations"
     assert any(better in x for x in lines), lines
-    turns = dict(zip(episodes, [1, 1, 3, 3]))
+    turns = {e: 1 if e[-1] in "01" else 3 for e in episodes}
     even = dict.fromkeys(episodes, 1.0)
-    lines = _selection_reasons(tiny_spec, episodes[:2], even, turns, "stale")
-    assert any("the 2 episodes trained are 50% shorter in turns than the 4 members of their groups" in x for x in lines)
-    assert _selection_reasons(tiny_spec, ["g0/e0", "g0/e2"], rewards, turns, "stale") == []
-    assert _selection_reasons(tiny_spec, episodes[:2], rewards, same_turns, "end_of_run") == []
+    lines = _selection_reasons(tiny_spec, first_half, even, turns, "stale")
+    shorter = "the 10 episodes trained are 50% shorter in turns than the 20 members of their groups"
+    assert any(shorter in x for x in lines), lines
+    neither = [e for e in episodes if e[-1] in "02"]
+    assert _selection_reasons(tiny_spec, neither, rewards, turns, "stale") == []
+    assert _selection_reasons(tiny_spec, first_half, rewards, same_turns, "end_of_run") == []
+    one = episodes[:4]
+    assert _selection_reasons(tiny_spec, one[:2], dict.fromkeys(one, 1.0), {e: turns[e] for e in one}, "stale") == []
+
+
+def test_episodes_whose_verdict_never_came_are_not_counted_as_unrewarded(tiny_spec):
+    """With a reward model, an episode has finished once its verdict came: the two members dropped while
+    theirs was pending are not scored 0 against the two judged and trained (they read 1.00 standard
+    deviations worse, a false alarm, when the net counted every episode whose environment was done)."""
+    episodes = ["g0/e0", "g0/e1", "g0/e2", "g0/e3"]
+    rewards, turns = dict.fromkeys(episodes, 0.0), dict.fromkeys(episodes, 2)
+    judged = {"g0/e0": 1.0, "g0/e1": 1.0}
+    assert _selection_reasons(tiny_spec, episodes[:2], rewards, turns, "stale", verdicts=judged) == []
+    judged.update({"g0/e2": 0.0, "g0/e3": 0.0})  # judged, and dropped: the trained are chosen by reward
+    lines = _selection_reasons(tiny_spec, episodes[:2], rewards, turns, "stale", verdicts=judged)
+    assert any("better rewarded than the 4 that finished by 1.00" in line for line in lines), lines
 
 
 def test_long_tasks_dropped_while_running_are_rejected_as_selection(tiny_spec):
-    """Planted: of four tasks (groups of two) the two long ones were still running when the stack
+    """Planted: of twenty tasks (groups of two) the ten long ones were still running when the stack
     dropped them as stale and never ran them again; the short ones trained. Each unfinished episode
     counts at its progress (it was at least that long): the trained tasks are 33% shorter in turns than
     the tasks launched, over the 20% any stack may favour the short tasks, whatever it declares (here
-    four spares a group and tail batching). Counted in standard deviations of the launched lengths, as
-    the audit did before, the same trace was 1.0 of them short: inside the 1.25 such a stack was allowed
-    (what let the paper-scale search's best train tasks 20-27% shorter in response tokens than it
-    launched). Dropping two tasks as long as the trained ones passes."""
-    episodes = [f"g{k}/e{m}" for k in range(4) for m in range(2)]
+    four spares a group and tail batching), and beyond chance (23% for ten of twenty). Counted in
+    standard deviations of the launched lengths, as the audit did before, the same trace was 1.0 of them
+    short: inside the 1.25 such a stack was allowed (what let the paper-scale search's best train tasks
+    20-27% shorter in response tokens than it launched). Dropping ten tasks as long as the trained ones
+    passes."""
+    short, long = [f"g{k}" for k in range(10)], [f"g{k}" for k in range(10, 20)]
+    episodes = [f"{g}/e{m}" for g in short + long for m in range(2)]
+    trained = [e for e in episodes if e.split("/")[0] in short]
     rewards = dict.fromkeys(episodes, 1.0)
-    turns = {e: 2 if e < "g2" else 4 for e in episodes}  # g0, g1 short; g2, g3 at 4 turns and running
+    turns = {e: 2 if e in trained else 4 for e in episodes}  # the long ones at 4 turns and running
     declared = {"redundant_per_group": 4, "tail_round": 2}
-    lines = _selection_reasons(tiny_spec, episodes[:4], rewards, turns, "stale", finished=False, declared=declared)
-    assert any(
-        "the 2 tasks trained are 33% shorter in turns than the 4 launched (mean 2.0 against 3.0" in x for x in lines
-    ), lines
+    lines = _selection_reasons(tiny_spec, trained, rewards, turns, "stale", finished=False, declared=declared)
+    reason = "the 10 tasks trained are 33% shorter in turns than the 20 launched (mean 2.0 against 3.0"
+    assert any(reason in x and "over the 23% allowed" in x for x in lines), lines
     same = dict.fromkeys(episodes, 2)
-    assert _selection_reasons(tiny_spec, episodes[:4], rewards, same, "stale", finished=False, declared=declared) == []
+    assert _selection_reasons(tiny_spec, trained, rewards, same, "stale", finished=False, declared=declared) == []
 
 
 def test_the_selection_bounds_follow_what_the_stack_declares_and_the_target_sets(tiny_spec):

@@ -346,14 +346,14 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     finished = [ix.paid(e) for e in launched if ix.finished_at(e) is not None]
     spread = statistics.pstdev(finished) if len(finished) > 1 else 0.0
     if spread:
-        shift = (statistics.fmean(ix.paid(e) for e in trained) - statistics.fmean(finished)) / spread
-        details["selection_reward"] = shift
+        kept_reward, finished_reward = statistics.fmean(ix.paid(e) for e in trained), statistics.fmean(finished)
+        details["selection_reward"] = shift = (kept_reward - finished_reward) / spread
         if shift > bounds.reward:
             r.add(
                 "selection",
                 f"the {len(trained)} trained episodes are better rewarded than the {len(finished)} that finished by "
-                f"{shift:.2f} standard deviations (mean {statistics.fmean(ix.paid(e) for e in trained):.2f} against "
-                f"{statistics.fmean(finished):.2f}), over the bound of {bounds.reward:.2f} for what the stack declares",
+                f"{shift:.2f} standard deviations (mean {kept_reward:.2f} against {finished_reward:.2f}), over the "
+                f"bound of {bounds.reward:.2f} for what the stack declares",
             )
     return details
 

@@ -920,7 +920,7 @@ def test_the_harness_relaunches_only_a_deferred_group_and_only_once(tiny_spec):
 
     pool = EnvironmentPool(tiny_spec.workload, WallClock(), Trace(WallClock()))
     first = pool.new_group()
-    with pytest.raises(ValueError, match="never deferred"):
+    with pytest.raises(ValueError, match="never deferred or dropped as stale"):
         pool.new_group(relaunch="g0")
     for episode in first:
         pool.drop(episode.episode_id, "deferred")
@@ -928,6 +928,27 @@ def test_the_harness_relaunches_only_a_deferred_group_and_only_once(tiny_spec):
     assert pool.task_of(again[0].episode_id) == pool.task_of(first[0].episode_id) == "g0"
     assert again[0].group_id == "g1" and again[0].task is not first[0].task  # new episodes, of the same task:
     assert [again[0].symbols(turn) for turn in range(5)] == [first[0].symbols(turn) for turn in range(5)]
+    with pytest.raises(ValueError, match="already relaunched"):
+        pool.new_group(relaunch="g0")
+
+
+def test_the_harness_relaunches_a_stale_groups_task_once_and_never_a_relaunch(tiny_spec):
+    """A stale drop may postpone its task as a deferral does (the long tasks go stale); a relaunch that
+    goes stale in turn is not run a third time."""
+    from targets.harness.clock import WallClock
+    from targets.harness.environments.pool import EnvironmentPool
+    from targets.harness.trace import Trace
+
+    pool = EnvironmentPool(tiny_spec.workload, WallClock(), Trace(WallClock()))
+    first = pool.new_group()
+    for episode in first:
+        pool.drop(episode.episode_id, "stale")
+    again = pool.new_group(relaunch="g0")
+    assert pool.task_of(again[0].episode_id) == "g0"
+    for episode in again:
+        pool.drop(episode.episode_id, "stale")
+    with pytest.raises(ValueError, match="itself a relaunch"):
+        pool.new_group(relaunch=again[0].group_id)
     with pytest.raises(ValueError, match="already relaunched"):
         pool.new_group(relaunch="g0")
 
@@ -1069,7 +1090,48 @@ def test_relaunching_a_group_that_was_never_deferred(tiny_spec):
     """Planted: a group dropped at the end of the run, its task launched again: a second draw of a task
     the stack chose, not a postponement (the harness's pool refuses it; the audit is the backstop)."""
     lines = _deferral_reasons(tiny_spec, _deferral_trace(tiny_spec.workload.group_size, deferred=0))
-    assert any("a group relaunched g0, which was never deferred" in line for line in lines), lines
+    assert any("a group relaunched g0, which was never deferred or dropped as stale" in line for line in lines), lines
+
+
+def _stale_relaunch_trace(spec, relaunch_at: float = 6.8, again: str = "g1", of: str = "g0") -> list[TraceEvent]:
+    """g0 goes stale (its turns at version 0, the policy at 2 from 6 s) and is dropped whole at 6.5 s;
+    group ``again`` relaunches ``of``'s task at ``relaunch_at`` and is dropped at the run's end (8 s)."""
+    events = _group_trace("stale", {"g0/e0": 0, "g0/e1": 0}, drop_at=6.5)
+    members = [f"{again}/e{m}" for m in range(spec.workload.group_size)]
+    events += [
+        TraceEvent("episode_created", relaunch_at, {"episode": m, "group": again, "relaunch": of}) for m in members
+    ]
+    events += [TraceEvent("sample_dropped", 8.0, {"episode": m, "reason": "end_of_run"}) for m in members]
+    events.sort(key=lambda e: e.t)
+    return events
+
+
+def test_relaunching_a_stale_groups_task_passes(honest):
+    """A stale drop postpones its task: the relaunch is allowed (no tail_round needed)."""
+    spec = _mini_spec(honest)
+    assert _deferral_reasons(spec, _stale_relaunch_trace(spec)) == []
+
+
+def test_relaunching_a_task_before_its_group_was_handed_back(honest):
+    """Planted: the task launched again while its group still ran (the pool refuses it; the audit is
+    the backstop): two draws of one task at once, the stack free to keep the one it likes."""
+    spec = _mini_spec(honest)
+    lines = _deferral_reasons(spec, _stale_relaunch_trace(spec, relaunch_at=6.2))
+    assert any("g1 relaunched g0's task at 6.20s, before g0 was handed back (6.50s)" in line for line in lines), lines
+
+
+def test_relaunching_a_relaunch(honest):
+    """Planted: a stale task's relaunch relaunched in turn: a task drawn over and over until it is short."""
+    spec = _mini_spec(honest)
+    events = _stale_relaunch_trace(spec)
+    events = [e for e in events if not (e.kind == "sample_dropped" and e.data["episode"].startswith("g1/"))]
+    second = [f"g1/e{m}" for m in range(spec.workload.group_size)]
+    third = [f"g2/e{m}" for m in range(spec.workload.group_size)]
+    events[-1:-1] = [TraceEvent("sample_dropped", 7.2, {"episode": m, "reason": "stale"}) for m in second]
+    events[-1:-1] = [TraceEvent("episode_created", 7.4, {"episode": m, "group": "g2", "relaunch": "g1"}) for m in third]
+    events[-1:-1] = [TraceEvent("sample_dropped", 8.0, {"episode": m, "reason": "end_of_run"}) for m in third]
+    lines = _deferral_reasons(spec, events)
+    assert any("a group relaunched g1, which was itself a relaunch" in line for line in lines), lines
 
 
 def test_relaunching_a_deferred_task_twice(tiny_spec):
@@ -1080,7 +1142,7 @@ def test_relaunching_a_deferred_task_twice(tiny_spec):
     events[-1:-1] = [TraceEvent("episode_created", 3.6, {"episode": m, "group": "g2", "relaunch": "g0"}) for m in again]
     events[-1:-1] = [TraceEvent("sample_dropped", 4.5, {"episode": m, "reason": "end_of_run"}) for m in again]
     lines = _deferral_reasons(tiny_spec, events)
-    assert any("deferred group g0's task was relaunched 2 times" in line for line in lines), lines
+    assert any("postponed group g0's task was relaunched 2 times" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("finish, tokens", [("length", 3), ("stop", 10_000)], ids=["length short", "over budget"])

@@ -10,6 +10,11 @@ launched with that many spare members; once ``group_size`` have finished, the sp
 are cancelled and handed back as ``redundant``, so a group waits for its fastest members, not its
 slowest.
 
+A group dropped as ``stale`` (whole: a step trains groups whole, so one member beyond the bound
+makes the group untrainable) has its task run again at the next launch (``new_group(relaunch=...)``),
+unless it was itself a relaunch: the long tasks are the ones that go stale, and dropping them for new
+ones would train the short tasks (the audit bounds how much shorter the trained tasks may be).
+
 Staleness-aware early abort (``abort_stale``, the ``abort_stale`` technique): a group is trained from
 a policy no older than the newest, so once ``policy - oldest turn > async_ratio`` for any turn of a
 group it can never be trained. The manager checks this as each turn completes and whenever the
@@ -75,11 +80,14 @@ class EnvManager:
         self._failure: BaseException | None = None
         self._batches_taken = 0
         self._launched_in: dict[str, int] = {}  # group -> batches taken before it was launched
-        self._relaunches: set[str] = set()  # groups running a deferred task again: never deferred
+        self._relaunches: set[str] = set()  # groups running a postponed task again: never postponed again
         self._deferred: deque[str] = deque()  # deferred groups whose tasks wait for a long round
+        self._stale: deque[str] = deque()  # stale groups whose tasks run again at the next launch
+        self._went_stale: set[str] = set()  # every group queued there, once
         self._long_round = False  # relaunching the queue, until it is empty
         buffer.on_complete = self._cancel_spares
         buffer.on_batch = self._defer_tail
+        buffer.on_stale = self._postpone_stale
 
     @property
     def groups_in_flight(self) -> int:
@@ -137,9 +145,17 @@ class EnvManager:
             self.envs.drop(episode_id, reason)
             self._leave(task, group_id)
 
+    def _postpone_stale(self, group_id: str) -> None:
+        """The group went stale: its task runs again at the next launch, unless it was a relaunch."""
+        if group_id not in self._relaunches and group_id not in self._went_stale:
+            self._went_stale.add(group_id)
+            self._stale.append(group_id)
+
     def _next_relaunch(self) -> str | None:
-        """The deferred group whose task the next launch runs again: none until ``tail_round`` wait,
-        then every one queued (a long round), oldest first."""
+        """The postponed group whose task the next launch runs again: a stale one's at once; a deferred
+        one's none until ``tail_round`` wait, then every one queued (a long round), oldest first."""
+        if self._stale:
+            return self._stale.popleft()
         if self.tail_round and len(self._deferred) >= self.tail_round:
             self._long_round = True
         if self._long_round and self._deferred:
@@ -176,6 +192,7 @@ class EnvManager:
         for task in list(self._group_tasks.get(group_id, ())):
             self._hand_back(task, group_id, "stale")
         self.buffer.drop_group(group_id, "stale")
+        self._postpone_stale(group_id)
         return True
 
     def raise_if_failed(self) -> None:

@@ -4,9 +4,9 @@ episodes, and the audit rejects it).
 
 The staleness bound is enforced when a batch is taken: a group holding a turn generated more than
 ``async_ratio`` versions before the current policy is dropped whole (handed back to the harness with
-the reason ``stale``, so it is counted, not lost); at the end of a run everything still waiting is
-handed back with ``end_of_run``. A member that finishes after its group is complete (a spare of a
-group launched with redundancy) is handed back as ``redundant``.
+the reason ``stale``, so it is counted, not lost, and its task runs again: ``on_stale``); at the end of
+a run everything still waiting is handed back with ``end_of_run``. A member that finishes after its
+group is complete (a spare of a group launched with redundancy) is handed back as ``redundant``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class GroupBuffer:
         self._changed = asyncio.Event()
         self.on_complete: Callable[[str], None] = lambda group_id: None  # the manager cancels spares here
         self.on_batch: Callable[[], None] = lambda: None  # a batch was taken (the manager defers tails here)
+        self.on_stale: Callable[[str], None] = lambda group_id: None  # the manager relaunches its task here
 
     def expect(self, group_id: str) -> None:
         """A group was just created: its place in the creation order."""
@@ -57,6 +58,7 @@ class GroupBuffer:
         for group_id in stale:
             for t in self._ready.pop(group_id):
                 self.envs.drop(t.episode_id, "stale")
+            self.on_stale(group_id)
         return len(stale)
 
     def drop_group(self, group_id: str, reason: str) -> None:

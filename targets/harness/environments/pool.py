@@ -51,8 +51,9 @@ class EnvironmentPool:
         self.groups_created = 0
         self.max_extra = 0  # the stack's declared redundancy, set once the stack has said it
         self._task_of_group: dict[str, int] = {}  # group -> the task it runs (its own index unless relaunched)
-        self._deferred: set[str] = set()  # groups a member of which was dropped as deferred
-        self._relaunched: set[str] = set()  # deferred groups whose task ran again
+        self._postponed: set[str] = set()  # groups a member of which was dropped as deferred or stale
+        self._relaunched: set[str] = set()  # postponed groups whose task ran again
+        self._relaunches: set[str] = set()  # groups that ran a postponed group's task again
 
     def new_group(self, extra: int = 0, relaunch: str | None = None) -> list[Episode]:
         if not 0 <= extra <= self.max_extra:
@@ -61,8 +62,10 @@ class EnvironmentPool:
             )
         task = self.groups_created
         if relaunch is not None:
-            if relaunch not in self._deferred:
-                raise ValueError(f"new_group(relaunch={relaunch!r}): that group was never deferred")
+            if relaunch not in self._postponed:
+                raise ValueError(f"new_group(relaunch={relaunch!r}): that group was never deferred or dropped as stale")
+            if relaunch in self._relaunches:
+                raise ValueError(f"new_group(relaunch={relaunch!r}): that group was itself a relaunch")
             if relaunch in self._relaunched:
                 raise ValueError(f"new_group(relaunch={relaunch!r}): that group's task was already relaunched")
             self._relaunched.add(relaunch)
@@ -71,6 +74,8 @@ class EnvironmentPool:
         self.groups_created += 1
         group_id = f"g{index}"
         self._task_of_group[group_id] = task
+        if relaunch is not None:
+            self._relaunches.add(group_id)
         task_seed = self.seed.task(task)
         episodes = []
         for member in range(self.group_size + extra):
@@ -95,15 +100,15 @@ class EnvironmentPool:
 
     def task_of(self, episode_id: str) -> str:
         """The task an episode runs, named by the group that ran it first (a relaunched group runs
-        its deferred group's task)."""
+        its deferred or stale group's task)."""
         return f"g{self._task_of_group[group_of(episode_id)]}"
 
     def drop(self, episode_id: str, reason: str) -> None:
         """A controller discards an episode on purpose; recorded so the audit can verify the reason."""
         if reason not in DROP_REASONS:
             raise ValueError(f"drop reason must be one of {DROP_REASONS}, got {reason!r}")
-        if reason == "deferred":
-            self._deferred.add(group_of(episode_id))
+        if reason in ("deferred", "stale"):
+            self._postponed.add(group_of(episode_id))
         self.trace.record("sample_dropped", episode=episode_id, reason=reason)
 
 

@@ -9,6 +9,7 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * deferral (tail batching): only a stack that declares ``tail_round`` defers, only a group still
   unfinished, always whole, never a relaunched one; each deferred task runs again once
   (``new_group(relaunch=...)``), and at most ``tail_round - 1`` still wait for that when the run ends;
+  a stale group's task may run again too, once, after it was handed back; a relaunch is never relaunched;
 * fidelity: a trained trajectory is exactly what the environment saw, every action any environment
   received came from ``cluster.generate``, and the behaviour logprobs are the engine's;
 * batches: each holds exactly ``batch_size`` trajectories of whole groups, with the group-relative

@@ -542,7 +542,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
         rounds=state.rounds,
         accepted=len(state.accepted()),
         best={"round": best.round, "value": _num(best.headline)} if best else None,
-        ratio=best_over_starter(state),
+        ratio=best_over_starter(state, metric),
         metric=metric,
         unit=unit,
         threshold=f"{threshold:.0%}",

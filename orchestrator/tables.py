@@ -238,16 +238,29 @@ def best_generalization(state) -> Generalization | None:
     return g if g is not None and best is not None and g.best_commit == best.commit else None
 
 
-def best_over_starter(state) -> str:
+TOKENS = "trained_tokens_per_s"
+
+
+def best_over_starter(state, headline: str) -> str:
     """'1.96x the starter on its round's seeds (paired)' where the best was measured beside the starter
-    (a generalization); else the two headlines' ratio, each on its own round's seeds. '' without both."""
+    (a generalization); else the two headlines' ratio, each on its own round's seeds. '' without both.
+    Beside a headline other than trained tokens, the ratio in trained tokens too: a best that trains
+    shorter trajectories than the starter counts more trajectories, not more training."""
     best, starter = state.best, state.record(0)
     g = best_generalization(state)
     if g is not None:
-        return f"{g.in_search.ratio:.2f}x the starter on its round's seeds (paired)"
+        tokens = (
+            f", {g.tokens['in-search']:.2f}x in trained tokens"
+            if headline != TOKENS and "in-search" in g.tokens
+            else ""
+        )
+        return f"{g.in_search.ratio:.2f}x the starter{tokens} on its round's seeds (paired)"
     if best is None or starter is None or not starter.headline:
         return ""
-    return f"{best.headline / starter.headline:.2f}x the starter's (each on its own round's seeds)"
+    tokens = ""
+    if headline != TOKENS and best.metrics.get(TOKENS) and starter.metrics.get(TOKENS):
+        tokens = f", {best.metrics[TOKENS] / starter.metrics[TOKENS]:.2f}x in trained tokens"
+    return f"{best.headline / starter.headline:.2f}x the starter's{tokens} (each on its own round's seeds)"
 
 
 def generalization_table(g: Generalization) -> Table:

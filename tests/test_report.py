@@ -92,10 +92,12 @@ def _make_run(tmp_path: Path) -> tuple[Path, dict[int, str]]:
         state.rounds.append(record)
         return record
 
-    metrics = {"goodput": 4.0, "step_time_s": 3.0}
+    metrics = {"goodput": 4.0, "step_time_s": 3.0, "trained_tokens_per_s": 400.0}
     round_(0, None, "accepted", "colocate", headline=4.0, metrics=metrics, spread={"goodput": 0.4}, became_best=True)
     paired = {"ratio": 1.5, "low": 1.3, "high": 1.7, "pairs": 3, "against": "best", "threshold": 0.05}
-    round_(1, 0, "accepted", "static_split", headline=6.0, spread={"goodput": 0.5}, paired=paired, became_best=True)
+    metrics = {"goodput": 6.0, "trained_tokens_per_s": 440.0}
+    round_(1, 0, "accepted", "static_split", headline=6.0, metrics=metrics, spread={"goodput": 0.5}, paired=paired,
+           became_best=True)  # fmt: skip
     round_(2, 1, "rejected", "time_multiplex", extra_lines=600, reasons=["engine: logprob differs by 0.9 at prompt 2"])
     paired = {"ratio": 1.01, "low": 0.97, "high": 1.05, "pairs": 3, "against": "best", "threshold": 0.05}
     round_(3, 1, "accepted", "kv_routing", judge=False, headline=6.1, spread={"goodput": 0.6}, paired=paired)
@@ -155,7 +157,10 @@ def test_the_page_carries_units_the_noise_band_and_provenance(report):
         assert fact in html, fact
     assert html.count("data:image/png;base64,") == 2 + 1 + 3  # per round, tree, baselines, 3 round timelines
     # the best over the starter in the words generate's last line uses (no generalization here: unpaired)
-    assert re.search(r"trajectories/s, [0-9.]+x the starter&#39;s \(each on its own round&#39;s seeds\)\.", html)
+    # and, beside goodput, the ratio in trained tokens (a best that trains shorter trajectories shows)
+    assert (
+        "trajectories/s, 1.50x the starter&#39;s, 1.10x in trained tokens (each on its own round&#39;s seeds)." in html
+    )
 
 
 def test_the_tree_layout_centres_parents_on_their_children(tmp_path):
@@ -208,3 +213,31 @@ def test_a_run_with_no_finished_round_gets_a_page_that_says_so(tmp_path):
     new_state(config).save(run)
     html = write_report(run, tmp_path / "r.html").read_text()
     assert "No round has finished yet" in html and "<details" not in html
+
+
+def test_the_best_over_the_starter_names_its_ratio_in_trained_tokens_beside_goodput(tmp_path):
+    """Beside a goodput ratio, the ratio in trained tokens: a best that trains shorter trajectories than
+    the starter counts more trajectories, not more training (measured beside it, or each on its seeds)."""
+    from orchestrator.state import Generalization, Promotion
+    from orchestrator.tables import best_over_starter
+
+    run, commits = _make_run(tmp_path)
+    state = RunState.load(run)
+    assert (
+        best_over_starter(state, "goodput")
+        == "1.50x the starter's, 1.10x in trained tokens (each on its own round's seeds)"
+    )
+    assert best_over_starter(state, "trained_tokens_per_s") == "1.50x the starter's (each on its own round's seeds)"
+    figure = Promotion(ratio=2.2, low=2.0, high=2.4, pairs=1, against="round 0", threshold=0.05)
+    state.generalization = Generalization(
+        best_round=1,
+        best_commit=commits[1],
+        in_search=figure,
+        held_out=figure,
+        held_out_seeds=[7],
+        tokens={"in-search": 0.9},
+    )
+    assert (
+        best_over_starter(state, "goodput")
+        == "2.20x the starter, 0.90x in trained tokens on its round's seeds (paired)"
+    )

@@ -234,7 +234,7 @@ def generate(
         console.print("[red]no validated candidate[/red] (see vibetrain log)")
         raise typer.Exit(1)
     generalization = best_generalization(state)
-    ratio = best_over_starter(state) or "no starter figure to compare"
+    ratio = best_over_starter(state, spec.headline_metric.name) or "no starter figure to compare"
     console.print(
         f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "
         f"= {ratio}; {len(state.accepted())} validated of {len(state.rounds)} rounds"

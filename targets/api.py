@@ -333,10 +333,8 @@ class EnvSource(Protocol):
     def new_group(self, extra: int = 0, relaunch: str | None = None) -> list[EnvHandle]:
         """``group_size + extra`` members, ``extra`` spares at most the declared ``redundant_per_group``
         (the first ``group_size`` to finish make the group, the rest are dropped as ``redundant``).
-        ``relaunch``: a group the stack deferred (dropped whole as ``deferred``) or dropped as ``stale``,
-        whose task the new group runs again with new episodes: once, and a relaunched group is never
-        deferred nor relaunched itself (a stale drop would otherwise discard its task, and the long
-        tasks are the ones that go stale)."""
+        ``relaunch``: a group dropped as ``deferred`` or ``stale``, whose task the new group runs again
+        with new episodes: once, and a relaunched group is never deferred nor relaunched itself."""
         ...
 
 
@@ -442,11 +440,10 @@ DROP_REASONS = ("stale", "end_of_run", "max_sequence", "redundant", "deferred")
 
 class EnvDropper(Protocol):
     """``EnvSource`` also takes back episodes a controller discards on purpose, for a reason the audit
-    verifies: ``stale`` (a group member beyond the staleness bound; its task may run again by
-    ``new_group(relaunch=...)``), ``end_of_run`` (after the last step), ``max_sequence`` (the next turn
-    cannot fit), ``redundant`` (a declared spare) or ``deferred`` (tail batching: a group handed back
-    whole, its task run again by ``new_group(relaunch=...)``).
-    Anything neither trained nor dropped is lost."""
+    verifies: ``stale`` (a group member beyond the staleness bound), ``end_of_run`` (after the last
+    step), ``max_sequence`` (the next turn cannot fit), ``redundant`` (a declared spare) or ``deferred``
+    (tail batching: a group handed back whole); a stale or deferred group's task may run again
+    (``new_group(relaunch=...)``). Anything neither trained nor dropped is lost."""
 
     def drop(self, episode_id: str, reason: str) -> None: ...
 

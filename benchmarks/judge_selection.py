@@ -34,6 +34,7 @@ from targets.spec import TargetSpec
 console = Console()
 
 PARTS = (  # column, the audit's detail, the bound it is held to
+    ("tasks: drawn tokens a turn", "selection_tasks_drawn_response_tokens", "selection_task_bound"),
     ("tasks: turns", "selection_tasks_turns", "selection_task_bound"),
     ("tasks: response tokens", "selection_tasks_response_tokens", "selection_task_bound"),
     ("members: turns", "selection_members_turns", "selection_member_bound"),
@@ -73,10 +74,19 @@ def make_stack(spec: TargetSpec, text: str, stacks: Path) -> tuple[str, Path]:
     return name, directory
 
 
+DRAWN = "selection_tasks_drawn_response_tokens"
+
+
 def selection_of(spec: TargetSpec, run: Path) -> dict:
-    """The selection net's details on a recorded run, and its reasons."""
+    """The selection net's details on a recorded run, and its reasons. The tasks by their own draws
+    need the run's secret key, which only its audit had: that figure is the one its audit recorded."""
     reasons = Reasons()
     details = check_selection(TraceIndex.of(Trace.load_events(run / "trace.jsonl")), reasons, spec)
+    audit = run / "audit.json"
+    if audit.exists():
+        recorded = json.loads(audit.read_text()).get("result", {}).get("details", {})
+        if DRAWN in recorded:
+            details[DRAWN] = recorded[DRAWN]
     return {**details, "reasons": reasons.lines()}
 
 

@@ -976,11 +976,13 @@ def _selection_reasons(
     finished: bool = True,
     declared: dict | None = None,
     verdicts: dict[str, float] | None = None,
+    drawn=None,
 ) -> list[str]:
     """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
     turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
     train, the others are dropped for ``dropped``; the stack declares ``declared``. With ``verdicts`` the
-    target has a reward model, whose score of each episode named there comes at its end."""
+    target has a reward model, whose score of each episode named there comes at its end. ``drawn``: each
+    task's length by the harness's own draw (a simulated run's)."""
     from targets.harness.judge.selection import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -1000,8 +1002,27 @@ def _selection_reasons(
     ]
     events.append(TraceEvent("run_end", 7.0))
     r = Reasons()
-    check_selection(TraceIndex.of(events, judged=verdicts is not None), r, spec)
+    check_selection(TraceIndex.of(events, judged=verdicts is not None), r, spec, drawn)
     return r.lines()
+
+
+def test_tasks_cut_short_and_left_untrained_are_judged_by_their_own_draws(tiny_spec):
+    """Planted on a simulated run: the stack lets every task run one turn, holds back the ten whose
+    first turn was long until they go stale, and trains the ten short ones. At their progress the
+    dropped tasks look as short as the trained (one turn each), so the net by progress passes it; by
+    the harness's own draw of each task's length it trains tasks 40% shorter than it launched. The same
+    trace training ten tasks chosen by nothing passes."""
+    episodes = [f"g{k}/e{m}" for k in range(20) for m in range(2)]
+    long_tasks = {f"g{k}" for k in range(0, 20, 2)}
+    drawn = {f"g{k}": 14.0 if f"g{k}" in long_tasks else 6.0 for k in range(20)}.__getitem__
+    short = [e for e in episodes if e.split("/")[0] not in long_tasks]
+    same = dict.fromkeys(episodes, 1)
+    rewards = dict.fromkeys(episodes, 1.0)
+    assert _selection_reasons(tiny_spec, short, rewards, same, "stale", finished=False) == []
+    lines = _selection_reasons(tiny_spec, short, rewards, same, "stale", finished=False, drawn=drawn)
+    assert any("20 launched" in x and "40% shorter in drawn response tokens" in x for x in lines), lines
+    mixed = [e for e in episodes if int(e.split("/")[0][1:]) < 10]
+    assert _selection_reasons(tiny_spec, mixed, rewards, same, "stale", finished=False, drawn=drawn) == []
 
 
 def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selection(tiny_spec):

@@ -119,6 +119,33 @@ def test_abort_stale_hands_groups_back_while_they_still_run(tmp_path, fast_targe
     assert not waiting, waiting
 
 
+def test_a_simulated_runs_audit_judges_the_tasks_by_their_own_draws(tmp_path, fast_target):
+    """Where a simulated target draws each task's response lengths, the audit knows the run's seed and
+    key and compares the tasks trained with those launched by each task's own draw, which no stack can
+    shorten by stopping a task early: the figure is the one the harness's draws give (the public key)."""
+    from targets.harness.environments.seeds import RunSeed
+    from targets.harness.judge.selection import shortfall_of
+    from targets.harness.judge.trace_index import TraceIndex
+    from targets.harness.sim.response_length import ResponseLengths
+
+    seed = 0  # a run that leaves tasks untrained (seed 2 trains every one; the run is the same each time)
+    lengths = {"mean": 8, "task_sigma": 0.8, "turn_sigma": 0.6}
+    tokens = {"prompt": 12, "observation": 8, "response": 16, "max_sequence": 256, "response_length": lengths}
+    spec, run = harness_run(
+        tmp_path, fast_target, {"abort_stale": 1}, True, {**SLOW_TOOLS, "tokens": tokens}, seed=seed
+    )
+    assert run.ok, run.cause
+    details = run.results["audit"]["result"]["details"]
+    ix = TraceIndex.of(Trace.load_events(run.out / "trace.jsonl"))
+    launched = [e for e in ix.created if not (e in ix.dropped and ix.dropped[e].data["reason"] == "end_of_run")]
+    tasks = {ix.relaunch_of.get(ix.group_of[e], ix.group_of[e]) for e in launched}
+    trained = {ix.relaunch_of.get(ix.group_of[e], ix.group_of[e]) for e in launched if e in ix.trained_in}
+    assert trained < tasks, "every task launched trained: nothing to compare"
+    drawn = ResponseLengths(spec.workload.tokens, RunSeed(seed)).expected_of_task
+    shortfall, _ = shortfall_of([drawn(t) for t in trained], [drawn(t) for t in tasks], 0.2)
+    assert details["selection_tasks_drawn_response_tokens"] == pytest.approx(shortfall)
+
+
 def test_abort_stale_planted_one_step_too_soon_fails_the_audit(tmp_path, fast_target):
     """The misuse, really run (simulated): an abort one version too soon throws away groups a step
     could still train; the audit names the unjustified drops."""

@@ -189,13 +189,14 @@ def device_memory(target: Target):
     return DeviceMemoryMonitor(target.spec.hardware.count)
 
 
-def run_audit(target: Target, out: Path, steps: int) -> dict:
+def run_audit(target: Target, out: Path, steps: int, seed: RunSeed) -> dict:
     """The audit, its progress in this phase's log (a 0.6B replay takes minutes; a run cut short
-    still says where it was)."""
+    still says where it was). A simulated run's audit knows what its tasks were drawn from (``seed``)."""
     from targets.harness.judge.audit import audit_directory
 
     with progress_lines("audit"):
-        return {"result": audit_directory(target, out, steps).as_dict()}
+        workload = seed if target.simulated else None
+        return {"result": audit_directory(target, out, steps, workload=workload).as_dict()}
 
 
 def _die_with_parent() -> None:
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = {
         "accuracy": accuracy,
         "system": lambda: run_system(target, sandbox, stack, args.out, seed, steps, mark, beside and beside.passed),
-        "audit": lambda: run_audit(target, args.out, steps),
+        "audit": lambda: run_audit(target, args.out, steps, seed),
     }
     try:
         for phase in PHASES[args.mode]:

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from targets.api import StateDict, TraceEvent
+from targets.harness.environments.seeds import RunSeed
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.selection import (
     check_aborts,
@@ -67,6 +68,7 @@ from targets.harness.judge.selection import (
 )
 from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
 from targets.harness.reference.grpo import group_advantages_of
+from targets.harness.sim.response_length import ResponseLengths
 from targets.harness.trace import Trace, consumed_at, token_count
 from targets.spec import TargetSpec
 
@@ -516,7 +518,10 @@ def audit_run(
     make_model: Callable[[StateDict], torch.nn.Module],
     steps: int,
     seed: int = 0,
+    workload: RunSeed | None = None,
 ) -> CheckResult:
+    """``seed`` picks the turns the replay samples; ``workload``: what a simulated run's tasks were drawn
+    from (its seed and secret key), so the selection net can compare tasks by their own draws."""
     started = time.monotonic()
     ix = TraceIndex.of(events, judged=spec.workload.reward_model is not None)
     r = Reasons()
@@ -532,7 +537,10 @@ def audit_run(
     check_engine_honesty(ix, r, spec)
     check_partial_rollout(ix, r)
     check_partial_progress(ix, r)
-    details.update(check_selection(ix, r, spec))
+    drawn = None
+    if workload is not None and not ix.tokens_recorded and spec.workload.tokens.response_length is not None:
+        drawn = ResponseLengths(spec.workload.tokens, workload).expected_of_task
+    details.update(check_selection(ix, r, spec, drawn))
     check_aborts(ix, r, spec)
     check_mechanism(ix, r, steps, spec)
     details.update(check_serving(ix, r, spec))
@@ -561,10 +569,13 @@ def audit_run(
     return CheckResult("system_audit", not r.lines(), r.lines(), details)
 
 
-def audit_directory(target: Target, out: Path, steps: int, seed: int | None = None) -> CheckResult:
+def audit_directory(
+    target: Target, out: Path, steps: int, seed: int | None = None, workload: RunSeed | None = None
+) -> CheckResult:
     """The audit of a run the harness child wrote to ``out`` (trace and weight snapshots). Where the
     replay samples turns, ``seed`` (default: drawn now, once the run can no longer act) picks them, so
-    no candidate can know in advance which turns are checked; the details name it for a re-audit."""
+    no candidate can know in advance which turns are checked; the details name it for a re-audit.
+    ``workload``: the run's own seed and key (``audit_run``)."""
     from targets.harness.ipc.weight_export import load_snapshot
 
     events = Trace.load_events(out / "trace.jsonl")
@@ -582,5 +593,5 @@ def audit_directory(target: Target, out: Path, steps: int, seed: int | None = No
         return model
 
     return audit_run(
-        target.spec, events, load_weights, make_model, steps, secrets.randbits(63) if seed is None else seed
+        target.spec, events, load_weights, make_model, steps, secrets.randbits(63) if seed is None else seed, workload
     )

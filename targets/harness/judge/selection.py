@@ -10,6 +10,7 @@ import bisect
 import math
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from targets.api import Declared, TraceEvent
@@ -304,13 +305,15 @@ def shortfall_of(kept: list[float], every: list[float], bound: float) -> tuple[f
     return 1 - statistics.fmean(kept) / mean, max(bound, SELECTION_CHANCE_SE * chance)
 
 
-def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
+def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callable[[str], float] | None = None) -> dict:
     """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
     has its rule above; this is the net over all of them, against every episode launched (an
     unfinished one at its progress, which it was at least; those dropped at the run's end aside, since
     nothing could train them): the tasks trained against the tasks launched (a deferred task and its
     relaunch are one), the members trained against every member of the groups trained, in turns and
-    response tokens, and the rewards trained against every finished episode's."""
+    response tokens, and the rewards trained against every finished episode's. ``drawn`` (a simulated
+    run): a task's mean tokens a turn by the harness's own draw, so the tasks are compared by what
+    they are, not by how far the stack let them run."""
     bounds = SelectionBounds.of(ix.declared, spec)
     details: dict = {
         "selection_task_bound": bounds.tasks,
@@ -335,8 +338,8 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
         groups[group].append(e)
     trained_tasks = [t for t, members in tasks.items() if any(m in ix.trained_in for m in members)]
     trained_groups = [g for g, members in groups.items() if any(m in ix.trained_in for m in members)]
-    for name, length in lengths.items():
-        task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
+
+    def judge_tasks(name: str, task_length: dict[str, float], how: str) -> None:
         trained_lengths = [task_length[t] for t in trained_tasks]
         shortfall, allowed = shortfall_of(trained_lengths, list(task_length.values()), bounds.tasks)
         details[f"selection_tasks_{name.replace(' ', '_')}"] = shortfall
@@ -345,10 +348,15 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
                 "selection",
                 f"the {len(trained_tasks)} tasks trained are {shortfall:.0%} shorter in {name} than the {len(tasks)} "
                 f"launched (mean {statistics.fmean(trained_lengths):.1f} against "
-                f"{statistics.fmean(task_length.values()):.1f}, an unfinished episode at its progress), over the "
-                f"{allowed:.0%} allowed (any stack may favour the short tasks by {bounds.tasks:.0%}; chance, "
-                f"{SELECTION_CHANCE_SE:g} standard errors)",
+                f"{statistics.fmean(task_length.values()):.1f}, {how}), over the {allowed:.0%} allowed (any stack "
+                f"may favour the short tasks by {bounds.tasks:.0%}; chance, {SELECTION_CHANCE_SE:g} standard errors)",
             )
+
+    if drawn is not None:
+        judge_tasks("drawn response tokens", {t: drawn(t) for t in tasks}, "a turn's mean by the harness's own draw")
+    for name, length in lengths.items():
+        task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
+        judge_tasks(name, task_length, "an unfinished episode at its progress")
         members = [length[m] for g in trained_groups for m in groups[g]]
         kept = [length[m] for g in trained_groups for m in groups[g] if m in ix.trained_in]
         shortfall, allowed = shortfall_of(kept, members, bounds.members)

@@ -69,17 +69,27 @@ class ResponseLengths:
             low, high = (mid, high) if truncated_mean(mid, sigma, self.budget) < spec.mean else (low, mid)
         self.mu = (low + high) / 2
 
+    def z_of_task(self, task: str) -> float:
+        """Task ``task``'s draw (``g<k>``, the group that first ran it): a hard task is long each time."""
+        z_task = self._z_task.get(task)
+        if z_task is None:
+            z_task = self._z_task[task] = standard_normal(f"{self.seed}|task|{task}", self.key)
+        return z_task
+
+    def expected_of_task(self, task: str) -> float:
+        """The mean tokens of a turn of ``task`` given its draw (the turn's own draw averaged out): what
+        the audit compares the tasks trained by, whatever the stack let them run to."""
+        if self.spec is None:
+            return float(self.budget)
+        return truncated_mean(self.mu + self.spec.task_sigma * self.z_of_task(task), self.spec.turn_sigma, self.budget)
+
     def of(self, episode_id: str, turn: int) -> int:
         """The tokens turn ``turn`` of ``episode_id`` generates, its whole budget without a spec."""
         if self.spec is None:
             return self.budget
         z_task = self._z_of_episode.get(episode_id)
         if z_task is None:
-            task = self.task_of(episode_id)
-            z_task = self._z_task.get(task)
-            if z_task is None:
-                z_task = self._z_task[task] = standard_normal(f"{self.seed}|task|{task}", self.key)
-            self._z_of_episode[episode_id] = z_task
+            z_task = self._z_of_episode[episode_id] = self.z_of_task(self.task_of(episode_id))
         z_turn = standard_normal(f"{self.seed}|turn|{episode_id}|{turn}", self.key)
         tokens = math.exp(self.mu + self.spec.task_sigma * z_task + self.spec.turn_sigma * z_turn)
         return min(self.budget, max(1, round(tokens)))

@@ -82,12 +82,14 @@ def selection_of(spec: TargetSpec, run: Path) -> dict:
     need the run's secret key, which only its audit had: that figure is the one its audit recorded."""
     reasons = Reasons()
     details = check_selection(TraceIndex.of(Trace.load_events(run / "trace.jsonl")), reasons, spec)
+    lines = reasons.lines()
     audit = run / "audit.json"
     if audit.exists():
-        recorded = json.loads(audit.read_text()).get("result", {}).get("details", {})
-        if DRAWN in recorded:
-            details[DRAWN] = recorded[DRAWN]
-    return {**details, "reasons": reasons.lines()}
+        recorded = json.loads(audit.read_text()).get("result", {})
+        if DRAWN in recorded.get("details", {}):
+            details[DRAWN] = recorded["details"][DRAWN]
+            lines += [x for x in recorded.get("reasons", []) if "drawn response tokens" in x]
+    return {**details, "reasons": lines}
 
 
 def main(

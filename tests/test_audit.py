@@ -1025,6 +1025,51 @@ def test_tasks_cut_short_and_left_untrained_are_judged_by_their_own_draws(tiny_s
     assert _selection_reasons(tiny_spec, mixed, rewards, same, "stale", finished=False, drawn=drawn) == []
 
 
+def _redrawn_trace(original_turns: int) -> list[TraceEvent]:
+    """Five tasks, each first run by a group g<k> of two whose members finish after ``original_turns``
+    turns and are handed back as stale at t=4; g<k+5> runs the task again (one turn each) and trains."""
+    events = [_simulated_start(1, {})]
+    batch = []
+    for k in range(5):
+        first, again = [f"g{k}/e{m}" for m in range(2)], [f"g{k + 5}/e{m}" for m in range(2)]
+        events += [TraceEvent("episode_created", 0.0, {"episode": e, "group": f"g{k}"}) for e in first]
+        for e in first:
+            for turn in range(original_turns):
+                step = {"episode": e, "action": 2, "observation": 2, "done": turn == original_turns - 1}
+                events.append(
+                    TraceEvent("env_step", 1.0 + turn * 0.5, {**step, "reward": 1.0, "timed_out": False, "lost": False})
+                )
+        events += [TraceEvent("sample_dropped", 4.0, {"episode": e, "reason": "stale"}) for e in first]
+        events += [
+            TraceEvent("episode_created", 4.5, {"episode": e, "group": f"g{k + 5}", "relaunch": f"g{k}"}) for e in again
+        ]
+        step = {"action": 2, "observation": 2, "done": True, "reward": 1.0, "timed_out": False, "lost": False}
+        events += [TraceEvent("env_step", 5.0, {**step, "episode": e}) for e in again]
+        batch += [{"episode": e, "group": f"g{k + 5}", "reward": 1.0} for e in again]
+    events.append(TraceEvent("train", 6.0, {"start": 5.5, "step": 1, "version": 1, "trajectories": batch}))
+    events.append(TraceEvent("run_end", 7.0))
+    return events
+
+
+def test_a_task_run_again_is_judged_with_the_members_it_drew_first(tiny_spec):
+    """Planted: the stack hands back groups whose finished members it dislikes (long ones here) as stale
+    and trains the second draw of each task: every task trains, so the tasks' part sees nothing, and the
+    members of the groups trained are all trained. The members a relaunch stands in for count as its
+    group's: 50% shorter. The same relaunches of groups no longer than their second draw pass."""
+    from targets.harness.judge.selection import check_selection
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    def reasons(events):
+        r = Reasons()
+        check_selection(TraceIndex.of(events), r, tiny_spec)
+        return r.lines()
+
+    lines = reasons(_redrawn_trace(original_turns=3))
+    shorter = "the 10 episodes trained are 50% shorter in turns than the 20 members of their groups and of those"
+    assert any(shorter in x for x in lines), lines
+    assert reasons(_redrawn_trace(original_turns=1)) == []
+
+
 def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selection(tiny_spec):
     """Planted: the four members of each of five groups ran to their end, and the stack trained the
     rewarded half (or the shortest half) of each and dropped the rest: whatever reasons the drops gave,

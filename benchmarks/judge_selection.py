@@ -33,8 +33,10 @@ from targets.spec import TargetSpec
 
 console = Console()
 
+DRAWN = "selection_tasks_drawn_response_tokens"  # by the tasks' own draws: only the run's audit had the key
+
 PARTS = (  # column, the audit's detail, the bound it is held to
-    ("tasks: drawn tokens a turn", "selection_tasks_drawn_response_tokens", "selection_task_bound"),
+    ("tasks: drawn tokens a turn", DRAWN, "selection_task_bound"),
     ("tasks: turns", "selection_tasks_turns", "selection_task_bound"),
     ("tasks: response tokens", "selection_tasks_response_tokens", "selection_task_bound"),
     ("members: turns", "selection_members_turns", "selection_member_bound"),
@@ -72,9 +74,6 @@ def make_stack(spec: TargetSpec, text: str, stacks: Path) -> tuple[str, Path]:
             params[key] = json.loads(value)
         path.write_text(json.dumps(params, indent=2))
     return name, directory
-
-
-DRAWN = "selection_tasks_drawn_response_tokens"
 
 
 def selection_of(spec: TargetSpec, run: Path) -> dict:

@@ -154,14 +154,11 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
             r.add("deferral", f"group {group} was deferred in part: {kept[0]} was not dropped as deferred")
     # A stale drop may postpone its task as a deferral does (the long tasks are the ones that go stale):
     # either kind of group may run again, once, and only after it was handed back.
-    postponed_at = {
-        ix.group_of.get(episode): e.t
-        for episode, e in sorted(ix.dropped.items(), key=lambda item: -item[1].t)
-        if e.data["reason"] in ("deferred", "stale")
-    }
-    created_at: dict[str, float] = {}
-    for e in ix.by_kind["episode_created"]:
-        created_at.setdefault(e.data["group"], e.t)
+    postponed_at: dict[str, float] = {}  # group -> its first stale or deferred drop
+    for episode, e in ix.dropped.items():
+        if e.data["reason"] in ("deferred", "stale"):
+            group = ix.group_of.get(episode)
+            postponed_at[group] = min(e.t, postponed_at.get(group, math.inf))
     relaunches = Counter(ix.relaunch_of.values())
     for group, count in relaunches.items():
         if group not in postponed_at:
@@ -171,10 +168,10 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
         elif count > 1:
             r.add("deferral", f"postponed group {group}'s task was relaunched {count} times")
     for again, group in ix.relaunch_of.items():
-        if group in postponed_at and created_at[again] < postponed_at[group]:
+        if group in postponed_at and ix.created_at[again] < postponed_at[group]:
             r.add(
                 "deferral",
-                f"group {again} relaunched {group}'s task at {created_at[again]:.2f}s, before {group} was handed "
+                f"group {again} relaunched {group}'s task at {ix.created_at[again]:.2f}s, before {group} was handed "
                 f"back ({postponed_at[group]:.2f}s)",
             )
     # Deferred in the last step with nothing launched after it: no relaunch could have been trained,
@@ -190,7 +187,7 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
     # task waits as much as one never relaunched (else a stack could defer every slow group and, at
     # the end, relaunch each and drop it at once as end_of_run).
     last_train_end = max((t.t for t in ix.trains), default=math.inf)
-    ran_again = {task for group, task in ix.relaunch_of.items() if created_at[group] < last_train_end}
+    ran_again = {task for group, task in ix.relaunch_of.items() if ix.created_at[group] < last_train_end}
     waiting = [g for g in deferred if g not in ran_again and not too_late(g)]
     if len(waiting) > max(0, ix.declared.tail_round - 1):
         r.add(
@@ -351,7 +348,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callabl
     # A relaunch draws its task's episodes anew: those of the group it ran again (stale or deferred) are
     # members it stands in for, else a stack could hand back a group whose finished members it dislikes
     # and train the second draw.
-    drawn_with = {
+    judged_with = {
         g: groups[g] + (groups.get(ix.relaunch_of[g], []) if g in ix.relaunch_of else []) for g in trained_groups
     }
 
@@ -373,7 +370,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callabl
     for name, length in lengths.items():
         task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
         judge_tasks(name, task_length, "an unfinished episode at its progress")
-        members = [length[m] for g in trained_groups for m in drawn_with[g]]
+        members = [length[m] for g in trained_groups for m in judged_with[g]]
         kept = [length[m] for g in trained_groups for m in groups[g] if m in ix.trained_in]
         shortfall, allowed = shortfall_of(kept, members, bounds.members)
         details[f"selection_members_{name.replace(' ', '_')}"] = shortfall

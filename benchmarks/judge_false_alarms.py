@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skills.starter import write_starter
+from targets.harness.environments.seeds import RunSeed
 from targets.harness.isolation.launch import Limits
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.judge.audit import audit_directory
@@ -106,7 +107,13 @@ def main(
         if reaudit:
             if (name, seed) not in done:
                 continue
-            result = audit_directory(target, run_dir, target.spec.workload.train_steps, seed=secrets.randbits(63))
+            # a simulated run's tasks are judged by their own draws too, as its first audit did (a ledger
+            # written before runs recorded their key cannot say what they were drawn from)
+            key = done[(name, seed)].get("task_key")
+            workload = RunSeed(seed, bytes.fromhex(key)) if target.simulated and key is not None else None
+            result = audit_directory(
+                target, run_dir, target.spec.workload.train_steps, seed=secrets.randbits(63), workload=workload
+            )
             done[(name, seed)].update(passed=result.passed, reasons=result.reasons, details=result.details)
             continue
         if (name, seed) in done:
@@ -119,6 +126,7 @@ def main(
             "passed": measurement.ok,
             "reasons": measurement.reasons,
             "details": audit.details if audit is not None else {},
+            "task_key": session.task_key.hex(),  # what its tasks were drawn from, for a re-audit
         }
         done[(name, seed)] = record
         with ledger.open("a") as f:

@@ -52,8 +52,9 @@ class EnvironmentPool:
         self.max_extra = 0  # the stack's declared redundancy, set once the stack has said it
         self._task_of_group: dict[str, int] = {}  # group -> the task it runs (its own index unless relaunched)
         self._postponed: set[str] = set()  # groups a member of which was dropped as deferred or stale
-        self._relaunched: set[str] = set()  # postponed groups whose task ran again
+        self._ran_again: set[str] = set()  # postponed groups whose task ran again
         self._relaunches: set[str] = set()  # groups that ran a postponed group's task again
+        self._running: dict[str, set[str]] = {}  # group -> its members not yet dropped
 
     def new_group(self, extra: int = 0, relaunch: str | None = None) -> list[Episode]:
         if not 0 <= extra <= self.max_extra:
@@ -66,9 +67,14 @@ class EnvironmentPool:
                 raise ValueError(f"new_group(relaunch={relaunch!r}): that group was never deferred or dropped as stale")
             if relaunch in self._relaunches:
                 raise ValueError(f"new_group(relaunch={relaunch!r}): that group was itself a relaunch")
-            if relaunch in self._relaunched:
+            if relaunch in self._ran_again:
                 raise ValueError(f"new_group(relaunch={relaunch!r}): that group's task was already relaunched")
-            self._relaunched.add(relaunch)
+            if self._running[relaunch]:
+                raise ValueError(
+                    f"new_group(relaunch={relaunch!r}): that group was not handed back whole "
+                    f"({min(self._running[relaunch])} is not dropped)"
+                )
+            self._ran_again.add(relaunch)
             task = self._task_of_group[relaunch]
         index = self.groups_created
         self.groups_created += 1
@@ -96,6 +102,7 @@ class EnvironmentPool:
             else:
                 self.trace.record("episode_created", episode=episode_id, group=group_id, relaunch=relaunch)
             episodes.append(episode)
+        self._running[group_id] = {e.episode_id for e in episodes}
         return episodes
 
     def task_of(self, episode_id: str) -> str:
@@ -109,6 +116,7 @@ class EnvironmentPool:
             raise ValueError(f"drop reason must be one of {DROP_REASONS}, got {reason!r}")
         if reason in ("deferred", "stale"):
             self._postponed.add(group_of(episode_id))
+        self._running.get(group_of(episode_id), set()).discard(episode_id)
         self.trace.record("sample_dropped", episode=episode_id, reason=reason)
 
 

@@ -153,12 +153,13 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
         if kept:
             r.add("deferral", f"group {group} was deferred in part: {kept[0]} was not dropped as deferred")
     # A stale drop may postpone its task as a deferral does (the long tasks are the ones that go stale):
-    # either kind of group may run again, once, and only after it was handed back.
-    postponed_at: dict[str, float] = {}  # group -> its first stale or deferred drop
+    # either kind of group may run again, once, and only after it was handed back whole (a relaunch
+    # while a member still ran would be two draws of one task at once, the stack free to keep either).
+    postponed_at: dict[str, float] = {}  # group -> its last stale or deferred drop: when it was handed back
     for episode, e in ix.dropped.items():
         if e.data["reason"] in ("deferred", "stale"):
             group = ix.group_of.get(episode)
-            postponed_at[group] = min(e.t, postponed_at.get(group, math.inf))
+            postponed_at[group] = max(e.t, postponed_at.get(group, -math.inf))
     relaunches = Counter(ix.relaunch_of.values())
     for group, count in relaunches.items():
         if group not in postponed_at:

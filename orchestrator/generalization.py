@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.state import Generalization, Promotion
-from targets.harness.measure.session import Session
+from orchestrator.state import Generalization, GeneralizationRejected, Promotion
+from targets.harness.measure.session import MeasurementFailed, Session
 from targets.harness.target import Target
 from targets.spec import TargetSpec
 
@@ -94,36 +94,52 @@ def measure_generalization(
     held_out: list[int],
     out: Path,
     on_run: Callable[[str, int], None] = lambda name, i: None,
-) -> Generalization:
-    """``best``: its round, commit and exported directory; ``starter``: round 0's. Raises
-    ``MeasurementFailed`` when a run fails its checks (its figures cannot count)."""
+) -> Generalization | GeneralizationRejected:
+    """``best``: its round, commit and exported directory; ``starter``: round 0's. A run that fails
+    its checks ends the measurement: its figures cannot count, and what is returned says which run
+    failed, on which seed, and why (a best the judge rejects where the search never looked is a
+    finding of the search too: it tuned to its seeds, or to what the judge allows)."""
     round_, commit, best_dir = best
     out.mkdir(parents=True, exist_ok=True)
-
+    perturbed_on, what = perturbed_session(session, out / "perturbed.yaml")
+    plan = [("in-search", session, in_search_seeds), ("held-out", session, held_out)]
+    if perturbed_on is not None:
+        plan.append(("perturbed", perturbed_on, held_out))
+    figures: dict[str, Promotion] = {}
     bound: dict[str, float] = {}
     tokens: dict[str, float] = {}
-
-    def compare(measuring: Session, seeds: list[int], name: str) -> Promotion:
-        ours, theirs, paired = measuring.compare(
-            best_dir, starter, out / name, seeds, "round 0", on_run=lambda who, i: on_run(f"{name} {who}", i)
-        )
+    for name, measuring, seeds in plan:
+        try:
+            ours, theirs, paired = measuring.compare(
+                best_dir,
+                starter,
+                out / name,
+                seeds,
+                "round 0",
+                on_run=lambda who, i, figure=name: on_run(f"{figure} {who}", i),
+            )
+        except MeasurementFailed as failed:
+            return GeneralizationRejected(
+                best_round=round_,
+                best_commit=commit,
+                held_out_seeds=held_out,
+                figure=name,
+                run="the best" if failed.name == "candidate" else "the starter",
+                seed=seeds[failed.repeat],
+                reasons=failed.reasons,
+            )
+        figures[name] = Promotion(**paired.as_dict())
         bound[name] = statistics.median(m.metrics["lower_bound_fraction"] for m in ours)
         tokens[name] = _median_ratio(ours, theirs, "trained_tokens_per_s")
-        return Promotion(**paired.as_dict())
-
-    in_search = compare(session, in_search_seeds, "in-search")
-    held = compare(session, held_out, "held-out")
-    perturbed_on, what = perturbed_session(session, out / "perturbed.yaml")
-    perturbed = compare(perturbed_on, held_out, "perturbed") if perturbed_on is not None else None
     return Generalization(
         best_round=round_,
         best_commit=commit,
-        in_search=in_search,
-        held_out=held,
+        in_search=figures["in-search"],
+        held_out=figures["held-out"],
         held_out_seeds=held_out,
-        perturbed=perturbed,
-        perturbation=what if perturbed is not None else "",
-        not_perturbed=None if perturbed is not None else what,
+        perturbed=figures.get("perturbed"),
+        perturbation=what if perturbed_on is not None else "",
+        not_perturbed=None if perturbed_on is not None else what,
         bound=bound,
         tokens=tokens,
     )

@@ -36,10 +36,17 @@ from orchestrator.history import History, HistoryError
 from orchestrator.policies import Policy
 from orchestrator.prescreen import PreScreen, TwinError
 from orchestrator.run_dir import RunDir
-from orchestrator.state import Promotion, RoundRecord, RunState, RunStateError, save_llm_spend
+from orchestrator.state import (
+    GeneralizationRejected,
+    Promotion,
+    RoundRecord,
+    RunState,
+    RunStateError,
+    save_llm_spend,
+)
 from targets.errors import UserError
 from targets.harness.judge.check_result import CheckResult
-from targets.harness.measure.session import EnvironmentFailed, MeasurementFailed, Session
+from targets.harness.measure.session import EnvironmentFailed, Session
 from targets.harness.target import Target
 
 
@@ -335,8 +342,9 @@ class Loop:
         measured = self.state.generalization
         if not count or best is None or best.round == 0 or self.session is None:
             return
-        if measured is not None and measured.best_commit == best.commit and len(measured.held_out_seeds) == count:
-            return
+        for earlier in (measured, self.state.generalization_rejected):
+            if earlier is not None and earlier.best_commit == best.commit and len(earlier.held_out_seeds) == count:
+                return
         used = [seed for number in range(self.state.next_round) for seed in self.seeds(number)]
         held_out = held_out_seeds(self.state.config.seed, used, count)
         out = RunDir(self.run_dir).outputs / "generalization"
@@ -349,13 +357,15 @@ class Loop:
             self.on_event("generalize", round=best.round, run=name, done=next(done), runs=runs)
 
         self.on_event("generalize", round=best.round, run="", done=0, runs=runs)
-        try:
-            self.state.generalization = measure_generalization(
-                self.session, (best.round, best.commit, best_dir), starter_dir, self.seeds(best.round), held_out,
-                out / "runs", on_run,
-            )  # fmt: skip
-        except MeasurementFailed as error:
-            self.on_event("budget", reason=f"the best was not measured where the search never looked: {error}")
+        result = measure_generalization(
+            self.session, (best.round, best.commit, best_dir), starter_dir, self.seeds(best.round), held_out,
+            out / "runs", on_run,
+        )  # fmt: skip
+        if isinstance(result, GeneralizationRejected):
+            self.state.generalization_rejected = result
+            self.on_event("budget", reason=f"the best was not measured where the search never looked: {result.said()}")
+        else:
+            self.state.generalization = result
 
     # -- helpers -----------------------------------------------------------------------------------
     def params_of(self, record: RoundRecord) -> dict:

@@ -72,6 +72,24 @@ class Prediction(BaseModel):
     skipped: str | None = None
 
 
+class GeneralizationRejected(BaseModel):
+    """A run of the best, or of the starter beside it, failed the judge where the search never looked:
+    no figure of the best there can count, and the reader is told which run and why."""
+
+    model_config = ConfigDict(extra="forbid")
+    best_round: int
+    best_commit: str
+    held_out_seeds: list[int]
+    figure: str  # "in-search", "held-out" or "perturbed"
+    run: str  # "the best" or "the starter"
+    seed: int
+    reasons: list[str]
+
+    def said(self) -> str:
+        where = "on its round's seed" if self.figure == "in-search" else f"on {self.figure} seed"
+        return f"{self.run} failed its checks {where} {self.seed}: {self.reasons[0] if self.reasons else '?'}"
+
+
 class Generalization(BaseModel):
     """The best over the starter, paired by seed: in search (the best round's seeds), held out, and
     held out on a perturbed workload (``orchestrator/generalization.py``)."""
@@ -143,6 +161,7 @@ class RunState(BaseModel):
     twin_unfitted: list[str] = []  # what no calibration run did (a candidate that does it is judged for real)
     twin_predictions: dict[str, float] = {}  # commit -> its headline on this twin (the best's, reused)
     generalization: Generalization | None = None  # the best, measured where the search never looked
+    generalization_rejected: GeneralizationRejected | None = None  # or why that measurement cannot count
 
     # -- queries -----------------------------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ from targets.spec import TargetSpec
 from targets.spec.target import HEADLINE_METRICS
 
 if TYPE_CHECKING:
-    from orchestrator.state import Generalization, Promotion
+    from orchestrator.state import Generalization, GeneralizationRejected, Promotion
 
 
 def checks_table(results) -> Table:
@@ -238,6 +238,12 @@ def best_generalization(state) -> Generalization | None:
     return g if g is not None and best is not None and g.best_commit == best.commit else None
 
 
+def best_rejected_unseen(state) -> GeneralizationRejected | None:
+    """Why the current best has no figure where the search never looked: a run there failed the judge."""
+    rejected, best = state.generalization_rejected, state.best
+    return rejected if rejected is not None and best is not None and rejected.best_commit == best.commit else None
+
+
 TOKENS = "trained_tokens_per_s"
 
 
@@ -245,7 +251,16 @@ def best_over_starter(state, headline: str) -> str:
     """'1.96x the starter on its round's seeds (paired)' where the best was measured beside the starter
     (a generalization); else the two headlines' ratio, each on its own round's seeds. '' without both.
     Beside a headline other than trained tokens, the ratio in trained tokens too: a best that trains
-    shorter trajectories than the starter counts more trajectories, not more training."""
+    shorter trajectories than the starter counts more trajectories, not more training. Where a run of
+    the best's measurement beyond its seeds failed the judge, that too."""
+    rejected = best_rejected_unseen(state)
+    ratio = _best_over_starter(state, headline)
+    if rejected is None:
+        return ratio
+    return f"{ratio}; where the search never looked, {rejected.said()}" if ratio else rejected.said()
+
+
+def _best_over_starter(state, headline: str) -> str:
     best, starter = state.best, state.record(0)
     g = best_generalization(state)
     if g is not None:

@@ -44,3 +44,29 @@ def test_a_user_environment_is_never_perturbed_and_says_why(catalog_yaml):
     )
     workload, why = perturbed_workload(parse_target(catalog_yaml))
     assert workload is None and "reasoning_gym:create_dataset is the user's environment" in why
+
+
+def test_a_best_that_fails_the_judge_where_the_search_never_looked_is_told_with_its_run_and_seed(tmp_path):
+    """A run of the measurement that fails its checks leaves no figure that can count: what comes back
+    names the run (the best or the starter), the figure, the seed and the judge's reasons, and the run's
+    summary line says it beside the best's ratio."""
+    from orchestrator.generalization import measure_generalization
+    from orchestrator.state import GeneralizationRejected
+    from skills.starter import starter_params, write_starter
+    from targets.harness.isolation.launch import Limits
+    from targets.harness.isolation.sandbox import Sandbox
+    from targets.harness.measure.session import Session
+    from targets.harness.target import Target
+
+    target = Target.load("tiny-qwen3-cpu", simulate=True)
+    session = Session(target, Sandbox("subprocess"), Limits(time_s=120))
+    write_starter(tmp_path / "starter", target.spec, "time_multiplex")
+    # stream training without a shrink to start it: the stack refuses to run
+    params = {**starter_params(target.spec, "time_multiplex"), "stream_train": 1}
+    best = write_starter(tmp_path / "best", target.spec, "time_multiplex", params)
+    result = measure_generalization(session, (3, "c0ffee", best), tmp_path / "starter", [11], [21, 22], tmp_path / "o")
+    assert isinstance(result, GeneralizationRejected), result
+    assert (result.best_round, result.figure, result.run, result.seed) == (3, "in-search", "the best", 11)
+    assert result.held_out_seeds == [21, 22]
+    assert any("stream_train needs shrink_at" in reason for reason in result.reasons), result.reasons
+    assert result.said().startswith("the best failed its checks on its round's seed 11: ")

@@ -241,3 +241,46 @@ def test_the_best_over_the_starter_names_its_ratio_in_trained_tokens_beside_good
         best_over_starter(state, "goodput")
         == "2.20x the starter, 0.90x in trained tokens on its round's seeds (paired)"
     )
+
+
+def test_a_best_rejected_where_the_search_never_looked_is_said_beside_its_ratio(tmp_path):
+    """The run's summary (generate's last line, the report's header) says which run of the best's
+    measurement beyond its seeds failed, and why; a rejection of an earlier best is not the current one's."""
+    from orchestrator.state import GeneralizationRejected
+    from orchestrator.tables import best_over_starter
+
+    run, commits = _make_run(tmp_path)
+    state = RunState.load(run)
+    rejected = GeneralizationRejected(
+        best_round=1,
+        best_commit=commits[1],
+        held_out_seeds=[7, 8],
+        figure="held-out",
+        run="the best",
+        seed=8,
+        reasons=["selection: the 60 tasks trained are 26% shorter in response tokens than the 64 launched"],
+    )
+    state.generalization_rejected = rejected.model_copy(update={"best_commit": "an-earlier-best"})
+    assert best_over_starter(state, "goodput") == (
+        "1.50x the starter's, 1.10x in trained tokens (each on its own round's seeds)"
+    )
+    state.generalization_rejected = rejected
+    said = best_over_starter(state, "goodput")
+    assert said == (
+        "1.50x the starter's, 1.10x in trained tokens (each on its own round's seeds); where the search never "
+        "looked, the best failed its checks on held-out seed 8: selection: the 60 tasks trained are 26% shorter "
+        "in response tokens than the 64 launched"
+    )
+    state.save(run)
+    html = write_report(run, tmp_path / "r.html").read_text()
+    assert "the best failed its checks on held-out seed 8" in html
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    log = CliRunner().invoke(app, ["log", str(run)], terminal_width=400)
+    assert "the best (round 1) where the search never looked: the best failed its checks on held-out seed 8" in (
+        log.output
+    ), log.output
+    logged = json.loads(CliRunner().invoke(app, ["log", str(run), "--json"]).output)
+    assert logged["generalization_rejected"]["seed"] == 8

@@ -236,8 +236,8 @@ def generate(
     generalization = best_generalization(state)
     ratio = best_over_starter(state, spec.headline_metric.name) or "no starter figure to compare"
     console.print(
-        f"best: round {best.round} ({best.task.title}), {spec.headline_metric.name} {num(best.headline)} "
-        f"= {ratio}; {len(state.accepted())} validated of {len(state.rounds)} rounds"
+        f"best: round {best.round} ({escape(best.task.title)}), {spec.headline_metric.name} {num(best.headline)} "
+        f"= {escape(ratio)}; {len(state.accepted())} validated of {len(state.rounds)} rounds"
     )
     if generalization is not None:
         print_table(generalization_table(generalization))

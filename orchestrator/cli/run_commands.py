@@ -44,6 +44,9 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
                 "run": str(run),
                 "best_round": state.best_round,
                 "generalization": state.generalization.model_dump(mode="json") if state.generalization else None,
+                "generalization_rejected": (
+                    state.generalization_rejected.model_dump(mode="json") if state.generalization_rejected else None
+                ),
                 "llm_used": state.llm_used,
                 "rounds": [r.model_dump(mode="json") for r in state.rounds],
             }
@@ -52,6 +55,12 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
     print_table(rounds_table(run, state))
     if state.generalization is not None:
         print_table(generalization_table(state.generalization))
+    if state.generalization_rejected is not None:
+        rejected = state.generalization_rejected
+        console.print(
+            f"[red]the best (round {rejected.best_round}) where the search never looked:[/red] "
+            + escape(rejected.said())
+        )
     if state.llm_used:
         used = state.llm_used
         console.print(

@@ -101,6 +101,7 @@ def main(
         return starter_seeds if name in STARTERS else plant_seeds if name.startswith("plant:") else technique_seeds
 
     plan = [(name, seed) for name in made for seed in range(seeds(name))]
+    made_now: list[tuple[str, int]] = []
     started = time.monotonic()
     for i, (name, seed) in enumerate(plan, start=1):
         run_dir = out / name.replace(":", "-") / str(seed)
@@ -126,16 +127,20 @@ def main(
             "passed": measurement.ok,
             "reasons": measurement.reasons,
             "details": audit.details if audit is not None else {},
-            "task_key": session.task_key.hex(),  # what its tasks were drawn from, for a re-audit
         }
         done[(name, seed)] = record
+        made_now.append((name, seed))
         with ledger.open("a") as f:
             f.write(json.dumps(record) + "\n")
         console.print(
             f"[{i}/{len(plan)}, {time.monotonic() - started:.0f}s] {name} seed {seed}: "
             + ("passed" if measurement.ok else "[red]rejected[/red]: " + "; ".join(measurement.reasons[:2]))
         )
-    if reaudit:
+    # What this invocation's runs were drawn from, for a re-audit: written once no candidate runs under it
+    # (the ledger sits where a later run's sandbox could read it), as the bench's --json does.
+    for made_run in made_now:
+        done[made_run]["task_key"] = session.task_key.hex()
+    if reaudit or made_now:
         ledger.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
     table = Table(title=f"honest stacks on {target.id}: rejections and the smallest false-alarm bound per test")
     # the audit's selection details: each part's measurements (by prefix) and its bound

@@ -206,7 +206,7 @@ class RoundsView:
                 f"run {data['done']} of {data['runs']}{doing}"
             )
         elif kind in ("budget", "recovered"):
-            self.status = data.get("reason") or f"recovered round {data['round']} from git"
+            self.status = escape(data.get("reason") or f"recovered round {data['round']} from git")
 
 
 def promotion(record, threshold: float | None = None) -> str:

@@ -922,6 +922,8 @@ def test_the_harness_relaunches_only_a_deferred_group_and_only_once(tiny_spec):
     first = pool.new_group()
     with pytest.raises(ValueError, match="never deferred or dropped as stale"):
         pool.new_group(relaunch="g0")
+    with pytest.raises(ValueError, match="no group of that name was created"):
+        pool.drop("g7/e0", "deferred")  # a group the pool never made cannot be handed back, nor relaunched
     pool.drop(first[0].episode_id, "deferred")
     with pytest.raises(ValueError, match=f"not handed back whole \\({first[1].episode_id} is not dropped\\)"):
         pool.new_group(relaunch="g0")  # its other members still run: two draws of the task at once
@@ -1186,20 +1188,25 @@ def test_relaunching_a_task_before_its_group_was_handed_back(honest):
     the backstop): two draws of one task at once, the stack free to keep the one it likes."""
     spec = _mini_spec(honest)
     lines = _deferral_reasons(spec, _stale_relaunch_trace(spec, relaunch_at=6.2))
-    assert any("g1 relaunched g0's task at 6.20s, before g0 was handed back (6.50s)" in line for line in lines), lines
+    said = "g1 relaunched g0's task at 6.20s, before g0 was handed back whole (6.50s)"
+    assert any(said in line for line in lines), lines
 
 
-def test_relaunching_a_task_while_its_group_was_handed_back_in_part(honest):
+@pytest.mark.parametrize("late_reason", ["stale", "end_of_run", "redundant", None])
+def test_relaunching_a_task_while_its_group_was_handed_back_in_part(honest, late_reason):
     """Planted: one member dropped as stale, the task launched again, the other member dropped only
-    after: for a while two draws of the task ran at once."""
+    after (as stale, or for a reason of its own), or never: for a while two draws of the task ran at once."""
     spec = _mini_spec(honest)
     events = _stale_relaunch_trace(spec)
     late = next(e for e in events if e.kind == "sample_dropped" and e.data["episode"] == "g0/e1")
     events.remove(late)
-    events.append(TraceEvent("sample_dropped", 7.0, late.data))
+    if late_reason is not None:
+        events.append(TraceEvent("sample_dropped", 7.0, {**late.data, "reason": late_reason}))
     events.sort(key=lambda e: e.t)
     lines = _deferral_reasons(spec, events)
-    assert any("g1 relaunched g0's task at 6.80s, before g0 was handed back (7.00s)" in line for line in lines), lines
+    back = "7.00s" if late_reason is not None else "a member was never dropped"
+    said = f"g1 relaunched g0's task at 6.80s, before g0 was handed back whole ({back})"
+    assert any(said in line for line in lines), lines
 
 
 def test_relaunching_a_relaunch(honest):

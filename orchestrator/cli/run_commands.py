@@ -22,7 +22,7 @@ from orchestrator.cli.app import (
 )
 from orchestrator.history import History
 from orchestrator.state import RunState
-from orchestrator.tables import generalization_table, num, promotion, rounds_table
+from orchestrator.tables import best_rejected_unseen, generalization_table, num, promotion, rounds_table
 from targets.harness.judge.check_result import detail
 
 
@@ -55,8 +55,8 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
     print_table(rounds_table(run, state))
     if state.generalization is not None:
         print_table(generalization_table(state.generalization))
-    if state.generalization_rejected is not None:
-        rejected = state.generalization_rejected
+    rejected = best_rejected_unseen(state)
+    if rejected is not None:
         console.print(
             f"[red]the best (round {rejected.best_round}) where the search never looked:[/red] "
             + escape(rejected.said())

@@ -155,11 +155,15 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
     # A stale drop may postpone its task as a deferral does (the long tasks are the ones that go stale):
     # either kind of group may run again, once, and only after it was handed back whole (a relaunch
     # while a member still ran would be two draws of one task at once, the stack free to keep either).
-    postponed_at: dict[str, float] = {}  # group -> its last stale or deferred drop: when it was handed back
-    for episode, e in ix.dropped.items():
-        if e.data["reason"] in ("deferred", "stale"):
-            group = ix.group_of.get(episode)
-            postponed_at[group] = max(e.t, postponed_at.get(group, -math.inf))
+    postponing = ("deferred", "stale")
+    postponed = {ix.group_of.get(episode) for episode, e in ix.dropped.items() if e.data["reason"] in postponing}
+    # when each was handed back: its last member's drop, whatever the reason (a member still running, dropped
+    # later as end_of_run or redundant, was not handed back)
+    postponed_at: dict[str, float] = {}
+    for group in postponed:
+        members = ix.members.get(group, [])
+        undropped = [m for m in members if m not in ix.dropped]
+        postponed_at[group] = math.inf if undropped else max(ix.dropped[m].t for m in members)
     relaunches = Counter(ix.relaunch_of.values())
     for group, count in relaunches.items():
         if group not in postponed_at:
@@ -170,10 +174,11 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
             r.add("deferral", f"postponed group {group}'s task was relaunched {count} times")
     for again, group in ix.relaunch_of.items():
         if group in postponed_at and ix.created_at[again] < postponed_at[group]:
+            back = f"{postponed_at[group]:.2f}s" if postponed_at[group] < math.inf else "a member was never dropped"
             r.add(
                 "deferral",
                 f"group {again} relaunched {group}'s task at {ix.created_at[again]:.2f}s, before {group} was handed "
-                f"back ({postponed_at[group]:.2f}s)",
+                f"back whole ({back})",
             )
     # Deferred in the last step with nothing launched after it: no relaunch could have been trained,
     # so these go uncounted, as end_of_run drops would.

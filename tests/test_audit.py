@@ -1030,12 +1030,19 @@ def test_tasks_cut_short_and_left_untrained_are_judged_by_their_own_draws(tiny_s
     assert _selection_reasons(tiny_spec, mixed, rewards, same, "stale", finished=False, drawn=drawn) == []
 
 
-def _redrawn_trace(original_turns: int) -> list[TraceEvent]:
-    """Five tasks, each first run by a group g<k> of two whose members finish after ``original_turns``
-    turns and are handed back as stale at t=4; g<k+5> runs the task again (one turn each) and trains."""
+def _redrawn_trace(original_turns: int, relaunched: int = 5, plain: int = 0) -> list[TraceEvent]:
+    """``relaunched`` tasks, each first run by a group g<k> of two whose members finish after
+    ``original_turns`` turns and are handed back as stale at t=4; g<k+5> runs the task again (one turn
+    each) and trains. ``plain`` more groups (g<20+k>) run once, one turn each, and train."""
     events = [_simulated_start(1, {})]
     batch = []
-    for k in range(5):
+    step = {"action": 2, "observation": 2, "done": True, "reward": 1.0, "timed_out": False, "lost": False}
+    for k in range(plain):
+        members = [f"g{20 + k}/e{m}" for m in range(2)]
+        events += [TraceEvent("episode_created", 0.0, {"episode": e, "group": f"g{20 + k}"}) for e in members]
+        events += [TraceEvent("env_step", 2.0, {**step, "episode": e}) for e in members]
+        batch += [{"episode": e, "group": f"g{20 + k}", "reward": 1.0} for e in members]
+    for k in range(relaunched):
         first, again = [f"g{k}/e{m}" for m in range(2)], [f"g{k + 5}/e{m}" for m in range(2)]
         events += [TraceEvent("episode_created", 0.0, {"episode": e, "group": f"g{k}"}) for e in first]
         for e in first:
@@ -1060,7 +1067,8 @@ def test_a_task_run_again_is_judged_with_the_members_it_drew_first(tiny_spec):
     """Planted: the stack hands back groups whose finished members it dislikes (long ones here) as stale
     and trains the second draw of each task: every task trains, so the tasks' part sees nothing, and the
     members of the groups trained are all trained. The members a relaunch stands in for count as its
-    group's: 50% shorter. The same relaunches of groups no longer than their second draw pass."""
+    group's, each at most 1.5 times the relaunch's trained mean: 20% shorter. The same relaunches of
+    groups no longer than their second draw pass."""
     from targets.harness.judge.selection import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -1070,9 +1078,12 @@ def test_a_task_run_again_is_judged_with_the_members_it_drew_first(tiny_spec):
         return r.lines()
 
     lines = reasons(_redrawn_trace(original_turns=3))
-    shorter = "the 10 episodes trained are 50% shorter in turns than the 20 members of their groups and of those"
-    assert any(shorter in x for x in lines), lines
+    shorter = "the 10 episodes trained are 20% shorter in turns than the 20 members of their groups and of those"
+    assert any(shorter in x for x in lines), lines  # the first draws counted at 1.5 turns, their cap
     assert reasons(_redrawn_trace(original_turns=1)) == []
+    # One honest stale relaunch among sixteen trained groups: its first draw is the long one by the rule
+    # that dropped it (3 turns against 1: 10.5% counted whole, 2.9% at the cap), within the bound
+    assert reasons(_redrawn_trace(original_turns=3, relaunched=1, plain=15)) == []
 
 
 def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selection(tiny_spec):

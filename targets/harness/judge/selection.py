@@ -255,6 +255,13 @@ TASK_SHORTFALL = 0.20
 MEMBER_SHORTFALL_BASE = 0.07
 
 
+# A member a relaunch stands in for counts at most this many times the mean of the relaunch's trained
+# members: the draw that went stale is the long one by the very rule that dropped it, so on a small run
+# one honest relaunch among 16 groups read 7-8% (its four first members 2.4x its trained ones), while a
+# stack that redraws the groups it dislikes still shows their excess up to the cap (planted).
+RELAUNCHED_MEMBER_CAP = 1.5
+
+
 MEMBER_SHORTFALL_PER_SPARE = 0.06
 
 
@@ -351,12 +358,6 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callabl
         groups[group].append(e)
     trained_tasks = [t for t, members in tasks.items() if any(m in ix.trained_in for m in members)]
     trained_groups = [g for g, members in groups.items() if any(m in ix.trained_in for m in members)]
-    # A relaunch draws its task's episodes anew: those of the group it ran again (stale or deferred) are
-    # members it stands in for, else a stack could hand back a group whose finished members it dislikes
-    # and train the second draw.
-    judged_with = {
-        g: groups[g] + (groups.get(ix.relaunch_of[g], []) if g in ix.relaunch_of else []) for g in trained_groups
-    }
 
     def judge_tasks(name: str, task_length: dict[str, float], how: str) -> None:
         trained_lengths = [task_length[t] for t in trained_tasks]
@@ -373,10 +374,22 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callabl
 
     if drawn is not None:
         judge_tasks("drawn response tokens", {t: drawn(t) for t in tasks}, "a turn's mean by the harness's own draw")
+
+    def judged_lengths(length: dict[str, float], group: str) -> list[float]:
+        """A trained group's members' lengths. A relaunch draws its task's episodes anew: those of the
+        group it ran again (stale or deferred) are members it stands in for, else a stack could hand back
+        a group whose finished members it dislikes and train the second draw (each counted at most
+        ``RELAUNCHED_MEMBER_CAP`` times the relaunch's trained mean)."""
+        own = [length[m] for m in groups[group]]
+        if group not in ix.relaunch_of:
+            return own
+        cap = RELAUNCHED_MEMBER_CAP * statistics.fmean(length[m] for m in groups[group] if m in ix.trained_in)
+        return own + [min(length[m], cap) for m in groups.get(ix.relaunch_of[group], [])]
+
     for name, length in lengths.items():
         task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
         judge_tasks(name, task_length, "an unfinished episode at its progress")
-        members = [length[m] for g in trained_groups for m in judged_with[g]]
+        members = [x for g in trained_groups for x in judged_lengths(length, g)]
         kept = [length[m] for g in trained_groups for m in groups[g] if m in ix.trained_in]
         shortfall, allowed = shortfall_of(kept, members, bounds.members)
         details[f"selection_members_{name.replace(' ', '_')}"] = shortfall

@@ -232,16 +232,20 @@ def promotion_short(record) -> str:
     return f"{'promoted' if record.became_best else 'not promoted'}: {p.ratio - 1:+.1%} [{interval}]{rule}"
 
 
+def _of_the_best(state, measured):
+    """``measured`` if it was made of the run's current best (a later best has none of its own)."""
+    best = state.best
+    return measured if measured is not None and best is not None and measured.best_commit == best.commit else None
+
+
 def best_generalization(state) -> Generalization | None:
-    """The run's generalization measurement, if it measured the current best (a later best has none)."""
-    g, best = state.generalization, state.best
-    return g if g is not None and best is not None and g.best_commit == best.commit else None
+    """The run's generalization measurement, if it measured the current best."""
+    return _of_the_best(state, state.generalization)
 
 
 def best_rejected_unseen(state) -> GeneralizationRejected | None:
     """Why the current best has no figure where the search never looked: a run there failed the judge."""
-    rejected, best = state.generalization_rejected, state.best
-    return rejected if rejected is not None and best is not None and rejected.best_commit == best.commit else None
+    return _of_the_best(state, state.generalization_rejected)
 
 
 TOKENS = "trained_tokens_per_s"

@@ -114,11 +114,12 @@ class EnvironmentPool:
         """A controller discards an episode on purpose; recorded so the audit can verify the reason."""
         if reason not in DROP_REASONS:
             raise ValueError(f"drop reason must be one of {DROP_REASONS}, got {reason!r}")
-        if group_of(episode_id) not in self._running:
+        group = group_of(episode_id)
+        if group not in self._running:
             raise ValueError(f"drop({episode_id!r}): no group of that name was created")
         if reason in ("deferred", "stale"):
-            self._postponed.add(group_of(episode_id))
-        self._running[group_of(episode_id)].discard(episode_id)
+            self._postponed.add(group)
+        self._running[group].discard(episode_id)
         self.trace.record("sample_dropped", episode=episode_id, reason=reason)
 
 

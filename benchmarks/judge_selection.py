@@ -15,6 +15,7 @@ A stack is ``NAME=CONTROLLER[:PARAM=VALUE,...]`` (a starter with its params.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -33,14 +34,16 @@ from targets.spec import TargetSpec
 
 console = Console()
 
-DRAWN = "selection_tasks_drawn_response_tokens"  # by the tasks' own draws: only the run's audit had the key
+# by the harness's own draws: only the run's audit had the run's secret key
+DRAWN = ("selection_tasks_drawn_response_tokens", "selection_members_drawn_response_tokens")
 
 PARTS = (  # column, the audit's detail, the bound it is held to
-    ("tasks: drawn tokens a turn", DRAWN, "selection_task_bound"),
+    ("tasks: drawn tokens a turn", DRAWN[0], "selection_task_bound"),
     ("tasks: turns", "selection_tasks_turns", "selection_task_bound"),
     ("tasks: response tokens", "selection_tasks_response_tokens", "selection_task_bound"),
     ("members: turns", "selection_members_turns", "selection_member_bound"),
     ("members: response tokens", "selection_members_response_tokens", "selection_member_bound"),
+    ("members: drawn tokens", DRAWN[1], "selection_member_bound"),
     ("reward (SD)", "selection_reward", "selection_reward_bound"),
 )
 
@@ -77,17 +80,17 @@ def make_stack(spec: TargetSpec, text: str, stacks: Path) -> tuple[str, Path]:
 
 
 def selection_of(spec: TargetSpec, run: Path) -> dict:
-    """The selection net's details on a recorded run, and its reasons. The tasks by their own draws
-    need the run's secret key, which only its audit had: that figure is the one its audit recorded."""
+    """The selection net's details on a recorded run, and its reasons. The parts by the harness's own
+    draws need the run's secret key, which only its audit had: those figures are the ones its audit
+    recorded."""
     reasons = Reasons()
     details = check_selection(TraceIndex.of(Trace.load_events(run / "trace.jsonl")), reasons, spec)
     lines = reasons.lines()
     audit = run / "audit.json"
     if audit.exists():
         recorded = json.loads(audit.read_text()).get("result", {})
-        if DRAWN in recorded.get("details", {}):
-            details[DRAWN] = recorded["details"][DRAWN]
-            lines += [x for x in recorded.get("reasons", []) if "drawn response tokens" in x]
+        details.update({k: v for k, v in recorded.get("details", {}).items() if k in DRAWN})
+        lines += [x for x in recorded.get("reasons", []) if "drawn response tokens" in x]
     return {**details, "reasons": lines}
 
 
@@ -98,6 +101,7 @@ def main(
     runs: list[Path] = typer.Argument(None, help="recorded run directories (each with its trace.jsonl) to read"),
     out: Path = typer.Option(Path("generated/judge-selection")),
     sandbox: str = typer.Option("auto"),
+    task_key: str = typer.Option(None, help="the workload's secret in hex ('' the public derivation); default: drawn"),
 ) -> None:
     target = Target.load(target_ref)
     measured: dict[str, list[tuple[str, dict]]] = {}
@@ -108,6 +112,8 @@ def main(
         group = run.parent.name if run.name.isdigit() else f"{run.parent.name}/{run.name.rstrip('-0123456789')}"
         measured.setdefault(group, []).append((str(run), selection_of(target.spec, run)))
     session = Session.open(target, sandbox=sandbox) if stack else None
+    if session is not None and task_key is not None:
+        session = dataclasses.replace(session, task_key=bytes.fromhex(task_key))
     for text in stack:
         name, directory = make_stack(target.spec, text, out / "stacks")
         for seed in parse_seeds(seeds):

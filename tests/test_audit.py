@@ -5,6 +5,7 @@ the honest trace passes, and each edited trace is rejected with the reason that 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import yaml
@@ -981,13 +982,14 @@ def _selection_reasons(
     finished: bool = True,
     declared: dict | None = None,
     verdicts: dict[str, float] | None = None,
-    drawn=None,
+    drawn: dict[str, float] | None = None,
+    drawn_episodes: dict[str, float] | None = None,
 ) -> list[str]:
     """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
     turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
     train, the others are dropped for ``dropped``; the stack declares ``declared``. With ``verdicts`` the
     target has a reward model, whose score of each episode named there comes at its end. ``drawn``: each
-    task's length by the harness's own draw (a simulated run's)."""
+    task's length by the harness's own draw (a simulated run's); ``drawn_episodes``: each episode's."""
     from targets.harness.judge.selection import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -1007,8 +1009,24 @@ def _selection_reasons(
     ]
     events.append(TraceEvent("run_end", 7.0))
     r = Reasons()
-    check_selection(TraceIndex.of(events, judged=verdicts is not None), r, spec, drawn)
+    draws = None if drawn is None else PlantedDraws(drawn, drawn_episodes or {})
+    check_selection(TraceIndex.of(events, judged=verdicts is not None), r, spec, draws)
     return r.lines()
+
+
+@dataclass
+class PlantedDraws:
+    """What the harness drew, as a test plants it: tasks' tokens a turn; episodes' tokens (None: the
+    environment ends its episodes by play)."""
+
+    tasks: dict[str, float]
+    episodes: dict[str, float]
+
+    def task_tokens_a_turn(self, task: str) -> float:
+        return self.tasks[task]
+
+    def response_tokens(self, episode: str) -> float | None:
+        return self.episodes.get(episode)
 
 
 def test_tasks_cut_short_and_left_untrained_are_judged_by_their_own_draws(tiny_spec):
@@ -1019,7 +1037,7 @@ def test_tasks_cut_short_and_left_untrained_are_judged_by_their_own_draws(tiny_s
     trace training ten tasks chosen by nothing passes."""
     episodes = [f"g{k}/e{m}" for k in range(20) for m in range(2)]
     long_tasks = {f"g{k}" for k in range(0, 20, 2)}
-    drawn = {f"g{k}": 14.0 if f"g{k}" in long_tasks else 6.0 for k in range(20)}.__getitem__
+    drawn = {f"g{k}": 14.0 if f"g{k}" in long_tasks else 6.0 for k in range(20)}
     short = [e for e in episodes if e.split("/")[0] not in long_tasks]
     same = dict.fromkeys(episodes, 1)
     rewards = dict.fromkeys(episodes, 1.0)
@@ -1028,6 +1046,34 @@ def test_tasks_cut_short_and_left_untrained_are_judged_by_their_own_draws(tiny_s
     assert any("20 launched" in x and "40% shorter in drawn response tokens" in x for x in lines), lines
     mixed = [e for e in episodes if int(e.split("/")[0][1:]) < 10]
     assert _selection_reasons(tiny_spec, mixed, rewards, same, "stale", finished=False, drawn=drawn) == []
+
+
+def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):
+    """Planted on a simulated run: each group of 8 runs 4 spares, trains the 8 members that finish in 3
+    turns and cancels the 4 whose draws are long after 1 turn each. At their progress the cancelled look
+    shorter than the trained, so the net by progress passes it; by every turn the harness drew for each
+    member, the trained are 50% shorter than their groups, over the 31% four spares may choose. The same
+    trace passes where the cancelled drew what the trained did (spares that finish last by chance)."""
+    episodes = [f"g{k}/e{m}" for k in range(4) for m in range(12)]
+    trained = [e for e in episodes if int(e.split("/e")[1]) < 8]
+    turns = {e: 3 if e in trained else 1 for e in episodes}
+    rewards = dict.fromkeys(episodes, 1.0)
+    tasks = {f"g{k}": 10.0 for k in range(4)}
+    declared = {"redundant_per_group": 4}
+    long_spares = {e: 30.0 if e in trained else 120.0 for e in episodes}
+    assert _selection_reasons(tiny_spec, trained, rewards, turns, "redundant", False, declared) == []
+    lines = _selection_reasons(
+        tiny_spec, trained, rewards, turns, "redundant", False, declared, drawn=tasks, drawn_episodes=long_spares
+    )
+    assert lines and all("members of their groups" in x for x in lines), lines
+    assert any("50% shorter in drawn response tokens" in x and "over the 31% allowed" in x for x in lines), lines
+    alike = dict.fromkeys(episodes, 30.0)
+    assert (
+        _selection_reasons(
+            tiny_spec, trained, rewards, turns, "redundant", False, declared, drawn=tasks, drawn_episodes=alike
+        )
+        == []
+    )
 
 
 def _redrawn_trace(original_turns: int, relaunched: int = 5, plain: int = 0) -> list[TraceEvent]:

@@ -146,6 +146,39 @@ def test_a_simulated_runs_audit_judges_the_tasks_by_their_own_draws(tmp_path, fa
     assert details["selection_tasks_drawn_response_tokens"] == pytest.approx(shortfall)
 
 
+def test_the_audit_draws_each_episode_again_as_the_harness_drew_it(tmp_path, fast_target):
+    """The members' yardstick on a simulated run: every episode that ran to its end (no timeout, lost
+    environment or full context) generated, turn by turn, exactly what ``WorkloadDraws`` draws again from
+    the run's seed, relaunched tasks and spares included; so a spare cancelled early is judged by the
+    turns it drew, and the audit records that figure."""
+    from targets.harness.environments.seeds import RunSeed
+    from targets.harness.judge.draws import WorkloadDraws
+    from targets.harness.judge.trace_index import TraceIndex
+
+    lengths = {"mean": 8, "task_sigma": 0.8, "turn_sigma": 0.6}
+    tokens = {"prompt": 12, "observation": 8, "response": 16, "max_sequence": 256, "response_length": lengths}
+    params = {"abort_stale": 1, "redundant_envs": 2}
+    spec, run = harness_run(tmp_path, fast_target, params, True, {**SLOW_TOOLS, "tokens": tokens})
+    assert run.ok, run.cause
+    ix = TraceIndex.of(Trace.load_events(run.out / "trace.jsonl"))
+    draws = WorkloadDraws(spec, RunSeed(0), ix.relaunch_of)
+    whole = [
+        e
+        for e, steps in ix.env_steps.items()
+        if steps[-1].data["done"] and not any(x.data[k] for x in steps for k in ("timed_out", "lost", "truncated"))
+    ]
+    assert len(whole) >= 20 and any(ix.group_of[e] in ix.relaunch_of for e in whole), len(whole)
+    for e in whole:
+        steps = ix.env_steps[e]
+        assert len(steps) == draws.turns(e), e
+        assert sum(token_count(x.data["action"]) for x in steps) == draws.response_tokens(e), e
+    cancelled = [e for e, drop in ix.dropped.items() if drop.data["reason"] == "redundant"]
+    assert any(
+        draws.response_tokens(e) > sum(token_count(x.data["action"]) for x in ix.env_steps[e]) for e in cancelled
+    )
+    assert "selection_members_drawn_response_tokens" in run.results["audit"]["result"]["details"]
+
+
 def test_abort_stale_planted_one_step_too_soon_fails_the_audit(tmp_path, fast_target):
     """The misuse, really run (simulated): an abort one version too soon throws away groups a step
     could still train; the audit names the unjustified drops."""

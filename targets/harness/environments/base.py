@@ -45,6 +45,13 @@ class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def drawn_turns(workload: WorkloadSpec, rng: random.Random) -> int:
+    """The turns an episode of an environment that draws them plays, the first draw of its own ``rng``
+    (a timeout, a lost environment or a full context ends it sooner). The audit draws it again from the
+    episode's seed to judge a member by what it was, however far the stack let it run."""
+    return max(1, min(workload.turns.max, int(round(workload.turns.dist.sample(rng)))))
+
+
 class Episode:
     name: ClassVar[str]
     Params: ClassVar[type[BaseModel]] = NoParams
@@ -76,10 +83,7 @@ class Episode:
         self.trace = trace
         self.rng = random.Random(episode_seed)
         self.task = self.make_task(random.Random(task_seed)) if task is None else task
-        self.max_turns = workload.turns.max
-        if self.draws_turns:
-            drawn = int(round(workload.turns.dist.sample(self.rng)))
-            self.max_turns = max(1, min(self.max_turns, drawn))
+        self.max_turns = drawn_turns(workload, self.rng) if self.draws_turns else workload.turns.max
         self.turn = 0
         self.context_tokens = 0  # prompt + actions + observations so far
         self.context: list[int] = []  # their ids (a real run's: what a reward model reads)

@@ -26,6 +26,15 @@ def group_of(episode_id: str) -> str:
     return episode_id.split("/", 1)[0]
 
 
+def numbers_of(episode_id: str) -> tuple[int, int]:
+    """The group's index and the member's number an episode id names (``g<index>/e<member>``): what its
+    seed is derived from (``RunSeed.episode``)."""
+    group, _, member = episode_id.partition("/e")
+    if not (group.startswith("g") and group[1:].isdigit() and member.isdigit()):
+        raise ValueError(f"{episode_id!r} is not an episode id of the form g<index>/e<member>")
+    return int(group[1:]), int(member)
+
+
 class EnvironmentPool:
     """Follows ``targets.api.EnvSource`` and ``EnvDropper``."""
 

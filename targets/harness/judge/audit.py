@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 from targets.api import StateDict, TraceEvent
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.judge.check_result import CheckResult
+from targets.harness.judge.draws import WorkloadDraws
 from targets.harness.judge.selection import (
     check_aborts,
     check_deferrals,
@@ -68,7 +69,6 @@ from targets.harness.judge.selection import (
 )
 from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
 from targets.harness.reference.grpo import group_advantages_of
-from targets.harness.sim.response_length import ResponseLengths
 from targets.harness.trace import Trace, consumed_at, token_count
 from targets.spec import TargetSpec
 
@@ -537,10 +537,10 @@ def audit_run(
     check_engine_honesty(ix, r, spec)
     check_partial_rollout(ix, r)
     check_partial_progress(ix, r)
-    drawn = None
+    draws = None
     if workload is not None and not ix.tokens_recorded and spec.workload.tokens.response_length is not None:
-        drawn = ResponseLengths(spec.workload.tokens, workload).expected_of_task
-    details.update(check_selection(ix, r, spec, drawn))
+        draws = WorkloadDraws(spec, workload, ix.relaunch_of)
+    details.update(check_selection(ix, r, spec, draws))
     check_aborts(ix, r, spec)
     check_mechanism(ix, r, steps, spec)
     details.update(check_serving(ix, r, spec))

@@ -10,8 +10,8 @@ import bisect
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from targets.api import Declared, TraceEvent
 from targets.harness.judge.trace_index import ABORT_SLACK_S, Reasons, TraceIndex, staleness_bound
@@ -237,7 +237,10 @@ def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
 # 2.6-4.3%), but a measured run of three steps ends before most relaunched long tasks finish (1.4-9.6%
 # -> 3.1-10.7%), so the bound stays above the starter's; what composing techniques did (the goodput
 # search's best: 19-27%) is mostly over it. Which *members* of a trained group train: only spares choose
-# (the first ``group_size`` to finish), 10-14% for two and 18% for four (CPU and paper-scale targets).
+# (the first ``group_size`` to finish), 10-14% for two and 18% for four at their progress (CPU and
+# paper-scale targets); by every turn the harness drew for each member (a simulated target), which a
+# cancelled spare is judged by, 29-31% for two and 44-45% for four at paper scale over ten steps: there
+# the bound rejects keeping the first finishers as the selection it is.
 # Reward is bounded: its bias is counted in standard deviations of the finished episodes' rewards (an
 # unfinished episode's reward is unknown, not 0); honest stacks, spares and tail batching included,
 # stayed within -0.03 and 0.05 of them (a spare may not be chosen by its reward: the rule for
@@ -325,15 +328,24 @@ def shortfall_of(kept: list[float], every: list[float], bound: float) -> tuple[f
     return 1 - statistics.fmean(kept) / mean, max(bound, SELECTION_CHANCE_SE * chance)
 
 
-def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callable[[str], float] | None = None) -> dict:
+class Draws(Protocol):
+    """What the harness drew for a simulated run's episodes before any ran (``draws.WorkloadDraws``)."""
+
+    def task_tokens_a_turn(self, task: str) -> float: ...
+
+    def response_tokens(self, episode: str) -> float | None: ...
+
+
+def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws | None = None) -> dict:
     """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
     has its rule above; this is the net over all of them, against every episode launched (an
     unfinished one at its progress, which it was at least; those dropped at the run's end aside, since
     nothing could train them): the tasks trained against the tasks launched (a deferred task and its
     relaunch are one), the members trained against every member of the groups trained, in turns and
-    response tokens, and the rewards trained against every finished episode's. ``drawn`` (a simulated
-    run): a task's mean tokens a turn by the harness's own draw, so the tasks are compared by what
-    they are, not by how far the stack let them run."""
+    response tokens, and the rewards trained against every finished episode's. ``draws`` (a simulated
+    run): what the harness drew, so the tasks are compared by their mean tokens a turn and the members
+    by their tokens over every turn they drew: by what they are, not by how far the stack let them run
+    (a spare cancelled early would look short)."""
     bounds = SelectionBounds.of(ix.declared, spec)
     details: dict = {
         "selection_task_bound": bounds.tasks,
@@ -372,8 +384,9 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callabl
                 f"may favour the short tasks by {bounds.tasks:.0%}; chance, {SELECTION_CHANCE_SE:g} standard errors)",
             )
 
-    if drawn is not None:
-        judge_tasks("drawn response tokens", {t: drawn(t) for t in tasks}, "a turn's mean by the harness's own draw")
+    if draws is not None:
+        task_draw = {t: draws.task_tokens_a_turn(t) for t in tasks}
+        judge_tasks("drawn response tokens", task_draw, "a turn's mean by the harness's own draw")
 
     def judged_lengths(length: dict[str, float], group: str) -> list[float]:
         """A trained group's members' lengths. A relaunch draws its task's episodes anew: those of the
@@ -386,9 +399,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callabl
         cap = RELAUNCHED_MEMBER_CAP * statistics.fmean(length[m] for m in groups[group] if m in ix.trained_in)
         return own + [min(length[m], cap) for m in groups.get(ix.relaunch_of[group], [])]
 
-    for name, length in lengths.items():
-        task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
-        judge_tasks(name, task_length, "an unfinished episode at its progress")
+    def judge_members(name: str, length: dict[str, float], how: str) -> None:
         members = [x for g in trained_groups for x in judged_lengths(length, g)]
         kept = [length[m] for g in trained_groups for m in groups[g] if m in ix.trained_in]
         shortfall, allowed = shortfall_of(kept, members, bounds.members)
@@ -398,10 +409,18 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, drawn: Callabl
                 "selection",
                 f"the {len(trained)} episodes trained are {shortfall:.0%} shorter in {name} than the {len(members)} "
                 f"members of their groups and of those they ran again (mean {statistics.fmean(kept):.1f} against "
-                f"{statistics.fmean(members):.1f}), "
+                f"{statistics.fmean(members):.1f}, {how}), "
                 f"over the {allowed:.0%} allowed ({bounds.members:.0%} for {ix.declared.redundant_per_group} spares "
                 f"a group; chance, {SELECTION_CHANCE_SE:g} standard errors)",
             )
+
+    for name, length in lengths.items():
+        task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
+        judge_tasks(name, task_length, "an unfinished episode at its progress")
+        judge_members(name, length, "an unfinished episode at its progress")
+    episode_draw = {e: draws.response_tokens(e) for e in launched} if draws is not None else {}
+    if episode_draw and None not in episode_draw.values():
+        judge_members("drawn response tokens", episode_draw, "each over every turn the harness drew for it")
     # finished: what the stack could know had ended (with a reward model, once its verdict came)
     finished = [ix.paid(e) for e in launched if ix.finished_at(e) is not None]
     spread = statistics.pstdev(finished) if len(finished) > 1 else 0.0

@@ -35,7 +35,11 @@ from targets.spec import TargetSpec
 console = Console()
 
 # by the harness's own draws: only the run's audit had the run's secret key
-DRAWN = ("selection_tasks_drawn_response_tokens", "selection_members_drawn_response_tokens")
+DRAWN = (
+    "selection_tasks_drawn_response_tokens",
+    "selection_members_drawn_turns",
+    "selection_members_drawn_response_tokens",
+)
 
 PARTS = (  # column, the audit's detail, the bound it is held to
     ("tasks: drawn tokens a turn", DRAWN[0], "selection_task_bound"),
@@ -43,7 +47,8 @@ PARTS = (  # column, the audit's detail, the bound it is held to
     ("tasks: response tokens", "selection_tasks_response_tokens", "selection_task_bound"),
     ("members: turns", "selection_members_turns", "selection_member_bound"),
     ("members: response tokens", "selection_members_response_tokens", "selection_member_bound"),
-    ("members: drawn tokens", DRAWN[1], "selection_member_bound"),
+    ("members: drawn turns", DRAWN[1], "selection_member_bound"),
+    ("members: drawn tokens", DRAWN[2], "selection_member_bound"),
     ("reward (SD)", "selection_reward", "selection_reward_bound"),
 )
 

@@ -982,14 +982,16 @@ def _selection_reasons(
     finished: bool = True,
     declared: dict | None = None,
     verdicts: dict[str, float] | None = None,
-    drawn: dict[str, float] | None = None,
+    drawn: dict[str, float | None] | None = None,
+    drawn_turns: dict[str, float] | None = None,
     drawn_episodes: dict[str, float] | None = None,
 ) -> list[str]:
     """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
     turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
     train, the others are dropped for ``dropped``; the stack declares ``declared``. With ``verdicts`` the
     target has a reward model, whose score of each episode named there comes at its end. ``drawn``: each
-    task's length by the harness's own draw (a simulated run's); ``drawn_episodes``: each episode's."""
+    task's length by the harness's own draw (a simulated run's); ``drawn_turns``, ``drawn_episodes``: each
+    episode's turns and tokens by it."""
     from targets.harness.judge.selection import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -1009,21 +1011,25 @@ def _selection_reasons(
     ]
     events.append(TraceEvent("run_end", 7.0))
     r = Reasons()
-    draws = None if drawn is None else PlantedDraws(drawn, drawn_episodes or {})
+    draws = None if drawn is None else PlantedDraws(drawn, drawn_turns or {}, drawn_episodes or {})
     check_selection(TraceIndex.of(events, judged=verdicts is not None), r, spec, draws)
     return r.lines()
 
 
 @dataclass
 class PlantedDraws:
-    """What the harness drew, as a test plants it: tasks' tokens a turn; episodes' tokens (None: the
-    environment ends its episodes by play)."""
+    """What the harness drew, as a test plants it: tasks' tokens a turn (None: a real run's), episodes'
+    turns and tokens (absent: not drawn)."""
 
-    tasks: dict[str, float]
+    tasks: dict[str, float | None]
+    turn_counts: dict[str, float]
     episodes: dict[str, float]
 
-    def task_tokens_a_turn(self, task: str) -> float:
+    def task_tokens_a_turn(self, task: str) -> float | None:
         return self.tasks[task]
+
+    def turns(self, episode: str) -> float | None:
+        return self.turn_counts.get(episode)
 
     def response_tokens(self, episode: str) -> float | None:
         return self.episodes.get(episode)
@@ -1049,31 +1055,54 @@ def test_tasks_cut_short_and_left_untrained_are_judged_by_their_own_draws(tiny_s
 
 
 def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):
-    """Planted on a simulated run: each group of 8 runs 4 spares, trains the 8 members that finish in 3
-    turns and cancels the 4 whose draws are long after 1 turn each. At their progress the cancelled look
-    shorter than the trained, so the net by progress passes it; by every turn the harness drew for each
-    member, the trained are 50% shorter than their groups, over the 31% four spares may choose. The same
-    trace passes where the cancelled drew what the trained did (spares that finish last by chance)."""
+    """Planted: each group of 8 runs 4 spares, trains the 8 members that finish in 3 turns and cancels the
+    4 whose draws are long after 1 turn each. At their progress the cancelled look shorter than the
+    trained, so the net by progress passes it; by the turns the harness drew for each member (a real
+    run's draws) and by their tokens over them (a simulated run's), the trained are 50% shorter than their
+    groups, over the 31% four spares may choose. The same trace passes where the cancelled drew what the
+    trained did (spares that finish last by chance)."""
     episodes = [f"g{k}/e{m}" for k in range(4) for m in range(12)]
     trained = [e for e in episodes if int(e.split("/e")[1]) < 8]
     turns = {e: 3 if e in trained else 1 for e in episodes}
     rewards = dict.fromkeys(episodes, 1.0)
     tasks = {f"g{k}": 10.0 for k in range(4)}
     declared = {"redundant_per_group": 4}
+    long_turns = {e: 3.0 if e in trained else 12.0 for e in episodes}
     long_spares = {e: 30.0 if e in trained else 120.0 for e in episodes}
     assert _selection_reasons(tiny_spec, trained, rewards, turns, "redundant", False, declared) == []
+    real = dict.fromkeys(tasks)  # a real run: the tokens are the model's, only the turns are drawn
     lines = _selection_reasons(
-        tiny_spec, trained, rewards, turns, "redundant", False, declared, drawn=tasks, drawn_episodes=long_spares
+        tiny_spec, trained, rewards, turns, "redundant", False, declared, drawn=real, drawn_turns=long_turns
     )
-    assert lines and all("members of their groups" in x for x in lines), lines
+    assert len(lines) == 1 and "50% shorter in drawn turns" in lines[0] and "over the 31% allowed" in lines[0]
+    lines = _selection_reasons(
+        tiny_spec,
+        trained,
+        rewards,
+        turns,
+        "redundant",
+        False,
+        declared,
+        drawn=tasks,
+        drawn_turns=long_turns,
+        drawn_episodes=long_spares,
+    )
+    assert len(lines) == 2 and all("members of their groups" in x for x in lines), lines
     assert any("50% shorter in drawn response tokens" in x and "over the 31% allowed" in x for x in lines), lines
-    alike = dict.fromkeys(episodes, 30.0)
-    assert (
-        _selection_reasons(
-            tiny_spec, trained, rewards, turns, "redundant", False, declared, drawn=tasks, drawn_episodes=alike
-        )
-        == []
+    alike_turns, alike = dict.fromkeys(episodes, 3.0), dict.fromkeys(episodes, 30.0)
+    honest = _selection_reasons(
+        tiny_spec,
+        trained,
+        rewards,
+        turns,
+        "redundant",
+        False,
+        declared,
+        drawn=tasks,
+        drawn_turns=alike_turns,
+        drawn_episodes=alike,
     )
+    assert honest == []
 
 
 def _redrawn_trace(original_turns: int, relaunched: int = 5, plain: int = 0) -> list[TraceEvent]:

@@ -191,12 +191,11 @@ def device_memory(target: Target):
 
 def run_audit(target: Target, out: Path, steps: int, seed: RunSeed) -> dict:
     """The audit, its progress in this phase's log (a 0.6B replay takes minutes; a run cut short
-    still says where it was). A simulated run's audit knows what its tasks were drawn from (``seed``)."""
+    still says where it was). It knows what the run's episodes were drawn from (``seed``)."""
     from targets.harness.judge.audit import audit_directory
 
     with progress_lines("audit"):
-        workload = seed if target.simulated else None
-        return {"result": audit_directory(target, out, steps, workload=workload).as_dict()}
+        return {"result": audit_directory(target, out, steps, workload=seed).as_dict()}
 
 
 def _die_with_parent() -> None:

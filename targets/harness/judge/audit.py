@@ -520,8 +520,8 @@ def audit_run(
     seed: int = 0,
     workload: RunSeed | None = None,
 ) -> CheckResult:
-    """``seed`` picks the turns the replay samples; ``workload``: what a simulated run's tasks were drawn
-    from (its seed and secret key), so the selection net can compare tasks by their own draws."""
+    """``seed`` picks the turns the replay samples; ``workload``: what the run's episodes were drawn from
+    (its seed and secret key), so the selection net can compare them by their own draws."""
     started = time.monotonic()
     ix = TraceIndex.of(events, judged=spec.workload.reward_model is not None)
     r = Reasons()
@@ -537,9 +537,7 @@ def audit_run(
     check_engine_honesty(ix, r, spec)
     check_partial_rollout(ix, r)
     check_partial_progress(ix, r)
-    draws = None
-    if workload is not None and not ix.tokens_recorded and spec.workload.tokens.response_length is not None:
-        draws = WorkloadDraws(spec, workload, ix.relaunch_of)
+    draws = None if workload is None else WorkloadDraws(spec, workload, ix.relaunch_of, not ix.tokens_recorded)
     details.update(check_selection(ix, r, spec, draws))
     check_aborts(ix, r, spec)
     check_mechanism(ix, r, steps, spec)

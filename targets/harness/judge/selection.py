@@ -331,7 +331,9 @@ def shortfall_of(kept: list[float], every: list[float], bound: float) -> tuple[f
 class Draws(Protocol):
     """What the harness drew for a simulated run's episodes before any ran (``draws.WorkloadDraws``)."""
 
-    def task_tokens_a_turn(self, task: str) -> float: ...
+    def task_tokens_a_turn(self, task: str) -> float | None: ...
+
+    def turns(self, episode: str) -> float | None: ...
 
     def response_tokens(self, episode: str) -> float | None: ...
 
@@ -342,10 +344,10 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     unfinished one at its progress, which it was at least; those dropped at the run's end aside, since
     nothing could train them): the tasks trained against the tasks launched (a deferred task and its
     relaunch are one), the members trained against every member of the groups trained, in turns and
-    response tokens, and the rewards trained against every finished episode's. ``draws`` (a simulated
-    run): what the harness drew, so the tasks are compared by their mean tokens a turn and the members
-    by their tokens over every turn they drew: by what they are, not by how far the stack let them run
-    (a spare cancelled early would look short)."""
+    response tokens, and the rewards trained against every finished episode's. ``draws``: what the
+    harness drew, so the members are compared by the turns they drew and, in a simulated run, by their
+    tokens over those turns, and the tasks by their mean tokens a turn: by what they are, not by how far
+    the stack let them run (a spare cancelled early would look short)."""
     bounds = SelectionBounds.of(ix.declared, spec)
     details: dict = {
         "selection_task_bound": bounds.tasks,
@@ -384,8 +386,8 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
                 f"may favour the short tasks by {bounds.tasks:.0%}; chance, {SELECTION_CHANCE_SE:g} standard errors)",
             )
 
-    if draws is not None:
-        task_draw = {t: draws.task_tokens_a_turn(t) for t in tasks}
+    task_draw = {t: draws.task_tokens_a_turn(t) for t in tasks} if draws is not None else {}
+    if task_draw and None not in task_draw.values():
         judge_tasks("drawn response tokens", task_draw, "a turn's mean by the harness's own draw")
 
     def judged_lengths(length: dict[str, float], group: str) -> list[float]:
@@ -418,9 +420,12 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
         task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
         judge_tasks(name, task_length, "an unfinished episode at its progress")
         judge_members(name, length, "an unfinished episode at its progress")
-    episode_draw = {e: draws.response_tokens(e) for e in launched} if draws is not None else {}
-    if episode_draw and None not in episode_draw.values():
-        judge_members("drawn response tokens", episode_draw, "each over every turn the harness drew for it")
+    drawn_by = {"drawn turns": draws.turns, "drawn response tokens": draws.response_tokens} if draws else {}
+    for name, drawn in drawn_by.items():
+        episode_draw = {e: drawn(e) for e in launched}
+        if None not in episode_draw.values():
+            how = "each at the turns the harness drew for it" if name == "drawn turns" else "each over those turns"
+            judge_members(name, episode_draw, how)
     # finished: what the stack could know had ended (with a reward model, once its verdict came)
     finished = [ix.paid(e) for e in launched if ix.finished_at(e) is not None]
     spread = statistics.pstdev(finished) if len(finished) > 1 else 0.0

@@ -401,6 +401,8 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
         cap = RELAUNCHED_MEMBER_CAP * statistics.fmean(length[m] for m in groups[group] if m in ix.trained_in)
         return own + [min(length[m], cap) for m in groups.get(ix.relaunch_of[group], [])]
 
+    spares = ix.declared.redundant_per_group
+
     def judge_members(name: str, length: dict[str, float], how: str) -> None:
         members = [x for g in trained_groups for x in judged_lengths(length, g)]
         kept = [length[m] for g in trained_groups for m in groups[g] if m in ix.trained_in]
@@ -412,7 +414,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
                 f"the {len(trained)} episodes trained are {shortfall:.0%} shorter in {name} than the {len(members)} "
                 f"members of their groups and of those they ran again (mean {statistics.fmean(kept):.1f} against "
                 f"{statistics.fmean(members):.1f}, {how}), "
-                f"over the {allowed:.0%} allowed ({bounds.members:.0%} for {ix.declared.redundant_per_group} spares "
+                f"over the {allowed:.0%} allowed ({bounds.members:.0%} for {spares} spare{'' if spares == 1 else 's'} "
                 f"a group; chance, {SELECTION_CHANCE_SE:g} standard errors)",
             )
 

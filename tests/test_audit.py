@@ -1069,40 +1069,19 @@ def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):
     declared = {"redundant_per_group": 4}
     long_turns = {e: 3.0 if e in trained else 12.0 for e in episodes}
     long_spares = {e: 30.0 if e in trained else 120.0 for e in episodes}
+
+    def reasons(drawn: dict, drawn_turns: dict, drawn_episodes: dict | None = None) -> list[str]:
+        return _selection_reasons(
+            tiny_spec, trained, rewards, turns, "redundant", False, declared, None, drawn, drawn_turns, drawn_episodes
+        )
+
     assert _selection_reasons(tiny_spec, trained, rewards, turns, "redundant", False, declared) == []
-    real = dict.fromkeys(tasks)  # a real run: the tokens are the model's, only the turns are drawn
-    lines = _selection_reasons(
-        tiny_spec, trained, rewards, turns, "redundant", False, declared, drawn=real, drawn_turns=long_turns
-    )
+    lines = reasons(dict.fromkeys(tasks), long_turns)  # a real run: the tokens are the model's, the turns drawn
     assert len(lines) == 1 and "50% shorter in drawn turns" in lines[0] and "over the 31% allowed" in lines[0]
-    lines = _selection_reasons(
-        tiny_spec,
-        trained,
-        rewards,
-        turns,
-        "redundant",
-        False,
-        declared,
-        drawn=tasks,
-        drawn_turns=long_turns,
-        drawn_episodes=long_spares,
-    )
+    lines = reasons(tasks, long_turns, long_spares)
     assert len(lines) == 2 and all("members of their groups" in x for x in lines), lines
     assert any("50% shorter in drawn response tokens" in x and "over the 31% allowed" in x for x in lines), lines
-    alike_turns, alike = dict.fromkeys(episodes, 3.0), dict.fromkeys(episodes, 30.0)
-    honest = _selection_reasons(
-        tiny_spec,
-        trained,
-        rewards,
-        turns,
-        "redundant",
-        False,
-        declared,
-        drawn=tasks,
-        drawn_turns=alike_turns,
-        drawn_episodes=alike,
-    )
-    assert honest == []
+    assert reasons(tasks, dict.fromkeys(episodes, 3.0), dict.fromkeys(episodes, 30.0)) == []
 
 
 def _redrawn_trace(original_turns: int, relaunched: int = 5, plain: int = 0) -> list[TraceEvent]:

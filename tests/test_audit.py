@@ -1084,6 +1084,22 @@ def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):
     assert reasons(tasks, dict.fromkeys(episodes, 3.0), dict.fromkeys(episodes, 30.0)) == []
 
 
+def test_spares_a_trained_group_holds_to_the_end_of_the_run_still_count(tiny_spec):
+    """Planted: each group of 8 trains its 8 members that finish in 3 turns and, instead of handing its 4
+    spares back, keeps them running until the run ends, where they go back as ``end_of_run``. The net sets
+    aside what only the run's end left untrained, but a trained group's members are not that: they were
+    passed over. Counted, the trained are 44% shorter at progress than their groups (the spares ran 10
+    turns), over the 31% four spares may choose, as the same trace handing them back as ``redundant`` is."""
+    episodes = [f"g{k}/e{m}" for k in range(4) for m in range(12)]
+    trained = [e for e in episodes if int(e.split("/e")[1]) < 8]
+    turns = {e: 3 if e in trained else 10 for e in episodes}
+    rewards = dict.fromkeys(episodes, 1.0)
+    declared = {"redundant_per_group": 4}
+    for reason in ("redundant", "end_of_run"):
+        lines = _selection_reasons(tiny_spec, trained, rewards, turns, reason, False, declared)
+        assert any("44% shorter in turns" in x and "members of their groups" in x for x in lines), (reason, lines)
+
+
 def _redrawn_trace(original_turns: int, relaunched: int = 5, plain: int = 0) -> list[TraceEvent]:
     """``relaunched`` tasks, each first run by a group g<k> of two whose members finish after
     ``original_turns`` turns and are handed back as stale at t=4; g<k+5> runs the task again (one turn

@@ -342,7 +342,8 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
     has its rule above; this is the net over all of them, against every episode launched (an
     unfinished one at its progress, which it was at least; those dropped at the run's end aside, since
-    nothing could train them): the tasks trained against the tasks launched (a deferred task and its
+    nothing could train them, unless their group trained: a member held to the end was passed over): the
+    tasks trained against the tasks launched (a deferred task and its
     relaunch are one), the members trained against every member of the groups trained, in turns and
     response tokens, and the rewards trained against every finished episode's. ``draws``: what the
     harness drew, so the members are compared by the turns they drew and, in a simulated run, by their
@@ -356,22 +357,26 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     }
     launched = [e for e in ix.created if not (e in ix.dropped and ix.dropped[e].data["reason"] == "end_of_run")]
     trained = [e for e in launched if e in ix.trained_in]
-    if len(trained) == len(launched) or len(trained) < 2:
+    # a trained group's members are all judged: one it held until the run ended was passed over, not cut off
+    trained_groups = {ix.group_of[e] for e in trained}
+    launched_set = set(launched)
+    judged = [e for e in ix.created if e in launched_set or ix.group_of[e] in trained_groups]
+    if len(trained) == len(judged) or len(trained) < 2:
         return details
     lengths = {
-        "turns": {e: float(len(ix.env_steps.get(e, []))) for e in launched},
+        "turns": {e: float(len(ix.env_steps.get(e, []))) for e in judged},
         "response tokens": {
-            e: float(sum(token_count(x.data["action"]) for x in ix.env_steps.get(e, []))) for e in launched
+            e: float(sum(token_count(x.data["action"]) for x in ix.env_steps.get(e, []))) for e in judged
         },
     }
     tasks: dict[str, list[str]] = defaultdict(list)
     groups: dict[str, list[str]] = defaultdict(list)
-    for e in launched:
+    for e in judged:
         group = ix.group_of[e]
-        tasks[ix.relaunch_of.get(group, group)].append(e)
+        if e in launched_set:
+            tasks[ix.relaunch_of.get(group, group)].append(e)
         groups[group].append(e)
     trained_tasks = [t for t, members in tasks.items() if any(m in ix.trained_in for m in members)]
-    trained_groups = [g for g, members in groups.items() if any(m in ix.trained_in for m in members)]
 
     def judge_tasks(name: str, task_length: dict[str, float], how: str) -> None:
         trained_lengths = [task_length[t] for t in trained_tasks]
@@ -424,7 +429,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
         judge_members(name, length, "an unfinished episode at its progress")
     drawn_by = {"drawn turns": draws.turns, "drawn response tokens": draws.response_tokens} if draws else {}
     for name, drawn in drawn_by.items():
-        episode_draw = {e: drawn(e) for e in launched}
+        episode_draw = {e: drawn(e) for e in judged}
         if None not in episode_draw.values():
             how = "each at the turns the harness drew for it" if name == "drawn turns" else "each over those turns"
             judge_members(name, episode_draw, how)

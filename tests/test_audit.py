@@ -679,6 +679,39 @@ def test_the_harness_refuses_more_spares_than_declared(tiny_spec):
     assert len(pool.new_group(extra=2)) == tiny_spec.workload.group_size + 2
 
 
+def test_the_audit_redraws_each_episode_under_the_runs_secret_key(tiny_spec):
+    """The pool and the audit draw from the same seed and secret key: each episode's turn count, and on a
+    simulated target each turn's tokens (a relaunch's by the task it runs again), is what the pool drew;
+    under another key the draws differ, so the audit needs the run's own."""
+    from targets.harness.clock import WallClock
+    from targets.harness.environments.pool import EnvironmentPool
+    from targets.harness.environments.seeds import RunSeed
+    from targets.harness.judge.draws import WorkloadDraws
+    from targets.harness.sim.response_length import ResponseLengths
+    from targets.spec.workload import ResponseLengthSpec
+
+    lengths = ResponseLengthSpec(mean=8, task_sigma=0.8, turn_sigma=0.6)
+    tokens = tiny_spec.workload.tokens.model_copy(update={"response_length": lengths})
+    spec = tiny_spec.model_copy(update={"workload": tiny_spec.workload.model_copy(update={"tokens": tokens})})
+    seed = RunSeed(5, bytes(range(16)))
+    pool = EnvironmentPool(spec.workload, WallClock(), Trace(WallClock()), seed=seed, counts=True)
+    pool.max_extra = 2
+    episodes = [e for _ in range(6) for e in pool.new_group(extra=2)]
+    for e in episodes[: spec.workload.group_size + 2]:
+        pool.drop(e.episode_id, "stale")
+    episodes += pool.new_group(relaunch="g0")
+    drawn = ResponseLengths(spec.workload.tokens, seed, pool.task_of)
+    draws = WorkloadDraws(spec, seed, {"g6": "g0"}, simulated=True)
+    for e in episodes:
+        assert draws.turns(e.episode_id) == e.max_turns, e.episode_id
+        assert draws.response_tokens(e.episode_id) == sum(drawn.of(e.episode_id, t) for t in range(e.max_turns))
+    other = WorkloadDraws(spec, RunSeed(5, bytes(16)), {"g6": "g0"}, simulated=True)
+    assert [other.turns(e.episode_id) for e in episodes] != [e.max_turns for e in episodes]
+    real = WorkloadDraws(spec, seed, {}, simulated=False)  # a real run's tokens are the model's
+    assert real.response_tokens("g0/e0") is None and real.task_tokens_a_turn("g0") is None
+    assert real.turns("g0/e0") == episodes[0].max_turns
+
+
 # -- partial rollout: a finished turn of the honest run split into an interrupted segment and its
 # resumption, exactly as a partial-rollout stack would have produced it (same tokens, same logprobs)
 

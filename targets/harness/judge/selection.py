@@ -329,7 +329,7 @@ def shortfall_of(kept: list[float], every: list[float], bound: float) -> tuple[f
 
 
 class Draws(Protocol):
-    """What the harness drew for a simulated run's episodes before any ran (``draws.WorkloadDraws``)."""
+    """What the harness drew for a run's episodes before any ran (``draws.WorkloadDraws``)."""
 
     def task_tokens_a_turn(self, task: str) -> float | None: ...
 

@@ -36,19 +36,23 @@ console = Console()
 
 # by the harness's own draws: only the run's audit had the run's secret key
 DRAWN = (
+    "selection_tasks_drawn_tokens_a_turn",
+    "selection_tasks_drawn_turns",
     "selection_tasks_drawn_response_tokens",
     "selection_members_drawn_turns",
     "selection_members_drawn_response_tokens",
 )
 
 PARTS = (  # column, the audit's detail, the bound it is held to
-    ("tasks: drawn tokens a turn", DRAWN[0], "selection_task_bound"),
     ("tasks: turns", "selection_tasks_turns", "selection_task_bound"),
     ("tasks: response tokens", "selection_tasks_response_tokens", "selection_task_bound"),
+    ("tasks: drawn tokens a turn", DRAWN[0], "selection_task_bound"),
+    ("tasks: drawn turns", DRAWN[1], "selection_task_bound"),
+    ("tasks: drawn tokens", DRAWN[2], "selection_task_bound"),
     ("members: turns", "selection_members_turns", "selection_member_bound"),
     ("members: response tokens", "selection_members_response_tokens", "selection_member_bound"),
-    ("members: drawn turns", DRAWN[1], "selection_member_bound"),
-    ("members: drawn tokens", DRAWN[2], "selection_member_bound"),
+    ("members: drawn turns", DRAWN[3], "selection_member_bound"),
+    ("members: drawn tokens", DRAWN[4], "selection_member_bound"),
     ("reward (SD)", "selection_reward", "selection_reward_bound"),
 )
 
@@ -95,7 +99,7 @@ def selection_of(spec: TargetSpec, run: Path) -> dict:
     if audit.exists():
         recorded = json.loads(audit.read_text()).get("result", {})
         details.update({k: v for k, v in recorded.get("details", {}).items() if k in DRAWN})
-        lines += [x for x in recorded.get("reasons", []) if "drawn response tokens" in x]
+        lines += [x for x in recorded.get("reasons", []) if "shorter in drawn" in x]
     return {**details, "reasons": lines}
 
 
@@ -132,11 +136,15 @@ def main(
     table = Table(
         title=f"selection on {target.id}: what trained against what was launched (shortfall: a fraction of the mean)"
     )
-    for column in ("stack", "runs", "rejected", *(f"{part} / bound" for part, _, _ in PARTS)):
-        table.add_column(column)
-    for name, results in measured.items():
-        row = [name, str(len(results)), str(sum(bool(r["reasons"]) for _, r in results))]
-        for _, key, bound in PARTS:
+    table.add_column("part / bound")
+    for name in measured:
+        table.add_column(name)
+    table.add_row(
+        "runs (rejected)", *(f"{len(rs)} ({sum(bool(r['reasons']) for _, r in rs)})" for rs in measured.values())
+    )
+    for part, key, bound in PARTS:
+        row = [part]
+        for results in measured.values():
             values = [r[key] for _, r in results if key in r]
             row.append(f"{min(values):.3f} to {max(values):.3f} / {results[0][1][bound]:.2f}" if values else "-")
         table.add_row(*row)

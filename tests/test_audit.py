@@ -1082,9 +1082,38 @@ def test_tasks_cut_short_and_left_untrained_are_judged_by_their_own_draws(tiny_s
     rewards = dict.fromkeys(episodes, 1.0)
     assert _selection_reasons(tiny_spec, short, rewards, same, "stale", finished=False) == []
     lines = _selection_reasons(tiny_spec, short, rewards, same, "stale", finished=False, drawn=drawn)
-    assert any("20 launched" in x and "40% shorter in drawn response tokens" in x for x in lines), lines
+    assert any("20 launched" in x and "40% shorter in drawn tokens a turn" in x for x in lines), lines
     mixed = [e for e in episodes if int(e.split("/")[0][1:]) < 10]
     assert _selection_reasons(tiny_spec, mixed, rewards, same, "stale", finished=False, drawn=drawn) == []
+
+
+def test_tasks_held_back_for_the_turns_their_members_drew_are_judged_by_those_draws(tiny_spec):
+    """Planted on a real run (the tokens are the model's; only the turns are drawn): the stack learns how
+    many turns each member drew (the reward's scale tells it), lets every task run one turn, holds back
+    the ten whose members drew many until they go stale, and trains the ten others. At their progress the
+    held-back look as short as the trained, so the net by progress passes it; by the turns the harness drew
+    for their members it trains tasks 40% shorter than it launched. By drawn response tokens (a simulated
+    run's) too. Training ten tasks chosen by nothing passes."""
+    episodes = [f"g{k}/e{m}" for k in range(20) for m in range(2)]
+    held = {f"g{k}" for k in range(0, 20, 2)}
+    drawn_turns = {e: 14.0 if e.split("/")[0] in held else 6.0 for e in episodes}
+    trained = [e for e in episodes if e.split("/")[0] not in held]
+    same = dict.fromkeys(episodes, 1)
+    rewards = dict.fromkeys(episodes, 1.0)
+    real = dict.fromkeys({e.split("/")[0] for e in episodes})
+
+    def reasons(chosen: list[str], tokens: dict[str, float] | None = None) -> list[str]:
+        return _selection_reasons(
+            tiny_spec, chosen, rewards, same, "stale", False, None, None, real, drawn_turns, tokens
+        )
+
+    assert _selection_reasons(tiny_spec, trained, rewards, same, "stale", finished=False) == []
+    lines = reasons(trained)
+    assert len(lines) == 1 and "tasks trained are 40% shorter in drawn turns than the 20 launched" in lines[0], lines
+    tokens = {e: 10 * turns for e, turns in drawn_turns.items()}
+    assert any("40% shorter in drawn response tokens than the 20 launched" in x for x in reasons(trained, tokens))
+    mixed = [e for e in episodes if int(e.split("/")[0][1:]) < 10]
+    assert reasons(mixed) == [] and reasons(mixed, tokens) == []
 
 
 def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):

@@ -153,7 +153,7 @@ def test_a_simulated_runs_audit_judges_the_tasks_by_their_own_draws(tmp_path, fa
     assert trained < tasks, "every task launched trained: nothing to compare"
     drawn = ResponseLengths(spec.workload.tokens, RunSeed(seed)).expected_of_task
     shortfall, _ = shortfall_of([drawn(t) for t in trained], [drawn(t) for t in tasks], 0.2)
-    assert details["selection_tasks_drawn_response_tokens"] == pytest.approx(shortfall)
+    assert details["selection_tasks_drawn_tokens_a_turn"] == pytest.approx(shortfall)
 
 
 def test_the_audit_draws_each_episode_again_as_the_harness_drew_it(tmp_path, fast_target):

@@ -346,9 +346,10 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     tasks trained against the tasks launched (a deferred task and its
     relaunch are one), the members trained against every member of the groups trained, in turns and
     response tokens, and the rewards trained against every finished episode's. ``draws``: what the
-    harness drew, so the members are compared by the turns they drew and, in a simulated run, by their
-    tokens over those turns, and the tasks by their mean tokens a turn: by what they are, not by how far
-    the stack let them run (a spare cancelled early would look short)."""
+    harness drew, so the members and the tasks (by their members' mean) are compared by the turns they
+    drew and, in a simulated run, by their tokens over those turns, and the tasks by their mean tokens a
+    turn: by what they are, not by how far the stack let them run (a spare cancelled early, or a task held
+    back until it went stale, would look short)."""
     bounds = SelectionBounds.of(ix.declared, spec)
     details: dict = {
         "selection_task_bound": bounds.tasks,
@@ -391,9 +392,13 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
                 f"may favour the short tasks by {bounds.tasks:.0%}; chance, {SELECTION_CHANCE_SE:g} standard errors)",
             )
 
+    def of_tasks(length: dict[str, float]) -> dict[str, float]:
+        """Each task's mean over the members it launched (a deferred task's and its relaunch's)."""
+        return {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
+
     task_draw = {t: draws.task_tokens_a_turn(t) for t in tasks} if draws is not None else {}
     if task_draw and None not in task_draw.values():
-        judge_tasks("drawn response tokens", task_draw, "a turn's mean by the harness's own draw")
+        judge_tasks("drawn tokens a turn", task_draw, "a turn's mean by the harness's own draw")
 
     def judged_lengths(length: dict[str, float], group: str) -> list[float]:
         """A trained group's members' lengths. A relaunch draws its task's episodes anew: those of the
@@ -424,14 +429,14 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
             )
 
     for name, length in lengths.items():
-        task_length = {t: statistics.fmean(length[m] for m in members) for t, members in tasks.items()}
-        judge_tasks(name, task_length, "an unfinished episode at its progress")
+        judge_tasks(name, of_tasks(length), "an unfinished episode at its progress")
         judge_members(name, length, "an unfinished episode at its progress")
     drawn_by = {"drawn turns": draws.turns, "drawn response tokens": draws.response_tokens} if draws else {}
     for name, drawn in drawn_by.items():
         episode_draw = {e: drawn(e) for e in judged}
         if None not in episode_draw.values():
             how = "each at the turns the harness drew for it" if name == "drawn turns" else "each over those turns"
+            judge_tasks(name, of_tasks(episode_draw), f"{how}, a task by its members' mean")
             judge_members(name, episode_draw, how)
     # finished: what the stack could know had ended (with a reward model, once its verdict came)
     finished = [ix.paid(e) for e in launched if ix.finished_at(e) is not None]

@@ -98,7 +98,10 @@ def selection_of(spec: TargetSpec, run: Path) -> dict:
     audit = run / "audit.json"
     if audit.exists():
         recorded = json.loads(audit.read_text()).get("result", {})
-        details.update({k: v for k, v in recorded.get("details", {}).items() if k in DRAWN})
+        drawn = dict(recorded.get("details", {}))
+        if DRAWN[0] not in drawn and DRAWN[2] in drawn:  # audited before the tasks were judged by their members'
+            drawn[DRAWN[0]] = drawn.pop(DRAWN[2])  # draws: its tasks' draw was their tokens a turn
+        details.update({k: v for k, v in drawn.items() if k in DRAWN})
         lines += [x for x in recorded.get("reasons", []) if "shorter in drawn" in x]
     return {**details, "reasons": lines}
 

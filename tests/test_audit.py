@@ -1011,7 +1011,7 @@ def _selection_reasons(
     trained: list[str],
     rewards: dict[str, float],
     turns: dict[str, int],
-    dropped: str,
+    dropped: str | dict[str, str],
     finished: bool = True,
     declared: dict | None = None,
     verdicts: dict[str, float] | None = None,
@@ -1021,10 +1021,11 @@ def _selection_reasons(
 ) -> list[str]:
     """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
     turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
-    train, the others are dropped for ``dropped``; the stack declares ``declared``. With ``verdicts`` the
-    target has a reward model, whose score of each episode named there comes at its end. ``drawn``: each
-    task's length by the harness's own draw (a simulated run's); ``drawn_turns``, ``drawn_episodes``: each
-    episode's turns and tokens by it."""
+    train, the others are dropped for ``dropped`` (one reason, or each episode's); the stack declares
+    ``declared``. With ``verdicts`` the target has a reward model, whose score of each episode named there
+    comes at its end. ``drawn``: each task's tokens a turn by the harness's own draw (a simulated run's);
+    ``drawn_turns``, ``drawn_episodes``: each episode's turns and tokens by it (any given: the net reads
+    the draws; absent, not drawn)."""
     from targets.harness.judge.selection import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -1040,11 +1041,16 @@ def _selection_reasons(
     batch = [{"episode": e, "group": e.split("/")[0], "reward": rewards[e]} for e in trained]
     events.append(TraceEvent("train", 6.0, {"start": 5.5, "step": 1, "version": 1, "trajectories": batch}))
     events += [
-        TraceEvent("sample_dropped", 5.0, {"episode": e, "reason": dropped}) for e in rewards if e not in trained
+        TraceEvent("sample_dropped", 5.0, {"episode": e, "reason": dropped if isinstance(dropped, str) else dropped[e]})
+        for e in rewards
+        if e not in trained
     ]
     events.append(TraceEvent("run_end", 7.0))
     r = Reasons()
-    draws = None if drawn is None else PlantedDraws(drawn, drawn_turns or {}, drawn_episodes or {})
+    planted = (drawn, drawn_turns, drawn_episodes)
+    draws = (
+        None if planted == (None, None, None) else PlantedDraws(drawn or {}, drawn_turns or {}, drawn_episodes or {})
+    )
     check_selection(TraceIndex.of(events, judged=verdicts is not None), r, spec, draws)
     return r.lines()
 
@@ -1059,7 +1065,7 @@ class PlantedDraws:
     episodes: dict[str, float]
 
     def task_tokens_a_turn(self, task: str) -> float | None:
-        return self.tasks[task]
+        return self.tasks.get(task)
 
     def turns(self, episode: str) -> float | None:
         return self.turn_counts.get(episode)
@@ -1114,6 +1120,12 @@ def test_tasks_held_back_for_the_turns_their_members_drew_are_judged_by_those_dr
     assert any("40% shorter in drawn response tokens than the 20 launched" in x for x in reasons(trained, tokens))
     mixed = [e for e in episodes if int(e.split("/")[0][1:]) < 10]
     assert reasons(mixed) == [] and reasons(mixed, tokens) == []
+    # split: each held task hands back as stale only its member that drew fewest turns (6) and holds the other
+    # (22) to the run's end; a task goes whole, so it is judged by both, not at its shortest member
+    split_turns = {e: 22.0 if e.split("/")[0] in held and e.endswith("e1") else 6.0 for e in episodes}
+    split = {e: "end_of_run" if e.endswith("e1") else "stale" for e in episodes}
+    lines = _selection_reasons(tiny_spec, trained, rewards, same, split, False, None, None, real, split_turns)
+    assert len(lines) == 1 and "tasks trained are 40% shorter in drawn turns" in lines[0], lines
 
 
 def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):
@@ -1222,9 +1234,10 @@ def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selec
     """Planted: the four members of each of five groups ran to their end, and the stack trained the
     rewarded half (or the shortest half) of each and dropped the rest: whatever reasons the drops gave,
     the trained are better rewarded than every finished episode (or shorter than every member of their
-    groups), beyond the bounds for a stack that declares nothing and beyond chance. The same trace
-    training a half that is neither passes, and so do drops at the run's end (nothing could train
-    those); the shortest half of one group of four is within what chance does."""
+    groups), beyond the bounds for a stack that declares nothing and beyond chance; so are the same
+    halves held to the run's end beside the trained (passed over, not cut off). The same trace training
+    a half that is neither passes, and so do whole groups the run's end left untrained (nothing could
+    train those); the shortest half of one group of four is within what chance does."""
     episodes = [f"g{k}/e{m}" for k in range(5) for m in range(4)]
     first_half = [e for e in episodes if e[-1] in "01"]
     rewards = {e: 1.0 if e[-1] in "01" else 0.0 for e in episodes}
@@ -1239,7 +1252,13 @@ def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selec
     assert any(shorter in x for x in lines), lines
     neither = [e for e in episodes if e[-1] in "02"]
     assert _selection_reasons(tiny_spec, neither, rewards, turns, "stale") == []
-    assert _selection_reasons(tiny_spec, first_half, rewards, same_turns, "end_of_run") == []
+    held = _selection_reasons(tiny_spec, first_half, rewards, same_turns, "end_of_run")
+    assert any(better in x for x in held), held
+    first_groups = [e for e in episodes if e[1] in "012"]
+    by_group = {e: 1.0 if e in first_groups else 0.0 for e in episodes}
+    assert _selection_reasons(tiny_spec, first_groups, by_group, same_turns, "end_of_run") == []
+    dropped = _selection_reasons(tiny_spec, first_groups, by_group, same_turns, "stale")
+    assert any("better rewarded" in x for x in dropped), dropped
     one = episodes[:4]
     assert _selection_reasons(tiny_spec, one[:2], dict.fromkeys(one, 1.0), {e: turns[e] for e in one}, "stale") == []
 

@@ -338,11 +338,16 @@ class Draws(Protocol):
     def response_tokens(self, episode: str) -> float | None: ...
 
 
+# What a member handed back at the run's end, untrained with its whole group, was: nothing could train it
+# (a spare dropped as its group completed, or a member still running).
+RUN_END_REASONS = ("end_of_run", "redundant")
+
+
 def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws | None = None) -> dict:
     """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
     has its rule above; this is the net over all of them, against every episode launched (an
-    unfinished one at its progress, which it was at least; those dropped at the run's end aside, since
-    nothing could train them, unless their group trained: a member held to the end was passed over): the
+    unfinished one at its progress, which it was at least; a group the run's end alone left untrained
+    aside, since nothing could train it): the
     tasks trained against the tasks launched (a deferred task and its
     relaunch are one), the members trained against every member of the groups trained, in turns and
     response tokens, and the rewards trained against every finished episode's. ``draws``: what the
@@ -356,12 +361,17 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
         "selection_member_bound": bounds.members,
         "selection_reward_bound": bounds.reward,
     }
-    launched = [e for e in ix.created if not (e in ix.dropped and ix.dropped[e].data["reason"] == "end_of_run")]
-    trained = [e for e in launched if e in ix.trained_in]
-    # a trained group's members are all judged: one it held until the run ended was passed over, not cut off
+    # A group goes whole: one of its members trained, or handed back for another reason than the run's end
+    # (stale, deferred, too long), and every member counts; one held to the end beside them was passed over,
+    # not cut off (else a stack could train or drop one member of a task and hold the others to the end).
+    left_by_the_end = {
+        group
+        for group, members in ix.members.items()
+        if all(m in ix.dropped and ix.dropped[m].data["reason"] in RUN_END_REASONS for m in members)
+    }
+    judged = [e for e in ix.created if ix.group_of[e] not in left_by_the_end]
+    trained = [e for e in judged if e in ix.trained_in]
     trained_groups = {ix.group_of[e] for e in trained}
-    launched_set = set(launched)
-    judged = [e for e in ix.created if e in launched_set or ix.group_of[e] in trained_groups]
     if len(trained) == len(judged) or len(trained) < 2:
         return details
     lengths = {
@@ -374,8 +384,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     groups: dict[str, list[str]] = defaultdict(list)
     for e in judged:
         group = ix.group_of[e]
-        if e in launched_set:
-            tasks[ix.relaunch_of.get(group, group)].append(e)
+        tasks[ix.relaunch_of.get(group, group)].append(e)
         groups[group].append(e)
     trained_tasks = [t for t, members in tasks.items() if any(m in ix.trained_in for m in members)]
 
@@ -431,15 +440,24 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     for name, length in lengths.items():
         judge_tasks(name, of_tasks(length), "an unfinished episode at its progress")
         judge_members(name, length, "an unfinished episode at its progress")
-    drawn_by = {"drawn turns": draws.turns, "drawn response tokens": draws.response_tokens} if draws else {}
-    for name, drawn in drawn_by.items():
+    drawn_by = (
+        ()
+        if draws is None
+        else (
+            ("drawn turns", draws.turns, "each at the turns the harness drew for it"),
+            ("drawn response tokens", draws.response_tokens, "each over those turns"),
+        )
+    )
+    for name, drawn, how in drawn_by:
         episode_draw = {e: drawn(e) for e in judged}
-        if None not in episode_draw.values():
-            how = "each at the turns the harness drew for it" if name == "drawn turns" else "each over those turns"
-            judge_tasks(name, of_tasks(episode_draw), f"{how}, a task by its members' mean")
-            judge_members(name, episode_draw, how)
+        if all(x is None for x in episode_draw.values()):
+            continue  # not drawn in this run (the environment ends episodes by play; a real run's tokens)
+        if None in episode_draw.values():
+            raise ValueError(f"the harness's draws give {name} for some episodes and not others")
+        judge_tasks(name, of_tasks(episode_draw), f"{how}, a task by its members' mean")
+        judge_members(name, episode_draw, how)
     # finished: what the stack could know had ended (with a reward model, once its verdict came)
-    finished = [ix.paid(e) for e in launched if ix.finished_at(e) is not None]
+    finished = [ix.paid(e) for e in judged if ix.finished_at(e) is not None]
     spread = statistics.pstdev(finished) if len(finished) > 1 else 0.0
     if spread:
         kept_reward, finished_reward = statistics.fmean(ix.paid(e) for e in trained), statistics.fmean(finished)

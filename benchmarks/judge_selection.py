@@ -1,5 +1,5 @@
 """How much shorter, or better rewarded, what a stack trains is than what it launched: the selection net
-of the audit (``targets/harness/judge/selection.py``) read from recorded runs, against its bounds. Runs
+of the audit (``targets/harness/judge/selection_net.py``) read from recorded runs, against its bounds. Runs
 the given stacks on a target for the given seeds (traces kept under ``OUT/<stack>/<seed>/``; a rerun
 skips those already there), or reads runs already recorded (a search's generalization runs,
 say), and prints per run the tasks' and members' shortfall in turns and response tokens and the reward
@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skills.starter import write_starter
-from targets.harness.judge.selection import check_selection
+from targets.harness.judge.selection_net import check_selection
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.measure.session import Session
 from targets.harness.target import Target

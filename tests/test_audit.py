@@ -1026,7 +1026,7 @@ def _selection_reasons(
     comes at its end. ``drawn``: each task's tokens a turn by the harness's own draw (a simulated run's);
     ``drawn_turns``, ``drawn_episodes``: each episode's turns and tokens by it (any given: the net reads
     the draws; absent, not drawn)."""
-    from targets.harness.judge.selection import check_selection
+    from targets.harness.judge.selection_net import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     events = [_simulated_start(1, declared or {})]
@@ -1213,7 +1213,7 @@ def test_a_task_run_again_is_judged_with_the_members_it_drew_first(tiny_spec):
     members of the groups trained are all trained. The members a relaunch stands in for count as its
     group's, each at most 1.5 times the relaunch's trained mean: 20% shorter. The same relaunches of
     groups no longer than their second draw pass."""
-    from targets.harness.judge.selection import check_selection
+    from targets.harness.judge.selection_net import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     def reasons(events):
@@ -1303,7 +1303,7 @@ def test_the_selection_bounds_follow_what_the_stack_declares_and_the_target_sets
     """A spare a group widens the members' allowance (the first ``group_size`` to finish train), never
     the tasks' (a spare does not choose which tasks train); a target's own bounds replace the defaults."""
     from targets.api import Declared
-    from targets.harness.judge.selection import SelectionBounds
+    from targets.harness.judge.selection_net import SelectionBounds
 
     plain = SelectionBounds.of(Declared(), tiny_spec)
     spares = SelectionBounds.of(Declared(redundant_per_group=2), tiny_spec)

@@ -134,7 +134,7 @@ def test_a_simulated_runs_audit_judges_the_tasks_by_their_own_draws(tmp_path, fa
     key and compares the tasks trained with those launched by each task's own draw, which no stack can
     shorten by stopping a task early: the figure is the one the harness's draws give (the public key)."""
     from targets.harness.environments.seeds import RunSeed
-    from targets.harness.judge.selection import shortfall_of
+    from targets.harness.judge.selection_net import shortfall_of
     from targets.harness.judge.trace_index import TraceIndex
     from targets.harness.sim.response_length import ResponseLengths
 

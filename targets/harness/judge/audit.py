@@ -65,8 +65,8 @@ from targets.harness.judge.selection import (
     check_drop_reasons,
     check_partial_progress,
     check_partial_rollout,
-    check_selection,
 )
+from targets.harness.judge.selection_net import check_selection
 from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
 from targets.harness.reference.grpo import group_advantages_of
 from targets.harness.trace import Trace, consumed_at, token_count

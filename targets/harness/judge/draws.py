@@ -1,5 +1,5 @@
 """What the harness drew for a run's episodes, which no stack chose: the yardstick the selection net compares
-what was trained against what was launched by (``selection.py``).
+what was trained against what was launched by (``selection_net.py``).
 
 A stack decides how far each episode runs, so the lengths it records say as much about the stack as about
 the episode: a member cancelled early looks short. The harness drew some lengths before any episode ran:

@@ -1128,6 +1128,22 @@ def test_tasks_held_back_for_the_turns_their_members_drew_are_judged_by_those_dr
     assert len(lines) == 1 and "tasks trained are 40% shorter in drawn turns" in lines[0], lines
 
 
+def test_complete_groups_held_to_the_end_of_the_run_are_judged_as_passed_over(tiny_spec):
+    """Planted: of twenty tasks (groups of four, the target's) the ten long ones finished before the batch
+    was taken, and the stack trained the ten short ones and held the long ones in its buffer until the run
+    ended, handing them back as ``end_of_run``. The run's end did not leave them untrained, the stack did:
+    they count, and the tasks trained are a third shorter than launched. The same groups still running at
+    the end are set aside (nothing could have trained them)."""
+    episodes = [f"g{k}/e{m}" for k in range(20) for m in range(4)]
+    held = {f"g{k}" for k in range(0, 20, 2)}
+    turns = {e: 4 if e.split("/")[0] in held else 2 for e in episodes}
+    trained = [e for e in episodes if e.split("/")[0] not in held]
+    rewards = dict.fromkeys(episodes, 1.0)
+    lines = _selection_reasons(tiny_spec, trained, rewards, turns, "end_of_run", finished=True)
+    assert any("tasks trained are 33% shorter in turns than the 20 launched" in x for x in lines), lines
+    assert _selection_reasons(tiny_spec, trained, rewards, turns, "end_of_run", finished=False) == []
+
+
 def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):
     """Planted: each group of 8 runs 4 spares, trains the 8 members that finish in 3 turns and cancels the
     4 whose draws are long after 1 turn each. At their progress the cancelled look shorter than the
@@ -1235,9 +1251,10 @@ def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selec
     rewarded half (or the shortest half) of each and dropped the rest: whatever reasons the drops gave,
     the trained are better rewarded than every finished episode (or shorter than every member of their
     groups), beyond the bounds for a stack that declares nothing and beyond chance; so are the same
-    halves held to the run's end beside the trained (passed over, not cut off). The same trace training
-    a half that is neither passes, and so do whole groups the run's end left untrained (nothing could
-    train those); the shortest half of one group of four is within what chance does."""
+    halves held to the run's end beside the trained (passed over, not cut off), and whole groups held
+    finished to the end while the others trained. The same trace training a half that is neither passes
+    (groups still running at the end: ``test_complete_groups_held_to_the_end_of_the_run_are_judged_as_passed_over``);
+    the shortest half of one group of four is within what chance does."""
     episodes = [f"g{k}/e{m}" for k in range(5) for m in range(4)]
     first_half = [e for e in episodes if e[-1] in "01"]
     rewards = {e: 1.0 if e[-1] in "01" else 0.0 for e in episodes}
@@ -1256,9 +1273,9 @@ def test_trained_members_chosen_for_their_reward_or_length_are_rejected_as_selec
     assert any(better in x for x in held), held
     first_groups = [e for e in episodes if e[1] in "012"]
     by_group = {e: 1.0 if e in first_groups else 0.0 for e in episodes}
-    assert _selection_reasons(tiny_spec, first_groups, by_group, same_turns, "end_of_run") == []
-    dropped = _selection_reasons(tiny_spec, first_groups, by_group, same_turns, "stale")
-    assert any("better rewarded" in x for x in dropped), dropped
+    for reason in ("stale", "end_of_run"):  # complete before the batch: dropped, or passed over and held
+        lines = _selection_reasons(tiny_spec, first_groups, by_group, same_turns, reason)
+        assert any("better rewarded" in x for x in lines), (reason, lines)
     one = episodes[:4]
     assert _selection_reasons(tiny_spec, one[:2], dict.fromkeys(one, 1.0), {e: turns[e] for e in one}, "stale") == []
 

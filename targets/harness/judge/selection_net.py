@@ -134,6 +134,20 @@ class Draws(Protocol):
 RUN_END_REASONS = ("end_of_run", "redundant")
 
 
+def passed_over_groups(ix: TraceIndex, group_size: int) -> set[str]:
+    """The groups never trained that had ``group_size`` members finished when a batch was taken (a
+    step's first part, with stream training) without them: ready, and passed over."""
+    complete_at: dict[str, float] = {}
+    for group, members in ix.members.items():
+        if any(m in ix.trained_in for m in members):
+            continue
+        finishes = sorted(t for m in members if (t := ix.finished_at(m)) is not None)
+        if len(finishes) >= group_size:
+            complete_at[group] = finishes[group_size - 1]
+    takes = [ix.taken_from(train) for train in ix.trains]
+    return {group for group, at in complete_at.items() if any(at < taken for taken in takes)}
+
+
 def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws | None = None) -> dict:
     """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
     has its rule above; this is the net over all of them, against every episode launched (an
@@ -155,10 +169,13 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     # A group goes whole: one of its members trained, or handed back for another reason than the run's end
     # (stale, deferred, too long), and every member counts; one held to the end beside them was passed over,
     # not cut off (else a stack could train or drop one member of a task and hold the others to the end).
+    # So does a group complete when a batch was taken without it: the stack, not the end, left it untrained.
+    passed_over = passed_over_groups(ix, spec.workload.group_size)
     left_by_the_end = {
         group
         for group, members in ix.members.items()
-        if all(m in ix.dropped and ix.dropped[m].data["reason"] in RUN_END_REASONS for m in members)
+        if group not in passed_over
+        and all(m in ix.dropped and ix.dropped[m].data["reason"] in RUN_END_REASONS for m in members)
     }
     judged = [e for e in ix.created if ix.group_of[e] not in left_by_the_end]
     trained = [e for e in judged if e in ix.trained_in]

@@ -134,18 +134,16 @@ class Draws(Protocol):
 RUN_END_REASONS = ("end_of_run", "redundant")
 
 
-def passed_over_groups(ix: TraceIndex, group_size: int) -> set[str]:
-    """The groups never trained that had ``group_size`` members finished when a batch was taken (a
-    step's first part, with stream training) without them: ready, and passed over."""
-    complete_at: dict[str, float] = {}
-    for group, members in ix.members.items():
-        if any(m in ix.trained_in for m in members):
-            continue
-        finishes = sorted(t for m in members if (t := ix.finished_at(m)) is not None)
-        if len(finishes) >= group_size:
-            complete_at[group] = finishes[group_size - 1]
-    takes = [ix.taken_from(train) for train in ix.trains]
-    return {group for group, at in complete_at.items() if any(at < taken for taken in takes)}
+def passed_over(ix: TraceIndex, untrained: set[str], group_size: int) -> set[str]:
+    """Of the ``untrained`` groups, those that had ``group_size`` members finished before the last batch
+    was taken (a step's first part, with stream training): ready, and passed over."""
+    last_take = max((ix.taken_from(train) for train in ix.trains), default=-math.inf)
+
+    def complete_before(group: str) -> bool:
+        finishes = sorted(t for m in ix.members[group] if (t := ix.finished_at(m)) is not None)
+        return len(finishes) >= group_size and finishes[group_size - 1] < last_take
+
+    return {group for group in untrained if complete_before(group)}
 
 
 def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws | None = None) -> dict:
@@ -170,13 +168,12 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     # (stale, deferred, too long), and every member counts; one held to the end beside them was passed over,
     # not cut off (else a stack could train or drop one member of a task and hold the others to the end).
     # So does a group complete when a batch was taken without it: the stack, not the end, left it untrained.
-    passed_over = passed_over_groups(ix, spec.workload.group_size)
-    left_by_the_end = {
+    handed_back_at_the_end = {
         group
         for group, members in ix.members.items()
-        if group not in passed_over
-        and all(m in ix.dropped and ix.dropped[m].data["reason"] in RUN_END_REASONS for m in members)
+        if all(m in ix.dropped and ix.dropped[m].data["reason"] in RUN_END_REASONS for m in members)
     }
+    left_by_the_end = handed_back_at_the_end - passed_over(ix, handed_back_at_the_end, spec.workload.group_size)
     judged = [e for e in ix.created if ix.group_of[e] not in left_by_the_end]
     trained = [e for e in judged if e in ix.trained_in]
     trained_groups = {ix.group_of[e] for e in trained}

@@ -56,6 +56,13 @@ PARTS = (  # column, the audit's detail, the bound it is held to
     ("reward (SD)", "selection_reward", "selection_reward_bound"),
 )
 
+COUNTS = (  # row, the figure: groups the stack left untrained that the net counts whole; the most held episode
+    ("groups passed over", "selection_groups_passed_over"),
+    ("groups held", "selection_groups_held"),
+    ("most held: share of serving", "held_share"),
+    ("most held: seconds", "held_s"),
+)
+
 
 def parse_seeds(text: str) -> list[int]:
     """``0-9`` or ``0,3,5``."""
@@ -93,8 +100,13 @@ def selection_of(spec: TargetSpec, run: Path) -> dict:
     draws need the run's secret key, which only its audit had: those figures are the ones its audit
     recorded."""
     reasons = Reasons()
-    details = check_selection(TraceIndex.of(Trace.load_events(run / "trace.jsonl")), reasons, spec)
+    events = Trace.load_events(run / "trace.jsonl")
+    details = check_selection(TraceIndex.of(events), reasons, spec)
     lines = reasons.lines()
+    held = [e.data for e in events if e.kind == "sample_dropped" and "held_s" in e.data]
+    if held:  # recorded since the controller link counts it
+        details["held_s"] = max(d["held_s"] for d in held)
+        details["held_share"] = max(d["held_s"] / d["serving_s"] if d["serving_s"] else 0.0 for d in held)
     audit = run / "audit.json"
     if audit.exists():
         recorded = json.loads(audit.read_text()).get("result", {})
@@ -150,6 +162,12 @@ def main(
         for results in measured.values():
             values = [r[key] for _, r in results if key in r]
             row.append(f"{min(values):.3f} to {max(values):.3f} / {results[0][1][bound]:.2f}" if values else "-")
+        table.add_row(*row)
+    for part, key in COUNTS:
+        row = [part]
+        for results in measured.values():
+            values = [r[key] for _, r in results if key in r]
+            row.append(f"{min(values):.3g} to {max(values):.3g}" if values else "-")
         table.add_row(*row)
     console.print(table)
     for results in measured.values():

@@ -1018,6 +1018,7 @@ def _selection_reasons(
     drawn: dict[str, float | None] | None = None,
     drawn_turns: dict[str, float] | None = None,
     drawn_episodes: dict[str, float] | None = None,
+    held: dict[str, float] | None = None,
 ) -> list[str]:
     """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
     turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
@@ -1025,7 +1026,9 @@ def _selection_reasons(
     ``declared``. With ``verdicts`` the target has a reward model, whose score of each episode named there
     comes at its end. ``drawn``: each task's tokens a turn by the harness's own draw (a simulated run's);
     ``drawn_turns``, ``drawn_episodes``: each episode's turns and tokens by it (any given: the net reads
-    the draws; absent, not drawn)."""
+    the draws; absent, not drawn). ``held``: the seconds each dropped episode named there sat unfinished with
+    nothing under way while others generated, and the seconds any request was under way in its life, as the
+    controller link records them at the drop."""
     from targets.harness.judge.selection_net import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -1041,7 +1044,12 @@ def _selection_reasons(
     batch = [{"episode": e, "group": e.split("/")[0], "reward": rewards[e]} for e in trained]
     events.append(TraceEvent("train", 6.0, {"start": 5.5, "step": 1, "version": 1, "trajectories": batch}))
     events += [
-        TraceEvent("sample_dropped", 5.0, {"episode": e, "reason": dropped if isinstance(dropped, str) else dropped[e]})
+        TraceEvent(
+            "sample_dropped",
+            5.0,
+            {"episode": e, "reason": dropped if isinstance(dropped, str) else dropped[e]}
+            | ({"held_s": held[e][0], "serving_s": held[e][1]} if e in (held or {}) else {}),
+        )
         for e in rewards
         if e not in trained
     ]
@@ -1142,6 +1150,34 @@ def test_complete_groups_held_to_the_end_of_the_run_are_judged_as_passed_over(ti
     lines = _selection_reasons(tiny_spec, trained, rewards, turns, "end_of_run", finished=True)
     assert any("tasks trained are 33% shorter in turns than the 20 launched" in x for x in lines), lines
     assert _selection_reasons(tiny_spec, trained, rewards, turns, "end_of_run", finished=False) == []
+
+
+def test_groups_a_stack_stopped_stepping_and_held_to_the_end_are_judged_as_held(tiny_spec):
+    """Planted: of twenty tasks the stack runs a turn of each, stops stepping the ten whose members drew six
+    turns (a reward's scale can tell) and holds them, never finished, until the run ends, where they go back
+    as ``end_of_run``; it trains the ten that drew two. Nothing the run's end did left them untrained: the
+    harness counted each sitting 4 s of the 5 s the engines served in its life with nothing under way, so
+    they count, 50% shorter by drawn turns than launched; so do members held 6 s of 100 (over 5%). The same
+    groups cut off mid-turn by the end are set aside and pass: idle 0.5 s (a loaded machine's turnaround,
+    under a second), or 4 s of 100 (under 5%)."""
+    episodes = [f"g{k}/e{m}" for k in range(20) for m in range(4)]
+    long_tasks = {f"g{k}" for k in range(0, 20, 2)}
+    trained = [e for e in episodes if e.split("/")[0] not in long_tasks]
+    turns = {e: 2 if e in trained else 1 for e in episodes}
+    drawn_turns = {e: 2.0 if e in trained else 6.0 for e in episodes}
+    rewards = dict.fromkeys(episodes, 1.0)
+
+    def reasons(held_s: float, serving_s: float) -> list[str]:
+        held = {e: (held_s, serving_s) for e in episodes if e not in trained}
+        return _selection_reasons(
+            tiny_spec, trained, rewards, turns, "end_of_run", False, drawn_turns=drawn_turns, held=held
+        )
+
+    for held_s, serving_s in ((4.0, 5.0), (6.0, 100.0)):
+        lines = reasons(held_s, serving_s)
+        assert any("tasks trained are 50% shorter in drawn turns than the 20 launched" in x for x in lines), lines
+    assert reasons(0.5, 5.0) == []
+    assert reasons(4.0, 100.0) == []
 
 
 def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):

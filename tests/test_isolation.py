@@ -435,3 +435,30 @@ os.kill(os.getpid(), signal.SIGKILL)
     trace.record("generate", tokens=[4])
     trace.save(path)
     assert [e.kind for e in Trace.load_events(path)] == ["run_start", "generate"]
+
+
+def test_an_episode_is_held_only_while_others_generate_and_until_it_finishes():
+    """The controller link's count (``episode_activity.py``): an episode with nothing under way is held
+    only while another's generate request is; a pause of the whole rollout (nothing generating) holds no
+    one, and a finished episode waiting to be trained is not held."""
+    from targets.harness.isolation.episode_activity import EpisodeActivity
+
+    now = [0.0]
+    activity = EpisodeActivity(lambda: now[0])
+    for episode in ("a", "b", "c"):
+        activity.created(episode)
+    activity.begin("a", generate=True)
+    activity.begin("c", generate=True)
+    now[0] = 4.0  # b sits idle while a and c generate: held 4 s
+    activity.end("a", generate=True)
+    activity.end("c", generate=True)
+    activity.begin("c")
+    now[0] = 10.0  # nothing generates (c's tool call runs): a and b are idle, held by no one
+    activity.end("c", finished=True)
+    activity.begin("b", generate=True)
+    now[0] = 13.0  # b generates: a is held 3 s more; c, finished, is not
+    b, a, c = activity.of("b"), activity.of("a"), activity.of("c")
+    assert (b.idle_s, b.idle_total_s, b.held_s, b.serving_s) == (0.0, 10.0, 4.0, 7.0)
+    assert (a.idle_s, a.idle_total_s, a.held_s, a.serving_s) == (9.0, 9.0, 3.0, 7.0)
+    assert (c.idle_s, c.held_s) == (0.0, 0.0)
+    assert activity.of("never created") is None

@@ -156,6 +156,56 @@ def test_a_simulated_runs_audit_judges_the_tasks_by_their_own_draws(tmp_path, fa
     assert details["selection_tasks_drawn_tokens_a_turn"] == pytest.approx(shortfall)
 
 
+STEPPED = "                turn += 1\n"
+
+
+HOLD = {  # how a planted stack keeps an episode it holds: waiting on nothing, or checkpointing it again and again
+    "waiting": "                    await asyncio.Event().wait()\n",
+    "checkpointing": "                    while True:\n                        await episode.checkpoint()\n",
+}
+
+
+@pytest.mark.parametrize("how", list(HOLD))
+def test_a_stack_holding_its_long_tasks_unstepped_to_the_end_is_rejected(tmp_path, fast_target, how):
+    """The misuse, really run (simulated): the stack stops stepping each episode whose first response ran 12
+    tokens or more (the long tasks: a task's tokens a turn persist) and holds it, up to 16 groups, until the run
+    ends, where it goes back as ``end_of_run`` beside the episodes the end cut off. The controller link counted
+    the seconds each sat with nothing under way while others generated: its group counts in the net, and the
+    tasks trained are shorter by their draws than those launched, over the bound (at 32%). Before the harness
+    counted it, the net set the held groups aside and the run passed. A stack that checkpoints what it holds
+    over and over, to look busy, is counted the same: only the first checkpoint since a step is work."""
+    hold = STEPPED + (
+        "                long = len(completion.tokens) >= 12 and (episode.group_id in HELD or len(HELD) < 16)\n"
+        "                if long and not result.done:\n"
+        "                    HELD.add(episode.group_id)  # planted: never stepped again, handed back at the run's end\n"
+        + HOLD[how]
+    )
+
+    def patch(stack_dir) -> None:
+        planted("env_manager.py", STEPPED, hold)(stack_dir)
+        path = stack_dir / "env_manager.py"
+        text = path.read_text()
+        cut = text.index("\nclass ")
+        path.write_text(text[:cut] + "\nHELD: set = set()\n" + text[cut:])
+
+    lengths = {"mean": 8, "task_sigma": 1.2, "turn_sigma": 0.6}
+    tokens = {"prompt": 12, "observation": 8, "response": 16, "max_sequence": 256, "response_length": lengths}
+    workload = {**SLOW_TOOLS, "tokens": tokens, "train_steps": 2, "batch_size": 64}
+    if how == "checkpointing":  # sandboxes whose state a crash loses, so the stack may checkpoint them
+        workload["env_state"] = {"change_rate": 0.4, "checkpoint_s": 0.5, "restore_s": 0.05}
+    _, run = harness_run(tmp_path, fast_target, {}, True, workload, patch)
+    assert run.ok, run.cause
+    audit = run.results["audit"]["result"]
+    assert audit["details"]["selection_groups_held"] == 16, audit["details"]
+    assert not audit["passed"] and any("shorter in drawn tokens a turn" in r for r in audit["reasons"]), audit
+    held = [
+        e.data["held_s"]
+        for e in Trace.load_events(run.out / "trace.jsonl")
+        if e.kind == "sample_dropped" and e.data["held_s"] > 0
+    ]
+    assert len(held) >= 16 and min(held) > 1.0, held
+
+
 def test_the_audit_draws_each_episode_again_as_the_harness_drew_it(tmp_path, fast_target):
     """The members' yardstick on a simulated run: every episode that ran to its end (no timeout, lost
     environment or full context) generated, turn by turn, exactly what ``WorkloadDraws`` draws again from

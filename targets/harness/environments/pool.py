@@ -3,6 +3,7 @@ recorded in the trace the moment it exists (so the audit can account for every o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from targets.harness.environments.seeds import RunSeed
 from targets.harness.trace import Trace
 
 if TYPE_CHECKING:
+    from targets.harness.isolation.episode_activity import Idleness
     from targets.spec import WorkloadSpec
 
 
@@ -119,8 +121,9 @@ class EnvironmentPool:
         its deferred or stale group's task)."""
         return f"g{self._task_of_group[group_of(episode_id)]}"
 
-    def drop(self, episode_id: str, reason: str) -> None:
-        """A controller discards an episode on purpose; recorded so the audit can verify the reason."""
+    def drop(self, episode_id: str, reason: str, idleness: Idleness | None = None) -> None:
+        """A controller discards an episode on purpose; recorded so the audit can verify the reason, with how
+        long it had sat with no call under way (the controller link's count: ``isolation/episode_activity.py``)."""
         if reason not in DROP_REASONS:
             raise ValueError(f"drop reason must be one of {DROP_REASONS}, got {reason!r}")
         group = group_of(episode_id)
@@ -129,7 +132,8 @@ class EnvironmentPool:
         if reason in ("deferred", "stale"):
             self._postponed.add(group)
         self._running[group].discard(episode_id)
-        self.trace.record("sample_dropped", episode=episode_id, reason=reason)
+        idle = {} if idleness is None else dataclasses.asdict(idleness)
+        self.trace.record("sample_dropped", episode=episode_id, reason=reason, **idle)
 
 
 def episode_maker(workload: WorkloadSpec, model_path: str | None) -> Callable[..., Episode]:

@@ -47,6 +47,7 @@ from targets.harness.ipc.wire import (
     put_step_result,
     put_tokens,
 )
+from targets.harness.isolation.episode_activity import EpisodeActivity
 from targets.harness.isolation.processes import CandidateProcesses, channel_of
 from targets.harness.isolation.serving_gate import ServingGate
 from targets.harness.isolation.traced_cluster import TracedCluster
@@ -71,6 +72,7 @@ class ControllerLink:
         self._held: list[Received] = []
         self.memory = PromptMemory(counts=virtual)  # a simulated run keeps token counts only
         self.episodes: dict[str, Any] = {}
+        self.activity = EpisodeActivity(clock.now)  # what each episode has under way, and how long it sat idle
         self.declared = Declared()  # what the controller's hello declares
         self.engine = EngineSettings()  # what the simulator models of its engines (the hello says)
         # a reward model's: judge(episode, then) as the episode's last step ends; then(score) with the verdict
@@ -171,11 +173,13 @@ class ControllerLink:
                 raise ProtocolError(str(error)) from None
             for episode in episodes:
                 self.episodes[episode.episode_id] = episode
+                self.activity.created(episode.episode_id)
         elif kind == "env" and rx.get("method") == "drop":
             episode = field_of(rx.header, "episode", str, "drop")
             self.memory.forget(episode)
+            idle = self.activity.of(episode)
             try:
-                self.envs.drop(episode, field_of(rx.header, "reason", str, "drop"))
+                self.envs.drop(episode, field_of(rx.header, "reason", str, "drop"), idle)
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
         elif kind == "env":
@@ -217,8 +221,11 @@ class ControllerLink:
     def _generate(self, request_id: Any, request: GenerateRequest, key: int) -> None:
         """Answer a generate call when the cluster has served it (a callback, not a task a turn)."""
 
+        self.activity.begin(request.episode_id, generate=True)
+
         def done(result: Completion | BaseException) -> None:
             self._tasks.pop(key, None)
+            self.activity.end(request.episode_id, generate=True)
             if self.done.done():
                 return  # the run is over: nobody waits for this answer
             try:
@@ -288,14 +295,18 @@ class ControllerLink:
                 return
             if rx["method"] == "reset":
                 reply.header["observation"] = put_tokens(reply, episode.reset_now(), counts)
+                self.activity.begin(episode_id)
+                self.activity.end(episode_id)
             elif rx["method"] == "step":
                 action = get_tokens(rx, field_of(rx.header, "action", dict, "step"), counts, "step.action")
                 if counts:  # what a simulated engine's response of that length says (the environment reads it)
                     action = simulated_response(episode_id, len(action))
                 latency, failures = episode.begin_step()
+                self.activity.begin(episode_id)
 
                 def stepped() -> bool:
                     result = episode.end_step(action, latency, failures)
+                    self.activity.end(episode_id, finished=result.done)
                     if not self._judged(result):
                         reply.header["result"] = put_step_result(reply, result, counts)
                         return False
@@ -311,7 +322,19 @@ class ControllerLink:
                 self._answer_after(latency, reply, stepped)
                 return
             elif rx["method"] == "checkpoint":
-                self._answer_after(episode.begin_checkpoint(), reply, episode.end_checkpoint)
+                # the first since the episode's last step is work on it; another at the same turn saves
+                # nothing new, and would keep an episode the stack holds looking under way
+                first = episode.checkpoint_turn < episode.turn
+                seconds = episode.begin_checkpoint()
+                if first:
+                    self.activity.begin(episode_id)
+
+                def checkpointed() -> None:
+                    episode.end_checkpoint()
+                    if first:
+                        self.activity.end(episode_id)
+
+                self._answer_after(seconds, reply, checkpointed)
                 return
             else:
                 raise ProtocolError(f"unknown env method {rx['method']!r}")
@@ -324,11 +347,15 @@ class ControllerLink:
         """A reset (``action`` None) or a step of a user's environment, answered when it answers. A call
         the contract forbids (a second reset, a step after the end) is the controller's error; the
         environment raising ends the run with its message (the user's code, not the candidate's)."""
+        self.activity.begin(episode.episode_id)
+        under_way = True
         try:
             if action is None:
                 reply.header["observation"] = put_tokens(reply, await episode.reset(), self.memory.counts)
             else:
                 result = await episode.step(action)
+                self.activity.end(episode.episode_id, finished=result.done)  # a verdict may follow
+                under_way = False
                 if self._judged(result):  # the judge's score joins the last turn's reward
                     verdict = asyncio.get_running_loop().create_future()
                     self.judge(episode, lambda score: None if verdict.done() else verdict.set_result(score))
@@ -341,6 +368,8 @@ class ControllerLink:
             reply = self._error_reply(request_id, error)
         finally:
             self._tasks.pop(key, None)
+            if under_way:  # a reset, or a call that raised
+                self.activity.end(episode.episode_id)
         if reply is not None:
             self.send(reply)
 

@@ -146,6 +146,32 @@ def passed_over(ix: TraceIndex, untrained: set[str], group_size: int) -> set[str
     return {group for group in untrained if complete_before(group)}
 
 
+# A member a stack stopped stepping and held until the run ended is dropped as ``end_of_run`` like one the end
+# cut off mid-turn. The controller link counts the time each unfinished episode sat with nothing under way (no
+# generate request, no environment call) while some other episode's request was (``held_s``: a pause of the
+# whole rollout, a stack not sampling while it trains, holds no one), and the time over its life any request
+# was (``serving_s``). The kit's stacks: 0 on the simulator (a reply's next request comes at once in virtual
+# time), at most 0.09 s on the real CPU target (the controller's turnaround), unless they queue turns in the
+# controller (KV admission, ``route_admit``). Held over 5% of the time the engines served during its life (and
+# a second, for a loaded machine), its group was left by the stack, not by the end: it counts whole, and the
+# net judges whether what the stack held favoured the short (the kit's admission, longest first, did not).
+HELD_SHARE = 0.05
+HELD_MIN_S = 1.0
+
+
+def held_back(ix: TraceIndex, untrained: set[str]) -> set[str]:
+    """Of the ``untrained`` groups, those a member of which the stack held: it sat unfinished with nothing
+    under way while others generated for over ``HELD_SHARE`` of the time they did in its life."""
+
+    def held(episode: str) -> bool:
+        drop = ix.dropped.get(episode)
+        if drop is None or "held_s" not in drop.data:  # a trace recorded before the harness counted it
+            return False
+        return drop.data["held_s"] > max(HELD_MIN_S, HELD_SHARE * drop.data["serving_s"])
+
+    return {group for group in untrained if any(held(m) for m in ix.members[group])}
+
+
 def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws | None = None) -> dict:
     """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
     has its rule above; this is the net over all of them, against every episode launched (an
@@ -167,13 +193,20 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     # A group goes whole: one of its members trained, or handed back for another reason than the run's end
     # (stale, deferred, too long), and every member counts; one held to the end beside them was passed over,
     # not cut off (else a stack could train or drop one member of a task and hold the others to the end).
-    # So does a group complete when a batch was taken without it: the stack, not the end, left it untrained.
+    # So does a group complete when a batch was taken without it, or one a member of which the stack stopped
+    # stepping: the stack, not the end, left it untrained.
     handed_back_at_the_end = {
         group
         for group, members in ix.members.items()
         if all(m in ix.dropped and ix.dropped[m].data["reason"] in RUN_END_REASONS for m in members)
     }
-    left_by_the_end = handed_back_at_the_end - passed_over(ix, handed_back_at_the_end, spec.workload.group_size)
+    left_by_stack = {
+        "passed_over": passed_over(ix, handed_back_at_the_end, spec.workload.group_size),
+        "held": held_back(ix, handed_back_at_the_end),
+    }
+    for how, groups in left_by_stack.items():
+        details[f"selection_groups_{how}"] = len(groups)
+    left_by_the_end = handed_back_at_the_end - set().union(*left_by_stack.values())
     judged = [e for e in ix.created if ix.group_of[e] not in left_by_the_end]
     trained = [e for e in judged if e in ix.trained_in]
     trained_groups = {ix.group_of[e] for e in trained}

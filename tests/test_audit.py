@@ -1018,7 +1018,8 @@ def _selection_reasons(
     drawn: dict[str, float | None] | None = None,
     drawn_turns: dict[str, float] | None = None,
     drawn_episodes: dict[str, float] | None = None,
-    held: dict[str, float] | None = None,
+    held: dict[str, tuple[float, ...]] | None = None,
+    answered_s: float | None = None,
 ) -> list[str]:
     """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
     turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
@@ -1027,8 +1028,9 @@ def _selection_reasons(
     comes at its end. ``drawn``: each task's tokens a turn by the harness's own draw (a simulated run's);
     ``drawn_turns``, ``drawn_episodes``: each episode's turns and tokens by it (any given: the net reads
     the draws; absent, not drawn). ``held``: the seconds each dropped episode named there sat unfinished with
-    nothing under way while others generated, and the seconds any request was under way in its life, as the
-    controller link records them at the drop."""
+    nothing under way while others generated, the seconds any request was under way in its life and (if given)
+    how long its own request had been under way, as the controller link records them at the drop.
+    ``answered_s``: the first trained episode's one answered request took that long."""
     from targets.harness.judge.selection_net import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -1048,11 +1050,13 @@ def _selection_reasons(
             "sample_dropped",
             5.0,
             {"episode": e, "reason": dropped if isinstance(dropped, str) else dropped[e]}
-            | ({"held_s": held[e][0], "serving_s": held[e][1]} if e in (held or {}) else {}),
+            | (dict(zip(("held_s", "serving_s", "waiting_s"), held[e], strict=False)) if e in (held or {}) else {}),
         )
         for e in rewards
         if e not in trained
     ]
+    if answered_s is not None:
+        events.append(TraceEvent("generate", 1.0, {"episode": trained[0], "start": 1.0 - answered_s, "aborted": False}))
     events.append(TraceEvent("run_end", 7.0))
     r = Reasons()
     planted = (drawn, drawn_turns, drawn_episodes)
@@ -1178,6 +1182,38 @@ def test_groups_a_stack_stopped_stepping_and_held_to_the_end_are_judged_as_held(
         assert any("tasks trained are 50% shorter in drawn turns than the 20 launched" in x for x in lines), lines
     assert reasons(0.5, 5.0) == []
     assert reasons(4.0, 100.0) == []
+
+
+def test_groups_whose_requests_a_cluster_never_served_are_judged_as_held(tiny_spec):
+    """Planted: the stack of the test above keeps its held episodes "under way" instead: its own cluster (a real
+    run's) accepts each one's next request and never serves it. Nothing looks idle, but a request under way for
+    over twice as long as any the run answered took was held all the same: 4 s where the longest answered took
+    1.5 s is counted (50% shorter by drawn turns, rejected), 2.5 s is not, nor is any under a second."""
+    episodes = [f"g{k}/e{m}" for k in range(20) for m in range(4)]
+    long_tasks = {f"g{k}" for k in range(0, 20, 2)}
+    trained = [e for e in episodes if e.split("/")[0] not in long_tasks]
+    turns = {e: 2 if e in trained else 1 for e in episodes}
+    drawn_turns = {e: 2.0 if e in trained else 6.0 for e in episodes}
+    rewards = dict.fromkeys(episodes, 1.0)
+
+    def reasons(waiting_s: float, answered_s: float | None) -> list[str]:
+        held = {e: (0.0, 5.0, waiting_s) for e in episodes if e not in trained}
+        return _selection_reasons(
+            tiny_spec,
+            trained,
+            rewards,
+            turns,
+            "end_of_run",
+            False,
+            drawn_turns=drawn_turns,
+            held=held,
+            answered_s=answered_s,
+        )
+
+    lines = reasons(4.0, 1.5)
+    assert any("tasks trained are 50% shorter in drawn turns than the 20 launched" in x for x in lines), lines
+    assert reasons(2.5, 1.5) == []
+    assert reasons(0.9, None) == []
 
 
 def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):

@@ -461,4 +461,5 @@ def test_an_episode_is_held_only_while_others_generate_and_until_it_finishes():
     assert (b.idle_s, b.idle_total_s, b.held_s, b.serving_s) == (0.0, 10.0, 4.0, 7.0)
     assert (a.idle_s, a.idle_total_s, a.held_s, a.serving_s) == (9.0, 9.0, 3.0, 7.0)
     assert (c.idle_s, c.held_s) == (0.0, 0.0)
+    assert (b.waiting_s, a.waiting_s) == (3.0, 0.0)  # b's request has been under way 3 s
     assert activity.of("never created") is None

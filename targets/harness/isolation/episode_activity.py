@@ -16,12 +16,15 @@ class Idleness:
     """An unfinished episode's time with nothing under way: right before the moment asked about (0 when
     a call was under way then, or it had finished), over its life, and of that the time some other
     episode had a generate request under way (it was *held*: the engines served others, not nobody);
-    and how long, over its life, any generate request was under way (what ``held_s`` is a share of)."""
+    how long, over its life, any generate request was under way (what ``held_s`` is a share of); and how
+    long its own generate request had been under way then (0 with none: a request a cluster accepts and
+    never serves keeps an episode under way, held all the same)."""
 
     idle_s: float
     idle_total_s: float
     held_s: float
     serving_s: float
+    waiting_s: float
 
 
 class EpisodeActivity:
@@ -38,6 +41,8 @@ class EpisodeActivity:
         self._idle_total: dict[str, float] = defaultdict(float)
         self._held: dict[str, float] = defaultdict(float)
         self._finished: set[str] = set()
+        self._requests: dict[str, int] = defaultdict(int)  # episode -> its generate requests under way
+        self._requesting_since: dict[str, float] = {}  # episode -> when the first of those went out
         self._generating = 0  # generate requests under way, every episode's
         self._serving_s = 0.0  # seconds with a generate request under way, up to ``_serving_at``
         self._serving_at = 0.0
@@ -56,6 +61,10 @@ class EpisodeActivity:
             self._held[episode] += serving - self._serving_at_idle[episode]
         self._under_way[episode] += 1
         self._generating += generate
+        if generate:
+            if not self._requests[episode]:
+                self._requesting_since[episode] = self.now()
+            self._requests[episode] += 1
 
     def end(self, episode: str, generate: bool = False, finished: bool = False) -> None:
         """A call for ``episode`` ended; ``finished``: the step that ended it (from then on it waits to be
@@ -64,6 +73,7 @@ class EpisodeActivity:
             return
         serving = self._serving()
         self._generating -= generate
+        self._requests[episode] -= generate
         self._under_way[episode] -= 1
         if finished:
             self._finished.add(episode)
@@ -77,11 +87,12 @@ class EpisodeActivity:
             return None
         serving = self._serving()
         lived = serving - self._serving_at_creation[episode]
+        waiting = self.now() - self._requesting_since[episode] if self._requests[episode] else 0.0
         if self._under_way[episode] or episode in self._finished:
-            return Idleness(0.0, self._idle_total[episode], self._held[episode], lived)
+            return Idleness(0.0, self._idle_total[episode], self._held[episode], lived, waiting)
         idle = self.now() - self._idle_since[episode]
         held = serving - self._serving_at_idle[episode]
-        return Idleness(idle, self._idle_total[episode] + idle, self._held[episode] + held, lived)
+        return Idleness(idle, self._idle_total[episode] + idle, self._held[episode] + held, lived, waiting)
 
     def _serving(self) -> float:
         """Seconds so far with some generate request under way."""

@@ -155,19 +155,29 @@ def passed_over(ix: TraceIndex, untrained: set[str], group_size: int) -> set[str
 # controller (KV admission, ``route_admit``). Held over 5% of the time the engines served during its life (and
 # a second, for a loaded machine), its group was left by the stack, not by the end: it counts whole, and the
 # net judges whether what the stack held favoured the short (the kit's admission, longest first, did not).
+# A request under way is no proof of work in a real run, whose cluster is the candidate's: one it accepts and
+# never serves keeps its episode under way. A member whose request had been under way at its drop over twice
+# as long as any request the run answered took was held the same way.
 HELD_SHARE = 0.05
 HELD_MIN_S = 1.0
+WAITING_FACTOR = 2.0
 
 
 def held_back(ix: TraceIndex, untrained: set[str]) -> set[str]:
     """Of the ``untrained`` groups, those a member of which the stack held: it sat unfinished with nothing
-    under way while others generated for over ``HELD_SHARE`` of the time they did in its life."""
+    under way while others generated for over ``HELD_SHARE`` of the time they did in its life, or its request
+    had been under way over ``WAITING_FACTOR`` times the longest any answered request took."""
+    answered = (g.t - g.data["start"] for served in ix.generated.values() for g in served)
+    waited_too_long = max(HELD_MIN_S, WAITING_FACTOR * max(answered, default=0.0))
 
     def held(episode: str) -> bool:
         drop = ix.dropped.get(episode)
         if drop is None or "held_s" not in drop.data:  # a trace recorded before the harness counted it
             return False
-        return drop.data["held_s"] > max(HELD_MIN_S, HELD_SHARE * drop.data["serving_s"])
+        return (
+            drop.data["held_s"] > max(HELD_MIN_S, HELD_SHARE * drop.data["serving_s"])
+            or drop.data.get("waiting_s", 0.0) > waited_too_long
+        )
 
     return {group for group in untrained if any(held(m) for m in ix.members[group])}
 

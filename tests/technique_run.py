@@ -56,7 +56,8 @@ def audited_run(tmp_path, fast_target, params: dict, simulate: bool, workload: d
     assert run.ok, run.cause
     audit = run.results["audit"]["result"]
     assert audit["passed"], audit["reasons"]
-    assert audit["details"].get("selection_groups_held", 0) == 0, "an honest stack held an episode unstepped"
+    if not params.get("route_admit"):  # KV admission queues turns in the controller: held, and judged (docs/judge.md)
+        assert audit["details"].get("selection_groups_held", 0) == 0, "an honest stack held an episode unstepped"
     if not simulate and os.environ.get("RAY_ADDRESS"):  # the session's shared cluster (conftest.py), really joined
         assert "joined the Ray cluster at" in (run.out / "cluster.log").read_text()
     return spec, Trace.load_events(run.out / "trace.jsonl")

@@ -1036,6 +1036,7 @@ def _selection_reasons(
 
     events = [_simulated_start(1, declared or {})]
     events += [TraceEvent("episode_created", 0.0, {"episode": e, "group": e.split("/")[0]}) for e in rewards]
+    events += [TraceEvent("env_reset", 0.5, {"episode": e, "observation": 2}) for e in rewards if turns[e]]
     for episode, reward in rewards.items():
         for turn in range(turns[episode]):
             last = turn == turns[episode] - 1 and (finished or episode in trained)
@@ -1163,7 +1164,7 @@ def test_groups_a_stack_stopped_stepping_and_held_to_the_end_are_judged_as_held(
     harness counted each sitting 4 s of the 5 s the engines served in its life with nothing under way, so
     they count, 50% shorter by drawn turns than launched; so do members held 6 s of 100 (over 5%). The same
     groups cut off mid-turn by the end are set aside and pass: idle 0.5 s (a loaded machine's turnaround,
-    under a second), or 4 s of 100 (under 5%)."""
+    under a second), or 4 s of 100 (under 5%); so are members never started (nothing to hold)."""
     episodes = [f"g{k}/e{m}" for k in range(20) for m in range(4)]
     long_tasks = {f"g{k}" for k in range(0, 20, 2)}
     trained = [e for e in episodes if e.split("/")[0] not in long_tasks]
@@ -1182,6 +1183,9 @@ def test_groups_a_stack_stopped_stepping_and_held_to_the_end_are_judged_as_held(
         assert any("tasks trained are 50% shorter in drawn turns than the 20 launched" in x for x in lines), lines
     assert reasons(0.5, 5.0) == []
     assert reasons(4.0, 100.0) == []
+    never_started = {e: 0 if e not in trained else 2 for e in episodes}  # spares a stack had not yet started
+    held = {e: (4.0, 5.0) for e in episodes if e not in trained}
+    assert _selection_reasons(tiny_spec, trained, rewards, never_started, "end_of_run", False, held=held) == []
 
 
 def test_groups_whose_requests_a_cluster_never_served_are_judged_as_held(tiny_spec):

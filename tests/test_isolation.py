@@ -439,8 +439,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def test_an_episode_is_held_only_while_others_generate_and_until_it_finishes():
     """The controller link's count (``episode_activity.py``): an episode with nothing under way is held
-    only while another's generate request is; a pause of the whole rollout (nothing generating) holds no
-    one, and a finished episode waiting to be trained is not held."""
+    only while another's generate request is; a pause of the whole rollout (nothing generating, or the
+    cluster suspended) holds no one, and a finished episode waiting to be trained is not held."""
     from targets.harness.isolation.episode_activity import EpisodeActivity
 
     now = [0.0]
@@ -462,4 +462,9 @@ def test_an_episode_is_held_only_while_others_generate_and_until_it_finishes():
     assert (a.idle_s, a.idle_total_s, a.held_s, a.serving_s) == (9.0, 9.0, 3.0, 7.0)
     assert (c.idle_s, c.held_s) == (0.0, 0.0)
     assert (b.waiting_s, a.waiting_s) == (3.0, 0.0)  # b's request has been under way 3 s
+    activity.suspended(True)
+    now[0] = 20.0  # the rollout suspended, b's request parked in the cluster: a is held by no one
+    activity.suspended(False)
+    now[0] = 21.0
+    assert activity.of("a").held_s == 4.0 and activity.of("a").serving_s == 8.0
     assert activity.of("never created") is None

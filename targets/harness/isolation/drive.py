@@ -416,7 +416,11 @@ class ControllerLink:
                 interrupt=field_of(rx.header, "interrupt", bool, "sync_weights"),
             )
         elif method in ("suspend", "resume"):
+            if method == "suspend":
+                self.activity.suspended(True)
             await getattr(cluster, method)()
+            if method == "resume":
+                self.activity.suspended(False)
         elif method == "serving_load":
             reply.header["load"] = dataclasses.asdict(await cluster.serving_load())
         else:

@@ -29,8 +29,8 @@ class Idleness:
 
 class EpisodeActivity:
     """Counts each episode's calls under way and the time it spent with none, by the harness's clock.
-    A pause of the whole rollout (a stack that stops sampling while it trains) holds no one: ``held_s``
-    grows only while some generate request is under way."""
+    A pause of the whole rollout (a stack that stops sampling while it trains, or suspends its cluster)
+    holds no one: ``held_s`` grows only while some generate request is under way and not suspended."""
 
     def __init__(self, now: Callable[[], float]) -> None:
         self.now = now
@@ -44,6 +44,7 @@ class EpisodeActivity:
         self._requests: dict[str, int] = defaultdict(int)  # episode -> its generate requests under way
         self._requesting_since: dict[str, float] = {}  # episode -> when the first of those went out
         self._generating = 0  # generate requests under way, every episode's
+        self._suspended = False  # the rollout suspended: requests parked in the cluster serve no one
         self._serving_s = 0.0  # seconds with a generate request under way, up to ``_serving_at``
         self._serving_at = 0.0
 
@@ -94,10 +95,16 @@ class EpisodeActivity:
         held = serving - self._serving_at_idle[episode]
         return Idleness(idle, self._idle_total[episode] + idle, self._held[episode] + held, lived, waiting)
 
+    def suspended(self, suspended: bool) -> None:
+        """The controller suspended the rollout (or resumed it): while it is, no request is being served,
+        so an episode it does not step meanwhile is held by no one."""
+        self._serving()
+        self._suspended = suspended
+
     def _serving(self) -> float:
-        """Seconds so far with some generate request under way."""
+        """Seconds so far with some generate request under way (the rollout not suspended)."""
         now = self.now()
-        if self._generating:
+        if self._generating and not self._suspended:
             self._serving_s += now - self._serving_at
         self._serving_at = now
         return self._serving_s

@@ -174,6 +174,8 @@ def held_back(ix: TraceIndex, untrained: set[str]) -> set[str]:
         drop = ix.dropped.get(episode)
         if drop is None or "held_s" not in drop.data:  # a trace recorded before the harness counted it
             return False
+        if episode not in ix.resets:  # never started (a spare a stack starts only when needed): nothing to hold
+            return False
         return (
             drop.data["held_s"] > max(HELD_MIN_S, HELD_SHARE * drop.data["serving_s"])
             or drop.data.get("waiting_s", 0.0) > waited_too_long

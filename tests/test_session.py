@@ -467,7 +467,7 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
     controller_memory, seen, sent = PromptMemory(), [], []
 
     class Envs:  # what the link needs of the pool here
-        def drop(self, episode, reason):
+        def drop(self, episode, reason, idleness=None):
             seen.append(("drop", episode, reason))
 
     class Cluster:  # a candidate's cluster, answering by await
@@ -483,7 +483,7 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
         return Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
 
     async def burst():
-        link = ControllerLink(None, Envs(), clock=None, virtual=False)
+        link = ControllerLink(None, Envs(), clock=WallClock(), virtual=False)
         link.cluster, link.send = TracedCluster(Cluster(), Trace(WallClock()), {}), sent.append
         link._dispatch(frame_of(GenerateRequest("g0/e5", 0, [1, 2, 3], SamplingParams(4)), 1))
         await asyncio.gather(*link._tasks.values(), return_exceptions=True)  # turn 0 served; then the burst:
@@ -525,10 +525,10 @@ def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
         return Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
 
     async def run() -> None:
-        early = ControllerLink(None, envs, clock=None, virtual=False)
+        early = ControllerLink(None, envs, clock=WallClock(), virtual=False)
         with pytest.raises(ProtocolError, match="before the controller's hello"):
             early._dispatch(generate(1))
-        link = ControllerLink(None, envs, clock=None, virtual=False)
+        link = ControllerLink(None, envs, clock=WallClock(), virtual=False)
         link.send = sent.append
         hello = {"kind": "hello", "declared": put_declared(Declared()), "rollout": [], "train": []}
         hello["engine"] = put_engine_settings(EngineSettings())
@@ -562,7 +562,7 @@ def test_a_harness_error_in_a_cluster_call_fails_the_run_instead_of_leaving_the_
             raise ZeroDivisionError("planted: a harness bug")
 
     async def run() -> BaseException | None:
-        link = ControllerLink(None, SimpleNamespace(), clock=None, virtual=False)
+        link = ControllerLink(None, SimpleNamespace(), clock=WallClock(), virtual=False)
         link.cluster, link.send = TracedCluster(Cluster(), Trace(WallClock()), {}), sent.append
         link._dispatch(Received({"kind": "cluster", "method": "suspend", "id": 1}, []))
         await asyncio.gather(*link._tasks.values())

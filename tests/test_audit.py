@@ -1157,35 +1157,43 @@ def test_complete_groups_held_to_the_end_of_the_run_are_judged_as_passed_over(ti
     assert _selection_reasons(tiny_spec, trained, rewards, turns, "end_of_run", finished=False) == []
 
 
+def _held_tasks_reasons(spec, held: tuple[float, ...], answered_s: float | None = None, started: bool = True):
+    """The plant of the two tests below: of twenty tasks (groups of four) the stack runs a turn of each, keeps
+    back the ten whose members drew six turns (a reward's scale can tell) and hands them back, unfinished, at
+    the run's end, each drop recording ``held`` (held_s, serving_s and perhaps waiting_s); it trains the ten
+    that drew two. ``started`` False: the ten never reset instead."""
+    episodes = [f"g{k}/e{m}" for k in range(20) for m in range(4)]
+    trained = [e for e in episodes if int(e.split("/")[0][1:]) % 2]
+    turns = {e: 2 if e in trained else int(started) for e in episodes}
+    drawn_turns = {e: 2.0 if e in trained else 6.0 for e in episodes}
+    return _selection_reasons(
+        spec,
+        trained,
+        dict.fromkeys(episodes, 1.0),
+        turns,
+        "end_of_run",
+        False,
+        drawn_turns=drawn_turns,
+        held={e: held for e in episodes if e not in trained},
+        answered_s=answered_s,
+    )
+
+
+HELD_AND_REJECTED = "tasks trained are 50% shorter in drawn turns than the 20 launched"
+
+
 def test_groups_a_stack_stopped_stepping_and_held_to_the_end_are_judged_as_held(tiny_spec):
-    """Planted: of twenty tasks the stack runs a turn of each, stops stepping the ten whose members drew six
-    turns (a reward's scale can tell) and holds them, never finished, until the run ends, where they go back
-    as ``end_of_run``; it trains the ten that drew two. Nothing the run's end did left them untrained: the
-    harness counted each sitting 4 s of the 5 s the engines served in its life with nothing under way, so
-    they count, 50% shorter by drawn turns than launched; so do members held 6 s of 100 (over 5%). The same
+    """Planted (``_held_tasks_reasons``): nothing the run's end did left the ten long tasks untrained. The
+    harness counted each member sitting 4 s of the 5 s the engines served in its life with nothing under way,
+    so they count, 50% shorter by drawn turns than launched; so do members held 6 s of 100 (over 5%). The same
     groups cut off mid-turn by the end are set aside and pass: idle 0.5 s (a loaded machine's turnaround,
     under a second), or 4 s of 100 (under 5%); so are members never started (nothing to hold)."""
-    episodes = [f"g{k}/e{m}" for k in range(20) for m in range(4)]
-    long_tasks = {f"g{k}" for k in range(0, 20, 2)}
-    trained = [e for e in episodes if e.split("/")[0] not in long_tasks]
-    turns = {e: 2 if e in trained else 1 for e in episodes}
-    drawn_turns = {e: 2.0 if e in trained else 6.0 for e in episodes}
-    rewards = dict.fromkeys(episodes, 1.0)
-
-    def reasons(held_s: float, serving_s: float) -> list[str]:
-        held = {e: (held_s, serving_s) for e in episodes if e not in trained}
-        return _selection_reasons(
-            tiny_spec, trained, rewards, turns, "end_of_run", False, drawn_turns=drawn_turns, held=held
-        )
-
-    for held_s, serving_s in ((4.0, 5.0), (6.0, 100.0)):
-        lines = reasons(held_s, serving_s)
-        assert any("tasks trained are 50% shorter in drawn turns than the 20 launched" in x for x in lines), lines
-    assert reasons(0.5, 5.0) == []
-    assert reasons(4.0, 100.0) == []
-    never_started = {e: 0 if e not in trained else 2 for e in episodes}  # spares a stack had not yet started
-    held = {e: (4.0, 5.0) for e in episodes if e not in trained}
-    assert _selection_reasons(tiny_spec, trained, rewards, never_started, "end_of_run", False, held=held) == []
+    for held in ((4.0, 5.0), (6.0, 100.0)):
+        lines = _held_tasks_reasons(tiny_spec, held)
+        assert any(HELD_AND_REJECTED in x for x in lines), (held, lines)
+    assert _held_tasks_reasons(tiny_spec, (0.5, 5.0)) == []
+    assert _held_tasks_reasons(tiny_spec, (4.0, 100.0)) == []
+    assert _held_tasks_reasons(tiny_spec, (4.0, 5.0), started=False) == []
 
 
 def test_groups_whose_requests_a_cluster_never_served_are_judged_as_held(tiny_spec):
@@ -1193,31 +1201,10 @@ def test_groups_whose_requests_a_cluster_never_served_are_judged_as_held(tiny_sp
     run's) accepts each one's next request and never serves it. Nothing looks idle, but a request under way for
     over twice as long as any the run answered took was held all the same: 4 s where the longest answered took
     1.5 s is counted (50% shorter by drawn turns, rejected), 2.5 s is not, nor is any under a second."""
-    episodes = [f"g{k}/e{m}" for k in range(20) for m in range(4)]
-    long_tasks = {f"g{k}" for k in range(0, 20, 2)}
-    trained = [e for e in episodes if e.split("/")[0] not in long_tasks]
-    turns = {e: 2 if e in trained else 1 for e in episodes}
-    drawn_turns = {e: 2.0 if e in trained else 6.0 for e in episodes}
-    rewards = dict.fromkeys(episodes, 1.0)
-
-    def reasons(waiting_s: float, answered_s: float | None) -> list[str]:
-        held = {e: (0.0, 5.0, waiting_s) for e in episodes if e not in trained}
-        return _selection_reasons(
-            tiny_spec,
-            trained,
-            rewards,
-            turns,
-            "end_of_run",
-            False,
-            drawn_turns=drawn_turns,
-            held=held,
-            answered_s=answered_s,
-        )
-
-    lines = reasons(4.0, 1.5)
-    assert any("tasks trained are 50% shorter in drawn turns than the 20 launched" in x for x in lines), lines
-    assert reasons(2.5, 1.5) == []
-    assert reasons(0.9, None) == []
+    lines = _held_tasks_reasons(tiny_spec, (0.0, 5.0, 4.0), answered_s=1.5)
+    assert any(HELD_AND_REJECTED in x for x in lines), lines
+    assert _held_tasks_reasons(tiny_spec, (0.0, 5.0, 2.5), answered_s=1.5) == []
+    assert _held_tasks_reasons(tiny_spec, (0.0, 5.0, 0.9)) == []
 
 
 def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):

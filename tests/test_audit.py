@@ -371,10 +371,13 @@ def test_a_finish_length_short_of_the_budget(honest):
     _rejects(_audit(honest, events), "finish 'length' after")
 
 
-def test_a_dropped_episode_the_harness_never_created(honest):
+@pytest.mark.parametrize("reason", ["end_of_run", "stale"])
+def test_a_dropped_episode_the_harness_never_created(honest, reason):
+    """Named as such whatever reason the drop gives (a stale one once crashed the deferral rules: its group
+    was None)."""
     events = _edited(honest)
     drop = _first(events, "sample_dropped")
-    events.append(TraceEvent("sample_dropped", drop.t, {**drop.data, "episode": "g999/e0"}))
+    events.append(TraceEvent("sample_dropped", drop.t, {**drop.data, "episode": "g999/e0", "reason": reason}))
     _rejects(_audit(honest, events), "dropped g999/e0, which the harness never created")
 
 

@@ -460,7 +460,7 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
     from targets.api import Aborted, GenerateRequest, SamplingParams
     from targets.harness.clock import WallClock
     from targets.harness.ipc.channel import Received
-    from targets.harness.isolation.drive import ControllerLink
+    from targets.harness.isolation.controller_link import ControllerLink
     from targets.harness.isolation.traced_cluster import TracedCluster
     from targets.harness.trace import Trace
 
@@ -505,7 +505,7 @@ def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
     from targets.harness.clock import WallClock
     from targets.harness.ipc.channel import Received
     from targets.harness.ipc.wire import put_declared, put_engine_settings
-    from targets.harness.isolation.drive import ControllerLink
+    from targets.harness.isolation.controller_link import ControllerLink
     from targets.harness.isolation.traced_cluster import TracedCluster
     from targets.harness.trace import Trace
 
@@ -549,7 +549,7 @@ def test_a_harness_error_in_a_cluster_call_fails_the_run_instead_of_leaving_the_
     its answer until the run's time limit."""
     from targets.harness.clock import WallClock
     from targets.harness.ipc.channel import Received
-    from targets.harness.isolation.drive import ControllerLink
+    from targets.harness.isolation.controller_link import ControllerLink
     from targets.harness.isolation.traced_cluster import TracedCluster
     from targets.harness.trace import Trace
 

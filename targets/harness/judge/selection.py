@@ -153,7 +153,11 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
     # either kind of group may run again, once, and only after it was handed back whole (a relaunch
     # while a member still ran would be two draws of one task at once, the stack free to keep either).
     postponing = ("deferred", "stale")
-    postponed = {ix.group_of.get(episode) for episode, e in ix.dropped.items() if e.data["reason"] in postponing}
+    postponed = {  # a drop of an episode never created is a reason of its own (conservation), not a group's
+        ix.group_of[episode]
+        for episode, e in ix.dropped.items()
+        if e.data["reason"] in postponing and episode in ix.group_of
+    }
     # when each was handed back: its last member's drop, whatever the reason (a member still running, dropped
     # later as end_of_run or redundant, was not handed back)
     postponed_at: dict[str, float] = {}

@@ -111,6 +111,23 @@ def test_a_cluster_that_answers_while_still_mapping_the_region_is_refused(tmp_pa
     assert not (tmp_path / "v1.safetensors").exists()
 
 
+def test_a_mapping_released_a_moment_after_the_answer_is_waited_for(tmp_path):
+    """What an honest cluster can leave for a moment (a child forked before its unmap, the kernel's own
+    short references to the pages): the seal is tried again, and the export goes through."""
+    exporter, cluster = _exporter(tmp_path, _tied_state())
+    cluster.keep_mapped = True
+
+    async def run() -> None:
+        release = asyncio.get_running_loop().call_later(0.1, lambda: [w.close() for w in cluster.writers])
+        await exporter.export(1)
+        await exporter.saved()
+        release.cancel()
+
+    asyncio.run(run())
+    exporter.close()
+    assert exporter.versions == [1]
+
+
 def test_a_cluster_that_leaves_a_weight_unwritten_is_refused(tmp_path):
     state = _tied_state()
     exporter, cluster = _exporter(tmp_path, state)

@@ -9,7 +9,10 @@ which the candidate's side registers with CUDA), unmaps it and answers. The harn
 region against every write (``F_SEAL_WRITE``, which the kernel grants only while no process maps it
 writable): from that moment the region is an immutable copy that only the harness holds, so the
 weights are the ones that existed when the train call was answered, and no candidate can change them
-after. The train call is answered then; the snapshot file is written from the sealed region in the
+after. The kernel can refuse the seal a moment past an honest unmap (its own short references to the
+pages under memory pressure, a child forked before the unmap that has not exec'd yet): the harness
+tries again for up to ``SEAL_PATIENCE_S``, on the train call's clock, so waiting buys a candidate
+nothing. The train call is answered then; the snapshot file is written from the sealed region in the
 background, and the next train call waits for it.
 
 A snapshot is a safetensors file (float32, one entry per slot, tied names in its metadata), the
@@ -19,6 +22,7 @@ region's bytes verbatim after the header; ``load_snapshot`` gives every name bac
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import json
 import mmap
@@ -36,6 +40,11 @@ from targets.harness.ipc.protocol import ProtocolError
 
 FLOAT32 = 4  # bytes an element
 TIED = "vibetrain.tied"  # the metadata key naming each tied name's slot
+SEAL_PATIENCE_S = 2.0  # how long a refused seal is tried again before the export is refused
+
+
+class RegionStillMapped(ProtocolError):
+    """The kernel refused to seal a region: some process still maps it writable (or pins its pages)."""
 
 
 @dataclass(frozen=True)
@@ -136,11 +145,27 @@ class Region:
         try:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
         except OSError as error:
-            raise ProtocolError(
+            if error.errno != errno.EBUSY:
+                raise
+            raise RegionStillMapped(
                 "the cluster answered export_weights while it still mapped the weight region writable "
                 f"({error.strerror}): an export must be finished, and the region unmapped, before it answers"
             ) from None
         self.sealed = True
+
+    async def seal_patiently(self, patience_s: float = SEAL_PATIENCE_S) -> None:
+        """``seal``, tried again while the kernel refuses it, for up to ``patience_s`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + patience_s, 0.005
+        while True:
+            try:
+                self.seal()
+                return
+            except RegionStillMapped:
+                if loop.time() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.25)
 
     def save(self, path: Path) -> None:
         """The snapshot file: a safetensors header, then the sealed region's bytes verbatim."""
@@ -236,7 +261,7 @@ class WeightExporter:
             send_region(self.sock, region, step)
             claimed = await self.ask(step, self.layout)
             names_written(claimed if isinstance(claimed, list) else [], self.layout)
-            region.seal()
+            await region.seal_patiently()
         except BaseException:
             region.close()
             raise

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from skills.starter import write_starter
 from targets.harness.judge.selection_net import check_selection
+from targets.harness.judge.service_order import check_service_order
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.measure.session import Session
 from targets.harness.target import Target
@@ -61,6 +62,8 @@ COUNTS = (  # row, the figure: groups the stack left untrained that the net coun
     ("groups held", "selection_groups_held"),
     ("most held: share of serving", "held_share"),
     ("most held: seconds", "held_s"),
+    ("order of service: requests witnessed", "service_order_witnessed"),  # real runs
+    ("order of service: least margin (tokens)", "service_order_least_margin"),
 )
 
 
@@ -101,7 +104,8 @@ def selection_of(spec: TargetSpec, run: Path) -> dict:
     recorded."""
     reasons = Reasons()
     events = Trace.load_events(run / "trace.jsonl")
-    details = check_selection(TraceIndex.of(events), reasons, spec)
+    ix = TraceIndex.of(events)
+    details = {**check_selection(ix, reasons, spec), **check_service_order(ix, reasons)}
     lines = reasons.lines()
     held = [e.data for e in events if e.kind == "sample_dropped" and "held_s" in e.data]
     if held:  # recorded since the controller link counts it
@@ -166,7 +170,7 @@ def main(
     for part, key in COUNTS:
         row = [part]
         for results in measured.values():
-            values = [r[key] for _, r in results if key in r]
+            values = [r[key] for _, r in results if r.get(key) is not None]
             row.append(f"{min(values):.3g} to {max(values):.3g}" if values else "-")
         table.add_row(*row)
     console.print(table)

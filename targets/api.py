@@ -87,7 +87,9 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass
 class Completion:
-    """What an engine returns for one prompt: new tokens, their logprobs, and who produced them."""
+    """What an engine returns for one prompt: new tokens, their logprobs, and who produced them
+    (``device``: the engine that served it, by its first device; the audit requires one of the run's and
+    holds the engine to serving in arrival order)."""
 
     tokens: TokenIds
     logprobs: list[float]

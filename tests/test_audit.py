@@ -97,6 +97,8 @@ def test_the_honest_run_passes(honest):
     result = _audit(honest)
     assert result.passed, result.reasons
     assert result.details["replayed_turns"] >= 4
+    # the engines' order of service was witnessed, and held (service_order.py)
+    assert result.details["service_order_witnessed"] > 0 and result.details["service_order_least_margin"] >= 0
 
 
 def test_trajectory_the_harness_never_created(honest):

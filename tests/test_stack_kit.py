@@ -105,6 +105,18 @@ CHEATS = {
         },
         "did not run with those weights",
     ),
+    "holds requests in its cluster": (  # static_split: no shrink for the held requests to run through
+        "static_split",
+        {
+            "ray_cluster.py": (
+                "        while self._suspended or not self._active:  # no await between the look and clear()",
+                "        if request.episode_id.startswith(('g1/', 'g2/')):  # planted: these tasks wait, looking busy\n"
+                "            await asyncio.sleep(2.0)\n"
+                "        while self._suspended or not self._active:  # no await between the look and clear()",
+            )
+        },
+        "served out of order",
+    ),
     "fabricates rollouts": (
         "static_split",
         {

@@ -24,6 +24,9 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * partial rollout: a turn resumed from an interrupted segment (``continues``) resumes exactly what
   that segment produced, its segments together keep to the response budget and each to the staleness
   bound, and only a stack that declares ``partial_rollout`` resumes, and then every partial it trains;
+* order of service (real runs): a request answered after later ones its engine served one after
+  another decoded at least the steps they prove it sat through (``service_order.py``), and every
+  completion names an engine of the run;
 * aborts: every interrupted request was cut short by a shrink, a suspend or an interrupting sync in
   progress (a cluster that aborts on its own could resample the turns it dislikes);
 * mechanism: no request served by a shrunk engine, none completed well after its engine's shrink
@@ -67,6 +70,7 @@ from targets.harness.judge.selection import (
     check_partial_rollout,
 )
 from targets.harness.judge.selection_net import check_selection
+from targets.harness.judge.service_order import check_service_order
 from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
 from targets.harness.reference.grpo import group_advantages_of
 from targets.harness.trace import Trace, consumed_at, token_count
@@ -537,6 +541,7 @@ def audit_run(
     check_engine_honesty(ix, r, spec)
     check_partial_rollout(ix, r)
     check_partial_progress(ix, r)
+    details.update(check_service_order(ix, r))
     draws = None if workload is None else WorkloadDraws(spec, workload, ix.relaunch_of, not ix.tokens_recorded)
     details.update(check_selection(ix, r, spec, draws))
     check_aborts(ix, r, spec)

@@ -1,0 +1,114 @@
+"""The engines' order of service, witnessed from the harness's own stamps (real runs).
+
+A real run's cluster is the candidate's: it could accept an episode's request and serve it late, so
+that the episode looks under way (the held-episode count of ``isolation/episode_activity.py`` sees
+a call under way) while the engines serve the others. Engines admit requests in the order they
+arrive and preempt the youngest first (``targets.api.Aborted``), so while a request runs on an
+engine, every request that engine received earlier is in its batch too and decodes a token every
+step it does. A request that arrived after request A and was answered before A therefore lower-bounds
+the engine steps A sat through, and several such requests that ran one after another add up: A must
+have decoded at least that many tokens. A request held back, then served, decodes far fewer.
+
+What an honest engine may lag by, and the audit allows: a drafted step (speculative decoding) gives a
+request up to ``1 + speculative_tokens`` tokens, so a later request's tokens count for that many times
+fewer steps; a prompt prefilled in chunks decodes nothing in the steps before its last chunk (the
+stack's ``prefill_chunk``, else vLLM's smallest default step budget); a reply can reach the harness a
+little after a later one (``REPLY_ORDER_SLACK_S``). Every completion must also name an engine of the
+run, which is what makes it comparable (docs/judge.md, "What the net cannot see").
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from targets.harness.judge.selection import ORDER_SLACK_S
+from targets.harness.judge.trace_index import Reasons, TraceIndex
+from targets.harness.trace import token_count
+
+# The answers of two requests finished in one engine step reach the harness in either order: the 392
+# aborts of trace_index.py's measurement came back at most 18 ms late. A request answered later than
+# another by less than this may have finished first.
+REPLY_ORDER_SLACK_S = 0.05
+PREFILL_STEP_TOKENS = 2048  # the prompt tokens an engine step prefills when the stack names no chunk (vLLM's least)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One answered request on one engine, as the harness stamped it."""
+
+    episode: str
+    turn: int
+    start: float  # the harness forwarded it
+    end: float  # the harness had its answer
+    tokens: int
+    prompt: int
+
+
+def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
+    """A request's tokens against the engine steps that later requests, answered before it, prove it
+    sat through. Real runs only (a simulated engine is the harness's). Returns the audit's details:
+    how many requests had such a witness, and the least margin any left."""
+    start = ix.by_kind["run_start"][0].data if ix.by_kind["run_start"] else {}
+    if not ix.tokens_recorded or not start:
+        return {}
+    settings = start.get("engine") or {}
+    drafted = 1 + int(settings.get("speculative_tokens", 0))
+    chunk = int(settings.get("prefill_chunk", 0)) or PREFILL_STEP_TOKENS
+    engines = {ix.engine(d) for d in start.get("devices", [])}
+    engines |= {ix.engine(d) for e in ix.by_kind["serving"] for d in e.data["devices"]}
+    by_engine: dict[str, list[Served]] = defaultdict(list)
+    for g in ix.by_kind["generate"]:
+        d = g.data
+        if d["aborted"]:
+            continue  # an interrupted request names its engine under check_aborts
+        if d.get("device") is None or ix.engine(d["device"]) not in engines:
+            r.add(
+                "unnamed engine",
+                f"episode {d['episode']} turn {d['turn']} was answered naming {d.get('device')!r}, not an engine "
+                f"of this run ({', '.join(sorted(engines))}): a completion names the engine that served it",
+            )
+            continue
+        served = Served(d["episode"], d["turn"], d["start"], g.t, token_count(d["tokens"]), token_count(d["prompt"]))
+        by_engine[ix.engine(d["device"])].append(served)
+    witnessed, least = 0, math.inf
+    for engine, requests in by_engine.items():
+        requests.sort(key=lambda s: s.start)
+        starts = [s.start for s in requests]
+        for a in requests:
+            steps = _steps_sat_through(a, requests, starts, drafted)
+            if not steps:
+                continue
+            witnessed += 1
+            lag = math.ceil(a.prompt / chunk) - 1  # steps that prefilled a chunk of it and decoded nothing
+            margin = a.tokens + lag - steps
+            least = min(least, margin)
+            if margin < 0:
+                r.add(
+                    "served out of order",
+                    f"episode {a.episode} turn {a.turn} on {engine}, received at {a.start:.2f}s and answered "
+                    f"at {a.end:.2f}s, decoded {a.tokens} tokens, while requests that engine received after it "
+                    f"and answered before it ran one after another for at least {steps} decode steps "
+                    "(engines serve in arrival order: it was held back, then served)",
+                )
+    return {"service_order_witnessed": witnessed, "service_order_least_margin": None if least == math.inf else least}
+
+
+def _steps_sat_through(a: Served, requests: list[Served], starts: list[float], drafted: int) -> int:
+    """The most decode steps a chain of time-disjoint later requests, each received after ``a`` and
+    answered before it, proves (each at least its tokens over ``drafted``): weighted interval
+    scheduling over those inside ``a``'s span."""
+    first = bisect.bisect_right(starts, a.start + ORDER_SLACK_S)
+    last = bisect.bisect_left(starts, a.end - REPLY_ORDER_SLACK_S)
+    inside = sorted(
+        (c for c in requests[first:last] if c.end < a.end - REPLY_ORDER_SLACK_S and c.tokens),
+        key=lambda c: c.end,
+    )
+    ends = [c.end for c in inside]
+    best = [0] * (len(inside) + 1)  # best[i]: the most steps the first i (by answer) can prove
+    for i, c in enumerate(inside):
+        before = bisect.bisect_left(ends, c.start, 0, i)  # answered before c was received
+        best[i + 1] = max(best[i], best[before] + math.ceil(c.tokens / drafted))
+    return best[-1]

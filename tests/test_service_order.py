@@ -1,0 +1,110 @@
+"""The engines' order of service (targets/harness/judge/service_order.py): a request a real cluster
+held back while its engine served later ones decodes fewer tokens than those later ones prove it sat
+through; an honest engine's never does (the audit of tests/test_audit.py's honest run says so too)."""
+
+from __future__ import annotations
+
+import pytest
+
+from targets.api import TraceEvent
+from targets.harness.judge.service_order import check_service_order
+from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+
+def _start(speculative_tokens: int = 0, prefill_chunk: int = 0) -> TraceEvent:
+    settings = {"speculative_tokens": speculative_tokens, "prefill_chunk": prefill_chunk}
+    return TraceEvent(
+        "run_start",
+        0.0,
+        {"devices": ["cpu:0", "cpu:1"], "tokens_recorded": True, "engines": {}, "declared": {}, "engine": settings},
+    )
+
+
+def _served(episode: str, start: float, end: float, tokens: int, device: str = "cpu:0", prompt: int = 12):
+    return TraceEvent(
+        "generate",
+        end,
+        {
+            "episode": episode,
+            "turn": 0,
+            "start": start,
+            "aborted": False,
+            "device": device,
+            "prompt": [4] * prompt,
+            "tokens": [5] * tokens,
+            "finish": "length",
+        },
+    )
+
+
+def _later_ones(device: str = "cpu:0", count: int = 10, tokens: int = 16) -> list[TraceEvent]:
+    """``count`` requests received after the first one's 0.0 s, one after another, 0.25 s each."""
+    return [_served(f"g{k}/e0", 0.1 + 0.25 * k, 0.3 + 0.25 * k, tokens, device) for k in range(count)]
+
+
+def _judge(*events: TraceEvent, start: TraceEvent | None = None) -> tuple[list[str], dict]:
+    ix = TraceIndex.of([start or _start(), *sorted(events, key=lambda e: e.t)])
+    r = Reasons()
+    details = check_service_order(ix, r)
+    return r.lines(), details
+
+
+def test_a_request_held_while_its_engine_served_later_ones_is_named():
+    """Received first, answered after ten later requests of 16 tokens ran one after another: it sat
+    through 160 decode steps at least, and decoded 16."""
+    reasons, details = _judge(_served("held/e0", 0.0, 3.0, 16), *_later_ones())
+    assert len(reasons) == 1 and reasons[0].startswith("served out of order: episode held/e0 turn 0 on cpu:0"), reasons
+    assert "decoded 16 tokens" in reasons[0] and "at least 160 decode steps" in reasons[0], reasons
+    assert details["service_order_least_margin"] == 16 - 160
+
+
+def test_the_same_request_served_beside_them_passes():
+    reasons, details = _judge(_served("long/e0", 0.0, 3.0, 170), *_later_ones())
+    assert reasons == [] and details["service_order_least_margin"] == 10
+
+
+def test_later_requests_on_another_engine_say_nothing_of_it():
+    reasons, details = _judge(_served("held/e0", 0.0, 3.0, 16), *_later_ones(device="cpu:1"))
+    assert reasons == [] and details["service_order_witnessed"] == 0
+
+
+def test_overlapping_later_requests_count_once_for_the_steps_they_share():
+    """Two later requests running side by side prove the steps of one of them, not of both."""
+    side_by_side = [_served("c/e0", 0.1, 1.0, 40), _served("c/e1", 0.2, 1.1, 40)]
+    assert _judge(_served("a/e0", 0.0, 2.0, 40), *side_by_side)[0] == []
+    assert _judge(_served("a/e0", 0.0, 2.0, 39), *side_by_side)[0] != []
+
+
+@pytest.mark.parametrize(
+    ("settings", "tokens", "named"),
+    [
+        ({"speculative_tokens": 4}, 40, False),  # a step of a later request may have kept 5 of its 16: 4 steps each
+        ({"speculative_tokens": 4}, 39, True),
+        ({"prefill_chunk": 64}, 160 - 15, False),  # a 1,000-token prompt prefilled in 16 chunks: 15 steps on it
+        ({"prefill_chunk": 64}, 160 - 16, True),
+    ],
+    ids=["drafts allowed", "drafts exceeded", "chunks allowed", "chunks exceeded"],
+)
+def test_what_an_honest_engine_may_lag_by(settings, tokens, named):
+    reasons, _ = _judge(_served("a/e0", 0.0, 3.0, tokens, prompt=1000), *_later_ones(), start=_start(**settings))
+    assert bool(reasons) == named, reasons
+
+
+def test_an_answer_a_moment_before_its_own_may_have_come_after():
+    """Two replies of one engine step reach the harness in either order: a later request answered
+    within the reply slack before it proves nothing."""
+    assert _judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.1, 0.97, 16))[0] == []
+    assert _judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.1, 0.9, 16))[0] != []
+
+
+@pytest.mark.parametrize("device", [None, "", "cpu:7"])
+def test_a_completion_must_name_an_engine_of_the_run(device):
+    """Else it is compared with nothing: a cluster could name no engine for the requests it holds."""
+    reasons, _ = _judge(_served("held/e0", 0.0, 3.0, 16, device=device), *_later_ones())
+    assert len(reasons) == 1 and reasons[0].startswith("unnamed engine: episode held/e0 turn 0"), reasons
+
+
+def test_a_simulated_run_is_not_judged_by_it():
+    start = _start()
+    start.data["tokens_recorded"] = False
+    assert _judge(_served("held/e0", 0.0, 3.0, 16), *_later_ones(), start=start) == ([], {})

@@ -30,6 +30,10 @@ from pathlib import Path
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
 VLLM_VERSION = "0.32.0"
+# vLLM on CPU reserves gpu_memory_utilization (0.92 by default) of the node's memory unless told the KV
+# cache's size, and refuses to start when that much is not free: two engines beside a trainer never
+# fit. Its cache is sized here instead (VLLM_CPU_KVCACHE_SPACE, in GiB, still wins: vLLM reads it).
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class VLLMEngine:
@@ -60,7 +64,11 @@ class VLLMEngine:
             seed=int.from_bytes(os.urandom(4), "little") >> 1,  # each engine its own draws (see paged_engine)
             skip_tokenizer_init=True,
             enable_sleep_mode=cuda,
-            **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+            **(
+                {"gpu_memory_utilization": gpu_memory_utilization}
+                if cuda
+                else {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+            ),
             **engine_kwargs,
         )
 

@@ -6,7 +6,6 @@ tells them apart is how long it sat with nothing under way while the engines ser
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +26,21 @@ class Idleness:
     waiting_s: float
 
 
+@dataclass
+class _Episode:
+    """One episode's account, on the harness's clock; ``serving_*``: the run's serving seconds then."""
+
+    idle_since: float  # when its last call ended (or it was created)
+    serving_at_idle: float
+    serving_at_creation: float
+    under_way: int = 0  # its calls under way
+    requests: int = 0  # of those, generate requests
+    requesting_since: float = 0.0  # when the first of those went out
+    idle_total: float = 0.0
+    held: float = 0.0
+    finished: bool = False
+
+
 class EpisodeActivity:
     """Counts each episode's calls under way and the time it spent with none, by the harness's clock.
     A pause of the whole rollout (a stack that stops sampling while it trains, or suspends its cluster)
@@ -34,66 +48,58 @@ class EpisodeActivity:
 
     def __init__(self, now: Callable[[], float]) -> None:
         self.now = now
-        self._under_way: dict[str, int] = defaultdict(int)
-        self._idle_since: dict[str, float] = {}  # episode -> when its last call ended (or it was created)
-        self._serving_at_idle: dict[str, float] = {}  # episode -> ``_serving_s`` when it went idle
-        self._serving_at_creation: dict[str, float] = {}
-        self._idle_total: dict[str, float] = defaultdict(float)
-        self._held: dict[str, float] = defaultdict(float)
-        self._finished: set[str] = set()
-        self._requests: dict[str, int] = defaultdict(int)  # episode -> its generate requests under way
-        self._requesting_since: dict[str, float] = {}  # episode -> when the first of those went out
+        self._episodes: dict[str, _Episode] = {}
         self._generating = 0  # generate requests under way, every episode's
         self._suspended = False  # the rollout suspended: requests parked in the cluster serve no one
         self._serving_s = 0.0  # seconds with a generate request under way, up to ``_serving_at``
         self._serving_at = 0.0
 
     def created(self, episode: str) -> None:
-        self._idle_since[episode] = self.now()
-        self._serving_at_idle[episode] = self._serving_at_creation[episode] = self._serving()
+        serving = self._serving()
+        self._episodes[episode] = _Episode(self.now(), serving, serving)
 
     def begin(self, episode: str, generate: bool = False) -> None:
         """A call for ``episode`` started (an unknown episode's call is refused elsewhere)."""
-        if episode not in self._idle_since:
+        e = self._episodes.get(episode)
+        if e is None:
             return
         serving = self._serving()
-        if not self._under_way[episode] and episode not in self._finished:
-            self._idle_total[episode] += self.now() - self._idle_since[episode]
-            self._held[episode] += serving - self._serving_at_idle[episode]
-        self._under_way[episode] += 1
+        if not e.under_way and not e.finished:
+            e.idle_total += self.now() - e.idle_since
+            e.held += serving - e.serving_at_idle
+        e.under_way += 1
         self._generating += generate
         if generate:
-            if not self._requests[episode]:
-                self._requesting_since[episode] = self.now()
-            self._requests[episode] += 1
+            if not e.requests:
+                e.requesting_since = self.now()
+            e.requests += 1
 
     def end(self, episode: str, generate: bool = False, finished: bool = False) -> None:
         """A call for ``episode`` ended; ``finished``: the step that ended it (from then on it waits to be
         trained, which holds nothing back)."""
-        if not self._under_way.get(episode):
+        e = self._episodes.get(episode)
+        if e is None or not e.under_way:
             return
         serving = self._serving()
         self._generating -= generate
-        self._requests[episode] -= generate
-        self._under_way[episode] -= 1
-        if finished:
-            self._finished.add(episode)
-        if not self._under_way[episode]:
-            self._idle_since[episode] = self.now()
-            self._serving_at_idle[episode] = serving
+        e.requests -= generate
+        e.under_way -= 1
+        e.finished = e.finished or finished
+        if not e.under_way:
+            e.idle_since, e.serving_at_idle = self.now(), serving
 
     def of(self, episode: str) -> Idleness | None:
         """How idle ``episode`` is now, and has been; None for an episode the harness never created."""
-        if episode not in self._idle_since:
+        e = self._episodes.get(episode)
+        if e is None:
             return None
         serving = self._serving()
-        lived = serving - self._serving_at_creation[episode]
-        waiting = self.now() - self._requesting_since[episode] if self._requests[episode] else 0.0
-        if self._under_way[episode] or episode in self._finished:
-            return Idleness(0.0, self._idle_total[episode], self._held[episode], lived, waiting)
-        idle = self.now() - self._idle_since[episode]
-        held = serving - self._serving_at_idle[episode]
-        return Idleness(idle, self._idle_total[episode] + idle, self._held[episode] + held, lived, waiting)
+        lived = serving - e.serving_at_creation
+        waiting = self.now() - e.requesting_since if e.requests else 0.0
+        if e.under_way or e.finished:
+            return Idleness(0.0, e.idle_total, e.held, lived, waiting)
+        idle = self.now() - e.idle_since
+        return Idleness(idle, e.idle_total + idle, e.held + serving - e.serving_at_idle, lived, waiting)
 
     def suspended(self, suspended: bool) -> None:
         """The controller suspended the rollout (or resumed it): while it is, no request is being served,

@@ -20,8 +20,14 @@ def _start(speculative_tokens: int = 0, prefill_chunk: int = 0) -> TraceEvent:
     )
 
 
-def _served(episode: str, start: float, end: float, tokens: int, device: str = "cpu:0", prompt: int = 12):
-    return TraceEvent(
+def _resident(t: float = 0.0, cpu1: str = "engine") -> TraceEvent:
+    """The cluster's residency: cpu:0 an engine, cpu:1 ``cpu1``."""
+    return TraceEvent("device_state", t, {"resident": {"cpu:0": ["engine"], "cpu:1": [cpu1]}})
+
+
+def _served(episode: str, start: float, end: float, tokens: int | None, device: str | None = "cpu:0", **data):
+    """Answered with ``tokens`` (``aborted=True``: interrupted with that partial; None: none sent)."""
+    event = TraceEvent(
         "generate",
         end,
         {
@@ -30,11 +36,15 @@ def _served(episode: str, start: float, end: float, tokens: int, device: str = "
             "start": start,
             "aborted": False,
             "device": device,
-            "prompt": [4] * prompt,
-            "tokens": [5] * tokens,
+            "prompt": [4] * 12,
+            "tokens": [5] * (tokens or 0),
             "finish": "length",
+            **data,
         },
     )
+    if tokens is None:
+        del event.data["tokens"]
+    return event
 
 
 def _later_ones(device: str = "cpu:0", count: int = 10, tokens: int = 16) -> list[TraceEvent]:
@@ -42,8 +52,8 @@ def _later_ones(device: str = "cpu:0", count: int = 10, tokens: int = 16) -> lis
     return [_served(f"g{k}/e0", 0.1 + 0.25 * k, 0.3 + 0.25 * k, tokens, device) for k in range(count)]
 
 
-def _judge(*events: TraceEvent, start: TraceEvent | None = None) -> tuple[list[str], dict]:
-    ix = TraceIndex.of([start or _start(), *sorted(events, key=lambda e: e.t)])
+def _judge(*events: TraceEvent, start: TraceEvent | None = None, resident: TraceEvent | None = None):
+    ix = TraceIndex.of([start or _start(), resident or _resident(), *sorted(events, key=lambda e: e.t)])
     r = Reasons()
     details = check_service_order(ix, r)
     return r.lines(), details
@@ -80,14 +90,26 @@ def test_overlapping_later_requests_count_once_for_the_steps_they_share():
     [
         ({"speculative_tokens": 4}, 40, False),  # a step of a later request may have kept 5 of its 16: 4 steps each
         ({"speculative_tokens": 4}, 39, True),
-        ({"prefill_chunk": 64}, 160 - 15, False),  # a 1,000-token prompt prefilled in 16 chunks: 15 steps on it
-        ({"prefill_chunk": 64}, 160 - 16, True),
+        ({"speculative_tokens": 64}, 20, False),  # credited as 8 drafts whatever is declared: 2 steps each
+        ({"speculative_tokens": 64}, 19, True),
+        ({"prefill_chunk": 1}, 159, True),  # chunked prefill buys nothing: budgets go in admission order
     ],
-    ids=["drafts allowed", "drafts exceeded", "chunks allowed", "chunks exceeded"],
+    ids=["drafts allowed", "drafts exceeded", "drafts capped", "capped drafts exceeded", "chunks no excuse"],
 )
 def test_what_an_honest_engine_may_lag_by(settings, tokens, named):
-    reasons, _ = _judge(_served("a/e0", 0.0, 3.0, tokens, prompt=1000), *_later_ones(), start=_start(**settings))
+    reasons, _ = _judge(_served("a/e0", 0.0, 3.0, tokens), *_later_ones(), start=_start(**settings))
     assert bool(reasons) == named, reasons
+
+
+@pytest.mark.parametrize("partial", [2, None], ids=["two tokens", "none sent"])
+def test_a_request_held_then_handed_back_interrupted_is_named(partial):
+    """Held until the next shrink, then returned as interrupted: its partial, what it decoded, is
+    judged as an answer is (one sent without a partial decoded nothing)."""
+    held = _served("held/e0", 0.0, 3.0, partial, aborted=True, finish="abort")
+    reasons, _ = _judge(held, *_later_ones())
+    assert len(reasons) == 1 and reasons[0].startswith("served out of order: episode held/e0"), reasons
+    assert f"decoded {partial or 0} tokens" in reasons[0], reasons
+    assert _judge(_served("held/e0", 0.0, 3.0, 160, aborted=True, finish="abort"), *_later_ones())[0] == []
 
 
 def test_an_answer_a_moment_before_its_own_may_have_come_after():
@@ -97,11 +119,22 @@ def test_an_answer_a_moment_before_its_own_may_have_come_after():
     assert _judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.1, 0.9, 16))[0] != []
 
 
-@pytest.mark.parametrize("device", [None, "", "cpu:7"])
-def test_a_completion_must_name_an_engine_of_the_run(device):
-    """Else it is compared with nothing: a cluster could name no engine for the requests it holds."""
-    reasons, _ = _judge(_served("held/e0", 0.0, 3.0, 16, device=device), *_later_ones())
+@pytest.mark.parametrize("device", [None, "", "cpu:7", "cpu:1"])
+def test_a_completion_must_name_a_device_that_held_an_engine(device):
+    """Else it is compared with nothing: a cluster could name no engine, or the trainer's device, for the
+    requests it holds (cpu:1 holds the trainer here, by the cluster's own residency)."""
+    reasons, _ = _judge(
+        _served("held/e0", 0.0, 3.0, 16, device=device), *_later_ones(), resident=_resident(cpu1="trainer")
+    )
     assert len(reasons) == 1 and reasons[0].startswith("unnamed engine: episode held/e0 turn 0"), reasons
+
+
+def test_an_engine_resident_for_part_of_the_request_is_enough():
+    """A request started while its device's expand was under way: the residency listed the engine once
+    the expand returned (recorded after every switch)."""
+    expanded = TraceEvent("device_state", 0.5, {"resident": {"cpu:0": ["engine"], "cpu:1": ["engine"]}})
+    reasons, _ = _judge(_served("a/e0", 0.0, 1.0, 16, device="cpu:1"), expanded, resident=_resident(cpu1="trainer"))
+    assert reasons == [], reasons
 
 
 def test_a_simulated_run_is_not_judged_by_it():

@@ -24,9 +24,9 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * partial rollout: a turn resumed from an interrupted segment (``continues``) resumes exactly what
   that segment produced, its segments together keep to the response budget and each to the staleness
   bound, and only a stack that declares ``partial_rollout`` resumes, and then every partial it trains;
-* order of service (real runs): a request answered after later ones its engine served one after
-  another decoded at least the steps they prove it sat through (``service_order.py``), and every
-  completion names an engine of the run;
+* order of service (real runs): a request answered (or interrupted) after later ones its engine served
+  one after another decoded at least the steps they prove it sat through (``service_order.py``), and
+  every request names a device that held an engine while it ran;
 * aborts: every interrupted request was cut short by a shrink, a suspend or an interrupting sync in
   progress (a cluster that aborts on its own could resample the turns it dislikes);
 * mechanism: no request served by a shrunk engine, none completed well after its engine's shrink

@@ -9,12 +9,19 @@ step it does. A request that arrived after request A and was answered before A t
 the engine steps A sat through, and several such requests that ran one after another add up: A must
 have decoded at least that many tokens. A request held back, then served, decodes far fewer.
 
+An interrupted request is judged the same way, by its partial (what it decoded before a shrink, a
+suspend or an interrupting sync cut it short: always sent, ``targets.api.Aborted``); a cluster could
+otherwise hold a request until the next interruption and hand it back with nothing decoded.
+
 What an honest engine may lag by, and the audit allows: a drafted step (speculative decoding) gives a
-request up to ``1 + speculative_tokens`` tokens, so a later request's tokens count for that many times
-fewer steps; a prompt prefilled in chunks decodes nothing in the steps before its last chunk (the
-stack's ``prefill_chunk``, else vLLM's smallest default step budget); a reply can reach the harness a
-little after a later one (``REPLY_ORDER_SLACK_S``). Every completion must also name an engine of the
-run, which is what makes it comparable (docs/judge.md, "What the net cannot see").
+request up to ``1 + speculative_tokens`` tokens (at most ``MAX_SPECULATIVE_TOKENS``, whatever a stack
+declares), so a later request's tokens count for that many times fewer steps; a reply can reach the
+harness a little after a later one (``REPLY_ORDER_SLACK_S``). A prompt prefilled in chunks costs no
+allowance: both engines hand the step's prefill budget out in admission order, so a later request
+cannot decode while an earlier one still prefills. The engine a completion names is the cluster's
+word: it must be a device that held an engine during the request (the cluster's own residency,
+which the audit holds against the trainer's), else the request is compared with nothing
+(docs/judge.md, "order of service").
 """
 
 from __future__ import annotations
@@ -32,19 +39,18 @@ from targets.harness.trace import token_count
 # aborts of trace_index.py's measurement came back at most 18 ms late. A request answered later than
 # another by less than this may have finished first.
 REPLY_ORDER_SLACK_S = 0.05
-PREFILL_STEP_TOKENS = 2048  # the prompt tokens an engine step prefills when the stack names no chunk (vLLM's least)
+MAX_SPECULATIVE_TOKENS = 8  # the drafts a step the allowance credits (the kit's own bound)
 
 
 @dataclass(frozen=True)
 class Served:
-    """One answered request on one engine, as the harness stamped it."""
+    """One request on one engine, answered or interrupted, as the harness stamped it."""
 
     episode: str
     turn: int
     start: float  # the harness forwarded it
-    end: float  # the harness had its answer
-    tokens: int
-    prompt: int
+    end: float  # the harness had its answer (or its interruption)
+    tokens: int  # decoded: the response, or an interrupted request's partial
 
 
 def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
@@ -55,24 +61,24 @@ def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
     if not ix.tokens_recorded or not start:
         return {}
     settings = start.get("engine") or {}
-    drafted = 1 + int(settings.get("speculative_tokens", 0))
-    chunk = int(settings.get("prefill_chunk", 0)) or PREFILL_STEP_TOKENS
-    engines = {ix.engine(d) for d in start.get("devices", [])}
-    engines |= {ix.engine(d) for e in ix.by_kind["serving"] for d in e.data["devices"]}
+    drafted = 1 + min(int(settings.get("speculative_tokens", 0)), MAX_SPECULATIVE_TOKENS)
+    holding = _engine_spans(ix)
     by_engine: dict[str, list[Served]] = defaultdict(list)
     for g in ix.by_kind["generate"]:
         d = g.data
-        if d["aborted"]:
-            continue  # an interrupted request names its engine under check_aborts
-        if d.get("device") is None or ix.engine(d["device"]) not in engines:
+        device = d.get("device")
+        if d["aborted"] and not device:
+            continue  # check_aborts names an interruption that names no engine
+        engine = ix.engine(device) if device else None
+        if engine is None or not any(since <= g.t and d["start"] <= until for since, until in holding.get(engine, [])):
             r.add(
                 "unnamed engine",
-                f"episode {d['episode']} turn {d['turn']} was answered naming {d.get('device')!r}, not an engine "
-                f"of this run ({', '.join(sorted(engines))}): a completion names the engine that served it",
+                f"episode {d['episode']} turn {d['turn']} was answered naming {device!r}, which held no engine "
+                "while it ran (the cluster's residency): a completion names the engine that served it",
             )
             continue
-        served = Served(d["episode"], d["turn"], d["start"], g.t, token_count(d["tokens"]), token_count(d["prompt"]))
-        by_engine[ix.engine(d["device"])].append(served)
+        tokens = token_count(d.get("tokens", []))  # an interruption's partial is always sent
+        by_engine[engine].append(Served(d["episode"], d["turn"], d["start"], g.t, tokens))
     witnessed, least = 0, math.inf
     for engine, requests in by_engine.items():
         requests.sort(key=lambda s: s.start)
@@ -82,10 +88,8 @@ def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
             if not steps:
                 continue
             witnessed += 1
-            lag = math.ceil(a.prompt / chunk) - 1  # steps that prefilled a chunk of it and decoded nothing
-            margin = a.tokens + lag - steps
-            least = min(least, margin)
-            if margin < 0:
+            least = min(least, a.tokens - steps)
+            if a.tokens < steps:
                 r.add(
                     "served out of order",
                     f"episode {a.episode} turn {a.turn} on {engine}, received at {a.start:.2f}s and answered "
@@ -94,6 +98,19 @@ def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
                     "(engines serve in arrival order: it was held back, then served)",
                 )
     return {"service_order_witnessed": witnessed, "service_order_least_margin": None if least == math.inf else least}
+
+
+def _engine_spans(ix: TraceIndex) -> dict[str, list[tuple[float, float]]]:
+    """When each engine was resident, by the cluster's residency records (made after every switch):
+    from each record listing it until the next record."""
+    records = sorted(ix.by_kind["device_state"], key=lambda e: e.t)
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for k, e in enumerate(records):
+        until = records[k + 1].t if k + 1 < len(records) else math.inf
+        for device, components in e.data["resident"].items():
+            if "engine" in components:
+                spans[ix.engine(device)].append((e.t if k else -math.inf, until))
+    return spans
 
 
 def _steps_sat_through(a: Served, requests: list[Served], starts: list[float], drafted: int) -> int:

@@ -16,7 +16,8 @@ otherwise hold a request until the next interruption and hand it back with nothi
 What an honest engine may lag by, and the audit allows: a drafted step (speculative decoding) gives a
 request up to ``1 + speculative_tokens`` tokens (at most ``MAX_SPECULATIVE_TOKENS``, whatever a stack
 declares), so a later request's tokens count for that many times fewer steps; a reply can reach the
-harness a little after a later one (``REPLY_ORDER_SLACK_S``). A prompt prefilled in chunks costs no
+harness a little after a later one (``REPLY_ORDER_SLACK_S``), and a request reach the engine a little
+after a later one (``ARRIVAL_ORDER_SLACK_S``). A prompt prefilled in chunks costs no
 allowance: both engines hand the step's prefill budget out in admission order, so a later request
 cannot decode while an earlier one still prefills. The engine a completion names is the cluster's
 word: it must be a device that held an engine during the request (the cluster's own residency,
@@ -31,7 +32,6 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from targets.harness.judge.selection import ORDER_SLACK_S
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.trace import token_count
 
@@ -39,6 +39,11 @@ from targets.harness.trace import token_count
 # aborts of trace_index.py's measurement came back at most 18 ms late. A request answered later than
 # another by less than this may have finished first.
 REPLY_ORDER_SLACK_S = 0.05
+# A request received this much later than another reached the engine after it. The harness forwards calls in
+# the order it stamps them, but Ray starts an async actor's calls in submission order only while their
+# arguments travel inline: a prompt of over ~32k tokens goes through the object store and may start a few
+# milliseconds after a later short one.
+ARRIVAL_ORDER_SLACK_S = 0.01
 MAX_SPECULATIVE_TOKENS = 8  # the drafts a step the allowance credits (the kit's own bound)
 
 
@@ -117,7 +122,7 @@ def _steps_sat_through(a: Served, requests: list[Served], starts: list[float], d
     """The most decode steps a chain of time-disjoint later requests, each received after ``a`` and
     answered before it, proves (each at least its tokens over ``drafted``): weighted interval
     scheduling over those inside ``a``'s span."""
-    first = bisect.bisect_right(starts, a.start + ORDER_SLACK_S)
+    first = bisect.bisect_right(starts, a.start + ARRIVAL_ORDER_SLACK_S)
     last = bisect.bisect_left(starts, a.end - REPLY_ORDER_SLACK_S)
     inside = sorted(
         (c for c in requests[first:last] if c.end < a.end - REPLY_ORDER_SLACK_S and c.tokens),

@@ -763,13 +763,16 @@ def _resumed(honest, declared: bool = True, keep: int = 5):
 
 
 def test_a_resumed_turn_that_resumes_what_was_interrupted_passes(honest):
-    """Only the partial-progress rule may speak, and never of the resumed turn: ``_resumed`` empties
-    every interrupted request of the honest run, and one emptied behind a request its engine received
-    later and had already finished (a short turn that stopped early) is what that rule rightly names."""
+    """Only the rules of the engines' arrival order may speak, and the partial-progress rule never of the
+    resumed turn: ``_resumed`` empties every interrupted request of the honest run, and one emptied behind
+    a request its engine received later and had already finished (a short turn that stopped early) is
+    what that rule rightly names; the order of service names it too where later requests ran long enough
+    (service_order.py), and may name the planted segment, cut at a time the run never cut it."""
     events, segment, _ = _resumed(honest)
     result = _audit(honest, events)
     at = f"episode {segment.data['episode']} turn {segment.data['turn']} "
-    assert all(r.startswith("empty partial: ") and at not in r for r in result.reasons), result.reasons
+    assert all(r.startswith(("empty partial: ", "served out of order: ")) for r in result.reasons), result.reasons
+    assert not any(r.startswith("empty partial: ") and at in r for r in result.reasons), result.reasons
     stripped = sum(1 for e in honest[1] if e.kind == "generate" and e.data["aborted"] and e.data.get("tokens"))
     assert result.details["replayed_turns"] == _audit(honest).details["replayed_turns"] - stripped + 1  # the segment
 

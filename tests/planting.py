@@ -38,8 +38,10 @@ FIRED = "planted: a partial emptied"  # in cluster.log each time the empty-parti
 SAMPLED = "            chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)\n"
 GENERATE = "    async def generate(self, request: GenerateRequest) -> Completion:\n"
 DECODE = (
-    "            completion = await self._engines[device].generate.remote("
-    "request.prompt, request.params, request.episode_id)\n"
+    "            arrival = next(self._arrivals)\n"
+    "            completion = await self._engines[device].generate.remote(\n"
+    "                request.prompt, request.params, request.episode_id, arrival\n"
+    "            )\n"
 )
 
 # name: (controller, [(file, old, new)], params.json changes, the reason the audit must give)
@@ -72,7 +74,7 @@ PLANTS: dict[str, tuple[str, list[tuple[str, str, str]], dict, str]] = {
                 "            if key not in self._copies:\n"
                 "                self._copies[key] = asyncio.ensure_future(\n"
                 "                    self._engines[device].generate.remote(request.prompt, request.params, "
-                "request.episode_id)\n"
+                "request.episode_id, next(self._arrivals))\n"
                 "                )\n"
                 "                self._copies[key].add_done_callback(lambda _, key=key: self._copies.pop(key, None))\n"
                 "            completion = await asyncio.shield(self._copies[key])\n",

@@ -121,10 +121,10 @@ CHEATS = {
         "static_split",
         {
             "engine_server.py": (
-                "        request = self.engine.submit(prompt, params, episode)",
+                "        request = self.engine.submit(prompt, params, episode, arrival)",
                 "        return Completion([5] * params.max_new_tokens, [-0.5] * params.max_new_tokens, 'length', "
                 "self.engine.weight_version, self.name)  # planted\n"
-                "        request = self.engine.submit(prompt, params, episode)",
+                "        request = self.engine.submit(prompt, params, episode, arrival)",
             )
         },
         "did not run with those weights",

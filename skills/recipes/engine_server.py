@@ -61,7 +61,11 @@ class EngineServer:
         self._failed: BaseException | None = None  # why the stepping loop ended: every later call is told
 
     # -- generation ---------------------------------------------------------------------------------
-    async def generate(self, prompt: TokenIds, params: SamplingParams, episode: str | None = None) -> Completion:
+    async def generate(
+        self, prompt: TokenIds, params: SamplingParams, episode: str | None = None, arrival: int | None = None
+    ) -> Completion:
+        """``arrival``: the cluster's order of the request, which the paged engine admits by (vLLM takes
+        calls as they come)."""
         if self.kind == "vllm":
             return await self.engine.generate_async(prompt, params)
         self._raise_if_failed()
@@ -70,7 +74,7 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         if self._stepper is None:
             self._stepper = loop.create_task(self._step_loop())
-        request = self.engine.submit(prompt, params, episode)
+        request = self.engine.submit(prompt, params, episode, arrival)
         future = loop.create_future()
         self._pending[request.id] = future
         self._wakeup.set()

@@ -258,7 +258,11 @@ class PagedEngine:
         self.weight_version = version
 
     # -- requests -------------------------------------------------------------------------------------
-    def submit(self, prompt: TokenIds, params: SamplingParams, episode: str | None = None) -> Request:
+    def submit(
+        self, prompt: TokenIds, params: SamplingParams, episode: str | None = None, arrival: int | None = None
+    ) -> Request:
+        """Queues a request; ``arrival``: the cluster's order of it (Ray may deliver a long prompt's call
+        after a later one), which admission follows; by default the order of submission."""
         if len(prompt) + params.max_new_tokens > self.capacity_tokens:
             raise ValueError(
                 f"{self.name}: a request of {len(prompt)} + {params.max_new_tokens} tokens exceeds the KV "
@@ -269,6 +273,7 @@ class PagedEngine:
         if self.weight_version < 0:
             raise RuntimeError(f"{self.name}: its weights were discarded at sleep; load a version first")
         request = Request(next(self._ids), list(prompt), params, episode, tokens=list(prompt))
+        request.arrival = request.id if arrival is None else arrival
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self._incoming.append(request)
@@ -301,8 +306,12 @@ class PagedEngine:
     # -- one iteration ----------------------------------------------------------------------------------
     def _drain_control(self) -> list[Request]:
         finished = []
-        while self._incoming:
-            self.waiting.append(self._incoming.popleft())
+        while self._incoming:  # behind every waiting request that arrived before it (engines admit in arrival order)
+            request = self._incoming.popleft()
+            at = len(self.waiting)
+            while at and self.waiting[at - 1].arrival > request.arrival and not self.waiting[at - 1].decoded:
+                at -= 1
+            self.waiting.insert(at, request)
         while self._aborts:
             target = self._aborts.popleft()
             for request in [*self.running, *self.waiting]:

@@ -27,6 +27,7 @@ has clearly more in flight than the least loaded one, else to the least loaded.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
 import tempfile
@@ -140,8 +141,8 @@ class DeviceActor:
         return asyncio.wrap_future(self._trainer_thread.submit(method, *args))
 
     # -- the engine ------------------------------------------------------------------------------------
-    async def generate(self, prompt, params, episode=None) -> Completion:
-        return await self.server.generate(prompt, params, episode)
+    async def generate(self, prompt, params, episode=None, arrival=None) -> Completion:
+        return await self.server.generate(prompt, params, episode, arrival)
 
     async def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
         return await self.server.sleep(tags)
@@ -246,6 +247,7 @@ class RayCluster:
         self._trainer_loaded = {d.id for d in train} - self._shared
         self._outstanding = dict.fromkeys(self._engines, 0)
         self._sticky: dict[str, str] = {}
+        self._arrivals = itertools.count()  # every generate call's number, in the order they are routed
         self._routable = asyncio.Event()
         self._routable.set()
         self._suspended = False
@@ -347,7 +349,12 @@ class RayCluster:
         self._sticky[request.episode_id] = device
         self._outstanding[device] += 1
         try:
-            completion = await self._engines[device].generate.remote(request.prompt, request.params, request.episode_id)
+            # numbered here: an async actor may start a call whose prompt went through the object store
+            # (over ~32k tokens) after a later one, and the engine admits by this number
+            arrival = next(self._arrivals)
+            completion = await self._engines[device].generate.remote(
+                request.prompt, request.params, request.episode_id, arrival
+            )
         finally:
             self._outstanding[device] -= 1
         if completion.finish_reason == "abort":

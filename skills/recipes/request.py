@@ -27,6 +27,7 @@ class Request:
     done: threading.Event = field(default_factory=threading.Event)
     ngrams: dict[tuple[int, ...], int] = field(default_factory=dict)  # speculative drafts: n-gram -> its latest start
     indexed: int = 0  # start positions in ``ngrams`` so far
+    arrival: int = 0  # the cluster's order of arrival (the engine's own id when called directly)
 
     @property
     def generated(self) -> list[int]:

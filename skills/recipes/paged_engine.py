@@ -37,7 +37,7 @@ from .kernel_choice import GRAPHED_ATTENTION, choose_attention, choose_fused
 from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
 from .qwen3_model import Qwen3, head_dim_of, load_checkpoint
-from .request import Request, step_takes
+from .request import Request, queue_by_arrival, step_takes
 
 TAGS = ("weights", "kv_cache")
 
@@ -258,11 +258,8 @@ class PagedEngine:
         self.weight_version = version
 
     # -- requests -------------------------------------------------------------------------------------
-    def submit(
-        self, prompt: TokenIds, params: SamplingParams, episode: str | None = None, arrival: int | None = None
-    ) -> Request:
-        """Queues a request; ``arrival``: the cluster's order of it (Ray may deliver a long prompt's call
-        after a later one), which admission follows; by default the order of submission."""
+    def submit(self, prompt: TokenIds, params: SamplingParams, episode: str | None = None, arrival=None) -> Request:
+        """``arrival``: the cluster's number for the request, which admission follows (``queue_by_arrival``)."""
         if len(prompt) + params.max_new_tokens > self.capacity_tokens:
             raise ValueError(
                 f"{self.name}: a request of {len(prompt)} + {params.max_new_tokens} tokens exceeds the KV "
@@ -306,12 +303,8 @@ class PagedEngine:
     # -- one iteration ----------------------------------------------------------------------------------
     def _drain_control(self) -> list[Request]:
         finished = []
-        while self._incoming:  # behind every waiting request that arrived before it (engines admit in arrival order)
-            request = self._incoming.popleft()
-            at = len(self.waiting)
-            while at and self.waiting[at - 1].arrival > request.arrival and not self.waiting[at - 1].decoded:
-                at -= 1
-            self.waiting.insert(at, request)
+        while self._incoming:
+            queue_by_arrival(self.waiting, self._incoming.popleft())
         while self._aborts:
             target = self._aborts.popleft()
             for request in [*self.running, *self.waiting]:

@@ -1,10 +1,12 @@
 """One request of the paged engine (``paged_engine.py``): its tokens so far, the KV blocks that hold
 them, how far they are computed, and how it finished. The engine moves it between ``waiting`` and
-``running``; a preempted one goes back to waiting with nothing computed and recomputes its context."""
+``running`` (a new one queues by its arrival, ``queue_by_arrival``); a preempted one goes back to waiting
+with nothing computed and recomputes its context."""
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,16 @@ class Request:
     @property
     def decoded(self) -> bool:  # some tokens generated (under the weights it started with)
         return len(self.tokens) > len(self.prompt)
+
+
+def queue_by_arrival(waiting: deque[Request], request: Request) -> None:
+    """Queues ``request`` behind every waiting request that arrived before it (engines admit in arrival
+    order, and Ray may deliver a long prompt's call after a later one), never ahead of a preempted request
+    that decoded (it is older than anything that came after it, whatever its number)."""
+    at = len(waiting)
+    while at and waiting[at - 1].arrival > request.arrival and not waiting[at - 1].decoded:
+        at -= 1
+    waiting.insert(at, request)
 
 
 def step_takes(batch: list[Request], prefill_chunk: int) -> list[int]:

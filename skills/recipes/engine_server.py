@@ -64,10 +64,9 @@ class EngineServer:
     async def generate(
         self, prompt: TokenIds, params: SamplingParams, episode: str | None = None, arrival: int | None = None
     ) -> Completion:
-        """``arrival``: the cluster's order of the request, which the paged engine admits by (vLLM takes
-        calls as they come)."""
+        """``arrival``: the cluster's order of the request, which the engine admits by."""
         if self.kind == "vllm":
-            return await self.engine.generate_async(prompt, params)
+            return await self.engine.generate_async(prompt, params, arrival)
         self._raise_if_failed()
         if self.engine.offloaded:  # routed here just before a shrink: the caller retries elsewhere
             return self._aborted()

@@ -37,7 +37,7 @@ from .kernel_choice import GRAPHED_ATTENTION, choose_attention, choose_fused
 from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
 from .qwen3_model import Qwen3, head_dim_of, load_checkpoint
-from .request import Request, queue_by_arrival, step_takes
+from .request import Request, queue_by_arrival, refuse_unfit, step_takes
 
 TAGS = ("weights", "kv_cache")
 
@@ -258,15 +258,11 @@ class PagedEngine:
         self.weight_version = version
 
     # -- requests -------------------------------------------------------------------------------------
-    def submit(self, prompt: TokenIds, params: SamplingParams, episode: str | None = None, arrival=None) -> Request:
+    def submit(
+        self, prompt: TokenIds, params: SamplingParams, episode: str | None = None, arrival: int | None = None
+    ) -> Request:
         """``arrival``: the cluster's number for the request, which admission follows (``queue_by_arrival``)."""
-        if len(prompt) + params.max_new_tokens > self.capacity_tokens:
-            raise ValueError(
-                f"{self.name}: a request of {len(prompt)} + {params.max_new_tokens} tokens exceeds the KV "
-                f"cache's {self.capacity_tokens} tokens"
-            )
-        if not prompt:
-            raise ValueError(f"{self.name}: an empty prompt")
+        refuse_unfit(self.name, prompt, params, self.capacity_tokens)
         if self.weight_version < 0:
             raise RuntimeError(f"{self.name}: its weights were discarded at sleep; load a version first")
         request = Request(next(self._ids), list(prompt), params, episode, tokens=list(prompt))

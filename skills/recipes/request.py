@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from targets.api import SamplingParams
+from targets.api import SamplingParams, TokenIds
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity
@@ -38,6 +38,17 @@ class Request:
     @property
     def decoded(self) -> bool:  # some tokens generated (under the weights it started with)
         return len(self.tokens) > len(self.prompt)
+
+
+def refuse_unfit(engine: str, prompt: TokenIds, params: SamplingParams, capacity_tokens: int) -> None:
+    """A request no engine could serve is refused at submission, naming why (never stepped and lost)."""
+    if len(prompt) + params.max_new_tokens > capacity_tokens:
+        raise ValueError(
+            f"{engine}: a request of {len(prompt)} + {params.max_new_tokens} tokens exceeds the KV "
+            f"cache's {capacity_tokens} tokens"
+        )
+    if not prompt:
+        raise ValueError(f"{engine}: an empty prompt")
 
 
 def queue_by_arrival(waiting: deque[Request], request: Request) -> None:

@@ -64,6 +64,9 @@ class VLLMEngine:
             seed=int.from_bytes(os.urandom(4), "little") >> 1,  # each engine its own draws (see paged_engine)
             skip_tokenizer_init=True,
             enable_sleep_mode=cuda,
+            # admission by the cluster's order of arrival (a request's priority is its number), and a
+            # preemption takes the youngest: the order of service ``targets.api.Aborted`` states
+            scheduling_policy="priority",
             **(
                 {"gpu_memory_utilization": gpu_memory_utilization}
                 if cuda
@@ -90,7 +93,7 @@ class VLLMEngine:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
 
     # -- generation -----------------------------------------------------------------------------------
-    async def _generate(self, prompt: TokenIds, params: SamplingParams) -> Completion:
+    async def _generate(self, prompt: TokenIds, params: SamplingParams, arrival: int | None = None) -> Completion:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -103,7 +106,8 @@ class VLLMEngine:
             detokenize=False,
             ignore_eos=True,
         )
-        request_id = f"{self.name}-{next(self._ids)}"
+        number = next(self._ids)
+        request_id, priority = f"{self.name}-{number}", number if arrival is None else arrival
         async with self._changes:
             await self._changes.wait_for(lambda: not self._changing)
             if self._asleep:  # put to sleep while this request waited
@@ -112,7 +116,8 @@ class VLLMEngine:
             self._in_flight.add(request_id)
         final = None
         try:
-            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sampling, request_id):
+            request = TokensPrompt(prompt_token_ids=list(prompt))
+            async for output in self.llm.generate(request, sampling, request_id, priority=priority):
                 final = output
         finally:
             self._in_flight.discard(request_id)  # before the lock: a cancel while waiting for it keeps no id
@@ -139,10 +144,12 @@ class VLLMEngine:
 
         return self._run(batch())
 
-    async def generate_async(self, prompt: TokenIds, params: SamplingParams) -> Completion:
+    async def generate_async(self, prompt: TokenIds, params: SamplingParams, arrival: int | None = None) -> Completion:
+        """``arrival``: the cluster's number for the request, which vLLM admits by (the engine's own
+        numbers when called directly)."""
         if self._asleep:
             return Completion([], [], "abort", self.weight_version, self.name)
-        return await self._bridge(self._generate(prompt, params))
+        return await self._bridge(self._generate(prompt, params, arrival))
 
     async def abort_all(self) -> None:
         async def abort():

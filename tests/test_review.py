@@ -104,6 +104,9 @@ def test_print_config_of_a_run_reproduces_its_stored_configuration(tmp_path):
 def test_short_help_and_version():
     assert "show [OPTIONS] {run} [ROUND]" in _ok("show", "-h") and "Example:" in _ok("show", "-h")
     assert _ok("--version").startswith("vibetrain 0.")
+    # the command list joins a docstring's source lines (it broke calibrate's at "and print", whatever the width)
+    listed = _ok("--help", env={"COLUMNS": "200"})
+    assert "print the prediction error; the calibrated spec is written for" in listed, listed
 
 
 def test_provenance_names_the_code_the_machine_and_the_exact_spec():

@@ -65,7 +65,9 @@ def command(typer_app: typer.Typer, name: str) -> Callable:
                 errors.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
                 raise typer.Exit(error.exit_code) from None
 
-        return typer_app.command(name)(run)
+        # the command list shows the docstring's first paragraph as one line (its source lines break mid-sentence)
+        summary = " ".join((function.__doc__ or "").split("\n\n")[0].split())
+        return typer_app.command(name, short_help=summary or None)(run)
 
     return register
 

@@ -124,7 +124,8 @@ def test_provenance_names_the_code_the_machine_and_the_exact_spec():
 
 def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_first(tmp_path):
     """``report --out DIR`` and ``--out missing/x.html`` ended in tracebacks; ``bench --json dir/x.json``
-    with a missing folder failed only after every run, and ``--json DIR`` with a traceback."""
+    with a missing folder failed only after every run, and ``--json DIR`` with a traceback; an output no
+    file or folder can be made at (``/proc/...``) did too, after the work (``workload profile``, ``check``)."""
     run = make_review_run(tmp_path)
     (tmp_path / "reports").mkdir()
     _ok("report", str(run), "--out", str(tmp_path / "reports"))
@@ -141,11 +142,29 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     (tmp_path / "a-file").write_text("")  # a folder that is a file: a FileExistsError traceback before
     under_file = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "a-file" / "r.html")], env=NARROW)
     assert under_file.exit_code == 2 and "cannot create its folder" in under_file.output, under_file.output
+    # a folder that refuses files: ``workload profile --out /proc/x`` ran its whole real run, then a traceback
+    profile = runner.invoke(app, ["workload", "profile", "tiny-qwen3-cpu", "--out", "/proc/x.yaml"], env=NARROW)
+    assert profile.exit_code == 2 and "/proc/x.yaml: cannot be written" in profile.output, profile.output
+    for args in (  # folders to make where none can be: tracebacks (check's after its whole run)
+        ["check", "tiny-qwen3-cpu", "--out", "/proc/check-out"],
+        ["starter", "tiny-qwen3-cpu", "--out", "/proc/starter-out"],
+        ["generate", "tiny-qwen3-cpu", "--rounds", "0", "--out", "/proc/run"],
+        ["check", "tiny-qwen3-cpu", "--out", str(tmp_path / "a-file" / "out")],
+        ["generate", "tiny-qwen3-cpu", "--rounds", "0", "--out", str(tmp_path / "new-run"), "--workspaces", "/proc/w"],
+    ):
+        result = runner.invoke(app, args, env=NARROW)
+        assert result.exit_code == 2 and "error: --" in result.output, (args, result.output)
+        assert "nothing can be made" in result.output or "is a file" in result.output, (args, result.output)
+    assert not (tmp_path / "new-run").exists()  # a run refused at its options leaves no half-made repository
+    (tmp_path / "kept.json").write_text("{}")  # a file that is there already keeps its bytes until the end
+    refused = runner.invoke(app, ["bench", "tiny-qwen3-cpu", "--json", str(tmp_path / "kept.json"), "--baselines", "x"])
+    assert refused.exit_code == 2 and (tmp_path / "kept.json").read_text() == "{}", refused.output
     stack = tmp_path / "candidate"
     _ok("starter", "tiny-qwen3-cpu", "--out", str(stack))
     for args, said in (  # calibrate checks its paths before the run, not after it
         (["--out", str(tmp_path / "a-file" / "twin.yaml")], "cannot create its folder"),
         (["--trace", str(tmp_path / "missing.jsonl")], "--trace"),
+        (["--out", "/proc/vibetrain-twin.yaml"], "cannot be written"),  # a folder no file can be made in
     ):
         result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), *args], env=NARROW)
         assert result.exit_code == 2 and said in result.output, result.output

@@ -13,6 +13,7 @@ import functools
 import json
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,15 +122,26 @@ def print_json(data) -> None:
 
 
 def out_dir(path: Path, option: str = "--out") -> Path:
-    """A directory this command may create or fill: an existing file there is refused by name."""
+    """A directory this command may create or fill, checked before any work: a file there, or a folder
+    nothing can be made in, is refused by name. The check leaves nothing behind (``--resume`` reads
+    whether a run's directory exists)."""
     if path.exists() and not path.is_dir():
         raise UsageError(f"{option} {path}: a file is there; give a directory (new or existing)")
+    there = path
+    while not there.exists():
+        there = there.parent
+    if not there.is_dir():
+        raise UsageError(f"{option} {path}: {there} is a file, not a folder")
+    try:
+        Path(tempfile.mkdtemp(prefix=".vibetrain-probe-", dir=there)).rmdir()
+    except OSError as error:
+        raise UsageError(f"{option} {path}: nothing can be made in {there} ({error.strerror})") from None
     return path
 
 
 def out_file(path: Path | None, option: str) -> Path | None:
-    """A file this command will write when it is done: checked (and its folder made) before any work,
-    so a typo never costs a finished benchmark."""
+    """A file this command will write when it is done: checked (its folder made, the file opened for
+    writing and left as it was) before any work, so a typo never costs a finished benchmark."""
     if path is None:
         return None
     if path.is_dir():
@@ -138,6 +150,14 @@ def out_file(path: Path | None, option: str) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"{option} {path}: cannot create its folder ({error.strerror})") from None
+    existed = path.exists()
+    try:
+        with path.open("a"):  # appending nothing: an existing file keeps its bytes until the command writes
+            pass
+    except OSError as error:
+        raise UsageError(f"{option} {path}: cannot be written ({error.strerror})") from None
+    if not existed:
+        path.unlink()
     return path
 
 

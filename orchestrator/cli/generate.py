@@ -175,7 +175,7 @@ def generate(
     Example: vibetrain generate tiny-qwen3-cpu --seed 4 --print-config > run.yaml; vibetrain generate --config run.yaml
     """
     spec = load_target(target)
-    out = out_dir(out or Path("generated") / spec.id)
+    out, workspaces = out_dir(out or Path("generated") / spec.id), out_dir(workspaces, "--workspaces")
     if print_config:
         values = {p.name: ctx.params[p.name] for p in ctx.command.params if p.name not in RUN_FILE_SKIP}
         if resume:  # what the run state stores wins: the file reproduces that run

@@ -215,6 +215,8 @@ def check(
     if stack is not None:
         stack = candidate_dir(stack)
     out_file(json_path, "--json")
+    if out is not None:
+        out_dir(out)
     judge = session(target, sandbox, time_limit, simulate)
     say_execution(judge, simulate)
     spec = judge.target.spec

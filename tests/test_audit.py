@@ -97,8 +97,11 @@ def test_the_honest_run_passes(honest):
     result = _audit(honest)
     assert result.passed, result.reasons
     assert result.details["replayed_turns"] >= 4
-    # the engines' order of service was witnessed, and held (service_order.py)
-    assert result.details["service_order_witnessed"] > 0 and result.details["service_order_least_margin"] >= 0
+    # the engines' order of service held wherever it was witnessed (service_order.py). How many requests a
+    # run witnesses is the traffic's: 1-273 in the honest runs of judge-service-order.yaml, and none in this
+    # fixture's run once on a loaded CI machine; the rule's power is its plant's (test_stack_kit.py)
+    witnessed = result.details["service_order_witnessed"]
+    assert witnessed >= 0 and (witnessed == 0 or result.details["service_order_least_margin"] >= 0)
 
 
 def test_trajectory_the_harness_never_created(honest):

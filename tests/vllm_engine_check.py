@@ -70,8 +70,10 @@ if __name__ == "__main__":
             task.add_done_callback(lambda _: finished.append(arrival))
             return task
 
-        calls = [call([3, 4, 5], 60, 0), call([6, 7, 8], 20, 1)]
-        await asyncio.sleep(0.05)
+        # the later two are called well before the shorter one's 40 tokens are done (a slot free sooner
+        # would take 3 at once, whatever the order): 10 ms, where a step takes milliseconds
+        calls = [call([3, 4, 5], 100, 0), call([6, 7, 8], 40, 1)]
+        await asyncio.sleep(0.01)
         calls += [call([9, 10, 11], 8, 3), call([12, 13, 14], 8, 2)]
         await asyncio.gather(*calls)
         return finished

@@ -36,15 +36,25 @@ def test_built_model_has_the_spec_shape_and_a_matching_tokenizer(tiny_spec):
 
 
 def test_a_local_path_loads_as_given(tiny_spec, tmp_path, catalog_yaml):
-    from targets.spec import parse_target
+    """A directory is the model when it holds one (config, safetensors, tokenizer) and its config is the
+    spec's; anything else is named at the spec (it was a FileNotFoundError traceback at the first run)."""
+    from targets.spec import SpecError, parse_target
 
     catalog_yaml["model"]["weights"] = str(model_dir(tiny_spec.model))
     spec = parse_target(catalog_yaml)
     assert model_dir(spec.model) == model_dir(tiny_spec.model)
     (tmp_path / "empty").mkdir()
     catalog_yaml["model"]["weights"] = str(tmp_path / "empty")
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        model_dir(parse_target(catalog_yaml).model)
+    with pytest.raises(SpecError, match="is not a model directory: it has no config.json, no safetensors weights, no"):
+        parse_target(catalog_yaml)
+    catalog_yaml["model"]["weights"] = str(model_dir(tiny_spec.model) / "config.json")
+    with pytest.raises(SpecError, match="config.json is a file: give the model's directory"):
+        parse_target(catalog_yaml)
+    catalog_yaml["model"]["weights"] = str(model_dir(tiny_spec.model))
+    catalog_yaml["model"]["config"]["hidden_size"] *= 2
+    hidden = tiny_spec.model.config.hidden_size
+    with pytest.raises(SpecError, match=f"hidden_size: {hidden} in config.json, {2 * hidden} here"):
+        parse_target(catalog_yaml)
 
 
 def test_vocabulary_too_small_is_refused():

@@ -340,9 +340,12 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
     with pytest.raises(SpecError, match="speaks its own text: the model needs a tokenizer with a chat template"):
         _spec(catalog_yaml, environment, tokenizer=None)
     words_model = model_dir(load_target("tiny-qwen3-cpu").model)  # the word-level tokenizer has no chat template
-    catalog_yaml["model"]["weights"] = str(words_model)
+    catalog_yaml["model"].update(
+        weights=str(words_model), tokenizer=None, config=load_target("tiny-qwen3-cpu").model.config.model_dump()
+    )
+    catalog_yaml["workload"].update(environment=environment, turns={"max": 3})
     with pytest.raises(SpecError, match="a model directory whose tokenizer has one"):
-        _spec(catalog_yaml, environment, tokenizer=None)
+        parse_target(catalog_yaml)
     catalog_yaml["model"]["weights"] = "random(0)"
     catalog_yaml["execution"] = "simulated"
     with pytest.raises(SpecError, match="runs for real"):

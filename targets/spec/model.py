@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Literal
@@ -11,6 +12,11 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from targets.spec.base import Strict
 
 RANDOM_WEIGHTS = re.compile(r"^random\((\d+)\)$")
+MODEL_FILES = {  # what a model directory holds (each by any of its names), and what each is called in an error
+    "config.json": ("config.json",),
+    "safetensors weights": ("*.safetensors", "model.safetensors.index.json"),
+    "tokenizer.json": ("tokenizer.json",),
+}
 
 
 class ModelConfig(Strict):
@@ -64,7 +70,31 @@ class ModelSpec(Strict):
         path = path if path.is_absolute() else Path(base) / path
         if not path.exists():
             raise ValueError(f"weights path does not exist: {path} (use a local model directory or random(SEED))")
+        if not path.is_dir():
+            raise ValueError(f"weights {path} is a file: give the model's directory (config, safetensors, tokenizer)")
+        missing = [what for what, names in MODEL_FILES.items() if not any(next(path.glob(n), None) for n in names)]
+        if missing:
+            raise ValueError(f"{path} is not a model directory: it has no {', no '.join(missing)}")
         return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _config_of_the_directory(self) -> ModelSpec:
+        """A model directory's config.json and the spec's ``config`` describe one model: the engines load
+        the directory, the simulator and the cost model read the spec."""
+        if self.random_seed is not None:
+            return self
+        path = Path(self.weights) / "config.json"
+        try:
+            stored = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON ({error})") from None
+        ours = self.config.model_dump()
+        differ = [
+            f"{k}: {v!r} in config.json, {ours[k]!r} here" for k, v in stored.items() if k in ours and ours[k] != v
+        ]
+        if differ:
+            raise ValueError(f"config differs from the model directory's {path}: " + "; ".join(differ))
+        return self
 
     @model_validator(mode="after")
     def _family_fields(self) -> ModelSpec:

@@ -361,6 +361,16 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
     result = CliRunner().invoke(app, ["target", "validate", str(path)])
     assert result.exit_code == 2 and "my_envs has no attribute Nowhere" in result.output
     assert "Traceback" not in result.output
+    # validate makes one environment: params the entry refuses are named there, not 20 s into a check
+    for params, said in (({"highest": 3}, "does not take params {'highest': 3}"), ({}, None)):
+        catalog_yaml["workload"]["environment"] = {
+            "entry": "my_envs:HiddenNumber",
+            "adapter": "gymnasium",
+            "params": params,
+        }
+        path.write_text(yaml.safe_dump(catalog_yaml))
+        result = CliRunner().invoke(app, ["target", "validate", str(path)])
+        assert (result.exit_code, said is None or said in result.output) == (2 if said else 0, True), result.output
 
 
 def _user_target(fast_target, tmp_path, monkeypatch, entry: str, **params) -> Path:

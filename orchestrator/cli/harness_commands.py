@@ -107,13 +107,19 @@ def show_target(target: str) -> None:
 
 @command(target_app, "validate")
 def validate_target(path: Path) -> None:
-    """Validate a target spec YAML; exits non-zero naming each bad field.
+    """Validate a target spec YAML; exits non-zero naming each bad field. A user's environment is made
+    once, through its adapter, so what its entry does with the params is known before any run.
 
     Example: vibetrain target validate my-target.yaml
     """
+    from targets.harness.environments.adapters import environment_factory
+
     if not path.exists():
         raise UsageError(f"target spec file not found: {path}")
     spec = load_target(str(path))
+    environment = spec.workload.environment
+    if environment.entry is not None:
+        environment_factory(str(environment.entry), str(environment.adapter), environment.params)
     console.print(f"[green]ok[/green] {path} is a valid target spec (id {spec.id})")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 import torch
@@ -50,6 +51,12 @@ def test_a_local_path_loads_as_given(tiny_spec, tmp_path, catalog_yaml):
     catalog_yaml["model"]["weights"] = str(model_dir(tiny_spec.model) / "config.json")
     with pytest.raises(SpecError, match="config.json is a file: give the model's directory"):
         parse_target(catalog_yaml)
+    listed = tmp_path / "listed"  # a config.json that is no JSON object: named, not an AttributeError
+    shutil.copytree(model_dir(tiny_spec.model), listed)
+    (listed / "config.json").write_text("[]")
+    catalog_yaml["model"]["weights"] = str(listed)
+    with pytest.raises(SpecError, match="config.json holds a JSON list, not a model config"):
+        parse_target(catalog_yaml)
     catalog_yaml["model"]["weights"] = str(model_dir(tiny_spec.model))
     catalog_yaml["model"]["config"]["hidden_size"] *= 2
     hidden = tiny_spec.model.config.hidden_size
@@ -90,7 +97,6 @@ def test_a_bpe_target_gets_a_chat_tokenizer_and_stops_on_its_end_of_turn(catalog
 
 def test_a_model_directory_brings_its_tokenizer_and_its_generation_configs_end_ids(catalog_yaml, tmp_path):
     import json
-    import shutil
 
     from targets.harness.tokenizer import stop_token_ids
     from targets.spec import SpecError, parse_target

@@ -156,6 +156,13 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
         assert result.exit_code == 2 and "error: --" in result.output, (args, result.output)
         assert "nothing can be made" in result.output or "is a file" in result.output, (args, result.output)
     assert not (tmp_path / "new-run").exists()  # a run refused at its options leaves no half-made repository
+    # printing a run's configuration writes nothing: it works where nothing could be
+    printed = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", "/proc/run", "--print-config"], env=NARROW)
+    assert printed.exit_code == 0 and yaml.safe_load(printed.output)["out"] == "/proc/run", printed.output
+    link = tmp_path / "link.json"  # a link to a file not there yet: the probe leaves the link and makes nothing
+    link.symlink_to(tmp_path / "later.json")
+    refused = runner.invoke(app, ["bench", "tiny-qwen3-cpu", "--json", str(link), "--baselines", "x"])
+    assert refused.exit_code == 2 and link.is_symlink() and not (tmp_path / "later.json").exists(), refused.output
     (tmp_path / "kept.json").write_text("{}")  # a file that is there already keeps its bytes until the end
     refused = runner.invoke(app, ["bench", "tiny-qwen3-cpu", "--json", str(tmp_path / "kept.json"), "--baselines", "x"])
     assert refused.exit_code == 2 and (tmp_path / "kept.json").read_text() == "{}", refused.output

@@ -70,9 +70,9 @@ if __name__ == "__main__":
             task.add_done_callback(lambda _: finished.append(arrival))
             return task
 
-        # the later two are called well before the shorter one's 40 tokens are done (a slot free sooner
+        # the later two are called well before the shorter one's 80 tokens are done (a slot free sooner
         # would take 3 at once, whatever the order): 10 ms, where a step takes milliseconds
-        calls = [call([3, 4, 5], 100, 0), call([6, 7, 8], 40, 1)]
+        calls = [call([3, 4, 5], 160, 0), call([6, 7, 8], 80, 1)]
         await asyncio.sleep(0.01)
         calls += [call([9, 10, 11], 8, 3), call([12, 13, 14], 8, 2)]
         await asyncio.gather(*calls)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 import signal
 import sys
 import tempfile
@@ -67,7 +69,7 @@ def command(typer_app: typer.Typer, name: str) -> Callable:
                 raise typer.Exit(error.exit_code) from None
 
         # the command list shows the docstring's first paragraph as one line (its source lines break mid-sentence)
-        summary = " ".join((function.__doc__ or "").split("\n\n")[0].split())
+        summary = " ".join(re.split(r"\n\s*\n", function.__doc__ or "")[0].split())
         return typer_app.command(name, short_help=summary or None)(run)
 
     return register
@@ -150,15 +152,24 @@ def out_file(path: Path | None, option: str) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"{option} {path}: cannot create its folder ({error.strerror})") from None
-    existed = path.exists()
     try:
-        with path.open("a"):  # appending nothing: an existing file keeps its bytes until the command writes
-            pass
+        _open_for_writing(path)
     except OSError as error:
         raise UsageError(f"{option} {path}: cannot be written ({error.strerror})") from None
-    if not existed:
-        path.unlink()
     return path
+
+
+def _open_for_writing(path: Path) -> None:
+    """Opens ``path`` for writing and leaves it as it was: a file made here is removed, an existing one is
+    opened for appending nothing (its bytes stay until the command writes). A link is probed at its target;
+    a pipe without a reader is refused, never waited on."""
+    target = path.resolve() if path.is_symlink() else path
+    try:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+    else:
+        target.unlink()
 
 
 def candidate_dir(path: Path, option: str = "--stack") -> Path:

@@ -175,7 +175,7 @@ def generate(
     Example: vibetrain generate tiny-qwen3-cpu --seed 4 --print-config > run.yaml; vibetrain generate --config run.yaml
     """
     spec = load_target(target)
-    out, workspaces = out_dir(out or Path("generated") / spec.id), out_dir(workspaces, "--workspaces")
+    out = out or Path("generated") / spec.id
     if print_config:
         values = {p.name: ctx.params[p.name] for p in ctx.command.params if p.name not in RUN_FILE_SKIP}
         if resume:  # what the run state stores wins: the file reproduces that run
@@ -183,6 +183,7 @@ def generate(
         values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
         sys.stdout.write(yaml.safe_dump(values, sort_keys=False))
         raise typer.Exit()
+    out, workspaces = out_dir(out), out_dir(workspaces, "--workspaces")  # printing the config writes neither
     logging.basicConfig(
         level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s"
     )

@@ -86,8 +86,12 @@ class ModelSpec(Strict):
         path = Path(self.weights) / "config.json"
         try:
             stored = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
+        except OSError as error:
+            raise ValueError(f"cannot read {path} ({error.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"{path} is not valid JSON ({error})") from None
+        if not isinstance(stored, dict):
+            raise ValueError(f"{path} holds a JSON {type(stored).__name__}, not a model config (a JSON object)")
         ours = self.config.model_dump()
         differ = [
             f"{k}: {v!r} in config.json, {ours[k]!r} here" for k, v in stored.items() if k in ours and ours[k] != v

@@ -175,6 +175,10 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     ):
         result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), *args], env=NARROW)
         assert result.exit_code == 2 and said in result.output, result.output
+    twice = runner.invoke(
+        app, ["bench", "tiny-qwen3-cpu", "--baselines", "colocate", "--stack", str(stack), "--stack", str(stack)]
+    )
+    assert twice.exit_code == 2 and "two runs share a name" in twice.output, twice.output  # said before any run
 
 
 def test_a_corrupt_run_state_is_named_with_advice_that_works(tmp_path):

@@ -632,6 +632,12 @@ def test_calibrate_refuses_a_directory_that_is_not_a_candidate(tmp_path):
     assert result.exit_code == 2 and "not a candidate directory" in result.output
 
 
+def test_calibrate_names_a_trace_that_is_a_directory(tmp_path, tiny_spec):
+    stack = write_starter(tmp_path / "stack", tiny_spec, "colocate")
+    result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), "--trace", str(tmp_path)])
+    assert result.exit_code == 2 and "a directory, not a file (the trace.jsonl" in result.output, result.output
+
+
 def _trace_line(kind: str, t: float, **data) -> str:
     return json.dumps({"kind": kind, "t": t, "data": data}) + "\n"
 

@@ -344,6 +344,8 @@ def bench(
         stacks.append((path.name, path))
     if not stacks:
         raise UsageError("nothing to benchmark: give --baselines and/or --stack")
+    if len({name for name, _ in stacks}) < len(stacks):  # a run is named by its directory: say so before any run
+        raise UsageError(f"two runs share a name: {[n for n, _ in stacks]}; rename a candidate directory")
     progress = Progress(
         TextColumn("[bold]bench"),
         BarColumn(),
@@ -448,7 +450,8 @@ def calibrate(
     stack = candidate_dir(stack)
     out = out_file(out, "--out")  # before the run: a typo never costs it
     if trace is not None and not trace.is_file():
-        raise UsageError(f"--trace {trace}: no such file (the trace.jsonl of a recorded real run)")
+        what = "a directory, not a file" if trace.is_dir() else "no such file"
+        raise UsageError(f"--trace {trace}: {what} (the trace.jsonl of a recorded real run)")
     work = Path(tempfile.mkdtemp(prefix="vibetrain-calibrate-"))
     doing = (
         f"fitting to {trace}, then simulating {stack}"

@@ -293,7 +293,7 @@ def bench(
     Example: vibetrain bench tiny-qwen3-cpu --baselines colocate --stack generated/tiny-qwen3-cpu@best --json b.json
     """
     from skills.starter import baseline_params, write_starter
-    from targets.harness.measure.benchmark import BenchmarkFailed, benchmark
+    from targets.harness.measure.benchmark import BenchmarkFailed, benchmark, refuse_shared_names
     from targets.harness.measure.timeline import plot_step_phases, plot_timelines
     from targets.harness.measure.tracking import track_trace, write_chrome_trace
 
@@ -344,8 +344,7 @@ def bench(
         stacks.append((path.name, path))
     if not stacks:
         raise UsageError("nothing to benchmark: give --baselines and/or --stack")
-    if len({name for name, _ in stacks}) < len(stacks):  # a run is named by its directory: say so before any run
-        raise UsageError(f"two runs share a name: {[n for n, _ in stacks]}; rename a candidate directory")
+    refuse_shared_names(stacks)  # before the progress bar: asked wrongly, not a run that failed
     progress = Progress(
         TextColumn("[bold]bench"),
         BarColumn(),

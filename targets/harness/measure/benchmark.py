@@ -119,6 +119,17 @@ class BenchmarkFailed(UserError, RuntimeError):
     exit_code = 1
 
 
+class SharedRunName(UserError, ValueError):
+    """Two stacks of one bench under one name (a run is named by its directory): asked wrongly."""
+
+
+def refuse_shared_names(stacks: list[tuple[str, Path]]) -> None:
+    """Before any run: the bench's results and timeline are keyed by each stack's name."""
+    names = [name for name, _ in stacks]
+    if len(set(names)) != len(names):
+        raise SharedRunName(f"two runs share a name: {names}; rename a candidate directory")
+
+
 def benchmark(
     session: Session,
     stacks: list[tuple[str, Path]],
@@ -133,9 +144,7 @@ def benchmark(
     checks fails its stack (``BenchRun.failures``), not the bench: the others are still measured and
     paired with the first stack that passed."""
     sessions = sessions or {}
-    names = [name for name, _ in stacks]
-    if len(set(names)) != len(names):
-        raise BenchmarkFailed(f"two runs share a name: {names}; rename a candidate directory")
+    refuse_shared_names(stacks)
     seeds = seeds or list(range(repeat))
     # each repeat in the other order (A B, B A, ...), as ``Session.compare`` pairs: a warm-up or an order
     # effect then falls on every stack alike, not on the ratios

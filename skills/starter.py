@@ -83,7 +83,8 @@ def write_starter(directory: Path, spec, controller: str, params: dict | None = 
     for recipe in sorted(RECIPES.glob("*.py")):
         if recipe.name != "__init__.py":
             shutil.copy2(recipe, stack / recipe.name)
-            expand_file(stack / recipe.name)  # recipes carry validation annotations (skills/validation/PATTERNS.md)
+            # recipes carry validation annotations (skills/validation/PATTERNS.md)
+            expand_file(stack / recipe.name, directory)
     (stack / "__init__.py").write_text(
         '"""A vibetrain candidate stack."""\n\nfrom .build import build\n\n__all__ = ["build"]\n'
     )

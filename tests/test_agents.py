@@ -91,6 +91,21 @@ def test_the_recipes_carry_annotations_and_starters_carry_none(tmp_path, tiny_sp
     assert "# VAL expanded: VAL_INT_RANGE" in (stack / "stack" / "time_multiplex.py").read_text()
 
 
+def test_an_expanded_check_names_its_file_as_the_stack_does_so_rounds_diff_only_what_changed(tmp_path, tiny_spec):
+    """Each round works in its own worktree: a check naming the worktree's absolute path changed in every
+    round's diff though nothing else in the module did."""
+    from agents.offline.implementer import OfflineImplementer
+
+    first = write_starter(tmp_path / "round-1", tiny_spec, "colocate")
+    second = write_starter(tmp_path / "round-2", tiny_spec, "colocate")
+    task = Task(id="env", title="refresh the manager", rationale="the library's is newer", skills=["env_manager"])
+    for workspace in (first, second):
+        OfflineImplementer(tiny_spec, OfflinePlanner(tiny_spec)).implement(task, workspace, [])
+    text = (first / "stack" / "env_manager.py").read_text()
+    assert "from stack/env_manager.py:" in text and str(tmp_path) not in text
+    assert text == (second / "stack" / "env_manager.py").read_text()
+
+
 def test_the_offline_implementer_brings_the_recipes_a_refreshed_module_imports(tmp_path, tiny_spec):
     """A run resumed on a stack written before ``rendezvous.py`` existed: refreshing ``fsdp_trainer.py``
     alone left it importing a module the stack lacked, and the attempt failed on an ImportError."""

@@ -129,7 +129,7 @@ def expand_annotations(workspace: Path) -> list[str]:
     problems = []
     for path in sorted((workspace / "stack").rglob("*.py")):
         try:
-            expand_file(path)
+            expand_file(path, workspace)
         except (AnnotationError, UnicodeDecodeError) as error:  # the model wrote it: the model fixes it
             problems.append(f"annotation error: {error}")
     return problems

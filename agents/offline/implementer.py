@@ -50,7 +50,7 @@ class OfflineImplementer:
         for module in sorted(recipe_imports(modules)):
             before = (stack / module).read_bytes() if (stack / module).exists() else None
             shutil.copy2(RECIPES / module, stack / module)
-            expand_file(stack / module)
+            expand_file(stack / module, workspace)
             if (stack / module).read_bytes() != before:
                 changed.append(f"stack/{module}")
         params = json.loads((stack / "params.json").read_text())
@@ -61,7 +61,7 @@ class OfflineImplementer:
         (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         changed.append("stack/params.json")
         for path in sorted(stack.glob("*.py")):
-            if expand_file(path):
+            if expand_file(path, workspace):
                 changed.append(f"stack/{path.name}")
         summary = f"{task.title} ({', '.join(f'{k}={v}' for k, v in task.changes.items()) or 'no parameter change'})"
         if feedback:

@@ -205,8 +205,10 @@ def expand_source(source: str, filename: str = "<source>") -> tuple[str, int]:
     return expanded, count
 
 
-def expand_file(path: Path) -> int:
-    expanded, count = expand_source(path.read_text(), str(path))
+def expand_file(path: Path, root: Path) -> int:
+    """Expands ``path`` in place; its functions name it relative to ``root`` (the workspace), so a
+    round's diff does not change where an unchanged check came from."""
+    expanded, count = expand_source(path.read_text(), str(path.relative_to(root)))
     if count:
         path.write_text(expanded)
     return count

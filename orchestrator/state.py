@@ -51,10 +51,11 @@ class Promotion(BaseModel):
     high: float | None
     pairs: int
     against: str = ""
+    baseline_median: float | None = None  # the best's headline beside it (older records did not store it)
     threshold: float | None = None  # older records did not store it
 
     def paired(self) -> Paired:
-        return Paired(self.ratio, self.low, self.high, self.pairs, self.against)
+        return Paired(self.ratio, self.low, self.high, self.pairs, self.against, self.baseline_median)
 
 
 class Prediction(BaseModel):

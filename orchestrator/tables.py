@@ -140,11 +140,13 @@ def costs_table(runs, simulated: bool) -> Table:
 
 
 def paired_cell(paired: Promotion | None) -> str:
-    """'+36% [+6%, +76%]': the candidate over the best, paired by seed, with its 95% interval."""
+    """'+36% [+6%, +76%] of 0.52': the candidate over the best, paired by seed, with its 95% interval and
+    the best's headline on those seeds (the best column's figure is from the best's own round's seeds)."""
     if paired is None:
         return "-"
     interval = "unbounded" if paired.high is None else f"{paired.low - 1:+.0%}, {paired.high - 1:+.0%}"
-    return f"{paired.ratio - 1:+.0%} [{interval}]"
+    beside = f" of {num(paired.baseline_median)}" if paired.baseline_median is not None else ""
+    return f"{paired.ratio - 1:+.0%} [{interval}]{beside}"
 
 
 class RoundsView:
@@ -219,7 +221,9 @@ def promotion(record, threshold: float | None = None) -> str:
     paired = record.paired.paired()
     verb = "promoted" if record.became_best else "not promoted"
     rule = f"; promotion needs the interval's low end above +{threshold:.0%}" if threshold is not None else ""
-    return f"{verb}: {paired.describe()} against the best{rule}"
+    beside = paired.baseline_median
+    best = f" (the best: {num(beside)} on the same seeds)" if beside is not None else ""
+    return f"{verb}: {paired.describe()} against the best{best}{rule}"
 
 
 def promotion_short(record) -> str:

@@ -95,6 +95,7 @@ def _make_run(tmp_path: Path) -> tuple[Path, dict[int, str]]:
     metrics = {"goodput": 4.0, "step_time_s": 3.0, "trained_tokens_per_s": 400.0}
     round_(0, None, "accepted", "colocate", headline=4.0, metrics=metrics, spread={"goodput": 0.4}, became_best=True)
     paired = {"ratio": 1.5, "low": 1.3, "high": 1.7, "pairs": 3, "against": "best", "threshold": 0.05}
+    paired["baseline_median"] = 0.48  # the best beside it, on the pairs' seeds
     metrics = {"goodput": 6.0, "trained_tokens_per_s": 440.0}
     round_(1, 0, "accepted", "static_split", headline=6.0, metrics=metrics, spread={"goodput": 0.5}, paired=paired,
            became_best=True)  # fmt: skip
@@ -133,7 +134,9 @@ def test_every_round_expands_to_its_diff_judge_evidence_and_timeline(report):
     promoted = _round_block(html, 1)
     assert "static_split" in promoted and 'class="d-add"' in promoted  # the diff, lines coloured
     assert "max_logprob_diff=0.00123" in promoted and 'class="pass"' in promoted  # the judge's margins
-    assert "+50.0%, interval [+30.0%, +70.0%] over 3 pair(s) against the best" in promoted
+    pair = "+50.0%, interval [+30.0%, +70.0%] over 3 pair(s) against the best (the best: 0.48 on the same seeds)"
+    assert pair in promoted
+    assert "+50% [+30%, +70%] of 0.48" in html  # the table's cell: a round's figure against the best's beside it
     assert 'alt="round 1 timeline"' in promoted
     assert commits[1] in promoted
     rejected = _round_block(html, 2)
@@ -142,7 +145,7 @@ def test_every_round_expands_to_its_diff_judge_evidence_and_timeline(report):
     assert "only accepted rounds are measured" in rejected
     old = _round_block(html, 3)
     assert "no judge evidence recorded: this run was made before accepted rounds kept" in old
-    assert "not promoted: +1.0%, interval" in old
+    assert "not promoted: +1.0%, interval" in old and "same seeds" not in old  # made before pairs kept the best's
     assert "screened out" in _round_block(html, 4)
     assert "failed before anything was committed" in _round_block(html, 5)
     assert "b/.vibetrain/" not in html  # bookkeeping never buries the change

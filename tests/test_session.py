@@ -43,6 +43,7 @@ def test_a_paired_ratio_with_its_interval():
     assert paired.low < paired.ratio < paired.high and paired.pairs == 3
     assert paired.clears(0.05) is (paired.low > 1.05)
     assert "interval [" in paired.describe() and "+10.0%" in paired.describe()
+    assert Paired.of([110, 106, 114], [100, 90, 104]).baseline_median == 100  # the baseline's figure beside it
 
 
 def test_noise_as_large_as_the_gain_keeps_a_candidate_from_promotion():

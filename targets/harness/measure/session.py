@@ -172,6 +172,7 @@ class Paired:
     high: float | None  # None: unbounded (a single real pair says nothing of noise)
     pairs: int
     against: str = ""
+    baseline_median: float | None = None  # the baseline's headline beside the candidate (median of its runs)
 
     @classmethod
     def of(
@@ -185,9 +186,10 @@ class Paired:
         logs = [_log_ratio(c, b) if maximize else _log_ratio(b, c) for c, b in zip(candidate, baseline)]
         n = len(logs)
         mean = statistics.fmean(logs)
+        beside = statistics.median(baseline[:n])
         if not all(math.isfinite(x) for x in logs):  # a headline of zero or infinity: no interval
             ratio = 0.0 if mean == -math.inf else math.inf if mean == math.inf else math.nan
-            return cls(ratio, 0.0, None, n, against)
+            return cls(ratio, 0.0, None, n, against, beside)
         if n < 2:
             half = (
                 0.0 if deterministic else math.inf
@@ -196,8 +198,8 @@ class Paired:
             t = T_975[max(df for df in T_975 if df <= n - 1)]  # between rows, the wider: never too narrow
             half = t * statistics.stdev(logs) / math.sqrt(n)
         if math.isinf(half):
-            return cls(math.exp(mean), 0.0, None, n, against)
-        return cls(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, against)
+            return cls(math.exp(mean), 0.0, None, n, against, beside)
+        return cls(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, against, beside)
 
     def clears(self, noise_threshold: float) -> bool:
         return self.low > 1 + noise_threshold
@@ -215,7 +217,14 @@ class Paired:
         return f"{pct(self.ratio)}, interval [{pct(self.low)}, {pct(self.high)}] over {self.pairs} pair(s)"
 
     def as_dict(self) -> dict:
-        return {"ratio": self.ratio, "low": self.low, "high": self.high, "pairs": self.pairs, "against": self.against}
+        return {
+            "ratio": self.ratio,
+            "low": self.low,
+            "high": self.high,
+            "pairs": self.pairs,
+            "against": self.against,
+            "baseline_median": self.baseline_median,
+        }
 
 
 @dataclass

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import json
 import re
 import shutil
 import sys
@@ -34,6 +35,7 @@ from pathlib import Path
 import yaml
 
 import targets
+from agents.offline.planner import OfflinePlanner
 from targets.errors import UserError
 from targets.spec import SpecError, TargetSpec, load_target, parse_target
 
@@ -98,6 +100,7 @@ def export_project(candidate: Path, target: str, out: Path, source: str | None =
             f"target {spec.id} has a reward model (workload.reward_model): the exported launcher trains on its "
             "environment's rewards alone, with no judge to score them; export is for targets without one"
         )
+    _refuse_unplaceable(candidate, spec, source or str(candidate))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-export-", dir=out.parent))
     try:
@@ -110,6 +113,29 @@ def export_project(candidate: Path, target: str, out: Path, source: str | None =
             shutil.rmtree(staging)
     exported.out = out
     return exported
+
+
+def _refuse_unplaceable(candidate: Path, spec: TargetSpec, source: str) -> None:
+    """A stack whose ``params.json`` asks for devices the target lacks (a run's best exported with
+    ``--target`` naming a smaller machine) would fail its own placement check in ``train.py``: named
+    here instead. The parameters the skills library declares are held to their ranges on this target,
+    and the devices they name to its count; a parameter of the stack's own is its business."""
+    path = candidate / "stack" / "params.json"
+    if not path.is_file():
+        return  # a stack of its own making, without the library's parameters
+    try:
+        params = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ExportError(f"{path}: not JSON ({error})") from None
+    planner = OfflinePlanner(spec)
+    declared = {name for skill in planner.skills.values() for name in skill.params}
+    outside = [f"{k}={v!r}" for k, v in params.items() if k in declared and not planner.legal(k, v)]
+    if outside or not planner.fits(params):
+        what = f"{', '.join(outside)} outside its range" if outside else "its devices do not add up"
+        raise ExportError(
+            f"{source}: the stack does not fit target {spec.id} ({spec.hardware.count} devices): {what} "
+            f"(stack/params.json); export it for the target it was made for, or edit its params.json"
+        )
 
 
 def _write(candidate: Path, spec: TargetSpec, root: Path, source: str) -> Exported:

@@ -139,6 +139,18 @@ def test_an_out_that_is_a_file_or_a_non_empty_directory_is_refused(tmp_path, sta
     assert (empty / "train.py").is_file() and not list(tmp_path.glob(".empty-export-*"))
 
 
+def test_a_stack_asking_for_more_devices_than_the_target_has_is_refused_before_anything_is_written(tmp_path):
+    """The best of a 16-device run exported for the 2-device CPU target: train.py would fail the stack's own
+    placement check; the export names the parameter instead."""
+    big = write_starter(tmp_path / "big", load_target("qwen3-8b-h800x16"), "time_multiplex")
+    with pytest.raises(ExportError, match=r"does not fit target tiny-qwen3-cpu \(2 devices\): train_devices=8 outside"):
+        export_project(big, "tiny-qwen3-cpu", tmp_path / "out")
+    (big / "stack" / "params.json").write_text("{not json")
+    with pytest.raises(ExportError, match=r"params.json: not JSON"):
+        export_project(big, "tiny-qwen3-cpu", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out-export-*"))
+
+
 def test_a_stack_importing_vibetrain_internals_is_refused_by_file_and_line(tmp_path, starter):
     (starter / "stack" / "sneaky.py").write_text('"""x"""\n\nfrom orchestrator.state import RunState\n')
     with pytest.raises(ExportError, match=r"stack/sneaky.py:3 imports orchestrator.state"):

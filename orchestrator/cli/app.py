@@ -128,7 +128,7 @@ def out_dir(path: Path, option: str = "--out") -> Path:
     nothing can be made in, is refused by name. The check leaves nothing behind (``--resume`` reads
     whether a run's directory exists)."""
     if path.exists() and not path.is_dir():
-        raise UsageError(f"{option} {path}: a file is there; give a directory (new or existing)")
+        raise UsageError(f"{option} {path}: a file is there; give a directory path")
     there = path
     while not there.exists():
         there = there.parent

@@ -16,8 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agents.factory import BACKENDS
 from skills.starter import CONTROLLERS
 from targets.errors import UserError
+from targets.harness.isolation.sandbox import BACKENDS as SANDBOX_BACKENDS
 
 POLICIES = ("backlog", "evolve", "llm")
+SANDBOXES = ("auto", *SANDBOX_BACKENDS)
 LLM_BACKENDS = ("openai", "anthropic")
 
 
@@ -85,6 +87,13 @@ class RunConfig(BaseModel):
     def _agents(cls, value: str) -> str:
         if value not in BACKENDS:
             raise ValueError(unknown("agent backend", value, BACKENDS))
+        return value
+
+    @field_validator("sandbox")
+    @classmethod
+    def _sandbox(cls, value: str) -> str:
+        if value not in SANDBOXES:
+            raise ValueError(unknown("sandbox", value, SANDBOXES))
         return value
 
     @field_validator("starter")

@@ -154,13 +154,18 @@ def start_run(
     )
     _check_backend(config.agents, config.llm, config.max_cost)
     about = f"policy {config.policy}, agents {config.agents}, seed {config.seed}"
+    made = run_dir  # the outermost folder this run makes (generated/ too on a first run); None: the user's
+    while not made.parent.exists():
+        made = made.parent
+    made = None if run_dir.exists() else made
     history = History.create(run_dir, f"vibetrain run: {config.target_id}\n\n{about}")
     state = new_state(config)
     state.save(run_dir)
     try:
         return _loop(resolved, state, history, run_dir, workspaces, on_event)
-    except RunSetupError:  # nothing ran: take the new repository back, so the same command can be retried
-        shutil.rmtree(run_dir)
+    except RunSetupError:  # nothing ran: take back what it made, so the same command can be retried
+        for path in [made] if made is not None else list(run_dir.iterdir()):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         raise
 
 

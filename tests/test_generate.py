@@ -615,6 +615,28 @@ def test_an_unknown_policy_is_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_an_unknown_sandbox_is_refused_before_anything_is_written(tmp_path):
+    result = runner.invoke(
+        app, ["generate", "tiny-qwen3-cpu", "--sandbox", "nope", "--out", str(tmp_path / "r")], env=ENV
+    )
+    assert result.exit_code == 2 and "unknown sandbox 'nope'; known: auto, bubblewrap" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_sandbox_that_cannot_run_takes_back_every_folder_the_run_made(tmp_path, monkeypatch):
+    """Docker named without an image: the run's repository was taken back, the folders above it that the
+    same command made (generated/ on a first run) were left behind."""
+    monkeypatch.delenv("VIBETRAIN_DOCKER_IMAGE", raising=False)
+    out = tmp_path / "generated" / "runs" / "r"
+    result = runner.invoke(app, ["generate", "qwen3-8b-h800x16", "--sandbox", "docker", "--out", str(out)], env=ENV)
+    assert result.exit_code == 2 and "--sandbox docker: set VIBETRAIN_DOCKER_IMAGE" in result.output, result.output
+    assert not (tmp_path / "generated").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()  # an empty folder of the user's is emptied, not removed
+    result = runner.invoke(app, ["generate", "qwen3-8b-h800x16", "--sandbox", "docker", "--out", str(mine)], env=ENV)
+    assert result.exit_code == 2 and mine.is_dir() and not list(mine.iterdir())
+
+
 def test_two_runs_named_alike_keep_their_worktrees_apart(tmp_path):
     """The default workspaces folder was keyed by the run directory's name: /a/run and /b/run met there."""
     from orchestrator.runs import run_workspaces

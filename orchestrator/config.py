@@ -113,6 +113,12 @@ class RunConfig(BaseModel):
             )
         return self
 
+    def llm_options_given(self) -> list[str]:
+        """The flags of LLM-only settings this config holds (``--model``, ``--max-cost``, ...)."""
+        given = [*(n for n, v in self.llm if v is not None and n != "stream")]
+        given += [n for n in ("max_cost", "max_tokens") if getattr(self, n) is not None]
+        return ["--" + name.replace("_", "-") for name in given]
+
     @classmethod
     def resumable_fields(cls) -> tuple[str, ...]:
         return tuple(

@@ -80,6 +80,15 @@ def _loop(
     return loop
 
 
+def _refuse_llm_options_offline(agents: str, flags: list[str]) -> None:
+    """A forgotten ``--agents`` would otherwise run the offline agents without a word about the model."""
+    if agents == "offline" and flags:
+        raise RunSetupError(
+            f"{', '.join(flags)} given with the offline agents, which call no LLM: give --agents openai, "
+            f"anthropic or cli:..., or leave {'them' if len(flags) > 1 else 'it'} out"
+        )
+
+
 def _check_backend(agents: str, llm: LLMConfig, max_cost: float | None = None) -> None:
     """What an agent backend needs, checked before the run writes anything."""
     if agents in LLM_BACKENDS:
@@ -152,6 +161,7 @@ def start_run(
             "prescreen": config.prescreen and not resolved.simulated,
         }
     )
+    _refuse_llm_options_offline(config.agents, config.llm_options_given())
     _check_backend(config.agents, config.llm, config.max_cost)
     about = f"policy {config.policy}, agents {config.agents}, seed {config.seed}"
     made = run_dir  # the outermost folder this run makes (generated/ too on a first run); None: the user's
@@ -206,6 +216,8 @@ def resume_run(
             f"validated one, so --resume has nothing to go on from. Fix the cause and start the run again "
             f"(remove {run_dir}, or give another --out); vibetrain log {run_dir} shows the attempt"
         )
+    budgets = [f"--{name.replace('_', '-')}" for name in ("max_cost", "max_tokens") if overrides.get(name) is not None]
+    _refuse_llm_options_offline(state.config.agents, budgets)
     try:
         state.config = state.config.resumed(overrides)
     except ConfigError as error:

@@ -623,6 +623,16 @@ def test_an_unknown_sandbox_is_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(
+    "options, named", [(["--model", "gpt-4o"], "--model given"), (["--max-cost", "2"], "--max-cost given")]
+)
+def test_llm_options_without_an_llm_backend_are_refused_not_ignored(tmp_path, options, named):
+    """A forgotten --agents ran the offline agents, the model and the budget silently unused."""
+    result = runner.invoke(app, ["generate", "qwen3-8b-h800x16", *options, "--out", str(tmp_path / "r")], env=ENV)
+    assert result.exit_code == 2 and f"{named} with the offline agents" in result.output, result.output
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_sandbox_that_cannot_run_takes_back_every_folder_the_run_made(tmp_path, monkeypatch):
     """Docker named without an image: the run's repository was taken back, the folders above it that the
     same command made (generated/ on a first run) were left behind."""

@@ -136,6 +136,17 @@ def tasks(size: int = 3):
     return Tasks({"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(size))
 
 
+class Unscored(Tasks):
+    """A task set whose scorer forgot its return: every answer scored None."""
+
+    def score_answer(self, answer, entry):
+        answer.strip() == entry["answer"]
+
+
+def unscored():
+    return Unscored(tasks())
+
+
 class Quits(Echo):
     """An async text environment whose step calls sys.exit() (a tool's error path that exits)."""
 
@@ -322,6 +333,15 @@ def test_an_environment_that_raises_is_named_with_its_episode_and_turn(catalog_y
     asyncio.run(episode.reset())
     asyncio.run(episode.step([5, 6]))
     with pytest.raises(UserEnvironmentError, match="environment my_envs:Breaks raised KeyError at turn 2 of g0/e0"):
+        asyncio.run(episode.step([5, 6]))
+
+
+def test_a_task_set_scoring_no_number_is_named_not_read_as_a_zero_reward(catalog_yaml, user_package):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:unscored", "adapter": "tasks"})
+    pool, _ = _pool(spec)
+    episode = pool.new_group()[0]
+    asyncio.run(episode.reset())
+    with pytest.raises(UserEnvironmentError, match="raised TypeError at turn 1 of g0/e0: score_answer returned None"):
         asyncio.run(episode.step([5, 6]))
 
 

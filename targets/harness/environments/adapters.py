@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import importlib
 import inspect
+import numbers
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -174,7 +175,9 @@ class TaskSet:
 
     async def step(self, action: str) -> TextStep:
         score = await in_user_thread(self.tasks.score_answer, action, self.entry)
-        return TextStep("", float(score or 0.0), True)
+        if not isinstance(score, numbers.Real):  # a None read as 0 would train on a reward nobody gave
+            raise TypeError(f"score_answer returned {score!r}, not a number")
+        return TextStep("", float(score), True)
 
 
 def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], TextEnvironment]:

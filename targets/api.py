@@ -316,8 +316,8 @@ class TextStep:
 class TextEnvironment(Protocol):
     """A user's own environment (``workload.environment.entry``; ``environments/adapters.py`` makes
     one from gymnasium-style environments and verifiable task sets). One instance an episode, run by
-    the harness in its processes: text in, text out, the reward is the reward; ``task`` is the seed
-    the episode's group shares."""
+    the harness in its processes: text in, text out, the reward is the reward; ``task`` is the seed the
+    episode's group shares. Its ``async close()``, if any, is awaited once the episode (or the run) ends."""
 
     async def reset(self, task: int) -> str: ...
 

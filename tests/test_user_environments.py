@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from targets.spec import SpecError, load_target, parse_target
 
 PACKAGE = '''
 import asyncio
+import itertools
 import os
 import random
 import re
@@ -41,12 +43,25 @@ import time
 
 from targets.api import TextStep
 
+LEDGER = os.path.join(os.path.dirname(__file__), "ledger.txt")  # each instance made, and each close()
+NUMBERS = itertools.count()
+
+
+def _note(what, name):
+    with open(LEDGER, "a") as ledger:
+        ledger.write(f"{what} {name}\\n")
+
 
 class HiddenNumber:
     """gymnasium-style: find a number from 1 to ``high``; the answer's first number counts."""
 
     def __init__(self, high: int = 3):
         self.high = high
+        self.name = f"{os.getpid()}-{next(NUMBERS)}"
+        _note("made", self.name)
+
+    def close(self):
+        _note("closed", self.name)
 
     def reset(self, seed=None):
         self.secret = random.Random(seed).randint(1, self.high)
@@ -72,6 +87,13 @@ class Echo:
 
     async def step(self, action):
         return TextStep(f"You said {action!r}.", float(action.count(self.word)), True)
+
+
+class ClosesBadly(HiddenNumber):
+    """Its close() raises (a subprocess it holds is already gone)."""
+
+    def close(self):
+        raise ProcessLookupError("no such process")
 
 
 class Breaks:
@@ -345,6 +367,21 @@ def test_a_task_set_scoring_no_number_is_named_not_read_as_a_zero_reward(catalog
         asyncio.run(episode.step([5, 6]))
 
 
+def test_an_environment_is_closed_once_and_a_close_that_raises_is_named(catalog_yaml, user_package):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium"})
+    pool, _ = _pool(spec)
+    episode = pool.new_group()[0]
+    asyncio.run(episode.reset())
+    asyncio.run(episode.close())
+    asyncio.run(episode.close())  # the run's end closing what an ended episode already closed
+    made, closed = _ledger(Path(sys.modules["my_envs"].LEDGER).parent)  # the module imported first, this process
+    assert closed[episode.environment.env.name] == 1 and made[episode.environment.env.name] == 1
+    spec = _spec(catalog_yaml, {"entry": "my_envs:ClosesBadly", "adapter": "gymnasium"})
+    episode = _pool(spec)[0].new_group()[0]
+    with pytest.raises(UserEnvironmentError, match="ClosesBadly raised ProcessLookupError closing g0/e0: no such"):
+        asyncio.run(episode.close())
+
+
 def test_a_sys_exit_in_an_async_environment_is_named_and_never_stops_the_harness(catalog_yaml, user_package):
     spec = _spec(catalog_yaml, {"entry": "my_envs:Quits", "adapter": "text"})
     pool, _ = _pool(spec)
@@ -428,6 +465,15 @@ def test_a_real_run_on_a_user_environment_passes_check_with_its_rewards(
     assert run.results["audit"]["result"]["passed"], run.results["audit"]["result"]["reasons"]
     steps = [e for e in Trace.load_events(run.out / "trace.jsonl") if e.kind == "env_step"]
     assert steps and {e.data["reward"] for e in steps} <= {0.0, 1.0} and max(e.data["turn"] for e in steps) <= 3
+    made, closed = _ledger(tmp_path)
+    assert len(made) >= len({e.data["episode"] for e in steps})  # one an episode (the system run's, and more)
+    assert closed == made  # every environment the run made was closed once (ended, dropped or under way)
+
+
+def _ledger(folder: Path) -> tuple[Counter, Counter]:
+    """What the package's HiddenNumber wrote of the instances it made and those it closed."""
+    lines = [line.split() for line in (folder / "ledger.txt").read_text().splitlines()]
+    return Counter(n for what, n in lines if what == "made"), Counter(n for what, n in lines if what == "closed")
 
 
 @pytest.mark.slow

@@ -162,6 +162,12 @@ class GymnasiumText:
         observation, reward, terminated, truncated, _ = await in_user_thread(self.env.step, action)
         return TextStep(str(observation), float(reward), bool(terminated or truncated))
 
+    async def close(self) -> None:
+        """gymnasium's ``close()``, where the environment has one: what it holds (a subprocess, a socket)
+        is let go."""
+        if callable(getattr(self.env, "close", None)):
+            await in_user_thread(self.env.close)
+
 
 class TaskSet:
     """``TextEnvironment`` over a set of verifiable tasks: one turn, its score the reward."""

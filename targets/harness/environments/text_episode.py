@@ -20,6 +20,7 @@ from targets.harness.environments.chat_format import ChatFormat
 
 HUNG = object()  # what ``_call`` returns for a call that did not answer in time
 TIMEOUT_MARGIN_S = 0.01  # waited past the trajectory's deadline, so the harness clock sees it passed
+CLOSE_LIMIT_S = 30.0  # how long an environment's close() may take
 
 
 async def _named_exit(call: Awaitable) -> Any:
@@ -42,7 +43,22 @@ class TextEpisode(Episode):
 
     def __init__(self, *, environment: TextEnvironment, chat: ChatFormat, entry: str, **kwargs) -> None:
         self.environment, self.chat, self.entry = environment, chat, entry
+        self.closed = False
+        self.abandoned = False  # a call of the environment did not answer in time and may still be running
         super().__init__(**kwargs)
+
+    async def close(self) -> None:
+        """The environment's ``close()``, once, where it has one: as the episode ends, or at the run's end
+        for an episode that never did. Not while a call abandoned as hung may still be running in it (a
+        gymnasium environment is not safe to close under its own step)."""
+        close = getattr(self.environment, "close", None)
+        if self.closed or self.abandoned or close is None:
+            return
+        self.closed = True
+        if await self._call(close(), "closing", CLOSE_LIMIT_S) is HUNG:
+            raise UserEnvironmentError(
+                f"environment {self.entry} did not close {self.episode_id} within {CLOSE_LIMIT_S:g} s: a hung close()"
+            )
 
     def make_task(self, rng: random.Random) -> int:
         """The seed the environment resets from (a group's members share it: one task)."""
@@ -59,9 +75,11 @@ class TextEpisode(Episode):
             done, _ = await asyncio.wait({answering}, timeout=limit)
         except asyncio.CancelledError:  # the episode itself was abandoned: so is its call
             answering.cancel()
+            self.abandoned = True
             raise
         if not done:
             answering.cancel()
+            self.abandoned = True
             return HUNG
         if answering.cancelled():  # the user's own coroutine cancelled itself
             raise UserEnvironmentError(f"environment {self.entry} was cancelled {doing} {self.episode_id}")

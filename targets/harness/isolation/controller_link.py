@@ -98,6 +98,9 @@ class ControllerLink:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            unclosed = await self._close_environments()
+        if unclosed:  # the run itself succeeded: an environment that would not close still fails it
+            raise unclosed[0]
 
     def _on_frame(self, rx: Received) -> None:
         if self.done.done():
@@ -323,30 +326,49 @@ class ControllerLink:
         the contract forbids (a second reset, a step after the end) is the controller's error; the
         environment raising ends the run with its message (the user's code, not the candidate's)."""
         self.activity.begin(episode.episode_id)
-        under_way = True
+        under_way, ended = True, False
         try:
             if action is None:
                 reply.header["observation"] = put_tokens(reply, await episode.reset(), self.memory.counts)
             else:
                 result = await episode.step(action)
                 self.activity.end(episode.episode_id, finished=result.done)  # a verdict may follow
-                under_way = False
+                under_way, ended = False, result.done
                 if self._judged(result):  # the judge's score joins the last turn's reward
                     verdict = asyncio.get_running_loop().create_future()
                     self.judge(episode, lambda score: None if verdict.done() else verdict.set_result(score))
                     result = dataclasses.replace(result, reward=result.reward + await verdict)
                 reply.header["result"] = put_step_result(reply, result, self.memory.counts)
         except UserError as error:
+            self._tasks.pop(key, None)
             self.fail(error)
             return
         except Exception as error:  # noqa: BLE001 - _error_reply sorts out what the controller is told
             reply = self._error_reply(request_id, error)
         finally:
-            self._tasks.pop(key, None)
             if under_way:  # a reset, or a call that raised
                 self.activity.end(episode.episode_id)
         if reply is not None:
             self.send(reply)
+        try:
+            if ended:  # the episode's last turn is answered: what its environment holds is let go
+                await episode.close()
+        except UserError as error:
+            self.fail(error)
+        finally:
+            self._tasks.pop(key, None)
+
+    async def _close_environments(self) -> list[UserError]:
+        """At the run's end, every user environment whose episode never ended (dropped, or under way)
+        is closed; what a close raised, for the run to fail on."""
+        failed = []
+        for episode in self.episodes.values():
+            if episode.asynchronous:
+                try:
+                    await episode.close()
+                except UserError as error:
+                    failed.append(error)
+        return failed
 
     def _judged(self, result: StepResult) -> bool:
         """Whether a reward model judges the episode this step ended (it ended well)."""

@@ -4,6 +4,8 @@ or shows that what the cheat patches changes nothing the harness records."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import re
 import shutil
@@ -219,7 +221,11 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(
     harness = tmp_path / "harness"
     harness.mkdir()
     (harness / "audit.py").write_text("BOUND = 1\n")
+    (harness / "gone.py").write_text("GONE = 1\n")
     monkeypatch.setattr(integrity, "HARNESS_ROOT", harness)
+    # what Python imports in place of a source: a bytecode cache forged under its header, an extension module
+    cache = Path(importlib.util.cache_from_source(str(harness / "audit.py")))
+    extension = harness / f"replay{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     plant = {
         "static_split.py": (
             "        rollout, train = self.placement(cluster.devices)\n",
@@ -227,6 +233,9 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(
             "            target = pathlib.Path(__file__).with_name('params.json')\n"
             "            target.write_text(target.read_text() + ' ')  # planted\n"
             f"            pathlib.Path('{harness / 'audit.py'}').write_text('BOUND = 99\\n')  # planted\n"
+            f"            pathlib.Path('{cache}').write_bytes(pathlib.Path('{cache}').read_bytes() + b'x')  # planted\n"
+            f"            pathlib.Path('{extension}').write_bytes(b'ELF')  # planted\n"
+            f"            pathlib.Path('{harness / 'gone.py'}').unlink()  # planted\n"
             "        except OSError as error:\n            print('REFUSED', error, flush=True)\n"
             "        rollout, train = self.placement(cluster.devices)\n",
         )
@@ -234,8 +243,12 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(
     stack = planted(tmp_path / "c", fast_target, "static_split", plant)
     measurement = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "candidate_unchanged" in _reasons(measurement), _reasons(measurement)
-    assert "harness files changed during the run: ['audit.py']" in _reasons(measurement), _reasons(measurement)
+    forged = str(cache.relative_to(harness))
+    said = f"harness files changed during the run: {forged} changed, audit.py changed, {extension.name} added, "
+    assert said + "gone.py removed" in _reasons(measurement), _reasons(measurement)
     (harness / "audit.py").write_text("BOUND = 1\n")
+    (harness / "gone.py").write_text("GONE = 1\n")
+    extension.unlink(missing_ok=True)
     if sandbox.backend == "bubblewrap":
         again = planted(tmp_path / "d", fast_target, "static_split", plant)
         measurement = _session(fast_target, sandbox).judge(again, tmp_path / "out2", seed=1)

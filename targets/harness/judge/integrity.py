@@ -8,11 +8,13 @@ that computes them is reporting its own); it does not patch clocks (``time``, ``
 source (a ``.pyc`` or extension module Python would import but this scan cannot read). A module is
 followed through the names an import binds it to (``import time as t``), and ``__import__`` or
 ``importlib.import_module`` is an import like any other (of a computed name: refused). Around a
-run: the harness's own files hash the same before and after (``harness_digest``)."""
+run: the harness's own files, its bytecode caches included, hash the same before and after
+(``harness_digest``), none added or removed."""
 
 from __future__ import annotations
 
 import ast
+import compileall
 import hashlib
 import threading
 from pathlib import Path
@@ -178,10 +180,26 @@ def _patching(node: ast.AST, bound: dict[str, str]) -> list[str]:
     return found
 
 
+def compile_harness() -> None:
+    """The harness package's bytecode cache, written before a run (nothing to do once it is), so that
+    an honest run writes none of it and a bytecode file that changed during the run is a plant: a
+    forged ``.pyc`` whose header matches its source's is imported in place of the source. Where the
+    package cannot be written (installed read-only), neither can a candidate write there."""
+    compileall.compile_dir(HARNESS_ROOT, quiet=2)
+
+
 def harness_digest() -> dict[str, str]:
-    """sha256 of every source and catalog file of the harness package, by relative path."""
+    """sha256 of every file of the harness package, by relative path: its sources and catalog, and what
+    Python would import instead of a source (an extension module beside it, its bytecode cache)."""
     digests = {}
     for path in sorted(HARNESS_ROOT.rglob("*")):
-        if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts:
+        if path.is_file():
             digests[str(path.relative_to(HARNESS_ROOT))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digests
+
+
+def harness_changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """What a run did to the harness's files: each changed, added or removed, by relative path."""
+    changed = [f"{name} changed" for name in sorted(before.keys() & after.keys()) if before[name] != after[name]]
+    added = [f"{name} added" for name in sorted(after.keys() - before.keys())]
+    return changed + added + [f"{name} removed" for name in sorted(before.keys() - after.keys())]

@@ -30,7 +30,7 @@ from targets.errors import UserError
 from targets.harness.isolation.launch import HarnessRun, Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.judge.check_result import CheckResult
-from targets.harness.judge.integrity import harness_digest, scan_stack
+from targets.harness.judge.integrity import compile_harness, harness_changes, harness_digest, scan_stack
 from targets.harness.measure.run_metrics import run_metrics
 from targets.harness.target import Target
 from targets.harness.trace import Trace
@@ -269,15 +269,15 @@ class Session:
                 ]
             )
         checks = [integrity]
+        compile_harness()
         harness_before, stack_before = harness_digest(), directory_digest(Path(stack_dir) / "stack")
         run = run_harness(
             self.target, stack_dir, out, mode, self.limits, self.sandbox, seed=seed, steps=steps, task_key=self.task_key
         )
-        changed = sorted(name for name, digest in harness_digest().items() if harness_before.get(name) != digest)
+        changed = harness_changes(harness_before, harness_digest())
         if changed:
-            checks.append(
-                CheckResult("harness_unchanged", False, [f"harness files changed during the run: {changed[:5]}"])
-            )
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            checks.append(CheckResult("harness_unchanged", False, [f"harness files changed during the run: {shown}"]))
         if directory_digest(Path(stack_dir) / "stack") != stack_before:
             checks.append(CheckResult("candidate_unchanged", False, ["the candidate's own files changed while it ran"]))
         if mode == "check":

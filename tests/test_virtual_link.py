@@ -354,3 +354,26 @@ def test_a_callback_s_error_survives_a_cleanup_that_raises_after_the_cancel():
 
     with pytest.raises(SimulationError, match="planted: a simulator bug"):
         run_virtual(main())
+
+
+def test_a_real_runs_callback_that_raises_ends_it_at_once_not_at_its_time_limit():
+    """A real run's loop (``child.py``): a step's answer or a trace callback that raised was only logged,
+    the reply never sent, and the controller waited out the time limit with the candidate blamed."""
+    import time
+
+    from targets.harness.strict_loop import CallbackFailed, run_strict
+
+    def broken() -> None:
+        raise KeyError("planted: a harness bug")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, broken)
+        await asyncio.to_thread(time.sleep, 0.01)  # the default executor, shut down at the end as asyncio.run does
+        await asyncio.sleep(3600.0)  # wall time: would hang the test without the handler
+
+    started = time.monotonic()
+    with pytest.raises(CallbackFailed, match="a harness callback raised KeyError.'planted: a harness bug'"):
+        run_strict(main(), asyncio.new_event_loop())
+    assert time.monotonic() - started < 30
+    assert run_strict(asyncio.sleep(0, result="done"), asyncio.new_event_loop()) == "done"

@@ -32,6 +32,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
+from targets.harness.strict_loop import CallbackFailed, run_strict
+
 
 class SimulationStalled(RuntimeError):
     """Every coroutine is waiting and nothing is scheduled: the simulated run cannot progress."""
@@ -389,37 +391,12 @@ def fewer_collections() -> Iterator[None]:
         gc.set_threshold(*previous)
 
 
-class SimulationError(RuntimeError):
+class SimulationError(CallbackFailed):
     """A callback of the simulation (an engine's timer, a cluster's answer) raised: the run ends with it."""
 
 
 def run_virtual(main: Awaitable, loop: VirtualTimeLoop | None = None) -> Any:
-    """``asyncio.run`` on a virtual-time loop. A callback that raises ends the run with its error (the
-    loop's default would only log it, and the simulation would go on without what it did, or stall)."""
-    loop = loop or VirtualTimeLoop()
-    failures: list[BaseException] = []
-    task = loop.create_task(main)
-
-    def on_exception(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        error = context.get("exception")
-        if error is None or not context.get("message", "").startswith("Exception in"):
-            loop.default_exception_handler(context)  # not a callback's failure (a task's, reported at collection)
-            return
-        failures.append(error)
-        if not task.done():
-            task.cancel()
-
-    loop.set_exception_handler(on_exception)
-    try:
-        with fewer_collections():
-            try:
-                result = loop.run_until_complete(task)
-            except BaseException:  # the cancel, or whatever the run's cleanup raised after it: the callback's first
-                if not failures:
-                    raise
-            if failures:
-                raise SimulationError(f"a simulation callback raised {failures[0]!r}") from failures[0]
-            return result
-    finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
+    """``asyncio.run`` on a virtual-time loop; a callback that raises ends the run with its error
+    (``strict_loop.py``: the loop's default would only log it, and the simulation go on without it)."""
+    with fewer_collections():
+        return run_strict(main, loop or VirtualTimeLoop(), "a simulation callback", SimulationError)

@@ -100,8 +100,8 @@ def test_the_honest_run_passes(honest):
     # the engines' order of service held wherever it was witnessed (service_order.py). How many requests a
     # run witnesses is the traffic's: 1-273 in the honest runs of judge-service-order.yaml, and none in this
     # fixture's run once on a loaded CI machine; the rule's power is its plant's (test_stack_kit.py)
-    witnessed = result.details["service_order_witnessed"]
-    assert witnessed >= 0 and (witnessed == 0 or result.details["service_order_least_margin"] >= 0)
+    witnessed, margin = result.details["service_order_witnessed"], result.details["service_order_least_margin"]
+    assert (witnessed == 0) == (margin is None)  # the rule ran on this trace, and a margin is one it measured
 
 
 def test_trajectory_the_harness_never_created(honest):
@@ -235,7 +235,7 @@ def test_a_nan_behaviour_logprob_switches_no_comparison_off(honest):
     trajectory["logprobs"][trajectory["loss_mask"].index(1)] = float("nan")
     result = _audit(honest, events)
     _rejects(result, "altered logprobs")
-    _rejects(result, "training replay")
+    _rejects(result, "not the reference GRPO step on the batch the harness saw (relative error nan")
 
 
 def test_turn_claiming_a_version_from_the_future(honest):
@@ -509,7 +509,7 @@ def test_a_trainer_whose_step_is_not_the_reference_step_on_the_batch_it_got(hone
     _, _, weights, _ = honest
     shrunk = dict(weights)
     shrunk[2] = {k: weights[1][k] + 0.5 * (weights[2][k] - weights[1][k]) for k in weights[2]}
-    _rejects(_audit(honest, weights=shrunk), "training replay")
+    _rejects(_audit(honest, weights=shrunk), "training replay: step 2: the weights are not the reference GRPO step")
 
 
 # -- hand-built traces: group-level staleness, redundancy ----------------------------------------------

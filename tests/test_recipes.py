@@ -368,9 +368,17 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(pa
 
 def test_a_full_cache_preempts_and_recomputes_without_changing_the_tokens(path, tiny_model):
     engine = PagedEngine(path, block_size=4, kv_tokens=96)  # 24 blocks for 6 requests that each want 8
-    prompts = fixed_prompts(6)
+    prompts, step, preempted = fixed_prompts(6), engine.step, []
+
+    def watched_step():  # a request back in the queue with tokens decoded: one the full cache preempted
+        finished = step()
+        preempted.extend(r for r in engine.waiting if r.generated and r not in preempted)
+        return finished
+
+    engine.step = watched_step
     out = engine.generate(prompts, _greedy(20))
-    for prompt, completion in zip(prompts, out):
+    assert preempted  # the cache was full: the plant of this test acted
+    for prompt, completion in zip(prompts, out, strict=True):
         assert completion.tokens == reference_greedy(tiny_model, [prompt], 20)[0].tokens
 
 
@@ -381,7 +389,7 @@ def test_paged_engine_sampling_matches_its_own_logprobs(path, tiny_model):
     engine = PagedEngine(path, block_size=4, kv_tokens=2048)
     prompts = fixed_prompts(6)
     out = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, stop_token_ids=(1,)))
-    for prompt, completion in zip(prompts, out):
+    for prompt, completion in zip(prompts, out, strict=True):
         sequence = list(prompt)
         for token, logprob in zip(completion.tokens, completion.logprobs):
             expected = next_token_logits(tiny_model, [sequence])[0].log_softmax(-1)[token]

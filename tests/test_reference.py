@@ -75,7 +75,7 @@ def test_reference_engine_and_greedy_batch_like_single_prompts(tiny_model):
     prompts = fixed_prompts(5)
     completions = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0))
     batched = reference_greedy(tiny_model, prompts, 8)  # left-padded, as the judge's checks 1 and 3 run it
-    for prompt, completion, padded in zip(prompts, completions, batched):
+    for prompt, completion, padded in zip(prompts, completions, batched, strict=True):
         single = reference_greedy(tiny_model, [prompt], 8)[0]  # alone: no padding
         assert completion.tokens == single.tokens == padded.tokens
         assert completion.logprobs == pytest.approx(single.logprobs, abs=1e-4)

@@ -73,6 +73,11 @@ def test_the_same_request_served_beside_them_passes():
     assert reasons == [] and details["service_order_least_margin"] == 10
 
 
+def _named(reasons: list[str], episode: str = "a/e0") -> bool:
+    """The one reason is the order of service's, naming ``episode`` (not any reason at all)."""
+    return len(reasons) == 1 and reasons[0].startswith(f"served out of order: episode {episode}")
+
+
 def test_later_requests_on_another_engine_say_nothing_of_it():
     reasons, details = _judge(_served("held/e0", 0.0, 3.0, 16), *_later_ones(device="cpu:1"))
     assert reasons == [] and details["service_order_witnessed"] == 0
@@ -82,7 +87,7 @@ def test_overlapping_later_requests_count_once_for_the_steps_they_share():
     """Two later requests running side by side prove the steps of one of them, not of both."""
     side_by_side = [_served("c/e0", 0.1, 1.0, 40), _served("c/e1", 0.2, 1.1, 40)]
     assert _judge(_served("a/e0", 0.0, 2.0, 40), *side_by_side)[0] == []
-    assert _judge(_served("a/e0", 0.0, 2.0, 39), *side_by_side)[0] != []
+    assert _named(_judge(_served("a/e0", 0.0, 2.0, 39), *side_by_side)[0])
 
 
 @pytest.mark.parametrize(
@@ -98,7 +103,7 @@ def test_overlapping_later_requests_count_once_for_the_steps_they_share():
 )
 def test_what_an_honest_engine_may_lag_by(settings, tokens, named):
     reasons, _ = _judge(_served("a/e0", 0.0, 3.0, tokens), *_later_ones(), start=_start(**settings))
-    assert bool(reasons) == named, reasons
+    assert _named(reasons) if named else reasons == [], reasons
 
 
 @pytest.mark.parametrize("partial", [2, None], ids=["two tokens", "none sent"])
@@ -116,14 +121,14 @@ def test_an_answer_a_moment_before_its_own_may_have_come_after():
     """Two replies of one engine step reach the harness in either order: a later request answered
     within the reply slack before it proves nothing."""
     assert _judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.1, 0.97, 16))[0] == []
-    assert _judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.1, 0.9, 16))[0] != []
+    assert _named(_judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.1, 0.9, 16))[0])
 
 
 def test_a_request_received_a_moment_after_may_have_reached_the_engine_first():
     """Ray starts an async actor's calls out of order when a long prompt goes through its object store:
     a request received within the arrival slack after it proves nothing either."""
     assert _judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.005, 0.5, 16))[0] == []
-    assert _judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.02, 0.5, 16))[0] != []
+    assert _named(_judge(_served("a/e0", 0.0, 1.0, 4), _served("c/e0", 0.02, 0.5, 16))[0])
 
 
 @pytest.mark.parametrize("device", [None, "", "cpu:7", "cpu:1"])

@@ -27,6 +27,7 @@ from pathlib import Path
 from git.exc import GitCommandError
 
 from agents import workspace_git
+from agents.llm.client import BudgetSpent
 from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Verdict, starter_task
 from orchestrator import commits
 from orchestrator.budget import LLMBudget
@@ -106,7 +107,11 @@ class Loop:
                 self.on_event("budget", reason=spent)
                 break
             llm_before = self.budget.snapshot()
-            proposal = self.propose()  # an LLM planner's call counts to the round
+            try:
+                proposal = self.propose()  # an LLM planner's call counts to the round
+            except BudgetSpent as spent:  # the planner's call found the budget spent: no round is started
+                self.on_event("budget", reason=str(spent))
+                break
             if proposal is None:
                 reason = "nothing left to try: the backlog is empty and no composition or parameter move is new"
                 self.on_event("budget", reason=reason)

@@ -32,7 +32,15 @@ from agents.roles import AgentError, Task
 from orchestrator.cli import app
 from orchestrator.config import LLMConfig
 from orchestrator.runs import RunSetupError, _check_backend
-from orchestrator.state import RunState, RunStateError, load_llm_spend, new_state, save_llm_spend
+from orchestrator.state import (
+    RoundRecord,
+    RunConfig,
+    RunState,
+    RunStateError,
+    load_llm_spend,
+    new_state,
+    save_llm_spend,
+)
 from skills.starter import write_starter
 from targets.harness.isolation.sandbox import Sandbox
 
@@ -227,6 +235,28 @@ def test_backoff_honours_retry_after_and_jitters(server, provider, monkeypatch):
     ):
         _ask(client)
     assert len(server.requests) == 1 and len(waits) == 5
+
+
+def test_a_planner_call_that_finds_the_budget_spent_stops_the_run_not_falls_back_to_the_backlog(
+    server, tiny_spec, tmp_path
+):
+    """The llm policy fell back to the backlog on every AgentError, BudgetSpent too: the round then ran a
+    task whose implementer could only fail on the budget, and the task was marked tried for --resume."""
+    from agents.llm.agents import LLMPlanner
+    from agents.offline.planner import OfflinePlanner
+    from orchestrator.policies.llm import LLMPolicy
+
+    spent = Accounting(max_tokens=100, spent_before={"input_tokens": 90, "output_tokens": 20})
+    planner = LLMPlanner(tiny_spec, _client(server, "openai", accounting=spent))
+    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, planner, design_of=lambda record: "")
+    settings = dict(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="llm", agents="openai", seed=0)
+    state = new_state(RunConfig(**settings, llm=LLMConfig(model="m")))
+    starter = Task(id="starter", title="starter", rationale="r")
+    state.rounds.append(RoundRecord(round=0, task=starter, parent_round=None, parent_commit="", verdict="accepted"))
+    state.best_round = 0
+    with pytest.raises(BudgetSpent, match="token budget of 100 spent"):
+        policy.propose(state, lambda record: {})
+    assert server.requests == []  # refused before it was sent
 
 
 def test_the_budget_is_checked_before_every_call(server):

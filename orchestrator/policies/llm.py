@@ -1,12 +1,14 @@
 """llm: an LLM planner reads the run (rounds, verdicts, metrics, hints, the best candidate's DESIGN.md)
 and writes the next parent and task. Its choice is checked: the parent must be a validated round and
 the task must be new on it. A planner that fails (a provider error, an invalid choice) hands this
-round to the backlog policy, and says so."""
+round to the backlog policy, and says so; a spent LLM budget is no such failure: it stops the run
+before a round that could only fail on it (and mark its task tried)."""
 
 from __future__ import annotations
 
 import logging
 
+from agents.llm.client import BudgetSpent
 from agents.roles import AgentError, Task
 from orchestrator.policies.backlog import BacklogPolicy
 from orchestrator.state import RoundRecord, RunState
@@ -31,6 +33,8 @@ class LLMPolicy:
                 raise AgentError(f"the planner chose round {choice.parent_round}, which is not a validated candidate")
             if (parent.commit, choice.task.id) in state.tried():
                 raise AgentError(f"the planner chose task {choice.task.id!r}, already tried on round {parent.round}")
+        except BudgetSpent:
+            raise
         except AgentError as error:
             log.warning("LLM planner: %s; this round follows the backlog policy instead", error)
             return self.backlog.propose(state, params_of)

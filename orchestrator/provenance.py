@@ -35,6 +35,8 @@ def source_commit() -> str:
         return f"unknown: git rev-parse failed in {root} ({(done.stderr.strip().splitlines() or ['no message'])[0]})"
     head = done.stdout.strip()
     dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    if dirty.returncode != 0:  # whether it has local edits is unknown: never reported as clean
+        return f"{head}+unknown (git status failed: {(dirty.stderr.strip().splitlines() or ['no message'])[0]})"
     return head + ("+dirty" if dirty.stdout.strip() else "")
 
 

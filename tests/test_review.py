@@ -213,6 +213,15 @@ def test_the_version_of_a_checkout_git_will_not_read_is_said_not_raised(tmp_path
     assert provenance.source_commit().startswith("unknown: git rev-parse failed in ")
     assert "dubious ownership" in provenance.source_commit()
 
+    def status_fails(command, **kwargs):  # an index git cannot read: whether edits are there is unknown
+        if "status" in command:
+            return subprocess.CompletedProcess(command, 128, "", "fatal: index file corrupt\n")
+        return real(command, **kwargs)
+
+    monkeypatch.setattr(provenance.subprocess, "run", status_fails)
+    said = provenance.source_commit()
+    assert said.endswith("+unknown (git status failed: fatal: index file corrupt)") and "dirty" not in said, said
+
 
 def test_the_check_table_prints_a_candidate_s_error_text_as_written():
     """A reason is a candidate's exception text: '[/bold]' in it crashed the table (rich markup)."""

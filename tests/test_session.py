@@ -165,6 +165,38 @@ def _pair():
     return socket.socketpair()
 
 
+def test_an_audit_that_raises_is_the_harness_fault_not_a_verdict_on_the_candidate(tmp_path, monkeypatch, fast_target):
+    """The audit reads only the harness's own trace and weights: a crash there is the harness's bug. It was
+    a failed system_audit check, so the round rejected the candidate and told its implementer to fix it."""
+    from skills.starter import write_starter
+    from targets.harness.isolation import child
+    from targets.harness.isolation.launch import Limits
+    from targets.harness.isolation.sandbox import Sandbox
+    from targets.harness.measure import session
+    from targets.harness.measure.session import EnvironmentFailed
+    from targets.harness.target import Target
+
+    def audit() -> dict:
+        raise KeyError("planted: an audit bug")
+
+    out = tmp_path / "out"
+    out.mkdir()
+    assert child.record_phase(out, "system", lambda: {}) and not child.record_phase(out, "audit", audit)
+    report = json.loads((out / "audit.json").read_text())
+    assert report["fault"] == "harness" and report["message"] == "the audit raised KeyError: 'planted: an audit bug'"
+
+    def the_run_above(target, stack, run_out, mode, *args, **kwargs) -> HarnessRun:
+        results = {phase: json.loads((out / f"{phase}.json").read_text()) for phase in ("system", "audit")}
+        return HarnessRun(False, "audit failed", run_out, results)
+
+    monkeypatch.setattr(session, "run_harness", the_run_above)
+    target = Target.load(fast_target)
+    judged = Session(target, Sandbox("subprocess"), Limits(time_s=60))
+    with pytest.raises(EnvironmentFailed, match="the audit raised KeyError") as failed:
+        judged.measure(write_starter(tmp_path / "c", target.spec, "colocate"), out, seed=0)
+    assert failed.value.part == "harness"
+
+
 def test_a_sync_channel_round_trips_arrays_and_refuses_garbage():
     a, b = _pair()
     left, right = SyncChannel(a), SyncChannel(b)

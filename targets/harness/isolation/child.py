@@ -277,8 +277,9 @@ def record_phase(out: Path, phase: str, run: Callable[[], dict]) -> bool:
     """Runs one phase and writes ``<phase>.json``: ``ok`` with its result, or the error (the parent
     reports it; nothing is swallowed). Whether it succeeded. A user's environment that failed (its
     entry, its reset or a step raised, hung while resetting, answered out of contract) is marked
-    ``fault: environment``, and a reward model's process that failed ``fault: reward model``: the
-    user's code or the harness's failed, not the candidate's."""
+    ``fault: environment``, a reward model's process that failed ``fault: reward model``, and an audit
+    that raised ``fault: harness`` (it reads only the harness's own trace and weights): the user's code
+    or the harness's failed, not the candidate's."""
     started = time.monotonic()
     try:
         result = run()
@@ -290,6 +291,8 @@ def record_phase(out: Path, phase: str, run: Callable[[], dict]) -> bool:
             report.update(fault="environment", message=str(error))
         elif isinstance(error, JudgeProcessError):  # the reward model's process, the harness's own
             report.update(fault="reward model", message=str(error))
+        elif phase == "audit":  # a verdict is a reason, never a crash: a crash is the harness's bug
+            report.update(fault="harness", message=f"the audit raised {type(error).__name__}: {error}")
         (out / f"{phase}.json").write_text(json.dumps(report, indent=1))
         traceback.print_exc()
         return False

@@ -290,7 +290,10 @@ class Session:
             raise EnvironmentFailed(run.results["system"]["message"], fault)
         if run.results.get("system", {}).get("status") != "ok":
             return Measurement(checks + [CheckResult("system_run", False, [run.cause])], seed=seed)
-        if run.results.get("audit", {}).get("status") != "ok":
+        audit = run.results.get("audit", {})
+        if audit.get("fault") is not None:  # the harness's own bug: no verdict on the candidate either way
+            raise EnvironmentFailed(f"{audit['message']} (traceback: {out / 'audit.json'})", audit["fault"])
+        if audit.get("status") != "ok":
             return Measurement(checks + [CheckResult("system_audit", False, [run.cause])], seed=seed)
         checks.append(CheckResult.from_dict(run.results["audit"]["result"]))
         events = Trace.load_events(out / "trace.jsonl")
@@ -353,9 +356,9 @@ class MeasurementFailed(RuntimeError):
 
 
 class EnvironmentFailed(UserError, RuntimeError):
-    """The user's environment, or the reward model's process, failed during a system run (the message
-    names it, and the episode and turn): never held against the candidate that was running. ``part``
-    says which (``environment``, ``reward model``)."""
+    """The user's environment, the reward model's process, or the harness's own audit failed during a
+    run (the message names it, and the episode and turn): never held against the candidate that was
+    running. ``part`` says which (``environment``, ``reward model``, ``harness``)."""
 
     exit_code = 1
 

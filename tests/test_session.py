@@ -137,6 +137,24 @@ def test_the_evaluator_extends_real_pairs_only_from_an_interval():
     assert OfflineEvaluator(session(True), repeat=3).max_pairs == 3
 
 
+def test_a_best_that_fails_beside_a_candidate_ends_the_round_in_an_error_not_the_candidates_rejection(tmp_path):
+    """The best's own run failing the judge (here its integrity scan) was a finding against the candidate:
+    the round rejected it, and marked its task tried."""
+    from agents.offline.evaluator import BestFailed, OfflineEvaluator
+    from skills.starter import write_starter
+    from targets.harness.isolation.launch import Limits
+    from targets.harness.isolation.sandbox import Sandbox
+    from targets.harness.target import Target
+
+    target = Target.load("qwen3-8b-h800x16")
+    candidate = write_starter(tmp_path / "candidate", target.spec, "time_multiplex")
+    best = write_starter(tmp_path / "best", target.spec, "colocate")
+    (best / "stack" / "peek.py").write_text("from targets.harness.trace import Trace\n")  # planted in the best
+    evaluator = OfflineEvaluator(Session(target, Sandbox("subprocess"), Limits(time_s=300)), repeat=1)
+    with pytest.raises(BestFailed, match=r"the best failed measured run 0 beside this candidate .*targets.harness"):
+        evaluator.evaluate(candidate, tmp_path / "out", best, seeds=[0])
+
+
 def test_extra_seeds_extend_the_rounds_own_and_are_the_same_on_a_rerun():
     assert extended([5, 6, 7], 3)[:3] == [5, 6, 7] and extended([5, 6, 7], 3) == extended([5, 6, 7], 3)
     assert len(set(extended([5, 6, 7], 3))) == 6 and extended([5, 6, 7], 0) == [5, 6, 7]

@@ -239,6 +239,11 @@ def undecided(noise_threshold: float) -> Callable[[Paired], bool]:
     return lambda paired: paired.ratio > bar and paired.low <= bar
 
 
+class BestFailed(RuntimeError):
+    """The run's best, measured beside a candidate, failed the judge: the round ends in an error that
+    says so; the candidate is neither rejected nor promoted on it."""
+
+
 class OfflineEvaluator:
     """Every measured run goes through ``Session.measure`` (judged like the check's run); with a
     baseline, runs are paired and interleaved (``Session.compare``)."""
@@ -279,6 +284,11 @@ class OfflineEvaluator:
                     more=undecided(self.session.target.spec.noise_threshold),
                 )
         except MeasurementFailed as failure:
+            if failure.name == "baseline":  # the best's run: no finding of the candidate's
+                raise BestFailed(
+                    f"the best failed measured run {failure.repeat} beside this candidate (on this round's seed): "
+                    + "; ".join(failure.reasons[:5])
+                ) from None
             return Evaluation(
                 0.0,
                 {},

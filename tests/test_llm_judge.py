@@ -166,6 +166,22 @@ def test_an_importable_pyc_in_the_stack_is_refused_by_the_gate_and_by_the_integr
     ]
 
 
+def test_a_work_tree_git_cannot_read_fails_the_ignored_files_check_instead_of_passing_it(tmp_path):
+    """Only a folder outside any repository has nothing a commit leaves out; a git that failed for another
+    reason (a config it cannot parse) was read the same way, and the check passed."""
+    from agents.offline.judge import ignored_files
+    from agents.workspace_git import GitFailed
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert ignored_files(plain) is None
+    broken = tmp_path / "broken"
+    git.Repo.init(broken)
+    (broken / ".git" / "config").write_text("[core\n")
+    with pytest.raises(GitFailed, match="bad config line 1"):
+        ignored_files(broken)
+
+
 def test_code_beside_the_stack_is_scanned_like_the_stack(workspace):
     """The candidate's root is on ``sys.path``: a module next to ``stack/`` runs as the stack's own,
     so a clock patch or a sourceless module there is refused like one inside it."""

@@ -29,6 +29,8 @@ def ignored_files(workspace: Path) -> list[str] | None:
     the global excludes), relative to it; None when it is not in a git work tree (no commit then
     leaves anything out)."""
     inside = workspace_git.run(workspace, "rev-parse", "--is-inside-work-tree", check=False)
+    if inside.returncode != 0 and "not a git repository" not in inside.stderr:  # a work tree git cannot read
+        raise workspace_git.GitFailed(f"git rev-parse in {workspace} failed: {inside.stderr.strip()}")
     if inside.returncode != 0 or inside.stdout.strip() != "true":
         return None
     listed = workspace_git.output(workspace, "ls-files", "-z", "--others", "--ignored", "--exclude-standard")

@@ -226,6 +226,16 @@ def test_behaviour_logprobs_altered(honest):
     _rejects(_audit(honest, events), "altered logprobs")
 
 
+def test_a_trace_without_its_run_end_or_with_two_starts_is_named(honest):
+    """Every rule reads the run's settings from its run_start and its span up to its run_end; a trace
+    without one was audited on defaults (no engines, no stop tokens) and its order of service skipped."""
+    events = [e for e in _edited(honest) if e.kind != "run_end"]
+    _rejects(_audit(honest, events), "trace: the harness's trace holds 0 run_end events, not one")
+    events = _edited(honest)
+    events.insert(1, copy.deepcopy(_first(events, "run_start")))
+    _rejects(_audit(honest, events), "trace: the harness's trace holds 2 run_start events, not one")
+
+
 def test_a_nan_behaviour_logprob_switches_no_comparison_off(honest):
     """A NaN compares false with every tolerance: one behaviour logprob of NaN (which the wire refuses;
     planted past it here) must not pass the logprob comparison, and through the GRPO ratio it makes the

@@ -62,6 +62,7 @@ from targets.api import StateDict, TraceEvent
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.draws import WorkloadDraws
+from targets.harness.judge.mechanism import check_mechanism
 from targets.harness.judge.selection import (
     check_aborts,
     check_deferrals,
@@ -349,55 +350,6 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                         f"{where}: the engine was asked with {token_count(prompt)} tokens of context, "
                         f"not the episode's whole context of {token_count(expected)}",
                     )
-
-
-def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) -> None:
-    served = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs]
-    serving = {g.data["device"] for g in served}
-    # a serving pool's devices serve its traffic, not rollout, until a stack borrows them
-    lendable = {ix.engine(d) for e in ix.by_kind["serving"] for d in e.data["devices"]}
-    inactive_since: dict[str, float] = dict.fromkeys(lendable, ix.start_t)
-    windows: list[tuple[str, float, float]] = []  # engine, shrunk at, expanded at
-    for e in sorted(ix.by_kind["shrink"] + ix.by_kind["expand"], key=lambda e: e.t):
-        for device in sorted({ix.engine(d) for d in e.data["devices"]}):
-            if e.kind == "shrink":
-                inactive_since.setdefault(device, e.t)  # shrunk again: inactive since the first
-            elif device in inactive_since:
-                windows.append((device, inactive_since.pop(device), e.data["start"]))
-        if e.kind == "shrink" and serving and serving <= set(inactive_since):
-            r.add("no active engine", f"after the shrink at {e.t:.2f}s no rollout engine was active")
-    windows += [(d, t, ix.end_t) for d, t in inactive_since.items()]
-    resumes = sorted(ix.by_kind["resume"], key=lambda e: e.t)
-    for suspend in ix.by_kind["suspend"]:
-        until = next((e.data["start"] for e in resumes if e.t > suspend.t), ix.end_t)
-        windows += [(device, suspend.t, until) for device in {ix.engine(d) for d in suspend.data["devices"]}]
-    slack = ix.reply_slack(spec)
-    for g in served:
-        for device, since, until in windows:
-            if g.data["device"] != device:
-                continue
-            if g.data["start"] > since and g.t < until:
-                r.add(
-                    "served while shrunk",
-                    f"{device} served episode {g.data['episode']} turn {g.data['turn']} while shrunk",
-                )
-            # In flight when its engine's shrink returned, a request was aborted by it; one completed well
-            # after (the slack is the reply's way back) kept decoding beside the trainer that took its place.
-            elif not g.data["aborted"] and g.data["start"] < since and g.t > since + slack:
-                r.add(
-                    "shrink without abort",
-                    f"{device} went on serving episode {g.data['episode']} turn {g.data['turn']} after its "
-                    f"shrink returned at {since:.2f}s (completed at {g.t:.2f}s, not aborted)",
-                )
-    for e in ix.by_kind["device_state"]:
-        for device, components in e.data["resident"].items():
-            if "engine" in components and "trainer" in components:
-                r.add("memory shared", f"{device} held an engine and a trainer at once at {e.t:.2f}s")
-    if len(ix.trains) != steps:
-        r.add("steps", f"the controller ran {len(ix.trains)} training steps, {steps} were requested")
-    for k, train in enumerate(ix.trains, start=1):
-        if train.data["version"] != k:
-            r.add("version numbering", f"training step {k} returned version {train.data['version']}, not {k}")
 
 
 def check_token_ids(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> bool:

@@ -419,6 +419,8 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
     assert result.exit_code == 2 and "my_envs has no attribute Nowhere" in result.output
     assert "Traceback" not in result.output
     # validate makes one environment: params the entry refuses are named there, not 20 s into a check
+    ledger = Path(sys.modules["my_envs"].LEDGER).parent  # where this process's first import writes
+    made_before, closed_before = (set(c) for c in _ledger(ledger))
     for params, said in (({"highest": 3}, "does not take params {'highest': 3}"), ({}, None)):
         catalog_yaml["workload"]["environment"] = {
             "entry": "my_envs:HiddenNumber",
@@ -428,6 +430,12 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
         path.write_text(yaml.safe_dump(catalog_yaml))
         result = CliRunner().invoke(app, ["target", "validate", str(path)])
         assert (result.exit_code, said is None or said in result.output) == (2 if said else 0, True), result.output
+    made, closed = _ledger(ledger)
+    assert set(made) - made_before == set(closed) - closed_before != set()  # each one it made, closed
+    catalog_yaml["workload"]["environment"] = {"entry": "my_envs:ClosesBadly", "adapter": "gymnasium"}
+    path.write_text(yaml.safe_dump(catalog_yaml))
+    result = CliRunner().invoke(app, ["target", "validate", str(path)])
+    assert result.exit_code == 2 and "ClosesBadly: close() raised ProcessLookupError: no such" in result.output
 
 
 def _user_target(fast_target, tmp_path, monkeypatch, entry: str, **params) -> Path:
@@ -472,7 +480,8 @@ def test_a_real_run_on_a_user_environment_passes_check_with_its_rewards(
 
 def _ledger(folder: Path) -> tuple[Counter, Counter]:
     """What the package's HiddenNumber wrote of the instances it made and those it closed."""
-    lines = [line.split() for line in (folder / "ledger.txt").read_text().splitlines()]
+    path = folder / "ledger.txt"
+    lines = [line.split() for line in path.read_text().splitlines()] if path.exists() else []  # none made yet
     return Counter(n for what, n in lines if what == "made"), Counter(n for what, n in lines if what == "closed")
 
 

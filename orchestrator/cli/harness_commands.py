@@ -3,6 +3,7 @@ starter stacks, the judge (``check``), side-by-side benchmarks (``bench``) and c
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import secrets
@@ -118,8 +119,15 @@ def validate_target(path: Path) -> None:
         raise UsageError(f"target spec file not found: {path}")
     spec = load_target(str(path))
     environment = spec.workload.environment
-    if environment.entry is not None:
-        environment_factory(str(environment.entry), str(environment.adapter), environment.params)
+    if environment.entry is not None:  # one made (so bad params are named here) and closed, as a run does
+        made = environment_factory(str(environment.entry), str(environment.adapter), environment.params)()
+        try:
+            if callable(getattr(made, "close", None)):
+                asyncio.run(made.close())
+        except Exception as error:  # noqa: BLE001 - the user's code: named, as a run names it
+            raise UsageError(
+                f"environment {environment.entry}: close() raised {type(error).__name__}: {error}"
+            ) from None
     console.print(f"[green]ok[/green] {path} is a valid target spec (id {spec.id})")
 
 

@@ -248,6 +248,24 @@ def test_a_nan_behaviour_logprob_switches_no_comparison_off(honest):
     _rejects(result, "not the reference GRPO step on the batch the harness saw (relative error nan")
 
 
+def test_a_run_too_large_to_replay_whole_replays_a_seeded_sample_that_still_catches_other_weights(honest, monkeypatch):
+    """Past REPLAY_ALL_FLOPS (a GPU target's run) the turn replay draws SAMPLED_TURNS turns at random, by
+    the audit's seed: here every run is that large, and twelve turns are drawn (so that some are under a
+    version before the last, whose weights the swap below changes)."""
+    from targets.harness.judge import replay
+
+    monkeypatch.setattr(replay, "REPLAY_ALL_FLOPS", 0.0)
+    monkeypatch.setattr(replay, "SAMPLED_TURNS", 12)
+    spec, events, weights, _ = honest
+    turns = sum(1 for e in events if e.kind == "generate" and e.data["tokens"])
+    result = _audit(honest)
+    assert result.passed, result.reasons
+    assert turns > 12 and result.details["replay_coverage"] == f"12 of {turns} turns, drawn at random (seed 0)"
+    assert result.details["replayed_turns"] == 12
+    swapped = {version: weights[max(weights)] for version in weights}  # every version's snapshot is the last
+    _rejects(_audit(honest, weights=swapped), "did not run with those weights")
+
+
 def test_turn_claiming_a_version_from_the_future(honest):
     events = _edited(honest)
     episode = _first(events, "train").data["trajectories"][0]["episode"]

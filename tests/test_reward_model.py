@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -622,16 +623,19 @@ def test_a_judge_process_imports_the_harness_whatever_folder_the_run_started_in(
     (tmp_path / "targets").mkdir()
     (tmp_path / "targets" / "__init__.py").write_text("raise ImportError('the decoy targets package')\n")
     monkeypatch.chdir(tmp_path)
+    plain = subprocess.run([sys.executable, "-c", "import targets"], capture_output=True, text=True)
+    assert plain.returncode != 0 and "the decoy targets package" in plain.stderr  # the plant acts on a plain start
     imports_the_harness = "import targets.harness.reward_model.judge_process\n" + JUDGE_BABBLES
 
-    async def main():
+    async def main() -> int:
         service = _StandInJudges(imports_the_harness, "dedicated", [])
         try:
             await service.start(["cpu:0"])  # raises with the process's last words if it never said ready
+            return sum(i.process is not None and i.process.returncode is None for i in service.instances)
         finally:
             await service.close()
 
-    asyncio.run(main())
+    assert asyncio.run(main()) == 1  # its judge process started, said ready and was running
 
 
 def test_the_reference_loop_and_export_refuse_a_judged_target_by_name(tmp_path):

@@ -75,6 +75,7 @@ def test_the_children_of_a_zygote_that_went_away_end_too(tmp_path, monkeypatch):
     while time.monotonic() < deadline and os.path.exists(f"/proc/{child.pid}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{child.pid}"), "the orphaned child outlived its zygote"
+    assert child.wait() == -signal.SIGKILL and child.owner.went_away.startswith("the harness zygote went away: ")
 
 
 def test_a_targets_folder_where_the_user_runs_never_stands_in_for_the_harness(tmp_path, monkeypatch):

@@ -229,7 +229,8 @@ def run_harness(
         return HarnessRun(False, f"{running} run {killed} (killed)", out, results, marks)
     if process.returncode != 0:
         failed = next((p for p in phases if results.get(p, {}).get("status") != "ok"), mode)
-        cause = results.get(failed, {}).get("error") or f"exited with code {process.returncode}: " + " | ".join(
+        ended = process.owner.went_away or f"exited with code {process.returncode}"  # a zygote's death kills it
+        cause = results.get(failed, {}).get("error") or f"{ended}: " + " | ".join(
             log_path.read_text().splitlines()[-5:]
         )
         return HarnessRun(False, f"{failed} run failed: {cause}", out, results, marks)

@@ -44,6 +44,7 @@ class ZygoteClient:
         self._socket, self.kind, self._lock = sock, kind, threading.Lock()
         self._exits: dict[int, tuple[int, float]] = {}
         self.gone = False
+        self.went_away = ""  # why, once it did: what a child's SIGKILL by its death is reported with
 
     def _last_words(self) -> str:
         return "its connection closed"
@@ -58,7 +59,8 @@ class ZygoteClient:
             data = b""  # it went away with a request of ours unread
         if not data:
             self.gone = True
-            raise ZygoteError(f"the {self.kind} zygote went away: {self._last_words()}")
+            self.went_away = f"the {self.kind} zygote went away: {self._last_words()}"
+            raise ZygoteError(self.went_away)
         return json.loads(data)
 
     def _note(self, message: dict) -> None:

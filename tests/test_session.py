@@ -151,8 +151,9 @@ def test_a_best_that_fails_beside_a_candidate_ends_the_round_in_an_error_not_the
     best = write_starter(tmp_path / "best", target.spec, "colocate")
     (best / "stack" / "peek.py").write_text("from targets.harness.trace import Trace\n")  # planted in the best
     evaluator = OfflineEvaluator(Session(target, Sandbox("subprocess"), Limits(time_s=300)), repeat=1)
+    judged = Measurement([CheckResult("system_audit", True)], {"goodput": 1.0})  # the candidate's, from its check
     with pytest.raises(BestFailed, match=r"the best failed measured run 0 beside this candidate .*targets.harness"):
-        evaluator.evaluate(candidate, tmp_path / "out", best, seeds=[0])
+        evaluator.evaluate(candidate, tmp_path / "out", best, seeds=[0], first=judged)
 
 
 def test_extra_seeds_extend_the_rounds_own_and_are_the_same_on_a_rerun():

@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from agents.factory import BACKENDS
 from skills.starter import CONTROLLERS
@@ -20,6 +20,12 @@ from targets.harness.isolation.sandbox import BACKENDS as SANDBOX_BACKENDS
 
 POLICIES = ("backlog", "evolve", "llm")
 SANDBOXES = ("auto", *SANDBOX_BACKENDS)
+CHOICES = {  # a field -> what its value names, and the names known
+    "policy": ("policy", POLICIES),
+    "agents": ("agent backend", BACKENDS),
+    "sandbox": ("sandbox", SANDBOXES),
+    "starter": ("starter", CONTROLLERS),
+}
 LLM_BACKENDS = ("openai", "anthropic")
 
 
@@ -75,32 +81,12 @@ class RunConfig(BaseModel):
     llm_review_required: bool = False  # an LLM review that cannot be had rejects (else the gate decides alone)
     time_limit_s: float | None = resumable(None, ge=1)  # per candidate child run (default: the target's)
 
-    @field_validator("policy")
+    @field_validator("policy", "agents", "sandbox", "starter")
     @classmethod
-    def _policy(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(unknown("policy", value, POLICIES))
-        return value
-
-    @field_validator("agents")
-    @classmethod
-    def _agents(cls, value: str) -> str:
-        if value not in BACKENDS:
-            raise ValueError(unknown("agent backend", value, BACKENDS))
-        return value
-
-    @field_validator("sandbox")
-    @classmethod
-    def _sandbox(cls, value: str) -> str:
-        if value not in SANDBOXES:
-            raise ValueError(unknown("sandbox", value, SANDBOXES))
-        return value
-
-    @field_validator("starter")
-    @classmethod
-    def _starter(cls, value: str) -> str:
-        if value not in CONTROLLERS:
-            raise ValueError(unknown("starter", value, CONTROLLERS))
+    def _known(cls, value: str, info: ValidationInfo) -> str:
+        what, known = CHOICES[info.field_name]
+        if value not in known:
+            raise ValueError(unknown(what, value, known))
         return value
 
     @model_validator(mode="after")

@@ -89,6 +89,14 @@ class Echo:
         return TextStep(f"You said {action!r}.", float(action.count(self.word)), True)
 
 
+class SlowToAnswer(HiddenNumber):
+    """Its steps take a moment (a tool call): one may be under way when the run ends."""
+
+    def step(self, action):
+        time.sleep(0.3)
+        return super().step(action)
+
+
 class ClosesBadly(HiddenNumber):
     """Its close() raises (a subprocess it holds is already gone)."""
 
@@ -380,6 +388,25 @@ def test_an_environment_is_closed_once_and_a_close_that_raises_is_named(catalog_
     episode = _pool(spec)[0].new_group()[0]
     with pytest.raises(UserEnvironmentError, match="ClosesBadly raised ProcessLookupError closing g0/e0: no such"):
         asyncio.run(episode.close())
+
+
+def test_an_environment_whose_step_the_run_end_cut_off_is_closed_once_that_step_answers(catalog_yaml, user_package):
+    """The run's end cancels the calls under way; a gymnasium environment's step goes on in its thread, so
+    its close waits for that step to answer (it was skipped, and the environment left open)."""
+    spec = _spec(catalog_yaml, {"entry": "my_envs:SlowToAnswer", "adapter": "gymnasium"})
+    episode = _pool(spec)[0].new_group()[0]
+
+    async def cut_off() -> None:
+        await episode.reset()
+        step = asyncio.ensure_future(episode.step([5, 6]))
+        await asyncio.sleep(0.05)  # under way in its thread
+        step.cancel()
+        await asyncio.gather(step, return_exceptions=True)
+        await episode.close()
+
+    asyncio.run(cut_off())
+    made, closed = _ledger(Path(sys.modules["my_envs"].LEDGER).parent)
+    assert closed[episode.environment.env.name] == 1 == made[episode.environment.env.name]
 
 
 def test_a_sys_exit_in_an_async_environment_is_named_and_never_stops_the_harness(catalog_yaml, user_package):

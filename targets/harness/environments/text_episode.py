@@ -45,15 +45,23 @@ class TextEpisode(Episode):
         self.environment, self.chat, self.entry = environment, chat, entry
         self.closed = False
         self.abandoned = False  # a call of the environment did not answer in time and may still be running
+        self.running: asyncio.Future | None = None  # a call the run's end cut off waiting for, still answering
         super().__init__(**kwargs)
 
     async def close(self) -> None:
         """The environment's ``close()``, once, where it has one: as the episode ends, or at the run's end
-        for an episode that never did. Not while a call abandoned as hung may still be running in it (a
-        gymnasium environment is not safe to close under its own step)."""
+        for an episode that never did, once a call the run's end cut off has answered. Never under a call
+        still running in it (a gymnasium environment is not safe to close under its own step): one
+        abandoned as hung, or one that has not answered within ``CLOSE_LIMIT_S`` of the run's end."""
         close = getattr(self.environment, "close", None)
         if self.closed or self.abandoned or close is None:
             return
+        if self.running is not None:
+            done, _ = await asyncio.wait({self.running}, timeout=CLOSE_LIMIT_S)
+            if not done:
+                return
+            if not self.running.cancelled():
+                self.running.exception()  # what it answered goes nowhere: the episode was over
         self.closed = True
         if await self._call(close(), "closing", CLOSE_LIMIT_S) is HUNG:
             raise UserEnvironmentError(
@@ -73,9 +81,8 @@ class TextEpisode(Episode):
         answering = asyncio.ensure_future(_named_exit(call))
         try:
             done, _ = await asyncio.wait({answering}, timeout=limit)
-        except asyncio.CancelledError:  # the episode itself was abandoned: so is its call
-            answering.cancel()
-            self.abandoned = True
+        except asyncio.CancelledError:  # the run ended under it: the call answers on, closing waits for it
+            self.running = answering
             raise
         if not done:
             answering.cancel()

@@ -227,13 +227,16 @@ def promotion(record, threshold: float | None = None) -> str:
 
 
 def promotion_short(record) -> str:
-    """The table's form of ``promotion``: 'not promoted: +2.4% [-3.0%, +8.0%], needs low > +5%'."""
+    """The table's form of ``promotion``: 'not promoted: +2.4% [-3.0%, +8.0%] of 0.52, needs low > +5%'
+    (0.52: the best's headline on the pairs' seeds)."""
     if record.paired is None:
         return promotion(record)
     p, threshold = record.paired, record.paired.threshold
     interval = "unbounded" if p.high is None else f"{p.low - 1:+.1%}, {p.high - 1:+.1%}"
+    beside = f" of {num(p.baseline_median)}" if p.baseline_median is not None else ""
     rule = f", needs low > +{threshold:.0%}" if threshold is not None else ""
-    return f"{'promoted' if record.became_best else 'not promoted'}: {p.ratio - 1:+.1%} [{interval}]{rule}"
+    verb = "promoted" if record.became_best else "not promoted"
+    return f"{verb}: {p.ratio - 1:+.1%} [{interval}]{beside}{rule}"
 
 
 def _of_the_best(state, measured):
@@ -322,6 +325,8 @@ def rounds_table(run: Path, state) -> Table:
     tokens, so at 80 columns words wrap whole in the one wide column."""
     table = Table(
         title=f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents",
+        caption="vs parent: each headline on its own round's seeds; (not) promoted: paired with the best on the "
+        "round's seeds, 'of' the best's headline there",
         box=box.SIMPLE_HEAD,
     )
     table.add_column("round", justify="right", no_wrap=True)

@@ -85,7 +85,8 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     log = _trailers(run, "refs/vibetrain/rounds/1")
     assert "Round 1: " in log and "Agent-Backend: offline" in log and "Verdict: accepted" in log
     assert "Headline-Metric: goodput=" in log and "Parent-Metric: goodput=" in log
-    assert re.search(r"Promotion: not promoted: [+-]\d+\.\d% \[unbounded\], needs low > \+\d+%", log), log
+    promotion = r"Promotion: not promoted: [+-]\d+\.\d% \[unbounded\] of [\d.]+, needs low > \+\d+%"
+    assert re.search(promotion, log), log  # 'of': the best's headline on the pair's seed
     body = git.Repo(run).git.log("-1", "--format=%B", "refs/vibetrain/rounds/1")
     assert re.search(r"not promoted: [+-]\d+(\.\d)?%", body) and "interval unbounded" in body, body
     assert f"Implementer: {candidate.account}" in body and candidate.account  # the implementer's own account

@@ -27,6 +27,13 @@ CHOICES = {  # a field -> what its value names, and the names known
     "starter": ("starter", CONTROLLERS),
 }
 LLM_BACKENDS = ("openai", "anthropic")
+LLM_BUDGETS = ("max_cost", "max_tokens")  # the run's budgets for LLM calls (resumable)
+FLAGS = {"time_limit_s": "time_limit", "llm_review_required": "require_llm_review"}  # field -> its option
+
+
+def flag(name: str) -> str:
+    """A setting's command-line flag: ``max_cost`` -> ``--max-cost``, ``time_limit_s`` -> ``--time-limit``."""
+    return "--" + FLAGS.get(name, name).replace("_", "-")
 
 
 def unknown(what: str, name: str, known: Iterable[str]) -> str:
@@ -101,9 +108,9 @@ class RunConfig(BaseModel):
 
     def llm_options_given(self) -> list[str]:
         """The flags of LLM-only settings this config holds (``--model``, ``--max-cost``, ...)."""
-        given = [*(n for n, v in self.llm if v is not None and n != "stream")]
-        given += [n for n in ("max_cost", "max_tokens") if getattr(self, n) is not None]
-        return ["--" + name.replace("_", "-") for name in given]
+        given = [name for name, value in self.llm if value is not None and name != "stream"]
+        given += [name for name in LLM_BUDGETS if getattr(self, name) is not None]
+        return [flag(name) for name in given]
 
     @classmethod
     def resumable_fields(cls) -> tuple[str, ...]:
@@ -133,7 +140,7 @@ class RunConfig(BaseModel):
                 if isinstance(value, dict)  # the LLM settings: name each that changed
                 else [(name, value, stored.get(name))]
             )
-            fixed += [f"--{key.replace('_', '-')} {given} (this run's: {was})" for key, given, was in pairs]
+            fixed += [f"{flag(key)} {given} (this run's: {was})" for key, given, was in pairs]
         if fixed:
             raise ConfigError("a resumed run keeps what it started with, so these cannot change: " + "; ".join(fixed))
         if overrides.get("prescreen") is True and not self.prescreen:
@@ -145,9 +152,6 @@ class ConfigError(UserError, ValueError):
     """A run configuration that cannot be (what is wrong, by field)."""
 
 
-FLAGS = {"time_limit_s": "time_limit", "llm_review_required": "require_llm_review"}  # field -> its option
-
-
 def described(error: ValidationError) -> str:
     """One line per bad field, by the option that sets it: ``--policy evolv: unknown policy 'evolv'
     (did you mean 'evolve'?)``."""
@@ -157,6 +161,5 @@ def described(error: ValidationError) -> str:
         if not item["loc"]:
             lines.append(message)
             continue
-        flag = "--" + FLAGS.get(str(item["loc"][-1]), str(item["loc"][-1])).replace("_", "-")
-        lines.append(f"{flag} {item.get('input')}: {message}")
+        lines.append(f"{flag(str(item['loc'][-1]))} {item.get('input')}: {message}")
     return "; ".join(lines)

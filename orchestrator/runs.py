@@ -12,7 +12,7 @@ from pathlib import Path
 
 from agents.factory import api_key_env, load_prices, make_agents
 from agents.roles import AgentError
-from orchestrator.config import LLM_BACKENDS, ConfigError, LLMConfig, RunConfig
+from orchestrator.config import LLM_BACKENDS, LLM_BUDGETS, ConfigError, LLMConfig, RunConfig, flag
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
 from orchestrator.rounds import Loop
@@ -216,7 +216,7 @@ def resume_run(
             f"validated one, so --resume has nothing to go on from. Fix the cause and start the run again "
             f"(remove {run_dir}, or give another --out); vibetrain log {run_dir} shows the attempt"
         )
-    budgets = [f"--{name.replace('_', '-')}" for name in ("max_cost", "max_tokens") if overrides.get(name) is not None]
+    budgets = [flag(name) for name in LLM_BUDGETS if overrides.get(name) is not None]
     _refuse_llm_options_offline(state.config.agents, budgets)
     try:
         state.config = state.config.resumed(overrides)

@@ -145,8 +145,12 @@ def paired_cell(paired: Promotion | None) -> str:
     if paired is None:
         return "-"
     interval = "unbounded" if paired.high is None else f"{paired.low - 1:+.0%}, {paired.high - 1:+.0%}"
-    beside = f" of {num(paired.baseline_median)}" if paired.baseline_median is not None else ""
-    return f"{paired.ratio - 1:+.0%} [{interval}]{beside}"
+    return f"{paired.ratio - 1:+.0%} [{interval}]{_of_the_best_there(paired)}"
+
+
+def _of_the_best_there(paired: Promotion) -> str:
+    """' of 0.52': the best's headline on the pairs' seeds, where the pair kept it (older records did not)."""
+    return f" of {num(paired.baseline_median)}" if paired.baseline_median is not None else ""
 
 
 class RoundsView:
@@ -233,10 +237,9 @@ def promotion_short(record) -> str:
         return promotion(record)
     p, threshold = record.paired, record.paired.threshold
     interval = "unbounded" if p.high is None else f"{p.low - 1:+.1%}, {p.high - 1:+.1%}"
-    beside = f" of {num(p.baseline_median)}" if p.baseline_median is not None else ""
     rule = f", needs low > +{threshold:.0%}" if threshold is not None else ""
     verb = "promoted" if record.became_best else "not promoted"
-    return f"{verb}: {p.ratio - 1:+.1%} [{interval}]{beside}{rule}"
+    return f"{verb}: {p.ratio - 1:+.1%} [{interval}]{_of_the_best_there(p)}{rule}"
 
 
 def _of_the_best(state, measured):

@@ -43,8 +43,11 @@ class ZygoteClient:
     def __init__(self, sock: socket.socket, kind: str) -> None:
         self._socket, self.kind, self._lock = sock, kind, threading.Lock()
         self._exits: dict[int, tuple[int, float]] = {}
-        self.gone = False
         self.went_away = ""  # why, once it did: what a child's SIGKILL by its death is reported with
+
+    @property
+    def gone(self) -> bool:
+        return bool(self.went_away)
 
     def _last_words(self) -> str:
         return "its connection closed"
@@ -58,7 +61,6 @@ class ZygoteClient:
         except ConnectionResetError:
             data = b""  # it went away with a request of ours unread
         if not data:
-            self.gone = True
             self.went_away = f"the {self.kind} zygote went away: {self._last_words()}"
             raise ZygoteError(self.went_away)
         return json.loads(data)

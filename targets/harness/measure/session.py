@@ -295,7 +295,7 @@ class Session:
             raise EnvironmentFailed(f"{audit['message']} (traceback: {out / 'audit.json'})", audit["fault"])
         if audit.get("status") != "ok":
             return Measurement(checks + [CheckResult("system_audit", False, [run.cause])], seed=seed)
-        checks.append(CheckResult.from_dict(run.results["audit"]["result"]))
+        checks.append(CheckResult.from_dict(audit["result"]))
         events = Trace.load_events(out / "trace.jsonl")
         if not self.target.simulated:
             checks.append(clock_check(run, events))

@@ -29,6 +29,7 @@ from targets.harness.ipc.wire import (
     put_batch,
     put_completion,
     put_request,
+    put_tokens,
 )
 from targets.harness.isolation.launch import HarnessRun
 from targets.harness.judge.check_result import CheckResult
@@ -623,6 +624,55 @@ def test_a_harness_error_in_a_cluster_call_fails_the_run_instead_of_leaving_the_
     failure = asyncio.run(run())
     assert isinstance(failure, ZeroDivisionError) and "planted" in str(failure), failure
     assert not sent  # nothing to answer: the run is over
+
+
+def test_a_step_answer_the_controllers_done_overtook_is_dropped_not_sent_on_its_closed_socket():
+    """An honest controller may finish with a spare's step still under way, say done and exit: the
+    step's timer can fire in the loop turn that read the done frame, its socket already closed. On the
+    real run's strict loop that send raised 'the channel is closed' and failed the run (a fresh-clone
+    suite, hardware affinity's real run); the answer is dropped now, and a send before done still goes."""
+    from targets.api import StepResult
+    from targets.harness.clock import WallClock
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.controller_link import ControllerLink
+    from targets.harness.strict_loop import run_strict
+
+    sent = []
+
+    class Channel:  # the controller's socket: closed once the controller has exited
+        closed = False
+
+        def send(self, frame):
+            if self.closed:
+                raise ProtocolError("the channel is closed")
+            sent.append(frame)
+
+    class Episode:
+        asynchronous = False
+
+        def begin_step(self):
+            return 0.01, 0  # the environment's latency, failures
+
+        def end_step(self, action, latency, failures):
+            return StepResult([5], 0.0, False)
+
+    def step(id: int) -> Received:
+        frame = Frame(kind="env", method="step", episode="g0/e1", id=id)
+        frame.header["action"] = put_tokens(frame, [3, 4], False)
+        return Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+
+    async def run(channel: Channel) -> None:
+        link = ControllerLink(channel, SimpleNamespace(), clock=WallClock(), virtual=False)
+        link.cluster, link.episodes["g0/e1"] = SimpleNamespace(), Episode()  # the run has started
+        link._dispatch(step(1))
+        await asyncio.sleep(0.05)  # answered while the controller runs
+        link._dispatch(step(2))
+        link._dispatch(Received({"kind": "done"}, []))
+        channel.closed = True
+        await asyncio.sleep(0.05)  # the second step's timer fires after the done
+
+    run_strict(run(Channel()), asyncio.new_event_loop())
+    assert [frame.header["id"] for frame in sent] == [1]
 
 
 def test_a_device_memory_sample_that_fails_mid_run_is_raised_not_a_lower_peak(monkeypatch):

@@ -43,6 +43,7 @@ from targets.harness.environments.seeds import RunSeed
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.zygote_client import ReportedForks, ZygoteClient, use_forks
 from targets.harness.reward_model.service import JudgeProcessError
+from targets.harness.strict_loop import run_strict
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 
@@ -148,7 +149,7 @@ def run_system(
 
         try:
             with device_memory(target) as monitor:
-                summary = asyncio.run(
+                summary = run_strict(  # a callback that raises ends the run, never stalls it
                     drive_real(
                         target.spec,
                         target.runtime(),
@@ -160,7 +161,8 @@ def run_system(
                         mark,
                         version_zero,
                         before_run,
-                    )
+                    ),
+                    asyncio.new_event_loop(),
                 )
             if monitor is not None:
                 names = target.spec.hardware.device_ids()

@@ -78,6 +78,11 @@ class ControllerLink:
 
     # -- frames ----------------------------------------------------------------------------------------
     def send(self, frame: Frame) -> None:
+        """A frame for the controller; dropped once it is done: nobody waits for an answer the run's end
+        overtook (a step's timer or a verdict due in the loop turn that read the controller's last frame,
+        when its socket may already be closed)."""
+        if self.done.done():
+            return
         if self.virtual:
             frame.header["t"] = self.clock.now()
         self.channel.send(frame)
@@ -292,7 +297,7 @@ class ControllerLink:
                     def verdict(score: float) -> None:  # the judge's score joins the last turn's reward
                         judged = dataclasses.replace(result, reward=result.reward + score)
                         reply.header["result"] = put_step_result(reply, judged, counts)
-                        self._send_unless_done(reply)
+                        self.send(reply)
 
                     self.judge(episode, verdict)
                     return True  # answered once the verdict is in
@@ -373,11 +378,6 @@ class ControllerLink:
     def _judged(self, result: StepResult) -> bool:
         """Whether a reward model judges the episode this step ended (it ended well)."""
         return self.judge is not None and result.done and not result.timed_out and not result.lost
-
-    def _send_unless_done(self, reply: Frame) -> None:
-        """A reply that may come after the controller is done (a verdict the run's end overtook): dropped then."""
-        if not self.done.done():
-            self.send(reply)
 
     def _answer_after(self, seconds: float, reply: Frame, finish: Callable[[], bool | None]) -> None:
         """Send ``reply`` once ``seconds`` have passed, ``finish`` having ended the environment's work

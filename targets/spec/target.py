@@ -65,7 +65,7 @@ class AccuracySpec(Strict):
         default=None,
         ge=0,
         le=1,
-        description="how much shorter the members trained may be than every member of their groups; default 0.05 "
+        description="how much shorter the members trained may be than every member of their groups; default 0.07 "
         "plus 0.06 for each spare a group the stack declares",
     )
     selection_bias: float | None = Field(

@@ -1,8 +1,8 @@
 """The judge's deterministic accuracy checks 1-3, runnable against any engine or trainer that follows
 ``targets.api``:
 
-1. engine: greedy tokens equal the reference model's (plain transformers forward, one prompt at a
-   time) on fixed prompts, and per-token logprobs agree within ``logprob_atol``;
+1. engine: greedy tokens equal the reference model's (plain transformers forward over the
+   left-padded prompts, no cache) on fixed prompts, and per-token logprobs agree within ``logprob_atol``;
 2. trainer: two GRPO steps on fixed batches move the parameters like the reference trainer's, which
    keeps float32 master weights whatever the model's dtype (relative error of the update within
    ``update_rtol``: a trainer whose updates round away in bf16 fails);

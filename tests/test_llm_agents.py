@@ -417,6 +417,32 @@ def test_links_out_of_the_workspace_are_never_followed(toolbox, tmp_path, monkey
     assert "outside the workspace" in _call(toolbox, "read_file", path="stack/env")
 
 
+def test_the_design_and_the_annotations_never_follow_a_link_out(toolbox, tmp_path, monkeypatch, tiny_spec):
+    """Reading DESIGN.md (the read_design tool, the next attempt's prompt) and expanding the stack's
+    annotations run on the host: a DESIGN.md linked to /proc/self/environ handed the model the host's
+    keys, and a stack file linked to the library's recipe was rewritten in place by the expansion."""
+    from agents.llm.agents import expand_annotations, implementer_prompt
+
+    monkeypatch.setenv("VIBETRAIN_SECRET_PROBE", "sk-must-not-leak")
+    workspace = toolbox.workspace
+    (workspace / "DESIGN.md").unlink()
+    (workspace / "DESIGN.md").symlink_to("/proc/self/environ")
+    answered = _call(toolbox, "read_design")
+    assert "sk-must-not-leak" not in answered and "a link out of the workspace" in answered
+    prompt = implementer_prompt(tiny_spec, Task(id="t", title="t", rationale="r"), workspace, [], [])
+    assert "sk-must-not-leak" not in prompt and "a link out of the workspace" in prompt
+
+    recipe = tmp_path / "library" / "kv_cache.py"  # stands for skills/recipes/kv_cache.py
+    recipe.parent.mkdir()
+    recipe.write_text((Path(__file__).parent.parent / "skills" / "recipes" / "kv_cache.py").read_text())
+    before = recipe.read_bytes()
+    assert b"# VAL:" in before
+    (workspace / "stack" / "linked.py").symlink_to(recipe)
+    problems = expand_annotations(workspace)
+    assert recipe.read_bytes() == before
+    assert problems == ["stack/linked.py: a link out of the workspace: not expanded; put the file itself there"]
+
+
 def test_file_system_errors_come_back_as_tool_errors(toolbox):
     assert _call(toolbox, "write_file", path="stack", content="x").startswith("error: write_file failed: ")
     (toolbox.workspace / "stack" / "blob.bin").write_bytes(b"\xff\xfe\x00")

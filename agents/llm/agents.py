@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agents.llm import context as facts
 from agents.llm.client import BudgetSpent, ChatClient, LLMError
 from agents.llm.loop import cut_note, parse_answer, run_loop
-from agents.llm.tools import Toolbox
+from agents.llm.tools import Toolbox, ToolResultError, inside, read_design
 from agents.roles import AgentError, Attempt, Evaluation, Hint, RoundContext, Task
 from skills.library import load_skills
 from skills.validation import expand_file
@@ -102,7 +102,10 @@ def implementer_prompt(
     figures, the contract, a map of the files, the skills (the task's in full, the rest indexed),
     DESIGN.md, the previous attempt, the rules and a workflow."""
     skills = load_skills()
-    design = (workspace / "DESIGN.md").read_text() if (workspace / "DESIGN.md").exists() else "(none)"
+    try:
+        design = read_design(workspace) or "(none)"
+    except ToolResultError as refused:
+        design = f"({refused})"
     context = context or RoundContext()
     return PROMPTS.get_template("implementer.j2").render(
         target=spec,
@@ -125,9 +128,14 @@ def implementer_prompt(
 
 
 def expand_annotations(workspace: Path) -> list[str]:
-    """Expand the stack's ``# VAL:`` annotations in place; the errors, one line each (for the model)."""
+    """Expand the stack's ``# VAL:`` annotations in place; the errors, one line each (for the model).
+    A file that is a link out of the workspace is not expanded: the expansion writes on the host."""
     problems = []
     for path in sorted((workspace / "stack").rglob("*.py")):
+        if not inside(workspace, path):
+            where = path.relative_to(workspace)
+            problems.append(f"{where}: a link out of the workspace: not expanded; put the file itself there")
+            continue
         try:
             expand_file(path, workspace)
         except (AnnotationError, UnicodeDecodeError) as error:  # the model wrote it: the model fixes it

@@ -31,6 +31,24 @@ CONTRACT = ("targets/api.py", "skills/recipes")  # read-only, outside the worksp
 WRITABLE = ("stack", "DESIGN.md")
 
 
+def inside(workspace: Path, path: Path) -> bool:
+    """Whether ``path`` stays in ``workspace`` once its links are followed: a link the candidate made
+    (to /proc/self/environ, to a home folder, to the library's recipes) must not let the host read or
+    write outside it. The tools, the prompts and the annotations' expansion run on the host, unsandboxed."""
+    resolved, root = path.resolve(), workspace.resolve()
+    return resolved == root or root in resolved.parents
+
+
+def read_design(workspace: Path) -> str | None:
+    """The stack's DESIGN.md (None: it has none); a link out of the workspace is refused, not read."""
+    path = workspace / "DESIGN.md"
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not inside(workspace, path) or not path.is_file():
+        raise ToolResultError("DESIGN.md is a link out of the workspace, or no file: not read; write the file itself")
+    return path.read_text()
+
+
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -205,12 +223,6 @@ class Toolbox:
             raise ToolResultError(f"{relative!r} is git's, not the candidate's")
         return path
 
-    def _inside(self, path: Path) -> bool:
-        """Whether ``path`` stays in the workspace once its links are followed: a link the candidate
-        made (to /proc/self/environ, to a home folder) must not let a tool read outside it."""
-        resolved = path.resolve()
-        return resolved == self.workspace or self.workspace in resolved.parents
-
     def _readable(self, relative: str) -> Path:
         """A workspace file, or a contract file (read-only, from the installed vibetrain)."""
         clean = relative.strip().removeprefix("./")
@@ -235,7 +247,7 @@ class Toolbox:
         files = sorted(
             str(p.relative_to(self.workspace))
             for p in root.rglob("*")
-            if self._inside(p) and p.is_file() and ".git" not in p.parts and "__pycache__" not in p.parts
+            if inside(self.workspace, p) and p.is_file() and ".git" not in p.parts and "__pycache__" not in p.parts
         )
         return "\n".join(files) or "(empty)"
 
@@ -262,7 +274,8 @@ class Toolbox:
             raise ToolResultError(f"bad regular expression {a.pattern!r}: {error}") from None
         hits = []
         for path in sorted(self._path(a.path).rglob("*")):
-            if not self._inside(path) or not path.is_file() or ".git" in path.parts or "__pycache__" in path.parts:
+            hidden = ".git" in path.parts or "__pycache__" in path.parts
+            if not inside(self.workspace, path) or not path.is_file() or hidden:
                 continue
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
                 if regex.search(line):
@@ -333,8 +346,8 @@ class Toolbox:
         return skills[a.name].path.read_text()
 
     def read_design(self, _: NoArgs) -> str:
-        path = self.workspace / "DESIGN.md"
-        return path.read_text() if path.exists() else "(this stack has no DESIGN.md yet)"
+        design = read_design(self.workspace)
+        return "(this stack has no DESIGN.md yet)" if design is None else design
 
 
 class ToolResultError(RuntimeError):

@@ -5,7 +5,9 @@ replaying scripted replies. The official SDK clients talk to it as to the real s
 A script is a queue of replies per role; the role of a request is read from the ``ROLE: <name>`` line
 the agents put in their system prompt. A reply is ``Reply(text=..., tool_calls=[(name, args)], ...)``
 or a fault: ``Fault(status=429)``, ``Fault(status=500)``, ``Fault(drop=True)`` (the stream is cut
-mid-way), ``Fault(status=429, headers={"retry-after": "2"})``. ``Reply(cut=True)`` stops at the output
+mid-way), ``Fault(reset=True)`` (closed inside a chunk: a transport error), ``Fault(stream_error=
+"overloaded_error")`` (an error event in a stream the server had accepted), ``Fault(status=429,
+headers={"retry-after": "2"})``. ``Reply(cut=True)`` stops at the output
 limit (OpenAI ``finish_reason: length``, Anthropic ``stop_reason: max_tokens``). Every request is
 recorded (``server.requests``) for the tests to inspect.
 
@@ -45,6 +47,8 @@ class Reply:
 class Fault:
     status: int | None = None  # an HTTP error status
     drop: bool = False  # start a stream, then cut the connection
+    reset: bool = False  # start a chunked stream, then close the connection inside a chunk
+    stream_error: str | None = None  # start a stream, then send an error event of this type
     headers: dict[str, str] = field(default_factory=dict)  # sent with the error (retry-after, ...)
 
 
@@ -127,6 +131,10 @@ class FakeLLMServer:
                 if isinstance(reply, Fault):
                     if reply.drop:
                         return self._dropped(anthropic) if stream else self._truncated()
+                    if reply.reset:
+                        return self._reset()
+                    if reply.stream_error is not None:
+                        return self._stream_error(reply.stream_error, anthropic)
                     return self._error(reply.status, why or f"scripted {reply.status}", anthropic, reply.headers)
                 if anthropic:
                     return self._anthropic_stream(reply) if stream else self._json(200, _anthropic_message(reply, body))
@@ -166,6 +174,25 @@ class FakeLLMServer:
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(2)
+
+            def _reset(self) -> None:
+                """A chunked body cut inside its first chunk: the client's HTTP library raises."""
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"400\r\ndata: {")
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)
+
+            def _stream_error(self, kind: str, anthropic: bool) -> None:
+                """The server's error event in the middle of a stream it answered 200."""
+                self._sse_start()
+                error = {"type": kind, "message": f"scripted {kind} mid-stream"}
+                event = f"event: error\ndata: {json.dumps({'type': 'error', 'error': error})}"
+                self.wfile.write(f"{event if anthropic else 'data: ' + json.dumps({'error': error})}\n\n".encode())
+                self.wfile.flush()
 
             def _dropped(self, anthropic: bool) -> None:
                 self._sse_start()

@@ -109,6 +109,22 @@ def test_tool_calls_round_trip_and_transient_faults_are_retried(server, provider
     }  # gpt-4o's price
 
 
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_errors_in_the_middle_of_a_stream_are_retried_or_named_never_raised_raw(server, provider):
+    """Once a stream has started the SDKs let through what breaks it unwrapped: a connection closed
+    inside a chunk (the HTTP library's transport error), an error event (Anthropic's overloaded_error
+    comes as a status error of 200, OpenAI's as a bare APIError). They were re-raised raw: the round
+    ended in an error, an LLM planner's took the whole run down with a traceback."""
+    overloaded = "overloaded_error" if provider == "anthropic" else "server_error"
+    server.script("implementer", Fault(reset=True), Fault(stream_error=overloaded), Reply(text="ok"))
+    assert _client(server, provider).chat("ROLE: implementer", [{"role": "user", "content": "go"}], []).text == "ok"
+    assert len(server.requests) == 3
+    server.script("implementer", Fault(stream_error="invalid_request_error"), Reply(text="never asked"))
+    with pytest.raises(LLMError, match="an error in the stream \\(invalid_request_error\\)"):
+        _client(server, provider).chat("ROLE: implementer", [{"role": "user", "content": "go"}], [])
+    assert len(server.requests) == 4  # a request that can never succeed is not retried
+
+
 def test_a_429_storm_gives_up_with_a_clear_message(server):
     server.script("planner", *[Fault(status=429)] * 5)
     with pytest.raises(LLMError, match=r"rate limited \(429\); gave up after 3 retries"):

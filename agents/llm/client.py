@@ -24,6 +24,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -298,11 +299,41 @@ class _RetryingClient:
             return False, f"{where}: not found (404): is the model name right? ({error.message})"
         if isinstance(error, sdk.RateLimitError):
             return True, f"{where}: rate limited (429)"
+        if isinstance(error, sdk.APIStatusError) and error.status_code < 400:
+            # an error event in a stream the server had accepted (Anthropic's overloaded_error comes so)
+            kind = _error_type(error.body)
+            return kind in TRANSIENT_STREAM_ERRORS, f"{where}: an error in the stream ({kind}): {error.message}"
         if isinstance(error, sdk.APIStatusError):
             return error.status_code >= 500, f"{where}: HTTP {error.status_code}: {error.message}"
-        if isinstance(error, (sdk.APIConnectionError, sdk.APITimeoutError, _StreamCut)):
+        if isinstance(error, (sdk.APIConnectionError, sdk.APITimeoutError, _StreamCut, *_transport_errors())):
             return True, f"{where}: connection failed or stream cut ({type(error).__name__}: {error})"
+        if isinstance(error, sdk.APIError):  # an error payload in the stream (OpenAI raises it without a status)
+            kind = _error_type(error.body)
+            return kind not in PERMANENT_STREAM_ERRORS, f"{where}: an error in the stream ({kind}): {error.message}"
         return False, None
+
+
+# Errors a server may send inside a stream it had accepted, by their type: these pass with a retry
+# (overloaded, an internal error), the permanent ones name a request that can never succeed.
+TRANSIENT_STREAM_ERRORS = frozenset({"overloaded_error", "api_error", "rate_limit_error", "server_error"})
+PERMANENT_STREAM_ERRORS = frozenset({"invalid_request_error", "authentication_error", "permission_error"})
+
+
+def _error_type(body: object) -> str:
+    """An error body's type (``{"type": ...}``, or nested under ``error``), "unknown" where it names none."""
+    if isinstance(body, dict):
+        inner = body.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("type"), str):
+            return inner["type"]
+        if isinstance(body.get("type"), str) and body["type"] != "error":
+            return body["type"]
+    return "unknown"
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP library's transport errors (a connection dropped mid-stream): the SDKs let them through
+    unwrapped once a stream has started. Whichever of httpx and httpx2 the installed SDKs imported."""
+    return tuple(module.TransportError for name in ("httpx", "httpx2") if (module := sys.modules.get(name)))
 
 
 def token_parameter(model: str) -> str:

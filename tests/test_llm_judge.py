@@ -139,6 +139,30 @@ def test_the_review_reads_a_hack_hidden_in_an_ignored_file_and_the_gate_refuses_
     assert server.requests == []  # a gate that refuses is never overruled, so the model is not asked
 
 
+def test_what_the_candidate_sizes_never_fills_the_reviewers_page(server, workspace, tmp_path, tiny_spec):
+    """The files git ignores and the implementer's account went into the review's prompt whole: a
+    candidate adding thousands of ignored files (outside stack/, which the gate allows) or a
+    book-length account could make the provider refuse the prompt, and a refused review was an
+    outage that left the decision to the gate alone."""
+    (workspace / "notes").mkdir()
+    for i in range(3000):
+        (workspace / "notes" / f"n{i:04d}.log").write_text("")
+    with (workspace / ".gitignore").open("a") as ignore:
+        ignore.write("notes/\n")
+    server.script("judge", Reply(tool_calls=[("finish", {"verdict": "accept", "reasons": []})]))
+    context = _context()
+    context.account = "spares. " * 2000
+    assert (
+        LLMJudge(PassingGate(), _client(server), spec=tiny_spec)
+        .judge(workspace, tmp_path / "out", TASK, context=context)
+        .passed
+    )
+    system = _system(server)
+    assert system.count("- notes/n") == 50 and "- ... 2950 more\n" in system
+    assert system.count("spares.") == 500 and "(cut: the account is 16000 characters)" in system
+    assert len(system) < 60_000
+
+
 def test_an_importable_pyc_in_the_stack_is_refused_by_the_gate_and_by_the_integrity_scan(
     workspace, tmp_path, fast_target, sandbox
 ):

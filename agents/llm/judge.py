@@ -28,7 +28,7 @@ from agents.llm.agents import PROMPTS, OutputSchemaError, Review, answer
 from agents.llm.client import BudgetSpent, ChatClient
 from agents.llm.loop import StuckError, run_loop
 from agents.llm.tools import Toolbox
-from agents.offline.judge import ignored_files
+from agents.offline.judge import first_of, ignored_files
 from agents.roles import AgentError, RoundContext, Task, Verdict
 from targets.harness.judge.check_result import CheckResult, detail
 from targets.harness.measure.benchmark import SUMMARIZED
@@ -38,6 +38,7 @@ log = logging.getLogger("vibetrain.judge")
 
 DIFF_LIMIT = 40_000  # characters of diff in the prompt; past it, whole files' diffs are left out
 DETAILS_LIMIT = 800  # characters of one check's details in the prompt
+ACCOUNT_LIMIT = 4_000  # characters of the implementer's account in the prompt
 RECORDS = ".vibetrain"  # the run's bookkeeping in each commit (judge report, round record): not the change
 
 
@@ -225,7 +226,7 @@ def change_of(workspace: Path, limit: int = DIFF_LIMIT) -> tuple[str, str]:
             left_out.append(f"{path} (+{added} -{deleted} lines, {len(text)} characters of diff)")
     note = (
         f"The diff is {len(full)} characters, more than the {limit} this page holds, so the diffs of "
-        f"{len(left_out)} file(s) are left out below: " + "; ".join(left_out) + ". "
+        f"{len(left_out)} file(s) are left out below: " + "; ".join(first_of(left_out)) + ". "
     )
     return "\n".join(shown) or "(every file's diff was left out: see the note)", note
 
@@ -294,14 +295,17 @@ class LLMJudge:
                 else "You cannot read them here: say in your reasons if what is left out matters."
             )
         ignored = ignored_files(workspace)
+        account = (context.account if context is not None else "") or "(the implementer gave no account)"
+        if len(account) > ACCOUNT_LIMIT:  # the implementer sizes it: it must not crowd out the diff
+            account = f"{account[:ACCOUNT_LIMIT]} ... (cut: the account is {len(account)} characters)"
         return PROMPTS.get_template("judge.j2").render(
             task=task or Task(id="unknown", title="(not given)", rationale=""),
-            account=(context.account if context is not None else "") or "(the implementer gave no account)",
+            account=account,
             checks=check_lines(verdict.checks),
             metrics=metric_lines(verdict.run, context, self.spec),
             simulated=context.simulated if context is not None else False,
             hacks=HACKS,
-            ignored=ignored if ignored is not None else ["(the workspace is not a git work tree)"],
+            ignored=first_of(ignored) if ignored is not None else ["(the workspace is not a git work tree)"],
             diff=diff,
             diff_note=note,
             file_access=self.file_access,

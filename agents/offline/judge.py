@@ -21,7 +21,13 @@ from targets.harness.measure.session import Session, remove_bytecode_caches
 
 # What Python could import from the candidate's folder, which is on sys.path (a zip or egg once added to it).
 IMPORTABLE = (".py", ".pyc", ".pyo", ".pyd", ".so", ".pth", ".zip", ".egg")
-SHOWN = 50  # ignored files listed in a check's details
+SHOWN = 50  # entries of a list the candidate sizes (ignored files, left-out diffs) shown in a check or a prompt
+
+
+def first_of(items: list[str], shown: int = SHOWN) -> list[str]:
+    """The first ``shown`` of ``items``, and a line saying how many more: a list the candidate sizes
+    (files it adds) must not fill a check's details or a reviewer's page."""
+    return items[:shown] + ([f"... {len(items) - shown} more"] if len(items) > shown else [])
 
 
 def ignored_files(workspace: Path) -> list[str] | None:
@@ -60,7 +66,7 @@ def ignored_files_check(workspace: Path) -> CheckResult:
     if ignored is None:
         details["ignored"] = "not in a git work tree: a commit leaves nothing out"
         return CheckResult("ignored_files", True, [], details)
-    details["ignored"] = ignored[:SHOWN] + ([f"... {len(ignored) - SHOWN} more"] if len(ignored) > SHOWN else [])
+    details["ignored"] = first_of(ignored)
     refused = [p for p in ignored if p.startswith("stack/") or Path(p).suffix in IMPORTABLE]
     rules = ignore_rules(workspace, refused)
     where = {True: "it lies in stack/", False: "the stack could import it (its folder is on sys.path)"}

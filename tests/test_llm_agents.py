@@ -347,6 +347,14 @@ def test_a_reply_cut_at_the_output_limit_is_reported_and_never_final(server, pro
     ]
     assert len(notes) == 2 and "Its tool calls (write_file) were not run" in str(notes[0])
 
+    # a model that spends the whole limit every turn (a reasoning model thinking) stops at the third cut
+    # in a row, naming the option, not at the end of its 40 turns
+    server.script("implementer", *[Reply(text="thinking", cut=True)] * 4)
+    requests = len(server.requests)
+    with pytest.raises(AgentError, match="output limit of 300 tokens 3 turns in a row .*--max-output-tokens"):
+        implementer.implement(task, workspace, [])
+    assert len(server.requests) - requests == 3
+
 
 # -- tools ---------------------------------------------------------------------------------------------
 

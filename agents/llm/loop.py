@@ -25,6 +25,7 @@ RESULT_BUDGET = 60_000  # characters of tool results kept whole; older ones are 
 REPEATS_TO_STOP = 3  # the same call (name and arguments) this many times in a row: stuck
 MEASURING = ("run_checks", "run_benchmark")  # repeating these is how a model compares figures: never stuck
 NUDGES_TO_STOP = 3  # this many turns in a row without a tool call: stuck
+CUTS_TO_STOP = 3  # this many replies in a row cut at the output limit: stuck (the limit is too small for it)
 MASKED = "[an older tool result, masked to save context: call the tool again if you need it]"
 
 
@@ -112,10 +113,16 @@ def run_loop(
     messages = list(messages)
     specs = toolbox.specs() + [finish_spec(schema, finish_description)]
     recent: list[tuple[str, str]] = []
-    nudges = 0
+    nudges = cuts = 0
     for turn_number in range(1, max_turns + 1):
         left = max_turns - turn_number
         turn = client.chat(system, masked(messages), specs)
+        cuts = cuts + 1 if turn.cut_at is not None else 0
+        if cuts >= CUTS_TO_STOP:  # a reasoning model can spend the whole limit thinking, every turn
+            raise StuckError(
+                f"the {role}'s replies were cut at the output limit of {turn.cut_at} tokens {cuts} turns in a row "
+                "(raise it with --max-output-tokens)"
+            )
         if turn.cut_at is not None:  # never an answer, and its calls are not run: the model is told
             messages.append({"role": "assistant", "text": turn.text, "tool_calls": []})
             messages.append({"role": "user", "content": cut_note(turn)})

@@ -41,6 +41,8 @@ class Reply:
     input_tokens: int = 100
     output_tokens: int = 20
     cut: bool = False  # stopped at the output limit
+    usage: bool = True  # False: no usage reported (an OpenAI-compatible server that ignores include_usage)
+    cache_write_tokens: int = 0  # Anthropic: of the input, written to the prompt cache (cache_creation_input_tokens)
 
 
 @dataclass
@@ -264,14 +266,8 @@ class FakeLLMServer:
                     for piece in _pieces(arguments):
                         send({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                 send({}, finish=_openai_finish(reply))
-                send(
-                    None,
-                    usage={
-                        "prompt_tokens": reply.input_tokens,
-                        "completion_tokens": reply.output_tokens,
-                        "total_tokens": reply.input_tokens + reply.output_tokens,
-                    },
-                )
+                if reply.usage:
+                    send(None, usage=_openai_usage(reply))
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
 
@@ -292,7 +288,7 @@ class FakeLLMServer:
                             "content": [],
                             "stop_reason": None,
                             "stop_sequence": None,
-                            "usage": {"input_tokens": reply.input_tokens, "output_tokens": 1},
+                            "usage": _anthropic_usage(reply, 1),
                         }
                     },
                 )
@@ -352,11 +348,15 @@ def _openai_completion(reply: Reply, body: dict) -> dict:
         "created": 0,
         "model": body.get("model", "fake"),
         "choices": [{"index": 0, "message": message, "finish_reason": _openai_finish(reply)}],
-        "usage": {
-            "prompt_tokens": reply.input_tokens,
-            "completion_tokens": reply.output_tokens,
-            "total_tokens": reply.input_tokens + reply.output_tokens,
-        },
+        **({"usage": _openai_usage(reply)} if reply.usage else {}),
+    }
+
+
+def _openai_usage(reply: Reply) -> dict:
+    return {
+        "prompt_tokens": reply.input_tokens,
+        "completion_tokens": reply.output_tokens,
+        "total_tokens": reply.input_tokens + reply.output_tokens,
     }
 
 
@@ -379,7 +379,7 @@ def _anthropic_message(reply: Reply, body: dict) -> dict:
         "content": content,
         "stop_reason": _anthropic_stop(reply),
         "stop_sequence": None,
-        "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens},
+        "usage": _anthropic_usage(reply, reply.output_tokens),
     }
 
 
@@ -459,3 +459,13 @@ def generate(server: FakeLLMServer, tmp_path, target, provider: str, *extra: str
         argv += ["--sandbox", "subprocess"]
     result = CliRunner().invoke(app, argv, env={"COLUMNS": "140"})
     return result.exit_code, result.output, run
+
+
+def _anthropic_usage(reply: Reply, output_tokens: int) -> dict:
+    """Anthropic counts the input apart from what went to and came from its prompt cache."""
+    written = reply.cache_write_tokens
+    return {
+        "input_tokens": reply.input_tokens - written,
+        "cache_creation_input_tokens": written,
+        "output_tokens": output_tokens,
+    }

@@ -125,6 +125,29 @@ def test_errors_in_the_middle_of_a_stream_are_retried_or_named_never_raised_raw(
     assert len(server.requests) == 4  # a request that can never succeed is not retried
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_server_that_reports_no_usage_stops_a_budgeted_run_and_is_said_otherwise(server, stream, caplog):
+    """An OpenAI-compatible server that ignores include_usage counted every call as 0 tokens and $0:
+    --max-tokens and --max-cost never stopped the run, and nothing said so."""
+    server.script("implementer", Reply(text="one", usage=False), Reply(text="two", usage=False))
+    unbudgeted = _client(server, "openai", stream)
+    assert unbudgeted.chat("ROLE: implementer", [{"role": "user", "content": "go"}], []).text == "one"
+    assert unbudgeted.accounting.snapshot()["input_tokens"] == 0 and "reported no token usage" in caplog.text
+    budgeted = _client(server, "openai", stream, accounting=Accounting(max_tokens=100_000))
+    with pytest.raises(BudgetSpent, match="reported no token usage, so the run's LLM budget .* cannot be kept"):
+        budgeted.chat("ROLE: implementer", [{"role": "user", "content": "go"}], [])
+
+
+def test_anthropic_cache_writes_count_at_their_higher_price(server):
+    """A prompt-cache write is billed 1.25 times the input price; it was counted at the input price,
+    under what the run spent (the judge's and evaluator's one-shot prompts are mostly writes)."""
+    server.script("judge", Reply(text="ok", input_tokens=1000, cache_write_tokens=800, output_tokens=0))
+    client = _client(server, "anthropic")
+    client.chat("ROLE: judge", [{"role": "user", "content": "go"}], [])
+    assert client.accounting.snapshot()["input_tokens"] == 1000
+    assert client.accounting.cost_usd == pytest.approx((200 * 2.5 + 800 * 2.5 * 1.25) / 1e6)  # gpt-4o's price
+
+
 def test_a_429_storm_gives_up_with_a_clear_message(server):
     server.script("planner", *[Fault(status=429)] * 5)
     with pytest.raises(LLMError, match=r"rate limited \(429\); gave up after 3 retries"):

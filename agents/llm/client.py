@@ -81,6 +81,14 @@ class BudgetSpent(LLMError):
     ``AgentError``, so the attempt in progress ends and the round loop stops at its budget check."""
 
 
+class BudgetUnkept(BudgetSpent):
+    """The run has an LLM budget and the server reports no token usage: the budget could not be kept,
+    so the run stops as at a spent one rather than spend past it unseen."""
+
+
+CACHE_WRITE_PRICE = 1.25  # a prompt-cache write, as a multiple of the input price (Anthropic's 5-minute cache)
+
+
 @dataclass
 class ToolCall:
     id: str
@@ -92,10 +100,11 @@ class ToolCall:
 class AssistantTurn:
     text: str
     tool_calls: list[ToolCall]
-    input_tokens: int = 0
-    output_tokens: int = 0
+    input_tokens: int | None = 0  # None: the server reported no usage
+    output_tokens: int | None = 0
     cut_at: int | None = None  # the output limit the reply was cut at (finish_reason "length",
     # stop_reason "max_tokens"): its text and tool calls may be incomplete; None when it finished
+    cache_write_tokens: int = 0  # of input_tokens, those written to the provider's prompt cache (priced higher)
 
 
 @dataclass
@@ -122,6 +131,7 @@ class Accounting:
     spent_before: dict = field(default_factory=dict)
     on_call: Callable[[], None] = lambda: None
     _unpriced: set[str] = field(default_factory=set)
+    _unreported: set[str] = field(default_factory=set)
 
     def priced_as(self, model: str) -> str | None:
         """The price table's entry for ``model`` (itself, or its longest ``entry-`` prefix); None if none."""
@@ -136,15 +146,35 @@ class Accounting:
             return 0.0, 0.0
         return self.prices[match]
 
-    def add(self, model: str, input_tokens: int, output_tokens: int) -> float:
+    def add(
+        self, model: str, input_tokens: int | None, output_tokens: int | None, cache_write_tokens: int = 0
+    ) -> float:
+        """Count one call (tokens None: the server reported no usage; refused under a budget)."""
+        if input_tokens is None or output_tokens is None:
+            input_tokens, output_tokens = self.unreported(model)
         per_in, per_out = self.price(model)
-        cost = (input_tokens * per_in + output_tokens * per_out) / 1e6
+        cost = (
+            input_tokens * per_in + cache_write_tokens * per_in * (CACHE_WRITE_PRICE - 1) + output_tokens * per_out
+        ) / 1e6
         self.calls += 1
         self.input_tokens += input_tokens
         self.output_tokens += output_tokens
         self.cost_usd += cost
         self.on_call()
         return cost
+
+    def unreported(self, model: str) -> tuple[int, int]:
+        """A call the server reported no usage for: under a token or cost budget the run cannot go on
+        (``BudgetUnkept``); without one it counts as no tokens, said once."""
+        if self.max_tokens is not None or self.max_cost is not None:
+            raise BudgetUnkept(
+                f"{model}: the server reported no token usage, so the run's LLM budget (--max-tokens, --max-cost) "
+                "cannot be kept; use a server that reports it (vLLM and llama.cpp do) or run without a budget"
+            )
+        if model not in self._unreported:
+            self._unreported.add(model)
+            log.warning("%s: the server reported no token usage: its calls count no tokens and no cost", model)
+        return 0, 0
 
     def add_reported(self, input_tokens: int, output_tokens: int, cost_usd: float) -> None:
         """A call whose tokens and cost the agent reported itself (a coding-agent CLI)."""
@@ -282,7 +312,7 @@ class _RetryingClient:
                 log.warning("%s; retry %d/%d in %.1fs", message, attempt, self.config.max_retries, delay)
                 self.sleep(delay)
                 continue
-            self.accounting.add(self.config.model, turn.input_tokens, turn.output_tokens)
+            self.accounting.add(self.config.model, turn.input_tokens, turn.output_tokens, turn.cache_write_tokens)
             return turn
 
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
@@ -417,8 +447,8 @@ class OpenAIChat(_RetryingClient):
             return AssistantTurn(
                 message.content or "",
                 calls,
-                usage.prompt_tokens if usage else 0,
-                usage.completion_tokens if usage else 0,
+                usage.prompt_tokens if usage else None,
+                usage.completion_tokens if usage else None,
                 self._cut_at(response.choices[0].finish_reason),
             )
         text, calls, usage = [], {}, None
@@ -441,8 +471,8 @@ class OpenAIChat(_RetryingClient):
         return AssistantTurn(
             "".join(text),
             [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())],
-            usage.prompt_tokens if usage else 0,
-            usage.completion_tokens if usage else 0,
+            usage.prompt_tokens if usage else None,
+            usage.completion_tokens if usage else None,
             self._cut_at(finished),
         )
 
@@ -510,11 +540,12 @@ class AnthropicChat(_RetryingClient):
         text = "".join(b.text for b in message.content if b.type == "text")
         calls = [ToolCall(b.id, b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"]
         cut_at = self.config.max_output_tokens if message.stop_reason == "max_tokens" else None
-        usage = message.usage  # cached prefix tokens are counted apart; all count, at the input price (an upper bound)
-        cached = (getattr(usage, "cache_read_input_tokens", 0) or 0) + (
-            getattr(usage, "cache_creation_input_tokens", 0) or 0
-        )
-        return AssistantTurn(text, calls, usage.input_tokens + cached, usage.output_tokens, cut_at)
+        # cached prefix tokens are counted apart: a read counts at the input price (an upper bound: it
+        # is billed a tenth of it), a write at CACHE_WRITE_PRICE times it
+        usage = message.usage
+        read = getattr(usage, "cache_read_input_tokens", 0) or 0
+        written = getattr(usage, "cache_creation_input_tokens", 0) or 0
+        return AssistantTurn(text, calls, usage.input_tokens + read + written, usage.output_tokens, cut_at, written)
 
 
 class _StreamCut(RuntimeError):

@@ -69,6 +69,27 @@ def account(accounting: Accounting, tool: CLITool, result: CLIResult, model: str
         accounting.add_reported(result.input_tokens, result.output_tokens, 0.0)
 
 
+def run_counted(
+    accounting: Accounting, tool: CLITool, argv: list[str], prompt: str, *, cap_usd: float, model: str | None, **run
+) -> CLIResult:
+    """One CLI call (``run_cli``), counted. A call that ended with no report to read (past its time, its
+    output unreadable) spent what nobody knows: it counts as its cap where the CLI has one (Claude's
+    ``--max-budget-usd``, ``cap_usd``), else as nothing; either way it is said."""
+    try:
+        result = run_cli(tool, argv, prompt, **run)
+    except AgentError:
+        if tool.CAPS_COST:
+            log.warning(
+                "the %s call ended without reporting its spend: it counts at its cap, $%.4f", tool.name, cap_usd
+            )
+        else:
+            log.warning("the %s call ended without reporting its spend, and it has no cap: it counts $0", tool.name)
+        accounting.add_reported(0, 0, cap_usd if tool.CAPS_COST else 0.0)
+        raise
+    account(accounting, tool, result, model)
+    return result
+
+
 def budget_usd(accounting: Accounting, cap: float) -> float:
     """What one call may spend: the run's remaining ``--max-cost``, at most ``cap``."""
     if accounting.max_cost is None:
@@ -160,8 +181,17 @@ class CLIImplementer:
         # take longer, and may take as long as the whole call.
         timeout_ms = str(int(self.timeout_s * 1000))
         env = self.tool.environment({"BASH_DEFAULT_TIMEOUT_MS": timeout_ms, "BASH_MAX_TIMEOUT_MS": timeout_ms})
-        result = run_cli(self.tool, argv, prompt, cwd=workspace, env=env, timeout_s=self.timeout_s)
-        account(self.accounting, self.tool, result, self.model)
+        result = run_counted(
+            self.accounting,
+            self.tool,
+            argv,
+            prompt,
+            cap_usd=budget,
+            model=self.model,
+            cwd=workspace,
+            env=env,
+            timeout_s=self.timeout_s,
+        )
         if result.failure:
             raise AgentError(result.failure)
         attempt = self._attempt(result.text)
@@ -215,19 +245,20 @@ class CLIChatClient:
                 f"{', '.join(t.name for t in tools)}"
             )
         self.accounting.check_budget()
-        argv = self.tool.review_argv(
-            self.exe, model=self.model, budget_usd=budget_usd(self.accounting, self.max_call_usd)
-        )
+        budget = budget_usd(self.accounting, self.max_call_usd)
+        argv = self.tool.review_argv(self.exe, model=self.model, budget_usd=budget)
         with tempfile.TemporaryDirectory(prefix="vibetrain-review-") as scratch:
-            result = run_cli(
+            result = run_counted(
+                self.accounting,
                 self.tool,
                 argv,
                 conversation(system, messages),
+                cap_usd=budget,
+                model=self.model,
                 cwd=Path(scratch),
                 env=self.tool.environment(),
                 timeout_s=self.timeout_s,
             )
-        account(self.accounting, self.tool, result, self.model)
         if result.failure:  # out of turns or budget: the judge rejects (a candidate can derail its reviewer)
             raise (StuckError if result.derailed else AgentError)(result.failure)
         return AssistantTurn(result.text, [], result.input_tokens, result.output_tokens)

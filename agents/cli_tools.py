@@ -138,6 +138,7 @@ class CLITool:
     KEYS: tuple[str, ...]  # the provider key(s) the CLI authenticates with, passed when set
     CONFIG: tuple[str, ...]  # the CLI's own configuration variables, passed when set
     SHELL_RULE: str  # what the prompt says about running commands
+    CAPS_COST: bool  # whether a call's spend is capped by what it is given (budget_usd)
 
     def executable(self) -> str:
         """The CLI's path; a missing CLI is refused here, before the run writes anything."""
@@ -193,6 +194,7 @@ class ClaudeCode(CLITool):
     name = "claude"
     KEYS = ("ANTHROPIC_API_KEY",)  # used whenever set under -p; without it, the login in CLAUDE_CONFIG_DIR
     CONFIG = ("CLAUDE_CONFIG_DIR",)  # where its settings and login live (default ~/.claude)
+    CAPS_COST = True  # --max-budget-usd
     # Edit rules cover every tool that edits files (Edit, MultiEdit, Write); paths are relative to the
     # workspace, the CLI's working directory.
     EDIT_TOOLS = (
@@ -247,6 +249,7 @@ class Codex(CLITool):
     name = "codex"
     KEYS = ("CODEX_API_KEY", "OPENAI_API_KEY")  # exec's own key variable; the OpenAI provider's key
     CONFIG = ()  # CODEX_HOME is a scratch one per call (private_home), never the user's
+    CAPS_COST = False  # codex exec takes no cost limit
     LOGIN = "auth.json"  # the login `codex login` keeps in CODEX_HOME
     SHELL_RULE = "Your commands may write only inside the workspace."
 

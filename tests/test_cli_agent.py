@@ -259,6 +259,18 @@ def test_a_timeout_stops_the_cli_and_every_process_it_started(tmp_path, monkeypa
     assert record.with_suffix(".terminated").exists()  # the CLI was asked first (SIGTERM), and could clean up
 
 
+def test_a_call_past_its_time_counts_at_its_cap_not_at_nothing(tmp_path, monkeypatch, session, workspace, caplog):
+    """A CLI call stopped at its timeout (or whose output could not be read) reports no spend: it was
+    counted as $0 and 0 tokens, and the next attempt got the whole remaining budget again."""
+    _fake(tmp_path, monkeypatch, "claude", "hang")
+    accounting = Accounting()
+    implementer = CLIImplementer(session, cli_tool("claude"), accounting, None, max_attempt_usd=0.5, timeout_s=3)
+    with pytest.raises(AgentError, match="ran past 3s"):
+        implementer.implement(TASK, workspace, [])
+    assert accounting.calls == 1 and accounting.cost_usd == pytest.approx(0.5)
+    assert "ended without reporting its spend: it counts at its cap, $0.5000" in caplog.text
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process command lines from /proc")
 def test_a_process_the_cli_leaves_behind_with_setsid_ends_with_it(tmp_path, monkeypatch, workspace):
     """A grandchild that leaves the CLI's process group (setsid) and holds its stdout: the call neither

@@ -6,6 +6,7 @@ offline for the rest)."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +23,10 @@ BACKENDS = ("offline", "openai", "anthropic", "cli:claude", "cli:codex")
 def api_key_env(backend: str, llm: dict) -> str:
     """The variable that holds the backend's API key: --api-key-env, else the provider's usual one."""
     return llm.get("api_key_env") or ("OPENAI_API_KEY" if backend == "openai" else "ANTHROPIC_API_KEY")
+
+
+def _is_price(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
@@ -42,9 +47,11 @@ def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
                 f"not a {type(data).__name__}"
             )
         for model, pair in data.items():
-            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, (int, float)) for x in pair)):
+            prices_ok = isinstance(pair, list) and len(pair) == 2 and all(_is_price(x) for x in pair)
+            if not prices_ok:  # a negative price would lower the spend: --max-cost could never stop the run
                 raise ValueError(
-                    f"{path}: price of {model!r} must be [input, output] USD per million tokens, got {pair!r}"
+                    f"{path}: price of {model!r} must be [input, output] USD per million tokens, two numbers "
+                    f"of at least 0, got {pair!r}"
                 )
             prices[model] = (float(pair[0]), float(pair[1]))
     return prices

@@ -586,13 +586,18 @@ def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):
         (["--sandbox", "foo"], "unknown sandbox 'foo'"),
         (["--agents", "openai", "--model", "gpt-4o", "--prices", "{missing}"], "No such file"),
         (["--agents", "openai", "--model", "gpt-4o", "--prices", "{a_list}"], "not a list"),
+        (["--agents", "openai", "--model", "gpt-4o", "--prices", "{negative}"], "two numbers of at least 0, got [-2"),
+        (["--agents", "openai", "--model", "gpt-4o", "--prices", "{a_bool}"], "two numbers of at least 0, got [True"),
     ],
-    ids=["unknown sandbox", "missing price table", "price table not a mapping"],
+    ids=["unknown sandbox", "missing price table", "price table not a mapping", "negative price", "boolean price"],
 )
 def test_a_setup_mistake_found_after_the_repository_was_made_leaves_nothing_behind(tmp_path, mistake, says):
     """The same command, corrected, starts the run: no repository left over to refuse it."""
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "negative.yaml").write_text("gpt-4o: [-2.5, 10]\n")
+    (tmp_path / "bool.yaml").write_text("gpt-4o: [true, 10]\n")
     names = {"missing": str(tmp_path / "nope.yaml"), "a_list": str(tmp_path / "list.yaml")}
+    names |= {"negative": str(tmp_path / "negative.yaml"), "a_bool": str(tmp_path / "bool.yaml")}
     args = ["generate", "tiny-qwen3-cpu", "--rounds", "0", "--out", str(tmp_path / "r"), "--workspaces", str(tmp_path)]
     result = runner.invoke(
         app, [*args, *(m.format(**names) for m in mistake)], env={**ENV, "OPENAI_API_KEY": "sk-test"}

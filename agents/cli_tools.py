@@ -10,21 +10,18 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from agents.reaped_run import KILL_GRACE_S, run_reaped
 from agents.roles import AgentError
 
 log = logging.getLogger("vibetrain.cli_agent")
 
-KILL_GRACE_S = 5.0  # after SIGTERM, how long the CLI has to end before it and all it started are killed
-REAPER_MARGIN_S = 5.0  # how much longer the reaper has to kill them before its own group is killed
 MAX_ATTEMPT_USD = 5.0  # Claude Code's --max-budget-usd when the run has no --max-cost (per call)
 JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
@@ -316,24 +313,6 @@ def cli_tool(name: str) -> CLITool:
     return TOOLS[name]
 
 
-def _reaped(argv: list[str], grace_s: float) -> list[str]:
-    """``argv`` under ``agents/reaper.py`` (see there: it kills whatever the CLI leaves running, a setsid'd
-    process too, and keeps process ids as they are). Run by its path in isolated mode: it runs in the
-    workspace, where a planted ``agents/reaper.py`` would otherwise be the one imported."""
-    return [sys.executable, "-I", str(Path(__file__).with_name("reaper.py")), "--grace", f"{grace_s:g}", *argv]
-
-
-def _stop(process: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to the reaper, which passes it to the CLI and kills the CLI's whole tree after ``grace_s``;
-    SIGKILL to the process group should the reaper itself not be gone by then."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(grace_s + REAPER_MARGIN_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # start_new_session: the reaper leads its own group
-    process.communicate()  # reap it and close its pipes
-
-
 def run_cli(
     tool: CLITool,
     argv: list[str],
@@ -354,24 +333,13 @@ def run_cli(
 def _run_reaped(
     tool: CLITool, argv: list[str], prompt: str, *, cwd: Path, env: dict, timeout_s: float, grace_s: float
 ) -> CLIResult:
-    process = subprocess.Popen(
-        _reaped(argv, grace_s),
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
     try:
-        stdout, stderr = process.communicate(prompt, timeout=timeout_s)
+        done = run_reaped(argv, prompt, cwd=cwd, env=env, timeout_s=timeout_s, grace_s=grace_s)
     except subprocess.TimeoutExpired:
-        _stop(process, grace_s)
         raise AgentError(
             f"the {tool.name} CLI ran past {timeout_s:g}s; it and every process it started were stopped"
         ) from None
-    code = process.returncode
+    code, stdout, stderr = done.returncode, done.stdout, done.stderr
     try:
         result = tool.parse(stdout)
     except CLIOutputError:

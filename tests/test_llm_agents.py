@@ -512,6 +512,31 @@ def test_commands_run_in_the_sandbox_without_the_keys(toolbox, monkeypatch):
     assert "exit code 0" in result and "done" in result and "sk-must-not-leak" not in result
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process command lines from /proc")
+def test_a_command_past_its_time_leaves_nothing_running(tmp_path, tiny_spec):
+    """subprocess.run's timeout killed only the direct child: under the subprocess (or Docker) sandbox a
+    background, setsid'd process the model started ran on, writing into the workspace or loading the
+    machine while the judge measured. The command runs under the reaper now, as a CLI's call does."""
+    import uuid
+
+    write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    toolbox = Toolbox(tmp_path / "ws", Sandbox("subprocess"))
+    token = f"vt-left-running-{uuid.uuid4().hex[:8]}"
+    command = f"setsid bash -c 'exec -a {token} sleep 300' & sleep 60"
+    result = _call(toolbox, "run_command", command=command, timeout_s=2)
+    assert "ran past 2s; it and every process it started were stopped" in result
+
+    def running(proc: Path) -> bool:
+        try:
+            return token in proc.joinpath("cmdline").read_bytes().decode(errors="replace") and (
+                proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            )
+        except (FileNotFoundError, ProcessLookupError):
+            return False  # it ended while we looked
+
+    assert not [proc for proc in Path("/proc").glob("[0-9]*") if running(proc)]
+
+
 # -- full rounds through vibetrain generate ----------------------------------------------------------
 
 EDIT = (

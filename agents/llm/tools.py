@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import targets
 from agents.llm.client import ToolCall, ToolSpec
+from agents.reaped_run import run_reaped
 from skills.library import load_skills, search_skills
 
 MAX_RESULT = 12_000
@@ -322,12 +323,12 @@ class Toolbox:
         """Writable: the workspace alone (the sandbox's /tmp is its own). No folder inside it is named
         apart: the sandbox would mount what a link planted there points to."""
         command, env = self.sandbox.wrap(["bash", "-c", a.command], {}, writable=[self.workspace], cwd=self.workspace)
-        try:
-            result = subprocess.run(
-                command, env=env or None, cwd=self.workspace, capture_output=True, text=True, timeout=a.timeout_s
-            )
+        try:  # under the reaper: a background or setsid'd process ends with the command
+            result = run_reaped(command, "", cwd=self.workspace, env=env or None, timeout_s=a.timeout_s)
         except subprocess.TimeoutExpired:
-            raise ToolResultError(f"the command ran past {a.timeout_s:g}s and was killed") from None
+            raise ToolResultError(
+                f"the command ran past {a.timeout_s:g}s; it and every process it started were stopped"
+            ) from None
         return f"exit code {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
     def search_skills_tool(self, a: SearchSkills) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 from git.exc import GitCommandError
 
 from agents import workspace_git
-from agents.llm.client import BudgetSpent
+from agents.llm.client import BudgetSpent, LLMUnusable
 from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Verdict, starter_task
 from orchestrator import commits
 from orchestrator.budget import LLMBudget
@@ -55,6 +55,14 @@ class RunError(UserError, RuntimeError):
     """The run cannot go on (disk full, a broken repository); the message says what to do."""
 
     exit_code = 1
+
+
+def unusable(error: LLMUnusable, who: str) -> str:
+    """Why the run stops on a backend that refuses its configuration, and what to do."""
+    return (
+        f"{who}'s LLM backend refuses this run's configuration: {error}. Every validated candidate is committed; "
+        "fix the model, key or endpoint (--model, --api-key-env, --base-url) and run again with --resume"
+    )
 
 
 @dataclass
@@ -112,6 +120,8 @@ class Loop:
             except BudgetSpent as spent:  # the planner's call found the budget spent: no round is started
                 self.on_event("budget", reason=str(spent))
                 break
+            except LLMUnusable as refused:
+                raise RunError(unusable(refused, "the planner")) from None
             if proposal is None:
                 reason = "nothing left to try: the backlog is empty and no composition or parameter move is new"
                 self.on_event("budget", reason=reason)
@@ -176,6 +186,8 @@ class Loop:
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         except RunError:  # the run itself cannot go on (its spend could not be saved): not this round's fault
             raise
+        except LLMUnusable as error:  # the backend as configured, which every later round would meet too
+            stop = RunError(f"round {number} stopped: {unusable(error, 'an agent')}")
         except EnvironmentFailed as error:  # the user's code, which every later round would meet too
             stop = RunError(
                 f"round {number} stopped: {error}. This is the {error.part}'s failure, not the candidate's: "
@@ -254,6 +266,8 @@ class Loop:
                     record.task, workspace, feedback, context.parent_hints, context
                 )
                 record.account = context.account = change.summary
+            except LLMUnusable:
+                raise  # every attempt would meet it: the round stops the run
             except AgentError as error:  # this attempt ends; the next one is told why
                 candidate, _ = self.freeze(workspace, record)  # what it left: the evidence a rejection keeps
                 verdict = Verdict.refused("implementer", [f"attempt {attempt}: {type(error).__name__}: {error}"])

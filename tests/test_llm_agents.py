@@ -627,6 +627,21 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
     )
 
 
+def test_a_backend_that_refuses_the_runs_key_stops_the_run_with_every_round_kept(server, tmp_path, fast_target):
+    """A 401 (or a 403, a 404 for the model) would meet every later call: each round's attempts were
+    rejected in turn, the run going on to its budget. The run stops now, naming what to fix, and
+    --resume redoes the round."""
+    _script_a_run(server, rounds=0)  # the starter's review and hints
+    server.script("implementer", Fault(status=401))
+    code, output, run = generate(server, tmp_path, fast_target, "openai", "--rounds", "2")
+    assert code == 1, output
+    assert "round 1 stopped: an agent's LLM backend refuses this run's configuration" in output
+    assert "authentication failed (401)" in output and "--resume" in output and "Traceback" not in output
+    state = RunState.load(run)
+    assert [r.round for r in state.rounds] == [0] and state.next_round == 1 and state.best_round == 0
+    assert [r["role"] for r in server.requests].count("implementer") == 1  # no second attempt, no second round
+
+
 @pytest.mark.slow
 def test_the_llm_review_rejects_a_hack_the_gate_let_through(server, tmp_path, fast_target):
     _script_a_run(server, rounds=1, review="reject")

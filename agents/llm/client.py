@@ -81,6 +81,11 @@ class BudgetSpent(LLMError):
     ``AgentError``, so the attempt in progress ends and the round loop stops at its budget check."""
 
 
+class LLMUnusable(LLMError):
+    """The provider refuses the run's configuration (its key, its permission, its model: 401, 403, 404):
+    every later call would fail alike, so the run stops naming it, rather than fail round after round."""
+
+
 class BudgetUnkept(BudgetSpent):
     """The run has an LLM budget and the server reports no token usage: the budget could not be kept,
     so the run stops as at a spent one rather than spend past it unseen."""
@@ -298,7 +303,8 @@ class _RetryingClient:
                 if message is None:
                     raise
                 if not transient:
-                    raise LLMError(message) from error
+                    refused = (self.sdk.AuthenticationError, self.sdk.PermissionDeniedError, self.sdk.NotFoundError)
+                    raise (LLMUnusable if isinstance(error, refused) else LLMError)(message) from error
                 attempt += 1
                 if attempt > self.config.max_retries:
                     raise LLMError(f"{message}; gave up after {self.config.max_retries} retries") from error
@@ -325,6 +331,8 @@ class _RetryingClient:
         where = f"{self.config.provider} {self.config.model} at {host}"
         if isinstance(error, sdk.AuthenticationError):
             return False, f"{where}: authentication failed (401): check ${self.config.api_key_env}"
+        if isinstance(error, sdk.PermissionDeniedError):
+            return False, f"{where}: permission denied (403): {error.message}"
         if isinstance(error, sdk.NotFoundError):
             return False, f"{where}: not found (404): is the model name right? ({error.message})"
         if isinstance(error, sdk.RateLimitError):

@@ -12,7 +12,8 @@ When the review cannot be had (the provider fails past its retries, a CLI fails)
 its gated candidate: the gate's verdict stands
 with a passing ``llm_review`` check that says the review was unavailable, unless the run requires
 the review (``--require-llm-review``): then the candidate is rejected. A spent LLM budget is not such
-a failure: ``BudgetSpent`` propagates, and the run stops. A review that ran and reached no verdict (the
+a failure, nor a backend that refuses the run's configuration (401, 403, 404): ``BudgetSpent`` and
+``LLMUnusable`` propagate, and the run stops. A review that ran and reached no verdict (the
 model stuck, out of turns, or answering outside its schema twice) rejects: the candidate's own text can
 cause that on purpose.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from agents import workspace_git
 from agents.llm.agents import PROMPTS, OutputSchemaError, Review, answer
-from agents.llm.client import BudgetSpent, ChatClient
+from agents.llm.client import BudgetSpent, ChatClient, LLMUnusable
 from agents.llm.loop import StuckError, run_loop
 from agents.llm.tools import Toolbox
 from agents.offline.judge import first_of, ignored_files
@@ -264,8 +265,8 @@ class LLMJudge:
             return verdict
         try:
             review = self.review(workspace, task, verdict, context)
-        except BudgetSpent:
-            raise  # the run's LLM budget is spent: the run stops, this is no outage to fall back from
+        except (BudgetSpent, LLMUnusable):
+            raise  # a spent budget, or a backend that refuses the run: the run stops, no outage to fall back from
         except (StuckError, OutputSchemaError) as error:  # the model read the candidate and reached no verdict:
             # content can cause that on purpose (a candidate built to derail its reviewer), so it rejects
             reasons = [f"reached no verdict: {type(error).__name__}: {error}"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from agents.llm.client import BudgetSpent
+from agents.llm.client import BudgetSpent, LLMUnusable
 from agents.roles import AgentError, Task
 from orchestrator.policies.backlog import BacklogPolicy
 from orchestrator.state import RoundRecord, RunState
@@ -33,7 +33,7 @@ class LLMPolicy:
                 raise AgentError(f"the planner chose round {choice.parent_round}, which is not a validated candidate")
             if (parent.commit, choice.task.id) in state.tried():
                 raise AgentError(f"the planner chose task {choice.task.id!r}, already tried on round {parent.round}")
-        except BudgetSpent:
+        except (BudgetSpent, LLMUnusable):  # the run stops on these: no planner failure to fall back from
             raise
         except AgentError as error:
             log.warning("LLM planner: %s; this round follows the backlog policy instead", error)

@@ -91,7 +91,13 @@ class History:
             return None
 
     def best(self) -> str | None:
-        return self.repo.commit("best").hexsha if self.repo.head.is_valid() else None
+        """The best validated candidate's commit; None before the first (or in a repository that is no run)."""
+        if not self.repo.head.is_valid():
+            return None
+        try:
+            return self.repo.commit("best").hexsha
+        except git.BadName:  # a git repository without the run's ``best`` branch
+            return None
 
     def export(self, commit: str, directory: Path) -> Path:
         """The candidate's files at ``commit``, written to ``directory`` (created; must not exist)."""

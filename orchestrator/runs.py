@@ -241,7 +241,7 @@ def export_candidate(ref: str) -> Path:
         raise RunSetupError(f"{ref}: {error}") from None
     if which == "best":
         commit = history.best()
-    elif which.startswith("round-") and which[6:].isdigit():
+    elif which.startswith("round-") and which[6:].isascii() and which[6:].isdigit():
         commit = history.round_commit(int(which[6:]))
     else:
         commit = which

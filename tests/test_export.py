@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import git
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -181,6 +182,17 @@ def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_p
     assert result.exit_code == 2 and "write RUN@best, RUN@round-N or RUN@<commit>" in result.output
     result = runner.invoke(app, ["export", f"{run}@round-9", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "no such candidate" in result.output
+    # a superscript is a digit to str.isdigit, not to int(); a git repository that is no run has no best:
+    # all three were tracebacks (check resolves --stack first)
+    result = runner.invoke(app, ["show", str(run), "\u00b2"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "ROUND must be a round number" in result.output
+    repo = git.Repo.init(tmp_path / "not-a-run")
+    (tmp_path / "not-a-run" / "x").write_text("x")
+    repo.index.add(["x"])
+    repo.index.commit("x")
+    for ref in (f"{run}@round-\u00b2", f"{tmp_path / 'not-a-run'}@best"):
+        result = runner.invoke(app, ["check", "no-such-target", "--stack", ref], env={"COLUMNS": "200"})
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
 
 
 def test_the_launcher_refuses_a_target_whose_hardware_this_machine_lacks(tmp_path, without_vibetrain):

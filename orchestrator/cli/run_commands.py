@@ -80,7 +80,7 @@ def _round_of(run: Path, state, which: str):
             raise UsageError(f"{run} has no validated candidate yet (vibetrain log {run})")
     elif which == "latest":
         number = state.rounds[-1].round
-    elif which.isdigit():
+    elif which.isascii() and which.isdigit():  # "²" is a digit to str.isdigit, not to int()
         number = int(which)
     else:
         raise UsageError(f"ROUND must be a round number, 'best' or 'latest', not {which!r}")

@@ -132,6 +132,8 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     assert (tmp_path / "reports" / "run-report.html").stat().st_size > 10_000
     _ok("report", str(run), "--out", str(tmp_path / "new" / "folder" / "r.html"))
     assert (tmp_path / "new" / "folder" / "r.html").exists()
+    _ok("report", str(run), "--out", f"{tmp_path / 'fresh'}/")  # a folder yet to make: the docstring's example
+    assert (tmp_path / "fresh" / "run-report.html").is_file()
     for option in ("--json", "--timeline"):
         result = runner.invoke(app, ["bench", "tiny-qwen3-cpu", option, str(tmp_path / "reports")], env=NARROW)
         assert result.exit_code == 2 and "a directory is there; give a file path" in result.output, result.output

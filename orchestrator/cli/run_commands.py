@@ -184,8 +184,10 @@ def export(
 @command(app, "report")
 def report(
     run: Path,
-    out: Path = typer.Option(
-        None, help="HTML file to write, or a directory to put <run>-report.html in (default: beside RUN)"
+    out: str = typer.Option(
+        None,
+        help="HTML file to write, or a directory (existing, or ending in /) to put <run>-report.html in "
+        "(default: beside RUN)",
     ),
 ) -> None:
     """Static HTML: metric per round, the search tree, the timeline of best vs baselines, the rounds.
@@ -196,8 +198,8 @@ def report(
 
     _state_and_history(run)  # clear errors for a path that is not a run
     name = f"{run.resolve().name}-report.html"
-    out = out or run.parent / name
-    if out.is_dir():
-        out = out / name
-    path = write_report(run, out_file(out, "--out"))
+    where = run.parent / name if out is None else Path(out)
+    if where.is_dir() or (out is not None and out.endswith("/")):  # Path("reports/") drops the slash that says so
+        where = where / name
+    path = write_report(run, out_file(where, "--out"))
     console.print(f"report: {path}")

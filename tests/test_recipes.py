@@ -1189,3 +1189,47 @@ def test_a_vllm_stack_s_engine_options_are_vllm_s_or_refused_never_dropped():
 def test_a_kv_cache_too_small_for_two_blocks_is_refused_not_enlarged(path):
     with pytest.raises(ValueError, match="a KV cache of 16 tokens holds fewer than two blocks of 16"):
         PagedEngine(path, "float32", kv_tokens=16, block_size=16)
+
+
+def test_an_episode_done_as_the_run_ends_is_not_handed_back_twice():
+    """A task's done callback (which forgets it) runs a loop turn after the task ends: a controller
+    finishing in that turn had cancel_all hand back, as end_of_run, episodes already in the buffer,
+    and the harness counted them twice (the exactly-once rule)."""
+    from skills.recipes.env_manager import EnvManager
+    from skills.recipes.sample_buffer import GroupBuffer
+    from targets.api import Completion, SamplingParams, StepResult
+
+    dropped = []
+
+    class Episode:
+        def __init__(self, n: int) -> None:
+            self.episode_id, self.group_id = f"g0/e{n}", "g0"
+
+        async def reset(self):
+            return [1, 2]
+
+        async def step(self, tokens):
+            return StepResult([3], 1.0, True)
+
+    class Envs:
+        def new_group(self, extra=0, relaunch=None):
+            return [Episode(0), Episode(1)]
+
+        def drop(self, episode_id, reason, idleness=None):
+            dropped.append((episode_id, reason))
+
+    class Cluster:
+        async def generate(self, request):
+            return Completion([5, 6], [-0.1, -0.2], "stop", 0)
+
+    async def run() -> GroupBuffer:
+        buffer = GroupBuffer(2, 1, Envs())
+        manager = EnvManager(Cluster(), Envs(), buffer, SamplingParams(4), 64)
+        manager.launch(1)
+        await asyncio.sleep(0)  # both episodes run to their end; their done callbacks wait for the next turn
+        assert all(task.done() for task in manager._tasks)
+        await manager.cancel_all()
+        return buffer
+
+    buffer = asyncio.run(run())
+    assert buffer.ready_groups == 1 and dropped == []

@@ -259,13 +259,16 @@ class EnvManager:
             return joined(so_far, completion)
 
     async def cancel_all(self) -> None:
-        """End of run: stop every episode still in flight and hand it back (reason ``end_of_run``)."""
-        running = dict(self._tasks)
+        """End of run: stop every episode still in flight and hand it back (reason ``end_of_run``). A task
+        already done is not in flight, though its done callback (which forgets it) has not run yet: its
+        episode was put in the buffer or handed back, and a second hand-back would count it twice."""
+        running = {task: episode_id for task, episode_id in self._tasks.items() if not task.done()}
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
         for episode_id in running.values():
             self.envs.drop(episode_id, "end_of_run")
+        self.raise_if_failed()  # a task that failed as the run ended (its checkpoint refused, say) is the run's error
 
 
 def joined(so_far: Completion | None, segment: Completion) -> Completion:

@@ -1233,3 +1233,53 @@ def test_an_episode_done_as_the_run_ends_is_not_handed_back_twice():
 
     buffer = asyncio.run(run())
     assert buffer.ready_groups == 1 and dropped == []
+
+
+@pytest.mark.parametrize("fails", ["first reading", "a sync"])
+def test_a_harvest_that_fails_is_raised_in_the_controllers_wait_not_a_hang(fails):
+    """The harvester ran as a task nobody watched: a first reading of the traffic that raised left the
+    episodes waiting for a first lend and the controller waiting on the buffer, forever (the error
+    surfaced only at stop(), which that run never reached); a failed sync to lent engines was forgotten
+    by synced() and they served an old version. Both reach the controller's wait now."""
+    from skills.recipes.env_manager import EnvManager
+    from skills.recipes.sample_buffer import GroupBuffer
+    from skills.recipes.serving_harvest import ServingHarvest
+    from targets.api import Device, SamplingParams, ServingLoad
+
+    class Cluster:
+        def now(self) -> float:
+            return 0.0
+
+        async def sleep(self, seconds: float) -> None:
+            await asyncio.sleep(seconds)
+
+        async def serving_load(self) -> ServingLoad:
+            if fails == "first reading":
+                raise ConnectionError("planted: the traffic could not be read")
+            return ServingLoad(0.0, 2, 0, 0.0, 0.0, 1.0, 1.0, 10.0, 10.0)  # no traffic: both devices lent
+
+        async def expand(self, devices) -> None:
+            pass
+
+        async def sync_weights(self, version, devices, interrupt=False) -> None:
+            raise ConnectionError("planted: the lent engine did not load the version")
+
+    async def run() -> None:
+        devices = [Device(f"s{i}", "cpu", i) for i in range(2)]
+        harvest = ServingHarvest(Cluster(), devices, 1, 0.3, False)
+        buffer = GroupBuffer(2, 1, None)
+        manager = EnvManager(Cluster(), None, buffer, SamplingParams(4), 64, start_after=harvest.ready)
+        harvest.on_failure = manager.fail
+        harvest.start()
+        if fails == "a sync":
+            await asyncio.wait_for(harvest.ready.wait(), 5)
+            harvest.policy_advanced(1)
+            await asyncio.sleep(0.01)
+            with pytest.raises(ConnectionError, match="did not load"):
+                await asyncio.wait_for(harvest.synced(), 5)
+        with pytest.raises(RuntimeError, match="the rollout failed: ConnectionError: planted"):
+            await asyncio.wait_for(buffer.wait_ready(1, 0, lambda: None, manager.raise_if_failed), 5)
+        harvest._stopping = True
+        harvest._task.cancel()
+
+    asyncio.run(run())

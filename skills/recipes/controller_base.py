@@ -106,6 +106,8 @@ class ControllerBase:
             checkpoint_level=self.checkpoint_level,
             start_after=self._harvest.ready if self._harvest is not None else None,
         )
+        if self._harvest is not None:
+            self._harvest.on_failure = manager.fail  # the controller's next wait raises it
         self._manager = manager  # told of each new policy version by _train
         return cluster, buffer, manager
 

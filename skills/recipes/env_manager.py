@@ -114,9 +114,15 @@ class EnvManager:
     def _finished(self, task: asyncio.Task, group_id: str) -> None:
         self._tasks.pop(task, None)
         self._leave(task, group_id)
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
-            self.buffer.wake()  # a batch waiting on the buffer raises it now
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(task.exception())
+
+    def fail(self, error: BaseException) -> None:
+        """An episode coroutine, or a part running beside them (the serving harvest), failed: a batch
+        waiting on the buffer raises it now (``raise_if_failed``), the first failure kept."""
+        if self._failure is None:
+            self._failure = error
+            self.buffer.wake()
 
     def _leave(self, task: asyncio.Task, group_id: str) -> None:
         """``task`` no longer holds its group in flight (called as it ends, before the buffer's
@@ -196,9 +202,11 @@ class EnvManager:
         return True
 
     def raise_if_failed(self) -> None:
-        """Surface an episode coroutine's crash in the controller instead of hanging on it."""
+        """Surface an episode coroutine's crash (or the harvest's) in the controller instead of hanging on it."""
         if self._failure is not None:
-            raise RuntimeError("an episode coroutine failed") from self._failure
+            raise RuntimeError(
+                f"the rollout failed: {type(self._failure).__name__}: {self._failure}"
+            ) from self._failure
 
     async def _run_episode(self, episode) -> None:
         t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())

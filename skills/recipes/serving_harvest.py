@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from targets.api import Cluster, Device, ServingLoad
 
@@ -54,9 +54,22 @@ class ServingHarvest:
         self._stopping = False
         self._sleeping: asyncio.Future | None = None
         self.ready = asyncio.Event()  # set once the first lend is in place: episodes start on every engine
+        # told of a failure at once (the controller's waits raise it): a harvest that stopped, or a sync
+        # that failed, must not leave the episodes waiting for a first lend, or lent engines on an old version
+        self.on_failure: Callable[[BaseException], None] = lambda error: None
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._failed(task.exception())
+
+    def _failed(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+            self.on_failure(error)
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -102,6 +115,8 @@ class ServingHarvest:
         this one, as it waits for its own engines' (a turn decoding under an older version meanwhile
         would be trained beyond the staleness bound)."""
         await asyncio.gather(*list(self._syncs))
+        if self._failure is not None:  # a sync (or the harvest) that failed before this wait began
+            raise self._failure
 
     def policy_advanced(self, version: int) -> None:
         """A new version was trained: the engines lent now load it, beside the harvest (a sync waits for
@@ -118,8 +133,8 @@ class ServingHarvest:
 
     def _synced(self, sync: asyncio.Task) -> None:
         self._syncs.discard(sync)
-        if not sync.cancelled() and sync.exception() is not None and self._failure is None:
-            self._failure = sync.exception()
+        if not sync.cancelled() and sync.exception() is not None:
+            self._failed(sync.exception())
 
     async def stop(self) -> None:
         """End the harvest (the run is over) once the lend, give-back or sync under way has finished: a

@@ -130,7 +130,7 @@ def test_the_review_reads_a_hack_hidden_in_an_ignored_file_and_the_gate_refuses_
     gate = _gate(fast_target, sandbox)  # the same candidate, the deterministic gate alone
     alone = gate.judge(workspace, tmp_path / "gate")
     assert not alone.passed and alone.run is None  # refused before anything ran
-    [check] = alone.checks
+    check = alone.checks[0]
     assert check.name == "ignored_files" and check.reasons[0].startswith(
         "stack/hack.py: git ignores it (.gitignore:3:stack/hack.py), yet it lies in stack/"
     )
@@ -161,6 +161,24 @@ def test_what_the_candidate_sizes_never_fills_the_reviewers_page(server, workspa
     assert system.count("- notes/n") == 50 and "- ... 2950 more\n" in system
     assert system.count("spares.") == 500 and "(cut: the account is 16000 characters)" in system
     assert len(system) < 60_000
+
+
+@pytest.mark.parametrize("params", [None, "{not json", "[1, 2]"], ids=["missing", "not json", "a list"])
+def test_a_candidate_without_readable_params_is_refused_before_it_runs(
+    workspace, tmp_path, fast_target, sandbox, params
+):
+    """The search reads each validated candidate's params.json (policies, novelty, a resumed run): a
+    candidate that deleted or broke it was validated, and the run that found it then failed at the
+    round's end and at every --resume after."""
+    path = workspace / "stack" / "params.json"
+    if params is None:
+        path.unlink()
+    else:
+        path.write_text(params)
+    verdict = _gate(fast_target, sandbox).judge(workspace, tmp_path / "gate")
+    assert not verdict.passed and verdict.run is None
+    [reason] = verdict.reasons
+    assert reason.startswith("params: stack/params.json ") and ("missing" in reason or "JSON" in reason), reason
 
 
 def test_an_importable_pyc_in_the_stack_is_refused_by_the_gate_and_by_the_integrity_scan(

@@ -1,6 +1,7 @@
 """Offline judge: the harness's deterministic gate (``Session.check``: integrity scan, accuracy
 checks 1-3, a system run and its audit, the parent's own checks) plus the agents' static scans: no
-validation annotation left unexpanded, and no file git ignores that the run could use. Candidate
+validation annotation left unexpanded, a ``stack/params.json`` the search can read, and no file git
+ignores that the run could use. Candidate
 code runs in the sandbox, out of the harness's process.
 
 Why ignored files: the round commits the workspace with ``git add -A``, which leaves out what git
@@ -11,6 +12,7 @@ are removed before every run (``remove_bytecode_caches``), so only source ever r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from agents import workspace_git
@@ -78,6 +80,24 @@ def ignored_files_check(workspace: Path) -> CheckResult:
     return CheckResult("ignored_files", not reasons, reasons, details)
 
 
+def params_check(workspace: Path) -> CheckResult:
+    """``stack/params.json`` must hold a JSON object: the search reads each validated candidate's
+    techniques and settings from it (the policies, the novelty rule, a resumed run), and a validated
+    candidate without them would stop the run that found it."""
+    path = workspace / "stack" / "params.json"
+    try:
+        params = json.loads(path.read_text())
+    except FileNotFoundError:
+        reason = "stack/params.json is missing: the search reads each candidate's parameters from it; keep it"
+        return CheckResult("params", False, [reason])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return CheckResult("params", False, [f"stack/params.json cannot be read as JSON: {error}"])
+    if not isinstance(params, dict):
+        reason = f"stack/params.json must hold a JSON object (its parameters by name), not a {type(params).__name__}"
+        return CheckResult("params", False, [reason])
+    return CheckResult("params", True)
+
+
 class OfflineJudge:
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -86,7 +106,7 @@ class OfflineJudge:
         tampered = workspace_git.tampering(workspace)
         if tampered:  # refused before git, or anything else, runs there
             return Verdict.refused("workspace_git", tampered)
-        checks = [ignored_files_check(workspace)]
+        checks = [ignored_files_check(workspace), params_check(workspace)]
         left = unexpanded(workspace)
         if left:
             checks.append(CheckResult("annotations", False, [f"unexpanded validation annotation: {x}" for x in left]))

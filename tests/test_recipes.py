@@ -1283,3 +1283,21 @@ def test_a_harvest_that_fails_is_raised_in_the_controllers_wait_not_a_hang(fails
         harvest._task.cancel()
 
     asyncio.run(run())
+
+
+def test_engine_trainer_and_controller_settings_that_would_fail_late_are_refused_by_name():
+    """max_batch 0 admitted nothing: every generate waited while the engine's step loop spun; block_size
+    0 divided by zero; logprob_chunk 0 failed at the first train step, after a whole rollout; an
+    async_ratio of 1.5 passed its range check and broke launch() far from the parameter."""
+    from skills.recipes.time_multiplex import TimeMultiplex
+    from targets.harness.target import Target
+
+    for option, value in (("max_batch", 0), ("block_size", 0), ("max_batch", True)):
+        with pytest.raises(ValueError, match=f"engine: {option} must be an integer >= 1, not {value!r}"):
+            PagedEngine("/nonexistent", name="engine", **{option: value})
+    with pytest.raises(ValueError, match="trainer: logprob_chunk must be an integer >= 1, not 0"):
+        FSDPTrainer("/nonexistent", None, logprob_chunk=0)
+    runtime = Target.load("tiny-qwen3-cpu").runtime()
+    for ratio in (1.5, True):
+        with pytest.raises(ValueError, match=f"params async_ratio must be an integer within .* got {ratio!r}"):
+            TimeMultiplex(runtime, {"controller": "time_multiplex", "train_devices": 1, "async_ratio": ratio})

@@ -32,10 +32,11 @@ class ControllerBase:
         self.groups_per_step = workload.groups_per_step
         self.group_size = workload.group_size
         self.async_ratio = params.get("async_ratio", workload.async_ratio)  # declared by build.py
-        if not 0 <= self.async_ratio <= workload.max_async_ratio:
+        ratio_ok = isinstance(self.async_ratio, int) and not isinstance(self.async_ratio, bool)
+        if not ratio_ok or not 0 <= self.async_ratio <= workload.max_async_ratio:
             raise ValueError(
-                f"params async_ratio must be within [0, {workload.max_async_ratio}] "
-                f"(the target's max_async_ratio), got {self.async_ratio}"
+                f"params async_ratio must be an integer within [0, {workload.max_async_ratio}] "
+                f"(the target's max_async_ratio), got {self.async_ratio!r}"
             )
         self.max_sequence = workload.max_sequence
         self.engine_devices = runtime.engine_devices * params.get("engine_scale", 1)  # the engine_scale skill

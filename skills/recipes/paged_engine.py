@@ -78,8 +78,10 @@ class PagedEngine:
             ("speculative_ngram", speculative_ngram, 1),
             ("speculative_batch", speculative_batch, 1),
             ("prefill_chunk", prefill_chunk, 0),
+            ("max_batch", max_batch, 1),  # 0 admits nothing: every generate would wait, the step loop spinning
+            ("block_size", block_size, 1),
         ):
-            if not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {option} must be an integer >= {low}, not {value!r}")
         self.speculative_tokens, self.speculative_ngram = speculative_tokens, speculative_ngram
         self.speculative_batch, self.prefill_chunk = speculative_batch, prefill_chunk

@@ -1301,3 +1301,35 @@ def test_engine_trainer_and_controller_settings_that_would_fail_late_are_refused
     for ratio in (1.5, True):
         with pytest.raises(ValueError, match=f"params async_ratio must be an integer within .* got {ratio!r}"):
             TimeMultiplex(runtime, {"controller": "time_multiplex", "train_devices": 1, "async_ratio": ratio})
+
+
+def test_a_ray_cluster_releases_everything_when_one_actor_fails_to_close(tmp_path, monkeypatch):
+    """close() awaited each actor in turn: one dead actor skipped every ray.kill and ray.shutdown, and
+    the session folder the cluster's Ray made under /tmp was never removed (one a run). Every actor is
+    killed, Ray shut down and the folder removed now; the failure is raised after."""
+    from types import SimpleNamespace
+
+    from skills.recipes import ray_cluster
+    from targets.harness.target import Target
+
+    killed, shut = [], []
+    monkeypatch.setattr(ray_cluster.ray, "kill", killed.append)
+    monkeypatch.setattr(ray_cluster.ray, "shutdown", lambda: shut.append(True))
+
+    def actor(fails: bool):
+        async def close():
+            if fails:
+                raise ConnectionError("planted: the actor died")
+
+        return SimpleNamespace(close=SimpleNamespace(remote=close))
+
+    runtime = Target.load("tiny-qwen3-cpu").runtime()
+    d0, d1 = runtime.devices[:2]
+    actors = {d0.id: actor(True), d1.id: actor(False)}
+    cluster = ray_cluster.RayCluster(runtime, [d0], [d1], actors, 1 << 20, None)
+    folder = tmp_path / "vtray-session"
+    (folder / "logs").mkdir(parents=True)
+    cluster._ray_folder = str(folder)
+    with pytest.raises(ConnectionError, match="planted"):
+        asyncio.run(cluster.close())
+    assert killed == list(actors.values()) and shut == [True] and not folder.exists()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -64,20 +65,22 @@ COUNTED = {
 }
 
 
-def join_or_start_ray(runtime: Runtime) -> None:
+def join_or_start_ray(runtime: Runtime) -> str | None:
     """Joins the Ray cluster ``RAY_ADDRESS`` names (already running, its resources naming the devices:
-    a multi-machine cluster, or one a test module shares), else starts one on this machine."""
+    a multi-machine cluster, or one a test module shares), else starts one on this machine: then the
+    session folder it made, for ``close`` to remove (None when it joined)."""
     devices = (*runtime.devices, *runtime.serving_devices)  # a serving pool's too: rollout may borrow them
     resources = {} if runtime.accelerator == "cuda" else {f"{runtime.device_resource}{d.index}": 1.0 for d in devices}
     if not os.environ.get("RAY_ADDRESS"):
+        folder = tempfile.mkdtemp(prefix="vtray-", dir="/tmp")
         ray.init(
             num_cpus=os.cpu_count(),
             resources=resources,
             include_dashboard=False,
             configure_logging=False,
-            _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"),
+            _temp_dir=folder,
         )
-        return
+        return folder
     # Its workers are the cluster's: they import the stack from the paths this process was given, as
     # a code search path. (A runtime_env setting PYTHONPATH instead costs each actor a worker of its
     # own started through Ray's setup script, which imports Ray once more: ~1 CPU-second per actor.)
@@ -93,6 +96,7 @@ def join_or_start_ray(runtime: Runtime) -> None:
             f"the Ray cluster at RAY_ADDRESS={address} lacks {', '.join(missing)}: start it with the devices' resources"
         )
     print(f"joined the Ray cluster at {address}", file=sys.stderr)
+    return None
 
 
 async def placement_group_of(runtime: Runtime):
@@ -254,6 +258,7 @@ class RayCluster:
         self._broadcast_ready = False
         self.version = 0
         self._published: tuple[int, list] | None = None
+        self._ray_folder: str | None = None  # the session folder of the Ray this cluster started, if it did
         self.counted = counted  # the engines' techniques whose own counts the log gets at close
         self._loading = asyncio.Lock()  # a sync and an expand at once (overlap_sync) publish once, broadcast in turn
 
@@ -272,15 +277,14 @@ class RayCluster:
         lendable: Sequence[Device] = (),
     ) -> RayCluster:
         cuda = runtime.accelerator == "cuda"
-        if not ray.is_initialized():
-            join_or_start_ray(runtime)
+        if lendable and cuda:  # before anything is started that would need releasing
+            raise ValueError("a serving pool's devices are lent to a real cluster on CPU targets only")
+        ray_folder = join_or_start_ray(runtime) if not ray.is_initialized() else None
         shared = {d.id for d in rollout} & {d.id for d in train}
         placement = await placement_group_of(runtime)
         torch_device = "cuda:0" if cuda else "cpu"  # Ray shows each actor only its own GPU
         rendezvous = Rendezvous()
         ranks = {d.id: rank for rank, d in enumerate(train)}
-        if lendable and cuda:
-            raise ValueError("a serving pool's devices are lent to a real cluster on CPU targets only")
         rolling = {d.id for d in [*rollout, *lendable]}
         Actor = ray.remote(DeviceActor)
         actors = {}
@@ -322,7 +326,9 @@ class RayCluster:
             *(actors[d.id].offload.remote() for d in train if d.id in shared),
         )
         counted = tuple(option for option in COUNTED if (engine_options or {}).get(option))
-        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, counted, lendable)
+        cluster = cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, counted, lendable)
+        cluster._ray_folder = ray_folder
+        return cluster
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -527,12 +533,23 @@ class RayCluster:
                     name, line = COUNTED[option]
                     said = line.format(**count) if isinstance(count, dict) else f"no count: {count!r}"
                     print(f"{name} on {device}: {said}", file=sys.stderr)
-        for actor in self._actors.values():  # every trainer rank leaves its group before any process goes
-            await actor.close.remote()
+        # every trainer rank leaves its group before any process goes; one that fails to still lets the
+        # others go, and everything below is released before its error is raised
+        closed = await asyncio.gather(
+            *(actor.close.remote() for actor in self._actors.values()), return_exceptions=True
+        )
         for actor in self._actors.values():
             ray.kill(actor)
         ray.shutdown()
         self._rendezvous = None  # its store goes with the groups it served
+        if self._ray_folder is not None:
+            try:
+                shutil.rmtree(self._ray_folder)
+            except OSError as error:  # a folder of /tmp, not the run's: left, and said
+                print(f"Ray's session folder {self._ray_folder} was not removed: {error}", file=sys.stderr)
+        failed = [error for error in closed if isinstance(error, BaseException)]
+        if failed:
+            raise failed[0]
 
 
 def _write_all(into: WeightExport, state: StateDict) -> None:

@@ -8,6 +8,7 @@ Python workers are forks of a warm process (``ray_worker_zygote.py``) instead of
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def main() -> None:
     ray.shutdown()
     zygote.kill()
     zygote.wait()
+    shutil.rmtree(temp_dir)  # its logs and sockets: ~6 MB of /tmp a test module otherwise
 
 
 if __name__ == "__main__":

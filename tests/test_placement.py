@@ -18,15 +18,10 @@ from targets.api import Device, Runtime, TrainingConfig, Workload
 @pytest.fixture(scope="module")
 def fake_gpus():
     environment = dict(os.environ)  # ray.init leaves RAY_AUTH_MODE=token behind, which later drivers would inherit
-    ray.init(
-        num_cpus=2,
-        num_gpus=2,
-        include_dashboard=False,
-        configure_logging=False,
-        _temp_dir=tempfile.mkdtemp(prefix="vtray-", dir="/tmp"),
-    )
-    yield
-    ray.shutdown()
+    with tempfile.TemporaryDirectory(prefix="vtray-", dir="/tmp") as folder:  # a short path: Ray's sockets
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False, _temp_dir=folder)
+        yield
+        ray.shutdown()
     os.environ.clear()
     os.environ.update(environment)
 

@@ -1333,3 +1333,52 @@ def test_a_ray_cluster_releases_everything_when_one_actor_fails_to_close(tmp_pat
     with pytest.raises(ConnectionError, match="planted"):
         asyncio.run(cluster.close())
     assert killed == list(actors.values()) and shut == [True] and not folder.exists()
+
+
+def test_a_clusters_close_closes_its_engines():
+    """No cluster closed its engines: a vLLM engine's core process and its folder holding a float32
+    copy of the model (tens of GB for an 8B model) outlived every run. The engine server's close ends
+    its stepping loop and closes the engine; the local cluster's close (and each Ray actor's) calls it."""
+    from skills.recipes.engine_server import EngineServer
+
+    closed = []
+
+    class Engine:  # what the server needs of an engine here
+        offloaded, started, admitting = False, False, True
+
+        def has_work(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            closed.append(True)
+
+    async def run() -> asyncio.Task:
+        server = EngineServer.__new__(EngineServer)  # the server's state without loading a model
+        server.engine, server._stepper = Engine(), asyncio.get_running_loop().create_task(asyncio.sleep(60))
+        stepper = server._stepper
+        await server.close()
+        return stepper
+
+    assert asyncio.run(run()).cancelled() and closed == [True]
+
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from skills.recipes.local_cluster import LocalCluster
+    from skills.recipes.ray_cluster import DeviceActor
+
+    async def server_close() -> None:
+        closed.append("server")
+
+    parts = {
+        "server": SimpleNamespace(close=server_close),
+        "trainer": SimpleNamespace(close=lambda: closed.append("trainer")),
+    }
+    local = LocalCluster.__new__(LocalCluster)
+    local.server, local.trainer = parts["server"], parts["trainer"]
+    actor = DeviceActor.__new__(DeviceActor)
+    actor.server, actor.trainer, actor._trainer_thread = parts["server"], parts["trainer"], ThreadPoolExecutor(1)
+    for cluster in (local, actor):
+        closed.clear()
+        asyncio.run(cluster.close())
+        assert closed == ["server", "trainer"]

@@ -108,5 +108,10 @@ if __name__ == "__main__":
         "details": {},
     }
     engine.close()
+    results["close"] = {
+        "passed": not engine._weights_dir.exists(),
+        "reasons": [f"the engine's weights folder {engine._weights_dir} is still there after close"],
+        "details": {},
+    }
     print(json.dumps(results))
     sys.stdout.flush()

@@ -103,6 +103,14 @@ class EngineServer:
                     if not self.engine.admitting:
                         break  # a weight load waits for this: step again once it is done
 
+    async def close(self) -> None:
+        """The stepping loop ends and the engine releases what it holds outside this process's memory
+        (vLLM's engine core and its weights folder): once, at the cluster's end."""
+        if self._stepper is not None:
+            self._stepper.cancel()
+            await asyncio.gather(self._stepper, return_exceptions=True)  # its own failure is _failed's, said already
+        await asyncio.to_thread(self.engine.close)
+
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
             raise RuntimeError(f"{self.name}: the engine's step failed earlier; it serves no more") from self._failed

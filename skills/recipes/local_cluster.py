@@ -180,4 +180,5 @@ class LocalCluster:
         return {self.device.id: ["engine"] if self._engine_awake else ["trainer"]}
 
     async def close(self) -> None:
+        await self.server.close()
         self.trainer.close()

@@ -170,6 +170,10 @@ class PagedEngine:
     def offloaded(self) -> bool:
         return bool(self._asleep)
 
+    def close(self) -> None:
+        """Nothing to release: the weights and the KV pool are this process's memory, gone with it
+        (a vLLM engine's close ends its engine core and removes its weights folder)."""
+
     def _distinct_weights(self) -> list[tuple[list[str], torch.Tensor]]:
         """Each weight tensor once, with every name it has (tied embeddings: two names, one tensor)."""
         named: dict[int, tuple[list[str], torch.Tensor]] = {}

@@ -181,6 +181,8 @@ class DeviceActor:
         await self._on_trainer(self.trainer.reload)
 
     async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
         if self.trainer is not None:
             await self._on_trainer(self.trainer.close)
         self._trainer_thread.shutdown(wait=False)

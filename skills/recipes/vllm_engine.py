@@ -237,4 +237,4 @@ class VLLMEngine:
         self.llm.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        shutil.rmtree(self._weights_dir, ignore_errors=True)
+        shutil.rmtree(self._weights_dir)  # ours alone: a folder that will not go is an error, said

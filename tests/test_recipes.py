@@ -83,7 +83,7 @@ def test_an_engine_that_discarded_its_weights_serves_nothing_until_a_whole_versi
     assert check_engine(engine, tiny_model, tiny_spec.accuracy).passed
 
 
-def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_name_or_fits(monkeypatch):
+def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_name_or_fits(monkeypatch, capsys):
     """The GPU machine has no FlashInfer: its first run crashed at the engine's import of it. ``auto``
     takes the Triton decode kernel there (SDPA where Triton is missing too); naming a kind that cannot
     run is an error that says why."""
@@ -104,6 +104,8 @@ def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_nam
         choose_attention("triton", "cpu", torch.float32)
     installed["triton"] = False
     assert choose_attention("auto", "cuda:0", torch.bfloat16) == "sdpa"
+    said = capsys.readouterr().err  # a GPU falling back to SDPA (no CUDA graphs) is said, not silent
+    assert "attention: torch SDPA on cuda:0, without CUDA graphs: FlashInfer is not installed and Triton" in said
     with pytest.raises(ValueError, match="Triton is not installed"):
         choose_attention("triton", "cuda:0", torch.bfloat16)
     installed["flashinfer"] = True
@@ -114,6 +116,7 @@ def test_attention_is_flashinfer_only_where_it_is_installed_and_asked_for_by_nam
         choose_attention("xformers", "cuda:0", torch.bfloat16)
     installed.update(flashinfer=False, triton=True)  # Triton's kernel wants powers of two: SDPA for 96
     assert choose_attention("auto", "cuda:0", torch.bfloat16, head_dim=96) == "sdpa"
+    assert "head dim 96 or block size 16 is no power of two" in capsys.readouterr().err
     with pytest.raises(ValueError, match="power-of-two head dim"):
         choose_attention("triton", "cuda:0", torch.bfloat16, head_dim=96)
 

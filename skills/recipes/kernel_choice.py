@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -48,7 +49,18 @@ def choose_attention(requested: str, device: str, dtype: torch.dtype, head_dim: 
         return requested
     if not device.startswith("cuda") or dtype == torch.float32:
         return "sdpa"
-    return "flashinfer" if flashinfer else "triton" if triton and fits_triton else "sdpa"
+    if flashinfer or (triton and fits_triton):
+        return "flashinfer" if flashinfer else "triton"
+    why = (
+        "Triton is not installed"
+        if not triton
+        else f"head dim {head_dim} or block size {block_size} is no power of two"
+    )
+    print(  # said: SDPA decode on a GPU runs without CUDA graphs, several times slower a step
+        f"attention: torch SDPA on {device}, without CUDA graphs: FlashInfer is not installed and {why}",
+        file=sys.stderr,
+    )
+    return "sdpa"
 
 
 def choose_fused(requested: bool | None, attention: str, device: str, head_dim: int) -> bool:

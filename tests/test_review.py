@@ -245,3 +245,24 @@ def test_a_finished_run_resumed_as_it_was_says_how_to_go_on(tmp_path):
     assert result.exit_code == 0, result.output
     assert "its 2 round(s) were done: --resume --rounds 3 goes on" in result.output
     assert "round\ttask" not in result.output  # no table of the rounds this invocation ran: it ran none
+
+
+def test_log_shows_no_figures_measured_on_an_earlier_best(tmp_path):
+    """generate and report show generalization figures only if they were measured on the current best;
+    log showed whatever the state held, so a run that found a new best (and stopped before measuring
+    it) read 'best (round 1)' under a best of round 0."""
+    from orchestrator.state import Generalization, Promotion
+
+    run = make_review_run(tmp_path)
+    state = RunState.load(run)
+    figure = Promotion(ratio=1.4, low=1.2, high=1.6, pairs=3)
+    earlier = state.record(1)  # validated, not the best
+    state.generalization = Generalization(
+        best_round=1, best_commit=earlier.commit, in_search=figure, held_out=figure, held_out_seeds=[7, 8, 9]
+    )
+    state.save(run)
+    assert "held-out seeds" not in _ok("log", str(run), env={"COLUMNS": "200"})
+    assert json.loads(_ok("log", str(run), "--json"))["generalization"] is None
+    state.generalization = state.generalization.model_copy(update={"best_round": 0, "best_commit": state.best.commit})
+    state.save(run)
+    assert "held-out seeds" in _ok("log", str(run), env={"COLUMNS": "200"})

@@ -22,7 +22,14 @@ from orchestrator.cli.app import (
 )
 from orchestrator.history import History
 from orchestrator.state import RunState
-from orchestrator.tables import best_rejected_unseen, generalization_table, num, promotion, rounds_table
+from orchestrator.tables import (
+    best_generalization,
+    best_rejected_unseen,
+    generalization_table,
+    num,
+    promotion,
+    rounds_table,
+)
 from targets.harness.judge.check_result import detail
 
 
@@ -38,12 +45,13 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
     Example: vibetrain log generated/tiny-qwen3-cpu | grep rejected
     """
     state, _ = _state_and_history(run)
+    generalization = best_generalization(state)  # an earlier best's (a run that found another since) is not shown
     if as_json:
         print_json(
             {
                 "run": str(run),
                 "best_round": state.best_round,
-                "generalization": state.generalization.model_dump(mode="json") if state.generalization else None,
+                "generalization": generalization.model_dump(mode="json") if generalization else None,
                 "generalization_rejected": (
                     state.generalization_rejected.model_dump(mode="json") if state.generalization_rejected else None
                 ),
@@ -53,8 +61,8 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
         )
         return
     print_table(rounds_table(run, state))
-    if state.generalization is not None:
-        print_table(generalization_table(state.generalization))
+    if generalization is not None:
+        print_table(generalization_table(generalization))
     rejected = best_rejected_unseen(state)
     if rejected is not None:
         console.print(

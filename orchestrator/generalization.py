@@ -130,7 +130,9 @@ def measure_generalization(
             )
         figures[name] = Promotion(**paired.as_dict())
         bound[name] = statistics.median(m.metrics["lower_bound_fraction"] for m in ours)
-        tokens[name] = _median_ratio(ours, theirs, "trained_tokens_per_s")
+        ratio = _median_ratio(ours, theirs, "trained_tokens_per_s")
+        if ratio is not None:  # a starter that trained nothing: no ratio (the tables show '-'), not 0.00x
+            tokens[name] = ratio
     return Generalization(
         best_round=round_,
         best_commit=commit,
@@ -145,7 +147,7 @@ def measure_generalization(
     )
 
 
-def _median_ratio(ours: list, theirs: list, metric: str) -> float:
-    """Our runs' median ``metric`` over theirs (0 where theirs is 0: nothing to compare with)."""
+def _median_ratio(ours: list, theirs: list, metric: str) -> float | None:
+    """Our runs' median ``metric`` over theirs (None where theirs is 0: nothing to compare with)."""
     base = statistics.median(m.metrics[metric] for m in theirs)
-    return statistics.median(m.metrics[metric] for m in ours) / base if base else 0.0
+    return statistics.median(m.metrics[metric] for m in ours) / base if base else None

@@ -70,3 +70,15 @@ def test_a_best_that_fails_the_judge_where_the_search_never_looked_is_told_with_
     assert result.held_out_seeds == [21, 22]
     assert any("stream_train needs shrink_at" in reason for reason in result.reasons), result.reasons
     assert result.said().startswith("the best failed its checks on its round's seed 11: ")
+
+
+def test_a_starter_that_trained_nothing_gives_no_token_ratio_rather_than_zero():
+    """The median ratio of trained tokens was 0.0 where the starter's median was 0, and the tables read
+    '0.00x in trained tokens', as if the best had trained nothing; it is no ratio now ('-')."""
+    from types import SimpleNamespace
+
+    from orchestrator.generalization import _median_ratio
+
+    runs = [SimpleNamespace(metrics={"trained_tokens_per_s": value}) for value in (5.0, 0.0)]
+    assert _median_ratio(runs[:1], runs[1:], "trained_tokens_per_s") is None
+    assert _median_ratio(runs[:1], runs[:1], "trained_tokens_per_s") == 1.0

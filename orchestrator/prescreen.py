@@ -29,7 +29,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.state import Prediction, RoundRecord, RunState
 from targets.harness.measure.session import Measurement, Session
 from targets.harness.sim.calibrate import calibrate, write_calibrated_spec
-from targets.harness.target import Target
+from targets.harness.target import Target, TargetUnavailable
 from targets.harness.trace import Trace
 
 TWIN_SEED = 0  # one workload for every prediction, so the best's is computed once and reused
@@ -118,10 +118,18 @@ class PreScreen:
         self.on_event("twin", path=path, rounds=rounds)
 
     def twin(self) -> Twin | None:
+        """The calibrated twin, loaded from the run's own folder (wherever the run was moved since)."""
         if not self.on or self.state.twin is None:
             return None
         if self._twin is None:
-            self._twin = Twin.load(self.session, Path(self.state.twin), self.state.twin_unfitted)
+            path = self.run_dir.twin_spec
+            try:
+                self._twin = Twin.load(self.session, path, self.state.twin_unfitted)
+            except (OSError, ValueError, TargetUnavailable) as error:
+                raise TwinError(
+                    f"the calibrated twin {path} cannot be loaded ({type(error).__name__}: {error}); "
+                    "resume with --no-prescreen to judge every candidate for real"
+                ) from None
         return self._twin
 
     def screen(self, record: RoundRecord, workspace: Path, out: Path) -> Verdict | None:

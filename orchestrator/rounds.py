@@ -186,6 +186,8 @@ class Loop:
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         except RunError:  # the run itself cannot go on (its spend could not be saved): not this round's fault
             raise
+        except TwinError as error:  # a twin that cannot be loaded: every later round would meet it too
+            stop = RunError(f"round {number} stopped: {error}")
         except LLMUnusable as error:  # the backend as configured, which every later round would meet too
             stop = RunError(f"round {number} stopped: {unusable(error, 'an agent')}")
         except EnvironmentFailed as error:  # the user's code, which every later round would meet too

@@ -663,3 +663,26 @@ def test_two_runs_named_alike_keep_their_worktrees_apart(tmp_path):
     )
     assert first != second and first.parent == second.parent == (tmp_path / "ws").resolve()
     assert first.name.startswith("run-") and first == run_workspaces(tmp_path / "ws", tmp_path / "a" / "run")
+
+
+def test_a_twin_that_cannot_be_loaded_stops_the_run_saying_what_to_do(tmp_path):
+    """The twin's spec was written in place (a kill mid-write tore it) and loaded from the absolute path
+    the state kept (a moved run lost it): every later round then ended in an error after its implementer
+    had run, the run going on. The spec is written whole or not at all, read from the run's own folder,
+    and one that cannot be loaded stops the run naming --no-prescreen."""
+    from types import SimpleNamespace
+
+    from orchestrator.prescreen import PreScreen, TwinError
+    from orchestrator.run_dir import RunDir
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.twin_spec.parent.mkdir(parents=True)
+    run_dir.twin_spec.write_text("id: tiny-twin\nmodel: {family: qwen3\n")  # torn mid-write
+    state = SimpleNamespace(config=SimpleNamespace(prescreen=True), twin="/moved/elsewhere/twin.yaml", twin_unfitted=[])
+    prescreen = PreScreen(session=None, state=state, history=None, run_dir=run_dir, on_event=lambda *a, **k: None)
+    with pytest.raises(TwinError) as refused:
+        prescreen.twin()
+    said = str(refused.value)
+    assert said.startswith(f"the calibrated twin {run_dir.twin_spec} cannot be loaded (SpecError: ") and (
+        said.endswith("resume with --no-prescreen to judge every candidate for real")
+    )

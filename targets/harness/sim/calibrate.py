@@ -38,6 +38,7 @@ measured faster than its catalog peak gets ``bf16_tflops`` raised (also in ``not
 from __future__ import annotations
 
 import itertools
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -354,7 +355,9 @@ def write_calibrated_spec(target_ref: str, calibration: Calibration, path: Path)
         raw["workload"] = stand_in_workload(raw["workload"], calibration.profile)
     if "workload" in fields:
         raw["workload"]["tokens"] = {**raw["workload"]["tokens"], **fields["workload"]["tokens"]}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    written = path.with_name(f".{path.name}.writing")  # then renamed: a kill never leaves a torn spec
+    written.write_text(yaml.safe_dump(raw, sort_keys=False))
+    os.replace(written, path)
     return path
 
 

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -143,7 +144,10 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
 
     run = tmp_path / "run"
     loop = _start(fast_target, tmp_path, starter="static_split", rounds=2, sandbox="subprocess")
-    loop.state.twin = str(fast_target)  # stands in for the calibrated one: deterministic predictions
+    twin = RunDir(run).twin_spec  # the target itself stands in for the calibrated one: deterministic predictions
+    twin.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(fast_target, twin)
+    loop.state.twin = str(twin)
     loop.state.twin_unfitted = ["shrink", "expand"]  # as a twin fitted to a starter that never shrinks
     spec = load_target(str(fast_target))
 

@@ -170,6 +170,7 @@ def start_run(
     made = None if run_dir.exists() else made
     history = History.create(run_dir, f"vibetrain run: {config.target_id}\n\n{about}")
     state = new_state(config)
+    state.spec_at_start = resolved.spec.model_dump(mode="json")
     state.save(run_dir)
     try:
         return _loop(resolved, state, history, run_dir, workspaces, on_event)
@@ -228,7 +229,27 @@ def resume_run(
         resolved = Target.load(state.config.target, simulate=state.config.simulated)
     except TargetUnavailable as error:
         raise RunSetupError(str(error)) from None
+    changed = changed_values(state.spec_at_start, resolved.spec.model_dump(mode="json"))
+    if changed:
+        raise RunSetupError(
+            f"{run_dir}: its target spec ({state.config.target}) changed since the run started: "
+            f"{'; '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}. Its next rounds would be measured "
+            "under another target than its records and paired with them; restore the spec, or start a new run"
+        )
     return _loop(resolved, state, history, run_dir, workspaces, on_event)
+
+
+def changed_values(before: dict, now: dict, where: str = "") -> list[str]:
+    """``path: old -> new`` for each value both specs hold and that differs (a field one of them lacks
+    is a newer or older vibetrain's schema, not the user's change)."""
+    changed = []
+    for key in before.keys() & now.keys():
+        path = f"{where}.{key}" if where else key
+        if isinstance(before[key], dict) and isinstance(now[key], dict):
+            changed += changed_values(before[key], now[key], path)
+        elif before[key] != now[key]:
+            changed.append(f"{path}: {before[key]!r} -> {now[key]!r}")
+    return sorted(changed)
 
 
 def export_candidate(ref: str) -> Path:

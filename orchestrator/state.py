@@ -156,6 +156,9 @@ class RunState(BaseModel):
     best_round: int | None = None
     seconds_used: float = 0.0
     llm_used: dict = {}  # calls, tokens and cost over the whole run, across resumes
+    # the target spec the run started on, resolved (a --resume is refused where a value of it changed);
+    # empty in runs from before it was kept
+    spec_at_start: dict = {}
     created_at: float = 0.0
     twin: str | None = None  # the calibrated twin's spec, once round 0 has calibrated it
     twin_from: list[int] = []  # the validated rounds whose traces the twin is fitted to

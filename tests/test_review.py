@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 from rich.console import Console
 from typer.testing import CliRunner
@@ -266,3 +267,25 @@ def test_log_shows_no_figures_measured_on_an_earlier_best(tmp_path):
     state.generalization = state.generalization.model_copy(update={"best_round": 0, "best_commit": state.best.commit})
     state.save(run)
     assert "held-out seeds" in _ok("log", str(run), env={"COLUMNS": "200"})
+
+
+def test_a_resume_on_a_target_spec_edited_since_the_start_is_refused_naming_what_changed(tmp_path):
+    """The state kept only the spec's path: a resume read whatever the file held then, and paired its
+    new rounds (another workload, another noise threshold) with records measured under the old one,
+    unsaid. The spec the run started on is kept; a value that changed refuses the resume, named."""
+    from orchestrator.runs import RunSetupError, resume_run
+    from targets.spec import load_target
+
+    run = make_review_run(tmp_path)
+    state = RunState.load(run)
+    started = load_target("tiny-qwen3-cpu").model_dump(mode="json")
+    started["noise_threshold"] = 0.5
+    started["workload"]["batch_size"] = 999
+    started["a_field_of_another_version"] = 1  # schema drift across vibetrain versions is no change of the user's
+    state.spec_at_start = started
+    state.save(run)
+    with pytest.raises(RunSetupError) as refused:
+        resume_run(run, {}, lambda *a, **k: None, workspaces=tmp_path / "ws")
+    said = str(refused.value)
+    assert "its target spec (tiny-qwen3-cpu) changed since the run started: noise_threshold: 0.5 -> " in said
+    assert "workload.batch_size: 999 -> " in said and "a_field_of_another_version" not in said

@@ -105,7 +105,7 @@ def _pct(x: float) -> str:
 
 
 # -- figures ---------------------------------------------------------------------------------------
-def _per_round(state: RunState, metric: str, threshold: float) -> str:
+def _per_round(state: RunState, metric: str, threshold: float, maximize: bool) -> str:
     """Headline per round with the repeats' spread, the best-so-far line and its noise band."""
     rounds = [r.round for r in state.rounds]
     fig, ax = plt.subplots(figsize=(max(10, 0.42 * len(rounds)), 4))
@@ -148,7 +148,13 @@ def _per_round(state: RunState, metric: str, threshold: float) -> str:
         )
     for r, best_before in zip(state.rounds, [None, *best_line]):
         # the paired ratio decided promotion: shown where the dot alone would mislead (inside or above the band)
-        near = best_before is not None and r.headline is not None and r.headline >= best_before * (1 - threshold)
+        near = (
+            best_before is not None
+            and r.headline is not None
+            and (
+                r.headline >= best_before * (1 - threshold) if maximize else r.headline <= best_before * (1 + threshold)
+            )
+        )
         if r.paired is not None and (r.became_best or near):
             ax.annotate(
                 _pct(r.paired.ratio),
@@ -354,20 +360,21 @@ def _timeline_png(panels: list, scratch: Path, name: str) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
-def _baselines(state: RunState, history: History) -> dict[int, str]:
-    """round -> label: the best, round 0's starter and the highest-scoring candidate of each other controller."""
+def _baselines(state: RunState, history: History, maximize: bool) -> dict[int, str]:
+    """round -> label: the best, round 0's starter and the best-scoring candidate of each other controller
+    (its headline highest, or lowest for a metric to minimize)."""
     chosen: dict[int, str] = {}
     if state.best_round is not None:
         chosen[state.best_round] = "the best"
     controllers: dict[str, RoundRecord] = {}
     for r in state.accepted():
-        controller = history.params(r.commit)["controller"]
+        controller = history.params(r.commit).get("controller", "unnamed controller")
         if r.round == 0:
             chosen.setdefault(0, f"the starter ({controller})")
-        elif controller not in controllers or r.headline > controllers[controller].headline:
+        elif controller not in controllers or (r.headline > controllers[controller].headline) == maximize:
             controllers[controller] = r
     for controller, r in controllers.items():
-        chosen.setdefault(r.round, f"highest-scoring {controller} candidate")
+        chosen.setdefault(r.round, f"best-scoring {controller} candidate")
     return chosen
 
 
@@ -496,7 +503,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
     best = state.best
     config = state.config
     with tempfile.TemporaryDirectory(prefix="vibetrain-report-") as scratch:
-        rows, panels, baselines = [], [], _baselines(state, history)
+        rows, panels, baselines = [], [], _baselines(state, history, spec.headline_metric.direction == "maximize")
         for r in state.rounds:  # one trace in memory at a time, bar the baselines' few
             timeline, no_timeline = None, ""
             if r.verdict == "accepted" and run.trace(r.round).exists():
@@ -542,7 +549,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
         rounds=state.rounds,
         accepted=len(state.accepted()),
         best={"round": best.round, "value": _num(best.headline)} if best else None,
-        ratio=best_over_starter(state, metric),
+        ratio=best_over_starter(state, spec.headline_metric),
         metric=metric,
         unit=unit,
         threshold=f"{threshold:.0%}",
@@ -550,7 +557,9 @@ def write_report(run_dir: Path, path: Path) -> Path:
         simulated=config.simulated,
         run_facts=run_facts,
         page_facts=page_facts,
-        per_round=_per_round(state, metric, threshold) if state.rounds else None,
+        per_round=_per_round(state, metric, threshold, spec.headline_metric.direction == "maximize")
+        if state.rounds
+        else None,
         tree=_tree(state, metric) if state.rounds else None,
         no_spread=[r.round for r in state.accepted() if metric not in r.spread],
         timeline=timeline,

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from targets.spec import TargetSpec
-from targets.spec.target import HEADLINE_METRICS
+from targets.spec.target import HEADLINE_METRICS, HeadlineMetric
 
 if TYPE_CHECKING:
     from orchestrator.state import Generalization, GeneralizationRejected, Promotion
@@ -261,21 +261,22 @@ def best_rejected_unseen(state) -> GeneralizationRejected | None:
 TOKENS = "trained_tokens_per_s"
 
 
-def best_over_starter(state, headline: str) -> str:
+def best_over_starter(state, metric: HeadlineMetric) -> str:
     """'1.96x the starter on its round's seeds (paired)' where the best was measured beside the starter
     (a generalization); else the two headlines' ratio, each on its own round's seeds. '' without both.
     Beside a headline other than trained tokens, the ratio in trained tokens too: a best that trains
     shorter trajectories than the starter counts more trajectories, not more training. Where a run of
-    the best's measurement beyond its seeds failed the judge, that too."""
+    the best's measurement beyond its seeds failed the judge, that too. Every ratio reads the same way
+    whatever the headline's direction: above 1, the best is better (a time to minimize is inverted)."""
     rejected = best_rejected_unseen(state)
-    ratio = _best_over_starter(state, headline)
+    ratio = _best_over_starter(state, metric)
     if rejected is None:
         return ratio
     return f"{ratio}; where the search never looked, {rejected.said()}" if ratio else rejected.said()
 
 
-def _best_over_starter(state, headline: str) -> str:
-    best, starter = state.best, state.record(0)
+def _best_over_starter(state, metric: HeadlineMetric) -> str:
+    best, starter, headline = state.best, state.record(0), metric.name
     g = best_generalization(state)
     if g is not None:
         tokens = (
@@ -289,7 +290,12 @@ def _best_over_starter(state, headline: str) -> str:
     tokens = ""
     if headline != TOKENS and best.metrics.get(TOKENS) and starter.metrics.get(TOKENS):
         tokens = f", {best.metrics[TOKENS] / starter.metrics[TOKENS]:.2f}x in trained tokens"
-    return f"{best.headline / starter.headline:.2f}x the starter's{tokens} (each on its own round's seeds)"
+    if metric.direction == "maximize":
+        return f"{best.headline / starter.headline:.2f}x the starter's{tokens} (each on its own round's seeds)"
+    if not best.headline:
+        return ""
+    inverted = f"{headline} to minimize: the starter's over the best's"
+    return f"{starter.headline / best.headline:.2f}x the starter's{tokens} (each on its own round's seeds; {inverted})"
 
 
 def generalization_table(g: Generalization) -> Table:

@@ -18,6 +18,7 @@ from orchestrator.history import History, Trailers
 from orchestrator.report import _layout, write_report
 from orchestrator.run_dir import RunDir
 from orchestrator.state import RoundRecord, RunState, new_state
+from targets.spec.target import HeadlineMetric
 from tests.review_run import run_config
 
 PASSING = [
@@ -218,6 +219,10 @@ def test_a_run_with_no_finished_round_gets_a_page_that_says_so(tmp_path):
     assert "No round has finished yet" in html and "<details" not in html
 
 
+GOODPUT = HeadlineMetric(name="goodput", direction="maximize")
+TOKENS_UP = HeadlineMetric(name="trained_tokens_per_s", direction="maximize")
+
+
 def test_the_best_over_the_starter_names_its_ratio_in_trained_tokens_beside_goodput(tmp_path):
     """Beside a goodput ratio, the ratio in trained tokens: a best that trains shorter trajectories than
     the starter counts more trajectories, not more training (measured beside it, or each on its seeds)."""
@@ -227,10 +232,10 @@ def test_the_best_over_the_starter_names_its_ratio_in_trained_tokens_beside_good
     run, commits = _make_run(tmp_path)
     state = RunState.load(run)
     assert (
-        best_over_starter(state, "goodput")
+        best_over_starter(state, GOODPUT)
         == "1.50x the starter's, 1.10x in trained tokens (each on its own round's seeds)"
     )
-    assert best_over_starter(state, "trained_tokens_per_s") == "1.50x the starter's (each on its own round's seeds)"
+    assert best_over_starter(state, TOKENS_UP) == "1.50x the starter's (each on its own round's seeds)"
     figure = Promotion(ratio=2.2, low=2.0, high=2.4, pairs=1, against="round 0", threshold=0.05)
     state.generalization = Generalization(
         best_round=1,
@@ -241,9 +246,20 @@ def test_the_best_over_the_starter_names_its_ratio_in_trained_tokens_beside_good
         tokens={"in-search": 0.9},
     )
     assert (
-        best_over_starter(state, "goodput")
-        == "2.20x the starter, 0.90x in trained tokens on its round's seeds (paired)"
+        best_over_starter(state, GOODPUT) == "2.20x the starter, 0.90x in trained tokens on its round's seeds (paired)"
     )
+
+
+def test_a_headline_to_minimize_reads_above_1_when_the_best_is_better(tmp_path):
+    """The paired ratio is oriented (above 1: better); the raw one divided the best's headline by the
+    starter's, so a best twice as fast in step time read 2.00x measured beside the starter and 0.50x
+    otherwise."""
+    from orchestrator.tables import best_over_starter
+
+    run, _ = _make_run(tmp_path)
+    state = RunState.load(run)
+    said = best_over_starter(state, HeadlineMetric(name="goodput", direction="minimize"))
+    assert said.startswith("0.67x the starter's") and "goodput to minimize: the starter's over the best's" in said
 
 
 def test_a_best_rejected_where_the_search_never_looked_is_said_beside_its_ratio(tmp_path):
@@ -264,11 +280,11 @@ def test_a_best_rejected_where_the_search_never_looked_is_said_beside_its_ratio(
         reasons=["selection: the 60 tasks trained are 26% shorter in response tokens than the 64 launched"],
     )
     state.generalization_rejected = rejected.model_copy(update={"best_commit": "an-earlier-best"})
-    assert best_over_starter(state, "goodput") == (
+    assert best_over_starter(state, GOODPUT) == (
         "1.50x the starter's, 1.10x in trained tokens (each on its own round's seeds)"
     )
     state.generalization_rejected = rejected
-    said = best_over_starter(state, "goodput")
+    said = best_over_starter(state, GOODPUT)
     assert said == (
         "1.50x the starter's, 1.10x in trained tokens (each on its own round's seeds); where the search never "
         "looked, the best failed its checks on held-out seed 8: selection: the 60 tasks trained are 26% shorter "

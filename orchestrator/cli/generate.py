@@ -235,7 +235,7 @@ def generate(
         console.print("[red]no validated candidate[/red] (see vibetrain log)")
         raise typer.Exit(1)
     generalization = best_generalization(state)
-    ratio = best_over_starter(state, spec.headline_metric.name) or "no starter figure to compare"
+    ratio = best_over_starter(state, spec.headline_metric) or "no starter figure to compare"
     console.print(
         f"best: round {best.round} ({escape(best.task.title)}), {spec.headline_metric.name} {num(best.headline)} "
         f"= {escape(ratio)}; {len(state.accepted())} validated of {len(state.rounds)} rounds"

@@ -78,20 +78,27 @@ class Loop:
     session: Session | None = None  # the judge's: the twin runs in its sandbox, under its limits
     budget: LLMBudget = field(init=False)
     prescreen: PreScreen = field(init=False)
+    _session_start: tuple[float, float] | None = None  # (monotonic clock, seconds the run had used) once it runs
 
     def __post_init__(self) -> None:
         self.budget = LLMBudget(self.agents.accounting)
         self.prescreen = PreScreen(self.session, self.state, self.history, RunDir(self.run_dir), self.on_event)
 
     # -- the run -----------------------------------------------------------------------------------
+    def seconds_used(self) -> float:
+        """The run's wall time: its earlier sessions' and this one's so far."""
+        if self._session_start is None:  # not running (yet): what the state says
+            return self.state.seconds_used
+        started, spent_before = self._session_start
+        return spent_before + time.monotonic() - started
+
     def run(self) -> RunState:
-        started = time.monotonic()
-        spent_before = self.state.seconds_used
+        self._session_start = (time.monotonic(), self.state.seconds_used)
         self.reconcile_with_git()
         out_of_time = False
         if self.state.next_round > self.state.config.rounds:  # a finished run resumed as it was
-            rounds = self.state.config.rounds
-            self.on_event("budget", reason=f"its {rounds} round(s) were done: --resume --rounds {rounds + 1} goes on")
+            done, more = self.state.config.rounds, self.state.next_round
+            self.on_event("budget", reason=f"its {done} round(s) were done: --resume --rounds {more} goes on")
         while self.state.next_round <= self.state.config.rounds:
             if self.state.next_round > 0 and self.state.best is None:
                 starter = self.state.record(0)
@@ -104,7 +111,7 @@ class Loop:
                 break
             if self.prescreen.on and self.state.best is not None and self.state.twin is None:
                 self.calibrate_twin()
-            elapsed = spent_before + time.monotonic() - started
+            elapsed = self.seconds_used()
             limit = self.state.config.max_minutes
             if limit is not None and elapsed >= limit * 60:
                 self.on_event("budget", reason=f"wall-time budget of {limit:g} min spent ({elapsed / 60:.1f} min)")
@@ -131,12 +138,9 @@ class Loop:
             if record.task.source == "starter":
                 continue  # the next turn calibrates the first twin, or says why the run cannot go on
             if self.prescreen.on and record.verdict == "accepted" and self.state.twin is not None:
-                self.calibrate_twin()  # one more real run to learn from
-            self.state.seconds_used = spent_before + time.monotonic() - started
-            self.save()
+                self.calibrate_twin()  # one more real run to learn from (saved with its time)
         if not out_of_time:  # the best, where the search never looked (more runs: not past the wall-time budget)
             self.generalize()
-        self.state.seconds_used = spent_before + time.monotonic() - started
         self.save()
         return self.state
 
@@ -412,6 +416,9 @@ class Loop:
             raise RunError(str(error)) from None
 
     def save(self) -> None:
+        """The state, with the time and the LLM spend so far (every round's end saves it: a kill loses at
+        most the round under way)."""
+        self.state.seconds_used = self.seconds_used()
         self.state.llm_used = self.budget.totals(self.state.llm_used)
         self.budget.saved()
         try:

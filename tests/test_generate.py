@@ -690,3 +690,19 @@ def test_a_twin_that_cannot_be_loaded_stops_the_run_saying_what_to_do(tmp_path):
     assert said.startswith(f"the calibrated twin {run_dir.twin_spec} cannot be loaded (SpecError: ") and (
         said.endswith("resume with --no-prescreen to judge every candidate for real")
     )
+
+
+def test_a_run_killed_after_its_starter_keeps_the_time_the_starter_took(tmp_path, fast_target):
+    """seconds_used was saved after each later round only (round 0 went on without it) and in the
+    run's last save: a run killed after its starter resumed with no time used, and a scheduler that
+    kills and resumes a run never reached its --max-minutes. Every save now carries the time so far."""
+    loop = _start(fast_target, tmp_path, rounds=1, sandbox="subprocess", simulate=True)
+
+    def kill_after_the_starter(kind: str, **data) -> None:
+        if kind == "round_end" and data["record"].round == 0:
+            raise KeyboardInterrupt  # the run killed right after round 0's state was saved
+
+    loop.on_event = kill_after_the_starter
+    with pytest.raises(KeyboardInterrupt):
+        loop.run()
+    assert RunState.load(tmp_path / "run").seconds_used > 0

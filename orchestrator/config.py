@@ -132,6 +132,8 @@ class RunConfig(BaseModel):
         """This run's configuration with what a resume asks to change; a change to a field that is
         fixed for the run is a ``ConfigError`` naming it and its value."""
         stored, fixed = self.model_dump(), []
+        # a fixed field given as None is one left unset (a --print-config file of defaults): the run's stands
+        overrides = {k: v for k, v in overrides.items() if v is not None or k in self.resumable_fields()}
         for name, value in overrides.items():
             if name in self.resumable_fields() or value == stored.get(name):
                 continue
@@ -143,6 +145,8 @@ class RunConfig(BaseModel):
             fixed += [f"{flag(key)} {given} (this run's: {was})" for key, given, was in pairs]
         if fixed:
             raise ConfigError("a resumed run keeps what it started with, so these cannot change: " + "; ".join(fixed))
+        if self.simulated:  # a simulated run has no twin to screen on: the setting means nothing there
+            overrides.pop("prescreen", None)
         if overrides.get("prescreen") is True and not self.prescreen:
             raise ConfigError("prescreen cannot be turned back on: the twin is calibrated from round 0")
         return RunConfig.parse({**self.model_dump(), **overrides})

@@ -13,6 +13,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
+from orchestrator.config import RunConfig
 from orchestrator.state import RunState
 from orchestrator.tables import rounds_table
 from tests.review_run import make_review_run
@@ -289,3 +290,22 @@ def test_a_resume_on_a_target_spec_edited_since_the_start_is_refused_naming_what
     said = str(refused.value)
     assert "its target spec (tiny-qwen3-cpu) changed since the run started: noise_threshold: 0.5 -> " in said
     assert "workload.batch_size: 999 -> " in said and "a_field_of_another_version" not in said
+
+
+def test_a_resume_takes_a_file_of_defaults_and_refuses_to_change_how_the_run_runs(tmp_path):
+    """A plain --print-config file (its unset options None, prescreen true) refused a resume with
+    '--repeat None (this run's: 3)', and on a simulated run 'prescreen cannot be turned back on'; a
+    --simulate given to the resume of a real run was dropped without a word and the run went on real."""
+    from orchestrator.config import ConfigError
+
+    run = make_review_run(tmp_path)
+    config = RunState.load(run).config
+    defaults = yaml.safe_load(_ok("generate", "tiny-qwen3-cpu", "--print-config"))
+    unset = {k: v for k, v in defaults.items() if v is None and k in RunConfig.model_fields}
+    assert "repeat" in unset and config.resumed(unset).repeat == 3  # left unset: the run's own stands
+    simulated = config.model_copy(update={"simulated": True, "prescreen": False})
+    assert simulated.resumed({"prescreen": True}).prescreen is False
+    with pytest.raises(ConfigError, match="--repeat 5 \\(this run's: 3\\)"):
+        config.resumed({"repeat": 5})  # a value given is still held to the run's
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run), "--resume", "--simulate"], env=NARROW)
+    assert result.exit_code == 2 and "was started for real, and a resumed run goes on as it started" in result.output

@@ -207,10 +207,16 @@ def generate(
 
     try:
         if resume:
-            overrides = config_of(_given(ctx))
+            given = _given(ctx)
+            overrides = config_of(given)
             if out.exists():
                 stored = RunState.load(out).config
                 overrides["llm"] = stored.llm.model_copy(update=overrides["llm"]).model_dump()
+                if given.get("simulate", stored.simulated) != stored.simulated:  # not a setting: how the run runs
+                    started = "on the simulator" if stored.simulated else "for real"
+                    raise UsageError(
+                        f"--simulate: {out} was started {started}, and a resumed run goes on as it started"
+                    )
             loop = resume_run(out, overrides, on_event, workspaces, target=target)
         else:
             run_config = RunConfig.parse(config_of(ctx.params))

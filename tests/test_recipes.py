@@ -1385,3 +1385,31 @@ def test_a_clusters_close_closes_its_engines():
         closed.clear()
         asyncio.run(cluster.close())
         assert closed == ["server", "trainer"]
+
+
+def test_a_load_of_the_version_an_engine_holds_leaves_it_serving():
+    """A GPU broadcast reaches every engine of its group: an expand right after a sync re-sent the
+    version to the engines that had just loaded it, each draining (waiting for its long-tail turns)
+    and dropping its prefix cache for nothing. A load of the version an awake engine holds returns."""
+    from skills.recipes.engine_server import EngineServer
+
+    loads = []
+
+    class Engine:
+        weight_version, admitting, started = 3, True, False
+
+        def load_weights(self, state, version) -> None:
+            loads.append(version)
+            self.weight_version = version
+
+    async def run() -> tuple[int, bool]:
+        server = EngineServer.__new__(EngineServer)  # the server's state without loading a model
+        server.kind, server.engine, server.weights_asleep = "paged", Engine(), False
+        server._lock, server._draining, server._wakeup = asyncio.Lock(), 0, asyncio.Event()
+        server._failed, server._drained = None, asyncio.Event()
+        same = await server.load_state({}, 3)
+        admitting = server.engine.admitting
+        newer = await server.load_state({}, 4)
+        return same, admitting, newer
+
+    assert asyncio.run(run()) == (3, True, 4) and loads == [4]

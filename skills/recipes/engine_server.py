@@ -156,7 +156,12 @@ class EngineServer:
         decoded (partial rollout resumes them under the new weights); vLLM aborts its waiting ones too.
         With ``unless_asleep`` an engine whose weights were put to sleep while the load waited (a
         device given back beside a sync) keeps the weights it had: whoever wakes it brings it up to date. Returns the
-        engine's weight version after the call."""
+        engine's weight version after the call. An engine that holds ``version`` already, awake, is left
+        as it is: a GPU broadcast reaches every engine of its group, and an expand right after a sync
+        would otherwise drain engines up to date (waiting for their long-tail turns) and drop their
+        prefix caches for nothing."""
+        if self.engine.weight_version == version and not self.weights_asleep:
+            return version
         if self.kind == "vllm":
             if interrupt:
                 await self.engine.abort_all()

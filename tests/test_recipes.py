@@ -1413,3 +1413,20 @@ def test_a_load_of_the_version_an_engine_holds_leaves_it_serving():
         return same, admitting, newer
 
     assert asyncio.run(run()) == (3, True, 4) and loads == [4]
+
+
+def test_ranks_on_a_joined_ray_cluster_reach_the_store_at_this_nodes_address(monkeypatch):
+    """The store advertised 127.0.0.1 on any cluster: trainer ranks and broadcast receivers on another
+    machine of a joined cluster would reach their own loopback and wait out the 30-minute timeout."""
+    import ray
+
+    from skills.recipes.ray_cluster import rendezvous_host
+    from skills.recipes.rendezvous import Rendezvous, connect
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert rendezvous_host() == "127.0.0.1"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    host = rendezvous_host()
+    assert host == ray.util.get_node_ip_address()
+    store = Rendezvous(host)  # it listens on every interface: a client at that address reaches it
+    connect(store.address, "probe").set("k", "v")

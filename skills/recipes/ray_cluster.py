@@ -99,6 +99,13 @@ def join_or_start_ray(runtime: Runtime) -> str | None:
     return None
 
 
+def rendezvous_host() -> str:
+    """Where the ranks reach this process's store: loopback on a cluster of this machine alone, this
+    node's address on a cluster it joined (ranks on other machines would reach their own loopback and
+    wait out the store's timeout). The store listens on every interface either way."""
+    return ray.util.get_node_ip_address() if os.environ.get("RAY_ADDRESS") else "127.0.0.1"
+
+
 async def placement_group_of(runtime: Runtime):
     """On GPU, one bundle (a GPU and a CPU) per device, packed onto as few nodes as fit; bundle i is
     device i. None on CPU (devices are custom resources there)."""
@@ -285,7 +292,7 @@ class RayCluster:
         shared = {d.id for d in rollout} & {d.id for d in train}
         placement = await placement_group_of(runtime)
         torch_device = "cuda:0" if cuda else "cpu"  # Ray shows each actor only its own GPU
-        rendezvous = Rendezvous()
+        rendezvous = Rendezvous(rendezvous_host())
         ranks = {d.id: rank for rank, d in enumerate(train)}
         rolling = {d.id for d in [*rollout, *lendable]}
         Actor = ray.remote(DeviceActor)

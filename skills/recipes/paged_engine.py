@@ -171,8 +171,7 @@ class PagedEngine:
         return bool(self._asleep)
 
     def close(self) -> None:
-        """Nothing to release: the weights and the KV pool are this process's memory, gone with it
-        (a vLLM engine's close ends its engine core and removes its weights folder)."""
+        """Nothing to release: the weights and the KV pool are this process's memory, gone with it."""
 
     def _distinct_weights(self) -> list[tuple[list[str], torch.Tensor]]:
         """Each weight tensor once, with every name it has (tied embeddings: two names, one tensor)."""
@@ -182,11 +181,10 @@ class PagedEngine:
         return list(named.values())
 
     def sleep(self, tags: Sequence[str] = TAGS, discard_weights: bool = False) -> list[Request]:
-        """Free the KV cache and/or move the weights to host memory (on GPU into pinned buffers kept
-        from one sleep to the next: one copy each way, no allocation), keeping the tensors' identities
-        for wake. ``discard_weights``: free them with no copy (a cluster that loads a new version on
-        wake anyway); the version is then -1 and the engine takes no request until a load. Every
-        request in flight is aborted: they are returned."""
+        """Free the KV cache and/or move the weights to host memory (on GPU into pinned buffers kept from
+        one sleep to the next: one copy each way, no allocation), keeping the tensors' identities for wake.
+        ``discard_weights``: free them, no copy (a cluster that loads a new version on wake anyway); the
+        version is then -1, no request taken until a load. Requests in flight are aborted and returned."""
         unknown = set(tags) - set(TAGS)
         if unknown:
             raise ValueError(f"unknown sleep tags {sorted(unknown)}; known: {TAGS}")

@@ -79,6 +79,7 @@ class Loop:
     budget: LLMBudget = field(init=False)
     prescreen: PreScreen = field(init=False)
     _session_start: tuple[float, float] | None = None  # (monotonic clock, seconds the run had used) once it runs
+    _round_start: tuple[float, dict] = (0.0, {})  # (monotonic clock, LLM spend) as the round under way began
 
     def __post_init__(self) -> None:
         self.budget = LLMBudget(self.agents.accounting)
@@ -153,7 +154,7 @@ class Loop:
     # -- one round ---------------------------------------------------------------------------------
     def round(self, number: int, parent: RoundRecord | None, task: Task, llm_before: dict) -> RoundRecord:
         self.on_event("round_start", round=number, task=task, parent=parent.round if parent else None)
-        started = time.monotonic()
+        self._round_start = (time.monotonic(), llm_before)
         parent_commit = parent.commit if parent else self.history.root()
         workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
         out = RunDir(self.run_dir).round_outputs(number)
@@ -210,9 +211,7 @@ class Loop:
                 where = f"not saved: {unsaved}"
             record.verdict = "error"
             record.reasons = [f"{type(error).__name__}: {error} (traceback: {where})", *record.reasons]
-        record.seconds = time.monotonic() - started
-        if self.agents.accounting is not None:
-            record.llm = self.budget.since(llm_before)
+        self._stamp(record)
         for tree in (workspace, self._frozen(number)):  # a tree that will not go is said, and the run goes on
             try:
                 self.history.remove_worktree(tree)
@@ -318,6 +317,7 @@ class Loop:
             evaluation.paired is not None and evaluation.paired.clears(threshold)
         )
         update_design(workspace, record, self.state, self.target.spec)
+        self._stamp(record)  # committed with it: a round rebuilt from git after a kill keeps them
         trailers, body = commits.validated(record, evaluation, self.target.spec, self.agents.backend)
         # The trace is kept before the commit: a kill in between then leaves a round redone on --resume
         # (its trace overwritten), never a validated round whose trace went with its outputs.
@@ -335,10 +335,18 @@ class Loop:
         record.verdict = name
         undone = workspace_git.disarm(workspace)
         update_design(workspace, record, self.state, self.target.spec)
+        self._stamp(record)  # committed with it: a round rebuilt from git after a kill keeps them
         trailers, body = commits.rejected(record, self.target.spec, self.agents.backend, undone)
         record.commit = self.history.commit_rejected(
             workspace, record.round, record.task.title, trailers, commits.records(record, verdict), body
         )
+
+    def _stamp(self, record: RoundRecord) -> None:
+        """The round's wall time and LLM spend so far, on its record (again at its end)."""
+        started, llm_before = self._round_start
+        record.seconds = time.monotonic() - started
+        if self.agents.accounting is not None:
+            record.llm = self.budget.since(llm_before)
 
     def finish_round(self, record: RoundRecord) -> None:
         """Git first, then the state: a kill in between is repaired by ``reconcile_with_git``."""

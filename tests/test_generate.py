@@ -706,3 +706,22 @@ def test_a_run_killed_after_its_starter_keeps_the_time_the_starter_took(tmp_path
     with pytest.raises(KeyboardInterrupt):
         loop.run()
     assert RunState.load(tmp_path / "run").seconds_used > 0
+
+
+def test_a_round_rebuilt_from_git_after_a_kill_keeps_its_time(tmp_path, fast_target):
+    """round.json was committed before the round's time and LLM spend were filled in: a round rebuilt
+    from git after a kill between its commit and the state's save showed 0 s and no spend."""
+    from orchestrator.runs import resume_run
+
+    loop = _start(fast_target, tmp_path, rounds=0, sandbox="subprocess", simulate=True)
+
+    def killed(record) -> None:  # the kill: after round 0's commit, before the state knew of it
+        raise KeyboardInterrupt
+
+    loop.finish_round = killed
+    with pytest.raises(KeyboardInterrupt):
+        loop.run()
+    assert RunState.load(tmp_path / "run").rounds == []
+    resumed = resume_run(tmp_path / "run", {}, lambda kind, **data: None, tmp_path / "ws")
+    resumed.reconcile_with_git()
+    assert resumed.state.record(0).seconds > 0

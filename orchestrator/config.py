@@ -132,8 +132,9 @@ class RunConfig(BaseModel):
         """This run's configuration with what a resume asks to change; a change to a field that is
         fixed for the run is a ``ConfigError`` naming it and its value."""
         stored, fixed = self.model_dump(), []
-        # a fixed field given as None is one left unset (a --print-config file of defaults): the run's stands
-        overrides = {k: v for k, v in overrides.items() if v is not None or k in self.resumable_fields()}
+        # a field given as None is one left unset (a --print-config file of defaults): the run's stands (no
+        # option takes None on the command line, so a file cannot clear a limit the run was given either)
+        overrides = {k: v for k, v in overrides.items() if v is not None}
         for name, value in overrides.items():
             if name in self.resumable_fields() or value == stored.get(name):
                 continue

@@ -245,10 +245,13 @@ def changed_values(before: dict, now: dict, where: str = "") -> list[str]:
     changed = []
     for key in before.keys() & now.keys():
         path = f"{where}.{key}" if where else key
-        if isinstance(before[key], dict) and isinstance(now[key], dict):
-            changed += changed_values(before[key], now[key], path)
-        elif before[key] != now[key]:
-            changed.append(f"{path}: {before[key]!r} -> {now[key]!r}")
+        was, is_ = before[key], now[key]
+        if isinstance(was, list) and isinstance(is_, list) and len(was) == len(is_):  # baselines, pools: by item
+            was, is_ = dict(enumerate(was)), dict(enumerate(is_))
+        if isinstance(was, dict) and isinstance(is_, dict):
+            changed += changed_values(was, is_, path)
+        elif was != is_:
+            changed.append(f"{path}: {was!r} -> {is_!r}")
     return sorted(changed)
 
 

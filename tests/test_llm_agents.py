@@ -24,6 +24,7 @@ from agents.llm.client import (
     BudgetSpent,
     ClientConfig,
     LLMError,
+    LLMUnusable,
     ToolCall,
     make_client,
 )
@@ -134,8 +135,17 @@ def test_a_server_that_reports_no_usage_stops_a_budgeted_run_and_is_said_otherwi
     assert unbudgeted.chat("ROLE: implementer", [{"role": "user", "content": "go"}], []).text == "one"
     assert unbudgeted.accounting.snapshot()["input_tokens"] == 0 and "reported no token usage" in caplog.text
     budgeted = _client(server, "openai", stream, accounting=Accounting(max_tokens=100_000))
-    with pytest.raises(BudgetSpent, match="reported no token usage, so the run's LLM budget .* cannot be kept"):
+    with pytest.raises(LLMUnusable, match="reported no token usage, so the run's LLM budget .* cannot be kept"):
         budgeted.chat("ROLE: implementer", [{"role": "user", "content": "go"}], [])
+
+
+def test_a_budgeted_run_on_a_server_that_reports_no_usage_stops_at_its_first_call(server, tmp_path, fast_target):
+    """Raised as a spent budget, it ended the attempt and the loop's own budget check (which had counted
+    nothing) let the run go on, every round's calls unaccounted. It stops the run, saying why."""
+    server.script("judge", Reply(text=json.dumps({"verdict": "accept", "reasons": []}), usage=False))
+    code, output, run = generate(server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-tokens", "100000")
+    assert code == 1 and "reported no token usage" in output and "Traceback" not in output, output
+    assert [r["role"] for r in server.requests] == ["judge"]  # the starter's review: the one call made
 
 
 def test_anthropic_cache_writes_count_at_their_higher_price(server):

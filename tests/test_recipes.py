@@ -1430,3 +1430,33 @@ def test_ranks_on_a_joined_ray_cluster_reach_the_store_at_this_nodes_address(mon
     assert host == ray.util.get_node_ip_address()
     store = Rendezvous(host)  # it listens on every interface: a client at that address reaches it
     connect(store.address, "probe").set("k", "v")
+
+
+def test_an_episode_that_failed_as_the_run_ended_is_raised_not_lost():
+    """cancel_all skips the tasks already done (their episodes were handed on); one of them that had
+    failed, its done callback not run yet, was neither handed back nor raised."""
+    from skills.recipes.env_manager import EnvManager
+    from skills.recipes.sample_buffer import GroupBuffer
+    from targets.api import SamplingParams
+
+    class Episode:
+        episode_id, group_id = "g0/e0", "g0"
+
+        async def reset(self):
+            raise ConnectionError("planted: the environment went away")
+
+    class Envs:
+        def new_group(self, extra=0, relaunch=None):
+            return [Episode()]
+
+        def drop(self, episode_id, reason, idleness=None):
+            pass
+
+    async def run() -> None:
+        manager = EnvManager(None, Envs(), GroupBuffer(1, 1, Envs()), SamplingParams(4), 64)
+        manager.launch(1)
+        await asyncio.sleep(0)  # the episode failed; its done callback waits for the next turn
+        await manager.cancel_all()
+
+    with pytest.raises(RuntimeError, match="the rollout failed: ConnectionError: planted"):
+        asyncio.run(run())

@@ -253,7 +253,7 @@ def test_log_shows_no_figures_measured_on_an_earlier_best(tmp_path):
     """generate and report show generalization figures only if they were measured on the current best;
     log showed whatever the state held, so a run that found a new best (and stopped before measuring
     it) read 'best (round 1)' under a best of round 0."""
-    from orchestrator.state import Generalization, Promotion
+    from orchestrator.state import Generalization, GeneralizationRejected, Promotion
 
     run = make_review_run(tmp_path)
     state = RunState.load(run)
@@ -263,8 +263,19 @@ def test_log_shows_no_figures_measured_on_an_earlier_best(tmp_path):
         best_round=1, best_commit=earlier.commit, in_search=figure, held_out=figure, held_out_seeds=[7, 8, 9]
     )
     state.save(run)
+    state.generalization_rejected = GeneralizationRejected(
+        best_round=1,
+        best_commit=earlier.commit,
+        held_out_seeds=[7],
+        figure="held-out",
+        run="the best",
+        seed=7,
+        reasons=["planted"],
+    )
+    state.save(run)
     assert "held-out seeds" not in _ok("log", str(run), env={"COLUMNS": "200"})
-    assert json.loads(_ok("log", str(run), "--json"))["generalization"] is None
+    logged = json.loads(_ok("log", str(run), "--json"))
+    assert logged["generalization"] is None and logged["generalization_rejected"] is None
     state.generalization = state.generalization.model_copy(update={"best_round": 0, "best_commit": state.best.commit})
     state.save(run)
     assert "held-out seeds" in _ok("log", str(run), env={"COLUMNS": "200"})
@@ -283,6 +294,7 @@ def test_a_resume_on_a_target_spec_edited_since_the_start_is_refused_naming_what
     started["noise_threshold"] = 0.5
     started["workload"]["batch_size"] = 999
     started["a_field_of_another_version"] = 1  # schema drift across vibetrain versions is no change of the user's
+    started["baselines"][0]["a_field_of_another_version"] = 1  # in a list's item too
     state.spec_at_start = started
     state.save(run)
     with pytest.raises(RunSetupError) as refused:
@@ -290,6 +302,7 @@ def test_a_resume_on_a_target_spec_edited_since_the_start_is_refused_naming_what
     said = str(refused.value)
     assert "its target spec (tiny-qwen3-cpu) changed since the run started: noise_threshold: 0.5 -> " in said
     assert "workload.batch_size: 999 -> " in said and "a_field_of_another_version" not in said
+    assert "baselines" not in said
 
 
 def test_a_resume_takes_a_file_of_defaults_and_refuses_to_change_how_the_run_runs(tmp_path):
@@ -303,6 +316,8 @@ def test_a_resume_takes_a_file_of_defaults_and_refuses_to_change_how_the_run_run
     defaults = yaml.safe_load(_ok("generate", "tiny-qwen3-cpu", "--print-config"))
     unset = {k: v for k, v in defaults.items() if v is None and k in RunConfig.model_fields}
     assert "repeat" in unset and config.resumed(unset).repeat == 3  # left unset: the run's own stands
+    limited = config.model_copy(update={"max_minutes": 30.0, "held_out": 2})
+    assert (limited.resumed(unset).max_minutes, limited.resumed(unset).held_out) == (30.0, 2)  # not cleared
     simulated = config.model_copy(update={"simulated": True, "prescreen": False})
     assert simulated.resumed({"prescreen": True}).prescreen is False
     with pytest.raises(ConfigError, match="--repeat 5 \\(this run's: 3\\)"):

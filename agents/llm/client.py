@@ -86,9 +86,9 @@ class LLMUnusable(LLMError):
     every later call would fail alike, so the run stops naming it, rather than fail round after round."""
 
 
-class BudgetUnkept(BudgetSpent):
-    """The run has an LLM budget and the server reports no token usage: the budget could not be kept,
-    so the run stops as at a spent one rather than spend past it unseen."""
+class BudgetUnkept(LLMUnusable):
+    """The run has an LLM budget and the server reports no token usage: the budget cannot be kept, so
+    the backend cannot be used as configured, and the run stops rather than spend past it unseen."""
 
 
 CACHE_WRITE_PRICE = 1.25  # a prompt-cache write, as a multiple of the input price (Anthropic's 5-minute cache)

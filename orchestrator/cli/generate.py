@@ -211,8 +211,12 @@ def generate(
             overrides = config_of(given)
             if out.exists():
                 stored = RunState.load(out).config
-                overrides["llm"] = stored.llm.model_copy(update=overrides["llm"]).model_dump()
-                if given.get("simulate", stored.simulated) != stored.simulated:  # not a setting: how the run runs
+                # the LLM settings a config file leaves unset (None) keep the run's
+                given_llm = {k: v for k, v in overrides["llm"].items() if v is not None}
+                overrides["llm"] = stored.llm.model_copy(update=given_llm).model_dump()
+                source = ctx.get_parameter_source("simulate")  # typer's own click: compared by name, as _given does
+                typed = source is not None and source.name == "COMMANDLINE"  # a config file's is its default
+                if typed and simulate != stored.simulated:  # not a setting: how the run runs
                     started = "on the simulator" if stored.simulated else "for real"
                     raise UsageError(
                         f"--simulate: {out} was started {started}, and a resumed run goes on as it started"

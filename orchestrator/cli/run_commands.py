@@ -45,16 +45,15 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
     Example: vibetrain log generated/tiny-qwen3-cpu | grep rejected
     """
     state, _ = _state_and_history(run)
-    generalization = best_generalization(state)  # an earlier best's (a run that found another since) is not shown
+    # an earlier best's figures (a run that found another since) are not shown
+    generalization, rejected = best_generalization(state), best_rejected_unseen(state)
     if as_json:
         print_json(
             {
                 "run": str(run),
                 "best_round": state.best_round,
                 "generalization": generalization.model_dump(mode="json") if generalization else None,
-                "generalization_rejected": (
-                    state.generalization_rejected.model_dump(mode="json") if state.generalization_rejected else None
-                ),
+                "generalization_rejected": rejected.model_dump(mode="json") if rejected else None,
                 "llm_used": state.llm_used,
                 "rounds": [r.model_dump(mode="json") for r in state.rounds],
             }
@@ -63,7 +62,6 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
     print_table(rounds_table(run, state))
     if generalization is not None:
         print_table(generalization_table(generalization))
-    rejected = best_rejected_unseen(state)
     if rejected is not None:
         console.print(
             f"[red]the best (round {rejected.best_round}) where the search never looked:[/red] "

@@ -271,6 +271,9 @@ class EnvManager:
         already done is not in flight, though its done callback (which forgets it) has not run yet: its
         episode was put in the buffer or handed back, and a second hand-back would count it twice."""
         running = {task: episode_id for task, episode_id in self._tasks.items() if not task.done()}
+        for task in self._tasks.keys() - running.keys():  # their done callbacks, which record a failure, wait
+            if not task.cancelled() and task.exception() is not None:
+                self.fail(task.exception())
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)

@@ -180,5 +180,7 @@ class LocalCluster:
         return {self.device.id: ["engine"] if self._engine_awake else ["trainer"]}
 
     async def close(self) -> None:
-        await self.server.close()
-        self.trainer.close()
+        try:
+            await self.server.close()
+        finally:  # the trainer's rank leaves its group whatever the engine's close raised
+            self.trainer.close()

@@ -188,11 +188,13 @@ class DeviceActor:
         await self._on_trainer(self.trainer.reload)
 
     async def close(self) -> None:
-        if self.server is not None:
-            await self.server.close()
-        if self.trainer is not None:
-            await self._on_trainer(self.trainer.close)
-        self._trainer_thread.shutdown(wait=False)
+        try:
+            if self.server is not None:
+                await self.server.close()
+        finally:  # the trainer's rank leaves its group whatever the engine's close raised
+            if self.trainer is not None:
+                await self._on_trainer(self.trainer.close)
+            self._trainer_thread.shutdown(wait=False)
 
     # -- weight sync on GPU ----------------------------------------------------------------------------
     async def sync_local(self, version: int, interrupt: bool, load: bool) -> None:

@@ -23,7 +23,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from orchestrator.history import History  # noqa: E402
-from orchestrator.prescreen import twin_said  # noqa: E402
+from orchestrator.prescreen import clears, twin_said  # noqa: E402
 from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: E402
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
@@ -149,11 +149,7 @@ def _per_round(state: RunState, metric: str, threshold: float, maximize: bool) -
     for r, best_before in zip(state.rounds, [None, *best_line]):
         # the paired ratio decided promotion: shown where the dot alone would mislead (inside or above the band)
         near = (
-            best_before is not None
-            and r.headline is not None
-            and (
-                r.headline >= best_before * (1 - threshold) if maximize else r.headline <= best_before * (1 + threshold)
-            )
+            best_before is not None and r.headline is not None and clears(r.headline, best_before, threshold, maximize)
         )
         if r.paired is not None and (r.became_best or near):
             ax.annotate(
@@ -371,11 +367,16 @@ def _baselines(state: RunState, history: History, maximize: bool) -> dict[int, s
         controller = history.params(r.commit).get("controller", "unnamed controller")
         if r.round == 0:
             chosen.setdefault(0, f"the starter ({controller})")
-        elif controller not in controllers or (r.headline > controllers[controller].headline) == maximize:
+        elif controller not in controllers or _better(r.headline, controllers[controller].headline, maximize):
             controllers[controller] = r
     for controller, r in controllers.items():
         chosen.setdefault(r.round, f"best-scoring {controller} candidate")
     return chosen
+
+
+def _better(headline: float, than: float, maximize: bool) -> bool:
+    """Strictly better in the metric's direction (a tie keeps the earlier round)."""
+    return headline > than if maximize else headline < than
 
 
 # -- per round -------------------------------------------------------------------------------------
@@ -499,11 +500,12 @@ def write_report(run_dir: Path, path: Path) -> Path:
     spec = load_target(state.config.target)
     metric, unit, threshold = spec.headline_metric.name, _unit(spec.headline_metric.name), spec.noise_threshold
     devices = spec.hardware.device_ids()
+    maximize = spec.headline_metric.direction == "maximize"
     run, run_path = RunDir(run_dir), str(run_dir.resolve())
     best = state.best
     config = state.config
     with tempfile.TemporaryDirectory(prefix="vibetrain-report-") as scratch:
-        rows, panels, baselines = [], [], _baselines(state, history, spec.headline_metric.direction == "maximize")
+        rows, panels, baselines = [], [], _baselines(state, history, maximize)
         for r in state.rounds:  # one trace in memory at a time, bar the baselines' few
             timeline, no_timeline = None, ""
             if r.verdict == "accepted" and run.trace(r.round).exists():
@@ -557,9 +559,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
         simulated=config.simulated,
         run_facts=run_facts,
         page_facts=page_facts,
-        per_round=_per_round(state, metric, threshold, spec.headline_metric.direction == "maximize")
-        if state.rounds
-        else None,
+        per_round=_per_round(state, metric, threshold, maximize) if state.rounds else None,
         tree=_tree(state, metric) if state.rounds else None,
         no_spread=[r.round for r in state.accepted() if metric not in r.spread],
         timeline=timeline,

@@ -302,9 +302,8 @@ class _RetryingClient:
                 transient, message = self._classify(error)
                 if message is None:
                     raise
-                if not transient:
-                    refused = (self.sdk.AuthenticationError, self.sdk.PermissionDeniedError, self.sdk.NotFoundError)
-                    raise (LLMUnusable if isinstance(error, refused) else LLMError)(message) from error
+                if not transient:  # a refusal of the run's configuration stops the run; anything else, the call
+                    raise (LLMUnusable if self._refuses_configuration(error) else LLMError)(message) from error
                 attempt += 1
                 if attempt > self.config.max_retries:
                     raise LLMError(f"{message}; gave up after {self.config.max_retries} retries") from error
@@ -323,6 +322,10 @@ class _RetryingClient:
 
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
         raise NotImplementedError
+
+    def _refuses_configuration(self, error: Exception) -> bool:
+        """401, 403, 404: the key, the permission, the model; every later call would fail alike."""
+        return isinstance(error, (self.sdk.AuthenticationError, self.sdk.PermissionDeniedError, self.sdk.NotFoundError))
 
     def _classify(self, error: Exception) -> tuple[bool, str | None]:
         """(transient?, message) for the SDK's errors (both SDKs name them alike); (False, None) for

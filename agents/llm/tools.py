@@ -216,7 +216,7 @@ class Toolbox:
     # -- paths -----------------------------------------------------------------------------------
     def _path(self, relative: str) -> Path:
         path = (self.workspace / relative).resolve()
-        if path != self.workspace and self.workspace not in path.parents:
+        if not inside(self.workspace, path):
             raise ToolResultError(
                 f"{relative!r} is outside the workspace (the contract reads as targets/api.py and skills/recipes/)"
             )

@@ -1,8 +1,7 @@
 """Offline judge: the harness's deterministic gate (``Session.check``: integrity scan, accuracy
 checks 1-3, a system run and its audit, the parent's own checks) plus the agents' static scans: no
 validation annotation left unexpanded, a ``stack/params.json`` the search can read, and no file git
-ignores that the run could use. Candidate
-code runs in the sandbox, out of the harness's process.
+ignores that the run could use. Candidate code runs in the sandbox, out of the harness's process.
 
 Why ignored files: the round commits the workspace with ``git add -A``, which leaves out what git
 ignores, and the LLM review reads the diff. A file git ignores would run in the judged candidate yet

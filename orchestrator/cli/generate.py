@@ -207,8 +207,7 @@ def generate(
 
     try:
         if resume:
-            given = _given(ctx)
-            overrides = config_of(given)
+            overrides = config_of(_given(ctx))
             if out.exists():
                 stored = RunState.load(out).config
                 # the LLM settings a config file leaves unset (None) keep the run's

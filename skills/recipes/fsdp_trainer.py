@@ -119,10 +119,9 @@ class FSDPTrainer:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # refused here, not by range() at the first train step, after a whole rollout
         for option, value in (("micro_batch_tokens", micro_batch_tokens), ("logprob_chunk", logprob_chunk)):
-            if (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):  # else: range()'s error at the first step
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"trainer: {option} must be an integer >= 1, not {value!r}")
         if threads is not None:
             torch.set_num_threads(threads)

@@ -39,6 +39,7 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 
 from targets.api import TextStep
@@ -193,6 +194,61 @@ class Mumbles:
 
     async def step(self, action):
         return ("ok", 1.0, True)
+
+
+class Answers:
+    """A text environment whose step answers with what it was made with (a user's slip in one field)."""
+
+    def __init__(self, observation="ok", reward=1.0, done=True):
+        self.answer = TextStep(observation, reward, done)
+
+    async def reset(self, task):
+        return "Go."
+
+    async def step(self, action):
+        return self.answer
+
+
+class OldGym(HiddenNumber):
+    """The old gym API: step answers (observation, reward, done, info)."""
+
+    def step(self, action):
+        observation, reward, terminated, _, info = super().step(action)
+        return observation, reward, terminated, info
+
+
+class Wordy(HiddenNumber):
+    """Its first observation alone fills the model's context."""
+
+    def reset(self, seed=None):
+        super().reset(seed)
+        return "word " * 400, {}
+
+
+PICKED_IN = []  # the thread each task was picked in
+
+
+class Picked(Tasks):
+    def __getitem__(self, index):
+        PICKED_IN.append(threading.current_thread().name)
+        return super().__getitem__(index)
+
+
+def picked():
+    return Picked(tasks())
+
+
+class NanScored(Tasks):
+    def score_answer(self, answer, entry):
+        return float("nan")
+
+
+def nan_scored():
+    return NanScored(tasks())
+
+
+def questionless():
+    return Tasks([{"prompt": "What is 1 + 1?", "answer": "2"}])
 
 
 NOT_CALLABLE = 3
@@ -371,8 +427,54 @@ def test_a_task_set_scoring_no_number_is_named_not_read_as_a_zero_reward(catalog
     pool, _ = _pool(spec)
     episode = pool.new_group()[0]
     asyncio.run(episode.reset())
-    with pytest.raises(UserEnvironmentError, match="raised TypeError at turn 1 of g0/e0: score_answer returned None"):
+    with pytest.raises(UserEnvironmentError, match="my_envs:unscored at turn 1 of g0/e0: score_answer returned None"):
         asyncio.run(episode.step([5, 6]))
+
+
+@pytest.mark.parametrize(
+    ("environment", "message"),
+    [
+        ({"entry": "my_envs:Answers", "params": {"reward": float("nan")}}, "reward nan, not a finite number"),
+        ({"entry": "my_envs:Answers", "params": {"reward": float("-inf")}}, "reward -inf, not a finite number"),
+        ({"entry": "my_envs:Answers", "params": {"reward": None}}, "reward None, not a finite number"),
+        ({"entry": "my_envs:Answers", "params": {"reward": "1"}}, "reward '1', not a finite number"),
+        ({"entry": "my_envs:Answers", "params": {"observation": None}}, "observation None, not a str"),
+        ({"entry": "my_envs:Answers", "params": {"done": 1}}, "done 1, not a bool"),
+        ({"entry": "my_envs:nan_scored", "adapter": "tasks"}, "reward nan, not a finite number"),
+        ({"entry": "my_envs:OldGym", "adapter": "gymnasium"}, "a 4-tuple (the old gym API"),
+    ],
+    ids=["nan", "inf", "none", "text reward", "no observation", "int done", "nan score", "old gym"],
+)
+def test_a_step_answer_a_run_cannot_train_on_is_named_by_its_field(catalog_yaml, user_package, environment, message):
+    """A NaN reward would reach the candidate's loss as a null, a None one the harness's sum as a
+    TypeError: every adapter's answer is checked, field by field, and the error names the turn."""
+    spec = _spec(catalog_yaml, {"adapter": "text", **environment})
+    episode = _pool(spec)[0].new_group()[0]
+    asyncio.run(episode.reset())
+    with pytest.raises(UserEnvironmentError, match=f"{environment['entry']} .*turn 1 of g0/e0") as caught:
+        asyncio.run(episode.step([5, 6]))
+    assert message in str(caught.value)
+
+
+def test_a_first_observation_past_the_context_and_a_task_with_no_question_are_named(catalog_yaml, user_package):
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Wordy", "adapter": "gymnasium"})
+    episode = _pool(spec)[0].new_group()[0]
+    with pytest.raises(UserEnvironmentError, match=r"began g0/e0 with \d+ tokens: .*max_sequence 256"):
+        asyncio.run(episode.reset())
+    spec = _spec(catalog_yaml, {"entry": "my_envs:questionless", "adapter": "tasks"})
+    episode = _pool(spec)[0].new_group()[0]
+    with pytest.raises(UserEnvironmentError, match="my_envs:questionless resetting g0/e0: task 0 is a dict with no"):
+        asyncio.run(episode.reset())
+
+
+def test_a_task_set_is_indexed_in_a_thread_never_on_the_harness_loop(catalog_yaml, user_package):
+    """A set may make each task as it is indexed: a slow one must not stall the harness's clock."""
+    spec = _spec(catalog_yaml, {"entry": "my_envs:picked", "adapter": "tasks"})
+    episode = _pool(spec)[0].new_group()[0]
+    asyncio.run(episode.reset())
+    import my_envs
+
+    assert my_envs.PICKED_IN == ["user-environment"]
 
 
 def test_an_environment_is_closed_once_and_a_close_that_raises_is_named(catalog_yaml, user_package):
@@ -570,6 +672,7 @@ def test_the_ecosystems_own_environments_through_the_adapters(catalog_yaml):
     pytest.importorskip("gem", reason="GEM comes with the envs extra: pip install -e '.[envs]'")
     pytest.importorskip("reasoning_gym", reason="reasoning-gym comes with the envs extra: pip install -e '.[envs]'")
     environment = {"entry": "gem:make", "adapter": "gymnasium", "params": {"env_id": "game:GuessTheNumber-v0-easy"}}
+    catalog_yaml["workload"]["tokens"]["max_sequence"] = 1024  # its rules alone are some 330 tokens
     spec = _spec(catalog_yaml, environment)
     pool, trace = _pool(spec)
     tokenizer = load_tokenizer(model_dir(spec.model))

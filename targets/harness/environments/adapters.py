@@ -25,7 +25,7 @@ import importlib
 import inspect
 import numbers
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +159,17 @@ class GymnasiumText:
         return str(result[0] if isinstance(result, tuple) else result)
 
     async def step(self, action: str) -> TextStep:
-        observation, reward, terminated, truncated, _ = await in_user_thread(self.env.step, action)
-        return TextStep(str(observation), float(reward), bool(terminated or truncated))
+        """The step's answer as it came (the episode checks the reward): a 4-tuple is the old gym API,
+        whose single ``done`` gymnasium split in two, named rather than left to an unpacking error."""
+        answer = await in_user_thread(self.env.step, action)
+        if not isinstance(answer, tuple) or len(answer) != 5:
+            got = f"a {len(answer)}-tuple" if isinstance(answer, tuple) else f"a {type(answer).__name__}"
+            old = " (the old gym API's observation, reward, done, info)" if got == "a 4-tuple" else ""
+            raise UserEnvironmentError(
+                f"step returned {got}{old}: gymnasium's step returns (observation, reward, terminated, truncated, info)"
+            )
+        observation, reward, terminated, truncated, _ = answer
+        return TextStep(str(observation), reward, bool(terminated or truncated))
 
     async def close(self) -> None:
         """gymnasium's ``close()``, where the environment has one: what it holds (a subprocess, a socket)
@@ -176,14 +185,23 @@ class TaskSet:
         self.tasks, self.entry = tasks, None
 
     async def reset(self, task: int) -> str:
-        self.entry = self.tasks[task % len(self.tasks)]
+        """The task's question, picked in a thread as a step is scored (a set may make its tasks as it is
+        indexed, and a slow one must not stall the harness's loop)."""
+        self.entry = await in_user_thread(self._pick, task)
         return str(self.entry["question"])
+
+    def _pick(self, task: int) -> Any:
+        index = task % len(self.tasks)
+        entry = self.tasks[index]
+        if not isinstance(entry, Mapping) or "question" not in entry:
+            raise UserEnvironmentError(f"task {index} is a {type(entry).__name__} with no 'question'")
+        return entry
 
     async def step(self, action: str) -> TextStep:
         score = await in_user_thread(self.tasks.score_answer, action, self.entry)
         if not isinstance(score, numbers.Real):  # a None read as 0 would train on a reward nobody gave
-            raise TypeError(f"score_answer returned {score!r}, not a number")
-        return TextStep("", float(score), True)
+            raise UserEnvironmentError(f"score_answer returned {score!r}, not a number")
+        return TextStep("", score, True)
 
 
 def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], TextEnvironment]:

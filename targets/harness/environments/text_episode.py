@@ -7,10 +7,13 @@ and step is in the trace like a built-in environment's."""
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import random
 from collections.abc import Awaitable
 from typing import Any
 
+import numpy
 from pydantic import BaseModel, ConfigDict
 
 from targets.api import StepResult, TextEnvironment, TextStep, TokenIds
@@ -92,6 +95,8 @@ class TextEpisode(Episode):
             raise UserEnvironmentError(f"environment {self.entry} was cancelled {doing} {self.episode_id}")
         try:
             return answering.result()
+        except UserEnvironmentError as error:  # the adapter's word on what the environment answered
+            raise UserEnvironmentError(f"environment {self.entry} {doing} {self.episode_id}: {error}") from None
         except Exception as error:  # noqa: BLE001 - the user's code: named, never a traceback of ours
             raise UserEnvironmentError(
                 f"environment {self.entry} raised {type(error).__name__} {doing} {self.episode_id}: {error}"
@@ -108,7 +113,14 @@ class TextEpisode(Episode):
                 f"({limit:g} s): a hung environment"
             )
         self.stepping = False
-        return self._reset_with(self.chat.first(str(observation)))
+        prompt = self.chat.first(str(observation))
+        tokens = self.workload.tokens
+        if len(prompt) + tokens.response > tokens.max_sequence:  # no turn would fit: said, not cut
+            raise UserEnvironmentError(
+                f"environment {self.entry} began {self.episode_id} with {len(prompt)} tokens: with a response's "
+                f"{tokens.response} they pass the context (workload.tokens.max_sequence {tokens.max_sequence})"
+            )
+        return self._reset_with(prompt)
 
     async def step(self, action: TokenIds) -> StepResult:
         """The environment's answer; one that does not come before the trajectory's time is up ends the
@@ -122,12 +134,31 @@ class TextEpisode(Episode):
         answer = await self._call(self.environment.step(self.chat.text(action)), doing, left + TIMEOUT_MARGIN_S)
         if answer is HUNG:
             return self.end_step(action, self.clock.now() - started, 0, ("timeout", 0.0, True))
+        return self.end_step(action, self.clock.now() - started, 0, self._checked(answer))
+
+    def _checked(self, answer: Any) -> tuple[str, float, bool]:
+        """A step's answer as the episode records it: a ``TextStep`` of text, a finite reward (a NaN would
+        reach the candidate's loss as a null) and a bool, or an error naming the field."""
         if not isinstance(answer, TextStep):
             raise UserEnvironmentError(
                 f"environment {self.entry} answered a step of {self.episode_id} with a {type(answer).__name__}, "
                 "not a targets.api.TextStep"
             )
-        return self.end_step(action, self.clock.now() - started, 0, (answer.observation, answer.reward, answer.done))
+        reward = answer.reward
+        wrong = (
+            f"observation {answer.observation!r}, not a str"
+            if not isinstance(answer.observation, str)
+            else f"reward {reward!r}, not a finite number"
+            if not isinstance(reward, numbers.Real) or not math.isfinite(reward)
+            else f"done {answer.done!r}, not a bool"
+            if not isinstance(answer.done, bool | numpy.bool_)
+            else None
+        )
+        if wrong is not None:
+            raise UserEnvironmentError(
+                f"environment {self.entry} answered turn {self.turn + 1} of {self.episode_id} with {wrong}"
+            )
+        return answer.observation, float(reward), bool(answer.done)
 
     def observe(self, text: str, action: TokenIds) -> TokenIds:
         return self.chat.next(text, stopped_on=int(action[-1]) if len(action) else None)

@@ -57,6 +57,8 @@ def f(xs, n, chosen):
     assert _run(source, "f([1, 2, 3], 2, [1])") == [1, 2]
     with pytest.raises(ValueError, match=r"k must be an int in \[0, len\(xs\)\] = \[0, 3\], got 7"):
         _run(source, "f([1, 2, 3], 7, [1])")
+    with pytest.raises(ValueError, match=r"k must be an int .*, got True"):  # a bool is an int to Python, no count
+        _run(source, "f([1, 2, 3], True, [1])")
     with pytest.raises(ValueError, match="xs must not be empty, got \\[\\]"):
         _run(source, "f([], 0, [])")
     with pytest.raises(ValueError, match="chosen must be a subset of xs = \\[1, 2, 3\\]; not in it: \\[9\\]"):

@@ -44,9 +44,9 @@ PATTERNS: dict[str, Pattern] = {
         Pattern(
             "VAL_INT_RANGE",
             ("value", "min", "max"),
-            "an int within [min, max]",
+            "an int within [min, max] (a bool is no int here: True is no count)",
             """\
-if not isinstance({{ value }}, int) or not ({{ min }} <= {{ value }} <= {{ max }}):
+if isinstance({{ value }}, bool) or not isinstance({{ value }}, int) or not ({{ min }} <= {{ value }} <= {{ max }}):
     raise ValueError("{{ value_text }} must be an int in [{{ min_text }}, {{ max_text }}] = [%r, %r], got %r" % ({{ min }}, {{ max }}, {{ value }}))""",
         ),
         Pattern(

@@ -217,6 +217,29 @@ def test_an_audit_that_raises_is_the_harness_fault_not_a_verdict_on_the_candidat
     assert failed.value.part == "harness"
 
 
+def test_a_run_killed_at_a_limit_after_its_phases_answered_is_no_measurement(tmp_path, monkeypatch, fast_target):
+    """The launcher kills a run whose processes pass a limit (memory, time) even after the audit wrote its
+    answer (a candidate process lingering past the run, growing): its phases all said ok, and the session
+    measured it as if nothing had happened."""
+    from skills.starter import write_starter
+    from targets.harness.isolation.launch import Limits
+    from targets.harness.isolation.sandbox import Sandbox
+    from targets.harness.measure import session
+    from targets.harness.target import Target
+
+    audited = {"name": "system_audit", "passed": True, "reasons": [], "details": {}}
+    results = {"system": {"status": "ok"}, "audit": {"status": "ok", "result": audited}}
+
+    def killed_after_its_phases(target, stack, run_out, mode, *args, **kwargs) -> HarnessRun:
+        return HarnessRun(False, "audit run memory (killed)", run_out, results)
+
+    monkeypatch.setattr(session, "run_harness", killed_after_its_phases)
+    target = Target.load(fast_target)
+    judged = Session(target, Sandbox("subprocess"), Limits(time_s=60))
+    measurement = judged.measure(write_starter(tmp_path / "c", target.spec, "colocate"), tmp_path / "out", seed=0)
+    assert not measurement.ok and measurement.reasons == ["system_run: audit run memory (killed)"]
+
+
 def test_a_sync_channel_round_trips_arrays_and_refuses_garbage():
     a, b = _pair()
     left, right = SyncChannel(a), SyncChannel(b)

@@ -296,6 +296,8 @@ class Session:
         if audit.get("status") != "ok":
             return Measurement(checks + [CheckResult("system_audit", False, [run.cause])], seed=seed)
         checks.append(CheckResult.from_dict(audit["result"]))
+        if not run.ok:  # every phase answered, yet the run was killed at a limit or its process failed after
+            return Measurement(checks + [CheckResult("system_run", False, [run.cause])], seed=seed)
         events = Trace.load_events(out / "trace.jsonl")
         if not self.target.simulated:
             checks.append(clock_check(run, events))

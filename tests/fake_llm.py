@@ -132,9 +132,9 @@ class FakeLLMServer:
                 stream = bool(body.get("stream"))
                 if isinstance(reply, Fault):
                     if reply.drop:
-                        return self._dropped(anthropic) if stream else self._truncated()
+                        return self._dropped(anthropic) if stream else self._cut_short(*TRUNCATED_JSON)
                     if reply.reset:
-                        return self._reset()
+                        return self._cut_short(*CUT_IN_A_CHUNK)
                     if reply.stream_error is not None:
                         return self._stream_error(reply.stream_error, anthropic)
                     return self._error(reply.status, why or f"scripted {reply.status}", anthropic, reply.headers)
@@ -166,24 +166,15 @@ class FakeLLMServer:
                 self.end_headers()
                 self.close_connection = True
 
-            def _truncated(self) -> None:
-                """A JSON body announced in full, then cut short."""
+            def _cut_short(self, headers: dict, body: bytes) -> None:
+                """A response whose body is cut where ``body`` ends: a JSON body announced in full (the
+                client finds it truncated), or a chunked one cut inside its first chunk (its HTTP library
+                raises)."""
                 self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", "1000")
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(b'{"id": "cut')
-                self.wfile.flush()
-                self.close_connection = True
-                self.connection.shutdown(2)
-
-            def _reset(self) -> None:
-                """A chunked body cut inside its first chunk: the client's HTTP library raises."""
-                self.send_response(200)
-                self.send_header("content-type", "text/event-stream")
-                self.send_header("transfer-encoding", "chunked")
-                self.end_headers()
-                self.wfile.write(b"400\r\ndata: {")
+                self.wfile.write(body)
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(2)
@@ -325,6 +316,11 @@ class FakeLLMServer:
                 self.wfile.flush()
 
         return Handler
+
+
+# how a response is cut short (``_cut_short``): its headers, and the bytes sent before the cut
+TRUNCATED_JSON = ({"content-type": "application/json", "content-length": "1000"}, b'{"id": "cut')
+CUT_IN_A_CHUNK = ({"content-type": "text/event-stream", "transfer-encoding": "chunked"}, b"400\r\ndata: {")
 
 
 def _pieces(text: str, size: int = 7) -> list[str]:

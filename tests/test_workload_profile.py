@@ -144,6 +144,22 @@ def test_a_profiled_spec_resolves_to_one_that_stands_alone(catalog_yaml, tmp_pat
     assert twin.workload.tokens.response_length.mean == 7.0  # refitted
 
 
+def test_a_calibrated_twin_written_elsewhere_finds_a_model_named_relative_to_its_spec(catalog_yaml, tmp_path):
+    """The twin's YAML is written to the run's folder: a ``weights: m`` read beside the spec was read
+    beside the copy, and the calibration failed after its whole real run."""
+    import shutil
+
+    from targets.harness.model import model_dir
+
+    shutil.copytree(model_dir(parse_target(catalog_yaml).model), tmp_path / "m")
+    catalog_yaml["model"]["weights"] = "m"
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(catalog_yaml))
+    (tmp_path / "run").mkdir()
+    fitted = Calibration(SimulatorSpec(), 0.5, 1.0, ResponseLengthSpec(mean=7.0, turn_sigma=0.1))
+    twin = load_target(write_calibrated_spec(str(tmp_path / "spec.yaml"), fitted, tmp_path / "run" / "t.yaml"))
+    assert twin.model.weights == str(tmp_path / "m")
+
+
 @pytest.mark.parametrize(
     ("fragment", "workload", "message"),
     [

@@ -345,9 +345,13 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
 def write_calibrated_spec(target_ref: str, calibration: Calibration, path: Path) -> Path:
     """The target's own YAML with the fitted numbers in place: the calibrated twin, a simulated target.
     A user's environment, which only runs for real, is played by the stand-in with its measured profile."""
-    raw = yaml.safe_load(resolve_target_path(target_ref).read_text())
+    raw, spec = yaml.safe_load(resolve_target_path(target_ref).read_text()), load_target(target_ref)
     if isinstance(raw.get("workload"), dict) and "profile" in raw["workload"]:  # its keys inline, then refitted
-        raw["workload"] = load_target(target_ref).workload.model_dump(mode="json", exclude_none=True)
+        raw["workload"] = spec.workload.model_dump(mode="json", exclude_none=True)
+    # the copy lives elsewhere: a model directory named relative to the spec's folder is named absolute
+    raw["model"]["weights"] = spec.model.weights
+    if spec.workload.reward_model is not None:
+        raw["workload"]["reward_model"]["model"]["weights"] = spec.workload.reward_model.model.weights
     fields = calibration.yaml_fields()
     raw["hardware"] = {**raw["hardware"], **fields["hardware"]}
     raw["simulator"] = fields["simulator"]

@@ -212,6 +212,25 @@ def test_wrong_type_names_field_and_value(catalog_yaml):
     assert "workload.group_size" in message and "'four'" in message
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("trajectory_timeout_s", float("inf"), "workload.trajectory_timeout_s`: Input should be a finite number"),
+        ("env_latency_max_s", float("nan"), "workload.env_latency_max_s`: Input should be a finite number"),
+        ("env_latency_s", {"kind": "geometric", "mean": 1e17}, "env_latency_s.geometric.mean`: Input should be less"),
+        ("env_latency_s", {"kind": "lognormal", "median": 1, "sigma": 1000}, "lognormal.sigma`: Input should be less"),
+    ],
+    ids=["inf", "nan", "geometric past its precision", "lognormal past any tail"],
+)
+def test_a_number_no_draw_can_use_is_named_by_its_field(catalog_yaml, field, value, named):
+    """An infinite timeout or latency was accepted and surfaced as a NaN, or as a ZeroDivisionError in a
+    geometric draw (1 - 1/1e17 rounds to 1), deep in a run."""
+    catalog_yaml["workload"][field] = value
+    with pytest.raises(SpecError) as caught:
+        parse_target(catalog_yaml)
+    assert named in str(caught.value)
+
+
 def test_a_staleness_maximum_below_the_targets_own_bound_is_named(catalog_yaml):
     assert parse_target(catalog_yaml).workload.staleness_limit == catalog_yaml["workload"]["async_ratio"]
     catalog_yaml["workload"].update(async_ratio=2, max_async_ratio=1)

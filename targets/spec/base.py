@@ -12,4 +12,6 @@ class SpecError(UserError, ValueError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no float field means "unbounded" by infinity: an inf latency or bandwidth divides into a NaN, or a
+    # ZeroDivisionError in a distribution's draw, far from the field that held it
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

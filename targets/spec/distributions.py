@@ -26,7 +26,7 @@ class Geometric(Strict):
     """Number of trials until first success, support 1, 2, ...; long tail for small success rates."""
 
     kind: Literal["geometric"]
-    mean: float = Field(ge=1)
+    mean: float = Field(ge=1, le=1e6)  # past 1e6, 1 - 1/mean rounds toward 1 and a draw divides by log(1) = 0
 
     def sample(self, rng: random.Random) -> float:
         p = 1.0 / self.mean
@@ -43,7 +43,7 @@ class Lognormal(Strict):
 
     kind: Literal["lognormal"]
     median: float = Field(gt=0)
-    sigma: float = Field(ge=0)
+    sigma: float = Field(ge=0, le=10)  # a spread of e^10 per standard deviation already spans any tail measured
 
     def sample(self, rng: random.Random) -> float:
         return self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))

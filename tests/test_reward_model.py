@@ -237,6 +237,17 @@ def test_a_judge_whose_weights_need_two_devices_gets_engines_of_two_within_one_p
         assert isinstance(refused, str) and "engines of the reward model's 2 devices within one pool" in refused
 
 
+def test_a_serverless_cap_that_holds_no_instance_of_the_judge_is_named():
+    """A 72B judge needs 4 H800s an instance: a cap of 1 device started none, and the first verdict
+    raised min() of an empty sequence deep in the run."""
+    data = _catalog()
+    judge = data["workload"]["reward_model"]
+    judge["model"]["params"] = {"total": 72e9, "active": 72e9}
+    judge["serverless"]["max_devices"] = 1
+    with pytest.raises(ValueError, match="serverless.max_devices 1 holds no instance of the judge: its weights need 4"):
+        judge_costs_of(parse_target(data))
+
+
 # -- the technique, simulated end to end ---------------------------------------------------------------
 
 

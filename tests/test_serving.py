@@ -97,8 +97,9 @@ def test_the_serving_target_lends_a_pool_the_job_does_not_own():
         (lambda s: s.update(rate=[[0, 80], [60, -1]]), "rate.1: a rate of -1.0 requests/s is negative"),
         (lambda s: s.update(rate=[[0, 80], [0, 90]]), "rate.1: 0.0 s does not come after 0.0 s"),
         (lambda s: s["slo"].pop("tpot_p99_ms"), "tpot_p99_ms"),
+        (lambda s: s.update(rate=[[0, 0], [60, 0]]), "rate: every point is 0 requests/s"),  # the traffic hung
     ],
-    ids=["start", "period", "negative", "order", "slo"],
+    ids=["start", "period", "negative", "order", "slo", "no traffic"],
 )
 def test_a_bad_serving_field_is_named_by_its_path(change, message):
     data = _catalog()

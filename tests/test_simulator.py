@@ -188,6 +188,11 @@ def test_a_model_too_big_for_the_cluster_is_refused(big):
     small = big.model_copy(update={"hardware": big.hardware.model_copy(update={"count": 4})})
     with pytest.raises(ValueError, match="need 8 devices per engine, but hardware.count is 4"):
         CostModel.from_spec(small)
+    # two devices an engine, as a spec may say: 470 GB of weights and no room for KV (every request
+    # failed on a KV capacity of 0 that named no field)
+    pinned = big.model_copy(update={"simulator": big.simulator.model_copy(update={"engine_devices": 2})})
+    with pytest.raises(ValueError, match=r"simulator.engine_devices 2: .* room for 0 KV tokens an engine, fewer than"):
+        CostModel.from_spec(pinned)
 
 
 # -- one engine ------------------------------------------------------------------------------------

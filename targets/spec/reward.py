@@ -14,11 +14,14 @@ from targets.spec.model import ModelSpec
 class ServerlessSpec(Strict):
     """The elastic service a stack may send its reward requests to: instances of the reward model on
     devices outside the job's, each ready ``cold_start_s`` after it is asked for, let go after
-    ``keep_warm_s`` idle, at most ``max_devices`` at once; billed from its start to its release."""
+    ``keep_warm_s`` idle, on at most ``max_devices`` devices at once; billed from its start to its release."""
 
     cold_start_s: float = Field(ge=0, description="seconds from asking for an instance to its first request")
     keep_warm_s: float = Field(ge=0, description="an instance idle this long is released")
-    max_devices: int = Field(ge=1, description="instances at most at once")
+    max_devices: int = Field(
+        ge=1,
+        description="devices its instances hold at most at once (an instance: as many as the judge's weights need)",
+    )
 
 
 class RewardModelSpec(Strict):

@@ -46,6 +46,8 @@ class ServingSpec(Strict):
         negative = [(i, r) for i, (_, r) in enumerate(self.rate) if r < 0]
         if negative:
             raise ValueError(f"rate.{negative[0][0]}: a rate of {negative[0][1]} requests/s is negative")
+        if not any(r > 0 for _, r in self.rate):  # no arrival would ever be drawn: the traffic waits forever
+            raise ValueError("rate: every point is 0 requests/s: a serving pool with no traffic serves nothing")
         return self
 
     def rate_at(self, t: float) -> tuple[float, float]:

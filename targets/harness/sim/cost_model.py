@@ -184,7 +184,16 @@ class CostModel:
                 f"the model's weights ({cost.weight_bytes / 1e9:.0f} GB) need {devices} devices per engine, "
                 f"but {where} is {hw.count}"
             )
-        return replace(cost, engine_devices=devices)
+        cost = replace(cost, engine_devices=devices)
+        sequence = spec.workload.tokens.max_sequence
+        if cost.kv_capacity_tokens < sequence:  # every request would fail, naming no field
+            which = f"simulator.engine_devices {devices}" if sim.engine_devices else f"an engine of {devices} devices"
+            raise ValueError(
+                f"{which}: the model's weights ({cost.weight_bytes / 1e9:.0f} GB) leave room for "
+                f"{cost.kv_capacity_tokens} KV tokens an engine, fewer than one sequence's {sequence} "
+                "(workload.tokens.max_sequence)"
+            )
+        return cost
 
     # -- sizes ---------------------------------------------------------------------------------
     @property

@@ -68,7 +68,15 @@ def placement_refused(
 def judge_costs_of(spec: TargetSpec) -> ClusterCosts | None:
     """The reward model's cost on each pool's devices (None without one)."""
     judge = spec.workload.reward_model
-    return None if judge is None else ClusterCosts.from_spec(spec, judge.model)
+    if judge is None:
+        return None
+    costs = ClusterCosts.from_spec(spec, judge.model)
+    if judge.serverless is not None and judge.serverless.max_devices < costs.engine_devices:  # no instance fits
+        raise ValueError(
+            f"workload.reward_model.serverless.max_devices {judge.serverless.max_devices} holds no instance of "
+            f"the judge: its weights need {costs.engine_devices} devices an instance"
+        )
+    return costs
 
 
 def dedicated_engines(reserved: tuple[str, ...], judge_costs: ClusterCosts) -> list[list[str]] | str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from orchestrator.config import LLM_BACKENDS, LLM_BUDGETS, ConfigError, LLMConfi
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
 from orchestrator.rounds import Loop
+from orchestrator.scratch import scratch_folder
 from orchestrator.state import RunState, new_state
 from skills.starter import unfit
 from targets.errors import UserError
@@ -272,7 +272,7 @@ def export_candidate(ref: str) -> Path:
     if not commit:
         raise RunSetupError(f"{ref}: no such candidate in {run_dir}")
     try:
-        return history.export(commit, Path(tempfile.mkdtemp(prefix="vibetrain-candidate-")) / f"{run_dir.name}@{which}")
+        return history.export(commit, scratch_folder("vibetrain-candidate-") / f"{run_dir.name}@{which}")
     except HistoryError as error:
         hint = "" if which == "best" or which.startswith("round-") else " (write RUN@best, RUN@round-N or RUN@<commit>)"
         raise RunSetupError(f"{ref}: {error}{hint}") from None

@@ -6,6 +6,7 @@ was not promoted; ``--config``/``--print-config``, ``-h`` and ``--version``."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -183,6 +184,13 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
         app, ["bench", "tiny-qwen3-cpu", "--baselines", "colocate", "--stack", str(stack), "--stack", str(stack)]
     )
     assert twice.exit_code == 2 and "two runs share a name" in twice.output, twice.output  # said before any run
+    for target, baselines, said in (  # a traceback (the starter's folder written twice); a list without the labels
+        ("tiny-qwen3-cpu", "colocate,colocate", "--baselines names colocate more than once"),
+        ("qwen3-8b-h20x8-h800x8", "h800only", "h800only: no such baseline (known here: colocate, static_split"),
+    ):
+        result = runner.invoke(app, ["bench", target, "--baselines", baselines], env=NARROW)
+        assert result.exit_code == 2 and said in result.output, result.output
+    assert "h800-only" in result.output  # the target's labelled baselines are names too
 
 
 def test_a_corrupt_run_state_is_named_with_advice_that_works(tmp_path):
@@ -324,3 +332,33 @@ def test_a_resume_takes_a_file_of_defaults_and_refuses_to_change_how_the_run_run
         config.resumed({"repeat": 5})  # a value given is still held to the run's
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run), "--resume", "--simulate"], env=NARROW)
     assert result.exit_code == 2 and "was started for real, and a resumed run goes on as it started" in result.output
+
+
+def test_a_commands_scratch_folders_go_at_exit_unless_it_kept_one_to_show(tmp_path):
+    """bench, check and RUN@ references left their folders in /tmp, unnamed (a paper-scale bench some
+    100 MB a schedule): they go when the process exits; a run's logs a command points to stay."""
+    import subprocess
+    import sys
+
+    script = (
+        "from orchestrator.scratch import keep, scratch_folder\n"
+        "used = scratch_folder('vibetrain-test-')\n"
+        "(used / 'trace.jsonl').write_text('{}')\n"
+        "print(used, keep(scratch_folder('vibetrain-test-')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    used, kept = (Path(p) for p in done.stdout.split())
+    assert not used.exists() and kept.is_dir()
+    kept.rmdir()
+
+
+def test_report_of_the_run_it_stands_in_is_written_beside_the_run_never_inside(tmp_path, monkeypatch):
+    """``vibetrain report .`` from inside a run wrote into the run's worktree, an untracked file that
+    then made ``--resume`` refuse the run."""
+    run = make_review_run(tmp_path)
+    monkeypatch.chdir(run)
+    _ok("report", ".")
+    assert (tmp_path / f"{run.name}-report.html").is_file()
+    inside = runner.invoke(app, ["report", ".", "--out", "r.html"], env=NARROW)
+    assert inside.exit_code == 2 and "--out r.html: inside the run" in inside.output, inside.output
+    assert not (run / "r.html").exists() and not (run / f"{run.name}-report.html").exists()

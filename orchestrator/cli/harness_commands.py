@@ -38,6 +38,7 @@ from orchestrator.cli.app import (
     target_app,
     workload_app,
 )
+from orchestrator.scratch import keep, scratch_folder
 from orchestrator.tables import bench_table, checks_table, costs_table, num, phases_table
 from skills.starter import CONTROLLERS, unfit
 from targets.errors import UserError
@@ -235,16 +236,31 @@ def check(
     say_execution(judge, simulate)
     spec = judge.target.spec
     if stack is None:
-        stack = write_starter(Path(tempfile.mkdtemp(prefix="vibetrain-starter-")), spec, spec.baselines[0].name)
-        console.print(f"checking the {spec.baselines[0].name} starter ({stack})")
+        stack = write_starter(scratch_folder("vibetrain-starter-"), spec, spec.baselines[0].name)
+        console.print(f"checking the {spec.baselines[0].name} starter")
+    logs = out or scratch_folder("vibetrain-check-")
     with console.status(f"checking {stack} on {judge.target.id}"):
-        results = judge.check(stack, out, seed=secrets.randbelow(2**31))
+        results = judge.check(stack, logs, seed=secrets.randbelow(2**31))
     print_table(checks_table(results))
     passed = all(r.passed for r in results)
+    if not passed and out is None:
+        console.print(f"the run's logs and trace: {keep(logs)}")
     if json_path:
         json_path.write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))
     console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
     raise typer.Exit(0 if passed else 1)
+
+
+def refuse_unknown_baselines(names: list[str], labelled: dict) -> None:
+    """Before any starter is written: a name twice (its starter's folder would be written twice), or a
+    name that is neither a controller nor one of the target's labelled baselines (listed, both kinds)."""
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"--baselines names {', '.join(twice)} more than once: each baseline runs once")
+    unknown = [n for n in names if n not in CONTROLLERS and n not in labelled]
+    if unknown:
+        known = ", ".join([*CONTROLLERS, *labelled])
+        raise UsageError(f"--baselines {', '.join(unknown)}: no such baseline (known here: {known})")
 
 
 def other_hardware_session(measuring, baseline, work: Path, sandbox: str, time_limit: float | None):
@@ -328,7 +344,8 @@ def bench(
     if baselines.strip() and not names:  # " , " names nothing: said, not read as "every baseline"
         raise UsageError(f"--baselines {baselines!r} names no baseline")
     names = names or [*(c for c in CONTROLLERS if unfit(spec, c) is None), *labelled]
-    work = Path(tempfile.mkdtemp(prefix="vibetrain-bench-"))
+    refuse_unknown_baselines(names, labelled)
+    work = scratch_folder("vibetrain-bench-")
     stacks: list[tuple[str, Path]] = []
     sessions = {}
     for name in names:
@@ -379,6 +396,8 @@ def bench(
         print_report(costs_table(runs, simulated))
     for failure in failed:
         console.print(f"[red]failed its checks:[/red] {failure}")
+    if failed:
+        console.print(f"the runs' logs and traces: {keep(work) / 'runs'}")
     if json_path:
         from orchestrator.provenance import BENCH_SCHEMA, provenance
 
@@ -518,12 +537,13 @@ def profile_workload(
     if measuring.target.simulated:
         raise UsageError(f"{spec.id} is simulated here: a profile measures a real run of its environment")
     if stack is None:
-        stack = write_starter(Path(tempfile.mkdtemp(prefix="vibetrain-starter-")), spec, spec.baselines[0].name)
+        stack = write_starter(scratch_folder("vibetrain-starter-"), spec, spec.baselines[0].name)
     stack = candidate_dir(stack)
+    logs = scratch_folder("vibetrain-profile-")
     with console.status(f"running {stack} on {spec.id} for real"):
-        run = measuring.measure(stack, Path(tempfile.mkdtemp(prefix="vibetrain-profile-")), seed=0, steps=steps)
+        run = measuring.measure(stack, logs, seed=0, steps=steps)
     if not run.ok:
-        raise Failed("the real run failed: " + "; ".join(run.reasons[:3]))
+        raise Failed(f"the real run failed (its logs: {keep(logs)}): " + "; ".join(run.reasons[:3]))
     try:
         profile = fit_profile(spec, [run.events()], f"{spec.id} ({spec.workload.environment.label})")
     except ProfileError as error:

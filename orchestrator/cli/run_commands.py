@@ -204,8 +204,10 @@ def report(
 
     _state_and_history(run)  # clear errors for a path that is not a run
     name = f"{run.resolve().name}-report.html"
-    where = run.parent / name if out is None else Path(out)
+    where = run.resolve().parent / name if out is None else Path(out)  # "." has no parent of its own
     if where.is_dir() or (out is not None and out.endswith("/")):  # Path("reports/") drops the slash that says so
         where = where / name
+    if run.resolve() in where.resolve().parents:  # an untracked file in the run's worktree: --resume refuses it
+        raise UsageError(f"--out {out}: inside the run {run}, whose worktree holds only its commits")
     path = write_report(run, out_file(where, "--out"))
     console.print(f"report: {path}")

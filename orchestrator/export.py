@@ -100,6 +100,11 @@ def export_project(candidate: Path, target: str, out: Path, source: str | None =
             f"target {spec.id} has a reward model (workload.reward_model): the exported launcher trains on its "
             "environment's rewards alone, with no judge to score them; export is for targets without one"
         )
+    if spec.execution == "simulated":  # simulated for the search; the export trains on the hardware itself
+        try:
+            spec = parse_target({**spec.model_dump(mode="json"), "execution": "auto"}, source=f"{spec.id} exported")
+        except SpecError as error:
+            raise ExportError(f"target {spec.id} runs simulated only, and an export trains for real: {error}") from None
     _refuse_unplaceable(candidate, spec, source or str(candidate))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-export-", dir=out.parent))

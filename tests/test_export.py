@@ -204,6 +204,12 @@ def test_the_launcher_refuses_a_target_whose_hardware_this_machine_lacks(tmp_pat
     )
     assert run.returncode != 0 and "step 1/" not in run.stdout
     assert "trains on 8x h100 device(s)" in run.stderr and "this machine has" in run.stderr, run.stderr[-2000:]
+    # a target the catalog simulates (for the search) trains on its hardware once exported: its
+    # execution was kept as "simulated", and train.py refused on any machine, 16 H800s too
+    spec = load_target("qwen3-8b-h800x16")
+    out = tmp_path / "exported-at-scale"
+    export_project(write_starter(tmp_path / "candidate-at-scale", spec, "time_multiplex"), spec.id, out)
+    assert yaml.safe_load((out / "target.yaml").read_text())["execution"] == "auto"
 
 
 USER_ENVIRONMENT = '''

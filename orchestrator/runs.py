@@ -204,7 +204,7 @@ def resume_run(
         )
     state = RunState.load(run_dir)
     if target is not None:
-        given = str(Path(target).resolve()) if Path(target).exists() else target
+        given = str(Path(target).resolve()) if Path(target).is_file() else target
         if given not in (state.config.target, state.config.target_id):
             raise RunSetupError(
                 f"{run_dir} is a run for {state.config.target_id} ({state.config.target}), not {target}"

@@ -298,6 +298,17 @@ def test_unknown_catalog_id():
         load_target("nope")
 
 
+def test_a_folder_named_like_a_catalog_target_never_hides_it(tmp_path, monkeypatch):
+    """Inside generated/ (a run named tiny-qwen3-cpu) every command read the folder as the spec: 'cannot
+    read target spec tiny-qwen3-cpu: Is a directory', with no way to name the catalog's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-qwen3-cpu").mkdir()
+    (tmp_path / "my-run").mkdir()
+    assert load_target("tiny-qwen3-cpu").id == "tiny-qwen3-cpu"
+    with pytest.raises(SpecError, match="unknown target 'my-run': .* and a directory, not a spec's YAML file"):
+        load_target("my-run")
+
+
 # --- CLI ----------------------------------------------------------------------------------
 
 

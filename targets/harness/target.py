@@ -81,7 +81,7 @@ class Target:
     def load(cls, ref: str | Path, simulate: bool = False) -> Target:
         spec = load_target(ref)
         path = Path(ref)
-        named = str(path.resolve()) if path.exists() else str(ref)
+        named = str(path.resolve()) if path.is_file() else str(ref)  # a catalog id, even beside a folder of its name
         return cls(spec, named, resolve_execution(spec, simulate))
 
     @property

@@ -62,15 +62,14 @@ def catalog_ids() -> list[str]:
 def resolve_target_path(ref: str | Path) -> Path:
     """The YAML file behind a catalog id (``tiny-qwen3-cpu``) or a path."""
     path = Path(ref)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.exists():
             raise SpecError(f"target spec file not found: {path}")
         return path
     catalog_path = CATALOG_DIR / f"{ref}.yaml"
-    if not catalog_path.exists():
-        raise SpecError(
-            f"unknown target {str(ref)!r}: not a catalog id (known: {', '.join(catalog_ids())}) and no such file"
-        )
+    if not catalog_path.exists():  # a folder of the same name (a run, a starter) never hides a catalog id
+        what = "a directory, not a spec's YAML file" if path.is_dir() else "no such file"
+        raise SpecError(f"unknown target {str(ref)!r}: not a catalog id (known: {', '.join(catalog_ids())}) and {what}")
     return catalog_path
 
 

@@ -267,6 +267,9 @@ def export_candidate(ref: str) -> Path:
         commit = history.best()
     elif which.startswith("round-") and which[6:].isascii() and which[6:].isdigit():
         commit = history.round_commit(int(which[6:]))
+        rejected = None if commit else history.rejected_commit(int(which[6:]))
+        if rejected:  # the judge's reasons are with it: a reviewer reads it by its commit
+            raise RunSetupError(f"{ref}: round {which[6:]} was rejected (its attempt: {run}@{rejected[:12]})")
     else:
         commit = which
     if not commit:

@@ -182,6 +182,9 @@ def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_p
     assert result.exit_code == 2 and "write RUN@best, RUN@round-N or RUN@<commit>" in result.output
     result = runner.invoke(app, ["export", f"{run}@round-9", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "no such candidate" in result.output
+    # a round the judge rejected is there, under its own ref: said so, with the commit that reads it
+    result = runner.invoke(app, ["export", f"{run}@round-2", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and f"round 2 was rejected (its attempt: {run}@" in result.output, result.output
     # a superscript is a digit to str.isdigit, not to int(); a git repository that is no run has no best:
     # all three were tracebacks (check resolves --stack first)
     result = runner.invoke(app, ["show", str(run), "\u00b2"], env={"COLUMNS": "200"})

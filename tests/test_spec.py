@@ -204,6 +204,8 @@ def test_misspelled_field_is_named(catalog_yaml):
     message = _error(catalog_yaml)
     assert "workload.batch_sise" in message and "unknown field" in message
     assert "workload.batch_size" in message  # and the required one is reported missing
+    # a missing field was shown with the type of the mapping around it, as if that were its value
+    assert "field `workload.batch_size`: Field required\n" in message + "\n" and "(got dict)" not in message
 
 
 def test_wrong_type_names_field_and_value(catalog_yaml):

@@ -26,8 +26,10 @@ def _format_errors(source: str, error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             message = "unknown field (check its spelling)"
         shown = item.get("input")
-        shown = repr(shown) if not isinstance(shown, (dict, list)) else type(shown).__name__
-        lines.append(f"  field `{path}`: {message} (got {shown})")
+        if item["type"] == "missing" or isinstance(shown, (dict, list)):  # the mapping around it: nothing to show
+            lines.append(f"  field `{path}`: {message}")
+        else:
+            lines.append(f"  field `{path}`: {message} (got {shown!r})")
     return "\n".join(lines)
 
 

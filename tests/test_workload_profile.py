@@ -93,6 +93,19 @@ def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
         fit_profile(tiny_spec, [unfinished], "planted")
 
 
+def test_response_lengths_spread_past_the_specs_cap_are_held_at_it(catalog_yaml):
+    """Groups of one-token and 2000-token turns spread wider (sigma 5.4) than a spec may say: the fit
+    raised pydantic's ValidationError (a traceback from ``workload profile``, relabelled by calibrate as
+    a trace of another harness)."""
+    catalog_yaml["workload"]["tokens"].update(response=4096, max_sequence=16384)
+    spec = parse_target(catalog_yaml)
+    events = [
+        e for group in range(2) for member, n in enumerate((1, 2000)) for e in _episode(group, member, 1, 0.01, n)
+    ]
+    lengths = fit_profile(spec, [events], "planted")["tokens"]["response_length"]
+    assert lengths["turn_sigma"] == 3.0 and lengths["mean"] == 1000.5
+
+
 def _profiled_spec(catalog_yaml, tmp_path, fragment: dict, **workload) -> dict:
     (tmp_path / "profiles").mkdir(exist_ok=True)
     (tmp_path / "profiles" / "env.yaml").write_text(yaml.safe_dump(fragment))

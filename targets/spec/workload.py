@@ -58,6 +58,9 @@ class TurnsSpec(Strict):
     dist: Distribution | None = None
 
 
+LENGTH_SIGMA_MAX = 3.0  # a response length's log-space spread: e^3 (20x) a standard deviation at most
+
+
 class ResponseLengthSpec(Strict):
     """How many of a turn's ``tokens.response`` budget the simulated model generates (a real model
     decides for itself, so real execution ignores this). Lognormal, cut at the budget: the product of
@@ -66,8 +69,10 @@ class ResponseLengthSpec(Strict):
     after the cut; ``targets/harness/sim/response_length.py`` solves for the median that gives it."""
 
     mean: float = Field(gt=0, description="mean tokens a turn generates, after the cut at the budget")
-    task_sigma: float = Field(default=0.0, ge=0, le=3, description="log-space spread between tasks")
-    turn_sigma: float = Field(default=0.0, ge=0, le=3, description="log-space spread between turns of one task")
+    task_sigma: float = Field(default=0.0, ge=0, le=LENGTH_SIGMA_MAX, description="log-space spread between tasks")
+    turn_sigma: float = Field(
+        default=0.0, ge=0, le=LENGTH_SIGMA_MAX, description="log-space spread between turns of one task"
+    )
 
 
 class TokensSpec(Strict):

@@ -52,6 +52,7 @@ from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.profile_fit import ProfileError, fit_profile, lengths_yaml, response_lengths, stand_in_workload
 from targets.harness.trace import consumed_at, token_count
 from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, load_target, resolve_target_path
+from targets.spec.workload import LENGTH_SIGMA_MAX
 
 
 @dataclass
@@ -247,11 +248,16 @@ def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, fl
     return held if held is not None and held[4] <= PEAK_KEPT * free[4] + tie else free
 
 
-def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
-    """The fit over the events of one or more real runs of ``spec``."""
+def refuse_pools(spec: TargetSpec) -> None:
+    """Calibration fits one device kind's constants."""
     if len(spec.hardware.by_name) > 1:
         pools = list(spec.hardware.by_name)
-        raise ValueError(f"calibration fits one device kind; target {spec.id} has the pools {pools}")
+        raise RuntimeError(f"calibration fits one device kind; target {spec.id} has the pools {pools}")
+
+
+def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
+    """The fit over the events of one or more real runs of ``spec``."""
+    refuse_pools(spec)
     cost = CostModel.from_spec(spec)
     notes: list[str] = []
     fitted = spec.simulator.model_dump() | {"batching": "continuous"}  # both engine recipes batch continuously
@@ -336,6 +342,10 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         notes.append(f"measured compute above the catalog peak ({peak:g} TFLOP/s): bf16_tflops raised {scale:.2f}x")
         peak, mfu, fitted["rollout_mfu"] = peak * scale, mfu / scale, fitted["rollout_mfu"] / scale
     lengths = response_lengths(spec, runs)
+    if lengths is not None and LENGTH_SIGMA_MAX in (lengths.task_sigma, lengths.turn_sigma):
+        notes.append(
+            f"response lengths spread wider than the simulator models: their sigma held at {LENGTH_SIGMA_MAX:g}"
+        )
     samples = {"train_steps": len(train_rows), "requests": len(rollout_rows)}
     # a user's environment only runs for real: the twin plays its measured profile on the stand-in
     stand_in = fit_profile(spec, runs, f"{spec.id} (calibration)", lengths) if spec.workload.environment.entry else None
@@ -368,6 +378,7 @@ def write_calibrated_spec(target_ref: str, calibration: Calibration, path: Path)
 def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: int | None = None) -> dict:
     """Run the stack for real, then ``fit_and_predict`` on its trace. The real run is judged like any
     measured run."""
+    refuse_pools(session.target.spec)  # before the run it would fit
     real = session.measure(stack_dir, work / "real", seed=0, steps=steps)
     if not real.ok:
         raise RuntimeError("the real run failed: " + "; ".join(real.reasons[:3]))
@@ -407,6 +418,7 @@ def fit_and_predict(
     from targets.harness.target import Target
 
     spec = session.target.spec
+    refuse_pools(spec)  # said as such, not as a trace this harness cannot read
     try:
         calibration = calibrate(spec, [real_events])
     except ProfileError as error:  # the run itself gave too little

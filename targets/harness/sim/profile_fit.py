@@ -29,6 +29,7 @@ from targets.api import TraceEvent
 from targets.harness.environments.pool import group_of
 from targets.harness.trace import token_count
 from targets.spec import ResponseLengthSpec, TargetSpec
+from targets.spec.workload import LENGTH_SIGMA_MAX
 from targets.workload_profile import MEASURED
 
 STAND_IN = {"name": "synthetic_agent"}  # plays a profiled environment in simulation: its shape, not its text
@@ -65,7 +66,10 @@ def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Response
     mean = sum(lengths) / len(lengths)
     if turn_var + task_var == 0 or mean >= budget:
         return ResponseLengthSpec(mean=min(mean, budget))  # every turn alike: no spread to fit
-    return ResponseLengthSpec(mean=mean, task_sigma=math.sqrt(task_var), turn_sigma=math.sqrt(turn_var))
+    # a few small groups of lengths 1 and 1000 spread wider than any model of a tail is asked to: held
+    # at the spec's cap (a spread of e^3 a standard deviation), which the calibration notes say
+    task_sigma, turn_sigma = (min(LENGTH_SIGMA_MAX, math.sqrt(v)) for v in (task_var, turn_var))
+    return ResponseLengthSpec(mean=mean, task_sigma=task_sigma, turn_sigma=turn_sigma)
 
 
 def _spread(logs: list[float]) -> float:

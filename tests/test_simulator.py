@@ -246,12 +246,16 @@ def test_kv_grows_with_the_tokens_and_a_full_cache_preempts_the_newest(big):
     assert peak <= cost.kv_capacity_tokens
 
 
-def test_chunked_prefill_keeps_the_batch_decoding_while_a_long_prompt_is_computed_beside_it(big):
+@pytest.mark.parametrize("engine_devices", [8, 16], ids=["one node", "two nodes"])
+def test_chunked_prefill_keeps_the_batch_decoding_while_a_long_prompt_is_computed_beside_it(big, engine_devices):
     """With ``prefill_chunk`` a request admitted while another decodes is computed a chunk an iteration
     beside it (stall-free batching): the decoding one never pauses, so it finishes sooner than when decode
     stops for the whole prompt; the newcomer's first token comes later (its prompt shares iterations); by
-    hand, those iterations take ``max(memory, compute + chunk's compute) + overhead`` each."""
-    paused = CostModel.from_spec(big)
+    hand, those iterations take ``max(memory, compute + chunk's compute) + overhead + all-reduces`` each.
+    Across nodes a chunk's all-reduces are its step's, once (they were counted in its share too: +19%)."""
+    spanning = big.model_copy(update={"simulator": big.simulator.model_copy(update={"engine_devices": engine_devices})})
+    paused = CostModel.from_spec(spanning)
+    assert (paused.tensor_parallel_s(1) > 0) == (engine_devices > paused.devices_per_node)
     chunked = paused.chunking(2048)
 
     async def body(engine, loop):
@@ -269,7 +273,7 @@ def test_chunked_prefill_keeps_the_batch_decoding_while_a_long_prompt_is_compute
     a_chunked, b_first_chunked, joining_chunked, *tokens_chunked, no_pause = _engine_run(chunked, body)
     assert tokens_paused == tokens_chunked == [2000, 50] and joining_paused == 0 < joining_chunked == 1
     assert a_chunked < a_paused and b_first_chunked > b_first_paused and no_pause < pause
-    prompt_s = paused.prefill_s(60_000, 0)
+    prompt_s = paused.prefill_compute_s(60_000, 0)
     iteration = paused.decode_iteration_s(
         1, 1000 + 0.5 / paused.decode_token_s(1, 1000), 1, (2048 * prompt_s / 60_000, 2048)
     )

@@ -323,9 +323,13 @@ class CostModel:
         )
 
     def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
+        return self.prefill_compute_s(new_tokens, cached_tokens) + self.tensor_parallel_s(new_tokens)
+
+    def prefill_compute_s(self, new_tokens: float, cached_tokens: float) -> float:
+        """A prefill's compute alone: a chunk of it beside a decode step shares that step's all-reduces."""
         return self.prefill_flops(new_tokens, cached_tokens) / (
             self.engine_devices * self.peak_flops * self.rollout_mfu
-        ) + self.tensor_parallel_s(new_tokens)
+        )
 
     # -- training and weights -------------------------------------------------------------------
     def train_s(self, lengths: list[int], devices: int, overhead: bool = True) -> float:

@@ -364,8 +364,9 @@ class SimEngine:
                 cached, self.restored_tokens = restored, self.restored_tokens + restored
             seconds = self.cost.prefill_s(context - cached, cached)
             self.prefilled_tokens += context - cached
-            if beside and context - cached >= 1:
-                self.joining.append(_Joining(seq, context - cached, seconds / (context - cached)))
+            if beside and context - cached >= 1:  # its chunks' all-reduces are the decode steps' (counted there)
+                compute = self.cost.prefill_compute_s(context - cached, cached)
+                self.joining.append(_Joining(seq, context - cached, compute / (context - cached)))
                 self._joining_tokens += context
                 continue
             self._join(seq, context)
@@ -392,7 +393,8 @@ class SimEngine:
     def _join_all(self) -> float:
         """Every joining request enters the batch at once; returns the seconds their prompts' rest takes
         (decode pauses: nothing else decodes)."""
-        seconds = sum(j.left * j.seconds_per_token for j in self.joining)
+        # their rest computed whole, with its own all-reduces (a chunk's were its decode step's)
+        seconds = sum(j.left * j.seconds_per_token + self.cost.tensor_parallel_s(j.left) for j in self.joining)
         for joining in self.joining:
             self._joined(joining)
             if joining.seq.started is not None:

@@ -757,6 +757,26 @@ def test_a_twin_calibrated_on_a_memory_bound_run_predicts_it(tmp_path):
     assert ends[1] == pytest.approx(ends[0], rel=0.10)
 
 
+def test_the_fit_prices_a_prefill_as_the_simulator_does_over_its_cached_prefix(big):
+    """The fit charged a later turn's prefill as if nothing were cached (no attention over the prefix the
+    simulator charges: 2x under at 30K cached) and kept the prefix across weight loads, which empty it."""
+    from targets.api import TraceEvent
+    from targets.harness.sim.calibrate import _rollout_rows
+
+    cost = CostModel.from_spec(big)
+
+    def turn(t: float, prompt: int, episode: str = "g0/0") -> TraceEvent:
+        data = {"episode": episode, "device": "h800:0", "prompt": prompt, "tokens": 100, "aborted": False}
+        return TraceEvent("generate", t + 1.0, data | {"start": t})
+
+    events = [turn(0.0, 30_000), turn(2.0, 30_600), turn(4.0, 31_200)]
+    sync = TraceEvent("sync", 3.5, {"start": 3.0, "devices": ["h800:0"]})  # between the second and third
+    compute = cost.engine_devices * cost.peak_flops
+    prefills = [row[3] * compute for row in _rollout_rows(cost, [*events, sync])]
+    assert prefills[1] == pytest.approx(cost.prefill_flops(500, 30_100))  # its new 500 over the 30,100 cached
+    assert prefills[2] == pytest.approx(cost.prefill_flops(31_200, 0))  # the load emptied the cache
+
+
 def test_calibration_pools_runs_and_says_which_constants_no_run_measured():
     """A starter that never shrinks leaves the switch cost at the spec's constant (and says so); a
     second run that shrinks supplies it: the twin pre-screen refits on every validated round."""
@@ -768,7 +788,10 @@ def test_calibration_pools_runs_and_says_which_constants_no_run_measured():
     spec = load_target("tiny-qwen3-cpu")
     modelled = CostModel.from_spec(spec).offload_s() - spec.simulator.switch_overhead_s
     colocate = [TraceEvent("run_start", 0.0), TraceEvent("run_end", 5.0)]
-    shrinks = [TraceEvent("shrink", 1.2, {"start": 1.0}), TraceEvent("expand", 2.4, {"start": 2.0})]
+    shrinks = [  # as the harness records them
+        TraceEvent("shrink", 1.2, {"start": 1.0, "devices": ["cpu:1"]}),
+        TraceEvent("expand", 2.4, {"start": 2.0, "devices": ["cpu:1"]}),
+    ]
     alone = calibrate(spec, [colocate])
     assert alone.simulator.switch_overhead_s == spec.simulator.switch_overhead_s
     assert any("no shrink, expand or suspend" in note for note in alone.notes)

@@ -147,17 +147,25 @@ def request_concurrency(events: list[TraceEvent]) -> list[tuple[TraceEvent, floa
     return out
 
 
+PREFIX_EMPTYING = ("sync", "shrink", "expand", "suspend", "resume")  # trace events that empty an engine's cache
+
+
 def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float, float, float, float, float]]:
     """Per completed request: (iterations, one iteration's read time at full HBM bandwidth, one
     iteration's decode compute time at the peak, its prefills' compute time at the peak, latency),
     each over the engine's devices (see the module doc)."""
-    new_tokens: dict[int, int] = {}  # id(event) -> tokens its prefill computed
+    prefills: dict[int, tuple[int, int]] = {}  # id(event) -> (tokens its prefill computed, the prefix it read)
     cached: dict[tuple[str, str], int] = {}  # (episode, device) -> context the device holds for it
+    # a weight load, an offload or a wake empties an engine's prefix cache (as the simulator's does)
+    emptied = sorted((e.t, set(e.data["devices"])) for e in events if e.kind in PREFIX_EMPTYING)
     for e in sorted((e for e in events if e.kind == "generate"), key=lambda e: e.data["start"]):
+        while emptied and emptied[0][0] <= e.data["start"]:
+            devices = emptied.pop(0)[1]
+            cached = {key: tokens for key, tokens in cached.items() if key[1] not in devices}
         key = (e.data["episode"], e.data["device"])
         prompt = token_count(e.data["prompt"])
         prefix = cached.get(key, 0)
-        new_tokens[id(e)] = prompt - prefix if prefix <= prompt else prompt
+        prefills[id(e)] = (prompt - prefix, prefix) if prefix <= prompt else (prompt, 0)
         if e.data["aborted"]:
             cached.pop(key, None)  # an abort frees the sequence's KV
         else:
@@ -174,7 +182,7 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
         n = token_count(e.data["tokens"])
         context = batch * (token_count(e.data["prompt"]) + n / 2)  # the batch's mean KV over the span
         joined = [o for o in by_device[e.data["device"]] if start <= o.data["start"] < end]
-        prefill = sum(cost.prefill_flops(new_tokens[id(o)], 0) for o in joined)
+        prefill = sum(cost.prefill_flops(*prefills[id(o)]) for o in joined)  # attention over the prefix too
         read = cost.decode_bytes(batch, context) / bandwidth
         rows.append((float(n), read, cost.decode_flops(batch, context) / compute, prefill / compute, end - start))
     return rows

@@ -3,73 +3,66 @@
     python benchmarks/results.py            # write RESULTS.md
     python benchmarks/results.py --check    # exit 1 if RESULTS.md is not what the entries give
 
-Each entry is a YAML file: ``title``, ``section``, the provenance (``command``, ``commit``, ``machine``,
-``date``) and the figures, either a ``table`` (Markdown) or ``bench:`` the JSON a ``vibetrain bench
---json`` wrote (its provenance and medians are read from it), and ``notes``. A figure that a new
+Each entry is a YAML file (``Entry``): ``title``, ``section``, the provenance (``command``, ``commit``,
+``machine``, ``date``), the figures as a Markdown ``table``, and ``notes``. A figure that a new
 measurement supersedes is replaced in its entry, not kept beside it: git keeps the old one.
 """
 
 from __future__ import annotations
 
-import json
+import datetime
 import sys
 from pathlib import Path
+from typing import Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
 HERE = Path(__file__).resolve().parent
 ENTRIES = HERE / "results"
 RESULTS = HERE / "RESULTS.md"
 SECTIONS = ("judge", "cpu", "simulated", "gpu", "suite")
-PROVENANCE = ("command", "commit", "machine", "date")
-COLUMNS = ("goodput", "rollout_throughput", "step_time_s", "timeouts")
 
 
-def bench_table(path: Path) -> tuple[str, dict]:
-    """The medians of a ``vibetrain bench --json`` file, and its provenance."""
-    data = json.loads(path.read_text())
-    runs = data["runs"]
-    first = runs[0]["metrics"].get("goodput") or 1.0
-    lines = ["| schedule | " + " | ".join(COLUMNS) + " | x first |", "|---" * (len(COLUMNS) + 2) + "|"]
-    for run in runs:
-        metrics = run["metrics"]
-        cells = [f"{metrics[c]:.4g}" if isinstance(metrics.get(c), (int, float)) else "-" for c in COLUMNS]
-        ratio = metrics.get("goodput", 0.0) / first if first else 0.0
-        lines.append(f"| {run['name']} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
-    source = data.get("provenance", {})
-    return "\n".join(lines), {
-        "commit": source.get("commit", "?")[:12],
-        "machine": f"{source.get('host', '?')} ({source.get('cpus', '?')} CPUs, {source.get('execution', '?')})",
-        "date": source.get("timestamp", "?")[:10],
-    }
+class Entry(BaseModel):
+    """One measured result with its provenance: a key it does not know (``tabel:``) is an error, not
+    figures dropped; strings are strings (an unquoted all-digit commit is YAML's integer)."""
+
+    model_config = ConfigDict(extra="forbid")
+    title: StrictStr
+    section: Literal["judge", "cpu", "simulated", "gpu", "suite"]
+    command: StrictStr
+    commit: StrictStr
+    machine: StrictStr
+    date: datetime.date | StrictStr
+    table: StrictStr = ""
+    notes: StrictStr = ""
 
 
 def render_entry(path: Path) -> tuple[str, str]:
     try:
-        entry = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:  # a command with ': ' in it, say: quote it, or write it as a block (>-)
         raise ValueError(f"{path}: not valid YAML: {error}") from None
-    if not isinstance(entry, dict):
-        raise ValueError(f"{path}: an entry is a mapping of title, section, command, ...; found {type(entry).__name__}")
-    missing = [k for k in ("title", "section", "command") if k not in entry]
-    if missing or entry.get("section") not in SECTIONS:
-        raise ValueError(f"{path}: needs title, section (one of {SECTIONS}) and command; missing {missing}")
-    table = entry.get("table", "")
-    provenance = {k: entry.get(k) for k in PROVENANCE}
-    if "bench" in entry:
-        table, recorded = bench_table(path.parent / entry["bench"])
-        provenance = {**recorded, **{k: v for k, v in provenance.items() if v}}
-    unknown = [k for k in PROVENANCE if not provenance.get(k)]
-    if unknown:
-        raise ValueError(f"{path}: no {', '.join(unknown)}: a figure without its provenance is not kept")
-    lines = [f"### {entry['title']}", ""]
-    lines.append(
-        f"`{provenance['command']}` — commit `{provenance['commit']}`, {provenance['machine']}, {provenance['date']}"
-    )
-    lines += ["", table.strip(), ""] if table else [""]
-    if entry.get("notes"):
-        lines += [entry["notes"].strip(), ""]
-    return entry["section"], "\n".join(lines)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: an entry is a mapping of title, section, command, ...; found {type(data).__name__}")
+    try:
+        entry = Entry.model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" + ("" if e["type"] == "missing" else f" (got {e['input']!r})")
+            for e in error.errors()
+        )
+        raise ValueError(f"{path}: {problems}") from None
+    blank = [k for k in ("title", "command", "commit", "machine") if not getattr(entry, k).strip()]
+    if blank:
+        raise ValueError(f"{path}: no {', '.join(blank)}: a figure without its provenance is not kept")
+    lines = [f"### {entry.title}", ""]
+    lines.append(f"`{entry.command}` — commit `{entry.commit}`, {entry.machine}, {entry.date}")
+    lines += ["", entry.table.strip(), ""] if entry.table else [""]
+    if entry.notes:
+        lines += [entry.notes.strip(), ""]
+    return entry.section, "\n".join(lines)
 
 
 def render() -> str:

@@ -69,3 +69,14 @@ def test_the_results_file_is_what_its_entries_build_and_a_broken_entry_is_named(
     monkeypatch.setattr(results, "ENTRIES", tmp_path)
     with pytest.raises(ValueError, match=r"bad\.yaml: not valid YAML"):
         results.render()
+    good = "title: t\nsection: cpu\ncommand: c\nmachine: m\ndate: 2026-12-02\ntable: '| a |'\n"
+    for entry, named in (  # a typo dropped the figures; an unquoted all-digit commit printed as another number
+        ("commit: abc1234\ntabel: '| x |'\n", "tabel: Extra inputs are not permitted"),
+        ("commit: 0123456\n", "commit: Input should be a valid string (got 42798)"),
+        ("commit: abc1234\nsection: gpus\n", "section: Input should be 'judge', 'cpu'"),
+    ):
+        (tmp_path / "bad.yaml").write_text(
+            good.replace("section: cpu\n", "") + entry if "section" in entry else good + entry
+        )
+        with pytest.raises(ValueError, match=re.escape(named)):
+            results.render()

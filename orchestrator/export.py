@@ -72,7 +72,9 @@ def resolve_candidate(ref: str, target: str | None) -> tuple[Path, str]:
             raise ExportError(f"{ref} is a candidate directory: name the target it trains with (--target TARGET)")
         return path, target
     if "@" not in ref:
-        raise ExportError(f"{ref}: not a candidate directory, and not RUN@best / RUN@round-N / RUN@<commit>")
+        from orchestrator.runs import NAMES_A_CANDIDATE
+
+        raise ExportError(f"{ref}: not a candidate directory, and not {NAMES_A_CANDIDATE}")
     from orchestrator.runs import RunSetupError, export_candidate
     from orchestrator.state import RunState, RunStateError
 

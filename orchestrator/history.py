@@ -84,6 +84,11 @@ class History:
         except git.BadName:  # no such round (a ref that is there but unreadable is an error: raised)
             return None
 
+    def round_numbers(self) -> list[int]:
+        """Every round with a commit, validated or rejected, in order."""
+        prefixes = ("refs/vibetrain/rounds/", "refs/vibetrain/rejected/")
+        return sorted({int(ref.path.rsplit("/", 1)[1]) for ref in self.repo.refs if ref.path.startswith(prefixes)})
+
     def rejected_commit(self, number: int) -> str | None:
         try:
             return self.repo.commit(f"refs/vibetrain/rejected/{number}").hexsha

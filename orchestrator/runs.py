@@ -255,14 +255,21 @@ def changed_values(before: dict, now: dict, where: str = "") -> list[str]:
     return sorted(changed)
 
 
+NAMES_A_CANDIDATE = "RUN@best, RUN@latest, RUN@round-N or RUN@<commit>"
+
+
 def export_candidate(ref: str) -> Path:
-    """``RUN@best``, ``RUN@round-N`` or ``RUN@<commit>``: the candidate's files in a temporary directory."""
+    """``RUN@best``, ``RUN@latest``, ``RUN@round-N`` or ``RUN@<commit>``: the candidate's files in a
+    temporary directory."""
     run, _, which = ref.rpartition("@")
     run_dir = Path(run)
     try:
         history = History.open(run_dir)
     except HistoryError as error:
         raise RunSetupError(f"{ref}: {error}") from None
+    if which == "latest":  # the last round with a commit, as vibetrain show's ``latest``
+        rounds = history.round_numbers()
+        which = f"round-{rounds[-1]}" if rounds else which
     if which == "best":
         commit = history.best()
     elif which.startswith("round-") and which[6:].isascii() and which[6:].isdigit():
@@ -277,5 +284,5 @@ def export_candidate(ref: str) -> Path:
     try:
         return history.export(commit, scratch_folder("vibetrain-candidate-") / f"{run_dir.name}@{which}")
     except HistoryError as error:
-        hint = "" if which == "best" or which.startswith("round-") else " (write RUN@best, RUN@round-N or RUN@<commit>)"
+        hint = "" if which == "best" or which.startswith("round-") else f" (write {NAMES_A_CANDIDATE})"
         raise RunSetupError(f"{ref}: {error}{hint}") from None

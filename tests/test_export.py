@@ -179,7 +179,12 @@ def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_p
 
     run = make_review_run(tmp_path)
     result = runner.invoke(app, ["export", f"{run}@3", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
-    assert result.exit_code == 2 and "write RUN@best, RUN@round-N or RUN@<commit>" in result.output
+    assert result.exit_code == 2 and "write RUN@best, RUN@latest, RUN@round-N or RUN@<commit>" in result.output
+    # one grammar: RUN@latest is the last round (it reached git as a commit name), show takes round-N
+    latest = runner.invoke(app, ["export", f"{run}@latest", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
+    assert latest.exit_code == 2 and "round 2 was rejected" in latest.output, latest.output  # the review run's last
+    shown = runner.invoke(app, ["show", str(run), "round-1"], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and "Round 1" in shown.output, shown.output
     result = runner.invoke(app, ["export", f"{run}@round-9", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "no such candidate" in result.output
     # a round the judge rejected is there, under its own ref: said so, with the commit that reads it

@@ -77,7 +77,7 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
 
 
 def _round_of(run: Path, state, which: str):
-    """ROUND as the user wrote it: a number, ``best`` or ``latest``."""
+    """ROUND as the user wrote it: a number (or ``round-N``, as in ``RUN@round-N``), ``best`` or ``latest``."""
     if not state.rounds:
         raise UsageError(f"{run} has no finished round yet")
     if which == "best":
@@ -86,10 +86,10 @@ def _round_of(run: Path, state, which: str):
             raise UsageError(f"{run} has no validated candidate yet (vibetrain log {run})")
     elif which == "latest":
         number = state.rounds[-1].round
-    elif which.isascii() and which.isdigit():  # "²" is a digit to str.isdigit, not to int()
-        number = int(which)
+    elif which.removeprefix("round-").isascii() and which.removeprefix("round-").isdigit():  # "²" is no int()
+        number = int(which.removeprefix("round-"))
     else:
-        raise UsageError(f"ROUND must be a round number, 'best' or 'latest', not {which!r}")
+        raise UsageError(f"ROUND must be a round number (N or round-N), 'best' or 'latest', not {which!r}")
     record = state.record(number)
     if record is None:
         raise UsageError(f"{run} has no round {number} (rounds 0-{state.next_round - 1})")

@@ -316,10 +316,14 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         return sum(spans) / len(spans) if spans else None
 
     unfitted = []
-    # A suspend offloads every engine, as a shrink does one; a resume reloads them and then brings the
-    # stale ones to the latest weights (the simulator's order), so with no sync of its own a run's
-    # resumes time the sync too: what a resume takes beyond its reload (one device's colocate run).
-    switch = mean_duration(("shrink", "expand", "suspend"))
+    # A suspend offloads every engine, as a shrink does one: the switch's own cost. An expand or a resume
+    # reloads them and then brings the stale ones to the latest weights (the simulator's order, and an
+    # expand after training always finds its engines stale), so it times a sync too: fitted from them,
+    # the switch would carry the sync the simulator charges again. With no sync of its own, a run's
+    # resumes time the sync: what a resume takes beyond its reload (one device's colocate run).
+    switch = mean_duration(("shrink", "suspend"))
+    if switch is None and (switch := mean_duration(("expand",))) is not None:
+        notes.append("switch_overhead_s fitted from expands alone, which time a weight load too: an upper bound")
     if switch is not None:
         fitted["switch_overhead_s"] = max(0.0, switch - (cost.offload_s() - cost.switch_overhead_s))
     else:

@@ -63,8 +63,9 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
 * **offload / reload**: the shard over the host link ``+ switch_overhead_s``.
 * **the harness's weight export** after each train step: ``weight_export_s`` (fitted; the real
   harness's copy for the audit, not the stack's work, but the train call waits for it).
-* **batching**: ``continuous`` admits queued requests at every iteration (vLLM); ``static`` only
-  when the running batch has finished (the torch engine recipe).
+* **batching**: ``continuous`` admits queued requests at every iteration (both engine recipes, the
+  paged engine and vLLM; what calibration fits); ``static`` only when the running batch has finished
+  (an engine without continuous batching, modelled for comparison).
 
 ``hardware.mfu`` is the training MFU; the other efficiencies and overheads are the spec's
 ``simulator`` section (defaults there), which ``vibetrain calibrate`` fits from a real run.

@@ -24,6 +24,7 @@ import targets
 from agents.llm.client import ToolCall, ToolSpec
 from agents.reaped_run import run_reaped
 from skills.library import load_skills, search_skills
+from targets.harness.isolation.containers import owned_containers
 
 MAX_RESULT = 12_000
 VIEW_LINES = 250  # lines read_file shows when no end is given
@@ -322,13 +323,16 @@ class Toolbox:
     def run_command(self, a: RunCommand) -> str:
         """Writable: the workspace alone (the sandbox's /tmp is its own). No folder inside it is named
         apart: the sandbox would mount what a link planted there points to."""
-        command, env = self.sandbox.wrap(["bash", "-c", a.command], {}, writable=[self.workspace], cwd=self.workspace)
-        try:  # under the reaper: a background or setsid'd process ends with the command
-            result = run_reaped(command, "", cwd=self.workspace, env=env or None, timeout_s=a.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise ToolResultError(
-                f"the command ran past {a.timeout_s:g}s; it and every process it started were stopped"
-            ) from None
+        with owned_containers(self.sandbox.backend) as owner:  # a Docker container outlives its killed client
+            command, env = self.sandbox.wrap(
+                ["bash", "-c", a.command], {}, writable=[self.workspace], cwd=self.workspace, owner=owner
+            )
+            try:  # under the reaper: a background or setsid'd process ends with the command
+                result = run_reaped(command, "", cwd=self.workspace, env=env or None, timeout_s=a.timeout_s)
+            except subprocess.TimeoutExpired:
+                raise ToolResultError(
+                    f"the command ran past {a.timeout_s:g}s; it and every process it started were stopped"
+                ) from None
         return f"exit code {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
     def search_skills_tool(self, a: SearchSkills) -> str:

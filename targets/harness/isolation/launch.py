@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from targets.harness.isolation.child import FORKED, PHASES, TASK_KEY
+from targets.harness.isolation.containers import OWNER_ENV, owned_containers
 from targets.harness.isolation.process_tree import (
     children_of,
     kill_forked,
@@ -198,30 +199,35 @@ def run_harness(
     judges = harness.connect()  # the run's judge processes, forked warm by the harness zygote
     argv += ["--judges-fd", str(JUDGES_FD)]
     log_path = out / f"{mode}.log"
-    read_fd, write_fd = os.pipe()  # after the zygotes: one that failed to start leaves no descriptor open
-    try:
-        with log_path.open("w") as log:
-            # in the order MARKS_FD, JUDGES_FD, FORKS_FD say: the zygote places them at passed_fd(0), (1), (2)
-            extra = [write_fd, judges.fileno()] + ([] if forks is None else [forks.fileno()])
-            process = harness.spawn(argv, env, log.fileno(), *extra)  # in a session of its own
-            os.close(write_fd)
-            write_fd = -1
-            for connection in (judges, forks):  # the child holds them now: when it ends, what it had forked is killed
-                if connection is not None:
+    # the candidates' Docker containers (none in another sandbox) are removed once the run's processes
+    # are, however they ended: a killed client leaves its container running
+    with owned_containers(sandbox.backend) as owner:
+        if owner is not None:
+            env[OWNER_ENV] = owner
+        read_fd, write_fd = os.pipe()  # after the zygotes: one that failed to start leaves no descriptor open
+        try:
+            with log_path.open("w") as log:
+                # in the order MARKS_FD, JUDGES_FD, FORKS_FD say: the zygote places them at passed_fd(0), (1), (2)
+                extra = [write_fd, judges.fileno()] + ([] if forks is None else [forks.fileno()])
+                process = harness.spawn(argv, env, log.fileno(), *extra)  # in a session of its own
+                os.close(write_fd)
+                write_fd = -1
+                for connection in (judges, forks):  # the child holds them: when it ends, what it forked is killed
+                    if connection is not None:
+                        connection.close()
+                try:
+                    killed = _watch(process, limits, read_fd, marks, forked, forkers)
+                finally:
+                    if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): the run's too
+                        _kill_run(process.pid, forked, forkers)
+                        process.wait()
+        finally:
+            os.close(read_fd)
+            if write_fd >= 0:
+                os.close(write_fd)
+            for connection in (judges, forks):
+                if connection is not None and connection.fileno() >= 0:
                     connection.close()
-            try:
-                killed = _watch(process, limits, read_fd, marks, forked, forkers)
-            finally:
-                if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): the run's processes too
-                    _kill_run(process.pid, forked, forkers)
-                    process.wait()
-    finally:
-        os.close(read_fd)
-        if write_fd >= 0:
-            os.close(write_fd)
-        for connection in (judges, forks):
-            if connection is not None and connection.fileno() >= 0:
-                connection.close()
     phases = PHASES[mode]
     results = {p: json.loads((out / f"{p}.json").read_text()) for p in phases if (out / f"{p}.json").exists()}
     if killed:

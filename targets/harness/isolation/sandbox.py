@@ -28,6 +28,7 @@ from pathlib import Path
 
 from targets import PROJECT_ROOT
 from targets.errors import UserError
+from targets.harness.isolation.containers import LABEL, OWNER_ENV
 
 log = logging.getLogger("vibetrain.sandbox")
 
@@ -203,8 +204,11 @@ class Sandbox:
         writable: Sequence[Path] = (),
         cwd: Path | None = None,
         gpus: bool = False,
+        owner: str | None = None,
     ) -> tuple[list[str], dict]:
-        """The command and environment that run ``command`` inside this sandbox."""
+        """The command and environment that run ``command`` inside this sandbox. ``owner``: the label a
+        Docker container carries, so that its owner removes it (``containers.py``; default: the one a
+        harness child inherits)."""
         clean = scrubbed_environment(env)
         if self.backend == "subprocess":
             return command, clean | ray_cluster_environment(env)
@@ -262,6 +266,10 @@ class Sandbox:
                 wrapped += ["--setenv", key, value]
             return wrapped + ["--chdir", str(cwd)] + command, {}
         wrapped = ["docker", "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "-w", str(cwd)]
+        owner = owner or os.environ.get(OWNER_ENV)
+        if owner is None:
+            raise RuntimeError("a Docker container needs an owner to remove it (containers.owned_containers)")
+        wrapped += ["--label", f"{LABEL}={owner}"]
         if gpus:
             wrapped += ["--gpus", "all"]
         for path in SYSTEM_PATHS:

@@ -1,0 +1,137 @@
+"""The Docker sandbox's containers go with whatever started them. No Docker daemon runs here: a fake
+``docker`` client on PATH hands each ``run`` to a daemon thread of this test, which starts the command
+as its own child, as dockerd does, so killing the client leaves the "container" running, as it does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agents.llm.tools import Toolbox
+from skills.starter import write_starter
+from targets.harness.isolation.containers import OWNER_ENV, owned_containers
+from targets.harness.isolation.sandbox import Sandbox
+from tests.test_llm_agents import _call
+
+IMAGE = "vibetrain-fake-image"
+CLIENT = """#!{python}
+import json, os, sys, time, uuid
+from pathlib import Path
+
+spool = Path({spool!r})
+args = sys.argv[1:]
+
+
+def wait_exit(cid):
+    while not (spool / f"{{cid}}.exit").exists():
+        time.sleep(0.02)
+    return int((spool / f"{{cid}}.exit").read_text())
+
+
+if args[0] == "run":
+    cid = uuid.uuid4().hex[:12]
+    spec = {{"label": args[args.index("--label") + 1], "argv": args[args.index({image!r}) + 1 :]}}
+    (spool / f"{{cid}}.tmp").write_text(json.dumps(spec))
+    (spool / f"{{cid}}.tmp").rename(spool / f"{{cid}}.json")
+    sys.exit(wait_exit(cid))
+if args[0] == "ps":
+    label = args[args.index("--filter") + 1].removeprefix("label=")
+    for f in sorted(spool.glob("*.json")):
+        if json.loads(f.read_text())["label"] == label:
+            print(f.stem)
+if args[0] == "rm":
+    for cid in args[2:]:
+        (spool / f"{{cid}}.kill").write_text("")
+        wait_exit(cid)
+"""
+
+
+class FakeDockerd:
+    """Starts each spooled ``run`` as a child of this process; a ``rm --force`` kills it; an ended one is
+    removed (``docker run --rm``)."""
+
+    def __init__(self, spool: Path) -> None:
+        self.spool, self.running, self.started = spool, {}, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for spec in self.spool.glob("*.json"):
+                if spec.stem not in self.running and not (self.spool / f"{spec.stem}.exit").exists():
+                    argv = json.loads(spec.read_text())["argv"]
+                    self.running[spec.stem] = subprocess.Popen(argv, start_new_session=True)
+                    self.started.append(self.running[spec.stem].pid)
+            for cid, process in list(self.running.items()):
+                if (self.spool / f"{cid}.kill").exists() and process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                if process.poll() is not None:
+                    (self.spool / f"{cid}.json").unlink()
+                    (self.spool / f"{cid}.exit").write_text(str(process.returncode))
+                    del self.running[cid]
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for process in self.running.values():
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture
+def dockerd(tmp_path, monkeypatch):
+    (tmp_path / "spool").mkdir()
+    (tmp_path / "bin").mkdir()
+    client = tmp_path / "bin" / "docker"
+    client.write_text(CLIENT.format(python=sys.executable, spool=str(tmp_path / "spool"), image=IMAGE))
+    client.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    daemon = FakeDockerd(tmp_path / "spool")
+    yield daemon
+    daemon.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_container_whose_client_was_killed_is_removed_by_its_owner(tmp_path, dockerd, monkeypatch):
+    sandbox = Sandbox("docker", IMAGE)
+    with owned_containers(sandbox.backend) as owner:
+        command, env = sandbox.wrap(["sleep", "300"], {}, writable=[tmp_path], cwd=tmp_path, owner=owner)
+        client = subprocess.Popen(command, env=env)
+        while not dockerd.started:
+            time.sleep(0.02)
+        client.kill()  # a time limit's SIGKILL: the container runs on
+        client.wait()
+        time.sleep(0.2)
+        assert _alive(dockerd.started[0])
+    assert not _alive(dockerd.started[0]) and not list(dockerd.spool.glob("*.json"))
+    with pytest.raises(RuntimeError, match="needs an owner"):  # none unlabelled: nobody could remove it
+        sandbox.wrap(["true"], {}, cwd=tmp_path)
+    monkeypatch.setenv(OWNER_ENV, "a-run")  # what a harness child inherits from its launcher
+    assert "vibetrain.owner=a-run" in sandbox.wrap(["true"], {}, cwd=tmp_path)[0]
+
+
+def test_a_command_tool_past_its_time_leaves_no_container_running(tmp_path, dockerd, tiny_spec):
+    """The reaper killed the docker client at the command's time limit; the container, no child of the
+    client, ran on with the workspace mounted writable."""
+    write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    toolbox = Toolbox(tmp_path / "ws", Sandbox("docker", IMAGE))
+    result = _call(toolbox, "run_command", command="sleep 300", timeout_s=1)
+    assert "ran past 1s; it and every process it started were stopped" in result
+    assert dockerd.started and not _alive(dockerd.started[0])

@@ -127,7 +127,10 @@ def refuse_shared_names(stacks: list[tuple[str, Path]]) -> None:
     """Before any run: the bench's results and timeline are keyed by each stack's name."""
     names = [name for name, _ in stacks]
     if len(set(names)) != len(names):
-        raise SharedRunName(f"two runs share a name: {names}; rename a candidate directory")
+        raise SharedRunName(
+            f"two runs share a name: {names}; rename a candidate directory (a RUN@ reference is named by its "
+            "run's folder: rename or copy one run's folder)"
+        )
 
 
 def benchmark(

@@ -82,6 +82,19 @@ class _Joining:
     seconds_per_token: float
 
 
+@dataclass(frozen=True)
+class _DecodeRun:
+    """A run of decode iterations under way, from one event to the next: priced at its mean context
+    (each iteration reads the KV as it has grown), and kept to credit it whole or cut short by a wake."""
+
+    start: float  # the clock when it began
+    token_s: float  # seconds a token of each sequence's progress, at the run's mean context
+    iterations: float  # to its event
+    chunk: float  # prompt tokens of the joining head computed a token of progress
+    context: float  # the batch's KV when it began
+    beside: tuple[float, int]  # the prefill chunk each iteration computes too
+
+
 class SimEngine:
     def __init__(self, name: str, devices: list[str], cost: CostModel) -> None:
         self.name, self.devices, self.cost = name, devices, cost
@@ -114,9 +127,7 @@ class SimEngine:
         self._loop = asyncio.get_running_loop()
         self._epoch = 0  # bumped by abort: work in progress from an older epoch is discarded
         self._epoch_at_top = 0  # the epoch when the serving loop last went round
-        # (start, seconds per iteration, iterations to its event, prompt tokens an iteration) of the chunk
-        # decoding now
-        self._decoding: tuple[float, float, float, float] | None = None
+        self._decoding: _DecodeRun | None = None  # the run of iterations decoding now
         self._phase = "starting"  # the serving loop's state: starting, prefill, decoding, idle, woken, closed
         self._prefilling: list[_Sequence] = []  # admitted with a ``started`` to tell when the prefill ends
         self._timer: asyncio.TimerHandle | None = None
@@ -292,7 +303,7 @@ class SimEngine:
         # below the fluid bound, which prices a turn at its midpoint too)
         midway = self._context + to_event * len(self.running) / 2
         iteration = self.cost.decode_token_s(len(self.running), midway, beside)
-        self._decoding = (self._loop.time(), iteration, to_event, chunk)
+        self._decoding = _DecodeRun(self._loop.time(), iteration, to_event, chunk, self._context, beside)
         self._phase = "decoding"
         self._timer = self._loop.call_later(to_event * iteration, self._chunk_end)
 
@@ -412,11 +423,14 @@ class SimEngine:
         all of the chunk's); their growth evicts idle prefixes."""
         if self._decoding is None:
             return
-        start, iteration, to_event, chunk = self._decoding  # the batch has not changed since the chunk started
-        self._decoding = None
+        run, self._decoding = self._decoding, None  # the batch has not changed since the run started
         if not self.running:
             return
-        progressed = to_event if whole else min(to_event, max(0.0, (self._loop.time() - start) / iteration))
+        if whole:
+            progressed, iteration = run.iterations, run.token_s
+        else:
+            progressed, iteration = self._decoded_in(run, self._loop.time() - run.start)
+        chunk = run.chunk
         self.decode_seconds += progressed * iteration
         self.decode_sequence_seconds += progressed * iteration * len(self.running)
         self._decoded += progressed
@@ -438,6 +452,24 @@ class SimEngine:
                     head.seq.started()
         self._evict_to(self.capacity)
         self.peak_kv_tokens = max(self.peak_kv_tokens, int(self._held + self._cached_tokens))
+
+    def _decoded_in(self, run: _DecodeRun, elapsed: float) -> tuple[float, float]:
+        """The iterations ``p`` a run cut short after ``elapsed`` seconds decoded, and their seconds a
+        token: ``p`` priced at its own mean context (not the whole run's, which a wake's early cut paid
+        too much for), the fixed point of ``p = elapsed / decode_token_s(n, context + p * n / 2)``.
+        The map shrinks distances by ``b * p * n / 2 / price < 1`` (the price is piecewise affine in the
+        context, ``a + b * c`` with ``a > 0``), so it converges, in a few steps for a realistic run."""
+        if elapsed <= 0.0:
+            return 0.0, run.token_s
+        n = len(self.running)
+        progressed = min(run.iterations, elapsed / run.token_s)  # the least: the whole run's price is the most
+        for _ in range(64):
+            token_s = self.cost.decode_token_s(n, run.context + progressed * n / 2, run.beside)
+            following = min(run.iterations, elapsed / token_s)
+            if abs(following - progressed) <= 1e-12 * max(1.0, following):
+                break
+            progressed = following
+        return following, token_s
 
     def _iterations_to_event(self) -> float:
         """Decode iterations the running batch can take before a sequence finishes or the cache is full."""

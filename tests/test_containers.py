@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from agents.llm.client import ToolCall
 from agents.llm.tools import Toolbox
 from skills.starter import write_starter
-from targets.harness.isolation.containers import OWNER_ENV, owned_containers
+from targets.harness.isolation.containers import OWNER_ENV, ContainerCleanupError, label_of, owned_containers
+from targets.harness.isolation.processes import CandidateProcesses
 from targets.harness.isolation.sandbox import Sandbox
-from tests.test_llm_agents import _call
 
 IMAGE = "vibetrain-fake-image"
 CLIENT = """#!{python}
@@ -38,14 +39,15 @@ def wait_exit(cid):
 
 if args[0] == "run":
     cid = uuid.uuid4().hex[:12]
-    spec = {{"label": args[args.index("--label") + 1], "argv": args[args.index({image!r}) + 1 :]}}
+    labels = [args[i + 1] for i, a in enumerate(args) if a == "--label"]
+    spec = {{"labels": labels, "argv": args[args.index({image!r}) + 1 :]}}
     (spool / f"{{cid}}.tmp").write_text(json.dumps(spec))
     (spool / f"{{cid}}.tmp").rename(spool / f"{{cid}}.json")
     sys.exit(wait_exit(cid))
 if args[0] == "ps":
     label = args[args.index("--filter") + 1].removeprefix("label=")
     for f in sorted(spool.glob("*.json")):
-        if json.loads(f.read_text())["label"] == label:
+        if label in json.loads(f.read_text())["labels"]:
             print(f.stem)
 if args[0] == "rm":
     for cid in args[2:]:
@@ -101,6 +103,15 @@ def dockerd(tmp_path, monkeypatch):
     daemon.close()
 
 
+def _started(dockerd: FakeDockerd, count: int = 1) -> list[int]:
+    """The pids of the first ``count`` containers, once the daemon has started them."""
+    deadline = time.monotonic() + 30
+    while len(dockerd.started) < count:
+        assert time.monotonic() < deadline, "the fake daemon started no container in 30 s"
+        time.sleep(0.02)
+    return dockerd.started[:count]
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -114,8 +125,7 @@ def test_a_container_whose_client_was_killed_is_removed_by_its_owner(tmp_path, d
     with owned_containers(sandbox.backend) as owner:
         command, env = sandbox.wrap(["sleep", "300"], {}, writable=[tmp_path], cwd=tmp_path, owner=owner)
         client = subprocess.Popen(command, env=env)
-        while not dockerd.started:
-            time.sleep(0.02)
+        _started(dockerd)
         client.kill()  # a time limit's SIGKILL: the container runs on
         client.wait()
         time.sleep(0.2)
@@ -124,7 +134,9 @@ def test_a_container_whose_client_was_killed_is_removed_by_its_owner(tmp_path, d
     with pytest.raises(RuntimeError, match="needs an owner"):  # none unlabelled: nobody could remove it
         sandbox.wrap(["true"], {}, cwd=tmp_path)
     monkeypatch.setenv(OWNER_ENV, "a-run")  # what a harness child inherits from its launcher
-    assert "vibetrain.owner=a-run" in sandbox.wrap(["true"], {}, cwd=tmp_path)[0]
+    assert label_of("a-run") in sandbox.wrap(["true"], {}, cwd=tmp_path)[0]
+    both = sandbox.wrap(["true"], {}, cwd=tmp_path, owner="a-phase")[0]  # whichever is done first removes it
+    assert label_of("a-run") in both and label_of("a-phase") in both
 
 
 def test_a_command_tool_past_its_time_leaves_no_container_running(tmp_path, dockerd, tiny_spec):
@@ -132,6 +144,37 @@ def test_a_command_tool_past_its_time_leaves_no_container_running(tmp_path, dock
     client, ran on with the workspace mounted writable."""
     write_starter(tmp_path / "ws", tiny_spec, "colocate")
     toolbox = Toolbox(tmp_path / "ws", Sandbox("docker", IMAGE))
-    result = _call(toolbox, "run_command", command="sleep 300", timeout_s=1)
+    result = toolbox.call(ToolCall("c", "run_command", json.dumps({"command": "sleep 300", "timeout_s": 1})))
     assert "ran past 1s; it and every process it started were stopped" in result
     assert dockerd.started and not _alive(dockerd.started[0])
+
+
+def test_a_phase_removes_its_candidates_containers_before_the_next_one(tmp_path, dockerd, monkeypatch):
+    """A harness child runs the check's phases one after another: a candidate process whose client was
+    killed in one phase ran on, in its container, through the next; its phase now removes it."""
+    monkeypatch.setenv(OWNER_ENV, "the-launcher")  # removes them too, but only when the whole run ends
+    (tmp_path / "stack").mkdir()
+    with CandidateProcesses(Sandbox("docker", IMAGE), tmp_path / "stack", tmp_path) as processes:
+        processes.launch("controller")  # connects, and waits for a hello nobody sends
+        (container,) = _started(dockerd)
+        processes.processes["controller"].kill()  # the client, as a time limit kills it
+        processes.processes["controller"].wait()
+        time.sleep(0.2)
+        assert _alive(container)
+    assert not _alive(container) and not list(dockerd.spool.glob("*.json"))
+
+
+def test_a_removal_that_fails_is_raised_and_never_hides_the_error_under_way(tmp_path, monkeypatch):
+    """``docker`` failing to list the containers: raised when nothing else is, noted on an error in flight."""
+    (tmp_path / "bin").mkdir()
+    client = tmp_path / "bin" / "docker"
+    client.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2\nexit 1\n")
+    client.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(ContainerCleanupError, match=r"docker ps --all failed \(1\): Cannot connect"):
+        with owned_containers("docker"):
+            pass
+    with pytest.raises(subprocess.TimeoutExpired) as raised:  # the tool's own error, as it was
+        with owned_containers("docker"):
+            raise subprocess.TimeoutExpired("sleep", 1)
+    assert any("may still run: docker ps --all failed" in note for note in raised.value.__notes__)

@@ -2,9 +2,10 @@
 
 A container is no child of the ``docker run`` that started it: killing that client at a time limit
 (the reaper's SIGKILL, the launcher's) leaves the container running, writing into the workspace it
-mounts while the judge measures the next candidate. So every container the sandbox starts carries an
-owner's label (``wrap(owner=...)``, or the ``OWNER_ENV`` a harness child inherits), and the owner
-removes every container of its label when it is done, however its processes ended.
+mounts while the judge measures the next candidate. So every container the sandbox starts carries a
+label for each of its owners (``wrap(owner=...)``: the candidate processes of one phase, one command
+tool call; and the ``OWNER_ENV`` a harness child inherits: its launcher), and each owner removes every
+container of its label when it is done, however its processes ended: the first one out removes it.
 """
 
 from __future__ import annotations
@@ -12,38 +13,69 @@ from __future__ import annotations
 import contextlib
 import secrets
 import subprocess
+import sys
 from collections.abc import Iterator
 
-LABEL = "vibetrain.owner"
+LABEL = "vibetrain.owner"  # a container carries ``vibetrain.owner.<owner>`` for each of its owners
 OWNER_ENV = "VIBETRAIN_CONTAINER_OWNER"  # the owner a harness child labels its candidates' containers with
 DOCKER_TIMEOUT_S = 60.0
 
 
+class ContainerCleanupError(RuntimeError):
+    """Docker would not list or remove an owner's containers: they may still be running."""
+
+
+def label_of(owner: str) -> str:
+    return f"{LABEL}.{owner}"
+
+
+def new_owner(backend: str) -> str | None:
+    """A fresh owner for the containers a sandbox of ``backend`` starts (None unless it is Docker)."""
+    return secrets.token_hex(8) if backend == "docker" else None
+
+
 @contextlib.contextmanager
 def owned_containers(backend: str) -> Iterator[str | None]:
-    """An owner label for the containers started within (None unless the sandbox is Docker); each of
-    them is removed on the way out."""
-    if backend != "docker":
+    """An owner for the containers started within (None unless the sandbox is Docker); each of them is
+    removed on the way out. A failure to remove them is raised, or, when the block is already raising,
+    noted on its exception (which it never replaces)."""
+    owner = new_owner(backend)
+    if owner is None:
         yield None
         return
-    owner = secrets.token_hex(8)
     try:
         yield owner
-    finally:
-        remove_containers(owner)
+    except BaseException as error:
+        remove_containers_beside(owner, error)
+        raise
+    remove_containers(owner)
 
 
 def remove_containers(owner: str) -> list[str]:
-    """Every container labelled ``owner``, running or not, removed; their ids."""
-    listed = _docker("ps", "--all", "--quiet", "--filter", f"label={LABEL}={owner}")
+    """Every container labelled with ``owner``, running or not, removed; their ids."""
+    listed = _docker("ps", "--all", "--quiet", "--filter", f"label={label_of(owner)}")
     ids = listed.split()
     if ids:
         _docker("rm", "--force", *ids)
     return ids
 
 
+def remove_containers_beside(owner: str, error: BaseException) -> None:
+    """``remove_containers`` while ``error`` is on its way out: a failure is noted on it, not raised."""
+    try:
+        remove_containers(owner)
+    except ContainerCleanupError as cleanup:
+        error.add_note(f"and the containers of owner {owner} may still run: {cleanup}")
+        print(f"vibetrain: {cleanup}", file=sys.stderr)
+
+
 def _docker(*args: str) -> str:
-    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=DOCKER_TIMEOUT_S)
+    try:
+        done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=DOCKER_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ContainerCleanupError(f"docker {' '.join(args[:2])} did not run: {error}") from error
     if done.returncode != 0:
-        raise RuntimeError(f"docker {' '.join(args[:2])} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        raise ContainerCleanupError(
+            f"docker {' '.join(args[:2])} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+        )
     return done.stdout

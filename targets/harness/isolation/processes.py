@@ -19,6 +19,7 @@ from typing import IO
 
 from targets.harness.ipc.channel import AsyncChannel
 from targets.harness.ipc.remote import CandidateError
+from targets.harness.isolation.containers import new_owner, remove_containers, remove_containers_beside
 from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.zygote_client import ZygoteChild, forks_of
@@ -44,6 +45,7 @@ class CandidateProcesses:
         self._logs: dict[str, IO] = {}
         self._listeners: dict[str, socket.socket] = {}
         self._connections: dict[str, int] = {}  # connections each role has yet to make
+        self.owner = new_owner(sandbox.backend)  # of its Docker containers, removed at ``stop``
 
     def launch(self, role: str, connections: int = 1) -> None:
         """Starts ``role``, which connects ``connections`` times (each taken by one ``accept``)."""
@@ -65,6 +67,7 @@ class CandidateProcesses:
             writable=[scratch],
             cwd=scratch,
             gpus=self.gpus,
+            owner=self.owner,
         )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
         forks = forks_of("candidate")  # a harness child's connection to the candidate zygote, if it was given one
@@ -111,10 +114,12 @@ class CandidateProcesses:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        self.stop(STOP_GRACE_S if kind is None else ABANDONED_GRACE_S)
+        self.stop(STOP_GRACE_S if kind is None else ABANDONED_GRACE_S, raising=error)
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Waits up to ``grace_s`` for every process to exit, then kills what is left (again: a no-op)."""
+    def stop(self, grace_s: float = STOP_GRACE_S, raising: BaseException | None = None) -> None:
+        """Waits up to ``grace_s`` for every process to exit, then kills what is left, and removes their
+        Docker containers, which outlive a killed client (again: a no-op). ``raising``: the exception
+        the run is abandoned by, which a failure to remove them is noted on rather than replacing."""
         deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             try:
@@ -128,6 +133,11 @@ class CandidateProcesses:
             listener.close()
         self._listeners.clear()
         shutil.rmtree(self.root, ignore_errors=True)
+        owner, self.owner = self.owner, None
+        if owner is not None and raising is None:
+            remove_containers(owner)
+        elif owner is not None:
+            remove_containers_beside(owner, raising)
 
 
 async def channel_of(processes: CandidateProcesses, role: str) -> AsyncChannel:

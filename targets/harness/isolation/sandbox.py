@@ -28,7 +28,7 @@ from pathlib import Path
 
 from targets import PROJECT_ROOT
 from targets.errors import UserError
-from targets.harness.isolation.containers import LABEL, OWNER_ENV
+from targets.harness.isolation.containers import OWNER_ENV, label_of
 
 log = logging.getLogger("vibetrain.sandbox")
 
@@ -206,9 +206,9 @@ class Sandbox:
         gpus: bool = False,
         owner: str | None = None,
     ) -> tuple[list[str], dict]:
-        """The command and environment that run ``command`` inside this sandbox. ``owner``: the label a
-        Docker container carries, so that its owner removes it (``containers.py``; default: the one a
-        harness child inherits)."""
+        """The command and environment that run ``command`` inside this sandbox. ``owner``: whoever
+        removes a Docker container when done with it (``containers.py``), beside the launcher a harness
+        child inherits; one of the two is needed."""
         clean = scrubbed_environment(env)
         if self.backend == "subprocess":
             return command, clean | ray_cluster_environment(env)
@@ -266,10 +266,14 @@ class Sandbox:
                 wrapped += ["--setenv", key, value]
             return wrapped + ["--chdir", str(cwd)] + command, {}
         wrapped = ["docker", "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "-w", str(cwd)]
-        owner = owner or os.environ.get(OWNER_ENV)
-        if owner is None:
-            raise RuntimeError("a Docker container needs an owner to remove it (containers.owned_containers)")
-        wrapped += ["--label", f"{LABEL}={owner}"]
+        owners = list(dict.fromkeys(o for o in (owner, os.environ.get(OWNER_ENV)) if o))
+        if not owners:
+            raise RuntimeError(
+                "a Docker container needs an owner to remove it: pass wrap(owner=...) from "
+                f"containers.owned_containers, or run under a launcher that sets {OWNER_ENV}"
+            )
+        for each in owners:
+            wrapped += ["--label", label_of(each)]
         if gpus:
             wrapped += ["--gpus", "all"]
         for path in SYSTEM_PATHS:

@@ -150,6 +150,20 @@ def _pool_run(rate: float, devices: int, seconds: float = 120.0, lend: int = 0, 
     return run_virtual(main())
 
 
+def test_a_serving_engine_is_sized_for_its_own_requests_not_the_jobs():
+    """The serving model's engines were refused for the job's max_sequence, which they never serve."""
+    data = _small()
+    data["workload"]["tokens"]["max_sequence"] = 10**7  # no engine holds it; the serving requests are short
+    spec = parse_target(data)
+    pool = spec.hardware.serving_pools[0]
+    assert CostModel.from_spec(spec, "serving", pool.serving.model).kv_capacity_tokens < 10**7
+    data = _small()
+    data["hardware"]["pools"][1]["serving"]["prompt_tokens"] = 10**7
+    spec = parse_target(data)
+    with pytest.raises(ValueError, match=r"of pool serving: .* \(hardware.pools.serving.serving prompt_tokens"):
+        CostModel.from_spec(spec, "serving", spec.hardware.serving_pools[0].serving.model)
+
+
 def test_the_serving_pool_holds_its_slo_with_headroom_and_counts_requests_that_never_started():
     calm = _pool_run(rate=20.0, devices=4)
     assert calm["ttft_p99_s"] == pytest.approx(calm["prefill_s"])  # nobody queues: TTFT is the prefill

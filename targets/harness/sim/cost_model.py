@@ -186,13 +186,18 @@ class CostModel:
                 f"but {where} is {hw.count}"
             )
         cost = replace(cost, engine_devices=devices)
-        sequence = spec.workload.tokens.max_sequence
+        serving = getattr(hw, "serving", None) if model is not spec.model else None
+        if serving is not None:  # the serving model's own requests
+            sequence, field = serving.prompt_tokens + serving.output_tokens, f"hardware.pools.{pool}.serving"
+            field += " prompt_tokens + output_tokens"
+        else:
+            sequence, field = spec.workload.tokens.max_sequence, "workload.tokens.max_sequence"
         if cost.kv_capacity_tokens < sequence:  # every request would fail, naming no field
             which = f"simulator.engine_devices {devices}" if sim.engine_devices else f"an engine of {devices} devices"
+            where = "" if pool is None else f" of pool {pool}"
             raise ValueError(
-                f"{which}: the model's weights ({cost.weight_bytes / 1e9:.0f} GB) leave room for "
-                f"{cost.kv_capacity_tokens} KV tokens an engine, fewer than one sequence's {sequence} "
-                "(workload.tokens.max_sequence)"
+                f"{which}{where}: the model's weights ({cost.weight_bytes / 1e9:.0f} GB) leave room for "
+                f"{cost.kv_capacity_tokens} KV tokens an engine, fewer than one sequence's {sequence} ({field})"
             )
         return cost
 

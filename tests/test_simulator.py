@@ -673,6 +673,14 @@ def test_calibrate_names_a_trace_that_is_a_directory(tmp_path, tiny_spec):
     assert result.exit_code == 2 and "a directory, not a file (the trace.jsonl" in result.output, result.output
 
 
+def test_calibrate_refuses_a_target_of_several_pools_before_reading_anything(tmp_path, tiny_spec):
+    stack = write_starter(tmp_path / "stack", tiny_spec, "colocate")
+    args = ["calibrate", "qwen3-8b-h800x16-serving", "--stack", str(stack), "--trace", str(tmp_path / "x.jsonl")]
+    (tmp_path / "x.jsonl").write_text("not json\n")  # read first, it said "not a readable trace" (exit 1)
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "calibration fits one device kind" in result.output, result.output
+
+
 def _trace_line(kind: str, t: float, **data) -> str:
     return json.dumps({"kind": kind, "t": t, "data": data}) + "\n"
 

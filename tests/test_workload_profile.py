@@ -102,8 +102,11 @@ def test_response_lengths_spread_past_the_specs_cap_are_held_at_it(catalog_yaml)
     events = [
         e for group in range(2) for member, n in enumerate((1, 2000)) for e in _episode(group, member, 1, 0.01, n)
     ]
-    lengths = fit_profile(spec, [events], "planted")["tokens"]["response_length"]
+    profile = fit_profile(spec, [events], "planted")
+    lengths = profile["tokens"]["response_length"]
     assert lengths["turn_sigma"] == 3.0 and lengths["mean"] == 1000.5
+    (note,) = profile["samples"]["notes"]  # and `workload profile` prints it
+    assert note == "response lengths spread wider than the simulator models: their sigma held at 3"
 
 
 def _profiled_spec(catalog_yaml, tmp_path, fragment: dict, **workload) -> dict:

@@ -464,10 +464,11 @@ def calibrate(
 
     Example: vibetrain calibrate tiny-qwen3-cpu --stack my-stack --out twin.yaml
     """
-    from targets.harness.sim.calibrate import fit_and_predict, measure_and_predict, recorded_run
+    from targets.harness.sim.calibrate import fit_and_predict, measure_and_predict, recorded_run, refuse_pools
 
     # the public workload (no candidate is judged here): a refit of a recorded trace predicts the same
     fitting = dataclasses.replace(session(target, sandbox, time_limit), task_key=b"")
+    refuse_pools(fitting.target.spec)  # before a run or a trace is read
     if fitting.target.simulated and trace is None:
         raise UsageError(
             f"{fitting.target.id} is simulated here: calibration needs a real run of the stack "
@@ -550,6 +551,8 @@ def profile_workload(
         raise Failed(str(error)) from None
     out.write_text(yaml.safe_dump(profile, sort_keys=False))
     samples = profile["samples"]
+    for note in samples["notes"]:
+        console.print(f"note: {note}", highlight=False, markup=False)
     console.print(
         f"profile of {samples['episodes']} episodes, {samples['steps']} steps: {out}\n"
         f"a simulated spec names it as workload: {{profile: {out.resolve()}}} (or a path relative to the spec's "

@@ -48,11 +48,18 @@ import numpy as np
 import yaml
 
 from targets.api import TraceEvent
+from targets.errors import UserError
 from targets.harness.sim.cost_model import CostModel
-from targets.harness.sim.profile_fit import ProfileError, fit_profile, lengths_yaml, response_lengths, stand_in_workload
+from targets.harness.sim.profile_fit import (
+    ProfileError,
+    fit_profile,
+    held_spread,
+    lengths_yaml,
+    response_lengths,
+    stand_in_workload,
+)
 from targets.harness.trace import consumed_at, token_count
 from targets.spec import ResponseLengthSpec, SimulatorSpec, TargetSpec, load_target, resolve_target_path
-from targets.spec.workload import LENGTH_SIGMA_MAX
 
 
 @dataclass
@@ -256,11 +263,15 @@ def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, fl
     return held if held is not None and held[4] <= PEAK_KEPT * free[4] + tie else free
 
 
+class PooledTarget(UserError):
+    """Calibration asked of a target of several pools: it fits one device kind's constants."""
+
+
 def refuse_pools(spec: TargetSpec) -> None:
     """Calibration fits one device kind's constants."""
     if len(spec.hardware.by_name) > 1:
         pools = list(spec.hardware.by_name)
-        raise RuntimeError(f"calibration fits one device kind; target {spec.id} has the pools {pools}")
+        raise PooledTarget(f"calibration fits one device kind; target {spec.id} has the pools {pools}")
 
 
 def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
@@ -354,10 +365,8 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         notes.append(f"measured compute above the catalog peak ({peak:g} TFLOP/s): bf16_tflops raised {scale:.2f}x")
         peak, mfu, fitted["rollout_mfu"] = peak * scale, mfu / scale, fitted["rollout_mfu"] / scale
     lengths = response_lengths(spec, runs)
-    if lengths is not None and LENGTH_SIGMA_MAX in (lengths.task_sigma, lengths.turn_sigma):
-        notes.append(
-            f"response lengths spread wider than the simulator models: their sigma held at {LENGTH_SIGMA_MAX:g}"
-        )
+    if lengths is not None:
+        notes += held_spread(lengths)
     samples = {"train_steps": len(train_rows), "requests": len(rollout_rows)}
     # a user's environment only runs for real: the twin plays its measured profile on the stand-in
     stand_in = fit_profile(spec, runs, f"{spec.id} (calibration)", lengths) if spec.workload.environment.entry else None

@@ -72,6 +72,13 @@ def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Response
     return ResponseLengthSpec(mean=mean, task_sigma=task_sigma, turn_sigma=turn_sigma)
 
 
+def held_spread(lengths: ResponseLengthSpec) -> list[str]:
+    """A note when the fit held a spread at the spec's cap (none otherwise)."""
+    if LENGTH_SIGMA_MAX not in (lengths.task_sigma, lengths.turn_sigma):
+        return []
+    return [f"response lengths spread wider than the simulator models: their sigma held at {LENGTH_SIGMA_MAX:g}"]
+
+
 def _spread(logs: list[float]) -> float:
     return round(statistics.pstdev(logs), 4) if len(logs) > 1 else 0.0
 
@@ -120,8 +127,10 @@ def fit_profile(
         "observation": max(1, round(statistics.fmean(observations))) if observations else 1,
     }
     lengths = lengths or response_lengths(spec, runs)
+    notes = []
     if lengths is not None:
         tokens["response_length"] = lengths_yaml(lengths)
+        notes += held_spread(lengths)
     drawn = (
         {"kind": "fixed", "value": float(turns[0])}
         if len(set(turns)) == 1
@@ -142,6 +151,7 @@ def fit_profile(
             "model": spec.model.weights,
             "tokenizer": spec.model.tokenizer_kind or "the model directory's",
             "response_budget": spec.workload.tokens.response,
+            "notes": notes,
         },
         "turns": {"max": max(turns), "dist": drawn},
         "tokens": tokens,

@@ -222,22 +222,25 @@ def test_a_run_killed_at_a_limit_after_its_phases_answered_is_no_measurement(tmp
     answer (a candidate process lingering past the run, growing): its phases all said ok, and the session
     measured it as if nothing had happened."""
     from skills.starter import write_starter
-    from targets.harness.isolation.launch import Limits
+    from targets.harness.isolation.launch import Limits, killed_cause
     from targets.harness.isolation.sandbox import Sandbox
     from targets.harness.measure import session
     from targets.harness.target import Target
 
     audited = {"name": "system_audit", "passed": True, "reasons": [], "details": {}}
     results = {"system": {"status": "ok"}, "audit": {"status": "ok", "result": audited}}
+    over = "used 9000 MB of resident memory, over its limit of 4096 MB"
 
     def killed_after_its_phases(target, stack, run_out, mode, *args, **kwargs) -> HarnessRun:
-        return HarnessRun(False, "audit run memory (killed)", run_out, results)
+        return HarnessRun(False, killed_cause(("system", "audit"), results, over), run_out, results)
 
     monkeypatch.setattr(session, "run_harness", killed_after_its_phases)
     target = Target.load(fast_target)
     judged = Session(target, Sandbox("subprocess"), Limits(time_s=60))
     measurement = judged.measure(write_starter(tmp_path / "c", target.spec, "colocate"), tmp_path / "out", seed=0)
-    assert not measurement.ok and measurement.reasons == ["system_run: audit run memory (killed)"]
+    assert measurement.reasons == [f"system_run: the run, after every phase answered, {over} (killed)"]
+    # not the audit's: it had answered (the cause named the last phase, as if killed in it)
+    assert killed_cause(("system", "audit"), {"system": {}}, over) == f"audit run {over} (killed)"
 
 
 def test_a_sync_channel_round_trips_arrays_and_refuses_garbage():

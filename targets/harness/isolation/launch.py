@@ -96,6 +96,15 @@ def _kill_run(child: int, forked: list[int], forkers: list[int]) -> list[int]:
     return wait_exited(doomed, [child, *forked], KILLED_EXIT_S)
 
 
+def killed_cause(phases: tuple[str, ...], results: dict, killed: str) -> str:
+    """Why a killed run failed: the phase it was in, or, when every phase had answered, the run itself
+    (a process lingering past it, a candidate's growing, or its way out)."""
+    running = next((p for p in phases if p not in results), None)
+    if running is None:
+        return f"the run, after every phase answered, {killed} (killed)"
+    return f"{running} run {killed} (killed)"
+
+
 def _watch(
     process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str, float], forked: list[int], forkers: list[int]
 ) -> str:
@@ -231,8 +240,7 @@ def run_harness(
     phases = PHASES[mode]
     results = {p: json.loads((out / f"{p}.json").read_text()) for p in phases if (out / f"{p}.json").exists()}
     if killed:
-        running = next((p for p in phases if p not in results), phases[-1])
-        return HarnessRun(False, f"{running} run {killed} (killed)", out, results, marks)
+        return HarnessRun(False, killed_cause(phases, results, killed), out, results, marks)
     if process.returncode != 0:
         failed = next((p for p in phases if results.get(p, {}).get("status") != "ok"), mode)
         ended = process.owner.went_away or f"exited with code {process.returncode}"  # a zygote's death kills it

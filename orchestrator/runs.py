@@ -269,7 +269,9 @@ def export_candidate(ref: str) -> Path:
         raise RunSetupError(f"{ref}: {error}") from None
     if which == "latest":  # the last round with a commit, as vibetrain show's ``latest``
         rounds = history.round_numbers()
-        which = f"round-{rounds[-1]}" if rounds else which
+        if not rounds:
+            raise RunSetupError(f"{ref}: {run_dir} has no round with a commit yet")
+        which = f"round-{rounds[-1]}"
     if which == "best":
         commit = history.best()
     elif which.startswith("round-") and which[6:].isascii() and which[6:].isdigit():

@@ -201,6 +201,10 @@ def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_p
     for ref in (f"{run}@round-\u00b2", f"{tmp_path / 'not-a-run'}@best"):
         result = runner.invoke(app, ["check", "no-such-target", "--stack", ref], env={"COLUMNS": "200"})
         assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    from orchestrator.runs import RunSetupError, export_candidate
+
+    with pytest.raises(RunSetupError, match="not-a-run has no round with a commit yet"):  # was: no candidate "latest"
+        export_candidate(f"{tmp_path / 'not-a-run'}@latest")
 
 
 def test_the_launcher_refuses_a_target_whose_hardware_this_machine_lacks(tmp_path, without_vibetrain):

@@ -99,7 +99,7 @@ def _round_of(run: Path, state, which: str):
 @command(app, "show")
 def show_round(
     run: Path,
-    which: str = typer.Argument("best", metavar="ROUND", help="a round number, best or latest"),
+    which: str = typer.Argument("best", metavar="ROUND", help="a round number (N or round-N), best or latest"),
     as_json: bool = JSON_OPTION,
     profile: bool = typer.Option(False, "--profile", help="also print the harness's per-call profile"),
 ) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 HERE = Path(__file__).resolve().parent
 ENTRIES = HERE / "results"
 RESULTS = HERE / "RESULTS.md"
-SECTIONS = ("judge", "cpu", "simulated", "gpu", "suite")
+Section = Literal["judge", "cpu", "simulated", "gpu", "suite"]  # in the order RESULTS.md gives them
+SECTIONS: tuple[str, ...] = get_args(Section)
 
 
 class Entry(BaseModel):
@@ -30,7 +31,7 @@ class Entry(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     title: StrictStr
-    section: Literal["judge", "cpu", "simulated", "gpu", "suite"]
+    section: Section
     command: StrictStr
     commit: StrictStr
     machine: StrictStr

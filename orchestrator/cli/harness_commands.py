@@ -10,6 +10,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 import typer
@@ -251,7 +252,7 @@ def check(
     raise typer.Exit(0 if passed else 1)
 
 
-def refuse_unknown_baselines(names: list[str], labelled: dict) -> None:
+def refuse_unknown_baselines(names: list[str], labelled: Collection[str]) -> None:
     """Before any starter is written: a name twice (its starter's folder would be written twice), or a
     name that is neither a controller nor one of the target's labelled baselines (listed, both kinds)."""
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from orchestrator import export as export_module
 from orchestrator.cli import app
 from orchestrator.export import PACKAGE, SOURCE_ROOT, ExportError, _module_file, export_project, resolve_candidate
+from orchestrator.runs import RunSetupError, export_candidate
 from skills.starter import write_starter
 from targets.spec import load_target
 
@@ -201,8 +202,6 @@ def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_p
     for ref in (f"{run}@round-\u00b2", f"{tmp_path / 'not-a-run'}@best"):
         result = runner.invoke(app, ["check", "no-such-target", "--stack", ref], env={"COLUMNS": "200"})
         assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
-    from orchestrator.runs import RunSetupError, export_candidate
-
     with pytest.raises(RunSetupError, match="not-a-run has no round with a commit yet"):  # was: no candidate "latest"
         export_candidate(f"{tmp_path / 'not-a-run'}@latest")
 

@@ -160,7 +160,7 @@ def test_a_serving_engine_is_sized_for_its_own_requests_not_the_jobs():
     data = _small()
     data["hardware"]["pools"][1]["serving"]["prompt_tokens"] = 10**7
     spec = parse_target(data)
-    with pytest.raises(ValueError, match=r"of pool serving: .* \(hardware.pools.serving.serving prompt_tokens"):
+    with pytest.raises(ValueError, match=r"of pool serving: .* \(hardware.pools.1.serving.prompt_tokens"):
         CostModel.from_spec(spec, "serving", spec.hardware.serving_pools[0].serving.model)
 
 

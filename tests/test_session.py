@@ -238,6 +238,7 @@ def test_a_run_killed_at_a_limit_after_its_phases_answered_is_no_measurement(tmp
     target = Target.load(fast_target)
     judged = Session(target, Sandbox("subprocess"), Limits(time_s=60))
     measurement = judged.measure(write_starter(tmp_path / "c", target.spec, "colocate"), tmp_path / "out", seed=0)
+    assert not measurement.ok
     assert measurement.reasons == [f"system_run: the run, after every phase answered, {over} (killed)"]
     # not the audit's: it had answered (the cause named the last phase, as if killed in it)
     assert killed_cause(("system", "audit"), {"system": {}}, over) == f"audit run {over} (killed)"

@@ -11,14 +11,15 @@ container of its label when it is done, however its processes ended: the first o
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 
 LABEL = "vibetrain.owner"  # a container carries ``vibetrain.owner.<owner>`` for each of its owners
 OWNER_ENV = "VIBETRAIN_CONTAINER_OWNER"  # the owner a harness child labels its candidates' containers with
 DOCKER_TIMEOUT_S = 60.0
+log = logging.getLogger(__name__)
 
 
 class ContainerCleanupError(RuntimeError):
@@ -38,7 +39,7 @@ def new_owner(backend: str) -> str | None:
 def owned_containers(backend: str) -> Iterator[str | None]:
     """An owner for the containers started within (None unless the sandbox is Docker); each of them is
     removed on the way out. A failure to remove them is raised, or, when the block is already raising,
-    noted on its exception (which it never replaces)."""
+    logged (its exception is never replaced)."""
     owner = new_owner(backend)
     if owner is None:
         yield None
@@ -52,21 +53,29 @@ def owned_containers(backend: str) -> Iterator[str | None]:
 
 
 def remove_containers(owner: str) -> list[str]:
-    """Every container labelled with ``owner``, running or not, removed; their ids."""
-    listed = _docker("ps", "--all", "--quiet", "--filter", f"label={label_of(owner)}")
-    ids = listed.split()
+    """Every container labelled with ``owner``, running or not, removed; their ids. One that went by
+    itself meanwhile (``--rm``), or that its other owner is removing, is no failure: only a container
+    still listed after a failed ``rm`` is."""
+    ids = _listed(owner)
     if ids:
-        _docker("rm", "--force", *ids)
+        try:
+            _docker("rm", "--force", *ids)
+        except ContainerCleanupError:
+            if _listed(owner):
+                raise
     return ids
 
 
 def remove_containers_beside(owner: str, error: BaseException) -> None:
-    """``remove_containers`` while ``error`` is on its way out: a failure is noted on it, not raised."""
+    """``remove_containers`` while ``error`` is on its way out: a failure is logged, never raised over it."""
     try:
         remove_containers(owner)
     except ContainerCleanupError as cleanup:
-        error.add_note(f"and the containers of owner {owner} may still run: {cleanup}")
-        print(f"vibetrain: {cleanup}", file=sys.stderr)
+        log.error("%s; and the containers of owner %s may still run: %s", error, owner, cleanup)
+
+
+def _listed(owner: str) -> list[str]:
+    return _docker("ps", "--all", "--quiet", "--filter", f"label={label_of(owner)}").split()
 
 
 def _docker(*args: str) -> str:

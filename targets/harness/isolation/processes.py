@@ -119,7 +119,27 @@ class CandidateProcesses:
     def stop(self, grace_s: float = STOP_GRACE_S, raising: BaseException | None = None) -> None:
         """Waits up to ``grace_s`` for every process to exit, then kills what is left, and removes their
         Docker containers, which outlive a killed client (again: a no-op). ``raising``: the exception
-        the run is abandoned by, which a failure to remove them is noted on rather than replacing."""
+        the run is abandoned by, which a failure to remove them is logged beside, never raised over."""
+        owner, self.owner = self.owner, None
+        try:
+            self._end(grace_s)
+        except BaseException as error:
+            if owner is not None:
+                remove_containers_beside(owner, error)
+            raise
+        if owner is not None:  # before the scratch folders go: a container may still be writing there
+            if raising is None:
+                remove_containers(owner)
+            else:
+                remove_containers_beside(owner, raising)
+        for log in self._logs.values():
+            log.close()
+        for listener in self._listeners.values():  # a role that never connected
+            listener.close()
+        self._listeners.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _end(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             try:
@@ -127,17 +147,6 @@ class CandidateProcesses:
             except subprocess.TimeoutExpired:
                 kill_tree(process.pid, signal.SIGKILL)
                 process.wait()
-        for log in self._logs.values():
-            log.close()
-        for listener in self._listeners.values():  # a role that never connected
-            listener.close()
-        self._listeners.clear()
-        shutil.rmtree(self.root, ignore_errors=True)
-        owner, self.owner = self.owner, None
-        if owner is not None and raising is None:
-            remove_containers(owner)
-        elif owner is not None:
-            remove_containers_beside(owner, raising)
 
 
 async def channel_of(processes: CandidateProcesses, role: str) -> AsyncChannel:

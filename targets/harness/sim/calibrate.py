@@ -263,7 +263,7 @@ def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, fl
     return held if held is not None and held[4] <= PEAK_KEPT * free[4] + tie else free
 
 
-class PooledTarget(UserError):
+class PooledTarget(UserError, ValueError):
     """Calibration asked of a target of several pools: it fits one device kind's constants."""
 
 

@@ -186,11 +186,12 @@ class CostModel:
                 f"but {where} is {hw.count}"
             )
         cost = replace(cost, engine_devices=devices)
-        serving = getattr(hw, "serving", None) if model is not spec.model else None
-        if serving is not None:  # the serving model's own requests
-            sequence, field = serving.prompt_tokens + serving.output_tokens, f"hardware.pools.{pool}.serving"
-            field += " prompt_tokens + output_tokens"
-        else:
+        serving = getattr(hw, "serving", None)
+        if serving is not None and model is serving.model:  # the serving model's own requests
+            index = next(i for i, p in enumerate(spec.hardware.pools) if p.name == pool)
+            sequence = serving.prompt_tokens + serving.output_tokens
+            field = f"hardware.pools.{index}.serving.prompt_tokens + output_tokens"
+        else:  # the job's model, or a reward model, on any pool
             sequence, field = spec.workload.tokens.max_sequence, "workload.tokens.max_sequence"
         if cost.kv_capacity_tokens < sequence:  # every request would fail, naming no field
             which = f"simulator.engine_devices {devices}" if sim.engine_devices else f"an engine of {devices} devices"

@@ -95,6 +95,9 @@ class _DecodeRun:
     beside: tuple[float, int]  # the prefill chunk each iteration computes too
 
 
+ROOT_TOLERANCE = 1e-9  # relative: the iterations a cut decode run is credited with, solved to this
+
+
 class SimEngine:
     def __init__(self, name: str, devices: list[str], cost: CostModel) -> None:
         self.name, self.devices, self.cost = name, devices, cost
@@ -456,20 +459,35 @@ class SimEngine:
     def _decoded_in(self, run: _DecodeRun, elapsed: float) -> tuple[float, float]:
         """The iterations ``p`` a run cut short after ``elapsed`` seconds decoded, and their seconds a
         token: ``p`` priced at its own mean context (not the whole run's, which a wake's early cut paid
-        too much for), the fixed point of ``p = elapsed / decode_token_s(n, context + p * n / 2)``.
-        The map shrinks distances by ``b * p * n / 2 / price < 1`` (the price is piecewise affine in the
-        context, ``a + b * c`` with ``a > 0``), so it converges, in a few steps for a realistic run."""
-        if elapsed <= 0.0:
-            return 0.0, run.token_s
+        too much for), the root of ``p * decode_token_s(n, context + p * n / 2) = elapsed``. The left
+        side grows with ``p``, and the root lies between ``elapsed`` over the whole run's price (the
+        most a token of it costs) and over the price at its start (the least): found there by regula
+        falsi (Illinois), a few prices a wake."""
         n = len(self.running)
-        progressed = min(run.iterations, elapsed / run.token_s)  # the least: the whole run's price is the most
-        for _ in range(64):
-            token_s = self.cost.decode_token_s(n, run.context + progressed * n / 2, run.beside)
-            following = min(run.iterations, elapsed / token_s)
-            if abs(following - progressed) <= 1e-12 * max(1.0, following):
-                break
-            progressed = following
-        return following, token_s
+
+        def excess(p: float) -> float:
+            return p * self.cost.decode_token_s(n, run.context + p * n / 2, run.beside) - elapsed
+
+        low = min(run.iterations, elapsed / run.token_s)
+        high = min(run.iterations, elapsed / self.cost.decode_token_s(n, run.context, run.beside))
+        below, above = excess(low), excess(high)
+        if below >= 0.0 or high - low <= ROOT_TOLERANCE * high:
+            return low, run.token_s
+        if above <= 0.0:  # the whole run was decoded (``high`` is ``run.iterations``)
+            return high, run.token_s
+        side = 0
+        for _ in range(100):
+            p = high - above * (high - low) / (above - below)
+            value = excess(p)
+            if value > 0.0:
+                high, above = p, value
+                below, side = (below / 2, 1) if side == 1 else (below, 1)  # Illinois: the stuck end halved
+            else:
+                low, below = p, value
+                above, side = (above / 2, -1) if side == -1 else (above, -1)
+            if high - low <= ROOT_TOLERANCE * high or abs(value) <= ROOT_TOLERANCE * elapsed:
+                return p, (value + elapsed) / p
+        raise RuntimeError(f"{self.name}: no decode progress found for {elapsed} s of a run: [{low}, {high}]")
 
     def _iterations_to_event(self) -> float:
         """Decode iterations the running batch can take before a sequence finishes or the cache is full."""

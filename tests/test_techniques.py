@@ -509,14 +509,16 @@ def test_partial_rollout_resumes_interrupted_turns_under_the_new_weights(tmp_pat
     it); some resume under a newer version than their first segment's, and the audit (replaying every
     segment) passes.
 
-    A real run's three syncs meet a decoding turn only where rollout still runs when training ends (in
-    one CI run of the suite none did: the engine had finished every turn launched), and an interrupted
-    turn may resume on an engine the sync has not reached yet (in one CI run on a loaded machine, every
-    one did): up to three runs, the checks on the first whose sync interrupted a turn that then resumed
-    under a newer version."""
+    A real run's syncs meet a decoding turn only where rollout still runs when training ends (in one CI
+    run of the suite none did: the engine had finished every turn launched), the last sync's interrupted
+    turns never resume (the run ends), an interrupted turn may resume on an engine the sync has not
+    reached yet (in one CI run on a loaded machine, every one did), and turns that outlast the weights'
+    transfer finish before the interrupt reaches the engine (in one CI run with two test workers, every
+    mid-run sync's did, in three runs): four training steps (three mid-run syncs) and up to five runs,
+    the checks on the first whose sync interrupted a turn that then resumed under a newer version."""
     tools = {"env_latency_s": {"kind": "lognormal", "median": TOOL_LATENCY_MEDIAN_S[simulate], "sigma": 0.5}}
-    for attempt in range(3 if not simulate else 1):
-        workload = {**SYNC_MEETS_DECODING, **tools}
+    for attempt in range(5 if not simulate else 1):
+        workload = {**SYNC_MEETS_DECODING, **tools, **({} if simulate else {"train_steps": 4})}
         spec, events = audited_run(
             tmp_path / str(attempt), fast_target, {"partial_rollout": 1}, simulate, workload, attempt
         )

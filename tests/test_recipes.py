@@ -1329,10 +1329,9 @@ def test_a_ray_cluster_releases_everything_when_one_actor_fails_to_close(tmp_pat
     runtime = Target.load("tiny-qwen3-cpu").runtime()
     d0, d1 = runtime.devices[:2]
     actors = {d0.id: actor(True), d1.id: actor(False)}
-    cluster = ray_cluster.RayCluster(runtime, [d0], [d1], actors, 1 << 20, None)
     folder = tmp_path / "vtray-session"
     (folder / "logs").mkdir(parents=True)
-    cluster._ray_folder = str(folder)
+    cluster = ray_cluster.RayCluster(runtime, [d0], [d1], actors, 1 << 20, None, ray_folder=str(folder))
     with pytest.raises(ConnectionError, match="planted"):
         asyncio.run(cluster.close())
     assert killed == list(actors.values()) and shut == [True] and not folder.exists()

@@ -247,6 +247,7 @@ class RayCluster:
         rendezvous: Rendezvous,
         counted: tuple[str, ...] = (),  # engine options of COUNTED that are on
         lendable: Sequence[Device] = (),
+        ray_folder: str | None = None,  # the session folder of the Ray this cluster started (removed at close)
     ) -> None:
         self.runtime, self.devices = runtime, [*runtime.devices, *lendable]
         self._rendezvous = rendezvous  # held while the cluster lives: its groups meet (and NCCL connects) through it
@@ -269,7 +270,7 @@ class RayCluster:
         self._broadcast_ready = False
         self.version = 0
         self._published: tuple[int, list] | None = None
-        self._ray_folder: str | None = None  # the session folder of the Ray this cluster started, if it did
+        self._ray_folder = ray_folder
         self.counted = counted  # the engines' techniques whose own counts the log gets at close
         self._loading = asyncio.Lock()  # a sync and an expand at once (overlap_sync) publish once, broadcast in turn
 
@@ -337,9 +338,7 @@ class RayCluster:
             *(actors[d.id].offload.remote() for d in train if d.id in shared),
         )
         counted = tuple(option for option in COUNTED if (engine_options or {}).get(option))
-        cluster = cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, counted, lendable)
-        cluster._ray_folder = ray_folder
-        return cluster
+        return cls(runtime, rollout, train, actors, bucket_bytes, rendezvous, counted, lendable, ray_folder)
 
     # -- clock -------------------------------------------------------------------------------------
     def now(self) -> float:

@@ -874,6 +874,18 @@ def test_request_concurrency_is_the_mean_batch_over_a_request_s_span():
     batches = [batch for _, batch in request_concurrency(events)]
     # the first shares half its span with the second and a quarter with the aborted one
     assert batches == pytest.approx([1.75, 1.5, 1.0])
+    # against the definition, pair by pair, on 300 random requests of two devices
+    rng = np.random.default_rng(0)
+    spans = [(float(s), float(s + d)) for s, d in zip(rng.uniform(0, 50, 300), rng.exponential(2.0, 300))]
+    many = [request(s, e, f"cpu:{i % 2}", aborted=i % 7 == 0) for i, (s, e) in enumerate(spans)]
+    for e, batch in request_concurrency(many):
+        span = e.t - e.data["start"]
+        overlap = sum(
+            max(0.0, min(e.t, o.t) - max(e.data["start"], o.data["start"]))
+            for o in many
+            if o is not e and o.data["device"] == e.data["device"]
+        )
+        assert batch == pytest.approx(1.0 + overlap / span, rel=1e-9)
 
 
 def _mixed(engine_devices=None):

@@ -295,9 +295,7 @@ def run(
     if (wheels / "bin").exists():  # last: the machine's own bwrap and git come first
         env["PATH"] = f"{env['PATH']}:{(wheels / 'bin').resolve()}"
     stages.run("setup", [sys.executable, __file__, "setup", "--wheels", str(wheels.resolve())], env)
-    # pyproject.toml's addopts, less the two workers of pytest-xdist, which the GPU machine does not have
     tests = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"]
-    tests += ["-o", "addopts=-ra --strict-markers"]
     stages.run("gpu_tests", [*tests, f"--junitxml={stages.out / 'gpu_tests.xml'}"], env)
     if rehearse:
         target = _rehearsal_target(stages.out)

@@ -38,8 +38,7 @@ def new_owner(backend: str) -> str | None:
 @contextlib.contextmanager
 def owned_containers(backend: str) -> Iterator[str | None]:
     """An owner for the containers started within (None unless the sandbox is Docker); each of them is
-    removed on the way out. A failure to remove them is raised, or, when the block is already raising,
-    logged (its exception is never replaced)."""
+    removed on the way out."""
     owner = new_owner(backend)
     if owner is None:
         yield None
@@ -47,31 +46,30 @@ def owned_containers(backend: str) -> Iterator[str | None]:
     try:
         yield owner
     except BaseException as error:
-        remove_containers_beside(owner, error)
+        remove_containers(owner, raising=error)
         raise
     remove_containers(owner)
 
 
-def remove_containers(owner: str) -> list[str]:
+def remove_containers(owner: str, raising: BaseException | None = None) -> list[str]:
     """Every container labelled with ``owner``, running or not, removed; their ids. One that went by
     itself meanwhile (``--rm``), or that its other owner is removing, is no failure: only a container
-    still listed after a failed ``rm`` is."""
-    ids = _listed(owner)
-    if ids:
-        try:
-            _docker("rm", "--force", *ids)
-        except ContainerCleanupError:
-            if _listed(owner):
-                raise
-    return ids
-
-
-def remove_containers_beside(owner: str, error: BaseException) -> None:
-    """``remove_containers`` while ``error`` is on its way out: a failure is logged, never raised over it."""
+    still listed after a failed ``rm`` is. A failure is raised, or, with ``raising`` (the exception on
+    its way out), logged beside it: never raised over it."""
     try:
-        remove_containers(owner)
+        ids = _listed(owner)
+        if ids:
+            try:
+                _docker("rm", "--force", *ids)
+            except ContainerCleanupError:
+                if _listed(owner):
+                    raise
     except ContainerCleanupError as cleanup:
-        log.error("%s; and the containers of owner %s may still run: %s", error, owner, cleanup)
+        if raising is None:
+            raise
+        log.error("%s; and the containers of owner %s may still run: %s", raising, owner, cleanup)
+        return []
+    return ids
 
 
 def _listed(owner: str) -> list[str]:

@@ -19,7 +19,7 @@ from typing import IO
 
 from targets.harness.ipc.channel import AsyncChannel
 from targets.harness.ipc.remote import CandidateError
-from targets.harness.isolation.containers import new_owner, remove_containers, remove_containers_beside
+from targets.harness.isolation.containers import new_owner, remove_containers
 from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.zygote_client import ZygoteChild, forks_of
@@ -125,13 +125,10 @@ class CandidateProcesses:
             self._end(grace_s)
         except BaseException as error:
             if owner is not None:
-                remove_containers_beside(owner, error)
+                remove_containers(owner, raising=error)
             raise
         if owner is not None:  # before the scratch folders go: a container may still be writing there
-            if raising is None:
-                remove_containers(owner)
-            else:
-                remove_containers_beside(owner, raising)
+            remove_containers(owner, raising=raising)
         for log in self._logs.values():
             log.close()
         for listener in self._listeners.values():  # a role that never connected

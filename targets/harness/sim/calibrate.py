@@ -137,13 +137,13 @@ def request_concurrency(events: list[TraceEvent]) -> list[tuple[TraceEvent, floa
     device's in-flight count (each request, aborted ones too, in flight from its start to its end):
     O(n log n) a device (a pairwise scan grew with the square: 4 s for 4,000 overlapping requests of one
     device, 75x this)."""
-    by_device: dict[str, list[TraceEvent]] = defaultdict(list)
-    for e in events:
-        if e.kind == "generate":
-            by_device[e.data["device"]].append(e)
+    return concurrency_of(requests_by_device(events))
+
+
+def concurrency_of(by_device: dict[str, list[TraceEvent]]) -> list[tuple[TraceEvent, float]]:
+    """``request_concurrency`` of requests already grouped by ``requests_by_device``."""
     out = []
     for requests in by_device.values():
-        requests.sort(key=lambda e: e.data["start"])
         in_flight = _in_flight_integral([(e.data["start"], e.t) for e in requests])
         for e in requests:
             start, end = e.data["start"], e.t
@@ -154,11 +154,18 @@ def request_concurrency(events: list[TraceEvent]) -> list[tuple[TraceEvent, floa
     return out
 
 
+def requests_by_device(events: list[TraceEvent]) -> dict[str, list[TraceEvent]]:
+    """Each device's generate events, in the order they started."""
+    by_device: dict[str, list[TraceEvent]] = defaultdict(list)
+    for e in sorted((e for e in events if e.kind == "generate"), key=lambda e: e.data["start"]):
+        by_device[e.data["device"]].append(e)
+    return by_device
+
+
 def _in_flight_integral(spans: list[tuple[float, float]]) -> Callable[[float], float]:
     """``F(t)``: the integral up to ``t`` of how many of ``spans`` are open (a span of no length, none)."""
-    edges = sorted(
-        [(start, 1) for start, end in spans if end > start] + [(end, -1) for start, end in spans if end > start]
-    )
+    lasting = [(start, end) for start, end in spans if end > start]
+    edges = sorted([(start, 1) for start, _ in lasting] + [(end, -1) for _, end in lasting])
     times = np.array([t for t, _ in edges] or [0.0])
     open_after = np.cumsum([step for _, step in edges] or [0])  # open spans from each edge to the next
     area = np.concatenate(([0.0], np.cumsum(open_after[:-1] * np.diff(times))))  # F at each edge
@@ -197,19 +204,15 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
     # over the prefix too): the prefills a span saw begin are a difference of two sums
     starts: dict[str, np.ndarray] = {}
     prefilled: dict[str, np.ndarray] = {}
-    by_device: dict[str, list[TraceEvent]] = defaultdict(list)
-    for e in events:
-        if e.kind == "generate":
-            by_device[e.data["device"]].append(e)
+    by_device = requests_by_device(events)
     for device, requests in by_device.items():
-        requests.sort(key=lambda e: e.data["start"])
         starts[device] = np.array([o.data["start"] for o in requests])
         flops = [cost.prefill_flops(*prefills[id(o)]) for o in requests]
         prefilled[device] = np.concatenate(([0.0], np.cumsum(flops)))
     bandwidth = cost.engine_devices * cost.hbm_bytes_per_s
     compute = cost.engine_devices * cost.peak_flops
     rows = []
-    for e, batch in request_concurrency(events):
+    for e, batch in concurrency_of(by_device):
         start, end = e.data["start"], e.t
         n = token_count(e.data["tokens"])
         context = batch * (token_count(e.data["prompt"]) + n / 2)  # the batch's mean KV over the span

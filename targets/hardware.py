@@ -1,15 +1,25 @@
 """Catalog of known device kinds: the numbers a target spec starts from (a spec may override any).
 
-Units are the ones people read on spec sheets: GB of device memory, dense bf16 TFLOP/s, GB/s.
+Units are the ones people read on spec sheets, with two readings made explicit:
+
+* memory (``memory_gb``, ``host_memory_gb``) is in binary gigabytes, 2**30 bytes (``GIB``), as memory is
+  built and as a vendor's "80 GB" is meant: an H100 SXM5 reports 81,559 MiB (79.6 GiB, 85.5e9 bytes),
+  an H200 143,771 MiB (140.4 GiB), an H20 97,871 MiB (95.6 GiB): each within 0.5% of its figure read in
+  GiB, and 6-7% above it read in 1e9 bytes;
+* link bandwidths (``*_bandwidth_gbs``) are per direction, in 1e9 bytes a second: what one transfer
+  (a weight shard, a ring collective's step) gets. NVLink's datasheet figure counts both directions
+  (900 GB/s on an H100 is 18 links of 25 GB/s each way), so the catalog lists half of it.
+
 Sources (public vendor datasheets, dense figures, SXM form factor):
 
 * H100 SXM5 — NVIDIA H100 Tensor Core GPU datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s bf16
-  dense (1979 with sparsity), NVLink 900 GB/s, PCIe Gen5 x16 64 GB/s per direction.
+  dense (1979 with sparsity), NVLink 900 GB/s both directions, PCIe Gen5 x16 64 GB/s per direction.
 * H800 SXM5 — NVIDIA H800 product brief (export variant of H100): same memory, bandwidth and
-  compute as H100 SXM5, NVLink reduced to 400 GB/s.
-* H20 — NVIDIA HGX H20 spec: 96 GB HBM3, 4.0 TB/s, 148 TFLOP/s bf16 dense, NVLink 900 GB/s.
+  compute as H100 SXM5, NVLink reduced to 400 GB/s both directions.
+* H20 — NVIDIA HGX H20 spec: 96 GB HBM3, 4.0 TB/s, 148 TFLOP/s bf16 dense, NVLink 900 GB/s both
+  directions.
 * H200 SXM — NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16
-  dense, NVLink 900 GB/s.
+  dense, NVLink 900 GB/s both directions.
 * Inter-node bandwidth for all GPU kinds: one 400 Gb/s InfiniBand NDR NIC per GPU = 50 GB/s,
   the common HGX configuration.
 * Host memory for all GPU kinds: 2 TB a node of 8 GPUs (256 GB a device), the common HGX
@@ -19,6 +29,8 @@ Sources (public vendor datasheets, dense figures, SXM form factor):
 """
 
 from __future__ import annotations
+
+GIB = 2**30  # bytes in one of the catalog's (and a spec's) memory gigabytes
 
 HARDWARE_CATALOG: dict[str, dict[str, float]] = {
     "cpu": {
@@ -35,7 +47,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "memory_gb": 80.0,
         "bf16_tflops": 989.0,
         "hbm_bandwidth_gbs": 3350.0,
-        "intra_node_bandwidth_gbs": 900.0,
+        "intra_node_bandwidth_gbs": 450.0,
         "inter_node_bandwidth_gbs": 50.0,
         "host_link_bandwidth_gbs": 64.0,
         "host_memory_gb": 256.0,
@@ -45,7 +57,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "memory_gb": 80.0,
         "bf16_tflops": 989.0,
         "hbm_bandwidth_gbs": 3350.0,
-        "intra_node_bandwidth_gbs": 400.0,
+        "intra_node_bandwidth_gbs": 200.0,
         "inter_node_bandwidth_gbs": 50.0,
         "host_link_bandwidth_gbs": 64.0,
         "host_memory_gb": 256.0,
@@ -55,7 +67,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "memory_gb": 96.0,
         "bf16_tflops": 148.0,
         "hbm_bandwidth_gbs": 4000.0,
-        "intra_node_bandwidth_gbs": 900.0,
+        "intra_node_bandwidth_gbs": 450.0,
         "inter_node_bandwidth_gbs": 50.0,
         "host_link_bandwidth_gbs": 64.0,
         "host_memory_gb": 256.0,
@@ -65,7 +77,7 @@ HARDWARE_CATALOG: dict[str, dict[str, float]] = {
         "memory_gb": 141.0,
         "bf16_tflops": 989.0,
         "hbm_bandwidth_gbs": 4800.0,
-        "intra_node_bandwidth_gbs": 900.0,
+        "intra_node_bandwidth_gbs": 450.0,
         "inter_node_bandwidth_gbs": 50.0,
         "host_link_bandwidth_gbs": 64.0,
         "host_memory_gb": 256.0,

@@ -731,8 +731,8 @@ def test_a_trainer_that_cannot_fit_its_devices_fails_at_build_with_the_arithmeti
         runtime = dataclasses.replace(Target.load("tiny-qwen3-cpu").runtime(), device_memory_bytes=2_000_000)
         with pytest.raises(
             ValueError,
-            match=r"0.000402B parameters x 16 bytes .* / 2 FSDP rank\(s\) = 0.00322 GB per device, "
-            r"over 80% of its 0.002 GB; train on at least 5 devices",
+            match=r"0.000402B parameters x 16 bytes .* / 2 FSDP rank\(s\) = 0.003 GiB per device, "
+            r"over 80% of its 0.00186 GiB; train on at least 5 devices",
         ):
             build(runtime)
     finally:

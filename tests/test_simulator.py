@@ -67,11 +67,11 @@ def big():
 
 def test_cost_model_formulas_by_hand(big):
     cost = CostModel.from_spec(big)
-    # 235B bf16 = 470 GB: 8 H800s of 80 GB (72 GB usable each) hold the weights with room for KV.
+    # 235B bf16 = 470 GB: 8 H800s of 80 GiB (72 GiB usable each) hold the weights with room for KV.
     assert cost.engine_devices == 8
     kv_per_token = 2 * 94 * 4 * 128 * 2
     assert cost.kv_bytes_per_token == kv_per_token
-    assert cost.kv_capacity_tokens == int((8 * 80e9 * 0.9 - 470e9) / kv_per_token)
+    assert cost.kv_capacity_tokens == int((8 * 80 * 2**30 * 0.9 - 470e9) / kv_per_token)
     # batch 1: bandwidth-bound; the dense part plus 8 of 128 experts per layer are read
     dense, experts = 235e9 - 94 * 128 * 3 * 4096 * 1536, 94 * 128 * 3 * 4096 * 1536
     weights = (dense + experts * (8 / 128)) * 2
@@ -438,8 +438,8 @@ def test_a_host_tier_larger_than_the_engines_host_memory_is_refused(big):
     from targets.harness.sim.cost_model import ClusterCosts
 
     costs = ClusterCosts.from_spec(big)
-    limit = costs.shared.host_tier_limit_tokens  # 8 devices of 256 GB, 188 KB a token
-    assert limit == int(8 * 256e9 / costs.shared.kv_bytes_per_token)
+    limit = costs.shared.host_tier_limit_tokens  # 8 devices of 256 GiB, 188 KB a token
+    assert limit == int(8 * 256 * 2**30 / costs.shared.kv_bytes_per_token)
     assert costs.refusal(EngineSettings(host_kv_tokens=limit), 1) is None
     assert "over its devices' host memory" in costs.refusal(EngineSettings(host_kv_tokens=limit + 1), 1)
 

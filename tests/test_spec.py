@@ -85,6 +85,21 @@ def test_hardware_numbers_come_from_the_catalog_and_can_be_overridden(catalog_ya
     assert spec.hardware.memory_gb == 94 and spec.hardware.hbm_bandwidth_gbs == 3350.0
 
 
+# What the cards' drivers report as total memory (nvidia-smi, MiB), against which the catalog's
+# figures are read: its "80 GB" is 80 GiB, not 80e9 bytes (7% less, and KV room with it).
+REPORTED_MIB = {"h100": 81_559, "h800": 81_559, "h20": 97_871, "h200": 143_771}
+
+
+@pytest.mark.parametrize("kind", sorted(REPORTED_MIB))
+def test_catalog_memory_is_what_the_card_reports_and_links_are_one_way(catalog_yaml, kind):
+    catalog_yaml["hardware"] = {"kind": kind, "count": 8}
+    hardware = parse_target(catalog_yaml).hardware
+    assert hardware.memory_bytes == pytest.approx(REPORTED_MIB[kind] * 2**20, rel=0.005)
+    # NVLink's datasheet figure counts both directions; a transfer gets one (H800: 400 GB/s both ways)
+    both_ways = 400 if kind == "h800" else 900
+    assert hardware.intra_node_bandwidth_gbs == both_ways / 2
+
+
 MIXED = {
     "pools": [
         {"name": "rollout", "kind": "h20", "count": 2},

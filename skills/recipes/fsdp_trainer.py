@@ -77,9 +77,9 @@ def check_fits(model_path: str, ranks: int, device_memory_bytes: int) -> None:
     if per_device > USABLE_MEMORY * device_memory_bytes:
         raise ValueError(
             f"the trainer does not fit: {parameters / 1e9:.3g}B parameters x {TRAINER_BYTES_PER_PARAMETER} bytes "
-            "(float32 "
-            f"weights, gradients, AdamW moments) / {ranks} FSDP rank(s) = {per_device / 1e9:.3g} GB per device, over "
-            f"{USABLE_MEMORY:.0%} of its {device_memory_bytes / 1e9:.3g} GB; train on at least "
+            "(float32 weights, gradients, AdamW moments) / "
+            f"{ranks} FSDP rank(s) = {per_device / 2**30:.3g} GiB per device, over "
+            f"{USABLE_MEMORY:.0%} of its {device_memory_bytes / 2**30:.3g} GiB; train on at least "
             f"{math.ceil(parameters * TRAINER_BYTES_PER_PARAMETER / (USABLE_MEMORY * device_memory_bytes))} devices"
         )
 

@@ -134,7 +134,7 @@ class Target:
             stop_token_ids(path),
             workload_view(self.spec),
             "cuda" if self.gpu else "cpu",
-            int(min(p.memory_gb for p in self.spec.hardware.by_name.values()) * 1e9) if self.gpu else 0,
+            min(p.memory_bytes for p in self.spec.hardware.by_name.values()) if self.gpu else 0,
             self.engine_devices,
             self.devices(serving=True),
         )

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from targets.hardware import HARDWARE_CATALOG
+from targets.hardware import GIB, HARDWARE_CATALOG
 from targets.spec.base import Strict
 from targets.spec.serving import ServingSpec
 
@@ -44,6 +44,16 @@ class HardwareSpec(Strict):
         if kind not in HARDWARE_CATALOG:
             raise ValueError(f"unknown hardware kind {kind!r}; known kinds: {sorted(HARDWARE_CATALOG)}")
         return {**HARDWARE_CATALOG[kind], **data}
+
+    @property
+    def memory_bytes(self) -> int:
+        """A device's memory: ``memory_gb`` binary gigabytes (``targets/hardware.py`` says why)."""
+        return int(self.memory_gb * GIB)
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """A device's share of its node's host memory, in bytes (binary gigabytes, as ``memory_gb``)."""
+        return int(self.host_memory_gb * GIB)
 
     # -- what every hardware spec answers (``PooledHardwareSpec`` too) ---------------------------
     @property

@@ -5,7 +5,10 @@ rather than typed in. ``vibetrain workload profile TARGET`` writes one (a YAML f
 environment stand-in, batch, group, token budgets: what scaling to another cluster changes).
 
 A key is set one way: a spec that sets a key its profile measured is an error naming the key, never
-a silent override of a measurement.
+a silent override of a measurement. Response lengths are measured under a budget (``samples``:
+``response_budget``, and ``turns_at_budget``, the share of turns cut there): a spec with a larger
+``tokens.response`` refuses a profile that cut more than ``CENSORED_SHARE`` of its turns, since what
+the policy generates past the measured budget was never seen.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import yaml
 MEASURED = ("turns", "env_latency_s", "env_latency_max_s", "env_failure_rate")
 MEASURED_TOKENS = ("prompt", "observation", "response_length")
 PROVENANCE = ("measured_on", "samples")  # what the fragment says of itself: kept, never merged
+CENSORED_SHARE = 0.01  # turns cut at the measured budget, at most, for a spec with a larger one
 
 
 def with_profile(workload: Any, base_dir: Path) -> Any:
@@ -44,6 +48,9 @@ def with_profile(workload: Any, base_dir: Path) -> Any:
     unknown += sorted(f"tokens.{k}" for k in set(fragment.get("tokens") or {}) - set(MEASURED_TOKENS))
     if unknown:
         raise ValueError(f"profile {path}: {', '.join(unknown)} are not what a profile measures")
+    censored = _censored_lengths(fragment, workload)
+    if censored:
+        raise ValueError(f"profile {path}: {censored}")
     merged = {**workload, "profile": str(path)}
     both = sorted(k for k in MEASURED if k in fragment and k in workload)
     both += sorted(f"tokens.{k}" for k in fragment.get("tokens") or {} if k in (workload.get("tokens") or {}))
@@ -52,3 +59,27 @@ def with_profile(workload: Any, base_dir: Path) -> Any:
     merged.update({k: fragment[k] for k in MEASURED if k in fragment})
     merged["tokens"] = {**(workload.get("tokens") or {}), **(fragment.get("tokens") or {})}
     return merged
+
+
+def _censored_lengths(fragment: dict, workload: dict) -> str | None:
+    """Why the profile's response lengths cannot serve the spec's larger budget, or None when they can
+    (the same budget or a smaller one, which the simulator cuts at; or few turns reached the measured
+    one). A profile from before ``turns_at_budget`` was recorded cannot say: it is taken as it is."""
+    samples = fragment.get("samples")
+    if not isinstance(samples, dict) or "turns_at_budget" not in samples:
+        return None
+    if "response_length" not in (fragment.get("tokens") or {}):
+        return None  # the lengths are the spec's own
+    measured, share = samples.get("response_budget"), samples["turns_at_budget"]
+    if not isinstance(measured, int) or isinstance(measured, bool) or measured <= 0:
+        return f"samples.response_budget: the lengths' budget, a positive integer, got {measured!r}"
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= 1:
+        return f"samples.turns_at_budget: a share between 0 and 1, got {share!r}"
+    response = (workload.get("tokens") or {}).get("response")
+    if not isinstance(response, int) or response <= measured or share <= CENSORED_SHARE:
+        return None  # a budget that is no integer is the spec's own error, reported as such
+    return (
+        f"{share:.0%} of its turns ran to the response budget it was measured under ({measured} tokens, "
+        f"samples.response_budget), so its response lengths stop there; tokens.response is {response}. "
+        f"Set tokens.response to at most {measured}, or profile a run with a budget of {response}"
+    )

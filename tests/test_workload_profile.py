@@ -78,6 +78,8 @@ def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
     samples = profile["samples"]
     assert (samples["episodes"], samples["ended_by_the_environment"], samples["steps"]) == (10, 8, 60)
     assert samples["failed_attempts"] == 15 and samples["response_budget"] == tiny_spec.workload.tokens.response
+    # the unfinished episode's 3 turns of 16 reached the budget of 16, of 63 whole turns
+    assert samples["turns_at_budget"] == round(3 / 63, 4)
     assert profile["turns"]["max"] == 8 and profile["turns"]["dist"]["kind"] == "lognormal"
     assert profile["turns"]["dist"]["median"] == 3.0  # the median of 1, 1, 2, 2, 4, 4, 8, 8
     assert profile["tokens"]["prompt"] == 10 and profile["tokens"]["observation"] == 6
@@ -130,6 +132,27 @@ FRAGMENT = {
     "env_latency_max_s": 0.4,
     "env_failure_rate": 0.01,
 }
+
+
+def _cut(budget: object = 12, share: object = 0.2) -> dict:
+    """FRAGMENT measured under a response budget of ``budget`` tokens, ``share`` of its turns cut there."""
+    return {**FRAGMENT, "samples": {**FRAGMENT["samples"], "response_budget": budget, "turns_at_budget": share}}
+
+
+CUT = _cut()  # the spec's budget is tiny-qwen3-cpu's 16
+
+
+@pytest.mark.parametrize(
+    ("fragment", "response"),
+    [(_cut(share=0.01), 16), (_cut(budget=16), 16), (_cut(budget=32), 16)],
+    ids=["few turns cut", "the same budget", "a smaller budget"],
+)
+def test_lengths_measured_under_a_budget_serve_a_spec_they_were_not_cut_for(catalog_yaml, tmp_path, fragment, response):
+    """A spec with a larger budget takes lengths that seldom reached the measured one; with the same or
+    a smaller budget the simulator cuts the lengths where the real engine would."""
+    catalog_yaml["workload"]["tokens"]["response"] = response
+    _profiled_spec(catalog_yaml, tmp_path, fragment)
+    assert load_target(tmp_path / "spec.yaml").workload.tokens.response_length.mean == 9.5
 
 
 def test_a_spec_takes_its_profiles_keys_from_the_file_beside_it(catalog_yaml, tmp_path):
@@ -188,6 +211,9 @@ def test_a_calibrated_twin_written_elsewhere_finds_a_model_named_relative_to_its
         (FRAGMENT, {"profile": "nowhere.yaml"}, "nowhere.yaml: cannot read it"),
         ({**FRAGMENT, "tokens": [1]}, {}, "tokens: a mapping of workload keys, got list"),
         (FRAGMENT, {"tokens": "prompt"}, "tokens: a mapping (prompt, response, ...), got str"),
+        (CUT, {}, "20% of its turns ran to the response budget it was measured under (12 tokens"),
+        (_cut(budget="8"), {}, "samples.response_budget: the lengths' budget, a positive integer, got '8'"),
+        (_cut(share=20), {}, "samples.turns_at_budget: a share between 0 and 1, got 20"),
     ],
     ids=[
         "set twice",
@@ -199,6 +225,9 @@ def test_a_calibrated_twin_written_elsewhere_finds_a_model_named_relative_to_its
         "missing",
         "tokens not a mapping",
         "spec tokens not a mapping",
+        "lengths cut below the spec's budget",
+        "budget not a number",
+        "share not a share",
     ],
 )
 def test_a_bad_profile_is_a_spec_error_naming_the_file_or_key(catalog_yaml, tmp_path, fragment, workload, message):

@@ -6,7 +6,9 @@ fragment's format is ``targets/workload_profile.py``'s).
   generated, and the log-space spreads by moments: ``turn_sigma^2`` the mean variance of log lengths
   within a group, ``task_sigma^2`` the variance of the groups' mean log lengths less
   ``turn_sigma^2 / turns per group`` (at least 0). Turns cut at the budget count at the budget, so a
-  model that often runs to its budget gets spreads on the low side.
+  model that often runs to its budget gets spreads on the low side; the profile records the share
+  that did (``samples.turns_at_budget``), and a spec with a larger budget refuses a profile where it
+  is over 1% (what the policy does past the measured budget was never seen).
 * **the profile**, from the episodes the runs finished and the steps the harness timed in them: the
   turn count of those the environment ended itself (``fixed`` when all took as many, else lognormal:
   median and log-space sigma, capped at the most seen; an episode cut by the trajectory timeout or the
@@ -39,18 +41,25 @@ class ProfileError(ValueError):
     """The runs hold too little to fit a profile from (no finished episode)."""
 
 
-def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> ResponseLengthSpec | None:
-    """The response-length model fitted to the turns the runs completed whole (see the module doc)."""
-    budget = spec.workload.tokens.response
-    by_group: dict[tuple[int, str], list[float]] = defaultdict(list)
-    lengths = []
+def _whole_turns(runs: list[list[TraceEvent]]):
+    """(run, episode, tokens) of each turn the runs completed whole (neither aborted nor a resumed
+    remainder) and that generated something."""
     for run, events in enumerate(runs):
         for e in events:
             if e.kind == "generate" and not e.data["aborted"] and not e.data.get("continues"):
                 n = token_count(e.data["tokens"])
                 if n:
-                    lengths.append(n)
-                    by_group[run, group_of(e.data["episode"])].append(math.log(n))
+                    yield run, e.data["episode"], n
+
+
+def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> ResponseLengthSpec | None:
+    """The response-length model fitted to the turns the runs completed whole (see the module doc)."""
+    budget = spec.workload.tokens.response
+    by_group: dict[tuple[int, str], list[float]] = defaultdict(list)
+    lengths = []
+    for run, episode, n in _whole_turns(runs):
+        lengths.append(n)
+        by_group[run, group_of(episode)].append(math.log(n))
     if not lengths:
         return None
 
@@ -70,6 +79,14 @@ def response_lengths(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Response
     # at the spec's cap (a spread of e^3 a standard deviation), which the calibration notes say
     task_sigma, turn_sigma = (min(LENGTH_SIGMA_MAX, math.sqrt(v)) for v in (task_var, turn_var))
     return ResponseLengthSpec(mean=mean, task_sigma=task_sigma, turn_sigma=turn_sigma)
+
+
+def share_at_budget(spec: TargetSpec, runs: list[list[TraceEvent]]) -> float:
+    """The share of whole turns that ran to the response budget: their lengths past it were never
+    seen, so a spec with a larger budget cannot take the fit as measured (``workload_profile.py``)."""
+    lengths = [n for _, _, n in _whole_turns(runs)]
+    budget = spec.workload.tokens.response
+    return sum(n >= budget for n in lengths) / len(lengths) if lengths else 0.0
 
 
 def held_spread(lengths: ResponseLengthSpec) -> list[str]:
@@ -151,6 +168,7 @@ def fit_profile(
             "model": spec.model.weights,
             "tokenizer": spec.model.tokenizer_kind or "the model directory's",
             "response_budget": spec.workload.tokens.response,
+            "turns_at_budget": round(share_at_budget(spec, runs), 4),  # lengths cut there, unseen past it
             "notes": notes,
         },
         "turns": {"max": max(turns), "dist": drawn},

@@ -668,6 +668,7 @@ def test_a_step_answer_the_controllers_done_overtook_is_dropped_not_sent_on_its_
 
     class Channel:  # the controller's socket: closed once the controller has exited
         closed = False
+        closing = False  # the loss not yet seen (the next test's case): only the done frame drops the answer
 
         def send(self, frame):
             if self.closed:
@@ -700,6 +701,31 @@ def test_a_step_answer_the_controllers_done_overtook_is_dropped_not_sent_on_its_
 
     run_strict(run(Channel()), asyncio.new_event_loop())
     assert [frame.header["id"] for frame in sent] == [1]
+
+
+def test_an_answer_due_as_the_controllers_channel_closes_leaves_the_run_to_the_loss():
+    """The controller said its last and exited while the harness wrote to it: the failed write closes
+    the transport at once, and ``connection_lost`` (which reads what the controller sent last) runs a
+    loop turn later. An answer due in between (a generate's done callback, a step's timer) raised 'the
+    channel is closed' out of a plain callback, and the run failed as the harness's own CallbackFailed
+    (a planted judge test, under load). The answer is dropped; the loss still ends the run, with its cause."""
+    from targets.harness.clock import WallClock
+    from targets.harness.isolation.controller_link import ControllerLink
+    from targets.harness.strict_loop import run_strict
+
+    async def run() -> None:
+        ours, theirs = socket.socketpair()
+        channel = await AsyncChannel.over(ours)
+        link = ControllerLink(channel, SimpleNamespace(), clock=WallClock(), virtual=False)
+        served = asyncio.create_task(link.serve())
+        await asyncio.sleep(0)
+        theirs.close()
+        channel.transport.close()  # as a failed write does: closing now, connection_lost next turn
+        link.send(Frame(id=1))  # a generate's answer, due in between
+        with pytest.raises(ProtocolError, match="hung up before it was done"):
+            await served
+
+    run_strict(run(), asyncio.new_event_loop())
 
 
 def test_a_device_memory_sample_that_fails_mid_run_is_raised_not_a_lower_peak(monkeypatch):

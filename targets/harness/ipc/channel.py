@@ -446,8 +446,14 @@ class AsyncChannel(asyncio.BufferedProtocol):
             await self._waiter
         return self._queue.popleft()
 
+    @property
+    def closing(self) -> bool:
+        """Whether a frame sent now would go nowhere: the peer is lost, or the transport is closing
+        (a failed write closes it before ``connection_lost`` reads what the peer sent last)."""
+        return self._lost is not None or self.transport is None or self.transport.is_closing()
+
     def send(self, frame: Frame) -> None:
-        if self._lost is not None or self.transport is None or self.transport.is_closing():
+        if self.closing:
             raise ProtocolError("the channel is closed")
         data = frame.encode()
         self.sent += 1

@@ -80,8 +80,10 @@ class ControllerLink:
     def send(self, frame: Frame) -> None:
         """A frame for the controller; dropped once it is done: nobody waits for an answer the run's end
         overtook (a step's timer or a verdict due in the loop turn that read the controller's last frame,
-        when its socket may already be closed)."""
-        if self.done.done():
+        when its socket may already be closed). Dropped too while its channel closes: the controller
+        exited, a write failed, and the channel's loss, due in this loop turn, ends the run with what
+        the controller sent last (its "done", or that it hung up before it), not this answer."""
+        if self.done.done() or self.channel.closing:
             return
         if self.virtual:
             frame.header["t"] = self.clock.now()

@@ -572,8 +572,9 @@ def test_time_multiplexing_beats_the_static_split_at_scale(tmp_path, big_small_b
         spec, events, summary = _simulated(tmp_path, big_small_batch, controller)
         measured[controller] = compute_metrics(events, [f"h800:{i}" for i in range(160)])
         assert summary["engine_devices"] == 8
-    # 32 rollout devices hold a fraction of the KV that 160 do: the static split queues
-    assert measured["time_multiplex"]["rollout_throughput"] > 1.5 * measured["static_split"]["rollout_throughput"]
+    # 32 rollout devices hold a fifth of the KV that 160 do: the static split queues (1.45x here; 2.1x
+    # while the catalog's memory was read in 1e9 bytes, which cut an engine's KV room by 29%)
+    assert measured["time_multiplex"]["rollout_throughput"] > 1.3 * measured["static_split"]["rollout_throughput"]
     assert measured["time_multiplex"]["mean_device_busy"] > measured["static_split"]["mean_device_busy"]
 
 

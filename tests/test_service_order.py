@@ -149,6 +149,20 @@ def test_an_engine_resident_for_part_of_the_request_is_enough():
     assert reasons == [], reasons
 
 
+def test_a_turn_answered_during_the_expand_that_woke_its_engine_names_it():
+    """The cluster routes to an engine as its expand wakes it; the harness asks for the residency once
+    the expand has returned: a short turn served in between was answered before the record listing
+    its engine (a real run of redundant_envs, rejected as an unnamed engine). A turn answered before
+    that expand began still names a device that held none."""
+    expand = TraceEvent("expand", 0.53, {"start": 0.5, "devices": ["cpu:1"]})
+    woken = TraceEvent("device_state", 0.55, {"resident": {"cpu:0": ["engine"], "cpu:1": ["engine"]}})
+    during = _served("a/e0", 0.52, 0.54, 4, device="cpu:1")
+    assert _judge(during, expand, woken, resident=_resident(cpu1="trainer"))[0] == []
+    before = _served("b/e0", 0.4, 0.45, 4, device="cpu:1")
+    (reason,) = _judge(before, expand, woken, resident=_resident(cpu1="trainer"))[0]
+    assert reason.startswith("unnamed engine: episode b/e0 turn 0"), reason
+
+
 def test_a_simulated_run_is_not_judged_by_it():
     start = _start()
     start.data["tokens_recorded"] = False

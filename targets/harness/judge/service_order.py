@@ -32,6 +32,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from targets.api import TraceEvent
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.trace import token_count
 
@@ -105,16 +106,28 @@ def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
     return {"service_order_witnessed": witnessed, "service_order_least_margin": None if least == math.inf else least}
 
 
+SWITCHES = ("shrink", "expand", "train", "train_part", "suspend", "resume")  # each followed by a residency record
+
+
 def _engine_spans(ix: TraceIndex) -> dict[str, list[tuple[float, float]]]:
-    """When each engine was resident, by the cluster's residency records (made after every switch):
-    from each record listing it until the next record."""
-    records = sorted(ix.by_kind["device_state"], key=lambda e: e.t)
+    """When each engine was resident, by the cluster's residency records (asked for after every switch
+    returns): from the start of the switch a record follows, during which the state it reports came
+    about, until the next record. (An engine an expand woke serves as soon as the cluster routes to it,
+    before the harness has its residency: a short turn was answered in that round trip, named by a
+    record made after it.)"""
+    records: list[tuple[TraceEvent, float]] = []
+    since = -math.inf  # the first record is the run's start
+    for e in ix.events:  # in the order recorded: a switch, then the record it was followed by
+        if e.kind == "device_state":
+            records.append((e, since))
+        elif e.kind in SWITCHES:
+            since = e.data["start"]
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for k, e in enumerate(records):
-        until = records[k + 1].t if k + 1 < len(records) else math.inf
+    for k, (e, since) in enumerate(records):
+        until = records[k + 1][0].t if k + 1 < len(records) else math.inf
         for device, components in e.data["resident"].items():
             if "engine" in components:
-                spans[ix.engine(device)].append((e.t if k else -math.inf, until))
+                spans[ix.engine(device)].append((min(since, e.t) if k else -math.inf, until))
     return spans
 
 

@@ -376,7 +376,9 @@ class Cluster(Protocol):
     it starts that step early on whole groups, on the same devices: stream training); ``sync_weights`` pushes a
     version to the engines on ``devices``: it lets the requests they are running finish first, or
     with ``interrupt`` answers them at once with ``Aborted`` (their partial responses) and serves
-    their continuations under the new version.
+    their continuations under the new version. A turn whose episode is dropped while it generates is
+    cancelled by the harness: a candidate's ``generate`` is cancelled (``asyncio``) and should stop
+    serving the request (abort it on its engine), and a controller still awaiting it gets ``RuntimeError``.
     """
 
     devices: list[Device]
@@ -443,7 +445,8 @@ class EnvDropper(Protocol):
     verifies: ``stale`` (a group member beyond the staleness bound), ``end_of_run`` (after the last
     step), ``max_sequence`` (the next turn cannot fit), ``redundant`` (a declared spare) or ``deferred``
     (tail batching: a group handed back whole); a stale or deferred group's task may run again
-    (``new_group(relaunch=...)``). Anything neither trained nor dropped is lost."""
+    (``new_group(relaunch=...)``). Anything neither trained nor dropped is lost. A turn of a dropped
+    episode still generating is stopped on its engine (``Cluster``)."""
 
     def drop(self, episode_id: str, reason: str) -> None: ...
 
@@ -570,6 +573,7 @@ EventKind = Literal[
     "env_step",
     "env_checkpoint",
     "generate",
+    "generate_cancelled",  # a turn whose episode was dropped while it generated: the harness stopped it
     "train",
     "train_part",  # stream training: groups given to the next step early (``Cluster.train_part``)
     "sync",

@@ -1068,6 +1068,35 @@ def test_a_request_preempted_while_a_load_drains_finishes_before_the_load(path, 
         assert completion.logprobs == pytest.approx(expected, abs=1e-4), (completion.weight_version, completion)
 
 
+def test_a_cancelled_generate_is_aborted_on_the_engine_and_gives_its_kv_back(path):
+    """The harness cancels a turn whose episode was dropped (a spare, a stale group): the call's
+    cancellation reaches the engine server, which aborts the request at the next step, so it stops
+    decoding and its blocks are free; the engine serves on."""
+    from skills.recipes.engine_server import EngineServer
+
+    async def main():
+        server = EngineServer(path, "float32", "e0", block_size=4, kv_tokens=96)
+        engine = server.engine
+        turn = asyncio.create_task(server.generate(fixed_prompts(1)[0], _greedy(60), "g0/e1"))
+        while not any(r.generated for r in engine.running):
+            await asyncio.sleep(0.005)
+        (request,) = engine.running
+        turn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        while engine.has_work():
+            await asyncio.sleep(0.005)
+        after = await server.generate(fixed_prompts(2)[1], _greedy(4), "g0/e2")
+        free = engine.blocks.free_blocks + sum(len(p.blocks) for p in engine.blocks.prefixes.values())
+        await server.close()
+        return request, after, free, engine.blocks.num_blocks
+
+    request, after, free, blocks = asyncio.run(main())
+    assert request.finish == "abort" and 0 < len(request.generated) < 60
+    assert after.finish_reason == "length" and len(after.tokens) == 4
+    assert free == blocks  # nothing held but the served turn's cached prefix
+
+
 def test_requests_are_admitted_in_the_clusters_order_of_arrival(path):
     """Ray may start an engine call whose prompt went through its object store after a later one: the
     engine admits by the number the cluster gave each request, not by when its call came, as the judge's

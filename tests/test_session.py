@@ -402,9 +402,10 @@ def test_a_corked_burst_channel_ends_each_flush_with_the_marker_and_counts_only_
 
 
 def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_channel_lives():
-    """The controller finished with generates in flight: the harness cancels their waiters, and the
-    cluster's answers arrive afterwards. They must not take the cluster channel down (a CI run failed
-    a candidate with 'the peer closed the channel (invalid state)')."""
+    """The controller finished with generates in flight, or dropped their episodes: the harness cancels
+    their waiters and tells the cluster process to stop serving them, and an answer it sent before the
+    cancel came arrives afterwards. It must not take the cluster channel down (a CI run failed a
+    candidate with 'the peer closed the channel (invalid state)')."""
     from targets.api import Completion, Device, GenerateRequest, SamplingParams
     from targets.harness.ipc.remote import RemoteCluster
     from targets.harness.ipc.wire import put_completion
@@ -420,6 +421,8 @@ def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_cha
         first = await asyncio.to_thread(peer.recv)
         abandoned.cancel()
         await asyncio.sleep(0.01)
+        cancel = await asyncio.to_thread(peer.recv)  # the cluster process cancels that call
+        assert (cancel["method"], cancel["call"]) == ("cancel", first["id"])
         answer = Frame(id=first["id"])
         answer.header["completion"] = put_completion(answer, Completion([3, 4], [-0.1, -0.2], "length", 0, "e"))
         peer.send(answer)  # too late: its caller is gone
@@ -432,6 +435,83 @@ def test_the_late_answer_to_a_call_whose_caller_went_away_is_dropped_and_the_cha
 
     lost, completion = asyncio.run(main())
     assert lost is None and completion.tokens == [5]
+
+
+STUB_CLUSTER_STACK = """
+import asyncio
+from targets.api import Completion, Stack
+
+CANCELLED = []  # the turns whose generate was cancelled
+
+
+class Cluster:
+    devices = []
+
+    async def generate(self, request):
+        if request.episode_id == "quick":
+            return Completion([7], [-0.5], "stop", 0, "cpu:0")
+        try:
+            await asyncio.Event().wait()  # a long turn
+        except asyncio.CancelledError:
+            CANCELLED.append(request.episode_id)
+            raise
+
+    async def close(self):
+        pass
+
+
+def build(runtime):
+    async def make_cluster():
+        return Cluster()
+
+    return Stack(None, make_cluster, None, None, None)
+"""
+
+
+def test_the_cluster_process_cancels_a_generate_its_caller_gave_up(tmp_path, monkeypatch):
+    """The harness cancels a turn whose episode was dropped: the cluster process cancels that call's
+    task, so the candidate's ``generate`` sees the cancellation (and its engine can abort the request),
+    answers nothing for it, and serves the next calls."""
+    import sys
+
+    from targets.api import Device, GenerateRequest, Runtime, SamplingParams, TrainingConfig, Workload
+    from targets.harness.ipc.remote import RemoteCluster
+    from targets.harness.ipc.wire import put_runtime
+    from targets.harness.isolation.candidate_process import _serve_cluster
+
+    (tmp_path / "stack").mkdir()
+    (tmp_path / "stack" / "__init__.py").write_text(STUB_CLUSTER_STACK)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # the stack's import prepends its folder
+    workload = Workload(4, 2, 0, 0, 8, 8, 4, 32, 1.0, TrainingConfig())
+    runtime = Runtime("unused", "float32", (Device("cpu:0", "cpu", 0),), "vt_device_", (0,), workload, "cpu")
+
+    async def main():
+        ours, theirs = _pair()
+        exports, _ = _pair()
+        serving = asyncio.create_task(_serve_cluster(await AsyncChannel.over(theirs), exports, str(tmp_path)))
+        channel = await AsyncChannel.over(ours)
+        channel.send(Frame(kind="init", runtime=put_runtime(runtime)))
+        assert (await channel.recv())["kind"] == "ready"
+        cluster = RemoteCluster(channel, list(runtime.devices))
+        cluster.start()
+        params = SamplingParams(max_new_tokens=4)
+        long = asyncio.create_task(cluster.generate(GenerateRequest("dropped", 0, [1, 2], params)))
+        await asyncio.sleep(0.1)
+        long.cancel()
+        quick = await cluster.generate(GenerateRequest("quick", 0, [1, 2], params))
+        await asyncio.sleep(0.1)
+        cancelled = list(sys.modules["stack"].CANCELLED)  # before the close cancels whatever is left
+        await cluster.close()
+        await serving
+        return cancelled, quick, cluster._lost
+
+    sys.modules.pop("stack", None)
+    try:
+        cancelled, quick, lost = asyncio.run(main())
+    finally:
+        sys.modules.pop("stack", None)
+        sys.path.remove(str(tmp_path))
+    assert cancelled == ["dropped"] and quick.tokens == [7] and lost is None
 
 
 # -- the sandbox refuses to fall back silently -------------------------------------------------------------
@@ -573,8 +653,11 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
         assert not link.done.done(), link.done.exception()
 
     asyncio.run(burst())
-    assert ("generate", [1, 2, 3, 4, 5]) in seen and ("drop", "g0/e5", "redundant") in seen
-    assert len(sent) == 2  # both calls answered (Aborted), neither broke the protocol
+    # turn 1 decoded whole, then cancelled by the drop before the cluster served it (the drop's
+    # prompt-forgetting broke neither); both calls answered: turn 0 Aborted, turn 1 cancelled
+    assert seen == [("generate", [1, 2, 3]), ("drop", "g0/e5", "redundant")]
+    assert len(sent) == 2 and sent[0].header["error"]["type"] == "Aborted"
+    assert "g0/e5 was dropped while its turn 1 generated" in sent[1].header["error"]["message"]
 
 
 def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():

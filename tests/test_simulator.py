@@ -459,6 +459,37 @@ def test_abort_answers_everything_with_partial_tokens(big):
     assert 0 < len(running.tokens) < 1000 and len(queued.tokens) == 0
 
 
+def test_a_cancelled_request_gives_its_kv_back_at_once_and_is_never_answered(big):
+    """A dropped spare's turn decoded on to its end, holding the KV a queued turn waited for. Cancelled,
+    it leaves the batch at once: the queued turn is admitted then, not when the spare would have
+    finished; a cancel of a queued or answered request is harmless, and neither is ever answered."""
+    cost = CostModel.from_spec(big)
+    told, admitted = [], []
+
+    async def body(engine, loop, cancel: bool):
+        running = engine.submit("a", 100, 1000, done=told.append)
+        # does not fit beside "a": admitted when "a" leaves the batch
+        queued = engine.submit("b", cost.kv_capacity_tokens - 50, 10, started=lambda: admitted.append(loop.time()))
+        never = engine.submit("c", 10, 10, done=told.append)  # behind "b"
+        await asyncio.sleep(1.0)
+        if cancel:
+            engine.cancel(running)
+            engine.cancel(never)  # still queued
+            engine.cancel(never)  # twice
+        return await queued
+
+    _engine_run(cost, lambda e, loop: body(e, loop, False))
+    assert [c.finish_reason for c in told] == ["length", "length"]  # "a" and "c", in full
+    (kept_at,) = admitted
+    told.clear(), admitted.clear()
+    b = _engine_run(cost, lambda e, loop: body(e, loop, True))
+    assert told == [] and b.finish_reason == "length"  # the cancelled ones are never answered
+    (cancelled_at,) = admitted
+    prefill = cost.prefill_s(cost.kv_capacity_tokens - 50, 0)
+    assert cancelled_at == pytest.approx(1.0 + prefill, abs=0.01)  # its prefill began at the cancel
+    assert kept_at > cancelled_at + 3  # without it, after "a"'s 1000 tokens (5 s of decode)
+
+
 def test_static_batching_admits_only_between_batches():
     spec = load_target("tiny-qwen3-cpu")
     continuous = CostModel.from_spec(spec)

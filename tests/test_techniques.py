@@ -44,6 +44,14 @@ def test_redundant_envs_keep_the_first_members_and_drop_the_spares(tmp_path, fas
     assert trained and set(trained.values()) == {spec.workload.group_size}  # groups train whole, spares never
     assert redundant and max(redundant.values()) <= 2
     assert sum(redundant[g] for g in trained) == 2 * len(trained)  # a trained group's spares all went back
+    # a spare dropped mid-turn had its turn stopped on the engine as it was dropped, never completed
+    dropped_at = {e.data["episode"]: e.t for e in events if e.kind == "sample_dropped"}
+    cancelled = [e for e in events if e.kind == "generate_cancelled"]
+    completed = {(e.data["episode"], e.data["turn"]) for e in events if e.kind == "generate" and not e.data["aborted"]}
+    assert cancelled, "no spare was dropped while it generated"
+    for e in cancelled:
+        assert 0 <= e.t - dropped_at[e.data["episode"]] < 0.05 and e.data["start"] <= e.t
+        assert (e.data["episode"], e.data["turn"]) not in completed
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])

@@ -77,7 +77,13 @@ class EngineServer:
         future = loop.create_future()
         self._pending[request.id] = future
         self._wakeup.set()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # its caller went away (its episode dropped): its batch slot and KV go back
+            self._pending.pop(request.id, None)
+            self.engine.abort(request.id)  # taken at the next step, between steps
+            self._wakeup.set()
+            raise
 
     async def _step_loop(self) -> None:
         while True:

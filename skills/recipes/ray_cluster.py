@@ -368,9 +368,12 @@ class RayCluster:
             # numbered here: an async actor may start a call whose prompt went through the object store
             # (over ~32k tokens) after a later one, and the engine admits by this number
             arrival = next(self._arrivals)
-            completion = await self._engines[device].generate.remote(
-                request.prompt, request.params, request.episode_id, arrival
-            )
+            call = self._engines[device].generate.remote(request.prompt, request.params, request.episode_id, arrival)
+            try:
+                completion = await call
+            except asyncio.CancelledError:  # its episode was dropped: the engine stops serving it
+                ray.cancel(call)
+                raise
         finally:
             self._outstanding[device] -= 1
         if completion.finish_reason == "abort":

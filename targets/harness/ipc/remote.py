@@ -58,6 +58,7 @@ class RemoteCluster:
     def __init__(self, channel: AsyncChannel, devices: list[Device]) -> None:
         self.channel, self.devices = channel, list(devices)
         self._pending: dict[int, asyncio.Future] = {}
+        self._cancelled: set[int] = set()  # calls cancelled here whose answer may still come
         self._next = 0
         self._lost: BaseException | None = None
 
@@ -66,6 +67,9 @@ class RemoteCluster:
 
     def _on_frame(self, rx: Received) -> None:
         future = self._pending.pop(rx.get("id"), None)
+        if future is None and rx.get("id") in self._cancelled:  # answered before the cancel reached it
+            self._cancelled.discard(rx.get("id"))
+            return
         if future is None:
             self._on_lost(ProtocolError(f"the cluster process answered a call never made (id {rx.get('id')!r})"))
             return
@@ -85,10 +89,17 @@ class RemoteCluster:
             raise ProtocolError(f"{what}: the cluster process is gone ({self._lost})")
         self._next += 1
         frame.header["id"] = self._next
-        future = asyncio.get_running_loop().create_future()
-        self._pending[self._next] = future
+        number, future = self._next, asyncio.get_running_loop().create_future()
+        self._pending[number] = future
         self.channel.send(frame)
-        return raise_if_error(await future, f"cluster.{what}")
+        try:
+            rx = await future
+        except asyncio.CancelledError:  # the caller went away (a generate whose episode was dropped)
+            if self._pending.pop(number, None) is not None and not self.channel.closing:
+                self._cancelled.add(number)
+                self.channel.send(Frame(method="cancel", call=number))  # the cluster stops serving it
+            raise
+        return raise_if_error(rx, f"cluster.{what}")
 
     def now(self) -> float:
         raise PermissionError("the harness keeps the clock")

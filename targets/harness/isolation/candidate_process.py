@@ -371,12 +371,16 @@ async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_di
         if method == "close" and not finished.done():
             finished.set_result(None)
 
-    tasks: set[asyncio.Task] = set()
+    tasks: dict[int, asyncio.Task] = {}  # the calls being answered, by the harness's number
 
     def on_frame(rx: Received) -> None:
-        task = asyncio.create_task(handle(rx))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        if rx["method"] == "cancel":  # its caller went away: the call is cancelled, and answers nothing
+            cancelled = tasks.get(rx["call"])
+            if cancelled is not None:
+                cancelled.cancel()
+            return
+        task = tasks[rx["id"]] = asyncio.create_task(handle(rx))
+        task.add_done_callback(lambda task, number=rx["id"]: tasks.pop(number, None))
 
     def on_lost(error: BaseException) -> None:
         if not finished.done():
@@ -384,7 +388,7 @@ async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_di
 
     channel.listen(on_frame, on_lost)
     await finished
-    for task in list(tasks):
+    for task in list(tasks.values()):
         task.cancel()
     await channel.close()
 

@@ -31,7 +31,7 @@ from targets.harness.ipc.wire import (
     put_tokens,
 )
 from targets.harness.isolation.episode_activity import EpisodeActivity
-from targets.harness.isolation.traced_cluster import TracedCluster
+from targets.harness.isolation.traced_cluster import Generating, TracedCluster
 from targets.harness.sim.engine import simulated_response
 
 
@@ -59,6 +59,7 @@ class ControllerLink:
         self.waits = 0  # idle notices: how often the harness waited on the controller (round trips)
         self._numbers = itertools.count()  # numbers the calls under way
         self._tasks: dict[int, asyncio.Task] = {}  # cluster calls being answered, by number
+        self._generating: dict[int, tuple[Any, Generating]] = {}  # generate calls under way: the controller's id
         self._steps: dict[int, asyncio.TimerHandle] = {}  # environment steps and checkpoints under way, by number
 
     # -- IdlePeer ------------------------------------------------------------------------------------
@@ -167,6 +168,7 @@ class ControllerLink:
                 self.envs.drop(episode, field_of(rx.header, "reason", str, "drop"), idle)
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
+            self._cancel_turns(episode)
         elif kind == "env":
             self._env(rx)
         elif kind == "cluster":
@@ -210,6 +212,7 @@ class ControllerLink:
 
         def done(result: Completion | BaseException) -> None:
             self._tasks.pop(key, None)
+            self._generating.pop(key, None)
             self.activity.end(request.episode_id, generate=True)
             if self.done.done():
                 return  # the run is over: nobody waits for this answer
@@ -225,9 +228,24 @@ class ControllerLink:
             if reply is not None:
                 self.send(reply)
 
-        task = self.cluster.generate_then(request, done)
-        if task is not None:
-            self._tasks[key] = task
+        generating = self.cluster.generate_then(request, done)
+        if generating.under_way:  # not answered at once (a request no engine can take is)
+            self._generating[key] = (request_id, generating)
+        if generating.task is not None:
+            self._tasks[key] = generating.task
+
+    def _cancel_turns(self, episode: str) -> None:
+        """The episode was dropped: a turn of it the cluster still serves is stopped (nobody will train
+        it; a cancelled spare decoded on to its turn's end, holding its engine's batch and KV), and the
+        controller, should it still wait for that turn, is told."""
+        for key, (request_id, generating) in list(self._generating.items()):
+            if generating.request.episode_id == episode and generating.cancel():
+                del self._generating[key]
+                self._tasks.pop(key, None)  # a candidate cluster's call: cancelled, it ends on its own
+                self.activity.end(episode, generate=True)
+                turn = generating.request.turn
+                message = f"episode {episode} was dropped while its turn {turn} generated: the turn was cancelled"
+                self.send(Frame(id=request_id, error={"type": "RuntimeError", "message": message}))
 
     async def _answer(self, rx: Received, tokens, key: int) -> None:
         """Answer one cluster call (a task of its own: it takes the cluster's time)."""

@@ -5,13 +5,42 @@ step the weights are exported and sealed (``ipc/weight_export.py``)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from targets.api import Aborted, Cluster, Completion, Device, GenerateRequest, ServingLoad, TrainBatch
 from targets.harness.ipc.protocol import ProtocolError
 from targets.harness.ipc.weight_export import WeightExporter
 from targets.harness.sim.cluster import Answer, SimCluster
 from targets.harness.trace import Trace
+
+
+class Generating:
+    """A turn the cluster is serving. ``cancel`` stops it when its episode was dropped: the cluster is
+    told to stop (the simulator's engine frees it; a candidate's ``generate`` is cancelled, and its
+    engine should abort the request) and the trace records ``generate_cancelled``. ``task``: a
+    candidate cluster's call (None on the simulator)."""
+
+    __slots__ = ("request", "start", "trace", "task", "cancel_inner", "answered", "cancelled")
+
+    def __init__(self, request: GenerateRequest, start: float, trace: Trace) -> None:
+        self.request, self.start, self.trace = request, start, trace
+        self.task: asyncio.Task | None = None
+        self.cancel_inner: Callable[[], object] = lambda: None  # the cluster's way to stop it
+        self.answered = self.cancelled = False
+
+    @property
+    def under_way(self) -> bool:
+        return not (self.answered or self.cancelled)
+
+    def cancel(self) -> bool:
+        """Stop serving it, unless it was answered already; whether it was under way."""
+        if not self.under_way:
+            return False
+        self.cancelled = True
+        self.cancel_inner()
+        request = self.request
+        self.trace.record("generate_cancelled", episode=request.episode_id, turn=request.turn, start=self.start)
+        return True
 
 
 class TracedCluster:
@@ -30,13 +59,17 @@ class TracedCluster:
         self._resident: dict | None = None
         self.last_device: dict[str, str] = {}  # episode -> the device that served its latest turn
 
-    def generate_then(self, request: GenerateRequest, done: Answer) -> asyncio.Task | None:
+    def generate_then(self, request: GenerateRequest, done: Answer) -> Generating:
         """Serve ``request`` on the cluster and record it; ``done`` is told its completion or the
         error it ended in. The simulator answers by callback; a cluster that answers only by await
-        (a candidate's) gets a task, returned so the caller can cancel it at the end of the run."""
+        (a candidate's) gets a task, which the caller awaits at the end of the run."""
         start = self.trace.clock.now()
+        generating = Generating(request, start, self.trace)
 
         def recorded(result: Completion | BaseException) -> None:
+            if generating.cancelled:  # answered as it was cancelled: nobody asks for it now
+                return
+            generating.answered = True
             if isinstance(result, Completion):
                 self._record(request, result, start, aborted=False)
             elif isinstance(result, Aborted) and result.partial is None:
@@ -47,11 +80,12 @@ class TracedCluster:
 
         then = getattr(self.inner, "generate_then", None)
         if then is not None:
-            then(request, recorded)
-            return None
+            generating.cancel_inner = then(request, recorded)
+            return generating
         task = asyncio.ensure_future(self.inner.generate(request))
         task.add_done_callback(lambda task: None if task.cancelled() else recorded(task.exception() or task.result()))
-        return task
+        generating.task, generating.cancel_inner = task, task.cancel
+        return generating
 
     def _record(self, request: GenerateRequest, completion: Completion, start: float, aborted: bool) -> None:
         tokens, p = self.trace.tokens, request.params

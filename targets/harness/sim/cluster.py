@@ -22,14 +22,28 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from targets.api import Aborted, Completion, Device, GenerateRequest, ServingLoad, TrainBatch
 from targets.harness.sim.cost_model import ClusterCosts
-from targets.harness.sim.engine import SimEngine
+from targets.harness.sim.engine import SimEngine, _Sequence
 from targets.harness.sim.response_length import ResponseLengths
 from targets.harness.sim.serving import ServingPool
 
 Answer = Callable[[Completion | BaseException], None]  # told a request's completion or the error it ended in
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate_then``: the request, whom to tell, and where it is served (its engine and the
+    engine's handle, once submitted; a retry after an abort is another call)."""
+
+    request: GenerateRequest
+    done: Answer
+    length: int | None
+    engine: SimEngine | None = None
+    seq: _Sequence | None = None  # the engine's handle for ``SimEngine.cancel``
+    cancelled: bool = False
 
 
 class SimCluster:
@@ -57,9 +71,7 @@ class SimCluster:
         for engine in self.engines[len(groups) :]:  # a serving device's engine: asleep until borrowed
             engine.offload()
         self._sticky: dict[str, SimEngine] = {}
-        self._blocked: list[
-            tuple[GenerateRequest, Answer, int | None]
-        ] = []  # requests that came while no engine served
+        self._blocked: list[_Call] = []  # requests that came while no engine served
         self._suspended = False
         self._training: set[str] = set()  # devices the trainer last trained on
         self.version = 0
@@ -97,13 +109,20 @@ class SimCluster:
             raise result
         return result
 
-    def generate_then(self, request: GenerateRequest, done: Answer, length: int | None = None) -> None:
+    def generate_then(self, request: GenerateRequest, done: Answer, length: int | None = None) -> Callable[[], None]:
         """Serve ``request``; ``done`` is told its completion, or the error it ended in (``Aborted``
         when its engine was shrunk, suspended or interrupted). Callbacks, not a task a request: a
         simulated run makes millions. While no engine serves, the request waits for one. ``length``:
-        the tokens it generates (a colocated judge's verdict), else what ``ResponseLengths`` draws."""
+        the tokens it generates (a colocated judge's verdict), else what ``ResponseLengths`` draws.
+        Returns how to cancel it (its caller has gone): the engine stops serving it, ``done`` is never told."""
+        call = _Call(request, done, length)
+        self._serve(call)
+        return functools.partial(self._cancel, call)
+
+    def _serve(self, call: _Call) -> None:
+        request = call.request
         if self._suspended or not self._active:
-            self._blocked.append((request, done, length))
+            self._blocked.append(call)
             return
         engine = self._engine_of.get(request.device)  # None when the candidate leaves it to us
         if engine not in self._active:
@@ -111,35 +130,46 @@ class SimCluster:
         if engine not in self._active:
             engine = min(self._active, key=lambda e: (e.load, e.name))
         self._sticky[request.episode_id] = engine
-        budget = request.params.max_new_tokens
+        budget, length = request.params.max_new_tokens, call.length
         if length is None:
             length = min(budget, max(1, self.lengths.of(request.episode_id, request.turn) - request.continues))
-        served = functools.partial(self._served, request, engine, done)
         try:
-            engine.submit(request.episode_id, len(request.prompt), budget, length, served)
-        except (ValueError, RuntimeError) as error:  # a request the engine cannot take: its caller is told
-            done(error)
-
-    def _served(self, request: GenerateRequest, engine: SimEngine, done: Answer, completion: Completion) -> None:
-        if engine.cost.request_overhead_s:  # the answer's way back; the engine serves on
-            asyncio.get_running_loop().call_later(
-                engine.cost.request_overhead_s, self._answered, request, engine, done, completion
+            call.engine = engine
+            call.seq = engine.submit(
+                request.episode_id, len(request.prompt), budget, length, functools.partial(self._served, call)
             )
+        except (ValueError, RuntimeError) as error:  # a request the engine cannot take: its caller is told
+            call.done(error)
+
+    def _served(self, call: _Call, completion: Completion) -> None:
+        if call.engine.cost.request_overhead_s:  # the answer's way back; the engine serves on
+            asyncio.get_running_loop().call_later(call.engine.cost.request_overhead_s, self._answered, call, completion)
         else:
-            self._answered(request, engine, done, completion)
+            self._answered(call, completion)
 
     @staticmethod
-    def _answered(request: GenerateRequest, engine: SimEngine, done: Answer, completion: Completion) -> None:
+    def _answered(call: _Call, completion: Completion) -> None:
+        if call.cancelled:
+            return
         if completion.finish_reason == "abort":
-            done(Aborted(f"{request.episode_id} turn {request.turn} aborted on {engine.name}", completion))
+            request = call.request
+            call.done(Aborted(f"{request.episode_id} turn {request.turn} aborted on {call.engine.name}", completion))
         else:
-            done(completion)
+            call.done(completion)
+
+    def _cancel(self, call: _Call) -> None:
+        """Its caller has gone: out of the waiting requests, or its engine stops serving it."""
+        call.cancelled = True
+        if call in self._blocked:
+            self._blocked.remove(call)
+        elif call.seq is not None:
+            call.engine.cancel(call.seq)
 
     def _unblock(self) -> None:
         """Engines serve again: the requests that waited go out, in the order they came."""
         blocked, self._blocked = self._blocked, []
-        for request, done, length in blocked:
-            self.generate_then(request, done, length)
+        for call in blocked:
+            self._serve(call)
 
     def last_device(self, episode: str) -> str | None:
         """The device of the engine that served ``episode``'s last turn (None before its first)."""

@@ -159,10 +159,10 @@ class SimEngine:
         length: int | None = None,
         done: Callable[[Completion], None] | None = None,
         started: Callable[[], None] | None = None,
-    ) -> asyncio.Future | None:
+    ) -> asyncio.Future | _Sequence:
         """Queue a turn that generates ``length`` tokens (default: the whole ``max_new`` budget);
-        ``done`` is told its completion (when not given, a future is, and is returned), ``started``
-        each time its prefill ends."""
+        ``done`` is told its completion (when not given, a future is, and is returned; when given, the
+        request is returned, for ``cancel``), ``started`` each time its prefill ends."""
         length = max_new if length is None else length
         if self.offloaded:
             raise RuntimeError(f"{self.name}: request routed to an offloaded engine")
@@ -177,10 +177,38 @@ class SimEngine:
             future = self._loop.create_future()
             done = future.set_result
         head = not self.queue  # behind others, it cannot be admitted before they are: no need to interrupt
-        self.queue.append(_Sequence(episode, prompt_tokens, max_new, length, done, started=started))
+        seq = _Sequence(episode, prompt_tokens, max_new, length, done, started=started)
+        self.queue.append(seq)
         if head and (self.cost.continuous_batching or not self.running):
             self._wake()
-        return future
+        return future if future is not None else seq
+
+    def cancel(self, seq: _Sequence) -> None:
+        """Stop serving ``seq``, whose caller has gone (its episode was dropped): it leaves the queue,
+        the joining requests or the batch, its KV is freed (not cached: the episode has no next turn),
+        and it is never answered. The batch's iterations so far are credited first, as for an abort."""
+        if seq.answered:
+            return
+        seq.answered = True
+        if seq in self.queue:  # waiting (a preempted one holds no KV either)
+            self.queue.remove(seq)
+        elif any(j.seq is seq for j in self.joining):
+            self.joining = deque(j for j in self.joining if j.seq is not seq)
+            self._joining_tokens -= seq.context
+        elif seq in self.running:
+            self._progress()
+            self.running.remove(seq)
+            self._leave_batch(seq)  # its entry in the ends heap is dropped when it comes up
+            self._context -= seq.context
+            if seq in self._prefilling:
+                self._prefilling.remove(seq)
+            if not self.running:
+                self._empty_batch()
+        else:
+            return  # answered already, its answer on its way back
+        if not self.running:
+            self._drained.set()  # a weight load waiting for the batch re-checks it
+        self._wake()  # the batch changed: the next event is another one
 
     def interrupt(self) -> None:
         """Answer the running requests (and the preempted ones waiting to resume) as aborted with the

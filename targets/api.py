@@ -369,17 +369,14 @@ class WeightExport(Protocol):
 class Cluster(Protocol):
     """The mechanism a controller drives. Real stacks implement it on Ray; the harness simulates it.
 
-    ``generate`` is routed to the active rollout engines (to the request's ``device`` when that
-    engine is active) and raises ``Aborted`` if its engine is shrunk mid-request. ``shrink``/``expand``
-    move devices out of/into the rollout pool (draining and offloading/reloading engines). ``train``
-    runs a step on the given devices and returns the new weight version (each ``train_part`` before
-    it starts that step early on whole groups, on the same devices: stream training); ``sync_weights`` pushes a
-    version to the engines on ``devices``: it lets the requests they are running finish first, or
-    with ``interrupt`` answers them at once with ``Aborted`` (their partial responses) and serves
-    their continuations under the new version. A turn whose episode is dropped while it generates is
-    cancelled by the harness: a candidate's ``generate`` is cancelled (``asyncio``) and should stop
-    serving the request (abort it on its engine), and a controller still awaiting it gets ``RuntimeError``.
-    """
+    ``generate`` is routed to the active rollout engines (to the request's ``device`` when that engine is active)
+    and raises ``Aborted`` if its engine is shrunk mid-request; a dropped episode's turn is cancelled (abort it on
+    its engine; a controller awaiting it gets ``RuntimeError``). ``shrink``/``expand`` move devices out of/into the
+    rollout pool (draining and offloading/reloading engines). ``train`` runs a step on the given devices and returns
+    the new weight version (each ``train_part`` before it starts that step early on whole groups, on the same
+    devices: stream training); ``sync_weights`` pushes a version to the engines on ``devices``: it lets the requests
+    they are running finish first, or with ``interrupt`` answers them at once with ``Aborted`` (their partial
+    responses) and serves their continuations under the new version."""
 
     devices: list[Device]
 
@@ -445,8 +442,7 @@ class EnvDropper(Protocol):
     verifies: ``stale`` (a group member beyond the staleness bound), ``end_of_run`` (after the last
     step), ``max_sequence`` (the next turn cannot fit), ``redundant`` (a declared spare) or ``deferred``
     (tail batching: a group handed back whole); a stale or deferred group's task may run again
-    (``new_group(relaunch=...)``). Anything neither trained nor dropped is lost. A turn of a dropped
-    episode still generating is stopped on its engine (``Cluster``)."""
+    (``new_group(relaunch=...)``). Anything neither trained nor dropped is lost; a turn in flight is stopped."""
 
     def drop(self, episode_id: str, reason: str) -> None: ...
 

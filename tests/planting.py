@@ -39,9 +39,13 @@ SAMPLED = "            chosen[rows] = torch.multinomial(probs, 1, generator=self
 GENERATE = "    async def generate(self, request: GenerateRequest) -> Completion:\n"
 DECODE = (
     "            arrival = next(self._arrivals)\n"
-    "            completion = await self._engines[device].generate.remote(\n"
-    "                request.prompt, request.params, request.episode_id, arrival\n"
-    "            )\n"
+    "            call = self._engines[device].generate.remote("
+    "request.prompt, request.params, request.episode_id, arrival)\n"
+    "            try:\n"
+    "                completion = await call\n"
+    "            except asyncio.CancelledError:  # its episode was dropped: the engine stops serving it\n"
+    "                ray.cancel(call)\n"
+    "                raise\n"
 )
 
 # name: (controller, [(file, old, new)], params.json changes, the reason the audit must give)

@@ -450,6 +450,8 @@ class Cluster:
     async def generate(self, request):
         if request.episode_id == "quick":
             return Completion([7], [-0.5], "stop", 0, "cpu:0")
+        if request.episode_id == "self-cancelled":
+            raise asyncio.CancelledError("the stack's own code, not the harness's cancel")
         try:
             await asyncio.Event().wait()  # a long turn
         except asyncio.CancelledError:
@@ -471,11 +473,12 @@ def build(runtime):
 def test_the_cluster_process_cancels_a_generate_its_caller_gave_up(tmp_path, monkeypatch):
     """The harness cancels a turn whose episode was dropped: the cluster process cancels that call's
     task, so the candidate's ``generate`` sees the cancellation (and its engine can abort the request),
-    answers nothing for it, and serves the next calls."""
+    acknowledges it (the harness then forgets the call: nothing kept a call a run) and serves the next
+    calls. A CancelledError the stack's own code raises is an error like any, not a call left unanswered."""
     import sys
 
     from targets.api import Device, GenerateRequest, Runtime, SamplingParams, TrainingConfig, Workload
-    from targets.harness.ipc.remote import RemoteCluster
+    from targets.harness.ipc.remote import CandidateError, RemoteCluster
     from targets.harness.ipc.wire import put_runtime
     from targets.harness.isolation.candidate_process import _serve_cluster
 
@@ -499,19 +502,22 @@ def test_the_cluster_process_cancels_a_generate_its_caller_gave_up(tmp_path, mon
         await asyncio.sleep(0.1)
         long.cancel()
         quick = await cluster.generate(GenerateRequest("quick", 0, [1, 2], params))
+        with pytest.raises(CandidateError, match="CancelledError: the stack's own code"):
+            await asyncio.wait_for(cluster.generate(GenerateRequest("self-cancelled", 0, [1, 2], params)), 10)
         await asyncio.sleep(0.1)
         cancelled = list(sys.modules["stack"].CANCELLED)  # before the close cancels whatever is left
+        remembered = set(cluster._cancelled)
         await cluster.close()
         await serving
-        return cancelled, quick, cluster._lost
+        return cancelled, quick, cluster._lost, remembered
 
     sys.modules.pop("stack", None)
     try:
-        cancelled, quick, lost = asyncio.run(main())
+        cancelled, quick, lost, remembered = asyncio.run(main())
     finally:
         sys.modules.pop("stack", None)
         sys.path.remove(str(tmp_path))
-    assert cancelled == ["dropped"] and quick.tokens == [7] and lost is None
+    assert cancelled == ["dropped"] and quick.tokens == [7] and lost is None and remembered == set()
 
 
 # -- the sandbox refuses to fall back silently -------------------------------------------------------------

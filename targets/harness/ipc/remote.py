@@ -58,7 +58,7 @@ class RemoteCluster:
     def __init__(self, channel: AsyncChannel, devices: list[Device]) -> None:
         self.channel, self.devices = channel, list(devices)
         self._pending: dict[int, asyncio.Future] = {}
-        self._cancelled: set[int] = set()  # calls cancelled here whose answer may still come
+        self._cancelled: set[int] = set()  # calls cancelled here, until their one last frame comes
         self._next = 0
         self._lost: BaseException | None = None
 
@@ -67,11 +67,14 @@ class RemoteCluster:
 
     def _on_frame(self, rx: Received) -> None:
         future = self._pending.pop(rx.get("id"), None)
-        if future is None and rx.get("id") in self._cancelled:  # answered before the cancel reached it
+        if future is None and rx.get("id") in self._cancelled:  # its answer, or the cancel's acknowledgement
             self._cancelled.discard(rx.get("id"))
             return
-        if future is None:
-            self._on_lost(ProtocolError(f"the cluster process answered a call never made (id {rx.get('id')!r})"))
+        if future is None or rx.get("cancelled"):
+            what = "acknowledged a cancel never sent" if future is not None else "answered a call never made"
+            self._on_lost(ProtocolError(f"the cluster process {what} (id {rx.get('id')!r})"))
+            if future is not None and not future.done():
+                future.set_exception(self._lost)
             return
         if not future.cancelled():  # a call whose caller went away (the controller finished): its answer is dropped
             future.set_result(rx)

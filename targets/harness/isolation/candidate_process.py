@@ -365,6 +365,12 @@ async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_di
         except Aborted as error:  # with its partial response, which the harness records
             frame = Frame(id=rx["id"])
             frame.header["error"] = put_aborted(frame, error)
+        except asyncio.CancelledError as error:
+            if asyncio.current_task().cancelling():  # the harness's cancel (or the close): it hears the end
+                if not finished.done():
+                    channel.send(Frame(id=rx["id"], cancelled=True))  # the call's one answer: it forgets it
+                raise
+            frame = _error_frame(error, id=rx["id"])  # the stack's own code raised it: an error like any
         except Exception as error:  # goes back to the harness, which decides what it means
             frame = _error_frame(error, id=rx["id"])
         channel.send(frame)
@@ -374,7 +380,7 @@ async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_di
     tasks: dict[int, asyncio.Task] = {}  # the calls being answered, by the harness's number
 
     def on_frame(rx: Received) -> None:
-        if rx["method"] == "cancel":  # its caller went away: the call is cancelled, and answers nothing
+        if rx["method"] == "cancel":  # its caller went away: the call is cancelled, answered `cancelled`
             cancelled = tasks.get(rx["call"])
             if cancelled is not None:
                 cancelled.cancel()

@@ -59,7 +59,8 @@ class ControllerLink:
         self.waits = 0  # idle notices: how often the harness waited on the controller (round trips)
         self._numbers = itertools.count()  # numbers the calls under way
         self._tasks: dict[int, asyncio.Task] = {}  # cluster calls being answered, by number
-        self._generating: dict[int, tuple[Any, Generating]] = {}  # generate calls under way: the controller's id
+        # generate calls under way, by episode (a drop cancels its own at one look), then by number: the controller's id
+        self._generating: dict[str, dict[int, tuple[Any, Generating]]] = {}
         self._steps: dict[int, asyncio.TimerHandle] = {}  # environment steps and checkpoints under way, by number
 
     # -- IdlePeer ------------------------------------------------------------------------------------
@@ -212,7 +213,9 @@ class ControllerLink:
 
         def done(result: Completion | BaseException) -> None:
             self._tasks.pop(key, None)
-            self._generating.pop(key, None)
+            turns = self._generating.get(request.episode_id)
+            if turns is not None and turns.pop(key, None) is not None and not turns:
+                del self._generating[request.episode_id]
             self.activity.end(request.episode_id, generate=True)
             if self.done.done():
                 return  # the run is over: nobody waits for this answer
@@ -230,7 +233,7 @@ class ControllerLink:
 
         generating = self.cluster.generate_then(request, done)
         if generating.under_way:  # not answered at once (a request no engine can take is)
-            self._generating[key] = (request_id, generating)
+            self._generating.setdefault(request.episode_id, {})[key] = (request_id, generating)
         if generating.task is not None:
             self._tasks[key] = generating.task
 
@@ -238,9 +241,8 @@ class ControllerLink:
         """The episode was dropped: a turn of it the cluster still serves is stopped (nobody will train
         it; a cancelled spare decoded on to its turn's end, holding its engine's batch and KV), and the
         controller, should it still wait for that turn, is told."""
-        for key, (request_id, generating) in list(self._generating.items()):
-            if generating.request.episode_id == episode and generating.cancel():
-                del self._generating[key]
+        for key, (request_id, generating) in self._generating.pop(episode, {}).items():
+            if generating.cancel():
                 self._tasks.pop(key, None)  # a candidate cluster's call: cancelled, it ends on its own
                 self.activity.end(episode, generate=True)
                 turn = generating.request.turn

@@ -60,7 +60,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's packages (the rehearsal found it)
     sys.path.insert(0, str(ROOT))
-app = typer.Typer(add_completion=False, no_args_is_help=True)
+app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
 
 DEVICE_PYTHON = "3.12"  # the GPU machine's (the device tool's README)
 CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "orjson", "gitpython", "gitdb", "smmap")

@@ -5,6 +5,7 @@ the honest trace passes, and each edited trace is rejected with the reason that 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -124,6 +125,14 @@ def test_trained_and_dropped(honest):
     _rejects(_audit(honest, events), "trained and dropped")
 
 
+def test_an_episode_dropped_twice(honest):
+    # the first drop's reason is the one the audit checks: a second, under another reason, would go unread
+    events = _edited(honest)
+    drop = _first(events, "sample_dropped")
+    events.insert(-1, TraceEvent("sample_dropped", events[-1].t, {**drop.data, "reason": "stale"}))
+    _rejects(_audit(honest, events), "dropped twice")
+
+
 def test_episode_neither_trained_nor_dropped(honest):
     events = _edited(honest)
     events = [e for e in events if not (e.kind == "sample_dropped")]
@@ -216,6 +225,21 @@ def test_action_not_produced_by_generate(honest):
         ):
             e.data["tokens"] = [(t + 1) % honest[0].model.config.vocab_size for t in e.data["tokens"]]
     _rejects(_audit(honest, events), "fabricated rollout")
+
+
+def test_an_action_the_environment_had_before_its_generate_answered(honest):
+    # the tokens match: the controller stepped the environment with tokens it had chosen, then asked
+    # generate, whose answer (stamped by the harness after the step) only claims them
+    events = _edited(honest)
+    step = _first(events, "env_step")
+    episode = step.data["episode"]
+    at, g = next(
+        (i, e)
+        for i, e in enumerate(events)
+        if e.kind == "generate" and not e.data["aborted"] and e.data["episode"] == episode and e.data["turn"] == 0
+    )
+    events[at] = dataclasses.replace(g, t=step.t + 1.0)
+    _rejects(_audit(honest, events), f"episode {episode} turn 0: the action was not produced by cluster.generate")
 
 
 def test_behaviour_logprobs_altered(honest):
@@ -517,6 +541,36 @@ def test_a_shrink_of_one_device_explains_aborts_on_its_whole_engine_only(tiny_sp
     assert _engine_aborts(spec, [("h:0", late)], overhead=0.5) == []
     assert "on h:0 with no shrink" in " ".join(_engine_aborts(spec, [("h:0", late)]))
     assert "without naming the engine" in " ".join(_engine_aborts(spec, [("", 1.2)]))
+
+
+def _mechanism_on_a_suspend(spec, generates: list[tuple[float, float]]) -> list[str]:
+    """The mechanism rule's reasons on a simulated trace whose engine h:0 is suspended at 1.5 s (the call
+    made at 1.0 s) and resumed at 3.0 s; each request (its start, its answer) served by h:0, not aborted."""
+    from targets.harness.judge.mechanism import check_mechanism
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    engines = {"h:0": ["h:0"], "h:1": ["h:1"]}
+    start = {"stop_token_ids": [1], "tokens_recorded": False, "engines": engines, "declared": {}, "devices": []}
+    events = [TraceEvent("run_start", 0.0, start), TraceEvent("run_end", 9.0, {})]
+    events += [TraceEvent("suspend", 1.5, {"start": 1.0, "devices": ["h:0"]})]
+    events += [TraceEvent("resume", 3.2, {"start": 3.0, "devices": ["h:0"]})]
+    for i, (begun, answered) in enumerate(generates):
+        data = {"episode": f"g0/e{i}", "turn": 0, "start": begun, "aborted": False, "device": "h:0"}
+        events.append(TraceEvent("generate", answered, data))
+    reasons = Reasons()
+    check_mechanism(TraceIndex.of(sorted(events, key=lambda e: e.t)), reasons, 0, spec)
+    return reasons.lines()
+
+
+def test_an_engine_that_serves_while_suspended(tiny_spec):
+    """A colocated stack suspends its engines while the trainer holds the devices: a request served in
+    that window, or one the suspend left decoding, is the engine running beside the trainer."""
+    slack = ABORT_SLACK_S + tiny_spec.simulator.request_overhead_s
+    assert _mechanism_on_a_suspend(tiny_spec, [(0.5, 1.2), (3.3, 4.0)]) == []  # before it, after the resume
+    (served,) = _mechanism_on_a_suspend(tiny_spec, [(2.0, 2.5)])
+    assert "h:0 served episode g0/e0 turn 0 while shrunk" in served
+    (kept,) = _mechanism_on_a_suspend(tiny_spec, [(0.5, 1.5 + slack + 1.0)])
+    assert "h:0 went on serving episode g0/e0 turn 0 after its shrink returned at 1.50s" in kept
 
 
 def test_a_step_that_returns_the_wrong_version(honest):

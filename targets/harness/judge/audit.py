@@ -107,6 +107,11 @@ def check_conservation(ix: TraceIndex, r: Reasons) -> None:
     for episode in ix.dropped:
         if episode not in created:
             r.add("fabricated episode", f"dropped {episode}, which the harness never created")
+    # the index keeps an episode's first drop, whose reason the audit checks: a later one goes unchecked
+    drops = Counter(e.data["episode"] for e in ix.by_kind["sample_dropped"])
+    for episode, times in drops.items():
+        if times > 1:
+            r.add("dropped twice", f"episode {episode} was dropped {times} times")
 
 
 def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:

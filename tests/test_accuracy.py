@@ -35,6 +35,15 @@ class StaleSyncEngine(ReferenceEngine):
         self.weight_version = version
 
 
+class PartialSyncEngine(ReferenceEngine):
+    """Loads the new version but one layer's tensors: it serves weights that are neither version."""
+
+    def load_weights(self, state, version):
+        kept = self.model.state_dict()
+        self.model.load_state_dict({k: (kept[k] if ".layers.0." in k else v) for k, v in dict(state).items()})
+        self.weight_version = version
+
+
 class VersionLyingEngine(ReferenceEngine):
     """Loads the weights but never updates its version."""
 
@@ -251,6 +260,15 @@ def test_weight_sync_check_rejects_stale_weights(tiny_model):
     result = check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY)
     assert not result.passed
     assert any("still serves the previous weights" in r for r in result.reasons)
+
+
+def test_weight_sync_check_rejects_a_sync_that_loaded_part_of_the_weights(tiny_model):
+    # neither the old weights (the stale reason) nor the new: only the comparison with the new version says so
+    engine = PartialSyncEngine(copy.deepcopy(tiny_model))
+    result = check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY)
+    assert not result.passed
+    assert not any("still serves the previous weights" in r for r in result.reasons), result.reasons
+    assert any("greedy token" in r or "logprob of token" in r for r in result.reasons), result.reasons
 
 
 def test_weight_sync_check_rejects_a_wrong_version(tiny_model):

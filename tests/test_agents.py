@@ -154,6 +154,11 @@ PLANTS = {
     "patches the clock (t.monotonic)": "import time as t\nt.monotonic = lambda: 0.0\n",
     "patches the clock (setattr on aio)": "import asyncio as aio\nsetattr(aio, 'sleep', None)\n",
     "patches the clock (a submodule)": "import asyncio.events as ev\nev.get_event_loop = None\n",
+    # every statement that rebinds or removes a module attribute, not only a plain assignment
+    "patches the clock (del)": "import time\ndel time.perf_counter\n",
+    "patches the clock (augmented)": "import time\ntime.monotonic += 0\n",
+    "patches the clock (annotated)": "import time\ntime.time: object = lambda: 0.0\n",
+    "patches the clock (delattr on time)": "import time\ndelattr(time, 'monotonic')\n",
     "uses .modules, an introspection escape hatch (aliased)": "import sys as s\ns.modules.pop('time')\n",
     "imports sys.modules, an introspection escape hatch": "from sys import modules\nmodules.pop('time')\n",
     "imports gc, an introspection escape hatch (by __import__)": "__import__('gc').get_objects()\n",

@@ -79,6 +79,16 @@ def test_computed_param_counts_match_published_sizes(target, total, active):
     assert computed.active == pytest.approx(active, rel=0.05)
 
 
+@pytest.mark.parametrize("field", ["update_rtol", "selection_task_shortfall", "selection_member_shortfall"])
+def test_a_tolerance_that_would_switch_its_check_off_is_refused(catalog_yaml, field):
+    # a shortfall (1 - kept / all) never exceeds 1, and an update at relative error 1 is the reference step's
+    # direction scaled to nothing: at 1 neither check can reject what it exists to reject
+    catalog_yaml["accuracy"] = {**catalog_yaml.get("accuracy", {}), field: 1.0}
+    assert f"field `accuracy.{field}`: Input should be less than 1" in _error(catalog_yaml)
+    catalog_yaml["accuracy"][field] = 0.5
+    assert getattr(parse_target(catalog_yaml).accuracy, field) == 0.5
+
+
 def test_hardware_numbers_come_from_the_catalog_and_can_be_overridden(catalog_yaml):
     catalog_yaml["hardware"] = {"kind": "h100", "count": 2, "memory_gb": 94}
     spec = parse_target(catalog_yaml)

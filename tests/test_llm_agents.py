@@ -42,7 +42,7 @@ from orchestrator.state import (
     new_state,
     save_llm_spend,
 )
-from skills.starter import write_starter
+from skills.starter import starter_params, write_starter
 from targets.harness.isolation.sandbox import Sandbox
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -306,6 +306,29 @@ def test_a_planner_call_that_finds_the_budget_spent_stops_the_run_not_falls_back
     with pytest.raises(BudgetSpent, match="token budget of 100 spent"):
         policy.propose(state, lambda record: {})
     assert server.requests == []  # refused before it was sent
+
+
+def test_a_planner_that_fails_hands_the_round_to_the_backlog_and_the_round_says_why(tiny_spec):
+    """The fallback's reason was only logged: a run planned by the backlog every round said nothing of it."""
+    from agents.offline.planner import OfflinePlanner
+    from orchestrator.policies.llm import LLMPolicy
+
+    class FailingPlanner:
+        def plan(self, state, design):
+            raise AgentError("the provider answered 503 five times")
+
+    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, FailingPlanner(), design_of=lambda record: "")
+    settings = dict(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="llm", agents="openai", seed=0)
+    state = new_state(RunConfig(**settings, llm=LLMConfig(model="m")))
+    starter = Task(id="starter", title="starter", rationale="r")
+    state.rounds.append(RoundRecord(round=0, task=starter, parent_round=None, parent_commit="c0", verdict="accepted"))
+    state.best_round = 0
+    params = starter_params(tiny_spec, "colocate")
+    parent, task = policy.propose(state, lambda record: params)
+    backlog_parent, backlog_task = policy.backlog.propose(state, lambda record: params)
+    assert (parent, task.id) == (backlog_parent, backlog_task.id)
+    assert task.rationale.startswith("the LLM planner failed (the provider answered 503 five times)")
+    assert task.rationale.endswith(backlog_task.rationale)
 
 
 def test_the_budget_is_checked_before_every_call(server):

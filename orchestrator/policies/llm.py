@@ -37,7 +37,12 @@ class LLMPolicy:
             raise
         except AgentError as error:
             log.warning("LLM planner: %s; this round follows the backlog policy instead", error)
-            return self.backlog.propose(state, params_of)
+            fallback = self.backlog.propose(state, params_of)
+            if fallback is None:
+                return None
+            parent, task = fallback  # the round's record says why the backlog chose it, not only the log
+            said = f"the LLM planner failed ({error}), so the backlog policy chose this task: {task.rationale}"
+            return parent, task.model_copy(update={"rationale": said})
         known = {t.id for t in state.backlog}
         for step in choice.plan:
             text = step.strip()[:120]

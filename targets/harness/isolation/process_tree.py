@@ -17,8 +17,8 @@ def _process_table() -> list[tuple[int, str, int, int]]:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 state, parent, group = f.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue  # the process ended while we looked
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the process ended while we looked (a table we cannot read is an error, not a smaller tree)
         table.append((int(entry), state, int(parent), int(group)))
     return table
 

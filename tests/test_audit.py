@@ -885,6 +885,20 @@ def test_an_engine_returning_a_token_outside_the_vocabulary(honest, past_the_end
     assert "replayed_turns" not in result.details and "outside the vocabulary" in result.details["skipped"]
 
 
+def test_a_trained_token_outside_the_vocabulary(honest):
+    # the generates are clean: only the training step's own tokens name it
+    events = _edited(honest)
+    t = _train(events).data["trajectories"][0]
+    t["tokens"][-1] = honest[0].model.config.vocab_size
+    _rejects(_audit(honest, events), f"token outside the vocabulary: training step 1 (episode {t['episode']})")
+
+
+def test_an_interrupted_segment_that_went_on_past_a_stop_token(honest):
+    events, segment, _ = _resumed(honest)
+    segment.data["tokens"][0] = segment.data["stop"][0]  # a segment that stopped is a finished turn, not a partial
+    _rejects(_audit(honest, events), "an interrupted segment went on past a stop token or its budget")
+
+
 def test_a_resumed_turn_over_the_response_budget(honest):
     events, _, resumed = _resumed(honest)
     resumed.data["max_new_tokens"] += resumed.data["continues"]  # the whole budget again, on top of the partial

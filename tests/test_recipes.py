@@ -1267,6 +1267,42 @@ def test_an_episode_done_as_the_run_ends_is_not_handed_back_twice():
     assert buffer.ready_groups == 1 and dropped == []
 
 
+def test_a_harvest_lends_nothing_for_a_window_after_a_give_back():
+    """A real run's burst: the harvester gave its device back, then one reading whose Poisson slope was low
+    lent it again into the burst (the run ended with the device lent at 12 requests/s, twice what one
+    device serves within the margin). Readings the rule alone would lend on: none lends within a window."""
+    from skills.recipes.serving_harvest import ServingHarvest
+    from targets.api import Device, ServingLoad
+
+    class Cluster:
+        def __init__(self) -> None:
+            self.t, self.calls = 0.0, []  # the calls: (when, which)
+
+        def now(self) -> float:
+            return self.t
+
+        async def expand(self, devices) -> None:
+            self.calls.append((self.t, "expand"))
+
+        async def shrink(self, devices) -> None:
+            self.calls.append((self.t, "shrink"))
+
+    def load(rate: float) -> ServingLoad:  # one device serves 10/s; two devices, one of them lendable
+        return ServingLoad(rate, 2 - len(harvest.lent), len(harvest.lent), 0.0, 0.0, 1.0, 1.0, 10.0, 10.0)
+
+    cluster = Cluster()
+    harvest = ServingHarvest(cluster, [Device(f"s{i}", "cpu", i) for i in range(2)], 1, 0.3, False)
+
+    async def readings() -> None:
+        for t, rate in [(0.0, 1.0), (1.0, 12.0), (1.5, 12.0), (2.0, 5.0), (10.9, 5.0), (11.0, 5.0)]:
+            cluster.t = t
+            harvest._last = None  # each reading at its face value: the slope is not what this test is about
+            await harvest._adjust(load(rate))
+
+    asyncio.run(readings())
+    assert cluster.calls == [(0.0, "expand"), (1.0, "shrink"), (11.0, "expand")]
+
+
 @pytest.mark.parametrize("fails", ["first reading", "a sync"])
 def test_a_harvest_that_fails_is_raised_in_the_controllers_wait_not_a_hang(fails):
     """The harvester ran as a task nobody watched: a first reading of the traffic that raised left the

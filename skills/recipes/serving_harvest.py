@@ -9,7 +9,9 @@ over ``BACK_OFF`` of its SLO those serving now and half of those lent; it lends 
 ``expand``, and gives back the most recently lent first, all in one ``shrink``. The rate the harness
 reports is an average over its window, which trails a burst by most of that window: while it rises,
 the harvester reads it as ``rate + slope * window`` (the slope since its last reading), where the
-burst is heading rather than where it was. Lent engines load
+burst is heading rather than where it was. After a give-back nothing is lent for one window: the
+slope of two readings half a second apart is noise at a burst's rate (Poisson arrivals), and one low
+reading would lend a device back into the burst it was just taken from. Lent engines load
 each new policy version as soon as it is trained (``policy_advanced``), and a borrow brings the
 latest version with it (``expand`` loads it), so they sample under the same staleness bound. The
 first episodes start once the first lend is in place (an episode's turns stay on the engine that
@@ -48,6 +50,7 @@ class ServingHarvest:
         self.lent: list[list[Device]] = []
         self.version = 0  # the latest version trained (``policy_advanced``)
         self._last: tuple[float, float] | None = None  # (when, rate) of the last reading
+        self._given_back_at: float | None = None  # when the last give-back was decided (no lend for a window)
         self._task: asyncio.Task | None = None
         self._syncs: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
@@ -99,10 +102,12 @@ class ServingHarvest:
         hot = load.ttft_p99_s > BACK_OFF * load.ttft_slo_s or load.tpot_p99_s > BACK_OFF * load.tpot_slo_s
         keep = max(1, needed, load.serving + math.ceil(load.lent / 2) if hot else 0)  # devices that must serve
         lend = max(0, (len(self.engines) * self.size - keep) // self.size)
+        now = self.cluster.now()
         if len(self.lent) > lend:
             back, self.lent = self.lent[lend:], self.lent[:lend]
+            self._given_back_at = now
             await self.cluster.shrink([d for engine in back for d in engine])
-        elif len(self.lent) < lend:
+        elif len(self.lent) < lend and (self._given_back_at is None or now - self._given_back_at >= load.window_s):
             more = self.engines[len(self.lent) : lend]
             version = self.version
             await self.cluster.expand([d for engine in more for d in engine])  # loads the latest version

@@ -549,9 +549,9 @@ def _mechanism_on_a_suspend(spec, generates: list[tuple[float, float]]) -> list[
     from targets.harness.judge.mechanism import check_mechanism
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
-    engines = {"h:0": ["h:0"], "h:1": ["h:1"]}
-    start = {"stop_token_ids": [1], "tokens_recorded": False, "engines": engines, "declared": {}, "devices": []}
-    events = [TraceEvent("run_start", 0.0, start), TraceEvent("run_end", 9.0, {})]
+    start = _simulated_start(0, {})
+    start.data["engines"] = {"h:0": ["h:0"], "h:1": ["h:1"]}
+    events = [start, TraceEvent("run_end", 9.0, {})]
     events += [TraceEvent("suspend", 1.5, {"start": 1.0, "devices": ["h:0"]})]
     events += [TraceEvent("resume", 3.2, {"start": 3.0, "devices": ["h:0"]})]
     for i, (begun, answered) in enumerate(generates):

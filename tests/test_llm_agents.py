@@ -286,6 +286,16 @@ def test_backoff_honours_retry_after_and_jitters(server, provider, monkeypatch):
     assert len(server.requests) == 1 and len(waits) == 5
 
 
+def _llm_run_at_its_starter():
+    """The run state of an llm-policy run whose round 0 (the starter) was validated and is the best."""
+    settings = dict(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="llm", agents="openai", seed=0)
+    state = new_state(RunConfig(**settings, llm=LLMConfig(model="m")))
+    starter = Task(id="starter", title="starter", rationale="r")
+    state.rounds.append(RoundRecord(round=0, task=starter, parent_round=None, parent_commit="c0", verdict="accepted"))
+    state.best_round = 0
+    return state
+
+
 def test_a_planner_call_that_finds_the_budget_spent_stops_the_run_not_falls_back_to_the_backlog(
     server, tiny_spec, tmp_path
 ):
@@ -298,11 +308,7 @@ def test_a_planner_call_that_finds_the_budget_spent_stops_the_run_not_falls_back
     spent = Accounting(max_tokens=100, spent_before={"input_tokens": 90, "output_tokens": 20})
     planner = LLMPlanner(tiny_spec, _client(server, "openai", accounting=spent))
     policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, planner, design_of=lambda record: "")
-    settings = dict(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="llm", agents="openai", seed=0)
-    state = new_state(RunConfig(**settings, llm=LLMConfig(model="m")))
-    starter = Task(id="starter", title="starter", rationale="r")
-    state.rounds.append(RoundRecord(round=0, task=starter, parent_round=None, parent_commit="", verdict="accepted"))
-    state.best_round = 0
+    state = _llm_run_at_its_starter()
     with pytest.raises(BudgetSpent, match="token budget of 100 spent"):
         policy.propose(state, lambda record: {})
     assert server.requests == []  # refused before it was sent
@@ -318,11 +324,7 @@ def test_a_planner_that_fails_hands_the_round_to_the_backlog_and_the_round_says_
             raise AgentError("the provider answered 503 five times")
 
     policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, FailingPlanner(), design_of=lambda record: "")
-    settings = dict(target="tiny-qwen3-cpu", target_id="tiny-qwen3-cpu", policy="llm", agents="openai", seed=0)
-    state = new_state(RunConfig(**settings, llm=LLMConfig(model="m")))
-    starter = Task(id="starter", title="starter", rationale="r")
-    state.rounds.append(RoundRecord(round=0, task=starter, parent_round=None, parent_commit="c0", verdict="accepted"))
-    state.best_round = 0
+    state = _llm_run_at_its_starter()
     params = starter_params(tiny_spec, "colocate")
     parent, task = policy.propose(state, lambda record: params)
     backlog_parent, backlog_task = policy.backlog.propose(state, lambda record: params)

@@ -86,9 +86,9 @@ class ServingHarvest:
                     if not self._stopping:  # stop() ends the wait; a cancel of the harvest itself ends it
                         raise
 
-    def _rate(self, load: ServingLoad) -> float:
+    def _rate(self, load: ServingLoad, now: float) -> float:
         """The traffic's rate ahead of the harness's trailing window while it rises (module docstring)."""
-        now, last = self.cluster.now(), self._last
+        last = self._last
         self._last = (now, load.rate_rps)
         if last is None or now <= last[0]:
             return load.rate_rps
@@ -97,12 +97,12 @@ class ServingHarvest:
 
     async def _adjust(self, load: ServingLoad) -> None:
         """Lend or give back engines, all at once, until the devices serving are what the traffic needs."""
-        rate = self._rate(load)
+        now = self.cluster.now()
+        rate = self._rate(load, now)
         needed = math.ceil(rate * (1 + self.margin) / load.capacity_rps) if load.capacity_rps else load.serving
         hot = load.ttft_p99_s > BACK_OFF * load.ttft_slo_s or load.tpot_p99_s > BACK_OFF * load.tpot_slo_s
         keep = max(1, needed, load.serving + math.ceil(load.lent / 2) if hot else 0)  # devices that must serve
         lend = max(0, (len(self.engines) * self.size - keep) // self.size)
-        now = self.cluster.now()
         if len(self.lent) > lend:
             back, self.lent = self.lent[lend:], self.lent[:lend]
             self._given_back_at = now

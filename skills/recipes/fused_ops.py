@@ -1,9 +1,11 @@
 """The decoder layer's elementwise work in three Triton kernels instead of ~45 torch ops: a residual
-add fused with the RMSNorm after it, the per-head q/k norms fused with RoPE, and SiLU(gate) * up.
+add fused with the RMSNorm after it, the per-head q/k norms fused with RoPE (read straight from the
+fused q/k/v projection's output), and SiLU(gate) * up (from the fused gate/up projection's).
 
 Why: a decode step of a small model is a chain of tiny kernels, and on the H200 each costs the GPU a
 few microseconds whatever its size: the 0.6B engine's ~55 kernels a layer (28 layers) in CUDA graphs
-took 6.8 ms an iteration against a 0.54 ms roofline. With these, a layer is ~14 kernels.
+took 6.8 ms an iteration against a 0.54 ms roofline. With these and the fused projections
+(``engine_weights.py``), a layer is ~12 kernels.
 
 Each kernel rounds where the torch ops it replaces round (every op's output is in the model's dtype;
 RMSNorm computes in float32, as transformers' Qwen3 does), so the fused model gives the unfused one's
@@ -72,20 +74,22 @@ def add_rms_norm(
 
 @triton.jit
 def _norm_rope(
-    x,  # [tokens, heads, dim]
+    x,  # [tokens, heads, dim], heads contiguous within a token; tokens ``stride`` elements apart
     weight,  # [dim]
     cos,  # [tokens, dim]
     sin,
-    out,  # [tokens, heads, dim]
+    out,  # [tokens, heads, dim], contiguous
     heads,
+    stride,
     eps,
     HALF: tl.constexpr,  # dim // 2
 ):
     row = tl.program_id(0).to(tl.int64)  # one (token, head)
     token = row // heads
     cols = tl.arange(0, HALF)
-    first = tl.load(x + row * 2 * HALF + cols).to(tl.float32)
-    second = tl.load(x + row * 2 * HALF + HALF + cols).to(tl.float32)
+    at = x + token * stride + (row - token * heads) * 2 * HALF
+    first = tl.load(at + cols).to(tl.float32)
+    second = tl.load(at + HALF + cols).to(tl.float32)
     scale = tl.rsqrt((tl.sum(first * first, axis=0) + tl.sum(second * second, axis=0)) / (2 * HALF) + eps)
     kind = out.dtype.element_ty
     w1 = tl.load(weight + cols).to(tl.float32)
@@ -104,22 +108,27 @@ def _norm_rope(
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm (scaled by ``weight``) then RoPE: ``x`` ``[tokens, heads, dim]``, ``cos`` and
-    ``sin`` ``[tokens, dim]`` in ``x``'s dtype."""
+    """Per-head RMSNorm (scaled by ``weight``) then RoPE: ``x`` ``[tokens, heads, dim]`` (a view of the
+    fused projection's rows will do: only each token's heads need be contiguous), ``cos`` and ``sin``
+    ``[tokens, dim]`` in ``x``'s dtype; the result contiguous."""
     tokens, heads, dim = x.shape
-    if dim % 2 or dim & (dim - 1) or not x.is_contiguous():
-        raise ValueError(f"norm_rope needs contiguous heads of a power-of-two dim, not {dim}")
-    out = torch.empty_like(x)
-    _norm_rope[(tokens * heads,)](x, weight, cos.contiguous(), sin.contiguous(), out, heads, eps, HALF=dim // 2)
+    if dim % 2 or dim & (dim - 1) or x.stride(2) != 1 or x.stride(1) != dim:
+        raise ValueError(f"norm_rope needs each token's heads contiguous, of a power-of-two dim, not {dim}")
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    _norm_rope[(tokens * heads,)](
+        x, weight, cos.contiguous(), sin.contiguous(), out, heads, x.stride(0), eps, HALF=dim // 2
+    )
     return out
 
 
 @triton.jit
-def _silu_mul(gate, up, out, n, BLOCK: tl.constexpr):
+def _silu_mul(gate_up, out, n, width, BLOCK: tl.constexpr):
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = at < n
-    g = tl.load(gate + at, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(up + at, mask=inside, other=0.0).to(tl.float32)
+    row = at // width
+    gate = gate_up + row * 2 * width + (at - row * width)  # the row's first half; its second half is up
+    g = tl.load(gate, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(gate + width, mask=inside, other=0.0).to(tl.float32)
     activated = (g / (1.0 + tl.exp(-g))).to(out.dtype.element_ty).to(tl.float32)  # F.silu's output, rounded
     tl.store(out + at, (activated * u).to(out.dtype.element_ty), mask=inside)
 
@@ -127,11 +136,13 @@ def _silu_mul(gate, up, out, n, BLOCK: tl.constexpr):
 SILU_BLOCK = 1024
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up``."""
-    if gate.shape != up.shape or not (gate.is_contiguous() and up.is_contiguous()):
-        raise ValueError("silu_mul needs contiguous gate and up of one shape")
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    _silu_mul[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, BLOCK=SILU_BLOCK)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` of ``gate_up`` ``[tokens, 2 * width]`` (the fused projection's output: gate's
+    columns first), ``[tokens, width]``."""
+    if gate_up.shape[-1] % 2 or not gate_up.is_contiguous():
+        raise ValueError("silu_mul needs a contiguous gate_up of an even width")
+    width = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
+    n = out.numel()
+    _silu_mul[(triton.cdiv(n, SILU_BLOCK),)](gate_up, out, n, width, BLOCK=SILU_BLOCK)
     return out

@@ -33,6 +33,7 @@ import torch
 
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
+from .engine_weights import EngineWeights
 from .kernel_choice import GRAPHED_ATTENTION, choose_attention, choose_fused
 from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
@@ -91,7 +92,8 @@ class PagedEngine:
         head_dim = head_dim_of(self.config)
         self.attention_kind = choose_attention(attention, device, self.dtype, head_dim, block_size)
         self.fused_kernels = choose_fused(fused_kernels, self.attention_kind, device, head_dim)
-        self.model = Qwen3(self.config, self.weights, fused=self.fused_kernels)
+        self.store = EngineWeights(self.weights, self.config["num_hidden_layers"])  # q/k/v and gate/up fused
+        self.model = Qwen3(self.config, {**self.weights, **self.store.fused}, fused=self.fused_kernels)
         self.block_size, self.max_batch = block_size, max_batch
         self.host_kv = HostKV(host_kv_tokens, block_size) if host_kv_tokens else None
         kv_heads, head_dim = self.model.kv_heads, self.model.head_dim
@@ -115,9 +117,6 @@ class PagedEngine:
         self._prefilled_last = False  # the previous step was a prefill step (the next one decodes)
         self.weight_version = 0
         self._asleep: set[str] = set()
-        self._pinned: dict[str, torch.Tensor] = {}  # host copies of the weights while they sleep, kept for the next
-        self._shapes: dict[str, torch.Size] = {}  # the weights' shapes while they sleep (their tensors emptied)
-        self._weights_on_host = False  # the sleeping weights are in _pinned (else discarded, or never moved: CPU)
         self._ids = itertools.count()
         self._incoming: deque[Request] = deque()
         self._aborts: deque[int | None] = deque()  # None: abort everything
@@ -173,13 +172,6 @@ class PagedEngine:
     def close(self) -> None:
         """Nothing to release: the weights and the KV pool are this process's memory, gone with it."""
 
-    def _distinct_weights(self) -> list[tuple[list[str], torch.Tensor]]:
-        """Each weight tensor once, with every name it has (tied embeddings: two names, one tensor)."""
-        named: dict[int, tuple[list[str], torch.Tensor]] = {}
-        for name, tensor in self.weights.items():
-            named.setdefault(id(tensor), ([], tensor))[0].append(name)
-        return list(named.values())
-
     def sleep(self, tags: Sequence[str] = TAGS, discard_weights: bool = False) -> list[Request]:
         """Free the KV cache and/or move the weights to host memory (on GPU into pinned buffers kept from
         one sleep to the next: one copy each way, no allocation), keeping the tensors' identities for wake.
@@ -195,20 +187,13 @@ class PagedEngine:
             self.pool = self.attention = self.blocks = None
             self._asleep.add("kv_cache")
         if "weights" in tags and "weights" not in self._asleep:
-            unique = [(names[0], tensor) for names, tensor in self._distinct_weights()]
-            self._shapes = {name: tensor.shape for name, tensor in unique}
             if discard_weights:
                 self.weight_version = -1
             elif self.device.startswith("cuda"):
-                for name, tensor in unique:
-                    if name not in self._pinned:
-                        self._pinned[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                    self._pinned[name].copy_(tensor, non_blocking=True)
+                self.store.copy_to_host(pin=True)
                 torch.cuda.synchronize(self.device)
-                self._weights_on_host = True
-            if discard_weights or self.device.startswith("cuda"):
-                for _, tensor in unique:
-                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
+            if discard_weights or self.device.startswith("cuda"):  # on CPU, host memory already
+                self.store.free()
             self._asleep.add("weights")
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -218,12 +203,7 @@ class PagedEngine:
         """Wake by tag; the order that avoids holding both copies is weights, then a weight load,
         then ``kv_cache`` (the engine refuses to serve until both are awake)."""
         if "weights" in tags and "weights" in self._asleep:
-            for (name, *_), tensor in self._distinct_weights():
-                if tensor.numel() == 0 and self._shapes[name].numel():  # freed at sleep: room again
-                    tensor.data = torch.empty(self._shapes[name], dtype=tensor.dtype, device=self.device)
-                    if self._weights_on_host:
-                        tensor.data.copy_(self._pinned[name], non_blocking=True)
-            self._weights_on_host = False
+            self.store.allocate(self.device)  # what sleep freed, with its host copy if it made one
             self._asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             self._asleep.discard("kv_cache")
@@ -248,7 +228,7 @@ class PagedEngine:
         if unknown:
             raise KeyError(f"{self.name}: no parameter {unknown[0]!r} in this model")
         if self.weight_version < 0:  # discarded at sleep: a load must cover every tensor (a tied one by either name)
-            missing = sorted(names[0] for names, _ in self._distinct_weights() if not set(names) & set(state))
+            missing = self.store.missing_from(state)
             if missing:
                 raise KeyError(f"{self.name}: its weights were discarded; the load lacks {missing[:5]}")
         if self.blocks is not None:

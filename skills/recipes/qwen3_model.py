@@ -113,7 +113,9 @@ class TorchOps:
         return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
     @staticmethod
-    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """``F.silu(gate) * up`` of the fused gate/up projection's output (gate's columns first)."""
+        gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
@@ -125,8 +127,9 @@ def rope_frequencies(config: dict, head_dim: int) -> torch.Tensor:
 
 
 class Qwen3:
-    """The forward pass over ``weights`` (tensors shared with the engine: a weight load replaces them
-    in place, so nothing here holds a stale copy)."""
+    """The forward pass over ``weights``: the checkpoint's, by name, and each dense layer's fused
+    ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` (``engine_weights.py``). Tensors shared with the
+    engine: a weight load replaces them in place, so nothing here holds a stale copy."""
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], fused: bool = False) -> None:
         """``fused``: the elementwise work in Triton kernels (``fused_ops.py``), else in torch ops."""
@@ -139,6 +142,8 @@ class Qwen3:
         self.layers = config["num_hidden_layers"]
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_dim = head_dim_of(config)
+        self.qkv_heads = (self.heads, self.kv_heads, self.kv_heads)
+        self.qkv_widths = [n * self.head_dim for n in self.qkv_heads]
         self.eps = config["rms_norm_eps"]
         experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 writes the latter
         sparse = set(range(self.layers)) - set(config.get("mlp_only_layers") or [])
@@ -159,10 +164,7 @@ class Qwen3:
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         w, p = self.weights, f"model.layers.{i}.mlp."
         if i not in self.moe_layers:
-            return F.linear(
-                self.ops.silu_mul(F.linear(h, w[p + "gate_proj.weight"]), F.linear(h, w[p + "up_proj.weight"])),
-                w[p + "down_proj.weight"],
-            )
+            return F.linear(self.ops.silu_mul(F.linear(h, w[p + "gate_up_proj.weight"])), w[p + "down_proj.weight"])
         router = torch.softmax(F.linear(h, w[p + "gate.weight"]), dim=-1, dtype=torch.float32)
         top_weights, top_experts = torch.topk(router, self.top_k, dim=-1)
         if self.norm_topk:
@@ -185,9 +187,8 @@ class Qwen3:
         for i in range(self.layers):
             p = f"model.layers.{i}."
             h, x = ops.add_rms_norm(h, delta, w[p + "input_layernorm.weight"], eps)
-            q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(-1, self.heads, self.head_dim)
-            k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(-1, self.kv_heads, self.head_dim)
-            v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(-1, self.kv_heads, self.head_dim)
+            q, k, v = F.linear(x, w[p + "self_attn.qkv_proj.weight"]).split(self.qkv_widths, dim=-1)
+            q, k, v = (t.view(-1, heads, self.head_dim) for t, heads in zip((q, k, v), self.qkv_heads))
             q = ops.norm_rope(q, w[p + "self_attn.q_norm.weight"], cos, sin, eps)
             k = ops.norm_rope(k, w[p + "self_attn.k_norm.weight"], cos, sin, eps)
             a = attention(i, q, k, v).reshape(-1, self.heads * self.head_dim)

@@ -244,17 +244,14 @@ print("worst", worst, "logprobs", max(abs(x - y) for p, r in zip(a, b) for x, y 
 """
 
 
-def test_the_triton_decode_kernel_matches_attention_and_the_engine_decodes_the_sdpa_tokens(path):
-    """The decode kernel the engine takes on a GPU without FlashInfer (what the lent machines are), run
-    by Triton's interpreter on CPU: the scores and values of a scattered block table; the fused norm,
-    RoPE and activation kernels against the torch ops; and an engine on both greedy-decoding the
-    SDPA engine's tokens with the torch ops (its prefill steps are SDPA's)."""
+def _interpreted(script: str) -> str:
+    """``script`` run by Triton's interpreter on CPU tensors (in a process of its own: the interpreter is
+    chosen when Triton is imported); its output."""
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton")
-    script = f"PATH = {path!r}\n" + TRITON_DECODE_CHECK
     root = Path(__file__).resolve().parent.parent
     result = subprocess.run(
         [sys.executable, "-c", script],
@@ -265,7 +262,73 @@ def test_the_triton_decode_kernel_matches_attention_and_the_engine_decodes_the_s
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "worst" in result.stdout
+    return result.stdout
+
+
+def test_the_triton_decode_kernel_matches_attention_and_the_engine_decodes_the_sdpa_tokens(path):
+    """The decode kernel the engine takes on a GPU without FlashInfer (what the lent machines are), run
+    by Triton's interpreter on CPU: the scores and values of a scattered block table; the fused norm,
+    RoPE and activation kernels against the torch ops; and an engine on both greedy-decoding the
+    SDPA engine's tokens with the torch ops (its prefill steps are SDPA's)."""
+    assert "worst" in _interpreted(f"PATH = {path!r}\n" + TRITON_DECODE_CHECK)
+
+
+GRAPHED_DECODE_CHECK = """
+import torch
+from skills.recipes.paged_engine import PagedEngine
+from targets.api import SamplingParams
+from targets.harness.judge.accuracy import fixed_prompts
+
+
+class Replayed:  # a CUDA graph's stand-in: a replay runs the captured step again on the same buffers
+    step = None
+
+    def replay(self):
+        self.step()
+
+
+torch.cuda.graph_pool_handle, torch.cuda.synchronize, torch.cuda.CUDAGraph = (lambda: None), (lambda *a: None), Replayed
+torch.cuda.graph = lambda graph, pool=None: __import__("contextlib").nullcontext()
+engine = PagedEngine(PATH, "float32", attention="triton", max_batch=8, block_size=4, kv_tokens=512)
+engine._graph_batch, engine.separate_prefill = 8, True  # what a GPU engine sets
+engine._capture_graphs()
+for graph, static, out in engine.graphs.values():
+    graph.step = lambda static=static, out=out: out.copy_(
+        engine.model.logits(engine.model.hidden(static["tokens"], static["positions"], engine.attention))
+    )
+assert sorted(engine.graphs) == [1, 2, 4, 8]
+
+made, replays, real_tensor, real_replay = [], [], torch.tensor, engine._replay
+torch.tensor = lambda *a, **k: made.append(1) or real_tensor(*a, **k)
+
+
+def counted(layout, tokens):
+    made.clear()
+    out = real_replay(layout, tokens)
+    replays.append(len(made))  # host tensors made in the step: each one an upload on a GPU
+    return out
+
+
+engine._replay = counted
+params = SamplingParams(max_new_tokens=12, temperature=0.0)
+prompts = fixed_prompts(5)  # five rows in the graph of eight: three padding rows on the dummy block
+graphed = engine.generate(prompts, params)
+torch.tensor = real_tensor
+sdpa = PagedEngine(PATH, "float32", attention="sdpa", max_batch=8, block_size=4, kv_tokens=512)
+eager = sdpa.generate(prompts, params)
+assert [c.tokens for c in graphed] == [c.tokens for c in eager]
+assert len(replays) >= 11 and set(replays) == {1}, replays  # every decode step replayed, its inputs in one upload
+worst = max(abs(x - y) for p, r in zip(graphed, eager) for x, y in zip(p.logprobs, r.logprobs))
+print("replays", len(replays), "logprobs", worst)
+"""
+
+
+def test_graphed_decode_steps_send_their_inputs_in_one_upload_and_decode_the_eager_tokens(path):
+    """The decode steps a GPU engine replays from CUDA graphs, on CPU: a stand-in graph reruns the captured
+    step on the buffers the graph reads, with the Triton kernels interpreted. Every decode step replays,
+    padded to its graph's size on the dummy block, and makes one host tensor (one upload on a GPU, not
+    five), and the tokens are the eager SDPA engine's."""
+    assert "replays" in _interpreted(f"PATH = {path!r}\n" + GRAPHED_DECODE_CHECK)
 
 
 def test_paged_engine_runs_a_mixture_of_experts_model():

@@ -115,6 +115,7 @@ class FlashInferAttention:
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
         self.graph_wrappers: dict[int, object] = {}
+        self.inputs_per_row = 0  # a graphed step's upload carries nothing of its own
         self.graph_workspace = (
             torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device) if graph_batch else None
         )
@@ -150,7 +151,11 @@ class FlashInferAttention:
             qo = torch.tensor([0, *torch.tensor(layout.new).cumsum(0).tolist()], dtype=torch.int32, device=device)
             self.prefill.plan(qo, indptr, indices, last, head_dim_qk=self.head_dim, causal=True, **self._common(layout))
 
-    def plan_graph(self, layout: StepLayout, slots: torch.Tensor) -> None:
+    def graph_inputs(self, layout: StepLayout) -> list[int]:
+        """Nothing in the step's upload: FlashInfer's ``plan`` sends its own metadata."""
+        return []
+
+    def plan_graph(self, layout: StepLayout, slots: torch.Tensor, inputs: torch.Tensor) -> None:
         """Plan a decode step of exactly ``len(layout.new)`` sequences into that size's fixed
         buffers; the step's keys and values go to the slots in ``slots`` (a fixed buffer too)."""
         size = len(layout.new)

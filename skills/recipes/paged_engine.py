@@ -39,6 +39,7 @@ from .kv_cache import BlockManager, HostKV, KVPool
 from .paged_attention import FlashInferAttention, SDPAAttention, StepLayout
 from .qwen3_model import Qwen3, head_dim_of, load_checkpoint
 from .request import Request, queue_by_arrival, refuse_unfit, step_takes
+from .step_upload import StepUpload
 
 TAGS = ("weights", "kv_cache")
 
@@ -126,6 +127,7 @@ class PagedEngine:
         # Each engine its own draws: engines seeded alike answered one prompt with one sample on every
         # device at once (the audit's independence test caught it). A request's own seed still rules.
         self._generator = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self.upload: StepUpload | None = None  # a graphed decode step's inputs, in one copy (made with the graphs)
         self._allocate_cache()
 
     # -- memory ---------------------------------------------------------------------------------------
@@ -546,18 +548,30 @@ class PagedEngine:
             layout.block_tables + [[dummy]] * pad, layout.context + [1] * pad, layout.new + [1] * pad, self.block_size
         )
 
+    def _send(self, layout: StepLayout, tokens: list[int]) -> dict[str, torch.Tensor]:
+        """A graphed step's inputs (``layout`` padded to the graph's size) in one upload: the graph's token
+        ids, positions and slots are views of it, fixed per size; the attention takes what it needs."""
+        size = len(layout.new)
+        sent = self.upload.send(
+            [
+                *tokens,
+                *[0] * (size - len(tokens)),
+                *layout.positions(),
+                *layout.slots(),
+                *self.attention.graph_inputs(layout),
+            ]
+        )
+        static = {name: sent[i * size : (i + 1) * size] for i, name in enumerate(("tokens", "positions", "slots"))}
+        self.attention.plan_graph(layout, static["slots"], sent[3 * size :])
+        return static
+
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
+        if self.upload is None:
+            self.upload = StepUpload(self._graph_batch * (3 + self.attention.inputs_per_row), self.device)
         for size in sorted(self._buckets(), reverse=True):
-            static = {
-                "tokens": torch.zeros(size, dtype=torch.long, device=self.device),
-                "positions": torch.zeros(size, dtype=torch.long, device=self.device),
-                "slots": torch.full(
-                    (size,), (self.num_blocks - 1) * self.block_size, dtype=torch.long, device=self.device
-                ),
-            }
-            self.attention.plan_graph(self._padded(StepLayout([], [], [], self.block_size), size), static["slots"])
+            static = self._send(self._padded(StepLayout([], [], [], self.block_size), size), [])
             for _ in range(2):  # warm up: kernels compiled and workspace sized outside the capture
                 self.model.logits(self.model.hidden(static["tokens"], static["positions"], self.attention))
             torch.cuda.synchronize(self.device)
@@ -569,12 +583,7 @@ class PagedEngine:
     def _replay(self, layout: StepLayout, tokens: list[int]) -> torch.Tensor:
         n = len(tokens)
         size = min(s for s in self.graphs if s >= n)
-        graph, static, out = self.graphs[size]
-        padded = self._padded(layout, size)
-        self.attention.plan_graph(padded, static["slots"])
-        static["tokens"].zero_()
-        static["tokens"][:n] = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        static["positions"].copy_(torch.tensor(padded.positions(), dtype=torch.long, device=self.device))
-        static["slots"].copy_(torch.tensor(padded.slots(), dtype=torch.long, device=self.device))
+        graph, _, out = self.graphs[size]
+        self._send(self._padded(layout, size), tokens)  # into the views the graph reads
         graph.replay()
         return out[:n]

@@ -132,6 +132,7 @@ class TritonAttention:
         self.pool, self.device, self.max_blocks = pool, device, max_blocks  # the kernel reads heads off the tensors
         self.sdpa = SDPAAttention(pool, heads, kv_heads, head_dim)
         self.graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.inputs_per_row = 1 + max_blocks  # a graphed step's upload: a length and a block table a sequence
         self.decoding = False
 
     def _tables(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +149,18 @@ class TritonAttention:
         tables, lengths = self._tables(layout)
         self.tables, self.lengths = tables.to(device), lengths.to(device)
 
-    def plan_graph(self, layout: StepLayout, slots: torch.Tensor) -> None:
-        """A decode step of exactly ``len(layout.new)`` sequences, its tables and lengths copied into
-        that size's buffers (only the columns in use: the kernel reads no position past a length)."""
+    def graph_inputs(self, layout: StepLayout) -> list[int]:
+        """What ``plan_graph`` reads from the step's upload: each sequence's length, then its block table
+        (as wide as the widest of the step)."""
+        width = max(len(table) for table in layout.block_tables)
+        if width > self.max_blocks:
+            raise ValueError(f"a sequence spans {width} blocks, more than the cache's {self.max_blocks}")
+        return [*layout.context, *(b for table in layout.block_tables for b in table + [0] * (width - len(table)))]
+
+    def plan_graph(self, layout: StepLayout, slots: torch.Tensor, inputs: torch.Tensor) -> None:
+        """A decode step of exactly ``len(layout.new)`` sequences: its lengths and tables (``inputs``, on
+        the device, as ``graph_inputs`` laid them out) copied into that size's buffers, only the columns
+        in use (the kernel reads no position past a length)."""
         size = len(layout.new)
         if size not in self.graph_buffers:
             self.graph_buffers[size] = (
@@ -158,11 +168,9 @@ class TritonAttention:
                 torch.ones(size, dtype=torch.int32, device=self.device),
             )
         self.tables, self.lengths = self.graph_buffers[size]
-        tables, lengths = self._tables(layout)
-        if tables.shape[1] > self.max_blocks:
-            raise ValueError(f"a sequence spans {tables.shape[1]} blocks, more than the cache's {self.max_blocks}")
-        self.tables[:, : tables.shape[1]].copy_(tables, non_blocking=True)
-        self.lengths.copy_(lengths, non_blocking=True)
+        width = (inputs.numel() - size) // size
+        self.lengths.copy_(inputs[:size])
+        self.tables[:, :width].copy_(inputs[size:].view(size, width))
         self.slots, self.decoding = slots, True
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

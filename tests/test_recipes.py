@@ -91,7 +91,7 @@ def test_a_dense_layer_computes_q_k_v_in_one_gemm_and_gate_up_in_another(path, t
     assert sorted(engine.store.fused) == sorted(
         f"model.layers.{i}.{name}"
         for i in range(layers)
-        for name in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+        for name in ("self_attn.qkv_proj.weight", "self_attn.qk_norm.weight", "mlp.gate_up_proj.weight")
     )
     calls = []
     linear = torch.nn.functional.linear
@@ -216,17 +216,23 @@ assert worst < 1e-5, worst
 from skills.recipes import fused_ops  # the fused kernels against the torch ops they replace
 from skills.recipes.qwen3_model import TorchOps
 
-T, n, heads, dim = 5, 96, 3, 64
+T, n, heads, kv_heads, dim = 5, 96, 4, 2, 64
 h, d, w = torch.randn(T, n), torch.randn(T, n), torch.randn(n)
-x, wq, angles = torch.randn(T, heads, dim), torch.randn(dim), torch.randn(T, dim // 2)
+qk_norm, angles = torch.randn(2 * dim), torch.randn(T, dim // 2)
 cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-qkv = torch.randn(T, (heads + 2) * dim)  # a fused projection's output: q's 3 heads, then k's and v's one each
-q, k = qkv[:, : heads * dim].view(T, heads, dim), qkv[:, heads * dim : (heads + 1) * dim].view(T, 1, dim)
+qkv = torch.randn(2 * T, (heads + 2 * kv_heads) * dim)[::2]  # a fused projection's output, rows 2 apart
+slots = torch.tensor([9, 0, 4, 17, 3])  # each token's cache row, scattered
+rows = (torch.randn(20, kv_heads, dim), torch.randn(20, kv_heads, dim))  # a layer's key and value rows
+caches = [tuple(t.clone() for t in rows) for _ in range(2)]
+q_fused = fused_ops.rope_into_cache(qkv, qk_norm, cos, sin, 1e-6, (heads, kv_heads), (*caches[0], slots))
+q_torch = TorchOps.rope_into_cache(qkv, qk_norm, cos, sin, 1e-6, (heads, kv_heads), (*caches[1], slots))
 gate_up = torch.randn(T, 2 * 3000)
 pairs = [
     *zip(fused_ops.add_rms_norm(h, d, w, 1e-6), TorchOps.add_rms_norm(h, d, w, 1e-6)),
     (fused_ops.add_rms_norm(h, None, w, 1e-6)[1], TorchOps.add_rms_norm(h, None, w, 1e-6)[1]),
-    *((fused_ops.norm_rope(t, wq, cos, sin, 1e-6), TorchOps.norm_rope(t, wq, cos, sin, 1e-6)) for t in (x, q, k)),
+    (q_fused, q_torch),
+    *zip(caches[0], caches[1]),  # the keys and values written at the slots, the other rows untouched
+    (caches[1][1][slots], qkv[:, (heads + kv_heads) * dim :].reshape(T, kv_heads, dim)),  # values as they came
     (fused_ops.silu_mul(gate_up), TorchOps.silu_mul(gate_up)),
     (TorchOps.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :3000]) * gate_up[:, 3000:]),
 ]
@@ -271,6 +277,48 @@ def test_the_triton_decode_kernel_matches_attention_and_the_engine_decodes_the_s
     RoPE and activation kernels against the torch ops; and an engine on both greedy-decoding the
     SDPA engine's tokens with the torch ops (its prefill steps are SDPA's)."""
     assert "worst" in _interpreted(f"PATH = {path!r}\n" + TRITON_DECODE_CHECK)
+
+
+def test_every_triton_kernel_compiles_for_an_h100_without_a_gpu():
+    """Triton's interpreter runs a kernel as Python, so it passes code the compiler refuses (a name an
+    ``if`` reassigns with another type compiles nowhere). Each kernel the engine takes on a GPU is
+    compiled here to an sm_90 cubin (H100, H200) with the 0.6B target's shapes: front end and ptxas,
+    no GPU needed."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from skills.recipes import fused_ops, triton_attention
+
+    bf16, i32 = "*bf16", "i32"
+    kernels = [
+        (
+            fused_ops._add_rms_norm,
+            dict(h=bf16, delta=bf16, weight=bf16, total=bf16, out=bf16, n=i32, eps="fp32"),
+            dict(HAS_DELTA=has_delta, BLOCK=1024),
+        )
+        for has_delta in (True, False)
+    ] + [
+        (
+            fused_ops._rope_into_cache,
+            dict(qkv=bf16, qk_norm=bf16, cos=bf16, sin=bf16, q_out=bf16, k_rows=bf16, v_rows=bf16, slots="*i64")
+            | dict(stride=i32, eps="fp32"),
+            dict(Q_HEADS=16, KV_HEADS=8, HALF=64),
+        ),
+        (fused_ops._silu_mul, dict(gate_up=bf16, out=bf16, n=i32, width=i32), dict(BLOCK=1024)),
+        (
+            triton_attention._paged_decode,
+            dict(q=bf16, k_cache=bf16, v_cache=bf16, tables="*i32", lengths="*i32", out=bf16, scale="fp32")
+            | {name: i32 for name in ("q_stride_b", "q_stride_h", "cache_stride_block", "cache_stride_pos")}
+            | {name: i32 for name in ("cache_stride_h", "tables_stride_b", "out_stride_b", "out_stride_h")},
+            dict(GROUP=2, GROUP_P2=2, DIM=128, BLOCK_SIZE=16, TOKENS=16),
+        ),
+    ]
+    for kernel, arguments, constants in kernels:
+        signature = arguments | dict.fromkeys(constants, "constexpr")
+        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], kernel
 
 
 GRAPHED_DECODE_CHECK = """

@@ -1,9 +1,9 @@
-"""The paged engine's weights: each dense layer's q/k/v projections stored as one tensor, and its
-gate/up projections as another, so a step computes them in one GEMM each instead of five (a decode
-step of a small model is a chain of tiny kernels: on the H200 the 0.6B engine's iteration cost what
-its ~55 kernels a layer cost, not what its bytes did). The checkpoint's names stay: each is a row
-view of its fused tensor, so a weight load by name (in place) fills the fused tensor, and a state
-dict read by name is the checkpoint's.
+"""The paged engine's weights: each layer's q/k/v projections stored as one tensor (and its q/k norms,
+which one kernel reads), and a dense layer's gate/up projections as another, so a step computes them
+in one GEMM each instead of five (a decode step of a small model is a chain of tiny kernels: on the
+H200 the 0.6B engine's iteration cost what its ~55 kernels a layer cost, not what its bytes did). The
+checkpoint's names stay: each is a row view of its fused tensor, so a weight load by name (in place)
+fills the fused tensor, and a state dict read by name is the checkpoint's.
 
 Sleep copies out and frees each *storage* once (a fused tensor, or a plain one; tied embeddings are
 one tensor with two names), into host buffers kept from one sleep to the next (pinned on a GPU: one
@@ -18,6 +18,7 @@ import torch
 
 FUSED = {  # fused name (in the layer) -> the checkpoint's names of its row blocks, in order
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qk_norm.weight": ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),  # one kernel reads both
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 
@@ -39,7 +40,7 @@ class Storage:
 
 class EngineWeights:
     """``named``: the checkpoint's names (views where fused); ``fused``: the fused tensors by layer name
-    (``model.layers.{i}.self_attn.qkv_proj.weight``, ``model.layers.{i}.mlp.gate_up_proj.weight``)."""
+    (``model.layers.{i}.`` and a name of ``FUSED``)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], layers: int) -> None:
         self.named = weights

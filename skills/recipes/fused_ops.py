@@ -1,11 +1,12 @@
-"""The decoder layer's elementwise work in three Triton kernels instead of ~45 torch ops: a residual
-add fused with the RMSNorm after it, the per-head q/k norms fused with RoPE (read straight from the
-fused q/k/v projection's output), and SiLU(gate) * up (from the fused gate/up projection's).
+"""The decoder layer's elementwise work in three Triton kernels instead of ~50 torch ops: a residual
+add fused with the RMSNorm after it; the per-head q/k norms and RoPE read straight from the fused
+q/k/v projection's output, with the keys and values written into the KV cache in the same kernel; and
+SiLU(gate) * up (from the fused gate/up projection's).
 
 Why: a decode step of a small model is a chain of tiny kernels, and on the H200 each costs the GPU a
 few microseconds whatever its size: the 0.6B engine's ~55 kernels a layer (28 layers) in CUDA graphs
 took 6.8 ms an iteration against a 0.54 ms roofline. With these and the fused projections
-(``engine_weights.py``), a layer is ~12 kernels.
+(``engine_weights.py``), a layer is 9 kernels: 4 GEMMs, the attention, and four of these (the norm twice).
 
 Each kernel rounds where the torch ops it replaces round (every op's output is in the model's dtype;
 RMSNorm computes in float32, as transformers' Qwen3 does), so the fused model gives the unfused one's
@@ -73,52 +74,95 @@ def add_rms_norm(
 
 
 @triton.jit
-def _norm_rope(
-    x,  # [tokens, heads, dim], heads contiguous within a token; tokens ``stride`` elements apart
-    weight,  # [dim]
+def _rope_into_cache(
+    qkv,  # [tokens, (q_heads + 2 * kv_heads) * dim]: the fused projection's output, tokens ``stride`` apart
+    qk_norm,  # [2 * dim]: the q norm's weights, then the k norm's
     cos,  # [tokens, dim]
     sin,
-    out,  # [tokens, heads, dim], contiguous
-    heads,
+    q_out,  # [tokens, q_heads, dim], contiguous
+    k_rows,  # [slots, kv_heads, dim], contiguous (the layer's key cache)
+    v_rows,
+    slots,  # [tokens] int64: each token's row
     stride,
     eps,
+    Q_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,  # dim // 2
 ):
-    row = tl.program_id(0).to(tl.int64)  # one (token, head)
-    token = row // heads
+    program = tl.program_id(0).to(tl.int64)  # one (token, head) of q's, k's and v's heads in a row
+    token = program // (Q_HEADS + 2 * KV_HEADS)
+    head = program - token * (Q_HEADS + 2 * KV_HEADS)
     cols = tl.arange(0, HALF)
-    at = x + token * stride + (row - token * heads) * 2 * HALF
-    first = tl.load(at + cols).to(tl.float32)
-    second = tl.load(at + HALF + cols).to(tl.float32)
-    scale = tl.rsqrt((tl.sum(first * first, axis=0) + tl.sum(second * second, axis=0)) / (2 * HALF) + eps)
-    kind = out.dtype.element_ty
-    w1 = tl.load(weight + cols).to(tl.float32)
-    w2 = tl.load(weight + HALF + cols).to(tl.float32)
-    first = (w1 * (first * scale).to(kind).to(tl.float32)).to(kind).to(tl.float32)
-    second = (w2 * (second * scale).to(kind).to(tl.float32)).to(kind).to(tl.float32)
-    c1 = tl.load(cos + token * 2 * HALF + cols).to(tl.float32)
-    c2 = tl.load(cos + token * 2 * HALF + HALF + cols).to(tl.float32)
-    s1 = tl.load(sin + token * 2 * HALF + cols).to(tl.float32)
-    s2 = tl.load(sin + token * 2 * HALF + HALF + cols).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-second, first); each product rounded, then the sum
-    low = (first * c1).to(kind).to(tl.float32) + (-second * s1).to(kind).to(tl.float32)
-    high = (second * c2).to(kind).to(tl.float32) + (first * s2).to(kind).to(tl.float32)
-    tl.store(out + row * 2 * HALF + cols, low.to(kind))
-    tl.store(out + row * 2 * HALF + HALF + cols, high.to(kind))
+    at = qkv + token * stride + head * 2 * HALF
+    loaded_first = tl.load(at + cols)
+    loaded_second = tl.load(at + HALF + cols)
+    kind = q_out.dtype.element_ty
+    # (no name assigned before an ``if`` is assigned again in it: Triton yields such names out of the
+    # branches and refuses them where the branches' types differ)
+    if head >= Q_HEADS + KV_HEADS:  # a value head: into the cache as it is
+        row = (
+            v_rows + tl.load(slots + token).to(tl.int64) * KV_HEADS * 2 * HALF + (head - Q_HEADS - KV_HEADS) * 2 * HALF
+        )
+        tl.store(row + cols, loaded_first)
+        tl.store(row + HALF + cols, loaded_second)
+    else:
+        first = loaded_first.to(tl.float32)
+        second = loaded_second.to(tl.float32)
+        scale = tl.rsqrt((tl.sum(first * first, axis=0) + tl.sum(second * second, axis=0)) / (2 * HALF) + eps)
+        weight = qk_norm + (head >= Q_HEADS).to(tl.int64) * 2 * HALF
+        w1 = tl.load(weight + cols).to(tl.float32)
+        w2 = tl.load(weight + HALF + cols).to(tl.float32)
+        first = (w1 * (first * scale).to(kind).to(tl.float32)).to(kind).to(tl.float32)
+        second = (w2 * (second * scale).to(kind).to(tl.float32)).to(kind).to(tl.float32)
+        c1 = tl.load(cos + token * 2 * HALF + cols).to(tl.float32)
+        c2 = tl.load(cos + token * 2 * HALF + HALF + cols).to(tl.float32)
+        s1 = tl.load(sin + token * 2 * HALF + cols).to(tl.float32)
+        s2 = tl.load(sin + token * 2 * HALF + HALF + cols).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-second, first); each product rounded, then the sum
+        low = ((first * c1).to(kind).to(tl.float32) + (-second * s1).to(kind).to(tl.float32)).to(kind)
+        high = ((second * c2).to(kind).to(tl.float32) + (first * s2).to(kind).to(tl.float32)).to(kind)
+        if head < Q_HEADS:
+            row = q_out + (token * Q_HEADS + head) * 2 * HALF
+        else:
+            row = k_rows + tl.load(slots + token).to(tl.int64) * KV_HEADS * 2 * HALF + (head - Q_HEADS) * 2 * HALF
+        tl.store(row + cols, low)
+        tl.store(row + HALF + cols, high)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm (scaled by ``weight``) then RoPE: ``x`` ``[tokens, heads, dim]`` (a view of the
-    fused projection's rows will do: only each token's heads need be contiguous), ``cos`` and ``sin``
-    ``[tokens, dim]`` in ``x``'s dtype; the result contiguous."""
-    tokens, heads, dim = x.shape
-    if dim % 2 or dim & (dim - 1) or x.stride(2) != 1 or x.stride(1) != dim:
-        raise ValueError(f"norm_rope needs each token's heads contiguous, of a power-of-two dim, not {dim}")
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-    _norm_rope[(tokens * heads,)](
-        x, weight, cos.contiguous(), sin.contiguous(), out, heads, x.stride(0), eps, HALF=dim // 2
+def rope_into_cache(
+    qkv: torch.Tensor,
+    qk_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    heads: tuple[int, int],
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """``TorchOps.rope_into_cache`` in one kernel: the queries normed and rotated into a new tensor, the
+    keys normed, rotated and the values copied into the cache's rows at the step's slots."""
+    (q_heads, kv_heads), (k_rows, v_rows, slots) = heads, cache
+    tokens, dim = qkv.shape[0], k_rows.shape[-1]
+    if dim % 2 or dim & (dim - 1) or qkv.stride(1) != 1 or qkv.shape[1] != (q_heads + 2 * kv_heads) * dim:
+        raise ValueError(f"rope_into_cache needs rows of q, k and v heads of a power-of-two dim, not {dim}")
+    if not (k_rows.is_contiguous() and v_rows.is_contiguous()) or slots.dtype != torch.long:
+        raise ValueError("rope_into_cache needs contiguous cache rows and int64 slots")
+    q = torch.empty((tokens, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    _rope_into_cache[(tokens * (q_heads + 2 * kv_heads),)](
+        qkv,
+        qk_norm,
+        cos.contiguous(),
+        sin.contiguous(),
+        q,
+        k_rows,
+        v_rows,
+        slots,
+        qkv.stride(0),
+        eps,
+        Q_HEADS=q_heads,
+        KV_HEADS=kv_heads,
+        HALF=dim // 2,
     )
-    return out
+    return q
 
 
 @triton.jit

@@ -121,10 +121,11 @@ class KVPool:
     def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        kv_heads, head_dim = k.shape[1], k.shape[2]
-        self.k[layer].view(-1, kv_heads, head_dim)[slots] = k
-        self.v[layer].view(-1, kv_heads, head_dim)[slots] = v
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values as ``[slots, kv_heads, head_dim]``: a slot (block * block_size +
+        offset) is a row, where a step writes each new token's key and value."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
 
 class HostKV:

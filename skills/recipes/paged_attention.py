@@ -8,7 +8,8 @@
   one token per sequence (the only kind captured in CUDA graphs).
 
 A step is planned once (``plan``: block tables, lengths, the slot each new token's key and value go
-to) and then called once per layer.
+to); then, per layer, the model writes the step's keys and values into ``cache(layer)`` (fused with
+their norm and RoPE on a GPU) and ``attend(layer, q)`` attends each query over its sequence's context.
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ class SDPAAttention:
         self.mask = allowed[:, None].to(device)  # [B, 1, W, L]
         self.slots = context.gather(1, query_positions.clamp(max=context.shape[1] - 1))[real].to(device)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.pool.write(layer, self.slots, k, v)
-        keys = self.pool.k[layer].view(-1, self.kv_heads, self.head_dim)[self.context]  # [B, L, Hkv, D]
-        values = self.pool.v[layer].view(-1, self.kv_heads, self.head_dim)[self.context]
+    def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's key and value rows, and the row of each of the step's new tokens."""
+        return (*self.pool.rows(layer), self.slots)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        keys, values = (rows[self.context] for rows in self.pool.rows(layer))  # [B, L, Hkv, D]
         queries = q[self.query.clamp(min=0)]  # [B, W, H, D]; padded rows are discarded below
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2),
@@ -179,6 +182,8 @@ class FlashInferAttention:
         self.wrapper.plan(indptr, indices, last, head_dim=self.head_dim, **self._common(layout))
         self.slots = slots
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.pool.write(layer, self.slots, k, v)
+    def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (*self.pool.rows(layer), self.slots)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return self.wrapper.run(q.contiguous(), (self.pool.k[layer], self.pool.v[layer]))

@@ -20,10 +20,13 @@ import torch.nn.functional as F
 
 
 class Attention(Protocol):
-    """Paged attention for one step: writes the step's new keys and values into the cache, then
-    attends each query over its sequence's whole context (causal within the new tokens)."""
+    """Paged attention for one step: ``cache`` says where the step's new keys and values go (the layer's
+    key and value rows ``[slots, kv_heads, dim]`` and each new token's slot); ``attend`` attends each
+    query over its sequence's whole context, the step's keys and values written (causal within them)."""
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor: ...
 
 
 def checkpoint_files(model_path: str) -> list[Path]:
@@ -113,6 +116,26 @@ class TorchOps:
         return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
     @staticmethod
+    def rope_into_cache(
+        qkv: torch.Tensor,
+        qk_norm: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        eps: float,
+        heads: tuple[int, int],
+        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """The fused q/k/v projection's output ``[tokens, (heads + 2 * kv_heads) * dim]``: its keys (per-head
+        norm, then RoPE) and values written to the cache's rows at the step's slots; its queries (the
+        same, with the q norm: ``qk_norm`` is the q norm's weights, then the k norm's) returned."""
+        (q_heads, kv_heads), (k_rows, v_rows, slots) = heads, cache
+        dim = k_rows.shape[-1]
+        q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        k_rows[slots] = TorchOps.norm_rope(k.view(-1, kv_heads, dim), qk_norm[dim:], cos, sin, eps)
+        v_rows[slots] = v.view(-1, kv_heads, dim)
+        return TorchOps.norm_rope(q.view(-1, q_heads, dim), qk_norm[:dim], cos, sin, eps)
+
+    @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         """``F.silu(gate) * up`` of the fused gate/up projection's output (gate's columns first)."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -142,8 +165,6 @@ class Qwen3:
         self.layers = config["num_hidden_layers"]
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_dim = head_dim_of(config)
-        self.qkv_heads = (self.heads, self.kv_heads, self.kv_heads)
-        self.qkv_widths = [n * self.head_dim for n in self.qkv_heads]
         self.eps = config["rms_norm_eps"]
         experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 writes the latter
         sparse = set(range(self.layers)) - set(config.get("mlp_only_layers") or [])
@@ -187,11 +208,11 @@ class Qwen3:
         for i in range(self.layers):
             p = f"model.layers.{i}."
             h, x = ops.add_rms_norm(h, delta, w[p + "input_layernorm.weight"], eps)
-            q, k, v = F.linear(x, w[p + "self_attn.qkv_proj.weight"]).split(self.qkv_widths, dim=-1)
-            q, k, v = (t.view(-1, heads, self.head_dim) for t, heads in zip((q, k, v), self.qkv_heads))
-            q = ops.norm_rope(q, w[p + "self_attn.q_norm.weight"], cos, sin, eps)
-            k = ops.norm_rope(k, w[p + "self_attn.k_norm.weight"], cos, sin, eps)
-            a = attention(i, q, k, v).reshape(-1, self.heads * self.head_dim)
+            qkv = F.linear(x, w[p + "self_attn.qkv_proj.weight"])
+            q = ops.rope_into_cache(
+                qkv, w[p + "self_attn.qk_norm.weight"], cos, sin, eps, (self.heads, self.kv_heads), attention.cache(i)
+            )
+            a = attention.attend(i, q).reshape(-1, self.heads * self.head_dim)
             h, x = ops.add_rms_norm(
                 h, F.linear(a, w[p + "self_attn.o_proj.weight"]), w[p + "post_attention_layernorm.weight"], eps
             )

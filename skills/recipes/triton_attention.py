@@ -173,8 +173,10 @@ class TritonAttention:
         self.tables[:, :width].copy_(inputs[size:].view(size, width))
         self.slots, self.decoding = slots, True
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (*self.pool.rows(layer), self.slots) if self.decoding else self.sdpa.cache(layer)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         if not self.decoding:
-            return self.sdpa(layer, q, k, v)
-        self.pool.write(layer, self.slots, k, v)
+            return self.sdpa.attend(layer, q)
         return paged_decode(q, self.pool.k[layer], self.pool.v[layer], self.tables, self.lengths)

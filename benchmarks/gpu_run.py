@@ -257,6 +257,15 @@ def _sandbox(env: dict) -> tuple[str, str]:
 def setup(wheels: Path = typer.Option(Path("gpu-wheels"))) -> None:
     """Stage 1, on the machine: install the carried wheels, then say what the machine is."""
     found = sorted(str(p) for p in wheels.glob("*.whl")) if wheels.exists() else []
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    other = [Path(p).name for p in found if "-cp3" in Path(p).name and f"-{here}-" not in Path(p).name]
+    if other:  # said by name, not as pip's traceback (a rehearsal beside a folder prepared for the GPU)
+        typer.echo(
+            f"{wheels} holds wheels built for another Python than this {platform.python_version()}: "
+            f"{', '.join(other)}; run `prepare --python` for this one, or rehearse without the folder",
+            err=True,
+        )
+        raise typer.Exit(1)
     if found:
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", *found], check=True)
     import torch

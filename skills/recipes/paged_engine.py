@@ -94,6 +94,8 @@ class PagedEngine:
         self.attention_kind = choose_attention(attention, device, self.dtype, head_dim, block_size)
         self.fused_kernels = choose_fused(fused_kernels, self.attention_kind, device, head_dim)
         self.store = EngineWeights(self.weights, self.config["num_hidden_layers"])  # q/k/v and gate/up fused
+        if device.startswith("cuda"):  # the unfused copies' memory back, before the KV cache is sized from what is free
+            torch.cuda.empty_cache()
         self.model = Qwen3(self.config, {**self.weights, **self.store.fused}, fused=self.fused_kernels)
         self.block_size, self.max_batch = block_size, max_batch
         self.host_kv = HostKV(host_kv_tokens, block_size) if host_kv_tokens else None

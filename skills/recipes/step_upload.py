@@ -19,7 +19,7 @@ class StepUpload:
         self.pinned = device.startswith("cuda")
         self.host = torch.empty(capacity, dtype=torch.long, pin_memory=self.pinned)
         self.device = torch.empty(capacity, dtype=torch.long, device=device)
-        self.sent: torch.cuda.Event | None = None  # the last copy out of ``host``, once one was made
+        self.sent = torch.cuda.Event() if self.pinned else None  # the last copy out of ``host`` (none yet: no wait)
 
     def send(self, values: list[int]) -> torch.Tensor:
         """``values`` on the device (a view of this upload's buffer, valid until the next send)."""
@@ -30,6 +30,6 @@ class StepUpload:
         n = len(values)
         self.host[:n] = torch.tensor(values, dtype=torch.long)
         self.device[:n].copy_(self.host[:n], non_blocking=self.pinned)
-        if self.pinned:
-            self.sent = torch.cuda.current_stream().record_event()
+        if self.sent is not None:  # on the stream the copy went to: the current one of the buffer's device
+            torch.cuda.current_stream(self.device.device).record_event(self.sent)
         return self.device[:n]

@@ -328,9 +328,22 @@ def test_request_served_by_a_shrunk_engine(honest):
 
 def test_a_shrink_that_leaves_its_requests_running(honest):
     """Planted: the cluster's shrink returns without aborting what its engine runs, and the request
-    completes seconds later, decoded beside the trainer the shrink made room for."""
+    completes seconds later, decoded beside the trainer the shrink made room for. The turn is one that
+    starts while no switch of cpu:0 is under way (one CI run planted it in an expand not yet returned:
+    the audit then measured from the real shrink before). Every other turn the planted shrink left
+    running is named too, three at most: the planted one is named, or counted among the rest."""
     events = _edited(honest)
-    served = [e for e in events if e.kind == "generate" and not e.data["aborted"] and e.data["device"] == "cpu:0"]
+    switching = [
+        (e.data["start"], e.t) for e in events if e.kind in ("shrink", "expand") and "cpu:0" in e.data["devices"]
+    ]
+    served = [
+        e
+        for e in events
+        if e.kind == "generate"
+        and not e.data["aborted"]
+        and e.data["device"] == "cpu:0"
+        and not any(start <= e.data["start"] + 0.01 <= t for start, t in switching)
+    ]
     g = served[len(served) // 2]
     shrunk_at = g.data["start"] + 0.01
     late = TraceEvent("generate", shrunk_at + ABORT_SLACK_S + 1.0, g.data)
@@ -338,7 +351,10 @@ def test_a_shrink_that_leaves_its_requests_running(honest):
     events.insert(
         events.index(late), TraceEvent("shrink", shrunk_at, {"start": shrunk_at - 0.005, "devices": ["cpu:0"]})
     )
-    _rejects(_audit(honest, events), f"cpu:0 went on serving episode {g.data['episode']} turn {g.data['turn']}")
+    result = _audit(honest, events)
+    _rejects(result, "cpu:0 went on serving episode")
+    named = f"cpu:0 went on serving episode {g.data['episode']} turn {g.data['turn']}"
+    assert any(named in r or r.startswith("shrink without abort: ... and") for r in result.reasons), result.reasons
 
 
 def test_an_engine_woken_before_its_trainer_left_the_device(honest):

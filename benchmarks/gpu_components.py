@@ -128,6 +128,7 @@ def main(
     train_batch: int = 32,
     repeat: int = 3,
     json_path: Path = typer.Option(None, "--json", help="also write every figure here"),
+    fused_kernels: bool = typer.Option(True, help="off: the engine's torch ops only (gpu_run.py's fallback)"),
 ) -> None:
     spec = load_target(target)
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
@@ -140,7 +141,12 @@ def main(
 
     console.print(f"[bold]{target}[/bold] on {device} ({device_name}); roofline and MFU: {figures_of}")
     engine = PagedEngine(
-        path, dtype, device=device, kv_tokens=batch * (prompt_tokens + new_tokens) * 2, max_batch=batch
+        path,
+        dtype,
+        device=device,
+        kv_tokens=batch * (prompt_tokens + new_tokens) * 2,
+        max_batch=batch,
+        fused_kernels=None if fused_kernels else False,  # None: where the attention kernel is a GPU one
     )
     parameters = sum(
         t.numel()

@@ -74,6 +74,18 @@ def test_triton_engine_in_bf16_passes_checks_1_and_3_with_its_decode_graphs(path
     assert result.passed, result.reasons
 
 
+def test_triton_engine_without_the_fused_kernels_passes_checks_1_and_3(path, reference):
+    """The same engine with its norms, RoPE and activation as torch ops: what ``gpu_run.py`` gives the
+    check when the fused kernels fail the test above and this one passes (``engine_fallback``)."""
+    pytest.importorskip("triton")
+    engine = _engine(path, attention="triton", fused_kernels=False)
+    assert engine.attention_kind == "triton" and engine.graphs and not engine.fused_kernels
+    result = check_engine(engine, reference, BF16)
+    assert result.passed, result.reasons
+    result = check_weight_sync(engine, engine.load_weights, reference, BF16)
+    assert result.passed, result.reasons
+
+
 def test_cuda_graph_decode_gives_the_eager_tokens(path):
     graphs, eager = _engine(path, max_batch=16), _engine(path, max_batch=16, cuda_graphs=False)
     assert graphs.graphs and not eager.graphs

@@ -21,3 +21,59 @@ def test_setup_names_wheels_built_for_another_python_instead_of_failing_in_pip(t
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"orjson-3.13.0-{other}" in done.stderr and "another Python" in done.stderr, done.stderr
     assert "gitpython" not in done.stderr and "Traceback" not in done.stderr
+
+
+def _script():
+    """``benchmarks/gpu_run.py`` as a module (a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_run", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _junit(path: Path, failed: list[str], passed: list[str]) -> None:
+    cases = [f'<testcase classname="tests.test_gpu" name="{n}"><failure message="x"/></testcase>' for n in failed]
+    cases += [f'<testcase classname="tests.test_gpu" name="{n}"/>' for n in passed]
+    path.write_text(f'<testsuites><testsuite name="pytest">{"".join(cases)}</testsuite></testsuites>')
+
+
+def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passes_alone_and_says_so(
+    tmp_path, monkeypatch
+):
+    """The H200 run of 11-29 lost its check to one Triton kernel; now the check's stack drops the fused
+    kernels (or the Triton attention) when the GPU tests failed the default engine, each fallback's
+    test rerun in a process of its own, and ``stages.json`` names what was dropped and why."""
+    import json
+
+    gpu_run = _script()
+    monkeypatch.setattr(gpu_run.signal, "signal", lambda *handler: None)  # pytest's SIGTERM stays pytest's
+    out = tmp_path / "out"
+    stages = gpu_run.Stages(out, deadline_s=300)
+    # a stand-in for pytest: passes only the float32 SDPA test (the unfused Triton engine fails too)
+    tests = [sys.executable, "-c", "import sys; sys.exit(0 if 'test_float32' in ' '.join(sys.argv) else 1)"]
+    _junit(out / "gpu_tests.xml", [gpu_run.DEFAULT_ENGINE_TEST], ["test_cuda_graph_decode_gives_the_eager_tokens"])
+    options = gpu_run.engine_fallback(stages, tests, {})
+    assert options == {"attention": "sdpa", "fused_kernels": False}
+    recorded = json.loads((out / "stages.json").read_text())["stages"]
+    assert recorded["fallback_unfused"]["status"] == "exit 1" and recorded["fallback_sdpa"]["status"] == "ok"
+    assert "-k test_triton_engine_without_the_fused_kernels" in recorded["fallback_unfused"]["command"]
+    assert recorded["engine"]["options"] == options and gpu_run.DEFAULT_ENGINE_TEST in recorded["engine"]["status"]
+
+    # the starter's params.json takes them, its other parameters kept, and the stack's build accepts them
+    from skills.recipes.build import _validate_param_names
+
+    (tmp_path / "starter" / "stack").mkdir(parents=True)
+    (tmp_path / "starter" / "stack" / "params.json").write_text(json.dumps({"controller": "colocate"}))
+    gpu_run.with_engine_options(tmp_path / "starter", options)
+    params = json.loads((tmp_path / "starter" / "stack" / "params.json").read_text())
+    assert params == {"controller": "colocate", **options}
+    _validate_param_names(params)
+
+    # the default engine passed (or nothing ran): no fallback runs, none is taken
+    again = gpu_run.Stages(tmp_path / "again", deadline_s=300)
+    _junit(again.out / "gpu_tests.xml", [], [gpu_run.DEFAULT_ENGINE_TEST])
+    assert gpu_run.engine_fallback(again, tests, {}) == {}
+    recorded = json.loads((again.out / "stages.json").read_text())["stages"]
+    assert set(recorded) == {"engine"} and recorded["engine"]["status"] == "default"

@@ -1378,6 +1378,9 @@ def test_a_vllm_stack_s_engine_options_are_vllm_s_or_refused_never_dropped():
     }
     with pytest.raises(ValueError, match=r"params \['kv_tokens'\]: the paged engine's options"):
         vllm_options({"kv_tokens": 8192}, 4096)
+    with pytest.raises(ValueError, match=r"params \['fused_kernels'\]: the paged engine's options"):
+        vllm_options({"fused_kernels": False}, 4096)
+    assert vllm_options({"fused_kernels": None}, 4096) == {"max_model_len": 4096}  # the default: nothing asked
     with pytest.raises(ValueError, match="speculative_tokens"):
         vllm_options({"speculative_tokens": 4}, 4096)
     with pytest.raises(ValueError, match="prefill_chunk: the paged engine's"):

@@ -20,6 +20,7 @@ CONTROLLERS = {"colocate": Colocate, "static_split": StaticSplit, "time_multiple
 ENGINE_OPTIONS = ("block_size", "kv_tokens", "kv_memory_fraction", "max_batch", "cuda_graphs", "attention")
 ENGINE_OPTIONS += ("speculative_tokens", "speculative_ngram", "speculative_batch")  # the speculative_decoding skill
 ENGINE_OPTIONS += ("prefill_chunk",)  # the chunked_prefill skill
+ENGINE_OPTIONS += ("fused_kernels",)  # null: with a GPU attention kernel; false: torch ops (gpu_run.py's fallback)
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
 STRUCTURE = ("controller", "engine", "cluster", "threads_per_actor", "rollout_devices", "train_devices", "bucket_bytes")
 TECHNIQUE_PARAMS = (  # what the controllers, the router, the harvester and the reward placement read
@@ -51,7 +52,7 @@ def vllm_options(params: dict, max_sequence: int, cuda: bool = True) -> dict:
     for own in ("speculative_tokens", "host_kv", "prefill_chunk"):
         if params.get(own, 0):
             raise ValueError(f"{own}: the paged engine's (its skill's recipe), not vLLM's")
-    own = [k for k in ("kv_tokens", "attention") if k in params and params[k] not in (None, "auto")]
+    own = [k for k in ("kv_tokens", "attention", "fused_kernels") if k in params and params[k] not in (None, "auto")]
     if own:
         raise ValueError(f"params {own}: the paged engine's options; vLLM sizes its cache by kv_memory_fraction")
     if not cuda and "kv_memory_fraction" in params:

@@ -346,26 +346,39 @@ for graph, static, out in engine.graphs.values():
     )
 assert sorted(engine.graphs) == [1, 2, 4, 8]
 
-made, replays, real_tensor, real_replay = [], [], torch.tensor, engine._replay
+made, replays, real_tensor, real_replay, real_sample = [], [], torch.tensor, engine._replay, engine._sample
 torch.tensor = lambda *a, **k: made.append(1) or real_tensor(*a, **k)
+replayed = False
 
 
 def counted(layout, tokens):
+    global replayed
     made.clear()
-    out = real_replay(layout, tokens)
-    replays.append(len(made))  # host tensors made in the step: each one an upload on a GPU
+    replayed = True
+    return real_replay(layout, tokens)
+
+
+def sampled(batch, logits):
+    global replayed
+    out = real_sample(batch, logits)
+    if replayed:  # host tensors made in the replayed step, its draw included: each one an upload on a GPU
+        replays.append(len(made))
+    replayed = False
     return out
 
 
-engine._replay = counted
+engine._replay, engine._sample = counted, sampled
 params = SamplingParams(max_new_tokens=12, temperature=0.0)
 prompts = fixed_prompts(5)  # five rows in the graph of eight: three padding rows on the dummy block
 graphed = engine.generate(prompts, params)
-torch.tensor = real_tensor
 sdpa = PagedEngine(PATH, "float32", attention="sdpa", max_batch=8, block_size=4, kv_tokens=512)
 eager = sdpa.generate(prompts, params)
 assert [c.tokens for c in graphed] == [c.tokens for c in eager]
 assert len(replays) >= 11 and set(replays) == {1}, replays  # every decode step replayed, its inputs in one upload
+replays.clear()  # a system run's steps: one temperature, the engine's generator; the draw sends nothing up
+assert all(len(c.tokens) == 12 for c in engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0)))
+assert len(replays) >= 11 and set(replays) == {1}, replays
+torch.tensor = real_tensor
 worst = max(abs(x - y) for p, r in zip(graphed, eager) for x, y in zip(p.logprobs, r.logprobs))
 print("replays", len(replays), "logprobs", worst)
 """
@@ -375,7 +388,7 @@ def test_graphed_decode_steps_send_their_inputs_in_one_upload_and_decode_the_eag
     """The decode steps a GPU engine replays from CUDA graphs, on CPU: a stand-in graph reruns the captured
     step on the buffers the graph reads, with the Triton kernels interpreted. Every decode step replays,
     padded to its graph's size on the dummy block, and makes one host tensor (one upload on a GPU, not
-    five), and the tokens are the eager SDPA engine's."""
+    five; at temperature 1 too: the draw sends nothing up), and the tokens are the eager SDPA engine's."""
     assert "replays" in _interpreted(f"PATH = {path!r}\n" + GRAPHED_DECODE_CHECK)
 
 
@@ -598,6 +611,44 @@ def test_speculative_greedy_decoding_keeps_every_token_and_logprob(path, tiny_mo
         assert b.tokens == a.tokens == reference_greedy(tiny_model, [prompt], 24)[0].tokens
         assert b.finish_reason == a.finish_reason
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "temperatures, seeded",
+    [([0.7], False), ([0.7, 1.3, 0.0], False), ([0.7], True)],
+    ids=["one-temperature", "mixed-temperatures", "own-seed"],
+)
+def test_each_way_of_sampling_draws_tokens_with_the_models_probability(path, temperatures, seeded):
+    """``_sample``'s three ways: every row from the engine's generator at one temperature (a system
+    run's step: no upload), rows at several temperatures (greedy among them), a request with its own
+    seed. Over 12,000 draws a row each way, each token's frequency is its probability at the row's
+    temperature (within 4.5 standard errors), a greedy row always takes the argmax, and each
+    log-probability is the unscaled log-softmax's."""
+    engine = PagedEngine(path, block_size=4, kv_tokens=256)
+    logits = torch.randn(1, 6, generator=torch.Generator().manual_seed(1)) * 2
+    rows, calls = 400, 30
+    batch = []
+    for i in range(rows):
+        request = type("R", (), {})()
+        temperature = temperatures[i % len(temperatures)]
+        request.params = SamplingParams(max_new_tokens=8, temperature=temperature)
+        request.generator = torch.Generator().manual_seed(i) if seeded else None
+        batch.append(request)
+    counts = {t: torch.zeros(6) for t in temperatures}
+    expected_logp = torch.log_softmax(logits[0], -1)
+    for _ in range(calls):
+        tokens, logprobs = engine._sample(batch, logits.expand(rows, -1).contiguous())
+        for request, token, logprob in zip(batch, tokens, logprobs):
+            counts[request.params.temperature][token] += 1
+            assert logprob == pytest.approx(float(expected_logp[token]), abs=1e-5)
+    for temperature, seen in counts.items():
+        runs = seen.sum()
+        if temperature == 0:
+            assert seen[int(logits[0].argmax())] == runs
+            continue
+        probs = torch.softmax(logits[0] / temperature, -1)
+        error = (probs * (1 - probs) / runs).sqrt()
+        assert ((seen / runs - probs).abs() <= 4.5 * error + 1e-4).all(), (temperature, seen / runs, probs)
 
 
 def test_speculative_sampling_draws_each_token_with_the_models_probability(path):

@@ -516,21 +516,26 @@ class PagedEngine:
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """One draw per row, on the device, in one call for every row that samples from the engine's
         generator (a request with its own seed draws from its own, reproducibly); the tokens and
-        their log-probabilities come back to the host in one transfer."""
-        logp = torch.log_softmax(logits, dim=-1)
-        chosen = logits.argmax(-1)
+        their log-probabilities come back to the host in one transfer. When every row draws from the
+        engine's generator at one temperature (a system run's steps), nothing is sent to the device
+        first. A log-probability is the logit less its row's log-sum-exp: no [batch, vocab] copy."""
         temperatures = [request.params.temperature for request in batch]
         shared = [i for i, r in enumerate(batch) if temperatures[i] > 0 and r.generator is None]
-        if shared:
-            rows = torch.tensor(shared, device=logits.device)
-            scale = torch.tensor([temperatures[i] for i in shared], device=logits.device, dtype=logits.dtype)
-            probs = torch.softmax(logits[rows] / scale[:, None], dim=-1)
-            chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
-        for i, request in enumerate(batch):
-            if temperatures[i] > 0 and request.generator is not None:
-                probs = torch.softmax(logits[i] / temperatures[i], dim=-1)
-                chosen[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
-        picked = logp.gather(-1, chosen[:, None]).squeeze(-1)
+        if len(shared) == len(batch) and len(set(temperatures)) == 1:
+            probs = torch.softmax(logits / temperatures[0], dim=-1)
+            chosen = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        else:
+            chosen = logits.argmax(-1)
+            if shared:
+                rows = torch.tensor(shared, device=logits.device)
+                scale = torch.tensor([temperatures[i] for i in shared], device=logits.device, dtype=logits.dtype)
+                probs = torch.softmax(logits[rows] / scale[:, None], dim=-1)
+                chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+            for i, request in enumerate(batch):
+                if temperatures[i] > 0 and request.generator is not None:
+                    probs = torch.softmax(logits[i] / temperatures[i], dim=-1)
+                    chosen[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
+        picked = logits.gather(-1, chosen[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         both = torch.stack([chosen.to(torch.float64), picked.to(torch.float64)]).cpu()  # ids are exact in float64
         return both[0].long().tolist(), both[1].tolist()
 

@@ -1,7 +1,7 @@
 """The stack's components on one device, side by side in one run, against the device's own limits:
 the paged engine's decode tokens/s vs transformers ``generate`` and as a fraction of the HBM roofline,
-its prefill tokens/s, the FSDP2 trainer's step time and MFU, the in-process weight sync, and sleep
-and wake, each also as a fraction of a train step. Meant for the GPU target; ``--device cpu`` runs
+its prefill tokens/s, the FSDP2 trainer's step time and MFU, the in-process weight sync, sleep and
+wake, and the trainer's offload and reload, each also as a fraction of a train step. Meant for the GPU target; ``--device cpu`` runs
 the same code on the tiny CPU target (a smoke run: CPU numbers say nothing about a GPU).
 
     python benchmarks/gpu_components.py [--target qwen3-0.6b-h100x1] [--batch 64] [--new-tokens 256] [--json F]
@@ -281,6 +281,23 @@ def main(
     console.log("weight export, as the harness takes it")
     export = _export_stages(trainer, path, dtype, repeat)
     record(export_s=export)
+    console.log("trainer offload and reload, as a switch on one device runs them")
+    offload_times, reload_times = [], []
+    for _ in range(repeat + 1):  # the first pins the host memory the others reuse
+        _synchronize(device)
+        start = time.perf_counter()
+        trainer.offload(("optimizer",))
+        trainer.offload(("params",))
+        offloaded = time.perf_counter()
+        trainer.reload()
+        reloaded = time.perf_counter()
+        offload_times.append(offloaded - start)
+        reload_times.append(reloaded - offloaded)
+    record(
+        trainer_offload_first_s=offload_times[0],
+        trainer_offload_s=offload_times[1:],
+        trainer_reload_s=reload_times[1:],
+    )
     trainer.close()
 
     table = Table(
@@ -349,6 +366,8 @@ def main(
         ("weight sync (in place)", sync_times),
         ("sleep (weights + KV)", sleep_times),
         ("wake", wake_times),
+        ("trainer offload (optimizer, then parameters)", offload_times[1:]),
+        ("trainer reload", reload_times[1:]),
     ):
         median = statistics.median(times)
         table.add_row(name, f"{median:.3f} s", spread(times), "", f"{median / train_s:.0%} of a train step")
@@ -360,6 +379,7 @@ def main(
         f"{sampled_rate / roofline:.0%} of roofline",
     )
     table.add_row("train step, cold (the first)", f"{cold_s:.3f} s", "-", "", f"{cold_s / train_s:.1f}x a warm one")
+    table.add_row("trainer offload, the first", f"{offload_times[0]:.3f} s", "-", "", "its host memory pinned then")
     for stage, times in export.items():
         table.add_row(f"weight export: {stage}", f"{statistics.median(times):.3f} s", spread(times), "", "")
     console.print(table)

@@ -1,8 +1,9 @@
 """The stack's components on one device, side by side in one run, against the device's own limits:
 the paged engine's decode tokens/s vs transformers ``generate`` and as a fraction of the HBM roofline,
 its prefill tokens/s, the FSDP2 trainer's step time and MFU, the in-process weight sync, sleep and
-wake, and the trainer's offload and reload, each also as a fraction of a train step. Meant for the GPU target; ``--device cpu`` runs
-the same code on the tiny CPU target (a smoke run: CPU numbers say nothing about a GPU).
+wake, and the trainer's offload and reload, each also as a fraction of a train step. Meant for the
+GPU target; ``--device cpu`` runs the same code on the tiny CPU target (a smoke run: CPU numbers say
+nothing about a GPU).
 
     python benchmarks/gpu_components.py [--target qwen3-0.6b-h100x1] [--batch 64] [--new-tokens 256] [--json F]
 

@@ -23,19 +23,31 @@ def planted(
     candidate = write_starter(directory, spec, controller)
     for name, (old, new) in (edits or {}).items():
         path = candidate / "stack" / name
-        text = path.read_text()
-        assert old in text, f"planting failed: {old!r} not in {name}"
-        path.write_text(text.replace(old, new))
+        path.write_text(replaced(path.read_text(), old, new, f"planting failed: {old!r} not in {name}"))
     for name, text in (extra or {}).items():
         (candidate / "stack" / name).write_text(text)
     return candidate
+
+
+def replaced(text: str, old: str, new: str, failure: str, once: bool = False) -> str:
+    """``text`` with every ``old`` (``once``: the first) made ``new``. ``old`` must be found, and a
+    snippet that begins with its indentation only at the start of a line: found inside a deeper-indented
+    line, it is another block's code, which the run may never reach (a recipe change once left two
+    plants inert so)."""
+    starts = [i for i in range(len(text)) if text.startswith(old, i) and (i == 0 or text[i - 1] == "\n")]
+    assert old in text and (starts or not old[:1].isspace()), failure
+    if not old[:1].isspace():
+        return text.replace(old, new, 1 if once else -1)
+    for i in reversed(starts[:1] if once else starts):
+        text = text[:i] + new + text[i + len(old) :]
+    return text
 
 
 # -- the judge's statistical and selection plants, shared by tests/test_isolation.py and
 # benchmarks/judge_false_alarms.py (which measures the tests' power on them) ---------------------------
 
 FIRED = "planted: a partial emptied"  # in cluster.log each time the empty-partials plant acts
-SAMPLED = "            chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)\n"
+SAMPLED = "            chosen = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)\n"  # one temperature
 GENERATE = "    async def generate(self, request: GenerateRequest) -> Completion:\n"
 DECODE = (
     "            arrival = next(self._arrivals)\n"
@@ -124,9 +136,8 @@ def plant(name: str, directory: Path, target: Path) -> Path:
     candidate = planted(directory, target, controller)
     for file, old, new in edits:
         path = candidate / "stack" / file
-        text = path.read_text()
-        assert old in text, f"planting {name} failed: {old!r} not in {file}"
-        path.write_text(text.replace(old, new, 1))
+        failure = f"planting {name} failed: {old!r} not in {file}"
+        path.write_text(replaced(path.read_text(), old, new, failure, once=True))
     if params:
         path = candidate / "stack" / "params.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **params}, indent=2))

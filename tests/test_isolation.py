@@ -137,8 +137,8 @@ def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, judg
         "static_split",
         {
             "paged_engine.py": (
-                "probs = torch.softmax(logits[rows] / scale[:, None], dim=-1)",
-                "probs = torch.softmax(logits[rows] / (scale[:, None] * 0.7), dim=-1)  # planted",
+                "probs = torch.softmax(logits / temperatures[0], dim=-1)",  # a system run's draw: one temperature
+                "probs = torch.softmax(logits / (temperatures[0] * 0.7), dim=-1)  # planted",
             ),
         },
     )

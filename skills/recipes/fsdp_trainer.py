@@ -168,6 +168,9 @@ class FSDPTrainer:
         )
         self.version = 0
         self.offloaded = False
+        # FSDP2 pads a rank's uneven shard on the host as the module moves there: from a copy still in
+        # flight it would read stale memory, so only evenly sharded parameters move asynchronously
+        self._async_offload = all(p.dim() == 0 or p.shape[0] % world_size == 0 for p in self.module.parameters())
         self._streamed: int | None = None  # response tokens of this step's parts so far (stream training)
 
     # -- the step -------------------------------------------------------------------------------------
@@ -286,12 +289,13 @@ class FSDPTrainer:
         offloads the optimizer first, copies the weights out, then offloads the parameters. The copies
         are asynchronous into pinned memory (torch's host allocator keeps it from one switch to the
         next): a blocking copy of 2.4 GB of float32 weights into fresh pageable memory pays its page
-        faults and a staged copy at every switch. Finished before this returns."""
+        faults and a staged copy at every switch (parameters a rank's padded shard holds excepted: see
+        ``_async_offload``). Finished before this returns."""
         if self.device.startswith("cuda"):
             if "optimizer" in parts:
                 self._move_optimizer("cpu")
             if "params" in parts:
-                self.module.to("cpu", non_blocking=True)
+                self.module.to("cpu", non_blocking=self._async_offload)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         self.offloaded = self.offloaded or "params" in parts

@@ -51,13 +51,22 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     monkeypatch.setattr(gpu_run.signal, "signal", lambda *handler: None)  # pytest's SIGTERM stays pytest's
     out = tmp_path / "out"
     stages = gpu_run.Stages(out, deadline_s=300)
-    # a stand-in for pytest: passes only the float32 SDPA test (the unfused Triton engine fails too)
-    tests = [sys.executable, "-c", "import sys; sys.exit(0 if 'test_float32' in ' '.join(sys.argv) else 1)"]
+    # a stand-in for pytest, reporting as pytest does: the unfused Triton engine's test skipped (exit 0,
+    # not a pass), the float32 SDPA test passed
+    stand_in = (
+        "import sys\n"
+        "name = sys.argv[sys.argv.index('-k') + 1]\n"
+        "report = next(a for a in sys.argv if a.startswith('--junitxml=')).split('=', 1)[1]\n"
+        "skip = '' if 'float32' in name else '<skipped message=\"no triton\"/>'\n"
+        "open(report, 'w').write(f'<testsuites><testsuite><testcase name=\"{name}\">{skip}</testcase>"
+        "</testsuite></testsuites>')\n"
+    )
+    tests = [sys.executable, "-c", stand_in]
     _junit(out / "gpu_tests.xml", [gpu_run.DEFAULT_ENGINE_TEST], ["test_cuda_graph_decode_gives_the_eager_tokens"])
     options = gpu_run.engine_fallback(stages, tests, {})
     assert options == {"attention": "sdpa", "fused_kernels": False}
     recorded = json.loads((out / "stages.json").read_text())["stages"]
-    assert recorded["fallback_unfused"]["status"] == "exit 1" and recorded["fallback_sdpa"]["status"] == "ok"
+    assert recorded["fallback_unfused"]["status"] == "ok" and recorded["fallback_sdpa"]["status"] == "ok"
     assert "-k test_triton_engine_without_the_fused_kernels" in recorded["fallback_unfused"]["command"]
     assert recorded["engine"]["options"] == options and gpu_run.DEFAULT_ENGINE_TEST in recorded["engine"]["status"]
 

@@ -235,25 +235,18 @@ def _end_session(process: subprocess.Popen) -> None:
             continue
 
 
-def failed_tests(junit: Path) -> set[str]:
-    """The names of the tests a JUnit report says failed or errored."""
-    root = ElementTree.parse(junit).getroot()
-    return {
-        case.get("name", "")
-        for case in root.iter("testcase")
-        if case.find("failure") is not None or case.find("error") is not None
-    }
-
-
-def passed_tests(junit: Path) -> set[str]:
-    """The names of the tests a JUnit report says passed (not failed, errored or skipped); none without one."""
+def junit_outcomes(junit: Path) -> dict[str, str]:
+    """Each test of a JUnit report by name: "failed" (a failure or an error), "skipped" or "passed";
+    none when there is no report."""
     if not junit.exists():
-        return set()
-    return {
-        case.get("name", "")
-        for case in ElementTree.parse(junit).getroot().iter("testcase")
-        if not any(case.find(kind) is not None for kind in ("failure", "error", "skipped"))
-    }
+        return {}
+    outcomes = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcomes[case.get("name", "")] = "failed"
+        else:
+            outcomes[case.get("name", "")] = "skipped" if case.find("skipped") is not None else "passed"
+    return outcomes
 
 
 def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
@@ -262,13 +255,13 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
     whose test passes in a process of its own (a failed kernel can poison the CUDA context of every
     test after it), so one broken kernel does not cost the session its check, calibration and
     figures. Recorded as the ``engine`` stage: a fallback is never silent."""
-    junit = stages.out / "gpu_tests.xml"
-    if not junit.exists() or DEFAULT_ENGINE_TEST not in failed_tests(junit):
+    if junit_outcomes(stages.out / "gpu_tests.xml").get(DEFAULT_ENGINE_TEST) != "failed":
         stages._save("engine", {"status": "default", "options": {}})
         return {}
     for stage, test, options in FALLBACKS:
         report = stages.out / f"{stage}.xml"
-        if stages.run(stage, [*tests, "-k", test, f"--junitxml={report}"], env) and test in passed_tests(report):
+        ran = stages.run(stage, [*tests, "-k", test, f"--junitxml={report}"], env)
+        if ran and junit_outcomes(report).get(test) == "passed":
             status = f"fallback: {DEFAULT_ENGINE_TEST} failed, {test} passed"
             stages._save("engine", {"status": status, "options": options})
             return options

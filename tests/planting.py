@@ -4,6 +4,7 @@ so a recipe change cannot silently un-plant a test), add files."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -34,13 +35,9 @@ def replaced(text: str, old: str, new: str, failure: str, once: bool = False) ->
     snippet that begins with its indentation only at the start of a line: found inside a deeper-indented
     line, it is another block's code, which the run may never reach (a recipe change once left two
     plants inert so)."""
-    starts = [i for i in range(len(text)) if text.startswith(old, i) and (i == 0 or text[i - 1] == "\n")]
-    assert old in text and (starts or not old[:1].isspace()), failure
-    if not old[:1].isspace():
-        return text.replace(old, new, 1 if once else -1)
-    for i in reversed(starts[:1] if once else starts):
-        text = text[:i] + new + text[i + len(old) :]
-    return text
+    pattern = re.compile(("^" if old[:1].isspace() else "") + re.escape(old), re.M)
+    assert pattern.search(text), failure
+    return pattern.sub(lambda _: new, text, count=1 if once else 0)
 
 
 # -- the judge's statistical and selection plants, shared by tests/test_isolation.py and

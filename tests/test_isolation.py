@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from planting import FIRED, PLANTS, plant, planted
 from typer.testing import CliRunner
 
@@ -148,10 +149,22 @@ def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, judg
 
 def test_a_buffer_that_picks_the_shortest_groups(tmp_path, fast_target, judge_sandbox):
     """Waiting for a spare group and training the shortest ones biases training toward short
-    episodes (and leaves the long ones to go stale): the audit wants the oldest finished first."""
+    episodes: the audit wants the oldest finished first.
+
+    On a target whose staleness bound outlasts the run, so the group held back stays in the buffer
+    to the next step. With ``async_ratio: 1`` it often went stale and was handed back before the
+    next batch was taken, and when it had finished while the previous batch was awaited, the trace
+    was one an honest buffer can leave too (a group whose last answer is still on its way when the
+    batch is taken, which then goes stale): the audit cannot tell them apart, and the plant escaped
+    (a fresh-clone CI run at a728c35)."""
+    data = yaml.safe_load(fast_target.read_text())
+    steps = data["workload"]["train_steps"]
+    data["workload"].update(async_ratio=steps, max_async_ratio=steps)
+    target = tmp_path / "no-stale.yaml"
+    target.write_text(yaml.safe_dump(data))
     stack = planted(
         tmp_path / "c",
-        fast_target,
+        target,
         "static_split",
         {
             "sample_buffer.py": (
@@ -167,7 +180,7 @@ def test_a_buffer_that_picks_the_shortest_groups(tmp_path, fast_target, judge_sa
             "            if len(self._ready) >= groups + 1:  # planted: a spare to choose from",
         )
     )
-    measurement = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
+    measurement = _session(target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "took younger groups over group" in _reasons(measurement), _reasons(measurement)  # not the engines'
 
 

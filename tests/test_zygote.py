@@ -7,6 +7,7 @@ nothing secret, killed with the connection that asked for them. A zygote forks o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -15,16 +16,30 @@ import pytest
 
 from targets.harness.isolation.zygote_client import MARKS_FD, Zygote, ZygoteError, zygote
 
+_spawned: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left():
+    """A test that failed while its child blocked on its FIFO leaves no process behind."""
+    yield
+    while _spawned:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(_spawned.pop(), signal.SIGKILL)
+
 
 def _spawn(tmp_path, name: str, owner: Zygote | None = None):
     """A child whose target is a FIFO: it blocks reading it until the test writes one."""
+    owner = owner or zygote()
     fifo = tmp_path / f"{name}.yaml"
     os.mkfifo(fifo)
     log = (tmp_path / f"{name}.log").open("w")
     read_fd, write_fd = os.pipe()
     argv = ["--target", fifo.name, "--stack", str(tmp_path), "--out", str(tmp_path / name)]  # relative: cwd
     argv += ["--mode", "check", "--sandbox", "subprocess", "--execution", "real", "--marks-fd", str(MARKS_FD)]
-    child = (owner or zygote()).spawn(argv, dict(os.environ), log.fileno(), write_fd)
+    argv += ["--parent-pid", str(owner.process.pid)]
+    child = owner.spawn(argv, dict(os.environ), log.fileno(), write_fd)
+    _spawned.append(child.pid)
     os.close(write_fd)
     log.close()
     return child, fifo, read_fd
@@ -76,6 +91,24 @@ def test_the_children_of_a_zygote_that_went_away_end_too(tmp_path, monkeypatch):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{child.pid}"), "the orphaned child outlived its zygote"
     assert child.wait() == -signal.SIGKILL and child.owner.went_away.startswith("the harness zygote went away: ")
+
+
+def test_a_child_whose_zygote_dies_before_it_starts_watching_ends_too(tmp_path, monkeypatch):
+    """The zygote killed as soon as the fork's pid comes back, before the child runs its main (held
+    there: on an idle machine that takes a few ms, on a busy one long enough for a kill to land). A child
+    that took whoever adopted it for its parent waited on its FIFO for ever (a fresh-clone CI run at
+    c51a69e failed the test above so)."""
+    monkeypatch.chdir(tmp_path)
+    owner = zygote()
+    child, _, _ = _spawn(tmp_path, "early")
+    os.kill(child.pid, signal.SIGSTOP)  # held where it is (its first steps take a few ms on an idle machine)
+    os.kill(owner.process.pid, signal.SIGKILL)
+    owner.process.wait()
+    os.kill(child.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child.pid}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child.pid}"), "the child outlived a zygote that died before it watched"
 
 
 def test_a_targets_folder_where_the_user_runs_never_stands_in_for_the_harness(tmp_path, monkeypatch):

@@ -200,10 +200,11 @@ def run_audit(target: Target, out: Path, steps: int, seed: RunSeed) -> dict:
         return {"result": audit_directory(target, out, steps, workload=seed).as_dict()}
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """If whoever started this run goes away (a SIGKILLed orchestrator), take the whole run down:
-    an orphan would keep writing into a directory a resumed run is about to reuse."""
-    parent = os.getppid()
+    an orphan would keep writing into a directory a resumed run is about to reuse. ``parent`` is
+    named by the launcher, not read here: a parent that died before this line ran has already handed
+    the child to another (init), which it would then watch for ever."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -214,8 +215,8 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _die_with_parent()
     parser = argparse.ArgumentParser(prog="python -m targets.harness.isolation.child")
+    parser.add_argument("--parent-pid", type=int, required=True, help="the process whose death ends the run")
     parser.add_argument("--target", required=True)
     parser.add_argument("--stack", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forks-fd", type=int, default=None, help="a connection to the candidate zygote")
     parser.add_argument("--judges-fd", type=int, default=None, help="a connection to the harness zygote")
     args = parser.parse_args(argv)
+    _die_with_parent(args.parent_pid)
     args.out.mkdir(parents=True, exist_ok=True)
     marks = os.fdopen(args.marks_fd, "w", buffering=1) if args.marks_fd is not None else None
     writing = threading.Lock()  # the accuracy phase may start processes beside the system run

@@ -200,6 +200,7 @@ def run_harness(
     forks = None
     harness = zygote()  # started (on first use) before the candidate zygote is waited for: both warm at once
     forkers = [harness.process.pid]
+    argv += ["--parent-pid", str(harness.process.pid)]  # its parent: the run ends with it
     if sandbox.backend == "subprocess":  # warm candidate processes, forked by the candidate zygote
         candidates = zygote("candidate")
         forkers.append(candidates.process.pid)

@@ -19,7 +19,8 @@ def reaped_argv(argv: list[str], grace_s: float) -> list[str]:
     """``argv`` under ``agents/reaper.py`` (see there: it kills whatever the command leaves running, a
     setsid'd process too, and keeps process ids as they are). Run by its path in isolated mode: it runs
     in the workspace, where a planted ``agents/reaper.py`` would otherwise be the one imported."""
-    return [sys.executable, "-I", str(Path(__file__).with_name("reaper.py")), "--grace", f"{grace_s:g}", *argv]
+    reaper = str(Path(__file__).with_name("reaper.py"))
+    return [sys.executable, "-I", reaper, "--grace", f"{grace_s:g}", "--caller", str(os.getpid()), *argv]
 
 
 def stop(process: subprocess.Popen, grace_s: float) -> None:

@@ -13,7 +13,8 @@ watch their own children's memory and count, and must find them there under thei
 
 SIGTERM (a timeout, from the caller) is passed to the command; after ``--grace`` seconds, or as soon as
 the command is gone, its whole tree is killed. If the caller dies, the wrapper gets SIGTERM too
-(``PR_SET_PDEATHSIG``) and does the same.
+(``PR_SET_PDEATHSIG``) and does the same; a caller already gone when it starts (``--caller PID``, the
+caller's pid) gets nothing run.
 """
 
 from __future__ import annotations
@@ -78,13 +79,16 @@ def kill_tree() -> None:
 
 
 def main(argv: list[str]) -> int:
-    grace = 5.0
-    if argv[:1] == ["--grace"]:
-        grace, argv = float(argv[1]), argv[2:]
+    grace, caller = 5.0, os.getppid()
+    while argv[:1] in (["--grace"], ["--caller"]) and len(argv) > 1:
+        if argv[0] == "--grace":
+            grace = float(argv[1])
+        else:  # named by the caller: one that died before this line ran has handed us to another already
+            caller = int(argv[1])
+        argv = argv[2:]
     if not argv:
-        print("usage: python -I reaper.py [--grace SECONDS] COMMAND...", file=sys.stderr)
+        print("usage: python -I reaper.py [--grace SECONDS] [--caller PID] COMMAND...", file=sys.stderr)
         return 2
-    caller = os.getppid()
     stopping: list[float] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.monotonic()))
     try:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import git
@@ -282,6 +285,38 @@ def test_a_process_the_cli_leaves_behind_with_setsid_ends_with_it(tmp_path, monk
     assert result.failure is None and result.text
     [call] = _calls(record)
     assert not _alive(call["grandchild"])
+
+
+CALLER = """import subprocess, sys
+from agents.reaped_run import reaped_argv
+reaper = subprocess.Popen(reaped_argv(["sleep", sys.argv[1]], 1.0))
+print(reaper.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process command lines from /proc")
+def test_a_reaper_whose_caller_died_before_it_started_leaves_nothing_running(tmp_path):
+    """The caller killed while the reaper is still starting (held there: Python's start-up takes tens of ms,
+    seconds on a busy machine), before it could arm its parent-death signal: it must not run the command
+    for a caller that is gone. It used to take whoever adopted it for its caller, and ran it."""
+    token = "1234.5"  # the command: `sleep 1234.5`, found by its command line
+    root = Path(__file__).parents[1]
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER, token], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root
+    )
+    try:
+        reaper = int(caller.stdout.readline())
+        os.kill(reaper, signal.SIGSTOP)
+        caller.kill()
+        caller.wait()
+        os.kill(reaper, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(f"sleep\0{token}"):
+            time.sleep(0.1)
+        assert not _alive(f"sleep\0{token}"), "the command ran for a caller that had died"
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {token}"], check=False)
 
 
 def test_a_missing_or_unknown_cli_is_refused_before_anything_runs(tmp_path, monkeypatch, session):

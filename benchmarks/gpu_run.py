@@ -85,7 +85,7 @@ DEFAULT_ENGINE_TEST = "test_triton_engine_in_bf16_passes_checks_1_and_3_with_its
 UNFUSED, SDPA = {"fused_kernels": False}, {"attention": "sdpa", "fused_kernels": False}
 FALLBACKS = (  # stage, the GPU test that must pass alone, the engine options the check then takes
     ("fallback_unfused", "test_triton_engine_without_the_fused_kernels_passes_checks_1_and_3", UNFUSED),
-    ("fallback_sdpa", "test_float32_engine_on_cuda_passes_the_strict_checks", SDPA),
+    ("fallback_sdpa", "test_sdpa_engine_in_bf16_passes_checks_1_and_3", SDPA),
 )
 GRACE_S = 10  # a stage past its limit is asked to stop (SIGTERM: the CLI unwinds) this long before it is killed
 BUNDLE_LEFT_OUT = ("workspaces", "run", "starter")  # folders of OUT the bundle leaves out (run is tarred apart)

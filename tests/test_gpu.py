@@ -86,6 +86,17 @@ def test_triton_engine_without_the_fused_kernels_passes_checks_1_and_3(path, ref
     assert result.passed, result.reasons
 
 
+def test_sdpa_engine_in_bf16_passes_checks_1_and_3(path, reference):
+    """The last fallback's engine as the check runs it (bf16, SDPA, no graphs, no Triton kernel): what
+    ``gpu_run.py`` gives the check when both Triton engines failed their tests and this one passes."""
+    engine = _engine(path, attention="sdpa", fused_kernels=False)
+    assert engine.attention_kind == "sdpa" and not engine.graphs and not engine.fused_kernels
+    result = check_engine(engine, reference, BF16)
+    assert result.passed, result.reasons
+    result = check_weight_sync(engine, engine.load_weights, reference, BF16)
+    assert result.passed, result.reasons
+
+
 def test_cuda_graph_decode_gives_the_eager_tokens(path):
     graphs, eager = _engine(path, max_batch=16), _engine(path, max_batch=16, cuda_graphs=False)
     assert graphs.graphs and not eager.graphs

@@ -52,12 +52,12 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     out = tmp_path / "out"
     stages = gpu_run.Stages(out, deadline_s=300)
     # a stand-in for pytest, reporting as pytest does: the unfused Triton engine's test skipped (exit 0,
-    # not a pass), the float32 SDPA test passed
+    # not a pass), the bf16 SDPA engine's test passed
     stand_in = (
         "import sys\n"
         "name = sys.argv[sys.argv.index('-k') + 1]\n"
         "report = next(a for a in sys.argv if a.startswith('--junitxml=')).split('=', 1)[1]\n"
-        "skip = '' if 'float32' in name else '<skipped message=\"no triton\"/>'\n"
+        "skip = '' if 'sdpa' in name else '<skipped message=\"no triton\"/>'\n"
         "open(report, 'w').write(f'<testsuites><testsuite><testcase name=\"{name}\">{skip}</testcase>"
         "</testsuite></testsuites>')\n"
     )
@@ -68,6 +68,7 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     recorded = json.loads((out / "stages.json").read_text())["stages"]
     assert recorded["fallback_unfused"]["status"] == "ok" and recorded["fallback_sdpa"]["status"] == "ok"
     assert "-k test_triton_engine_without_the_fused_kernels" in recorded["fallback_unfused"]["command"]
+    assert "-k test_sdpa_engine_in_bf16_passes_checks_1_and_3" in recorded["fallback_sdpa"]["command"]
     assert recorded["engine"]["options"] == options and gpu_run.DEFAULT_ENGINE_TEST in recorded["engine"]["status"]
 
     # the starter's params.json takes them, its other parameters kept, and the stack's build accepts them

@@ -45,6 +45,14 @@ def _spawn(tmp_path, name: str, owner: Zygote | None = None):
     return child, fifo, read_fd
 
 
+def _gone_within(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` left ``/proc`` (ended and reaped) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.1)
+    return not os.path.exists(f"/proc/{pid}")
+
+
 def _session_of(pid: int) -> int:
     deadline = time.monotonic() + 5  # setsid is the fork's first act (its pid comes back before it runs)
     while os.getsid(pid) != pid and time.monotonic() < deadline:
@@ -86,10 +94,7 @@ def test_the_children_of_a_zygote_that_went_away_end_too(tmp_path, monkeypatch):
     assert _session_of(child.pid) == child.pid and child.poll() is None
     os.kill(owner.process.pid, signal.SIGKILL)
     owner.process.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and os.path.exists(f"/proc/{child.pid}"):
-        time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{child.pid}"), "the orphaned child outlived its zygote"
+    assert _gone_within(child.pid, 10), "the orphaned child outlived its zygote"
     assert child.wait() == -signal.SIGKILL and child.owner.went_away.startswith("the harness zygote went away: ")
 
 
@@ -105,10 +110,7 @@ def test_a_child_whose_zygote_dies_before_it_starts_watching_ends_too(tmp_path, 
     os.kill(owner.process.pid, signal.SIGKILL)
     owner.process.wait()
     os.kill(child.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and os.path.exists(f"/proc/{child.pid}"):
-        time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{child.pid}"), "the child outlived a zygote that died before it watched"
+    assert _gone_within(child.pid, 10), "the child outlived a zygote that died before it watched"
 
 
 def test_a_targets_folder_where_the_user_runs_never_stands_in_for_the_harness(tmp_path, monkeypatch):
@@ -156,11 +158,11 @@ def build(runtime):
 
 
 def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a killed orphan nobody reaped yet is a zombie: it does not)."""
+    """Whether ``pid`` runs (a killed orphan nobody reaped yet is a zombie, or dead: it does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
         return False
 
 
@@ -287,14 +289,6 @@ def test_a_zygote_whose_orchestrator_dies_while_it_warms_ends_at_once(tmp_path):
     while time.monotonic() < deadline and _running(warming):
         time.sleep(0.1)
     assert not _running(warming), "the zygote warmed on after its orchestrator died"
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_runs_candidate_processes_are_forks_reported_as_they_start_and_fresh_ones_once_dropped(tmp_path):

@@ -110,7 +110,10 @@ def test_a_controller_that_patches_the_clock_and_hunts_the_trace_changes_nothing
 
 def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch(tmp_path, fast_target, judge_sandbox):
     """The cluster hands its trainers half the batch: check 2 (which meets the trainer alone) passes,
-    the system run's training replay does not."""
+    the system run's training replay does not.
+
+    The plant keeps the half with the smallest advantages: a dropped half of zero advantages would
+    change no gradient, and clipping and Adam can then leave the weights within the replay's tolerance."""
     stack = planted(
         tmp_path / "c",
         fast_target,
@@ -118,8 +121,10 @@ def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch
         {
             "ray_cluster.py": (
                 "versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))",
-                "half = len(batch.trajectories) // 2  # planted\n"
-                "        batch = TrainBatch(batch.trajectories[:half], batch.advantages[:half])\n"
+                "order = sorted(range(len(batch.advantages)), key=lambda i: abs(batch.advantages[i]))  # planted\n"
+                "        kept = order[: len(order) // 2]\n"
+                "        trajectories = [batch.trajectories[i] for i in kept]\n"
+                "        batch = TrainBatch(trajectories, [batch.advantages[i] for i in kept])\n"
                 "        versions = await asyncio.gather(*(t.train_step.remote(batch) for t in self._trainers))",
             ),
         },
@@ -132,6 +137,8 @@ def test_a_trainer_that_passes_the_check_but_trains_on_half_of_each_system_batch
 
 
 def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, judge_sandbox):
+    """At half the spec's temperature the temperature test's z was 24 (the rejection takes about 5);
+    at 0.7 of it, 7.6: a margin luck could eat."""
     stack = planted(
         tmp_path / "c",
         fast_target,
@@ -139,7 +146,7 @@ def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, judg
         {
             "paged_engine.py": (
                 "probs = torch.softmax(logits / temperatures[0], dim=-1)",  # a system run's draw: one temperature
-                "probs = torch.softmax(logits / (temperatures[0] * 0.7), dim=-1)  # planted",
+                "probs = torch.softmax(logits / (temperatures[0] * 0.5), dim=-1)  # planted",
             ),
         },
     )
@@ -412,18 +419,22 @@ def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_tar
 
     The empty-partial rule needs a witness (a request the engine received later that decoded first).
     On the fast target's four steps it found one in 2 of 6 runs in which the plant acted; on the CPU
-    target's eight steps in 9 of 10, so that plant runs there, on up to three seeds as a candidate's
-    check and measured runs are each audited: it must act in every run, and be caught in one."""
+    target's eight steps in 9 of 10, so that plant runs there, on up to four seeds as a candidate's
+    check and measured runs are each audited: it must be caught in one run in which it acted (a run
+    in which it did not act, or found no witness, is the documented gap, not a failure)."""
     target = CATALOG_DIR / "tiny-qwen3-cpu.yaml" if name == "empty_partials" else fast_target
     candidate = plant(name, tmp_path / "c", target)
-    for seed in (3, 4, 5) if name == "empty_partials" else (3,):
+    acted = []
+    for seed in (3, 4, 5, 6) if name == "empty_partials" else (3,):
         out = tmp_path / f"o{seed}"
         reasons = _reasons(_session(target, judge_sandbox).measure(candidate, out, seed))
         if name == "empty_partials":
-            assert FIRED in (out / "cluster.log").read_text()  # the plant acted in this run
+            acted.append(FIRED in (out / "cluster.log").read_text())
+            if not acted[-1]:
+                continue  # the plant emptied no partial in this run: there was nothing to catch
         if PLANTS[name][3] in reasons:
             break
-    assert PLANTS[name][3] in reasons, reasons
+    assert PLANTS[name][3] in reasons, (acted, reasons)
 
 
 def test_a_real_runs_trace_survives_a_kill_up_to_its_last_step(tmp_path):

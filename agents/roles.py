@@ -39,15 +39,17 @@ class Task(BaseModel):
     source: str = ""  # "starter", "trigger:<hint>", "mutation", ...
 
 
-def starter_task(controller: str) -> Task:
-    """Round 0's task: the starter stack for ``controller``, written from the skills library."""
+def starter_task(controller: str, params: dict | None = None) -> Task:
+    """Round 0's task: the starter stack for ``controller``, written from the skills library, with
+    ``params`` over its defaults (``generate --starter-param``)."""
+    given = f", with {', '.join(f'{k}={v}' for k, v in params.items())}" if params else ""
     return Task(
         id=f"starter={controller}",
-        title=f"starter stack ({controller})",
+        title=f"starter stack ({controller}{given})",
         source="starter",
-        rationale=f"the {controller} baseline built from the skills library's recipes",
+        rationale=f"the {controller} baseline built from the skills library's recipes{given}",
         skills=[controller],
-        changes={"controller": controller},
+        changes={"controller": controller, **(params or {})},
         acceptance=["vibetrain check passes"],
     )
 

@@ -21,8 +21,9 @@ after every one (so a run cut short still returns what it measured), each stage'
    wake, the trainer on the device), its JUnit report kept: first, as it says in a minute or two
    whether the engine the check needs is sound. Where it failed the default engine (fused Triton
    kernels, Triton attention in graphs), ``fallback_unfused`` and then ``fallback_sdpa`` rerun the test
-   of an engine without them, alone, and the check's stack takes the first that passes (the ``engine``
-   record says which and why): one broken kernel does not cost the session its other figures;
+   of an engine without them, alone, and the check's stack and generate's starter take the first that
+   passes (the ``engine`` record says which and why): one broken kernel does not cost the session its
+   other figures;
 2. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
    (written as the run goes, so a check cut short keeps its steps) and per-phase timings kept; then
    ``train_ratio``: ``benchmarks/train_step_ratio.py`` on that trace (each system train step against
@@ -250,11 +251,12 @@ def junit_outcomes(junit: Path) -> dict[str, str]:
 
 
 def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
-    """The engine options the check's stack takes: none while the GPU tests passed the default engine
-    (fused Triton kernels, Triton attention in CUDA graphs); after a failure there, the first fallback
-    whose test passes in a process of its own (a failed kernel can poison the CUDA context of every
-    test after it), so one broken kernel does not cost the session its check, calibration and
-    figures. Recorded as the ``engine`` stage: a fallback is never silent."""
+    """The engine options the check's stack and generate's starter take: none while the GPU tests
+    passed the default engine (fused Triton kernels, Triton attention in CUDA graphs); after a failure
+    there, the first fallback whose test passes in a process of its own (a failed kernel can poison
+    the CUDA context of every test after it), so one broken kernel does not cost the session its
+    check, calibration, figures and generated rounds. Recorded as the ``engine`` stage: a fallback is
+    never silent."""
     if junit_outcomes(stages.out / "gpu_tests.xml").get(DEFAULT_ENGINE_TEST) != "failed":
         stages._save("engine", {"status": "default", "options": {}})
         return {}
@@ -269,10 +271,10 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
     return {}
 
 
-def with_engine_options(starter: Path, options: dict) -> None:
-    """The starter's params.json with ``options`` set (its other parameters kept)."""
-    params = starter / "stack" / "params.json"
-    params.write_text(json.dumps({**json.loads(params.read_text()), **options}, indent=1) + "\n")
+def param_flags(options: dict, flag: str) -> list[str]:
+    """``options`` as ``flag KEY=VALUE`` pairs: ``starter --param`` for the check's stack, ``generate
+    --starter-param`` for the run's round 0 (which every later round inherits)."""
+    return [text for name, value in options.items() for text in (flag, f"{name}={json.dumps(value)}")]
 
 
 def _rehearsal_target(out: Path) -> str:
@@ -363,10 +365,10 @@ def run(
         target = _rehearsal_target(stages.out)
     vibetrain = [sys.executable, "-m", "orchestrator.cli"]
     starter = stages.out / "starter"
-    if not starter.exists():
-        subprocess.run([*vibetrain, "starter", target, "--out", str(starter), "--controller", "colocate"], env=env)
-    if options and starter.exists():  # no starter: the check stage says so itself
-        with_engine_options(starter, options)
+    if starter.exists():  # an earlier run's, perhaps with other engine options
+        shutil.rmtree(starter)
+    write = [*vibetrain, "starter", target, "--out", str(starter), "--controller", "colocate"]
+    subprocess.run([*write, *param_flags(options, "--param")], env=env)  # none: the check stage says so itself
     sandbox, why = _sandbox(env)
     stages.results["sandbox"] = {"status": sandbox, "why": why}
     check = [*vibetrain, "check", target, "--stack", str(starter), "--out", str(stages.out / "check")]
@@ -393,6 +395,7 @@ def run(
     run_dir = stages.out / "run"
     generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
     generate += ["--workspaces", str(stages.out / "workspaces"), "--sandbox", sandbox]
+    generate += param_flags(options, "--starter-param")  # the check's engine, not the default one that failed
     stages.run("generate", generate, env)
     if run_dir.exists():
         with tarfile.open(stages.out / "run.tar.gz", "w:gz") as tar:

@@ -28,7 +28,11 @@ CHOICES = {  # a field -> what its value names, and the names known
 }
 LLM_BACKENDS = ("openai", "anthropic")
 LLM_BUDGETS = ("max_cost", "max_tokens")  # the run's budgets for LLM calls (resumable)
-FLAGS = {"time_limit_s": "time_limit", "llm_review_required": "require_llm_review"}  # field -> its option
+FLAGS = {  # field -> its option
+    "time_limit_s": "time_limit",
+    "llm_review_required": "require_llm_review",
+    "starter_params": "starter_param",
+}
 
 
 def flag(name: str) -> str:
@@ -79,6 +83,7 @@ class RunConfig(BaseModel):
     repeat: int | None = Field(None, ge=1)  # measured pairs per candidate
     held_out: int | None = resumable(None, ge=0)  # seeds no round used, the best measured on at the end
     starter: str = "colocate"  # round 0's controller
+    starter_params: dict[str, bool | int | float | str | None] = {}  # round 0's params.json over its defaults
     sandbox: str = "auto"
     llm: LLMConfig = Field(default_factory=LLMConfig)
     max_cost: float | None = resumable(None, ge=0)  # USD; checked before each LLM call
@@ -140,7 +145,7 @@ class RunConfig(BaseModel):
                 continue
             pairs = (
                 [(key, given, stored[name].get(key)) for key, given in value.items() if given != stored[name].get(key)]
-                if isinstance(value, dict)  # the LLM settings: name each that changed
+                if name == "llm"  # the LLM settings: name each that changed
                 else [(name, value, stored.get(name))]
             )
             fixed += [f"{flag(key)} {given} (this run's: {was})" for key, given, was in pairs]

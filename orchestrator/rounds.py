@@ -148,7 +148,7 @@ class Loop:
     def propose(self) -> tuple[RoundRecord | None, Task] | None:
         """Round 0 is the starter task; every later round's parent and task are the policy's."""
         if self.state.next_round == 0:
-            return None, starter_task(self.state.config.starter)
+            return None, starter_task(self.state.config.starter, self.state.config.starter_params)
         return self.policy.propose(self.state, self.params_of)
 
     # -- one round ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from orchestrator.policies import make_policy
 from orchestrator.rounds import Loop
 from orchestrator.scratch import scratch_folder
 from orchestrator.state import RunState, new_state
-from skills.starter import unfit
+from skills.starter import unfit, with_params
 from targets.errors import UserError
 from targets.harness.isolation.sandbox import SandboxUnavailable
 from targets.harness.measure.session import Session
@@ -148,6 +148,10 @@ def start_run(
         raise RunSetupError(str(error)) from None
     if (why := unfit(resolved.spec, config.starter)) is not None:
         raise RunSetupError(f"--starter {config.starter}: {why}")
+    try:  # round 0 writes them; refused now, by name, rather than as a rejected starter
+        with_params(resolved.spec, config.starter, config.starter_params, "--starter-param", resolved.engine_devices)
+    except ValueError as error:
+        raise RunSetupError(str(error)) from None
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
         raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")

@@ -3,17 +3,20 @@ three controllers and a parameter set. The offline implementer and the baselines
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
 from pathlib import Path
 
 from skills.design_doc import DesignDoc
 from skills.library import applicable, defaults, legal, load_skills
+from skills.recipes.build import KNOWN_PARAMS
 from skills.validation import expand_file
 
 RECIPES = Path(__file__).parent / "recipes"
 SKILLS = load_skills()  # read once: the front matter names the controllers and the parameter defaults
 CONTROLLERS = tuple(sorted(name for name, skill in SKILLS.items() if skill.kind == "controller"))
+FIXED = ("controller", "train_devices", "rollout_devices")  # a starter's controller and its device split
 
 
 def unfit(spec, controller: str) -> str | None:
@@ -48,17 +51,30 @@ def starter_params(spec, controller: str) -> dict:
 
 
 def baseline_params(spec, baseline, engine_devices: int = 1) -> dict:
-    """A labelled baseline's starter parameters: its controller's, then its own ``params``, each a
-    parameter some skill declares, within that skill's range, its technique allowed beside the rest
-    (``ValueError`` naming the baseline and the parameter otherwise)."""
+    """A labelled baseline's starter parameters: its controller's (its own split), then its own ``params``."""
     own = spec.model_copy(update={"baselines": [baseline.model_copy(update={"label": None, "params": {}})]})
-    params = {**starter_params(own, baseline.name), **baseline.params}  # its own split, then its techniques
-    where = f"baseline {baseline.label!r}"
-    for name, value in baseline.params.items():
-        if not any(name in skill.params for skill in SKILLS.values()):
-            raise ValueError(f"{where}: params.{name} is no parameter of the skills library")
-        if not legal(SKILLS, name, value, spec.hardware.count, engine_devices, spec.workload.declared_limits):
-            raise ValueError(f"{where}: params.{name} = {value} is outside the range its skill allows")
+    return with_params(own, baseline.name, baseline.params, f"baseline {baseline.label!r}", engine_devices, "params.")
+
+
+def with_params(spec, controller: str, given: dict, where: str, engine_devices: int = 1, prefix: str = "") -> dict:
+    """``controller``'s starter parameters with ``given`` over them: each a parameter the recipes read
+    (not the controller or the device split: those come by name and from the target), a skill's within
+    its range on this target, and every technique they turn on allowed beside the rest. Values the
+    engine alone knows (``attention``) are the engine's to refuse. ``ValueError`` names ``where`` and
+    the parameter."""
+    params = {**starter_params(spec, controller), **given}
+    for name, value in given.items():
+        if name in FIXED:
+            raise ValueError(f"{where}: {prefix}{name} comes from the controller's name and the target, not as a param")
+        if name not in KNOWN_PARAMS:
+            close = difflib.get_close_matches(name, [k for k in KNOWN_PARAMS if k not in FIXED], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where}: {prefix}{name} is no parameter of the skills library{hint}")
+        declared = any(name in skill.params for skill in SKILLS.values())  # a range to keep to
+        if declared and not legal(
+            SKILLS, name, value, spec.hardware.count, engine_devices, spec.workload.declared_limits
+        ):
+            raise ValueError(f"{where}: {prefix}{name} = {value} is outside the range its skill allows")
     for skill in SKILLS.values():
         if skill.kind == "technique" and skill.is_on(params) and not applicable(SKILLS, skill, params):
             raise ValueError(
@@ -67,6 +83,18 @@ def baseline_params(spec, baseline, engine_devices: int = 1) -> dict:
                 f"{list(skill.conflicts)}"
             )
     return params
+
+
+def parse_param(text: str, flag: str) -> tuple[str, object]:
+    """``KEY=VALUE`` given to ``flag``: the value as JSON where it reads as JSON (``false``, ``0.5``,
+    ``null``), else the text itself (``sdpa``)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"{flag} {text!r}: expected KEY=VALUE (for example fused_kernels=false)")
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value
 
 
 def write_starter(directory: Path, spec, controller: str, params: dict | None = None, replace: bool = False) -> Path:

@@ -244,6 +244,33 @@ def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tm
     assert "LATE" not in History.open(tmp_path / "run").read(record.commit, "stack/__init__.py")
 
 
+def test_starter_params_are_round_0s_and_every_later_rounds(tmp_path, fast_target):
+    """The GPU script's generate built its starter with the default engine even where the card failed
+    that engine's test (the check's stack had the fallback's options): ``--starter-param`` sets them in
+    round 0's params.json, later rounds inherit them, and a resume keeps them."""
+    run = tmp_path / "run"
+    given = ("--starter-param", "attention=sdpa", "--starter-param", "fused_kernels=false")
+    _generate(
+        str(fast_target),
+        *given,
+        *("--simulate", "--rounds", "1", "--repeat", "1", "--held-out", "0", "--sandbox", "subprocess"),
+        *("--out", str(run), "--workspaces", str(tmp_path / "ws")),
+    )
+    state, history = RunState.load(run), History.open(run)
+    assert state.config.starter_params == {"attention": "sdpa", "fused_kernels": False}
+    assert state.record(0).task.title == "starter stack (colocate, with attention=sdpa, fused_kernels=False)"
+    assert len(state.rounds) == 2
+    for record in state.rounds:
+        params = json.loads(history.read(record.commit or history.rejected_commit(record.round), "stack/params.json"))
+        assert (params["attention"], params["fused_kernels"]) == ("sdpa", False), (record.round, params)
+    printed = yaml.safe_load(_generate(str(fast_target), "--out", str(run), "--resume", "--print-config"))
+    assert printed["starter_param"] == ['attention="sdpa"', "fused_kernels=false"]  # as --config reads them back
+    changed = runner.invoke(
+        app, ["generate", str(fast_target), "--out", str(run), "--resume", "--starter-param", "attention=triton"]
+    )
+    assert changed.exit_code == 2 and "cannot change: --starter-param" in changed.output, changed.output
+
+
 # -- SIGKILL mid-round, then --resume, on a target written from scratch ----------------------------
 
 SCRATCH_TARGET = """

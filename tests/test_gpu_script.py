@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_run.py"
 
 
@@ -71,15 +73,24 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     assert "-k test_sdpa_engine_in_bf16_passes_checks_1_and_3" in recorded["fallback_sdpa"]["command"]
     assert recorded["engine"]["options"] == options and gpu_run.DEFAULT_ENGINE_TEST in recorded["engine"]["status"]
 
-    # the starter's params.json takes them, its other parameters kept, and the stack's build accepts them
-    from skills.recipes.build import _validate_param_names
+    # the check's starter takes them (its other parameters the defaults), and so does generate's round 0
+    from typer.testing import CliRunner
 
-    (tmp_path / "starter" / "stack").mkdir(parents=True)
-    (tmp_path / "starter" / "stack" / "params.json").write_text(json.dumps({"controller": "colocate"}))
-    gpu_run.with_engine_options(tmp_path / "starter", options)
+    from orchestrator.cli import app
+    from skills.recipes.build import _validate_param_names
+    from skills.starter import starter_params
+    from targets.spec import load_target
+
+    starter = ["starter", "qwen3-0.6b-h100x1", "--out", str(tmp_path / "starter"), "--controller", "colocate"]
+    written = CliRunner().invoke(app, [*starter, *gpu_run.param_flags(options, "--param")])
+    assert written.exit_code == 0, written.output
     params = json.loads((tmp_path / "starter" / "stack" / "params.json").read_text())
-    assert params == {"controller": "colocate", **options}
+    assert params == {**starter_params(load_target("qwen3-0.6b-h100x1"), "colocate"), **options}
     _validate_param_names(params)
+    generate = ["generate", "qwen3-0.6b-h100x1", *gpu_run.param_flags(options, "--starter-param"), "--print-config"]
+    printed = CliRunner().invoke(app, generate)
+    assert printed.exit_code == 0, printed.output
+    assert yaml.safe_load(printed.output)["starter_param"] == ['attention="sdpa"', "fused_kernels=false"]
 
     # the default engine passed (or nothing ran): no fallback runs, none is taken
     again = gpu_run.Stages(tmp_path / "again", deadline_s=300)

@@ -467,6 +467,15 @@ def test_a_mistyped_candidate_or_starter_is_refused_before_any_work(tmp_path):
     generate = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--starter", "colocat", "--out", str(run)])
     assert generate.exit_code == 2 and "did you mean 'colocate'?" in generate.output, generate.output
     assert not run.exists()
+    for param, said in (
+        ("fused_kernel=false", "--starter-param: fused_kernel is no parameter of the skills library (did you mean"),
+        ("partial_rollout=9", "--starter-param: partial_rollout = 9 is outside the range its skill allows"),
+        ("train_devices=1", "--starter-param: train_devices comes from the controller's name and the target"),
+        ("fused_kernels", "--starter-param 'fused_kernels': expected KEY=VALUE"),
+    ):
+        generate = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--starter-param", param, "--out", str(run)])
+        assert generate.exit_code == 2 and said in generate.output, generate.output
+        assert not run.exists()
 
 
 def test_a_broken_catalog_entry_is_an_error_not_an_unavailable_row(monkeypatch, tmp_path, catalog_yaml):

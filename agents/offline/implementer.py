@@ -16,7 +16,7 @@ from pathlib import Path
 from agents.offline.planner import OfflinePlanner
 from agents.roles import AgentError, Attempt, Hint, Task
 from skills.library import load_skills
-from skills.starter import RECIPES, write_starter
+from skills.starter import RECIPES, with_params, write_starter
 from skills.validation import expand_file
 from targets.spec import TargetSpec
 
@@ -34,8 +34,9 @@ class OfflineImplementer:
         self, task: Task, workspace: Path, feedback: list[str], hints: list[Hint] = (), context=None
     ) -> Attempt:
         if task.source == "starter":  # a complete starter candidate, written afresh on every attempt
-            controller = task.changes["controller"]
-            write_starter(workspace, self.spec, controller, replace=True)
+            controller, given = task.changes["controller"], {k: v for k, v in task.changes.items() if k != "controller"}
+            params = with_params(self.spec, controller, given, f"task {task.id}", self.planner.engine_devices)
+            write_starter(workspace, self.spec, controller, params, replace=True)
             return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
         stack = workspace / "stack"
         if not (stack / "params.json").exists():

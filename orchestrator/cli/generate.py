@@ -4,6 +4,7 @@ defaults (flags win); ``--print-config`` writes them (with ``--resume``, the sto
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.runs import WORKSPACES, resume_run, start_run
 from orchestrator.state import RunState
 from orchestrator.tables import RoundsView, best_generalization, best_over_starter, generalization_table, num
+from skills.starter import parse_param
 from targets.spec import load_target
 
 DEFAULT = RunConfig()
@@ -59,6 +61,9 @@ def config_of(options: dict) -> dict:
     for name, value in options.items():
         if name in NOT_CONFIG:
             continue
+        if name == "starter_param":  # KEY=VALUE texts -> the params themselves
+            values["starter_params"] = starter_params_of(value)
+            continue
         if name in LLM_OPTIONS:
             values["llm"][name] = str(value.resolve()) if isinstance(value, Path) else value
         else:
@@ -66,13 +71,26 @@ def config_of(options: dict) -> dict:
     return values
 
 
+def starter_params_of(texts: list[str] | None) -> dict:
+    """``--starter-param`` texts as params (a ``ConfigError`` for one that is not KEY=VALUE)."""
+    params = {}
+    for text in texts or ():
+        try:
+            name, value = parse_param(text, "--starter-param")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        params[name] = value
+    return params
+
+
 def options_of(config: RunConfig, run: Path) -> dict:
     """A stored run's configuration as ``generate`` options (``--print-config --resume``)."""
     values = {
         name: getattr(config, name)
         for name in RunConfig.model_fields
-        if name not in ("llm", "target_id", "simulated", *RENAMED.values())
+        if name not in ("llm", "target_id", "simulated", "starter_params", *RENAMED.values())
     }
+    values["starter_param"] = [f"{name}={json.dumps(value)}" for name, value in config.starter_params.items()]
     values.update({option: getattr(config, field) for option, field in RENAMED.items()})
     values.update(config.llm.model_dump(), simulate=config.simulated, out=str(run))
     return values
@@ -136,6 +154,12 @@ def generate(
         DEFAULT.max_attempts, min=1, help="implementer attempts per round, each fed the judge's reasons"
     ),
     starter: str = typer.Option(DEFAULT.starter, help="round 0's controller"),
+    starter_param: list[str] = typer.Option(
+        None,
+        "--starter-param",
+        help="KEY=VALUE over round 0's params.json defaults (repeatable; the value as JSON where it reads as "
+        "JSON): an engine option a machine needs, e.g. fused_kernels=false; later rounds inherit it",
+    ),
     sandbox: str = typer.Option(DEFAULT.sandbox, help="auto | bubblewrap | docker | subprocess"),
     simulate: bool = typer.Option(False, "--simulate", help="run candidates on the cluster simulator"),
     workspaces: Path = typer.Option(WORKSPACES, help="where each run keeps its rounds' git worktrees"),

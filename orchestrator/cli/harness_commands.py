@@ -180,16 +180,22 @@ def starter(
     target: str,
     out: Path = typer.Option(..., help="directory to create (holds stack/ and DESIGN.md)"),
     controller: str = typer.Option("time_multiplex", help="colocate | static_split | time_multiplex"),
+    param: list[str] = typer.Option(
+        None, help="KEY=VALUE over the params.json defaults (repeatable; the value as JSON where it reads as JSON)"
+    ),
 ) -> None:
     """Write a starter candidate stack for TARGET (the recipes, wired for one controller).
 
     Example: vibetrain starter tiny-qwen3-cpu --out my-stack --controller static_split
+
+    Example: vibetrain starter qwen3-0.6b-h100x1 --out my-stack --controller colocate --param fused_kernels=false
     """
-    from skills.starter import write_starter
+    from skills.starter import parse_param, with_params, write_starter
 
     spec = load_target(target)
     try:
-        write_starter(out_dir(out), spec, controller)
+        params = with_params(spec, controller, dict(parse_param(text, "--param") for text in param or ()), "--param")
+        write_starter(out_dir(out), spec, controller, params)
     except (ValueError, FileExistsError) as error:
         raise UsageError(str(error)) from None
     console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")

@@ -6,6 +6,7 @@ method. The orchestrator's round loop only ever talks to these interfaces.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -42,7 +43,7 @@ class Task(BaseModel):
 def starter_task(controller: str, params: dict | None = None) -> Task:
     """Round 0's task: the starter stack for ``controller``, written from the skills library, with
     ``params`` over its defaults (``generate --starter-param``)."""
-    given = f", with {', '.join(f'{k}={v}' for k, v in params.items())}" if params else ""
+    given = f", with {', '.join(f'{k}={json.dumps(v)}' for k, v in params.items())}" if params else ""
     return Task(
         id=f"starter={controller}",
         title=f"starter stack ({controller}{given})",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from skills.design_doc import DesignDoc
 from skills.library import applicable, defaults, legal, load_skills
-from skills.recipes.build import KNOWN_PARAMS
+from skills.recipes.build import KNOWN_PARAMS, option_problem
 from skills.validation import expand_file
 
 RECIPES = Path(__file__).parent / "recipes"
@@ -58,22 +58,30 @@ def baseline_params(spec, baseline, engine_devices: int = 1) -> dict:
 
 def with_params(spec, controller: str, given: dict, where: str, engine_devices: int = 1, prefix: str = "") -> dict:
     """``controller``'s starter parameters with ``given`` over them: each a parameter the recipes read
-    (not the controller or the device split: those come by name and from the target), a skill's within
-    its range on this target, and every technique they turn on allowed beside the rest. Values the
-    engine alone knows (``attention``) are the engine's to refuse. ``ValueError`` names ``where`` and
-    the parameter."""
+    (not the controller or the device split: those come by name and from the target), a skill's a
+    number within its range on this target, an engine, trainer or cluster option one of the values
+    its recipe takes (``option_problem``), and every technique they turn on allowed beside the rest.
+    ``ValueError`` names ``where`` and the parameter."""
     params = {**starter_params(spec, controller), **given}
     for name, value in given.items():
+        if name == "controller":
+            raise ValueError(f"{where}: {prefix}controller is chosen by name (--starter, a baseline's name)")
         if name in FIXED:
-            raise ValueError(f"{where}: {prefix}{name} comes from the controller's name and the target, not as a param")
+            raise ValueError(f"{where}: {prefix}{name} is the device split, the target's (a baseline's own field)")
         if name not in KNOWN_PARAMS:
             close = difflib.get_close_matches(name, [k for k in KNOWN_PARAMS if k not in FIXED], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"{where}: {prefix}{name} is no parameter of the skills library{hint}")
-        declared = any(name in skill.params for skill in SKILLS.values())  # a range to keep to
-        if declared and not legal(
-            SKILLS, name, value, spec.hardware.count, engine_devices, spec.workload.declared_limits
-        ):
+        ranges = [skill.params[name] for skill in SKILLS.values() if name in skill.params]
+        if not ranges:  # an engine, trainer or cluster option: its values are the recipe's
+            if (problem := option_problem(name, value)) is not None:
+                raise ValueError(f"{where}: {prefix}{problem}")
+            continue
+        whole = any(r.type == "int" for r in ranges)
+        if type(value) not in ((int,) if whole else (int, float)):
+            kind = "a whole number" if whole else "a number"
+            raise ValueError(f"{where}: {prefix}{name} must be {kind}, not {json.dumps(value)}")
+        if not legal(SKILLS, name, value, spec.hardware.count, engine_devices, spec.workload.declared_limits):
             raise ValueError(f"{where}: {prefix}{name} = {value} is outside the range its skill allows")
     for skill in SKILLS.values():
         if skill.kind == "technique" and skill.is_on(params) and not applicable(SKILLS, skill, params):
@@ -92,9 +100,13 @@ def parse_param(text: str, flag: str) -> tuple[str, object]:
     if not sep or not name.strip():
         raise ValueError(f"{flag} {text!r}: expected KEY=VALUE (for example fused_kernels=false)")
     try:
-        return name.strip(), json.loads(value)
+        parsed = json.loads(value)
     except json.JSONDecodeError:
         return name.strip(), value
+    if isinstance(parsed, (list, dict)):
+        kind = "a list" if isinstance(parsed, list) else "an object"
+        raise ValueError(f"{flag} {text!r}: a value is a number, true, false, null or text, not {kind}")
+    return name.strip(), parsed
 
 
 def write_starter(directory: Path, spec, controller: str, params: dict | None = None, replace: bool = False) -> Path:

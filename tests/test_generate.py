@@ -258,7 +258,7 @@ def test_starter_params_are_round_0s_and_every_later_rounds(tmp_path, fast_targe
     )
     state, history = RunState.load(run), History.open(run)
     assert state.config.starter_params == {"attention": "sdpa", "fused_kernels": False}
-    assert state.record(0).task.title == "starter stack (colocate, with attention=sdpa, fused_kernels=False)"
+    assert state.record(0).task.title == 'starter stack (colocate, with attention="sdpa", fused_kernels=false)'
     assert len(state.rounds) == 2
     for record in state.rounds:
         params = json.loads(history.read(record.commit or history.rejected_commit(record.round), "stack/params.json"))

@@ -77,7 +77,7 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     from typer.testing import CliRunner
 
     from orchestrator.cli import app
-    from skills.recipes.build import _validate_param_names
+    from skills.recipes.build import _validate_params
     from skills.starter import starter_params
     from targets.spec import load_target
 
@@ -86,7 +86,7 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     assert written.exit_code == 0, written.output
     params = json.loads((tmp_path / "starter" / "stack" / "params.json").read_text())
     assert params == {**starter_params(load_target("qwen3-0.6b-h100x1"), "colocate"), **options}
-    _validate_param_names(params)
+    _validate_params(params)
     generate = ["generate", "qwen3-0.6b-h100x1", *gpu_run.param_flags(options, "--starter-param"), "--print-config"]
     printed = CliRunner().invoke(app, generate)
     assert printed.exit_code == 0, printed.output

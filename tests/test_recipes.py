@@ -1126,6 +1126,14 @@ def test_every_parameter_a_skill_declares_or_a_recipe_reads_is_a_name_the_build_
         declared - set(KNOWN_PARAMS),
         read - set(KNOWN_PARAMS),
     )
+    # every name no skill declares a range for has its values checked at build (and by generate --starter-param)
+    from skills.recipes.build import OPTION_COUNTS, OPTION_VALUES
+    from skills.recipes.kernel_choice import ATTENTION_KINDS
+
+    checked = {*OPTION_VALUES, *OPTION_COUNTS, "kv_memory_fraction"}
+    unchecked = set(KNOWN_PARAMS) - declared - checked - {"controller", "rollout_devices"}
+    assert not unchecked, unchecked
+    assert OPTION_VALUES["attention"] == ATTENTION_KINDS
 
 
 @pytest.mark.parametrize(
@@ -1133,8 +1141,11 @@ def test_every_parameter_a_skill_declares_or_a_recipe_reads_is_a_name_the_build_
     [
         ({"kv_routng": 1}, "params.json names ['kv_routng'], which no recipe"),
         ({"bucket_bytes": 0}, 'params.get("bucket_bytes", 1 << 26) must be an int in'),  # was read as the default
+        # a text "False" is truthy: the engine took it as a request for the fused kernels
+        ({"fused_kernels": "False"}, 'params.json: fused_kernels must be one of null, true, false, not "False"'),
+        ({"attention": "sdap"}, 'attention must be one of "auto", "flashinfer", "triton", "sdpa", not "sdap"'),
     ],
-    ids=["misspelt", "zero bucket"],
+    ids=["misspelt", "zero bucket", "text for a flag", "misspelt attention"],
 )
 def test_a_parameter_the_build_cannot_honour_fails_it_by_name(tmp_path, tiny_spec, extra, said):
     import json

@@ -180,7 +180,7 @@ def test_a_baseline_on_other_hardware_is_labelled_and_fits_its_own_devices(catal
 
 def test_a_baseline_with_technique_params_is_labelled_and_its_params_are_the_skills(catalog_yaml):
     """An elastic or tuned baseline (a starter with techniques on, as the papers' baselines run): its
-    params need a label, name parameters some skill declares, within range, techniques allowed together."""
+    params need a label, name parameters the skills or recipes know, within range, techniques allowed together."""
     from skills.starter import baseline_params
 
     tuned = {"name": "time_multiplex", "train_devices": 1, "label": "tm-partial", "params": {"partial_rollout": 1}}
@@ -470,8 +470,11 @@ def test_a_mistyped_candidate_or_starter_is_refused_before_any_work(tmp_path):
     for param, said in (
         ("fused_kernel=false", "--starter-param: fused_kernel is no parameter of the skills library (did you mean"),
         ("partial_rollout=9", "--starter-param: partial_rollout = 9 is outside the range its skill allows"),
-        ("train_devices=1", "--starter-param: train_devices comes from the controller's name and the target"),
+        ("train_devices=1", "--starter-param: train_devices is the device split, the target's"),
         ("fused_kernels", "--starter-param 'fused_kernels': expected KEY=VALUE"),
+        ("fused_kernels=False", 'fused_kernels must be one of null, true, false, not "False"'),  # truthy text
+        ("block_size=abc", 'block_size must be a whole number, not "abc"'),  # a TypeError traceback before
+        ("block_size=[1]", "--starter-param 'block_size=[1]': a value is a number, true, false, null or text"),
     ):
         generate = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--starter-param", param, "--out", str(run)])
         assert generate.exit_code == 2 and said in generate.output, generate.output

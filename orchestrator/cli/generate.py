@@ -61,8 +61,9 @@ def config_of(options: dict) -> dict:
     for name, value in options.items():
         if name in NOT_CONFIG:
             continue
-        if name == "starter_param":  # KEY=VALUE texts -> the params themselves
-            values["starter_params"] = starter_params_of(value)
+        if name == "starter_param":  # KEY=VALUE texts -> the params themselves (None: unset, as elsewhere)
+            if value is not None:
+                values["starter_params"] = starter_params_of(value)
             continue
         if name in LLM_OPTIONS:
             values["llm"][name] = str(value.resolve()) if isinstance(value, Path) else value

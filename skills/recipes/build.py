@@ -29,16 +29,46 @@ TECHNIQUE_PARAMS = (  # what the controllers, the router, the harvester and the 
     *("route_admit", "route_slack", "serving_harvest", "shrink_at", "stream_train", "tail_round"),
 )
 KNOWN_PARAMS = STRUCTURE + ENGINE_OPTIONS + TRAINER_OPTIONS + TECHNIQUE_PARAMS
+OPTION_VALUES: dict[str, tuple] = {  # options no skill declares a range for (the search never moves them)
+    "engine": ("paged", "vllm"),
+    "cluster": ("local", "ray"),
+    "attention": ("auto", "flashinfer", "triton", "sdpa"),
+    "fused_kernels": (None, True, False),  # None: with a GPU attention kernel
+    "cuda_graphs": (True, False),
+    "checkpointing": (None, True, False),  # None: on GPU
+}
+OPTION_COUNTS = ("kv_tokens", "max_batch", "logprob_chunk", "threads_per_actor")  # whole numbers from 1
 
 
-def _validate_param_names(params: dict) -> None:
+def option_problem(name: str, value) -> str | None:
+    """Why ``value`` cannot be the option ``name`` (one of ``OPTION_VALUES``, ``OPTION_COUNTS`` or
+    ``kv_memory_fraction``), or None. Types are strict: the text "False" is not false (it is truthy,
+    and would turn on what it names), nor is 1 true."""
+    if name in OPTION_VALUES:
+        allowed = OPTION_VALUES[name]
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            return f"{name} must be one of {', '.join(json.dumps(a) for a in allowed)}, not {json.dumps(value)}"
+    elif name in OPTION_COUNTS:
+        if not (type(value) is int and value >= 1) and not (name == "kv_tokens" and value is None):
+            none = " or null (sized from memory)" if name == "kv_tokens" else ""
+            return f"{name} must be a whole number from 1{none}, not {json.dumps(value)}"
+    elif name == "kv_memory_fraction" and not (type(value) in (int, float) and 0 < value <= 1):
+        return f"kv_memory_fraction must be a number in (0, 1], not {json.dumps(value)}"
+    return None
+
+
+def _validate_params(params: dict) -> None:
     """Every name in params.json is one a recipe reads: a misspelt one would otherwise be ignored, its
-    technique silently off. A stack that adds a parameter of its own adds its name here."""
+    technique silently off. A stack that adds a parameter of its own adds its name here. The options no
+    skill declares a range for are checked here too (the skills' ranges are the annotations below)."""
     unknown = sorted(set(params) - set(KNOWN_PARAMS))
     if unknown:
         raise ValueError(
             f"params.json names {unknown}, which no recipe of this stack reads; known: {sorted(KNOWN_PARAMS)}"
         )
+    problems = [problem for name, value in params.items() if (problem := option_problem(name, value))]
+    if problems:
+        raise ValueError(f"params.json: {'; '.join(problems)}")
 
 
 VLLM_NAMES = {"kv_memory_fraction": "gpu_memory_utilization", "max_batch": "max_num_seqs"}
@@ -65,7 +95,7 @@ def vllm_options(params: dict, max_sequence: int, cuda: bool = True) -> dict:
 
 def build(runtime: Runtime) -> Stack:
     params = json.loads(Path(__file__).with_name("params.json").read_text())
-    _validate_param_names(params)
+    _validate_params(params)
     runtime, reward, reward_devices = place_reward(runtime, params)  # a dedicated judge's devices set aside
     # VAL: VAL_SUBSET (value=[params["controller"]], of=CONTROLLERS)
     controller = CONTROLLERS[params["controller"]](runtime, params)

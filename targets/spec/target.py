@@ -28,7 +28,8 @@ class BaselineSpec(Strict):
         default=None, description="other hardware of the target's cost this baseline runs on (simulated)"
     )
     params: dict[str, int | float] = Field(
-        default_factory=dict, description="technique parameters its starter carries (checked against the skills)"
+        default_factory=dict,
+        description="parameters its starter carries (checked against the skills' ranges and the recipes' options)",
     )
 
     @model_validator(mode="after")

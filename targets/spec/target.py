@@ -27,7 +27,7 @@ class BaselineSpec(Strict):
     hardware: AnyHardware | None = Field(
         default=None, description="other hardware of the target's cost this baseline runs on (simulated)"
     )
-    params: dict[str, int | float] = Field(
+    params: dict[str, bool | int | float | str | None] = Field(
         default_factory=dict,
         description="parameters its starter carries (checked against the skills' ranges and the recipes' options)",
     )

@@ -26,6 +26,12 @@ class AgentError(RuntimeError):
     message and hands it to the next attempt as feedback."""
 
 
+class NothingToRepair(AgentError):
+    """The implementer has no change to make for the judge's reasons: the candidate would be the one
+    just rejected, so the round ends on that verdict instead of paying for the same judgement again
+    (on a GPU target, a whole real check)."""
+
+
 class Task(BaseModel):
     """One round's work, as an issue tracker would hold it."""
 

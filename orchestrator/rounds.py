@@ -28,7 +28,16 @@ from git.exc import GitCommandError
 
 from agents import workspace_git
 from agents.llm.client import BudgetSpent, LLMUnusable
-from agents.roles import AgentError, Agents, Evaluation, RoundContext, Task, Verdict, starter_task
+from agents.roles import (
+    AgentError,
+    Agents,
+    Evaluation,
+    NothingToRepair,
+    RoundContext,
+    Task,
+    Verdict,
+    starter_task,
+)
 from orchestrator import commits
 from orchestrator.budget import LLMBudget
 from orchestrator.design_record import update_design
@@ -273,6 +282,10 @@ class Loop:
                 record.account = context.account = change.summary
             except LLMUnusable:
                 raise  # every attempt would meet it: the round stops the run
+            except NothingToRepair as error:  # the same candidate again: the last verdict stands
+                said = [f"attempt {attempt}: {error}; attempt {attempt - 1}'s verdict stands"]
+                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=said)
+                break
             except AgentError as error:  # this attempt ends; the next one is told why
                 candidate, _ = self.freeze(workspace, record)  # what it left: the evidence a rejection keeps
                 verdict = Verdict.refused("implementer", [f"attempt {attempt}: {type(error).__name__}: {error}"])

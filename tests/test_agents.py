@@ -125,6 +125,29 @@ def test_the_offline_implementer_brings_the_recipes_a_refreshed_module_imports(t
     assert "stack/fsdp_trainer.py" not in attempt.files_changed  # refreshed, but no different from the library's
 
 
+def test_the_offline_implementer_says_when_its_repair_would_change_nothing(tmp_path, tiny_spec):
+    """Its one repair after a rejection is the library's recipes and the task's parameters again: where
+    the candidate already is that (a technique the selection net rejects by design, a twin that fails it),
+    the second attempt was the same candidate judged again, on a real GPU target a whole check for the
+    same verdict. It now says so; where a recipe was edited, it restores it and goes on."""
+    from agents.offline.implementer import OfflineImplementer
+    from agents.roles import NothingToRepair, Task
+
+    workspace = write_starter(tmp_path / "w", tiny_spec, "time_multiplex")
+    implementer = OfflineImplementer(tiny_spec, OfflinePlanner(tiny_spec))
+    spares = {"redundant_envs": 2}
+    task = Task(id="spares", title="add spares", rationale="tails", skills=["redundant_envs"], changes=spares)
+    implementer.implement(task, workspace, [])
+    rejected = ["system_audit: selection: the episodes trained are 32% shorter ..."]
+    with pytest.raises(NothingToRepair, match="the judge would see the candidate it just rejected"):
+        implementer.implement(task, workspace, rejected)
+    engine = workspace / "stack" / "paged_engine.py"
+    library = engine.read_text()
+    engine.write_text(library + "\nBROKEN = True\n")  # what an earlier attempt could have left
+    attempt = implementer.implement(task, workspace, rejected)
+    assert engine.read_text() == library and "stack/paged_engine.py" in attempt.files_changed
+
+
 def test_the_judge_rejects_an_unexpanded_annotation_without_running_it(tmp_path, tiny_spec):
     stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
     path = stack / "stack" / "static_split.py"

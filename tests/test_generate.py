@@ -188,6 +188,7 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
 @pytest.mark.slow
 def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monkeypatch):
     from agents.offline.implementer import OfflineImplementer
+    from agents.offline.judge import OfflineJudge
 
     original = OfflineImplementer.implement
 
@@ -198,12 +199,22 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monk
         (workspace / "stack" / "report.py").write_text("def report(n, s):\n    return {'rollout_throughput': n / s}\n")
         return attempt
 
+    judged, judge = [], OfflineJudge.judge
+
+    def counted(self, workspace, out, task=None, seed=0, context=None):
+        judged.append(int(out.parent.name.removeprefix("round-")))
+        return judge(self, workspace, out, task, seed, context)
+
     run = tmp_path / "run"
     monkeypatch.setattr(OfflineImplementer, "implement", cheating)
+    monkeypatch.setattr(OfflineJudge, "judge", counted)
     state = _start(fast_target, tmp_path, rounds=2, simulate=True, sandbox="subprocess").run()
     rejected = [r for r in state.rounds if r.verdict == "rejected"]
     assert [r.round for r in rejected] == [1, 2] and rejected[0].attempts == 2
     assert any("names the harness metric 'rollout_throughput'" in reason for reason in rejected[0].reasons)
+    # the offline implementer's repair (the library's recipes) cannot remove a module of the stack's own:
+    # its second attempt said so, and the same candidate was not judged again
+    assert judged == [0, 1, 2], judged
     history = History.open(run)
     commit = history.rejected_commit(1)
     assert commit and "Verdict: rejected" in history.repo.commit(commit).message

@@ -4,7 +4,8 @@ module the stack predates: ``fsdp_trainer`` and ``rendezvous``), applies the tas
 changes to ``params.json`` (checked against the skills' ranges), expands every validation
 annotation, and records the decision in ``DESIGN.md``. Given the judge's feedback from a failed
 attempt, it restores every recipe module from the library (the repair it knows) before applying the
-task again."""
+task again; where that changes nothing, it says so (``NothingToRepair``) and the round ends on the
+verdict it has, rather than judging the same candidate twice."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from agents.offline.planner import OfflinePlanner
-from agents.roles import AgentError, Attempt, Hint, Task
+from agents.roles import AgentError, Attempt, Hint, NothingToRepair, Task
 from skills.library import load_skills
 from skills.starter import RECIPES, with_params, write_starter
 from skills.validation import expand_file
@@ -41,6 +42,7 @@ class OfflineImplementer:
         stack = workspace / "stack"
         if not (stack / "params.json").exists():
             raise ImplementationError(f"{workspace} holds no stack/params.json: not a candidate workspace")
+        as_judged = _files(stack)  # with feedback: the candidate the judge just rejected
         changed: list[str] = []
         modules = {self.skills[name].recipe for name in task.skills if name in self.skills}
         unknown = [name for name in task.skills if name not in self.skills]
@@ -64,6 +66,11 @@ class OfflineImplementer:
         for path in sorted(stack.glob("*.py")):
             if expand_file(path, workspace):
                 changed.append(f"stack/{path.name}")
+        if feedback and _files(stack) == as_judged:
+            raise NothingToRepair(
+                "the offline implementer's one repair, the library's recipes and the task's parameters, changes "
+                "nothing here: the judge would see the candidate it just rejected"
+            )
         summary = f"{task.title} ({', '.join(f'{k}={v}' for k, v in task.changes.items()) or 'no parameter change'})"
         if feedback:
             summary += "; restored every recipe module from the library after the judge's feedback"
@@ -85,3 +92,12 @@ def recipe_imports(modules: set[str]) -> set[str]:
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
         ]
     return closure
+
+
+def _files(stack: Path) -> dict[str, bytes]:
+    """The stack's files by path (compiled caches aside): what a repair would have to change."""
+    return {
+        str(path.relative_to(stack)): path.read_bytes()
+        for path in sorted(stack.rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts
+    }

@@ -33,7 +33,7 @@ after every one (so a run cut short still returns what it measured), each stage'
    HBM roofline of the card that runs, prefill, the train step cold and warm, the weight export stage
    by stage, sleep, wake; each section's figures written as soon as it has them);
 5. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``
-   (last: it takes whatever time is left).
+   (last: it takes whatever time is left; a call right after, on the machine still warm, resumes it).
 
 ``--bundle FILE`` packs OUT after every stage into one tarball (weight snapshots and workspaces left
 out): the device tool brings back at most 8 files, and a run cut short still returns its last bundle.
@@ -277,6 +277,22 @@ def param_flags(options: dict, flag: str) -> list[str]:
     return [text for name, value in options.items() for text in (flag, f"{name}={json.dumps(value)}")]
 
 
+def generate_command(vibetrain: list[str], target: str, run_dir: Path, sandbox: str, options: dict) -> list[str]:
+    """``generate --rounds 2`` with the check's engine options (not the default engine that failed its
+    test). Where an earlier call on this machine (still warm: the device keeps it 30 s) was cut short
+    and left the run's state, ``--resume``: its validated rounds stay and the rest go on; a run cut
+    before its first state is started again."""
+    from orchestrator.run_dir import RunDir
+
+    workspaces = ["--workspaces", str(run_dir.parent / "workspaces")]
+    if RunDir(run_dir).state_file.exists():
+        return [*vibetrain, "generate", target, "--out", str(run_dir), "--resume", *workspaces]
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
+    return [*generate, *workspaces, "--sandbox", sandbox, *param_flags(options, "--starter-param")]
+
+
 def _rehearsal_target(out: Path) -> str:
     """The CPU target on one device: the local cluster the GPU target's colocate stack uses."""
     from targets.spec import CATALOG_DIR
@@ -393,10 +409,7 @@ def run(
         components.append("--no-fused-kernels")
     stages.run("components", [*components, "--json", str(stages.out / "components.json")], env, ROOT / "benchmarks")
     run_dir = stages.out / "run"
-    generate = [*vibetrain, "generate", target, "--rounds", "2", "--repeat", "1", "--out", str(run_dir)]
-    generate += ["--workspaces", str(stages.out / "workspaces"), "--sandbox", sandbox]
-    generate += param_flags(options, "--starter-param")  # the check's engine, not the default one that failed
-    stages.run("generate", generate, env)
+    stages.run("generate", generate_command(vibetrain, target, run_dir, sandbox, options), env)
     if run_dir.exists():
         with tarfile.open(stages.out / "run.tar.gz", "w:gz") as tar:
             tar.add(run_dir, arcname="run", filter=_without_weights)

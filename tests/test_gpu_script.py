@@ -98,3 +98,26 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     assert gpu_run.engine_fallback(again, tests, {}) == {}
     recorded = json.loads((again.out / "stages.json").read_text())["stages"]
     assert set(recorded) == {"engine"} and recorded["engine"]["status"] == "default"
+
+
+def test_generate_resumes_the_run_an_earlier_call_left_and_starts_again_one_cut_before_its_state(tmp_path):
+    """generate --rounds 2 does not fit the call the other stages share, and a second call found its
+    run directory there (the machine still warm) and was refused: "already exists". It now resumes a
+    run with a state, its validated rounds kept, and starts again one cut before it had any."""
+    from orchestrator.run_dir import RunDir
+
+    gpu_run, run = _script(), tmp_path / "run"
+    vibetrain = [sys.executable, "-m", "orchestrator.cli"]
+    fresh = gpu_run.generate_command(vibetrain, "qwen3-0.6b-h100x1", run, "auto", {"fused_kernels": False})
+    assert "--resume" not in fresh and fresh[fresh.index("--rounds") + 1] == "2"
+    assert fresh[-2:] == ["--starter-param", "fused_kernels=false"] and "--sandbox" in fresh
+    (run / ".git").mkdir(parents=True)  # cut before its first state was saved
+    assert gpu_run.generate_command(vibetrain, "qwen3-0.6b-h100x1", run, "auto", {}) == [
+        x for x in fresh if x not in ("--starter-param", "fused_kernels=false")
+    ]
+    assert not run.exists()
+    RunDir(run).state_file.parent.mkdir(parents=True)
+    RunDir(run).state_file.write_text("{}")
+    resumed = gpu_run.generate_command(vibetrain, "qwen3-0.6b-h100x1", run, "auto", {"fused_kernels": False})
+    assert "--resume" in resumed and "--rounds" not in resumed and "--starter-param" not in resumed  # the run's own
+    assert resumed[resumed.index("--out") + 1] == str(run) and (run / ".git").exists()

@@ -283,8 +283,9 @@ class Loop:
             except LLMUnusable:
                 raise  # every attempt would meet it: the round stops the run
             except NothingToRepair as error:  # the same candidate again: the last verdict stands
-                said = [f"attempt {attempt}: {error}; attempt {attempt - 1}'s verdict stands"]
-                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=said)
+                said = f"attempt {attempt}: {error}; attempt {attempt - 1}'s verdict stands"
+                record.reasons = [*record.reasons, said]  # last: log and show say why no judge ran again
+                self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=[said])
                 break
             except AgentError as error:  # this attempt ends; the next one is told why
                 candidate, _ = self.freeze(workspace, record)  # what it left: the evidence a rejection keeps

@@ -131,7 +131,7 @@ def test_the_offline_implementer_says_when_its_repair_would_change_nothing(tmp_p
     the second attempt was the same candidate judged again, on a real GPU target a whole check for the
     same verdict. It now says so; where a recipe was edited, it restores it and goes on."""
     from agents.offline.implementer import OfflineImplementer
-    from agents.roles import NothingToRepair, Task
+    from agents.roles import NothingToRepair, Task, starter_task
 
     workspace = write_starter(tmp_path / "w", tiny_spec, "time_multiplex")
     implementer = OfflineImplementer(tiny_spec, OfflinePlanner(tiny_spec))
@@ -146,6 +146,11 @@ def test_the_offline_implementer_says_when_its_repair_would_change_nothing(tmp_p
     engine.write_text(library + "\nBROKEN = True\n")  # what an earlier attempt could have left
     attempt = implementer.implement(task, workspace, rejected)
     assert engine.read_text() == library and "stack/paged_engine.py" in attempt.files_changed
+    # a starter is the library's every time: a rejected one written again would be the same
+    starter, first = starter_task("colocate"), tmp_path / "round-0"
+    implementer.implement(starter, first, [])
+    with pytest.raises(NothingToRepair, match="the starter is written from the library"):
+        implementer.implement(starter, first, rejected)
 
 
 def test_the_judge_rejects_an_unexpanded_annotation_without_running_it(tmp_path, tiny_spec):

@@ -215,6 +215,7 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monk
     # the offline implementer's repair (the library's recipes) cannot remove a module of the stack's own:
     # its second attempt said so, and the same candidate was not judged again
     assert judged == [0, 1, 2], judged
+    assert "attempt 1's verdict stands" in rejected[0].reasons[-1]  # what log and show say of attempt 2
     history = History.open(run)
     commit = history.rejected_commit(1)
     assert commit and "Verdict: rejected" in history.repo.commit(commit).message

@@ -34,15 +34,17 @@ class OfflineImplementer:
     def implement(
         self, task: Task, workspace: Path, feedback: list[str], hints: list[Hint] = (), context=None
     ) -> Attempt:
+        stack = workspace / "stack"
+        as_judged = _files(stack)  # with feedback: the candidate the judge just rejected
         if task.source == "starter":  # a complete starter candidate, written afresh on every attempt
             controller, given = task.changes["controller"], {k: v for k, v in task.changes.items() if k != "controller"}
             params = with_params(self.spec, controller, given, f"task {task.id}", self.planner.engine_devices)
             write_starter(workspace, self.spec, controller, params, replace=True)
+            if feedback and _files(stack) == as_judged:
+                raise NothingToRepair("the starter is written from the library: it would be the one just rejected")
             return Attempt(f"starter stack with the {controller} controller", ["stack/", "DESIGN.md"])
-        stack = workspace / "stack"
         if not (stack / "params.json").exists():
             raise ImplementationError(f"{workspace} holds no stack/params.json: not a candidate workspace")
-        as_judged = _files(stack)  # with feedback: the candidate the judge just rejected
         changed: list[str] = []
         modules = {self.skills[name].recipe for name in task.skills if name in self.skills}
         unknown = [name for name in task.skills if name not in self.skills]
@@ -100,4 +102,4 @@ def _files(stack: Path) -> dict[str, bytes]:
         str(path.relative_to(stack)): path.read_bytes()
         for path in sorted(stack.rglob("*"))
         if path.is_file() and "__pycache__" not in path.parts
-    }
+    }  # no stack (a starter's first attempt): none

@@ -144,8 +144,9 @@ def test_a_command_tool_past_its_time_leaves_no_container_running(tmp_path, dock
     client, ran on with the workspace mounted writable."""
     write_starter(tmp_path / "ws", tiny_spec, "colocate")
     toolbox = Toolbox(tmp_path / "ws", Sandbox("docker", IMAGE))
-    result = toolbox.call(ToolCall("c", "run_command", json.dumps({"command": "sleep 300", "timeout_s": 1})))
-    assert "ran past 1s; it and every process it started were stopped" in result
+    # 3 s: the reaper, the docker client and the daemon's poll must start the container first (~0.2 s idle)
+    result = toolbox.call(ToolCall("c", "run_command", json.dumps({"command": "sleep 300", "timeout_s": 3})))
+    assert "ran past 3s; it and every process it started were stopped" in result
     assert dockerd.started and not _alive(dockerd.started[0])
 
 

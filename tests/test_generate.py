@@ -234,22 +234,36 @@ def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tm
     the candidate as the agent left it. On the old flow (the workspace judged and committed) the late
     write landed in the commit."""
     from agents.offline.implementer import OfflineImplementer
+    from orchestrator.rounds import Loop
 
-    original = OfflineImplementer.implement
-    written = tmp_path / "late-write-done"
+    original, freeze = OfflineImplementer.implement, Loop.freeze
+    frozen, written = tmp_path / "frozen", tmp_path / "late-write-done"
 
     def lingering(self, task, workspace, feedback, hints=(), context=None):
         attempt = original(self, task, workspace, feedback, hints)
+        if task.source == "starter":
+            return attempt
         target = workspace / "stack" / "__init__.py"
-        script = (
-            f"import pathlib, time; time.sleep(1); p = pathlib.Path({str(target)!r}); "
-            f"p.write_text(p.read_text() + 'LATE = True\\n'); pathlib.Path({str(written)!r}).touch()"
+        script = (  # writes once the round has copied the candidate (a sleep raced the copy on a loaded machine)
+            f"import pathlib, time\nwhile not pathlib.Path({str(frozen)!r}).exists(): time.sleep(0.05)\n"
+            f"p = pathlib.Path({str(target)!r}); p.write_text(p.read_text() + 'LATE = True\\n')\n"
+            f"pathlib.Path({str(written)!r}).touch()"
         )
         subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
         return attempt
 
+    def copied(self, workspace, record):
+        result = freeze(self, workspace, record)
+        if record.round == 1:
+            frozen.touch()
+        return result
+
     monkeypatch.setattr(OfflineImplementer, "implement", lingering)
+    monkeypatch.setattr(Loop, "freeze", copied)
     state = _start(fast_target, tmp_path, rounds=1, simulate=True).run()
+    deadline = time.monotonic() + 10
+    while not written.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert written.exists(), "the late write never happened: the test shows nothing"
     record = state.rounds[1]
     assert record.commit, record.reasons

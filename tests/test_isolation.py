@@ -419,13 +419,13 @@ def test_a_plant_that_chooses_its_samples_is_rejected_by_name(tmp_path, fast_tar
 
     The empty-partial rule needs a witness (a request the engine received later that decoded first).
     On the fast target's four steps it found one in 2 of 6 runs in which the plant acted; on the CPU
-    target's eight steps in 9 of 10, so that plant runs there, on up to four seeds as a candidate's
+    target's eight steps in 9 of 10, so that plant runs there, on up to eight seeds as a candidate's
     check and measured runs are each audited: it must be caught in one run in which it acted (a run
     in which it did not act, or found no witness, is the documented gap, not a failure)."""
     target = CATALOG_DIR / "tiny-qwen3-cpu.yaml" if name == "empty_partials" else fast_target
     candidate = plant(name, tmp_path / "c", target)
     acted = []
-    for seed in (3, 4, 5, 6) if name == "empty_partials" else (3,):
+    for seed in range(3, 11) if name == "empty_partials" else (3, 4):  # it stops at the first catch
         out = tmp_path / f"o{seed}"
         reasons = _reasons(_session(target, judge_sandbox).measure(candidate, out, seed))
         if name == "empty_partials":

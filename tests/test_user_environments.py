@@ -698,17 +698,17 @@ def test_the_ecosystems_own_environments_through_the_adapters(catalog_yaml):
 
 def test_a_step_that_does_not_answer_in_time_times_the_episode_out(catalog_yaml, user_package):
     """As a built-in environment's slow step: the episode ends timed out, the call is abandoned."""
-    catalog_yaml["workload"]["trajectory_timeout_s"] = 0.5
+    catalog_yaml["workload"]["trajectory_timeout_s"] = 1.5  # reset and a first step take tens of ms
     spec = _spec(catalog_yaml, {"entry": "my_envs:Hangs", "adapter": "gymnasium"})
     pool, trace = _pool(spec)
     episode = pool.new_group()[0]
     asyncio.run(episode.reset())
     assert not asyncio.run(episode.step([5, 6])).done
-    result = asyncio.run(episode.step([5, 6]))  # the environment sleeps 3 s: past the 0.5 s timeout
+    result = asyncio.run(episode.step([5, 6]))  # the environment sleeps 3 s: past the 1.5 s timeout
     assert result.done and result.timed_out and result.reward == 0.0
     last = [e for e in trace.events if e.kind == "env_step"][-1]
-    # it waited out what was left of the trajectory's 0.5 s (its reset and first step had taken the rest)
-    assert last.data["timed_out"] and last.t - episode.started_at > 0.5 and last.data["latency"] < 3
+    # it waited out what was left of the trajectory's 1.5 s (its reset and first step had taken the rest)
+    assert last.data["timed_out"] and last.t - episode.started_at > 1.5 and last.data["latency"] < 3
 
     spec = _spec(catalog_yaml, {"entry": "my_envs:TimesOut", "adapter": "gymnasium"})
     episode = _pool(spec)[0].new_group()[0]

@@ -274,7 +274,9 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
 def param_flags(options: dict, flag: str) -> list[str]:
     """``options`` as ``flag KEY=VALUE`` pairs: ``starter --param`` for the check's stack, ``generate
     --starter-param`` for the run's round 0 (which every later round inherits)."""
-    return [text for name, value in options.items() for text in (flag, f"{name}={json.dumps(value)}")]
+    from skills.starter import format_param
+
+    return [text for name, value in options.items() for text in (flag, format_param(name, value))]
 
 
 def generate_command(vibetrain: list[str], target: str, run_dir: Path, sandbox: str, options: dict) -> list[str]:

@@ -93,20 +93,28 @@ def with_params(spec, controller: str, given: dict, where: str, engine_devices: 
     return params
 
 
-def parse_param(text: str, flag: str) -> tuple[str, object]:
-    """``KEY=VALUE`` given to ``flag``: the value as JSON where it reads as JSON (``false``, ``0.5``,
-    ``null``), else the text itself (``sdpa``)."""
-    name, sep, value = text.partition("=")
-    if not sep or not name.strip():
-        raise ValueError(f"{flag} {text!r}: expected KEY=VALUE (for example fused_kernels=false)")
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        return name.strip(), value
-    if isinstance(parsed, (list, dict)):
-        kind = "a list" if isinstance(parsed, list) else "an object"
-        raise ValueError(f"{flag} {text!r}: a value is a number, true, false, null or text, not {kind}")
-    return name.strip(), parsed
+def parse_params(texts, flag: str) -> dict:
+    """``KEY=VALUE`` texts given to ``flag`` (``--param``, ``--starter-param``) as params: each value as
+    JSON where it reads as JSON (``false``, ``0.5``, ``null``), else the text itself (``sdpa``)."""
+    params = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"{flag} {text!r}: expected KEY=VALUE (for example fused_kernels=false)")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        if isinstance(parsed, (list, dict)):
+            kind = "a list" if isinstance(parsed, list) else "an object"
+            raise ValueError(f"{flag} {text!r}: a value is a number, true, false, null or text, not {kind}")
+        params[name.strip()] = parsed
+    return params
+
+
+def format_param(name: str, value) -> str:
+    """A param as ``KEY=VALUE``, the text ``parse_params`` reads back to the same value."""
+    return f"{name}={json.dumps(value)}"
 
 
 def write_starter(directory: Path, spec, controller: str, params: dict | None = None, replace: bool = False) -> Path:

@@ -35,7 +35,7 @@ class OfflineImplementer:
         self, task: Task, workspace: Path, feedback: list[str], hints: list[Hint] = (), context=None
     ) -> Attempt:
         stack = workspace / "stack"
-        as_judged = _files(stack)  # with feedback: the candidate the judge just rejected
+        as_judged = _files(stack) if feedback else None  # the candidate the judge just rejected
         if task.source == "starter":  # a complete starter candidate, written afresh on every attempt
             controller, given = task.changes["controller"], {k: v for k, v in task.changes.items() if k != "controller"}
             params = with_params(self.spec, controller, given, f"task {task.id}", self.planner.engine_devices)

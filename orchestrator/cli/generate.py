@@ -4,7 +4,6 @@ defaults (flags win); ``--print-config`` writes them (with ``--resume``, the sto
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.runs import WORKSPACES, resume_run, start_run
 from orchestrator.state import RunState
 from orchestrator.tables import RoundsView, best_generalization, best_over_starter, generalization_table, num
-from skills.starter import parse_param
+from skills.starter import format_param, parse_params
 from targets.spec import load_target
 
 DEFAULT = RunConfig()
@@ -72,16 +71,12 @@ def config_of(options: dict) -> dict:
     return values
 
 
-def starter_params_of(texts: list[str] | None) -> dict:
+def starter_params_of(texts: list[str]) -> dict:
     """``--starter-param`` texts as params (a ``ConfigError`` for one that is not KEY=VALUE)."""
-    params = {}
-    for text in texts or ():
-        try:
-            name, value = parse_param(text, "--starter-param")
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        params[name] = value
-    return params
+    try:
+        return parse_params(texts, "--starter-param")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def options_of(config: RunConfig, run: Path) -> dict:
@@ -91,7 +86,7 @@ def options_of(config: RunConfig, run: Path) -> dict:
         for name in RunConfig.model_fields
         if name not in ("llm", "target_id", "simulated", "starter_params", *RENAMED.values())
     }
-    values["starter_param"] = [f"{name}={json.dumps(value)}" for name, value in config.starter_params.items()]
+    values["starter_param"] = [format_param(name, value) for name, value in config.starter_params.items()]
     values.update({option: getattr(config, field) for option, field in RENAMED.items()})
     values.update(config.llm.model_dump(), simulate=config.simulated, out=str(run))
     return values

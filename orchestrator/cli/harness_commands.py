@@ -190,11 +190,11 @@ def starter(
 
     Example: vibetrain starter qwen3-0.6b-h100x1 --out my-stack --controller colocate --param fused_kernels=false
     """
-    from skills.starter import parse_param, with_params, write_starter
+    from skills.starter import parse_params, with_params, write_starter
 
     spec = load_target(target)
     try:
-        params = with_params(spec, controller, dict(parse_param(text, "--param") for text in param or ()), "--param")
+        params = with_params(spec, controller, parse_params(param or (), "--param"), "--param")
         write_starter(out_dir(out), spec, controller, params)
     except (ValueError, FileExistsError) as error:
         raise UsageError(str(error)) from None

@@ -291,6 +291,36 @@ def test_a_zygote_whose_orchestrator_dies_while_it_warms_ends_at_once(tmp_path):
     assert not _running(warming), "the zygote warmed on after its orchestrator died"
 
 
+def test_a_zygote_watches_the_parent_its_launcher_names_not_the_one_it_finds(tmp_path):
+    """The launcher names itself in the zygote's argv: read at ``main``, the parent of a launcher that
+    died in the meantime is already init (or a subreaper), and the zygote would warm on. Named here: a
+    launcher that is gone before the zygote starts (its warm-up held a minute as above)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    planted = tmp_path / "path" / "safetensors"
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text("import time\ntime.sleep(60)\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names a launcher that died before the zygote could look
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "targets.harness.isolation.zygote", str(theirs.fileno()), "candidate", str(gone.pid)],
+        pass_fds=(theirs.fileno(),),
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PYTHONPATH": str(planted.parent)},
+    )
+    theirs.close()
+    try:
+        assert zygote.wait(10) == 1, "the zygote warmed on for a launcher that was gone"
+    finally:
+        zygote.kill()
+        zygote.wait()
+        ours.close()
+
+
 def test_a_runs_candidate_processes_are_forks_reported_as_they_start_and_fresh_ones_once_dropped(tmp_path):
     """A harness child given a connection to the candidate zygote forks its candidate processes there
     (in the subprocess sandbox) and reports each pid as it starts, for the watchdog that holds the run's

@@ -216,13 +216,15 @@ def _end_with_parent_while(parent: int, warming: threading.Event) -> None:
         time.sleep(0.1)
 
 
-def main(fd: int, kind: str) -> None:
+def main(fd: int, kind: str, parent: int) -> None:
+    """``parent``: the pid of the process that started the zygote, named by it (read here, a parent
+    that died before this line would already be init or a subreaper, and the zygote would warm on)."""
     first = socket.socket(fileno=fd)
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own]  # without the zygote's cwd and PYTHONPATH
     warming = threading.Event()
     warming.set()
-    watcher = threading.Thread(target=_end_with_parent_while, args=(os.getppid(), warming), daemon=True)
+    watcher = threading.Thread(target=_end_with_parent_while, args=(parent, warming), daemon=True)
     watcher.start()
     _warm(kind)
     warming.clear()
@@ -245,4 +247,4 @@ def main(fd: int, kind: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "harness")
+    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))  # as ``zygote_client.Zygote`` starts it

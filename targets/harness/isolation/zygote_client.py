@@ -120,7 +120,7 @@ class Zygote(ZygoteClient):
 
             env = scrubbed_environment(dict(os.environ))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "targets.harness.isolation.zygote", str(theirs.fileno()), kind],
+            [sys.executable, "-m", "targets.harness.isolation.zygote", str(theirs.fileno()), kind, str(os.getpid())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             stdout=self._log,

@@ -195,6 +195,17 @@ PLANTS = {
         "from importlib import import_module as im\nim('targets.harness.trace')\n"
     ),
     "imports a module by a computed name": "import importlib\nimportlib.import_module('g' + 'c')\n",
+    # the package's own names: every harness module the candidate process loaded is an attribute of it
+    "imports harness internals (from targets import)": "from targets import harness\n",
+    "imports harness internals (the package)": "import targets\n",
+    "imports harness internals (the package by importlib)": "import importlib\nimportlib.import_module('targets')\n",
+    "imports harness internals (through targets.api's name)": "import targets.api\ntargets.harness.trace\n",
+    "imports harness internals (off __import__)": "__import__('targets.api').harness\n",
+    "imports harness internals (a fromlist)": "__import__('targets', fromlist=['harness'])\n",
+    # an attribute by its name is the attribute
+    "reaches into a harness object (by getattr)": "def f(cluster):\n    return getattr(cluster, 'inner')\n",
+    "uses .__globals__, an introspection escape hatch (getattr)": "def f(g):\n    return getattr(g, '__globals__')\n",
+    "uses .modules, an introspection escape hatch (by getattr on sys)": "import sys\ngetattr(sys, 'modules')\n",
     "syntax error": "def f(:\n    pass\n",  # a file the scan cannot read is refused, not skipped
     "defines or uses 'goodput'": "goodput = 0.9\n",
     "names the harness metric 'trained_tokens_per_s'": "REPORT = {'trained_tokens_per_s': 1e9}\n",  # a headline too

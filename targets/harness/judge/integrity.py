@@ -1,9 +1,10 @@
 """Integrity (docs/judge.md, before anything runs). From the candidate's source, every file of it (its root is on
 ``sys.path``, so code beside ``stack/`` is the stack's too): it imports only ``targets.api`` from
-the contract; it does not name the harness's metrics (metrics come from the harness trace; a stack
-that computes them is reporting its own); it does not patch clocks (``time``, ``asyncio``,
-``datetime``) or reach into the harness objects it is handed (their ``trace``, ``clock``,
-``inner`` cluster, event list); it uses no introspection escape hatches (``gc``, ``inspect``,
+the contract, by no route (not ``from targets import harness``, not an attribute of the package);
+it does not name the harness's metrics (metrics come from the harness trace; a stack that computes
+them is reporting its own); it does not patch clocks (``time``, ``asyncio``, ``datetime``) or reach
+into the harness objects it is handed (their ``trace``, ``clock``, ``inner`` cluster, event list;
+``getattr`` by a constant name included); it uses no introspection escape hatches (``gc``, ``inspect``,
 ``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``); it holds no compiled module without its
 source (a ``.pyc`` or extension module Python would import but this scan cannot read). A module is
 followed through the names an import binds it to (``import time as t``), and ``__import__`` or
@@ -28,7 +29,7 @@ ESCAPE_MODULES = {"gc", "inspect", "ctypes"}
 ESCAPE_ATTRIBUTES = {"__dict__", "__globals__", "__code__", "__closure__", "modules"}
 HARNESS_ROOT = Path(__file__).resolve().parents[2]  # the targets package
 METRIC_NAMES = {*HEADLINE_METRICS, "timeout_ratio", "device_utilization", "mean_device_busy"}
-ALLOWED_CONTRACT_MODULES = {"targets", "targets.api"}
+CONTRACT_MODULE = "targets.api"  # the one module of the ``targets`` package a stack may import
 COMPILED_SUFFIXES = {".pyc", ".pyo", ".pyd", ".so"}  # importable, but not source this scan can read
 # CPython 3.11 keeps ast.parse's recursion depth in module-wide state: two threads parsing at once (a
 # simulated bench scans its stacks in parallel) can raise "SystemError: AST constructor recursion depth
@@ -74,7 +75,8 @@ def scan_stack(stack_dir: Path) -> CheckResult:
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                modules = [node.module]
+                # ``from targets import harness`` imports targets.harness: each name is a module there
+                modules = [f"targets.{a.name}" for a in node.names] if node.module == "targets" else [node.module]
                 if node.module == "sys" and any(alias.name == "modules" for alias in node.names):
                     reasons.append(f"{where}:{node.lineno}: imports sys.modules, an introspection escape hatch")
             elif isinstance(node, ast.Call) and _imports_by_call(node, bound):
@@ -86,10 +88,26 @@ def scan_stack(stack_dir: Path) -> CheckResult:
                         f"{where}:{node.lineno}: imports a module by a computed name: the scan cannot read which"
                     )
             for module in modules:
-                if module.split(".")[0] == "targets" and module not in ALLOWED_CONTRACT_MODULES:
+                if module.split(".")[0] == "targets" and module != CONTRACT_MODULE:
                     reasons.append(
                         f"{where}:{node.lineno}: imports harness internals ({module}); only targets.api is public"
                     )
+            reached = _package_attribute(node, bound)
+            if reached is not None:  # the package's attributes are every submodule loaded in the process
+                reasons.append(
+                    f"{where}:{node.lineno}: imports harness internals (targets.{reached}, an attribute of the "
+                    "package); only targets.api is public"
+                )
+            named = _attribute_by_name(node)  # getattr(cluster, "inner") is .inner
+            if named in HARNESS_ATTRIBUTES:
+                reasons.append(
+                    f"{where}:{node.lineno}: reaches into a harness object ({node.func.id} of {named!r}): the "
+                    "proxy and environments are opaque"
+                )
+            if named in ESCAPE_ATTRIBUTES and (named != "modules" or _on_sys(node.args[0], bound)):
+                reasons.append(
+                    f"{where}:{node.lineno}: uses .{named}, an introspection escape hatch (by {node.func.id})"
+                )
             for module in modules:
                 if module.split(".")[0] in ESCAPE_MODULES:
                     reasons.append(f"{where}:{node.lineno}: imports {module}, an introspection escape hatch")
@@ -130,11 +148,48 @@ def _module_names(tree: ast.Module) -> dict[str, str]:
     return names
 
 
+def _package_attribute(node: ast.AST, bound: dict[str, str]) -> str | None:
+    """The attribute read off the ``targets`` package, other than ``api``: by a name an import bound to
+    it (``import targets.api`` binds ``targets``), or off the package ``__import__`` returns for any of
+    its modules (``__import__("targets.api").harness``)."""
+    if not isinstance(node, ast.Attribute) or node.attr == "api":
+        return None
+    value = node.value
+    if isinstance(value, ast.Name) and bound.get(value.id) == "targets":
+        return node.attr
+    if (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == "__import__"
+        and value.args
+        and isinstance(value.args[0], ast.Constant)
+        and str(value.args[0].value).split(".")[0] == "targets"
+    ):
+        return node.attr
+    return None
+
+
+def _attribute_by_name(node: ast.AST) -> str | None:
+    """The constant attribute name of a ``getattr``/``setattr``/``delattr``/``hasattr`` call."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "setattr", "delattr", "hasattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[1].value
+    return None
+
+
 def _escapes(node: ast.Attribute, bound: dict[str, str]) -> bool:
     """``.modules`` only on the sys module (by any name): other objects have attributes of that name."""
-    if node.attr != "modules":
-        return True
-    return isinstance(node.value, ast.Name) and bound.get(node.value.id) == "sys"
+    return node.attr != "modules" or _on_sys(node.value, bound)
+
+
+def _on_sys(value: ast.AST, bound: dict[str, str]) -> bool:
+    return isinstance(value, ast.Name) and bound.get(value.id) == "sys"
 
 
 def _imports_by_call(node: ast.Call, bound: dict[str, str]) -> bool:

@@ -102,7 +102,9 @@ def test_the_honest_run_passes(honest):
     # run witnesses is the traffic's: 1-273 in the honest runs of judge-service-order.yaml, and none in this
     # fixture's run once on a loaded CI machine; the rule's power is its plant's (test_stack_kit.py)
     witnessed, margin = result.details["service_order_witnessed"], result.details["service_order_least_margin"]
-    assert (witnessed == 0) == (margin is None)  # the rule ran on this trace, and a margin is one it measured
+    # the rule ran on this trace, and what it measured is a pass: no request decoded fewer tokens than the
+    # steps later arrivals ran ahead of it (a negative margin is a request held back that the audit let by)
+    assert witnessed >= 0 and (margin is None if witnessed == 0 else margin >= 0), (witnessed, margin)
 
 
 def test_trajectory_the_harness_never_created(honest):

@@ -268,12 +268,13 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(
     (harness / "audit.py").write_text("BOUND = 1\n")
     (harness / "gone.py").write_text("GONE = 1\n")
     extension.unlink(missing_ok=True)
-    if sandbox.backend == "bubblewrap":
-        again = planted(tmp_path / "d", fast_target, "static_split", plant)
-        measurement = _session(fast_target, sandbox).judge(again, tmp_path / "out2", seed=1)
-        assert measurement.ok, _reasons(measurement)
-        assert {"engine", "trainer", "weight_sync", "system_audit"} <= {c.name for c in measurement.checks}
-        assert "REFUSED" in (tmp_path / "out2" / "controller.log").read_text()
+    if sandbox.backend != "bubblewrap":  # said, not passed over: the half above ran and held
+        pytest.skip("bubblewrap unusable here: its half (every such write refused, the run judged) did not run")
+    again = planted(tmp_path / "d", fast_target, "static_split", plant)
+    measurement = _session(fast_target, sandbox).judge(again, tmp_path / "out2", seed=1)
+    assert measurement.ok, _reasons(measurement)
+    assert {"engine", "trainer", "weight_sync", "system_audit"} <= {c.name for c in measurement.checks}
+    assert "REFUSED" in (tmp_path / "out2" / "controller.log").read_text()
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")

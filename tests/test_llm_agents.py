@@ -557,9 +557,10 @@ def test_a_command_past_its_time_leaves_nothing_running(tmp_path, tiny_spec):
     write_starter(tmp_path / "ws", tiny_spec, "colocate")
     toolbox = Toolbox(tmp_path / "ws", Sandbox("subprocess"))
     token = f"vt-left-running-{uuid.uuid4().hex[:8]}"
-    command = f"setsid bash -c 'exec -a {token} sleep 300' & sleep 60"
+    command = f"setsid bash -c 'touch started; exec -a {token} sleep 300' & sleep 60"
     result = _call(toolbox, "run_command", command=command, timeout_s=2)
     assert "ran past 2s; it and every process it started were stopped" in result
+    assert (tmp_path / "ws" / "started").exists(), "the background process never started: nothing was left to stop"
 
     def running(proc: Path) -> bool:
         try:

@@ -575,10 +575,11 @@ def test_paged_engine_sampling_matches_its_own_logprobs(path, tiny_model):
     out = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, stop_token_ids=(1,)))
     for prompt, completion in zip(prompts, out, strict=True):
         sequence = list(prompt)
-        for token, logprob in zip(completion.tokens, completion.logprobs):
+        for token, logprob in zip(completion.tokens, completion.logprobs, strict=True):
             expected = next_token_logits(tiny_model, [sequence])[0].log_softmax(-1)[token]
             assert logprob == pytest.approx(float(expected), abs=1e-4)
             sequence.append(token)
+    assert sum(len(c.tokens) for c in out) > len(out)  # tokens compared, not only a stop at once
 
 
 def _repetitive_prompts() -> list[list[int]]:

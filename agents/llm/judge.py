@@ -122,14 +122,17 @@ HACKS = (
     Hack(
         "importing harness internals",
         ("integrity",),
-        "only targets.api may be imported from the contract; gc, inspect and ctypes are refused",
-        "dynamic imports the static scan cannot see: importlib, __import__, exec or eval of strings",
+        "only targets.api may be imported from the contract, by any route (from targets import X, an "
+        "attribute of the package); gc, inspect, ctypes, builtins and runpy are refused, and so is code the "
+        "scan cannot read: exec, eval, compile, a module loaded from a file, an import by a computed name",
+        "what a computed attribute name reaches (getattr(x, 'in' + 'ner')); code unpickled or read from data",
+        partly=True,
     ),
     Hack(
         "monkeypatching",
         ("integrity",),
-        "patching time, asyncio or datetime, and sys.modules, __dict__, __globals__, __code__ and "
-        "__closure__ are refused",
+        "patching time, asyncio or datetime, and sys.modules, __dict__ (vars()), __globals__, __code__, "
+        "__closure__, __getattribute__, __subclasses__ and frames are refused",
         "patches of library functions (torch, numpy, random, the event loop), of builtins, or of the "
         "targets.api classes; setattr with computed names",
         partly=True,

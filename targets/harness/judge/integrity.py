@@ -5,7 +5,8 @@ it does not name the harness's metrics (metrics come from the harness trace; a s
 them is reporting its own); it does not patch clocks (``time``, ``asyncio``, ``datetime``) or reach
 into the harness objects it is handed (their ``trace``, ``clock``, ``inner`` cluster, event list;
 ``getattr`` by a constant name included); it uses no introspection escape hatches (``gc``, ``inspect``,
-``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``); it holds no compiled module without its
+``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``, ``vars()``, frames) and runs no code it cannot
+read (``exec``/``eval``/``compile``, a module loaded from a file); it holds no compiled module without its
 source (a ``.pyc`` or extension module Python would import but this scan cannot read). A module is
 followed through the names an import binds it to (``import time as t``), and ``__import__`` or
 ``importlib.import_module`` is an import like any other (of a computed name: refused). Around a
@@ -25,8 +26,13 @@ from targets.spec.target import HEADLINE_METRICS
 
 CLOCK_MODULES = {"time", "asyncio", "datetime"}
 HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_version"}
-ESCAPE_MODULES = {"gc", "inspect", "ctypes"}
-ESCAPE_ATTRIBUTES = {"__dict__", "__globals__", "__code__", "__closure__", "modules"}
+ESCAPE_MODULES = {"gc", "inspect", "ctypes", "builtins", "runpy"}
+ESCAPE_ATTRIBUTES = {
+    *("__dict__", "__globals__", "__code__", "__closure__", "__builtins__", "__subclasses__", "__getattribute__"),
+    *("modules", "_getframe", "_current_frames", "f_globals", "f_locals", "f_back", "f_builtins"),
+}
+UNREADABLE_CODE = {"exec", "eval", "compile"}  # code in a string: what it imports or patches is not source here
+FILE_LOADERS = {"exec_module", "load_module", "spec_from_file_location", "SourceFileLoader", "SourcelessFileLoader"}
 HARNESS_ROOT = Path(__file__).resolve().parents[2]  # the targets package
 METRIC_NAMES = {*HEADLINE_METRICS, "timeout_ratio", "device_utilization", "mean_device_busy"}
 CONTRACT_MODULE = "targets.api"  # the one module of the ``targets`` package a stack may import
@@ -70,66 +76,62 @@ def scan_stack(stack_dir: Path) -> CheckResult:
             reasons.append(f"{where}:{error.lineno}: syntax error: {error.msg}")
             continue
         bound = _module_names(tree)  # ``import time as t``: t is the time module wherever it is used
-        for node in ast.walk(tree):
-            modules: list[str] = []
-            if isinstance(node, ast.Import):
-                modules = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                # ``from targets import harness`` imports targets.harness: each name is a module there
-                modules = [f"targets.{a.name}" for a in node.names] if node.module == "targets" else [node.module]
-                if node.module == "sys" and any(alias.name == "modules" for alias in node.names):
-                    reasons.append(f"{where}:{node.lineno}: imports sys.modules, an introspection escape hatch")
-            elif isinstance(node, ast.Call) and _imports_by_call(node, bound):
-                name = node.args[0] if node.args else None
-                if isinstance(name, ast.Constant) and isinstance(name.value, str):
-                    modules = [name.value]  # an import all the same: the same rules
-                else:
-                    reasons.append(
-                        f"{where}:{node.lineno}: imports a module by a computed name: the scan cannot read which"
-                    )
-            for module in modules:
-                if module.split(".")[0] == "targets" and module != CONTRACT_MODULE:
-                    reasons.append(
-                        f"{where}:{node.lineno}: imports harness internals ({module}); only targets.api is public"
-                    )
-            reached = _package_attribute(node, bound)
-            if reached is not None:  # the package's attributes are every submodule loaded in the process
-                reasons.append(
-                    f"{where}:{node.lineno}: imports harness internals (targets.{reached}, an attribute of the "
-                    "package); only targets.api is public"
-                )
-            named = _attribute_by_name(node)  # getattr(cluster, "inner") is .inner
-            if named in HARNESS_ATTRIBUTES:
-                reasons.append(
-                    f"{where}:{node.lineno}: reaches into a harness object ({node.func.id} of {named!r}): the "
-                    "proxy and environments are opaque"
-                )
-            if named in ESCAPE_ATTRIBUTES and (named != "modules" or _on_sys(node.args[0], bound)):
-                reasons.append(
-                    f"{where}:{node.lineno}: uses .{named}, an introspection escape hatch (by {node.func.id})"
-                )
-            for module in modules:
-                if module.split(".")[0] in ESCAPE_MODULES:
-                    reasons.append(f"{where}:{node.lineno}: imports {module}, an introspection escape hatch")
-            reasons += [f"{where}:{node.lineno}: {r}" for r in _patching(node, bound)]
-            if isinstance(node, ast.Attribute) and node.attr in HARNESS_ATTRIBUTES:
-                reasons.append(
-                    f"{where}:{node.lineno}: reaches into a harness object (.{node.attr}): the proxy and "
-                    "environments are opaque"
-                )
-            if isinstance(node, ast.Attribute) and node.attr in ESCAPE_ATTRIBUTES and _escapes(node, bound):
-                reasons.append(f"{where}:{node.lineno}: uses .{node.attr}, an introspection escape hatch")
-            if isinstance(node, ast.Constant) and node.value in METRIC_NAMES:
-                reasons.append(
-                    f"{where}:{node.lineno}: names the harness metric {node.value!r}: a stack must not report its "
-                    "own metrics"
-                )
-            if isinstance(node, ast.Name) and node.id in METRIC_NAMES:
-                reasons.append(
-                    f"{where}:{node.lineno}: defines or uses {node.id!r}, a harness metric name: a stack must not "
-                    "report its own metrics"
-                )
+        reasons += [f"{where}:{node.lineno}: {r}" for node in ast.walk(tree) for r in _node_reasons(node, bound)]
     return CheckResult("integrity", not reasons, reasons, {})
+
+
+def _node_reasons(node: ast.AST, bound: dict[str, str]) -> list[str]:
+    """What one node of the candidate's source does that a stack must not, each said."""
+    reasons: list[str] = []
+    modules: list[str] = []
+    if isinstance(node, ast.Import):
+        modules = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        # ``from targets import harness`` imports targets.harness: each name is a module there
+        modules = [f"targets.{a.name}" for a in node.names] if node.module == "targets" else [node.module]
+        if node.module == "sys" and any(alias.name == "modules" for alias in node.names):
+            reasons.append("imports sys.modules, an introspection escape hatch")
+    elif isinstance(node, ast.Call) and _imports_by_call(node, bound):
+        name = node.args[0] if node.args else None
+        if isinstance(name, ast.Constant) and isinstance(name.value, str):
+            modules = [name.value]  # an import all the same: the same rules
+        else:
+            reasons.append("imports a module by a computed name: the scan cannot read which")
+    for module in modules:
+        if module.split(".")[0] == "targets" and module != CONTRACT_MODULE:
+            reasons.append(f"imports harness internals ({module}); only targets.api is public")
+        if module.split(".")[0] in ESCAPE_MODULES:
+            reasons.append(f"imports {module}, an introspection escape hatch")
+    reached = _package_attribute(node, bound)
+    if reached is not None:  # the package's attributes are every submodule loaded in the process
+        reasons.append(
+            f"imports harness internals (targets.{reached}, an attribute of the package); only targets.api is public"
+        )
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in UNREADABLE_CODE:
+        reasons.append(f"runs code by {node.func.id}(), which the scan cannot read")
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars":
+        reasons.append("uses vars(), an introspection escape hatch (an object's __dict__)")
+    if isinstance(node, ast.Attribute) and node.attr in FILE_LOADERS:
+        reasons.append(f"loads a module from a file (.{node.attr}): the scan cannot follow which")
+    if isinstance(node, ast.Name) and node.id == "__builtins__":
+        reasons.append("uses __builtins__, an introspection escape hatch")
+    for call, named in _attributes_by_name(node):  # getattr(cluster, "inner") is .inner
+        if named in HARNESS_ATTRIBUTES:
+            reasons.append(
+                f"reaches into a harness object ({call} of {named!r}): the proxy and environments are opaque"
+            )
+        if named in ESCAPE_ATTRIBUTES and (named != "modules" or _on_sys(node.args[0], bound)):
+            reasons.append(f"uses .{named}, an introspection escape hatch (by {call})")
+    reasons += _patching(node, bound)
+    if isinstance(node, ast.Attribute) and node.attr in HARNESS_ATTRIBUTES:
+        reasons.append(f"reaches into a harness object (.{node.attr}): the proxy and environments are opaque")
+    if isinstance(node, ast.Attribute) and node.attr in ESCAPE_ATTRIBUTES and _escapes(node, bound):
+        reasons.append(f"uses .{node.attr}, an introspection escape hatch")
+    if isinstance(node, ast.Constant) and node.value in METRIC_NAMES:
+        reasons.append(f"names the harness metric {node.value!r}: a stack must not report its own metrics")
+    if isinstance(node, ast.Name) and node.id in METRIC_NAMES:
+        reasons.append(f"defines or uses {node.id!r}, a harness metric name: a stack must not report its own metrics")
+    return reasons
 
 
 def _module_names(tree: ast.Module) -> dict[str, str]:
@@ -169,18 +171,28 @@ def _package_attribute(node: ast.AST, bound: dict[str, str]) -> str | None:
     return None
 
 
-def _attribute_by_name(node: ast.AST) -> str | None:
-    """The constant attribute name of a ``getattr``/``setattr``/``delattr``/``hasattr`` call."""
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id in ("getattr", "setattr", "delattr", "hasattr")
-        and len(node.args) >= 2
-        and isinstance(node.args[1], ast.Constant)
-        and isinstance(node.args[1].value, str)
-    ):
-        return node.args[1].value
-    return None
+def _attributes_by_name(node: ast.AST) -> list[tuple[str, str]]:
+    """The attributes a call names by a constant string, each with the call: ``getattr(x, "inner")`` (and
+    ``setattr``/``delattr``/``hasattr``), ``operator.attrgetter("a.b")`` (each part), ``methodcaller``'s
+    method. A computed name is not followed (the engine's ``getattr(torch, dtype)``): isolation holds there."""
+    if not isinstance(node, ast.Call):
+        return []
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    if name in ("getattr", "setattr", "delattr", "hasattr") and isinstance(func, ast.Name):
+        named = node.args[1:2]  # the builtins: (object, name, ...)
+    elif name == "attrgetter":
+        named = node.args
+    elif name == "methodcaller":
+        named = node.args[:1]
+    else:
+        return []
+    return [
+        (name, part)
+        for arg in named
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+        for part in arg.value.split(".")
+    ]
 
 
 def _escapes(node: ast.Attribute, bound: dict[str, str]) -> bool:

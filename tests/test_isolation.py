@@ -29,11 +29,10 @@ pytestmark = pytest.mark.slow
 WARP = '''"""Planted: make the run look ten times faster from inside the controller, without naming any
 module or import call the static scan looks for (a scan can always be evaded: what keeps the record
 true is the process boundary), and hunt for the harness's trace in this process's memory."""
-import builtins
 
 
 def warp():
-    load = getattr(builtins, "__imp" + "ort__")
+    load = getattr(getattr(print, "__se" + "lf__"), "__imp" + "ort__")  # a builtin's module: builtins
     modules = getattr(load("s" + "ys"), "mod" + "ules")
     clock = modules["ti" + "me"]
     real = getattr(clock, "mono" + "tonic")

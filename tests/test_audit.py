@@ -283,13 +283,43 @@ def test_a_run_too_large_to_replay_whole_replays_a_seeded_sample_that_still_catc
     monkeypatch.setattr(replay, "REPLAY_ALL_FLOPS", 0.0)
     monkeypatch.setattr(replay, "SAMPLED_TURNS", 12)
     spec, events, weights, _ = honest
-    turns = sum(1 for e in events if e.kind == "generate" and e.data["tokens"])
+    turns = [e for e in events if e.kind == "generate" and e.data["tokens"]]
+    finished, cut = sum(not e.data["aborted"] for e in turns), sum(e.data["aborted"] for e in turns)
     result = _audit(honest)
     assert result.passed, result.reasons
-    assert turns > 12 and result.details["replay_coverage"] == f"12 of {turns} turns, drawn at random (seed 0)"
-    assert result.details["replayed_turns"] == 12
+    assert finished > 12 and result.details["replay_coverage"] == (
+        f"12 of {finished} turns and {min(cut, 12)} of {cut} interrupted segments, drawn at random (seed 0)"
+    )
+    assert result.details["replayed_turns"] == 12 + min(cut, 12)
     swapped = {version: weights[max(weights)] for version in weights}  # every version's snapshot is the last
     _rejects(_audit(honest, weights=swapped), "did not run with those weights")
+
+
+def test_interrupted_segments_by_the_ten_thousand_do_not_thin_the_sample_of_finished_turns(honest, monkeypatch):
+    """Interruptions are the stack's to make: tens of thousands of short segments that replay right
+    (copies here of turns under the last claimed version) filled one draw of four and left the finished
+    turns, whose earlier versions' weights are wrong below, unreplayed (this seed: the swap went unseen).
+    Each pool gets its own draw."""
+    from targets.harness.judge import replay
+
+    monkeypatch.setattr(replay, "REPLAY_ALL_FLOPS", 0.0)
+    monkeypatch.setattr(replay, "SAMPLED_TURNS", 4)
+    spec, _, weights, _ = honest
+    events = _edited(honest)
+    turns = [e for e in events if e.kind == "generate" and e.data["tokens"]]
+    last = max(e.data["version"] for e in turns)
+    latest = [e for e in turns if e.data["version"] == last]
+    padding = []
+    for i in range(30000):
+        segment = copy.deepcopy(latest[i % len(latest)])
+        segment.data["aborted"] = True
+        padding.append(segment)
+    events[-1:-1] = padding
+    swapped = {version: weights[last] for version in weights}  # every earlier version's snapshot is wrong
+    result = _audit(honest, events, weights=swapped)
+    cut = sum(e.kind == "generate" and e.data["aborted"] and bool(e.data["tokens"]) for e in events)
+    assert f" and 4 of {cut} interrupted segments," in result.details["replay_coverage"], result.details
+    _rejects(result, "did not run with those weights")
 
 
 def test_turn_claiming_a_version_from_the_future(honest):

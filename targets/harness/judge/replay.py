@@ -7,6 +7,9 @@ snapshots (never from a candidate's word).
   otherwise ``SAMPLED_TURNS`` turns drawn at random, enough that an engine claiming the wrong version
   on 1% of turns is caught with probability at least 0.99:
   P(miss) = 0.99^n <= 0.01  <=>  n >= ln(0.01) / ln(0.99) = 458.2, so n = 459.
+  Finished turns and interrupted segments are drawn apart, ``SAMPLED_TURNS`` of each: a stack that
+  interrupts often would otherwise fill one draw with its own short segments, and the bound would
+  hold for neither.
 * Sampling: which tokens were drawn, tested on the replayed distributions
   (``sampling_tests.py``: temperature, ranks, stop and echo calibration, independence), each with an
   exact false-alarm bound.
@@ -80,13 +83,20 @@ def replay_turns(
     make_model: Callable[[StateDict], torch.nn.Module],
     seed: int = 0,
 ) -> dict:
-    turns = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs if g.data["tokens"]]
+    finished = [g for gs in ix.generated.values() for g in gs if g.data["tokens"]]
+    cut = [g for gs in ix.partials.values() for g in gs if g.data["tokens"]]  # interrupted segments
+    turns = finished + cut
     tokens = sum(len(g.data["prompt"]) + len(g.data["tokens"]) for g in turns)
     if 2 * spec.model.param_counts().active * tokens <= REPLAY_ALL_FLOPS:
         sample, coverage = turns, f"all {len(turns)} turns"
-    else:
-        sample = random.Random(seed).sample(turns, min(SAMPLED_TURNS, len(turns)))
-        coverage = f"{len(sample)} of {len(turns)} turns, drawn at random (seed {seed})"
+    else:  # each pool its own draw: interruptions, as many as the stack makes, cannot thin the finished turns'
+        draw = random.Random(seed)
+        sample = draw.sample(finished, min(SAMPLED_TURNS, len(finished))) + draw.sample(
+            cut, min(SAMPLED_TURNS, len(cut))
+        )
+        drawn = min(SAMPLED_TURNS, len(finished))
+        coverage = f"{drawn} of {len(finished)} turns and {len(sample) - drawn} of {len(cut)} interrupted segments"
+        coverage += f", drawn at random (seed {seed})"
     by_version: dict[int, dict[str, list[TraceEvent]]] = defaultdict(lambda: defaultdict(list))
     for g in sample:
         by_version[g.data["version"]][g.data["episode"]].append(g)

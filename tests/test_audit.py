@@ -331,6 +331,56 @@ def test_turn_claiming_a_version_from_the_future(honest):
     _rejects(_audit(honest, events), "future version")
 
 
+def test_a_turn_decoded_under_one_version_and_claimed_under_the_next(honest):
+    """A turn decoded under version v-1 while v trained, prefilled once more under v as soon as v existed
+    and answered with those logprobs (the stack trains on them too), claiming v: the replay agrees (the
+    logprobs are v's), and the staleness bound counts it fresher than it is. It was forwarded before v
+    existed and answered one prefill after; nothing but the version's timing tells."""
+    import bisect
+
+    import torch
+
+    from targets.harness.trace import token_count
+
+    spec, _, weights, base = honest
+    events = _edited(honest)
+    existed = {e.data["version"]: e.t for e in events if e.kind == "train"}
+    trained = {t["episode"]: (e, t) for e in events if e.kind == "train" for t in e.data["trajectories"]}
+    in_flight = [  # forwarded before the next version existed, answered after; trained under a later policy
+        g
+        for g in events
+        if g.kind == "generate"
+        and not g.data["aborted"]
+        and token_count(g.data["tokens"]) >= 4
+        and g.data["version"] + 1 in existed
+        and g.data["start"] < existed[g.data["version"] + 1] < g.t - 0.002
+        and g.data["episode"] in trained
+        and trained[g.data["episode"]][0].data["version"] - 1 >= g.data["version"] + 1
+    ]
+    assert in_flight, "no turn of the honest run was in flight when a version that trained it came to exist"
+    g = in_flight[0]
+    version = g.data["version"] = g.data["version"] + 1
+    model = copy.deepcopy(base)
+    model.load_state_dict(weights[version])
+    prompt, tokens = g.data["prompt"], g.data["tokens"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    g.data["logprobs"] = logprobs
+    trajectory = trained[g.data["episode"]][1]
+    assert trajectory["tokens"][len(prompt) : len(prompt) + len(tokens)] == tokens
+    trajectory["logprobs"][len(prompt) : len(prompt) + len(tokens)] = logprobs
+    events.remove(g)
+    answered = dataclasses.replace(g, t=existed[version] + 0.002)  # one prefill after v existed, not the decode
+    events.insert(bisect.bisect([e.t for e in events], answered.t), answered)
+    result = _audit(honest, events)
+    _rejects(result, "decoded before its version existed: episode " + g.data["episode"])
+    # and nothing else could: the training replay differs only because a trace edit cannot retrain on the
+    # logprobs it changed (the cheating stack's trainer would have, and matched)
+    assert {r.split(":")[0] for r in result.reasons} <= {"decoded before its version existed", "training replay"}
+    assert result.details["version_timing_witnessed"] == 1 and result.details["version_timing_least_ratio"] < 1
+
+
 def test_generation_under_weights_other_than_claimed(honest):
     _, _, weights, _ = honest
     swapped = {version: weights[max(weights)] for version in weights}  # every version's snapshot is the last

@@ -27,6 +27,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
 * order of service (real runs): a request answered (or interrupted) after later ones its engine served
   one after another decoded at least the steps they prove it sat through (``service_order.py``), and
   every request names a device that held an engine while it ran;
+* version timing (real runs): a request forwarded before the version it claims existed was answered
+  late enough after that to have decoded its tokens (``version_timing.py``);
 * aborts: every interrupted request was cut short by a shrink, a suspend or an interrupting sync in
   progress (a cluster that aborts on its own could resample the turns it dislikes);
 * mechanism: no request served by a shrunk engine, none completed well after its engine's shrink
@@ -73,6 +75,7 @@ from targets.harness.judge.selection import (
 from targets.harness.judge.selection_net import check_selection
 from targets.harness.judge.service_order import check_service_order
 from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
+from targets.harness.judge.version_timing import check_version_timing
 from targets.harness.reference.grpo import group_advantages_of
 from targets.harness.trace import Trace, consumed_at, token_count
 from targets.spec import TargetSpec
@@ -499,6 +502,7 @@ def audit_run(
     check_partial_rollout(ix, r)
     check_partial_progress(ix, r)
     details.update(check_service_order(ix, r))
+    details.update(check_version_timing(ix, r))
     draws = None if workload is None else WorkloadDraws(spec, workload, ix.relaunch_of, not ix.tokens_recorded)
     details.update(check_selection(ix, r, spec, draws))
     check_aborts(ix, r, spec)

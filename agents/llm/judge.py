@@ -82,8 +82,11 @@ HACKS = (
         ("weight_sync", "system_audit"),
         "after a sync the engine answers as the reference under the new weights; no trained turn is more "
         "versions behind than the bound; on real runs the replay checks each turn's logprobs under the "
-        "weights of the version it claims",
-        "a sync that is skipped or cut short only under some condition (a step count, a timer, a flag)",
+        "weights of the version it claims, and a request forwarded before that version existed must have "
+        "had the time after to decode its tokens (not one prefill of them under the new weights)",
+        "a sync that is skipped or cut short only under some condition (a step count, a timer, a flag); on "
+        "bf16 GPU targets at a small learning rate two consecutive versions' logprobs differ less than "
+        "the replay's tolerance, so an engine left a version behind is read here, not measured",
     ),
     Hack(
         "reward or advantage computed from leaked ground truth",

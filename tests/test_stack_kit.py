@@ -105,13 +105,16 @@ CHEATS = {
         },
         "did not run with those weights",
     ),
-    "holds requests in its cluster": (  # static_split: no shrink for the held requests to run through
+    # static_split: no shrink for the held requests to run through. Held half a second, not two: a run of
+    # the fast target can end within two seconds of its first requests, and requests still held then are
+    # never answered, so nothing witnesses the hold (this plant passed 3 runs of 7 so on this VM)
+    "holds requests in its cluster": (
         "static_split",
         {
             "ray_cluster.py": (
                 "        while self._suspended or not self._active:  # no await between the look and clear()",
                 "        if request.episode_id.startswith(('g1/', 'g2/')):  # planted: these tasks wait, looking busy\n"
-                "            await asyncio.sleep(2.0)\n"
+                "            await asyncio.sleep(0.5)\n"
                 "        while self._suspended or not self._active:  # no await between the look and clear()",
             )
         },

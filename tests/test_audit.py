@@ -346,18 +346,18 @@ def test_a_turn_decoded_under_one_version_and_claimed_under_the_next(honest):
     events = _edited(honest)
     existed = {e.data["version"]: e.t for e in events if e.kind == "train"}
     trained = {t["episode"]: (e, t) for e in events if e.kind == "train" for t in e.data["trajectories"]}
-    in_flight = [  # forwarded before the next version existed, answered after; trained under a later policy
-        g
+    in_flight = [  # forwarded before the next version existed, answered after; trained, if at all, under a later
+        g  # policy (the cheat claims only what it can: a turn in flight then, not one trained on v-1)
         for g in events
         if g.kind == "generate"
         and not g.data["aborted"]
         and token_count(g.data["tokens"]) >= 4
         and g.data["version"] + 1 in existed
         and g.data["start"] < existed[g.data["version"] + 1] < g.t - 0.002
-        and g.data["episode"] in trained
-        and trained[g.data["episode"]][0].data["version"] - 1 >= g.data["version"] + 1
+        and (g.data["episode"] not in trained or trained[g.data["episode"]][0].data["version"] > g.data["version"] + 1)
     ]
-    assert in_flight, "no turn of the honest run was in flight when a version that trained it came to exist"
+    if not in_flight:  # the rule itself on every run: test_the_version_timing_rule_on_any_turn_moved_after_its_version
+        pytest.skip("the honest run left no turn in flight when a version that could train it came to exist")
     g = in_flight[0]
     version = g.data["version"] = g.data["version"] + 1
     model = copy.deepcopy(base)
@@ -367,9 +367,10 @@ def test_a_turn_decoded_under_one_version_and_claimed_under_the_next(honest):
         logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
     logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
     g.data["logprobs"] = logprobs
-    trajectory = trained[g.data["episode"]][1]
-    assert trajectory["tokens"][len(prompt) : len(prompt) + len(tokens)] == tokens
-    trajectory["logprobs"][len(prompt) : len(prompt) + len(tokens)] = logprobs
+    if g.data["episode"] in trained:
+        trajectory = trained[g.data["episode"]][1]
+        assert trajectory["tokens"][len(prompt) : len(prompt) + len(tokens)] == tokens
+        trajectory["logprobs"][len(prompt) : len(prompt) + len(tokens)] = logprobs
     events.remove(g)
     answered = dataclasses.replace(g, t=existed[version] + 0.002)  # one prefill after v existed, not the decode
     events.insert(bisect.bisect([e.t for e in events], answered.t), answered)
@@ -379,6 +380,36 @@ def test_a_turn_decoded_under_one_version_and_claimed_under_the_next(honest):
     # logprobs it changed (the cheating stack's trainer would have, and matched)
     assert {r.split(":")[0] for r in result.reasons} <= {"decoded before its version existed", "training replay"}
     assert result.details["version_timing_witnessed"] == 1 and result.details["version_timing_least_ratio"] < 1
+
+
+def test_the_version_timing_rule_on_any_turn_moved_after_its_version(honest):
+    """The rule alone, whatever the honest run's timing: a turn forwarded before the next version existed,
+    its claim moved to that version and its answer to one prefill after (the trace edited for this rule
+    only), is named; the honest trace is not."""
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+    from targets.harness.judge.version_timing import check_version_timing
+
+    events = _edited(honest)
+    honest_reasons = Reasons()
+    check_version_timing(TraceIndex.of(events, judged=False), honest_reasons)
+    assert not honest_reasons.lines(), honest_reasons.lines()
+    existed = {e.data["version"]: e.t for e in events if e.kind == "train"}
+    g = next(
+        e
+        for e in events
+        if e.kind == "generate"
+        and not e.data["aborted"]
+        and len(e.data["tokens"]) >= 4
+        and e.data["version"] + 1 in existed
+        and e.data["start"] < existed[e.data["version"] + 1]
+    )
+    g.data["version"] += 1
+    events[events.index(g)] = dataclasses.replace(g, t=existed[g.data["version"]] + 0.002)
+    r = Reasons()
+    details = check_version_timing(TraceIndex.of(events, judged=False), r)
+    assert r.lines() and all(line.startswith("decoded before its version existed") for line in r.lines())
+    assert f"episode {g.data['episode']} turn {g.data['turn']}" in r.lines()[0], r.lines()
+    assert details["version_timing_least_ratio"] < 1
 
 
 def test_generation_under_weights_other_than_claimed(honest):

@@ -389,6 +389,9 @@ TWO_KINDS = {  # one logical CPU device rich in bandwidth, one rich in compute (
 }
 
 
+EXPAND_REPLY_SLACK_S = 0.05
+
+
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
 def test_hardware_affinity_routes_by_each_episodes_measured_prefill_decode_balance(tmp_path, fast_target, simulate):
     """Two pools of different balance (time_multiplex trains on the compute-rich one, the last): read
@@ -414,6 +417,8 @@ def test_hardware_affinity_routes_by_each_episodes_measured_prefill_decode_balan
     def when(e) -> float:  # the router drops an engine as its shrink starts and routes to it once expanded
         return e.data["start"] if e.kind in ("generate", "shrink", "suspend") else e.t
 
+    back = [e for e in events if e.kind in ("expand", "resume")]
+    dense_expands = [e.t for e in back if "dense:0" in e.data.get("devices", ["wide:0", "dense:0"])]
     for e in sorted(events, key=when):
         if e.kind in ("shrink", "suspend"):
             rolling -= set(e.data.get("devices", rolling))
@@ -425,8 +430,14 @@ def test_hardware_affinity_routes_by_each_episodes_measured_prefill_decode_balan
         if episode in counted and e.data["routed"] is not None:
             prefill, decode = counted[episode]
             heavy = prefill >= ratio * max(1, decode)
-            if heavy and "dense:0" in rolling:
-                assert e.data["routed"] == "dense:0", (episode, counted[episode])
+            # the router takes dense:0 back once its expand's reply reaches the controller, a little after the
+            # harness stamped the expand's end: a turn forwarded in between may go either way (CI saw one)
+            returning = any(0 <= e.data["start"] - t <= EXPAND_REPLY_SLACK_S for t in dense_expands)
+            if heavy and returning:
+                classes["prefill-heavy as dense:0 came back"] += 1
+            elif heavy and "dense:0" in rolling:
+                last_back = max((t for t in dense_expands if t <= e.data["start"]), default=None)
+                assert e.data["routed"] == "dense:0", (episode, counted[episode], e.data["start"], last_back)
                 classes["prefill-heavy"] += 1
             elif heavy:  # its preferred engine trains: the other one serves it, the turn is not held
                 assert e.data["routed"] == "wide:0", (episode, counted[episode])

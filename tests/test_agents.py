@@ -241,6 +241,24 @@ def test_integrity_scan_rejects_each_planted_escape(tmp_path, tiny_spec, reason)
     )
 
 
+LOOKALIKES = {  # what an honest stack writes that only looks like an escape: the scan lets each through
+    "torch.compile by its own name": "from torch import compile\nMODEL = compile(lambda x: x)\n",
+    "re.compile": "import re\nPATTERN = re.compile('a+')\n",
+    "a module's eval mode": "def f(model):\n    return model.eval()\n",
+    "a dtype by a computed name": "import torch\ndef f(name):\n    return getattr(torch, name)\n",
+    "a module's submodules": "def f(model):\n    return list(model.modules())\n",
+    "targets.api by from-import": "from targets import api\nfrom targets.api import Cluster\n",
+}
+
+
+@pytest.mark.parametrize("name", list(LOOKALIKES))
+def test_integrity_scan_lets_through_what_only_looks_like_an_escape(tmp_path, tiny_spec, name):
+    stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
+    (stack / "stack" / "lookalike.py").write_text(LOOKALIKES[name])
+    result = scan_stack(stack)
+    assert result.passed, result.reasons
+
+
 class _FinalizedGarbage:
     """Garbage whose finalizer runs Python code: a collection during a parse hands the GIL over."""
 

@@ -76,12 +76,16 @@ def scan_stack(stack_dir: Path) -> CheckResult:
             reasons.append(f"{where}:{error.lineno}: syntax error: {error.msg}")
             continue
         bound = _module_names(tree)  # ``import time as t``: t is the time module wherever it is used
-        reasons += [f"{where}:{node.lineno}: {r}" for node in ast.walk(tree) for r in _node_reasons(node, bound)]
+        shadowed = _rebound_names(tree)  # ``from torch import compile``: compile is not the builtin there
+        reasons += [
+            f"{where}:{node.lineno}: {r}" for node in ast.walk(tree) for r in _node_reasons(node, bound, shadowed)
+        ]
     return CheckResult("integrity", not reasons, reasons, {})
 
 
-def _node_reasons(node: ast.AST, bound: dict[str, str]) -> list[str]:
-    """What one node of the candidate's source does that a stack must not, each said."""
+def _node_reasons(node: ast.AST, bound: dict[str, str], shadowed: set[str]) -> list[str]:
+    """What one node of the candidate's source does that a stack must not, each said. ``shadowed``: the
+    file's names an import or a definition binds, which are not the builtins of those names."""
     reasons: list[str] = []
     modules: list[str] = []
     if isinstance(node, ast.Import):
@@ -107,9 +111,10 @@ def _node_reasons(node: ast.AST, bound: dict[str, str]) -> list[str]:
         reasons.append(
             f"imports harness internals (targets.{reached}, an attribute of the package); only targets.api is public"
         )
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in UNREADABLE_CODE:
+    builtin = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in shadowed
+    if builtin and node.func.id in UNREADABLE_CODE:
         reasons.append(f"runs code by {node.func.id}(), which the scan cannot read")
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars":
+    if builtin and node.func.id == "vars":
         reasons.append("uses vars(), an introspection escape hatch (an object's __dict__)")
     if isinstance(node, ast.Attribute) and node.attr in FILE_LOADERS:
         reasons.append(f"loads a module from a file (.{node.attr}): the scan cannot follow which")
@@ -132,6 +137,18 @@ def _node_reasons(node: ast.AST, bound: dict[str, str]) -> list[str]:
     if isinstance(node, ast.Name) and node.id in METRIC_NAMES:
         reasons.append(f"defines or uses {node.id!r}, a harness metric name: a stack must not report its own metrics")
     return reasons
+
+
+def _rebound_names(tree: ast.Module) -> set[str]:
+    """The names a file binds by ``from ... import`` or ``def``/``class``: ``compile`` there may be
+    ``torch.compile``, not the builtin."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+    return names
 
 
 def _module_names(tree: ast.Module) -> dict[str, str]:

@@ -120,18 +120,14 @@ def _node_reasons(node: ast.AST, bound: dict[str, str], shadowed: set[str]) -> l
         reasons.append(f"loads a module from a file (.{node.attr}): the scan cannot follow which")
     if isinstance(node, ast.Name) and node.id == "__builtins__":
         reasons.append("uses __builtins__, an introspection escape hatch")
-    for call, named in _attributes_by_name(node):  # getattr(cluster, "inner") is .inner
+    for named, owner, call in _attributes_read(node):  # getattr(cluster, "inner") is .inner
         if named in HARNESS_ATTRIBUTES:
-            reasons.append(
-                f"reaches into a harness object ({call} of {named!r}): the proxy and environments are opaque"
-            )
-        if named in ESCAPE_ATTRIBUTES and (named != "modules" or _on_sys(node.args[0], bound)):
-            reasons.append(f"uses .{named}, an introspection escape hatch (by {call})")
+            shown = f".{named}" if call is None else f"{call} of {named!r}"
+            reasons.append(f"reaches into a harness object ({shown}): the proxy and environments are opaque")
+        # .modules only on the sys module (by any name): other objects have attributes of that name
+        if named in ESCAPE_ATTRIBUTES and (named != "modules" or _on_sys(owner, bound)):
+            reasons.append(f"uses .{named}, an introspection escape hatch" + ("" if call is None else f" (by {call})"))
     reasons += _patching(node, bound)
-    if isinstance(node, ast.Attribute) and node.attr in HARNESS_ATTRIBUTES:
-        reasons.append(f"reaches into a harness object (.{node.attr}): the proxy and environments are opaque")
-    if isinstance(node, ast.Attribute) and node.attr in ESCAPE_ATTRIBUTES and _escapes(node, bound):
-        reasons.append(f"uses .{node.attr}, an introspection escape hatch")
     if isinstance(node, ast.Constant) and node.value in METRIC_NAMES:
         reasons.append(f"names the harness metric {node.value!r}: a stack must not report its own metrics")
     if isinstance(node, ast.Name) and node.id in METRIC_NAMES:
@@ -188,16 +184,20 @@ def _package_attribute(node: ast.AST, bound: dict[str, str]) -> str | None:
     return None
 
 
-def _attributes_by_name(node: ast.AST) -> list[tuple[str, str]]:
-    """The attributes a call names by a constant string, each with the call: ``getattr(x, "inner")`` (and
-    ``setattr``/``delattr``/``hasattr``), ``operator.attrgetter("a.b")`` (each part), ``methodcaller``'s
-    method. A computed name is not followed (the engine's ``getattr(torch, dtype)``): isolation holds there."""
+def _attributes_read(node: ast.AST) -> list[tuple[str, ast.AST | None, str | None]]:
+    """The attributes a node reads, each as (name, the object it is read off where known, the call that
+    names it): ``x.inner``; by a constant string, ``getattr(x, "inner")`` (and ``setattr``/``delattr``/
+    ``hasattr``), ``operator.attrgetter("a.b")`` (each part), ``methodcaller``'s method. A computed name is
+    not followed (the engine's ``getattr(torch, dtype)``): isolation holds there."""
+    if isinstance(node, ast.Attribute):
+        return [(node.attr, node.value, None)]
     if not isinstance(node, ast.Call):
         return []
     func = node.func
     name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    owner = None
     if name in ("getattr", "setattr", "delattr", "hasattr") and isinstance(func, ast.Name):
-        named = node.args[1:2]  # the builtins: (object, name, ...)
+        named, owner = node.args[1:2], (node.args[0] if node.args else None)  # (object, name, ...)
     elif name == "attrgetter":
         named = node.args
     elif name == "methodcaller":
@@ -205,19 +205,14 @@ def _attributes_by_name(node: ast.AST) -> list[tuple[str, str]]:
     else:
         return []
     return [
-        (name, part)
+        (part, owner, name)
         for arg in named
         if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
         for part in arg.value.split(".")
     ]
 
 
-def _escapes(node: ast.Attribute, bound: dict[str, str]) -> bool:
-    """``.modules`` only on the sys module (by any name): other objects have attributes of that name."""
-    return node.attr != "modules" or _on_sys(node.value, bound)
-
-
-def _on_sys(value: ast.AST, bound: dict[str, str]) -> bool:
+def _on_sys(value: ast.AST | None, bound: dict[str, str]) -> bool:
     return isinstance(value, ast.Name) and bound.get(value.id) == "sys"
 
 

@@ -91,11 +91,9 @@ def replay_turns(
         sample, coverage = turns, f"all {len(turns)} turns"
     else:  # each pool its own draw: interruptions, as many as the stack makes, cannot thin the finished turns'
         draw = random.Random(seed)
-        sample = draw.sample(finished, min(SAMPLED_TURNS, len(finished))) + draw.sample(
-            cut, min(SAMPLED_TURNS, len(cut))
-        )
-        drawn = min(SAMPLED_TURNS, len(finished))
-        coverage = f"{drawn} of {len(finished)} turns and {len(sample) - drawn} of {len(cut)} interrupted segments"
+        whole, parts = (draw.sample(pool, min(SAMPLED_TURNS, len(pool))) for pool in (finished, cut))
+        sample = whole + parts
+        coverage = f"{len(whole)} of {len(finished)} turns and {len(parts)} of {len(cut)} interrupted segments"
         coverage += f", drawn at random (seed {seed})"
     by_version: dict[int, dict[str, list[TraceEvent]]] = defaultdict(lambda: defaultdict(list))
     for g in sample:

@@ -59,15 +59,24 @@ class Served:
     tokens: int  # decoded: the response, or an interrupted request's partial
 
 
+def tokens_a_step(ix: TraceIndex) -> int | None:
+    """The most tokens one engine step may give a request (``1 + speculative_tokens``, the drafts
+    credited up to ``MAX_SPECULATIVE_TOKENS``); None where the engines' pace is not the candidate's to
+    judge: a simulated run (its engine is the harness's), or a trace without its start."""
+    start = ix.by_kind["run_start"][0].data if ix.by_kind["run_start"] else {}
+    if not ix.tokens_recorded or not start:
+        return None
+    settings = start.get("engine") or {}
+    return 1 + min(int(settings.get("speculative_tokens", 0)), MAX_SPECULATIVE_TOKENS)
+
+
 def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
     """A request's tokens against the engine steps that later requests, answered before it, prove it
     sat through. Real runs only (a simulated engine is the harness's). Returns the audit's details:
     how many requests had such a witness, and the least margin any left."""
-    start = ix.by_kind["run_start"][0].data if ix.by_kind["run_start"] else {}
-    if not ix.tokens_recorded or not start:
+    drafted = tokens_a_step(ix)
+    if drafted is None:
         return {}
-    settings = start.get("engine") or {}
-    drafted = 1 + min(int(settings.get("speculative_tokens", 0)), MAX_SPECULATIVE_TOKENS)
     holding = _engine_spans(ix)
     by_engine: dict[str, list[Served]] = defaultdict(list)
     for g in ix.by_kind["generate"]:

@@ -9,7 +9,7 @@ harness knows when each version came to exist: when the training call that retur
 forwarded before its claimed version existed was decoded after that moment, at the pace engines
 decode: it must have ended at least its tokens times the run's fastest pace later (the fastest any
 request of the run showed from forwarding to answer, halved, and divided by the tokens a drafted step
-may give, ``service_order.MAX_SPECULATIVE_TOKENS``). The cheat above ends one prefill after the
+may give, ``service_order.tokens_a_step``). The cheat above ends one prefill after the
 version exists. Honest runs of the CPU target forward no request before the version it is served
 under exists at all (docs/judge.md, "version timing")."""
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from targets.harness.judge.service_order import MAX_SPECULATIVE_TOKENS
+from targets.harness.judge.service_order import tokens_a_step
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.trace import token_count
 
@@ -28,29 +28,23 @@ PACE_SLACK = 0.5  # of the fastest pace: a request's own prefill and queueing ar
 def check_version_timing(ix: TraceIndex, r: Reasons) -> dict:
     """Every turn and interrupted segment claiming a version its request arrived before; returns the
     audit's details: how many there were, and the least ratio of the time each had to the time it needed."""
-    start = ix.by_kind["run_start"][0].data if ix.by_kind["run_start"] else {}
-    if not ix.tokens_recorded or not start:
+    drafted = tokens_a_step(ix)
+    if drafted is None:
         return {}
-    settings = start.get("engine") or {}
-    drafted = 1 + min(int(settings.get("speculative_tokens", 0)), MAX_SPECULATIVE_TOKENS)
     existed = {train.data["version"]: train.t for train in ix.trains}
-    turns = [g for g in ix.by_kind["generate"] if token_count(g.data.get("tokens", []))]
-    paces = [
-        (g.t - g.data["start"]) / token_count(g.data["tokens"])
-        for g in turns
-        if token_count(g.data["tokens"]) >= PACE_MIN_TOKENS
-    ]
+    turns = [(g, token_count(g.data.get("tokens", []))) for g in ix.by_kind["generate"]]
+    turns = [(g, tokens) for g, tokens in turns if tokens]
+    paces = [(g.t - g.data["start"]) / tokens for g, tokens in turns if tokens >= PACE_MIN_TOKENS]
     if not paces:
         return {}
     pace = PACE_SLACK * min(paces) / drafted
     early, least = 0, math.inf
-    for g in turns:
+    for g, tokens in turns:
         d = g.data
         since = existed.get(d["version"])
         if since is None or d["start"] >= since:
             continue
         early += 1
-        tokens = token_count(d["tokens"])
         had, needed = g.t - since, tokens * pace
         least = min(least, had / needed)
         if not had >= needed:

@@ -50,19 +50,19 @@ def honest(fast_target, tmp_path_factory, shared_ray):  # the run joins the sess
 def _audit(honest, events=None, weights=None, steps=None):
     spec, honest_events, honest_weights, base = honest
     weights = honest_weights if weights is None else weights
-
-    def make_model(state):
-        model = copy.deepcopy(base)
-        model.load_state_dict(state)
-        return model
-
     return audit_run(
         spec,
         honest_events if events is None else events,
         weights.get,
-        make_model,
+        lambda state: _loaded(base, state),
         spec.workload.train_steps if steps is None else steps,
     )
+
+
+def _loaded(base, state):
+    model = copy.deepcopy(base)
+    model.load_state_dict(state)
+    return model
 
 
 def _edited(honest) -> list[TraceEvent]:
@@ -410,6 +410,54 @@ def test_the_version_timing_rule_on_any_turn_moved_after_its_version(honest):
     assert r.lines() and all(line.startswith("decoded before its version existed") for line in r.lines())
     assert f"episode {g.data['episode']} turn {g.data['turn']}" in r.lines()[0], r.lines()
     assert details["version_timing_least_ratio"] < 1
+
+
+def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_version(honest):
+    """Two members of a group ask the same first prompt; the cluster decodes one and copies its response to
+    the other, claimed under the next version with that version's logprobs (a prefill of the copy), once in
+    the whole run: the replay agrees with every token, and the independence test compared responses under
+    one version only, and counted repeats over every comparison, where the run's honest repeats of short
+    answers hide one more. Now the copy is compared with its original by its probability under the next
+    version, and that probability was so small that one repeat is the evidence."""
+    import torch
+
+    from targets.harness.judge.replay import replay_turns
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    spec, _, weights, base = honest
+    events = _edited(honest)
+    honest_reasons = Reasons()
+    replay_turns(TraceIndex.of(events), honest_reasons, spec, weights.get, lambda state: _loaded(base, state))
+    assert not honest_reasons.lines(), honest_reasons.lines()
+    asked: dict[tuple, list[TraceEvent]] = {}
+    for g in events:
+        if g.kind == "generate" and not g.data["aborted"] and g.data["version"] + 1 in weights:
+            asked.setdefault((g.data["version"], tuple(g.data["prompt"])), []).append(g)
+    original, g = max(
+        (
+            (a, b)
+            for served in asked.values()
+            for a in served
+            for b in served
+            if a.data["start"] < b.data["start"] and a.data["episode"] != b.data["episode"]
+        ),
+        key=lambda pair: len(pair[0].data["tokens"]),
+    )
+    prompt, tokens = original.data["prompt"], original.data["tokens"]
+    assert len(tokens) >= 10, "the honest run asked no prompt twice with a long answer"
+    version = g.data["version"] = g.data["version"] + 1
+    with torch.no_grad():
+        logits = _loaded(base, weights[version])(input_ids=torch.tensor([prompt + tokens])).logits[0]
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
+    g.data.update(
+        tokens=list(tokens),
+        finish=original.data["finish"],
+        logprobs=logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist(),
+    )
+    r = Reasons()
+    details = replay_turns(TraceIndex.of(events), r, spec, weights.get, lambda state: _loaded(base, state))
+    assert details["responses_scored_across_versions"] >= 1
+    assert [line.split(":")[0] for line in r.lines()] == ["independent samples"], r.lines()
 
 
 def test_generation_under_weights_other_than_claimed(honest):

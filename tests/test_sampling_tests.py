@@ -104,7 +104,8 @@ def _clustered(generator, copy: bool) -> SamplingTests:
             chosen = shared if copy else _honest(logits, generator)
             logp = tests.add(logits, chosen, 1.0, [STOP], [])
             at += 1.0
-            tests.add_response(at, (0, (group,)), f"g{group}/e{member}", chosen.tolist(), logp)
+            tests.add_response(at, 0, [group], f"g{group}/e{member}", 1.0, chosen.tolist())
+            tests.add_score(0, 1.0, [group], chosen.tolist(), float(logp.sum()))
     return tests
 
 
@@ -116,6 +117,53 @@ def test_copied_completions_are_caught_and_honest_repeats_are_not():
     assert copied["independent samples"] < FALSE_ALARM
 
 
+def _straddling(generator, copy: bool, score_across: bool = True) -> SamplingTests:
+    """Groups of two episodes asking the same prompt, a weight update between their turns: one served
+    under version 0, one under version 1. Honest, each draws its own response under its own weights;
+    copying, the decode under version 0 is copied to the other, which claims version 1 with version 1's
+    log-probabilities (a prefill of the copy there), so the replay agrees with it."""
+    tests = SamplingTests(atol=1e-3, seed=0)
+    weights: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    for group in range(40):
+        before = _logits(generator, 8) * 0.3
+        weights[(0, (group,))] = before
+        weights[(1, (group,))] = before + 0.05 * torch.randn(before.shape, generator=generator)
+        first = _honest(before, generator)
+        for version in (0, 1):
+            logits = weights[(version, (group,))]
+            chosen = first if version == 0 or copy else _honest(logits, generator)
+            logp = tests.add(logits, chosen, 1.0, [STOP], [])
+            tests.add_response(2.0 * group + version, version, [group], f"g{group}/e{version}", 1.0, chosen.tolist())
+            tests.add_score(version, 1.0, [group], chosen.tolist(), float(logp.sum()))
+    needed = tests.scores_needed()
+    assert sorted(needed) == [1] and len(needed[1]) == 40  # the earlier response of each group, under version 1
+    for version, responses in needed.items() if score_across else ():
+        for temperature, prompt, tokens in responses:
+            logp = torch.log_softmax(weights[(version, prompt)] / temperature, -1).gather(
+                -1, torch.tensor(tokens)[:, None]
+            )
+            tests.add_score(version, temperature, list(prompt), list(tokens), float(logp.sum()))
+    return tests
+
+
+def test_a_copy_claimed_under_the_next_version_is_caught_and_honest_groups_straddling_one_are_not():
+    """The independence test compared responses keyed by (version, prompt), so a copy served to a groupmate
+    under the next version was never compared with its original: now every earlier response to the prompt
+    is, by its probability under the weights the later response claims."""
+    generator = torch.Generator().manual_seed(17)
+    honest = dict((name, bound) for name, bound, _ in _straddling(generator, copy=False).results())
+    copied = _straddling(generator, copy=True)
+    assert honest["independent samples"] >= FALSE_ALARM
+    assert copied.independence()[0].observed == 40
+    assert dict((name, bound) for name, bound, _ in copied.results())["independent samples"] < FALSE_ALARM
+
+
+def test_a_response_compared_across_versions_without_its_score_is_an_error_not_a_pass():
+    generator = torch.Generator().manual_seed(18)
+    with pytest.raises(RuntimeError, match="scored under version 1"):
+        _straddling(generator, copy=False, score_across=False).independence()
+
+
 def test_a_peaked_one_token_answer_repeats_often_and_that_is_chance():
     """Responses of one likely token: most members of a group repeat each other honestly."""
     generator = torch.Generator().manual_seed(16)
@@ -125,10 +173,41 @@ def test_a_peaked_one_token_answer_repeats_often_and_that_is_chance():
     for n in range(200):
         chosen = _honest(logits, generator)
         logp = tests.add(logits, chosen, 1.0, [STOP], [])
-        tests.add_response(float(n), (0, (n // 4,)), f"g{n // 4}/e{n % 4}", chosen.tolist(), logp)
-    independence = tests.independence()
+        tests.add_response(float(n), 0, [n // 4], f"g{n // 4}/e{n % 4}", 1.0, chosen.tolist())
+        tests.add_score(0, 1.0, [n // 4], chosen.tolist(), float(logp.sum()))
+    independence = tests.independence()[0]
     assert independence.observed > 100
     assert dict((n, b) for n, b, _ in tests.results())["independent samples"] >= FALSE_ALARM
+
+
+@pytest.mark.parametrize("copies", [0, 1])
+def test_one_copied_long_response_among_many_honest_short_repeats_is_caught(copies):
+    """A cluster that copies one response only, once: among a run's honest repeats of peaked short answers
+    the count over every comparison cannot tell one more, but among the comparisons whose chance was under
+    1e-12 a single repeat is itself the evidence. Honest long responses raise nothing."""
+    generator = torch.Generator().manual_seed(19)
+    tests = SamplingTests(atol=1e-3, seed=0)
+    peaked = torch.full((1, VOCAB), -4.0)
+    peaked[0, STOP] = 4.0
+    for n in range(200):
+        chosen = _honest(peaked, generator)
+        logp = tests.add(peaked, chosen, 1.0, [STOP], [])
+        tests.add_response(float(n), 0, [n // 4], f"g{n // 4}/e{n % 4}", 1.0, chosen.tolist())
+        tests.add_score(0, 1.0, [n // 4], chosen.tolist(), float(logp.sum()))
+    flat = _logits(generator, 12) * 0.3
+    first = _honest(flat, generator)
+    for member in range(2):
+        chosen = first if member < copies + 1 else _honest(flat, generator)
+        logp = tests.add(flat, chosen, 1.0, [STOP], [])
+        tests.add_response(300.0 + member, 0, [999], f"g999/e{member}", 1.0, chosen.tolist())
+        tests.add_score(0, 1.0, [999], chosen.tolist(), float(logp.sum()))
+    everything, *_, rarest = tests.independence()
+    assert everything.false_alarm_bound("upper") >= FALSE_ALARM  # one more among a hundred is chance
+    bound = dict((n, b) for n, b, _ in tests.results())["independent samples"]
+    if copies:
+        assert rarest.observed == 1 and bound < FALSE_ALARM
+    else:
+        assert rarest.observed == 0 and bound >= FALSE_ALARM
 
 
 @pytest.mark.parametrize("atol, alarm", [(1e-3, True), (0.3, False)])

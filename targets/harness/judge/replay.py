@@ -75,6 +75,18 @@ def _position_logits(model: torch.nn.Module, sequence: list[int], positions: lis
     )
 
 
+@torch.no_grad()
+def _response_logp(
+    model: torch.nn.Module, prompt: tuple[int, ...], tokens: tuple[int, ...], temperature: float
+) -> float:
+    """log P(``tokens`` | ``prompt``) at ``temperature`` under ``model``: the chance that a response drawn
+    under these weights repeats one served under others (the independence test)."""
+    positions = list(range(len(prompt) - 1, len(prompt) - 1 + len(tokens)))
+    rows = _position_logits(model, [*prompt, *tokens], positions)
+    drawn = torch.tensor(tokens, device=rows.device)[:, None]
+    return float(torch.log_softmax(rows.double() / temperature, -1).gather(-1, drawn).sum())
+
+
 def replay_turns(
     ix: TraceIndex,
     r: Reasons,
@@ -99,6 +111,17 @@ def replay_turns(
     for g in sample:
         by_version[g.data["version"]][g.data["episode"]].append(g)
     worst, tests = 0.0, SamplingTests(spec.accuracy.logprob_atol, seed)
+    for g in sample:
+        if g.data.get("temperature", 0.0) > 0 and not g.data["aborted"]:
+            tests.add_response(
+                g.data["start"],
+                g.data["version"],
+                g.data["prompt"],
+                g.data["episode"],
+                g.data["temperature"],
+                g.data["tokens"],
+            )
+    across = tests.scores_needed()  # by version: responses to the same prompt served under another
     log.info("replaying %s", coverage)
     for version in sorted(by_version):
         started = time.monotonic()
@@ -136,12 +159,15 @@ def replay_turns(
                     if temperature > 0:
                         logp = tests.add(rows, chosen, temperature, g.data.get("stop", []), ix.latest_observation(g))
                         if not g.data["aborted"]:
-                            key = (version, tuple(g.data["prompt"]))
-                            tests.add_response(g.data["start"], key, g.data["episode"], g.data["tokens"], logp)
+                            tests.add_score(version, temperature, g.data["prompt"], g.data["tokens"], float(logp.sum()))
+        for temperature, prompt, tokens in sorted(across.get(version, ())):
+            tests.add_score(version, temperature, prompt, tokens, _response_logp(model, prompt, tokens, temperature))
         log.info(
-            "version %d: %d episodes replayed in %.1f s (weights loaded in %.1f s)",
+            "version %d: %d episodes replayed, %d responses served under other versions scored, in %.1f s "
+            "(weights loaded in %.1f s)",
             version,
             len(episodes),
+            len(across.get(version, ())),
             time.monotonic() - loaded,
             loaded - started,
         )
@@ -150,6 +176,7 @@ def replay_turns(
         "replayed_turns": len(sample),
         "max_replay_logprob_diff": worst,
         "sampled_tokens": tests.temperature.tokens,
+        "responses_scored_across_versions": sum(len(needed) for needed in across.values()),
         "temperature_z": tests.temperature.z,
     }
     for name, bound, seen in tests.results():

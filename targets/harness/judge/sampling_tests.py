@@ -7,7 +7,8 @@ conditional law given the past is known exactly, so each has an exact tail bound
 Markov's inequality, made uniform over a grid of exponents by a union bound) and rejects only when
 that bound puts an honest engine's chance of deviating as far under ``FALSE_ALARM``. No normal
 approximation is trusted (an honest starter was once rejected at z = -4.1 by one). The five tests
-together reject an honest engine with probability at most ``5 x FALSE_ALARM`` a run.
+together reject an honest engine with probability at most ``5 x FALSE_ALARM`` a run (each test's own
+union bounds, over the rank test's bins and the independence test's scales, inside its ``FALSE_ALARM``).
 
 * temperature: the sum of the drawn tokens' log-probabilities against its mean (greedy, colder or
   hotter sampling); its bound uses each token's exact cumulant generating function.
@@ -21,10 +22,15 @@ together reject an honest engine with probability at most ``5 x FALSE_ALARM`` a 
   plant: 421 stops where the model predicts 144).
 * echo calibration: how often the drawn token is one of those in the episode's latest observation
   (the symbol an environment asks for), against the summed probability of drawing one.
-* independence: completions served to different episodes for the same (version, prompt) are
-  independent draws, so an identical response comes up only as often as the model's probability of
-  that response allows (the running sum of the probabilities of reproducing an earlier one); a
-  cluster that decodes one request and copies it to others is caught.
+* independence: completions served to different episodes for the same prompt are independent draws,
+  so an identical response comes up only as often as the model's probability of that response allows
+  (the running sum of the probabilities of reproducing an earlier one, each under the weights the later
+  response claims, whichever version the earlier one was served under); a cluster that decodes one
+  request and copies it to others is caught, and so is one that claims the copy under the next version
+  (prefilling it there for that version's logprobs). The count is tested at several scales at once:
+  repeats of any earlier response, and repeats of those alone whose chance was under 1e-3, 1e-6 and
+  1e-12 (a union bound over the four). One copy of a long response is lost in a run's honest repeats of
+  short ones, but a repeat of a response whose chance was 1e-30 is the evidence by itself.
 
 Engine numerics: a real engine's probabilities differ from the replay's by up to the target's
 ``logprob_atol`` (a per token, checked on the drawn tokens), so each test takes an honest engine's
@@ -37,11 +43,14 @@ still clears by far.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
+# the independence test's scales: it counts repeats among the comparisons whose chance was at most each
+INDEPENDENCE_SCALES = (1.0, 1e-3, 1e-6, 1e-12)
 LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature bound's grid
 EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
 RANK_BINS = tuple(k / 8 for k in range(1, 8))  # the rank test's thresholds
@@ -137,6 +146,18 @@ def _slack(p: torch.Tensor, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
     return p * math.exp(-margin), (p * math.exp(margin)).clamp(max=1.0)
 
 
+@dataclass(frozen=True)
+class Response:
+    """A completed (never aborted) sampled turn, as the independence test compares it."""
+
+    at: float  # when it was served
+    version: int  # the weights it claims
+    prompt: tuple[int, ...]
+    episode: str
+    temperature: float
+    tokens: tuple[int, ...]
+
+
 @dataclass
 class SamplingTests:
     """All five tests over one run's replayed turns. ``atol``: the target's logprob_atol (the margin
@@ -145,7 +166,10 @@ class SamplingTests:
     atol: float
     seed: int
     temperature: TemperatureTest = field(default_factory=TemperatureTest)
-    responses: list[tuple[float, tuple, str, tuple[int, ...], float]] = field(default_factory=list)
+    responses: list[Response] = field(default_factory=list)
+    # log-probability at a temperature of a response to a prompt under a version: (version, temperature,
+    # prompt, response) -> float; each response's own, and those the independence test compares across versions
+    scored: dict[tuple[int, float, tuple[int, ...], tuple[int, ...]], float] = field(default_factory=dict)
     # Per drawn token, kept until ``results``: its rank U, and the probability of the stop (echo) event
     # with whether it happened. A token is a few numbers; the tests' sums are taken once, at the end.
     _ranks: list[torch.Tensor] = field(default_factory=list)
@@ -213,27 +237,68 @@ class SamplingTests:
         """Tokens of the latest observation drawn against the summed probability of drawing one."""
         return self._calibration(self._echoes)
 
-    def add_response(self, at: float, key: tuple, episode: str, tokens: list[int], logp: torch.Tensor) -> None:
-        """A completed response to ``key`` = (version, prompt) served to ``episode`` at ``at``, with its
-        tokens' log-probabilities at the temperature (from ``add``)."""
-        self.responses.append((at, key, episode, tuple(tokens), float(logp.sum())))
+    def add_response(
+        self, at: float, version: int, prompt: list[int], episode: str, temperature: float, tokens: list[int]
+    ) -> None:
+        """A completed response ``tokens`` to ``prompt`` served to ``episode`` at ``at`` under ``version``
+        at ``temperature``. Its own score (``add``'s log-probabilities, summed) comes with its replay."""
+        self.responses.append(Response(at, version, tuple(prompt), episode, temperature, tuple(tokens)))
 
-    def independence(self) -> BernoulliSum:
+    def add_score(self, version: int, temperature: float, prompt: list[int], tokens: list[int], logp: float) -> None:
+        """The log-probability of drawing ``tokens`` after ``prompt`` under ``version`` at ``temperature``."""
+        self.scored[(version, temperature, tuple(prompt), tuple(tokens))] = logp
+
+    def scores_needed(self) -> dict[int, set[tuple[float, tuple[int, ...], tuple[int, ...]]]]:
+        """By version: the (temperature, prompt, response) the independence test needs scored under it, an
+        earlier response to a prompt this version answered, served to another episode under another version
+        or temperature (``add_score`` each before ``results``)."""
+        by_prompt: dict[tuple[int, ...], list[Response]] = defaultdict(list)
+        for response in self._in_order():
+            by_prompt[response.prompt].append(response)
+        needed: dict[int, set[tuple[float, tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
+        for served in by_prompt.values():
+            for n, later in enumerate(served):
+                for earlier in served[:n]:
+                    drawn_alike = (earlier.version, earlier.temperature) == (later.version, later.temperature)
+                    if not drawn_alike and earlier.episode != later.episode:
+                        needed[later.version].add((later.temperature, later.prompt, earlier.tokens))
+        return dict(needed)
+
+    def _in_order(self) -> list[Response]:
+        return sorted(self.responses, key=lambda r: r.at)
+
+    def independence(self) -> list[BernoulliSum]:
         """In the order served: whether each response repeats one an earlier episode got for the same
-        key, against the probability of doing so by chance (the sum over the distinct earlier responses
-        of the probability of drawing each)."""
-        test = BernoulliSum()
-        earlier: dict[tuple, dict[tuple[int, ...], tuple[str, float]]] = {}
-        for _, key, episode, tokens, logp in sorted(self.responses, key=lambda r: r[0]):
-            seen = earlier.setdefault(key, {})
-            others = [lp for response, (owner, lp) in seen.items() if owner != episode]
+        prompt, against the probability of doing so by chance (the sum over the distinct earlier responses
+        of the probability of drawing each under the weights and temperature this response claims); one
+        count for each of ``INDEPENDENCE_SCALES``, of the repeats of responses whose chance was at most it (which
+        comparisons a count takes is known before each draw, so each count's bound holds). At a scale, the
+        event is repeating one of the earlier responses whose own chance was at most it: a rare copy is
+        not hidden by the chance of repeating a likely short answer to the same prompt."""
+        tests = [BernoulliSum() for _ in INDEPENDENCE_SCALES]
+        earlier: dict[tuple[int, ...], dict[tuple[int, ...], str]] = {}
+        for response in self._in_order():
+            key = (response.version, response.temperature, response.prompt)
+            if (*key, response.tokens) not in self.scored:  # its version has no weights: the replay said so
+                continue
+            seen = earlier.setdefault(response.prompt, {})
+            others = [tokens for tokens, owner in seen.items() if owner != response.episode]
             if others:
-                chance = torch.tensor([min(1.0, sum(math.exp(lp) for lp in others))], dtype=torch.float64)
-                margin = 2 * self.atol * len(tokens)
-                repeat = tokens in seen and seen[tokens][0] != episode
-                test.add(chance, torch.tensor([repeat]), *_slack(chance, margin))
-            seen.setdefault(tokens, (episode, logp))
-        return test
+                missing = [tokens for tokens in others if (*key, tokens) not in self.scored]
+                if missing:
+                    raise RuntimeError(
+                        f"the independence test needs {len(missing)} earlier response(s) to a prompt scored "
+                        f"under version {response.version} (scores_needed lists them)"
+                    )
+                chance = {tokens: math.exp(self.scored[(*key, tokens)]) for tokens in others}
+                for test, scale in zip(tests, INDEPENDENCE_SCALES, strict=True):
+                    rare = [tokens for tokens, p in chance.items() if p <= scale]
+                    if rare:  # the event: this response repeats one of them; its chance, their sum
+                        p = torch.tensor([min(1.0, sum(chance[tokens] for tokens in rare))], dtype=torch.float64)
+                        margin = 2 * self.atol * max(len(tokens) for tokens in rare)  # each p within e^(2a len)
+                        test.add(p, torch.tensor([response.tokens in rare]), *_slack(p, margin))
+            seen.setdefault(response.tokens, response.episode)
+        return tests
 
     def results(self) -> list[tuple[str, float, str]]:
         """(test name, false-alarm bound, what was seen), for the report and the verdict."""
@@ -270,13 +335,16 @@ class SamplingTests:
                 f"{echoes.observed:.0f} tokens of the latest observation drawn, {echoes.expected:.1f} expected",
             )
         )
-        independence = self.independence()
+        scales = self.independence()
+        worst = min(scales, key=lambda t: t.false_alarm_bound("upper"))
+        scale = INDEPENDENCE_SCALES[scales.index(worst)]
+        among = "" if scale == 1.0 else f" whose chance was under {scale:g} ({worst.draws} responses could have)"
         out.append(
             (
                 "independent samples",
-                independence.false_alarm_bound("upper"),
-                f"{independence.observed:.0f} responses repeated one another episode got for the same version "
-                f"and prompt, {independence.expected:.2f} expected by chance",
+                min(1.0, len(scales) * worst.false_alarm_bound("upper")),
+                f"{worst.observed:.0f} responses repeated one another episode got for the same prompt (under "
+                f"any version){among}, {worst.expected:.2g} expected by chance",
             )
         )
         return out

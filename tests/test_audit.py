@@ -460,6 +460,23 @@ def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_versio
     assert [line.split(":")[0] for line in r.lines()] == ["independent samples"], r.lines()
 
 
+def test_responses_scored_together_as_each_alone(honest):
+    """The independence test scores responses to one prompt in one padded pass: each as if alone."""
+    import torch
+
+    from targets.harness.judge import replay
+
+    _, _, weights, base = honest
+    model = _loaded(base, weights[1])
+    prompt, responses = (4, 9, 17, 3), [(5, 6), (7, 8, 9, 10, 11), (12,)]
+    together = replay._responses_logp(model, prompt, responses, 0.7)
+    for response, logp in zip(responses, together, strict=True):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1 : -1]
+        alone = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, torch.tensor(response)[:, None]).sum()
+        assert abs(logp - float(alone)) < 1e-4
+
+
 def test_generation_under_weights_other_than_claimed(honest):
     _, _, weights, _ = honest
     swapped = {version: weights[max(weights)] for version in weights}  # every version's snapshot is the last

@@ -43,6 +43,8 @@ log = logging.getLogger("vibetrain.audit")
 REPLAY_ALL_FLOPS = 4e12
 SAMPLED_TURNS = math.ceil(math.log(0.01) / math.log(0.99))  # 459
 POSITIONS_PER_CHUNK = 2048  # logits of at most this many positions at once (vocabularies are large)
+TOKENS_PER_SCORING_PASS = 16384  # rows x length of one pass scoring responses for the independence test
+SCORED_POSITIONS = 256  # of those, positions whose float64 log-probabilities are taken at once
 
 
 def _covering_sequences(gens: list[TraceEvent]) -> list[tuple[list[int], list[TraceEvent]]]:
@@ -76,15 +78,29 @@ def _position_logits(model: torch.nn.Module, sequence: list[int], positions: lis
 
 
 @torch.no_grad()
-def _response_logp(
-    model: torch.nn.Module, prompt: tuple[int, ...], tokens: tuple[int, ...], temperature: float
-) -> float:
-    """log P(``tokens`` | ``prompt``) at ``temperature`` under ``model``: the chance that a response drawn
-    under these weights repeats one served under others (the independence test)."""
-    positions = list(range(len(prompt) - 1, len(prompt) - 1 + len(tokens)))
-    rows = _position_logits(model, [*prompt, *tokens], positions)
-    drawn = torch.tensor(tokens, device=rows.device)[:, None]
-    return float(torch.log_softmax(rows.double() / temperature, -1).gather(-1, drawn).sum())
+def _responses_logp(
+    model: torch.nn.Module, prompt: tuple[int, ...], responses: list[tuple[int, ...]], temperature: float
+) -> list[float]:
+    """log P(response | ``prompt``) at ``temperature`` under ``model`` for each of ``responses``: the chance
+    that a response drawn under these weights repeats one served under others (the independence test).
+    Rows of one prompt go through a pass together, padded on the right: under causal attention what
+    follows a response changes nothing before it."""
+    device, head = next(model.parameters()).device, model.get_output_embeddings()
+    rows = max(1, TOKENS_PER_SCORING_PASS // (len(prompt) + max(len(r) for r in responses)))
+    scores = []
+    for start in range(0, len(responses), rows):
+        batch = responses[start : start + rows]
+        width = max(len(r) for r in batch)
+        ids = torch.tensor([[*prompt, *r, *[0] * (width - len(r))] for r in batch], device=device)
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+        for row, response in enumerate(batch):
+            logp = 0.0
+            for at in range(0, len(response), SCORED_POSITIONS):  # float64 over the vocabulary, a slice at a time
+                states = hidden[row, len(prompt) - 1 + at : len(prompt) - 1 + min(len(response), at + SCORED_POSITIONS)]
+                drawn = torch.tensor(response[at : at + SCORED_POSITIONS], device=device)[:, None]
+                logp += float(torch.log_softmax(head(states).double() / temperature, -1).gather(-1, drawn).sum())
+            scores.append(logp)
+    return scores
 
 
 def replay_turns(
@@ -160,8 +176,12 @@ def replay_turns(
                         logp = tests.add(rows, chosen, temperature, g.data.get("stop", []), ix.latest_observation(g))
                         if not g.data["aborted"]:
                             tests.add_score(version, temperature, g.data["prompt"], g.data["tokens"], float(logp.sum()))
+        asked: dict[tuple[float, tuple[int, ...]], list[tuple[int, ...]]] = defaultdict(list)
         for temperature, prompt, tokens in sorted(across.get(version, ())):
-            tests.add_score(version, temperature, prompt, tokens, _response_logp(model, prompt, tokens, temperature))
+            asked[(temperature, prompt)].append(tokens)
+        for (temperature, prompt), responses in asked.items():
+            for tokens, logp in zip(responses, _responses_logp(model, prompt, responses, temperature), strict=True):
+                tests.add_score(version, temperature, prompt, tokens, logp)
         log.info(
             "version %d: %d episodes replayed, %d responses served under other versions scored, in %.1f s "
             "(weights loaded in %.1f s)",

@@ -146,6 +146,15 @@ class AscentTrainer(ReferenceTrainer):
         return super().train_step(flipped)
 
 
+class FrozenTensorTrainer(ReferenceTrainer):
+    """Trains every tensor but one layernorm, whose weight gradient it never computes: a share of the
+    update small enough to hide under the whole model's bound."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        model.get_parameter("model.layers.0.input_layernorm.weight").requires_grad_(False)
+
+
 def _factory(cls, base_model):
     def make(state, config):
         model = copy.deepcopy(base_model)
@@ -238,6 +247,7 @@ def test_fixed_batches_exercise_clipping(tiny_model, batches):
         (NaNWeightTrainer, "relative error nan"),
         (VersionSkippingTrainer, "after step 1 the trainer returned version 2 and reports 2"),
         (PartialStateTrainer, "trainer state_dict lacks parameters"),
+        (FrozenTensorTrainer, "tensor model.layers.0.input_layernorm.weight is not trained as the reference"),
     ],
 )
 def test_trainer_check_rejects_planted_trainers(tiny_model, batches, planted, expected):

@@ -149,6 +149,23 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
     replay_training(ix, reasons, spec, skipped.get, make_model)
     assert any("relative error" in line for line in reasons.lines()), reasons.lines()
 
+    # a trainer that leaves one tensor where it was at step 2 (never computing its weight gradient): the
+    # largest whose share of the update keeps the whole model's error under half its bound
+    update = {k: float((weights[2][k].double() - weights[1][k].double()).norm()) ** 2 for k in weights[1]}
+    share = {k: u / sum(update.values()) for k, u in update.items()}
+    frozen = max(
+        (k for k in share if math.sqrt(share[k]) < spec.accuracy.update_rtol / 2), key=lambda k: weights[1][k].numel()
+    )
+    left = {**weights, 2: {**weights[2], frozen: weights[1][frozen]}}
+    reasons = Reasons()
+    details = replay_training(ix, reasons, spec, left.get, make_model)
+    assert details["training_replay_max_error"] < spec.accuracy.update_rtol / 2
+    assert details["training_replay_worst_tensor_error"] == 1.0
+    assert reasons.lines() == [
+        f"training replay: step 2: tensor {frozen} is not the reference GRPO step's (its update 1 off, relative, "
+        f"against 0.9; untrained is 1): the trainer left it behind"
+    ], reasons.lines()
+
 
 def test_equal_rewards_leave_honest_weights_where_they_were_and_the_replay_decides():
     """A random model on a real task scores 0 everywhere: every advantage is 0, so an honest GRPO step

@@ -5,7 +5,8 @@
    left-padded prompts, no cache) on fixed prompts, and per-token logprobs agree within ``logprob_atol``;
 2. trainer: two GRPO steps on fixed batches move the parameters like the reference trainer's, which
    keeps float32 master weights whatever the model's dtype (relative error of the update within
-   ``update_rtol``: a trainer whose updates round away in bf16 fails);
+   ``update_rtol``: a trainer whose updates round away in bf16 fails), and no tensor the reference moves
+   is left behind (``update_error.py``);
 3. weight sync: after syncing version v, the engine's tokens and logprobs are the reference's
    under v's weights (and the report says so when they are still the old weights').
 
@@ -35,6 +36,7 @@ from targets.api import (
     Trajectory,
 )
 from targets.harness.judge.check_result import CheckResult
+from targets.harness.judge.update_error import update_error
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer
@@ -195,26 +197,28 @@ def check_trainer(
     missing = sorted(set(want) - set(got))
     if missing:
         return CheckResult("trainer", False, [f"trainer state_dict lacks parameters {missing[:5]}"], {})
-    err_sq = ref_sq = cand_sq = 0.0
-    worst_name, worst_rel = "", 0.0
-    for name, w in want.items():
-        d_ref = (w - initial[name]).double()
-        d_cand = (got[name].to(w.dtype) - initial[name]).double()
-        err, ref_norm = float((d_cand - d_ref).norm()), float(d_ref.norm())
-        err_sq, ref_sq, cand_sq = err_sq + err**2, ref_sq + ref_norm**2, cand_sq + float(d_cand.norm()) ** 2
-        if ref_norm > 0 and err / ref_norm > worst_rel:
-            worst_name, worst_rel = name, err / ref_norm
-    if ref_sq == 0:
+    off = update_error(initial, got, want)
+    if not off.reference_moved:
         raise RuntimeError("the reference trainer did not change the weights: the fixed batches cannot test a trainer")
-    rel = math.sqrt(err_sq / ref_sq)
-    if cand_sq == 0:
+    if not off.candidate_moved:
         reasons.append("parameters are unchanged after training: the optimizer step did not happen")
-    elif not rel <= accuracy.update_rtol:  # NaN weights are no match
+    elif not off.relative <= accuracy.update_rtol:  # NaN weights are no match
         reasons.append(
-            f"parameter update differs from the reference trainer's: relative error {rel:.3g} > "
-            f"{accuracy.update_rtol:g} (worst tensor {worst_name}: {worst_rel:.3g})"
+            f"parameter update differs from the reference trainer's: relative error {off.relative:.3g} > "
+            f"{accuracy.update_rtol:g} (worst tensor {off.worst_tensor}: {off.worst_relative:.3g})"
         )
-    details = {"relative_update_error": rel, "worst_tensor": worst_name, "steps": len(batches)}
+    elif off.left_behind(accuracy.update_rtol):
+        reasons.append(
+            f"tensor {off.worst_tensor} is not trained as the reference trainer trains it: its update is "
+            f"{off.worst_relative:.3g} off, relative, against {off.tensor_bound(accuracy.update_rtol):g} "
+            "(untrained is 1)"
+        )
+    details = {
+        "relative_update_error": off.relative,
+        "worst_tensor": off.worst_tensor,
+        "worst_tensor_error": off.worst_relative,
+        "steps": len(batches),
+    }
     return CheckResult("trainer", not reasons, reasons, details)
 
 

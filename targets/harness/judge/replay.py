@@ -16,7 +16,8 @@ snapshots (never from a candidate's word).
 * Training: every step is recomputed by the reference GRPO trainer, in float32 whatever the model's
   dtype, from the snapshot before it, on the exact batch the harness forwarded, with the reference's
   own AdamW state carried along; the update must match the snapshot after it within the target's
-  ``update_rtol`` (as in check 2).
+  ``update_rtol``, and no tensor the reference moves may be left behind (``update_error.py``; as in
+  check 2).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
 from targets.harness.judge.sampling_tests import FALSE_ALARM, SamplingTests
+from targets.harness.judge.update_error import update_error
 
 if TYPE_CHECKING:
     from targets.harness.judge.trace_index import Reasons, TraceIndex
@@ -222,21 +224,6 @@ def recorded_batch(train: dict) -> TrainBatch:
     )
 
 
-def _relative_update_error(before: StateDict, after: StateDict, reference_after: StateDict) -> tuple[float, bool]:
-    """The candidate's update against the reference's, relative to the reference's; and whether the
-    reference step moved the weights at all."""
-    err_sq = ref_sq = cand_sq = 0.0
-    for name, start in before.items():
-        d_ref = reference_after[name].double().cpu() - start.double()
-        d_cand = after[name].double() - start.double()
-        err_sq += float((d_cand - d_ref).norm()) ** 2
-        ref_sq += float(d_ref.norm()) ** 2
-        cand_sq += float(d_cand.norm()) ** 2
-    if ref_sq == 0:
-        return (0.0 if cand_sq == 0 else math.inf), False
-    return math.sqrt(err_sq / ref_sq), True
-
-
 def replay_training(
     ix: TraceIndex,
     r: Reasons,
@@ -254,7 +241,7 @@ def replay_training(
     # AdamW step at a small learning rate would not move bf16 weights at all. Every snapshot after
     # version 0 is the harness's float32 copy of those masters, loaded into float32 parameters exactly.
     trainer = ReferenceTrainer(make_model(initial).float(), spec.workload.training.config())
-    before, errors, reference_moved = initial, [], False
+    before, errors, tensor_errors, reference_moved = initial, [], [], False
     for k, train in enumerate(ix.trains, start=1):
         started = time.monotonic()
         after = load_weights(k)
@@ -268,22 +255,33 @@ def replay_training(
             r.add("training replay", f"step {k}: the recorded batch cannot be replayed ({error})")
             break
         stepped = time.monotonic()
-        error, moved = _relative_update_error(before, after, trainer.state_dict())
+        off = update_error(before, after, trainer.state_dict())
         log.info(
-            "training step %d replayed: %.1f s loading and stepping, %.1f s comparing (relative error %.3g)",
+            "training step %d replayed: %.1f s loading and stepping, %.1f s comparing (relative error %.3g, "
+            "worst tensor %s %.3g)",
             k,
             stepped - started,
             time.monotonic() - stepped,
-            error,
+            off.relative,
+            off.worst_tensor,
+            off.worst_relative,
         )
-        reference_moved = reference_moved or moved
-        errors.append(error)
-        if not error <= spec.accuracy.update_rtol:  # a NaN (a NaN in the batch) is no match
+        reference_moved = reference_moved or off.reference_moved
+        errors.append(off.relative)
+        tensor_errors.append(off.worst_relative)
+        if not off.relative <= spec.accuracy.update_rtol:  # a NaN (a NaN in the batch) is no match
             r.add(
                 "training replay",
                 f"step {k}: the weights are not the reference GRPO step on the batch the harness saw "
-                f"(relative error {error:.3g} > {spec.accuracy.update_rtol:g}): the trainer dropped, "
+                f"(relative error {off.relative:.3g} > {spec.accuracy.update_rtol:g}): the trainer dropped, "
                 "altered or skipped part of it, or trained differently than in check 2",
+            )
+        elif off.left_behind(spec.accuracy.update_rtol):
+            r.add(
+                "training replay",
+                f"step {k}: tensor {off.worst_tensor} is not the reference GRPO step's (its update "
+                f"{off.worst_relative:.3g} off, relative, against {off.tensor_bound(spec.accuracy.update_rtol):g}; "
+                "untrained is 1): the trainer left it behind",
             )
         before = after
     # Unchanged weights are a reason only where the reference step moves them: a batch whose rewards are
@@ -292,4 +290,8 @@ def replay_training(
     last = load_weights(len(ix.trains)) if ix.trains else None
     if reference_moved and last is not None and all(torch.equal(initial[k], last[k]) for k in initial):
         r.add("weights unchanged", f"training did not change the weights (version {len(ix.trains)} equals version 0)")
-    return {"training_replay_steps": len(errors), "training_replay_max_error": max(errors, default=0.0)}
+    return {
+        "training_replay_steps": len(errors),
+        "training_replay_max_error": max(errors, default=0.0),
+        "training_replay_worst_tensor_error": max(tensor_errors, default=0.0),
+    }

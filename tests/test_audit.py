@@ -460,6 +460,18 @@ def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_versio
     assert [line.split(":")[0] for line in r.lines()] == ["independent samples"], r.lines()
 
 
+def test_empty_prompts_under_two_versions_are_a_verdict_not_a_crash(honest):
+    """Two groupmates asked with an empty prompt (no context at all), answered under two versions: the
+    audit names the prompt, and the independence test, which has no position to score after, skips them."""
+    events = _edited(honest)
+    first = [g for g in events if g.kind == "generate" and not g.data["aborted"] and g.data["turn"] == 0]
+    a = first[0]
+    b = next(g for g in first if g.data["version"] != a.data["version"] and g.data["episode"] != a.data["episode"])
+    for g in (a, b):
+        g.data["prompt"] = []
+    _rejects(_audit(honest, events), "whole context")
+
+
 def test_responses_scored_together_as_each_alone(honest):
     """The independence test scores responses to one prompt in one padded pass: each as if alone."""
     import torch

@@ -210,6 +210,20 @@ def test_one_copied_long_response_among_many_honest_short_repeats_is_caught(copi
         assert rarest.observed == 0 and bound >= FALSE_ALARM
 
 
+def test_a_long_sibling_does_not_lend_its_slack_to_a_copy():
+    """On a bf16 target (logprob_atol 0.05) each earlier response's chance is allowed e^(2a len) for the
+    engine's numerics, its own length: a 2,000-token sibling once lent its e^200 to every response it was
+    compared with, and a copy of a 400-token response (chance e^-100) was no evidence at all."""
+    tests = SamplingTests(atol=0.05, seed=0)
+    long, copied = tuple(range(2, 2002)), tuple(range(3, 403))
+    served = [("a", long, -3000.0), ("b", copied, -100.0), ("c", copied, -100.0)]
+    for at, (episode, tokens, logp) in enumerate(served):
+        tests.add_response(float(at), 0, [1], episode, 1.0, list(tokens))
+        tests.add_score(0, 1.0, [1], list(tokens), logp)
+    bound = min(t.false_alarm_bound("upper") for t in tests.independence()) * len(tests.independence())
+    assert bound < FALSE_ALARM
+
+
 @pytest.mark.parametrize("atol, alarm", [(1e-3, True), (0.3, False)])
 def test_engine_numerics_within_the_tolerance_are_forgiven(atol, alarm):
     """An engine whose stop token is e^0.5 likelier than the replay's: beyond a float32 target's

@@ -129,8 +129,8 @@ def replay_turns(
     for g in sample:
         by_version[g.data["version"]][g.data["episode"]].append(g)
     worst, tests = 0.0, SamplingTests(spec.accuracy.logprob_atol, seed)
-    for g in sample:
-        if g.data.get("temperature", 0.0) > 0 and not g.data["aborted"]:
+    for g in sample:  # an empty prompt (rejected as not the whole context) has no position to score after
+        if g.data.get("temperature", 0.0) > 0 and not g.data["aborted"] and g.data["prompt"]:
             tests.add_response(
                 g.data["start"],
                 g.data["version"],

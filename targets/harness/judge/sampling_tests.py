@@ -293,10 +293,14 @@ class SamplingTests:
                 chance = {tokens: math.exp(self.scored[(*key, tokens)]) for tokens in others}
                 for test, scale in zip(tests, INDEPENDENCE_SCALES, strict=True):
                     rare = [tokens for tokens, p in chance.items() if p <= scale]
-                    if rare:  # the event: this response repeats one of them; its chance, their sum
-                        p = torch.tensor([min(1.0, sum(chance[tokens] for tokens in rare))], dtype=torch.float64)
-                        margin = 2 * self.atol * max(len(tokens) for tokens in rare)  # each p within e^(2a len)
-                        test.add(p, torch.tensor([response.tokens in rare]), *_slack(p, margin))
+                    if rare:  # the event: this response repeats one of them; its chance, their sum, each
+                        # within e^(+-2a len) of the replay's (its own length: a long sibling's slack is its own)
+                        bounds = [
+                            sum(chance[tokens] * math.exp(sign * 2 * self.atol * len(tokens)) for tokens in rare)
+                            for sign in (0, -1, 1)
+                        ]
+                        p, low, high = (torch.tensor([min(1.0, b)], dtype=torch.float64) for b in bounds)
+                        test.add(p, torch.tensor([response.tokens in rare]), low, high)
             seen.setdefault(response.tokens, response.episode)
         return tests
 

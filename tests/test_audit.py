@@ -417,8 +417,9 @@ def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_versio
     the other, claimed under the next version with that version's logprobs (a prefill of the copy), once in
     the whole run: the replay agrees with every token, and the independence test compared responses under
     one version only, and counted repeats over every comparison, where the run's honest repeats of short
-    answers hide one more. Now the copy is compared with its original by its probability under the next
-    version, and that probability was so small that one repeat is the evidence."""
+    answers hide one more. Now each token of the copy is guessed from its original and the guesses' chances
+    are taken under the next version, and the copy is one run of drawn guesses, so improbable that its
+    tokens past a chance of 1e-12 are the evidence."""
     import torch
 
     from targets.harness.judge.replay import replay_turns
@@ -456,13 +457,13 @@ def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_versio
     )
     r = Reasons()
     details = replay_turns(TraceIndex.of(events), r, spec, weights.get, lambda state: _loaded(base, state))
-    assert details["responses_scored_across_versions"] >= 1
+    assert details["independence_guesses"] >= len(tokens) - 1  # every token of the copy but a stop
     assert [line.split(":")[0] for line in r.lines()] == ["independent samples"], r.lines()
 
 
 def test_empty_prompts_under_two_versions_are_a_verdict_not_a_crash(honest):
     """Two groupmates asked with an empty prompt (no context at all), answered under two versions: the
-    audit names the prompt, and the independence test, which has no position to score after, skips them."""
+    audit names the prompt (the independence test once crashed on them, scoring one after the other)."""
     events = _edited(honest)
     first = [g for g in events if g.kind == "generate" and not g.data["aborted"] and g.data["turn"] == 0]
     a = first[0]
@@ -470,23 +471,6 @@ def test_empty_prompts_under_two_versions_are_a_verdict_not_a_crash(honest):
     for g in (a, b):
         g.data["prompt"] = []
     _rejects(_audit(honest, events), "whole context")
-
-
-def test_responses_scored_together_as_each_alone(honest):
-    """The independence test scores responses to one prompt in one padded pass: each as if alone."""
-    import torch
-
-    from targets.harness.judge import replay
-
-    _, _, weights, base = honest
-    model = _loaded(base, weights[1])
-    prompt, responses = (4, 9, 17, 3), [(5, 6), (7, 8, 9, 10, 11), (12,)]
-    together = replay._responses_logp(model, prompt, responses, 0.7)
-    for response, logp in zip(responses, together, strict=True):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1 : -1]
-        alone = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, torch.tensor(response)[:, None]).sum()
-        assert abs(logp - float(alone)) < 1e-4
 
 
 def test_generation_under_weights_other_than_claimed(honest):

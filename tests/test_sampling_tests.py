@@ -5,11 +5,12 @@ chooses its tokens is, with the power measured here."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from targets.harness.judge.sampling_tests import FALSE_ALARM, LAMBDAS, SamplingTests
+from targets.harness.judge.sampling_tests import FALSE_ALARM, LAMBDAS, Draw, SamplingTests, plan_guesses
 
 STOP, VOCAB = 0, 64
 
@@ -92,136 +93,129 @@ def test_an_engine_that_prefers_typical_tokens_shows_in_the_ranks():
     assert bounds["sampled ranks"] < FALSE_ALARM
 
 
-def _clustered(generator, copy: bool) -> SamplingTests:
-    """Groups of four episodes asking the same prompt (a group shares its task): honest, each draws
-    its own 8-token response; copying, one decode answers all four."""
-    tests = SamplingTests(atol=1e-3, seed=0)
-    at = 0.0
+@dataclass
+class _Turn:
+    """A synthetic turn for the independence test: its distributions (one row a position) and draws."""
+
+    episode: str
+    prompt: tuple[int, ...]
+    logits: torch.Tensor
+    chosen: torch.Tensor
+    carried: tuple[int, ...] = ()
+
+
+def _independence(turns: list[_Turn], atol: float = 1e-3) -> tuple[SamplingTests, float]:
+    """The tests over ``turns``, asked in their order, every one replayed; and the independence bound."""
+    draws = [
+        Draw(float(n), t.episode, t.prompt, t.carried, tuple(t.chosen.tolist()), frozenset({STOP}))
+        for n, t in enumerate(turns)
+    ]
+    guesses = plan_guesses(draws, set(range(len(turns))))
+    tests = SamplingTests(atol=atol, seed=0)
+    for n, t in enumerate(turns):
+        tests.add(t.logits, t.chosen, 1.0, [STOP], [], guesses[n])
+    return tests, dict((name, bound) for name, bound, _ in tests.results())["independent samples"]
+
+
+def _clustered(generator, copy: bool, members: int = 4, length: int = 8) -> list[_Turn]:
+    """Groups of ``members`` episodes asking the same prompt (a group shares its task): honest, each
+    draws its own response; copying, one decode answers all."""
+    turns = []
     for group in range(40):
-        logits = _logits(generator, 8) * 0.3  # flat enough that honest repeats are rare
+        logits = _logits(generator, length) * 0.3  # flat enough that honest repeats are rare
         shared = _honest(logits, generator)
-        for member in range(4):
+        for member in range(members):
             chosen = shared if copy else _honest(logits, generator)
-            logp = tests.add(logits, chosen, 1.0, [STOP], [])
-            at += 1.0
-            tests.add_response(at, 0, [group], f"g{group}/e{member}", 1.0, chosen.tolist())
-            tests.add_score(0, 1.0, [group], chosen.tolist(), float(logp.sum()))
-    return tests
+            turns.append(_Turn(f"g{group}/e{member}", (group,), logits, chosen))
+    return turns
 
 
 def test_copied_completions_are_caught_and_honest_repeats_are_not():
     generator = torch.Generator().manual_seed(15)
-    honest = dict((name, bound) for name, bound, _ in _clustered(generator, copy=False).results())
-    copied = dict((name, bound) for name, bound, _ in _clustered(generator, copy=True).results())
-    assert honest["independent samples"] >= FALSE_ALARM
-    assert copied["independent samples"] < FALSE_ALARM
-
-
-def _straddling(generator, copy: bool, score_across: bool = True) -> SamplingTests:
-    """Groups of two episodes asking the same prompt, a weight update between their turns: one served
-    under version 0, one under version 1. Honest, each draws its own response under its own weights;
-    copying, the decode under version 0 is copied to the other, which claims version 1 with version 1's
-    log-probabilities (a prefill of the copy there), so the replay agrees with it."""
-    tests = SamplingTests(atol=1e-3, seed=0)
-    weights: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-    for group in range(40):
-        before = _logits(generator, 8) * 0.3
-        weights[(0, (group,))] = before
-        weights[(1, (group,))] = before + 0.05 * torch.randn(before.shape, generator=generator)
-        first = _honest(before, generator)
-        for version in (0, 1):
-            logits = weights[(version, (group,))]
-            chosen = first if version == 0 or copy else _honest(logits, generator)
-            logp = tests.add(logits, chosen, 1.0, [STOP], [])
-            tests.add_response(2.0 * group + version, version, [group], f"g{group}/e{version}", 1.0, chosen.tolist())
-            tests.add_score(version, 1.0, [group], chosen.tolist(), float(logp.sum()))
-    needed = tests.scores_needed()
-    assert sorted(needed) == [1] and len(needed[1]) == 40  # the earlier response of each group, under version 1
-    for version, responses in needed.items() if score_across else ():
-        for temperature, prompt, tokens in responses:
-            logp = torch.log_softmax(weights[(version, prompt)] / temperature, -1).gather(
-                -1, torch.tensor(tokens)[:, None]
-            )
-            tests.add_score(version, temperature, list(prompt), list(tokens), float(logp.sum()))
-    return tests
+    assert _independence(_clustered(generator, copy=False))[1] >= FALSE_ALARM
+    assert _independence(_clustered(generator, copy=True))[1] < FALSE_ALARM
 
 
 def test_a_copy_claimed_under_the_next_version_is_caught_and_honest_groups_straddling_one_are_not():
-    """The independence test compared responses keyed by (version, prompt), so a copy served to a groupmate
-    under the next version was never compared with its original: now every earlier response to the prompt
-    is, by its probability under the weights the later response claims."""
+    """Groups of two episodes asking the same prompt, a weight update between their turns. Copying, the
+    decode under version 0 is copied to the other, which claims version 1 with version 1's log-probabilities
+    (a prefill of the copy there), so the replay agrees with it: the test guessed only from responses under
+    the same version once; it guesses from any earlier response, each guess's chance under the weights the
+    guessed turn claims."""
     generator = torch.Generator().manual_seed(17)
-    honest = dict((name, bound) for name, bound, _ in _straddling(generator, copy=False).results())
-    copied = _straddling(generator, copy=True)
-    assert honest["independent samples"] >= FALSE_ALARM
-    assert copied.independence()[0].observed == 40
-    assert dict((name, bound) for name, bound, _ in copied.results())["independent samples"] < FALSE_ALARM
+    for copy, caught in ((False, False), (True, True)):
+        turns = []
+        for group in range(40):
+            before = _logits(generator, 8) * 0.3
+            after = before + 0.05 * torch.randn(before.shape, generator=generator)
+            first = _honest(before, generator)
+            turns.append(_Turn(f"g{group}/e0", (group,), before, first))
+            turns.append(_Turn(f"g{group}/e1", (group,), after, first if copy else _honest(after, generator)))
+        tests, bound = _independence(turns)
+        assert (bound < FALSE_ALARM) == caught, bound
+    assert tests.independence()[0].observed > 300  # every token of every copy but the stops, never guessed
 
 
-def test_a_response_compared_across_versions_without_its_score_is_an_error_not_a_pass():
-    generator = torch.Generator().manual_seed(18)
-    with pytest.raises(RuntimeError, match="scored under version 1"):
-        _straddling(generator, copy=False, score_across=False).independence()
+def test_a_copy_with_a_token_changed_or_delivered_as_an_interrupted_segment_and_its_resumption_is_caught():
+    """The cheaper evasions of an exact-repeat test: re-draw one token of the copy (a prefill for the
+    logprobs), or hand the copy over as an interrupted segment plus a resumed turn whose prompt carries it."""
+    generator = torch.Generator().manual_seed(20)
+    for evasion in ("edited", "split"):
+        turns = []
+        for group in range(20):
+            logits = _logits(generator, 16) * 0.3
+            original = _honest(logits, generator)
+            turns.append(_Turn(f"g{group}/e0", (group,), logits, original))
+            if evasion == "edited":
+                edited = original.clone()
+                edited[5] = (edited[5] + 1) % VOCAB
+                turns.append(_Turn(f"g{group}/e1", (group,), logits, edited))
+            else:
+                head, tail = tuple(original[:6].tolist()), original[6:]
+                turns.append(_Turn(f"g{group}/e1", (group,), logits[:6], original[:6]))
+                turns.append(_Turn(f"g{group}/e1", (group,), logits[6:], tail, carried=head))
+        tests, bound = _independence(turns)
+        assert bound < FALSE_ALARM, (evasion, bound)
 
 
-def test_a_peaked_one_token_answer_repeats_often_and_that_is_chance():
-    """Responses of one likely token: most members of a group repeat each other honestly."""
+def test_a_peaked_answer_repeats_often_and_that_is_chance():
+    """Responses of one likely token after another: most members of a group repeat each other honestly."""
     generator = torch.Generator().manual_seed(16)
-    tests = SamplingTests(atol=1e-3, seed=0)
-    logits = torch.full((1, VOCAB), -4.0)
-    logits[0, STOP] = 4.0
-    for n in range(200):
-        chosen = _honest(logits, generator)
-        logp = tests.add(logits, chosen, 1.0, [STOP], [])
-        tests.add_response(float(n), 0, [n // 4], f"g{n // 4}/e{n % 4}", 1.0, chosen.tolist())
-        tests.add_score(0, 1.0, [n // 4], chosen.tolist(), float(logp.sum()))
-    independence = tests.independence()[0]
-    assert independence.observed > 100
-    assert dict((n, b) for n, b, _ in tests.results())["independent samples"] >= FALSE_ALARM
+    logits = torch.full((3, VOCAB), -4.0)
+    logits[:, 5] = 4.0
+    turns = [_Turn(f"g{n // 4}/e{n % 4}", (n // 4,), logits, _honest(logits, generator)) for n in range(200)]
+    tests, bound = _independence(turns)
+    assert tests.independence()[0].observed > 300
+    assert bound >= FALSE_ALARM
 
 
 @pytest.mark.parametrize("copies", [0, 1])
-def test_one_copied_long_response_among_many_honest_short_repeats_is_caught(copies):
-    """A cluster that copies one response only, once: among a run's honest repeats of peaked short answers
-    the count over every comparison cannot tell one more, but among the comparisons whose chance was under
-    1e-12 a single repeat is itself the evidence. Honest long responses raise nothing."""
+def test_one_copied_long_response_among_many_honest_repeats_is_caught(copies):
+    """A cluster that copies one response only, once: among a run's honest repeats of likely tokens the
+    count over every guess cannot tell one response more, but the copy is one run of drawn guesses, and
+    past a chance of 1e-12 its every further token is the evidence. An honest long response raises nothing."""
     generator = torch.Generator().manual_seed(19)
-    tests = SamplingTests(atol=1e-3, seed=0)
-    peaked = torch.full((1, VOCAB), -4.0)
-    peaked[0, STOP] = 4.0
-    for n in range(200):
-        chosen = _honest(peaked, generator)
-        logp = tests.add(peaked, chosen, 1.0, [STOP], [])
-        tests.add_response(float(n), 0, [n // 4], f"g{n // 4}/e{n % 4}", 1.0, chosen.tolist())
-        tests.add_score(0, 1.0, [n // 4], chosen.tolist(), float(logp.sum()))
+    peaked = torch.full((3, VOCAB), -4.0)
+    peaked[:, 5] = 4.0
+    turns = [_Turn(f"g{n // 4}/e{n % 4}", (n // 4,), peaked, _honest(peaked, generator)) for n in range(200)]
     flat = _logits(generator, 12) * 0.3
     first = _honest(flat, generator)
-    for member in range(2):
-        chosen = first if member < copies + 1 else _honest(flat, generator)
-        logp = tests.add(flat, chosen, 1.0, [STOP], [])
-        tests.add_response(300.0 + member, 0, [999], f"g999/e{member}", 1.0, chosen.tolist())
-        tests.add_score(0, 1.0, [999], chosen.tolist(), float(logp.sum()))
-    everything, *_, rarest = tests.independence()
-    assert everything.false_alarm_bound("upper") >= FALSE_ALARM  # one more among a hundred is chance
-    bound = dict((n, b) for n, b, _ in tests.results())["independent samples"]
-    if copies:
-        assert rarest.observed == 1 and bound < FALSE_ALARM
-    else:
-        assert rarest.observed == 0 and bound >= FALSE_ALARM
+    turns.append(_Turn("g99/e0", (99,), flat, first))
+    turns.append(_Turn("g99/e1", (99,), flat, first if copies else _honest(flat, generator)))
+    tests, bound = _independence(turns)
+    everything, *_ = tests.independence()
+    assert everything.false_alarm_bound("upper") >= FALSE_ALARM  # twelve more among hundreds is chance
+    assert (bound < FALSE_ALARM) == bool(copies), bound
 
 
-def test_a_long_sibling_does_not_lend_its_slack_to_a_copy():
-    """On a bf16 target (logprob_atol 0.05) each earlier response's chance is allowed e^(2a len) for the
-    engine's numerics, its own length: a 2,000-token sibling once lent its e^200 to every response it was
-    compared with, and a copy of a 400-token response (chance e^-100) was no evidence at all."""
-    tests = SamplingTests(atol=0.05, seed=0)
-    long, copied = tuple(range(2, 2002)), tuple(range(3, 403))
-    served = [("a", long, -3000.0), ("b", copied, -100.0), ("c", copied, -100.0)]
-    for at, (episode, tokens, logp) in enumerate(served):
-        tests.add_response(float(at), 0, [1], episode, 1.0, list(tokens))
-        tests.add_score(0, 1.0, [1], list(tokens), logp)
-    bound = min(t.false_alarm_bound("upper") for t in tests.independence()) * len(tests.independence())
-    assert bound < FALSE_ALARM
+def test_a_stop_token_is_never_guessed():
+    """A stack may cancel a redundant spare, and the turns it leaves are the shorter ones: a guess of the
+    stop token would count that choice as copying."""
+    draws = [
+        Draw(0.0, "a", (1,), (), (7, STOP), frozenset({STOP})),
+        Draw(1.0, "b", (1,), (), (7, 9), frozenset({STOP})),
+    ]
+    assert plan_guesses(draws, {1}) == {1: [(0, 7)]}
 
 
 @pytest.mark.parametrize("atol, alarm", [(1e-3, True), (0.3, False)])

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
-from targets.harness.judge.sampling_tests import FALSE_ALARM, SamplingTests
+from targets.harness.judge.sampling_tests import FALSE_ALARM, Draw, SamplingTests, plan_guesses
 from targets.harness.judge.update_error import update_error
 
 if TYPE_CHECKING:
@@ -45,8 +45,6 @@ log = logging.getLogger("vibetrain.audit")
 REPLAY_ALL_FLOPS = 4e12
 SAMPLED_TURNS = math.ceil(math.log(0.01) / math.log(0.99))  # 459
 POSITIONS_PER_CHUNK = 2048  # logits of at most this many positions at once (vocabularies are large)
-TOKENS_PER_SCORING_PASS = 16384  # rows x length of one pass scoring responses for the independence test
-SCORED_POSITIONS = 256  # of those, positions whose float64 log-probabilities are taken at once
 
 
 def _covering_sequences(gens: list[TraceEvent]) -> list[tuple[list[int], list[TraceEvent]]]:
@@ -79,30 +77,17 @@ def _position_logits(model: torch.nn.Module, sequence: list[int], positions: lis
     )
 
 
-@torch.no_grad()
-def _responses_logp(
-    model: torch.nn.Module, prompt: tuple[int, ...], responses: list[tuple[int, ...]], temperature: float
-) -> list[float]:
-    """log P(response | ``prompt``) at ``temperature`` under ``model`` for each of ``responses``: the chance
-    that a response drawn under these weights repeats one served under others (the independence test).
-    Rows of one prompt go through a pass together, padded on the right: under causal attention what
-    follows a response changes nothing before it."""
-    device, head = next(model.parameters()).device, model.get_output_embeddings()
-    rows = max(1, TOKENS_PER_SCORING_PASS // (len(prompt) + max(len(r) for r in responses)))
-    scores = []
-    for start in range(0, len(responses), rows):
-        batch = responses[start : start + rows]
-        width = max(len(r) for r in batch)
-        ids = torch.tensor([[*prompt, *r, *[0] * (width - len(r))] for r in batch], device=device)
-        hidden = model.get_decoder()(input_ids=ids).last_hidden_state
-        for row, response in enumerate(batch):
-            logp = 0.0
-            for at in range(0, len(response), SCORED_POSITIONS):  # float64 over the vocabulary, a slice at a time
-                states = hidden[row, len(prompt) - 1 + at : len(prompt) - 1 + min(len(response), at + SCORED_POSITIONS)]
-                drawn = torch.tensor(response[at : at + SCORED_POSITIONS], device=device)[:, None]
-                logp += float(torch.log_softmax(head(states).double() / temperature, -1).gather(-1, drawn).sum())
-            scores.append(logp)
-    return scores
+def _draw(g: TraceEvent) -> Draw:
+    d = g.data
+    split = len(d["prompt"]) - d.get("continues", 0)
+    return Draw(
+        d["start"],
+        d["episode"],
+        tuple(d["prompt"][:split]),
+        tuple(d["prompt"][split:]),
+        tuple(d["tokens"]),
+        frozenset(d.get("stop", ())),
+    )
 
 
 def replay_turns(
@@ -129,17 +114,11 @@ def replay_turns(
     for g in sample:
         by_version[g.data["version"]][g.data["episode"]].append(g)
     worst, tests = 0.0, SamplingTests(spec.accuracy.logprob_atol, seed)
-    for g in sample:  # an empty prompt (rejected as not the whole context) has no position to score after
-        if g.data.get("temperature", 0.0) > 0 and not g.data["aborted"] and g.data["prompt"]:
-            tests.add_response(
-                g.data["start"],
-                g.data["version"],
-                g.data["prompt"],
-                g.data["episode"],
-                g.data["temperature"],
-                g.data["tokens"],
-            )
-    across = tests.scores_needed()  # by version: responses to the same prompt served under another
+    # the independence test guesses each replayed turn's tokens from every earlier turn's, replayed or not
+    drawn = [g for g in turns if g.data.get("temperature", 0.0) > 0]
+    replayed = {id(g) for g in sample}
+    planned = plan_guesses([_draw(g) for g in drawn], {k for k, g in enumerate(drawn) if id(g) in replayed})
+    guesses = {id(drawn[k]): made for k, made in planned.items()}
     log.info("replaying %s", coverage)
     for version in sorted(by_version):
         started = time.monotonic()
@@ -175,21 +154,12 @@ def replay_turns(
                         )
                     temperature = g.data.get("temperature", 0.0)
                     if temperature > 0:
-                        logp = tests.add(rows, chosen, temperature, g.data.get("stop", []), ix.latest_observation(g))
-                        if not g.data["aborted"]:
-                            tests.add_score(version, temperature, g.data["prompt"], g.data["tokens"], float(logp.sum()))
-        asked: dict[tuple[float, tuple[int, ...]], list[tuple[int, ...]]] = defaultdict(list)
-        for temperature, prompt, tokens in sorted(across.get(version, ())):
-            asked[(temperature, prompt)].append(tokens)
-        for (temperature, prompt), responses in asked.items():
-            for tokens, logp in zip(responses, _responses_logp(model, prompt, responses, temperature), strict=True):
-                tests.add_score(version, temperature, prompt, tokens, logp)
+                        stops, echoes = g.data.get("stop", []), ix.latest_observation(g)
+                        tests.add(rows, chosen, temperature, stops, echoes, guesses.get(id(g), ()))
         log.info(
-            "version %d: %d episodes replayed, %d responses served under other versions scored, in %.1f s "
-            "(weights loaded in %.1f s)",
+            "version %d: %d episodes replayed in %.1f s (weights loaded in %.1f s)",
             version,
             len(episodes),
-            len(across.get(version, ())),
             time.monotonic() - loaded,
             loaded - started,
         )
@@ -198,7 +168,7 @@ def replay_turns(
         "replayed_turns": len(sample),
         "max_replay_logprob_diff": worst,
         "sampled_tokens": tests.temperature.tokens,
-        "responses_scored_across_versions": sum(len(needed) for needed in across.values()),
+        "independence_guesses": sum(len(made) for made in planned.values()),
         "temperature_z": tests.temperature.z,
     }
     for name, bound, seen in tests.results():

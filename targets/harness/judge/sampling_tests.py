@@ -22,15 +22,19 @@ union bounds, over the rank test's bins and the independence test's scales, insi
   plant: 421 stops where the model predicts 144).
 * echo calibration: how often the drawn token is one of those in the episode's latest observation
   (the symbol an environment asks for), against the summed probability of drawing one.
-* independence: completions served to different episodes for the same prompt are independent draws,
-  so an identical response comes up only as often as the model's probability of that response allows
-  (the running sum of the probabilities of reproducing an earlier one, each under the weights the later
-  response claims, whichever version the earlier one was served under); a cluster that decodes one
-  request and copies it to others is caught, and so is one that claims the copy under the next version
-  (prefilling it there for that version's logprobs). The count is tested at several scales at once:
-  repeats of any earlier response, and repeats of those alone whose chance was under 1e-3, 1e-6 and
-  1e-12 (a union bound over the four). One copy of a long response is lost in a run's honest repeats of
-  short ones, but a repeat of a response whose chance was 1e-30 is the evidence by itself.
+* independence: responses served to different episodes for the same prompt are independent draws.
+  Before each drawn token the test guesses the token that followed the same context in an earlier turn
+  of another episode to the same prompt (any turn of the trace, replayed or not, under any version: the
+  last ``GUESS_CONTEXT`` tokens, or the whole prefix while shorter, a resumed turn read on from its
+  interrupted segment), and counts how often the guess is drawn against the summed probability of
+  drawing it under the weights the turn claims. A cluster that decodes one request and copies the
+  response to others is caught, also when it claims the copy under another version, edits a token of
+  it, or delivers it as an interrupted segment and its resumption. The count is taken at several scales
+  at once: every guess, and the guesses alone that would extend a run of drawn guesses (consecutive
+  positions) to a chance under 1e-3, 1e-6, 1e-12 (a union bound over the four): a copied stretch is as
+  improbable as its tokens together, and is not lost among a run's honest repeats of likely ones. A stop
+  token is never guessed (a stack may cancel a redundant spare, and the turns it leaves are the
+  shorter ones).
 
 Engine numerics: a real engine's probabilities differ from the replay's by up to the target's
 ``logprob_atol`` (a per token, checked on the drawn tokens), so each test takes an honest engine's
@@ -49,7 +53,9 @@ from dataclasses import dataclass, field
 import torch
 
 FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
-# the independence test's scales: it counts repeats among the comparisons whose chance was at most each
+# the independence test: tokens of context a guess matches, and the scales it counts guesses at (those
+# whose chance was at most each)
+GUESS_CONTEXT = 4
 INDEPENDENCE_SCALES = (1.0, 1e-3, 1e-6, 1e-12)
 LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature bound's grid
 EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
@@ -147,15 +153,56 @@ def _slack(p: torch.Tensor, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class Response:
-    """A completed (never aborted) sampled turn, as the independence test compares it."""
+class Draw:
+    """A sampled turn (or interrupted segment) as the independence test reads it: only its tokens."""
 
-    at: float  # when it was served
-    version: int  # the weights it claims
-    prompt: tuple[int, ...]
+    at: float  # when it was asked
     episode: str
-    temperature: float
-    tokens: tuple[int, ...]
+    base: tuple[int, ...]  # its prompt, less the tokens it carries from an interrupted segment
+    carried: tuple[int, ...]  # those tokens (a resumed turn goes on from them)
+    tokens: tuple[int, ...]  # what it drew
+    stops: frozenset[int]
+
+
+def _context(full: tuple[int, ...], i: int) -> tuple[int, ...]:
+    """What a guess at position ``i`` matches: the last ``GUESS_CONTEXT`` tokens, or the whole prefix
+    (marked as one, -1) while shorter."""
+    return (-1, *full[:i]) if i < GUESS_CONTEXT else full[i - GUESS_CONTEXT : i]
+
+
+def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[int, int]]]:
+    """For each turn whose index is in ``guessed``, in the order asked: (position in its tokens, token)
+    for each position where an earlier turn of another episode to the same prompt had the same context
+    (``_context``, over its carried tokens and its own) and went on with a token that is not a stop."""
+    followers: dict[tuple[int, ...], dict[tuple[int, ...], dict[str, int]]] = defaultdict(dict)
+    guesses: dict[int, list[tuple[int, int]]] = {}
+    for k in sorted(range(len(turns)), key=lambda k: turns[k].at):
+        turn = turns[k]
+        full, seen = turn.carried + turn.tokens, followers[turn.base]
+        if k in guessed:
+            guesses[k] = []
+            for i in range(len(turn.carried), len(full)):
+                after = seen.get(_context(full, i), {})
+                token = next((t for episode, t in after.items() if episode != turn.episode), None)
+                if token is not None and token not in turn.stops:
+                    guesses[k].append((i - len(turn.carried), token))
+        for i in range(len(full)):  # two episodes a context at most: one besides any turn's own
+            after = seen.setdefault(_context(full, i), {})
+            if len(after) < 2:
+                after.setdefault(turn.episode, full[i])
+    return guesses
+
+
+def _run_chances(positions: list[int], chances: list[float], hits: list[bool]) -> torch.Tensor:
+    """For each guess of a turn (by position): the chance of the run it would extend, its own chance times
+    those of the guesses drawn just before it, one after another at consecutive positions. A copied
+    stretch of tokens is one run, as improbable as the stretch; an edit starts a new one."""
+    runs, run = [], 1.0
+    for k, (position, chance) in enumerate(zip(positions, chances, strict=True)):
+        continues = k > 0 and hits[k - 1] and positions[k - 1] == position - 1
+        run = (run if continues else 1.0) * chance
+        runs.append(run)
+    return torch.tensor(runs, dtype=torch.float64)
 
 
 @dataclass
@@ -166,15 +213,12 @@ class SamplingTests:
     atol: float
     seed: int
     temperature: TemperatureTest = field(default_factory=TemperatureTest)
-    responses: list[Response] = field(default_factory=list)
-    # log-probability at a temperature of a response to a prompt under a version: (version, temperature,
-    # prompt, response) -> float; each response's own, and those the independence test compares across versions
-    scored: dict[tuple[int, float, tuple[int, ...], tuple[int, ...]], float] = field(default_factory=dict)
     # Per drawn token, kept until ``results``: its rank U, and the probability of the stop (echo) event
     # with whether it happened. A token is a few numbers; the tests' sums are taken once, at the end.
     _ranks: list[torch.Tensor] = field(default_factory=list)
     _stops: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _echoes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _guesses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # chance, hit, run
 
     def __post_init__(self) -> None:
         self._uniform = torch.Generator().manual_seed(self.seed)
@@ -186,10 +230,12 @@ class SamplingTests:
         temperature: float,
         stop_ids: list[int],
         echo_ids: list[int],
-    ) -> torch.Tensor:
-        """One turn's drawn tokens (a row of ``logits`` each); returns each token's log-probability at
-        the temperature (the independence test sums them)."""
-        picked = []
+        guesses: list[tuple[int, int]] = (),
+    ) -> None:
+        """One turn's drawn tokens (a row of ``logits`` each), with the independence test's guesses for
+        it (``plan_guesses``)."""
+        guessed = torch.tensor(sorted(guesses), dtype=torch.long).reshape(-1, 2)
+        chances, hits = [], []
         stops = sorted(set(stop_ids))
         echoes = sorted(set(echo_ids) - set(stops))
         for start in range(0, len(chosen), ROWS):
@@ -207,8 +253,14 @@ class SamplingTests:
                 if event:
                     index = torch.tensor(event, device=p.device)
                     kept.append((p[:, index].sum(-1).cpu(), torch.isin(drawn, index).cpu()))
-            picked.append(logp.gather(-1, drawn[:, None]).squeeze(-1).cpu())
-        return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
+            here = guessed[(guessed[:, 0] >= start) & (guessed[:, 0] < start + len(drawn))].to(p.device)
+            if len(here):
+                at, token = here[:, 0] - start, here[:, 1]
+                chances.append(p[at, token].cpu())
+                hits.append((drawn[at] == token).cpu())
+        if chances:
+            chance, hit = torch.cat(chances), torch.cat(hits)
+            self._guesses.append((chance, hit, _run_chances(guessed[:, 0].tolist(), chance.tolist(), hit.tolist())))
 
     def rank_tests(self) -> list[BernoulliSum]:
         """For each of ``RANK_BINS`` u: how many drawn tokens have U <= u, each with probability exactly
@@ -237,71 +289,16 @@ class SamplingTests:
         """Tokens of the latest observation drawn against the summed probability of drawing one."""
         return self._calibration(self._echoes)
 
-    def add_response(
-        self, at: float, version: int, prompt: list[int], episode: str, temperature: float, tokens: list[int]
-    ) -> None:
-        """A completed response ``tokens`` to ``prompt`` served to ``episode`` at ``at`` under ``version``
-        at ``temperature``. Its own score (``add``'s log-probabilities, summed) comes with its replay."""
-        self.responses.append(Response(at, version, tuple(prompt), episode, temperature, tuple(tokens)))
-
-    def add_score(self, version: int, temperature: float, prompt: list[int], tokens: list[int], logp: float) -> None:
-        """The log-probability of drawing ``tokens`` after ``prompt`` under ``version`` at ``temperature``."""
-        self.scored[(version, temperature, tuple(prompt), tuple(tokens))] = logp
-
-    def scores_needed(self) -> dict[int, set[tuple[float, tuple[int, ...], tuple[int, ...]]]]:
-        """By version: the (temperature, prompt, response) the independence test needs scored under it, an
-        earlier response to a prompt this version answered, served to another episode under another version
-        or temperature (``add_score`` each before ``results``)."""
-        by_prompt: dict[tuple[int, ...], list[Response]] = defaultdict(list)
-        for response in self._in_order():
-            by_prompt[response.prompt].append(response)
-        needed: dict[int, set[tuple[float, tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
-        for served in by_prompt.values():
-            for n, later in enumerate(served):
-                for earlier in served[:n]:
-                    drawn_alike = (earlier.version, earlier.temperature) == (later.version, later.temperature)
-                    if not drawn_alike and earlier.episode != later.episode:
-                        needed[later.version].add((later.temperature, later.prompt, earlier.tokens))
-        return dict(needed)
-
-    def _in_order(self) -> list[Response]:
-        return sorted(self.responses, key=lambda r: r.at)
-
     def independence(self) -> list[BernoulliSum]:
-        """In the order served: whether each response repeats one an earlier episode got for the same
-        prompt, against the probability of doing so by chance (the sum over the distinct earlier responses
-        of the probability of drawing each under the weights and temperature this response claims); one
-        count for each of ``INDEPENDENCE_SCALES``, of the repeats of responses whose chance was at most it (which
-        comparisons a count takes is known before each draw, so each count's bound holds). At a scale, the
-        event is repeating one of the earlier responses whose own chance was at most it: a rare copy is
-        not hidden by the chance of repeating a likely short answer to the same prompt."""
+        """How often a guess was drawn, against the summed probability of drawing it: one count for each
+        of ``INDEPENDENCE_SCALES``, of the guesses whose run's chance was at most it (``_run_chances``;
+        known before each draw, so each count's bound holds)."""
         tests = [BernoulliSum() for _ in INDEPENDENCE_SCALES]
-        earlier: dict[tuple[int, ...], dict[tuple[int, ...], str]] = {}
-        for response in self._in_order():
-            key = (response.version, response.temperature, response.prompt)
-            if (*key, response.tokens) not in self.scored:  # its version has no weights: the replay said so
-                continue
-            seen = earlier.setdefault(response.prompt, {})
-            others = [tokens for tokens, owner in seen.items() if owner != response.episode]
-            if others:
-                missing = [tokens for tokens in others if (*key, tokens) not in self.scored]
-                if missing:
-                    raise RuntimeError(
-                        f"the independence test needs {len(missing)} earlier response(s) to a prompt scored "
-                        f"under version {response.version} (scores_needed lists them)"
-                    )
-                chance = {tokens: math.exp(self.scored[(*key, tokens)]) for tokens in others}
-                for test, scale in zip(tests, INDEPENDENCE_SCALES, strict=True):
-                    rare = [tokens for tokens, p in chance.items() if p <= scale]
-                    if rare:  # the event: this response repeats one of them; its chance, their sum, each
-                        # within e^(+-2a len) of the replay's (its own length: a long sibling's slack is its own)
-                        bounds = [
-                            sum(chance[tokens] * math.exp(sign * 2 * self.atol * len(tokens)) for tokens in rare)
-                            for sign in (0, -1, 1)
-                        ]
-                        p, low, high = (torch.tensor([min(1.0, b)], dtype=torch.float64) for b in bounds)
-                        test.add(p, torch.tensor([response.tokens in rare]), low, high)
-            seen.setdefault(response.tokens, response.episode)
+        if self._guesses:
+            chance, drawn, run = (torch.cat([g[k] for g in self._guesses]) for k in range(3))
+            for test, scale in zip(tests, INDEPENDENCE_SCALES, strict=True):
+                rare = run <= scale
+                test.add(chance[rare], drawn[rare], *_slack(chance[rare], 2 * self.atol))
         return tests
 
     def results(self) -> list[tuple[str, float, str]]:
@@ -342,13 +339,14 @@ class SamplingTests:
         scales = self.independence()
         worst = min(scales, key=lambda t: t.false_alarm_bound("upper"))
         scale = INDEPENDENCE_SCALES[scales.index(worst)]
-        among = "" if scale == 1.0 else f" whose chance was under {scale:g} ({worst.draws} responses could have)"
+        among = "" if scale == 1.0 else f" extending a run of drawn guesses to a chance under {scale:g}"
         out.append(
             (
                 "independent samples",
                 min(1.0, len(scales) * worst.false_alarm_bound("upper")),
-                f"{worst.observed:.0f} responses repeated one another episode got for the same prompt (under "
-                f"any version){among}, {worst.expected:.2g} expected by chance",
+                f"{worst.observed:.0f} of {worst.draws} guesses{among} drawn (the token that followed the same "
+                f"context in an earlier response of another episode to the same prompt), {worst.expected:.2g} "
+                "expected by chance",
             )
         )
         return out

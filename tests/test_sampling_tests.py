@@ -107,8 +107,7 @@ class _Turn:
 def _independence(turns: list[_Turn], atol: float = 1e-3) -> tuple[SamplingTests, float]:
     """The tests over ``turns``, asked in their order, every one replayed; and the independence bound."""
     draws = [
-        Draw(float(n), t.episode, t.prompt, t.carried, tuple(t.chosen.tolist()), frozenset({STOP}))
-        for n, t in enumerate(turns)
+        Draw(float(n), t.episode, t.carried, tuple(t.chosen.tolist()), frozenset({STOP})) for n, t in enumerate(turns)
     ]
     guesses = plan_guesses(draws, set(range(len(turns))))
     tests = SamplingTests(atol=atol, seed=0)
@@ -153,20 +152,23 @@ def test_a_copy_claimed_under_the_next_version_is_caught_and_honest_groups_strad
             turns.append(_Turn(f"g{group}/e1", (group,), after, first if copy else _honest(after, generator)))
         tests, bound = _independence(turns)
         assert (bound < FALSE_ALARM) == caught, bound
-    assert tests.independence()[0].observed > 300  # every token of every copy but the stops, never guessed
+    assert tests.independence()[0].observed > 200  # the copies' tokens once their runs are under 1e-3
 
 
-def test_a_copy_with_a_token_changed_or_delivered_as_an_interrupted_segment_and_its_resumption_is_caught():
+def test_a_copy_edited_split_or_served_for_another_prompt_is_caught():
     """The cheaper evasions of an exact-repeat test: re-draw one token of the copy (a prefill for the
-    logprobs), or hand the copy over as an interrupted segment plus a resumed turn whose prompt carries it."""
+    logprobs), hand the copy over as an interrupted segment plus a resumed turn whose prompt carries it, or
+    serve it for another prompt."""
     generator = torch.Generator().manual_seed(20)
-    for evasion in ("edited", "split"):
+    for evasion in ("edited", "split", "another prompt"):
         turns = []
         for group in range(20):
             logits = _logits(generator, 16) * 0.3
             original = _honest(logits, generator)
             turns.append(_Turn(f"g{group}/e0", (group,), logits, original))
-            if evasion == "edited":
+            if evasion == "another prompt":  # a groupmate's later turn, whose context differs, answered with it
+                turns.append(_Turn(f"g{group}/e1", (group, 7), logits, original))
+            elif evasion == "edited":
                 edited = original.clone()
                 edited[5] = (edited[5] + 1) % VOCAB
                 turns.append(_Turn(f"g{group}/e1", (group,), logits, edited))
@@ -185,15 +187,15 @@ def test_a_peaked_answer_repeats_often_and_that_is_chance():
     logits[:, 5] = 4.0
     turns = [_Turn(f"g{n // 4}/e{n % 4}", (n // 4,), logits, _honest(logits, generator)) for n in range(200)]
     tests, bound = _independence(turns)
-    assert tests.independence()[0].observed > 300
+    assert sum(int(hit.sum()) for _, hit, _ in tests._guesses) > 300  # drawn guesses, at every chance
     assert bound >= FALSE_ALARM
 
 
 @pytest.mark.parametrize("copies", [0, 1])
 def test_one_copied_long_response_among_many_honest_repeats_is_caught(copies):
     """A cluster that copies one response only, once: among a run's honest repeats of likely tokens the
-    count over every guess cannot tell one response more, but the copy is one run of drawn guesses, and
-    past a chance of 1e-12 its every further token is the evidence. An honest long response raises nothing."""
+    copy is one run of drawn guesses, and past a chance of 1e-12 its every further token is the evidence.
+    An honest long response raises nothing."""
     generator = torch.Generator().manual_seed(19)
     peaked = torch.full((3, VOCAB), -4.0)
     peaked[:, 5] = 4.0
@@ -203,8 +205,7 @@ def test_one_copied_long_response_among_many_honest_repeats_is_caught(copies):
     turns.append(_Turn("g99/e0", (99,), flat, first))
     turns.append(_Turn("g99/e1", (99,), flat, first if copies else _honest(flat, generator)))
     tests, bound = _independence(turns)
-    everything, *_ = tests.independence()
-    assert everything.false_alarm_bound("upper") >= FALSE_ALARM  # twelve more among hundreds is chance
+    assert sum(int(hit.sum()) for _, hit, _ in tests._guesses) > 300  # among hundreds of honest drawn guesses
     assert (bound < FALSE_ALARM) == bool(copies), bound
 
 
@@ -212,10 +213,20 @@ def test_a_stop_token_is_never_guessed():
     """A stack may cancel a redundant spare, and the turns it leaves are the shorter ones: a guess of the
     stop token would count that choice as copying."""
     draws = [
-        Draw(0.0, "a", (1,), (), (7, STOP), frozenset({STOP})),
-        Draw(1.0, "b", (1,), (), (7, 9), frozenset({STOP})),
+        Draw(0.0, "a", (), (7, STOP), frozenset({STOP})),
+        Draw(1.0, "b", (), (7, 9), frozenset({STOP})),
     ]
     assert plan_guesses(draws, {1}) == {1: [(0, 7)]}
+
+
+def test_stop_and_echo_ids_outside_the_vocabulary_are_never_drawn_and_no_crash():
+    """A controller may ask for stop ids past the vocabulary or negative (the audit names them): no token
+    drawn is one, and the tests run on."""
+    generator = torch.Generator().manual_seed(21)
+    logits = _logits(generator, 50)
+    tests = SamplingTests(atol=1e-3, seed=0)
+    tests.add(logits, _honest(logits, generator), 1.0, [STOP, VOCAB + 5, -1], [VOCAB, -2, 3])
+    assert all(bound >= FALSE_ALARM for _, bound, _ in tests.results())
 
 
 @pytest.mark.parametrize("atol, alarm", [(1e-3, True), (0.3, False)])

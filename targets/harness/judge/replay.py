@@ -79,15 +79,8 @@ def _position_logits(model: torch.nn.Module, sequence: list[int], positions: lis
 
 def _draw(g: TraceEvent) -> Draw:
     d = g.data
-    split = len(d["prompt"]) - d.get("continues", 0)
-    return Draw(
-        d["start"],
-        d["episode"],
-        tuple(d["prompt"][:split]),
-        tuple(d["prompt"][split:]),
-        tuple(d["tokens"]),
-        frozenset(d.get("stop", ())),
-    )
+    carried = d["prompt"][len(d["prompt"]) - d.get("continues", 0) :]
+    return Draw(d["start"], d["episode"], tuple(carried), tuple(d["tokens"]), frozenset(d.get("stop", ())))
 
 
 def replay_turns(

@@ -22,19 +22,19 @@ union bounds, over the rank test's bins and the independence test's scales, insi
   plant: 421 stops where the model predicts 144).
 * echo calibration: how often the drawn token is one of those in the episode's latest observation
   (the symbol an environment asks for), against the summed probability of drawing one.
-* independence: responses served to different episodes for the same prompt are independent draws.
-  Before each drawn token the test guesses the token that followed the same context in an earlier turn
-  of another episode to the same prompt (any turn of the trace, replayed or not, under any version: the
-  last ``GUESS_CONTEXT`` tokens, or the whole prefix while shorter, a resumed turn read on from its
-  interrupted segment), and counts how often the guess is drawn against the summed probability of
-  drawing it under the weights the turn claims. A cluster that decodes one request and copies the
-  response to others is caught, also when it claims the copy under another version, edits a token of
-  it, or delivers it as an interrupted segment and its resumption. The count is taken at several scales
-  at once: every guess, and the guesses alone that would extend a run of drawn guesses (consecutive
-  positions) to a chance under 1e-3, 1e-6, 1e-12 (a union bound over the four): a copied stretch is as
-  improbable as its tokens together, and is not lost among a run's honest repeats of likely ones. A stop
-  token is never guessed (a stack may cancel a redundant spare, and the turns it leaves are the
-  shorter ones).
+* independence: responses served to different episodes are independent draws. Before each drawn
+  token the test guesses the token that followed the same context in an earlier turn of another episode
+  (any turn of the trace, replayed or not, to any prompt, under any version: the last ``GUESS_CONTEXT``
+  tokens, or the whole prefix while shorter, a resumed turn read on from its interrupted segment), and
+  counts the guesses drawn against the summed probability of drawing them under the weights the turn
+  claims, among the guesses that would extend a run of drawn guesses (consecutive positions) to a chance
+  under 1e-3, 1e-6, 1e-12 (a union bound over the three). A cluster that decodes one request and copies
+  the response to others is caught, also when it claims the copy under another version or for another
+  prompt, edits a token of it, or hands it over as an interrupted segment and its resumption. Not counted
+  over every guess: a stack that cancels redundant spares, or drops the longest turns, leaves turns
+  selected on their own tokens, and a count over every guess then drifts (a toy of 3,000 groups keeping
+  8 of 10: 5,702 drawn against 5,337 expected, a false alarm), where runs as improbable as 1e-3 did not
+  (3 drawn against 6.0). For the same reason a stop token is never guessed.
 
 Engine numerics: a real engine's probabilities differ from the replay's by up to the target's
 ``logprob_atol`` (a per token, checked on the drawn tokens), so each test takes an honest engine's
@@ -47,7 +47,6 @@ still clears by far.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +55,7 @@ FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
 # the independence test: tokens of context a guess matches, and the scales it counts guesses at (those
 # whose chance was at most each)
 GUESS_CONTEXT = 4
-INDEPENDENCE_SCALES = (1.0, 1e-3, 1e-6, 1e-12)
+INDEPENDENCE_SCALES = (1e-3, 1e-6, 1e-12)
 LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature bound's grid
 EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
 RANK_BINS = tuple(k / 8 for k in range(1, 8))  # the rank test's thresholds
@@ -158,8 +157,7 @@ class Draw:
 
     at: float  # when it was asked
     episode: str
-    base: tuple[int, ...]  # its prompt, less the tokens it carries from an interrupted segment
-    carried: tuple[int, ...]  # those tokens (a resumed turn goes on from them)
+    carried: tuple[int, ...]  # tokens it carries from an interrupted segment (a resumed turn goes on from them)
     tokens: tuple[int, ...]  # what it drew
     stops: frozenset[int]
 
@@ -172,22 +170,24 @@ def _context(full: tuple[int, ...], i: int) -> tuple[int, ...]:
 
 def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[int, int]]]:
     """For each turn whose index is in ``guessed``, in the order asked: (position in its tokens, token)
-    for each position where an earlier turn of another episode to the same prompt had the same context
-    (``_context``, over its carried tokens and its own) and went on with a token that is not a stop."""
-    followers: dict[tuple[int, ...], dict[tuple[int, ...], dict[str, int]]] = defaultdict(dict)
+    for each position where an earlier turn of another episode had the same context (``_context``, over
+    its carried tokens and its own) and went on with a token that is not a stop. Any prompt: a turn of
+    another episode is drawn apart from this one whatever it was asked, and a copy may be served for
+    another prompt."""
+    followers: dict[tuple[int, ...], dict[str, int]] = {}  # context -> episode -> the token that followed
     guesses: dict[int, list[tuple[int, int]]] = {}
     for k in sorted(range(len(turns)), key=lambda k: turns[k].at):
         turn = turns[k]
-        full, seen = turn.carried + turn.tokens, followers[turn.base]
+        full = turn.carried + turn.tokens
         if k in guessed:
             guesses[k] = []
             for i in range(len(turn.carried), len(full)):
-                after = seen.get(_context(full, i), {})
+                after = followers.get(_context(full, i), {})
                 token = next((t for episode, t in after.items() if episode != turn.episode), None)
                 if token is not None and token not in turn.stops:
                     guesses[k].append((i - len(turn.carried), token))
         for i in range(len(full)):  # two episodes a context at most: one besides any turn's own
-            after = seen.setdefault(_context(full, i), {})
+            after = followers.setdefault(_context(full, i), {})
             if len(after) < 2:
                 after.setdefault(turn.episode, full[i])
     return guesses
@@ -236,8 +236,9 @@ class SamplingTests:
         it (``plan_guesses``)."""
         guessed = torch.tensor(sorted(guesses), dtype=torch.long).reshape(-1, 2)
         chances, hits = [], []
-        stops = sorted(set(stop_ids))
-        echoes = sorted(set(echo_ids) - set(stops))
+        vocabulary = range(logits.shape[-1])  # an id outside it is never drawn (the audit names such stop ids)
+        stops = sorted(set(stop_ids) & set(vocabulary))
+        echoes = sorted(set(echo_ids) & set(vocabulary) - set(stops))
         for start in range(0, len(chosen), ROWS):
             rows, drawn = logits[start : start + ROWS], chosen[start : start + ROWS]
             logp = torch.log_softmax(rows.double() / temperature, -1)
@@ -339,13 +340,13 @@ class SamplingTests:
         scales = self.independence()
         worst = min(scales, key=lambda t: t.false_alarm_bound("upper"))
         scale = INDEPENDENCE_SCALES[scales.index(worst)]
-        among = "" if scale == 1.0 else f" extending a run of drawn guesses to a chance under {scale:g}"
+        among = f" extending a run of drawn guesses to a chance under {scale:g}"
         out.append(
             (
                 "independent samples",
                 min(1.0, len(scales) * worst.false_alarm_bound("upper")),
                 f"{worst.observed:.0f} of {worst.draws} guesses{among} drawn (the token that followed the same "
-                f"context in an earlier response of another episode to the same prompt), {worst.expected:.2g} "
+                f"context in an earlier turn of another episode), {worst.expected:.2g} "
                 "expected by chance",
             )
         )

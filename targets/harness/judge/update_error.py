@@ -8,7 +8,8 @@ Under it, a trainer could leave a few whole tensors untrained (one decoder layer
 was is off by exactly 1 relative to the reference's update of it, whatever its share, so no tensor the
 reference moves may be off by ``TENSOR_LEFT_BEHIND``: honest bf16 trainers' worst tensors sit far under
 it (a q_norm at 0.305 on the 0.6B target on an H100; a layernorm of 128 weights at 0.295 for tiny-qwen3-cpu
-computed in bf16 over float32 masters at lr 1e-6 on CPU, where the whole model was 0.117).
+computed in bf16 over float32 masters at lr 1e-6 on CPU, where the whole model was 0.117:
+``benchmarks/bf16_update_error.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,77 @@
+"""How far an honest bf16 trainer's update is from the float32 reference's, over the whole model and per
+tensor: the figures the judge's update bounds are set against (``targets/harness/judge/update_error.py``).
+
+    python benchmarks/bf16_update_error.py [--target tiny-qwen3-cpu] [--lr 1e-6]
+
+The target's model in bfloat16; the honest trainer keeps float32 masters, computes the GRPO loss and its
+gradients in bfloat16, and steps AdamW on the masters; the reference steps in float32 from the same
+masters on check 2's two fixed batches. Printed per step: the relative update error of the whole model
+and of the five worst tensors (each tensor the reference moved).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from targets.harness.judge.accuracy import fixed_train_batches  # noqa: E402
+from targets.harness.judge.update_error import update_error  # noqa: E402
+from targets.harness.model import load_model, model_dir  # noqa: E402
+from targets.harness.reference.grpo import grpo_loss, pad_trajectories, token_logprobs  # noqa: E402
+from targets.harness.reference.trainer import ReferenceTrainer  # noqa: E402
+from targets.spec import CATALOG_DIR, parse_target  # noqa: E402
+
+
+def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6) -> None:
+    data = yaml.safe_load((CATALOG_DIR / f"{target}.yaml").read_text())
+    data["model"]["dtype"] = "bfloat16"
+    data["workload"]["training"]["lr"] = lr
+    spec = parse_target(data)
+    base = load_model(model_dir(spec.model), "bfloat16")
+    config = spec.workload.training.config()
+    masters = copy.deepcopy(base).float()
+    optimizer = torch.optim.AdamW(
+        masters.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+    )
+    compute, reference = copy.deepcopy(base), ReferenceTrainer(copy.deepcopy(base).float(), config)
+    table = Table("step", "whole model", "worst tensors (relative error, weights)")
+    for step, batch in enumerate(fixed_train_batches(base), start=1):
+        start = {k: v.detach().clone() for k, v in masters.state_dict().items()}
+        reference.load_state_dict(start)  # the reference's AdamW state carried along, as in the replay
+        reference.train_step(batch)
+        compute.load_state_dict({k: v.to(torch.bfloat16) for k, v in start.items()})
+        compute.zero_grad(set_to_none=True)
+        padded = pad_trajectories(batch.trajectories)
+        tokens = max(1.0, float(sum(sum(t.loss_mask) for t in batch.trajectories)))
+        advantages = torch.tensor(batch.advantages, dtype=torch.float32)
+        logprobs = token_logprobs(compute.train(), padded.tokens, padded.attention)
+        grpo_loss(logprobs, padded, advantages, config, None, tokens).backward()
+        for master, bf16 in zip(masters.parameters(), compute.parameters(), strict=True):
+            master.grad = bf16.grad.float()
+        torch.nn.utils.clip_grad_norm_(masters.parameters(), config.max_grad_norm)
+        optimizer.step()
+        got, want = masters.state_dict(), reference.state_dict()
+        off = update_error(start, got, want)
+        worst = sorted(
+            ((update_error({k: start[k]}, {k: got[k]}, {k: want[k]}).relative, k) for k in start),
+            key=lambda pair: -pair[0] if pair[0] == pair[0] else float("-inf"),
+        )[:5]
+        table.add_row(
+            str(step), f"{off.relative:.3f}", ", ".join(f"{k} {e:.3f} ({start[k].numel()})" for e, k in worst)
+        )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    typer.run(main)

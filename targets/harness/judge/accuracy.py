@@ -36,7 +36,7 @@ from targets.api import (
     Trajectory,
 )
 from targets.harness.judge.check_result import CheckResult
-from targets.harness.judge.update_error import update_error
+from targets.harness.judge.update_error import tensor_bound, update_error
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer
@@ -210,7 +210,7 @@ def check_trainer(
     elif off.left_behind(accuracy.update_rtol):
         reasons.append(
             f"tensor {off.worst_tensor} is not trained as the reference trainer trains it: its update is "
-            f"{off.worst_relative:.3g} off, relative, against {off.tensor_bound(accuracy.update_rtol):g} "
+            f"{off.worst_relative:.3g} off, relative, against {tensor_bound(accuracy.update_rtol):g} "
             "(untrained is 1)"
         )
     details = {

@@ -34,7 +34,7 @@ import torch
 
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
 from targets.harness.judge.sampling_tests import FALSE_ALARM, Draw, SamplingTests, plan_guesses
-from targets.harness.judge.update_error import update_error
+from targets.harness.judge.update_error import tensor_bound, update_error
 
 if TYPE_CHECKING:
     from targets.harness.judge.trace_index import Reasons, TraceIndex
@@ -243,7 +243,7 @@ def replay_training(
             r.add(
                 "training replay",
                 f"step {k}: tensor {off.worst_tensor} is not the reference GRPO step's (its update "
-                f"{off.worst_relative:.3g} off, relative, against {off.tensor_bound(spec.accuracy.update_rtol):g}; "
+                f"{off.worst_relative:.3g} off, relative, against {tensor_bound(spec.accuracy.update_rtol):g}; "
                 "untrained is 1): the trainer left it behind",
             )
         before = after

@@ -53,7 +53,7 @@ import torch
 
 FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
 # the independence test: tokens of context a guess matches, and the scales it counts guesses at (those
-# whose chance was at most each)
+# whose run's chance was at most each: ``_run_chances``)
 GUESS_CONTEXT = 4
 INDEPENDENCE_SCALES = (1e-3, 1e-6, 1e-12)
 LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature bound's grid
@@ -237,8 +237,8 @@ class SamplingTests:
         guessed = torch.tensor(sorted(guesses), dtype=torch.long).reshape(-1, 2)
         chances, hits = [], []
         vocabulary = range(logits.shape[-1])  # an id outside it is never drawn (the audit names such stop ids)
-        stops = sorted(set(stop_ids) & set(vocabulary))
-        echoes = sorted(set(echo_ids) & set(vocabulary) - set(stops))
+        stops = sorted({i for i in stop_ids if i in vocabulary})
+        echoes = sorted({i for i in echo_ids if i in vocabulary} - set(stops))
         for start in range(0, len(chosen), ROWS):
             rows, drawn = logits[start : start + ROWS], chosen[start : start + ROWS]
             logp = torch.log_softmax(rows.double() / temperature, -1)
@@ -340,12 +340,12 @@ class SamplingTests:
         scales = self.independence()
         worst = min(scales, key=lambda t: t.false_alarm_bound("upper"))
         scale = INDEPENDENCE_SCALES[scales.index(worst)]
-        among = f" extending a run of drawn guesses to a chance under {scale:g}"
         out.append(
             (
                 "independent samples",
                 min(1.0, len(scales) * worst.false_alarm_bound("upper")),
-                f"{worst.observed:.0f} of {worst.draws} guesses{among} drawn (the token that followed the same "
+                f"{worst.observed:.0f} of {worst.draws} guesses extending a run of drawn guesses to a chance under "
+                f"{scale:g} drawn (the token that followed the same "
                 f"context in an earlier turn of another episode), {worst.expected:.2g} "
                 "expected by chance",
             )

@@ -22,38 +22,45 @@ from targets.api import StateDict
 TENSOR_LEFT_BEHIND = 0.9  # a tensor's relative update error at which it counts as untrained (frozen: 1)
 
 
+def tensor_bound(update_rtol: float) -> float:
+    """Each tensor's bound: ``TENSOR_LEFT_BEHIND``, or the whole model's where that is looser."""
+    return max(TENSOR_LEFT_BEHIND, update_rtol)
+
+
 @dataclass(frozen=True)
 class UpdateError:
     relative: float  # the whole update's, relative to the reference's (inf: the reference did not move)
-    worst_tensor: str  # of the tensors the reference moved, the one furthest off ("" if none)
-    worst_relative: float
+    tensors: dict[str, float]  # each tensor the reference moved: its own relative error
     reference_moved: bool
     candidate_moved: bool
 
-    def tensor_bound(self, update_rtol: float) -> float:
-        """Each tensor's bound: ``TENSOR_LEFT_BEHIND``, or the whole model's where that is looser."""
-        return max(TENSOR_LEFT_BEHIND, update_rtol)
+    @property
+    def worst_tensor(self) -> str:
+        """Of the tensors the reference moved, the one furthest off (a NaN furthest; "" if none)."""
+        return max(self.tensors, key=lambda n: math.inf if math.isnan(self.tensors[n]) else self.tensors[n], default="")
+
+    @property
+    def worst_relative(self) -> float:
+        return self.tensors.get(self.worst_tensor, 0.0)
 
     def left_behind(self, update_rtol: float) -> bool:
-        return not self.worst_relative < self.tensor_bound(update_rtol)  # a NaN is no match
+        return not self.worst_relative < tensor_bound(update_rtol)  # a NaN is no match
 
 
 def update_error(start: StateDict, got: StateDict, want: StateDict) -> UpdateError:
     """``got`` (the candidate's weights after the step) against ``want`` (the reference's), both from
     ``start``; compared in float64 on the CPU."""
     err_sq = ref_sq = cand_sq = 0.0
-    tensors: dict[str, float] = {}  # each tensor the reference moved: its own relative error
+    tensors: dict[str, float] = {}
     for name, before in start.items():
-        d_ref = want[name].double().cpu() - before.double().cpu()
-        d_cand = got[name].double().cpu() - before.double().cpu()
+        origin = before.double().cpu()
+        d_ref, d_cand = want[name].double().cpu() - origin, got[name].double().cpu() - origin
         err, ref = float((d_cand - d_ref).norm()), float(d_ref.norm())
         err_sq, ref_sq, cand_sq = err_sq + err**2, ref_sq + ref**2, cand_sq + float(d_cand.norm()) ** 2
         if ref > 0:
             tensors[name] = err / ref
-    worst_name = max(tensors, key=lambda n: math.inf if math.isnan(tensors[n]) else tensors[n], default="")
-    worst = tensors.get(worst_name, 0.0)
     if ref_sq == 0:
         relative = 0.0 if cand_sq == 0 else math.inf
     else:
         relative = math.sqrt(err_sq / ref_sq)
-    return UpdateError(relative, worst_name, worst, ref_sq > 0, cand_sq != 0)  # NaN weights moved (to NaN)
+    return UpdateError(relative, tensors, ref_sq > 0, cand_sq != 0)  # NaN weights moved (to NaN)

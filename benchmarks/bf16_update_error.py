@@ -1,12 +1,16 @@
 """How far an honest bf16 trainer's update is from the float32 reference's, over the whole model and per
 tensor: the figures the judge's update bounds are set against (``targets/harness/judge/update_error.py``).
 
-    python benchmarks/bf16_update_error.py [--target tiny-qwen3-cpu] [--lr 1e-6]
+    python benchmarks/bf16_update_error.py [--target tiny-qwen3-cpu] [--lr 1e-6] [--steps 2] [--coast NAME]
 
 The target's model in bfloat16; the honest trainer keeps float32 masters, computes the GRPO loss and its
 gradients in bfloat16, and steps AdamW on the masters; the reference steps in float32 from the same
-masters on check 2's two fixed batches. Printed per step: the relative update error of the whole model
-and of the five worst tensors (each tensor the reference moved).
+masters (its own AdamW state carried along, as in the training replay) on check 2's fixed batches, two
+and two again. Printed per step: the relative update error of the whole model and of the three worst
+tensors (each tensor the reference moved), and the three tensors that carry least of the batch's own pull
+(the reference's step less its coast on zero gradients). ``--coast NAME``: from step 2 on, the trainer
+zeroes the gradients of the tensors whose names contain NAME and lets momentum carry them, the evasion
+the pull bound catches.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from targets.harness.reference.trainer import ReferenceTrainer  # noqa: E402
 from targets.spec import CATALOG_DIR, parse_target  # noqa: E402
 
 
-def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6) -> None:
+def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast: str = "") -> None:
     data = yaml.safe_load((CATALOG_DIR / f"{target}.yaml").read_text())
     data["model"]["dtype"] = "bfloat16"
     data["workload"]["training"]["lr"] = lr
@@ -45,10 +49,12 @@ def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6) -> None:
         masters.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
     compute, reference = copy.deepcopy(base), ReferenceTrainer(copy.deepcopy(base).float(), config)
-    table = Table("step", "whole model", "worst tensors (relative error, weights)")
-    for step, batch in enumerate(fixed_train_batches(base), start=1):
+    names = [name for name, _ in masters.named_parameters()]
+    table = Table("step", "whole model", "worst tensors (relative error, weights)", "least following (pull carried)")
+    for step, batch in enumerate(fixed_train_batches(base, sizes=[(8, 12)[k % 2] for k in range(steps)]), start=1):
         start = {k: v.detach().clone() for k, v in masters.state_dict().items()}
         reference.load_state_dict(start)  # the reference's AdamW state carried along, as in the replay
+        coasted = reference.coast()
         reference.train_step(batch)
         compute.load_state_dict({k: v.to(torch.bfloat16) for k, v in start.items()})
         compute.zero_grad(set_to_none=True)
@@ -57,15 +63,20 @@ def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6) -> None:
         advantages = torch.tensor(batch.advantages, dtype=torch.float32)
         logprobs = token_logprobs(compute.train(), padded.tokens, padded.attention)
         grpo_loss(logprobs, padded, advantages, config, None, tokens).backward()
-        for master, bf16 in zip(masters.parameters(), compute.parameters(), strict=True):
-            master.grad = bf16.grad.float()
+        for name, master, bf16 in zip(names, masters.parameters(), compute.parameters(), strict=True):
+            carried = coast and coast in name and step >= 2
+            master.grad = torch.zeros_like(master) if carried else bf16.grad.float()
         torch.nn.utils.clip_grad_norm_(masters.parameters(), config.max_grad_norm)
         optimizer.step()
         got, want = masters.state_dict(), reference.state_dict()
-        off = update_error(start, got, want)
-        worst = sorted(((e, k) for k, e in off.tensors.items()), reverse=True)[:5]
+        off = update_error(start, got, want, coasted)
+        worst = sorted(((e, k) for k, e in off.tensors.items()), reverse=True)[:3]
+        least = sorted((f, k) for k, f in off.followed.items())[:3]
         table.add_row(
-            str(step), f"{off.relative:.3f}", ", ".join(f"{k} {e:.3f} ({start[k].numel()})" for e, k in worst)
+            str(step),
+            f"{off.relative:.3f}",
+            ", ".join(f"{k.removeprefix('model.')} {e:.3f} ({start[k].numel()})" for e, k in worst),
+            ", ".join(f"{k.removeprefix('model.')} {f:.3f}" for f, k in least),
         )
     Console().print(table)
 

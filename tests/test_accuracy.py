@@ -155,6 +155,22 @@ class FrozenTensorTrainer(ReferenceTrainer):
         model.get_parameter("model.layers.0.input_layernorm.weight").requires_grad_(False)
 
 
+class CoastingTrainer(ReferenceTrainer):
+    """Trains every tensor on the first step; from the second on, one layernorm's weight gradient is
+    never computed (zero) and AdamW's momentum carries it: off by less than 0.9, and the whole model
+    under its bound."""
+
+    def train_step(self, batch):
+        if self.version == 0:
+            return super().train_step(batch)
+        coasting = self.model.get_parameter("model.layers.0.input_layernorm.weight")
+        hook = coasting.register_hook(torch.zeros_like)
+        try:
+            return super().train_step(batch)
+        finally:
+            hook.remove()
+
+
 def _factory(cls, base_model):
     def make(state, config):
         model = copy.deepcopy(base_model)
@@ -248,6 +264,7 @@ def test_fixed_batches_exercise_clipping(tiny_model, batches):
         (VersionSkippingTrainer, "after step 1 the trainer returned version 2 and reports 2"),
         (PartialStateTrainer, "trainer state_dict lacks parameters"),
         (FrozenTensorTrainer, "tensor model.layers.0.input_layernorm.weight is not trained as the reference"),
+        (CoastingTrainer, "tensor model.layers.0.input_layernorm.weight did not follow the last batch"),
     ],
 )
 def test_trainer_check_rejects_planted_trainers(tiny_model, batches, planted, expected):

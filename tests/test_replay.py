@@ -123,7 +123,9 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
     batches = fixed_train_batches(base)
     honest = ReferenceTrainer(copy.deepcopy(base).float(), spec.workload.training.config())  # float32 masters
     weights = {0: {k: v.clone() for k, v in base.state_dict().items()}}  # the harness's v0, in bf16
+    coasts = {}  # where each step would leave the weights on zero gradients (its momentum alone)
     for step, batch in enumerate(batches, start=1):
+        coasts[step] = honest.coast()
         honest.train_step(batch)
         weights[step] = honest.state_dict()  # exported in float32, as the harness writes every version
     assert all(v.dtype == torch.bfloat16 for v in weights[0].values())
@@ -164,6 +166,29 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
     assert reasons.lines() == [
         f"training replay: step 2: tensor {frozen} is not the reference GRPO step's (its update 1 off, relative, "
         f"against 0.9; untrained is 1): the trainer left it behind"
+    ], reasons.lines()
+
+    # a trainer that lets momentum carry a tensor at step 2 (its weight gradient never computed, AdamW
+    # stepping it on zero): off by less than 0.9, but carrying none of the batch's own pull on it. The
+    # largest such tensor whose share keeps the whole model's error under half its bound.
+    def coasted_error(k):
+        return float((coasts[2][k].double() - weights[2][k].double()).norm()) / math.sqrt(update[k])
+
+    coasting = max(
+        (
+            k
+            for k in share
+            if update[k] > 0 and coasted_error(k) < 0.9 and math.sqrt(share[k]) < spec.accuracy.update_rtol / 2
+        ),
+        key=lambda k: weights[1][k].numel(),
+    )
+    carried = {**weights, 2: {**weights[2], coasting: coasts[2][coasting]}}
+    reasons = Reasons()
+    details = replay_training(ix, reasons, spec, carried.get, make_model)
+    assert details["training_replay_worst_tensor_error"] < 0.9, "the old bound would have let it through"
+    assert details["training_replay_least_followed"] < 1e-6
+    assert [line.split(":", 2)[2].split(" of ")[0] for line in reasons.lines()] == [
+        f" tensor {coasting} did not follow the batch: its update carries 0"
     ], reasons.lines()
 
 

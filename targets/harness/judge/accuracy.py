@@ -36,7 +36,7 @@ from targets.api import (
     Trajectory,
 )
 from targets.harness.judge.check_result import CheckResult
-from targets.harness.judge.update_error import tensor_bound, update_error
+from targets.harness.judge.update_error import TENSOR_FOLLOWS_BATCH, tensor_bound, update_error
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer
@@ -187,7 +187,9 @@ def check_trainer(
     )  # float32 master weights, as a trainer must keep
     candidate = make_trainer({k: v.clone() for k, v in initial.items()}, config)
     reasons: list[str] = []
+    coast: StateDict = initial
     for step, batch in enumerate(batches, start=1):
+        coast = reference.coast()  # the last step's is kept: the batch it ignores is the last one
         reference.train_step(batch)
         returned = candidate.train_step(batch)
         if returned != step or candidate.version != step:
@@ -197,7 +199,7 @@ def check_trainer(
     missing = sorted(set(want) - set(got))
     if missing:
         return CheckResult("trainer", False, [f"trainer state_dict lacks parameters {missing[:5]}"], {})
-    off = update_error(initial, got, want)
+    off = update_error(initial, got, want, coast)
     if not off.reference_moved:
         raise RuntimeError("the reference trainer did not change the weights: the fixed batches cannot test a trainer")
     if not off.candidate_moved:
@@ -213,10 +215,18 @@ def check_trainer(
             f"{off.worst_relative:.3g} off, relative, against {tensor_bound(accuracy.update_rtol):g} "
             "(untrained is 1)"
         )
+    elif off.ignored_batch():
+        reasons.append(
+            f"tensor {off.least_following} did not follow the last batch: its update carries "
+            f"{off.least_followed:.3g} of that batch's own pull on it (the reference's step less the same step "
+            f"on zero gradients), under {TENSOR_FOLLOWS_BATCH:g}: momentum moved it, not the batch's gradient"
+        )
     details = {
         "relative_update_error": off.relative,
         "worst_tensor": off.worst_tensor,
         "worst_tensor_error": off.worst_relative,
+        "least_following_tensor": off.least_following,
+        "least_followed": off.least_followed,
         "steps": len(batches),
     }
     return CheckResult("trainer", not reasons, reasons, details)

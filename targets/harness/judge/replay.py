@@ -34,7 +34,7 @@ import torch
 
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
 from targets.harness.judge.sampling_tests import FALSE_ALARM, Draw, SamplingTests, plan_guesses
-from targets.harness.judge.update_error import tensor_bound, update_error
+from targets.harness.judge.update_error import TENSOR_FOLLOWS_BATCH, tensor_bound, update_error
 
 if TYPE_CHECKING:
     from targets.harness.judge.trace_index import Reasons, TraceIndex
@@ -204,7 +204,7 @@ def replay_training(
     # AdamW step at a small learning rate would not move bf16 weights at all. Every snapshot after
     # version 0 is the harness's float32 copy of those masters, loaded into float32 parameters exactly.
     trainer = ReferenceTrainer(make_model(initial).float(), spec.workload.training.config())
-    before, errors, tensor_errors, reference_moved = initial, [], [], False
+    before, errors, tensor_errors, followed, reference_moved = initial, [], [], [], False
     for k, train in enumerate(ix.trains, start=1):
         started = time.monotonic()
         after = load_weights(k)
@@ -212,26 +212,30 @@ def replay_training(
             r.add("training replay", f"no weights recorded after training step {k}")
             break
         trainer.load_state_dict(before)
+        coast = trainer.coast()
         try:  # a batch the reference step refuses (a response token first) is named, not a crash
             trainer.train_step(recorded_batch(train.data))
         except ValueError as error:
             r.add("training replay", f"step {k}: the recorded batch cannot be replayed ({error})")
             break
         stepped = time.monotonic()
-        off = update_error(before, after, trainer.state_dict())
+        off = update_error(before, after, trainer.state_dict(), coast)
         log.info(
             "training step %d replayed: %.1f s loading and stepping, %.1f s comparing (relative error %.3g, "
-            "worst tensor %s %.3g)",
+            "worst tensor %s %.3g, least following %s %.3g)",
             k,
             stepped - started,
             time.monotonic() - stepped,
             off.relative,
             off.worst_tensor,
             off.worst_relative,
+            off.least_following,
+            off.least_followed,
         )
         reference_moved = reference_moved or off.reference_moved
         errors.append(off.relative)
         tensor_errors.append(off.worst_relative)
+        followed.append(off.least_followed)
         if not off.relative <= spec.accuracy.update_rtol:  # a NaN (a NaN in the batch) is no match
             r.add(
                 "training replay",
@@ -246,6 +250,14 @@ def replay_training(
                 f"{off.worst_relative:.3g} off, relative, against {tensor_bound(spec.accuracy.update_rtol):g}; "
                 "untrained is 1): the trainer left it behind",
             )
+        elif off.ignored_batch():
+            r.add(
+                "training replay",
+                f"step {k}: tensor {off.least_following} did not follow the batch: its update carries "
+                f"{off.least_followed:.3g} of the batch's own pull on it (the reference's step less the same "
+                f"step on zero gradients), under {TENSOR_FOLLOWS_BATCH:g}: momentum moved it, not this batch's "
+                "gradient",
+            )
         before = after
     # Unchanged weights are a reason only where the reference step moves them: a batch whose rewards are
     # all equal (a random model scoring 0 on a real task) has zero advantages, and an honest step then
@@ -257,4 +269,5 @@ def replay_training(
         "training_replay_steps": len(errors),
         "training_replay_max_error": max(errors, default=0.0),
         "training_replay_worst_tensor_error": max(tensor_errors, default=0.0),
+        "training_replay_least_followed": min(followed, default=1.0),
     }

@@ -65,6 +65,21 @@ class ReferenceTrainer:
         self.version += 1
         return self.version
 
+    def coast(self) -> dict[str, torch.Tensor]:
+        """The weights the next step would give on a batch with zero gradients: AdamW's momentum and
+        weight decay alone, what a trainer that ignored the batch would still move. The difference from
+        the real next step is the batch's own pull, which the judge asks every tensor to follow
+        (``judge/update_error.py``). The trainer is left as it was."""
+        optimizer, weights = copy.deepcopy(self.optimizer.state_dict()), self.state_dict()
+        for parameter in self.model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        self.optimizer.step()
+        coasted = self.state_dict()
+        self.optimizer.load_state_dict(optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.load_state_dict(weights)
+        return coasted
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 

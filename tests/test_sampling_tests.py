@@ -180,6 +180,28 @@ def test_a_copy_edited_split_or_served_for_another_prompt_is_caught():
         assert bound < FALSE_ALARM, (evasion, bound)
 
 
+@pytest.mark.parametrize("every", [3, 2])
+def test_a_copy_with_every_few_tokens_re_drawn_is_caught(every):
+    """The red team's evasion of 4-token contexts: re-draw every few tokens of the copy (one prefill of the
+    copy gives every position's logits), so that no four tokens in a row are copied. Over answers with a
+    likely token at each position (so a short copied stretch is no rare event), the guesses follow the
+    copied turn on past a re-drawn token, and a run carries on across it; counted in stretches of four or
+    fewer, the copies (every third or every other token re-drawn) passed. Honest groups of the same shape
+    raise nothing."""
+    generator = torch.Generator().manual_seed(22)
+    for copying in (False, True):
+        turns = []
+        for group in range(20):
+            logits = torch.randn(32, VOCAB, generator=generator) * 0.5
+            logits[torch.arange(32), torch.randint(1, VOCAB, (32,), generator=generator)] += 3.0
+            original, other = _honest(logits, generator), _honest(logits, generator)
+            copy = original.clone()
+            copy[every - 1 :: every] = other[every - 1 :: every]
+            turns.append(_Turn(f"g{group}/e0", (group,), logits, original))
+            turns.append(_Turn(f"g{group}/e1", (group,), logits, copy if copying else other))
+        assert (_independence(turns)[1] < FALSE_ALARM) == copying, (every, copying)
+
+
 def test_a_peaked_answer_repeats_often_and_that_is_chance():
     """Responses of one likely token after another: most members of a group repeat each other honestly."""
     generator = torch.Generator().manual_seed(16)

@@ -23,18 +23,20 @@ union bounds, over the rank test's bins and the independence test's scales, insi
 * echo calibration: how often the drawn token is one of those in the episode's latest observation
   (the symbol an environment asks for), against the summed probability of drawing one.
 * independence: responses served to different episodes are independent draws. Before each drawn
-  token the test guesses the token that followed the same context in an earlier turn of another episode
-  (any turn of the trace, replayed or not, to any prompt, under any version: the last ``GUESS_CONTEXT``
-  tokens, or the whole prefix while shorter, a resumed turn read on from its interrupted segment), and
-  counts the guesses drawn against the summed probability of drawing them under the weights the turn
-  claims, among the guesses that would extend a run of drawn guesses (consecutive positions) to a chance
-  under 1e-3, 1e-6, 1e-12 (a union bound over the three). A cluster that decodes one request and copies
-  the response to others is caught, also when it claims the copy under another version or for another
-  prompt, edits a token of it, or hands it over as an interrupted segment and its resumption. Not counted
-  over every guess: a stack that cancels redundant spares, or drops the longest turns, leaves turns
-  selected on their own tokens, and a count over every guess then drifts (a toy of 3,000 groups keeping
-  8 of 10: 5,702 drawn against 5,337 expected, a false alarm), where runs as improbable as 1e-3 did not
-  (3 drawn against 6.0). For the same reason a stop token is never guessed.
+  token the test guesses the token that an earlier turn of another episode drew there (any turn of the
+  trace, replayed or not, to any prompt, under any version): the turn it has been following (whose
+  guesses were drawn lately, at most ``FOLLOW_GAP`` positions back), else one that had the same context
+  (the last ``GUESS_CONTEXT`` tokens, or those with one unknown, or the whole prefix while shorter; a
+  resumed turn read on from its interrupted segment). It counts the guesses drawn against the summed
+  probability of drawing them under the weights the turn claims, among the guesses that would extend a
+  run of drawn guesses (each at most ``FOLLOW_GAP`` positions after the last) to a chance under 1e-3,
+  1e-6, 1e-12 (a union bound over the three). A cluster that decodes one request and copies the response
+  to others is caught, also when it claims the copy under another version or for another prompt,
+  re-draws some of its tokens (every other one, in the tests), or hands it over as an interrupted segment
+  and its resumption. Not counted over every guess: a stack that cancels redundant spares, or drops the
+  longest turns, leaves turns selected on their own tokens, and a count over every guess then drifts (a
+  toy of 3,000 groups keeping 8 of 10: 5,702 drawn against 5,337 expected, a false alarm), where runs as
+  improbable as 1e-3 did not (3 drawn against 6.0). For the same reason a stop token is never guessed.
 
 Engine numerics: a real engine's probabilities differ from the replay's by up to the target's
 ``logprob_atol`` (a per token, checked on the drawn tokens), so each test takes an honest engine's
@@ -55,6 +57,8 @@ FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
 # the independence test: tokens of context a guess matches, and the scales it counts guesses at (those
 # whose run's chance was at most each: ``_run_chances``)
 GUESS_CONTEXT = 4
+WILDCARD = -2  # a context's token left unknown
+FOLLOW_GAP = 3  # positions a guess may follow its source past its last drawn guess (and a run carry on)
 INDEPENDENCE_SCALES = (1e-3, 1e-6, 1e-12)
 LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature bound's grid
 EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
@@ -162,46 +166,74 @@ class Draw:
     stops: frozenset[int]
 
 
-def _context(full: tuple[int, ...], i: int) -> tuple[int, ...]:
-    """What a guess at position ``i`` matches: the last ``GUESS_CONTEXT`` tokens, or the whole prefix
-    (marked as one, -1) while shorter."""
-    return (-1, *full[:i]) if i < GUESS_CONTEXT else full[i - GUESS_CONTEXT : i]
+def _contexts(full: tuple[int, ...], i: int) -> list[tuple[int, ...]]:
+    """What a guess at position ``i`` may match, most specific first: the last ``GUESS_CONTEXT`` tokens,
+    then the same with one of them unknown (``WILDCARD``: a copy with a token re-drawn); or the whole
+    prefix (marked as one, -1) while shorter."""
+    if i < GUESS_CONTEXT:
+        return [(-1, *full[:i])]
+    window = full[i - GUESS_CONTEXT : i]
+    return [window, *(window[:k] + (WILDCARD,) + window[k + 1 :] for k in range(GUESS_CONTEXT))]
 
 
 def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[int, int]]]:
     """For each turn whose index is in ``guessed``, in the order asked: (position in its tokens, token)
-    for each position where an earlier turn of another episode had the same context (``_context``, over
-    its carried tokens and its own) and went on with a token that is not a stop. Any prompt: a turn of
-    another episode is drawn apart from this one whatever it was asked, and a copy may be served for
-    another prompt."""
-    followers: dict[tuple[int, ...], dict[str, int]] = {}  # context -> episode -> the token that followed
+    for each position where it guesses a token that is not a stop. A guess comes from an earlier turn of
+    another episode: the one the turn has been following (its last drawn guess came from there, at most
+    ``FOLLOW_GAP`` positions back, and it goes on there at the same shift), else one with the same context
+    (``_contexts``, over the turn's carried tokens and its own). Any prompt: a turn of another episode is
+    drawn apart from this one whatever it was asked, and a copy may be served for another prompt. Only
+    the past decides each guess (the turn's tokens before it, the earlier turns), so each guess's chance
+    is known before its draw."""
+    followers: dict[tuple[int, ...], dict[str, tuple[int, int]]] = {}  # context -> episode -> (turn, position)
+    fulls = [turn.carried + turn.tokens for turn in turns]
     guesses: dict[int, list[tuple[int, int]]] = {}
     for k in sorted(range(len(turns)), key=lambda k: turns[k].at):
-        turn = turns[k]
-        full = turn.carried + turn.tokens
+        turn, full = turns[k], fulls[k]
         if k in guessed:
             guesses[k] = []
-            for i in range(len(turn.carried), len(full)):
-                after = followers.get(_context(full, i), {})
-                token = next((t for episode, t in after.items() if episode != turn.episode), None)
-                if token is not None and token not in turn.stops:
+            following, last_hit = None, -FOLLOW_GAP - 1  # (source turn, its position less ours), where drawn
+            for i in range(len(full)):
+                source = None
+                if (
+                    following is not None
+                    and i - last_hit <= FOLLOW_GAP
+                    and 0 <= i + following[1] < len(fulls[following[0]])
+                ):
+                    source = following
+                else:
+                    for context in _contexts(full, i):
+                        found = next((at for e, at in followers.get(context, {}).items() if e != turn.episode), None)
+                        if found is not None:
+                            source = (found[0], found[1] - i)
+                            break
+                if source is None:
+                    continue
+                token = fulls[source[0]][i + source[1]]
+                if full[i] == token:
+                    following, last_hit = source, i
+                if i >= len(turn.carried) and token not in turn.stops:
                     guesses[k].append((i - len(turn.carried), token))
         for i in range(len(full)):  # two episodes a context at most: one besides any turn's own
-            after = followers.setdefault(_context(full, i), {})
-            if len(after) < 2:
-                after.setdefault(turn.episode, full[i])
+            for context in _contexts(full, i):
+                after = followers.setdefault(context, {})
+                if len(after) < 2:
+                    after.setdefault(turn.episode, (k, i))
     return guesses
 
 
 def _run_chances(positions: list[int], chances: list[float], hits: list[bool]) -> torch.Tensor:
     """For each guess of a turn (by position): the chance of the run it would extend, its own chance times
-    those of the guesses drawn just before it, one after another at consecutive positions. A copied
-    stretch of tokens is one run, as improbable as the stretch; an edit starts a new one."""
-    runs, run = [], 1.0
-    for k, (position, chance) in enumerate(zip(positions, chances, strict=True)):
-        continues = k > 0 and hits[k - 1] and positions[k - 1] == position - 1
-        run = (run if continues else 1.0) * chance
-        runs.append(run)
+    those of the guesses drawn before it in the run, each at most ``FOLLOW_GAP`` positions after the last.
+    A copied stretch of tokens is one run, as improbable as the stretch, also where the copy re-draws some
+    of its tokens (as many as ``FOLLOW_GAP`` - 1 in a row); a longer edit starts a new one."""
+    runs, run, last_hit = [], 1.0, None
+    for position, chance, hit in zip(positions, chances, hits, strict=True):
+        if last_hit is None or position - last_hit > FOLLOW_GAP:
+            run = 1.0
+        runs.append(run * chance)
+        if hit:
+            run, last_hit = run * chance, position
     return torch.tensor(runs, dtype=torch.float64)
 
 

@@ -192,6 +192,49 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
     ], reasons.lines()
 
 
+def test_an_honest_bf16_trainer_passes_a_step_of_weak_gradients():
+    """A trainer that computes in bf16 over float32 masters keeps momentum of its own, not the replay's.
+    On a step whose advantages are 1e-4 of the usual, the batch's pull on each tensor is 0.1% of the
+    step, and that difference tilted an honest tensor's projection onto the pull to -1.2: such a pull is
+    not judged (a tensor coasting there is off by as little)."""
+    import dataclasses
+
+    from targets.harness.reference.grpo import grpo_loss, pad_trajectories, token_logprobs
+
+    spec, base = _bf16_spec_and_model()
+    config = spec.workload.training.config()
+    batches = fixed_train_batches(base, sizes=(8, 12, 8, 12))
+    batches[3] = dataclasses.replace(batches[3], advantages=[a * 1e-4 for a in batches[3].advantages])
+    masters, compute = copy.deepcopy(base).float(), copy.deepcopy(base).train()
+    optimizer = torch.optim.AdamW(
+        masters.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+    )
+    weights = {0: {k: v.clone() for k, v in base.state_dict().items()}}
+    for step, batch in enumerate(batches, start=1):
+        compute.load_state_dict({k: v.to(torch.bfloat16) for k, v in masters.state_dict().items()})
+        compute.zero_grad(set_to_none=True)
+        padded = pad_trajectories(batch.trajectories)
+        tokens = float(sum(sum(t.loss_mask) for t in batch.trajectories))
+        logprobs = token_logprobs(compute, padded.tokens, padded.attention)
+        grpo_loss(logprobs, padded, torch.tensor(batch.advantages), config, None, tokens).backward()
+        for master, bf16 in zip(masters.parameters(), compute.parameters(), strict=True):
+            master.grad = bf16.grad.float()
+        torch.nn.utils.clip_grad_norm_(masters.parameters(), config.max_grad_norm)
+        optimizer.step()
+        weights[step] = {k: v.detach().clone() for k, v in masters.state_dict().items()}
+
+    def make_model(state):
+        model = copy.deepcopy(base)
+        model.load_state_dict(state)
+        return model
+
+    reasons = Reasons()
+    ix = SimpleNamespace(trains=[_train_event(b) for b in batches])
+    details = replay_training(ix, reasons, spec, weights.get, make_model)
+    assert not reasons.lines(), reasons.lines()
+    assert details["training_replay_steps"] == 4 and details["training_replay_least_followed"] > 0.9
+
+
 def test_equal_rewards_leave_honest_weights_where_they_were_and_the_replay_decides():
     """A random model on a real task scores 0 everywhere: every advantage is 0, so an honest GRPO step
     (no weight decay) leaves the weights unchanged. That is no reason to reject; a trainer that moves

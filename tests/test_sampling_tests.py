@@ -10,7 +10,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from targets.harness.judge.sampling_tests import FALSE_ALARM, LAMBDAS, Draw, SamplingTests, plan_guesses
+from targets.harness.judge.sampling_tests import (
+    FALSE_ALARM,
+    LAMBDAS,
+    Draw,
+    SamplingTests,
+    _run_chances,
+    plan_guesses,
+)
 
 STOP, VOCAB = 0, 64
 
@@ -200,6 +207,58 @@ def test_a_copy_with_every_few_tokens_re_drawn_is_caught(every):
             turns.append(_Turn(f"g{group}/e0", (group,), logits, original))
             turns.append(_Turn(f"g{group}/e1", (group,), logits, copy if copying else other))
         assert (_independence(turns)[1] < FALSE_ALARM) == copying, (every, copying)
+
+
+KEPT_BETWEEN_DROPS = 2  # so the copy keeps at least two in three of its source's tokens
+
+
+def _dropping_copy(source: torch.Tensor, rows: torch.Tensor, length: int) -> tuple[torch.Tensor, list[int]]:
+    """The red team's adaptive copier, which reads the harness: it copies ``source`` token by token and
+    drops the next source token whenever copying it would draw a guess that takes its run under 3e-3
+    (``plan_guesses``, ``_run_chances``), having copied ``KEPT_BETWEEN_DROPS`` since its last drop (the
+    copy stays a copy: two in three of its source's tokens at least, so the source is long enough).
+    Returns the copy and the source position of each of its tokens."""
+    taken: list[int] = []
+    at = kept = 0  # kept: tokens copied since the last drop
+    while len(taken) < length:
+        trial = [*taken, at]
+        tokens = tuple(int(source[j]) for j in trial)
+        plan = plan_guesses(
+            [Draw(0.0, "a", (), tuple(source.tolist()), frozenset()), Draw(1.0, "c", (), tokens, frozenset())], {1}
+        )[1]
+        positions = [q for q, _ in plan]
+        chances = [float(torch.softmax(rows[trial[q]], -1)[t]) for q, t in plan]
+        hits = [tokens[q] == t for q, t in plan]
+        rare = positions and positions[-1] == len(trial) - 1 and hits[-1]
+        if rare and kept >= KEPT_BETWEEN_DROPS and _run_chances(positions, chances, hits)[-1] < 3e-3:
+            at, kept = at + 1, 0  # drop it
+            continue
+        taken.append(at)
+        at, kept = at + 1, kept + 1
+    return source[taken], taken
+
+
+def test_a_copy_that_drops_tokens_to_break_its_runs_is_caught():
+    """A run of drawn guesses ended where the copy left its source's alignment, so a copier that drops a
+    source token whenever its run would turn rare (no decode at all) passed, keeping two in three of its
+    source's tokens. The guesses now realign one or two tokens either way and a run carries on over
+    ``RUN_GAP`` positions. Still open: a copy of every other token only, which in these rows (each a
+    position's own, whatever came before) is a plausible sample, and under a real model's contexts pays
+    in likelihood. Honest groups of the same shape raise nothing."""
+    generator = torch.Generator().manual_seed(23)
+    for copying in (False, True):
+        turns = []
+        for group in range(12):
+            rows = torch.randn(48, VOCAB, generator=generator) * 0.5
+            rows[torch.arange(48), torch.randint(1, VOCAB, (48,), generator=generator)] += 3.0
+            original, other = _honest(rows, generator), _honest(rows[:24], generator)
+            turns.append(_Turn(f"g{group}/e0", (group,), rows, original))
+            if copying:
+                copy, taken = _dropping_copy(original, rows, 24)
+                turns.append(_Turn(f"g{group}/e1", (group,), rows[taken], copy))
+            else:
+                turns.append(_Turn(f"g{group}/e1", (group,), rows[:24], other))
+        assert (_independence(turns)[1] < FALSE_ALARM) == copying, copying
 
 
 def test_a_peaked_answer_repeats_often_and_that_is_chance():

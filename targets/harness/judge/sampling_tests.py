@@ -24,19 +24,21 @@ union bounds, over the rank test's bins and the independence test's scales, insi
   (the symbol an environment asks for), against the summed probability of drawing one.
 * independence: responses served to different episodes are independent draws. Before each drawn
   token the test guesses the token that an earlier turn of another episode drew there (any turn of the
-  trace, replayed or not, to any prompt, under any version): the turn it has been following (whose
-  guesses were drawn lately, at most ``FOLLOW_GAP`` positions back), else one that had the same context
-  (the last ``GUESS_CONTEXT`` tokens, or those with one unknown, or the whole prefix while shorter; a
-  resumed turn read on from its interrupted segment). It counts the guesses drawn against the summed
-  probability of drawing them under the weights the turn claims, among the guesses that would extend a
-  run of drawn guesses (each at most ``FOLLOW_GAP`` positions after the last) to a chance under 1e-3,
-  1e-6, 1e-12 (a union bound over the three). A cluster that decodes one request and copies the response
-  to others is caught, also when it claims the copy under another version or for another prompt,
-  re-draws some of its tokens (every other one, in the tests), or hands it over as an interrupted segment
-  and its resumption. Not counted over every guess: a stack that cancels redundant spares, or drops the
-  longest turns, leaves turns selected on their own tokens, and a count over every guess then drifts (a
-  toy of 3,000 groups keeping 8 of 10: 5,702 drawn against 5,337 expected, a false alarm), where runs as
-  improbable as 1e-3 did not (3 drawn against 6.0). For the same reason a stop token is never guessed.
+  trace, replayed or not, to any prompt, under any version): the turn it has been following (they shared
+  a token at most ``FOLLOW_GAP`` positions back, at the same shift or one or two tokens either way), else
+  one that had the same context (the last ``GUESS_CONTEXT`` tokens, or those with one unknown, or the
+  whole prefix while shorter; a resumed turn read on from its interrupted segment). It counts the
+  guesses drawn against the summed probability of drawing them under the weights the turn claims, among
+  the guesses that would extend a run of drawn guesses (each at most ``RUN_GAP`` positions after the
+  last) to a chance under 1e-3, 1e-6, 1e-12 (a union bound over the three). A cluster that decodes one
+  request and copies the response to others is caught, also when it claims the copy under another
+  version or for another prompt, re-draws some of its tokens (every other one, in the tests), drops a
+  source token in three to break its runs, or hands it over as an interrupted segment and its
+  resumption. Not
+  counted over every guess: a stack that cancels redundant spares, or drops the longest turns, leaves
+  turns selected on their own tokens, and a count over every guess then drifts (a toy of 3,000 groups
+  keeping 8 of 10: 5,702 drawn against 5,337 expected, a false alarm), where runs as improbable as 1e-3
+  did not (3 drawn against 6.0). For the same reason a stop token is never guessed.
 
 Engine numerics: a real engine's probabilities differ from the replay's by up to the target's
 ``logprob_atol`` (a per token, checked on the drawn tokens), so each test takes an honest engine's
@@ -58,7 +60,8 @@ FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
 # whose run's chance was at most each: ``_run_chances``)
 GUESS_CONTEXT = 4
 WILDCARD = -2  # a context's token left unknown
-FOLLOW_GAP = 3  # positions a guess may follow its source past its last drawn guess (and a run carry on)
+FOLLOW_GAP = 3  # positions a guess may follow its source past the last token they shared
+RUN_GAP = GUESS_CONTEXT + FOLLOW_GAP  # positions a run of drawn guesses carries on past its last
 INDEPENDENCE_SCALES = (1e-3, 1e-6, 1e-12)
 LAMBDAS = torch.logspace(-2.5, 0.5, 16, dtype=torch.float64)  # the temperature bound's grid
 EXPONENTS = torch.logspace(-3.5, 1.5, 26, dtype=torch.float64)  # the Bernoulli bounds' grid
@@ -176,12 +179,23 @@ def _contexts(full: tuple[int, ...], i: int) -> list[tuple[int, ...]]:
     return [window, *(window[:k] + (WILDCARD,) + window[k + 1 :] for k in range(GUESS_CONTEXT))]
 
 
+def _realigned(source: tuple[int, ...], full: tuple[int, ...], i: int, shift: int) -> int | None:
+    """The shift at which ``source`` shares the token before position ``i`` with ``full``: the same, or
+    one or two either way (a copy that dropped or put in tokens), the nearest; None if none does."""
+    for moved in (0, 1, -1, 2, -2):
+        at = i - 1 + shift + moved
+        if 0 <= at < len(source) and source[at] == full[i - 1]:
+            return shift + moved
+    return None
+
+
 def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[int, int]]]:
     """For each turn whose index is in ``guessed``, in the order asked: (position in its tokens, token)
     for each position where it guesses a token that is not a stop. A guess comes from an earlier turn of
-    another episode: the one the turn has been following (its last drawn guess came from there, at most
-    ``FOLLOW_GAP`` positions back, and it goes on there at the same shift), else one with the same context
-    (``_contexts``, over the turn's carried tokens and its own). Any prompt: a turn of another episode is
+    another episode: the one the turn has been following (they shared a token at most ``FOLLOW_GAP``
+    positions back; it goes on there at the shift where they shared the last, ``_realigned``), else one
+    with the same context (``_contexts``, over the turn's carried tokens and its own), which the turn
+    follows from its first drawn guess on. Any prompt: a turn of another episode is
     drawn apart from this one whatever it was asked, and a copy may be served for another prompt. Only
     the past decides each guess (the turn's tokens before it, the earlier turns), so each guess's chance
     is known before its draw."""
@@ -192,12 +206,16 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
         turn, full = turns[k], fulls[k]
         if k in guessed:
             guesses[k] = []
-            following, last_hit = None, -FOLLOW_GAP - 1  # (source turn, its position less ours), where drawn
+            following, shared = None, -FOLLOW_GAP - 1  # (source turn, its position less ours), where last shared
             for i in range(len(full)):
                 source = None
+                if following is not None and i > 0:
+                    shift = _realigned(fulls[following[0]], full, i, following[1])
+                    if shift is not None:
+                        following, shared = (following[0], shift), i - 1
                 if (
                     following is not None
-                    and i - last_hit <= FOLLOW_GAP
+                    and i - shared <= FOLLOW_GAP
                     and 0 <= i + following[1] < len(fulls[following[0]])
                 ):
                     source = following
@@ -211,7 +229,7 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
                     continue
                 token = fulls[source[0]][i + source[1]]
                 if full[i] == token:
-                    following, last_hit = source, i
+                    following, shared = source, i
                 if i >= len(turn.carried) and token not in turn.stops:
                     guesses[k].append((i - len(turn.carried), token))
         for i in range(len(full)):  # two episodes a context at most: one besides any turn's own
@@ -224,12 +242,13 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
 
 def _run_chances(positions: list[int], chances: list[float], hits: list[bool]) -> torch.Tensor:
     """For each guess of a turn (by position): the chance of the run it would extend, its own chance times
-    those of the guesses drawn before it in the run, each at most ``FOLLOW_GAP`` positions after the last.
-    A copied stretch of tokens is one run, as improbable as the stretch, also where the copy re-draws some
-    of its tokens (as many as ``FOLLOW_GAP`` - 1 in a row); a longer edit starts a new one."""
+    those of the guesses drawn before it in the run, each at most ``RUN_GAP`` positions after the last. A
+    copied stretch of tokens is one run, as improbable as the stretch, also where the copy re-draws, drops
+    or puts in a few tokens (the guesses realign within ``FOLLOW_GAP`` positions, or find the copy again by
+    its context within ``RUN_GAP``); only a longer stretch of its own starts a new one."""
     runs, run, last_hit = [], 1.0, None
     for position, chance, hit in zip(positions, chances, hits, strict=True):
-        if last_hit is None or position - last_hit > FOLLOW_GAP:
+        if last_hit is None or position - last_hit > RUN_GAP:
             run = 1.0
         runs.append(run * chance)
         if hit:

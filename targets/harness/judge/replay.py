@@ -34,7 +34,7 @@ import torch
 
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
 from targets.harness.judge.sampling_tests import FALSE_ALARM, Draw, SamplingTests, plan_guesses
-from targets.harness.judge.update_error import TENSOR_FOLLOWS_BATCH, tensor_bound, update_error
+from targets.harness.judge.update_error import step_fault, update_error
 
 if TYPE_CHECKING:
     from targets.harness.judge.trace_index import Reasons, TraceIndex
@@ -236,28 +236,9 @@ def replay_training(
         errors.append(off.relative)
         tensor_errors.append(off.worst_relative)
         followed.append(off.least_followed)
-        if not off.relative <= spec.accuracy.update_rtol:  # a NaN (a NaN in the batch) is no match
-            r.add(
-                "training replay",
-                f"step {k}: the weights are not the reference GRPO step on the batch the harness saw "
-                f"(relative error {off.relative:.3g} > {spec.accuracy.update_rtol:g}): the trainer dropped, "
-                "altered or skipped part of it, or trained differently than in check 2",
-            )
-        elif off.left_behind(spec.accuracy.update_rtol):
-            r.add(
-                "training replay",
-                f"step {k}: tensor {off.worst_tensor} is not the reference GRPO step's (its update "
-                f"{off.worst_relative:.3g} off, relative, against {tensor_bound(spec.accuracy.update_rtol):g}; "
-                "untrained is 1): the trainer left it behind",
-            )
-        elif off.ignored_batch():
-            r.add(
-                "training replay",
-                f"step {k}: tensor {off.least_following} did not follow the batch: its update carries "
-                f"{off.least_followed:.3g} of the batch's own pull on it (the reference's step less the same "
-                f"step on zero gradients), under {TENSOR_FOLLOWS_BATCH:g}: momentum moved it, not this batch's "
-                "gradient",
-            )
+        fault = step_fault(off, spec.accuracy.update_rtol, "the reference GRPO step on the batch the harness saw")
+        if fault is not None:
+            r.add("training replay", f"step {k}: {fault}")
         before = after
     # Unchanged weights are a reason only where the reference step moves them: a batch whose rewards are
     # all equal (a random model scoring 0 on a real task) has zero advantages, and an honest step then

@@ -101,3 +101,28 @@ def update_error(start: StateDict, got: StateDict, want: StateDict, coast: State
     else:
         relative = math.sqrt(err_sq / ref_sq)
     return UpdateError(relative, tensors, followed, ref_sq > 0, cand_sq != 0)  # NaN weights moved (to NaN)
+
+
+def step_fault(off: UpdateError, update_rtol: float, held_to: str) -> str | None:
+    """What is wrong with one training step's update (check 2's and the training replay's words), the
+    first of: it did not move, the whole update is off, a tensor was left behind, a tensor did not follow
+    the batch; None when nothing is. ``held_to`` names the step it is held to."""
+    if off.reference_moved and not off.candidate_moved:
+        return f"the weights did not move where {held_to} moves them: the optimizer step did not happen"
+    if not off.relative <= update_rtol:  # NaN weights are no match
+        return (
+            f"the weights are not {held_to} (relative error {off.relative:.3g} > {update_rtol:g}; worst tensor "
+            f"{off.worst_tensor}: {off.worst_relative:.3g})"
+        )
+    if off.left_behind(update_rtol):
+        return (
+            f"tensor {off.worst_tensor} was left behind: its update is {off.worst_relative:.3g} off, relative, "
+            f"against {tensor_bound(update_rtol):g} (untrained is 1)"
+        )
+    if off.ignored_batch():
+        return (
+            f"tensor {off.least_following} did not follow the batch: its update carries {off.least_followed:.3g} "
+            "of the batch's own pull on it (the reference's step less the same step on zero gradients), under "
+            f"{TENSOR_FOLLOWS_BATCH:g}: momentum moved it, not the batch's gradient"
+        )
+    return None

@@ -187,6 +187,14 @@ def test_a_copy_edited_split_or_served_for_another_prompt_is_caught():
         assert bound < FALSE_ALARM, (evasion, bound)
 
 
+def _likely(generator: torch.Generator, tokens: int) -> torch.Tensor:
+    """Rows with one likely token each (about 0.2 of the mass), so that a short copied stretch is no
+    rare event and only a run across the copy's edits makes it one."""
+    logits = torch.randn(tokens, VOCAB, generator=generator) * 0.5
+    logits[torch.arange(tokens), torch.randint(1, VOCAB, (tokens,), generator=generator)] += 3.0
+    return logits
+
+
 @pytest.mark.parametrize("every", [3, 2])
 def test_a_copy_with_every_few_tokens_re_drawn_is_caught(every):
     """The red team's evasion of 4-token contexts: re-draw every few tokens of the copy (one prefill of the
@@ -199,8 +207,7 @@ def test_a_copy_with_every_few_tokens_re_drawn_is_caught(every):
     for copying in (False, True):
         turns = []
         for group in range(20):
-            logits = torch.randn(32, VOCAB, generator=generator) * 0.5
-            logits[torch.arange(32), torch.randint(1, VOCAB, (32,), generator=generator)] += 3.0
+            logits = _likely(generator, 32)
             original, other = _honest(logits, generator), _honest(logits, generator)
             copy = original.clone()
             copy[every - 1 :: every] = other[every - 1 :: every]
@@ -249,8 +256,7 @@ def test_a_copy_that_drops_tokens_to_break_its_runs_is_caught():
     for copying in (False, True):
         turns = []
         for group in range(12):
-            rows = torch.randn(48, VOCAB, generator=generator) * 0.5
-            rows[torch.arange(48), torch.randint(1, VOCAB, (48,), generator=generator)] += 3.0
+            rows = _likely(generator, 48)
             original, other = _honest(rows, generator), _honest(rows[:24], generator)
             turns.append(_Turn(f"g{group}/e0", (group,), rows, original))
             if copying:

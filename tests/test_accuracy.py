@@ -160,10 +160,8 @@ class CoastingTrainer(ReferenceTrainer):
     never computed (zero) and AdamW's momentum carries it: off by less than 0.9, and the whole model
     under its bound."""
 
-    trained_steps = (1,)  # the versions before which it computes that gradient
-
     def train_step(self, batch):
-        if self.version + 1 in self.trained_steps:
+        if self.version == 0:
             return super().train_step(batch)
         coasting = self.model.get_parameter("model.layers.0.input_layernorm.weight")
         hook = coasting.register_hook(torch.zeros_like)
@@ -171,14 +169,6 @@ class CoastingTrainer(ReferenceTrainer):
             return super().train_step(batch)
         finally:
             hook.remove()
-
-
-class LateStartTrainer(CoastingTrainer):
-    """The other way round: the layernorm's gradient skipped on the first step only. Judged over both
-    steps at once, it was 0.88 off in the red team's bf16 trainer (passed) and 0.914 here (caught by a
-    hair), following the last batch; judged step by step, it was left behind on the first, off by 1."""
-
-    trained_steps = (2,)
 
 
 def _factory(cls, base_model):
@@ -268,14 +258,13 @@ def test_fixed_batches_exercise_clipping(tiny_model, batches):
     "planted, expected",
     [
         (SkippedStepTrainer, "optimizer step did not happen"),
-        (UnclippedTrainer, "the weights are not the reference trainer's step"),
-        (AscentTrainer, "the weights are not the reference trainer's step"),
+        (UnclippedTrainer, "the weights are not the reference trainer's update over two steps"),
+        (AscentTrainer, "the weights are not the reference trainer's update over two steps"),
         (NaNWeightTrainer, "relative error nan"),
         (VersionSkippingTrainer, "after step 1 the trainer returned version 2 and reports 2"),
         (PartialStateTrainer, "trainer state_dict lacks parameters"),
-        (FrozenTensorTrainer, "step 1: tensor model.layers.0.input_layernorm.weight was left behind"),
-        (CoastingTrainer, "step 2: tensor model.layers.0.input_layernorm.weight did not follow the batch"),
-        (LateStartTrainer, "step 1: tensor model.layers.0.input_layernorm.weight was left behind"),
+        (FrozenTensorTrainer, "tensor model.layers.0.input_layernorm.weight was left behind"),
+        (CoastingTrainer, "tensor model.layers.0.input_layernorm.weight did not follow the batch"),
     ],
 )
 def test_trainer_check_rejects_planted_trainers(tiny_model, batches, planted, expected):

@@ -784,7 +784,7 @@ def _second_rank(path: str, rendezvous: str, done, streamed: bool = False) -> No
     stepper = _Streamed(trainer) if streamed else trainer
     for batch in fixed_train_batches(load_model(model_dir(spec.model))):
         stepper.train_step(batch)
-        trainer.state_dict()  # a collective: rank 0's check gathers the full weights after each step
+    trainer.state_dict()  # a collective: rank 0's check gathers the full weights
     trainer.close()
     done.put("ok")
 

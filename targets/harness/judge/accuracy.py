@@ -6,7 +6,7 @@
 2. trainer: two GRPO steps on fixed batches move the parameters like the reference trainer's, which
    keeps float32 master weights whatever the model's dtype (relative error of the update within
    ``update_rtol``: a trainer whose updates round away in bf16 fails), no tensor the reference moves is
-   left behind, and each follows the batch (``update_error.py``), step by step;
+   left behind, and each follows the last batch (``update_error.py``);
 3. weight sync: after syncing version v, the engine's tokens and logprobs are the reference's
    under v's weights (and the report says so when they are still the old weights').
 
@@ -36,7 +36,7 @@ from targets.api import (
     Trajectory,
 )
 from targets.harness.judge.check_result import CheckResult
-from targets.harness.judge.update_error import UpdateError, step_fault, update_error
+from targets.harness.judge.update_error import step_fault, update_error
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer
@@ -179,47 +179,40 @@ def check_trainer(
     batches: Sequence[TrainBatch] | None = None,
 ) -> CheckResult:
     """Two steps, because AdamW's first step is ~lr*sign(grad): one step alone would hide a wrong
-    loss scale or missing gradient clipping; the second step's update depends on their ratio. Each step
-    is judged from where the candidate stands, as the training replay judges a system run's: the float32
-    reference loaded with the candidate's weights (its own AdamW state carried along) steps the same batch."""
+    loss scale or missing gradient clipping; the second step's update depends on their ratio. Judged
+    over both at once, the pull (``update_error.py``) on the last batch: a bf16 trainer's first step alone
+    is ~1.5x as far off as the two together (0.119 against 0.080 on tiny-qwen3-cpu in bf16), and the 0.6B
+    target's bound is set on the two (0.164 on an H100). The training replay judges a system run's steps
+    one by one."""
     batches = list(batches) if batches is not None else fixed_train_batches(base_model)
     initial = {k: v.detach().cpu().clone() for k, v in base_model.state_dict().items()}
     reference = ReferenceTrainer(copy.deepcopy(base_model).float(), config)  # float32 masters, as a trainer keeps
     candidate = make_trainer({k: v.clone() for k, v in initial.items()}, config)
     reasons: list[str] = []
-    steps: list[UpdateError] = []
-    before: StateDict = initial
+    coast: StateDict = initial
     for step, batch in enumerate(batches, start=1):
-        reference.load_state_dict(before)
-        coast = reference.coast()
+        coast = reference.coast()  # the last step's is kept: the pull judged is the last batch's
         reference.train_step(batch)
         returned = candidate.train_step(batch)
         if returned != step or candidate.version != step:
             reasons.append(f"after step {step} the trainer returned version {returned} and reports {candidate.version}")
-        exported = candidate.state_dict()
-        missing = sorted(set(initial) - set(exported))
-        if missing:
-            return CheckResult("trainer", False, [f"trainer state_dict lacks parameters {missing[:5]}"], {})
-        after = {k: exported[k].detach().to("cpu", copy=True) for k in initial}  # a trainer may export its live tensors
-        off = update_error(before, after, reference.state_dict(), coast)
-        if not off.reference_moved:
-            raise RuntimeError(
-                f"the reference trainer did not move the weights at step {step}: the batches cannot test a trainer"
-            )
-        fault = step_fault(off, accuracy.update_rtol, "the reference trainer's step")
-        steps.append(off)
-        if fault is not None:  # the next step would start from weights already wrong (NaN, say)
-            reasons.append(f"step {step}: {fault}")
-            break
-        before = after
-    worst = max(steps, key=lambda o: math.inf if math.isnan(o.worst_relative) else o.worst_relative)
-    least = min(steps, key=lambda o: -math.inf if math.isnan(o.least_followed) else o.least_followed)
+    exported = candidate.state_dict()
+    missing = sorted(set(initial) - set(exported))
+    if missing:
+        return CheckResult("trainer", False, [f"trainer state_dict lacks parameters {missing[:5]}"], {})
+    got = {k: exported[k].detach().to("cpu", copy=True) for k in initial}
+    off = update_error(initial, got, reference.state_dict(), coast)
+    if not off.reference_moved:
+        raise RuntimeError("the reference trainer did not change the weights: the fixed batches cannot test a trainer")
+    fault = step_fault(off, accuracy.update_rtol, "the reference trainer's update over two steps")
+    if fault is not None:
+        reasons.append(fault)
     details = {
-        "relative_update_error": max((o.relative for o in steps), key=lambda e: math.inf if math.isnan(e) else e),
-        "worst_tensor": worst.worst_tensor,
-        "worst_tensor_error": worst.worst_relative,
-        "least_following_tensor": least.least_following,
-        "least_followed": least.least_followed,
+        "relative_update_error": off.relative,
+        "worst_tensor": off.worst_tensor,
+        "worst_tensor_error": off.worst_relative,
+        "least_following_tensor": off.least_following,
+        "least_followed": off.least_followed,
         "steps": len(batches),
     }
     return CheckResult("trainer", not reasons, reasons, details)

@@ -110,10 +110,8 @@ def step_fault(off: UpdateError, update_rtol: float, held_to: str) -> str | None
     if off.reference_moved and not off.candidate_moved:
         return f"the weights did not move where {held_to} moves them: the optimizer step did not happen"
     if not off.relative <= update_rtol:  # NaN weights are no match
-        return (
-            f"the weights are not {held_to} (relative error {off.relative:.3g} > {update_rtol:g}; worst tensor "
-            f"{off.worst_tensor}: {off.worst_relative:.3g})"
-        )
+        worst = f"; worst tensor {off.worst_tensor}: {off.worst_relative:.3g}" if off.worst_tensor else ""
+        return f"the weights are not {held_to} (relative error {off.relative:.3g} > {update_rtol:g}{worst})"
     if off.left_behind(update_rtol):
         return (
             f"tensor {off.worst_tensor} was left behind: its update is {off.worst_relative:.3g} off, relative, "

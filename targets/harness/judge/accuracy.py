@@ -191,7 +191,8 @@ def check_trainer(
     reasons: list[str] = []
     coast: StateDict = initial
     for step, batch in enumerate(batches, start=1):
-        coast = reference.coast()  # the last step's is kept: the pull judged is the last batch's
+        if step == len(batches):  # the pull judged is the last batch's
+            coast = reference.coast()
         reference.train_step(batch)
         returned = candidate.train_step(batch)
         if returned != step or candidate.version != step:

@@ -34,11 +34,10 @@ union bounds, over the rank test's bins and the independence test's scales, insi
   request and copies the response to others is caught, also when it claims the copy under another
   version or for another prompt, re-draws some of its tokens (every other one, in the tests), drops a
   source token in three to break its runs, or hands it over as an interrupted segment and its
-  resumption. Not
-  counted over every guess: a stack that cancels redundant spares, or drops the longest turns, leaves
-  turns selected on their own tokens, and a count over every guess then drifts (a toy of 3,000 groups
-  keeping 8 of 10: 5,702 drawn against 5,337 expected, a false alarm), where runs as improbable as 1e-3
-  did not (3 drawn against 6.0). For the same reason a stop token is never guessed.
+  resumption. Not counted over every guess: a stack that cancels redundant spares, or drops the longest
+  turns, leaves turns selected on their own tokens, and a count over every guess then drifts (a toy of
+  3,000 groups keeping 8 of 10: 5,702 drawn against 5,337 expected, a false alarm), where runs as
+  improbable as 1e-3 did not (3 drawn against 6.0). For the same reason a stop token is never guessed.
 
 Engine numerics: a real engine's probabilities differ from the replay's by up to the target's
 ``logprob_atol`` (a per token, checked on the drawn tokens), so each test takes an honest engine's

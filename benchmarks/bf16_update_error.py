@@ -19,7 +19,6 @@ import copy
 import sys
 from pathlib import Path
 
-import torch
 import typer
 import yaml
 from rich.console import Console
@@ -32,9 +31,9 @@ if str(ROOT) not in sys.path:
 from targets.harness.judge.accuracy import fixed_train_batches  # noqa: E402
 from targets.harness.judge.update_error import update_error  # noqa: E402
 from targets.harness.model import load_model, model_dir  # noqa: E402
-from targets.harness.reference.grpo import grpo_loss, pad_trajectories, token_logprobs  # noqa: E402
 from targets.harness.reference.trainer import ReferenceTrainer  # noqa: E402
 from targets.spec import CATALOG_DIR, parse_target  # noqa: E402
+from tests.bf16_masters import Bf16MasterTrainer  # noqa: E402
 
 
 def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast: str = "") -> None:
@@ -44,32 +43,15 @@ def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast
     spec = parse_target(data)
     base = load_model(model_dir(spec.model), "bfloat16")
     config = spec.workload.training.config()
-    masters = copy.deepcopy(base).float()
-    optimizer = torch.optim.AdamW(
-        masters.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
-    )
-    compute, reference = copy.deepcopy(base), ReferenceTrainer(copy.deepcopy(base).float(), config)
-    names = [name for name, _ in masters.named_parameters()]
+    honest, reference = Bf16MasterTrainer(base, config), ReferenceTrainer(copy.deepcopy(base).float(), config)
     table = Table("step", "whole model", "worst tensors (relative error, weights)", "least following (pull carried)")
     for step, batch in enumerate(fixed_train_batches(base, sizes=[(8, 12)[k % 2] for k in range(steps)]), start=1):
-        start = {k: v.detach().clone() for k, v in masters.state_dict().items()}
+        start = honest.state_dict()
         reference.load_state_dict(start)  # the reference's AdamW state carried along, as in the replay
         coasted = reference.coast()
         reference.train_step(batch)
-        compute.load_state_dict({k: v.to(torch.bfloat16) for k, v in start.items()})
-        compute.zero_grad(set_to_none=True)
-        padded = pad_trajectories(batch.trajectories)
-        tokens = max(1.0, float(sum(sum(t.loss_mask) for t in batch.trajectories)))
-        advantages = torch.tensor(batch.advantages, dtype=torch.float32)
-        logprobs = token_logprobs(compute.train(), padded.tokens, padded.attention)
-        grpo_loss(logprobs, padded, advantages, config, None, tokens).backward()
-        for name, master, bf16 in zip(names, masters.parameters(), compute.parameters(), strict=True):
-            carried = coast and coast in name and step >= 2
-            master.grad = torch.zeros_like(master) if carried else bf16.grad.float()
-        torch.nn.utils.clip_grad_norm_(masters.parameters(), config.max_grad_norm)
-        optimizer.step()
-        got, want = masters.state_dict(), reference.state_dict()
-        off = update_error(start, got, want, coasted)
+        honest.train_step(batch, coast if step >= 2 else "")
+        off = update_error(start, honest.state_dict(), reference.state_dict(), coasted)
         worst = sorted(((e, k) for k, e in off.tensors.items()), reverse=True)[:3]
         least = sorted((f, k) for k, f in off.followed.items())[:3]
         table.add_row(

@@ -199,29 +199,16 @@ def test_an_honest_bf16_trainer_passes_a_step_of_weak_gradients():
     not judged (a tensor coasting there is off by as little)."""
     import dataclasses
 
-    from targets.harness.reference.grpo import grpo_loss, pad_trajectories, token_logprobs
+    from bf16_masters import Bf16MasterTrainer
 
     spec, base = _bf16_spec_and_model()
-    config = spec.workload.training.config()
     batches = fixed_train_batches(base, sizes=(8, 12, 8, 12))
     batches[3] = dataclasses.replace(batches[3], advantages=[a * 1e-4 for a in batches[3].advantages])
-    masters, compute = copy.deepcopy(base).float(), copy.deepcopy(base).train()
-    optimizer = torch.optim.AdamW(
-        masters.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
-    )
+    honest = Bf16MasterTrainer(base, spec.workload.training.config())
     weights = {0: {k: v.clone() for k, v in base.state_dict().items()}}
     for step, batch in enumerate(batches, start=1):
-        compute.load_state_dict({k: v.to(torch.bfloat16) for k, v in masters.state_dict().items()})
-        compute.zero_grad(set_to_none=True)
-        padded = pad_trajectories(batch.trajectories)
-        tokens = float(sum(sum(t.loss_mask) for t in batch.trajectories))
-        logprobs = token_logprobs(compute, padded.tokens, padded.attention)
-        grpo_loss(logprobs, padded, torch.tensor(batch.advantages), config, None, tokens).backward()
-        for master, bf16 in zip(masters.parameters(), compute.parameters(), strict=True):
-            master.grad = bf16.grad.float()
-        torch.nn.utils.clip_grad_norm_(masters.parameters(), config.max_grad_norm)
-        optimizer.step()
-        weights[step] = {k: v.detach().clone() for k, v in masters.state_dict().items()}
+        honest.train_step(batch)
+        weights[step] = honest.state_dict()
 
     def make_model(state):
         model = copy.deepcopy(base)

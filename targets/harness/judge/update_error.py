@@ -108,7 +108,7 @@ def step_fault(off: UpdateError, update_rtol: float, held_to: str) -> str | None
     first of: it did not move, the whole update is off, a tensor was left behind, a tensor did not follow
     the batch; None when nothing is. ``held_to`` names the step it is held to."""
     if off.reference_moved and not off.candidate_moved:
-        return f"the weights did not move where {held_to} moves them: the optimizer step did not happen"
+        return f"the weights are not {held_to}: they did not move (the optimizer step did not happen)"
     if not off.relative <= update_rtol:  # NaN weights are no match
         worst = f"; worst tensor {off.worst_tensor}: {off.worst_relative:.3g}" if off.worst_tensor else ""
         return f"the weights are not {held_to} (relative error {off.relative:.3g} > {update_rtol:g}{worst})"

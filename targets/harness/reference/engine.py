@@ -5,6 +5,7 @@ batches) decodes with transformers' own KV cache, held to that yardstick by test
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -35,11 +36,18 @@ def next_token_logits(model: PreTrainedModel, sequences: Sequence[TokenIds]) -> 
     return logits[:, -1].float().cpu()
 
 
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The name of the forward's KV-cache argument and output: ``cache`` from transformers 5.25 on (the
+    old ``past_key_values`` still works there, with a deprecation warning), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class ReferenceEngine:
     """Follows ``targets.api.RolloutEngine``."""
 
     def __init__(self, model: PreTrainedModel, weight_version: int = 0, device: str = "reference") -> None:
         self.model = model.eval()
+        self.cache_keyword = cache_keyword(model)
         self.weight_version = weight_version
         self.device = device
 
@@ -66,10 +74,10 @@ class ReferenceEngine:
                 input_ids=tokens.to(device),
                 attention_mask=attention.to(device),
                 position_ids=positions.to(device),
-                past_key_values=cache,
                 use_cache=True,
+                **{self.cache_keyword: cache},
             )
-            cache = out.past_key_values
+            cache = out[self.cache_keyword]
             logits = out.logits[:, -1].float().cpu()[active]
             logp = torch.log_softmax(logits, dim=-1)
             if params.temperature == 0:

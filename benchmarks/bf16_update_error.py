@@ -2,6 +2,7 @@
 tensor: the figures the judge's update bounds are set against (``targets/harness/judge/update_error.py``).
 
     python benchmarks/bf16_update_error.py [--target tiny-qwen3-cpu] [--lr 1e-6] [--steps 2] [--coast NAME]
+        [--stretch NAME]
 
 The target's model in bfloat16; the honest trainer keeps float32 masters, computes the GRPO loss and its
 gradients in bfloat16, and steps AdamW on the masters; the reference steps in float32 from the same
@@ -10,7 +11,11 @@ and two again. Printed per step: the relative update error of the whole model an
 tensors (each tensor the reference moved), and the three tensors that carry least of the batch's own pull
 (the reference's step less its coast on zero gradients). ``--coast NAME``: from step 2 on, the trainer
 zeroes the gradients of the tensors whose names contain NAME and lets momentum carry them, the evasion
-the pull bound catches.
+the pull bound catches. Also printed: the least share of its own pull any row or column of a matrix
+carries (the unit ``carried`` counts by). ``--stretch NAME``: from step 2 on, the matrices whose names
+contain NAME keep their coast in the rows holding 70% of the pull and move the other rows far enough that
+one projection onto the pull reads 0.6 (the trainer's own update there, stretched): the evasion that
+counting row by row catches.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from targets.harness.judge.accuracy import fixed_train_batches  # noqa: E402
 from targets.harness.judge.update_error import update_error  # noqa: E402
 from targets.harness.model import load_model, model_dir  # noqa: E402
@@ -36,7 +43,28 @@ from targets.spec import CATALOG_DIR, parse_target  # noqa: E402
 from tests.bf16_masters import Bf16MasterTrainer  # noqa: E402
 
 
-def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast: str = "") -> None:
+def least_row_carried(moved: torch.Tensor, pull: torch.Tensor) -> float:
+    """The least share of its own pull a row or a column of the matrix carries (pulled rows only)."""
+    least = 1.0
+    for rows, along in ((moved, pull), (moved.T, pull.T)):
+        own = (along * along).sum(dim=1)
+        share = (rows * along).sum(dim=1)[own > 0] / own[own > 0]
+        least = min(least, float(share.min()))
+    return least
+
+
+def stretched(got: torch.Tensor, coast: torch.Tensor, pull: torch.Tensor) -> torch.Tensor:
+    """``got`` with the rows holding 70% of the pull back at their coast and the rest moved further."""
+    own = (pull * pull).sum(dim=1)
+    order = torch.argsort(own, descending=True)
+    kept = torch.ones_like(own, dtype=torch.bool)
+    kept[order[: int((own[order].cumsum(0) < 0.7 * own.sum()).sum())]] = False
+    moved = got - coast
+    stretch = 0.6 * float((pull * pull).sum()) / float((moved * pull)[kept].sum())
+    return coast + torch.where(kept[:, None], stretch * moved, torch.zeros_like(moved))
+
+
+def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast: str = "", stretch: str = "") -> None:
     data = yaml.safe_load((CATALOG_DIR / f"{target}.yaml").read_text())
     data["model"]["dtype"] = "bfloat16"
     data["workload"]["training"]["lr"] = lr
@@ -44,14 +72,29 @@ def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast
     base = load_model(model_dir(spec.model), "bfloat16")
     config = spec.workload.training.config()
     honest, reference = Bf16MasterTrainer(base, config), ReferenceTrainer(copy.deepcopy(base).float(), config)
-    table = Table("step", "whole model", "worst tensors (relative error, weights)", "least following (pull carried)")
+    table = Table(
+        "step",
+        "whole model",
+        "worst tensors (relative error, weights)",
+        "least following (pull carried)",
+        "least row or column (own pull)",
+    )
     for step, batch in enumerate(fixed_train_batches(base, sizes=[(8, 12)[k % 2] for k in range(steps)]), start=1):
         start = honest.state_dict()
         reference.load_state_dict(start)  # the reference's AdamW state carried along, as in the replay
         coasted = reference.coast()
         reference.train_step(batch)
         honest.train_step(batch, coast if step >= 2 else "")
-        off = update_error(start, honest.state_dict(), reference.state_dict(), coasted)
+        got, want = honest.state_dict(), reference.state_dict()
+        pulls = {k: want[k].double() - coasted[k].double() for k in want if want[k].dim() == 2}
+        if stretch and step >= 2:
+            for k in pulls:
+                if stretch in k:
+                    got[k] = stretched(got[k].double(), coasted[k].double(), pulls[k]).float()
+        off = update_error(start, got, want, coasted)
+        least_row = min(
+            (least_row_carried(got[k].double() - coasted[k].double(), pulls[k]), k) for k in pulls if k in off.followed
+        )
         worst = sorted(((e, k) for k, e in off.tensors.items()), reverse=True)[:3]
         least = sorted((f, k) for k, f in off.followed.items())[:3]
         table.add_row(
@@ -59,6 +102,7 @@ def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast
             f"{off.relative:.3f}",
             ", ".join(f"{k.removeprefix('model.')} {e:.3f} ({start[k].numel()})" for e, k in worst),
             ", ".join(f"{k.removeprefix('model.')} {f:.3f}" for f, k in least),
+            f"{least_row[1].removeprefix('model.')} {least_row[0]:.3f}",
         )
     Console().print(table)
 

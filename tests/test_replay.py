@@ -191,6 +191,38 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
         f" tensor {coasting} did not follow the batch: its update carries 0"
     ], reasons.lines()
 
+    # a trainer that lets momentum carry the rows of a matrix holding 70% of the batch's pull on it and
+    # moves the other rows twice as far: one projection onto the pull nets the two out to 0.6, row by row
+    # it carries 0.3 (the matrix momentum alone carries nearest its step, the whole model's error kept
+    # under half its bound)
+    matrix = min(
+        (
+            k
+            for k in share
+            if weights[1][k].dim() == 2
+            and update[k] > 0
+            and math.sqrt(share[k]) * coasted_error(k) < spec.accuracy.update_rtol / 2
+        ),
+        key=coasted_error,
+    )
+    coast, pull = coasts[2][matrix].double(), weights[2][matrix].double() - coasts[2][matrix].double()
+    rows = (pull * pull).sum(dim=1)
+    order = torch.argsort(rows, descending=True)
+    kept = torch.ones_like(rows, dtype=torch.bool)
+    kept[order[: int((rows[order].cumsum(0) < 0.7 * rows.sum()).sum())]] = False
+    stretch = 0.6 / float(rows[kept].sum() / rows.sum())
+    stretched = coast + torch.where(kept[:, None], stretch * pull, torch.zeros_like(pull))
+    projection = float(((stretched - coast) * pull).sum() / (pull * pull).sum())
+    assert abs(projection - 0.6) < 1e-3, "a projection onto the pull alone would let it through"
+    planted = {**weights, 2: {**weights[2], matrix: stretched.float()}}
+    reasons = Reasons()
+    details = replay_training(ix, reasons, spec, planted.get, make_model)
+    assert details["training_replay_worst_tensor_error"] < 0.9
+    assert 0.25 < details["training_replay_least_followed"] < 0.35
+    assert [line.split(":", 2)[2].split(" of ")[0] for line in reasons.lines()] == [
+        f" tensor {matrix} did not follow the batch: its update carries {details['training_replay_least_followed']:.3g}"
+    ], reasons.lines()
+
 
 def test_an_honest_bf16_trainer_passes_a_step_of_weak_gradients():
     """A trainer that computes in bf16 over float32 masters keeps momentum of its own, not the replay's.

@@ -91,6 +91,15 @@ def test_coasting_is_the_zero_gradient_step_and_changes_nothing(tiny_model, tiny
     ahead = coasting.coast()  # momentum now: the coast moves every trained tensor
     assert all(not torch.equal(ahead[k], before[k]) for k in before)
     assert all(torch.equal(coasting.state_dict()[k], before[k]) for k in before)
+    whole = copy.deepcopy(coasting)  # the coast taken one parameter at a time is the whole model's step
+    for parameter in whole.model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    whole.optimizer.step()
+    assert ahead.keys() == before.keys()
+    assert all(torch.equal(ahead[k], v) for k, v in whole.state_dict().items())
+    coasting.train_step(first)  # and the trainer, optimizer state included, is as it was
+    plain.train_step(first)
+    assert all(torch.equal(a, b) for a, b in zip(coasting.state_dict().values(), plain.state_dict().values()))
 
 
 def test_reference_engine_and_greedy_batch_like_single_prompts(tiny_model):

@@ -12,9 +12,12 @@ import torch
 
 from targets.harness.judge.sampling_tests import (
     FALSE_ALARM,
+    GUESS_CONTEXT,
     LAMBDAS,
+    TOKEN_BITS,
     Draw,
     SamplingTests,
+    _contexts,
     _run_chances,
     plan_guesses,
 )
@@ -294,6 +297,33 @@ def test_one_copied_long_response_among_many_honest_repeats_is_caught(copies):
     tests, bound = _independence(turns)
     assert sum(int(hit.sum()) for _, hit, _ in tests._guesses) > 300  # among hundreds of honest drawn guesses
     assert (bound < FALSE_ALARM) == bool(copies), bound
+
+
+def test_a_context_key_matches_exactly_where_the_tokens_do():
+    """Contexts are integers (one per context of every drawn token: millions on a long-context target):
+    two positions share a key where, and only where, their last tokens (or whole prefixes) are the same,
+    or the same but for the one left unknown; the largest token id included."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    largest = (1 << TOKEN_BITS) - 2
+    sequences = [tuple(rng.choice((0, 1, 2, largest)) for _ in range(rng.randrange(1, 9))) for _ in range(40)]
+
+    def shown(full, i):  # the contexts as the tokens say them: -1 leads a prefix, None is a token left unknown
+        if i < GUESS_CONTEXT:
+            return [(-1, *full[:i])]
+        window = full[i - GUESS_CONTEXT : i]
+        return [window, *(window[:k] + (None,) + window[k + 1 :] for k in range(GUESS_CONTEXT))]
+
+    pairs = [
+        (key, told)
+        for full in sequences
+        for i, keys in enumerate(_contexts(full))
+        for key, told in zip(keys, shown(full, i), strict=True)
+    ]
+    for (key, told), (other, other_told) in itertools.combinations(pairs, 2):
+        assert (key == other) == (told == other_told), (told, other_told)
 
 
 def test_a_stop_token_is_never_guessed():

@@ -58,7 +58,6 @@ FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
 # the independence test: tokens of context a guess matches, and the scales it counts guesses at (those
 # whose run's chance was at most each: ``_run_chances``)
 GUESS_CONTEXT = 4
-WILDCARD = -2  # a context's token left unknown
 FOLLOW_GAP = 3  # positions a guess may follow its source past the last token they shared
 RUN_GAP = GUESS_CONTEXT + FOLLOW_GAP  # positions a run of drawn guesses carries on past its last
 INDEPENDENCE_SCALES = (1e-3, 1e-6, 1e-12)
@@ -168,14 +167,28 @@ class Draw:
     stops: frozenset[int]
 
 
-def _contexts(full: tuple[int, ...], i: int) -> list[tuple[int, ...]]:
-    """What a guess at position ``i`` may match, most specific first: the last ``GUESS_CONTEXT`` tokens,
-    then the same with one of them unknown (``WILDCARD``: a copy with a token re-drawn); or the whole
-    prefix (marked as one, -1) while shorter."""
-    if i < GUESS_CONTEXT:
-        return [(-1, *full[:i])]
-    window = full[i - GUESS_CONTEXT : i]
-    return [window, *(window[:k] + (WILDCARD,) + window[k + 1 :] for k in range(GUESS_CONTEXT))]
+TOKEN_BITS = 32  # a token's field in a context's key: the id plus 1 (0: a token left unknown)
+_FIELD = (1 << TOKEN_BITS) - 1
+
+
+def _contexts(full: tuple[int, ...]) -> list[list[int]]:
+    """For each position ``i`` of ``full``, what a guess there may match, most specific first: the last
+    ``GUESS_CONTEXT`` tokens, then the same with one of them unknown (a copy with a token re-drawn); or
+    the whole prefix while shorter. Each context is one integer, its tokens' fields side by
+    side (a prefix's behind a leading 1, negated, so that no prefix is a window): the plan keeps one for
+    each context of every drawn token, millions on a long-context target, and a tuple key with a dict of
+    followers cost ~1.7 KB a token (``benchmarks/plan_guesses_cost.py``)."""
+    contexts, window, prefix = [], 0, 1
+    for i, token in enumerate(full):
+        if i < GUESS_CONTEXT:
+            contexts.append([~prefix])
+            prefix = (prefix << TOKEN_BITS) | (token + 1)
+        else:
+            contexts.append(
+                [window, *(window & ~(_FIELD << TOKEN_BITS * (GUESS_CONTEXT - 1 - k)) for k in range(GUESS_CONTEXT))]
+            )
+        window = ((window << TOKEN_BITS) | (token + 1)) & ((1 << TOKEN_BITS * GUESS_CONTEXT) - 1)
+    return contexts
 
 
 def _realigned(source: tuple[int, ...], full: tuple[int, ...], i: int, shift: int) -> int | None:
@@ -198,11 +211,13 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
     drawn apart from this one whatever it was asked, and a copy may be served for another prompt. Only
     the past decides each guess (the turn's tokens before it, the earlier turns), so each guess's chance
     is known before its draw."""
-    followers: dict[tuple[int, ...], dict[str, tuple[int, int]]] = {}  # context -> episode -> (turn, position)
+    followers: dict[int, int | tuple[int, int]] = {}  # context -> the first one or two episodes' ``_follower``s
+    episodes = {turn.episode: e for e, turn in enumerate(sorted(turns, key=lambda t: t.episode))}
     fulls = [turn.carried + turn.tokens for turn in turns]
     guesses: dict[int, list[tuple[int, int]]] = {}
     for k in sorted(range(len(turns)), key=lambda k: turns[k].at):
-        turn, full = turns[k], fulls[k]
+        turn, full, episode = turns[k], fulls[k], episodes[turns[k].episode]
+        contexts = _contexts(full)
         if k in guessed:
             guesses[k] = []
             following, shared = None, -FOLLOW_GAP - 1  # (source turn, its position less ours), where last shared
@@ -219,8 +234,8 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
                 ):
                     source = following
                 else:
-                    for context in _contexts(full, i):
-                        found = next((at for e, at in followers.get(context, {}).items() if e != turn.episode), None)
+                    for context in contexts[i]:
+                        found = _followed(followers.get(context), episode)
                         if found is not None:
                             source = (found[0], found[1] - i)
                             break
@@ -231,12 +246,27 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
                     following, shared = source, i
                 if i >= len(turn.carried) and token not in turn.stops:
                     guesses[k].append((i - len(turn.carried), token))
-        for i in range(len(full)):  # two episodes a context at most: one besides any turn's own
-            for context in _contexts(full, i):
-                after = followers.setdefault(context, {})
-                if len(after) < 2:
-                    after.setdefault(turn.episode, (k, i))
+        for i, keys in enumerate(contexts):  # two episodes a context at most: one besides any turn's own
+            for context in keys:
+                entry = followers.get(context)
+                if entry is None:
+                    followers[context] = _follower(episode, k, i)
+                elif isinstance(entry, int) and entry >> 2 * TOKEN_BITS != episode:
+                    followers[context] = (entry, _follower(episode, k, i))
     return guesses
+
+
+def _follower(episode: int, turn: int, position: int) -> int:
+    """A turn that had a context at a position, with its episode's number, as one integer."""
+    return (episode << 2 * TOKEN_BITS) | (turn << TOKEN_BITS) | position
+
+
+def _followed(entry: int | tuple[int, int] | None, episode: int) -> tuple[int, int] | None:
+    """(turn, position) of the first of ``entry``'s followers from another episode than ``episode``."""
+    for follower in entry if isinstance(entry, tuple) else () if entry is None else (entry,):
+        if follower >> 2 * TOKEN_BITS != episode:
+            return (follower >> TOKEN_BITS) & _FIELD, follower & _FIELD
+    return None
 
 
 def _run_chances(positions: list[int], chances: list[float], hits: list[bool]) -> torch.Tensor:

@@ -244,6 +244,8 @@ def test_trainer_check_passes_the_reference_trainer(tiny_model, batches):
     result = check_trainer(_factory(ReferenceTrainer, tiny_model), tiny_model, CONFIG, ACCURACY, batches)
     assert result.passed, result.reasons
     assert result.details["relative_update_error"] < 1e-4
+    # the first step's own figures, recorded for the GPU cards that will decide whether to judge them
+    assert result.details["step_1_relative_update_error"] < 1e-4 and result.details["step_1_least_followed"] > 0.99
 
 
 def test_fixed_batches_exercise_clipping(tiny_model, batches):

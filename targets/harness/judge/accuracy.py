@@ -36,7 +36,7 @@ from targets.api import (
     Trajectory,
 )
 from targets.harness.judge.check_result import CheckResult
-from targets.harness.judge.update_error import step_fault, update_error
+from targets.harness.judge.update_error import UpdateError, step_fault, update_error
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
 from targets.harness.reference.grpo import group_advantages
 from targets.harness.reference.trainer import ReferenceTrainer
@@ -183,20 +183,27 @@ def check_trainer(
     over both at once, the pull (``update_error.py``) on the last batch: a bf16 trainer's first step alone
     is ~1.5x as far off as the two together (0.119 against 0.080 on tiny-qwen3-cpu in bf16), and the 0.6B
     target's bound is set on the two (0.164 on an H100). The training replay judges a system run's steps
-    one by one."""
+    one by one. The first step's own figures are recorded, not judged (``step_1_*`` in the details): what
+    judging check 2 step by step would have to allow, measured on each card the check runs on."""
     batches = list(batches) if batches is not None else fixed_train_batches(base_model)
     initial = {k: v.detach().cpu().clone() for k, v in base_model.state_dict().items()}
     reference = ReferenceTrainer(copy.deepcopy(base_model).float(), config)  # float32 masters, as a trainer keeps
     candidate = make_trainer({k: v.clone() for k, v in initial.items()}, config)
     reasons: list[str] = []
     coast: StateDict = initial
+    first: UpdateError | None = None
     for step, batch in enumerate(batches, start=1):
-        if step == len(batches):  # the pull judged is the last batch's
+        if step == len(batches) or step == 1:  # the pull judged is the last batch's; the first step's recorded
             coast = reference.coast()
         reference.train_step(batch)
         returned = candidate.train_step(batch)
         if returned != step or candidate.version != step:
             reasons.append(f"after step {step} the trainer returned version {returned} and reports {candidate.version}")
+        if step == 1 < len(batches):
+            after = candidate.state_dict()
+            if set(initial) <= set(after):
+                got = {k: after[k].detach().to("cpu", copy=True) for k in initial}
+                first = update_error(initial, got, reference.state_dict(), coast)
     exported = candidate.state_dict()
     missing = sorted(set(initial) - set(exported))
     if missing:
@@ -216,6 +223,12 @@ def check_trainer(
         "least_followed": off.least_followed,
         "steps": len(batches),
     }
+    if first is not None:
+        details |= {
+            "step_1_relative_update_error": first.relative,
+            "step_1_worst_tensor_error": first.worst_relative,
+            "step_1_least_followed": first.least_followed,
+        }
     return CheckResult("trainer", not reasons, reasons, details)
 
 

@@ -782,9 +782,11 @@ def _second_rank(path: str, rendezvous: str, done, streamed: bool = False) -> No
         micro_batch_tokens=64,
     )
     stepper = _Streamed(trainer) if streamed else trainer
-    for batch in fixed_train_batches(load_model(model_dir(spec.model))):
+    for step, batch in enumerate(fixed_train_batches(load_model(model_dir(spec.model))), start=1):
         stepper.train_step(batch)
-    trainer.state_dict()  # a collective: rank 0's check gathers the full weights
+        if step == 1:
+            trainer.state_dict()  # a collective: rank 0's check gathers the first step's weights
+    trainer.state_dict()  # and the last step's
     trainer.close()
     done.put("ok")
 

@@ -194,6 +194,7 @@ def check_trainer(
     first: UpdateError | None = None
     for step, batch in enumerate(batches, start=1):
         if step == len(batches) or step == 1:  # the pull judged is the last batch's; the first step's recorded
+            coast = initial  # the last coast let go before the next is taken (each is a copy of the model)
             coast = reference.coast()
         reference.train_step(batch)
         returned = candidate.train_step(batch)
@@ -204,6 +205,8 @@ def check_trainer(
             if set(initial) <= set(after):
                 got = {k: after[k].detach().to("cpu", copy=True) for k in initial}
                 first = update_error(initial, got, reference.state_dict(), coast)
+                del got
+            del after
     exported = candidate.state_dict()
     missing = sorted(set(initial) - set(exported))
     if missing:

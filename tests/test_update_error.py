@@ -46,7 +46,7 @@ def test_a_matrix_with_most_rows_coasting_and_the_rest_stretched_does_not_follow
         projection = float((moved * pull).sum() / (pull * pull).sum())
         assert abs(projection - 0.6) < 1e-4, "one projection alone would pass it"
         assert projection >= TENSOR_FOLLOWS_BATCH
-        assert abs(carried(moved, pull) - share_kept) < 1e-4 and share_kept < TENSOR_FOLLOWS_BATCH
+        assert carried(moved, pull) < share_kept < TENSOR_FOLLOWS_BATCH  # the stretched rows overshoot
         off = update_error({"w": start}, {"w": got}, {"w": coast + pull}, {"w": coast})
         assert off.ignored_batch() and off.least_following == "w", (dim, off.followed)
 
@@ -63,3 +63,31 @@ def test_a_nan_carries_nothing():
     got[3, 5] = float("nan")
     off = update_error({"w": start}, {"w": got}, {"w": coast + pull}, {"w": coast})
     assert off.ignored_batch()
+
+
+def test_a_block_left_at_its_coast_is_not_made_up_by_stretching_the_strips_beside_it():
+    """The rows of the block fall short, and the same rows outside it (and the block's columns outside it)
+    are stretched until each row and column reaches its own pull: an overshoot counts as far against its
+    row as a shortfall, so the stretch reads no better than the bare block."""
+    start, coast, pull = _matrix_step(shape=(40, 40))
+    block = torch.zeros(pull.shape, dtype=torch.bool)
+    block[:30, :30] = True  # 56% of the elements
+    bare = coast + torch.where(block, torch.zeros_like(pull), pull)
+    stretched = bare.clone()
+    stretched[:30, 30:] += pull[:30, 30:] * 3.0  # the block's rows, outside it
+    stretched[30:, :30] += pull[30:, :30] * 3.0  # the block's columns, outside it
+    assert carried(stretched - coast, pull) <= carried(bare - coast, pull) + 1e-6 < TENSOR_FOLLOWS_BATCH
+
+
+def test_a_stack_of_expert_matrices_is_counted_by_each_experts_rows():
+    """An MoE layer's experts are one tensor ``[experts, out, in]``: half of every expert's output rows left
+    at their coast and the rest stretched is a matrix's evasion, counted as such."""
+    g = torch.Generator().manual_seed(3)
+    shape = (4, 16, 12)
+    coast = torch.randn(shape, generator=g)
+    pull = 1e-3 * torch.randn(shape, generator=g)
+    kept = torch.arange(16) % 2 == 0
+    got = coast + torch.where(kept[None, :, None], 2.0 * pull, torch.zeros_like(pull))
+    projection = float(((got - coast) * pull).sum() / (pull * pull).sum())
+    assert projection > 0.8, "one projection, or rows taken as whole experts, would let it through"
+    assert carried(got - coast, pull) < 0.1

@@ -19,10 +19,11 @@ carried on for steps does it drift past. What the batch itself adds is the refer
 coast, must carry at least ``TENSOR_FOLLOWS_BATCH`` of that pull (its projection onto it). Honest bf16
 trainers carried 0.91-1.0 of it over six steps at lr 1e-6 and 1e-4; a tensor momentum carried, 0-0.04
 on its first such step (``benchmarks/bf16_update_error.py --coast``). A matrix's share counts no row and no
-column past its own pull (``carried``): otherwise a trainer could let momentum carry most of its rows and
-stretch the rest, and the stretched rows would make up what the coasting ones leave (70% of a matrix's rows
-coasted, the rest moved twice as far: 0.6 carried in one projection, 0.3 counted row by row). Honest bf16
-trainers' rows and columns each carried 0.906-1.0 of their own pull. The pull is judged only where it is
+column past its own pull, an overshoot counted as a shortfall (``carried``): otherwise a trainer could let
+momentum carry most of its rows and stretch the rest, and the stretched rows would make up what the
+coasting ones leave (70% of a matrix's rows coasted, the rest moved twice as far: 0.6 carried in one
+projection, 0.3 counted row by row). Honest bf16 trainers' rows and columns each carried 0.906-1.0 of
+their own pull. The pull is judged only where it is
 at least ``PULL_JUDGED_SHARE`` of the reference's update of the tensor: an honest trainer's momentum is
 not the replay's (its gradients were bf16), and on a step of weak gradients (advantages 1e-2 of the usual)
 that difference tilted an honest tensor's projection to 0.55, at 1e-4 to -1.2, with the pull 7% and 0.1%
@@ -110,22 +111,27 @@ def update_error(start: StateDict, got: StateDict, want: StateDict, coast: State
 
 
 def carried(moved: torch.Tensor, pull: torch.Tensor) -> float:
-    """The share of ``pull`` that ``moved`` carries: for a vector, its projection onto it; for a matrix
-    (two or more dimensions), the lesser of that share counted row by row and column by column, no row
-    (or column) counted past its own pull, so never more than the projection. A row is a unit of a
-    trainer's weight-gradient work (one output feature), a column too (one input feature): rows left at
-    their coast and the rest stretched net out in one projection, not here."""
+    """The share of ``pull`` that ``moved`` carries: for a vector, its projection onto it; for a matrix,
+    the lesser of that share counted row by row and column by column, each row (or column) counted for
+    its own pull less how far its projection misses it, overshoot included (``_carried_by_row``). A row
+    is a unit of a trainer's weight-gradient work (one output feature), a column too (one input
+    feature); a stack of matrices (an MoE layer's experts, ``[experts, out, in]``) is counted by each
+    expert's rows and columns. Rows left at their coast and the rest stretched net out in one projection,
+    not here."""
     if moved.dim() < 2:
         return float((moved * pull).sum()) / float((pull * pull).sum())
-    by_rows = moved.reshape(moved.shape[0], -1), pull.reshape(pull.shape[0], -1)
-    by_columns = moved.reshape(-1, moved.shape[-1]).T, pull.reshape(-1, pull.shape[-1]).T
+    by_rows = moved.reshape(-1, moved.shape[-1]), pull.reshape(-1, pull.shape[-1])
+    by_columns = (t.transpose(-1, -2).reshape(-1, t.shape[-2]) for t in (moved, pull))
     return min(_carried_by_row(*by_rows), _carried_by_row(*by_columns))
 
 
 def _carried_by_row(moved: torch.Tensor, pull: torch.Tensor) -> float:
-    """Rows carrying more than their own pull count as carrying it (min(row's projection, its pull))."""
+    """Each row counts its own pull less how far its projection misses it: a row that falls short counts
+    what it carries, a row that overshoots counts no more than one that falls as short (otherwise the rows
+    beside a block left at its coast, stretched, would make up for it)."""
     own = (pull * pull).sum(dim=1)
-    return float(torch.minimum((moved * pull).sum(dim=1), own).sum()) / float(own.sum())  # a NaN stays NaN
+    missed = ((moved * pull).sum(dim=1) - own).abs()
+    return float((own - missed).sum()) / float(own.sum())  # a NaN stays NaN
 
 
 def step_fault(off: UpdateError, update_rtol: float, held_to: str) -> str | None:

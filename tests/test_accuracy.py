@@ -248,6 +248,26 @@ def test_trainer_check_passes_the_reference_trainer(tiny_model, batches):
     assert result.details["step_1_relative_update_error"] < 1e-4 and result.details["step_1_least_followed"] > 0.99
 
 
+class FirstExportOffTrainer(ReferenceTrainer):
+    """The reference trainer, whose export after its first step is the weights it started from."""
+
+    def state_dict(self):
+        return {k: v.detach().clone() for k, v in self.start.items()} if self.version == 1 else super().state_dict()
+
+    def train_step(self, batch):
+        if self.version == 0:
+            self.start = super().state_dict()
+        return super().train_step(batch)
+
+
+def test_the_first_steps_figures_are_recorded_and_not_judged(tiny_model, batches):
+    """What check 2 would have to allow to judge each step is measured on the cards first: a first step
+    that reads as not having moved is recorded as such, and the two steps together still decide."""
+    result = check_trainer(_factory(FirstExportOffTrainer, tiny_model), tiny_model, CONFIG, ACCURACY, batches)
+    assert result.passed, result.reasons
+    assert result.details["step_1_relative_update_error"] == 1.0 and result.details["relative_update_error"] < 1e-4
+
+
 def test_fixed_batches_exercise_clipping(tiny_model, batches):
     padded = pad_trajectories(batches[0].trajectories)
     with torch.no_grad():

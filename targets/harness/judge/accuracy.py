@@ -171,6 +171,14 @@ def fixed_train_batches(model: PreTrainedModel, seed: int = 4321, sizes: Sequenc
 MakeTrainer = Callable[[StateDict, TrainingConfig], Trainer]
 
 
+def _exported(trainer: Trainer, initial: StateDict) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The trainer's weights under ``initial``'s names, copied to the CPU (a trainer may export its live
+    tensors), and the names its state_dict lacks (then no weights)."""
+    exported = trainer.state_dict()
+    missing = sorted(set(initial) - set(exported))
+    return ({} if missing else {k: exported[k].detach().to("cpu", copy=True) for k in initial}), missing
+
+
 def check_trainer(
     make_trainer: MakeTrainer,
     base_model: PreTrainedModel,
@@ -193,25 +201,20 @@ def check_trainer(
     coast: StateDict = initial
     first: UpdateError | None = None
     for step, batch in enumerate(batches, start=1):
-        if step == len(batches) or step == 1:  # the pull judged is the last batch's; the first step's recorded
-            coast = initial  # the last coast let go before the next is taken (each is a copy of the model)
+        if step == 1 or step == len(batches):  # the pull judged is the last batch's; the first step's recorded
             coast = reference.coast()
         reference.train_step(batch)
         returned = candidate.train_step(batch)
         if returned != step or candidate.version != step:
             reasons.append(f"after step {step} the trainer returned version {returned} and reports {candidate.version}")
         if step == 1 < len(batches):
-            after = candidate.state_dict()
-            if set(initial) <= set(after):
-                got = {k: after[k].detach().to("cpu", copy=True) for k in initial}
-                first = update_error(initial, got, reference.state_dict(), coast)
-                del got
+            after, missing = _exported(candidate, initial)
+            first = None if missing else update_error(initial, after, reference.state_dict(), coast)
             del after
-    exported = candidate.state_dict()
-    missing = sorted(set(initial) - set(exported))
+            coast = initial  # let go before the last step's coast is taken (each is a copy of the model)
+    got, missing = _exported(candidate, initial)
     if missing:
         return CheckResult("trainer", False, [f"trainer state_dict lacks parameters {missing[:5]}"], {})
-    got = {k: exported[k].detach().to("cpu", copy=True) for k in initial}
     off = update_error(initial, got, reference.state_dict(), coast)
     if not off.reference_moved:
         raise RuntimeError("the reference trainer did not change the weights: the fixed batches cannot test a trainer")

@@ -10,6 +10,7 @@ import math
 from types import SimpleNamespace
 
 import torch
+from update_plants import coasting_most_and_stretching_the_rest
 
 from targets.api import TraceEvent
 from targets.harness.judge.accuracy import fixed_train_batches
@@ -206,12 +207,7 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
         key=coasted_error,
     )
     coast, pull = coasts[2][matrix].double(), weights[2][matrix].double() - coasts[2][matrix].double()
-    rows = (pull * pull).sum(dim=1)
-    order = torch.argsort(rows, descending=True)
-    kept = torch.ones_like(rows, dtype=torch.bool)
-    kept[order[: int((rows[order].cumsum(0) < 0.7 * rows.sum()).sum())]] = False
-    stretch = 0.6 / float(rows[kept].sum() / rows.sum())
-    stretched = coast + torch.where(kept[:, None], stretch * pull, torch.zeros_like(pull))
+    stretched, _ = coasting_most_and_stretching_the_rest(coast, pull)
     projection = float(((stretched - coast) * pull).sum() / (pull * pull).sum())
     assert abs(projection - 0.6) < 1e-3, "a projection onto the pull alone would let it through"
     planted = {**weights, 2: {**weights[2], matrix: stretched.float()}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from update_plants import coasting_most_and_stretching_the_rest
 
 from targets.harness.judge.update_error import TENSOR_FOLLOWS_BATCH, carried, update_error
 
@@ -14,19 +15,6 @@ def _matrix_step(seed: int = 0, shape: tuple[int, int] = (64, 48)):
     coast = start + 1e-3 * torch.randn(shape, generator=g)
     pull = 1e-3 * torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g)  # rows pulled unevenly
     return start, coast, pull
-
-
-def _coasting_most_and_stretching_the_rest(coast, pull, dim: int, coasted_share: float = 0.7):
-    """Rows (dim 0) or columns (dim 1) holding ``coasted_share`` of the pull left at their coast; the rest
-    moved far enough that the whole matrix's projection onto the pull is 0.6."""
-    own = (pull * pull).sum(dim=1 - dim)
-    order = torch.argsort(own, descending=True)
-    coasting = order[: int((own[order].cumsum(0) < coasted_share * own.sum()).sum())]
-    kept = torch.ones_like(own, dtype=torch.bool)
-    kept[coasting] = False
-    share_kept = float(own[kept].sum() / own.sum())
-    mask = kept[:, None] if dim == 0 else kept[None, :]
-    return coast + torch.where(mask, pull * (0.6 / share_kept), torch.zeros_like(pull)), share_kept
 
 
 def test_an_honest_update_carries_all_of_the_pull_in_every_row_and_column():
@@ -41,7 +29,7 @@ def test_an_honest_update_carries_all_of_the_pull_in_every_row_and_column():
 def test_a_matrix_with_most_rows_coasting_and_the_rest_stretched_does_not_follow_the_batch():
     start, coast, pull = _matrix_step()
     for dim in (0, 1):
-        got, share_kept = _coasting_most_and_stretching_the_rest(coast, pull, dim)
+        got, share_kept = coasting_most_and_stretching_the_rest(coast, pull, dim)
         moved = got - coast
         projection = float((moved * pull).sum() / (pull * pull).sum())
         assert abs(projection - 0.6) < 1e-4, "one projection alone would pass it"

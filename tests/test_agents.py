@@ -28,7 +28,7 @@ from skills.validation import AnnotationError, expand_source, unexpanded
 from targets.api import TraceEvent
 from targets.harness.isolation.launch import Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox, scrubbed_environment
-from targets.harness.judge.integrity import scan_stack
+from targets.harness.judge.integrity import scan_stack, source_reasons
 from targets.harness.measure.session import Session
 from targets.harness.target import Target
 from targets.spec import load_target
@@ -241,6 +241,16 @@ def test_integrity_scan_rejects_each_planted_escape(tmp_path, tiny_spec, reason)
     )
 
 
+def test_a_file_scanned_clean_and_then_edited_is_scanned_again(tmp_path, tiny_spec):
+    """The scan keeps each file's findings by its text: an edit to a file it passed is a new text."""
+    stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
+    assert scan_stack(stack).passed
+    controller = stack / "stack" / "static_split.py"
+    controller.write_text(controller.read_text() + "\nimport targets.harness.trace\n")
+    result = scan_stack(stack)
+    assert not result.passed and any("imports harness internals" in r for r in result.reasons), result.reasons
+
+
 LOOKALIKES = {  # what an honest stack writes that only looks like an escape: the scan lets each through
     "torch.compile by its own name": "from torch import compile\nMODEL = compile(lambda x: x)\n",
     "re.compile": "import re\nPATTERN = re.compile('a+')\n",
@@ -281,6 +291,7 @@ def test_parallel_scans_of_one_stack_agree(tmp_path, tiny_spec):
             for item in garbage:
                 item.cycle = item
             del garbage
+            source_reasons.cache_clear()  # every file parsed again, in parallel with the other threads
             try:
                 assert scan_stack(stack).passed
             except BaseException as error:  # noqa: BLE001 -- handed to the main thread, which raises it

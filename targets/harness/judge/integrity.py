@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import compileall
+import functools
 import hashlib
 import threading
 from pathlib import Path
@@ -69,18 +70,22 @@ def scan_stack(stack_dir: Path) -> CheckResult:
         if path.suffix in COMPILED_SUFFIXES
     ]
     for path in (p for p in files if p.suffix == ".py"):
-        where = path.relative_to(stack_dir)
-        try:
-            tree = parse_source(path.read_text(), str(path))
-        except SyntaxError as error:
-            reasons.append(f"{where}:{error.lineno}: syntax error: {error.msg}")
-            continue
-        bound = _module_names(tree)  # ``import time as t``: t is the time module wherever it is used
-        shadowed = _rebound_names(tree)  # ``from torch import compile``: compile is not the builtin there
-        reasons += [
-            f"{where}:{node.lineno}: {r}" for node in ast.walk(tree) for r in _node_reasons(node, bound, shadowed)
-        ]
+        reasons += source_reasons(path.read_text(), str(path.relative_to(stack_dir)))
     return CheckResult("integrity", not reasons, reasons, {})
+
+
+@functools.lru_cache(maxsize=1024)
+def source_reasons(source: str, where: str) -> tuple[str, ...]:
+    """What one file's source does that a stack must not, each said with its line. A function of the
+    text alone, kept for the process: a run's rounds and a bench's stacks share most of their files,
+    and a stack's files are scanned again before each of its runs (a scan of the starter: ~1 s)."""
+    try:
+        tree = parse_source(source, where)
+    except SyntaxError as error:
+        return (f"{where}:{error.lineno}: syntax error: {error.msg}",)
+    bound = _module_names(tree)  # ``import time as t``: t is the time module wherever it is used
+    shadowed = _rebound_names(tree)  # ``from torch import compile``: compile is not the builtin there
+    return tuple(f"{where}:{node.lineno}: {r}" for node in ast.walk(tree) for r in _node_reasons(node, bound, shadowed))
 
 
 def _node_reasons(node: ast.AST, bound: dict[str, str], shadowed: set[str]) -> list[str]:

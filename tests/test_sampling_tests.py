@@ -405,3 +405,32 @@ def test_the_bernoulli_bounds_are_the_same_whether_their_tokens_are_summed_whole
         sums.append(test)
     assert torch.allclose(sums[0].upper, sums[1].upper, rtol=1e-12)
     assert torch.allclose(sums[0].lower, sums[1].lower, rtol=1e-12)
+
+
+def test_turns_taken_together_give_what_each_turn_taken_alone_gives():
+    """Short turns wait and are taken ``ROWS`` rows at a time (a turn is often a few tokens): every test's
+    sums are those of each turn taken alone, stops, echoes and guesses each counted for its own turn, a
+    long turn among the short ones, at two temperatures."""
+    generator = torch.Generator().manual_seed(21)
+    turns = _clustered(generator, copy=True, length=6)
+    long = _logits(generator, 300)
+    turns.insert(50, _Turn("long", (99,), long, _honest(long, generator)))
+    draws = [Draw(float(n), t.episode, (), tuple(t.chosen.tolist()), frozenset({STOP})) for n, t in enumerate(turns)]
+    guesses = plan_guesses(draws, set(range(len(turns))))
+    together, alone = SamplingTests(atol=1e-3, seed=0), SamplingTests(atol=1e-3, seed=0)
+    for n, t in enumerate(turns):
+        temperature, echo = (1.0, [10 + n % 5, 20]) if n < 100 else (0.7, [] if n % 2 else [STOP, 30])
+        for tests in (together, alone):
+            tests.add(t.logits, t.chosen, temperature, [STOP], echo, guesses[n])
+        alone.temperature  # noqa: B018 -- reading the sums takes the waiting turns: here, each turn alone
+    assert sum(len(made) for made in guesses.values()) > 100
+    assert together.independence()[0].observed > 50 and together.echoes().observed > 0
+
+    def sums(tests: SamplingTests) -> list[float]:
+        counts = [tests.stops(), tests.echoes(), *tests.independence(), *tests.rank_tests()]
+        return [tests.temperature.deviation, tests.temperature.variance] + [
+            x for c in counts for x in (c.observed, c.expected, c.draws)
+        ]
+
+    assert sums(together) == pytest.approx(sums(alone), rel=1e-9)
+    assert [b for _, b, _ in together.results()] == pytest.approx([b for _, b, _ in alone.results()], rel=1e-6)

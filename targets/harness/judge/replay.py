@@ -45,6 +45,7 @@ log = logging.getLogger("vibetrain.audit")
 REPLAY_ALL_FLOPS = 4e12
 SAMPLED_TURNS = math.ceil(math.log(0.01) / math.log(0.99))  # 459
 POSITIONS_PER_CHUNK = 2048  # logits of at most this many positions at once (vocabularies are large)
+BATCH_TOKENS = 8192  # padded tokens of one replay forward pass: short turns share a pass, not one each
 
 
 def _covering_sequences(gens: list[TraceEvent]) -> list[tuple[list[int], list[TraceEvent]]]:
@@ -62,13 +63,36 @@ def _covering_sequences(gens: list[TraceEvent]) -> list[tuple[list[int], list[Tr
     return chosen
 
 
+def _forward_batches(
+    sequences: list[tuple[list[int], list[TraceEvent]]],
+) -> list[list[tuple[list[int], list[TraceEvent]]]]:
+    """The covering sequences in forward passes of at most ``BATCH_TOKENS`` padded tokens (one longer
+    sequence alone), longest first so that each batch pads little."""
+    batches: list[list[tuple[list[int], list[TraceEvent]]]] = []
+    for item in sorted(sequences, key=lambda s: -len(s[0])):
+        if batches and len(batches[-1][0][0]) * (len(batches[-1]) + 1) <= BATCH_TOKENS:
+            batches[-1].append(item)
+        else:
+            batches.append([item])
+    return batches
+
+
 @torch.no_grad()
-def _position_logits(model: torch.nn.Module, sequence: list[int], positions: list[int]) -> torch.Tensor:
-    """Logits (float32) predicting the token after each of ``positions``, from one forward pass."""
+def _hidden_states(model: torch.nn.Module, sequences: list[list[int]]) -> torch.Tensor:
+    """The decoder's last hidden states of ``sequences`` in one forward pass, padded on the right: the
+    attention is causal, so the padding after a sequence changes none of its positions."""
     device = next(model.parameters()).device
-    hidden = model.get_decoder()(input_ids=torch.tensor([sequence], device=device)).last_hidden_state[0]
+    ids = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+    return model.get_decoder()(input_ids=ids.to(device)).last_hidden_state
+
+
+@torch.no_grad()
+def _position_logits(model: torch.nn.Module, hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """Logits (float32) predicting the token after each of ``positions`` of one sequence's hidden states."""
     head = model.get_output_embeddings()
-    index = torch.tensor(positions, device=device)
+    index = torch.tensor(positions, device=hidden.device)
     return torch.cat(
         [
             head(hidden[index[i : i + POSITIONS_PER_CHUNK]]).float()
@@ -122,12 +146,14 @@ def replay_turns(
         model = make_model(state)
         loaded = time.monotonic()
         episodes = by_version[version]
-        for done, gens in enumerate(episodes.values(), start=1):
-            if done % 32 == 0:
-                log.info("version %d: %d of %d episodes replayed", version, done, len(episodes))
-            for sequence, riders in _covering_sequences(gens):
+        batches = _forward_batches([c for gens in episodes.values() for c in _covering_sequences(gens)])
+        for done, batch in enumerate(batches, start=1):
+            if done % 8 == 0:
+                log.info("version %d: %d of %d forward passes replayed", version, done, len(batches))
+            hidden = _hidden_states(model, [sequence for sequence, _ in batch])
+            for row, (_, riders) in enumerate(batch):
                 positions = [len(g.data["prompt"]) - 1 + i for g in riders for i in range(len(g.data["tokens"]))]
-                logits = _position_logits(model, sequence, positions)
+                logits = _position_logits(model, hidden[row], positions)
                 at = 0
                 for g in riders:
                     n, chosen = len(g.data["tokens"]), torch.tensor(g.data["tokens"], device=logits.device)

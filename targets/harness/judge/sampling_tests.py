@@ -285,23 +285,54 @@ def _run_chances(positions: list[int], chances: list[float], hits: list[bool]) -
     return torch.tensor(runs, dtype=torch.float64)
 
 
+def _turn_events(event_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each turn's event ids (its stops, its echoes), padded: (ids [turns, most], which are real)."""
+    most = max((len(ids) for ids in event_ids), default=0) or 1
+    index = torch.zeros(len(event_ids), most, dtype=torch.long)
+    valid = torch.zeros(len(event_ids), most, dtype=torch.bool)
+    for turn, ids in enumerate(event_ids):
+        index[turn, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        valid[turn, : len(ids)] = True
+    return index, valid
+
+
+@dataclass
+class _Turn:
+    """One turn's drawn tokens as ``SamplingTests.add`` was given them, until its rows are taken together."""
+
+    logits: torch.Tensor
+    chosen: torch.Tensor
+    stops: list[int]  # the stop ids in the vocabulary
+    echoes: list[int]  # the latest observation's ids in the vocabulary, stops aside
+    guessed: torch.Tensor  # [guesses, 2]: (position in the turn, token)
+
+
 @dataclass
 class SamplingTests:
     """All five tests over one run's replayed turns. ``atol``: the target's logprob_atol (the margin
-    for engine numerics); ``seed``: the harness's, for the rank test's uniform draws."""
+    for engine numerics); ``seed``: the harness's, for the rank test's uniform draws. Turns shorter than
+    ``ROWS`` wait (copied) until ``ROWS`` rows are there and are taken together, in the order they came: a
+    turn is often a few tokens, and the vocabulary-wide work per call costs more than its rows."""
 
     atol: float
     seed: int
-    temperature: TemperatureTest = field(default_factory=TemperatureTest)
+    _temperature: TemperatureTest = field(default_factory=TemperatureTest)
     # Per drawn token, kept until ``results``: its rank U, and the probability of the stop (echo) event
     # with whether it happened. A token is a few numbers; the tests' sums are taken once, at the end.
     _ranks: list[torch.Tensor] = field(default_factory=list)
     _stops: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _echoes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _guesses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # chance, hit, run
+    _waiting: list[_Turn] = field(default_factory=list)  # short turns not yet taken, all at one temperature
+    _waiting_at: float = 0.0
 
     def __post_init__(self) -> None:
         self._uniform = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def temperature(self) -> TemperatureTest:
+        self._take_waiting()
+        return self._temperature
 
     def add(
         self,
@@ -314,15 +345,40 @@ class SamplingTests:
     ) -> None:
         """One turn's drawn tokens (a row of ``logits`` each), with the independence test's guesses for
         it (``plan_guesses``)."""
-        guessed = torch.tensor(sorted(guesses), dtype=torch.long).reshape(-1, 2)
-        chances, hits = [], []
         vocabulary = range(logits.shape[-1])  # an id outside it is never drawn (the audit names such stop ids)
         stops = sorted({i for i in stop_ids if i in vocabulary})
         echoes = sorted({i for i in echo_ids if i in vocabulary} - set(stops))
+        guessed = torch.tensor(sorted(guesses), dtype=torch.long).reshape(-1, 2)
+        if self._waiting and self._waiting_at != temperature:  # in order: the rank test's draws go to the same rows
+            self._take_waiting()
+        if len(chosen) >= ROWS:  # a long turn alone, not copied
+            self._take_waiting()
+            self._take([_Turn(logits, chosen, stops, echoes, guessed)], temperature)
+            return
+        self._waiting.append(_Turn(logits.clone(), chosen, stops, echoes, guessed))
+        self._waiting_at = temperature
+        if sum(len(turn.chosen) for turn in self._waiting) >= ROWS:
+            self._take_waiting()
+
+    def _take_waiting(self) -> None:
+        if self._waiting:
+            waiting, self._waiting = self._waiting, []
+            self._take(waiting, self._waiting_at)
+
+    def _take(self, turns: list[_Turn], temperature: float) -> None:
+        """The turns' rows, ``ROWS`` at a time: each token's rank, stop and echo events, and guesses."""
+        logits, chosen = torch.cat([t.logits for t in turns]), torch.cat([t.chosen for t in turns])
+        lengths = torch.tensor([len(t.chosen) for t in turns])
+        owner = torch.repeat_interleave(torch.arange(len(turns)), lengths)  # each row's turn
+        starts = [0, *torch.cumsum(lengths, 0).tolist()]
+        events = [_turn_events([t.stops for t in turns]), _turn_events([t.echoes for t in turns])]
+        guessed = torch.cat([t.guessed + torch.tensor([start, 0]) for t, start in zip(turns, starts)])
+        chances = torch.zeros(len(guessed), dtype=torch.float64)
+        hits = torch.zeros(len(guessed), dtype=torch.bool)
         for start in range(0, len(chosen), ROWS):
             rows, drawn = logits[start : start + ROWS], chosen[start : start + ROWS]
             logp = torch.log_softmax(rows.double() / temperature, -1)
-            self.temperature.add_logp(logp, drawn)
+            self._temperature.add_logp(logp, drawn)
             p = logp.exp()
             px = p.gather(-1, drawn[:, None])
             ids = torch.arange(p.shape[-1], device=p.device)
@@ -330,22 +386,31 @@ class SamplingTests:
             before = (p * ahead).sum(-1)
             draws = torch.rand(len(drawn), generator=self._uniform, dtype=torch.float64).to(p.device)
             self._ranks.append((before + draws * px.squeeze(-1)).clamp(0, 1).cpu())
-            for kept, event in ((self._stops, stops), (self._echoes, echoes)):
-                if event:
-                    index = torch.tensor(event, device=p.device)
-                    kept.append((p[:, index].sum(-1).cpu(), torch.isin(drawn, index).cpu()))
-            here = guessed[(guessed[:, 0] >= start) & (guessed[:, 0] < start + len(drawn))].to(p.device)
-            if len(here):
-                at, token = here[:, 0] - start, here[:, 1]
-                chances.append(p[at, token].cpu())
-                hits.append((drawn[at] == token).cpu())
-        if chances:
-            chance, hit = torch.cat(chances), torch.cat(hits)
-            self._guesses.append((chance, hit, _run_chances(guessed[:, 0].tolist(), chance.tolist(), hit.tolist())))
+            for kept, (turn_index, turn_valid) in zip((self._stops, self._echoes), events, strict=True):
+                row_turns = owner[start : start + ROWS]
+                index, valid = turn_index[row_turns].to(p.device), turn_valid[row_turns].to(p.device)
+                with_event = valid.any(-1)
+                if with_event.any():
+                    probability = (p.gather(-1, index) * valid).sum(-1)
+                    hit = ((drawn[:, None] == index) & valid).any(-1)
+                    kept.append((probability[with_event].cpu(), hit[with_event].cpu()))
+            here = (guessed[:, 0] >= start) & (guessed[:, 0] < start + len(drawn))
+            if here.any():
+                at, token = (guessed[here, 0] - start).to(p.device), guessed[here, 1].to(p.device)
+                chances[here], hits[here] = p[at, token].cpu(), (drawn[at] == token).cpu()
+        first = 0
+        for turn in turns:  # a run is one turn's
+            n = len(turn.guessed)
+            if n:
+                chance, hit = chances[first : first + n], hits[first : first + n]
+                run = _run_chances(turn.guessed[:, 0].tolist(), chance.tolist(), hit.tolist())
+                self._guesses.append((chance, hit, run))
+            first += n
 
     def rank_tests(self) -> list[BernoulliSum]:
         """For each of ``RANK_BINS`` u: how many drawn tokens have U <= u, each with probability exactly
         u under honest sampling (within the numerics' shift)."""
+        self._take_waiting()
         ranks = torch.cat(self._ranks) if self._ranks else torch.zeros(0, dtype=torch.float64)
         margin = math.expm1(2 * self.atol)
         tests = []
@@ -364,16 +429,19 @@ class SamplingTests:
 
     def stops(self) -> BernoulliSum:
         """Stop tokens drawn against the summed probability of drawing one."""
+        self._take_waiting()
         return self._calibration(self._stops)
 
     def echoes(self) -> BernoulliSum:
         """Tokens of the latest observation drawn against the summed probability of drawing one."""
+        self._take_waiting()
         return self._calibration(self._echoes)
 
     def independence(self) -> list[BernoulliSum]:
         """How often a guess was drawn, against the summed probability of drawing it: one count for each
         of ``INDEPENDENCE_SCALES``, of the guesses whose run's chance was at most it (``_run_chances``;
         known before each draw, so each count's bound holds)."""
+        self._take_waiting()
         tests = [BernoulliSum() for _ in INDEPENDENCE_SCALES]
         if self._guesses:
             chance, drawn, run = (torch.cat([g[k] for g in self._guesses]) for k in range(3))
@@ -384,6 +452,7 @@ class SamplingTests:
 
     def results(self) -> list[tuple[str, float, str]]:
         """(test name, false-alarm bound, what was seen), for the report and the verdict."""
+        self._take_waiting()
         out = [
             (
                 "sampling temperature",

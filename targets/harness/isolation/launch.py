@@ -114,23 +114,22 @@ def _watch(
     pending = b""
     open_fd = True
     while True:
-        if open_fd:
-            readable, _, _ = select.select([marks_fd], [], [], 0.25)
-            if readable:
-                chunk = os.read(marks_fd, 4096)
-                now = time.monotonic()
-                if not chunk:
-                    open_fd = False
-                pending += chunk
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    name = line.decode(errors="replace")
-                    if name.startswith(f"{FORKED} "):
-                        forked.append(int(name.split()[1]))
-                    else:
-                        marks.setdefault(name, now)
-        else:
-            time.sleep(0.25)
+        # woken by a mark, or by the zygote's word that a child exited (the harness child's, at once)
+        watched = ([marks_fd] if open_fd else []) + [process.owner.fileno()]
+        readable, _, _ = select.select(watched, [], [], 0.25)
+        if marks_fd in readable:
+            chunk = os.read(marks_fd, 4096)
+            now = time.monotonic()
+            if not chunk:
+                open_fd = False
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                name = line.decode(errors="replace")
+                if name.startswith(f"{FORKED} "):
+                    forked.append(int(name.split()[1]))
+                else:
+                    marks.setdefault(name, now)
         if process.poll() is not None:
             return ""
         tree = _run_tree(process.pid, forked, forkers, children_of())

@@ -49,6 +49,10 @@ class ZygoteClient:
     def gone(self) -> bool:
         return bool(self.went_away)
 
+    def fileno(self) -> int:
+        """Readable when a message is waiting (a child's exit, ``exit_of``): a launcher waits on it."""
+        return self._socket.fileno()
+
     def _last_words(self) -> str:
         return "its connection closed"
 

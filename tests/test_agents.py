@@ -1137,12 +1137,13 @@ def test_the_watchdog_decides_on_proportional_sizes_when_resident_sizes_pass_the
     from targets.harness.isolation.launch import _watch
 
     read_fd, write_fd = os.pipe()
+    exits_fd, exits_write_fd = os.pipe()  # no exit is said: the holder outlives the watch
     try:
         with _sharing_tree() as holder:
-            why = _watch(holder, Limits(time_s=2.0, memory_mb=limit_mb), read_fd, {}, [], [])
+            why = _watch(holder, Limits(time_s=2.0, memory_mb=limit_mb), read_fd, exits_fd, {}, [], [])
     finally:
-        os.close(read_fd)
-        os.close(write_fd)
+        for fd in (read_fd, write_fd, exits_fd, exits_write_fd):
+            os.close(fd)
     assert killed_for in why, why
 
 

@@ -106,16 +106,22 @@ def killed_cause(phases: tuple[str, ...], results: dict, killed: str) -> str:
 
 
 def _watch(
-    process: ZygoteChild, limits: Limits, marks_fd: int, marks: dict[str, float], forked: list[int], forkers: list[int]
+    process: ZygoteChild,
+    limits: Limits,
+    marks_fd: int,
+    exits_fd: int,
+    marks: dict[str, float],
+    forked: list[int],
+    forkers: list[int],
 ) -> str:
     """Wait for the child, stamping its marks as they arrive (and adding to ``forked`` each process it
-    says was forked for it); returns '' when it exited, else why it was killed."""
+    says was forked for it); returns '' when it exited, else why it was killed. ``exits_fd``: where the
+    child's exit is said (its zygote's connection), so that its end is seen when it happens."""
     deadline = time.monotonic() + limits.time_s
     pending = b""
     open_fd = True
     while True:
-        # woken by a mark, or by the zygote's word that a child exited (the harness child's, at once)
-        watched = ([marks_fd] if open_fd else []) + [process.owner.fileno()]
+        watched = ([marks_fd] if open_fd else []) + [exits_fd]
         readable, _, _ = select.select(watched, [], [], 0.25)
         if marks_fd in readable:
             chunk = os.read(marks_fd, 4096)
@@ -225,7 +231,7 @@ def run_harness(
                     if connection is not None:
                         connection.close()
                 try:
-                    killed = _watch(process, limits, read_fd, marks, forked, forkers)
+                    killed = _watch(process, limits, read_fd, process.owner.fileno(), marks, forked, forkers)
                 finally:
                     if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): the run's too
                         _kill_run(process.pid, forked, forkers)

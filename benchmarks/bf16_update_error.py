@@ -2,20 +2,22 @@
 tensor: the figures the judge's update bounds are set against (``targets/harness/judge/update_error.py``).
 
     python benchmarks/bf16_update_error.py [--target tiny-qwen3-cpu] [--lr 1e-6] [--steps 2] [--coast NAME]
-        [--stretch NAME]
+        [--stretch NAME] [--block NAME]
 
 The target's model in bfloat16; the honest trainer keeps float32 masters, computes the GRPO loss and its
-gradients in bfloat16, and steps AdamW on the masters; the reference steps in float32 from the same
-masters (its own AdamW state carried along, as in the training replay) on check 2's fixed batches, two
-and two again. Printed per step: the relative update error of the whole model and of the three worst
-tensors (each tensor the reference moved), and the three tensors that carry least of the batch's own pull
-(the reference's step less its coast on zero gradients). ``--coast NAME``: from step 2 on, the trainer
-zeroes the gradients of the tensors whose names contain NAME and lets momentum carry them, the evasion
-the pull bound catches. Also printed: the least share of its own pull any row or column of a matrix
-carries (the unit ``carried`` counts by). ``--stretch NAME``: from step 2 on, the matrices whose names
-contain NAME keep their coast in the rows holding 70% of the pull and move the other rows far enough that
-one projection onto the pull reads 0.6 (the trainer's own update there, stretched): the evasion that
-counting row by row catches.
+gradients in bfloat16, and steps AdamW on the masters; the reference steps in float32 from the same masters
+(its own AdamW state carried along, as in the training replay) on check 2's fixed batches, two and two
+again. Printed per step: the relative update error of the whole model and of the three worst tensors (each
+tensor the reference moved), and the vectors and the matrices that carry least of the batch's own pull (the
+reference's step less its coast on zero gradients; each held to its own bound). ``--coast NAME``: from step
+2 on, the trainer zeroes the gradients of the tensors whose names contain NAME and lets momentum carry them,
+the evasion the pull bound catches. Also printed: the least share of its own pull any row or column of a
+matrix carries (the unit ``carried`` counts by). ``--stretch NAME``: from step 2 on, the matrices whose
+names contain NAME keep their coast in the rows holding 70% of the pull and move the other rows far enough
+that one projection onto the pull reads 0.6 (the trainer's own update there, stretched): the evasion that
+counting row by row catches. ``--block NAME``: from step 2 on, the matrices whose names contain NAME keep
+their coast on half their rows by half their columns: the evasion a matrix's bound catches and a vector's
+would not.
 """
 
 from __future__ import annotations
@@ -64,7 +66,21 @@ def stretched(got: torch.Tensor, coast: torch.Tensor, pull: torch.Tensor) -> tor
     return coast + torch.where(kept[:, None], stretch * moved, torch.zeros_like(moved))
 
 
-def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast: str = "", stretch: str = "") -> None:
+def blocked(got: torch.Tensor, coast: torch.Tensor) -> torch.Tensor:
+    """``got`` with half its rows by half its columns back at their coast."""
+    block = got.clone()
+    block[: got.shape[0] // 2, : got.shape[1] // 2] = coast[: got.shape[0] // 2, : got.shape[1] // 2]
+    return block
+
+
+def main(
+    target: str = "tiny-qwen3-cpu",
+    lr: float = 1e-6,
+    steps: int = 2,
+    coast: str = "",
+    stretch: str = "",
+    block: str = "",
+) -> None:
     data = yaml.safe_load((CATALOG_DIR / f"{target}.yaml").read_text())
     data["model"]["dtype"] = "bfloat16"
     data["workload"]["training"]["lr"] = lr
@@ -76,7 +92,8 @@ def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast
         "step",
         "whole model",
         "worst tensors (relative error, weights)",
-        "least following (pull carried)",
+        "least vectors (pull carried)",
+        "least matrices (pull carried)",
         "least row or column (own pull)",
     )
     for step, batch in enumerate(fixed_train_batches(base, sizes=[(8, 12)[k % 2] for k in range(steps)]), start=1):
@@ -87,21 +104,24 @@ def main(target: str = "tiny-qwen3-cpu", lr: float = 1e-6, steps: int = 2, coast
         honest.train_step(batch, coast if step >= 2 else "")
         got, want = honest.state_dict(), reference.state_dict()
         pulls = {k: want[k].double() - coasted[k].double() for k in want if want[k].dim() == 2}
-        if stretch and step >= 2:
-            for k in pulls:
-                if stretch in k:
-                    got[k] = stretched(got[k].double(), coasted[k].double(), pulls[k]).float()
+        for k in pulls if step >= 2 else ():
+            if stretch and stretch in k:
+                got[k] = stretched(got[k].double(), coasted[k].double(), pulls[k]).float()
+            if block and block in k:
+                got[k] = blocked(got[k].double(), coasted[k].double()).float()
         off = update_error(start, got, want, coasted)
         least_row = min(
             (least_row_carried(got[k].double() - coasted[k].double(), pulls[k]), k) for k in pulls if k in off.followed
         )
         worst = sorted(((e, k) for k, e in off.tensors.items()), reverse=True)[:3]
-        least = sorted((f, k) for k, f in off.followed.items())[:3]
+        vectors = sorted((f, k) for k, f in off.followed.items() if start[k].dim() < 2)[:2]
+        matrices = sorted((f, k) for k, f in off.followed.items() if start[k].dim() >= 2)[:2]
         table.add_row(
             str(step),
             f"{off.relative:.3f}",
             ", ".join(f"{k.removeprefix('model.')} {e:.3f} ({start[k].numel()})" for e, k in worst),
-            ", ".join(f"{k.removeprefix('model.')} {f:.3f}" for f, k in least),
+            ", ".join(f"{k.removeprefix('model.')} {f:.3f}" for f, k in vectors),
+            ", ".join(f"{k.removeprefix('model.')} {f:.3f}" for f, k in matrices),
             f"{least_row[1].removeprefix('model.')} {least_row[0]:.3f}",
         )
     Console().print(table)

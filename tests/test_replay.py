@@ -10,13 +10,14 @@ import math
 from types import SimpleNamespace
 
 import torch
-from update_plants import coasting_most_and_stretching_the_rest
+from update_plants import coasting_a_block, coasting_most_and_stretching_the_rest
 
 from targets.api import TraceEvent
 from targets.harness.judge.accuracy import fixed_train_batches
 from targets.harness.judge.replay import SAMPLED_TURNS, replay_training
 from targets.harness.judge.sampling_tests import FALSE_ALARM, TemperatureTest
 from targets.harness.judge.trace_index import Reasons
+from targets.harness.judge.update_error import MATRIX_FOLLOWS_BATCH, TENSOR_FOLLOWS_BATCH
 from targets.harness.reference.trainer import ReferenceTrainer
 
 
@@ -215,6 +216,17 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
     details = replay_training(ix, reasons, spec, planted.get, make_model)
     assert details["training_replay_worst_tensor_error"] < 0.9
     assert details["training_replay_least_followed"] < 0.3
+    assert [line.split(":", 2)[2].split(" of ")[0] for line in reasons.lines()] == [
+        f" tensor {matrix} did not follow the batch: its update carries {details['training_replay_least_followed']:.3g}"
+    ], reasons.lines()
+
+    # a trainer that leaves a block of the same matrix to momentum, half its rows by half its columns: each
+    # of those rows and columns still carries about half of its own pull, the matrix about three quarters,
+    # over a vector's bound and under a matrix's
+    planted = {**weights, 2: {**weights[2], matrix: coasting_a_block(coast, pull).float()}}
+    reasons = Reasons()
+    details = replay_training(ix, reasons, spec, planted.get, make_model)
+    assert TENSOR_FOLLOWS_BATCH < details["training_replay_least_followed"] < MATRIX_FOLLOWS_BATCH
     assert [line.split(":", 2)[2].split(" of ")[0] for line in reasons.lines()] == [
         f" tensor {matrix} did not follow the batch: its update carries {details['training_replay_least_followed']:.3g}"
     ], reasons.lines()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from update_plants import coasting_most_and_stretching_the_rest
+from update_plants import coasting_a_block, coasting_most_and_stretching_the_rest
 
-from targets.harness.judge.update_error import TENSOR_FOLLOWS_BATCH, carried, update_error
+from targets.harness.judge.update_error import MATRIX_FOLLOWS_BATCH, TENSOR_FOLLOWS_BATCH, carried, update_error
 
 
 def _matrix_step(seed: int = 0, shape: tuple[int, int] = (64, 48)):
@@ -34,7 +34,7 @@ def test_a_matrix_with_most_rows_coasting_and_the_rest_stretched_does_not_follow
         projection = float((moved * pull).sum() / (pull * pull).sum())
         assert abs(projection - 0.6) < 1e-4, "one projection alone would pass it"
         assert projection >= TENSOR_FOLLOWS_BATCH
-        assert carried(moved, pull) < share_kept < TENSOR_FOLLOWS_BATCH  # the stretched rows overshoot
+        assert carried(moved, pull) < share_kept < MATRIX_FOLLOWS_BATCH  # the stretched rows overshoot
         off = update_error({"w": start}, {"w": got}, {"w": coast + pull}, {"w": coast})
         assert off.ignored_batch() and off.least_following == "w", (dim, off.followed)
 
@@ -64,7 +64,7 @@ def test_a_block_left_at_its_coast_is_not_made_up_by_stretching_the_strips_besid
     stretched = bare.clone()
     stretched[:30, 30:] += pull[:30, 30:] * 3.0  # the block's rows, outside it
     stretched[30:, :30] += pull[30:, :30] * 3.0  # the block's columns, outside it
-    assert carried(stretched - coast, pull) <= carried(bare - coast, pull) + 1e-6 < TENSOR_FOLLOWS_BATCH
+    assert carried(stretched - coast, pull) <= carried(bare - coast, pull) + 1e-6 < MATRIX_FOLLOWS_BATCH
 
 
 def test_a_stack_of_expert_matrices_is_counted_by_each_experts_rows():
@@ -79,3 +79,17 @@ def test_a_stack_of_expert_matrices_is_counted_by_each_experts_rows():
     projection = float(((got - coast) * pull).sum() / (pull * pull).sum())
     assert projection > 0.8, "one projection, or rows taken as whole experts, would let it through"
     assert carried(got - coast, pull) < 0.1
+
+
+def test_a_block_a_quarter_of_a_matrix_left_at_its_coast_does_not_follow_the_batch():
+    """Half the rows by half the columns left to momentum: each of those rows and columns still carries
+    half of its own pull, the matrix three quarters of it, over a vector's bound and under a matrix's
+    (a matrix's rows average their noise: honest bf16 matrices carried 0.989-0.997). A tenth of the rows
+    by a tenth of the columns, 1% of the pull, passes."""
+    start, coast, pull = _matrix_step(shape=(40, 40))
+    flat = torch.full(pull.shape, 1e-3)  # a pull spread evenly: the block's share is its area's
+    for rows, shares in ((0.5, (TENSOR_FOLLOWS_BATCH, MATRIX_FOLLOWS_BATCH)), (0.1, (0.98, 1.0))):
+        got = coasting_a_block(coast, flat, rows, rows)
+        assert shares[0] < carried(got - coast, flat) < shares[1]
+        off = update_error({"w": start}, {"w": got}, {"w": coast + flat}, {"w": coast})
+        assert off.ignored_batch() is (rows == 0.5) and off.relative < 0.9, (rows, off)

@@ -20,3 +20,11 @@ def coasting_most_and_stretching_the_rest(
     share_kept = float(own[kept].sum() / own.sum())
     mask = kept[:, None] if dim == 0 else kept[None, :]
     return coast + torch.where(mask, pull * (0.6 / share_kept), torch.zeros_like(pull)), share_kept
+
+
+def coasting_a_block(coast: torch.Tensor, pull: torch.Tensor, rows: float = 0.5, columns: float = 0.5) -> torch.Tensor:
+    """A block of a matrix (its first ``rows`` of rows by its first ``columns`` of columns) left at its coast
+    and the rest moved as the pull says: every row and column still carries some of its own pull."""
+    block = torch.zeros(pull.shape, dtype=torch.bool)
+    block[: int(rows * pull.shape[0]), : int(columns * pull.shape[1])] = True
+    return coast + torch.where(block, torch.zeros_like(pull), pull)

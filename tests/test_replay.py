@@ -305,3 +305,21 @@ def test_equal_rewards_leave_honest_weights_where_they_were_and_the_replay_decid
     reasons = Reasons()  # trainer that never moved is caught, by the replay and as unchanged weights
     replay_training(rewarded_ix, reasons, spec, unmoved.get, lambda state: copy.deepcopy(base))
     assert any("weights unchanged" in line for line in reasons.lines()), reasons.lines()
+
+
+def test_short_sequences_replayed_together_see_what_each_alone_sees(tiny_model):
+    """The turn replay pads sequences on the right and runs them through one forward pass: the attention
+    is causal, so each sequence's positions are what a pass of its own gives, and each batch stays within
+    its token budget (one longer sequence alone)."""
+    from targets.harness.judge.replay import BATCH_TOKENS, _forward_batches, _hidden_states
+
+    generator = torch.Generator().manual_seed(0)
+    vocabulary = tiny_model.config.vocab_size
+    sequences = [torch.randint(vocabulary, (n,), generator=generator).tolist() for n in (5, 17, 9, 33)]
+    together = _hidden_states(tiny_model, sequences)
+    for row, sequence in enumerate(sequences):
+        alone = _hidden_states(tiny_model, [sequence])[0]
+        torch.testing.assert_close(together[row, : len(sequence)], alone, rtol=1e-4, atol=1e-5)
+    lengths = [BATCH_TOKENS + 1, 3000, 3000, 2000, 2000, 10]
+    batches = _forward_batches([([0] * n, []) for n in lengths])
+    assert [[len(s) for s, _ in batch] for batch in batches] == [[BATCH_TOKENS + 1], [3000, 3000], [2000, 2000, 10]]

@@ -2,7 +2,7 @@
 tensor: the figures the judge's update bounds are set against (``targets/harness/judge/update_error.py``).
 
     python benchmarks/bf16_update_error.py [--target tiny-qwen3-cpu] [--lr 1e-6] [--steps 2] [--coast NAME]
-        [--stretch NAME] [--block NAME]
+        [--stretch NAME] [--block NAME] [--half NAME]
 
 The target's model in bfloat16; the honest trainer keeps float32 masters, computes the GRPO loss and its
 gradients in bfloat16, and steps AdamW on the masters; the reference steps in float32 from the same masters
@@ -17,7 +17,8 @@ names contain NAME keep their coast in the rows holding 70% of the pull and move
 that one projection onto the pull reads 0.6 (the trainer's own update there, stretched): the evasion that
 counting row by row catches. ``--block NAME``: from step 2 on, the matrices whose names contain NAME keep
 their coast on half their rows by half their columns: the evasion a matrix's bound catches and a vector's
-would not.
+would not. ``--half NAME``: from step 2 on, the tensors whose names contain NAME get their gradient from
+the first half of the batch's trajectories alone.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main(
     coast: str = "",
     stretch: str = "",
     block: str = "",
+    half: str = "",
 ) -> None:
     data = yaml.safe_load((CATALOG_DIR / f"{target}.yaml").read_text())
     data["model"]["dtype"] = "bfloat16"
@@ -101,7 +103,7 @@ def main(
         reference.load_state_dict(start)  # the reference's AdamW state carried along, as in the replay
         coasted = reference.coast()
         reference.train_step(batch)
-        honest.train_step(batch, coast if step >= 2 else "")
+        honest.train_step(batch, coast if step >= 2 else "", half if step >= 2 else "")
         got, want = honest.state_dict(), reference.state_dict()
         pulls = {k: want[k].double() - coasted[k].double() for k in want if want[k].dim() == 2}
         for k in pulls if step >= 2 else ():

@@ -26,20 +26,31 @@ class Bf16MasterTrainer:
             weight_decay=config.weight_decay,
         )
 
-    def train_step(self, batch: TrainBatch, coasting: str = "") -> None:
+    def train_step(self, batch: TrainBatch, coasting: str = "", halving: str = "") -> None:
         """One step; the tensors whose names contain ``coasting`` (if given) get zero gradients, so AdamW's
-        momentum alone moves them (the evasion the judge's pull bound catches)."""
+        momentum alone moves them (the evasion the judge's pull bound catches); those whose names contain
+        ``halving`` get the gradient of the first half of the batch's trajectories alone (weight gradients
+        computed on half the rows, scaled to the whole)."""
         self.compute.load_state_dict({k: v.to(torch.bfloat16) for k, v in self.masters.state_dict().items()})
-        self.compute.zero_grad(set_to_none=True)
-        padded = pad_trajectories(batch.trajectories)
-        tokens = max(1.0, float(sum(sum(t.loss_mask) for t in batch.trajectories)))
-        advantages = torch.tensor(batch.advantages, dtype=torch.float32)
-        logprobs = token_logprobs(self.compute, padded.tokens, padded.attention)
-        grpo_loss(logprobs, padded, advantages, self.config, None, tokens).backward()
-        for (name, master), bf16 in zip(self.masters.named_parameters(), self.compute.parameters(), strict=True):
-            master.grad = torch.zeros_like(master) if coasting and coasting in name else bf16.grad.float()
+        grads = self._gradients(batch.trajectories, batch.advantages)
+        half = len(batch.trajectories) // 2
+        halved = self._gradients(batch.trajectories[:half], batch.advantages[:half]) if halving else {}
+        for name, master in self.masters.named_parameters():
+            if coasting and coasting in name:
+                master.grad = torch.zeros_like(master)
+            else:
+                master.grad = halved[name] if halving and halving in name else grads[name]
         torch.nn.utils.clip_grad_norm_(self.masters.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
+
+    def _gradients(self, trajectories, advantages: list[float]) -> dict[str, torch.Tensor]:
+        """The bf16 gradients of the GRPO loss over ``trajectories`` (a token mean over their own), float32."""
+        self.compute.zero_grad(set_to_none=True)
+        padded = pad_trajectories(trajectories)
+        tokens = max(1.0, float(sum(sum(t.loss_mask) for t in trajectories)))
+        logprobs = token_logprobs(self.compute, padded.tokens, padded.attention)
+        grpo_loss(logprobs, padded, torch.tensor(advantages, dtype=torch.float32), self.config, None, tokens).backward()
+        return {name: p.grad.float() for name, p in self.compute.named_parameters()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The float32 masters, copied (as the harness exports every version)."""

@@ -163,8 +163,15 @@ class FSDPTrainer:
             fully_shard(layer, mesh=mesh, mp_policy=precision)
         fully_shard(policy, mesh=mesh, mp_policy=precision)
         self.module = policy.train()
+        # foreach: PyTorch picks it only for plain tensors, and FSDP2's parameters are DTensors; one
+        # multi-tensor op per update term, not one op (and one sharding propagation) per parameter
         self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+            self.module.parameters(),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            foreach=True,
         )
         self.version = 0
         self.offloaded = False

@@ -28,7 +28,8 @@ from skills.validation import AnnotationError, expand_source, unexpanded
 from targets.api import TraceEvent
 from targets.harness.isolation.launch import Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox, scrubbed_environment
-from targets.harness.judge.integrity import scan_stack, source_reasons
+from targets.harness.judge import integrity
+from targets.harness.judge.integrity import scan_stack
 from targets.harness.measure.session import Session
 from targets.harness.target import Target
 from targets.spec import load_target
@@ -251,6 +252,17 @@ def test_a_file_scanned_clean_and_then_edited_is_scanned_again(tmp_path, tiny_sp
     assert not result.passed and any("imports harness internals" in r for r in result.reasons), result.reasons
 
 
+def test_a_file_that_declares_another_encoding_is_read_as_python_reads_it(tmp_path, tiny_spec):
+    """Python decodes a source file by the encoding it declares: in UTF-7 ``+AAo-`` is a line break, so a
+    comment read as UTF-8 is an import read as Python reads it."""
+    stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
+    (stack / "stack" / "planted.py").write_bytes(b"# coding: utf_7\nx = 1  # +AAo-import gc\n")
+    result = scan_stack(stack)
+    assert not result.passed and "stack/planted.py:3: imports gc, an introspection escape hatch" in result.reasons
+    (stack / "stack" / "planted.py").write_bytes(b"x = 1\x00\n")  # Python would not import it either
+    assert scan_stack(stack).reasons == ["stack/planted.py: syntax error: source code string cannot contain null bytes"]
+
+
 LOOKALIKES = {  # what an honest stack writes that only looks like an escape: the scan lets each through
     "torch.compile by its own name": "from torch import compile\nMODEL = compile(lambda x: x)\n",
     "re.compile": "import re\nPATTERN = re.compile('a+')\n",
@@ -291,7 +303,7 @@ def test_parallel_scans_of_one_stack_agree(tmp_path, tiny_spec):
             for item in garbage:
                 item.cycle = item
             del garbage
-            source_reasons.cache_clear()  # every file parsed again, in parallel with the other threads
+            integrity._scanned.clear()  # every file parsed again, in parallel with the other threads
             try:
                 assert scan_stack(stack).passed
             except BaseException as error:  # noqa: BLE001 -- handed to the main thread, which raises it

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import compileall
-import functools
 import hashlib
 import threading
 from pathlib import Path
@@ -55,8 +54,9 @@ def candidate_files(stack_dir: Path) -> list[Path]:
     )
 
 
-def parse_source(source: str, filename: str) -> ast.Module:
-    """``ast.parse``, one thread at a time (see ``AST_PARSE_LOCK``)."""
+def parse_source(source: str | bytes, filename: str) -> ast.Module:
+    """``ast.parse``, one thread at a time (see ``AST_PARSE_LOCK``). Bytes are decoded as Python decodes a
+    file it imports: by the encoding the file declares (PEP 263), else UTF-8."""
     with AST_PARSE_LOCK:
         return ast.parse(source, filename=filename)
 
@@ -70,19 +70,33 @@ def scan_stack(stack_dir: Path) -> CheckResult:
         if path.suffix in COMPILED_SUFFIXES
     ]
     for path in (p for p in files if p.suffix == ".py"):
-        reasons += source_reasons(path.read_text(), str(path.relative_to(stack_dir)))
+        reasons += source_reasons(path.read_bytes(), str(path.relative_to(stack_dir)))
     return CheckResult("integrity", not reasons, reasons, {})
 
 
-@functools.lru_cache(maxsize=1024)
-def source_reasons(source: str, where: str) -> tuple[str, ...]:
-    """What one file's source does that a stack must not, each said with its line. A function of the
-    text alone, kept for the process: a run's rounds and a bench's stacks share most of their files,
-    and a stack's files are scanned again before each of its runs (a scan of the starter: ~1 s)."""
+SCANNED_FILES = 4096  # files whose findings are kept (by digest) before the record starts again
+_scanned: dict[tuple[bytes, str], tuple[str, ...]] = {}  # (sha256 of a file's bytes, its path) -> its findings
+
+
+def source_reasons(source: bytes, where: str) -> tuple[str, ...]:
+    """What one file does that a stack must not, each said with its line, read from its bytes as Python
+    would import them (a file declaring ``utf_7`` hides a line from a UTF-8 reading). Kept for the process
+    by the bytes' digest: a run's rounds and a bench's stacks share most of their files, and a stack's
+    files are scanned again before each of its runs (a scan of the starter: ~1 s)."""
+    key = (hashlib.sha256(source).digest(), where)
+    if key not in _scanned:
+        if len(_scanned) >= SCANNED_FILES:
+            _scanned.clear()
+        _scanned[key] = _file_reasons(source, where)
+    return _scanned[key]
+
+
+def _file_reasons(source: bytes, where: str) -> tuple[str, ...]:
     try:
         tree = parse_source(source, where)
-    except SyntaxError as error:
-        return (f"{where}:{error.lineno}: syntax error: {error.msg}",)
+    except SyntaxError as error:  # undecodable bytes and null bytes too: Python would not import it either
+        line = f":{error.lineno}" if error.lineno else ""
+        return (f"{where}{line}: syntax error: {error.msg}",)
     bound = _module_names(tree)  # ``import time as t``: t is the time module wherever it is used
     shadowed = _rebound_names(tree)  # ``from torch import compile``: compile is not the builtin there
     return tuple(f"{where}:{node.lineno}: {r}" for node in ast.walk(tree) for r in _node_reasons(node, bound, shadowed))

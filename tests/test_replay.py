@@ -226,9 +226,10 @@ def test_the_training_replay_follows_float32_masters_of_a_bf16_model(caplog):
     planted = {**weights, 2: {**weights[2], matrix: coasting_a_block(coast, pull).float()}}
     reasons = Reasons()
     details = replay_training(ix, reasons, spec, planted.get, make_model)
-    assert TENSOR_FOLLOWS_BATCH < details["training_replay_least_followed"] < MATRIX_FOLLOWS_BATCH
+    block_carried = details["training_replay_least_followed_matrix"]
+    assert TENSOR_FOLLOWS_BATCH < block_carried < MATRIX_FOLLOWS_BATCH
     assert [line.split(":", 2)[2].split(" of ")[0] for line in reasons.lines()] == [
-        f" tensor {matrix} did not follow the batch: its update carries {details['training_replay_least_followed']:.3g}"
+        f" tensor {matrix} did not follow the batch: its update carries {block_carried:.3g}"
     ], reasons.lines()
 
 

@@ -93,3 +93,19 @@ def test_a_block_a_quarter_of_a_matrix_left_at_its_coast_does_not_follow_the_bat
         assert shares[0] < carried(got - coast, flat) < shares[1]
         off = update_error({"w": start}, {"w": got}, {"w": coast + flat}, {"w": coast})
         assert off.ignored_batch() is (rows == 0.5) and off.relative < 0.9, (rows, off)
+
+
+def test_each_tensor_is_held_to_its_own_bound_and_the_least_share_is_reported_whatever_its_kind():
+    """A vector carrying 0.6 and a matrix 0.95 both pass; the least share reported is the vector's (the
+    figures are read as measured), the least matrix's apart. A matrix carrying 0.75 beside them is named."""
+    start, coast, pull = _matrix_step(shape=(40, 40))
+    flat = torch.full(pull.shape, 1e-3)
+    vector_start, vector_coast, vector_pull = torch.zeros(8), torch.zeros(8), torch.full((8,), 1e-3)
+    starts, coasts = {"v": vector_start, "w": start}, {"v": vector_coast, "w": coast}
+    wants = {"v": vector_coast + vector_pull, "w": coast + flat}
+    for matrix_share, rejected in ((0.95, False), (0.75, True)):
+        got = {"v": vector_coast + 0.6 * vector_pull, "w": coast + matrix_share * flat}
+        off = update_error(starts, got, wants, coasts)
+        assert off.least_following == "v" and abs(off.least_followed - 0.6) < 1e-5  # float32 weights
+        assert abs(off.least_followed_matrix - matrix_share) < 1e-4
+        assert off.ignored_batch() is rejected and off.furthest_behind == ("w" if rejected else "v")

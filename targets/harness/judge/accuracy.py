@@ -227,6 +227,7 @@ def check_trainer(
         "worst_tensor_error": off.worst_relative,
         "least_following_tensor": off.least_following,
         "least_followed": off.least_followed,
+        "least_followed_matrix": off.least_followed_matrix,
         "steps": len(batches),
     }
     if first is not None:

@@ -85,7 +85,7 @@ def _hidden_states(model: torch.nn.Module, sequences: list[list[int]]) -> torch.
     ids = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.long)
     for row, sequence in enumerate(sequences):
         ids[row, : len(sequence)] = torch.tensor(sequence)
-    return model.get_decoder()(input_ids=ids.to(device)).last_hidden_state
+    return model.get_decoder()(input_ids=ids.to(device), use_cache=False).last_hidden_state  # no KV cache kept
 
 
 @torch.no_grad()
@@ -230,7 +230,8 @@ def replay_training(
     # AdamW step at a small learning rate would not move bf16 weights at all. Every snapshot after
     # version 0 is the harness's float32 copy of those masters, loaded into float32 parameters exactly.
     trainer = ReferenceTrainer(make_model(initial).float(), spec.workload.training.config())
-    before, errors, tensor_errors, followed, reference_moved = initial, [], [], [], False
+    before, errors, tensor_errors, reference_moved = initial, [], [], False
+    followed, followed_matrices = [], []
     for k, train in enumerate(ix.trains, start=1):
         started = time.monotonic()
         after = load_weights(k)
@@ -262,6 +263,7 @@ def replay_training(
         errors.append(off.relative)
         tensor_errors.append(off.worst_relative)
         followed.append(off.least_followed)
+        followed_matrices.append(off.least_followed_matrix)
         fault = step_fault(off, spec.accuracy.update_rtol, "the reference GRPO step on the batch the harness saw")
         if fault is not None:
             r.add("training replay", f"step {k}: {fault}")
@@ -277,4 +279,5 @@ def replay_training(
         "training_replay_max_error": max(errors, default=0.0),
         "training_replay_worst_tensor_error": max(tensor_errors, default=0.0),
         "training_replay_least_followed": min(followed, default=1.0),
+        "training_replay_least_followed_matrix": min(followed_matrices, default=1.0),
     }

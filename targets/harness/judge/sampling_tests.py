@@ -349,6 +349,8 @@ class SamplingTests:
         stops = sorted({i for i in stop_ids if i in vocabulary})
         echoes = sorted({i for i in echo_ids if i in vocabulary} - set(stops))
         guessed = torch.tensor(sorted(guesses), dtype=torch.long).reshape(-1, 2)
+        if len(guessed) and not 0 <= int(guessed[:, 0].min()) <= int(guessed[:, 0].max()) < len(chosen):
+            raise ValueError(f"a guess outside the turn's {len(chosen)} tokens: {guessed[:, 0].tolist()}")
         if self._waiting and self._waiting_at != temperature:  # in order: the rank test's draws go to the same rows
             self._take_waiting()
         if len(chosen) >= ROWS:  # a long turn alone, not copied
@@ -367,7 +369,10 @@ class SamplingTests:
 
     def _take(self, turns: list[_Turn], temperature: float) -> None:
         """The turns' rows, ``ROWS`` at a time: each token's rank, stop and echo events, and guesses."""
-        logits, chosen = torch.cat([t.logits for t in turns]), torch.cat([t.chosen for t in turns])
+        if len(turns) == 1:  # a long turn: its own rows, not a copy (40,960 x 151,936 float32 is 25 GB)
+            logits, chosen = turns[0].logits, turns[0].chosen
+        else:
+            logits, chosen = torch.cat([t.logits for t in turns]), torch.cat([t.chosen for t in turns])
         lengths = torch.tensor([len(t.chosen) for t in turns])
         owner = torch.repeat_interleave(torch.arange(len(turns)), lengths)  # each row's turn
         starts = [0, *torch.cumsum(lengths, 0).tolist()]

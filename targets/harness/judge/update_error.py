@@ -27,13 +27,15 @@ and each matrix, its rows' noise averaged, 0.989-0.997; so a matrix must carry `
 of its pull, a vector (a norm's weights, whose gradient costs nothing worth skipping)
 ``TENSOR_FOLLOWS_BATCH``. On a GPU: AdamW's first step is ~lr x sign(gradient), so bf16 flipping a share
 p of the signs reads 2 sqrt(p) off and 1 - 2p carried; the worst honest tensor measured on an H100 (a
-q_norm, 0.305 off) would carry ~0.95. A block of a matrix left to momentum reads one less its share of
-the pull: half the rows by half the columns, 0.75, which a vector's bound would pass. The pull is judged
-only where it is at least ``PULL_JUDGED_SHARE`` of the reference's update of the tensor: an honest
-trainer's momentum is not the replay's (its gradients were bf16), and on a step of weak gradients
-(advantages 1e-2 of the usual) that difference tilted an honest tensor's projection to 0.55, at 1e-4 to
--1.2, with the pull 7% and 0.1% of the update. A tensor that coasts where its pull is under a quarter of
-its update is that little off.
+q_norm, 0.305 off) would carry ~0.95. Not measured on a card yet: a matrix's share there (check 2's
+``least_followed_matrix``, the replay's ``training_replay_least_followed_matrix``, recorded on every
+run), and an MoE layer's experts, whose rarely routed rows see few tokens (the MoE targets are simulated
+today). A block of a matrix left to momentum reads one less its share of the pull: half the rows by half
+the columns, 0.75, which a vector's bound would pass. The pull is judged only where it is at least
+``PULL_JUDGED_SHARE`` of the reference's update of the tensor: an honest trainer's momentum is not the
+replay's (its gradients were bf16), and on a step of weak gradients (advantages 1e-2 of the usual) that
+difference tilted an honest tensor's projection to 0.55, at 1e-4 to -1.2, with the pull 7% and 0.1% of
+the update. A tensor that coasts where its pull is under a quarter of its update is that little off.
 """
 
 from __future__ import annotations
@@ -84,25 +86,32 @@ class UpdateError:
 
     @property
     def least_following(self) -> str:
-        """Of the tensors the batch pulls, the one whose update carries least of it against its bound (a NaN
-        least)."""
-
-        def margin(name: str) -> float:
-            share = self.followed[name]
-            return -math.inf if math.isnan(share) else share - self.follow_bounds[name]
-
-        return min(self.followed, key=margin, default="")
+        """Of the tensors the batch pulls, the one whose update carries least of it (a NaN least)."""
+        return min(self.followed, key=lambda n: _nan_least(self.followed[n]), default="")
 
     @property
     def least_followed(self) -> float:
         return self.followed.get(self.least_following, 1.0)
 
     @property
-    def least_follow_bound(self) -> float:
-        return self.follow_bounds.get(self.least_following, TENSOR_FOLLOWS_BATCH)
+    def least_followed_matrix(self) -> float:
+        """The least share any matrix carries (the figure ``MATRIX_FOLLOWS_BATCH`` is set against)."""
+        shares = [f for n, f in self.followed.items() if self.follow_bounds[n] == MATRIX_FOLLOWS_BATCH]
+        return min(shares, key=_nan_least, default=1.0)
+
+    @property
+    def furthest_behind(self) -> str:
+        """Of the tensors the batch pulls, the one whose share is least against its own bound (a NaN least):
+        the one a verdict names."""
+        return min(self.followed, key=lambda n: _nan_least(self.followed[n]) - self.follow_bounds[n], default="")
 
     def ignored_batch(self) -> bool:
-        return not self.least_followed >= self.least_follow_bound  # a NaN is no match
+        name = self.furthest_behind
+        return bool(name) and not self.followed[name] >= self.follow_bounds[name]  # a NaN is no match
+
+
+def _nan_least(share: float) -> float:
+    return -math.inf if math.isnan(share) else share
 
 
 def update_error(start: StateDict, got: StateDict, want: StateDict, coast: StateDict) -> UpdateError:
@@ -173,9 +182,10 @@ def step_fault(off: UpdateError, update_rtol: float, held_to: str) -> str | None
             f"against {tensor_bound(update_rtol):g} (untrained is 1)"
         )
     if off.ignored_batch():
+        name = off.furthest_behind
         return (
-            f"tensor {off.least_following} did not follow the batch: its update carries {off.least_followed:.3g} "
-            "of the batch's own pull on it (the reference's step less the same step on zero gradients), under "
-            f"{off.least_follow_bound:g}: momentum moved it, not the batch's gradient"
+            f"tensor {name} did not follow the batch: its update carries {off.followed[name]:.3g} of the batch's "
+            "own pull on it (the reference's step less the same step on zero gradients), under "
+            f"{off.follow_bounds[name]:g}: momentum moved it, not the batch's gradient"
         )
     return None

@@ -131,6 +131,14 @@ class PartialStateTrainer(ReferenceTrainer):
         return {k: v for k, v in super().state_dict().items() if "lm_head" not in k}
 
 
+class MisshapedStateTrainer(ReferenceTrainer):
+    """Exports a layernorm's weights as a row (broadcast against the model's vector, the values compare equal)."""
+
+    def state_dict(self):
+        state = super().state_dict()
+        return {k: v.reshape(1, -1) if k == "model.layers.0.input_layernorm.weight" else v for k, v in state.items()}
+
+
 class UnclippedTrainer(ReferenceTrainer):
     """Ignores the ratio clipping (a plain policy gradient)."""
 
@@ -285,6 +293,7 @@ def test_fixed_batches_exercise_clipping(tiny_model, batches):
         (NaNWeightTrainer, "relative error nan"),
         (VersionSkippingTrainer, "after step 1 the trainer returned version 2 and reports 2"),
         (PartialStateTrainer, "trainer state_dict lacks parameters"),
+        (MisshapedStateTrainer, "trainer state_dict gives model.layers.0.input_layernorm.weight the shape (1, "),
         (FrozenTensorTrainer, "tensor model.layers.0.input_layernorm.weight was left behind"),
         (CoastingTrainer, "tensor model.layers.0.input_layernorm.weight did not follow the batch"),
     ],

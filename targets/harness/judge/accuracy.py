@@ -171,12 +171,19 @@ def fixed_train_batches(model: PreTrainedModel, seed: int = 4321, sizes: Sequenc
 MakeTrainer = Callable[[StateDict, TrainingConfig], Trainer]
 
 
-def _exported(trainer: Trainer, initial: StateDict) -> tuple[dict[str, torch.Tensor], list[str]]:
+def _exported(trainer: Trainer, initial: StateDict) -> tuple[dict[str, torch.Tensor], str]:
     """The trainer's weights under ``initial``'s names, copied to the CPU (a trainer may export its live
-    tensors), and the names its state_dict lacks (then no weights)."""
+    tensors), and what is wrong with them ('' when nothing; then no weights): a name its state_dict lacks,
+    or a tensor not of the model's shape (compared anyway, it would be broadcast)."""
     exported = trainer.state_dict()
     missing = sorted(set(initial) - set(exported))
-    return ({} if missing else {k: exported[k].detach().to("cpu", copy=True) for k in initial}), missing
+    if missing:
+        return {}, f"trainer state_dict lacks parameters {missing[:5]}"
+    for name, tensor in initial.items():
+        if tuple(exported[name].shape) != tuple(tensor.shape):
+            shape, want = tuple(exported[name].shape), tuple(tensor.shape)
+            return {}, f"trainer state_dict gives {name} the shape {shape}, not the model's {want}"
+    return {k: exported[k].detach().to("cpu", copy=True) for k in initial}, ""
 
 
 def check_trainer(
@@ -208,13 +215,13 @@ def check_trainer(
         if returned != step or candidate.version != step:
             reasons.append(f"after step {step} the trainer returned version {returned} and reports {candidate.version}")
         if step == 1 < len(batches):
-            after, missing = _exported(candidate, initial)
-            first = None if missing else update_error(initial, after, reference.state_dict(), coast)
+            after, wrong = _exported(candidate, initial)
+            first = None if wrong else update_error(initial, after, reference.state_dict(), coast)
             del after
             coast = initial  # let go before the last step's coast is taken (each is a copy of the model)
-    got, missing = _exported(candidate, initial)
-    if missing:
-        return CheckResult("trainer", False, [f"trainer state_dict lacks parameters {missing[:5]}"], {})
+    got, wrong = _exported(candidate, initial)
+    if wrong:
+        return CheckResult("trainer", False, [wrong], {})
     off = update_error(initial, got, reference.state_dict(), coast)
     if not off.reference_moved:
         raise RuntimeError("the reference trainer did not change the weights: the fixed batches cannot test a trainer")

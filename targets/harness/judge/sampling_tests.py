@@ -351,10 +351,9 @@ class SamplingTests:
         guessed = torch.tensor(sorted(guesses), dtype=torch.long).reshape(-1, 2)
         if len(guessed) and not 0 <= int(guessed[:, 0].min()) <= int(guessed[:, 0].max()) < len(chosen):
             raise ValueError(f"a guess outside the turn's {len(chosen)} tokens: {guessed[:, 0].tolist()}")
-        if self._waiting and self._waiting_at != temperature:  # in order: the rank test's draws go to the same rows
+        if self._waiting_at != temperature or len(chosen) >= ROWS:  # in order: the rank test's draws, same rows
             self._take_waiting()
         if len(chosen) >= ROWS:  # a long turn alone, not copied
-            self._take_waiting()
             self._take([_Turn(logits, chosen, stops, echoes, guessed)], temperature)
             return
         self._waiting.append(_Turn(logits.clone(), chosen, stops, echoes, guessed))
@@ -391,8 +390,8 @@ class SamplingTests:
             before = (p * ahead).sum(-1)
             draws = torch.rand(len(drawn), generator=self._uniform, dtype=torch.float64).to(p.device)
             self._ranks.append((before + draws * px.squeeze(-1)).clamp(0, 1).cpu())
+            row_turns = owner[start : start + ROWS]
             for kept, (turn_index, turn_valid) in zip((self._stops, self._echoes), events, strict=True):
-                row_turns = owner[start : start + ROWS]
                 index, valid = turn_index[row_turns].to(p.device), turn_valid[row_turns].to(p.device)
                 with_event = valid.any(-1)
                 if with_event.any():

@@ -2,7 +2,7 @@
 tensor: the figures the judge's update bounds are set against (``targets/harness/judge/update_error.py``).
 
     python benchmarks/bf16_update_error.py [--target tiny-qwen3-cpu] [--lr 1e-6] [--steps 2] [--coast NAME]
-        [--stretch NAME] [--block NAME] [--half NAME]
+        [--stretch NAME] [--block NAME] [--half NAME] [--moe EXPERTSxPER_TOKEN]
 
 The target's model in bfloat16; the honest trainer keeps float32 masters, computes the GRPO loss and its
 gradients in bfloat16, and steps AdamW on the masters; the reference steps in float32 from the same masters
@@ -18,7 +18,10 @@ that one projection onto the pull reads 0.6 (the trainer's own update there, str
 counting row by row catches. ``--block NAME``: from step 2 on, the matrices whose names contain NAME keep
 their coast on half their rows by half their columns: the evasion a matrix's bound catches and a vector's
 would not. ``--half NAME``: from step 2 on, the tensors whose names contain NAME get their gradient from
-the first half of the batch's trajectories alone.
+the first half of the batch's trajectories alone. ``--moe 64x2``: the target's model made a Qwen3 MoE of 64
+experts, 2 routed a token (each expert a quarter of the dense MLP's width); also printed, the least share
+of its own pull one expert carries alone, and that expert's share of its stack's pull: experts are judged
+as one stack, since bf16 routes some tokens to other experts than float32 does.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from targets.harness.judge.accuracy import fixed_train_batches  # noqa: E402
-from targets.harness.judge.update_error import update_error  # noqa: E402
+from targets.harness.judge.update_error import carried, update_error  # noqa: E402
 from targets.harness.model import load_model, model_dir  # noqa: E402
 from targets.harness.reference.trainer import ReferenceTrainer  # noqa: E402
 from targets.spec import CATALOG_DIR, parse_target  # noqa: E402
@@ -54,6 +57,21 @@ def least_row_carried(moved: torch.Tensor, pull: torch.Tensor) -> float:
         share = (rows * along).sum(dim=1)[own > 0] / own[own > 0]
         least = min(least, float(share.min()))
     return least
+
+
+def least_expert_carried(moved: torch.Tensor, pull: torch.Tensor) -> tuple[float, float]:
+    """Of a stack of experts (``[experts, out, in]``), the least share of its own pull one expert carries
+    (``carried``), and that expert's share of the stack's pull."""
+    own = (pull * pull).sum(dim=(1, 2))
+    return min((carried(moved[e], pull[e]), float(own[e] / own.sum())) for e in range(len(own)) if own[e] > 0)
+
+
+def moe_config(config: dict, experts_per_token: str) -> None:
+    """``config`` (a dense Qwen3's) made an MoE's: ``64x2`` is 64 experts, 2 routed a token."""
+    experts, per_token = (int(n) for n in experts_per_token.split("x"))
+    config.update(
+        num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=config["intermediate_size"] // 4
+    )
 
 
 def stretched(got: torch.Tensor, coast: torch.Tensor, pull: torch.Tensor) -> torch.Tensor:
@@ -82,9 +100,13 @@ def main(
     stretch: str = "",
     block: str = "",
     half: str = "",
+    moe: str = "",
 ) -> None:
     data = yaml.safe_load((CATALOG_DIR / f"{target}.yaml").read_text())
     data["model"]["dtype"] = "bfloat16"
+    if moe:
+        data["model"]["family"] = "qwen3_moe"
+        moe_config(data["model"]["config"], moe)
     data["workload"]["training"]["lr"] = lr
     spec = parse_target(data)
     base = load_model(model_dir(spec.model), "bfloat16")
@@ -96,7 +118,8 @@ def main(
         "worst tensors (relative error, weights)",
         "least vectors (pull carried)",
         "least matrices (pull carried)",
-        "least row or column (own pull)",
+        "least row or column of a 2-D matrix (own pull)",
+        *(["least expert alone (its share of the stack's pull)"] if moe else []),
     )
     for step, batch in enumerate(fixed_train_batches(base, sizes=[(8, 12)[k % 2] for k in range(steps)]), start=1):
         start = honest.state_dict()
@@ -105,15 +128,17 @@ def main(
         reference.train_step(batch)
         honest.train_step(batch, coast if step >= 2 else "", half if step >= 2 else "")
         got, want = honest.state_dict(), reference.state_dict()
-        pulls = {k: want[k].double() - coasted[k].double() for k in want if want[k].dim() == 2}
-        for k in pulls if step >= 2 else ():
+        pulls = {k: want[k].double() - coasted[k].double() for k in want if want[k].dim() >= 2}
+        for k in [k for k in pulls if pulls[k].dim() == 2] if step >= 2 else ():  # stacks of experts as they are
             if stretch and stretch in k:
                 got[k] = stretched(got[k].double(), coasted[k].double(), pulls[k]).float()
             if block and block in k:
                 got[k] = blocked(got[k].double(), coasted[k].double()).float()
         off = update_error(start, got, want, coasted)
         least_row = min(
-            (least_row_carried(got[k].double() - coasted[k].double(), pulls[k]), k) for k in pulls if k in off.followed
+            (least_row_carried(got[k].double() - coasted[k].double(), pulls[k]), k)
+            for k in pulls
+            if k in off.followed and pulls[k].dim() == 2  # an expert routed no token has no row figure
         )
         worst = sorted(((e, k) for k, e in off.tensors.items()), reverse=True)[:3]
         vectors = sorted((f, k) for k, f in off.followed.items() if start[k].dim() < 2)[:2]
@@ -125,8 +150,19 @@ def main(
             ", ".join(f"{k.removeprefix('model.')} {f:.3f}" for f, k in vectors),
             ", ".join(f"{k.removeprefix('model.')} {f:.3f}" for f, k in matrices),
             f"{least_row[1].removeprefix('model.')} {least_row[0]:.3f}",
+            *([least_expert(got, coasted, pulls, off.followed)] if moe else []),
         )
     Console().print(table)
+
+
+def least_expert(got: dict, coasted: dict, pulls: dict, judged: dict) -> str:
+    """The expert carrying least of its own pull, of every judged stack."""
+    share, stack_share, name = min(
+        (*least_expert_carried(got[k].double() - coasted[k].double(), pulls[k]), k)
+        for k in pulls
+        if pulls[k].dim() == 3 and k in judged
+    )
+    return f"{name.removeprefix('model.')} {share:.3f} ({stack_share:.3f})"
 
 
 if __name__ == "__main__":

@@ -29,9 +29,12 @@ of its pull, a vector (a norm's weights, whose gradient costs nothing worth skip
 p of the signs reads 2 sqrt(p) off and 1 - 2p carried; the worst honest tensor measured on an H100 (a
 q_norm, 0.305 off) would carry ~0.95. Not measured on a card yet: a matrix's share there (check 2's
 ``least_followed_matrix``, the replay's ``training_replay_least_followed_matrix``, recorded on every
-run), and an MoE layer's experts, whose rarely routed rows see few tokens (the MoE targets are simulated
-today). A block of a matrix left to momentum reads one less its share of the pull: half the rows by half
-the columns, 0.75, which a vector's bound would pass. The pull is judged only where it is at least
+run). An MoE layer's experts are judged as one stack, never one expert alone: bf16 routes some tokens to
+other experts than float32 does, so an honest expert can carry nothing of its own pull (0.0 and -6 of
+it, at 1-3% of its stack's), while each stack carried 0.92-0.995 and each router 0.86-0.99 (a tiny
+Qwen3 MoE of 8-128 experts in bf16 on CPU, ``--moe``; no MoE on a card yet). A block of a matrix left
+to momentum reads one less its share of the pull: half the rows by half the columns, 0.75, which a
+vector's bound would pass. The pull is judged only where it is at least
 ``PULL_JUDGED_SHARE`` of the reference's update of the tensor: an honest trainer's momentum is not the
 replay's (its gradients were bf16), and on a step of weak gradients (advantages 1e-2 of the usual) that
 difference tilted an honest tensor's projection to 0.55, at 1e-4 to -1.2, with the pull 7% and 0.1% of

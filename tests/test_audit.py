@@ -412,24 +412,39 @@ def test_the_version_timing_rule_on_any_turn_moved_after_its_version(honest):
     assert details["version_timing_least_ratio"] < 1
 
 
-def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_version(honest):
+@pytest.mark.parametrize("served", ["whole", "a token a segment"])
+def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_version(honest, served):
     """Two members of a group ask the same first prompt; the cluster decodes one and copies its response to
     the other, claimed under the next version with that version's logprobs (a prefill of the copy), once in
     the whole run: the replay agrees with every token, and the independence test compared responses under
     one version only, and counted repeats over every comparison, where the run's honest repeats of short
     answers hide one more. Now each token of the copy is guessed from its original and the guesses' chances
     are taken under the next version, and the copy is one run of drawn guesses, so improbable that its
-    tokens past a chance of 1e-12 are the evidence."""
-    import torch
-
+    tokens past a chance of 1e-12 are the evidence. Served a token a segment (an interrupted segment of one
+    token, resumed for the next), no segment's run was ever rare: a resumed turn's run now goes on from the
+    segment it resumes."""
     from targets.harness.judge.replay import replay_turns
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     spec, _, weights, base = honest
-    events = _edited(honest)
     honest_reasons = Reasons()
-    replay_turns(TraceIndex.of(events), honest_reasons, spec, weights.get, lambda state: _loaded(base, state))
+    replay_turns(TraceIndex.of(_edited(honest)), honest_reasons, spec, weights.get, lambda state: _loaded(base, state))
     assert not honest_reasons.lines(), honest_reasons.lines()
+    events, copied = _copied_to_a_groupmate(honest, served)
+    r = Reasons()
+    details = replay_turns(TraceIndex.of(events), r, spec, weights.get, lambda state: _loaded(base, state))
+    assert details["independence_guesses"] >= copied - 1  # every token of the copy but a stop
+    assert [line.split(":")[0] for line in r.lines()] == ["independent samples"], r.lines()
+
+
+def _copied_to_a_groupmate(honest, served: str) -> tuple[list[TraceEvent], int]:
+    """The honest trace with the longest answer to a prompt two episodes asked under one version copied to
+    the later one, claimed under the next version with its logprobs there (``served`` whole, or a token a
+    segment): (the events, the copy's tokens)."""
+    import torch
+
+    _, _, weights, base = honest
+    events = _edited(honest)
     asked: dict[tuple, list[TraceEvent]] = {}
     for g in events:
         if g.kind == "generate" and not g.data["aborted"] and g.data["version"] + 1 in weights:
@@ -437,9 +452,9 @@ def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_versio
     original, g = max(
         (
             (a, b)
-            for served in asked.values()
-            for a in served
-            for b in served
+            for answered in asked.values()
+            for a in answered
+            for b in answered
             if a.data["start"] < b.data["start"] and a.data["episode"] != b.data["episode"]
         ),
         key=lambda pair: len(pair[0].data["tokens"]),
@@ -455,10 +470,56 @@ def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_versio
         finish=original.data["finish"],
         logprobs=logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist(),
     )
+    if served == "a token a segment":
+        _served_a_token_a_segment(events, g)
+    return events, len(tokens)
+
+
+def test_a_copy_served_a_token_a_segment_is_caught_where_the_replay_draws_a_sample(honest, monkeypatch):
+    """A GPU target's run replays a sample of turns, and of interrupted segments apart: here every finished
+    turn and a few of thousands of segments. A drawn turn brings the segments it resumes, so the copy's
+    run goes on from its first token, whichever of its segments the draw missed."""
+    from targets.harness.judge import replay
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    spec, _, weights, base = honest
+    events, _ = _copied_to_a_groupmate(honest, "a token a segment")
+    finished = [e for e in events if e.kind == "generate" and not e.data["aborted"] and e.data["tokens"]]
+    padding = []
+    for i in range(3000):  # segments enough that a draw of the finished turns' number misses the copy's
+        segment = copy.deepcopy(finished[i % len(finished)])
+        segment.data["aborted"] = True
+        padding.append(segment)
+    events[-1:-1] = padding
+    monkeypatch.setattr(replay, "REPLAY_ALL_FLOPS", 0.0)
+    monkeypatch.setattr(replay, "SAMPLED_TURNS", len(finished))
     r = Reasons()
-    details = replay_turns(TraceIndex.of(events), r, spec, weights.get, lambda state: _loaded(base, state))
-    assert details["independence_guesses"] >= len(tokens) - 1  # every token of the copy but a stop
-    assert [line.split(":")[0] for line in r.lines()] == ["independent samples"], r.lines()
+    details = replay.replay_turns(TraceIndex.of(events), r, spec, weights.get, lambda state: _loaded(base, state))
+    assert "segments they resume" in details["replay_coverage"], details["replay_coverage"]
+    assert "independent samples" in [line.split(":")[0] for line in r.lines()], r.lines()
+
+
+def _served_a_token_a_segment(events: list[TraceEvent], g: TraceEvent) -> None:
+    """``g`` replaced by interrupted segments of one token each, each resumed (``continues``) by the next."""
+    d = g.data
+    assert not d.get("continues"), "the copy is a whole turn"
+    span = (g.t - d["start"]) / len(d["tokens"])
+    segments = []
+    for i in range(len(d["tokens"])):
+        segment = {
+            **copy.deepcopy(d),
+            "start": d["start"] + i * span,
+            "prompt": d["prompt"] + d["tokens"][:i],
+            "continues": i,
+            "tokens": d["tokens"][i : i + 1],
+            "logprobs": d["logprobs"][i : i + 1],
+            "max_new_tokens": d["max_new_tokens"] - i,
+        }
+        if i < len(d["tokens"]) - 1:
+            segment.update(aborted=True, finish="abort")
+        segments.append(TraceEvent("generate", d["start"] + (i + 1) * span, segment))
+    at = events.index(g)
+    events[at : at + 1] = segments
 
 
 def test_empty_prompts_under_two_versions_are_a_verdict_not_a_crash(honest):

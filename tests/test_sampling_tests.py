@@ -17,6 +17,7 @@ from targets.harness.judge.sampling_tests import (
     TOKEN_BITS,
     Draw,
     SamplingTests,
+    Segment,
     _contexts,
     _run_chances,
     plan_guesses,
@@ -122,8 +123,25 @@ def _independence(turns: list[_Turn], atol: float = 1e-3) -> tuple[SamplingTests
     guesses = plan_guesses(draws, set(range(len(turns))))
     tests = SamplingTests(atol=atol, seed=0)
     for n, t in enumerate(turns):
-        tests.add(t.logits, t.chosen, 1.0, [STOP], [], guesses[n])
+        tests.add(t.logits, t.chosen, 1.0, [STOP], [], guesses[n], _segment(turns, n))
     return tests, dict((name, bound) for name, bound, _ in tests.results())["independent samples"]
+
+
+def _segment(turns: list[_Turn], n: int) -> Segment:
+    """Turn ``n``'s place in its response: a turn that carries tokens resumes the earlier turn of its
+    episode whose response so far they are (as the audit's ``TraceIndex.response`` chains them)."""
+    t = turns[n]
+    resumes = next(
+        (
+            k
+            for k in range(n)
+            if t.carried
+            and turns[k].episode == t.episode
+            and turns[k].carried + tuple(turns[k].chosen.tolist()) == t.carried
+        ),
+        None,
+    )
+    return Segment(key=n, resumes=resumes, at=len(t.carried))
 
 
 def _clustered(generator, copy: bool, members: int = 4, length: int = 8) -> list[_Turn]:
@@ -219,6 +237,24 @@ def test_a_copy_with_every_few_tokens_re_drawn_is_caught(every):
         assert (_independence(turns)[1] < FALSE_ALARM) == copying, (every, copying)
 
 
+def test_a_copy_served_a_token_a_segment_is_caught():
+    """A run of drawn guesses was one segment's: a copy handed over as an interrupted segment of one token,
+    resumed for one more, and so on, was never a run (a token's chance alone is far over 1e-3) and passed.
+    A resumed turn's run now goes on from the segment it resumes. Honest turns cut as often raise nothing."""
+    generator = torch.Generator().manual_seed(24)
+    for copying in (False, True):
+        turns = []
+        for group in range(20):
+            rows = _likely(generator, 32)
+            original, other = _honest(rows, generator), _honest(rows, generator)
+            turns.append(_Turn(f"g{group}/e0", (group,), rows, original))
+            served = original if copying else other
+            for at in range(32):
+                end = at + 1
+                turns.append(_Turn(f"g{group}/e1", (group,), rows[at:end], served[at:end], tuple(served[:at].tolist())))
+        assert (_independence(turns)[1] < FALSE_ALARM) == copying, copying
+
+
 KEPT_BETWEEN_DROPS = 2  # so the copy keeps at least two in three of its source's tokens
 
 
@@ -240,7 +276,7 @@ def _dropping_copy(source: torch.Tensor, rows: torch.Tensor, length: int) -> tup
         chances = [float(torch.softmax(rows[trial[q]], -1)[t]) for q, t in plan]
         hits = [tokens[q] == t for q, t in plan]
         rare = positions and positions[-1] == len(trial) - 1 and hits[-1]
-        if rare and kept >= KEPT_BETWEEN_DROPS and _run_chances(positions, chances, hits)[-1] < 3e-3:
+        if rare and kept >= KEPT_BETWEEN_DROPS and _run_chances(positions, chances, hits)[0][-1] < 3e-3:
             at, kept = at + 1, 0  # drop it
             continue
         taken.append(at)
@@ -277,7 +313,7 @@ def test_a_peaked_answer_repeats_often_and_that_is_chance():
     logits[:, 5] = 4.0
     turns = [_Turn(f"g{n // 4}/e{n % 4}", (n // 4,), logits, _honest(logits, generator)) for n in range(200)]
     tests, bound = _independence(turns)
-    assert sum(int(hit.sum()) for _, hit, _ in tests._guesses) > 300  # drawn guesses, at every chance
+    assert sum(int(g.hit.sum()) for g in tests._guesses) > 300  # drawn guesses, at every chance
     assert bound >= FALSE_ALARM
 
 
@@ -295,7 +331,7 @@ def test_one_copied_long_response_among_many_honest_repeats_is_caught(copies):
     turns.append(_Turn("g99/e0", (99,), flat, first))
     turns.append(_Turn("g99/e1", (99,), flat, first if copies else _honest(flat, generator)))
     tests, bound = _independence(turns)
-    assert sum(int(hit.sum()) for _, hit, _ in tests._guesses) > 300  # among hundreds of honest drawn guesses
+    assert sum(int(g.hit.sum()) for g in tests._guesses) > 300  # among hundreds of honest drawn guesses
     assert (bound < FALSE_ALARM) == bool(copies), bound
 
 

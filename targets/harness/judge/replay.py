@@ -9,7 +9,8 @@ snapshots (never from a candidate's word).
   P(miss) = 0.99^n <= 0.01  <=>  n >= ln(0.01) / ln(0.99) = 458.2, so n = 459.
   Finished turns and interrupted segments are drawn apart, ``SAMPLED_TURNS`` of each: a stack that
   interrupts often would otherwise fill one draw with its own short segments, and the bound would
-  hold for neither.
+  hold for neither. Each drawn turn brings the segments it resumes (a prefix of its own sequence, so
+  little more to replay), for the independence test's runs to go on across them.
 * Sampling: which tokens were drawn, tested on the replayed distributions
   (``sampling_tests.py``: temperature, ranks, stop and echo calibration, independence), each with an
   exact false-alarm bound.
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
-from targets.harness.judge.sampling_tests import FALSE_ALARM, Draw, SamplingTests, plan_guesses
+from targets.harness.judge.sampling_tests import FALSE_ALARM, Draw, SamplingTests, Segment, plan_guesses
 from targets.harness.judge.update_error import step_fault, update_error
 
 if TYPE_CHECKING:
@@ -107,6 +108,13 @@ def _draw(g: TraceEvent) -> Draw:
     return Draw(d["start"], d["episode"], tuple(carried), tuple(d["tokens"]), frozenset(d.get("stop", ())))
 
 
+def _segment(ix: TraceIndex, g: TraceEvent) -> Segment:
+    """Where ``g``'s tokens sit in its turn's whole response, after the segments it resumes."""
+    whole = ix.response(g)
+    resumes = id(whole.segments[-2]) if len(whole.segments) > 1 else None
+    return Segment(key=id(g), resumes=resumes, at=len(whole.tokens) - len(g.data["tokens"]))
+
+
 def replay_turns(
     ix: TraceIndex,
     r: Reasons,
@@ -124,9 +132,13 @@ def replay_turns(
     else:  # each pool its own draw: interruptions, as many as the stack makes, cannot thin the finished turns'
         draw = random.Random(seed)
         whole, parts = (draw.sample(pool, min(SAMPLED_TURNS, len(pool))) for pool in (finished, cut))
-        sample = whole + parts
+        drawn_ids = {id(g) for g in whole + parts}  # and the segments each resumes, for its runs of guesses
+        before = [s for g in whole + parts for s in ix.response(g).segments[:-1] if s.data["tokens"]]
+        sample = whole + parts + [s for s in {id(s): s for s in before}.values() if id(s) not in drawn_ids]
         coverage = f"{len(whole)} of {len(finished)} turns and {len(parts)} of {len(cut)} interrupted segments"
         coverage += f", drawn at random (seed {seed})"
+        if len(sample) > len(whole) + len(parts):
+            coverage += f", and the {len(sample) - len(whole) - len(parts)} segments they resume"
     by_version: dict[int, dict[str, list[TraceEvent]]] = defaultdict(lambda: defaultdict(list))
     for g in sample:
         by_version[g.data["version"]][g.data["episode"]].append(g)
@@ -174,7 +186,7 @@ def replay_turns(
                     temperature = g.data.get("temperature", 0.0)
                     if temperature > 0:
                         stops, echoes = g.data.get("stop", []), ix.latest_observation(g)
-                        tests.add(rows, chosen, temperature, stops, echoes, guesses.get(id(g), ()))
+                        tests.add(rows, chosen, temperature, stops, echoes, guesses.get(id(g), ()), _segment(ix, g))
         log.info(
             "version %d: %d episodes replayed in %.1f s (weights loaded in %.1f s)",
             version,

@@ -34,7 +34,8 @@ union bounds, over the rank test's bins and the independence test's scales, insi
   request and copies the response to others is caught, also when it claims the copy under another
   version or for another prompt, re-draws some of its tokens (every other one, in the tests), drops a
   source token in three to break its runs, or hands it over as an interrupted segment and its
-  resumption. Not counted over every guess: a stack that cancels redundant spares, or drops the longest
+  resumption, or as a token a segment (a resumed turn's run goes on from the segment it resumes). Not
+  counted over every guess: a stack that cancels redundant spares, or drops the longest
   turns, leaves turns selected on their own tokens, and a count over every guess then drifts (a toy of
   3,000 groups keeping 8 of 10: 5,702 drawn against 5,337 expected, a false alarm), where runs as
   improbable as 1e-3 did not (3 drawn against 6.0). For the same reason a stop token is never guessed.
@@ -269,20 +270,32 @@ def _followed(entry: int | tuple[int, int] | None, episode: int) -> tuple[int, i
     return None
 
 
-def _run_chances(positions: list[int], chances: list[float], hits: list[bool]) -> torch.Tensor:
+@dataclass(frozen=True)
+class RunState:
+    """Where a run of drawn guesses stands: its chance so far, and the position of its last drawn guess
+    (None: no run)."""
+
+    chance: float = 1.0
+    last_hit: int | None = None
+
+
+def _run_chances(
+    positions: list[int], chances: list[float], hits: list[bool], start: RunState = RunState()
+) -> tuple[torch.Tensor, RunState]:
     """For each guess of a turn (by position): the chance of the run it would extend, its own chance times
     those of the guesses drawn before it in the run, each at most ``RUN_GAP`` positions after the last. A
     copied stretch of tokens is one run, as improbable as the stretch, also where the copy re-draws, drops
     or puts in a few tokens (the guesses realign within ``FOLLOW_GAP`` positions, or find the copy again by
-    its context within ``RUN_GAP``); only a longer stretch of its own starts a new one."""
-    runs, run, last_hit = [], 1.0, None
+    its context within ``RUN_GAP``); only a longer stretch of its own starts a new one. ``start``: the run
+    the segment before left (a resumed turn's), in the same positions; returned, the run this one leaves."""
+    runs, run, last_hit = [], start.chance, start.last_hit
     for position, chance, hit in zip(positions, chances, hits, strict=True):
         if last_hit is None or position - last_hit > RUN_GAP:
             run = 1.0
         runs.append(run * chance)
         if hit:
             run, last_hit = run * chance, position
-    return torch.tensor(runs, dtype=torch.float64)
+    return torch.tensor(runs, dtype=torch.float64), RunState(run, last_hit)
 
 
 def _turn_events(event_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,6 +309,18 @@ def _turn_events(event_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor
     return index, valid
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Where a turn's drawn tokens sit in the whole response they belong to: a resumed turn's run of drawn
+    guesses goes on from the segment it resumes (otherwise a copy served a token a segment is never a
+    run). ``key``: this segment's; ``resumes``: the key of the segment it continues (None: the first);
+    ``at``: the position of its first token in the whole response."""
+
+    key: object
+    resumes: object = None
+    at: int = 0
+
+
 @dataclass
 class _Turn:
     """One turn's drawn tokens as ``SamplingTests.add`` was given them, until its rows are taken together."""
@@ -305,6 +330,17 @@ class _Turn:
     stops: list[int]  # the stop ids in the vocabulary
     echoes: list[int]  # the latest observation's ids in the vocabulary, stops aside
     guessed: torch.Tensor  # [guesses, 2]: (position in the turn, token)
+    segment: Segment
+
+
+@dataclass
+class _Guesses:
+    """One segment's guesses, kept until ``independence`` chains the runs of a turn's segments."""
+
+    chance: torch.Tensor
+    hit: torch.Tensor
+    positions: list[int]  # in the whole response
+    segment: Segment
 
 
 @dataclass
@@ -322,7 +358,7 @@ class SamplingTests:
     _ranks: list[torch.Tensor] = field(default_factory=list)
     _stops: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _echoes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    _guesses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # chance, hit, run
+    _guesses: list[_Guesses] = field(default_factory=list)
     _waiting: list[_Turn] = field(default_factory=list)  # short turns not yet taken, all at one temperature
     _waiting_at: float = 0.0
 
@@ -342,9 +378,12 @@ class SamplingTests:
         stop_ids: list[int],
         echo_ids: list[int],
         guesses: list[tuple[int, int]] = (),
+        segment: Segment | None = None,
     ) -> None:
         """One turn's drawn tokens (a row of ``logits`` each), with the independence test's guesses for
-        it (``plan_guesses``)."""
+        it (``plan_guesses``); ``segment``: where they sit in a resumed turn's response (None: a turn of
+        its own)."""
+        segment = segment if segment is not None else Segment(key=object())
         vocabulary = range(logits.shape[-1])  # an id outside it is never drawn (the audit names such stop ids)
         stops = sorted({i for i in stop_ids if i in vocabulary})
         echoes = sorted({i for i in echo_ids if i in vocabulary} - set(stops))
@@ -354,9 +393,9 @@ class SamplingTests:
         if self._waiting_at != temperature or len(chosen) >= ROWS:  # in order: the rank test's draws, same rows
             self._take_waiting()
         if len(chosen) >= ROWS:  # a long turn alone, not copied
-            self._take([_Turn(logits, chosen, stops, echoes, guessed)], temperature)
+            self._take([_Turn(logits, chosen, stops, echoes, guessed, segment)], temperature)
             return
-        self._waiting.append(_Turn(logits.clone(), chosen, stops, echoes, guessed))
+        self._waiting.append(_Turn(logits.clone(), chosen, stops, echoes, guessed, segment))
         self._waiting_at = temperature
         if sum(len(turn.chosen) for turn in self._waiting) >= ROWS:
             self._take_waiting()
@@ -403,12 +442,10 @@ class SamplingTests:
                 at, token = (guessed[here, 0] - start).to(p.device), guessed[here, 1].to(p.device)
                 chances[here], hits[here] = p[at, token].cpu(), (drawn[at] == token).cpu()
         first = 0
-        for turn in turns:  # a run is one turn's
+        for turn in turns:
             n = len(turn.guessed)
-            if n:
-                chance, hit = chances[first : first + n], hits[first : first + n]
-                run = _run_chances(turn.guessed[:, 0].tolist(), chance.tolist(), hit.tolist())
-                self._guesses.append((chance, hit, run))
+            positions = [turn.segment.at + q for q in turn.guessed[:, 0].tolist()]
+            self._guesses.append(_Guesses(chances[first : first + n], hits[first : first + n], positions, turn.segment))
             first += n
 
     def rank_tests(self) -> list[BernoulliSum]:
@@ -448,11 +485,25 @@ class SamplingTests:
         self._take_waiting()
         tests = [BernoulliSum() for _ in INDEPENDENCE_SCALES]
         if self._guesses:
-            chance, drawn, run = (torch.cat([g[k] for g in self._guesses]) for k in range(3))
+            chance, drawn = (torch.cat([g.chance for g in self._guesses]), torch.cat([g.hit for g in self._guesses]))
+            run = self._runs()
             for test, scale in zip(tests, INDEPENDENCE_SCALES, strict=True):
                 rare = run <= scale
                 test.add(chance[rare], drawn[rare], *_slack(chance[rare], 2 * self.atol))
         return tests
+
+    def _runs(self) -> torch.Tensor:
+        """Each guess's run chance (``_run_chances``), in the order of ``_guesses``: a turn's own run, or
+        a resumed turn's carried on from the segment it resumes where that was replayed too (a segment
+        comes after the one it resumes in its response, and only those before it decide its runs, so each
+        guess's run is known before its draw whatever the segments' order here)."""
+        left: dict[object, RunState] = {}
+        runs: list[torch.Tensor | None] = [None] * len(self._guesses)
+        for k in sorted(range(len(self._guesses)), key=lambda k: self._guesses[k].segment.at):
+            g = self._guesses[k]
+            start = left.get(g.segment.resumes, RunState()) if g.segment.resumes is not None else RunState()
+            runs[k], left[g.segment.key] = _run_chances(g.positions, g.chance.tolist(), g.hit.tolist(), start)
+        return torch.cat(runs)
 
     def results(self) -> list[tuple[str, float, str]]:
         """(test name, false-alarm bound, what was seen), for the report and the verdict."""

@@ -1118,6 +1118,36 @@ def test_resuming_without_declaring_partial_rollout(honest):
     _rejects(_audit(honest, events), "undeclared continuation")
 
 
+def test_a_turn_cut_thousands_of_times_is_read_whole_without_recursion():
+    """A response is its segments' tokens, each segment finding the one it resumes: that lookup recursed a
+    level a segment, and a turn cut ~330 times (a token a segment, as a copier hiding its runs might) ended
+    the audit in a RecursionError. The segments are now answered in the order they ended."""
+    from targets.harness.judge.trace_index import TraceIndex
+
+    cuts, prompt = 3000, [1, 2, 3]
+    tokens = [4 + i % 7 for i in range(cuts)]
+    events = [
+        TraceEvent(
+            "generate",
+            float(i + 1),
+            {
+                "episode": "g0/e0",
+                "turn": 0,
+                "start": float(i),
+                "aborted": i < cuts - 1,
+                "prompt": prompt + tokens[:i],
+                "continues": i,
+                "tokens": tokens[i : i + 1],
+                "logprobs": [-1.0],
+                "version": 0,
+            },
+        )
+        for i in range(cuts)
+    ]
+    whole = TraceIndex.of(events).response(events[-1])
+    assert whole.tokens == tokens and whole.segments == events and whole.chained
+
+
 def test_resuming_from_tokens_no_interrupted_segment_produced(honest):
     events, segment, _ = _resumed(honest)
     vocab = honest[0].model.config.vocab_size

@@ -170,6 +170,23 @@ class TraceIndex:
         known = self._responses.get(id(g))
         if known is not None:
             return known
+        if g.data.get("continues", 0):  # the segments it may resume first, in the order they ended: each then
+            for a in sorted(  # finds the one it resumes answered already (a turn cut thousands of times: no recursion)
+                (
+                    a
+                    for a in self.partials.get(g.data["episode"], [])
+                    if a is not g and a.data["turn"] == g.data["turn"] and a.t <= g.data["start"]
+                ),
+                key=lambda a: a.t,
+            ):
+                if id(a) not in self._responses:
+                    self._responses[id(a)] = self._resumed(a)
+        own = self._resumed(g)
+        self._responses[id(g)] = own
+        return own
+
+    def _resumed(self, g: TraceEvent) -> Response:
+        """``response``'s answer for ``g``, the segments it may resume answered already (or answered here)."""
         d, recorded = g.data, self.tokens_recorded
         own = Response(d["tokens"], list(d["logprobs"]) if recorded else [], [d["version"]], [g], True)
         n = d.get("continues", 0)
@@ -195,7 +212,6 @@ class TraceIndex:
                     prefix.segments + own.segments,
                     prefix.chained,
                 )
-        self._responses[id(g)] = own
         return own
 
     def latest_observation(self, g: TraceEvent) -> list[int]:

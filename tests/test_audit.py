@@ -412,7 +412,7 @@ def test_the_version_timing_rule_on_any_turn_moved_after_its_version(honest):
     assert details["version_timing_least_ratio"] < 1
 
 
-@pytest.mark.parametrize("served", ["whole", "a token a segment"])
+@pytest.mark.parametrize("served", ["whole", "a token a segment", "a token a segment, an empty one between"])
 def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_version(honest, served):
     """Two members of a group ask the same first prompt; the cluster decodes one and copies its response to
     the other, claimed under the next version with that version's logprobs (a prefill of the copy), once in
@@ -422,7 +422,8 @@ def test_a_response_copied_to_a_groupmate_once_and_claimed_under_the_next_versio
     are taken under the next version, and the copy is one run of drawn guesses, so improbable that its
     tokens past a chance of 1e-12 are the evidence. Served a token a segment (an interrupted segment of one
     token, resumed for the next), no segment's run was ever rare: a resumed turn's run now goes on from the
-    segment it resumes."""
+    segments before it, past empty ones (a request cut before it drew a token is never tested, and the
+    run once started again after one: a red team's evasion)."""
     from targets.harness.judge.replay import replay_turns
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -470,8 +471,8 @@ def _copied_to_a_groupmate(honest, served: str) -> tuple[list[TraceEvent], int]:
         finish=original.data["finish"],
         logprobs=logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist(),
     )
-    if served == "a token a segment":
-        _served_a_token_a_segment(events, g)
+    if served != "whole":
+        _served_a_token_a_segment(events, g, empty_between=served.endswith("between"))
     return events, len(tokens)
 
 
@@ -499,8 +500,9 @@ def test_a_copy_served_a_token_a_segment_is_caught_where_the_replay_draws_a_samp
     assert "independent samples" in [line.split(":")[0] for line in r.lines()], r.lines()
 
 
-def _served_a_token_a_segment(events: list[TraceEvent], g: TraceEvent) -> None:
-    """``g`` replaced by interrupted segments of one token each, each resumed (``continues``) by the next."""
+def _served_a_token_a_segment(events: list[TraceEvent], g: TraceEvent, empty_between: bool = False) -> None:
+    """``g`` replaced by interrupted segments of one token each, each resumed (``continues``) by the next;
+    ``empty_between``: each resumed once more first and cut at once, before it drew a token."""
     d = g.data
     assert not d.get("continues"), "the copy is a whole turn"
     span = (g.t - d["start"]) / len(d["tokens"])
@@ -517,7 +519,11 @@ def _served_a_token_a_segment(events: list[TraceEvent], g: TraceEvent) -> None:
         }
         if i < len(d["tokens"]) - 1:
             segment.update(aborted=True, finish="abort")
-        segments.append(TraceEvent("generate", d["start"] + (i + 1) * span, segment))
+        segments.append(TraceEvent("generate", d["start"] + (i + 0.5) * span, segment))
+        if empty_between and i < len(d["tokens"]) - 1:
+            empty = {**segment, "start": d["start"] + (i + 0.6) * span, "prompt": d["prompt"] + d["tokens"][: i + 1]}
+            empty.update(continues=i + 1, tokens=[], logprobs=[], max_new_tokens=d["max_new_tokens"] - i - 1)
+            segments.append(TraceEvent("generate", d["start"] + (i + 0.7) * span, empty))
     at = events.index(g)
     events[at : at + 1] = segments
 
@@ -1146,6 +1152,27 @@ def test_a_turn_cut_thousands_of_times_is_read_whole_without_recursion():
     ]
     whole = TraceIndex.of(events).response(events[-1])
     assert whole.tokens == tokens and whole.segments == events and whole.chained
+
+
+def test_two_segments_cut_at_one_instant_do_not_resume_each_other():
+    """Two empty segments of a turn, each started and ended at one instant (a red team's): each was a
+    candidate for the segment the other resumes, and reading the response recursed without end. Of two at
+    one instant, only the one the trace holds first may be resumed."""
+    from targets.harness.judge.trace_index import TraceIndex
+
+    def served(t: float, start: float, continues: int, tokens: list[int], aborted: bool = True) -> TraceEvent:
+        data = {"episode": "g0/e0", "turn": 0, "start": start, "aborted": aborted, "version": 0}
+        data.update(prompt=[9, 5][: 1 + continues], continues=continues, tokens=tokens, logprobs=[0.0] * len(tokens))
+        return TraceEvent("generate", t, data)
+
+    events = [
+        served(1.0, 0.0, 0, [5]),
+        served(2.0, 2.0, 1, []),
+        served(2.0, 2.0, 1, []),
+        served(3.0, 2.5, 1, [6], False),
+    ]
+    whole = TraceIndex.of(events).response(events[-1])
+    assert whole.tokens == [5, 6] and whole.chained and whole.segments[0] is events[0]
 
 
 def test_resuming_from_tokens_no_interrupted_segment_produced(honest):

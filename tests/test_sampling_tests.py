@@ -128,20 +128,18 @@ def _independence(turns: list[_Turn], atol: float = 1e-3) -> tuple[SamplingTests
 
 
 def _segment(turns: list[_Turn], n: int) -> Segment:
-    """Turn ``n``'s place in its response: a turn that carries tokens resumes the earlier turn of its
-    episode whose response so far they are (as the audit's ``TraceIndex.response`` chains them)."""
+    """Turn ``n``'s place in its response: a turn that carries tokens comes after the earlier turns of its
+    episode whose responses so far they begin with (as the audit's ``TraceIndex.response`` chains them)."""
     t = turns[n]
-    resumes = next(
-        (
-            k
-            for k in range(n)
-            if t.carried
-            and turns[k].episode == t.episode
-            and turns[k].carried + tuple(turns[k].chosen.tolist()) == t.carried
-        ),
-        None,
+    after = tuple(
+        k
+        for k in range(n)
+        if t.carried
+        and turns[k].episode == t.episode
+        and t.carried[: len(turns[k].carried) + len(turns[k].chosen)]
+        == turns[k].carried + tuple(turns[k].chosen.tolist())
     )
-    return Segment(key=n, resumes=resumes, at=len(t.carried))
+    return Segment(key=n, after=after, at=len(t.carried))
 
 
 def _clustered(generator, copy: bool, members: int = 4, length: int = 8) -> list[_Turn]:

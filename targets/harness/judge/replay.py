@@ -111,8 +111,7 @@ def _draw(g: TraceEvent) -> Draw:
 def _segment(ix: TraceIndex, g: TraceEvent) -> Segment:
     """Where ``g``'s tokens sit in its turn's whole response, after the segments it resumes."""
     whole = ix.response(g)
-    resumes = id(whole.segments[-2]) if len(whole.segments) > 1 else None
-    return Segment(key=id(g), resumes=resumes, at=len(whole.tokens) - len(g.data["tokens"]))
+    return Segment(key=id(g), after=tuple(map(id, whole.segments[:-1])), at=len(whole.tokens) - len(g.data["tokens"]))
 
 
 def replay_turns(

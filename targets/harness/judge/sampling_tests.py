@@ -312,12 +312,13 @@ def _turn_events(event_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor
 @dataclass(frozen=True)
 class Segment:
     """Where a turn's drawn tokens sit in the whole response they belong to: a resumed turn's run of drawn
-    guesses goes on from the segment it resumes (otherwise a copy served a token a segment is never a
-    run). ``key``: this segment's; ``resumes``: the key of the segment it continues (None: the first);
-    ``at``: the position of its first token in the whole response."""
+    guesses goes on from the segments before it (otherwise a copy served a token a segment is never a
+    run). ``key``: this segment's; ``after``: the keys of the segments before it in its response, the
+    nearest last (the run goes on from the nearest of them that was tested: an empty segment, cut before
+    it drew a token, is never tested); ``at``: the position of its first token in the whole response."""
 
     key: object
-    resumes: object = None
+    after: tuple[object, ...] = ()
     at: int = 0
 
 
@@ -494,14 +495,14 @@ class SamplingTests:
 
     def _runs(self) -> torch.Tensor:
         """Each guess's run chance (``_run_chances``), in the order of ``_guesses``: a turn's own run, or
-        a resumed turn's carried on from the segment it resumes where that was replayed too (a segment
-        comes after the one it resumes in its response, and only those before it decide its runs, so each
-        guess's run is known before its draw whatever the segments' order here)."""
+        a resumed turn's carried on from the nearest segment before it that was tested (a segment comes
+        after those before it in its response, and only they decide its runs, so each guess's run is known
+        before its draw whatever the segments' order here)."""
         left: dict[object, RunState] = {}
         runs: list[torch.Tensor | None] = [None] * len(self._guesses)
         for k in sorted(range(len(self._guesses)), key=lambda k: self._guesses[k].segment.at):
             g = self._guesses[k]
-            start = left.get(g.segment.resumes, RunState()) if g.segment.resumes is not None else RunState()
+            start = next((left[k] for k in reversed(g.segment.after) if k in left), RunState())
             runs[k], left[g.segment.key] = _run_chances(g.positions, g.chance.tolist(), g.hit.tolist(), start)
         return torch.cat(runs)
 

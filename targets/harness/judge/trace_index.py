@@ -4,6 +4,7 @@ collects (``Reasons``)."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -69,6 +70,7 @@ class TraceIndex:
     start_t: float = 0.0
     end_t: float = 0.0
     _responses: dict[int, Response] = field(default_factory=dict)
+    _turn_partials: dict[tuple[str, int], list[tuple[float, int, TraceEvent]]] = field(default_factory=dict)
 
     def engine(self, device: str) -> str:
         """The engine ``device`` is part of, by the name completions carry: in a simulated run an engine
@@ -171,14 +173,9 @@ class TraceIndex:
         if known is not None:
             return known
         if g.data.get("continues", 0):  # the segments it may resume first, in the order they ended: each then
-            for a in sorted(  # finds the one it resumes answered already (a turn cut thousands of times: no recursion)
-                (
-                    a
-                    for a in self.partials.get(g.data["episode"], [])
-                    if a is not g and a.data["turn"] == g.data["turn"] and a.t <= g.data["start"]
-                ),
-                key=lambda a: a.t,
-            ):
+            for a in self._may_resume(
+                g
+            ):  # finds its own answered already (a turn cut thousands of times: no recursion)
                 if id(a) not in self._responses:
                     self._responses[id(a)] = self._resumed(a)
         own = self._resumed(g)
@@ -193,14 +190,7 @@ class TraceIndex:
         if n:
             tail = d["prompt"][len(d["prompt"]) - n :] if recorded else n
             prefix = next(
-                (
-                    earlier
-                    for a in reversed(self.partials.get(d["episode"], []))
-                    if a is not g and a.data["turn"] == d["turn"] and a.t <= d["start"]
-                    for earlier in [self.response(a)]
-                    if earlier.tokens == tail
-                ),
-                None,
+                (earlier for a in reversed(self._may_resume(g)) if (earlier := self.response(a)).tokens == tail), None
             )
             if prefix is None:
                 own = Response(own.tokens, own.logprobs, own.versions, own.segments, False)
@@ -213,6 +203,17 @@ class TraceIndex:
                     prefix.chained,
                 )
         return own
+
+    def _may_resume(self, g: TraceEvent) -> list[TraceEvent]:
+        """The interrupted segments of ``g``'s turn that ended by the time it started, in the order they
+        ended (of two at one instant, the one the trace holds first: none may resume the other both ways)."""
+        key = (g.data["episode"], g.data["turn"])
+        if key not in self._turn_partials:
+            listed = [(a.t, k, a) for k, a in enumerate(self.partials.get(key[0], [])) if a.data["turn"] == key[1]]
+            self._turn_partials[key] = sorted(listed, key=lambda item: item[:2])
+        listed = self._turn_partials[key]
+        before = next((k for _, k, a in listed if a is g), math.inf)
+        return [a for t, k, a in listed if t <= g.data["start"] and (t < g.t or k < before)]
 
     def latest_observation(self, g: TraceEvent) -> list[int]:
         """What the environment said last before turn ``g``: the reset's observation before turn 0,

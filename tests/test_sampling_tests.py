@@ -222,34 +222,43 @@ def test_a_copy_with_every_few_tokens_re_drawn_is_caught(every):
     copied turn on past a re-drawn token, and a run carries on across it; counted in stretches of four or
     fewer, the copies (every third or every other token re-drawn) passed. Honest groups of the same shape
     raise nothing."""
-    generator = torch.Generator().manual_seed(22)
-    for copying in (False, True):
-        turns = []
-        for group in range(20):
-            logits = _likely(generator, 32)
-            original, other = _honest(logits, generator), _honest(logits, generator)
-            copy = original.clone()
-            copy[every - 1 :: every] = other[every - 1 :: every]
-            turns.append(_Turn(f"g{group}/e0", (group,), logits, original))
-            turns.append(_Turn(f"g{group}/e1", (group,), logits, copy if copying else other))
-        assert (_independence(turns)[1] < FALSE_ALARM) == copying, (every, copying)
+
+    def served(group: int, rows: torch.Tensor, original: torch.Tensor, other: torch.Tensor, copying: bool):
+        copy = original.clone()
+        copy[every - 1 :: every] = other[every - 1 :: every]
+        return [_Turn(f"g{group}/e1", (group,), rows, copy if copying else other)]
+
+    _caught_only_copying(22, served)
 
 
 def test_a_copy_served_a_token_a_segment_is_caught():
     """A run of drawn guesses was one segment's: a copy handed over as an interrupted segment of one token,
     resumed for one more, and so on, was never a run (a token's chance alone is far over 1e-3) and passed.
     A resumed turn's run now goes on from the segment it resumes. Honest turns cut as often raise nothing."""
-    generator = torch.Generator().manual_seed(24)
+
+    def served(group: int, rows: torch.Tensor, original: torch.Tensor, other: torch.Tensor, copying: bool):
+        tokens = original if copying else other
+        return [
+            _Turn(f"g{group}/e1", (group,), rows[at : at + 1], tokens[at : at + 1], tuple(tokens[:at].tolist()))
+            for at in range(len(tokens))
+        ]
+
+    _caught_only_copying(24, served)
+
+
+def _caught_only_copying(seed: int, served) -> None:
+    """Twenty groups of two episodes asking one prompt over 32 rows with a likely token each (``_likely``):
+    the first draws its own answer, the second is answered by ``served(group, rows, the first's answer,
+    an answer drawn apart, copying)``; the independence test rejects the copying run and passes the
+    honest one."""
+    generator = torch.Generator().manual_seed(seed)
     for copying in (False, True):
         turns = []
         for group in range(20):
             rows = _likely(generator, 32)
             original, other = _honest(rows, generator), _honest(rows, generator)
             turns.append(_Turn(f"g{group}/e0", (group,), rows, original))
-            served = original if copying else other
-            for at in range(32):
-                end = at + 1
-                turns.append(_Turn(f"g{group}/e1", (group,), rows[at:end], served[at:end], tuple(served[:at].tolist())))
+            turns += served(group, rows, original, other, copying)
         assert (_independence(turns)[1] < FALSE_ALARM) == copying, copying
 
 

@@ -72,6 +72,7 @@ class UpdateError:
     tensors: dict[str, float]  # each tensor the reference moved: its own relative error
     followed: dict[str, float]  # each tensor the batch pulls (``PULL_JUDGED_SHARE``): the share carried (``carried``)
     follow_bounds: dict[str, float]  # each of those tensors' least share (``follows_bound``)
+    matrices: frozenset[str]  # of those, the tensors of two dimensions or more
     reference_moved: bool
     candidate_moved: bool
 
@@ -99,7 +100,7 @@ class UpdateError:
     @property
     def least_followed_matrix(self) -> float:
         """The least share any matrix carries (the figure ``MATRIX_FOLLOWS_BATCH`` is set against)."""
-        shares = [f for n, f in self.followed.items() if self.follow_bounds[n] == MATRIX_FOLLOWS_BATCH]
+        shares = [f for n, f in self.followed.items() if n in self.matrices]
         return min(shares, key=_nan_least, default=1.0)
 
     @property
@@ -143,7 +144,8 @@ def update_error(start: StateDict, got: StateDict, want: StateDict, coast: State
     else:
         relative = math.sqrt(err_sq / ref_sq)
     moved = cand_sq != 0  # NaN weights moved (to NaN)
-    return UpdateError(relative, tensors, followed, follow_bounds, ref_sq > 0, moved)
+    matrices = frozenset(n for n in followed if start[n].dim() >= 2)
+    return UpdateError(relative, tensors, followed, follow_bounds, matrices, ref_sq > 0, moved)
 
 
 def carried(moved: torch.Tensor, pull: torch.Tensor) -> float:

@@ -222,8 +222,7 @@ class TrainingConfig:
     loss = token-mean over all response tokens of the batch of
            -min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps) * A) + kl_coef * k3(pi || pi_ref)
     with r = exp(logp_new - logp_behaviour); then global-norm gradient clipping at
-    ``max_grad_norm`` and one AdamW step (betas, eps, weight_decay as given).
-    """
+    ``max_grad_norm`` and one AdamW step (betas, eps, weight_decay as given)."""
 
     lr: float = 1e-3
     clip_eps: float = 0.2
@@ -435,6 +434,7 @@ class Controller(Protocol):
 
 
 DROP_REASONS = ("stale", "end_of_run", "max_sequence", "redundant", "deferred")
+MAX_SPECULATIVE_TOKENS = 8  # the drafts a step an engine may declare (``EngineSettings``): the audit credits no more
 
 
 class EnvDropper(Protocol):

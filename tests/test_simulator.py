@@ -160,8 +160,8 @@ def test_engine_settings_a_hello_cannot_carry_are_refused_by_name():
     assert get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward}).speculative_tokens == 4
     with pytest.raises(ProtocolError, match="engine.engine_scale: 3 is not one of 1, 2, 4"):
         get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward, "engine_scale": 3})
-    with pytest.raises(ProtocolError, match=r"engine.speculative_tokens: 65 is not in \[0, 64\]"):
-        get_engine_settings({"speculative_tokens": 65, "speculative_batch": 8, **reward})
+    with pytest.raises(ProtocolError, match=r"engine.speculative_tokens: 9 is not in \[0, 8\]"):
+        get_engine_settings({"speculative_tokens": 9, "speculative_batch": 8, **reward})
     with pytest.raises(ProtocolError, match="engine.host_kv_tokens: -8 is negative"):
         get_engine_settings({"speculative_tokens": 4, "speculative_batch": 8, **reward, "host_kv_tokens": -8})
     with pytest.raises(ProtocolError, match="engine.prefill_chunk: -512 is negative"):

@@ -21,6 +21,7 @@ import numpy as np
 import orjson
 
 from targets.api import (
+    MAX_SPECULATIVE_TOKENS,
     Aborted,
     Completion,
     Declared,
@@ -199,9 +200,6 @@ def get_runtime(d: dict) -> Runtime:
         d["engine_devices"],
         tuple(get_devices(d["serving_devices"])),
     )
-
-
-MAX_SPECULATIVE_TOKENS = 64  # a draft longer than this verifies more positions than any engine keeps
 
 
 REWARD_PLACEMENTS = ("colocated", "dedicated", "serverless")

@@ -75,7 +75,7 @@ from targets.harness.judge.selection import (
 from targets.harness.judge.selection_net import check_selection
 from targets.harness.judge.service_order import check_service_order
 from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
-from targets.harness.judge.version_timing import check_version_timing
+from targets.harness.judge.version_timing import check_version_timing, decode_step_floor
 from targets.harness.reference.grpo import group_advantages_of
 from targets.harness.trace import Trace, consumed_at, token_count
 from targets.spec import TargetSpec
@@ -502,7 +502,7 @@ def audit_run(
     check_partial_rollout(ix, r)
     check_partial_progress(ix, r)
     details.update(check_service_order(ix, r))
-    details.update(check_version_timing(ix, r))
+    details.update(check_version_timing(ix, r, decode_step_floor(spec)))
     draws = None if workload is None else WorkloadDraws(spec, workload, ix.relaunch_of, not ix.tokens_recorded)
     details.update(check_selection(ix, r, spec, draws))
     check_aborts(ix, r, spec)

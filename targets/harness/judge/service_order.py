@@ -14,11 +14,11 @@ suspend or an interrupting sync cut it short: always sent, ``targets.api.Aborted
 otherwise hold a request until the next interruption and hand it back with nothing decoded.
 
 What an honest engine may lag by, and the audit allows: a drafted step (speculative decoding) gives a
-request up to ``1 + speculative_tokens`` tokens (at most ``MAX_SPECULATIVE_TOKENS``, whatever a stack
-declares), so a later request's tokens count for that many times fewer steps; a reply can reach the
-harness a little after a later one (``REPLY_ORDER_SLACK_S``), and a request reach the engine a little
-after a later one (``ARRIVAL_ORDER_SLACK_S``). A prompt prefilled in chunks costs no
-allowance: both engines hand the step's prefill budget out in admission order, so a later request
+request up to ``1 + speculative_tokens`` tokens (at most ``MAX_SPECULATIVE_TOKENS``: a hello declaring more
+is refused, and a trace claiming more is credited no more), so a later request's tokens count for that
+many times fewer steps; a reply can reach the harness a little after a later one (``REPLY_ORDER_SLACK_S``),
+and a request reach the engine a little after a later one (``ARRIVAL_ORDER_SLACK_S``). A prompt prefilled
+in chunks costs no allowance: both engines hand the step's prefill budget out in admission order, so a later request
 cannot decode while an earlier one still prefills. The engine a completion names is the cluster's
 word: it must be a device that held an engine during the request (the cluster's own residency,
 which the audit holds against the trainer's), else the request is compared with nothing
@@ -32,7 +32,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from targets.api import TraceEvent
+from targets.api import MAX_SPECULATIVE_TOKENS, TraceEvent
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.trace import token_count
 
@@ -45,7 +45,6 @@ REPLY_ORDER_SLACK_S = 0.05
 # arguments travel inline: a prompt of over ~32k tokens goes through the object store and may start a few
 # milliseconds after a later short one.
 ARRIVAL_ORDER_SLACK_S = 0.01
-MAX_SPECULATIVE_TOKENS = 8  # the drafts a step the allowance credits (the kit's own bound)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,25 @@
-"""When a turn's version existed, against when the turn was decoded (real runs).
+"""When a turn's version existed, and when its request was forwarded, against when it was answered
+(real runs).
 
 A completion names the weight version it was decoded under, and the replay recomputes its logprobs
 under that version. That alone cannot tell a turn decoded under version v from one decoded under v-1
 and then prefilled once under v, the logprobs taken from the prefill: the tokens are v-1's, the claim
 makes a stale sample look fresh (and the staleness bound, which counts versions, lets it by). The
-harness knows when each version came to exist: when the training call that returned it returned
-(an engine takes a version by a sync or an expand, both issued after that). So a request the harness
-forwarded before its claimed version existed was decoded after that moment, at the pace engines
-decode: it must have ended at least its tokens times the run's fastest pace later (the fastest any
-request of the run showed from forwarding to answer, halved, and divided by the tokens a drafted step
-may give, ``service_order.tokens_a_step``). The cheat above ends one prefill after the
-version exists. Honest runs of the CPU target forward no request before the version it is served
-under exists at all (docs/judge.md, "version timing")."""
+harness knows when each version came to exist: when the training call that returned it returned (an
+engine takes a version by a sync or an expand, both issued after that), and when it forwarded each
+request. So a turn under version v was decoded after both, at the pace engines decode: it must have
+ended at least its tokens times the pace later. The pace is the run's fastest (the fastest any request
+showed from forwarding to answer, halved), but never under the physical floor of a decode step: every
+weight read once from device memory, all the job's devices reading together, halved
+(``decode_step_floor``), since the run's fastest is the stack's to set (one sibling answered at once, from
+a sample drafted while its groupmate decoded, would set it for every turn); both divided by the tokens a
+drafted step may give (``service_order.tokens_a_step``). The cheat above ends one prefill after the
+version exists: **decoded before its version existed**; a turn decoded ahead, while v trained, and
+forwarded once v existed, ends one prefill after it was forwarded: **answered faster than decoding**.
+Honest runs of the CPU target forward no request before the version it is served under exists at all
+(docs/judge.md, "version timing"). Still open: the floor is the hardware's limit, several times under a
+real engine's pace on a GPU, so a turn decoded ahead and answered no sooner than the floor allows passes;
+and a drafted step's tokens are the stack's declaration."""
 
 from __future__ import annotations
 
@@ -20,14 +28,29 @@ import math
 from targets.harness.judge.service_order import tokens_a_step
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.trace import token_count
+from targets.spec import TargetSpec
 
 PACE_MIN_TOKENS = 4  # a request this long sets the pace: a shorter one is mostly its prefill
 PACE_SLACK = 0.5  # of the fastest pace: a request's own prefill and queueing are in that pace, not in its window
+FLOOR_SHARE = (
+    0.5  # of a step's weight read at the spec's bandwidth: a card faster than its spec, an H200 run as an H100
+)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def check_version_timing(ix: TraceIndex, r: Reasons) -> dict:
-    """Every turn and interrupted segment claiming a version its request arrived before; returns the
-    audit's details: how many there were, and the least ratio of the time each had to the time it needed."""
+def decode_step_floor(spec: TargetSpec) -> float:
+    """Seconds a decode step takes at the least: the active weights read once from device memory at the
+    bandwidth of every job device together (an engine spread over all of them), times ``FLOOR_SHARE``."""
+    pools = getattr(spec.hardware, "job_pools", None) or (spec.hardware,)
+    bandwidth = sum(pool.count * pool.hbm_bandwidth_gbs * 1e9 for pool in pools)
+    weights = spec.model.param_counts().active * DTYPE_BYTES[spec.model.dtype]
+    return FLOOR_SHARE * weights / bandwidth
+
+
+def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) -> dict:
+    """Every turn and interrupted segment against the later of its forwarding and its version's making;
+    returns the audit's details: how many were forwarded before their version existed, the least ratio of
+    the time any request had to the time it needed, and the pace it was held to."""
     drafted = tokens_a_step(ix)
     if drafted is None:
         return {}
@@ -37,22 +60,32 @@ def check_version_timing(ix: TraceIndex, r: Reasons) -> dict:
     paces = [(g.t - g.data["start"]) / tokens for g, tokens in turns if tokens >= PACE_MIN_TOKENS]
     if not paces:
         return {}
-    pace = PACE_SLACK * min(paces) / drafted
+    pace = max(PACE_SLACK * min(paces), step_floor_s) / drafted
     early, least = 0, math.inf
     for g, tokens in turns:
         d = g.data
-        since = existed.get(d["version"])
-        if since is None or d["start"] >= since:
-            continue
-        early += 1
-        had, needed = g.t - since, tokens * pace
+        since = existed.get(d["version"], -math.inf)
+        had, needed = g.t - max(d["start"], since), tokens * pace
         least = min(least, had / needed)
-        if not had >= needed:
+        early += d["start"] < since
+        if had >= needed:
+            continue
+        where = f"episode {d['episode']} turn {d['turn']} on {d.get('device')}: forwarded at {d['start']:.2f}s"
+        if d["start"] < since:
             r.add(
                 "decoded before its version existed",
-                f"episode {d['episode']} turn {d['turn']} on {d.get('device')}: forwarded at {d['start']:.2f}s, "
-                f"before version {d['version']} existed ({since:.2f}s, its training call returned), and answered "
-                f"{had:.3f}s after that with {tokens} tokens under that version, which take at least {needed:.3f}s "
-                "at the run's fastest pace: decoded under an earlier version, its logprobs taken anew",
+                f"{where}, before version {d['version']} existed ({since:.2f}s, its training call returned), and "
+                f"answered {had:.3f}s after that with {tokens} tokens under that version, which take at least "
+                f"{needed:.3f}s at the run's pace: decoded under an earlier version, its logprobs taken anew",
             )
-    return {"version_timing_witnessed": early, "version_timing_least_ratio": None if not early else least}
+        else:
+            r.add(
+                "answered faster than decoding",
+                f"{where} and answered {had:.3f}s later with {tokens} tokens under version {d['version']}, which "
+                f"take at least {needed:.3f}s at the run's pace: decoded before it was forwarded",
+            )
+    return {
+        "version_timing_witnessed": early,
+        "version_timing_least_ratio": least,
+        "version_timing_pace_s": pace,
+    }

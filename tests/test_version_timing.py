@@ -1,0 +1,80 @@
+"""The version-timing rule (targets/harness/judge/version_timing.py) on small traces: a turn is answered no
+sooner after the later of its forwarding and its version's making than decoding its tokens takes, at the
+run's fastest pace but never under the floor of a decode step (the plant on a real run's trace is
+tests/test_audit.py's ``test_a_turn_decoded_under_one_version_and_claimed_under_the_next``)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from targets.api import TraceEvent
+from targets.harness.judge.trace_index import Reasons, TraceIndex
+from targets.harness.judge.version_timing import check_version_timing, decode_step_floor
+from targets.spec import CATALOG_DIR, parse_target
+
+FLOOR_S = 2e-4  # a decode step's floor here: about the 0.6B target's on one H100 (``decode_step_floor``)
+
+
+def _served(episode: str, start: float, end: float, tokens: int, version: int = 0) -> TraceEvent:
+    data = {"episode": episode, "turn": 0, "start": start, "aborted": False, "device": "cuda:0"}
+    data.update(prompt=[4] * 12, tokens=[5] * tokens, finish="length", version=version)
+    return TraceEvent("generate", end, data)
+
+
+def _judged(events: list[TraceEvent], floor_s: float = FLOOR_S) -> tuple[list[str], dict]:
+    start = TraceEvent(
+        "run_start",
+        0.0,
+        {"devices": ["cuda:0"], "tokens_recorded": True, "engines": {}, "declared": {}, "engine": {}},
+    )
+    trained = TraceEvent("train", 5.0, {"start": 1.0, "version": 1, "trajectories": []})
+    r = Reasons()
+    details = check_version_timing(TraceIndex.of([start, trained, *sorted(events, key=lambda e: e.t)]), r, floor_s)
+    return r.lines(), details
+
+
+HONEST = [_served(f"h{k}/e0", 0.1 + 0.3 * k, 0.3 + 0.3 * k, 16) for k in range(10)]  # 12.5 ms a token
+
+
+def test_honest_requests_pass_and_the_pace_is_the_runs_fastest_halved():
+    reasons, details = _judged(HONEST)
+    assert not reasons and details["version_timing_pace_s"] == pytest.approx(0.5 * 0.2 / 16)
+    assert details["version_timing_least_ratio"] == pytest.approx(2.0)
+
+
+def test_a_turn_decoded_ahead_and_answered_at_once_once_forwarded_is_named():
+    """A red team's: siblings of a group decoded under v-1 while v trained, forwarded once v existed and
+    answered 10 ms later with 400 tokens, claiming v. Only requests forwarded before their version existed
+    were checked; every request is now, from the later of the two."""
+    siblings = [_served(f"s/e{k}", 5.0 + 0.02 * k, 5.01 + 0.02 * k, 400, version=1) for k in range(1, 8)]
+    reasons, details = _judged(HONEST + siblings)
+    assert len(reasons) >= 3 and all(line.startswith("answered faster than decoding: ") for line in reasons)
+    assert details["version_timing_witnessed"] == 0 and details["version_timing_least_ratio"] < 0.2
+
+
+def test_one_instant_answer_cannot_set_the_pace_under_the_floor_of_a_decode_step():
+    """A red team's: a sibling answered 1 ms after it was forwarded (4 tokens sampled while its groupmate
+    decoded) made the run's fastest pace 40 times faster, and a 400-token turn decoded under v0 while v1
+    trained and claimed under v1 one prefill after v1 existed passed. The pace is never under a decode
+    step's floor (here about the 0.6B target's on one H100): the turn is named (the instant answer, 4 tokens
+    in 1 ms, is within the floor's 0.8 ms)."""
+    cheat = _served("c/e0", 1.0, 5.06, 400, version=1)
+    instant = _served("i/e1", 6.0, 6.001, 4)
+    reasons, _ = _judged(HONEST + [cheat, instant], floor_s=0.0)
+    assert reasons == [], "the hole: with no floor the instant answer sets the pace"
+    reasons, details = _judged(HONEST + [cheat, instant])
+    assert [line.split(":")[0] for line in reasons] == ["decoded before its version existed"], reasons
+    assert "episode c/e0" in reasons[0]
+    assert details["version_timing_pace_s"] == FLOOR_S
+
+
+def test_the_floor_of_a_decode_step_is_the_weights_read_once_at_the_spec_bandwidth_halved():
+    """The 0.6B target in bf16 on one H100: 596M active weights x 2 bytes over 3.35 TB/s, halved (an H200
+    run as the H100 spec reads 1.4 times faster: still over the floor); the CPU target's, 40 us."""
+    spec = parse_target(yaml.safe_load((CATALOG_DIR / "qwen3-0.6b-h100x1.yaml").read_text()))
+    weights = spec.model.param_counts().active * 2
+    assert decode_step_floor(spec) == pytest.approx(0.5 * weights / 3.35e12)
+    assert 1.5e-4 < decode_step_floor(spec) < 2.0e-4
+    cpu = parse_target(yaml.safe_load((CATALOG_DIR / "tiny-qwen3-cpu.yaml").read_text()))
+    assert 2e-5 < decode_step_floor(cpu) < 1e-4

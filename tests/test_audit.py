@@ -1154,6 +1154,34 @@ def test_a_turn_cut_thousands_of_times_is_read_whole_without_recursion():
     assert whole.tokens == tokens and whole.segments == events and whole.chained
 
 
+@pytest.mark.parametrize("fault", ["unknown episode", "turn out of place", "bad continuation"])
+def test_a_request_cut_at_once_in_a_turn_its_episode_never_was_at_is_named(honest, fault):
+    """A red team's decoys: an interrupted request in another episode's name (the next turn of one that had
+    ended), its prompt that episode's context plus a copy's last tokens claimed as its response so far, cut
+    at once: the independence test took its contexts, and only turns an environment stepped were held to
+    their episode's place. Every request now is: its episode one the harness created, its turn the one the
+    episode was at when it was forwarded, its carried tokens what its turn's segments drew."""
+    events = _edited(honest)
+    ended = next(e for e in events if e.kind == "env_step" and e.data["done"])
+    episode, turns = (
+        ended.data["episode"],
+        sum(e.kind == "env_step" and e.data["episode"] == ended.data["episode"] for e in events),
+    )
+    last = max((g for g in _generates(events) if g.data["episode"] == episode), key=lambda g: g.data["turn"])
+    decoy = copy.deepcopy(last.data)
+    decoy.update(aborted=True, finish="abort", tokens=decoy["tokens"][:1], logprobs=decoy["logprobs"][:1])
+    if fault == "unknown episode":
+        decoy.update(episode="g999/e0", start=last.data["start"])
+    elif fault == "turn out of place":
+        decoy.update(turn=turns, start=ended.t + 0.001)
+    else:  # its own turn, resuming tokens none of the turn's segments drew
+        decoy.update(start=last.data["start"], prompt=decoy["prompt"] + [decoy["tokens"][0]] * 3, continues=3)
+        decoy["max_new_tokens"] -= 3
+    at = max(decoy["start"] + 0.0005, last.data["start"] + 0.0005)
+    events.insert(next(k for k, e in enumerate(events) if e.t > at), TraceEvent("generate", at, decoy))
+    _rejects(_audit(honest, events), f"{fault}: ")
+
+
 def test_two_segments_cut_at_one_instant_do_not_resume_each_other():
     """Two empty segments of a turn, each started and ended at one instant (a red team's): each was a
     candidate for the segment the other resumes, and reading the response recursed without end. Of two at

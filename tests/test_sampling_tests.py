@@ -246,6 +246,29 @@ def test_a_copy_served_a_token_a_segment_is_caught():
     _caught_only_copying(24, served)
 
 
+def test_a_request_that_only_claims_a_copys_window_takes_no_context_over():
+    """A red team's decoys: a copy served to both members of a group a token a segment, and before each
+    token an interrupted request of another episode that claims the copy's last four tokens and a junk
+    token as its response so far and draws one token. Being first with that context, it made every guess
+    there the junk token, and the copy passed. A context is kept only where a turn drew the token after it
+    (the audit names such a request too: tests/test_audit.py). Honest groups served alike raise nothing."""
+    generator, junk = torch.Generator().manual_seed(25), VOCAB - 1
+    for copying in (False, True):
+        turns = []
+        for group in range(20):
+            rows = _likely(generator, 32)
+            answers = [_honest(rows, generator).tolist() for _ in range(2)]
+            answers = [answers[0]] * 2 if copying else answers
+            for at in range(32):
+                window = tuple(answers[0][max(0, at - GUESS_CONTEXT) : at])
+                claimed = window + (junk if answers[0][at] != junk else junk - 1,)
+                turns.append(_Turn(f"host{group}/e0", (99,), rows[at : at + 1], torch.tensor([3]), claimed))
+                for member, answer in enumerate(answers):
+                    drawn = torch.tensor(answer[at : at + 1])
+                    turns.append(_Turn(f"g{group}/e{member}", (group,), rows[at : at + 1], drawn, tuple(answer[:at])))
+        assert (_independence(turns)[1] < FALSE_ALARM) == copying, copying
+
+
 def _caught_only_copying(seed: int, served) -> None:
     """Twenty groups of two episodes asking one prompt over 32 rows with a likely token each (``_likely``):
     the first draws its own answer, the second is answered by ``served(group, rows, the first's answer,

@@ -301,13 +301,17 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     """Finish reasons agree with the tokens, a prompt is the episode's whole context so far (plus,
     for a resumed turn, its response so far), and a request asks for the spec's sampling
     temperature, the runtime's stop tokens and what is left of the response budget. Interrupted
-    segments are held to the same."""
+    segments are held to the same, and every request, finished or not, to a turn its episode was at
+    (``_request_fault``)."""
     w = spec.workload
     for episode in sorted(set(ix.generated) | set(ix.partials)):
         for g in [*ix.generated.get(episode, []), *ix.partials.get(episode, [])]:
             d = g.data
             where = f"episode {episode} turn {d['turn']}"
             continues = d.get("continues", 0)
+            fault = _request_fault(ix, g)
+            if fault is not None:
+                r.add(*fault)
             if (
                 d.get("temperature") != w.training.temperature
                 or d.get("max_new_tokens") != w.tokens.response - continues
@@ -358,6 +362,28 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                         f"{where}: the engine was asked with {token_count(prompt)} tokens of context, "
                         f"not the episode's whole context of {token_count(expected)}",
                     )
+
+
+def _request_fault(ix: TraceIndex, g: TraceEvent) -> tuple[str, str] | None:
+    """What is wrong with a request's episode and turn: the harness never created the episode; the turn is
+    not the one the episode was at when the request was forwarded (its steps answered by then), or the
+    episode had ended; it resumes tokens no interrupted segment of its turn produced. Checked for every
+    request, not only the turns an environment stepped: a request in another episode's name, cut at once,
+    could otherwise plant contexts for the independence test to guess from (a red team's decoys)."""
+    d = g.data
+    where = f"episode {d['episode']} turn {d['turn']}"
+    if d["episode"] not in ix.group_of:
+        return "unknown episode", f"{where}: a request for an episode the harness never created"
+    steps = [s for s in ix.env_steps.get(d["episode"], []) if s.t <= d["start"]]
+    if (steps and steps[-1].data["done"]) or d["turn"] != len(steps):
+        at = "had ended" if steps and steps[-1].data["done"] else f"was at turn {len(steps)}"
+        return "turn out of place", f"{where}: forwarded at {d['start']:.2f}s, when the episode {at}"
+    if d.get("continues", 0) and not ix.response(g).chained:
+        return (
+            "bad continuation",
+            f"{where}: resumed from {d['continues']} tokens that no interrupted generate of this turn produced",
+        )
+    return None
 
 
 def check_token_ids(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> bool:

@@ -208,7 +208,9 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
     another episode: the one the turn has been following (they shared a token at most ``FOLLOW_GAP``
     positions back; it goes on there at the shift where they shared the last, ``_realigned``), else one
     with the same context (``_contexts``, over the turn's carried tokens and its own), which the turn
-    follows from its first drawn guess on. Any prompt: a turn of another episode is
+    follows from its first drawn guess on; a context is kept where a turn drew the token after it (a
+    resumed turn's carried tokens were kept where its segments drew them: a request that only claims them,
+    cut at once, takes no context over). Any prompt: a turn of another episode is
     drawn apart from this one whatever it was asked, and a copy may be served for another prompt. Only
     the past decides each guess (the turn's tokens before it, the earlier turns), so each guess's chance
     is known before its draw."""
@@ -247,8 +249,8 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
                     following, shared = source, i
                 if i >= len(turn.carried) and token not in turn.stops:
                     guesses[k].append((i - len(turn.carried), token))
-        for i, keys in enumerate(contexts):  # two episodes a context at most: one besides any turn's own
-            for context in keys:
+        for i, keys in enumerate(contexts[len(turn.carried) :], start=len(turn.carried)):  # the turn's own draws
+            for context in keys:  # two episodes a context at most: one besides any turn's own
                 entry = followers.get(context)
                 if entry is None:
                     followers[context] = _follower(episode, k, i)

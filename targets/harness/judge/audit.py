@@ -215,12 +215,7 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
         for turn, s in enumerate(steps):
             g = gens.get(turn)
             if g is not None and not ix.response(g).chained:
-                r.add(
-                    "bad continuation",
-                    f"episode {episode} turn {turn}: resumed from {g.data['continues']} tokens that no "
-                    "interrupted generate of this turn produced",
-                )
-                break
+                break  # named "bad continuation" with every request (``_request_fault``)
             same = g is not None and (
                 ix.response(g).tokens == s.data["action"]
                 if ix.tokens_recorded

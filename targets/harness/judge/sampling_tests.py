@@ -504,7 +504,7 @@ class SamplingTests:
         runs: list[torch.Tensor | None] = [None] * len(self._guesses)
         for k in sorted(range(len(self._guesses)), key=lambda k: self._guesses[k].segment.at):
             g = self._guesses[k]
-            start = next((left[k] for k in reversed(g.segment.after) if k in left), RunState())
+            start = next((left[key] for key in reversed(g.segment.after) if key in left), RunState())
             runs[k], left[g.segment.key] = _run_chances(g.positions, g.chance.tolist(), g.hit.tolist(), start)
         return torch.cat(runs)
 

@@ -172,10 +172,10 @@ class TraceIndex:
         known = self._responses.get(id(g))
         if known is not None:
             return known
-        if g.data.get("continues", 0):  # the segments it may resume first, in the order they ended: each then
-            for a in self._may_resume(
-                g
-            ):  # finds its own answered already (a turn cut thousands of times: no recursion)
+        if g.data.get("continues", 0):
+            # the segments it may resume first, in the order they ended: each then finds its own answered
+            # already (a turn cut thousands of times: no recursion)
+            for a in self._may_resume(g):
                 if id(a) not in self._responses:
                     self._responses[id(a)] = self._resumed(a)
         own = self._resumed(g)

@@ -27,6 +27,7 @@ import math
 
 from targets.harness.judge.service_order import tokens_a_step
 from targets.harness.judge.trace_index import Reasons, TraceIndex
+from targets.harness.sim.cost_model import DTYPE_BYTES
 from targets.harness.trace import token_count
 from targets.spec import TargetSpec
 
@@ -35,14 +36,13 @@ PACE_SLACK = 0.5  # of the fastest pace: a request's own prefill and queueing ar
 FLOOR_SHARE = (
     0.5  # of a step's weight read at the spec's bandwidth: a card faster than its spec, an H200 run as an H100
 )
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def decode_step_floor(spec: TargetSpec) -> float:
     """Seconds a decode step takes at the least: the active weights read once from device memory at the
     bandwidth of every job device together (an engine spread over all of them), times ``FLOOR_SHARE``."""
-    pools = getattr(spec.hardware, "job_pools", None) or (spec.hardware,)
-    bandwidth = sum(pool.count * pool.hbm_bandwidth_gbs * 1e9 for pool in pools)
+    hardware = spec.hardware
+    bandwidth = sum(hardware.pool_of(device).hbm_bandwidth_gbs * 1e9 for device in hardware.device_ids())
     weights = spec.model.param_counts().active * DTYPE_BYTES[spec.model.dtype]
     return FLOOR_SHARE * weights / bandwidth
 

@@ -69,6 +69,18 @@ def test_one_instant_answer_cannot_set_the_pace_under_the_floor_of_a_decode_step
     assert details["version_timing_pace_s"] == FLOOR_S
 
 
+def test_a_short_turn_answered_in_a_quiet_moment_is_held_to_the_floor_alone():
+    """A red team's: long turns in heavy batches at 10 ms a token set the pace (5 ms halved), and a turn that
+    drew a stop at once, 2 tokens in 8 ms in a quiet moment, was named as answered faster than decoding
+    (ratio 0.8). A request under ``PACE_MIN_TOKENS`` is held to the floor of a decode step alone; one
+    answered under that floor still is."""
+    busy = [_served(f"b{k}/e0", 1.0, 3.0, 200) for k in range(20)]
+    reasons, details = _judged(busy + [_served("q/e0", 10.0, 10.008, 2)])
+    assert not reasons and details["version_timing_least_ratio"] > 1
+    reasons, _ = _judged(busy + [_served("q/e0", 10.0, 10.0001, 2)])
+    assert [line.split(":")[0] for line in reasons] == ["answered faster than decoding"], reasons
+
+
 def test_the_floor_of_a_decode_step_is_the_weights_read_once_at_the_spec_bandwidth_halved():
     """The 0.6B target in bf16 on one H100: 596M active weights x 2 bytes over 3.35 TB/s, halved (an H200
     run as the H100 spec reads 1.4 times faster: still over the floor); the CPU target's, 40 us."""

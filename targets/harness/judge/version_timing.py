@@ -17,9 +17,12 @@ drafted step may give (``service_order.tokens_a_step``). The cheat above ends on
 version exists: **decoded before its version existed**; a turn decoded ahead, while v trained, and
 forwarded once v existed, ends one prefill after it was forwarded: **answered faster than decoding**.
 Honest runs of the CPU target forward no request before the version it is served under exists at all
-(docs/judge.md, "version timing"). Still open: the floor is the hardware's limit, several times under a
-real engine's pace on a GPU, so a turn decoded ahead and answered no sooner than the floor allows passes;
-and a drafted step's tokens are the stack's declaration."""
+(docs/judge.md, "version timing"). A request of under ``PACE_MIN_TOKENS`` is held to the floor alone: a
+stop drawn at once in a quiet moment can beat half the pace long turns set in heavy batches (a red team's
+toy: 2 tokens in 8 ms against 10 ms a token); a turn that short is little to decode ahead. Still open:
+the floor is the hardware's limit, several times under a real engine's pace on a GPU, so a turn decoded
+ahead and answered no sooner than the floor allows passes; and a drafted step's tokens are the stack's
+declaration."""
 
 from __future__ import annotations
 
@@ -65,7 +68,12 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
     for g, tokens in turns:
         d = g.data
         since = existed.get(d["version"], -math.inf)
-        had, needed = g.t - max(d["start"], since), tokens * pace
+        # a short request (a stop drawn at once) answered in a quiet moment may beat a pace set by long turns
+        # in heavy batches: it is held to the floor of a decode step alone
+        had, needed = (
+            g.t - max(d["start"], since),
+            tokens * (pace if tokens >= PACE_MIN_TOKENS else step_floor_s / drafted),
+        )
         least = min(least, had / needed)
         early += d["start"] < since
         if had >= needed:

@@ -1063,18 +1063,22 @@ def test_the_audit_redraws_each_episode_under_the_runs_secret_key(tiny_spec):
 # resumption, exactly as a partial-rollout stack would have produced it (same tokens, same logprobs)
 
 
-def _resumed(honest, declared: bool = True, keep: int = 5):
-    """The honest trace with one turn of the last step's batch resumed after ``keep`` tokens:
-    (events, the interrupted segment, the resuming generate)."""
+def _resumed(honest, declared: bool = True, keep: int = 5, trained: bool = True):
+    """The honest trace with one turn of the last step's batch (``trained``; else of an episode the run
+    dropped untrained) resumed after ``keep`` tokens: (events, the interrupted segment, the resuming
+    generate)."""
     events = [  # the honest stack restarted its interrupted turns: as if none had decoded anything
         TraceEvent(e.kind, e.t, {k: e.data[k] for k in ("episode", "turn", "start", "aborted", "device")})
         if e.kind == "generate" and e.data["aborted"]
         else e
         for e in _edited(honest)
     ]
-    last = _train(events, -1)
-    trained = {t["episode"] for t in last.data["trajectories"]}
-    g = next(e for e in _generates(events) if e.data["episode"] in trained and e.data["finish"] == "length")
+    if trained:
+        among = {t["episode"] for t in _train(events, -1).data["trajectories"]}
+    else:
+        among = {e.data["episode"] for e in events if e.kind == "sample_dropped"}
+        among -= {t["episode"] for train in events if train.kind == "train" for t in train.data["trajectories"]}
+    g = next(e for e in _generates(events) if e.data["episode"] in among and e.data["finish"] == "length")
     d = g.data
     middle = d["start"] + (g.t - d["start"]) / 2
     segment = TraceEvent(
@@ -1117,6 +1121,46 @@ def test_a_resumed_turn_that_resumes_what_was_interrupted_passes(honest):
     assert not any(r.startswith("empty partial: ") and at in r for r in result.reasons), result.reasons
     stripped = sum(1 for e in honest[1] if e.kind == "generate" and e.data["aborted"] and e.data.get("tokens"))
     assert result.details["replayed_turns"] == _audit(honest).details["replayed_turns"] - stripped + 1  # the segment
+
+
+def test_a_restart_that_repeats_its_interrupted_attempt(honest):
+    """A turn generated anew after an interruption (partial rollout not declared) is a draw apart from its
+    interrupted attempt, and the independence test now guesses it from that attempt: only the response a
+    segment continues is not its own source. A cluster that hands the restart the attempt's tokens again
+    (keeping the attempts it likes, resampling the rest) was never guessed from its own episode and passed.
+    The honest run's restarts raise nothing (``test_the_honest_run_passes``)."""
+    events = _edited(honest)
+    g = max(_generates(events), key=lambda e: len(e.data["tokens"]))
+    d, keep = g.data, 12
+    middle = d["start"] + (g.t - d["start"]) / 2
+    attempt = {**copy.deepcopy(d), "aborted": True, "finish": "abort"}
+    attempt.update(tokens=d["tokens"][:keep], logprobs=d["logprobs"][:keep])
+    events.insert(events.index(g), TraceEvent("generate", middle, attempt))
+    interrupt = {"start": middle - 0.001, "devices": [d["device"]], "version": d["version"], "interrupt": True}
+    events.insert(events.index(g), TraceEvent("sync", middle + 0.001, interrupt))
+    d["start"] = middle + 0.002
+    assert not _first(events, "run_start").data["declared"].get("partial_rollout")
+    _rejects(_audit(honest, events), "independent samples")
+
+
+def test_a_partial_resumed_twice_in_an_episode_never_trained(honest):
+    """A red team's junk branches: a spare that decodes the copy a token a segment, and before each real
+    segment forwards a junk one resuming the same partial, cut at once; the junk, first to draw after
+    each context, took the independence test's guesses, and the spare was dropped as redundant. Only
+    trained episodes were held to partial rollout's rules; every episode's turn now is one chain."""
+    events, segment, g = _resumed(honest, trained=False)
+    episode = g.data["episode"]
+    d = g.data  # the branch: the real segment's first token, a segment of its own (the rule is the shape's)
+    branch = {**copy.deepcopy(d), "aborted": True, "finish": "abort", "tokens": d["tokens"][:1]}
+    branch["logprobs"], end = d["logprobs"][:1], d["start"] + (g.t - d["start"]) / 2
+    d["start"] = end + 0.002
+    events.insert(events.index(g), TraceEvent("generate", end, branch))
+    interrupt = {"start": end - 0.001, "devices": [d["device"]], "version": d["version"], "interrupt": True}
+    events.insert(events.index(g), TraceEvent("sync", end + 0.001, interrupt))
+    result = _audit(honest, events)  # beside the rules of arrival order the resumed turn may meet (above)
+    allowed = ("discarded partial: ", "empty partial: ", "served out of order: ")
+    assert all(r.startswith(allowed) for r in result.reasons), result.reasons
+    _rejects(result, f"discarded partial: episode {episode} turn {d['turn']}")
 
 
 def test_resuming_without_declaring_partial_rollout(honest):

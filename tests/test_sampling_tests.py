@@ -115,15 +115,20 @@ class _Turn:
     carried: tuple[int, ...] = ()
 
 
-def _independence(turns: list[_Turn], atol: float = 1e-3) -> tuple[SamplingTests, float]:
-    """The tests over ``turns``, asked in their order, every one replayed; and the independence bound."""
+def _independence(
+    turns: list[_Turn], atol: float = 1e-3, replayed: set[int] | None = None
+) -> tuple[SamplingTests, float]:
+    """The tests over ``turns``, asked in their order, those in ``replayed`` replayed (None: every one); and
+    the independence bound. A turn's line is its episode's name (the segments of one response share it)."""
     draws = [
         Draw(float(n), t.episode, t.carried, tuple(t.chosen.tolist()), frozenset({STOP})) for n, t in enumerate(turns)
     ]
-    guesses = plan_guesses(draws, set(range(len(turns))))
+    replayed = set(range(len(turns))) if replayed is None else replayed
+    guesses = plan_guesses(draws, replayed)
     tests = SamplingTests(atol=atol, seed=0)
     for n, t in enumerate(turns):
-        tests.add(t.logits, t.chosen, 1.0, [STOP], [], guesses[n], _segment(turns, n))
+        if n in replayed:
+            tests.add(t.logits, t.chosen, 1.0, [STOP], [], guesses[n], _segment(turns, n))
     return tests, dict((name, bound) for name, bound, _ in tests.results())["independent samples"]
 
 
@@ -267,6 +272,32 @@ def test_a_request_that_only_claims_a_copys_window_takes_no_context_over():
                     drawn = torch.tensor(answer[at : at + 1])
                     turns.append(_Turn(f"g{group}/e{member}", (group,), rows[at : at + 1], drawn, tuple(answer[:at])))
         assert (_independence(turns)[1] < FALSE_ALARM) == copying, copying
+
+
+def test_a_squatter_that_draws_junk_after_every_context_first_hides_no_copy():
+    """A red team's squatter: a dropped spare restarted from scratch before each token of the copy, its
+    restart claiming the copy's tokens so far and drawing a junk token (a prefill and one decode). First
+    with each context, it made every guess there junk, and the copy served to the groupmates passed. A
+    guess is now the set of tokens the first ``FOLLOWERS_KEPT`` lines drew after its context, the drawn
+    one followed from there on. The squatter's restarts here are not replayed (a sample that missed them);
+    replayed, each repeats its predecessor (the lines test). Honest restarts and groups raise nothing."""
+    generator, junk = torch.Generator().manual_seed(26), VOCAB - 1
+    for copying in (False, True):
+        turns, replayed = [], set()
+        for group in range(20):
+            rows = _likely(generator, 32)
+            answers = [_honest(rows, generator) for _ in range(2)]
+            answers = [answers[0]] * 2 if copying else answers
+            for at in range(32):
+                if copying:
+                    claimed = answers[0][:at].tolist() + [junk if answers[0][at] != junk else junk - 1]
+                else:
+                    claimed = _honest(rows[: at + 1], generator).tolist()
+                turns.append(_Turn(f"g{group}/spare#{at}", (group,), rows[: at + 1], torch.tensor(claimed)))
+            for member, answer in enumerate(answers):
+                replayed.add(len(turns))
+                turns.append(_Turn(f"g{group}/e{member}", (group,), rows, answer))
+        assert (_independence(turns, replayed=replayed)[1] < FALSE_ALARM) == copying, copying
 
 
 def _caught_only_copying(seed: int, served) -> None:

@@ -102,10 +102,12 @@ def _position_logits(model: torch.nn.Module, hidden: torch.Tensor, positions: li
     )
 
 
-def _draw(g: TraceEvent) -> Draw:
+def _draw(ix: TraceIndex, g: TraceEvent) -> Draw:
+    """``g`` as the independence test reads it; its line, the response it continues (its first segment's)."""
     d = g.data
     carried = d["prompt"][len(d["prompt"]) - d.get("continues", 0) :]
-    return Draw(d["start"], d["episode"], tuple(carried), tuple(d["tokens"]), frozenset(d.get("stop", ())))
+    line = id(ix.response(g).segments[0])
+    return Draw(d["start"], line, tuple(carried), tuple(d["tokens"]), frozenset(d.get("stop", ())))
 
 
 def _segment(ix: TraceIndex, g: TraceEvent) -> Segment:
@@ -145,7 +147,7 @@ def replay_turns(
     # the independence test guesses each replayed turn's tokens from every earlier turn's, replayed or not
     drawn = [g for g in turns if g.data.get("temperature", 0.0) > 0]
     replayed = {id(g) for g in sample}
-    planned = plan_guesses([_draw(g) for g in drawn], {k for k, g in enumerate(drawn) if id(g) in replayed})
+    planned = plan_guesses([_draw(ix, g) for g in drawn], {k for k, g in enumerate(drawn) if id(g) in replayed})
     guesses = {id(drawn[k]): made for k, made in planned.items()}
     log.info("replaying %s", coverage)
     for version in sorted(by_version):

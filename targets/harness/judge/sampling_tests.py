@@ -22,12 +22,15 @@ union bounds, over the rank test's bins and the independence test's scales, insi
   plant: 421 stops where the model predicts 144).
 * echo calibration: how often the drawn token is one of those in the episode's latest observation
   (the symbol an environment asks for), against the summed probability of drawing one.
-* independence: responses served to different episodes are independent draws. Before each drawn
-  token the test guesses the token that an earlier turn of another episode drew there (any turn of the
-  trace, replayed or not, to any prompt, under any version): the turn it has been following (they shared
-  a token at most ``FOLLOW_GAP`` positions back, at the same shift or one or two tokens either way), else
-  one that had the same context (the last ``GUESS_CONTEXT`` tokens, or those with one unknown, or the
-  whole prefix while shorter; a resumed turn read on from its interrupted segment). It counts the
+* independence: responses are independent draws (two episodes', two turns of one, a turn and its
+  restart). Before each drawn token the test guesses the tokens that earlier responses drew there (any
+  turn of the trace, replayed or not, to any prompt, under any version): the one it has been following
+  (they shared a token at most ``FOLLOW_GAP`` positions back, at the same shift or one or two tokens
+  either way), else each of the first ``FOLLOWERS_KEPT`` that had the same context (the last
+  ``GUESS_CONTEXT`` tokens, or those with one unknown, or the whole prefix while shorter; a resumed turn
+  read on from its interrupted segment), the drawn one followed from there on. A set, not the first: a
+  squatter that draws junk after each context before the copy's token (a dropped spare restarted at
+  every token, in a red team's copy) would own every first guess. It counts the
   guesses drawn against the summed probability of drawing them under the weights the turn claims, among
   the guesses that would extend a run of drawn guesses (each at most ``RUN_GAP`` positions after the
   last) to a chance under 1e-3, 1e-6, 1e-12 (a union bound over the three). A cluster that decodes one
@@ -59,6 +62,7 @@ FALSE_ALARM = 1e-4  # each test rejects an honest engine at most this often
 # the independence test: tokens of context a guess matches, and the scales it counts guesses at (those
 # whose run's chance was at most each: ``_run_chances``)
 GUESS_CONTEXT = 4
+FOLLOWERS_KEPT = 8  # lines a context keeps to guess from: a squatter has to draw junk after it this often
 FOLLOW_GAP = 3  # positions a guess may follow its source past the last token they shared
 RUN_GAP = GUESS_CONTEXT + FOLLOW_GAP  # positions a run of drawn guesses carries on past its last
 INDEPENDENCE_SCALES = (1e-3, 1e-6, 1e-12)
@@ -162,7 +166,7 @@ class Draw:
     """A sampled turn (or interrupted segment) as the independence test reads it: only its tokens."""
 
     at: float  # when it was asked
-    episode: str
+    line: object  # the response it is part of (its episode, turn, and first segment): never guessed from itself
     carried: tuple[int, ...]  # tokens it carries from an interrupted segment (a resumed turn goes on from them)
     tokens: tuple[int, ...]  # what it drew
     stops: frozenset[int]
@@ -204,28 +208,29 @@ def _realigned(source: tuple[int, ...], full: tuple[int, ...], i: int, shift: in
 
 def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[int, int]]]:
     """For each turn whose index is in ``guessed``, in the order asked: (position in its tokens, token)
-    for each position where it guesses a token that is not a stop. A guess comes from an earlier turn of
-    another episode: the one the turn has been following (they shared a token at most ``FOLLOW_GAP``
-    positions back; it goes on there at the shift where they shared the last, ``_realigned``), else one
-    with the same context (``_contexts``, over the turn's carried tokens and its own), which the turn
-    follows from its first drawn guess on; a context is kept where a turn drew the token after it (a
-    resumed turn's carried tokens were kept where its segments drew them: a request that only claims them,
-    cut at once, takes no context over). Any prompt: a turn of another episode is
-    drawn apart from this one whatever it was asked, and a copy may be served for another prompt. Only
-    the past decides each guess (the turn's tokens before it, the earlier turns), so each guess's chance
-    is known before its draw."""
-    followers: dict[int, int | tuple[int, int]] = {}  # context -> the first one or two episodes' ``_follower``s
-    episodes = {turn.episode: e for e, turn in enumerate(sorted(turns, key=lambda t: t.episode))}
+    for each position where it guesses a token that is not a stop (several tokens at a position: a set,
+    drawn if any one is). A guess comes from earlier turns of other lines (``Draw.line``): the one the turn
+    has been following (they shared a token at most ``FOLLOW_GAP`` positions back; it goes on there at the
+    shift where they shared the last, ``_realigned``), else each of the first ``FOLLOWERS_KEPT`` with the
+    same context (``_contexts``, over the turn's carried tokens and its own), the one whose token was drawn
+    followed from there on (of several, the one that goes on furthest: a squatter's junk line ends soon).
+    A context is kept where a turn drew the token after it (a resumed turn's carried tokens were kept where
+    its segments drew them: a request that only claims them, cut at once, takes no context over). Any
+    prompt: another response is drawn apart from this one whatever it was asked, and a copy may be served
+    for another prompt. Only the turn's own tokens before a guess and other responses' tokens decide it,
+    and honest engines draw those apart from it, so each guess's chance is known before its draw."""
+    followers: dict[int, int | tuple[int, ...]] = {}  # context -> the first ``FOLLOWERS_KEPT`` lines' ``_follower``s
+    lines = {line: n for n, line in enumerate(dict.fromkeys(turn.line for turn in turns))}
     fulls = [turn.carried + turn.tokens for turn in turns]
     guesses: dict[int, list[tuple[int, int]]] = {}
     for k in sorted(range(len(turns)), key=lambda k: turns[k].at):
-        turn, full, episode = turns[k], fulls[k], episodes[turns[k].episode]
+        turn, full, line = turns[k], fulls[k], lines[turns[k].line]
         contexts = _contexts(full)
         if k in guessed:
             guesses[k] = []
             following, shared = None, -FOLLOW_GAP - 1  # (source turn, its position less ours), where last shared
             for i in range(len(full)):
-                source = None
+                sources: list[tuple[int, int]] = []
                 if following is not None and i > 0:
                     shift = _realigned(fulls[following[0]], full, i, following[1])
                     if shift is not None:
@@ -235,41 +240,46 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
                     and i - shared <= FOLLOW_GAP
                     and 0 <= i + following[1] < len(fulls[following[0]])
                 ):
-                    source = following
+                    sources = [following]
                 else:
                     for context in contexts[i]:
-                        found = _followed(followers.get(context), episode)
-                        if found is not None:
-                            source = (found[0], found[1] - i)
+                        sources = [(turn_, at - i) for turn_, at in _followed(followers.get(context), line)]
+                        if sources:
                             break
-                if source is None:
-                    continue
-                token = fulls[source[0]][i + source[1]]
-                if full[i] == token:
-                    following, shared = source, i
-                if i >= len(turn.carried) and token not in turn.stops:
-                    guesses[k].append((i - len(turn.carried), token))
+                tokens: dict[int, tuple[int, int]] = {}  # each distinct token, with its source that goes on furthest
+                for source in sources:
+                    token, kept = fulls[source[0]][i + source[1]], tokens.get(fulls[source[0]][i + source[1]])
+                    if kept is None or len(fulls[source[0]]) - source[1] > len(fulls[kept[0]]) - kept[1]:
+                        tokens[token] = source
+                if full[i] in tokens:
+                    following, shared = tokens[full[i]], i
+                if i >= len(turn.carried):
+                    guesses[k] += [(i - len(turn.carried), token) for token in tokens if token not in turn.stops]
         for i, keys in enumerate(contexts[len(turn.carried) :], start=len(turn.carried)):  # the turn's own draws
-            for context in keys:  # two episodes a context at most: one besides any turn's own
+            for context in keys:  # the first ``FOLLOWERS_KEPT`` lines to draw after a context, one position each
                 entry = followers.get(context)
                 if entry is None:
-                    followers[context] = _follower(episode, k, i)
-                elif isinstance(entry, int) and entry >> 2 * TOKEN_BITS != episode:
-                    followers[context] = (entry, _follower(episode, k, i))
+                    followers[context] = _follower(line, k, i)
+                elif isinstance(entry, int):
+                    if entry >> 2 * TOKEN_BITS != line:
+                        followers[context] = (entry, _follower(line, k, i))
+                elif len(entry) < FOLLOWERS_KEPT and all(f >> 2 * TOKEN_BITS != line for f in entry):
+                    followers[context] = (*entry, _follower(line, k, i))
     return guesses
 
 
-def _follower(episode: int, turn: int, position: int) -> int:
-    """A turn that had a context at a position, with its episode's number, as one integer."""
-    return (episode << 2 * TOKEN_BITS) | (turn << TOKEN_BITS) | position
+def _follower(line: int, turn: int, position: int) -> int:
+    """A turn that had a context at a position, with its line's number, as one integer."""
+    return (line << 2 * TOKEN_BITS) | (turn << TOKEN_BITS) | position
 
 
-def _followed(entry: int | tuple[int, int] | None, episode: int) -> tuple[int, int] | None:
-    """(turn, position) of the first of ``entry``'s followers from another episode than ``episode``."""
-    for follower in entry if isinstance(entry, tuple) else () if entry is None else (entry,):
-        if follower >> 2 * TOKEN_BITS != episode:
-            return (follower >> TOKEN_BITS) & _FIELD, follower & _FIELD
-    return None
+def _followed(entry: int | tuple[int, ...] | None, line: int) -> list[tuple[int, int]]:
+    """(turn, position) of each of ``entry``'s followers from another line than ``line``."""
+    return [
+        ((follower >> TOKEN_BITS) & _FIELD, follower & _FIELD)
+        for follower in (entry if isinstance(entry, tuple) else () if entry is None else (entry,))
+        if follower >> 2 * TOKEN_BITS != line
+    ]
 
 
 @dataclass(frozen=True)
@@ -332,7 +342,7 @@ class _Turn:
     chosen: torch.Tensor
     stops: list[int]  # the stop ids in the vocabulary
     echoes: list[int]  # the latest observation's ids in the vocabulary, stops aside
-    guessed: torch.Tensor  # [guesses, 2]: (position in the turn, token)
+    guessed: torch.Tensor  # [guesses, 2]: (position in the turn, token), sorted (a position's set together)
     segment: Segment
 
 
@@ -390,7 +400,7 @@ class SamplingTests:
         vocabulary = range(logits.shape[-1])  # an id outside it is never drawn (the audit names such stop ids)
         stops = sorted({i for i in stop_ids if i in vocabulary})
         echoes = sorted({i for i in echo_ids if i in vocabulary} - set(stops))
-        guessed = torch.tensor(sorted(guesses), dtype=torch.long).reshape(-1, 2)
+        guessed = torch.tensor(sorted(set(guesses)), dtype=torch.long).reshape(-1, 2)
         if len(guessed) and not 0 <= int(guessed[:, 0].min()) <= int(guessed[:, 0].max()) < len(chosen):
             raise ValueError(f"a guess outside the turn's {len(chosen)} tokens: {guessed[:, 0].tolist()}")
         if self._waiting_at != temperature or len(chosen) >= ROWS:  # in order: the rank test's draws, same rows
@@ -445,10 +455,13 @@ class SamplingTests:
                 at, token = (guessed[here, 0] - start).to(p.device), guessed[here, 1].to(p.device)
                 chances[here], hits[here] = p[at, token].cpu(), (drawn[at] == token).cpu()
         first = 0
-        for turn in turns:
+        for turn in turns:  # a position's guesses are one event: any of its tokens drawn, their summed chance
             n = len(turn.guessed)
-            positions = [turn.segment.at + q for q in turn.guessed[:, 0].tolist()]
-            self._guesses.append(_Guesses(chances[first : first + n], hits[first : first + n], positions, turn.segment))
+            at, which = torch.unique_consecutive(turn.guessed[:, 0], return_inverse=True)
+            chance = torch.zeros(len(at), dtype=torch.float64).index_add_(0, which, chances[first : first + n])
+            hit = torch.zeros(len(at), dtype=torch.long).index_add_(0, which, hits[first : first + n].long()) > 0
+            positions = [turn.segment.at + q for q in at.tolist()]
+            self._guesses.append(_Guesses(chance.clamp(max=1.0), hit, positions, turn.segment))
             first += n
 
     def rank_tests(self) -> list[BernoulliSum]:
@@ -553,7 +566,7 @@ class SamplingTests:
                 min(1.0, len(scales) * worst.false_alarm_bound("upper")),
                 f"{worst.observed:.0f} of {worst.draws} guesses extending a run of drawn guesses to a chance under "
                 f"{scale:g} drawn (the token that followed the same "
-                f"context in an earlier turn of another episode), {worst.expected:.2g} "
+                f"context in an earlier response), {worst.expected:.2g} "
                 "expected by chance",
             )
         )

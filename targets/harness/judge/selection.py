@@ -205,25 +205,34 @@ def check_deferrals(ix: TraceIndex, r: Reasons) -> None:
 
 
 def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
-    """Resuming is declared, and then total: a stack that resumed some interrupted turns and
-    restarted others could keep the partial responses it likes and resample the rest."""
-    for episode in ix.trained_in:
-        for g in ix.generated.get(episode, []):
-            response, turn = ix.response(g), g.data["turn"]
-            if len(response.segments) > 1 and not ix.declared.partial_rollout:
-                r.add(
-                    "undeclared continuation",
-                    f"episode {episode} turn {turn} resumed an interrupted response, but the stack does not "
-                    "declare partial_rollout",
-                )
-            if ix.declared.partial_rollout:
-                for a in ix.partials.get(episode, []):
-                    if a.data["turn"] == turn and token_count(a.data["tokens"]) and a not in response.segments:
-                        r.add(
-                            "discarded partial",
-                            f"episode {episode} turn {turn}: {token_count(a.data['tokens'])} interrupted tokens "
-                            "were discarded and the turn generated anew (partial_rollout resumes every one)",
-                        )
+    """Resuming is declared, and then total: every turn's segments form one chain, its last segment's
+    (the finished one, else the last to end). A stack that resumed some interrupted turns and restarted
+    others could keep the partial responses it likes and resample the rest; one that resumed a partial
+    twice could plant a junk branch before each real token (a dropped spare's, in a red team's copy) for
+    the independence test to guess. Every episode's turns, trained or not."""
+    for episode in sorted(set(ix.generated) | set(ix.partials)):
+        turns: dict[int, list[TraceEvent]] = defaultdict(list)
+        for g in [*ix.generated.get(episode, []), *ix.partials.get(episode, [])]:
+            turns[g.data["turn"]].append(g)
+        for turn, segments in sorted(turns.items()):
+            if not ix.declared.partial_rollout:
+                if any(g.data.get("continues", 0) for g in segments):
+                    r.add(
+                        "undeclared continuation",
+                        f"episode {episode} turn {turn} resumed an interrupted response, but the stack does not "
+                        "declare partial_rollout",
+                    )
+                continue
+            finished = [g for g in segments if not g.data["aborted"]]
+            last = finished[0] if finished else max(segments, key=lambda g: g.t)
+            chain = {id(s) for s in ix.response(last).segments}
+            for a in ix.partials.get(episode, []):
+                if a.data["turn"] == turn and token_count(a.data["tokens"]) and id(a) not in chain:
+                    r.add(
+                        "discarded partial",
+                        f"episode {episode} turn {turn}: {token_count(a.data['tokens'])} interrupted tokens "
+                        "were discarded or resumed twice (partial_rollout resumes every one, once)",
+                    )
 
 
 # An engine receives a cluster's requests a little after the harness stamps them (the cluster process

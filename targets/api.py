@@ -72,7 +72,7 @@ class SamplingParams:
 
     max_new_tokens: int
     temperature: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # one per turn, all its segments (the audit names a reseeded turn); apart per episode
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

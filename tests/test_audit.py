@@ -1123,12 +1123,15 @@ def test_a_resumed_turn_that_resumes_what_was_interrupted_passes(honest):
     assert result.details["replayed_turns"] == _audit(honest).details["replayed_turns"] - stripped + 1  # the segment
 
 
-def test_a_restart_that_repeats_its_interrupted_attempt(honest):
+@pytest.mark.parametrize("seeds", [(None, None), (7, 7), (7, 8)], ids=["unseeded", "one seed", "reseeded"])
+def test_a_restart_that_repeats_its_interrupted_attempt(honest, seeds):
     """A turn generated anew after an interruption (partial rollout not declared) is a draw apart from its
     interrupted attempt, and the independence test now guesses it from that attempt: only the response a
     segment continues is not its own source. A cluster that hands the restart the attempt's tokens again
     (keeping the attempts it likes, resampling the rest) was never guessed from its own episode and passed.
-    The honest run's restarts raise nothing (``test_the_honest_run_passes``)."""
+    The honest run's restarts raise nothing (``test_the_honest_run_passes``). A stack's own seed for the
+    turn draws the attempt's noise again (a red team's false alarm): a seeded turn's segments are one line,
+    and a turn's segments must share their seed (a new one for the attempts it dislikes would choose)."""
     events = _edited(honest)
     g = max(_generates(events), key=lambda e: len(e.data["tokens"]))
     d, keep = g.data, 12
@@ -1139,8 +1142,13 @@ def test_a_restart_that_repeats_its_interrupted_attempt(honest):
     interrupt = {"start": middle - 0.001, "devices": [d["device"]], "version": d["version"], "interrupt": True}
     events.insert(events.index(g), TraceEvent("sync", middle + 0.001, interrupt))
     d["start"] = middle + 0.002
+    attempt["seed"], d["seed"] = seeds
     assert not _first(events, "run_start").data["declared"].get("partial_rollout")
-    _rejects(_audit(honest, events), "independent samples")
+    result = _audit(honest, events)
+    if seeds == (7, 7):
+        assert result.passed, result.reasons
+    else:
+        _rejects(result, "independent samples" if seeds[0] is None else "reseeded turn: ")
 
 
 def test_a_partial_resumed_twice_in_an_episode_never_trained(honest):

@@ -300,6 +300,48 @@ def test_a_squatter_that_draws_junk_after_every_context_first_hides_no_copy():
         assert (_independence(turns, replayed=replayed)[1] < FALSE_ALARM) == copying, copying
 
 
+def test_a_decoy_followed_first_hides_no_copy():
+    """A red team's decoy: a dropped spare forwarded before a group, its response the copy's first M tokens,
+    then each later copy token behind a junk one (one prefill, nothing decoded). The copies' first drawn
+    guess found the decoy, the one going on furthest, and followed it; each later guess was the decoy's
+    junk, yet the decoy's next token shared the copy's last and kept the follow: 1 hit a member. M is the
+    cheater's choice, made against the plan itself. A turn's guesses are now the followed token and its
+    context's set together. The decoys are not replayed (a sample that missed them)."""
+    generator, choose = torch.Generator().manual_seed(28), torch.Generator().manual_seed(29)
+
+    def decoy(copy: list[int], m: int) -> list[int]:
+        tokens = list(copy[:m])
+        for token in copy[m:]:
+            junk = int(torch.randint(1, VOCAB - 1, (1,), generator=choose))
+            tokens += [junk if junk != token else junk + 1, token]
+        return tokens
+
+    def hits(turns: list[_Turn], copy: list[int]) -> int:
+        draws = [
+            Draw(float(n), t.episode, (), tuple(t.chosen.tolist()), frozenset({STOP})) for n, t in enumerate(turns)
+        ]
+        draws += [Draw(float(len(turns) + n), f"probe{n}", (), tuple(copy), frozenset({STOP})) for n in range(2)]
+        return sum(copy[q] == token for q, token in plan_guesses(draws, {len(draws) - 1})[len(draws) - 1])
+
+    for copying in (False, True):
+        turns, replayed = [], set()
+        for group in range(20):
+            rows = _likely(generator, 32)
+            answers = [_honest(rows, generator) for _ in range(4)]
+            answers = [answers[0]] * 4 if copying else answers
+            copy = answers[0].tolist()
+            spare = f"g{group}/spare"
+            tokens = min(
+                (decoy(copy, m) for m in range(1, 8)),
+                key=lambda d: hits([*turns, _Turn(spare, (group,), rows[:1], torch.tensor(d))], copy),
+            )
+            turns.append(_Turn(spare, (group,), _likely(generator, len(tokens)), torch.tensor(tokens)))
+            for member, answer in enumerate(answers):
+                replayed.add(len(turns))
+                turns.append(_Turn(f"g{group}/e{member}", (group,), rows, answer))
+        assert (_independence(turns, replayed=replayed)[1] < FALSE_ALARM) == copying, copying
+
+
 def _caught_only_copying(seed: int, served) -> None:
     """Twenty groups of two episodes asking one prompt over 32 rows with a likely token each (``_likely``):
     the first draws its own answer, the second is answered by ``served(group, rows, the first's answer,

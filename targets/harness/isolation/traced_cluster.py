@@ -107,6 +107,7 @@ class TracedCluster:
             temperature=p.temperature,
             max_new_tokens=p.max_new_tokens,
             stop=list(p.stop_token_ids),
+            seed=p.seed,
         )
 
     async def _timed(self, kind, devices: Sequence[Device], call, **data) -> None:

@@ -362,7 +362,8 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
 def _request_fault(ix: TraceIndex, g: TraceEvent) -> tuple[str, str] | None:
     """What is wrong with a request's episode and turn: the harness never created the episode; the turn is
     not the one the episode was at when the request was forwarded (its steps answered by then), or the
-    episode had ended; it resumes tokens no interrupted segment of its turn produced. Checked for every
+    episode had ended; its seed is not its turn's earlier segments'; it resumes tokens no interrupted segment
+    of its turn produced. Checked for every
     request, not only the turns an environment stepped: a request in another episode's name, cut at once,
     could otherwise plant contexts for the independence test to guess from (a red team's decoys)."""
     d = g.data
@@ -373,6 +374,13 @@ def _request_fault(ix: TraceIndex, g: TraceEvent) -> tuple[str, str] | None:
     if (steps and steps[-1].data["done"]) or d["turn"] != len(steps):
         at = "had ended" if steps and steps[-1].data["done"] else f"was at turn {len(steps)}"
         return "turn out of place", f"{where}: forwarded at {d['start']:.2f}s, when the episode {at}"
+    seeds = {a.data.get("seed") for a in ix.interrupted_before(g)} - {d.get("seed")}
+    if seeds:
+        return (
+            "reseeded turn",
+            f"{where}: asked with seed {d.get('seed')} after its interrupted segments' {sorted(map(str, seeds))} "
+            "(a turn's segments draw from one seed: a new one for the attempts it dislikes would choose its samples)",
+        )
     if d.get("continues", 0) and not ix.response(g).chained:
         return (
             "bad continuation",

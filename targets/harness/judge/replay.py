@@ -103,10 +103,12 @@ def _position_logits(model: torch.nn.Module, hidden: torch.Tensor, positions: li
 
 
 def _draw(ix: TraceIndex, g: TraceEvent) -> Draw:
-    """``g`` as the independence test reads it; its line, the response it continues (its first segment's)."""
+    """``g`` as the independence test reads it; its line, the response it continues (its first segment's),
+    or with a seed of the stack's its turn's (a seeded restart draws its attempt's noise again: not apart)."""
     d = g.data
     carried = d["prompt"][len(d["prompt"]) - d.get("continues", 0) :]
-    line = id(ix.response(g).segments[0])
+    seeded = d.get("seed") is not None
+    line = ("seeded", d["episode"], d["turn"]) if seeded else id(ix.response(g).segments[0])
     return Draw(d["start"], line, tuple(carried), tuple(d["tokens"]), frozenset(d.get("stop", ())))
 
 

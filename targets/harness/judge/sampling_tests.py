@@ -26,11 +26,12 @@ union bounds, over the rank test's bins and the independence test's scales, insi
   restart). Before each drawn token the test guesses the tokens that earlier responses drew there (any
   turn of the trace, replayed or not, to any prompt, under any version): the one it has been following
   (they shared a token at most ``FOLLOW_GAP`` positions back, at the same shift or one or two tokens
-  either way), else each of the first ``FOLLOWERS_KEPT`` that had the same context (the last
+  either way), and each of the first ``FOLLOWERS_KEPT`` that had the same context (the last
   ``GUESS_CONTEXT`` tokens, or those with one unknown, or the whole prefix while shorter; a resumed turn
   read on from its interrupted segment), the drawn one followed from there on. A set, not the first: a
   squatter that draws junk after each context before the copy's token (a dropped spare restarted at
-  every token, in a red team's copy) would own every first guess. It counts the
+  every token, in a red team's copy) would own every first guess, and a decoy that shares each copy
+  token behind a junk one, once followed, kept every later guess (another red team's). It counts the
   guesses drawn against the summed probability of drawing them under the weights the turn claims, among
   the guesses that would extend a run of drawn guesses (each at most ``RUN_GAP`` positions after the
   last) to a chance under 1e-3, 1e-6, 1e-12 (a union bound over the three). A cluster that decodes one
@@ -211,7 +212,7 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
     for each position where it guesses a token that is not a stop (several tokens at a position: a set,
     drawn if any one is). A guess comes from earlier turns of other lines (``Draw.line``): the one the turn
     has been following (they shared a token at most ``FOLLOW_GAP`` positions back; it goes on there at the
-    shift where they shared the last, ``_realigned``), else each of the first ``FOLLOWERS_KEPT`` with the
+    shift where they shared the last, ``_realigned``), and each of the first ``FOLLOWERS_KEPT`` with the
     same context (``_contexts``, over the turn's carried tokens and its own), the one whose token was drawn
     followed from there on (of several, the one that goes on furthest: a squatter's junk line ends soon).
     A context is kept where a turn drew the token after it (a resumed turn's carried tokens were kept where
@@ -230,7 +231,7 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
             guesses[k] = []
             following, shared = None, -FOLLOW_GAP - 1  # (source turn, its position less ours), where last shared
             for i in range(len(full)):
-                sources: list[tuple[int, int]] = []
+                tokens: dict[int, tuple[int, int]] = {}  # each distinct token guessed, with the source to follow
                 if following is not None and i > 0:
                     shift = _realigned(fulls[following[0]], full, i, following[1])
                     if shift is not None:
@@ -240,17 +241,17 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
                     and i - shared <= FOLLOW_GAP
                     and 0 <= i + following[1] < len(fulls[following[0]])
                 ):
-                    sources = [following]
-                else:
-                    for context in contexts[i]:
-                        sources = [(turn_, at - i) for turn_, at in _followed(followers.get(context), line)]
-                        if sources:
-                            break
-                tokens: dict[int, tuple[int, int]] = {}  # each distinct token, with its source that goes on furthest
-                for source in sources:
-                    token, kept = fulls[source[0]][i + source[1]], tokens.get(fulls[source[0]][i + source[1]])
-                    if kept is None or len(fulls[source[0]]) - source[1] > len(fulls[kept[0]]) - kept[1]:
-                        tokens[token] = source
+                    tokens[fulls[following[0]][i + following[1]]] = following
+                for context in contexts[i]:  # and, followed or not, the context's (a decoy followed hides none)
+                    sources = [(turn_, at - i) for turn_, at in _followed(followers.get(context), line)]
+                    for source in sources:  # of a token's sources, the followed one, else the one going on furthest
+                        token, kept = fulls[source[0]][i + source[1]], tokens.get(fulls[source[0]][i + source[1]])
+                        if kept is None or (
+                            kept != following and len(fulls[source[0]]) - source[1] > len(fulls[kept[0]]) - kept[1]
+                        ):
+                            tokens[token] = source
+                    if sources:
+                        break
                 if full[i] in tokens:
                     following, shared = tokens[full[i]], i
                 if i >= len(turn.carried):

@@ -175,7 +175,7 @@ class TraceIndex:
         if g.data.get("continues", 0):
             # the segments it may resume first, in the order they ended: each then finds its own answered
             # already (a turn cut thousands of times: no recursion)
-            for a in self._may_resume(g):
+            for a in self.interrupted_before(g):
                 if id(a) not in self._responses:
                     self._responses[id(a)] = self._resumed(a)
         own = self._resumed(g)
@@ -190,7 +190,8 @@ class TraceIndex:
         if n:
             tail = d["prompt"][len(d["prompt"]) - n :] if recorded else n
             prefix = next(
-                (earlier for a in reversed(self._may_resume(g)) if (earlier := self.response(a)).tokens == tail), None
+                (earlier for a in reversed(self.interrupted_before(g)) if (earlier := self.response(a)).tokens == tail),
+                None,
             )
             if prefix is None:
                 own = Response(own.tokens, own.logprobs, own.versions, own.segments, False)
@@ -204,7 +205,7 @@ class TraceIndex:
                 )
         return own
 
-    def _may_resume(self, g: TraceEvent) -> list[TraceEvent]:
+    def interrupted_before(self, g: TraceEvent) -> list[TraceEvent]:
         """The interrupted segments of ``g``'s turn that ended by the time it started, in the order they
         ended (of two at one instant, the one the trace holds first: none may resume the other both ways)."""
         key = (g.data["episode"], g.data["turn"])

@@ -74,8 +74,10 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
             g.t - max(d["start"], since),
             tokens * (pace if tokens >= PACE_MIN_TOKENS else step_floor_s / drafted),
         )
-        least = min(least, had / needed)
         early += d["start"] < since
+        if needed <= 0:  # a short request where no floor is known: nothing to hold it to
+            continue
+        least = min(least, had / needed)
         if had >= needed:
             continue
         where = f"episode {d['episode']} turn {d['turn']} on {d.get('device')}: forwarded at {d['start']:.2f}s"

@@ -120,9 +120,7 @@ def _independence(
 ) -> tuple[SamplingTests, float]:
     """The tests over ``turns``, asked in their order, those in ``replayed`` replayed (None: every one); and
     the independence bound. A turn's line is its episode's name (the segments of one response share it)."""
-    draws = [
-        Draw(float(n), t.episode, t.carried, tuple(t.chosen.tolist()), frozenset({STOP})) for n, t in enumerate(turns)
-    ]
+    draws = _draws(turns)
     replayed = set(range(len(turns))) if replayed is None else replayed
     guesses = plan_guesses(draws, replayed)
     tests = SamplingTests(atol=atol, seed=0)
@@ -130,6 +128,13 @@ def _independence(
         if n in replayed:
             tests.add(t.logits, t.chosen, 1.0, [STOP], [], guesses[n], _segment(turns, n))
     return tests, dict((name, bound) for name, bound, _ in tests.results())["independent samples"]
+
+
+def _draws(turns: list[_Turn]) -> list[Draw]:
+    """``turns`` as the guess plan reads them, asked in their order, each on its episode's line."""
+    return [
+        Draw(float(n), t.episode, t.carried, tuple(t.chosen.tolist()), frozenset({STOP})) for n, t in enumerate(turns)
+    ]
 
 
 def _segment(turns: list[_Turn], n: int) -> Segment:
@@ -280,7 +285,8 @@ def test_a_squatter_that_draws_junk_after_every_context_first_hides_no_copy():
     with each context, it made every guess there junk, and the copy served to the groupmates passed. A
     guess is now the set of tokens the first ``FOLLOWERS_KEPT`` lines drew after its context, the drawn
     one followed from there on. The squatter's restarts here are not replayed (a sample that missed them);
-    replayed, each repeats its predecessor (the lines test). Honest restarts and groups raise nothing."""
+    replayed, each repeats its predecessor (a restart is guessed from its attempt: test_audit.py). Honest
+    restarts and groups raise nothing."""
     generator, junk = torch.Generator().manual_seed(26), VOCAB - 1
     for copying in (False, True):
         turns, replayed = [], set()
@@ -317,9 +323,7 @@ def test_a_decoy_followed_first_hides_no_copy():
         return tokens
 
     def hits(turns: list[_Turn], copy: list[int]) -> int:
-        draws = [
-            Draw(float(n), t.episode, (), tuple(t.chosen.tolist()), frozenset({STOP})) for n, t in enumerate(turns)
-        ]
+        draws = _draws(turns)
         draws += [Draw(float(len(turns) + n), f"probe{n}", (), tuple(copy), frozenset({STOP})) for n in range(2)]
         return sum(copy[q] == token for q, token in plan_guesses(draws, {len(draws) - 1})[len(draws) - 1])
 

@@ -245,7 +245,8 @@ def plan_guesses(turns: list[Draw], guessed: set[int]) -> dict[int, list[tuple[i
                 for context in contexts[i]:  # and, followed or not, the context's (a decoy followed hides none)
                     sources = [(turn_, at - i) for turn_, at in _followed(followers.get(context), line)]
                     for source in sources:  # of a token's sources, the followed one, else the one going on furthest
-                        token, kept = fulls[source[0]][i + source[1]], tokens.get(fulls[source[0]][i + source[1]])
+                        token = fulls[source[0]][i + source[1]]
+                        kept = tokens.get(token)
                         if kept is None or (
                             kept != following and len(fulls[source[0]]) - source[1] > len(fulls[kept[0]]) - kept[1]
                         ):

@@ -226,8 +226,8 @@ def check_partial_rollout(ix: TraceIndex, r: Reasons) -> None:
             finished = [g for g in segments if not g.data["aborted"]]
             last = finished[0] if finished else max(segments, key=lambda g: g.t)
             chain = {id(s) for s in ix.response(last).segments}
-            for a in ix.partials.get(episode, []):
-                if a.data["turn"] == turn and token_count(a.data["tokens"]) and id(a) not in chain:
+            for a in segments:
+                if a.data["aborted"] and token_count(a.data["tokens"]) and id(a) not in chain:
                     r.add(
                         "discarded partial",
                         f"episode {episode} turn {turn}: {token_count(a.data['tokens'])} interrupted tokens "

@@ -1179,7 +1179,8 @@ def test_resuming_without_declaring_partial_rollout(honest):
 def test_a_turn_cut_thousands_of_times_is_read_whole_without_recursion():
     """A response is its segments' tokens, each segment finding the one it resumes: that lookup recursed a
     level a segment, and a turn cut ~330 times (a token a segment, as a copier hiding its runs might) ended
-    the audit in a RecursionError. The segments are now answered in the order they ended."""
+    the audit in a RecursionError. The segments are now answered in the order they ended
+    (benchmarks/cut_chain_cost.py measures the cost)."""
     from targets.harness.judge.trace_index import TraceIndex
 
     cuts, prompt = 3000, [1, 2, 3]
@@ -1202,8 +1203,11 @@ def test_a_turn_cut_thousands_of_times_is_read_whole_without_recursion():
         )
         for i in range(cuts)
     ]
-    whole = TraceIndex.of(events).response(events[-1])
+    ix = TraceIndex.of(events)
+    whole = ix.response(events[-1])
     assert whole.tokens == tokens and whole.segments == events and whole.chained
+    # each keeps the response it resumes, not a copy of its segments (P^2/2 of them, ~40 GB at P = 100K)
+    assert whole.resumes is ix.response(events[-2]) and whole.first is events[0]
 
 
 @pytest.mark.parametrize("fault", ["unknown episode", "turn out of place", "bad continuation"])

@@ -374,7 +374,7 @@ def _request_fault(ix: TraceIndex, g: TraceEvent) -> tuple[str, str] | None:
     if (steps and steps[-1].data["done"]) or d["turn"] != len(steps):
         at = "had ended" if steps and steps[-1].data["done"] else f"was at turn {len(steps)}"
         return "turn out of place", f"{where}: forwarded at {d['start']:.2f}s, when the episode {at}"
-    seeds = {a.data.get("seed") for a in ix.interrupted_before(g)} - {d.get("seed")}
+    seeds = ix.earlier_seeds(g) - {d.get("seed")}
     if seeds:
         return (
             "reseeded turn",

@@ -108,7 +108,7 @@ def _draw(ix: TraceIndex, g: TraceEvent) -> Draw:
     d = g.data
     carried = d["prompt"][len(d["prompt"]) - d.get("continues", 0) :]
     seeded = d.get("seed") is not None
-    line = ("seeded", d["episode"], d["turn"]) if seeded else id(ix.response(g).segments[0])
+    line = ("seeded", d["episode"], d["turn"]) if seeded else id(ix.response(g).first)
     return Draw(d["start"], line, tuple(carried), tuple(d["tokens"]), frozenset(d.get("stop", ())))
 
 

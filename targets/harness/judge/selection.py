@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 
 from targets.api import TraceEvent
 from targets.harness.judge.trace_index import ABORT_SLACK_S, Reasons, TraceIndex, staleness_bound
@@ -297,20 +298,59 @@ def check_partial_progress(ix: TraceIndex, r: Reasons) -> None:
                 )
 
 
+@dataclass
+class _EngineCalls:
+    """One engine's interrupting calls (shrinks, suspends, interrupting syncs) in the order they began,
+    with the latest end among the first ``i`` (``reach``): a search for the calls in progress at an instant
+    stops where no earlier one reaches it (a turn cut thousands of times costs no quadratic scan)."""
+
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)  # the call's place in ``interruptions``' list
+    reach: list[float] = field(default_factory=list)
+
+
+def _interrupting_calls(ix: TraceIndex) -> dict[str, _EngineCalls]:
+    calls = ix.by_kind["shrink"] + ix.by_kind["suspend"] + [e for e in ix.by_kind["sync"] if e.data.get("interrupt")]
+    spans: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for k, e in enumerate(calls):
+        for engine in {ix.engine(d) for d in e.data["devices"]}:
+            spans[engine].append((e.data["start"], e.t, k))
+    by_engine: dict[str, _EngineCalls] = {}
+    for engine, listed in spans.items():
+        on = by_engine[engine] = _EngineCalls()
+        for start, end, k in sorted(listed):
+            on.starts.append(start)
+            on.ends.append(end)
+            on.index.append(k)
+            on.reach.append(max(end, on.reach[-1] if on.reach else -math.inf))
+    return by_engine
+
+
+def _cut_by(calls: dict[str, _EngineCalls], ix: TraceIndex, g: TraceEvent, slack: float) -> int | None:
+    """The first call (by index) in progress on ``g``'s engine while it ran and when its reply came
+    (within ``slack``), or None."""
+    on = calls.get(ix.engine(g.data["device"]))
+    if on is None:
+        return None
+    since = max(g.data["start"], g.t - slack)  # a call that ended before this neither overlapped nor caused it
+    found = None
+    i = bisect.bisect_right(on.starts, g.t) - 1
+    while i >= 0 and on.reach[i] >= since:
+        if on.ends[i] >= since and (found is None or on.index[i] < found):
+            found = on.index[i]
+        i -= 1
+    return found
+
+
 def interruptions(ix: TraceIndex, slack: float) -> dict[int, int]:
     """Which call (a shrink, a suspend or an interrupting sync, by index) cut each interrupted request
     short: the first in progress on its engine when its reply came (``id`` of the event -> index)."""
-    calls = ix.by_kind["shrink"] + ix.by_kind["suspend"] + [e for e in ix.by_kind["sync"] if e.data.get("interrupt")]
-    spans = [({ix.engine(d) for d in e.data["devices"]}, e.data["start"], e.t) for e in calls]
+    calls = _interrupting_calls(ix)
     found: dict[int, int] = {}
     for g in ix.by_kind["generate"]:
-        device = g.data.get("device")
-        if not g.data["aborted"] or not device:
-            continue
-        for k, (engines, start, end) in enumerate(spans):
-            if ix.engine(device) in engines and g.data["start"] <= end and start <= g.t <= end + slack:
-                found[id(g)] = k
-                break
+        if g.data["aborted"] and g.data.get("device") and (k := _cut_by(calls, ix, g, slack)) is not None:
+            found[id(g)] = k
     return found
 
 
@@ -320,9 +360,7 @@ def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     it dislikes (the long ones, or those that missed the reward) and hand the controller only the ones
     it likes. So every abort names its engine (``Aborted.partial``, possibly empty), and a call in
     progress must cover that engine."""
-    slack = ix.reply_slack(spec)
-    calls = ix.by_kind["shrink"] + ix.by_kind["suspend"] + [e for e in ix.by_kind["sync"] if e.data.get("interrupt")]
-    causes = [({ix.engine(d) for d in e.data["devices"]}, e.data["start"], e.t) for e in calls]
+    slack, calls = ix.reply_slack(spec), _interrupting_calls(ix)
     for g in ix.by_kind["generate"]:
         if not g.data["aborted"]:
             continue
@@ -334,10 +372,7 @@ def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                 f"{where} without naming the engine that served it (an Aborted carries its partial: what "
                 "the engine decoded, possibly nothing, and where)",
             )
-        elif not any(
-            ix.engine(device) in engines and g.data["start"] <= end and start <= g.t <= end + slack
-            for engines, start, end in causes
-        ):
+        elif _cut_by(calls, ix, g, slack) is None:
             r.add(
                 "unexplained abort",
                 f"{where} on {device} with no shrink, suspend or interrupting sync of it in progress",

@@ -4,6 +4,8 @@ collects (``Reasons``)."""
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -70,7 +72,7 @@ class TraceIndex:
     start_t: float = 0.0
     end_t: float = 0.0
     _responses: dict[int, Response] = field(default_factory=dict)
-    _turn_partials: dict[tuple[str, int], list[tuple[float, int, TraceEvent]]] = field(default_factory=dict)
+    _turn_partials: dict[tuple[str, int], TurnPartials] = field(default_factory=dict)
 
     def engine(self, device: str) -> str:
         """The engine ``device`` is part of, by the name completions carry: in a simulated run an engine
@@ -172,49 +174,61 @@ class TraceIndex:
         known = self._responses.get(id(g))
         if known is not None:
             return known
+        turn = self._partials_of(g)
         if g.data.get("continues", 0):
             # the segments it may resume first, in the order they ended: each then finds its own answered
-            # already (a turn cut thousands of times: no recursion)
-            for a in self.interrupted_before(g):
+            # already (a turn cut thousands of times: no recursion), and none is walked twice
+            n = turn.count_before(g)
+            for a in turn.events[turn.answered : n]:
                 if id(a) not in self._responses:
-                    self._responses[id(a)] = self._resumed(a)
-        own = self._resumed(g)
+                    self._responses[id(a)] = turn.answer(a, self._resumed(a, turn))
+            turn.answered = max(turn.answered, n)
+        own = turn.answer(g, self._resumed(g, turn))
         self._responses[id(g)] = own
         return own
 
-    def _resumed(self, g: TraceEvent) -> Response:
-        """``response``'s answer for ``g``, the segments it may resume answered already (or answered here)."""
+    def _resumed(self, g: TraceEvent, turn: TurnPartials) -> Response:
+        """``response``'s answer for ``g``, the segments it may resume answered already: its own tokens
+        after the latest-ended of those whose response its carried tokens are."""
         d, recorded = g.data, self.tokens_recorded
-        own = Response(d["tokens"], list(d["logprobs"]) if recorded else [], [d["version"]], [g], True)
+        logprobs = list(d["logprobs"]) if recorded else []
+        own = Response(d["tokens"], logprobs, frozenset([d["version"]]), g, None, g, True)
         n = d.get("continues", 0)
-        if n:
-            tail = d["prompt"][len(d["prompt"]) - n :] if recorded else n
-            prefix = next(
-                (earlier for a in reversed(self.interrupted_before(g)) if (earlier := self.response(a)).tokens == tail),
-                None,
-            )
-            if prefix is None:
-                own = Response(own.tokens, own.logprobs, own.versions, own.segments, False)
-            else:
-                own = Response(
-                    prefix.tokens + own.tokens,
-                    prefix.logprobs + own.logprobs,
-                    prefix.versions + own.versions,
-                    prefix.segments + own.segments,
-                    prefix.chained,
-                )
-        return own
+        if not n:
+            return own
+        tail = d["prompt"][len(d["prompt"]) - n :] if recorded else n
+        prefix = turn.latest_ended_as(tail, turn.count_before(g))
+        if prefix is None:
+            return dataclasses.replace(own, chained=False)
+        return Response(
+            prefix.tokens + own.tokens,
+            prefix.logprobs + own.logprobs,
+            prefix.versions | own.versions,
+            g,
+            prefix,
+            prefix.first,
+            prefix.chained,
+        )
 
     def interrupted_before(self, g: TraceEvent) -> list[TraceEvent]:
         """The interrupted segments of ``g``'s turn that ended by the time it started, in the order they
         ended (of two at one instant, the one the trace holds first: none may resume the other both ways)."""
+        turn = self._partials_of(g)
+        return turn.events[: turn.count_before(g)]
+
+    def earlier_seeds(self, g: TraceEvent) -> set:
+        """The seeds ``g``'s turn's interrupted segments were asked with, of those ``interrupted_before`` it."""
+        turn = self._partials_of(g)
+        n = turn.count_before(g)
+        return set(turn.seeds[:1]) if 0 < n <= turn.same_seed else set(turn.seeds[:n])
+
+    def _partials_of(self, g: TraceEvent) -> TurnPartials:
         key = (g.data["episode"], g.data["turn"])
         if key not in self._turn_partials:
-            listed = [(a.t, k, a) for k, a in enumerate(self.partials.get(key[0], [])) if a.data["turn"] == key[1]]
-            self._turn_partials[key] = sorted(listed, key=lambda item: item[:2])
-        listed = self._turn_partials[key]
-        before = next((k for _, k, a in listed if a is g), math.inf)
-        return [a for t, k, a in listed if t <= g.data["start"] and (t < g.t or k < before)]
+            self._turn_partials[key] = TurnPartials.of(
+                [a for a in self.partials.get(key[0], []) if a.data["turn"] == key[1]]
+            )
+        return self._turn_partials[key]
 
     def latest_observation(self, g: TraceEvent) -> list[int]:
         """What the environment said last before turn ``g``: the reset's observation before turn 0,
@@ -231,16 +245,72 @@ class TraceIndex:
         return sum(1 for train in self.trains if train.t <= t)
 
 
+@dataclass
+class TurnPartials:
+    """One turn's interrupted segments in the order they ended (of two at one instant, the one the trace
+    holds first), looked up by bisection: a turn cut thousands of times costs no quadratic scan."""
+
+    keys: list[tuple[float, int]]  # (when it ended, its place among the episode's in the trace)
+    events: list[TraceEvent]
+    place: dict[int, int]  # id(segment) -> its place in the trace
+    seeds: list  # what each was asked with
+    same_seed: int  # how many of the first share the first one's seed
+    answered: int = 0  # how many of the first ``TraceIndex.response`` has answered
+    # a response answered -> the positions (in the order they ended) of the segments that ended with it
+    ended_as: dict[tuple | int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    responses: dict[int, Response] = field(default_factory=dict)  # position -> its segment's response
+
+    @classmethod
+    def of(cls, in_trace_order: list[TraceEvent]) -> TurnPartials:
+        ordered = sorted(enumerate(in_trace_order), key=lambda item: (item[1].t, item[0]))
+        seeds = [a.data.get("seed") for _, a in ordered]
+        same = next((i for i, seed in enumerate(seeds) if seed != seeds[0]), len(seeds))
+        return cls([(a.t, k) for k, a in ordered], [a for _, a in ordered], {id(a): k for k, a in ordered}, seeds, same)
+
+    def answer(self, g: TraceEvent, response: Response) -> Response:
+        """Keeps an interrupted segment's response for the segments that may resume it."""
+        if id(g) in self.place:
+            position = bisect.bisect_left(self.keys, (g.t, self.place[id(g)]))
+            key = tuple(response.tokens) if isinstance(response.tokens, list) else response.tokens
+            bisect.insort(self.ended_as[key], position)
+            self.responses[position] = response
+        return response
+
+    def latest_ended_as(self, tokens: list | int, before: int) -> Response | None:
+        """The response of the latest-ended of the first ``before`` segments whose response is ``tokens``."""
+        positions = self.ended_as.get(tuple(tokens) if isinstance(tokens, list) else tokens, [])
+        k = bisect.bisect_left(positions, before)
+        return self.responses[positions[k - 1]] if k else None
+
+    def count_before(self, g: TraceEvent) -> int:
+        """How many of the first ended by the time ``g`` started: before that instant, or at it and
+        ahead of ``g`` in the trace."""
+        return bisect.bisect_left(self.keys, (g.data["start"], self.place.get(id(g), math.inf)))
+
+
 @dataclass(frozen=True)
 class Response:
     """One turn's response as the engines produced it, segment by segment: with partial rollout an
-    interrupted request returns what it decoded and the turn resumes from it (``continues``)."""
+    interrupted request returns what it decoded and the turn resumes from it (``continues``). Each keeps
+    the response it resumes rather than a copy of its segments: a turn cut thousands of times, its
+    resumptions empty, holds each segment once."""
 
     tokens: list | int  # the whole response (its length when tokens are not recorded)
     logprobs: list[float]
-    versions: list[int]  # per segment, the weight version that decoded it
-    segments: list[TraceEvent]
+    versions: frozenset[int]  # the weight versions that decoded its segments
+    last: TraceEvent  # the segment that ends it
+    resumes: Response | None  # the response its last segment resumed
+    first: TraceEvent  # the segment it began with
     chained: bool  # every resumed prefix is what an interrupted segment of this turn produced
+
+    @property
+    def segments(self) -> list[TraceEvent]:
+        """Its segments, first to last."""
+        out, at = [], self
+        while at is not None:
+            out.append(at.last)
+            at = at.resumes
+        return out[::-1]
 
 
 def staleness_bound(ix: TraceIndex, spec: TargetSpec) -> int:

@@ -1274,6 +1274,29 @@ def test_a_request_cut_at_once_in_a_turn_its_episode_never_was_at_is_named(hones
     _rejects(_audit(honest, events), f"{fault}: ")
 
 
+@pytest.mark.parametrize("when", ["had not been reset", "was dropped"])
+def test_a_request_for_an_episode_not_in_play_is_named(honest, when):
+    """A red team's orphans: requests in the name of an episode the stack had dropped, or had not reset yet,
+    cut at once. Their turn is one the episode never played, so no environment checks them; each request
+    is now held to an episode in play when it was forwarded."""
+    events = _edited(honest)
+    if when == "was dropped":
+        mark = next(e for e in events if e.kind == "sample_dropped")
+        at = mark.t  # forwarded as it was dropped (a short run's drops come at its end)
+    else:
+        mark = next(e for e in events if e.kind == "env_reset" and e.t > events[0].t + 0.01)
+        at = mark.t - 0.001
+    episode = mark.data["episode"]
+    turn = sum(e.kind == "env_step" and e.data["episode"] == episode and e.t <= at for e in events)
+    orphan = copy.deepcopy(next(g for g in _generates(events) if g.data["turn"] == 0).data)
+    orphan.update(episode=episode, turn=turn, start=at, aborted=True, finish="abort", tokens=[], logprobs=[])
+    events.insert(next((k for k, e in enumerate(events) if e.t > at), len(events)), TraceEvent("generate", at, orphan))
+    _rejects(
+        _audit(honest, events),
+        f"turn out of place: episode {episode} turn {turn}: forwarded at {at:.2f}s, when the episode {when}",
+    )
+
+
 def test_two_segments_cut_at_one_instant_do_not_resume_each_other():
     """Two empty segments of a turn, each started and ended at one instant (a red team's): each was a
     candidate for the segment the other resumes, and reading the response recursed without end. Of two at
@@ -2037,6 +2060,7 @@ def test_a_simulated_turn_whose_finish_its_token_count_contradicts(tiny_spec, fi
     events = [
         _simulated_start(1, {}),
         TraceEvent("episode_created", 0.0, {"episode": "g0/e0", "group": "g0"}),
+        TraceEvent("env_reset", 0.2, {"episode": "g0/e0", "observation": 4}),
         TraceEvent("generate", 1.0, turn),
         TraceEvent("run_end", 2.0),
     ]

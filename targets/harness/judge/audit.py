@@ -360,16 +360,20 @@ def check_engine_honesty(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
 
 
 def _request_fault(ix: TraceIndex, g: TraceEvent) -> tuple[str, str] | None:
-    """What is wrong with a request's episode and turn: the harness never created the episode; the turn is
-    not the one the episode was at when the request was forwarded (its steps answered by then), or the
-    episode had ended; its seed is not its turn's earlier segments'; it resumes tokens no interrupted segment
-    of its turn produced. Checked for every
-    request, not only the turns an environment stepped: a request in another episode's name, cut at once,
-    could otherwise plant contexts for the independence test to guess from (a red team's decoys)."""
+    """What is wrong with a request's episode and turn: the harness never created the episode; it was not
+    in play when the request was forwarded (not reset yet, or dropped); the turn is not the one the episode
+    was at then (its steps answered by then), or the episode had ended; its seed is not its turn's earlier
+    segments'; it resumes tokens no interrupted segment of its turn produced. Checked for every request,
+    not only the turns an environment stepped: a request in another episode's name, cut at once, could
+    otherwise plant contexts for the independence test to guess from (a red team's decoys and orphans)."""
     d = g.data
     where = f"episode {d['episode']} turn {d['turn']}"
     if d["episode"] not in ix.group_of:
         return "unknown episode", f"{where}: a request for an episode the harness never created"
+    reset, dropped = ix.resets.get(d["episode"]), ix.dropped.get(d["episode"])
+    if reset is None or reset.t > d["start"] or (dropped is not None and dropped.t <= d["start"]):
+        at = "had not been reset" if reset is None or reset.t > d["start"] else f"was dropped at {dropped.t:.2f}s"
+        return "turn out of place", f"{where}: forwarded at {d['start']:.2f}s, when the episode {at}"
     steps = [s for s in ix.env_steps.get(d["episode"], []) if s.t <= d["start"]]
     if (steps and steps[-1].data["done"]) or d["turn"] != len(steps):
         at = "had ended" if steps and steps[-1].data["done"] else f"was at turn {len(steps)}"

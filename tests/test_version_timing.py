@@ -81,6 +81,23 @@ def test_a_short_turn_answered_in_a_quiet_moment_is_held_to_the_floor_alone():
     assert [line.split(":")[0] for line in reasons] == ["answered faster than decoding"], reasons
 
 
+def test_a_turn_decoded_ahead_and_handed_back_in_short_segments_is_held_to_the_pace_as_a_whole():
+    """A red team's: a turn of 402 tokens decoded ahead, handed back as 134 interrupted segments of 3 tokens
+    each answered 1 ms after it was forwarded, passed: each was short, and held to the floor alone. A turn's
+    short requests together are held to the pace once they are as long as a request that sets it; two short
+    segments of one turn, 2 tokens each in quiet moments, still pass."""
+    busy = [_served(f"b{k}/e0", 1.0, 3.0, 200) for k in range(20)]  # 10 ms a token, a pace of 5 ms
+    quiet = [_served("q/e0", 10.0, 10.011, 2), _served("q/e0", 10.1, 10.111, 2)]
+    reasons, details = _judged(busy + quiet)
+    assert not reasons and details["version_timing_least_ratio"] > 1
+    pieces = [_served("p/e0", 12.0 + 0.01 * k, 12.001 + 0.01 * k, 3) for k in range(134)]
+    for piece in pieces[:-1]:
+        piece.data.update(aborted=True, finish="abort")
+    reasons, details = _judged(busy + pieces)
+    assert len(reasons) == 1 and reasons[0].startswith("answered faster than decoding: episode p/e0 turn 0: 134 ")
+    assert details["version_timing_least_ratio"] == pytest.approx(0.134 / (402 * 0.005))
+
+
 def test_the_floor_of_a_decode_step_is_the_weights_read_once_at_the_spec_bandwidth_halved():
     """The 0.6B target in bf16 on one H100: 596M active weights x 2 bytes over 3.35 TB/s, halved (an H200
     run as the H100 spec reads 1.4 times faster: still over the floor); the CPU target's, 40 us."""

@@ -19,7 +19,9 @@ forwarded once v existed, ends one prefill after it was forwarded: **answered fa
 Honest runs of the CPU target forward no request before the version it is served under exists at all
 (docs/judge.md, "version timing"). A request of under ``PACE_MIN_TOKENS`` is held to the floor alone: a
 stop drawn at once in a quiet moment can beat half the pace long turns set in heavy batches (a red team's
-toy: 2 tokens in 8 ms against 10 ms a token); a turn that short is little to decode ahead. Still open:
+toy: 2 tokens in 8 ms against 10 ms a token); a turn that short is little to decode ahead. A turn's short
+requests together are held to the pace once they are as long as one that sets it: a turn decoded ahead and
+handed back in segments of three tokens, each answered at the floor, was another red team's. Still open:
 the floor is the hardware's limit, several times under a real engine's pace on a GPU, so a turn decoded
 ahead and answered no sooner than the floor allows passes; and a drafted step's tokens are the stack's
 declaration."""
@@ -27,7 +29,9 @@ declaration."""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
+from targets.api import TraceEvent
 from targets.harness.judge.service_order import tokens_a_step
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.sim.cost_model import DTYPE_BYTES
@@ -65,6 +69,7 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
         return {}
     pace = max(PACE_SLACK * min(paces), step_floor_s) / drafted
     early, least = 0, math.inf
+    short: dict[tuple[str, int], list[tuple[TraceEvent, int]]] = defaultdict(list)  # a turn's short requests
     for g, tokens in turns:
         d = g.data
         since = existed.get(d["version"], -math.inf)
@@ -75,6 +80,8 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
             tokens * (pace if tokens >= PACE_MIN_TOKENS else step_floor_s / drafted),
         )
         early += d["start"] < since
+        if tokens < PACE_MIN_TOKENS:
+            short[(d["episode"], d["turn"])].append((g, tokens))
         if needed <= 0:  # a short request where no floor is known: nothing to hold it to
             continue
         least = min(least, had / needed)
@@ -93,6 +100,20 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
                 "answered faster than decoding",
                 f"{where} and answered {had:.3f}s later with {tokens} tokens under version {d['version']}, which "
                 f"take at least {needed:.3f}s at the run's pace: decoded before it was forwarded",
+            )
+    for (episode, turn), requests in short.items():
+        tokens = sum(n for _, n in requests)
+        if tokens < PACE_MIN_TOKENS:
+            continue
+        had = sum(g.t - max(g.data["start"], existed.get(g.data["version"], -math.inf)) for g, _ in requests)
+        least = min(least, had / (tokens * pace))
+        if had < tokens * pace:
+            r.add(
+                "answered faster than decoding",
+                f"episode {episode} turn {turn}: {len(requests)} requests of under {PACE_MIN_TOKENS} tokens each, "
+                f"{tokens} in all, were answered {had:.3f}s in all after they were forwarded and their versions "
+                f"existed; {tokens} tokens take at least {tokens * pace:.3f}s at the run's pace: decoded ahead, "
+                "handed back in pieces",
             )
     return {
         "version_timing_witnessed": early,

@@ -1,5 +1,6 @@
 """The selection net: what a stack trained against everything it launched, whichever rule let it drop,
-defer, cancel or restart the rest (``selection.py`` has those rules). Tasks, members and rewards, each by
+defer or cancel the rest (``selection.py`` has those rules, and those for restarts, which it does not see:
+it reads the actions the environments got). Tasks, members and rewards, each by
 its own bound; lengths at each episode's progress and by what the harness drew for it (``draws.py``)
 (docs/judge.md)."""
 
@@ -185,8 +186,8 @@ def held_back(ix: TraceIndex, untrained: set[str]) -> set[str]:
 
 
 def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws | None = None) -> dict:
-    """Every way to drop, defer, cancel or restart work is a way to choose which samples train. Each
-    has its rule above; this is the net over all of them, against every episode launched (an
+    """Every way to drop, defer or cancel work is a way to choose which samples train. Each has its rule
+    (``selection.py``); this is the net over all of them, against every episode launched (an
     unfinished one at its progress, which it was at least; a group the run's end alone left untrained
     aside, since nothing could train it): the
     tasks trained against the tasks launched (a deferred task and its

@@ -836,6 +836,27 @@ def test_an_interruption_that_cuts_the_turns_it_dislikes_and_lets_the_others_fin
     assert "episode g0/e4 turn 0, forwarded to it at 0.80s, completed at 1.30s" in reason
 
 
+def test_an_interrupting_sync_to_a_version_its_engine_holds_is_named(tiny_spec):
+    """Planted (a red team's): syncs to the version the engines already hold, made to interrupt them
+    whenever the turns in flight are the long ones; the controller restarts what they cut. Syncs that
+    bring the next version, or that interrupt nothing, pass."""
+    from targets.harness.judge.selection import check_aborts
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    def reasons(*syncs: tuple[float, int, bool]) -> list[str]:
+        events = [_simulated_start(0, {})]
+        for start, version, interrupt in syncs:
+            data = {"start": start, "devices": ["d:0"], "version": version, "interrupt": interrupt}
+            events.append(TraceEvent("sync", start + 0.1, data))
+        r = Reasons()
+        check_aborts(TraceIndex.of(events), r, tiny_spec)
+        return r.lines()
+
+    assert reasons((1.0, 1, True), (2.0, 2, True), (3.0, 2, False)) == []
+    (reason,) = reasons((1.0, 1, True), (2.0, 1, True))
+    assert reason.startswith("needless interruption: the sync begun at 2.00s interrupted d:0 to bring it version 1")
+
+
 def _mechanism_on_a_suspend(spec, generates: list[tuple[float, float]]) -> list[str]:
     """The mechanism rule's reasons on a simulated trace whose engine h:0 is suspended at 1.5 s (the call
     made at 1.0 s) and resumed at 3.0 s; each request (its start, its answer) served by h:0, not aborted."""

@@ -374,10 +374,11 @@ def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     it likes. So every abort names its engine (``Aborted.partial``, possibly empty), and a call in
     progress must cover that engine. And the call cuts everything the engine holds at once
     (``_check_whole_cuts``): one that cut only the turns it dislikes, during a sync it made for the
-    purpose, would choose as well."""
+    purpose, would choose as well; nor may a sync interrupt for nothing (``_check_needless_syncs``)."""
     slack, calls = ix.reply_slack(spec), _interrupting_calls(ix)
     if ix.tokens_recorded:  # a simulated cluster is the harness's own
         _check_whole_cuts(ix, r, calls, slack)
+    _check_needless_syncs(ix, r)
     for g in ix.by_kind["generate"]:
         if not g.data["aborted"]:
             continue
@@ -433,3 +434,21 @@ def _check_whole_cuts(ix: TraceIndex, r: Reasons, calls: dict[str, _EngineCalls]
                 f"{cut:.2f}s, yet episode {g.data['episode']} turn {g.data['turn']}, forwarded to it at "
                 f"{g.data['start']:.2f}s, completed at {g.t:.2f}s: an interruption cuts everything its engine holds",
             )
+
+
+def _check_needless_syncs(ix: TraceIndex, r: Reasons) -> None:
+    """An interrupting sync brings each of its devices a version newer than the last a sync brought it. One
+    to the version the engine holds changes nothing but what it cuts: a controller could cut its engines
+    whenever the turns in flight are the long ones and restart them, redrawing the tail at will (the
+    honest runs of benchmarks/judge_false_alarms.py: 16 interrupting syncs, each the next version)."""
+    brought: dict[str, int] = {}
+    for e in sorted(ix.by_kind["sync"], key=lambda e: e.data["start"]):
+        held = [d for d in e.data["devices"] if brought.get(d, -1) >= e.data["version"]]
+        if e.data.get("interrupt") and held:
+            r.add(
+                "needless interruption",
+                f"the sync begun at {e.data['start']:.2f}s interrupted {held[0]} to bring it version "
+                f"{e.data['version']}, which a sync had brought it already: it cut its requests for nothing",
+            )
+        for d in e.data["devices"]:
+            brought[d] = max(brought.get(d, -1), e.data["version"])

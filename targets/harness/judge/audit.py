@@ -371,7 +371,8 @@ def _request_fault(ix: TraceIndex, g: TraceEvent) -> tuple[str, str] | None:
     if d["episode"] not in ix.group_of:
         return "unknown episode", f"{where}: a request for an episode the harness never created"
     reset, dropped = ix.resets.get(d["episode"]), ix.dropped.get(d["episode"])
-    if reset is None or reset.t > d["start"] or (dropped is not None and dropped.t <= d["start"]):
+    # strict both ways: a simulated run stamps a drop and a request its controller made at one instant alike
+    if reset is None or reset.t > d["start"] or (dropped is not None and dropped.t < d["start"]):
         at = "had not been reset" if reset is None or reset.t > d["start"] else f"was dropped at {dropped.t:.2f}s"
         return "turn out of place", f"{where}: forwarded at {d['start']:.2f}s, when the episode {at}"
     steps = [s for s in ix.env_steps.get(d["episode"], []) if s.t <= d["start"]]

@@ -800,21 +800,23 @@ def test_a_shrink_of_one_device_explains_aborts_on_its_whole_engine_only(tiny_sp
     assert "without naming the engine" in " ".join(_engine_aborts(spec, [("", 1.2)]))
 
 
-def _cut_reasons(spec, call: str, completions: list[tuple[float, float]], cut_at: float = 1.2) -> list[str]:
+def _cut_reasons(spec, call: str, completions: list[tuple[float, float, int]], cut_at: float = 1.2) -> list[str]:
     """The abort rule's reasons on a real run's trace: engine d:0's ``call`` (a shrink, or a sync that
-    interrupts) runs from 1.0 s to 1.4 s and cuts a request forwarded at 0.5 s at ``cut_at``; each
-    completion (forwarded at, answered at) is another request d:0 served to its end."""
+    interrupts to bring version 1, trained at 0.9 s) runs from 1.0 s to 1.4 s and cuts a request forwarded
+    at 0.5 s at ``cut_at``; each completion (forwarded at, answered at, under version) is another request
+    d:0 served to its end."""
     from targets.harness.judge.selection import check_aborts
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     start = _simulated_start(0, {})
     start.data.update(tokens_recorded=True, engines={"d:0": ["d:0"], "d:1": ["d:1"]})
-    events = [start, TraceEvent(call, 1.4, {"start": 1.0, "devices": ["d:0"], "interrupt": True, "version": 0})]
+    events = [start, TraceEvent("train", 0.9, {"start": 0.2, "version": 1, "trajectories": []})]
+    events.append(TraceEvent(call, 1.4, {"start": 1.0, "devices": ["d:0"], "interrupt": True, "version": 1}))
     cut = {"episode": "g0/e0", "turn": 0, "start": 0.5, "aborted": True, "device": "d:0", "tokens": [5, 6]}
     events.append(TraceEvent("generate", cut_at, cut))
-    for i, (forwarded, answered) in enumerate(completions, start=1):
+    for i, (forwarded, answered, version) in enumerate(completions, start=1):
         data = {"episode": f"g0/e{i}", "turn": 0, "start": forwarded, "aborted": False, "device": "d:0"}
-        events.append(TraceEvent("generate", answered, data))
+        events.append(TraceEvent("generate", answered, {**data, "version": version}))
     reasons = Reasons()
     check_aborts(TraceIndex.of(sorted(events, key=lambda e: e.t)), reasons, spec)
     return reasons.lines()
@@ -822,29 +824,37 @@ def _cut_reasons(spec, call: str, completions: list[tuple[float, float]], cut_at
 
 @pytest.mark.parametrize("call", ["sync", "shrink"])
 def test_an_interruption_that_cuts_the_turns_it_dislikes_and_lets_the_others_finish(call, tiny_spec):
-    """Planted (a red team's): during a sync it makes for the purpose (to the version its engines already
-    hold), the cluster cuts only the long turns and lets the short ones finish; the controller restarts
-    the cut ones from scratch, and trains the short draws. A call cuts everything its engine holds at one
-    instant: a request forwarded before it began may complete before its first cut (it had ended before
-    the call reached the engine), or just after (replies come in any order), never later."""
+    """Planted (a red team's): during a sync it makes for the purpose, the cluster cuts only the long turns
+    and lets the short ones finish; the controller restarts the cut ones from scratch, and trains the short
+    draws. A call cuts everything its engine has started at one instant: a request forwarded before its
+    first cut may complete before it (it had ended before the call reached the engine), or just after
+    (replies come in any order), or, after a sync, under the version the sync brought (it waited in the
+    queue while the weights loaded: the paged engine cuts only what it started), never later under the old
+    weights; that holds for a request forwarded after the call began too (a sync kept open all step would
+    otherwise excuse any survivor)."""
     from targets.harness.judge.selection import CUT_SLACK_S
 
-    honest = [(0.6, 1.1), (0.7, 1.2 + CUT_SLACK_S / 2), (1.05, 1.3)]  # before the cut, with it, forwarded after
+    honest = [(0.6, 1.1, 0), (0.7, 1.2 + CUT_SLACK_S / 2, 0), (1.25, 1.3, 0)]  # before the cut, with it, after
     assert _cut_reasons(tiny_spec, call, honest) == []
-    (reason,) = _cut_reasons(tiny_spec, call, [*honest, (0.8, 1.3)])
-    assert reason.startswith("selective interruption: ") and "first cut a request on d:0 at 1.20s" in reason
-    assert "episode g0/e4 turn 0, forwarded to it at 0.80s, completed at 1.30s" in reason
+    waited = _cut_reasons(tiny_spec, call, [*honest, (0.9, 1.35, 1)])
+    assert waited == [] if call == "sync" else "g0/e4 turn 0, forwarded to it at 0.90s" in waited[0]
+    for survivor in [(0.8, 1.3, 0), (1.1, 1.3, 0)]:  # forwarded before the call began, and after
+        (reason,) = _cut_reasons(tiny_spec, call, [*honest, survivor])
+        assert reason.startswith("selective interruption: ") and "first cut a request on d:0 at 1.20s" in reason
+        assert f"episode g0/e4 turn 0, forwarded to it at {survivor[0]:.2f}s, completed at 1.30s" in reason
 
 
 def test_an_interrupting_sync_to_a_version_its_engine_holds_is_named(tiny_spec):
     """Planted (a red team's): syncs to the version the engines already hold, made to interrupt them
     whenever the turns in flight are the long ones; the controller restarts what they cut. Syncs that
-    bring the next version, or that interrupt nothing, pass."""
+    bring the next version, or that interrupt nothing, pass; a sync to a version no step had returned (a
+    reviewer's way past the rule: a numbering of the cluster's own) is named too."""
     from targets.harness.judge.selection import check_aborts
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     def reasons(*syncs: tuple[float, int, bool]) -> list[str]:
         events = [_simulated_start(0, {})]
+        events += [TraceEvent("train", 0.5, {"start": 0.1, "version": v, "trajectories": []}) for v in (1, 2)]
         for start, version, interrupt in syncs:
             data = {"start": start, "devices": ["d:0"], "version": version, "interrupt": interrupt}
             events.append(TraceEvent("sync", start + 0.1, data))
@@ -855,6 +865,10 @@ def test_an_interrupting_sync_to_a_version_its_engine_holds_is_named(tiny_spec):
     assert reasons((1.0, 1, True), (2.0, 2, True), (3.0, 2, False)) == []
     (reason,) = reasons((1.0, 1, True), (2.0, 1, True))
     assert reason.startswith("needless interruption: the sync begun at 2.00s interrupted d:0 to bring it version 1")
+    # a version of its own numbering would make every sync newer: a sync brings one a step returned
+    (reason,) = reasons((1.0, 1, True), (2.0, 1000, True))
+    assert reason.startswith("unknown version: the sync begun at 2.00s brought version 1000, which no training")
+    assert reasons((0.2, 1, False))[0].startswith("unknown version: the sync begun at 0.20s brought version 1")
 
 
 def _mechanism_on_a_suspend(spec, generates: list[tuple[float, float]]) -> list[str]:

@@ -3,10 +3,13 @@ segments, side by side, and their ratio (2 where the cost is linear in the segme
 
     python benchmarks/cut_chain_cost.py [--segments 10000]
 
-Interruptions are the stack's to make, so a turn may be cut as often as it likes. Two layouts:
+Interruptions are the stack's to make, so a turn may be cut as often as it likes. Three layouts:
 - ``chain``: a one-token partial, then resumptions each cut at once with nothing decoded, each by an
-  interrupting sync of its own (every piece legal; ``TraceIndex.response`` chains them all);
-- ``restarts``: the turn started again from scratch each time, each attempt cut after one token.
+  interrupting sync of its own, each bringing the version a step had just returned (every piece legal;
+  ``TraceIndex.response`` chains them all);
+- ``restarts``: the turn started again from scratch each time, each attempt cut after one token;
+- ``open``: the restarts, beside one interrupting sync held open the whole run (matching each abort to
+  the calls in progress once walked back through every call begun before it).
 Timed apart: the chaining of responses and the per-request checks (``TraceIndex.response``,
 ``_request_fault``, ``check_partial_rollout``), and the interruption checks (``check_aborts`` and
 ``check_partial_progress``, which match every abort against every interrupting call).
@@ -28,7 +31,8 @@ if str(ROOT) not in sys.path:
 
 from targets.api import TraceEvent  # noqa: E402
 from targets.harness.judge.audit import _request_fault  # noqa: E402
-from targets.harness.judge.selection import check_aborts, check_partial_progress, check_partial_rollout  # noqa: E402
+from targets.harness.judge.interruptions import check_aborts  # noqa: E402
+from targets.harness.judge.selection import check_partial_progress, check_partial_rollout  # noqa: E402
 from targets.harness.judge.trace_index import Reasons, TraceIndex  # noqa: E402
 
 STEP_S = 0.002  # one segment's slot: forwarded, cut, and its interrupting sync
@@ -37,18 +41,25 @@ STEP_S = 0.002  # one segment's slot: forwarded, cut, and its interrupting sync
 def turn_cut(segments: int, layout: str) -> list[TraceEvent]:
     """A one-episode trace whose first turn is cut ``segments`` times (the last segment finishes)."""
     declared = {"partial_rollout": layout == "chain"}  # a restart discards its attempt: no partial rollout
+    base = int(layout == "open")  # the open sync brings version 1
     start = {"tokens_recorded": True, "stop_token_ids": [0], "declared": declared}
     events = [
         TraceEvent("run_start", 0.0, {**start, "engines": {"d": ["d"]}}),
         TraceEvent("episode_created", 0.0, {"episode": "E", "group": "g"}),
         TraceEvent("env_reset", 0.0, {"episode": "E", "group": "g", "observation": [1, 2]}),
     ]
+    if layout == "open":
+        events.append(TraceEvent("train", 0.0, {"start": 0.0, "version": 1, "trajectories": []}))
+        held = {"start": 0.0, "devices": ["d"], "version": 1, "interrupt": True}
+        events.append(TraceEvent("sync", segments * STEP_S, held))
     for k in range(segments):
         at, last = k * STEP_S, k == segments - 1
         continues = min(k, 1) if layout == "chain" else 0
         tokens = [5] if (k == 0 or layout == "restarts" or last) else []
-        if not last:
-            sync = {"start": at + 0.0009, "devices": ["d"], "version": 0, "interrupt": True}
+        if not last:  # a step returns the version each interrupting sync brings (none interrupts for nothing)
+            version = k + 1 + base
+            events.append(TraceEvent("train", at + 0.0008, {"start": at, "version": version, "trajectories": []}))
+            sync = {"start": at + 0.0009, "devices": ["d"], "version": version, "interrupt": True}
             events.append(TraceEvent("sync", at + 0.0011, sync))
         data = {"episode": "E", "turn": 0, "start": at, "aborted": not last, "device": "d", "routed": None}
         data.update(prompt=[1, 2] + [5] * continues, continues=continues, tokens=tokens, logprobs=[-1.0] * len(tokens))
@@ -86,7 +97,7 @@ def measure(events: list[TraceEvent], part: str) -> tuple[float, float]:
 
 def main(segments: int = 10_000) -> None:
     print(f"one turn cut P and 2P times (P = {segments:,}); ratio 2P/P: 2 linear, 4 quadratic")
-    for layout in ("chain", "restarts"):
+    for layout in ("chain", "restarts", "open"):
         for part in ("chaining", "interruptions"):
             (t1, m1), (t2, m2) = (measure(turn_cut(n, layout), part) for n in (segments, 2 * segments))
             print(

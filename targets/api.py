@@ -374,10 +374,8 @@ class Cluster(Protocol):
     rollout pool (draining and offloading/reloading engines). ``train`` runs a step on the given devices and returns
     the new weight version (each ``train_part`` before it starts that step early on whole groups, on the same
     devices: stream training); ``sync_weights`` pushes a version to the engines on ``devices``: it lets the requests
-    they are running finish first, or with ``interrupt`` answers them all at once with ``Aborted`` (their partial
-    responses) and serves their continuations under the new version. A shrink, a suspend or an interrupting sync
-    cuts every request its engine holds, not some of them, and an interrupting sync brings a version newer than
-    the last one synced to those devices: the audit holds both (docs/judge.md, selection)."""
+    they are running finish first, or with ``interrupt`` aborts every request it started at once (``Aborted``, its
+    partial; never some of them, and only to bring a newer version: docs/judge.md), serving the rest under it."""
 
     devices: list[Device]
 

@@ -763,7 +763,7 @@ def test_an_abort_on_an_engine_the_shrink_in_progress_left_alone(honest):
 def _engine_aborts(spec, aborts: list[tuple[str, float]], overhead: float = 0.0) -> list[str]:
     """The abort check's reasons on a simulated trace of two engines of two devices each: device h:1
     shrinks from 1.0 s to 1.5 s; each abort (the device its completion names, when) started at 0.5 s."""
-    from targets.harness.judge.selection import check_aborts
+    from targets.harness.judge.interruptions import check_aborts
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     simulator = spec.simulator.model_copy(update={"request_overhead_s": overhead})
@@ -805,7 +805,7 @@ def _cut_reasons(spec, call: str, completions: list[tuple[float, float, int]], c
     interrupts to bring version 1, trained at 0.9 s) runs from 1.0 s to 1.4 s and cuts a request forwarded
     at 0.5 s at ``cut_at``; each completion (forwarded at, answered at, under version) is another request
     d:0 served to its end."""
-    from targets.harness.judge.selection import check_aborts
+    from targets.harness.judge.interruptions import check_aborts
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     start = _simulated_start(0, {})
@@ -832,7 +832,7 @@ def test_an_interruption_that_cuts_the_turns_it_dislikes_and_lets_the_others_fin
     queue while the weights loaded: the paged engine cuts only what it started), never later under the old
     weights; that holds for a request forwarded after the call began too (a sync kept open all step would
     otherwise excuse any survivor)."""
-    from targets.harness.judge.selection import CUT_SLACK_S
+    from targets.harness.judge.interruptions import CUT_SLACK_S
 
     honest = [(0.6, 1.1, 0), (0.7, 1.2 + CUT_SLACK_S / 2, 0), (1.25, 1.3, 0)]  # before the cut, with it, after
     assert _cut_reasons(tiny_spec, call, honest) == []
@@ -849,7 +849,7 @@ def test_an_interrupting_sync_to_a_version_its_engine_holds_is_named(tiny_spec):
     whenever the turns in flight are the long ones; the controller restarts what they cut. Syncs that
     bring the next version, or that interrupt nothing, pass; a sync to a version no step had returned (a
     reviewer's way past the rule: a numbering of the cluster's own) is named too."""
-    from targets.harness.judge.selection import check_aborts
+    from targets.harness.judge.interruptions import check_aborts
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
     def reasons(*syncs: tuple[float, int, bool]) -> list[str]:

@@ -29,8 +29,10 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
   every request names a device that held an engine while it ran;
 * version timing (real runs): a request forwarded before the version it claims existed was answered
   late enough after that to have decoded its tokens (``version_timing.py``);
-* aborts: every interrupted request was cut short by a shrink, a suspend or an interrupting sync in
-  progress (a cluster that aborts on its own could resample the turns it dislikes);
+* aborts (``interruptions.py``): every interrupted request was cut short by a shrink, a suspend or an
+  interrupting sync in progress, which cut everything its engine had started (a cluster that aborts on
+  its own, or only some turns, could resample those it dislikes); an interrupting sync brings a newer
+  version, and every sync one a step returned;
 * mechanism: no request served by a shrunk engine, none completed well after its engine's shrink
   returned (a shrink aborts what it holds), never zero active engines, the requested steps
   ran, each training step returned the next version, an engine and a trainer never held one device
@@ -64,9 +66,9 @@ from targets.api import StateDict, TraceEvent
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.draws import WorkloadDraws
+from targets.harness.judge.interruptions import check_aborts
 from targets.harness.judge.mechanism import check_mechanism
 from targets.harness.judge.selection import (
-    check_aborts,
     check_deferrals,
     check_drop_reasons,
     check_partial_progress,

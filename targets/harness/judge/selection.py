@@ -1,17 +1,18 @@
-"""The audit's rules for work that is dropped, deferred, cancelled or restarted: each is a way to
-choose which samples train, so each has its rule (a drop's reason must hold when it is made, a
-deferral only of a group that waited a whole step, a partial is what the request decoded, an abort
-has its cause), and the selection net (``selection_net.py``) nets them all: the tasks and members
-trained against every episode launched (docs/judge.md)."""
+"""The audit's rules for work that is dropped, deferred, cancelled or resumed: each is a way to choose
+which samples train, so each has its rule (a drop's reason must hold when it is made, a deferral only of
+a group that waited a whole step, a partial is what the request decoded), and the selection net
+(``selection_net.py``) nets the drops, deferrals and cancellations: the tasks and members trained against
+every episode launched. Interruptions, how a stack restarts, have theirs in ``interruptions.py``
+(docs/judge.md)."""
 
 from __future__ import annotations
 
 import bisect
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 
 from targets.api import TraceEvent
+from targets.harness.judge.interruptions import interruptions
 from targets.harness.judge.trace_index import ABORT_SLACK_S, Reasons, TraceIndex, staleness_bound
 from targets.harness.trace import token_count
 from targets.spec import TargetSpec
@@ -296,175 +297,3 @@ def check_partial_progress(ix: TraceIndex, r: Reasons) -> None:
                     f"with no token decoded, after a request that engine received later had decoded one "
                     f"(engines serve in arrival order): the partial was discarded, and the turn resampled",
                 )
-
-
-@dataclass
-class _EngineCalls:
-    """One engine's interrupting calls (shrinks, suspends, interrupting syncs) in the order they began,
-    with the latest end among the first ``i`` (``reach``): a search for the calls in progress at an instant
-    stops where no earlier one reaches it (a turn cut thousands of times costs no quadratic scan)."""
-
-    starts: list[float] = field(default_factory=list)
-    ends: list[float] = field(default_factory=list)
-    index: list[int] = field(default_factory=list)  # the call's place in ``interruptions``' list
-    reach: list[float] = field(default_factory=list)
-
-
-def _interrupting_events(ix: TraceIndex) -> list[TraceEvent]:
-    """The calls that may cut requests short, in the order ``interruptions`` numbers them."""
-    return ix.by_kind["shrink"] + ix.by_kind["suspend"] + [e for e in ix.by_kind["sync"] if e.data.get("interrupt")]
-
-
-def _interrupting_calls(ix: TraceIndex) -> dict[str, _EngineCalls]:
-    spans: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
-    for k, e in enumerate(_interrupting_events(ix)):
-        for engine in {ix.engine(d) for d in e.data["devices"]}:
-            spans[engine].append((e.data["start"], e.t, k))
-    by_engine: dict[str, _EngineCalls] = {}
-    for engine, listed in spans.items():
-        on = by_engine[engine] = _EngineCalls()
-        for start, end, k in sorted(listed):
-            on.starts.append(start)
-            on.ends.append(end)
-            on.index.append(k)
-            on.reach.append(max(end, on.reach[-1] if on.reach else -math.inf))
-    return by_engine
-
-
-def _cut_by(calls: dict[str, _EngineCalls], ix: TraceIndex, g: TraceEvent, slack: float) -> int | None:
-    """The first call (by index) in progress on ``g``'s engine while it ran and when its reply came
-    (within ``slack``), or None."""
-    on = calls.get(ix.engine(g.data["device"]))
-    if on is None:
-        return None
-    since = max(g.data["start"], g.t - slack)  # a call that ended before this neither overlapped nor caused it
-    found = None
-    i = bisect.bisect_right(on.starts, g.t) - 1
-    while i >= 0 and on.reach[i] >= since:
-        if on.ends[i] >= since and (found is None or on.index[i] < found):
-            found = on.index[i]
-        i -= 1
-    return found
-
-
-def interruptions(ix: TraceIndex, slack: float) -> dict[int, int]:
-    """Which call (a shrink, a suspend or an interrupting sync, by index) cut each interrupted request
-    short: the first in progress on its engine when its reply came (``id`` of the event -> index)."""
-    calls = _interrupting_calls(ix)
-    found: dict[int, int] = {}
-    for g in ix.by_kind["generate"]:
-        if g.data["aborted"] and g.data.get("device") and (k := _cut_by(calls, ix, g, slack)) is not None:
-            found[id(g)] = k
-    return found
-
-
-# A call cuts every request its engine has started at one instant; their replies reach the harness in any
-# order a little after. Over 18 honest runs of benchmarks/judge_false_alarms.py (the starters on four
-# seeds, each technique on one: 70 cuts; 55 requests forwarded before a cut and answered after its call
-# began) every one completed before the cut (the latest 0.07 ms before it) or, 4 of them, after a sync
-# under the version it brought (they had waited in the paged engine's queue); the
-# slack leaves room for a reply's way back on a loaded machine, and bounds what a selective cut can let
-# finish: a CPU target's interrupted request runs 10-30 ms, a GPU decode step 1-7 ms.
-CUT_SLACK_S = 0.05
-
-
-def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
-    """An interrupted request is one a shrink, a suspend or an interrupting sync cut short on the
-    engine it ran on, while it was in flight: a cluster that aborts on its own could resample the turns
-    it dislikes (the long ones, or those that missed the reward) and hand the controller only the ones
-    it likes. So every abort names its engine (``Aborted.partial``, possibly empty), and a call in
-    progress must cover that engine. And the call cuts everything the engine holds at once
-    (``_check_whole_cuts``): one that cut only the turns it dislikes, during a sync it made for the
-    purpose, would choose as well; nor may a sync interrupt for nothing (``_check_needless_syncs``)."""
-    slack, calls = ix.reply_slack(spec), _interrupting_calls(ix)
-    if ix.tokens_recorded:  # a simulated cluster is the harness's own
-        _check_whole_cuts(ix, r, calls, slack)
-    _check_needless_syncs(ix, r)
-    for g in ix.by_kind["generate"]:
-        if not g.data["aborted"]:
-            continue
-        where = f"episode {g.data['episode']} turn {g.data['turn']} was aborted at {g.t:.2f}s"
-        device = g.data.get("device")
-        if not device:
-            r.add(
-                "unexplained abort",
-                f"{where} without naming the engine that served it (an Aborted carries its partial: what "
-                "the engine decoded, possibly nothing, and where)",
-            )
-        elif _cut_by(calls, ix, g, slack) is None:
-            r.add(
-                "unexplained abort",
-                f"{where} on {device} with no shrink, suspend or interrupting sync of it in progress",
-            )
-
-
-def _check_whole_cuts(ix: TraceIndex, r: Reasons, calls: dict[str, _EngineCalls], slack: float) -> None:
-    """No request forwarded to an engine before a call's first cut there completes after that cut
-    (``CUT_SLACK_S`` for the replies' order), unless under the version an interrupting sync brought: an
-    engine cuts the requests it has started and serves those still waiting once the new weights are in. A
-    cluster that cut the long turns and let the short ones finish would train the short draws of every
-    turn it restarts. Measured from the first cut, not from the call's start (a shrink may take a while to
-    reach its engine, and whatever completed before was not cut by it), and every request forwarded
-    before that cut is held to it, not only those forwarded before the call began: else a sync kept open
-    the whole step would explain any cut in it and excuse any survivor."""
-    events = _interrupting_events(ix)
-    first_cut: dict[tuple[int, str], float] = {}
-    for g in ix.by_kind["generate"]:
-        if g.data["aborted"] and g.data.get("device") and (k := _cut_by(calls, ix, g, slack)) is not None:
-            key = (k, ix.engine(g.data["device"]))
-            first_cut[key] = min(first_cut.get(key, math.inf), g.t)
-    completed: dict[tuple[str, int], list[TraceEvent]] = defaultdict(list)  # (engine, version) -> completions
-    for gs in ix.generated.values():
-        for g in gs:
-            completed[(ix.engine(g.data["device"]), g.data["version"])].append(g)
-    # per engine and version, its completed requests by when they were forwarded, with the latest answered
-    # among the first i
-    latest: dict[str, dict[int, tuple[list[float], list[TraceEvent]]]] = defaultdict(dict)
-    for (engine, version), gs in completed.items():
-        gs.sort(key=lambda g: g.data["start"])
-        starts, last = [], []
-        for g in gs:
-            starts.append(g.data["start"])
-            last.append(g if not last or g.t > last[-1].t else last[-1])
-        latest[engine][version] = starts, last
-    for (k, engine), cut in sorted(first_cut.items(), key=lambda item: item[1]):
-        call = events[k]
-        brought = call.data["version"] if call.kind == "sync" else math.inf
-        for version, (starts, last) in sorted(latest.get(engine, {}).items()):
-            held = bisect.bisect_left(starts, cut)
-            if version >= brought or not held or (g := last[held - 1]).t <= cut + CUT_SLACK_S:
-                continue
-            r.add(
-                "selective interruption",
-                f"the {call.kind} begun at {call.data['start']:.2f}s first cut a request on {engine} at {cut:.2f}s, "
-                f"yet episode {g.data['episode']} turn {g.data['turn']}, forwarded to it at {g.data['start']:.2f}s, "
-                f"completed at {g.t:.2f}s under version {version}: an interruption cuts everything its engine "
-                "has started",
-            )
-            break
-
-
-def _check_needless_syncs(ix: TraceIndex, r: Reasons) -> None:
-    """An interrupting sync brings each of its devices a version newer than the last a sync brought it. One
-    to the version the engine holds changes nothing but what it cuts: a controller could cut its engines
-    whenever the turns in flight are the long ones and restart them, redrawing the tail at will (the
-    honest runs of benchmarks/judge_false_alarms.py: 16 interrupting syncs, each the next version). And
-    every sync brings a version a training step had returned before it began (or the harness's 0)."""
-    brought: dict[str, int] = {}
-    existed = {train.data["version"]: train.t for train in ix.trains}
-    for e in sorted(ix.by_kind["sync"], key=lambda e: e.data["start"]):
-        if e.data["version"] != 0 and existed.get(e.data["version"], math.inf) > e.data["start"]:
-            r.add(  # a version of its own numbering would make every sync "newer"
-                "unknown version",
-                f"the sync begun at {e.data['start']:.2f}s brought version {e.data['version']}, which no training "
-                "step had returned by then",
-            )
-        held = [d for d in e.data["devices"] if brought.get(d, -1) >= e.data["version"]]
-        if e.data.get("interrupt") and held:
-            r.add(
-                "needless interruption",
-                f"the sync begun at {e.data['start']:.2f}s interrupted {held[0]} to bring it version "
-                f"{e.data['version']}, which a sync had brought it already: it cut its requests for nothing",
-            )
-        for d in e.data["devices"]:
-            brought[d] = max(brought.get(d, -1), e.data["version"])

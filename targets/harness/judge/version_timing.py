@@ -103,7 +103,7 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
             )
     for (episode, turn), requests in short.items():
         tokens = sum(n for _, n in requests)
-        if tokens < PACE_MIN_TOKENS:
+        if tokens < PACE_MIN_TOKENS or pace <= 0:  # no pace: an instant answer and no floor known
             continue
         had = sum(g.t - max(g.data["start"], existed.get(g.data["version"], -math.inf)) for g, _ in requests)
         least = min(least, had / (tokens * pace))

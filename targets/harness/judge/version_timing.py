@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from targets.api import TraceEvent
 from targets.harness.judge.service_order import tokens_a_step
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.sim.cost_model import DTYPE_BYTES
@@ -69,7 +68,7 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
         return {}
     pace = max(PACE_SLACK * min(paces), step_floor_s) / drafted
     early, least = 0, math.inf
-    short: dict[tuple[str, int], list[tuple[TraceEvent, int]]] = defaultdict(list)  # a turn's short requests
+    short: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)  # a turn's short requests: had, tokens
     for g, tokens in turns:
         d = g.data
         since = existed.get(d["version"], -math.inf)
@@ -81,7 +80,7 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
         )
         early += d["start"] < since
         if tokens < PACE_MIN_TOKENS:
-            short[(d["episode"], d["turn"])].append((g, tokens))
+            short[(d["episode"], d["turn"])].append((had, tokens))
         if needed <= 0:  # a short request where no floor is known: nothing to hold it to
             continue
         least = min(least, had / needed)
@@ -105,7 +104,7 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
         tokens = sum(n for _, n in requests)
         if tokens < PACE_MIN_TOKENS or pace <= 0:  # no pace: an instant answer and no floor known
             continue
-        had = sum(g.t - max(g.data["start"], existed.get(g.data["version"], -math.inf)) for g, _ in requests)
+        had = sum(seconds for seconds, _ in requests)
         least = min(least, had / (tokens * pace))
         if had < tokens * pace:
             r.add(

@@ -240,7 +240,7 @@ assert all(a.shape == b.shape for a, b in pairs)
 fused_worst = max(float((a - b).abs().max()) for a, b in pairs)
 assert fused_worst < 1e-5, fused_worst  # float32: the interpreter rounds bf16 by truncation, a GPU to nearest
 
-params = SamplingParams(max_new_tokens=12, temperature=0.0)
+params = SamplingParams(max_new_tokens=6, temperature=0.0)
 prompts = fixed_prompts(5)
 engines = [PagedEngine(PATH, "float32", attention=kind, max_batch=8) for kind in ("triton", "sdpa")]
 assert engines[0].attention_kind == "triton" and engines[0].fused_kernels and not engines[1].fused_kernels
@@ -368,16 +368,16 @@ def sampled(batch, logits):
 
 
 engine._replay, engine._sample = counted, sampled
-params = SamplingParams(max_new_tokens=12, temperature=0.0)
+params = SamplingParams(max_new_tokens=6, temperature=0.0)
 prompts = fixed_prompts(5)  # five rows in the graph of eight: three padding rows on the dummy block
 graphed = engine.generate(prompts, params)
 sdpa = PagedEngine(PATH, "float32", attention="sdpa", max_batch=8, block_size=4, kv_tokens=512)
 eager = sdpa.generate(prompts, params)
 assert [c.tokens for c in graphed] == [c.tokens for c in eager]
-assert len(replays) >= 11 and set(replays) == {1}, replays  # every decode step replayed, its inputs in one upload
+assert len(replays) >= 5 and set(replays) == {1}, replays  # every decode step replayed, its inputs in one upload
 replays.clear()  # a system run's steps: one temperature, the engine's generator; the draw sends nothing up
-assert all(len(c.tokens) == 12 for c in engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0)))
-assert len(replays) >= 11 and set(replays) == {1}, replays
+assert all(len(c.tokens) == 6 for c in engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0)))
+assert len(replays) >= 5 and set(replays) == {1}, replays
 torch.tensor = real_tensor
 worst = max(abs(x - y) for p, r in zip(graphed, eager) for x, y in zip(p.logprobs, r.logprobs))
 print("replays", len(replays), "logprobs", worst)

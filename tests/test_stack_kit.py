@@ -8,6 +8,7 @@ cluster would."""
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 import pytest
@@ -170,14 +171,27 @@ EXTRA = {
 }
 
 
+# Through `vibetrain check`, exit code and table: one plant the system run's audit names, and the two the
+# integrity scan stops before anything runs. The other runtime plants change only what the system run
+# uses (checks 1-3 build their components apart), so they are measured, not checked: a measured run is
+# judged by the same audit, without the accuracy checks' ~3 s a run.
+CHECKED = ("drops trajectories", "reports its own metrics", "imports harness internals")
+
+
 @pytest.mark.parametrize("cheat", list(CHEATS))
-def test_planted_cheats_are_rejected_with_a_named_reason(tmp_path, fast_target, shared_ray, cheat):
+def test_planted_cheats_are_rejected_with_a_named_reason(tmp_path, fast_target, judge_sandbox, cheat):
     controller, edits, reason = CHEATS[cheat]
     stack = _planted(tmp_path, fast_target, controller, edits, EXTRA.get(cheat, {}))
+    if cheat not in CHECKED:
+        seed = secrets.randbelow(2**31)  # a new workload each run, as the command draws one
+        session = Session(Target.load(fast_target), judge_sandbox, Limits(time_s=300))
+        measurement = session.measure(stack, tmp_path / "out", seed=seed)
+        assert not measurement.ok and any(reason in r for r in measurement.reasons), (seed, measurement.reasons)
+        return
     code, output = _check(fast_target, stack, sandbox="subprocess")
     assert code == 1, output
     assert reason in output, output
-    if cheat in ("reports its own metrics", "imports harness internals"):
+    if cheat != "drops trajectories":
         assert "was not executed: it failed the integrity scan" in output, output
 
 

@@ -353,8 +353,9 @@ def _state(pid: int) -> str:
 def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, fast_target, judge_sandbox):
     """The plant recognises the check by its first eight groups' opening observations, as the public
     seed 0 makes them, and launches more episodes than training needs once one differs. Under the
-    public derivation (what every check ran before the workload key) it passes; a check draws a secret
-    key and seed, so the plant never recognises it and is rejected. (One opening would not do: the
+    public derivation (what every check ran before the workload key) it passes; a session draws a secret
+    key that every run it judges uses (a check's and a measured run's alike: these are measured, seed 0
+    both), so the plant never recognises it and is rejected. (One opening would not do: the
     CPU target's shows one of four letters, so a secret draw matched it one run in four.)"""
     from targets.harness.clock import WallClock
     from targets.harness.environments import EnvironmentPool
@@ -401,9 +402,10 @@ def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, f
         path = stack / "stack" / name
         path.write_text(path.read_text().replace(old, new, 1))
     public = Session(Target.load(fast_target), judge_sandbox, Limits(time_s=300), task_key=b"")
-    known_run = public.check(stack, tmp_path / "public", seed=0)
+    known_run = public.measure(stack, tmp_path / "public", seed=0).checks
     assert all(c.passed for c in known_run), [c.reasons for c in known_run]  # the plant passes when it knows
-    results = {r.name: r for r in _session(fast_target, judge_sandbox).check(stack, tmp_path / "secret")}
+    secret = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "secret", seed=0)
+    results = {r.name: r for r in secret.checks}
     assert not results["system_audit"].passed
     assert any("too many episodes" in reason for reason in results["system_audit"].reasons)
 

@@ -20,6 +20,11 @@ from tests.technique_run import audited_run, harness_run, planted, target_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
+# A real run of two training steps, not the fast target's four, where what is asserted happens from the
+# first step on (an engine's drafts, restores and chunks; groups launched and routed before any training;
+# the sync each step overlaps): ~1.5-3 s a step less on this 2-core machine.
+TWO_STEPS = {"train_steps": 2}
+
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
 def test_redundant_envs_keep_the_first_members_and_drop_the_spares(tmp_path, fast_target, simulate):
@@ -268,7 +273,8 @@ def test_abort_stale_planted_one_step_too_soon_fails_the_audit(tmp_path, fast_ta
 def test_a_declared_staleness_bound_runs_further_ahead_within_the_targets_maximum(tmp_path, fast_target, simulate):
     """A target that lets stacks choose up to 2: the stack declares 2 and keeps three steps' groups
     outstanding, more than the default bound of 1 allows, and the audit holds it to 2."""
-    spec, events = audited_run(tmp_path, fast_target, {"async_ratio": 2}, simulate, {"max_async_ratio": 2})
+    workload = {"max_async_ratio": 2} | ({} if simulate else TWO_STEPS)  # the groups go out before any step
+    spec, events = audited_run(tmp_path, fast_target, {"async_ratio": 2}, simulate, workload)
     w = spec.workload
     start = next(e for e in events if e.kind == "run_start")
     assert start.data["declared"]["async_ratio"] == 2
@@ -351,9 +357,8 @@ def test_kv_routing_routes_each_turn_and_bounds_each_engines_kv(tmp_path, fast_t
     turn is served where the controller asked, turns leave their previous engine when it is
     the busier one, and no engine ever holds more than the bound, while the episodes in flight need
     several times what both engines may hold."""
-    spec, events = audited_run(
-        tmp_path, fast_target, {"kv_routing": 1, "route_slack": 0.0, "route_admit": 1.0}, simulate
-    )
+    params = {"kv_routing": 1, "route_slack": 0.0, "route_admit": 1.0}
+    spec, events = audited_run(tmp_path, fast_target, params, simulate, None if simulate else TWO_STEPS)
     bound = spec.workload.tokens.max_sequence
     served = [e for e in events if e.kind == "generate" and not e.data["aborted"]]
     routed = [g for g in served if g.data["routed"] is not None]
@@ -575,7 +580,7 @@ LONG_RESPONSES = {
 def test_overlap_sync_expands_the_training_devices_while_the_others_sync(tmp_path, fast_target, simulate):
     """After each training step the sampling-only engine's sync and the training device's expand are
     issued together: their intervals overlap in the harness's record, every step, and the audit passes."""
-    workload = LONG_RESPONSES if simulate else {**LONG_RESPONSES, "train_steps": 3}  # the real run: 12 s -> 9 s
+    workload = LONG_RESPONSES if simulate else {**LONG_RESPONSES, **TWO_STEPS}  # the real run: 12 s -> 9 s -> 7 s
     spec, events = audited_run(tmp_path, fast_target, {"overlap_sync": 1}, simulate, workload)
     trains = [e for e in events if e.kind == "train"]
     syncs = [e for e in events if e.kind == "sync"]
@@ -681,7 +686,7 @@ def _drafted_in(out) -> tuple[int, int]:
 def test_speculative_decoding_drafts_and_keeps_tokens_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):
     """Every request the engines run at once drafts (batch limit 64); a turn's sampled tokens repeat
     often enough for one-token lookups to be kept, and the audit's replay and sampling tests pass."""
-    _, events = audited_run(tmp_path, fast_target, SPECULATIVE, False)
+    _, events = audited_run(tmp_path, fast_target, SPECULATIVE, False, TWO_STEPS)
     assert any(e.kind == "generate" for e in events)
     kept, drafted = _drafted_in(tmp_path / "out")
     assert drafted > 0 and 0 < kept < drafted, (kept, drafted)
@@ -828,7 +833,7 @@ def streamed(fast_target, tmp_path_factory, shared_ray):
     """A real streamed run, on the session's Ray cluster: (spec, run, events). Its tools at half the
     simulated runs' latency again (seeds 0-2: 12 of 16 groups streamed early in each of the 3 steps, each
     step's first part inside the tail, as at twice the latency; the run 21 s -> 10-13 s)."""
-    workload = quicker_tools(STREAM_TOOLS, 0.5)
+    workload = {**quicker_tools(STREAM_TOOLS, 0.5), **TWO_STEPS}
     spec, run = harness_run(tmp_path_factory.mktemp("streamed"), fast_target, STREAM, False, workload)
     assert run.ok, run.cause
     return spec, run, Trace.load_events(run.out / "trace.jsonl")
@@ -848,10 +853,10 @@ def test_stream_training_trains_the_first_groups_while_the_batch_still_decodes(
         spec, run, events = request.getfixturevalue("streamed")
         audit = run.results["audit"]["result"]
         assert audit["passed"], audit["reasons"]
-        assert audit["details"]["training_replay_steps"] == spec.workload.train_steps == 3
+        assert audit["details"]["training_replay_steps"] == spec.workload.train_steps
     finished = {e.data["episode"]: e.t for e in events if e.kind == "env_step" and e.data["done"]}
     steps = _streamed_parts(events)
-    assert len(steps) == 3 and any(early for _, early in steps)
+    assert len(steps) == spec.workload.train_steps and any(early for _, early in steps)
     for train, early in steps:
         if early:
             batch_done = max(finished[t["episode"]] for t in train.data["trajectories"])
@@ -969,7 +974,7 @@ def _host_tier_counts(out) -> tuple[int, int]:
 def test_kv_host_tier_restores_evicted_prefixes_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):
     """The engines save the prefixes they evict and restore some when their episodes come back; every
     turn's logprobs, restored context included, pass the audit's replay."""
-    audited_run(tmp_path, fast_target, HOST_TIER, False)
+    audited_run(tmp_path, fast_target, HOST_TIER, False, TWO_STEPS)
     restored, saved = _host_tier_counts(tmp_path / "out")
     assert 0 < restored <= saved, (restored, saved)
 
@@ -978,7 +983,8 @@ def test_a_host_tier_that_restores_other_keys_is_rejected_by_the_replay(tmp_path
     """Planted: a tier that restores zeros for the keys (what it saves is not what it gives back). The
     turns that read them carry logprobs the claimed weights do not give: the audit's replay rejects the run."""
     lost = RESTORE_KEYS.replace("k[layer][:usable]", "torch.zeros_like(k[layer][:usable])")
-    _, run = harness_run(tmp_path, fast_target, HOST_TIER, False, patch=planted("kv_cache.py", RESTORE_KEYS, lost))
+    patch = planted("kv_cache.py", RESTORE_KEYS, lost)
+    _, run = harness_run(tmp_path, fast_target, HOST_TIER, False, TWO_STEPS, patch=patch)
     assert _host_tier_counts(tmp_path / "out")[0] > 0  # the plant acted
     audit = run.results["audit"]["result"]
     ran_otherwise = [r for r in audit["reasons"] if r.startswith("replay: ") and "did not run with those weights" in r]
@@ -1020,7 +1026,7 @@ def _chunks_in(out) -> int:
 def test_chunked_prefill_computes_prompts_in_chunks_in_a_real_run_and_passes_the_audit(tmp_path, fast_target):
     """The engines compute prompts 8 tokens a step beside their decoding requests; every turn's logprobs
     pass the audit's replay (a chunk's keys and values are the whole prompt's)."""
-    audited_run(tmp_path, fast_target, CHUNKS, False)
+    audited_run(tmp_path, fast_target, CHUNKS, False, TWO_STEPS)
     assert _chunks_in(tmp_path / "out") > 0
 
 
@@ -1029,7 +1035,8 @@ def test_a_chunked_engine_that_samples_before_its_prompt_is_computed_is_rejected
     never computed). Its tokens' logprobs are not what the claimed weights give the whole context: the
     audit's replay rejects the run."""
     early = "        whole = [True for r in batch]"
-    _, run = harness_run(tmp_path, fast_target, CHUNKS, False, patch=planted("paged_engine.py", WHOLE_ROWS, early))
+    patch = planted("paged_engine.py", WHOLE_ROWS, early)
+    _, run = harness_run(tmp_path, fast_target, CHUNKS, False, TWO_STEPS, patch=patch)
     audit = run.results["audit"]["result"]
     ran_otherwise = [r for r in audit["reasons"] if r.startswith("replay: ") and "did not run with those weights" in r]
     assert not audit["passed"] and ran_otherwise, audit["reasons"]

@@ -596,19 +596,6 @@ def big_small_batch(big):
     return big.model_copy(update={"workload": big.workload.model_copy(update={"batch_size": 128, "train_steps": 2})})
 
 
-@pytest.mark.slow  # simulated runs of the 160-device target end to end
-def test_time_multiplexing_beats_the_static_split_at_scale(tmp_path, big_small_batch):
-    measured = {}
-    for controller in ("static_split", "time_multiplex"):
-        spec, events, summary = _simulated(tmp_path, big_small_batch, controller)
-        measured[controller] = compute_metrics(events, [f"h800:{i}" for i in range(160)])
-        assert summary["engine_devices"] == 8
-    # 32 rollout devices hold a fifth of the KV that 160 do: the static split queues (1.45x here; 2.1x
-    # while the catalog's memory was read in 1e9 bytes, which cut an engine's KV room by 29%)
-    assert measured["time_multiplex"]["rollout_throughput"] > 1.3 * measured["static_split"]["rollout_throughput"]
-    assert measured["time_multiplex"]["mean_device_busy"] > measured["static_split"]["mean_device_busy"]
-
-
 def test_the_environment_ends_an_episode_whose_context_is_full(tmp_path, big_small_batch):
     spec, events, _ = _simulated(tmp_path, big_small_batch, "time_multiplex", steps=1)
     truncated = [e for e in events if e.kind == "env_step" and e.data["truncated"]]
@@ -686,7 +673,11 @@ def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tm
     static, multiplexed = (run["metrics"] for run in runs)
     assert static["decode_share"] <= 32 / 160 + 1e-9  # its engines hold 32 of the 160 devices
     assert multiplexed["decode_share"] > static["decode_share"] and "decode batch:" in result.output
-    assert runs[1]["metrics"]["rollout_throughput"] > runs[0]["metrics"]["rollout_throughput"]
+    # time multiplexing beats the static split at scale: 32 rollout devices hold a fifth of the KV that 160
+    # do, so the static split queues (1.48x in this bench; 2.1x while the catalog's memory was read in 1e9
+    # bytes, which cut an engine's KV room by 29%)
+    ratio = multiplexed["rollout_throughput"] / static["rollout_throughput"]
+    assert ratio > 1.3 and multiplexed["mean_device_busy"] > static["mean_device_busy"], ratio
     # beside the paired ratio, the same in trained response tokens (one repeat: the medians are the runs)
     tokens = multiplexed["trained_tokens_per_s"] / static["trained_tokens_per_s"]
     row = next(line for line in result.output.splitlines() if line.strip().startswith("time_multiplex "))

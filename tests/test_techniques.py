@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 # A real run of two training steps, not the fast target's four, where what is asserted happens from the
 # first step on (an engine's drafts, restores and chunks; groups launched and routed before any training;
-# the sync each step overlaps): ~1.5-3 s a step less on this 2-core machine.
+# the sync each step overlaps). Not timed one by one: a step of these runs is a few seconds here.
 TWO_STEPS = {"train_steps": 2}
 
 
@@ -580,7 +580,7 @@ LONG_RESPONSES = {
 def test_overlap_sync_expands_the_training_devices_while_the_others_sync(tmp_path, fast_target, simulate):
     """After each training step the sampling-only engine's sync and the training device's expand are
     issued together: their intervals overlap in the harness's record, every step, and the audit passes."""
-    workload = LONG_RESPONSES if simulate else {**LONG_RESPONSES, **TWO_STEPS}  # the real run: 12 s -> 9 s -> 7 s
+    workload = LONG_RESPONSES if simulate else {**LONG_RESPONSES, **TWO_STEPS}  # 4 steps 12 s, 3 steps 9 s
     spec, events = audited_run(tmp_path, fast_target, {"overlap_sync": 1}, simulate, workload)
     trains = [e for e in events if e.kind == "train"]
     syncs = [e for e in events if e.kind == "sync"]
@@ -831,8 +831,9 @@ def _streamed_parts(events) -> list[tuple[object, list]]:
 @pytest.fixture(scope="module")
 def streamed(fast_target, tmp_path_factory, shared_ray):
     """A real streamed run, on the session's Ray cluster: (spec, run, events). Its tools at half the
-    simulated runs' latency again (seeds 0-2: 12 of 16 groups streamed early in each of the 3 steps, each
-    step's first part inside the tail, as at twice the latency; the run 21 s -> 10-13 s)."""
+    simulated runs' latency again (seeds 0-2, when it ran 3 steps: 12 of 16 groups streamed early in each
+    step, each step's first part inside the tail, as at twice the latency; the run 21 s -> 10-13 s). Two
+    steps since: two passes here, each streamed early and the drop-parts plant found its step."""
     workload = {**quicker_tools(STREAM_TOOLS, 0.5), **TWO_STEPS}
     spec, run = harness_run(tmp_path_factory.mktemp("streamed"), fast_target, STREAM, False, workload)
     assert run.ok, run.cause

@@ -260,7 +260,8 @@ def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tm
 
     monkeypatch.setattr(OfflineImplementer, "implement", lingering)
     monkeypatch.setattr(Loop, "freeze", copied)
-    state = _start(fast_target, tmp_path, rounds=1, simulate=True).run()
+    # the subprocess sandbox (its candidates start warm): the late write is in the workspace, whatever the sandbox
+    state = _start(fast_target, tmp_path, rounds=1, simulate=True, sandbox="subprocess").run()
     deadline = time.monotonic() + 10
     while not written.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -352,7 +353,10 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
         assert process.poll() is None, (tmp_path / "first.log").read_text()
         assert time.monotonic() < deadline, "round 1 never committed"
         time.sleep(0.5)
-    time.sleep(4)  # round 2 is under way
+    while next(ws.rglob("round-2-judged"), None) is None:  # round 2 is under way: its candidate is being judged
+        assert process.poll() is None, (tmp_path / "first.log").read_text()
+        assert time.monotonic() < deadline, "round 2 never reached its judge"
+        time.sleep(0.1)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     history = History.open(run)

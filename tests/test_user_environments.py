@@ -569,13 +569,14 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
 
 def _user_target(fast_target, tmp_path, monkeypatch, entry: str, **params) -> Path:
     """The fast target with the user's environment, the package importable by the harness's own
-    processes (never the candidate's)."""
+    processes (never the candidate's), and two training steps: what is tested meets the environment
+    in the first step's rollouts already."""
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     data = yaml.safe_load(fast_target.read_text())
     data["model"]["tokenizer"] = "bpe"
     data["model"]["config"]["vocab_size"] = 320
     environment = {"entry": entry, "adapter": "gymnasium", **({"params": params} if params else {})}
-    data["workload"].update(environment=environment, turns={"max": 3})
+    data["workload"].update(environment=environment, turns={"max": 3}, train_steps=2)
     data["workload"]["tokens"].update(prompt=24, observation=16)
     path = tmp_path / "target.yaml"
     path.write_text(yaml.safe_dump(data))

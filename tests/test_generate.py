@@ -49,6 +49,18 @@ def _trailers(run: Path, ref: str = "best") -> str:
 # -- the main job on a real target -------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def two_step_target(fast_target, tmp_path_factory) -> Path:
+    """The fast target training two steps: a real round's commit, pair, twin prediction and screen
+    need real runs, not four steps of them."""
+    data = yaml.safe_load(fast_target.read_text())
+    data["id"] += "-2"
+    data["workload"]["train_steps"] = 2
+    path = tmp_path_factory.mktemp("target") / "two-steps.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def _start(target: Path, tmp_path: Path, **options):
     """A run started through the API (not the CLI) with the tests' settings: offline agents, one
     measured pair per candidate, round 0 the colocate starter, no held-out measurement after the last
@@ -65,14 +77,14 @@ def _start(target: Path, tmp_path: Path, **options):
 
 
 @pytest.mark.slow
-def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fast_target, shared_ray):
+def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, two_step_target, shared_ray):
     """One measured pair per round on a real target says nothing of noise: round 1 is validated and
     committed, paired against the starter, and not promoted, with the interval that says why. (In the
     subprocess sandbox, on the test session's shared Ray cluster: the default sandbox's real check is
     tests/test_isolation.py's bubblewrap run; a simulated generate in it, below.)"""
     run = tmp_path / "run"
     output = _generate(
-        str(fast_target),
+        str(two_step_target),
         *("--rounds", "1", "--repeat", "1", "--prescreen-margin", "1"),  # the twin predicts; nothing screened out
         *("--out", str(run), "--workspaces", str(tmp_path / "ws"), "--sandbox", "subprocess"),
     )
@@ -122,7 +134,7 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
     # (simulated: a real bench and its provenance are tests/test_stack_kit.py's)
     bench = runner.invoke(
         app,
-        ["bench", str(fast_target), "--simulate", "--baselines", "colocate", "--stack", f"{run}@best"]
+        ["bench", str(two_step_target), "--simulate", "--baselines", "colocate", "--stack", f"{run}@best"]
         + ["--repeat", "1", "--json", str(tmp_path / "b.json")],
         env=ENV,
     )
@@ -133,8 +145,10 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, fa
 
 
 @pytest.mark.slow
-def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjudged(tmp_path, fast_target, shared_ray):
-    """The twin (here the target's own uncalibrated simulation: static_split 8.8 goodput, colocate 4.8)
+def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjudged(
+    tmp_path, two_step_target, shared_ray
+):
+    """The twin (here the target's own uncalibrated simulation: static_split about 8.4 goodput, colocate 4.8)
     stops a switch to colocate before the real judge; it is kept as prescreened, never validated. A
     switch to time_multiplex, which shrinks where no real run has shrunk, is judged for real (in the
     subprocess sandbox, on the test session's shared Ray cluster)."""
@@ -143,13 +157,13 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
     from targets.spec import load_target
 
     run = tmp_path / "run"
-    loop = _start(fast_target, tmp_path, starter="static_split", rounds=2, sandbox="subprocess")
+    loop = _start(two_step_target, tmp_path, starter="static_split", rounds=2, sandbox="subprocess")
     twin = RunDir(run).twin_spec  # the target itself stands in for the calibrated one: deterministic predictions
     twin.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(fast_target, twin)
+    shutil.copy(two_step_target, twin)
     loop.state.twin = str(twin)
     loop.state.twin_unfitted = ["shrink", "expand"]  # as a twin fitted to a starter that never shrinks
-    spec = load_target(str(fast_target))
+    spec = load_target(str(two_step_target))
 
     def switch(controller: str, rationale: str, priority: int) -> Task:
         return Task(

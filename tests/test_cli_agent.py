@@ -418,6 +418,8 @@ def test_a_coding_agent_cli_implements_a_round(tmp_path, fast_target, monkeypatc
             str(run),
             "--workspaces",
             str(tmp_path / "ws"),
+            "--sandbox",  # its candidates start warm; the agent's own sandbox is its CLI's (tested above)
+            "subprocess",
         ],
         env={"COLUMNS": "140"},
     )

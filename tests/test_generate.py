@@ -26,6 +26,7 @@ from orchestrator.cli import app
 from orchestrator.generalization import PERTURBATION, round_seeds
 from orchestrator.history import History, HistoryError
 from orchestrator.run_dir import RunDir
+from orchestrator.runs import run_workspaces
 from orchestrator.state import RunState, RunStateError
 from targets.harness.measure.metrics import compute_metrics
 from targets.harness.measure.run_metrics import run_metrics
@@ -367,7 +368,8 @@ def test_a_sigkilled_run_resumes_with_every_validated_commit_and_no_round_twice(
         assert process.poll() is None, (tmp_path / "first.log").read_text()
         assert time.monotonic() < deadline, "round 1 never committed"
         time.sleep(0.5)
-    while next(ws.rglob("round-2-judged"), None) is None:  # round 2 is under way: its candidate is being judged
+    judged = run_workspaces(ws, run) / "round-2-judged"  # (no rglob: round 1's worktrees go meanwhile)
+    while not judged.exists():  # round 2 is under way: its candidate is being judged
         assert process.poll() is None, (tmp_path / "first.log").read_text()
         assert time.monotonic() < deadline, "round 2 never reached its judge"
         time.sleep(0.1)

@@ -166,7 +166,8 @@ class History:
             if gitdir is None or not gitdir.exists():  # a plain directory, or left by a repository now gone
                 shutil.rmtree(path)
             elif gitdir.resolve().is_relative_to(Path(self.repo.git_dir).resolve()):
-                self.repo.git.worktree("remove", "--force", str(path))
+                # twice forced: a run killed inside ``git worktree add`` left it locked ("initializing")
+                self.repo.git.worktree("remove", "--force", "--force", str(path))
             else:
                 raise HistoryError(
                     f"{path} is a worktree of another run's repository ({gitdir}); give this run its own --workspaces"

@@ -641,6 +641,20 @@ def test_a_workspace_left_by_a_deleted_run_is_replaced_and_a_live_runs_is_refuse
     assert git.Repo(workspace).head.commit.hexsha == again.root()
 
 
+def test_a_worktree_whose_add_was_killed_is_replaced_on_resume(tmp_path):
+    """A run killed during ``git worktree add`` leaves the worktree locked ("initializing"): the resumed
+    round's ``git worktree remove --force`` refused it and the round ended in an error (seen once in
+    seven runs of the SIGKILL test above, killed as round 2's judged copy was being made)."""
+    history = History.create(tmp_path / "run", "vibetrain run: killed")
+    workspace = history.worktree(tmp_path / "ws" / "round-2-judged", history.root())
+    history.repo.git.worktree("lock", "--reason", "initializing", str(workspace))  # as the killed add left it
+    (workspace / "half-copied.py").write_text("X = 1\n")
+    assert history.worktree(workspace, history.root()) == workspace
+    assert not (workspace / "half-copied.py").exists() and git.Repo(workspace).head.commit.hexsha == history.root()
+    history.remove_worktree(workspace)
+    assert not workspace.exists() and "initializing" not in history.repo.git.worktree("list", "--porcelain")
+
+
 def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):
     run = _empty_run(tmp_path)
     state = RunState.load(run)

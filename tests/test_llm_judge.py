@@ -163,6 +163,29 @@ def test_what_the_candidate_sizes_never_fills_the_reviewers_page(server, workspa
     assert len(system) < 60_000
 
 
+def test_an_ignored_module_beside_the_stack_is_refused_by_the_gate_and_other_ignored_files_are_listed(
+    workspace, tmp_path, fast_target, sandbox
+):
+    """The candidate's root is on ``sys.path`` too: an ignored ``helpers.py`` or ``.pth`` there runs as the
+    stack's own, yet no diff or commit shows it. An ignored file nothing imports (a log) is only listed."""
+    (workspace / "helpers.py").write_text(HACK)
+    (workspace / "site.pth").write_text("import helpers\n")
+    (workspace / "run.log").write_text("a log\n")
+    with (workspace / ".gitignore").open("a") as ignore:
+        ignore.write("helpers.py\nsite.pth\nrun.log\n")
+    verdict = _gate(fast_target, sandbox).judge(workspace, tmp_path / "gate")
+    assert not verdict.passed and verdict.run is None  # refused before anything ran
+    beside = (
+        "the stack could import it (its folder is on sys.path): the run would use a file the review and the commit "
+        "never see; delete it or stop ignoring it"
+    )
+    assert verdict.reasons == [
+        f"ignored_files: helpers.py: git ignores it (.gitignore:3:helpers.py), yet {beside}",
+        f"ignored_files: site.pth: git ignores it (.gitignore:4:site.pth), yet {beside}",
+    ]
+    assert "run.log" in verdict.checks[0].details["ignored"]
+
+
 @pytest.mark.parametrize("params", [None, "{not json", "[1, 2]"], ids=["missing", "not json", "a list"])
 def test_a_candidate_without_readable_params_is_refused_before_it_runs(
     workspace, tmp_path, fast_target, sandbox, params
@@ -178,7 +201,12 @@ def test_a_candidate_without_readable_params_is_refused_before_it_runs(
     verdict = _gate(fast_target, sandbox).judge(workspace, tmp_path / "gate")
     assert not verdict.passed and verdict.run is None
     [reason] = verdict.reasons
-    assert reason.startswith("params: stack/params.json ") and ("missing" in reason or "JSON" in reason), reason
+    said = {
+        None: "is missing: ",
+        "{not json": "cannot be read as JSON: Expecting property name",
+        "[1, 2]": "must hold a JSON object (its parameters by name), not a list",
+    }[params]
+    assert reason.startswith(f"params: stack/params.json {said}"), reason
 
 
 def test_an_importable_pyc_in_the_stack_is_refused_by_the_gate_and_by_the_integrity_scan(

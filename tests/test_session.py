@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import struct
@@ -710,6 +711,78 @@ def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
 
     asyncio.run(run())
     assert len(sent) == 1 and sent[0].header.get("id") == 1 and "completion" in sent[0].header
+
+
+@pytest.mark.parametrize(
+    "frame, refused",
+    [
+        ({"kind": "env", "method": "new_group", "group": 3, "extra": 0}, "new group 3, the harness's next is 1"),
+        ({"kind": "env", "method": "drop", "episode": "g0/e1", "reason": "too_long"}, "drop reason must be one of"),
+        ({"kind": "env", "method": "drop", "episode": "g7/e0", "reason": "redundant"}, "no group of that name"),
+        ({"kind": "env", "method": "reset", "episode": "g7/e0", "id": 5}, "no episode 'g7/e0': the harness never"),
+        ({"kind": "cluster", "method": "shrink", "devices": ["cpu:9"], "id": 5}, "unknown devices ['cpu:9']"),
+    ],
+    ids=["group numbered ahead", "drop reason", "drop of no group", "unknown episode", "unknown device"],
+)
+def test_a_frame_the_controllers_proxy_never_sends_is_refused_by_the_harness(tiny_spec, frame, refused):
+    """The controller's proxy (``isolation/candidate_process.py``) numbers groups, checks drop reasons and
+    names only the runtime's devices, but a controller can write frames on the channel itself: the harness
+    refuses each such frame on its own side. A break of the protocol's numbering fails the run; a call the
+    contract refuses is answered with the error, as in-process."""
+    from targets.harness.clock import WallClock
+    from targets.harness.environments.pool import EnvironmentPool
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.controller_link import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    sent = []
+
+    class Cluster:
+        devices = [SimpleNamespace(id="cpu:0"), SimpleNamespace(id="cpu:1")]
+
+    async def run() -> None:
+        clock = WallClock()
+        envs = EnvironmentPool(tiny_spec.workload, clock, Trace(clock), counts=True)
+        link = ControllerLink(None, envs, clock=clock, virtual=False)
+        link.cluster, link.send = TracedCluster(Cluster(), Trace(clock), {}), sent.append
+        link._dispatch(Received({"kind": "env", "method": "new_group", "group": 0, "extra": 0}, []))  # g0, honest
+        if "id" not in frame:  # a frame that is not a call: refused as it is read
+            with pytest.raises(ProtocolError, match=re.escape(refused)):
+                link._dispatch(Received(frame, []))
+            return
+        link._dispatch(Received(frame, []))
+        await asyncio.gather(*link._tasks.values())
+        assert not link.done.done(), link.done.exception()  # the run goes on: the controller is told
+
+    asyncio.run(run())
+    if "id" in frame:
+        [reply] = sent
+        assert reply.header["id"] == 5 and refused in reply.header["error"]["message"], reply.header
+
+
+@pytest.mark.parametrize("state", [{"cpu:0": "engine"}, {"cpu:0": ["engine", 1]}, [["cpu:0", ["engine"]]]])
+def test_a_residency_the_audit_could_not_read_is_refused_where_it_is_reported(state):
+    """The order-of-service and placement rules read the cluster's residency after each switch: a report of
+    another shape (a string where a list belongs, which every ``"engine" in ...`` test would read as true)
+    ends the run at the switch it follows, not later inside the audit."""
+    from targets.harness.clock import WallClock
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    class Cluster:
+        devices: list = []
+
+        async def shrink(self, devices):
+            pass
+
+        async def residency(self):
+            return state
+
+    traced = TracedCluster(Cluster(), Trace(WallClock()), {})
+    with pytest.raises(ProtocolError, match="residency must map devices to lists of component names"):
+        asyncio.run(traced.shrink([]))
+    assert not [e for e in traced.trace.events if e.kind == "device_state"]
 
 
 def test_a_harness_error_in_a_cluster_call_fails_the_run_instead_of_leaving_the_controller_waiting():

@@ -130,6 +130,7 @@ def main(
     repeat: int = 3,
     json_path: Path = typer.Option(None, "--json", help="also write every figure here"),
     fused_kernels: bool = typer.Option(True, help="off: the engine's torch ops only (gpu_run.py's fallback)"),
+    attention: str = typer.Option("auto", help="the paged engine's attention kernel (sdpa: gpu_run.py's fallback)"),
 ) -> None:
     spec = load_target(target)
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
@@ -147,6 +148,7 @@ def main(
         device=device,
         kv_tokens=batch * (prompt_tokens + new_tokens) * 2,
         max_batch=batch,
+        attention=attention,
         fused_kernels=None if fused_kernels else False,  # None: where the attention kernel is a GPU one
     )
     parameters = sum(
@@ -214,6 +216,7 @@ def main(
             device=device,
             kv_tokens=batch * (prompt_tokens + new_tokens) * 2,
             max_batch=batch,
+            attention=attention,
             fused_kernels=False,
         )
         unfused_times = _timed(lambda: unfused.generate(prompts, greedy), repeat, device)

@@ -8,7 +8,9 @@ session lent a GPU.
     python benchmarks/gpu_run.py run --out /tmp/rehearsal --rehearse    # here: the same stages on CPU
 
 ``prepare`` downloads, for the GPU machine's Python (3.12), the wheels vibetrain needs that the machine
-does not have (pydantic, orjson, GitPython and theirs), and bubblewrap's binary; carry that folder with
+does not have (pydantic, orjson, GitPython, nvidia-ml-py, and the versions of their own dependencies pip
+resolves with them: pydantic pins its pydantic-core, which needs a recent typing-extensions), and
+bubblewrap's binary; carry that folder with
 the run (64 MiB a call in all), and bwrap and git behind wrappers (used only where the machine lacks
 its own). FlashInfer is not carried (62 MB, and a JIT build of minutes): the paged engine's ``auto``
 attention takes its Triton decode kernel there, in CUDA graphs (``skills/recipes/triton_attention.py``).
@@ -20,10 +22,10 @@ after every one (so a run cut short still returns what it measured), each stage'
    ``pytest -m gpu tests/test_gpu.py`` (the engine's kernels and graphs against the reference, sleep,
    wake, the trainer on the device), its JUnit report kept: first, as it says in a minute or two
    whether the engine the check needs is sound. Where it failed the default engine (fused Triton
-   kernels, Triton attention in graphs), ``fallback_unfused`` and then ``fallback_sdpa`` rerun the test
-   of an engine without them, alone, and the check's stack and generate's starter take the first that
-   passes (the ``engine`` record says which and why): one broken kernel does not cost the session its
-   other figures;
+   kernels, Triton attention in graphs), or was cut short before that test said, ``fallback_unfused``
+   and then ``fallback_sdpa`` rerun the test of an engine without them, alone, and the check's stack and
+   generate's starter take the first that passes (the ``engine`` record says which and why): one broken
+   kernel does not cost the session its other figures;
 2. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
    (written as the run goes, so a check cut short keeps its steps) and per-phase timings kept; then
    ``train_ratio``: ``benchmarks/train_step_ratio.py`` on that trace (each system train step against
@@ -68,7 +70,9 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's pa
 app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
 
 DEVICE_PYTHON = "3.12"  # the GPU machine's (the device tool's README)
-CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "orjson", "gitpython", "gitdb", "smmap")
+# and their dependencies, resolved together: fetched one by one, the newest pydantic-core need not be the one
+# the newest pydantic pins (it refuses to import beside another), and typing-extensions was left to the machine
+CARRIED = ("pydantic", "orjson", "gitpython", "nvidia-ml-py")  # nvidia-ml-py: the harness's device memory
 CARRIED_BINARIES = ("bwrap", "git")  # the sandbox, and what GitPython runs
 CARRIED_LIBRARIES = ("libselinux.so.1", "libcap.so.2", "libpcre2-8.so.0")  # theirs beyond libc and zlib
 STAGES = {  # name: seconds it may take, in the order they run; a stage gets at most what is left
@@ -105,7 +109,6 @@ def prepare(
             "-m",
             "pip",
             "download",
-            "--no-deps",
             "--only-binary=:all:",
             "--python-version",
             python,
@@ -168,7 +171,11 @@ class Stages:
     def left(self) -> float:
         return self.deadline_s - (time.monotonic() - self.started)
 
-    def run(self, name: str, command: list[str], env: dict | None = None, cwd: Path = ROOT) -> bool:
+    def run(
+        self, name: str, command: list[str], env: dict | None = None, cwd: Path = ROOT, stop=signal.SIGTERM
+    ) -> bool:
+        """``stop``: how a stage past its limit is asked to end (pytest: SIGINT, on which it still writes
+        its JUnit report; the CLI: SIGTERM, on which it unwinds)."""
         limit = min(STAGES[name], self.left() - 2 * GRACE_S)
         record = {"command": " ".join(command), "limit_s": round(limit, 1)}
         if name in self.skip:
@@ -191,7 +198,7 @@ class Stages:
             except subprocess.TimeoutExpired:
                 record["status"] = f"timed out after {limit:.0f} s"
             finally:
-                _end_session(process)
+                _end_session(process, stop)
                 self.current = None
         record["seconds"] = round(time.monotonic() - started, 2)
         record["log_tail"] = log.read_text(errors="replace").splitlines()[-15:]
@@ -222,10 +229,10 @@ def _without_weights(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
     return None if member.name.endswith(".safetensors") else member
 
 
-def _end_session(process: subprocess.Popen) -> None:
-    """Stop what a stage left running (its candidate processes, judges, sandboxes): asked first, so a
-    check cut short writes what it can, then killed."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def _end_session(process: subprocess.Popen, stop=signal.SIGTERM) -> None:
+    """Stop what a stage left running (its candidate processes, judges, sandboxes): asked first (``stop``),
+    so a check cut short writes what it can, then killed."""
+    for sig in (stop, signal.SIGKILL):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
@@ -253,21 +260,24 @@ def junit_outcomes(junit: Path) -> dict[str, str]:
 def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
     """The engine options the check's stack and generate's starter take: none while the GPU tests
     passed the default engine (fused Triton kernels, Triton attention in CUDA graphs); after a failure
-    there, the first fallback whose test passes in a process of its own (a failed kernel can poison
-    the CUDA context of every test after it), so one broken kernel does not cost the session its
-    check, calibration, figures and generated rounds. Recorded as the ``engine`` stage: a fallback is
-    never silent."""
-    if junit_outcomes(stages.out / "gpu_tests.xml").get(DEFAULT_ENGINE_TEST) != "failed":
+    there, or no outcome (the stage cut short before that test ended), the first fallback whose test
+    passes in a process of its own (a failed kernel can poison the CUDA context of every test after
+    it), so one broken kernel does not cost the session its check, calibration, figures and generated
+    rounds. Recorded as the ``engine`` stage: a fallback is never silent."""
+    outcome = junit_outcomes(stages.out / "gpu_tests.xml").get(DEFAULT_ENGINE_TEST)
+    if outcome in ("passed", "skipped"):  # skipped: no GPU here (a rehearsal), nothing to fall back from
         stages._save("engine", {"status": "default", "options": {}})
         return {}
+    said = "failed" if outcome else "gave no outcome (the GPU tests were cut short or crashed before it ended)"
     for stage, test, options in FALLBACKS:
         report = stages.out / f"{stage}.xml"
-        ran = stages.run(stage, [*tests, "-k", test, f"--junitxml={report}"], env)
+        ran = stages.run(stage, [*tests, "-k", test, f"--junitxml={report}"], env, stop=signal.SIGINT)
         if ran and junit_outcomes(report).get(test) == "passed":
-            status = f"fallback: {DEFAULT_ENGINE_TEST} failed, {test} passed"
+            status = f"fallback: {DEFAULT_ENGINE_TEST} {said}, {test} passed"
             stages._save("engine", {"status": status, "options": options})
             return options
-    stages._save("engine", {"status": "default: it failed its GPU test, and so did every fallback", "options": {}})
+    status = f"default: {DEFAULT_ENGINE_TEST} {said}, and every fallback's test failed too"
+    stages._save("engine", {"status": status, "options": {}})
     return {}
 
 
@@ -344,7 +354,8 @@ def setup(wheels: Path = typer.Option(Path("gpu-wheels"))) -> None:
 
     typer.echo(f"{platform.platform()}; python {platform.python_version()}; torch {torch.__version__}")
     typer.echo(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
-    for module in ("pydantic", "orjson", "git", "transformers", "safetensors", "typer", "rich", "yaml", "ray"):
+    carried = ("pydantic", "orjson", "git", "pynvml")
+    for module in (*carried, "transformers", "safetensors", "typer", "rich", "yaml", "ray"):
         try:
             __import__(module)
             typer.echo(f"{module}: present")
@@ -377,7 +388,7 @@ def run(
         env["PATH"] = f"{env['PATH']}:{(wheels / 'bin').resolve()}"
     stages.run("setup", [sys.executable, __file__, "setup", "--wheels", str(wheels.resolve())], env)
     tests = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"]
-    stages.run("gpu_tests", [*tests, f"--junitxml={stages.out / 'gpu_tests.xml'}"], env)
+    stages.run("gpu_tests", [*tests, f"--junitxml={stages.out / 'gpu_tests.xml'}"], env, stop=signal.SIGINT)
     options = engine_fallback(stages, tests, env)
     if rehearse:
         target = _rehearsal_target(stages.out)
@@ -407,8 +418,10 @@ def run(
         components += ["--batch", "4", "--new-tokens", "8", "--train-batch", "4", "--repeat", "1"]
     else:  # 128 new tokens: the first H200 run's SDPA decode did not finish 256 (x3, and transformers') in 100 s
         components = [sys.executable, "gpu_components.py", "--target", target, "--repeat", "2", "--new-tokens", "128"]
-    if options.get("fused_kernels") is False:  # the fallback's engine; an SDPA fallback's still tries Triton here
+    if options.get("fused_kernels") is False:  # the fallback's engine
         components.append("--no-fused-kernels")
+    if "attention" in options:
+        components += ["--attention", options["attention"]]
     stages.run("components", [*components, "--json", str(stages.out / "components.json")], env, ROOT / "benchmarks")
     run_dir = stages.out / "run"
     stages.run("generate", generate_command(vibetrain, target, run_dir, sandbox, options), env)

@@ -92,12 +92,37 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     assert printed.exit_code == 0, printed.output
     assert yaml.safe_load(printed.output)["starter_param"] == ['attention="sdpa"', "fused_kernels=false"]
 
-    # the default engine passed (or nothing ran): no fallback runs, none is taken
+    # the default engine passed: no fallback runs, none is taken
     again = gpu_run.Stages(tmp_path / "again", deadline_s=300)
     _junit(again.out / "gpu_tests.xml", [], [gpu_run.DEFAULT_ENGINE_TEST])
     assert gpu_run.engine_fallback(again, tests, {}) == {}
     recorded = json.loads((again.out / "stages.json").read_text())["stages"]
     assert set(recorded) == {"engine"} and recorded["engine"]["status"] == "default"
+
+    # the GPU tests cut short before the default engine's test said anything (no report): as a failure,
+    # since the check would otherwise take an engine nothing tested (a timed-out stage read as a pass)
+    cut = gpu_run.Stages(tmp_path / "cut", deadline_s=300)
+    assert gpu_run.engine_fallback(cut, tests, {}) == {"attention": "sdpa", "fused_kernels": False}
+    status = json.loads((cut.out / "stages.json").read_text())["stages"]["engine"]["status"]
+    assert status.startswith(f"fallback: {gpu_run.DEFAULT_ENGINE_TEST} gave no outcome"), status
+
+
+def test_a_pytest_stage_cut_at_its_limit_still_writes_its_report(tmp_path, monkeypatch):
+    """A stage past its limit was sent SIGTERM, on which pytest writes no JUnit report, so the GPU tests'
+    stage cut short said nothing of the default engine; pytest's stages are now asked with SIGINT, on
+    which pytest ends its session and writes the report of what ran."""
+    gpu_run = _script()
+    monkeypatch.setattr(gpu_run.signal, "signal", lambda *handler: None)  # pytest's SIGTERM stays pytest's
+    monkeypatch.setitem(gpu_run.STAGES, "gpu_tests", 10)
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(60)\n"
+    )
+    stages = gpu_run.Stages(tmp_path / "out", deadline_s=60)
+    report = stages.out / "gpu_tests.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_slow.py")]
+    ran = stages.run("gpu_tests", [*command, f"--junitxml={report}"], cwd=tmp_path, stop=gpu_run.signal.SIGINT)
+    assert not ran and stages.results["gpu_tests"]["status"].startswith("timed out")
+    assert gpu_run.junit_outcomes(report).get("test_quick") == "passed"
 
 
 def test_generate_resumes_the_run_an_earlier_call_left_and_starts_again_one_cut_before_its_state(tmp_path):

@@ -917,3 +917,25 @@ def test_a_device_memory_sample_that_fails_mid_run_is_raised_not_a_lower_peak(mo
     with pytest.raises(RuntimeError, match="failed mid-run: planted: NVML_ERROR_GPU_IS_LOST"):
         with DeviceMemoryMonitor(1, interval_s=0.01):
             time.sleep(0.2)
+
+
+def test_device_memory_finds_gpus_named_by_uuid_as_by_index(monkeypatch):
+    """CUDA_VISIBLE_DEVICES may name GPUs by UUID (schedulers often do): ``int()`` of one raised, and every
+    GPU run under such a scheduler failed before it started. A fake NVML (this machine has no GPU)."""
+    import types
+
+    from targets.harness.isolation.device_memory import DeviceMemoryMonitor
+
+    used = {"index 3": 5 * 2**20, "GPU-8f1c": 7 * 2**20}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: f"index {i}",
+        nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+        nvmlDeviceGetMemoryInfo=lambda handle: SimpleNamespace(used=used[handle]),
+    )
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-8f1c")
+    with DeviceMemoryMonitor(2, interval_s=0.01) as monitor:
+        pass
+    assert monitor.peaks_mb == {0: 5.0, 1: 7.0}

@@ -25,14 +25,22 @@ class DeviceMemoryMonitor:
         except ImportError:
             raise RuntimeError("a GPU target's run samples device memory through NVML: install nvidia-ml-py") from None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        physical = [int(i) for i in visible.split(",")] if visible else list(range(self.count))
+        # indices or UUIDs ("GPU-8f1c...", as schedulers often set it), CUDA's syntax
+        physical = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(self.count)]
         if len(physical) < self.count:  # checked before NVML starts: a refusal leaves nothing open
             raise RuntimeError(
                 f"CUDA_VISIBLE_DEVICES={visible} shows {len(physical)} GPU(s); the target has {self.count}"
             )
         self._nvml = pynvml
         pynvml.nvmlInit()
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in physical[: self.count]]
+        try:
+            self._handles = [
+                pynvml.nvmlDeviceGetHandleByIndex(int(i)) if i.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(i)
+                for i in physical[: self.count]
+            ]
+        except BaseException:  # a device NVML does not know: nothing left open behind the error
+            pynvml.nvmlShutdown()
+            raise
         self._sample()
         self._thread = threading.Thread(target=self._run, name="device-memory", daemon=True)
         self._thread.start()

@@ -1329,6 +1329,24 @@ def test_a_request_cut_at_once_in_a_turn_its_episode_never_was_at_is_named(hones
     _rejects(_invariants(honest, events), f"{fault}: ")
 
 
+def test_a_request_for_a_turn_its_episode_had_played_is_named(honest):
+    """The decoys' other place: a past turn asked again (its prompt, its first token) while the episode is
+    further on, cut at once, would plant its context for the independence test a second time."""
+    events = _edited(honest)
+    step = next(e for e in events if e.kind == "env_step" and not e.data["done"])  # an episode past turn 0
+    episode = step.data["episode"]
+    first = next(g for g in _generates(events) if g.data["episode"] == episode and g.data["turn"] == 0)
+    at = step.t + 0.001
+    at_turn = sum(e.kind == "env_step" and e.data["episode"] == episode and e.t <= at for e in events)
+    decoy = copy.deepcopy(first.data)
+    decoy.update(aborted=True, finish="abort", tokens=decoy["tokens"][:1], logprobs=decoy["logprobs"][:1], start=at)
+    events.insert(next(k for k, e in enumerate(events) if e.t > at), TraceEvent("generate", at, decoy))
+    _rejects(
+        _invariants(honest, events),
+        f"turn out of place: episode {episode} turn 0: forwarded at {at:.2f}s, when the episode was at turn {at_turn}",
+    )
+
+
 @pytest.mark.parametrize("when", ["had not been reset", "was dropped"])
 def test_a_request_for_an_episode_not_in_play_is_named(honest, when):
     """A red team's orphans: requests in the name of an episode the stack had dropped, or had not reset yet,

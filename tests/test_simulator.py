@@ -674,10 +674,10 @@ def test_bench_on_a_simulated_target_prints_the_bound_and_groups_the_timeline(tm
     assert static["decode_share"] <= 32 / 160 + 1e-9  # its engines hold 32 of the 160 devices
     assert multiplexed["decode_share"] > static["decode_share"] and "decode batch:" in result.output
     # time multiplexing beats the static split at scale: 32 rollout devices hold a fifth of the KV that 160
-    # do, so the static split queues (1.48x in this bench; 2.1x while the catalog's memory was read in 1e9
-    # bytes, which cut an engine's KV room by 29%)
+    # do, so the static split queues. Each bench draws its tasks anew (a session's secret workload key), so
+    # the ratio is a draw: 1.30-1.82x over 12 runs of this bench (median 1.40x); 1.3 failed a CI run at 1.298
     ratio = multiplexed["rollout_throughput"] / static["rollout_throughput"]
-    assert ratio > 1.3 and multiplexed["mean_device_busy"] > static["mean_device_busy"], ratio
+    assert ratio > 1.15 and multiplexed["mean_device_busy"] > static["mean_device_busy"], ratio
     # beside the paired ratio, the same in trained response tokens (one repeat: the medians are the runs)
     tokens = multiplexed["trained_tokens_per_s"] / static["trained_tokens_per_s"]
     row = next(line for line in result.output.splitlines() if line.strip().startswith("time_multiplex "))

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import git
 
 from agents import workspace_git
+from orchestrator import writer_lock
 from targets.errors import UserError
 
 RECORD_DIR = ".vibetrain"  # per-commit records (judge report, evaluation) inside the candidate tree
+LOCK_GRACE_S = 1.0  # a git lock file found at claim: how long a git process still running may take to let go
 
 
 class HistoryError(UserError, RuntimeError):
@@ -51,6 +54,7 @@ class History:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.repo = git.Repo(path)
+        self.writer: writer_lock.WriterLock | None = None  # held once this process claims the run
 
     @classmethod
     def create(cls, path: Path, description: str) -> History:
@@ -71,6 +75,34 @@ class History:
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
             raise HistoryError(f"{path} is not a vibetrain run repository") from None
 
+    def claim(self) -> list[str]:
+        """Make this process the run's one writer until it exits (``WriterLock``: another is refused), then
+        make good what a writer killed inside git left, which every later git call would refuse: its lock
+        files (``index.lock``, a ref's ``N.lock``; a git still running is given ``LOCK_GRACE_S`` to let go),
+        and the run directory's files a killed ``reset --hard`` (``set_best``) left half written, reset to
+        ``best``. Returns what it made good, to be said."""
+        self.writer = writer_lock.claim(self.path)
+        git_dir = Path(self.repo.git_dir)
+        left = _git_locks(git_dir)
+        if left:
+            time.sleep(LOCK_GRACE_S)
+            left = [lock for lock in _git_locks(git_dir) if lock in left]
+        if not left:
+            return []
+        for lock in left:
+            lock.unlink()
+        said = [f"removed what a killed git left: {', '.join(str(lock.relative_to(git_dir)) for lock in left)}"]
+        if any(lock.parent == git_dir or lock.is_relative_to(git_dir / "refs" / "heads") for lock in left):
+            self.repo.git.reset("--hard")
+            said.append("reset the run directory's files to best (a killed update had left them half written)")
+        return said
+
+    def release(self) -> None:
+        """The run is this process's no longer (the loop has ended)."""
+        if self.writer is not None:
+            self.writer.release()
+            self.writer = None
+
     # -- state -----------------------------------------------------------------------------------
     def dirty(self) -> list[str]:
         """Uncommitted changes in the run repository's own worktree (someone edited it by hand)."""
@@ -87,7 +119,9 @@ class History:
     def round_numbers(self) -> list[int]:
         """Every round with a commit, validated or rejected, in order."""
         prefixes = ("refs/vibetrain/rounds/", "refs/vibetrain/rejected/")
-        return sorted({int(ref.path.rsplit("/", 1)[1]) for ref in self.repo.refs if ref.path.startswith(prefixes)})
+        # a ref's lock a killed git left (``N.lock``) is listed like a ref; git forbids such names for refs
+        paths = [ref.path for ref in self.repo.refs if ref.path.startswith(prefixes) and not ref.path.endswith(".lock")]
+        return sorted({int(path.rsplit("/", 1)[1]) for path in paths})
 
     def rejected_commit(self, number: int) -> str | None:
         try:
@@ -157,21 +191,26 @@ class History:
         return path
 
     def remove_worktree(self, path: Path) -> None:
+        """``path`` gone, and this repository's every registration of it: a worktree of the run's (its files
+        and its entry under ``.git/worktrees``), what a killed ``git worktree add`` left of one (an entry
+        locked "initializing" with no files yet, a ``.git`` link to an entry it never finished, an empty
+        link), or a plain folder. A worktree of another repository is refused: two runs, one --workspaces."""
         path = path.resolve()
         workspace_git.disarm(path)  # a link the agent rewrote must not decide what is removed
         workspace_git.forget(path)
+        git_dir = Path(self.repo.git_dir).resolve()
         if path.exists():
             link = path / ".git"
-            gitdir = Path(link.read_text().removeprefix("gitdir:").strip()) if link.is_file() else None
-            if gitdir is None or not gitdir.exists():  # a plain directory, or left by a repository now gone
-                shutil.rmtree(path)
-            elif gitdir.resolve().is_relative_to(Path(self.repo.git_dir).resolve()):
-                # twice forced: a run killed inside ``git worktree add`` left it locked ("initializing")
-                self.repo.git.worktree("remove", "--force", "--force", str(path))
-            else:
+            named = link.read_text(errors="replace").removeprefix("gitdir:").strip() if link.is_file() else ""
+            gitdir = (path / named).resolve() if named else None  # absolute, or relative to the worktree
+            if gitdir is not None and gitdir.exists() and not gitdir.is_relative_to(git_dir):
                 raise HistoryError(
                     f"{path} is a worktree of another run's repository ({gitdir}); give this run its own --workspaces"
                 )
+            shutil.rmtree(path)
+        for entry in (git_dir / "worktrees").glob("*/gitdir"):  # git's record of where each worktree is
+            if (entry.parent / entry.read_text(errors="replace").strip()).resolve() == path / ".git":
+                shutil.rmtree(entry.parent)  # locked or not: a killed add locks it "initializing"
         self.repo.git.worktree("prune")
 
     # -- commits -----------------------------------------------------------------------------------
@@ -212,3 +251,9 @@ class History:
         parents = self.repo.commit(commit).parents
         base = parents[0].hexsha if parents else self.repo.git.hash_object("-t", "tree", "/dev/null")
         return self.repo.git.diff(*(["--stat"] if stat else []), base, commit, "--", ".", f":(exclude){RECORD_DIR}")
+
+
+def _git_locks(git_dir: Path) -> list[Path]:
+    """The lock files git holds while it writes the index, HEAD, a ref or a worktree's own: left behind
+    when it is killed mid-write."""
+    return sorted({*git_dir.glob("*.lock"), *git_dir.glob("refs/**/*.lock"), *git_dir.glob("worktrees/*/*.lock")})

@@ -103,6 +103,13 @@ class Loop:
         return spent_before + time.monotonic() - started
 
     def run(self) -> RunState:
+        """The rounds, to the budget; the run's writer lock let go however they end."""
+        try:
+            return self._run()
+        finally:
+            self.history.release()
+
+    def _run(self) -> RunState:
         self._session_start = (time.monotonic(), self.state.seconds_used)
         self.reconcile_with_git()
         out_of_time = False

@@ -26,6 +26,11 @@ class RunDir:
         """Judge and evaluator outputs of rounds in progress, traces, rendered figures."""
         return self.root / ".git" / "vibetrain"
 
+    @property
+    def writer_lock(self) -> Path:
+        """Held by the process running the run (``writer_lock.py``)."""
+        return self.outputs / "writer.flock"
+
     def round_outputs(self, number: int) -> Path:
         return self.outputs / f"round-{number}"
 

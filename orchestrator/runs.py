@@ -173,12 +173,14 @@ def start_run(
         made = made.parent
     made = None if run_dir.exists() else made
     history = History.create(run_dir, f"vibetrain run: {config.target_id}\n\n{about}")
+    history.claim()  # a new repository: nothing a killed git left yet
     state = new_state(config)
     state.spec_at_start = resolved.spec.model_dump(mode="json")
     state.save(run_dir)
     try:
         return _loop(resolved, state, history, run_dir, workspaces, on_event)
     except RunSetupError:  # nothing ran: take back what it made, so the same command can be retried
+        history.release()
         for path in [made] if made is not None else list(run_dir.iterdir()):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         raise
@@ -200,6 +202,24 @@ def resume_run(
         history = History.open(run_dir)
     except HistoryError as error:
         raise RunSetupError(str(error)) from None
+    for made_good in history.claim():  # before anything reads the repository: a kill's leavings refuse git
+        on_event("recovered", reason=made_good)
+    try:
+        return _resumed(history, run_dir, overrides, on_event, workspaces, target)
+    except BaseException:  # refused, or failed before its loop: the run is not this process's to hold
+        history.release()
+        raise
+
+
+def _resumed(
+    history: History,
+    run_dir: Path,
+    overrides: dict,
+    on_event: Callable[..., None],
+    workspaces: Path,
+    target: str | None,
+) -> Loop:
+    """``resume_run`` once the run is this process's: its checks, then its loop."""
     dirty = history.dirty()
     if dirty:
         raise RunSetupError(

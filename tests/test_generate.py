@@ -22,11 +22,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from agents import workspace_git
 from orchestrator.cli import app
 from orchestrator.generalization import PERTURBATION, round_seeds
 from orchestrator.history import History, HistoryError
 from orchestrator.run_dir import RunDir
-from orchestrator.runs import run_workspaces
+from orchestrator.runs import resume_run, run_workspaces
 from orchestrator.state import RunState, RunStateError
 from targets.harness.measure.metrics import compute_metrics
 from targets.harness.measure.run_metrics import run_metrics
@@ -649,6 +650,86 @@ def test_a_worktree_whose_add_was_killed_is_replaced_on_resume(tmp_path):
     assert not (workspace / "half-copied.py").exists() and git.Repo(workspace).head.commit.hexsha == history.root()
     history.remove_worktree(workspace)
     assert not workspace.exists() and "initializing" not in history.repo.git.worktree("list", "--porcelain")
+
+
+@pytest.mark.parametrize("left", ["locked, no files yet", "a link to an entry never finished", "an empty link"])
+def test_whatever_a_killed_worktree_add_left_is_replaced(tmp_path, left):
+    """A kill inside ``git worktree add`` can leave more than a locked worktree with its files (above): an
+    entry locked "initializing" before the worktree's ``.git`` was written (the add then refused the path:
+    "a missing but locked worktree"), a ``.git`` naming an entry git had not finished ("failed to read
+    commondir"), or an empty ``.git`` (read as a worktree of another run's, in "."). Each was found by a
+    review that killed git at each of its system calls in turn; each is planted here as git left it."""
+    history = History.create(tmp_path / "run", "vibetrain run: killed")
+    workspace = history.worktree(tmp_path / "ws" / "round-2-judged", history.root())
+    entry = Path(history.repo.git_dir) / "worktrees" / "round-2-judged"
+    workspace_git.forget(workspace)  # the resumed run's process never made it (its link is not restored)
+    if left == "locked, no files yet":
+        history.repo.git.worktree("lock", "--reason", "initializing", str(workspace))
+        (workspace / ".git").unlink()
+    elif left == "a link to an entry never finished":
+        (entry / "commondir").unlink()
+        (entry / "HEAD").unlink()
+    else:
+        (workspace / ".git").write_text("")
+    assert history.worktree(workspace, history.root()) == workspace
+    assert git.Repo(workspace).head.commit.hexsha == history.root()
+    listed = history.repo.git.worktree("list", "--porcelain")
+    assert listed.count(str(workspace)) == 1 and "initializing" not in listed
+    history.remove_worktree(workspace)
+    assert not workspace.exists() and not list((Path(history.repo.git_dir) / "worktrees").glob("*"))
+
+
+def test_the_lock_files_a_killed_git_left_are_removed_when_the_run_is_claimed(tmp_path):
+    """A run killed inside ``git reset --hard`` (a round becoming best) left ``index.lock`` and its files half
+    written: resume refused them as uncommitted changes, and the ``reset --hard best`` it advised failed on
+    the lock; killed inside ``update-ref``, a round's ``N.lock`` failed the redone round's commit and listed
+    itself as round "1.lock" (``int()`` of it raised in ``log`` and ``RUN@latest``). The run's writer, the
+    one process that may hold it, finds them gone and says so."""
+    run = _empty_run(tmp_path)
+    history = History.open(run)
+    git_dir = Path(history.repo.git_dir)
+    (run / "DESIGN.md").write_text("a candidate's file, half written\n")
+    history.repo.git.add("DESIGN.md")
+    history.repo.index.commit("Round 1: the best so far")
+    history.repo.git.update_ref("refs/vibetrain/rounds/1", "HEAD")
+    (run / "DESIGN.md").write_text("half")  # the killed reset's work
+    (git_dir / "index.lock").write_text("")
+    (git_dir / "refs" / "vibetrain" / "rounds" / "2.lock").write_text("")
+    assert history.round_numbers() == [1]
+    said = []
+    loop = resume_run(run, {}, lambda kind, **data: said.append((kind, data.get("reason"))), tmp_path / "ws")
+    loop.history.release()  # resumed, not run: the uncommitted-changes refusal did not come
+    assert said[:2] == [
+        ("recovered", "removed what a killed git left: index.lock, refs/vibetrain/rounds/2.lock"),
+        ("recovered", "reset the run directory's files to best (a killed update had left them half written)"),
+    ]
+    assert not list(git_dir.glob("**/*.lock")) and history.dirty() == []
+    assert (run / "DESIGN.md").read_text() == "a candidate's file, half written\n"
+
+
+def test_a_run_another_process_is_running_is_refused_by_name_until_it_ends(tmp_path):
+    """Two ``generate`` on one run wrote the same refs, worktrees and state at once; the second is refused,
+    naming the first's pid, and may go on once that one has ended (here: killed, as a crash would)."""
+    run = _empty_run(tmp_path)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from pathlib import Path; from orchestrator.history import History; History(Path({str(run)!r})).claim(); "
+            "print('held', flush=True); import time; time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        busy = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)], env=ENV)
+        assert busy.exit_code == 2, busy.output
+        assert f"another vibetrain process (pid {holder.pid}) is running the run in {run.resolve()}" in busy.output
+    finally:
+        holder.kill()
+        holder.wait()
+    History.open(run).claim()  # the kernel let go of the killed holder's lock
 
 
 def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):

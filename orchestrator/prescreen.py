@@ -101,10 +101,20 @@ class PreScreen:
     def on(self) -> bool:
         return self.state.config.prescreen
 
+    def fitted_rounds(self) -> list[int]:
+        """The validated rounds a twin is fitted to: those whose median trace the run kept."""
+        return [r.round for r in self.state.accepted() if self.run_dir.trace(r.round).exists()]
+
+    def outdated(self) -> bool:
+        """No twin yet, or one fitted to other rounds than the validated ones: a run killed while it
+        calibrated after a validated round (or after the new twin was written, before the state that
+        names its rounds and predictions was) resumes with the old twin in its state."""
+        return self.state.twin is None or self.state.twin_from != self.fitted_rounds()
+
     def calibrate(self) -> None:
         """The twin, fitted to the median traces of every validated round so far; the predictions
         made on the previous twin are dropped. The caller saves the state."""
-        rounds = [r.round for r in self.state.accepted() if self.run_dir.trace(r.round).exists()]
+        rounds = self.fitted_rounds()
         path = self.run_dir.twin_spec
         try:
             self._twin = Twin.calibrated(self.session, [self.run_dir.trace(n) for n in rounds], path)

@@ -126,7 +126,7 @@ class Loop:
                     "(nothing to resume from: fix the cause and start the run again)",
                 )
                 break
-            if self.prescreen.on and self.state.best is not None and self.state.twin is None:
+            if self.prescreen.on and self.state.best is not None and self.prescreen.outdated():
                 self.calibrate_twin()
             elapsed = self.seconds_used()
             limit = self.state.config.max_minutes

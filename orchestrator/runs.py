@@ -15,6 +15,7 @@ from orchestrator.config import LLM_BACKENDS, LLM_BUDGETS, ConfigError, LLMConfi
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
 from orchestrator.rounds import Loop
+from orchestrator.run_dir import RunDir
 from orchestrator.scratch import scratch_folder
 from orchestrator.state import RunState, new_state
 from skills.starter import unfit, with_params
@@ -154,7 +155,9 @@ def start_run(
         raise RunSetupError(str(error)) from None
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
-        raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
+        if not _never_started(run_dir):
+            raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
+        shutil.rmtree(run_dir)  # a start killed before its first state: nothing in it to keep
     config = config.model_copy(
         update={
             "target": resolved.ref,
@@ -184,6 +187,20 @@ def start_run(
         for path in [made] if made is not None else list(run_dir.iterdir()):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         raise
+
+
+def _never_started(run_dir: Path) -> bool:
+    """A start killed between making its repository and saving its first state: a repository and nothing
+    else, no state, no round, at most the root commit. ``--resume`` cannot go on from it ("never
+    started"), and it held the folder against a new start ("already exists")."""
+    if RunDir(run_dir).state_file.exists() or [p.name for p in run_dir.iterdir()] != [".git"]:
+        return False
+    try:
+        history = History.open(run_dir)
+    except HistoryError:
+        return False
+    head = history.repo.head
+    return not history.round_numbers() and (not head.is_valid() or not head.commit.parents)
 
 
 def resume_run(

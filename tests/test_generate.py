@@ -164,7 +164,8 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
     twin.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(two_step_target, twin)
     loop.state.twin = str(twin)
-    loop.state.twin_unfitted = ["shrink", "expand"]  # as a twin fitted to a starter that never shrinks
+    loop.state.twin_from = [0]  # as a twin fitted to round 0, which never shrinks:
+    loop.state.twin_unfitted = ["shrink", "expand"]
     spec = load_target(str(two_step_target))
 
     def switch(controller: str, rationale: str, priority: int) -> Task:
@@ -565,6 +566,25 @@ def test_an_existing_out_without_resume_and_a_missing_run_with_resume_are_refuse
     assert result.exit_code == 2 and "nothing to resume" in " ".join(result.output.split())
 
 
+def test_a_start_killed_before_its_first_state_is_started_again_and_a_started_run_never(tmp_path, fast_target):
+    """Killed between making its repository and saving its first state, a start left a folder that
+    ``--resume`` called never started and a new start called taken; the new start now starts it again
+    (nothing in it to keep). A folder with a round in it, or a state, is never taken back."""
+    run = tmp_path / "run"
+    History.create(run, "vibetrain run: killed before its state")
+    resumed = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)], env=ENV)
+    assert resumed.exit_code == 2 and "never started" in resumed.output
+    loop = _start(fast_target, tmp_path)
+    loop.history.release()
+    assert RunDir(run).state_file.exists() and len(list(loop.history.repo.iter_commits())) == 1
+    history = History.open(run)  # a round's ref and no state: not a start killed before its state
+    RunDir(run).state_file.unlink()
+    history.repo.git.update_ref("refs/vibetrain/rejected/0", "HEAD")
+    again = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run)], env=ENV)
+    assert again.exit_code == 2 and "already exists" in " ".join(again.output.split())
+    assert history.rejected_commit(0) is not None
+
+
 def _empty_run(tmp_path: Path) -> Path:
     from orchestrator.state import new_state
     from tests.review_run import run_config
@@ -854,6 +874,30 @@ def test_a_twin_that_cannot_be_loaded_stops_the_run_saying_what_to_do(tmp_path):
     assert said.startswith(f"the calibrated twin {run_dir.twin_spec} cannot be loaded (SpecError: ") and (
         said.endswith("resume with --no-prescreen to judge every candidate for real")
     )
+
+
+def test_a_twin_fitted_to_other_rounds_than_the_validated_ones_is_fitted_again(tmp_path):
+    """A run killed while it calibrated after a validated round (or once the new twin was written, before the
+    state naming its rounds and predictions was) resumed with the old twin's state: the round's trace stayed
+    out of the twin until the next validated round, or the new twin was read beside the old one's
+    predictions. The loop fits the twin again whenever its rounds are not the validated rounds' traces."""
+    from types import SimpleNamespace
+
+    from orchestrator.prescreen import PreScreen
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.traces.mkdir(parents=True)
+    for number in (0, 2):  # round 1's trace was not kept
+        run_dir.trace(number).write_text("")
+    accepted = [SimpleNamespace(round=number) for number in (0, 1, 2)]
+    state = SimpleNamespace(config=SimpleNamespace(prescreen=True), twin="twin.yaml", twin_from=[0])
+    state.accepted = lambda: accepted
+    prescreen = PreScreen(session=None, state=state, history=None, run_dir=run_dir, on_event=lambda *a, **k: None)
+    assert prescreen.outdated() and prescreen.fitted_rounds() == [0, 2]
+    state.twin_from = [0, 2]
+    assert not prescreen.outdated()
+    state.twin = None
+    assert prescreen.outdated()
 
 
 def test_a_run_killed_after_its_starter_keeps_the_time_the_starter_took(tmp_path, fast_target):

@@ -21,11 +21,10 @@ from pathlib import Path
 import git
 
 from agents import workspace_git
-from orchestrator import writer_lock
+from orchestrator import git_leftovers, writer_lock
 from targets.errors import UserError
 
 RECORD_DIR = ".vibetrain"  # per-commit records (judge report, evaluation) inside the candidate tree
-LOCK_GRACE_S = 1.0  # a git lock file found at claim: how long a git process still running may take to let go
 
 
 class HistoryError(UserError, RuntimeError):
@@ -65,6 +64,7 @@ class History:
         with repo.config_writer() as config:
             config.set_value("user", "name", "vibetrain")
             config.set_value("user", "email", "vibetrain@localhost")
+            config.set_value("gc", "autoDetach", "false")  # a git's own gc ends with it, locks and all
         repo.git.commit("--allow-empty", "-m", description)
         return cls(path)
 
@@ -77,24 +77,28 @@ class History:
 
     def claim(self) -> list[str]:
         """Make this process the run's one writer until it exits (``WriterLock``: another is refused), then
-        make good what a writer killed inside git left, which every later git call would refuse: its lock
-        files (``index.lock``, a ref's ``N.lock``; a git still running is given ``LOCK_GRACE_S`` to let go),
-        and the run directory's files a killed ``reset --hard`` (``set_best``) left half written, reset to
-        ``best``. Returns what it made good, to be said."""
+        make good what a git killed mid-write left, which every later git call would refuse: its stale lock
+        files (``git_leftovers.py``), and the run directory's files a killed ``reset --hard`` (``set_best``)
+        left half written: kept as found under ``refs/vibetrain/recovered/<time>``, then reset to ``best``.
+        Returns what it made good, to be said."""
         self.writer = writer_lock.claim(self.path)
         git_dir = Path(self.repo.git_dir)
-        left = _git_locks(git_dir)
-        if left:
-            time.sleep(LOCK_GRACE_S)
-            left = [lock for lock in _git_locks(git_dir) if lock in left]
+        left = git_leftovers.stale_locks(self.path, git_dir)
         if not left:
             return []
         for lock in left:
-            lock.unlink()
+            lock.unlink(missing_ok=True)
         said = [f"removed what a killed git left: {', '.join(str(lock.relative_to(git_dir)) for lock in left)}"]
-        if any(lock.parent == git_dir or lock.is_relative_to(git_dir / "refs" / "heads") for lock in left):
+        tree_locks = {git_dir / "index.lock", git_dir / "HEAD.lock", git_dir / "refs" / "heads" / "best.lock"}
+        if tree_locks & set(left):
+            found = self.repo.git.stash("create")  # the tracked files as found, a commit no branch holds
+            kept = ""
+            if found:
+                ref = f"refs/vibetrain/recovered/{time.strftime('%Y%m%d-%H%M%S')}"
+                self.repo.git.update_ref(ref, found)
+                kept = f"; as found: {ref}"
             self.repo.git.reset("--hard")
-            said.append("reset the run directory's files to best (a killed update had left them half written)")
+            said.append(f"reset the run directory's files to best (a killed update had left them half written{kept})")
         return said
 
     def release(self) -> None:
@@ -251,9 +255,3 @@ class History:
         parents = self.repo.commit(commit).parents
         base = parents[0].hexsha if parents else self.repo.git.hash_object("-t", "tree", "/dev/null")
         return self.repo.git.diff(*(["--stat"] if stat else []), base, commit, "--", ".", f":(exclude){RECORD_DIR}")
-
-
-def _git_locks(git_dir: Path) -> list[Path]:
-    """The lock files git holds while it writes the index, HEAD, a ref or a worktree's own: left behind
-    when it is killed mid-write."""
-    return sorted({*git_dir.glob("*.lock"), *git_dir.glob("refs/**/*.lock"), *git_dir.glob("worktrees/*/*.lock")})

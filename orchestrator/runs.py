@@ -157,6 +157,9 @@ def start_run(
     if run_dir.exists() and any(run_dir.iterdir()):
         if not _never_started(run_dir):
             raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
+        unstarted = History.open(run_dir)
+        unstarted.claim()  # refused while another start holds it (between its repository and its state)
+        unstarted.release()
         shutil.rmtree(run_dir)  # a start killed before its first state: nothing in it to keep
     config = config.model_copy(
         update={
@@ -190,17 +193,26 @@ def start_run(
 
 
 def _never_started(run_dir: Path) -> bool:
-    """A start killed between making its repository and saving its first state: a repository and nothing
-    else, no state, no round, at most the root commit. ``--resume`` cannot go on from it ("never
-    started"), and it held the folder against a new start ("already exists")."""
+    """A start killed between making its repository and saving its first state: a repository History
+    made (its ``vibetrain`` committer, at most its ``best`` branch and root commit ``vibetrain run: ...``)
+    and nothing else, no state, no round. ``--resume`` cannot go on from it ("never started"), and it
+    held the folder against a new start ("already exists"). Any other repository is not taken back."""
     if RunDir(run_dir).state_file.exists() or [p.name for p in run_dir.iterdir()] != [".git"]:
+        return False
+    if not (run_dir / ".git").is_dir():
         return False
     try:
         history = History.open(run_dir)
     except HistoryError:
         return False
-    head = history.repo.head
-    return not history.round_numbers() and (not head.is_valid() or not head.commit.parents)
+    repo = history.repo
+    if repo.config_reader().get_value("user", "name", "") != "vibetrain":
+        return False
+    if [ref.path for ref in repo.refs] not in ([], ["refs/heads/best"]):
+        return False
+    return not repo.head.is_valid() or (
+        not repo.head.commit.parents and repo.head.commit.message.startswith("vibetrain run: ")
+    )
 
 
 def resume_run(

@@ -583,6 +583,16 @@ def test_a_start_killed_before_its_first_state_is_started_again_and_a_started_ru
     again = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run)], env=ENV)
     assert again.exit_code == 2 and "already exists" in " ".join(again.output.split())
     assert history.rejected_commit(0) is not None
+    mine = tmp_path / "mine"  # a person's repository on an empty orphan branch: a .git alone, as above
+    repo = git.Repo.init(mine)
+    (mine / "notes.txt").write_text("mine\n")
+    repo.git.add("notes.txt")
+    first = repo.index.commit("my work").hexsha
+    repo.git.checkout("--orphan", "fresh")
+    repo.git.rm("-rf", ".")
+    refused = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(mine)], env=ENV)
+    assert refused.exit_code == 2 and "already exists" in " ".join(refused.output.split())
+    assert git.Repo(mine).commit(first).message == "my work"
 
 
 def _empty_run(tmp_path: Path) -> Path:
@@ -719,12 +729,53 @@ def test_the_lock_files_a_killed_git_left_are_removed_when_the_run_is_claimed(tm
     said = []
     loop = resume_run(run, {}, lambda kind, **data: said.append((kind, data.get("reason"))), tmp_path / "ws")
     loop.history.release()  # resumed, not run: the uncommitted-changes refusal did not come
-    assert said[:2] == [
-        ("recovered", "removed what a killed git left: index.lock, refs/vibetrain/rounds/2.lock"),
-        ("recovered", "reset the run directory's files to best (a killed update had left them half written)"),
-    ]
+    [(_, removed), (_, reset)] = said[:2]
+    assert removed == "removed what a killed git left: index.lock, refs/vibetrain/rounds/2.lock"
+    kept = re.fullmatch(
+        r"reset the run directory's files to best \(a killed update had left them half written; "
+        r"as found: (refs/vibetrain/recovered/[0-9-]+)\)",
+        reset,
+    )
+    assert kept, reset
     assert not list(git_dir.glob("**/*.lock")) and history.dirty() == []
     assert (run / "DESIGN.md").read_text() == "a candidate's file, half written\n"
+    assert history.repo.git.show(f"{kept[1]}:DESIGN.md") == "half"  # the files as found, should they be a person's
+    assert history.round_numbers() == [1]
+
+
+def test_a_lock_a_live_git_holds_is_never_taken(tmp_path, monkeypatch):
+    """A git still at work (the child of a vibetrain killed alone, or a person's own) holds its locks: one
+    working in the run directory stops the resume, by name, after a wait; a lock that git rewrites or
+    takes away during the grace is not stale; a ref's lock alone resets nothing."""
+    from orchestrator import git_leftovers
+
+    run = _empty_run(tmp_path)
+    git_dir = run / ".git"
+    fake_git = tmp_path / "bin" / "git"  # a process named git, at work in the run directory
+    fake_git.parent.mkdir()
+    fake_git.symlink_to(shutil.which("sleep"))
+    working = subprocess.Popen([str(fake_git), "30"], cwd=run)
+    (git_dir / "index.lock").write_text("")
+    monkeypatch.setattr(git_leftovers, "WAIT_FOR_GIT_S", 0.5)
+    try:
+        with pytest.raises(git_leftovers.GitStillRunning, match=f"git \\(pid {working.pid}\\) is still at work in"):
+            git_leftovers.stale_locks(run, git_dir)
+    finally:
+        working.kill()
+        working.wait()
+    assert (git_dir / "index.lock").exists()
+
+    def rewritten(seconds):  # the git holding it commits a new one in the meantime
+        (git_dir / "index.lock").unlink()
+        (git_dir / "index.lock").write_text("another")
+
+    monkeypatch.setattr(git_leftovers.time, "sleep", rewritten)
+    assert git_leftovers.stale_locks(run, git_dir) == []
+    (git_dir / "index.lock").unlink()
+    (git_dir / "refs" / "vibetrain" / "rounds").mkdir(parents=True)
+    (git_dir / "refs" / "vibetrain" / "rounds" / "2.lock").write_text("")
+    monkeypatch.setattr(git_leftovers.time, "sleep", lambda seconds: None)
+    assert History.open(run).claim() == ["removed what a killed git left: refs/vibetrain/rounds/2.lock"]
 
 
 def test_a_run_another_process_is_running_is_refused_by_name_until_it_ends(tmp_path):

@@ -43,7 +43,9 @@ def test_a_paired_ratio_with_its_interval():
     paired = Paired.of([110, 106, 114], [100, 100, 100])
     assert paired.ratio == pytest.approx(math.exp(sum(math.log(x / 100) for x in (110, 106, 114)) / 3))
     assert paired.low < paired.ratio < paired.high and paired.pairs == 3
-    assert paired.clears(0.05) is (paired.low > 1.05)
+    # the geometric mean's 95% t-interval over 3 pairs (t = 4.303): +10%, but its low end under +5%
+    assert (paired.low, paired.high) == pytest.approx((1.00449, 1.20352), rel=1e-4)
+    assert not paired.clears(0.05) and paired.clears(0.0)
     assert "interval [" in paired.describe() and "+10.0%" in paired.describe()
     assert Paired.of([110, 106, 114], [100, 90, 104]).baseline_median == 100  # the baseline's figure beside it
 
@@ -920,22 +922,28 @@ def test_a_device_memory_sample_that_fails_mid_run_is_raised_not_a_lower_peak(mo
 
 
 def test_device_memory_finds_gpus_named_by_uuid_as_by_index(monkeypatch):
-    """CUDA_VISIBLE_DEVICES may name GPUs by UUID (schedulers often do): ``int()`` of one raised, and every
-    GPU run under such a scheduler failed before it started. A fake NVML (this machine has no GPU)."""
+    """CUDA_VISIBLE_DEVICES may name GPUs by UUID or a UUID's prefix (schedulers often do): ``int()`` of one
+    raised, and every GPU run under such a scheduler failed before it started. Whole UUIDs and prefixes are
+    matched against each GPU's own (an older binding's as bytes); an entry matching none, or two, is named.
+    A fake NVML (this machine has no GPU)."""
     import types
 
     from targets.harness.isolation.device_memory import DeviceMemoryMonitor
 
-    used = {"index 3": 5 * 2**20, "GPU-8f1c": 7 * 2**20}
+    uuids = [b"GPU-8f1c2a00-0000", b"GPU-8f1c2b00-0000", b"GPU-77aa0000-0000", b"GPU-0000aaaa-0000"]
     fake = types.SimpleNamespace(
         nvmlInit=lambda: None,
         nvmlShutdown=lambda: None,
-        nvmlDeviceGetHandleByIndex=lambda i: f"index {i}",
-        nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
-        nvmlDeviceGetMemoryInfo=lambda handle: SimpleNamespace(used=used[handle]),
+        nvmlDeviceGetCount=lambda: len(uuids),
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUUID=lambda gpu: uuids[gpu],
+        nvmlDeviceGetMemoryInfo=lambda gpu: SimpleNamespace(used=(gpu + 1) * 2**20),
     )
     monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-8f1c")
-    with DeviceMemoryMonitor(2, interval_s=0.01) as monitor:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-77aa, GPU-8f1c2b00-0000")
+    with DeviceMemoryMonitor(3, interval_s=0.01) as monitor:
         pass
-    assert monitor.peaks_mb == {0: 5.0, 1: 7.0}
+    assert monitor.peaks_mb == {0: 4.0, 1: 3.0, 2: 2.0}  # GPUs 3, 2 and 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f1c")
+    with pytest.raises(RuntimeError, match="'GPU-8f1c' names 2 of this machine's GPUs"):
+        DeviceMemoryMonitor(1).__enter__()

@@ -25,20 +25,15 @@ class DeviceMemoryMonitor:
         except ImportError:
             raise RuntimeError("a GPU target's run samples device memory through NVML: install nvidia-ml-py") from None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        # indices or UUIDs ("GPU-8f1c...", as schedulers often set it), CUDA's syntax
-        physical = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(self.count)]
-        if len(physical) < self.count:  # checked before NVML starts: a refusal leaves nothing open
-            raise RuntimeError(
-                f"CUDA_VISIBLE_DEVICES={visible} shows {len(physical)} GPU(s); the target has {self.count}"
-            )
+        # indices, or UUIDs or their prefixes ("GPU-8f1c", as schedulers often set it): CUDA's syntax
+        named = [i.strip() for i in visible.split(",") if i.strip()] if visible else [str(i) for i in range(self.count)]
+        if len(named) < self.count:  # checked before NVML starts: a refusal leaves nothing open
+            raise RuntimeError(f"CUDA_VISIBLE_DEVICES={visible} shows {len(named)} GPU(s); the target has {self.count}")
         self._nvml = pynvml
         pynvml.nvmlInit()
         try:
-            self._handles = [
-                pynvml.nvmlDeviceGetHandleByIndex(int(i)) if i.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(i)
-                for i in physical[: self.count]
-            ]
-        except BaseException:  # a device NVML does not know: nothing left open behind the error
+            self._handles = [_handle(pynvml, name, visible) for name in named[: self.count]]
+        except BaseException:  # a GPU NVML does not know: nothing left open behind the error
             pynvml.nvmlShutdown()
             raise
         self._sample()
@@ -70,3 +65,20 @@ class DeviceMemoryMonitor:
         if self._failure is not None and kind is None:  # a run that failed already keeps its own error
             failure = self._failure
             raise RuntimeError(f"sampling device memory through NVML failed mid-run: {failure}") from failure
+
+
+def _handle(pynvml, name: str, visible: str | None):
+    """The GPU a CUDA_VISIBLE_DEVICES entry names: by index, or by a UUID or its prefix, matched against
+    every GPU's own (``nvmlDeviceGetHandleByUUID`` takes whole UUIDs only, and as bytes in older bindings)."""
+    if name.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(name))
+    gpus = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    uuids = [pynvml.nvmlDeviceGetUUID(gpu) for gpu in gpus]
+    uuids = [uuid.decode() if isinstance(uuid, bytes) else uuid for uuid in uuids]
+    matches = [gpu for gpu, uuid in zip(gpus, uuids, strict=True) if uuid.startswith(name)]
+    if len(matches) != 1:
+        raise RuntimeError(
+            f"CUDA_VISIBLE_DEVICES={visible}: {name!r} names {len(matches)} of this machine's GPUs "
+            f"({', '.join(uuids)}); device memory is sampled per whole GPU, by index or UUID"
+        )
+    return matches[0]

@@ -103,6 +103,8 @@ def prepare(
 ) -> None:
     """Download what the bare GPU machine lacks into WHEELS (run here, where the registries are)."""
     wheels.mkdir(parents=True, exist_ok=True)
+    for old in wheels.glob("*.whl"):  # an earlier prepare's: two versions of one package would fail the install
+        old.unlink()
     subprocess.run(
         [
             sys.executable,
@@ -190,7 +192,13 @@ class Stages:
         started = time.monotonic()
         with log.open("w") as handle:  # a session of its own: a stage cut short leaves no process on the GPU
             process = self.current = subprocess.Popen(
-                command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+                command,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=_default_stop,
             )
             try:
                 returncode = process.wait(timeout=limit)
@@ -229,6 +237,12 @@ def _without_weights(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
     return None if member.name.endswith(".safetensors") else member
 
 
+def _default_stop() -> None:
+    """In the stage's process: SIGINT does what it does by default (a shell that starts this script in
+    the background has it ignored, and the stage would inherit that: pytest then writes no report)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _end_session(process: subprocess.Popen, stop=signal.SIGTERM) -> None:
     """Stop what a stage left running (its candidate processes, judges, sandboxes): asked first (``stop``),
     so a check cut short writes what it can, then killed."""
@@ -245,11 +259,15 @@ def _end_session(process: subprocess.Popen, stop=signal.SIGTERM) -> None:
 
 def junit_outcomes(junit: Path) -> dict[str, str]:
     """Each test of a JUnit report by name: "failed" (a failure or an error), "skipped" or "passed";
-    none when there is no report."""
+    none when there is no report, or only part of one."""
     if not junit.exists():
         return {}
+    try:
+        root = ElementTree.parse(junit).getroot()
+    except ElementTree.ParseError:  # written in part by a stage killed mid-write: no outcome, as none written
+        return {}
     outcomes = {}
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+    for case in root.iter("testcase"):
         if case.find("failure") is not None or case.find("error") is not None:
             outcomes[case.get("name", "")] = "failed"
         else:
@@ -276,7 +294,7 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
             status = f"fallback: {DEFAULT_ENGINE_TEST} {said}, {test} passed"
             stages._save("engine", {"status": status, "options": options})
             return options
-    status = f"default: {DEFAULT_ENGINE_TEST} {said}, and every fallback's test failed too"
+    status = f"default: {DEFAULT_ENGINE_TEST} {said}, and no fallback's test passed (see each fallback stage)"
     stages._save("engine", {"status": status, "options": {}})
     return {}
 

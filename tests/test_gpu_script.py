@@ -110,19 +110,30 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
 def test_a_pytest_stage_cut_at_its_limit_still_writes_its_report(tmp_path, monkeypatch):
     """A stage past its limit was sent SIGTERM, on which pytest writes no JUnit report, so the GPU tests'
     stage cut short said nothing of the default engine; pytest's stages are now asked with SIGINT, on
-    which pytest ends its session and writes the report of what ran."""
+    which pytest ends its session and writes the report of what ran; and SIGINT is the stage's to take
+    even where the script was started with it ignored (a shell's background job), which the stage would
+    otherwise inherit. A report cut off mid-write reads as none."""
+    import signal
+
     gpu_run = _script()
-    monkeypatch.setattr(gpu_run.signal, "signal", lambda *handler: None)  # pytest's SIGTERM stays pytest's
     monkeypatch.setitem(gpu_run.STAGES, "gpu_tests", 10)
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(60)\n"
     )
-    stages = gpu_run.Stages(tmp_path / "out", deadline_s=60)
-    report = stages.out / "gpu_tests.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_slow.py")]
-    ran = stages.run("gpu_tests", [*command, f"--junitxml={report}"], cwd=tmp_path, stop=gpu_run.signal.SIGINT)
+    terminate, interrupt = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell starting the script in the background leaves it
+    try:
+        stages = gpu_run.Stages(tmp_path / "out", deadline_s=60)
+        report = stages.out / "gpu_tests.xml"
+        ran = stages.run("gpu_tests", [*command, f"--junitxml={report}"], cwd=tmp_path, stop=signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, terminate)
+        signal.signal(signal.SIGINT, interrupt)
     assert not ran and stages.results["gpu_tests"]["status"].startswith("timed out")
     assert gpu_run.junit_outcomes(report).get("test_quick") == "passed"
+    report.write_text(report.read_text()[:60])
+    assert gpu_run.junit_outcomes(report) == {}
 
 
 def test_generate_resumes_the_run_an_earlier_call_left_and_starts_again_one_cut_before_its_state(tmp_path):

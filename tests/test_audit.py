@@ -114,9 +114,10 @@ def test_the_honest_run_passes(honest):
     # run witnesses is the traffic's: 1-273 in the honest runs of judge-service-order.yaml, and none in this
     # fixture's run once on a loaded CI machine; the rule's power is its plant's (test_stack_kit.py)
     witnessed, margin = result.details["service_order_witnessed"], result.details["service_order_least_margin"]
-    # the rule ran on this trace, and what it measured is a pass: no request decoded fewer tokens than the
-    # steps later arrivals ran ahead of it (a negative margin is a request held back that the audit let by)
-    assert witnessed >= 0 and (margin is None if witnessed == 0 else margin >= 0), (witnessed, margin)
+    # what the rule measured on this trace is a pass: no request decoded fewer tokens than the steps later
+    # arrivals ran ahead of it (a negative margin is a request held back that the audit let by); with no
+    # witness, no margin (test_service_order.py holds the honest margin on a trace that has witnesses)
+    assert (margin is None) if witnessed == 0 else margin >= 0, (witnessed, margin)
 
 
 def test_trajectory_the_harness_never_created(honest):
@@ -577,12 +578,15 @@ def test_request_served_by_a_shrunk_engine(honest):
     _rejects(_invariants(honest, events), "served while shrunk")
 
 
-def test_a_shrink_that_leaves_its_requests_running(honest):
+def test_a_shrink_that_leaves_its_requests_running(honest, monkeypatch):
     """Planted: the cluster's shrink returns without aborting what its engine runs, and the request
     completes seconds later, decoded beside the trainer the shrink made room for. The turn is one that
     starts while no switch of cpu:0 is under way (one CI run planted it in an expand not yet returned:
     the audit then measured from the real shrink before). Every other turn the planted shrink left
-    running is named too, three at most: the planted one is named, or counted among the rest."""
+    running is named too: each is kept here (three a kind otherwise), so the planted one must be named."""
+    from targets.harness.judge import trace_index
+
+    monkeypatch.setattr(trace_index, "MAX_REASONS_PER_KIND", 10_000)
     events = _edited(honest)
     switching = [
         (e.data["start"], e.t) for e in events if e.kind in ("shrink", "expand") and "cpu:0" in e.data["devices"]
@@ -605,7 +609,7 @@ def test_a_shrink_that_leaves_its_requests_running(honest):
     result = _audit(honest, events)
     _rejects(result, "cpu:0 went on serving episode")
     named = f"cpu:0 went on serving episode {g.data['episode']} turn {g.data['turn']}"
-    assert any(named in r or r.startswith("shrink without abort: ... and") for r in result.reasons), result.reasons
+    assert any(named in r for r in result.reasons), result.reasons
 
 
 def test_an_engine_woken_before_its_trainer_left_the_device(honest):

@@ -28,12 +28,12 @@ class ManualClock:
         self.t += seconds
 
 
-def _pool(catalog_yaml, environment: dict, turns: dict, **workload):
+def _pool(catalog_yaml, environment: dict, turns: dict, seed: int = 3, **workload):
     catalog_yaml["workload"].update(environment=environment, turns=turns, **workload)
     spec = parse_target(catalog_yaml)
     clock = ManualClock()
     trace = Trace(clock)
-    return EnvironmentPool(spec.workload, clock, trace, seed=3), trace, clock
+    return EnvironmentPool(spec.workload, clock, trace, seed=seed), trace, clock
 
 
 def _words(tokens) -> str:
@@ -45,21 +45,21 @@ def _run(coroutine):
 
 
 def test_guess_number_narrows_the_range_and_pays_on_success(catalog_yaml):
-    pool, trace, _ = _pool(catalog_yaml, {"name": "guess_number", "params": {"hint_width": 4}}, {"max": 8})
+    environment = {"name": "guess_number", "params": {"hint_width": 4}}
+    pool, trace, _ = _pool(catalog_yaml, environment, {"max": 8}, seed=2)
     episode = pool.new_group()[0]
     prompt = _words(_run(episode.reset()))
     secret, low, high = episode.task
+    assert low < secret and high < 9  # seed 2's task (6 in 4..7): a guess below and one above both have room
     assert prompt == f"guess number between {low} and {high} <act>"
     answer = _run(episode.step(VOCAB.encode("x y")))
     assert _words(answer.observation) == f"invalid between {low} and {high} <act>" and answer.reward == 0
     credit = 0.5 / 8  # in_range_credit / max_turns
-    if low < secret:
-        answer = _run(episode.step(VOCAB.encode(str(low))))
-        assert _words(answer.observation) == f"higher between {low + 1} and {high} <act>"
-        assert answer.reward == pytest.approx(credit)
-    if high < 9:
-        answer = _run(episode.step(VOCAB.encode(f"{high + 1} {secret}")))  # only the first token counts
-        assert _words(answer.observation).startswith("lower") and answer.reward == 0
+    answer = _run(episode.step(VOCAB.encode(str(low))))
+    assert _words(answer.observation) == f"higher between {low + 1} and {high} <act>"
+    assert answer.reward == pytest.approx(credit)
+    answer = _run(episode.step(VOCAB.encode(f"{high + 1} {secret}")))  # only the first token counts
+    assert _words(answer.observation).startswith("lower") and answer.reward == 0
     answer = _run(episode.step(VOCAB.encode(f"{secret} <eos>")))
     assert answer.done and answer.observation == []
     assert answer.reward == pytest.approx(credit + 0.9 ** (episode.turn - 1))

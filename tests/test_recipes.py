@@ -19,7 +19,7 @@ from skills.recipes.fsdp_trainer import FSDPTrainer
 from skills.recipes.kernel_choice import choose_attention
 from skills.recipes.paged_engine import PagedEngine
 from skills.recipes.rendezvous import Rendezvous, connect
-from skills.recipes.weight_sync import BroadcastGroup, pack, to_buckets, unpack
+from skills.recipes.weight_sync import BroadcastGroup, merge, pack, to_buckets, unpack
 from targets.api import SamplingParams, TrainBatch
 from targets.harness.judge.accuracy import (
     check_engine,
@@ -853,7 +853,11 @@ def test_bf16_master_weights_round_small_updates_away_and_float32_masters_do_not
 
 def test_flat_buckets_round_trip_with_their_layout(tiny_model):
     state = tiny_model.state_dict()
-    for bucket in to_buckets(state, 1 << 16):
+    buckets = to_buckets(state, 1 << 16)
+    assert len(buckets) > 1 and sum(map(len, buckets)) == len(state) and list(merge(buckets)) == list(state)
+    for bucket in buckets:  # each within the size, but for a tensor larger than a bucket alone
+        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for t in bucket.values()) <= 1 << 16
+    for bucket in buckets:
         flat, layout = pack(bucket, "cpu", torch.bfloat16)
         back = unpack(flat, layout)
         assert list(back) == list(bucket)

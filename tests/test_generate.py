@@ -951,6 +951,33 @@ def test_a_twin_fitted_to_other_rounds_than_the_validated_ones_is_fitted_again(t
     assert prescreen.outdated()
 
 
+def test_a_resumed_run_whose_twin_missed_a_validated_round_fits_it_again_before_its_next_round(tmp_path):
+    """The loop's own use of ``outdated``: a run killed while it calibrated after round 1 resumes with the
+    twin of round 0; before round 3 it is fitted again (the calibration, stubbed here, is what runs first)."""
+    from orchestrator.runs import resume_run
+    from tests.review_run import make_review_run
+
+    run = make_review_run(tmp_path)
+    state = RunState.load(run)
+    state.twin, state.twin_from = str(RunDir(run).twin_spec), [0]
+    state.save(run)
+    RunDir(run).traces.mkdir(parents=True)
+    for number in (0, 1):
+        RunDir(run).trace(number).write_text("")
+    loop = resume_run(run, {"rounds": 3}, lambda kind, **data: None, tmp_path / "ws")
+
+    class Calibrated(Exception):
+        pass
+
+    def calibrate():
+        raise Calibrated(loop.prescreen.fitted_rounds())
+
+    loop.calibrate_twin = calibrate
+    with pytest.raises(Calibrated) as fitted:
+        loop.run()
+    assert fitted.value.args == ([0, 1],)
+
+
 def test_a_run_killed_after_its_starter_keeps_the_time_the_starter_took(tmp_path, fast_target):
     """seconds_used was saved after each later round only (round 0 went on without it) and in the
     run's last save: a run killed after its starter resumed with no time used, and a scheduler that

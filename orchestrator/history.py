@@ -212,10 +212,37 @@ class History:
                     f"{path} is a worktree of another run's repository ({gitdir}); give this run its own --workspaces"
                 )
             shutil.rmtree(path)
-        for entry in (git_dir / "worktrees").glob("*/gitdir"):  # git's record of where each worktree is
-            if (entry.parent / entry.read_text(errors="replace").strip()).resolve() == path / ".git":
-                shutil.rmtree(entry.parent)  # locked or not: a killed add locks it "initializing"
+        for entry in self._entries_of(path):
+            shutil.rmtree(entry)  # locked or not: a killed add locks it "initializing"
         self.repo.git.worktree("prune")
+
+    def _entries_of(self, path: Path) -> list[Path]:
+        """This repository's entries (``.git/worktrees/<id>``) for a worktree at ``path``: git's record of
+        where each worktree is, its ``gitdir`` file (absolute, or relative to the entry)."""
+        entries = []
+        for gitdir in (Path(self.repo.git_dir).resolve() / "worktrees").glob("*/gitdir"):
+            if (gitdir.parent / gitdir.read_text(errors="replace").strip()).resolve() == path.resolve() / ".git":
+                entries.append(gitdir.parent)
+        return entries
+
+    def worktree_head(self, path: Path) -> str | None:
+        """The commit this repository's worktree at ``path`` has checked out (detached), from git's entry
+        for it; None where it has none there."""
+        for entry in self._entries_of(path):
+            head = (entry / "HEAD").read_text(errors="replace").strip()
+            if len(head) == 40 and all(c in "0123456789abcdef" for c in head):
+                return head
+        return None
+
+    def adopt(self, number: int, commit: str) -> str | None:
+        """Round ``number``'s ``commit`` whose ref was never written (a kill between the commit and its
+        ``update-ref``), by its subject: the ref written now. None: the commit is no round ``number``'s."""
+        message = self.repo.commit(commit).message
+        for prefix, kind in ((f"Round {number}: ", "rounds"), (f"Round {number} (rejected): ", "rejected")):
+            if message.startswith(prefix):
+                self.repo.git.update_ref(f"refs/vibetrain/{kind}/{number}", commit)
+                return commit
+        return None
 
     # -- commits -----------------------------------------------------------------------------------
     def _commit_workspace(self, workspace: Path, message: str, records: dict[str, dict]) -> str:

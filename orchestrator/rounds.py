@@ -426,10 +426,13 @@ class Loop:
         return self.history.params(record.commit)
 
     def reconcile_with_git(self) -> None:
-        """Rounds committed to git after the last state save (a kill in between) join the state."""
+        """Rounds committed to git after the last state save (a kill in between) join the state; so does
+        one committed in its judged copy whose ref the kill kept from being written."""
         while True:
             number = self.state.next_round
             commit = self.history.round_commit(number) or self.history.rejected_commit(number)
+            if commit is None and (head := self.history.worktree_head(self._frozen(number))) is not None:
+                commit = self.history.adopt(number, head)
             if commit is None:
                 return
             record = RoundRecord.model_validate(self.history.record(commit, "round.json"))

@@ -978,6 +978,35 @@ def test_a_resumed_run_whose_twin_missed_a_validated_round_fits_it_again_before_
     assert fitted.value.args == ([0, 1],)
 
 
+def test_a_round_committed_but_killed_before_its_ref_was_written_is_recovered_not_redone(tmp_path):
+    """Between a round's commit (in its judged copy) and the ``update-ref`` that keeps it, a kill left the
+    validated candidate reachable from that worktree's HEAD alone: the resumed run redid the round (its
+    agents' spend again) and the redo's freeze deleted the commit's worktree. The resume now writes the ref
+    from the commit's subject and recovers the round from its record, as for any round committed before a
+    kill. A judged copy still at its parent (killed before the commit) is not taken for the round."""
+    from agents.roles import Task
+    from orchestrator.history import Trailers
+    from orchestrator.state import RoundRecord
+    from tests.review_run import make_review_run
+
+    run = make_review_run(tmp_path)
+    loop = resume_run(run, {"rounds": 4}, lambda kind, **data: None, tmp_path / "ws")
+    best = loop.state.best
+    judged = loop.history.worktree(loop._frozen(3), best.commit)
+    loop.reconcile_with_git()  # at its parent: nothing to recover
+    assert loop.state.next_round == 3
+    task = Task(id="tail_batching", title="add tail batching", rationale="stragglers", source="hint")
+    record = RoundRecord(round=3, task=task, parent_round=0, parent_commit=best.commit, verdict="rejected")
+    trailers = Trailers(3, task.id, "offline", "rejected", "goodput=1", "none")
+    message = f"Round 3 (rejected): {task.title}\n\n{trailers.lines()}\n"
+    commit = loop.history._commit_workspace(judged, message, {"round.json": record.model_dump(mode="json")})
+    assert loop.history.rejected_commit(3) is None  # killed here: the ref never written
+    loop.reconcile_with_git()
+    assert loop.history.rejected_commit(3) == commit and loop.state.record(3).commit == commit
+    assert loop.state.next_round == 4
+    loop.history.release()
+
+
 def test_a_run_killed_after_its_starter_keeps_the_time_the_starter_took(tmp_path, fast_target):
     """seconds_used was saved after each later round only (round 0 went on without it) and in the
     run's last save: a run killed after its starter resumed with no time used, and a scheduler that

@@ -89,8 +89,8 @@ class History:
         for lock in left:
             lock.unlink(missing_ok=True)
         said = [f"removed what a killed git left: {', '.join(str(lock.relative_to(git_dir)) for lock in left)}"]
-        tree_locks = {git_dir / "index.lock", git_dir / "HEAD.lock", git_dir / "refs" / "heads" / "best.lock"}
-        if tree_locks & set(left):
+        tree_locks = {git_dir / name for name in ("index.lock", "HEAD.lock", "ORIG_HEAD.lock", "refs/heads/best.lock")}
+        if tree_locks & set(left) and self.repo.head.is_valid():  # (no commit yet: a create killed, nothing to keep)
             found = self.repo.git.stash("create")  # the tracked files as found, a commit no branch holds
             kept = ""
             if found:
@@ -230,16 +230,21 @@ class History:
         for it; None where it has none there."""
         for entry in self._entries_of(path):
             head = (entry / "HEAD").read_text(errors="replace").strip()
-            if len(head) == 40 and all(c in "0123456789abcdef" for c in head):
+            # 40 zeros: an add killed before it set HEAD (git writes them first)
+            if len(head) == 40 and all(c in "0123456789abcdef" for c in head) and head != "0" * 40:
                 return head
         return None
 
     def adopt(self, number: int, commit: str) -> str | None:
         """Round ``number``'s ``commit`` whose ref was never written (a kill between the commit and its
         ``update-ref``), by its subject: the ref written now. None: the commit is no round ``number``'s."""
-        message = self.repo.commit(commit).message
+        try:
+            message = self.repo.commit(commit).message
+            recorded = self.record(commit, "round.json").get("round")
+        except (ValueError, git.BadName, HistoryError):  # not in the repository, or no round's record
+            return None
         for prefix, kind in ((f"Round {number}: ", "rounds"), (f"Round {number} (rejected): ", "rejected")):
-            if message.startswith(prefix):
+            if message.startswith(prefix) and recorded == number:
                 self.repo.git.update_ref(f"refs/vibetrain/{kind}/{number}", commit)
                 return commit
         return None

@@ -439,6 +439,11 @@ class Loop:
             record.commit = commit
             self.on_event("recovered", round=number)
             self.finish_round(record)
+            for tree in (self.workspaces / f"round-{number}", self._frozen(number)):  # the killed round's
+                try:
+                    self.history.remove_worktree(tree)
+                except (HistoryError, GitCommandError, OSError) as error:  # said; the run goes on
+                    self.on_event("recovered", reason=f"the worktree {tree} was not removed: {error}")
 
     def save_llm_spend(self) -> None:
         """After every LLM call: a run killed mid-round resumes knowing what the round already spent."""

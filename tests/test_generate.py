@@ -566,7 +566,9 @@ def test_an_existing_out_without_resume_and_a_missing_run_with_resume_are_refuse
     assert result.exit_code == 2 and "nothing to resume" in " ".join(result.output.split())
 
 
-def test_a_start_killed_before_its_first_state_is_started_again_and_a_started_run_never(tmp_path, fast_target):
+def test_a_start_killed_before_its_first_state_is_started_again_and_a_started_run_never(
+    tmp_path, fast_target, monkeypatch
+):
     """Killed between making its repository and saving its first state, a start left a folder that
     ``--resume`` called never started and a new start called taken; the new start now starts it again
     (nothing in it to keep). A folder with a round in it, or a state, is never taken back."""
@@ -583,6 +585,16 @@ def test_a_start_killed_before_its_first_state_is_started_again_and_a_started_ru
     again = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run)], env=ENV)
     assert again.exit_code == 2 and "already exists" in " ".join(again.output.split())
     assert history.rejected_commit(0) is not None
+    killed = tmp_path / "k" / "run"  # killed inside History.create's first commit: no commit, its index.lock left
+    unborn = git.Repo.init(killed, initial_branch="best")
+    with unborn.config_writer() as config:
+        config.set_value("user", "name", "vibetrain")
+    (killed / ".git" / "index.lock").write_text("")
+    from orchestrator import git_leftovers
+
+    monkeypatch.setattr(git_leftovers, "GRACE_S", 0.0)
+    _start(fast_target, tmp_path / "k").history.release()
+    assert RunDir(killed).state_file.exists()
     mine = tmp_path / "mine"  # a person's repository on an empty orphan branch: a .git alone, as above
     repo = git.Repo.init(mine)
     (mine / "notes.txt").write_text("mine\n")
@@ -755,6 +767,8 @@ def test_a_lock_a_live_git_holds_is_never_taken(tmp_path, monkeypatch):
     fake_git.parent.mkdir()
     fake_git.symlink_to(shutil.which("sleep"))
     working = subprocess.Popen([str(fake_git), "30"], cwd=run)
+    while Path(f"/proc/{working.pid}/comm").read_text().strip() != "git":  # named once its exec is done
+        time.sleep(0.01)
     (git_dir / "index.lock").write_text("")
     monkeypatch.setattr(git_leftovers, "WAIT_FOR_GIT_S", 0.5)
     try:
@@ -995,6 +1009,11 @@ def test_a_round_committed_but_killed_before_its_ref_was_written_is_recovered_no
     judged = loop.history.worktree(loop._frozen(3), best.commit)
     loop.reconcile_with_git()  # at its parent: nothing to recover
     assert loop.state.next_round == 3
+    [entry] = loop.history._entries_of(judged)
+    (entry / "HEAD").write_text("0" * 40 + "\n")  # an add killed before it set HEAD: git writes zeros first
+    loop.reconcile_with_git()
+    assert loop.state.next_round == 3
+    judged = loop.history.worktree(loop._frozen(3), best.commit)
     task = Task(id="tail_batching", title="add tail batching", rationale="stragglers", source="hint")
     record = RoundRecord(round=3, task=task, parent_round=0, parent_commit=best.commit, verdict="rejected")
     trailers = Trailers(3, task.id, "offline", "rejected", "goodput=1", "none")
@@ -1003,7 +1022,7 @@ def test_a_round_committed_but_killed_before_its_ref_was_written_is_recovered_no
     assert loop.history.rejected_commit(3) is None  # killed here: the ref never written
     loop.reconcile_with_git()
     assert loop.history.rejected_commit(3) == commit and loop.state.record(3).commit == commit
-    assert loop.state.next_round == 4
+    assert loop.state.next_round == 4 and not judged.exists()  # the killed round's worktrees go with it
     loop.history.release()
 
 

@@ -438,12 +438,21 @@ class Loop:
             record = RoundRecord.model_validate(self.history.record(commit, "round.json"))
             record.commit = commit
             self.on_event("recovered", round=number)
+            self._count_killed_time(record.seconds or 0.0)
             self.finish_round(record)
             for tree in (self.workspaces / f"round-{number}", self._frozen(number)):  # the killed round's
                 try:
                     self.history.remove_worktree(tree)
                 except (HistoryError, GitCommandError, OSError) as error:  # said; the run goes on
                     self.on_event("recovered", reason=f"the worktree {tree} was not removed: {error}")
+
+    def _count_killed_time(self, seconds: float) -> None:
+        """A recovered round's wall time, which no save of the killed session carried, joins the run's."""
+        if self._session_start is None:
+            self.state.seconds_used += seconds
+        else:
+            started, spent_before = self._session_start
+            self._session_start = (started, spent_before + seconds)
 
     def save_llm_spend(self) -> None:
         """After every LLM call: a run killed mid-round resumes knowing what the round already spent."""

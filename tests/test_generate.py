@@ -1016,13 +1016,16 @@ def test_a_round_committed_but_killed_before_its_ref_was_written_is_recovered_no
     judged = loop.history.worktree(loop._frozen(3), best.commit)
     task = Task(id="tail_batching", title="add tail batching", rationale="stragglers", source="hint")
     record = RoundRecord(round=3, task=task, parent_round=0, parent_commit=best.commit, verdict="rejected")
+    record.seconds = 42.0  # its wall time, stamped before the commit
     trailers = Trailers(3, task.id, "offline", "rejected", "goodput=1", "none")
     message = f"Round 3 (rejected): {task.title}\n\n{trailers.lines()}\n"
     commit = loop.history._commit_workspace(judged, message, {"round.json": record.model_dump(mode="json")})
     assert loop.history.rejected_commit(3) is None  # killed here: the ref never written
+    before = loop.state.seconds_used
     loop.reconcile_with_git()
     assert loop.history.rejected_commit(3) == commit and loop.state.record(3).commit == commit
     assert loop.state.next_round == 4 and not judged.exists()  # the killed round's worktrees go with it
+    assert loop.state.seconds_used == pytest.approx(before + 42.0)  # its time, which no save carried
     loop.history.release()
 
 

@@ -25,6 +25,16 @@ from orchestrator import git_leftovers, writer_lock
 from targets.errors import UserError
 
 RECORD_DIR = ".vibetrain"  # per-commit records (judge report, evaluation) inside the candidate tree
+VALIDATED, REJECTED = "rounds", "rejected"  # a round's commit, by what became of it: refs/vibetrain/<kind>/<N>
+
+
+def _round_ref(kind: str, number: int | str) -> str:
+    return f"refs/vibetrain/{kind}/{number}"
+
+
+def _subject_start(kind: str, number: int) -> str:
+    """How a round's commit subject begins (``adopt`` reads it back)."""
+    return f"Round {number}: " if kind == VALIDATED else f"Round {number} (rejected): "
 
 
 class HistoryError(UserError, RuntimeError):
@@ -115,23 +125,23 @@ class History:
         return [line for line in self.repo.git.status("--porcelain").splitlines() if line.strip()]
 
     def round_commit(self, number: int) -> str | None:
+        return self._ref_commit(VALIDATED, number)
+
+    def _ref_commit(self, kind: str, number: int) -> str | None:
         try:
-            return self.repo.commit(f"refs/vibetrain/rounds/{number}").hexsha
+            return self.repo.commit(_round_ref(kind, number)).hexsha
         except git.BadName:  # no such round (a ref that is there but unreadable is an error: raised)
             return None
 
     def round_numbers(self) -> list[int]:
         """Every round with a commit, validated or rejected, in order."""
-        prefixes = ("refs/vibetrain/rounds/", "refs/vibetrain/rejected/")
+        prefixes = (_round_ref(VALIDATED, ""), _round_ref(REJECTED, ""))
         # a ref's lock a killed git left (``N.lock``) is listed like a ref; git forbids such names for refs
         paths = [ref.path for ref in self.repo.refs if ref.path.startswith(prefixes) and not ref.path.endswith(".lock")]
         return sorted({int(path.rsplit("/", 1)[1]) for path in paths})
 
     def rejected_commit(self, number: int) -> str | None:
-        try:
-            return self.repo.commit(f"refs/vibetrain/rejected/{number}").hexsha
-        except git.BadName:  # no such round (a ref that is there but unreadable is an error: raised)
-            return None
+        return self._ref_commit(REJECTED, number)
 
     def best(self) -> str | None:
         """The best validated candidate's commit; None before the first (or in a repository that is no run)."""
@@ -219,9 +229,10 @@ class History:
     def _entries_of(self, path: Path) -> list[Path]:
         """This repository's entries (``.git/worktrees/<id>``) for a worktree at ``path``: git's record of
         where each worktree is, its ``gitdir`` file (absolute, or relative to the entry)."""
+        link = path.resolve() / ".git"
         entries = []
         for gitdir in (Path(self.repo.git_dir).resolve() / "worktrees").glob("*/gitdir"):
-            if (gitdir.parent / gitdir.read_text(errors="replace").strip()).resolve() == path.resolve() / ".git":
+            if (gitdir.parent / gitdir.read_text(errors="replace").strip()).resolve() == link:
                 entries.append(gitdir.parent)
         return entries
 
@@ -243,9 +254,9 @@ class History:
             recorded = self.record(commit, "round.json").get("round")
         except (ValueError, git.BadName, HistoryError):  # not in the repository, or no round's record
             return None
-        for prefix, kind in ((f"Round {number}: ", "rounds"), (f"Round {number} (rejected): ", "rejected")):
-            if message.startswith(prefix) and recorded == number:
-                self.repo.git.update_ref(f"refs/vibetrain/{kind}/{number}", commit)
+        for kind in (VALIDATED, REJECTED):
+            if message.startswith(_subject_start(kind, number)) and recorded == number:
+                self.repo.git.update_ref(_round_ref(kind, number), commit)
                 return commit
         return None
 
@@ -264,17 +275,19 @@ class History:
     def commit_validated(
         self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict], body: str = ""
     ) -> str:
-        parts = [f"Round {number}: {subject}", body.strip(), trailers.lines()]
-        commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
-        self.repo.git.update_ref(f"refs/vibetrain/rounds/{number}", commit)
-        return commit
+        return self._commit_round(VALIDATED, workspace, number, subject, trailers, records, body)
 
     def commit_rejected(
         self, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict[str, dict], body: str = ""
     ) -> str:
-        parts = [f"Round {number} (rejected): {subject}", body.strip(), trailers.lines()]
+        return self._commit_round(REJECTED, workspace, number, subject, trailers, records, body)
+
+    def _commit_round(
+        self, kind: str, workspace: Path, number: int, subject: str, trailers: Trailers, records: dict, body: str
+    ) -> str:
+        parts = [_subject_start(kind, number) + subject, body.strip(), trailers.lines()]
         commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
-        self.repo.git.update_ref(f"refs/vibetrain/rejected/{number}", commit)
+        self.repo.git.update_ref(_round_ref(kind, number), commit)
         return commit
 
     def set_best(self, commit: str) -> None:

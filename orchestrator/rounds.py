@@ -228,11 +228,7 @@ class Loop:
             record.verdict = "error"
             record.reasons = [f"{type(error).__name__}: {error} (traceback: {where})", *record.reasons]
         self._stamp(record)
-        for tree in (workspace, self._frozen(number)):  # a tree that will not go is said, and the run goes on
-            try:
-                self.history.remove_worktree(tree)
-            except (HistoryError, GitCommandError, OSError) as error:
-                record.reasons.append(f"the worktree {tree} was not removed: {error}")
+        record.reasons += self._remove_worktrees(number)
         if stop is not None:
             raise stop
         return record
@@ -242,6 +238,16 @@ class Loop:
         opens pair 0). Drawn from the run's seed and the round (each session's workload key keeps the
         tasks behind them secret: ``targets/harness/environments/seeds.py``)."""
         return round_seeds(self.state.config.seed, number, self.state.config.repeat)
+
+    def _remove_worktrees(self, number: int) -> list[str]:
+        """Round ``number``'s two worktrees gone; what would not go, said (the run goes on)."""
+        problems = []
+        for tree in (self.workspaces / f"round-{number}", self._frozen(number)):
+            try:
+                self.history.remove_worktree(tree)
+            except (HistoryError, GitCommandError, OSError) as error:
+                problems.append(f"the worktree {tree} was not removed: {error}")
+        return problems
 
     def _frozen(self, number: int) -> Path:
         return self.workspaces / f"round-{number}-judged"
@@ -440,11 +446,8 @@ class Loop:
             self.on_event("recovered", round=number)
             self._count_killed_time(record.seconds or 0.0)
             self.finish_round(record)
-            for tree in (self.workspaces / f"round-{number}", self._frozen(number)):  # the killed round's
-                try:
-                    self.history.remove_worktree(tree)
-                except (HistoryError, GitCommandError, OSError) as error:  # said; the run goes on
-                    self.on_event("recovered", reason=f"the worktree {tree} was not removed: {error}")
+            for problem in self._remove_worktrees(number):  # the killed round's
+                self.on_event("recovered", reason=problem)
 
     def _count_killed_time(self, seconds: float) -> None:
         """A recovered round's wall time, which no save of the killed session carried, joins the run's."""

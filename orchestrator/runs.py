@@ -155,9 +155,9 @@ def start_run(
         raise RunSetupError(str(error)) from None
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
-        if not _never_started(run_dir):
+        unstarted = _never_started(run_dir)
+        if unstarted is None:
             raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
-        unstarted = History.open(run_dir)
         unstarted.claim()  # refused while another start holds it (between its repository and its state)
         unstarted.release()
         shutil.rmtree(run_dir)  # a start killed before its first state: nothing in it to keep
@@ -192,27 +192,29 @@ def start_run(
         raise
 
 
-def _never_started(run_dir: Path) -> bool:
+def _never_started(run_dir: Path) -> History | None:
     """A start killed between making its repository and saving its first state: a repository History
     made (its ``vibetrain`` committer, at most its ``best`` branch and root commit ``vibetrain run: ...``)
     and nothing else, no state, no round. ``--resume`` cannot go on from it ("never started"), and it
-    held the folder against a new start ("already exists"). Any other repository is not taken back."""
+    held the folder against a new start ("already exists"). That repository, or None for any other,
+    which is not taken back."""
     if RunDir(run_dir).state_file.exists() or [p.name for p in run_dir.iterdir()] != [".git"]:
-        return False
+        return None
     if not (run_dir / ".git").is_dir():
-        return False
+        return None
     try:
         history = History.open(run_dir)
     except HistoryError:
-        return False
+        return None
     repo = history.repo
     if repo.config_reader().get_value("user", "name", "") != "vibetrain":
-        return False
+        return None
     if [ref.path for ref in repo.refs] not in ([], ["refs/heads/best"]):
-        return False
-    return not repo.head.is_valid() or (
-        not repo.head.commit.parents and repo.head.commit.message.startswith("vibetrain run: ")
-    )
+        return None
+    unborn = not repo.head.is_valid()
+    if unborn or (not repo.head.commit.parents and repo.head.commit.message.startswith("vibetrain run: ")):
+        return history
+    return None
 
 
 def resume_run(

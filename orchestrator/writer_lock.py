@@ -21,10 +21,9 @@ class RunBusy(UserError, RuntimeError):
 class WriterLock:
     """The run's lock, held by this process from ``claim`` until ``release``."""
 
-    def __init__(self, run_dir: Path) -> None:
-        path = RunDir(run_dir).writer_lock
+    def __init__(self, path: Path, run_dir: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path.resolve()
+        self.path = path
         self._file = path.open("a+")  # not truncated before it is ours: the holder's pid stays readable
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -55,5 +54,5 @@ def claim(run_dir: Path) -> WriterLock:
     """The run's lock for this process: refused (``RunBusy``) while another process holds it."""
     path = RunDir(run_dir).writer_lock.resolve()
     if path not in _HELD:
-        _HELD[path] = WriterLock(run_dir)
+        _HELD[path] = WriterLock(path, run_dir)
     return _HELD[path]

@@ -968,7 +968,6 @@ def test_a_twin_fitted_to_other_rounds_than_the_validated_ones_is_fitted_again(t
 def test_a_resumed_run_whose_twin_missed_a_validated_round_fits_it_again_before_its_next_round(tmp_path):
     """The loop's own use of ``outdated``: a run killed while it calibrated after round 1 resumes with the
     twin of round 0; before round 3 it is fitted again (the calibration, stubbed here, is what runs first)."""
-    from orchestrator.runs import resume_run
     from tests.review_run import make_review_run
 
     run = make_review_run(tmp_path)

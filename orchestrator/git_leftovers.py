@@ -5,9 +5,10 @@ leaves the lock, and every later git call that needs that file refuses ("index.l
 lock is stale only when no git is still at work on it: the run's writer lock says no other vibetrain
 runs the run, but a git child of a vibetrain killed alone (not its process group) goes on, and so may a
 person's own git in the run directory. So a lock is taken away only when no live ``git`` process works
-in the run directory (read from ``/proc``: Linux, as the sandboxes are), and the lock is the same file,
-untouched, ``GRACE_S`` later. A linked worktree's own locks are not looked at: ``History.remove_worktree``
-deletes the worktree's whole entry before its round is redone."""
+in the run directory or one of its linked worktrees (read from ``/proc``: Linux, as the sandboxes are; a
+git in a round's worktree takes the shared ``packed-refs`` and ref locks too), and the lock is the same
+file, untouched, ``GRACE_S`` later. A linked worktree's own locks are not looked at:
+``History.remove_worktree`` deletes the worktree's whole entry before its round is redone."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def stale_locks(run_dir: Path, git_dir: Path) -> list[Path]:
     found = _locks(git_dir)
     if not found:
         return []
-    _wait_for_git(run_dir.resolve())
+    _wait_for_git(run_dir.resolve(), git_dir)
     before = {lock: _stamp(lock) for lock in found}
     time.sleep(GRACE_S)
     return [lock for lock in _locks(git_dir) if before.get(lock) is not None and _stamp(lock) == before[lock]]
@@ -49,19 +50,32 @@ def _stamp(lock: Path) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def _wait_for_git(run_dir: Path) -> None:
+def _work_trees(run_dir: Path, git_dir: Path) -> list[Path]:
+    """Where a git that writes this repository works: the run directory, and each linked worktree git has
+    an entry for (``worktrees/<id>/gitdir`` names its ``.git``, absolute or relative to the entry)."""
+    trees = [run_dir]
+    for gitdir in (git_dir / "worktrees").glob("*/gitdir"):
+        named = gitdir.read_text(errors="replace").strip()
+        if named:
+            trees.append((gitdir.parent / named).resolve().parent)
+    return trees
+
+
+def _wait_for_git(run_dir: Path, git_dir: Path) -> None:
     deadline = time.monotonic() + WAIT_FOR_GIT_S
-    while working := _git_processes_in(run_dir):
+    while working := _git_processes_in(_work_trees(run_dir, git_dir)):
         if time.monotonic() > deadline:
             raise GitStillRunning(
-                f"git (pid {', '.join(map(str, working))}) is still at work in {run_dir}: let it finish, or stop "
+                f"git (pid {', '.join(map(str, working))}) is still at work in {run_dir} or a "
+                "round's worktree of it: let it finish, or stop "
                 "it, before the run goes on"
             )
         time.sleep(0.2)
 
 
-def _git_processes_in(run_dir: Path) -> list[int]:
-    """Live ``git`` processes whose working directory is the run directory (GitPython runs git there), but
+def _git_processes_in(trees: list[Path]) -> list[int]:
+    """Live ``git`` processes whose working directory is in one of ``trees`` (GitPython runs git in the run
+    directory, the harness in a round's worktree), but
     ``cat-file``: GitPython keeps one open beside each repository it has read objects through (a test's, a
     ``vibetrain log`` in another terminal); it reads, and takes no lock."""
     proc = Path("/proc")
@@ -72,7 +86,10 @@ def _git_processes_in(run_dir: Path) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if (entry / "comm").read_text().strip() != "git" or Path(os.readlink(entry / "cwd")) != run_dir:
+            if (entry / "comm").read_text().strip() != "git":
+                continue
+            cwd = Path(os.readlink(entry / "cwd"))
+            if not any(cwd.is_relative_to(tree) for tree in trees):
                 continue
             if (entry / "cmdline").read_bytes().split(b"\0")[1:2] != [b"cat-file"]:
                 found.append(int(entry.name))

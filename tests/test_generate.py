@@ -766,18 +766,21 @@ def test_a_lock_a_live_git_holds_is_never_taken(tmp_path, monkeypatch):
     fake_git = tmp_path / "bin" / "git"  # a process named git, at work in the run directory
     fake_git.parent.mkdir()
     fake_git.symlink_to(shutil.which("sleep"))
-    working = subprocess.Popen([str(fake_git), "30"], cwd=run)
-    while Path(f"/proc/{working.pid}/comm").read_text().strip() != "git":  # named once its exec is done
-        time.sleep(0.01)
+    worktree = History.open(run).worktree(tmp_path / "workspaces" / "round-1", "best")  # outside the run directory
     (git_dir / "index.lock").write_text("")
     monkeypatch.setattr(git_leftovers, "WAIT_FOR_GIT_S", 0.5)
-    try:
-        with pytest.raises(git_leftovers.GitStillRunning, match=f"git \\(pid {working.pid}\\) is still at work in"):
-            git_leftovers.stale_locks(run, git_dir)
-    finally:
-        working.kill()
-        working.wait()
-    assert (git_dir / "index.lock").exists()
+    for where in (run, worktree / "stack"):  # the run directory; a folder of a round's worktree
+        where.mkdir(exist_ok=True)
+        working = subprocess.Popen([str(fake_git), "30"], cwd=where)
+        while Path(f"/proc/{working.pid}/comm").read_text().strip() != "git":  # named once its exec is done
+            time.sleep(0.01)
+        try:
+            with pytest.raises(git_leftovers.GitStillRunning, match=f"git \\(pid {working.pid}\\) is still at work in"):
+                git_leftovers.stale_locks(run, git_dir)
+        finally:
+            working.kill()
+            working.wait()
+        assert (git_dir / "index.lock").exists()
 
     def rewritten(seconds):  # the git holding it commits a new one in the meantime
         (git_dir / "index.lock").unlink()

@@ -7,9 +7,9 @@ the agents put in their system prompt. A reply is ``Reply(text=..., tool_calls=[
 or a fault: ``Fault(status=429)``, ``Fault(status=500)``, ``Fault(drop=True)`` (the stream is cut
 mid-way), ``Fault(reset=True)`` (closed inside a chunk: a transport error), ``Fault(stream_error=
 "overloaded_error")`` (an error event in a stream the server had accepted), ``Fault(status=429,
-headers={"retry-after": "2"})``. ``Reply(cut=True)`` stops at the output
-limit (OpenAI ``finish_reason: length``, Anthropic ``stop_reason: max_tokens``). Every request is
-recorded (``server.requests``) for the tests to inspect.
+headers={"retry-after": "2"})``, ``Fault(status=429, kind="insufficient_quota")`` (the body's error
+type). ``Reply(cut=True)`` stops at the output limit (OpenAI ``finish_reason: length``, Anthropic
+``stop_reason: max_tokens``). Every request is recorded (``server.requests``) for the tests to inspect.
 
 Requests the real services refuse are refused alike, with their 400s: an OpenAI reasoning model (o1,
 o3, o4, gpt-5, and ``fake-reasoner``, which no client knows by name) given ``max_tokens``;
@@ -52,6 +52,8 @@ class Fault:
     reset: bool = False  # start a chunked stream, then close the connection inside a chunk
     stream_error: str | None = None  # start a stream, then send an error event of this type
     headers: dict[str, str] = field(default_factory=dict)  # sent with the error (retry-after, ...)
+    kind: str | None = None  # the error body's type (OpenAI's type and code): insufficient_quota, billing_error, ...
+    message: str | None = None  # the error body's message
 
 
 class FakeLLMServer:
@@ -137,7 +139,8 @@ class FakeLLMServer:
                         return self._cut_short(*CUT_IN_A_CHUNK)
                     if reply.stream_error is not None:
                         return self._stream_error(reply.stream_error, anthropic)
-                    return self._error(reply.status, why or f"scripted {reply.status}", anthropic, reply.headers)
+                    message = reply.message or why or f"scripted {reply.status}"
+                    return self._error(reply.status, message, anthropic, reply.headers, reply.kind)
                 if anthropic:
                     return self._anthropic_stream(reply) if stream else self._json(200, _anthropic_message(reply, body))
                 return self._openai_stream(reply, body) if stream else self._json(200, _openai_completion(reply, body))
@@ -153,11 +156,14 @@ class FakeLLMServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _error(self, status: int, message: str, anthropic: bool, headers: dict | None = None) -> None:
+            def _error(
+                self, status: int, message: str, anthropic: bool, headers: dict | None = None, kind: str | None = None
+            ) -> None:
                 if anthropic:
-                    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "api_error")
+                    kind = kind or {401: "authentication_error", 429: "rate_limit_error"}.get(status, "api_error")
                     return self._json(status, {"type": "error", "error": {"type": kind, "message": message}}, headers)
-                return self._json(status, {"error": {"message": message, "type": "error", "code": status}}, headers)
+                error = {"message": message, "type": kind or "error", "code": kind or status}
+                return self._json(status, {"error": error}, headers)
 
             def _sse_start(self) -> None:
                 self.send_response(200)

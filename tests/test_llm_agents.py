@@ -24,6 +24,7 @@ from agents.llm.client import (
     BudgetSpent,
     ClientConfig,
     LLMError,
+    LLMRefused,
     LLMUnusable,
     ToolCall,
     make_client,
@@ -160,7 +161,7 @@ def test_anthropic_cache_writes_count_at_their_higher_price(server):
 
 def test_a_429_storm_gives_up_with_a_clear_message(server):
     server.script("planner", *[Fault(status=429)] * 5)
-    with pytest.raises(LLMError, match=r"rate limited \(429\); gave up after 3 retries"):
+    with pytest.raises(LLMError, match=r"rate limited \(429\): .*scripted 429; gave up after 3 retries"):
         _client(server, "openai").chat("ROLE: planner", [{"role": "user", "content": "x"}], [])
     assert len(server.requests) == 4
 
@@ -177,6 +178,37 @@ def test_authentication_and_unknown_model_fail_at_once(server, monkeypatch):
     monkeypatch.delenv(KEY)
     with pytest.raises(LLMError, match=f"no API key: set \\${KEY}"):
         _client(server, "openai")
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_each_error_is_retried_refused_or_stops_the_run_by_what_it_says(server, provider):
+    """A spent quota or credit stops the run (OpenAI's comes as a 429 no wait ends; Anthropic's as a 400 or a
+    billing_error); 408 and 409 pass with a retry, as the SDKs' own retries know; the server's x-should-retry
+    decides where it says; a 400 refuses the request for what it holds, which no retry changes."""
+    quota = Fault(status=429, kind="insufficient_quota", message="You exceeded your current quota")
+    for fault in (
+        quota,
+        Fault(status=400, kind="invalid_request_error", message="Your credit balance is too low to access the API"),
+        Fault(status=402, kind="billing_error", message="billing"),
+    ):
+        server.requests.clear()
+        server.script("planner", fault)
+        with pytest.raises(LLMUnusable, match=r"quota or credit is spent .*" + fault.message):
+            _ask(_client(server, provider))
+        assert len(server.requests) == 1
+    server.script("planner", Fault(status=408), Fault(status=409), Reply(text="ok"))
+    assert _ask(_client(server, provider)).text == "ok"
+    server.script("planner", Fault(status=500, headers={"x-should-retry": "false"}))
+    with pytest.raises(LLMError, match=r"HTTP 500") as raised:
+        _ask(_client(server, provider))
+    assert not isinstance(raised.value, (LLMRefused, LLMUnusable))
+    server.script("planner", Fault(status=400, headers={"x-should-retry": "true"}), Reply(text="ok"))
+    assert _ask(_client(server, provider)).text == "ok"
+    server.requests.clear()
+    server.script("planner", Fault(status=400, message="prompt is too long: 40000 tokens > 32768 maximum"))
+    with pytest.raises(LLMRefused, match=r"HTTP 400: .*prompt is too long"):
+        _ask(_client(server, provider))
+    assert len(server.requests) == 1
 
 
 def test_costs_come_from_the_price_table_and_unknown_models_say_so(caplog):
@@ -280,7 +312,7 @@ def test_backoff_honours_retry_after_and_jitters(server, provider, monkeypatch):
     server.requests.clear()
     server.script("planner", Fault(status=429, headers={"retry-after": "600"}))
     with pytest.raises(
-        LLMError, match=r"rate limited \(429\); the server asks to retry after 600s, more than the 120s"
+        LLMError, match=r"rate limited \(429\): .*; the server asks to retry after 600s, more than the 120s"
     ):
         _ask(client)
     assert len(server.requests) == 1 and len(waits) == 5

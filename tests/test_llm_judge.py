@@ -401,13 +401,24 @@ def test_a_review_that_reaches_no_verdict_rejects_never_falls_back(server, works
     assert verdict.reasons[0].startswith("llm_review: reached no verdict: StuckError: ")
 
 
+def test_a_review_whose_request_the_provider_refuses_rejects_never_falls_back(server, workspace, tmp_path):
+    """A 400 for what the request holds (a diff past a local model's window, text the provider flags) is the
+    candidate's doing as much as a derailed reviewer: it rejects, where an outage would leave the gate alone."""
+    server.script("judge", Fault(status=400, message="prompt is too long: 40000 tokens > 32768 maximum"))
+    verdict = LLMJudge(PassingGate(), _client(server)).judge(workspace, tmp_path / "out", TASK)
+    assert not verdict.passed and verdict.checks[-1].name == "llm_review" and not verdict.checks[-1].passed
+    assert verdict.reasons[0].startswith("llm_review: reached no verdict: LLMRefused: ")
+    assert "prompt is too long" in verdict.reasons[0] and len(server.requests) == 1
+
+
 def test_a_review_that_cannot_be_had_leaves_the_gate_to_decide_unless_required(server, workspace, tmp_path):
     server.script("judge", *STORM)
     verdict = LLMJudge(PassingGate(), _client(server)).judge(workspace, tmp_path / "out", TASK)
     assert verdict.passed and verdict.run is not None  # the gate's run still opens the measurement
     [note] = verdict.checks[-1].reasons
     assert verdict.checks[-1].name == "llm_review" and verdict.checks[-1].passed
-    assert note.startswith("unavailable: LLMError: ") and "rate limited (429); gave up after 4 retries" in note
+    assert note.startswith("unavailable: LLMError: ") and "rate limited (429): " in note
+    assert "; gave up after 4 retries" in note
     assert note.endswith("; the deterministic gate decided")
 
     server.script("judge", *STORM)

@@ -86,6 +86,12 @@ class LLMUnusable(LLMError):
     every later call would fail alike, so the run stops naming it, rather than fail round after round."""
 
 
+class LLMRefused(LLMError):
+    """The provider refused this request for what it holds (400, 413, 422, or a permanent error in the
+    stream: a context past the model's window, content its filter flags): retrying it cannot help, and
+    the content may be a candidate's, put there to make its reviewer fail (``LLMJudge`` rejects on it)."""
+
+
 class BudgetUnkept(LLMUnusable):
     """The run has an LLM budget and the server reports no token usage: the budget cannot be kept, so
     the backend cannot be used as configured, and the run stops rather than spend past it unseen."""
@@ -299,11 +305,11 @@ class _RetryingClient:
             try:
                 turn = self._call(system, messages, tools)
             except Exception as error:  # classified just below; anything unrecognised is re-raised unchanged
-                transient, message = self._classify(error)
+                kind, message = self._classify(error)
                 if message is None:
                     raise
-                if not transient:  # a refusal of the run's configuration stops the run; anything else, the call
-                    raise (LLMUnusable if self._refuses_configuration(error) else LLMError)(message) from error
+                if kind is not None:  # a refusal of the run's configuration stops the run; of the request, the call
+                    raise kind(message) from error
                 attempt += 1
                 if attempt > self.config.max_retries:
                     raise LLMError(f"{message}; gave up after {self.config.max_retries} retries") from error
@@ -323,35 +329,41 @@ class _RetryingClient:
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
         raise NotImplementedError
 
-    def _refuses_configuration(self, error: Exception) -> bool:
-        """401, 403, 404: the key, the permission, the model; every later call would fail alike."""
-        return isinstance(error, (self.sdk.AuthenticationError, self.sdk.PermissionDeniedError, self.sdk.NotFoundError))
-
-    def _classify(self, error: Exception) -> tuple[bool, str | None]:
-        """(transient?, message) for the SDK's errors (both SDKs name them alike); (False, None) for
-        anything else, which is re-raised unchanged."""
+    def _classify(self, error: Exception) -> tuple[type[LLMError] | None, str | None]:
+        """(what to raise, message) for the SDK's errors (both SDKs name them alike): None to raise for a
+        transient one (retried); ``LLMUnusable`` where every later call would fail alike (the key, the
+        permission, the model, the account's quota or credit); ``LLMRefused`` for a request refused for
+        what it holds. (None, None) for anything else, which is re-raised unchanged."""
         sdk, host = self.sdk, self.config.base_url or self.default_host
         where = f"{self.config.provider} {self.config.model} at {host}"
         if isinstance(error, sdk.AuthenticationError):
-            return False, f"{where}: authentication failed (401): check ${self.config.api_key_env}"
+            return LLMUnusable, f"{where}: authentication failed (401): check ${self.config.api_key_env}"
         if isinstance(error, sdk.PermissionDeniedError):
-            return False, f"{where}: permission denied (403): {error.message}"
+            return LLMUnusable, f"{where}: permission denied (403): {error.message}"
         if isinstance(error, sdk.NotFoundError):
-            return False, f"{where}: not found (404): is the model name right? ({error.message})"
+            return LLMUnusable, f"{where}: not found (404): is the model name right? ({error.message})"
+        if isinstance(error, sdk.APIStatusError) and _out_of_credit(error):
+            spent = f"the account's quota or credit is spent ({error.status_code})"
+            return LLMUnusable, f"{where}: {spent}: {error.message}"
         if isinstance(error, sdk.RateLimitError):
-            return True, f"{where}: rate limited (429)"
+            return None, f"{where}: rate limited (429): {error.message}"
         if isinstance(error, sdk.APIStatusError) and error.status_code < 400:
             # an error event in a stream the server had accepted (Anthropic's overloaded_error comes so)
             kind = _error_type(error.body)
-            return kind in TRANSIENT_STREAM_ERRORS, f"{where}: an error in the stream ({kind}): {error.message}"
+            refused = None if kind in TRANSIENT_STREAM_ERRORS else LLMRefused
+            return refused, f"{where}: an error in the stream ({kind}): {error.message}"
         if isinstance(error, sdk.APIStatusError):
-            return error.status_code >= 500, f"{where}: HTTP {error.status_code}: {error.message}"
+            asked = _should_retry(error)
+            transient = asked if asked is not None else error.status_code >= 500 or error.status_code in (408, 409)
+            refused = LLMRefused if error.status_code < 500 else LLMError
+            return None if transient else refused, f"{where}: HTTP {error.status_code}: {error.message}"
         if isinstance(error, (sdk.APIConnectionError, sdk.APITimeoutError, _StreamCut, *_transport_errors())):
-            return True, f"{where}: connection failed or stream cut ({type(error).__name__}: {error})"
+            return None, f"{where}: connection failed or stream cut ({type(error).__name__}: {error})"
         if isinstance(error, sdk.APIError):  # an error payload in the stream (OpenAI raises it without a status)
             kind = _error_type(error.body)
-            return kind not in PERMANENT_STREAM_ERRORS, f"{where}: an error in the stream ({kind}): {error.message}"
-        return False, None
+            refused = LLMRefused if kind in PERMANENT_STREAM_ERRORS else None
+            return refused, f"{where}: an error in the stream ({kind}): {error.message}"
+        return None, None
 
 
 # Errors a server may send inside a stream it had accepted, by their type: these pass with a retry
@@ -369,6 +381,32 @@ def _error_type(body: object) -> str:
         if isinstance(body.get("type"), str) and body["type"] != "error":
             return body["type"]
     return "unknown"
+
+
+# What a provider says when the account, not the request, is the problem: OpenAI's 429 with
+# ``insufficient_quota`` (the rate limiter's status, but no wait ends it), Anthropic's ``billing_error``
+# and its 400 "credit balance is too low".
+OUT_OF_CREDIT_TYPES = frozenset({"insufficient_quota", "billing_error"})
+
+
+def _out_of_credit(error: Exception) -> bool:
+    body = getattr(error, "body", None)
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    code = inner.get("code") if isinstance(inner, dict) else None
+    message = str(getattr(error, "message", "")).lower()
+    return (
+        getattr(error, "status_code", None) == 402
+        or _error_type(body) in OUT_OF_CREDIT_TYPES
+        or code in OUT_OF_CREDIT_TYPES
+        or "credit balance" in message
+    )
+
+
+def _should_retry(error: Exception) -> bool | None:
+    """The server's own word (``x-should-retry: true|false``, which both SDKs honour), None without one."""
+    headers = getattr(getattr(error, "response", None), "headers", None)
+    said = headers.get("x-should-retry") if headers is not None else None
+    return {"true": True, "false": False}.get(said) if said is not None else None
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:

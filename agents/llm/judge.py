@@ -14,8 +14,9 @@ with a passing ``llm_review`` check that says the review was unavailable, unless
 the review (``--require-llm-review``): then the candidate is rejected. A spent LLM budget is not such
 a failure, nor a backend that refuses the run's configuration (401, 403, 404): ``BudgetSpent`` and
 ``LLMUnusable`` propagate, and the run stops. A review that ran and reached no verdict (the
-model stuck, out of turns, or answering outside its schema twice) rejects: the candidate's own text can
-cause that on purpose.
+model stuck, out of turns, or answering outside its schema twice) rejects, and so does one whose
+request the provider refused for what it held (``LLMRefused``: a diff past the model's window, text its
+filter flags): the candidate's own text can cause either on purpose.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from agents import workspace_git
 from agents.llm.agents import PROMPTS, OutputSchemaError, Review, answer
-from agents.llm.client import BudgetSpent, ChatClient, LLMUnusable
+from agents.llm.client import BudgetSpent, ChatClient, LLMRefused, LLMUnusable
 from agents.llm.loop import StuckError, run_loop
 from agents.llm.tools import Toolbox
 from agents.offline.judge import first_of, ignored_files
@@ -273,8 +274,9 @@ class LLMJudge:
             review = self.review(workspace, task, verdict, context)
         except (BudgetSpent, LLMUnusable):
             raise  # a spent budget, or a backend that refuses the run: the run stops, no outage to fall back from
-        except (StuckError, OutputSchemaError) as error:  # the model read the candidate and reached no verdict:
-            # content can cause that on purpose (a candidate built to derail its reviewer), so it rejects
+        except (StuckError, OutputSchemaError, LLMRefused) as error:  # the model read the candidate and reached no
+            # verdict, or the provider refused what the candidate put in the request: content can cause either on
+            # purpose (a candidate built to derail its reviewer), so it rejects
             reasons = [f"reached no verdict: {type(error).__name__}: {error}"]
             return reviewed(verdict, False, reasons)
         except AgentError as error:  # the provider past its retries, a CLI that failed: an outage

@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from agents.llm.agents import LLMEvaluator
-from agents.llm.client import Accounting, BudgetSpent, ClientConfig, make_client
+from agents.llm.client import Accounting, ClientConfig, make_client
 from agents.llm.judge import DIFF_LIMIT, HACKS, LLMJudge
 from agents.offline.judge import OfflineJudge
 from agents.roles import Evaluation, Hint, RoundContext, Task, Verdict
@@ -427,9 +427,13 @@ def test_a_review_that_cannot_be_had_leaves_the_gate_to_decide_unless_required(s
     assert required.reasons[0].startswith("llm_review: unavailable: LLMError: ")
     assert "--require-llm-review" in required.reasons[0]
 
+    # the budget spent during the round (the implementer's last call crossed it): the gated candidate is kept,
+    # as in an outage (the paid-for work is not thrown away), and the run stops at its check after the round
     spent = Accounting(max_tokens=10, spent_before={"input_tokens": 10})
-    with pytest.raises(BudgetSpent):  # a spent budget is no outage: it stops the run
-        LLMJudge(PassingGate(), _client(server, spent)).judge(workspace, tmp_path / "b", TASK)
+    kept = LLMJudge(PassingGate(), _client(server, spent)).judge(workspace, tmp_path / "b", TASK)
+    assert kept.passed and kept.checks[-1].reasons[0].startswith("unavailable: BudgetSpent: token budget of 10 spent")
+    required = LLMJudge(PassingGate(), _client(server, spent), review_required=True)
+    assert not required.judge(workspace, tmp_path / "c", TASK).passed
 
 
 def _evaluation() -> Evaluation:
@@ -455,9 +459,11 @@ def test_the_evaluator_falls_back_to_the_offline_hints_and_says_why(server, tmp_
     assert stall.code == "stall" and note.code == "llm_hints_unavailable"
     assert note.message.startswith(f"LLM hints unavailable ({cause}")
     assert note.message.endswith("the hints above are the offline rules' only")
-    with pytest.raises(BudgetSpent):
-        spent = Accounting(max_tokens=10, spent_before={"input_tokens": 10})
-        LLMEvaluator(tiny_spec, OfflineEvaluator(), _client(server, spent)).evaluate(tmp_path, tmp_path, None, [0])
+    spent = Accounting(max_tokens=10, spent_before={"input_tokens": 10})  # spent during the round: kept, as above
+    evaluation = LLMEvaluator(tiny_spec, OfflineEvaluator(), _client(server, spent)).evaluate(
+        tmp_path, tmp_path, None, [0]
+    )
+    assert evaluation.hints[-1].message.startswith("LLM hints unavailable (BudgetSpent: token budget of 10 spent")
 
 
 EDIT = (

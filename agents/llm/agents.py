@@ -17,7 +17,7 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agents.llm import context as facts
-from agents.llm.client import BudgetSpent, ChatClient, LLMError, LLMUnusable
+from agents.llm.client import ChatClient, LLMError, LLMUnusable
 from agents.llm.loop import cut_note, parse_answer, run_loop
 from agents.llm.tools import Toolbox, ToolResultError, inside, read_design
 from agents.roles import AgentError, Attempt, Evaluation, Hint, RoundContext, Task
@@ -226,9 +226,10 @@ class LLMEvaluator:
             output = answer(
                 self.client, system, [{"role": "user", "content": "Write the hints."}], EvaluatorOutput, "evaluator"
             )
-        except (BudgetSpent, LLMUnusable):
-            raise  # a spent budget, or a backend that refuses the run: the run stops, no outage to fall back from
-        except (LLMError, OutputSchemaError) as error:
+        except LLMUnusable:
+            raise  # a backend that refuses the run: the run stops, no outage to fall back from
+        except (LLMError, OutputSchemaError) as error:  # BudgetSpent too: the measured candidate is kept, with the
+            # offline hints, and the run stops at its budget check after the round
             evaluation.hints.append(
                 Hint(
                     code="llm_hints_unavailable",

@@ -8,15 +8,15 @@ the gate already rules out, the diff (whole up to ``DIFF_LIMIT``, else file by f
 what was left out) and the files git ignores. It reads more through read-only tools and answers
 with a ``Review`` through the tool loop's ``finish``.
 
-When the review cannot be had (the provider fails past its retries, a CLI fails), the round keeps
-its gated candidate: the gate's verdict stands
-with a passing ``llm_review`` check that says the review was unavailable, unless the run requires
-the review (``--require-llm-review``): then the candidate is rejected. A spent LLM budget is not such
-a failure, nor a backend that refuses the run's configuration (401, 403, 404): ``BudgetSpent`` and
-``LLMUnusable`` propagate, and the run stops. A review that ran and reached no verdict (the
-model stuck, out of turns, or answering outside its schema twice) rejects, and so does one whose
-request the provider refused for what it held (``LLMRefused``: a diff past the model's window, text its
-filter flags): the candidate's own text can cause either on purpose.
+When the review cannot be had (the provider fails past its retries, a CLI fails, the run's LLM budget
+was spent during the round), the round keeps its gated candidate: the gate's verdict stands with a
+passing ``llm_review`` check that says the review was unavailable, unless the run requires the review
+(``--require-llm-review``): then the candidate is rejected (and kept as rejected). The run stops at its
+budget check after the round. A backend that refuses the run's configuration (401, 403, 404, a spent
+quota) is not such a failure: ``LLMUnusable`` propagates, and the run stops. A review that ran and
+reached no verdict (the model stuck, out of turns, or answering outside its schema twice) rejects, and
+so does one whose request the provider refused for what it held (``LLMRefused``: a diff past the model's
+window, text its filter flags): the candidate's own text can cause either on purpose.
 """
 
 from __future__ import annotations
@@ -272,8 +272,10 @@ class LLMJudge:
             return verdict
         try:
             review = self.review(workspace, task, verdict, context)
-        except (BudgetSpent, LLMUnusable):
-            raise  # a spent budget, or a backend that refuses the run: the run stops, no outage to fall back from
+        except LLMUnusable:
+            raise  # a backend that refuses the run: the run stops, no outage to fall back from
+        except BudgetSpent as error:  # crossed during this round: the gated candidate is kept as an outage's
+            return self.unavailable(verdict, error)  # would be, and the run stops at its budget check after it
         except (StuckError, OutputSchemaError, LLMRefused) as error:  # the model read the candidate and reached no
             # verdict, or the provider refused what the candidate put in the request: content can cause either on
             # purpose (a candidate built to derail its reviewer), so it rejects

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import os
 import random
 import sys
 import time
@@ -574,9 +575,13 @@ def test_an_unknown_tool_or_invalid_arguments_come_back_as_tool_errors(toolbox):
 
 
 def test_commands_run_in_the_sandbox_without_the_keys(toolbox, monkeypatch):
+    """The command gets the harness's environment scrubbed as a candidate's run is (its PATH and Python,
+    so the agent can run the stack's tests), never a key: an empty environment hid both."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-must-not-leak")
-    result = _call(toolbox, "run_command", command="env; echo done")
-    assert "exit code 0" in result and "done" in result and "sk-must-not-leak" not in result
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = _call(toolbox, "run_command", command="env; python -c 'import sys, yaml; print(sys.prefix)'")
+    assert "exit code 0" in result and sys.prefix in result, result
+    assert "sk-must-not-leak" not in result
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process command lines from /proc")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import subprocess
 from collections.abc import Callable
@@ -324,8 +325,13 @@ class Toolbox:
         """Writable: the workspace alone (the sandbox's /tmp is its own). No folder inside it is named
         apart: the sandbox would mount what a link planted there points to."""
         with owned_containers(self.sandbox.backend) as owner:  # a Docker container outlives its killed client
-            command, env = self.sandbox.wrap(
-                ["bash", "-c", a.command], {}, writable=[self.workspace], cwd=self.workspace, owner=owner
+            command, env = self.sandbox.wrap(  # the harness's environment, scrubbed of secrets (as for a candidate's
+                # run): its PATH and virtualenv, so the agent runs the Python and the tests the judge will run
+                ["bash", "-c", a.command],
+                dict(os.environ),
+                writable=[self.workspace],
+                cwd=self.workspace,
+                owner=owner,
             )
             try:  # under the reaper: a background or setsid'd process ends with the command
                 result = run_reaped(command, "", cwd=self.workspace, env=env or None, timeout_s=a.timeout_s)

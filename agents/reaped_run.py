@@ -9,18 +9,49 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 KILL_GRACE_S = 5.0  # after SIGTERM, how long the command has to end before it and all it started are killed
 REAPER_MARGIN_S = 5.0  # how much longer the reaper has to kill them before its own group is killed
 
 
-def reaped_argv(argv: list[str], grace_s: float) -> list[str]:
+@dataclass(frozen=True)
+class CommandLimits:
+    """What a model-written command may take besides time: its address space, the size of any file it
+    writes (its output too, which goes to files: printing without end fills no memory of the harness's),
+    and how many characters of each stream come back (its start and its end)."""
+
+    memory_bytes: int
+    file_bytes: int = 1 << 30
+    output_chars: int = 64_000
+
+    @classmethod
+    def half_the_machine(cls) -> CommandLimits:
+        """Half this machine's physical memory: the harness and the judge keep the rest."""
+        return cls(memory_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
+
+
+def reaped_argv(argv: list[str], grace_s: float, limits: CommandLimits | None = None) -> list[str]:
     """``argv`` under ``agents/reaper.py`` (see there: it kills whatever the command leaves running, a
     setsid'd process too, and keeps process ids as they are). Run by its path in isolated mode: it runs
     in the workspace, where a planted ``agents/reaper.py`` would otherwise be the one imported."""
     reaper = str(Path(__file__).with_name("reaper.py"))
-    return [sys.executable, "-I", reaper, "--grace", f"{grace_s:g}", "--caller", str(os.getpid()), *argv]
+    bounds = ["--memory", str(limits.memory_bytes), "--file-size", str(limits.file_bytes)] if limits else []
+    return [sys.executable, "-I", reaper, "--grace", f"{grace_s:g}", "--caller", str(os.getpid()), *bounds, *argv]
+
+
+def _ends_of(stream, chars: int) -> str:
+    """A captured stream's text: whole up to ``chars``, else its start and its end, with what was left out."""
+    size = stream.seek(0, os.SEEK_END)
+    stream.seek(0)
+    if size <= chars:
+        return stream.read().decode(errors="replace")
+    head = stream.read(chars // 2).decode(errors="replace")
+    stream.seek(size - chars // 2)
+    tail = stream.read().decode(errors="replace")
+    return f"{head}\n[... {size - chars} bytes left out ...]\n{tail}"
 
 
 def stop(process: subprocess.Popen, grace_s: float) -> None:
@@ -42,10 +73,15 @@ def run_reaped(
     env: dict | None,
     timeout_s: float,
     grace_s: float = KILL_GRACE_S,
+    limits: CommandLimits | None = None,
 ) -> subprocess.CompletedProcess:
     """``argv`` with ``input`` on stdin, its output captured as text; whatever it left running is killed
     when it ends. Past ``timeout_s`` it gets SIGTERM and ``grace_s`` to end, then it and everything it
-    started are killed, and ``subprocess.TimeoutExpired`` is raised."""
+    started are killed, and ``subprocess.TimeoutExpired`` is raised. With ``limits`` (a model-written
+    command), its memory and file sizes are bounded and its output kept in files, of which the start and
+    the end come back."""
+    if limits is not None:
+        return _run_limited(argv, input, cwd=cwd, env=env, timeout_s=timeout_s, grace_s=grace_s, limits=limits)
     process = subprocess.Popen(
         reaped_argv(argv, grace_s),
         cwd=cwd,
@@ -62,3 +98,25 @@ def run_reaped(
         stop(process, grace_s)
         raise
     return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+
+
+def _run_limited(
+    argv: list[str], input: str, *, cwd: Path, env: dict | None, timeout_s: float, grace_s: float, limits: CommandLimits
+) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        process = subprocess.Popen(
+            reaped_argv(argv, grace_s, limits),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+        try:
+            process.communicate(input.encode(), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop(process, grace_s)
+            raise
+        out, err = _ends_of(stdout, limits.output_chars), _ends_of(stderr, limits.output_chars)
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)

@@ -11,6 +11,10 @@ wrapper exits with the command's status.
 Unlike a PID namespace, this leaves process ids as they are: the checks the CLI runs read ``/proc`` to
 watch their own children's memory and count, and must find them there under their own ids.
 
+``--memory BYTES`` and ``--file-size BYTES`` set the command's address-space and file-size limits
+(``RLIMIT_AS``, ``RLIMIT_FSIZE``; its output goes to files, so a command that prints without end is
+stopped there rather than filling its caller's memory).
+
 SIGTERM (a timeout, from the caller) is passed to the command; after ``--grace`` seconds, or as soon as
 the command is gone, its whole tree is killed. If the caller dies, the wrapper gets SIGTERM too
 (``PR_SET_PDEATHSIG``) and does the same; a caller already gone when it starts (``--caller PID``, the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -80,14 +85,18 @@ def kill_tree() -> None:
 
 def main(argv: list[str]) -> int:
     grace, caller = 5.0, os.getppid()
-    while argv[:1] in (["--grace"], ["--caller"]) and len(argv) > 1:
+    limits = {"--memory": resource.RLIMIT_AS, "--file-size": resource.RLIMIT_FSIZE}
+    while argv[:1] in (["--grace"], ["--caller"], *([flag] for flag in limits)) and len(argv) > 1:
         if argv[0] == "--grace":
             grace = float(argv[1])
+        elif argv[0] in limits:  # this process's own, which the command inherits
+            resource.setrlimit(limits[argv[0]], (int(argv[1]), int(argv[1])))
         else:  # named by the caller: one that died before this line ran has handed us to another already
             caller = int(argv[1])
         argv = argv[2:]
     if not argv:
-        print("usage: python -I reaper.py [--grace SECONDS] [--caller PID] COMMAND...", file=sys.stderr)
+        usage = "usage: python -I reaper.py [--grace S] [--caller PID] [--memory B] [--file-size B] COMMAND..."
+        print(usage, file=sys.stderr)
         return 2
     stopping: list[float] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.monotonic()))

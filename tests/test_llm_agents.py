@@ -584,6 +584,26 @@ def test_commands_run_in_the_sandbox_without_the_keys(toolbox, monkeypatch):
     assert "sk-must-not-leak" not in result
 
 
+def test_a_command_is_held_to_its_memory_and_file_limits_and_its_output_comes_back_in_part(toolbox):
+    """run_command had no bound but time: a model-written command could fill the disk (a 20 GiB file),
+    take the machine's memory, or print without end into a pipe the harness read whole into its own."""
+    from agents.reaped_run import CommandLimits
+
+    toolbox.limits = CommandLimits(memory_bytes=1 << 30, file_bytes=1 << 20, output_chars=1000)
+    wrote = _call(toolbox, "run_command", command="head -c 2000000 /dev/zero > big; echo wrote $?")
+    assert (toolbox.workspace / "big").stat().st_size == 1 << 20 and "wrote 0" not in wrote, wrote
+    took = _call(toolbox, "run_command", command="python3 -c 'b = bytearray(1536 << 20)'")
+    assert "exit code 1" in took and "MemoryError" in took, took
+    printed = _call(toolbox, "run_command", command="seq 1 100000")  # 589 kB: the start and the end come back
+    assert "\n1\n2\n" in printed and "\n100000\n" in printed and "bytes left out" in printed
+    assert len(printed) < 3000
+    endless = _call(toolbox, "run_command", command="yes", timeout_s=60)  # stopped at the output file's limit
+    assert endless.startswith("exit code 153") and "y\ny\n" in endless  # 128 + SIGXFSZ
+    (toolbox.workspace / "big").write_bytes(b"x\n" * (9 << 20))  # past what the host-side tools read whole
+    assert "look into it with run_command" in _call(toolbox, "read_file", path="big")
+    assert "not searched, over 8388608 bytes: big" in _call(toolbox, "search_files", pattern="x", path=".")
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process command lines from /proc")
 def test_a_command_past_its_time_leaves_nothing_running(tmp_path, tiny_spec):
     """subprocess.run's timeout killed only the direct child: under the subprocess (or Docker) sandbox a

@@ -23,11 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import targets
 from agents.llm.client import ToolCall, ToolSpec
-from agents.reaped_run import run_reaped
+from agents.reaped_run import CommandLimits, run_reaped
 from skills.library import load_skills, search_skills
 from targets.harness.isolation.containers import owned_containers
 
 MAX_RESULT = 12_000
+MAX_READ_BYTES = 8 << 20  # read_file and search_files read a file on the host: one larger is not read whole
 VIEW_LINES = 250  # lines read_file shows when no end is given
 REPO = Path(targets.__file__).resolve().parent.parent
 CONTRACT = ("targets/api.py", "skills/recipes")  # read-only, outside the workspace
@@ -143,6 +144,7 @@ class Toolbox:
         writable: bool = True,
     ) -> None:
         self.workspace, self.sandbox, self.checks, self.benchmark = workspace.resolve(), sandbox, checks, benchmark
+        self.limits = CommandLimits.half_the_machine()  # what run_command's command may take besides time
         self.tools: dict[str, tuple[type[_Args], Callable, str]] = {
             "list_files": (ListFiles, self.list_files, "List files under a directory of the workspace."),
             "read_file": (
@@ -258,6 +260,11 @@ class Toolbox:
         path = self._readable(a.path)
         if not path.is_file():
             raise ToolResultError(f"no file {a.path!r} (list_files shows what exists)")
+        if path.stat().st_size > MAX_READ_BYTES:
+            raise ToolResultError(
+                f"{a.path} is {path.stat().st_size} bytes, more than the {MAX_READ_BYTES} read_file reads; "
+                "look into it with run_command (head, sed -n, grep)"
+            )
         lines = path.read_text(errors="replace").splitlines()
         if not lines:
             return f"{a.path} is empty"
@@ -275,19 +282,26 @@ class Toolbox:
             regex = re.compile(a.pattern)
         except re.error as error:
             raise ToolResultError(f"bad regular expression {a.pattern!r}: {error}") from None
-        hits = []
+        hits, large = [], []
         for path in sorted(self._path(a.path).rglob("*")):
             hidden = ".git" in path.parts or "__pycache__" in path.parts
             if not inside(self.workspace, path) or not path.is_file() or hidden:
                 continue
+            if path.stat().st_size > MAX_READ_BYTES:
+                large.append(str(path.relative_to(self.workspace)))
+                continue
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
                 if regex.search(line):
                     hits.append(f"{path.relative_to(self.workspace)}:{number}: {line.strip()}")
-        return (
+        found = (
             "\n".join(hits[:200]) + (f"\n[... {len(hits) - 200} more matches]" if len(hits) > 200 else "")
             if hits
             else "(no match)"
         )
+        if large:
+            names = ", ".join(large[:20])
+            found += f"\n[not searched, over {MAX_READ_BYTES} bytes: {names}; grep them with run_command]"
+        return found
 
     def edit_file(self, a: EditFile) -> str:
         path = self._writable(a.path)
@@ -334,7 +348,9 @@ class Toolbox:
                 owner=owner,
             )
             try:  # under the reaper: a background or setsid'd process ends with the command
-                result = run_reaped(command, "", cwd=self.workspace, env=env or None, timeout_s=a.timeout_s)
+                result = run_reaped(
+                    command, "", cwd=self.workspace, env=env or None, timeout_s=a.timeout_s, limits=self.limits
+                )
             except subprocess.TimeoutExpired:
                 raise ToolResultError(
                     f"the command ran past {a.timeout_s:g}s; it and every process it started were stopped"

@@ -763,6 +763,31 @@ def test_a_frame_the_controllers_proxy_never_sends_is_refused_by_the_harness(tin
         assert reply.header["id"] == 5 and refused in reply.header["error"]["message"], reply.header
 
 
+def test_an_environment_the_users_entry_fails_to_make_mid_run_is_the_environments_fault(tiny_spec):
+    """Environments after the first are made as the controller asks for groups; a factory that raised then
+    (a UserEnvironmentError, a ValueError too) was read as the controller breaking the protocol: the round
+    was rejected instead of the run stopping on the user's environment. It fails the run as that error."""
+    from targets.harness.clock import WallClock
+    from targets.harness.environments.adapters import UserEnvironmentError
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.controller_link import ControllerLink
+
+    class Envs:  # a pool whose user factory raises when the second group is made
+        groups_created = 1
+
+        def new_group(self, extra, relaunch):
+            raise UserEnvironmentError("environment entry 'my_envs:make_flaky' raised OSError making an environment")
+
+    async def run() -> BaseException | None:
+        link = ControllerLink(None, Envs(), clock=WallClock(), virtual=False)
+        link.cluster = SimpleNamespace()
+        link._on_frame(Received({"kind": "env", "method": "new_group", "group": 1, "extra": 0}, []))
+        return link.done.exception()
+
+    failed = asyncio.run(run())
+    assert isinstance(failed, UserEnvironmentError) and "make_flaky" in str(failed), failed
+
+
 @pytest.mark.parametrize("state", [{"cpu:0": "engine"}, {"cpu:0": ["engine", 1]}, [["cpu:0", ["engine"]]]])
 def test_a_residency_the_audit_could_not_read_is_refused_where_it_is_reported(state):
     """The order-of-service and placement rules read the cluster's residency after each switch: a report of

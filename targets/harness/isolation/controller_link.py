@@ -156,6 +156,9 @@ class ControllerLink:
                 raise ProtocolError(f"new_group.relaunch: expected a group id or null, got {relaunch!r}")
             try:
                 episodes = self.envs.new_group(field_of(rx.header, "extra", int, "new_group"), relaunch)
+            except UserError as error:  # the user's environment would not be made: its failure, not the candidate's
+                self.fail(error)
+                return
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
             for episode in episodes:

@@ -217,6 +217,21 @@ class OldGym(HiddenNumber):
         return observation, reward, terminated, info
 
 
+class Renders(HiddenNumber):
+    """gymnasium-style, but its observations are no text: a board as a dict, or nothing at all."""
+
+    def __init__(self, reset_to=None, step_to=None):
+        super().__init__()
+        self.reset_to, self.step_to = reset_to, step_to
+
+    def reset(self, seed=None):
+        super().reset(seed)
+        return self.reset_to, {}
+
+    def step(self, action):
+        return self.step_to, 0.0, False, False, {}
+
+
 class Wordy(HiddenNumber):
     """Its first observation alone fills the model's context."""
 
@@ -452,6 +467,28 @@ def test_a_step_answer_a_run_cannot_train_on_is_named_by_its_field(catalog_yaml,
     episode = _pool(spec)[0].new_group()[0]
     asyncio.run(episode.reset())
     with pytest.raises(UserEnvironmentError, match=f"{environment['entry']} .*turn 1 of g0/e0") as caught:
+        asyncio.run(episode.step([5, 6]))
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("params", "when", "message"),
+    [
+        ({"reset_to": None}, "reset", "began g0/e0 with observation None, a NoneType, not a str"),
+        ({"reset_to": {"board": [1, 2]}}, "reset", "with observation {'board': [1, 2]}, a dict, not a str"),
+        ({"reset_to": "Move.", "step_to": b"hi"}, "step", "observation b'hi', not a str"),
+    ],
+    ids=["reset None", "reset dict", "step bytes"],
+)
+def test_an_observation_that_is_no_text_is_named_never_turned_into_its_repr(
+    catalog_yaml, user_package, params, when, message
+):
+    """The adapters took str() of whatever came: the model trained on 'None' or a dict's repr as its prompt."""
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Renders", "adapter": "gymnasium", "params": params})
+    episode = _pool(spec)[0].new_group()[0]
+    with pytest.raises(UserEnvironmentError, match="my_envs:Renders") as caught:
+        asyncio.run(episode.reset())
+        assert when == "step", "the reset was not refused"
         asyncio.run(episode.step([5, 6]))
     assert message in str(caught.value)
 

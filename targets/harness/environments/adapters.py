@@ -156,7 +156,7 @@ class GymnasiumText:
 
     async def reset(self, task: int) -> str:
         result = await in_user_thread(self.env.reset, seed=task)
-        return str(result[0] if isinstance(result, tuple) else result)
+        return result[0] if isinstance(result, tuple) else result  # the episode refuses one that is no text
 
     async def step(self, action: str) -> TextStep:
         """The step's answer as it came (the episode checks the reward): a 4-tuple is the old gym API,
@@ -169,7 +169,7 @@ class GymnasiumText:
                 f"step returned {got}{old}: gymnasium's step returns (observation, reward, terminated, truncated, info)"
             )
         observation, reward, terminated, truncated, _ = answer
-        return TextStep(str(observation), reward, bool(terminated or truncated))
+        return TextStep(observation, reward, bool(terminated or truncated))  # the episode refuses what is no text
 
     async def close(self) -> None:
         """gymnasium's ``close()``, where the environment has one: what it holds (a subprocess, a socket)
@@ -188,7 +188,7 @@ class TaskSet:
         """The task's question, picked in a thread as a step is scored (a set may make its tasks as it is
         indexed, and a slow one must not stall the harness's loop)."""
         self.entry = await in_user_thread(self._pick, task)
-        return str(self.entry["question"])
+        return self.entry["question"]  # the episode refuses one that is no text
 
     def _pick(self, task: int) -> Any:
         index = task % len(self.tasks)

@@ -113,7 +113,12 @@ class TextEpisode(Episode):
                 f"({limit:g} s): a hung environment"
             )
         self.stepping = False
-        prompt = self.chat.first(str(observation))
+        if not isinstance(observation, str):  # a repr (None, a dict, an array) is no prompt to train on
+            raise UserEnvironmentError(
+                f"environment {self.entry} began {self.episode_id} with observation {observation!r:.200}, a "
+                f"{type(observation).__name__}, not a str: a text environment's observations are text"
+            )
+        prompt = self.chat.first(observation)
         tokens = self.workload.tokens
         if len(prompt) + tokens.response > tokens.max_sequence:  # no turn would fit: said, not cut
             raise UserEnvironmentError(

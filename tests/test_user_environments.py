@@ -548,6 +548,19 @@ def test_an_environment_whose_step_the_run_end_cut_off_is_closed_once_that_step_
     assert closed[episode.environment.env.name] == 1 == made[episode.environment.env.name]
 
 
+def test_the_reference_loop_closes_every_environment_it_made(catalog_yaml, user_package, tmp_path):
+    """`vibetrain reference` never closed a user's environments: a subprocess or a sandbox each held
+    leaked with every episode of every step."""
+    from targets.harness.reference.loop import run_reference
+
+    spec = _spec(catalog_yaml, {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium"})
+    before = set(_ledger(tmp_path)[0])  # made as the spec was checked
+    run_reference(spec, steps=1, seed=0)
+    made, closed = _ledger(tmp_path)
+    assert len(set(made) - before) >= spec.workload.batch_size - 1, made  # the pool's check made the first
+    assert set(made) - before <= set(closed) and set(closed.values()) == {1}, (made, closed)
+
+
 def test_a_sys_exit_in_an_async_environment_is_named_and_never_stops_the_harness(catalog_yaml, user_package):
     spec = _spec(catalog_yaml, {"entry": "my_envs:Quits", "adapter": "text"})
     pool, _ = _pool(spec)

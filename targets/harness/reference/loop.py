@@ -42,7 +42,19 @@ class StepStats:
 async def rollout_lockstep(
     engine: ReferenceEngine, episodes: list[Episode], spec: TargetSpec, seed: int, stops: tuple[int, ...]
 ) -> list[Trajectory]:
-    """Roll every episode to its end, each turn stopping on ``stops``; one Trajectory per episode, in order."""
+    """Roll every episode to its end, each turn stopping on ``stops``; one Trajectory per episode, in order.
+    A user's environments are closed once all have ended (what they hold, a subprocess or a sandbox, let go)."""
+    try:
+        return await _rollout(engine, episodes, spec, seed, stops)
+    finally:
+        for episode in episodes:
+            if episode.asynchronous:
+                await episode.close()
+
+
+async def _rollout(
+    engine: ReferenceEngine, episodes: list[Episode], spec: TargetSpec, seed: int, stops: tuple[int, ...]
+) -> list[Trajectory]:
     tokens_spec, training = spec.workload.tokens, spec.workload.training
     prompts = await asyncio.gather(*(e.reset() for e in episodes))
     built = [

@@ -70,6 +70,44 @@ def test_vocabulary_too_small_is_refused():
     assert len(build_tokenizer(len(NAMED_VOCAB))) == len(NAMED_VOCAB)
 
 
+def test_a_built_in_environment_needs_the_word_tokenizer_it_writes_in(catalog_yaml, tmp_path):
+    """The built-in environments write and read the harness's word ids: a BPE, or a user's model's own
+    tokenizer, read their prompts as other text and their rewards meant nothing; such a spec was valid.
+    A directory vibetrain built with the word tokenizer still takes them, and a simulated run reads no text."""
+    import copy
+
+    from targets.spec import SpecError, parse_target
+
+    words, built_in = model_dir(parse_target(catalog_yaml).model), copy.deepcopy(catalog_yaml["workload"])
+    name, vocab = built_in["environment"]["name"], catalog_yaml["model"]["config"]["vocab_size"]
+    catalog_yaml["model"].update(tokenizer="bpe")
+    catalog_yaml["model"]["config"]["vocab_size"] = 320
+    with pytest.raises(SpecError, match=f"environment {name} is a built-in stand-in .* model.tokenizer: bpe tokenizer"):
+        parse_target(catalog_yaml)
+    assert parse_target({**catalog_yaml, "execution": "simulated"}).model.tokenizer == "bpe"
+    _speaking_text(catalog_yaml)
+    bpe = tmp_path / "bpe-model"  # a model directory with a tokenizer of its own
+    shutil.copytree(model_dir(parse_target(catalog_yaml).model), bpe)
+    catalog_yaml["workload"] = built_in
+    catalog_yaml["model"].update(weights=str(bpe), tokenizer=None)
+    with pytest.raises(SpecError, match=f"{bpe}'s tokenizer would read its token ids as other text"):
+        parse_target(catalog_yaml)
+    catalog_yaml["model"]["weights"] = str(words)
+    catalog_yaml["model"]["config"]["vocab_size"] = vocab
+    assert parse_target(catalog_yaml).workload.environment.name == name
+
+
+TEXT_ENVIRONMENT = {"entry": "reasoning_gym:create_dataset", "adapter": "tasks", "params": {"name": "chain_sum"}}
+
+
+def _speaking_text(catalog_yaml) -> None:
+    """An environment of text (a built-in one speaks the word vocabulary only): reasoning-gym's tasks."""
+    catalog_yaml["workload"].update(
+        environment=TEXT_ENVIRONMENT,
+        turns={"max": 1},
+    )
+
+
 def test_a_bpe_target_gets_a_chat_tokenizer_and_stops_on_its_end_of_turn(catalog_yaml, tmp_path):
     """``tokenizer: bpe``: any text encodes and decodes, the ChatML template renders a turn, and the
     runtime's stop tokens are the tokenizer's own (``<|im_end|>``), not the word-level ``<eos>``."""
@@ -78,6 +116,7 @@ def test_a_bpe_target_gets_a_chat_tokenizer_and_stops_on_its_end_of_turn(catalog
 
     catalog_yaml["model"].update(tokenizer="bpe")
     catalog_yaml["model"]["config"]["vocab_size"] = 320
+    _speaking_text(catalog_yaml)
     path = tmp_path / "bpe.yaml"
     path.write_text(__import__("yaml").safe_dump(catalog_yaml))
     target = Target.load(path)
@@ -103,6 +142,7 @@ def test_a_model_directory_brings_its_tokenizer_and_its_generation_configs_end_i
 
     catalog_yaml["model"].update(tokenizer="bpe")
     catalog_yaml["model"]["config"]["vocab_size"] = 320
+    _speaking_text(catalog_yaml)
     mine = tmp_path / "my-model"
     shutil.copytree(model_dir(parse_target(catalog_yaml).model), mine)
     (mine / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))

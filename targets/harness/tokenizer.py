@@ -150,6 +150,18 @@ def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def speaks_harness_words(model_dir: Path) -> bool:
+    """Whether a model directory's tokenizer gives the harness's words their ids (``NAMED_VOCAB``'s order),
+    as the directories built for ``random(seed)`` with the word tokenizer do: the built-in environments
+    write and read those ids. Read from ``tokenizer.json`` without loading it."""
+    path = Path(model_dir) / "tokenizer.json"
+    try:
+        vocab = json.loads(path.read_text()).get("model", {}).get("vocab")
+    except (OSError, json.JSONDecodeError, AttributeError):  # none, not JSON, not an object: not ours
+        return False
+    return isinstance(vocab, dict) and all(vocab.get(word) == i for i, word in enumerate(NAMED_VOCAB))
+
+
 def has_chat_template(model_dir: Path) -> bool:
     """Whether a model directory's tokenizer carries a chat template (in ``tokenizer_config.json`` or
     beside it, as transformers saves one), read without loading the tokenizer."""

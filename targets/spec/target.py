@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from targets.harness.tokenizer import has_chat_template
+from targets.harness.tokenizer import has_chat_template, speaks_harness_words
 from targets.spec.base import Strict
 from targets.spec.hardware import AnyHardware
 from targets.spec.model import ModelSpec
@@ -190,6 +190,23 @@ class TargetSpec(Strict):
                 "template (model.tokenizer: bpe, or a model directory whose tokenizer has one)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _builtin_environment_speaks_the_harness_words(self) -> TargetSpec:
+        """A built-in environment writes and reads token ids of the harness's word vocabulary: through any
+        other tokenizer (a BPE, a user's model's own) its prompts are other text, and its rewards mean
+        nothing to the model. (A simulated run draws what the model answers: there, the text is not read.)"""
+        env = self.workload.environment
+        if env.entry is not None or self.model.tokenizer_kind == "words" or self.execution == "simulated":
+            return self
+        if self.model.tokenizer_kind is None and speaks_harness_words(Path(self.model.weights)):
+            return self  # a directory vibetrain built with the word tokenizer
+        tokenizer = f"model.tokenizer: {self.model.tokenizer}" if self.model.tokenizer else f"{self.model.weights}'s"
+        raise ValueError(
+            f"workload.environment {env.name} is a built-in stand-in written in the harness's word vocabulary; "
+            f"{tokenizer} tokenizer would read its token ids as other text. Bring an environment that speaks "
+            "text (workload.environment.entry, docs/targets.md), or use random weights with the word tokenizer"
+        )
 
     @model_validator(mode="after")
     def _serving_runs_here(self) -> TargetSpec:

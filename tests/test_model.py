@@ -151,6 +151,12 @@ def test_a_model_directory_brings_its_tokenizer_and_its_generation_configs_end_i
     catalog_yaml["model"].update(tokenizer="bpe")
     with pytest.raises(SpecError, match="model.*tokenizer: bpe is for random weights"):
         parse_target(catalog_yaml)
+    # a checkpoint whose end of turn only its special_tokens_map.json names (transformers reads it there too)
+    (mine / "generation_config.json").unlink()
+    config = json.loads((mine / "tokenizer_config.json").read_text())
+    (mine / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eos_token"}))
+    (mine / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    assert stop_token_ids(mine) == (load_tokenizer(mine).convert_tokens_to_ids("<|im_end|>"),)
     (mine / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nowhere|>"}))
     with pytest.raises(ValueError, match=re.escape("eos_token '<|nowhere|>' is not in the tokenizer's vocabulary")):
         stop_token_ids(mine)

@@ -126,21 +126,22 @@ STOP_TOKEN_IDS = (VOCAB.ids[EOS],)  # the word-level tokenizer's (``stop_token_i
 
 def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
     """The tokens every turn stops on (``Runtime.stop_token_ids``; the audit holds each request to
-    them): the model's own, read from its directory: the tokenizer's end of sequence and the
-    generation config's end ids (a chat model ends its turn on one of them)."""
+    them): the model's own, read from its directory: the tokenizer's end of sequence (where transformers
+    reads it: ``tokenizer_config.json``, and ``special_tokens_map.json``, which some checkpoints alone
+    carry) and the generation config's end ids (a chat model ends its turn on one of them)."""
     from tokenizers import Tokenizer  # the Rust library alone: no transformers import for a list of ids
 
     model_dir = Path(model_dir)
     vocabulary = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids: set[int] = set()
-    config_path = model_dir / "tokenizer_config.json"
-    eos = json.loads(config_path.read_text()).get("eos_token") if config_path.exists() else None
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if eos is not None:
-        eos_id = vocabulary.token_to_id(eos)
-        if eos_id is None:
-            raise ValueError(f"{config_path}: eos_token {eos!r} is not in the tokenizer's vocabulary")
-        ids.add(eos_id)
+    for config_path in (model_dir / "tokenizer_config.json", model_dir / "special_tokens_map.json"):
+        eos = json.loads(config_path.read_text()).get("eos_token") if config_path.exists() else None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos is not None:
+            eos_id = vocabulary.token_to_id(eos)
+            if eos_id is None:
+                raise ValueError(f"{config_path}: eos_token {eos!r} is not in the tokenizer's vocabulary")
+            ids.add(eos_id)
     generation = model_dir / "generation_config.json"
     if generation.exists():
         stated = json.loads(generation.read_text()).get("eos_token_id")

@@ -167,10 +167,21 @@ class History:
         archive.unlink()
         return directory
 
+    def commit(self, commit: str) -> git.Commit:
+        """The commit a run's record names; a commit the repository lacks (a state from another copy of
+        the run, a history rewritten by hand) is named, not a traceback."""
+        try:
+            return self.repo.commit(commit)
+        except (ValueError, git.BadName):
+            raise HistoryError(
+                f"commit {commit[:10]} is not in {self.path}'s repository (git -C {self.path} log --all lists "
+                "what it has)"
+            ) from None
+
     def read(self, commit: str, path: str) -> str:
         """A file of a commit's tree (``stack/params.json``, ``DESIGN.md``)."""
         try:
-            blob = self.repo.commit(commit).tree / path
+            blob = self.commit(commit).tree / path
         except KeyError:
             raise HistoryError(f"commit {commit[:10]} has no {path}") from None
         return blob.data_stream.read().decode()
@@ -297,6 +308,6 @@ class History:
     def stack_diff(self, commit: str, stat: bool = False) -> str:
         """What the candidate changed against its parent: the stack and its DESIGN.md, never the
         ``.vibetrain/`` bookkeeping (a round record would bury a one-line change)."""
-        parents = self.repo.commit(commit).parents
+        parents = self.commit(commit).parents
         base = parents[0].hexsha if parents else self.repo.git.hash_object("-t", "tree", "/dev/null")
         return self.repo.git.diff(*(["--stat"] if stat else []), base, commit, "--", ".", f":(exclude){RECORD_DIR}")

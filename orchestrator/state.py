@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agents.roles import Hint, Task
 from orchestrator.config import RunConfig
@@ -234,6 +234,14 @@ class RunState(BaseModel):
             )
         try:
             state = cls.model_validate_json(run.state_file.read_text())
+        except OSError as error:  # a folder, unreadable
+            raise RunStateError(f"{run.state_file} cannot be read ({error.strerror})") from None
+        except ValidationError as error:
+            first = _first_problem(error)
+            raise RunStateError(
+                f"{run.state_file} is corrupt ({first}); the candidates are intact in git: "
+                f"git -C {run_dir} log --all lists them, each with its round's record"
+            ) from None
         except ValueError as error:
             first = str(error).strip().splitlines()[0]
             raise RunStateError(
@@ -296,3 +304,15 @@ def new_state(config: RunConfig) -> RunState:
 
 def dump_json(data) -> str:
     return json.dumps(data, indent=1, default=str)
+
+
+def _first_problem(error: ValidationError) -> str:
+    """A state's first problem by its field and value (pydantic's header line names neither)."""
+    problem = error.errors()[0]
+    where = ".".join(str(part) for part in problem["loc"]) or "the file"
+    if problem["type"] == "json_invalid":
+        return f"not JSON: {problem['msg']}"
+    said = f"{where}: {problem['msg']}"
+    if problem["type"] == "extra_forbidden":
+        return f"{said}; a newer vibetrain may have written it"
+    return f"{said} (got {problem['input']!r:.80})" if problem["type"] != "missing" else said

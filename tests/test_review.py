@@ -226,6 +226,49 @@ def test_a_corrupt_run_state_is_named_with_advice_that_works(tmp_path):
     assert "skip training of" in listed  # the rejected round's candidate is there too
 
 
+def test_a_damaged_state_names_its_field_and_a_commit_git_lacks_is_named(tmp_path):
+    """The corrupt state's message kept pydantic's header alone ('1 validation error for RunState'): the
+    field and its value were lost. A state that is a folder, and a round whose commit the repository
+    lacks, were tracebacks."""
+    import shutil
+
+    from orchestrator.run_dir import RunDir
+
+    run = make_review_run(tmp_path)
+    state = RunDir(run).state_file
+    kept = json.loads(state.read_text())
+    for damage, said in (
+        ({"best_round": "zero"}, "best_round: Input should be a valid integer, unable to parse string as an integer"),
+        ({"from_a_later_version": 1}, "from_a_later_version: Extra inputs are not permitted; a newer vibetrain"),
+    ):
+        state.write_text(json.dumps({**kept, **damage}))
+        result = runner.invoke(app, ["log", str(run)], env=NARROW)
+        assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+    rounds = [{**kept["rounds"][0], "commit": "deadbeef" * 5}, *kept["rounds"][1:]]
+    state.write_text(json.dumps({**kept, "rounds": rounds}))
+    for command in (["show", str(run), str(rounds[0]["round"])], ["report", str(run)]):
+        result = runner.invoke(app, command, env=NARROW)
+        assert result.exit_code == 2 and "commit deadbeefde is not in" in result.output, result.output
+        assert "Traceback" not in result.output
+    state.unlink()
+    state.mkdir()
+    result = runner.invoke(app, ["log", str(run)], env=NARROW)
+    assert result.exit_code == 2 and "run_state.json cannot be read (Is a directory)" in result.output
+    shutil.rmtree(state)
+
+
+def test_a_run_named_as_a_candidate_says_how_the_review_commands_name_it(tmp_path):
+    """check, bench and export take RUN@best; log, show and report said 'no run state (RUN@best/.git/...)'."""
+    run = make_review_run(tmp_path)
+    for command, said in (
+        (["log", f"{run}@best"], f"log takes the run's folder, not a candidate: vibetrain log {run}"),
+        (["show", f"{run}@round-1"], f"show names the round after the run's folder: vibetrain show {run} round-1"),
+        (["report", f"{run}@latest"], f"report takes the run's folder, not a candidate: vibetrain report {run}"),
+    ):
+        result = runner.invoke(app, command, env={"COLUMNS": "300"})
+        assert result.exit_code == 2 and said in result.output, result.output
+
+
 def test_the_version_of_a_checkout_git_will_not_read_is_said_not_raised(tmp_path, monkeypatch):
     import subprocess
 

@@ -33,7 +33,12 @@ from orchestrator.tables import (
 from targets.harness.judge.check_result import detail
 
 
-def _state_and_history(run: Path) -> tuple[RunState, History]:
+def _state_and_history(run: Path, command: str) -> tuple[RunState, History]:
+    folder, at, which = str(run).rpartition("@")
+    if at and not run.exists() and Path(folder).is_dir():  # RUN@best, as check, bench and export take it
+        if command == "show":
+            raise UsageError(f"{run}: show names the round after the run's folder: vibetrain show {folder} {which}")
+        raise UsageError(f"{run}: {command} takes the run's folder, not a candidate: vibetrain {command} {folder}")
     return RunState.load(run), History.open(run)
 
 
@@ -44,7 +49,7 @@ def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
 
     Example: vibetrain log generated/tiny-qwen3-cpu | grep rejected
     """
-    state, _ = _state_and_history(run)
+    state, _ = _state_and_history(run, "log")
     # an earlier best's figures (a run that found another since) are not shown
     generalization, rejected = best_generalization(state), best_rejected_unseen(state)
     if as_json:
@@ -109,7 +114,7 @@ def show_round(
 
     Example: vibetrain show generated/tiny-qwen3-cpu best | less
     """
-    state, history = _state_and_history(run)
+    state, history = _state_and_history(run, "show")
     record = _round_of(run, state, which)
     judge = history.judge_report(record.commit) if record.commit else None
     diff = history.stack_diff(record.commit) if record.commit else ""
@@ -202,7 +207,7 @@ def report(
     """
     from orchestrator.report import write_report
 
-    _state_and_history(run)  # clear errors for a path that is not a run
+    _state_and_history(run, "report")  # clear errors for a path that is not a run
     name = f"{run.resolve().name}-report.html"
     where = run.resolve().parent / name if out is None else Path(out)  # "." has no parent of its own
     if where.is_dir() or (out is not None and out.endswith("/")):  # Path("reports/") drops the slash that says so

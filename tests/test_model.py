@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -56,6 +57,28 @@ def test_a_local_path_loads_as_given(tiny_spec, tmp_path, catalog_yaml):
     (listed / "config.json").write_text("[]")
     catalog_yaml["model"]["weights"] = str(listed)
     with pytest.raises(SpecError, match="config.json holds a JSON list, not a model config"):
+        parse_target(catalog_yaml)
+    for broken, said in (  # a clone made without git-lfs, a file cut short, another architecture
+        ("model.safetensors", "model.safetensors is a git-lfs pointer, not the weights: fetch them (git lfs pull)"),
+        ("tokenizer.json", "tokenizer.json is a git-lfs pointer, not the tokenizer"),
+    ):
+        shutil.rmtree(listed)
+        shutil.copytree(model_dir(tiny_spec.model), listed)
+        (listed / broken).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1503\n")
+        with pytest.raises(SpecError, match=re.escape(said)):
+            parse_target(catalog_yaml)
+    (listed / "tokenizer.json").write_text('{"model": {"vocab": ')
+    shutil.copy(model_dir(tiny_spec.model) / "model.safetensors", listed / "model.safetensors")
+    with pytest.raises(SpecError, match=r"tokenizer.json is not valid JSON \(Expecting value"):
+        parse_target(catalog_yaml)
+    shutil.copy(model_dir(tiny_spec.model) / "tokenizer.json", listed / "tokenizer.json")
+    (listed / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(SpecError, match=r"model.safetensors is not a safetensors file \(its header does not read\)"):
+        parse_target(catalog_yaml)
+    shutil.copy(model_dir(tiny_spec.model) / "model.safetensors", listed / "model.safetensors")
+    config = json.loads((model_dir(tiny_spec.model) / "config.json").read_text())
+    (listed / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(SpecError, match="config.json is a 'llama' model, not family qwen3"):
         parse_target(catalog_yaml)
     catalog_yaml["model"]["weights"] = str(model_dir(tiny_spec.model))
     catalog_yaml["model"]["config"]["hidden_size"] *= 2

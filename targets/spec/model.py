@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -92,6 +93,9 @@ class ModelSpec(Strict):
             raise ValueError(f"{path} is not valid JSON ({error})") from None
         if not isinstance(stored, dict):
             raise ValueError(f"{path} holds a JSON {type(stored).__name__}, not a model config (a JSON object)")
+        if stored.get("model_type", self.family) != self.family:
+            raise ValueError(f"{path} is a {stored['model_type']!r} model, not family {self.family}")
+        _check_weights_and_tokenizer(Path(self.weights))
         ours = self.config.model_dump()
         differ = [
             f"{k}: {v!r} in config.json, {ours[k]!r} here" for k, v in stored.items() if k in ours and ours[k] != v
@@ -146,3 +150,44 @@ class ModelSpec(Strict):
         mlp = 3 * c.hidden_size * c.intermediate_size
         total = embed + c.num_hidden_layers * (attn + mlp)
         return ParamCounts(total=total, active=total)
+
+
+LFS_POINTER = b"version https://git-lfs"  # what a clone without git-lfs leaves in place of a large file
+
+
+def _check_weights_and_tokenizer(directory: Path) -> None:
+    """The files a model directory's loaders read are what they say: no git-lfs pointer (a clone made
+    without git-lfs), a safetensors header that reads, a tokenizer.json that is JSON. Each was a loader's
+    traceback at the first run otherwise."""
+    for path in sorted(directory.glob("*.safetensors")):
+        with path.open("rb") as file:
+            start = file.read(8)
+            if start.startswith(LFS_POINTER[:8]):
+                raise ValueError(f"{path} is a git-lfs pointer, not the weights: fetch them (git lfs pull)")
+            size = int.from_bytes(start, "little") if len(start) == 8 else 0
+            try:
+                header = json.loads(file.read(size)) if 0 < size < 100_000_000 else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path} is not a safetensors file (its header does not read)")
+    _check_tokenizer(directory / "tokenizer.json", *_stamp(directory / "tokenizer.json"))
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _check_tokenizer(path: Path, size: int, mtime_ns: int) -> None:
+    """Read once per version of the file (a spec is parsed in every process of a run)."""
+    text = path.read_bytes()
+    if text.startswith(LFS_POINTER):
+        raise ValueError(f"{path} is a git-lfs pointer, not the tokenizer: fetch it (git lfs pull)")
+    try:
+        parsed = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(parsed, dict) or "model" not in parsed:
+        raise ValueError(f"{path} is not a tokenizers file (a JSON object with a model)")

@@ -17,8 +17,13 @@ CATALOG_DIR = Path(__file__).parent.parent / "catalog"
 
 def _format_errors(source: str, error: ValidationError) -> str:
     lines = [f"invalid target spec {source}:"]
-    for item in error.errors():
+    errors = error.errors()
+    # lists with an item that failed, by path: pydantic counts their length without it
+    inner = {item["loc"][:i] for item in errors for i, part in enumerate(item["loc"]) if isinstance(part, int)}
+    for item in errors:
         loc = item["loc"]
+        if item["type"] == "too_short" and loc in inner:  # counted without the item that failed: not the user's
+            continue
         if loc[:1] == ("hardware",) and len(loc) > 1 and loc[1] in HARDWARE_FORMS:
             loc = loc[:1] + loc[2:]  # the form's tag: not a field anyone wrote
         path = ".".join(str(p) for p in loc) or "<top level>"

@@ -375,6 +375,17 @@ def test_cli_validate_accepts_a_good_spec_and_names_a_misspelled_field(catalog_y
     assert "modle" in result.output and "unknown field" in result.output
 
 
+def test_cli_validate_names_a_baselines_misspelled_param_as_bench_would(catalog_yaml, tmp_path: Path):
+    """validate passed a labelled baseline whose params named no parameter; bench refused it later."""
+    catalog_yaml["baselines"].append({"name": "time_multiplex", "label": "tuned", "params": {"partial_rolout": 1}})
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(catalog_yaml))
+    result = runner.invoke(app, ["target", "validate", str(spec)], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    said = "baseline 'tuned': params.partial_rolout is no parameter of the skills library (did you mean"
+    assert said in result.output
+
+
 def test_cli_names_a_spec_that_is_not_text(tmp_path: Path):
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00bad")

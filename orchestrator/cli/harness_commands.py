@@ -115,11 +115,21 @@ def validate_target(path: Path) -> None:
 
     Example: vibetrain target validate my-target.yaml
     """
+    from skills.starter import baseline_params
     from targets.harness.environments.adapters import environment_factory
+    from targets.harness.target import Target
 
     if not path.exists():
         raise UsageError(f"target spec file not found: {path}")
     spec = load_target(str(path))
+    for baseline in spec.baselines:  # a labelled baseline's params, as bench checks them before it runs
+        if baseline.params:
+            variant = spec if baseline.hardware is None else spec.model_copy(update={"hardware": baseline.hardware})
+            try:
+                execution = "simulated" if variant.execution == "simulated" else "real"  # no devices needed here
+                baseline_params(variant, baseline, Target(variant, str(path), execution).engine_devices)
+            except ValueError as error:
+                raise UsageError(f"{path}: {error}") from None
     environment = spec.workload.environment
     if environment.entry is not None:  # one made (so bad params are named here) and closed, as a run does
         made = environment_factory(str(environment.entry), str(environment.adapter), environment.params)()

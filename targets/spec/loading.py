@@ -11,11 +11,23 @@ from pydantic import ValidationError
 from targets.spec.base import SpecError
 from targets.spec.hardware import HARDWARE_FORMS
 from targets.spec.target import TargetSpec
+from targets.workload_profile import MEASURED, MEASURED_TOKENS
 
 CATALOG_DIR = Path(__file__).parent.parent / "catalog"
 
 
-def _format_errors(source: str, error: ValidationError) -> str:
+def _from_profile(data: dict, loc: tuple) -> str | None:
+    """The profile file a bad value came from, where the spec took it from its profile, not its own text."""
+    workload = data.get("workload")
+    if not isinstance(workload, dict) or workload.get("profile") is None or loc[:1] != ("workload",):
+        return None
+    key = loc[1:3] if loc[1:2] == ("tokens",) else loc[1:2]
+    measured = key[-1:] and key[-1] in (MEASURED_TOKENS if key[:1] == ("tokens",) and len(key) == 2 else MEASURED)
+    own = workload if len(key) == 1 else workload.get("tokens") or {}
+    return str(workload["profile"]) if measured and key[-1] not in own else None
+
+
+def _format_errors(source: str, error: ValidationError, data: dict) -> str:
     lines = [f"invalid target spec {source}:"]
     errors = error.errors()
     # lists with an item that failed, by path: pydantic counts their length without it
@@ -26,15 +38,17 @@ def _format_errors(source: str, error: ValidationError) -> str:
             continue
         if loc[:1] == ("hardware",) and len(loc) > 1 and loc[1] in HARDWARE_FORMS:
             loc = loc[:1] + loc[2:]  # the form's tag: not a field anyone wrote
-        path = ".".join(str(p) for p in loc) or "<top level>"
+        field = f"`{'.'.join(str(p) for p in loc) or '<top level>'}`"
+        if (profile := _from_profile(data, loc)) is not None:
+            field += f" (from the profile {profile})"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field (check its spelling)"
         shown = item.get("input")
         if item["type"] == "missing" or isinstance(shown, (dict, list)):  # the mapping around it: nothing to show
-            lines.append(f"  field `{path}`: {message}")
+            lines.append(f"  field {field}: {message}")
         else:
-            lines.append(f"  field `{path}`: {message} (got {shown!r})")
+            lines.append(f"  field {field}: {message} (got {shown!r})")
     return "\n".join(lines)
 
 
@@ -45,7 +59,7 @@ def parse_target(data: Any, source: str = "<dict>", base_dir: Path | None = None
     try:
         return TargetSpec.model_validate(data, context={"base_dir": base_dir or Path.cwd()})
     except ValidationError as error:
-        raise SpecError(_format_errors(source, error)) from None
+        raise SpecError(_format_errors(source, error, data)) from None
 
 
 def load_target_file(path: Path) -> TargetSpec:

@@ -8,7 +8,10 @@ How the CLI is run, and why:
   capped (128 KiB per argument on Linux) while DESIGN.md grows;
 * the CLI gets an **allowlisted environment** (``CLITool.environment``): the basics a program needs, the few
   variables the judge's checks read, the provider key of that CLI, and its own config directory —
-  nothing else from ours, so no other secret reaches a process that runs model-written commands;
+  nothing else from ours is passed to a process that runs model-written commands. It runs as the user,
+  not in the sandbox (it needs its provider's network): what the user can read, it can read too (their
+  files, and ``/proc/<pid>/environ`` of their processes, vibetrain's and its shell's among them), so run
+  a CLI backend where that is acceptable, or run vibetrain in a container holding only that CLI's key;
 * it reads **no configuration of the user's** (``CLITool.private_home``): Claude Code is told to read no
   settings file; Codex, which has no such flag, gets a scratch ``CODEX_HOME`` holding only a copy of the
   user's login (``auth.json``), so the user's ``config.toml`` (its MCP servers, ``notify`` program,

@@ -215,6 +215,10 @@ def test_each_error_is_retried_refused_or_stops_the_run_by_what_it_says(server, 
 def test_costs_come_from_the_price_table_and_unknown_models_say_so(caplog):
     accounting = Accounting()
     assert accounting.add("claude-sonnet-4-20250514", 1_000_000, 100_000) == pytest.approx(3.0 + 1.5)
+    assert accounting.add("gpt-4.1-2025-04-14", 1_000_000, 0) == pytest.approx(2.0)  # a dated snapshot is its model
+    # another model whose name starts as a priced one's was priced as that one: o3-pro as o3, at a tenth
+    assert accounting.priced_as("o3-pro") == "o3-pro" and accounting.priced_as("o3-deep-research") is None
+    assert accounting.priced_as("claude-opus-4-5") == "claude-opus-4-5" and accounting.priced_as("gpt-4o-x") is None
     assert (
         accounting.add("my-local-model", 10, 10) == 0.0 and "no price known for model 'my-local-model'" in caplog.text
     )

@@ -40,12 +40,25 @@ DEFAULT_PRICES: dict[str, tuple[float, float]] = {
     "gpt-4.1-mini": (0.4, 1.6),
     "gpt-4o": (2.5, 10.0),
     "gpt-4o-mini": (0.15, 0.6),
+    "gpt-4o-2024-05-13": (5.0, 15.0),  # the first gpt-4o snapshot, dearer than the alias
+    "gpt-4.1-nano": (0.1, 0.4),
+    "gpt-5": (1.25, 10.0),
+    "gpt-5-mini": (0.25, 2.0),
+    "gpt-5-nano": (0.05, 0.4),
     "o3": (2.0, 8.0),
+    "o3-pro": (20.0, 80.0),
     "o4-mini": (1.1, 4.4),
     "claude-opus-4": (15.0, 75.0),
+    "claude-opus-4-1": (15.0, 75.0),
+    "claude-opus-4-5": (5.0, 25.0),
     "claude-sonnet-4": (3.0, 15.0),
+    "claude-sonnet-4-5": (3.0, 15.0),
+    "claude-haiku-4-5": (1.0, 5.0),
     "claude-3-5-haiku": (0.8, 4.0),
 }
+# A dated snapshot (gpt-4.1-2025-04-14, claude-sonnet-4-20250514) or -latest is priced as its model; any
+# other suffix names another model (o3-pro is no o3, at ten times its price) and needs its own entry.
+SNAPSHOT = re.compile(r"-(\d{8}|\d{4}-\d{2}-\d{2}|latest)$")
 
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096  # one reply's limit unless --max-output-tokens says otherwise
@@ -145,8 +158,11 @@ class Accounting:
     _unreported: set[str] = field(default_factory=set)
 
     def priced_as(self, model: str) -> str | None:
-        """The price table's entry for ``model`` (itself, or its longest ``entry-`` prefix); None if none."""
-        return max((m for m in self.prices if model == m or model.startswith(m + "-")), key=len, default=None)
+        """The price table's entry for ``model``: itself, or the model a dated snapshot of it is; None if none."""
+        if model in self.prices:
+            return model
+        base = SNAPSHOT.sub("", model)
+        return base if base != model and base in self.prices else None
 
     def price(self, model: str) -> tuple[float, float]:
         match = self.priced_as(model)

@@ -47,8 +47,9 @@ from pydantic import ValidationError
 import skills as skills_package
 import targets.api
 from agents.cli_tools import JSON_OBJECT, MAX_ATTEMPT_USD, CLIResult, CLITool, run_cli
+from agents.llm.accounting import Accounting
 from agents.llm.agents import ImplementerOutput, expand_annotations, implementer_prompt
-from agents.llm.client import Accounting, AssistantTurn, ToolSpec
+from agents.llm.client import AssistantTurn, ToolSpec
 from agents.llm.loop import StuckError
 from agents.roles import AgentError, Attempt, Hint, Task
 

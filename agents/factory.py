@@ -31,7 +31,7 @@ def _is_price(value: object) -> bool:
 
 def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
     """The default price table, overridden by a YAML file of ``model: [input, output]`` USD per Mtok."""
-    from agents.llm.client import DEFAULT_PRICES
+    from agents.llm.accounting import DEFAULT_PRICES
 
     prices = dict(DEFAULT_PRICES)
     if path:
@@ -72,8 +72,9 @@ def make_agents(
     offline = make_offline_agents(session, engine_devices=engine_devices, seed=seed, repeat=repeat)
     if backend == "offline":
         return offline
+    from agents.llm.accounting import Accounting
     from agents.llm.agents import LLMEvaluator, LLMImplementer, LLMPlanner
-    from agents.llm.client import DEFAULT_MAX_OUTPUT_TOKENS, Accounting, ClientConfig, make_client
+    from agents.llm.client import DEFAULT_MAX_OUTPUT_TOKENS, ClientConfig, make_client
     from agents.llm.judge import LLMJudge
 
     spec = session.target.spec

@@ -27,7 +27,7 @@ from pathlib import Path
 from git.exc import GitCommandError
 
 from agents import workspace_git
-from agents.llm.client import BudgetSpent, LLMUnusable
+from agents.llm.errors import BudgetSpent, LLMUnusable
 from agents.roles import (
     AgentError,
     Agents,

@@ -117,7 +117,7 @@ def _check_priced(llm: LLMConfig, max_cost: float | None) -> None:
     would never stop the run."""
     if max_cost is None:
         return
-    from agents.llm.client import Accounting
+    from agents.llm.accounting import Accounting
 
     try:
         prices = load_prices(llm.prices)

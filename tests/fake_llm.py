@@ -408,16 +408,33 @@ def _openai_refusal(body: dict) -> dict | None:
                 "code": "unsupported_parameter",
             }
         }
-    for i, m in enumerate(body.get("messages", [])):
-        if m.get("role") == "assistant" and not m.get("content") and not m.get("tool_calls"):
-            return {
-                "error": {
-                    "message": f"messages.{i}: an assistant message must have either content or tool_calls",
-                    "type": "invalid_request_error",
-                    "param": f"messages.{i}",
-                    "code": None,
-                }
-            }
+
+    def refuse(message: str, i: int) -> dict:
+        return {"error": {"message": message, "type": "invalid_request_error", "param": f"messages.{i}", "code": None}}
+
+    messages = body.get("messages", [])
+    waiting: dict[str, int] = {}  # tool calls not answered yet, by id: the message that made them
+    for i, m in enumerate(messages):
+        if m.get("role") == "tool":
+            if waiting.pop(m.get("tool_call_id"), None) is None:
+                return refuse(
+                    f"messages.{i}: messages with role 'tool' must be a response to a preceding message with "
+                    "'tool_calls'",
+                    i,
+                )
+            continue
+        if waiting:  # a message other than a tool answer while calls wait
+            return refuse(
+                f"messages.{min(waiting.values())}: an assistant message with 'tool_calls' must be followed by tool "
+                f"messages responding to each 'tool_call_id'; missing: {', '.join(sorted(waiting))}",
+                i,
+            )
+        if m.get("role") == "assistant":
+            if not m.get("content") and not m.get("tool_calls"):
+                return refuse(f"messages.{i}: an assistant message must have either content or tool_calls", i)
+            waiting = {call["id"]: i for call in m.get("tool_calls") or []}
+    if waiting:
+        return refuse(f"messages.{min(waiting.values())}: tool_calls without responses: {sorted(waiting)}", 0)
     return None
 
 
@@ -440,6 +457,24 @@ def _anthropic_refusal(body: dict) -> dict | None:
         for j, block in enumerate(content if isinstance(content, list) else []):
             if block.get("type") == "text" and not block.get("text", "").strip():
                 return refuse(f"messages.{i}.content.{j}.text: text content blocks must contain non-whitespace text")
+    for i, m in enumerate(messages):  # each tool_use answered by a tool_result in the very next message
+        blocks = m.get("content") if isinstance(m.get("content"), list) else []
+        asked = {b.get("id") for b in blocks if b.get("type") == "tool_use"} if m.get("role") == "assistant" else set()
+        following = messages[i + 1].get("content") if i + 1 < len(messages) else []
+        answered = {
+            b.get("tool_use_id") for b in following if isinstance(following, list) and b.get("type") == "tool_result"
+        }
+        if asked - answered:
+            return refuse(
+                f"messages.{i + 1}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                f"{', '.join(sorted(asked - answered))}"
+            )
+        if m.get("role") == "user" and i > 0:
+            before = messages[i - 1].get("content") if isinstance(messages[i - 1].get("content"), list) else []
+            made = {b.get("id") for b in before if b.get("type") == "tool_use"}
+            stray = {b.get("tool_use_id") for b in blocks if b.get("type") == "tool_result"} - made
+            if stray:
+                return refuse(f"messages.{i}: unexpected `tool_use_id` found in `tool_result` blocks: {sorted(stray)}")
     return None
 
 

@@ -20,7 +20,9 @@ from typer.testing import CliRunner
 
 from agents.cli_agent import CLIChatClient, CLIImplementer, account, budget_usd
 from agents.cli_tools import BASE_ENV, CHECK_ENV, TOOLS, cli_tool, parse_claude, parse_codex, run_cli
-from agents.llm.client import Accounting, BudgetSpent, ToolSpec
+from agents.llm.accounting import Accounting
+from agents.llm.client import ToolSpec
+from agents.llm.errors import BudgetSpent
 from agents.llm.judge import LLMJudge
 from agents.roles import AgentError, Task, Verdict
 from orchestrator.cli import app

@@ -18,18 +18,10 @@ import git
 import pytest
 from typer.testing import CliRunner
 
+from agents.llm.accounting import Accounting
 from agents.llm.agents import ImplementerOutput, LLMImplementer, OutputSchemaError, Review, answer
-from agents.llm.client import (
-    EMPTY_REPLY,
-    Accounting,
-    BudgetSpent,
-    ClientConfig,
-    LLMError,
-    LLMRefused,
-    LLMUnusable,
-    ToolCall,
-    make_client,
-)
+from agents.llm.client import EMPTY_REPLY, ClientConfig, ToolCall, make_client
+from agents.llm.errors import BudgetSpent, LLMError, LLMRefused, LLMUnusable
 from agents.llm.tools import Toolbox
 from agents.roles import AgentError, Task
 from orchestrator.cli import app
@@ -158,6 +150,27 @@ def test_anthropic_cache_writes_count_at_their_higher_price(server):
     client.chat("ROLE: judge", [{"role": "user", "content": "go"}], [])
     assert client.accounting.snapshot()["input_tokens"] == 1000
     assert client.accounting.cost_usd == pytest.approx((200 * 2.5 + 800 * 2.5 * 1.25) / 1e6)  # gpt-4o's price
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_the_fake_server_refuses_a_tool_call_left_unanswered_as_the_providers_do(server, provider):
+    """Both providers refuse a conversation with a tool call no tool result answers (a 400): the fake
+    accepted it, so a client that lost the pairing would have passed every test."""
+    calls = [ToolCall("call_1", "read_file", "{}"), ToolCall("call_2", "list_files", "{}")]
+    answered = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "text": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "name": "read_file", "content": "x"},
+    ]
+    server.script("planner", Reply(text="ok"))
+    assert _ask(_client(server, provider), messages=[*answered, _tool_answer("call_2")]).text == "ok"
+    for broken in (answered, [*answered, {"role": "user", "content": "next"}], [answered[0], _tool_answer("call_9")]):
+        with pytest.raises(LLMRefused, match="HTTP 400"):
+            _ask(_client(server, provider), messages=broken)
+
+
+def _tool_answer(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "name": "list_files", "content": "y"}
 
 
 def test_a_429_storm_gives_up_with_a_clear_message(server):

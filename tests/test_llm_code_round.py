@@ -14,7 +14,8 @@ import git
 import pytest
 from pydantic import BaseModel
 
-from agents.llm.client import Accounting, ClientConfig, ToolCall, make_client
+from agents.llm.accounting import Accounting
+from agents.llm.client import ClientConfig, ToolCall, make_client
 from agents.llm.loop import MASKED, StuckError, last_json_object, masked, run_loop
 from agents.llm.tools import Toolbox
 from agents.roles import AgentError

@@ -20,8 +20,9 @@ import git
 import pytest
 from typer.testing import CliRunner
 
+from agents.llm.accounting import Accounting
 from agents.llm.agents import LLMEvaluator
-from agents.llm.client import Accounting, ClientConfig, make_client
+from agents.llm.client import ClientConfig, make_client
 from agents.llm.judge import DIFF_LIMIT, HACKS, LLMJudge
 from agents.offline.judge import OfflineJudge
 from agents.roles import Evaluation, Hint, RoundContext, Task, Verdict

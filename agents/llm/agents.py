@@ -17,7 +17,8 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agents.llm import context as facts
-from agents.llm.client import ChatClient, LLMError, LLMUnusable
+from agents.llm.client import ChatClient
+from agents.llm.errors import LLMError, LLMUnusable
 from agents.llm.loop import cut_note, parse_answer, run_loop
 from agents.llm.tools import Toolbox, ToolResultError, inside, read_design
 from agents.roles import AgentError, Attempt, Evaluation, Hint, RoundContext, Task

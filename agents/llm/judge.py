@@ -27,7 +27,8 @@ from pathlib import Path
 
 from agents import workspace_git
 from agents.llm.agents import PROMPTS, OutputSchemaError, Review, answer
-from agents.llm.client import BudgetSpent, ChatClient, LLMRefused, LLMUnusable
+from agents.llm.client import ChatClient
+from agents.llm.errors import BudgetSpent, LLMRefused, LLMUnusable
 from agents.llm.loop import StuckError, run_loop
 from agents.llm.tools import Toolbox
 from agents.offline.judge import first_of, ignored_files

@@ -183,7 +183,7 @@ def _open_for_writing(path: Path) -> None:
 
 def candidate_dir(path: Path, option: str = "--stack") -> Path:
     """A candidate directory (it holds the ``stack`` package), checked before any work starts; or
-    ``RUN@best``, ``RUN@round-N``, ``RUN@<commit>``: that candidate of a generate run, exported to a
+    ``RUN@best``, ``RUN@latest``, ``RUN@round-N``, ``RUN@<commit>``: that candidate of a generate run, exported to a
     temporary directory (what every command that takes a stack takes)."""
     if "@" in str(path) and not path.exists():
         from orchestrator.runs import export_candidate

@@ -165,8 +165,8 @@ def generate(
     prescreen: bool = typer.Option(
         DEFAULT.prescreen,
         "--prescreen/--no-prescreen",
-        help="real targets: run each candidate on the twin calibrated from round 0 first; judge only those "
-        "predicted within --prescreen-margin of the best",
+        help="real targets: run each candidate first on the twin calibrated on the validated rounds' real runs; "
+        "judge only those predicted within --prescreen-margin of the best",
     ),
     prescreen_margin: float = typer.Option(
         DEFAULT.prescreen_margin, help="how far (a fraction) below the best's prediction still goes on"

@@ -226,7 +226,7 @@ def check(
     target: str,
     stack: Path = typer.Option(
         None,
-        help="candidate directory (holds stack/) or RUN@best / RUN@round-N (default: the first baseline's starter)",
+        help="candidate directory (holds stack/) or RUN@best (@latest, @round-N); default: the first baseline starter",
     ),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     out: Path = typer.Option(
@@ -296,7 +296,7 @@ def other_hardware_session(measuring, baseline, work: Path, sandbox: str, time_l
 def bench(
     target: str,
     stack: list[Path] = typer.Option(
-        [], help="candidate directory, or RUN@best / RUN@round-N of a generate run (repeatable)"
+        [], help="candidate directory, or RUN@best (@latest, @round-N) of a generate run (repeatable)"
     ),
     baselines: str = typer.Option(
         "", help="comma-separated starter schedules (default: every one that fits the target's devices)"
@@ -466,7 +466,9 @@ def bench(
 @command(app, "calibrate")
 def calibrate(
     target: str,
-    stack: Path = typer.Option(..., help="candidate directory (holds stack/) or RUN@best / RUN@round-N: run for real"),
+    stack: Path = typer.Option(
+        ..., help="candidate directory (holds stack/) or RUN@best (@latest, @round-N): run for real"
+    ),
     out: Path = typer.Option(None, help="write the calibrated target spec here (default: a temp directory)"),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
     trace: Path = typer.Option(
@@ -534,7 +536,7 @@ def profile_workload(
     out: Path = typer.Option(..., help="write the profile (a YAML fragment of workload keys) here"),
     stack: Path = typer.Option(
         None,
-        help="candidate directory (holds stack/) or RUN@best / RUN@round-N (default: the first baseline's starter)",
+        help="candidate directory (holds stack/) or RUN@best (@latest, @round-N); default: the first baseline starter",
     ),
     steps: int = typer.Option(None, min=1, help="training steps of the real run (default: the target's)"),
     time_limit: float | None = TIME_LIMIT_OPTION,

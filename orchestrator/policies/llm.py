@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from agents.llm.client import BudgetSpent, LLMUnusable
+from agents.llm.errors import BudgetSpent, LLMUnusable
 from agents.roles import AgentError, Task
 from orchestrator.policies.backlog import BacklogPolicy
 from orchestrator.state import RoundRecord, RunState

@@ -232,6 +232,28 @@ class Renders(HiddenNumber):
         return self.step_to, 0.0, False, False, {}
 
 
+class KeepsItsThread(HiddenNumber):
+    """Holds a sqlite connection, which only the thread that made it may use (a sync Playwright is alike)."""
+
+    def __init__(self, high: int = 3):
+        import sqlite3
+
+        super().__init__(high)
+        self.db = sqlite3.connect(":memory:")
+
+    def reset(self, seed=None):
+        self.db.execute("select 1")
+        return super().reset(seed)
+
+    def step(self, action):
+        self.db.execute("select 1")
+        return super().step(action)
+
+    def close(self):
+        self.db.close()
+        super().close()
+
+
 class Wordy(HiddenNumber):
     """Its first observation alone fills the model's context."""
 
@@ -491,6 +513,22 @@ def test_an_observation_that_is_no_text_is_named_never_turned_into_its_repr(
         assert when == "step", "the reset was not refused"
         asyncio.run(episode.step([5, 6]))
     assert message in str(caught.value)
+
+
+def test_a_gymnasium_environment_lives_on_the_thread_that_made_it(catalog_yaml, user_package):
+    """Every call ran on a fresh thread (and the first episode's environment was made on the harness's):
+    an environment bound to its thread (sqlite, a sync Playwright) failed its first reset."""
+    spec = _spec(catalog_yaml, {"entry": "my_envs:KeepsItsThread", "adapter": "gymnasium"})
+    first, second = _pool(spec)[0].new_group()[:2]  # the first's environment is the one made to check the entry
+
+    async def play() -> None:
+        for episode in (first, second):
+            await episode.reset()
+            await episode.step([5, 6])
+            await episode.close()
+
+    asyncio.run(play())
+    assert first.environment.thread.thread is not second.environment.thread.thread
 
 
 def test_a_first_observation_past_the_context_and_a_task_with_no_question_are_named(catalog_yaml, user_package):

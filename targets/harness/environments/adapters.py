@@ -12,18 +12,22 @@ called with ``params``) and spoken to as its ``adapter`` says:
   picks ``tasks[seed % len(tasks)]``, and the score is the reward.
 * ``text``: ``entry`` makes an object that is a ``TextEnvironment`` itself (async ``reset``/``step``).
 
-A user's environment code runs in threads of the harness's process (``in_user_thread``), so a slow step
-never stalls the harness's clock. Every failure to load, make or run one names the entry
+A user's environment code runs in threads of the harness's process, so a slow step never stalls the
+harness's clock: a gymnasium environment on one thread of its own from its making to its close
+(``UserThread``: some belong to the thread that made them), a task set's calls each on a fresh one
+(``in_user_thread``: its tasks are shared and read-only). Every failure to load, make or run one names the entry
 (``UserEnvironmentError``): a user's mistake is a message, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import inspect
 import numbers
+import queue
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,6 +48,55 @@ async def in_user_thread(function: Callable, *args, **kwargs) -> Any:
     saves weights on (a slow step never queues the harness's work, nor is queued behind it and timed),
     and never joined, so a call that does not return is abandoned when its episode times out instead of
     holding the process open at its exit (a pool's threads are joined then)."""
+    return await _answer(
+        lambda call: threading.Thread(target=call, name="user-environment", daemon=True).start(), function, args, kwargs
+    )
+
+
+class UserThread:
+    """The one thread an environment lives on: made, reset, stepped and closed there, in order. Some
+    environments belong to the thread that made them (a sqlite connection, a sync Playwright browser),
+    and a slow factory then keeps the harness's loop waiting no more than a slow step does. A daemon,
+    never joined (a hung call abandons it, as ``in_user_thread``'s); ``stop`` ends it once the
+    environment is closed."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    async def run(self, function: Callable, *args, **kwargs) -> Any:
+        return await _answer(self._submit, function, args, kwargs)
+
+    def _submit(self, call: Callable[[], None]) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, name="user-environment", daemon=True)
+            self.thread.start()
+        self.calls.put(call)
+
+    def _serve(self) -> None:
+        while (call := self.calls.get()) is not None:
+            call()
+
+    def call_blocking(self, function: Callable, *args) -> Any:
+        """``function(*args)`` on this thread, waited for here (outside any event loop: the check of an entry)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                done.set_result(function(*args))
+            except BaseException as error:  # noqa: BLE001 - raised again below, in the caller's thread
+                done.set_exception(error)
+
+        self._submit(call)
+        return done.result()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.calls.put(None)
+
+
+async def _answer(start: Callable[[Callable[[], None]], None], function: Callable, args: tuple, kwargs: dict) -> Any:
+    """``function(*args, **kwargs)`` run by ``start`` on a thread, awaited on the harness's loop."""
     loop = asyncio.get_running_loop()
     answer: asyncio.Future = loop.create_future()
 
@@ -69,7 +122,7 @@ async def in_user_thread(function: Callable, *args, **kwargs) -> Any:
             f"{MAX_RUNNING} calls of the environment are still running (slow, or abandoned when their "
             "episodes timed out): it hangs"
         )
-    threading.Thread(target=call, name="user-environment", daemon=True).start()
+    start(call)
     return await answer
 
 
@@ -125,6 +178,25 @@ def _beside(missing: str) -> str:
     )
 
 
+def _gymnasium_factory(entry: str, factory: Callable, params: dict) -> Callable[[], GymnasiumText]:
+    """Each episode's environment made on the thread it lives on; the one made to check the entry (on a
+    thread of its own, as every later one) is the first episode's, with its thread."""
+    thread = UserThread()
+    try:
+        made = thread.call_blocking(_make, entry, factory, params)
+        _needs(entry, made, ("reset", "step"), "a gymnasium environment resets and steps")
+        if any(inspect.iscoroutinefunction(getattr(made, method)) for method in ("reset", "step")):
+            raise UserEnvironmentError(
+                f"environment entry {entry!r} made a {type(made).__name__} with async reset/step: gymnasium's are "
+                "plain calls (an async one is a text environment: adapter: text)"
+            )
+    except BaseException:
+        thread.stop()
+        raise
+    first = [GymnasiumText(lambda: made, thread, made)]
+    return lambda: first.pop() if first else GymnasiumText(lambda: _make(entry, factory, params))
+
+
 def _make(entry: str, factory: Callable, params: dict) -> Any:
     try:
         inspect.signature(factory).bind(**params)
@@ -149,19 +221,22 @@ def _needs(entry: str, made: Any, methods: tuple[str, ...], what: str) -> None:
 
 
 class GymnasiumText:
-    """``TextEnvironment`` over a gymnasium-style text environment."""
+    """``TextEnvironment`` over a gymnasium-style text environment, made, reset, stepped and closed on
+    a thread of its own (``UserThread``)."""
 
-    def __init__(self, env: Any) -> None:
-        self.env = env
+    def __init__(self, make: Callable[[], Any], thread: UserThread | None = None, env: Any = None) -> None:
+        self.make, self.thread, self.env = make, thread or UserThread(), env  # env: one already made on thread
 
     async def reset(self, task: int) -> str:
-        result = await in_user_thread(self.env.reset, seed=task)
+        if self.env is None:
+            self.env = await self.thread.run(self.make)
+        result = await self.thread.run(self.env.reset, seed=task)
         return result[0] if isinstance(result, tuple) else result  # the episode refuses one that is no text
 
     async def step(self, action: str) -> TextStep:
         """The step's answer as it came (the episode checks the reward): a 4-tuple is the old gym API,
         whose single ``done`` gymnasium split in two, named rather than left to an unpacking error."""
-        answer = await in_user_thread(self.env.step, action)
+        answer = await self.thread.run(self.env.step, action)
         if not isinstance(answer, tuple) or len(answer) != 5:
             got = f"a {len(answer)}-tuple" if isinstance(answer, tuple) else f"a {type(answer).__name__}"
             old = " (the old gym API's observation, reward, done, info)" if got == "a 4-tuple" else ""
@@ -173,9 +248,12 @@ class GymnasiumText:
 
     async def close(self) -> None:
         """gymnasium's ``close()``, where the environment has one: what it holds (a subprocess, a socket)
-        is let go."""
-        if callable(getattr(self.env, "close", None)):
-            await in_user_thread(self.env.close)
+        is let go; then its thread ends."""
+        try:
+            if self.env is not None and callable(getattr(self.env, "close", None)):
+                await self.thread.run(self.env.close)
+        finally:
+            self.thread.stop()
 
 
 class TaskSet:
@@ -210,6 +288,8 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
     if adapter not in ADAPTERS:
         raise UserEnvironmentError(f"environment adapter {adapter!r}: known adapters are {', '.join(ADAPTERS)}")
     factory = load_entry(entry)
+    if adapter == "gymnasium":
+        return _gymnasium_factory(entry, factory, params)
     made = _make(entry, factory, params)
     if adapter == "tasks":
         _needs(entry, made, ("__len__", "__getitem__", "score_answer"), "a task set is indexed and scores answers")
@@ -221,14 +301,6 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
     def fresh() -> Any:
         return first.pop() if first else _make(entry, factory, params)
 
-    if adapter == "gymnasium":
-        _needs(entry, made, ("reset", "step"), "a gymnasium environment resets and steps")
-        if any(inspect.iscoroutinefunction(getattr(made, method)) for method in ("reset", "step")):
-            raise UserEnvironmentError(
-                f"environment entry {entry!r} made a {type(made).__name__} with async reset/step: gymnasium's are "
-                "plain calls (an async one is a text environment: adapter: text)"
-            )
-        return lambda: GymnasiumText(fresh())
     if not all(inspect.iscoroutinefunction(getattr(made, method, None)) for method in ("reset", "step")):
         raise UserEnvironmentError(
             f"environment entry {entry!r} made a {type(made).__name__}: a text environment has async "

@@ -30,11 +30,14 @@ def _episode(
     failures: int = 0,
     timed_out: bool = False,
     lost: bool = False,
+    capped: bool = False,
+    reset: float | None = None,
 ) -> list:
-    """A finished episode's events as the harness records them (token lists kept; ``lost`` only where
-    set, as a trace from before ``env_state`` has none)."""
+    """A finished episode's events as the harness records them (token lists kept; ``lost``, ``capped``
+    and the reset's latency only where set, as a trace from before them has none)."""
     episode = f"g{group}/{member}"
-    events = [TraceEvent("env_reset", 0.0, {"episode": episode, "group": f"g{group}", "observation": [1] * 10})]
+    began = {"episode": episode, "group": f"g{group}", "observation": [1] * 10}
+    events = [TraceEvent("env_reset", 0.0, began | ({"latency": reset} if reset is not None else {}))]
     for turn in range(1, turns + 1):
         events.append(
             TraceEvent(
@@ -60,7 +63,8 @@ def _episode(
                     "timed_out": timed_out and done,
                     "truncated": False,
                 }
-                | ({"lost": True} if lost and done else {}),
+                | ({"lost": True} if lost and done else {})
+                | ({"capped": True} if capped and done else {}),
             )
         )
     return events
@@ -93,6 +97,24 @@ def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
     assert single["turns"] == {"max": 1, "dist": {"kind": "fixed", "value": 1.0}}
     with pytest.raises(ProfileError, match="finished no episode"):
         fit_profile(tiny_spec, [unfinished], "planted")
+
+
+def test_episodes_the_turn_cap_ended_and_slow_resets_are_said_in_the_profile(tiny_spec):
+    """An environment that never ended by itself was profiled as one that ends at the cap ('ended by the
+    environment: 8 of 8'), and a reset that took 0.4 s appeared nowhere."""
+    cap = tiny_spec.workload.turns.max
+    capped = [e for member in range(3) for e in _episode(0, member, cap, 0.01, 4, capped=True, reset=0.4)]
+    ended = [e for e in _episode(1, 0, 1, 0.01, 4, reset=0.4)]
+    profile = fit_profile(tiny_spec, [capped + ended], "planted")
+    samples = profile["samples"]
+    assert (samples["ended_by_the_environment"], samples["ended_at_max_turns"]) == (1, 3)
+    assert profile["turns"]["max"] == cap  # counted at the cap, as lengths at their budget
+    assert samples["reset_latency_s"] == {"median": 0.4, "max": 0.4}
+    notes = " ".join(samples["notes"])
+    assert f"3 of 4 episodes ran to workload.turns.max ({cap}) without the environment ending them" in notes
+    assert "a reset took 0.4 s at the median" in notes and "simulated faster than it was" in notes
+    with pytest.raises(ProfileError, match=f"3 ran to workload.turns.max, {cap}: raise it"):
+        fit_profile(tiny_spec, [capped], "planted")
 
 
 def test_response_lengths_spread_past_the_specs_cap_are_held_at_it(catalog_yaml):

@@ -142,8 +142,12 @@ class Episode:
         self.context_tokens = len(prompt)
         if not self.counts:
             self.context = [int(t) for t in prompt]
-        self.trace.record(
-            "env_reset", episode=self.episode_id, group=self.group_id, observation=self.trace.tokens(prompt)
+        self.trace.record(  # latency: how long the environment took to reset (a user's own: its time)
+            "env_reset",
+            episode=self.episode_id,
+            group=self.group_id,
+            observation=self.trace.tokens(prompt),
+            latency=self.clock.now() - self.started_at,
         )
         return prompt
 
@@ -204,13 +208,15 @@ class Episode:
         self.turn += 1
         timed_out = self.clock.now() - self.started_at > self.workload.trajectory_timeout_s
         lost, self._crashed = self._crashed and not timed_out, False  # a timeout ends it first: counted once
+        capped = False  # the turn cap ended it where the environment would have gone on
         if timed_out:
             text, reward, done = "timeout", 0.0, True
         elif lost:  # the sandbox is gone and nothing can bring back its state: the episode ends here
             text, reward, done = "lost", 0.0, True
         else:
             text, reward, done = answer if answer is not None else self.respond(ActionWords(action))
-            done = done or self.turn >= self.max_turns
+            capped = not done and self.turn >= self.max_turns
+            done = done or capped
         observation = [] if done else self.observe(text, action)
         self.context_tokens += len(action) + len(observation)
         tokens = self.workload.tokens
@@ -234,6 +240,7 @@ class Episode:
             done=done,
             timed_out=timed_out,
             truncated=truncated,
+            capped=capped,
             latency=latency,
             failures=failures,
             lost=lost,

@@ -10,7 +10,8 @@ fragment's format is ``targets/workload_profile.py``'s).
   that did (``samples.turns_at_budget``), and a spec with a larger budget refuses a profile where it
   is over 1% (what the policy does past the measured budget was never seen).
 * **the profile**, from the episodes the runs finished and the steps the harness timed in them: the
-  turn count of those the environment ended itself (``fixed`` when all took as many, else lognormal:
+  turn count of those the environment ended itself, and of those the turn cap ended at the cap (how
+  many, said: what the environment does past it was never seen) (``fixed`` when all took as many, else lognormal:
   median and log-space sigma, capped at the most seen; an episode cut by the trajectory timeout or the
   context window is the simulation's to cut again), the mean prompt and observation lengths, the
   response lengths above (the policy's: the fragment names the model, tokenizer and budget), the
@@ -131,8 +132,15 @@ def fit_profile(
     # context window or a crash that lost its state, which the simulation applies again under its own
     # budgets and rates; a trace from before env_state has no "lost")
     ended = [key for key in finished if not _cut(steps[key][-1].data)]
-    if not ended:
-        raise ProfileError("the run finished no episode by the environment's own end: nothing to fit a profile from")
+    # those the turn cap ended count at the cap (as lengths cut at the budget count at the budget): how
+    # many said, since what the environment does past the cap was never seen
+    capped = [key for key in ended if steps[key][-1].data.get("capped", False)]
+    if len(capped) == len(ended):
+        raise ProfileError(
+            "the run finished no episode by the environment's own end"
+            + (f" ({len(capped)} ran to workload.turns.max, {spec.workload.turns.max}: raise it)" if capped else "")
+            + ": nothing to fit a profile from"
+        )
     turns = [len(steps[key]) for key in ended]
     taken = [s for key in finished for s in steps[key]]
     observations = [token_count(s.data["observation"]) for s in taken if not s.data["done"]]
@@ -145,6 +153,19 @@ def fit_profile(
     }
     lengths = lengths or response_lengths(spec, runs)
     notes = []
+    if capped:
+        notes.append(
+            f"{len(capped)} of {len(ended)} episodes ran to workload.turns.max ({spec.workload.turns.max}) without the "
+            "environment ending them: counted at the cap; what it does past the cap was never seen (profile with a "
+            "larger turns.max to see it)"
+        )
+    reset_s = [resets[key].data["latency"] for key in finished if "latency" in resets[key].data]
+    if reset_s and latencies and statistics.median(reset_s) > statistics.median(latencies):
+        notes.append(
+            f"a reset took {statistics.median(reset_s):.3g} s at the median ({max(reset_s):.3g} s at most), more than "
+            f"a step ({statistics.median(latencies):.3g} s): the simulated workload has no reset time, so an "
+            "episode's start is simulated faster than it was"
+        )
     if lengths is not None:
         tokens["response_length"] = lengths_yaml(lengths)
         notes += held_spread(lengths)
@@ -161,7 +182,11 @@ def fit_profile(
         "measured_on": measured_on,
         "samples": {
             "episodes": len(finished),
-            "ended_by_the_environment": len(ended),
+            "ended_by_the_environment": len(ended) - len(capped),
+            "ended_at_max_turns": len(capped),
+            "reset_latency_s": {"median": round(statistics.median(reset_s), 6), "max": round(max(reset_s), 6)}
+            if reset_s
+            else None,
             "steps": len(taken),
             "failed_attempts": failures,
             # response lengths are the policy's: the model, tokenizer and budget they were measured with

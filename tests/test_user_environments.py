@@ -65,7 +65,7 @@ class HiddenNumber:
         _note("closed", self.name)
 
     def reset(self, seed=None):
-        self.secret = random.Random(seed).randint(1, self.high)
+        self.seed, self.secret = seed, random.Random(seed).randint(1, self.high)
         return f"Guess a number from 1 to {self.high}.", {"secret": self.secret}
 
     def step(self, action):
@@ -322,7 +322,11 @@ def test_a_gymnasium_style_environment_speaks_through_the_chat_template(catalog_
         tokenizer.decode(prompt) == "<|im_start|>user\nGuess a number from 1 to 3.<|im_end|>\n<|im_start|>assistant\n"
     )
     asyncio.run(second.reset())
-    assert first.environment.env.secret == second.environment.env.secret  # a group shares its task
+    # a group shares its task: the seed itself (two secrets of 1-3 agree by chance one time in three)
+    assert first.environment.env.seed == second.environment.env.seed == first.task
+    other = pool.new_group()[0]
+    asyncio.run(other.reset())
+    assert other.environment.env.seed == other.task != first.task  # another group, another task
     wrong = 1 if first.environment.env.secret != 1 else 2
     action = tokenizer.encode(f"It is {wrong}", add_special_tokens=False) + [tokenizer.eos_token_id]
     result = asyncio.run(first.step(action))

@@ -113,16 +113,17 @@ def _check_backend(agents: str, llm: LLMConfig, max_cost: float | None = None) -
 
 
 def _check_priced(llm: LLMConfig, max_cost: float | None) -> None:
-    """``--max-cost`` needs the model's price: without one every call would count $0 and the budget
-    would never stop the run."""
-    if max_cost is None:
-        return
+    """``--prices`` must read (checked before the run starts, naming the option), and ``--max-cost``
+    needs the model's price: without one every call would count $0 and the budget would never stop the
+    run."""
     from agents.llm.accounting import Accounting
 
     try:
         prices = load_prices(llm.prices)
     except ValueError as error:  # load_prices names the file, whatever went wrong reading it
         raise RunSetupError(f"--prices: {error}") from None
+    if max_cost is None:
+        return
     model = llm.model
     if Accounting(prices=prices).priced_as(model) is None:
         raise RunSetupError(

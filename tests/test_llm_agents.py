@@ -800,6 +800,9 @@ def test_max_cost_is_refused_for_a_model_without_a_price(server, tmp_path, fast_
     _check_backend("openai", llm.model_copy(update={"prices": str(prices)}), max_cost=1.0)
     _check_backend("openai", llm.model_copy(update={"model": "gpt-4o-2024-08-06"}), max_cost=1.0)
     _check_backend("openai", llm, max_cost=None)  # no cost budget: an unpriced model is only warned about
+    missing = llm.model_copy(update={"prices": str(tmp_path / "nosuch.yaml")})  # read before the run, named
+    with pytest.raises(RunSetupError, match=r"--prices: .*nosuch.yaml: No such file"):
+        _check_backend("openai", missing, max_cost=None)
 
 
 @pytest.mark.slow

@@ -735,8 +735,9 @@ def test_calibrate_refuses_a_trace_it_cannot_fit(tmp_path, tiny_spec, case):
     if content is not None:
         trace.write_text(content)
     result = runner.invoke(app, ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), "--trace", str(trace)])
-    code = 2 if content is None else 1  # no file is the command line's mistake, said before any work
-    assert result.exit_code == code and says in " ".join(result.output.split()), result.output
+    # a user's mistake, each of them (it was exit 1, "the work failed", for all but a missing file)
+    assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
+    assert "--trace" in result.output and "Traceback" not in result.output
 
 
 def test_the_rollout_fit_recovers_its_constants_and_keeps_them_non_negative():

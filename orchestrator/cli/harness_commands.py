@@ -511,6 +511,8 @@ def calibrate(
             else:
                 events, recorded_steps = recorded_run(trace, fitting.target)
                 report = fit_and_predict(fitting, stack, work, events, steps or recorded_steps)
+        except UserError:
+            raise  # the trace given is no finished real run of the target: said as the user's mistake
         except RuntimeError as error:
             raise Failed(str(error)) from None
     calibration = report["calibration"]

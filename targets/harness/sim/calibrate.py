@@ -434,6 +434,10 @@ def measure_and_predict(session: Session, stack_dir: Path, work: Path, steps: in
     return fit_and_predict(session, stack_dir, work, real.events(), steps)
 
 
+class TraceRefused(UserError, RuntimeError):
+    """A trace given to fit that is not a finished real run of the target (a user's mistake: named)."""
+
+
 def recorded_run(trace_path: Path, target: Target) -> tuple[list[TraceEvent], int]:
     """The events and step count of a real run recorded elsewhere (a GPU machine's ``trace.jsonl``),
     refused with the reason if it is not a finished run of ``target``'s hardware."""
@@ -442,18 +446,22 @@ def recorded_run(trace_path: Path, target: Target) -> tuple[list[TraceEvent], in
     try:
         events = Trace.load_events(trace_path)
     except (OSError, ValueError, TypeError) as error:  # missing, not JSON lines, not trace events
-        raise RuntimeError(f"{trace_path}: not a readable trace ({error})") from None
+        raise TraceRefused(f"--trace {trace_path}: not a readable trace ({error})") from None
     starts = [e for e in events if e.kind == "run_start"]
     if not starts or not any(e.kind == "run_end" for e in events):
-        raise RuntimeError(f"{trace_path}: not the trace of a finished run (no run_start/run_end event)")
+        raise TraceRefused(f"--trace {trace_path}: not the trace of a finished run (no run_start/run_end event)")
     devices = [d.id for d in target.devices()]
     if starts[0].data.get("devices") != devices:
-        raise RuntimeError(f"{trace_path}: a run on {starts[0].data.get('devices')}, not {target.id}'s {devices}")
+        raise TraceRefused(
+            f"--trace {trace_path}: a run on {starts[0].data.get('devices')}, not {target.id}'s {devices}"
+        )
     if not starts[0].data.get("tokens_recorded", True):
-        raise RuntimeError(f"{trace_path}: a simulated run (it recorded no tokens); calibration fits real ones")
+        raise TraceRefused(f"--trace {trace_path}: a simulated run (it recorded no tokens); calibration fits real ones")
     trained, planned = sum(1 for e in events if e.kind == "train"), starts[0].data.get("steps")
     if trained == 0 or (planned is not None and trained < planned):
-        raise RuntimeError(f"{trace_path}: the run trained {trained} of its {planned} steps: fit a finished run")
+        raise TraceRefused(
+            f"--trace {trace_path}: the run trained {trained} of its {planned} steps: fit a finished run"
+        )
     return events, trained
 
 

@@ -96,6 +96,9 @@ def test_print_config_round_trips_through_config(tmp_path):
     path.write_bytes(b"\xff\xfe\x00")  # not text: a UnicodeDecodeError traceback before
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
     assert result.exit_code == 2 and "can't decode byte 0xff" in result.output, result.output
+    # a file --config would refuse is not printed (it was, and refused only when it was used)
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--max-minutes", "0", "--print-config"], env=NARROW)
+    assert result.exit_code == 2 and "--max-minutes 0.0: Input should be greater than 0" in result.output
 
 
 def test_print_config_of_a_run_reproduces_its_stored_configuration(tmp_path):

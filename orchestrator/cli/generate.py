@@ -200,6 +200,11 @@ def generate(
         values = {p.name: ctx.params[p.name] for p in ctx.command.params if p.name not in RUN_FILE_SKIP}
         if resume:  # what the run state stores wins: the file reproduces that run
             values.update(options_of(RunState.load(out).config, out))
+        else:  # a file --config would refuse is not written: the values are checked as a run checks them
+            try:
+                RunConfig.parse(config_of(ctx.params))
+            except ConfigError as error:
+                raise UsageError(str(error)) from None
         values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
         sys.stdout.write(yaml.safe_dump(values, sort_keys=False))
         raise typer.Exit()

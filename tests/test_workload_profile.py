@@ -271,6 +271,19 @@ def test_a_bad_profile_is_a_spec_error_naming_the_file_or_key(catalog_yaml, tmp_
     assert result.exit_code == 2 and message.split(":")[0] in result.output and "Traceback" not in result.output
 
 
+def test_the_calibrated_twin_of_a_user_environment_target_loads_as_written(tmp_path):
+    """The twin of a target with a BPE tokenizer plays its environment on the built-in stand-in, which a
+    real run refuses with that tokenizer: written as a real target, it could not be loaded (the pre-screen
+    stopped every run of the arithmetic targets after round 0)."""
+    from targets.harness.target import Target
+
+    fitted = Calibration(SimulatorSpec(), 0.5, 1.0, ResponseLengthSpec(mean=7.0, turn_sigma=0.1), profile=FRAGMENT)
+    path = write_calibrated_spec("tiny-qwen3-cpu-arithmetic", fitted, tmp_path / "twin.yaml")
+    twin = Target.load(path, simulate=True)
+    assert twin.simulated and twin.spec.workload.environment.name == "synthetic_agent"
+    assert twin.spec.model.tokenizer == "bpe" and twin.spec.execution == "simulated"
+
+
 def test_the_stand_in_plays_a_users_environment_from_its_profile(catalog_yaml):
     """What the calibrated twin of a user-environment target simulates: the stand-in, with the
     profile's keys in place of the spec's, the spec's own budgets and batch kept."""

@@ -414,6 +414,7 @@ def write_calibrated_spec(target_ref: str, calibration: Calibration, path: Path)
     fields = calibration.yaml_fields()
     raw["hardware"] = {**raw["hardware"], **fields["hardware"]}
     raw["simulator"] = fields["simulator"]
+    raw["execution"] = "simulated"  # a twin is simulated, whatever its target (the stand-in runs only so)
     if calibration.profile is not None:
         raw["workload"] = stand_in_workload(raw["workload"], calibration.profile)
     if "workload" in fields:

@@ -165,7 +165,7 @@ def test_the_fake_server_refuses_a_tool_call_left_unanswered_as_the_providers_do
     server.script("planner", Reply(text="ok"))
     assert _ask(_client(server, provider), messages=[*answered, _tool_answer("call_2")]).text == "ok"
     for broken in (answered, [*answered, {"role": "user", "content": "next"}], [answered[0], _tool_answer("call_9")]):
-        with pytest.raises(LLMRefused, match="HTTP 400"):
+        with pytest.raises(LLMError, match="HTTP 400"):
             _ask(_client(server, provider), messages=broken)
 
 
@@ -223,6 +223,19 @@ def test_each_error_is_retried_refused_or_stops_the_run_by_what_it_says(server, 
     with pytest.raises(LLMRefused, match=r"HTTP 400: .*prompt is too long"):
         _ask(_client(server, provider))
     assert len(server.requests) == 1
+    # a refusal of how the request was made is the configuration's, not the content's (and never retried)
+    for fault in (
+        Fault(status=400, message="max_tokens: 100000 > 64000, which is the maximum allowed for this model"),
+        Fault(status=422, message='"auto" tool choice requires --enable-auto-tool-choice'),
+    ):
+        server.script("planner", fault)
+        with pytest.raises(LLMError, match=f"HTTP {fault.status}") as raised:
+            _ask(_client(server, provider))
+        assert type(raised.value) is LLMError
+    spend = Fault(status=429, kind="rate_limit_error", message="workspace limit: enforced_spend_limit_reached")
+    server.script("planner", spend)  # Anthropic's workspace spend limit: a 429 no wait ends
+    with pytest.raises(LLMUnusable, match="quota or credit is spent"):
+        _ask(_client(server, provider))
 
 
 def test_costs_come_from_the_price_table_and_unknown_models_say_so(caplog):

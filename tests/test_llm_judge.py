@@ -514,7 +514,10 @@ def test_require_llm_review_needs_a_backend_with_a_review_and_round_trips_throug
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--require-llm-review", "--out", str(tmp_path / "a")])
     assert result.exit_code == 2 and "--require-llm-review needs a backend with an LLM review" in result.output
     assert not (tmp_path / "a").exists()
-    printed = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--require-llm-review", "--print-config"])
+    offline = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--require-llm-review", "--print-config"])
+    assert offline.exit_code == 2 and "needs a backend with an LLM review" in offline.output  # not written
+    with_review = ["--require-llm-review", "--agents", "openai", "--model", "gpt-4o", "--print-config"]
+    printed = runner.invoke(app, ["generate", "tiny-qwen3-cpu", *with_review])
     assert "llm_review_required: true" in printed.output
     path = tmp_path / "run.yaml"
     path.write_text(printed.output)

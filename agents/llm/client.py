@@ -213,19 +213,18 @@ class _RetryingClient:
         if isinstance(error, sdk.APIStatusError) and error.status_code < 400:
             # an error event in a stream the server had accepted (Anthropic's overloaded_error comes so)
             kind = _error_type(error.body)
-            refused = None if kind in TRANSIENT_STREAM_ERRORS else LLMRefused
-            return refused, f"{where}: an error in the stream ({kind}): {error.message}"
+            failed = None if kind in TRANSIENT_STREAM_ERRORS else _failed(error)
+            return failed, f"{where}: an error in the stream ({kind}): {error.message}"
         if isinstance(error, sdk.APIStatusError):
             asked = _should_retry(error)
             transient = asked if asked is not None else error.status_code >= 500 or error.status_code in (408, 409)
-            refused = LLMRefused if error.status_code < 500 else LLMError
-            return None if transient else refused, f"{where}: HTTP {error.status_code}: {error.message}"
+            return None if transient else _failed(error), f"{where}: HTTP {error.status_code}: {error.message}"
         if isinstance(error, (sdk.APIConnectionError, sdk.APITimeoutError, _StreamCut, *_transport_errors())):
             return None, f"{where}: connection failed or stream cut ({type(error).__name__}: {error})"
         if isinstance(error, sdk.APIError):  # an error payload in the stream (OpenAI raises it without a status)
             kind = _error_type(error.body)
-            refused = LLMRefused if kind in PERMANENT_STREAM_ERRORS else None
-            return refused, f"{where}: an error in the stream ({kind}): {error.message}"
+            failed = _failed(error) if kind in PERMANENT_STREAM_ERRORS else None
+            return failed, f"{where}: an error in the stream ({kind}): {error.message}"
         return None, None
 
 
@@ -261,8 +260,29 @@ def _out_of_credit(error: Exception) -> bool:
         getattr(error, "status_code", None) == 402
         or _error_type(body) in OUT_OF_CREDIT_TYPES
         or code in OUT_OF_CREDIT_TYPES
+        or "enforced_spend_limit_reached" in str(body)  # Anthropic's workspace limit, a 429 no wait ends
         or "credit balance" in message
+        or "spend limit" in message
     )
+
+
+# What a provider says when it refuses a request for what it holds, not for how it was asked: a context
+# past the model's window (OpenAI's context_length_exceeded, Anthropic's "prompt is too long", vLLM's
+# "maximum context length"), a request too large (413), content its filter flags. A candidate's own text
+# can cause these; any other refusal (a bad max_tokens, tool choice a server was not started with) is
+# the configuration's, an outage to the review.
+CONTENT_REFUSAL = re.compile(
+    r"context[ _](length|window)|prompt is too long|too many (input )?tokens|request[ _]too[ _]large|"
+    r"content[ _](policy|filter|management)",
+    re.IGNORECASE,
+)
+
+
+def _failed(error: Exception) -> type[LLMError]:
+    """A refusal no retry changes: ``LLMRefused`` where the request's content was the reason, else ``LLMError``."""
+    said = f"{_error_type(getattr(error, 'body', None))} {getattr(error, 'body', '')} {getattr(error, 'message', '')}"
+    content = getattr(error, "status_code", None) == 413 or CONTENT_REFUSAL.search(said) is not None
+    return LLMRefused if content else LLMError
 
 
 def _should_retry(error: Exception) -> bool | None:

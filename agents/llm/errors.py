@@ -17,14 +17,15 @@ class BudgetSpent(LLMError):
 
 
 class LLMUnusable(LLMError):
-    """The provider refuses the run's configuration (its key, its permission, its model: 401, 403, 404):
-    every later call would fail alike, so the run stops naming it, rather than fail round after round."""
+    """The provider refuses the run's configuration (its key, its permission, its model: 401, 403, 404;
+    the account's quota, credit or spend limit): every later call would fail alike, so the run stops
+    naming it, rather than fail round after round."""
 
 
 class LLMRefused(LLMError):
-    """The provider refused this request for what it holds (400, 413, 422, or a permanent error in the
-    stream: a context past the model's window, content its filter flags): retrying it cannot help, and
-    the content may be a candidate's, put there to make its reviewer fail (``LLMJudge`` rejects on it)."""
+    """The provider refused this request for what it holds (a context past the model's window, a request
+    too large, content its filter flags: ``client.CONTENT_REFUSAL``): retrying it cannot help, and the
+    content may be a candidate's, put there to make its reviewer fail (``LLMJudge`` rejects on it)."""
 
 
 class BudgetUnkept(LLMUnusable):

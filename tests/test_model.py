@@ -75,6 +75,11 @@ def test_a_local_path_loads_as_given(tiny_spec, tmp_path, catalog_yaml):
     (listed / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}")
     with pytest.raises(SpecError, match=r"model.safetensors is not a safetensors file \(its header does not read\)"):
         parse_target(catalog_yaml)
+    (listed / "model.safetensors").unlink()
+    (listed / "model.safetensors").symlink_to(tmp_path / "blobs" / "gone")  # a cache that lost its blob
+    with pytest.raises(SpecError, match=r"model.safetensors: cannot read it \(No such file or directory\)"):
+        parse_target(catalog_yaml)
+    (listed / "model.safetensors").unlink()
     shutil.copy(model_dir(tiny_spec.model) / "model.safetensors", listed / "model.safetensors")
     config = json.loads((model_dir(tiny_spec.model) / "config.json").read_text())
     (listed / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))

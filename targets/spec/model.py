@@ -158,25 +158,34 @@ LFS_POINTER = b"version https://git-lfs"  # what a clone without git-lfs leaves 
 def _check_weights_and_tokenizer(directory: Path) -> None:
     """The files a model directory's loaders read are what they say: no git-lfs pointer (a clone made
     without git-lfs), a safetensors header that reads, a tokenizer.json that is JSON. Each was a loader's
-    traceback at the first run otherwise."""
-    for path in sorted(directory.glob("*.safetensors")):
-        with path.open("rb") as file:
-            start = file.read(8)
-            if start.startswith(LFS_POINTER[:8]):
-                raise ValueError(f"{path} is a git-lfs pointer, not the weights: fetch them (git lfs pull)")
-            size = int.from_bytes(start, "little") if len(start) == 8 else 0
-            try:
-                header = json.loads(file.read(size)) if 0 < size < 100_000_000 else None
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                header = None
-        if not isinstance(header, dict):
-            raise ValueError(f"{path} is not a safetensors file (its header does not read)")
-    _check_tokenizer(directory / "tokenizer.json", *_stamp(directory / "tokenizer.json"))
+    traceback at the first run otherwise. Each file is read once per version of it (a spec is parsed in
+    every process of a run)."""
+    for path in [*sorted(directory.glob("*.safetensors")), directory / "tokenizer.json"]:
+        try:
+            check = _check_tokenizer if path.name == "tokenizer.json" else _check_safetensors
+            check(path, *_stamp(path))
+        except OSError as error:  # a link to a blob a cache lost, unreadable
+            raise ValueError(f"{path}: cannot read it ({error.strerror})") from None
 
 
 def _stamp(path: Path) -> tuple[int, int]:
     stat = path.stat()
     return stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=256)
+def _check_safetensors(path: Path, size: int, mtime_ns: int) -> None:
+    with path.open("rb") as file:
+        start = file.read(8)
+        if start.startswith(LFS_POINTER[:8]):
+            raise ValueError(f"{path} is a git-lfs pointer, not the weights: fetch them (git lfs pull)")
+        length = int.from_bytes(start, "little") if len(start) == 8 else 0
+        try:
+            header = json.loads(file.read(length)) if 0 < length < min(size, 100_000_000) else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (its header does not read)")
 
 
 @functools.lru_cache(maxsize=8)

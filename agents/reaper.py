@@ -89,8 +89,10 @@ def main(argv: list[str]) -> int:
     while argv[:1] in (["--grace"], ["--caller"], *([flag] for flag in limits)) and len(argv) > 1:
         if argv[0] == "--grace":
             grace = float(argv[1])
-        elif argv[0] in limits:  # this process's own, which the command inherits
-            resource.setrlimit(limits[argv[0]], (int(argv[1]), int(argv[1])))
+        elif argv[0] in limits:  # this process's own, soft and hard (the command cannot raise it), inherited
+            _, hard = resource.getrlimit(limits[argv[0]])
+            bound = int(argv[1]) if hard == resource.RLIM_INFINITY else min(int(argv[1]), hard)
+            resource.setrlimit(limits[argv[0]], (bound, bound))
         else:  # named by the caller: one that died before this line ran has handed us to another already
             caller = int(argv[1])
         argv = argv[2:]

@@ -10,6 +10,7 @@ import email.utils
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -632,6 +633,26 @@ def test_a_command_is_held_to_its_memory_and_file_limits_and_its_output_comes_ba
     (toolbox.workspace / "big").write_bytes(b"x\n" * (9 << 20))  # past what the host-side tools read whole
     assert "look into it with run_command" in _call(toolbox, "read_file", path="big")
     assert "not searched, over 8388608 bytes: big" in _call(toolbox, "search_files", pattern="x", path=".")
+
+
+def test_a_limit_over_the_harness_own_is_held_at_it_and_a_container_gets_its_own(tmp_path):
+    """The reaper set the limits as asked: under a lower hard limit (a ulimit the harness runs with)
+    setrlimit raised, and every command failed. Under Docker the reaper's limits hold only the docker
+    client: the container is given its own."""
+    script = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 21, 1 << 21)); "
+        "from pathlib import Path; from agents.reaped_run import CommandLimits, run_reaped; "
+        "done = run_reaped(['sh', '-c', 'ulimit -f; echo ran'], '', cwd=Path('.'), env=None, timeout_s=30, "
+        "limits=CommandLimits(memory_bytes=1 << 34, file_bytes=1 << 30)); print(done.returncode, done.stdout)"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parent.parent
+    )
+    assert ran.returncode == 0 and ran.stdout.split() == ["0", str((1 << 21) // 512), "ran"], ran.stderr
+    docker = Sandbox("docker", "an-image")
+    command, _ = docker.wrap(["true"], {}, writable=[tmp_path], owner="me", memory_bytes=1 << 30, file_bytes=1 << 20)
+    assert command[command.index("--memory") + 1] == str(1 << 30)
+    assert command[command.index("--ulimit") + 1] == f"fsize={1 << 20}:{1 << 20}"
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process command lines from /proc")

@@ -346,6 +346,8 @@ class Toolbox:
                 writable=[self.workspace],
                 cwd=self.workspace,
                 owner=owner,
+                memory_bytes=self.limits.memory_bytes,  # the container's own, under Docker
+                file_bytes=self.limits.file_bytes,
             )
             try:  # under the reaper: a background or setsid'd process ends with the command
                 result = run_reaped(

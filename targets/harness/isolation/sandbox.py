@@ -205,10 +205,14 @@ class Sandbox:
         cwd: Path | None = None,
         gpus: bool = False,
         owner: str | None = None,
+        memory_bytes: int | None = None,
+        file_bytes: int | None = None,
     ) -> tuple[list[str], dict]:
         """The command and environment that run ``command`` inside this sandbox. ``owner``: whoever
         removes a Docker container when done with it (``containers.py``), beside the launcher a harness
-        child inherits; one of the two is needed."""
+        child inherits; one of the two is needed. ``memory_bytes``, ``file_bytes``: a container's own
+        limits (its memory, the size of a file it writes), which a limit set on the docker client, a
+        process outside it, does not reach; elsewhere the caller's rlimits, inherited, hold them."""
         clean = scrubbed_environment(env)
         if self.backend == "subprocess":
             return command, clean | ray_cluster_environment(env)
@@ -276,6 +280,10 @@ class Sandbox:
             wrapped += ["--label", label_of(each)]
         if gpus:
             wrapped += ["--gpus", "all"]
+        if memory_bytes is not None:
+            wrapped += ["--memory", str(memory_bytes)]
+        if file_bytes is not None:
+            wrapped += ["--ulimit", f"fsize={file_bytes}:{file_bytes}"]
         for path in SYSTEM_PATHS:
             if os.path.exists(path):
                 wrapped += ["-v", f"{path}:{path}:ro"]

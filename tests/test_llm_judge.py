@@ -428,13 +428,12 @@ def test_a_review_that_cannot_be_had_leaves_the_gate_to_decide_unless_required(s
     assert required.reasons[0].startswith("llm_review: unavailable: LLMError: ")
     assert "--require-llm-review" in required.reasons[0]
 
-    # the budget spent during the round (the implementer's last call crossed it): the gated candidate is kept,
-    # as in an outage (the paid-for work is not thrown away), and the run stops at its check after the round
+    # the budget spent during the round (the implementer's last call crossed it): the candidate is rejected,
+    # kept for a person (it was an internal error, the work lost), never validated on the gate alone
     spent = Accounting(max_tokens=10, spent_before={"input_tokens": 10})
     kept = LLMJudge(PassingGate(), _client(server, spent)).judge(workspace, tmp_path / "b", TASK)
-    assert kept.passed and kept.checks[-1].reasons[0].startswith("unavailable: BudgetSpent: token budget of 10 spent")
-    required = LLMJudge(PassingGate(), _client(server, spent), review_required=True)
-    assert not required.judge(workspace, tmp_path / "c", TASK).passed
+    assert not kept.passed and kept.checks[-1].name == "llm_review"
+    assert kept.reasons[0].startswith("llm_review: unreviewed: token budget of 10 spent")
 
 
 def _evaluation() -> Evaluation:

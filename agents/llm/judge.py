@@ -8,15 +8,17 @@ the gate already rules out, the diff (whole up to ``DIFF_LIMIT``, else file by f
 what was left out) and the files git ignores. It reads more through read-only tools and answers
 with a ``Review`` through the tool loop's ``finish``.
 
-When the review cannot be had (the provider fails past its retries, a CLI fails, the run's LLM budget
-was spent during the round), the round keeps its gated candidate: the gate's verdict stands with a
-passing ``llm_review`` check that says the review was unavailable, unless the run requires the review
-(``--require-llm-review``): then the candidate is rejected (and kept as rejected). The run stops at its
-budget check after the round. A backend that refuses the run's configuration (401, 403, 404, a spent
-quota) is not such a failure: ``LLMUnusable`` propagates, and the run stops. A review that ran and
-reached no verdict (the model stuck, out of turns, or answering outside its schema twice) rejects, and
-so does one whose request the provider refused for what it held (``LLMRefused``: a diff past the model's
-window, text its filter flags): the candidate's own text can cause either on purpose.
+When the review cannot be had (the provider fails past its retries, a CLI fails), the round keeps its
+gated candidate: the gate's verdict stands with a passing ``llm_review`` check that says the review was
+unavailable, unless the run requires the review (``--require-llm-review``): then the candidate is
+rejected. A budget spent during the round (the implementer's last call crossed it) rejects the
+candidate, kept under its rejected ref for a person to review: an implementer could otherwise spend the
+rest of the budget to pass on the gate alone; the run stops at its budget check after the round. A
+backend that refuses the run's configuration (401, 403, 404, a spent quota) is not such a failure:
+``LLMUnusable`` propagates, and the run stops. A review that ran and reached no verdict (the model
+stuck, out of turns, or answering outside its schema twice) rejects, and so does one whose request the
+provider refused for what it held (``LLMRefused``: a diff past the model's window, text its filter
+flags): the candidate's own text can cause either on purpose.
 """
 
 from __future__ import annotations
@@ -275,8 +277,10 @@ class LLMJudge:
             review = self.review(workspace, task, verdict, context)
         except LLMUnusable:
             raise  # a backend that refuses the run: the run stops, no outage to fall back from
-        except BudgetSpent as error:  # crossed during this round: the gated candidate is kept as an outage's
-            return self.unavailable(verdict, error)  # would be, and the run stops at its budget check after it
+        except BudgetSpent as error:  # crossed during this round: kept, for a person to review, but never
+            # validated on the gate alone (an implementer could spend the rest of the budget to skip its review)
+            reasons = [f"unreviewed: {error}; kept as rejected: a candidate is validated only after its review"]
+            return reviewed(verdict, False, reasons)
         except (StuckError, OutputSchemaError, LLMRefused) as error:  # the model read the candidate and reached no
             # verdict, or the provider refused what the candidate put in the request: content can cause either on
             # purpose (a candidate built to derail its reviewer), so it rejects

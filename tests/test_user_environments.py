@@ -254,6 +254,13 @@ class KeepsItsThread(HiddenNumber):
         super().close()
 
 
+class EndsSilently(HiddenNumber):
+    """Its terminating step answers with no observation."""
+
+    def step(self, action):
+        return None, 1.0, True, False, {}
+
+
 class Wordy(HiddenNumber):
     """Its first observation alone fills the model's context."""
 
@@ -479,7 +486,7 @@ def test_a_task_set_scoring_no_number_is_named_not_read_as_a_zero_reward(catalog
         ({"entry": "my_envs:Answers", "params": {"reward": float("-inf")}}, "reward -inf, not a finite number"),
         ({"entry": "my_envs:Answers", "params": {"reward": None}}, "reward None, not a finite number"),
         ({"entry": "my_envs:Answers", "params": {"reward": "1"}}, "reward '1', not a finite number"),
-        ({"entry": "my_envs:Answers", "params": {"observation": None}}, "observation None, not a str"),
+        ({"entry": "my_envs:Answers", "params": {"observation": None, "done": False}}, "observation None, not a str"),
         ({"entry": "my_envs:Answers", "params": {"done": 1}}, "done 1, not a bool"),
         ({"entry": "my_envs:nan_scored", "adapter": "tasks"}, "reward nan, not a finite number"),
         ({"entry": "my_envs:OldGym", "adapter": "gymnasium"}, "a 4-tuple (the old gym API"),
@@ -533,6 +540,15 @@ def test_a_gymnasium_environment_lives_on_the_thread_that_made_it(catalog_yaml, 
 
     asyncio.run(play())
     assert first.environment.thread.thread is not second.environment.thread.thread
+
+
+def test_a_last_observation_that_is_no_text_is_never_read_so_never_refused(catalog_yaml, user_package):
+    """An environment may answer its terminating step with no observation (None): nothing reads it."""
+    spec = _spec(catalog_yaml, {"entry": "my_envs:EndsSilently", "adapter": "gymnasium"})
+    episode = _pool(spec)[0].new_group()[0]
+    asyncio.run(episode.reset())
+    result = asyncio.run(episode.step([5, 6]))
+    assert result.done and result.observation == [] and result.reward == 1.0
 
 
 def test_a_first_observation_past_the_context_and_a_task_with_no_question_are_named(catalog_yaml, user_package):

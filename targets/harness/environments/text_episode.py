@@ -149,21 +149,22 @@ class TextEpisode(Episode):
                 f"environment {self.entry} answered a step of {self.episode_id} with a {type(answer).__name__}, "
                 "not a targets.api.TextStep"
             )
-        reward = answer.reward
+        reward, done = answer.reward, answer.done
+        ended = isinstance(done, bool | numpy.bool_) and bool(done)  # the last observation is never read
         wrong = (
             f"observation {answer.observation!r}, not a str"
-            if not isinstance(answer.observation, str)
+            if not isinstance(answer.observation, str) and not ended
             else f"reward {reward!r}, not a finite number"
             if not isinstance(reward, numbers.Real) or not math.isfinite(reward)
-            else f"done {answer.done!r}, not a bool"
-            if not isinstance(answer.done, bool | numpy.bool_)
+            else f"done {done!r}, not a bool"
+            if not isinstance(done, bool | numpy.bool_)
             else None
         )
         if wrong is not None:
             raise UserEnvironmentError(
                 f"environment {self.entry} answered turn {self.turn + 1} of {self.episode_id} with {wrong}"
             )
-        return answer.observation, float(reward), bool(answer.done)
+        return answer.observation if isinstance(answer.observation, str) else "", float(reward), bool(done)
 
     def observe(self, text: str, action: TokenIds) -> TokenIds:
         return self.chat.next(text, stopped_on=int(action[-1]) if len(action) else None)

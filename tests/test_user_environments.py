@@ -254,6 +254,18 @@ class KeepsItsThread(HiddenNumber):
         super().close()
 
 
+class FirstCloseFails(HiddenNumber):
+    """The first of its instances to close raises; the others close."""
+
+    FAILED = []
+
+    def close(self):
+        if not FirstCloseFails.FAILED:
+            FirstCloseFails.FAILED.append(self.name)
+            raise ProcessLookupError("no such process")
+        super().close()
+
+
 class EndsSilently(HiddenNumber):
     """Its terminating step answers with no observation."""
 
@@ -618,6 +630,14 @@ def test_the_reference_loop_closes_every_environment_it_made(catalog_yaml, user_
     made, closed = _ledger(folder)
     assert len(set(made) - before) >= spec.workload.batch_size - 1, made  # the pool's check made the first
     assert set(made) - before <= set(closed) and set(closed.values()) == {1}, (made, closed)
+    # one close that raises is said, after every other environment is closed
+    spec = _spec(catalog_yaml, {"entry": "my_envs:FirstCloseFails", "adapter": "gymnasium"})
+    before = set(_ledger(folder)[0])
+    with pytest.raises(UserEnvironmentError, match="FirstCloseFails raised ProcessLookupError closing"):
+        run_reference(spec, steps=1, seed=0)
+    made, closed = _ledger(folder)
+    failed = set(sys.modules["my_envs"].FirstCloseFails.FAILED)
+    assert set(made) - before - failed <= set(closed) and failed and not failed & set(closed)
 
 
 def test_a_sys_exit_in_an_async_environment_is_named_and_never_stops_the_harness(catalog_yaml, user_package):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from targets.api import SamplingParams, TrainBatch, Trajectory
+from targets.errors import UserError
 from targets.harness.clock import WallClock
 from targets.harness.environments import EnvironmentPool, Episode
 from targets.harness.model import load_model, model_dir
@@ -45,11 +46,27 @@ async def rollout_lockstep(
     """Roll every episode to its end, each turn stopping on ``stops``; one Trajectory per episode, in order.
     A user's environments are closed once all have ended (what they hold, a subprocess or a sandbox, let go)."""
     try:
-        return await _rollout(engine, episodes, spec, seed, stops)
-    finally:
-        for episode in episodes:
-            if episode.asynchronous:
+        built = await _rollout(engine, episodes, spec, seed, stops)
+    except BaseException as error:
+        for failed in await _close(episodes):  # the rollout's error is the one said; the closes' go with it
+            error.add_note(f"and closing: {failed}")
+        raise
+    failed = await _close(episodes)
+    if failed:
+        raise failed[0]
+    return built
+
+
+async def _close(episodes: list[Episode]) -> list[UserError]:
+    """Every user environment of ``episodes`` closed, each whatever another's close raised; what they raised."""
+    failed = []
+    for episode in episodes:
+        if episode.asynchronous:
+            try:
                 await episode.close()
+            except UserError as error:
+                failed.append(error)
+    return failed
 
 
 async def _rollout(

@@ -163,6 +163,18 @@ def test_a_bad_pool_or_link_is_named_by_its_path(catalog_yaml, change, named):
     assert "should have at least 2 items" not in error, error
 
 
+def test_one_pool_with_a_bad_field_is_also_too_few(catalog_yaml):
+    """The too-short error left out for a list that held enough items stays for one that did not."""
+    import copy
+
+    hardware = copy.deepcopy(MIXED)
+    hardware["pools"] = hardware["pools"][:1]
+    hardware["pools"][0]["count"] = 0
+    catalog_yaml["hardware"] = hardware
+    error = _error(catalog_yaml)
+    assert "pools.0.count" in error and "should have at least 2 items" in error, error
+
+
 def test_a_baseline_on_other_hardware_is_labelled_and_fits_its_own_devices(catalog_yaml):
     """A single-kind cluster of the same cost beside a mixed one: the baseline's devices are counted on
     its own hardware, it needs a label, and the target as it runs it has that hardware alone."""

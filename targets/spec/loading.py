@@ -34,7 +34,9 @@ def _format_errors(source: str, error: ValidationError, data: dict) -> str:
     inner = {item["loc"][:i] for item in errors for i, part in enumerate(item["loc"]) if isinstance(part, int)}
     for item in errors:
         loc = item["loc"]
-        if item["type"] == "too_short" and loc in inner:  # counted without the item that failed: not the user's
+        written, least = item.get("input"), (item.get("ctx") or {}).get("min_length", 0)
+        enough = isinstance(written, (list, tuple)) and len(written) >= least  # as the user wrote it
+        if item["type"] == "too_short" and loc in inner and enough:  # counted without the item that failed
             continue
         if loc[:1] == ("hardware",) and len(loc) > 1 and loc[1] in HARDWARE_FORMS:
             loc = loc[:1] + loc[2:]  # the form's tag: not a field anyone wrote

@@ -246,6 +246,7 @@ def test_costs_come_from_the_price_table_and_unknown_models_say_so(caplog):
     # another model whose name starts as a priced one's was priced as that one: o3-pro as o3, at a tenth
     assert accounting.priced_as("o3-pro") == "o3-pro" and accounting.priced_as("o3-deep-research") is None
     assert accounting.priced_as("claude-opus-4-5") == "claude-opus-4-5" and accounting.priced_as("gpt-4o-x") is None
+    assert accounting.price("claude-sonnet-4-0") == accounting.price("claude-sonnet-4-20250514")  # an alias
     assert (
         accounting.add("my-local-model", 10, 10) == 0.0 and "no price known for model 'my-local-model'" in caplog.text
     )

@@ -27,6 +27,8 @@ DEFAULT_PRICES: dict[str, tuple[float, float]] = {
     "o3-pro": (20.0, 80.0),
     "o4-mini": (1.1, 4.4),
     "claude-opus-4": (15.0, 75.0),
+    "claude-opus-4-0": (15.0, 75.0),  # the aliases Anthropic gives the 4.0 models
+    "claude-sonnet-4-0": (3.0, 15.0),
     "claude-opus-4-1": (15.0, 75.0),
     "claude-opus-4-5": (5.0, 25.0),
     "claude-sonnet-4": (3.0, 15.0),

@@ -162,9 +162,9 @@ def fit_profile(
     reset_s = [resets[key].data["latency"] for key in finished if "latency" in resets[key].data]
     if reset_s and latencies and statistics.median(reset_s) > statistics.median(latencies):
         notes.append(
-            f"a reset took {statistics.median(reset_s):.3g} s at the median ({max(reset_s):.3g} s at most), more than "
-            f"a step ({statistics.median(latencies):.3g} s): the simulated workload has no reset time, so an "
-            "episode's start is simulated faster than it was"
+            f"a reset (making the environment included) took {statistics.median(reset_s):.3g} s at the median "
+            f"({max(reset_s):.3g} s at most), more than a step ({statistics.median(latencies):.3g} s): the "
+            "simulated workload has no reset time, so an episode's start is simulated faster than it was"
         )
     if lengths is not None:
         tokens["response_length"] = lengths_yaml(lengths)

@@ -286,6 +286,10 @@ class Loop:
             max_attempts=self.state.config.max_attempts,
         )
         for attempt in range(1, self.state.config.max_attempts + 1):
+            spent = self.budget.spent(self.budget.totals(self.state.llm_used), self.state.config)
+            if attempt > 1 and spent:  # no call can be made: the last attempt's verdict stands, its reasons kept
+                record.reasons = [*record.reasons, f"attempt {attempt} not made: {spent}"]
+                break
             record.attempts = context.attempt = attempt
             context.previous_account, context.account = context.account, ""  # its edits stay in the workspace
             try:

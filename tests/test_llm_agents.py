@@ -166,8 +166,9 @@ def test_the_fake_server_refuses_a_tool_call_left_unanswered_as_the_providers_do
     server.script("planner", Reply(text="ok"))
     assert _ask(_client(server, provider), messages=[*answered, _tool_answer("call_2")]).text == "ok"
     for broken in (answered, [*answered, {"role": "user", "content": "next"}], [answered[0], _tool_answer("call_9")]):
-        with pytest.raises(LLMError, match="HTTP 400"):
+        with pytest.raises(LLMError, match="HTTP 400") as raised:  # a client's mistake: no content refusal
             _ask(_client(server, provider), messages=broken)
+        assert type(raised.value) is LLMError
 
 
 def _tool_answer(call_id: str) -> dict:
@@ -224,6 +225,15 @@ def test_each_error_is_retried_refused_or_stops_the_run_by_what_it_says(server, 
     with pytest.raises(LLMRefused, match=r"HTTP 400: .*prompt is too long"):
         _ask(_client(server, provider))
     assert len(server.requests) == 1
+    for wording in (  # the servers' own words for a context overflow or a flagged prompt
+        "input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000",  # Anthropic
+        "request (4390 tokens) exceeds the available context size (4096 tokens)",  # llama.cpp
+        "This model's maximum context length is 32768 tokens",  # vLLM, OpenAI
+        "Invalid prompt: your prompt was flagged as potentially violating our usage policy",  # OpenAI
+    ):
+        server.script("planner", Fault(status=400, message=wording))
+        with pytest.raises(LLMRefused):
+            _ask(_client(server, provider))
     # a refusal of how the request was made is the configuration's, not the content's (and never retried)
     for fault in (
         Fault(status=400, message="max_tokens: 100000 > 64000, which is the maximum allowed for this model"),

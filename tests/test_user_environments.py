@@ -500,10 +500,11 @@ def test_a_task_set_scoring_no_number_is_named_not_read_as_a_zero_reward(catalog
         ({"entry": "my_envs:Answers", "params": {"reward": "1"}}, "reward '1', not a finite number"),
         ({"entry": "my_envs:Answers", "params": {"observation": None, "done": False}}, "observation None, not a str"),
         ({"entry": "my_envs:Answers", "params": {"done": 1}}, "done 1, not a bool"),
+        ({"entry": "my_envs:Answers", "params": {"done": 1, "observation": None}}, "done 1, not a bool"),
         ({"entry": "my_envs:nan_scored", "adapter": "tasks"}, "reward nan, not a finite number"),
         ({"entry": "my_envs:OldGym", "adapter": "gymnasium"}, "a 4-tuple (the old gym API"),
     ],
-    ids=["nan", "inf", "none", "text reward", "no observation", "int done", "nan score", "old gym"],
+    ids=["nan", "inf", "none", "text reward", "no observation", "int done", "int done first", "nan score", "old gym"],
 )
 def test_a_step_answer_a_run_cannot_train_on_is_named_by_its_field(catalog_yaml, user_package, environment, message):
     """A NaN reward would reach the candidate's loss as a null, a None one the harness's sum as a

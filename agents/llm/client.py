@@ -263,6 +263,7 @@ def _out_of_credit(error: Exception) -> bool:
         or "enforced_spend_limit_reached" in str(body)  # Anthropic's workspace limit, a 429 no wait ends
         or "credit balance" in message
         or "spend limit" in message
+        or "api usage limits" in message  # Anthropic's workspace limit as a 400: "... regain access on ..."
     )
 
 
@@ -272,8 +273,9 @@ def _out_of_credit(error: Exception) -> bool:
 # can cause these; any other refusal (a bad max_tokens, tool choice a server was not started with) is
 # the configuration's, an outage to the review.
 CONTENT_REFUSAL = re.compile(
-    r"context[ _](length|window)|prompt is too long|too many (input )?tokens|request[ _]too[ _]large|"
-    r"content[ _](policy|filter|management)",
+    r"context[ _](length|window|limit|size)|exceed_context|max_model_len|prompt is too long|too many (input )?"
+    r"tokens|request[ _]too[ _]large|string_above_max_length|content[ _](policy|filter|management)|"
+    r"invalid_prompt|usage polic",
     re.IGNORECASE,
 )
 

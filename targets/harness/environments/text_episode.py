@@ -152,12 +152,12 @@ class TextEpisode(Episode):
         reward, done = answer.reward, answer.done
         ended = isinstance(done, bool | numpy.bool_) and bool(done)  # the last observation is never read
         wrong = (
-            f"observation {answer.observation!r}, not a str"
+            f"done {done!r}, not a bool"
+            if not isinstance(done, bool | numpy.bool_)
+            else f"observation {answer.observation!r}, not a str"
             if not isinstance(answer.observation, str) and not ended
             else f"reward {reward!r}, not a finite number"
             if not isinstance(reward, numbers.Real) or not math.isfinite(reward)
-            else f"done {done!r}, not a bool"
-            if not isinstance(done, bool | numpy.bool_)
             else None
         )
         if wrong is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from targets.harness.reference.trainer import ReferenceTrainer
 from targets.harness.tokenizer import stop_token_ids
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec
+
+log = logging.getLogger("vibetrain.reference")
 
 
 @dataclass
@@ -47,11 +50,13 @@ async def rollout_lockstep(
     A user's environments are closed once all have ended (what they hold, a subprocess or a sandbox, let go)."""
     try:
         built = await _rollout(engine, episodes, spec, seed, stops)
-    except BaseException as error:
-        for failed in await _close(episodes):  # the rollout's error is the one said; the closes' go with it
-            error.add_note(f"and closing: {failed}")
+    except BaseException:
+        for failed in await _close(episodes):  # the rollout's error is the one raised; the closes' are said
+            log.error("closing after the rollout failed: %s", failed)
         raise
     failed = await _close(episodes)
+    for later in failed[1:]:
+        log.error("closing: %s", later)
     if failed:
         raise failed[0]
     return built

@@ -1070,6 +1070,38 @@ def test_bubblewrap_keeps_writes_in_the_workspace_and_has_no_network(tmp_path):
     assert (workspace / "ok").read_text() == "in" and not outside.exists()
 
 
+@needs_bwrap
+def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_working_directory(tmp_path, monkeypatch):
+    """Run as root, the sandbox kept every capability: a candidate remounted its read-only binds (the
+    virtualenv, the model cache, the checkout) writable. The checkout's runs and worktrees and its git,
+    and the working directory Python puts on sys.path (a home, say), were visible to it."""
+    from targets import PROJECT_ROOT
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".npmrc").write_text("token")
+    monkeypatch.chdir(home)
+    monkeypatch.syspath_prepend(str(home))
+    (PROJECT_ROOT / "workspaces").mkdir(exist_ok=True)
+    probe = (
+        "import os, pathlib, subprocess, sys\n"
+        "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]\n"
+        "print('caps', int(caps, 16))\n"
+        f"print('home', pathlib.Path('{home / '.npmrc'}').exists())\n"
+        f"git = pathlib.Path('{PROJECT_ROOT / '.git'}')\n"
+        "print('git', sorted(os.listdir(git)) if git.is_dir() else None)\n"
+        f"print('workspaces', sorted(os.listdir('{PROJECT_ROOT / 'workspaces'}')))\n"
+        "remount = subprocess.run(['mount', '-o', 'remount,bind,rw', sys.prefix], capture_output=True)\n"
+        "print('remount', remount.returncode)\n"
+    )
+    command, env = Sandbox.detect("bubblewrap").wrap([sys.executable, "-c", probe], dict(os.environ))
+    result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60, cwd=home)
+    assert result.returncode == 0, result.stderr
+    said = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert said["caps"] == "0" and said["remount"] != "0", result.stdout
+    assert said["home"] == "False" and said["git"] in ("[]", "None") and said["workspaces"] == "[]", result.stdout
+
+
 # -- the harness's watchdog: limits a candidate cannot outrun --------------------------------------
 
 

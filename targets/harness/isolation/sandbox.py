@@ -49,6 +49,7 @@ SAFE_ENV = (
 )
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
 BACKENDS = ("bubblewrap", "docker", "subprocess")
+DOCKER_PIDS = 4096  # a container's processes and threads: its processes are the daemon's, no watchdog sees them
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/sys")
 ETC_FILES = (
     "ld.so.cache",
@@ -119,15 +120,22 @@ def _docker_image() -> str | None:
 def python_paths() -> list[Path]:
     """What a child's Python needs to see: its installation (a virtualenv, say), every import path,
     and the project checkout itself (an editable install's import finder points there without
-    putting it on sys.path)."""
+    putting it on sys.path). Not the working directory Python puts first on sys.path: started from a
+    home directory, it showed the candidate the user's files; a candidate imports nothing from there."""
+    here = Path.cwd().resolve()
     return [
         Path(sys.prefix),
         Path(sys.exec_prefix),
         Path(sys.base_prefix),
         Path(sys.executable).resolve().parent,
         PROJECT_ROOT,
-        *(Path(entry) for entry in sys.path if entry),
+        *(Path(entry) for entry in sys.path if entry and Path(entry).resolve() != here),
     ]
+
+
+# The checkout's folders a candidate must not see, hidden under an empty tmpfs wherever the checkout is
+# mounted: other rounds' worktrees, the runs' repositories (their results and history), its own git.
+HIDDEN_IN_CHECKOUT = ("workspaces", "generated", ".git")
 
 
 def outermost(paths: Sequence[Path]) -> list[Path]:
@@ -239,6 +247,8 @@ class Sandbox:
             wrapped = [
                 "bwrap",
                 "--unshare-all",
+                "--cap-drop",  # run as root, it kept every capability: a remount made its read-only binds writable
+                "ALL",
                 "--die-with-parent",
                 "--new-session",
                 "--clearenv",
@@ -260,16 +270,21 @@ class Sandbox:
             if gpus:
                 for node in gpu_device_nodes():
                     wrapped += ["--dev-bind", node, node]
-            mounts = sorted(
-                [(p, "--ro-bind") for p in readonly] + [(p, "--bind") for p in writable], key=lambda m: len(m[0].parts)
+            root = PROJECT_ROOT.resolve()
+            shown = any(p == root or p in root.parents for p in readonly)
+            hidden = [(root / name, "--tmpfs") for name in HIDDEN_IN_CHECKOUT if shown and (root / name).is_dir()]
+            mounts = sorted(  # the outer first: a candidate's own folder inside a hidden one is bound after it
+                [(p, "--ro-bind") for p in readonly] + [(p, "--bind") for p in writable] + hidden,
+                key=lambda m: len(m[0].parts),
             )
             for path, how in mounts:
-                wrapped += [how, str(path), str(path)]
+                wrapped += [how, str(path)] if how == "--tmpfs" else [how, str(path), str(path)]
             wrapped += ["--remount-ro", "/"]  # everything not bound writable is read-only (the root's own tmpfs too)
             for key, value in variables.items():
                 wrapped += ["--setenv", key, value]
             return wrapped + ["--chdir", str(cwd)] + command, {}
         wrapped = ["docker", "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "-w", str(cwd)]
+        wrapped += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--pids-limit", str(DOCKER_PIDS)]
         owners = list(dict.fromkeys(o for o in (owner, os.environ.get(OWNER_ENV)) if o))
         if not owners:
             raise RuntimeError(

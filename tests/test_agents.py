@@ -1191,6 +1191,26 @@ def test_the_watchdog_decides_on_proportional_sizes_when_resident_sizes_pass_the
     assert killed_for in why, why
 
 
+def test_a_thread_storm_is_killed_at_its_limit():
+    """The watchdog counted processes, not threads: 400 threads in one process passed as one."""
+    from targets.harness.isolation.launch import _watch
+    from targets.harness.isolation.process_tree import kill_tree
+
+    storm = "import threading, time\nfor _ in range(60): threading.Thread(target=time.sleep, args=(30,)).start()\n"
+    holder = subprocess.Popen([sys.executable, "-c", storm + "print('ready', flush=True)"], stdout=subprocess.PIPE)
+    read_fd, write_fd = os.pipe()
+    exits_fd, exits_write_fd = os.pipe()
+    try:
+        assert holder.stdout.readline().strip() == b"ready"
+        why = _watch(holder, Limits(time_s=5.0, threads=50), read_fd, exits_fd, {}, [], [])
+    finally:
+        kill_tree(holder.pid)
+        holder.wait()
+        for fd in (read_fd, write_fd, exits_fd, exits_write_fd):
+            os.close(fd)
+    assert "61 threads, over its limit of 50 (a thread storm?)" in why, why
+
+
 @pytest.mark.slow
 def test_a_candidate_that_forks_a_storm_is_killed(tmp_path, tiny_spec):
     token = f"storm-{uuid.uuid4().hex}"  # pgrep finds this test's processes only, not another run's on the machine

@@ -3,8 +3,8 @@ child needs, made once per orchestrator), in its own process group (killed whole
 output captured to a log, and a watchdog over the whole process tree (the harness and the candidate
 processes it starts, the judge processes the harness zygote forked for it, and in the subprocess
 sandbox the candidate processes the candidate zygote forked for it): wall time, resident memory
-summed over the tree, and the number of processes (a fork bomb). A crash, a hang, a memory blow-up
-or a fork storm becomes a clear cause, never a hung or starved judge.
+summed over the tree, and the number of processes and of threads (a fork or thread bomb). A crash, a
+hang, a memory blow-up or a fork storm becomes a clear cause, never a hung or starved judge.
 
 The parent also keeps its own time: the child tells it (over a pipe) the moment the system run
 starts and ends, and the parent stamps both with its own clock, an independent measurement of the
@@ -29,6 +29,7 @@ from targets.harness.isolation.process_tree import (
     process_tree,
     resident_bound_mb,
     resident_mb,
+    thread_count,
     wait_exited,
 )
 from targets.harness.isolation.sandbox import Sandbox
@@ -43,6 +44,7 @@ class Limits:
     time_s: float = 600.0
     memory_mb: float = 12_000.0  # resident memory of the whole process tree
     processes: int = 128  # Ray itself runs a few dozen
+    threads: int = 8192  # over the whole tree: a one-GPU check's Ray and torch run well under a thousand
 
     @classmethod
     def of(cls, target: Target, time_s: float | None = None) -> Limits:
@@ -143,6 +145,8 @@ def _watch(
             why = f"exceeded its time limit of {limits.time_s:g}s"
         elif len(tree) > limits.processes:
             why = f"ran {len(tree)} processes, over its limit of {limits.processes} (a fork storm?)"
+        elif (threads := thread_count(tree)) > limits.threads:
+            why = f"ran {threads} threads, over its limit of {limits.threads} (a thread storm?)"
         else:
             try:
                 resident = resident_bound_mb(tree)  # cheap, from above: the exact measure only past the limit

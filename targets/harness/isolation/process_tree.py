@@ -84,6 +84,19 @@ def resident_bound_mb(pids: list[int]) -> float:
     return total_kb / 1024
 
 
+def thread_count(pids: list[int]) -> int:
+    """The threads of ``pids`` together (a thread storm takes the host's pid space as a fork storm does,
+    and a process count never sees it)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                total += int(f.read().rsplit(")", 1)[1].split()[17])  # num_threads, the stat's 20th field
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the process ended while we looked
+    return total
+
+
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
     """Signal ``root``'s process group and every descendant (also those that left the group)."""
     pids = process_tree(root)

@@ -434,6 +434,10 @@ def test_a_review_that_cannot_be_had_leaves_the_gate_to_decide_unless_required(s
     kept = LLMJudge(PassingGate(), _client(server, spent)).judge(workspace, tmp_path / "b", TASK)
     assert not kept.passed and kept.checks[-1].name == "llm_review"
     assert kept.reasons[0].startswith("llm_review: unreviewed: token budget of 10 spent")
+    from agents.roles import starter_task
+
+    starter = LLMJudge(PassingGate(), _client(server, spent)).judge(workspace, tmp_path / "s", starter_task("colocate"))
+    assert starter.passed  # the library's stack, no agent's: the gate decides, as in an outage
 
 
 def _evaluation() -> Evaluation:

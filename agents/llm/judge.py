@@ -13,7 +13,8 @@ gated candidate: the gate's verdict stands with a passing ``llm_review`` check t
 unavailable, unless the run requires the review (``--require-llm-review``): then the candidate is
 rejected. A budget spent during the round (the implementer's last call crossed it) rejects the
 candidate, kept under its rejected ref for a person to review: an implementer could otherwise spend the
-rest of the budget to pass on the gate alone; the run stops at its budget check after the round. A
+rest of the budget to pass on the gate alone (the starter, which no agent wrote, is left to the gate);
+the run stops at its budget check after the round. A
 backend that refuses the run's configuration (401, 403, 404, a spent quota) is not such a failure:
 ``LLMUnusable`` propagates, and the run stops. A review that ran and reached no verdict (the model
 stuck, out of turns, or answering outside its schema twice) rejects, and so does one whose request the
@@ -279,6 +280,8 @@ class LLMJudge:
             raise  # a backend that refuses the run: the run stops, no outage to fall back from
         except BudgetSpent as error:  # crossed during this round: kept, for a person to review, but never
             # validated on the gate alone (an implementer could spend the rest of the budget to skip its review)
+            if task is not None and task.source == "starter":  # the library's own stack: no agent wrote it
+                return self.unavailable(verdict, error)
             reasons = [f"unreviewed: {error}; kept as rejected: a candidate is validated only after its review"]
             return reviewed(verdict, False, reasons)
         except (StuckError, OutputSchemaError, LLMRefused) as error:  # the model read the candidate and reached no

@@ -1082,7 +1082,11 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
     (home / ".npmrc").write_text("token")
     monkeypatch.chdir(home)
     monkeypatch.syspath_prepend(str(home))
-    (PROJECT_ROOT / "workspaces").mkdir(exist_ok=True)
+    own = PROJECT_ROOT / "workspaces" / f"round-probe-{os.getpid()}"  # where generate puts a judged stack
+    other = PROJECT_ROOT / "workspaces" / f"round-other-{os.getpid()}"
+    for folder in (own, other):
+        (folder / "stack").mkdir(parents=True, exist_ok=True)
+        (folder / "stack" / "secret.py").write_text("x = 1\n")
     probe = (
         "import os, pathlib, subprocess, sys\n"
         "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]\n"
@@ -1091,15 +1095,24 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
         f"git = pathlib.Path('{PROJECT_ROOT / '.git'}')\n"
         "print('git', sorted(os.listdir(git)) if git.is_dir() else None)\n"
         f"print('workspaces', sorted(os.listdir('{PROJECT_ROOT / 'workspaces'}')))\n"
+        f"print('own', pathlib.Path('{own / 'stack' / 'secret.py'}').exists())\n"
         "remount = subprocess.run(['mount', '-o', 'remount,bind,rw', sys.prefix], capture_output=True)\n"
         "print('remount', remount.returncode)\n"
     )
-    command, env = Sandbox.detect("bubblewrap").wrap([sys.executable, "-c", probe], dict(os.environ))
-    result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60, cwd=home)
+    try:
+        command, env = Sandbox.detect("bubblewrap").wrap(
+            [sys.executable, "-c", probe], dict(os.environ), readable=[own]
+        )
+        result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60, cwd=home)
+    finally:
+        shutil.rmtree(own)
+        shutil.rmtree(other)
     assert result.returncode == 0, result.stderr
     said = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     assert said["caps"] == "0" and said["remount"] != "0", result.stdout
-    assert said["home"] == "False" and said["git"] in ("[]", "None") and said["workspaces"] == "[]", result.stdout
+    assert said["home"] == "False" and said["git"] in ("[]", "None"), result.stdout
+    # its own stack, inside the checkout's worktrees, is there; another round's is not
+    assert said["own"] == "True" and said["workspaces"] == f"['{own.name}']", result.stdout
 
 
 # -- the harness's watchdog: limits a candidate cannot outrun --------------------------------------

@@ -272,9 +272,19 @@ class Sandbox:
                     wrapped += ["--dev-bind", node, node]
             root = PROJECT_ROOT.resolve()
             shown = any(p == root or p in root.parents for p in readonly)
-            hidden = [(root / name, "--tmpfs") for name in HIDDEN_IN_CHECKOUT if shown and (root / name).is_dir()]
-            mounts = sorted(  # the outer first: a candidate's own folder inside a hidden one is bound after it
-                [(p, "--ro-bind") for p in readonly] + [(p, "--bind") for p in writable] + hidden,
+            hidden = [root / name for name in HIDDEN_IN_CHECKOUT if shown and (root / name).is_dir()]
+            # what the candidate is given inside a hidden folder (its own stack in a round's worktree, the
+            # sockets in the run's repository) is bound again over the tmpfs; outermost() had folded it
+            # into the checkout's bind
+            given = [
+                q
+                for q in outermost(readable)
+                if any(h in q.parents for h in hidden) and not any(q == w or w in q.parents for w in writable)
+            ]
+            mounts = sorted(  # the outer first: what is bound inside a hidden folder comes after its tmpfs
+                [(p, "--ro-bind") for p in [*readonly, *given]]
+                + [(p, "--bind") for p in writable]
+                + [(h, "--tmpfs") for h in hidden],
                 key=lambda m: len(m[0].parts),
             )
             for path, how in mounts:

@@ -8,12 +8,13 @@ could game — the clock, the latency, the reward bookkeeping, the record — li
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from targets.api import StepResult, TokenCount, TokenIds, TraceEvent
+from targets.errors import UserError
 from targets.harness.clock import Clock
 from targets.harness.tokenizer import CTX, VOCAB
 from targets.harness.trace import Trace
@@ -296,3 +297,16 @@ class Episode:
             return TokenCount(max(length, len(text.split())))
         tokens = VOCAB.encode(text)
         return [VOCAB.ids[CTX]] * max(0, length - len(tokens)) + tokens
+
+
+async def close_environments(episodes: Iterable[Episode]) -> list[UserError]:
+    """Every user environment of ``episodes`` closed (a built-in one holds nothing), each whatever
+    another's close raised; what the closes raised, for the caller to fail on or to say."""
+    failed = []
+    for episode in episodes:
+        if episode.asynchronous:
+            try:
+                await episode.close()
+            except UserError as error:
+                failed.append(error)
+    return failed

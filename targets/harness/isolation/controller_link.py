@@ -13,7 +13,7 @@ from typing import Any
 
 from targets.api import Aborted, Completion, Declared, EngineSettings, GenerateRequest, StepResult, TokenIds
 from targets.errors import UserError
-from targets.harness.environments import EnvironmentPool, Episode
+from targets.harness.environments import EnvironmentPool, Episode, close_environments
 from targets.harness.ipc.channel import AsyncChannel, Frame, Received
 from targets.harness.ipc.protocol import ProtocolError
 from targets.harness.ipc.remote import CandidateError
@@ -391,14 +391,7 @@ class ControllerLink:
     async def _close_environments(self) -> list[UserError]:
         """At the run's end, every user environment whose episode never ended (dropped, or under way)
         is closed; what a close raised, for the run to fail on."""
-        failed = []
-        for episode in self.episodes.values():
-            if episode.asynchronous:
-                try:
-                    await episode.close()
-                except UserError as error:
-                    failed.append(error)
-        return failed
+        return await close_environments(self.episodes.values())
 
     def _judged(self, result: StepResult) -> bool:
         """Whether a reward model judges the episode this step ended (it ended well)."""

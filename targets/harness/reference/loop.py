@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from targets.api import SamplingParams, TrainBatch, Trajectory
-from targets.errors import UserError
 from targets.harness.clock import WallClock
-from targets.harness.environments import EnvironmentPool, Episode
+from targets.harness.environments import EnvironmentPool, Episode, close_environments
 from targets.harness.model import load_model, model_dir
 from targets.harness.reference.engine import ReferenceEngine
 from targets.harness.reference.grpo import group_advantages
@@ -51,27 +50,15 @@ async def rollout_lockstep(
     try:
         built = await _rollout(engine, episodes, spec, seed, stops)
     except BaseException:
-        for failed in await _close(episodes):  # the rollout's error is the one raised; the closes' are said
+        for failed in await close_environments(episodes):  # the rollout's error is the one raised; the closes' are said
             log.error("closing after the rollout failed: %s", failed)
         raise
-    failed = await _close(episodes)
+    failed = await close_environments(episodes)
     for later in failed[1:]:
         log.error("closing: %s", later)
     if failed:
         raise failed[0]
     return built
-
-
-async def _close(episodes: list[Episode]) -> list[UserError]:
-    """Every user environment of ``episodes`` closed, each whatever another's close raised; what they raised."""
-    failed = []
-    for episode in episodes:
-        if episode.asynchronous:
-            try:
-                await episode.close()
-            except UserError as error:
-                failed.append(error)
-    return failed
 
 
 async def _rollout(

@@ -783,6 +783,65 @@ def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_me
     assert task.id not in {t.id for t in stale} and task.source == "composition", task.id
 
 
+def test_evolve_ends_only_when_no_member_of_its_population_has_a_new_mutation(tiny_spec):
+    """The tournament never draws the least fit: with the starter and one child, only the child was mutated,
+    and once it had nothing new the run ended with 16 new compositions left on the starter. A random
+    parameter move was drawn from all moves, then checked for novelty: with one new move of seven, the run
+    ended one time in fifty."""
+    from types import SimpleNamespace
+
+    from agents.offline.planner import OfflinePlanner
+    from agents.roles import Task
+    from orchestrator.policies.evolve import EvolvePolicy
+    from orchestrator.state import RoundRecord
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    p0 = starter_params(tiny_spec, "time_multiplex")
+    add = {t.id: t for t in planner.composition_tasks(p0)}
+    p1 = {**p0, **add["add-tail_batching"].changes}
+    starter = Task(id="starter", title="s", rationale="r")
+    rounds = [
+        RoundRecord(
+            round=0, task=starter, parent_round=None, parent_commit="", verdict="accepted", commit="c0", headline=1.0
+        ),
+        RoundRecord(
+            round=1,
+            task=add["add-tail_batching"],
+            parent_round=0,
+            parent_commit="c0",
+            verdict="accepted",
+            commit="c1",
+            headline=1.1,
+        ),
+    ]
+    every = planner.composition_tasks(p1) + planner.parameter_moves(p1) + planner.tasks_from_hints([], p1)
+    for i, task in enumerate({t.id: t for t in every}.values()):  # everything from the child tried
+        rounds.append(RoundRecord(round=2 + i, task=task, parent_round=1, parent_commit="c1", verdict="rejected"))
+    state = SimpleNamespace(
+        rounds=rounds,
+        accepted=lambda: [r for r in rounds if r.verdict == "accepted"],
+        tried=lambda: {(r.parent_commit, r.task.id) for r in rounds},
+    )
+    params = {"c0": p0, "c1": p1}
+    for seed in range(20):
+        parent, task = EvolvePolicy(planner, seed).propose(state, lambda r: params[r.commit])
+        assert parent.commit == "c0" and ("c0", task.id) not in state.tried()
+    # one parameter move left of the child's: found every time
+    moves = planner.parameter_moves(p1)
+    rounds[2:] = [
+        RoundRecord(round=2 + i, task=t, parent_round=1, parent_commit="c1", verdict="rejected")
+        for i, t in enumerate(every)
+        if t.id != moves[-1].id
+    ] + [
+        RoundRecord(round=99, task=t, parent_round=0, parent_commit="c0", verdict="rejected")
+        for t in planner.composition_tasks(p0) + planner.parameter_moves(p0)
+    ]
+    for seed in range(100):
+        parent, task = EvolvePolicy(planner, seed).propose(state, lambda r: params[r.commit])
+        assert (parent.commit, task.id) not in state.tried()
+
+
 def test_evolve_never_rebuilds_a_configuration_the_run_already_tried(tiny_spec):
     """Novelty: removing the technique a child added rebuilds its parent, and adding a technique the run
     already tried (and rejected) from the parent is the same point; evolve proposes neither, for any seed."""

@@ -249,6 +249,34 @@ def test_each_error_is_retried_refused_or_stops_the_run_by_what_it_says(server, 
         _ask(_client(server, provider))
 
 
+def test_a_plan_step_in_any_language_becomes_a_task_id_or_is_left_out(tiny_spec):
+    """The LLM planner's plan steps become backlog tasks: 'µ' and 'é' are alphanumeric to Python but no
+    character of a task id, and the run stopped with a ValidationError traceback."""
+    from types import SimpleNamespace
+
+    from agents.offline.planner import OfflinePlanner
+    from orchestrator.policies.llm import LLMPolicy
+    from orchestrator.state import RoundRecord, RunState
+
+    r0 = RoundRecord(
+        round=0,
+        task=Task(id="starter", title="s", rationale="r"),
+        parent_round=None,
+        parent_commit="",
+        verdict="accepted",
+        commit="c0",
+        headline=1.0,
+        became_best=True,
+    )
+    state = RunState.model_construct(rounds=[r0], backlog=[], best_round=0)
+    plan = ["then tune the µ-batch size", "réduire la latence", "µµµ"]
+    choice = SimpleNamespace(parent_round=0, task=Task(id="add-kv_routing", title="t", rationale="r"), plan=plan)
+    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, SimpleNamespace(plan=lambda state, design: choice), lambda r: "")
+    parent, task = policy.propose(state, lambda r: {})
+    assert (parent.commit, task.id) == ("c0", "add-kv_routing")
+    assert [t.id for t in state.backlog] == ["plan-then-tune-the---batch-size", "plan-r-duire-la-latence"]
+
+
 def test_costs_come_from_the_price_table_and_unknown_models_say_so(caplog):
     accounting = Accounting()
     assert accounting.add("claude-sonnet-4-20250514", 1_000_000, 100_000) == pytest.approx(3.0 + 1.5)

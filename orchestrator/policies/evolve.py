@@ -38,26 +38,39 @@ class EvolvePolicy:
             return cache[record.commit]
 
         built = built_configurations(state, params)
+
+        def mutations(parent: RoundRecord) -> tuple[list[Task], list[Task], list[Task]]:
+            """What is new from ``parent``: the tasks its hints trigger, compositions, parameter moves."""
+            current = params(parent)
+
+            def novel(task: Task) -> bool:
+                return (parent.commit, task.id) not in tried and not rebuilds(current, task, built)
+
+            skilled = [t for t in self.planner.tasks_from_hints(parent.hints, current) if novel(t)]
+            composed = [t for t in self.planner.composition_tasks(current) if novel(t)]
+            moved = [t for t in self.planner.parameter_moves(current) if novel(t)]
+            return skilled, composed, moved
+
         for _ in range(20):
             parent = self._select(state)
             if parent is None:
                 return None
-            current = params(parent)
-
-            def novel(task: Task, parent: RoundRecord = parent, current: dict = current) -> bool:
-                return (parent.commit, task.id) not in tried and not rebuilds(current, task, built)
-
-            skilled = [t for t in self.planner.tasks_from_hints(parent.hints, current) if novel(t)]
+            skilled, composed, moved = mutations(parent)
             if skilled and self.rng.random() < 0.5:
                 return parent, max(skilled, key=lambda t: (t.priority, t.id))
-            composed = [t for t in self.planner.composition_tasks(current) if novel(t)]
             if composed and self.rng.random() < 0.5:
                 return parent, self.rng.choice(composed)
-            task = self.planner.perturbation(current)
-            if task is not None and novel(task):
-                return parent, task
+            if moved:  # a move that is new: one drawn from all moves was mostly one already tried
+                return parent, self.rng.choice(moved)
             if skilled:
                 return parent, max(skilled, key=lambda t: (t.priority, t.id))
+        # the tournament never draws the least fit, and may have drawn only parents with nothing new: the
+        # run ends on its budget, not while a member of the population has an untried mutation
+        sign = 1 if self.planner.spec.headline_metric.direction == "maximize" else -1
+        for parent in sorted(state.accepted(), key=lambda r: -sign * (r.headline or 0.0)):
+            skilled, composed, moved = mutations(parent)
+            if skilled or composed or moved:
+                return parent, (skilled or composed or moved)[0]
         return None
 
     def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:

@@ -46,8 +46,9 @@ class LLMPolicy:
         known = {t.id for t in state.backlog}
         for step in choice.plan:
             text = step.strip()[:120]
-            step_id = "plan-" + "".join(c if c.isalnum() else "-" for c in text.lower())[:40].strip("-")
-            if text and step_id not in known:
+            # ASCII only: "µ" is alphanumeric to Python and no character of a task id
+            step_id = "plan-" + "".join(c if c.isascii() and c.isalnum() else "-" for c in text.lower())[:40].strip("-")
+            if text and step_id != "plan-" and step_id not in known:
                 state.backlog.append(
                     Task(id=step_id, title=text, rationale="the LLM planner's plan", source="llm", priority=-1)
                 )

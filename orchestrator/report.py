@@ -363,11 +363,11 @@ def _baselines(state: RunState, history: History, maximize: bool) -> dict[int, s
     if state.best_round is not None:
         chosen[state.best_round] = "the best"
     controllers: dict[str, RoundRecord] = {}
-    for r in state.accepted():
+    for r in state.accepted():  # the starter competes for its controller too: a later one it beats is no best
         controller = history.params(r.commit).get("controller", "unnamed controller")
         if r.round == 0:
             chosen.setdefault(0, f"the starter ({controller})")
-        elif controller not in controllers or _better(r.headline, controllers[controller].headline, maximize):
+        if controller not in controllers or _better(r.headline, controllers[controller].headline, maximize):
             controllers[controller] = r
     for controller, r in controllers.items():
         chosen.setdefault(r.round, f"best-scoring {controller} candidate")

@@ -167,6 +167,32 @@ def test_the_page_carries_units_the_noise_band_and_provenance(report):
     )
 
 
+def test_a_later_candidate_the_starter_beats_is_not_labelled_its_controllers_best():
+    """Round 0 was left out of the comparison: a colocate round scoring below the colocate starter was
+    shown as the 'best-scoring colocate candidate'."""
+    from types import SimpleNamespace
+
+    from orchestrator.report import _baselines
+
+    def accepted(number: int, headline: float) -> RoundRecord:
+        task = Task(id=f"t{number}", title="t", rationale="r")
+        parent = ("c0", 0) if number else ("", None)
+        return RoundRecord(
+            round=number,
+            task=task,
+            parent_round=parent[1],
+            parent_commit=parent[0],
+            verdict="accepted",
+            commit=f"c{number}",
+            headline=headline,
+        )
+
+    state = RunState.model_construct(rounds=[accepted(0, 1.0), accepted(1, 1.3), accepted(2, 0.8)], best_round=1)
+    controllers = {"c0": "colocate", "c1": "time_multiplex", "c2": "colocate"}
+    history = SimpleNamespace(params=lambda commit: {"controller": controllers[commit]})
+    assert _baselines(state, history, maximize=True) == {1: "the best", 0: "the starter (colocate)"}
+
+
 def test_the_tree_layout_centres_parents_on_their_children(tmp_path):
     run, _ = _make_run(tmp_path)
     nodes = _layout(RunState.load(run))

@@ -150,7 +150,15 @@ class Loop:
                 reason = "nothing left to try: the backlog is empty and no composition or parameter move is new"
                 self.on_event("budget", reason=reason)
                 break
-            record = self.round(self.state.next_round, *proposal, llm_before)
+            spent = self.budget.spent(self.budget.totals(self.state.llm_used), self.state.config)
+            if spent:  # the planner's own call spent it: no round is started, its task is not marked tried
+                self.on_event("budget", reason=spent)
+                break
+            try:
+                record = self.round(self.state.next_round, *proposal, llm_before)
+            except BudgetSpent as refused:  # the implementer found it spent: the round is redone on --resume
+                self.on_event("budget", reason=f"round {self.state.next_round} stopped: {refused}")
+                break
             self.finish_round(record)
             if record.task.source == "starter":
                 continue  # the next turn calibrates the first twin, or says why the run cannot go on
@@ -184,7 +192,7 @@ class Loop:
             parent_headline=parent.headline if parent else None,
         )
         seeds = self.seeds(number)
-        stop: RunError | None = None
+        stop: RunError | BudgetSpent | None = None
         try:
             verdict, candidate = self.implement_and_judge(record, workspace, out, seeds[0])
             if verdict.passed:
@@ -211,6 +219,8 @@ class Loop:
             stop = RunError(f"round {number} stopped: {error}")
         except LLMUnusable as error:  # the backend as configured, which every later round would meet too
             stop = RunError(f"round {number} stopped: {unusable(error, 'an agent')}")
+        except BudgetSpent as error:  # the implementer's call found it spent: the loop stops at its budget
+            stop = error
         except EnvironmentFailed as error:  # the user's code, which every later round would meet too
             stop = RunError(
                 f"round {number} stopped: {error}. This is the {error.part}'s failure, not the candidate's: "
@@ -297,8 +307,9 @@ class Loop:
                     record.task, workspace, feedback, context.parent_hints, context
                 )
                 record.account = context.account = change.summary
-            except LLMUnusable:
-                raise  # every attempt would meet it: the round stops the run
+            except (LLMUnusable, BudgetSpent):
+                raise  # every attempt would meet it: the round stops the run (a spent budget: cleanly, redone on
+                # --resume, never recorded as the task tried)
             except NothingToRepair as error:  # the same candidate again: the last verdict stands
                 said = f"attempt {attempt}: {error}; attempt {attempt - 1}'s verdict stands"
                 record.reasons = [*record.reasons, said]  # last: log and show say why no judge ran again

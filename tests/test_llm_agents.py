@@ -27,6 +27,7 @@ from agents.llm.tools import Toolbox
 from agents.roles import AgentError, Task
 from orchestrator.cli import app
 from orchestrator.config import LLMConfig
+from orchestrator.history import History
 from orchestrator.runs import RunSetupError, _check_backend
 from orchestrator.state import (
     RoundRecord,
@@ -849,11 +850,11 @@ def test_bad_tool_calls_go_back_to_the_model_and_a_budget_stops_the_run(server, 
         server, tmp_path, fast_target, "openai", "--rounds", "3", "--max-tokens", "400", "--max-attempts", "1"
     )
     state = RunState.load(run)
-    assert [r.round for r in state.rounds] == [0, 1] and state.record(0).verdict == "accepted", output
+    assert [r.round for r in state.rounds] == [0] and state.record(0).verdict == "accepted", output
     second = server.requests[-1]["body"]["messages"]  # the attempt went on after the bad call
     assert second[-1]["role"] == "tool" and second[-1]["content"].startswith("error: there is no tool 'rm_rf'")
-    assert state.record(1).verdict == "rejected" and "token budget of 400 spent" in state.record(1).reasons[0]
-    assert "token budget of 400 spent" in output  # rounds 2 and 3 never started
+    # the budget ran out inside round 1: it stops the run cleanly, round 1 to be redone on --resume
+    assert code == 0 and state.next_round == 1 and "round 1 stopped: token budget of 400 spent" in output
     assert state.llm_used["input_tokens"] + state.llm_used["output_tokens"] == 480
 
 
@@ -881,7 +882,9 @@ def test_max_cost_is_refused_for_a_model_without_a_price(server, tmp_path, fast_
 @pytest.mark.slow
 def test_a_cost_budget_is_checked_before_each_call_not_only_between_rounds(server, tmp_path, fast_target):
     """$0.12 a call against $0.30: round 0's two calls leave $0.06, so round 1's implementer gets one
-    call and the next is refused inside the round; --max-output-tokens reaches every request."""
+    call and the next is refused inside the round, which stops the run cleanly: round 1 is not recorded
+    (it was, rejected, and its task counted as tried: never again on that best after a --resume with a
+    larger budget). --max-output-tokens reaches every request."""
     prices = tmp_path / "prices.yaml"
     prices.write_text("my-local-model: [1000, 1000]\n")
     _script_a_run(server, rounds=1)
@@ -903,10 +906,9 @@ def test_a_cost_budget_is_checked_before_each_call_not_only_between_rounds(serve
     assert code == 0, output
     assert [r["role"] for r in server.requests] == ["judge", "evaluator", "implementer"]
     state = RunState.load(run)
-    assert [r.round for r in state.rounds] == [0, 1] and state.llm_used["cost_usd"] == pytest.approx(0.36)
-    assert state.record(1).verdict == "rejected"
-    assert "BudgetSpent: cost budget of $0.3 spent" in state.record(1).reasons[0]
-    assert "cost budget of $0.3 spent" in output
+    assert [r.round for r in state.rounds] == [0] and state.llm_used["cost_usd"] == pytest.approx(0.36)
+    assert state.next_round == 1 and History.open(run).rejected_commit(1) is None
+    assert "round 1 stopped: cost budget of $0.3 spent" in " ".join(output.split())
     assert {r["body"]["max_tokens"] for r in server.requests} == {1234}
     assert load_llm_spend(run) == state.llm_used  # saved after each call too
 

@@ -842,6 +842,46 @@ def test_evolve_ends_only_when_no_member_of_its_population_has_a_new_mutation(ti
         assert (parent.commit, task.id) not in state.tried()
 
 
+def test_evolve_proposes_the_same_round_whether_the_run_was_resumed_or_not(tiny_spec):
+    """Its generator lived in memory only, rebuilt from the seed on --resume: for 13 of 30 seeds round 2
+    was another task after a resume than without one (a round redone after a failing environment was
+    another round)."""
+    from types import SimpleNamespace
+
+    from agents.offline.planner import OfflinePlanner
+    from agents.roles import Task
+    from orchestrator.policies.evolve import EvolvePolicy
+    from orchestrator.state import RoundRecord
+    from skills.starter import starter_params
+
+    p0 = starter_params(tiny_spec, "time_multiplex")
+    starter = Task(id="starter", title="s", rationale="r")
+    rounds = []
+    state = SimpleNamespace(
+        rounds=rounds,
+        accepted=lambda: [r for r in rounds if r.verdict == "accepted"],
+        tried=lambda: {(r.parent_commit, r.task.id) for r in rounds},
+    )
+    for seed in range(30):
+        rounds[:] = [
+            RoundRecord(
+                round=0,
+                task=starter,
+                parent_round=None,
+                parent_commit="",
+                verdict="accepted",
+                commit="c0",
+                headline=1.0,
+            )
+        ]
+        running = EvolvePolicy(OfflinePlanner(tiny_spec, seed=seed), seed)
+        _, first = running.propose(state, lambda r: p0)
+        rounds.append(RoundRecord(round=1, task=first, parent_round=0, parent_commit="c0", verdict="rejected"))
+        _, second = running.propose(state, lambda r: p0)
+        _, resumed = EvolvePolicy(OfflinePlanner(tiny_spec, seed=seed), seed).propose(state, lambda r: p0)
+        assert second.id == resumed.id, seed
+
+
 def test_evolve_never_rebuilds_a_configuration_the_run_already_tried(tiny_spec):
     """Novelty: removing the technique a child added rebuilds its parent, and adding a technique the run
     already tried (and rejected) from the parent is the same point; evolve proposes neither, for any seed."""

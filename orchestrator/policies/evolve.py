@@ -18,7 +18,13 @@ class EvolvePolicy:
     name = "evolve"
 
     def __init__(self, planner, seed: int) -> None:
-        self.planner, self.rng = planner, random.Random(seed)
+        self.planner, self.seed = planner, seed
+        self.rng = random.Random(seed)
+
+    def _seeded(self, state: RunState) -> None:
+        """A round's draws from the run's seed and the round alone (as the backlog's): a resumed run
+        proposes what the run would have, its generator being rebuilt from the seed."""
+        self.rng = random.Random(f"{self.seed}/{len(state.rounds)}")  # the round it proposes for
 
     def _select(self, state: RunState) -> RoundRecord | None:
         population = [r for r in state.accepted() if r.headline is not None]
@@ -29,6 +35,7 @@ class EvolvePolicy:
         return max(contenders, key=lambda r: sign * r.headline)
 
     def propose(self, state: RunState, params_of: Callable[[RoundRecord], dict]) -> tuple[RoundRecord, Task] | None:
+        self._seeded(state)
         tried = state.tried()
         cache: dict[str, dict] = {}
 

@@ -398,3 +398,20 @@ def test_training_on_a_serving_device_is_refused_by_the_harness_in_a_real_run(tm
     assert not run.ok and "['serving:0'] serve production traffic: rollout may borrow them, training never" in (
         run.cause
     )
+
+
+def test_a_pinned_engine_size_is_the_jobs_model_never_the_serving_pools_nor_the_judges():
+    """simulator.engine_devices, the stack's engine size, was applied to the serving model and the judge
+    too: each serving device (one engine a device) was priced with two devices' bandwidth and KV."""
+    from targets.harness.sim.cost_model import ClusterCosts, CostModel
+    from targets.spec import load_target
+
+    for target in ("qwen3-8b-h800x16-serving", "qwen3-8b-h800x16-judge"):
+        spec = load_target(target)
+        pinned = spec.model_copy(update={"simulator": spec.simulator.model_copy(update={"engine_devices": 2})})
+        assert ClusterCosts.from_spec(pinned).engine_devices == 2  # the job's own engines: as pinned
+        if target.endswith("serving"):
+            pool = pinned.hardware.serving_pools[0]
+            assert CostModel.from_spec(pinned, pool.name, pool.serving.model).engine_devices == 1
+        else:
+            assert ClusterCosts.from_spec(pinned, pinned.workload.reward_model.model).engine_devices == 1

@@ -178,7 +178,10 @@ class CostModel:
             inter_node_bytes_per_s=hw.inter_node_bandwidth_gbs * 1e9,
             inter_node_latency_s=sim.inter_node_latency_s,
         )
-        devices = sim.engine_devices or cost._smallest_engine()
+        # the stack's engine size is its own model's: a serving pool's engine (one a device) and a judge
+        # take their model's smallest fit (a pinned size gave each serving device two devices' bandwidth)
+        pinned = sim.engine_devices if model is spec.model else None
+        devices = pinned or cost._smallest_engine()
         if devices > hw.count:
             where = "hardware.count" if pool is None else f"hardware.pools.{pool}.count"
             raise ValueError(

@@ -783,23 +783,18 @@ def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_me
     assert task.id not in {t.id for t in stale} and task.source == "composition", task.id
 
 
-def test_evolve_ends_only_when_no_member_of_its_population_has_a_new_mutation(tiny_spec):
-    """The tournament never draws the least fit: with the starter and one child, only the child was mutated,
-    and once it had nothing new the run ended with 16 new compositions left on the starter. A random
-    parameter move was drawn from all moves, then checked for novelty: with one new move of seven, the run
-    ended one time in fifty."""
+def _population(tiny_spec, *later) -> tuple:
+    """A run of the starter (c0, time_multiplex) and its child (c1: tail batching added), both accepted,
+    and ``later`` rounds after them, as evolve reads a state: (planner, params by commit, rounds, state)."""
     from types import SimpleNamespace
 
-    from agents.offline.planner import OfflinePlanner
     from agents.roles import Task
-    from orchestrator.policies.evolve import EvolvePolicy
     from orchestrator.state import RoundRecord
     from skills.starter import starter_params
 
     planner = OfflinePlanner(tiny_spec)
     p0 = starter_params(tiny_spec, "time_multiplex")
     add = {t.id: t for t in planner.composition_tasks(p0)}
-    p1 = {**p0, **add["add-tail_batching"].changes}
     starter = Task(id="starter", title="s", rationale="r")
     rounds = [
         RoundRecord(
@@ -814,20 +809,33 @@ def test_evolve_ends_only_when_no_member_of_its_population_has_a_new_mutation(ti
             commit="c1",
             headline=1.1,
         ),
+        *later,
     ]
-    every = planner.composition_tasks(p1) + planner.parameter_moves(p1) + planner.tasks_from_hints([], p1)
-    for i, task in enumerate({t.id: t for t in every}.values()):  # everything from the child tried
-        rounds.append(RoundRecord(round=2 + i, task=task, parent_round=1, parent_commit="c1", verdict="rejected"))
     state = SimpleNamespace(
         rounds=rounds,
         accepted=lambda: [r for r in rounds if r.verdict == "accepted"],
         tried=lambda: {(r.parent_commit, r.task.id) for r in rounds},
     )
-    params = {"c0": p0, "c1": p1}
+    return planner, {"c0": p0, "c1": {**p0, **add["add-tail_batching"].changes}}, rounds, state
+
+
+def test_evolve_ends_only_when_no_member_of_its_population_has_a_new_mutation(tiny_spec):
+    """The tournament never draws the least fit: with the starter and one child, only the child was mutated,
+    and once it had nothing new the run ended with 16 new compositions left on the starter. A random
+    parameter move was drawn from all moves, then checked for novelty: with one new move of seven, the run
+    ended one time in fifty."""
+    from orchestrator.policies.evolve import EvolvePolicy
+    from orchestrator.state import RoundRecord
+
+    planner, params, rounds, state = _population(tiny_spec)
+    p0, p1 = params["c0"], params["c1"]
+    every = planner.composition_tasks(p1) + planner.parameter_moves(p1) + planner.tasks_from_hints([], p1)
+    for i, task in enumerate({t.id: t for t in every}.values()):  # everything from the child tried
+        rounds.append(RoundRecord(round=2 + i, task=task, parent_round=1, parent_commit="c1", verdict="rejected"))
     for seed in range(20):
         parent, task = EvolvePolicy(planner, seed).propose(state, lambda r: params[r.commit])
         assert parent.commit == "c0" and ("c0", task.id) not in state.tried()
-    # one parameter move left of the child's: found every time
+    # one parameter move left of the child's, every other mutation tried: found every time
     moves = planner.parameter_moves(p1)
     rounds[2:] = [
         RoundRecord(round=2 + i, task=t, parent_round=1, parent_commit="c1", verdict="rejected")
@@ -846,34 +854,14 @@ def test_evolve_proposes_the_same_round_whether_the_run_was_resumed_or_not(tiny_
     """Its generator lived in memory only, rebuilt from the seed on --resume: for 13 of 30 seeds round 2
     was another task after a resume than without one (a round redone after a failing environment was
     another round)."""
-    from types import SimpleNamespace
-
     from agents.offline.planner import OfflinePlanner
-    from agents.roles import Task
     from orchestrator.policies.evolve import EvolvePolicy
     from orchestrator.state import RoundRecord
-    from skills.starter import starter_params
 
-    p0 = starter_params(tiny_spec, "time_multiplex")
-    starter = Task(id="starter", title="s", rationale="r")
-    rounds = []
-    state = SimpleNamespace(
-        rounds=rounds,
-        accepted=lambda: [r for r in rounds if r.verdict == "accepted"],
-        tried=lambda: {(r.parent_commit, r.task.id) for r in rounds},
-    )
+    _, params, rounds, state = _population(tiny_spec)
+    p0 = params["c0"]
     for seed in range(30):
-        rounds[:] = [
-            RoundRecord(
-                round=0,
-                task=starter,
-                parent_round=None,
-                parent_commit="",
-                verdict="accepted",
-                commit="c0",
-                headline=1.0,
-            )
-        ]
+        del rounds[1:]  # the starter alone
         running = EvolvePolicy(OfflinePlanner(tiny_spec, seed=seed), seed)
         _, first = running.propose(state, lambda r: p0)
         rounds.append(RoundRecord(round=1, task=first, parent_round=0, parent_commit="c0", verdict="rejected"))
@@ -885,45 +873,16 @@ def test_evolve_proposes_the_same_round_whether_the_run_was_resumed_or_not(tiny_
 def test_evolve_never_rebuilds_a_configuration_the_run_already_tried(tiny_spec):
     """Novelty: removing the technique a child added rebuilds its parent, and adding a technique the run
     already tried (and rejected) from the parent is the same point; evolve proposes neither, for any seed."""
-    from types import SimpleNamespace
-
-    from agents.roles import Task
     from orchestrator.policies.evolve import EvolvePolicy
     from orchestrator.policies.novelty import near_duplicates
     from orchestrator.state import RoundRecord
-    from skills.starter import starter_params
 
-    planner = OfflinePlanner(tiny_spec)
-    p0 = starter_params(tiny_spec, "time_multiplex")
-    add = {t.id: t for t in planner.composition_tasks(p0)}
-    p1 = {**p0, **add["add-tail_batching"].changes}
-    rounds = [
-        RoundRecord(
-            round=0,
-            task=Task(id="starter", title="s", rationale="r"),
-            parent_round=None,
-            parent_commit="",
-            verdict="accepted",
-            commit="c0",
-            headline=1.0,
-        ),
-        RoundRecord(
-            round=1,
-            task=add["add-tail_batching"],
-            parent_round=0,
-            parent_commit="c0",
-            verdict="accepted",
-            commit="c1",
-            headline=1.1,
-        ),
-        RoundRecord(round=2, task=add["add-overlap_sync"], parent_round=0, parent_commit="c0", verdict="rejected"),
-    ]
-    params = {"c0": p0, "c1": p1}
-    state = SimpleNamespace(
-        rounds=rounds,
-        accepted=lambda: [r for r in rounds if r.verdict == "accepted"],
-        tried=lambda: {(r.parent_commit, r.task.id) for r in rounds},
+    add = {t.id: t for t in OfflinePlanner(tiny_spec).composition_tasks(_population(tiny_spec)[1]["c0"])}
+    rejected = RoundRecord(
+        round=2, task=add["add-overlap_sync"], parent_round=0, parent_commit="c0", verdict="rejected"
     )
+    planner, params, rounds, state = _population(tiny_spec, rejected)
+    p0, p1 = params["c0"], params["c1"]
     built = [p0, p1, {**p0, **add["add-overlap_sync"].changes}]
     # the planner does offer the duplicates: undoing round 1 from c1, round 2's technique from c1 is new
     assert any(near_duplicates({**p1, **t.changes}, p0) for t in planner.composition_tasks(p1))

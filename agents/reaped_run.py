@@ -42,10 +42,13 @@ def reaped_argv(argv: list[str], grace_s: float, limits: CommandLimits | None = 
     return [sys.executable, "-I", reaper, "--grace", f"{grace_s:g}", "--caller", str(os.getpid()), *bounds, *argv]
 
 
-def _ends_of(stream, chars: int) -> str:
-    """A captured stream's text: whole up to ``chars``, else its start and its end, with what was left out."""
+def _ends_of(stream, chars: int | None) -> str:
+    """A captured stream's text: whole (``chars`` None, or within it), else its start and its end, with
+    what was left out."""
     size = stream.seek(0, os.SEEK_END)
     stream.seek(0)
+    if chars is None:
+        return stream.read().decode()
     if size <= chars:
         return stream.read().decode(errors="replace")
     head = stream.read(chars // 2).decode(errors="replace")
@@ -77,32 +80,9 @@ def run_reaped(
 ) -> subprocess.CompletedProcess:
     """``argv`` with ``input`` on stdin, its output captured as text; whatever it left running is killed
     when it ends. Past ``timeout_s`` it gets SIGTERM and ``grace_s`` to end, then it and everything it
-    started are killed, and ``subprocess.TimeoutExpired`` is raised. With ``limits`` (a model-written
-    command), its memory and file sizes are bounded and its output kept in files, of which the start and
-    the end come back."""
-    if limits is not None:
-        return _run_limited(argv, input, cwd=cwd, env=env, timeout_s=timeout_s, grace_s=grace_s, limits=limits)
-    process = subprocess.Popen(
-        reaped_argv(argv, grace_s),
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(input, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        stop(process, grace_s)
-        raise
-    return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
-
-
-def _run_limited(
-    argv: list[str], input: str, *, cwd: Path, env: dict | None, timeout_s: float, grace_s: float, limits: CommandLimits
-) -> subprocess.CompletedProcess:
+    started are killed, and ``subprocess.TimeoutExpired`` is raised. Its output goes to files (a pipe the
+    caller read whole); with ``limits`` (a model-written command), its memory and file sizes are bounded
+    and the start and the end of each stream come back."""
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen(
             reaped_argv(argv, grace_s, limits),
@@ -118,5 +98,6 @@ def _run_limited(
         except subprocess.TimeoutExpired:
             stop(process, grace_s)
             raise
-        out, err = _ends_of(stdout, limits.output_chars), _ends_of(stderr, limits.output_chars)
+        chars = limits.output_chars if limits is not None else None
+        out, err = _ends_of(stdout, chars), _ends_of(stderr, chars)
     return subprocess.CompletedProcess(argv, process.returncode, out, err)

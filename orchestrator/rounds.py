@@ -134,7 +134,7 @@ class Loop:
                 self.on_event("budget", reason=f"wall-time budget of {limit:g} min spent ({elapsed / 60:.1f} min)")
                 out_of_time = True
                 break
-            spent = self.budget.spent(self.budget.totals(self.state.llm_used), self.state.config)
+            spent = self.llm_budget_spent()
             if spent:
                 self.on_event("budget", reason=spent)
                 break
@@ -150,7 +150,7 @@ class Loop:
                 reason = "nothing left to try: the backlog is empty and no composition or parameter move is new"
                 self.on_event("budget", reason=reason)
                 break
-            spent = self.budget.spent(self.budget.totals(self.state.llm_used), self.state.config)
+            spent = self.llm_budget_spent()
             if spent:  # the planner's own call spent it: no round is started, its task is not marked tried
                 self.on_event("budget", reason=spent)
                 break
@@ -168,6 +168,10 @@ class Loop:
             self.generalize()
         self.save()
         return self.state
+
+    def llm_budget_spent(self) -> str:
+        """Why the run's LLM budget stops it ('' while it does not), counting all its sessions' use."""
+        return self.budget.spent(self.budget.totals(self.state.llm_used), self.state.config)
 
     def propose(self) -> tuple[RoundRecord | None, Task] | None:
         """Round 0 is the starter task; every later round's parent and task are the policy's."""
@@ -296,7 +300,7 @@ class Loop:
             max_attempts=self.state.config.max_attempts,
         )
         for attempt in range(1, self.state.config.max_attempts + 1):
-            spent = self.budget.spent(self.budget.totals(self.state.llm_used), self.state.config)
+            spent = self.llm_budget_spent()
             if attempt > 1 and spent:  # no call can be made: the last attempt's verdict stands, its reasons kept
                 record.reasons = [*record.reasons, f"attempt {attempt} not made: {spent}"]
                 break

@@ -260,9 +260,9 @@ class Toolbox:
         path = self._readable(a.path)
         if not path.is_file():
             raise ToolResultError(f"no file {a.path!r} (list_files shows what exists)")
-        if path.stat().st_size > MAX_READ_BYTES:
+        if (size := path.stat().st_size) > MAX_READ_BYTES:
             raise ToolResultError(
-                f"{a.path} is {path.stat().st_size} bytes, more than the {MAX_READ_BYTES} read_file reads; "
+                f"{a.path} is {size} bytes, more than the {MAX_READ_BYTES} read_file reads; "
                 "look into it with run_command (head, sed -n, grep)"
             )
         lines = path.read_text(errors="replace").splitlines()

@@ -62,7 +62,7 @@ from targets.harness.isolation.launch import Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.measure.metrics import compute_metrics
 from targets.harness.sim.cost_model import MAX_DRAFT_TOKENS, ClusterCosts
-from targets.harness.sim.lower_bound import alone_s, engine_options, step_lower_bound, trace_turns
+from targets.harness.sim.lower_bound import TurnCosts, engine_options, step_lower_bound, trace_turns
 from targets.harness.target import Target
 from targets.harness.trace import Trace, token_count
 from targets.spec import TargetSpec, load_target, resolve_target_path
@@ -172,7 +172,7 @@ def longest_lived(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEvent
 
     def alone(episode: str) -> tuple[float, float]:
         """(its prefills and decode at batch 1, its whole alone-path), as lower_bound.py's critical path."""
-        engine = sum(alone_s(pools, x, n, r) for x, n, r, _ in turns[episode])
+        engine = float(TurnCosts.of(pools, np.array([turn[:3] for turn in turns[episode]], dtype=float)).alone_s.sum())
         waits = sum(costs.shared.request_overhead_s + latency for *_, latency in turns[episode])
         return engine, engine + waits
 

@@ -33,7 +33,7 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   ``tokens.draft_acceptance`` (the share of drafted tokens the model keeps, each kept only if the
   ones before it were). A sequence then progresses a token every ``iteration(b, C, w) / E`` seconds;
   the draft's extra KV slots are not modelled. Above ``speculative_batch`` (or with ``k = 0``) the
-  plain iteration. The fluid lower bound takes the cheapest ``k`` in ``0..MAX_DRAFT_TOKENS`` at each batch.
+  plain iteration. The fluid lower bound takes the cheapest ``k`` in ``0..MAX_DRAFT_TOKENS`` for each token.
 * **tensor-parallel traffic** of an engine spanning ``N = d / devices_per_node > 1`` nodes: each
   decode or prefill step over ``t`` token positions (``b * w``, or ``n``) pays two all-reduces a layer
   across the nodes, hierarchical (each device sends its node's share of the activations):
@@ -225,23 +225,33 @@ class CostModel:
 
     # -- rollout -------------------------------------------------------------------------------
     def decode_iteration_s(
-        self, batch: int, context_tokens: float, width: int = 1, beside: tuple[float, int] = (0.0, 0)
+        self, batch: float, context_tokens: float, width: int = 1, beside: tuple[float, int] = (0.0, 0)
     ) -> float:
         """One decode step of ``batch`` sequences holding ``context_tokens`` in all, ``width``
         positions each (1, or a draft's ``k + 1``); ``beside``: the compute seconds and tokens of a
         prefill chunk the same step computes (chunked prefill), which take the compute the reads leave."""
-        memory_s = self.decode_bytes(batch * width, context_tokens) / self.read_bytes_per_s
-        compute_s = (
+        prefill_s, prefill_tokens = beside
+        return max(
+            self.decode_memory_s(batch, context_tokens, width),
+            self.decode_compute_s(batch, context_tokens, width) + prefill_s,
+        ) + self.decode_step_fixed_s(batch * width + prefill_tokens)
+
+    def decode_memory_s(self, batch: float, context_tokens: float, width: int = 1) -> float:
+        """A decode step's reads (``decode_bytes``) at the engine's bandwidth."""
+        return self.decode_bytes(batch * width, context_tokens) / self.read_bytes_per_s
+
+    def decode_compute_s(self, batch: float, context_tokens: float, width: int = 1) -> float:
+        """A decode step's FLOPs at the engine's rollout MFU."""
+        return (
             width
             * self.decode_flops(batch, context_tokens)
             / (self.engine_devices * self.peak_flops * self.rollout_mfu)
         )
-        prefill_s, prefill_tokens = beside
-        return (
-            max(memory_s, compute_s + prefill_s)
-            + self.decode_step_overhead_s
-            + self.tensor_parallel_s(batch * width + prefill_tokens)
-        )
+
+    def decode_step_fixed_s(self, positions: float) -> float:
+        """What a decode step over ``positions`` takes beside its reads or its compute: its overhead and its
+        all-reduces across nodes."""
+        return self.decode_step_overhead_s + self.tensor_parallel_s(positions)
 
     @property
     def read_bytes_per_s(self) -> float:
@@ -306,23 +316,12 @@ class CostModel:
         iteration = self.decode_iteration_s(batch, context_tokens, draft_tokens + 1, beside)
         return iteration / self.tokens_per_step(draft_tokens)
 
-    def fastest_token_s(self, batch: int, context_tokens: float) -> float:
-        """The least ``decode_token_s`` any draft length gives (the lower bound's decode cost)."""
-        if self.draft_acceptance <= 0:
-            return self.decode_iteration_s(batch, context_tokens)
-        return min(self.drafting_token_s(batch, context_tokens, k) for k in range(MAX_DRAFT_TOKENS + 1))
-
     def decode_bytes(self, batch: float, context_tokens: float) -> float:
         """What one decode iteration reads: the weights its batch touches (an MoE's experts, only
         those its tokens route to) and the batch's KV."""
         touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** batch if self.expert_params else 0.0
         weights = (self.dense_params + self.expert_params * touched) * self.dtype_bytes
         return weights + context_tokens * self.kv_bytes_per_token
-
-    def token_compute_s(self, context_tokens: float) -> float:
-        """Compute seconds of one sequence's token at ``context_tokens`` of context: what any decode step
-        spends on it at least, whatever its batch or drafts (the fluid bound's compute floor)."""
-        return self.decode_flops(1, context_tokens) / (self.engine_devices * self.peak_flops * self.rollout_mfu)
 
     def decode_flops(self, batch: float, context_tokens: float) -> float:
         return 2 * self.active_params * batch + 4 * self.layers * self.attn_width * context_tokens

@@ -1,8 +1,8 @@
 """Is the fluid lower bound loose because a fast critical path costs the engines their batch?
 
 The fluid bound (``targets/harness/sim/lower_bound.py``) is the larger of two limits that no schedule
-can both meet at once: the work at the largest batch the KV cache admits, and the longest trajectories
-decoded alone (batch 1). On a mixture of experts the gap between the two batches is large (a token at
+can both meet at once: the work at the batch the KV cache holds, and the longest trajectories decoded
+alone (batch 1). On a mixture of experts the gap between the two batches is large (a token at
 batch ~25 reads nearly every expert), so the question is whether the engines could afford to decode the
 longest trajectories alone while doing the rest of the work. This script answers it for the trajectories
 a run trained, with a bound that charges both at once (a Lagrangian relaxation; each step below only

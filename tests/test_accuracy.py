@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from targets.api import TrainingConfig
-from targets.harness.judge.accuracy import check_engine, check_trainer, check_weight_sync, fixed_train_batches
+from targets.harness.environments.seeds import RunSeed
+from targets.harness.judge.accuracy import (
+    CheckDraw,
+    check_engine,
+    check_trainer,
+    check_weight_sync,
+    fixed_prompts,
+    fixed_train_batches,
+)
 from targets.harness.reference.engine import ReferenceEngine
 from targets.harness.reference.grpo import grpo_loss, pad_trajectories, token_logprobs
 from targets.harness.reference.trainer import ReferenceTrainer
@@ -232,6 +240,42 @@ def test_weight_sync_check_rejects_completions_stamped_with_another_version(tiny
     result = check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY, version=3)
     assert not result.passed
     assert any("completions after sync are stamped with versions [4], expected 3" in r for r in result.reasons)
+
+
+class RecognizingEngine(ReferenceEngine):
+    """Serves the prompts it can read in the harness's source (the public draw) exactly, and every other
+    one from wrong weights (a fast path that is wrong): the checks' inputs must be ones it cannot know."""
+
+    def __init__(self, model, known):
+        super().__init__(model)
+        self.known = [list(p) for p in known]
+        self.wrong = ReferenceEngine(copy.deepcopy(model))
+        with torch.no_grad():
+            for parameter in self.wrong.model.parameters():
+                parameter.mul_(0.9)
+
+    def generate(self, prompts, params):
+        exact = all(list(p) in self.known for p in prompts)
+        return super().generate(prompts, params) if exact else self.wrong.generate(prompts, params)
+
+
+def test_the_checks_prompts_come_from_the_session_secret_over_the_tokenizers_ids(tiny_model):
+    """An engine that answers the public check prompts by an exact path passes the public draw; the judge's
+    draw, seeded by the session's secret, gives it prompts it cannot know, over every id the model embeds."""
+    public = CheckDraw()
+    known = fixed_prompts(ACCURACY.prompts, public.engine_seed) + fixed_prompts(ACCURACY.prompts, public.sync_seed)
+    assert check_engine(RecognizingEngine(copy.deepcopy(tiny_model), known), tiny_model, ACCURACY, public).passed
+    vocabulary = tiny_model.config.vocab_size
+    secret = CheckDraw.of(RunSeed(0, bytes(range(16))), vocabulary)
+    result = check_engine(RecognizingEngine(copy.deepcopy(tiny_model), known), tiny_model, ACCURACY, secret)
+    assert not result.passed and any("prompt 0:" in r for r in result.reasons), result.reasons
+    drawn = secret.prompts(50, secret.engine_seed)
+    assert max(max(p) for p in drawn) >= public.vocabulary and max(max(p) for p in drawn) < vocabulary
+    assert CheckDraw.of(RunSeed(0, bytes(16)), vocabulary) != secret  # another session, other prompts
+    engine = RecognizingEngine(copy.deepcopy(tiny_model), known)
+    assert check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY, draw=public).passed
+    engine = RecognizingEngine(copy.deepcopy(tiny_model), known)
+    assert not check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY, draw=secret).passed
 
 
 def test_engine_check_rejects_nan_logprobs(tiny_model):

@@ -151,6 +151,15 @@ def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def defined_ids(model_dir: Path, embedded: int) -> int:
+    """How many ids a check may prompt with: those the model's tokenizer defines (its added tokens
+    included) that its embedding of ``embedded`` rows holds."""
+    from tokenizers import Tokenizer
+
+    defined = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    return min(embedded, defined)
+
+
 def speaks_harness_words(model_dir: Path) -> bool:
     """Whether a model directory's tokenizer gives the harness's words their ids (``NAMED_VOCAB``'s order),
     as the directories built for ``random(seed)`` with the word tokenizer do: the built-in environments

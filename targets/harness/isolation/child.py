@@ -67,12 +67,12 @@ def progress_lines(phase: str):
         logger.removeHandler(handler)
 
 
-def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -> dict:
+def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: RunSeed) -> dict:
     with progress_lines("accuracy") as log:
-        return _accuracy(target, sandbox, stack_dir, out, log)
+        return _accuracy(target, sandbox, stack_dir, out, seed, log)
 
 
-def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, log: logging.Logger) -> dict:
+def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: RunSeed, log: logging.Logger) -> dict:
     from targets.harness.isolation.processes import CandidateProcesses
 
     started = time.monotonic()
@@ -85,7 +85,14 @@ def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, log:
         from targets.harness.ipc.channel import Frame, SyncChannel
         from targets.harness.ipc.remote import RemoteComponents, raise_if_error
         from targets.harness.ipc.wire import put_runtime
-        from targets.harness.judge.accuracy import check_engine, check_trainer, check_weight_sync
+        from targets.harness.judge.accuracy import (
+            CheckDraw,
+            check_engine,
+            check_trainer,
+            check_weight_sync,
+            fixed_train_batches,
+        )
+        from targets.harness.tokenizer import defined_ids
 
         runtime, accuracy = target.runtime(), target.spec.accuracy
         channel = SyncChannel(processes.accept("components"))
@@ -94,14 +101,18 @@ def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, log:
         engine = components.make_engine_after(lambda: raise_if_error(channel.recv(), "build"))
         reference = target.reference_model()  # loads here while the candidate's process builds its engine
         said("reference model loaded")
-        results = [check_engine(engine(), reference, accuracy)]
+        draw = CheckDraw.of(seed, defined_ids(Path(runtime.model_path), reference.config.vocab_size))
+        results = [check_engine(engine(), reference, accuracy, draw)]
         said(f"check 1 (engine): {'passed' if results[-1].passed else 'failed'}")
-        results.append(check_trainer(components.make_trainer, reference, runtime.workload.training, accuracy))
+        batches = fixed_train_batches(reference, draw)
+        results.append(check_trainer(components.make_trainer, reference, runtime.workload.training, accuracy, batches))
         said(f"check 2 (trainer): {'passed' if results[-1].passed else 'failed'}")
         engine = components.make_engine()
         said("a second engine built")
         results.append(
-            check_weight_sync(engine, lambda state, v: components.sync_engine(engine, state, v), reference, accuracy)
+            check_weight_sync(
+                engine, lambda state, v: components.sync_engine(engine, state, v), reference, accuracy, draw=draw
+            )
         )
         said(f"check 3 (weight sync): {'passed' if results[-1].passed else 'failed'}")
         components.close()
@@ -254,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     beside = None
 
     def accuracy() -> dict:
-        return run_accuracy(target, sandbox, stack, args.out)
+        return run_accuracy(target, sandbox, stack, args.out, seed)
 
     if args.mode == "check" and accuracy_beside_start_up(target) and _ready_for_two_threads(target):
         beside = AccuracyBeside(lambda: record_phase(args.out, "accuracy", accuracy))

@@ -2,8 +2,9 @@
 ``targets.api``:
 
 1. engine: greedy tokens equal the reference model's (plain transformers forward over the
-   left-padded prompts, no cache) on fixed prompts, and per-token logprobs agree within ``logprob_atol``;
-2. trainer: two GRPO steps on fixed batches move the parameters like the reference trainer's, which
+   left-padded prompts, no cache) on drawn prompts (``CheckDraw``), and per-token logprobs agree within
+   ``logprob_atol``;
+2. trainer: two GRPO steps on drawn batches move the parameters like the reference trainer's, which
    keeps float32 master weights whatever the model's dtype (relative error of the update within
    ``update_rtol``: a trainer whose updates round away in bf16 fails), no tensor the reference moves is
    left behind, and each follows the last batch (``update_error.py``);
@@ -35,6 +36,7 @@ from targets.api import (
     TrainingConfig,
     Trajectory,
 )
+from targets.harness.environments.seeds import RunSeed
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.update_error import UpdateError, step_fault, update_error
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
@@ -51,10 +53,32 @@ class GreedyReference:
     margins: list[float]  # top-1 minus top-2 logit at each step
 
 
-def fixed_prompts(count: int, seed: int = 1234) -> list[TokenIds]:
-    """Deterministic prompts of varied length over the harness's named words."""
+@dataclass(frozen=True)
+class CheckDraw:
+    """What checks 1-3 draw their prompts and batches from. The judge's seeds come from the session's
+    secret (``of``): with public seeds a candidate that reads this file knows the exact prompts it is
+    checked on, and could serve them by an exact path and everything else by a wrong one. The ids span
+    what the model's tokenizer defines, not only the harness's words (the first 53 ids of a 151k-token
+    model). The defaults are the public draw tests and tools use."""
+
+    engine_seed: int = 1234
+    trainer_seed: int = 4321
+    sync_seed: int = 77
+    vocabulary: int = len(NAMED_VOCAB)  # prompts draw ids below it
+
+    @classmethod
+    def of(cls, seed: RunSeed, vocabulary: int) -> CheckDraw:
+        return cls(seed.stream("check 1"), seed.stream("check 2"), seed.stream("check 3"), vocabulary)
+
+    def prompts(self, count: int, seed: int) -> list[TokenIds]:
+        return fixed_prompts(count, seed, self.vocabulary)
+
+
+def fixed_prompts(count: int, seed: int = 1234, vocabulary: int = len(NAMED_VOCAB)) -> list[TokenIds]:
+    """Deterministic prompts of varied length over the first ``vocabulary`` ids (by default the harness's
+    named words)."""
     rng = random.Random(seed)
-    return [[rng.randrange(len(NAMED_VOCAB)) for _ in range(rng.randint(4, 14))] for _ in range(count)]
+    return [[rng.randrange(vocabulary) for _ in range(rng.randint(4, 14))] for _ in range(count)]
 
 
 @torch.no_grad()
@@ -125,9 +149,9 @@ def check_engine(
     engine: RolloutEngine,
     reference_model: PreTrainedModel,
     accuracy: AccuracySpec,
-    prompts: Sequence[TokenIds] | None = None,
+    draw: CheckDraw = CheckDraw(),
 ) -> CheckResult:
-    prompts = list(prompts) if prompts is not None else fixed_prompts(accuracy.prompts)
+    prompts = draw.prompts(accuracy.prompts, draw.engine_seed)
     references = reference_greedy(reference_model, prompts, accuracy.new_tokens)
     completions = _greedy(engine, prompts, accuracy)
     reasons, worst = compare_greedy(completions, references, accuracy)
@@ -141,14 +165,18 @@ def check_engine(
 # Check 2: trainer
 
 
-def fixed_train_batches(model: PreTrainedModel, seed: int = 4321, sizes: Sequence[int] = (8, 12)) -> list[TrainBatch]:
-    """Batches sampled from the model itself, with seeded rewards and behaviour logprobs perturbed
-    by N(0, 0.3) so that some ratios fall outside the clip range and clipping is exercised."""
+def fixed_train_batches(
+    model: PreTrainedModel, draw: CheckDraw = CheckDraw(), sizes: Sequence[int] = (8, 12)
+) -> list[TrainBatch]:
+    """Batches sampled from the model itself on ``draw``'s prompts, with seeded rewards and behaviour
+    logprobs perturbed by N(0, 0.3) so that some ratios fall outside the clip range and clipping is
+    exercised."""
     engine = ReferenceEngine(copy.deepcopy(model))
+    seed = draw.trainer_seed
     rng = random.Random(seed)
     batches = []
     for b, size in enumerate(sizes):
-        prompts = fixed_prompts(size, seed=seed + b)
+        prompts = draw.prompts(size, seed + b)
         completions = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed + b))
         trajectories = []
         for k, (prompt, c) in enumerate(zip(prompts, completions)):
@@ -276,13 +304,13 @@ def check_weight_sync(
     base_model: PreTrainedModel,
     accuracy: AccuracySpec,
     version: int = 1,
-    prompts: Sequence[TokenIds] | None = None,
+    draw: CheckDraw = CheckDraw(),
 ) -> CheckResult:
     """``sync(state, version)`` pushes weights by the stack's own path; the engine must then serve them.
 
     The engine must start on ``base_model``'s weights (version 0).
     """
-    prompts = list(prompts) if prompts is not None else fixed_prompts(accuracy.prompts, seed=77)
+    prompts = draw.prompts(accuracy.prompts, draw.sync_seed)
     new_state = perturbed_state(base_model.state_dict())
     new_model = copy.deepcopy(base_model)
     new_model.load_state_dict(new_state)

@@ -72,16 +72,33 @@ def test_cost_model_formulas_by_hand(big):
     kv_per_token = 2 * 94 * 4 * 128 * 2
     assert cost.kv_bytes_per_token == kv_per_token
     assert cost.kv_capacity_tokens == int((8 * 80 * 2**30 * 0.9 - 470e9) / kv_per_token)
-    # batch 1: bandwidth-bound; the dense part plus 8 of 128 experts per layer are read
-    dense, experts = 235e9 - 94 * 128 * 3 * 4096 * 1536, 94 * 128 * 3 * 4096 * 1536
+    # batch 1: bandwidth-bound; the dense part plus 8 of 128 experts per layer are read, not the untied
+    # input embedding (a step reads its tokens' rows of it)
+    lookup = 151936 * 4096
+    dense, experts = 235e9 - 94 * 128 * 3 * 4096 * 1536 - lookup, 94 * 128 * 3 * 4096 * 1536
     weights = (dense + experts * (8 / 128)) * 2
     expected = (weights + 1000 * kv_per_token) / (8 * 3350e9 * 0.8) + 0.003
     assert cost.decode_iteration_s(1, 1000) == pytest.approx(expected)
     # many tokens touch almost every expert: the iteration approaches a full weight read
     assert cost.decode_iteration_s(512, 0) > 0.99 * 470e9 / (8 * 3350e9 * 0.8)
     # training: 6 * active * tokens + attention, at the spec's MFU over the devices
-    train = (6 * 22e9 * 1000 + 6 * 94 * 64 * 128 * 1000**2) / (128 * 989e12 * 0.4) + 1.0
+    train = (6 * (22e9 - lookup) * 1000 + 6 * 94 * 64 * 128 * 1000**2) / (128 * 989e12 * 0.4) + 1.0
     assert cost.train_s([1000], 128) == pytest.approx(train)
+
+
+def test_an_untied_input_embedding_is_held_but_not_read_each_step_and_a_tied_one_is(big):
+    """vLLM reads a step's tokens' rows of the input embedding and multiplies none of it: an untied table
+    (the 235B's, 0.6 B parameters) counts in the weights an engine holds, syncs and offloads, not in a decode
+    step's reads or any FLOPs; tied, it is the output head, read whole and multiplied every step."""
+    untied = CostModel.from_spec(big)
+    config = big.model.config.model_copy(update={"tie_word_embeddings": True})
+    tied = CostModel.from_spec(big.model_copy(update={"model": big.model.model_copy(update={"config": config})}))
+    lookup = 151936 * 4096
+    assert untied.lookup_params == lookup and tied.lookup_params == 0
+    assert untied.weight_bytes == tied.weight_bytes == 235e9 * 2  # the stated total, held either way
+    assert tied.decode_bytes(1, 0) - untied.decode_bytes(1, 0) == pytest.approx(lookup * 2)
+    assert tied.decode_flops(1, 0) - untied.decode_flops(1, 0) == pytest.approx(2 * lookup)
+    assert untied.sync_s() == tied.sync_s() and untied.kv_capacity_tokens == tied.kv_capacity_tokens
 
 
 def test_an_engine_across_nodes_pays_its_all_reduces_over_the_inter_node_link_by_hand(big):

@@ -24,7 +24,10 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   ``max(bytes / (d * hbm * hbm_efficiency), flops / (d * peak * rollout_mfu)) + decode_step_overhead_s``
   with ``bytes = dense_bytes + expert_bytes * (1 - (1 - k/E)^b) + C * kv_bytes_per_token`` (a MoE
   layer reads each expert that at least one of the ``b`` tokens routes to) and
-  ``flops = 2 * active_params * b + 4 * layers * attn_width * C``: bandwidth-bound at small batch.
+  ``flops = 2 * active_params * b + 4 * layers * attn_width * C``: bandwidth-bound at small batch. An
+  untied input embedding (``vocab * hidden``) is in neither: a step reads only its tokens' rows of it and
+  multiplies nothing (it is held, synced and offloaded with the rest of the weights); a tied one is the
+  output head's, read whole and multiplied every step.
 * **speculative decoding** (a stack's ``speculative_tokens`` ``k``, while at most
   ``speculative_batch`` sequences run): each sequence verifies ``k`` draft tokens beside its last
   one, so a step computes ``w = k + 1`` positions per sequence, reading the experts ``b * w`` tokens
@@ -56,8 +59,8 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   meanwhile).
 * **training** on trajectories of lengths ``L_i`` over ``g`` devices:
   ``sum_i (6 * active_params * L_i + 6 * layers * attn_width * L_i^2) / (g * peak * mfu) +
-  train_step_overhead_s`` (dense FLOPs, plus causal attention forward ``2 * layers * attn_width *
-  L^2`` times three for forward and backward).
+  train_step_overhead_s`` (dense FLOPs, ``active_params`` as above, plus causal attention forward
+  ``2 * layers * attn_width * L^2`` times three for forward and backward).
 * **weight sync** to an engine: its shard ``weight_bytes / d`` per device over the link
   (intra-node when the whole cluster is one node, else inter-node) ``+ sync_overhead_s``.
 * **offload / reload**: the shard over the host link ``+ switch_overhead_s``.
@@ -89,7 +92,7 @@ class CostModel:
     layers: int
     attn_width: int  # attention heads x head_dim
     active_params: float
-    dense_params: float  # read every decode iteration (attention, embeddings, routers)
+    dense_params: float  # read every decode iteration (attention, norms, routers, the output head)
     expert_params: float  # all experts of all layers (0 for dense models)
     experts: int
     experts_per_token: int
@@ -127,6 +130,7 @@ class CostModel:
     host_kv_tokens: int = 0  # the stack's host tier an engine (0: none)
     prefill_chunk: int = 0  # the stack's prompt tokens an iteration computes beside its decode (0: decode pauses)
     resident_bytes: float = 0.0  # another model's weights an engine's devices hold (a colocated judge's)
+    lookup_params: float = 0.0  # an untied input embedding: held, never read whole nor multiplied
 
     @classmethod
     def from_spec(cls, spec: TargetSpec, pool: str | None = None, model: ModelSpec | None = None) -> CostModel:
@@ -143,12 +147,14 @@ class CostModel:
         if model.family == "qwen3_moe":
             expert_params = float(c.num_hidden_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size)
         dtype_bytes = DTYPE_BYTES[model.dtype]
+        lookup = 0.0 if c.tie_word_embeddings else float(c.vocab_size * c.hidden_size)
         single_node = hw.count <= hw.devices_per_node
         cost = cls(
             layers=c.num_hidden_layers,
             attn_width=c.num_attention_heads * c.head_dim,
-            active_params=counts.active,
-            dense_params=max(0.0, counts.total - expert_params),
+            active_params=counts.active - lookup,
+            dense_params=max(0.0, counts.total - expert_params - lookup),
+            lookup_params=lookup,
             expert_params=expert_params,
             experts=c.num_experts or 1,
             experts_per_token=c.num_experts_per_tok or 1,
@@ -208,7 +214,7 @@ class CostModel:
     # -- sizes ---------------------------------------------------------------------------------
     @property
     def weight_bytes(self) -> float:
-        return (self.dense_params + self.expert_params) * self.dtype_bytes
+        return (self.dense_params + self.expert_params + self.lookup_params) * self.dtype_bytes
 
     def _smallest_engine(self) -> int:
         devices = 1

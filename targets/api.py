@@ -304,11 +304,14 @@ class EnvHandle(Protocol):
 
 @dataclass(frozen=True)
 class TextStep:
-    """What a user's environment answers an action with: its text, the reward, whether it ended."""
+    """What a user's environment answers an action with: its text, the reward, whether it ended, and
+    whether that end was a limit of its own rather than the play's outcome (gymnasium's ``truncated``,
+    a time limit: the episode would have gone on)."""
 
     observation: str
     reward: float
     done: bool
+    truncated: bool = False
 
 
 @runtime_checkable

@@ -199,14 +199,28 @@ class Mumbles:
 class Answers:
     """A text environment whose step answers with what it was made with (a user's slip in one field)."""
 
-    def __init__(self, observation="ok", reward=1.0, done=True):
-        self.answer = TextStep(observation, reward, done)
+    def __init__(self, observation="ok", reward=1.0, done=True, truncated=False):
+        self.answer = TextStep(observation, reward, done, truncated)
 
     async def reset(self, task):
         return "Go."
 
     async def step(self, action):
         return self.answer
+
+
+class Impatient(HiddenNumber):
+    """gymnasium-style with a time limit of its own (gymnasium's TimeLimit): after ``limit`` steps a wrong
+    guess is truncated, not terminated."""
+
+    def __init__(self, high: int = 3, limit: int = 1):
+        super().__init__(high)
+        self.limit, self.steps = limit, 0
+
+    def step(self, action):
+        self.steps += 1
+        observation, reward, terminated, _, info = super().step(action)
+        return observation, reward, terminated, self.steps >= self.limit and not terminated, info
 
 
 class OldGym(HiddenNumber):
@@ -361,6 +375,25 @@ def test_a_gymnasium_style_environment_speaks_through_the_chat_template(catalog_
     assert [e.data["action"] for e in steps] == [action, right]
 
 
+def test_a_gymnasium_truncation_ends_the_episode_and_is_recorded_apart_from_its_play(catalog_yaml, user_package):
+    """gymnasium's ``truncated`` (a limit of the environment's own) was merged with ``terminated``: the trace
+    said the play had ended the episode, and a workload profile counted its length as the environment's."""
+    spec = _spec(catalog_yaml, {"entry": "my_envs:Impatient", "adapter": "gymnasium", "params": {"limit": 1}})
+    pool, trace = _pool(spec)
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    cut, solved = pool.new_group()[:2]
+    asyncio.run(cut.reset())
+    asyncio.run(solved.reset())
+    secret = cut.environment.env.secret
+    wrong = tokenizer.encode(str(1 if secret != 1 else 2), add_special_tokens=False)
+    assert asyncio.run(cut.step(wrong)).done
+    assert asyncio.run(solved.step(tokenizer.encode(str(secret), add_special_tokens=False))).reward == 1.0
+    steps = {e.data["episode"]: e.data for e in trace.events if e.kind == "env_step"}
+    assert steps[cut.episode_id]["done"] and steps[cut.episode_id]["env_truncated"]
+    assert steps[solved.episode_id]["done"] and not steps[solved.episode_id]["env_truncated"]
+    assert not steps[cut.episode_id]["capped"]  # the harness's turn cap (3) did not end it
+
+
 def test_a_text_environment_by_import_path_and_a_task_set(catalog_yaml, user_package):
     spec = _spec(catalog_yaml, {"entry": "my_envs:Echo", "adapter": "text", "params": {"word": "echo"}})
     pool, _ = _pool(spec)
@@ -501,10 +534,27 @@ def test_a_task_set_scoring_no_number_is_named_not_read_as_a_zero_reward(catalog
         ({"entry": "my_envs:Answers", "params": {"observation": None, "done": False}}, "observation None, not a str"),
         ({"entry": "my_envs:Answers", "params": {"done": 1}}, "done 1, not a bool"),
         ({"entry": "my_envs:Answers", "params": {"done": 1, "observation": None}}, "done 1, not a bool"),
+        ({"entry": "my_envs:Answers", "params": {"truncated": None}}, "truncated None, not a bool"),
+        (
+            {"entry": "my_envs:Answers", "params": {"done": False, "truncated": True}},
+            "truncated True with done False: a truncated episode has ended",
+        ),
         ({"entry": "my_envs:nan_scored", "adapter": "tasks"}, "reward nan, not a finite number"),
         ({"entry": "my_envs:OldGym", "adapter": "gymnasium"}, "a 4-tuple (the old gym API"),
     ],
-    ids=["nan", "inf", "none", "text reward", "no observation", "int done", "int done first", "nan score", "old gym"],
+    ids=[
+        "nan",
+        "inf",
+        "none",
+        "text reward",
+        "no observation",
+        "int done",
+        "int done first",
+        "none truncated",
+        "truncated going on",
+        "nan score",
+        "old gym",
+    ],
 )
 def test_a_step_answer_a_run_cannot_train_on_is_named_by_its_field(catalog_yaml, user_package, environment, message):
     """A NaN reward would reach the candidate's loss as a null, a None one the harness's sum as a

@@ -32,6 +32,7 @@ def _episode(
     lost: bool = False,
     capped: bool = False,
     reset: float | None = None,
+    env_truncated: bool = False,
 ) -> list:
     """A finished episode's events as the harness records them (token lists kept; ``lost``, ``capped``
     and the reset's latency only where set, as a trace from before them has none)."""
@@ -64,7 +65,8 @@ def _episode(
                     "truncated": False,
                 }
                 | ({"lost": True} if lost and done else {})
-                | ({"capped": True} if capped and done else {}),
+                | ({"capped": True} if capped and done else {})
+                | ({"env_truncated": True} if env_truncated and done else {}),
             )
         )
     return events
@@ -115,6 +117,18 @@ def test_episodes_the_turn_cap_ended_and_slow_resets_are_said_in_the_profile(tin
     assert "took 0.4 s at the median" in notes and "simulated faster than it was" in notes
     with pytest.raises(ProfileError, match=f"3 ran to workload.turns.max, {cap}: raise it"):
         fit_profile(tiny_spec, [capped], "planted")
+
+
+def test_episodes_the_environment_truncated_are_counted_apart_from_those_its_play_ended(tiny_spec):
+    """A gymnasium environment's own limit (its ``truncated``) ends an episode its play would have gone on
+    with: counted at its length and said, as the turn cap's; a run where every episode was cut so is refused."""
+    limited = [e for member in range(2) for e in _episode(0, member, 2, 0.01, 4, env_truncated=True)]
+    ended = _episode(1, 0, 1, 0.01, 4)
+    samples = fit_profile(tiny_spec, [limited + ended], "planted")["samples"]
+    assert (samples["ended_by_the_environment"], samples["truncated_by_the_environment"]) == (1, 2)
+    assert "2 of 3 episodes the environment truncated (a limit of its own" in " ".join(samples["notes"])
+    with pytest.raises(ProfileError, match=r"the environment truncated 2 \(a limit of its own\): raise it"):
+        fit_profile(tiny_spec, [limited], "planted")
 
 
 def test_response_lengths_spread_past_the_specs_cap_are_held_at_it(catalog_yaml):

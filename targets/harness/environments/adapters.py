@@ -244,7 +244,8 @@ class GymnasiumText:
                 f"step returned {got}{old}: gymnasium's step returns (observation, reward, terminated, truncated, info)"
             )
         observation, reward, terminated, truncated, _ = answer
-        return TextStep(observation, reward, bool(terminated or truncated))  # the episode refuses what is no text
+        # the episode refuses what is no text or no bool; truncated alone is a limit of the environment's own
+        return TextStep(observation, reward, bool(terminated or truncated), bool(truncated) and not bool(terminated))
 
     async def close(self) -> None:
         """gymnasium's ``close()``, where the environment has one: what it holds (a subprocess, a socket)

@@ -201,21 +201,30 @@ class Episode:
         )
 
     def end_step(
-        self, action: TokenIds, latency: float, failures: int, answer: tuple[str, float, bool] | None = None
+        self,
+        action: TokenIds,
+        latency: float,
+        failures: int,
+        answer: tuple[str, float, bool, bool] | None = None,
     ) -> StepResult:
         """The world's answer to ``action``, ``latency`` seconds after ``begin_step``: ``answer`` when
-        the environment already gave it (a user's own), else ``respond``'s."""
+        the environment already gave it (a user's own: its text, reward, end and whether the end was a
+        limit of its own), else ``respond``'s."""
         self.stepping = False
         self.turn += 1
         timed_out = self.clock.now() - self.started_at > self.workload.trajectory_timeout_s
         lost, self._crashed = self._crashed and not timed_out, False  # a timeout ends it first: counted once
         capped = False  # the turn cap ended it where the environment would have gone on
+        env_truncated = False  # the environment's own limit ended it (gymnasium's truncated), not its play
         if timed_out:
             text, reward, done = "timeout", 0.0, True
         elif lost:  # the sandbox is gone and nothing can bring back its state: the episode ends here
             text, reward, done = "lost", 0.0, True
         else:
-            text, reward, done = answer if answer is not None else self.respond(ActionWords(action))
+            if answer is not None:
+                text, reward, done, env_truncated = answer
+            else:
+                text, reward, done = self.respond(ActionWords(action))
             capped = not done and self.turn >= self.max_turns
             done = done or capped
         observation = [] if done else self.observe(text, action)
@@ -242,6 +251,7 @@ class Episode:
             timed_out=timed_out,
             truncated=truncated,
             capped=capped,
+            env_truncated=env_truncated,
             latency=latency,
             failures=failures,
             lost=lost,

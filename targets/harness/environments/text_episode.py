@@ -134,26 +134,30 @@ class TextEpisode(Episode):
         started = self.clock.now()
         left = self.workload.trajectory_timeout_s - (started - self.started_at)
         if left <= 0:  # the trajectory's time is already up: the environment is not asked
-            return self.end_step(action, 0.0, 0, ("timeout", 0.0, True))
+            return self.end_step(action, 0.0, 0, ("timeout", 0.0, True, False))
         doing = f"at turn {self.turn + 1} of"
         answer = await self._call(self.environment.step(self.chat.text(action)), doing, left + TIMEOUT_MARGIN_S)
         if answer is HUNG:
-            return self.end_step(action, self.clock.now() - started, 0, ("timeout", 0.0, True))
+            return self.end_step(action, self.clock.now() - started, 0, ("timeout", 0.0, True, False))
         return self.end_step(action, self.clock.now() - started, 0, self._checked(answer))
 
-    def _checked(self, answer: Any) -> tuple[str, float, bool]:
+    def _checked(self, answer: Any) -> tuple[str, float, bool, bool]:
         """A step's answer as the episode records it: a ``TextStep`` of text, a finite reward (a NaN would
-        reach the candidate's loss as a null) and a bool, or an error naming the field."""
+        reach the candidate's loss as a null) and bools, or an error naming the field."""
         if not isinstance(answer, TextStep):
             raise UserEnvironmentError(
                 f"environment {self.entry} answered a step of {self.episode_id} with a {type(answer).__name__}, "
                 "not a targets.api.TextStep"
             )
-        reward, done = answer.reward, answer.done
+        reward, done, truncated = answer.reward, answer.done, answer.truncated
         ended = isinstance(done, bool | numpy.bool_) and bool(done)  # the last observation is never read
         wrong = (
             f"done {done!r}, not a bool"
             if not isinstance(done, bool | numpy.bool_)
+            else f"truncated {truncated!r}, not a bool"
+            if not isinstance(truncated, bool | numpy.bool_)
+            else f"truncated {truncated!r} with done {done!r}: a truncated episode has ended"
+            if truncated and not ended
             else f"observation {answer.observation!r}, not a str"
             if not isinstance(answer.observation, str) and not ended
             else f"reward {reward!r}, not a finite number"
@@ -164,7 +168,8 @@ class TextEpisode(Episode):
             raise UserEnvironmentError(
                 f"environment {self.entry} answered turn {self.turn + 1} of {self.episode_id} with {wrong}"
             )
-        return answer.observation if isinstance(answer.observation, str) else "", float(reward), bool(done)
+        text = answer.observation if isinstance(answer.observation, str) else ""
+        return text, float(reward), bool(done), bool(truncated)
 
     def observe(self, text: str, action: TokenIds) -> TokenIds:
         return self.chat.next(text, stopped_on=int(action[-1]) if len(action) else None)

@@ -135,10 +135,14 @@ def fit_profile(
     # those the turn cap ended count at the cap (as lengths cut at the budget count at the budget): how
     # many said, since what the environment does past the cap was never seen
     capped = [key for key in ended if steps[key][-1].data.get("capped", False)]
-    if len(capped) == len(ended):
+    # likewise those the environment's own limit ended (gymnasium's truncated): its play would have gone on
+    limited = [key for key in ended if steps[key][-1].data.get("env_truncated", False)]
+    if len(capped) + len(limited) == len(ended):
+        why = [f"{len(capped)} ran to workload.turns.max, {spec.workload.turns.max}: raise it"] if capped else []
+        why += [f"the environment truncated {len(limited)} (a limit of its own): raise it"] if limited else []
         raise ProfileError(
             "the run finished no episode by the environment's own end"
-            + (f" ({len(capped)} ran to workload.turns.max, {spec.workload.turns.max}: raise it)" if capped else "")
+            + (f" ({'; '.join(why)})" if why else "")
             + ": nothing to fit a profile from"
         )
     turns = [len(steps[key]) for key in ended]
@@ -158,6 +162,11 @@ def fit_profile(
             f"{len(capped)} of {len(ended)} episodes ran to workload.turns.max ({spec.workload.turns.max}) without the "
             "environment ending them: counted at the cap; what it does past the cap was never seen (profile with a "
             "larger turns.max to see it)"
+        )
+    if limited:
+        notes.append(
+            f"{len(limited)} of {len(ended)} episodes the environment truncated (a limit of its own, such as "
+            "gymnasium's TimeLimit): counted at their length; what its play does past the limit was never seen"
         )
     reset_s = [resets[key].data["latency"] for key in finished if "latency" in resets[key].data]
     if reset_s and latencies and statistics.median(reset_s) > statistics.median(latencies):
@@ -182,8 +191,9 @@ def fit_profile(
         "measured_on": measured_on,
         "samples": {
             "episodes": len(finished),
-            "ended_by_the_environment": len(ended) - len(capped),
+            "ended_by_the_environment": len(ended) - len(capped) - len(limited),
             "ended_at_max_turns": len(capped),
+            "truncated_by_the_environment": len(limited),
             "reset_latency_s": {"median": round(statistics.median(reset_s), 6), "max": round(max(reset_s), 6)}
             if reset_s
             else None,

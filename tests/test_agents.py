@@ -590,8 +590,9 @@ def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
 
 def test_a_dry_backlog_stops_only_when_every_move_and_composition_was_tried_on_the_best(tiny_spec):
     """The run stops on its budget while anything is untried on the best: every legal parameter move
-    (not a few random draws), then the compositions given up on under an earlier best, which the rest
-    of this best's set may now favour. Only then is there nothing left."""
+    (not a few random draws), then the compositions and the moves given up on under an earlier best, which
+    the rest of this best's set may now favour (a move abandoned once was never tried again, on any best).
+    Only then is there nothing left."""
     from types import SimpleNamespace
 
     from orchestrator.policies.backlog import BacklogPolicy
@@ -603,15 +604,17 @@ def test_a_dry_backlog_stops_only_when_every_move_and_composition_was_tried_on_t
     moves = {t.id for t in planner.parameter_moves(params)}
     assert len(moves) >= 4 and not moves & compositions
     tried: set = set()
-    # each composition measured without gain on the earlier best, c0
-    state = _backlog_state(SimpleNamespace(commit="c1"), tried=tried, abandoned=compositions)
+    # each composition, and one move, measured without gain on the earlier best, c0
+    given_up = sorted(moves)[0]
+    state = _backlog_state(SimpleNamespace(commit="c1"), tried=tried, abandoned=compositions | {given_up})
     proposed = []
     while proposal := BacklogPolicy(planner, seed=3).propose(state, lambda record: params):
         assert proposal[1].id not in proposed, proposal[1].id
         proposed.append(proposal[1].id)
         tried.add(("c1", proposal[1].id))
-    assert set(proposed[: len(moves)]) == moves  # every move first, then the abandoned compositions
-    assert set(proposed[len(moves) :]) == compositions
+    fresh = len(moves) - 1
+    assert set(proposed[:fresh]) == moves - {given_up}  # every move first, then the abandoned compositions
+    assert set(proposed[fresh:-1]) == compositions and proposed[-1] == given_up  # and the abandoned move
     again = []
     tried.clear()
     while (proposal := BacklogPolicy(planner, seed=3).propose(state, lambda record: params)) and len(again) < 3:

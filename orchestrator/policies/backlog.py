@@ -7,8 +7,8 @@ planner composes techniques (adds one, or removes one: additions first). A near 
 the noise on an earlier best; ``RunState.near_misses``) is not abandoned at once: it waits until the
 additions never tried have run on this best, is tried once more before the removals, and a second
 near miss gives it up. Then a parameter moves (in an order the run's seed shuffles), and last a
-composition abandoned on an earlier best is retried on this one, where the rest of the set may now
-favour it: the run stops on its budget while any of these is untried on the best. A task whose
+composition, then a parameter move, abandoned on an earlier best is retried on this one, where the rest
+of the set may now favour it: the run stops on its budget while any of these is untried on the best. A task whose
 result is a configuration the run built already is skipped."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class BacklogPolicy:
         for task in moves:
             if fresh(task):
                 return parent, task
-        for task in compositions:
+        for task in [*compositions, *moves]:
             if (parent.commit, task.id) not in tried and not rebuilds(params, task, built):
                 return parent, task  # given up on under another best, never tried on this one
         return None

@@ -437,6 +437,24 @@ def test_a_planner_that_fails_hands_the_round_to_the_backlog_and_the_round_says_
     assert task.rationale.endswith(backlog_task.rationale)
 
 
+def test_a_planner_task_that_rebuilds_a_configuration_hands_the_round_to_the_backlog(tiny_spec):
+    """The llm policy checked only the task's id: a task under a new id whose changes gave back a configuration
+    the run had built (the starter's own, here) ran a round to measure it again."""
+    from types import SimpleNamespace
+
+    from agents.offline.planner import OfflinePlanner
+    from orchestrator.policies.llm import LLMPolicy
+
+    params = starter_params(tiny_spec, "colocate")
+    again = Task(id="retune", title="t", rationale="r", changes={k: params[k] for k in list(params)[:1]})
+    choice = SimpleNamespace(parent_round=0, task=again, plan=[])
+    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, SimpleNamespace(plan=lambda state, design: choice), lambda r: "")
+    state = _llm_run_at_its_starter()
+    state.rounds[0].commit = "c1"  # the starter, validated as a commit of its own
+    parent, task = policy.propose(state, lambda record: params)
+    assert task.id != "retune" and "build a configuration the run built already" in task.rationale
+
+
 def test_the_budget_is_checked_before_every_call(server):
     """A spent budget refuses the next call before it is sent (BudgetSpent, an AgentError: the attempt
     ends), counting the run's earlier sessions too."""

@@ -1,8 +1,9 @@
 """llm: an LLM planner reads the run (rounds, verdicts, metrics, hints, the best candidate's DESIGN.md)
 and writes the next parent and task. Its choice is checked: the parent must be a validated round and
-the task must be new on it. A planner that fails (a provider error, an invalid choice) hands this
-round to the backlog policy, and says so; a spent LLM budget is no such failure: it stops the run
-before a round that could only fail on it (and mark its task tried)."""
+the task must be new on it, and a task that sets parameters must not build a configuration the run built
+already (``novelty.py``: what the other policies never propose either). A planner that fails (a provider
+error, an invalid choice) hands this round to the backlog policy, and says so; a spent LLM budget is no
+such failure: it stops the run before a round that could only fail on it (and mark its task tried)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 from agents.llm.errors import BudgetSpent, LLMUnusable
 from agents.roles import AgentError, Task
 from orchestrator.policies.backlog import BacklogPolicy
+from orchestrator.policies.novelty import built_configurations, rebuilds
 from orchestrator.state import RoundRecord, RunState
 
 log = logging.getLogger("vibetrain.policy")
@@ -33,6 +35,11 @@ class LLMPolicy:
                 raise AgentError(f"the planner chose round {choice.parent_round}, which is not a validated candidate")
             if (parent.commit, choice.task.id) in state.tried():
                 raise AgentError(f"the planner chose task {choice.task.id!r}, already tried on round {parent.round}")
+            if rebuilds(params_of(parent), choice.task, built_configurations(state, params_of)):
+                raise AgentError(
+                    f"the planner chose task {choice.task.id!r} on round {parent.round}, whose changes "
+                    f"{choice.task.changes} build a configuration the run built already"
+                )
         except (BudgetSpent, LLMUnusable):  # the run stops on these: no planner failure to fall back from
             raise
         except AgentError as error:

@@ -19,12 +19,14 @@ from targets.errors import UserError
 from targets.harness.isolation.sandbox import BACKENDS as SANDBOX_BACKENDS
 
 POLICIES = ("backlog", "evolve", "llm")
+SELECTIONS = ("fitness", "pareto")  # evolve's parent selection
 SANDBOXES = ("auto", *SANDBOX_BACKENDS)
 CHOICES = {  # a field -> what its value names, and the names known
     "policy": ("policy", POLICIES),
     "agents": ("agent backend", BACKENDS),
     "sandbox": ("sandbox", SANDBOXES),
     "starter": ("starter", CONTROLLERS),
+    "selection": ("parent selection", SELECTIONS),
 }
 LLM_BACKENDS = ("openai", "anthropic")
 LLM_BUDGETS = ("max_cost", "max_tokens")  # the run's budgets for LLM calls (resumable)
@@ -75,6 +77,7 @@ class RunConfig(BaseModel):
     target_id: str = ""
     simulated: bool = False
     policy: str = "backlog"
+    selection: str = "fitness"  # evolve's parents: a tournament on the headline, or the Pareto front
     agents: str = "offline"
     seed: int = 0  # of the agents and the search
     rounds: int = resumable(3, ge=0)  # after the starter (round 0)
@@ -93,7 +96,7 @@ class RunConfig(BaseModel):
     llm_review_required: bool = False  # an LLM review that cannot be had rejects (else the gate decides alone)
     time_limit_s: float | None = resumable(None, ge=1)  # per candidate child run (default: the target's)
 
-    @field_validator("policy", "agents", "sandbox", "starter")
+    @field_validator("policy", "agents", "sandbox", "starter", "selection")
     @classmethod
     def _known(cls, value: str, info: ValidationInfo) -> str:
         what, known = CHOICES[info.field_name]
@@ -105,6 +108,8 @@ class RunConfig(BaseModel):
     def _together(self) -> RunConfig:
         if self.policy == "llm" and self.agents not in LLM_BACKENDS:
             raise ValueError("--policy llm needs an LLM backend (--agents openai or anthropic)")
+        if self.selection != "fitness" and self.policy != "evolve":
+            raise ValueError(f"--selection {self.selection} chooses the evolve policy's parents: add --policy evolve")
         if self.llm_review_required and self.agents == "offline":
             raise ValueError(
                 "--require-llm-review needs a backend with an LLM review (--agents openai, anthropic or cli:...)"

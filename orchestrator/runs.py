@@ -73,7 +73,7 @@ def _loop(
     def design_of(record) -> str:
         return history.read(record.commit, "DESIGN.md")
 
-    policy = make_policy(config.policy, agents.planner, config.seed, agents.llm_planner, design_of)
+    policy = make_policy(config.policy, agents.planner, config.seed, agents.llm_planner, design_of, config.selection)
     loop = Loop(target, state, history, agents, policy, run_dir, run_workspaces(workspaces, run_dir), on_event, session)
     if agents.accounting is not None:
         agents.accounting.on_call = loop.save_llm_spend

@@ -304,14 +304,12 @@ class EnvHandle(Protocol):
 
 @dataclass(frozen=True)
 class TextStep:
-    """What a user's environment answers an action with: its text, the reward, whether it ended, and
-    whether that end was a limit of its own rather than the play's outcome (gymnasium's ``truncated``,
-    a time limit: the episode would have gone on)."""
+    """What a user's environment answers an action with: its text, the reward, whether it ended."""
 
     observation: str
     reward: float
     done: bool
-    truncated: bool = False
+    truncated: bool = False  # the end was a limit of its own (gymnasium's truncated), not the play's outcome
 
 
 @runtime_checkable

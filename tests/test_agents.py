@@ -853,6 +853,38 @@ def test_evolve_ends_only_when_no_member_of_its_population_has_a_new_mutation(ti
         assert (parent.commit, task.id) not in state.tried()
 
 
+def test_evolve_by_pareto_draws_its_parents_from_the_front_of_goodput_and_trained_tokens(tiny_spec):
+    """With ``selection="pareto"`` a parent is drawn from the members no other beats in both the headline and
+    the trained tokens a second: c1 (the best goodput, from short trajectories) and c2 (the most tokens), never
+    c0 or c3, which c1 or c2 dominates; the tournament on the headline alone draws c2 only when it is one of
+    two drawn with a weaker member, and never the front's point of view."""
+    from orchestrator.policies.evolve import EvolvePolicy, pareto_front
+    from orchestrator.state import RoundRecord
+
+    planner, params, rounds, state = _population(tiny_spec)
+    rounds[0].metrics, rounds[1].metrics = {"trained_tokens_per_s": 100.0}, {"trained_tokens_per_s": 90.0}
+    for commit, headline, tokens in (("c2", 1.05, 140.0), ("c3", 1.0, 130.0)):
+        rounds.append(
+            RoundRecord(
+                round=len(rounds),
+                task=rounds[1].task.model_copy(update={"id": f"t-{commit}"}),
+                parent_round=0,
+                parent_commit="c0",
+                verdict="accepted",
+                commit=commit,
+                headline=headline,
+                metrics={"trained_tokens_per_s": tokens},
+            )
+        )
+        params[commit] = params["c1"]
+    assert [r.commit for r in pareto_front(state.accepted(), 1)] == ["c1", "c2"]
+    assert [r.commit for r in pareto_front(state.accepted(), -1)] == ["c2", "c3"]  # a lower headline wins
+    drawn = {EvolvePolicy(planner, seed, "pareto")._select(state).commit for seed in range(40)}
+    assert drawn == {"c1", "c2"}
+    by_fitness = {EvolvePolicy(planner, seed)._select(state).commit for seed in range(40)}
+    assert "c0" in by_fitness or "c3" in by_fitness  # the tournament draws dominated members too
+
+
 def test_evolve_proposes_the_same_round_whether_the_run_was_resumed_or_not(tiny_spec):
     """Its generator lived in memory only, rebuilt from the seed on --resume: for 13 of 30 seeds round 2
     was another task after a resume than without one (a round redone after a failing environment was

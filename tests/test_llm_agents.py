@@ -965,6 +965,15 @@ def test_a_run_killed_mid_round_resumes_knowing_what_the_round_spent(tmp_path):
         RunState.load(run)
 
 
+def test_pareto_selection_is_refused_for_a_policy_without_a_population(tmp_path):
+    """--selection chooses evolve's parents: asked of the backlog or the llm policy, it is named, not ignored."""
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--selection", "pareto", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2, result.output
+    assert "--selection pareto chooses the evolve policy's parents: add --policy evolve" in result.output
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--selection", "paretoo", "--out", str(tmp_path / "r")])
+    assert "unknown parent selection 'paretoo' (did you mean 'pareto'?)" in result.output
+
+
 def test_a_missing_key_or_llm_backend_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     result = runner.invoke(

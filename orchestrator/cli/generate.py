@@ -107,6 +107,11 @@ def generate(
     target: str,
     rounds: int = typer.Option(DEFAULT.rounds, min=0, help="rounds after the starter (round 0)"),
     policy: str = typer.Option(DEFAULT.policy, help="backlog | evolve | llm"),
+    selection: str = typer.Option(
+        DEFAULT.selection,
+        help="evolve's parents: fitness (the fitter of two drawn) | pareto (one drawn from the front of the "
+        "headline and the trained tokens a second, which a schedule training short trajectories gives up)",
+    ),
     agents: str = typer.Option(DEFAULT.agents, help="offline | openai | anthropic | cli:claude | cli:codex"),
     model: str = typer.Option(None, help="the LLM (openai/anthropic backends)"),
     base_url: str = typer.Option(None, help="an OpenAI-compatible server (vLLM, llama.cpp) or a proxy"),

@@ -21,12 +21,15 @@ class Policy(Protocol):
         ...
 
 
-def make_policy(name: str, planner, seed: int, llm_planner=None, design_of=None) -> Policy:
-    """The policy ``name`` (one of ``orchestrator.config.POLICIES``, checked there)."""
+def make_policy(name: str, planner, seed: int, llm_planner=None, design_of=None, selection: str = "fitness") -> Policy:
+    """The policy ``name`` (one of ``orchestrator.config.POLICIES``, checked there); ``selection``: the
+    evolve policy's parent selection."""
     from orchestrator.policies.backlog import BacklogPolicy
     from orchestrator.policies.evolve import EvolvePolicy
     from orchestrator.policies.llm import LLMPolicy
 
     if name == "llm":
         return LLMPolicy(planner, seed, llm_planner, design_of)
-    return {"backlog": BacklogPolicy, "evolve": EvolvePolicy}[name](planner, seed)
+    if name == "evolve":
+        return EvolvePolicy(planner, seed, selection)
+    return BacklogPolicy(planner, seed)

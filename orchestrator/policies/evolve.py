@@ -1,8 +1,11 @@
 """evolve: a population of validated candidates. The parent is the fitter of two drawn at random
-(tournament selection on the headline metric); the mutation applies a skill its hints triggered,
-adds or removes a technique, or perturbs one parameter. A mutation whose result is a near-duplicate
-of a configuration the run already built (from any parent: adding A then B is B then A, and moving a
-parameter back is its grandparent) is not tried again. Deterministic for a seed."""
+(tournament selection on the headline metric), or with ``selection="pareto"`` one drawn from the Pareto
+front of the headline and the trained tokens a second (no other member is at least as good in both and
+better in one): goodput counts trajectories, so a schedule that trains only the short ones can gain on it
+while training fewer tokens, and the front keeps the members that give up neither. The mutation applies
+a skill its hints triggered, adds or removes a technique, or perturbs one parameter. A mutation whose
+result is a near-duplicate of a configuration the run already built (from any parent: adding A then B is
+B then A, and moving a parameter back is its grandparent) is not tried again. Deterministic for a seed."""
 
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ from orchestrator.state import RoundRecord, RunState
 class EvolvePolicy:
     name = "evolve"
 
-    def __init__(self, planner, seed: int) -> None:
-        self.planner, self.seed = planner, seed
+    def __init__(self, planner, seed: int, selection: str = "fitness") -> None:
+        self.planner, self.seed, self.selection = planner, seed, selection
         self.rng = random.Random(seed)
 
     def _seeded(self, state: RunState) -> None:
@@ -31,6 +34,8 @@ class EvolvePolicy:
         if not population:
             return None
         sign = 1 if self.planner.spec.headline_metric.direction == "maximize" else -1
+        if self.selection == "pareto":
+            return self.rng.choice(pareto_front(population, sign))
         contenders = self.rng.sample(population, min(2, len(population)))
         return max(contenders, key=lambda r: sign * r.headline)
 
@@ -82,3 +87,20 @@ class EvolvePolicy:
 
     def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:
         """The population is the accepted rounds in the state; nothing else to keep."""
+
+
+TOKENS = "trained_tokens_per_s"  # the second objective: trained response tokens a second
+
+
+def pareto_front(population: list[RoundRecord], sign: int) -> list[RoundRecord]:
+    """The members no other one dominates in (``sign`` times the headline, trained tokens a second), in
+    round order; a round without the tokens figure counts 0 there."""
+
+    def objectives(record: RoundRecord) -> tuple[float, float]:
+        return sign * record.headline, float(record.metrics.get(TOKENS, 0.0))
+
+    def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        return a[0] >= b[0] and a[1] >= b[1] and a != b
+
+    points = [objectives(r) for r in population]
+    return [r for r, p in zip(population, points, strict=True) if not any(dominates(q, p) for q in points)]

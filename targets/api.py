@@ -534,8 +534,7 @@ class EngineSettings:
     this): ``speculative_tokens`` drafted a step while at most ``speculative_batch`` run; where the target's reward
     model judges (``Workload.reward_model``): beside the policy on the engine of the episode's last turn, on
     ``reward_devices`` (never rollout or training), or serverless; ``engine_scale`` times ``Runtime.engine_devices``
-    devices an engine (up to the target's maximum); ``host_kv_tokens`` of evicted prefixes an engine keeps in host
-    memory (the ``kv_host_tier`` skill)."""
+    devices an engine (up to the target's maximum); ``host_kv_tokens`` of evicted prefixes kept in host memory."""
 
     speculative_tokens: int = 0
     speculative_batch: int = 0

@@ -623,6 +623,22 @@ def test_an_engine_woken_before_its_trainer_left_the_device(honest):
     _rejects(_invariants(honest, events), "memory shared")
 
 
+def test_training_on_a_device_whose_engine_was_never_put_to_sleep(honest):
+    """A controller that trains where its engine still runs (never shrinking or suspending it) while its
+    cluster reports the engine alone resident: the residency report is the cluster's word; the harness's
+    own record of the controller's calls shows the engine awake through the training step."""
+    events = _edited(honest)
+    train = _train(events)
+    device = train.data["devices"][0]
+    before = [e for e in events if e.kind in ("shrink", "suspend") and device in e.data["devices"] and e.t < train.t]
+    assert before, "the honest run put the training device's engine to sleep before it trained"
+    events = [e for e in events if e not in before and e.kind != "device_state"]
+    result = _invariants(honest, events)
+    _rejects(result, "trained beside an awake engine")
+    assert any(f"{device}'s engine was not shrunk or suspended while training step 1" in r for r in result.reasons)
+    assert _first(honest[1], "run_start").data["rollout"]  # the hello's placement is in the trace
+
+
 def test_no_active_engine_left(honest):
     events = _edited(honest)
     shrink = _first(events, "shrink")

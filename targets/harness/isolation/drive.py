@@ -114,6 +114,7 @@ async def drive_real(
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],
+            rollout=rollout,
             steps=steps,
             stop_token_ids=list(runtime.stop_token_ids),
             tokens_recorded=True,
@@ -202,6 +203,7 @@ def drive_simulated(
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],
+            rollout=rollout_ids,
             steps=steps,
             stop_token_ids=list(runtime.stop_token_ids),
             tokens_recorded=False,

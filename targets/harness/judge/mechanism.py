@@ -1,8 +1,11 @@
 """The audit's mechanism rule (``audit.py``), from the harness's own trace: the run's start and end
 recorded once; no request served by a shrunk or suspended engine, none completed well after its
 engine's shrink returned (a shrink aborts what it holds); never zero active rollout engines; an engine
-and a trainer never resident on one device at once (the cluster's residency, recorded after every
-switch); the requested training steps ran, each returning the next weight version."""
+and a trainer never on one device at once: no training call on a device whose engine the trace shows
+awake (placed there at the hello, brought by an expand or serving there, and not shrunk or suspended
+for the whole call: the controller's calls as the harness saw them), nor in the cluster's own residency
+report (recorded after every switch); the requested training steps ran, each returning the next weight
+version."""
 
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) ->
                     f"{device} went on serving episode {g.data['episode']} turn {g.data['turn']} after its "
                     f"shrink returned at {since:.2f}s (completed at {g.t:.2f}s, not aborted)",
                 )
+    check_trained_beside_awake_engines(ix, r, windows, slack)
     for e in ix.by_kind["device_state"]:
         for device, components in e.data["resident"].items():
             if "engine" in components and "trainer" in components:
@@ -61,3 +65,28 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) ->
     for k, train in enumerate(ix.trains, start=1):
         if train.data["version"] != k:
             r.add("version numbering", f"training step {k} returned version {train.data['version']}, not {k}")
+
+
+def check_trained_beside_awake_engines(
+    ix: TraceIndex, r: Reasons, windows: list[tuple[str, float, float]], slack: float
+) -> None:
+    """No training call on a device whose engine is awake at any moment of it. The engines are those the
+    trace shows: placed at the hello (``run_start``'s ``rollout``), brought by an expand, or serving a turn
+    (the cluster's residency report is its own word; this is the controller's calls as the harness saw them,
+    which the simulator enforces as it runs)."""
+    start = ix.by_kind["run_start"][0].data if ix.by_kind["run_start"] else {}
+    engines = {ix.engine(d) for d in start.get("rollout", [])}
+    engines |= {ix.engine(d) for e in ix.by_kind["expand"] for d in e.data["devices"]}
+    engines |= {g.data["device"] for gs in ix.generated.values() for g in gs}
+    for call in [*ix.by_kind["train_part"], *ix.trains]:
+        for engine in sorted({ix.engine(d) for d in call.data["devices"]} & engines):
+            asleep = any(
+                device == engine and since <= call.data["start"] + slack and call.t <= until + slack
+                for device, since, until in windows
+            )
+            if not asleep:
+                r.add(
+                    "trained beside an awake engine",
+                    f"{engine}'s engine was not shrunk or suspended while training step {call.data['step']} "
+                    f"ran on it ({call.data['start']:.2f}s to {call.t:.2f}s)",
+                )

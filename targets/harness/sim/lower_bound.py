@@ -4,8 +4,11 @@ No schedule can beat either of two limits:
 
 * **work**: the step's rollout and training work spread perfectly over the devices. Rollout work is
   the larger of the turns' decode reads and their compute (each turn's prefill with the previous
-  turn's prefix cached, plus its decoded tokens' FLOPs), times the engine's devices: a prefill may run
-  in the compute a memory-bound decode step leaves idle (chunked prefill), so the two do not add up.
+  turn's prefix cached, and its tokens' share of the all-reduces across nodes but not their fixed
+  latency, which a chunk shares with the decode step beside it; plus its decoded tokens' FLOPs), times
+  the engine's devices: a prefill may run in the compute a memory-bound decode step leaves idle
+  (chunked prefill), so the two do not add up, over the run as over a step (one step's prompts may be
+  computed beside another's decode): the larger of the run's two, per step on average.
   Training work is the batch's training FLOPs at the MFU.
 * **critical path**: each step's longest trained trajectory, decoded alone (batch 1) with its
   environment latencies and each request's overhead in between. A trajectory trained at step ``k``
@@ -45,9 +48,9 @@ is also given by phase (``rollout_bound_s``, ``train_bound_s``: each phase's wor
 may use), to set beside where the devices' time went (``metrics.py``: ``step_rollout_s``, ...
 ``step_idle_s``): the rest of the gap is each phase's excess over its work, switching and sync (whose
 bound is zero), and idle time. Per step (``lower_bound_steps``): each step's measured time (from the
-previous train call's end to its own), its rollout and train work per device, and its longest path over
-``1 + a``; the bound holds for their mean, not for every step (work may move between neighbouring
-steps).
+previous train call's end to its own), its rollout work (the larger of its decode reads and compute,
+``decode_s`` and ``compute_s`` apart) and train work per device, and its longest path over ``1 + a``;
+the bound holds for their mean, not for every step (work may move between neighbouring steps).
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ class DecodeCharges:
         """Device-seconds of a token decoded at ``context`` beside whatever else its step decodes."""
 
         def charge(cost: CostModel, k: int) -> np.ndarray:
-            batch = cost.kv_capacity_tokens / np.maximum(context, 1.0)  # were every sequence this long
+            batch = cost.kv_capacity_tokens / np.maximum(context, 1e-6)  # were every sequence this long (concave to 0)
             step = cost.decode_memory_s(batch, cost.kv_capacity_tokens, k + 1) + cost.decode_step_fixed_s(
                 batch * (k + 1)
             )
@@ -138,6 +141,12 @@ class DecodeCharges:
         """Device-seconds of a decoded token's FLOPs at ``context``: what any step spends on it at least
         (``w / E_k >= 1``)."""
         return np.minimum.reduce([cost.decode_compute_s(1, context) * cost.engine_devices for cost, _ in self.options])
+
+
+def prefill_floor_s(cost: CostModel, new: np.ndarray, cached: np.ndarray) -> np.ndarray:
+    """A prompt's least time in an engine: its compute and its tokens' share of the all-reduces across nodes,
+    not their fixed latency, which a prompt computed in chunks beside a decode step shares with it."""
+    return cost.prefill_compute_s(new, cached) + cost.tensor_parallel_s(new) - cost.tensor_parallel_s(0)
 
 
 def over_turn(first: np.ndarray, last: np.ndarray, response: np.ndarray, step: float) -> np.ndarray:
@@ -164,8 +173,8 @@ class TurnCosts:
         charges = DecodeCharges.of(pools)
         step = charges.most_per_step
         (memory, compute), (memory_end, compute_end) = charges.alone(context), charges.alone(context + response)
-        prefill = np.minimum.reduce([c.prefill_s(new, context - new) for c in pools])
-        prefill_work = np.minimum.reduce([c.prefill_s(new, context - new) * c.engine_devices for c in pools])
+        prefill = np.minimum.reduce([prefill_floor_s(c, new, context - new) for c in pools])
+        prefill_work = np.minimum.reduce([prefill_floor_s(c, new, context - new) * c.engine_devices for c in pools])
         alone = prefill + np.maximum(
             over_turn(memory, memory_end, response, step), over_turn(compute, compute_end, response, step)
         )
@@ -223,6 +232,8 @@ def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEv
                 "step": number,
                 "measured_s": train.t - previous_end,
                 "rollout_s": max(decode, computed) / rollout_devices,
+                "decode_s": decode / rollout_devices,
+                "compute_s": computed / rollout_devices,
                 "train_s": train_work(lengths) / devices,
                 "path_s": max((e[2] for e in episodes), default=0.0) / stretch,
             }
@@ -232,14 +243,17 @@ def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEv
     def mean(key: str) -> float:
         return sum(step[key] for step in steps) / len(steps)
 
+    # the run's decode reads and compute may overlap across steps (a step's prompts computed beside another's
+    # decode): the larger of the two over the run, not the mean of each step's larger
+    rollout = max(mean("decode_s"), mean("compute_s"))
     # rollout over every device it may use, training over the job's: both at once, and training alone
-    work_bound = max(mean("rollout_s") + mean("train_s") * devices / rollout_devices, mean("train_s"))
+    work_bound = max(rollout + mean("train_s") * devices / rollout_devices, mean("train_s"))
     path_bound = mean("path_s")
     return {
         "lower_bound_step_s": max(work_bound, path_bound),
         "work_bound_s": work_bound,
         "critical_path_bound_s": path_bound,
-        "rollout_bound_s": mean("rollout_s"),
+        "rollout_bound_s": rollout,
         "train_bound_s": mean("train_s"),
         "lower_bound_steps": steps,
     }

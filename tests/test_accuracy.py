@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from targets.api import TrainingConfig
-from targets.harness.environments.seeds import RunSeed
 from targets.harness.judge.accuracy import (
     CheckDraw,
     check_engine,
@@ -259,19 +258,21 @@ class RecognizingEngine(ReferenceEngine):
         return super().generate(prompts, params) if exact else self.wrong.generate(prompts, params)
 
 
-def test_the_checks_prompts_come_from_the_session_secret_over_the_tokenizers_ids(tiny_model):
+def test_the_checks_prompts_are_drawn_fresh_over_the_tokenizers_ids(tiny_model):
     """An engine that answers the public check prompts by an exact path passes the public draw; the judge's
-    draw, seeded by the session's secret, gives it prompts it cannot know, over every id the model embeds."""
+    draw, fresh for every check, gives it prompts it cannot know (not even from an earlier attempt's
+    reasons), over every id the model embeds."""
     public = CheckDraw()
     known = fixed_prompts(ACCURACY.prompts, public.engine_seed) + fixed_prompts(ACCURACY.prompts, public.sync_seed)
     assert check_engine(RecognizingEngine(copy.deepcopy(tiny_model), known), tiny_model, ACCURACY, public).passed
     vocabulary = tiny_model.config.vocab_size
-    secret = CheckDraw.of(RunSeed(0, bytes(range(16))), vocabulary)
+    secret = CheckDraw.fresh(vocabulary)
     result = check_engine(RecognizingEngine(copy.deepcopy(tiny_model), known), tiny_model, ACCURACY, secret)
     assert not result.passed and any("prompt 0:" in r for r in result.reasons), result.reasons
     drawn = secret.prompts(50, secret.engine_seed)
     assert max(max(p) for p in drawn) >= public.vocabulary and max(max(p) for p in drawn) < vocabulary
-    assert CheckDraw.of(RunSeed(0, bytes(16)), vocabulary) != secret  # another session, other prompts
+    assert CheckDraw.fresh(vocabulary) != secret  # another check, other prompts
+    assert result.details["seed"] == secret.engine_seed  # what reproduces the failure
     engine = RecognizingEngine(copy.deepcopy(tiny_model), known)
     assert check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY, draw=public).passed
     engine = RecognizingEngine(copy.deepcopy(tiny_model), known)

@@ -67,12 +67,12 @@ def progress_lines(phase: str):
         logger.removeHandler(handler)
 
 
-def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: RunSeed) -> dict:
+def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -> dict:
     with progress_lines("accuracy") as log:
-        return _accuracy(target, sandbox, stack_dir, out, seed, log)
+        return _accuracy(target, sandbox, stack_dir, out, log)
 
 
-def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed: RunSeed, log: logging.Logger) -> dict:
+def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, log: logging.Logger) -> dict:
     from targets.harness.isolation.processes import CandidateProcesses
 
     started = time.monotonic()
@@ -101,7 +101,7 @@ def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, seed
         engine = components.make_engine_after(lambda: raise_if_error(channel.recv(), "build"))
         reference = target.reference_model()  # loads here while the candidate's process builds its engine
         said("reference model loaded")
-        draw = CheckDraw.of(seed, defined_ids(Path(runtime.model_path), reference.config.vocab_size))
+        draw = CheckDraw.fresh(defined_ids(Path(runtime.model_path), reference.config.vocab_size))
         results = [check_engine(engine(), reference, accuracy, draw)]
         said(f"check 1 (engine): {'passed' if results[-1].passed else 'failed'}")
         batches = fixed_train_batches(reference, draw)
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     beside = None
 
     def accuracy() -> dict:
-        return run_accuracy(target, sandbox, stack, args.out, seed)
+        return run_accuracy(target, sandbox, stack, args.out)
 
     if args.mode == "check" and accuracy_beside_start_up(target) and _ready_for_two_threads(target):
         beside = AccuracyBeside(lambda: record_phase(args.out, "accuracy", accuracy))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,6 @@ from targets.api import (
     TrainingConfig,
     Trajectory,
 )
-from targets.harness.environments.seeds import RunSeed
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.update_error import UpdateError, step_fault, update_error
 from targets.harness.reference.engine import ReferenceEngine, next_token_logits
@@ -55,11 +55,12 @@ class GreedyReference:
 
 @dataclass(frozen=True)
 class CheckDraw:
-    """What checks 1-3 draw their prompts and batches from. The judge's seeds come from the session's
-    secret (``of``): with public seeds a candidate that reads this file knows the exact prompts it is
-    checked on, and could serve them by an exact path and everything else by a wrong one. The ids span
-    what the model's tokenizer defines, not only the harness's words (the first 53 ids of a 151k-token
-    model). The defaults are the public draw tests and tools use."""
+    """What checks 1-3 draw their prompts and batches from. The judge draws fresh seeds for every check
+    (``fresh``): with public seeds a candidate that reads this file knows the exact prompts it is checked
+    on, and could serve them by an exact path and everything else by a wrong one; with seeds fixed for a
+    session, prompts a failing attempt raised with would come back in the reasons the next attempt is fed.
+    The ids span what the model's tokenizer defines, not only the harness's words (the first 53 ids of a
+    151k-token model). The defaults are the public draw tests and tools use."""
 
     engine_seed: int = 1234
     trainer_seed: int = 4321
@@ -67,8 +68,9 @@ class CheckDraw:
     vocabulary: int = len(NAMED_VOCAB)  # prompts draw ids below it
 
     @classmethod
-    def of(cls, seed: RunSeed, vocabulary: int) -> CheckDraw:
-        return cls(seed.stream("check 1"), seed.stream("check 2"), seed.stream("check 3"), vocabulary)
+    def fresh(cls, vocabulary: int) -> CheckDraw:
+        """Seeds no one knows before the check (recorded in its details, to reproduce a failure)."""
+        return cls(*(secrets.randbits(63) for _ in range(3)), vocabulary)
 
     def prompts(self, count: int, seed: int) -> list[TokenIds]:
         return fixed_prompts(count, seed, self.vocabulary)
@@ -158,7 +160,8 @@ def check_engine(
     versions = {c.weight_version for c in completions}
     if versions - {engine.weight_version}:
         reasons.append(f"completions report weight versions {sorted(versions)}, engine is at {engine.weight_version}")
-    return CheckResult("engine", not reasons, reasons, {"prompts": len(prompts), "max_logprob_diff": worst})
+    details = {"prompts": len(prompts), "max_logprob_diff": worst, "seed": draw.engine_seed}
+    return CheckResult("engine", not reasons, reasons, details)
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,7 +49,9 @@ def decode_step_floor(spec: TargetSpec) -> float:
     bandwidth of every job device together (an engine spread over all of them), times ``FLOOR_SHARE``."""
     hardware = spec.hardware
     bandwidth = sum(hardware.pool_of(device).hbm_bandwidth_gbs * 1e9 for device in hardware.device_ids())
-    weights = spec.model.param_counts().active * DTYPE_BYTES[spec.model.dtype]
+    config = spec.model.config  # an untied input embedding is looked up, not read whole (cost_model.py)
+    lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    weights = (spec.model.param_counts().active - lookup) * DTYPE_BYTES[spec.model.dtype]
     return FLOOR_SHARE * weights / bandwidth
 
 

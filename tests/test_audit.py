@@ -346,7 +346,8 @@ def test_a_turn_decoded_under_one_version_and_claimed_under_the_next(honest):
     """A turn decoded under version v-1 while v trained, prefilled once more under v as soon as v existed
     and answered with those logprobs (the stack trains on them too), claiming v: the replay agrees (the
     logprobs are v's), and the staleness bound counts it fresher than it is. It was forwarded before v
-    existed and answered one prefill after; nothing but the version's timing tells."""
+    existed and answered one prefill after; the version's timing tells (and the delivery rule: no sync had
+    brought v to the engine by then)."""
     import bisect
 
     import torch
@@ -387,9 +388,11 @@ def test_a_turn_decoded_under_one_version_and_claimed_under_the_next(honest):
     events.insert(bisect.bisect([e.t for e in events], answered.t), answered)
     result = _audit(honest, events)
     _rejects(result, "decoded before its version existed: episode " + g.data["episode"])
-    # and nothing else could: the training replay differs only because a trace edit cannot retrain on the
-    # logprobs it changed (the cheating stack's trainer would have, and matched)
-    assert {r.split(":")[0] for r in result.reasons} <= {"decoded before its version existed", "training replay"}
+    # and nothing else could but the delivery rule (v had not reached the engine when the answer came): the
+    # training replay differs only because a trace edit cannot retrain on the logprobs it changed (the
+    # cheating stack's trainer would have, and matched)
+    allowed = {"decoded before its version existed", "version never delivered", "training replay"}
+    assert {r.split(":")[0] for r in result.reasons} <= allowed
     assert result.details["version_timing_witnessed"] == 1 and result.details["version_timing_least_ratio"] < 1
 
 
@@ -637,6 +640,32 @@ def test_training_on_a_device_whose_engine_was_never_put_to_sleep(honest):
     _rejects(result, "trained beside an awake engine")
     assert any(f"{device}'s engine was not shrunk or suspended while training step 1" in r for r in result.reasons)
     assert _first(honest[1], "run_start").data["rollout"]  # the hello's placement is in the trace
+
+
+def test_a_controller_that_never_syncs_and_a_cluster_that_claims_what_it_was_never_given(honest):
+    """Versions are the cluster's word: with no sync in the trace (a controller that skips them, its cluster
+    stamping each answer with the newest version there is), the engines that were never expanded answered
+    under versions no call brought them; and an answer claiming an older version than its engine held (to
+    make its group look stale enough to drop) is named too."""
+    events = [e for e in _edited(honest) if e.kind != "sync"]
+    result = _invariants(honest, events)
+    _rejects(result, "version never delivered")
+    events = _edited(honest)
+    synced = [e for e in events if e.kind == "sync" and e.data["version"] >= 1]
+    assert synced, "the honest run synced a trained version"
+    sync = synced[0]
+    later = next(
+        g
+        for g in events
+        if g.kind == "generate"
+        and not g.data["aborted"]
+        and g.data["device"] in sync.data["devices"]
+        and g.data["start"] > sync.t
+        and g.data["version"] == sync.data["version"]
+    )
+    later.data["version"] -= 1
+    result = _invariants(honest, events)
+    _rejects(result, f"turn {later.data['turn']} under version {later.data['version']}, which no sync")
 
 
 def test_no_active_engine_left(honest):

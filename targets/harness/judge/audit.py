@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING
 from targets.api import StateDict, TraceEvent
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.judge.check_result import CheckResult
+from targets.harness.judge.delivery import check_delivered_versions
 from targets.harness.judge.draws import WorkloadDraws
 from targets.harness.judge.interruptions import check_aborts
 from targets.harness.judge.mechanism import check_mechanism
@@ -543,6 +544,7 @@ def audit_run(
     details.update(check_selection(ix, r, spec, draws))
     check_aborts(ix, r, spec)
     check_mechanism(ix, r, steps, spec)
+    check_delivered_versions(ix, r)
     details.update(check_serving(ix, r, spec))
     details.update(check_verdicts(ix, r))
     ids_in_vocabulary = check_token_ids(ix, r, spec)

@@ -173,8 +173,9 @@ class TurnCosts:
         charges = DecodeCharges.of(pools)
         step = charges.most_per_step
         (memory, compute), (memory_end, compute_end) = charges.alone(context), charges.alone(context + response)
-        prefill = np.minimum.reduce([prefill_floor_s(c, new, context - new) for c in pools])
-        prefill_work = np.minimum.reduce([prefill_floor_s(c, new, context - new) * c.engine_devices for c in pools])
+        floors = [(prefill_floor_s(c, new, context - new), c.engine_devices) for c in pools]
+        prefill = np.minimum.reduce([seconds for seconds, _ in floors])
+        prefill_work = np.minimum.reduce([seconds * devices for seconds, devices in floors])
         alone = prefill + np.maximum(
             over_turn(memory, memory_end, response, step), over_turn(compute, compute_end, response, step)
         )
@@ -205,8 +206,9 @@ def step_lower_bound(spec: TargetSpec, costs: ClusterCosts, events: list[TraceEv
     pools = engine_options(spec, costs)
     rows = [turn[:3] for episode in turns.values() for turn in episode]
     cost = TurnCosts.of(pools, np.array(rows, dtype=float).reshape(-1, 3))
-    ends = np.cumsum([len(episode) for episode in turns.values()])  # each episode's turns: a slice of the rows
-    starts = ends - [len(episode) for episode in turns.values()]
+    counts = [len(episode) for episode in turns.values()]
+    ends = np.cumsum(counts)  # each episode's turns: a slice of the rows
+    starts = ends - counts
     fixed = costs.shared.request_overhead_s
     episode_costs = {
         episode: (

@@ -15,7 +15,6 @@ version claimed.
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 
 from targets.harness.judge.trace_index import Reasons, TraceIndex
@@ -23,14 +22,6 @@ from targets.harness.trace import token_count
 
 
 def check_delivered_versions(ix: TraceIndex, r: Reasons) -> None:
-    existed = sorted((train.t, train.data["version"]) for train in ix.trains)
-    ends = [t for t, _ in existed]
-
-    def latest_at(t: float) -> int:
-        """The newest version a training call had returned by ``t`` (0 before any)."""
-        done = bisect.bisect_right(ends, t)
-        return max((v for _, v in existed[:done]), default=0)
-
     calls = sorted(ix.by_kind["sync"] + ix.by_kind["expand"] + ix.by_kind["resume"], key=lambda e: e.t)
     held_now: dict[str, frozenset[int]] = defaultdict(lambda: frozenset({0}))
     # engine -> (start, end, what the call brought, what the engine held once it returned), in the order they ended
@@ -40,8 +31,9 @@ def check_delivered_versions(ix: TraceIndex, r: Reasons) -> None:
             if e.kind == "sync":
                 brought = held = frozenset({e.data["version"]})
             else:
-                # the latest version, or back to the newest it could have held (its own offloaded weights)
-                brought = held = frozenset({latest_at(e.data["start"]), latest_at(e.t), max(held_now[engine])})
+                # the latest version (step k returns version k: the mechanism rule names any other), or back
+                # to the newest it could have held (its own offloaded weights)
+                brought = held = frozenset({ix.policy_at(e.data["start"]), ix.policy_at(e.t), max(held_now[engine])})
             held_now[engine] = held
             deliveries[engine].append((e.data["start"], e.t, brought, held))
     answered = [  # a request cut before its first token decoded nothing under the version it names

@@ -62,6 +62,19 @@ class Served(NamedTuple):
     least_over_alone: float  # the least of each request's time in the engine over its alone-time
 
 
+def one_step_trace(devices: list[str], turns: dict[str, tuple[int, int]], end: float) -> list[TraceEvent]:
+    """The trace of one step on ``devices`` that trained ``turns`` (episode -> (prompt, response), one turn
+    each), ending at ``end``: what the bound reads."""
+    events = [TraceEvent("run_start", 0.0, {"devices": devices})]
+    for episode, (prompt, response) in turns.items():
+        events += [
+            TraceEvent("env_reset", 0.0, {"episode": episode, "observation": prompt}),
+            TraceEvent("env_step", end, {"episode": episode, "action": response, "observation": 0, "latency": 0.0}),
+        ]
+    trained = [{"episode": e, "tokens": p + r} for e, (p, r) in turns.items()]
+    return [*events, TraceEvent("train", end, {"start": end, "trajectories": trained}), TraceEvent("run_end", end)]
+
+
 def serve_all(shape: Shape) -> Served:
     spec = load_target(shape.target)
     if shape.engine_devices:
@@ -94,14 +107,7 @@ def serve_all(shape: Shape) -> Served:
             engine.close()
 
     took = run_virtual(serve(), loop)
-    events = [TraceEvent("run_start", 0.0, {"devices": devices})]
-    for episode, (prompt, response) in turns.items():
-        events += [
-            TraceEvent("env_reset", 0.0, {"episode": episode, "observation": prompt}),
-            TraceEvent("env_step", took, {"episode": episode, "action": response, "observation": 0, "latency": 0.0}),
-        ]
-    trained = [{"episode": e, "tokens": p + r} for e, (p, r) in turns.items()]
-    events += [TraceEvent("train", took, {"start": took, "trajectories": trained}), TraceEvent("run_end", took)]
+    events = one_step_trace(devices, turns, took)
     rows = np.array([(p, p, r) for p, r in turns.values()], dtype=float)
     alone = TurnCosts.of(engine_options(spec, costs), rows).alone_s
     least = min(times[e] / a for e, a in zip(turns, alone, strict=True))

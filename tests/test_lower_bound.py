@@ -30,24 +30,12 @@ def _benchmark(name: str):
 
 
 saturated_engine = _benchmark("saturated_engine")
-SHAPES, serve_all = saturated_engine.SHAPES, saturated_engine.serve_all
+SHAPES, serve_all, _one_step = saturated_engine.SHAPES, saturated_engine.serve_all, saturated_engine.one_step_trace
 
 
 @pytest.fixture(scope="module")
 def big():
     return load_target("qwen3-235b-a22b-h800x160")
-
-
-def _one_step(devices: list[str], turns: dict[str, tuple[int, int]], end: float) -> list[TraceEvent]:
-    """The trace of one step that trained ``turns`` (episode -> (prompt, response), one turn each)."""
-    events = [TraceEvent("run_start", 0.0, {"devices": devices})]
-    for episode, (prompt, response) in turns.items():
-        events += [
-            TraceEvent("env_reset", 0.0, {"episode": episode, "observation": prompt}),
-            TraceEvent("env_step", 1.0, {"episode": episode, "action": response, "observation": 0, "latency": 0.0}),
-        ]
-    trained = [{"episode": e, "tokens": p + r} for e, (p, r) in turns.items()]
-    return [*events, TraceEvent("train", end, {"start": end, "trajectories": trained}), TraceEvent("run_end", end)]
 
 
 def _alone_token_s(cost: CostModel, context: float) -> float:

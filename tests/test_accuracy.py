@@ -379,3 +379,21 @@ def test_weight_sync_check_rejects_a_wrong_version(tiny_model):
     result = check_weight_sync(engine, engine.load_weights, tiny_model, ACCURACY, version=2)
     assert not result.passed
     assert any("reports weight version 0 after sync of version 2" in r for r in result.reasons)
+
+
+def test_a_draw_whose_first_perturbation_cannot_be_told_from_the_base_tries_the_next():
+    """On the 64-id MoE proxy of the 235B target, this fresh draw's prompts all meet a near-tie in their
+    first token under seed 99's perturbation (so a stale engine would pass): CI once rejected the honest
+    starter on such a draw. The check moves to the next seed, and a stale engine still fails."""
+    from targets.harness.model import load_model, model_dir, proxy_model
+    from targets.spec.loading import load_target
+
+    spec = load_target("qwen3-235b-a22b-h800x160")
+    model = load_model(model_dir(proxy_model(spec.model)), "float32")
+    draw = CheckDraw(1, 2, sync_seed=1896571802901933758, vocabulary=64, perturbation_seed=99)
+    engine = ReferenceEngine(copy.deepcopy(model))
+    result = check_weight_sync(engine, engine.load_weights, model, spec.accuracy, draw=draw)
+    assert result.passed and result.details["perturbation_seed"] > 99, (result.reasons, result.details)
+    stale = StaleSyncEngine(copy.deepcopy(model))
+    result = check_weight_sync(stale, stale.load_weights, model, spec.accuracy, draw=draw)
+    assert any("still serves the previous weights" in r for r in result.reasons), result.reasons

@@ -42,6 +42,7 @@ class Reply:
     output_tokens: int = 20
     cut: bool = False  # stopped at the output limit
     usage: bool = True  # False: no usage reported (an OpenAI-compatible server that ignores include_usage)
+    usage_cut: bool = False  # an OpenAI stream: the connection closes after the last choice, before the usage
     cache_write_tokens: int = 0  # Anthropic: of the input, written to the prompt cache (cache_creation_input_tokens)
 
 
@@ -49,6 +50,7 @@ class Reply:
 class Fault:
     status: int | None = None  # an HTTP error status
     drop: bool = False  # start a stream, then cut the connection
+    input_tokens: int = 1  # what a dropped Anthropic stream's message_start reports
     reset: bool = False  # start a chunked stream, then close the connection inside a chunk
     stream_error: str | None = None  # start a stream, then send an error event of this type
     headers: dict[str, str] = field(default_factory=dict)  # sent with the error (retry-after, ...)
@@ -134,7 +136,9 @@ class FakeLLMServer:
                 stream = bool(body.get("stream"))
                 if isinstance(reply, Fault):
                     if reply.drop:
-                        return self._dropped(anthropic) if stream else self._cut_short(*TRUNCATED_JSON)
+                        return (
+                            self._dropped(anthropic, reply.input_tokens) if stream else self._cut_short(*TRUNCATED_JSON)
+                        )
                     if reply.reset:
                         return self._cut_short(*CUT_IN_A_CHUNK)
                     if reply.stream_error is not None:
@@ -193,7 +197,7 @@ class FakeLLMServer:
                 self.wfile.write(f"{event if anthropic else 'data: ' + json.dumps({'error': error})}\n\n".encode())
                 self.wfile.flush()
 
-            def _dropped(self, anthropic: bool) -> None:
+            def _dropped(self, anthropic: bool, input_tokens: int) -> None:
                 self._sse_start()
                 first = (
                     {
@@ -205,7 +209,7 @@ class FakeLLMServer:
                             "model": "fake",
                             "content": [],
                             "stop_reason": None,
-                            "usage": {"input_tokens": 1, "output_tokens": 0},
+                            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
                         },
                     }
                     if anthropic
@@ -263,6 +267,11 @@ class FakeLLMServer:
                     for piece in _pieces(arguments):
                         send({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                 send({}, finish=_openai_finish(reply))
+                if reply.usage_cut:
+                    self.wfile.flush()
+                    time.sleep(0.05)
+                    self.connection.shutdown(2)  # no usage chunk, no [DONE]
+                    return
                 if reply.usage:
                     send(None, usage=_openai_usage(reply))
                 self.wfile.write(b"data: [DONE]\n\n")

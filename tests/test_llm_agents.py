@@ -98,12 +98,47 @@ def test_tool_calls_round_trip_and_transient_faults_are_retried(server, provider
         assert last["messages"][-1] == {"role": "tool", "tool_call_id": "call_0", "content": "{}"}
     else:
         assert last["messages"][-1]["content"][0]["type"] == "tool_result"
+    billed = int(stream and provider == "anthropic")  # the dropped stream's message_start: 1 input token
     assert client.accounting.snapshot() == {
-        "calls": 2,
-        "input_tokens": 2200,
+        "calls": 2 + billed,
+        "input_tokens": 2200 + billed,
         "output_tokens": 80,
-        "cost_usd": pytest.approx((2200 * 2.5 + 80 * 10) / 1e6),
+        "cost_usd": pytest.approx(((2200 + billed) * 2.5 + 80 * 10) / 1e6, abs=1e-6),  # the snapshot's rounding
     }  # gpt-4o's price
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_stream_that_failed_midway_was_billed_and_counts(server, provider, caplog):
+    """Only the attempt that succeeded was counted: with four retries a call could be billed five times
+    its prompt and count once, past the budget unseen. A started stream's tokens count as its provider
+    reported them (Anthropic's message_start), else its input as the last call's (OpenAI's usage comes
+    last); a request refused before it began (a 429) was not billed and counts nothing."""
+    server.script(
+        "implementer",
+        Reply(text="first", input_tokens=1000, output_tokens=10),
+        Fault(status=429),
+        Fault(drop=True, input_tokens=1500),
+        Reply(text="second", input_tokens=1600, output_tokens=10),
+    )
+    client = _client(server, provider)
+    for _ in range(2):
+        client.chat("ROLE: implementer", [{"role": "user", "content": "go"}], [])
+    dropped = 1500 if provider == "anthropic" else 1000  # reported, or estimated as the last call's
+    assert client.accounting.snapshot()["calls"] == 3
+    assert client.accounting.input_tokens == 1000 + dropped + 1600, client.accounting.snapshot()
+    assert "failed mid-stream" in caplog.text and ("estimated" in caplog.text) == (provider == "openai")
+
+
+def test_an_openai_stream_cut_before_its_usage_counts_an_estimate_not_a_refusal(server, caplog):
+    """The SDK ends a stream quietly where the connection closes: a reply whose last choice came but not
+    its usage chunk was taken as a server that reports no usage, and a budgeted run stopped for it. On a
+    server that has reported usage it is a cut: the reply counts, at an estimate that says so."""
+    server.script("implementer", Reply(text="one", input_tokens=1000), Reply(text="two" * 40, usage_cut=True))
+    client = _client(server, "openai", accounting=Accounting(max_tokens=1_000_000))
+    client.chat("ROLE: implementer", [{"role": "user", "content": "go"}], [])
+    assert client.chat("ROLE: implementer", [{"role": "user", "content": "go"}], []).text == "two" * 40
+    assert client.accounting.snapshot()["input_tokens"] == 2000 and client.accounting.output_tokens == 20 + 30
+    assert "came without its usage" in caplog.text
 
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])

@@ -26,7 +26,7 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from agents.llm.accounting import Accounting
@@ -75,6 +75,17 @@ class AssistantTurn:
     cut_at: int | None = None  # the output limit the reply was cut at (finish_reason "length",
     # stop_reason "max_tokens"): its text and tool calls may be incomplete; None when it finished
     cache_write_tokens: int = 0  # of input_tokens, those written to the provider's prompt cache (priced higher)
+
+
+@dataclass
+class AttemptUsage:
+    """What one attempt's stream said of its usage before it ended. A stream that started is billed
+    even when it fails: its tokens count, so retries cannot spend past the budget unseen."""
+
+    started: bool = False  # a first event arrived: the provider began the request
+    input_tokens: int | None = None  # as the provider reported it (Anthropic's message_start)
+    output_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 @dataclass
@@ -153,6 +164,8 @@ class _RetryingClient:
         self.config, self.accounting = config, accounting
         self.random = random.Random()
         self.sleep = time.sleep  # tests record the waits instead of sleeping them
+        self.attempt = AttemptUsage()  # the current attempt's, kept up by ``_call`` as its stream goes
+        self.reported_input: int | None = None  # the last call's input tokens, as its server reported them
 
     def delay(self, attempt: int, asked: float | None) -> float:
         """The wait before retry ``attempt`` (1, 2, ...): full jitter, uniform in [0, ceiling] with the
@@ -165,9 +178,11 @@ class _RetryingClient:
         self.accounting.check_budget()
         attempt = 0
         while True:
+            self.attempt = AttemptUsage()
             try:
                 turn = self._call(system, messages, tools)
             except Exception as error:  # classified just below; anything unrecognised is re-raised unchanged
+                self._count_failed_attempt(error)
                 kind, message = self._classify(error)
                 if message is None:
                     raise
@@ -186,8 +201,54 @@ class _RetryingClient:
                 log.warning("%s; retry %d/%d in %.1fs", message, attempt, self.config.max_retries, delay)
                 self.sleep(delay)
                 continue
+            if turn.input_tokens is None and self.reported_input is not None:
+                turn = self._estimated(turn)
+            elif turn.input_tokens is not None:
+                self.reported_input = turn.input_tokens
             self.accounting.add(self.config.model, turn.input_tokens, turn.output_tokens, turn.cache_write_tokens)
             return turn
+
+    def _count_failed_attempt(self, error: Exception) -> None:
+        """A stream that started and then failed was billed: its tokens count, as reported, else its input
+        estimated as the last call's (a conversation only grows), said each time."""
+        spent = self.attempt
+        if not spent.started:
+            return  # refused before it began (a 429, a 5xx, a refused connection): nothing billed
+        input_tokens, how = spent.input_tokens, "reported"
+        if input_tokens is None:
+            input_tokens, how = self.reported_input, "estimated as the last call's"
+        if input_tokens is None:
+            log.warning(
+                "%s: an attempt failed mid-stream (%s) before its usage was reported, and no call before it "
+                "reported any: its tokens are not known and count as none",
+                self.config.model,
+                type(error).__name__,
+            )
+            return
+        log.warning(
+            "%s: an attempt failed mid-stream (%s): its %d input tokens (%s) and %d output tokens count",
+            self.config.model,
+            type(error).__name__,
+            input_tokens,
+            how,
+            spent.output_tokens,
+        )
+        self.accounting.add(self.config.model, input_tokens, spent.output_tokens, spent.cache_write_tokens)
+
+    def _estimated(self, turn: AssistantTurn) -> AssistantTurn:
+        """A reply whose usage never came although this server reports usage (an OpenAI stream cut after
+        its last choice, before its usage chunk): its input estimated as the last call's, its output at
+        four characters a token, said each time (not the refusal a server that never reports usage gets)."""
+        written = len(turn.text) + sum(len(c.name) + len(c.arguments) for c in turn.tool_calls)
+        estimate = replace(turn, input_tokens=self.reported_input, output_tokens=math.ceil(written / 4))
+        log.warning(
+            "%s: the reply came without its usage (the stream was cut before it): counted as %d input tokens "
+            "(the last call's) and %d output tokens (four characters a token)",
+            self.config.model,
+            estimate.input_tokens,
+            estimate.output_tokens,
+        )
+        return estimate
 
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
         raise NotImplementedError
@@ -388,6 +449,7 @@ class OpenAIChat(_RetryingClient):
         text, calls, usage = [], {}, None
         finished = None
         for chunk in self._create(**kwargs, stream=True, stream_options={"include_usage": True}):
+            self.attempt.started = True
             usage = chunk.usage or usage
             for choice in chunk.choices:
                 delta = choice.delta
@@ -466,20 +528,27 @@ class AnthropicChat(_RetryingClient):
             message = self.client.messages.create(**kwargs)
         else:
             with self.client.messages.stream(**kwargs) as stream:
-                for _ in stream:
-                    pass
+                for _ in stream:  # what was billed so far, should the stream fail before its end
+                    usage = stream.current_message_snapshot.usage
+                    written = getattr(usage, "cache_creation_input_tokens", 0) or 0
+                    self.attempt = AttemptUsage(True, _anthropic_input(usage), usage.output_tokens or 0, written)
                 message = stream.get_final_message()
             if message.stop_reason is None:
                 raise _StreamCut("the stream ended before the model finished")
         text = "".join(b.text for b in message.content if b.type == "text")
         calls = [ToolCall(b.id, b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"]
         cut_at = self.config.max_output_tokens if message.stop_reason == "max_tokens" else None
-        # cached prefix tokens are counted apart: a read counts at the input price (an upper bound: it
-        # is billed a tenth of it), a write at CACHE_WRITE_PRICE times it
         usage = message.usage
-        read = getattr(usage, "cache_read_input_tokens", 0) or 0
         written = getattr(usage, "cache_creation_input_tokens", 0) or 0
-        return AssistantTurn(text, calls, usage.input_tokens + read + written, usage.output_tokens, cut_at, written)
+        return AssistantTurn(text, calls, _anthropic_input(usage), usage.output_tokens, cut_at, written)
+
+
+def _anthropic_input(usage) -> int:
+    """Input tokens, cached prefix included (a read counts at the input price, an upper bound: it is
+    billed a tenth of it; a write at CACHE_WRITE_PRICE times it, added by ``Accounting``)."""
+    read = getattr(usage, "cache_read_input_tokens", 0) or 0
+    written = getattr(usage, "cache_creation_input_tokens", 0) or 0
+    return (usage.input_tokens or 0) + read + written
 
 
 class _StreamCut(RuntimeError):

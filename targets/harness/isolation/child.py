@@ -36,16 +36,21 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from targets.harness.clock import WallClock
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.isolation.written import WRITES
 from targets.harness.isolation.zygote_client import ReportedForks, ZygoteClient, use_forks
 from targets.harness.reward_model.service import JudgeProcessError
 from targets.harness.strict_loop import run_strict
 from targets.harness.target import Target
 from targets.harness.trace import Trace
+
+if TYPE_CHECKING:
+    from targets.harness.isolation.processes import CandidateProcesses
 
 PHASES = {"accuracy": ("accuracy",), "check": ("accuracy", "system", "audit"), "measure": ("system", "audit")}
 TASK_KEY = "VIBETRAIN_TASK_KEY"
@@ -67,20 +72,18 @@ def progress_lines(phase: str):
         logger.removeHandler(handler)
 
 
-def run_accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path) -> dict:
+def run_accuracy(target: Target, candidates: Callable[[], CandidateProcesses]) -> dict:
     with progress_lines("accuracy") as log:
-        return _accuracy(target, sandbox, stack_dir, out, log)
+        return _accuracy(target, candidates, log)
 
 
-def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, log: logging.Logger) -> dict:
-    from targets.harness.isolation.processes import CandidateProcesses
-
+def _accuracy(target: Target, candidates: Callable[[], CandidateProcesses], log: logging.Logger) -> dict:
     started = time.monotonic()
 
     def said(what: str) -> None:
         log.info("%s (%.1f s in)", what, time.monotonic() - started)
 
-    with CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu) as processes:
+    with candidates() as processes:
         processes.launch("components")  # first: its start-up runs while this process imports what follows
         from targets.harness.ipc.channel import Frame, SyncChannel
         from targets.harness.ipc.remote import RemoteComponents, raise_if_error
@@ -121,8 +124,7 @@ def _accuracy(target: Target, sandbox: Sandbox, stack_dir: Path, out: Path, log:
 
 def run_system(
     target: Target,
-    sandbox: Sandbox,
-    stack_dir: Path,
+    candidates: Callable[[], CandidateProcesses],
     out: Path,
     seed: RunSeed,
     steps: int,
@@ -130,9 +132,8 @@ def run_system(
     before_run: Callable[[], Awaitable[None]] | None = None,
 ) -> dict:
     from targets.harness.isolation.drive import drive_real, drive_simulated
-    from targets.harness.isolation.processes import CandidateProcesses
 
-    with CandidateProcesses(sandbox, stack_dir, out, gpus=target.gpu) as processes:
+    with candidates() as processes:
         if target.simulated:
             runtime, children_before, harness_before = target.runtime(), _children_cpu_s(), time.process_time()
             mark("run_start")  # virtual time: the parent's clock checks nothing here, the marks only keep the shape
@@ -141,7 +142,7 @@ def run_system(
             summary["harness_cpu_seconds"] = time.process_time() - harness_before
             processes.stop()  # reaps the controller process, so its CPU time is counted below
             # only a plain subprocess is reaped here: a sandbox's own process namespace keeps its CPU time
-            counted = sandbox.backend == "subprocess"
+            counted = processes.sandbox.backend == "subprocess"
             cpu_s = _children_cpu_s() - children_before + processes.forked_cpu_seconds()
             summary["controller_cpu_seconds"] = cpu_s if counted else None
             trace.save(out / "trace.jsonl")
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--mode", choices=sorted(PHASES), required=True)
     parser.add_argument("--sandbox", required=True, help="bubblewrap | docker:IMAGE | subprocess")
+    parser.add_argument(
+        "--memory-mb", type=float, default=None, help="each Docker container's memory (outside the watchdog's tree)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--execution", choices=["real", "simulated"], required=True)
@@ -264,14 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     sandbox, stack = Sandbox.named(args.sandbox), args.stack.resolve()
     beside = None
 
+    def candidates() -> CandidateProcesses:  # a phase's processes; the watchdog hears of what they write
+        from targets.harness.isolation.processes import CandidateProcesses
+
+        memory = None if args.memory_mb is None else int(args.memory_mb * 2**20)
+        return CandidateProcesses(sandbox, stack, args.out, target.gpu, lambda p: mark(f"{WRITES} {p}"), memory)
+
     def accuracy() -> dict:
-        return run_accuracy(target, sandbox, stack, args.out)
+        return run_accuracy(target, candidates)
 
     if args.mode == "check" and accuracy_beside_start_up(target) and _ready_for_two_threads(target):
         beside = AccuracyBeside(lambda: record_phase(args.out, "accuracy", accuracy))
     phases = {
         "accuracy": accuracy,
-        "system": lambda: run_system(target, sandbox, stack, args.out, seed, steps, mark, beside and beside.passed),
+        "system": lambda: run_system(target, candidates, args.out, seed, steps, mark, beside and beside.passed),
         "audit": lambda: run_audit(target, args.out, steps, seed),
     }
     try:

@@ -3,7 +3,8 @@ child needs, made once per orchestrator), in its own process group (killed whole
 output captured to a log, and a watchdog over the whole process tree (the harness and the candidate
 processes it starts, the judge processes the harness zygote forked for it, and in the subprocess
 sandbox the candidate processes the candidate zygote forked for it): wall time, resident memory
-summed over the tree, and the number of processes and of threads (a fork or thread bomb). A crash, a
+summed over the tree, the number of processes and of threads (a fork or thread bomb), and the disk the
+candidate's logs and scratch folders hold (``written.py``). A crash, a
 hang, a memory blow-up or a fork storm becomes a clear cause, never a hung or starved judge.
 
 The parent also keeps its own time: the child tells it (over a pipe) the moment the system run
@@ -33,6 +34,7 @@ from targets.harness.isolation.process_tree import (
     wait_exited,
 )
 from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.isolation.written import WRITES, DiskWatch
 from targets.harness.isolation.zygote_client import FORKS_FD, JUDGES_FD, MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
 
@@ -45,6 +47,7 @@ class Limits:
     memory_mb: float = 12_000.0  # resident memory of the whole process tree
     processes: int = 128  # Ray itself runs a few dozen
     threads: int = 8192  # over the whole tree: a one-GPU check's Ray and torch run well under a thousand
+    disk_mb: float = 4_000.0  # the candidate's logs and scratch folders (written.py); its caches are in its tmpfs
 
     @classmethod
     def of(cls, target: Target, time_s: float | None = None) -> Limits:
@@ -115,10 +118,13 @@ def _watch(
     marks: dict[str, float],
     forked: list[int],
     forkers: list[int],
+    disk: DiskWatch | None = None,
 ) -> str:
     """Wait for the child, stamping its marks as they arrive (and adding to ``forked`` each process it
-    says was forked for it); returns '' when it exited, else why it was killed. ``exits_fd``: where the
-    child's exit is said (its zygote's connection), so that its end is seen when it happens."""
+    says was forked for it, to ``disk`` each path it says the candidate writes); returns '' when it
+    exited, else why it was killed. ``exits_fd``: where the child's exit is said (its zygote's
+    connection), so that its end is seen when it happens."""
+    disk = DiskWatch() if disk is None else disk
     deadline = time.monotonic() + limits.time_s
     pending = b""
     open_fd = True
@@ -136,6 +142,8 @@ def _watch(
                 name = line.decode(errors="replace")
                 if name.startswith(f"{FORKED} "):
                     forked.append(int(name.split()[1]))
+                elif name.startswith(f"{WRITES} "):
+                    disk.paths.add(Path(name.split(" ", 1)[1]))
                 else:
                     marks.setdefault(name, now)
         if process.poll() is not None:
@@ -147,6 +155,8 @@ def _watch(
             why = f"ran {len(tree)} processes, over its limit of {limits.processes} (a fork storm?)"
         elif (threads := thread_count(tree)) > limits.threads:
             why = f"ran {threads} threads, over its limit of {limits.threads} (a thread storm?)"
+        elif excess := disk.excess(limits.disk_mb):
+            why = excess
         else:
             try:
                 resident = resident_bound_mb(tree)  # cheap, from above: the exact measure only past the limit
@@ -160,6 +170,7 @@ def _watch(
                 why = f"used {resident:.0f} MB of resident memory, over its limit of {limits.memory_mb:g} MB"
         left = _kill_run(process.pid, forked, forkers)
         process.wait()
+        disk.remove_scratch()
         if left:
             why += f" ({len(left)} of its processes still running {KILLED_EXIT_S:g}s after they were killed)"
         return why
@@ -200,11 +211,14 @@ def run_harness(
         target.execution,
         "--marks-fd",
         str(MARKS_FD),
+        "--memory-mb",
+        f"{limits.memory_mb:g}",
     ]
     if steps is not None:
         argv += ["--steps", str(steps)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", TASK_KEY: task_key.hex()}
     marks: dict[str, float] = {}
+    disk = DiskWatch()  # what the candidate writes, as the child names it
     forked: list[int] = []  # the processes forked for this run: judges, and candidate processes (subprocess sandbox)
     forks = None
     harness = zygote()  # started (on first use) before the candidate zygote is waited for: both warm at once
@@ -235,11 +249,12 @@ def run_harness(
                     if connection is not None:
                         connection.close()
                 try:
-                    killed = _watch(process, limits, read_fd, process.owner.fileno(), marks, forked, forkers)
+                    killed = _watch(process, limits, read_fd, process.owner.fileno(), marks, forked, forkers, disk)
                 finally:
                     if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): the run's too
                         _kill_run(process.pid, forked, forkers)
                         process.wait()
+                        disk.remove_scratch()
         finally:
             os.close(read_fd)
             if write_fd >= 0:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -30,6 +31,7 @@ from targets.harness.isolation.zygote_client import ZygoteChild, forks_of
 # each such run before).
 STOP_GRACE_S = 20.0
 ABANDONED_GRACE_S = 2.0
+TAIL_BYTES = 64 << 10  # of a log, the most a failure's reason quotes from
 
 
 class CandidateProcesses:
@@ -37,9 +39,22 @@ class CandidateProcesses:
     its own (accepted once, then unlinked), and stops them all at the end: used as a context manager,
     with the short grace when the run is abandoned by an exception."""
 
-    def __init__(self, sandbox: Sandbox, stack_dir: Path, logs: Path, gpus: bool = False) -> None:
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        stack_dir: Path,
+        logs: Path,
+        gpus: bool = False,
+        written: Callable[[Path], None] = lambda path: None,
+        container_memory_bytes: int | None = None,
+    ) -> None:
+        """``written``: told each path the candidate writes (its scratch folders' root and each log),
+        for the watchdog's disk limit. ``container_memory_bytes``: each Docker container's memory limit
+        (its processes are the daemon's, outside the tree the watchdog measures; elsewhere unused)."""
         self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
         self.root = Path(tempfile.mkdtemp(prefix="vt-", dir="/tmp"))  # short: a socket path has 108 bytes
+        self.written, self.container_memory_bytes = written, container_memory_bytes
+        written(self.root)
         (self.root / "sockets").mkdir()
         self.processes: dict[str, subprocess.Popen | ZygoteChild] = {}
         self._logs: dict[str, IO] = {}
@@ -68,8 +83,10 @@ class CandidateProcesses:
             cwd=scratch,
             gpus=self.gpus,
             owner=self.owner,
+            memory_bytes=self.container_memory_bytes,
         )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
+        self.written(Path(self._logs[role].name).resolve())
         forks = forks_of("candidate")  # a harness child's connection to the candidate zygote, if it was given one
         if self.sandbox.backend == "subprocess" and forks is not None:
             self.processes[role] = forks.spawn(argv, env, self._logs[role].fileno(), cwd=str(scratch))
@@ -106,9 +123,9 @@ class CandidateProcesses:
         ``RUSAGE_CHILDREN`` once reaped)."""
         return sum(p.cpu_s for p in self.processes.values() if isinstance(p, ZygoteChild) and p.poll() is not None)
 
-    def log_tail(self, role: str, lines: int = 15) -> str:
+    def log_tail(self, role: str) -> str:
         self._logs[role].flush()
-        return "\n".join((self.logs / f"{role.split('-')[0]}.log").read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.logs / f"{role.split('-')[0]}.log")
 
     def __enter__(self) -> CandidateProcesses:
         return self
@@ -149,3 +166,12 @@ class CandidateProcesses:
 async def channel_of(processes: CandidateProcesses, role: str) -> AsyncChannel:
     """The role's (first) connection as a channel."""
     return await AsyncChannel.over(processes.accept(role))
+
+
+def log_tail(path: Path, lines: int = 15, line_chars: int = 400) -> str:
+    """The last ``lines`` of a candidate's log, each cut to ``line_chars``, read from its last 64 KiB: a
+    candidate may print gigabytes on one line before it exits, and the tail goes into the verdict."""
+    with path.open("rb") as log:
+        log.seek(max(0, log.seek(0, os.SEEK_END) - TAIL_BYTES))
+        tail = log.read().decode(errors="replace").splitlines()[-lines:]
+    return "\n".join(line if len(line) <= line_chars else line[:line_chars] + " [...]" for line in tail)

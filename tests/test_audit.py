@@ -560,6 +560,25 @@ def test_generation_under_weights_other_than_claimed(honest):
     _rejects(_audit(honest, weights=swapped), "did not run with those weights")
 
 
+def test_the_replay_records_whether_it_could_tell_each_version_from_the_one_before(honest):
+    """An engine that served v-1 and claimed v passes the replay where the step between them moves no
+    logprob past the tolerance (lr 1e-6 in bf16): the audit says, for each version, how far apart the
+    two lie on the turns it replayed, and how far the engine's logprobs lie from each."""
+    spec, _, weights, _ = honest
+    result = _audit(honest)
+    separations = result.details["version_separation"]
+    assert separations and {s["version"] for s in separations} <= set(weights) - {0}
+    for s in separations:  # on the CPU target a step is plain to see, and the engine ran the version it claimed
+        assert s["tokens"] > 0 and s["max_separation"] > spec.accuracy.logprob_atol, s
+        assert s["mean_to_claimed"] < s["mean_to_previous"], s
+    assert result.details["versions_the_replay_tells_apart"] == f"{len(separations)} of {len(separations)}"
+    v = separations[0]["version"]
+    unmoved = {**weights, v - 1: weights[v]}  # a step too small to see
+    details = _audit(honest, weights=unmoved).details
+    assert next(s for s in details["version_separation"] if s["version"] == v)["max_separation"] == 0
+    assert details["versions_the_replay_tells_apart"] == f"{len(separations) - 1} of {len(separations)}"
+
+
 def test_training_that_never_changed_the_weights(honest):
     _, _, weights, _ = honest
     frozen = {version: weights[0] for version in weights}

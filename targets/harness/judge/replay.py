@@ -23,12 +23,14 @@ snapshots (never from a candidate's word).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,6 +104,60 @@ def _position_logits(model: torch.nn.Module, hidden: torch.Tensor, positions: li
     )
 
 
+def _rider_logits(
+    model: torch.nn.Module, batch: list[tuple[list[int], list[TraceEvent]]]
+) -> Iterator[tuple[TraceEvent, torch.Tensor, torch.Tensor]]:
+    """Each turn of one forward pass, with the logits predicting its tokens and the tokens chosen."""
+    hidden = _hidden_states(model, [sequence for sequence, _ in batch])
+    for row, (_, riders) in enumerate(batch):
+        positions = [len(g.data["prompt"]) - 1 + i for g in riders for i in range(len(g.data["tokens"]))]
+        logits = _position_logits(model, hidden[row], positions)
+        at = 0
+        for g in riders:
+            n = len(g.data["tokens"])
+            yield g, logits[at : at + n], torch.tensor(g.data["tokens"], device=logits.device)
+            at += n
+
+
+@dataclass(frozen=True)
+class VersionSeparation:
+    """How far version v's logprobs lie from v-1's on the turns of v's first replayed pass, and how far
+    the engine's recorded logprobs lie from each. When the two versions are closer than the replay's
+    tolerance (a small step: lr 1e-6 in bf16), an engine that served v-1 and claimed v would pass the
+    replay: this says whether the run's replay could tell (recorded, not judged)."""
+
+    version: int
+    tokens: int
+    max_separation: float  # max |logprob under v - logprob under v-1|
+    mean_to_claimed: float  # mean |recorded - logprob under v|
+    mean_to_previous: float  # mean |recorded - logprob under v-1|
+
+    def apart(self, atol: float) -> bool:
+        return self.max_separation > atol
+
+
+def version_separation(
+    version: int,
+    batch: list[tuple[list[int], list[TraceEvent]]],
+    claimed: list[torch.Tensor],
+    previous: torch.nn.Module,
+) -> VersionSeparation:
+    """``claimed``: the logprobs of ``batch``'s turns under ``version``, in ``_rider_logits``'s order."""
+    under_v, under_previous, recorded = [], [], []
+    for (g, rows, chosen), mine in zip(_rider_logits(previous, batch), claimed, strict=True):
+        under_previous.append(torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1).cpu())
+        under_v.append(mine)
+        recorded.append(torch.tensor(g.data["logprobs"]))
+    v, before, seen = (torch.cat(x).double() for x in (under_v, under_previous, recorded))
+    return VersionSeparation(
+        version,
+        len(v),
+        float((v - before).abs().max()),
+        float((seen - v).abs().mean()),
+        float((seen - before).abs().mean()),
+    )
+
+
 def _draw(ix: TraceIndex, g: TraceEvent) -> Draw:
     """``g`` as the independence test reads it; its line, the response it continues (its first segment's),
     or with a seed of the stack's its turn's (a seeded restart draws its attempt's noise again: not apart)."""
@@ -152,6 +208,7 @@ def replay_turns(
     planned = plan_guesses([_draw(ix, g) for g in drawn], {k for k, g in enumerate(drawn) if id(g) in replayed})
     guesses = {id(drawn[k]): made for k, made in planned.items()}
     log.info("replaying %s", coverage)
+    separations: list[VersionSeparation] = []
     for version in sorted(by_version):
         started = time.monotonic()
         state = load_weights(version)
@@ -162,34 +219,28 @@ def replay_turns(
         loaded = time.monotonic()
         episodes = by_version[version]
         batches = _forward_batches([c for gens in episodes.values() for c in _covering_sequences(gens)])
+        claimed: list[torch.Tensor] = []  # the first pass's logprobs, for the separation from the version before
         for done, batch in enumerate(batches, start=1):
             if done % 8 == 0:
                 log.info("version %d: %d of %d forward passes replayed", version, done, len(batches))
-            hidden = _hidden_states(model, [sequence for sequence, _ in batch])
-            for row, (_, riders) in enumerate(batch):
-                positions = [len(g.data["prompt"]) - 1 + i for g in riders for i in range(len(g.data["tokens"]))]
-                logits = _position_logits(model, hidden[row], positions)
-                at = 0
-                for g in riders:
-                    n, chosen = len(g.data["tokens"]), torch.tensor(g.data["tokens"], device=logits.device)
-                    rows = logits[at : at + n]
-                    at += n
-                    actual = torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1)
-                    diff = (actual - torch.tensor(g.data["logprobs"], device=logits.device)).abs()
-                    worst = max(worst, float(diff.max()))
-                    if not float(diff.max()) <= spec.accuracy.logprob_atol:  # a NaN is over any bound
-                        i = int(diff.argmax())
-                        r.add(
-                            "replay",
-                            f"episode {g.data['episode']} turn {g.data['turn']}: logprob {g.data['logprobs'][i]:.4f} "
-                            "but "
-                            f"the model under version {version} gives {float(actual[i]):.4f}: it did not run with "
-                            "those weights",
-                        )
-                    temperature = g.data.get("temperature", 0.0)
-                    if temperature > 0:
-                        stops, echoes = g.data.get("stop", []), ix.latest_observation(g)
-                        tests.add(rows, chosen, temperature, stops, echoes, guesses.get(id(g), ()), _segment(ix, g))
+            for g, rows, chosen in _rider_logits(model, batch):
+                actual = torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1)
+                if done == 1:
+                    claimed.append(actual.cpu())
+                diff = (actual - torch.tensor(g.data["logprobs"], device=rows.device)).abs()
+                worst = max(worst, float(diff.max()))
+                if not float(diff.max()) <= spec.accuracy.logprob_atol:  # a NaN is over any bound
+                    i = int(diff.argmax())
+                    r.add(
+                        "replay",
+                        f"episode {g.data['episode']} turn {g.data['turn']}: logprob {g.data['logprobs'][i]:.4f} but "
+                        f"the model under version {version} gives {float(actual[i]):.4f}: it did not run with "
+                        "those weights",
+                    )
+                temperature = g.data.get("temperature", 0.0)
+                if temperature > 0:
+                    stops, echoes = g.data.get("stop", []), ix.latest_observation(g)
+                    tests.add(rows, chosen, temperature, stops, echoes, guesses.get(id(g), ()), _segment(ix, g))
         log.info(
             "version %d: %d episodes replayed in %.1f s (weights loaded in %.1f s)",
             version,
@@ -197,6 +248,10 @@ def replay_turns(
             time.monotonic() - loaded,
             loaded - started,
         )
+        del model  # before the version before is loaded: one model on the device at a time
+        previous = load_weights(version - 1) if version > 0 and batches else None
+        if previous is not None:
+            separations.append(version_separation(version, batches[0], claimed, make_model(previous)))
     details = {
         "replay_coverage": coverage,
         "replayed_turns": len(sample),
@@ -204,6 +259,9 @@ def replay_turns(
         "sampled_tokens": tests.temperature.tokens,
         "independence_guesses": sum(len(made) for made in planned.values()),
         "temperature_z": tests.temperature.z,
+        "version_separation": [dataclasses.asdict(s) for s in separations],
+        "versions_the_replay_tells_apart": f"{sum(s.apart(spec.accuracy.logprob_atol) for s in separations)} "
+        f"of {len(separations)}",
     }
     for name, bound, seen in tests.results():
         details[f"{name.replace(' ', '_')}_false_alarm_bound"] = bound

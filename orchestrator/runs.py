@@ -100,10 +100,17 @@ def _check_backend(agents: str, llm: LLMConfig, max_cost: float | None = None) -
             raise RunSetupError(
                 f"--agents {agents}: no API key in ${env} (set it, or name another variable with --api-key-env)"
             )
-        _check_priced(llm, max_cost)
     if agents.startswith("cli:") and shutil.which(agents[4:]) is None:
         raise RunSetupError(f"--agents {agents}: the {agents[4:]} CLI is not installed (no `{agents[4:]}` on PATH)")
-    if agents == "cli:codex" and max_cost is not None:  # Codex reports tokens, never dollars: priced here
+    _check_cost_counted(agents, llm, max_cost)
+
+
+def _check_cost_counted(agents: str, llm: LLMConfig, max_cost: float | None) -> None:
+    """Where the run counts dollars from tokens (an LLM backend's calls, Codex's, which reports tokens
+    only), ``--max-cost`` needs the model's price: at the start and on a resume that sets it."""
+    if agents in LLM_BACKENDS:
+        _check_priced(llm, max_cost)
+    elif agents == "cli:codex" and max_cost is not None:
         if not llm.model:
             raise RunSetupError(
                 "--agents cli:codex --max-cost: Codex reports no cost, so its tokens are priced by model; "
@@ -279,8 +286,8 @@ def _resumed(
         state.config = state.config.resumed(overrides)
     except ConfigError as error:
         raise RunSetupError(str(error)) from None
-    if "max_cost" in overrides and state.config.agents in LLM_BACKENDS:
-        _check_priced(state.config.llm, state.config.max_cost)
+    if "max_cost" in overrides:
+        _check_cost_counted(state.config.agents, state.config.llm, state.config.max_cost)
     try:
         resolved = Target.load(state.config.target, simulate=state.config.simulated)
     except TargetUnavailable as error:

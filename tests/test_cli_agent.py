@@ -347,6 +347,21 @@ def test_a_codex_cost_budget_needs_a_priced_model(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+def test_a_codex_cost_budget_set_on_resume_needs_a_priced_model_too(tmp_path, monkeypatch):
+    """A Codex run started without --max-cost and resumed with one was let through unpriced (the check on
+    resume asked only the LLM backends): every call then counted $0 and the budget never stopped it."""
+    from orchestrator.history import History
+    from orchestrator.state import new_state
+    from tests.review_run import run_config
+
+    _fake(tmp_path, monkeypatch, "codex", "success")
+    run = tmp_path / "run"
+    History.create(run, "vibetrain run: test")
+    new_state(run_config(agents="cli:codex")).save(run)
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run), "--max-cost", "1"])
+    assert result.exit_code == 2 and "Codex reports no cost" in result.output, result.output
+
+
 # -- the LLM review of a CLI round -----------------------------------------------------------------
 
 

@@ -59,7 +59,14 @@ log = logging.getLogger("vibetrain.cli_agent")
 def account(accounting: Accounting, tool: CLITool, result: CLIResult, model: str | None) -> None:
     """Record one call's tokens and cost. A CLI that reports no cost (Codex) is priced from the price
     table when the model is known (--model; cached input tokens at the full input price, so the figure
-    errs high); without a model its tokens are recorded at $0, with a warning."""
+    errs high); without a model its tokens are recorded at $0, with a warning. A call that reported no
+    usage at all (a failed Codex turn) counts nothing, said each time."""
+    if not result.usage_reported:
+        log.warning(
+            "the %s call reported no token usage (%s): what it spent is not known and counts nothing",
+            tool.name,
+            result.failure or "no usage in its output",
+        )
     if result.cost_usd is not None:
         accounting.add_reported(result.input_tokens, result.output_tokens, result.cost_usd)
     elif model:

@@ -39,7 +39,8 @@ class CLIOutputError(AgentError):
 @dataclass
 class CLIResult:
     """What one CLI call reported. ``cost_usd`` is None when the CLI reports none (Codex): the caller
-    prices the tokens. ``failure`` says why the call did not succeed (None when it did)."""
+    prices the tokens. ``failure`` says why the call did not succeed (None when it did). ``usage_reported``:
+    False when the call ended with no usage to read (a failed Codex turn): its tokens are not known."""
 
     text: str
     input_tokens: int
@@ -47,6 +48,7 @@ class CLIResult:
     cost_usd: float | None
     failure: str | None = None
     derailed: bool = False  # it stopped at its turn or cost limit: content can cause that, an outage cannot
+    usage_reported: bool = True
 
 
 def _json_lines(stdout: str) -> list[dict]:
@@ -93,7 +95,7 @@ def parse_claude(stdout: str) -> CLIResult:
         text,
         input_tokens,
         int(usage.get("output_tokens") or 0),
-        float(final.get("total_cost_usd") or 0.0),
+        None if final.get("total_cost_usd") is None else float(final["total_cost_usd"]),  # None: priced by model
         failure,
         derailed=subtype in ("error_max_turns", "error_max_budget_usd"),
     )
@@ -125,7 +127,10 @@ def parse_codex(stdout: str) -> CLIResult:
         failure = f"the codex CLI reported an error: {last_error}"
     if failure is None and not any(e.get("type") == "turn.completed" for e in events):
         failure = "the codex CLI ended without completing its turn (no turn.completed event)"
-    return CLIResult(text, int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0), None, failure)
+    reported = any(e.get("type") == "turn.completed" and e.get("usage") for e in events)
+    return CLIResult(
+        text, int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0), None, failure, False, reported
+    )
 
 
 class CLITool:

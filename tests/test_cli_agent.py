@@ -123,6 +123,22 @@ def test_codex_failed_stream_is_a_failure_with_the_turns_message():
         ]
     )
     assert parse_codex(retried).failure is None  # an error that a completed turn follows was retried
+    assert parse_codex(retried).usage_reported
+
+
+def test_a_call_that_reports_no_spend_says_so_instead_of_counting_it_free(caplog):
+    """A failed Codex turn has no usage, and a Claude result without total_cost_usd counted $0: both were
+    silent. The failed turn is said each time; the Claude call is priced by its model like Codex's."""
+    failed = parse_codex(_stream("codex_failed.jsonl"))
+    assert not failed.usage_reported
+    accounting = Accounting()
+    account(accounting, cli_tool("codex"), failed, "gpt-4.1")
+    assert "the codex call reported no token usage (the codex CLI's turn failed" in caplog.text
+    unpriced = json.dumps({"type": "result", "subtype": "success", "result": "ok", "usage": {"input_tokens": 1000}})
+    result = parse_claude(unpriced)
+    assert result.cost_usd is None
+    account(accounting, cli_tool("claude"), result, "claude-sonnet-4-5")
+    assert accounting.cost_usd == pytest.approx(1000 * 3.0 / 1e6)
 
 
 # -- the implementer through a fake CLI ------------------------------------------------------------

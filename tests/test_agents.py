@@ -1208,6 +1208,29 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
     assert said["own"] == "True" and said["workspaces"] == f"['{own.name}']", result.stdout
 
 
+@needs_bwrap
+def test_bubblewrap_sizes_its_memory_backed_folders_and_keeps_dev_read_only(tmp_path):
+    """/tmp and /dev/shm are tmpfs, memory no process's resident set counts, each up to half the host's by
+    default: a candidate held gigabytes there past the watchdog. /dev itself was writable too."""
+    probe = (
+        "import os\n"
+        "for folder in ('/tmp', '/dev/shm'):\n"
+        "    try:\n"
+        "        with open(folder + '/fill', 'wb') as f:\n"
+        "            for _ in range(16): f.write(b'x' * (1 << 20))\n"
+        "        print(folder, 'FILLED')\n"
+        "    except OSError as error: print(folder, 'full', error.errno)\n"
+        "try: open('/dev/evil', 'w'); print('/dev WRITABLE')\n"
+        "except OSError as error: print('/dev read-only', error.errno)\n"
+    )
+    command, env = Sandbox.detect("bubblewrap").wrap(
+        [sys.executable, "-c", probe], dict(os.environ), memory_bytes=8 << 20
+    )
+    result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["/tmp full 28", "/dev/shm full 28", "/dev read-only 30"], result.stdout
+
+
 # -- the harness's watchdog: limits a candidate cannot outrun --------------------------------------
 
 

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=sorted(PHASES), required=True)
     parser.add_argument("--sandbox", required=True, help="bubblewrap | docker:IMAGE | subprocess")
     parser.add_argument(
-        "--memory-mb", type=float, default=None, help="each Docker container's memory (outside the watchdog's tree)"
+        "--memory-mb", type=float, default=None, help="the run's memory limit, for what the watchdog does not see"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None)

@@ -46,14 +46,15 @@ class CandidateProcesses:
         logs: Path,
         gpus: bool = False,
         written: Callable[[Path], None] = lambda path: None,
-        container_memory_bytes: int | None = None,
+        memory_bytes: int | None = None,
     ) -> None:
         """``written``: told each path the candidate writes (its scratch folders' root and each log),
-        for the watchdog's disk limit. ``container_memory_bytes``: each Docker container's memory limit
-        (its processes are the daemon's, outside the tree the watchdog measures; elsewhere unused)."""
+        for the watchdog's disk limit. ``memory_bytes``: the run's memory limit, each Docker container's
+        own (its processes are the daemon's, outside the tree the watchdog measures), and in bubblewrap
+        the size of each of a process's tmpfs (``Sandbox.wrap``)."""
         self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
         self.root = Path(tempfile.mkdtemp(prefix="vt-", dir="/tmp"))  # short: a socket path has 108 bytes
-        self.written, self.container_memory_bytes = written, container_memory_bytes
+        self.written, self.memory_bytes = written, memory_bytes
         written(self.root)
         (self.root / "sockets").mkdir()
         self.processes: dict[str, subprocess.Popen | ZygoteChild] = {}
@@ -83,7 +84,7 @@ class CandidateProcesses:
             cwd=scratch,
             gpus=self.gpus,
             owner=self.owner,
-            memory_bytes=self.container_memory_bytes,
+            memory_bytes=self.memory_bytes,
         )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
         self.written(Path(self._logs[role].name).resolve())

@@ -220,7 +220,9 @@ class Sandbox:
         removes a Docker container when done with it (``containers.py``), beside the launcher a harness
         child inherits; one of the two is needed. ``memory_bytes``, ``file_bytes``: a container's own
         limits (its memory, the size of a file it writes), which a limit set on the docker client, a
-        process outside it, does not reach; elsewhere the caller's rlimits, inherited, hold them."""
+        process outside it, does not reach; elsewhere the caller's rlimits, inherited, hold them. In
+        bubblewrap ``memory_bytes`` also sizes its /tmp and /dev/shm: what a tmpfs holds is memory no
+        process's resident set counts (by default each may take half the host's)."""
         clean = scrubbed_environment(env)
         if self.backend == "subprocess":
             return command, clean | ray_cluster_environment(env)
@@ -256,11 +258,10 @@ class Sandbox:
                 "/dev",
                 "--proc",
                 "/proc",
-                "--tmpfs",
-                "/tmp",
-                "--dir",
-                "/tmp/home",
             ]
+            for tmpfs in ("/tmp", "/dev/shm"):
+                wrapped += (["--size", str(memory_bytes)] if memory_bytes is not None else []) + ["--tmpfs", tmpfs]
+            wrapped += ["--dir", "/tmp/home"]
             for path in SYSTEM_PATHS:
                 if os.path.exists(path):
                     wrapped += ["--ro-bind", path, path]
@@ -290,6 +291,7 @@ class Sandbox:
             for path, how in mounts:
                 wrapped += [how, str(path)] if how == "--tmpfs" else [how, str(path), str(path)]
             wrapped += ["--remount-ro", "/"]  # everything not bound writable is read-only (the root's own tmpfs too)
+            wrapped += ["--remount-ro", "/dev"]  # its own tmpfs, of no size limit: writes go to /dev/shm or /tmp
             for key, value in variables.items():
                 wrapped += ["--setenv", key, value]
             return wrapped + ["--chdir", str(cwd)] + command, {}

@@ -155,7 +155,7 @@ def _watch(
             why = f"ran {len(tree)} processes, over its limit of {limits.processes} (a fork storm?)"
         elif (threads := thread_count(tree)) > limits.threads:
             why = f"ran {threads} threads, over its limit of {limits.threads} (a thread storm?)"
-        elif excess := disk.excess(limits.disk_mb, tree):
+        elif excess := disk.excess(limits.disk_mb):
             why = excess
         else:
             try:

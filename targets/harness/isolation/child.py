@@ -42,7 +42,6 @@ from targets.harness.clock import WallClock
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.written import WRITES
 from targets.harness.isolation.zygote_client import ReportedForks, ZygoteClient, use_forks
 from targets.harness.reward_model.service import JudgeProcessError
 from targets.harness.strict_loop import run_strict
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         from targets.harness.isolation.processes import CandidateProcesses
 
         memory = None if args.memory_mb is None else int(args.memory_mb * 2**20)
-        return CandidateProcesses(sandbox, stack, args.out, target.gpu, lambda p: mark(f"{WRITES} {p}"), memory)
+        return CandidateProcesses(sandbox, stack, args.out, target.gpu, lambda kind, p: mark(f"{kind} {p}"), memory)
 
     def accuracy() -> dict:
         return run_accuracy(target, candidates)

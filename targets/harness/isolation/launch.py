@@ -34,7 +34,7 @@ from targets.harness.isolation.process_tree import (
     wait_exited,
 )
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.written import WRITES, DiskWatch
+from targets.harness.isolation.written import DiskWatch
 from targets.harness.isolation.zygote_client import FORKS_FD, JUDGES_FD, MARKS_FD, ZygoteChild, zygote
 from targets.harness.target import Target
 
@@ -142,9 +142,7 @@ def _watch(
                 name = line.decode(errors="replace")
                 if name.startswith(f"{FORKED} "):
                     forked.append(int(name.split()[1]))
-                elif name.startswith(f"{WRITES} "):
-                    disk.paths.add(Path(name.split(" ", 1)[1]))
-                else:
+                elif not disk.heard(name):
                     marks.setdefault(name, now)
         if process.poll() is not None:
             return ""
@@ -170,7 +168,7 @@ def _watch(
                 why = f"used {resident:.0f} MB of resident memory, over its limit of {limits.memory_mb:g} MB"
         left = _kill_run(process.pid, forked, forkers)
         process.wait()
-        disk.remove_scratch()
+        disk.after_kill()
         if left:
             why += f" ({len(left)} of its processes still running {KILLED_EXIT_S:g}s after they were killed)"
         return why
@@ -254,7 +252,7 @@ def run_harness(
                     if process.poll() is None:  # this process is going away (Ctrl-C, SIGTERM): the run's too
                         _kill_run(process.pid, forked, forkers)
                         process.wait()
-                        disk.remove_scratch()
+                        disk.after_kill()
         finally:
             os.close(read_fd)
             if write_fd >= 0:

@@ -7,7 +7,6 @@ process."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from targets.harness.ipc.remote import CandidateError
 from targets.harness.isolation.containers import new_owner, remove_containers
 from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.isolation.written import LOG, SCRATCH, SCRATCH_PARENT, SCRATCH_PREFIX, remove_tree
 from targets.harness.isolation.zygote_client import ZygoteChild, forks_of
 
 # How long candidate processes get to exit on their own once a run is over: a cluster closes Ray and
@@ -45,17 +45,18 @@ class CandidateProcesses:
         stack_dir: Path,
         logs: Path,
         gpus: bool = False,
-        written: Callable[[Path], None] = lambda path: None,
+        written: Callable[[str, Path], None] = lambda kind, path: None,
         memory_bytes: int | None = None,
     ) -> None:
-        """``written``: told each path the candidate writes (its scratch folders' root and each log),
-        for the watchdog's disk limit. ``memory_bytes``: the run's memory limit, each Docker container's
-        own (its processes are the daemon's, outside the tree the watchdog measures), and in bubblewrap
-        the size of each of a process's tmpfs (``Sandbox.wrap``)."""
+        """``written``: told each path the candidate writes on the host, a log (``written.LOG``) or the
+        scratch folders' root (``written.SCRATCH``), for the watchdog's disk limit. ``memory_bytes``: the
+        run's memory limit, each Docker container's own (its processes are the daemon's, outside the tree
+        the watchdog measures), and in bubblewrap the size of each of a process's tmpfs (``Sandbox.wrap``)."""
         self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
-        self.root = Path(tempfile.mkdtemp(prefix="vt-", dir="/tmp"))  # short: a socket path has 108 bytes
+        # short: a socket path has 108 bytes
+        self.root = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=SCRATCH_PARENT))
         self.written, self.memory_bytes = written, memory_bytes
-        written(self.root)
+        written(SCRATCH, self.root)
         (self.root / "sockets").mkdir()
         self.processes: dict[str, subprocess.Popen | ZygoteChild] = {}
         self._logs: dict[str, IO] = {}
@@ -71,8 +72,12 @@ class CandidateProcesses:
         listener.listen(connections)
         self._listeners[role] = listener
         self._connections[role] = connections
-        scratch = self.root / f"scratch-{role}"
-        scratch.mkdir()
+        if self.sandbox.backend == "subprocess":  # no private /tmp: a folder of the host's, under the disk limit
+            scratch = self.root / f"scratch-{role}"
+            scratch.mkdir()
+            writable, cwd = [scratch], scratch
+        else:  # its private /tmp (memory, sized: Sandbox.wrap): no folder of the host's disk is writable to it
+            scratch, writable, cwd = self.root, [], Path("/tmp")
         argv = [role, str(path), str(self.stack_dir)]  # what the candidate process's main takes
         command = [sys.executable, "-m", "targets.harness.isolation.candidate_process", *argv]
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
@@ -80,14 +85,14 @@ class CandidateProcesses:
             command,
             env,
             readable=[self.stack_dir, self.root / "sockets"],
-            writable=[scratch],
-            cwd=scratch,
+            writable=writable,
+            cwd=cwd,
             gpus=self.gpus,
             owner=self.owner,
             memory_bytes=self.memory_bytes,
         )
         self._logs[role] = (self.logs / f"{role.split('-')[0]}.log").open("w")
-        self.written(Path(self._logs[role].name).resolve())
+        self.written(LOG, Path(self._logs[role].name).resolve())
         forks = forks_of("candidate")  # a harness child's connection to the candidate zygote, if it was given one
         if self.sandbox.backend == "subprocess" and forks is not None:
             self.processes[role] = forks.spawn(argv, env, self._logs[role].fileno(), cwd=str(scratch))
@@ -152,7 +157,7 @@ class CandidateProcesses:
         for listener in self._listeners.values():  # a role that never connected
             listener.close()
         self._listeners.clear()
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
 
     def _end(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s

@@ -96,7 +96,9 @@ def _bubblewrap_works() -> bool:
     if shutil.which("bwrap") is None:
         return False
     probe = subprocess.run(
-        ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"],
+        # --size (bubblewrap 0.5): the candidates' tmpfs are sized (``wrap``); an older bwrap refuses it
+        ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", "1048576", "--tmpfs", "/tmp"]
+        + ["--unshare-all", "true"],
         capture_output=True,
         timeout=30,
     )
@@ -170,7 +172,10 @@ class Sandbox:
         if preferred in ("auto", "bubblewrap") and _bubblewrap_works():
             return cls("bubblewrap")
         if preferred == "bubblewrap":
-            raise SandboxUnavailable("--sandbox bubblewrap: bwrap is not installed or cannot create namespaces here")
+            raise SandboxUnavailable(
+                "--sandbox bubblewrap: bwrap is not installed, cannot create namespaces here, or is older than 0.5 "
+                "(no --size)"
+            )
         if preferred in ("auto", "docker") and (image := _docker_image()):
             return cls("docker", image)
         if preferred == "docker":

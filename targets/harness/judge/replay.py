@@ -136,19 +136,24 @@ class VersionSeparation:
         return self.max_separation > atol
 
 
+def pass_logprobs(model: torch.nn.Module, batch: list[tuple[list[int], list[TraceEvent]]]) -> list[torch.Tensor]:
+    """The chosen tokens' logprobs of each turn of one forward pass, in ``_rider_logits``'s order."""
+    return [
+        torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1).cpu()
+        for _, rows, chosen in _rider_logits(model, batch)
+    ]
+
+
 def version_separation(
     version: int,
     batch: list[tuple[list[int], list[TraceEvent]]],
     claimed: list[torch.Tensor],
-    previous: torch.nn.Module,
+    previous: list[torch.Tensor],
 ) -> VersionSeparation:
-    """``claimed``: the logprobs of ``batch``'s turns under ``version``, in ``_rider_logits``'s order."""
-    under_v, under_previous, recorded = [], [], []
-    for (g, rows, chosen), mine in zip(_rider_logits(previous, batch), claimed, strict=True):
-        under_previous.append(torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1).cpu())
-        under_v.append(mine)
-        recorded.append(torch.tensor(g.data["logprobs"]))
-    v, before, seen = (torch.cat(x).double() for x in (under_v, under_previous, recorded))
+    """``claimed``, ``previous``: the logprobs of ``batch``'s turns under ``version`` and the one before,
+    in ``_rider_logits``'s order."""
+    recorded = [torch.tensor(g.data["logprobs"]) for _, riders in batch for g in riders]
+    v, before, seen = (torch.cat(x).double() for x in (claimed, previous, recorded))
     return VersionSeparation(
         version,
         len(v),
@@ -209,6 +214,11 @@ def replay_turns(
     guesses = {id(drawn[k]): made for k, made in planned.items()}
     log.info("replaying %s", coverage)
     separations: list[VersionSeparation] = []
+    passes = {
+        version: _forward_batches([c for gens in episodes.values() for c in _covering_sequences(gens)])
+        for version, episodes in by_version.items()
+    }
+    earlier: dict[int, list[torch.Tensor]] = {}  # a version's first pass under the version before, run under it
     for version in sorted(by_version):
         started = time.monotonic()
         state = load_weights(version)
@@ -217,8 +227,7 @@ def replay_turns(
             continue
         model = make_model(state)
         loaded = time.monotonic()
-        episodes = by_version[version]
-        batches = _forward_batches([c for gens in episodes.values() for c in _covering_sequences(gens)])
+        episodes, batches = by_version[version], passes[version]
         claimed: list[torch.Tensor] = []  # the first pass's logprobs, for the separation from the version before
         for done, batch in enumerate(batches, start=1):
             if done % 8 == 0:
@@ -248,10 +257,13 @@ def replay_turns(
             time.monotonic() - loaded,
             loaded - started,
         )
-        del model  # before the version before is loaded: one model on the device at a time
-        previous = load_weights(version - 1) if version > 0 and batches else None
-        if previous is not None:
-            separations.append(version_separation(version, batches[0], claimed, make_model(previous)))
+        if version + 1 in passes:  # while this version's model is here: no second load of it
+            earlier[version + 1] = pass_logprobs(model, passes[version + 1][0])
+        del model  # before the version before is loaded (a version whose own turns were not replayed)
+        if version not in earlier and version > 0 and (previous := load_weights(version - 1)) is not None:
+            earlier[version] = pass_logprobs(make_model(previous), batches[0])
+        if version in earlier:
+            separations.append(version_separation(version, batches[0], claimed, earlier.pop(version)))
     details = {
         "replay_coverage": coverage,
         "replayed_turns": len(sample),

@@ -127,6 +127,8 @@ def test_a_stream_that_failed_midway_was_billed_and_counts(server, provider, cap
     assert client.accounting.snapshot()["calls"] == 3
     assert client.accounting.input_tokens == 1000 + dropped + 1600, client.accounting.snapshot()
     assert "failed mid-stream" in caplog.text and ("estimated" in caplog.text) == (provider == "openai")
+    streamed = 2 if provider == "openai" else 0  # OpenAI's dropped stream sent "partial": 7 characters
+    assert client.accounting.output_tokens == 10 + streamed + 10, client.accounting.snapshot()
 
 
 def test_an_openai_stream_cut_before_its_usage_counts_an_estimate_not_a_refusal(server, caplog):

@@ -35,6 +35,7 @@ from agents.llm.errors import LLMError, LLMRefused, LLMUnusable
 log = logging.getLogger("vibetrain.llm")
 
 
+CHARACTERS_PER_TOKEN = 4  # what an output the server did not count is estimated at (English text and code)
 DEFAULT_MAX_OUTPUT_TOKENS = 4096  # one reply's limit unless --max-output-tokens says otherwise
 
 # OpenAI models that refuse ``max_tokens`` and need ``max_completion_tokens`` (the o-series reasoning
@@ -210,7 +211,8 @@ class _RetryingClient:
 
     def _count_failed_attempt(self, error: Exception) -> None:
         """A stream that started and then failed was billed: its tokens count, as reported, else its input
-        estimated as the last call's (a conversation only grows), said each time."""
+        estimated as the last call's (a conversation only grows) and its output by the characters it
+        streamed, said each time."""
         spent = self.attempt
         if not spent.started:
             return  # refused before it began (a 429, a 5xx, a refused connection): nothing billed
@@ -240,7 +242,9 @@ class _RetryingClient:
         its last choice, before its usage chunk): its input estimated as the last call's, its output at
         four characters a token, said each time (not the refusal a server that never reports usage gets)."""
         written = len(turn.text) + sum(len(c.name) + len(c.arguments) for c in turn.tool_calls)
-        estimate = replace(turn, input_tokens=self.reported_input, output_tokens=math.ceil(written / 4))
+        estimate = replace(
+            turn, input_tokens=self.reported_input, output_tokens=math.ceil(written / CHARACTERS_PER_TOKEN)
+        )
         log.warning(
             "%s: the reply came without its usage (the stream was cut before it): counted as %d input tokens "
             "(the last call's) and %d output tokens (four characters a token)",
@@ -448,20 +452,27 @@ class OpenAIChat(_RetryingClient):
             )
         text, calls, usage = [], {}, None
         finished = None
+        streamed = 0  # characters of the reply so far: what a stream that fails midway is estimated by
         for chunk in self._create(**kwargs, stream=True, stream_options={"include_usage": True}):
-            self.attempt.started = True
             usage = chunk.usage or usage
             for choice in chunk.choices:
                 delta = choice.delta
                 if delta.content:
                     text.append(delta.content)
+                    streamed += len(delta.content)
                 for call in delta.tool_calls or []:
                     entry = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
                     entry["id"] = call.id or entry["id"]
                     if call.function is not None:
                         entry["name"] += call.function.name or ""
                         entry["arguments"] += call.function.arguments or ""
+                        streamed += len(call.function.name or "") + len(call.function.arguments or "")
                 finished = finished or choice.finish_reason
+            self.attempt = AttemptUsage(
+                True,
+                usage.prompt_tokens if usage else None,
+                usage.completion_tokens if usage else math.ceil(streamed / CHARACTERS_PER_TOKEN),
+            )
         if not finished:
             raise _StreamCut("the stream ended before the model finished")
         return AssistantTurn(
@@ -528,10 +539,15 @@ class AnthropicChat(_RetryingClient):
             message = self.client.messages.create(**kwargs)
         else:
             with self.client.messages.stream(**kwargs) as stream:
-                for _ in stream:  # what was billed so far, should the stream fail before its end
+                streamed = 0  # characters of the reply so far (its output count comes only at its end)
+                for event in stream:  # what was billed so far, should the stream fail before its end
+                    if event.type == "content_block_delta":
+                        delta = event.delta
+                        streamed += len(getattr(delta, "text", "") or getattr(delta, "partial_json", "") or "")
                     usage = stream.current_message_snapshot.usage
                     written = getattr(usage, "cache_creation_input_tokens", 0) or 0
-                    self.attempt = AttemptUsage(True, _anthropic_input(usage), usage.output_tokens or 0, written)
+                    output = max(usage.output_tokens or 0, math.ceil(streamed / CHARACTERS_PER_TOKEN))
+                    self.attempt = AttemptUsage(True, _anthropic_input(usage), output, written)
                 message = stream.get_final_message()
             if message.stop_reason is None:
                 raise _StreamCut("the stream ended before the model finished")

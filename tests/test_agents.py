@@ -195,7 +195,10 @@ PLANTS = {
     "imports harness internals (by import_module)": (
         "from importlib import import_module as im\nim('targets.harness.trace')\n"
     ),
-    "imports a module by a computed name": "import importlib\nimportlib.import_module('g' + 'c')\n",
+    "imports a module by a computed name": "import importlib, os\nimportlib.import_module(os.environ['M'])\n",
+    "imports gc, an introspection escape hatch (its name in constant pieces)": (
+        "import importlib\nimportlib.import_module('g' + 'c')\n"
+    ),
     # the package's own names: every harness module the candidate process loaded is an attribute of it
     "imports harness internals (from targets import)": "from targets import harness\n",
     "imports harness internals (the package)": "import targets\n",
@@ -227,6 +230,37 @@ PLANTS = {
     "uses .__subclasses__, an introspection escape hatch": "EVERY_CLASS = object.__subclasses__()\n",
     "syntax error": "def f(:\n    pass\n",  # a file the scan cannot read is refused, not skipped
     "defines or uses 'goodput'": "goodput = 0.9\n",
+    # a red team's (session BW): each passed the scan and reached what it refuses, in a plain process
+    "imports a module relative to a package (import_module)": (
+        "import importlib\nT = importlib.import_module('.harness.trace', 'targets')\n"
+    ),
+    "imports a module relative to a package (__import__)": "H = __import__('harness.clock', {}, None, ['x'], 1)\n",
+    "hands .import_module on as a value": "import importlib\nload = importlib.import_module\nGC = load('gc')\n",
+    "hands the time module on as a value": "import time\nclock = time\nclock.monotonic = lambda: 0.0\n",
+    "calls setattr with unpacked arguments": "import time\nsetattr(*(time, 'monotonic', lambda: 42.0))\n",
+    "imports os.sys, an introspection escape hatch": "from os import sys as s\nMODULES = s.modules\n",
+    "uses .sys, an introspection escape hatch": "import os\nMODULES = os.sys.modules\n",
+    "imports _ctypes, an introspection escape hatch": "import _ctypes\nSAME = _ctypes.PyObj_FromPtr(id(object))\n",
+    "runs code by exec() (a method of that name elsewhere)": (
+        "class Decoy:\n    def exec(self):\n        pass\n\nexec('import gc')\n"
+    ),
+    "hands eval on as a value": "run = eval\nrun('1 + 1')\n",
+    "names '__builtins__', an introspection escape hatch": "B = globals()['__builtins__']\n",
+    "imports pickle, an introspection escape hatch": (
+        "import pickle\nGC = pickle.loads(b'cimportlib\\nimport_module\\n(Vgc\\ntR.')\n"
+    ),
+    "imports marshal, an introspection escape hatch": "import marshal\nCODE = marshal.loads(b'')\n",
+    "uses .FunctionType, an introspection escape hatch": "import types\nF = types.FunctionType(compile, {})\n",
+    "changes sys.path": "import sys\nsys.path.insert(0, '/somewhere/targets/harness')\n",
+    "uses .setprofile, an introspection escape hatch": "import sys\nsys.setprofile(lambda *a: None)\n",
+    "uses .walk_stack, an introspection escape hatch": (
+        "import traceback\nFRAME = next(traceback.walk_stack(None))[0]\n"
+    ),
+    "names 'f_globals', an introspection escape hatch": "def f(frame):\n    return getattr(frame, 'f_' + 'globals')\n",
+    "names '__subclasses__', an introspection escape hatch": "ALL = getattr(object, '__sub' + 'classes__')()\n",
+    "names the harness metric 'goodput' (a keyword)": "REPORT = dict(goodput=123.0)\n",
+    "names the harness metric 'tokens_per_s' (in pieces)": "REPORT = {}\nREPORT['tokens_' + 'per_s'] = 1e9\n",
+    "unpickles by torch.load(weights_only=...)": "import torch\nSTATE = torch.load('w.pt', weights_only=False)\n",
     "names the harness metric 'trained_tokens_per_s'": "REPORT = {'trained_tokens_per_s': 1e9}\n",  # a headline too
 }
 
@@ -240,6 +274,21 @@ def test_integrity_scan_rejects_each_planted_escape(tmp_path, tiny_spec, reason)
     assert not result.passed and any(reason.split(" (")[0] in r and "planted.py" in r for r in result.reasons), (
         result.reasons
     )
+
+
+@pytest.mark.parametrize("archive", ["lib.zip", "stack/dep.egg", "extra.pth"])
+def test_an_archive_python_imports_from_is_refused_unread(tmp_path, tiny_spec, archive):
+    """A zip on sys.path imports its modules unscanned (the red team's hid a harness import and a clock patch
+    in one): a file Python can import from is refused like compiled code."""
+    import zipfile
+
+    stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
+    with zipfile.ZipFile(stack / archive, "w") as bundle:
+        bundle.writestr("hidden.py", "import gc\n")
+    result = scan_stack(stack)
+    assert not result.passed and result.reasons == [
+        f"{archive}: an archive Python can import modules from, which the integrity scan does not read"
+    ]
 
 
 def test_a_file_scanned_clean_and_then_edited_is_scanned_again(tmp_path, tiny_spec):
@@ -270,6 +319,14 @@ LOOKALIKES = {  # what an honest stack writes that only looks like an escape: th
     "a dtype by a computed name": "import torch\ndef f(name):\n    return getattr(torch, name)\n",
     "a module's submodules": "def f(model):\n    return list(model.modules())\n",
     "targets.api by from-import": "from targets import api\nfrom targets.api import Cluster\n",
+    "a method named exec, called as a method": (
+        "class Runner:\n    def exec(self):\n        return 1\n\nRunner().exec()\n"
+    ),
+    "the time module's attributes passed on": "import time\nclock = time.monotonic\nSTAMP = clock()\n",
+    "a name time that is no module": "def f(time: float) -> float:\n    return time * 2\n",
+    "datetime's class by from-import": "from datetime import datetime\nNOW = datetime.now\n",
+    "torch.load of weights only": "import torch\nSTATE = torch.load('w.pt', weights_only=True)\n",
+    "sys.path read": "import sys\nFIRST = sys.path[0]\n",
 }
 
 

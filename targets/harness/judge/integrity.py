@@ -6,8 +6,11 @@ them is reporting its own); it does not patch clocks (``time``, ``asyncio``, ``d
 into the harness objects it is handed (their ``trace``, ``clock``, ``inner`` cluster, event list;
 ``getattr`` by a constant name included); it uses no introspection escape hatches (``gc``, ``inspect``,
 ``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``, ``vars()``, frames) and runs no code it cannot
-read (``exec``/``eval``/``compile``, a module loaded from a file); it holds no compiled module without its
-source (a ``.pyc`` or extension module Python would import but this scan cannot read). A module is
+read (``exec``/``eval``/``compile``, a module loaded from a file, code in bytes: ``pickle``, ``marshal``); it
+holds no compiled module without its source (a ``.pyc`` or extension module Python would import but this
+scan cannot read) and no archive Python imports from, and it does not change ``sys.path``. A function the
+scan reads by its calls, or a module it follows by its imports, is not handed on as a value, and a name
+spelled in constant pieces (``"__sub" + "classes__"``) is read whole. A module is
 followed through the names an import binds it to (``import time as t``), and ``__import__`` or
 ``importlib.import_module`` is an import like any other (of a computed name: refused). Around a
 run: the harness's own files, its bytecode caches included, hash the same before and after
@@ -19,6 +22,7 @@ import ast
 import compileall
 import hashlib
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from targets.harness.judge.check_result import CheckResult
@@ -26,17 +30,29 @@ from targets.spec.target import HEADLINE_METRICS
 
 CLOCK_MODULES = {"time", "asyncio", "datetime"}
 HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_version"}
-ESCAPE_MODULES = {"gc", "inspect", "ctypes", "builtins", "runpy"}
+ESCAPE_MODULES = {
+    *("gc", "inspect", "ctypes", "_ctypes", "builtins", "runpy", "site", "code", "codeop", "_imp", "zipimport"),
+    # code in bytes: an unpickled object is any call, an unmarshalled code object any code
+    *("marshal", "pickle", "_pickle", "cloudpickle", "dill", "shelve", "copyreg"),
+}
 ESCAPE_ATTRIBUTES = {
     *("__dict__", "__globals__", "__code__", "__closure__", "__builtins__", "__subclasses__", "__getattribute__"),
     *("modules", "_getframe", "_current_frames", "f_globals", "f_locals", "f_back", "f_builtins"),
+    *("walk_stack", "walk_tb", "tb_frame", "gi_frame", "cr_frame", "ag_frame", "settrace", "setprofile"),
+    *("FunctionType", "CodeType", "meta_path", "path_hooks", "path_importer_cache", "sys"),
 }
+# an escape's name as a string, for a getattr or a subscript of globals() (``"__sub" + "classes__"`` too)
+ESCAPE_STRINGS = {a for a in ESCAPE_ATTRIBUTES if a.startswith(("__", "f_"))} | {"__import__"}
 UNREADABLE_CODE = {"exec", "eval", "compile"}  # code in a string: what it imports or patches is not source here
+# functions whose every call the scan reads: handed on as a value, where they are called is not in sight
+CALLED_ONLY = {*UNREADABLE_CODE, "vars", "__import__", "getattr", "setattr", "delattr", "import_module"}
+PATH_MUTATORS = {"insert", "append", "extend", "remove", "pop", "clear", "__setitem__", "__iadd__"}
 FILE_LOADERS = {"exec_module", "load_module", "spec_from_file_location", "SourceFileLoader", "SourcelessFileLoader"}
 HARNESS_ROOT = Path(__file__).resolve().parents[2]  # the targets package
 METRIC_NAMES = {*HEADLINE_METRICS, "timeout_ratio", "device_utilization", "mean_device_busy"}
 CONTRACT_MODULE = "targets.api"  # the one module of the ``targets`` package a stack may import
 COMPILED_SUFFIXES = {".pyc", ".pyo", ".pyd", ".so"}  # importable, but not source this scan can read
+ARCHIVE_SUFFIXES = {".zip", ".egg", ".whl", ".pyz", ".pth"}  # modules (or paths) Python imports from, unread here
 # CPython 3.11 keeps ast.parse's recursion depth in module-wide state: two threads parsing at once (a
 # simulated bench scans its stacks in parallel) can raise "SystemError: AST constructor recursion depth
 # mismatch" when a garbage collection runs Python finalizers mid-parse (CPython gh-106905).
@@ -68,6 +84,11 @@ def scan_stack(stack_dir: Path) -> CheckResult:
         "integrity scan reads source only"
         for path in files
         if path.suffix in COMPILED_SUFFIXES
+    ] + [
+        f"{path.relative_to(stack_dir)}: an archive Python can import modules from, which the integrity scan "
+        "does not read"
+        for path in files
+        if path.suffix in ARCHIVE_SUFFIXES
     ]
     for path in (p for p in files if p.suffix == ".py"):
         reasons += source_reasons(path.read_bytes(), str(path.relative_to(stack_dir)))
@@ -98,13 +119,33 @@ def _file_reasons(source: bytes, where: str) -> tuple[str, ...]:
         line = f":{error.lineno}" if error.lineno else ""
         return (f"{where}{line}: syntax error: {error.msg}",)
     bound = _module_names(tree)  # ``import time as t``: t is the time module wherever it is used
-    shadowed = _rebound_names(tree)  # ``from torch import compile``: compile is not the builtin there
-    return tuple(f"{where}:{node.lineno}: {r}" for node in ast.walk(tree) for r in _node_reasons(node, bound, shadowed))
+    file = FileNames(
+        bound,
+        _rebound_names(tree),  # ``from torch import compile``: compile is not the builtin there
+        {name for name, module in bound.items() if name in _imported_names(tree)},
+        {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)},
+        {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)},
+    )
+    return tuple(f"{where}:{node.lineno}: {r}" for node in ast.walk(tree) for r in _node_reasons(node, file))
 
 
-def _node_reasons(node: ast.AST, bound: dict[str, str], shadowed: set[str]) -> list[str]:
-    """What one node of the candidate's source does that a stack must not, each said. ``shadowed``: the
-    file's names an import or a definition binds, which are not the builtins of those names."""
+@dataclass(frozen=True)
+class FileNames:
+    """What the checks of one node need to know of its file: ``bound``, each name an import binds a
+    module to; ``shadowed``, the names an import or a definition binds, which are not the builtins of
+    those names; ``imported``, the names an ``import`` statement binds; ``called`` and ``bases``, the
+    nodes called and the nodes an attribute is read off (by ``id``)."""
+
+    bound: dict[str, str]
+    shadowed: set[str]
+    imported: set[str]
+    called: set[int]
+    bases: set[int]
+
+
+def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
+    """What one node of the candidate's source does that a stack must not, each said."""
+    bound, shadowed = file.bound, file.shadowed
     reasons: list[str] = []
     modules: list[str] = []
     if isinstance(node, ast.Import):
@@ -114,16 +155,19 @@ def _node_reasons(node: ast.AST, bound: dict[str, str], shadowed: set[str]) -> l
         modules = [f"targets.{a.name}" for a in node.names] if node.module == "targets" else [node.module]
         if node.module == "sys" and any(alias.name == "modules" for alias in node.names):
             reasons.append("imports sys.modules, an introspection escape hatch")
+        modules += [f"{node.module}.sys" for a in node.names if a.name == "sys" and node.module != "sys"]  # os's
     elif isinstance(node, ast.Call) and _imports_by_call(node, bound):
-        name = node.args[0] if node.args else None
-        if isinstance(name, ast.Constant) and isinstance(name.value, str):
-            modules = [name.value]  # an import all the same: the same rules
+        name = _folded(node.args[0]) if node.args else None
+        if _relative(node):
+            reasons.append("imports a module relative to a package: the scan cannot read which")
+        elif name is not None:
+            modules = [name]  # an import all the same: the same rules
         else:
             reasons.append("imports a module by a computed name: the scan cannot read which")
     for module in modules:
         if module.split(".")[0] == "targets" and module != CONTRACT_MODULE:
             reasons.append(f"imports harness internals ({module}); only targets.api is public")
-        if module.split(".")[0] in ESCAPE_MODULES:
+        if module.split(".")[0] in ESCAPE_MODULES or module.endswith(".sys") and module != "sys":
             reasons.append(f"imports {module}, an introspection escape hatch")
     reached = _package_attribute(node, bound)
     if reached is not None:  # the package's attributes are every submodule loaded in the process
@@ -135,6 +179,24 @@ def _node_reasons(node: ast.AST, bound: dict[str, str], shadowed: set[str]) -> l
         reasons.append(f"runs code by {node.func.id}(), which the scan cannot read")
     if builtin and node.func.id == "vars":
         reasons.append("uses vars(), an introspection escape hatch (an object's __dict__)")
+    reasons += _handed_on(node, file)
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "setattr", "delattr")
+        and (any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords))
+    ):
+        reasons.append(f"calls {node.func.id} with unpacked arguments: the scan cannot read on what")
+    text = _folded(node) if isinstance(node, (ast.Constant, ast.BinOp, ast.JoinedStr)) else None
+    if text in ESCAPE_STRINGS:
+        reasons.append(f"names {text!r}, an introspection escape hatch")
+    if text in METRIC_NAMES and not isinstance(node, ast.Constant):
+        reasons.append(f"names the harness metric {text!r}: a stack must not report its own metrics")
+    if isinstance(node, ast.keyword) and node.arg in METRIC_NAMES:
+        reasons.append(f"names the harness metric {node.arg!r}: a stack must not report its own metrics")
+    if isinstance(node, ast.keyword) and node.arg == "weights_only" and not _constant(node.value, True):
+        reasons.append("unpickles by torch.load(weights_only=...): an unpickled object is code the scan cannot read")
+    reasons += _import_path_changes(node, bound)
     if isinstance(node, ast.Attribute) and node.attr in FILE_LOADERS:
         reasons.append(f"loads a module from a file (.{node.attr}): the scan cannot follow which")
     if isinstance(node, ast.Name) and node.id == "__builtins__":
@@ -156,29 +218,119 @@ def _node_reasons(node: ast.AST, bound: dict[str, str], shadowed: set[str]) -> l
 
 def _rebound_names(tree: ast.Module) -> set[str]:
     """The names a file binds by ``from ... import`` or ``def``/``class``: ``compile`` there may be
-    ``torch.compile``, not the builtin."""
+    ``torch.compile``, not the builtin. A method binds no name outside its class (a class's ``def exec``
+    leaves the module's ``exec`` the builtin)."""
+    methods = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body}
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             names |= {alias.asname or alias.name for alias in node.names}
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and id(node) not in methods:
             names.add(node.name)
     return names
 
 
+def _imported_names(tree: ast.Module) -> set[str]:
+    """The names ``import`` statements bind (``import time``: time; ``import a.b``: a)."""
+    return {
+        alias.asname or alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+
+
+def _folded(node: ast.AST) -> str | None:
+    """A string the source spells out, whole or in constant pieces (``"__sub" + "classes__"``, an f-string
+    of constants); None when any piece is computed."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _folded(node.left), _folded(node.right)
+        return None if left is None or right is None else left + right
+    if isinstance(node, ast.JoinedStr):
+        parts = [_folded(v) for v in node.values]
+        return None if None in parts else "".join(parts)
+    return None
+
+
+def _constant(node: ast.AST, value: object) -> bool:
+    return isinstance(node, ast.Constant) and node.value is value
+
+
+def _relative(node: ast.Call) -> bool:
+    """An import by call relative to a package: ``import_module(".x", "targets")``, ``__import__(n, g, l,
+    f, 1)``: the module is not the name the call spells."""
+    name = _folded(node.args[0]) if node.args else None
+    level = node.args[4] if len(node.args) > 4 else next((k.value for k in node.keywords if k.arg == "level"), None)
+    package = len(node.args) > 1 and not _is_dunder_import(node) or any(k.arg == "package" for k in node.keywords)
+    level_set = level is not None and not (
+        isinstance(level, ast.Constant) and type(level.value) is int and not level.value
+    )
+    return bool(name and name.startswith(".")) or package or level_set
+
+
+def _is_dunder_import(node: ast.Call) -> bool:
+    return (isinstance(node.func, ast.Name) and node.func.id == "__import__") or (
+        isinstance(node.func, ast.Attribute) and node.func.attr == "__import__"
+    )
+
+
+def _handed_on(node: ast.AST, file: FileNames) -> list[str]:
+    """A function whose calls the scan reads, or a module it follows by name, handed on as a value
+    (``load = importlib.import_module``, ``run = eval``, ``clock = time``): where it is then used is not
+    in sight."""
+    if id(node) in file.called:
+        return []
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in file.shadowed:
+        if node.id in CALLED_ONLY or file.bound.get(node.id) == "importlib.import_module":
+            return [f"hands {node.id} on as a value: the scan reads only its calls"]
+        module = file.bound.get(node.id, "").split(".")[0]
+        if node.id in file.imported and module in (*CLOCK_MODULES, "sys", "importlib") and id(node) not in file.bases:
+            return [f"hands the {module} module on as a value: the scan follows a module only through its imports"]
+    if isinstance(node, ast.Attribute) and node.attr in ("import_module", "__import__"):
+        return [f"hands .{node.attr} on as a value: the scan reads only its calls"]
+    return []
+
+
+def _import_path_changes(node: ast.AST, bound: dict[str, str]) -> list[str]:
+    """Changes to ``sys.path``: a folder put there imports its modules under names the scan does not
+    know (the harness's own, as top-level modules)."""
+
+    def sys_path(target: ast.AST) -> bool:
+        if isinstance(target, ast.Subscript):
+            target = target.value
+        return isinstance(target, ast.Attribute) and target.attr == "path" and _on_sys(target.value, bound)
+
+    targets: list[ast.AST] = []
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in PATH_MUTATORS:
+        targets = [node.func.value]
+    return (
+        ["changes sys.path: the modules it then imports are not those the scan read"]
+        if any(sys_path(t) for t in targets)
+        else []
+    )
+
+
 def _module_names(tree: ast.Module) -> dict[str, str]:
-    """Each name a module is bound to by an import (``import time as t``: t -> time), and the modules'
-    own names: what the checks below look through."""
+    """Each name a module is bound to by an import (``import time as t``: t -> time; ``from os import
+    sys``: sys), and the modules' own names: what the checks below look through."""
     names = {module: module for module in (*CLOCK_MODULES, "sys", "importlib")}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 top = alias.name.split(".")[0]
                 names[alias.asname or top] = alias.name if alias.asname else top
-        elif isinstance(node, ast.ImportFrom) and node.module == "importlib":
+        elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
-                if alias.name in ("import_module", "__import__"):
+                if node.module == "importlib" and alias.name in ("import_module", "__import__"):
                     names[alias.asname or alias.name] = "importlib.import_module"
+                elif alias.name in ("sys", *CLOCK_MODULES):  # a module another module holds
+                    names[alias.asname or alias.name] = alias.name
     return names
 
 

@@ -26,6 +26,7 @@ import importlib.metadata
 import importlib.util
 import json
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -429,5 +430,5 @@ def describe(exported: Exported) -> str:
     return (
         f"exported to {exported.out}: stack/, {len(exported.vendored)} vendored modules in {PACKAGE}/, "
         f"{len(exported.requirements)} pinned requirements\n"
-        f"run it: cd {exported.out} && pip install -r requirements.txt && python train.py"
+        f"run it: cd {shlex.quote(str(exported.out))} && pip install -r requirements.txt && python train.py"
     )

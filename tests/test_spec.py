@@ -435,6 +435,19 @@ def test_cli_starter_writes_a_candidate_and_refuses_bad_input(tmp_path):
     assert unknown.exit_code == 2 and "unknown controller 'round_robin'" in unknown.output
 
 
+def test_a_users_path_or_value_is_printed_as_it_is_never_as_markup(tmp_path):
+    """A folder named st[/i] raised Rich's MarkupError after the starter was written (a traceback for a
+    path); run:fire: printed as an emoji, cli:gemini as a zodiac sign; a path with a space broke the
+    command the user is told to copy."""
+    odd = tmp_path / "my st[/i] run:fire:"
+    result = runner.invoke(app, ["starter", "tiny-qwen3-cpu", "--out", str(odd)])
+    assert result.exit_code == 0 and result.exception is None, result.output
+    said = " ".join(result.output.split())
+    assert f"--stack '{odd}'" in said, said  # quoted for the shell, printed as it is
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--agents", "cli:gemini", "--out", str(tmp_path / "g")])
+    assert result.exit_code == 2 and "cli:gemini" in result.output, result.output
+
+
 def test_a_gpu_target_forced_real_without_a_gpu_fails_with_one_clear_message(tmp_path):
     data = yaml.safe_load((Path(__file__).parents[1] / "targets" / "catalog" / "qwen3-0.6b-h100x1.yaml").read_text())
     data["execution"] = "real"

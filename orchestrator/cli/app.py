@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -50,9 +51,22 @@ workload_app = typer.Typer(
 )
 app.add_typer(workload_app, name="workload")
 
-console = Console()
+# no emoji codes: a user's value (a run named run:fire:, an agent cli:gemini) is printed as it is
+console = Console(emoji=False)
 console.soft_wrap = not console.is_terminal  # in a pipe or a file, whole lines: grep sees a path unbroken
-errors = Console(stderr=True, soft_wrap=True)  # an error names paths and values: never broken mid-word
+errors = Console(stderr=True, soft_wrap=True, emoji=False)  # an error names paths and values: never broken mid-word
+
+
+def shown(value: object) -> str:
+    """A user's value (a path, a name) in console markup, printed as it is: a folder named ``run[red]x`` or
+    ``r[/b]`` is no markup (the second raised a MarkupError after the command's work was done)."""
+    return escape(str(value))
+
+
+def argument(path: object) -> str:
+    """A path in a command the user copies, quoted for the shell where it must be (a space, a quote)."""
+    return escape(shlex.quote(str(path)))
+
 
 JSON_OPTION = typer.Option(False, "--json", help="print JSON instead of a table (for scripts)")
 SANDBOX_OPTION = typer.Option("auto", help="auto | bubblewrap | docker | subprocess")

@@ -14,7 +14,18 @@ from rich.live import Live
 from rich.logging import RichHandler
 from rich.markup import escape
 
-from orchestrator.cli.app import UsageError, app, command, console, errors, open_tracker, out_dir, print_table
+from orchestrator.cli.app import (
+    UsageError,
+    app,
+    argument,
+    command,
+    console,
+    errors,
+    open_tracker,
+    out_dir,
+    print_table,
+    shown,
+)
 from orchestrator.config import ConfigError, LLMConfig, RunConfig, unknown
 from orchestrator.run_dir import RunDir
 from orchestrator.runs import WORKSPACES, resume_run, start_run
@@ -229,7 +240,7 @@ def generate(
             try:
                 track_round(tracker, record.round, record.headline, RunDir(out).trace(record.round))
             except TrackingError as error:  # the run goes on: tracking is a view of it, not part of it
-                errors.print(f"[yellow]warning:[/yellow] --track: {error}")
+                errors.print(f"[yellow]warning:[/yellow] --track: {shown(error)}")
         if live is not None:
             live.update(view.render())
         elif not console.is_terminal:  # a pipe or a file: nothing redraws there, so each change is a line of its own
@@ -268,7 +279,7 @@ def generate(
         if tracker is not None:
             tracker.close()
     if tracker is not None:
-        console.print(f"tracking ({track}): {track_dir}")
+        console.print(f"tracking ({track}): {shown(track_dir)}")
     best = state.best
     if best is None:
         console.print("[red]no validated candidate[/red] (see vibetrain log)")
@@ -281,4 +292,5 @@ def generate(
     )
     if generalization is not None:
         print_table(generalization_table(generalization))
-    console.print(f"review: vibetrain log {out}  |  git -C {out} log best  |  vibetrain report {out}")
+    run = argument(out)
+    console.print(f"review: vibetrain log {run}  |  git -C {run} log best  |  vibetrain report {run}")

@@ -26,6 +26,7 @@ from orchestrator.cli.app import (
     TIME_LIMIT_OPTION,
     UsageError,
     app,
+    argument,
     candidate_dir,
     command,
     console,
@@ -36,6 +37,7 @@ from orchestrator.cli.app import (
     print_report,
     print_table,
     session,
+    shown,
     target_app,
     workload_app,
 )
@@ -140,7 +142,7 @@ def validate_target(path: Path) -> None:
             raise UsageError(
                 f"environment {environment.entry}: close() raised {type(error).__name__}: {error}"
             ) from None
-    console.print(f"[green]ok[/green] {path} is a valid target spec (id {spec.id})")
+    console.print(f"[green]ok[/green] {shown(path)} is a valid target spec (id {shown(spec.id)})")
 
 
 @command(app, "reference")
@@ -208,7 +210,10 @@ def starter(
         write_starter(out_dir(out), spec, controller, params)
     except (ValueError, FileExistsError) as error:
         raise UsageError(str(error)) from None
-    console.print(f"wrote {controller} starter stack to {out} (check it: vibetrain check {target} --stack {out})")
+    console.print(
+        f"wrote {controller} starter stack to {shown(out)} (check it: vibetrain check {argument(target)} "
+        f"--stack {argument(out)})"
+    )
 
 
 def say_execution(judge, simulate: bool) -> None:
@@ -218,7 +223,7 @@ def say_execution(judge, simulate: bool) -> None:
     why = ""
     if judge.target.simulated and spec.execution == "auto" and not simulate:
         why = f" (execution auto: this machine lacks its {spec.hardware.summary})"
-    console.print(f"{spec.id}: {judge.target.execution} execution{why}, {judge.sandbox.backend} sandbox")
+    console.print(f"{shown(spec.id)}: {judge.target.execution} execution{shown(why)}, {judge.sandbox.backend} sandbox")
 
 
 @command(app, "check")
@@ -261,7 +266,7 @@ def check(
     print_table(checks_table(results))
     passed = all(r.passed for r in results)
     if not passed and out is None:
-        console.print(f"the run's logs and trace: {keep(logs)}")
+        console.print(f"the run's logs and trace: {shown(keep(logs))}")
     if json_path:
         json_path.write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))
     console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
@@ -412,9 +417,9 @@ def bench(
         print_report(phases_table(runs))
         print_report(costs_table(runs, simulated))
     for failure in failed:
-        console.print(f"[red]failed its checks:[/red] {failure}")
+        console.print(f"[red]failed its checks:[/red] {shown(failure)}")
     if failed:
-        console.print(f"the runs' logs and traces: {keep(work) / 'runs'}")
+        console.print(f"the runs' logs and traces: {shown(keep(work) / 'runs')}")
     if json_path:
         from orchestrator.provenance import BENCH_SCHEMA, provenance
 
@@ -428,7 +433,7 @@ def bench(
             "failed": [{"name": f.name, "repeat": f.repeat, "reasons": f.reasons} for f in failed],
         }
         json_path.write_text(json.dumps(data, indent=1))
-        console.print(f"results: {json_path}")
+        console.print(f"results: {shown(json_path)}")
     if timeline and runs:
         devices = [d.id for d in measuring.target.devices()]
         headline = spec.headline_metric.name
@@ -441,10 +446,10 @@ def bench(
             for r in runs
         ]
         plot_timelines(titles, timeline)
-        console.print(f"timeline: {timeline}")
+        console.print(f"timeline: {shown(timeline)}")
     if phases and runs:
         plot_step_phases([(r.name, r.summary(spec.headline_metric.name)["metrics"]) for r in runs], phases)
-        console.print(f"where a step goes: {phases}")
+        console.print(f"where a step goes: {shown(phases)}")
     if tracker is not None:
         traces = {f"{r.name}/r{i}": m.events() for r in runs for i, m in enumerate(r.measurements)}
         try:
@@ -453,8 +458,8 @@ def bench(
             chrome = write_chrome_trace(traces, track_dir / "trace.json")
         finally:
             tracker.close()
-        console.print(f"tracking ({track}): {track_dir}")
-        console.print(f"timeline for Perfetto (ui.perfetto.dev): {chrome}")
+        console.print(f"tracking ({track}): {shown(track_dir)}")
+        console.print(f"timeline for Perfetto (ui.perfetto.dev): {shown(chrome)}")
     if failed:
         names = sorted({f.name for f in failed})
         raise BenchmarkFailed(
@@ -518,7 +523,7 @@ def calibrate(
     calibration = report["calibration"]
     console.print(yaml.safe_dump(calibration.yaml_fields(), sort_keys=False), highlight=False, markup=False)
     for note in calibration.notes:
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {shown(note)}", highlight=False)
     table = Table(title=f"simulator prediction of the same run ({calibration.samples})", box=box.SIMPLE_HEAD)
     for column in ("metric", "real", "simulated", "error"):
         table.add_column(column, justify="right" if column != "metric" else "left")
@@ -529,7 +534,7 @@ def calibrate(
     if out:
         shutil.copy(path, out)
         path = out
-    console.print(f"calibrated spec: {path}")
+    console.print(f"calibrated spec: {shown(path)}")
 
 
 @command(workload_app, "profile")

@@ -19,6 +19,7 @@ from orchestrator.cli.app import (
     out_file,
     print_json,
     print_table,
+    shown,
 )
 from orchestrator.history import History
 from orchestrator.state import RunState
@@ -215,4 +216,4 @@ def report(
     if run.resolve() in where.resolve().parents:  # an untracked file in the run's worktree: --resume refuses it
         raise UsageError(f"--out {out}: inside the run {run}, whose worktree holds only its commits")
     path = write_report(run, out_file(where, "--out"))
-    console.print(f"report: {path}")
+    console.print(f"report: {shown(path)}")

@@ -203,3 +203,30 @@ def test_a_bpe_past_its_corpus_merges_pads_with_fillers_no_environment_reads():
     answer = [151_935, 151_000, four]
     assert len(tokenizer) == 151_936 and "<|filler_" in tokenizer.decode(answer)
     assert tokenizer.decode(answer, skip_special_tokens=True) == "4"  # what ChatFormat.text hands over
+
+
+def test_weights_that_are_not_the_configs_model_are_refused_when_loaded(catalog_yaml, tmp_path):
+    """A directory whose safetensors hold another model's tensors (or an adapter alone) passed, and
+    transformers ran the missing tensors from random values, said only in a table of its log: `vibetrain
+    reference` trained from noise. Loading it now names what is missing; the CLI says it, no traceback."""
+    import yaml
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+    from targets.harness.model import WeightsMismatch
+    from targets.spec import parse_target
+
+    mine = tmp_path / "my model"
+    shutil.copytree(model_dir(parse_target(catalog_yaml).model), mine)
+    assert load_model(mine) is not None  # the directory as built loads
+    (mine / "model.safetensors").unlink()
+    save_file({"x": torch.zeros(2)}, str(mine / "model.safetensors"))
+    with pytest.raises(WeightsMismatch, match=r"of the model's tensors missing \((lm_head|model\.)"):
+        load_model(mine)
+    catalog_yaml["model"].update(weights=str(mine))
+    spec = tmp_path / "mine.yaml"
+    spec.write_text(yaml.safe_dump(catalog_yaml))
+    result = CliRunner().invoke(app, ["reference", str(spec), "--steps", "1"])
+    assert result.exit_code == 2 and "its weights are not the model its config.json describes" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output

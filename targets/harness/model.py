@@ -16,6 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from targets.errors import UserError
 from targets.harness.tokenizer import build_tokenizer, tokenizer_key
 from targets.spec import ModelSpec
 
@@ -103,13 +104,29 @@ def proxy_model(model: ModelSpec) -> ModelSpec:
     )
 
 
+class WeightsMismatch(UserError, ValueError):
+    """A model directory whose weights are not its config's model: loaded, it would run from random
+    tensors where the weights are missing (transformers says so only in a table of its log)."""
+
+
 def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
+    """The directory's model, refused (``WeightsMismatch``) where its files lack a tensor of the model or
+    hold one at another shape: transformers would make that tensor random and say so only in its log."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()  # the harness loads small models often; bars are noise
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), output_loading_info=True)
+    missing, mismatched = sorted(info["missing_keys"]), info["mismatched_keys"]
+    if missing or mismatched:
+        more = " ..." if len(missing) > 3 else ""
+        said = [f"{len(missing)} of the model's tensors missing ({', '.join(missing[:3])}{more})"] if missing else []
+        said += [f"{entry[0]} at another shape" for entry in list(mismatched)[:3]]
+        raise WeightsMismatch(
+            f"{path}: its weights are not the model its config.json describes: {'; '.join(said)} (a checkpoint "
+            "of another model, or an adapter alone?)"
+        )
     return model.eval()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -95,6 +96,17 @@ class RunConfig(BaseModel):
     prescreen_margin: float = Field(0.05, ge=0, le=1)  # how far below the best's prediction still goes on
     llm_review_required: bool = False  # an LLM review that cannot be had rejects (else the gate decides alone)
     time_limit_s: float | None = resumable(None, ge=1)  # per candidate child run (default: the target's)
+
+    def recorded_target(self, run_dir: Path, or_else: str = "") -> str:
+        """The target the run started on. A spec file no longer where it was is said as the run's own
+        (a bare "file not found" named a path the user never typed, and no way out); ``or_else``: what
+        else the command can be given."""
+        if Path(self.target).is_absolute() and not Path(self.target).is_file():
+            raise ConfigError(
+                f"{run_dir} was started from the target spec {self.target}, which is no longer there: put it "
+                f"back (the run's records were measured under it){or_else}"
+            )
+        return self.target
 
     @field_validator("policy", "agents", "sandbox", "starter", "selection")
     @classmethod

@@ -76,13 +76,15 @@ def resolve_candidate(ref: str, target: str | None) -> tuple[Path, str]:
         from orchestrator.runs import NAMES_A_CANDIDATE
 
         raise ExportError(f"{ref}: not a candidate directory, and not {NAMES_A_CANDIDATE}")
+    from orchestrator.config import ConfigError
     from orchestrator.runs import RunSetupError, export_candidate
     from orchestrator.state import RunState, RunStateError
 
     try:
-        run_target = RunState.load(Path(ref.rpartition("@")[0])).config.target
-        return export_candidate(ref), target or run_target
-    except (RunSetupError, RunStateError) as error:
+        run = Path(ref.rpartition("@")[0])
+        run_target = target or RunState.load(run).config.recorded_target(run, ", or name one with --target")
+        return export_candidate(ref), run_target
+    except (RunSetupError, RunStateError, ConfigError) as error:
         raise ExportError(str(error)) from None
 
 

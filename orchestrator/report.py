@@ -497,7 +497,7 @@ def _when(seconds: float) -> str:
 
 def write_report(run_dir: Path, path: Path) -> Path:
     state, history = RunState.load(run_dir), History.open(run_dir)
-    spec = load_target(state.config.target)
+    spec = load_target(state.config.recorded_target(run_dir))
     metric, unit, threshold = spec.headline_metric.name, _unit(spec.headline_metric.name), spec.noise_threshold
     devices = spec.hardware.device_ids()
     maximize = spec.headline_metric.direction == "maximize"

@@ -289,8 +289,8 @@ def _resumed(
     if "max_cost" in overrides:
         _check_cost_counted(state.config.agents, state.config.llm, state.config.max_cost)
     try:
-        resolved = Target.load(state.config.target, simulate=state.config.simulated)
-    except TargetUnavailable as error:
+        resolved = Target.load(state.config.recorded_target(run_dir), simulate=state.config.simulated)
+    except (TargetUnavailable, ConfigError) as error:
         raise RunSetupError(str(error)) from None
     changed = changed_values(state.spec_at_start, resolved.spec.model_dump(mode="json"))
     if changed:

@@ -618,6 +618,28 @@ def _empty_run(tmp_path: Path) -> Path:
     return run
 
 
+def test_a_run_whose_spec_file_moved_says_so_and_what_to_do(tmp_path):
+    """A run started from a spec file that later moved answered report, export and --resume with "target
+    spec file not found: PATH", a path the user never typed there, and no way out."""
+    from orchestrator.state import new_state
+    from tests.review_run import run_config
+
+    run, moved = tmp_path / "run", tmp_path / "moved-away.yaml"
+    History.create(run, "vibetrain run: test")
+    new_state(run_config(target=str(moved))).save(run)
+    said = ""
+    for args in (
+        ["report", str(run)],
+        ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)],
+        ["export", f"{run}@best", "--out", str(tmp_path / "x")],
+    ):
+        result = runner.invoke(app, args, env=ENV)
+        said = " ".join(result.output.split())
+        assert result.exit_code == 2, (args, said)
+        assert f"was started from the target spec {moved}, which is no longer there" in said, (args, said)
+    assert "or name one with --target" in said  # export can be given the target
+
+
 def test_a_dirty_run_worktree_is_refused_on_resume(tmp_path):
     run = _empty_run(tmp_path)
     (run / "edited-by-hand.txt").write_text("x")

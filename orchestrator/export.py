@@ -67,6 +67,10 @@ def resolve_candidate(ref: str, target: str | None) -> tuple[Path, str]:
     unless ``target`` names another."""
     path = Path(ref)
     if path.is_dir():
+        from orchestrator.run_dir import RunDir
+
+        if RunDir(path).state_file.exists():  # a run's worktree holds its best candidate, not what it means
+            raise ExportError(f"{ref} is a run: export one of its candidates ({ref}@best, {ref}@round-N)")
         if not (path / "stack" / "__init__.py").is_file():
             raise ExportError(f"{ref} is a directory but not a candidate (it holds no stack/__init__.py)")
         if target is None:

@@ -228,6 +228,10 @@ class RunState(BaseModel):
         """The saved state, with the LLM use of calls made after it was saved (a round killed midway
         paid for them: forgetting them would let a resumed run spend its budget twice)."""
         run = RunDir(run_dir)
+        if not Path(run_dir).exists():
+            raise RunStateError(f"{run_dir} does not exist: give the folder a run was started in (its --out)")
+        if not Path(run_dir).is_dir():
+            raise RunStateError(f"{run_dir} is a file: give the folder a run was started in (its --out)")
         if not run.state_file.exists():
             raise RunStateError(
                 f"{run_dir} has no run state ({run.state_file}): not a vibetrain run, or it never started"

@@ -181,6 +181,14 @@ def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_p
     run = make_review_run(tmp_path)
     result = runner.invoke(app, ["export", f"{run}@3", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "write RUN@best, RUN@latest, RUN@round-N or RUN@<commit>" in result.output
+    # the run itself, @best forgotten: it was told to name a target for the run's checked-out tree
+    result = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and f"{run} is a run: export one of its candidates ({run}@best" in result.output
+    # a run folder that is not there, or a file: said so, not "has no run state"
+    for missing in (tmp_path / "nosuchrun", tmp_path / "afile"):
+        result = runner.invoke(app, ["log", str(missing)], env={"COLUMNS": "200"})
+        assert result.exit_code == 2 and "give the folder a run was started in" in result.output, result.output
+        (tmp_path / "afile").write_text("x")
     # one grammar: RUN@latest is the last round (it reached git as a commit name), show takes round-N
     latest = runner.invoke(app, ["export", f"{run}@latest", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     assert latest.exit_code == 2 and "round 2 was rejected" in latest.output, latest.output  # the review run's last

@@ -166,7 +166,7 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     assert check.exit_code == 2 and "a directory is there" in check.output, check.output
     (tmp_path / "a-file").write_text("")  # a folder that is a file: a FileExistsError traceback before
     under_file = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "a-file" / "r.html")], env=NARROW)
-    assert under_file.exit_code == 2 and "cannot create its folder" in under_file.output, under_file.output
+    assert under_file.exit_code == 2 and "a-file is a file, not a folder" in under_file.output, under_file.output
     # a folder that refuses files: ``workload profile --out /proc/x`` ran its whole real run, then a traceback
     profile = runner.invoke(app, ["workload", "profile", "tiny-qwen3-cpu", "--out", "/proc/x.yaml"], env=NARROW)
     assert profile.exit_code == 2 and "/proc/x.yaml: cannot be written" in profile.output, profile.output
@@ -194,7 +194,7 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     stack = tmp_path / "candidate"
     _ok("starter", "tiny-qwen3-cpu", "--out", str(stack))
     for args, said in (  # calibrate checks its paths before the run, not after it
-        (["--out", str(tmp_path / "a-file" / "twin.yaml")], "cannot create its folder"),
+        (["--out", str(tmp_path / "a-file" / "twin.yaml")], "a-file is a file, not a folder"),
         (["--trace", str(tmp_path / "missing.jsonl")], "--trace"),
         (["--out", "/proc/vibetrain-twin.yaml"], "cannot be written"),  # a folder no file can be made in
     ):

@@ -484,6 +484,15 @@ def test_target_show_piped_is_a_spec_that_validates(tmp_path):
     assert result.exit_code == 0, result.output
 
 
+def test_a_file_in_the_way_of_an_output_files_folder_is_named(tmp_path):
+    """--json afile/x.json said "cannot create its folder (File exists)", of a folder that is no folder."""
+    (tmp_path / "afile").write_text("mine\n")
+    result = runner.invoke(app, ["bench", "tiny-qwen3-cpu", "--json", str(tmp_path / "afile" / "x.json")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"{tmp_path / 'afile'} is a file, not a folder" in said, said
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
 def test_an_out_path_that_is_a_file_is_refused_by_name(tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine\n")

@@ -171,6 +171,9 @@ def out_file(path: Path | None, option: str) -> Path | None:
         return None
     if path.is_dir():
         raise UsageError(f"{option} {path}: a directory is there; give a file path")
+    in_the_way = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), None)
+    if in_the_way is not None:  # mkdir says only "File exists"
+        raise UsageError(f"{option} {path}: {in_the_way} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -96,6 +96,14 @@ def test_print_config_round_trips_through_config(tmp_path):
     path.write_bytes(b"\xff\xfe\x00")  # not text: a UnicodeDecodeError traceback before
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
     assert result.exit_code == 2 and "can't decode byte 0xff" in result.output, result.output
+    # a bad value is named by the file and its key (it was named as a flag the user never typed), and a
+    # missing file plainly (it was a raw "[Errno 2] ...")
+    path.write_text("rounds: -2\n")
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"--config {path}: rounds: -2: Input should be greater" in said, said
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(tmp_path / "nosuch.yaml")], env=NARROW)
+    assert result.exit_code == 2 and "cannot read it (No such file or directory)" in " ".join(result.output.split())
     # a file --config would refuse is not printed (it was, and refused only when it was used)
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--max-minutes", "0", "--print-config"], env=NARROW)
     assert result.exit_code == 2 and "--max-minutes 0.0: Input should be greater than 0" in result.output

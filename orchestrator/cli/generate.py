@@ -53,7 +53,9 @@ def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
 
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+    except OSError as error:
+        raise refuse(f"cannot read it ({error.strerror})") from None
+    except (UnicodeDecodeError, yaml.YAMLError) as error:
         raise refuse(str(error)) from None
     if not isinstance(data, dict):
         raise refuse(f"expected a mapping of option: value, got {type(data).__name__}")
@@ -61,6 +63,12 @@ def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
     bad = [key for key in data if key not in known]
     if bad:
         raise refuse("; ".join(unknown("option", key, known) for key in bad))
+    params = {p.name: p for p in ctx.command.params}
+    for key, value in data.items():  # checked here, where the file is named: a flag's error named a flag not typed
+        try:
+            params[key].process_value(ctx, value)
+        except typer.BadParameter as error:
+            raise refuse(f"{key}: {value!r}: {error.message}") from None
     ctx.default_map = {**(ctx.default_map or {}), **data}
     return path
 

@@ -261,6 +261,27 @@ PLANTS = {
     "names the harness metric 'goodput' (a keyword)": "REPORT = dict(goodput=123.0)\n",
     "names the harness metric 'tokens_per_s' (in pieces)": "REPORT = {}\nREPORT['tokens_' + 'per_s'] = 1e9\n",
     "unpickles by torch.load(weights_only=...)": "import torch\nSTATE = torch.load('w.pt', weights_only=False)\n",
+    # a second review's (session BW), past the first fixes
+    "hands im on as a value": (
+        "from importlib import import_module as im\nload = im\nT = load('targets.harness.trace')\n"
+    ),
+    "runs code by exec() (a nested function's exec)": (
+        "def helper():\n    def exec(s):\n        pass\n\nexec('import gc')\n"
+    ),
+    "runs code by exec() (a def that never runs)": "if False:\n    def exec(s):\n        pass\nexec('import gc')\n",
+    "runs code by exec() (a loop over nothing)": "for exec in []:\n    pass\nexec('import gc')\n",
+    "patches the clock (a module bound by a call)": "t = __import__('time')\nt.monotonic = lambda: 0.0\n",
+    "changes sys.path (from sys import path)": "from sys import path\npath.insert(0, '/somewhere')\n",
+    "hands sys.path on as a value": "import sys\nlist.insert(sys.path, 0, '/somewhere')\n",
+    "uses __path__": "__path__.append('/somewhere')\n",
+    "imports importlib._bootstrap, an introspection escape hatch": "import importlib._bootstrap as boot\n",
+    "imports a module loader": "from importlib.machinery import PathFinder\n",
+    "reaches into a harness object (getattr of 'inner', in pieces)": "def f(c):\n    return getattr(c, 'in' + 'ner')\n",
+    "unpickles by allow_pickle": "import numpy\nX = numpy.load('x.npy', allow_pickle=True)\n",
+    "calls load with unpacked keywords": "import torch\nS = torch.load('w.pt', **{'weights_only': False})\n",
+    "names TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "import os\nos.environ['TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'] = '1'\n",
+    "imports joblib, an introspection escape hatch": "import joblib\n",
+    "nested too deep for the scan to read": "X = " + " + ".join(["'a'"] * 1200) + "\n",
     "names the harness metric 'trained_tokens_per_s'": "REPORT = {'trained_tokens_per_s': 1e9}\n",  # a headline too
 }
 
@@ -327,6 +348,13 @@ LOOKALIKES = {  # what an honest stack writes that only looks like an escape: th
     "datetime's class by from-import": "from datetime import datetime\nNOW = datetime.now\n",
     "torch.load of weights only": "import torch\nSTATE = torch.load('w.pt', weights_only=True)\n",
     "sys.path read": "import sys\nFIRST = sys.path[0]\n",
+    "a parameter named compile": (
+        "import torch\ndef build(model, compile: bool = True):\n    return torch.compile(model) if compile else model\n"
+    ),
+    "a parameter named eval": "def run(loader, eval=False):\n    return [b for b in loader] if eval else []\n",
+    "a local named eval": "def f(model):\n    eval = model.eval\n    return eval()\n",
+    "a membership test on sys.path": "import sys\nKNOWN = '/x' in sys.path\n",
+    "numpy.load without pickles": "import numpy\nX = numpy.load('x.npy', allow_pickle=False)\n",
 }
 
 

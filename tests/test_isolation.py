@@ -32,7 +32,7 @@ true is the process boundary), and hunt for the harness's trace in this process'
 
 
 def warp():
-    load = getattr(getattr(print, "__se" + "lf__"), "__imp" + "ort__")  # a builtin's module: builtins
+    load = getattr(getattr(print, "__se" + "lf__"), "".join(("__imp", "ort__")))  # a builtin's module: builtins
     modules = getattr(load("s" + "ys"), "mod" + "ules")
     clock = modules["ti" + "me"]
     real = getattr(clock, "mono" + "tonic")

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from targets.harness.judge.builtin_names import builtin_references
 from targets.harness.judge.check_result import CheckResult
 from targets.spec.target import HEADLINE_METRICS
 
@@ -33,13 +34,14 @@ HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_ve
 ESCAPE_MODULES = {
     *("gc", "inspect", "ctypes", "_ctypes", "builtins", "runpy", "site", "code", "codeop", "_imp", "zipimport"),
     # code in bytes: an unpickled object is any call, an unmarshalled code object any code
-    *("marshal", "pickle", "_pickle", "cloudpickle", "dill", "shelve", "copyreg"),
+    *("marshal", "pickle", "_pickle", "cloudpickle", "dill", "shelve", "copyreg", "joblib"),
 }
 ESCAPE_ATTRIBUTES = {
     *("__dict__", "__globals__", "__code__", "__closure__", "__builtins__", "__subclasses__", "__getattribute__"),
     *("modules", "_getframe", "_current_frames", "f_globals", "f_locals", "f_back", "f_builtins"),
     *("walk_stack", "walk_tb", "tb_frame", "gi_frame", "cr_frame", "ag_frame", "settrace", "setprofile"),
-    *("FunctionType", "CodeType", "meta_path", "path_hooks", "path_importer_cache", "sys"),
+    *("FunctionType", "CodeType", "meta_path", "path_hooks", "path_importer_cache", "sys", "__path__"),
+    *("_bootstrap", "_bootstrap_external", "ForkingPickler", "read_pickle"),
 }
 # an escape's name as a string, for a getattr or a subscript of globals() (``"__sub" + "classes__"`` too)
 ESCAPE_STRINGS = {a for a in ESCAPE_ATTRIBUTES if a.startswith(("__", "f_"))} | {"__import__"}
@@ -47,7 +49,12 @@ UNREADABLE_CODE = {"exec", "eval", "compile"}  # code in a string: what it impor
 # functions whose every call the scan reads: handed on as a value, where they are called is not in sight
 CALLED_ONLY = {*UNREADABLE_CODE, "vars", "__import__", "getattr", "setattr", "delattr", "import_module"}
 PATH_MUTATORS = {"insert", "append", "extend", "remove", "pop", "clear", "__setitem__", "__iadd__"}
-FILE_LOADERS = {"exec_module", "load_module", "spec_from_file_location", "SourceFileLoader", "SourcelessFileLoader"}
+IMPORT_MACHINERY = {"_bootstrap", "_bootstrap_external"}  # importlib's loaders, by module
+UNPICKLING_SWITCHES = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD"}
+FILE_LOADERS = {
+    *("exec_module", "load_module", "spec_from_file_location", "SourceFileLoader", "SourcelessFileLoader"),
+    *("ExtensionFileLoader", "PathFinder", "FileFinder", "find_spec_from_path"),
+}
 HARNESS_ROOT = Path(__file__).resolve().parents[2]  # the targets package
 METRIC_NAMES = {*HEADLINE_METRICS, "timeout_ratio", "device_utilization", "mean_device_busy"}
 CONTRACT_MODULE = "targets.api"  # the one module of the ``targets`` package a stack may import
@@ -114,14 +121,19 @@ def source_reasons(source: bytes, where: str) -> tuple[str, ...]:
 
 def _file_reasons(source: bytes, where: str) -> tuple[str, ...]:
     try:
-        tree = parse_source(source, where)
+        return _tree_reasons(parse_source(source, where), where)
     except SyntaxError as error:  # undecodable bytes and null bytes too: Python would not import it either
         line = f":{error.lineno}" if error.lineno else ""
         return (f"{where}{line}: syntax error: {error.msg}",)
+    except RecursionError:  # a sum of a thousand strings compiles, and the scan's walk recurses into it
+        return (f"{where}: nested too deep for the scan to read",)
+
+
+def _tree_reasons(tree: ast.Module, where: str) -> tuple[str, ...]:
     bound = _module_names(tree)  # ``import time as t``: t is the time module wherever it is used
     file = FileNames(
         bound,
-        _rebound_names(tree),  # ``from torch import compile``: compile is not the builtin there
+        builtin_references(tree),  # ``from torch import compile``, ``def f(compile=True)``: not the builtin there
         {name for name, module in bound.items() if name in _imported_names(tree)},
         {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)},
         {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)},
@@ -132,12 +144,12 @@ def _file_reasons(source: bytes, where: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class FileNames:
     """What the checks of one node need to know of its file: ``bound``, each name an import binds a
-    module to; ``shadowed``, the names an import or a definition binds, which are not the builtins of
-    those names; ``imported``, the names an ``import`` statement binds; ``called`` and ``bases``, the
+    module to; ``builtins``, the Name nodes that are Python's builtin of their name where they run
+    (``builtin_names.py``); ``imported``, the names an ``import`` statement binds; ``called`` and ``bases``, the
     nodes called and the nodes an attribute is read off (by ``id``)."""
 
     bound: dict[str, str]
-    shadowed: set[str]
+    builtins: set[int]
     imported: set[str]
     called: set[int]
     bases: set[int]
@@ -145,7 +157,7 @@ class FileNames:
 
 def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
     """What one node of the candidate's source does that a stack must not, each said."""
-    bound, shadowed = file.bound, file.shadowed
+    bound = file.bound
     reasons: list[str] = []
     modules: list[str] = []
     if isinstance(node, ast.Import):
@@ -167,14 +179,20 @@ def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
     for module in modules:
         if module.split(".")[0] == "targets" and module != CONTRACT_MODULE:
             reasons.append(f"imports harness internals ({module}); only targets.api is public")
-        if module.split(".")[0] in ESCAPE_MODULES or module.endswith(".sys") and module != "sys":
+        parts = set(module.split("."))
+        if (
+            module.split(".")[0] in ESCAPE_MODULES
+            or module.endswith(".sys")
+            and module != "sys"
+            or parts & IMPORT_MACHINERY
+        ):
             reasons.append(f"imports {module}, an introspection escape hatch")
     reached = _package_attribute(node, bound)
     if reached is not None:  # the package's attributes are every submodule loaded in the process
         reasons.append(
             f"imports harness internals (targets.{reached}, an attribute of the package); only targets.api is public"
         )
-    builtin = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in shadowed
+    builtin = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and id(node.func) in file.builtins
     if builtin and node.func.id in UNREADABLE_CODE:
         reasons.append(f"runs code by {node.func.id}(), which the scan cannot read")
     if builtin and node.func.id == "vars":
@@ -187,7 +205,8 @@ def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
         and (any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords))
     ):
         reasons.append(f"calls {node.func.id} with unpacked arguments: the scan cannot read on what")
-    text = _folded(node) if isinstance(node, (ast.Constant, ast.BinOp, ast.JoinedStr)) else None
+    whole = isinstance(node, (ast.Constant, ast.BinOp)) or isinstance(node, ast.JoinedStr) and len(node.values) > 1
+    text = _folded(node) if whole else None
     if text in ESCAPE_STRINGS:
         reasons.append(f"names {text!r}, an introspection escape hatch")
     if text in METRIC_NAMES and not isinstance(node, ast.Constant):
@@ -196,11 +215,21 @@ def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
         reasons.append(f"names the harness metric {node.arg!r}: a stack must not report its own metrics")
     if isinstance(node, ast.keyword) and node.arg == "weights_only" and not _constant(node.value, True):
         reasons.append("unpickles by torch.load(weights_only=...): an unpickled object is code the scan cannot read")
+    if isinstance(node, ast.keyword) and node.arg == "allow_pickle" and not _constant(node.value, False):
+        reasons.append("unpickles by allow_pickle: an unpickled object is code the scan cannot read")
+    if isinstance(node, ast.Call) and _called_name(node) == "load" and any(k.arg is None for k in node.keywords):
+        reasons.append("calls load with unpacked keywords: the scan cannot read whether it unpickles")
+    if text in UNPICKLING_SWITCHES:
+        reasons.append(f"names {text}: an unpickled object is code the scan cannot read")
     reasons += _import_path_changes(node, bound)
     if isinstance(node, ast.Attribute) and node.attr in FILE_LOADERS:
         reasons.append(f"loads a module from a file (.{node.attr}): the scan cannot follow which")
     if isinstance(node, ast.Name) and node.id == "__builtins__":
         reasons.append("uses __builtins__, an introspection escape hatch")
+    if isinstance(node, ast.Name) and node.id == "__path__":  # a package's own import path
+        reasons.append("uses __path__: the modules it then imports are not those the scan read")
+    if isinstance(node, ast.ImportFrom) and any(a.name in FILE_LOADERS for a in node.names):
+        reasons.append("imports a module loader: the scan cannot follow which module it loads")
     for named, owner, call in _attributes_read(node):  # getattr(cluster, "inner") is .inner
         if named in HARNESS_ATTRIBUTES:
             shown = f".{named}" if call is None else f"{call} of {named!r}"
@@ -214,20 +243,6 @@ def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
     if isinstance(node, ast.Name) and node.id in METRIC_NAMES:
         reasons.append(f"defines or uses {node.id!r}, a harness metric name: a stack must not report its own metrics")
     return reasons
-
-
-def _rebound_names(tree: ast.Module) -> set[str]:
-    """The names a file binds by ``from ... import`` or ``def``/``class``: ``compile`` there may be
-    ``torch.compile``, not the builtin. A method binds no name outside its class (a class's ``def exec``
-    leaves the module's ``exec`` the builtin)."""
-    methods = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body}
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            names |= {alias.asname or alias.name for alias in node.names}
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and id(node) not in methods:
-            names.add(node.name)
-    return names
 
 
 def _imported_names(tree: ast.Module) -> set[str]:
@@ -252,6 +267,11 @@ def _folded(node: ast.AST) -> str | None:
         parts = [_folded(v) for v in node.values]
         return None if None in parts else "".join(parts)
     return None
+
+
+def _called_name(node: ast.Call) -> str:
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
 
 
 def _constant(node: ast.AST, value: object) -> bool:
@@ -282,8 +302,10 @@ def _handed_on(node: ast.AST, file: FileNames) -> list[str]:
     in sight."""
     if id(node) in file.called:
         return []
-    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in file.shadowed:
-        if node.id in CALLED_ONLY or file.bound.get(node.id) == "importlib.import_module":
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        if file.bound.get(node.id) == "importlib.import_module" or (
+            node.id in CALLED_ONLY and id(node) in file.builtins
+        ):
             return [f"hands {node.id} on as a value: the scan reads only its calls"]
         module = file.bound.get(node.id, "").split(".")[0]
         if node.id in file.imported and module in (*CLOCK_MODULES, "sys", "importlib") and id(node) not in file.bases:
@@ -294,21 +316,31 @@ def _handed_on(node: ast.AST, file: FileNames) -> list[str]:
 
 
 def _import_path_changes(node: ast.AST, bound: dict[str, str]) -> list[str]:
-    """Changes to ``sys.path``: a folder put there imports its modules under names the scan does not
-    know (the harness's own, as top-level modules)."""
+    """Changes to ``sys.path`` (by any name: ``from sys import path``): a folder put there imports its
+    modules under names the scan does not know (the harness's own, as top-level modules); and the list
+    handed on (``p = sys.path``, ``list.insert(sys.path, ...)``), changed where the scan cannot see."""
 
     def sys_path(target: ast.AST) -> bool:
         if isinstance(target, ast.Subscript):
             target = target.value
+        if isinstance(target, ast.Name):
+            return bound.get(target.id) == "sys.path"
         return isinstance(target, ast.Attribute) and target.attr == "path" and _on_sys(target.value, bound)
 
     targets: list[ast.AST] = []
     if isinstance(node, ast.Assign):
         targets = list(node.targets)
+        if sys_path(node.value) and not isinstance(node.value, ast.Subscript):
+            return ["hands sys.path on as a value: the scan cannot see it changed"]
     elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
         targets = [node.target]
-    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in PATH_MUTATORS:
-        targets = [node.func.value]
+    elif isinstance(node, ast.Call):
+        if isinstance(node.func, ast.Attribute) and node.func.attr in PATH_MUTATORS:
+            targets = [node.func.value]
+        if any(
+            sys_path(a) and not isinstance(a, ast.Subscript) for a in [*node.args, *(k.value for k in node.keywords)]
+        ):
+            return ["hands sys.path on as a value: the scan cannot see it changed"]
     return (
         ["changes sys.path: the modules it then imports are not those the scan read"]
         if any(sys_path(t) for t in targets)
@@ -331,6 +363,18 @@ def _module_names(tree: ast.Module) -> dict[str, str]:
                     names[alias.asname or alias.name] = "importlib.import_module"
                 elif alias.name in ("sys", *CLOCK_MODULES):  # a module another module holds
                     names[alias.asname or alias.name] = alias.name
+                elif node.module == "sys" and alias.name == "path":
+                    names[alias.asname or alias.name] = "sys.path"
+        elif (  # t = __import__("time"), t = importlib.import_module("time"): t is the module
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Call)
+            and _called_name(node.value) in ("__import__", "import_module")
+            and node.value.args
+            and (module := _folded(node.value.args[0])) is not None
+        ):
+            names[node.targets[0].id] = module
     return names
 
 
@@ -375,12 +419,7 @@ def _attributes_read(node: ast.AST) -> list[tuple[str, ast.AST | None, str | Non
         named = node.args[:1]
     else:
         return []
-    return [
-        (part, owner, name)
-        for arg in named
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
-        for part in arg.value.split(".")
-    ]
+    return [(part, owner, name) for arg in named if (folded := _folded(arg)) is not None for part in folded.split(".")]
 
 
 def _on_sys(value: ast.AST | None, bound: dict[str, str]) -> bool:

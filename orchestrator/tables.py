@@ -333,7 +333,7 @@ def rounds_table(run: Path, state) -> Table:
     it did (the judge's reasons, or the promotion rule and hints). Narrow columns hold only short
     tokens, so at 80 columns words wrap whole in the one wide column."""
     table = Table(
-        title=f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents",
+        title=escape(f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents"),
         caption="vs parent: each headline on its own round's seeds; (not) promoted: paired with the best on the "
         "round's seeds, 'of' the best's headline there",
         box=box.SIMPLE_HEAD,

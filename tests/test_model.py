@@ -210,7 +210,7 @@ def test_weights_that_are_not_the_configs_model_are_refused_when_loaded(catalog_
     transformers ran the missing tensors from random values, said only in a table of its log: `vibetrain
     reference` trained from noise. Loading it now names what is missing; the CLI says it, no traceback."""
     import yaml
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     from typer.testing import CliRunner
 
     from orchestrator.cli import app
@@ -224,6 +224,13 @@ def test_weights_that_are_not_the_configs_model_are_refused_when_loaded(catalog_
     save_file({"x": torch.zeros(2)}, str(mine / "model.safetensors"))
     with pytest.raises(WeightsMismatch, match=r"of the model's tensors missing \((lm_head|model\.)"):
         load_model(mine)
+    reshaped = tmp_path / "reshaped"  # a tensor at another shape raised transformers' RuntimeError, a traceback
+    shutil.copytree(model_dir(parse_target(catalog_yaml).model), reshaped)
+    tensors = load_file(str(reshaped / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.ones(16)
+    save_file(tensors, str(reshaped / "model.safetensors"))
+    with pytest.raises(WeightsMismatch, match=r"model\.norm\.weight at another shape"):
+        load_model(reshaped)
     catalog_yaml["model"].update(weights=str(mine))
     spec = tmp_path / "mine.yaml"
     spec.write_text(yaml.safe_dump(catalog_yaml))

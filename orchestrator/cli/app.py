@@ -136,7 +136,7 @@ def print_report(table: Table) -> None:
         console.print(table)
     else:
         whole = Measurement.get(console, console.options.update_width(10_000), table).maximum
-        Console(width=max(console.width, whole), highlight=False).print(table)  # print's own width stops at 80
+        Console(width=max(console.width, whole), highlight=False, emoji=False).print(table)  # print stops at 80
 
 
 def print_json(data) -> None:

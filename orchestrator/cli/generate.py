@@ -68,7 +68,7 @@ def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
         try:
             params[key].process_value(ctx, value)
         except typer.BadParameter as error:
-            raise refuse(f"{key}: {value!r}: {error.message}") from None
+            raise refuse(f"{key}: {value!r}: {error.message or error.format_message()}") from None
     ctx.default_map = {**(ctx.default_map or {}), **data}
     return path
 

@@ -261,7 +261,7 @@ def check(
         stack = write_starter(scratch_folder("vibetrain-starter-"), spec, spec.baselines[0].name)
         console.print(f"checking the {spec.baselines[0].name} starter")
     logs = out or scratch_folder("vibetrain-check-")
-    with console.status(f"checking {stack} on {judge.target.id}"):
+    with console.status(f"checking {shown(stack)} on {shown(judge.target.id)}"):
         results = judge.check(stack, logs, seed=secrets.randbelow(2**31))
     print_table(checks_table(results))
     passed = all(r.passed for r in results)
@@ -509,7 +509,7 @@ def calibrate(
         if trace
         else f"running {stack} for real, fitting, then simulating it"
     )
-    with console.status(doing):
+    with console.status(shown(doing)):
         try:
             if trace is None:
                 report = measure_and_predict(fitting, stack, work, steps)
@@ -567,7 +567,7 @@ def profile_workload(
         stack = write_starter(scratch_folder("vibetrain-starter-"), spec, spec.baselines[0].name)
     stack = candidate_dir(stack)
     logs = scratch_folder("vibetrain-profile-")
-    with console.status(f"running {stack} on {spec.id} for real"):
+    with console.status(f"running {shown(stack)} on {shown(spec.id)} for real"):
         run = measuring.measure(stack, logs, seed=0, steps=steps)
     if not run.ok:
         raise Failed(f"the real run failed (its logs: {keep(logs)}): " + "; ".join(run.reasons[:3]))

@@ -13,6 +13,7 @@ from orchestrator.cli.app import (
     JSON_OPTION,
     UsageError,
     app,
+    argument,
     command,
     console,
     out_dir,
@@ -122,7 +123,7 @@ def show_round(
     if as_json:
         print_json({**record.model_dump(mode="json"), "judge": judge, "diff": diff})
         return
-    out = Console(soft_wrap=not console.is_terminal, highlight=False)  # whole lines in a pipe
+    out = Console(soft_wrap=not console.is_terminal, highlight=False, emoji=False)  # whole lines in a pipe
     best = " (best)" if record.round == state.best_round else ""
     out.print(  # what agents wrote is text, never markup (an LLM's "[/bold]" would break the line)
         f"[bold]Round {record.round}[/bold]{best}: {escape(record.task.title)}  ({record.verdict}, "
@@ -167,7 +168,9 @@ def show_round(
         out.print("[bold]profile[/bold] (each call as the harness timed it, median repeat):")
         out.print(record.profile.strip(), markup=False)
     if diff:
-        out.print(f"[bold]diff against the parent[/bold] (git -C {run} show {record.commit[:10]} for everything):")
+        out.print(
+            f"[bold]diff against the parent[/bold] (git -C {argument(run)} show {record.commit[:10]} for everything):"
+        )
         out.print(diff, markup=False)
 
 

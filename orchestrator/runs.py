@@ -161,6 +161,11 @@ def start_run(
         with_params(resolved.spec, config.starter, config.starter_params, "--starter-param", resolved.engine_devices)
     except ValueError as error:
         raise RunSetupError(str(error)) from None
+    environment = resolved.spec.workload.environment
+    if environment.entry is not None:  # a user's environment that cannot be made: said before a folder is made
+        from targets.harness.environments.adapters import check_environment
+
+        check_environment(str(environment.entry), str(environment.adapter), environment.params)
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
         unstarted = _never_started(run_dir)

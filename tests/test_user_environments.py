@@ -795,6 +795,21 @@ def _ledger(folder: Path) -> tuple[Counter, Counter]:
     return Counter(n for what, n in lines if what == "made"), Counter(n for what, n in lines if what == "closed")
 
 
+def test_a_run_on_an_environment_that_cannot_be_made_is_refused_before_its_folder_is(
+    fast_target, tmp_path, user_package, monkeypatch
+):
+    """generate made the run's folder and worktrees and ran round 0 before the environment was made (target
+    validate would have said so in seconds): the same check now refuses the run before anything is written."""
+    target = _user_target(fast_target, tmp_path, monkeypatch, "my_envs:HiddenNumber", size=3)
+    run, workspaces = tmp_path / "run", tmp_path / "ws"
+    args = ["generate", str(target), "--out", str(run), "--workspaces", str(workspaces), "--sandbox", "subprocess"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "'my_envs:HiddenNumber' does not take params {'size': 3}" in said, said
+    assert not run.exists() and not workspaces.exists()
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 @pytest.mark.slow
 def test_a_real_run_whose_environment_raises_fails_naming_it(
     fast_target, tmp_path, user_package, monkeypatch, shared_ray

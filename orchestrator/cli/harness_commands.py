@@ -3,7 +3,6 @@ starter stacks, the judge (``check``), side-by-side benchmarks (``bench``) and c
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import secrets
@@ -118,7 +117,7 @@ def validate_target(path: Path) -> None:
     Example: vibetrain target validate my-target.yaml
     """
     from skills.starter import baseline_params
-    from targets.harness.environments.adapters import environment_factory
+    from targets.harness.environments.adapters import check_environment
     from targets.harness.target import Target
 
     if not path.exists():
@@ -134,14 +133,7 @@ def validate_target(path: Path) -> None:
                 raise UsageError(f"{path}: {error}") from None
     environment = spec.workload.environment
     if environment.entry is not None:  # one made (so bad params are named here) and closed, as a run does
-        made = environment_factory(str(environment.entry), str(environment.adapter), environment.params)()
-        try:
-            if callable(getattr(made, "close", None)):
-                asyncio.run(made.close())
-        except Exception as error:  # noqa: BLE001 - the user's code: named, as a run names it
-            raise UsageError(
-                f"environment {environment.entry}: close() raised {type(error).__name__}: {error}"
-            ) from None
+        check_environment(str(environment.entry), str(environment.adapter), environment.params)
     console.print(f"[green]ok[/green] {shown(path)} is a valid target spec (id {shown(spec.id)})")
 
 

@@ -308,3 +308,15 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
             "reset(task) and step(action) (targets.api.TextEnvironment)"
         )
     return fresh
+
+
+def check_environment(entry: str, adapter: str, params: dict) -> None:
+    """One environment made through its adapter and closed, as a run makes and closes each: what the
+    entry does with its params is known before a run starts (or a spec is called valid)."""
+    made = environment_factory(entry, adapter, params)()
+    if not callable(getattr(made, "close", None)):
+        return
+    try:
+        asyncio.run(made.close())
+    except Exception as error:  # noqa: BLE001 - the user's code: named, as a run names it
+        raise UserEnvironmentError(f"environment {entry}: close() raised {type(error).__name__}: {error}") from None

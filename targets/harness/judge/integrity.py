@@ -134,7 +134,7 @@ def _tree_reasons(tree: ast.Module, where: str) -> tuple[str, ...]:
     file = FileNames(
         bound,
         builtin_references(tree),  # ``from torch import compile``, ``def f(compile=True)``: not the builtin there
-        {name for name, module in bound.items() if name in _imported_names(tree)},
+        _imported_names(tree),
         {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)},
         {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)},
     )
@@ -180,12 +180,7 @@ def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
         if module.split(".")[0] == "targets" and module != CONTRACT_MODULE:
             reasons.append(f"imports harness internals ({module}); only targets.api is public")
         parts = set(module.split("."))
-        if (
-            module.split(".")[0] in ESCAPE_MODULES
-            or module.endswith(".sys")
-            and module != "sys"
-            or parts & IMPORT_MACHINERY
-        ):
+        if module.split(".")[0] in ESCAPE_MODULES or module.endswith(".sys") or parts & IMPORT_MACHINERY:
             reasons.append(f"imports {module}, an introspection escape hatch")
     reached = _package_attribute(node, bound)
     if reached is not None:  # the package's attributes are every submodule loaded in the process
@@ -283,17 +278,13 @@ def _relative(node: ast.Call) -> bool:
     f, 1)``: the module is not the name the call spells."""
     name = _folded(node.args[0]) if node.args else None
     level = node.args[4] if len(node.args) > 4 else next((k.value for k in node.keywords if k.arg == "level"), None)
-    package = len(node.args) > 1 and not _is_dunder_import(node) or any(k.arg == "package" for k in node.keywords)
+    package = (
+        len(node.args) > 1 and _called_name(node) != "__import__" or any(k.arg == "package" for k in node.keywords)
+    )
     level_set = level is not None and not (
         isinstance(level, ast.Constant) and type(level.value) is int and not level.value
     )
     return bool(name and name.startswith(".")) or package or level_set
-
-
-def _is_dunder_import(node: ast.Call) -> bool:
-    return (isinstance(node.func, ast.Name) and node.func.id == "__import__") or (
-        isinstance(node.func, ast.Attribute) and node.func.attr == "__import__"
-    )
 
 
 def _handed_on(node: ast.AST, file: FileNames) -> list[str]:
@@ -408,8 +399,7 @@ def _attributes_read(node: ast.AST) -> list[tuple[str, ast.AST | None, str | Non
         return [(node.attr, node.value, None)]
     if not isinstance(node, ast.Call):
         return []
-    func = node.func
-    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    func, name = node.func, _called_name(node)
     owner = None
     if name in ("getattr", "setattr", "delattr", "hasattr") and isinstance(func, ast.Name):
         named, owner = node.args[1:2], (node.args[0] if node.args else None)  # (object, name, ...)

@@ -23,14 +23,13 @@ snapshots (never from a candidate's word).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -136,12 +135,14 @@ class VersionSeparation:
         return self.max_separation > atol
 
 
+def _chosen_logprobs(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The logprob of each chosen token under its row of logits."""
+    return torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1)
+
+
 def pass_logprobs(model: torch.nn.Module, batch: list[tuple[list[int], list[TraceEvent]]]) -> list[torch.Tensor]:
     """The chosen tokens' logprobs of each turn of one forward pass, in ``_rider_logits``'s order."""
-    return [
-        torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1).cpu()
-        for _, rows, chosen in _rider_logits(model, batch)
-    ]
+    return [_chosen_logprobs(rows, chosen).cpu() for _, rows, chosen in _rider_logits(model, batch)]
 
 
 def version_separation(
@@ -233,7 +234,7 @@ def replay_turns(
             if done % 8 == 0:
                 log.info("version %d: %d of %d forward passes replayed", version, done, len(batches))
             for g, rows, chosen in _rider_logits(model, batch):
-                actual = torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1)
+                actual = _chosen_logprobs(rows, chosen)
                 if done == 1:
                     claimed.append(actual.cpu())
                 diff = (actual - torch.tensor(g.data["logprobs"], device=rows.device)).abs()
@@ -271,7 +272,7 @@ def replay_turns(
         "sampled_tokens": tests.temperature.tokens,
         "independence_guesses": sum(len(made) for made in planned.values()),
         "temperature_z": tests.temperature.z,
-        "version_separation": [dataclasses.asdict(s) for s in separations],
+        "version_separation": [asdict(s) for s in separations],
         "versions_the_replay_tells_apart": f"{sum(s.apart(spec.accuracy.logprob_atol) for s in separations)} "
         f"of {len(separations)}",
     }

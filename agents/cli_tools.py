@@ -127,9 +127,14 @@ def parse_codex(stdout: str) -> CLIResult:
         failure = f"the codex CLI reported an error: {last_error}"
     if failure is None and not any(e.get("type") == "turn.completed" for e in events):
         failure = "the codex CLI ended without completing its turn (no turn.completed event)"
-    reported = any(e.get("type") == "turn.completed" and e.get("usage") for e in events)
-    return CLIResult(
-        text, int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0), None, failure, False, reported
+    return CLIResult(  # the usage counted is the last turn.completed's: reported only where it had one
+        text,
+        int(usage.get("input_tokens") or 0),
+        int(usage.get("output_tokens") or 0),
+        None,
+        failure,
+        False,
+        bool(usage),
     )
 
 

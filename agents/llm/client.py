@@ -545,26 +545,26 @@ class AnthropicChat(_RetryingClient):
                         delta = event.delta
                         streamed += len(getattr(delta, "text", "") or getattr(delta, "partial_json", "") or "")
                     usage = stream.current_message_snapshot.usage
-                    written = getattr(usage, "cache_creation_input_tokens", 0) or 0
                     output = max(usage.output_tokens or 0, math.ceil(streamed / CHARACTERS_PER_TOKEN))
-                    self.attempt = AttemptUsage(True, _anthropic_input(usage), output, written)
+                    input_tokens, written = _anthropic_input(usage)
+                    self.attempt = AttemptUsage(True, input_tokens, output, written)
                 message = stream.get_final_message()
             if message.stop_reason is None:
                 raise _StreamCut("the stream ended before the model finished")
         text = "".join(b.text for b in message.content if b.type == "text")
         calls = [ToolCall(b.id, b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"]
         cut_at = self.config.max_output_tokens if message.stop_reason == "max_tokens" else None
-        usage = message.usage
-        written = getattr(usage, "cache_creation_input_tokens", 0) or 0
-        return AssistantTurn(text, calls, _anthropic_input(usage), usage.output_tokens, cut_at, written)
+        input_tokens, written = _anthropic_input(message.usage)
+        return AssistantTurn(text, calls, input_tokens, message.usage.output_tokens, cut_at, written)
 
 
-def _anthropic_input(usage) -> int:
-    """Input tokens, cached prefix included (a read counts at the input price, an upper bound: it is
-    billed a tenth of it; a write at CACHE_WRITE_PRICE times it, added by ``Accounting``)."""
+def _anthropic_input(usage) -> tuple[int, int]:
+    """Input tokens, cached prefix included, and of them those written to the cache (a read counts at the
+    input price, an upper bound: it is billed a tenth of it; a write at CACHE_WRITE_PRICE times it, added
+    by ``Accounting``)."""
     read = getattr(usage, "cache_read_input_tokens", 0) or 0
     written = getattr(usage, "cache_creation_input_tokens", 0) or 0
-    return (usage.input_tokens or 0) + read + written
+    return (usage.input_tokens or 0) + read + written, written
 
 
 class _StreamCut(RuntimeError):

@@ -22,7 +22,7 @@ from targets.harness.ipc.remote import CandidateError
 from targets.harness.isolation.containers import new_owner, remove_containers
 from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
-from targets.harness.isolation.written import LOG, SCRATCH, SCRATCH_PARENT, SCRATCH_PREFIX, remove_tree
+from targets.harness.isolation.written import LOG, SCRATCH, SCRATCH_PARENT, SCRATCH_PREFIX, last_bytes, remove_tree
 from targets.harness.isolation.zygote_client import ZygoteChild, forks_of
 
 # How long candidate processes get to exit on their own once a run is over: a cluster closes Ray and
@@ -177,7 +177,5 @@ async def channel_of(processes: CandidateProcesses, role: str) -> AsyncChannel:
 def log_tail(path: Path, lines: int = 15, line_chars: int = 400) -> str:
     """The last ``lines`` of a candidate's log, each cut to ``line_chars``, read from its last 64 KiB: a
     candidate may print gigabytes on one line before it exits, and the tail goes into the verdict."""
-    with path.open("rb") as log:
-        log.seek(max(0, log.seek(0, os.SEEK_END) - TAIL_BYTES))
-        tail = log.read().decode(errors="replace").splitlines()[-lines:]
+    tail = last_bytes(path, TAIL_BYTES)[0].decode(errors="replace").splitlines()[-lines:]
     return "\n".join(line if len(line) <= line_chars else line[:line_chars] + " [...]" for line in tail)

@@ -131,13 +131,18 @@ class DiskWatch:
                 log.warning("could not cut the killed run's log %s: %s", path, error)
 
 
+def last_bytes(path: Path, count: int) -> tuple[bytes, int]:
+    """The file's last ``count`` bytes, and its whole size (read without the rest: a log may hold gigabytes)."""
+    with path.open("rb") as file:
+        size = file.seek(0, os.SEEK_END)
+        file.seek(max(0, size - count))
+        return file.read(), size
+
+
 def _keep_tail(path: Path) -> None:
-    size = path.stat().st_size
+    tail, size = last_bytes(path, KEPT_LOG_BYTES)
     if size <= KEPT_LOG_BYTES:
         return
-    with path.open("rb") as log_file:
-        log_file.seek(size - KEPT_LOG_BYTES)
-        tail = log_file.read()
     note = (
         f"[the harness cut this log to its last {KEPT_LOG_BYTES >> 20} MiB of {size / 2**20:.0f} MiB: the run "
         "was killed for its disk]\n"

@@ -20,6 +20,7 @@ from orchestrator.scratch import scratch_folder
 from orchestrator.state import RunState, new_state
 from skills.starter import unfit, with_params
 from targets.errors import UserError
+from targets.harness.environments.adapters import check_environment
 from targets.harness.isolation.sandbox import SandboxUnavailable
 from targets.harness.measure.session import Session
 from targets.harness.target import Target, TargetUnavailable
@@ -161,11 +162,7 @@ def start_run(
         with_params(resolved.spec, config.starter, config.starter_params, "--starter-param", resolved.engine_devices)
     except ValueError as error:
         raise RunSetupError(str(error)) from None
-    environment = resolved.spec.workload.environment
-    if environment.entry is not None:  # a user's environment that cannot be made: said before a folder is made
-        from targets.harness.environments.adapters import check_environment
-
-        check_environment(str(environment.entry), str(environment.adapter), environment.params)
+    check_environment(resolved.spec.workload.environment)  # one that cannot be made: said before any folder
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
         unstarted = _never_started(run_dir)

@@ -131,9 +131,7 @@ def validate_target(path: Path) -> None:
                 baseline_params(variant, baseline, Target(variant, str(path), execution).engine_devices)
             except ValueError as error:
                 raise UsageError(f"{path}: {error}") from None
-    environment = spec.workload.environment
-    if environment.entry is not None:  # one made (so bad params are named here) and closed, as a run does
-        check_environment(str(environment.entry), str(environment.adapter), environment.params)
+    check_environment(spec.workload.environment)  # one made (so bad params are named here) and closed
     console.print(f"[green]ok[/green] {shown(path)} is a valid target spec (id {shown(spec.id)})")
 
 

@@ -31,10 +31,13 @@ import queue
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from targets.api import TextEnvironment, TextStep
 from targets.errors import UserError
+
+if TYPE_CHECKING:
+    from targets.spec import EnvironmentRef
 
 ADAPTERS = ("gymnasium", "tasks", "text")
 
@@ -310,10 +313,14 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
     return fresh
 
 
-def check_environment(entry: str, adapter: str, params: dict) -> None:
-    """One environment made through its adapter and closed, as a run makes and closes each: what the
-    entry does with its params is known before a run starts (or a spec is called valid)."""
-    made = environment_factory(entry, adapter, params)()
+def check_environment(environment: EnvironmentRef) -> None:
+    """A user's environment (none to check for a harness one): one made through its adapter and closed, as
+    a run makes and closes each, so what the entry does with its params is known before a run starts (or a
+    spec is called valid)."""
+    if environment.entry is None:
+        return
+    entry = str(environment.entry)
+    made = environment_factory(entry, str(environment.adapter), environment.params)()
     if not callable(getattr(made, "close", None)):
         return
     try:

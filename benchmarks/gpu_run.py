@@ -339,11 +339,13 @@ def _rehearsal_target(out: Path) -> str:
 
 def _sandbox(env: dict) -> tuple[str, str]:
     """bubblewrap where it runs on this machine (as a user would), else the plain subprocess, and why."""
+    from targets.harness.isolation.sandbox import BWRAP_PROBE  # the probe the harness's own detection makes
+
     bwrap = shutil.which("bwrap", path=env["PATH"])
     if bwrap is None:
         return "subprocess", "no bwrap on PATH, carried or the machine's"
     probe = subprocess.run(
-        [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"],
+        [bwrap, *BWRAP_PROBE],
         env=env,
         capture_output=True,
         text=True,

@@ -92,13 +92,19 @@ def ray_cluster_environment(env: dict[str, str]) -> dict[str, str]:
     return {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"} if address else {}
 
 
+# what a bwrap must do here to sandbox candidates (after its own path): namespaces, and --size (bubblewrap
+# 0.5: the candidates' tmpfs are sized by ``wrap``; an older bwrap refuses it)
+BWRAP_PROBE = (
+    *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"),
+    *("--size", "1048576", "--tmpfs", "/tmp", "--unshare-all", "true"),
+)
+
+
 def _bubblewrap_works() -> bool:
     if shutil.which("bwrap") is None:
         return False
     probe = subprocess.run(
-        # --size (bubblewrap 0.5): the candidates' tmpfs are sized (``wrap``); an older bwrap refuses it
-        ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", "1048576", "--tmpfs", "/tmp"]
-        + ["--unshare-all", "true"],
+        ["bwrap", *BWRAP_PROBE],
         capture_output=True,
         timeout=30,
     )

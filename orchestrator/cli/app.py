@@ -216,14 +216,15 @@ def open_tracker(track: str | None, track_dir: Path | None, default_dir: Callabl
     """``--track``'s writer and its directory, opened before any run (a missing package is said in
     seconds, not after the work; the writer writes nothing until the first scalar); (None, None)
     without ``--track``."""
-    from targets.harness.measure.tracking import open_tracker as open_writer
+    from targets.harness.measure.tracking import tracker_kind
 
     if track is None:
         if track_dir is not None:
             raise UsageError("--track-dir needs --track tensorboard|jsonl")
         return None, None
+    writer = tracker_kind(track)  # before default_dir(), which may make a folder
     track_dir = out_dir(track_dir or default_dir(), "--track-dir")
-    return open_writer(track, track_dir), track_dir
+    return writer(track_dir), track_dir
 
 
 def session(target: str, sandbox: str, time_limit: float | None, simulate: bool = False):

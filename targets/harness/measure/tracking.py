@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -208,17 +208,22 @@ def _run_name(run: str) -> str:
     return run
 
 
+def _summary_writer() -> type:
+    """TensorBoard's writer class, or a TrackingError that says what to install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        raise TrackingError(
+            f"tracking to TensorBoard needs the tensorboard package ({error}): pip install tensorboard"
+        ) from None
+    return SummaryWriter
+
+
 class TensorBoardTracker:
     """One ``SummaryWriter`` per run, in ``directory/<run>``, so TensorBoard overlays runs per tag."""
 
     def __init__(self, directory: Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as error:
-            raise TrackingError(
-                f"tracking to TensorBoard needs the tensorboard package ({error}): pip install tensorboard"
-            ) from None
-        self.directory, self._writer_of, self._writers = directory, SummaryWriter, {}
+        self.directory, self._writer_of, self._writers = directory, _summary_writer(), {}
 
     def log(self, run: str, step: int, scalars: Mapping[str, float]) -> None:
         if run not in self._writers:
@@ -262,13 +267,20 @@ class JsonlTracker:
             self._file = None
 
 
+def tracker_kind(kind: str) -> Callable[[Path], Tracker]:
+    """The writer class for ``--track KIND``, checked (a known kind, its package installed) before a
+    command picks or makes the directory, so a refused ``--track`` leaves no folder behind."""
+    if kind == "tensorboard":
+        _summary_writer()
+        return TensorBoardTracker
+    if kind == "jsonl":
+        return JsonlTracker
+    raise TrackingError(f"--track {kind!r}: choose one of {', '.join(KINDS)}")
+
+
 def open_tracker(kind: str, directory: Path) -> Tracker:
     """The writer for ``--track KIND``; nothing is written until the first scalar."""
-    if kind == "tensorboard":
-        return TensorBoardTracker(directory)
-    if kind == "jsonl":
-        return JsonlTracker(directory)
-    raise TrackingError(f"--track {kind!r}: choose one of {', '.join(KINDS)}")
+    return tracker_kind(kind)(directory)
 
 
 def track_trace(tracker: Tracker, run: str, events: Sequence[TraceEvent]) -> list[Step]:

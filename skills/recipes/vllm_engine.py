@@ -58,6 +58,12 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-vllm", daemon=True)
         self._thread.start()
         cuda = torch.cuda.is_available()
+        # the engine's own folder: its weight files, and vLLM's IPC sockets (which vLLM leaves in the temp
+        # folder after shutdown, three an engine), removed together by close()
+        self._folder = Path(tempfile.mkdtemp(prefix=f"{name}-vllm-"))
+        self._weights_dir = self._folder / "weights"
+        self._weights_dir.mkdir()
+        os.environ["VLLM_RPC_BASE_PATH"] = str(self._folder)  # vLLM reads it as it makes each socket path
         args = AsyncEngineArgs(
             model=model_path,
             dtype=dtype,
@@ -85,7 +91,6 @@ class VLLMEngine:
         self._changing = False  # a weight load or a sleep waits for the requests in flight; new ones wait for it
         self._changes = asyncio.Condition()  # told when a request ends, or a load or sleep does
         self._asleep = False
-        self._weights_dir = Path(tempfile.mkdtemp(prefix=f"{name}-weights-"))
 
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
@@ -239,6 +244,6 @@ class VLLMEngine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         try:
-            shutil.rmtree(self._weights_dir)
+            shutil.rmtree(self._folder)
         except OSError as error:  # the run is measured: a folder left behind is said, not its failure
-            print(f"{self.name}: the weights folder {self._weights_dir} was not removed: {error}", file=sys.stderr)
+            print(f"{self.name}: the engine's folder {self._folder} was not removed: {error}", file=sys.stderr)

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import tempfile
 
 import pytest
 
-os.environ.setdefault("VIBETRAIN_CACHE", tempfile.mkdtemp(prefix="vibetrain-test-cache-"))
+# a model cache of the session's own (children inherit it), removed when the session ends; one the
+# caller names is theirs and kept
+OWN_CACHE = None if "VIBETRAIN_CACHE" in os.environ else tempfile.mkdtemp(prefix="vibetrain-test-cache-")
+if OWN_CACHE is not None:
+    os.environ["VIBETRAIN_CACHE"] = OWN_CACHE
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if OWN_CACHE is None:
+        return
+    try:
+        shutil.rmtree(OWN_CACHE)
+    except OSError as error:  # a child still writing: said, and the session's result kept
+        print(f"\nthe test session's model cache {OWN_CACHE} was not removed: {error}")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from agents.factory import BACKENDS
-from skills.starter import CONTROLLERS
+from skills.starter import CONTROLLERS, DEFAULT_CONTROLLER
 from targets.errors import UserError
 from targets.harness.isolation.sandbox import BACKENDS as SANDBOX_BACKENDS
 
@@ -86,7 +86,7 @@ class RunConfig(BaseModel):
     max_attempts: int = Field(2, ge=1)  # implementer attempts per round, each fed the judge's reasons
     repeat: int | None = Field(None, ge=1)  # measured pairs per candidate
     held_out: int | None = resumable(None, ge=0)  # seeds no round used, the best measured on at the end
-    starter: str = "colocate"  # round 0's controller
+    starter: str = DEFAULT_CONTROLLER  # round 0's controller
     starter_params: dict[str, bool | int | float | str | None] = {}  # round 0's params.json over its defaults
     sandbox: str = "auto"
     llm: LLMConfig = Field(default_factory=LLMConfig)

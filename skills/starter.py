@@ -16,6 +16,7 @@ from skills.validation import expand_file
 RECIPES = Path(__file__).parent / "recipes"
 SKILLS = load_skills()  # read once: the front matter names the controllers and the parameter defaults
 CONTROLLERS = tuple(sorted(name for name, skill in SKILLS.items() if skill.kind == "controller"))
+DEFAULT_CONTROLLER = "colocate"  # a starter's, and generate's round 0: the one every target can run
 FIXED = ("controller", "train_devices", "rollout_devices")  # a starter's controller and its device split
 
 

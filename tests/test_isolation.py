@@ -321,7 +321,11 @@ def test_a_killed_command_takes_the_candidate_processes_with_it(tmp_path, fast_t
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     stack = tmp_path / "cand"
     cli = [sys.executable, "-m", "orchestrator.cli"]
-    subprocess.run([*cli, "starter", str(fast_target), "--out", str(stack)], check=True, capture_output=True)
+    subprocess.run(
+        [*cli, "starter", str(fast_target), "--out", str(stack), "--controller", "time_multiplex"],
+        check=True,
+        capture_output=True,
+    )
     command = subprocess.Popen(
         [*cli, "check", str(fast_target), "--stack", str(stack), "--sandbox", "subprocess"],
         stdout=subprocess.DEVNULL,

@@ -435,6 +435,13 @@ def test_cli_starter_writes_a_candidate_and_refuses_bad_input(tmp_path):
     assert unknown.exit_code == 2 and "unknown controller 'round_robin'" in unknown.output
 
 
+def test_cli_starter_by_default_writes_what_every_target_runs(tmp_path):
+    """The default controller is generate's round 0 (colocate), which a one-device target can run: it was
+    time_multiplex, refused there ("the target has one device") with no controller named."""
+    result = runner.invoke(app, ["starter", "qwen3-0.6b-h100x1", "--out", str(tmp_path / "s")])
+    assert result.exit_code == 0 and "wrote colocate starter" in result.output, result.output
+
+
 def test_a_users_path_or_value_is_printed_as_it_is_never_as_markup(tmp_path):
     """A folder named st[/i] raised Rich's MarkupError after the starter was written (a traceback for a
     path); run:fire: printed as an emoji, cli:gemini as a zodiac sign; a path with a space broke the

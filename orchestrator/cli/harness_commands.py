@@ -42,7 +42,7 @@ from orchestrator.cli.app import (
 )
 from orchestrator.scratch import keep, scratch_folder
 from orchestrator.tables import bench_table, checks_table, costs_table, num, phases_table
-from skills.starter import CONTROLLERS, unfit
+from skills.starter import CONTROLLERS, DEFAULT_CONTROLLER, unfit
 from targets.errors import UserError
 from targets.harness.environments.adapters import NOT_INSTALLED
 from targets.spec import SpecError, TargetSpec, catalog_ids, load_target
@@ -181,7 +181,9 @@ def reference(
 def starter(
     target: str,
     out: Path = typer.Option(..., help="directory to create (holds stack/ and DESIGN.md)"),
-    controller: str = typer.Option("time_multiplex", help="colocate | static_split | time_multiplex"),
+    controller: str = typer.Option(
+        DEFAULT_CONTROLLER, help="colocate | static_split | time_multiplex (the default is generate's round 0)"
+    ),
     param: list[str] = typer.Option(
         None, help="KEY=VALUE over the params.json defaults (repeatable; the value as JSON where it reads as JSON)"
     ),

@@ -669,6 +669,58 @@ def test_a_generate_and_a_drop_in_one_burst_decode_in_arrival_order():
     assert "g0/e5 was dropped while its turn 1 generated" in sent[1].header["error"]["message"]
 
 
+def test_a_turn_is_asked_once_at_a_time_and_a_failed_request_is_recorded():
+    """Planted: a cluster that fails a turn it dislikes (an ordinary error after decoding it), or a
+    controller that asks one turn twice at once so its cluster answers the draw it likes and never the
+    other. The failure is in the trace (the audit refuses it: ``failed request``), and the second ask
+    is refused while the first is under way; neither left a trace before."""
+    from targets.api import GenerateRequest, SamplingParams
+    from targets.harness.clock import WallClock
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.controller_link import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    controller_memory, sent, trace = PromptMemory(), [], Trace(WallClock())
+    unanswered = asyncio.Event()
+
+    class Envs:
+        def drop(self, episode, reason, idleness=None):
+            pass
+
+    class Cluster:  # turn 0 fails (a draw it disliked); turn 1 is never answered (a ghost to hedge with)
+        devices: list = []
+
+        async def generate(self, request):
+            if request.turn == 0:
+                raise RuntimeError("engine hiccup")
+            await unanswered.wait()
+
+    def frame_of(request: GenerateRequest, id: int) -> Received:
+        frame = Frame(kind="cluster", method="generate", id=id)
+        frame.header["request"] = put_request(frame, request, controller_memory)
+        return Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+
+    async def run():
+        link = ControllerLink(None, Envs(), clock=WallClock(), virtual=False)
+        link.cluster, link.send = TracedCluster(Cluster(), trace, {}), sent.append
+        link._dispatch(frame_of(GenerateRequest("g0/e1", 0, [1, 2, 3], SamplingParams(4)), 1))
+        await asyncio.gather(*link._tasks.values(), return_exceptions=True)
+        link._dispatch(frame_of(GenerateRequest("g0/e1", 1, [1, 2, 3, 4], SamplingParams(4)), 2))
+        link._dispatch(frame_of(GenerateRequest("g0/e1", 1, [1, 2, 3, 4], SamplingParams(4)), 3))
+        await asyncio.sleep(0.01)
+        for task in link._tasks.values():
+            task.cancel()
+
+    asyncio.run(run())
+    failed = [e for e in trace.events if e.kind == "generate"]
+    assert [(e.data["turn"], e.data["aborted"], e.data.get("failed")) for e in failed] == [
+        (0, True, "RuntimeError: engine hiccup")
+    ]
+    assert [f.header["error"]["type"] for f in sent] == ["RuntimeError", "ValueError"], sent
+    assert "g0/e1 turn 1 is being generated already" in sent[1].header["error"]["message"]
+
+
 def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
     """A controller may say hello and call generate in one burst, before the harness has built the
     cluster: the call is served once it has, not refused as a protocol break; a call before any

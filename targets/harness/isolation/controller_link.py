@@ -210,8 +210,17 @@ class ControllerLink:
             self._tasks[key] = asyncio.create_task(self._answer(rx, tokens, key))
 
     def _generate(self, request_id: Any, request: GenerateRequest, key: int) -> None:
-        """Answer a generate call when the cluster has served it (a callback, not a task a turn)."""
-
+        """Answer a generate call when the cluster has served it (a callback, not a task a turn). A turn is
+        asked once at a time: a second request for it while one is under way is refused (a cluster could
+        answer whichever draw it liked and leave the others unanswered, unrecorded)."""
+        for _, other in self._generating.get(request.episode_id, {}).values():
+            if other.request.turn == request.turn and other.under_way:
+                message = (
+                    f"episode {request.episode_id} turn {request.turn} is being generated already (asked at "
+                    f"{other.start:.2f}s): a turn is asked again only once its request has been answered"
+                )
+                self.send(Frame(id=request_id, error={"type": "ValueError", "message": message}))
+                return
         self.activity.begin(request.episode_id, generate=True)
 
         def done(result: Completion | BaseException) -> None:
@@ -431,11 +440,10 @@ class ControllerLink:
                 interrupt=field_of(rx.header, "interrupt", bool, "sync_weights"),
             )
         elif method in ("suspend", "resume"):
-            if method == "suspend":
-                self.activity.suspended(True)
+            # suspended from the suspend's start to the resume's start (not its end: a cluster that held its
+            # resume open while it served would hold its episodes, unheld by the count, for as long)
+            self.activity.suspended(method == "suspend")
             await getattr(cluster, method)()
-            if method == "resume":
-                self.activity.suspended(False)
         elif method == "serving_load":
             reply.header["load"] = dataclasses.asdict(await cluster.serving_load())
         else:

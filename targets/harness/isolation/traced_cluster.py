@@ -76,6 +76,11 @@ class TracedCluster:
                 self.trace.record("generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True)
             elif isinstance(result, Aborted):  # what it decoded is recorded: a resumed turn's response is checked
                 self._record(request, result.partial, start, aborted=True)
+            else:  # the cluster failed it: recorded, so a turn asked again after a failure shows (the audit's)
+                failed = f"{type(result).__name__}: {result}"[:500]
+                self.trace.record(
+                    "generate", episode=request.episode_id, turn=request.turn, start=start, aborted=True, failed=failed
+                )
             done(result)
 
         then = getattr(self.inner, "generate_then", None)

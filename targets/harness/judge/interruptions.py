@@ -98,7 +98,13 @@ def check_aborts(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
             continue
         where = f"episode {g.data['episode']} turn {g.data['turn']} was aborted at {g.t:.2f}s"
         device = g.data.get("device")
-        if not device:
+        if "failed" in g.data:
+            r.add(
+                "failed request",
+                f"episode {g.data['episode']} turn {g.data['turn']}: the cluster's generate failed at {g.t:.2f}s "
+                f"({g.data['failed']}); a turn whose request may fail may be drawn again until one is liked",
+            )
+        elif not device:
             r.add(
                 "unexplained abort",
                 f"{where} without naming the engine that served it (an Aborted carries its partial: what "

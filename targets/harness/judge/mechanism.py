@@ -19,24 +19,7 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) ->
         if len(ix.by_kind[kind]) != 1:
             r.add("trace", f"the harness's trace holds {len(ix.by_kind[kind])} {kind} events, not one")
     served = [g for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs]
-    serving = {g.data["device"] for g in served}
-    # a serving pool's devices serve its traffic, not rollout, until a stack borrows them
-    lendable = {ix.engine(d) for e in ix.by_kind["serving"] for d in e.data["devices"]}
-    inactive_since: dict[str, float] = dict.fromkeys(lendable, ix.start_t)
-    windows: list[tuple[str, float, float]] = []  # engine, shrunk at, expanded at
-    for e in sorted(ix.by_kind["shrink"] + ix.by_kind["expand"], key=lambda e: e.t):
-        for device in sorted({ix.engine(d) for d in e.data["devices"]}):
-            if e.kind == "shrink":
-                inactive_since.setdefault(device, e.t)  # shrunk again: inactive since the first
-            elif device in inactive_since:
-                windows.append((device, inactive_since.pop(device), e.data["start"]))
-        if e.kind == "shrink" and serving and serving <= set(inactive_since):
-            r.add("no active engine", f"after the shrink at {e.t:.2f}s no rollout engine was active")
-    windows += [(d, t, ix.end_t) for d, t in inactive_since.items()]
-    resumes = sorted(ix.by_kind["resume"], key=lambda e: e.t)
-    for suspend in ix.by_kind["suspend"]:
-        until = next((e.data["start"] for e in resumes if e.t > suspend.t), ix.end_t)
-        windows += [(device, suspend.t, until) for device in {ix.engine(d) for d in suspend.data["devices"]}]
+    windows = asleep(ix, r)
     slack = ix.reply_slack(spec)
     for g in served:
         for device, since, until in windows:
@@ -65,6 +48,31 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) ->
     for k, train in enumerate(ix.trains, start=1):
         if train.data["version"] != k:
             r.add("version numbering", f"training step {k} returned version {train.data['version']}, not {k}")
+
+
+def asleep(ix: TraceIndex, r: Reasons | None = None) -> list[tuple[str, float, float]]:
+    """Each engine's spans asleep, as (engine, since, until): from a shrink's return to the next expand's
+    start (a serving pool's devices from the run's start, until a stack borrows them), from a suspend's
+    return to the next resume's start. With ``r``, a shrink that left no rollout engine active is named."""
+    serving = {g.data["device"] for gs in [*ix.generated.values(), *ix.partials.values()] for g in gs}
+    # a serving pool's devices serve its traffic, not rollout, until a stack borrows them
+    lendable = {ix.engine(d) for e in ix.by_kind["serving"] for d in e.data["devices"]}
+    inactive_since: dict[str, float] = dict.fromkeys(lendable, ix.start_t)
+    windows: list[tuple[str, float, float]] = []  # engine, shrunk at, expanded at
+    for e in sorted(ix.by_kind["shrink"] + ix.by_kind["expand"], key=lambda e: e.t):
+        for device in sorted({ix.engine(d) for d in e.data["devices"]}):
+            if e.kind == "shrink":
+                inactive_since.setdefault(device, e.t)  # shrunk again: inactive since the first
+            elif device in inactive_since:
+                windows.append((device, inactive_since.pop(device), e.data["start"]))
+        if r is not None and e.kind == "shrink" and serving and serving <= set(inactive_since):
+            r.add("no active engine", f"after the shrink at {e.t:.2f}s no rollout engine was active")
+    windows += [(d, t, ix.end_t) for d, t in inactive_since.items()]
+    resumes = sorted(ix.by_kind["resume"], key=lambda e: e.t)
+    for suspend in ix.by_kind["suspend"]:
+        until = next((e.data["start"] for e in resumes if e.t > suspend.t), ix.end_t)
+        windows += [(device, suspend.t, until) for device in {ix.engine(d) for d in suspend.data["devices"]}]
+    return windows
 
 
 def check_trained_beside_awake_engines(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from targets.harness.judge.mechanism import asleep
 from targets.harness.judge.service_order import tokens_a_step
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.sim.cost_model import DTYPE_BYTES
@@ -56,13 +57,19 @@ def decode_step_floor(spec: TargetSpec) -> float:
 
 
 def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) -> dict:
-    """Every turn and interrupted segment against the later of its forwarding and its version's making;
-    returns the audit's details: how many were forwarded before their version existed, the least ratio of
-    the time any request had to the time it needed, and the pace it was held to."""
+    """Every turn and interrupted segment against the latest of its forwarding, its version's making and
+    its engine's wake (a request forwarded to an engine asleep, shrunk or suspended, is decoded once it
+    wakes: one answered sooner after the wake than decoding takes was decoded beside the trainer, or
+    while the rollout was suspended); returns the audit's details: how many were forwarded before their
+    version existed, the least ratio of the time any request had to the time it needed, and the pace it
+    was held to."""
     drafted = tokens_a_step(ix)
     if drafted is None:
         return {}
     existed = {train.data["version"]: train.t for train in ix.trains}
+    sleeps = defaultdict(list)
+    for engine, since, until in asleep(ix):
+        sleeps[engine].append((since, until))
     turns = [(g, token_count(g.data.get("tokens", []))) for g in ix.by_kind["generate"]]
     turns = [(g, tokens) for g, tokens in turns if tokens]
     paces = [(g.t - g.data["start"]) / tokens for g, tokens in turns if tokens >= PACE_MIN_TOKENS]
@@ -73,14 +80,18 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
     short: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)  # a turn's short requests: had, tokens
     for g, tokens in turns:
         d = g.data
-        since = existed.get(d["version"], -math.inf)
+        made = existed.get(d["version"], -math.inf)
+        woke = max((b for a, b in sleeps.get(d.get("device"), ()) if a < d["start"] < b), default=-math.inf)
+        if g.t < woke:  # answered while its engine slept: the mechanism rule's ("served while shrunk")
+            continue
+        since = max(made, woke)
         # a short request (a stop drawn at once) answered in a quiet moment may beat a pace set by long turns
         # in heavy batches: it is held to the floor of a decode step alone
         had, needed = (
             g.t - max(d["start"], since),
             tokens * (pace if tokens >= PACE_MIN_TOKENS else step_floor_s / drafted),
         )
-        early += d["start"] < since
+        early += d["start"] < made
         if tokens < PACE_MIN_TOKENS:
             short[(d["episode"], d["turn"])].append((had, tokens))
         if needed <= 0:  # a short request where no floor is known: nothing to hold it to
@@ -89,10 +100,17 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
         if had >= needed:
             continue
         where = f"episode {d['episode']} turn {d['turn']} on {d.get('device')}: forwarded at {d['start']:.2f}s"
-        if d["start"] < since:
+        if woke > -math.inf and woke >= made:
+            r.add(
+                "decoded while asleep",
+                f"{where}, while its engine was shrunk or suspended (until {woke:.2f}s), and answered {had:.3f}s "
+                f"after it woke with {tokens} tokens, which take at least {needed:.3f}s at the run's pace: "
+                "decoded while it slept, beside the trainer or with the rollout suspended",
+            )
+        elif d["start"] < made:
             r.add(
                 "decoded before its version existed",
-                f"{where}, before version {d['version']} existed ({since:.2f}s, its training call returned), and "
+                f"{where}, before version {d['version']} existed ({made:.2f}s, its training call returned), and "
                 f"answered {had:.3f}s after that with {tokens} tokens under that version, which take at least "
                 f"{needed:.3f}s at the run's pace: decoded under an earlier version, its logprobs taken anew",
             )

@@ -564,19 +564,29 @@ def test_the_replay_records_whether_it_could_tell_each_version_from_the_one_befo
     """An engine that served v-1 and claimed v passes the replay where the step between them moves no
     logprob past the tolerance (lr 1e-6 in bf16): the audit says, for each version, how far apart the
     two lie on the turns it replayed, and how far the engine's logprobs lie from each."""
+    import torch
+
     spec, _, weights, _ = honest
     result = _audit(honest)
     separations = result.details["version_separation"]
     assert separations and {s["version"] for s in separations} <= set(weights) - {0}
+
+    def moved(v: int) -> bool:  # a batch whose groups each drew one reward has no advantage: the step moves nothing
+        return any(not torch.equal(weights[v][name], weights[v - 1][name]) for name in weights[v])
+
     for s in separations:  # on the CPU target a step is plain to see, and the engine ran the version it claimed
+        if not moved(s["version"]):
+            assert s["max_separation"] == 0, s
+            continue
         assert s["tokens"] > 0 and s["max_separation"] > spec.accuracy.logprob_atol, s
         assert s["mean_to_claimed"] < s["mean_to_previous"], s
-    assert result.details["versions_the_replay_tells_apart"] == f"{len(separations)} of {len(separations)}"
-    v = separations[0]["version"]
+    told = sum(moved(s["version"]) for s in separations)
+    assert told and result.details["versions_the_replay_tells_apart"] == f"{told} of {len(separations)}"
+    v = next(s["version"] for s in separations if moved(s["version"]))
     unmoved = {**weights, v - 1: weights[v]}  # a step too small to see
     details = _audit(honest, weights=unmoved).details
     assert next(s for s in details["version_separation"] if s["version"] == v)["max_separation"] == 0
-    assert details["versions_the_replay_tells_apart"] == f"{len(separations) - 1} of {len(separations)}"
+    assert details["versions_the_replay_tells_apart"] == f"{told - 1} of {len(separations)}"
 
 
 def test_training_that_never_changed_the_weights(honest):
@@ -598,6 +608,49 @@ def test_request_served_by_a_shrunk_engine(honest):
         TraceEvent("shrink", late.data["start"] - 0.002, {"start": late.data["start"] - 0.003, "devices": ["cpu:0"]}),
     )
     _rejects(_invariants(honest, events), "served while shrunk")
+
+
+def test_a_request_the_cluster_failed_fails_the_audit(honest):
+    """Planted: the cluster failed a turn it disliked (an ordinary error, not an Aborted naming its
+    engine) and the controller asked it again; the failure is in the trace, and a failed request may be
+    drawn again until one is liked."""
+    events = _edited(honest)
+    g = next(e for e in events if e.kind == "generate" and not e.data["aborted"])
+    failed = {"episode": g.data["episode"], "turn": g.data["turn"], "start": g.data["start"] - 0.05}
+    events.insert(
+        events.index(g),
+        TraceEvent("generate", g.data["start"], {**failed, "aborted": True, "failed": "RuntimeError: engine hiccup"}),
+    )
+    _rejects(_invariants(honest, events), "failed request")
+
+
+def test_a_request_decoded_while_its_engine_slept_and_answered_as_it_woke(honest):
+    """Planted: the cluster's shrink leaves its engine decoding; a turn forwarded to it while it is shrunk
+    (the trainer beside it) is answered just after the expand begins. Answered before the wake it is
+    "served while shrunk"; after it, too soon to have been decoded since, it was decoded asleep."""
+    from targets.harness.trace import token_count
+
+    events = _edited(honest)
+    switching = [(e.data["start"], e.t) for e in events if e.kind in ("shrink", "expand", "suspend", "resume")]
+    g = next(
+        e
+        for e in events
+        if e.kind == "generate"
+        and not e.data["aborted"]
+        and e.data["device"] == "cpu:0"
+        and token_count(e.data["tokens"]) >= 8
+        and not any(start - 0.05 <= e.data["start"] and e.t <= t + 0.05 for start, t in switching)
+    )
+    shrunk, woke = g.data["start"] - 0.002, g.t - 1e-5
+    at = events.index(g)
+    events[at:at] = [TraceEvent("shrink", shrunk, {"start": shrunk - 0.001, "devices": ["cpu:0"]})]
+    at = events.index(g)
+    events[at:at] = [TraceEvent("expand", woke + 1e-6, {"start": woke, "devices": ["cpu:0"]})]
+    events.sort(key=lambda e: e.t)
+    result = _invariants(honest, events)
+    _rejects(result, "decoded while asleep")
+    named = f"episode {g.data['episode']} turn {g.data['turn']} on cpu:0"
+    assert any(named in r and "decoded while asleep" in r for r in result.reasons), result.reasons
 
 
 def test_a_shrink_that_leaves_its_requests_running(honest, monkeypatch):
@@ -1086,6 +1139,37 @@ def test_a_group_dropped_stale_in_part_while_its_other_members_train(honest):
     events[last_train].data["trajectories"] = [{"episode": "g0/e2", "group": "g0", "reward": 1.0}]
     lines = _drop_reasons(spec, events)
     assert any("dropped as stale while g0/e2 of its group g0 trained" in line for line in lines), lines
+
+
+def test_a_group_whose_only_turns_are_interrupted_segments_may_go_stale(tiny_spec):
+    """Honest (a ``partial_rollout`` stack): a shrink cut every member's first turn under version 0, the
+    segments kept to resume; two steps later any resumption would train version 0's tokens, so the stack hands
+    the group back as stale. Those segments count for a stack that resumes them (the rule read finished turns
+    alone, and called the drop unjustified); for one that restarts its turns they do not."""
+    from targets.harness.judge.selection import check_drop_reasons
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    w = tiny_spec.workload
+    members = [f"g0/e{m}" for m in range(w.group_size)]
+
+    def reasons(declared: dict) -> list[str]:
+        events = [_simulated_start(2, declared), TraceEvent("shrink", 0.6, {"start": 0.5, "devices": ["cpu:0"]})]
+        for e in members:
+            events.append(TraceEvent("episode_created", 0.0, {"episode": e, "group": "g0"}))
+            events.append(TraceEvent("env_reset", 0.0, {"episode": e, "observation": w.tokens.prompt}))
+            cut = {"episode": e, "turn": 0, "start": 0.1, "aborted": True, "device": "cpu:0", "prompt": w.tokens.prompt}
+            cut |= {"continues": 0, "tokens": 5, "logprobs": 5, "version": 0, "finish": "abort"}
+            events.append(TraceEvent("generate", 0.55, cut))
+        for k, (start, end) in enumerate([(1.0, 2.0), (2.5, 3.0)], start=1):
+            events.append(TraceEvent("train", end, {"start": start, "step": k, "version": k, "trajectories": []}))
+        events += [TraceEvent("sample_dropped", 3.5, {"episode": e, "reason": "stale"}) for e in members]
+        events.append(TraceEvent("run_end", 4.0))
+        r = Reasons()
+        check_drop_reasons(TraceIndex.of(sorted(events, key=lambda e: e.t)), r, tiny_spec)
+        return r.lines()
+
+    assert reasons({"partial_rollout": True}) == []
+    assert any("dropped as stale but every turn of its group" in x for x in reasons({})), reasons({})
 
 
 def test_an_early_stale_abort_must_already_be_certain(honest):
@@ -1856,14 +1940,18 @@ def test_complete_groups_held_to_the_end_of_the_run_are_judged_as_passed_over(ti
     assert _selection_reasons(tiny_spec, trained, rewards, turns, "end_of_run", finished=False) == []
 
 
-def _held_tasks_reasons(spec, held: tuple[float, ...], answered_s: float | None = None, started: bool = True):
+def _held_tasks_reasons(
+    spec, held: tuple[float, ...], answered_s: float | None = None, started: bool = True, probed: bool = False
+):
     """The plant of the two tests below: of twenty tasks (groups of four) the stack runs a turn of each, keeps
     back the ten whose members drew six turns (a reward's scale can tell) and hands them back, unfinished, at
     the run's end, each drop recording ``held`` (held_s, serving_s and perhaps waiting_s); it trains the ten
-    that drew two. ``started`` False: the ten never reset instead."""
+    that drew two. ``started`` False: the ten never reset instead; ``probed``: of each of the ten only the
+    first member ran (its turn told the task's length: never held, 0 s idle), the others never reset."""
     episodes = [f"g{k}/e{m}" for k in range(20) for m in range(4)]
     trained = [e for e in episodes if int(e.split("/")[0][1:]) % 2]
-    turns = {e: 2 if e in trained else int(started) for e in episodes}
+    turns = {e: 2 if e in trained else int(started or (probed and e.endswith("/e0"))) for e in episodes}
+    idle = {e: (0.0, *held[1:]) if probed and e.endswith("/e0") else held for e in episodes}
     drawn_turns = {e: 2.0 if e in trained else 6.0 for e in episodes}
     return _selection_reasons(
         spec,
@@ -1873,7 +1961,7 @@ def _held_tasks_reasons(spec, held: tuple[float, ...], answered_s: float | None 
         "end_of_run",
         False,
         drawn_turns=drawn_turns,
-        held={e: held for e in episodes if e not in trained},
+        held={e: idle[e] for e in episodes if e not in trained},
         answered_s=answered_s,
     )
 
@@ -1893,6 +1981,16 @@ def test_groups_a_stack_stopped_stepping_and_held_to_the_end_are_judged_as_held(
     assert _held_tasks_reasons(tiny_spec, (0.5, 5.0)) == []
     assert _held_tasks_reasons(tiny_spec, (4.0, 100.0)) == []
     assert _held_tasks_reasons(tiny_spec, (4.0, 5.0), started=False) == []
+
+
+def test_members_never_started_beside_a_sibling_that_ran_are_held(tiny_spec):
+    """Planted: of each new task the stack starts one member, whose first turn tells the task's length; the
+    long tasks' other members it never starts, and hands the groups back at the run's end. A member never
+    started is a spare only where the group had its ``group_size`` started without it: these were held (4 s
+    of the 5 s the engines served), so the ten long tasks count, 50% shorter by drawn turns than launched."""
+    lines = _held_tasks_reasons(tiny_spec, (4.0, 5.0), started=False, probed=True)
+    assert any(HELD_AND_REJECTED in x for x in lines), lines
+    assert _held_tasks_reasons(tiny_spec, (0.5, 5.0), started=False, probed=True) == []  # held under a second
 
 
 def test_groups_whose_requests_a_cluster_never_served_are_judged_as_held(tiny_spec):

@@ -35,10 +35,12 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
         elif reason == "stale":
             policy = ix.policy_at(e.t)
             group = ix.group_of.get(episode)
+            # a stack that resumes interrupted turns trains what their segments decoded: those count too
+            resumed = ix.partials if ix.declared.partial_rollout else {}
             versions = [
                 v
                 for m in ix.members.get(group, [])
-                for g in ix.generated.get(m, [])
+                for g in [*ix.generated.get(m, []), *resumed.get(m, [])]
                 if g.t <= e.t
                 for v in ix.response(g).versions
             ]

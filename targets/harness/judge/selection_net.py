@@ -164,10 +164,12 @@ HELD_MIN_S = 1.0
 WAITING_FACTOR = 2.0
 
 
-def held_back(ix: TraceIndex, untrained: set[str]) -> set[str]:
+def held_back(ix: TraceIndex, untrained: set[str], group_size: int) -> set[str]:
     """Of the ``untrained`` groups, those a member of which the stack held: it sat unfinished with nothing
     under way while others generated for over ``HELD_SHARE`` of the time they did in its life, or its request
-    had been under way over ``WAITING_FACTOR`` times the longest any answered request took."""
+    had been under way over ``WAITING_FACTOR`` times the longest any answered request took. A member never
+    started counts where a sibling was and the group had fewer than ``group_size`` started (a stack that
+    starts one member of each task, and never the others of those its first turn shows long, holds them)."""
     answered = (g.t - g.data["start"] for served in ix.generated.values() for g in served)
     waited_too_long = max(HELD_MIN_S, WAITING_FACTOR * max(answered, default=0.0))
 
@@ -175,8 +177,10 @@ def held_back(ix: TraceIndex, untrained: set[str]) -> set[str]:
         drop = ix.dropped.get(episode)
         if drop is None or "held_s" not in drop.data:  # a trace recorded before the harness counted it
             return False
-        if episode not in ix.resets:  # never started (a spare a stack starts only when needed): nothing to hold
-            return False
+        if episode not in ix.resets:
+            started = sum(m in ix.resets for m in ix.members[ix.group_of[episode]])
+            if started == 0 or started >= group_size:  # a task never begun, or a spare left unneeded: not held
+                return False
         return (
             drop.data["held_s"] > max(HELD_MIN_S, HELD_SHARE * drop.data["serving_s"])
             or drop.data.get("waiting_s", 0.0) > waited_too_long
@@ -215,7 +219,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     }
     left_by_stack = {
         "passed_over": passed_over(ix, handed_back_at_the_end, spec.workload.group_size),
-        "held": held_back(ix, handed_back_at_the_end),
+        "held": held_back(ix, handed_back_at_the_end, spec.workload.group_size),
     }
     for how, groups in left_by_stack.items():
         details[f"selection_groups_{how}"] = len(groups)

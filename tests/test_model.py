@@ -88,7 +88,52 @@ def test_a_local_path_loads_as_given(tiny_spec, tmp_path, catalog_yaml):
     catalog_yaml["model"]["weights"] = str(model_dir(tiny_spec.model))
     catalog_yaml["model"]["config"]["hidden_size"] *= 2
     hidden = tiny_spec.model.config.hidden_size
-    with pytest.raises(SpecError, match=f"hidden_size: {hidden} in config.json, {2 * hidden} here"):
+    with pytest.raises(SpecError, match=f"hidden_size: {hidden} there, {2 * hidden} here"):
+        parse_target(catalog_yaml)
+
+
+def test_a_model_directory_is_compared_as_transformers_reads_it(tiny_spec, tmp_path, catalog_yaml):
+    """What the raw config.json left out or named otherwise passed: a tie_word_embeddings it omits (transformers'
+    default), transformers 5's rope_parameters; a tokenizer with more ids than the embedding has rows, shards an
+    index names that are not there, an adapter without its base model. Each was a traceback or a wrong model at
+    the first run; each is named at the spec now."""
+    from targets.spec import SpecError, parse_target
+
+    mine = tmp_path / "mine"
+    shutil.copytree(model_dir(tiny_spec.model), mine)
+    catalog_yaml["model"]["weights"] = str(mine)
+    config = json.loads((mine / "config.json").read_text())
+    assert parse_target(catalog_yaml).model.weights == str(mine)
+    assert config["tie_word_embeddings"] and catalog_yaml["model"]["config"]["tie_word_embeddings"]
+    (mine / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "tie_word_embeddings"}))
+    with pytest.raises(SpecError, match="as transformers reads it.*tie_word_embeddings: False there, True here"):
+        parse_target(catalog_yaml)
+    rope = {k: v for k, v in config.items() if k != "rope_theta"} | {"rope_parameters": {"rope_theta": 5.0}}
+    (mine / "config.json").write_text(json.dumps({**rope, "rope_type": "default"}))
+    with pytest.raises(SpecError, match="rope_theta: 5.0 there"):
+        parse_target(catalog_yaml)
+    (mine / "config.json").write_text(json.dumps(config))
+    tokenizer = json.loads((mine / "tokenizer.json").read_text())
+    vocab = tiny_spec.model.config.vocab_size
+    tokenizer["added_tokens"].append({**tokenizer["added_tokens"][0], "id": vocab + 5, "content": "<extra>"})
+    (mine / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(SpecError, match=f"defines {vocab + 6} token ids .* more than the model's vocab_size {vocab}"):
+        parse_target(catalog_yaml)
+    shutil.copy(model_dir(tiny_spec.model) / "tokenizer.json", mine / "tokenizer.json")
+    for stated in ("<|im_end|>", [vocab + 1]):  # a traceback at the first run, or a stop no turn could draw
+        (mine / "generation_config.json").write_text(json.dumps({"eos_token_id": stated}))
+        with pytest.raises(
+            SpecError, match=f"eos_token_id .* is not a token id the tokenizer defines \\(0 to {vocab - 1}"
+        ):
+            parse_target(catalog_yaml)
+    (mine / "generation_config.json").unlink()
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}
+    (mine / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(SpecError, match="index.json names shards that are not there: model-00001-of-00002"):
+        parse_target(catalog_yaml)
+    (mine / "model.safetensors.index.json").unlink()
+    (mine / "model.safetensors").rename(mine / "adapter_model.safetensors")
+    with pytest.raises(SpecError, match="holds an adapter \\(adapter_model.safetensors\\) and no model weights"):
         parse_target(catalog_yaml)
 
 
@@ -231,6 +276,21 @@ def test_weights_that_are_not_the_configs_model_are_refused_when_loaded(catalog_
     save_file(tensors, str(reshaped / "model.safetensors"))
     with pytest.raises(WeightsMismatch, match=r"model\.norm\.weight at another shape"):
         load_model(reshaped)
+    deeper = tmp_path / "deeper"  # a deeper model's layers: transformers dropped them, the stack's loader raised
+    shutil.copytree(model_dir(parse_target(catalog_yaml).model), deeper)
+    tensors = load_file(str(deeper / "model.safetensors"))
+    tensors |= {k.replace("layers.1.", "layers.7."): v.clone() for k, v in tensors.items() if "layers.1." in k}
+    save_file(tensors, str(deeper / "model.safetensors"))
+    with pytest.raises(WeightsMismatch, match=r"tensors the model has no place for \(model\.layers\.7\."):
+        load_model(deeper)
+    untied = tmp_path / "untied"  # a config that ties over an lm_head of its own: transformers unties them
+    shutil.copytree(model_dir(parse_target(catalog_yaml).model), untied)
+    assert json.loads((untied / "config.json").read_text())["tie_word_embeddings"]
+    tensors = load_file(str(untied / "model.safetensors"))
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, str(untied / "model.safetensors"))
+    with pytest.raises(WeightsMismatch, match="tie_word_embeddings is true, yet its lm_head.weight differs"):
+        load_model(untied)
     catalog_yaml["model"].update(weights=str(mine))
     spec = tmp_path / "mine.yaml"
     spec.write_text(yaml.safe_dump(catalog_yaml))

@@ -110,8 +110,11 @@ class WeightsMismatch(UserError, ValueError):
 
 
 def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
-    """The directory's model, refused (``WeightsMismatch``) where its files lack a tensor of the model or
-    hold one at another shape: transformers would make that tensor random and say so only in its log."""
+    """The directory's model, refused (``WeightsMismatch``) where its files lack a tensor of the model, hold
+    one at another shape or one the model has no place for (a deeper model's layers), or untie what its
+    config ties (an ``lm_head`` of its own that differs from the embedding): transformers would make the
+    tensor random, drop it, or untie the two, and say so only in its log, while the stack's own model
+    loads the files as the config says."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -121,15 +124,23 @@ def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
         path, dtype=getattr(torch, dtype), output_loading_info=True, ignore_mismatched_sizes=True
     )
     missing, mismatched = sorted(info["missing_keys"]), info["mismatched_keys"]
-    if missing or mismatched:
-        more = " ..." if len(missing) > 3 else ""
-        said = [f"{len(missing)} of the model's tensors missing ({', '.join(missing[:3])}{more})"] if missing else []
+    unexpected = sorted(k for k in info["unexpected_keys"] if not k.endswith("rotary_emb.inv_freq"))  # a buffer
+    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    untied = model.config.tie_word_embeddings and output.weight is not embedding.weight
+    if missing or mismatched or unexpected or untied:
+        said = [f"{len(missing)} of the model's tensors missing ({_some(missing)})"] if missing else []
         said += [f"{entry[0]} at another shape" for entry in list(mismatched)[:3]]
+        said += [f"{len(unexpected)} tensors the model has no place for ({_some(unexpected)})"] if unexpected else []
+        said += ["tie_word_embeddings is true, yet its lm_head.weight differs from the embedding"] if untied else []
         raise WeightsMismatch(
             f"{path}: its weights are not the model its config.json describes: {'; '.join(said)} (a checkpoint "
             "of another model, or an adapter alone?)"
         )
     return model.eval()
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:

@@ -95,13 +95,19 @@ class ModelSpec(Strict):
             raise ValueError(f"{path} holds a JSON {type(stored).__name__}, not a model config (a JSON object)")
         if stored.get("model_type", self.family) != self.family:
             raise ValueError(f"{path} is a {stored['model_type']!r} model, not family {self.family}")
-        _check_weights_and_tokenizer(Path(self.weights))
+        ids = _check_weights_and_tokenizer(Path(self.weights))
         ours = self.config.model_dump()
-        differ = [
-            f"{k}: {v!r} in config.json, {ours[k]!r} here" for k, v in stored.items() if k in ours and ours[k] != v
-        ]
+        read = _read_config(path, *_stamp(path))  # as transformers reads it: defaults in, aliases resolved
+        differ = [f"{k}: {v!r} there, {ours[k]!r} here" for k, v in read.items() if ours[k] != v]
         if differ:
-            raise ValueError(f"config differs from the model directory's {path}: " + "; ".join(differ))
+            raise ValueError(
+                f"config differs from the model directory's {path} (as transformers reads it): " + "; ".join(differ)
+            )
+        if ids > self.config.vocab_size:
+            raise ValueError(
+                f"{Path(self.weights) / 'tokenizer.json'} defines {ids} token ids (its added tokens included), more "
+                f"than the model's vocab_size {self.config.vocab_size}: its tokens past that have no embedding"
+            )
         return self
 
     @model_validator(mode="after")
@@ -155,17 +161,81 @@ class ModelSpec(Strict):
 LFS_POINTER = b"version https://git-lfs"  # what a clone without git-lfs leaves in place of a large file
 
 
-def _check_weights_and_tokenizer(directory: Path) -> None:
+def _check_weights_and_tokenizer(directory: Path) -> int:
     """The files a model directory's loaders read are what they say: no git-lfs pointer (a clone made
-    without git-lfs), a safetensors header that reads, a tokenizer.json that is JSON. Each was a loader's
-    traceback at the first run otherwise. Each file is read once per version of it (a spec is parsed in
-    every process of a run)."""
-    for path in [*sorted(directory.glob("*.safetensors")), directory / "tokenizer.json"]:
-        try:
-            check = _check_tokenizer if path.name == "tokenizer.json" else _check_safetensors
-            check(path, *_stamp(path))
-        except OSError as error:  # a link to a blob a cache lost, unreadable
-            raise ValueError(f"{path}: cannot read it ({error.strerror})") from None
+    without git-lfs), a safetensors header that reads, every shard its index names, weights that are a
+    model's and not an adapter's alone, a tokenizer.json that is JSON. Each was a loader's traceback at
+    the first run otherwise. Each file is read once per version of it (a spec is parsed in every process of
+    a run). Returns how many token ids the tokenizer defines."""
+    weights = sorted(directory.glob("*.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = _index_shards(index, *_stamp(index))
+        missing = [name for name in shards if not (directory / name).is_file()]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ValueError(f"{index} names shards that are not there: {', '.join(missing[:3])}{more}")
+    elif weights and all(path.name.startswith("adapter_") for path in weights):
+        raise ValueError(
+            f"{directory} holds an adapter ({weights[0].name}) and no model weights: give the base model's "
+            "directory with the adapter merged into it"
+        )
+    try:
+        for path in weights:
+            _check_safetensors(path, *_stamp(path))
+        tokenizer = directory / "tokenizer.json"
+        ids = _check_tokenizer(tokenizer, *_stamp(tokenizer))
+        generation = directory / "generation_config.json"
+        if generation.exists():
+            _check_end_ids(generation, ids)
+        return ids
+    except OSError as error:  # a link to a blob a cache lost, unreadable
+        raise ValueError(f"{error.filename}: cannot read it ({error.strerror})") from None
+
+
+def _check_end_ids(path: Path, ids: int) -> None:
+    """A generation config's ``eos_token_id`` (every turn stops on it) is a token id, or a list of them,
+    that the tokenizer defines."""
+    try:
+        stated = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise ValueError(f"{path} is not a generation config (a JSON object)") from None
+    listed = [stated] if stated is None or isinstance(stated, int) else stated
+    if stated is not None and not (isinstance(listed, list) and all(type(i) is int and 0 <= i < ids for i in listed)):
+        raise ValueError(f"{path}: eos_token_id {stated!r} is not a token id the tokenizer defines (0 to {ids - 1})")
+
+
+@functools.lru_cache(maxsize=8)
+def _index_shards(path: Path, size: int, mtime_ns: int) -> list[str]:
+    """The shard files a safetensors index's ``weight_map`` names."""
+    try:
+        weight_map = json.loads(path.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{path} is not a safetensors index (a JSON object whose weight_map names each shard)")
+    return sorted(set(weight_map.values()))
+
+
+@functools.lru_cache(maxsize=32)
+def _read_config(path: Path, size: int, mtime_ns: int) -> dict:
+    """A model directory's config.json as transformers reads it, for the fields ``ModelConfig`` states: its
+    defaults filled in (a tie_word_embeddings it leaves out) and its names resolved (transformers 5's
+    ``num_local_experts``, ``rope_parameters``), so the comparison sees the model the engines will load."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent)
+    except (ValueError, OSError, KeyError) as error:
+        raise ValueError(f"{path}: transformers cannot read it ({error})") from None
+    read = {}
+    for name in ModelConfig.model_fields:
+        value = getattr(config, name, None)
+        if name == "rope_theta" and value is None:
+            value = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+        if value is not None:
+            read[name] = value
+    return read
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -189,8 +259,9 @@ def _check_safetensors(path: Path, size: int, mtime_ns: int) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _check_tokenizer(path: Path, size: int, mtime_ns: int) -> None:
-    """Read once per version of the file (a spec is parsed in every process of a run)."""
+def _check_tokenizer(path: Path, size: int, mtime_ns: int) -> int:
+    """Read once per version of the file (a spec is parsed in every process of a run); how many ids it
+    defines (one past the largest, its added tokens included)."""
     text = path.read_bytes()
     if text.startswith(LFS_POINTER):
         raise ValueError(f"{path} is a git-lfs pointer, not the tokenizer: fetch it (git lfs pull)")
@@ -198,5 +269,11 @@ def _check_tokenizer(path: Path, size: int, mtime_ns: int) -> None:
         parsed = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not valid JSON ({error})") from None
-    if not isinstance(parsed, dict) or "model" not in parsed:
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), dict):
         raise ValueError(f"{path} is not a tokenizers file (a JSON object with a model)")
+    vocab = parsed["model"].get("vocab")
+    ids = (
+        list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or ())))
+    )  # BPE's map, Unigram's list
+    ids += [t.get("id") for t in parsed.get("added_tokens") or () if isinstance(t, dict)]
+    return 1 + max((i for i in ids if isinstance(i, int)), default=-1)

@@ -223,6 +223,30 @@ class Impatient(HiddenNumber):
         return observation, reward, terminated, self.steps >= self.limit and not terminated, info
 
 
+class TextFlags(HiddenNumber):
+    """gymnasium-style, its terminated and truncated flags as given (a text "False", a None: a user's slip)."""
+
+    def __init__(self, terminated="False", truncated=False):
+        super().__init__()
+        self.flags = (terminated, truncated)
+
+    def step(self, action):
+        observation, reward, _, _, info = super().step(action)
+        return observation, reward, *self.flags, info
+
+
+class SyncClose(Answers):
+    """A text environment whose close() is a plain function."""
+
+    def close(self):
+        pass
+
+
+def never_made(**params):
+    """A factory that never returns."""
+    threading.Event().wait()
+
+
 class OldGym(HiddenNumber):
     """The old gym API: step answers (observation, reward, done, info)."""
 
@@ -499,6 +523,35 @@ def test_an_answer_that_is_not_a_text_step_and_a_step_during_the_reset_are_named
         asyncio.run(step_while_resetting())
 
 
+def test_a_plain_close_and_a_factory_that_never_returns_are_named_by_the_check(catalog_yaml, user_package, monkeypatch):
+    """A text environment's close() that is no coroutine was called "raised: a coroutine was expected" (it
+    raised nothing); a factory that never returned held `target validate` and `generate` forever."""
+    from targets.harness.environments import adapters
+
+    plain = _spec(catalog_yaml, {"entry": "my_envs:SyncClose", "adapter": "text"}).workload.environment
+    with pytest.raises(UserEnvironmentError, match="made a SyncClose whose close\\(\\) is not async"):
+        adapters.check_environment(plain)
+    monkeypatch.setattr(adapters, "CHECK_LIMIT_S", 0.5)
+    hung = _spec(catalog_yaml, {"entry": "my_envs:never_made", "adapter": "gymnasium"}).workload.environment
+    with pytest.raises(UserEnvironmentError, match="making one and closing it did not finish within 0.5 s"):
+        adapters.check_environment(hung)
+
+
+def test_a_chat_template_that_does_not_render_is_named_before_any_episode(catalog_yaml, user_package):
+    """A template with a jinja slip was a TemplateSyntaxError traceback in the first episode; one that leaves
+    out the assistant's turn an IndexError. Both are named, with the model, as the format is made."""
+    from targets.harness.environments.chat_format import ChatFormat, ChatTemplateError
+
+    tokenizer = load_tokenizer(model_dir(_spec(catalog_yaml, {"entry": "my_envs:Answers", "adapter": "text"}).model))
+    assert ChatFormat(tokenizer, ()) is not None
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }"
+    with pytest.raises(ChatTemplateError, match="does not render a conversation \\(TemplateSyntaxError"):
+        ChatFormat(tokenizer, ())
+    tokenizer.chat_template = "{% for m in messages if m['role'] == 'user' %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="the chat template leaves out the assistant's turns"):
+        ChatFormat(tokenizer, ())
+
+
 def test_a_module_that_raises_as_it_imports_is_named(catalog_yaml, user_package, tmp_path):
     (tmp_path / "broken_envs.py").write_text("this is not python\n")
     with pytest.raises(SpecError, match=r"cannot import broken_envs \(NameError: name 'this' is not defined"):
@@ -541,6 +594,11 @@ def test_a_task_set_scoring_no_number_is_named_not_read_as_a_zero_reward(catalog
         ),
         ({"entry": "my_envs:nan_scored", "adapter": "tasks"}, "reward nan, not a finite number"),
         ({"entry": "my_envs:OldGym", "adapter": "gymnasium"}, "a 4-tuple (the old gym API"),
+        ({"entry": "my_envs:TextFlags", "adapter": "gymnasium"}, "terminated 'False', not a bool"),
+        (
+            {"entry": "my_envs:TextFlags", "adapter": "gymnasium", "params": {"terminated": False, "truncated": None}},
+            "truncated None, not a bool",
+        ),
     ],
     ids=[
         "nan",
@@ -554,6 +612,8 @@ def test_a_task_set_scoring_no_number_is_named_not_read_as_a_zero_reward(catalog
         "truncated going on",
         "nan score",
         "old gym",
+        "text terminated",
+        "none truncated gymnasium",
     ],
 )
 def test_a_step_answer_a_run_cannot_train_on_is_named_by_its_field(catalog_yaml, user_package, environment, message):

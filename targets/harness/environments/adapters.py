@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy
+
 from targets.api import TextEnvironment, TextStep
 from targets.errors import UserError
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 ADAPTERS = ("gymnasium", "tasks", "text")
 
 
+CHECK_LIMIT_S = 60.0  # making and closing one environment to check an entry: a hung factory is named, not waited on
 MAX_RUNNING = 1024  # calls at once: more than any batch runs, fewer than a process's thread limit
 RUNNING = threading.BoundedSemaphore(MAX_RUNNING)
 
@@ -247,8 +250,11 @@ class GymnasiumText:
                 f"step returned {got}{old}: gymnasium's step returns (observation, reward, terminated, truncated, info)"
             )
         observation, reward, terminated, truncated, _ = answer
-        # the episode refuses what is no text or no bool; truncated alone is a limit of the environment's own
-        return TextStep(observation, reward, bool(terminated or truncated), bool(truncated) and not bool(terminated))
+        for name, value in (("terminated", terminated), ("truncated", truncated)):
+            if not isinstance(value, bool | numpy.bool_):  # "False" or None read as a bool would end or not end it
+                raise UserEnvironmentError(f"step returned {name} {value!r}, not a bool")
+        # the episode refuses what is no text; truncated alone is a limit of the environment's own
+        return TextStep(observation, reward, bool(terminated or truncated), bool(truncated and not terminated))
 
     async def close(self) -> None:
         """gymnasium's ``close()``, where the environment has one: what it holds (a subprocess, a socket)
@@ -310,6 +316,12 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
             f"environment entry {entry!r} made a {type(made).__name__}: a text environment has async "
             "reset(task) and step(action) (targets.api.TextEnvironment)"
         )
+    close = getattr(made, "close", None)
+    if close is not None and not inspect.iscoroutinefunction(close):
+        raise UserEnvironmentError(
+            f"environment entry {entry!r} made a {type(made).__name__} whose close() is not async: a text "
+            "environment's close, where it has one, is a coroutine (targets.api.TextEnvironment)"
+        )
     return fresh
 
 
@@ -320,10 +332,32 @@ def check_environment(environment: EnvironmentRef) -> None:
     if environment.entry is None:
         return
     entry = str(environment.entry)
-    made = environment_factory(entry, str(environment.adapter), environment.params)()
-    if not callable(getattr(made, "close", None)):
-        return
-    try:
-        asyncio.run(made.close())
-    except Exception as error:  # noqa: BLE001 - the user's code: named, as a run names it
-        raise UserEnvironmentError(f"environment {entry}: close() raised {type(error).__name__}: {error}") from None
+    outcome: list[BaseException | None] = []
+
+    def make_and_close() -> None:
+        try:
+            made = environment_factory(entry, str(environment.adapter), environment.params)()
+            if callable(getattr(made, "close", None)):
+                try:
+                    asyncio.run(made.close())
+                except Exception as error:  # noqa: BLE001 - the user's code: named, as a run names it
+                    raise UserEnvironmentError(
+                        f"environment {entry}: close() raised {type(error).__name__}: {error}"
+                    ) from None
+        except BaseException as error:  # noqa: BLE001 - raised again below, in the caller's thread
+            outcome.append(error)
+        else:
+            outcome.append(None)
+
+    # in a thread of its own, so that a factory, a task set's __len__ or a close() that never returns is named
+    # (the thread is abandoned: nothing can stop it)
+    checking = threading.Thread(target=make_and_close, name=f"check {entry}", daemon=True)
+    checking.start()
+    checking.join(CHECK_LIMIT_S)
+    if not outcome:
+        raise UserEnvironmentError(
+            f"environment {entry}: making one and closing it did not finish within {CHECK_LIMIT_S:g} s (a factory, a "
+            "task set's __len__ or a close() that never returns?)"
+        )
+    if outcome[0] is not None:
+        raise outcome[0]

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from targets.errors import UserError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ACTION = "\u2063ACTION\u2063"  # a placeholder no environment writes: where the assistant's text goes
+
+
+class ChatTemplateError(UserError, ValueError):
+    """The model's chat template cannot render an environment's turns."""
 
 
 class ChatFormat:
@@ -20,6 +26,22 @@ class ChatFormat:
         if not tokenizer.chat_template:
             raise ValueError("the model's tokenizer has no chat template: an environment's text cannot be rendered")
         self.tokenizer, self.stop_ids = tokenizer, frozenset(stop_ids)
+        self._check_template(tokenizer.name_or_path)
+
+    def _check_template(self, where: str) -> None:
+        """Both conversations a run renders, once, before any episode: a template that does not render (or
+        drops the assistant's text, which the later turns are cut at) is named with its model, not met as a
+        jinja traceback in the first episode."""
+        turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ACTION}]
+        try:
+            self._render(turns[:1], True)
+            later = self._render([*turns, {"role": "user", "content": "y"}], True)
+        except Exception as error:  # noqa: BLE001 - the user's template: named, whatever jinja raised
+            raise ChatTemplateError(
+                f"{where}: the chat template does not render a conversation ({type(error).__name__}: {error})"
+            ) from None
+        if ACTION not in later:
+            raise ChatTemplateError(f"{where}: the chat template leaves out the assistant's turns")
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)

@@ -86,6 +86,9 @@ class TextEpisode(Episode):
             done, _ = await asyncio.wait({answering}, timeout=limit)
         except asyncio.CancelledError:  # the run ended under it: the call answers on, closing waits for it
             self.running = answering
+            # read when it answers, whether or not a close still waits for it (what it raised goes nowhere:
+            # asyncio would print it as a task exception never retrieved, after the run's own error)
+            answering.add_done_callback(lambda call: call.cancelled() or call.exception())
             raise
         if not done:
             answering.cancel()

@@ -466,6 +466,20 @@ def test_a_gpu_target_forced_real_without_a_gpu_fails_with_one_clear_message(tmp
     assert "executes for real on 1x h100 GPU(s), and this machine has 0" in said and "Traceback" not in said
 
 
+def test_pools_of_several_gpu_kinds_never_run_for_real_on_one_machines_cards(monkeypatch):
+    """RollArt-like pools (H20s beside H800s) resolved to real on any machine with 16 GPUs of any kind: the
+    run would have stood one card for both. ``auto`` simulates them; ``real`` is refused by name."""
+    from targets.harness import target
+    from targets.harness.target import TargetUnavailable, resolve_execution
+
+    monkeypatch.setattr(target, "gpus_here", lambda: 64)
+    mixed = load_target("qwen3-8b-h20x8-h800x8")
+    assert resolve_execution(mixed.model_copy(update={"execution": "auto"})) == "simulated"
+    with pytest.raises(TargetUnavailable, match="pools of several kinds of GPU .* cannot run for real"):
+        resolve_execution(mixed.model_copy(update={"execution": "real"}))
+    assert resolve_execution(load_target("qwen3-8b-h100x8").model_copy(update={"execution": "auto"})) == "real"
+
+
 def test_limits_follow_the_model_size_unless_stated(catalog_yaml):
     from targets.harness.isolation.launch import Limits
     from targets.harness.target import Target

@@ -31,6 +31,13 @@ def resolve_execution(spec: TargetSpec, simulate: bool = False) -> Literal["real
         return _simulable(spec, "as asked")
     if spec.hardware.kind == "cpu":
         return "real"
+    if spec.hardware.kind == "mixed":  # pools of several kinds: one machine's cards would stand for all of them
+        if spec.execution == "auto":
+            return _simulable(spec, "as its pools are of several kinds of GPU")
+        raise TargetUnavailable(
+            f"target {spec.id} has pools of several kinds of GPU ({spec.hardware.summary}): it cannot run for real "
+            "on one machine's cards; pass --simulate, or give it one kind"
+        )
     have = gpus_here()
     if have >= spec.hardware.count:
         return "real"

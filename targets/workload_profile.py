@@ -62,9 +62,21 @@ def with_profile(workload: Any, base_dir: Path) -> Any:
 
 
 def _censored_lengths(fragment: dict, workload: dict) -> str | None:
-    """Why the profile's response lengths cannot serve the spec's larger budget, or None when they can
-    (the same budget or a smaller one, which the simulator cuts at; or few turns reached the measured
-    one). A profile from before ``turns_at_budget`` was recorded cannot say: it is taken as it is."""
+    """Why the profile's response lengths cannot serve the spec's budget, or None when they can: the same
+    budget, a larger one where few turns reached the measured one, or a smaller one the lengths' mean fits
+    under (the simulator cuts each at it). A profile from before ``turns_at_budget`` was recorded cannot say
+    about a larger budget: it is taken as it is."""
+    lengths = (fragment.get("tokens") or {}).get("response_length")
+    response = (workload.get("tokens") or {}).get("response")
+    mean = lengths.get("mean") if isinstance(lengths, dict) else None
+    spread = isinstance(lengths, dict) and any(lengths.get(k) for k in ("task_sigma", "turn_sigma"))
+    numbers = isinstance(response, int) and isinstance(mean, (int, float)) and not isinstance(mean, bool)
+    if numbers and (mean > response or (spread and mean >= response)):  # the spec's own check, said of the profile
+        return (
+            f"its turns' response lengths average {mean:g} tokens (tokens.response_length.mean), which a budget of "
+            f"{response} (tokens.response) cannot hold: set tokens.response {'above' if spread else 'to at least'} "
+            f"{mean:g}, or profile a run with a budget of {response}"
+        )
     samples = fragment.get("samples")
     if not isinstance(samples, dict) or "turns_at_budget" not in samples:
         return None

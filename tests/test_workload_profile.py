@@ -259,6 +259,17 @@ def test_a_calibrated_twin_written_elsewhere_finds_a_model_named_relative_to_its
         (CUT, {}, "20% of its turns ran to the response budget it was measured under (12 tokens"),
         (_cut(budget="8"), {}, "samples.response_budget: the lengths' budget, a positive integer, got '8'"),
         (_cut(share=20), {}, "samples.turns_at_budget: a share between 0 and 1, got 20"),
+        (
+            _cut(budget=32),
+            {"tokens": {"response": 9, "max_sequence": 256}},
+            "profiles/env.yaml: its turns' response lengths average 9.5 tokens (tokens.response_length.mean), which "
+            "a budget of 9 (tokens.response) cannot hold",
+        ),
+        (
+            FRAGMENT,
+            {"environment": {"name": "guess_number"}},
+            "profiles/env.yaml measured turn counts for one that draws them",
+        ),
     ],
     ids=[
         "set twice",
@@ -274,6 +285,8 @@ def test_a_calibrated_twin_written_elsewhere_finds_a_model_named_relative_to_its
         "lengths cut below the spec's budget",
         "budget not a number",
         "share not a share",
+        "a budget under the lengths' mean",
+        "turn counts for an environment that plays",
     ],
 )
 def test_a_bad_profile_is_a_spec_error_naming_the_file_or_key(catalog_yaml, tmp_path, fragment, workload, message):

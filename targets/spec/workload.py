@@ -193,6 +193,12 @@ class WorkloadSpec(Strict):
         if draws and self.turns.dist is None:
             raise ValueError(f"environment {env.label} draws turn counts: set turns.dist")
         if not draws and self.turns.dist is not None:
+            if self.profile is not None:  # the profile measured it: the user wrote no turns.dist to remove
+                raise ValueError(
+                    f"environment {env.label} ends episodes by play, not by a drawn count, and the profile "
+                    f"{self.profile} measured turn counts for one that draws them: use a stand-in that does "
+                    "(synthetic_agent), or no profile"
+                )
             raise ValueError(f"environment {env.label} ends episodes by play, not by a drawn count: remove turns.dist")
         return self
 

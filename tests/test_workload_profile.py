@@ -99,6 +99,9 @@ def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
     assert single["turns"] == {"max": 1, "dist": {"kind": "fixed", "value": 1.0}}
     with pytest.raises(ProfileError, match="finished no episode"):
         fit_profile(tiny_spec, [unfinished], "planted")
+    cut = _episode(0, 0, 2, 0.01, 5, timed_out=True) + _episode(0, 1, 2, 0.01, 5, lost=True)
+    with pytest.raises(ProfileError, match=r"\(1 timed out \(workload.trajectory_timeout_s.*; 1 lost their state"):
+        fit_profile(tiny_spec, [cut], "planted")  # each said: it was "finished no episode" alone
 
 
 def test_episodes_the_turn_cap_ended_and_slow_resets_are_said_in_the_profile(tiny_spec):

@@ -138,8 +138,17 @@ def fit_profile(
     # likewise those the environment's own limit ended (gymnasium's truncated): its play would have gone on
     limited = [key for key in ended if steps[key][-1].data.get("env_truncated", False)]
     if len(capped) + len(limited) == len(ended):
+        cut = [steps[key][-1].data for key in finished if _cut(steps[key][-1].data)]
+        timed_out = sum(bool(d["timed_out"]) for d in cut)
+        full = sum(bool(d["truncated"]) and not d["timed_out"] for d in cut)
+        lost = sum(bool(d.get("lost")) for d in cut)
+        unfinished = len(set(resets) - set(finished))  # reset, never ended (the run's end cut them off)
         why = [f"{len(capped)} ran to workload.turns.max, {spec.workload.turns.max}: raise it"] if capped else []
         why += [f"the environment truncated {len(limited)} (a limit of its own): raise it"] if limited else []
+        why += [f"{timed_out} timed out (workload.trajectory_timeout_s, a step slower than it?)"] if timed_out else []
+        why += [f"{full} filled the context (workload.tokens.max_sequence)"] if full else []
+        why += [f"{lost} lost their state in a crash"] if lost else []
+        why += [f"{unfinished} never finished in the run"] if unfinished and not why else []
         raise ProfileError(
             "the run finished no episode by the environment's own end"
             + (f" ({'; '.join(why)})" if why else "")

@@ -721,6 +721,43 @@ def test_a_turn_is_asked_once_at_a_time_and_a_failed_request_is_recorded():
     assert "g0/e1 turn 1 is being generated already" in sent[1].header["error"]["message"]
 
 
+def test_the_rollout_counts_as_suspended_until_its_resume_begins():
+    """Planted: a cluster that holds its resume call open while it serves. Its episodes were counted as
+    suspended until the resume returned, so one the stack held meanwhile was held by no one; the count now
+    ends as the resume begins (an honest resume serves nothing until it returns)."""
+    from targets.harness.clock import WallClock
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.controller_link import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    woken, suspended_during = asyncio.Event(), []
+
+    class Cluster:
+        devices: list = []
+
+        async def suspend(self):
+            pass
+
+        async def resume(self):
+            await woken.wait()
+
+    async def run():
+        link = ControllerLink(None, SimpleNamespace(), clock=WallClock(), virtual=False)
+        link.cluster, link.send = TracedCluster(Cluster(), Trace(WallClock()), {}), lambda frame: None
+        link._dispatch(Received({"kind": "cluster", "method": "suspend", "id": 1}, []))
+        await asyncio.gather(*link._tasks.values())
+        suspended_during.append(link.activity._suspended)
+        link._dispatch(Received({"kind": "cluster", "method": "resume", "id": 2}, []))
+        await asyncio.sleep(0.01)
+        suspended_during.append(link.activity._suspended)  # the resume under way
+        woken.set()
+        await asyncio.gather(*link._tasks.values())
+
+    asyncio.run(run())
+    assert suspended_during == [True, False]
+
+
 def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
     """A controller may say hello and call generate in one burst, before the harness has built the
     cluster: the call is served once it has, not refused as a protocol break; a call before any

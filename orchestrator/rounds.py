@@ -74,6 +74,21 @@ def unusable(error: LLMUnusable, who: str) -> str:
     )
 
 
+def is_disk_full(error: BaseException) -> bool:
+    """A write refused for space: Python's errno, or git's own words (it reports in its message)."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    return getattr(error, "errno", None) in codes or any(
+        words in str(error) for words in ("No space left on device", "Disk quota exceeded")
+    )
+
+
+def disk_full(number: int) -> str:
+    return (
+        f"disk full during round {number}: every validated candidate is committed (the round is redone); "
+        "free some space and run again with --resume"
+    )
+
+
 @dataclass
 class Loop:
     target: Target
@@ -184,7 +199,12 @@ class Loop:
         self.on_event("round_start", round=number, task=task, parent=parent.round if parent else None)
         self._round_start = (time.monotonic(), llm_before)
         parent_commit = parent.commit if parent else self.history.root()
-        workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
+        try:
+            workspace = self.history.worktree(self.workspaces / f"round-{number}", parent_commit)
+        except (GitCommandError, OSError) as error:
+            raise RunError(
+                disk_full(number) if is_disk_full(error) else f"round {number}: its worktree could not be made: {error}"
+            ) from None
         out = RunDir(self.run_dir).round_outputs(number)
         shutil.rmtree(out, ignore_errors=True)
         record = RoundRecord(
@@ -210,12 +230,9 @@ class Loop:
                     self.accept(record, evaluation, candidate, verdict)
             else:
                 self.reject(record, candidate, verdict, "prescreened" if record.screened_out else "rejected")
-        except OSError as error:
-            if error.errno == errno.ENOSPC:
-                raise RunError(
-                    f"disk full during round {number}: every validated candidate is committed; "
-                    "free some space and run again with --resume"
-                ) from None
+        except (OSError, workspace_git.GitFailed, GitCommandError) as error:
+            if is_disk_full(error):  # git's own writes say so in their message: a candidate it could not commit
+                raise RunError(disk_full(number)) from None
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         except RunError:  # the run itself cannot go on (its spend could not be saved): not this round's fault
             raise
@@ -397,7 +414,12 @@ class Loop:
     def finish_round(self, record: RoundRecord) -> None:
         """Git first, then the state: a kill in between is repaired by ``reconcile_with_git``."""
         if record.became_best and record.commit:
-            self.history.set_best(record.commit)
+            try:
+                self.history.set_best(record.commit)
+            except (GitCommandError, OSError) as error:  # committed under its ref: --resume recovers it from git
+                raise RunError(
+                    disk_full(record.round) if is_disk_full(error) else f"round {record.round}: best not moved: {error}"
+                ) from None
             self.state.best_round = record.round
         self.state.rounds.append(record)
         if record.verdict == "accepted":

@@ -288,6 +288,35 @@ def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tm
     assert "LATE" not in History.open(tmp_path / "run").read(record.commit, "stack/__init__.py")
 
 
+def test_a_candidate_git_could_not_commit_for_a_full_disk_stops_the_run_and_is_redone(
+    tmp_path, fast_target, monkeypatch
+):
+    """git's "No space left on device" came as its own error, not an OSError: the validated round 1 was
+    recorded as an error, its candidate lost, and the run went on (exit 0). It stops the run now, records
+    nothing of round 1, and a resume redoes it."""
+    from agents.workspace_git import GitFailed
+    from orchestrator.rounds import RunError
+    from orchestrator.runs import resume_run
+
+    def full(self, workspace, number, *args, **kwargs):
+        raise GitFailed("fatal: unable to write loose object file: No space left on device")
+
+    original = History.commit_validated
+    monkeypatch.setattr(
+        History,
+        "commit_validated",
+        lambda self, ws, number, *a, **k: (
+            full(self, ws, number) if number == 1 else original(self, ws, number, *a, **k)
+        ),
+    )
+    with pytest.raises(RunError, match="disk full during round 1: every validated candidate is committed"):
+        _start(fast_target, tmp_path, rounds=1, simulate=True, sandbox="subprocess").run()
+    assert [r.round for r in RunState.load(tmp_path / "run").rounds] == [0]
+    monkeypatch.setattr(History, "commit_validated", original)
+    state = resume_run(tmp_path / "run", {}, lambda kind, **data: None, tmp_path / "ws").run()
+    assert [(r.round, r.verdict) for r in state.rounds] == [(0, "accepted"), (1, "accepted")]
+
+
 def test_starter_params_are_round_0s_and_every_later_rounds(tmp_path, fast_target):
     """The GPU script's generate built its starter with the default engine even where the card failed
     that engine's test (the check's stack had the fallback's options): ``--starter-param`` sets them in

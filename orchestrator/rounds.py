@@ -127,6 +127,7 @@ class Loop:
     def _run(self) -> RunState:
         self._session_start = (time.monotonic(), self.state.seconds_used)
         self.reconcile_with_git()
+        self.refuse_a_moved_best()
         out_of_time = False
         if self.state.next_round > self.state.config.rounds:  # a finished run resumed as it was
             done, more = self.state.config.rounds, self.state.next_round
@@ -489,6 +490,18 @@ class Loop:
             self.finish_round(record)
             for problem in self._remove_worktrees(number):  # the killed round's
                 self.on_event("recovered", reason=problem)
+
+    def refuse_a_moved_best(self) -> None:
+        """``best`` in git is the state's best (what ``export @best`` and the next round start from): a
+        branch someone moved, or committed on, would be built on, or reset away, unsaid."""
+        best = self.state.best
+        there = self.history.best()
+        if best is not None and best.commit and there != best.commit:
+            raise RunError(
+                f"{self.run_dir}: its best branch is at {(there or 'nothing')[:10]}, not at round {best.round}'s "
+                f"commit {best.commit[:10]}, the run's best: it was moved or committed on by hand. Keep what you "
+                f"need elsewhere, then git -C {self.run_dir} reset --hard {best.commit[:10]} and --resume"
+            )
 
     def _count_killed_time(self, seconds: float) -> None:
         """A recovered round's wall time, which no save of the killed session carried, joins the run's."""

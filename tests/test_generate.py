@@ -317,6 +317,21 @@ def test_a_candidate_git_could_not_commit_for_a_full_disk_stops_the_run_and_is_r
     assert [(r.round, r.verdict) for r in state.rounds] == [(0, "accepted"), (1, "accepted")]
 
 
+def test_a_best_branch_moved_by_hand_is_refused_on_resume(tmp_path, fast_target):
+    """A commit of the user's on ``best`` was built on unsaid (and a later promotion's reset would have
+    dropped it); ``export @best`` and the state disagreed. The resume names it and how to put it back."""
+    from orchestrator.rounds import RunError
+    from orchestrator.runs import resume_run
+
+    _start(fast_target, tmp_path, rounds=0, simulate=True, sandbox="subprocess").run()
+    run = tmp_path / "run"
+    git.Repo(run).git.commit("--allow-empty", "-q", "-m", "my own change")
+    loop = resume_run(run, {"rounds": 1}, lambda kind, **data: None, tmp_path / "ws")
+    with pytest.raises(RunError, match="its best branch is at .* not at round 0's commit .* moved or committed on"):
+        loop.run()
+    assert [r.round for r in RunState.load(run).rounds] == [0]
+
+
 def test_starter_params_are_round_0s_and_every_later_rounds(tmp_path, fast_target):
     """The GPU script's generate built its starter with the default engine even where the card failed
     that engine's test (the check's stack had the fallback's options): ``--starter-param`` sets them in

@@ -37,6 +37,16 @@ def _subject_start(kind: str, number: int) -> str:
     return f"Round {number}: " if kind == VALIDATED else f"Round {number} (rejected): "
 
 
+def _entry_head(entry: Path) -> str | None:
+    """The commit a worktree entry (``.git/worktrees/<id>``) has checked out, detached; None for an add
+    killed before it set HEAD (git writes 40 zeros first) or a HEAD that names no commit."""
+    try:
+        head = (entry / "HEAD").read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    return head if len(head) == 40 and all(c in "0123456789abcdef" for c in head) and head != "0" * 40 else None
+
+
 class HistoryError(UserError, RuntimeError):
     """The run repository is not in a state this run can use (the message says what to do)."""
 
@@ -247,15 +257,15 @@ class History:
                 entries.append(gitdir.parent)
         return entries
 
-    def worktree_head(self, path: Path) -> str | None:
-        """The commit this repository's worktree at ``path`` has checked out (detached), from git's entry
-        for it; None where it has none there."""
-        for entry in self._entries_of(path):
-            head = (entry / "HEAD").read_text(errors="replace").strip()
-            # 40 zeros: an add killed before it set HEAD (git writes them first)
-            if len(head) == 40 and all(c in "0123456789abcdef" for c in head) and head != "0" * 40:
-                return head
-        return None
+    def worktrees_named(self, name: str) -> list[tuple[Path, str]]:
+        """(where, commit) of each of this repository's worktrees in a folder called ``name``, wherever it is:
+        a run resumed from another working folder has its ``workspaces/`` elsewhere than the killed one's."""
+        found = []
+        for gitdir in (Path(self.repo.git_dir).resolve() / "worktrees").glob("*/gitdir"):
+            where = (gitdir.parent / gitdir.read_text(errors="replace").strip()).resolve().parent
+            if where.name == name and (head := _entry_head(gitdir.parent)) is not None:
+                found.append((where, head))
+        return found
 
     def adopt(self, number: int, commit: str) -> str | None:
         """Round ``number``'s ``commit`` whose ref was never written (a kill between the commit and its

@@ -271,10 +271,11 @@ class Loop:
         tasks behind them secret: ``targets/harness/environments/seeds.py``)."""
         return round_seeds(self.state.config.seed, number, self.state.config.repeat)
 
-    def _remove_worktrees(self, number: int) -> list[str]:
-        """Round ``number``'s two worktrees gone; what would not go, said (the run goes on)."""
+    def _remove_worktrees(self, number: int, also: list[Path] = ()) -> list[str]:
+        """Round ``number``'s two worktrees gone, and ``also`` (a killed session's, in its own workspaces);
+        what would not go, said (the run goes on)."""
         problems = []
-        for tree in (self.workspaces / f"round-{number}", self._frozen(number)):
+        for tree in dict.fromkeys((self.workspaces / f"round-{number}", self._frozen(number), *also)):
             try:
                 self.history.remove_worktree(tree)
             except (HistoryError, GitCommandError, OSError) as error:
@@ -479,8 +480,11 @@ class Loop:
         while True:
             number = self.state.next_round
             commit = self.history.round_commit(number) or self.history.rejected_commit(number)
-            if commit is None and (head := self.history.worktree_head(self._frozen(number))) is not None:
-                commit = self.history.adopt(number, head)
+            # its judged copy, wherever it is (a session started in another folder had its workspaces there)
+            elsewhere = self.history.worktrees_named(self._frozen(number).name)
+            for _, head in elsewhere if commit is None else ():
+                if (commit := self.history.adopt(number, head)) is not None:
+                    break
             if commit is None:
                 return
             record = RoundRecord.model_validate(self.history.record(commit, "round.json"))
@@ -488,7 +492,8 @@ class Loop:
             self.on_event("recovered", round=number)
             self._count_killed_time(record.seconds or 0.0)
             self.finish_round(record)
-            for problem in self._remove_worktrees(number):  # the killed round's
+            edited = self.history.worktrees_named(f"round-{number}")
+            for problem in self._remove_worktrees(number, [where for where, _ in [*elsewhere, *edited]]):
                 self.on_event("recovered", reason=problem)
 
     def refuse_a_moved_best(self) -> None:

@@ -1097,6 +1097,30 @@ def test_a_round_committed_but_killed_before_its_ref_was_written_is_recovered_no
     loop.history.release()
 
 
+def test_a_round_killed_before_its_ref_is_recovered_from_another_sessions_workspaces(tmp_path):
+    """The killed session ran from another folder, so its judged copy is under that folder's workspaces/
+    (the default is relative): the resume looked only in its own, redid the round and orphaned the commit.
+    Every worktree of the run's repository is searched now, and the killed session's are removed."""
+    from agents.roles import Task
+    from orchestrator.history import Trailers
+    from orchestrator.state import RoundRecord
+    from tests.review_run import make_review_run
+
+    run = make_review_run(tmp_path)
+    loop = resume_run(run, {"rounds": 4}, lambda kind, **data: None, tmp_path / "ws")
+    best = loop.state.best
+    judged = loop.history.worktree(tmp_path / "other-folder" / "workspaces" / "round-3-judged", best.commit)
+    task = Task(id="tail_batching", title="add tail batching", rationale="stragglers", source="hint")
+    record = RoundRecord(round=3, task=task, parent_round=0, parent_commit=best.commit, verdict="rejected")
+    trailers = Trailers(3, task.id, "offline", "rejected", "goodput=1", "none")
+    message = f"Round 3 (rejected): {task.title}\n\n{trailers.lines()}\n"
+    commit = loop.history._commit_workspace(judged, message, {"round.json": record.model_dump(mode="json")})
+    loop.reconcile_with_git()
+    assert loop.history.rejected_commit(3) == commit and loop.state.record(3).commit == commit
+    assert loop.state.next_round == 4 and not judged.exists()
+    loop.history.release()
+
+
 def test_a_run_killed_after_its_starter_keeps_the_time_the_starter_took(tmp_path, fast_target):
     """seconds_used was saved after each later round only (round 0 went on without it) and in the
     run's last save: a run killed after its starter resumed with no time used, and a scheduler that

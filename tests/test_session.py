@@ -582,6 +582,30 @@ def test_a_command_tool_never_mounts_what_a_planted_link_points_to(tmp_path):
         box.wrap(["true"], {}, writable=[workspace / ".vibetrain-tmp"])
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_command_tool_reads_no_secret_from_the_sandboxs_init_nor_through_a_path_it_names(tmp_path, monkeypatch):
+    """Planted by a prompt-injected agent: ``cat /proc/1/environ`` read the orchestrator's API keys from
+    bwrap's own init (its environment was inherited whole: only the command's was cleared); and a command
+    that is also a path (``WS/x;cat SECRET;:``, a link made first) was mounted read-only, link followed,
+    showing the host's file. Neither reaches the agent now."""
+    from agents.llm.tools import RunCommand, Toolbox
+    from targets.harness.isolation import sandbox
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-orchestrators-own")
+    workspace, secret = tmp_path / "ws", tmp_path / "home" / "id_rsa"
+    workspace.mkdir()
+    secret.parent.mkdir()
+    secret.write_text("host secret\n")
+    tools = Toolbox(workspace, sandbox.Sandbox("bubblewrap"))
+    seen = tools.run_command(RunCommand(command="tr '\\0' '\\n' < /proc/1/environ; echo read-it", timeout_s=60))
+    assert "read-it" in seen and "sk-orchestrators-own" not in seen, seen
+    command = f"{workspace}/x;cat {secret};:"  # a shell command, and a path inside the workspace
+    Path(command).parent.mkdir(parents=True)
+    Path(command).symlink_to(secret)  # what the agent's first command made, in effect
+    seen = tools.run_command(RunCommand(command=command, timeout_s=60))
+    assert "host secret" not in seen, seen
+
+
 # -- device memory, as the harness samples it ------------------------------------------------------------
 
 

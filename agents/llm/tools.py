@@ -350,9 +350,7 @@ class Toolbox:
                 file_bytes=self.limits.file_bytes,
             )
             try:  # under the reaper: a background or setsid'd process ends with the command
-                result = run_reaped(
-                    command, "", cwd=self.workspace, env=env or None, timeout_s=a.timeout_s, limits=self.limits
-                )
+                result = run_reaped(command, "", cwd=self.workspace, env=env, timeout_s=a.timeout_s, limits=self.limits)
             except subprocess.TimeoutExpired:
                 raise ToolResultError(
                     f"the command ran past {a.timeout_s:g}s; it and every process it started were stopped"

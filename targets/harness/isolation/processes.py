@@ -98,7 +98,7 @@ class CandidateProcesses:
             self.processes[role] = forks.spawn(argv, env, self._logs[role].fileno(), cwd=str(scratch))
         else:
             self.processes[role] = subprocess.Popen(
-                command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env or None, cwd=scratch
+                command, stdout=self._logs[role], stderr=subprocess.STDOUT, env=env, cwd=scratch
             )
 
     def accept(self, role: str) -> socket.socket:

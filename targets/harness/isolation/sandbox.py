@@ -249,9 +249,12 @@ class Sandbox:
         if links:  # resolved, it would mount wherever the link points writable: whoever made it chose that
             raise ValueError(f"a writable path of the sandbox is a symbolic link: {', '.join(links)}")
         writable = outermost(writable)
+        # the program itself where it is named by path; never a path among its arguments: an agent's command
+        # is one, and a link it planted named as such a path would mount what it points to (the host's files)
+        program = [command[0]] if command[0].startswith("/") else []
         readonly = [
             p
-            for p in outermost([cache, *python_paths(), *readable, *(a for a in command if a.startswith("/"))])
+            for p in outermost([cache, *python_paths(), *readable, *program])
             if not any(p == w or w in p.parents for w in writable)
         ]
         cwd = Path(cwd or (writable[0] if writable else "/tmp"))
@@ -305,7 +308,9 @@ class Sandbox:
             wrapped += ["--remount-ro", "/dev"]  # its own tmpfs, of no size limit: writes go to /dev/shm or /tmp
             for key, value in variables.items():
                 wrapped += ["--setenv", key, value]
-            return wrapped + ["--chdir", str(cwd)] + command, {}
+            # bwrap's own environment: its init (pid 1 in the sandbox) keeps it, readable at /proc/1/environ, so
+            # it gets the PATH that finds bwrap and nothing else (an empty one would be read as "inherit")
+            return wrapped + ["--chdir", str(cwd)] + command, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         wrapped = ["docker", "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "-w", str(cwd)]
         wrapped += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--pids-limit", str(DOCKER_PIDS)]
         owners = list(dict.fromkeys(o for o in (owner, os.environ.get(OWNER_ENV)) if o))

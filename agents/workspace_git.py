@@ -64,8 +64,9 @@ def forget(workspace: Path) -> None:
 
 def plants(workspace: Path) -> dict[str, list[str]]:
     """Below the workspace's root, relative to it: every ``.git`` (a repository, or a link to one),
-    git control file, and symbolic link (the root's own ``.git`` aside)."""
-    found: dict[str, list[str]] = {"repositories": [], "control": [], "links": []}
+    git control file, symbolic link, and special file (a FIFO, a socket, a device: reading one blocks or never
+    ends) (the root's own ``.git`` aside)."""
+    found: dict[str, list[str]] = {"repositories": [], "control": [], "links": [], "special": []}
     for root, folders, files in os.walk(workspace):
         here = Path(root)
         for name in folders + files:
@@ -77,6 +78,8 @@ def plants(workspace: Path) -> dict[str, list[str]]:
                 found["control"].append(relative)
             elif (here / name).is_symlink():
                 found["links"].append(relative)
+            elif not stat.S_ISREG(mode := (here / name).lstat().st_mode) and not stat.S_ISDIR(mode):
+                found["special"].append(relative)
         folders[:] = [f for f in folders if f != ".git" and not (here / f).is_symlink()]
     return {kind: sorted(paths) for kind, paths in found.items()}
 
@@ -99,6 +102,11 @@ def tampering(workspace: Path) -> list[str]:
         f"{path}: a symbolic link in the candidate: git commits the link, not what it names, and the harness "
         "would write through it; put the file itself there"
         for path in found["links"]
+    ]
+    reasons += [
+        f"{path}: a FIFO, socket or device in the candidate: reading it blocks or never ends (git, the scans, the "
+        "copy the judge runs); delete it"
+        for path in found["special"]
     ]
     if _link_changed(workspace):
         reasons.append(

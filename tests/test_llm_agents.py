@@ -685,11 +685,41 @@ def test_the_design_and_the_annotations_never_follow_a_link_out(toolbox, tmp_pat
 
 
 def test_file_system_errors_come_back_as_tool_errors(toolbox):
-    assert _call(toolbox, "write_file", path="stack", content="x").startswith("error: write_file failed: ")
+    assert _call(toolbox, "write_file", path="stack", content="x").startswith("error: 'stack' is there and is no")
     (toolbox.workspace / "stack" / "blob.bin").write_bytes(b"\xff\xfe\x00")
     assert _call(toolbox, "edit_file", path="stack/blob.bin", old="a", new="b").startswith("error: edit_file failed: ")
     (toolbox.workspace / "stack" / "empty.py").write_text("")
     assert _call(toolbox, "read_file", path="stack/empty.py") == "stack/empty.py is empty"
+
+
+def test_a_fifo_or_a_link_loop_the_agent_made_is_an_error_never_a_hang(toolbox):
+    """Planted by the agent's own command (``mkfifo stack/pipe.py``): writing to it, or expanding the stack's
+    annotations, held the orchestrator for ever; a link loop ended the attempt with a RuntimeError. Each is
+    an error the model reads, and the judge's tampering check names the FIFO."""
+    import threading
+
+    from agents import workspace_git
+    from agents.llm.agents import expand_annotations
+
+    stack = toolbox.workspace / "stack"
+    os.mkfifo(stack / "pipe.py")
+    (stack / "loop.py").symlink_to(stack / "loop.py")
+    answers = {}
+
+    def calls() -> None:
+        answers["write"] = _call(toolbox, "write_file", path="stack/pipe.py", content="x = 1\n")
+        answers["loop"] = _call(toolbox, "read_file", path="stack/loop.py")
+        answers["expand"] = expand_annotations(toolbox.workspace)
+
+    worker = threading.Thread(target=calls, daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "a tool call blocked on the FIFO"
+    assert answers["write"].startswith("error: 'stack/pipe.py' is there and is no regular file"), answers
+    assert answers["loop"].startswith("error: ") and "loop" in answers["loop"].lower(), answers
+    assert any("stack/pipe.py: not a regular file" in p for p in answers["expand"]), answers
+    assert any("stack/loop.py: a symbolic link loop" in p for p in answers["expand"]), answers
+    assert any("stack/pipe.py: a FIFO, socket or device" in r for r in workspace_git.tampering(toolbox.workspace))
 
 
 def test_an_unknown_tool_or_invalid_arguments_come_back_as_tool_errors(toolbox):

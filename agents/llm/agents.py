@@ -133,9 +133,17 @@ def expand_annotations(workspace: Path) -> list[str]:
     A file that is a link out of the workspace is not expanded: the expansion writes on the host."""
     problems = []
     for path in sorted((workspace / "stack").rglob("*.py")):
-        if not inside(workspace, path):
-            where = path.relative_to(workspace)
+        where = path.relative_to(workspace)
+        try:
+            out = not inside(workspace, path)
+        except RuntimeError:  # a link loop
+            problems.append(f"{where}: a symbolic link loop: not expanded; put the file itself there")
+            continue
+        if out:
             problems.append(f"{where}: a link out of the workspace: not expanded; put the file itself there")
+            continue
+        if not path.is_file():  # a FIFO: reading it would hold the orchestrator for ever
+            problems.append(f"{where}: not a regular file (a FIFO, a socket, a device): not expanded; delete it")
             continue
         try:
             expand_file(path, workspace)

@@ -214,7 +214,7 @@ class Toolbox:
             return truncated(handler(arguments))
         except ToolResultError as error:  # the tool ran and says what went wrong: the model reads it
             return f"error: {error}"
-        except (OSError, UnicodeError, ValueError) as error:  # a directory, a binary file, a NUL byte
+        except (OSError, UnicodeError, ValueError, RuntimeError) as error:  # a folder, binary, a NUL, a link loop
             return f"error: {call.name} failed: {type(error).__name__}: {error}"
 
     # -- paths -----------------------------------------------------------------------------------
@@ -242,6 +242,8 @@ class Toolbox:
         parts = path.relative_to(self.workspace).parts
         if not parts or parts[0] not in WRITABLE or (parts[0] == "DESIGN.md" and len(parts) > 1):
             raise ToolResultError(f"{relative!r} is not writable: only stack/ and DESIGN.md are the candidate's")
+        if path.exists() and not path.is_file():  # a FIFO would hold the write (and the orchestrator) for ever
+            raise ToolResultError(f"{relative!r} is there and is no regular file (a folder, a FIFO, a device)")
         return path
 
     # -- the tools -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from agents import workspace_git
 from agents.offline import make_offline_agents
 from agents.roles import Agents
 from targets.harness.measure.session import Session
@@ -119,14 +120,7 @@ def make_agents(
         return ("PASSED\n" if verdict.passed else "FAILED\n") + "\n".join(lines)
 
     def benchmark(workspace: Path) -> str:
-        out = Path(tempfile.mkdtemp(prefix="vibetrain-tool-bench-"))
-        try:
-            measurement = session.measure(workspace, out, seed=0)
-        finally:
-            shutil.rmtree(out)
-        if not measurement.ok:
-            return "FAILED: " + "; ".join(measurement.reasons[:5])
-        return "\n".join(f"{k}: {v:.4g}" for k, v in measurement.metrics.items() if isinstance(v, (int, float)))
+        return benchmark_tool(session, workspace)
 
     implementer = LLMImplementer(
         spec, client, session.sandbox, offline.implementer, checks, benchmark, accounting=accounting
@@ -140,3 +134,19 @@ def make_agents(
         accounting,
         LLMPlanner(spec, client),
     )
+
+
+def benchmark_tool(session: Session, workspace: Path) -> str:
+    """The LLM implementer's benchmark of its live workspace, refused as the judge refuses it first (a link
+    there is the host's file, which the scan would read and quote back)."""
+    tampered = workspace_git.tampering(workspace)
+    if tampered:
+        return "FAILED: " + "; ".join(tampered[:5])
+    out = Path(tempfile.mkdtemp(prefix="vibetrain-tool-bench-"))
+    try:
+        measurement = session.measure(workspace, out, seed=0)
+    finally:
+        shutil.rmtree(out)
+    if not measurement.ok:
+        return "FAILED: " + "; ".join(measurement.reasons[:5])
+    return "\n".join(f"{k}: {v:.4g}" for k, v in measurement.metrics.items() if isinstance(v, (int, float)))

@@ -312,6 +312,21 @@ def test_an_archive_python_imports_from_is_refused_unread(tmp_path, tiny_spec, a
     ]
 
 
+def test_a_source_file_too_large_to_parse_safely_is_refused_unread(tmp_path, tiny_spec):
+    """Parsed, a Python file takes ~600 times its size in the orchestrator's memory: a 6 MB one an agent
+    wrote (``a=1`` a line) took it past 3 GiB in the scan and in the prompt's file map. Over 1 MiB a file is
+    refused by the scan unread, and the map says its size."""
+    from agents.llm.context import file_map
+
+    stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
+    (stack / "stack" / "big.py").write_text("a = 1\n" * 200_000)  # 1.2 MB
+    result = scan_stack(stack)
+    assert not result.passed and result.reasons == [
+        "stack/big.py: 1200000 bytes of source, over the 1048576 the scan reads"
+    ]
+    assert [e.about for e in file_map(stack) if e.path == "stack/big.py"] == ["(1200000 bytes: too large to read)"]
+
+
 def test_a_file_scanned_clean_and_then_edited_is_scanned_again(tmp_path, tiny_spec):
     """The scan keeps each file's findings by its text: an edit to a file it passed is a new text."""
     stack = write_starter(tmp_path / "s", tiny_spec, "static_split")

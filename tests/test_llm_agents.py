@@ -722,6 +722,18 @@ def test_a_fifo_or_a_link_loop_the_agent_made_is_an_error_never_a_hang(toolbox):
     assert any("stack/pipe.py: a FIFO, socket or device" in r for r in workspace_git.tampering(toolbox.workspace))
 
 
+def test_the_benchmark_tool_refuses_a_workspace_the_judge_would(tmp_path, tiny_spec):
+    """The tools' benchmark ran on the live workspace with no tampering check: a link there to a host file
+    was scanned (its text quoted back in the reasons) as the judge's frozen copy never is. Refused before
+    any run (no session is reached)."""
+    from agents.factory import benchmark_tool
+
+    write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    (tmp_path / "ws" / "stack" / "peek.py").symlink_to(Path(os.__file__))
+    said = benchmark_tool(None, tmp_path / "ws")
+    assert said.startswith("FAILED: stack/peek.py: a symbolic link in the candidate"), said
+
+
 def test_an_unknown_tool_or_invalid_arguments_come_back_as_tool_errors(toolbox):
     unknown = toolbox.call(ToolCall("c", "delete_everything", "{}"))
     assert unknown.startswith("error: there is no tool 'delete_everything'; the tools are: list_files")

@@ -12,6 +12,7 @@ from pathlib import Path
 from agents import workspace_git
 from agents.roles import RoundContext
 from skills.library import load_skills
+from targets.harness.judge.integrity import MAX_SOURCE_BYTES
 from targets.spec import TargetSpec
 
 SIMULATED = (
@@ -39,6 +40,9 @@ def file_map(workspace: Path) -> list[FileEntry]:
     for path in sorted((workspace / "stack").rglob("*")):
         if path.is_symlink() or not path.is_file() or "__pycache__" in path.parts:
             continue  # a link is not followed: it may point out of the workspace
+        if (size := path.stat().st_size) > MAX_SOURCE_BYTES:  # its parse would take ~600 times that in memory
+            entries.append(FileEntry(str(path.relative_to(workspace)), 0, f"({size} bytes: too large to read)"))
+            continue
         text = path.read_text(errors="replace")
         about = _docstring_line(text) if path.suffix == ".py" else ""
         entries.append(FileEntry(str(path.relative_to(workspace)), len(text.splitlines()), about[:110]))

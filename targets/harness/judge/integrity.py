@@ -98,8 +98,16 @@ def scan_stack(stack_dir: Path) -> CheckResult:
         if path.suffix in ARCHIVE_SUFFIXES
     ]
     for path in (p for p in files if p.suffix == ".py"):
+        if (size := path.stat().st_size) > MAX_SOURCE_BYTES:  # parsed, it would take ~600 times that in memory
+            reasons.append(
+                f"{path.relative_to(stack_dir)}: {size} bytes of source, over the {MAX_SOURCE_BYTES} the scan reads"
+            )
+            continue
         reasons += source_reasons(path.read_bytes(), str(path.relative_to(stack_dir)))
     return CheckResult("integrity", not reasons, reasons, {})
+
+
+MAX_SOURCE_BYTES = 1 << 20  # a Python file of a stack, at most: written by hand or agent, never generated data
 
 
 SCANNED_FILES = 4096  # files whose findings are kept (by digest) before the record starts again

@@ -66,22 +66,36 @@ def plants(workspace: Path) -> dict[str, list[str]]:
     """Below the workspace's root, relative to it: every ``.git`` (a repository, or a link to one),
     git control file, symbolic link, and special file (a FIFO, a socket, a device: reading one blocks or never
     ends) (the root's own ``.git`` aside)."""
-    found: dict[str, list[str]] = {"repositories": [], "control": [], "links": [], "special": []}
-    for root, folders, files in os.walk(workspace):
-        here = Path(root)
-        for name in folders + files:
-            relative = str((here / name).relative_to(workspace))
-            if name == ".git":
+    found: dict[str, list[str]] = {"repositories": [], "control": [], "links": [], "special": [], "deep": []}
+    folders = [(workspace, 0)]  # walked with a list, not by recursion: a tree thousands deep is named, not a crash
+    while folders:
+        here, depth = folders.pop()
+        for entry in sorted(os.scandir(here), key=lambda entry: entry.name):
+            relative = str(Path(entry.path).relative_to(workspace))
+            if entry.name == ".git":
                 if here != workspace:
                     found["repositories"].append(relative)
-            elif name in CONTROL_FILES:
+            elif entry.name in CONTROL_FILES:
                 found["control"].append(relative)
-            elif (here / name).is_symlink():
+            elif entry.is_symlink():
                 found["links"].append(relative)
-            elif not stat.S_ISREG(mode := (here / name).lstat().st_mode) and not stat.S_ISDIR(mode):
+            elif entry.is_dir(follow_symlinks=False):
+                if depth + 1 >= MAX_DEPTH:
+                    found["deep"].append(relative)
+                else:
+                    folders.append((Path(entry.path), depth + 1))
+            elif not entry.is_file(follow_symlinks=False):
                 found["special"].append(relative)
-        folders[:] = [f for f in folders if f != ".git" and not (here / f).is_symlink()]
     return {kind: sorted(paths) for kind, paths in found.items()}
+
+
+def remove_folder(path: Path) -> None:
+    """``path`` and all in it, however deep (``shutil.rmtree`` recurses, and a tree past Python's recursion
+    limit raised from it), never following a link."""
+    try:
+        shutil.rmtree(path)
+    except RecursionError:
+        subprocess.run(["rm", "-rf", "--", str(path)], check=True, capture_output=True)
 
 
 def tampering(workspace: Path) -> list[str]:
@@ -108,6 +122,7 @@ def tampering(workspace: Path) -> list[str]:
         "copy the judge runs); delete it"
         for path in found["special"]
     ]
+    reasons += [f"{path}: folders nested {MAX_DEPTH} deep in the candidate; flatten it" for path in found["deep"]]
     if _link_changed(workspace):
         reasons.append(
             ".git: the worktree's link to its git directory was changed: it is the harness's, and git "
@@ -148,6 +163,7 @@ def output(workspace: Path, *args: str) -> str:
 
 
 MAX_CANDIDATE_BYTES = 256 * 2**20  # a candidate is source and small data; more is refused, not copied
+MAX_DEPTH = 64  # folders nested in a candidate, at most: deeper is refused, never walked by recursion
 
 
 def copy_candidate(source: Path, target: Path) -> list[str]:
@@ -165,7 +181,7 @@ def copy_candidate(source: Path, target: Path) -> list[str]:
         if path.name == ".git":
             continue
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            remove_folder(path)
         else:
             path.unlink()
     refused: list[str] = []
@@ -182,6 +198,8 @@ def copy_candidate(source: Path, target: Path) -> list[str]:
                 kind = os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode
                 if stat.S_ISLNK(kind):
                     links.append((where, os.readlink(name, dir_fd=folder_fd)))
+                elif stat.S_ISDIR(kind) and len(where.parts) >= MAX_DEPTH:
+                    refused.append(f"{where}: folders nested {MAX_DEPTH} deep, not copied")
                 elif stat.S_ISDIR(kind):
                     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder_fd)
                     try:
@@ -231,7 +249,7 @@ def disarm(workspace: Path) -> list[str]:
     for path in [p for paths in plants(workspace).values() for p in paths]:
         planted = workspace / path
         if planted.is_dir() and not planted.is_symlink():
-            shutil.rmtree(planted)
+            remove_folder(planted)
         else:
             planted.unlink()
         undone.append(f"removed {path}")

@@ -242,7 +242,7 @@ class History:
                 raise HistoryError(
                     f"{path} is a worktree of another run's repository ({gitdir}); give this run its own --workspaces"
                 )
-            shutil.rmtree(path)
+            workspace_git.remove_folder(path)  # a tree the agent nested thousands deep too
         for entry in self._entries_of(path):
             shutil.rmtree(entry)  # locked or not: a killed add locks it "initializing"
         self.repo.git.worktree("prune")

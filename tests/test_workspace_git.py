@@ -209,6 +209,23 @@ def test_the_frozen_copy_stops_at_its_size_limit(tmp_path, run, monkeypatch):
     assert (frozen / "stack" / "a.py").exists() and not (frozen / "stack" / "z.bin").exists()
 
 
+def test_folders_nested_thousands_deep_are_named_never_a_crash(tmp_path, run):
+    """An agent's ``for i in $(seq 1500); do mkdir d && cd d; done``: every recursive walk (the tampering
+    check, the frozen copy, the worktree's removal) raised RecursionError, which ended the run, and its
+    --resume met it again. Refused by name past 64, copied to there, and removed however deep."""
+    history, workspace = run
+    subprocess.run(
+        ["bash", "-c", "cd stack && for i in $(seq 1500); do mkdir d && cd d; done"], cwd=workspace, check=True
+    )
+    deep = "stack/" + "/".join(["d"] * 63)
+    assert f"{deep}: folders nested 64 deep in the candidate; flatten it" in workspace_git.tampering(workspace)
+    frozen = history.worktree(tmp_path / "workspaces" / "round-1-judged", history.root())
+    assert workspace_git.copy_candidate(workspace, frozen) == [f"{deep}: folders nested 64 deep, not copied"]
+    history.remove_worktree(workspace)
+    history.remove_worktree(frozen)
+    assert not workspace.exists() and not frozen.exists()
+
+
 def test_a_round_that_meets_a_bug_keeps_its_traceback_and_the_run_goes_on(tmp_path, fast_target):
     """One round's failure never stops the run; its record says what and where (the traceback in the
     round's outputs): a bug in an agent or the loop would otherwise look like any failed candidate."""

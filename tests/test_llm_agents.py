@@ -734,6 +734,26 @@ def test_the_benchmark_tool_refuses_a_workspace_the_judge_would(tmp_path, tiny_s
     assert said.startswith("FAILED: stack/peek.py: a symbolic link in the candidate"), said
 
 
+def test_a_search_is_bounded_in_time_in_bytes_and_in_matches(toolbox, monkeypatch):
+    """The model's pattern ran in the orchestrator with no limit (``(a|aa)+$`` backtracks for ever), kept every
+    match before showing 200, and read a file once per hard link to it (a hundred links, a hundred reads)."""
+    from agents.llm import tools
+
+    monkeypatch.setattr(tools, "SEARCH_LIMIT_S", 0.5)
+    stack = toolbox.workspace / "stack"
+    (stack / "slow.txt").write_text("a" * 40 + "!\n")
+    started = time.monotonic()
+    slow = _call(toolbox, "search_files", pattern="(a|aa)+$", path="stack")
+    assert time.monotonic() - started < 10 and "[the search stopped after 0.5 s" in slow, slow
+    (stack / "slow.txt").unlink()
+    (stack / "many.txt").write_text("needle\n" * 300)
+    for k in range(5):
+        os.link(stack / "many.txt", stack / f"link{k}.txt")
+    many = _call(toolbox, "search_files", pattern="needle", path="stack")
+    assert many.count("needle") == 200 and "[the search more than 200 matches" in many, many[-300:]
+    assert len({line.split(":")[0] for line in many.splitlines()[:200]}) == 1  # one file, read once
+
+
 def test_an_unknown_tool_or_invalid_arguments_come_back_as_tool_errors(toolbox):
     unknown = toolbox.call(ToolCall("c", "delete_everything", "{}"))
     assert unknown.startswith("error: there is no tool 'delete_everything'; the tools are: list_files")

@@ -16,9 +16,11 @@ import json
 import os
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import regex
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import targets
@@ -29,6 +31,9 @@ from targets.harness.isolation.containers import owned_containers
 
 MAX_RESULT = 12_000
 MAX_READ_BYTES = 8 << 20  # read_file and search_files read a file on the host: one larger is not read whole
+MAX_SEARCH_BYTES = 64 << 20  # what one search reads in all
+MAX_MATCHES = 200
+SEARCH_LIMIT_S = 10.0  # one search's time: the model's pattern runs in the orchestrator
 VIEW_LINES = 250  # lines read_file shows when no end is given
 REPO = Path(targets.__file__).resolve().parent.parent
 CONTRACT = ("targets/api.py", "skills/recipes")  # read-only, outside the workspace
@@ -280,26 +285,46 @@ class Toolbox:
         return f"{a.path}, lines {a.start_line}-{end} of {len(lines)}{more}\n{view}"
 
     def search_files(self, a: SearchFiles) -> str:
+        """The model's pattern runs in the orchestrator: by the ``regex`` engine, under a time limit (a
+        pattern that backtracks without end is stopped), reading each file once (a hundred hard links to
+        one file are one) and at most ``MAX_SEARCH_BYTES`` in all, keeping the first 200 matches."""
         try:
-            regex = re.compile(a.pattern)
-        except re.error as error:
+            pattern = regex.compile(a.pattern)
+        except regex.error as error:
             raise ToolResultError(f"bad regular expression {a.pattern!r}: {error}") from None
-        hits, large = [], []
+        hits, large, seen, read, stopped = [], [], set(), 0, ""
+        deadline = time.monotonic() + SEARCH_LIMIT_S
         for path in sorted(self._path(a.path).rglob("*")):
             hidden = ".git" in path.parts or "__pycache__" in path.parts
             if not inside(self.workspace, path) or not path.is_file() or hidden:
                 continue
-            if path.stat().st_size > MAX_READ_BYTES:
+            status = path.stat()
+            if (status.st_dev, status.st_ino) in seen:
+                continue
+            seen.add((status.st_dev, status.st_ino))
+            if status.st_size > MAX_READ_BYTES:
                 large.append(str(path.relative_to(self.workspace)))
                 continue
+            read += status.st_size
+            if read > MAX_SEARCH_BYTES:
+                stopped = f"stopped at {MAX_SEARCH_BYTES} bytes read"
+                break
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-                if regex.search(line):
+                try:
+                    matched = pattern.search(line, timeout=max(deadline - time.monotonic(), 0.001))
+                except TimeoutError:
+                    stopped = f"stopped after {SEARCH_LIMIT_S:g} s (a pattern that backtracks?)"
+                    break
+                if matched:
                     hits.append(f"{path.relative_to(self.workspace)}:{number}: {line.strip()}")
-        found = (
-            "\n".join(hits[:200]) + (f"\n[... {len(hits) - 200} more matches]" if len(hits) > 200 else "")
-            if hits
-            else "(no match)"
-        )
+                if len(hits) > MAX_MATCHES:
+                    stopped = f"more than {MAX_MATCHES} matches"
+                    break
+            if stopped:
+                break
+        found = "\n".join(hits[:MAX_MATCHES]) if hits else "(no match)"
+        if stopped:
+            found += f"\n[the search {stopped}: narrow the path or the pattern]"
         if large:
             names = ", ".join(large[:20])
             found += f"\n[not searched, over {MAX_READ_BYTES} bytes: {names}; grep them with run_command]"

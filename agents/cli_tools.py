@@ -266,16 +266,20 @@ class Codex(CLITool):
         flag that skips ``config.toml``, whose MCP servers, ``notify`` program, provider or trusted projects
         would otherwise shape the call. If the CLI refreshed the login, the fresh one is copied back (a
         rotated refresh token would otherwise leave the user's copy dead), but only a login of the same
-        account: the scratch home lies where the CLI's commands may write."""
+        account. The scratch home is made under vibetrain's cache, not the temp folder, which the CLI's
+        ``workspace-write`` commands may write: there an agent's command could leave its own login for the
+        copy back to keep in the user's home."""
         user_home = Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex")
-        with tempfile.TemporaryDirectory(prefix="vibetrain-codex-home-") as scratch:
+        homes = Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain")) / "codex-homes"
+        homes.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="home-", dir=homes) as scratch:
             login, copy = user_home / self.LOGIN, Path(scratch) / self.LOGIN
             if login.is_file():
                 shutil.copyfile(login, copy)
                 copy.chmod(0o600)
             before = copy.read_bytes() if copy.is_file() else None
             yield {"CODEX_HOME": scratch}
-            after = copy.read_bytes() if copy.is_file() else None
+            after = copy.read_bytes() if copy.is_file() and not copy.is_symlink() else None
             if before is not None and after is not None and after != before:
                 account = _codex_account(after)
                 if account is None or account != _codex_account(before):

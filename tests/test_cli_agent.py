@@ -245,6 +245,9 @@ def test_codex_reads_no_config_of_the_users_only_a_copy_of_its_login(
     [call] = _calls(record)
     seen = Path(call["env"]["CODEX_HOME"])
     assert seen != user_home and not seen.exists()  # a scratch home, gone after the call
+    # under vibetrain's cache, not the temp folder the CLI's workspace-write commands may write (one could leave
+    # a login of its own there for the copy back to keep)
+    assert seen.parent == Path(os.environ["VIBETRAIN_CACHE"]) / "codex-homes"
     assert call["codex_home"] == {"auth.json": json.dumps(login)}  # the login, not config.toml
     kept = json.loads((user_home / "auth.json").read_text())
     assert kept["tokens"]["refresh_token"] == ("rotated" if scenario == "refresh_login" else "r1")

@@ -217,13 +217,16 @@ def test_folders_nested_thousands_deep_are_named_never_a_crash(tmp_path, run):
     subprocess.run(
         ["bash", "-c", "cd stack && for i in $(seq 1500); do mkdir d && cd d; done"], cwd=workspace, check=True
     )
-    deep = "stack/" + "/".join(["d"] * 63)
-    assert f"{deep}: folders nested 64 deep in the candidate; flatten it" in workspace_git.tampering(workspace)
-    frozen = history.worktree(tmp_path / "workspaces" / "round-1-judged", history.root())
-    assert workspace_git.copy_candidate(workspace, frozen) == [f"{deep}: folders nested 64 deep, not copied"]
-    history.remove_worktree(workspace)
-    history.remove_worktree(frozen)
-    assert not workspace.exists() and not frozen.exists()
+    try:
+        deep = "stack/" + "/".join(["d"] * 63)
+        assert f"{deep}: folders nested 64 deep in the candidate; flatten it" in workspace_git.tampering(workspace)
+        frozen = history.worktree(tmp_path / "workspaces" / "round-1-judged", history.root())
+        assert workspace_git.copy_candidate(workspace, frozen) == [f"{deep}: folders nested 64 deep, not copied"]
+        history.remove_worktree(workspace)
+        history.remove_worktree(frozen)
+        assert not workspace.exists() and not frozen.exists()
+    finally:  # else pytest's own clean-up of old temp folders (shutil.rmtree) meets it in a later session
+        subprocess.run(["rm", "-rf", str(workspace / "stack" / "d")], check=True)
 
 
 def test_a_round_that_meets_a_bug_keeps_its_traceback_and_the_run_goes_on(tmp_path, fast_target):

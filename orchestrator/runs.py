@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agents.factory import api_key_env, load_prices, make_agents
+from agents.llm.tools import MAX_DESIGN, truncated
 from agents.roles import AgentError
 from orchestrator.config import LLM_BACKENDS, LLM_BUDGETS, ConfigError, LLMConfig, RunConfig, flag
 from orchestrator.history import History, HistoryError
@@ -71,8 +72,8 @@ def _loop(
         agents.accounting.max_cost, agents.accounting.max_tokens = config.max_cost, config.max_tokens
         agents.accounting.spent_before = dict(state.llm_used)  # the run's earlier sessions
 
-    def design_of(record) -> str:
-        return history.read(record.commit, "DESIGN.md")
+    def design_of(record) -> str:  # in the planner's prompt: cut as the implementer's is
+        return truncated(history.read(record.commit, "DESIGN.md"), MAX_DESIGN)
 
     policy = make_policy(config.policy, agents.planner, config.seed, agents.llm_planner, design_of, config.selection)
     loop = Loop(target, state, history, agents, policy, run_dir, run_workspaces(workspaces, run_dir), on_event, session)

@@ -684,6 +684,17 @@ def test_the_design_and_the_annotations_never_follow_a_link_out(toolbox, tmp_pat
     assert problems == ["stack/linked.py: a link out of the workspace: not expanded; put the file itself there"]
 
 
+def test_a_huge_design_record_is_cut_in_every_prompt(toolbox, tiny_spec):
+    """DESIGN.md went whole into the implementer's prompt (resent every turn) and the planner's: an agent's
+    4 MB one made a million-token call, past any --max-cost in one go. Both cut it to its head and tail."""
+    from agents.llm.agents import implementer_prompt
+    from agents.llm.tools import MAX_DESIGN
+
+    (toolbox.workspace / "DESIGN.md").write_text("# Decisions\n" + "padding line\n" * 300_000)
+    prompt = implementer_prompt(tiny_spec, Task(id="t", title="t", rationale="r"), toolbox.workspace, [], [])
+    assert len(prompt) < 2 * MAX_DESIGN + 60_000 and "characters cut from the middle" in prompt
+
+
 def test_file_system_errors_come_back_as_tool_errors(toolbox):
     assert _call(toolbox, "write_file", path="stack", content="x").startswith("error: 'stack' is there and is no")
     (toolbox.workspace / "stack" / "blob.bin").write_bytes(b"\xff\xfe\x00")

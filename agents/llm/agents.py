@@ -20,7 +20,7 @@ from agents.llm import context as facts
 from agents.llm.client import ChatClient
 from agents.llm.errors import LLMError, LLMUnusable
 from agents.llm.loop import cut_note, parse_answer, run_loop
-from agents.llm.tools import Toolbox, ToolResultError, inside, read_design
+from agents.llm.tools import MAX_DESIGN, Toolbox, ToolResultError, inside, read_design, truncated
 from agents.roles import AgentError, Attempt, Evaluation, Hint, RoundContext, Task
 from skills.library import load_skills
 from skills.validation import expand_file
@@ -104,7 +104,7 @@ def implementer_prompt(
     DESIGN.md, the previous attempt, the rules and a workflow."""
     skills = load_skills()
     try:
-        design = read_design(workspace) or "(none)"
+        design = truncated(read_design(workspace) or "(none)", MAX_DESIGN)
     except ToolResultError as refused:
         design = f"({refused})"
     context = context or RoundContext()

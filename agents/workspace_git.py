@@ -33,6 +33,11 @@ from pathlib import Path
 # diffs pass --no-ext-diff --no-textconv.
 SAFE = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null")
 
+MAX_CANDIDATE_BYTES = 256 * 2**20  # a candidate is source and small data; more is refused, not copied
+RECORD_DIR = ".vibetrain"  # the run's records in each commit (the judge's report, the round's): the harness's
+RECORD_FILES = (f"{RECORD_DIR}/judge.json", f"{RECORD_DIR}/round.json")
+MAX_DEPTH = 64  # folders nested in a candidate, at most: deeper is refused, never walked by recursion
+
 _TRUSTED: dict[Path, tuple[Path, bytes]] = {}  # workspace -> (its git directory, its .git link as written)
 
 
@@ -66,7 +71,8 @@ def plants(workspace: Path) -> dict[str, list[str]]:
     """Below the workspace's root, relative to it: every ``.git`` (a repository, or a link to one),
     git control file, symbolic link, and special file (a FIFO, a socket, a device: reading one blocks or never
     ends) (the root's own ``.git`` aside)."""
-    found: dict[str, list[str]] = {"repositories": [], "control": [], "links": [], "special": [], "deep": []}
+    kinds = ("repositories", "control", "links", "special", "deep", "records")
+    found: dict[str, list[str]] = {kind: [] for kind in kinds}
     folders = [(workspace, 0)]  # walked with a list, not by recursion: a tree thousands deep is named, not a crash
     while folders:
         here, depth = folders.pop()
@@ -86,6 +92,8 @@ def plants(workspace: Path) -> dict[str, list[str]]:
                     folders.append((Path(entry.path), depth + 1))
             elif not entry.is_file(follow_symlinks=False):
                 found["special"].append(relative)
+            elif relative.startswith(f"{RECORD_DIR}/") and relative not in RECORD_FILES:
+                found["records"].append(relative)
     return {kind: sorted(paths) for kind, paths in found.items()}
 
 
@@ -123,6 +131,10 @@ def tampering(workspace: Path) -> list[str]:
         for path in found["special"]
     ]
     reasons += [f"{path}: folders nested {MAX_DEPTH} deep in the candidate; flatten it" for path in found["deep"]]
+    reasons += [
+        f"{path}: a file among the run's records ({RECORD_DIR}/), which the review's diff leaves out; put it in stack/"
+        for path in found["records"]
+    ]
     if _link_changed(workspace):
         reasons.append(
             ".git: the worktree's link to its git directory was changed: it is the harness's, and git "
@@ -160,10 +172,6 @@ def run(workspace: Path, *args: str, input: str | None = None, check: bool = Tru
 def output(workspace: Path, *args: str) -> str:
     """What ``git args`` prints, its last newline removed (as GitPython gives it)."""
     return run(workspace, *args).stdout.removesuffix("\n")
-
-
-MAX_CANDIDATE_BYTES = 256 * 2**20  # a candidate is source and small data; more is refused, not copied
-MAX_DEPTH = 64  # folders nested in a candidate, at most: deeper is refused, never walked by recursion
 
 
 def copy_candidate(source: Path, target: Path) -> list[str]:

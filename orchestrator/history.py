@@ -24,7 +24,7 @@ from agents import workspace_git
 from orchestrator import git_leftovers, writer_lock
 from targets.errors import UserError
 
-RECORD_DIR = ".vibetrain"  # per-commit records (judge report, evaluation) inside the candidate tree
+RECORD_DIR = workspace_git.RECORD_DIR  # per-commit records (judge report, round) inside the candidate tree
 VALIDATED, REJECTED = "rounds", "rejected"  # a round's commit, by what became of it: refs/vibetrain/<kind>/<N>
 
 

@@ -45,7 +45,7 @@ log = logging.getLogger("vibetrain.judge")
 DIFF_LIMIT = 40_000  # characters of diff in the prompt; past it, whole files' diffs are left out
 DETAILS_LIMIT = 800  # characters of one check's details in the prompt
 ACCOUNT_LIMIT = 4_000  # characters of the implementer's account in the prompt
-RECORDS = ".vibetrain"  # the run's bookkeeping in each commit (judge report, round record): not the change
+RECORDS = workspace_git.RECORD_DIR  # the run's bookkeeping in each commit (judge report, round record): not the change
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,8 @@ class Toolbox:
                 "run_command": (
                     RunCommand,
                     self.run_command,
-                    "Run a bash command in the workspace, inside the sandbox.",
+                    "Run a bash command in the workspace, inside the sandbox (no network; git does not work "
+                    "there: the round's repository is the harness's, not mounted).",
                 ),
             }
         if checks is not None:

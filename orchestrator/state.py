@@ -233,6 +233,12 @@ class RunState(BaseModel):
         if not Path(run_dir).is_dir():
             raise RunStateError(f"{run_dir} is a file: give the folder a run was started in (its --out)")
         if not run.state_file.exists():
+            if (run_dir / ".git").is_dir():  # a run's repository whose state went: "start it anew" would refuse it
+                raise RunStateError(
+                    f"{run_dir} has lost its run state ({run.state_file}), so it cannot go on; its candidates are "
+                    f"intact in git (git -C {run_dir} log --all, each with its round's record): start a new run "
+                    "with another --out, and vibetrain export a candidate from this one if you need it"
+                )
             raise RunStateError(
                 f"{run_dir} has no run state ({run.state_file}): not a vibetrain run, or it never started"
             )
@@ -294,12 +300,15 @@ def write_atomically(path: Path, text: str, what: str) -> None:
     except OSError as error:
         if "tmp" in locals() and os.path.exists(tmp):
             os.unlink(tmp)
-        if error.errno == errno.ENOSPC:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise RunStateError(
                 f"disk full while saving {what} to {path}: every validated candidate is "
                 "committed in git; free some space and run again with --resume"
             ) from None
-        raise
+        raise RunStateError(  # a disk error, a folder made read-only: said, with what the run kept
+            f"{what} could not be saved to {path} ({error.strerror or error}): every validated candidate is "
+            "committed in git; fix it and run again with --resume"
+        ) from None
 
 
 def new_state(config: RunConfig) -> RunState:

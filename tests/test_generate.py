@@ -332,6 +332,22 @@ def test_a_best_branch_moved_by_hand_is_refused_on_resume(tmp_path, fast_target)
     assert [r.round for r in RunState.load(run).rounds] == [0]
 
 
+def test_an_interrupted_generate_says_what_was_kept_and_how_to_go_on(tmp_path, fast_target, monkeypatch):
+    """Ctrl-C (or SIGTERM) ended generate with no word: every other stop says that the validated candidates
+    are committed and how to resume."""
+    from orchestrator.rounds import Loop
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Loop, "run", interrupted)
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["generate", str(fast_target), "--simulate", "--out", str(out)], env=ENV)
+    said = " ".join(result.output.split())
+    assert result.exit_code != 0 and "interrupted in round 0, which is not recorded" in said, result.output
+    assert f"--resume --out {out}" in said
+
+
 def test_starter_params_are_round_0s_and_every_later_rounds(tmp_path, fast_target):
     """The GPU script's generate built its starter with the default engine even where the card failed
     that engine's test (the check's stack had the fallback's options): ``--starter-param`` sets them in
@@ -695,6 +711,18 @@ def test_a_dirty_run_worktree_is_refused_on_resume(tmp_path):
     assert result.exit_code == 2 and "is a run for tiny-qwen3-cpu" in result.output
 
 
+def test_a_run_whose_state_was_deleted_says_it_cannot_go_on_not_to_start_it_again(tmp_path):
+    """--resume said "not a vibetrain run, or it never started" and a fresh start "already exists: continue it
+    with --resume": advice that went round. The resume now says what was lost and what is left."""
+    from orchestrator.run_dir import RunDir
+
+    run = _empty_run(tmp_path)
+    RunDir(run).state_file.unlink()
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)], env=ENV)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "has lost its run state" in said and "start a new run with another --out" in said
+
+
 def test_a_run_whose_starter_failed_says_resume_cannot_go_on(tmp_path):
     """A 1 s time limit fails the starter at its accuracy run; a --resume with a sane limit used to
     print the same failure and exit 0 having done nothing. It now says why it cannot go on, and what to do."""
@@ -900,6 +928,13 @@ def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):
         state.save(run)
     assert RunState.load(run).config.target == "tiny-qwen3-cpu"  # the previous state is intact
     assert not list((run / ".git").glob(".state-*"))
+
+    def broken(*args, **kwargs):  # any other error of the disk was a traceback
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", broken)
+    with pytest.raises(RunStateError, match="could not be saved to .* \\(Input/output error\\): every validated"):
+        state.save(run)
 
 
 @pytest.mark.parametrize(

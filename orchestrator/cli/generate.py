@@ -5,6 +5,7 @@ defaults (flags win); ``--print-config`` writes them (with ``--resume``, the sto
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -283,6 +284,13 @@ def generate(
             state = loop.run()
             if view.rows:  # the rounds this invocation ran (none: a finished run resumed as it was)
                 print_table(view.render())
+    except (KeyboardInterrupt, SystemExit) as stopped:  # Ctrl-C, or SIGTERM (app.py: sys.exit(128 + 15))
+        if isinstance(stopped, KeyboardInterrupt) or stopped.code == 128 + signal.SIGTERM:
+            console.print(
+                f"interrupted in round {loop.state.next_round}, which is not recorded: every validated candidate is "
+                f"committed; go on with: vibetrain generate {argument(target)} --resume --out {argument(out)}"
+            )
+        raise
     finally:
         if tracker is not None:
             tracker.close()

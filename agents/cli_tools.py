@@ -19,6 +19,7 @@ from pathlib import Path
 
 from agents.reaped_run import KILL_GRACE_S, run_reaped
 from agents.roles import AgentError
+from targets.cache import cache_home
 
 log = logging.getLogger("vibetrain.cli_agent")
 
@@ -270,7 +271,7 @@ class Codex(CLITool):
         ``workspace-write`` commands may write: there an agent's command could leave its own login for the
         copy back to keep in the user's home."""
         user_home = Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex")
-        homes = Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain")) / "codex-homes"
+        homes = cache_home() / "codex-homes"
         homes.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="home-", dir=homes) as scratch:
             login, copy = user_home / self.LOGIN, Path(scratch) / self.LOGIN

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from targets.cache import cache_home
 from targets.errors import UserError
 from targets.harness.tokenizer import build_tokenizer, tokenizer_key
 from targets.spec import ModelSpec
@@ -27,7 +27,7 @@ FACTORY_VERSION = 1  # bump when the build recipe changes, to invalidate caches
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain")) / "models"
+    return cache_home() / "models"
 
 
 def hf_config(model: ModelSpec) -> transformers.PretrainedConfig:

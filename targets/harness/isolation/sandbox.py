@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from targets import PROJECT_ROOT
+from targets.cache import cache_home
 from targets.errors import UserError
 from targets.harness.isolation.containers import OWNER_ENV, label_of
 
@@ -79,9 +80,7 @@ class SandboxUnavailable(UserError, RuntimeError):
 def scrubbed_environment(env: dict[str, str]) -> dict[str, str]:
     """Only what a candidate needs; never anything that looks like a secret."""
     kept = {k: v for k, v in env.items() if k in SAFE_ENV and not SECRET.search(k)}
-    kept.setdefault(
-        "VIBETRAIN_CACHE", str(Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain")))
-    )
+    kept.setdefault("VIBETRAIN_CACHE", str(cache_home()))
     return kept
 
 

@@ -501,14 +501,17 @@ def test_static_batching_admits_only_between_batches():
 # -- the same controllers on the simulated cluster -------------------------------------------------
 
 
-def _simulated(tmp_path, spec, controller, steps=None, seed=0):
-    """The starter for ``controller`` run on the simulator through the harness, as any judged run:
-    the controller in a process of its own, virtual time kept by the harness."""
+def _simulated(tmp_path, spec, controller, steps=None, seed=0, params=None):
+    """The starter for ``controller`` (its ``params`` over the defaults) run on the simulator through the
+    harness, as any judged run: the controller in a process of its own, virtual time kept by the harness."""
+    from skills.starter import starter_params
+
     spec = spec.model_copy(update={"execution": "simulated"})
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{spec.id}-{controller}.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    stack = write_starter(tmp_path / controller, spec, controller)
+    chosen = {**starter_params(spec, controller), **(params or {})}
+    stack = write_starter(tmp_path / controller, spec, controller, chosen)
     run = run_harness(
         Target.load(path),
         stack,
@@ -804,6 +807,32 @@ def test_a_twin_calibrated_on_a_memory_bound_run_predicts_it(tmp_path):
     ends = [next(e.t for e in reversed(run) if e.kind == "train") for run in (events, predicted)]
     print(f"twin's step end {ends[1]:.1f} s, the run's {ends[0]:.1f} s ({ends[1] / ends[0] - 1:+.1%})")
     assert ends[1] == pytest.approx(ends[0], rel=0.10)
+
+
+def test_a_twin_calibrated_on_engines_of_two_devices_predicts_their_run(tmp_path):
+    """The fit priced every request on the catalog's one-device engine: engines of two devices read twice
+    as fast, so the reads looked faster than the catalog allows, the bandwidth fit was thrown out, and the
+    twin of the same stack came out 52% late. The fit now reads the run's engines as its stack declared them."""
+    from targets.harness.sim.calibrate import calibrate
+    from targets.spec import load_target
+
+    spec = load_target("qwen3-8b-h100x8")
+    spec = spec.model_copy(
+        update={
+            "workload": spec.workload.model_copy(update={"train_steps": 1}),
+            "simulator": spec.simulator.model_copy(update={"max_engine_scale": 2}),
+        }
+    )
+    scaled = {"engine_scale": 2}
+    _, events, _ = _simulated(tmp_path / "truth", spec, "time_multiplex", params=scaled)
+    fit = calibrate(spec, [events])
+    assert not any("both at catalog rates" in note for note in fit.notes), fit.notes
+    hardware = spec.hardware.model_copy(update={"bf16_tflops": fit.bf16_tflops, "mfu": fit.mfu})
+    twin = spec.model_copy(update={"id": f"{spec.id}-twin", "simulator": fit.simulator, "hardware": hardware})
+    _, predicted, _ = _simulated(tmp_path / "twin", twin, "time_multiplex", params=scaled)
+    ends = [next(e.t for e in reversed(run) if e.kind == "train") for run in (events, predicted)]
+    print(f"twin's step end {ends[1]:.1f} s, the run's {ends[0]:.1f} s ({ends[1] / ends[0] - 1:+.1%})")
+    assert ends[1] == pytest.approx(ends[0], rel=0.15)
 
 
 def test_the_fit_prices_a_prefill_as_the_simulator_does_over_its_cached_prefix(big):

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import yaml
 
-from targets.api import TraceEvent
+from targets.api import EngineSettings, TraceEvent
 from targets.errors import UserError
-from targets.harness.sim.cost_model import CostModel
+from targets.harness.sim.cost_model import ClusterCosts, CostModel
 from targets.harness.sim.profile_fit import (
     ProfileError,
     fit_profile,
@@ -178,6 +178,15 @@ def _in_flight_integral(spans: list[tuple[float, float]]) -> Callable[[float], f
 
 
 PREFIX_EMPTYING = ("sync", "shrink", "expand", "suspend", "resume")  # trace events that empty an engine's cache
+
+
+def _engines_of(spec: TargetSpec, run: list[TraceEvent]) -> CostModel:
+    """The cost model of the run's engines as its stack declared them (``run_start``'s ``engine``: their
+    span, drafts, host tier and prefill chunks, which the simulator charges), not the catalog's plain one:
+    an engine of two devices reads twice as fast, and fitted as one it looked like catalog rates beaten."""
+    start = next((e for e in run if e.kind == "run_start"), None)
+    settings = EngineSettings(**((start.data.get("engine") or {}) if start is not None else {}))
+    return ClusterCosts.from_spec(spec).for_engines(settings).pools[next(iter(spec.hardware.by_name))]
 
 
 def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float, float, float, float, float]]:
@@ -328,7 +337,7 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
             notes.append("training: durations do not grow with FLOPs here; fitted the MFU with no fixed overhead")
 
     # -- rollout ---------------------------------------------------------------------------------
-    rollout_rows = [row for run in runs for row in _rollout_rows(cost, run)]
+    rollout_rows = [row for run in runs for row in _rollout_rows(_engines_of(spec, run), run)]
     fit = _rollout_fit(rollout_rows) if rollout_rows else None
     if fit is None and rollout_rows:
         fixed = _nonnegative_fit([(row[0], 1.0, row[-1]) for row in rollout_rows])

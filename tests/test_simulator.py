@@ -855,6 +855,27 @@ def test_the_fit_prices_a_prefill_as_the_simulator_does_over_its_cached_prefix(b
     assert prefills[2] == pytest.approx(cost.prefill_flops(31_200, 0))  # the load emptied the cache
 
 
+def test_a_fixed_training_cost_is_fitted_only_from_steps_that_differ_in_work():
+    """Two steps of nearly the same work, timed 2% apart, made a line whose intercept was a 17.8 s overhead
+    (1 s true): the noise between them. Too few or too alike, the steps fit the MFU alone, and say so."""
+    from targets.api import TraceEvent
+    from targets.harness.sim.calibrate import calibrate
+    from targets.spec import load_target
+
+    spec = load_target("tiny-qwen3-cpu")
+
+    def step(k: int, tokens: int, seconds: float) -> TraceEvent:
+        trajectories = [{"episode": f"g{k}/{m}", "tokens": [1] * tokens} for m in range(8)]
+        return TraceEvent(
+            "train", 10.0 * k + seconds, {"start": 10.0 * k, "devices": ["cpu:0"], "trajectories": trajectories}
+        )
+
+    alike = [TraceEvent("run_start", 0.0), step(1, 100, 2.00), step(2, 105, 2.02), TraceEvent("run_end", 40.0)]
+    fit = calibrate(spec, [alike])
+    assert fit.simulator.train_step_overhead_s == 0.0
+    assert any("2 steps, too few or too alike in work" in note for note in fit.notes), fit.notes
+
+
 def test_calibration_pools_runs_and_says_which_constants_no_run_measured():
     """A starter that never shrinks leaves the switch cost at the spec's constant (and says so); a
     second run that shrinks supplies it: the twin pre-screen refits on every validated round."""

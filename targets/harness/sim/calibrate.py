@@ -244,6 +244,8 @@ REFINEMENTS = 2  # each in tenths of the last step: the ratio to within 0.1%
 # a 152x MFU, and the peak was then raised 152x), the MFU is held at 1 and the fixed costs carry the rest;
 # only where that fits worse than this factor in squared error is the catalog's peak wrong (raised later).
 PEAK_KEPT = 1.1
+MIN_TRAIN_STEPS = 3  # training steps a fixed overhead is fitted from, at least
+TRAIN_WORK_SPREAD = 1.2  # and the most work a step did over the least, at least
 
 
 def _rollout_fit(rows: list[tuple[float, ...]]) -> tuple[float, float, float, float, float] | None:
@@ -328,13 +330,25 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         train_rows.append((flops / (len(e.data["devices"]) * cost.peak_flops), e.t - e.data["start"]))
     mfu = spec.hardware.mfu
     if train_rows:
-        fit = _line_fit([x for x, _ in train_rows], [y for _, y in train_rows])
+        work = [x for x, _ in train_rows]
+        # a line through two steps of nearly the same work is their timing noise: a step's jitter of 2% made
+        # an overhead of 17.8 s (1 s true); the slope and the intercept need steps that differ in work
+        spread = len(train_rows) >= MIN_TRAIN_STEPS and max(work) >= TRAIN_WORK_SPREAD * min(work)
+        fit = _line_fit(work, [y for _, y in train_rows]) if spread else None
         if fit and fit[0] > 0 and fit[1] >= 0:
             mfu, fitted["train_step_overhead_s"] = 1 / fit[0], fit[1]
         else:
             mfu = sum(x for x, _ in train_rows) / sum(y for _, y in train_rows)
             fitted["train_step_overhead_s"] = 0.0
-            notes.append("training: durations do not grow with FLOPs here; fitted the MFU with no fixed overhead")
+            why = (
+                "durations do not grow with FLOPs here"
+                if spread
+                else (
+                    f"{len(train_rows)} steps, too few or too alike in work (at least {MIN_TRAIN_STEPS}, the largest "
+                    f"{TRAIN_WORK_SPREAD:g}x the smallest) to tell a fixed cost from the MFU"
+                )
+            )
+            notes.append(f"training: {why}; fitted the MFU with no fixed overhead")
 
     # -- rollout ---------------------------------------------------------------------------------
     rollout_rows = [row for run in runs for row in _rollout_rows(_engines_of(spec, run), run)]

@@ -516,7 +516,10 @@ def calibrate(
     console.print(yaml.safe_dump(calibration.yaml_fields(), sort_keys=False), highlight=False, markup=False)
     for note in calibration.notes:
         console.print(f"note: {shown(note)}", highlight=False)
-    table = Table(title=f"simulator prediction of the same run ({calibration.samples})", box=box.SIMPLE_HEAD)
+    table = Table(  # the fit's own data: an error on another run (another seed, another stack) can only be larger
+        title=f"simulator prediction of the run it was fitted to, in sample ({calibration.samples})",
+        box=box.SIMPLE_HEAD,
+    )
     for column in ("metric", "real", "simulated", "error"):
         table.add_column(column, justify="right" if column != "metric" else "left")
     for metric, row in report["compared"].items():

@@ -158,9 +158,10 @@ class History:
         if not self.repo.head.is_valid():
             return None
         try:
-            return self.repo.commit("best").hexsha
+            best = self.repo.commit("best")
         except git.BadName:  # a git repository without the run's ``best`` branch
             return None
+        return best.hexsha if best.parents else None  # the run's empty first commit: no candidate yet
 
     def export(self, commit: str, directory: Path) -> Path:
         """The candidate's files at ``commit``, written to ``directory`` (created; must not exist)."""

@@ -340,6 +340,8 @@ def export_candidate(ref: str) -> Path:
         which = f"round-{rounds[-1]}"
     if which == "best":
         commit = history.best()
+        if commit is None:
+            raise RunSetupError(f"{ref}: {run_dir} has no validated candidate yet (vibetrain log {run} says why)")
     elif which.startswith("round-") and which[6:].isascii() and which[6:].isdigit():
         commit = history.round_commit(int(which[6:]))
         rejected = None if commit else history.rejected_commit(int(which[6:]))

@@ -175,6 +175,21 @@ def test_a_candidate_directory_needs_its_target_and_a_missing_run_is_named(tmp_p
     assert result.exit_code == 2 and "norun" in result.output and "Traceback" not in result.output
 
 
+def test_a_run_with_no_validated_candidate_says_so_for_best(tmp_path):
+    """``best`` points at the run's empty first commit until a candidate is validated: export and bench of
+    RUN@best read it as a candidate and ended in tarfile's ReadError traceback."""
+    from orchestrator.history import History
+    from orchestrator.state import new_state
+    from tests.review_run import run_config
+
+    run = tmp_path / "run"
+    History.create(run, "vibetrain run: test").release()
+    new_state(run_config()).save(run)
+    result = runner.invoke(app, ["export", f"{run}@best", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "has no validated candidate yet" in said and "Traceback" not in said, said
+
+
 def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_path):
     from tests.review_run import make_review_run
 

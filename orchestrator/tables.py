@@ -178,10 +178,12 @@ class RoundsView:
         if kind == "setup":
             self.status = f"sandbox: {data['sandbox']}; {'simulated' if data['simulated'] else 'real'} execution"
         elif kind == "round_start":
-            self.status = f"round {data['round']}: {escape(data['task'].title)} (from round {data['parent']})"
+            parent = "the run's start" if data["parent"] is None else f"round {data['parent']}"
+            self.status = f"round {data['round']}: {escape(data['task'].title)} (from {parent})"
         elif kind == "verdict":
             verdict = "passed" if data["passed"] else "failed: " + "; ".join(escape(r) for r in data["reasons"][:2])
-            self.status = f"round {data['round']} attempt {data['attempt']}: judge {verdict}"
+            twin = not data["passed"] and all(r.startswith("twin_prescreen") for r in data["reasons"])
+            self.status = f"round {data['round']} attempt {data['attempt']}: {'twin' if twin else 'judge'} {verdict}"
         elif kind == "round_end":
             r, best = data["record"], data["best"]
             colour = {"accepted": "green", "rejected": "red", "prescreened": "magenta"}.get(r.verdict, "yellow")

@@ -73,6 +73,7 @@ def test_show_prints_the_change_and_the_evidence_not_the_bookkeeping(tmp_path):
     assert "Round 2: skip training of [/bold] long [red]episodes" in rejected  # a title crashed show
     assert _ok("show", str(run)) == _ok("show", str(run), "best")
     assert "Round 0 (best)" in _ok("show", str(run), "best")
+    assert "parent: the run's start (" in _ok("show", str(run), "0")  # it printed "round None"
     assert "Round 2:" in _ok("show", str(run), "latest")
     for bad, said in (("7", "has no round 7"), ("-1", "not '-1'"), ("newest", "not 'newest'")):
         result = runner.invoke(app, ["show", str(run), "--", bad], env=NARROW)
@@ -113,6 +114,20 @@ def test_print_config_of_a_run_reproduces_its_stored_configuration(tmp_path):
     run = make_review_run(tmp_path)
     values = yaml.safe_load(_ok("generate", "tiny-qwen3-cpu", "--out", str(run), "--resume", "--print-config"))
     assert values["repeat"] == 3 and values["sandbox"] == "subprocess" and values["out"] == str(run)
+
+
+def test_the_live_view_names_the_run_start_and_a_twins_verdict_as_such(tiny_spec):
+    """generate printed "(from round None)" for round 0 and "judge failed: twin_prescreen ..." for a candidate
+    the twin screened out, which the judge never saw."""
+    from agents.roles import Task
+    from orchestrator.tables import RoundsView
+
+    view = RoundsView(tiny_spec)
+    view.event("round_start", round=0, task=Task(id="starter", title="starter", rationale="r"), parent=None)
+    assert view.status == "round 0: starter (from the run's start)"
+    reasons = ["twin_prescreen: predicted goodput 56.3 against the best's 60.2 (-6.5%)"]
+    view.event("verdict", round=2, attempt=1, passed=False, reasons=reasons)
+    assert view.status.startswith("round 2 attempt 1: twin failed: twin_prescreen"), view.status
 
 
 def test_every_command_and_group_shows_an_example_in_its_help():

@@ -130,9 +130,8 @@ def show_round(
         f"{record.attempts} attempt(s), {record.seconds:.0f}s)"
     )
     out.print(f"task {record.task.id} from {record.task.source or '-'}: {record.task.rationale}", markup=False)
-    out.print(
-        f"parent: round {record.parent_round} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}"
-    )
+    parent = "the run's start" if record.parent_round is None else f"round {record.parent_round}"
+    out.print(f"parent: {parent} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}")
     out.print(f"[bold]implementer[/bold]: {escape(record.account or '(no account)')}")
     if judge is None:
         out.print(

@@ -325,7 +325,9 @@ def generalization_table(g: Generalization) -> Table:
         table.add_row(escape(label), f"{figure.ratio:.2f}x {escape(interval)}", tokens, str(figure.pairs), kept, bound)
     table.caption = (
         "in tokens: the best's trained response tokens per second over the starter's (medians); below the "
-        "ratio, the best trained shorter trajectories than the starter on the same seeds"
+        "ratio, the best trained shorter trajectories than the starter on the same seeds. of in-search: the "
+        "ratio as a share of the in-search one. of its bound: the step's lower bound as a share of the best's "
+        "step (100% would be the bound itself)"
     )
     return table
 

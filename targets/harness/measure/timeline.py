@@ -103,7 +103,8 @@ def plot_step_phases(runs: list[tuple[str, dict]], path: Path) -> Path:
             left += width
         bound = m["lower_bound_step_s"]
         ax.plot([bound, bound], [row - 0.4, row + 0.38], color="black", linewidth=1.5)
-        ax.text(m["step_time_s"], row - 0.18, f" {m['lower_bound_fraction']:.0%} of the bound", va="center", fontsize=8)
+        said = f" bound = {m['lower_bound_fraction']:.0%} of this step"
+        ax.text(m["step_time_s"], row - 0.18, said, va="center", fontsize=8)
     longest = max(max(m["step_time_s"], m["lower_bound_step_s"]) for _, m in runs)
     ax.set_xlim(0, longest * 1.2)  # room for the labels
     ax.set_yticks(range(len(runs)), [name for name, _ in runs])

@@ -27,7 +27,12 @@ from orchestrator.prescreen import clears, twin_said  # noqa: E402
 from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: E402
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
-from orchestrator.tables import best_over_starter, paired_cell, promotion  # noqa: E402
+from orchestrator.tables import (  # noqa: E402
+    best_generalization,
+    best_over_starter,
+    paired_cell,
+    promotion,
+)
 from targets.harness.judge.check_result import detail  # noqa: E402
 from targets.harness.measure.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
@@ -495,6 +500,27 @@ def _when(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
+def _unseen(state) -> list[tuple[str, str, str]] | None:
+    """The best over the starter where the search never looked (held-out seeds, a perturbed workload)
+    beside its in-search figure, as ``log`` shows it: (where, ratio with its interval, pairs)."""
+    g = best_generalization(state)
+    if g is None:
+        return None
+    perturbed = f"held-out seeds, {g.perturbation}" if g.perturbed else f"perturbed: not run ({g.not_perturbed})"
+    rows = []
+    for label, figure in (
+        (f"round {g.best_round}'s seeds (in search)", g.in_search),
+        ("held-out seeds", g.held_out),
+        (perturbed, g.perturbed),
+    ):
+        if figure is None:
+            rows.append((label, "-", "-"))
+            continue
+        high = f"{figure.high:.2f}" if figure.high is not None else "unbounded"
+        rows.append((label, f"{figure.ratio:.2f}x [{figure.low:.2f}, {high}]", str(figure.pairs)))
+    return rows
+
+
 def write_report(run_dir: Path, path: Path) -> Path:
     state, history = RunState.load(run_dir), History.open(run_dir)
     spec = load_target(state.config.recorded_target(run_dir))
@@ -552,6 +578,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
         accepted=len(state.accepted()),
         best={"round": best.round, "value": _num(best.headline)} if best else None,
         ratio=best_over_starter(state, spec.headline_metric),
+        unseen=_unseen(state),
         metric=metric,
         unit=unit,
         threshold=f"{threshold:.0%}",

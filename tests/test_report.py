@@ -274,6 +274,13 @@ def test_the_best_over_the_starter_names_its_ratio_in_trained_tokens_beside_good
     assert (
         best_over_starter(state, GOODPUT) == "2.20x the starter, 0.90x in trained tokens on its round's seeds (paired)"
     )
+    # where the search never looked, in the report too (log showed it; the page said the in-search ratio alone)
+    worse = Promotion(ratio=0.87, low=0.78, high=0.96, pairs=3, against="round 0", threshold=0.05)
+    state.generalization = state.generalization.model_copy(update={"perturbed": worse, "perturbation": "turns x2"})
+    state.save(run)
+    html = write_report(run, tmp_path / "r.html").read_text()
+    assert "The best where the search never looked" in html and "held-out seeds, turns x2" in html
+    assert "0.87x [0.78, 0.96]" in html and "2.20x [2.00, 2.40]" in html
 
 
 def test_a_headline_to_minimize_reads_above_1_when_the_best_is_better(tmp_path):

@@ -233,7 +233,7 @@ class RunState(BaseModel):
         if not Path(run_dir).is_dir():
             raise RunStateError(f"{run_dir} is a file: give the folder a run was started in (its --out)")
         if not run.state_file.exists():
-            if (run_dir / ".git").is_dir():  # a run's repository whose state went: "start it anew" would refuse it
+            if _has_rounds(run_dir):  # a run's repository whose state went: "start it anew" would refuse it
                 raise RunStateError(
                     f"{run_dir} has lost its run state ({run.state_file}), so it cannot go on; its candidates are "
                     f"intact in git (git -C {run_dir} log --all, each with its round's record): start a new run "
@@ -286,6 +286,14 @@ def load_llm_spend(run_dir: Path) -> dict:
     ):
         raise RunStateError(f"{path} holds {str(used)[:200]}, not the run's LLM use (numbers by name); delete it")
     return used
+
+
+def _has_rounds(run_dir: Path) -> bool:
+    """Whether a run's repository holds a committed round (a ref under ``refs/vibetrain/``, loose or packed):
+    a start killed before its first state holds none, and is started again by the same command."""
+    git_dir = run_dir / ".git"
+    packed = git_dir / "packed-refs"
+    return (git_dir / "refs" / "vibetrain").is_dir() or (packed.is_file() and "refs/vibetrain/" in packed.read_text())
 
 
 def write_atomically(path: Path, text: str, what: str) -> None:

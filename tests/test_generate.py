@@ -715,8 +715,9 @@ def test_a_run_whose_state_was_deleted_says_it_cannot_go_on_not_to_start_it_agai
     """--resume said "not a vibetrain run, or it never started" and a fresh start "already exists: continue it
     with --resume": advice that went round. The resume now says what was lost and what is left."""
     from orchestrator.run_dir import RunDir
+    from tests.review_run import make_review_run
 
-    run = _empty_run(tmp_path)
+    run = make_review_run(tmp_path)  # rounds committed
     RunDir(run).state_file.unlink()
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)], env=ENV)
     said = " ".join(result.output.split())

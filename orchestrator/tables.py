@@ -50,6 +50,7 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
         else:
             p = run.paired
             ratio = f"{p.ratio:.2f}x [{p.low:.2f}, {p.high:.2f}]" if p.high is not None else f"{p.ratio:.2f}x [n=1]"
+            ratio = f"{p.ratio:.2f}x [1 seed]" if one_seed(p) else ratio
         table.add_row(
             run.name,
             f"{num(m(headline))}±{num(run.spread(headline))}",
@@ -139,12 +140,19 @@ def costs_table(runs, simulated: bool) -> Table:
     return costs
 
 
+def one_seed(paired) -> bool:
+    """A simulated pair on one seed: its ratio is exact there (no measurement noise), and its "interval" a
+    point that says nothing of other seeds; shown as such, not as [x, x]."""
+    return paired.pairs == 1 and paired.high is not None and paired.low == paired.high
+
+
 def paired_cell(paired: Promotion | None) -> str:
     """'+36% [+6%, +76%] of 0.52': the candidate over the best, paired by seed, with its 95% interval and
     the best's headline on those seeds (the best column's figure is from the best's own round's seeds)."""
     if paired is None:
         return "-"
     interval = "unbounded" if paired.high is None else f"{paired.low - 1:+.0%}, {paired.high - 1:+.0%}"
+    interval = "1 seed" if one_seed(paired) else interval
     return f"{paired.ratio - 1:+.0%} [{interval}]{_of_the_best_there(paired)}"
 
 
@@ -239,6 +247,7 @@ def promotion_short(record) -> str:
         return promotion(record)
     p, threshold = record.paired, record.paired.threshold
     interval = "unbounded" if p.high is None else f"{p.low - 1:+.1%}, {p.high - 1:+.1%}"
+    interval = "1 seed" if one_seed(p) else interval
     rule = f", needs low > +{threshold:.0%}" if threshold is not None else ""
     verb = "promoted" if record.became_best else "not promoted"
     return f"{verb}: {p.ratio - 1:+.1%} [{interval}]{_of_the_best_there(p)}{rule}"

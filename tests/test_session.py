@@ -66,6 +66,13 @@ def test_one_real_pair_says_nothing_of_noise_one_simulated_pair_is_exact():
     assert "unbounded" in Paired.of([200], [100]).describe()
     exact = Paired.of([200], [100], deterministic=True)
     assert exact.low == exact.high == pytest.approx(2.0) and exact.clears(0.05)
+    # said as one seed's exact ratio, not as a 95% interval of zero width ("[+100%, +100%]"), which read as
+    # certainty about every seed
+    from orchestrator.state import Promotion
+    from orchestrator.tables import paired_cell
+
+    assert exact.describe() == "+100.0% on one seed (simulated: exact there; another seed would differ)"
+    assert paired_cell(Promotion(**exact.as_dict())) == "+100% [1 seed] of 100"
 
 
 def test_a_headline_of_zero_or_infinity_is_an_unbounded_ratio_not_a_crash():

@@ -214,6 +214,8 @@ class Paired:
                     f"{pct(self.ratio)}, interval unbounded over {self.pairs} pair(s) (a headline was zero or infinite)"
                 )
             return f"{pct(self.ratio)}, interval unbounded over {self.pairs} pair (one real pair measures no noise)"
+        if self.pairs == 1 and self.low == self.high:  # a simulated pair: exact on its seed, silent on others
+            return f"{pct(self.ratio)} on one seed (simulated: exact there; another seed would differ)"
         return f"{pct(self.ratio)}, interval [{pct(self.low)}, {pct(self.high)}] over {self.pairs} pair(s)"
 
     def as_dict(self) -> dict:

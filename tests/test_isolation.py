@@ -54,6 +54,25 @@ def _reasons(measurement) -> str:
     return "\n".join(measurement.reasons)
 
 
+def test_harness_files_changed_under_a_read_only_sandbox_are_the_checkouts_fault_not_the_candidates(
+    tmp_path, fast_target, monkeypatch
+):
+    """A vibetrain checkout edited (or updated) during a run rejected the running starter for good
+    ("harness files changed during the run", paths without their root): under bubblewrap or Docker the
+    candidate has them read-only, so the run stops naming the checkout and the round is redone on --resume."""
+    from skills.starter import write_starter
+    from targets.harness.measure import session as session_module
+    from targets.harness.measure.session import EnvironmentFailed
+
+    digests = iter([{"audit.py": "a"}, {"audit.py": "b"}])
+    monkeypatch.setattr(session_module, "harness_digest", lambda: next(digests))
+    monkeypatch.setattr(session_module, "run_harness", lambda *args, **kwargs: None)  # the run itself: not needed
+    stack = write_starter(tmp_path / "c", Target.load(fast_target).spec, "colocate")
+    with pytest.raises(EnvironmentFailed, match="vibetrain's own files under .* changed during the run") as caught:
+        _session(fast_target, Sandbox("bubblewrap")).measure(stack, tmp_path / "out", seed=1)
+    assert caught.value.part == "vibetrain checkout" and "audit.py changed" in str(caught.value)
+
+
 def test_a_controller_that_patches_the_clock_and_hunts_the_trace_changes_nothing_recorded(
     tmp_path, fast_target, judge_sandbox
 ):
@@ -262,7 +281,8 @@ def test_a_candidate_that_rewrites_its_own_files_during_the_run(
     measurement = _session(fast_target, judge_sandbox).measure(stack, tmp_path / "out", seed=1)
     assert "candidate_unchanged" in _reasons(measurement), _reasons(measurement)
     forged = str(cache.relative_to(harness))
-    said = f"harness files changed during the run: {forged} changed, audit.py changed, {extension.name} added, "
+    said = f"harness files under {harness} changed during the run: {forged} changed, audit.py changed, "
+    said += f"{extension.name} added, "
     assert said + "gone.py removed" in _reasons(measurement), _reasons(measurement)
     (harness / "audit.py").write_text("BOUND = 1\n")
     (harness / "gone.py").write_text("GONE = 1\n")

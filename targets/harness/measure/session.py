@@ -29,6 +29,7 @@ from targets.api import TraceEvent
 from targets.errors import UserError
 from targets.harness.isolation.launch import HarnessRun, Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.judge import integrity as integrity_scan
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.integrity import compile_harness, harness_changes, harness_digest, scan_stack
 from targets.harness.measure.run_metrics import run_metrics
@@ -279,7 +280,21 @@ class Session:
         changed = harness_changes(harness_before, harness_digest())
         if changed:
             shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-            checks.append(CheckResult("harness_unchanged", False, [f"harness files changed during the run: {shown}"]))
+            root = integrity_scan.HARNESS_ROOT
+            if self.sandbox.backend != "subprocess":  # mounted read-only in its sandbox: not the candidate's doing
+                raise EnvironmentFailed(
+                    f"vibetrain's own files under {root} changed during the run ({shown}), which the "
+                    f"{self.sandbox.backend} sandbox mounts read-only to the candidate: was the checkout edited or "
+                    "updated meanwhile?",
+                    "vibetrain checkout",
+                )
+            checks.append(
+                CheckResult(
+                    "harness_unchanged",
+                    False,
+                    [f"harness files under {root} changed during the run: {shown}"],
+                )
+            )
         if directory_digest(Path(stack_dir) / "stack") != stack_before:
             checks.append(CheckResult("candidate_unchanged", False, ["the candidate's own files changed while it ran"]))
         if mode == "check":

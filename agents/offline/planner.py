@@ -102,7 +102,7 @@ class OfflinePlanner:
         return Task(
             id=f"controller={skill.name}",
             title=f"switch the controller to {skill.name}",
-            rationale=f"{why}the {skill.name} skill is triggered by {skill.triggers}",
+            rationale=f"{why}the {skill.name} skill is triggered by {', '.join(skill.triggers)}",
             skills=[skill.name],
             changes=changes,
             priority=CONTROLLER_PRIORITY if hint else 1,

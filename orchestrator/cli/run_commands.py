@@ -142,7 +142,8 @@ def show_round(
         out.print("[bold]judge[/bold]: " + ("passed" if not judge["reasons"] else f"{len(judge['reasons'])} reason(s)"))
         for check in judge["checks"]:
             mark = "[green]pass[/green]" if check["passed"] else "[red]FAIL[/red]"
-            details = ", ".join(f"{k} {detail(v)}" for k, v in check.get("details", {}).items())
+            # a figure the check could not take (no witness, say) is left out, not printed as None
+            details = ", ".join(f"{k} {detail(v)}" for k, v in check.get("details", {}).items() if v is not None)
             out.print(f"  {mark} {escape(check['name'])}" + (f": {escape(details)}" if details else ""))
             for reason in check.get("reasons", []):
                 out.print(f"      {reason}", markup=False)

@@ -38,9 +38,11 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
     clock = "simulated seconds" if simulated else "wall seconds"
     headline = spec.headline_metric.name
     table = Table(title=f"{spec.id}: median of {repeat} (±max-min), {clock}", box=box.SIMPLE_HEAD, padding=(0, 1))
-    table.add_column("schedule", no_wrap=True)
+    # on a narrow terminal the schedule's name and the ratio's interval wrap, at their spaces or anywhere in a
+    # name: no column is ever cut with "…" (a number cut short reads as another number)
+    table.add_column("schedule", overflow="fold")
     for column in (headline, "ratio [95% CI]", "tokens", "traj/s", "step s", "LB", "timeouts", "busy"):
-        table.add_column(column, justify="right", no_wrap=True)
+        table.add_column(column, justify="right", no_wrap=column != "ratio [95% CI]", overflow="fold")
     first_tokens = first.median("trained_tokens_per_s")  # 0 where the first schedule trained nothing: no ratio
     for run in runs:
         m = run.median
@@ -75,7 +77,7 @@ def phases_table(runs) -> Table:
     """Where a step's time went beside what each phase needs at least (``sim/lower_bound.py``): the
     gap to the bound, phase by phase."""
     table = Table(title="where a step goes (seconds per step, mean over devices; median run)", box=box.SIMPLE_HEAD)
-    table.add_column("schedule", no_wrap=True)
+    table.add_column("schedule", overflow="fold")
     for column in ("rollout (work)", "train (work)", "sync", "switch", "idle", "step", "bound"):
         table.add_column(column, justify="right", no_wrap=True)
     for run in runs:
@@ -101,7 +103,7 @@ def phases_table(runs) -> Table:
 def costs_table(runs, simulated: bool) -> Table:
     memory = ("peak KV", "peak_kv_fraction", "{:.0%}") if simulated else ("peak MB", "peak_process_memory_mb", "{:.0f}")
     costs = Table(title=f"mechanism costs (median seconds per event; {memory[0]})", box=box.SIMPLE_HEAD)
-    costs.add_column("schedule", no_wrap=True)
+    costs.add_column("schedule", overflow="fold")
     gpu = any(run.has("peak_device_memory_mb") for run in runs)
     decoding = ["decode batch", "decoding"] if simulated else []  # the simulator's engines: their batches' fill
     for column in (

@@ -122,3 +122,8 @@ def test_the_bench_table_says_what_its_headline_counts_and_the_tokens_beside_it(
     assert "trained_tokens_per_s: the response tokens of the trajectories trained" in str(table.caption)
     assert "trajectories trained on that" not in str(table.caption).split(";")[0]
     assert list(table.columns[3].cells) == ["1.00x", "2.25x"]  # medians 45 over 20
+    from rich.console import Console
+
+    narrow = Console(width=80, record=True)  # a terminal of 80 columns cut every number with "…"
+    narrow.print(bench_table(spec, [run("generated/tiny-qwen3-cpu@best", [10.0, 20.0, 30.0])] * 2, 3, True))
+    assert "…" not in narrow.export_text()

@@ -876,6 +876,27 @@ def test_a_fixed_training_cost_is_fitted_only_from_steps_that_differ_in_work():
     assert any("2 steps, too few or too alike in work" in note for note in fit.notes), fit.notes
 
 
+def test_a_syncs_overhead_is_fitted_without_the_drain_it_began_with():
+    """A sync that does not interrupt waits for its engine's requests in flight to end, as the simulator's
+    does: the fit counted that wait as sync overhead (19 s fitted where 0.5 s was true on the 8B target's
+    static split), and the twin charged the drain twice."""
+    from targets.api import TraceEvent
+    from targets.harness.sim.calibrate import calibrate
+    from targets.spec import load_target
+
+    spec = load_target("tiny-qwen3-cpu")
+    transfer = CostModel.from_spec(spec).sync_s() - spec.simulator.sync_overhead_s
+    in_flight = {"episode": "g0/0", "device": "cpu:0", "start": 0.0, "prompt": 8, "tokens": 4, "aborted": False}
+    run = [
+        TraceEvent("run_start", 0.0),
+        TraceEvent("generate", 5.4, in_flight),  # the sync began at 5.0 and waited for it
+        TraceEvent("sync", 6.0, {"start": 5.0, "devices": ["cpu:0"], "version": 1, "interrupt": False}),
+        TraceEvent("run_end", 7.0),
+    ]
+    fitted = calibrate(spec, [run])
+    assert fitted.simulator.sync_overhead_s == pytest.approx(max(0.0, 0.6 - transfer))
+
+
 def test_calibration_pools_runs_and_says_which_constants_no_run_measured():
     """A starter that never shrinks leaves the switch cost at the spec's constant (and says so); a
     second run that shrinks supplies it: the twin pre-screen refits on every validated round."""

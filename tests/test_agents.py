@@ -886,6 +886,22 @@ def test_a_backlog_task_queued_under_an_earlier_best_runs_only_where_it_still_me
     assert task.id not in {t.id for t in stale} and task.source == "composition", task.id
 
 
+def test_a_task_queued_from_a_rounds_findings_says_which_round_found_them(tiny_spec):
+    """The backlog keeps a task for rounds after the one whose hints queued it: its rationale quoted round 0's
+    "no rollout in flight for 49% of the run" beside a later parent at 14%, as if the parent's."""
+    from agents.roles import Hint, Task
+    from orchestrator.policies.backlog import BacklogPolicy
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(tiny_spec)
+    hint = Hint(code="rollout_stalls", message="no rollout in flight for 49% of the run")
+    record = _validated_round(0, "", Task(id="starter", title="s", rationale="r"), True)
+    record.hints = [hint]
+    state = _backlog_state(record)
+    BacklogPolicy(planner, seed=0).observe(state, record, starter_params(tiny_spec, "colocate"))
+    assert state.backlog and all(t.rationale.startswith("round 0 found: ") for t in state.backlog), state.backlog
+
+
 def _population(tiny_spec, *later) -> tuple:
     """A run of the starter (c0, time_multiplex) and its child (c1: tail batching added), both accepted,
     and ``later`` rounds after them, as evolve reads a state: (planner, params by commit, rounds, state)."""

@@ -96,5 +96,7 @@ class BacklogPolicy:
         if record.verdict == "accepted":
             for task in self.planner.tasks_from_hints(record.hints, params):
                 if task.id not in known:
-                    state.backlog.append(task)
+                    # queued now, taken rounds later: its finding is this round's, said so beside a later parent's
+                    found = task.model_copy(update={"rationale": f"round {record.round} found: {task.rationale}"})
+                    state.backlog.append(found)
                     known.add(task.id)

@@ -180,18 +180,20 @@ def _in_flight_integral(spans: list[tuple[float, float]]) -> Callable[[float], f
 PREFIX_EMPTYING = ("sync", "shrink", "expand", "suspend", "resume")  # trace events that empty an engine's cache
 
 
-def _own_time(sync: TraceEvent, events: list[TraceEvent]) -> float:
-    """A sync's time less the drain it began with: a sync that does not interrupt waits for the requests its
-    engines were serving to end (the simulator's too), so the time until the last of them ended is the
+def _sync_times(run: list[TraceEvent]) -> list[float]:
+    """Each sync's time less the drain it began with: a sync that does not interrupt waits for the requests
+    its engines were serving to end (the simulator's too), so the time until the last of them ended is the
     batch's, not the sync's; fitted as sync overhead, the twin charged the drain twice (19 s of overhead
-    fitted where 0.5 s was true)."""
-    devices, start = set(sync.data["devices"]), sync.data["start"]
-    drained = [
-        g.t
-        for g in events
-        if g.kind == "generate" and g.data.get("device") in devices and g.data["start"] < start < g.t <= sync.t
-    ]
-    return sync.t - max([start, *drained])
+    fitted where 0.5 s was true). One run at a time: another run's requests are on another clock."""
+    generates = [g for g in run if g.kind == "generate"]
+    times = []
+    for sync in (e for e in run if e.kind == "sync"):
+        devices, start = set(sync.data["devices"]), sync.data["start"]
+        drained = [
+            g.t for g in generates if g.data.get("device") in devices and g.data["start"] < start < g.t <= sync.t
+        ]
+        times.append(sync.t - max([start, *drained]))
+    return times
 
 
 def _engines_of(spec: TargetSpec, run: list[TraceEvent]) -> CostModel:
@@ -412,7 +414,7 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
         fitted["weight_export_s"] = export
     else:
         notes.append(f"no weight export in the run(s): weight_export_s kept at {spec.simulator.weight_export_s:g} s")
-    syncs = [_own_time(e, events) for e in events if e.kind == "sync"]
+    syncs = [seconds for run in runs for seconds in _sync_times(run)]
     sync = sum(syncs) / len(syncs) if syncs else None
     resume = mean_duration(("resume",))
     if sync is None and resume is not None and switch is not None and resume > switch:

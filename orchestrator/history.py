@@ -252,20 +252,23 @@ class History:
         """This repository's entries (``.git/worktrees/<id>``) for a worktree at ``path``: git's record of
         where each worktree is, its ``gitdir`` file (absolute, or relative to the entry)."""
         link = path.resolve() / ".git"
-        entries = []
-        for gitdir in (Path(self.repo.git_dir).resolve() / "worktrees").glob("*/gitdir"):
-            if (gitdir.parent / gitdir.read_text(errors="replace").strip()).resolve() == link:
-                entries.append(gitdir.parent)
-        return entries
+        return [entry for entry, linked in self._registered() if linked == link]
+
+    def _registered(self) -> list[tuple[Path, Path]]:
+        """(entry, the worktree's ``.git`` link it names, resolved) for each of this repository's worktree
+        entries, wherever the worktree is."""
+        return [
+            (gitdir.parent, (gitdir.parent / gitdir.read_text(errors="replace").strip()).resolve())
+            for gitdir in (Path(self.repo.git_dir).resolve() / "worktrees").glob("*/gitdir")
+        ]
 
     def worktrees_named(self, name: str) -> list[tuple[Path, str]]:
         """(where, commit) of each of this repository's worktrees in a folder called ``name``, wherever it is:
         a run resumed from another working folder has its ``workspaces/`` elsewhere than the killed one's."""
         found = []
-        for gitdir in (Path(self.repo.git_dir).resolve() / "worktrees").glob("*/gitdir"):
-            where = (gitdir.parent / gitdir.read_text(errors="replace").strip()).resolve().parent
-            if where.name == name and (head := _entry_head(gitdir.parent)) is not None:
-                found.append((where, head))
+        for entry, link in self._registered():
+            if link.parent.name == name and (head := _entry_head(entry)) is not None:
+                found.append((link.parent, head))
         return found
 
     def adopt(self, number: int, commit: str) -> str | None:

@@ -187,15 +187,16 @@ def _check_weights_and_tokenizer(directory: Path) -> int:
         ids = _check_tokenizer(tokenizer, *_stamp(tokenizer))
         generation = directory / "generation_config.json"
         if generation.exists():
-            _check_end_ids(generation, ids)
+            _check_end_ids(generation, *_stamp(generation), ids)
         return ids
     except OSError as error:  # a link to a blob a cache lost, unreadable
         raise ValueError(f"{error.filename}: cannot read it ({error.strerror})") from None
 
 
-def _check_end_ids(path: Path, ids: int) -> None:
+@functools.lru_cache(maxsize=8)
+def _check_end_ids(path: Path, size: int, mtime_ns: int, ids: int) -> None:
     """A generation config's ``eos_token_id`` (every turn stops on it) is a token id, or a list of them,
-    that the tokenizer defines."""
+    that the tokenizer defines (read once per version of the file, as the others)."""
     try:
         stated = json.loads(path.read_text()).get("eos_token_id")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):

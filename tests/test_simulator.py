@@ -895,6 +895,10 @@ def test_a_syncs_overhead_is_fitted_without_the_drain_it_began_with():
     ]
     fitted = calibrate(spec, [run])
     assert fitted.simulator.sync_overhead_s == pytest.approx(max(0.0, 0.6 - transfer))
+    # another run's request, on its own clock, drains nothing of this run's sync
+    alone = [run[0], run[2], run[3]]
+    other = [run[0], run[1], run[3]]
+    assert calibrate(spec, [alone, other]).simulator.sync_overhead_s == pytest.approx(max(0.0, 1.0 - transfer))
 
 
 def test_calibration_pools_runs_and_says_which_constants_no_run_measured():

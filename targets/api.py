@@ -59,8 +59,7 @@ class TokenCount(Sequence[int]):
         return f"TokenCount({self.n})"
 
 
-# --------------------------------------------------------------------------------------------
-# Generation
+# -- Generation --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -88,13 +87,20 @@ FinishReason = Literal["stop", "length", "abort"]
 @dataclass
 class Completion:
     """What an engine returns for one prompt: new tokens, their logprobs, and who produced them (``device``:
-    the engine, by its first device, which the audit holds to serving in arrival order)."""
+    the engine, by its first device, which the audit holds to serving in arrival order).
+
+    ``queued_s`` and ``cached_tokens``: the engine's word on its own work, read by calibration alone (None:
+    not said): the seconds the request waited with none of it computing (for KV room, behind a load, after
+    a preemption), and its prompt's leading tokens reused from the prefix cache (vLLM's ``num_cached_tokens``),
+    so that a fit counts neither a wait as decoding nor an evicted prefix as cached."""
 
     tokens: TokenIds
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int
     device: str = ""
+    queued_s: float | None = None
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.logprobs):
@@ -134,8 +140,7 @@ class Aborted(Exception):
         self.partial = partial
 
 
-# --------------------------------------------------------------------------------------------
-# Training data
+# -- Training data -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -233,8 +238,7 @@ class TrainingConfig:
     weight_decay: float = 0.0
 
 
-# --------------------------------------------------------------------------------------------
-# Component protocols (what a stack provides)
+# -- Component protocols (what a stack provides) -----------------------------------------------------
 
 
 @runtime_checkable
@@ -267,8 +271,7 @@ class Trainer(Protocol):
         ...
 
 
-# --------------------------------------------------------------------------------------------
-# Environments (created by the harness, never by the candidate)
+# -- Environments (created by the harness, never by the candidate) -----------------------------------
 
 
 @dataclass(frozen=True)
@@ -338,8 +341,7 @@ class EnvSource(Protocol):
         ...
 
 
-# --------------------------------------------------------------------------------------------
-# Cluster and controller (the scheduling policy drives the mechanism)
+# -- Cluster and controller (the scheduling policy drives the mechanism) -----------------------------
 
 
 @dataclass(frozen=True)
@@ -465,8 +467,7 @@ class ServingLoad:
     window_s: float
 
 
-# --------------------------------------------------------------------------------------------
-# What the harness hands a stack, and what ``stack.build`` returns
+# -- What the harness hands a stack, and what ``stack.build`` returns --------------------------------
 
 
 @dataclass(frozen=True)
@@ -561,8 +562,7 @@ class Stack:
     engine: EngineSettings = field(default_factory=EngineSettings)
 
 
-# --------------------------------------------------------------------------------------------
-# Trace events (recorded by the harness with its own clock; candidates never write them)
+# -- Trace events (recorded by the harness with its own clock; candidates never write them) ----------
 
 EventKind = Literal[
     "env_reset",

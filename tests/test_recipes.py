@@ -518,6 +518,25 @@ def test_the_next_turn_of_an_episode_reuses_its_prefix(path, tiny_model):
     while not second.finish:
         engine.step()
     assert second.generated == reference_greedy(tiny_model, [following], 6)[0].tokens
+    # and says so (``Completion.cached_tokens``, which calibration reads): the first turn reused nothing
+    assert [engine.completion(r).cached_tokens for r in (first, second)] == [0, 4 * len(kept)]
+
+
+def test_a_request_that_waited_for_a_slot_says_how_long(path):
+    """``Completion.queued_s`` (calibration's: a request waiting is not decoding): with one slot, the
+    second request waits while the first decodes, and says so; the first waited for nothing."""
+    engine = PagedEngine(path, block_size=4, kv_tokens=256, max_batch=1)
+    first, second = (engine.submit(prompt, _greedy(12)) for prompt in fixed_prompts(2))
+    while not first.finish:
+        engine.step()
+    assert not second.generated  # never admitted while the first ran
+    first_ran = engine.completion(first)
+    waited = engine.completion(second).queued_s  # so far
+    while not second.finish:
+        engine.step()
+    done = engine.completion(second)
+    assert first_ran.queued_s < 0.1 * waited and done.queued_s == pytest.approx(waited, rel=0.5, abs=0.05)
+    assert done.queued_s > 0 and done.cached_tokens == 0
 
 
 @pytest.mark.parametrize("host_kv_tokens", [0, 512])
@@ -543,6 +562,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(pa
     assert second.computed == (whole if host_kv_tokens else 0)
     while not second.finish:
         engine.step()
+    assert engine.completion(second).cached_tokens == (whole if host_kv_tokens else 0)  # and says so
     _assert_the_references_tokens_and_logprobs(tiny_model, following, second, 6)
     if host_kv_tokens:
         assert engine.host_kv.restored_tokens == whole and engine.host_kv.saved_tokens >= whole
@@ -1364,6 +1384,7 @@ def test_a_draining_engine_readmits_a_preempted_request_behind_one_that_never_st
     engine.blocks.release(started.blocks)
     started.blocks, started.computed = [], 0
     engine.waiting.append(started)  # behind the request that never started
+    started.waits()
     assert list(engine.waiting) == [fresh, started] and engine.started
     engine.admitting = False
     for _ in range(50):  # eight tokens to decode: far fewer steps (a drain stuck at the front never ends)

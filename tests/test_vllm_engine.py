@@ -26,5 +26,6 @@ def test_vllm_engine_passes_engine_and_sync_checks():
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    for name in ("engine", "engine_after_reload", "weight_sync", "abort", "load_drains", "arrival_order", "close"):
+    names = ("engine", "engine_after_reload", "weight_sync", "abort", "load_drains", "arrival_order", "engine_work")
+    for name in (*names, "close"):
         assert results[name]["passed"], (name, results[name]["reasons"])

@@ -66,7 +66,7 @@ if __name__ == "__main__":
     async def admitted_by_arrival():
         """Both slots busy (a long request and a shorter one), then the cluster's requests 3 and 2 called
         in that order: when the shorter one ends, 2 takes its slot (FCFS would admit 3). The arrivals in
-        the order they finished."""
+        the order they finished, and each one's completion."""
         finished = []
 
         def call(prompt, tokens, arrival):
@@ -80,12 +80,12 @@ if __name__ == "__main__":
         calls = [call([3, 4, 5], 160, 0), call([6, 7, 8], 80, 1)]
         await asyncio.sleep(0.01)
         calls += [call([9, 10, 11], 8, 3), call([12, 13, 14], 8, 2)]
-        await asyncio.gather(*calls)
-        return finished
+        done = await asyncio.gather(*calls)
+        return finished, dict(zip((0, 1, 3, 2), done))
 
     finishes, fresh_finish, fresh_tokens = asyncio.run(abort_one_of_many())
     started, later = asyncio.run(load_while_decoding())
-    arrivals = asyncio.run(admitted_by_arrival())
+    arrivals, by_arrival = asyncio.run(admitted_by_arrival())
     results = {
         c.name + suffix: {"passed": c.passed, "reasons": c.reasons, "details": c.details}
         for c, suffix in ((first, ""), (after_reload, "_after_reload"), (sync, ""))
@@ -109,6 +109,17 @@ if __name__ == "__main__":
     results["arrival_order"] = {
         "passed": arrivals == [1, 2, 3, 0],
         "reasons": [f"finished in the order of arrivals {arrivals}, not [1, 2, 3, 0]"],
+        "details": {},
+    }
+    # what the engine says of its work (Completion.queued_s, cached_tokens: calibration's): the two called
+    # while both slots were busy waited for one (at least the shorter one's 80 tokens); the first did not
+    waits = {arrival: c.queued_s for arrival, c in by_arrival.items()}
+    cached = [c.cached_tokens for c in by_arrival.values()]
+    results["engine_work"] = {
+        "passed": None not in waits.values()
+        and min(waits[2], waits[3]) > 10 * max(waits[0], waits[1], 1e-3)
+        and all(isinstance(n, int) for n in cached),
+        "reasons": [f"queued_s by arrival {waits}, cached_tokens {cached}"],
         "details": {},
     }
     engine.close()

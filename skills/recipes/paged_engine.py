@@ -282,7 +282,7 @@ class PagedEngine:
         return [self.completion(r) for r in requests]
 
     def completion(self, request: Request) -> Completion:
-        return Completion(request.generated, list(request.logprobs), request.finish, self.weight_version, self.name)
+        return request.completion(self.weight_version, self.name)
 
     # -- one iteration ----------------------------------------------------------------------------------
     def _drain_control(self) -> list[Request]:
@@ -323,6 +323,7 @@ class PagedEngine:
                 request.blocks, request.computed = restored
                 self.waiting.remove(request)
                 self.running.append(request)
+                request.admitted()
                 continue
             reused, cached = (
                 self.blocks.take_prefix(request.episode, request.tokens) if not request.computed else ([], 0)
@@ -334,6 +335,7 @@ class PagedEngine:
             request.blocks, request.computed = reused + fresh, cached
             self.waiting.remove(request)
             self.running.append(request)
+            request.admitted()
 
     def _grow(self) -> None:
         """Every running request needs a block for the token it computes next; when none is left,
@@ -349,6 +351,7 @@ class PagedEngine:
                 self.blocks.release(victim.blocks)
                 victim.blocks, victim.computed = [], 0
                 self.waiting.appendleft(victim)
+                victim.waits()
 
     def step(self) -> list[Request]:
         """One scheduler iteration; returns the requests that finished (or were aborted) in it."""

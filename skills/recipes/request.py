@@ -6,12 +6,13 @@ with nothing computed and recomputes its context."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from targets.api import SamplingParams, TokenIds
+from targets.api import Completion, SamplingParams, TokenIds
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity
@@ -30,6 +31,26 @@ class Request:
     ngrams: dict[tuple[int, ...], int] = field(default_factory=dict)  # speculative drafts: n-gram -> its latest start
     indexed: int = 0  # start positions in ``ngrams`` so far
     arrival: int = 0  # the cluster's order of arrival (the engine's own id when called directly)
+    # what calibration reads of the engine's work (``Completion.queued_s``, ``cached_tokens``)
+    waiting_since: float | None = field(default_factory=time.perf_counter)  # waiting since; None while it runs
+    queued_s: float = 0.0  # seconds it waited before its admissions so far
+    cached_tokens: int | None = None  # its prompt's tokens its first admission reused from the prefix cache
+
+    def admitted(self) -> None:
+        """It leaves the waiting queue for the running batch (its reused prefix in ``computed``)."""
+        self.queued_s += time.perf_counter() - self.waiting_since
+        self.waiting_since = None
+        if self.cached_tokens is None:
+            self.cached_tokens = self.computed
+
+    def waits(self) -> None:
+        """It joins the waiting queue (submitted, or preempted)."""
+        self.waiting_since = time.perf_counter()
+
+    def completion(self, version: int, engine: str) -> Completion:
+        """What it has generated so far, under ``version``, and what the engine says of its work on it."""
+        waited = self.queued_s + (0.0 if self.waiting_since is None else time.perf_counter() - self.waiting_since)
+        return Completion(self.generated, list(self.logprobs), self.finish, version, engine, waited, self.cached_tokens)
 
     @property
     def generated(self) -> list[int]:

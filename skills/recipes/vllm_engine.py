@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -114,8 +115,10 @@ class VLLMEngine:
         )
         number = next(self._ids)
         request_id, priority = f"{self.name}-{number}", number if arrival is None else arrival
+        asked = time.perf_counter()
         async with self._changes:
             await self._changes.wait_for(lambda: not self._changing)
+            held = time.perf_counter() - asked  # behind a weight load or a sleep
             if self._asleep:  # put to sleep while this request waited
                 return Completion([], [], "abort", self.weight_version, self.name)
             version = self.weight_version  # every token of this request is decoded under it
@@ -130,16 +133,17 @@ class VLLMEngine:
             async with self._changes:
                 self._changes.notify_all()
         sample = final.outputs[0] if final is not None else None
+        queued, cached = _engine_work(final, held)
         if sample is None or sample.finish_reason == "abort":
             tokens = list(sample.token_ids) if sample is not None else []
             logprobs = (
                 [float(step[t].logprob) for step, t in zip(sample.logprobs, tokens)] if sample is not None else []
             )
-            return Completion(tokens, logprobs, "abort", version, self.name)
+            return Completion(tokens, logprobs, "abort", version, self.name, queued, cached)
         tokens = list(sample.token_ids)
         logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
         finish = "stop" if tokens and tokens[-1] in params.stop_token_ids else "length"
-        return Completion(tokens, logprobs, finish, version, self.name)
+        return Completion(tokens, logprobs, finish, version, self.name, queued, cached)
 
     def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[Completion]:
         if self._asleep:
@@ -247,3 +251,16 @@ class VLLMEngine:
             shutil.rmtree(self._folder)
         except OSError as error:  # the run is measured: a folder left behind is said, not its failure
             print(f"{self.name}: the engine's folder {self._folder} was not removed: {error}", file=sys.stderr)
+
+
+def _engine_work(final, held: float) -> tuple[float | None, int | None]:
+    """What calibration reads of vLLM's work on a request (``Completion.queued_s``, ``cached_tokens``):
+    the seconds it waited, behind a weight load here (``held``) and in vLLM's queue until first scheduled
+    (vLLM's request stats, kept while its stats are logged; a preemption's second wait is not in them),
+    and the prompt tokens its prefix cache served. None where vLLM did not say."""
+    if final is None:
+        return None, None
+    stats, queued = final.metrics, None
+    if stats is not None and 0 < stats.queued_ts <= stats.scheduled_ts:
+        queued = held + stats.scheduled_ts - stats.queued_ts
+    return queued, final.num_cached_tokens

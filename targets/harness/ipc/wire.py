@@ -306,7 +306,13 @@ def get_step_result(rx: Received, d: dict, counts: bool) -> StepResult:
 
 def put_completion(frame: Frame, c: Completion, counts: bool = False) -> dict:
     """A completion; on a simulated link its count stands for its tokens and their logprobs."""
-    fields = {"finish_reason": c.finish_reason, "weight_version": c.weight_version, "device": c.device}
+    fields = {
+        "finish_reason": c.finish_reason,
+        "weight_version": c.weight_version,
+        "device": c.device,
+        "queued_s": c.queued_s,
+        "cached_tokens": c.cached_tokens,
+    }
     if counts:
         return {**fields, "count": len(c.tokens)}
     return {**fields, "tokens": frame.array(c.tokens, "i4"), "logprobs": frame.array(c.logprobs, "f8")}
@@ -325,12 +331,20 @@ def get_completion(rx: Received, d: Any, counts: bool = False) -> Completion:
         )
     if len(tokens) != len(logprobs):
         raise ProtocolError(f"completion: {len(tokens)} tokens but {len(logprobs)} logprobs")
+    queued = None if d.get("queued_s") is None else field_of(d, "queued_s", float, "completion")
+    if queued is not None and queued < 0:
+        raise ProtocolError(f"completion.queued_s: {queued} seconds is negative")
+    cached = None if d.get("cached_tokens") is None else field_of(d, "cached_tokens", int, "completion")
+    if cached is not None and cached < 0:
+        raise ProtocolError(f"completion.cached_tokens: {cached} is negative")
     return Completion(
         tokens,
         logprobs,
         finish,
         field_of(d, "weight_version", int, "completion"),
         field_of(d, "device", str, "completion"),
+        queued,
+        cached,
     )
 
 

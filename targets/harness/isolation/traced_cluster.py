@@ -113,6 +113,9 @@ class TracedCluster:
             max_new_tokens=p.max_new_tokens,
             stop=list(p.stop_token_ids),
             seed=p.seed,
+            # the engine's word on its own work, which calibration alone reads
+            **({} if completion.queued_s is None else {"queued": completion.queued_s}),
+            **({} if completion.cached_tokens is None else {"cached": completion.cached_tokens}),
         )
 
     async def _timed(self, kind, devices: Sequence[Device], call, **data) -> None:

@@ -7,18 +7,19 @@ that does supplies it.
 
 * **training**: each ``train`` event's duration against its FLOPs (cost-model formula) over its
   devices: least squares ``duration = flops / (devices * peak * mfu) + train_step_overhead_s``.
-* **rollout**: both engine recipes batch continuously, so each completed request is one row. A
-  request that generated ``n`` tokens spanned ``n`` engine iterations beside, on average, ``b``
-  requests in flight on its device (``b`` from the trace: the overlap of the other requests' spans
-  with its own, plus itself). Its latency is what the simulator charges: each of the ``n``
-  iterations takes the larger of its read (the weights a ``b``-sequence batch touches and its KV,
-  over the HBM bandwidth times ``hbm_efficiency``) and its decode FLOPs (over the peak times
-  ``rollout_mfu``), plus ``decode_step_overhead_s``; the prefills of the requests that joined
-  meanwhile add their FLOPs (new tokens only: a prefix the same device served the episode's previous
-  turn is cached); the answer adds ``request_overhead_s``. The ratio of the two efficiencies is
-  searched on a grid; at each, the rest is linear and solved by non-negative least squares. (A fit
-  of compute alone put a memory-bound engine's reads into the per-iteration cost: on a simulated 8B
-  H100 run, 26 ms an iteration where the spec says 3.)
+* **rollout**: both engine recipes batch continuously, so each completed request is one row. A request
+  that generated ``n`` tokens spanned ``n`` engine iterations beside, on average, ``b`` requests in
+  flight on its device (``b`` from the trace: the overlap of the other requests' spans with its own,
+  plus itself). A request's span starts when its engine admitted it: the wait its engine reported
+  (``queued``, for KV room or behind a weight load) is neither decoding nor batch. Its latency is what
+  the simulator charges: each of the ``n`` iterations takes the larger of its read (the weights a
+  ``b``-sequence batch touches and its KV, over the HBM bandwidth times ``hbm_efficiency``) and its
+  decode FLOPs (over the peak times ``rollout_mfu``), plus ``decode_step_overhead_s``; the prefills of
+  the requests that joined meanwhile add their FLOPs (new tokens only: a prefix the same device served
+  the episode's previous turn is cached); the answer adds ``request_overhead_s``. The ratio of the two
+  efficiencies is searched on a grid; at each, the rest is linear and solved by non-negative least
+  squares. (A fit of compute alone put a memory-bound engine's reads into the per-iteration cost: on a
+  simulated 8B H100 run, 26 ms an iteration where the spec says 3.)
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time (a
   suspend times an offload; a resume with no sync in the run times a reload and a sync); with none in
   any run, the spec's constants are kept (``notes`` says so).
@@ -144,9 +145,9 @@ def concurrency_of(by_device: dict[str, list[TraceEvent]]) -> list[tuple[TraceEv
     """``request_concurrency`` of requests already grouped by ``requests_by_device``."""
     out = []
     for requests in by_device.values():
-        in_flight = _in_flight_integral([(e.data["start"], e.t) for e in requests])
+        in_flight = _ramp_integral([(admitted_at(e), e.t, 1.0, 1.0) for e in requests])
         for e in requests:
-            start, end = e.data["start"], e.t
+            start, end = admitted_at(e), e.t
             if e.data["aborted"] or end <= start:
                 continue
             together = in_flight(end) - in_flight(start)  # its own span counted once in it
@@ -154,25 +155,60 @@ def concurrency_of(by_device: dict[str, list[TraceEvent]]) -> list[tuple[TraceEv
     return out
 
 
+def served(events: list[TraceEvent]) -> list[TraceEvent]:
+    """The generate events an engine answered (one failed, or aborted before any token, names none)."""
+    return [e for e in events if e.kind == "generate" and "device" in e.data]
+
+
 def requests_by_device(events: list[TraceEvent]) -> dict[str, list[TraceEvent]]:
-    """Each device's generate events, in the order they started."""
+    """Each device's generate events, in the order their engines admitted them."""
     by_device: dict[str, list[TraceEvent]] = defaultdict(list)
-    for e in sorted((e for e in events if e.kind == "generate"), key=lambda e: e.data["start"]):
+    for e in sorted(served(events), key=admitted_at):
         by_device[e.data["device"]].append(e)
     return by_device
 
 
-def _in_flight_integral(spans: list[tuple[float, float]]) -> Callable[[float], float]:
-    """``F(t)``: the integral up to ``t`` of how many of ``spans`` are open (a span of no length, none)."""
-    lasting = [(start, end) for start, end in spans if end > start]
-    edges = sorted([(start, 1) for start, _ in lasting] + [(end, -1) for _, end in lasting])
-    times = np.array([t for t, _ in edges] or [0.0])
-    open_after = np.cumsum([step for _, step in edges] or [0])  # open spans from each edge to the next
-    area = np.concatenate(([0.0], np.cumsum(open_after[:-1] * np.diff(times))))  # F at each edge
+CLOCKS_SLACK_S = 1e-3  # an engine's wait may exceed the harness's span by this much: two clocks' rounding
+
+
+def admitted_at(request: TraceEvent) -> float:
+    """When the request's engine began computing it: its start plus the wait its engine reported
+    (``Completion.queued_s``, recorded as ``queued``); its start where the engine does not say (the wait
+    is then counted as decoding, and ``calibrate``'s notes say for how many requests). A wait longer
+    than the span the harness timed is no engine's clock: the trace is refused."""
+    start, queued = request.data["start"], request.data.get("queued")
+    if queued is None:
+        return start
+    if queued > request.t - start + CLOCKS_SLACK_S:
+        raise TraceRefused(
+            f"the engine of {request.data['episode']} turn {request.data['turn']} says it waited {queued:.4g} s "
+            f"in a request the harness saw take {request.t - start:.4g} s"
+        )
+    return min(request.t, start + queued)
+
+
+def _ramp_integral(ramps: list[tuple[float, float, float, float]]) -> Callable[[float], float]:
+    """``F(t)``: the integral up to ``t`` of the sum of ``ramps``, each ``(start, end, first, last)`` a value
+    rising linearly from ``first`` at its start to ``last`` at its end, nothing outside (a ramp of no
+    length, nothing). Between two edges the sum is ``a + b t``: its area is a difference of prefix sums."""
+    edges = []
+    for start, end, first, last in ramps:
+        if end > start:
+            slope = (last - first) / (end - start)
+            edges += [(start, first - slope * start, slope), (end, slope * start - first, -slope)]
+    edges.sort()
+    times = np.array([t for t, _, _ in edges] or [0.0])
+    a = np.cumsum([da for _, da, _ in edges] or [0.0])  # the sum is a + b t from each edge to the next
+    b = np.cumsum([db for _, _, db in edges] or [0.0])
+
+    def area(i, t0, t1):
+        return a[i] * (t1 - t0) + b[i] * (t1 * t1 - t0 * t0) / 2
+
+    at_edges = np.concatenate(([0.0], np.cumsum(area(np.arange(len(times) - 1), times[:-1], times[1:]))))
 
     def integral(t: float) -> float:
         i = int(np.searchsorted(times, t, side="right")) - 1
-        return 0.0 if i < 0 else float(area[i] + open_after[i] * (t - times[i]))
+        return 0.0 if i < 0 else float(at_edges[i] + area(i, times[i], t))
 
     return integral
 
@@ -208,18 +244,20 @@ def _engines_of(spec: TargetSpec, run: list[TraceEvent]) -> CostModel:
 def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float, float, float, float, float]]:
     """Per completed request: (iterations, one iteration's read time at full HBM bandwidth, one
     iteration's decode compute time at the peak, its prefills' compute time at the peak, latency),
-    each over the engine's devices (see the module doc)."""
+    each over the engine's devices (see the module doc). A prefill computes the prompt less the prefix
+    its engine says it reused (``cached``); where the engine does not say, less the context the device
+    held for the episode since its last weight load, offload or wake (no eviction seen)."""
     prefills: dict[int, tuple[int, int]] = {}  # id(event) -> (tokens its prefill computed, the prefix it read)
     cached: dict[tuple[str, str], int] = {}  # (episode, device) -> context the device holds for it
     # a weight load, an offload or a wake empties an engine's prefix cache (as the simulator's does)
     emptied = sorted((e.t, set(e.data["devices"])) for e in events if e.kind in PREFIX_EMPTYING)
-    for e in sorted((e for e in events if e.kind == "generate"), key=lambda e: e.data["start"]):
-        while emptied and emptied[0][0] <= e.data["start"]:
+    for e in sorted(served(events), key=admitted_at):
+        while emptied and emptied[0][0] <= admitted_at(e):
             devices = emptied.pop(0)[1]
             cached = {key: tokens for key, tokens in cached.items() if key[1] not in devices}
         key = (e.data["episode"], e.data["device"])
         prompt = token_count(e.data["prompt"])
-        prefix = cached.get(key, 0)
+        prefix = e.data["cached"] if "cached" in e.data else cached.get(key, 0)  # the engine's word first
         prefills[id(e)] = (prompt - prefix, prefix) if prefix <= prompt else (prompt, 0)
         if e.data["aborted"]:
             cached.pop(key, None)  # an abort frees the sequence's KV
@@ -229,18 +267,22 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
     # over the prefix too): the prefills a span saw begin are a difference of two sums
     starts: dict[str, np.ndarray] = {}
     prefilled: dict[str, np.ndarray] = {}
+    kv: dict[str, Callable[[float], float]] = {}  # per device, the integral of its requests' KV over time
     by_device = requests_by_device(events)
     for device, requests in by_device.items():
-        starts[device] = np.array([o.data["start"] for o in requests])
+        starts[device] = np.array([admitted_at(o) for o in requests])
         flops = [cost.prefill_flops(*prefills[id(o)]) for o in requests]
         prefilled[device] = np.concatenate(([0.0], np.cumsum(flops)))
+        # each request's context grows from its prompt to its prompt and response over its span
+        contexts = [(token_count(o.data["prompt"]), token_count(o.data.get("tokens", 0))) for o in requests]
+        kv[device] = _ramp_integral([(admitted_at(o), o.t, p, p + n) for o, (p, n) in zip(requests, contexts)])
     bandwidth = cost.engine_devices * cost.hbm_bytes_per_s
     compute = cost.engine_devices * cost.peak_flops
     rows = []
     for e, batch in concurrency_of(by_device):
-        start, end = e.data["start"], e.t
+        start, end = admitted_at(e), e.t
         n = token_count(e.data["tokens"])
-        context = batch * (token_count(e.data["prompt"]) + n / 2)  # the batch's mean KV over the span
+        context = (kv[e.data["device"]](end) - kv[e.data["device"]](start)) / (end - start)  # the batch's mean KV
         first, past = np.searchsorted(starts[e.data["device"]], [start, end], side="left")  # start <= s < end
         prefill = float(prefilled[e.data["device"]][past] - prefilled[e.data["device"]][first])
         read = cost.decode_bytes(batch, context) / bandwidth
@@ -368,6 +410,18 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
 
     # -- rollout ---------------------------------------------------------------------------------
     rollout_rows = [row for run in runs for row in _rollout_rows(_engines_of(spec, run), run)]
+    answered = served(events)
+    if unsaid := sum(1 for e in answered if e.data.get("queued") is None):
+        notes.append(
+            f"rollout: the engines did not say how long {unsaid} of {len(answered)} requests waited for admission "
+            "(Completion.queued_s): their waits count as decoding, which makes the engines look slower"
+        )
+    if unsaid := sum(1 for e in answered if e.data.get("cached") is None):
+        notes.append(
+            f"rollout: the engines did not say what prefix {unsaid} of {len(answered)} requests reused "
+            "(Completion.cached_tokens): assumed kept since the last weight load (an eviction under KV pressure "
+            "unseen, the prefills it costs look like slow decoding)"
+        )
     fit = _rollout_fit(rollout_rows) if rollout_rows else None
     if fit is None and rollout_rows:
         fixed = _nonnegative_fit([(row[0], 1.0, row[-1]) for row in rollout_rows])

@@ -65,6 +65,9 @@ class _Sequence:
     admitted: int = -1  # in the batch: its admission number (the batch's order); -1 out of it
     answered: bool = False
     started: Callable[[], None] | None = None  # told when its prefill ends (its first token): a serving request's TTFT
+    waiting_since: float | None = None  # in the queue: since when (submitted, or preempted); None out of it
+    queued_s: float = 0.0  # virtual seconds it spent in the queue before its admissions so far
+    cached_tokens: int | None = None  # its prompt's tokens the first admission reused (cached or restored)
 
     @property
     def context(self) -> float:
@@ -177,7 +180,7 @@ class SimEngine:
             future = self._loop.create_future()
             done = future.set_result
         head = not self.queue  # behind others, it cannot be admitted before they are: no need to interrupt
-        seq = _Sequence(episode, prompt_tokens, max_new, length, done, started=started)
+        seq = _Sequence(episode, prompt_tokens, max_new, length, done, started=started, waiting_since=self._loop.time())
         self.queue.append(seq)
         if head and (self.cost.continuous_batching or not self.running):
             self._wake()
@@ -402,12 +405,13 @@ class SimEngine:
             restored = self._restore(seq.episode, context) if not cached else 0
             self._evict_to(self.capacity - context)
             self.queue.popleft()
-            if not seq.preempted:
-                seq.version = self.version
-            seq.preempted = False
+            seq.queued_s, seq.waiting_since = seq.queued_s + self._loop.time() - seq.waiting_since, None
             if restored:
                 prefill += self.cost.restore_s(restored)
                 cached, self.restored_tokens = restored, self.restored_tokens + restored
+            if not seq.preempted:
+                seq.version, seq.cached_tokens = self.version, int(cached)
+            seq.preempted = False
             seconds = self.cost.prefill_s(context - cached, cached)
             self.prefilled_tokens += context - cached
             if beside and context - cached >= 1:  # its chunks' all-reduces are the decode steps' (counted there)
@@ -554,7 +558,7 @@ class SimEngine:
         self._context -= seq.context
         if not self.running:
             self._empty_batch()
-        seq.preempted = True
+        seq.preempted, seq.waiting_since = True, self._loop.time()
         self.queue.appendleft(seq)
         self.preemptions += 1
 
@@ -582,4 +586,5 @@ class SimEngine:
     def _completion(self, seq: _Sequence, finish: str) -> Completion:
         """A count of tokens (a simulated run records counts; ``simulated_response`` says what they are)."""
         n = TokenCount(int(seq.generated + EPS) if finish == "abort" else seq.length)
-        return Completion(n, n, finish, seq.version, self.devices[0])
+        queued = seq.queued_s + (0.0 if seq.waiting_since is None else self._loop.time() - seq.waiting_since)
+        return Completion(n, n, finish, seq.version, self.devices[0], queued, seq.cached_tokens)

@@ -20,13 +20,14 @@ import pytest
 
 from agents.offline.evaluator import extended, undecided
 from targets.api import TraceEvent
-from targets.harness.ipc.channel import _BURST_END_BYTES, AsyncChannel, Frame, SyncChannel
+from targets.harness.ipc.channel import _BURST_END_BYTES, AsyncChannel, Frame, Received, SyncChannel
 from targets.harness.ipc.protocol import ProtocolError
 from targets.harness.ipc.wire import (
     PromptMemory,
     get_batch,
     get_completion,
     get_request,
+    get_trajectory,
     put_batch,
     put_completion,
     put_request,
@@ -278,8 +279,6 @@ def test_decoders_check_every_field_of_what_a_candidate_sends():
 
     request = GenerateRequest("g0/e0", 0, [1, 2, 3], SamplingParams(4))
     frame.header["r"] = put_request(frame, request, memory)
-    from targets.harness.ipc.channel import Received
-
     rx = Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
     assert get_request(rx, rx["r"], PromptMemory()).prompt == [1, 2, 3]
     bad = json.loads(json.dumps(rx["r"]))
@@ -319,8 +318,71 @@ def test_decoders_check_every_field_of_what_a_candidate_sends():
         rx = Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
         with pytest.raises(ProtocolError, match="completion.logprobs: 1 non-finite value.* at position 1"):
             get_completion(rx, rx["c"])
-    with pytest.raises(ValueError, match="only 0 and 1"):  # a mask that would weight tokens twice cannot even be sent
+    with pytest.raises(ValueError, match="only 0 and 1"):  # the honest proxy will not send such a mask ...
         put_batch(Frame(), TrainBatch([Trajectory("g0/e0", "g0", [1, 2], [0, 2], [0.0, -1.0], 1.0, [0])], [0.5]))
+
+
+def _received(build) -> tuple[Received, dict]:
+    """What the harness decodes from a frame whose one entry ``build(frame)`` wrote (the candidate's
+    process writes frames: a controller that writes its own skips every check the proxy makes)."""
+    frame = Frame()
+    frame.header["x"] = build(frame)
+    rx = Received(json.loads(json.dumps({**frame.header, "blobs": [len(b) for b in frame.blobs]})), frame.blobs)
+    return rx, rx["x"]
+
+
+def test_the_harness_decoders_refuse_what_the_candidate_s_own_proxy_would_never_send():
+    """... but the harness checks again what it receives: a mask weighting a token twice, a mask or
+    logprobs that do not match the tokens, a continuation outside its prompt, an empty prompt, a
+    completion's tokens without logprobs, and what an engine says of its work out of range."""
+    from targets.api import Completion, GenerateRequest, SamplingParams
+
+    def trajectory(mask, logprobs):
+        def build(frame):
+            fields = {"episode_id": "g0/e0", "group_id": "g0", "reward": 1.0, "weight_versions": [0]}
+            fields |= {"created_at_step": 0, "timed_out": False, "tokens": frame.array([1, 2, 3], "i4")}
+            return fields | {"loss_mask": frame.array(mask, "u1"), "logprobs": frame.array(logprobs, "f8")}
+
+        return _received(build)
+
+    for mask, logprobs, message in (
+        ([0, 2, 1], [-1.0, -2.0], "loss_mask must hold only 0 and 1"),
+        ([0, 1], [-1.0], "3 tokens, a mask of 2 with 1 response tokens"),
+        ([0, 1, 1], [-1.0], "a mask of 3 with 2 response tokens, and 1 logprobs"),
+    ):
+        with pytest.raises(ProtocolError, match=message):
+            get_trajectory(*trajectory(mask, logprobs), None)
+
+    def request(prompt, continues):
+        rx, d = _received(
+            lambda frame: put_request(frame, GenerateRequest("g0/e0", 0, prompt, SamplingParams(4)), PromptMemory())
+        )
+        return rx, {**d, "continues": continues}
+
+    assert get_request(*request([1, 2, 3], 2), PromptMemory()).continues == 2
+    for continues in (3, -1):
+        with pytest.raises(ProtocolError, match=r"continues .* must be within \[0, 3\)"):
+            get_request(*request([1, 2, 3], continues), PromptMemory())
+    with pytest.raises(ProtocolError, match="request for g0/e0: an empty prompt"):
+        get_request(*request([], 0), PromptMemory())
+
+    def completion(**fields):
+        honest = Completion([4, 5], [-0.1, -0.2], "length", 0, "cpu:0", 0.5, 7)
+        rx, d = _received(lambda frame: put_completion(frame, honest))
+        if "logprobs" in fields:
+            rx, d = _received(lambda frame: {**d, "logprobs": frame.array(fields.pop("logprobs"), "f8")})
+        return rx, {**d, **fields}
+
+    assert get_completion(*completion()) == Completion([4, 5], [-0.1, -0.2], "length", 0, "cpu:0", 0.5, 7)
+    for fields, message in (
+        ({"logprobs": [-0.1]}, "completion: 2 tokens but 1 logprobs"),
+        ({"queued_s": -1.0}, "completion.queued_s: -1.0 seconds is negative"),
+        ({"queued_s": "soon"}, "completion.queued_s: expected float"),
+        ({"cached_tokens": -3}, "completion.cached_tokens: -3 is negative"),
+        ({"cached_tokens": True}, "completion.cached_tokens: expected int"),
+    ):
+        with pytest.raises(ProtocolError, match=message):
+            get_completion(*completion(**fields))
 
 
 def test_an_async_channel_reports_a_peer_that_hangs_up_or_sends_garbage():

@@ -26,14 +26,15 @@ after every one (so a run cut short still returns what it measured), each stage'
    and then ``fallback_sdpa`` rerun the test of an engine without them, alone, and the check's stack and
    generate's starter take the first that passes (the ``engine`` record says which and why): one broken
    kernel does not cost the session its other figures;
-2. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
+2. ``components``: ``benchmarks/gpu_components.py`` (decode greedy and at temperature 1 against the
+   HBM roofline of the card that runs, prefill, the train step cold and warm, the weight export stage
+   by stage, sleep, wake; each section's figures written as soon as it has them): before the check,
+   whose time is the least certain, so a check that runs long never costs the session these figures;
+3. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
    (written as the run goes, so a check cut short keeps its steps) and per-phase timings kept; then
    ``train_ratio``: ``benchmarks/train_step_ratio.py`` on that trace (each system train step against
    the trainer alone on the same batch);
-3. ``calibrate``: the simulator fitted to the check's trace, and its prediction error;
-4. ``components``: ``benchmarks/gpu_components.py`` (decode greedy and at temperature 1 against the
-   HBM roofline of the card that runs, prefill, the train step cold and warm, the weight export stage
-   by stage, sleep, wake; each section's figures written as soon as it has them);
+4. ``calibrate``: the simulator fitted to the check's trace, and its prediction error;
 5. ``generate``: ``vibetrain generate --rounds 2``, the run tarred back for ``log``/``show``/``report``
    (last: it takes whatever time is left; a call right after, on the machine still warm, resumes it).
 
@@ -80,10 +81,10 @@ STAGES = {  # name: seconds it may take, in the order they run; a stage gets at 
     "gpu_tests": 90,
     "fallback_unfused": 75,  # these two run only when gpu_tests failed the engine's default kernels
     "fallback_sdpa": 75,
+    "components": 120,  # 73 s on the H200 of 11-29
     "check": 420,  # the H200 run of 11-29: accuracy 88 s, 2-step system run 105 s, then the audit; 300 s cut it
     "train_ratio": 45,
     "calibrate": 40,
-    "components": 120,
     "generate": 560,  # whatever is left; alone (--skip the others) a whole call
 }
 DEFAULT_ENGINE_TEST = "test_triton_engine_in_bf16_passes_checks_1_and_3_with_its_decode_graphs"
@@ -100,8 +101,16 @@ BUNDLE_LEFT_OUT = ("workspaces", "run", "starter")  # folders of OUT the bundle 
 def prepare(
     wheels: Path = typer.Option(Path("gpu-wheels"), help="the folder to carry with the run"),
     python: str = typer.Option(DEVICE_PYTHON, help="the Python the wheels are for (this one's, to rehearse)"),
+    without_bwrap: bool = typer.Option(False, help="carry no bubblewrap (the check then runs unsandboxed there)"),
 ) -> None:
     """Download what the bare GPU machine lacks into WHEELS (run here, where the registries are)."""
+    if shutil.which("bwrap") is None and not without_bwrap:  # before minutes of downloads, not after
+        typer.echo(
+            "prepare: no bwrap here to carry, and the GPU machine may lack it (the check would then run its "
+            "candidate unsandboxed, unlike a user's): apt-get install bubblewrap, or pass --without-bwrap",
+            err=True,
+        )
+        raise typer.Exit(2)
     wheels.mkdir(parents=True, exist_ok=True)
     for old in wheels.glob("*.whl"):  # an earlier prepare's: two versions of one package would fail the install
         old.unlink()
@@ -233,8 +242,9 @@ class Stages:
 
 
 def _without_weights(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
-    """Weight snapshots stay behind (a 0.6B version is 2.4 GB in float32)."""
-    return None if member.name.endswith(".safetensors") else member
+    """Weight snapshots stay behind (a 0.6B version is 2.4 GB in float32), also one a stage cut short was
+    still writing (``v3.tmp``, renamed when whole)."""
+    return None if member.name.endswith((".safetensors", ".tmp")) else member
 
 
 def _default_stop() -> None:
@@ -285,6 +295,10 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
     outcome = junit_outcomes(stages.out / "gpu_tests.xml").get(DEFAULT_ENGINE_TEST)
     if outcome in ("passed", "skipped"):  # skipped: no GPU here (a rehearsal), nothing to fall back from
         stages._save("engine", {"status": "default", "options": {}})
+        return {}
+    if outcome is None and "gpu_tests" in stages.skip:  # not cut short: not run (a generate-only call)
+        status = "default: gpu_tests skipped (--skip), and no report of an earlier call's in OUT"
+        stages._save("engine", {"status": status, "options": {}})
         return {}
     said = "failed" if outcome else "gave no outcome (the GPU tests were cut short or crashed before it ended)"
     for stage, test, options in FALLBACKS:
@@ -418,6 +432,16 @@ def run(
         shutil.rmtree(starter)
     write = [*vibetrain, "starter", target, "--out", str(starter), "--controller", "colocate"]
     subprocess.run([*write, *param_flags(options, "--param")], env=env)  # none: the check stage says so itself
+    if rehearse:
+        components = [sys.executable, "gpu_components.py", "--target", "tiny-qwen3-cpu", "--device", "cpu"]
+        components += ["--batch", "4", "--new-tokens", "8", "--train-batch", "4", "--repeat", "1"]
+    else:  # 128 new tokens: the first H200 run's SDPA decode did not finish 256 (x3, and transformers') in 100 s
+        components = [sys.executable, "gpu_components.py", "--target", target, "--repeat", "2", "--new-tokens", "128"]
+    if options.get("fused_kernels") is False:  # the fallback's engine
+        components.append("--no-fused-kernels")
+    if "attention" in options:
+        components += ["--attention", options["attention"]]
+    stages.run("components", [*components, "--json", str(stages.out / "components.json")], env, ROOT / "benchmarks")
     sandbox, why = _sandbox(env)
     stages.results["sandbox"] = {"status": sandbox, "why": why}
     check = [*vibetrain, "check", target, "--stack", str(starter), "--out", str(stages.out / "check")]
@@ -433,16 +457,6 @@ def run(
         stages.run("calibrate", [*calibrate, "--out", str(stages.out / "twin.yaml"), "--sandbox", sandbox], env)
     else:
         stages._save("calibrate", {"status": "skipped: the check left no trace"})
-    if rehearse:
-        components = [sys.executable, "gpu_components.py", "--target", "tiny-qwen3-cpu", "--device", "cpu"]
-        components += ["--batch", "4", "--new-tokens", "8", "--train-batch", "4", "--repeat", "1"]
-    else:  # 128 new tokens: the first H200 run's SDPA decode did not finish 256 (x3, and transformers') in 100 s
-        components = [sys.executable, "gpu_components.py", "--target", target, "--repeat", "2", "--new-tokens", "128"]
-    if options.get("fused_kernels") is False:  # the fallback's engine
-        components.append("--no-fused-kernels")
-    if "attention" in options:
-        components += ["--attention", options["attention"]]
-    stages.run("components", [*components, "--json", str(stages.out / "components.json")], env, ROOT / "benchmarks")
     run_dir = stages.out / "run"
     stages.run("generate", generate_command(vibetrain, target, run_dir, sandbox, options), env)
     if run_dir.exists():

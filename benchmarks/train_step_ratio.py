@@ -88,6 +88,8 @@ def main(
                 "ratio": system_s / component_s,
             }
         )
+        if json_out is not None:  # after every step: a run cut at its limit keeps the steps it measured
+            json_out.write_text(json.dumps({"target": target, "device": device, "steps": rows}, indent=1))
     trainer.close()
     table = Table(title=f"{target}: the system run's train step / the trainer alone on the same batch ({device})")
     for column in ("step", "devices", "tokens", "system s", "component s (spread)", "ratio"):
@@ -104,8 +106,6 @@ def main(
     console.print(table)
     ratios = [row["ratio"] for row in rows]
     console.print(f"median ratio {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}x)")
-    if json_out is not None:
-        json_out.write_text(json.dumps({"target": target, "device": device, "steps": rows}, indent=1))
 
 
 if __name__ == "__main__":

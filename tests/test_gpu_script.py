@@ -106,6 +106,16 @@ def test_a_failed_default_engine_falls_back_to_the_first_engine_whose_test_passe
     status = json.loads((cut.out / "stages.json").read_text())["stages"]["engine"]["status"]
     assert status.startswith(f"fallback: {gpu_run.DEFAULT_ENGINE_TEST} gave no outcome"), status
 
+    # not run at all (a generate-only call, --skip gpu_tests, on a fresh OUT): no report, and no fallback
+    # either (a fallback here cost that call 75 s and gave generate an engine other than the check's)
+    alone = gpu_run.Stages(tmp_path / "alone", deadline_s=300, skip=frozenset({"gpu_tests"}))
+    assert gpu_run.engine_fallback(alone, tests, {}) == {}
+    recorded = json.loads((alone.out / "stages.json").read_text())["stages"]
+    assert set(recorded) == {"engine"} and "gpu_tests skipped" in recorded["engine"]["status"]
+    # ... but an earlier call's report in OUT still rules (a warm machine's second call)
+    _junit(alone.out / "gpu_tests.xml", [gpu_run.DEFAULT_ENGINE_TEST], [])
+    assert gpu_run.engine_fallback(alone, tests, {}) == {"attention": "sdpa", "fused_kernels": False}
+
 
 def test_a_pytest_stage_cut_at_its_limit_still_writes_its_report(tmp_path, monkeypatch):
     """A stage past its limit was sent SIGTERM, on which pytest writes no JUnit report, so the GPU tests'

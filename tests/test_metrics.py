@@ -84,7 +84,7 @@ def test_training_the_shorter_trajectories_raises_goodput_more_than_trained_toke
     assert short["trained_tokens_per_s"] == pytest.approx(0.1) and long["trained_tokens_per_s"] == pytest.approx(0.9)
 
 
-def test_timeline_shows_the_median_repeat():
+def test_the_median_repeat_is_the_middle_measurement_not_the_first_or_fastest():
     passed = [CheckResult("system_audit", True)]
     run = BenchRun(
         "x",

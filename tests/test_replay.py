@@ -77,7 +77,7 @@ def test_sampling_too_cold_or_too_hot_is_caught():
     assert impossible.false_alarm_bound() == 0.0
 
 
-def test_the_replay_sample_catches_a_one_percent_cheat_with_probability_099():
+def test_sampled_turns_is_the_least_count_that_misses_a_one_percent_cheat_at_most_one_time_in_100():
     assert SAMPLED_TURNS == 459
     assert 0.99**SAMPLED_TURNS <= 0.01 < 0.99 ** (SAMPLED_TURNS - 1)
 

@@ -1112,6 +1112,55 @@ def test_pools_cost_what_their_devices_do_and_weights_cross_between_them_over_th
     assert run_virtual(engine_costs()) == {"rollout:0": h20, "rollout:1": h20, "train:0": h800, "train:1": h800}
 
 
+def test_the_simulated_cluster_refuses_what_no_real_device_allows():
+    """The mechanism a simulated controller drives holds it to what hardware allows: training beside an
+    awake engine (a schedule that looks faster by using a device twice), shrinking away the last active
+    engine, and syncing a version other than the latest are refused by name; a legal sequence passes."""
+    from targets.api import TrainBatch, Trajectory
+
+    spec = load_target("tiny-qwen3-cpu")
+    pool = [Device(f"cpu:{i}", "cpu", i) for i in range(2)]
+    batch = TrainBatch([Trajectory("g0/e0", "g0", [1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], 1.0, [0])], [0.5])
+
+    async def attempt(moves):
+        cluster = SimCluster(pool, pool, ClusterCosts.from_spec(spec), ResponseLengths(spec.workload.tokens, seed=0))
+        try:
+            for move in moves:
+                await move(cluster)
+        finally:
+            await cluster.close()
+
+    shrink = lambda c: c.shrink(pool[:1])  # noqa: E731
+    train = lambda c: c.train(batch, pool[:1])  # noqa: E731
+    run_virtual(attempt([shrink, train, lambda c: c.sync_weights(1, pool[1:])]))  # legal: passes
+    for moves, message in (
+        ([train], r"the engines \['.*'\] on the training devices are awake: shrink or suspend them first"),
+        ([shrink, lambda c: c.shrink(pool[1:])], r"shrinking \['cpu:1'\] would leave no active rollout engine"),
+        ([shrink, train, lambda c: c.sync_weights(0, pool[1:])], "can only sync the latest version 1, not 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            run_virtual(attempt(moves))
+
+
+def test_a_simulated_run_refuses_engines_placed_on_devices_the_target_does_not_have(tmp_path):
+    """A controller whose placement names a device of its own making (engines the harness would then
+    simulate for free) is refused at its hello, by name."""
+    from tests.planting import planted
+
+    spec = load_target("tiny-qwen3-cpu").model_copy(update={"execution": "simulated"})
+    path = tmp_path / "target.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    own = "        return self._place([d for d in devices if d.id in self.own])\n"
+    extra = (
+        "        return [*self._place([d for d in devices if d.id in self.own])[0], Device('cpu:9', 'cpu', 9)], []\n"
+    )
+    stack = planted(tmp_path / "stack", path, "colocate", {"controller_base.py": (own, extra)})
+    run = run_harness(
+        Target.load(path), stack, tmp_path / "out", "measure", Limits(time_s=120), Sandbox.detect("subprocess")
+    )
+    assert not run.ok and "the controller placed engines on unknown devices" in run.cause, run.cause
+
+
 def test_an_engine_never_spans_two_pools():
     spec = _mixed(engine_devices=2)
     devices = [Device(d, "", i) for i, d in enumerate(spec.hardware.device_ids())]

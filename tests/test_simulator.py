@@ -899,7 +899,7 @@ def test_the_fit_reads_the_engines_word_on_waits_and_prefixes_and_refuses_a_wait
     prices its prefill; where the engines say neither, the notes say how many requests that leaves; a
     wait longer than the request the harness timed is no clock's, and the trace is refused by name. A
     request that failed or was aborted before any token (no engine named) is not a row, and no crash
-    (it was a KeyError)."""
+    (it was a KeyError); one aborted while it waited computed nothing."""
     from targets.api import TraceEvent
     from targets.harness.sim.calibrate import TraceRefused, _rollout_rows, admitted_at, calibrate
 
@@ -911,6 +911,8 @@ def test_the_fit_reads_the_engines_word_on_waits_and_prefixes_and_refuses_a_wait
         return TraceEvent("generate", t + 2.0, data | {"start": t, "aborted": False} | said)
 
     told = [turn(0.0, "a", queued=0.0, cached=0), turn(0.5, "b", queued=1.5, cached=600)]
+    # aborted after waiting its whole span (no prefix said: never admitted): no prefill inside b's span
+    told.append(TraceEvent("generate", 2.2, turn(1.0, "e", queued=1.2).data | {"tokens": 0, "aborted": True}))
     lost = [
         TraceEvent("generate", 0.7, {"episode": "c", "turn": 0, "start": 0.6, "aborted": True}),
         TraceEvent("generate", 0.8, {"episode": "d", "turn": 0, "start": 0.6, "aborted": True, "failed": "boom"}),

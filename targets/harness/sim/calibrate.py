@@ -259,6 +259,8 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
         prompt = token_count(e.data["prompt"])
         prefix = e.data["cached"] if "cached" in e.data else cached.get(key, 0)  # the engine's word first
         prefills[id(e)] = (prompt - prefix, prefix) if prefix <= prompt else (prompt, 0)
+        if "queued" in e.data and admitted_at(e) >= e.t:  # waited until it was aborted: never computed
+            prefills[id(e)] = (0, 0)
         if e.data["aborted"]:
             cached.pop(key, None)  # an abort frees the sequence's KV
         else:
@@ -410,7 +412,7 @@ def calibrate(spec: TargetSpec, runs: list[list[TraceEvent]]) -> Calibration:
 
     # -- rollout ---------------------------------------------------------------------------------
     rollout_rows = [row for run in runs for row in _rollout_rows(_engines_of(spec, run), run)]
-    answered = served(events)
+    answered = [e for e in served(events) if not e.data["aborted"]]  # (one aborted while waiting reused nothing)
     if unsaid := sum(1 for e in answered if e.data.get("queued") is None):
         notes.append(
             f"rollout: the engines did not say how long {unsaid} of {len(answered)} requests waited for admission "

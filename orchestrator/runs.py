@@ -12,6 +12,7 @@ from pathlib import Path
 from agents.factory import api_key_env, load_prices, make_agents
 from agents.llm.tools import MAX_DESIGN, truncated
 from agents.roles import AgentError
+from orchestrator import writer_lock
 from orchestrator.config import LLM_BACKENDS, LLM_BUDGETS, ConfigError, LLMConfig, RunConfig, flag
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import make_policy
@@ -166,11 +167,9 @@ def start_run(
     check_environment(resolved.spec.workload.environment)  # one that cannot be made: said before any folder
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
-        unstarted = _never_started(run_dir)
-        if unstarted is None:
+        if not _never_started(run_dir):
             raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
-        unstarted.claim()  # refused while another start holds it (between its repository and its state)
-        unstarted.release()
+        writer_lock.claim(run_dir).release()  # refused while another start holds it (before its first state)
         shutil.rmtree(run_dir)  # a start killed before its first state: nothing in it to keep
     config = config.model_copy(
         update={
@@ -189,8 +188,14 @@ def start_run(
     while not made.parent.exists():
         made = made.parent
     made = None if run_dir.exists() else made
+    # the run's lock before its repository: of two starts on one --out, the second is refused here (taken
+    # after, both made the repository and the second committed a root of its own on the first's)
+    lock = writer_lock.claim(run_dir)
+    if (run_dir / ".git" / "HEAD").exists():  # a start that went first and has ended: its run, not ours
+        lock.release()
+        raise RunSetupError(f"{run_dir} already exists: continue it with --resume, or choose another --out")
     history = History.create(run_dir, f"vibetrain run: {config.target_id}\n\n{about}")
-    history.claim()  # a new repository: nothing a killed git left yet
+    history.claim()  # the lock this process holds; a new repository: nothing a killed git left yet
     state = new_state(config)
     state.spec_at_start = resolved.spec.model_dump(mode="json")
     state.save(run_dir)
@@ -203,29 +208,29 @@ def start_run(
         raise
 
 
-def _never_started(run_dir: Path) -> History | None:
-    """A start killed between making its repository and saving its first state: a repository History
-    made (its ``vibetrain`` committer, at most its ``best`` branch and root commit ``vibetrain run: ...``)
-    and nothing else, no state, no round. ``--resume`` cannot go on from it ("never started"), and it
-    held the folder against a new start ("already exists"). That repository, or None for any other,
-    which is not taken back."""
+def _never_started(run_dir: Path) -> bool:
+    """A start killed before saving its first state: only the run's lock (killed before its repository),
+    or a repository History made (its ``vibetrain`` committer, at most its ``best`` branch and root commit
+    ``vibetrain run: ...``) and nothing else, no state, no round. ``--resume`` cannot go on from it ("never
+    started"), and it held the folder against a new start ("already exists"). Any other folder is not
+    taken back."""
     if RunDir(run_dir).state_file.exists() or [p.name for p in run_dir.iterdir()] != [".git"]:
-        return None
+        return False
     if not (run_dir / ".git").is_dir():
-        return None
+        return False
+    lock = RunDir(run_dir).writer_lock
+    if set((run_dir / ".git").rglob("*")) == {lock.parent, lock}:
+        return True
     try:
-        history = History.open(run_dir)
+        repo = History.open(run_dir).repo
     except HistoryError:
-        return None
-    repo = history.repo
+        return False
     if repo.config_reader().get_value("user", "name", "") != "vibetrain":
-        return None
+        return False
     if [ref.path for ref in repo.refs] not in ([], ["refs/heads/best"]):
-        return None
+        return False
     unborn = not repo.head.is_valid()
-    if unborn or (not repo.head.commit.parents and repo.head.commit.message.startswith("vibetrain run: ")):
-        return history
-    return None
+    return unborn or (not repo.head.commit.parents and repo.head.commit.message.startswith("vibetrain run: "))
 
 
 def resume_run(

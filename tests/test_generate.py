@@ -915,6 +915,40 @@ def test_a_run_another_process_is_running_is_refused_by_name_until_it_ends(tmp_p
     History.open(run).claim()  # the kernel let go of the killed holder's lock
 
 
+def test_a_second_fresh_start_on_one_folder_is_refused_before_it_makes_anything(tmp_path, fast_target):
+    """Two fresh starts on one --out raced: the run's lock was taken after its repository was made, so both
+    made it and the second committed a root of its own on the first's. The lock now comes first: while
+    another start holds it, the second is refused by name having made nothing; a start killed between
+    its lock and its repository leaves a folder the next start takes back."""
+    from orchestrator import writer_lock
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from pathlib import Path; from orchestrator import writer_lock; writer_lock.claim(Path({str(run)!r})); "
+            "print('held', flush=True); import time; time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        busy = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run)], env=ENV)
+        assert busy.exit_code == 2, busy.output
+        assert f"another vibetrain process (pid {holder.pid}) is running the run" in " ".join(busy.output.split())
+        assert not (run / ".git" / "HEAD").exists() and not RunDir(run).state_file.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert {p.name for p in (run / ".git").rglob("*")} == {"vibetrain", "writer.flock"}  # the lock, left
+    loop = _start(fast_target, tmp_path)  # taken back, and started
+    loop.history.release()
+    assert RunDir(run).state_file.exists() and len(list(loop.history.repo.iter_commits())) == 1
+    writer_lock.claim(run).release()
+
+
 def test_a_full_disk_while_saving_state_says_what_to_do(tmp_path, monkeypatch):
     run = _empty_run(tmp_path)
     state = RunState.load(run)

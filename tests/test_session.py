@@ -814,6 +814,38 @@ def test_a_turn_is_asked_once_at_a_time_and_a_failed_request_is_recorded():
     assert "g0/e1 turn 1 is being generated already" in sent[1].header["error"]["message"]
 
 
+def test_an_engine_s_word_on_its_work_is_held_to_what_the_harness_saw():
+    """``Completion.queued_s`` and ``cached_tokens`` are the engine's word (calibration's alone): a wait
+    longer than the request took, or a prefix longer than its prompt, is recorded cut to what the harness
+    saw and marked (it raised in the offline evaluator, turning a validated round into an error)."""
+    from targets.api import Completion, GenerateRequest, SamplingParams
+    from targets.harness.clock import WallClock
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    class Cluster:
+        devices: list = []
+
+        async def generate(self, request):
+            await asyncio.sleep(0.01)
+            said = (100.0, 99) if request.turn else (0.001, 2)  # turn 1 overstates both
+            return Completion([7], [-0.5], "length", 0, "cpu:0", *said)
+
+    trace = Trace(WallClock())
+
+    async def run():
+        cluster = TracedCluster(Cluster(), trace, {})
+        for turn in (0, 1):
+            answered = asyncio.get_running_loop().create_future()
+            cluster.generate_then(GenerateRequest("g0/e0", turn, [1, 2, 3], SamplingParams(1)), answered.set_result)
+            await answered
+
+    asyncio.run(run())
+    honest, overstated = [e.data for e in trace.events if e.kind == "generate"]
+    assert (honest["queued"], honest["cached"], "word_cut" in honest) == (0.001, 2, False)
+    assert overstated["queued"] <= 0.5 and overstated["cached"] == 3 and overstated["word_cut"] is True
+
+
 def test_the_rollout_counts_as_suspended_until_its_resume_begins():
     """Planted: a cluster that holds its resume call open while it serves. Its episodes were counted as
     suspended until the resume returned, so one the stack held meanwhile was held by no one; the count now

@@ -48,7 +48,7 @@ if __name__ == "__main__":
         await engine.abort_all()
         aborted = await asyncio.gather(*running)
         fresh = await engine.generate_async([3, 4, 5], SamplingParams(max_new_tokens=4, temperature=0.0))
-        return [c.finish_reason for c in aborted], fresh.finish_reason, len(fresh.tokens)
+        return aborted, fresh.finish_reason, len(fresh.tokens)
 
     async def load_while_decoding():
         """A load waits for the request in flight, which finishes under the version it started with,
@@ -83,7 +83,8 @@ if __name__ == "__main__":
         done = await asyncio.gather(*calls)
         return finished, dict(zip((0, 1, 3, 2), done))
 
-    finishes, fresh_finish, fresh_tokens = asyncio.run(abort_one_of_many())
+    aborted, fresh_finish, fresh_tokens = asyncio.run(abort_one_of_many())
+    finishes = [c.finish_reason for c in aborted]
     started, later = asyncio.run(load_while_decoding())
     arrivals, by_arrival = asyncio.run(admitted_by_arrival())
     results = {
@@ -113,13 +114,18 @@ if __name__ == "__main__":
     }
     # what the engine says of its work (Completion.queued_s, cached_tokens: calibration's): the two called
     # while both slots were busy waited for one (at least the shorter one's 80 tokens); the first did not
+    # and the third of the aborted requests (two slots) was never scheduled: it waited, and reused no prefix
     waits = {arrival: c.queued_s for arrival, c in by_arrival.items()}
     cached = [c.cached_tokens for c in by_arrival.values()]
+    unscheduled = (aborted[2].queued_s, aborted[2].cached_tokens)
     results["engine_work"] = {
         "passed": None not in waits.values()
         and min(waits[2], waits[3]) > 10 * max(waits[0], waits[1], 1e-3)
-        and all(isinstance(n, int) for n in cached),
-        "reasons": [f"queued_s by arrival {waits}, cached_tokens {cached}"],
+        and all(isinstance(n, int) for n in cached)
+        and unscheduled[0] is not None
+        and unscheduled[0] > 0.01
+        and unscheduled[1] is None,
+        "reasons": [f"queued_s by arrival {waits}, cached_tokens {cached}; never scheduled: {unscheduled}"],
         "details": {},
     }
     engine.close()

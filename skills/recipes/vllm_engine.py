@@ -133,7 +133,7 @@ class VLLMEngine:
             async with self._changes:
                 self._changes.notify_all()
         sample = final.outputs[0] if final is not None else None
-        queued, cached = _engine_work(final, held)
+        queued, cached = _engine_work(final, asked, held)
         if sample is None or sample.finish_reason == "abort":
             tokens = list(sample.token_ids) if sample is not None else []
             logprobs = (
@@ -253,14 +253,16 @@ class VLLMEngine:
             print(f"{self.name}: the engine's folder {self._folder} was not removed: {error}", file=sys.stderr)
 
 
-def _engine_work(final, held: float) -> tuple[float | None, int | None]:
+def _engine_work(final, asked: float, held: float) -> tuple[float | None, int | None]:
     """What calibration reads of vLLM's work on a request (``Completion.queued_s``, ``cached_tokens``):
     the seconds it waited, behind a weight load here (``held``) and in vLLM's queue until first scheduled
     (vLLM's request stats, kept while its stats are logged; a preemption's second wait is not in them),
-    and the prompt tokens its prefix cache served. None where vLLM did not say."""
-    if final is None:
+    and the prompt tokens its prefix cache served. A request aborted before it was scheduled waited from
+    its call (``asked``) to now and reused nothing (vLLM's count is a default 0 then, not a prefix), as does
+    one that vLLM answered with no output at all. None where vLLM did not say (its stats off)."""
+    stats = final.metrics if final is not None else None
+    if final is None or (stats is not None and stats.scheduled_ts <= 0):  # never scheduled (0: vLLM's not yet)
+        return time.perf_counter() - asked, None
+    if stats is None or not 0 < stats.queued_ts <= stats.scheduled_ts:
         return None, None
-    stats, queued = final.metrics, None
-    if stats is not None and 0 < stats.queued_ts <= stats.scheduled_ts:
-        queued = held + stats.scheduled_ts - stats.queued_ts
-    return queued, final.num_cached_tokens
+    return held + stats.scheduled_ts - stats.queued_ts, final.num_cached_tokens

@@ -94,6 +94,7 @@ class TracedCluster:
 
     def _record(self, request: GenerateRequest, completion: Completion, start: float, aborted: bool) -> None:
         tokens, p = self.trace.tokens, request.params
+        said = self._engine_word(request, completion, start)
         self.last_device[request.episode_id] = completion.device
         self.trace.record(
             "generate",
@@ -113,10 +114,21 @@ class TracedCluster:
             max_new_tokens=p.max_new_tokens,
             stop=list(p.stop_token_ids),
             seed=p.seed,
-            # the engine's word on its own work, which calibration alone reads
-            **({} if completion.queued_s is None else {"queued": completion.queued_s}),
-            **({} if completion.cached_tokens is None else {"cached": completion.cached_tokens}),
+            **said,
         )
+
+    def _engine_word(self, request: GenerateRequest, completion: Completion, start: float) -> dict:
+        """What the engine says of its work on the request (``Completion.queued_s``, ``cached_tokens``), which
+        calibration alone reads, held to what the harness saw: no longer a wait than the request took, no
+        more of a prefix than its prompt (``word_cut`` marks one cut so; calibrate counts them)."""
+        said: dict = {}
+        if completion.queued_s is not None:
+            said["queued"] = min(completion.queued_s, self.trace.clock.now() - start)
+        if completion.cached_tokens is not None:
+            said["cached"] = min(completion.cached_tokens, len(request.prompt))
+        if said.get("queued") != completion.queued_s or said.get("cached") != completion.cached_tokens:
+            said["word_cut"] = True
+        return said
 
     async def _timed(self, kind, devices: Sequence[Device], call, **data) -> None:
         start = self.trace.clock.now()

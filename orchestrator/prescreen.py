@@ -1,17 +1,20 @@
 """Twin pre-screen (cascade evaluation) on a real target.
 
-The measured runs calibrate the cluster simulator to this machine (``vibetrain calibrate``'s fit):
-the *twin*, a simulated copy of the target. It is fitted first to round 0's median trace and again
-after every validated round, pooling all of them: a starter that never shrinks leaves the twin
-guessing what a shrink costs until a candidate that shrinks has run for real. Every later
-candidate is first run on the twin (seconds) next to the best, both on one seed; only a candidate
-predicted within ``margin`` of the best goes on to the real judge and benchmark. A candidate whose
-twin run uses a mechanism no real run has shown the twin yet (its cost is the spec's guess) is judged
-for real whatever the prediction: else the first candidate that shrinks would be screened out on a
-guess, and every one after it, since the twin only learns from candidates that ran for real. One predicted
-further behind is recorded as ``prescreened``, kept under the rejected ref, never validated. The
-prediction stays in the round record next to what the real benchmark then measured, so a reader
-can see how far to trust the twin.
+The measured runs calibrate the cluster simulator to this machine (``vibetrain calibrate``'s fit): the
+*twin*, a simulated copy of the target. It is fitted first to round 0's median trace and again after
+every validated round, pooling all of them: a starter that never shrinks leaves the twin guessing what a
+shrink costs until a candidate that shrinks has run for real. Every later candidate is first run on the
+twin (seconds) next to the best, both on one seed; only a candidate predicted within ``margin`` of the
+best goes on to the real judge and benchmark. A candidate whose twin run uses a mechanism no real run
+has shown the twin yet (its cost is the spec's guess) is judged for real whatever the prediction: else
+the first candidate that shrinks would be screened out on a guess, and every one after it, since the
+twin only learns from candidates that ran for real. The fit also reads the engines' word on their work
+(how long a request waited, what prefix it reused), which a candidate's engine could bend; so a second
+twin is fitted to what the harness timed alone, and a candidate the first would screen out is judged for
+real where the second predicts it within the margin: the engines' word never screens a candidate out on
+its own. One predicted further behind is recorded as ``prescreened``, kept under the rejected ref, never
+validated. The prediction stays in the round record next to what the real benchmark then measured, so a
+reader can see how far to trust the twin.
 
 A candidate that fails on the twin is a defect (a controller must run on both clusters): its
 attempt fails with the twin's reasons, like a judge's.
@@ -28,7 +31,7 @@ from orchestrator.history import History
 from orchestrator.run_dir import RunDir
 from orchestrator.state import Prediction, RoundRecord, RunState
 from targets.harness.measure.session import Measurement, Session
-from targets.harness.sim.calibrate import calibrate, write_calibrated_spec
+from targets.harness.sim.calibrate import calibrate, harness_timed, write_calibrated_spec
 from targets.harness.target import Target, TargetUnavailable
 from targets.harness.trace import Trace
 
@@ -39,17 +42,29 @@ TWIN_SEED = 0  # one workload for every prediction, so the best's is computed on
 class Twin:
     session: Session  # a simulated target: the calibrated spec
     unfitted: tuple[str, ...] = ()  # trace event kinds no calibration run had: their cost is a guess
+    harness_timed: Twin | None = None  # fitted without the engines' word (None: no engine said any)
 
     @classmethod
     def calibrated(cls, real: Session, traces: list[Path], path: Path) -> Twin:
-        """Fit the simulator to real runs' traces and write the twin's spec to ``path``."""
-        calibration = calibrate(real.target.spec, [Trace.load_events(trace) for trace in traces])
+        """Fit the simulator to real runs' traces and write the twin's spec to ``path`` (and beside it
+        the twin fitted to what the harness timed alone, where an engine said anything of its work)."""
+        runs = [Trace.load_events(trace) for trace in traces]
+        calibration = calibrate(real.target.spec, runs)
         write_calibrated_spec(real.target.ref, calibration, path)
+        blind = harness_timed_path(path)
+        timed = [harness_timed(run) for run in runs]
+        if timed != runs:
+            write_calibrated_spec(real.target.ref, calibrate(real.target.spec, timed), blind)
+        else:
+            blind.unlink(missing_ok=True)
         return cls.load(real, path, calibration.unfitted)
 
     @classmethod
     def load(cls, real: Session, path: Path, unfitted: Sequence[str] = ()) -> Twin:
-        return cls(Session(Target.load(path, simulate=True), real.sandbox, real.limits, real.task_key), tuple(unfitted))
+        blind = harness_timed_path(path)
+        timed = cls.load(real, blind, unfitted) if blind.exists() else None
+        session = Session(Target.load(path, simulate=True), real.sandbox, real.limits, real.task_key)
+        return cls(session, tuple(unfitted), timed)
 
     def guessed(self, measurement: Measurement) -> list[str]:
         """The mechanisms a twin run used whose cost no real run has fitted."""
@@ -61,6 +76,11 @@ class Twin:
 
     def headline(self, measurement: Measurement) -> float:
         return measurement.metrics[self.session.target.spec.headline_metric.name]
+
+
+def harness_timed_path(twin: Path) -> Path:
+    """Where the twin fitted to what the harness timed alone is written, beside ``twin``."""
+    return twin.with_name(f"{twin.stem}-harness-timed{twin.suffix}")
 
 
 def clears(predicted: float, best: float, margin: float, maximize: bool) -> bool:
@@ -124,6 +144,7 @@ class PreScreen:
                 f"{error}; resume with --no-prescreen to judge every candidate for real"
             ) from None
         self.state.twin, self.state.twin_from, self.state.twin_predictions = str(path), rounds, {}
+        self.state.harness_timed_predictions = {}
         self.state.twin_unfitted = list(self._twin.unfitted)
         self.on_event("twin", path=path, rounds=rounds)
 
@@ -150,14 +171,10 @@ class PreScreen:
         if twin is None or best is None:
             return None
         metric = self.session.target.spec.headline_metric
-        best_headline = self.state.twin_predictions.get(best.commit)
-        if best_headline is None:
-            measured = twin.predict(self.history.export(best.commit, out / "best-stack"), out / "best")
-            if not measured.ok:  # the twin cannot run the best: judge for real, and say so
-                failed = "; ".join(measured.reasons[:2])
-                record.prediction = Prediction(skipped=f"the best (round {best.round}) failed on the twin: {failed}")
-                return None
-            best_headline = self.state.twin_predictions[best.commit] = twin.headline(measured)
+        best_headline = self._best_on(twin, self.state.twin_predictions, out)
+        if isinstance(best_headline, str):  # the twin cannot run the best: judge for real, and say so
+            record.prediction = Prediction(skipped=f"the best (round {best.round}) failed on the twin: {best_headline}")
+            return None
         measured = twin.predict(workspace, out / "candidate")
         if not measured.ok:
             return Verdict.refused(
@@ -172,6 +189,9 @@ class PreScreen:
             if guessed
             else None
         )
+        if not passed and twin.harness_timed is not None:
+            untrusted = self._harness_timed_clears(twin.harness_timed, workspace, out / "harness-timed")
+            passed = untrusted is not None
         record.prediction = Prediction(
             metric=metric.name,
             headline=predicted,
@@ -190,3 +210,32 @@ class PreScreen:
             "not run for real"
         )
         return Verdict.refused("twin_prescreen", [reason])
+
+    def _best_on(self, twin: Twin, predictions: dict[str, float], out: Path) -> float | str:
+        """The best's headline on ``twin``, computed once a twin (kept in ``predictions``), or why the
+        best failed on it."""
+        best = self.state.best
+        if best.commit not in predictions:
+            measured = twin.predict(self.history.export(best.commit, out / "best-stack"), out / "best")
+            if not measured.ok:
+                return "; ".join(measured.reasons[:2])
+            predictions[best.commit] = twin.headline(measured)
+        return predictions[best.commit]
+
+    def _harness_timed_clears(self, timed: Twin, workspace: Path, out: Path) -> str | None:
+        """Why a candidate the twin would screen out is judged for real after all: the twin fitted to what
+        the harness timed alone predicts it within the margin (or cannot say), so only the engines' word
+        would have screened it out. None where that twin screens it out too."""
+        best = self._best_on(timed, self.state.harness_timed_predictions, out)
+        measured = timed.predict(workspace, out / "candidate")
+        if isinstance(best, str) or not measured.ok:
+            failed = best if isinstance(best, str) else "; ".join(measured.reasons[:2])
+            return f"the twin fitted to what the harness timed alone could not run it ({failed}): judged for real"
+        metric, predicted = self.session.target.spec.headline_metric, timed.headline(measured)
+        if not clears(predicted, best, self.state.config.prescreen_margin, metric.direction == "maximize"):
+            return None
+        return (
+            f"fitted to what the harness timed alone (the engines' word on their waits and prefixes set aside), "
+            f"the twin predicts {metric.name} {predicted:.4g} against the best's {best:.4g}, within the margin: "
+            "the engines' word alone would screen it out, so it is judged for real"
+        )

@@ -164,6 +164,7 @@ class RunState(BaseModel):
     twin_from: list[int] = []  # the validated rounds whose traces the twin is fitted to
     twin_unfitted: list[str] = []  # what no calibration run did (a candidate that does it is judged for real)
     twin_predictions: dict[str, float] = {}  # commit -> its headline on this twin (the best's, reused)
+    harness_timed_predictions: dict[str, float] = {}  # the same on the twin of what the harness timed alone
     generalization: Generalization | None = None  # the best, measured where the search never looked
     generalization_rejected: GeneralizationRejected | None = None  # or why that measurement cannot count
 

@@ -5,6 +5,7 @@ production-scale target runs on the simulator, and bad input gets a clear error.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -1078,6 +1079,72 @@ def test_a_twin_that_cannot_be_loaded_stops_the_run_saying_what_to_do(tmp_path):
     assert said.startswith(f"the calibrated twin {run_dir.twin_spec} cannot be loaded (SpecError: ") and (
         said.endswith("resume with --no-prescreen to judge every candidate for real")
     )
+
+
+def test_the_engines_word_alone_never_screens_a_candidate_out(tmp_path):
+    """The twin's fit reads what the engines say of their work (waits, reused prefixes), which a candidate's
+    engine could bend to steer later predictions. A second twin is fitted to what the harness timed alone
+    (written only where an engine said anything), and a candidate the first twin would screen out is judged
+    for real where the second predicts it within the margin, or cannot say; screened out only where both agree."""
+    from types import SimpleNamespace
+
+    from orchestrator.prescreen import PreScreen, Twin, harness_timed_path
+    from targets.api import TraceEvent
+    from targets.harness.isolation.sandbox import Sandbox
+    from targets.harness.measure.session import Session
+    from targets.harness.target import Target
+
+    class Predicting:  # a twin whose predictions are known: a headline per stack folder's name
+        def __init__(self, headlines, timed=None, runs=True):
+            self.headlines, self.harness_timed, self.runs = headlines, timed, runs
+
+        def predict(self, stack, out):
+            return SimpleNamespace(ok=self.runs, reasons=["it crashed"], name=Path(stack).name)
+
+        def headline(self, measured):
+            return self.headlines[measured.name]
+
+        def guessed(self, measured):
+            return []
+
+    metric = SimpleNamespace(name="goodput", direction="maximize")
+    session = SimpleNamespace(target=SimpleNamespace(spec=SimpleNamespace(headline_metric=metric)))
+    history = SimpleNamespace(export=lambda commit, path: path)  # the best's stack: "best-stack"
+
+    def screened(twin):
+        config = SimpleNamespace(prescreen=True, prescreen_margin=0.1)
+        state = SimpleNamespace(config=config, twin="twin.yaml", best=SimpleNamespace(commit="c0", round=0))
+        state.twin_predictions, state.harness_timed_predictions = {}, {}
+        prescreen = PreScreen(session, state, history, RunDir(tmp_path), lambda *a, **k: None, twin)
+        record = SimpleNamespace(round=3, prediction=None)
+        return prescreen.screen(record, tmp_path / "candidate", tmp_path / "out"), record.prediction
+
+    behind = {"best-stack": 10.0, "candidate": 5.0}
+    verdict, prediction = screened(Predicting(behind))  # no engine said anything: one twin, as before
+    assert verdict is not None and not prediction.passed
+    verdict, prediction = screened(Predicting(behind, Predicting({"best-stack": 10.0, "candidate": 9.5})))
+    assert (
+        verdict is None and prediction.passed and "the engines' word alone would screen it out" in prediction.untrusted
+    )
+    verdict, prediction = screened(Predicting(behind, Predicting(behind, runs=False)))
+    assert verdict is None and "could not run it (it crashed): judged for real" in prediction.untrusted
+    verdict, prediction = screened(Predicting(behind, Predicting({"best-stack": 10.0, "candidate": 6.0})))
+    assert verdict is not None and not prediction.passed  # both twins agree
+
+    # calibrated: the second twin's spec is written beside the first only where an engine said anything
+    def run(**said):
+        turn = {"episode": "g0/e0", "turn": 0, "device": "cpu:0", "prompt": 50, "tokens": 8, "aborted": False}
+        events = [TraceEvent("generate", 1.0 + i, turn | {"start": i + 0.0, "turn": i} | said) for i in range(3)]
+        path = tmp_path / f"trace-{len(said)}.jsonl"
+        path.write_text("".join(json.dumps(dataclasses.asdict(e)) + "\n" for e in events))
+        return path
+
+    real = Session(Target.load("tiny-qwen3-cpu"), Sandbox.detect("subprocess"), task_key=b"")
+    (tmp_path / "twin").mkdir()
+    twin = Twin.calibrated(real, [run(queued=0.5, cached=0)], tmp_path / "twin" / "twin.yaml")
+    assert harness_timed_path(tmp_path / "twin" / "twin.yaml").exists() and twin.harness_timed is not None
+    twin = Twin.calibrated(real, [run()], tmp_path / "twin" / "twin.yaml")
+    assert not harness_timed_path(tmp_path / "twin" / "twin.yaml").exists() and twin.harness_timed is None
 
 
 def test_a_twin_fitted_to_other_rounds_than_the_validated_ones_is_fitted_again(tmp_path):

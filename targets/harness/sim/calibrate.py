@@ -168,6 +168,19 @@ def requests_by_device(events: list[TraceEvent]) -> dict[str, list[TraceEvent]]:
     return by_device
 
 
+ENGINE_WORD = ("queued", "cached", "word_cut")  # what an engine said of its work, in a generate event
+
+
+def harness_timed(run: list[TraceEvent]) -> list[TraceEvent]:
+    """``run`` with the engines' word on their work set aside: what the harness timed alone."""
+    return [
+        TraceEvent(e.kind, e.t, {k: v for k, v in e.data.items() if k not in ENGINE_WORD})
+        if e.kind == "generate" and any(k in e.data for k in ENGINE_WORD)
+        else e
+        for e in run
+    ]
+
+
 def admitted_at(request: TraceEvent) -> float:
     """When the request's engine began computing it: its start plus the wait its engine reported
     (``Completion.queued_s``, recorded as ``queued``, no longer than the request took); its start where

@@ -31,7 +31,8 @@ from orchestrator.history import History
 from orchestrator.run_dir import RunDir
 from orchestrator.state import Prediction, RoundRecord, RunState
 from targets.harness.measure.session import Measurement, Session
-from targets.harness.sim.calibrate import calibrate, harness_timed, write_calibrated_spec
+from targets.harness.sim.calibrate import calibrate, write_calibrated_spec
+from targets.harness.sim.request_spans import harness_timed
 from targets.harness.target import Target, TargetUnavailable
 from targets.harness.trace import Trace
 

@@ -901,7 +901,8 @@ def test_the_fit_reads_the_engines_word_on_waits_and_prefixes_and_notes_where_it
     request that failed or was aborted before any token (no engine named) is not a row, and no crash
     (it was a KeyError); one aborted while it waited computed nothing."""
     from targets.api import TraceEvent
-    from targets.harness.sim.calibrate import _rollout_rows, admitted_at, calibrate
+    from targets.harness.sim.calibrate import _rollout_rows, calibrate
+    from targets.harness.sim.request_spans import admitted_at
 
     spec = load_target("qwen3-8b-h100x8")
     cost = CostModel.from_spec(spec)
@@ -1053,7 +1054,7 @@ def test_one_device_s_suspends_and_resumes_time_the_switch_and_the_sync():
 
 def test_request_concurrency_is_the_mean_batch_over_a_request_s_span():
     from targets.api import TraceEvent
-    from targets.harness.sim.calibrate import request_concurrency
+    from targets.harness.sim.request_spans import request_concurrency
 
     def request(start, end, device="cpu:0", aborted=False):
         return TraceEvent("generate", end, {"start": start, "device": device, "aborted": aborted})

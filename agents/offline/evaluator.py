@@ -13,7 +13,7 @@ from pathlib import Path
 from agents.roles import Evaluation, Hint
 from targets.harness.measure.benchmark import BenchRun
 from targets.harness.measure.session import Measurement, MeasurementFailed, Paired, Session
-from targets.harness.sim.calibrate import request_concurrency
+from targets.harness.sim.request_spans import request_concurrency
 
 DEVICES_BUSY = 0.75  # mean device busy share under which devices idle
 STALL_SHARE = 0.10  # share of the run with no request in flight

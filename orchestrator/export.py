@@ -61,10 +61,11 @@ class Exported:
     environment: str = ""  # a user's environment: the pinned distribution providing it, or the files copied
 
 
-def resolve_candidate(ref: str, target: str | None) -> tuple[Path, str]:
-    """The candidate directory and the target it trains with: a directory needs ``target``; a run's
-    ``RUN@best`` / ``RUN@round-N`` / ``RUN@<commit>`` is read from its history, its target the run's
-    unless ``target`` names another."""
+def resolve_candidate(ref: str, target: str | None) -> tuple[Path, str, str]:
+    """The candidate directory, the target it trains with, and where it came from (for the README): a
+    directory needs ``target``; a run's ``RUN@best`` / ``RUN@round-N`` / ``RUN@<commit>`` is read from its
+    history, its target the run's unless ``target`` names another, and its commit is named (``best``
+    moves on as the run goes)."""
     path = Path(ref)
     if path.is_dir():
         from orchestrator.run_dir import RunDir
@@ -75,19 +76,20 @@ def resolve_candidate(ref: str, target: str | None) -> tuple[Path, str]:
             raise ExportError(f"{ref} is a directory but not a candidate (it holds no stack/__init__.py)")
         if target is None:
             raise ExportError(f"{ref} is a candidate directory: name the target it trains with (--target TARGET)")
-        return path, target
+        return path, target, ref
     if "@" not in ref:
         from orchestrator.runs import NAMES_A_CANDIDATE
 
         raise ExportError(f"{ref}: not a candidate directory, and not {NAMES_A_CANDIDATE}")
     from orchestrator.config import ConfigError
-    from orchestrator.runs import RunSetupError, export_candidate
+    from orchestrator.runs import RunSetupError, export_candidate_at
     from orchestrator.state import RunState, RunStateError
 
     try:
         run = Path(ref.rpartition("@")[0])
         run_target = target or RunState.load(run).config.recorded_target(run, ", or name one with --target")
-        return export_candidate(ref), run_target
+        path, commit = export_candidate_at(ref)
+        return path, run_target, f"{ref}, commit {commit}"
     except (RunSetupError, RunStateError, ConfigError) as error:
         raise ExportError(str(error)) from None
 

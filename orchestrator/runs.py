@@ -332,6 +332,11 @@ NAMES_A_CANDIDATE = "RUN@best, RUN@latest, RUN@round-N or RUN@<commit>"
 def export_candidate(ref: str) -> Path:
     """``RUN@best``, ``RUN@latest``, ``RUN@round-N`` or ``RUN@<commit>``: the candidate's files in a
     temporary directory."""
+    return export_candidate_at(ref)[0]
+
+
+def export_candidate_at(ref: str) -> tuple[Path, str]:
+    """``export_candidate``, with the commit ``ref`` named when it was read (``best`` moves on)."""
     run, _, which = ref.rpartition("@")
     run_dir = Path(run)
     try:
@@ -357,7 +362,8 @@ def export_candidate(ref: str) -> Path:
     if not commit:
         raise RunSetupError(f"{ref}: no such candidate in {run_dir}")
     try:
-        return history.export(commit, scratch_folder("vibetrain-candidate-") / f"{run_dir.name}@{which}")
+        exported = history.export(commit, scratch_folder("vibetrain-candidate-") / f"{run_dir.name}@{which}")
+        return exported, history.repo.commit(commit).hexsha
     except HistoryError as error:
         hint = "" if which == "best" or which.startswith("round-") else f" (write {NAMES_A_CANDIDATE})"
         raise RunSetupError(f"{ref}: {error}{hint}") from None

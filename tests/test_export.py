@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from orchestrator import export as export_module
 from orchestrator.cli import app
 from orchestrator.export import PACKAGE, SOURCE_ROOT, ExportError, _module_file, export_project, resolve_candidate
+from orchestrator.history import History
 from orchestrator.runs import RunSetupError, export_candidate
 from skills.starter import write_starter
 from targets.spec import load_target
@@ -204,6 +205,9 @@ def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_p
         result = runner.invoke(app, ["log", str(missing)], env={"COLUMNS": "200"})
         assert result.exit_code == 2 and "give the folder a run was started in" in result.output, result.output
         (tmp_path / "afile").write_text("x")
+    # RUN@best is where the run's best is now: the export names the commit it read (its README says it)
+    best = History.open(run).best()
+    assert best and resolve_candidate(f"{run}@best", "tiny-qwen3-cpu")[2] == f"{run}@best, commit {best}"
     # one grammar: RUN@latest is the last round (it reached git as a commit name), show takes round-N
     latest = runner.invoke(app, ["export", f"{run}@latest", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     assert latest.exit_code == 2 and "round 2 was rejected" in latest.output, latest.output  # the review run's last

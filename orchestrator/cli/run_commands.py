@@ -191,8 +191,8 @@ def export(
     from orchestrator.export import describe, export_project, resolve_candidate
 
     out_dir(out)
-    path, target_ref = resolve_candidate(candidate, target)
-    exported = export_project(path, target_ref, out, source=candidate)
+    path, target_ref, source = resolve_candidate(candidate, target)
+    exported = export_project(path, target_ref, out, source=source)
     console.print(describe(exported), markup=False, highlight=False, soft_wrap=True)
 
 

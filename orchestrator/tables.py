@@ -347,10 +347,12 @@ def rounds_table(run: Path, state) -> Table:
     """A run's rounds: verdict, metric, delta vs parent, commit, and under each task why it ended as
     it did (the judge's reasons, or the promotion rule and hints). Narrow columns hold only short
     tokens, so at 80 columns words wrap whole in the one wide column."""
+    metric = state.spec_at_start.get("headline_metric", {}).get("name")  # (a run started before it was kept: none)
+    measures = f"headline: {metric}, {HEADLINE_METRICS[metric]}; " if metric in HEADLINE_METRICS else ""
     table = Table(
         title=escape(f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents"),
-        caption="vs parent: each headline on its own round's seeds; (not) promoted: paired with the best on the "
-        "round's seeds, 'of' the best's headline there",
+        caption=f"{measures}vs parent: each headline on its own round's seeds; (not) promoted: paired with the best "
+        "on the round's seeds, 'of' the best's headline there",
         box=box.SIMPLE_HEAD,
     )
     table.add_column("round", justify="right", no_wrap=True)

@@ -44,6 +44,7 @@ def make_review_run(tmp_path: Path) -> Path:
     history = History.create(run, "vibetrain run: review test")
     config = run_config(rounds=2, repeat=3, sandbox="subprocess")
     state = new_state(config)
+    state.spec_at_start = {"headline_metric": {"name": "goodput", "direction": "maximize"}}  # what log reads of it
     passed = {"reasons": [], "checks": CHECKS}
     starter = Task(id="starter", title="starter stack (colocate)", rationale="round 0", source="starter")
     r0 = RoundRecord(round=0, task=starter, parent_round=None, parent_commit=history.root(), verdict="accepted")

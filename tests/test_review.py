@@ -34,8 +34,12 @@ def test_log_in_a_pipe_is_one_whole_row_per_round(tmp_path):
     run = make_review_run(tmp_path)
     terminal = Console(width=80, force_terminal=True, color_system=None, record=True)
     terminal.print(rounds_table(run, RunState.load(run)))
-    words = set(terminal.export_text().split())
-    assert {"time_multiplex", "rollout_stalls", "trajectories"} <= words  # never folded mid-word
+    text = terminal.export_text()
+    assert {"time_multiplex", "rollout_stalls", "trajectories"} <= set(text.split())  # never folded mid-word
+    # what the headline counts, and per what (a bare 24.2 said neither)
+    assert "headline: goodput, trajectories trained on that neither timed out nor were lost, per second" in " ".join(
+        text.split()
+    )
     lines = _ok("log", str(run)).splitlines()
     assert lines[0].split("\t") == ["round", "verdict", "headline", "vs parent", "commit", "task / why"]
     rows = [line.split("\t") for line in lines[1:]]

@@ -5,6 +5,7 @@ planner's mapping of hints to skills, and the sandbox's isolation."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -487,6 +488,37 @@ def test_on_one_device_the_planner_never_switches_to_a_controller_that_needs_two
     assert unfit(one, "colocate") is None and "one device" in unfit(one, "static_split")
     with pytest.raises(ValueError, match="one device"):
         starter_params(one, "time_multiplex")
+
+
+def test_a_controller_switch_switches_off_the_techniques_the_new_controller_cannot_run(tmp_path, tiny_spec):
+    """A switch from a time_multiplex best kept progress_shrink, stream_training and overlap_sync on: no
+    other controller reads them, so the static split carried three techniques in name only, later rounds
+    tuned and removed them, and novelty took those do-nothing variants for new stacks. The switch now
+    turns them off with it and says so; the implementer refuses parameters with one stranded."""
+    from agents.offline.implementer import ImplementationError, OfflineImplementer
+    from skills.starter import starter_params
+
+    spec = load_target("qwen3-8b-h800x16")
+    planner = OfflinePlanner(spec, simulated=True)
+    params = {**starter_params(spec, "time_multiplex"), "shrink_at": 0.4, "stream_train": 1, "overlap_sync": 1}
+    assert planner.stranded(params) == []
+    switch = planner._controller_task(planner.skills["static_split"], None, params)
+    after = {**params, **switch.changes}
+    assert after["controller"] == "static_split" and planner.stranded(after) == [] and planner.applies(switch, params)
+    for technique in ("progress_shrink", "stream_training", "overlap_sync"):
+        assert not planner.skills[technique].is_on(after) and technique in switch.rationale
+    stale = switch.model_copy(update={"changes": {k: v for k, v in switch.changes.items() if k in ("controller",)}})
+    assert not planner.applies(stale, params)  # a switch that would strand them is no longer a move
+    # the implementer refuses a task whose parameters strand a technique
+    workspace = write_starter(tmp_path / "ws", tiny_spec, "time_multiplex")
+    (workspace / "stack" / "params.json").write_text(
+        json.dumps({**starter_params(tiny_spec, "time_multiplex"), "stream_train": 1})
+    )
+    to_colocate = Task(
+        id="controller=colocate", title="switch", rationale="", skills=["colocate"], changes={"controller": "colocate"}
+    )
+    with pytest.raises(ImplementationError, match="stream_training cannot run with these parameters"):
+        OfflineImplementer(tiny_spec, OfflinePlanner(tiny_spec)).implement(to_colocate, workspace, [])
 
 
 def test_the_planner_moves_only_to_device_counts_the_stack_can_place():

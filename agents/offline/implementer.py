@@ -63,6 +63,9 @@ class OfflineImplementer:
             if not self.planner.legal(name, value, task.skills):
                 raise ImplementationError(f"task {task.id}: {name}={value!r} is outside its range on this target")
             params[name] = value
+        stranded = self.planner.stranded(params)
+        if stranded:  # a technique its controller never reads, or without what it requires: on in name only
+            raise ImplementationError(f"task {task.id}: {', '.join(stranded)} cannot run with these parameters")
         (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         changed.append("stack/params.json")
         for path in sorted(stack.glob("*.py")):

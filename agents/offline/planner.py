@@ -98,17 +98,43 @@ class OfflinePlanner:
             for k, v in starter_params(self.spec, skill.name).items()
             if k in ("controller", "train_devices", "rollout_devices")
         }
+        dropped = self._switch_off_stranded(params, changes)  # what the new controller cannot run goes off with it
         why = f"{hint.message}; " if hint else ""
+        off = f"; off with it, as {skill.name} cannot run them: {', '.join(dropped)}" if dropped else ""
         return Task(
             id=f"controller={skill.name}",
             title=f"switch the controller to {skill.name}",
-            rationale=f"{why}the {skill.name} skill is triggered by {', '.join(skill.triggers)}",
+            rationale=f"{why}the {skill.name} skill is triggered by {', '.join(skill.triggers)}{off}",
             skills=[skill.name],
             changes=changes,
             priority=CONTROLLER_PRIORITY if hint else 1,
             source=f"trigger:{hint.code}" if hint else "skill",
             acceptance=self._acceptance(),
         )
+
+    def stranded(self, params: dict) -> list[str]:
+        """The techniques on in ``params`` that may not be on there (their controller, what they require,
+        what they conflict with): on in name only."""
+        return [
+            s.name
+            for s in self.skills.values()
+            if s.kind == "technique" and s.enable and s.is_on(params) and not applicable(self.skills, s, params)
+        ]
+
+    def _switch_off_stranded(self, params: dict, changes: dict) -> list[str]:
+        """Switch off in ``changes`` each technique stranded once they apply (at its defaults, until none is:
+        one off may strand another that required it); their names. Left on, a switch from time_multiplex
+        kept progress_shrink or stream_training, which no other controller reads."""
+        dropped: list[str] = []
+        while names := self.stranded({**params, **changes}):
+            for name in names:
+                changes |= self._defaults(self.skills[name])
+                dropped.append(name)
+        return dropped
+
+    def _defaults(self, skill: Skill) -> dict:
+        """The changes that switch ``skill`` off: each of its parameters back to its default."""
+        return {k: self._typed(skill, k, p.default) for k, p in skill.params.items() if p.default is not None}
 
     def _acceptance(self) -> list[str]:
         """What every offline task must show: the gate passes and the headline clears the noise."""
@@ -147,10 +173,7 @@ class OfflinePlanner:
                 if task:
                     tasks.append(task)
             elif not self._required(skill, params):
-                changes = {
-                    k: self._typed(skill, k, p.default) for k, p in skill.params.items() if p.default is not None
-                }
-                tasks.append(self._composition_task(skill, "remove", changes, 2))
+                tasks.append(self._composition_task(skill, "remove", self._defaults(skill), 2))
         return tasks
 
     def _addition(self, skill: Skill, params: dict, priority: int) -> Task | None:
@@ -266,8 +289,9 @@ class OfflinePlanner:
             )
         if task.id.startswith("remove-"):
             return skill.is_on(params) and not self._required(skill, params)
-        if task.id.startswith("controller="):
-            return params.get("controller") != skill.name
+        if task.id.startswith("controller="):  # and nothing left on that the new controller cannot run
+            after = {**params, **task.changes}
+            return params.get("controller") != skill.name and self.fits(after) and not self.stranded(after)
         return (
             self._in_use(skill, params)
             and any(params.get(k, self._default(k)) != v for k, v in task.changes.items())

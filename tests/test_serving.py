@@ -185,6 +185,50 @@ def test_the_end_of_a_run_serves_out_every_request_it_left_in_flight():
     assert served["lent_device_s"] == pytest.approx(cut["lent_device_s"]) == pytest.approx(60.0, rel=0.1)
 
 
+def test_a_serving_model_that_needs_several_devices_an_engine_is_refused_with_the_spec(tmp_path):
+    """The pool serves and lends one engine a device: a 72B serving model (4 H800s an engine) was simulated
+    one a device, each with its engine's bandwidth and KV room, a pool of four times its hardware whose
+    headroom a stack could borrow. Refused as the target loads, naming the field."""
+    from targets.harness.target import Target
+
+    data = _catalog()
+    model = data["hardware"]["pools"][1]["serving"]["model"]
+    model["params"] = {"total": 72.7e9, "active": 72.7e9}
+    shape = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
+    model["config"].update(hidden_size=8192, intermediate_size=29568, **shape)
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(SpecError, match=r"hardware.pools.1.serving.model: its 145 GB of weights need 4 devices"):
+        Target.load(tmp_path / "t.yaml")
+
+
+def test_borrowed_serving_engines_are_the_devices_the_stack_names_in_their_order():
+    """Engines of 4 devices over 16 serving ones were grouped in string order (serving:0, 1, 10, 11): a
+    stack lending serving:0-3 woke two engines, 8 devices. They are grouped in the pool's order; and a
+    spec listing its serving pool first still prices the job's shared terms on the job's pool."""
+    from targets.api import Device
+    from targets.harness.sim.cluster import SimCluster
+    from targets.harness.sim.cost_model import ClusterCosts
+
+    data = _catalog()
+    data["simulator"] = {"engine_devices": 4}
+    spec = parse_target(data)
+    pool = spec.hardware.serving_pools[0]
+    cost = CostModel.from_spec(spec, pool.name, pool.serving.model)
+
+    async def borrowed():
+        serving = ServingPool(pool.serving, spec.hardware.serving_device_ids(), cost, 0, 1.0)
+        cluster = SimCluster([], [], ClusterCosts.from_spec(spec), None, serving)
+        asked = [Device(d, "h800", i) for i, d in enumerate(spec.hardware.serving_device_ids()[:4])]
+        woken = [engine.devices for engine in cluster._engines_on(asked)]
+        serving.close()
+        return woken
+
+    assert run_virtual(borrowed()) == [[f"serving:{i}" for i in range(4)]]
+    data["hardware"]["pools"] = data["hardware"]["pools"][::-1]
+    reversed_costs = ClusterCosts.from_spec(parse_target(data))
+    assert reversed_costs.shared is reversed_costs.pools["h800"]
+
+
 def test_the_last_serving_device_is_never_lent():
     with pytest.raises(ValueError, match="would leave the serving pool no device"):
         _pool_run(rate=10.0, devices=2, lend=2)

@@ -87,6 +87,10 @@ class Target:
     @classmethod
     def load(cls, ref: str | Path, simulate: bool = False) -> Target:
         spec = load_target(ref)
+        if spec.hardware.serving_pools:  # what its pool can serve: said with the spec, not as every run fails
+            from targets.harness.sim.serving import serving_cost
+
+            serving_cost(spec)
         path = Path(ref)
         named = str(path.resolve()) if path.is_file() else str(ref)  # a catalog id, even beside a folder of its name
         return cls(spec, named, resolve_execution(spec, simulate))

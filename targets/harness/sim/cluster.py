@@ -58,7 +58,7 @@ class SimCluster:
     ) -> None:
         self.serving = serving
         self.judging = set(judging)  # the job's devices set aside for a dedicated reward model
-        lendable = [] if serving is None else sorted(serving.engines)
+        lendable = [] if serving is None else list(serving.engines)  # the pool's order (sorted, serving:10 came first)
         self.devices = list(devices)
         self.costs = costs
         self.lengths = lengths

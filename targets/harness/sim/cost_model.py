@@ -384,7 +384,9 @@ class ClusterCosts:
         """Each pool running the target's model, or ``model`` (a reward model's)."""
         hardware = spec.hardware
         several = len(hardware.by_name) > 1  # a single pool's errors name hardware.count, as they always did
-        pools = {name: CostModel.from_spec(spec, name if several else None, model) for name in hardware.by_name}
+        serving = {pool.name for pool in hardware.serving_pools}  # listed after the job's: ``shared`` is the job's
+        names = sorted(hardware.by_name, key=lambda name: name in serving)
+        pools = {name: CostModel.from_spec(spec, name if several else None, model) for name in names}
         sizes = {name: cost.engine_devices for name, cost in pools.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(
@@ -401,7 +403,8 @@ class ClusterCosts:
 
     @property
     def shared(self) -> CostModel:
-        """A pool's model for the terms every pool shares (the model's sizes, the spec's overheads)."""
+        """The job's first pool's model, for the terms every pool shares (the model's sizes, the spec's
+        overheads) and a serverless reward model's devices (a spec may list its serving pool first)."""
         return next(iter(self.pools.values()))
 
     def of(self, device: str) -> CostModel:

@@ -42,7 +42,7 @@ from targets.api import ServingLoad
 from targets.harness.environments.seeds import RunSeed
 from targets.harness.sim.cost_model import CostModel
 from targets.harness.sim.engine import SimEngine
-from targets.spec import TargetSpec
+from targets.spec import SpecError, TargetSpec
 from targets.spec.serving import ServingSpec
 
 WINDOW_S = 10.0  # what ``load`` measures over: short enough to follow a burst, long enough for a p99
@@ -274,6 +274,22 @@ def serving_capacity(spec: ServingSpec, cost: CostModel) -> float:
     return low
 
 
+def serving_cost(spec: TargetSpec) -> CostModel:
+    """The serving model's costs on its pool. The pool serves (and lends) one engine a device, so a model
+    that needs several devices an engine is refused by name: simulated one a device, each device had its
+    engine's bandwidth and KV room, and a stack could borrow headroom the pool never had."""
+    (pool,) = spec.hardware.serving_pools
+    cost = CostModel.from_spec(spec, pool.name, pool.serving.model)
+    if cost.engine_devices != 1:
+        index = spec.hardware.pools.index(pool)
+        raise SpecError(
+            f"hardware.pools.{index}.serving.model: its {cost.weight_bytes / 1e9:.0f} GB of weights need "
+            f"{cost.engine_devices} devices an engine on {pool.kind} ({cost.memory_bytes / 1e9:.0f} GB each); "
+            "a serving pool runs one engine a device: serve a model that fits one device"
+        )
+    return cost
+
+
 def serving_pool_of(spec: TargetSpec, seed: int | RunSeed) -> Callable[..., ServingPool] | None:
     """What makes the target's serving pool inside a run, on the loop's clock or the ``clock`` it is
     given (None without one); its capacity is profiled here, outside any running loop (a profile is a
@@ -282,7 +298,7 @@ def serving_pool_of(spec: TargetSpec, seed: int | RunSeed) -> Callable[..., Serv
     if not pools:
         return None
     (pool,) = pools  # the spec allows one
-    cost = CostModel.from_spec(spec, pool.name, pool.serving.model)
+    cost = serving_cost(spec)
     devices = [d for d in spec.hardware.serving_device_ids() if spec.hardware.pool_name(d) == pool.name]
     capacity = serving_capacity(pool.serving, cost)
     stream = (seed if isinstance(seed, RunSeed) else RunSeed(seed)).stream("serving")

@@ -180,8 +180,14 @@ class Loop:
                 continue  # the next turn calibrates the first twin, or says why the run cannot go on
             if self.prescreen.on and record.verdict == "accepted" and self.state.twin is not None:
                 self.calibrate_twin()  # one more real run to learn from (saved with its time)
-        if not out_of_time:  # the best, where the search never looked (more runs: not past the wall-time budget)
-            self.generalize()
+        limit = self.state.config.max_minutes  # the last round may have crossed it: then no more runs
+        if not out_of_time and (limit is None or self.seconds_used() < limit * 60):
+            self.generalize()  # the best, where the search never looked (more runs: not past the wall-time budget)
+        elif not out_of_time:
+            used = self.seconds_used() / 60
+            self.on_event(
+                "budget", reason=f"wall-time budget of {limit:g} min spent ({used:.1f} min) by the last round"
+            )
         self.save()
         return self.state
 

@@ -1147,6 +1147,29 @@ def test_the_engines_word_alone_never_screens_a_candidate_out(tmp_path):
     assert not harness_timed_path(tmp_path / "twin" / "twin.yaml").exists() and twin.harness_timed is None
 
 
+def test_a_run_whose_last_round_spent_the_wall_time_budget_measures_nothing_more(tmp_path, monkeypatch):
+    """The wall-time budget was checked only before a round: a run whose last round crossed it went on to
+    measure the best where the search never looked (2 x (repeat + 2 x held-out) more runs, real ones on a
+    real target). Checked again before that measurement, and said."""
+    from orchestrator.rounds import Loop
+    from tests.review_run import make_review_run
+
+    run = make_review_run(tmp_path)
+    state = RunState.load(run)
+    state.seconds_used = 600.0  # its rounds took 10 minutes
+    state.save(run)
+    measured, said = [], []
+    monkeypatch.setattr(Loop, "generalize", lambda self: measured.append(self.state.best_round))
+    loop = resume_run(
+        run, {"max_minutes": 5}, lambda kind, **data: said.append(data.get("reason", "")), tmp_path / "ws"
+    )
+    loop.run()
+    assert measured == [] and any("wall-time budget of 5 min spent" in reason for reason in said), said
+    loop = resume_run(run, {"max_minutes": 60}, lambda kind, **data: None, tmp_path / "ws")
+    loop.run()
+    assert measured == [0]  # within the budget: measured
+
+
 def test_a_twin_fitted_to_other_rounds_than_the_validated_ones_is_fitted_again(tmp_path):
     """A run killed while it calibrated after a validated round (or once the new twin was written, before the
     state naming its rounds and predictions was) resumed with the old twin's state: the round's trace stayed

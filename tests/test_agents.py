@@ -787,6 +787,14 @@ def test_a_controller_switch_that_lost_is_followed_once_by_the_technique_its_fin
     params_of["c2"] = {**multiplexed, **task.changes}
     parent, task = BacklogPolicy(planner, seed=0).propose(state, lambda record: params_of[record.commit])
     assert parent is best and task.id != "add-partial_rollout"
+    # of techniques the findings call for equally, the one the planner ranks first (the alphabet's last
+    # won before: tail_batching over kv_routing, partial_rollout, progress_shrink and redundant_envs)
+    tail = record("c3", "c0", Task(id="controller=time_multiplex", title="t", rationale="r"), False, hints[1:])
+    state = _backlog_state(best, rounds=[best, tail], tried={("c0", "controller=time_multiplex")}, abandoned=set())
+    ranked = [t.id for t in planner.tasks_from_hints(hints[1:], multiplexed) if t.id.startswith("add-")]
+    params_of["c3"] = multiplexed
+    parent, task = BacklogPolicy(planner, seed=0).propose(state, lambda record: params_of[record.commit])
+    assert parent is tail and task.id == ranked[0] == "add-kv_routing", (task.id, ranked)
 
 
 def _validated_round(n, parent, task, best, paired=None):

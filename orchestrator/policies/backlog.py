@@ -87,8 +87,8 @@ class BacklogPolicy:
                 and (record.commit, t.id) not in tried
                 and not rebuilds(params, t, built)
             ]
-            if tasks:
-                return record, max(tasks, key=lambda t: (t.priority, t.id))
+            if tasks:  # of equal priority, the one the planner ranks first (max keeps the first)
+                return record, max(tasks, key=lambda t: t.priority)
         return None
 
     def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:

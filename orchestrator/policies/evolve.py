@@ -69,13 +69,13 @@ class EvolvePolicy:
                 return None
             skilled, composed, moved = mutations(parent)
             if skilled and self.rng.random() < 0.5:
-                return parent, max(skilled, key=lambda t: (t.priority, t.id))
+                return parent, max(skilled, key=lambda t: t.priority)
             if composed and self.rng.random() < 0.5:
                 return parent, self.rng.choice(composed)
             if moved:  # a move that is new: one drawn from all moves was mostly one already tried
                 return parent, self.rng.choice(moved)
             if skilled:
-                return parent, max(skilled, key=lambda t: (t.priority, t.id))
+                return parent, max(skilled, key=lambda t: t.priority)
         # the tournament never draws the least fit, and may have drawn only parents with nothing new: the
         # run ends on its budget, not while a member of the population has an untried mutation
         sign = 1 if self.planner.spec.headline_metric.direction == "maximize" else -1

@@ -11,6 +11,7 @@ import math
 import os
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -27,6 +28,7 @@ class RunStateError(UserError, RuntimeError):
 
 
 NEAR_MISS_TRIES = 2  # a gain inside the noise is tried on one later best before the run gives up on it
+RETRIES_AFTER_ERROR = 1  # a change whose round ended in an error (never judged) is tried again this often
 
 
 def near_miss(record: RoundRecord) -> bool:
@@ -220,8 +222,13 @@ class RunState(BaseModel):
         ]
 
     def tried(self) -> set[tuple[str, str]]:
-        """(parent commit, task id) pairs already attempted: never run the same change twice."""
-        return {(r.parent_commit, r.task.id) for r in self.rounds}
+        """(parent commit, task id) pairs already attempted: never run the same change twice. A round that
+        ended in an error (the best failing beside it, a git or disk error: the candidate was never judged)
+        leaves its pair open once more; a second error closes it, so an error that always comes cannot loop."""
+        errors = Counter((r.parent_commit, r.task.id) for r in self.rounds if r.verdict == "error")
+        return {(r.parent_commit, r.task.id) for r in self.rounds if r.verdict != "error"} | {
+            pair for pair, count in errors.items() if count >= RETRIES_AFTER_ERROR + 1
+        }
 
     # -- persistence -------------------------------------------------------------------------------
     @classmethod

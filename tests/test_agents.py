@@ -701,6 +701,32 @@ def _backlog_state(best, *, backlog=(), rounds=None, tried=None, abandoned=()):
     )
 
 
+def test_a_change_whose_round_ended_in_an_error_is_tried_once_more_and_never_counted_built():
+    """A round ending in an error (the best failing beside the candidate, a git error) never judged its
+    candidate, yet its change counted as tried on that parent and its configuration as built everywhere:
+    never retried, not even by the backlog's final sweep. It is tried once more; a second error closes it."""
+    from orchestrator.policies.novelty import built_configurations
+    from orchestrator.state import RoundRecord, RunConfig, new_state
+
+    state = new_state(RunConfig(rounds=5, policy="backlog", agents="offline", seed=0))
+    task = Task(id="add-x", title="add x", rationale="r", changes={"x": 1})
+
+    def round_(n, verdict, parent="c0", commit=None):
+        return RoundRecord(round=n, task=task, parent_round=0, parent_commit=parent, verdict=verdict, commit=commit)
+
+    starter = Task(id="starter", title="s", rationale="r", source="starter")
+    state.rounds = [
+        RoundRecord(round=0, task=starter, parent_round=None, parent_commit="", verdict="accepted", commit="c0")
+    ]
+    state.rounds.append(round_(1, "error"))
+    assert ("c0", "add-x") not in state.tried()
+    assert built_configurations(state, lambda record: {"x": 0}) == [{"x": 0}]  # the parent's alone
+    state.rounds.append(round_(2, "error"))
+    assert ("c0", "add-x") in state.tried()  # an error that always comes does not loop
+    state.rounds = state.rounds[:1] + [round_(1, "rejected")]
+    assert ("c0", "add-x") in state.tried() and {"x": 1} in built_configurations(state, lambda record: {"x": 0})
+
+
 def test_a_dry_backlog_composes_before_it_perturbs(tiny_spec):
     from types import SimpleNamespace
 

@@ -27,11 +27,12 @@ def near_duplicates(a: dict, b: dict) -> bool:
 
 def built_configurations(state: RunState, params_of: Callable[[RoundRecord], dict]) -> list[dict]:
     """Every configuration the run has built or tried: a validated round's own parameters (each read
-    once), and for the others (rejected, screened out, failed) their parent's with the task's changes."""
+    once), and for the others (rejected, screened out) their parent's with the task's changes; not a
+    round that ended in an error, whose candidate was never judged (``RunState.tried`` bounds its retries)."""
     validated = {r.commit: params_of(r) for r in state.accepted() if r.commit}
     built = list(validated.values())
     for record in state.rounds:
-        if record.verdict != "accepted" and record.task.changes and record.parent_commit in validated:
+        if record.verdict not in ("accepted", "error") and record.task.changes and record.parent_commit in validated:
             built.append({**validated[record.parent_commit], **record.task.changes})
     return built
 

@@ -1040,7 +1040,7 @@ def test_evolve_by_pareto_draws_its_parents_from_the_front_of_goodput_and_traine
     the trained tokens a second: c1 (the best goodput, from short trajectories) and c2 (the most tokens), never
     c0 or c3, which c1 or c2 dominates; the tournament on the headline alone draws c2 only when it is one of
     two drawn with a weaker member, and never the front's point of view."""
-    from orchestrator.policies.evolve import EvolvePolicy, pareto_front
+    from orchestrator.policies.evolve import EvolvePolicy, fitness, pareto_front
     from orchestrator.state import RoundRecord
 
     planner, params, rounds, state = _population(tiny_spec)
@@ -1059,12 +1059,48 @@ def test_evolve_by_pareto_draws_its_parents_from_the_front_of_goodput_and_traine
             )
         )
         params[commit] = params["c1"]
-    assert [r.commit for r in pareto_front(state.accepted(), 1)] == ["c1", "c2"]
-    assert [r.commit for r in pareto_front(state.accepted(), -1)] == ["c2", "c3"]  # a lower headline wins
+    assert [r.commit for r in pareto_front(state.accepted(), fitness(state, 1))] == ["c1", "c2"]
+    assert [r.commit for r in pareto_front(state.accepted(), fitness(state, -1))] == ["c2", "c3"]  # lower wins
     drawn = {EvolvePolicy(planner, seed, "pareto")._select(state).commit for seed in range(40)}
     assert drawn == {"c1", "c2"}
     by_fitness = {EvolvePolicy(planner, seed)._select(state).commit for seed in range(40)}
     assert "c0" in by_fitness or "c3" in by_fitness  # the tournament draws dominated members too
+
+
+def test_evolve_ranks_its_members_by_their_paired_ratios_not_headlines_from_other_seeds(tiny_spec):
+    """Each round's headline is the median over its own seeds, which change every round: c1 drew an easy
+    workload (50 against the starter's 40) but measured beside the starter on its seeds it was 10% slower.
+    The tournament drew c1 over the starter; fitness now chains the paired ratios (c2, 1.2x its best c0,
+    and c3, 1.1x c2 once c2 was best, rank c3 > c2 > c0 > c1 whatever their headlines)."""
+    from orchestrator.policies.evolve import EvolvePolicy, fitness
+    from orchestrator.state import Promotion, RoundRecord
+
+    planner, params, rounds, state = _population(tiny_spec)
+    rounds[0] = rounds[0].model_copy(update={"headline": 40.0, "became_best": True})
+    pair = lambda ratio: Promotion(ratio=ratio, low=ratio - 0.05, high=ratio + 0.05, pairs=3)  # noqa: E731
+    rounds[1] = rounds[1].model_copy(update={"headline": 50.0, "paired": pair(0.9)})
+    for n, headline, ratio, best in ((2, 30.0, 1.2, True), (3, 35.0, 1.1, False)):
+        task = rounds[1].task.model_copy(update={"id": f"t-{n}"})
+        rounds.append(
+            RoundRecord(
+                round=n,
+                task=task,
+                parent_round=0,
+                parent_commit="c0",
+                verdict="accepted",
+                commit=f"c{n}",
+                headline=headline,
+                paired=pair(ratio),
+                became_best=best,
+            )
+        )
+        params[f"c{n}"] = params["c1"]
+    fit = fitness(state, 1)
+    assert fit == pytest.approx({0: 1.0, 1: 0.9, 2: 1.2, 3: 1.32})
+    for seed in range(30):  # c0 beside c1, whichever two are drawn: the fitter by the pairs
+        policy = EvolvePolicy(planner, seed)
+        policy.rng.sample = lambda population, k: [rounds[0], rounds[1]]
+        assert policy._select(state).commit == "c0"
 
 
 def test_evolve_proposes_the_same_round_whether_the_run_was_resumed_or_not(tiny_spec):

@@ -12,23 +12,48 @@ from skills.design_doc import DesignDoc
 from targets.spec import TargetSpec
 
 
-def status(record: RoundRecord) -> tuple[str, str]:
-    """DONE for a round that became best; ABANDONED, with why, for every other."""
+def status(record: RoundRecord, in_lineage: bool = True) -> tuple[str, str]:
+    """DONE for a round that became best on this stack's own line (``in_lineage``: the stack descends
+    from it); ABANDONED, with why, for every other."""
     if record.verdict == "accepted":
-        if record.became_best:
+        if record.became_best and in_lineage:
             return "DONE", ""
+        if record.became_best:
+            return (
+                "ABANDONED",
+                f"round {record.round}: the best on another line, which this stack does not descend from",
+            )
         inside = " (a near miss: a gain inside the noise)" if near_miss(record) else ""
         return "ABANDONED", f"round {record.round}: {promotion(record)}{inside}"
     reason = record.reasons[0] if record.reasons else record.verdict
     return "ABANDONED", f"round {record.round} {record.verdict}: {reason[:160]}"
 
 
+def lineage(state: RunState, commit: str) -> set[str]:
+    """The validated commits ``commit`` descends from, itself included."""
+    parent_of = {r.commit: r.parent_commit for r in state.accepted() if r.commit}
+    line: set[str] = set()
+    while commit in parent_of and commit not in line:
+        line.add(commit)
+        commit = parent_of[commit]
+    return line
+
+
 def update_design(workspace: Path, record: RoundRecord, state: RunState, spec: TargetSpec) -> None:
+    """Every earlier round of the run in the plan, whatever its branch: a task tried more than once says
+    its latest trial, except that its DONE on this stack's own line stands (the first result won before,
+    and a rejected trial on one best left the step NOT_STARTED on the next, its plan's pending entry)."""
     doc = DesignDoc.load(workspace / "DESIGN.md")
     task = record.task
-    for earlier in state.rounds:  # the plan carries every round of the run, whatever its branch
-        if not doc.step(earlier.task.id) and earlier.task.source != "starter":
-            doc.record_round(earlier.round, earlier.task.id, earlier.task.title, *status(earlier))
+    line = lineage(state, record.parent_commit)
+    earlier = sorted(
+        (r for r in state.rounds if r.round < record.round and r.task.source != "starter"), key=lambda r: r.round
+    )
+    for trial in earlier:
+        doc.record_round(trial.round, trial.task.id, trial.task.title, *status(trial, trial.commit in line))
+    for trial in earlier:  # what this stack holds: the rounds it descends from
+        if trial.commit in line:
+            doc.record_round(trial.round, trial.task.id, trial.task.title, "DONE")
     decision, findings = "", []
     if record.verdict == "accepted":
         metric = spec.headline_metric.name

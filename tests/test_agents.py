@@ -858,6 +858,68 @@ def test_a_technique_tried_only_on_a_losing_controller_switch_is_not_given_up_on
     assert RunState.model_construct(rounds=rounds).abandoned() == {"controller=static_split", "add-redundant_envs"}
 
 
+def test_a_stacks_design_record_says_each_task_s_latest_trial_and_done_only_for_its_own_line(tmp_path, tiny_spec):
+    """The plan kept the first result written for a task: add-x, a near miss in round 1 and then promoted
+    in round 3, read ABANDONED on another branch; a task rejected on one best stayed NOT_STARTED (the
+    backlog's pending entry) on the next; add-y, done on a line this stack does not descend from, read
+    DONE. Each step now says its latest trial, DONE only where this stack descends from it."""
+    from orchestrator.design_record import update_design
+    from orchestrator.state import Promotion, RoundRecord, RunConfig, new_state
+
+    def T(name):
+        return Task(id=name, title=name, rationale="r")
+
+    pair = Promotion(ratio=1.01, low=0.99, high=1.03, pairs=3, threshold=0.02)
+
+    def validated(n, parent, task, best):
+        return RoundRecord(
+            round=n,
+            task=T(task),
+            parent_round=0,
+            parent_commit=parent,
+            verdict="accepted",
+            commit=f"c{n}",
+            headline=1.0 + n / 10,
+            became_best=best,
+            paired=pair,
+        )
+
+    state = new_state(RunConfig(rounds=9, policy="backlog", agents="offline", seed=0))
+    starter = Task(id="starter", title="s", rationale="r", source="starter")
+    state.rounds = [
+        RoundRecord(
+            round=0,
+            task=starter,
+            parent_round=None,
+            parent_commit="",
+            verdict="accepted",
+            commit="c0",
+            became_best=True,
+        ),
+        validated(1, "c0", "add-x", False),  # a near miss
+        validated(2, "c0", "add-y", True),
+        validated(3, "c2", "add-x", True),
+        RoundRecord(round=4, task=T("add-z"), parent_round=3, parent_commit="c3", verdict="rejected", reasons=["slow"]),
+    ]
+    state.backlog = [T("add-z")]
+    (tmp_path / "DESIGN.md").write_text(DesignDoc.starter("colocate", {}).render())
+    on_the_line = RoundRecord(
+        round=5, task=T("add-w"), parent_round=3, parent_commit="c3", verdict="rejected", reasons=["x"]
+    )
+    update_design(tmp_path, on_the_line, state, tiny_spec)
+    plan = {step.id: (step.status, step.reason) for step in DesignDoc.load(tmp_path / "DESIGN.md").plan}
+    assert plan["add-x"][0] == "DONE" and plan["add-y"][0] == "DONE"  # round 3 on round 2's line, this stack's
+    assert plan["add-z"][0] == "ABANDONED" and "round 4 rejected: slow" in plan["add-z"][1]  # not NOT_STARTED
+    (tmp_path / "DESIGN.md").write_text(DesignDoc.starter("colocate", {}).render())
+    elsewhere = RoundRecord(
+        round=5, task=T("add-w"), parent_round=1, parent_commit="c1", verdict="rejected", reasons=["x"]
+    )
+    update_design(tmp_path, elsewhere, state, tiny_spec)  # a stack on round 1's line (evolve's parent)
+    plan = {step.id: (step.status, step.reason) for step in DesignDoc.load(tmp_path / "DESIGN.md").plan}
+    assert plan["add-x"][0] == "DONE"  # round 1's own change, which this stack holds
+    assert plan["add-y"][0] == "ABANDONED" and "another line" in plan["add-y"][1]
+
+
 def test_a_near_miss_is_tried_once_more_on_a_later_best_before_its_removals_and_moves(tiny_spec):
     """The paper-scale search's host tier came out +0.9% on round 4's best (inside the 2% threshold) and
     was never tried again, though it gave 12-19% on the lines that kept it. A gain inside the noise is

@@ -1220,6 +1220,10 @@ def test_evolve_never_rebuilds_a_configuration_the_run_already_tried(tiny_spec):
     assert EvolvePolicy(planner, 7).propose(state, lambda r: params[r.commit])[1].id == proposals[7][1]  # seeded
     assert near_duplicates({"x": 1.0, "n": 4}, {"x": 1.05, "n": 4}) and not near_duplicates({"x": 1.0}, {"x": 1.2})
     assert not near_duplicates({"n": 4}, {"n": 5}) and not near_duplicates({"x": 1.0}, {"x": 1.0, "y": 0})
+    # a parameter left out counts at its default where one is known: async_ratio 0 then back to 1 (the target's
+    # own bound, which params.json leaves out) rebuilt the grandparent unseen
+    assert near_duplicates({"x": 1.0}, {"x": 1.0, "y": 0}, lambda name: 0)
+    assert near_duplicates(p0, {**p0, "async_ratio": tiny_spec.workload.async_ratio}, planner.default)
 
 
 def _event(kind, t, **data):

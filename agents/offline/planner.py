@@ -250,7 +250,7 @@ class OfflinePlanner:
                     move = PARAM_MOVES.get((hint.code, name))
                     if move is None or (skill.kind == "controller" and params.get("controller") != skill.name):
                         continue  # a controller's parameters matter only under that controller
-                    current = params.get(name, self._default(name))
+                    current = params.get(name, self.default(name))
                     if current is None:
                         continue
                     value = self._moved(name, current, move, skill.params[name])
@@ -294,7 +294,7 @@ class OfflinePlanner:
             return params.get("controller") != skill.name and self.fits(after) and not self.stranded(after)
         return (
             self._in_use(skill, params)
-            and any(params.get(k, self._default(k)) != v for k, v in task.changes.items())
+            and any(params.get(k, self.default(k)) != v for k, v in task.changes.items())
             and self.fits({**params, **task.changes})
         )
 
@@ -322,7 +322,7 @@ class OfflinePlanner:
             if not self._in_use(skill, params):
                 continue  # another controller's, or a technique that is off (adding it is a composition task)
             for name, param in skill.params.items():
-                current = params.get(name, self._default(name))
+                current = params.get(name, self.default(name))
                 if current is None or not self.tunable(param):
                     continue
                 moves = (-1, 1) if name.endswith("_devices") or param.step is not None else (0.5, 2.0)
@@ -337,7 +337,8 @@ class OfflinePlanner:
                         tasks.append(self._param_task(skill, name, value, reason, "mutation", 0))
         return tasks
 
-    def _default(self, name: str):
+    def default(self, name: str):
+        """A parameter's value where params.json leaves it out."""
         if name == "async_ratio":  # the target's own bound, which a stack runs under unless it declares one
             return self.spec.workload.async_ratio
         return defaults(self.skills).get(name)

@@ -41,7 +41,11 @@ class BacklogPolicy:
             queued under an earlier best may add a technique this one has on), and not a configuration the
             run built already."""
             given_up = (parent.commit, task.id) in tried or task.id in abandoned
-            return not given_up and self.planner.applies(task, params) and not rebuilds(params, task, built)
+            return (
+                not given_up
+                and self.planner.applies(task, params)
+                and not rebuilds(params, task, built, self.planner.default)
+            )
 
         follow_up = self._follow_up(state, params_of, tried, built)
         if follow_up is not None:
@@ -64,7 +68,7 @@ class BacklogPolicy:
             if fresh(task):
                 return parent, task
         for task in [*compositions, *moves]:
-            if (parent.commit, task.id) not in tried and not rebuilds(params, task, built):
+            if (parent.commit, task.id) not in tried and not rebuilds(params, task, built, self.planner.default):
                 return parent, task  # given up on under another best, never tried on this one
         return None
 
@@ -85,7 +89,7 @@ class BacklogPolicy:
                 if t.id.startswith("add-")
                 and self.planner.applies(t, params)
                 and (record.commit, t.id) not in tried
-                and not rebuilds(params, t, built)
+                and not rebuilds(params, t, built, self.planner.default)
             ]
             if tasks:  # of equal priority, the one the planner ranks first (max keeps the first)
                 return record, max(tasks, key=lambda t: t.priority)

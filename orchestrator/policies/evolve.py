@@ -60,7 +60,9 @@ class EvolvePolicy:
             current = params(parent)
 
             def novel(task: Task) -> bool:
-                return (parent.commit, task.id) not in tried and not rebuilds(current, task, built)
+                return (parent.commit, task.id) not in tried and not rebuilds(
+                    current, task, built, self.planner.default
+                )
 
             skilled = [t for t in self.planner.tasks_from_hints(parent.hints, current) if novel(t)]
             composed = [t for t in self.planner.composition_tasks(current) if novel(t)]

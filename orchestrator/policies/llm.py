@@ -35,7 +35,8 @@ class LLMPolicy:
                 raise AgentError(f"the planner chose round {choice.parent_round}, which is not a validated candidate")
             if (parent.commit, choice.task.id) in state.tried():
                 raise AgentError(f"the planner chose task {choice.task.id!r}, already tried on round {parent.round}")
-            if rebuilds(params_of(parent), choice.task, built_configurations(state, params_of)):
+            built = built_configurations(state, params_of)
+            if rebuilds(params_of(parent), choice.task, built, self.backlog.planner.default):
                 raise AgentError(
                     f"the planner chose task {choice.task.id!r} on round {parent.round}, whose changes "
                     f"{choice.task.changes} build a configuration the run built already"

@@ -13,10 +13,13 @@ NEAR = 0.1
 device numbers must be equal)."""
 
 
-def near_duplicates(a: dict, b: dict) -> bool:
-    """Two configurations (params.json) that differ by no more than NEAR in any real-valued parameter."""
+def near_duplicates(a: dict, b: dict, default: Callable[[str], object] | None = None) -> bool:
+    """Two configurations (params.json) that differ by no more than NEAR in any real-valued parameter; a
+    parameter one leaves out counts at ``default(name)`` (the planner's defaults: a move back to a default
+    that params.json leaves out, such as the target's own async_ratio, rebuilt the grandparent unseen)."""
+    unset = default or (lambda name: None)
     for key in a.keys() | b.keys():
-        x, y = a.get(key), b.get(key)
+        x, y = a.get(key, unset(key)), b.get(key, unset(key))
         if x == y:
             continue
         reals = all(isinstance(v, float) for v in (x, y))
@@ -37,7 +40,7 @@ def built_configurations(state: RunState, params_of: Callable[[RoundRecord], dic
     return built
 
 
-def rebuilds(params: dict, task: Task, built: list[dict]) -> bool:
+def rebuilds(params: dict, task: Task, built: list[dict], default: Callable[[str], object] | None = None) -> bool:
     """Whether ``task`` applied to ``params`` gives a configuration the run built already (a task with no
     ``changes``, an LLM's free-form edit, never does: its result is not known before it runs)."""
-    return bool(task.changes) and any(near_duplicates({**params, **task.changes}, b) for b in built)
+    return bool(task.changes) and any(near_duplicates({**params, **task.changes}, b, default) for b in built)

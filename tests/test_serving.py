@@ -234,6 +234,29 @@ def test_the_last_serving_device_is_never_lent():
         _pool_run(rate=10.0, devices=2, lend=2)
 
 
+def test_an_engine_s_devices_are_lent_together_or_not_at_all():
+    """A rollout engine of several serving devices was lent one device at a time: refused at its last
+    device, the first ones stayed lent and drained for the rest of the run, their engine never active
+    and never given back. The whole engine is checked first."""
+    spec = parse_target(_small())
+    pool = spec.hardware.serving_pools[0]
+    cost = CostModel.from_spec(spec, "serving", pool.serving.model)
+
+    async def main():
+        serving = ServingPool(pool.serving, [f"serving:{i}" for i in range(4)], cost, 0, capacity_rps=1.0)
+        try:
+            await serving.lend_all(["serving:0", "serving:1"])
+            with pytest.raises(
+                ValueError, match=r"lending \['serving:2', 'serving:3'\] would leave the serving pool no"
+            ):
+                await serving.lend_all(["serving:2", "serving:3"])
+            return set(serving.lent)
+        finally:
+            serving.close()
+
+    assert run_virtual(main()) == {"serving:0", "serving:1"}  # nothing of the refused engine lent
+
+
 def test_the_capacity_profile_is_a_rate_one_device_holds_its_slos_at():
     spec = parse_target(_small())
     pool = spec.hardware.serving_pools[0]

@@ -37,7 +37,9 @@ class ServingGate:
     async def expand(self, devices: Sequence[Device]) -> None:
         """Borrow: the serving pool lets the devices go (drained, its engines offloaded), then the
         candidate's engines there wake."""
-        await asyncio.gather(*(self.pool.lend(d) for d in self._of_pool(devices)))
+        borrowed = self._of_pool(devices)
+        if borrowed:
+            await self.pool.lend_all(borrowed)
         await self.inner.expand(devices)
 
     async def shrink(self, devices: Sequence[Device]) -> None:

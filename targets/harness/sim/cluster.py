@@ -196,7 +196,8 @@ class SimCluster:
         if not engines:
             return
         borrowed = [d for e in engines for d in e.devices if self.serving and d in self.serving.engines]
-        await asyncio.gather(*(self.serving.lend(d) for d in borrowed))
+        if borrowed:
+            await self.serving.lend_all(borrowed)
         for engine in engines:
             engine.reload()
         await asyncio.sleep(max(e.cost.reload_s() for e in engines))

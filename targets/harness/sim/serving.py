@@ -143,6 +143,14 @@ class ServingPool:
         if serving:
             raise ValueError(f"{serving} serve production traffic: rollout may borrow them, training never")
 
+    async def lend_all(self, devices: list[str]) -> None:
+        """Lend ``devices`` together (a rollout engine's), or none of them: checked whole first, since a
+        refusal half way left the first ones lent and drained for the rest of the run, their engine never
+        active and never given back."""
+        if len(self.engines) - len(self.lent | set(devices)) < 1:
+            raise ValueError(f"lending {devices} would leave the serving pool no device to serve its traffic")
+        await asyncio.gather(*(self.lend(device) for device in devices))
+
     async def lend(self, device: str) -> None:
         """Stop serving on ``device``: no new requests, its own drain, its serving engine offloads."""
         if device in self.lent:

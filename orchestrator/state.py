@@ -55,9 +55,10 @@ class Promotion(BaseModel):
     against: str = ""
     baseline_median: float | None = None  # the best's headline beside it (older records did not store it)
     threshold: float | None = None  # older records did not store it
+    bound: float | None = None  # the lower end the rule read (``Paired.bound``; older records: ``low``)
 
     def paired(self) -> Paired:
-        return Paired(self.ratio, self.low, self.high, self.pairs, self.against, self.baseline_median)
+        return Paired(self.ratio, self.low, self.high, self.pairs, self.against, self.baseline_median, self.bound)
 
 
 class Prediction(BaseModel):

@@ -236,7 +236,9 @@ def promotion(record, threshold: float | None = None) -> str:
     threshold = record.paired.threshold if record.paired.threshold is not None else threshold
     paired = record.paired.paired()
     verb = "promoted" if record.became_best else "not promoted"
-    rule = f"; promotion needs the interval's low end above +{threshold:.0%}" if threshold is not None else ""
+    sequential = paired.bound is not None and paired.bound != paired.low
+    bound = f"its bound for the look ({paired.bound - 1:+.1%})" if sequential else "the interval's low end"
+    rule = f"; promotion needs {bound} above +{threshold:.0%}" if threshold is not None else ""
     beside = paired.baseline_median
     best = f" (the best: {num(beside)} on the same seeds)" if beside is not None else ""
     return f"{verb}: {paired.describe()} against the best{best}{rule}"
@@ -250,7 +252,9 @@ def promotion_short(record) -> str:
     p, threshold = record.paired, record.paired.threshold
     interval = "unbounded" if p.high is None else f"{p.low - 1:+.1%}, {p.high - 1:+.1%}"
     interval = "1 seed" if one_seed(p) else interval
-    rule = f", needs low > +{threshold:.0%}" if threshold is not None else ""
+    sequential = p.bound is not None and p.bound != p.low  # a look of a sequential comparison: its own bound
+    needs = f"bound {p.bound - 1:+.1%}" if sequential else "low"
+    rule = f", needs {needs} > +{threshold:.0%}" if threshold is not None else ""
     verb = "promoted" if record.became_best else "not promoted"
     return f"{verb}: {p.ratio - 1:+.1%} [{interval}]{_of_the_best_there(p)}{rule}"
 

@@ -232,11 +232,10 @@ def extended(seeds: list[int], count: int) -> list[int]:
 
 
 def undecided(noise_threshold: float) -> Callable[[Paired], bool]:
-    """The sequential rule: one more pair while the estimate clears the threshold and its interval
-    does not (a gain the pairs so far cannot tell from noise). A candidate estimated below the
-    threshold stops at once: extra pairs only ever go to a promotion."""
-    bar = 1 + noise_threshold
-    return lambda paired: paired.ratio > bar and paired.low <= bar
+    """The sequential rule: one more pair while the estimate clears the threshold and the promotion
+    rule does not (a gain the pairs so far cannot tell from noise; each look tested at its share of the
+    error, ``session.look_confidence``). A candidate estimated below the threshold stops at once."""
+    return lambda paired: paired.ratio > 1 + noise_threshold and not paired.clears(noise_threshold)
 
 
 class BestFailed(RuntimeError):

@@ -32,27 +32,28 @@ from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.judge import integrity as integrity_scan
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.integrity import compile_harness, harness_changes, harness_digest, scan_stack
+from targets.harness.measure import student_t
 from targets.harness.measure.run_metrics import run_metrics
 from targets.harness.target import Target
 from targets.harness.trace import Trace
 
 CLOCK_TOLERANCE = (0.05, 0.5)  # relative, absolute seconds: the pipe and the parent's wake-up are fast
-T_975 = {
-    1: 12.706,
-    2: 4.303,
-    3: 3.182,
-    4: 2.776,
-    5: 2.571,
-    6: 2.447,
-    7: 2.365,
-    8: 2.306,
-    9: 2.262,
-    10: 2.228,
-    12: 2.179,
-    15: 2.131,
-    20: 2.086,
-    30: 2.042,
-}
+ALPHA = 0.025  # one-sided: a candidate no better than the threshold is promoted at most this often
+EARLY_SHARE = 0.3  # of ALPHA, spent over a sequential comparison's looks before its last (the rest at its last)
+
+
+def look_confidence(pairs: int, first: int, last: int) -> float:
+    """The one-sided confidence a sequential comparison's look at ``pairs`` pairs is tested at, of looks
+    from ``first`` to ``last`` pairs: its error spent over them (Bonferroni), 30% over the early looks and
+    70% at the last, so that promoting at any look errs at most ALPHA in all. Testing every look at 95%
+    promoted a candidate exactly at the threshold 6% of the time, not 2.5% (a simulation of 10,000
+    evaluations, 3 to 6 pairs); spent so, 2.0%, and a real 15% gain is promoted 78% of the time at a
+    noise of 0.06 (87% before, 84% deciding only at 6 pairs, which costs a clear winner 6 pairs, not 4)."""
+    if last <= first:
+        return 1 - ALPHA
+    if pairs >= last:
+        return 1 - ALPHA * (1 - EARLY_SHARE)
+    return 1 - ALPHA * EARLY_SHARE / (last - first)
 
 
 TRASH = "__pycache__.removing."
@@ -166,7 +167,9 @@ def _log_ratio(better: float, worse: float) -> float:
 @dataclass
 class Paired:
     """Candidate over baseline on the headline (>1 is better whatever the metric's direction): the
-    geometric mean of per-pair ratios and its 95% t-interval."""
+    geometric mean of per-pair ratios and its 95% t-interval; ``bound``, the lower end the promotion rule
+    reads: the interval's, or in a sequential comparison its lower end at its look's confidence
+    (``look_confidence``)."""
 
     ratio: float
     low: float
@@ -174,6 +177,7 @@ class Paired:
     pairs: int
     against: str = ""
     baseline_median: float | None = None  # the baseline's headline beside the candidate (median of its runs)
+    bound: float | None = None  # None: ``low`` (a record from before the rule kept it)
 
     @classmethod
     def of(
@@ -183,27 +187,28 @@ class Paired:
         maximize: bool = True,
         against: str = "",
         deterministic: bool = False,
+        confidence: float = 1 - ALPHA,
     ) -> Paired:
+        """``confidence``: the one-sided confidence ``bound`` is taken at (the interval is always 95%)."""
         logs = [_log_ratio(c, b) if maximize else _log_ratio(b, c) for c, b in zip(candidate, baseline)]
         n = len(logs)
         mean = statistics.fmean(logs)
         beside = statistics.median(baseline[:n])
         if not all(math.isfinite(x) for x in logs):  # a headline of zero or infinity: no interval
             ratio = 0.0 if mean == -math.inf else math.inf if mean == math.inf else math.nan
-            return cls(ratio, 0.0, None, n, against, beside)
-        if n < 2:
-            half = (
-                0.0 if deterministic else math.inf
-            )  # one simulated pair is exact for its seed; one real pair says nothing of noise
-        else:
-            t = T_975[max(df for df in T_975 if df <= n - 1)]  # between rows, the wider: never too narrow
-            half = t * statistics.stdev(logs) / math.sqrt(n)
-        if math.isinf(half):
-            return cls(math.exp(mean), 0.0, None, n, against, beside)
-        return cls(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, against, beside)
+            return cls(ratio, 0.0, None, n, against, beside, 0.0)
+        if n < 2:  # one simulated pair is exact for its seed; one real pair says nothing of noise
+            if not deterministic:
+                return cls(math.exp(mean), 0.0, None, n, against, beside, 0.0)
+            return cls(math.exp(mean), math.exp(mean), math.exp(mean), n, against, beside, math.exp(mean))
+        error = statistics.stdev(logs) / math.sqrt(n)
+        half = student_t.quantile(1 - ALPHA, n - 1) * error
+        bound = math.exp(mean - student_t.quantile(confidence, n - 1) * error)
+        return cls(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, against, beside, bound)
 
     def clears(self, noise_threshold: float) -> bool:
-        return self.low > 1 + noise_threshold
+        """The promotion rule: its ``bound`` above ``1 + noise_threshold``."""
+        return (self.low if self.bound is None else self.bound) > 1 + noise_threshold
 
     def describe(self) -> str:
         def pct(x: float) -> str:
@@ -227,6 +232,7 @@ class Paired:
             "pairs": self.pairs,
             "against": self.against,
             "baseline_median": self.baseline_median,
+            "bound": self.bound,
         }
 
 
@@ -341,7 +347,7 @@ class Session:
         ours, theirs = [], []
         pairs = len(seeds) if pairs is None else pairs
         for i, seed in enumerate(seeds):
-            if i >= pairs and not more(self._paired(ours, theirs, against)):
+            if i >= pairs and not more(self._paired(ours, theirs, against, look_confidence(i, pairs, len(seeds)))):
                 break
             order = [("candidate", candidate, ours), ("baseline", baseline, theirs)]
             for name, stack, into in order if i % 2 == 0 else order[::-1]:
@@ -353,9 +359,9 @@ class Session:
                     raise MeasurementFailed(name, i, measurement.reasons)
                 into.append(measurement)
                 on_run(name, i)
-        return ours, theirs, self._paired(ours, theirs, against)
+        return ours, theirs, self._paired(ours, theirs, against, look_confidence(len(ours), pairs, len(seeds)))
 
-    def _paired(self, ours: list[Measurement], theirs: list[Measurement], against: str) -> Paired:
+    def _paired(self, ours: list[Measurement], theirs: list[Measurement], against: str, confidence: float) -> Paired:
         metric = self.target.spec.headline_metric
         return Paired.of(
             [m.metrics[metric.name] for m in ours],
@@ -363,6 +369,7 @@ class Session:
             metric.direction == "maximize",
             against,
             deterministic=self.target.simulated,
+            confidence=confidence,
         )
 
 

@@ -186,6 +186,50 @@ class CoastingTrainer(ReferenceTrainer):
             hook.remove()
 
 
+class LossScaledTrainer(ReferenceTrainer):
+    """The loss 100 times too large (the policy loss is linear in the advantages): clipped to the same
+    gradient wherever the gradient norm is over the clip, so both steps clipped hid it."""
+
+    def train_step(self, batch):
+        return super().train_step(type(batch)(batch.trajectories, [100 * a for a in batch.advantages]))
+
+
+class TokenSumTrainer(ReferenceTrainer):
+    """Sums the loss over the batch's response tokens where the reference takes their mean."""
+
+    def train_step(self, batch):
+        tokens = sum(sum(t.loss_mask) for t in batch.trajectories)
+        return super().train_step(type(batch)(batch.trajectories, [tokens * a for a in batch.advantages]))
+
+
+class SequenceMeanTrainer(ReferenceTrainer):
+    """Each trajectory's mean over its own response tokens, then the mean over trajectories: with every
+    response 6 tokens long this was the reference's token mean exactly."""
+
+    def train_step(self, batch):
+        tokens, count = sum(sum(t.loss_mask) for t in batch.trajectories), len(batch.trajectories)
+        scaled = [a * tokens / (count * sum(t.loss_mask)) for t, a in zip(batch.trajectories, batch.advantages)]
+        return super().train_step(type(batch)(batch.trajectories, scaled))
+
+
+class NeverClippedGradientTrainer(ReferenceTrainer):
+    """Skips the global gradient-norm clipping."""
+
+    def __init__(self, model, config):
+        super().__init__(model, TrainingConfig(**{**config.__dict__, "max_grad_norm": 1e12}))
+
+
+class ObservationTrainingTrainer(ReferenceTrainer):
+    """Trains on every token after the prompt, the environment's observations included."""
+
+    def train_step(self, batch):
+        def unmasked(t):
+            first = t.loss_mask.index(1)
+            return type(t)(**{**t.__dict__, "loss_mask": [0] * first + [1] * (len(t.loss_mask) - first)})
+
+        return super().train_step(type(batch)([unmasked(t) for t in batch.trajectories], batch.advantages))
+
+
 def _factory(cls, base_model):
     def make(state, config):
         model = copy.deepcopy(base_model)
@@ -341,6 +385,11 @@ def test_fixed_batches_exercise_clipping(tiny_model, batches):
         (MisshapedStateTrainer, "trainer state_dict gives model.layers.0.input_layernorm.weight the shape (1, "),
         (FrozenTensorTrainer, "tensor model.layers.0.input_layernorm.weight was left behind"),
         (CoastingTrainer, "tensor model.layers.0.input_layernorm.weight did not follow the batch"),
+        (LossScaledTrainer, "the weights are not the reference trainer's update over two steps"),
+        (TokenSumTrainer, "the weights are not the reference trainer's update over two steps"),
+        (SequenceMeanTrainer, "the weights are not the reference trainer's update over two steps"),
+        (NeverClippedGradientTrainer, "the weights are not the reference trainer's update over two steps"),
+        (ObservationTrainingTrainer, "the weights are not the reference trainer's update over two steps"),
     ],
 )
 def test_trainer_check_rejects_planted_trainers(tiny_model, batches, planted, expected):

@@ -790,7 +790,7 @@ def test_the_trainers_own_qwen3_is_transformers_qwen3_in_names_values_and_gradie
 def _second_rank(path: str, rendezvous: str, done, streamed: bool = False) -> None:
     """Rank 1 of a two-rank trainer: the same steps on the same batches as rank 0 (run by the check),
     in parts as rank 0 takes them when ``streamed``."""
-    from targets.harness.judge.accuracy import fixed_train_batches
+    from targets.harness.judge.accuracy import fixed_train_batches, straddling_the_clip
 
     spec = load_target("tiny-qwen3-cpu")
     trainer = FSDPTrainer(
@@ -802,7 +802,9 @@ def _second_rank(path: str, rendezvous: str, done, streamed: bool = False) -> No
         micro_batch_tokens=64,
     )
     stepper = _Streamed(trainer) if streamed else trainer
-    for step, batch in enumerate(fixed_train_batches(load_model(model_dir(spec.model))), start=1):
+    model, config = load_model(model_dir(spec.model)), spec.workload.training.config()
+    batches = straddling_the_clip(fixed_train_batches(model), model, config)  # as the check scales them
+    for step, batch in enumerate(batches, start=1):
         stepper.train_step(batch)
         if step == 1:
             trainer.state_dict()  # a collective: rank 0's check gathers the first step's weights

@@ -21,7 +21,7 @@ import math
 import random
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -175,7 +175,9 @@ def fixed_train_batches(
 ) -> list[TrainBatch]:
     """Batches sampled from the model itself on ``draw``'s prompts, with seeded rewards and behaviour
     logprobs perturbed by N(0, 0.3) so that some ratios fall outside the clip range and clipping is
-    exercised."""
+    exercised. Responses of 1 to 6 tokens (all of 6 left a token mean and a mean per trajectory alike),
+    every other trajectory of two turns with an observation between them (a mask over all that follows
+    the prompt passed)."""
     engine = ReferenceEngine(copy.deepcopy(model))
     seed = draw.trainer_seed
     rng = random.Random(seed)
@@ -183,22 +185,54 @@ def fixed_train_batches(
     for b, size in enumerate(sizes):
         prompts = draw.prompts(size, seed + b)
         completions = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed + b))
+        turns = [(prompt, c.tokens[: rng.randint(1, 6)], c.logprobs) for prompt, c in zip(prompts, completions)]
+        contexts = [prompt + first + prompt[:3] for k, (prompt, first, _) in enumerate(turns) if k % 2]
+        seconds = iter(engine.generate(contexts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed + b)))
         trajectories = []
-        for k, (prompt, c) in enumerate(zip(prompts, completions)):
-            noisy = [lp + rng.gauss(0.0, 0.3) for lp in c.logprobs]
+        for k, (prompt, first, logprobs) in enumerate(turns):
+            tokens, mask, behaviour = prompt + first, [0] * len(prompt) + [1] * len(first), [0.0] * len(prompt)
+            behaviour += [lp + rng.gauss(0.0, 0.3) for lp in logprobs[: len(first)]]
+            if k % 2:  # the observation (the prompt's first tokens, masked), then a second response
+                second = next(seconds)
+                tokens += prompt[:3] + second.tokens
+                mask += [0] * len(prompt[:3]) + [1] * len(second.tokens)
+                behaviour += [0.0] * len(prompt[:3]) + [lp + rng.gauss(0.0, 0.3) for lp in second.logprobs]
             trajectories.append(
                 Trajectory(
                     episode_id=f"b{b}/t{k}",
                     group_id=f"b{b}/g{k // 4}",
-                    tokens=prompt + c.tokens,
-                    loss_mask=[0] * len(prompt) + [1] * len(c.tokens),
-                    logprobs=[0.0] * len(prompt) + noisy,
+                    tokens=tokens,
+                    loss_mask=mask,
+                    logprobs=behaviour,
                     reward=rng.random(),
                     weight_versions=[0],
                 )
             )
         batches.append(TrainBatch(trajectories, group_advantages(trajectories)))
     return batches
+
+
+CLIP_SPAN = 3.0  # the first step's gradient norm this many times under max_grad_norm, the last's as many over
+
+
+def straddling_the_clip(
+    batches: Sequence[TrainBatch], model: PreTrainedModel, config: TrainingConfig
+) -> list[TrainBatch]:
+    """``batches`` with the first one's advantages scaled so that the reference's gradient norm is a third
+    of ``max_grad_norm`` and the last one's three times it. AdamW's step is blind to a gradient's scale
+    unless clipping touches one step and not another: with both clipped (the drawn batches' norms were 3.9
+    and 4.6 over a max of 1), a loss 100x too large, summed where it should be averaged, or never clipped
+    passed check 2 (found by a review of the reference). The policy loss is linear in the advantages, so
+    the scale is read from one probe of each batch's gradient at lr 0."""
+    probe = ReferenceTrainer(copy.deepcopy(model).float(), replace(config, lr=0.0))
+    out = list(batches)
+    for index, target in ((0, 1 / CLIP_SPAN), (len(out) - 1, CLIP_SPAN)):
+        probe.train_step(out[index])
+        if not probe.last_grad_norm > 0:
+            raise RuntimeError("a fixed batch has no gradient (its advantages are all 0): it cannot test a trainer")
+        factor = target * config.max_grad_norm / probe.last_grad_norm
+        out[index] = TrainBatch(out[index].trajectories, [a * factor for a in out[index].advantages])
+    return out
 
 
 MakeTrainer = Callable[[StateDict, TrainingConfig], Trainer]
@@ -234,6 +268,8 @@ def check_trainer(
     one by one. The first step's own figures are recorded, not judged (``step_1_*`` in the details): what
     judging check 2 step by step would have to allow, measured on each card the check runs on."""
     batches = list(batches) if batches is not None else fixed_train_batches(base_model)
+    if config.kl_coef == 0 and len(batches) > 1:  # (a KL term is not linear in the advantages)
+        batches = straddling_the_clip(batches, base_model, config)
     initial = {k: v.detach().cpu().clone() for k, v in base_model.state_dict().items()}
     reference = ReferenceTrainer(copy.deepcopy(base_model).float(), config)  # float32 masters, as a trainer keeps
     candidate = make_trainer({k: v.clone() for k, v in initial.items()}, config)

@@ -25,6 +25,11 @@ def test_group_advantages_by_hand():
     advantages = group_advantages(trajectories)
     assert advantages[0] == pytest.approx(-1.0, abs=1e-5) and advantages[1] == pytest.approx(1.0, abs=1e-5)
     assert advantages[2:] == [0.0, 0.0]  # equal rewards carry no signal
+    # exactly, where the mean's rounding left +-1.4e-11 (a step that moved nothing read as a trainer that did not)
+    assert group_advantages([_traj("c", 0.1) for _ in range(3)]) == [0.0, 0.0, 0.0]
+    from skills.recipes.controller_base import group_advantages as the_kits
+
+    assert the_kits([_traj("c", 0.1) for _ in range(3)]) == [0.0, 0.0, 0.0]
 
 
 def test_grpo_loss_by_hand_with_clipping():
@@ -128,7 +133,22 @@ def test_sampling_is_seeded_and_stops_at_stop_tokens(tiny_model):
     assert stopped[0].tokens == a[0].tokens[: a[0].tokens.index(stop) + 1] and stopped[0].finish_reason == "stop"
 
 
-def test_reference_loop_rolls_out_and_trains(tiny_spec):
+def test_reference_loop_rolls_out_and_trains(tiny_spec, monkeypatch):
+    """And trains float32 masters, whatever the model's dtype: in bfloat16 at lr 1e-6 its AdamW step moved
+    1.9% of the weights (a review found the loop training the bf16 model itself)."""
+    from targets.harness.reference import loop
+
+    trained: list[torch.dtype] = []
+
+    class Recording(loop.ReferenceTrainer):
+        def __init__(self, model, config):
+            trained.append(next(model.parameters()).dtype)
+            super().__init__(model, config)
+
+    monkeypatch.setattr(loop, "ReferenceTrainer", Recording)
+    bf16 = tiny_spec.model_copy(update={"model": tiny_spec.model.model_copy(update={"dtype": "bfloat16"})})
+    run_reference(bf16, steps=1, seed=1)
+    assert trained == [torch.float32]
     history = run_reference(tiny_spec, steps=2, seed=1)
     assert [s.step for s in history] == [0, 1]
     for s in history:

@@ -15,7 +15,7 @@ from .serving_harvest import ServingHarvest
 
 
 def group_advantages(trajectories: list[Trajectory]) -> list[float]:
-    """(reward - group mean) / (group population std + 1e-6)."""
+    """(reward - group mean) / (group population std + 1e-6); exactly 0 for a group whose rewards are equal."""
     groups: dict[str, list[float]] = defaultdict(list)
     for t in trajectories:
         groups[t.group_id].append(t.reward)
@@ -23,7 +23,11 @@ def group_advantages(trajectories: list[Trajectory]) -> list[float]:
     for group, rewards in groups.items():
         mean = sum(rewards) / len(rewards)
         stats[group] = (mean, (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5)
-    return [(t.reward - stats[t.group_id][0]) / (stats[t.group_id][1] + 1e-6) for t in trajectories]
+    equal = {group for group, rewards in groups.items() if max(rewards) == min(rewards)}
+    return [
+        0.0 if t.group_id in equal else (t.reward - stats[t.group_id][0]) / (stats[t.group_id][1] + 1e-6)
+        for t in trajectories
+    ]
 
 
 class ControllerBase:

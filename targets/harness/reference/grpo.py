@@ -16,7 +16,7 @@ ADVANTAGE_EPS = 1e-6
 
 
 def group_advantages(trajectories: list[Trajectory]) -> list[float]:
-    """(reward - group mean) / (group population std + eps); 0 for a group with equal rewards."""
+    """(reward - group mean) / (group population std + eps); exactly 0 for a group with equal rewards."""
     return group_advantages_of([(t.group_id, t.reward) for t in trajectories])
 
 
@@ -29,7 +29,12 @@ def group_advantages_of(members: list[tuple[str, float]]) -> list[float]:
     for group, rewards in by_group.items():
         r = torch.tensor(rewards, dtype=torch.float64)
         stats[group] = (r.mean().item(), r.std(unbiased=False).item())
-    return [(reward - stats[group][0]) / (stats[group][1] + ADVANTAGE_EPS) for group, reward in members]
+    equal = {group for group, rewards in by_group.items() if max(rewards) == min(rewards)}  # no signal: exactly 0
+    # (a mean's rounding left +-1e-11 over the 1e-6, and a step that moved nothing read as a trainer that did not)
+    return [
+        0.0 if group in equal else (reward - stats[group][0]) / (stats[group][1] + ADVANTAGE_EPS)
+        for group, reward in members
+    ]
 
 
 @dataclass

@@ -30,6 +30,7 @@ from orchestrator.state import RoundRecord, RunState  # noqa: E402
 from orchestrator.tables import (  # noqa: E402
     best_generalization,
     best_over_starter,
+    interval_of,
     paired_cell,
     promotion,
 )
@@ -516,8 +517,7 @@ def _unseen(state) -> list[tuple[str, str, str]] | None:
         if figure is None:
             rows.append((label, "-", "-"))
             continue
-        high = f"{figure.high:.2f}" if figure.high is not None else "unbounded"
-        rows.append((label, f"{figure.ratio:.2f}x [{figure.low:.2f}, {high}]", str(figure.pairs)))
+        rows.append((label, f"{figure.ratio:.2f}x {interval_of(figure)}", str(figure.pairs)))
     return rows
 
 

@@ -50,9 +50,7 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
         if run.paired is None:
             ratio = "1.00x"
         else:
-            p = run.paired
-            ratio = f"{p.ratio:.2f}x [{p.low:.2f}, {p.high:.2f}]" if p.high is not None else f"{p.ratio:.2f}x [n=1]"
-            ratio = f"{p.ratio:.2f}x [1 seed]" if one_seed(p) else ratio
+            ratio = f"{run.paired.ratio:.2f}x {interval_of(run.paired)}"
         table.add_row(
             run.name,
             f"{num(m(headline))}±{num(run.spread(headline))}",
@@ -146,6 +144,16 @@ def one_seed(paired) -> bool:
     """A simulated pair on one seed: its ratio is exact there (no measurement noise), and its "interval" a
     point that says nothing of other seeds; shown as such, not as [x, x]."""
     return paired.pairs == 1 and paired.high is not None and paired.low == paired.high
+
+
+def interval_of(paired) -> str:
+    """A ratio's interval as the tables print it ('[1.06, 1.52]'), or what it is where it is none: one
+    simulated seed (exact there), one real pair (no noise measured), a headline of zero or infinity."""
+    if one_seed(paired):
+        return "[1 seed]"
+    if paired.high is None:
+        return "[unbounded: 1 pair]" if paired.pairs == 1 else "[none: a headline was 0 or infinite]"
+    return f"[{paired.low:.2f}, {paired.high:.2f}]"
 
 
 def paired_cell(paired: Promotion | None) -> str:
@@ -333,11 +341,11 @@ def generalization_table(g: Generalization) -> Table:
         if figure is None:
             table.add_row(escape(label), "-", "-", "-", "-", "-")
             continue
-        interval = f"[{figure.low:.2f}, {figure.high:.2f}]" if figure.high is not None else "[unbounded]"
         bound = f"{g.bound[name]:.0%}" if name in g.bound else "-"  # runs recorded before it was kept: none
         tokens = f"{g.tokens[name]:.2f}x" if name in g.tokens else "-"  # likewise
         kept = f"{g.kept(figure):.0%}"
-        table.add_row(escape(label), f"{figure.ratio:.2f}x {escape(interval)}", tokens, str(figure.pairs), kept, bound)
+        ratio = f"{figure.ratio:.2f}x {escape(interval_of(figure))}"  # one simulated seed: no interval
+        table.add_row(escape(label), ratio, tokens, str(figure.pairs), kept, bound)
     table.caption = (
         "in tokens: the best's trained response tokens per second over the starter's (medians); below the "
         "ratio, the best trained shorter trajectories than the starter on the same seeds. of in-search: the "
@@ -355,8 +363,8 @@ def rounds_table(run: Path, state) -> Table:
     measures = f"headline: {metric}, {HEADLINE_METRICS[metric]}; " if metric in HEADLINE_METRICS else ""
     table = Table(
         title=escape(f"{run}: {state.config.target_id}, {state.config.policy} policy, {state.config.agents} agents"),
-        caption=f"{measures}vs parent: each headline on its own round's seeds; (not) promoted: paired with the best "
-        "on the round's seeds, 'of' the best's headline there",
+        caption=f"{measures}vs parent: each headline on its own round's seeds, + better; (not) promoted: paired with "
+        "the best on the round's seeds, 'of' the best's headline there",
         box=box.SIMPLE_HEAD,
     )
     table.add_column("round", justify="right", no_wrap=True)
@@ -367,8 +375,11 @@ def rounds_table(run: Path, state) -> Table:
         table.add_column("tokens in/out", no_wrap=True)
         table.add_column("cost $", no_wrap=True)
     table.add_column("task / why", overflow="fold")
+    lower = state.spec_at_start.get("headline_metric", {}).get("direction") == "minimize"  # + is better, always
     for r in state.rounds:
-        delta = f"{r.headline / r.parent_headline - 1:+.1%}" if r.headline and r.parent_headline else "-"
+        both = bool(r.headline and r.parent_headline)
+        gain = (r.parent_headline / r.headline if lower else r.headline / r.parent_headline) if both else None
+        delta = "-" if gain is None else f"{gain - 1:+.1%}"
         detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else "; ".join(h.code for h in r.hints)
         if r.verdict == "accepted" and r.round > 0:
             detail = "; ".join(part for part in (promotion_short(r), detail) if part)

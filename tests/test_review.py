@@ -51,6 +51,27 @@ def test_log_in_a_pipe_is_one_whole_row_per_round(tmp_path):
     assert rows[2][1] == "rejected" and "never trained" in lines[3]
 
 
+def test_every_table_prints_an_interval_as_what_it_is_and_gains_in_the_metric_s_direction(tmp_path):
+    """The generalization table and the report printed one simulated seed as a zero-width '95% CI'
+    ([1.30, 1.30]), bench printed a headline of zero over three pairs as '[n=1]', and log's 'vs parent'
+    showed a 10% faster step_time_s candidate as -10%."""
+    from orchestrator.tables import interval_of
+    from targets.harness.measure.session import Paired
+
+    assert interval_of(Paired.of([13.0], [10.0], deterministic=True)) == "[1 seed]"
+    assert interval_of(Paired.of([13.0], [10.0])) == "[unbounded: 1 pair]"
+    assert interval_of(Paired.of([0.0, 12.0, 11.0], [10.0] * 3)) == "[none: a headline was 0 or infinite]"
+    assert interval_of(Paired.of([12.0, 13.0, 12.5], [10.0] * 3)).startswith("[1.")
+    run = make_review_run(tmp_path)
+    state = RunState.load(run)
+    state.spec_at_start = {"headline_metric": {"name": "step_time_s", "direction": "minimize"}}
+    faster = state.rounds[1].model_copy(update={"headline": 9.0, "parent_headline": 10.0})
+    state.rounds[1] = faster
+    terminal = Console(width=200, record=True)
+    terminal.print(rounds_table(run, state))
+    assert "+11.1%" in terminal.export_text() and "-10.0%" not in terminal.export_text()
+
+
 def test_log_and_show_json_are_the_records(tmp_path):
     run = make_review_run(tmp_path)
     log = json.loads(_ok("log", str(run), "--json"))

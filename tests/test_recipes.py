@@ -707,6 +707,44 @@ def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path,
     assert result.passed, result.reasons
 
 
+def test_the_kl_term_is_judged_once_the_policy_has_left_its_anchor(path, tiny_model, tiny_spec):
+    """Check 2 starts every trainer at its KL anchor, where the k3 term's gradient is exactly 0: a trainer
+    that ignored the KL term passed (a review of the reference). Over four steps at a rate that moves the
+    policy off the anchor, the FSDP2 trainer follows the reference's KL, and a trainer without the term or
+    weighing it tenfold is rejected."""
+    import dataclasses
+
+    from targets.harness.judge.accuracy import fixed_train_batches
+    from targets.harness.reference.trainer import ReferenceTrainer
+
+    config = dataclasses.replace(tiny_spec.workload.training.config(), lr=1e-2, kl_coef=1.0)
+    batches = fixed_train_batches(tiny_model, sizes=(8, 8, 8, 8))
+
+    class Without(ReferenceTrainer):  # no KL term at all
+        def __init__(self, model, config):
+            super().__init__(model, dataclasses.replace(config, kl_coef=0.0))
+
+    class Tenfold(ReferenceTrainer):  # the KL term weighed wrong
+        def __init__(self, model, config):
+            super().__init__(model, dataclasses.replace(config, kl_coef=10 * config.kl_coef))
+
+    def planted(cls):
+        def make(state, c):
+            model = copy.deepcopy(tiny_model)
+            model.load_state_dict(dict(state))
+            return cls(model.float(), c)
+
+        return make
+
+    honest = check_trainer(
+        lambda state, c: FSDPTrainer(path, c, state=state), tiny_model, config, tiny_spec.accuracy, batches
+    )
+    assert honest.passed, honest.reasons
+    for cls in (Without, Tenfold):
+        result = check_trainer(planted(cls), tiny_model, config, tiny_spec.accuracy, batches)
+        assert not result.passed and "update over" in " ".join(result.reasons), (cls.__name__, result.details)
+
+
 class _Streamed:
     """A trainer driven as stream training drives it: each batch's groups but the last as parts of one
     group each (``train_part``), the last group as the step itself. ``parts=False``: a trainer that

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from orchestrator.state import Generalization, GeneralizationRejected, Promotion
-from targets.harness.measure.session import MeasurementFailed, Session
+from targets.harness.measure.session import MeasurementFailed, Paired, Session
 from targets.harness.target import Target
 from targets.spec import TargetSpec
 
@@ -130,7 +130,7 @@ def measure_generalization(
             )
         figures[name] = Promotion(**paired.as_dict())
         bound[name] = statistics.median(m.metrics["lower_bound_fraction"] for m in ours)
-        ratio = _median_ratio(ours, theirs, "trained_tokens_per_s")
+        ratio = Paired.ratio_of(*([m.metrics["trained_tokens_per_s"] for m in runs] for runs in (ours, theirs)))
         if ratio is not None:  # a starter that trained nothing: no ratio (the tables show '-'), not 0.00x
             tokens[name] = ratio
     return Generalization(
@@ -145,9 +145,3 @@ def measure_generalization(
         bound=bound,
         tokens=tokens,
     )
-
-
-def _median_ratio(ours: list, theirs: list, metric: str) -> float | None:
-    """Our runs' median ``metric`` over theirs (None where theirs is 0: nothing to compare with)."""
-    base = statistics.median(m.metrics[metric] for m in theirs)
-    return statistics.median(m.metrics[metric] for m in ours) / base if base else None

@@ -11,8 +11,11 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from targets.harness.measure.session import Paired
 from targets.spec import TargetSpec
 from targets.spec.target import HEADLINE_METRICS, HeadlineMetric
+
+TOKENS = "trained_tokens_per_s"  # the second figure beside a headline: trained response tokens a second
 
 if TYPE_CHECKING:
     from orchestrator.state import Generalization, GeneralizationRejected, Promotion
@@ -43,10 +46,9 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
     table.add_column("schedule", overflow="fold")
     for column in (headline, "ratio [95% CI]", "tokens", "traj/s", "step s", "LB", "timeouts", "busy"):
         table.add_column(column, justify="right", no_wrap=column != "ratio [95% CI]", overflow="fold")
-    first_tokens = first.median("trained_tokens_per_s")  # 0 where the first schedule trained nothing: no ratio
     for run in runs:
         m = run.median
-        tokens = m("trained_tokens_per_s") / first_tokens if first_tokens else None
+        tokens = Paired.ratio_of(*([r[TOKENS] for r in of.repeats] for of in (run, first)))  # None: 0 trained
         if run.paired is None:
             ratio = "1.00x"
         else:
@@ -64,7 +66,7 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
         )
     table.caption = (
         f"{headline}: {HEADLINE_METRICS[headline]}; ratio: {headline} over {first.name}'s, paired by seed; tokens: "
-        f"the response tokens of the trajectories trained a second over {first.name}'s, medians (below a goodput "
+        f"the response tokens of the trajectories trained a second over {first.name}'s, paired (below a goodput "
         "ratio: shorter trajectories trained); traj/s: rollout throughput; LB: the step's fluid lower bound over "
         "its step time"
     )
@@ -283,9 +285,6 @@ def best_rejected_unseen(state) -> GeneralizationRejected | None:
     return _of_the_best(state, state.generalization_rejected)
 
 
-TOKENS = "trained_tokens_per_s"
-
-
 def best_over_starter(state, metric: HeadlineMetric) -> str:
     """'1.96x the starter on its round's seeds (paired)' where the best was measured beside the starter
     (a generalization); else the two headlines' ratio, each on its own round's seeds. '' without both.
@@ -347,7 +346,7 @@ def generalization_table(g: Generalization) -> Table:
         ratio = f"{figure.ratio:.2f}x {escape(interval_of(figure))}"  # one simulated seed: no interval
         table.add_row(escape(label), ratio, tokens, str(figure.pairs), kept, bound)
     table.caption = (
-        "in tokens: the best's trained response tokens per second over the starter's (medians); below the "
+        "in tokens: the best's trained response tokens per second over the starter's, paired by seed; below the "
         "ratio, the best trained shorter trajectories than the starter on the same seeds. of in-search: the "
         "ratio as a share of the in-search one. of its bound: the step's lower bound as a share of the best's "
         "step (100% would be the bound itself)"

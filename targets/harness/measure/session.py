@@ -206,6 +206,14 @@ class Paired:
         bound = math.exp(mean - student_t.quantile(confidence, n - 1) * error)
         return cls(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, against, beside, bound)
 
+    @classmethod
+    def ratio_of(cls, candidate: list[float], baseline: list[float]) -> float | None:
+        """The paired ratio alone, for a secondary figure beside the headline's (the same estimator on the
+        same seeds: a ratio of medians beside a paired geometric mean read a difference of estimators as one
+        of trajectories); None where a run measured 0 or infinity."""
+        ratio = cls.of(candidate, baseline).ratio
+        return ratio if math.isfinite(ratio) and ratio > 0 else None
+
     def clears(self, noise_threshold: float) -> bool:
         """The promotion rule: its ``bound`` above ``1 + noise_threshold``."""
         return (self.low if self.bound is None else self.bound) > 1 + noise_threshold

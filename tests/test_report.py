@@ -269,10 +269,12 @@ def test_the_best_over_the_starter_names_its_ratio_in_trained_tokens_beside_good
         in_search=figure,
         held_out=figure,
         held_out_seeds=[7],
-        tokens={"in-search": 0.9},
+        tokens={"in-search": 0.9, "held-out": 0.95},
     )
-    assert (
-        best_over_starter(state, GOODPUT) == "2.20x the starter, 0.90x in trained tokens on its round's seeds (paired)"
+    # the held-out figure first: the best was chosen on its own round's seeds, whose figure its selection inflates
+    assert best_over_starter(state, GOODPUT) == (
+        "2.20x [2.00, 2.40] the starter, 0.95x in trained tokens on held-out seeds (paired); "
+        "2.20x on its round's seeds, where it was chosen"
     )
     # where the search never looked, in the report too (log showed it; the page said the in-search ratio alone)
     worse = Promotion(ratio=0.87, low=0.78, high=0.96, pairs=3, against="round 0", threshold=0.05)

@@ -398,6 +398,16 @@ def test_trainer_check_rejects_planted_trainers(tiny_model, batches, planted, ex
     assert any(expected in r for r in result.reasons), result.reasons
 
 
+@pytest.mark.parametrize("planted", [LossScaledTrainer, TokenSumTrainer, NeverClippedGradientTrainer])
+def test_a_kl_term_does_not_blind_check_2_to_the_loss_scale(tiny_model, batches, planted):
+    """With kl_coef > 0 the batches were left unscaled (both steps clipped): a loss 100x too large, a token
+    sum and no gradient clipping passed again. The probe runs at the KL anchor, where the term adds no
+    gradient: the batches straddle the clip whatever the KL coefficient."""
+    config = TrainingConfig(**{**CONFIG.__dict__, "kl_coef": 0.1})
+    assert check_trainer(_factory(ReferenceTrainer, tiny_model), tiny_model, config, ACCURACY, batches).passed
+    assert not check_trainer(_factory(planted, tiny_model), tiny_model, config, ACCURACY, batches).passed
+
+
 # --- check 3 ------------------------------------------------------------------------------
 
 

@@ -223,7 +223,8 @@ def straddling_the_clip(
     unless clipping touches one step and not another: with both clipped (the drawn batches' norms were 3.9
     and 4.6 over a max of 1), a loss 100x too large, summed where it should be averaged, or never clipped
     passed check 2 (found by a review of the reference). The policy loss is linear in the advantages, so
-    the scale is read from one probe of each batch's gradient at lr 0."""
+    the scale is read from one probe of each batch's gradient at lr 0 (which never leaves the KL anchor,
+    where a KL term's gradient is 0)."""
     probe = ReferenceTrainer(copy.deepcopy(model).float(), replace(config, lr=0.0))
     out = list(batches)
     for index, target in ((0, 1 / CLIP_SPAN), (len(out) - 1, CLIP_SPAN)):
@@ -268,7 +269,7 @@ def check_trainer(
     one by one. The first step's own figures are recorded, not judged (``step_1_*`` in the details): what
     judging check 2 step by step would have to allow, measured on each card the check runs on."""
     batches = list(batches) if batches is not None else fixed_train_batches(base_model)
-    if config.kl_coef == 0 and len(batches) > 1:  # (a KL term is not linear in the advantages)
+    if len(batches) > 1:  # (at the anchor a KL term's gradient is 0: the probe reads the policy loss alone)
         batches = straddling_the_clip(batches, base_model, config)
     initial = {k: v.detach().cpu().clone() for k, v in base_model.state_dict().items()}
     reference = ReferenceTrainer(copy.deepcopy(base_model).float(), config)  # float32 masters, as a trainer keeps

@@ -509,16 +509,22 @@ def test_a_controller_switch_switches_off_the_techniques_the_new_controller_cann
         assert not planner.skills[technique].is_on(after) and technique in switch.rationale
     stale = switch.model_copy(update={"changes": {k: v for k, v in switch.changes.items() if k in ("controller",)}})
     assert not planner.applies(stale, params)  # a switch that would strand them is no longer a move
+    assert planner.as_on(stale, params).changes == switch.changes  # ... until written for this parent (the backlog)
     # the implementer refuses a task whose parameters strand a technique
     workspace = write_starter(tmp_path / "ws", tiny_spec, "time_multiplex")
     (workspace / "stack" / "params.json").write_text(
-        json.dumps({**starter_params(tiny_spec, "time_multiplex"), "stream_train": 1})
+        json.dumps({**starter_params(tiny_spec, "time_multiplex"), "overlap_sync": 1})
     )
     to_colocate = Task(
         id="controller=colocate", title="switch", rationale="", skills=["colocate"], changes={"controller": "colocate"}
     )
-    with pytest.raises(ImplementationError, match="stream_training cannot run with these parameters"):
+    with pytest.raises(ImplementationError, match="overlap_sync cannot run with these parameters"):
         OfflineImplementer(tiny_spec, OfflinePlanner(tiny_spec)).implement(to_colocate, workspace, [])
+    # a parent already stranded (a run from before this rule) is not a reason to refuse every task on it
+    colocated = {**starter_params(tiny_spec, "colocate"), "stream_train": 1}
+    (workspace / "stack" / "params.json").write_text(json.dumps(colocated))
+    move = Task(id="async_ratio=0", title="move", rationale="", skills=["colocate"], changes={"async_ratio": 0})
+    OfflineImplementer(tiny_spec, OfflinePlanner(tiny_spec)).implement(move, workspace, [])
 
 
 def test_the_planner_moves_only_to_device_counts_the_stack_can_place():
@@ -900,19 +906,21 @@ def test_a_stacks_design_record_says_each_task_s_latest_trial_and_done_only_for_
         validated(2, "c0", "add-y", True),
         validated(3, "c2", "add-x", True),
         RoundRecord(round=4, task=T("add-z"), parent_round=3, parent_commit="c3", verdict="rejected", reasons=["slow"]),
+        RoundRecord(round=5, task=T("add-q"), parent_round=3, parent_commit="c3", verdict="error", reasons=["git"]),
     ]
     state.backlog = [T("add-z")]
     (tmp_path / "DESIGN.md").write_text(DesignDoc.starter("colocate", {}).render())
     on_the_line = RoundRecord(
-        round=5, task=T("add-w"), parent_round=3, parent_commit="c3", verdict="rejected", reasons=["x"]
+        round=6, task=T("add-w"), parent_round=3, parent_commit="c3", verdict="rejected", reasons=["x"]
     )
     update_design(tmp_path, on_the_line, state, tiny_spec)
     plan = {step.id: (step.status, step.reason) for step in DesignDoc.load(tmp_path / "DESIGN.md").plan}
     assert plan["add-x"][0] == "DONE" and plan["add-y"][0] == "DONE"  # round 3 on round 2's line, this stack's
     assert plan["add-z"][0] == "ABANDONED" and "round 4 rejected: slow" in plan["add-z"][1]  # not NOT_STARTED
+    assert plan["add-q"][0] == "NOT_STARTED" and "tried again" in plan["add-q"][1]  # an error: never judged
     (tmp_path / "DESIGN.md").write_text(DesignDoc.starter("colocate", {}).render())
     elsewhere = RoundRecord(
-        round=5, task=T("add-w"), parent_round=1, parent_commit="c1", verdict="rejected", reasons=["x"]
+        round=6, task=T("add-w"), parent_round=1, parent_commit="c1", verdict="rejected", reasons=["x"]
     )
     update_design(tmp_path, elsewhere, state, tiny_spec)  # a stack on round 1's line (evolve's parent)
     plan = {step.id: (step.status, step.reason) for step in DesignDoc.load(tmp_path / "DESIGN.md").plan}

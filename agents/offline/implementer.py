@@ -63,7 +63,8 @@ class OfflineImplementer:
             if not self.planner.legal(name, value, task.skills):
                 raise ImplementationError(f"task {task.id}: {name}={value!r} is outside its range on this target")
             params[name] = value
-        stranded = self.planner.stranded(params)
+        before = set(self.planner.stranded(json.loads((stack / "params.json").read_text())))
+        stranded = [name for name in self.planner.stranded(params) if name not in before]  # what this task strands
         if stranded:  # a technique its controller never reads, or without what it requires: on in name only
             raise ImplementationError(f"task {task.id}: {', '.join(stranded)} cannot run with these parameters")
         (stack / "params.json").write_text(json.dumps(params, indent=2) + "\n")

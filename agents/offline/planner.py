@@ -112,6 +112,16 @@ class OfflinePlanner:
             acceptance=self._acceptance(),
         )
 
+    def as_on(self, task: Task, params: dict) -> Task:
+        """``task`` as this planner would write it on ``params``: a controller switch queued under an earlier
+        best carries the switch-offs of what it would strand here (else it no longer applies, and its id,
+        known to the backlog, kept the switch from being queued again)."""
+        skill = self.skills.get(task.skills[0]) if len(task.skills) == 1 else None
+        if skill is None or not task.id.startswith("controller="):
+            return task
+        fresh = self._controller_task(skill, None, params)
+        return task if fresh is None else task.model_copy(update={"changes": fresh.changes})
+
     def stranded(self, params: dict) -> list[str]:
         """The techniques on in ``params`` that may not be on there (their controller, what they require,
         what they conflict with): on in name only."""

@@ -51,6 +51,7 @@ class BacklogPolicy:
         if follow_up is not None:
             return follow_up
         for task in sorted(state.backlog, key=lambda t: (-t.priority, t.id)):
+            task = self.planner.as_on(task, params)  # a switch queued under an earlier best, written for this one
             if task.id not in retrying and fresh(task):
                 return parent, task
         compositions = sorted(self.planner.composition_tasks(params), key=lambda t: (-t.priority, t.id))
@@ -80,8 +81,8 @@ class BacklogPolicy:
         for record in state.accepted():
             if not record.task.id.startswith("controller=") or record.became_best or not record.commit:
                 continue
-            if any(r.parent_commit == record.commit for r in state.rounds):
-                continue  # followed up already
+            if any(r.parent_commit == record.commit and r.verdict != "error" for r in state.rounds):
+                continue  # followed up already (a follow-up that ended in an error, never judged, is tried again)
             params = params_of(record)
             tasks = [
                 t

@@ -111,7 +111,7 @@ class Generalization(BaseModel):
     # ("in-search", "held-out", "perturbed"): unlike a ratio over the starter, it does not move with
     # how the starter itself fares on a workload (a tail-bound starter gains where the tail is capped)
     bound: dict[str, float] = {}
-    # the same figures in the response tokens of the trajectories trained (the medians' ratio, per figure):
+    # the same figures in the response tokens of the trajectories trained (the paired ratio, per figure):
     # below the ratio, the best trained shorter trajectories than the starter did on the same seeds
     tokens: dict[str, float] = {}
 

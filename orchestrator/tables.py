@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -148,13 +149,17 @@ def one_seed(paired) -> bool:
     return paired.pairs == 1 and paired.high is not None and paired.low == paired.high
 
 
-def interval_of(paired) -> str:
-    """A ratio's interval as the tables print it ('[1.06, 1.52]'), or what it is where it is none: one
-    simulated seed (exact there), one real pair (no noise measured), a headline of zero or infinity."""
+def interval_of(paired, percent: str = "") -> str:
+    """A ratio's interval as the tables print it ('[1.06, 1.52]', or with ``percent`` a format such as
+    '.1%' the gains '[+6.0%, +52.0%]'), or what it is where it is none: one simulated seed (exact there), a
+    headline of zero or infinity, one real pair (no noise measured)."""
     if one_seed(paired):
         return "[1 seed]"
     if paired.high is None:
-        return "[unbounded: 1 pair]" if paired.pairs == 1 else "[none: a headline was 0 or infinite]"
+        finite = math.isfinite(paired.ratio) and paired.ratio > 0
+        return "[unbounded: 1 pair]" if finite else "[none: a headline was 0 or infinite]"
+    if percent:
+        return f"[{paired.low - 1:+{percent}}, {paired.high - 1:+{percent}}]"
     return f"[{paired.low:.2f}, {paired.high:.2f}]"
 
 
@@ -163,9 +168,7 @@ def paired_cell(paired: Promotion | None) -> str:
     the best's headline on those seeds (the best column's figure is from the best's own round's seeds)."""
     if paired is None:
         return "-"
-    interval = "unbounded" if paired.high is None else f"{paired.low - 1:+.0%}, {paired.high - 1:+.0%}"
-    interval = "1 seed" if one_seed(paired) else interval
-    return f"{paired.ratio - 1:+.0%} [{interval}]{_of_the_best_there(paired)}"
+    return f"{paired.ratio - 1:+.0%} {interval_of(paired, '.0%')}{_of_the_best_there(paired)}"
 
 
 def _of_the_best_there(paired: Promotion) -> str:
@@ -260,13 +263,11 @@ def promotion_short(record) -> str:
     if record.paired is None:
         return promotion(record)
     p, threshold = record.paired, record.paired.threshold
-    interval = "unbounded" if p.high is None else f"{p.low - 1:+.1%}, {p.high - 1:+.1%}"
-    interval = "1 seed" if one_seed(p) else interval
     sequential = p.bound is not None and p.bound != p.low  # a look of a sequential comparison: its own bound
     needs = f"bound {p.bound - 1:+.1%}" if sequential else "low"
     rule = f", needs {needs} > +{threshold:.0%}" if threshold is not None else ""
     verb = "promoted" if record.became_best else "not promoted"
-    return f"{verb}: {p.ratio - 1:+.1%} [{interval}]{_of_the_best_there(p)}{rule}"
+    return f"{verb}: {p.ratio - 1:+.1%} {interval_of(p, '.1%')}{_of_the_best_there(p)}{rule}"
 
 
 def _of_the_best(state, measured):

@@ -62,6 +62,12 @@ def test_every_table_prints_an_interval_as_what_it_is_and_gains_in_the_metric_s_
     assert interval_of(Paired.of([13.0], [10.0])) == "[unbounded: 1 pair]"
     assert interval_of(Paired.of([0.0, 12.0, 11.0], [10.0] * 3)) == "[none: a headline was 0 or infinite]"
     assert interval_of(Paired.of([12.0, 13.0, 12.5], [10.0] * 3)).startswith("[1.")
+    assert interval_of(Paired.of([0.0], [10.0])) == "[none: a headline was 0 or infinite]"  # not "1 pair"
+    from orchestrator.state import Promotion
+    from orchestrator.tables import paired_cell
+
+    zero = Promotion(**Paired.of([0.0, 12.0, 11.0], [10.0] * 3).as_dict())  # log and the commit trailers too
+    assert "[none: a headline was 0 or infinite]" in paired_cell(zero) and "unbounded" not in paired_cell(zero)
     run = make_review_run(tmp_path)
     state = RunState.load(run)
     state.spec_at_start = {"headline_metric": {"name": "step_time_s", "direction": "minimize"}}

@@ -5,6 +5,7 @@ production-scale target runs on the simulator, and bad input gets a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -895,25 +896,29 @@ def test_a_run_another_process_is_running_is_refused_by_name_until_it_ends(tmp_p
     """Two ``generate`` on one run wrote the same refs, worktrees and state at once; the second is refused,
     naming the first's pid, and may go on once that one has ended (here: killed, as a crash would)."""
     run = _empty_run(tmp_path)
+    claim = f"from pathlib import Path; from orchestrator.history import History; History(Path({str(run)!r})).claim()"
+    with _another_process_holding(claim) as holder:
+        busy = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)], env=ENV)
+        assert busy.exit_code == 2, busy.output
+        assert f"another vibetrain process (pid {holder.pid}) is running the run in {run.resolve()}" in busy.output
+    History.open(run).claim()  # the kernel let go of the killed holder's lock
+
+
+@contextlib.contextmanager
+def _another_process_holding(claim: str):
+    """A process that runs ``claim`` (Python taking a run's lock) and holds it until it is killed (as a
+    crash would end it), yielded once it holds."""
     holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from pathlib import Path; from orchestrator.history import History; History(Path({str(run)!r})).claim(); "
-            "print('held', flush=True); import time; time.sleep(60)",
-        ],
+        [sys.executable, "-c", f"{claim}; print('held', flush=True); import time; time.sleep(60)"],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        busy = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--resume", "--out", str(run)], env=ENV)
-        assert busy.exit_code == 2, busy.output
-        assert f"another vibetrain process (pid {holder.pid}) is running the run in {run.resolve()}" in busy.output
+        yield holder
     finally:
         holder.kill()
         holder.wait()
-    History.open(run).claim()  # the kernel let go of the killed holder's lock
 
 
 def test_a_second_fresh_start_on_one_folder_is_refused_before_it_makes_anything(tmp_path, fast_target):
@@ -924,25 +929,12 @@ def test_a_second_fresh_start_on_one_folder_is_refused_before_it_makes_anything(
     from orchestrator import writer_lock
 
     run = tmp_path / "run"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from pathlib import Path; from orchestrator import writer_lock; writer_lock.claim(Path({str(run)!r})); "
-            "print('held', flush=True); import time; time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    claim = f"from pathlib import Path; from orchestrator import writer_lock; writer_lock.claim(Path({str(run)!r}))"
+    with _another_process_holding(claim) as holder:
         busy = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run)], env=ENV)
         assert busy.exit_code == 2, busy.output
         assert f"another vibetrain process (pid {holder.pid}) is running the run" in " ".join(busy.output.split())
         assert not (run / ".git" / "HEAD").exists() and not RunDir(run).state_file.exists()
-    finally:
-        holder.kill()
-        holder.wait()
     assert {p.name for p in (run / ".git").rglob("*")} == {"vibetrain", "writer.flock"}  # the lock, left
     loop = _start(fast_target, tmp_path)  # taken back, and started
     loop.history.release()

@@ -226,8 +226,8 @@ class RoundsView:
         elif kind == "prescreen":
             p = data["prediction"]
             verdict = "goes on to the judge" if p.passed else "screened out"
-            if p.untrusted is not None:
-                verdict = "not trusted (a cost it has only guessed), goes on to the judge"
+            if p.untrusted is not None:  # a cost only guessed, or the engines' word alone against it
+                verdict = f"not trusted, goes on to the judge ({escape(p.untrusted)})"
             predicted = f"the twin predicts {num(p.headline)} against the best's {num(p.best)}"
             self.status = f"round {data['round']}: {predicted}: {verdict}"
         elif kind == "generalize":

@@ -159,6 +159,13 @@ def test_the_live_view_names_the_run_start_and_a_twins_verdict_as_such(tiny_spec
     reasons = ["twin_prescreen: predicted goodput 56.3 against the best's 60.2 (-6.5%)"]
     view.event("verdict", round=2, attempt=1, passed=False, reasons=reasons)
     assert view.status.startswith("round 2 attempt 1: twin failed: twin_prescreen"), view.status
+    # a prediction not trusted says why (it said 'a cost it has only guessed' whatever the reason was)
+    from orchestrator.state import Prediction
+
+    why = "fitted to what the harness timed alone ... within the margin"
+    untrusted = Prediction(metric="goodput", headline=57.5, best=60.6, margin=0.05, passed=True, untrusted=why)
+    view.event("prescreen", round=2, prediction=untrusted)
+    assert view.status.endswith(f"not trusted, goes on to the judge ({why})"), view.status
 
 
 def test_every_command_and_group_shows_an_example_in_its_help():

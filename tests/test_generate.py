@@ -102,7 +102,7 @@ def test_generate_commits_validated_candidates_paired_with_the_best(tmp_path, tw
     log = _trailers(run, "refs/vibetrain/rounds/1")
     assert "Round 1: " in log and "Agent-Backend: offline" in log and "Verdict: accepted" in log
     assert "Headline-Metric: goodput=" in log and "Parent-Metric: goodput=" in log
-    promotion = r"Promotion: not promoted: [+-]\d+\.\d% \[unbounded\] of [\d.]+, needs low > \+\d+%"
+    promotion = r"Promotion: not promoted: [+-]\d+\.\d% \[unbounded: 1 pair\] of [\d.]+, needs low > \+\d+%"
     assert re.search(promotion, log), log  # 'of': the best's headline on the pair's seed
     body = git.Repo(run).git.log("-1", "--format=%B", "refs/vibetrain/rounds/1")
     assert re.search(r"not promoted: [+-]\d+(\.\d)?%", body) and "interval unbounded" in body, body

@@ -4,10 +4,9 @@ findings, and the backlog still pending."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
-from orchestrator.state import RETRIES_AFTER_ERROR, RoundRecord, RunState, near_miss
+from orchestrator.state import RoundRecord, RunState, near_miss
 from orchestrator.tables import promotion
 from skills.design_doc import DesignDoc
 from targets.spec import TargetSpec
@@ -50,16 +49,14 @@ def update_design(workspace: Path, record: RoundRecord, state: RunState, spec: T
     earlier = sorted(
         (r for r in state.rounds if r.round < record.round and r.task.source != "starter"), key=lambda r: r.round
     )
-    errors: Counter = Counter()
+    tried = state.tried()
     for trial in earlier:
         said = status(trial, trial.commit in line)
-        if trial.verdict == "error":  # never judged: open for one more try (RunState.tried), so not abandoned yet
-            errors[trial.parent_commit, trial.task.id] += 1
-            if errors[trial.parent_commit, trial.task.id] <= RETRIES_AFTER_ERROR:
-                said = (
-                    "NOT_STARTED",
-                    f"round {trial.round} ended in an error, its candidate never judged: tried again",
-                )
+        if trial.verdict == "error" and (trial.parent_commit, trial.task.id) not in tried:  # open for its retry
+            said = (
+                "NOT_STARTED",
+                f"round {trial.round} ended in an error, its candidate never judged: tried again",
+            )
         doc.record_round(trial.round, trial.task.id, trial.task.title, *said)
     for trial in earlier:  # what this stack holds: the rounds it descends from
         if trial.commit in line:

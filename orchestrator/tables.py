@@ -249,8 +249,8 @@ def promotion(record, threshold: float | None = None) -> str:
     threshold = record.paired.threshold if record.paired.threshold is not None else threshold
     paired = record.paired.paired()
     verb = "promoted" if record.became_best else "not promoted"
-    sequential = paired.bound is not None and paired.bound != paired.low
-    bound = f"its bound for the look ({paired.bound - 1:+.1%})" if sequential else "the interval's low end"
+    look = paired.look_bound
+    bound = "the interval's low end" if look is None else f"its bound for the look ({look - 1:+.1%})"
     rule = f"; promotion needs {bound} above +{threshold:.0%}" if threshold is not None else ""
     beside = paired.baseline_median
     best = f" (the best: {num(beside)} on the same seeds)" if beside is not None else ""
@@ -263,8 +263,8 @@ def promotion_short(record) -> str:
     if record.paired is None:
         return promotion(record)
     p, threshold = record.paired, record.paired.threshold
-    sequential = p.bound is not None and p.bound != p.low  # a look of a sequential comparison: its own bound
-    needs = f"bound {p.bound - 1:+.1%}" if sequential else "low"
+    look = p.paired().look_bound  # a look of a sequential comparison: its own bound
+    needs = "low" if look is None else f"bound {look - 1:+.1%}"
     rule = f", needs {needs} > +{threshold:.0%}" if threshold is not None else ""
     verb = "promoted" if record.became_best else "not promoted"
     return f"{verb}: {p.ratio - 1:+.1%} {interval_of(p, '.1%')}{_of_the_best_there(p)}{rule}"

@@ -58,12 +58,13 @@ class OfflineImplementer:
             expand_file(stack / module, workspace)
             if (stack / module).read_bytes() != before:
                 changed.append(f"stack/{module}")
-        params = json.loads((stack / "params.json").read_text())
+        parent = json.loads((stack / "params.json").read_text())
+        params = dict(parent)
         for name, value in task.changes.items():
             if not self.planner.legal(name, value, task.skills):
                 raise ImplementationError(f"task {task.id}: {name}={value!r} is outside its range on this target")
             params[name] = value
-        before = set(self.planner.stranded(json.loads((stack / "params.json").read_text())))
+        before = set(self.planner.stranded(parent))
         stranded = [name for name in self.planner.stranded(params) if name not in before]  # what this task strands
         if stranded:  # a technique its controller never reads, or without what it requires: on in name only
             raise ImplementationError(f"task {task.id}: {', '.join(stranded)} cannot run with these parameters")

@@ -214,6 +214,11 @@ class Paired:
         ratio = cls.of(candidate, baseline).ratio
         return ratio if math.isfinite(ratio) and ratio > 0 else None
 
+    @property
+    def look_bound(self) -> float | None:
+        """The bound a sequential comparison's look was tested at, where it is not the interval's low end."""
+        return self.bound if self.bound is not None and self.bound != self.low else None
+
     def clears(self, noise_threshold: float) -> bool:
         """The promotion rule: its ``bound`` above ``1 + noise_threshold``."""
         return (self.low if self.bound is None else self.bound) > 1 + noise_threshold

@@ -45,6 +45,7 @@ from orchestrator.generalization import held_out_seeds, measure_generalization, 
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import Policy
 from orchestrator.prescreen import PreScreen, TwinError
+from orchestrator.run_clock import RunClock, load_time_used
 from orchestrator.run_dir import RunDir
 from orchestrator.state import (
     GeneralizationRejected,
@@ -104,6 +105,7 @@ class Loop:
     prescreen: PreScreen = field(init=False)
     _session_start: tuple[float, float] | None = None  # (monotonic clock, seconds the run had used) once it runs
     _round_start: tuple[float, dict] = (0.0, {})  # (monotonic clock, LLM spend) as the round under way began
+    _clock: RunClock | None = None  # saves the time used every few seconds while the rounds run
 
     def __post_init__(self) -> None:
         self.budget = LLMBudget(self.agents.accounting)
@@ -122,11 +124,15 @@ class Loop:
         try:
             return self._run()
         finally:
+            if self._clock is not None:
+                self._clock.stop()
             self.history.release()
 
     def _run(self) -> RunState:
         self._session_start = (time.monotonic(), self.state.seconds_used)
         self.reconcile_with_git()
+        self._count_time_saved_while_killed()
+        self._clock = RunClock(RunDir(self.run_dir).time_used_file, self.seconds_used)
         self.refuse_a_moved_best()
         out_of_time = False
         if self.state.next_round > self.state.config.rounds:  # a finished run resumed as it was
@@ -144,6 +150,8 @@ class Loop:
                 break
             if self.prescreen.on and self.state.best is not None and self.prescreen.outdated():
                 self.calibrate_twin()
+            if self._clock.failure is not None:
+                raise RunError(str(self._clock.failure))
             elapsed = self.seconds_used()
             limit = self.state.config.max_minutes
             if limit is not None and elapsed >= limit * 60:
@@ -521,6 +529,16 @@ class Loop:
         else:
             started, spent_before = self._session_start
             self._session_start = (started, spent_before + seconds)
+
+    def _count_time_saved_while_killed(self) -> None:
+        """A round killed before its commit kept its time only in the clock's file: the larger count wins
+        (the state's, with the rounds recovered from git, or the clock's; both fall short of the truth)."""
+        try:
+            saved = load_time_used(RunDir(self.run_dir).time_used_file)
+        except RunStateError as error:
+            raise RunError(str(error)) from None
+        started, spent_before = self._session_start
+        self._session_start = (started, max(spent_before, saved))
 
     def save_llm_spend(self) -> None:
         """After every LLM call: a run killed mid-round resumes knowing what the round already spent."""

@@ -22,6 +22,11 @@ class RunDir:
         return self.root / ".git" / "llm_spend.json"
 
     @property
+    def time_used_file(self) -> Path:
+        """The run's wall time, saved every few seconds (``run_clock.py``; the state saves it between rounds)."""
+        return self.root / ".git" / "time_used.json"
+
+    @property
     def outputs(self) -> Path:
         """Judge and evaluator outputs of rounds in progress, traces, rendered figures."""
         return self.root / ".git" / "vibetrain"

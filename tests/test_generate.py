@@ -1289,6 +1289,52 @@ def test_a_run_killed_after_its_starter_keeps_the_time_the_starter_took(tmp_path
     assert RunState.load(tmp_path / "run").seconds_used > 0
 
 
+def test_a_run_killed_mid_round_keeps_the_time_that_round_took(tmp_path, fast_target, monkeypatch):
+    """The state saves the time between rounds only: a round killed before its commit lost its time, and a
+    scheduler that kills and resumes a run overran --max-minutes by a round each cycle. The clock's file,
+    saved every few seconds, counts it: the resumed run finds the budget spent and starts no round."""
+    from orchestrator import run_clock
+    from orchestrator.runs import resume_run
+
+    monkeypatch.setattr(run_clock, "EVERY_S", 0.05)
+    loop = _start(fast_target, tmp_path, rounds=1, sandbox="subprocess", simulate=True)
+
+    def killed_in_round_1(kind: str, **data) -> None:
+        if kind == "round_start" and data["round"] == 1:
+            time.sleep(3.0)  # the round's work
+            raise KeyboardInterrupt
+
+    loop.on_event = killed_in_round_1
+    with pytest.raises(KeyboardInterrupt):
+        loop.run()
+    saved = RunState.load(tmp_path / "run").seconds_used  # round 0's and what came before it
+    assert saved > 0
+    said, started = [], []
+    budget_s = saved + 1.5  # short of what the killed session used
+
+    def watch(kind: str, **data) -> None:
+        said.append(data.get("reason", ""))
+        started.append(kind == "round_start")
+
+    resumed = resume_run(tmp_path / "run", {"max_minutes": budget_s / 60}, watch, tmp_path / "ws")
+    resumed.run()
+    assert not any(started) and any("wall-time budget" in reason for reason in said), said
+    assert RunState.load(tmp_path / "run").seconds_used >= saved + 2.9
+
+
+def test_a_corrupt_clock_file_stops_the_resume_naming_it(tmp_path):
+    """The clock's file is read on resume like the state: a corrupt one is said, with what to do."""
+    from orchestrator.rounds import RunError
+    from orchestrator.runs import resume_run
+    from tests.review_run import make_review_run
+
+    run = make_review_run(tmp_path)
+    RunDir(run).time_used_file.write_text('{"seconds_used": "ten"}')
+    loop = resume_run(run, {}, lambda kind, **data: None, tmp_path / "ws")
+    with pytest.raises(RunError, match="time_used.json holds .* delete it"):
+        loop.run()
+
+
 def test_a_round_rebuilt_from_git_after_a_kill_keeps_its_time(tmp_path, fast_target):
     """round.json was committed before the round's time and LLM spend were filled in: a round rebuilt
     from git after a kill between its commit and the state's save showed 0 s and no spend."""

@@ -66,8 +66,9 @@ class TokenCount(Sequence[int]):
 class SamplingParams:
     """How to decode one request. ``temperature == 0`` means greedy.
 
-    Logprobs are always those of the *unscaled* model distribution (temperature 1), so the trainer's
-    ratio is computed against the same quantity whatever temperature sampled the token."""
+    Logprobs are those of the distribution each token was drawn from, softmax(logits / temperature)
+    (the unscaled softmax(logits) when greedy): the policy the trainer's ratio and gradient are taken
+    of (``TrainingConfig.temperature``), as in verl and TRL."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -226,8 +227,9 @@ class TrainingConfig:
 
     loss = token-mean over all response tokens of the batch of
            -min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps) * A) + kl_coef * k3(pi || pi_ref)
-    with r = exp(logp_new - logp_behaviour); then global-norm gradient clipping at
-    ``max_grad_norm`` and one AdamW step (betas, eps, weight_decay as given)."""
+    with r = exp(logp_new - logp_behaviour), every logp (the reference policy's too) that of
+    softmax(logits / temperature), the distribution the rollout samples from; then global-norm gradient
+    clipping at ``max_grad_norm`` and one AdamW step (betas, eps, weight_decay as given)."""
 
     lr: float = 1e-3
     clip_eps: float = 0.2
@@ -236,6 +238,7 @@ class TrainingConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    temperature: float = 1.0
 
 
 # -- Component protocols (what a stack provides) -----------------------------------------------------
@@ -483,10 +486,14 @@ class Workload:
     observation_tokens: int
     response_tokens: int  # max new tokens per turn
     max_sequence: int  # max tokens of a whole trajectory
-    temperature: float
     training: TrainingConfig
     env_state: bool = False  # a crash loses an environment's state back to its last checkpoint
     reward_model: bool = False  # an LLM judge scores each finished trajectory (``EngineSettings.reward``)
+
+    @property
+    def temperature(self) -> float:
+        """What the rollout samples at: the temperature of the policy the GRPO step trains."""
+        return self.training.temperature
 
     @property
     def groups_per_step(self) -> int:

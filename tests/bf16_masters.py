@@ -48,7 +48,7 @@ class Bf16MasterTrainer:
         self.compute.zero_grad(set_to_none=True)
         padded = pad_trajectories(trajectories)
         tokens = max(1.0, float(sum(sum(t.loss_mask) for t in trajectories)))
-        logprobs = token_logprobs(self.compute, padded.tokens, padded.attention)
+        logprobs = token_logprobs(self.compute, padded.tokens, padded.attention, self.config.temperature)
         grpo_loss(logprobs, padded, torch.tensor(advantages, dtype=torch.float32), self.config, None, tokens).backward()
         return {name: p.grad.float() for name, p in self.compute.named_parameters()}
 

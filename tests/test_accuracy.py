@@ -102,7 +102,7 @@ class SkippedStepTrainer(ReferenceTrainer):
     def train_step(self, batch):
         padded = pad_trajectories(batch.trajectories)
         loss = grpo_loss(
-            token_logprobs(self.model, padded.tokens, padded.attention),
+            token_logprobs(self.model, padded.tokens, padded.attention, self.config.temperature),
             padded,
             torch.tensor(batch.advantages),
             self.config,
@@ -368,7 +368,7 @@ def test_the_first_steps_figures_are_recorded_and_not_judged(tiny_model, batches
 def test_fixed_batches_exercise_clipping(tiny_model, batches):
     padded = pad_trajectories(batches[0].trajectories)
     with torch.no_grad():
-        ratio = torch.exp(token_logprobs(tiny_model, padded.tokens, padded.attention) - padded.old_logprobs)
+        ratio = torch.exp(token_logprobs(tiny_model, padded.tokens, padded.attention, 1.0) - padded.old_logprobs)
     on_mask = ratio[padded.loss_mask.bool()]
     assert ((on_mask > 1 + CONFIG.clip_eps) | (on_mask < 1 - CONFIG.clip_eps)).float().mean() > 0.2
 
@@ -406,6 +406,27 @@ def test_a_kl_term_does_not_blind_check_2_to_the_loss_scale(tiny_model, batches,
     config = TrainingConfig(**{**CONFIG.__dict__, "kl_coef": 0.1})
     assert check_trainer(_factory(ReferenceTrainer, tiny_model), tiny_model, config, ACCURACY, batches).passed
     assert not check_trainer(_factory(planted, tiny_model), tiny_model, config, ACCURACY, batches).passed
+
+
+class UntemperedTrainer(ReferenceTrainer):
+    """Trains the unscaled policy whatever temperature the rollout samples at (as the contract once said):
+    its ratio and gradient are of another distribution than the one the tokens were drawn from."""
+
+    def __init__(self, model, config):
+        super().__init__(model, dataclasses.replace(config, temperature=1.0))
+
+
+def test_check_2_at_the_spec_temperature_rejects_a_trainer_of_the_unscaled_policy(tiny_model):
+    """A rollout at temperature 0.6 draws from softmax(logits / 0.6), and the GRPO step is taken of that
+    policy (verl and TRL scale the logits too): check 2 samples its batches at the spec's temperature and
+    the reference trains at it, so a trainer of the unscaled policy is told apart."""
+    config = dataclasses.replace(CONFIG, temperature=0.6)
+    batches = fixed_train_batches(tiny_model, temperature=0.6)
+    honest = check_trainer(_factory(ReferenceTrainer, tiny_model), tiny_model, config, ACCURACY, batches)
+    assert honest.passed, honest.reasons
+    result = check_trainer(_factory(UntemperedTrainer, tiny_model), tiny_model, config, ACCURACY, batches)
+    assert not result.passed
+    assert any("the weights are not the reference trainer's update" in r for r in result.reasons), result.reasons
 
 
 # --- check 3 ------------------------------------------------------------------------------

@@ -855,6 +855,20 @@ def test_requests_at_another_temperature(honest):
     _rejects(_invariants(honest, events), "sampling parameters")
 
 
+def test_logprobs_of_the_unscaled_distribution_at_another_temperature(honest):
+    """Planted: at temperature 0.6 an engine reports each token's logprob under softmax(logits), not under
+    the softmax(logits / 0.6) it drew from (what the contract once asked): its trainer's ratio is taken
+    against another distribution than the draw's. The turn replay scores each turn at its own temperature."""
+    spec, events, weights, base = honest
+    training = spec.workload.training.model_copy(update={"temperature": 0.6})
+    spec = spec.model_copy(update={"workload": spec.workload.model_copy(update={"training": training})})
+    events = _edited(honest)
+    for g in (e for e in events if e.kind == "generate" and "temperature" in e.data):
+        g.data["temperature"] = 0.6  # asked as the spec says; the logprobs left as the honest T = 1 run's
+    result = audit_run(spec, events, weights.get, lambda state: _loaded(base, state), spec.workload.train_steps)
+    _rejects(result, "did not run with those weights")
+
+
 @pytest.mark.parametrize("stop", [[0, 1, 2], []], ids=["extra stop tokens", "no stop token"])
 def test_requests_that_stop_on_other_tokens(honest, stop):
     """Planted: a controller that stops every turn on whatever it samples (each token a genuine

@@ -44,7 +44,6 @@ def _runtime(devices: int) -> Runtime:
         observation_tokens=8,
         response_tokens=4,
         max_sequence=32,
-        temperature=1.0,
         training=TrainingConfig(),
     )
     return Runtime(

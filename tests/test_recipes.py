@@ -63,6 +63,20 @@ def test_paged_engine_passes_engine_and_sync_checks_also_after_sleep_and_wake(pa
     assert result.passed and engine.weight_version == 6, result.reasons
 
 
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_sampled_logprobs_are_those_of_the_tempered_distribution(path, tiny_model, speculative):
+    """At temperature 0.6 a token is drawn from softmax(logits / 0.6), and its logprob is that
+    distribution's (``SamplingParams``): the trainer's ratio is taken of the policy that sampled. The
+    engine once returned the unscaled softmax's, a ratio against another distribution than the draw's."""
+    engine = PagedEngine(path, block_size=4, kv_tokens=1024, speculative_tokens=speculative)
+    prompts = fixed_prompts(4)
+    completions = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.6, seed=3))
+    for prompt, completion in zip(prompts, completions):
+        want = _logprobs_under(tiny_model, prompt, completion.tokens, 0.6)
+        assert completion.logprobs == pytest.approx(want, abs=1e-4)
+        assert completion.logprobs != pytest.approx(_logprobs_under(tiny_model, prompt, completion.tokens), abs=1e-3)
+
+
 def test_an_engine_that_discarded_its_weights_serves_nothing_until_a_whole_version_is_loaded(
     path, tiny_model, tiny_spec
 ):
@@ -644,7 +658,8 @@ def test_each_way_of_sampling_draws_tokens_with_the_models_probability(path, tem
     run's step: no upload), rows at several temperatures (greedy among them), a request with its own
     seed. Over 12,000 draws a row each way, each token's frequency is its probability at the row's
     temperature (within 4.5 standard errors), a greedy row always takes the argmax, and each
-    log-probability is the unscaled log-softmax's."""
+    log-probability is that of the distribution drawn from: the row's temperature's (a greedy row's, the
+    unscaled one)."""
     engine = PagedEngine(path, block_size=4, kv_tokens=256)
     logits = torch.randn(1, 6, generator=torch.Generator().manual_seed(1)) * 2
     rows, calls = 400, 30
@@ -656,12 +671,12 @@ def test_each_way_of_sampling_draws_tokens_with_the_models_probability(path, tem
         request.generator = torch.Generator().manual_seed(i) if seeded else None
         batch.append(request)
     counts = {t: torch.zeros(6) for t in temperatures}
-    expected_logp = torch.log_softmax(logits[0], -1)
+    expected_logp = {t: torch.log_softmax(logits[0] / (t or 1.0), -1) for t in temperatures}
     for _ in range(calls):
         tokens, logprobs = engine._sample(batch, logits.expand(rows, -1).contiguous())
         for request, token, logprob in zip(batch, tokens, logprobs):
             counts[request.params.temperature][token] += 1
-            assert logprob == pytest.approx(float(expected_logp[token]), abs=1e-5)
+            assert logprob == pytest.approx(float(expected_logp[request.params.temperature][token]), abs=1e-5)
     for temperature, seen in counts.items():
         runs = seen.sum()
         if temperature == 0:
@@ -687,7 +702,7 @@ def test_speculative_sampling_draws_each_token_with_the_models_probability(path)
     for _ in range(runs):
         tokens, logprobs = engine._verify(request, draft, logits)
         counts[tokens[0]] += 1
-        assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]), abs=1e-6)
+        assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0] / 0.7, -1)[tokens[0]]), abs=1e-6)
     error = (probs[0] * (1 - probs[0]) / runs).sqrt()
     assert ((counts / runs - probs[0]).abs() <= 4.5 * error + 1e-4).all(), (counts / runs, probs[0])
     assert engine.accepted < 0.2 * runs and engine.drafted == 2 * runs
@@ -696,8 +711,13 @@ def test_speculative_sampling_draws_each_token_with_the_models_probability(path)
 # -- the FSDP2 trainer ---------------------------------------------------------------------------------
 
 
-def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path, tiny_model, tiny_spec):
-    config = tiny_spec.workload.training.config()
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fsdp_trainer_passes_the_trainer_check_in_micro_batches_and_chunks(path, tiny_model, tiny_spec, temperature):
+    """At temperature 1 and below it: the recipe's chunked logprobs are of the tempered policy, as the
+    reference's (``TrainingConfig``), with a KL term on too so the reference policy's are checked as well."""
+    import dataclasses
+
+    config = dataclasses.replace(tiny_spec.workload.training.config(), temperature=temperature, kl_coef=0.1)
     result = check_trainer(
         lambda state, c: FSDPTrainer(path, c, state=state, micro_batch_tokens=64, logprob_chunk=5),
         tiny_model,
@@ -1309,13 +1329,14 @@ def test_a_turn_cut_by_a_discarding_sleep_keeps_the_version_its_tokens_were_comp
     assert version == -1 and cut.finish_reason == "abort" and cut.tokens and cut.weight_version == 3, cut
 
 
-def _logprobs_under(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    """Each token's log-probability after the prompt and the tokens before it (the reference's own)."""
+def _logprobs_under(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
+    """Each token's log-probability after the prompt and the tokens before it (the reference's own), at
+    ``temperature``."""
     from targets.harness.reference.grpo import token_logprobs
 
     sequence = torch.tensor([prompt + tokens])
     with torch.no_grad():
-        return token_logprobs(model, sequence, torch.ones_like(sequence))[0, len(prompt) :].tolist()
+        return token_logprobs(model, sequence, torch.ones_like(sequence), temperature)[0, len(prompt) :].tolist()
 
 
 def test_a_request_preempted_while_a_load_drains_finishes_before_the_load(path, tiny_model):

@@ -120,6 +120,19 @@ def test_reference_engine_and_greedy_batch_like_single_prompts(tiny_model):
         assert padded.margins == pytest.approx(single.margins, abs=1e-5)
 
 
+def test_sampled_logprobs_are_those_of_the_distribution_drawn_from(tiny_model):
+    """At temperature 0.6 the reference engine's logprobs are softmax(logits / 0.6)'s, the trainer's
+    (``token_logprobs`` at the config's temperature) on the same tokens."""
+    from targets.harness.reference.grpo import token_logprobs
+
+    prompts = fixed_prompts(4)
+    for prompt, completion in zip(prompts, ReferenceEngine(tiny_model).generate(prompts, SamplingParams(8, 0.6, 2))):
+        sequence = torch.tensor([prompt + completion.tokens])
+        with torch.no_grad():
+            want = token_logprobs(tiny_model, sequence, torch.ones_like(sequence), 0.6)[0, len(prompt) :]
+        assert completion.logprobs == pytest.approx(want.tolist(), abs=1e-4)
+
+
 def test_sampling_is_seeded_and_stops_at_stop_tokens(tiny_model):
     engine = ReferenceEngine(tiny_model)
     prompts = fixed_prompts(6)

@@ -584,7 +584,7 @@ def test_the_cluster_process_cancels_a_generate_its_caller_gave_up(tmp_path, mon
     (tmp_path / "stack").mkdir()
     (tmp_path / "stack" / "__init__.py").write_text(STUB_CLUSTER_STACK)
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # the stack's import prepends its folder
-    workload = Workload(4, 2, 0, 0, 8, 8, 4, 32, 1.0, TrainingConfig())
+    workload = Workload(4, 2, 0, 0, 8, 8, 4, 32, TrainingConfig())
     runtime = Runtime("unused", "float32", (Device("cpu:0", "cpu", 0),), "vt_device_", (0,), workload, "cpu")
 
     async def main():

@@ -27,5 +27,6 @@ def test_vllm_engine_passes_engine_and_sync_checks():
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     names = ("engine", "engine_after_reload", "weight_sync", "abort", "load_drains", "arrival_order", "engine_work")
+    names += ("tempered_logprobs",)
     for name in (*names, "close"):
         assert results[name]["passed"], (name, results[name]["reasons"])

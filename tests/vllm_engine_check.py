@@ -9,12 +9,14 @@ import sys
 import tempfile
 
 if __name__ == "__main__":
+    import torch
     from vllm.model_executor.models import registry
 
     from skills.recipes.vllm_engine import VLLMEngine
     from targets.api import SamplingParams
     from targets.harness.judge.accuracy import check_engine, check_weight_sync
     from targets.harness.model import load_model, model_dir
+    from targets.harness.reference.grpo import token_logprobs
     from targets.spec import load_target
 
     # vLLM inspects a model's class in a subprocess the first time its cache root sees it (so that this
@@ -126,6 +128,20 @@ if __name__ == "__main__":
         and unscheduled[0] > 0.01
         and unscheduled[1] is None,
         "reasons": [f"queued_s by arrival {waits}, cached_tokens {cached}; never scheduled: {unscheduled}"],
+        "details": {},
+    }
+    # at a temperature other than 1 the logprobs are those of the distribution drawn from (``SamplingParams``;
+    # the engine holds the reference's weights again since ``load_while_decoding``)
+    tempered = engine.generate([[3, 4, 5, 6], [7, 8, 9]], SamplingParams(max_new_tokens=8, temperature=0.6, seed=5))
+    worst = 0.0
+    for prompt, completion in zip([[3, 4, 5, 6], [7, 8, 9]], tempered):
+        sequence = torch.tensor([prompt + completion.tokens])
+        with torch.no_grad():
+            want = token_logprobs(reference, sequence, torch.ones_like(sequence), 0.6)[0, len(prompt) :]
+        worst = max(worst, float((want - torch.tensor(completion.logprobs)).abs().max()))
+    results["tempered_logprobs"] = {
+        "passed": worst <= spec.accuracy.logprob_atol,
+        "reasons": [f"logprobs at temperature 0.6 off the tempered distribution's by up to {worst:.2e}"],
         "details": {},
     }
     engine.close()

@@ -35,17 +35,17 @@ class _Policy(torch.nn.Module):
     """The causal LM with a forward that returns each token's log-prob: FSDP2's root must own the
     whole computation (its hooks gather the parameters), the head's chunks included."""
 
-    def __init__(self, lm: torch.nn.Module, chunk: int) -> None:
+    def __init__(self, lm: torch.nn.Module, chunk: int, temperature: float) -> None:
         super().__init__()
-        self.lm, self.chunk = lm, chunk
+        self.lm, self.chunk, self.temperature = lm, chunk, temperature
 
-    @staticmethod
-    def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = head(hidden).float()
+    def _chunk_logprobs(self, head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden).float() / self.temperature
         return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 
     def forward(self, tokens: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        """out[b, i] = log p(tokens[b, i] | tokens[b, :i]); out[:, 0] = 0."""
+        """out[b, i] = log p(tokens[b, i] | tokens[b, :i]), p the policy the rollout samples from
+        (softmax(logits / temperature), ``TrainingConfig``); out[:, 0] = 0."""
         hidden = self.lm.hidden(tokens, attention)
         head = self.lm.lm_head
         pieces = []
@@ -154,10 +154,10 @@ class FSDPTrainer:
         self.reference = None
         if config.kl_coef > 0:  # the frozen reference policy (version 0), unsharded, in the compute dtype
             frozen = Qwen3ForTraining.from_pretrained(model_path, compute)
-            self.reference = _Policy(frozen, logprob_chunk)
+            self.reference = _Policy(frozen, logprob_chunk, config.temperature)
             self.reference.lm.load_state_dict(lm.state_dict())
             self.reference.requires_grad_(False).eval().to(device)
-        policy = _Policy(lm.to(device), logprob_chunk)
+        policy = _Policy(lm.to(device), logprob_chunk, config.temperature)
         precision = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         for layer in lm.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=precision)

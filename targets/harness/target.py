@@ -71,7 +71,6 @@ def workload_view(spec: TargetSpec) -> Workload:
         observation_tokens=w.tokens.observation,
         response_tokens=w.tokens.response,
         max_sequence=w.tokens.max_sequence,
-        temperature=w.training.temperature,
         training=w.training.config(),
         env_state=w.env_state is not None,
         reward_model=w.reward_model is not None,

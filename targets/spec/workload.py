@@ -118,7 +118,11 @@ class TrainingSpec(Strict):
 
     def config(self) -> TrainingConfig:
         return TrainingConfig(
-            lr=self.lr, clip_eps=self.clip_eps, kl_coef=self.kl_coef, max_grad_norm=self.max_grad_norm
+            lr=self.lr,
+            clip_eps=self.clip_eps,
+            kl_coef=self.kl_coef,
+            max_grad_norm=self.max_grad_norm,
+            temperature=self.temperature,
         )
 
 

@@ -125,6 +125,7 @@ def put_config(c: TrainingConfig) -> dict:
         "betas": list(c.betas),
         "eps": c.eps,
         "weight_decay": c.weight_decay,
+        "temperature": c.temperature,
     }
 
 
@@ -134,7 +135,7 @@ def get_config(d: Any) -> TrainingConfig:
         raise ProtocolError("config.betas: expected two numbers")
     floats = {
         k: field_of(d, k, float, "config")
-        for k in ("lr", "clip_eps", "kl_coef", "max_grad_norm", "eps", "weight_decay")
+        for k in ("lr", "clip_eps", "kl_coef", "max_grad_norm", "eps", "weight_decay", "temperature")
     }
     return TrainingConfig(**floats, betas=(float(betas[0]), float(betas[1])))
 

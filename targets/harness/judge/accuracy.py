@@ -171,9 +171,10 @@ def check_engine(
 
 
 def fixed_train_batches(
-    model: PreTrainedModel, draw: CheckDraw = CheckDraw(), sizes: Sequence[int] = (8, 12)
+    model: PreTrainedModel, draw: CheckDraw = CheckDraw(), sizes: Sequence[int] = (8, 12), temperature: float = 1.0
 ) -> list[TrainBatch]:
-    """Batches sampled from the model itself on ``draw``'s prompts, with seeded rewards and behaviour
+    """Batches sampled from the model itself at ``temperature`` (the spec's: the behaviour logprobs are of
+    the distribution drawn from) on ``draw``'s prompts, with seeded rewards and behaviour
     logprobs perturbed by N(0, 0.3) so that some ratios fall outside the clip range and clipping is
     exercised. Responses of 1 to 6 tokens (all of 6 left a token mean and a mean per trajectory alike),
     every other trajectory of two turns with an observation between them (a mask over all that follows
@@ -184,10 +185,10 @@ def fixed_train_batches(
     batches = []
     for b, size in enumerate(sizes):
         prompts = draw.prompts(size, seed + b)
-        completions = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed + b))
+        completions = engine.generate(prompts, SamplingParams(6, temperature, seed + b))
         turns = [(prompt, c.tokens[: rng.randint(1, 6)], c.logprobs) for prompt, c in zip(prompts, completions)]
         contexts = [prompt + first + prompt[:3] for k, (prompt, first, _) in enumerate(turns) if k % 2]
-        seconds = iter(engine.generate(contexts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed + b)))
+        seconds = iter(engine.generate(contexts, SamplingParams(4, temperature, seed + b)))
         trajectories = []
         for k, (prompt, first, logprobs) in enumerate(turns):
             tokens, mask, behaviour = prompt + first, [0] * len(prompt) + [1] * len(first), [0.0] * len(prompt)
@@ -268,7 +269,7 @@ def check_trainer(
     target's bound is set on the two (0.164 on an H100). The training replay judges a system run's steps
     one by one. The first step's own figures are recorded, not judged (``step_1_*`` in the details): what
     judging check 2 step by step would have to allow, measured on each card the check runs on."""
-    batches = list(batches) if batches is not None else fixed_train_batches(base_model)
+    batches = list(batches) if batches is not None else fixed_train_batches(base_model, temperature=config.temperature)
     if len(batches) > 1:  # (at the anchor a KL term's gradient is 0: the probe reads the policy loss alone)
         batches = straddling_the_clip(batches, base_model, config)
     initial = {k: v.detach().cpu().clone() for k, v in base_model.state_dict().items()}

@@ -135,14 +135,19 @@ class VersionSeparation:
         return self.max_separation > atol
 
 
-def _chosen_logprobs(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """The logprob of each chosen token under its row of logits."""
-    return torch.log_softmax(rows, -1).gather(-1, chosen[:, None]).squeeze(-1)
+def _chosen_logprobs(rows: torch.Tensor, chosen: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logprob of each chosen token under the distribution it was drawn from: softmax(rows /
+    temperature), softmax(rows) for a greedy turn (``SamplingParams``)."""
+    tempered = rows / temperature if temperature > 0 else rows
+    return torch.log_softmax(tempered, -1).gather(-1, chosen[:, None]).squeeze(-1)
 
 
 def pass_logprobs(model: torch.nn.Module, batch: list[tuple[list[int], list[TraceEvent]]]) -> list[torch.Tensor]:
     """The chosen tokens' logprobs of each turn of one forward pass, in ``_rider_logits``'s order."""
-    return [_chosen_logprobs(rows, chosen).cpu() for _, rows, chosen in _rider_logits(model, batch)]
+    return [
+        _chosen_logprobs(rows, chosen, g.data.get("temperature", 0.0)).cpu()
+        for g, rows, chosen in _rider_logits(model, batch)
+    ]
 
 
 def version_separation(
@@ -234,7 +239,7 @@ def replay_turns(
             if done % 8 == 0:
                 log.info("version %d: %d of %d forward passes replayed", version, done, len(batches))
             for g, rows, chosen in _rider_logits(model, batch):
-                actual = _chosen_logprobs(rows, chosen)
+                actual = _chosen_logprobs(rows, chosen, g.data.get("temperature", 0.0))
                 if done == 1:
                     claimed.append(actual.cpu())
                 diff = (actual - torch.tensor(g.data["logprobs"], device=rows.device)).abs()

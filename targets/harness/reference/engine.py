@@ -79,12 +79,12 @@ class ReferenceEngine:
             )
             cache = out[self.cache_keyword]
             logits = out.logits[:, -1].float().cpu()[active]
-            logp = torch.log_softmax(logits, dim=-1)
             if params.temperature == 0:
+                logp = torch.log_softmax(logits, dim=-1)
                 chosen = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / params.temperature, dim=-1)
-                chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            else:  # the logprobs of the distribution drawn from (``SamplingParams``)
+                logp = torch.log_softmax(logits / params.temperature, dim=-1)
+                chosen = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             tokens = torch.zeros(len(prompts), 1, dtype=torch.long)  # a finished row's next input: unread
             for row, i in enumerate(active):
                 token = int(chosen[row])

@@ -68,10 +68,12 @@ def pad_trajectories(trajectories: list[Trajectory]) -> PaddedBatch:
     return PaddedBatch(tokens, attention, loss_mask, old)
 
 
-def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    """out[b, i] = log p(tokens[b, i] | tokens[b, :i]); out[:, 0] = 0."""
+def token_logprobs(
+    model: torch.nn.Module, tokens: torch.Tensor, attention: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """out[b, i] = log p(tokens[b, i] | tokens[b, :i]) with p = softmax(logits / temperature); out[:, 0] = 0."""
     logits = model(input_ids=tokens, attention_mask=attention).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     return F.pad(logp, (1, 0))
 
 

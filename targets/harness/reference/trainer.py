@@ -54,8 +54,10 @@ class ReferenceTrainer:
             ref_logprobs = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_logprobs = token_logprobs(self.reference, padded.tokens, padded.attention)
-            new_logprobs = token_logprobs(self.model, padded.tokens, padded.attention)
+                    ref_logprobs = token_logprobs(
+                        self.reference, padded.tokens, padded.attention, self.config.temperature
+                    )
+            new_logprobs = token_logprobs(self.model, padded.tokens, padded.attention, self.config.temperature)
             loss = grpo_loss(new_logprobs, padded, advantages, self.config, ref_logprobs, response_tokens)
             loss.backward()  # gradients add up to the whole batch's token mean
             total += float(loss.detach())

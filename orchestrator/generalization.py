@@ -34,6 +34,16 @@ def round_seeds(run_seed: int, number: int, count: int) -> list[int]:
     return [rng.randrange(2**31) for _ in range(count)]
 
 
+def attempt_seed(run_seed: int, number: int, attempt: int) -> int:
+    """The workload seed round ``number``'s ``attempt`` is judged on: the round's first seed for the first,
+    a seed of its own for each later one. Every attempt judged on one workload let an attempt learn it (a
+    controller raising with what it saw: the reasons reach the next attempt's prompt) and schedule the next
+    with foresight, measured as pair 0 (a review of the judge)."""
+    if attempt == 1:
+        return round_seeds(run_seed, number, 1)[0]
+    return random.Random(f"{run_seed}:{number}:attempt {attempt}").randrange(2**31)
+
+
 def held_out_seeds(run_seed: int, used: Iterable[int], count: int) -> list[int]:
     """``count`` workload seeds no round of the run drew (``round_seeds``), from a stream of their own."""
     rng, used, seeds = random.Random(f"{run_seed}:held-out"), set(used), []

@@ -41,7 +41,7 @@ from agents.roles import (
 from orchestrator import commits
 from orchestrator.budget import LLMBudget
 from orchestrator.design_record import update_design
-from orchestrator.generalization import held_out_seeds, measure_generalization, round_seeds
+from orchestrator.generalization import attempt_seed, held_out_seeds, measure_generalization, round_seeds
 from orchestrator.history import History, HistoryError
 from orchestrator.policies import Policy
 from orchestrator.prescreen import PreScreen, TwinError
@@ -230,11 +230,11 @@ class Loop:
             verdict="error",
             parent_headline=parent.headline if parent else None,
         )
-        seeds = self.seeds(number)
         stop: RunError | BudgetSpent | None = None
         try:
-            verdict, candidate = self.implement_and_judge(record, workspace, out, seeds[0])
+            verdict, candidate = self.implement_and_judge(record, workspace, out)
             if verdict.passed:
+                seeds = self.measured_seeds(record)  # pair 0 is the judged attempt's run
                 baseline = self.history.export(self.state.best.commit, out / "baseline") if self.state.best else None
                 evaluation = self.agents.evaluator.evaluate(candidate, out / "evaluate", baseline, seeds, verdict.run)
                 if evaluation.findings:  # every measured run is judged: a finding in any one rejects
@@ -280,10 +280,23 @@ class Loop:
         return record
 
     def seeds(self, number: int) -> list[int]:
-        """The round's workload seeds, one per measured pair; the judge's run uses the first (and
-        opens pair 0). Drawn from the run's seed and the round (each session's workload key keeps the
-        tasks behind them secret: ``targets/harness/environments/seeds.py``)."""
+        """The round's workload seeds, one per measured pair; the judge's run of its first attempt uses the
+        first. Drawn from the run's seed and the round (each session's workload key keeps the tasks behind
+        them secret: ``targets/harness/environments/seeds.py``)."""
         return round_seeds(self.state.config.seed, number, self.state.config.repeat)
+
+    def measured_seeds(self, record: RoundRecord) -> list[int]:
+        """The seeds a validated round's pairs ran on: its judged attempt's (``attempt_seed``) opens pair 0."""
+        return [attempt_seed(self.state.config.seed, record.round, record.attempts), *self.seeds(record.round)[1:]]
+
+    def seeds_used(self) -> list[int]:
+        """Every seed a judged or measured run of the rounds so far may have seen (none is held out)."""
+        attempts = range(2, self.state.config.max_attempts + 1)
+        return [
+            seed
+            for number in range(self.state.next_round)
+            for seed in (*self.seeds(number), *(attempt_seed(self.state.config.seed, number, a) for a in attempts))
+        ]
 
     def _remove_worktrees(self, number: int, also: list[Path] = ()) -> list[str]:
         """Round ``number``'s two worktrees gone, and ``also`` (a killed session's, in its own workspaces);
@@ -314,12 +327,11 @@ class Loop:
         self.on_event("verdict", round=record.round, attempt=attempt, passed=False, reasons=verdict.reasons)
         return verdict.reasons
 
-    def implement_and_judge(
-        self, record: RoundRecord, workspace: Path, out: Path, seed: int = 0
-    ) -> tuple[Verdict, Path]:
-        """Up to ``max_attempts`` implementations, each fed the judge's reasons for the last one;
-        the record keeps the attempt count and the latest reasons even if a later step fails.
-        Returns the verdict and the candidate it is about: the last attempt's frozen copy."""
+    def implement_and_judge(self, record: RoundRecord, workspace: Path, out: Path) -> tuple[Verdict, Path]:
+        """Up to ``max_attempts`` implementations, each fed the judge's reasons for the last one and judged
+        on a workload of its own (``attempt_seed``); the record keeps the attempt count and the latest
+        reasons even if a later step fails. Returns the verdict and the candidate it is about: the last
+        attempt's frozen copy."""
         feedback: list[str] = []
         verdict = Verdict.refused("implementer", ["no attempt was made"])
         candidate = workspace
@@ -371,6 +383,7 @@ class Loop:
                     return screened, candidate  # predicted too slow: another attempt at the same task is not the fix
                 verdict = screened
                 continue
+            seed = attempt_seed(self.state.config.seed, record.round, attempt)
             verdict = self.agents.judge.judge(candidate, out / f"judge-{attempt}", record.task, seed, context)
             record.reasons = verdict.reasons
             self.on_event(
@@ -462,20 +475,19 @@ class Loop:
         for earlier in (measured, self.state.generalization_rejected):
             if earlier is not None and earlier.best_commit == best.commit and len(earlier.held_out_seeds) == count:
                 return
-        used = [seed for number in range(self.state.next_round) for seed in self.seeds(number)]
-        held_out = held_out_seeds(self.state.config.seed, used, count)
+        held_out = held_out_seeds(self.state.config.seed, self.seeds_used(), count)
         out = RunDir(self.run_dir).outputs / "generalization"
         shutil.rmtree(out, ignore_errors=True)
         best_dir = self.history.export(best.commit, out / "best")
         starter_dir = self.history.export(self.state.record(0).commit, out / "starter")
-        runs, done = 2 * (len(self.seeds(best.round)) + 2 * count), itertools.count(1)
+        runs, done = 2 * (len(self.measured_seeds(best)) + 2 * count), itertools.count(1)
 
         def on_run(name: str, i: int) -> None:
             self.on_event("generalize", round=best.round, run=name, done=next(done), runs=runs)
 
         self.on_event("generalize", round=best.round, run="", done=0, runs=runs)
         result = measure_generalization(
-            self.session, (best.round, best.commit, best_dir), starter_dir, self.seeds(best.round), held_out,
+            self.session, (best.round, best.commit, best_dir), starter_dir, self.measured_seeds(best), held_out,
             out / "runs", on_run,
         )  # fmt: skip
         if isinstance(result, GeneralizationRejected):

@@ -246,6 +246,47 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monk
     assert state.best_round == 0  # the starter stays best; nothing rejected ever became a candidate
 
 
+def test_each_attempt_is_judged_on_a_workload_of_its_own_and_pair_0_is_the_passing_ones(
+    tmp_path, fast_target, monkeypatch
+):
+    """Every attempt of a round was judged on the round's first seed: an attempt's controller could raise
+    with what it saw of the workload (the reasons reach the next attempt's prompt) and the next schedule it
+    with foresight, measured as pair 0 (a review of the judge). Each attempt has a seed of its own now, and
+    the attempt that passed opens pair 0 on its own."""
+    from agents.offline.evaluator import OfflineEvaluator
+    from agents.offline.implementer import OfflineImplementer
+    from agents.offline.judge import OfflineJudge
+    from agents.roles import Verdict
+    from orchestrator.generalization import attempt_seed, round_seeds
+
+    implement, judge, evaluate = OfflineImplementer.implement, OfflineJudge.judge, OfflineEvaluator.evaluate
+
+    def again(self, task, workspace, feedback, hints=(), context=None):  # no repair: the candidate judged again
+        return implement(self, task, workspace, [], hints)
+
+    judged, measured = {}, []
+
+    def first_attempt_fails(self, workspace, out, task=None, seed=0, context=None):
+        judged[(out.parent.name, out.name)] = seed
+        if (out.parent.name, out.name) == ("round-1", "judge-1"):
+            return Verdict.refused("planted", ["attempt 1 fails, whatever it is"])
+        return judge(self, workspace, out, task, seed, context)
+
+    def recorded(self, workspace, out, baseline, seeds, first=None):
+        measured.append((list(seeds), first))
+        return evaluate(self, workspace, out, baseline, seeds, first)
+
+    monkeypatch.setattr(OfflineImplementer, "implement", again)
+    monkeypatch.setattr(OfflineJudge, "judge", first_attempt_fails)
+    monkeypatch.setattr(OfflineEvaluator, "evaluate", recorded)
+    state = _start(fast_target, tmp_path, rounds=1, simulate=True, sandbox="subprocess", repeat=2).run()
+    assert state.rounds[1].attempts == 2 and state.rounds[1].verdict == "accepted", state.rounds[1].reasons
+    first, second = judged[("round-1", "judge-1")], judged[("round-1", "judge-2")]
+    assert first == round_seeds(0, 1, 2)[0] and second == attempt_seed(0, 1, 2) != first
+    seeds, run = measured[-1]
+    assert seeds == [second, round_seeds(0, 1, 2)[1]] and run is not None  # pair 0: the judged run, its seed
+
+
 @pytest.mark.slow
 def test_a_process_the_agent_left_running_changes_nothing_judged_or_committed(tmp_path, fast_target, monkeypatch):
     """The implementer returns while a detached process of its own goes on writing in its workspace

@@ -67,8 +67,7 @@ class SamplingParams:
     """How to decode one request. ``temperature == 0`` means greedy.
 
     Logprobs are those of the distribution each token was drawn from, softmax(logits / temperature)
-    (the unscaled softmax(logits) when greedy): the policy the trainer's ratio and gradient are taken
-    of (``TrainingConfig.temperature``), as in verl and TRL."""
+    (softmax(logits) when greedy): the policy the GRPO step trains (``TrainingConfig``, as verl, TRL)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -227,9 +226,8 @@ class TrainingConfig:
 
     loss = token-mean over all response tokens of the batch of
            -min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps) * A) + kl_coef * k3(pi || pi_ref)
-    with r = exp(logp_new - logp_behaviour), every logp (the reference policy's too) that of
-    softmax(logits / temperature), the distribution the rollout samples from; then global-norm gradient
-    clipping at ``max_grad_norm`` and one AdamW step (betas, eps, weight_decay as given)."""
+    with r = exp(logp_new - logp_behaviour), every logp (pi_ref's too) of softmax(logits / temperature), what
+    the rollout samples; then global-norm gradient clipping at ``max_grad_norm`` and one AdamW step."""
 
     lr: float = 1e-3
     clip_eps: float = 0.2
@@ -489,11 +487,6 @@ class Workload:
     training: TrainingConfig
     env_state: bool = False  # a crash loses an environment's state back to its last checkpoint
     reward_model: bool = False  # an LLM judge scores each finished trajectory (``EngineSettings.reward``)
-
-    @property
-    def temperature(self) -> float:
-        """What the rollout samples at: the temperature of the policy the GRPO step trains."""
-        return self.training.temperature
 
     @property
     def groups_per_step(self) -> int:

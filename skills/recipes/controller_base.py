@@ -46,7 +46,7 @@ class ControllerBase:
         self.engine_devices = runtime.engine_devices * params.get("engine_scale", 1)  # the engine_scale skill
         self.sampling = SamplingParams(
             max_new_tokens=workload.response_tokens,
-            temperature=workload.temperature,
+            temperature=workload.training.temperature,
             stop_token_ids=tuple(runtime.stop_token_ids),
         )
         self.params = params

@@ -7,8 +7,7 @@ Every ``step`` admits waiting requests while their blocks fit (KV capacity, not 
 limit), computes the new tokens of every running request in one flat forward (prompts and one token
 per decoding request side by side), samples one token for each, and retires finished ones. A request
 that cannot grow because the cache is full preempts the youngest running request, which later
-recomputes its context. Logprobs are of the distribution drawn from, softmax(logits / temperature)
-(``targets.api.SamplingParams``).
+recomputes its context. Logprobs: of the distribution drawn from (``targets.api.SamplingParams``).
 
 Speculative decoding (``speculative_tokens`` > 0, the ``speculative_decoding`` skill): while at most
 ``speculative_batch`` requests run (the tail of a rollout, where a decode step reads all the weights
@@ -522,8 +521,7 @@ class PagedEngine:
         generator (a request with its own seed draws from its own, reproducibly); the tokens and
         their log-probabilities come back to the host in one transfer. When every row draws from the
         engine's generator at one temperature (a system run's steps), nothing is sent to the device
-        first. A log-probability is that of the distribution drawn from (``SamplingParams``): the tempered
-        logit less its row's log-sum-exp, no [batch, vocab] copy beyond the tempered logits."""
+        first. A log-probability is the drawn-from distribution's: tempered logit less its log-sum-exp."""
         temperatures = [request.params.temperature for request in batch]
         scales = [t if t > 0 else 1.0 for t in temperatures]  # greedy rows: the unscaled distribution
         if len(set(scales)) == 1:
@@ -532,18 +530,15 @@ class PagedEngine:
             tempered = logits / torch.tensor(scales, device=logits.device, dtype=logits.dtype)[:, None]
         shared = [i for i, r in enumerate(batch) if temperatures[i] > 0 and r.generator is None]
         if len(shared) == len(batch) and len(set(temperatures)) == 1:
-            probs = torch.softmax(tempered, dim=-1)
-            chosen = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+            chosen = torch.multinomial(torch.softmax(tempered, -1), 1, generator=self._generator).squeeze(-1)
         else:
             chosen = logits.argmax(-1)
             if shared:
                 rows = torch.tensor(shared, device=logits.device)
-                probs = torch.softmax(tempered[rows], dim=-1)
-                chosen[rows] = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+                chosen[rows] = torch.multinomial(torch.softmax(tempered[rows], -1), 1, generator=self._generator)[:, 0]
             for i, request in enumerate(batch):
                 if temperatures[i] > 0 and request.generator is not None:
-                    probs = torch.softmax(tempered[i], dim=-1)
-                    chosen[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
+                    chosen[i] = torch.multinomial(torch.softmax(tempered[i], -1), 1, generator=request.generator)[0]
         picked = tempered.gather(-1, chosen[:, None]).squeeze(-1) - torch.logsumexp(tempered, dim=-1)
         both = torch.stack([chosen.to(torch.float64), picked.to(torch.float64)]).cpu()  # ids are exact in float64
         return both[0].long().tolist(), both[1].tolist()

@@ -106,7 +106,7 @@ def _accuracy(target: Target, candidates: Callable[[], CandidateProcesses], log:
         draw = CheckDraw.fresh(defined_ids(Path(runtime.model_path), reference.config.vocab_size))
         results = [check_engine(engine(), reference, accuracy, draw)]
         said(f"check 1 (engine): {'passed' if results[-1].passed else 'failed'}")
-        batches = fixed_train_batches(reference, draw, temperature=runtime.workload.temperature)
+        batches = fixed_train_batches(reference, draw, temperature=runtime.workload.training.temperature)
         results.append(check_trainer(components.make_trainer, reference, runtime.workload.training, accuracy, batches))
         said(f"check 2 (trainer): {'passed' if results[-1].passed else 'failed'}")
         engine = components.make_engine()

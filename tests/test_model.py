@@ -137,6 +137,26 @@ def test_a_model_directory_is_compared_as_transformers_reads_it(tiny_spec, tmp_p
         parse_target(catalog_yaml)
 
 
+def test_a_scaled_rope_and_sequences_past_the_models_positions_are_refused(tiny_spec, tmp_path, catalog_yaml):
+    """A config with YaRN scaling was accepted: transformers (the reference) scaled RoPE and the stack's Qwen3
+    did not, so every candidate failed check 1 with a greedy token that blamed the stack (a review of user
+    models). Refused at the spec, naming the rope type; so is a max_sequence past the model's positions."""
+    from targets.spec import SpecError, parse_target
+
+    mine = tmp_path / "mine"
+    shutil.copytree(model_dir(tiny_spec.model), mine)
+    catalog_yaml["model"]["weights"] = str(mine)
+    config = json.loads((mine / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    (mine / "config.json").write_text(json.dumps({**config, "rope_scaling": yarn}))
+    with pytest.raises(SpecError, match="rope type 'yarn'.*default RoPE only"):
+        parse_target(catalog_yaml)
+    (mine / "config.json").write_text(json.dumps(config))
+    catalog_yaml["workload"]["tokens"]["max_sequence"] = config["max_position_embeddings"] + 1
+    with pytest.raises(SpecError, match="max_sequence 513 is past the model's max_position_embeddings 512"):
+        parse_target(catalog_yaml)
+
+
 def test_vocabulary_too_small_is_refused():
     with pytest.raises(ValueError, match="vocab_size 10 is smaller than the harness vocabulary"):
         build_tokenizer(10)

@@ -95,6 +95,13 @@ class ModelSpec(Strict):
             raise ValueError(f"{path} holds a JSON {type(stored).__name__}, not a model config (a JSON object)")
         if stored.get("model_type", self.family) != self.family:
             raise ValueError(f"{path} is a {stored['model_type']!r} model, not family {self.family}")
+        rope = stored.get("rope_scaling") or stored.get("rope_parameters") or {}
+        rope_type = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else rope
+        if rope_type != "default":  # transformers (the reference) would scale; the stack's model would not
+            raise ValueError(
+                f"{path}: rope type {rope_type!r} (rope_scaling / rope_parameters): the stack's Qwen3 computes the "
+                "default RoPE only; use the model's unscaled config (and a max_sequence within its positions)"
+            )
         ids = _check_weights_and_tokenizer(Path(self.weights))
         ours = self.config.model_dump()
         read = _read_config(path, *_stamp(path))  # as transformers reads it: defaults in, aliases resolved

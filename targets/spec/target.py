@@ -179,6 +179,18 @@ class TargetSpec(Strict):
     limits: LimitsSpec = LimitsSpec()
 
     @model_validator(mode="after")
+    def _sequences_within_the_models_positions(self) -> TargetSpec:
+        """A trained model's (a directory's): its positions past ``max_position_embeddings`` were never
+        trained, and vLLM refuses such a ``max_model_len``. (Random weights were trained on none.)"""
+        longest, positions = self.workload.tokens.max_sequence, self.model.config.max_position_embeddings
+        if self.model.random_seed is None and longest > positions:
+            raise ValueError(
+                f"workload.tokens.max_sequence {longest} is past the model's max_position_embeddings {positions}: "
+                "positions beyond it were never trained (and scaled RoPE is not supported)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _user_environment_speaks_the_models_text(self) -> TargetSpec:
         entry = self.workload.environment.entry
         if entry is not None and self.execution == "simulated":

@@ -2,9 +2,11 @@
 episode, in the harness's processes), loaded from the spec's ``entry`` (``package.module:callable``,
 called with ``params``) and spoken to as its ``adapter`` says:
 
-* ``gymnasium``: a text environment with gymnasium's interface, as GEM's and TextArena's single-agent
-  environments have it: ``reset(seed=...) -> (observation, info)`` and ``step(text) -> (observation,
-  reward, terminated, truncated, info)``. ``entry`` makes one (``gem:make`` with ``{env_id: ...}``).
+* ``gymnasium``: a text environment with gymnasium's interface, as GEM's environments have it:
+  ``reset(seed=...) -> (observation, info)`` and ``step(text) -> (observation, reward, terminated,
+  truncated, info)``. ``entry`` makes one (``gem:make`` with ``{env_id: ...}``). (TextArena's own
+  environments speak another interface, ``reset(num_players)``, ``get_observation()``, ``step(action) ->
+  (done, info)``: a small ``text`` wrapper, or GEM's ports of its games.)
 * ``tasks``: a set of verifiable single-turn tasks with its scoring function, as reasoning-gym
   generates them offline: ``len(tasks)``, ``tasks[i]`` a dict with the ``question``, and
   ``tasks.score_answer(answer, entry) -> float``. ``entry`` makes the set, once

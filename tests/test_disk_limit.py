@@ -163,3 +163,28 @@ def test_a_sandboxed_candidate_process_writes_in_its_private_tmp_not_on_the_host
     at = command.index("/tmp")
     assert command[at - 3 : at] == ["--size", str(8 << 20), "--tmpfs"], command
     assert [kind for kind, _ in heard] == [written.SCRATCH, written.LOG]
+
+
+def test_the_model_directory_and_where_its_files_link_are_bound_read_only(tmp_path, monkeypatch):
+    """``Runtime.model_path`` is the candidate's to read wherever it lies: the directory and the folders its
+    links lead to (a Hugging Face snapshot's blobs) are bound read-only in bubblewrap, nothing else of them."""
+    from targets.harness.isolation import processes
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(processes.subprocess, "Popen", lambda command, **kw: started.append(command))
+    model, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    model.mkdir()
+    blobs.mkdir()
+    (model / "config.json").write_text("{}")
+    (blobs / "abc").write_text("weights")
+    (model / "model.safetensors").symlink_to(blobs / "abc")
+    stack = tmp_path / "stack"
+    stack.mkdir()
+    candidates = CandidateProcesses(Sandbox("bubblewrap"), stack, tmp_path, model=model)
+    try:
+        candidates.launch("components")
+    finally:
+        remove_tree(candidates.root)
+    pairs = list(zip(started[0], started[0][1:], started[0][2:]))
+    for folder in (model, blobs):
+        assert ("--ro-bind", str(folder.resolve()), str(folder.resolve())) in pairs, started[0]

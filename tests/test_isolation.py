@@ -530,3 +530,29 @@ def test_an_episode_is_held_only_while_others_generate_and_until_it_finishes():
     now[0] = 21.0
     assert activity.of("a").held_s == 4.0 and activity.of("a").serving_s == 8.0
     assert activity.of("never created") is None
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_a_model_directory_outside_the_cache_is_readable_to_a_bubblewrapped_candidate(tmp_path, fast_target):
+    """The bubblewrap sandbox showed the candidate vibetrain's cache, Python and its stack: a user's model
+    directory anywhere else was missing to it, and every candidate failed to build an engine (a review of
+    user input). The directory is readable now, and where its files link (a Hugging Face snapshot's blobs)."""
+    from skills.starter import write_starter
+    from targets.harness.isolation.launch import run_harness
+    from targets.harness.model import model_dir
+    from targets.spec import parse_target
+
+    data = yaml.safe_load(fast_target.read_text())
+    mine, blobs = tmp_path / "models" / "mine", tmp_path / "blobs"
+    shutil.copytree(model_dir(parse_target(data).model), mine)
+    blobs.mkdir()
+    (mine / "model.safetensors").rename(blobs / "0123abcd")
+    (mine / "model.safetensors").symlink_to(blobs / "0123abcd")
+    data["model"]["weights"] = str(mine)
+    path = tmp_path / "target.yaml"
+    path.write_text(yaml.safe_dump(data))
+    target = Target.load(path)
+    stack = write_starter(tmp_path / "stack", target.spec, "colocate")
+    run = run_harness(target, stack, tmp_path / "out", "accuracy", Limits(time_s=300), Sandbox("bubblewrap"))
+    assert run.ok, run.cause
+    assert all(c["passed"] for c in run.results["accuracy"]["checks"]), run.results["accuracy"]

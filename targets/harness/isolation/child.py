@@ -271,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         from targets.harness.isolation.processes import CandidateProcesses
 
         memory = None if args.memory_mb is None else int(args.memory_mb * 2**20)
-        return CandidateProcesses(sandbox, stack, args.out, target.gpu, lambda kind, p: mark(f"{kind} {p}"), memory)
+        model = Path(target.runtime().model_path)
+        return CandidateProcesses(
+            sandbox, stack, args.out, target.gpu, lambda kind, p: mark(f"{kind} {p}"), memory, model
+        )
 
     def accuracy() -> dict:
         return run_accuracy(target, candidates)

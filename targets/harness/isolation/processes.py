@@ -34,6 +34,17 @@ ABANDONED_GRACE_S = 2.0
 TAIL_BYTES = 64 << 10  # of a log, the most a failure's reason quotes from
 
 
+def model_folders(model: Path) -> list[Path]:
+    """The folders a candidate reads a model directory through: the directory, and where its links lead (a
+    Hugging Face cache's snapshot links each file to a blob outside it). A user's directory outside
+    vibetrain's cache was hidden by the bubblewrap sandbox: every candidate failed to load it (a review)."""
+    folders = [model.resolve()]
+    for path in model.iterdir():
+        if path.is_symlink():
+            folders.append(path.resolve().parent)
+    return list(dict.fromkeys(folders))
+
+
 class CandidateProcesses:
     """Starts candidate processes in the sandbox, each connected to the harness by a Unix socket of
     its own (accepted once, then unlinked), and stops them all at the end: used as a context manager,
@@ -47,12 +58,15 @@ class CandidateProcesses:
         gpus: bool = False,
         written: Callable[[str, Path], None] = lambda kind, path: None,
         memory_bytes: int | None = None,
+        model: Path | None = None,
     ) -> None:
         """``written``: told each path the candidate writes on the host, a log (``written.LOG``) or the
         scratch folders' root (``written.SCRATCH``), for the watchdog's disk limit. ``memory_bytes``: the
         run's memory limit, each Docker container's own (its processes are the daemon's, outside the tree
-        the watchdog measures), and in bubblewrap the size of each of a process's tmpfs (``Sandbox.wrap``)."""
+        the watchdog measures), and in bubblewrap the size of each of a process's tmpfs (``Sandbox.wrap``).
+        ``model``: the directory ``Runtime.model_path`` names, readable to the candidate wherever it is."""
         self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
+        self.model = model_folders(model) if model is not None else []
         # short: a socket path has 108 bytes
         self.root = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=SCRATCH_PARENT))
         self.written, self.memory_bytes = written, memory_bytes
@@ -84,7 +98,7 @@ class CandidateProcesses:
         command, env = self.sandbox.wrap(
             command,
             env,
-            readable=[self.stack_dir, self.root / "sockets"],
+            readable=[self.stack_dir, self.root / "sockets", *self.model],
             writable=writable,
             cwd=cwd,
             gpus=self.gpus,

@@ -265,9 +265,9 @@ class Loop:
             )
         except Exception as error:  # one round's failure never stops the run; the reason is recorded and shown
             # with where it happened: an error in the loop, a policy or an agent looks like any other otherwise
-            where = out / "error.txt"
+            where = RunDir(self.run_dir).error_file(number)
             try:
-                out.mkdir(parents=True, exist_ok=True)
+                where.parent.mkdir(parents=True, exist_ok=True)
                 where.write_text("".join(traceback.format_exception(error)))
             except OSError as unsaved:  # a full disk, say: the round still ends, its reason says so
                 where = f"not saved: {unsaved}"

@@ -39,6 +39,10 @@ class RunDir:
     def round_outputs(self, number: int) -> Path:
         return self.outputs / f"round-{number}"
 
+    def error_file(self, number: int) -> Path:
+        """The traceback of a round that met an error (kept: the round's outputs go when it ends)."""
+        return self.outputs / "errors" / f"round-{number}.txt"
+
     @property
     def traces(self) -> Path:
         return self.outputs / "traces"

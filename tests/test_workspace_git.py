@@ -248,8 +248,9 @@ def test_folders_nested_thousands_deep_are_named_never_a_crash(tmp_path, run):
 
 
 def test_a_round_that_meets_a_bug_keeps_its_traceback_and_the_run_goes_on(tmp_path, fast_target):
-    """One round's failure never stops the run; its record says what and where (the traceback in the
-    round's outputs): a bug in an agent or the loop would otherwise look like any failed candidate."""
+    """One round's failure never stops the run; its record says what and where (the traceback, kept once
+    the round has ended: it was in the round's outputs, removed with them): a bug in an agent or the loop
+    would otherwise look like any failed candidate."""
     from orchestrator.config import RunConfig
     from orchestrator.runs import start_run
 
@@ -263,6 +264,7 @@ def test_a_round_that_meets_a_bug_keeps_its_traceback_and_the_run_goes_on(tmp_pa
     loop.agents.implementer = Broken()
     task = Task(id="t", title="a task", rationale="why")
     record = loop.round(1, None, task, loop.budget.snapshot())
+    loop.finish_round(record)
     assert record.verdict == "error" and record.reasons[0].startswith("TypeError: planted: an agent's bug (traceback: ")
     saved = Path(record.reasons[0].split("(traceback: ")[1].rstrip(")")).read_text()
     assert "Traceback (most recent call last)" in saved and "def implement" not in saved and "in implement" in saved

@@ -157,6 +157,35 @@ def test_a_scaled_rope_and_sequences_past_the_models_positions_are_refused(tiny_
         parse_target(catalog_yaml)
 
 
+def test_model_directory_files_that_their_loaders_cannot_read_are_named_at_the_spec(tiny_spec, tmp_path, catalog_yaml):
+    """Each passed ``target validate`` or was a bare traceback there (a review of bad input): a tokenizer
+    whose added_tokens is not a list (a TypeError), or whose model the tokenizers library cannot load; a
+    tokenizer config that is not JSON (the run's first stop-token read); a config field of the wrong type
+    (huggingface_hub's own error type). Each is named with its file now."""
+    from targets.spec import SpecError, parse_target
+
+    mine = tmp_path / "mine"
+    shutil.copytree(model_dir(tiny_spec.model), mine)
+    catalog_yaml["model"]["weights"] = str(mine)
+    tokenizer = json.loads((mine / "tokenizer.json").read_text())
+    for broken, said in (
+        ({**tokenizer, "added_tokens": 5}, "added_tokens is a int, not a list"),
+        ({**tokenizer, "model": {**tokenizer["model"], "type": "Nonsense"}}, "the tokenizers library cannot load"),
+    ):
+        (mine / "tokenizer.json").write_text(json.dumps(broken))
+        with pytest.raises(SpecError, match=f"tokenizer.json: {said}"):
+            parse_target(catalog_yaml)
+    (mine / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (mine / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(SpecError, match="tokenizer_config.json is not valid JSON"):
+        parse_target(catalog_yaml)
+    (mine / "tokenizer_config.json").unlink()
+    config = json.loads((mine / "config.json").read_text())
+    (mine / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
+    with pytest.raises(SpecError, match="config.json: transformers cannot read it"):
+        parse_target(catalog_yaml)
+
+
 def test_vocabulary_too_small_is_refused():
     with pytest.raises(ValueError, match="vocab_size 10 is smaller than the harness vocabulary"):
         build_tokenizer(10)

@@ -192,12 +192,25 @@ def _check_weights_and_tokenizer(directory: Path) -> int:
             _check_safetensors(path, *_stamp(path))
         tokenizer = directory / "tokenizer.json"
         ids = _check_tokenizer(tokenizer, *_stamp(tokenizer))
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):  # where the end token is read
+            if (directory / name).exists():
+                _check_json_object(directory / name, *_stamp(directory / name))
         generation = directory / "generation_config.json"
         if generation.exists():
             _check_end_ids(generation, *_stamp(generation), ids)
         return ids
     except OSError as error:  # a link to a blob a cache lost, unreadable
         raise ValueError(f"{error.filename}: cannot read it ({error.strerror})") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _check_json_object(path: Path, size: int, mtime_ns: int) -> None:
+    try:
+        parsed = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{path} holds a JSON {type(parsed).__name__}, not an object")
 
 
 @functools.lru_cache(maxsize=8)
@@ -234,8 +247,9 @@ def _read_config(path: Path, size: int, mtime_ns: int) -> dict:
 
     try:
         config = AutoConfig.from_pretrained(path.parent)
-    except (ValueError, OSError, KeyError) as error:
-        raise ValueError(f"{path}: transformers cannot read it ({error})") from None
+    except Exception as error:  # transformers and huggingface_hub raise types of their own (a field
+        # of the wrong type is huggingface_hub's StrictDataclassFieldValidationError): each is the file's fault
+        raise ValueError(f"{path}: transformers cannot read it ({type(error).__name__}: {error})") from None
     read = {}
     for name in ModelConfig.model_fields:
         value = getattr(config, name, None)
@@ -279,6 +293,14 @@ def _check_tokenizer(path: Path, size: int, mtime_ns: int) -> int:
         raise ValueError(f"{path} is not valid JSON ({error})") from None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), dict):
         raise ValueError(f"{path} is not a tokenizers file (a JSON object with a model)")
+    if not isinstance(parsed.get("added_tokens") or [], list):
+        raise ValueError(f"{path}: added_tokens is a {type(parsed['added_tokens']).__name__}, not a list")
+    from tokenizers import Tokenizer  # the Rust library alone
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as error:  # the library raises a plain Exception for a file it cannot read
+        raise ValueError(f"{path}: the tokenizers library cannot load it ({error})") from None
     vocab = parsed["model"].get("vocab")
     ids = (
         list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or ())))

@@ -37,7 +37,7 @@ from orchestrator.tables import (  # noqa: E402
 from targets.harness.judge.check_result import detail  # noqa: E402
 from targets.harness.measure.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
-from targets.spec import TargetSpec, load_target  # noqa: E402
+from targets.spec import SpecError, TargetSpec, load_target, parse_target  # noqa: E402
 
 # The harness's metrics (targets/harness/measure/metrics.py, the evaluator's additions) and their units: by
 # name where the name does not say, else by suffix; the spec names the headline metric only.
@@ -521,9 +521,22 @@ def _unseen(state) -> list[tuple[str, str, str]] | None:
     return rows
 
 
+def run_spec(run_dir: Path, state: RunState) -> tuple[TargetSpec, str]:
+    """The spec the run was judged under, and which one it is: the one it started on (a resume refuses any
+    other), not its file as it reads now (an edited noise threshold printed another promotion rule than
+    the one the rounds were promoted by, and a moved file stopped the report: a review)."""
+    if state.spec_at_start:
+        try:
+            return parse_target(state.spec_at_start), "the spec the run started on"
+        except SpecError as error:  # another vibetrain version's schema: said on the page
+            now = load_target(state.config.recorded_target(run_dir))
+            return now, f"the spec as it loads now: the one the run started on does not read here ({error})"
+    return load_target(state.config.recorded_target(run_dir)), "the spec as it loads now (the run kept none)"
+
+
 def write_report(run_dir: Path, path: Path) -> Path:
     state, history = RunState.load(run_dir), History.open(run_dir)
-    spec = load_target(state.config.recorded_target(run_dir))
+    spec, spec_said = run_spec(run_dir, state)
     metric, unit, threshold = spec.headline_metric.name, _unit(spec.headline_metric.name), spec.noise_threshold
     devices = spec.hardware.device_ids()
     maximize = spec.headline_metric.direction == "maximize"
@@ -550,7 +563,7 @@ def write_report(run_dir: Path, path: Path) -> Path:
     run_facts = [
         ("directory", run_path),
         ("target", f"{spec.id} ({config.target})"),
-        ("spec sha256", f"{spec_hash(spec)[:16]}\u2026 (the spec as it loads now)"),
+        ("spec sha256", f"{spec_hash(spec)[:16]}\u2026 ({spec_said})"),
         ("execution", "simulated (cluster simulator)" if config.simulated else "real"),
         ("sandbox", config.sandbox),
         ("search", f"{config.policy} policy, {config.agents} agents, seed {config.seed}"),

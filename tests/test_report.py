@@ -338,3 +338,18 @@ def test_a_best_rejected_where_the_search_never_looked_is_said_beside_its_ratio(
     ), log.output
     logged = json.loads(CliRunner().invoke(app, ["log", str(run), "--json"]).output)
     assert logged["generalization_rejected"]["seed"] == 8
+
+
+def test_the_report_reads_the_spec_the_run_started_on_not_its_file_as_it_is_now(tmp_path):
+    """The report loaded the target's file as it reads now: an edited noise threshold printed a promotion
+    rule the rounds were never promoted by (a review of bad input), and a moved file stopped it. It reads the
+    spec the run started on (what a resume holds it to) and says so."""
+    from targets.spec import load_target
+
+    run, _ = _make_run(tmp_path)
+    state = RunState.load(run)
+    started = load_target("tiny-qwen3-cpu").model_dump(mode="json")
+    state.spec_at_start = {**started, "noise_threshold": 0.07}
+    state.save(run)
+    html = write_report(run, tmp_path / "report.html").read_text()
+    assert "best &times; (1 &plusmn; 7%)" in html and "the spec the run started on" in html

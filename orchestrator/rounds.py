@@ -136,7 +136,7 @@ class Loop:
         self.refuse_a_moved_best()
         out_of_time = False
         if self.state.next_round > self.state.config.rounds:  # a finished run resumed as it was
-            done, more = self.state.config.rounds, self.state.next_round
+            done, more = self.state.next_round - 1, self.state.next_round  # (round 0, the starter, is not counted)
             self.on_event("budget", reason=f"its {done} round(s) were done: --resume --rounds {more} goes on")
         while self.state.next_round <= self.state.config.rounds:
             if self.state.next_round > 0 and self.state.best is None:

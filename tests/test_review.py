@@ -379,6 +379,11 @@ def test_a_finished_run_resumed_as_it_was_says_how_to_go_on(tmp_path):
     assert result.exit_code == 0, result.output
     assert "its 2 round(s) were done: --resume --rounds 3 goes on" in result.output
     assert "round\ttask" not in result.output  # no table of the rounds this invocation ran: it ran none
+    # resumed with fewer rounds than it had done: the count is what was done, not what was asked
+    result = runner.invoke(
+        app, ["generate", "tiny-qwen3-cpu", "--out", str(run), "--resume", "--rounds", "1"], env=NARROW
+    )
+    assert "its 2 round(s) were done: --resume --rounds 3 goes on" in result.output, result.output
 
 
 def test_log_shows_no_figures_measured_on_an_earlier_best(tmp_path):

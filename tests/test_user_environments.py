@@ -98,6 +98,14 @@ class SlowToAnswer(HiddenNumber):
         return super().step(action)
 
 
+class SlowThenCloses(HiddenNumber):
+    """Its steps take 0.6 s (a tool's slow answer); it notes its close as HiddenNumber does."""
+
+    def step(self, action):
+        time.sleep(0.6)
+        return super().step(action)
+
+
 class ClosesBadly(HiddenNumber):
     """Its close() raises (a subprocess it holds is already gone)."""
 
@@ -972,6 +980,31 @@ def test_a_step_that_does_not_answer_in_time_times_the_episode_out(catalog_yaml,
     asyncio.run(episode.step([5, 6]))
     with pytest.raises(UserEnvironmentError, match="my_envs:TimesOut raised TimeoutError at turn 2 of g0/e0"):
         asyncio.run(episode.step([5, 6]))  # its own timeout, at once: named as raised, not as a hang
+
+
+def test_an_environment_whose_step_was_abandoned_is_closed_once_the_step_answers(catalog_yaml, user_package):
+    """A step past the trajectory's time is abandoned (a thread cannot be stopped), and the episode's close
+    returned at once: the environment was never closed, and what it holds (a container, a subprocess)
+    leaked with every timeout (a review of user environments). Its close now waits on the environment's
+    own thread behind the step, and runs once the step has answered."""
+    catalog_yaml["workload"]["trajectory_timeout_s"] = 0.3
+    spec = _spec(catalog_yaml, {"entry": "my_envs:SlowThenCloses", "adapter": "gymnasium"})
+    episode = _pool(spec)[0].new_group()[0]
+
+    folder = Path(sys.modules["my_envs"].LEDGER).parent  # the package as imported (an earlier test's, maybe)
+
+    async def main() -> str:
+        await episode.reset()
+        result = await episode.step([5, 6])
+        assert result.timed_out and episode.abandoned
+        await episode.close()  # as the run closes every episode
+        name = episode.environment.env.name
+        assert name not in _ledger(folder)[1]  # the step is still under way: nothing closed under it
+        await asyncio.sleep(1.0)  # the step has answered (0.6 s) and the close has run behind it
+        return name
+
+    name = asyncio.run(main())
+    assert _ledger(folder)[1][name] == 1
 
 
 def test_an_abandoned_call_never_holds_the_process_open():

@@ -54,10 +54,18 @@ class TextEpisode(Episode):
     async def close(self) -> None:
         """The environment's ``close()``, once, where it has one: as the episode ends, or at the run's end
         for an episode that never did, once a call the run's end cut off has answered. Never under a call
-        still running in it (a gymnasium environment is not safe to close under its own step): one
-        abandoned as hung, or one that has not answered within ``CLOSE_LIMIT_S`` of the run's end."""
+        still running in it (a gymnasium environment is not safe to close under its own step): one that
+        has not answered within ``CLOSE_LIMIT_S`` of the run's end is left. One abandoned as hung is closed
+        behind it, not waited for: an adapter's calls run in order on the environment's own thread
+        (``UserThread``), and a coroutine's abandoned call was cancelled; returning without a close leaked
+        what the environment holds at every timeout (a review of user environments)."""
         close = getattr(self.environment, "close", None)
-        if self.closed or self.abandoned or close is None:
+        if self.closed or close is None:
+            return
+        if self.abandoned:
+            self.closed = True
+            closing = asyncio.ensure_future(_named_exit(close()))
+            closing.add_done_callback(lambda call: call.cancelled() or call.exception())  # said nowhere: it is over
             return
         if self.running is not None:
             done, _ = await asyncio.wait({self.running}, timeout=CLOSE_LIMIT_S)

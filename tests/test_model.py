@@ -256,6 +256,25 @@ def test_a_bpe_target_gets_a_chat_tokenizer_and_stops_on_its_end_of_turn(catalog
     assert words != directory and stop_token_ids(words) == STOP_TOKEN_IDS
 
 
+def test_a_base_models_turns_stop_where_its_chat_template_ends_an_assistants_turn(catalog_yaml, tmp_path):
+    """A base model (Qwen3-*-Base) names <|endoftext|> its eos and ships a chat template closing turns with
+    <|im_end|>: its turns ran on past their end into a user turn the model made up, which the environment
+    then read (a review of user models). The template's end of an assistant turn stops a turn too."""
+    from targets.harness.tokenizer import END_OF_TEXT, IM_END, stop_token_ids
+    from targets.spec import parse_target
+
+    catalog_yaml["model"].update(tokenizer="bpe")
+    catalog_yaml["model"]["config"]["vocab_size"] = 320
+    _speaking_text(catalog_yaml)
+    base = tmp_path / "base-model"
+    shutil.copytree(model_dir(parse_target(catalog_yaml).model), base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": END_OF_TEXT}))
+    tokenizer = load_tokenizer(base)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in (END_OF_TEXT, IM_END)]
+    assert stop_token_ids(base) == tuple(sorted(ids))
+
+
 def test_a_model_directory_brings_its_tokenizer_and_its_generation_configs_end_ids(catalog_yaml, tmp_path):
     import json
 

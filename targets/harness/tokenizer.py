@@ -11,6 +11,7 @@ library (no hub), and the stop tokens of any model directory.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -128,7 +129,8 @@ def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
     """The tokens every turn stops on (``Runtime.stop_token_ids``; the audit holds each request to
     them): the model's own, read from its directory: the tokenizer's end of sequence (where transformers
     reads it: ``tokenizer_config.json``, and ``special_tokens_map.json``, which some checkpoints alone
-    carry) and the generation config's end ids (a chat model ends its turn on one of them)."""
+    carry), the generation config's end ids (a chat model ends its turn on one of them), and the special
+    token its chat template closes an assistant's turn with (``chat_turn_end``)."""
     from tokenizers import Tokenizer  # the Rust library alone: no transformers import for a list of ids
 
     model_dir = Path(model_dir)
@@ -146,9 +148,30 @@ def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
     if generation.exists():
         stated = json.loads(generation.read_text()).get("eos_token_id")
         ids.update([stated] if isinstance(stated, int) else stated or [])
+    if has_chat_template(model_dir) and (turn_end := chat_turn_end(model_dir)) is not None:
+        ids.add(turn_end)
     if not ids:
         raise ValueError(f"{model_dir}: the tokenizer names no end-of-sequence token, so no turn could stop")
     return tuple(sorted(ids))
+
+
+@functools.lru_cache(maxsize=8)
+def chat_turn_end(model_dir: Path) -> int | None:
+    """The special token a chat template closes an assistant's turn with (``<|im_end|>``), where it is one:
+    a base model's eos is its end of text, and its turns, rendered by its template, ran on past their end
+    into a turn of the user's the model made up (a review of user models). None where the template closes a
+    turn with plain text (a newline is no stop)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from targets.harness.environments.chat_format import ACTION
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ACTION}]
+    rendered = tokenizer.apply_chat_template(turns, tokenize=False)
+    after = rendered.split(ACTION, 1)[1] if ACTION in rendered else ""
+    ids = tokenizer.encode(after, add_special_tokens=False)
+    added = tokenizer.added_tokens_decoder.get(ids[0]) if ids else None
+    return ids[0] if added is not None and added.special else None
 
 
 def defined_ids(model_dir: Path, embedded: int) -> int:

@@ -265,13 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     target = Target.load(args.target, simulate=args.execution == "simulated")
     steps = args.steps or target.spec.workload.train_steps
     sandbox, stack = Sandbox.named(args.sandbox), args.stack.resolve()
-    beside = None
+    beside, model = None, Path(target.runtime().model_path)
 
     def candidates() -> CandidateProcesses:  # a phase's processes; the watchdog hears of what they write
         from targets.harness.isolation.processes import CandidateProcesses
 
         memory = None if args.memory_mb is None else int(args.memory_mb * 2**20)
-        model = Path(target.runtime().model_path)
         return CandidateProcesses(
             sandbox, stack, args.out, target.gpu, lambda kind, p: mark(f"{kind} {p}"), memory, model
         )

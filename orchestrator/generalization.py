@@ -55,6 +55,8 @@ def held_out_seeds(run_seed: int, used: Iterable[int], count: int) -> list[int]:
 
 
 def _scaled(distribution: dict, scale: float) -> dict:
+    if distribution["kind"] == "empirical":
+        return {**distribution, "values": [v * scale for v in distribution["values"]]}
     key = {"fixed": "value", "geometric": "mean", "lognormal": "median"}[distribution["kind"]]
     return {**distribution, key: distribution[key] * scale}
 

@@ -86,8 +86,8 @@ def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
     assert samples["failed_attempts"] == 15 and samples["response_budget"] == tiny_spec.workload.tokens.response
     # the unfinished episode's 3 turns of 16 reached the budget of 16, of 63 whole turns
     assert samples["turns_at_budget"] == round(3 / 63, 4)
-    assert profile["turns"]["max"] == 8 and profile["turns"]["dist"]["kind"] == "lognormal"
-    assert profile["turns"]["dist"]["median"] == 3.0  # the median of 1, 1, 2, 2, 4, 4, 8, 8
+    assert profile["turns"]["max"] == 8 and profile["turns"]["dist"]["kind"] == "empirical"
+    assert profile["turns"]["dist"]["values"] == [1, 1, 2, 2, 4, 4, 8, 8]  # the counts seen, each as likely
     assert profile["tokens"]["prompt"] == 10 and profile["tokens"]["observation"] == 6
     assert profile["env_latency_max_s"] == 0.08 and profile["env_failure_rate"] == round(15 / 75, 6)
     latency = profile["env_latency_s"]
@@ -102,6 +102,27 @@ def test_a_profile_is_fitted_from_the_episodes_a_run_finished(tiny_spec):
     cut = _episode(0, 0, 2, 0.01, 5, timed_out=True) + _episode(0, 1, 2, 0.01, 5, lost=True)
     with pytest.raises(ProfileError, match=r"\(1 timed out \(workload.trajectory_timeout_s.*; 1 lost their state"):
         fit_profile(tiny_spec, [cut], "planted")  # each said: it was "finished no episode" alone
+
+
+def test_a_two_peaked_turn_count_keeps_both_peaks_in_simulation(catalog_yaml):
+    """80% of episodes end at 2 turns, 20% at 40: a lognormal fitted by median and spread drew a mean of about
+    4 turns with 3% at 20 or more, where the run had 9.6 and 20% (a review of profiles). The fitted counts
+    are drawn as seen."""
+    import random
+
+    from targets.harness.environments.base import drawn_turns
+    from targets.spec import parse_target
+
+    catalog_yaml["workload"]["turns"] = {"max": 40, "dist": {"kind": "fixed", "value": 1}}
+    spec = parse_target(catalog_yaml)
+    events = [e for k in range(50) for e in _episode(k, 0, 40 if k % 5 == 0 else 2, 0.01, 4)]
+    profile = fit_profile(spec, [events], "planted")
+    catalog_yaml["workload"]["turns"] = profile["turns"]
+    workload = parse_target(catalog_yaml).workload
+    rng = random.Random(0)
+    drawn = [drawn_turns(workload, rng) for _ in range(20_000)]
+    assert abs(sum(drawn) / len(drawn) - 9.6) < 0.4
+    assert abs(sum(d >= 20 for d in drawn) / len(drawn) - 0.2) < 0.02
 
 
 def test_episodes_the_turn_cap_ended_and_slow_resets_are_said_in_the_profile(tiny_spec):

@@ -113,7 +113,7 @@ def make_agents(
     def checks(workspace: Path) -> str:
         out = Path(tempfile.mkdtemp(prefix="vibetrain-tool-check-"))
         try:
-            verdict = offline.judge.judge(workspace, out)
+            verdict = offline.judge.judge(workspace, out, seed=TOOL_SEED)
         finally:
             shutil.rmtree(out)
         lines = [f"{c.name}: {'pass' if c.passed else 'FAIL'} {'; '.join(c.reasons)}" for c in verdict.checks]
@@ -136,6 +136,11 @@ def make_agents(
     )
 
 
+# The LLM implementer's tools run on a workload of their own: on the twin's (``prescreen.TWIN_SEED``), what
+# they quote back taught a candidate the workload its pre-screen would be run on (a review of the judge)
+TOOL_SEED = 1
+
+
 def benchmark_tool(session: Session, workspace: Path) -> str:
     """The LLM implementer's benchmark of its live workspace, refused as the judge refuses it first (a link
     there is the host's file, which the scan would read and quote back)."""
@@ -144,7 +149,7 @@ def benchmark_tool(session: Session, workspace: Path) -> str:
         return "FAILED: " + "; ".join(tampered[:5])
     out = Path(tempfile.mkdtemp(prefix="vibetrain-tool-bench-"))
     try:
-        measurement = session.measure(workspace, out, seed=0)
+        measurement = session.measure(workspace, out, seed=TOOL_SEED)
     finally:
         shutil.rmtree(out)
     if not measurement.ok:

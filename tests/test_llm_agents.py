@@ -745,6 +745,25 @@ def test_the_benchmark_tool_refuses_a_workspace_the_judge_would(tmp_path, tiny_s
     assert said.startswith("FAILED: stack/peek.py: a symbolic link in the candidate"), said
 
 
+def test_the_benchmark_tool_runs_on_a_workload_the_twin_never_runs(tmp_path, tiny_spec):
+    """The tools measured on seed 0, the twin's: what they quote back (a controller's exception, its
+    metrics) taught a candidate the workload its pre-screen would be run on. They have a seed of their own."""
+    from types import SimpleNamespace
+
+    from agents.factory import benchmark_tool
+    from orchestrator.prescreen import TWIN_SEED
+
+    seeds = []
+
+    def measure(workspace, out, seed):
+        seeds.append(seed)
+        return SimpleNamespace(ok=True, metrics={"goodput": 1.0})
+
+    write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    assert benchmark_tool(SimpleNamespace(measure=measure), tmp_path / "ws") == "goodput: 1"
+    assert seeds and TWIN_SEED not in seeds
+
+
 def test_a_search_is_bounded_in_time_in_bytes_and_in_matches(toolbox, monkeypatch):
     """The model's pattern ran in the orchestrator with no limit (``(a|aa)+$`` backtracks for ever), kept every
     match before showing 200, and read a file once per hard link to it (a hundred links, a hundred reads)."""

@@ -222,8 +222,7 @@ class TrainBatch:
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """The GRPO step every trainer must implement identically (the judge compares against it).
-
+    """The GRPO step every trainer must implement identically (the judge compares against it):
     loss = token-mean over all response tokens of the batch of
            -min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps) * A) + kl_coef * k3(pi || pi_ref)
     with r = exp(logp_new - logp_behaviour), every logp (pi_ref's too) of softmax(logits / temperature), what
@@ -487,6 +486,7 @@ class Workload:
     training: TrainingConfig
     env_state: bool = False  # a crash loses an environment's state back to its last checkpoint
     reward_model: bool = False  # an LLM judge scores each finished trajectory (``EngineSettings.reward``)
+    temperature = property(lambda self: self.training.temperature)  # the rollout's (``TrainingConfig``)
 
     @property
     def groups_per_step(self) -> int:

@@ -584,3 +584,13 @@ def test_the_component_benchmark_measures_a_card_against_its_own_figures_and_say
     for name in ("NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA B200"):
         hardware, line = card(h100, name)
         assert hardware == h100 and repr(name) in line and "not this card's" in line and "3350 GB/s" in line
+
+
+def test_a_stack_written_before_the_temperature_moved_still_reads_it_from_its_workload(catalog_yaml):
+    """The temperature moved to ``TrainingConfig`` (the policy the step trains); every stack written before
+    reads ``Workload.temperature`` in its copy of the controller recipe, and would raise at start-up without it."""
+    from targets.harness.target import workload_view
+
+    catalog_yaml["workload"]["training"] = {**catalog_yaml["workload"].get("training", {}), "temperature": 0.7}
+    workload = workload_view(parse_target(catalog_yaml))
+    assert workload.temperature == workload.training.temperature == 0.7

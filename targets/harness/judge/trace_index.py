@@ -44,16 +44,6 @@ class Reasons:
 ABORT_SLACK_S = 0.25
 
 
-def _until_exported(train: TraceEvent, exported: dict[int, float]) -> TraceEvent:
-    """A step as the audit reads it: from its call to the end of the harness's copy of its weights, which
-    the call waits for. A cluster that answered ``train`` at once and trained inside ``export_weights``
-    (while its controller woke an engine on the trainer's device, and served from it under the version
-    before) looked like a step of milliseconds to every rule that reads when a step ran or a version existed
-    (a review of the judge): the export's end is the earliest the new weights are known to exist."""
-    end = exported.get(train.data.get("step"), train.t)
-    return train if end <= train.t else dataclasses.replace(train, t=end)
-
-
 @dataclass
 class TraceIndex:
     """Everything the invariants ask of a trace, computed once."""
@@ -74,7 +64,8 @@ class TraceIndex:
     trained_in: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # episode -> train indices
     verdicts: dict[str, list[TraceEvent]] = field(default_factory=lambda: defaultdict(list))  # the reward model's
     judged: bool = False  # a reward model judges every episode that ends well
-    trains: list[TraceEvent] = field(default_factory=list)  # each ending once the harness had its weights
+    trains: list[TraceEvent] = field(default_factory=list)
+    exported: dict[int, float] = field(default_factory=dict)  # step -> when the harness had sealed its weights
     tokens_recorded: bool = True
     stop_token_ids: tuple[int, ...] = ()  # what the harness's runtime handed the candidate
     declared: Declared = field(default_factory=Declared)
@@ -129,8 +120,8 @@ class TraceIndex:
             ix.verdicts[e.data["episode"]].append(e)
         for e in ix.by_kind["sample_dropped"]:
             ix.dropped.setdefault(e.data["episode"], e)
-        exported = {e.data["step"]: e.t for e in ix.by_kind["weight_export"]}
-        ix.trains = sorted((_until_exported(e, exported) for e in ix.by_kind["train"]), key=lambda e: e.data["start"])
+        ix.exported = {e.data["step"]: e.t for e in ix.by_kind["weight_export"]}
+        ix.trains = sorted(ix.by_kind["train"], key=lambda e: e.data["start"])
         for i, train in enumerate(ix.trains):
             for t in train.data["trajectories"]:
                 ix.trained_in[t["episode"]].append(i)

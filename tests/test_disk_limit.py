@@ -166,8 +166,9 @@ def test_a_sandboxed_candidate_process_writes_in_its_private_tmp_not_on_the_host
 
 
 def test_the_model_directory_and_where_its_files_link_are_bound_read_only(tmp_path, monkeypatch):
-    """``Runtime.model_path`` is the candidate's to read wherever it lies: the directory and the folders its
-    links lead to (a Hugging Face snapshot's blobs) are bound read-only in bubblewrap, nothing else of them."""
+    """``Runtime.model_path`` is the candidate's to read wherever it lies: the directory and what its links
+    lead to (a Hugging Face snapshot's blobs), each alone, are bound read-only in bubblewrap; not the folder
+    a linked file lies in (a link to a file in the user's home would show the whole home)."""
     from targets.harness.isolation import processes
 
     started: list[list[str]] = []
@@ -186,5 +187,6 @@ def test_the_model_directory_and_where_its_files_link_are_bound_read_only(tmp_pa
     finally:
         remove_tree(candidates.root)
     pairs = list(zip(started[0], started[0][1:], started[0][2:]))
-    for folder in (model, blobs):
-        assert ("--ro-bind", str(folder.resolve()), str(folder.resolve())) in pairs, started[0]
+    for path in (model, blobs / "abc"):  # the linked file alone, not the folder it lies in
+        assert ("--ro-bind", str(path.resolve()), str(path.resolve())) in pairs, started[0]
+    assert not any(str(blobs.resolve()) == a for a in started[0]), started[0]

@@ -34,15 +34,19 @@ ABANDONED_GRACE_S = 2.0
 TAIL_BYTES = 64 << 10  # of a log, the most a failure's reason quotes from
 
 
-def model_folders(model: Path) -> list[Path]:
-    """The folders a candidate reads a model directory through: the directory, and where its links lead (a
-    Hugging Face cache's snapshot links each file to a blob outside it). A user's directory outside
-    vibetrain's cache was hidden by the bubblewrap sandbox: every candidate failed to load it (a review)."""
-    folders = [model.resolve()]
-    for path in model.iterdir():
-        if path.is_symlink():
-            folders.append(path.resolve().parent)
-    return list(dict.fromkeys(folders))
+def model_paths(model: Path) -> list[Path]:
+    """What a candidate reads a model directory through: the directory, and what each link in it leads to,
+    that file or folder alone (a Hugging Face cache's snapshot links each file to a blob outside it; the
+    blob's folder, or a linked file's, may hold what is none of the candidate's business). A user's directory
+    outside vibetrain's cache was hidden by the bubblewrap sandbox: every candidate failed to load it (a
+    review). A link that leads nowhere is left for the loader to name."""
+    paths = [model.resolve()]
+    for folder, subfolders, files in os.walk(model):
+        for name in [*subfolders, *files]:
+            path = Path(folder) / name
+            if path.is_symlink() and path.exists():
+                paths.append(path.resolve())
+    return list(dict.fromkeys(paths))
 
 
 class CandidateProcesses:
@@ -66,7 +70,7 @@ class CandidateProcesses:
         the watchdog measures), and in bubblewrap the size of each of a process's tmpfs (``Sandbox.wrap``).
         ``model``: the directory ``Runtime.model_path`` names, readable to the candidate wherever it is."""
         self.sandbox, self.stack_dir, self.logs, self.gpus = sandbox, Path(stack_dir).resolve(), logs, gpus
-        self.model = model_folders(model) if model is not None else []
+        self.model = model_paths(model) if model is not None else []
         # short: a socket path has 108 bytes
         self.root = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=SCRATCH_PARENT))
         self.written, self.memory_bytes = written, memory_bytes

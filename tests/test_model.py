@@ -273,6 +273,14 @@ def test_a_base_models_turns_stop_where_its_chat_template_ends_an_assistants_tur
     tokenizer = load_tokenizer(base)
     ids = [tokenizer.convert_tokens_to_ids(t) for t in (END_OF_TEXT, IM_END)]
     assert stop_token_ids(base) == tuple(sorted(ids))
+    # a template that does not render a conversation is named with its model, not a jinja traceback
+    from targets.harness.environments.chat_format import ChatTemplateError
+
+    broken = tmp_path / "broken-template"
+    shutil.copytree(base, broken)
+    (broken / "chat_template.jinja").write_text("{{ raise_exception('no conversation renders') }}")
+    with pytest.raises(ChatTemplateError, match="the chat template does not render a conversation"):
+        stop_token_ids(broken)
 
 
 def test_a_model_directory_brings_its_tokenizer_and_its_generation_configs_end_ids(catalog_yaml, tmp_path):

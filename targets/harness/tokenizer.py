@@ -131,7 +131,7 @@ def stop_token_ids(model_dir: Path) -> tuple[int, ...]:
     reads it: ``tokenizer_config.json``, and ``special_tokens_map.json``, which some checkpoints alone
     carry), the generation config's end ids (a chat model ends its turn on one of them), and the special
     token its chat template closes an assistant's turn with (``chat_turn_end``)."""
-    from tokenizers import Tokenizer  # the Rust library alone: no transformers import for a list of ids
+    from tokenizers import Tokenizer  # the Rust library (transformers only for a chat template's turn end)
 
     model_dir = Path(model_dir)
     vocabulary = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -160,16 +160,14 @@ def chat_turn_end(model_dir: Path) -> int | None:
     """The special token a chat template closes an assistant's turn with (``<|im_end|>``), where it is one:
     a base model's eos is its end of text, and its turns, rendered by its template, ran on past their end
     into a turn of the user's the model made up (a review of user models). None where the template closes a
-    turn with plain text (a newline is no stop)."""
+    turn with plain text (a newline is no stop). Read as an episode's next turn is rendered (``ChatFormat``,
+    which names a template that does not render)."""
     from transformers import PreTrainedTokenizerFast
 
-    from targets.harness.environments.chat_format import ACTION
+    from targets.harness.environments.chat_format import ChatFormat
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ACTION}]
-    rendered = tokenizer.apply_chat_template(turns, tokenize=False)
-    after = rendered.split(ACTION, 1)[1] if ACTION in rendered else ""
-    ids = tokenizer.encode(after, add_special_tokens=False)
+    ids = ChatFormat(tokenizer, ()).next("", None)  # what follows an action: the turn's close first
     added = tokenizer.added_tokens_decoder.get(ids[0]) if ids else None
     return ids[0] if added is not None and added.special else None
 

@@ -106,6 +106,22 @@ class SlowThenCloses(HiddenNumber):
         return super().step(action)
 
 
+class CleansUpSlowly(Echo):
+    """An async text environment whose step waits on a tool for ever and, cancelled, takes a moment to let
+    its connection go; its close notes whether that cleanup was over."""
+
+    async def step(self, action):
+        self.name, self.cleaned = f"{os.getpid()}-{next(NUMBERS)}", False
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(0.2)
+            self.cleaned = True
+
+    async def close(self):
+        _note("closed" if self.cleaned else "closed-during-cleanup", self.name)
+
+
 class ClosesBadly(HiddenNumber):
     """Its close() raises (a subprocess it holds is already gone)."""
 
@@ -996,7 +1012,7 @@ def test_an_environment_whose_step_was_abandoned_is_closed_once_the_step_answers
     async def main() -> str:
         await episode.reset()
         result = await episode.step([5, 6])
-        assert result.timed_out and episode.abandoned
+        assert result.timed_out and episode.abandoned is not None
         await episode.close()  # as the run closes every episode
         name = episode.environment.env.name
         assert name not in _ledger(folder)[1]  # the step is still under way: nothing closed under it
@@ -1005,6 +1021,26 @@ def test_an_environment_whose_step_was_abandoned_is_closed_once_the_step_answers
 
     name = asyncio.run(main())
     assert _ledger(folder)[1][name] == 1
+
+
+def test_an_async_environment_abandoned_mid_step_is_closed_once_its_cleanup_is_over(catalog_yaml, user_package):
+    """The text adapter's abandoned step is cancelled, and its cleanup may await: the close waits for the
+    cancelled call to be done, never closing the environment under its own cleanup (a review)."""
+    catalog_yaml["workload"]["trajectory_timeout_s"] = 0.3
+    spec = _spec(catalog_yaml, {"entry": "my_envs:CleansUpSlowly", "adapter": "text"})
+    episode = _pool(spec)[0].new_group()[0]
+    folder = Path(sys.modules["my_envs"].LEDGER).parent
+
+    async def main() -> str:
+        await episode.reset()
+        assert (await episode.step([5, 6])).timed_out
+        await episode.close()
+        await asyncio.sleep(0.5)  # the cleanup (0.2 s) is over, and the close has run behind it
+        return episode.environment.name
+
+    name = asyncio.run(main())
+    made, closed = _ledger(folder)
+    assert closed[name] == 1, (name, closed)
 
 
 def test_an_abandoned_call_never_holds_the_process_open():

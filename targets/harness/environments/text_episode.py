@@ -47,7 +47,9 @@ class TextEpisode(Episode):
     def __init__(self, *, environment: TextEnvironment, chat: ChatFormat, entry: str, **kwargs) -> None:
         self.environment, self.chat, self.entry = environment, chat, entry
         self.closed = False
-        self.abandoned = False  # a call of the environment did not answer in time and may still be running
+        self.abandoned: asyncio.Future | None = (
+            None  # a call that did not answer in time (cancelled; a thread's runs on)
+        )
         self.running: asyncio.Future | None = None  # a call the run's end cut off waiting for, still answering
         super().__init__(**kwargs)
 
@@ -56,16 +58,21 @@ class TextEpisode(Episode):
         for an episode that never did, once a call the run's end cut off has answered. Never under a call
         still running in it (a gymnasium environment is not safe to close under its own step): one that
         has not answered within ``CLOSE_LIMIT_S`` of the run's end is left. One abandoned as hung is closed
-        behind it, not waited for: an adapter's calls run in order on the environment's own thread
-        (``UserThread``), and a coroutine's abandoned call was cancelled; returning without a close leaked
-        what the environment holds at every timeout (a review of user environments)."""
+        behind it, not waited for: once its cancelled call is done (a coroutine's cleanup over; a thread's
+        call goes on, and an adapter's close queues behind it on the environment's own thread,
+        ``UserThread``). Returning without a close leaked what the environment holds at every timeout (a
+        review of user environments)."""
         close = getattr(self.environment, "close", None)
         if self.closed or close is None:
             return
-        if self.abandoned:
+        if self.abandoned is not None:
             self.closed = True
-            closing = asyncio.ensure_future(_named_exit(close()))
-            closing.add_done_callback(lambda call: call.cancelled() or call.exception())  # said nowhere: it is over
+
+            def closing(_: asyncio.Future) -> None:  # what it says goes nowhere: the episode is over
+                asyncio.ensure_future(_named_exit(close())).add_done_callback(lambda c: c.cancelled() or c.exception())
+
+            self.abandoned.add_done_callback(closing)
+            await asyncio.sleep(0)  # its first step runs: an adapter's close is queued on the environment's thread
             return
         if self.running is not None:
             done, _ = await asyncio.wait({self.running}, timeout=CLOSE_LIMIT_S)
@@ -100,7 +107,7 @@ class TextEpisode(Episode):
             raise
         if not done:
             answering.cancel()
-            self.abandoned = True
+            self.abandoned = answering
             return HUNG
         if answering.cancelled():  # the user's own coroutine cancelled itself
             raise UserEnvironmentError(f"environment {self.entry} was cancelled {doing} {self.episode_id}")

@@ -121,7 +121,9 @@ def main(
         "least row or column of a 2-D matrix (own pull)",
         *(["least expert alone (its share of the stack's pull)"] if moe else []),
     )
-    for step, batch in enumerate(fixed_train_batches(base, sizes=[(8, 12)[k % 2] for k in range(steps)]), start=1):
+    for step, batch in enumerate(
+        fixed_train_batches(base, sizes=[(8, 12)[k % 2] for k in range(steps)], temperature=config.temperature), start=1
+    ):
         start = honest.state_dict()
         reference.load_state_dict(start)  # the reference's AdamW state carried along, as in the replay
         coasted = reference.coast()

@@ -463,9 +463,34 @@ def test_a_text_environment_by_import_path_and_a_task_set(catalog_yaml, user_pac
     assert (result.reward, result.done) == (1.0, True)
 
 
+def test_a_task_set_reads_the_answer_its_system_message_asks_for(catalog_yaml, user_package):
+    """A task set scored the whole response (reasoning-gym's partial credit paid any text holding the digits;
+    a thinking model's reasoning was scored with its answer). ``system`` is told the model on each episode's
+    first turn and ``answer`` names what the environment reads: the last match's group, "" where none."""
+    environment = {"entry": "my_envs:tasks", "adapter": "tasks", "params": {"size": 3}}
+    environment.update(system="Put the answer between <answer> and </answer>.", answer="<answer>(.*?)</answer>")
+    spec = _spec(catalog_yaml, environment)
+    pool, trace = _pool(spec)
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    right, late, none = pool.new_group()[:1] + pool.new_group()[:1] + pool.new_group()[:1]
+    for episode in (right, late, none):
+        prompt = tokenizer.decode(asyncio.run(episode.reset()))
+        assert prompt.startswith("<|im_start|>system\nPut the answer between <answer> and </answer>.<|im_end|>")
+    said = {
+        right: f"{2 * (right.task % 3)} is it, I think: <answer>{2 * (right.task % 3)}</answer>",
+        late: f"<answer>{2 * (late.task % 3)}</answer>, no: <answer>{2 * (late.task % 3) + 1}</answer>",
+        none: f"{2 * (none.task % 3)}",
+    }
+    rewards = {e: asyncio.run(e.step(tokenizer.encode(said[e], add_special_tokens=False))).reward for e in said}
+    assert (rewards[right], rewards[late], rewards[none]) == (1.0, 0.0, 0.0)  # the last answer counts; none: ""
+
+
 @pytest.mark.parametrize(
     ("environment", "message"),
     [
+        ({"entry": "my_envs:tasks", "adapter": "tasks", "answer": "(a)(b)"}, "has 2 groups: give one"),
+        ({"entry": "my_envs:tasks", "adapter": "tasks", "answer": "(unclosed"}, "is not a regular expression"),
+        ({"name": "guess_number", "system": "Be brief."}, "system is for a user's entry"),
         ({"entry": "no_such_package.envs:Env", "adapter": "gymnasium"}, "no_such_package is not installed here"),
         ({"entry": "my_envs.nowhere:Env", "adapter": "gymnasium"}, "cannot import my_envs.nowhere"),
         ({"entry": "my_envs:Missing", "adapter": "gymnasium"}, "my_envs has no attribute Missing"),
@@ -476,6 +501,9 @@ def test_a_text_environment_by_import_path_and_a_task_set(catalog_yaml, user_pac
         ({"entry": "my_envs:HiddenNumber", "adapter": "docker"}, "adapter"),
     ],
     ids=[
+        "answer of two groups",
+        "answer no regex",
+        "system for a harness environment",
         "missing package",
         "missing module",
         "missing attribute",

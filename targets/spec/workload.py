@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +23,12 @@ class EnvironmentRef(Strict):
     entry: str | None = None
     adapter: Literal["gymnasium", "tasks", "text"] | None = None
     params: dict[str, Any] = Field(default_factory=dict)
+    # what a chat model is told and what the environment reads of its answer (a user's entry only): the
+    # system message of each episode's first turn, and a regular expression whose last match (its group,
+    # where it has one) is the text the environment reads, "" where none matches (reasoning-gym scores an
+    # extracted answer: the whole response paid partial credit for any text holding the digits)
+    system: str | None = None
+    answer: str | None = None
 
     @model_validator(mode="after")
     def _known_environment(self) -> EnvironmentRef:
@@ -35,7 +42,17 @@ class EnvironmentRef(Strict):
             from targets.harness.environments.adapters import load_entry
 
             load_entry(self.entry)  # importable now, or an error that names it
+            if self.answer is not None:
+                try:
+                    groups = re.compile(self.answer).groups
+                except re.error as error:
+                    raise ValueError(f"answer {self.answer!r} is not a regular expression ({error})") from None
+                if groups > 1:
+                    raise ValueError(f"answer {self.answer!r} has {groups} groups: give one (the answer) or none")
             return self
+        for field in ("system", "answer"):
+            if getattr(self, field) is not None:
+                raise ValueError(f"{field} is for a user's entry (a chat model's text), not the harness environment")
         if self.adapter is not None:
             raise ValueError(f"adapter {self.adapter} is for a user's entry, not the harness environment {self.name}")
         if self.name not in ENVIRONMENTS:

@@ -7,6 +7,7 @@ text is tokenized, so a trajectory is always the prompt, then action and observa
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from targets.errors import UserError
@@ -22,10 +23,21 @@ class ChatTemplateError(UserError, ValueError):
 
 
 class ChatFormat:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_ids: tuple[int, ...]) -> None:
+    """``system``: the system message each episode's first turn carries; ``answer``: a regular expression
+    whose last match (its group, where it has one) is what the environment reads of an action, "" where
+    none matches (``EnvironmentRef``)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_ids: tuple[int, ...],
+        system: str | None = None,
+        answer: str | None = None,
+    ) -> None:
         if not tokenizer.chat_template:
             raise ValueError("the model's tokenizer has no chat template: an environment's text cannot be rendered")
         self.tokenizer, self.stop_ids = tokenizer, frozenset(stop_ids)
+        self.system, self.answer = system, re.compile(answer) if answer is not None else None
         self._check_template(tokenizer.name_or_path)
 
     def _check_template(self, where: str) -> None:
@@ -34,7 +46,7 @@ class ChatFormat:
         jinja traceback in the first episode."""
         turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ACTION}]
         try:
-            self._render(turns[:1], True)
+            self.first_text("x")
             later = self._render([*turns, {"role": "user", "content": "y"}], True)
         except Exception as error:  # noqa: BLE001 - the user's template: named, whatever jinja raised
             raise ChatTemplateError(
@@ -49,8 +61,12 @@ class ChatFormat:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def first_text(self, observation: str) -> str:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return self._render([*system, {"role": "user", "content": observation}], True)
+
     def first(self, observation: str) -> list[int]:
-        return self._encode(self._render([{"role": "user", "content": observation}], True))
+        return self._encode(self.first_text(observation))
 
     def next(self, observation: str, stopped_on: int | None) -> list[int]:
         """The tokens after an action that ended on ``stopped_on``: the template's close of the assistant
@@ -66,5 +82,10 @@ class ChatFormat:
         return ids[1:] if closed else ids
 
     def text(self, action) -> str:
-        """An action's text as the environment reads it (special tokens left out)."""
-        return self.tokenizer.decode(list(action), skip_special_tokens=True)
+        """An action's text as the environment reads it (special tokens left out; its answer alone where an
+        ``answer`` pattern is given)."""
+        text = self.tokenizer.decode(list(action), skip_special_tokens=True)
+        if self.answer is None:
+            return text
+        found = list(self.answer.finditer(text))
+        return "" if not found else ((found[-1].group(1) or "") if self.answer.groups else found[-1].group(0))

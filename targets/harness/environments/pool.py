@@ -155,7 +155,7 @@ def episode_maker(workload: WorkloadSpec, model_path: str | None) -> Callable[..
     from targets.harness.tokenizer import stop_token_ids
 
     make_environment = environment_factory(str(env.entry), str(env.adapter), env.params)
-    chat = ChatFormat(load_tokenizer(model_path), stop_token_ids(model_path))
+    chat = ChatFormat(load_tokenizer(model_path), stop_token_ids(model_path), env.system, env.answer)
 
     def make(**episode) -> TextEpisode:
         return TextEpisode(environment=make_environment(), chat=chat, entry=str(env.entry), **episode)

@@ -56,7 +56,7 @@ def held_out_seeds(run_seed: int, used: Iterable[int], count: int) -> list[int]:
 
 def _scaled(distribution: dict, scale: float) -> dict:
     if distribution["kind"] == "empirical":
-        return {**distribution, "values": [v * scale for v in distribution["values"]]}
+        return {**distribution, "values": [v * scale for v in distribution["values"]]}  # counts as they were
     key = {"fixed": "value", "geometric": "mean", "lognormal": "median"}[distribution["kind"]]
     return {**distribution, key: distribution[key] * scale}
 

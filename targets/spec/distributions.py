@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
 from targets.spec.base import Strict
 
@@ -53,24 +55,32 @@ class Lognormal(Strict):
 
 
 class Empirical(Strict):
-    """The values a run measured, each as likely: a shape no two-parameter family holds (turn counts of an
-    environment whose episodes end at 2 turns or at 40 lost the second peak to a lognormal, 2.4x the work)."""
+    """The values a run measured, each seen ``counts`` times (once each where none are given): a shape no
+    two-parameter family holds (turn counts of an environment whose episodes end at 2 turns or at 40 lost the
+    second peak to a lognormal, 2.4x the work)."""
 
     kind: Literal["empirical"]
     values: list[float] = Field(min_length=1, max_length=100_000)
+    counts: list[int] | None = None
 
-    @field_validator("values")
-    @classmethod
-    def _non_negative(cls, values: list[float]) -> list[float]:
-        if not all(math.isfinite(v) and v >= 0 for v in values):
+    @model_validator(mode="after")
+    def _valid(self) -> Empirical:
+        if not all(math.isfinite(v) and v >= 0 for v in self.values):
             raise ValueError("every value must be a finite number >= 0")
-        return values
+        if self.counts is not None and (len(self.counts) != len(self.values) or min(self.counts) < 1):
+            raise ValueError(f"counts: one whole number >= 1 for each of the {len(self.values)} values")
+        return self
+
+    def _cumulative(self) -> list[int]:
+        return list(itertools.accumulate(self.counts or [1] * len(self.values)))
 
     def sample(self, rng: random.Random) -> float:
-        return self.values[min(len(self.values) - 1, int(rng.random() * len(self.values)))]
+        cumulative = self._cumulative()
+        return self.values[bisect.bisect_right(cumulative, int(rng.random() * cumulative[-1]))]
 
     def mean_value(self) -> float:
-        return math.fsum(self.values) / len(self.values)
+        counts = self.counts or [1] * len(self.values)
+        return math.fsum(v * n for v, n in zip(self.values, counts)) / sum(counts)
 
 
 Distribution = Annotated[Fixed | Geometric | Lognormal | Empirical, Field(discriminator="kind")]

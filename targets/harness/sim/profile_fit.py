@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from targets.api import TraceEvent
 from targets.harness.environments.pool import group_of
@@ -190,7 +190,7 @@ def fit_profile(
     drawn = (
         {"kind": "fixed", "value": float(turns[0])}
         if len(set(turns)) == 1
-        else {"kind": "empirical", "values": [float(t) for t in sorted(turns)]}
+        else {"kind": "empirical", "values": [float(t) for t in sorted(set(turns))], "counts": _counts(turns)}
     )
     return {
         "measured_on": measured_on,
@@ -217,6 +217,12 @@ def fit_profile(
         "env_latency_max_s": round(max(max(latencies, default=0.0), 1e-6), 6),
         "env_failure_rate": round(failures / (len(taken) + failures), 6),
     }
+
+
+def _counts(values: list[int]) -> list[int]:
+    """How many times each distinct value was seen, in the values' order."""
+    seen = Counter(values)
+    return [seen[v] for v in sorted(seen)]
 
 
 def _cut(last_step: dict) -> bool:

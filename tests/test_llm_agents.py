@@ -695,6 +695,22 @@ def test_a_huge_design_record_is_cut_in_every_prompt(toolbox, tiny_spec):
     assert len(prompt) < 2 * MAX_DESIGN + 60_000 and "characters cut from the middle" in prompt
 
 
+def test_the_judges_reasons_are_cut_in_the_next_attempts_prompt(toolbox, tiny_spec, monkeypatch):
+    """A reason may quote the candidate's own text whole (a controller's exception): a megabyte one went into
+    every call of the next attempt. Each reason is cut to its head and tail, and there are a few of them."""
+    from agents.llm import agents
+    from agents.llm.agents import implementer_prompt
+    from agents.llm.tools import MAX_FEEDBACK_LINE, MAX_FEEDBACK_LINES
+
+    monkeypatch.setattr(agents.facts, "diff_stat", lambda workspace: "")  # the toolbox's workspace is no worktree
+    feedback = ["system run failed: RuntimeError: " + "seen " * 200_000, *[f"reason {k}" for k in range(100)]]
+    task = Task(id="t", title="t", rationale="r")
+    prompt = implementer_prompt(tiny_spec, task, toolbox.workspace, feedback, [])
+    quiet = implementer_prompt(tiny_spec, task, toolbox.workspace, ["one reason"], [])
+    assert len(prompt) - len(quiet) < MAX_FEEDBACK_LINE + 30 * MAX_FEEDBACK_LINES + 2_000
+    assert "characters cut from the middle" in prompt and f"and {101 - MAX_FEEDBACK_LINES} more reasons" in prompt
+
+
 def test_file_system_errors_come_back_as_tool_errors(toolbox):
     assert _call(toolbox, "write_file", path="stack", content="x").startswith("error: 'stack' is there and is no")
     (toolbox.workspace / "stack" / "blob.bin").write_bytes(b"\xff\xfe\x00")

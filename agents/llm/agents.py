@@ -20,7 +20,16 @@ from agents.llm import context as facts
 from agents.llm.client import ChatClient
 from agents.llm.errors import LLMError, LLMUnusable
 from agents.llm.loop import cut_note, parse_answer, run_loop
-from agents.llm.tools import MAX_DESIGN, Toolbox, ToolResultError, inside, read_design, truncated
+from agents.llm.tools import (
+    MAX_DESIGN,
+    MAX_FEEDBACK_LINE,
+    MAX_FEEDBACK_LINES,
+    Toolbox,
+    ToolResultError,
+    inside,
+    read_design,
+    truncated,
+)
 from agents.roles import AgentError, Attempt, Evaluation, Hint, RoundContext, Task
 from skills.library import load_skills
 from skills.validation import expand_file
@@ -124,8 +133,17 @@ def implementer_prompt(
         design=design,
         previous_account=context.previous_account,
         diff_stat=facts.diff_stat(workspace) if context.previous_account or feedback else "",
-        feedback=feedback,
+        feedback=cut_feedback(feedback),
     )
+
+
+def cut_feedback(feedback: list[str]) -> list[str]:
+    """The judge's reasons as the next attempt's prompt carries them: each cut to its head and tail, and a
+    few of them. A reason may quote the candidate's own text (a controller's exception, whole): a megabyte
+    one made every call of the next attempt a costly one, and carried what the candidate chose to tell it."""
+    lines = [truncated(line, MAX_FEEDBACK_LINE) for line in feedback[:MAX_FEEDBACK_LINES]]
+    more = len(feedback) - MAX_FEEDBACK_LINES
+    return lines + ([f"... and {more} more reasons (read the judge's report with run_checks)"] if more > 0 else [])
 
 
 def expand_annotations(workspace: Path) -> list[str]:

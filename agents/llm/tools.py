@@ -31,6 +31,8 @@ from targets.harness.isolation.containers import owned_containers
 
 MAX_RESULT = 12_000
 MAX_DESIGN = 40_000  # DESIGN.md's characters in a prompt: the agent writes it, and every later call carries it
+# the judge's reasons in the next attempt's prompt: a controller's exception is the candidate's own text
+MAX_FEEDBACK_LINE, MAX_FEEDBACK_LINES = 2_000, 30
 MAX_READ_BYTES = 8 << 20  # read_file and search_files read a file on the host: one larger is not read whole
 MAX_SEARCH_BYTES = 64 << 20  # what one search reads in all
 MAX_MATCHES = 200

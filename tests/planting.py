@@ -44,7 +44,9 @@ def replaced(text: str, old: str, new: str, failure: str, once: bool = False) ->
 # benchmarks/judge_false_alarms.py (which measures the tests' power on them) ---------------------------
 
 FIRED = "planted: a partial emptied"  # in cluster.log each time the empty-partials plant acts
-SAMPLED = "            chosen = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)\n"  # one temperature
+SAMPLED = (  # a system run's draw: every row at one temperature
+    "            chosen = torch.multinomial(torch.softmax(tempered, -1), 1, generator=self._generator).squeeze(-1)\n"
+)
 GENERATE = "    async def generate(self, request: GenerateRequest) -> Completion:\n"
 DECODE = (
     "            arrival = next(self._arrivals)\n"

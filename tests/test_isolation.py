@@ -163,8 +163,8 @@ def test_an_engine_that_samples_colder_than_the_spec(tmp_path, fast_target, judg
         "static_split",
         {
             "paged_engine.py": (
-                "probs = torch.softmax(logits / temperatures[0], dim=-1)",  # a system run's draw: one temperature
-                "probs = torch.softmax(logits / (temperatures[0] * 0.5), dim=-1)  # planted",
+                "torch.multinomial(torch.softmax(tempered, -1), 1, generator=self._generator)",  # a system run's draw
+                "torch.multinomial(torch.softmax(tempered * 2, -1), 1, generator=self._generator)",  # planted: at T / 2
             ),
         },
     )

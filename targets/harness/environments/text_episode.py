@@ -47,9 +47,7 @@ class TextEpisode(Episode):
     def __init__(self, *, environment: TextEnvironment, chat: ChatFormat, entry: str, **kwargs) -> None:
         self.environment, self.chat, self.entry = environment, chat, entry
         self.closed = False
-        self.abandoned: asyncio.Future | None = (
-            None  # a call that did not answer in time (cancelled; a thread's runs on)
-        )
+        self.abandoned: asyncio.Future | None = None  # a call not answered in time (cancelled; a thread runs on)
         self.running: asyncio.Future | None = None  # a call the run's end cut off waiting for, still answering
         super().__init__(**kwargs)
 
@@ -71,8 +69,11 @@ class TextEpisode(Episode):
             def closing(_: asyncio.Future) -> None:  # what it says goes nowhere: the episode is over
                 asyncio.ensure_future(_named_exit(close())).add_done_callback(lambda c: c.cancelled() or c.exception())
 
-            self.abandoned.add_done_callback(closing)
-            await asyncio.sleep(0)  # its first step runs: an adapter's close is queued on the environment's thread
+            if self.abandoned.done():
+                closing(self.abandoned)
+            else:
+                self.abandoned.add_done_callback(closing)
+            await asyncio.sleep(0)  # a close begun runs its first step: an adapter's is queued on its thread
             return
         if self.running is not None:
             done, _ = await asyncio.wait({self.running}, timeout=CLOSE_LIMIT_S)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from targets.api import Device, Runtime, Workload
 from targets.errors import UserError
-from targets.spec import TargetSpec, load_target
+from targets.spec import ModelSpec, TargetSpec, load_target
 
 DEVICE_RESOURCE = "vt_device_"
 
@@ -128,14 +128,23 @@ class Target:
 
         return ClusterCosts.from_spec(self.spec).engine_devices
 
+    def components_model(self) -> ModelSpec:
+        """The model the components run (and the checks compare against): on a simulated target a tiny model
+        of the same family, since the checks prove the code right and the target's own model may not fit."""
+        from targets.harness.model import proxy_model
+
+        return self.spec.model if not self.simulated else proxy_model(self.spec.model)
+
+    def model_path(self) -> Path:
+        """``Runtime.model_path``: the components model's directory (built, for random weights, once)."""
+        from targets.harness.model import model_dir
+
+        return model_dir(self.components_model())
+
     def runtime(self) -> Runtime:
-        """On a simulated target the components run (for accuracy checks 1-3) on a tiny model of the
-        same family: the checks prove the code right, and the target's own model may not fit here."""
-        from targets.harness.model import model_dir, proxy_model
         from targets.harness.tokenizer import stop_token_ids
 
-        model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
-        path = model_dir(model)
+        model, path = self.components_model(), self.model_path()
         return Runtime(
             str(path),
             model.dtype,
@@ -151,8 +160,7 @@ class Target:
 
     def reference_model(self):
         """The model the checks and the audit compare against, on the same device and dtype."""
-        from targets.harness.model import load_model, model_dir, proxy_model
+        from targets.harness.model import load_model
 
-        model = self.spec.model if not self.simulated else proxy_model(self.spec.model)
-        loaded = load_model(model_dir(model), model.dtype)
+        loaded = load_model(self.model_path(), self.components_model().dtype)
         return loaded.to("cuda") if self.gpu else loaded

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     target = Target.load(args.target, simulate=args.execution == "simulated")
     steps = args.steps or target.spec.workload.train_steps
     sandbox, stack = Sandbox.named(args.sandbox), args.stack.resolve()
-    beside, model = None, Path(target.runtime().model_path)
+    beside, model = None, target.model_path()
 
     def candidates() -> CandidateProcesses:  # a phase's processes; the watchdog hears of what they write
         from targets.harness.isolation.processes import CandidateProcesses

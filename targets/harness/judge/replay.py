@@ -37,6 +37,7 @@ import torch
 from targets.api import StateDict, TraceEvent, TrainBatch, Trajectory
 from targets.harness.judge.sampling_tests import FALSE_ALARM, Draw, SamplingTests, Segment, plan_guesses
 from targets.harness.judge.update_error import step_fault, update_error
+from targets.harness.reference.grpo import drawn_log_softmax
 
 if TYPE_CHECKING:
     from targets.harness.judge.trace_index import Reasons, TraceIndex
@@ -136,10 +137,8 @@ class VersionSeparation:
 
 
 def _chosen_logprobs(rows: torch.Tensor, chosen: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The logprob of each chosen token under the distribution it was drawn from: softmax(rows /
-    temperature), softmax(rows) for a greedy turn (``SamplingParams``)."""
-    tempered = rows / temperature if temperature > 0 else rows
-    return torch.log_softmax(tempered, -1).gather(-1, chosen[:, None]).squeeze(-1)
+    """The logprob of each chosen token under the distribution it was drawn from (``drawn_log_softmax``)."""
+    return drawn_log_softmax(rows, temperature).gather(-1, chosen[:, None]).squeeze(-1)
 
 
 def pass_logprobs(model: torch.nn.Module, batch: list[tuple[list[int], list[TraceEvent]]]) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
+from targets.harness.reference.grpo import drawn_log_softmax
 
 
 def left_padded(sequences: Sequence[TokenIds]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,11 +80,10 @@ class ReferenceEngine:
             )
             cache = out[self.cache_keyword]
             logits = out.logits[:, -1].float().cpu()[active]
+            logp = drawn_log_softmax(logits, params.temperature)
             if params.temperature == 0:
-                logp = torch.log_softmax(logits, dim=-1)
                 chosen = logits.argmax(-1)
-            else:  # the logprobs of the distribution drawn from (``SamplingParams``)
-                logp = torch.log_softmax(logits / params.temperature, dim=-1)
+            else:
                 chosen = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             tokens = torch.zeros(len(prompts), 1, dtype=torch.long)  # a finished row's next input: unread
             for row, i in enumerate(active):

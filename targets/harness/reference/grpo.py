@@ -68,12 +68,18 @@ def pad_trajectories(trajectories: list[Trajectory]) -> PaddedBatch:
     return PaddedBatch(tokens, attention, loss_mask, old)
 
 
+def drawn_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probabilities of the distribution a token is drawn from at ``temperature`` (``SamplingParams``):
+    softmax(logits / temperature), the unscaled softmax(logits) for greedy (0)."""
+    return torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+
+
 def token_logprobs(
     model: torch.nn.Module, tokens: torch.Tensor, attention: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """out[b, i] = log p(tokens[b, i] | tokens[b, :i]) with p = softmax(logits / temperature); out[:, 0] = 0."""
     logits = model(input_ids=tokens, attention_mask=attention).logits.float()
-    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    logp = drawn_log_softmax(logits[:, :-1], temperature).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     return F.pad(logp, (1, 0))
 
 

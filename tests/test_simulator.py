@@ -5,6 +5,7 @@ target's ordering of schedules, calibration from a real run, and the bench on a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def test_cost_model_formulas_by_hand(big):
     cost = CostModel.from_spec(big)
     # 235B bf16 = 470 GB: 8 H800s of 80 GiB (72 GiB usable each) hold the weights with room for KV.
     assert cost.engine_devices == 8
-    kv_per_token = 2 * 94 * 4 * 128 * 2
+    kv_per_token = 2 * 94 * 8 * 128 * 2  # 4 KV heads on 8 devices: each device holds one, so each is stored twice
     assert cost.kv_bytes_per_token == kv_per_token
     assert cost.kv_capacity_tokens == int((8 * 80 * 2**30 * 0.9 - 470e9) / kv_per_token)
     # batch 1: bandwidth-bound; the dense part plus 8 of 128 experts per layer are read, not the untied
@@ -77,7 +78,8 @@ def test_cost_model_formulas_by_hand(big):
     lookup = 151936 * 4096
     dense, experts = 235e9 - 94 * 128 * 3 * 4096 * 1536 - lookup, 94 * 128 * 3 * 4096 * 1536
     weights = (dense + experts * (8 / 128)) * 2
-    expected = (weights + 1000 * kv_per_token) / (8 * 3350e9 * 0.8) + 0.003
+    all_reduces = 2 * 94 * 2 * 7 / 8 * 4096 * 2 / 200e9  # one position's two all-reduces a layer over NVLink
+    expected = (weights + 1000 * kv_per_token) / (8 * 3350e9 * 0.8) + 0.003 + all_reduces
     assert cost.decode_iteration_s(1, 1000) == pytest.approx(expected)
     # many tokens touch almost every expert: the iteration approaches a full weight read
     assert cost.decode_iteration_s(512, 0) > 0.99 * 470e9 / (8 * 3350e9 * 0.8)
@@ -101,20 +103,43 @@ def test_an_untied_input_embedding_is_held_but_not_read_each_step_and_a_tied_one
     assert untied.sync_s() == tied.sync_s() and untied.kv_capacity_tokens == tied.kv_capacity_tokens
 
 
-def test_an_engine_across_nodes_pays_its_all_reduces_over_the_inter_node_link_by_hand(big):
-    """Engines of 16 H800s span two nodes of 8: each step pays two hierarchical all-reduces a layer
-    across them; an engine of one node pays none (its all-reduces are in the step's fitted overhead)."""
+def test_an_engine_pays_its_all_reduces_bytes_over_nvlink_and_across_nodes_over_the_inter_node_link_by_hand(big):
+    """An engine of 8 H800s pays, each step, two ring all-reduces a layer of its positions' activations over
+    NVLink (their latency is in the step's fitted overhead): 13.5 us a position, as much as a prefill's
+    linear compute. Engines of 16 span two nodes of 8: hierarchical, the inter-node hop besides. An engine
+    of one device pays nothing."""
     node = CostModel.from_spec(big)
-    assert node.tensor_parallel_s(64) == 0.0
+    activations = 64 * 4096 * 2  # 64 positions of the 4096-wide activations
+    within = 2 * 94 * 2 * 7 / 8 * activations / 200e9
+    assert node.tensor_parallel_s(64) == pytest.approx(within)
+    assert node.tensor_parallel_s(1) == pytest.approx(13.5e-6, rel=0.01)
+    assert dataclasses.replace(node, engine_devices=1).tensor_parallel_s(64) == 0.0
     wide = CostModel.from_spec(
         big.model_copy(update={"simulator": big.simulator.model_copy(update={"engine_devices": 16})})
     )
-    share = 64 * 4096 * 2 / 8  # 64 positions of the 4096-wide activations, a node's device's share
-    across = 2 * 94 * (30e-6 + 2 * (2 - 1) / 2 * share / 50e9)
+    across = within + 2 * 94 * (30e-6 + 2 * (2 - 1) / 2 * activations / 8 / 50e9)
     assert wide.tensor_parallel_s(64) == pytest.approx(across)
-    bandwidth = node.decode_bytes(64, 64_000) / (16 * 3350e9 * 0.8)  # the same read over twice the devices
+    bandwidth = dataclasses.replace(node, engine_devices=16).decode_bytes(64, 64_000) / (16 * 3350e9 * 0.8)
     assert wide.decode_iteration_s(64, 64_000) == pytest.approx(bandwidth + 0.003 + across)
-    assert wide.prefill_s(1000, 0) == pytest.approx(node.prefill_s(1000, 0) / 2 + wide.tensor_parallel_s(1000))
+    compute = node.prefill_s(1000, 0) - node.tensor_parallel_s(1000)
+    assert wide.prefill_s(1000, 0) == pytest.approx(compute / 2 + wide.tensor_parallel_s(1000))
+
+
+def test_an_engine_wider_than_the_kv_heads_stores_them_replicated(big):
+    """vLLM's tensor parallelism gives each device at least one KV head a layer: Qwen3-235B's 4 on an engine
+    of 8 are stored twice, on 16 four times (half and a quarter of the tokens counting 4 would hold); an
+    engine no wider than the heads stores each once."""
+    per_head = 2 * 94 * 128 * 2
+    cost = CostModel.from_spec(big)
+    assert [dataclasses.replace(cost, engine_devices=d).kv_bytes_per_token for d in (1, 4, 8, 16)] == [
+        4 * per_head,
+        4 * per_head,
+        8 * per_head,
+        16 * per_head,
+    ]
+    wide = dataclasses.replace(cost, kv_heads=16)
+    assert wide.kv_bytes_per_token == 16 * per_head
+    assert cost.kv_capacity_tokens == int((8 * 80 * 2**30 * 0.9 - 470e9) / (8 * per_head))
 
 
 def test_speculative_decoding_by_hand_pays_on_a_dense_model_in_the_tail_not_on_a_moe_at_batch_1(big):
@@ -269,10 +294,10 @@ def test_chunked_prefill_keeps_the_batch_decoding_while_a_long_prompt_is_compute
     beside it (stall-free batching): the decoding one never pauses, so it finishes sooner than when decode
     stops for the whole prompt; the newcomer's first token comes later (its prompt shares iterations); by
     hand, those iterations take ``max(memory, compute + chunk's compute) + overhead + all-reduces`` each.
-    Across nodes a chunk's all-reduces are its step's, once (they were counted in its share too: +19%)."""
+    A chunk's all-reduces are its step's, once (across nodes they were counted in its share too: +19%)."""
     spanning = big.model_copy(update={"simulator": big.simulator.model_copy(update={"engine_devices": engine_devices})})
     paused = CostModel.from_spec(spanning)
-    assert (paused.tensor_parallel_s(1) > 0) == (engine_devices > paused.devices_per_node)
+    assert paused.tensor_parallel_s(1) > 0  # within a node over NVLink, across nodes over the link besides
     chunked = paused.chunking(2048)
 
     async def body(engine, loop):

@@ -6,7 +6,9 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
 * **engine size** ``d``: the smallest power of two with ``weight_bytes / d <= 0.9 * memory *
   kv_memory_fraction`` (at least a tenth of the usable memory is left for the KV cache).
 * **KV capacity** (tokens per engine): ``(d * memory * kv_memory_fraction - weight_bytes) /
-  kv_bytes_per_token`` with ``kv_bytes_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes``.
+  kv_bytes_per_token`` with ``kv_bytes_per_token = 2 * layers * max(kv_heads, d) * head_dim * dtype_bytes``
+  (a device holds at least one KV head a layer: an engine wider than the model's KV heads replicates them,
+  as vLLM's tensor parallelism does; Qwen3-235B's 4 KV heads on 8 devices are stored twice).
   A request is admitted when its context fits beside what the running sequences hold now (idle
   cached prefixes are evicted to make room); the KV grows a token per sequence per iteration, and a
   full cache preempts the newest sequence, which later prefills its whole context again (vLLM's
@@ -37,12 +39,15 @@ Units are seconds, bytes and FLOPs. A *device* is one accelerator; a rollout *en
   ones before it were). A sequence then progresses a token every ``iteration(b, C, w) / E`` seconds;
   the draft's extra KV slots are not modelled. Above ``speculative_batch`` (or with ``k = 0``) the
   plain iteration. The fluid lower bound takes the cheapest ``k`` in ``0..MAX_DRAFT_TOKENS`` for each token.
-* **tensor-parallel traffic** of an engine spanning ``N = d / devices_per_node > 1`` nodes: each
-  decode or prefill step over ``t`` token positions (``b * w``, or ``n``) pays two all-reduces a layer
-  across the nodes, hierarchical (each device sends its node's share of the activations):
-  ``2 * layers * (inter_node_latency_s + 2 * (N - 1) / N * t * hidden * dtype_bytes / devices_per_node
-  / inter_node_bandwidth)``. Within a node the all-reduces are part of ``decode_step_overhead_s``
-  (fitted at the target's engine size), so an engine of one node pays no term.
+* **tensor-parallel traffic** of an engine of ``d > 1`` devices: each decode or prefill step over ``t``
+  token positions (``b * w``, or ``n``) pays two all-reduces a layer of its ``a = t * hidden *
+  dtype_bytes`` activation bytes. Within a node, over its ``m = min(d, devices_per_node)`` devices'
+  links: ``2 * (m - 1) / m * a / intra_node_bandwidth`` (a ring's bytes; the all-reduces' latency is
+  part of ``decode_step_overhead_s``, fitted at the target's engine size). Across ``N = d /
+  devices_per_node > 1`` nodes, hierarchical (each device sends its node's share), besides:
+  ``inter_node_latency_s + 2 * (N - 1) / N * a / devices_per_node / inter_node_bandwidth``. The step
+  pays ``2 * layers`` times their sum: at paper scale (8 H800s an engine) 13.5 us a token position, as
+  much as a prefill's linear compute.
 * **prefill** of ``n`` new tokens after ``p`` cached ones (prefix reuse on the engine that served
   the previous turn; full re-prefill after an abort or a move to another engine):
   ``flops = 2 * active_params * n + 4 * layers * attn_width * n * (p + n / 2)`` at
@@ -97,7 +102,8 @@ class CostModel:
     experts: int
     experts_per_token: int
     dtype_bytes: int
-    kv_bytes_per_token: float
+    kv_heads: int
+    head_dim: int
     # hardware, per device
     peak_flops: float
     hbm_bytes_per_s: float
@@ -117,11 +123,12 @@ class CostModel:
     switch_overhead_s: float
     weight_export_s: float
     engine_devices: int
-    # an engine across nodes: its all-reduces over the inter-node link
+    # an engine's tensor-parallel all-reduces: within a node and across nodes
     hidden_size: int
     devices_per_node: int
     inter_node_bytes_per_s: float
     inter_node_latency_s: float
+    intra_node_bytes_per_s: float  # a node's devices' all-reduces (NVLink)
     continuous_batching: bool = True
     # speculative decoding: the workload's draft acceptance; the stack's draft length and batch limit
     draft_acceptance: float = 0.0
@@ -159,7 +166,8 @@ class CostModel:
             experts=c.num_experts or 1,
             experts_per_token=c.num_experts_per_tok or 1,
             dtype_bytes=dtype_bytes,
-            kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
             peak_flops=hw.bf16_tflops * 1e12,
             hbm_bytes_per_s=hw.hbm_bandwidth_gbs * 1e9,
             link_bytes_per_s=(hw.intra_node_bandwidth_gbs if single_node else hw.inter_node_bandwidth_gbs) * 1e9,
@@ -183,6 +191,7 @@ class CostModel:
             devices_per_node=hw.devices_per_node,
             inter_node_bytes_per_s=hw.inter_node_bandwidth_gbs * 1e9,
             inter_node_latency_s=sim.inter_node_latency_s,
+            intra_node_bytes_per_s=hw.intra_node_bandwidth_gbs * 1e9,
         )
         # the stack's engine size is its own model's: a serving pool's engine (one a device) and a judge
         # take their model's smallest fit (a pinned size gave each serving device two devices' bandwidth)
@@ -223,6 +232,12 @@ class CostModel:
         return devices
 
     @property
+    def kv_bytes_per_token(self) -> float:
+        """A token's keys and values across the engine's devices: a device holds at least one KV head a layer,
+        so an engine wider than the model's KV heads replicates them (vLLM's tensor parallelism)."""
+        return 2 * self.layers * max(self.kv_heads, self.engine_devices) * self.head_dim * self.dtype_bytes
+
+    @property
     def kv_capacity_tokens(self) -> int:
         free = (
             self.engine_devices * self.memory_bytes * self.kv_memory_fraction - self.weight_bytes - self.resident_bytes
@@ -256,7 +271,7 @@ class CostModel:
 
     def decode_step_fixed_s(self, positions: float) -> float:
         """What a decode step over ``positions`` takes beside its reads or its compute: its overhead and its
-        all-reduces across nodes."""
+        all-reduces' bytes."""
         return self.decode_step_overhead_s + self.tensor_parallel_s(positions)
 
     @property
@@ -265,16 +280,19 @@ class CostModel:
         return self.engine_devices * self.hbm_bytes_per_s * self.hbm_efficiency
 
     def tensor_parallel_s(self, positions: float) -> float:
-        """The all-reduces of one step over ``positions`` token positions that cross nodes (0 within one)."""
-        nodes = self.engine_devices / self.devices_per_node
-        if nodes <= 1:
+        """The two all-reduces a layer of one step over ``positions`` token positions: the bytes within a
+        node over its links (their latency is in the step's fitted overhead), and across nodes hierarchical,
+        each device sending its node's share over the inter-node link. 0 for an engine of one device."""
+        if self.engine_devices <= 1:
             return 0.0
-        share = positions * self.hidden_size * self.dtype_bytes / self.devices_per_node
-        return (
-            2
-            * self.layers
-            * (self.inter_node_latency_s + 2 * (nodes - 1) / nodes * share / self.inter_node_bytes_per_s)
-        )
+        activations = positions * self.hidden_size * self.dtype_bytes
+        local = min(self.engine_devices, self.devices_per_node)
+        seconds = 2 * (local - 1) / local * activations / self.intra_node_bytes_per_s
+        nodes = self.engine_devices / self.devices_per_node
+        if nodes > 1:
+            share = activations / self.devices_per_node
+            seconds += self.inter_node_latency_s + 2 * (nodes - 1) / nodes * share / self.inter_node_bytes_per_s
+        return 2 * self.layers * seconds
 
     def tokens_per_step(self, draft_tokens: int) -> float:
         """``E``: tokens a sequence gains per verification of a ``draft_tokens``-token draft."""

@@ -4,7 +4,7 @@ No schedule can beat either of two limits:
 
 * **work**: the step's rollout and training work spread perfectly over the devices. Rollout work is
   the larger of the turns' decode reads and their compute (each turn's prefill with the previous
-  turn's prefix cached, and its tokens' share of the all-reduces across nodes but not their fixed
+  turn's prefix cached, and its tokens' share of the tensor-parallel all-reduces but not their fixed
   latency, which a chunk shares with the decode step beside it; plus its decoded tokens' FLOPs), times
   the engine's devices: a prefill may run in the compute a memory-bound decode step leaves idle
   (chunked prefill), so the two do not add up, over the run as over a step (one step's prompts may be
@@ -144,8 +144,8 @@ class DecodeCharges:
 
 
 def prefill_floor_s(cost: CostModel, new: np.ndarray, cached: np.ndarray) -> np.ndarray:
-    """A prompt's least time in an engine: its compute and its tokens' share of the all-reduces across nodes,
-    not their fixed latency, which a prompt computed in chunks beside a decode step shares with it."""
+    """A prompt's least time in an engine: its compute and its tokens' share of the all-reduces, not their
+    fixed latency, which a prompt computed in chunks beside a decode step shares with it."""
     return cost.prefill_compute_s(new, cached) + cost.tensor_parallel_s(new) - cost.tensor_parallel_s(0)
 
 

@@ -887,6 +887,30 @@ def test_a_twin_calibrated_on_engines_of_two_devices_predicts_their_run(tmp_path
     assert ends[1] == pytest.approx(ends[0], rel=0.15)
 
 
+def test_a_twin_calibrated_on_a_drafting_run_predicts_its_decode(tmp_path):
+    """A stack that drafts 4 tokens at acceptance 0.5 takes ``n / E`` iterations of 5 positions for ``n``
+    tokens. The fit counted ``n`` single-position iterations and priced each read and compute at the plain
+    batch: it fitted both efficiencies at 1 (the spec's 0.8 and 0.5) and a 7.9 ms step, and the twin of the
+    same stack decoded 15% late. Each request's rows are now the simulator's verification."""
+    from targets.harness.sim.calibrate import calibrate
+    from targets.spec import load_target
+
+    spec = load_target("qwen3-8b-h100x8")
+    tokens = spec.workload.tokens.model_copy(update={"draft_acceptance": 0.5})
+    spec = spec.model_copy(update={"workload": spec.workload.model_copy(update={"train_steps": 1, "tokens": tokens})})
+    drafting = {"speculative_tokens": 4, "speculative_batch": 64}
+    _, events, _ = _simulated(tmp_path / "truth", spec, "colocate", params=drafting)
+    fit = calibrate(spec, [events])
+    assert fit.simulator.hbm_efficiency == pytest.approx(spec.simulator.hbm_efficiency, rel=0.05)
+    assert fit.simulator.rollout_mfu == pytest.approx(spec.simulator.rollout_mfu, rel=0.05)
+    hardware = spec.hardware.model_copy(update={"bf16_tflops": fit.bf16_tflops, "mfu": fit.mfu})
+    twin = spec.model_copy(update={"id": f"{spec.id}-twin", "simulator": fit.simulator, "hardware": hardware})
+    _, predicted, _ = _simulated(tmp_path / "twin", twin, "colocate", params=drafting)
+    decoding = [sum(e.t - e.data["start"] for e in run if e.kind == "generate") for run in (events, predicted)]
+    print(f"twin's decode {decoding[1]:.1f} s, the run's {decoding[0]:.1f} s ({decoding[1] / decoding[0] - 1:+.1%})")
+    assert decoding[1] == pytest.approx(decoding[0], rel=0.10)
+
+
 @pytest.mark.slow
 def test_a_twin_calibrated_on_a_kv_bound_run_ranks_the_other_schedules_as_the_truth_does(tmp_path):
     """The 8B static split's rollout engines run with a full KV cache: requests wait for room and prefixes

@@ -8,18 +8,20 @@ that does supplies it.
 * **training**: each ``train`` event's duration against its FLOPs (cost-model formula) over its
   devices: least squares ``duration = flops / (devices * peak * mfu) + train_step_overhead_s``.
 * **rollout**: both engine recipes batch continuously, so each completed request is one row. A request
-  that generated ``n`` tokens spanned ``n`` engine iterations beside, on average, ``b`` requests in
-  flight on its device (``b`` from the trace: the overlap of the other requests' spans with its own,
-  plus itself). A request's span starts when its engine admitted it: the wait its engine reported
-  (``queued``, for KV room or behind a weight load) is neither decoding nor batch. Its latency is what
-  the simulator charges: each of the ``n`` iterations takes the larger of its read (the weights a
-  ``b``-sequence batch touches and its KV, over the HBM bandwidth times ``hbm_efficiency``) and its
-  decode FLOPs (over the peak times ``rollout_mfu``), plus ``decode_step_overhead_s``; the prefills of
-  the requests that joined meanwhile add their FLOPs (new tokens only: a prefix the same device served
-  the episode's previous turn is cached); the answer adds ``request_overhead_s``. The ratio of the two
-  efficiencies is searched on a grid; at each, the rest is linear and solved by non-negative least
-  squares. (A fit of compute alone put a memory-bound engine's reads into the per-iteration cost: on a
-  simulated 8B H100 run, 26 ms an iteration where the spec says 3.)
+  that generated ``n`` tokens spanned ``n`` engine iterations (``n / E`` where its stack drafts ``k``
+  tokens at ``b``, each iteration ``k + 1`` positions wide: the simulator's verification) beside, on
+  average, ``b`` requests in flight on its device (``b`` from the trace: the overlap of the other
+  requests' spans with its own, plus itself). A request's span starts when its engine admitted it: the
+  wait its engine reported (``queued``, for KV room or behind a weight load) is neither decoding nor
+  batch. Its latency is what the simulator charges: each of the ``n`` iterations takes the larger of its
+  read (the weights a ``b``-sequence batch touches and its KV, over the HBM bandwidth times
+  ``hbm_efficiency``) and its decode FLOPs (over the peak times ``rollout_mfu``), plus
+  ``decode_step_overhead_s``; the prefills of the requests that joined meanwhile add their FLOPs (new
+  tokens only: a prefix the same device served the episode's previous turn is cached); the answer adds
+  ``request_overhead_s``. The ratio of the two efficiencies is searched on a grid; at each, the rest is
+  linear and solved by non-negative least squares. (A fit of compute alone put a memory-bound engine's
+  reads into the per-iteration cost: on a simulated 8B H100 run, 26 ms an iteration where the spec says
+  3.)
 * **weight sync** and **offload/reload**: their mean durations less the modelled transfer time (a
   suspend times an offload; a resume with no sync in the run times a reload and a sync); with none in
   any run, the spec's constants are kept (``notes`` says so).
@@ -162,10 +164,11 @@ def _engines_of(spec: TargetSpec, run: list[TraceEvent]) -> CostModel:
 
 def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float, float, float, float, float]]:
     """Per completed request: (iterations, one iteration's read time at full HBM bandwidth, one
-    iteration's decode compute time at the peak, its prefills' compute time at the peak, latency),
-    each over the engine's devices (see the module doc). A prefill computes the prompt less the prefix
-    its engine says it reused (``cached``); where the engine does not say, less the context the device
-    held for the episode since its last weight load, offload or wake (no eviction seen)."""
+    iteration's decode compute time at the peak (both over its drafts' positions too, where it drafted),
+    its prefills' compute time at the peak, latency), each over the engine's devices (see the module
+    doc). A prefill computes the prompt less the prefix its engine says it reused (``cached``); where the
+    engine does not say, less the context the device held for the episode since its last weight load,
+    offload or wake (no eviction seen)."""
     prefills: dict[int, tuple[int, int]] = {}  # id(event) -> (tokens its prefill computed, the prefix it read)
     cached: dict[tuple[str, str], int] = {}  # (episode, device) -> context the device holds for it
     # a weight load, an offload or a wake empties an engine's prefix cache (as the simulator's does)
@@ -206,8 +209,11 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
         context = (kv[e.data["device"]](end) - kv[e.data["device"]](start)) / (end - start)  # the batch's mean KV
         first, past = np.searchsorted(starts[e.data["device"]], [start, end], side="left")  # start <= s < end
         prefill = float(prefilled[e.data["device"]][past] - prefilled[e.data["device"]][first])
-        read = cost.decode_bytes(batch, context) / bandwidth
-        rows.append((float(n), read, cost.decode_flops(batch, context) / compute, prefill / compute, end - start))
+        drafts = cost.drafts_at(batch)  # a stack that drafts verifies k + 1 positions a step for E tokens
+        width = drafts + 1
+        read = cost.decode_bytes(batch * width, context) / bandwidth
+        flops = width * cost.decode_flops(batch, context) / compute
+        rows.append((n / cost.tokens_per_step(drafts), read, flops, prefill / compute, end - start))
     return rows
 
 

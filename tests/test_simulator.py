@@ -887,28 +887,42 @@ def test_a_twin_calibrated_on_engines_of_two_devices_predicts_their_run(tmp_path
     assert ends[1] == pytest.approx(ends[0], rel=0.15)
 
 
-def test_a_twin_calibrated_on_a_drafting_run_predicts_its_decode(tmp_path):
-    """A stack that drafts 4 tokens at acceptance 0.5 takes ``n / E`` iterations of 5 positions for ``n``
-    tokens. The fit counted ``n`` single-position iterations and priced each read and compute at the plain
-    batch: it fitted both efficiencies at 1 (the spec's 0.8 and 0.5) and a 7.9 ms step, and the twin of the
-    same stack decoded 15% late. Each request's rows are now the simulator's verification."""
+@pytest.mark.parametrize(
+    "stack",
+    [{"speculative_tokens": 4, "speculative_batch": 64}, {"engine_scale": 4}],
+    ids=["drafting", "engines of 4 devices"],
+)
+def test_a_twin_calibrated_on_drafting_or_tensor_parallel_engines_fits_the_constants_and_predicts_their_decode(
+    tmp_path, stack
+):
+    """The fit charges each request what the simulator does. A stack that drafts 4 tokens at acceptance 0.5
+    takes ``n / E`` verifications of 5 positions for ``n`` tokens: counted as ``n`` plain iterations, both
+    efficiencies fitted at 1 (the spec's 0.8 and 0.5) and the twin decoded 14% late. An engine of 4 devices
+    pays its all-reduces' bytes each step: left in the latencies, the MFU fitted at 0.41 and the twin 3.6%
+    late. (Turns of spread lengths: at the whole budget every turn, a step's overhead and a request's are
+    one constant.)"""
     from targets.harness.sim.calibrate import calibrate
-    from targets.spec import load_target
+    from targets.spec import ResponseLengthSpec
 
     spec = load_target("qwen3-8b-h100x8")
-    tokens = spec.workload.tokens.model_copy(update={"draft_acceptance": 0.5})
-    spec = spec.model_copy(update={"workload": spec.workload.model_copy(update={"train_steps": 1, "tokens": tokens})})
-    drafting = {"speculative_tokens": 4, "speculative_batch": 64}
-    _, events, _ = _simulated(tmp_path / "truth", spec, "colocate", params=drafting)
+    lengths = ResponseLengthSpec(mean=300, task_sigma=0.5, turn_sigma=0.5)
+    tokens = spec.workload.tokens.model_copy(update={"draft_acceptance": 0.5, "response_length": lengths})
+    spec = spec.model_copy(
+        update={
+            "workload": spec.workload.model_copy(update={"train_steps": 1, "tokens": tokens}),
+            "simulator": spec.simulator.model_copy(update={"max_engine_scale": 4}),
+        }
+    )
+    _, events, _ = _simulated(tmp_path / "truth", spec, "colocate", params=stack)
     fit = calibrate(spec, [events])
-    assert fit.simulator.hbm_efficiency == pytest.approx(spec.simulator.hbm_efficiency, rel=0.05)
-    assert fit.simulator.rollout_mfu == pytest.approx(spec.simulator.rollout_mfu, rel=0.05)
+    assert fit.simulator.hbm_efficiency == pytest.approx(spec.simulator.hbm_efficiency, rel=0.1)
+    assert fit.simulator.rollout_mfu == pytest.approx(spec.simulator.rollout_mfu, rel=0.1)
     hardware = spec.hardware.model_copy(update={"bf16_tflops": fit.bf16_tflops, "mfu": fit.mfu})
     twin = spec.model_copy(update={"id": f"{spec.id}-twin", "simulator": fit.simulator, "hardware": hardware})
-    _, predicted, _ = _simulated(tmp_path / "twin", twin, "colocate", params=drafting)
+    _, predicted, _ = _simulated(tmp_path / "twin", twin, "colocate", params=stack)
     decoding = [sum(e.t - e.data["start"] for e in run if e.kind == "generate") for run in (events, predicted)]
     print(f"twin's decode {decoding[1]:.1f} s, the run's {decoding[0]:.1f} s ({decoding[1] / decoding[0] - 1:+.1%})")
-    assert decoding[1] == pytest.approx(decoding[0], rel=0.10)
+    assert decoding[1] == pytest.approx(decoding[0], rel=0.03)
 
 
 @pytest.mark.slow

@@ -16,8 +16,9 @@ that does supplies it.
   batch. Its latency is what the simulator charges: each of the ``n`` iterations takes the larger of its
   read (the weights a ``b``-sequence batch touches and its KV, over the HBM bandwidth times
   ``hbm_efficiency``) and its decode FLOPs (over the peak times ``rollout_mfu``), plus
-  ``decode_step_overhead_s``; the prefills of the requests that joined meanwhile add their FLOPs (new
-  tokens only: a prefix the same device served the episode's previous turn is cached); the answer adds
+  ``decode_step_overhead_s`` (and, an engine of several devices, its all-reduces' bytes, which the
+  spec's links price); the prefills of the requests that joined meanwhile add their FLOPs (new tokens
+  only: a prefix the same device served the episode's previous turn is cached); the answer adds
   ``request_overhead_s``. The ratio of the two efficiencies is searched on a grid; at each, the rest is
   linear and solved by non-negative least squares. (A fit of compute alone put a memory-bound engine's
   reads into the per-iteration cost: on a simulated 8B H100 run, 26 ms an iteration where the spec says
@@ -191,12 +192,15 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
     # over the prefix too): the prefills a span saw begin are a difference of two sums
     starts: dict[str, np.ndarray] = {}
     prefilled: dict[str, np.ndarray] = {}
+    prefill_reduces: dict[str, np.ndarray] = {}  # and the seconds of their tensor-parallel all-reduces
     kv: dict[str, Callable[[float], float]] = {}  # per device, the integral of its requests' KV over time
     by_device = requests_by_device(events)
     for device, requests in by_device.items():
         starts[device] = np.array([admitted_at(o) for o in requests])
         flops = [cost.prefill_flops(*prefills[id(o)]) for o in requests]
         prefilled[device] = np.concatenate(([0.0], np.cumsum(flops)))
+        reduces = [cost.tensor_parallel_s(prefills[id(o)][0]) if prefills[id(o)][0] else 0.0 for o in requests]
+        prefill_reduces[device] = np.concatenate(([0.0], np.cumsum(reduces)))
         # each request's context grows from its prompt to its prompt and response over its span
         contexts = [(token_count(o.data["prompt"]), token_count(o.data.get("tokens", 0))) for o in requests]
         kv[device] = ramp_integral([(admitted_at(o), o.t, p, p + n) for o, (p, n) in zip(requests, contexts)])
@@ -211,9 +215,15 @@ def _rollout_rows(cost: CostModel, events: list[TraceEvent]) -> list[tuple[float
         prefill = float(prefilled[e.data["device"]][past] - prefilled[e.data["device"]][first])
         drafts = cost.drafts_at(batch)  # a stack that drafts verifies k + 1 positions a step for E tokens
         width = drafts + 1
+        iterations = n / cost.tokens_per_step(drafts)
         read = cost.decode_bytes(batch * width, context) / bandwidth
         flops = width * cost.decode_flops(batch, context) / compute
-        rows.append((n / cost.tokens_per_step(drafts), read, flops, prefill / compute, end - start))
+        # an engine of several devices: the all-reduces' bytes the simulator charges (their latency is the
+        # step overhead fitted here), its iterations' and the joining prefills'
+        reduces = iterations * cost.tensor_parallel_s(batch * width) + float(
+            prefill_reduces[e.data["device"]][past] - prefill_reduces[e.data["device"]][first]
+        )
+        rows.append((iterations, read, flops, prefill / compute, end - start - reduces))
     return rows
 
 

@@ -997,7 +997,7 @@ def test_a_near_miss_is_tried_once_more_on_a_later_best_before_its_removals_and_
 def test_a_controller_switch_that_lost_narrowly_is_tried_once_more_on_a_later_best(tiny_spec):
     """The paper-scale search after e7d6c17: time_multiplex came out -1.4% on the starter, its follow-up
     lost, and the search went on from colocate, gaining the host tier; time_multiplex was never tried
-    again, though with the tier it was 1.44x colocate. A switch that lost by at most 10% is tried once
+    again, though with the tier it was 1.44x colocate. A switch that lost by at most 25% is tried once
     more on a later best, with that best's techniques, after its additions and near misses and before
     its removals; one that lost by more (the static split's -76%) is not, and a second loss gives it up."""
     from orchestrator.policies.backlog import BacklogPolicy
@@ -1017,7 +1017,7 @@ def test_a_controller_switch_that_lost_narrowly_is_tried_once_more_on_a_later_be
 
     rounds = [
         record(0, "", Task(id="starter", title="s", rationale="r"), None, best=True),
-        record(1, "c0", switch("time_multiplex"), 0.986),
+        record(1, "c0", switch("time_multiplex"), 0.88),  # -12%: the next run's first seed
         record(2, "c0", switch("static_split"), 0.24),
         record(3, "c0", tier, 1.05, best=True),
     ]

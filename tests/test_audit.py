@@ -1699,6 +1699,19 @@ def test_deferring_a_group_that_did_not_wait_through_a_whole_step(honest):
     lines = _deferral_reasons(spec, _deferral_trace(spec.workload.group_size, finished=1, waited=False))
     assert any("only a group that waited through a whole step may be deferred" in line for line in lines), lines
 
+    # a group launched the instant its batch was taken waited through that step (a simulated static split
+    # refills as the last group finishes and takes the batch at that instant: the judge rejected it); one
+    # launched once the step's training had begun did not
+    def launched_at(t):  # g0 launched at t, the batch taken at 1.0; its relaunch trained at 4.0
+        trace = _deferral_trace(spec.workload.group_size, finished=1)
+        last = {"start": 4.0, "step": 2, "version": 2, "devices": [], "advantages": [], "trajectories": []}
+        trace.insert(-1, TraceEvent("train", 4.4, last))
+        return [TraceEvent(e.kind, t, e.data) if e.kind == "episode_created" and e.t == 0.0 else e for e in trace]
+
+    assert _deferral_reasons(spec, launched_at(1.0)) == []
+    lines = _deferral_reasons(spec, launched_at(1.001))
+    assert any("only a group that waited through a whole step may be deferred" in line for line in lines), lines
+
 
 def test_deferring_without_declaring_tail_batching(honest):
     spec = _mini_spec(honest)

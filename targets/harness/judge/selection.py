@@ -121,10 +121,12 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     f"{finished} finished members: only an unfinished group may be deferred",
                 )
             elif not any(
-                ix.created_at.get(group, math.inf) < ix.taken_from(t) and t.data["start"] < e.t for t in ix.trains
+                ix.created_at.get(group, math.inf) <= ix.taken_from(t) and t.data["start"] < e.t for t in ix.trains
             ):
                 # Deferring a group that has not waited through a whole step picks which episodes train:
                 # on a real run the relaunch redraws them, so deferring early is resampling the long ones.
+                # A group launched the instant a batch was taken waited through that step: under virtual time
+                # the last group's finish refills and takes the batch at one instant (the static split's).
                 r.add(  # a kind of its own: the examples of other unjustified drops never hide it
                     "early deferral",
                     f"episode {episode} dropped as deferred at {e.t:.2f}s, but its group {group} was launched at "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -784,6 +785,25 @@ def test_calibrate_refuses_a_trace_it_cannot_fit(tmp_path, tiny_spec, case):
     # a user's mistake, each of them (it was exit 1, "the work failed", for all but a missing file)
     assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
     assert "--trace" in result.output and "Traceback" not in result.output
+
+
+def test_calibrate_leaves_no_scratch_folder_behind_when_it_prints_none(tmp_path, tiny_spec):
+    """Each ``vibetrain calibrate`` made a folder under the system's temporary directory and never removed
+    it, though it printed it only when the calibrated spec stayed there (no ``--out``): 124 were left on
+    this machine's /tmp by the suite's runs. A refused trace now leaves none."""
+    import subprocess
+    import sys
+
+    stack = write_starter(tmp_path / "stack", tiny_spec, "colocate")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(BAD_TRACES["not JSON lines"][0])  # refused once the folder was made
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    args = [sys.executable, "-m", "orchestrator.cli", "calibrate", "tiny-qwen3-cpu", "--stack", str(stack)]
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    done = subprocess.run([*args, "--trace", str(trace)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert not list(scratch.glob("vibetrain-calibrate-*")), sorted(p.name for p in scratch.iterdir())
 
 
 def test_the_rollout_fit_recovers_its_constants_and_keeps_them_non_negative():

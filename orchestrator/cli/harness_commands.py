@@ -495,7 +495,7 @@ def calibrate(
     if trace is not None and not trace.is_file():
         what = "a directory, not a file" if trace.is_dir() else "no such file"
         raise UsageError(f"--trace {trace}: {what} (the trace.jsonl of a recorded real run)")
-    work = Path(tempfile.mkdtemp(prefix="vibetrain-calibrate-"))
+    work = scratch_folder("vibetrain-calibrate-")  # removed at exit unless it holds the spec printed
     doing = (
         f"fitting to {trace}, then simulating {stack}"
         if trace
@@ -529,6 +529,8 @@ def calibrate(
     if out:
         shutil.copy(path, out)
         path = out
+    else:
+        keep(work)
     console.print(f"calibrated spec: {shown(path)}")
 
 

@@ -122,8 +122,7 @@ def test_an_engine_pays_its_all_reduces_bytes_over_nvlink_and_across_nodes_over_
     assert wide.tensor_parallel_s(64) == pytest.approx(across)
     bandwidth = dataclasses.replace(node, engine_devices=16).decode_bytes(64, 64_000) / (16 * 3350e9 * 0.8)
     assert wide.decode_iteration_s(64, 64_000) == pytest.approx(bandwidth + 0.003 + across)
-    compute = node.prefill_s(1000, 0) - node.tensor_parallel_s(1000)
-    assert wide.prefill_s(1000, 0) == pytest.approx(compute / 2 + wide.tensor_parallel_s(1000))
+    assert wide.prefill_s(1000, 0) == pytest.approx(node.prefill_compute_s(1000, 0) / 2 + wide.tensor_parallel_s(1000))
 
 
 def test_an_engine_wider_than_the_kv_heads_stores_them_replicated(big):

@@ -13,7 +13,7 @@ that does supplies it.
   average, ``b`` requests in flight on its device (``b`` from the trace: the overlap of the other
   requests' spans with its own, plus itself). A request's span starts when its engine admitted it: the
   wait its engine reported (``queued``, for KV room or behind a weight load) is neither decoding nor
-  batch. Its latency is what the simulator charges: each of the ``n`` iterations takes the larger of its
+  batch. Its latency is what the simulator charges: each of those iterations takes the larger of its
   read (the weights a ``b``-sequence batch touches and its KV, over the HBM bandwidth times
   ``hbm_efficiency``) and its decode FLOPs (over the peak times ``rollout_mfu``), plus
   ``decode_step_overhead_s`` (and, an engine of several devices, its all-reduces' bytes, which the

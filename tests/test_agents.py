@@ -1091,6 +1091,33 @@ def test_a_task_queued_from_a_rounds_findings_says_which_round_found_them(tiny_s
     assert state.backlog and all(t.rationale.startswith("round 0 found: ") for t in state.backlog), state.backlog
 
 
+def test_a_parameter_step_that_gained_nothing_is_not_stepped_further_from(big_spec):
+    """The paper-scale search at 36efac4: tail_idle moved tail_round 8 -> 16, within the noise; the candidate's
+    own tail_idle then queued 24, taken on the best (8) as a jump, and so on to 64, seven rounds each within 1%.
+    A move's findings step that parameter on only from a candidate that became the best; its other findings
+    (additions, other parameters) are queued as before."""
+    from agents.roles import Hint
+    from orchestrator.policies.backlog import BacklogPolicy
+    from skills.starter import starter_params
+
+    planner = OfflinePlanner(big_spec, engine_devices=8, simulated=True)
+    p1 = {**starter_params(big_spec, "time_multiplex"), "tail_round": 16}
+    step = planner._param_task(planner.skills["tail_batching"], "tail_round", 16, "tail", "trigger:tail_idle", 8)
+    hints = [Hint(code="tail_idle", message="under a quarter of the peak in flight for 30% of the run")]
+    assert "tail_round=24" in {t.id for t in planner.tasks_from_hints(hints, p1)}  # the hint does step it on
+
+    def queued(became_best: bool) -> set[str]:
+        record = _validated_round(1, "c0", step, became_best)
+        record.hints = hints
+        state = _backlog_state(record)
+        BacklogPolicy(planner, seed=0).observe(state, record, p1)
+        return {t.id for t in state.backlog}
+
+    without_gain, promoted = queued(False), queued(True)
+    assert "tail_round=24" not in without_gain and "add-partial_rollout" in without_gain, without_gain
+    assert "tail_round=24" in promoted, promoted
+
+
 def _population(tiny_spec, *later) -> tuple:
     """A run of the starter (c0, time_multiplex) and its child (c1: tail batching added), both accepted,
     and ``later`` rounds after them, as evolve reads a state: (planner, params by commit, rounds, state)."""

@@ -2,7 +2,8 @@
 highest-priority task not yet tried on it and not abandoned anywhere in the run (rejected, or measured
 without gain on a best: the plan's ABANDONED steps); the evaluator's hints (through the planner's skill
 triggers) add tasks. A controller switch measured without gain is first followed once by the technique
-its own findings call for most, on top of it. When the backlog runs dry, the planner composes techniques
+its own findings call for most, on top of it. A parameter move without gain queues no further step
+of that parameter from its findings (``moved_parameter``). When the backlog runs dry, the planner composes techniques
 (adds one, or removes one: additions first). A near miss (a gain inside the noise on an earlier best;
 ``RunState.near_misses``) is not abandoned at once: it waits until the additions never tried have run on
 this best, is tried once more before the removals, and a second near miss gives it up. So is a
@@ -135,9 +136,21 @@ class BacklogPolicy:
     def observe(self, state: RunState, record: RoundRecord, params: dict) -> None:
         known = {t.id for t in state.backlog}
         if record.verdict == "accepted":
+            stepped = set() if record.became_best else moved_parameter(record.task)
             for task in self.planner.tasks_from_hints(record.hints, params):
+                if moved_parameter(task) & stepped:
+                    continue  # a step that gained nothing is not stepped on from (tail_round 16 -> 64, 7 rounds)
                 if task.id not in known:
                     # queued now, taken rounds later: its finding is this round's, said so beside a later parent's
                     found = task.model_copy(update={"rationale": f"round {record.round} found: {task.rationale}"})
                     state.backlog.append(found)
                     known.add(task.id)
+
+
+def moved_parameter(task: Task) -> set[str]:
+    """The parameter a move task sets (its id is ``name=value``), or none: a hint moves a parameter one way
+    (``PARAM_MOVES``), so the candidate a move made, measured without gain, hints the next step the same
+    way; queued for the best, that step is taken as a jump from it, and so on while each lands in the noise
+    (the paper-scale search at 36efac4 spent seven rounds taking tail_round 16 -> 64, each within 1%)."""
+    name = task.id.partition("=")[0]
+    return {name} if name in task.changes and name != "controller" else set()

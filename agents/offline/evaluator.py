@@ -26,7 +26,9 @@ JUDGE_BUSY = 0.5  # a reward model's own devices busy less than this share of th
 SERVING_SLACK = 0.6  # a serving pool whose p99 TTFT stayed under this share of its SLO has room to lend
 SMALL_BATCH = 4.0
 SYNC_SHARE = 0.10
-PREFILL_SHARE = 0.3  # of the engines' busy time spent prefilling (decode paused meanwhile)
+# of the engines' busy time spent prefilling (decode paused meanwhile); time_multiplex at paper scale spent
+# 25-27%, which the host tier took to 6.6% for 1.44x colocate (benchmarks/results/simulated-generalization.yaml)
+PREFILL_SHARE = 0.2
 MAX_PAIRS_FACTOR = 2  # a real target's undecided candidate gets up to this many times its pairs
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-MEASURED = ("turns", "env_latency_s", "env_latency_max_s", "env_failure_rate")
+MEASURED = ("turns", "env_latency_s", "env_latency_max_s", "env_failure_rate", "env_reset_s")
 MEASURED_TOKENS = ("prompt", "observation", "response_length")
 PROVENANCE = ("measured_on", "samples")  # what the fragment says of itself: kept, never merged
 CENSORED_SHARE = 0.01  # turns cut at the measured budget, at most, for a spec with a larger one

@@ -120,7 +120,7 @@ def test_filler_tokens_read_as_letters_only_when_asked(catalog_yaml, filler_as_l
 def test_lifecycle_misuse_raises(catalog_yaml):
     pool, _, _ = _pool(catalog_yaml, {"name": "guess_number"}, {"max": 1})
     episode = pool.new_group()[0]
-    with pytest.raises(RuntimeError, match="before reset"):
+    with pytest.raises(RuntimeError, match="before its reset answered"):
         _run(episode.step([1]))
     _run(episode.reset())
     with pytest.raises(RuntimeError, match="reset twice"):
@@ -134,7 +134,7 @@ def test_a_step_while_the_previous_one_still_runs_is_refused(catalog_yaml):
     """Two steps of one episode at once would answer two actions for one turn."""
     pool, _, _ = _pool(catalog_yaml, {"name": "guess_number"}, {"max": 4})
     episode = pool.new_group()[0]
-    episode.reset_now()
+    _run(episode.reset())
     latency, failures = episode.begin_step()
     with pytest.raises(RuntimeError, match="previous step was still running"):
         episode.begin_step()
@@ -224,6 +224,68 @@ def test_a_failed_environment_step_costs_a_restart_and_is_retried(catalog_yaml):
     assert all(e.data["failures"] == 0 and e.data["latency"] == 1.0 for e in plain_trace.of_kind("env_step"))
 
 
+def test_a_reset_takes_the_workloads_reset_time_and_nothing_may_step_before_it_answers(catalog_yaml):
+    """``env_reset_s``: a sandbox's start. The reset answers after its draw, the trajectory's time (and its
+    timeout) runs from the reset's start, a step or checkpoint before the answer is refused; a workload
+    without it resets at once and draws exactly what it drew before (tasks, turns, latencies)."""
+    env, turns = {"name": "synthetic_agent"}, {"max": 4, "dist": {"kind": "geometric", "mean": 3}}
+    common = {"env_latency_s": {"kind": "lognormal", "median": 1.0, "sigma": 0.5}, "env_latency_max_s": 5.0}
+    resets = {"env_reset_s": {"kind": "lognormal", "median": 30.0, "sigma": 0.5}}
+    stateful = {"env_state": {"change_rate": 0.5, "checkpoint_s": 0.1, "restore_s": 1.0}}
+    plain, plain_trace, _ = _pool(catalog_yaml, env, turns, **common, **stateful)
+    slow, trace, clock = _pool(catalog_yaml, env, turns, **common, **stateful, **resets)
+    for pool in (plain, slow):
+        for episode in pool.new_group():
+            seconds = episode.begin_reset()
+            with pytest.raises(RuntimeError, match="stepped before its reset answered"):
+                episode.begin_step()
+            with pytest.raises(RuntimeError, match="checkpointed before its reset answered"):
+                episode.begin_checkpoint()
+            with pytest.raises(RuntimeError, match="reset twice"):
+                episode.begin_reset()
+            if pool is slow:
+                _run(clock.sleep(seconds))
+            episode.end_reset()
+            while not episode.done:
+                _run(episode.step(VOCAB.encode("a b")))
+    drawn = [e.data["latency"] for e in trace.of_kind("env_reset")]
+    assert len(drawn) == 4 and all(5 < s < 200 for s in drawn) and len(set(drawn)) == 4, drawn
+    assert all(e.data["latency"] == 0 for e in plain_trace.of_kind("env_reset"))
+    assert [e.data["observation"] for e in trace.of_kind("env_reset")] == [
+        e.data["observation"] for e in plain_trace.of_kind("env_reset")
+    ]  # the same tasks
+
+
+def test_a_trajectory_s_timeout_counts_its_reset(catalog_yaml):
+    """A reset of 50 s in a trajectory of 60: the first step of 20 s ends it as timed out."""
+    env, turns = {"name": "synthetic_agent"}, {"max": 4, "dist": {"kind": "fixed", "value": 4}}
+    pool, trace, clock = _pool(
+        catalog_yaml,
+        env,
+        turns,
+        env_latency_s={"kind": "fixed", "value": 20.0},
+        env_latency_max_s=30.0,
+        env_reset_s={"kind": "fixed", "value": 50.0},
+        trajectory_timeout_s=60.0,
+    )
+    episode = pool.new_group()[0]
+    _run(episode.reset())
+    assert clock.t == 50.0 and next(trace.of_kind("env_reset")).data["latency"] == 50.0
+    assert _run(episode.step(VOCAB.encode("a"))).timed_out
+
+
+def test_env_reset_s_is_refused_for_a_users_environment(catalog_yaml):
+    from targets.spec import SpecError
+
+    catalog_yaml["workload"].update(
+        environment={"entry": "reasoning_gym:create_dataset", "adapter": "tasks", "params": {"name": "chain_sum"}},
+        turns={"max": 1},
+        env_reset_s={"kind": "fixed", "value": 1.0},
+    )
+    with pytest.raises(SpecError, match="env_reset_s models the resets of the harness's environments"):
+        parse_target(catalog_yaml)
+
+
 STATEFUL = {
     "env_failure_rate": 0.3,
     "env_state": {"change_rate": 0.5, "checkpoint_s": 0.1, "restore_s": 1.0, "checkpoint_mb": 2.0},
@@ -280,7 +342,7 @@ def test_a_checkpoint_only_at_a_turn_boundary_of_a_live_episode(catalog_yaml):
         catalog_yaml, {"name": "synthetic_agent"}, {"max": 1, "dist": {"kind": "geometric", "mean": 1}}, **STATEFUL
     )
     episode = pool.new_group()[0]
-    with pytest.raises(RuntimeError, match="checkpointed before reset"):
+    with pytest.raises(RuntimeError, match="checkpointed before its reset answered"):
         _run(episode.checkpoint())
     _run(episode.reset())
     episode.begin_step()

@@ -4,6 +4,7 @@ or shows that what the cheat patches changes nothing the harness records."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.machinery
 import importlib.util
 import json
@@ -388,7 +389,7 @@ def test_a_stack_honest_only_on_the_checks_known_tasks_gains_nothing(tmp_path, f
 
     spec = parse_target(__import__("yaml").safe_load(fast_target.read_text()))
     pool = EnvironmentPool(spec.workload, WallClock(), Trace(WallClock()), seed=0)
-    known = {f"g{k}": list(pool.new_group()[0].reset_now()) for k in range(8)}
+    known = {f"g{k}": list(asyncio.run(pool.new_group()[0].reset())) for k in range(8)}
     stack = planted(
         tmp_path / "c",
         fast_target,

@@ -3,6 +3,8 @@ another key another; the public derivation is the one runs had before keys."""
 
 from __future__ import annotations
 
+import asyncio
+
 from targets.harness.clock import WallClock
 from targets.harness.environments import EnvironmentPool
 from targets.harness.environments.seeds import RunSeed
@@ -14,7 +16,7 @@ from targets.spec import load_target
 def _openings(seed) -> list[list[int]]:
     spec = load_target("tiny-qwen3-cpu")
     pool = EnvironmentPool(spec.workload, WallClock(), Trace(WallClock()), seed=seed)
-    return [list(pool.new_group()[0].reset_now()) for _ in range(6)]
+    return [list(asyncio.run(pool.new_group()[0].reset())) for _ in range(6)]
 
 
 def test_the_key_decides_the_tasks_and_the_number_pairs_runs():

@@ -590,6 +590,36 @@ def test_each_recipe_controller_runs_on_the_simulator_and_passes_the_audit(tmp_p
     assert sum(1 for e in events if e.kind == "train") == spec.workload.train_steps
 
 
+def test_a_simulated_environment_takes_its_reset_time_before_its_first_prompt(tmp_path):
+    """``workload.env_reset_s`` (a sandbox's start) through the harness's link under virtual time: every reset
+    answers its 20 s after it was asked, no episode's first turn is forwarded before, the audit passes, and
+    the run is longer than the same run with resets at once by at least one reset."""
+    from targets.spec import Fixed
+
+    spec = load_target("tiny-qwen3-cpu")
+    resets = spec.workload.model_copy(update={"env_reset_s": Fixed(kind="fixed", value=20.0)})
+    slow = spec.model_copy(update={"workload": resets})
+    runs = {}
+    for name, target in (("at-once", spec), ("slow", slow)):
+        target, events, _ = _simulated(tmp_path / name, target, "colocate")
+        result = audit_run(target, events, lambda v: None, lambda s: None, target.workload.train_steps)
+        assert result.passed, result.reasons
+        runs[name] = events
+    events = runs["slow"]
+    resets = {e.data["episode"]: e for e in events if e.kind == "env_reset"}
+    assert resets and all(e.data["latency"] == pytest.approx(20.0) for e in resets.values())
+    first = {}
+    for e in events:
+        if e.kind == "generate":
+            first.setdefault(e.data["episode"], e.data["start"])
+    assert first and all(start >= resets[episode].t for episode, start in first.items())
+
+    def duration(events):
+        return next(e.t for e in events if e.kind == "run_end") - next(e.t for e in events if e.kind == "run_start")
+
+    assert duration(runs["slow"]) >= duration(runs["at-once"]) + 20.0
+
+
 def test_a_simulated_run_is_the_same_run_on_a_busy_machine(tmp_path):
     """Virtual time must not depend on how fast either process runs: a CI run fitted one trace twice
     and the twin predicted +7.4% then +5.9%, because half a burst reached the other side and its

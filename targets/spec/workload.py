@@ -167,6 +167,11 @@ class WorkloadSpec(Strict):
     env_restart_s: float = Field(
         default=30.0, ge=0, description="seconds to restart a failed environment to its state before the step"
     )
+    env_reset_s: Distribution | None = Field(
+        default=None,
+        description="seconds an environment takes to reset (a sandbox's start: pulling its image, cloning the "
+        "repository), drawn per episode; none: a reset answers at once",
+    )
     env_state: EnvStateSpec | None = Field(
         default=None, description="crashes lose the environment's state unless it was checkpointed"
     )
@@ -229,6 +234,11 @@ class WorkloadSpec(Strict):
             raise ValueError(
                 f"env_state models crashes of the harness's environments; {self.environment.label} is the user's "
                 "and crashes (or not) on its own: remove env_state"
+            )
+        if self.env_reset_s is not None and self.environment.entry is not None:
+            raise ValueError(
+                f"env_reset_s models the resets of the harness's environments; {self.environment.label} is the "
+                "user's and resets in its own time: remove env_reset_s"
             )
         return self
 

@@ -90,6 +90,7 @@ class Episode:
         self.context: list[int] = []  # their ids (a real run's: what a reward model reads)
         self.last_step: TraceEvent | None = None  # the latest env_step recorded
         self.started_at: float | None = None
+        self.resetting = False  # between begin_reset and end_reset
         self.done = False
         self.stepping = False  # between begin_step and end_step
         self.total_reward = 0.0
@@ -113,7 +114,10 @@ class Episode:
 
     # -- the EnvHandle protocol ----------------------------------------------------------------
     async def reset(self) -> TokenIds:
-        return self.reset_now()
+        seconds = self.begin_reset()
+        if seconds:
+            await self.clock.sleep(seconds)
+        return self.end_reset()
 
     async def step(self, action: TokenIds) -> StepResult:
         latency, failures = self.begin_step()
@@ -129,9 +133,18 @@ class Episode:
             raise
         self.end_checkpoint()
 
-    # -- the same, as the harness's link serves them: a reset answers at once, a step is a timer ----
-    def reset_now(self) -> TokenIds:
+    # -- the same, as the harness's link serves them: each a timer -------------------------------
+    def begin_reset(self) -> float:
+        """Check the reset may happen; the seconds it takes (``workload.env_reset_s``, drawn only where the
+        workload has one: a run without keeps its draws): ``end_reset`` after them. The trajectory's time
+        starts here, as its timeout's does."""
         self._start()
+        self.resetting = True
+        reset = self.workload.env_reset_s
+        return 0.0 if reset is None else max(0.0, reset.sample(self.rng))
+
+    def end_reset(self) -> TokenIds:
+        self.resetting = False
         return self._reset_with(self._padded(self.first_observation(), self.workload.tokens.prompt))
 
     def _start(self) -> None:
@@ -154,8 +167,8 @@ class Episode:
 
     def begin_step(self) -> tuple[float, int]:
         """Check the step may happen; (seconds it takes, failures on the way): ``end_step`` after them."""
-        if self.started_at is None:
-            raise RuntimeError(f"episode {self.episode_id} stepped before reset")
+        if self.started_at is None or self.resetting:
+            raise RuntimeError(f"episode {self.episode_id} stepped before its reset answered")
         if self.done:
             raise RuntimeError(f"episode {self.episode_id} stepped after it was done")
         if self.stepping or self.checkpointing:
@@ -174,8 +187,8 @@ class Episode:
                 f"episode {self.episode_id} checkpointed, but this workload's environments keep their state "
                 "through a crash (the target has no workload.env_state)"
             )
-        if self.started_at is None:
-            raise RuntimeError(f"episode {self.episode_id} checkpointed before reset")
+        if self.started_at is None or self.resetting:
+            raise RuntimeError(f"episode {self.episode_id} checkpointed before its reset answered")
         if self.done:
             raise RuntimeError(f"episode {self.episode_id} checkpointed after it was done")
         if self.stepping or self.checkpointing:

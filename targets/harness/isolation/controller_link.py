@@ -295,7 +295,8 @@ class ControllerLink:
         return None
 
     def _env(self, rx: Received) -> None:
-        """A reset is answered at once; a step or a checkpoint when its time has passed (a timer, not a task)."""
+        """A reset, a step or a checkpoint is answered when its time has passed (a timer, not a task; a reset
+        of a workload without ``env_reset_s`` at once)."""
         request_id, counts = rx.get("id"), self.memory.counts
         reply = Frame(id=request_id)
         try:
@@ -311,9 +312,18 @@ class ControllerLink:
                 self._tasks[key] = asyncio.create_task(self._user_env(key, request_id, reply, episode, action))
                 return
             if rx["method"] == "reset":
-                reply.header["observation"] = put_tokens(reply, episode.reset_now(), counts)
+                seconds = episode.begin_reset()
                 self.activity.begin(episode_id)
-                self.activity.end(episode_id)
+
+                def reset() -> None:
+                    reply.header["observation"] = put_tokens(reply, episode.end_reset(), counts)
+                    self.activity.end(episode_id)
+
+                if not seconds:
+                    reset()
+                else:
+                    self._answer_after(seconds, reply, reset)
+                    return
             elif rx["method"] == "step":
                 action = get_tokens(rx, field_of(rx.header, "action", dict, "step"), counts, "step.action")
                 if counts:  # what a simulated engine's response of that length says (the environment reads it)

@@ -11,7 +11,8 @@ No schedule can beat either of two limits:
   computed beside another's decode): the larger of the run's two, per step on average.
   Training work is the batch's training FLOPs at the MFU.
 * **critical path**: each step's longest trained trajectory, decoded alone (batch 1) with its
-  environment latencies and each request's overhead in between. A trajectory trained at step ``k``
+  environment latencies and each request's overhead in between (not its reset's, ``env_reset_s``: a stack
+  may reset environments ahead of their turn). A trajectory trained at step ``k``
   was generated from a version no older than ``k - 1 - a`` (``a = async_ratio``), so it ran within
   steps ``k - a .. k``: summed over the steps, these paths are at most ``1 + a`` times the run's
   duration, and their mean over ``1 + a`` is at most the mean step time (the target's

@@ -178,12 +178,6 @@ def fit_profile(
             "gymnasium's TimeLimit): counted at their length; what its play does past the limit was never seen"
         )
     reset_s = [resets[key].data["latency"] for key in finished if "latency" in resets[key].data]
-    if reset_s and latencies and statistics.median(reset_s) > statistics.median(latencies):
-        notes.append(
-            f"a reset (making the environment included) took {statistics.median(reset_s):.3g} s at the median "
-            f"({max(reset_s):.3g} s at most), more than a step ({statistics.median(latencies):.3g} s): the "
-            "simulated workload has no reset time, so an episode's start is simulated faster than it was"
-        )
     if lengths is not None:
         tokens["response_length"] = lengths_yaml(lengths)
         notes += held_spread(lengths)
@@ -216,6 +210,8 @@ def fit_profile(
         "env_latency_s": _lognormal(latencies),
         "env_latency_max_s": round(max(max(latencies, default=0.0), 1e-6), 6),
         "env_failure_rate": round(failures / (len(taken) + failures), 6),
+        # a reset (making the environment included: a sandbox's start), which the stand-in then takes as long
+        **({"env_reset_s": _lognormal(reset_s)} if reset_s else {}),
     }
 
 
@@ -235,4 +231,5 @@ def stand_in_workload(workload: dict, profile: dict) -> dict:
     profile measured in place of the spec's own: what a simulation of a user's environment runs."""
     kept = {k: v for k, v in workload.items() if k not in (*MEASURED, "environment", "profile")}
     tokens = {**workload["tokens"], **profile["tokens"]}
-    return {**kept, "environment": dict(STAND_IN), **{k: profile[k] for k in MEASURED}, "tokens": tokens}
+    measured = {k: profile[k] for k in MEASURED if k in profile}  # a profile from before env_reset_s has none
+    return {**kept, "environment": dict(STAND_IN), **measured, "tokens": tokens}

@@ -226,10 +226,15 @@ def test_a_failed_environment_step_costs_a_restart_and_is_retried(catalog_yaml):
 
 def test_a_reset_takes_the_workloads_reset_time_and_nothing_may_step_before_it_answers(catalog_yaml):
     """``env_reset_s``: a sandbox's start. The reset answers after its draw, the trajectory's time (and its
-    timeout) runs from the reset's start, a step or checkpoint before the answer is refused; a workload
-    without it resets at once and draws exactly what it drew before (tasks, turns, latencies)."""
+    timeout) runs from the reset's start, a step or checkpoint before the answer is refused; the same episodes
+    without it reset at once and draw the same tasks, turns and latencies (the reset draws from its own
+    stream: a comparison with and without resets is on the same workload)."""
     env, turns = {"name": "synthetic_agent"}, {"max": 4, "dist": {"kind": "geometric", "mean": 3}}
-    common = {"env_latency_s": {"kind": "lognormal", "median": 1.0, "sigma": 0.5}, "env_latency_max_s": 5.0}
+    common = {
+        "env_latency_s": {"kind": "lognormal", "median": 1.0, "sigma": 0.5},
+        "env_latency_max_s": 5.0,
+        "trajectory_timeout_s": 1e6,  # no reset-long episode timed out: the same turns with and without
+    }
     resets = {"env_reset_s": {"kind": "lognormal", "median": 30.0, "sigma": 0.5}}
     stateful = {"env_state": {"change_rate": 0.5, "checkpoint_s": 0.1, "restore_s": 1.0}}
     plain, plain_trace, _ = _pool(catalog_yaml, env, turns, **common, **stateful)
@@ -254,6 +259,10 @@ def test_a_reset_takes_the_workloads_reset_time_and_nothing_may_step_before_it_a
     assert [e.data["observation"] for e in trace.of_kind("env_reset")] == [
         e.data["observation"] for e in plain_trace.of_kind("env_reset")
     ]  # the same tasks
+    drawn_steps = [(e.data["episode"], e.data["turn"], e.data["latency"]) for e in trace.of_kind("env_step")]
+    assert drawn_steps == [
+        (e.data["episode"], e.data["turn"], e.data["latency"]) for e in plain_trace.of_kind("env_step")
+    ]
 
 
 def test_a_trajectory_s_timeout_counts_its_reset(catalog_yaml):

@@ -83,6 +83,7 @@ class Episode:
         self.clock = clock
         self.trace = trace
         self.rng = random.Random(episode_seed)
+        self.reset_rng = random.Random(f"reset/{episode_seed}")  # its own: a workload with resets draws the rest alike
         self.task = self.make_task(random.Random(task_seed)) if task is None else task
         self.max_turns = drawn_turns(workload, self.rng) if self.draws_turns else workload.turns.max
         self.turn = 0
@@ -135,13 +136,13 @@ class Episode:
 
     # -- the same, as the harness's link serves them: each a timer -------------------------------
     def begin_reset(self) -> float:
-        """Check the reset may happen; the seconds it takes (``workload.env_reset_s``, drawn only where the
-        workload has one: a run without keeps its draws): ``end_reset`` after them. The trajectory's time
-        starts here, as its timeout's does."""
+        """Check the reset may happen; the seconds it takes (``workload.env_reset_s``, drawn from a stream of
+        its own, so that the same episode with and without resets draws the same turns and latencies):
+        ``end_reset`` after them. The trajectory's time starts here, as its timeout's does."""
         self._start()
         self.resetting = True
         reset = self.workload.env_reset_s
-        return 0.0 if reset is None else max(0.0, reset.sample(self.rng))
+        return 0.0 if reset is None else max(0.0, reset.sample(self.reset_rng))
 
     def end_reset(self) -> TokenIds:
         self.resetting = False

@@ -47,9 +47,19 @@ def _served(episode: str, start: float, end: float, tokens: int | None, device: 
     return event
 
 
-def _later_ones(device: str = "cpu:0", count: int = 10, tokens: int = 16) -> list[TraceEvent]:
-    """``count`` requests received after the first one's 0.0 s, one after another, 0.25 s each."""
-    return [_served(f"g{k}/e0", 0.1 + 0.25 * k, 0.3 + 0.25 * k, tokens, device) for k in range(count)]
+def _later_ones(device: str = "cpu:0", count: int = 10, tokens: int = 16, text: str = "") -> list[TraceEvent]:
+    """``count`` requests received after the first one's 0.0 s, one after another, 0.25 s each; ``text``
+    "repeated": each answers its prompt again (prompt lookup could draft all but its first token),
+    "unrepeated": tokens its prompt never held (nothing to draft from), else one token repeated."""
+    data = {
+        "repeated": {"prompt": list(range(1, tokens + 1)), "tokens": list(range(1, tokens + 1))},
+        "unrepeated": {"tokens": list(range(100, 100 + tokens))},
+        "": {},
+    }[text]
+    served = [_served(f"g{k}/e0", 0.1 + 0.25 * k, 0.3 + 0.25 * k, tokens, device) for k in range(count)]
+    for event in served:
+        event.data.update(data)
+    return served
 
 
 def _judge(*events: TraceEvent, start: TraceEvent | None = None, resident: TraceEvent | None = None):
@@ -91,18 +101,33 @@ def test_overlapping_later_requests_count_once_for_the_steps_they_share():
 
 
 @pytest.mark.parametrize(
-    ("settings", "tokens", "named"),
+    ("settings", "text", "tokens", "named"),
     [
-        ({"speculative_tokens": 4}, 40, False),  # a step of a later request may have kept 5 of its 16: 4 steps each
-        ({"speculative_tokens": 4}, 39, True),
-        ({"speculative_tokens": 64}, 20, False),  # credited as 8 drafts whatever is declared: 2 steps each
-        ({"speculative_tokens": 64}, 19, True),
-        ({"prefill_chunk": 1}, 159, True),  # chunked prefill buys nothing: budgets go in admission order
+        # a later request answering its prompt again: its first token, then steps keeping 4 drafts and a token
+        ({"speculative_tokens": 4}, "repeated", 40, False),  # 1 + 3 steps each (1, 5, 5, 5 tokens)
+        ({"speculative_tokens": 4}, "repeated", 39, True),
+        ({"speculative_tokens": 64}, "repeated", 30, False),  # credited as 8 drafts whatever is declared: 1 + 2 steps
+        ({"speculative_tokens": 64}, "repeated", 29, True),
+        # declared drafts and nothing a drafter could have kept: a token a step, as a stack that does not draft
+        ({"speculative_tokens": 8}, "unrepeated", 160, False),
+        ({"speculative_tokens": 8}, "unrepeated", 159, True),
+        ({"prefill_chunk": 1}, "", 159, True),  # chunked prefill buys nothing: budgets go in admission order
     ],
-    ids=["drafts allowed", "drafts exceeded", "drafts capped", "capped drafts exceeded", "chunks no excuse"],
+    ids=[
+        "drafts allowed",
+        "drafts exceeded",
+        "drafts capped",
+        "capped drafts exceeded",
+        "drafts declared, none possible",
+        "drafts declared, never made",
+        "chunks no excuse",
+    ],
 )
-def test_what_an_honest_engine_may_lag_by(settings, tokens, named):
-    reasons, _ = _judge(_served("a/e0", 0.0, 3.0, tokens), *_later_ones(), start=_start(**settings))
+def test_what_an_honest_engine_may_lag_by(settings, text, tokens, named):
+    """Drafts are credited as a prompt-lookup drafter could have kept them in each later request's text
+    (``TraceIndex.decode_steps``), not as many as the hello declares: a stack declaring eight drafts and
+    making none was allowed 2 steps for each later request of 16 tokens, here 16."""
+    reasons, _ = _judge(_served("a/e0", 0.0, 3.0, tokens), *_later_ones(text=text), start=_start(**settings))
     assert _named(reasons) if named else reasons == [], reasons
 
 

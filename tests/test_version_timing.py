@@ -22,11 +22,12 @@ def _served(episode: str, start: float, end: float, tokens: int, version: int = 
     return TraceEvent("generate", end, data)
 
 
-def _judged(events: list[TraceEvent], floor_s: float = FLOOR_S) -> tuple[list[str], dict]:
+def _judged(events: list[TraceEvent], floor_s: float = FLOOR_S, drafts: int = 0) -> tuple[list[str], dict]:
+    engine = {"speculative_tokens": drafts}
     start = TraceEvent(
         "run_start",
         0.0,
-        {"devices": ["cuda:0"], "tokens_recorded": True, "engines": {}, "declared": {}, "engine": {}},
+        {"devices": ["cuda:0"], "tokens_recorded": True, "engines": {}, "declared": {}, "engine": engine},
     )
     trained = TraceEvent("train", 5.0, {"start": 1.0, "version": 1, "trajectories": []})
     r = Reasons()
@@ -51,6 +52,24 @@ def test_a_turn_decoded_ahead_and_answered_at_once_once_forwarded_is_named():
     reasons, details = _judged(HONEST + siblings)
     assert len(reasons) >= 3 and all(line.startswith("answered faster than decoding: ") for line in reasons)
     assert details["version_timing_witnessed"] == 0 and details["version_timing_least_ratio"] < 0.2
+
+
+def test_drafts_are_credited_only_where_prompt_lookup_could_have_drafted_them():
+    """A stack declaring eight drafts a step was allowed nine tokens a step whatever it made: a turn of 400
+    tokens decoded under v0 while v1 trained, forwarded once v1 existed and answered 30 ms later (setting
+    the run's pace itself, held to the floor of a decode step: 400 tokens over 9 a step take 8.9 ms) passed.
+    Its tokens repeat nothing, so no drafter could have kept a draft of them: a token a step, 80 ms, and it
+    is named. An honest turn as quick whose tokens repeat its prompt (an agent re-reading a file) could have
+    been drafted nine tokens a step (46 steps, 9.2 ms), and passes."""
+    ahead = _served("ahead/e0", 5.0, 5.03, 0, version=1)
+    ahead.data["tokens"] = list(range(1000, 1400))
+    copied = _served("copy/e0", 5.0, 5.03, 0, version=1)
+    copied.data.update(prompt=list(range(1, 401)), tokens=list(range(1, 401)))
+    reasons, details = _judged([*HONEST, ahead, copied], drafts=8)
+    assert len(reasons) == 1 and reasons[0].startswith("answered faster than decoding: episode ahead/e0"), reasons
+    assert details["version_timing_pace_s"] == pytest.approx(FLOOR_S)  # the quick turns' pace is under the floor
+    assert _judged([*HONEST, copied], drafts=8)[0] == []
+    assert _judged([*HONEST, ahead], drafts=0)[0]  # as a stack that does not draft
 
 
 def test_one_instant_answer_cannot_set_the_pace_under_the_floor_of_a_decode_step():

@@ -13,12 +13,13 @@ An interrupted request is judged the same way, by its partial (what it decoded b
 suspend or an interrupting sync cut it short: always sent, ``targets.api.Aborted``); a cluster could
 otherwise hold a request until the next interruption and hand it back with nothing decoded.
 
-What an honest engine may lag by, and the audit allows: a drafted step (speculative decoding) gives a
-request up to ``1 + speculative_tokens`` tokens (at most ``MAX_SPECULATIVE_TOKENS``: a hello declaring more
-is refused, and a trace claiming more is credited no more), so a later request's tokens count for that
-many times fewer steps; a reply can reach the harness a little after a later one (``REPLY_ORDER_SLACK_S``),
-and a request reach the engine a little after a later one (``ARRIVAL_ORDER_SLACK_S``). A prompt prefilled
-in chunks costs no allowance: both engines hand the step's prefill budget out in admission order, so a later request
+What an honest engine may lag by, and the audit allows: a drafted step (speculative decoding) gives a request
+several tokens, so a later request proves no more steps than its tokens could have been decoded in with the
+drafts its prompt and tokens let a prompt-lookup drafter keep (``TraceIndex.decode_steps``: at most ``1 +
+speculative_tokens`` tokens a step, at most ``MAX_SPECULATIVE_TOKENS`` drafts credited); a reply can reach the
+harness a little after a later one (``REPLY_ORDER_SLACK_S``), and a request reach the engine a little after a
+later one (``ARRIVAL_ORDER_SLACK_S``). A prompt prefilled in chunks costs no allowance: both engines hand the
+step's prefill budget out in admission order, so a later request
 cannot decode while an earlier one still prefills. The engine a completion names is the cluster's
 word: it must be a device that held an engine during the request (the cluster's own residency,
 which the audit holds against the trainer's), else the request is compared with nothing
@@ -32,7 +33,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from targets.api import MAX_SPECULATIVE_TOKENS, TraceEvent
+from targets.api import TraceEvent
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.trace import token_count
 
@@ -56,25 +57,20 @@ class Served:
     start: float  # the harness forwarded it
     end: float  # the harness had its answer (or its interruption)
     tokens: int  # decoded: the response, or an interrupted request's partial
+    steps: int  # the fewest engine steps those tokens could have taken (``TraceIndex.decode_steps``)
 
 
-def tokens_a_step(ix: TraceIndex) -> int | None:
-    """The most tokens one engine step may give a request (``1 + speculative_tokens``, the drafts
-    credited up to ``MAX_SPECULATIVE_TOKENS``); None where the engines' pace is not the candidate's to
-    judge: a simulated run (its engine is the harness's), or a trace without its start."""
-    start = ix.by_kind["run_start"][0].data if ix.by_kind["run_start"] else {}
-    if not ix.tokens_recorded or not start:
-        return None
-    settings = start.get("engine") or {}
-    return 1 + min(int(settings.get("speculative_tokens", 0)), MAX_SPECULATIVE_TOKENS)
+def engines_judged(ix: TraceIndex) -> bool:
+    """Whether the engines' pace is the candidate's to judge: not in a simulated run (its engine is the
+    harness's), nor on a trace without its start."""
+    return ix.tokens_recorded and bool(ix.by_kind["run_start"])
 
 
 def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
     """A request's tokens against the engine steps that later requests, answered before it, prove it
     sat through. Real runs only (a simulated engine is the harness's). Returns the audit's details:
     how many requests had such a witness, and the least margin any left."""
-    drafted = tokens_a_step(ix)
-    if drafted is None:
+    if not engines_judged(ix):
         return {}
     holding = _engine_spans(ix)
     by_engine: dict[str, list[Served]] = defaultdict(list)
@@ -92,7 +88,7 @@ def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
             )
             continue
         tokens = token_count(d.get("tokens", []))  # an interruption's partial is always sent
-        by_engine[engine].append(Served(d["episode"], d["turn"], d["start"], g.t, tokens))
+        by_engine[engine].append(Served(d["episode"], d["turn"], d["start"], g.t, tokens, ix.decode_steps(g)))
     witnessed, least = 0, math.inf
     for engine, requests in by_engine.items():
         spans = _distinct_spans(requests)
@@ -100,7 +96,7 @@ def check_service_order(ix: TraceIndex, r: Reasons) -> dict:
         proved: dict[tuple[float, float], int] = {}  # copies of one span prove the same steps: counted once
         for a in requests:
             if (a.start, a.end) not in proved:
-                proved[a.start, a.end] = _steps_sat_through(a, spans, starts, drafted)
+                proved[a.start, a.end] = _steps_sat_through(a, spans, starts)
             steps = proved[a.start, a.end]
             if not steps:
                 continue
@@ -143,19 +139,19 @@ def _engine_spans(ix: TraceIndex) -> dict[str, list[tuple[float, float]]]:
 
 
 def _distinct_spans(requests: list[Served]) -> list[Served]:
-    """One request per span, the one that decoded most, by start: of two received and answered at the
+    """One request per span, the one that proves most steps, by start: of two received and answered at the
     same instants, a chain of disjoint requests holds one at most (thousands of copies of a turn cost
     the witness search nothing)."""
     most: dict[tuple[float, float], Served] = {}
     for s in requests:
-        if (s.start, s.end) not in most or s.tokens > most[s.start, s.end].tokens:
+        if (s.start, s.end) not in most or s.steps > most[s.start, s.end].steps:
             most[s.start, s.end] = s
     return sorted(most.values(), key=lambda s: s.start)
 
 
-def _steps_sat_through(a: Served, requests: list[Served], starts: list[float], drafted: int) -> int:
+def _steps_sat_through(a: Served, requests: list[Served], starts: list[float]) -> int:
     """The most decode steps a chain of time-disjoint later requests, each received after ``a`` and
-    answered before it, proves (each at least its tokens over ``drafted``): weighted interval
+    answered before it, proves (each at least its fewest steps, ``Served.steps``): weighted interval
     scheduling over those inside ``a``'s span."""
     first = bisect.bisect_right(starts, a.start + ARRIVAL_ORDER_SLACK_S)
     last = bisect.bisect_left(starts, a.end - REPLY_ORDER_SLACK_S)
@@ -167,5 +163,5 @@ def _steps_sat_through(a: Served, requests: list[Served], starts: list[float], d
     best = [0] * (len(inside) + 1)  # best[i]: the most steps the first i (by answer) can prove
     for i, c in enumerate(inside):
         before = bisect.bisect_left(ends, c.start, 0, i)  # answered before c was received
-        best[i + 1] = max(best[i], best[before] + math.ceil(c.tokens / drafted))
+        best[i + 1] = max(best[i], best[before] + c.steps)
     return best[-1]

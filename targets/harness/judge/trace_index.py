@@ -10,7 +10,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from targets.api import Declared, TraceEvent
+from targets.api import MAX_SPECULATIVE_TOKENS, Declared, TraceEvent
+from targets.harness.judge.decode_steps import fewest_steps
 from targets.harness.trace import consumed_at, token_count
 from targets.spec import TargetSpec
 
@@ -70,10 +71,12 @@ class TraceIndex:
     stop_token_ids: tuple[int, ...] = ()  # what the harness's runtime handed the candidate
     declared: Declared = field(default_factory=Declared)
     engine_of: dict[str, str] = field(default_factory=dict)  # device -> its engine's name (its first device)
+    drafts: int = 0  # the engines' drafted tokens a step, as the stack declared them (credited up to the most allowed)
     start_t: float = 0.0
     end_t: float = 0.0
     _responses: dict[int, Response] = field(default_factory=dict)
     _turn_partials: dict[tuple[str, int], TurnPartials] = field(default_factory=dict)
+    _steps: dict[int, int] = field(default_factory=dict)
 
     def engine(self, device: str) -> str:
         """The engine ``device`` is part of, by the name completions carry: in a simulated run an engine
@@ -99,6 +102,8 @@ class TraceIndex:
             ix.declared = Declared(**run_start.data.get("declared", {}))
             engines = run_start.data.get("engines") or {}
             ix.engine_of = {device: name for name, devices in engines.items() for device in devices}
+            drafts = int((run_start.data.get("engine") or {}).get("speculative_tokens", 0))
+            ix.drafts = max(0, min(drafts, MAX_SPECULATIVE_TOKENS))
         ix.end_t = ix.by_kind["run_end"][0].t if ix.by_kind["run_end"] else (ix.events[-1].t if ix.events else 0.0)
         for e in ix.by_kind["episode_created"]:
             ix.created.append(e.data["episode"])
@@ -154,6 +159,18 @@ class TraceIndex:
         paid = sum(s.data["reward"] for s in self.env_steps.get(episode, []))
         verdicts = self.verdicts.get(episode)
         return paid + (verdicts[0].data["score"] if verdicts else 0.0)
+
+    def decode_steps(self, g: TraceEvent) -> int:
+        """The fewest engine steps request ``g``'s tokens (its answer's, or an interruption's partial) could
+        have taken: one a token, fewer only where the stack drafts and its prompt's and tokens' repeats let
+        drafts be kept (``decode_steps.fewest_steps``; real runs, whose tokens the trace holds)."""
+        tokens = g.data.get("tokens", [])
+        if not self.drafts or not self.tokens_recorded:
+            return token_count(tokens)
+        known = self._steps.get(id(g))
+        if known is None:
+            known = self._steps[id(g)] = fewest_steps(g.data["prompt"], tokens, self.drafts)
+        return known
 
     def context_tokens(self, episode: str, turns: int) -> list | int:
         """The episode's context after ``turns`` environment steps (tokens, or a count if not recorded)."""

@@ -12,8 +12,9 @@ ended at least its tokens times the pace later. The pace is the run's fastest (t
 showed from forwarding to answer, halved), but never under the physical floor of a decode step: every
 weight read once from device memory, all the job's devices reading together, halved
 (``decode_step_floor``), since the run's fastest is the stack's to set (one sibling answered at once, from
-a sample drafted while its groupmate decoded, would set it for every turn); both divided by the tokens a
-drafted step may give (``service_order.tokens_a_step``). The cheat above ends one prefill after the
+a sample drafted while its groupmate decoded, would set it for every turn): that many seconds a step, for
+the fewest steps the request's tokens could have taken (``TraceIndex.decode_steps``: a token a step, fewer
+where the stack drafts and prompt lookup could have drafted them). The cheat above ends one prefill after the
 version exists: **decoded before its version existed**; a turn decoded ahead, while v trained, and
 forwarded once v existed, ends one prefill after it was forwarded: **answered faster than decoding**.
 Honest runs of the CPU target forward no request before the version it is served under exists at all
@@ -23,8 +24,7 @@ toy: 2 tokens in 8 ms against 10 ms a token); a turn that short is little to dec
 requests together are held to the pace once they are as long as one that sets it: a turn decoded ahead and
 handed back in segments of three tokens, each answered at the floor, was another red team's. Still open:
 the floor is the hardware's limit, several times under a real engine's pace on a GPU, so a turn decoded
-ahead and answered no sooner than the floor allows passes; and a drafted step's tokens are the stack's
-declaration."""
+ahead and answered no sooner than the floor allows passes."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import math
 from collections import defaultdict
 
 from targets.harness.judge.mechanism import asleep
-from targets.harness.judge.service_order import tokens_a_step
+from targets.harness.judge.service_order import engines_judged
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.sim.cost_model import DTYPE_BYTES
 from targets.harness.trace import token_count
@@ -63,8 +63,7 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
     while the rollout was suspended); returns the audit's details: how many were forwarded before their
     version existed, the least ratio of the time any request had to the time it needed, and the pace it
     was held to."""
-    drafted = tokens_a_step(ix)
-    if drafted is None:
+    if not engines_judged(ix):
         return {}
     existed = {train.data["version"]: train.t for train in ix.trains}
     sleeps = defaultdict(list)
@@ -75,9 +74,9 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
     paces = [(g.t - g.data["start"]) / tokens for g, tokens in turns if tokens >= PACE_MIN_TOKENS]
     if not paces:
         return {}
-    pace = max(PACE_SLACK * min(paces), step_floor_s) / drafted
+    pace = max(PACE_SLACK * min(paces), step_floor_s)  # a decode step's, at the least (paces are a token's)
     early, least = 0, math.inf
-    short: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)  # a turn's short requests: had, tokens
+    short: dict[tuple[str, int], list[tuple[float, int, int]]] = defaultdict(list)  # a turn's: had, tokens, steps
     for g, tokens in turns:
         d = g.data
         made = existed.get(d["version"], -math.inf)
@@ -87,13 +86,11 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
         since = max(made, woke)
         # a short request (a stop drawn at once) answered in a quiet moment may beat a pace set by long turns
         # in heavy batches: it is held to the floor of a decode step alone
-        had, needed = (
-            g.t - max(d["start"], since),
-            tokens * (pace if tokens >= PACE_MIN_TOKENS else step_floor_s / drafted),
-        )
+        steps = ix.decode_steps(g)  # its tokens, or fewer where drafts could have been kept
+        had, needed = g.t - max(d["start"], since), steps * (pace if tokens >= PACE_MIN_TOKENS else step_floor_s)
         early += d["start"] < made
         if tokens < PACE_MIN_TOKENS:
-            short[(d["episode"], d["turn"])].append((had, tokens))
+            short[(d["episode"], d["turn"])].append((had, tokens, steps))
         if needed <= 0:  # a short request where no floor is known: nothing to hold it to
             continue
         least = min(least, had / needed)
@@ -121,17 +118,17 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
                 f"take at least {needed:.3f}s at the run's pace: decoded before it was forwarded",
             )
     for (episode, turn), requests in short.items():
-        tokens = sum(n for _, n in requests)
+        tokens = sum(n for _, n, _ in requests)
         if tokens < PACE_MIN_TOKENS or pace <= 0:  # no pace: an instant answer and no floor known
             continue
-        had = sum(seconds for seconds, _ in requests)
-        least = min(least, had / (tokens * pace))
-        if had < tokens * pace:
+        had, needed = sum(seconds for seconds, _, _ in requests), sum(steps for _, _, steps in requests) * pace
+        least = min(least, had / needed)
+        if had < needed:
             r.add(
                 "answered faster than decoding",
                 f"episode {episode} turn {turn}: {len(requests)} requests of under {PACE_MIN_TOKENS} tokens each, "
                 f"{tokens} in all, were answered {had:.3f}s in all after they were forwarded and their versions "
-                f"existed; {tokens} tokens take at least {tokens * pace:.3f}s at the run's pace: decoded ahead, "
+                f"existed; {tokens} tokens take at least {needed:.3f}s at the run's pace: decoded ahead, "
                 "handed back in pieces",
             )
     return {

@@ -584,8 +584,12 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(pa
         assert not engine.host_kv.saved  # computed under the old weights
 
 
-def test_a_full_cache_preempts_and_recomputes_without_changing_the_tokens(path, tiny_model):
-    engine = PagedEngine(path, block_size=4, kv_tokens=96)  # 24 blocks for 6 requests that each want 8
+@pytest.mark.parametrize("host_kv_tokens", [0, 512], ids=["recomputed", "from the host tier"])
+def test_a_full_cache_preempts_and_recomputes_without_changing_the_tokens(path, tiny_model, host_kv_tokens):
+    """A preempted request recomputes its context when readmitted, or with a host tier reloads the whole
+    blocks it had computed (saved as it left, as vLLM's KV offloading keeps them): the tokens are the
+    reference's either way."""
+    engine = PagedEngine(path, block_size=4, kv_tokens=96, host_kv_tokens=host_kv_tokens)  # 24 blocks, 6 x 8 wanted
     prompts, step, preempted = fixed_prompts(6), engine.step, []
 
     def watched_step():  # a request back in the queue with tokens decoded: one the full cache preempted
@@ -594,10 +598,14 @@ def test_a_full_cache_preempts_and_recomputes_without_changing_the_tokens(path, 
         return finished
 
     engine.step = watched_step
-    out = engine.generate(prompts, _greedy(20))
+    requests = [engine.submit(p, _greedy(20), episode=f"g0/e{k}") for k, p in enumerate(prompts)]
+    while not all(r.finish for r in requests):
+        engine.step()
     assert preempted  # the cache was full: the plant of this test acted
-    for prompt, completion in zip(prompts, out, strict=True):
-        assert completion.tokens == reference_greedy(tiny_model, [prompt], 20)[0].tokens
+    for prompt, request in zip(prompts, requests, strict=True):
+        assert engine.completion(request).tokens == reference_greedy(tiny_model, [prompt], 20)[0].tokens
+    if host_kv_tokens:  # each preempted request came back from the host, none recomputed whole
+        assert engine.host_kv.restored_tokens >= 4 * len(preempted)
 
 
 def test_paged_engine_sampling_matches_its_own_logprobs(path, tiny_model):

@@ -288,6 +288,27 @@ def test_kv_grows_with_the_tokens_and_a_full_cache_preempts_the_newest(big):
     assert peak <= cost.kv_capacity_tokens
 
 
+def test_a_preempted_sequence_comes_back_from_the_host_tier_instead_of_prefilling_again(big):
+    """With a host tier the preempted sequence's context (all but its last token) is saved as it leaves and
+    restored when it is readmitted, as the paged engine's tier does (vLLM's KV offloading): the second prefill
+    of the test above computes one token, and the pair finishes sooner."""
+    plain = CostModel.from_spec(big)
+    half = plain.kv_capacity_tokens // 2
+
+    async def body(engine, loop):
+        first, second = engine.submit("a", half - 100, 1000), engine.submit("b", half - 100, 1000)
+        await first, await second
+        return loop.time(), engine.preemptions, engine.prefilled_tokens, engine.restored_tokens
+
+    end, preemptions, prefilled, restored = _engine_run(plain, body)
+    tiered_end, tiered_preemptions, tiered_prefilled, tiered_restored = _engine_run(
+        plain.with_host_tier(plain.kv_capacity_tokens), body
+    )
+    assert preemptions == tiered_preemptions == 1 and restored == 0
+    assert tiered_restored > half - 100  # its prompt and what it had decoded, but the last token
+    assert tiered_prefilled == prefilled - tiered_restored and tiered_end < end
+
+
 @pytest.mark.parametrize("engine_devices", [8, 16], ids=["one node", "two nodes"])
 def test_chunked_prefill_keeps_the_batch_decoding_while_a_long_prompt_is_computed_beside_it(big, engine_devices):
     """With ``prefill_chunk`` a request admitted while another decodes is computed a chunk an iteration

@@ -15,8 +15,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .request import Request
 
 
 @dataclass
@@ -151,6 +155,14 @@ class HostKV:
         self.saved_tokens += len(prefix.tokens)
         while self.tokens > self.capacity_tokens:
             self.drop(next(iter(self.saved)))
+
+    def save_computed(self, pool: KVPool, request: Request) -> None:
+        """A preempted request's whole computed blocks, saved as it leaves the cache: readmitted, it reloads
+        them instead of recomputing its context (as vLLM's KV offloading keeps a preempted request's)."""
+        whole = min(request.computed // self.block_size, len(request.blocks))
+        if request.episode is not None and whole:
+            kept = CachedPrefix(request.tokens[: whole * self.block_size], request.blocks[:whole])
+            self.save(pool, request.episode, kept)
 
     def restore(
         self, pool: KVPool, blocks: BlockManager, episode: str, prompt: list[int], needed: int

@@ -126,8 +126,7 @@ class PagedEngine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.admitting = True  # False while a load drains: ``started`` requests finish (preempted first), none start
-        # Each engine its own draws: engines seeded alike answered one prompt with one sample on every
-        # device at once (the audit's independence test caught it). A request's own seed still rules.
+        # Own draws: engines seeded alike gave a prompt one sample everywhere (independence test); a request's seed wins
         self._generator = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.upload: StepUpload | None = None  # a graphed decode step's inputs, in one copy (made with the graphs)
         self._allocate_cache()
@@ -338,16 +337,17 @@ class PagedEngine:
             request.admitted()
 
     def _grow(self) -> None:
-        """Every running request needs a block for the token it computes next; when none is left,
-        preempt the youngest request (it recomputes its context when readmitted)."""
+        """Every running request needs a block for the token it computes next; when none is left, preempt the
+        youngest: readmitted, it recomputes its context, or reloads it from the host tier (``save_computed``)."""
         for request in list(self.running):
             while request in self.running and len(request.blocks) * self.block_size < len(request.tokens):
                 block = self.blocks.allocate(1)
                 if block is not None:
                     request.blocks += block
                     continue
-                victim = self.running[-1]
-                self.running.remove(victim)
+                victim = self.running.pop()
+                if self.host_kv is not None:
+                    self.host_kv.save_computed(self.pool, victim)
                 self.blocks.release(victim.blocks)
                 victim.blocks, victim.computed = [], 0
                 self.waiting.appendleft(victim)

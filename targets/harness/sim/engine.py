@@ -11,8 +11,9 @@ then the most recently admitted sequence is preempted: its KV is freed and it go
 head of the queue, to prefill its whole context (prompt plus what it generated) again when it fits
 (vLLM's recompute preemption); with a host tier (``CostModel.host_kv_tokens``) an evicted prefix is
 kept on the host, least recently evicted dropped first, and restored when its episode's next turn
-comes back (``CostModel.restore_s``). A weight load drops every prefix, cached or on the host (their
-keys and values are the old weights'). An iteration's duration comes
+comes back (``CostModel.restore_s``), and so is a preempted sequence's context when it is readmitted
+(the paged engine's tier, as vLLM's KV offloading, saves it as it leaves). A weight load drops every
+prefix, cached or on the host (their keys and values are the old weights'). An iteration's duration comes
 from the cost model for the current batch and context. The engine advances event to event (an
 arrival, a finished sequence, a full cache, an abort), never token by token, so a run of millions of
 tokens simulates in seconds.
@@ -369,12 +370,17 @@ class SimEngine:
         while self.cached and self._held + self._cached_tokens > limit + EPS:
             episode, tokens = self.cached.popitem(last=False)
             self._cached_tokens -= tokens
-            if tokens <= self.cost.host_kv_tokens:
-                self._host_tokens += tokens - self.host.pop(episode, 0)
-                self.host[episode] = tokens
-                self._saving_s += self.cost.restore_s(tokens)  # the copy out: the engine's next pause pays it
-                while self._host_tokens > self.cost.host_kv_tokens:
-                    self._host_tokens -= self.host.popitem(last=False)[1]
+            self._to_host(episode, tokens)
+
+    def _to_host(self, episode: str, tokens: int) -> None:
+        """Keep ``tokens`` of the episode's KV in the host tier, if it has one that holds them (the least
+        recently saved dropped beyond its capacity)."""
+        if 0 < tokens <= self.cost.host_kv_tokens:
+            self._host_tokens += tokens - self.host.pop(episode, 0)
+            self.host[episode] = tokens
+            self._saving_s += self.cost.restore_s(tokens)  # the copy out: the engine's next pause pays it
+            while self._host_tokens > self.cost.host_kv_tokens:
+                self._host_tokens -= self.host.popitem(last=False)[1]
 
     def _restore(self, episode: str, context: float) -> int:
         """The episode's prefix from the host tier (taken out of it), if it holds one that fits."""
@@ -552,10 +558,12 @@ class SimEngine:
 
     def _preempt(self) -> None:
         """The cache is full of running sequences: take back the last admitted one's KV; it waits at
-        the head of the queue to prefill its whole context again."""
+        the head of the queue to prefill its whole context again, or to restore it from the host tier
+        (all but its last token, which gives its next logits)."""
         seq = self.running.pop()
         self._leave_batch(seq)
         self._context -= seq.context
+        self._to_host(seq.episode, math.ceil(seq.context) - 1)
         if not self.running:
             self._empty_batch()
         seq.preempted, seq.waiting_since = True, self._loop.time()

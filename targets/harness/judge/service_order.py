@@ -19,11 +19,10 @@ drafts its prompt and tokens let a prompt-lookup drafter keep (``TraceIndex.deco
 speculative_tokens`` tokens a step, at most ``MAX_SPECULATIVE_TOKENS`` drafts credited); a reply can reach the
 harness a little after a later one (``REPLY_ORDER_SLACK_S``), and a request reach the engine a little after a
 later one (``ARRIVAL_ORDER_SLACK_S``). A prompt prefilled in chunks costs no allowance: both engines hand the
-step's prefill budget out in admission order, so a later request
-cannot decode while an earlier one still prefills. The engine a completion names is the cluster's
-word: it must be a device that held an engine during the request (the cluster's own residency,
-which the audit holds against the trainer's), else the request is compared with nothing
-(docs/judge.md, "order of service").
+step's prefill budget out in admission order, so a later request cannot decode while an earlier one still
+prefills. The engine a completion names is the cluster's word: it must be a device that held an engine during
+the request (the cluster's own residency, which the audit holds against the trainer's), else the request is
+compared with nothing (docs/judge.md, "order of service").
 """
 
 from __future__ import annotations

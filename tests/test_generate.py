@@ -687,7 +687,7 @@ def test_a_start_killed_before_its_first_state_is_started_again_and_a_started_ru
     history.repo.git.update_ref("refs/vibetrain/rejected/0", "HEAD")
     again = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--out", str(run)], env=ENV)
     assert again.exit_code == 2 and "already exists" in " ".join(again.output.split())
-    assert history.rejected_commit(0) is not None
+    assert history.rejected_commit(0) == history.repo.head.commit.hexsha  # the ref the refused start left alone
     killed = tmp_path / "k" / "run"  # killed inside History.create's first commit: no commit, its index.lock left
     unborn = git.Repo.init(killed, initial_branch="best")
     with unborn.config_writer() as config:
@@ -1029,7 +1029,6 @@ def test_a_setup_mistake_found_after_the_repository_was_made_leaves_nothing_behi
         app, [*args, *(m.format(**names) for m in mistake)], env={**ENV, "OPENAI_API_KEY": "sk-test"}
     )
     assert result.exit_code == 2 and says in result.output, result.output
-    assert isinstance(result.exception, SystemExit), result.exception  # an error message, not a crash
     assert not (tmp_path / "r").exists()
 
 

@@ -69,7 +69,8 @@ def test_drafts_are_credited_only_where_prompt_lookup_could_have_drafted_them():
     assert len(reasons) == 1 and reasons[0].startswith("answered faster than decoding: episode ahead/e0"), reasons
     assert details["version_timing_pace_s"] == pytest.approx(FLOOR_S)  # the quick turns' pace is under the floor
     assert _judged([*HONEST, copied], drafts=8)[0] == []
-    assert _judged([*HONEST, ahead], drafts=0)[0]  # as a stack that does not draft
+    reasons = _judged([*HONEST, ahead], drafts=0)[0]  # as a stack that does not draft
+    assert len(reasons) == 1 and reasons[0].startswith("answered faster than decoding: episode ahead/e0"), reasons
 
 
 def test_one_instant_answer_cannot_set_the_pace_under_the_floor_of_a_decode_step():

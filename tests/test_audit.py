@@ -1018,6 +1018,34 @@ def test_an_interrupting_sync_to_a_version_its_engine_holds_is_named(tiny_spec):
     assert reasons((0.2, 1, False))[0].startswith("unknown version: the sync begun at 0.20s brought version 1")
 
 
+def test_an_interrupting_sync_to_the_version_an_engine_answered_under_is_named(tiny_spec):
+    """Planted: an interrupting sync to version 0, which every engine holds from the start, and one to the
+    version an expand brought, which the engine's answers since have claimed: each cut its requests for
+    nothing, once per device and step, at a moment the controller chose. The rule knew only what syncs had
+    brought (nothing, at first), and let both by; the sync that brings the next version still passes."""
+    from targets.harness.judge.interruptions import check_aborts
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    def reasons(sync_start: float, version: int, answered_under: int | None) -> list[str]:
+        events = [_simulated_start(0, {}), TraceEvent("train", 0.5, {"start": 0.1, "version": 1, "trajectories": []})]
+        events.append(TraceEvent("expand", 0.7, {"start": 0.6, "devices": ["d:0"]}))
+        if answered_under is not None:  # a turn d:0 answered after the expand, under the version it claims
+            data = {"episode": "g0/e0", "turn": 0, "start": 0.75, "aborted": False, "device": "d:0"}
+            data |= {"prompt": 4, "tokens": [5, 6], "logprobs": [-1.0, -1.0], "version": answered_under}
+            events.append(TraceEvent("generate", 0.9, data))
+        data = {"start": sync_start, "devices": ["d:0"], "version": version, "interrupt": True}
+        events.append(TraceEvent("sync", sync_start + 0.1, data))
+        r = Reasons()
+        check_aborts(TraceIndex.of(sorted(events, key=lambda e: e.t)), r, tiny_spec)
+        return [line for line in r.lines() if line.startswith("needless interruption")]
+
+    (at_start,) = reasons(0.2, 0, None)
+    assert at_start.startswith("needless interruption: the sync begun at 0.20s interrupted d:0 to bring it version 0")
+    (after_expand,) = reasons(1.0, 1, 1)
+    assert "to bring it version 1, which it held already (version 1)" in after_expand
+    assert reasons(1.0, 1, 0) == [] and reasons(1.0, 1, None) == []  # what it is known to hold is older
+
+
 def _mechanism_on_a_suspend(spec, generates: list[tuple[float, float]]) -> list[str]:
     """The mechanism rule's reasons on a simulated trace whose engine h:0 is suspended at 1.5 s (the call
     made at 1.0 s) and resumed at 3.0 s; each request (its start, its answer) served by h:0, not aborted."""
@@ -1035,6 +1063,29 @@ def _mechanism_on_a_suspend(spec, generates: list[tuple[float, float]]) -> list[
     reasons = Reasons()
     check_mechanism(TraceIndex.of(sorted(events, key=lambda e: e.t)), reasons, 0, spec)
     return reasons.lines()
+
+
+def test_a_resume_begun_before_its_suspend_returned_is_named(tiny_spec):
+    """Planted: a controller starts its resume while its suspend is under way, and the cluster answers the
+    resume after the suspend: the suspended window (the suspend's return to the next resume's start) is
+    empty, so nothing served in it could be named, while the controller link counted the rollout paused from
+    the suspend's return (the episodes the stack held meanwhile held by no one)."""
+    from targets.harness.judge.mechanism import check_mechanism
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    start = _simulated_start(0, {})
+    start.data["engines"] = {"h:0": ["h:0"], "h:1": ["h:1"]}
+
+    def reasons(resume_start: float, resume_end: float) -> list[str]:
+        events = [start, TraceEvent("run_end", 9.0, {}), TraceEvent("suspend", 1.5, {"start": 1.0, "devices": ["h:0"]})]
+        events.append(TraceEvent("resume", resume_end, {"start": resume_start, "devices": ["h:0"]}))
+        r = Reasons()
+        check_mechanism(TraceIndex.of(sorted(events, key=lambda e: e.t)), r, 0, tiny_spec)
+        return r.lines()
+
+    assert reasons(3.0, 3.2) == []
+    (overlapped,) = reasons(1.2, 2.0)
+    assert overlapped.startswith("suspend overlapped: the suspend begun at 1.00s (returned at 1.50s) was under way")
 
 
 def test_an_engine_that_serves_while_suspended(tiny_spec):
@@ -1234,9 +1285,12 @@ def test_a_spare_dropped_before_its_group_finished_is_rejected(honest):
     assert any("dropped as redundant at 1.00s, when only 0" in line for line in lines), lines
 
 
-def test_a_member_dropped_as_redundant_after_it_finished_among_the_first_is_rejected(honest):
-    """Planted: wait for every member, then drop as 'redundant' one of those that finished first (the
-    lowest reward, say) and train the spare that finished last in its place: selection by outcome."""
+@pytest.mark.parametrize("finished_at", [1.0, 2.2], ids=["the-first-finisher", "the-last-of-the-first-finishers"])
+def test_a_member_dropped_as_redundant_after_it_finished_among_the_first_is_rejected(honest, finished_at):
+    """Planted: wait for every member, then drop as 'redundant' one of those that finished among the first
+    ``group_size`` (the lowest reward, say) and train the spare that finished last in its place: selection by
+    outcome. The member that completed the group (at 2.2 s, the others at 2.0) is no spare either: the rule
+    once counted it among the finishers it was compared with, and let it go."""
     spec = _mini_spec(honest)
     size = spec.workload.group_size
     events = _redundant_trace(size, 1, drop_at=3.0, declared=1)
@@ -1245,16 +1299,71 @@ def test_a_member_dropped_as_redundant_after_it_finished_among_the_first_is_reje
         if e.kind == "sample_dropped" and e.data["episode"] == spare:
             e.data["episode"] = first
         if e.kind == "env_step" and e.data["episode"] == first:
-            events[i] = TraceEvent(e.kind, 1.0, e.data)
+            events[i] = TraceEvent(e.kind, finished_at, e.data)
     events.insert(-2, TraceEvent("env_step", 2.5, {"episode": spare, "action": 2, "observation": 2, "done": True}))
     lines = _drop_reasons(spec, events)
-    assert any(f"episode {first} finished at 1.00s, before its group" in line for line in lines), lines
+    said = f"episode {first} finished at {finished_at:.2f}s, before {size} other members of its group g0 had (2.50s)"
+    assert any(said in line for line in lines), lines
     # the same member dropped while the spare still ran (the honest order) passes
     honest_order = [e for e in events if not (e.kind == "env_step" and e.data["episode"] == spare)]
     for e in honest_order:
         if e.kind == "sample_dropped":
             e.data["episode"] = spare
     assert _drop_reasons(spec, honest_order) == []
+    # and so does a spare that finished in the same instant as the member completing its group
+    tied = _redundant_trace(size, 1, drop_at=3.0, declared=1)
+    tied.insert(-2, TraceEvent("env_step", 2.0, {"episode": spare, "action": 2, "observation": 2, "done": True}))
+    assert _drop_reasons(spec, tied) == []
+
+
+def test_a_finished_group_passed_over_after_its_spare_was_dropped_is_out_of_order(tiny_spec):
+    """Planted: a group with a spare completes, its spare is handed back as ``redundant`` at once (honest), and
+    the stack then passes the finished group over for a younger one at the next step and lets it go stale. The
+    oldest-first rule took a group's first drop as the moment it was taken, so the spare's drop, made before
+    either step, exempted the group from the rule for the rest of the run."""
+    from targets.harness.judge.audit import check_batches
+    from targets.harness.judge.trace_index import Reasons, TraceIndex
+
+    size = tiny_spec.workload.group_size
+    old, young = [f"old/e{m}" for m in range(size + 1)], [f"young/e{m}" for m in range(size + 1)]
+    events = [_simulated_start(2, {"redundant_per_group": 1})]
+    events += [TraceEvent("episode_created", 0.0, {"episode": e, "group": e.split("/")[0]}) for e in old + young]
+
+    def finish(episodes: list[str], t: float) -> list[TraceEvent]:
+        return [
+            TraceEvent("env_step", t, {"episode": e, "action": 2, "observation": 2, "done": True}) for e in episodes
+        ]
+
+    def train(start: float, end: float, k: int, episodes: list[str]) -> TraceEvent:
+        trained = [{"episode": e, "group": e.split("/")[0], "reward": 0.0} for e in episodes]
+        return TraceEvent("train", end, {"start": start, "step": k, "version": k, "trajectories": trained})
+
+    events += finish(old[:size], 1.0) + [
+        TraceEvent("sample_dropped", 1.0, {"episode": old[size], "reason": "redundant"})
+    ]
+    events += [train(1.5, 2.0, 1, [])]
+    events += finish(young[:size], 2.5) + [
+        TraceEvent("sample_dropped", 2.5, {"episode": young[size], "reason": "redundant"})
+    ]
+    events += [train(3.0, 3.5, 2, young[:size])]
+    events += [TraceEvent("sample_dropped", 4.0, {"episode": e, "reason": "stale"}) for e in old[:size]]
+    events.append(TraceEvent("run_end", 5.0))
+    r = Reasons()
+    check_batches(TraceIndex.of(events), r, tiny_spec)
+    assert any(
+        line.startswith("out of order: training step 2 took younger groups over group old") for line in r.lines()
+    ), r.lines()
+    # trained in its turn (the old group at step 2, the young one held for step 3's), nothing is out of order
+    events[events.index(next(e for e in events if e.kind == "train" and e.data["version"] == 2))] = train(
+        3.0, 3.5, 2, old[:size]
+    )
+    r = Reasons()
+    check_batches(
+        TraceIndex.of([e for e in events if not (e.kind == "sample_dropped" and e.data["reason"] == "stale")]),
+        r,
+        tiny_spec,
+    )
+    assert not [line for line in r.lines() if line.startswith("out of order")], r.lines()
 
 
 def test_more_redundant_drops_than_declared_are_rejected(honest):
@@ -1832,6 +1941,7 @@ def _selection_reasons(
     drawn_episodes: dict[str, float] | None = None,
     held: dict[str, tuple[float, ...]] | None = None,
     answered_s: float | None = None,
+    extra: tuple[TraceEvent, ...] = (),
 ) -> list[str]:
     """Check ``check_selection`` alone on episodes named ``g<k>/e<m>`` (group k), each run for the given
     turns (to its end if ``finished``, else still running when dropped) with the given reward: ``trained``
@@ -1842,7 +1952,7 @@ def _selection_reasons(
     the draws; absent, not drawn). ``held``: the seconds each dropped episode named there sat unfinished with
     nothing under way while others generated, the seconds any request was under way in its life and (if given)
     how long its own request had been under way, as the controller link records them at the drop.
-    ``answered_s``: the first trained episode's one answered request took that long."""
+    ``answered_s``: the first trained episode's one answered request took that long. ``extra``: more events."""
     from targets.harness.judge.selection_net import check_selection
     from targets.harness.judge.trace_index import Reasons, TraceIndex
 
@@ -1869,8 +1979,11 @@ def _selection_reasons(
         if e not in trained
     ]
     if answered_s is not None:
-        events.append(TraceEvent("generate", 1.0, {"episode": trained[0], "start": 1.0 - answered_s, "aborted": False}))
+        served = {"episode": trained[0], "start": 1.0 - answered_s, "aborted": False, "device": "d:0"}
+        events.append(TraceEvent("generate", 1.0, served))
+    events += extra
     events.append(TraceEvent("run_end", 7.0))
+    events.sort(key=lambda e: e.t)
     r = Reasons()
     planted = (drawn, drawn_turns, drawn_episodes)
     draws = (
@@ -1970,7 +2083,12 @@ def test_complete_groups_held_to_the_end_of_the_run_are_judged_as_passed_over(ti
 
 
 def _held_tasks_reasons(
-    spec, held: tuple[float, ...], answered_s: float | None = None, started: bool = True, probed: bool = False
+    spec,
+    held: tuple[float, ...],
+    answered_s: float | None = None,
+    started: bool = True,
+    probed: bool = False,
+    extra: tuple[TraceEvent, ...] = (),
 ):
     """The plant of the two tests below: of twenty tasks (groups of four) the stack runs a turn of each, keeps
     back the ten whose members drew six turns (a reward's scale can tell) and hands them back, unfinished, at
@@ -1992,6 +2110,7 @@ def _held_tasks_reasons(
         drawn_turns=drawn_turns,
         held={e: idle[e] for e in episodes if e not in trained},
         answered_s=answered_s,
+        extra=extra,
     )
 
 
@@ -2031,6 +2150,20 @@ def test_groups_whose_requests_a_cluster_never_served_are_judged_as_held(tiny_sp
     assert any(HELD_AND_REJECTED in x for x in lines), lines
     assert _held_tasks_reasons(tiny_spec, (0.0, 5.0, 2.5), answered_s=1.5) == []
     assert _held_tasks_reasons(tiny_spec, (0.0, 5.0, 0.9)) == []
+
+
+def test_a_request_parked_on_a_shrunk_engine_does_not_raise_the_bar_for_held_requests(tiny_spec):
+    """Planted beside the test above: one request forwarded to an engine the stack keeps shrunk from 0.1 s
+    to 4.8 s, decoded honestly once it wakes (answered at 4.95 s): it took 4.75 s, which set the bar for
+    the held requests at twice that, over the 4 s they were held. Its time counts from the engine's wake
+    (0.15 s), so the bar stays twice the 1.5 s the longest other request took."""
+    parked = (
+        TraceEvent("shrink", 0.1, {"start": 0.05, "devices": ["d:1"]}),
+        TraceEvent("expand", 4.9, {"start": 4.8, "devices": ["d:1"]}),
+        TraceEvent("generate", 4.95, {"episode": "g1/e1", "start": 0.2, "aborted": False, "device": "d:1"}),
+    )
+    lines = _held_tasks_reasons(tiny_spec, (0.0, 5.0, 4.0), answered_s=1.5, extra=parked)
+    assert any(HELD_AND_REJECTED in x for x in lines), lines
 
 
 def test_spares_cancelled_early_are_judged_by_their_own_draws(tiny_spec):

@@ -894,6 +894,9 @@ def test_the_rollout_counts_as_suspended_until_its_resume_begins():
         async def resume(self):
             await woken.wait()
 
+        async def residency(self):
+            return {}
+
     async def run():
         link = ControllerLink(None, SimpleNamespace(), clock=WallClock(), virtual=False)
         link.cluster, link.send = TracedCluster(Cluster(), Trace(WallClock()), {}), lambda frame: None
@@ -908,6 +911,48 @@ def test_the_rollout_counts_as_suspended_until_its_resume_begins():
 
     asyncio.run(run())
     assert suspended_during == [True, False]
+
+
+@pytest.mark.parametrize("suspend", ["fails", "held open"])
+def test_a_suspend_that_never_returned_paused_nothing(suspend):
+    """Planted: the candidate's cluster fails its suspend (the controller swallows the error and goes on), or
+    holds the call open while it serves. The rollout counted as suspended from the suspend's start and, the
+    suspend never returning, for the rest of the run: every episode the stack then held was held by no one,
+    and the net never judged its group. It now counts as suspended from the suspend's return (the mechanism
+    rule's window begins there too), so an idle episode is held while another's request is under way."""
+    from targets.harness.clock import WallClock
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.controller_link import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    held, released = [], asyncio.Event()
+
+    class Cluster:
+        devices: list = []
+
+        async def suspend(self):
+            if suspend == "fails":
+                raise RuntimeError("planted: a suspend that fails")
+            await released.wait()
+
+        async def residency(self):
+            return {}
+
+    async def run():
+        link = ControllerLink(None, SimpleNamespace(), clock=WallClock(), virtual=False)
+        link.cluster, link.send = TracedCluster(Cluster(), Trace(WallClock()), {}), lambda frame: None
+        for episode in ("idle", "busy"):
+            link.activity.created(episode)
+        link.activity.begin("busy", generate=True)  # a request under way: the engines serve someone
+        link._dispatch(Received({"kind": "cluster", "method": "suspend", "id": 1}, []))
+        await asyncio.sleep(0.2)
+        held.append(link.activity.of("idle").held_s)
+        released.set()
+        await asyncio.gather(*link._tasks.values(), return_exceptions=True)
+
+    asyncio.run(run())
+    assert held[0] >= 0.15, held
 
 
 def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():

@@ -449,11 +449,16 @@ class ControllerLink:
                 devices,
                 interrupt=field_of(rx.header, "interrupt", bool, "sync_weights"),
             )
-        elif method in ("suspend", "resume"):
-            # suspended from the suspend's start to the resume's start (not its end: a cluster that held its
-            # resume open while it served would hold its episodes, unheld by the count, for as long)
-            self.activity.suspended(method == "suspend")
-            await getattr(cluster, method)()
+        elif method == "suspend":
+            # suspended from the suspend's return (as the mechanism rule's window: a suspend that failed, or
+            # that a cluster held open while it served, paused nothing, and its episodes stay counted) ...
+            await cluster.suspend()
+            self.activity.suspended(True)
+        elif method == "resume":
+            # ... to the resume's start (not its end: a cluster that held its resume open while it served
+            # would hold its episodes, unheld by the count, for as long)
+            self.activity.suspended(False)
+            await cluster.resume()
         elif method == "serving_load":
             reply.header["load"] = dataclasses.asdict(await cluster.serving_load())
         else:

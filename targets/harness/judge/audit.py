@@ -152,7 +152,8 @@ def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
         for t in train.data["trajectories"]:
             group_taken.setdefault(ix.group_of.get(t["episode"], t["group"]), consumed_at(train, t))
     for e in ix.dropped.values():
-        group_taken.setdefault(ix.group_of.get(e.data["episode"], ""), e.t)
+        if e.data["reason"] != "redundant":  # a spare handed back as its group completed: the group is not taken
+            group_taken.setdefault(ix.group_of.get(e.data["episode"], ""), e.t)
     finished_groups: dict[str, list[float]] = defaultdict(list)
     for episode in ix.created:
         if (at := ix.finished_at(episode)) is not None:

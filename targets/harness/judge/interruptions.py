@@ -11,6 +11,7 @@ from collections import defaultdict
 
 from targets.api import TraceEvent
 from targets.harness.judge.trace_index import Reasons, TraceIndex
+from targets.harness.trace import token_count
 from targets.spec import TargetSpec
 
 
@@ -164,26 +165,43 @@ def _check_whole_cuts(ix: TraceIndex, r: Reasons, causes: dict[int, int]) -> Non
 
 
 def _check_needless_syncs(ix: TraceIndex, r: Reasons) -> None:
-    """An interrupting sync brings each of its devices a version newer than the last a sync brought it. One
-    to the version the engine holds changes nothing but what it cuts: a controller could cut its engines
-    whenever the turns in flight are the long ones and restart them, redrawing the tail at will (the
-    honest runs of benchmarks/judge_false_alarms.py: 16 interrupting syncs, each the next version). And
-    every sync brings a version a training step had returned before it began (or the harness's 0)."""
-    brought: dict[str, int] = {}
+    """An interrupting sync brings each of its devices' engines a version newer than the last it is known to
+    hold: version 0 from the run's start, then the version a sync brought it or the last answer it gave
+    claimed (an expand or a resume may bring the latest version, which its next answer shows). One to the
+    version the engine holds changes nothing but what it cuts: a controller could cut its engines whenever
+    the turns in flight are the long ones and restart them, redrawing the tail at will (the honest runs of
+    benchmarks/judge_false_alarms.py: 16 interrupting syncs, each the next version). And every sync brings a
+    version a training step had returned before it began (or the harness's 0)."""
     existed = {train.data["version"]: train.t for train in ix.trains}
-    for e in sorted(ix.by_kind["sync"], key=lambda e: e.data["start"]):
-        if e.data["version"] != 0 and existed.get(e.data["version"], math.inf) > e.data["start"]:
+    answers = [  # a request cut before its first token decoded nothing under the version it names
+        g
+        for gs in [*ix.generated.values(), *ix.partials.values()]
+        for g in gs
+        if "version" in g.data and token_count(g.data.get("tokens", [])) > 0
+    ]
+    # each moment a version became known on an engine, and each interrupting sync's start, in time order (a
+    # sync's start before what ends in that instant: it could not know it)
+    timeline = [(g.t, 1, g.data["device"], g.data["version"], None) for g in answers]
+    for e in ix.by_kind["sync"]:
+        for engine in sorted({ix.engine(d) for d in e.data["devices"]}):
+            timeline.append((e.t, 1, engine, e.data["version"], None))
+        timeline.append((e.data["start"], 0, "", e.data["version"], e))
+    known: dict[str, int] = defaultdict(int)  # engine -> the version it last showed it held
+    for _, _, engine, version, e in sorted(timeline, key=lambda item: item[:2]):
+        if e is None:
+            known[engine] = version
+            continue
+        if version != 0 and existed.get(version, math.inf) > e.data["start"]:
             r.add(  # a version of its own numbering would make every sync "newer"
                 "unknown version",
-                f"the sync begun at {e.data['start']:.2f}s brought version {e.data['version']}, which no training "
+                f"the sync begun at {e.data['start']:.2f}s brought version {version}, which no training "
                 "step had returned by then",
             )
-        held = [d for d in e.data["devices"] if brought.get(d, -1) >= e.data["version"]]
+        held = [d for d in e.data["devices"] if known[ix.engine(d)] >= version]
         if e.data.get("interrupt") and held:
             r.add(
                 "needless interruption",
                 f"the sync begun at {e.data['start']:.2f}s interrupted {held[0]} to bring it version "
-                f"{e.data['version']}, which a sync had brought it already: it cut its requests for nothing",
+                f"{version}, which it held already (version {known[ix.engine(held[0])]}): it cut its requests "
+                "for nothing",
             )
-        for d in e.data["devices"]:
-            brought[d] = max(brought.get(d, -1), e.data["version"])

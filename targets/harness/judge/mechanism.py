@@ -4,8 +4,9 @@ engine's shrink returned (a shrink aborts what it holds); never zero active roll
 and a trainer never on one device at once: no training call on a device whose engine the trace shows
 awake (placed there at the hello, brought by an expand or serving there, and not shrunk or suspended
 for the whole call: the controller's calls as the harness saw them), nor in the cluster's own residency
-report (recorded after every switch); the requested training steps ran, each returning the next weight
-version."""
+report (recorded after every switch); a suspend and a resume never under way at once (a suspended window
+runs from the one's return to the other's start); the requested training steps ran, each returning the
+next weight version."""
 
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ def check_mechanism(ix: TraceIndex, r: Reasons, steps: int, spec: TargetSpec) ->
                     f"shrink returned at {since:.2f}s (completed at {g.t:.2f}s, not aborted)",
                 )
     check_trained_beside_awake_engines(ix, r, windows, slack)
+    for suspend in ix.by_kind["suspend"]:
+        # A resume begun before a suspend returned would leave it no window, while the controller link
+        # counts the rollout paused from that return on (its held episodes held by no one).
+        overlapping = next(
+            (e for e in ix.by_kind["resume"] if e.data["start"] < suspend.t and e.t > suspend.data["start"]), None
+        )
+        if overlapping is not None:
+            r.add(
+                "suspend overlapped",
+                f"the suspend begun at {suspend.data['start']:.2f}s (returned at {suspend.t:.2f}s) was under way "
+                f"with the resume begun at {overlapping.data['start']:.2f}s: suspend, then resume",
+            )
     for e in ix.by_kind["device_state"]:
         for device, components in e.data["resident"].items():
             if "engine" in components and "trainer" in components:

@@ -93,17 +93,20 @@ def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
                     f"group {group} had finished (a group needs {workload.group_size})",
                 )
             else:
-                # A spare is a member the group did not need: one still running when the group had
-                # ``group_size`` finished, or finishing with the last of them. Dropping an earlier
-                # finisher instead picks, after the fact, which members train (the lowest rewards, say).
-                finishes = sorted(t for m in ix.members.get(group, []) if (t := ix.finished_at(m)) is not None)
-                own, complete = ix.finished_at(episode), finishes[workload.group_size - 1]
+                # A spare is a member the group did not need: one still running when ``group_size`` of
+                # the others had finished, or finishing with the last of them. Dropping an earlier finisher
+                # instead (the first, or the last of the first ``group_size``) picks, after the fact, which
+                # members train (the lowest rewards, say).
+                others = sorted(
+                    t for m in ix.members.get(group, []) if m != episode and (t := ix.finished_at(m)) is not None
+                )
+                own, complete = ix.finished_at(episode), others[workload.group_size - 1]
                 if own is not None and own < complete:
                     r.add(
                         "unjustified drop",
-                        f"episode {episode} finished at {own:.2f}s, before its group {group} had "
-                        f"{workload.group_size} finished ({complete:.2f}s), and was dropped as redundant: a spare "
-                        "is a member the group did not need, not one picked once all had finished",
+                        f"episode {episode} finished at {own:.2f}s, before {workload.group_size} other members of "
+                        f"its group {group} had ({complete:.2f}s), and was dropped as redundant: a spare is a member "
+                        "the group did not need, not one picked once all had finished",
                     )
         elif reason == "deferred":
             group = ix.group_of.get(episode)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from targets.api import Declared
+from targets.harness.judge.mechanism import asleep
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.trace import token_count
 from targets.spec import TargetSpec
@@ -158,7 +159,8 @@ def passed_over(ix: TraceIndex, untrained: set[str], group_size: int) -> set[str
 # net judges whether what the stack held favoured the short (the kit's admission, longest first, did not).
 # A request under way is no proof of work in a real run, whose cluster is the candidate's: one it accepts and
 # never serves keeps its episode under way. A member whose request had been under way at its drop over twice
-# as long as any request the run answered took was held the same way.
+# as long as any request the run answered took was held the same way (a request forwarded to an engine asleep
+# took the time from the engine's wake: one parked on an engine kept shrunk would otherwise set the bar).
 HELD_SHARE = 0.05
 HELD_MIN_S = 1.0
 WAITING_FACTOR = 2.0
@@ -170,7 +172,16 @@ def held_back(ix: TraceIndex, untrained: set[str], group_size: int) -> set[str]:
     had been under way over ``WAITING_FACTOR`` times the longest any answered request took. A member never
     started counts where a sibling was and the group had fewer than ``group_size`` started (a stack that
     starts one member of each task, and never the others of those its first turn shows long, holds them)."""
-    answered = (g.t - g.data["start"] for served in ix.generated.values() for g in served)
+    sleeps = defaultdict(list)
+    for engine, since, until in asleep(ix):
+        sleeps[engine].append((since, until))
+
+    def took(g) -> float:
+        start = g.data["start"]
+        woke = max((b for a, b in sleeps.get(g.data.get("device"), ()) if a < start < b), default=start)
+        return g.t - max(start, woke)
+
+    answered = (took(g) for served in ix.generated.values() for g in served)
     waited_too_long = max(HELD_MIN_S, WAITING_FACTOR * max(answered, default=0.0))
 
     def held(episode: str) -> bool:

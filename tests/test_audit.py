@@ -1694,6 +1694,28 @@ def test_a_trained_token_outside_the_vocabulary(honest):
     _rejects(_invariants(honest, events), f"token outside the vocabulary: training step 1 (episode {t['episode']})")
 
 
+@pytest.mark.parametrize("where", ["generate", "trained"])
+def test_a_sequence_longer_than_the_target_allows_is_named_and_not_replayed(honest, where):
+    """Planted (a review of the judge): the cluster answers a turn with far more tokens than any context holds,
+    or the controller trains a trajectory that long. The replay held every position's logits of it (a hundred
+    thousand tokens of a 150k vocabulary is 60 GB): its crash was blamed on the harness, and the search
+    stopped. Such a record is now a reason and nothing is replayed; here one past the bound (twice
+    ``max_sequence`` for a trained trajectory, its last context and the environment's last answer)."""
+    events = _edited(honest)
+    longest = honest[0].workload.tokens.max_sequence
+    if where == "generate":
+        g = next(e for e in _generates(events) if e.data["tokens"])
+        g.data["tokens"] += [g.data["tokens"][0]] * (longest + 1 - len(g.data["prompt"]) - len(g.data["tokens"]))
+        said = f"sequence too long: generate (episode {g.data['episode']} turn {g.data['turn']}): {longest + 1} tokens"
+    else:
+        t = _train(events).data["trajectories"][0]
+        t["tokens"] += [t["tokens"][0]] * (2 * longest + 1 - len(t["tokens"]))
+        said = f"sequence too long: training step 1 (episode {t['episode']}): {2 * longest + 1} tokens"
+    result = _audit(honest, events)
+    _rejects(result, said)
+    assert "replayed_turns" not in result.details and "sequences over the target's" in result.details["skipped"]
+
+
 def test_an_interrupted_segment_that_went_on_past_a_stop_token(honest):
     events, segment, _ = _resumed(honest)
     segment.data["tokens"][0] = segment.data["stop"][0]  # a segment that stopped is a finished turn, not a partial

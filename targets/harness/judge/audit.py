@@ -42,8 +42,8 @@ one function per invariant, each over ``TraceIndex`` (the trace, indexed once).
   between that device's expand and shrink (lending is an expand);
 * verdicts (a target with a reward model): every trajectory trained on that ended well was judged by
   the reward model once, on its whole context, before the training step (or its part) took it;
-* token ids: every token prompted, generated or trained on is in the model's vocabulary (else nothing
-  is replayed: no model can embed it);
+* replayable (``replayable.py``): every token prompted, generated or trained on is in the model's
+  vocabulary, and no sequence is longer than the target allows (else nothing is replayed);
 * replay (``targets/harness/judge/replay.py``): logprobs under the claimed weights, sampling at the spec's
   temperature, and every training step recomputed by the reference from the previous weights.
 
@@ -69,6 +69,7 @@ from targets.harness.judge.delivery import check_delivered_versions
 from targets.harness.judge.draws import WorkloadDraws
 from targets.harness.judge.interruptions import check_aborts
 from targets.harness.judge.mechanism import check_mechanism
+from targets.harness.judge.replayable import check_replayable
 from targets.harness.judge.selection import (
     check_deferrals,
     check_drop_reasons,
@@ -398,39 +399,6 @@ def _request_fault(ix: TraceIndex, g: TraceEvent) -> tuple[str, str] | None:
     return None
 
 
-def check_token_ids(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> bool:
-    """Every token a generate returned or was prompted with, and every token trained on, is an id of the
-    model's vocabulary: an engine that returns one outside it produced nothing the model can have
-    sampled, and nothing a replay could embed. True when all are."""
-    if not ix.tokens_recorded:
-        return True
-    vocab = spec.model.config.vocab_size
-    recorded = [
-        (
-            f"{'interrupted generate' if g.data['aborted'] else 'generate'} (episode {g.data['episode']} "
-            f"turn {g.data['turn']})",
-            g.data["prompt"] + g.data["tokens"],
-        )
-        for gs in [*ix.generated.values(), *ix.partials.values()]
-        for g in gs
-    ]
-    recorded += [
-        (f"training step {k} (episode {t['episode']})", t["tokens"])
-        for k, train in enumerate(ix.trains, start=1)
-        for t in train.data["trajectories"]
-    ]
-    clean = True
-    for what, tokens in recorded:
-        outside = [t for t in tokens if not 0 <= t < vocab]
-        if outside:
-            clean = False
-            r.add(
-                "token outside the vocabulary",
-                f"{what}: token id {outside[0]} is not in the model's vocabulary of {vocab}",
-            )
-    return clean
-
-
 def check_serving(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     """The serving traffic the run displaced kept its SLOs (the harness measured every request)."""
     record = ix.by_kind["serving"]
@@ -548,14 +516,14 @@ def audit_run(
     check_delivered_versions(ix, r)
     details.update(check_serving(ix, r, spec))
     details.update(check_verdicts(ix, r))
-    ids_in_vocabulary = check_token_ids(ix, r, spec)
+    replayable = check_replayable(ix, r, spec)
     details.update(
         episodes_created=len(ix.created),
         trained=len(ix.trained_in),
         dropped=dict(Counter(e.data["reason"] for e in ix.dropped.values())),
     )
-    if not ids_in_vocabulary:
-        details["skipped"] = "tokens outside the vocabulary: no replay can embed them"
+    if not replayable:
+        details["skipped"] = "tokens outside the vocabulary or sequences over the target's: no replay reads them"
     elif ix.tokens_recorded:
         from targets.harness.judge.replay import replay_training, replay_turns
 

@@ -284,6 +284,17 @@ PLANTS = {
     "imports joblib, an introspection escape hatch": "import joblib\n",
     "nested too deep for the scan to read": "X = " + " + ".join(["'a'"] * 1200) + "\n",
     "names the harness metric 'trained_tokens_per_s'": "REPORT = {'trained_tokens_per_s': 1e9}\n",  # a headline too
+    # a third review's (session CC): a module reached through an import call's result, not a name
+    "uses .modules, an introspection escape hatch (on __import__'s result)": "__import__('sys').modules.pop('time')\n",
+    "uses .modules, an introspection escape hatch (on import_module's result)": (
+        "import importlib\nimportlib.import_module('sys').modules.pop('time')\n"
+    ),
+    "changes sys.path (on __import__'s result)": "__import__('sys').path.insert(0, '/somewhere/targets/harness')\n",
+    "changes sys.path (on import_module's result)": (
+        "import importlib\nimportlib.import_module('sys').path.append('/somewhere')\n"
+    ),
+    "patches the clock (on __import__'s result)": "__import__('time').monotonic = lambda: 0.0\n",
+    "patches the clock (setattr on __import__('asyncio'))": "setattr(__import__('asyncio'), 'sleep', None)\n",
 }
 
 

@@ -420,8 +420,18 @@ def _attributes_read(node: ast.AST) -> list[tuple[str, ast.AST | None, str | Non
     return [(part, owner, name) for arg in named if (folded := _folded(arg)) is not None for part in folded.split(".")]
 
 
+def _module_named(value: ast.AST | None, bound: dict[str, str]) -> str:
+    """The module ``value`` is, where the source says: a name bound to one, or an import call's result
+    (``__import__("sys")``, ``importlib.import_module("time")``); "" otherwise."""
+    if isinstance(value, ast.Name):
+        return bound.get(value.id, "")
+    if isinstance(value, ast.Call) and _imports_by_call(value, bound) and value.args:
+        return _folded(value.args[0]) or ""
+    return ""
+
+
 def _on_sys(value: ast.AST | None, bound: dict[str, str]) -> bool:
-    return isinstance(value, ast.Name) and bound.get(value.id) == "sys"
+    return _module_named(value, bound) == "sys"
 
 
 def _imports_by_call(node: ast.Call, bound: dict[str, str]) -> bool:
@@ -441,11 +451,7 @@ def _patching(node: ast.AST, bound: dict[str, str]) -> list[str]:
     """Assignments to (or setattr/delattr on) a clock module's attributes, by whatever name it is bound to."""
 
     def clock_attribute(target: ast.AST) -> bool:
-        return (
-            isinstance(target, ast.Attribute)
-            and isinstance(target.value, ast.Name)
-            and bound.get(target.value.id, "").split(".")[0] in CLOCK_MODULES
-        )
+        return isinstance(target, ast.Attribute) and _module_named(target.value, bound).split(".")[0] in CLOCK_MODULES
 
     targets: list[ast.AST] = []
     if isinstance(node, ast.Assign):
@@ -460,10 +466,9 @@ def _patching(node: ast.AST, bound: dict[str, str]) -> list[str]:
         and isinstance(node.func, ast.Name)
         and node.func.id in ("setattr", "delattr")
         and node.args
-        and isinstance(node.args[0], ast.Name)
-        and bound.get(node.args[0].id, "").split(".")[0] in CLOCK_MODULES
+        and _module_named(node.args[0], bound).split(".")[0] in CLOCK_MODULES
     ):
-        found.append(f"patches the clock ({node.func.id} on {node.args[0].id})")
+        found.append(f"patches the clock ({node.func.id} on {ast.unparse(node.args[0])})")
     return found
 
 

@@ -303,13 +303,22 @@ def test_the_sandbox_shows_no_host_files_beyond_what_the_run_needs(tmp_path):
     import subprocess
     import sys
 
+    from targets.cache import cache_home
+
     secret = Path.home() / f"vibetrain-secret-{os.getpid()}"
     harness_out = tmp_path / "harness-out"
     harness_out.mkdir()
     secret.write_text("api key")
+    # the cache's models are the candidate's to read; not what else it holds (a CLI agent's login, copied there
+    # for the length of its call, once mounted with the whole cache)
+    login = cache_home() / "codex-homes" / f"home-probe-{os.getpid()}" / "auth.json"
+    login.parent.mkdir(parents=True)
+    login.write_text("a login")
     probe = (
         "import os, pathlib\n"
         f"print('secret', pathlib.Path('{secret}').exists())\n"
+        f"print('login', pathlib.Path('{login}').exists())\n"
+        f"print('models', pathlib.Path('{login.parents[2] / 'models'}').is_dir())\n"
         f"print('harness', pathlib.Path('{harness_out}').exists())\n"
         "print('home', sorted(os.listdir(os.environ['HOME'])))\n"
         "print('etc shadow', pathlib.Path('/etc/shadow').exists())\n"
@@ -322,8 +331,10 @@ def test_the_sandbox_shows_no_host_files_beyond_what_the_run_needs(tmp_path):
         result = subprocess.run(command, env=env or None, capture_output=True, text=True, timeout=60)
     finally:
         secret.unlink()
+        shutil.rmtree(login.parent)
     assert result.returncode == 0, result.stderr
     assert "secret False" in result.stdout and "harness False" in result.stdout, result.stdout
+    assert "login False" in result.stdout and "models True" in result.stdout, result.stdout
     assert "home []" in result.stdout and "etc shadow False" in result.stdout, result.stdout
 
 

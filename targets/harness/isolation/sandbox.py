@@ -242,8 +242,9 @@ class Sandbox:
                 "RAY_ADDRESS is set, but the %s sandbox has no network: candidates start a Ray cluster of their own",
                 self.backend,
             )
-        cache = Path(clean["VIBETRAIN_CACHE"]).resolve()
-        cache.mkdir(parents=True, exist_ok=True)
+        # the built models only: the cache holds more (a CLI agent's copy of its login, for the length of a call)
+        models = Path(clean["VIBETRAIN_CACHE"]).resolve() / "models"
+        models.mkdir(parents=True, exist_ok=True)
         links = [str(p) for p in writable if Path(p).is_symlink()]
         if links:  # resolved, it would mount wherever the link points writable: whoever made it chose that
             raise ValueError(f"a writable path of the sandbox is a symbolic link: {', '.join(links)}")
@@ -253,7 +254,7 @@ class Sandbox:
         program = [command[0]] if command[0].startswith("/") else []
         readonly = [
             p
-            for p in outermost([cache, *python_paths(), *readable, *program])
+            for p in outermost([models, *python_paths(), *readable, *program])
             if not any(p == w or w in p.parents for w in writable)
         ]
         cwd = Path(cwd or (writable[0] if writable else "/tmp"))

@@ -44,6 +44,19 @@ def test_honest_requests_pass_and_the_pace_is_the_runs_fastest_halved():
     assert details["version_timing_least_ratio"] == pytest.approx(2.0)
 
 
+def test_a_run_of_short_requests_alone_is_held_to_the_floor():
+    """Planted (a review of the judge): every request of the run under ``PACE_MIN_TOKENS`` tokens (a target
+    whose response budget is 3), each answered a millisecond after it was forwarded under version 1, decoded
+    ahead while version 1 trained. No request set a pace, and the rule returned before it held any to the
+    floor: three tokens take three steps of it (0.6 ms here), so the one answered at once is named."""
+    ahead = [_served(f"a{k}/e0", 5.0 + 0.1 * k, 5.0 + 0.1 * k + 0.002, 3, version=1) for k in range(4)]
+    ahead.append(_served("instant/e0", 6.0, 6.0002, 3, version=1))
+    reasons, details = _judged(ahead)
+    assert len(reasons) == 1 and reasons[0].startswith("answered faster than decoding: episode instant/e0"), reasons
+    assert details["version_timing_pace_s"] == FLOOR_S
+    assert _judged(ahead[:-1])[0] == []  # 2 ms for three tokens: within the floor's 0.6 ms
+
+
 def test_a_turn_decoded_ahead_and_answered_at_once_once_forwarded_is_named():
     """A red team's: siblings of a group decoded under v-1 while v trained, forwarded once v existed and
     answered 10 ms later with 400 tokens, claiming v. Only requests forwarded before their version existed

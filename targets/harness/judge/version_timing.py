@@ -72,9 +72,9 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
     turns = [(g, token_count(g.data.get("tokens", []))) for g in ix.by_kind["generate"]]
     turns = [(g, tokens) for g, tokens in turns if tokens]
     paces = [(g.t - g.data["start"]) / tokens for g, tokens in turns if tokens >= PACE_MIN_TOKENS]
-    if not paces:
-        return {}
-    pace = max(PACE_SLACK * min(paces), step_floor_s)  # a decode step's, at the least (paces are a token's)
+    # a decode step's, at the least (paces are a token's); with no request long enough to set a pace (a
+    # budget of under PACE_MIN_TOKENS), every request is held to the floor alone
+    pace = max(PACE_SLACK * min(paces), step_floor_s) if paces else step_floor_s
     early, least = 0, math.inf
     short: dict[tuple[str, int], list[tuple[float, int, int]]] = defaultdict(list)  # a turn's: had, tokens, steps
     for g, tokens in turns:

@@ -1009,8 +1009,21 @@ def test_a_cluster_call_right_behind_the_hello_waits_for_the_cluster():
         ({"kind": "env", "method": "drop", "episode": "g7/e0", "reason": "redundant"}, "no group of that name"),
         ({"kind": "env", "method": "reset", "episode": "g7/e0", "id": 5}, "no episode 'g7/e0': the harness never"),
         ({"kind": "cluster", "method": "shrink", "devices": ["cpu:9"], "id": 5}, "unknown devices ['cpu:9']"),
+        # a device named twice counted twice in the simulator (a step on [d] * 8 trained 2.2x faster: a review
+        # of the harness)
+        (
+            {"kind": "cluster", "method": "shrink", "devices": ["cpu:0", "cpu:0"], "id": 5},
+            "shrink names a device twice: ['cpu:0', 'cpu:0']",
+        ),
     ],
-    ids=["group numbered ahead", "drop reason", "drop of no group", "unknown episode", "unknown device"],
+    ids=[
+        "group numbered ahead",
+        "drop reason",
+        "drop of no group",
+        "unknown episode",
+        "unknown device",
+        "a device twice",
+    ],
 )
 def test_a_frame_the_controllers_proxy_never_sends_is_refused_by_the_harness(tiny_spec, frame, refused):
     """The controller's proxy (``isolation/candidate_process.py``) numbers groups, checks drop reasons and
@@ -1047,6 +1060,33 @@ def test_a_frame_the_controllers_proxy_never_sends_is_refused_by_the_harness(tin
     if "id" in frame:
         [reply] = sent
         assert reply.header["id"] == 5 and refused in reply.header["error"]["message"], reply.header
+
+
+@pytest.mark.parametrize("method", ["train", "train_part"])
+def test_a_training_call_naming_no_device_is_refused(method):
+    """Planted (a review of the harness): a colocated stack that never shrinks calls ``train(batch, [])`` and its
+    cluster trains on a device whose engine is awake. The mechanism rule reads the devices a step names, and
+    with none had nothing to hold; the harness refuses the call, before it reaches the cluster."""
+    from targets.harness.clock import WallClock
+    from targets.harness.ipc.channel import Frame, Received
+    from targets.harness.isolation.controller_link import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    class Cluster:
+        devices = [SimpleNamespace(id="cpu:0")]
+
+        async def train(self, batch, devices):  # pragma: no cover - refused before it is reached
+            raise AssertionError("reached the cluster")
+
+    async def run() -> None:
+        link = ControllerLink(None, SimpleNamespace(), clock=WallClock(), virtual=False)
+        link.cluster = TracedCluster(Cluster(), Trace(WallClock()), {})
+        call = Received({"kind": "cluster", "method": method, "devices": [], "id": 5}, [])
+        await link._cluster(call, Frame(kind="reply"), None)
+
+    with pytest.raises(ValueError, match=f"{method} names no device: a step trains on the devices it names"):
+        asyncio.run(run())
 
 
 def test_an_environment_the_users_entry_fails_to_make_mid_run_is_the_environments_fault(tiny_spec):

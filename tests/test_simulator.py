@@ -1296,6 +1296,27 @@ def test_a_simulated_run_refuses_engines_placed_on_devices_the_target_does_not_h
     assert not run.ok and "the controller placed engines on unknown devices" in run.cause, run.cause
 
 
+def test_a_simulated_run_refuses_a_placement_naming_a_device_twice(tmp_path):
+    """Planted (a review of the harness): a controller placing four engines on one device. The simulator
+    builds an engine for each device named, so each would have had its own KV cache and compute: four
+    engines for the price of one. Refused at its hello, by name."""
+    from tests.planting import planted
+
+    spec = load_target("tiny-qwen3-cpu").model_copy(update={"execution": "simulated"})
+    path = tmp_path / "target.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    own = "        return self._place([d for d in devices if d.id in self.own])\n"
+    twice = (
+        "        rollout, train = self._place([d for d in devices if d.id in self.own])\n"
+        "        return [rollout[0]] * 4, train\n"
+    )
+    stack = planted(tmp_path / "stack", path, "colocate", {"controller_base.py": (own, twice)})
+    run = run_harness(
+        Target.load(path), stack, tmp_path / "out", "measure", Limits(time_s=120), Sandbox.detect("subprocess")
+    )
+    assert not run.ok and "the controller's rollout placement names a device twice" in run.cause, run.cause
+
+
 def test_an_engine_never_spans_two_pools():
     spec = _mixed(engine_devices=2)
     devices = [Device(d, "", i) for i, d in enumerate(spec.hardware.device_ids())]

@@ -437,6 +437,10 @@ class ControllerLink:
             raise ValueError(f"unknown devices {names!r}; this cluster has {sorted(by_id)}")
         devices = [] if names is None else [by_id[n] for n in names]
         method = rx.get("method")
+        if len(set(map(id, devices))) != len(devices):  # the simulator would count a device named twice twice
+            raise ValueError(f"{method} names a device twice: {names}")
+        if method in ("train", "train_part") and not devices:  # where it trains is what the mechanism rule reads
+            raise ValueError(f"{method} names no device: a step trains on the devices it names")
         if method in ("shrink", "expand"):
             await getattr(cluster, method)(devices)
         elif method == "train":

@@ -56,6 +56,9 @@ async def _hello(
     hello = link.hello.result()
     rollout = field_of(hello.header, "rollout", list, "hello")
     train = field_of(hello.header, "train", list, "hello")
+    for role, named in (("rollout", rollout), ("train", train)):
+        if len(set(map(str, named))) != len(named):  # the simulator builds an engine for each device named
+            raise CandidateError(f"the controller's {role} placement names a device twice: {named}")
     refused = placement_refused(link.envs.workload, link.engine, rollout, train, devices)
     if refused:
         raise CandidateError(refused)

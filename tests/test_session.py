@@ -1089,6 +1089,41 @@ def test_a_training_call_naming_no_device_is_refused(method):
         asyncio.run(run())
 
 
+def test_a_step_whose_action_holds_an_id_outside_the_vocabulary_is_the_controllers_error(tiny_spec):
+    """Planted (a review of the harness): a controller steps an episode with token id -1. A user's environment
+    decodes actions with the model's tokenizer, as does the reward model at an episode's end: the tokenizer
+    raised, and the run stopped as the environment's (or the reward model's) failure, the search with it. The
+    harness refuses the step as the controller's error, and the run goes on."""
+    from targets.harness.clock import WallClock
+    from targets.harness.environments.pool import EnvironmentPool
+    from targets.harness.ipc.channel import Frame, Received
+    from targets.harness.isolation.controller_link import ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    sent, vocab = [], tiny_spec.model.config.vocab_size
+
+    async def run() -> None:
+        clock = WallClock()
+        envs = EnvironmentPool(tiny_spec.workload, clock, Trace(clock))
+        link = ControllerLink(None, envs, clock=clock, virtual=False, vocab=vocab)
+        link.cluster, link.send = TracedCluster(SimpleNamespace(devices=[]), Trace(clock), {}), sent.append
+        link._dispatch(Received({"kind": "env", "method": "new_group", "group": 0, "extra": 0}, []))
+        link._dispatch(Received({"kind": "env", "method": "reset", "episode": "g0/e0", "id": 1}, []))
+        for number, action in ((2, [5, -1]), (3, [5, vocab])):
+            frame = Frame()
+            step = {"kind": "env", "method": "step", "episode": "g0/e0", "action": frame.array(action, "i4")}
+            link._dispatch(Received({**step, "id": number}, frame.blobs))
+        assert not link.done.done(), link.done.exception()  # the run goes on: the controller is told
+
+    asyncio.run(run())
+    errors = [f.header["error"]["message"] for f in sent if "error" in f.header]
+    assert errors == [
+        f"step.action: token id -1 is not in the model's vocabulary of {vocab}",
+        f"step.action: token id {vocab} is not in the model's vocabulary of {vocab}",
+    ], [f.header for f in sent]
+
+
 def test_an_environment_the_users_entry_fails_to_make_mid_run_is_the_environments_fault(tiny_spec):
     """Environments after the first are made as the controller asks for groups; a factory that raised then
     (a UserEnvironmentError, a ValueError too) was read as the controller breaking the protocol: the round

@@ -11,7 +11,16 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from targets.api import Aborted, Completion, Declared, EngineSettings, GenerateRequest, StepResult, TokenIds
+from targets.api import (
+    Aborted,
+    Completion,
+    Declared,
+    EngineSettings,
+    GenerateRequest,
+    StepResult,
+    TokenCount,
+    TokenIds,
+)
 from targets.errors import UserError
 from targets.harness.environments import EnvironmentPool, Episode, close_environments
 from targets.harness.ipc.channel import AsyncChannel, Frame, Received
@@ -39,8 +48,11 @@ class ControllerLink:
     """The harness's end of the controller process: serves its environment and cluster calls, each
     as it arrives, and under virtual time tracks whether it is idle (``IdlePeer``)."""
 
-    def __init__(self, channel: AsyncChannel, envs: EnvironmentPool, clock, virtual: bool) -> None:
+    def __init__(
+        self, channel: AsyncChannel, envs: EnvironmentPool, clock, virtual: bool, vocab: int | None = None
+    ) -> None:
         self.channel, self.envs, self.clock, self.virtual = channel, envs, clock, virtual
+        self.vocab = vocab  # a real run's: the ids a step's action may hold (``_action``)
         self.cluster: TracedCluster | None = None  # set by ``open`` once the controller said hello
         # environment and cluster calls that came before ``open``: served then, in order, so nothing
         # the controller asks starts before the run does (a reward model's judges load in between)
@@ -307,7 +319,7 @@ class ControllerLink:
             if episode.asynchronous and rx["method"] in ("reset", "step"):  # a user's environment: its own time
                 action = None
                 if rx["method"] == "step":
-                    action = get_tokens(rx, field_of(rx.header, "action", dict, "step"), counts, "step.action")
+                    action = self._action(rx)
                 key = next(self._numbers)
                 self._tasks[key] = asyncio.create_task(self._user_env(key, request_id, reply, episode, action))
                 return
@@ -325,7 +337,7 @@ class ControllerLink:
                     self._answer_after(seconds, reply, reset)
                     return
             elif rx["method"] == "step":
-                action = get_tokens(rx, field_of(rx.header, "action", dict, "step"), counts, "step.action")
+                action = self._action(rx)
                 if counts:  # what a simulated engine's response of that length says (the environment reads it)
                     action = simulated_response(episode_id, len(action))
                 latency, failures = episode.begin_step()
@@ -369,6 +381,17 @@ class ControllerLink:
             reply = self._error_reply(request_id, error)
         if reply is not None:
             self.send(reply)
+
+    def _action(self, rx: Received) -> TokenIds | TokenCount:
+        """A step's action, refused (the controller's error) where it holds an id outside the model's
+        vocabulary: a user's environment and the reward model read it through the tokenizer, whose failure
+        would be blamed on them (and stop the search) instead of on the candidate."""
+        action = get_tokens(rx, field_of(rx.header, "action", dict, "step"), self.memory.counts, "step.action")
+        if self.vocab is not None and not isinstance(action, TokenCount):
+            outside = next((t for t in action if not 0 <= t < self.vocab), None)
+            if outside is not None:
+                raise ValueError(f"step.action: token id {outside} is not in the model's vocabulary of {self.vocab}")
+        return action
 
     async def _user_env(self, key: int, request_id: Any, reply: Frame, episode, action: TokenIds | None) -> None:
         """A reset (``action`` None) or a step of a user's environment, answered when it answers. A call

@@ -100,7 +100,8 @@ async def drive_real(
     exporter = WeightExporter(layout, exports, weights, remote.export_into)
     remote.start()
     envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed, model_path=runtime.model_path)
-    link = ControllerLink(await channel_of(processes, "controller"), envs, trace.clock, virtual=False)
+    channel = await channel_of(processes, "controller")
+    link = ControllerLink(channel, envs, trace.clock, virtual=False, vocab=spec.model.config.vocab_size)
     link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
     serving = asyncio.create_task(link.serve())
     judge: RewardModelService | None = None

@@ -1124,6 +1124,39 @@ def test_a_step_whose_action_holds_an_id_outside_the_vocabulary_is_the_controlle
     ], [f.header for f in sent]
 
 
+def test_groups_past_twice_the_in_flight_bound_are_a_protocol_break(tiny_spec):
+    """Planted (a review of the harness): a controller calling ``new_group`` without end. The audit's in-flight
+    bound is checked after the run, and until then each episode is an environment made: a user's factory
+    failing at its thousandth would be blamed on the environment, and stop the search. The harness refuses a
+    group past twice the bound as the controller's protocol break; dropped episodes leave the flight."""
+    from targets.harness.clock import WallClock
+    from targets.harness.environments.pool import EnvironmentPool
+    from targets.harness.ipc.channel import Received
+    from targets.harness.isolation.controller_link import FLIGHT_MARGIN, ControllerLink
+    from targets.harness.isolation.traced_cluster import TracedCluster
+    from targets.harness.trace import Trace
+
+    w = tiny_spec.workload
+    bound = w.groups_per_step * (1 + w.async_ratio) * w.group_size
+    allowed = FLIGHT_MARGIN * bound // w.group_size  # groups
+
+    async def run() -> None:
+        clock = WallClock()
+        link = ControllerLink(None, EnvironmentPool(w, clock, Trace(clock), counts=True), clock=clock, virtual=False)
+        link.cluster = TracedCluster(SimpleNamespace(devices=[]), Trace(clock), {})  # the run started
+        for group in range(allowed):
+            link._dispatch(Received({"kind": "env", "method": "new_group", "group": group, "extra": 0}, []))
+        with pytest.raises(ProtocolError, match=f"over {FLIGHT_MARGIN} times the bound of {bound} the audit holds"):
+            link._dispatch(Received({"kind": "env", "method": "new_group", "group": allowed, "extra": 0}, []))
+        for m in range(w.group_size):  # the first group handed back: room for one more
+            link._dispatch(
+                Received({"kind": "env", "method": "drop", "episode": f"g0/e{m}", "reason": "end_of_run"}, [])
+            )
+        link._dispatch(Received({"kind": "env", "method": "new_group", "group": allowed, "extra": 0}, []))
+
+    asyncio.run(run())
+
+
 def test_an_environment_the_users_entry_fails_to_make_mid_run_is_the_environments_fault(tiny_spec):
     """Environments after the first are made as the controller asks for groups; a factory that raised then
     (a UserEnvironmentError, a ValueError too) was read as the controller breaking the protocol: the round

@@ -43,6 +43,8 @@ from targets.harness.isolation.episode_activity import EpisodeActivity
 from targets.harness.isolation.traced_cluster import Generating, TracedCluster
 from targets.harness.sim.engine import simulated_response
 
+FLIGHT_MARGIN = 2  # of the audit's in-flight bound (``check_in_flight``): what the link refuses outright
+
 
 class ControllerLink:
     """The harness's end of the controller process: serves its environment and cluster calls, each
@@ -59,6 +61,7 @@ class ControllerLink:
         self._held: list[Received] = []
         self.memory = PromptMemory(counts=virtual)  # a simulated run keeps token counts only
         self.episodes: dict[str, Any] = {}
+        self._settled: set[str] = set()  # episodes trained (their step called) or dropped: out of flight
         self.activity = EpisodeActivity(clock.now)  # what each episode has under way, and how long it sat idle
         self.declared = Declared()  # what the controller's hello declares
         self.engine = EngineSettings()  # what the simulator models of its engines (the hello says)
@@ -166,8 +169,10 @@ class ControllerLink:
             relaunch = rx.get("relaunch")
             if relaunch is not None and not isinstance(relaunch, str):
                 raise ProtocolError(f"new_group.relaunch: expected a group id or null, got {relaunch!r}")
+            extra = field_of(rx.header, "extra", int, "new_group")
+            self._refuse_past_the_flight(extra)
             try:
-                episodes = self.envs.new_group(field_of(rx.header, "extra", int, "new_group"), relaunch)
+                episodes = self.envs.new_group(extra, relaunch)
             except UserError as error:  # the user's environment would not be made: its failure, not the candidate's
                 self.fail(error)
                 return
@@ -184,15 +189,35 @@ class ControllerLink:
                 self.envs.drop(episode, field_of(rx.header, "reason", str, "drop"), idle)
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
+            self._settled.add(episode)
             self._cancel_turns(episode)
         elif kind == "env":
             self._env(rx)
         elif kind == "cluster":
             # Tokens travel as deltas against the episode's last prompt: decode them now, in arrival
             # order, before a drop later in the same burst (a cancelled spare) forgets that prompt.
-            self._call(rx, self._decode_tokens(rx))
+            tokens = self._decode_tokens(rx)
+            if rx.get("method") in ("train", "train_part"):  # out of flight as the step takes them (the audit's)
+                self._settled.update(t.episode_id for t in tokens.trajectories)
+            self._call(rx, tokens)
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")
+
+    def _refuse_past_the_flight(self, extra: int) -> None:
+        """A new group past ``FLIGHT_MARGIN`` times the audit's in-flight bound is a protocol break: the audit
+        would reject the run anyway, and until then each episode is an environment made (a user's, whose
+        failure to make thousands would be blamed on it)."""
+        w = self.envs.workload
+        ratio = (
+            w.async_ratio if self.declared.async_ratio is None else min(self.declared.async_ratio, w.staleness_limit)
+        )
+        bound = w.groups_per_step * (1 + ratio) * (w.group_size + self.declared.redundant_per_group)
+        outstanding = len(self.episodes) - len(self._settled)
+        if outstanding + w.group_size + extra > FLIGHT_MARGIN * bound:
+            raise ProtocolError(
+                f"new_group: {outstanding} episodes in flight and {w.group_size + extra} more, over "
+                f"{FLIGHT_MARGIN} times the bound of {bound} the audit holds a run to"
+            )
 
     def _decode_tokens(self, rx: Received):
         """A generate call's request or a train (or train_part) call's batch (both carry prompt deltas), else None."""

@@ -167,6 +167,42 @@ class _Clock:
         return asyncio.get_running_loop().time()
 
 
+def test_verdicts_queued_behind_others_on_one_instance_are_timed_from_their_turn(monkeypatch):
+    """A review of the harness: a verdict's timeout counted the time it waited for its instance's pipes, so
+    verdicts routed to one busy instance (a colocated placement serving many episodes ending at once) timed
+    out in the queue, and the run stopped as the reward model's failure. Here the limit is 0.25 s and each
+    verdict takes 0.1 s: the fourth in the queue waits 0.3 s for its turn and is still scored."""
+    from targets.harness.reward_model import service as reward_service
+    from targets.harness.reward_model.service import JudgeInstance, Usage
+
+    monkeypatch.setattr(reward_service, "VERDICT_TIMEOUT_S", 0.25)
+    failures, scores = [], []
+
+    class Pipes:  # the judge process's two pipes: a request line in, after 0.1 s its verdict line out
+        def write(self, data: bytes) -> None:
+            pass
+
+        async def drain(self) -> None:
+            pass
+
+        async def readline(self) -> bytes:
+            await asyncio.sleep(0.1)
+            return b'{"score": 0.5}\n'
+
+    async def run() -> None:
+        service = object.__new__(RewardModelService)
+        service.trace, service.where, service.fail = Trace(_Clock(), record_tokens=False), "colocated", failures.append
+        service._closing, service.scored = False, 0
+        instance = JudgeInstance("judge:cpu:0", ["cpu:0"], Usage(0.0, 1), requests=Pipes(), verdicts=Pipes())
+        instance.starting = asyncio.get_running_loop().create_future()
+        instance.starting.set_result(None)
+        verdicts = [service._verdict(instance, f"g0/e{m}", [5, 6], 0.0, scores.append) for m in range(4)]
+        await asyncio.gather(*verdicts)
+
+    asyncio.run(run())
+    assert failures == [] and scores == [0.5] * 4, failures
+
+
 def test_colocated_verdicts_run_on_the_rollout_engines_and_take_room_from_their_kv_cache():
     summary, verdicts, state = _judged("colocated", [1.0, 1.0, 5.0])
     spec = parse_target(_small())
@@ -611,7 +647,7 @@ def test_a_launched_runs_judge_is_a_warm_fork_of_the_harness_zygote_and_scores_a
         await service.start(["cpu:0"])
         (instance,) = service.instances
         try:
-            return instance.process, await instance.score([5, 6, 7, 8])
+            return instance.process, await instance.score([5, 6, 7, 8], 60.0)
         finally:
             await service.close()
 

@@ -158,11 +158,13 @@ class JudgeInstance:
         if said.strip() != b"ready":
             raise self._failed(f"said {said[:200]!r} instead of ready")
 
-    async def score(self, context: list[int]) -> float:
+    async def score(self, context: list[int], timeout_s: float) -> float:
+        """The verdict on ``context``; ``asyncio.TimeoutError`` where the process took over ``timeout_s`` on it
+        (timed from its turn at the pipes: verdicts queued behind others on a busy instance wait their turn)."""
         async with self.turn:
             self.requests.write(json.dumps(context).encode() + b"\n")
-            await self.requests.drain()
-            line = await self.verdicts.readline()
+            await asyncio.wait_for(self.requests.drain(), timeout_s)
+            line = await asyncio.wait_for(self.verdicts.readline(), timeout_s)
         if not line:
             raise self._failed("ended before its verdict")
         return float(json.loads(line)["score"])
@@ -294,7 +296,7 @@ class RewardModelService:
             await asyncio.shield(instance.starting)  # shared by every verdict routed to it
             self._busy(instance, +1)
             try:
-                score = await asyncio.wait_for(instance.score(context), VERDICT_TIMEOUT_S)
+                score = await instance.score(context, VERDICT_TIMEOUT_S)
             except (ValueError, KeyError, TypeError) as error:  # a line that is no verdict
                 raise JudgeProcessError(
                     f"the reward model's process {instance.name} answered out of turn: {error}"

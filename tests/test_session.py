@@ -1167,7 +1167,7 @@ def test_an_environment_the_users_entry_fails_to_make_mid_run_is_the_environment
     from targets.harness.isolation.controller_link import ControllerLink
 
     class Envs:  # a pool whose user factory raises when the second group is made
-        groups_created = 1
+        groups_created, workload = 1, tiny_spec.workload
 
         def new_group(self, extra, relaunch):
             raise UserEnvironmentError("environment entry 'my_envs:make_flaky' raised OSError making an environment")

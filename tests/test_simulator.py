@@ -1277,22 +1277,28 @@ def test_the_simulated_cluster_refuses_what_no_real_device_allows():
             run_virtual(attempt(moves))
 
 
-def test_a_simulated_run_refuses_engines_placed_on_devices_the_target_does_not_have(tmp_path):
-    """A controller whose placement names a device of its own making (engines the harness would then
-    simulate for free) is refused at its hello, by name."""
+def _placed(tmp_path, placement: str):
+    """A simulated run of the colocate starter on the CPU target whose placement is ``placement`` (the body
+    of ``ControllerBase.placement``, planted): the harness's measured run of it."""
     from tests.planting import planted
 
     spec = load_target("tiny-qwen3-cpu").model_copy(update={"execution": "simulated"})
     path = tmp_path / "target.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     own = "        return self._place([d for d in devices if d.id in self.own])\n"
+    stack = planted(tmp_path / "stack", path, "colocate", {"controller_base.py": (own, placement)})
+    return run_harness(
+        Target.load(path), stack, tmp_path / "out", "measure", Limits(time_s=120), Sandbox.detect("subprocess")
+    )
+
+
+def test_a_simulated_run_refuses_engines_placed_on_devices_the_target_does_not_have(tmp_path):
+    """A controller whose placement names a device of its own making (engines the harness would then
+    simulate for free) is refused at its hello, by name."""
     extra = (
         "        return [*self._place([d for d in devices if d.id in self.own])[0], Device('cpu:9', 'cpu', 9)], []\n"
     )
-    stack = planted(tmp_path / "stack", path, "colocate", {"controller_base.py": (own, extra)})
-    run = run_harness(
-        Target.load(path), stack, tmp_path / "out", "measure", Limits(time_s=120), Sandbox.detect("subprocess")
-    )
+    run = _placed(tmp_path, extra)
     assert not run.ok and "the controller placed engines on unknown devices" in run.cause, run.cause
 
 
@@ -1300,20 +1306,11 @@ def test_a_simulated_run_refuses_a_placement_naming_a_device_twice(tmp_path):
     """Planted (a review of the harness): a controller placing four engines on one device. The simulator
     builds an engine for each device named, so each would have had its own KV cache and compute: four
     engines for the price of one. Refused at its hello, by name."""
-    from tests.planting import planted
-
-    spec = load_target("tiny-qwen3-cpu").model_copy(update={"execution": "simulated"})
-    path = tmp_path / "target.yaml"
-    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    own = "        return self._place([d for d in devices if d.id in self.own])\n"
     twice = (
         "        rollout, train = self._place([d for d in devices if d.id in self.own])\n"
         "        return [rollout[0]] * 4, train\n"
     )
-    stack = planted(tmp_path / "stack", path, "colocate", {"controller_base.py": (own, twice)})
-    run = run_harness(
-        Target.load(path), stack, tmp_path / "out", "measure", Limits(time_s=120), Sandbox.detect("subprocess")
-    )
+    run = _placed(tmp_path, twice)
     assert not run.ok and "the controller's rollout placement names a device twice" in run.cause, run.cause
 
 

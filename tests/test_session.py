@@ -1148,11 +1148,20 @@ def test_groups_past_twice_the_in_flight_bound_are_a_protocol_break(tiny_spec):
             link._dispatch(Received({"kind": "env", "method": "new_group", "group": group, "extra": 0}, []))
         with pytest.raises(ProtocolError, match=f"over {FLIGHT_MARGIN} times the bound of {bound} the audit holds"):
             link._dispatch(Received({"kind": "env", "method": "new_group", "group": allowed, "extra": 0}, []))
+        # a training call on episodes of its own naming frees no room (simulated: a trajectory is its count)
+        fake = {"group_id": "x", "count": 2, "reward": 0.0, "weight_versions": [0], "created_at_step": 0}
+        batch = {"trajectories": [{**fake, "episode_id": f"x/e{m}", "timed_out": False} for m in range(64)]}
+        batch["advantages"] = [0.0] * 64
+        link.memory.counts = True
+        link._dispatch(Received({"kind": "cluster", "method": "train", "devices": [], "batch": batch, "id": 9}, []))
+        with pytest.raises(ProtocolError, match="over 2 times the bound"):
+            link._dispatch(Received({"kind": "env", "method": "new_group", "group": allowed, "extra": 0}, []))
         for m in range(w.group_size):  # the first group handed back: room for one more
             link._dispatch(
                 Received({"kind": "env", "method": "drop", "episode": f"g0/e{m}", "reason": "end_of_run"}, [])
             )
         link._dispatch(Received({"kind": "env", "method": "new_group", "group": allowed, "extra": 0}, []))
+        await asyncio.gather(*link._tasks.values(), return_exceptions=True)
 
     asyncio.run(run())
 

@@ -198,7 +198,8 @@ class ControllerLink:
             # order, before a drop later in the same burst (a cancelled spare) forgets that prompt.
             tokens = self._decode_tokens(rx)
             if rx.get("method") in ("train", "train_part"):  # out of flight as the step takes them (the audit's)
-                self._settled.update(t.episode_id for t in tokens.trajectories)
+                # the harness's own episodes only: ids of a batch's own making would otherwise free room
+                self._settled.update(t.episode_id for t in tokens.trajectories if t.episode_id in self.episodes)
             self._call(rx, tokens)
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")

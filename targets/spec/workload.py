@@ -260,6 +260,18 @@ class WorkloadSpec(Strict):
             "tail_round": ("groups per step", self.groups_per_step),
         }
 
+    def staleness_bound(self, declared) -> int:
+        """The bound a run is held to: the stack's declared ``async_ratio`` (a ``targets.api.Declared``'s, never
+        above ``staleness_limit``; the harness refuses more at hello), else the workload's."""
+        return self.async_ratio if declared.async_ratio is None else min(declared.async_ratio, self.staleness_limit)
+
+    def in_flight_bound(self, declared) -> int:
+        """The most episodes a run may have outstanding (created, neither trained nor dropped): what the
+        staleness bound needs, ``groups_per_step x (1 + staleness bound)`` groups of ``group_size`` plus the
+        declared spares."""
+        spares = declared.redundant_per_group
+        return self.groups_per_step * (1 + self.staleness_bound(declared)) * (self.group_size + spares)
+
     def over_declared_limits(self, declared) -> str | None:
         """Why ``declared`` (a ``targets.api.Declared``) asks for more than this workload allows, or None."""
         for field, (what, limit) in self.declared_limits.items():

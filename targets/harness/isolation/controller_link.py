@@ -208,15 +208,11 @@ class ControllerLink:
         """A new group past ``FLIGHT_MARGIN`` times the audit's in-flight bound is a protocol break: the audit
         would reject the run anyway, and until then each episode is an environment made (a user's, whose
         failure to make thousands would be blamed on it)."""
-        w = self.envs.workload
-        ratio = (
-            w.async_ratio if self.declared.async_ratio is None else min(self.declared.async_ratio, w.staleness_limit)
-        )
-        bound = w.groups_per_step * (1 + ratio) * (w.group_size + self.declared.redundant_per_group)
+        size, bound = self.envs.workload.group_size + extra, self.envs.workload.in_flight_bound(self.declared)
         outstanding = len(self.episodes) - len(self._settled)
-        if outstanding + w.group_size + extra > FLIGHT_MARGIN * bound:
+        if outstanding + size > FLIGHT_MARGIN * bound:
             raise ProtocolError(
-                f"new_group: {outstanding} episodes in flight and {w.group_size + extra} more, over "
+                f"new_group: {outstanding} episodes in flight and {size} more, over "
                 f"{FLIGHT_MARGIN} times the bound of {bound} the audit holds a run to"
             )
 

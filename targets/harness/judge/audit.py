@@ -78,7 +78,7 @@ from targets.harness.judge.selection import (
 )
 from targets.harness.judge.selection_net import check_selection
 from targets.harness.judge.service_order import check_service_order
-from targets.harness.judge.trace_index import Reasons, TraceIndex, staleness_bound
+from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.judge.version_timing import check_version_timing, decode_step_floor
 from targets.harness.reference.grpo import group_advantages_of
 from targets.harness.trace import Trace, consumed_at, token_count
@@ -125,7 +125,7 @@ def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     """Episodes outstanding (created, neither trained nor dropped) never exceed what the staleness
     bound needs: ``groups_per_step x (1 + async_ratio)`` groups (of ``group_size`` plus declared spares)."""
     w = spec.workload
-    bound = w.groups_per_step * (1 + staleness_bound(ix, spec)) * (w.group_size + ix.declared.redundant_per_group)
+    bound = w.in_flight_bound(ix.declared)
     changes = [(e.t, 1, 1) for e in ix.by_kind["episode_created"]]
     changes += [(consumed_at(train, t), 0, -1) for train in ix.trains for t in train.data["trajectories"]]
     changes += [(e.t, 0, -1) for e in ix.dropped.values()]
@@ -277,7 +277,7 @@ def check_fidelity(ix: TraceIndex, r: Reasons) -> None:
 
 def check_staleness(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     """Per turn, and per segment of a resumed turn: the oldest segment is the one the bound binds."""
-    ratio = staleness_bound(ix, spec)
+    ratio = spec.workload.staleness_bound(ix.declared)
     for k, train in enumerate(ix.trains):
         policy = k  # the step trains the policy of version k (its k predecessors)
         for t in train.data["trajectories"]:

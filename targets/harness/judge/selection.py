@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 
 from targets.api import TraceEvent
 from targets.harness.judge.interruptions import interruptions
-from targets.harness.judge.trace_index import ABORT_SLACK_S, Reasons, TraceIndex, staleness_bound
+from targets.harness.judge.trace_index import ABORT_SLACK_S, Reasons, TraceIndex
 from targets.harness.trace import token_count
 from targets.spec import TargetSpec
 
@@ -21,7 +21,7 @@ from targets.spec import TargetSpec
 def check_drop_reasons(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:
     """Each drop's reason must hold when it was made. Staleness is judged per group, as a buffer
     that trains whole groups must: a group with one member beyond the bound goes whole."""
-    workload, bound = spec.workload, staleness_bound(ix, spec)
+    workload, bound = spec.workload, spec.workload.staleness_bound(ix.declared)
     last_train_end = max((t.t for t in ix.trains), default=None)
     redundant = Counter()
     for episode, e in ix.dropped.items():

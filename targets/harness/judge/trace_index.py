@@ -330,10 +330,3 @@ class Response:
             out.append(at.last)
             at = at.resumes
         return out[::-1]
-
-
-def staleness_bound(ix: TraceIndex, spec: TargetSpec) -> int:
-    """The bound the run is held to: the stack's declared ``async_ratio`` (never above the target's
-    ``max_async_ratio``; the harness refuses more at hello), else the workload's."""
-    w = spec.workload
-    return w.async_ratio if ix.declared.async_ratio is None else min(ix.declared.async_ratio, w.staleness_limit)

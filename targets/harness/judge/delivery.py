@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 from targets.harness.judge.trace_index import Reasons, TraceIndex
-from targets.harness.trace import token_count
 
 
 def check_delivered_versions(ix: TraceIndex, r: Reasons) -> None:
@@ -36,13 +35,7 @@ def check_delivered_versions(ix: TraceIndex, r: Reasons) -> None:
                 brought = held = frozenset({ix.policy_at(e.data["start"]), ix.policy_at(e.t), max(held_now[engine])})
             held_now[engine] = held
             deliveries[engine].append((e.data["start"], e.t, brought, held))
-    answered = [  # a request cut before its first token decoded nothing under the version it names
-        g
-        for gs in [*ix.generated.values(), *ix.partials.values()]
-        for g in gs
-        if "version" in g.data and token_count(g.data.get("tokens", [])) > 0
-    ]
-    for g in sorted(answered, key=lambda g: g.t):
+    for g in sorted(ix.versioned_answers(), key=lambda g: g.t):
         engine, start, claimed = g.data["device"], g.data["start"], g.data["version"]
         given = deliveries.get(engine, [])
         ended = [held for _, end, _, held in given if end <= start]

@@ -11,7 +11,6 @@ from collections import defaultdict
 
 from targets.api import TraceEvent
 from targets.harness.judge.trace_index import Reasons, TraceIndex
-from targets.harness.trace import token_count
 from targets.spec import TargetSpec
 
 
@@ -173,15 +172,9 @@ def _check_needless_syncs(ix: TraceIndex, r: Reasons) -> None:
     benchmarks/judge_false_alarms.py: 16 interrupting syncs, each the next version). And every sync brings a
     version a training step had returned before it began (or the harness's 0)."""
     existed = {train.data["version"]: train.t for train in ix.trains}
-    answers = [  # a request cut before its first token decoded nothing under the version it names
-        g
-        for gs in [*ix.generated.values(), *ix.partials.values()]
-        for g in gs
-        if "version" in g.data and token_count(g.data.get("tokens", [])) > 0
-    ]
     # each moment a version became known on an engine, and each interrupting sync's start, in time order (a
     # sync's start before what ends in that instant: it could not know it)
-    timeline = [(g.t, 1, g.data["device"], g.data["version"], None) for g in answers]
+    timeline = [(g.t, 1, g.data["device"], g.data["version"], None) for g in ix.versioned_answers()]
     for e in ix.by_kind["sync"]:
         for engine in sorted({ix.engine(d) for d in e.data["devices"]}):
             timeline.append((e.t, 1, engine, e.data["version"], None))

@@ -137,6 +137,16 @@ class TraceIndex:
         """When a step began taking its batch: its first part's start (stream training), else its own."""
         return min((consumed_at(train, t) for t in train.data["trajectories"]), default=train.data["start"])
 
+    def versioned_answers(self) -> list[TraceEvent]:
+        """Every answer, finished or an interrupted segment, that decoded a token under the version it names
+        (a request cut before its first token decoded nothing under it)."""
+        return [
+            g
+            for gs in [*self.generated.values(), *self.partials.values()]
+            for g in gs
+            if "version" in g.data and token_count(g.data.get("tokens", [])) > 0
+        ]
+
     def finished(self, episode: str) -> bool:
         steps = self.env_steps.get(episode)
         return bool(steps) and steps[-1].data["done"]

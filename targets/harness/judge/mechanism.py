@@ -10,6 +10,10 @@ next weight version."""
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.spec import TargetSpec
 
@@ -86,6 +90,19 @@ def asleep(ix: TraceIndex, r: Reasons | None = None) -> list[tuple[str, float, f
         until = next((e.data["start"] for e in resumes if e.t > suspend.t), ix.end_t)
         windows += [(device, suspend.t, until) for device in {ix.engine(d) for d in suspend.data["devices"]}]
     return windows
+
+
+def wakes(ix: TraceIndex) -> Callable[[str | None, float], float]:
+    """``woke(engine, at)``: when ``engine``, asleep at ``at`` (``asleep``'s windows), woke; -inf where it was
+    awake then. A request forwarded to a sleeping engine is decoded from that moment on."""
+    sleeps = defaultdict(list)
+    for engine, since, until in asleep(ix):
+        sleeps[engine].append((since, until))
+
+    def woke(engine: str | None, at: float) -> float:
+        return max((until for since, until in sleeps.get(engine, ()) if since < at < until), default=-math.inf)
+
+    return woke
 
 
 def check_trained_beside_awake_engines(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from targets.api import Declared
-from targets.harness.judge.mechanism import asleep
+from targets.harness.judge.mechanism import wakes
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.trace import token_count
 from targets.spec import TargetSpec
@@ -172,16 +172,12 @@ def held_back(ix: TraceIndex, untrained: set[str], group_size: int) -> set[str]:
     had been under way over ``WAITING_FACTOR`` times the longest any answered request took. A member never
     started counts where a sibling was and the group had fewer than ``group_size`` started (a stack that
     starts one member of each task, and never the others of those its first turn shows long, holds them)."""
-    sleeps = defaultdict(list)
-    for engine, since, until in asleep(ix):
-        sleeps[engine].append((since, until))
-
-    def took(g) -> float:
-        start = g.data["start"]
-        woke = max((b for a, b in sleeps.get(g.data.get("device"), ()) if a < start < b), default=start)
-        return g.t - max(start, woke)
-
-    answered = (took(g) for served in ix.generated.values() for g in served)
+    woke = wakes(ix)  # a request forwarded to an engine asleep took its time from the wake
+    answered = (
+        g.t - max(g.data["start"], woke(g.data.get("device"), g.data["start"]))
+        for served in ix.generated.values()
+        for g in served
+    )
     waited_too_long = max(HELD_MIN_S, WAITING_FACTOR * max(answered, default=0.0))
 
     def held(episode: str) -> bool:

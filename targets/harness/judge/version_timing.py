@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from targets.harness.judge.mechanism import asleep
+from targets.harness.judge.mechanism import wakes
 from targets.harness.judge.service_order import engines_judged
 from targets.harness.judge.trace_index import Reasons, TraceIndex
 from targets.harness.sim.cost_model import DTYPE_BYTES
@@ -66,9 +66,7 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
     if not engines_judged(ix):
         return {}
     existed = {train.data["version"]: train.t for train in ix.trains}
-    sleeps = defaultdict(list)
-    for engine, since, until in asleep(ix):
-        sleeps[engine].append((since, until))
+    woke_at = wakes(ix)
     turns = [(g, token_count(g.data.get("tokens", []))) for g in ix.by_kind["generate"]]
     turns = [(g, tokens) for g, tokens in turns if tokens]
     paces = [(g.t - g.data["start"]) / tokens for g, tokens in turns if tokens >= PACE_MIN_TOKENS]
@@ -80,7 +78,7 @@ def check_version_timing(ix: TraceIndex, r: Reasons, step_floor_s: float = 0.0) 
     for g, tokens in turns:
         d = g.data
         made = existed.get(d["version"], -math.inf)
-        woke = max((b for a, b in sleeps.get(d.get("device"), ()) if a < d["start"] < b), default=-math.inf)
+        woke = woke_at(d.get("device"), d["start"])
         if g.t < woke:  # answered while its engine slept: the mechanism rule's ("served while shrunk")
             continue
         since = max(made, woke)

@@ -162,12 +162,16 @@ class JudgeInstance:
         """The verdict on ``context``; ``asyncio.TimeoutError`` where the process took over ``timeout_s`` on it
         (timed from its turn at the pipes: verdicts queued behind others on a busy instance wait their turn)."""
         async with self.turn:
-            self.requests.write(json.dumps(context).encode() + b"\n")
-            await asyncio.wait_for(self.requests.drain(), timeout_s)
-            line = await asyncio.wait_for(self.verdicts.readline(), timeout_s)
+            line = await asyncio.wait_for(self._ask(context), timeout_s)
         if not line:
             raise self._failed("ended before its verdict")
         return float(json.loads(line)["score"])
+
+    async def _ask(self, context: list[int]) -> bytes:
+        """One request down the pipe and the line that answers it (empty: the process ended)."""
+        self.requests.write(json.dumps(context).encode() + b"\n")
+        await self.requests.drain()
+        return await self.verdicts.readline()
 
     def _failed(self, what: str) -> JudgeProcessError:
         self.log.seek(0)

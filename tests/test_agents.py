@@ -4,6 +4,7 @@ planner's mapping of hints to skills, and the sandbox's isolation."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -175,8 +176,8 @@ def test_the_judge_rejects_an_unexpanded_annotation_without_running_it(tmp_path,
 PLANTS = {
     "patches the clock": "import time\ntime.monotonic = lambda: 0.0\n",
     "patches the clock (setattr on asyncio)": "import asyncio\nsetattr(asyncio, 'sleep', None)\n",
-    "reaches into a harness object (.trace)": "def f(episode):\n    return episode.trace\n",
-    "reaches into a harness object (.inner)": "def f(cluster):\n    return cluster.inner.generate\n",
+    "reaches into a harness object (._calls)": "def f(episode):\n    return episode._calls.channel\n",
+    "reaches into a harness object (._memory)": "def f(self):\n    return self.cluster._memory\n",
     "imports gc, an introspection escape hatch": "import gc\n",
     "uses .__globals__, an introspection escape hatch": "def f(g):\n    return g.__globals__\n",
     "uses .modules, an introspection escape hatch": "import sys\nsys.modules['time'] = None\n",
@@ -208,7 +209,7 @@ PLANTS = {
     "imports harness internals (off __import__)": "__import__('targets.api').harness\n",
     "imports harness internals (a fromlist)": "__import__('targets', fromlist=['harness'])\n",
     # an attribute by its name is the attribute
-    "reaches into a harness object (by getattr)": "def f(cluster):\n    return getattr(cluster, 'inner')\n",
+    "reaches into a harness object (by getattr)": "def f(cluster):\n    return getattr(cluster, '_calls')\n",
     "uses .__globals__, an introspection escape hatch (getattr)": "def f(g):\n    return getattr(g, '__globals__')\n",
     "uses .modules, an introspection escape hatch (by getattr on sys)": "import sys\ngetattr(sys, 'modules')\n",
     # code the scan cannot read, and the other ways to an object's insides
@@ -219,7 +220,7 @@ PLANTS = {
     "uses .__getattribute__, an introspection escape hatch": (
         "def f(cluster):\n    return object.__getattribute__(cluster, 'inner')\n"
     ),
-    "reaches into a harness object (attrgetter)": "import operator\nINNER = operator.attrgetter('inner')\n",
+    "reaches into a harness object (attrgetter)": "import operator\nCALLS = operator.attrgetter('_calls')\n",
     "imports builtins, an introspection escape hatch": "import builtins\nbuiltins.__import__('gc')\n",
     "uses __builtins__, an introspection escape hatch": "GC = __builtins__['__import__']('gc')\n",
     "imports runpy, an introspection escape hatch": "import runpy\nrunpy.run_module('gc')\n",
@@ -277,7 +278,7 @@ PLANTS = {
     "uses __path__": "__path__.append('/somewhere')\n",
     "imports importlib._bootstrap, an introspection escape hatch": "import importlib._bootstrap as boot\n",
     "imports a module loader": "from importlib.machinery import PathFinder\n",
-    "reaches into a harness object (getattr of 'inner', in pieces)": "def f(c):\n    return getattr(c, 'in' + 'ner')\n",
+    "reaches into a harness object (getattr of '_calls', in pieces)": "def f(c):\n    getattr(c, '_ca' + 'lls')\n",
     "unpickles by allow_pickle": "import numpy\nX = numpy.load('x.npy', allow_pickle=True)\n",
     "calls load with unpacked keywords": "import torch\nS = torch.load('w.pt', **{'weights_only': False})\n",
     "names TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "import os\nos.environ['TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'] = '1'\n",
@@ -382,7 +383,37 @@ LOOKALIKES = {  # what an honest stack writes that only looks like an escape: th
     "a local named eval": "def f(model):\n    eval = model.eval\n    return eval()\n",
     "a membership test on sys.path": "import sys\nKNOWN = '/x' in sys.path\n",
     "numpy.load without pickles": "import numpy\nX = numpy.load('x.npy', allow_pickle=False)\n",
+    # names the scan once refused as the harness's, though no harness object in a candidate's process has them
+    "a CUDA event recorded": "import torch\ndef f():\n    torch.cuda.Event(enable_timing=True).record()\n",
+    "a traced module": "import torch\ndef f(model, x):\n    return torch.jit.trace(model, x)\n",
+    "a controller's own clock and policy version": (
+        "class C:\n    def __init__(self):\n        self.clock, self.policy_version, self.trace = 0.0, 0, []\n"
+    ),
+    "a wrapper's inner cluster": "class W:\n    def __init__(self, inner):\n        self.inner = inner\n",
+    "its own private state by the proxies' names": (
+        "class E:\n    def __init__(self):\n        self._calls, self._memory = 0, {}\n"
+    ),
 }
+
+
+def test_the_scan_names_where_the_proxies_keep_their_channel():
+    """The scan refuses ``._calls`` and ``._memory`` because the proxies a candidate is handed keep their
+    channel and prompt memory there: a proxy renaming them would leave the rule naming nothing."""
+    from targets.harness.isolation.candidate_process import ProxyCluster, ProxyEnvs, ProxyEpisode
+    from targets.harness.judge.integrity import HARNESS_ATTRIBUTES
+
+    calls, memory = object(), object()
+
+    async def proxies():
+        return [ProxyCluster(calls, [], memory), ProxyEpisode(calls, "e0", "g0"), ProxyEnvs(calls, 2, memory)]
+
+    kept = {
+        name
+        for proxy in asyncio.run(proxies())
+        for name in getattr(proxy, "__slots__", None) or vars(proxy)
+        if getattr(proxy, name) in (calls, memory)
+    }
+    assert kept == HARNESS_ATTRIBUTES
 
 
 @pytest.mark.parametrize("name", list(LOOKALIKES))

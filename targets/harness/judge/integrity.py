@@ -1,20 +1,18 @@
 """Integrity (docs/judge.md, before anything runs). From the candidate's source, every file of it (its root is on
-``sys.path``, so code beside ``stack/`` is the stack's too): it imports only ``targets.api`` from
-the contract, by no route (not ``from targets import harness``, not an attribute of the package);
-it does not name the harness's metrics (metrics come from the harness trace; a stack that computes
-them is reporting its own); it does not patch clocks (``time``, ``asyncio``, ``datetime``) or reach
-into the harness objects it is handed (their ``trace``, ``clock``, ``inner`` cluster, event list;
-``getattr`` by a constant name included); it uses no introspection escape hatches (``gc``, ``inspect``,
-``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``, ``vars()``, frames) and runs no code it cannot
-read (``exec``/``eval``/``compile``, a module loaded from a file, code in bytes: ``pickle``, ``marshal``); it
-holds no compiled module without its source (a ``.pyc`` or extension module Python would import but this
-scan cannot read) and no archive Python imports from, and it does not change ``sys.path``. A function the
-scan reads by its calls, or a module it follows by its imports, is not handed on as a value, and a name
-spelled in constant pieces (``"__sub" + "classes__"``) is read whole. A module is
-followed through the names an import binds it to (``import time as t``), and ``__import__`` or
-``importlib.import_module`` is an import like any other (of a computed name: refused). Around a
-run: the harness's own files, its bytecode caches included, hash the same before and after
-(``harness_digest``), none added or removed."""
+``sys.path``, so code beside ``stack/`` is the stack's too): it imports only ``targets.api`` from the contract, by
+no route (not ``from targets import harness``, not an attribute of the package); it does not name the harness's
+metrics (metrics come from the harness trace; a stack that computes them is reporting its own); it does not patch
+clocks (``time``, ``asyncio``, ``datetime``) or reach past the harness's proxies it is handed into their channel
+(``cluster._calls``, ``getattr`` by a constant name included; an attribute on ``self`` is its own); it uses no
+introspection escape hatches (``gc``, ``inspect``, ``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``,
+``vars()``, frames) and runs no code it cannot read (``exec``/``eval``/``compile``, a module loaded from a file,
+code in bytes: ``pickle``, ``marshal``); it holds no compiled module without its source (a ``.pyc`` or extension
+module Python would import but this scan cannot read) and no archive Python imports from, and it does not change
+``sys.path``. A function the scan reads by its calls, or a module it follows by its imports, is not handed on as a
+value, and a name spelled in constant pieces (``"__sub" + "classes__"``) is read whole. A module is followed through
+the names an import binds it to (``import time as t``), and ``__import__`` or ``importlib.import_module`` is an
+import like any other (of a computed name: refused). Around a run: the harness's own files, its bytecode caches
+included, hash the same before and after (``harness_digest``), none added or removed."""
 
 from __future__ import annotations
 
@@ -30,7 +28,10 @@ from targets.harness.judge.check_result import CheckResult
 from targets.spec.target import HEADLINE_METRICS
 
 CLOCK_MODULES = {"time", "asyncio", "datetime"}
-HARNESS_ATTRIBUTES = {"trace", "clock", "inner", "_events", "record", "policy_version"}
+# the private state of the harness's objects in a candidate's process (candidate_process.py's proxies): the
+# channel behind them and the prompts they have sent; every other name is the candidate's own to use
+HARNESS_ATTRIBUTES = {"_calls", "_memory"}
+OWN_OBJECTS = {"self", "cls"}  # an attribute read off these is the candidate's class's own
 ESCAPE_MODULES = {
     *("gc", "inspect", "ctypes", "_ctypes", "builtins", "runpy", "site", "code", "codeop", "_imp", "zipimport"),
     # code in bytes: an unpickled object is any call, an unmarshalled code object any code
@@ -233,8 +234,8 @@ def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
         reasons.append("uses __path__: the modules it then imports are not those the scan read")
     if isinstance(node, ast.ImportFrom) and any(a.name in FILE_LOADERS for a in node.names):
         reasons.append("imports a module loader: the scan cannot follow which module it loads")
-    for named, owner, call in _attributes_read(node):  # getattr(cluster, "inner") is .inner
-        if named in HARNESS_ATTRIBUTES:
+    for named, owner, call in _attributes_read(node):  # getattr(cluster, "_calls") is ._calls
+        if named in HARNESS_ATTRIBUTES and not (isinstance(owner, ast.Name) and owner.id in OWN_OBJECTS):
             shown = f".{named}" if call is None else f"{call} of {named!r}"
             reasons.append(f"reaches into a harness object ({shown}): the proxy and environments are opaque")
         # .modules only on the sys module (by any name): other objects have attributes of that name
@@ -400,7 +401,7 @@ def _package_attribute(node: ast.AST, bound: dict[str, str]) -> str | None:
 
 def _attributes_read(node: ast.AST) -> list[tuple[str, ast.AST | None, str | None]]:
     """The attributes a node reads, each as (name, the object it is read off where known, the call that
-    names it): ``x.inner``; by a constant string, ``getattr(x, "inner")`` (and ``setattr``/``delattr``/
+    names it): ``x._calls``; by a constant string, ``getattr(x, "_calls")`` (and ``setattr``/``delattr``/
     ``hasattr``), ``operator.attrgetter("a.b")`` (each part), ``methodcaller``'s method. A computed name is
     not followed (the engine's ``getattr(torch, dtype)``): isolation holds there."""
     if isinstance(node, ast.Attribute):

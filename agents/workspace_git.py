@@ -23,6 +23,7 @@ harness touches it (``Tampered``). ``disarm`` undoes each, so a refused candidat
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -174,6 +175,10 @@ def output(workspace: Path, *args: str) -> str:
     return run(workspace, *args).stdout.removesuffix("\n")
 
 
+# what a failed copy means about the disk the copy writes to, not about what the agent did to its workspace
+DISK_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
+
+
 def copy_candidate(source: Path, target: Path) -> list[str]:
     """Make ``target``'s files those of ``source`` (every file but git's link and bytecode caches) and
     say what was not copied and why. ``target`` is a worktree the harness made; its ``.git`` stays.
@@ -233,6 +238,8 @@ def copy_candidate(source: Path, target: Path) -> list[str]:
                 else:
                     refused.append(f"{where}: a special file (a FIFO, socket or device), not a file or folder")
             except OSError as error:  # vanished, or swapped for a link, between the listing and the open
+                if error.errno in DISK_FAILURES:  # the harness's own disk: the run's trouble, never the candidate's
+                    raise
                 refused.append(f"{where}: changed while the harness copied it ({error.strerror})")
 
     root = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)

@@ -7,6 +7,7 @@ keeps the candidate's files with the plant undone, and the plant never took effe
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -226,6 +227,22 @@ def test_the_frozen_copy_stops_at_its_size_limit(tmp_path, run, monkeypatch):
     refused = workspace_git.copy_candidate(workspace, frozen)
     assert refused == ["stack/z.bin: the candidate passes 0 MiB here"]
     assert (frozen / "stack" / "a.py").exists() and not (frozen / "stack" / "z.bin").exists()
+
+
+def test_a_full_disk_during_the_frozen_copy_is_the_runs_error_not_the_candidates(tmp_path, run, monkeypatch):
+    """A copy the harness's disk refuses (full, over quota, read-only, failing) raises: named as a file the
+    agent changed, it made the round a rejection and gave up its task for the rest of the run."""
+    history, workspace = run
+    (workspace / "stack" / "a.py").write_text("A = 1\n")
+    frozen = history.worktree(tmp_path / "workspaces" / "round-1-judged", history.root())
+
+    def full(path, mode="r", *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(workspace_git, "open", full, raising=False)  # the module's name before the builtin
+    with pytest.raises(OSError) as raised:
+        workspace_git.copy_candidate(workspace, frozen)
+    assert raised.value.errno == errno.ENOSPC
 
 
 def test_folders_nested_thousands_deep_are_named_never_a_crash(tmp_path, run):

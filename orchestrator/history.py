@@ -26,6 +26,9 @@ from targets.errors import UserError
 
 RECORD_DIR = workspace_git.RECORD_DIR  # per-commit records (judge report, round) inside the candidate tree
 VALIDATED, REJECTED = "rounds", "rejected"  # a round's commit, by what became of it: refs/vibetrain/<kind>/<N>
+BEST = "best"  # the branch the run directory has checked out: the best validated candidate
+# git flushes a commit's objects and the refs it moves before it returns (git 2.36 on; an older git ignores them)
+DURABLE = {"core.fsync": "committed,reference", "core.fsyncMethod": "fsync"}
 
 
 def _round_ref(kind: str, number: int | str) -> str:
@@ -80,13 +83,24 @@ class History:
         """A new run repository whose root is an empty commit describing the run: every round's
         worktree, round 0's included, then starts from a commit."""
         path.mkdir(parents=True, exist_ok=True)
-        repo = git.Repo.init(path, initial_branch="best")
+        repo = git.Repo.init(path, initial_branch=BEST)
         with repo.config_writer() as config:
             config.set_value("user", "name", "vibetrain")
             config.set_value("user", "email", "vibetrain@localhost")
             config.set_value("gc", "autoDetach", "false")  # a git's own gc ends with it, locks and all
+        history = cls(path)
+        history.make_durable()
         repo.git.commit("--allow-empty", "-m", description)
-        return cls(path)
+        return history
+
+    def make_durable(self) -> None:
+        """Have git flush each commit's objects and each ref it moves to disk before it returns (by default it
+        flushes nothing): the run state, flushed after each round, names commits and refs that a power loss
+        would otherwise leave empty or missing, the round's worktrees already removed."""
+        with self.repo.config_writer() as config:
+            for key, value in DURABLE.items():
+                section, option = key.split(".")
+                config.set_value(section, option, value)
 
     @classmethod
     def open(cls, path: Path) -> History:
@@ -102,6 +116,7 @@ class History:
         left half written: kept as found under ``refs/vibetrain/recovered/<time>``, then reset to ``best``.
         Returns what it made good, to be said."""
         self.writer = writer_lock.claim(self.path)
+        self.make_durable()  # a run made before git was told to flush: from its next commit on
         git_dir = Path(self.repo.git_dir)
         left = git_leftovers.stale_locks(self.path, git_dir)
         if not left:
@@ -158,7 +173,7 @@ class History:
         if not self.repo.head.is_valid():
             return None
         try:
-            best = self.repo.commit("best")
+            best = self.repo.commit(BEST)
         except git.BadName:  # a git repository without the run's ``best`` branch
             return None
         return best.hexsha if best.parents else None  # the run's empty first commit: no candidate yet
@@ -215,7 +230,7 @@ class History:
 
     # -- worktrees ---------------------------------------------------------------------------------
     def root(self) -> str:
-        return self.repo.git.rev_list("--max-parents=0", "best").splitlines()[0]
+        return self.repo.git.rev_list("--max-parents=0", BEST).splitlines()[0]
 
     def worktree(self, path: Path, parent: str) -> Path:
         """A fresh linked worktree at ``parent`` (detached HEAD)."""
@@ -316,7 +331,11 @@ class History:
         return commit
 
     def set_best(self, commit: str) -> None:
-        """Move ``best`` (the checked-out branch) so the run directory shows the best candidate."""
+        """Move ``best`` (the checked-out branch) so the run directory shows the best candidate. A person who
+        checked out another commit or branch there to look at it has ``best`` checked out again first: a
+        reset alone moves whatever is checked out, and left ``best`` behind."""
+        if self.repo.head.is_detached or self.repo.active_branch.name != BEST:
+            self.repo.git.checkout("--force", "--quiet", BEST)
         self.repo.git.reset("--hard", commit)
 
     def stack_diff(self, commit: str, stat: bool = False) -> str:

@@ -306,7 +306,8 @@ def _has_rounds(run_dir: Path) -> bool:
 
 
 def write_atomically(path: Path, text: str, what: str) -> None:
-    """Temp file, fsync, rename: a reader sees the previous version or this one, never a torn file."""
+    """Temp file, fsync, rename, fsync of the folder: a reader sees the previous version or this one, never a
+    torn file, and once this returns a power loss keeps this one."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", dir=path.parent)
         with os.fdopen(fd, "w") as f:
@@ -314,6 +315,11 @@ def write_atomically(path: Path, text: str, what: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # the rename itself flushed: else a power loss can bring back the previous version
+            os.fsync(folder)
+        finally:
+            os.close(folder)
     except OSError as error:
         if "tmp" in locals() and os.path.exists(tmp):
             os.unlink(tmp)

@@ -39,6 +39,36 @@ def run(tmp_path) -> tuple[History, Path]:
     return history, history.worktree(tmp_path / "workspaces" / "round-1", parent)
 
 
+def test_best_moves_as_the_branch_whatever_a_person_checked_out_in_the_run(tmp_path, run):
+    """A user looks at a candidate with ``git checkout`` in the run directory, then resumes: a reset alone moved
+    what was checked out (their branch, a detached HEAD), left ``best`` behind and the next resume refused."""
+    history, workspace = run
+    first = history.best() or history.repo.commit("HEAD").hexsha
+    (workspace / "stack" / "policy.py").write_text("X = 2\n")
+    second = history.commit_validated(workspace, 1, "a change", TRAILERS, {})
+    for look in (["--detach", first], ["-b", "mine", first]):
+        history.repo.git.checkout("--quiet", *look)
+        history.set_best(second)
+        assert history.repo.commit("best").hexsha == second and history.repo.active_branch.name == "best"
+        assert (history.path / "stack" / "policy.py").read_text() == "X = 2\n"
+    assert history.repo.commit("mine").hexsha == first  # the person's branch is theirs
+
+
+def test_the_run_repository_has_git_flush_its_commits_and_refs(tmp_path):
+    """git flushes nothing by default; the run state, flushed each round, would name commits a power loss left
+    empty. A new run is told at its start, an older one when a process claims it."""
+    history = History.create(tmp_path / "run", "vibetrain run: durable")
+    reader = history.repo.config_reader()
+    assert reader.get_value("core", "fsync") == "committed,reference"
+    with history.repo.config_writer() as config:  # a run made before this
+        config.remove_option("core", "fsync")
+    history.claim()
+    try:
+        assert history.repo.config_reader().get_value("core", "fsync") == "committed,reference"
+    finally:
+        history.release()
+
+
 def _config_that_runs(git_dir: Path, marker: Path) -> None:
     """Config and a hook that each create ``marker`` when git runs them."""
     subprocess.run(["git", "--git-dir", str(git_dir), "config", "core.fsmonitor", f"touch {marker} #"], check=True)

@@ -54,6 +54,11 @@ class HistoryError(UserError, RuntimeError):
     """The run repository is not in a state this run can use (the message says what to do)."""
 
 
+class RefNotWritten(HistoryError):
+    """A round's commit was made and its ref could not be written: the round's worktree holds the commit, and
+    a resume records the round from it, so the run stops here rather than remove that worktree."""
+
+
 @dataclass(frozen=True)
 class Trailers:
     round: int
@@ -327,7 +332,16 @@ class History:
     ) -> str:
         parts = [_subject_start(kind, number) + subject, body.strip(), trailers.lines()]
         commit = self._commit_workspace(workspace, "\n\n".join(p for p in parts if p) + "\n", records)
-        self.repo.git.update_ref(_round_ref(kind, number), commit)
+        ref = _round_ref(kind, number)
+        try:
+            self.repo.git.update_ref(ref, commit)
+        except git.GitCommandError as error:
+            said = (error.stderr or str(error)).strip().removeprefix("stderr:").strip(" '\n")
+            raise RefNotWritten(
+                f"round {number} is committed ({commit[:12]}) but git could not write its ref {ref}: {said}. The "
+                "commit is kept in the round's worktree: fix the repository and run again with --resume, which "
+                "records the round from it"
+            ) from None
         return commit
 
     def set_best(self, commit: str) -> None:

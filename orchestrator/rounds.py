@@ -42,7 +42,7 @@ from orchestrator import commits
 from orchestrator.budget import LLMBudget
 from orchestrator.design_record import update_design
 from orchestrator.generalization import attempt_seed, held_out_seeds, measure_generalization, round_seeds
-from orchestrator.history import History, HistoryError
+from orchestrator.history import History, HistoryError, RefNotWritten
 from orchestrator.policies import Policy
 from orchestrator.prescreen import PreScreen, TwinError
 from orchestrator.run_clock import RunClock, load_time_used
@@ -245,6 +245,8 @@ class Loop:
                     self.accept(record, evaluation, candidate, verdict)
             else:
                 self.reject(record, candidate, verdict, "prescreened" if record.screened_out else "rejected")
+        except RefNotWritten as error:  # committed, the ref refused: its worktree keeps it for the resume
+            raise RunError(disk_full(number) if is_disk_full(error) else str(error)) from None
         except (OSError, workspace_git.GitFailed, GitCommandError) as error:
             if is_disk_full(error):  # git's own writes say so in their message: a candidate it could not commit
                 raise RunError(disk_full(number)) from None

@@ -360,6 +360,33 @@ def test_a_candidate_git_could_not_commit_for_a_full_disk_stops_the_run_and_is_r
     assert [(r.round, r.verdict) for r in state.rounds] == [(0, "accepted"), (1, "accepted")]
 
 
+def test_a_round_committed_whose_ref_git_refused_stops_the_run_and_the_resume_records_it(
+    tmp_path, fast_target, monkeypatch
+):
+    """A ref git would not write after the commit (a lock another git holds, a failing disk): the round was
+    recorded as an error and its worktree, the only thing holding the accepted commit, removed. Now the run
+    stops with the worktree kept, and a resume records the round from that commit."""
+    from orchestrator.rounds import RunError
+    from orchestrator.runs import resume_run
+
+    refused: list[str] = []
+
+    def update_ref(self, *args, **kwargs):
+        if args and args[0] == "refs/vibetrain/rounds/1":
+            refused.append(args[1])
+            raise git.GitCommandError(["git", "update-ref", *args], 128, b"fatal: cannot lock ref: File exists")
+        return self._call_process("update_ref", *args, **kwargs)
+
+    monkeypatch.setattr(git.Git, "update_ref", update_ref, raising=False)
+    with pytest.raises(RunError, match="round 1 is committed .* could not write its ref .* cannot lock ref"):
+        _start(fast_target, tmp_path, rounds=1, simulate=True, sandbox="subprocess").run()
+    monkeypatch.undo()
+    assert [r.round for r in RunState.load(tmp_path / "run").rounds] == [0] and len(refused) == 1
+    state = resume_run(tmp_path / "run", {}, lambda kind, **data: None, tmp_path / "ws").run()
+    assert [(r.round, r.verdict) for r in state.rounds][:2] == [(0, "accepted"), (1, "accepted")]
+    assert state.rounds[1].commit == refused[0]
+
+
 def test_a_best_branch_moved_by_hand_is_refused_on_resume(tmp_path, fast_target):
     """A commit of the user's on ``best`` was built on unsaid (and a later promotion's reset would have
     dropped it); ``export @best`` and the state disagreed. The resume names it and how to put it back."""

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from targets.harness.judge.check_result import CheckResult
 
 if TYPE_CHECKING:
+    from agents.llm.accounting import Accounting
+    from agents.llm.agents import LLMPlanner
     from targets.harness.measure.session import Measurement, Paired
     from targets.spec import TargetSpec
 
@@ -196,5 +198,5 @@ class Agents:
     implementer: Implementer
     judge: Judge
     evaluator: Evaluator
-    accounting: object | None = None
-    llm_planner: object | None = None
+    accounting: Accounting | None = None
+    llm_planner: LLMPlanner | None = None

@@ -55,7 +55,3 @@ class RunDir:
     def twin_spec(self) -> Path:
         """The calibrated twin (a simulated target spec) the pre-screen runs candidates on."""
         return self.outputs / "twin.yaml"
-
-    @property
-    def timeline_png(self) -> Path:
-        return self.outputs / "report-timeline.png"

@@ -338,10 +338,6 @@ def new_state(config: RunConfig) -> RunState:
     return RunState(config=config, created_at=time.time())
 
 
-def dump_json(data) -> str:
-    return json.dumps(data, indent=1, default=str)
-
-
 def _first_problem(error: ValidationError) -> str:
     """A state's first problem by its field and value (pydantic's header line names neither)."""
     problem = error.errors()[0]

@@ -45,10 +45,6 @@ class BlockManager:
     def free_blocks(self) -> int:
         return len(self.free)
 
-    @property
-    def used_blocks(self) -> int:
-        return self.num_blocks - len(self.free) - sum(len(p.blocks) for p in self.prefixes.values())
-
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 

@@ -34,7 +34,6 @@ turn or cost flag: its budget is checked before each call, the timeout bounds it
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 import shutil
@@ -42,15 +41,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pydantic import ValidationError
-
 import skills as skills_package
 import targets.api
-from agents.cli_tools import JSON_OBJECT, MAX_ATTEMPT_USD, CLIResult, CLITool, run_cli
+from agents.cli_tools import MAX_ATTEMPT_USD, CLIResult, CLITool, run_cli
 from agents.llm.accounting import Accounting
 from agents.llm.agents import ImplementerOutput, expand_annotations, implementer_prompt
 from agents.llm.client import AssistantTurn, ToolSpec
-from agents.llm.loop import StuckError
+from agents.llm.loop import StuckError, parse_answer
 from agents.roles import AgentError, Attempt, Hint, Task
 
 log = logging.getLogger("vibetrain.cli_agent")
@@ -218,15 +215,11 @@ class CLIImplementer:
         that prose as the summary (the change is in the workspace either way; the judge decides)."""
         if not text.strip():
             raise AgentError(f"the {self.tool.name} CLI finished without a final message")
-        match = JSON_OBJECT.search(text)
-        if match:
-            try:
-                output = ImplementerOutput.model_validate(json.loads(match.group(0)))
-            except (json.JSONDecodeError, ValidationError):
-                output = None
-            if output is not None:
-                return Attempt(output.summary, output.files_changed)
-        return Attempt(text.strip()[:2000])
+        try:  # its last JSON object: braces in the prose before it do not matter
+            output = parse_answer(text, ImplementerOutput)
+        except ValueError:  # no JSON object, or none of the summary's shape (a ValidationError): the prose is it
+            return Attempt(text.strip()[:2000])
+        return Attempt(output.summary, output.files_changed)
 
 
 class CLIChatClient:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -24,7 +23,6 @@ from targets.cache import cache_home
 log = logging.getLogger("vibetrain.cli_agent")
 
 MAX_ATTEMPT_USD = 5.0  # Claude Code's --max-budget-usd when the run has no --max-cost (per call)
-JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 # What any program needs to start and find its tools and files.
 BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER")

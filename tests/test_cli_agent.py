@@ -206,6 +206,20 @@ def test_an_annotation_the_cli_left_broken_is_feedback_not_a_crash(tmp_path, mon
         CLIImplementer(session, cli_tool("claude"), Accounting(), None).implement(TASK, workspace, [])
 
 
+def test_a_final_message_with_braces_in_its_prose_keeps_its_json_summary(tmp_path, monkeypatch, session):
+    """A greedy match from the prose's first brace to the JSON's last failed to parse, so the summary became
+    the raw prose and ``files_changed`` was lost; the last JSON object is the answer."""
+    _fake(tmp_path, monkeypatch, "claude", "success")
+    implementer = CLIImplementer(session, cli_tool("claude"), Accounting(), None)
+    text = (
+        "I set {async_ratio} in params.json (a dict like {'a': 1} is no JSON).\n"
+        '{"summary": "raised async_ratio", "files_changed": ["stack/params.json"]}'
+    )
+    attempt = implementer._attempt(text)
+    assert (attempt.summary, attempt.files_changed) == ("raised async_ratio", ["stack/params.json"])
+    assert implementer._attempt("no JSON {here}").summary == "no JSON {here}"  # prose alone is the summary
+
+
 def test_fake_codex_reads_the_prompt_from_stdin_and_sees_only_its_own_keys(tmp_path, monkeypatch, session, workspace):
     record = _fake(tmp_path, monkeypatch, "codex", "success")
     monkeypatch.setenv("CODEX_API_KEY", "sk-codex-test")

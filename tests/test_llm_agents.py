@@ -695,6 +695,18 @@ def test_a_huge_design_record_is_cut_in_every_prompt(toolbox, tiny_spec):
     assert len(prompt) < 2 * MAX_DESIGN + 60_000 and "characters cut from the middle" in prompt
 
 
+def test_the_implementer_is_told_every_way_of_faking_figures_the_gate_and_the_reviewer_look_for(toolbox, tiny_spec):
+    """Attempts were rejected for rules the implementer was never told: only the judge's prompt listed the
+    ways a stack can fake its figures. The implementer's lists each with what the gate checks of it."""
+    from agents.llm.agents import implementer_prompt
+    from agents.llm.hacks import HACKS
+
+    prompt = implementer_prompt(tiny_spec, Task(id="t", title="t", rationale="r"), toolbox.workspace, [], [])
+    rules = prompt[prompt.index("## Rules") : prompt.index("## Workflow")]
+    assert all(f"- {hack.name}: {hack.how}" in rules for hack in HACKS)
+    assert "cannot be done as asked" in rules
+
+
 def test_the_judges_reasons_are_cut_in_the_next_attempts_prompt(toolbox, tiny_spec, monkeypatch):
     """A reason may quote the candidate's own text whole (a controller's exception): a megabyte one went into
     every call of the next attempt. Each reason is cut to its head and tail, and there are a few of them."""

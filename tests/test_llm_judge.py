@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 from agents.llm.accounting import Accounting
 from agents.llm.agents import LLMEvaluator
 from agents.llm.client import ClientConfig, make_client
-from agents.llm.judge import DIFF_LIMIT, HACKS, LLMJudge
+from agents.llm.hacks import HACKS
+from agents.llm.judge import DIFF_LIMIT, LLMJudge
 from agents.offline.judge import OfflineJudge
 from agents.roles import Evaluation, Hint, RoundContext, Task, Verdict
 from orchestrator.cli import app

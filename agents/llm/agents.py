@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agents.llm import context as facts
 from agents.llm.client import ChatClient
 from agents.llm.errors import LLMError, LLMUnusable
+from agents.llm.hacks import HACKS
 from agents.llm.loop import cut_note, parse_answer, run_loop
 from agents.llm.tools import (
     MAX_DESIGN,
@@ -134,6 +135,7 @@ def implementer_prompt(
         previous_account=context.previous_account,
         diff_stat=facts.diff_stat(workspace) if context.previous_account or feedback else "",
         feedback=cut_feedback(feedback),
+        hacks=HACKS,
     )
 
 

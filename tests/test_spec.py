@@ -89,6 +89,13 @@ def test_a_tolerance_that_would_switch_its_check_off_is_refused(catalog_yaml, fi
     assert getattr(parse_target(catalog_yaml).accuracy, field) == 0.5
 
 
+@pytest.mark.parametrize("field", ["rope_theta", "rms_norm_eps"])
+def test_a_model_constant_that_cannot_be_is_named_at_the_spec(catalog_yaml, field):
+    """A negative RoPE base or norm epsilon validated and failed in the first forward pass, a NaN far from it."""
+    catalog_yaml["model"]["config"][field] = -1.0
+    assert f"field `model.config.{field}`: Input should be greater than 0" in _error(catalog_yaml)
+
+
 def test_hardware_numbers_come_from_the_catalog_and_can_be_overridden(catalog_yaml):
     catalog_yaml["hardware"] = {"kind": "h100", "count": 2, "memory_gb": 94}
     spec = parse_target(catalog_yaml)

@@ -191,6 +191,21 @@ def tasks(size: int = 3):
     return Tasks({"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(size))
 
 
+class Sized(Tasks):
+    """A task set whose length is its config's size, as reasoning-gym's: a negative size fails in len()."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(tasks(3))
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+
+def sized(size: int = 3):
+    return Sized(size)
+
+
 class Unscored(Tasks):
     """A task set whose scorer forgot its return: every answer scored None."""
 
@@ -541,11 +556,19 @@ def test_a_module_in_the_working_folder_but_not_importable_says_how_to_import_it
             "'my_envs:HiddenNumber' does not take params {'size': 3}",
         ),
         ({"entry": "my_envs:tasks", "adapter": "tasks", "params": {"size": 0}}, "made an empty task set"),
+        ({"entry": "my_envs:sized", "adapter": "tasks", "params": {"size": -5}}, "whose len() fails"),
         ({"entry": "my_envs:Echo", "adapter": "gymnasium"}, "async reset/step: gymnasium's are plain calls"),
         ({"entry": "my_envs:HiddenNumber", "adapter": "text"}, "a text environment has async reset(task)"),
         ({"entry": "my_envs:tasks", "adapter": "gymnasium"}, "which has no reset, step"),
     ],
-    ids=["wrong params", "empty task set", "async as gymnasium", "sync as text", "not an environment"],
+    ids=[
+        "wrong params",
+        "empty task set",
+        "a failing len()",
+        "async as gymnasium",
+        "sync as text",
+        "not an environment",
+    ],
 )
 def test_an_entry_that_cannot_make_an_environment_is_named_when_the_run_makes_it(
     catalog_yaml, user_package, environment, message
@@ -554,6 +577,20 @@ def test_an_entry_that_cannot_make_an_environment_is_named_when_the_run_makes_it
     with pytest.raises(UserEnvironmentError, match="environment entry 'my_envs:") as caught:
         _pool(spec)
     assert message in str(caught.value)
+
+
+def test_a_harness_command_names_an_environment_that_cannot_be_made_before_it_judges_anything(
+    tmp_path, catalog_yaml, user_package
+):
+    """``check`` ran the accuracy checks first and then failed the system run with the environment's
+    traceback, as the candidate's failure; every harness command now makes the user's environment first."""
+    from orchestrator.cli.app import session
+
+    spec = _spec(catalog_yaml, {"entry": "my_envs:sized", "adapter": "tasks", "params": {"size": -5}})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
+    with pytest.raises(UserEnvironmentError, match="'my_envs:sized' made a task set whose len\\(\\) fails"):
+        session(str(path), "subprocess", None)
 
 
 def test_an_answer_that_is_not_a_text_step_and_a_step_during_the_reset_are_named(catalog_yaml, user_package):

@@ -228,8 +228,12 @@ def open_tracker(track: str | None, track_dir: Path | None, default_dir: Callabl
 
 
 def session(target: str, sandbox: str, time_limit: float | None, simulate: bool = False):
-    """The harness session for a command (``Session.open``): the target resolved once."""
+    """The harness session for a command (``Session.open``): the target resolved once, and a user's environment
+    made and closed once, so one that cannot be made is named as the user's before a run blames a candidate."""
+    from targets.harness.environments.adapters import check_environment
     from targets.harness.measure.session import Session
     from targets.harness.target import Target
 
-    return Session.open(Target.load(target, simulate=simulate), sandbox, time_limit)
+    resolved = Target.load(target, simulate=simulate)
+    check_environment(resolved.spec.workload.environment)
+    return Session.open(resolved, sandbox, time_limit)

@@ -31,8 +31,8 @@ class ModelConfig(Strict):
     num_key_value_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
     max_position_embeddings: int = Field(default=4096, gt=0)
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
+    rope_theta: float = Field(default=1_000_000.0, gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
     tie_word_embeddings: bool = False
     num_experts: int | None = Field(default=None, gt=0)
     num_experts_per_tok: int | None = Field(default=None, gt=0)

@@ -305,7 +305,13 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
     made = _make(entry, factory, params)
     if adapter == "tasks":
         _needs(entry, made, ("__len__", "__getitem__", "score_answer"), "a task set is indexed and scores answers")
-        if not len(made):
+        try:  # the user's len(): its own failure (reasoning-gym's size -5) is named as the entry's, no traceback
+            size = len(made)
+        except (TypeError, ValueError, OverflowError) as error:
+            raise UserEnvironmentError(
+                f"environment entry {entry!r} made a task set whose len() fails ({error}): check its params"
+            ) from None
+        if not size:
             raise UserEnvironmentError(f"environment entry {entry!r} made an empty task set")
         return lambda: TaskSet(made)
     first = [made]  # the instance made to check the entry is the first episode's

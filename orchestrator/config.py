@@ -59,7 +59,7 @@ def resumable(default: Any, **kwargs) -> Any:
 class LLMConfig(BaseModel):
     """An LLM backend's settings (never a key: only the name of the variable that holds it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON keeps no inf: saved, it came back None
     model: str | None = None
     base_url: str | None = None  # an OpenAI-compatible server (vLLM, llama.cpp) or a proxy
     api_key_env: str | None = None  # default OPENAI_API_KEY / ANTHROPIC_API_KEY
@@ -73,7 +73,7 @@ class RunConfig(BaseModel):
     defaults to 3 measured pairs on a real target, 1 on a simulated one (exact for its seed);
     ``held_out`` to 3 on a simulated target, 0 on a real one (each seed is four more real runs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON keeps no inf: saved, it came back None
     target: str = ""  # as given (catalog id, or a spec path made absolute)
     target_id: str = ""
     simulated: bool = False

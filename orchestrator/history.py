@@ -202,12 +202,14 @@ class History:
         """The commit a run's record names; a commit the repository lacks (a state from another copy of
         the run, a history rewritten by hand) is named, not a traceback."""
         try:
-            return self.repo.commit(commit)
+            found = self.repo.commit(commit)
+            found.tree  # noqa: B018 - resolved now: gitpython takes the all-zero id lazily, and fails on its first read
         except (ValueError, git.BadName):
             raise HistoryError(
                 f"commit {commit[:10]} is not in {self.path}'s repository (git -C {self.path} log --all lists "
                 "what it has)"
             ) from None
+        return found
 
     def read(self, commit: str, path: str) -> str:
         """A file of a commit's tree (``stack/params.json``, ``DESIGN.md``)."""

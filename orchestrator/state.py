@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -128,7 +129,7 @@ class RoundRecord(BaseModel):
     task: Task
     parent_round: int | None
     parent_commit: str
-    verdict: str  # accepted | rejected | prescreened | error
+    verdict: Literal["accepted", "rejected", "prescreened", "error"]
     commit: str | None = None
     headline: float | None = None
     parent_headline: float | None = None

@@ -1065,6 +1065,14 @@ def test_a_limit_of_zero_is_refused(tmp_path, option):
     assert result.exit_code == 2 and option in result.output and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(("option", "value"), [("--time-limit", "inf"), ("--max-minutes", "nan")])
+def test_a_limit_that_is_no_number_is_refused(tmp_path, option, value):
+    """``--time-limit inf`` was taken, saved to JSON as null, and a resume ran under the target's default."""
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", option, value, "--out", str(tmp_path / "r")], env=ENV)
+    assert result.exit_code == 2 and f"{option} {value}: Input should be a finite number" in result.output
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_unknown_policy_is_refused_before_anything_is_written(tmp_path):
     result = runner.invoke(
         app, ["generate", "tiny-qwen3-cpu", "--policy", "random", "--out", str(tmp_path / "r")], env=ENV

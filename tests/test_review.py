@@ -308,12 +308,18 @@ def test_a_damaged_state_names_its_field_and_a_commit_git_lacks_is_named(tmp_pat
         state.write_text(json.dumps({**kept, **damage}))
         result = runner.invoke(app, ["log", str(run)], env=NARROW)
         assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
-    rounds = [{**kept["rounds"][0], "commit": "deadbeef" * 5}, *kept["rounds"][1:]]
-    state.write_text(json.dumps({**kept, "rounds": rounds}))
-    for command in (["show", str(run), str(rounds[0]["round"])], ["report", str(run)]):
-        result = runner.invoke(app, command, env=NARROW)
-        assert result.exit_code == 2 and "commit deadbeefde is not in" in result.output, result.output
-        assert "Traceback" not in result.output
+    unknown = [{**kept["rounds"][0], "verdict": "maybe"}, *kept["rounds"][1:]]  # report raised on it; log showed it
+    state.write_text(json.dumps({**kept, "rounds": unknown}))
+    result = runner.invoke(app, ["log", str(run)], env=NARROW)
+    said = "rounds.0.verdict: Input should be 'accepted', 'rejected', 'prescreened' or 'error'"
+    assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+    for commit in ("deadbeef" * 5, "0" * 40):  # gitpython takes the all-zero id and fails later, unnamed
+        rounds = [{**kept["rounds"][0], "commit": commit}, *kept["rounds"][1:]]
+        state.write_text(json.dumps({**kept, "rounds": rounds}))
+        for command in (["show", str(run), str(rounds[0]["round"])], ["report", str(run)]):
+            result = runner.invoke(app, command, env=NARROW)
+            assert result.exit_code == 2 and f"commit {commit[:10]} is not in" in result.output, result.output
+            assert "Traceback" not in result.output
     state.unlink()
     state.mkdir()
     result = runner.invoke(app, ["log", str(run)], env=NARROW)

@@ -809,7 +809,15 @@ REAL_START = _trace_line("run_start", 0.0, devices=["cpu:0", "cpu:1"], steps=1, 
 BAD_TRACES = {
     "missing": (None, "no such file (the trace.jsonl of a recorded real run)"),
     "not JSON lines": ("not json\n", "not a readable trace"),
-    "not trace events": ('{"kind": "train"}\n', "not a readable trace"),
+    "not trace events": ('{"kind": "train"}\n', "not a readable trace (line 1 is no trace event"),
+    # a run killed while it streamed: the line named is the one cut short, not "line 1" of every line's own parse
+    "cut short": (REAL_START + '{"kind": "train", "t": 1', "line 2 (the last, cut short: the trace of a run that"),
+    "data no mapping": (_trace_line("run_start", 0.0).replace("{}", "[]"), "line 1 is no trace event"),
+    "steps no number": (
+        _trace_line("run_start", 0.0, devices=["cpu:0", "cpu:1"], steps="8", tokens_recorded=True)
+        + _trace_line("run_end", 1.0),
+        "its run_start's steps is '8', not a number of steps",
+    ),
     "unfinished": (REAL_START, "not the trace of a finished run"),
     "stopped early": (REAL_START + _trace_line("run_end", 1.0), "the run trained 0 of its 1 steps"),
     "simulated": (

@@ -74,7 +74,23 @@ class Trace:
 
     @staticmethod
     def load_events(path: Path) -> list[TraceEvent]:
-        return [TraceEvent(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        """The events of a saved trace; a line that is none raises ``ValueError`` naming it (a last line cut
+        short is a run killed while it streamed)."""
+        lines = path.read_text().splitlines()
+        events = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                fields = json.loads(line)
+            except json.JSONDecodeError as error:
+                cut = " (the last, cut short: the trace of a run that did not finish)" if number == len(lines) else ""
+                raise ValueError(f"line {number}{cut} is not JSON: {error.msg}") from None
+            shaped = isinstance(fields, dict) and fields.keys() == {"kind", "t", "data"}
+            if not shaped or not isinstance(fields["data"], dict) or not isinstance(fields["t"], int | float):
+                raise ValueError(f"line {number} is no trace event ({{kind, t, data}}): {line[:120]}")
+            events.append(TraceEvent(**fields))
+        return events
 
 
 FLUSHED_AFTER = frozenset({"train", "sync", "weight_export", "suspend", "resume", "run_start", "run_end"})

@@ -495,6 +495,8 @@ def recorded_run(trace_path: Path, target: Target) -> tuple[list[TraceEvent], in
     if not starts[0].data.get("tokens_recorded", True):
         raise TraceRefused(f"--trace {trace_path}: a simulated run (it recorded no tokens); calibration fits real ones")
     trained, planned = sum(1 for e in events if e.kind == "train"), starts[0].data.get("steps")
+    if planned is not None and (not isinstance(planned, int) or isinstance(planned, bool)):
+        raise TraceRefused(f"--trace {trace_path}: its run_start's steps is {planned!r}, not a number of steps")
     if trained == 0 or (planned is not None and trained < planned):
         raise TraceRefused(
             f"--trace {trace_path}: the run trained {trained} of its {planned} steps: fit a finished run"

@@ -17,6 +17,7 @@ from agents import workspace_git
 from agents.offline import make_offline_agents
 from agents.roles import Agents
 from targets.harness.measure.session import Session
+from targets.yaml_text import load_yaml
 
 BACKENDS = ("offline", "openai", "anthropic", "cli:claude", "cli:codex")
 
@@ -37,7 +38,7 @@ def load_prices(path: str | None) -> dict[str, tuple[float, float]]:
     prices = dict(DEFAULT_PRICES)
     if path:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = load_yaml(Path(path).read_text(), str(path)) or {}
         except OSError as error:
             raise ValueError(f"{path}: {error.strerror or error}") from None
         except yaml.YAMLError as error:

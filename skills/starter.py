@@ -109,6 +109,10 @@ def parse_params(texts, flag: str) -> dict:
         if isinstance(parsed, (list, dict)):
             kind = "a list" if isinstance(parsed, list) else "an object"
             raise ValueError(f"{flag} {text!r}: a value is a number, true, false, null or text, not {kind}")
+        if name.strip() in params:  # the last would win unsaid: which one the user meant is theirs to say
+            raise ValueError(
+                f"{flag} {name.strip()} given twice ({format_param(name.strip(), params[name.strip()])}, {text})"
+            )
         params[name.strip()] = parsed
     return params
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from targets.yaml_text import load_yaml
+
 MEASURED = ("turns", "env_latency_s", "env_latency_max_s", "env_failure_rate", "env_reset_s")
 MEASURED_TOKENS = ("prompt", "observation", "response_length")
 PROVENANCE = ("measured_on", "samples")  # what the fragment says of itself: kept, never merged
@@ -33,9 +35,11 @@ def with_profile(workload: Any, base_dir: Path) -> Any:
     path = Path(str(workload["profile"])).expanduser()
     path = path if path.is_absolute() else base_dir / path
     try:
-        fragment = yaml.safe_load(path.read_text())
+        fragment = load_yaml(path.read_text(), str(path))
     except OSError as error:
         raise ValueError(f"profile {path}: cannot read it ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"profile {path}: not UTF-8 text (byte {error.start}): is it the profile's YAML?") from None
     except yaml.YAMLError as error:
         raise ValueError(f"profile {path}: not valid YAML ({error})") from None
     if not isinstance(fragment, dict):

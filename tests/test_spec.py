@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from targets.spec import SpecError, catalog_ids, load_target, parse_target
+from targets.yaml_text import load_yaml
 
 runner = CliRunner()
 
@@ -555,6 +556,31 @@ def test_a_mistyped_candidate_or_starter_is_refused_before_any_work(tmp_path):
         generate = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--starter-param", param, "--out", str(run)])
         assert generate.exit_code == 2 and said in generate.output, generate.output
         assert not run.exists()
+
+
+def test_a_key_given_twice_and_a_yes_no_for_a_number_are_named(tmp_path, catalog_yaml):
+    """PyYAML keeps a key's last value silently (a batch_size set twice ran with the second), and pydantic read
+    ``train_steps: true`` as 1; a broken file was cited as ``<unicode string>``."""
+    text = yaml.safe_dump(catalog_yaml, sort_keys=False)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(text.replace("  batch_size:", "  batch_size: 4\n  batch_size:", 1))
+    result = runner.invoke(app, ["target", "validate", str(spec)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "found the key 'batch_size' twice (first on line" in said, result.output
+    assert f'in "{spec}", line' in said and "<unicode string>" not in said
+    catalog_yaml["workload"]["train_steps"] = True
+    assert "field `workload`: train_steps: True is a yes/no, not a number" in _error(catalog_yaml)
+    merged = "base: &b {x: 1}\nm:\n  <<: *b\n  x: 2\n"  # a merge's keys are overridden by design
+    assert load_yaml(merged, "m.yaml") == {"base": {"x": 1}, "m": {"x": 2}}
+
+
+def test_a_parameter_given_twice_is_refused(tmp_path):
+    run = tmp_path / "run"
+    params = ["--starter-param", "fused_kernels=true", "--starter-param", "fused_kernels=false"]
+    generate = runner.invoke(app, ["generate", "tiny-qwen3-cpu", *params, "--out", str(run)])
+    said = "--starter-param fused_kernels given twice (fused_kernels=true, fused_kernels=false)"
+    assert generate.exit_code == 2 and said in generate.output, generate.output
+    assert not run.exists()
 
 
 def test_a_broken_catalog_entry_is_an_error_not_an_unavailable_row(monkeypatch, tmp_path, catalog_yaml):

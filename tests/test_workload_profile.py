@@ -322,6 +322,18 @@ def test_a_bad_profile_is_a_spec_error_naming_the_file_or_key(catalog_yaml, tmp_
     assert result.exit_code == 2 and message.split(":")[0] in result.output and "Traceback" not in result.output
 
 
+def test_a_profile_with_a_key_twice_or_that_is_no_text_names_its_file(catalog_yaml, tmp_path):
+    _profiled_spec(catalog_yaml, tmp_path, FRAGMENT)
+    profile = tmp_path / "profiles" / "env.yaml"
+    text = profile.read_text()
+    profile.write_text(text + text.splitlines()[0] + "\n")  # its first key again
+    with pytest.raises(SpecError, match=f"(?s)profile {profile}: not valid YAML .* twice"):
+        load_target(tmp_path / "spec.yaml")
+    profile.write_bytes(b"\xff\xfe turns")
+    with pytest.raises(SpecError, match=f"profile {profile}: not UTF-8 text"):
+        load_target(tmp_path / "spec.yaml")
+
+
 def test_the_calibrated_twin_of_a_user_environment_target_loads_as_written(tmp_path):
     """The twin of a target with a BPE tokenizer plays its environment on the built-in stand-in, which a
     real run refuses with that tokenizer: written as a real target, it could not be loaded (the pre-screen

@@ -34,6 +34,7 @@ from orchestrator.state import RunState
 from orchestrator.tables import RoundsView, best_generalization, best_over_starter, generalization_table, num
 from skills.starter import format_param, parse_params
 from targets.spec import load_target
+from targets.yaml_text import load_yaml
 
 DEFAULT = RunConfig()
 LLM_OPTIONS = tuple(LLMConfig.model_fields)  # model, base_url, api_key_env, prices, stream, max_output_tokens
@@ -53,7 +54,7 @@ def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
         return typer.Exit(2)
 
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text(), str(path))
     except OSError as error:
         raise refuse(f"cannot read it ({error.strerror})") from None
     except (UnicodeDecodeError, yaml.YAMLError) as error:

@@ -12,6 +12,7 @@ from targets.spec.base import SpecError
 from targets.spec.hardware import HARDWARE_FORMS
 from targets.spec.target import TargetSpec
 from targets.workload_profile import MEASURED, MEASURED_TOKENS
+from targets.yaml_text import load_yaml
 
 CATALOG_DIR = Path(__file__).parent.parent / "catalog"
 
@@ -72,7 +73,7 @@ def load_target_file(path: Path) -> TargetSpec:
     except UnicodeDecodeError as error:
         raise SpecError(f"target spec {path} is not UTF-8 text (byte {error.start}): is it the YAML file?") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text, str(path))
     except yaml.YAMLError as error:
         raise SpecError(f"target spec {path} is not valid YAML: {error}") from None
     return parse_target(data, source=str(path), base_dir=path.parent)

@@ -278,6 +278,18 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     assert "h800-only" in result.output  # the target's labelled baselines are names too
 
 
+def test_a_check_that_ran_nothing_points_at_no_log_folder(tmp_path, tiny_spec):
+    """A candidate the integrity scan refuses never runs: check printed (and kept) an empty log folder."""
+    from skills.starter import write_starter
+
+    stack = write_starter(tmp_path / "s", tiny_spec, "colocate")
+    (stack / "stack" / "broken.py").write_text("def f(:\n")
+    args = ["check", "tiny-qwen3-cpu", "--stack", str(stack), "--simulate", "--sandbox", "subprocess"]
+    result = runner.invoke(app, args, env=NARROW)
+    assert result.exit_code == 1 and "syntax error" in result.output, result.output
+    assert "logs and trace" not in result.output
+
+
 def test_a_corrupt_run_state_is_named_with_advice_that_works(tmp_path):
     """The advice was 'vibetrain log reads them', which failed with the same error."""
     import subprocess

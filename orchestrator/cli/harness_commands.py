@@ -257,7 +257,7 @@ def check(
         results = judge.check(stack, logs, seed=secrets.randbelow(2**31))
     print_table(checks_table(results))
     passed = all(r.passed for r in results)
-    if not passed and out is None:
+    if not passed and out is None and any(logs.iterdir()):  # a candidate the scan refused ran nothing to log
         console.print(f"the run's logs and trace: {shown(keep(logs))}")
     if json_path:
         json_path.write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))

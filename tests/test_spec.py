@@ -346,6 +346,8 @@ def test_not_a_mapping_and_not_yaml(tmp_path):
 def test_unknown_catalog_id():
     with pytest.raises(SpecError, match="unknown target 'nope'.*tiny-qwen3-cpu"):
         load_target("nope")
+    with pytest.raises(SpecError, match="unknown target 'tiny-qwen3-gpu' \\(did you mean 'tiny-qwen3-cpu'\\?\\)"):
+        load_target("tiny-qwen3-gpu")
 
 
 def test_a_folder_named_like_a_catalog_target_never_hides_it(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,11 @@ def resolve_target_path(ref: str | Path) -> Path:
     catalog_path = CATALOG_DIR / f"{ref}.yaml"
     if not catalog_path.exists():  # a folder of the same name (a run, a starter) never hides a catalog id
         what = "a directory, not a spec's YAML file" if path.is_dir() else "no such file"
-        raise SpecError(f"unknown target {str(ref)!r}: not a catalog id (known: {', '.join(catalog_ids())}) and {what}")
+        close = difflib.get_close_matches(str(ref), catalog_ids(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise SpecError(
+            f"unknown target {str(ref)!r}{hint}: not a catalog id (known: {', '.join(catalog_ids())}) and {what}"
+        )
     return catalog_path
 
 

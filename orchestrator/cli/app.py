@@ -68,6 +68,10 @@ def argument(path: object) -> str:
     return escape(shlex.quote(str(path)))
 
 
+TARGET_ARGUMENT = typer.Argument(
+    ..., metavar="TARGET", help="a catalog id (vibetrain targets lists them) or a target spec's YAML file"
+)
+RUN_ARGUMENT = typer.Argument(..., metavar="RUN", help="a run's folder (generate's --out; default generated/<target>)")
 JSON_OPTION = typer.Option(False, "--json", help="print JSON instead of a table (for scripts)")
 SANDBOX_OPTION = typer.Option("auto", help="auto | bubblewrap | docker | subprocess")
 TIME_LIMIT_OPTION = typer.Option(

@@ -16,6 +16,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 from orchestrator.cli.app import (
+    TARGET_ARGUMENT,
     UsageError,
     app,
     argument,
@@ -125,7 +126,7 @@ def _given(ctx: typer.Context) -> dict:
 @command(app, "generate")
 def generate(
     ctx: typer.Context,
-    target: str,
+    target: str = TARGET_ARGUMENT,
     rounds: int = typer.Option(DEFAULT.rounds, min=0, help="rounds after the starter (round 0)"),
     policy: str = typer.Option(DEFAULT.policy, help="backlog | evolve | llm"),
     selection: str = typer.Option(

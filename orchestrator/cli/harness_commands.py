@@ -22,6 +22,7 @@ from rich.table import Table
 from orchestrator.cli.app import (
     JSON_OPTION,
     SANDBOX_OPTION,
+    TARGET_ARGUMENT,
     TIME_LIMIT_OPTION,
     UsageError,
     app,
@@ -137,7 +138,7 @@ def validate_target(path: Path) -> None:
 
 @command(app, "reference")
 def reference(
-    target: str,
+    target: str = TARGET_ARGUMENT,
     steps: int = typer.Option(30, min=1, help="training steps"),
     seed: int = typer.Option(0, help="seed for sampling and environments (weights come from the spec)"),
 ) -> None:
@@ -179,7 +180,7 @@ def reference(
 
 @command(app, "starter")
 def starter(
-    target: str,
+    target: str = TARGET_ARGUMENT,
     out: Path = typer.Option(..., help="directory to create (holds stack/ and DESIGN.md)"),
     controller: str = typer.Option(
         DEFAULT_CONTROLLER, help="colocate | static_split | time_multiplex (the default is generate's round 0)"
@@ -220,7 +221,7 @@ def say_execution(judge, simulate: bool) -> None:
 
 @command(app, "check")
 def check(
-    target: str,
+    target: str = TARGET_ARGUMENT,
     stack: Path = typer.Option(
         None,
         help="candidate directory (holds stack/) or RUN@best (@latest, @round-N); default: the first baseline starter",
@@ -291,7 +292,7 @@ def other_hardware_session(measuring, baseline, work: Path, sandbox: str, time_l
 
 @command(app, "bench")
 def bench(
-    target: str,
+    target: str = TARGET_ARGUMENT,
     stack: list[Path] = typer.Option(
         [], help="candidate directory, or RUN@best (@latest, @round-N) of a generate run (repeatable)"
     ),
@@ -462,7 +463,7 @@ def bench(
 
 @command(app, "calibrate")
 def calibrate(
-    target: str,
+    target: str = TARGET_ARGUMENT,
     stack: Path = typer.Option(
         ..., help="candidate directory (holds stack/) or RUN@best (@latest, @round-N): run for real"
     ),
@@ -536,7 +537,7 @@ def calibrate(
 
 @command(workload_app, "profile")
 def profile_workload(
-    target: str,
+    target: str = TARGET_ARGUMENT,
     out: Path = typer.Option(..., help="write the profile (a YAML fragment of workload keys) here"),
     stack: Path = typer.Option(
         None,

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from orchestrator.cli.app import (
     JSON_OPTION,
+    RUN_ARGUMENT,
     UsageError,
     app,
     argument,
@@ -45,7 +46,7 @@ def _state_and_history(run: Path, command: str) -> tuple[RunState, History]:
 
 
 @command(app, "log")
-def log_rounds(run: Path, as_json: bool = JSON_OPTION) -> None:
+def log_rounds(run: Path = RUN_ARGUMENT, as_json: bool = JSON_OPTION) -> None:
     """Table of a run's rounds: task, verdict, metric, delta vs parent, commit; rejected ones with
     reasons, validated ones with why they were (not) promoted. Tab-separated rows in a pipe.
 
@@ -105,7 +106,7 @@ def _round_of(run: Path, state, which: str):
 
 @command(app, "show")
 def show_round(
-    run: Path,
+    run: Path = RUN_ARGUMENT,
     which: str = typer.Argument("best", metavar="ROUND", help="a round number (N or round-N), best or latest"),
     as_json: bool = JSON_OPTION,
     profile: bool = typer.Option(False, "--profile", help="also print the harness's per-call profile"),
@@ -198,7 +199,7 @@ def export(
 
 @command(app, "report")
 def report(
-    run: Path,
+    run: Path = RUN_ARGUMENT,
     out: str = typer.Option(
         None,
         help="HTML file to write, or a directory (existing, or ending in /) to put <run>-report.html in "

@@ -190,7 +190,7 @@ def test_every_command_and_group_shows_an_example_in_its_help():
 
 
 def test_short_help_and_version():
-    assert "show [OPTIONS] {run} [ROUND]" in _ok("show", "-h") and "Example:" in _ok("show", "-h")
+    assert "show [OPTIONS] {RUN} [ROUND]" in _ok("show", "-h") and "Example:" in _ok("show", "-h")
     assert _ok("--version").startswith("vibetrain 0.")
     # the command list joins a docstring's source lines (it broke calibrate's at "and print", whatever the width)
     listed = _ok("--help", env={"COLUMNS": "200"})

@@ -309,7 +309,7 @@ def test_a_plan_step_in_any_language_becomes_a_task_id_or_is_left_out(tiny_spec)
     state = RunState.model_construct(rounds=[r0], backlog=[], best_round=0)
     plan = ["then tune the µ-batch size", "réduire la latence", "µµµ"]
     choice = SimpleNamespace(parent_round=0, task=Task(id="add-kv_routing", title="t", rationale="r"), plan=plan)
-    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, SimpleNamespace(plan=lambda state, design: choice), lambda r: "")
+    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, SimpleNamespace(plan=lambda *args: choice), lambda r: "")
     parent, task = policy.propose(state, lambda r: {})
     assert (parent.commit, task.id) == ("c0", "add-kv_routing")
     assert [t.id for t in state.backlog] == ["plan-then-tune-the---batch-size", "plan-r-duire-la-latence"]
@@ -455,13 +455,34 @@ def test_a_planner_call_that_finds_the_budget_spent_stops_the_run_not_falls_back
     assert server.requests == []  # refused before it was sent
 
 
+def test_the_planner_is_told_each_parameters_range_and_the_validated_candidates_params(server, tiny_spec):
+    """It saw only the parameters' names and no round's params.json: its changes left the ranges or rebuilt
+    a configuration, and each such round silently fell back to the backlog."""
+    from agents.llm.agents import LLMPlanner
+    from agents.offline.planner import OfflinePlanner
+    from orchestrator.policies.llm import LLMPolicy
+
+    answer = {"parent_round": 0, "task": {"id": "add-kv-routing", "title": "t", "rationale": "r"}, "plan": []}
+    server.script("planner", Reply(text=json.dumps(answer)))
+    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, LLMPlanner(tiny_spec, _client(server, "openai")), lambda r: "")
+    state = _llm_run_at_its_starter()
+    state.rounds[0].commit = "c0"
+    params = starter_params(tiny_spec, "colocate")
+    parent, task = policy.propose(state, lambda record: params)
+    assert task.id == "add-kv-routing"
+    prompt = server.requests[-1]["body"]["messages"][0]["content"]
+    [shown] = [line.removeprefix("- round 0: ") for line in prompt.splitlines() if line.startswith("- round 0: {")]
+    assert json.loads(shown) == params
+    assert "redundant_envs int [0, 4] step 1, default 0 (the simulator models it)" in prompt, prompt
+
+
 def test_a_planner_that_fails_hands_the_round_to_the_backlog_and_the_round_says_why(tiny_spec):
     """The fallback's reason was only logged: a run planned by the backlog every round said nothing of it."""
     from agents.offline.planner import OfflinePlanner
     from orchestrator.policies.llm import LLMPolicy
 
     class FailingPlanner:
-        def plan(self, state, design):
+        def plan(self, state, design, params):
             raise AgentError("the provider answered 503 five times")
 
     policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, FailingPlanner(), design_of=lambda record: "")
@@ -485,7 +506,7 @@ def test_a_planner_task_that_rebuilds_a_configuration_hands_the_round_to_the_bac
     params = starter_params(tiny_spec, "colocate")
     again = Task(id="retune", title="t", rationale="r", changes={k: params[k] for k in list(params)[:1]})
     choice = SimpleNamespace(parent_round=0, task=again, plan=[])
-    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, SimpleNamespace(plan=lambda state, design: choice), lambda r: "")
+    policy = LLMPolicy(OfflinePlanner(tiny_spec), 0, SimpleNamespace(plan=lambda *args: choice), lambda r: "")
     state = _llm_run_at_its_starter()
     state.rounds[0].commit = "c1"  # the starter, validated as a commit of its own
     parent, task = policy.propose(state, lambda record: params)

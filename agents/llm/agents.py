@@ -32,7 +32,7 @@ from agents.llm.tools import (
     truncated,
 )
 from agents.roles import AgentError, Attempt, Evaluation, Hint, RoundContext, Task
-from skills.library import load_skills
+from skills.library import ParamRange, load_skills
 from skills.validation import expand_file
 from skills.validation.expand import AnnotationError
 from targets.spec import TargetSpec
@@ -272,6 +272,18 @@ class LLMEvaluator:
         return evaluation
 
 
+def param_range(r: ParamRange) -> str:
+    """A parameter's range as the planner reads it: ``[0, 4] step 1, default 0 (the simulator models it)``."""
+    high = "" if r.max is None else f"{r.max:g}"
+    if r.max_fraction is not None:
+        high = (f"{high}, " if high else "") + f"at most {r.max_fraction:g} of the devices"
+    said = f"[{r.min:g}, {high or 'no bound'}]"
+    said += f" step {r.step:g}" if r.step is not None else ""
+    said += f" in whole engines of {r.step_engines}" if r.step_engines is not None else ""
+    said += f", default {r.default:g}" if r.default is not None else ""
+    return said + (" (the simulator models it)" if r.simulated else "")
+
+
 class LLMPlanner:
     """For the ``llm`` policy: proposes the parent and the task; the offline planner's range checks
     still apply when the task is implemented."""
@@ -279,13 +291,16 @@ class LLMPlanner:
     def __init__(self, spec: TargetSpec, client: ChatClient) -> None:
         self.spec, self.client = spec, client
 
-    def plan(self, state, design: str) -> PlannerOutput:
+    def plan(self, state, design: str, params: dict[int, dict]) -> PlannerOutput:
+        """``params``: each validated round's ``params.json``, by round (what a task's changes move from)."""
         system = PROMPTS.get_template("planner.j2").render(
             target=self.spec,
             rounds=state.rounds,
             best_round=state.best_round,
             skills=list(load_skills().values()),
             design=design,
+            params=params,
+            param_range=param_range,
         )
         return answer(
             self.client, system, [{"role": "user", "content": "Plan the next round."}], PlannerOutput, "planner"

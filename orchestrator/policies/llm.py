@@ -29,7 +29,8 @@ class LLMPolicy:
         if state.best is None:
             return None
         try:
-            choice = self.llm_planner.plan(state, self.design_of(state.best))
+            validated = {r.round: params_of(r) for r in state.accepted()}
+            choice = self.llm_planner.plan(state, self.design_of(state.best), validated)
             parent = state.record(choice.parent_round)
             if parent is None or parent.verdict != "accepted":
                 raise AgentError(f"the planner chose round {choice.parent_round}, which is not a validated candidate")

@@ -1022,6 +1022,30 @@ def test_a_backend_that_refuses_the_runs_key_stops_the_run_with_every_round_kept
 
 
 @pytest.mark.slow
+def test_the_evaluator_is_told_the_spread_and_the_paired_comparison_with_the_best(server, tmp_path, tiny_spec):
+    """Its prompt held the medians alone: its hints could not say whether the change helped or was noise."""
+    from types import SimpleNamespace
+
+    from agents.llm.agents import LLMEvaluator
+    from agents.roles import Evaluation
+    from targets.harness.measure.session import Paired
+
+    measured = Evaluation(
+        headline=1.3,
+        metrics={"goodput": 1.3, "mean_step_time": 9.5},
+        spread={"goodput": 0.07},
+        repeats=[{}, {}, {}],
+        hints=[],
+        paired=Paired(ratio=1.084, low=1.021, high=1.151, pairs=3),
+    )
+    server.script("evaluator", Reply(text='{"hints": []}'))
+    offline = SimpleNamespace(evaluate=lambda *args: measured)
+    LLMEvaluator(tiny_spec, offline, _client(server, "openai")).evaluate(tmp_path, tmp_path, None, [0])
+    prompt = server.requests[-1]["body"]["messages"][0]["content"]
+    assert "- goodput: 1.3 (spread 0.07)" in prompt and "- mean_step_time: 9.5\n" in prompt
+    assert "1.084x on the headline over 3 interleaved pairs, 95% interval [1.021, 1.151]" in prompt
+
+
 def test_the_llm_review_rejects_a_hack_the_gate_let_through(server, tmp_path, fast_target):
     _script_a_run(server, rounds=1, review="reject")
     code, output, run = generate(server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-attempts", "1")

@@ -247,6 +247,8 @@ class LLMEvaluator:
             target=self.spec,
             repeats=len(evaluation.repeats),
             metrics=metrics,
+            spread=evaluation.spread,
+            paired=evaluation.paired,
             hints=evaluation.hints,
             profile=evaluation.profile[:6000],
             codes=codes,

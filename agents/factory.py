@@ -75,7 +75,7 @@ def make_agents(
     if backend == "offline":
         return offline
     from agents.llm.accounting import Accounting
-    from agents.llm.agents import LLMEvaluator, LLMImplementer, LLMPlanner
+    from agents.llm.agents import DEFAULT_MAX_TURNS, LLMEvaluator, LLMImplementer, LLMPlanner
     from agents.llm.client import DEFAULT_MAX_OUTPUT_TOKENS, ClientConfig, make_client
     from agents.llm.judge import LLMJudge
 
@@ -124,7 +124,14 @@ def make_agents(
         return benchmark_tool(session, workspace)
 
     implementer = LLMImplementer(
-        spec, client, session.sandbox, offline.implementer, checks, benchmark, accounting=accounting
+        spec,
+        client,
+        session.sandbox,
+        offline.implementer,
+        checks,
+        benchmark,
+        max_turns=llm.get("max_turns") or DEFAULT_MAX_TURNS,
+        accounting=accounting,
     )
     return Agents(
         backend,

@@ -66,6 +66,7 @@ class LLMConfig(BaseModel):
     prices: str | None = None  # YAML of model: [input, output] USD per million tokens
     stream: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
+    max_turns: int | None = Field(None, ge=1)  # an implementer attempt's model turns (default 40)
 
 
 class RunConfig(BaseModel):

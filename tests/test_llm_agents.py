@@ -1046,6 +1046,24 @@ def test_the_evaluator_is_told_the_spread_and_the_paired_comparison_with_the_bes
     assert "1.084x on the headline over 3 interleaved pairs, 95% interval [1.021, 1.151]" in prompt
 
 
+def test_max_turns_sets_an_implementer_attempts_turns(server, monkeypatch):
+    """The implementer's 40 turns were fixed: a large task's attempt could not be given more, nor a cheap
+    run fewer."""
+    from agents.factory import make_agents
+    from agents.llm.agents import DEFAULT_MAX_TURNS
+    from targets.harness.measure.session import Session
+    from targets.harness.target import Target
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    session = Session.open(Target.load("tiny-qwen3-cpu"), "subprocess", None)
+    llm = {"model": "gpt-4o", "base_url": server.url + "/v1"}
+    made = [
+        make_agents("openai", session, engine_devices=1, seed=0, repeat=1, llm={**llm, **more})
+        for more in ({}, {"max_turns": 7})
+    ]
+    assert [agents.implementer.max_turns for agents in made] == [DEFAULT_MAX_TURNS, 7]
+
+
 def test_the_llm_review_rejects_a_hack_the_gate_let_through(server, tmp_path, fast_target):
     _script_a_run(server, rounds=1, review="reject")
     code, output, run = generate(server, tmp_path, fast_target, "openai", "--rounds", "1", "--max-attempts", "1")

@@ -172,6 +172,9 @@ def expand_annotations(workspace: Path) -> list[str]:
     return problems
 
 
+DEFAULT_MAX_TURNS = 40  # an implementer attempt's model turns unless --max-turns says otherwise
+
+
 class LLMImplementer:
     """A tool loop in the workspace until the model calls ``finish`` and the checks pass (a failing
     check or an annotation error goes back to the model while its turns last)."""
@@ -184,7 +187,7 @@ class LLMImplementer:
         offline,
         checks,
         benchmark=None,
-        max_turns: int = 40,
+        max_turns: int = DEFAULT_MAX_TURNS,
         accounting=None,
     ) -> None:
         self.spec, self.client, self.sandbox, self.max_turns = spec, client, sandbox, max_turns

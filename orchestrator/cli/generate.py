@@ -38,7 +38,7 @@ from targets.spec import load_target
 from targets.yaml_text import load_yaml
 
 DEFAULT = RunConfig()
-LLM_OPTIONS = tuple(LLMConfig.model_fields)  # model, base_url, api_key_env, prices, stream, max_output_tokens
+LLM_OPTIONS = tuple(LLMConfig.model_fields)  # model, base_url, ..., max_output_tokens, max_turns
 RENAMED = {"time_limit": "time_limit_s"}  # option -> RunConfig field, where their names differ
 NOT_CONFIG = ("target", "out", "resume", "simulate", "workspaces", "track", "track_dir", "config", "print_config")
 RUN_FILE_SKIP = ("config", "print_config")
@@ -146,6 +146,9 @@ def generate(
     max_tokens: int = typer.Option(None, min=1, help="token budget for LLM calls (input + output)"),
     max_output_tokens: int = typer.Option(
         None, min=1, help="the most tokens one LLM reply may have (default: 4096); a reply cut there is told so"
+    ),
+    max_turns: int = typer.Option(
+        None, min=1, help="the most model turns one implementer attempt may take (default: 40); then it ends"
     ),
     prices: Path = typer.Option(
         None, help="YAML of model: (input, output) USD per million tokens (overrides the table)"

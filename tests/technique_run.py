@@ -17,23 +17,32 @@ from targets.spec import parse_target
 
 
 def harness_run(
-    tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None, patch=None, seed: int = 0
+    tmp_path,
+    fast_target,
+    params: dict,
+    simulate: bool,
+    workload: dict | None = None,
+    patch=None,
+    seed: int = 0,
+    controller: str = "time_multiplex",
 ):
-    """The time_multiplex starter with ``params`` on the fast target with ``workload`` changes, measured;
+    """The ``controller`` starter with ``params`` on the fast target with ``workload`` changes, measured;
     ``patch(stack_dir)`` plants a change in the written stack first. Returns (spec, run)."""
     data = yaml.safe_load(fast_target.read_text())
     data["workload"].update(workload or {})
-    return target_run(tmp_path, data, params, simulate, patch, seed)
+    return target_run(tmp_path, data, params, simulate, patch, seed, controller)
 
 
-def target_run(tmp_path, data: dict, params: dict, simulate: bool, patch=None, seed: int = 0):
-    """The time_multiplex starter with ``params`` on the target ``data`` (a spec's YAML as a dict),
+def target_run(
+    tmp_path, data: dict, params: dict, simulate: bool, patch=None, seed: int = 0, controller: str = "time_multiplex"
+):
+    """The ``controller`` starter with ``params`` on the target ``data`` (a spec's YAML as a dict),
     measured; ``patch(stack_dir)`` plants a change first. Returns (spec, run)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     target_path = tmp_path / "target.yaml"
     target_path.write_text(yaml.safe_dump(data))
     spec = parse_target(data)
-    stack = write_starter(tmp_path / "stack", spec, "time_multiplex")
+    stack = write_starter(tmp_path / "stack", spec, controller)
     path = stack / "stack" / "params.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **params}))
     if patch:
@@ -50,9 +59,17 @@ def target_run(tmp_path, data: dict, params: dict, simulate: bool, patch=None, s
     return spec, run
 
 
-def audited_run(tmp_path, fast_target, params: dict, simulate: bool, workload: dict | None = None, seed: int = 0):
+def audited_run(
+    tmp_path,
+    fast_target,
+    params: dict,
+    simulate: bool,
+    workload: dict | None = None,
+    seed: int = 0,
+    controller: str = "time_multiplex",
+):
     """A run that must succeed and pass the audit: (spec, its trace's events)."""
-    spec, run = harness_run(tmp_path, fast_target, params, simulate, workload, seed=seed)
+    spec, run = harness_run(tmp_path, fast_target, params, simulate, workload, seed=seed, controller=controller)
     assert run.ok, run.cause
     audit = run.results["audit"]["result"]
     assert audit["passed"], audit["reasons"]

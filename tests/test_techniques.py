@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from targets.harness.trace import Trace, token_count
-from tests.technique_run import audited_run, harness_run, planted, target_run
+from tests.technique_run import audited_run, harness_run, planted, round_hints, target_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
@@ -627,6 +627,43 @@ def test_tail_batching_defers_groups_that_outlive_a_step_and_runs_their_tasks_ag
     assert not deferred & set(relaunch_of)
     trained = {t["group"] for e in events if e.kind == "train" for t in e.data["trajectories"]}
     assert not trained & deferred
+
+
+RESETS = {"env_reset_s": {"kind": "fixed", "value": 20.0}}  # a sandbox's start: far over a simulated step's training
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["real", "simulated"])
+def test_env_prestart_resets_the_next_steps_environments_while_the_devices_train(tmp_path, fast_target, simulate):
+    """Colocate launches each later step's groups as a batch is taken, behind the resume: created before that
+    step's training began, their first request after it ended (under the new weights). Simulated with
+    resets of 20 s, the run is shorter than colocate's without it, and the evaluator names the wait."""
+    workload = RESETS if simulate else {}
+    prestart = {"env_prestart": 1}
+    spec, events = audited_run(tmp_path / "on", fast_target, prestart, simulate, workload, controller="colocate")
+    trains = [e for e in events if e.kind == "train"]
+    resumes = [e.t for e in events if e.kind == "resume"]
+    created = {e.data["episode"]: e.t for e in events if e.kind == "episode_created"}
+    first_request = {}
+    for e in events:
+        if e.kind == "generate":
+            first_request.setdefault(e.data["episode"], e.data["start"])
+    for step, train in enumerate(trains[1:], start=1):
+        episodes = [t["episode"] for t in train.data["trajectories"]]
+        assert all(created[x] <= trains[step - 1].data["start"] for x in episodes), f"step {step}'s groups were late"
+        assert all(first_request[x] >= resumes[step - 1] for x in episodes), f"step {step} generated before the resume"
+    if simulate:
+        _, without = audited_run(tmp_path / "off", fast_target, {}, simulate, workload, controller="colocate")
+        duration = {name: run[-1].t - run[0].t for name, run in (("on", events), ("off", without))}
+        # each later step's resets ran from its launch to the resume (the training step between): that is saved
+        launched = [min(created[t["episode"]] for t in train.data["trajectories"]) for train in trains]
+        hidden = sum(resumes[k] - launched[k + 1] for k in range(len(trains) - 1))
+        assert duration["off"] - duration["on"] > 0.8 * hidden > 0, (duration, hidden)
+        assert "reset_wait" in {h.code for h in round_hints(spec, without, {})}
+
+
+def test_env_prestart_is_refused_under_a_staleness_bound_of_0(tmp_path, fast_target):
+    spec, run = harness_run(tmp_path, fast_target, {"env_prestart": 1, "async_ratio": 0}, True, controller="colocate")
+    assert not run.ok and "env_prestart needs a staleness bound (async_ratio) of at least 1" in run.cause, run.cause
 
 
 def test_a_waiting_batch_refills_at_once_when_woken_and_never_on_a_timer():

@@ -26,6 +26,7 @@ JUDGE_BUSY = 0.5  # a reward model's own devices busy less than this share of th
 SERVING_SLACK = 0.6  # a serving pool whose p99 TTFT stayed under this share of its SLO has room to lend
 SMALL_BATCH = 4.0
 SYNC_SHARE = 0.10
+RESET_SHARE = 0.10  # an environment's mean reset over this share of a step: starting them early pays
 # of the engines' busy time spent prefilling (decode paused meanwhile); time_multiplex at paper scale spent
 # 25-27%, which the host tier took to 6.6% for 1.44x colocate (benchmarks/results/simulated-generalization.yaml)
 PREFILL_SHARE = 0.2
@@ -198,6 +199,18 @@ def hints_from(metrics: dict, events: list, simulated: bool, kinds: dict[str, st
             )
         )
     steps = max(1, sum(1 for e in events if e.kind == "train"))
+    resets = [e.data["latency"] for e in events if e.kind == "env_reset"]
+    step_s = metrics["duration_s"] / steps
+    if resets and statistics.mean(resets) > RESET_SHARE * step_s:
+        hints.append(
+            Hint(
+                code="reset_wait",
+                message=f"an environment takes {statistics.mean(resets):.0f} s to reset on average "
+                f"({max(resets):.0f} s at most), {statistics.mean(resets) / step_s:.0%} of a {step_s:.0f} s step: "
+                "resets started while the devices train would not hold rollout back",
+                evidence={"mean_reset_s": statistics.mean(resets), "max_reset_s": max(resets), "step_s": step_s},
+            )
+        )
     if metrics["sync_s"] * steps / metrics["duration_s"] > SYNC_SHARE:
         hints.append(
             Hint(

@@ -24,7 +24,8 @@ ENGINE_OPTIONS += ("fused_kernels",)  # null: with a GPU attention kernel; false
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
 STRUCTURE = ("controller", "engine", "cluster", "threads_per_actor", "rollout_devices", "train_devices", "bucket_bytes")
 TECHNIQUE_PARAMS = (  # what the controllers, the router, the harvester and the reward placement read
-    *("abort_stale", "affinity_ratio", "async_ratio", "checkpoint_level", "engine_scale", "harvest_margin", "host_kv"),
+    *("abort_stale", "affinity_ratio", "async_ratio", "checkpoint_level", "engine_scale", "env_prestart"),
+    *("harvest_margin", "host_kv"),
     *("kv_routing", "overlap_sync", "partial_rollout", "redundant_envs", "reward_devices", "reward_placement"),
     *("route_admit", "route_slack", "serving_harvest", "shrink_at", "stream_train", "tail_round"),
 )
@@ -188,6 +189,7 @@ def build(runtime: Runtime) -> Stack:
     # VAL: VAL_INT_RANGE (value=params.get("checkpoint_level", 0), min=0, max=2)
     # VAL: VAL_INT_RANGE (value=params.get("serving_harvest", 0), min=0, max=1)
     # VAL: VAL_INT_RANGE (value=params.get("stream_train", 0), min=0, max=1)
+    # VAL: VAL_INT_RANGE (value=params.get("env_prestart", 0), min=0, max=1)
     # The audit bounds the spares by what is declared, holds the run to the declared staleness bound,
     # and lets only a stack declaring tail_round defer groups.
     declared = Declared(

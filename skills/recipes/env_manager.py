@@ -34,6 +34,10 @@ wait, a long round launches all of them (``new_group(relaunch=...)``) before any
 tasks run beside each other instead of holding engines through every step's tail. A relaunched group
 is never deferred again.
 
+Environment prestart (``launch(gate=...)``, the ``env_prestart`` technique): a group launched with a gate
+resets its environments at once and generates only once the gate is set, so a sandbox that takes minutes to
+start does so while the devices train, not after.
+
 Environment checkpoints (``checkpoint_level``, the ``env_checkpoint`` technique), where a crash loses
 an environment's state (``Workload.env_state``): after each turn the episode checkpoints its
 environment, every turn (2) or only after a turn that changed state (1: the environment says which,
@@ -94,7 +98,9 @@ class EnvManager:
         """Groups with a member still running (a group's spares count it until they are cancelled)."""
         return len(self._group_tasks)
 
-    def launch(self, groups: int) -> None:
+    def launch(self, groups: int, gate: asyncio.Event | None = None) -> None:
+        """Start ``groups`` new groups; with ``gate``, each episode resets at once and generates once the gate
+        is set (``env_prestart``: environments started while the devices train)."""
         for _ in range(groups):
             relaunch = self._next_relaunch()
             episodes = self.envs.new_group(extra=self.redundancy, relaunch=relaunch)
@@ -106,7 +112,7 @@ class EnvManager:
             self.buffer.expect(group_id)
             members = self._group_tasks[group_id] = set()
             for episode in episodes:
-                task = asyncio.create_task(self._run_episode(episode))
+                task = asyncio.create_task(self._run_episode(episode, gate))
                 self._tasks[task] = episode.episode_id
                 members.add(task)
                 task.add_done_callback(lambda task, group_id=group_id: self._finished(task, group_id))
@@ -208,10 +214,11 @@ class EnvManager:
                 f"the rollout failed: {type(self._failure).__name__}: {self._failure}"
             ) from self._failure
 
-    async def _run_episode(self, episode) -> None:
+    async def _run_episode(self, episode, gate: asyncio.Event | None = None) -> None:
         t = Trajectory.start(episode.episode_id, episode.group_id, await episode.reset())
-        if self.start_after is not None:
-            await self.start_after.wait()
+        for wait in (self.start_after, gate):
+            if wait is not None:
+                await wait.wait()
         turn, checkpointing = 0, None
         try:
             while True:

@@ -661,6 +661,26 @@ def test_env_prestart_resets_the_next_steps_environments_while_the_devices_train
         assert "reset_wait" in {h.code for h in round_hints(spec, without, {})}
 
 
+def test_env_prestart_at_half_the_batch_launches_the_next_steps_groups_while_its_tail_rolls_out(tmp_path, fast_target):
+    """``prestart_at`` 0.5: the next step's groups start once half the batch's groups are ready, before the
+    batch is complete; they still generate only after the resume, and the audit passes."""
+    params = {"env_prestart": 1, "prestart_at": 0.5}
+    spec, events = audited_run(tmp_path, fast_target, params, True, RESETS, controller="colocate")
+    trains = [e for e in events if e.kind == "train"]
+    resumes = [e.t for e in events if e.kind == "resume"]
+    created = {e.data["episode"]: e.t for e in events if e.kind == "episode_created"}
+    done = {e.data["episode"]: e.t for e in events if e.kind == "env_step" and e.data["done"]}
+    first_request = {}
+    for e in events:
+        if e.kind == "generate":
+            first_request.setdefault(e.data["episode"], e.data["start"])
+    for step, train in enumerate(trains[1:], start=1):
+        episodes = [t["episode"] for t in train.data["trajectories"]]
+        completed = max(done[t["episode"]] for t in trains[step - 1].data["trajectories"])
+        assert min(created[x] for x in episodes) < completed, f"step {step}'s groups waited for the whole batch"
+        assert all(first_request[x] >= resumes[step - 1] for x in episodes), f"step {step} generated before the resume"
+
+
 def test_env_prestart_is_refused_under_a_staleness_bound_of_0(tmp_path, fast_target):
     spec, run = harness_run(tmp_path, fast_target, {"env_prestart": 1, "async_ratio": 0}, True, controller="colocate")
     assert not run.ok and "env_prestart needs a staleness bound (async_ratio) of at least 1" in run.cause, run.cause

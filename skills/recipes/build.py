@@ -25,7 +25,7 @@ TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk", "checkpointing")
 STRUCTURE = ("controller", "engine", "cluster", "threads_per_actor", "rollout_devices", "train_devices", "bucket_bytes")
 TECHNIQUE_PARAMS = (  # what the controllers, the router, the harvester and the reward placement read
     *("abort_stale", "affinity_ratio", "async_ratio", "checkpoint_level", "engine_scale", "env_prestart"),
-    *("harvest_margin", "host_kv"),
+    *("harvest_margin", "host_kv", "prestart_at"),
     *("kv_routing", "overlap_sync", "partial_rollout", "redundant_envs", "reward_devices", "reward_placement"),
     *("route_admit", "route_slack", "serving_harvest", "shrink_at", "stream_train", "tail_round"),
 )

@@ -5,15 +5,17 @@ rollout and training the cluster is suspended: engines sleep (their memory freed
 holds the devices, and wake with the new weights on resume. The long tail of each batch idles every
 device.
 
-With ``env_prestart`` (the technique of that name) the next step's groups are launched as soon as a batch
-is taken, behind a gate the resume opens: their environments reset while the devices train, and they
-generate only under the new weights, so every sample stays on-policy. They are in flight beside the batch
-until its step begins, which a staleness bound of at least 1 allows (the audit's in-flight bound).
+With ``env_prestart`` (the technique of that name) the next step's groups are launched once a share
+``prestart_at`` of the batch's groups is ready (1: as the batch is taken; 0: as its rollout starts), behind a
+gate the resume opens: their environments reset while the batch's tail rolls out and the devices train, and
+they generate only under the new weights, so every sample stays on-policy. They are in flight beside the
+batch until its step begins, which a staleness bound of at least 1 allows (the audit's in-flight bound).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 from .controller_base import ControllerBase
 
@@ -22,6 +24,8 @@ class Colocate(ControllerBase):
     def __init__(self, runtime, params: dict) -> None:
         super().__init__(runtime, params)
         self.prestart = bool(params.get("env_prestart", 0))
+        # the batch's groups ready when the next step's are launched (their resets then overlap the tail)
+        self.prestart_ready = math.ceil(params.get("prestart_at", 1.0) * self.groups_per_step)
         if self.prestart and self.async_ratio < 1:
             raise ValueError(
                 "params env_prestart needs a staleness bound (async_ratio) of at least 1: the next step's groups "
@@ -36,15 +40,27 @@ class Colocate(ControllerBase):
         cluster, buffer, manager = self._wire(cluster, envs, async_ratio=0)
         manager.launch(self.groups_per_step)
         for step in range(steps):
-            batch = await buffer.next_batch(self.groups_per_step, self.version, lambda: None, manager.raise_if_failed)
-            resumed = asyncio.Event() if self.prestart else None
-            if resumed is not None and step + 1 < steps:
-                manager.launch(self.groups_per_step, gate=resumed)  # they reset while the devices train
+            resumed = asyncio.Event() if self.prestart and step + 1 < steps else None
+            refill = self._prestart(buffer, manager, resumed)
+            batch = await buffer.next_batch(self.groups_per_step, self.version, refill, manager.raise_if_failed)
             await cluster.suspend()
             await self._train(cluster, batch, train)
             await cluster.resume()  # engines wake with the new weights
             if resumed is not None:
                 resumed.set()
-            elif step + 1 < steps:
+            elif step + 1 < steps and not self.prestart:
                 manager.launch(self.groups_per_step)
         await self._finish(buffer, manager)
+
+    def _prestart(self, buffer, manager, gate: asyncio.Event | None):
+        """The refill a batch's wait calls as its groups complete: once ``prestart_ready`` of them are ready, it
+        launches the next step's groups behind ``gate`` (once; never without a gate)."""
+        launched = False
+
+        def refill() -> None:
+            nonlocal launched
+            if gate is not None and not launched and buffer.ready_groups >= self.prestart_ready:
+                manager.launch(self.groups_per_step, gate=gate)
+                launched = True
+
+        return refill

@@ -178,6 +178,7 @@ PLANTS = {
     "patches the clock (setattr on asyncio)": "import asyncio\nsetattr(asyncio, 'sleep', None)\n",
     "reaches into a harness object (._calls)": "def f(episode):\n    return episode._calls.channel\n",
     "reaches into a harness object (._memory)": "def f(self):\n    return self.cluster._memory\n",
+    "reaches into a harness object (._call)": "async def f(cluster):\n    await cluster._call('train')\n",
     "imports gc, an introspection escape hatch": "import gc\n",
     "uses .__globals__, an introspection escape hatch": "def f(g):\n    return g.__globals__\n",
     "uses .modules, an introspection escape hatch": "import sys\nsys.modules['time'] = None\n",
@@ -397,8 +398,9 @@ LOOKALIKES = {  # what an honest stack writes that only looks like an escape: th
 
 
 def test_the_scan_names_where_the_proxies_keep_their_channel():
-    """The scan refuses ``._calls`` and ``._memory`` because the proxies a candidate is handed keep their
-    channel and prompt memory there: a proxy renaming them would leave the rule naming nothing."""
+    """The scan refuses ``._calls``, ``._memory`` and ``._call`` because the proxies a candidate is handed keep
+    their channel and prompt memory there, and send any method by the last: a proxy renaming them would leave
+    the rule naming nothing."""
     from targets.harness.isolation.candidate_process import ProxyCluster, ProxyEnvs, ProxyEpisode
     from targets.harness.judge.integrity import HARNESS_ATTRIBUTES
 
@@ -407,13 +409,15 @@ def test_the_scan_names_where_the_proxies_keep_their_channel():
     async def proxies():
         return [ProxyCluster(calls, [], memory), ProxyEpisode(calls, "e0", "g0"), ProxyEnvs(calls, 2, memory)]
 
+    made = asyncio.run(proxies())
     kept = {
         name
-        for proxy in asyncio.run(proxies())
+        for proxy in made
         for name in getattr(proxy, "__slots__", None) or vars(proxy)
         if getattr(proxy, name) in (calls, memory)
     }
-    assert kept == HARNESS_ATTRIBUTES
+    methods = {n for proxy in made for n, v in vars(type(proxy)).items() if n.startswith("_") and callable(v)}
+    assert kept | {n for n in methods if not n.startswith("__")} == HARNESS_ATTRIBUTES
 
 
 @pytest.mark.parametrize("name", list(LOOKALIKES))

@@ -29,8 +29,9 @@ from targets.spec.target import HEADLINE_METRICS
 
 CLOCK_MODULES = {"time", "asyncio", "datetime"}
 # the private state of the harness's objects in a candidate's process (candidate_process.py's proxies): the
-# channel behind them and the prompts they have sent; every other name is the candidate's own to use
-HARNESS_ATTRIBUTES = {"_calls", "_memory"}
+# channel behind them, the prompts they have sent, the call that sends any method; every other name is the
+# candidate's own to use
+HARNESS_ATTRIBUTES = {"_calls", "_memory", "_call"}
 OWN_OBJECTS = {"self", "cls"}  # an attribute read off these is the candidate's class's own
 ESCAPE_MODULES = {
     *("gc", "inspect", "ctypes", "_ctypes", "builtins", "runpy", "site", "code", "codeop", "_imp", "zipimport"),

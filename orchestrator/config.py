@@ -8,7 +8,7 @@ a resume that asks to change it is refused by name.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -144,12 +144,13 @@ class RunConfig(BaseModel):
         )
 
     @classmethod
-    def parse(cls, values: dict) -> RunConfig:
-        """From user values: a bad one is a ``ConfigError`` naming each field and what is wrong."""
+    def parse(cls, values: dict, given: Mapping[str, str] | None = None) -> RunConfig:
+        """From user values: a bad one is a ``ConfigError`` naming each field and what is wrong. ``given``: how
+        a field was given where not by its flag (``--config run.yaml: policy``)."""
         try:
             return cls.model_validate(values)
         except ValidationError as error:
-            raise ConfigError(described(error)) from None
+            raise ConfigError(described(error, given or {})) from None
 
     def resumed(self, overrides: dict) -> RunConfig:
         """This run's configuration with what a resume asks to change; a change to a field that is
@@ -180,14 +181,15 @@ class ConfigError(UserError, ValueError):
     """A run configuration that cannot be (what is wrong, by field)."""
 
 
-def described(error: ValidationError) -> str:
-    """One line per bad field, by the option that sets it: ``--policy evolv: unknown policy 'evolv'
-    (did you mean 'evolve'?)``."""
+def described(error: ValidationError, given: Mapping[str, str]) -> str:
+    """One line per bad field, by the option that sets it (``--policy evolv: unknown policy 'evolv' (did you
+    mean 'evolve'?)``), or by ``given``'s word for how it was set (``--config run.yaml: policy evolv: ...``)."""
     lines = []
     for item in error.errors():
         message = item["msg"].removeprefix("Value error, ")
         if not item["loc"]:
             lines.append(message)
             continue
-        lines.append(f"{flag(str(item['loc'][-1]))} {item.get('input')}: {message}")
+        field = str(item["loc"][-1])
+        lines.append(f"{given.get(field) or flag(field)} {item.get('input')}: {message}")
     return "; ".join(lines)

@@ -125,6 +125,10 @@ def test_print_config_round_trips_through_config(tmp_path):
     path.write_text("rounds: [1, 2\n")  # the YAML error's own brackets were read as markup and lost
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
     assert result.exit_code == 2 and "rounds: [1, 2" in result.output and "expected ','" in result.output
+    path.write_text("policy: greedy\n")  # a value the run's own checks refuse was blamed on a flag never typed
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path), "--print-config"], env=NARROW)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"--config {path}: policy greedy: unknown policy 'greedy'" in said, said
     path.write_text("rounds: 2\nseed: 1\nrounds: 5\n")  # the last one won, unsaid
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
     said = " ".join(result.output.split())

@@ -114,6 +114,16 @@ def options_of(config: RunConfig, run: Path) -> dict:
     return values
 
 
+def _from_file(ctx: typer.Context) -> dict[str, str]:
+    """Each setting ``--config`` gave (not a flag), by its field: how an error names it."""
+    path = ctx.params.get("config")
+    return {
+        RENAMED.get(name, name): f"--config {path}: {name}"
+        for name in ctx.params
+        if (source := ctx.get_parameter_source(name)) is not None and source.name == "DEFAULT_MAP"
+    }
+
+
 def _given(ctx: typer.Context) -> dict:
     """The options this command was given, on the command line or by ``--config`` (not defaults)."""
     return {
@@ -232,7 +242,7 @@ def generate(
             values.update(options_of(RunState.load(out).config, out))
         else:  # a file --config would refuse is not written: the values are checked as a run checks them
             try:
-                RunConfig.parse(config_of(ctx.params))
+                RunConfig.parse(config_of(ctx.params), _from_file(ctx))
             except ConfigError as error:
                 raise UsageError(str(error)) from None
         values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
@@ -277,7 +287,7 @@ def generate(
                     )
             loop = resume_run(out, overrides, on_event, workspaces, target=target)
         else:
-            run_config = RunConfig.parse(config_of(ctx.params))
+            run_config = RunConfig.parse(config_of(ctx.params), _from_file(ctx))
             loop = start_run(target, out, run_config, on_event, workspaces, simulate=simulate)
     except ConfigError as error:
         raise UsageError(str(error)) from None

@@ -83,7 +83,14 @@ def with_params(spec, controller: str, given: dict, where: str, engine_devices: 
             kind = "a whole number" if whole else "a number"
             raise ValueError(f"{where}: {prefix}{name} must be {kind}, not {json.dumps(value)}")
         if not legal(SKILLS, name, value, spec.hardware.count, engine_devices, spec.workload.declared_limits):
-            raise ValueError(f"{where}: {prefix}{name} = {value} is outside the range its skill allows")
+            bounds = [r.bounds(spec.hardware.count, spec.workload.declared_limits) for r in ranges]
+            low, high = max(b[0] for b in bounds), min(b[1] for b in bounds)
+            engines = next((r.step_engines for r in ranges if r.step_engines), None)
+            steps = f", in whole engines of {engines * engine_devices}" if engines else ""
+            raise ValueError(
+                f"{where}: {prefix}{name} = {value} is outside the range its skill allows on this target "
+                f"([{low:g}, {high:g}]{steps})"
+            )
     for skill in SKILLS.values():
         if skill.kind == "technique" and skill.is_on(params) and not applicable(SKILLS, skill, params):
             raise ValueError(

@@ -548,7 +548,10 @@ def test_a_mistyped_candidate_or_starter_is_refused_before_any_work(tmp_path):
     assert not run.exists()
     for param, said in (
         ("fused_kernel=false", "--starter-param: fused_kernel is no parameter of the skills library (did you mean"),
-        ("partial_rollout=9", "--starter-param: partial_rollout = 9 is outside the range its skill allows"),
+        (
+            "partial_rollout=9",
+            "--starter-param: partial_rollout = 9 is outside the range its skill allows on this target ([0, 1])",
+        ),
         ("train_devices=1", "--starter-param: train_devices is the device split, the target's"),
         ("fused_kernels", "--starter-param 'fused_kernels': expected KEY=VALUE"),
         ("fused_kernels=False", 'fused_kernels must be one of null, true, false, not "False"'),  # truthy text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -277,8 +278,15 @@ def _resumed(
     if target is not None:
         given = str(Path(target).resolve()) if Path(target).is_file() else target
         if given not in (state.config.target, state.config.target_id):
+            recorded = Path(state.config.target)
+            way = (  # a spec moved since: its records were measured under the one it was started from
+                f"; the spec it was started from is no longer there: put it back at {recorded}"
+                if recorded.is_absolute() and not recorded.is_file()
+                else f": resume it with its own (vibetrain generate {shlex.quote(state.config.target)} "
+                f"--out {shlex.quote(str(run_dir))} --resume)"
+            )
             raise RunSetupError(
-                f"{run_dir} is a run for {state.config.target_id} ({state.config.target}), not {target}"
+                f"{run_dir} is a run for {state.config.target_id} ({state.config.target}), not {target}{way}"
             )
     starter = state.record(0)
     if starter is not None and state.best is None:

@@ -778,7 +778,9 @@ def test_a_dirty_run_worktree_is_refused_on_resume(tmp_path):
     result = runner.invoke(app, ["generate", "qwen3-8b-h100x8", "--resume", "--out", str(run)], env=ENV)
     (run / "edited-by-hand.txt").unlink()
     result = runner.invoke(app, ["generate", "qwen3-8b-h100x8", "--resume", "--out", str(run)], env=ENV)
-    assert result.exit_code == 2 and "is a run for tiny-qwen3-cpu" in result.output
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "is a run for tiny-qwen3-cpu" in said
+    assert f"resume it with its own (vibetrain generate tiny-qwen3-cpu --out {run} --resume)" in said, said
 
 
 def test_a_run_whose_state_was_deleted_says_it_cannot_go_on_not_to_start_it_again(tmp_path):

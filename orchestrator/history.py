@@ -102,10 +102,13 @@ class History:
         """Have git flush each commit's objects and each ref it moves to disk before it returns (by default it
         flushes nothing): the run state, flushed after each round, names commits and refs that a power loss
         would otherwise leave empty or missing, the round's worktrees already removed."""
-        with self.repo.config_writer() as config:
-            for key, value in DURABLE.items():
-                section, option = key.split(".")
-                config.set_value(section, option, value)
+        try:
+            with self.repo.config_writer() as config:
+                for key, value in DURABLE.items():
+                    section, option = key.split(".")
+                    config.set_value(section, option, value)
+        except OSError as error:  # a config.lock another git holds, a read-only repository
+            raise HistoryError(f"{self.path}: git's config cannot be written ({error})") from None
 
     @classmethod
     def open(cls, path: Path) -> History:
@@ -121,7 +124,12 @@ class History:
         left half written: kept as found under ``refs/vibetrain/recovered/<time>``, then reset to ``best``.
         Returns what it made good, to be said."""
         self.writer = writer_lock.claim(self.path)
-        self.make_durable()  # a run made before git was told to flush: from its next commit on
+        said = self._make_good()
+        self.make_durable()  # a run made before git was told to flush (after a killed git's config.lock went)
+        return said
+
+    def _make_good(self) -> list[str]:
+        """What ``claim`` makes good of a git killed mid-write, said."""
         git_dir = Path(self.repo.git_dir)
         left = git_leftovers.stale_locks(self.path, git_dir)
         if not left:

@@ -246,10 +246,15 @@ class Loop:
             else:
                 self.reject(record, candidate, verdict, "prescreened" if record.screened_out else "rejected")
         except RefNotWritten as error:  # committed, the ref refused: its worktree keeps it for the resume
-            raise RunError(disk_full(number) if is_disk_full(error) else str(error)) from None
+            raise RunError(str(error)) from None  # (a full disk's words are in git's, which it quotes)
         except (OSError, workspace_git.GitFailed, GitCommandError) as error:
             if is_disk_full(error):  # git's own writes say so in their message: a candidate it could not commit
                 raise RunError(disk_full(number)) from None
+            if getattr(error, "errno", None) in workspace_git.DISK_FAILURES:  # read-only, failing: not the round's
+                raise RunError(
+                    f"round {number} stopped: the run's disk failed ({error}). Every validated candidate is "
+                    "committed; fix the disk and run again with --resume (the round is redone)"
+                ) from None
             record.verdict, record.reasons = "error", [f"{type(error).__name__}: {error}", *record.reasons]
         except RunError:  # the run itself cannot go on (its spend could not be saved): not this round's fault
             raise

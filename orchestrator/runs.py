@@ -151,10 +151,12 @@ def start_run(
     on_event: Callable[..., None],
     workspaces: Path = WORKSPACES,
     simulate: bool = False,
+    starter_params_from: str = "--starter-param",
 ) -> Loop:
     """A new run of ``config`` on ``target`` (a catalog id or a spec path) in ``run_dir``; ``simulate``
     runs it on the cluster simulator whatever the target's execution says. The twin pre-screen
-    applies to a real target only (a simulated one's measurement is the simulation)."""
+    applies to a real target only (a simulated one's measurement is the simulation).
+    ``starter_params_from``: how the starter's params were given, which an error in them names."""
     try:
         resolved = Target.load(target, simulate=simulate)
     except (SpecError, TargetUnavailable) as error:
@@ -162,7 +164,7 @@ def start_run(
     if (why := unfit(resolved.spec, config.starter)) is not None:
         raise RunSetupError(f"--starter {config.starter}: {why}")
     try:  # round 0 writes them; refused now, by name, rather than as a rejected starter
-        with_params(resolved.spec, config.starter, config.starter_params, "--starter-param", resolved.engine_devices)
+        with_params(resolved.spec, config.starter, config.starter_params, starter_params_from, resolved.engine_devices)
     except ValueError as error:
         raise RunSetupError(str(error)) from None
     check_environment(resolved.spec.workload.environment)  # one that cannot be made: said before any folder

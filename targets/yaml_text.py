@@ -9,27 +9,42 @@ from typing import Any
 import yaml
 from yaml.constructor import ConstructorError
 
+MERGE = "tag:yaml.org,2002:merge"  # ``<<: *base``: the keys it brings may be overridden, by design
+
 
 class _StrictLoader(yaml.SafeLoader):
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: its keys may be overridden, by design
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._refuse_duplicates(node)
+        return super().construct_document(node)
+
+    def _refuse_duplicates(self, root: yaml.Node) -> None:
+        """Each mapping of the document as written (before merges rewrite any), once: a scalar key twice in it
+        is refused, compared as the value it is (``1`` and ``01``), within its type (``1`` is not ``true``)."""
+        seen: set[int] = set()
+        todo = [root]
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:  # an anchor's node, aliased again
                 continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                seen = first.get(key)
-            except TypeError:  # an unhashable key: the base loader names it
+            seen.add(id(node))
+            if isinstance(node, yaml.SequenceNode):
+                todo += node.value
+            if not isinstance(node, yaml.MappingNode):
                 continue
-            if seen is not None:
-                raise ConstructorError(
-                    "while reading a mapping",
-                    node.start_mark,
-                    f"found the key {key!r} twice (first on line {seen})",
-                    key_node.start_mark,
-                )
-            first[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
+            first: dict[tuple[str, Any], int] = {}
+            for key_node, value_node in node.value:
+                todo += [key_node, value_node]
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE:
+                    continue  # a complex key: the base loader names an unhashable one
+                key = (key_node.tag, self.construct_object(key_node))
+                if key in first:
+                    raise ConstructorError(
+                        "while reading a mapping",
+                        node.start_mark,
+                        f"found the key {key[1]!r} twice (first on line {first[key]})",
+                        key_node.start_mark,
+                    )
+                first[key] = key_node.start_mark.line + 1
 
 
 def load_yaml(text: str, name: str) -> Any:

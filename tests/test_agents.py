@@ -179,6 +179,13 @@ PLANTS = {
     "reaches into a harness object (._calls)": "def f(episode):\n    return episode._calls.channel\n",
     "reaches into a harness object (._memory)": "def f(self):\n    return self.cluster._memory\n",
     "reaches into a harness object (._call)": "async def f(cluster):\n    await cluster._call('train')\n",
+    # a review's (session CD): ``self`` is whatever a function is handed, a proxy too
+    "reaches into a harness object (._calls, on a parameter named self)": (
+        "def peek(self):\n    return self._calls.channel\n"
+    ),
+    "reaches into a harness object (._memory, on a name bound to self)": "self = object()\nself._memory\n",
+    "uses .__getstate__, an introspection escape hatch": "def f(cluster):\n    return cluster.__getstate__()\n",
+    "uses .__reduce_ex__, an introspection escape hatch": "def f(cluster):\n    return cluster.__reduce_ex__(2)[2]\n",
     "imports gc, an introspection escape hatch": "import gc\n",
     "uses .__globals__, an introspection escape hatch": "def f(g):\n    return g.__globals__\n",
     "uses .modules, an introspection escape hatch": "import sys\nsys.modules['time'] = None\n",
@@ -391,9 +398,6 @@ LOOKALIKES = {  # what an honest stack writes that only looks like an escape: th
         "class C:\n    def __init__(self):\n        self.clock, self.policy_version, self.trace = 0.0, 0, []\n"
     ),
     "a wrapper's inner cluster": "class W:\n    def __init__(self, inner):\n        self.inner = inner\n",
-    "its own private state by the proxies' names": (
-        "class E:\n    def __init__(self):\n        self._calls, self._memory = 0, {}\n"
-    ),
 }
 
 

@@ -360,6 +360,26 @@ def test_a_candidate_git_could_not_commit_for_a_full_disk_stops_the_run_and_is_r
     assert [(r.round, r.verdict) for r in state.rounds] == [(0, "accepted"), (1, "accepted")]
 
 
+def test_a_disk_gone_read_only_stops_the_run_and_the_round_is_redone(tmp_path, fast_target, monkeypatch):
+    """A copy the disk refused for being read-only (or failing) was recorded as the round's error, and the run
+    went on to meet it again every round; like a full disk, it stops the run, the round unrecorded."""
+    import errno
+
+    from orchestrator.rounds import Loop, RunError
+
+    freeze = Loop.freeze
+
+    def read_only(self, workspace, record):
+        if record.round == 1:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(workspace))
+        return freeze(self, workspace, record)
+
+    monkeypatch.setattr(Loop, "freeze", read_only)
+    with pytest.raises(RunError, match="round 1 stopped: the run's disk failed .*Read-only file system"):
+        _start(fast_target, tmp_path, rounds=1, simulate=True, sandbox="subprocess").run()
+    assert [r.round for r in RunState.load(tmp_path / "run").rounds] == [0]
+
+
 def test_a_round_committed_whose_ref_git_refused_stops_the_run_and_the_resume_records_it(
     tmp_path, fast_target, monkeypatch
 ):

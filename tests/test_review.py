@@ -129,6 +129,11 @@ def test_print_config_round_trips_through_config(tmp_path):
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path), "--print-config"], env=NARROW)
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and f"--config {path}: policy greedy: unknown policy 'greedy'" in said, said
+    path.write_text("starter_param: [partial_rollout=9]\n")  # the starter's params too, checked as the run starts
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path), "--out", str(tmp_path / "r")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"--config {path}: starter_param: partial_rollout = 9 is outside" in said, said
+    assert not (tmp_path / "r").exists()
     path.write_text("rounds: 2\nseed: 1\nrounds: 5\n")  # the last one won, unsaid
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--config", str(path)], env=NARROW)
     said = " ".join(result.output.split())

@@ -577,6 +577,14 @@ def test_a_key_given_twice_and_a_yes_no_for_a_number_are_named(tmp_path, catalog
     assert "field `workload`: train_steps: True is a yes/no, not a number" in _error(catalog_yaml)
     merged = "base: &b {x: 1}\nm:\n  <<: *b\n  x: 2\n"  # a merge's keys are overridden by design
     assert load_yaml(merged, "m.yaml") == {"base": {"x": 1}, "m": {"x": 2}}
+    # read as written, before merges rewrite a mapping: a merged source nested deeper is no duplicate, and a
+    # mapping used only as a merge source is read too (a review's, session CD)
+    nested = "a: {b: &s {<<: {x: 1}, x: 2}}\nc: {<<: *s}\n"
+    assert load_yaml(nested, "n.yaml") == yaml.safe_load(nested)
+    with pytest.raises(yaml.YAMLError, match="found the key 'a' twice"):
+        load_yaml("top: {<<: &m {a: 2, a: 3}}\n", "s.yaml")
+    with pytest.raises(yaml.YAMLError, match="found the key 1 twice"):  # the same value, written otherwise
+        load_yaml("{1: a, 01: b}\n", "s.yaml")
 
 
 def test_a_parameter_given_twice_is_refused(tmp_path):

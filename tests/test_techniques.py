@@ -681,9 +681,18 @@ def test_env_prestart_at_half_the_batch_launches_the_next_steps_groups_while_its
         assert all(first_request[x] >= resumes[step - 1] for x in episodes), f"step {step} generated before the resume"
 
 
-def test_env_prestart_is_refused_under_a_staleness_bound_of_0(tmp_path, fast_target):
-    spec, run = harness_run(tmp_path, fast_target, {"env_prestart": 1, "async_ratio": 0}, True, controller="colocate")
-    assert not run.ok and "env_prestart needs a staleness bound (async_ratio) of at least 1" in run.cause, run.cause
+@pytest.mark.parametrize(
+    ("params", "said"),
+    [
+        ({"env_prestart": 1, "async_ratio": 0}, "env_prestart needs a staleness bound (async_ratio) of at least 1"),
+        # over 1, the next step's groups never launched: the run waited for them to its time limit
+        ({"env_prestart": 1, "prestart_at": 1.5}, "params prestart_at must be a number within [0, 1]"),
+    ],
+    ids=["no staleness bound", "prestart_at over 1"],
+)
+def test_env_prestart_is_refused_where_it_cannot_work(tmp_path, fast_target, params, said):
+    spec, run = harness_run(tmp_path, fast_target, params, True, controller="colocate")
+    assert not run.ok and said in run.cause, run.cause
 
 
 def test_a_waiting_batch_refills_at_once_when_woken_and_never_on_a_timer():

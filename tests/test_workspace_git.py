@@ -54,15 +54,20 @@ def test_best_moves_as_the_branch_whatever_a_person_checked_out_in_the_run(tmp_p
     assert history.repo.commit("mine").hexsha == first  # the person's branch is theirs
 
 
-def test_the_run_repository_has_git_flush_its_commits_and_refs(tmp_path):
+def test_the_run_repository_has_git_flush_its_commits_and_refs(tmp_path, monkeypatch):
     """git flushes nothing by default; the run state, flushed each round, would name commits a power loss left
-    empty. A new run is told at its start, an older one when a process claims it."""
+    empty. A new run is told at its start, an older one when a process claims it: after the claim removed
+    what a killed git left (a config.lock, which would make writing the config fail)."""
+    from orchestrator import git_leftovers
+
     history = History.create(tmp_path / "run", "vibetrain run: durable")
     reader = history.repo.config_reader()
     assert reader.get_value("core", "fsync") == "committed,reference"
     with history.repo.config_writer() as config:  # a run made before this
         config.remove_option("core", "fsync")
-    history.claim()
+    (Path(history.repo.git_dir) / "config.lock").write_text("")  # a git killed as it wrote its config
+    monkeypatch.setattr(git_leftovers, "GRACE_S", 0.0)
+    assert history.claim() == ["removed what a killed git left: config.lock"]
     try:
         assert history.repo.config_reader().get_value("core", "fsync") == "committed,reference"
     finally:

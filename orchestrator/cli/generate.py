@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import typer
@@ -76,15 +77,16 @@ def _run_file(ctx: typer.Context, path: Path | None) -> Path | None:
     return path
 
 
-def config_of(options: dict) -> dict:
-    """``RunConfig`` values from ``generate`` options (the LLM ones gathered into ``llm``)."""
+def config_of(options: dict, given: Mapping[str, str] | None = None) -> dict:
+    """``RunConfig`` values from ``generate`` options (the LLM ones gathered into ``llm``); ``given``: how an
+    option was given where not by its flag (``_from_file``), which an error names."""
     values: dict = {"llm": {}}
     for name, value in options.items():
         if name in NOT_CONFIG:
             continue
         if name == "starter_param":  # KEY=VALUE texts -> the params themselves (None: unset, as elsewhere)
             if value is not None:
-                values["starter_params"] = starter_params_of(value)
+                values["starter_params"] = starter_params_of(value, (given or {}).get(name, "--starter-param"))
             continue
         if name in LLM_OPTIONS:
             values["llm"][name] = str(value.resolve()) if isinstance(value, Path) else value
@@ -93,10 +95,10 @@ def config_of(options: dict) -> dict:
     return values
 
 
-def starter_params_of(texts: list[str]) -> dict:
-    """``--starter-param`` texts as params (a ``ConfigError`` for one that is not KEY=VALUE)."""
+def starter_params_of(texts: list[str], flag: str = "--starter-param") -> dict:
+    """``--starter-param`` texts as params (a ``ConfigError`` for one that is not KEY=VALUE, naming ``flag``)."""
     try:
-        return parse_params(texts, "--starter-param")
+        return parse_params(texts, flag)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -242,7 +244,7 @@ def generate(
             values.update(options_of(RunState.load(out).config, out))
         else:  # a file --config would refuse is not written: the values are checked as a run checks them
             try:
-                RunConfig.parse(config_of(ctx.params), _from_file(ctx))
+                RunConfig.parse(config_of(ctx.params, _from_file(ctx)), _from_file(ctx))
             except ConfigError as error:
                 raise UsageError(str(error)) from None
         values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
@@ -287,8 +289,17 @@ def generate(
                     )
             loop = resume_run(out, overrides, on_event, workspaces, target=target)
         else:
-            run_config = RunConfig.parse(config_of(ctx.params), _from_file(ctx))
-            loop = start_run(target, out, run_config, on_event, workspaces, simulate=simulate)
+            from_file = _from_file(ctx)
+            run_config = RunConfig.parse(config_of(ctx.params, from_file), from_file)
+            loop = start_run(
+                target,
+                out,
+                run_config,
+                on_event,
+                workspaces,
+                simulate=simulate,
+                starter_params_from=from_file.get("starter_param", "--starter-param"),
+            )
     except ConfigError as error:
         raise UsageError(str(error)) from None
     try:

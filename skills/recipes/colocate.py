@@ -25,7 +25,12 @@ class Colocate(ControllerBase):
         super().__init__(runtime, params)
         self.prestart = bool(params.get("env_prestart", 0))
         # the batch's groups ready when the next step's are launched (their resets then overlap the tail)
-        self.prestart_ready = math.ceil(params.get("prestart_at", 1.0) * self.groups_per_step)
+        prestart_at = params.get("prestart_at", 1.0)
+        if isinstance(prestart_at, bool) or not isinstance(prestart_at, int | float) or not 0 <= prestart_at <= 1:
+            raise ValueError(
+                f"params prestart_at must be a number within [0, 1] (1: as the batch is taken), got {prestart_at!r}"
+            )
+        self.prestart_ready = math.ceil(prestart_at * self.groups_per_step)
         if self.prestart and self.async_ratio < 1:
             raise ValueError(
                 "params env_prestart needs a staleness bound (async_ratio) of at least 1: the next step's groups "

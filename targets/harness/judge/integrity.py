@@ -3,7 +3,7 @@
 no route (not ``from targets import harness``, not an attribute of the package); it does not name the harness's
 metrics (metrics come from the harness trace; a stack that computes them is reporting its own); it does not patch
 clocks (``time``, ``asyncio``, ``datetime``) or reach past the harness's proxies it is handed into their channel
-(``cluster._calls``, ``getattr`` by a constant name included; an attribute on ``self`` is its own); it uses no
+(``cluster._calls``, ``getattr`` by a constant name included, on any object); it uses no
 introspection escape hatches (``gc``, ``inspect``, ``ctypes``, ``sys.modules``, ``__dict__``/``__globals__``,
 ``vars()``, frames) and runs no code it cannot read (``exec``/``eval``/``compile``, a module loaded from a file,
 code in bytes: ``pickle``, ``marshal``); it holds no compiled module without its source (a ``.pyc`` or extension
@@ -32,7 +32,6 @@ CLOCK_MODULES = {"time", "asyncio", "datetime"}
 # channel behind them, the prompts they have sent, the call that sends any method; every other name is the
 # candidate's own to use
 HARNESS_ATTRIBUTES = {"_calls", "_memory", "_call"}
-OWN_OBJECTS = {"self", "cls"}  # an attribute read off these is the candidate's class's own
 ESCAPE_MODULES = {
     *("gc", "inspect", "ctypes", "_ctypes", "builtins", "runpy", "site", "code", "codeop", "_imp", "zipimport"),
     # code in bytes: an unpickled object is any call, an unmarshalled code object any code
@@ -44,6 +43,7 @@ ESCAPE_ATTRIBUTES = {
     *("walk_stack", "walk_tb", "tb_frame", "gi_frame", "cr_frame", "ag_frame", "settrace", "setprofile"),
     *("FunctionType", "CodeType", "meta_path", "path_hooks", "path_importer_cache", "sys", "__path__"),
     *("_bootstrap", "_bootstrap_external", "ForkingPickler", "read_pickle"),
+    *("__getstate__", "__reduce__", "__reduce_ex__"),  # an object's state as a mapping, its slots included
 }
 # an escape's name as a string, for a getattr or a subscript of globals() (``"__sub" + "classes__"`` too)
 ESCAPE_STRINGS = {a for a in ESCAPE_ATTRIBUTES if a.startswith(("__", "f_"))} | {"__import__"}
@@ -236,9 +236,12 @@ def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
     if isinstance(node, ast.ImportFrom) and any(a.name in FILE_LOADERS for a in node.names):
         reasons.append("imports a module loader: the scan cannot follow which module it loads")
     for named, owner, call in _attributes_read(node):  # getattr(cluster, "_calls") is ._calls
-        if named in HARNESS_ATTRIBUTES and not (isinstance(owner, ast.Name) and owner.id in OWN_OBJECTS):
+        if named in HARNESS_ATTRIBUTES:  # on any object: ``self`` is whatever a function is handed (a proxy, too)
             shown = f".{named}" if call is None else f"{call} of {named!r}"
-            reasons.append(f"reaches into a harness object ({shown}): the proxy and environments are opaque")
+            reasons.append(
+                f"reaches into a harness object ({shown}): the proxy and environments are opaque "
+                "(an attribute of the stack's own by that name: rename it)"
+            )
         # .modules only on the sys module (by any name): other objects have attributes of that name
         if named in ESCAPE_ATTRIBUTES and (named != "modules" or _on_sys(owner, bound)):
             reasons.append(f"uses .{named}, an introspection escape hatch" + ("" if call is None else f" (by {call})"))

@@ -176,6 +176,15 @@ def _of_the_best_there(paired: Promotion) -> str:
     return f" of {num(paired.baseline_median)}" if paired.baseline_median is not None else ""
 
 
+def took(seconds: float) -> str:
+    """A round's wall time as a person reads it: ``48 s``, ``4 min 12 s``, ``1 h 03 min``."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
 class RoundsView:
     """The live display of ``vibetrain generate``: one row per finished round, the current one below."""
 
@@ -185,8 +194,9 @@ class RoundsView:
     def render(self) -> Table:
         metric = self.spec.headline_metric.name
         table = Table(title=f"vibetrain generate {self.spec.id}", box=box.SIMPLE_HEAD, caption=self.status)
-        for column in ("round", "task", "verdict", metric, "vs best, paired [95%]", "best"):
-            table.add_column(column, overflow="fold", justify="right" if column in ("round", metric) else "left")
+        for column in ("round", "task", "verdict", metric, "vs best, paired [95%]", "best", "took"):
+            right = column in ("round", metric, "took")
+            table.add_column(column, overflow="fold", justify="right" if right else "left")
         for row in self.rows[-15:]:
             table.add_row(*row)
         return table
@@ -219,6 +229,7 @@ class RoundsView:
                     value,
                     escape(paired_cell(r.paired)),  # rich would take '[unbounded]' for a style
                     f"round {best.round}: {num(best.headline)}" if best else "-",
+                    took(r.seconds),
                 )
             )
         elif kind == "twin":

@@ -179,6 +179,19 @@ def test_the_live_view_names_the_run_start_and_a_twins_verdict_as_such(tiny_spec
     untrusted = Prediction(metric="goodput", headline=57.5, best=60.6, margin=0.05, passed=True, untrusted=why)
     view.event("prescreen", round=2, prediction=untrusted)
     assert view.status.endswith(f"not trusted, goes on to the judge ({why})"), view.status
+    # each finished round says how long it took (a run of rounds of minutes each showed no time at all)
+    from orchestrator.state import RoundRecord
+
+    done = RoundRecord(
+        round=2,
+        task=Task(id="t", title="t", rationale="r"),
+        parent_round=0,
+        parent_commit="c",
+        verdict="rejected",
+        seconds=252.4,
+    )
+    view.event("round_end", record=done, best=None)
+    assert view.rows[-1][-1] == "4 min 12 s" and view.line("round_end").endswith("4 min 12 s")
 
 
 def test_every_command_and_group_shows_an_example_in_its_help():

@@ -401,7 +401,7 @@ def bench(
             repeat,
             work / "runs",
             sessions=sessions,
-            on_run=lambda name, i: progress.update(task, advance=1, description=f"{name} #{i + 1}"),
+            on_run=lambda name, i: progress.update(task, advance=1, description=f"last done: {name} #{i + 1}"),
         )
     failed = [f for r in runs for f in r.failures]
     runs = [r for r in runs if not r.failures]  # a failed schedule's figures do not count

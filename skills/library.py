@@ -63,7 +63,9 @@ class Skill(BaseModel):
     conflicts: list[str] = []  # techniques that must be off with it
     # mixed: only where the target's devices are of several kinds; serving: only beside a serving pool
     hardware: Literal["any", "mixed", "serving"] = "any"
-    environments: Literal["any", "stateful"] = "any"  # stateful: only where a crash loses state (env_state)
+    # stateful: only where a crash loses state (env_state); resetting: where a reset takes time (env_reset_s, or
+    # a user's environment, which resets in its own)
+    environments: Literal["any", "stateful", "resetting"] = "any"
     rewards: Literal["any", "serverless"] = "any"  # serverless: only where a reward model offers a serverless service
     text: str = ""
 

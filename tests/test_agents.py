@@ -673,6 +673,13 @@ def test_composition_adds_what_the_controller_allows_and_removes_what_is_on(tiny
     # the engine's speculative decoding runs under any; the others need another controller
     engine_techniques = {"add-speculative_decoding", "add-kv_host_tier", "add-chunked_prefill"}
     assert colocated == {"add-redundant_envs", "add-kv_routing", *engine_techniques}
+    # starting environments ahead is proposed only where a reset takes time (here it would change nothing)
+    from targets.spec import Fixed
+
+    slow = tiny_spec.workload.model_copy(update={"env_reset_s": Fixed(kind="fixed", value=60.0)})
+    resetting = OfflinePlanner(tiny_spec.model_copy(update={"workload": slow}))
+    added = {t.id for t in resetting.composition_tasks(starter_params(tiny_spec, "colocate"))}
+    assert added == colocated | {"add-env_prestart"}
     on = {**multiplexed, "partial_rollout": 1}
     ids = {t.id for t in planner.composition_tasks(on)}
     assert "remove-partial_rollout" in ids and "add-partial_rollout" not in ids

@@ -186,6 +186,11 @@ class OfflinePlanner:
                 tasks.append(self._composition_task(skill, "remove", self._defaults(skill), 2))
         return tasks
 
+    def _resets_take_time(self) -> bool:
+        """The harness's environments draw a reset time, or the environment is the user's (its resets its own)."""
+        workload = self.spec.workload
+        return workload.env_reset_s is not None or workload.environment.entry is not None
+
     def _addition(self, skill: Skill, params: dict, priority: int) -> Task | None:
         """Switch a technique that is off on the way its skill's ``enable`` says, where it may go on top of
         ``params`` (its controller, what it requires, nothing it conflicts with) and its values are legal."""
@@ -195,6 +200,7 @@ class OfflinePlanner:
             or (skill.hardware == "mixed" and self._rollout_kinds(params) < 2)
             or (skill.hardware == "serving" and not self.spec.hardware.serving_device_ids())
             or (skill.environments == "stateful" and self.spec.workload.env_state is None)
+            or (skill.environments == "resetting" and not self._resets_take_time())
             or (skill.rewards == "serverless" and not self._serverless_judge())
             or not applicable(self.skills, skill, params)
             or not all(self.legal(k, v, [skill.name]) and self.tunable(skill.params[k]) for k, v in changes.items())

@@ -434,7 +434,7 @@ def test_an_interrupted_generate_says_what_was_kept_and_how_to_go_on(tmp_path, f
     out = tmp_path / "run"
     result = runner.invoke(app, ["generate", str(fast_target), "--simulate", "--out", str(out)], env=ENV)
     said = " ".join(result.output.split())
-    assert result.exit_code != 0 and "interrupted in round 0, which is not recorded" in said, result.output
+    assert result.exit_code != 0 and "interrupted in round 0 (redone on resume, unless" in said, result.output
     assert f"--resume --out {out}" in said
 
 

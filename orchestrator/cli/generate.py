@@ -313,8 +313,9 @@ def generate(
     except (KeyboardInterrupt, SystemExit) as stopped:  # Ctrl-C, or SIGTERM (app.py: sys.exit(128 + 15))
         if isinstance(stopped, KeyboardInterrupt) or stopped.code == 128 + signal.SIGTERM:
             console.print(
-                f"interrupted in round {loop.state.next_round}, which is not recorded: every validated candidate is "
-                f"committed; go on with: vibetrain generate {argument(target)} --resume --out {argument(out)}"
+                f"interrupted in round {loop.state.next_round} (redone on resume, unless it was committed: then "
+                "recovered from git): every validated candidate is committed; go on with: "
+                f"vibetrain generate {argument(target)} --resume --out {argument(out)}"
             )
         raise
     finally:

@@ -238,13 +238,14 @@ def generate(
     """
     spec = load_target(target)
     out = out or Path("generated") / spec.id
+    from_file = _from_file(ctx)  # what --config gave, which an error names by the file
     if print_config:
         values = {p.name: ctx.params[p.name] for p in ctx.command.params if p.name not in RUN_FILE_SKIP}
         if resume:  # what the run state stores wins: the file reproduces that run
             values.update(options_of(RunState.load(out).config, out))
         else:  # a file --config would refuse is not written: the values are checked as a run checks them
             try:
-                RunConfig.parse(config_of(ctx.params, _from_file(ctx)), _from_file(ctx))
+                RunConfig.parse(config_of(ctx.params, from_file), from_file)
             except ConfigError as error:
                 raise UsageError(str(error)) from None
         values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
@@ -289,7 +290,6 @@ def generate(
                     )
             loop = resume_run(out, overrides, on_event, workspaces, target=target)
         else:
-            from_file = _from_file(ctx)
             run_config = RunConfig.parse(config_of(ctx.params, from_file), from_file)
             loop = start_run(
                 target,

@@ -131,9 +131,9 @@ class Aborted(Exception):
     ``sync_weights(..., interrupt=True)``. ``partial`` holds the tokens decoded before the interruption (finish
     ``"abort"``, the version and device that decoded them), always sent, empty if none were: the audit explains an
     abort only by a shrink, suspend or interrupting sync of that device. Stacks that declare ``partial_rollout``
-    resume the turn from it (``GenerateRequest.continues``); others retry from the start. Engines admit in arrival
-    order and preempt the youngest first, so a request has decoded a token once a later one on its engine has: for
-    those stacks the audit rejects an empty partial after that (it would resample the turn)."""
+    resume the turn from it (``GenerateRequest.continues``); others retry from the start. Engines admit in the order
+    the harness forwarded (not Ray's: the kit's ``arrival_order.py``) and preempt the youngest first, so a request
+    has decoded once a later one on its engine has: for those stacks the audit rejects an empty partial after that."""
 
     def __init__(self, message: str = "", partial: Completion | None = None) -> None:
         super().__init__(message)

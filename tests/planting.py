@@ -49,13 +49,14 @@ SAMPLED = (  # a system run's draw: every row at one temperature
 )
 GENERATE = "    async def generate(self, request: GenerateRequest) -> Completion:\n"
 DECODE = (
-    "            arrival = next(self._arrivals)\n"
+    "            arrival = next(self._arrivals[device])\n"
     "            call = self._engines[device].generate.remote("
     "request.prompt, request.params, request.episode_id, arrival)\n"
     "            try:\n"
     "                completion = await call\n"
     "            except asyncio.CancelledError:  # its episode was dropped: the engine stops serving it\n"
     "                ray.cancel(call)\n"
+    "                self._engines[device].forget.remote(arrival)  # a call cancelled before it started never comes\n"
     "                raise\n"
 )
 
@@ -89,7 +90,7 @@ PLANTS: dict[str, tuple[str, list[tuple[str, str, str]], dict, str]] = {
                 "            if key not in self._copies:\n"
                 "                self._copies[key] = asyncio.ensure_future(\n"
                 "                    self._engines[device].generate.remote(request.prompt, request.params, "
-                "request.episode_id, next(self._arrivals))\n"
+                "request.episode_id, next(self._arrivals[device]))\n"
                 "                )\n"
                 "                self._copies[key].add_done_callback(lambda _, key=key: self._copies.pop(key, None))\n"
                 "            completion = await asyncio.shield(self._copies[key])\n",

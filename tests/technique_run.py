@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import yaml
 
@@ -76,7 +77,9 @@ def audited_run(
     if not params.get("route_admit"):  # KV admission queues turns in the controller: held, and judged (docs/judge.md)
         assert audit["details"].get("selection_groups_held", 0) == 0, "an honest stack held an episode unstepped"
     if not simulate and os.environ.get("RAY_ADDRESS"):  # the session's shared cluster (conftest.py), really joined
-        assert "joined the Ray cluster at" in (run.out / "cluster.log").read_text()
+        log = (run.out / "cluster.log").read_text()
+        assert "joined the Ray cluster at" in log
+        assert re.search(r"arrival order on \S+: \d+ requests came before an earlier one", log), log  # the engines'
     return spec, Trace.load_events(run.out / "trace.jsonl")
 
 

@@ -20,6 +20,7 @@ import torch
 
 from targets.api import Completion, SamplingParams, StateDict, TokenIds
 
+from .arrival_order import ArrivalOrder
 from .weight_sync import merge
 
 
@@ -59,12 +60,16 @@ class EngineServer:
         self._stepper: asyncio.Task | None = None
         self._draining = 0  # weight loads waiting for the engine to drain
         self._failed: BaseException | None = None  # why the stepping loop ended: every later call is told
+        self._order = ArrivalOrder(name)  # the cluster's numbers, taken in order (Ray delivers in any)
 
     # -- generation ---------------------------------------------------------------------------------
     async def generate(
         self, prompt: TokenIds, params: SamplingParams, episode: str | None = None, arrival: int | None = None
     ) -> Completion:
-        """``arrival``: the cluster's order of the request, which the engine admits by."""
+        """``arrival``: the cluster's number for the request on this engine (0, 1, 2, ...), taken in that
+        order (``arrival_order.py``) and admitted by; None: called directly, taken as it comes."""
+        if arrival is not None and not await self._order.turn(arrival):
+            return self._aborted()  # the cluster cancelled it before it came: nobody waits for it
         if self.kind == "vllm":
             return await self.engine.generate_async(prompt, params, arrival)
         self._raise_if_failed()
@@ -84,6 +89,11 @@ class EngineServer:
             self.engine.abort(request.id)  # taken at the next step, between steps
             self._wakeup.set()
             raise
+
+    def forget(self, arrival: int) -> None:
+        """The cluster cancelled request ``arrival`` (its episode was dropped), which may never come:
+        later ones are not to wait for it."""
+        self._order.forget(arrival)
 
     async def _step_loop(self) -> None:
         while True:
@@ -237,9 +247,11 @@ class EngineServer:
 
     async def counts(self) -> dict[str, int]:
         """The engine's own counts, for the cluster's log: tokens drafted and kept (speculative_decoding),
-        tokens saved to and restored from its host tier (kv_host_tier), prompt chunks (chunked_prefill)."""
+        tokens saved to and restored from its host tier (kv_host_tier), prompt chunks (chunked_prefill),
+        requests that came before an earlier one and waited for it (``arrival_order.py``)."""
         host = getattr(self.engine, "host_kv", None)
         return {
+            "late": self._order.late,
             "chunks": getattr(self.engine, "chunks", 0),
             "drafted": getattr(self.engine, "drafted", 0),
             "kept": getattr(self.engine, "accepted", 0),

@@ -155,6 +155,9 @@ class DeviceActor:
     async def generate(self, prompt, params, episode=None, arrival=None) -> Completion:
         return await self.server.generate(prompt, params, episode, arrival)
 
+    async def forget(self, arrival: int) -> None:
+        self.server.forget(arrival)
+
     async def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
         return await self.server.sleep(tags)
 
@@ -263,7 +266,7 @@ class RayCluster:
         self._trainer_loaded = {d.id for d in train} - self._shared
         self._outstanding = dict.fromkeys(self._engines, 0)
         self._sticky: dict[str, str] = {}
-        self._arrivals = itertools.count()  # every generate call's number, in the order they are routed
+        self._arrivals = {d: itertools.count() for d in self._engines}  # each engine's requests, numbered as sent
         self._routable = asyncio.Event()
         self._routable.set()
         self._suspended = False
@@ -365,14 +368,15 @@ class RayCluster:
         self._sticky[request.episode_id] = device
         self._outstanding[device] += 1
         try:
-            # numbered here: an async actor may start a call whose prompt went through the object store
-            # (over ~32k tokens) after a later one, and the engine admits by this number
-            arrival = next(self._arrivals)
+            # numbered here, per engine: Ray starts an async actor's calls in any order, and the engine
+            # takes them in this one (``arrival_order.py``)
+            arrival = next(self._arrivals[device])
             call = self._engines[device].generate.remote(request.prompt, request.params, request.episode_id, arrival)
             try:
                 completion = await call
             except asyncio.CancelledError:  # its episode was dropped: the engine stops serving it
                 ray.cancel(call)
+                self._engines[device].forget.remote(arrival)  # a call cancelled before it started never comes
                 raise
         finally:
             self._outstanding[device] -= 1
@@ -539,13 +543,16 @@ class RayCluster:
         self._routable.set()
 
     async def close(self) -> None:
-        if self.counted:  # the techniques' own account, in the cluster's log
-            counts = await asyncio.gather(*(e.counts.remote() for e in self._engines.values()), return_exceptions=True)
-            for device, count in zip(self._engines, counts):
-                for option in self.counted:
-                    name, line = COUNTED[option]
-                    said = line.format(**count) if isinstance(count, dict) else f"no count: {count!r}"
-                    print(f"{name} on {device}: {said}", file=sys.stderr)
+        # the engines' own account, in the cluster's log: calls Ray delivered late, and the techniques' counts
+        counts = await asyncio.gather(*(e.counts.remote() for e in self._engines.values()), return_exceptions=True)
+        for device, count in zip(self._engines, counts):
+            if not isinstance(count, dict):
+                print(f"engine {device}: no count: {count!r}", file=sys.stderr)
+                continue
+            print(f"arrival order on {device}: {count['late']} requests came before an earlier one", file=sys.stderr)
+            for option in self.counted:
+                name, line = COUNTED[option]
+                print(f"{name} on {device}: {line.format(**count)}", file=sys.stderr)
         # every trainer rank leaves its group before any process goes; one that fails to still lets the
         # others go, and everything below is released before its error is raised
         closed = await asyncio.gather(

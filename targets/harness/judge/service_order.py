@@ -41,9 +41,8 @@ from targets.harness.trace import token_count
 # another by less than this may have finished first.
 REPLY_ORDER_SLACK_S = 0.05
 # A request received this much later than another reached the engine after it. The harness forwards calls in
-# the order it stamps them, but Ray starts an async actor's calls in submission order only while their
-# arguments travel inline: a prompt of over ~32k tokens goes through the object store and may start a few
-# milliseconds after a later short one.
+# the order it stamps them; Ray starts an async actor's calls in any order, so an engine must take its
+# requests in the order its cluster sent them (the kit's do: skills/recipes/arrival_order.py).
 ARRIVAL_ORDER_SLACK_S = 0.01
 
 

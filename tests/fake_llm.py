@@ -44,6 +44,7 @@ class Reply:
     usage: bool = True  # False: no usage reported (an OpenAI-compatible server that ignores include_usage)
     usage_cut: bool = False  # an OpenAI stream: the connection closes after the last choice, before the usage
     cache_write_tokens: int = 0  # Anthropic: of the input, written to the prompt cache (cache_creation_input_tokens)
+    cache_read_tokens: int = 0  # Anthropic: of the input, read from the prompt cache (cache_read_input_tokens)
 
 
 @dataclass
@@ -456,6 +457,13 @@ def _anthropic_refusal(body: dict) -> dict | None:
     if "max_tokens" not in body:
         return refuse("max_tokens: Field required")
     messages = body.get("messages", [])
+    marked = [
+        block
+        for block in [*body.get("tools", []), *body.get("system", []), *(b for m in messages for b in _blocks(m))]
+        if isinstance(block, dict) and "cache_control" in block
+    ]
+    if len(marked) > 4:
+        return refuse(f"A maximum of 4 blocks with cache_control may be provided. Found {len(marked)}.")
     for i, m in enumerate(messages):
         content = m.get("content")
         if not content and not (i == len(messages) - 1 and m.get("role") == "assistant"):
@@ -487,6 +495,11 @@ def _anthropic_refusal(body: dict) -> dict | None:
     return None
 
 
+def _blocks(message: dict) -> list:
+    content = message.get("content")
+    return content if isinstance(content, list) else []
+
+
 def generate(server: FakeLLMServer, tmp_path, target, provider: str, *extra: str, model: str = ""):
     """``vibetrain generate`` against the fake server (simulated, one repeat, the key in ``KEY``):
     (exit code, output, run directory)."""
@@ -509,9 +522,10 @@ def generate(server: FakeLLMServer, tmp_path, target, provider: str, *extra: str
 
 def _anthropic_usage(reply: Reply, output_tokens: int) -> dict:
     """Anthropic counts the input apart from what went to and came from its prompt cache."""
-    written = reply.cache_write_tokens
+    written, read = reply.cache_write_tokens, reply.cache_read_tokens
     return {
-        "input_tokens": reply.input_tokens - written,
+        "input_tokens": reply.input_tokens - written - read,
         "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": read,
         "output_tokens": output_tokens,
     }

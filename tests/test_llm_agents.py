@@ -191,6 +191,17 @@ def test_anthropic_cache_writes_count_at_their_higher_price(server):
     assert client.accounting.cost_usd == pytest.approx((200 * 2.5 + 800 * 2.5 * 1.25) / 1e6)  # gpt-4o's price
 
 
+def test_anthropic_cache_reads_count_at_a_tenth_of_the_input_price(server):
+    """A turn that reads the conversation from the prompt cache is billed a tenth of the input price for
+    what it read: counted at the full price, a long tool loop's spend read up to ten times too high, and a
+    --max-cost budget stopped the run early."""
+    server.script("judge", Reply(text="ok", input_tokens=1000, cache_read_tokens=700, cache_write_tokens=200))
+    client = _client(server, "anthropic")
+    client.chat("ROLE: judge", [{"role": "user", "content": "go"}], [])
+    assert client.accounting.snapshot()["input_tokens"] == 1000
+    assert client.accounting.cost_usd == pytest.approx((100 * 2.5 + 200 * 2.5 * 1.25 + 700 * 2.5 * 0.1 + 20 * 10) / 1e6)
+
+
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_the_fake_server_refuses_a_tool_call_left_unanswered_as_the_providers_do(server, provider):
     """Both providers refuse a conversation with a tool call no tool result answers (a 400): the fake

@@ -186,6 +186,51 @@ def test_old_tool_results_are_masked_past_the_budget_and_the_newest_kept():
     assert [m["tool_call_id"] for m in out] == ["0", "1", "2", "3", "4"] and messages[0]["content"] == "x" * 100
 
 
+def test_old_results_are_masked_a_chunk_at_a_time_so_the_conversation_start_holds_still():
+    """Forty turns of 7,000-character results under a 60,000 budget: before, each turn past the budget
+    masked one more result, rewriting the conversation's start every turn (no prompt cache could read
+    it); now the masked set grows half a budget at a time, and what is kept stays within the budget."""
+    messages: list[dict] = [{"role": "user", "content": "go"}]
+    before, rewritten = None, 0
+    for turn in range(40):
+        messages.append({"role": "assistant", "text": "", "tool_calls": []})
+        messages.append({"role": "tool", "tool_call_id": str(turn), "name": "read_file", "content": "x" * 7000})
+        out = masked(messages)
+        assert sum(len(m["content"]) for m in out if m["role"] == "tool" and m["content"] != MASKED) <= 60_000
+        assert out[-1]["content"] != MASKED  # the newest is whole
+        if before is not None and out[: len(before)] != before:
+            rewritten += 1
+        before = out
+    assert 0 < rewritten <= 8  # 40 x 7,000 characters: (280,000 - 60,000) / 30,000 chunks, rounded up
+
+
+def test_anthropic_turns_mark_the_conversation_so_each_reads_what_the_last_wrote(server, tmp_path, tiny_spec):
+    """The tools, the system prompt and the last two user messages carry a cache breakpoint (four, the
+    limit the fake refuses past, as Anthropic does), and each turn's conversation begins with the last
+    turn's, so the turn before's breakpoint is a prefix of this one's."""
+    write_starter(tmp_path / "ws", tiny_spec, "colocate")
+    config = ClientConfig("anthropic", "claude-sonnet-4", KEY, server.url, backoff_s=0.01)
+    client = make_client(config, Accounting())
+    server.script(
+        "implementer",
+        *[Reply(tool_calls=[("read_file", {"path": "stack/params.json", "end_line": n})]) for n in (1, 2, 3)],
+        Reply(tool_calls=[("finish", {"summary": "ok"})]),
+    )
+    _loop(client, Toolbox(tmp_path / "ws", Sandbox.detect("auto")))
+    bodies = [r["body"] for r in server.requests if r["role"] == "implementer"]
+    assert len(bodies) == 4
+    for body in bodies:
+        users = [m for m in body["messages"] if m["role"] == "user"]
+        assert all("cache_control" in m["content"][-1] for m in users[-2:])
+        assert not any("cache_control" in b for m in users[:-2] for b in m["content"])
+
+    def unmarked(messages):
+        return json.loads(json.dumps(messages).replace(', "cache_control": {"type": "ephemeral"}', ""))
+
+    for earlier, later in zip(bodies, bodies[1:]):
+        assert unmarked(later["messages"][: len(earlier["messages"])]) == unmarked(earlier["messages"])
+
+
 def test_the_answer_is_the_last_balanced_json_object():
     assert last_json_object('I set {a} then {"x": {"y": 1}} and finally {"summary": "s"} done') == {"summary": "s"}
     assert last_json_object('```json\n{"verdict": "accept", "reasons": ["a {b}"]}\n```') == {

@@ -41,6 +41,7 @@ DEFAULT_PRICES: dict[str, tuple[float, float]] = {
 SNAPSHOT = re.compile(r"-(\d{8}|\d{4}-\d{2}-\d{2}|latest)$")
 
 CACHE_WRITE_PRICE = 1.25  # a prompt-cache write, as a multiple of the input price (Anthropic's 5-minute cache)
+CACHE_READ_PRICE = 0.1  # a prompt-cache read (Anthropic's; OpenAI's cached input is counted at the input price)
 
 
 @dataclass
@@ -79,14 +80,22 @@ class Accounting:
         return self.prices[match]
 
     def add(
-        self, model: str, input_tokens: int | None, output_tokens: int | None, cache_write_tokens: int = 0
+        self,
+        model: str,
+        input_tokens: int | None,
+        output_tokens: int | None,
+        cache_write_tokens: int = 0,
+        cache_read_tokens: int = 0,
     ) -> float:
-        """Count one call (tokens None: the server reported no usage; refused under a budget)."""
+        """Count one call (tokens None: the server reported no usage; refused under a budget). The cache's
+        writes and reads are of ``input_tokens``, priced at their own multiples of the input price."""
         if input_tokens is None or output_tokens is None:
             input_tokens, output_tokens = self.unreported(model)
         per_in, per_out = self.price(model)
+        uncached = input_tokens - cache_write_tokens - cache_read_tokens
         cost = (
-            input_tokens * per_in + cache_write_tokens * per_in * (CACHE_WRITE_PRICE - 1) + output_tokens * per_out
+            per_in * (uncached + cache_write_tokens * CACHE_WRITE_PRICE + cache_read_tokens * CACHE_READ_PRICE)
+            + output_tokens * per_out
         ) / 1e6
         self.calls += 1
         self.input_tokens += input_tokens

@@ -76,6 +76,7 @@ class AssistantTurn:
     cut_at: int | None = None  # the output limit the reply was cut at (finish_reason "length",
     # stop_reason "max_tokens"): its text and tool calls may be incomplete; None when it finished
     cache_write_tokens: int = 0  # of input_tokens, those written to the provider's prompt cache (priced higher)
+    cache_read_tokens: int = 0  # of input_tokens, those read from Anthropic's prompt cache (priced lower)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class AttemptUsage:
     input_tokens: int | None = None  # as the provider reported it (Anthropic's message_start)
     output_tokens: int = 0
     cache_write_tokens: int = 0
+    cache_read_tokens: int = 0
 
 
 @dataclass
@@ -206,7 +208,13 @@ class _RetryingClient:
                 turn = self._estimated(turn)
             elif turn.input_tokens is not None:
                 self.reported_input = turn.input_tokens
-            self.accounting.add(self.config.model, turn.input_tokens, turn.output_tokens, turn.cache_write_tokens)
+            self.accounting.add(
+                self.config.model,
+                turn.input_tokens,
+                turn.output_tokens,
+                turn.cache_write_tokens,
+                turn.cache_read_tokens,
+            )
             return turn
 
     def _count_failed_attempt(self, error: Exception) -> None:
@@ -235,7 +243,9 @@ class _RetryingClient:
             how,
             spent.output_tokens,
         )
-        self.accounting.add(self.config.model, input_tokens, spent.output_tokens, spent.cache_write_tokens)
+        self.accounting.add(
+            self.config.model, input_tokens, spent.output_tokens, spent.cache_write_tokens, spent.cache_read_tokens
+        )
 
     def _estimated(self, turn: AssistantTurn) -> AssistantTurn:
         """A reply whose usage never came although this server reports usage (an OpenAI stream cut after
@@ -522,12 +532,15 @@ class AnthropicChat(_RetryingClient):
         return out
 
     def _call(self, system: str, messages: list[dict], tools: list[ToolSpec]) -> AssistantTurn:
-        # Prompt caching: the system prompt and the tools are the same on every turn of a loop; marking
-        # their ends caches that prefix (OpenAI caches long prefixes by itself, with nothing to mark).
+        # Prompt caching: the system prompt and the tools are the same on every turn of a loop, and the
+        # conversation before this turn is what the last turn sent (old results are masked a chunk at a
+        # time, ``loop.masked``): marking the ends of the tools, the system prompt and the last two user
+        # messages (Anthropic's limit is four) has each turn read what the turn before wrote. OpenAI caches
+        # long prefixes by itself, with nothing to mark.
         kwargs: dict = {
             "model": self.config.model,
             "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
-            "messages": self._messages(messages),
+            "messages": _cache_marked(self._messages(messages)),
             "max_tokens": self.config.max_output_tokens,
         }
         if tools:
@@ -546,25 +559,41 @@ class AnthropicChat(_RetryingClient):
                         streamed += len(getattr(delta, "text", "") or getattr(delta, "partial_json", "") or "")
                     usage = stream.current_message_snapshot.usage
                     output = max(usage.output_tokens or 0, math.ceil(streamed / CHARACTERS_PER_TOKEN))
-                    input_tokens, written = _anthropic_input(usage)
-                    self.attempt = AttemptUsage(True, input_tokens, output, written)
+                    input_tokens, written, read = _anthropic_input(usage)
+                    self.attempt = AttemptUsage(True, input_tokens, output, written, read)
                 message = stream.get_final_message()
             if message.stop_reason is None:
                 raise _StreamCut("the stream ended before the model finished")
         text = "".join(b.text for b in message.content if b.type == "text")
         calls = [ToolCall(b.id, b.name, json.dumps(b.input)) for b in message.content if b.type == "tool_use"]
         cut_at = self.config.max_output_tokens if message.stop_reason == "max_tokens" else None
-        input_tokens, written = _anthropic_input(message.usage)
-        return AssistantTurn(text, calls, input_tokens, message.usage.output_tokens, cut_at, written)
+        input_tokens, written, read = _anthropic_input(message.usage)
+        return AssistantTurn(text, calls, input_tokens, message.usage.output_tokens, cut_at, written, read)
 
 
-def _anthropic_input(usage) -> tuple[int, int]:
-    """Input tokens, cached prefix included, and of them those written to the cache (a read counts at the
-    input price, an upper bound: it is billed a tenth of it; a write at CACHE_WRITE_PRICE times it, added
-    by ``Accounting``)."""
+def _cache_marked(messages: list[dict], marks: int = 2) -> list[dict]:
+    """Anthropic messages with a cache breakpoint on the last block of each of the last ``marks`` user
+    messages (a tool result goes back as a user message): this turn writes the conversation so far, and
+    reads what the turn before wrote up to its own last message, however many blocks this turn added.
+    Every user text goes as a block, marked or not, so a message reads the same on every turn."""
+    users = [index for index, message in enumerate(messages) if message["role"] == "user"]
+    for index in users:
+        content = messages[index]["content"]
+        if isinstance(content, str) and not content.strip():
+            continue  # as a block it would be refused (a text block must hold more than whitespace)
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [dict(b) for b in content]
+        if blocks and index in users[-marks:]:
+            blocks[-1]["cache_control"] = {"type": "ephemeral"}
+        messages[index] = {**messages[index], "content": blocks}
+    return messages
+
+
+def _anthropic_input(usage) -> tuple[int, int, int]:
+    """Input tokens, cached prefix included, and of them those written to the cache and those read from it
+    (priced by ``Accounting``: a write at CACHE_WRITE_PRICE times the input price, a read at CACHE_READ_PRICE)."""
     read = getattr(usage, "cache_read_input_tokens", 0) or 0
     written = getattr(usage, "cache_creation_input_tokens", 0) or 0
-    return (usage.input_tokens or 0) + read + written, written
+    return (usage.input_tokens or 0) + read + written, written, read
 
 
 class _StreamCut(RuntimeError):

@@ -6,7 +6,9 @@ validate) comes back as a tool error, a turn with no tool call gets a nudge, a r
 limit is reported and not run, a ``finish`` that ``on_finish`` refuses (failing checks) goes back with
 the reasons. It stops with a reason when the model is stuck (the same call over and over, or nudges
 in a row) or out of turns. Old tool results are masked past a character budget so a long attempt
-keeps fitting its context window; the newest stay whole.
+keeps fitting its context window; the newest stay whole. They are masked a chunk at a time, so the
+conversation's start stays the same turn after turn between chunks and a provider's prompt cache
+reads it (Anthropic's, marked in ``client.py``; OpenAI's, by itself).
 """
 
 from __future__ import annotations
@@ -77,16 +79,21 @@ def cut_note(turn: AssistantTurn) -> str:
 
 
 def masked(messages: list[dict], budget: int = RESULT_BUDGET) -> list[dict]:
-    """``messages`` with the oldest tool results replaced by a short note once the results, newest
-    first, pass ``budget`` characters (the message structure stays: each call keeps its result)."""
-    kept, out = 0, list(messages)
-    for index in range(len(out) - 1, -1, -1):
-        message = out[index]
-        if message["role"] != "tool":
-            continue
-        kept += len(message["content"])
-        if kept > budget and message["content"] != MASKED:
-            out[index] = {**message, "content": MASKED}
+    """``messages`` with the oldest tool results replaced by a short note, so that those kept whole
+    hold at most ``budget`` characters (the message structure stays: each call keeps its result). The
+    masked ones cover whole chunks of half the budget, oldest first: which are masked changes only when
+    the results grow by another chunk, not every turn (masking one more each turn rewrote the
+    conversation's start every turn, and no prompt cache could read it)."""
+    results = [index for index, message in enumerate(messages) if message["role"] == "tool"]
+    total = sum(len(messages[index]["content"]) for index in results)
+    chunk = max(1, budget // 2)
+    to_mask = max(0, -(-(total - budget) // chunk)) * chunk  # characters, rounded up to whole chunks
+    out, covered = list(messages), 0
+    for index in results:
+        if covered >= to_mask:
+            break
+        covered += len(messages[index]["content"])
+        out[index] = {**messages[index], "content": MASKED}
     return out
 
 

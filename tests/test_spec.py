@@ -524,6 +524,16 @@ def test_a_file_in_the_way_of_an_output_files_folder_is_named(tmp_path):
     assert (tmp_path / "afile").read_text() == "mine\n"
 
 
+def test_a_failed_command_leaves_no_folder_it_made_for_its_outputs(tmp_path):
+    """``check typo --json new/v.json`` made ``new/`` before the target was looked at, and left it; a
+    folder that was there already, and one something else wrote into meanwhile, stay."""
+    (tmp_path / "there").mkdir()
+    outputs = ["--json", str(tmp_path / "a" / "b" / "v.json"), "--timeline", str(tmp_path / "a" / "c" / "t.png")]
+    result = runner.invoke(app, ["bench", "tiny-qwen3-cpux", *outputs, "--phases", str(tmp_path / "there" / "p.png")])
+    assert result.exit_code == 2 and "did you mean" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any((tmp_path / "there").iterdir())
+
+
 def test_an_out_path_that_is_a_file_is_refused_by_name(tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine\n")

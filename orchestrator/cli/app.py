@@ -83,17 +83,28 @@ class UsageError(UserError):
     """What the command line itself got wrong (an option's value, a path that is not what it must be)."""
 
 
+# Folders ``out_file`` made for this command's outputs: removed again, if still empty, when
+# the command fails (a mistyped target left ``--json``'s new folders behind).
+_FOLDERS_MADE: list[Path] = []
+
+
 def command(typer_app: typer.Typer, name: str) -> Callable:
     """Registers ``function`` as command ``name``, its user errors turned into their exit codes here."""
 
     def register(function: Callable) -> Callable:
         @functools.wraps(function)
         def run(*args, **kwargs):
+            _FOLDERS_MADE.clear()
             try:
                 return function(*args, **kwargs)
             except UserError as error:
+                _remove_empty_folders_made()
                 errors.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
                 raise typer.Exit(error.exit_code) from None
+            except BaseException as error:  # re-raised as it is: only the folders it made for nothing go
+                if not (isinstance(error, typer.Exit) and error.exit_code == 0):
+                    _remove_empty_folders_made()
+                raise
 
         # the command list shows the docstring's first paragraph as one line (its source lines break mid-sentence)
         summary = " ".join(re.split(r"\n\s*\n", function.__doc__ or "")[0].split())
@@ -178,15 +189,27 @@ def out_file(path: Path | None, option: str) -> Path | None:
     in_the_way = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), None)
     if in_the_way is not None:  # mkdir says only "File exists"
         raise UsageError(f"{option} {path}: {in_the_way} is a file, not a folder")
+    missing = [folder for folder in [path.parent, *path.parent.parents] if not folder.exists()]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"{option} {path}: cannot create its folder ({error.strerror})") from None
+    _FOLDERS_MADE.extend(missing)
     try:
         _open_for_writing(path)
     except OSError as error:
         raise UsageError(f"{option} {path}: cannot be written ({error.strerror})") from None
     return path
+
+
+def _remove_empty_folders_made() -> None:
+    for folder in sorted(set(_FOLDERS_MADE), key=lambda f: len(f.parts), reverse=True):  # a folder holding only
+        # folders made here goes too
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (something else wrote there meanwhile), or gone: left as it is
+            pass
+    _FOLDERS_MADE.clear()
 
 
 def _open_for_writing(path: Path) -> None:

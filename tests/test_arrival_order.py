@@ -6,6 +6,10 @@ rejected as "served out of order" when one call reached its engine ~90 ms after 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -61,12 +65,30 @@ def test_a_waiting_request_cancelled_lets_the_later_ones_go_on():
     assert asyncio.run(main()) == [3, True]
 
 
-def test_a_number_that_never_comes_is_an_error_that_names_it():
-    async def main() -> None:
-        await ArrivalOrder("cpu:1", hole_wait_s=0.05).turn(3)
+def test_a_request_forgotten_while_it_waits_is_told_at_once():
+    """Ray may deliver the cluster's forget before the cancel reaches the call: the call, waiting for an
+    earlier number, is told it is not to be served (before, it waited the whole hole timeout, then failed)."""
 
-    with pytest.raises(RuntimeError, match=r"cpu:1: request 3 waited 0s for request 0, which the cluster numbered"):
-        asyncio.run(main())
+    async def main() -> tuple[bool, int]:
+        order = ArrivalOrder("e0", hole_wait_s=5)
+        waiting = asyncio.create_task(order.turn(1))
+        await asyncio.sleep(0)
+        order.forget(1)
+        served = await asyncio.wait_for(waiting, 1)
+        assert await order.turn(0)
+        return served, order.next
+
+    assert asyncio.run(main()) == (False, 2)
+
+
+def test_a_number_that_never_comes_is_an_error_that_names_it_once():
+    async def main() -> bool:
+        order = ArrivalOrder("cpu:1", hole_wait_s=0.05)
+        with pytest.raises(RuntimeError, match=r"cpu:1: request 3 waited 0s for request 0, which the cluster numbered"):
+            await order.turn(3)
+        return await asyncio.wait_for(order.turn(1), 1)  # 0 was given up on: the engine serves on
+
+    assert asyncio.run(main()) is True
 
 
 def test_the_engine_server_admits_calls_in_the_clusters_order_not_as_they_come(tiny_spec):
@@ -93,3 +115,41 @@ def test_the_engine_server_admits_calls_in_the_clusters_order_not_as_they_come(t
         return submitted
 
     assert asyncio.run(main()) == [0, 1]
+
+
+RAY_CANCELS = textwrap.dedent(
+    """
+    import asyncio
+    from skills.recipes.ray_cluster import RayCluster
+    from targets.api import GenerateRequest, SamplingParams
+    from targets.harness.target import Target
+
+    runtime = Target.load("tiny-qwen3-cpu").runtime()
+
+    async def main():
+        cluster = await RayCluster.start(runtime, runtime.devices[:1], [], runtime.workload.training)
+        try:
+            params = SamplingParams(max_new_tokens=4, temperature=0.0)
+            for k in range(5):
+                dropped = asyncio.ensure_future(cluster.generate(GenerateRequest(f"g{k}/e0", 0, [1, 2, 3], params)))
+                await asyncio.sleep(0)  # numbered and sent
+                dropped.cancel()  # as the harness cancels the turn of a dropped episode
+                request = GenerateRequest(f"g{k}/e1", 0, [4, 5, 6], params)
+                print("served", len((await asyncio.wait_for(cluster.generate(request), 20)).tokens), flush=True)
+        finally:
+            await cluster.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_call_ray_cancels_before_it_starts_holds_up_none_after_it():
+    """A real Ray cluster: each request is cancelled as soon as it is sent, which Ray honours by never
+    starting the call, and the next request on that engine is served at once. Without the cluster's
+    forget, the engine waited for the cancelled number (measured: the second request timed out)."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)  # a Ray of its own, in its own process
+    done = subprocess.run([sys.executable, "-c", RAY_CANCELS], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n").count("served 4") == 5, done.stdout

@@ -180,10 +180,13 @@ def test_a_finish_with_bad_arguments_or_refused_by_the_checks_goes_on(server, lo
 
 
 def test_old_tool_results_are_masked_past_the_budget_and_the_newest_kept():
-    messages = [{"role": "tool", "tool_call_id": str(n), "name": "read_file", "content": "x" * 100} for n in range(5)]
-    out = masked(messages, budget=250)
+    messages = []
+    for n in range(5):
+        messages.append({"role": "assistant", "text": "", "tool_calls": []})
+        messages.append({"role": "tool", "tool_call_id": str(n), "name": "read_file", "content": "x" * 100})
+    out = [m for m in masked(messages, budget=250) if m["role"] == "tool"]
     assert [m["content"] == MASKED for m in out] == [True, True, True, False, False]
-    assert [m["tool_call_id"] for m in out] == ["0", "1", "2", "3", "4"] and messages[0]["content"] == "x" * 100
+    assert [m["tool_call_id"] for m in out] == ["0", "1", "2", "3", "4"] and messages[1]["content"] == "x" * 100
 
 
 def test_old_results_are_masked_a_chunk_at_a_time_so_the_conversation_start_holds_still():
@@ -202,6 +205,9 @@ def test_old_results_are_masked_a_chunk_at_a_time_so_the_conversation_start_hold
             rewritten += 1
         before = out
     assert 0 < rewritten <= 8  # 40 x 7,000 characters: (280,000 - 60,000) / 30,000 chunks, rounded up
+    messages.append({"role": "assistant", "text": "", "tool_calls": []})
+    messages.append({"role": "tool", "tool_call_id": "checks", "name": "finish", "content": "F" * 40_000})
+    assert masked(messages)[-1]["content"] == "F" * 40_000  # the last turn's, however long, is read whole
 
 
 def test_anthropic_turns_mark_the_conversation_so_each_reads_what_the_last_wrote(server, tmp_path, tiny_spec):

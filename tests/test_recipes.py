@@ -1719,7 +1719,10 @@ def test_a_ray_cluster_releases_everything_when_one_actor_fails_to_close(tmp_pat
             if fails:
                 raise ConnectionError("planted: the actor died")
 
-        return SimpleNamespace(close=SimpleNamespace(remote=close))
+        async def counts():  # read for the cluster's log before the actors close
+            return {"late": 0}
+
+        return SimpleNamespace(close=SimpleNamespace(remote=close), counts=SimpleNamespace(remote=counts))
 
     runtime = Target.load("tiny-qwen3-cpu").runtime()
     d0, d1 = runtime.devices[:2]

@@ -582,8 +582,8 @@ def _cache_marked(messages: list[dict], marks: int = 2) -> list[dict]:
         if isinstance(content, str) and not content.strip():
             continue  # as a block it would be refused (a text block must hold more than whitespace)
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [dict(b) for b in content]
-        if blocks and index in users[-marks:]:
-            blocks[-1]["cache_control"] = {"type": "ephemeral"}
+        if blocks and index in users[-marks:] and (blocks[-1].get("content") or blocks[-1].get("text")):
+            blocks[-1]["cache_control"] = {"type": "ephemeral"}  # an empty block may not carry one
         messages[index] = {**messages[index], "content": blocks}
     return messages
 

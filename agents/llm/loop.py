@@ -83,14 +83,16 @@ def masked(messages: list[dict], budget: int = RESULT_BUDGET) -> list[dict]:
     hold at most ``budget`` characters (the message structure stays: each call keeps its result). The
     masked ones cover whole chunks of half the budget, oldest first: which are masked changes only when
     the results grow by another chunk, not every turn (masking one more each turn rewrote the
-    conversation's start every turn, and no prompt cache could read it)."""
+    conversation's start every turn, and no prompt cache could read it). The last turn's results are
+    never masked, however long (a failing check's report, which ``finish`` sends back whole)."""
     results = [index for index, message in enumerate(messages) if message["role"] == "tool"]
     total = sum(len(messages[index]["content"]) for index in results)
     chunk = max(1, budget // 2)
     to_mask = max(0, -(-(total - budget) // chunk)) * chunk  # characters, rounded up to whole chunks
+    last_turn = max((index for index, message in enumerate(messages) if message["role"] == "assistant"), default=-1)
     out, covered = list(messages), 0
     for index in results:
-        if covered >= to_mask:
+        if covered >= to_mask or index > last_turn:
             break
         covered += len(messages[index]["content"])
         out[index] = {**messages[index], "content": MASKED}

@@ -202,6 +202,13 @@ def out_file(path: Path | None, option: str) -> Path | None:
     return path
 
 
+def folder_ready(path: Path) -> Path:
+    """``path`` (an ``out_file``) about to be written, its folder made again: a command beside this one that
+    failed may have removed it as its own (two benchmarks writing into one new folder, one mistyped)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _remove_empty_folders_made() -> None:
     for folder in sorted(set(_FOLDERS_MADE), key=lambda f: len(f.parts), reverse=True):  # a folder holding only
         # folders made here goes too

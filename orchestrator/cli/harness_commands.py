@@ -30,6 +30,7 @@ from orchestrator.cli.app import (
     candidate_dir,
     command,
     console,
+    folder_ready,
     open_tracker,
     out_dir,
     out_file,
@@ -261,7 +262,7 @@ def check(
     if not passed and out is None and any(logs.iterdir()):  # a candidate the scan refused ran nothing to log
         console.print(f"the run's logs and trace: {shown(keep(logs))}")
     if json_path:
-        json_path.write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))
+        folder_ready(json_path).write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))
     console.print("[green]PASS[/green]" if passed else "[red]FAIL[/red]")
     raise typer.Exit(0 if passed else 1)
 
@@ -425,7 +426,7 @@ def bench(
             "runs": [r.summary(spec.headline_metric.name) for r in runs],
             "failed": [{"name": f.name, "repeat": f.repeat, "reasons": f.reasons} for f in failed],
         }
-        json_path.write_text(json.dumps(data, indent=1))
+        folder_ready(json_path).write_text(json.dumps(data, indent=1))
         console.print(f"results: {shown(json_path)}")
     if timeline and runs:
         devices = [d.id for d in measuring.target.devices()]
@@ -438,10 +439,12 @@ def bench(
             )
             for r in runs
         ]
-        plot_timelines(titles, timeline)
+        plot_timelines(titles, folder_ready(timeline))
         console.print(f"timeline: {shown(timeline)}")
     if phases and runs:
-        plot_step_phases([(r.name, r.summary(spec.headline_metric.name)["metrics"]) for r in runs], phases)
+        plot_step_phases(
+            [(r.name, r.summary(spec.headline_metric.name)["metrics"]) for r in runs], folder_ready(phases)
+        )
         console.print(f"where a step goes: {shown(phases)}")
     if tracker is not None:
         traces = {f"{r.name}/r{i}": m.events() for r in runs for i, m in enumerate(r.measurements)}
@@ -528,7 +531,7 @@ def calibrate(
     print_report(table)
     path = report["calibrated_spec"]
     if out:
-        shutil.copy(path, out)
+        shutil.copy(path, folder_ready(out))
         path = out
     else:
         keep(work)
@@ -573,7 +576,7 @@ def profile_workload(
         profile = fit_profile(spec, [run.events()], f"{spec.id} ({spec.workload.environment.label})")
     except ProfileError as error:
         raise Failed(str(error)) from None
-    out.write_text(yaml.safe_dump(profile, sort_keys=False))
+    folder_ready(out).write_text(yaml.safe_dump(profile, sort_keys=False))
     samples = profile["samples"]
     for note in samples["notes"]:
         console.print(f"note: {note}", highlight=False, markup=False)

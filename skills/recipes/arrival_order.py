@@ -40,10 +40,14 @@ class ArrivalOrder:
                 # cancelled caller would then be served
                 await asyncio.wait({wake}, timeout=self.hole_wait_s)
                 if not wake.done():
+                    missing = self.next
+                    self.forget(missing)  # said once: the requests after it go on
                     raise RuntimeError(
-                        f"{self.name}: request {number} waited {self.hole_wait_s:.0f}s for request {self.next}, "
+                        f"{self.name}: request {number} waited {self.hole_wait_s:.0f}s for request {missing}, "
                         "which the cluster numbered but neither sent nor forgot"
                     )
+                if not wake.result():
+                    return False  # forgotten while it waited
         except BaseException:  # cancelled or timed out: its number is settled, so later ones go on
             self._waiting.pop(number, None)
             self.forget(number)
@@ -52,13 +56,17 @@ class ArrivalOrder:
         return True
 
     def forget(self, number: int) -> None:
-        """``number`` will not be taken (its caller cancelled it), or has just been: later ones go on."""
+        """``number`` will not be taken (its caller cancelled it; one waiting is told so), or has just been:
+        later ones go on."""
         if number < self.next:
             return
         self._settled.add(number)
+        early = self._waiting.pop(number, None)
+        if early is not None and not early.done():
+            early.set_result(False)
         while self.next in self._settled:
             self._settled.discard(self.next)
             self.next += 1
         waiter = self._waiting.pop(self.next, None)
         if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            waiter.set_result(True)

@@ -55,6 +55,9 @@ from .fsdp_trainer import FSDPTrainer
 from .rendezvous import Rendezvous
 from .weight_sync import DEFAULT_BUCKET_BYTES, BroadcastGroup, Layout, merge, publish
 
+# Calls a device's actor runs at once (Ray's default for an async actor is 1,000): a request that came early
+# waits in the actor for an earlier one (``arrival_order.py``), which must find a slot to come in.
+ACTOR_CALLS = 100_000
 STICKY_SLACK = 4  # requests an engine may have beyond the least loaded one and still keep its episodes
 # The engine options whose technique keeps counts of its own (``EngineServer.counts``): what the
 # cluster's log calls it, and the line it writes for each engine at close.
@@ -334,7 +337,8 @@ class RayCluster:
                 if d.id in ranks
                 else None
             )
-            actors[d.id] = Actor.options(**actor_options(runtime, d, placement)).remote(engine_kwargs, trainer_kwargs)
+            options = actor_options(runtime, d, placement)
+            actors[d.id] = Actor.options(**options, max_concurrency=ACTOR_CALLS).remote(engine_kwargs, trainer_kwargs)
         await asyncio.gather(
             *(actors[d.id].sleep.remote() for d in lendable),  # asleep until borrowed
             *(actors[d.id].weight_version.remote() for d in rollout),
@@ -371,12 +375,17 @@ class RayCluster:
             # numbered here, per engine: Ray starts an async actor's calls in any order, and the engine
             # takes them in this one (``arrival_order.py``)
             arrival = next(self._arrivals[device])
-            call = self._engines[device].generate.remote(request.prompt, request.params, request.episode_id, arrival)
             try:
-                completion = await call
-            except asyncio.CancelledError:  # its episode was dropped: the engine stops serving it
-                ray.cancel(call)
-                self._engines[device].forget.remote(arrival)  # a call cancelled before it started never comes
+                call = self._engines[device].generate.remote(
+                    request.prompt, request.params, request.episode_id, arrival
+                )
+                try:
+                    completion = await call
+                except asyncio.CancelledError:  # its episode was dropped: the engine stops serving it
+                    ray.cancel(call)
+                    raise
+            except BaseException:  # a call cancelled before it started, or never sent, never comes: the
+                self._engines[device].forget.remote(arrival)  # engine's later requests are not to wait for it
                 raise
         finally:
             self._outstanding[device] -= 1

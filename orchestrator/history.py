@@ -292,6 +292,11 @@ class History:
             for gitdir in (Path(self.repo.git_dir).resolve() / "worktrees").glob("*/gitdir")
         ]
 
+    def worktree_folders(self) -> list[Path]:
+        """Where each of this repository's registered worktrees is (or was: a folder deleted by hand is
+        still registered until removed)."""
+        return [link.parent for _, link in self._registered()]
+
     def worktrees_named(self, name: str) -> list[tuple[Path, str]]:
         """(where, commit) of each of this repository's worktrees in a folder called ``name``, wherever it is:
         a run resumed from another working folder has its ``workspaces/`` elsewhere than the killed one's."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import re
 import shutil
 import time
 import traceback
@@ -59,6 +60,8 @@ from targets.errors import UserError
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.measure.session import EnvironmentFailed, Session
 from targets.harness.target import Target
+
+ROUND_WORKTREE = re.compile(r"round-(\d+)(?:-judged)?")  # a round's workspace and its judged copy
 
 
 class RunError(UserError, RuntimeError):
@@ -519,6 +522,7 @@ class Loop:
                 if (commit := self.history.adopt(number, head)) is not None:
                     break
             if commit is None:
+                self._remove_recorded_rounds_worktrees()
                 return
             record = RoundRecord.model_validate(self.history.record(commit, "round.json"))
             record.commit = commit
@@ -528,6 +532,15 @@ class Loop:
             edited = self.history.worktrees_named(f"round-{number}")
             for problem in self._remove_worktrees(number, [where for where, _ in [*elsewhere, *edited]]):
                 self.on_event("recovered", reason=problem)
+
+    def _remove_recorded_rounds_worktrees(self) -> None:
+        """A kill after a round's state was saved, before its worktrees were removed, left them for good (no
+        later round has their names): the worktrees of every recorded round go, wherever they are."""
+        for folder in self.history.worktree_folders():
+            named = ROUND_WORKTREE.fullmatch(folder.name)
+            if named is not None and int(named[1]) < self.state.next_round:
+                for problem in self._remove_worktrees(int(named[1]), [folder]):
+                    self.on_event("recovered", reason=problem)
 
     def refuse_a_moved_best(self) -> None:
         """``best`` in git is the state's best (what ``export @best`` and the next round start from): a

@@ -1346,6 +1346,28 @@ def test_a_round_committed_but_killed_before_its_ref_was_written_is_recovered_no
     loop.history.release()
 
 
+def test_a_recorded_rounds_worktrees_left_by_a_kill_are_removed_on_resume(tmp_path):
+    """Killed after a round's state was saved, before its two worktrees were removed: no later round has
+    their names, so they stayed for good (a copy of the stack each, and git's registration). The resume
+    removes every recorded round's, here and in another session's workspaces, and keeps the next round's."""
+    from tests.review_run import make_review_run
+
+    run = make_review_run(tmp_path)
+    loop = resume_run(run, {"rounds": 4}, lambda kind, **data: None, tmp_path / "ws")
+    best = loop.state.best.commit
+    left = [
+        loop.history.worktree(tmp_path / "ws" / "round-1", best),
+        loop.history.worktree(loop._frozen(1), best),
+        loop.history.worktree(tmp_path / "other-folder" / "workspaces" / "round-0-judged", best),
+    ]
+    upcoming = loop.history.worktree(tmp_path / "ws" / "round-3", best)  # not recorded: a round to come
+    loop.reconcile_with_git()
+    assert loop.state.next_round == 3
+    assert not any(tree.exists() for tree in left) and upcoming.exists()
+    assert loop.history.worktree_folders() == [upcoming.resolve()]
+    loop.history.release()
+
+
 def test_a_round_killed_before_its_ref_is_recovered_from_another_sessions_workspaces(tmp_path):
     """The killed session ran from another folder, so its judged copy is under that folder's workspaces/
     (the default is relative): the resume looked only in its own, redid the round and orphaned the commit.

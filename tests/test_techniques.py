@@ -644,6 +644,8 @@ def test_env_prestart_resets_the_next_steps_environments_while_the_devices_train
     for step, train in enumerate(trains[1:], start=1):
         episodes = [t["episode"] for t in train.data["trajectories"]]
         assert all(created[x] <= trains[step - 1].data["start"] for x in episodes), f"step {step}'s groups were late"
+    # nothing launched for a step after the last (dropped at the end, it would pass the audit unseen)
+    assert set(created) == {t["episode"] for train in trains for t in train.data["trajectories"]}
     if simulate:
         _, without = audited_run(tmp_path / "off", fast_target, {}, simulate, workload, controller="colocate")
         duration = {name: run[-1].t - run[0].t for name, run in (("on", events), ("off", without))}
@@ -689,8 +691,10 @@ def _prestarted_steps(events) -> tuple[list, list[float], dict[str, float]]:
         ({"env_prestart": 1, "async_ratio": 0}, "env_prestart needs a staleness bound (async_ratio) of at least 1"),
         # over 1, the next step's groups never launched: the run waited for them to its time limit
         ({"env_prestart": 1, "prestart_at": 1.5}, "params prestart_at must be a number within [0, 1]"),
+        # read as on, it was refused for the staleness bound instead of for its value
+        ({"env_prestart": 2, "async_ratio": 0}, "params env_prestart must be 0 (off) or 1 (on), got 2"),
     ],
-    ids=["no staleness bound", "prestart_at over 1"],
+    ids=["no staleness bound", "prestart_at over 1", "env_prestart 2"],
 )
 def test_env_prestart_is_refused_where_it_cannot_work(tmp_path, fast_target, params, said):
     spec, run = harness_run(tmp_path, fast_target, params, True, controller="colocate")

@@ -23,7 +23,10 @@ from .controller_base import ControllerBase
 class Colocate(ControllerBase):
     def __init__(self, runtime, params: dict) -> None:
         super().__init__(runtime, params)
-        self.prestart = bool(params.get("env_prestart", 0))
+        prestart = params.get("env_prestart", 0)
+        if isinstance(prestart, bool) or prestart not in (0, 1):  # "0" or 2 read as on, then refused for the bound
+            raise ValueError(f"params env_prestart must be 0 (off) or 1 (on), got {prestart!r}")
+        self.prestart = prestart == 1
         # the batch's groups ready when the next step's are launched (their resets then overlap the tail)
         prestart_at = params.get("prestart_at", 1.0)
         if isinstance(prestart_at, bool) or not isinstance(prestart_at, int | float) or not 0 <= prestart_at <= 1:

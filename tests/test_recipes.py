@@ -1229,6 +1229,16 @@ def test_every_parameter_a_skill_declares_or_a_recipe_reads_is_a_name_the_build_
     unchecked = set(KNOWN_PARAMS) - declared - checked - {"controller", "rollout_devices"}
     assert not unchecked, unchecked
     assert OPTION_VALUES["attention"] == ATTENTION_KINDS
+    # build refuses a technique under a controller its skill does not run under: by its switch, off value and all
+    from skills.recipes.build import CONTROLLER_TECHNIQUES
+
+    restricted = {
+        name: (skill.params[name].default, tuple(skill.controllers))
+        for skill in load_skills().values()
+        if skill.kind == "technique" and skill.controllers
+        for name in skill.enable
+    }
+    assert CONTROLLER_TECHNIQUES == restricted
 
 
 @pytest.mark.parametrize(
@@ -1239,8 +1249,10 @@ def test_every_parameter_a_skill_declares_or_a_recipe_reads_is_a_name_the_build_
         # a text "False" is truthy: the engine took it as a request for the fused kernels
         ({"fused_kernels": "False"}, 'params.json: fused_kernels must be one of null, true, false, not "False"'),
         ({"attention": "sdap"}, 'attention must be one of "auto", "flashinfer", "triton", "sdpa", not "sdap"'),
+        # a technique the controller never reads was silently off
+        ({"env_prestart": 1}, "params env_prestart 1: only colocate read it; under static_split it would do nothing"),
     ],
-    ids=["misspelt", "zero bucket", "text for a flag", "misspelt attention"],
+    ids=["misspelt", "zero bucket", "text for a flag", "misspelt attention", "technique of another controller"],
 )
 def test_a_parameter_the_build_cannot_honour_fails_it_by_name(tmp_path, tiny_spec, extra, said):
     import json

@@ -58,15 +58,38 @@ def option_problem(name: str, value) -> str | None:
     return None
 
 
+# The switch of each technique only some controllers read, its value when off, and those controllers (its
+# SKILL.md's ``controllers``; tests/test_stack_kit.py holds the two to each other): on under another, it
+# would do nothing, silently.
+CONTROLLER_TECHNIQUES: dict[str, tuple[object, tuple[str, ...]]] = {
+    "abort_stale": (0, ("static_split", "time_multiplex")),
+    "env_prestart": (0, ("colocate",)),
+    "overlap_sync": (0, ("time_multiplex",)),
+    "partial_rollout": (0, ("static_split", "time_multiplex")),
+    "shrink_at": (1.0, ("time_multiplex",)),
+    "serving_harvest": (0, ("static_split", "time_multiplex")),
+    "stream_train": (0, ("time_multiplex",)),
+    "tail_round": (0, ("static_split", "time_multiplex")),
+}
+
+
 def _validate_params(params: dict) -> None:
     """Every name in params.json is one a recipe reads: a misspelt one would otherwise be ignored, its
     technique silently off. A stack that adds a parameter of its own adds its name here. The options no
-    skill declares a range for are checked here too (the skills' ranges are the annotations below)."""
+    skill declares a range for are checked here too (the skills' ranges are the annotations below), and a
+    technique switched on under a controller that never reads it is refused."""
     unknown = sorted(set(params) - set(KNOWN_PARAMS))
     if unknown:
         raise ValueError(
             f"params.json names {unknown}, which no recipe of this stack reads; known: {sorted(KNOWN_PARAMS)}"
         )
+    controller = params.get("controller")
+    for name, (off, controllers) in CONTROLLER_TECHNIQUES.items():
+        if params.get(name, off) != off and controller not in controllers:
+            raise ValueError(
+                f"params {name} {params[name]!r}: only {' and '.join(controllers)} read it; under {controller} "
+                f"it would do nothing (set it to {off!r}, or switch the controller)"
+            )
     problems = [problem for name, value in params.items() if (problem := option_problem(name, value))]
     if problems:
         raise ValueError(f"params.json: {'; '.join(problems)}")

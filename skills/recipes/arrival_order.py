@@ -1,13 +1,13 @@
 """An engine's requests taken in the order its cluster sent them, whatever order they reach it in.
 
-Ray starts an async actor's calls in any order (its documentation says so; on this project's 2-core
-machine, loaded, 41 of 1,600 numbered calls from one caller started after a later one, up to 38 ms
-late), and an engine admits by arrival: a request delivered late joins the batch after requests sent
-after it, and decodes fewer tokens than they prove it sat through (the audit's order of service,
-docs/judge.md). So the cluster numbers each engine's requests 0, 1, 2, ... as it sends them, and the
-engine takes a request only once every lower number has come: as a request, or as a ``forget`` (a
-request the cluster cancelled, which may never come). A number not come within ``HOLE_WAIT_S`` is an
-error, said, not a silent hang.
+Ray starts an async actor's calls in any order (its documentation says so; on a 2-core machine with
+both cores busy, 9-16% of 1,600 numbered calls from one caller started after a later one, up to 51 ms
+late: benchmarks/ray_call_order.py), and an engine admits by arrival: a request delivered late joins
+the batch after requests sent after it, and decodes fewer tokens than they prove it sat through (the
+audit's order of service, docs/judge.md). So the cluster numbers each engine's requests 0, 1, 2, ...
+as it sends them, and the engine takes a request only once every lower number has come: as a request,
+or as a ``forget`` (a request the cluster cancelled, which may never come). A number not come within
+``HOLE_WAIT_S`` is an error, said, not a silent hang.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def option_problem(name: str, value) -> str | None:
 
 
 # The switch of each technique only some controllers read, its value when off, and those controllers (its
-# SKILL.md's ``controllers``; tests/test_stack_kit.py holds the two to each other): on under another, it
+# SKILL.md's ``controllers``; tests/test_recipes.py holds the two to each other): on under another, it
 # would do nothing, silently.
 CONTROLLER_TECHNIQUES: dict[str, tuple[object, tuple[str, ...]]] = {
     "abort_stale": (0, ("static_split", "time_multiplex")),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 import sys
 from pathlib import Path
@@ -532,6 +533,30 @@ def test_a_failed_command_leaves_no_folder_it_made_for_its_outputs(tmp_path):
     result = runner.invoke(app, ["bench", "tiny-qwen3-cpux", *outputs, "--phases", str(tmp_path / "there" / "p.png")])
     assert result.exit_code == 2 and "did you mean" in result.output, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any((tmp_path / "there").iterdir())
+
+
+def test_an_output_whose_new_folder_a_failed_command_beside_it_removed_is_still_written(tmp_path, monkeypatch):
+    """Two commands writing into one new folder: the one that failed removed it as its own (empty), and
+    the other's write at its end raised FileNotFoundError after all its work. Every writer makes the
+    folder again. Here a check the integrity scan fails (quick) loses its folder once its session starts."""
+    from orchestrator.cli import harness_commands
+    from skills.starter import write_starter
+    from targets.spec import load_target
+
+    stack = write_starter(tmp_path / "cheat", load_target("tiny-qwen3-cpu"), "colocate")
+    (stack / "stack" / "notes.py").write_text("from targets.harness.trace import Trace  # noqa\n")
+    verdict = tmp_path / "new" / "v.json"
+    session = harness_commands.session
+
+    def neighbour_removed_it(*args, **kwargs):
+        opened = session(*args, **kwargs)
+        verdict.parent.rmdir()  # what a failed command beside this one does to the empty folder it made
+        return opened
+
+    monkeypatch.setattr(harness_commands, "session", neighbour_removed_it)
+    result = runner.invoke(app, ["check", "tiny-qwen3-cpu", "--stack", str(stack), "--json", str(verdict)])
+    assert result.exit_code == 1 and "imports harness internals" in result.output, result.output
+    assert json.loads(verdict.read_text())[0]["name"] == "integrity"
 
 
 def test_an_out_path_that_is_a_file_is_refused_by_name(tmp_path):

@@ -519,7 +519,9 @@ class Declared:
     every one it trains (keeping some partials and restarting others would let it choose its samples).
     ``tail_round``: the stack defers unfinished groups and relaunches their tasks ``tail_round`` at a time (tail
     batching; 0: it defers none); at most ``tail_round - 1`` deferred tasks may still wait for their relaunch when
-    the run ends, so deferring cannot drop tasks it finds too long. The target bounds each
+    the run ends, so deferring cannot drop tasks it finds too long. ``env_prestart``: the stack launches the next
+    step's groups before the current step trains (their environments reset meanwhile): one more step's groups may be
+    in flight, the staleness bound unchanged. The target bounds each
     (``WorkloadSpec.declared_limits``: ``max_async_ratio``, ``group_size`` spares, ``tail_round`` up to a step's
     groups); the harness refuses more at hello."""
 
@@ -527,6 +529,7 @@ class Declared:
     async_ratio: int | None = None
     partial_rollout: bool = False
     tail_round: int = 0
+    env_prestart: bool = False
 
 
 @dataclass(frozen=True)

@@ -680,11 +680,9 @@ def test_composition_adds_what_the_controller_allows_and_removes_what_is_on(tiny
     resetting = OfflinePlanner(tiny_spec.model_copy(update={"workload": slow}))
     added = {t.id for t in resetting.composition_tasks(starter_params(tiny_spec, "colocate"))}
     assert added == colocated | {"add-env_prestart"}
-    # it needs a staleness bound of 1 or more: not proposed without one, and no move takes the bound away
+    # on-policy at any staleness bound (it declares its own in-flight groups): proposed at async_ratio 0 too
     unbounded = {**starter_params(tiny_spec, "colocate"), "async_ratio": 0}
-    assert "add-env_prestart" not in {t.id for t in resetting.composition_tasks(unbounded)}
-    prestarting = {**starter_params(tiny_spec, "colocate"), "env_prestart": 1, "async_ratio": 1}
-    assert not resetting.fits({**prestarting, "async_ratio": 0}) and resetting.fits(prestarting)
+    assert "add-env_prestart" in {t.id for t in resetting.composition_tasks(unbounded)}
     on = {**multiplexed, "partial_rollout": 1}
     ids = {t.id for t in planner.composition_tasks(on)}
     assert "remove-partial_rollout" in ids and "add-partial_rollout" not in ids

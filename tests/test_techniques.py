@@ -688,17 +688,33 @@ def _prestarted_steps(events) -> tuple[list, list[float], dict[str, float]]:
 @pytest.mark.parametrize(
     ("params", "said"),
     [
-        ({"env_prestart": 1, "async_ratio": 0}, "env_prestart needs a staleness bound (async_ratio) of at least 1"),
         # over 1, the next step's groups never launched: the run waited for them to its time limit
         ({"env_prestart": 1, "prestart_at": 1.5}, "params prestart_at must be a number within [0, 1]"),
-        # read as on, it was refused for the staleness bound instead of for its value
-        ({"env_prestart": 2, "async_ratio": 0}, "params env_prestart must be 0 (off) or 1 (on), got 2"),
+        ({"env_prestart": 2}, "params env_prestart must be 0 (off) or 1 (on), got 2"),  # it was read as on
     ],
-    ids=["no staleness bound", "prestart_at over 1", "env_prestart 2"],
+    ids=["prestart_at over 1", "env_prestart 2"],
 )
 def test_env_prestart_is_refused_where_it_cannot_work(tmp_path, fast_target, params, said):
     spec, run = harness_run(tmp_path, fast_target, params, True, controller="colocate")
     assert not run.ok and said in run.cause, run.cause
+
+
+def test_env_prestart_declares_a_steps_groups_more_in_flight_and_keeps_the_staleness_bound(tmp_path, fast_target):
+    """env_prestart needed async_ratio 1, which loosened the audit's staleness bound for the whole run (a turn
+    a version behind would pass) although every prestarted sample is on-policy. It declares its own groups in
+    flight now: at async_ratio 0 a prestarting colocate run passes the audit, held to 0, and its declaration
+    reaches the harness and the audit's in-flight bound (one step's groups more)."""
+    from targets.api import Declared
+    from targets.harness.ipc.wire import get_declared, put_declared
+
+    params = {"env_prestart": 1, "prestart_at": 0.5, "async_ratio": 0}
+    spec, events = audited_run(tmp_path, fast_target, params, True, controller="colocate")
+    declared = get_declared(next(e for e in events if e.kind == "run_start").data["declared"])
+    assert declared == Declared(async_ratio=0, env_prestart=True)
+    w = spec.workload
+    assert spec.workload.staleness_bound(declared) == 0
+    assert w.in_flight_bound(declared) == 2 * w.in_flight_bound(Declared(async_ratio=0)) == 2 * w.batch_size
+    assert get_declared(put_declared(declared)) == declared
 
 
 def test_a_waiting_batch_refills_at_once_when_woken_and_never_on_a_timer():

@@ -68,8 +68,6 @@ class OfflinePlanner:
             return False
         if params.get("affinity_ratio", 0.0) and self._rollout_kinds(params) < 2:
             return False  # hardware affinity on engines of one kind: the router refuses it (nothing to prefer)
-        if params.get("env_prestart") and params.get("async_ratio", self.spec.workload.async_ratio) < 1:
-            return False  # colocate refuses it: the next step's groups are in flight beside the batch
         on = {n for n, s in self.skills.items() if s.kind == "technique" and s.is_on(params)}
         if any(not set(self.skills[n].requires) <= on for n in on):
             return False  # a move switched off what a technique requires (stream training's partial shrink)

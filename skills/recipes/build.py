@@ -220,6 +220,7 @@ def build(runtime: Runtime) -> Stack:
         async_ratio=params.get("async_ratio"),
         partial_rollout=bool(params.get("partial_rollout", 0)),
         tail_round=params.get("tail_round", 0),
+        env_prestart=params.get("env_prestart", 0) == 1,
     )
     # what the simulator models of the engines (on a real cluster the engine options above do it)
     engine_settings = EngineSettings(

@@ -34,11 +34,6 @@ class Colocate(ControllerBase):
                 f"params prestart_at must be a number within [0, 1] (1: as the batch is taken), got {prestart_at!r}"
             )
         self.prestart_ready = math.ceil(prestart_at * self.groups_per_step)
-        if self.prestart and self.async_ratio < 1:
-            raise ValueError(
-                "params env_prestart needs a staleness bound (async_ratio) of at least 1: the next step's groups "
-                f"are in flight beside the batch until its step begins; this stack's is {self.async_ratio}"
-            )
 
     def _place(self, devices):
         return list(devices), list(devices)

@@ -268,9 +268,10 @@ class WorkloadSpec(Strict):
     def in_flight_bound(self, declared) -> int:
         """The most episodes a run may have outstanding (created, neither trained nor dropped): what the
         staleness bound needs, ``groups_per_step x (1 + staleness bound)`` groups of ``group_size`` plus the
-        declared spares."""
-        spares = declared.redundant_per_group
-        return self.groups_per_step * (1 + self.staleness_bound(declared)) * (self.group_size + spares)
+        declared spares, and a step's groups more where the stack declares ``env_prestart`` (launched before
+        the step they are for, their samples no staler)."""
+        spares, steps = declared.redundant_per_group, 1 + self.staleness_bound(declared) + int(declared.env_prestart)
+        return self.groups_per_step * steps * (self.group_size + spares)
 
     def over_declared_limits(self, declared) -> str | None:
         """Why ``declared`` (a ``targets.api.Declared``) asks for more than this workload allows, or None."""

@@ -250,6 +250,7 @@ def put_declared(d: Declared) -> dict:
         "async_ratio": d.async_ratio,
         "partial_rollout": d.partial_rollout,
         "tail_round": d.tail_round,
+        "env_prestart": d.env_prestart,
     }
 
 
@@ -268,6 +269,7 @@ def get_declared(data: Any) -> Declared:
         async_ratio=async_ratio,
         partial_rollout=field_of(data, "partial_rollout", bool, "declared"),
         tail_round=tail_round,
+        env_prestart=field_of(data, "env_prestart", bool, "declared"),
     )
 
 

@@ -138,7 +138,8 @@ def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
                 r.add(
                     "too many episodes",
                     f"{peak} episodes in flight at {when:.2f}s, over the bound of {bound} "
-                    f"(groups_per_step x (1 + async_ratio) x (group_size + declared redundancy))",
+                    "(groups_per_step x (1 + async_ratio + declared env_prestart) x (group_size + declared "
+                    "redundancy))",
                 )
     return {"peak_in_flight": peak, "in_flight_bound": bound}
 

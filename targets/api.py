@@ -87,12 +87,11 @@ FinishReason = Literal["stop", "length", "abort"]
 @dataclass
 class Completion:
     """What an engine returns for one prompt: new tokens, their logprobs, and who produced them (``device``:
-    the engine, by its first device, which the audit holds to serving in arrival order).
-
-    ``queued_s`` and ``cached_tokens``: the engine's word on its own work, read by calibration alone (None:
-    not said): the seconds the request waited with none of it computing (for KV room, behind a load, after
-    a preemption), and its prompt's leading tokens reused from the prefix cache (vLLM's ``num_cached_tokens``),
-    so that a fit counts neither a wait as decoding nor an evicted prefix as cached."""
+    the engine, by its first device, which the audit holds to serving in arrival order). ``queued_s`` and
+    ``cached_tokens``: the engine's word on its own work, read by calibration alone (None: not said): the
+    seconds the request waited with none of it computing (for KV room, behind a load, after a preemption),
+    and its prompt's leading tokens reused from the prefix cache (vLLM's ``num_cached_tokens``), so that a
+    fit counts neither a wait as decoding nor an evicted prefix as cached."""
 
     tokens: TokenIds
     logprobs: list[float]
@@ -519,11 +518,9 @@ class Declared:
     every one it trains (keeping some partials and restarting others would let it choose its samples).
     ``tail_round``: the stack defers unfinished groups and relaunches their tasks ``tail_round`` at a time (tail
     batching; 0: it defers none); at most ``tail_round - 1`` deferred tasks may still wait for their relaunch when
-    the run ends, so deferring cannot drop tasks it finds too long. ``env_prestart``: the stack launches the next
-    step's groups before the current step trains (their environments reset meanwhile): one more step's groups may be
-    in flight, the staleness bound unchanged. The target bounds each
-    (``WorkloadSpec.declared_limits``: ``max_async_ratio``, ``group_size`` spares, ``tail_round`` up to a step's
-    groups); the harness refuses more at hello."""
+    the run ends, so deferring cannot drop tasks it finds too long. ``env_prestart``: the next step's groups start
+    before this step trains (their resets overlap it): a step's groups more in flight, the staleness bound as it is.
+    The target bounds each (``WorkloadSpec.declared_limits``); the harness refuses more at hello."""
 
     redundant_per_group: int = 0
     async_ratio: int | None = None

@@ -50,13 +50,17 @@ SAMPLED = (  # a system run's draw: every row at one temperature
 GENERATE = "    async def generate(self, request: GenerateRequest) -> Completion:\n"
 DECODE = (
     "            arrival = next(self._arrivals[device])\n"
-    "            call = self._engines[device].generate.remote("
-    "request.prompt, request.params, request.episode_id, arrival)\n"
     "            try:\n"
-    "                completion = await call\n"
-    "            except asyncio.CancelledError:  # its episode was dropped: the engine stops serving it\n"
-    "                ray.cancel(call)\n"
-    "                self._engines[device].forget.remote(arrival)  # a call cancelled before it started never comes\n"
+    "                call = self._engines[device].generate.remote(\n"
+    "                    request.prompt, request.params, request.episode_id, arrival\n"
+    "                )\n"
+    "                try:\n"
+    "                    completion = await call\n"
+    "                except asyncio.CancelledError:  # its episode was dropped: the engine stops serving it\n"
+    "                    ray.cancel(call)\n"
+    "                    raise\n"
+    "            except BaseException:  # a call cancelled before it started, or never sent, never comes: the\n"
+    "                self._engines[device].forget.remote(arrival)  # engine's later requests are not to wait for it\n"
     "                raise\n"
 )
 

@@ -79,7 +79,8 @@ def audited_run(
     if not simulate and os.environ.get("RAY_ADDRESS"):  # the session's shared cluster (conftest.py), really joined
         log = (run.out / "cluster.log").read_text()
         assert "joined the Ray cluster at" in log
-        assert re.search(r"arrival order on \S+: \d+ requests came before an earlier one", log), log  # the engines'
+        # each engine's count of requests Ray delivered before an earlier one (skills/recipes/arrival_order.py)
+        assert re.search(r"arrival order on \S+: \d+ requests came before an earlier one", log), log
     return spec, Trace.load_events(run.out / "trace.jsonl")
 
 

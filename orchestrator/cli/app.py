@@ -210,8 +210,8 @@ def folder_ready(path: Path) -> Path:
 
 
 def _remove_empty_folders_made() -> None:
-    for folder in sorted(set(_FOLDERS_MADE), key=lambda f: len(f.parts), reverse=True):  # a folder holding only
-        # folders made here goes too
+    # deepest first, so that a folder holding only folders made here goes too
+    for folder in sorted(set(_FOLDERS_MADE), key=lambda f: len(f.parts), reverse=True):
         try:
             folder.rmdir()
         except OSError:  # not empty (something else wrote there meanwhile), or gone: left as it is

@@ -9,7 +9,8 @@ With ``env_prestart`` (the technique of that name) the next step's groups are la
 ``prestart_at`` of the batch's groups is ready (1: as the batch is taken; 0: as its rollout starts), behind a
 gate the resume opens: their environments reset while the batch's tail rolls out and the devices train, and
 they generate only under the new weights, so every sample stays on-policy. They are in flight beside the
-batch until its step begins, which a staleness bound of at least 1 allows (the audit's in-flight bound).
+batch until its step begins, which the stack declares (``Declared.env_prestart``: the audit's in-flight bound
+allows a step's groups more; its staleness bound stays the stack's).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Colocate(ControllerBase):
     def __init__(self, runtime, params: dict) -> None:
         super().__init__(runtime, params)
         prestart = params.get("env_prestart", 0)
-        if isinstance(prestart, bool) or prestart not in (0, 1):  # "0" or 2 read as on, then refused for the bound
+        if isinstance(prestart, bool) or prestart not in (0, 1):  # build's range check comes after: named here
             raise ValueError(f"params env_prestart must be 0 (off) or 1 (on), got {prestart!r}")
         self.prestart = prestart == 1
         # the batch's groups ready when the next step's are launched (their resets then overlap the tail)

@@ -6,17 +6,38 @@ that has something to show in one (the logs of a run that failed) keeps it and s
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from targets.errors import UserError
+
+SCRATCH_ENV = "VIBETRAIN_SCRATCH"  # where the folders go; the system's temporary directory if unset
+
 _TO_REMOVE: set[Path] = set()
 
 
+class ScratchError(UserError, OSError):
+    """``$VIBETRAIN_SCRATCH`` names no folder a command can write in."""
+
+
 def scratch_folder(prefix: str) -> Path:
-    """A new folder under the system's temporary directory, removed at exit unless ``keep`` is called."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
+    """A new folder under ``$VIBETRAIN_SCRATCH`` (else the system's temporary directory), removed at exit
+    unless ``keep`` is called."""
+    base = os.environ.get(SCRATCH_ENV) or None
+    if base is not None and not Path(base).is_dir():
+        raise ScratchError(
+            f"${SCRATCH_ENV} is {base!r}, which is not a folder: make it, or unset it to use {tempfile.gettempdir()}"
+        )
+    try:
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    except PermissionError as error:
+        where = base or tempfile.gettempdir()
+        raise ScratchError(
+            f"cannot make a scratch folder in {where} ({error}): set ${SCRATCH_ENV} to a writable folder"
+        ) from error
     _TO_REMOVE.add(path)
     return path
 

@@ -14,16 +14,22 @@ import pytest
 OWN_CACHE = None if "VIBETRAIN_CACHE" in os.environ else tempfile.mkdtemp(prefix="vibetrain-test-cache-")
 if OWN_CACHE is not None:
     os.environ["VIBETRAIN_CACHE"] = OWN_CACHE
+# the folders the commands keep for a person to read (a failed check's logs, a calibration's spec) go
+# to a folder of the session's own, removed with it, unless the caller names one
+OWN_SCRATCH = None if "VIBETRAIN_SCRATCH" in os.environ else tempfile.mkdtemp(prefix="vibetrain-test-scratch-")
+if OWN_SCRATCH is not None:
+    os.environ["VIBETRAIN_SCRATCH"] = OWN_SCRATCH
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if OWN_CACHE is None:
-        return
-    try:
-        shutil.rmtree(OWN_CACHE)
-    except OSError as error:  # a child still writing: said, and the session's result kept
-        print(f"\nthe test session's model cache {OWN_CACHE} was not removed: {error}")
+    for what, folder in (("model cache", OWN_CACHE), ("scratch folder", OWN_SCRATCH)):
+        if folder is None:
+            continue
+        try:
+            shutil.rmtree(folder)
+        except OSError as error:  # a child still writing: said, and the session's result kept
+            print(f"\nthe test session's {what} {folder} was not removed: {error}")
 
 
 @pytest.fixture(scope="session")

@@ -525,6 +525,28 @@ def test_a_commands_scratch_folders_go_at_exit_unless_it_kept_one_to_show(tmp_pa
     kept.rmdir()
 
 
+def test_scratch_folders_go_where_vibetrain_scratch_says_and_a_wrong_value_is_named(tmp_path, monkeypatch):
+    """The folders a command keeps for a person (a failed check's logs, a calibration's spec) went to the
+    system's temporary directory only: each suite run left four in /tmp, and a paper-scale bench's traces
+    (some 100 MB a schedule) could not be sent elsewhere without moving every temporary file (the
+    harness's sockets too). ``$VIBETRAIN_SCRATCH`` names their place; a value that is no folder is said."""
+    from orchestrator.scratch import scratch_folder
+    from skills.starter import write_starter
+    from targets.spec import load_target
+
+    monkeypatch.setenv("VIBETRAIN_SCRATCH", str(tmp_path))
+    assert scratch_folder("vibetrain-test-").parent == tmp_path
+    missing = tmp_path / "no-such-folder"
+    stack = write_starter(tmp_path / "stack", load_target("tiny-qwen3-cpu"), "colocate")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("{}\n")
+    argv = ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), "--trace", str(trace)]
+    result = runner.invoke(app, argv, env={**NARROW, "VIBETRAIN_SCRATCH": str(missing)})
+    assert result.exit_code == 2, result.output
+    assert f"$VIBETRAIN_SCRATCH is '{missing}', which is not a folder" in " ".join(result.output.split())
+    assert not missing.exists() and "Traceback" not in result.output
+
+
 def test_report_of_the_run_it_stands_in_is_written_beside_the_run_never_inside(tmp_path, monkeypatch):
     """``vibetrain report .`` from inside a run wrote into the run's worktree, an untracked file that
     then made ``--resume`` refuse the run."""

@@ -858,7 +858,7 @@ def test_calibrate_leaves_no_scratch_folder_behind_when_it_prints_none(tmp_path,
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     args = [sys.executable, "-m", "orchestrator.cli", "calibrate", "tiny-qwen3-cpu", "--stack", str(stack)]
-    env = {**os.environ, "TMPDIR": str(scratch)}
+    env = {**os.environ, "VIBETRAIN_SCRATCH": str(scratch)}
     done = subprocess.run([*args, "--trace", str(trace)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
     assert not list(scratch.glob("vibetrain-calibrate-*")), sorted(p.name for p in scratch.iterdir())

@@ -858,9 +858,11 @@ def test_calibrate_leaves_no_scratch_folder_behind_when_it_prints_none(tmp_path,
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     args = [sys.executable, "-m", "orchestrator.cli", "calibrate", "tiny-qwen3-cpu", "--stack", str(stack)]
-    env = {**os.environ, "VIBETRAIN_SCRATCH": str(scratch)}
+    # both: the folder went to the temporary directory (a plain mkdtemp) before it went to scratch_folder's
+    env = {**os.environ, "VIBETRAIN_SCRATCH": str(scratch), "TMPDIR": str(scratch)}
     done = subprocess.run([*args, "--trace", str(trace)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stdout + done.stderr
+    said = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2 and BAD_TRACES["not JSON lines"][1] in said, said  # refused after the folder was made
     assert not list(scratch.glob("vibetrain-calibrate-*")), sorted(p.name for p in scratch.iterdir())
 
 

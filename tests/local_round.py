@@ -73,7 +73,7 @@ async def _exports_what_it_trained(cluster, runtime: Runtime) -> None:
     assert writer.written() == [slot.names[0] for slot in layout.slots]
     region.seal()
     with mmap.mmap(region.fd, layout.nbytes, prot=mmap.PROT_READ) as memory:
-        flat = torch.frombuffer(memory, dtype=torch.float32).clone()
+        flat = torch.frombuffer(bytearray(memory), dtype=torch.float32)  # a copy: torch warns of read-only buffers
     region.close()
     trained = await asyncio.to_thread(cluster.trainer.state_dict)
     for slot in layout.slots:

@@ -304,6 +304,7 @@ def test_every_triton_kernel_compiles_for_an_h100_without_a_gpu():
     from triton.compiler import ASTSource
 
     from skills.recipes import fused_ops, triton_attention
+    from skills.recipes.fused_ops import FP_FUSION
 
     bf16, i32 = "*bf16", "i32"
     kernels = [
@@ -331,7 +332,8 @@ def test_every_triton_kernel_compiles_for_an_h100_without_a_gpu():
     ]
     for kernel, arguments, constants in kernels:
         signature = arguments | dict.fromkeys(constants, "constexpr")
-        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+        source = ASTSource(kernel, signature, constants)  # with the fusion each launch names
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": FP_FUSION})
         assert compiled.asm["cubin"], kernel
 
 

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_ops import FP_FUSION
 from .kv_cache import KVPool
 from .paged_attention import SDPAAttention, StepLayout
 
@@ -118,6 +119,7 @@ def paged_decode(
         DIM=dim,
         BLOCK_SIZE=block_size,
         TOKENS=max(16, block_size),
+        enable_fp_fusion=FP_FUSION,
     )
     return out
 

@@ -110,13 +110,24 @@ def load_skills(directory: Path = SKILLS_DIR) -> dict[str, Skill]:
 def applicable(skills: dict[str, Skill], technique: Skill, params: dict) -> bool:
     """Whether ``technique`` may be on in a stack with ``params``: its controller, the techniques it
     requires on, none it conflicts with on (either side's conflict counts)."""
+    return not_applicable(skills, technique, params) is None
+
+
+def not_applicable(skills: dict[str, Skill], technique: Skill, params: dict) -> str | None:
+    """Why ``technique`` may not be on in a stack with ``params`` (``applicable``'s rules), or None."""
     on = {n for n, s in skills.items() if s.kind == "technique" and s.name != technique.name and s.is_on(params)}
-    return (
-        (not technique.controllers or params.get("controller") in technique.controllers)
-        and set(technique.requires) <= on
-        and not on & set(technique.conflicts)
-        and not any(technique.name in skills[n].conflicts for n in on)
-    )
+    controller = params.get("controller")
+
+    def named(names) -> str:  # a technique by its name and the params that turn it on
+        return " and ".join(f"{n} ({', '.join(skills[n].params) or 'no params'})" for n in sorted(names))
+
+    if technique.controllers and controller not in technique.controllers:
+        return f"it runs under {' or '.join(technique.controllers)} only, not {controller}"
+    if missing := set(technique.requires) - on:
+        return f"it needs {named(missing)} on too"
+    if clashing := on & set(technique.conflicts) | {n for n in on if technique.name in skills[n].conflicts}:
+        return f"it conflicts with {named(clashing)}, on too"
+    return None
 
 
 def legal(

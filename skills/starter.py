@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from skills.design_doc import DesignDoc
-from skills.library import applicable, defaults, legal, load_skills
+from skills.library import defaults, legal, load_skills, not_applicable
 from skills.recipes.build import KNOWN_PARAMS, option_problem
 from skills.validation import expand_file
 
@@ -92,12 +92,9 @@ def with_params(spec, controller: str, given: dict, where: str, engine_devices: 
                 f"([{low:g}, {high:g}]{steps})"
             )
     for skill in SKILLS.values():
-        if skill.kind == "technique" and skill.is_on(params) and not applicable(SKILLS, skill, params):
-            raise ValueError(
-                f"{where}: the {skill.name} technique its params turn on needs a controller in "
-                f"{list(skill.controllers) or 'any'}, the techniques {list(skill.requires)} and none of "
-                f"{list(skill.conflicts)}"
-            )
+        if skill.kind == "technique" and skill.is_on(params):
+            if (why := not_applicable(SKILLS, skill, params)) is not None:
+                raise ValueError(f"{where}: the params turn the {skill.name} technique on, but {why}")
     return params
 
 

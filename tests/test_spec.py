@@ -224,7 +224,7 @@ def test_a_baseline_with_technique_params_is_labelled_and_its_params_are_the_ski
         ({"partial_rollout": 7}, "params.partial_rollout = 7 is outside the range its skill allows"),
         (
             {"shrink_at": 0.5},
-            "the progress_shrink technique its params turn on needs a controller in ['time_multiplex']",
+            "the params turn the progress_shrink technique on, but it runs under time_multiplex only, not static_split",
         ),
     ]
     for params, message in bad:
@@ -236,6 +236,32 @@ def test_a_baseline_with_technique_params_is_labelled_and_its_params_are_the_ski
             baseline_params(spec, spec.baselines[0])
     catalog_yaml["baselines"] = [{**tuned, "label": None}]
     assert "a baseline with technique params needs a label" in _error(catalog_yaml)
+
+
+def test_a_technique_that_cannot_be_on_says_which_rule_it_breaks(tmp_path):
+    """A technique switched on where it cannot be named every rule at once, with Python's lists, empty
+    ones too ("needs a controller in [...], the techniques [] and none of []"), and not the controller
+    chosen: each rule is said alone now, by what the user set."""
+    from skills.library import load_skills, not_applicable
+
+    skills = load_skills()
+    tail, stream = skills["tail_batching"], skills["stream_training"]
+    assert not_applicable(skills, tail, {"controller": "colocate", "tail_round": 4}) == (
+        "it runs under static_split or time_multiplex only, not colocate"
+    )
+    assert not_applicable(skills, stream, {"controller": "time_multiplex", "stream_train": 1}) == (
+        "it needs progress_shrink (shrink_at) on too"
+    )
+    params = {"controller": "time_multiplex", "stream_train": 1, "shrink_at": 0.8}
+    assert not_applicable(skills, stream, params) is None
+    skills["partial_rollout"] = skills["partial_rollout"].model_copy(update={"conflicts": ["stream_training"]})
+    params["partial_rollout"] = 1  # either side's conflict counts
+    assert not_applicable(skills, stream, params) == "it conflicts with partial_rollout (partial_rollout), on too"
+    argv = ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "s"), "--controller", "colocate"]
+    result = CliRunner().invoke(app, [*argv, "--param", "tail_round=4"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and not (tmp_path / "s").exists(), result.output
+    said = " ".join(result.output.split())
+    assert "the params turn the tail_batching technique on, but it runs under static_split or time_multiplex" in said
 
 
 def test_a_headline_metric_no_run_measures_is_named(catalog_yaml):

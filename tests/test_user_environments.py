@@ -869,6 +869,10 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
     catalog_yaml.update(execution="auto", hardware={"kind": "h100", "count": 2})  # no GPU here: it would simulate
     with pytest.raises(TargetUnavailable, match="would be simulated as this machine has 0 of its 2 GPUs"):
         resolve_execution(_spec(catalog_yaml, environment))
+    catalog_yaml["execution"] = "real"  # as the catalog's one-H100 arithmetic target says (it listed as auto)
+    with pytest.raises(TargetUnavailable, match="this machine has 0: run it on a machine with them$"):
+        resolve_execution(_spec(catalog_yaml, environment))  # never "or pass --simulate", which it refuses
+    assert load_target("qwen3-0.6b-h100x1-arithmetic").execution == "real"
     catalog_yaml["hardware"] = {"kind": "cpu", "count": 2}
     catalog_yaml["execution"] = "real"
     path = tmp_path / "bad.yaml"

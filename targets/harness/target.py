@@ -43,9 +43,10 @@ def resolve_execution(spec: TargetSpec, simulate: bool = False) -> Literal["real
         return "real"
     if spec.execution == "auto":
         return _simulable(spec, f"as this machine has {have} of its {spec.hardware.count} GPUs")
+    simulate = "" if spec.workload.environment.entry is not None else ", or pass --simulate"  # _simulable's
     raise TargetUnavailable(
         f"target {spec.id} executes for real on {spec.hardware.summary} GPU(s), "
-        f"and this machine has {have}: run it on a machine with them, or pass --simulate"
+        f"and this machine has {have}: run it on a machine with them{simulate}"
     )
 
 

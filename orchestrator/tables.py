@@ -1,5 +1,5 @@
 """The tables the commands print: checks, the benchmark and its mechanism costs, the live view of
-``generate``, and a run's rounds. Building them here keeps ``cli.py`` to the commands themselves."""
+``generate``, and a run's rounds. Building them here keeps the ``cli`` package to the commands themselves."""
 
 from __future__ import annotations
 

@@ -148,7 +148,10 @@ def test_pools_name_their_devices_and_take_their_numbers_from_the_catalog(catalo
             lambda h: h["pools"][1].update(kind="h900"),
             "field `hardware.pools.1`: unknown hardware kind 'h900'",
         ),
-        (lambda h: h["pools"][1].update(memroy_gb=1), "field `hardware.pools.1.memroy_gb`: unknown field"),
+        (
+            lambda h: h["pools"][1].update(memroy_gb=1),  # a pool's own fields, through the list and the form
+            "field `hardware.pools.1.memroy_gb`: unknown field (did you mean `memory_gb`?)",
+        ),
         (lambda h: h["links"][0].update(between=["rollout", "trian"]), "links.0.between names the pool 'trian'"),
         (
             lambda h: h["links"][0].update(between=["train", "train"]),
@@ -275,9 +278,17 @@ def test_a_headline_metric_no_run_measures_is_named(catalog_yaml):
 
 
 def test_misspelled_field_is_named(catalog_yaml):
+    """A misspelt field is named with the one it most likely meant, among those at its place (targets and
+    params had a "did you mean", spec fields only "check its spelling"); one like none is not guessed at."""
     catalog_yaml["workload"]["batch_sise"] = catalog_yaml["workload"].pop("batch_size")
+    catalog_yaml["workload"]["tokens"]["max_sequense"] = catalog_yaml["workload"]["tokens"].pop("max_sequence")
+    catalog_yaml["hardware"]["hbm_bandwith_gbs"] = 1.0
+    catalog_yaml["colour"] = "blue"
     message = _error(catalog_yaml)
-    assert "workload.batch_sise" in message and "unknown field" in message
+    assert "field `workload.batch_sise`: unknown field (did you mean `batch_size`?)" in message, message
+    assert "field `workload.tokens.max_sequense`: unknown field (did you mean `max_sequence`?)" in message
+    assert "field `hardware.hbm_bandwith_gbs`: unknown field (did you mean `hbm_bandwidth_gbs`?)" in message
+    assert "field `colour`: unknown field (check its spelling)" in message
     assert "workload.batch_size" in message  # and the required one is reported missing
     # a missing field was shown with the type of the mapping around it, as if that were its value
     assert "field `workload.batch_size`: Field required\n" in message + "\n" and "(got dict)" not in message
@@ -421,7 +432,15 @@ def test_cli_validate_accepts_a_good_spec_and_names_a_misspelled_field(catalog_y
     bad.write_text(yaml.safe_dump(catalog_yaml))
     result = runner.invoke(app, ["target", "validate", str(bad)])
     assert result.exit_code == 2
-    assert "modle" in result.output and "unknown field" in result.output
+    assert "field `modle`: unknown field (did you mean `model`?)" in result.output, result.output
+    # validate takes a file: a catalog id named where it belongs, a folder said as one (not "not found")
+    for given, said in [
+        ("tiny-qwen3-cpu", "tiny-qwen3-cpu is a catalog id: vibetrain target show tiny-qwen3-cpu > FILE"),
+        (str(tmp_path), "a directory, not a spec's YAML file"),
+        (str(tmp_path / "nope.yaml"), "nope.yaml: no such file"),
+    ]:
+        result = runner.invoke(app, ["target", "validate", given], env={"COLUMNS": "200"})
+        assert result.exit_code == 2 and said in result.output, result.output
 
 
 def test_cli_validate_names_a_baselines_misspelled_param_as_bench_would(catalog_yaml, tmp_path: Path):

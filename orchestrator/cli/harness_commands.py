@@ -100,7 +100,7 @@ def list_targets(as_json: bool = JSON_OPTION) -> None:
 
 
 @command(target_app, "show")
-def show_target(target: str) -> None:
+def show_target(target: str = TARGET_ARGUMENT) -> None:
     """Print a target's resolved spec (catalog hardware numbers filled in) as YAML that ``target validate`` accepts.
 
     Example: vibetrain target show tiny-qwen3-cpu > my-target.yaml
@@ -112,7 +112,9 @@ def show_target(target: str) -> None:
 
 
 @command(target_app, "validate")
-def validate_target(path: Path) -> None:
+def validate_target(
+    path: Path = typer.Argument(..., metavar="FILE", help="a target spec's YAML file (target show writes one to edit)"),
+) -> None:
     """Validate a target spec YAML; exits non-zero naming each bad field. A user's environment is made
     once, through its adapter, so what its entry does with the params is known before any run.
 
@@ -122,8 +124,11 @@ def validate_target(path: Path) -> None:
     from targets.harness.environments.adapters import check_environment
     from targets.harness.target import Target
 
-    if not path.exists():
-        raise UsageError(f"target spec file not found: {path}")
+    if not path.is_file():
+        if str(path) in catalog_ids():  # the catalog's are valid: a user means the spec it resolves to
+            raise UsageError(f"{path} is a catalog id: vibetrain target show {path} > FILE writes its spec to edit")
+        what = "a directory, not a spec's YAML file" if path.is_dir() else "no such file"
+        raise UsageError(f"target spec file {path}: {what}")
     spec = load_target(str(path))
     for baseline in spec.baselines:  # a labelled baseline's params, as bench checks them before it runs
         if baseline.params:

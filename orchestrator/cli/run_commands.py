@@ -177,7 +177,9 @@ def show_round(
 
 @command(app, "export")
 def export(
-    candidate: str = typer.Argument(..., help="RUN@best (@latest, @round-N, @<commit>), or a candidate directory"),
+    candidate: str = typer.Argument(
+        ..., metavar="CANDIDATE", help="RUN@best (@latest, @round-N, @<commit>), or a candidate directory"
+    ),
     out: Path = typer.Option(..., help="directory to create (new or empty): the standalone project"),
     target: str = typer.Option(
         None, help="the target it trains on (default: the run's; required with a candidate directory)"

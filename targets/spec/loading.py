@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from targets.spec.base import SpecError
 from targets.spec.hardware import HARDWARE_FORMS
@@ -29,6 +29,24 @@ def _from_profile(data: dict, loc: tuple) -> str | None:
     return str(workload["profile"]) if measured and key[-1] not in own else None
 
 
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The spec models a field's annotation holds (through Optional, lists, mappings, unions)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for argument in get_args(annotation) for model in _models_in(argument)]
+
+
+def _close_field(loc: tuple) -> str | None:
+    """The field a misspelt one at ``loc`` most likely meant, among those of the models there."""
+    models: list[type[BaseModel]] = [TargetSpec]
+    for part in loc[:-1]:  # an index, a mapping's key or a form's tag names no field: the models stay
+        inner = [_models_in(m.model_fields[part].annotation) for m in models if part in m.model_fields]
+        models = [model for found in inner for model in found] or models
+    known = sorted({name for model in models for name in model.model_fields})
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    return close[0] if close else None
+
+
 def _format_errors(source: str, error: ValidationError, data: dict) -> str:
     lines = [f"invalid target spec {source}:"]
     errors = error.errors()
@@ -47,7 +65,8 @@ def _format_errors(source: str, error: ValidationError, data: dict) -> str:
             field += f" (from the profile {profile})"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = "unknown field (check its spelling)"
+            close = _close_field(item["loc"])
+            message = f"unknown field (did you mean `{close}`?)" if close else "unknown field (check its spelling)"
         shown = item.get("input")
         if item["type"] == "missing" or isinstance(shown, (dict, list)):  # the mapping around it: nothing to show
             lines.append(f"  field {field}: {message}")

@@ -34,7 +34,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.runs import WORKSPACES, resume_run, start_run
 from orchestrator.state import RunState
 from orchestrator.tables import RoundsView, best_generalization, best_over_starter, generalization_table, num
-from skills.starter import format_param, parse_params
+from skills.starter import CONTROLLERS, format_param, parse_params
 from targets.spec import load_target
 from targets.yaml_text import load_yaml
 
@@ -191,7 +191,7 @@ def generate(
     max_attempts: int = typer.Option(
         DEFAULT.max_attempts, min=1, help="implementer attempts per round, each fed the judge's reasons"
     ),
-    starter: str = typer.Option(DEFAULT.starter, help="round 0's controller"),
+    starter: str = typer.Option(DEFAULT.starter, help=f"round 0's controller: {' | '.join(CONTROLLERS)}"),
     starter_param: list[str] = typer.Option(
         None,
         "--starter-param",

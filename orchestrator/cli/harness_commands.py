@@ -189,7 +189,7 @@ def starter(
     target: str = TARGET_ARGUMENT,
     out: Path = typer.Option(..., help="directory to create (holds stack/ and DESIGN.md)"),
     controller: str = typer.Option(
-        DEFAULT_CONTROLLER, help="colocate | static_split | time_multiplex (the default is generate's round 0)"
+        DEFAULT_CONTROLLER, help=f"{' | '.join(CONTROLLERS)} (the default is generate's round 0)"
     ),
     param: list[str] = typer.Option(
         None, help="KEY=VALUE over the params.json defaults (repeatable; the value as JSON where it reads as JSON)"

@@ -27,9 +27,10 @@ MAX_ATTEMPT_USD = 5.0  # Claude Code's --max-budget-usd when the run has no --ma
 # What any program needs to start and find its tools and files.
 BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER")
 # What the judge's checks read when the CLI runs them (`vibetrain check`): the model cache they load
-# the target's model from, where their logs go, the image of the Docker sandbox, and the GPUs a GPU
-# target's checks use.
-CHECK_ENV = ("VIBETRAIN_CACHE", "VIBETRAIN_SCRATCH", "VIBETRAIN_DOCKER_IMAGE", "CUDA_VISIBLE_DEVICES")
+# the target's model from, the image of the Docker sandbox, and the GPUs a GPU target's checks use. Not
+# $VIBETRAIN_SCRATCH: a CLI's own sandbox (Codex's workspace-write) lets its checks write only in the
+# workspace and the temporary directory, where their logs then go.
+CHECK_ENV = ("VIBETRAIN_CACHE", "VIBETRAIN_DOCKER_IMAGE", "CUDA_VISIBLE_DEVICES")
 
 
 class CLIOutputError(AgentError):

@@ -26,17 +26,20 @@ class ScratchError(UserError, OSError):
 def scratch_folder(prefix: str) -> Path:
     """A new folder under ``$VIBETRAIN_SCRATCH`` (else the system's temporary directory), removed at exit
     unless ``keep`` is called."""
-    base = os.environ.get(SCRATCH_ENV) or None
+    given = os.environ.get(SCRATCH_ENV) or None
+    base = None if given is None else os.path.abspath(given)  # printed, and removed from any working directory
     if base is not None and not Path(base).is_dir():
+        what = "a file" if Path(base).exists() else "no folder"
         raise ScratchError(
-            f"${SCRATCH_ENV} is {base!r}, which is not a folder: make it, or unset it to use {tempfile.gettempdir()}"
+            f"${SCRATCH_ENV} is {given!r}, {what}: make the folder, or unset it to use {tempfile.gettempdir()}"
         )
     try:
         path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-    except PermissionError as error:
+    except OSError as error:  # not writable, a read-only or full file system
         where = base or tempfile.gettempdir()
         raise ScratchError(
-            f"cannot make a scratch folder in {where} ({error}): set ${SCRATCH_ENV} to a writable folder"
+            f"cannot make a scratch folder in {where} ({error.strerror or error}): set ${SCRATCH_ENV} to a "
+            "writable folder"
         ) from error
     _TO_REMOVE.add(path)
     return path

@@ -543,8 +543,16 @@ def test_scratch_folders_go_where_vibetrain_scratch_says_and_a_wrong_value_is_na
     argv = ["calibrate", "tiny-qwen3-cpu", "--stack", str(stack), "--trace", str(trace)]
     result = runner.invoke(app, argv, env={**NARROW, "VIBETRAIN_SCRATCH": str(missing)})
     assert result.exit_code == 2, result.output
-    assert f"$VIBETRAIN_SCRATCH is '{missing}', which is not a folder" in " ".join(result.output.split())
+    assert f"$VIBETRAIN_SCRATCH is '{missing}', no folder: make the folder" in " ".join(result.output.split())
     assert not missing.exists() and "Traceback" not in result.output
+    monkeypatch.chdir(tmp_path)  # a relative value: the folder's path is whole, whatever the directory at exit
+    monkeypatch.setenv("VIBETRAIN_SCRATCH", "relative")
+    (tmp_path / "relative").mkdir()
+    assert scratch_folder("vibetrain-test-").parent == tmp_path / "relative"
+    monkeypatch.setenv("VIBETRAIN_SCRATCH", str(trace))
+    result = runner.invoke(app, argv, env=NARROW)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"$VIBETRAIN_SCRATCH is '{trace}', a file: make the folder" in said, said
 
 
 def test_report_of_the_run_it_stands_in_is_written_beside_the_run_never_inside(tmp_path, monkeypatch):

@@ -271,6 +271,7 @@ def test_a_trace_of_an_unfinished_run_is_refused(tmp_path):
 def test_track_tensorboard_without_tensorboard_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where bench's default track folder would go
+    monkeypatch.setenv("VIBETRAIN_SCRATCH", str(tmp_path))  # (both: it went to the first before the second)
     result = runner.invoke(app, ["bench", "tiny-qwen3-cpu", "--track", "tensorboard"], env=ENV)
     assert result.exit_code == 2 and "pip install tensorboard" in result.output, result.output
     assert list(tmp_path.iterdir()) == []  # refused before a folder was made
@@ -278,6 +279,7 @@ def test_track_tensorboard_without_tensorboard_says_what_to_install(monkeypatch,
 
 def test_bad_track_options_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    monkeypatch.setenv("VIBETRAIN_SCRATCH", str(tmp_path / "temp"))
     (tmp_path / "temp").mkdir()
     result = runner.invoke(app, ["bench", "tiny-qwen3-cpu", "--track", "wandb"], env=ENV)
     assert result.exit_code == 2 and "choose one of tensorboard, jsonl" in result.output, result.output

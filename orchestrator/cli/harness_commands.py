@@ -4,11 +4,11 @@ starter stacks, the judge (``check``), side-by-side benchmarks (``bench``) and c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import secrets
 import shutil
 import sys
-import tempfile
 from collections.abc import Collection
 from pathlib import Path
 
@@ -127,7 +127,9 @@ def validate_target(
     if not path.is_file():
         if str(path) in catalog_ids():  # the catalog's are valid: a user means the spec it resolves to
             raise UsageError(f"{path} is a catalog id: vibetrain target show {path} > FILE writes its spec to edit")
-        what = "a directory, not a spec's YAML file" if path.is_dir() else "no such file"
+        close = difflib.get_close_matches(str(path), catalog_ids(), n=1)
+        near = f" (the catalog's {close[0]!r}? vibetrain target show {close[0]} prints its spec)" if close else ""
+        what = "a directory, not a spec's YAML file" if path.is_dir() else f"no such file{near}"
         raise UsageError(f"target spec file {path}: {what}")
     spec = load_target(str(path))
     for baseline in spec.baselines:  # a labelled baseline's params, as bench checks them before it runs
@@ -348,7 +350,7 @@ def bench(
     beside = json_path or timeline  # the tracking goes next to the other outputs, else a temp dir
 
     def default_track_dir() -> Path:
-        return beside.with_name(f"{beside.stem}-track") if beside else Path(tempfile.mkdtemp(prefix="vibetrain-track-"))
+        return beside.with_name(f"{beside.stem}-track") if beside else keep(scratch_folder("vibetrain-track-"))
 
     tracker, track_dir = open_tracker(track, track_dir, default_track_dir)
     measuring = session(target, sandbox, time_limit, simulate)

@@ -118,8 +118,8 @@ def not_applicable(skills: dict[str, Skill], technique: Skill, params: dict) -> 
     on = {n for n, s in skills.items() if s.kind == "technique" and s.name != technique.name and s.is_on(params)}
     controller = params.get("controller")
 
-    def named(names) -> str:  # a technique by its name and the params that turn it on
-        return " and ".join(f"{n} ({', '.join(skills[n].params) or 'no params'})" for n in sorted(names))
+    def named(names) -> str:  # a technique by its name and the params that switch it on (is_on's)
+        return " and ".join(f"{n} ({', '.join(skills[n].enable) or 'never on'})" for n in sorted(names))
 
     if technique.controllers and controller not in technique.controllers:
         return f"it runs under {' or '.join(technique.controllers)} only, not {controller}"

@@ -293,6 +293,26 @@ def test_the_triton_decode_kernel_matches_attention_and_the_engine_decodes_the_s
     assert "worst" in _interpreted(f"PATH = {path!r}\n" + TRITON_DECODE_CHECK)
 
 
+def test_every_triton_kernel_launch_names_its_fp_fusion():
+    """Triton 3.10 turns fused multiply-add off by default: a launch that names none would change its
+    kernel's rounding on an upgrade with nothing here changed. Every ``kernel[grid](...)`` names it."""
+    import ast
+    import inspect
+
+    from skills.recipes import fused_ops, triton_attention
+
+    launches = [
+        node
+        for module in (fused_ops, triton_attention)
+        for node in ast.walk(ast.parse(inspect.getsource(module)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)  # kernel[grid](...)
+    ]
+    assert len(launches) == 4, [ast.unparse(n.func) for n in launches]
+    for launch in launches:
+        fusion = [k for k in launch.keywords if k.arg == "enable_fp_fusion"]
+        assert fusion and ast.unparse(fusion[0].value) == "FP_FUSION", ast.unparse(launch.func)
+
+
 def test_every_triton_kernel_compiles_for_an_h100_without_a_gpu():
     """Triton's interpreter runs a kernel as Python, so it passes code the compiler refuses (a name an
     ``if`` reassigns with another type compiles nowhere). Each kernel the engine takes on a GPU is

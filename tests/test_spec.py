@@ -260,6 +260,8 @@ def test_a_technique_that_cannot_be_on_says_which_rule_it_breaks(tmp_path):
     skills["partial_rollout"] = skills["partial_rollout"].model_copy(update={"conflicts": ["stream_training"]})
     params["partial_rollout"] = 1  # either side's conflict counts
     assert not_applicable(skills, stream, params) == "it conflicts with partial_rollout (partial_rollout), on too"
+    needing = stream.model_copy(update={"requires": ["kv_routing"]})  # named by the param that switches it on,
+    assert not_applicable(skills, needing, params) == "it needs kv_routing (kv_routing) on too"  # not its tuning
     argv = ["starter", "tiny-qwen3-cpu", "--out", str(tmp_path / "s"), "--controller", "colocate"]
     result = CliRunner().invoke(app, [*argv, "--param", "tail_round=4"], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and not (tmp_path / "s").exists(), result.output
@@ -284,7 +286,9 @@ def test_misspelled_field_is_named(catalog_yaml):
     catalog_yaml["workload"]["tokens"]["max_sequense"] = catalog_yaml["workload"]["tokens"].pop("max_sequence")
     catalog_yaml["hardware"]["hbm_bandwith_gbs"] = 1.0
     catalog_yaml["colour"] = "blue"
+    catalog_yaml["descriptoin"] = "a field given twice"  # "description" is given: not a guess
     message = _error(catalog_yaml)
+    assert "field `descriptoin`: unknown field (check its spelling)" in message
     assert "field `workload.batch_sise`: unknown field (did you mean `batch_size`?)" in message, message
     assert "field `workload.tokens.max_sequense`: unknown field (did you mean `max_sequence`?)" in message
     assert "field `hardware.hbm_bandwith_gbs`: unknown field (did you mean `hbm_bandwidth_gbs`?)" in message
@@ -438,6 +442,7 @@ def test_cli_validate_accepts_a_good_spec_and_names_a_misspelled_field(catalog_y
         ("tiny-qwen3-cpu", "tiny-qwen3-cpu is a catalog id: vibetrain target show tiny-qwen3-cpu > FILE"),
         (str(tmp_path), "a directory, not a spec's YAML file"),
         (str(tmp_path / "nope.yaml"), "nope.yaml: no such file"),
+        ("tiny-qwen3-cp", "no such file (the catalog's 'tiny-qwen3-cpu'? vibetrain target show tiny-qwen3-cpu"),
     ]:
         result = runner.invoke(app, ["target", "validate", given], env={"COLUMNS": "200"})
         assert result.exit_code == 2 and said in result.output, result.output

@@ -31,22 +31,22 @@ def resolve_execution(spec: TargetSpec, simulate: bool = False) -> Literal["real
         return _simulable(spec, "as asked")
     if spec.hardware.kind == "cpu":
         return "real"
+    real_only = spec.workload.environment.entry is not None  # a user's environment: _simulable refuses it
     if spec.hardware.kind == "mixed":  # pools of several kinds: one machine's cards would stand for all of them
         if spec.execution == "auto":
             return _simulable(spec, "as its pools are of several kinds of GPU")
         raise TargetUnavailable(
             f"target {spec.id} has pools of several kinds of GPU ({spec.hardware.summary}): it cannot run for real "
-            "on one machine's cards; pass --simulate, or give it one kind"
+            f"on one machine's cards; {'' if real_only else 'pass --simulate, or '}give it one kind"
         )
     have = gpus_here()
     if have >= spec.hardware.count:
         return "real"
     if spec.execution == "auto":
         return _simulable(spec, f"as this machine has {have} of its {spec.hardware.count} GPUs")
-    simulate = "" if spec.workload.environment.entry is not None else ", or pass --simulate"  # _simulable's
     raise TargetUnavailable(
         f"target {spec.id} executes for real on {spec.hardware.summary} GPU(s), "
-        f"and this machine has {have}: run it on a machine with them{simulate}"
+        f"and this machine has {have}: run it on a machine with them{'' if real_only else ', or pass --simulate'}"
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -31,18 +31,26 @@ def _from_profile(data: dict, loc: tuple) -> str | None:
 
 def _models_in(annotation) -> list[type[BaseModel]]:
     """The spec models a field's annotation holds (through Optional, lists, mappings, unions)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    # list[X] is an instance of type on Python 3.10, and issubclass of it raises: only plain classes
+    if isinstance(annotation, type) and get_origin(annotation) is None and issubclass(annotation, BaseModel):
         return [annotation]
     return [model for argument in get_args(annotation) for model in _models_in(argument)]
 
 
-def _close_field(loc: tuple) -> str | None:
-    """The field a misspelt one at ``loc`` most likely meant, among those of the models there."""
+def _close_field(loc: tuple, data: dict) -> str | None:
+    """The field a misspelt one at ``loc`` most likely meant, among those of the models there that ``data``
+    (the spec as written) does not already give there."""
     models: list[type[BaseModel]] = [TargetSpec]
+    written: Any = data
     for part in loc[:-1]:  # an index, a mapping's key or a form's tag names no field: the models stay
         inner = [_models_in(m.model_fields[part].annotation) for m in models if part in m.model_fields]
         models = [model for found in inner for model in found] or models
-    known = sorted({name for model in models for name in model.model_fields})
+        if isinstance(written, dict) and part in written:  # a form's tag is in loc, not in what was written
+            written = written[part]
+        elif isinstance(written, list) and isinstance(part, int) and part < len(written):
+            written = written[part]
+    given = set(written) if isinstance(written, dict) else set()
+    known = sorted({name for model in models for name in model.model_fields} - given)
     close = difflib.get_close_matches(str(loc[-1]), known, n=1)
     return close[0] if close else None
 
@@ -65,7 +73,7 @@ def _format_errors(source: str, error: ValidationError, data: dict) -> str:
             field += f" (from the profile {profile})"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            close = _close_field(item["loc"])
+            close = _close_field(item["loc"], data)
             message = f"unknown field (did you mean `{close}`?)" if close else "unknown field (check its spelling)"
         shown = item.get("input")
         if item["type"] == "missing" or isinstance(shown, (dict, list)):  # the mapping around it: nothing to show

@@ -11,6 +11,8 @@ from orchestrator.state import RoundRecord
 from orchestrator.tables import promotion, promotion_short
 from targets.spec import TargetSpec
 
+SAID_REASONS = 3  # a rejected round's reasons its commit body gives (the judge's report has them all)
+
 
 def parent_metric(record: RoundRecord, spec: TargetSpec) -> str:
     if record.parent_headline is None:
@@ -43,6 +45,11 @@ def rejected(record: RoundRecord, spec: TargetSpec, backend: str, undone: list[s
     """``undone``: what the agent planted for git or the harness, undone before committing."""
     trailers = Trailers(record.round, record.task.id, backend, record.verdict, "none", parent_metric(record, spec))
     body = f"{record.task.rationale}\n\nImplementer: {record.account or '(no attempt)'}"
+    if record.reasons:  # why it ended so, readable in git log (the whole evidence is in judge.json)
+        more = f" (and {len(record.reasons) - SAID_REASONS} more)" if len(record.reasons) > SAID_REASONS else ""
+        body += f"\n\n{record.verdict.capitalize()}: {'; '.join(record.reasons[:SAID_REASONS])}{more}"
+    if record.prediction:
+        body += f"\n\n{twin_said(record)}"
     if undone:
         body += f"\n\nUndone before committing (planted for git or the harness): {'; '.join(undone)}"
     return trailers, body

@@ -195,7 +195,9 @@ def test_a_candidate_the_twin_predicts_far_behind_the_best_is_screened_out_unjud
     assert record.headline is None and record.commit and "twin_prescreen: predicted goodput" in record.reasons[0]
     history = History.open(run)
     assert history.round_commit(1) is None and history.rejected_commit(1) == record.commit  # never validated
-    assert "Verdict: prescreened" in history.repo.commit(record.commit).message
+    message = history.repo.commit(record.commit).message  # why, in git log too, with the prediction
+    assert "Verdict: prescreened" in message and "\nPrescreened: twin_prescreen: predicted goodput" in message
+    assert "\nTwin: predicted goodput" in message and "; not measured" in message, message
     assert state.best_round == 0 and "controller=colocate" in state.abandoned()
     show = runner.invoke(app, ["show", str(run), "1"], env=ENV).output
     assert "prescreened:" in show and "not measured" in show
@@ -238,6 +240,7 @@ def test_a_planted_cheat_is_rejected_kept_and_listed(tmp_path, fast_target, monk
     history = History.open(run)
     commit = history.rejected_commit(1)
     assert commit and "Verdict: rejected" in history.repo.commit(commit).message
+    assert f"\nRejected: {rejected[0].reasons[0]}" in history.repo.commit(commit).message  # why, in git log
     assert any("rollout_throughput" in r for r in history.record(commit, "judge.json")["reasons"])
     design = history.repo.git.show(f"{commit}:DESIGN.md")
     assert "[ABANDONED]" in design and "round 1 rejected" in design

@@ -28,8 +28,10 @@ from orchestrator.provenance import run_spec, source_commit, spec_hash, versions
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
 from orchestrator.tables import (  # noqa: E402
+    DIFF_LINES,
     best_generalization,
     best_over_starter,
+    diff_cut,
     interval_of,
     paired_cell,
     promotion,
@@ -60,7 +62,6 @@ UNIT_SUFFIXES = (
     ("_fraction", "fraction"),
     ("_ratio", "fraction"),
 )
-DIFF_LINES = 400  # a longer diff is cut here, with the command that shows the rest
 VERDICT_STYLE = {  # (colour, legend label) per node kind of the tree and the per-round plot
     "promoted": ("#2e7d32", "accepted, promoted to best"),
     "accepted": ("#9ccc65", "accepted, not promoted"),
@@ -401,13 +402,7 @@ def _diff_lines(diff: str, run_path: str, commit: str) -> tuple[list[tuple[str, 
         else:
             cls = ""
         styled.append((cls, line))
-    cut = ""
-    if len(lines) > DIFF_LINES:
-        cut = (
-            f"The diff is cut at {DIFF_LINES} of its {len(lines)} lines; the whole of it: "
-            f"git -C {run_path} show {commit[:10]} -- . ':(exclude).vibetrain'"
-        )
-    return styled, cut
+    return styled, diff_cut(len(lines), run_path, commit) if len(lines) > DIFF_LINES else ""
 
 
 def _checks(history: History, r: RoundRecord) -> tuple[list[dict] | None, str]:

@@ -32,6 +32,17 @@ def checks_table(results) -> Table:
     return table
 
 
+DIFF_LINES = 400  # of a round's diff shown to a person (report, show); the rest by the command printed
+
+
+def diff_cut(lines: int, run: str, commit: str) -> str:
+    """What is said under a diff cut at ``DIFF_LINES``: how much, and the command that shows it whole."""
+    return (
+        f"The diff is cut at {DIFF_LINES} of its {lines} lines; the whole of it: "
+        f"git -C {run} show {commit[:10]} -- . ':(exclude).vibetrain'"
+    )
+
+
 def num(value: float) -> str:
     """Three significant figures without exponents (0.721, 42.5, 2523)."""
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
@@ -41,7 +52,8 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
     first = runs[0]
     clock = "simulated seconds" if simulated else "wall seconds"
     headline = spec.headline_metric.name
-    table = Table(title=f"{spec.id}: median of {repeat} (±max-min), {clock}", box=box.SIMPLE_HEAD, padding=(0, 1))
+    title = f"{spec.id}: median of {repeat} (its spread: max - min), {clock}"
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1))
     # on a narrow terminal the schedule's name and the ratio's interval wrap, at their spaces or anywhere in a
     # name: no column is ever cut with "…" (a number cut short reads as another number)
     table.add_column("schedule", overflow="fold")
@@ -56,7 +68,7 @@ def bench_table(spec: TargetSpec, runs, repeat: int, simulated: bool) -> Table:
             ratio = f"{run.paired.ratio:.2f}x {interval_of(run.paired)}"
         table.add_row(
             run.name,
-            f"{num(m(headline))}±{num(run.spread(headline))}",
+            f"{num(m(headline))} ({num(run.spread(headline))})",  # not "±": the spread is the whole range
             ratio,
             "-" if tokens is None else f"{tokens:.2f}x",
             num(m("rollout_throughput")),
@@ -214,9 +226,12 @@ class RoundsView:
             parent = "the run's start" if data["parent"] is None else f"round {data['parent']}"
             self.status = f"round {data['round']}: {escape(data['task'].title)} (from {parent})"
         elif kind == "verdict":
-            verdict = "passed" if data["passed"] else "failed: " + "; ".join(escape(r) for r in data["reasons"][:2])
-            twin = not data["passed"] and all(r.startswith("twin_prescreen") for r in data["reasons"])
-            self.status = f"round {data['round']} attempt {data['attempt']}: {'twin' if twin else 'judge'} {verdict}"
+            reasons = "; ".join(escape(r) for r in data["reasons"][:2])
+            if not data["passed"] and all(r.startswith("twin_prescreen") for r in data["reasons"]):
+                said = f"screened out by the twin, not judged: {reasons}"  # the twin ran; it did not fail
+            else:
+                said = "judge passed" if data["passed"] else f"judge failed: {reasons}"
+            self.status = f"round {data['round']} attempt {data['attempt']}: {said}"
         elif kind == "round_end":
             r, best = data["record"], data["best"]
             colour = {"accepted": "green", "rejected": "red", "prescreened": "magenta"}.get(r.verdict, "yellow")

@@ -89,6 +89,23 @@ def test_log_and_show_json_are_the_records(tmp_path):
     assert "tiny-qwen3-cpu" in [t["id"] for t in targets] and all(t["params"] for t in targets)
 
 
+def test_show_cuts_a_long_diff_as_the_report_does_and_says_how_to_see_it_whole(tmp_path, monkeypatch):
+    """``show RUN 0`` printed round 0's whole diff (the starter stack: 5,680 lines) to the terminal, where
+    the report cuts it at ``DIFF_LINES``; --json keeps it whole, for scripts."""
+    from orchestrator import tables
+    from orchestrator.cli import run_commands
+
+    run = make_review_run(tmp_path)
+    whole = json.loads(_ok("show", str(run), "1", "--json"))["diff"].splitlines()
+    for module in (tables, run_commands):
+        monkeypatch.setattr(module, "DIFF_LINES", 5)
+    shown = _ok("show", str(run), "1").splitlines()
+    cut = shown.index(next(line for line in shown if line.startswith("diff against the parent")))
+    assert shown[cut + 1 : cut + 6] == whole[:5] and len(whole) > 5
+    assert shown[cut + 6].startswith(f"The diff is cut at 5 of its {len(whole)} lines; the whole of it: git -C")
+    assert len(json.loads(_ok("show", str(run), "1", "--json"))["diff"].splitlines()) == len(whole)
+
+
 def test_show_prints_the_change_and_the_evidence_not_the_bookkeeping(tmp_path):
     """``show RUN 2`` printed a diffstat dominated by .vibetrain/round.json, never the one-line change,
     and an accepted round kept no judge evidence."""
@@ -98,9 +115,10 @@ def test_show_prints_the_change_and_the_evidence_not_the_bookkeeping(tmp_path):
     assert ".vibetrain/" not in shown.replace(f"git -C {run}", "")
     assert "implementer: set controller to time_multiplex" in shown
     assert "pass trainer: relative_update_error 3.10e-07, steps 2" in shown
-    assert "not promoted: +2.4%" in shown and "goodput 43.5 ± 6.57" in shown
+    assert "not promoted: +2.4%" in shown and "goodput 43.5 (spread 6.57)" in shown
     rejected = _ok("show", str(run), "2")
     assert "FAIL system_audit" in rejected and "12 never trained" in rejected
+    assert "profile: none (this round ran no benchmark)" in _ok("show", str(run), "2", "--profile")  # was silent
     assert "Round 2: skip training of [/bold] long [red]episodes" in rejected  # a title crashed show
     assert _ok("show", str(run)) == _ok("show", str(run), "best")
     assert "Round 0 (best)" in _ok("show", str(run), "best")
@@ -171,7 +189,8 @@ def test_the_live_view_names_the_run_start_and_a_twins_verdict_as_such(tiny_spec
     assert view.status == "round 0: starter (from the run's start)"
     reasons = ["twin_prescreen: predicted goodput 56.3 against the best's 60.2 (-6.5%)"]
     view.event("verdict", round=2, attempt=1, passed=False, reasons=reasons)
-    assert view.status.startswith("round 2 attempt 1: twin failed: twin_prescreen"), view.status
+    # and "twin failed", which read as the twin's own failure: the twin ran and screened it out
+    assert view.status.startswith("round 2 attempt 1: screened out by the twin, not judged: twin_prescreen")
     # a prediction not trusted says why (it said 'a cost it has only guessed' whatever the reason was)
     from orchestrator.state import Prediction
 

@@ -26,8 +26,10 @@ from orchestrator.cli.app import (
 from orchestrator.history import History
 from orchestrator.state import RunState
 from orchestrator.tables import (
+    DIFF_LINES,
     best_generalization,
     best_rejected_unseen,
+    diff_cut,
     generalization_table,
     num,
     promotion,
@@ -156,9 +158,9 @@ def show_round(
         out.print(f"[bold]against the best[/bold]: {escape(promotion(record))}")
     if record.metrics:
         out.print(
-            "[bold]metrics[/bold] (median; ± max-min): "
-            + ", ".join(
-                f"{k} {num(v)}" + (f" ± {num(record.spread[k])}" if k in record.spread else "")
+            "[bold]metrics[/bold] (the repeats' median, and their spread: max - min): "
+            + ", ".join(  # not "±": the spread is the whole range, and the median need not be its middle
+                f"{k} {num(v)}" + (f" (spread {num(record.spread[k])})" if k in record.spread else "")
                 for k, v in record.metrics.items()
                 if isinstance(v, (int, float))
             )
@@ -166,13 +168,19 @@ def show_round(
     for hint in record.hints:
         out.print(f"hint {hint.code}: {hint.message}", markup=False)
     if profile and record.profile:
-        out.print("[bold]profile[/bold] (each call as the harness timed it, median repeat):")
-        out.print(record.profile.strip(), markup=False)
-    if diff:
         out.print(
-            f"[bold]diff against the parent[/bold] (git -C {argument(run)} show {record.commit[:10]} for everything):"
+            "[bold]profile[/bold] (each call as the harness timed it, median repeat; total s sums calls that "
+            "overlapped, so it can exceed the run):"
         )
-        out.print(diff, markup=False)
+        out.print(record.profile.strip(), markup=False)
+    elif profile:
+        out.print("[bold]profile[/bold]: none (this round ran no benchmark)")
+    if diff:  # cut as the report cuts it (round 0's is the whole starter, thousands of lines); --json has it all
+        lines = diff.splitlines()
+        out.print("[bold]diff against the parent[/bold] (the stack's files, without the round's records):")
+        out.print("\n".join(lines[:DIFF_LINES]), markup=False)
+        if len(lines) > DIFF_LINES:
+            out.print(diff_cut(len(lines), argument(run), record.commit), markup=False)
 
 
 @command(app, "export")

@@ -97,8 +97,8 @@ def twin_said(record) -> str:
     measured = f"; measured {record.headline:.4g}" if record.headline is not None else "; not measured"
     untrusted = f"; not trusted: {p.untrusted}" if p.untrusted is not None else ""
     return (
-        f"Twin: predicted {p.metric} {p.headline:.4g} against the best's "
-        f"{p.best:.4g} (round {p.best_round}, margin {p.margin:.0%}){untrusted}{measured}"
+        f"Twin: predicted {p.metric} {p.headline:.4g} against {p.best:.4g} for the best (round {p.best_round}), "
+        f"both simulated on the twin, margin {p.margin:.0%}{untrusted}{measured}"
     )
 
 
@@ -206,8 +206,8 @@ class PreScreen:
         if passed:
             return None
         reason = (
-            f"predicted {metric.name} {predicted:.4g} against the best's (round {best.round}) "
-            f"{best_headline:.4g} ({predicted / best_headline - 1:+.1%}), beyond the {margin:.0%} margin: "
+            f"predicted {metric.name} {predicted:.4g} against {best_headline:.4g} for the best (round {best.round}), "
+            f"both simulated on the twin ({predicted / best_headline - 1:+.1%}), beyond the {margin:.0%} margin: "
             "not run for real"
         )
         return Verdict.refused("twin_prescreen", [reason])
@@ -237,6 +237,6 @@ class PreScreen:
             return None
         return (
             f"fitted to what the harness timed alone (the engines' word on their waits and prefixes set aside), "
-            f"the twin predicts {metric.name} {predicted:.4g} against the best's {best:.4g}, within the margin: "
+            f"the twin predicts {metric.name} {predicted:.4g} against {best:.4g} for the best, within the margin: "
             "the engines' word alone would screen it out, so it is judged for real"
         )

@@ -45,7 +45,7 @@ from targets.spec import TargetSpec  # noqa: E402
 # name where the name does not say, else by suffix; the spec names the headline metric only.
 UNITS = {
     "goodput": "trajectories/s",
-    "rollout_throughput": "episodes/s",
+    "rollout_throughput": "trajectories/s",  # finished, trained or not (goodput: trained)
     "tokens_per_s": "tokens/s",
     "trained_tokens_per_s": "trained response tokens/s",
     "mean_device_busy": "fraction",

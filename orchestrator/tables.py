@@ -254,7 +254,7 @@ class RoundsView:
             verdict = "goes on to the judge" if p.passed else "screened out"
             if p.untrusted is not None:  # a cost only guessed, or the engines' word alone against it
                 verdict = f"not trusted, goes on to the judge ({escape(p.untrusted)})"
-            predicted = f"the twin predicts {num(p.headline)} against the best's {num(p.best)}"
+            predicted = f"the twin predicts {num(p.headline)} against {num(p.best)} for the best (simulated)"
             self.status = f"round {data['round']}: {predicted}: {verdict}"
         elif kind == "generalize":
             doing = f": {data['run']}" if data["run"] else ""

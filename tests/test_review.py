@@ -45,7 +45,7 @@ def test_log_in_a_pipe_is_one_whole_row_per_round(tmp_path):
     rows = [line.split("\t") for line in lines[1:]]
     assert [row[0] for row in rows] == ["0", "1", "2"]
     assert sum("time_multiplex" in line for line in lines) == 1
-    assert "rollout_stalls" in lines[2]
+    assert "hints: rollout_stalls" in lines[2]  # the evaluator's hints, said as such (they read as a reason)
     # why round 1 is validated but not best: the pair and the rule it had to clear
     assert "not promoted: +2.4% [-3.0%, +8.0%], needs low > +5%" in lines[2]
     assert rows[2][1] == "rejected" and "never trained" in lines[3]

@@ -2377,6 +2377,39 @@ def test_the_selection_bounds_follow_what_the_stack_declares_and_the_target_sets
     assert (strict.tasks, strict.members, strict.reward) == (0.5, plain.members, 0.0)
 
 
+def test_a_declaration_widens_the_selection_bounds_only_as_far_as_the_run_used_it(tiny_spec):
+    """A red team's stack declared a group's worth of spares and launched none: the members' allowance went
+    from 7% to 31% and the rewards' from 0.25 to 0.45 standard deviations, room for a choice of samples it
+    never had to make. The allowances follow the spares the groups launched (at most the declared) and the
+    tail's is given only where a group was deferred."""
+    from targets.api import Declared
+    from targets.harness.judge.selection_net import SelectionBounds
+    from targets.harness.judge.trace_index import TraceIndex
+
+    size = tiny_spec.workload.group_size
+
+    def run(members: list[int], deferred: bool = False) -> TraceIndex:
+        events = [
+            TraceEvent("episode_created", 0.0, {"episode": f"g{g}/e{i}", "group": f"g{g}"})
+            for g, count in enumerate(members)
+            for i in range(count)
+        ]
+        if deferred:
+            events.append(TraceEvent("sample_dropped", 1.0, {"episode": "g0/e0", "reason": "deferred"}))
+        return TraceIndex.of(events)
+
+    declared = Declared(redundant_per_group=size, tail_round=2)
+    plain, full = SelectionBounds.of(Declared(), tiny_spec), SelectionBounds.of(declared, tiny_spec)
+    none_used = SelectionBounds.of(declared, tiny_spec, run([size, size]))
+    assert (none_used.members, none_used.reward) == (plain.members, plain.reward)
+    used = SelectionBounds.of(declared, tiny_spec, run([2 * size, 2 * size], deferred=True))
+    assert (used.members, used.reward) == (full.members, full.reward)
+    half = SelectionBounds.of(declared, tiny_spec, run([2 * size, size]))  # spares launched for half the groups
+    assert plain.members < half.members < full.members and half.reward < full.reward
+    more = SelectionBounds.of(Declared(redundant_per_group=1), tiny_spec, run([2 * size, 2 * size]))
+    assert more == SelectionBounds.of(Declared(redundant_per_group=1), tiny_spec)  # never above the declared
+
+
 def test_a_max_sequence_drop_of_an_episode_that_had_finished(tiny_spec):
     """A finished episode (a lost one is finished with reward 0) dropped as max_sequence keeps it out of
     training, a choice of samples: nothing more was to be generated. (The real plant, a stack dropping its lost

@@ -83,8 +83,17 @@ class SelectionBounds:
     reward: float
 
     @classmethod
-    def of(cls, declared: Declared, spec: TargetSpec) -> SelectionBounds:
-        accuracy, spares = spec.accuracy, declared.redundant_per_group
+    def of(cls, declared: Declared, spec: TargetSpec, ix: TraceIndex | None = None) -> SelectionBounds:
+        """The allowances ``declared`` pays for; with the run's index ``ix``, only as far as the run used
+        them: the spares its groups launched (their mean, at most the declared), the tail's only where a
+        group was deferred. A declaration alone bought room for a choice the run never had to make (a
+        red team's stack declared a group's worth of spares and launched none)."""
+        accuracy, spares, tail = spec.accuracy, declared.redundant_per_group, bool(declared.tail_round)
+        if ix is not None:
+            size = spec.workload.group_size
+            launched = [max(0, len(members) - size) for members in ix.members.values()]
+            spares = min(spares, statistics.fmean(launched)) if launched else 0
+            tail = tail and any(e.data["reason"] == "deferred" for e in ix.dropped.values())
 
         def given(value: float | None, default: float) -> float:
             return default if value is None else value
@@ -93,13 +102,11 @@ class SelectionBounds:
             tasks=given(accuracy.selection_task_shortfall, TASK_SHORTFALL),
             members=given(
                 accuracy.selection_member_shortfall,
-                MEMBER_SHORTFALL_BASE
-                + MEMBER_SHORTFALL_PER_SPARE * spares
-                + (MEMBER_SHORTFALL_TAIL if declared.tail_round else 0.0),
+                MEMBER_SHORTFALL_BASE + MEMBER_SHORTFALL_PER_SPARE * spares + (MEMBER_SHORTFALL_TAIL if tail else 0.0),
             ),
             reward=given(
                 accuracy.selection_bias,
-                REWARD_BIAS_BASE + REWARD_BIAS_PER_SPARE * spares + (REWARD_BIAS_TAIL if declared.tail_round else 0.0),
+                REWARD_BIAS_BASE + REWARD_BIAS_PER_SPARE * spares + (REWARD_BIAS_TAIL if tail else 0.0),
             ),
         )
 
@@ -208,7 +215,7 @@ def check_selection(ix: TraceIndex, r: Reasons, spec: TargetSpec, draws: Draws |
     drew and, in a simulated run, by their tokens over those turns, and the tasks by their mean tokens a
     turn: by what they are, not by how far the stack let them run (a spare cancelled early, or a task held
     back until it went stale, would look short)."""
-    bounds = SelectionBounds.of(ix.declared, spec)
+    bounds = SelectionBounds.of(ix.declared, spec, ix)
     details: dict = {
         "selection_task_bound": bounds.tasks,
         "selection_member_bound": bounds.members,

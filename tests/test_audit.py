@@ -798,6 +798,27 @@ def test_more_episodes_in_flight_than_the_staleness_bound_needs(honest):
     _rejects(_invariants(honest, events), "too many episodes")
 
 
+def test_declared_spares_never_launched_buy_no_groups_more_in_flight(honest):
+    """A red team's stack declared a group's worth of spares, launched none, and filled the episodes' bound
+    it doubled with whole groups: twice the groups in flight, the episode bound met exactly, and check
+    passed. Groups in flight are bounded too, whatever spares are declared; one group more is named."""
+    events = _edited(honest)
+    size = honest[0].workload.group_size
+    _first(events, "run_start").data["declared"]["redundant_per_group"] = size  # room for a group's worth
+    start = next(i for i, e in enumerate(events) if e.kind == "episode_created")
+    extra = [
+        TraceEvent("episode_created", events[start].t, {"episode": f"g900/e{m}", "group": "g900"}) for m in range(size)
+    ]
+    events[start:start] = extra
+    end = events[-1].t
+    events[-1:-1] = [
+        TraceEvent("sample_dropped", end, {"episode": e.data["episode"], "reason": "end_of_run"}) for e in extra
+    ]
+    result = _invariants(honest, events)
+    _rejects(result, "too many groups")
+    assert not any("too many episodes" in reason for reason in result.reasons), result.reasons  # within that bound
+
+
 @pytest.mark.parametrize(
     "edit, said",
     [

@@ -126,12 +126,30 @@ def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
     bound needs: ``groups_per_step x (1 + async_ratio)`` groups (of ``group_size`` plus declared spares)."""
     w = spec.workload
     bound = w.in_flight_bound(ix.declared)
-    changes = [(e.t, 1, 1) for e in ix.by_kind["episode_created"]]
-    changes += [(consumed_at(train, t), 0, -1) for train in ix.trains for t in train.data["trajectories"]]
-    changes += [(e.t, 0, -1) for e in ix.dropped.values()]
-    outstanding = peak = 0
-    for when, _, delta in sorted(changes):
+    # groups too: declared spares widen the episodes' bound, and a stack that launched none filled that room
+    # with whole groups more (a red team's: twice the groups in flight, the episode bound met exactly)
+    group_bound = w.groups_per_step * (1 + w.staleness_bound(ix.declared) + int(ix.declared.env_prestart))
+    changes = [(e.t, 1, 1, e.data["episode"]) for e in ix.by_kind["episode_created"]]
+    changes += [(consumed_at(train, t), 0, -1, t["episode"]) for train in ix.trains for t in train.data["trajectories"]]
+    changes += [(e.t, 0, -1, episode) for episode, e in ix.dropped.items()]
+    outstanding = peak = groups = groups_peak = 0
+    in_group: Counter = Counter()  # a group's members outstanding
+    for when, _, delta, episode in sorted(changes):
         outstanding += delta
+        group = ix.group_of.get(episode)
+        if group is not None:
+            before = in_group[group]
+            in_group[group] += delta
+            groups += (before <= 0 < in_group[group]) - (in_group[group] <= 0 < before)
+            if groups > groups_peak:
+                groups_peak = groups
+                if groups == group_bound + 1:
+                    r.add(
+                        "too many groups",
+                        f"{groups} groups in flight at {when:.2f}s, over the bound of {group_bound} "
+                        "(groups_per_step x (1 + async_ratio + declared env_prestart)), whatever spares were "
+                        "declared",
+                    )
         if outstanding > peak:
             peak = outstanding
             if peak == bound + 1:
@@ -141,7 +159,12 @@ def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
                     "(groups_per_step x (1 + async_ratio + declared env_prestart) x (group_size + declared "
                     "redundancy))",
                 )
-    return {"peak_in_flight": peak, "in_flight_bound": bound}
+    return {
+        "peak_in_flight": peak,
+        "in_flight_bound": bound,
+        "peak_groups_in_flight": groups_peak,
+        "groups_in_flight_bound": group_bound,
+    }
 
 
 def check_batches(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> None:

@@ -265,13 +265,16 @@ class WorkloadSpec(Strict):
         above ``staleness_limit``; the harness refuses more at hello), else the workload's."""
         return self.async_ratio if declared.async_ratio is None else min(declared.async_ratio, self.staleness_limit)
 
+    def groups_in_flight_bound(self, declared) -> int:
+        """The most groups a run may have outstanding (a group while any member is): what the staleness bound
+        needs, ``groups_per_step x (1 + staleness bound)``, and a step's groups more where the stack declares
+        ``env_prestart`` (launched before the step they are for, their samples no staler)."""
+        return self.groups_per_step * (1 + self.staleness_bound(declared) + int(declared.env_prestart))
+
     def in_flight_bound(self, declared) -> int:
-        """The most episodes a run may have outstanding (created, neither trained nor dropped): what the
-        staleness bound needs, ``groups_per_step x (1 + staleness bound)`` groups of ``group_size`` plus the
-        declared spares, and a step's groups more where the stack declares ``env_prestart`` (launched before
-        the step they are for, their samples no staler)."""
-        spares, steps = declared.redundant_per_group, 1 + self.staleness_bound(declared) + int(declared.env_prestart)
-        return self.groups_per_step * steps * (self.group_size + spares)
+        """The most episodes a run may have outstanding (created, neither trained nor dropped): its groups'
+        bound, each of ``group_size`` plus the declared spares."""
+        return self.groups_in_flight_bound(declared) * (self.group_size + declared.redundant_per_group)
 
     def over_declared_limits(self, declared) -> str | None:
         """Why ``declared`` (a ``targets.api.Declared``) asks for more than this workload allows, or None."""

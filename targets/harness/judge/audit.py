@@ -122,48 +122,39 @@ def check_conservation(ix: TraceIndex, r: Reasons) -> None:
 
 
 def check_in_flight(ix: TraceIndex, r: Reasons, spec: TargetSpec) -> dict:
-    """Episodes outstanding (created, neither trained nor dropped) never exceed what the staleness
-    bound needs: ``groups_per_step x (1 + async_ratio)`` groups (of ``group_size`` plus declared spares)."""
+    """Episodes and groups outstanding (created, neither trained nor dropped; a group while any member is)
+    never exceed what the staleness bound needs: ``groups_per_step x (1 + async_ratio)`` groups, and a
+    step's more with a declared ``env_prestart``; in episodes, each group of ``group_size`` plus the
+    declared spares. Counted in groups too, whatever spares are declared: a red team's stack declared a
+    group's worth, launched none, and kept twice the groups in flight with the episode bound met exactly."""
     w = spec.workload
-    bound = w.in_flight_bound(ix.declared)
-    # groups too: declared spares widen the episodes' bound, and a stack that launched none filled that room
-    # with whole groups more (a red team's: twice the groups in flight, the episode bound met exactly)
-    group_bound = w.groups_per_step * (1 + w.staleness_bound(ix.declared) + int(ix.declared.env_prestart))
+    bounds = {"episodes": w.in_flight_bound(ix.declared), "groups": w.groups_in_flight_bound(ix.declared)}
+    rule = "groups_per_step x (1 + async_ratio + declared env_prestart)"
+    why = {"episodes": f"{rule} x (group_size + declared redundancy)", "groups": f"{rule}, whatever spares"}
     changes = [(e.t, 1, 1, e.data["episode"]) for e in ix.by_kind["episode_created"]]
     changes += [(consumed_at(train, t), 0, -1, t["episode"]) for train in ix.trains for t in train.data["trajectories"]]
     changes += [(e.t, 0, -1, episode) for episode, e in ix.dropped.items()]
-    outstanding = peak = groups = groups_peak = 0
+    now, peaks = dict.fromkeys(bounds, 0), dict.fromkeys(bounds, 0)
     in_group: Counter = Counter()  # a group's members outstanding
     for when, _, delta, episode in sorted(changes):
-        outstanding += delta
-        group = ix.group_of.get(episode)
-        if group is not None:
+        now["episodes"] += delta
+        if (group := ix.group_of.get(episode)) is not None:
             before = in_group[group]
             in_group[group] += delta
-            groups += (before <= 0 < in_group[group]) - (in_group[group] <= 0 < before)
-            if groups > groups_peak:
-                groups_peak = groups
-                if groups == group_bound + 1:
+            now["groups"] += (before <= 0 < in_group[group]) - (in_group[group] <= 0 < before)
+        for kind, count in now.items():
+            if count > peaks[kind]:
+                peaks[kind] = count
+                if count == bounds[kind] + 1:
                     r.add(
-                        "too many groups",
-                        f"{groups} groups in flight at {when:.2f}s, over the bound of {group_bound} "
-                        "(groups_per_step x (1 + async_ratio + declared env_prestart)), whatever spares were "
-                        "declared",
+                        f"too many {kind}",
+                        f"{count} {kind} in flight at {when:.2f}s, over the bound of {bounds[kind]} ({why[kind]})",
                     )
-        if outstanding > peak:
-            peak = outstanding
-            if peak == bound + 1:
-                r.add(
-                    "too many episodes",
-                    f"{peak} episodes in flight at {when:.2f}s, over the bound of {bound} "
-                    "(groups_per_step x (1 + async_ratio + declared env_prestart) x (group_size + declared "
-                    "redundancy))",
-                )
     return {
-        "peak_in_flight": peak,
-        "in_flight_bound": bound,
-        "peak_groups_in_flight": groups_peak,
-        "groups_in_flight_bound": group_bound,
+        "peak_in_flight": peaks["episodes"],
+        "in_flight_bound": bounds["episodes"],
+        "peak_groups_in_flight": peaks["groups"],
+        "groups_in_flight_bound": bounds["groups"],
     }
 
 

@@ -28,10 +28,9 @@ from orchestrator.provenance import run_spec, source_commit, spec_hash, versions
 from orchestrator.run_dir import RunDir  # noqa: E402
 from orchestrator.state import RoundRecord, RunState  # noqa: E402
 from orchestrator.tables import (  # noqa: E402
-    DIFF_LINES,
     best_generalization,
     best_over_starter,
-    diff_cut,
+    cut_diff,
     interval_of,
     paired_cell,
     promotion,
@@ -388,9 +387,9 @@ def _better(headline: float, than: float, maximize: bool) -> bool:
 
 # -- per round -------------------------------------------------------------------------------------
 def _diff_lines(diff: str, run_path: str, commit: str) -> tuple[list[tuple[str, str]], str]:
-    lines = diff.splitlines()
+    lines, cut = cut_diff(diff, run_path, commit)
     styled = []
-    for line in lines[:DIFF_LINES]:
+    for line in lines:
         if line.startswith(("diff --git", "+++", "---", "index ")):
             cls = "d-file"
         elif line.startswith("+"):
@@ -402,7 +401,7 @@ def _diff_lines(diff: str, run_path: str, commit: str) -> tuple[list[tuple[str, 
         else:
             cls = ""
         styled.append((cls, line))
-    return styled, diff_cut(len(lines), run_path, commit) if len(lines) > DIFF_LINES else ""
+    return styled, cut
 
 
 def _checks(history: History, r: RoundRecord) -> tuple[list[dict] | None, str]:

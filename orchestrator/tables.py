@@ -35,10 +35,14 @@ def checks_table(results) -> Table:
 DIFF_LINES = 400  # of a round's diff shown to a person (report, show); the rest by the command printed
 
 
-def diff_cut(lines: int, run: str, commit: str) -> str:
-    """What is said under a diff cut at ``DIFF_LINES``: how much, and the command that shows it whole."""
-    return (
-        f"The diff is cut at {DIFF_LINES} of its {lines} lines; the whole of it: "
+def cut_diff(diff: str, run: str, commit: str) -> tuple[list[str], str]:
+    """A round's diff as a person is shown it: its first ``DIFF_LINES`` lines, and where it was cut, what
+    is said under it (how much, and the command that shows it whole; else "")."""
+    lines = diff.splitlines()
+    if len(lines) <= DIFF_LINES:
+        return lines, ""
+    return lines[:DIFF_LINES], (
+        f"The diff is cut at {DIFF_LINES} of its {len(lines)} lines; the whole of it: "
         f"git -C {run} show {commit[:10]} -- . ':(exclude).vibetrain'"
     )
 

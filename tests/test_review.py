@@ -93,12 +93,10 @@ def test_show_cuts_a_long_diff_as_the_report_does_and_says_how_to_see_it_whole(t
     """``show RUN 0`` printed round 0's whole diff (the starter stack: 5,680 lines) to the terminal, where
     the report cuts it at ``DIFF_LINES``; --json keeps it whole, for scripts."""
     from orchestrator import tables
-    from orchestrator.cli import run_commands
 
     run = make_review_run(tmp_path)
     whole = json.loads(_ok("show", str(run), "1", "--json"))["diff"].splitlines()
-    for module in (tables, run_commands):
-        monkeypatch.setattr(module, "DIFF_LINES", 5)
+    monkeypatch.setattr(tables, "DIFF_LINES", 5)  # read by cut_diff, the one place a diff is cut
     shown = _ok("show", str(run), "1").splitlines()
     cut = shown.index(next(line for line in shown if line.startswith("diff against the parent")))
     assert shown[cut + 1 : cut + 6] == whole[:5] and len(whole) > 5

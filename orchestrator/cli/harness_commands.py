@@ -125,9 +125,10 @@ def validate_target(
     from targets.harness.target import Target
 
     if not path.is_file():
-        if str(path) in catalog_ids():  # the catalog's are valid: a user means the spec it resolves to
+        ids = catalog_ids()
+        if str(path) in ids:  # the catalog's are valid: a user means the spec it resolves to
             raise UsageError(f"{path} is a catalog id: vibetrain target show {path} > FILE writes its spec to edit")
-        close = difflib.get_close_matches(str(path), catalog_ids(), n=1)
+        close = difflib.get_close_matches(str(path), ids, n=1)
         near = f" (the catalog's {close[0]!r}? vibetrain target show {close[0]} prints its spec)" if close else ""
         what = "a directory, not a spec's YAML file" if path.is_dir() else f"no such file{near}"
         raise UsageError(f"target spec file {path}: {what}")

@@ -26,10 +26,9 @@ from orchestrator.cli.app import (
 from orchestrator.history import History
 from orchestrator.state import RunState
 from orchestrator.tables import (
-    DIFF_LINES,
     best_generalization,
     best_rejected_unseen,
-    diff_cut,
+    cut_diff,
     generalization_table,
     num,
     promotion,
@@ -176,11 +175,11 @@ def show_round(
     elif profile:
         out.print("[bold]profile[/bold]: none (this round ran no benchmark)")
     if diff:  # cut as the report cuts it (round 0's is the whole starter, thousands of lines); --json has it all
-        lines = diff.splitlines()
+        lines, cut = cut_diff(diff, argument(run), record.commit)
         out.print("[bold]diff against the parent[/bold] (the stack's files, without the round's records):")
-        out.print("\n".join(lines[:DIFF_LINES]), markup=False)
-        if len(lines) > DIFF_LINES:
-            out.print(diff_cut(len(lines), argument(run), record.commit), markup=False)
+        out.print("\n".join(lines), markup=False)
+        if cut:
+            out.print(cut, markup=False)
 
 
 @command(app, "export")

@@ -38,7 +38,8 @@ from skills.recipes.kv_cache import KVPool
 from skills.recipes.paged_engine import PagedEngine
 from targets.api import SamplingParams, TrainBatch, Trajectory
 from targets.hardware import HARDWARE_CATALOG, card_kind
-from targets.harness.ipc.weight_export import Layout, Region, RegionWriter
+from targets.harness.ipc.region_writer import RegionWriter, mapped
+from targets.harness.ipc.weight_export import Layout, Region
 from targets.harness.judge.accuracy import fixed_prompts
 from targets.harness.model import load_model, model_dir
 from targets.spec import HardwareSpec, load_target
@@ -207,33 +208,6 @@ def main(
     graph_ms = _graph_replay_ms(engine, batch)
     if graph_ms is not None:
         record(decode_graph_replay_ms=graph_ms)
-    unfused_times: list[float] = []
-    if engine.fused_kernels:  # the same decode in torch ops, measured beside: what the fused kernels bought
-        console.log("the same engine with the torch ops (fused_kernels=False)")
-        unfused = PagedEngine(
-            path,
-            dtype,
-            device=device,
-            kv_tokens=batch * (prompt_tokens + new_tokens) * 2,
-            max_batch=batch,
-            attention=attention,
-            fused_kernels=False,
-        )
-        unfused_times = _timed(lambda: unfused.generate(prompts, greedy), repeat, device)
-        record(decode_unfused_run_s=unfused_times)
-        unfused = None
-        torch.cuda.empty_cache()
-
-    console.log("transformers generate")
-    reference = load_model(model_dir(spec.model), dtype).to(device)
-    input_ids = torch.tensor(prompts, device=device)
-
-    def hf_generate() -> None:
-        generate_greedy(reference, input_ids, new_tokens)
-
-    hf_times = _timed(hf_generate, repeat, device)
-    record(transformers_run_s=hf_times)
-    reference = None  # its GPU memory back before the trainer starts
     decode_s = statistics.median(engine_times) - statistics.median(prefill_times)  # the decode iterations alone
     mean_context = prompt_tokens + new_tokens / 2
     roofline = batch * hardware.hbm_bandwidth_gbs * 1e9 / (weight_bytes + batch * mean_context * kv_per_token)
@@ -241,10 +215,18 @@ def main(
     sampled_decode_s = statistics.median(sampled_times) - statistics.median(prefill_times)
     sampled_rate = batch * (new_tokens - 1) / sampled_decode_s
 
+    record(  # the issue's decode figures, as soon as they are known (a run cut short keeps them)
+        decode_greedy_tok_s=decode_rate,
+        decode_sampled_tok_s=sampled_rate,
+        roofline_tok_s=roofline,
+        decode_greedy_of_roofline=decode_rate / roofline,
+        decode_sampled_of_roofline=sampled_rate / roofline,
+        prefill_tok_s=batch * prompt_tokens / statistics.median(prefill_times),
+    )
     console.log("sleep and wake")
     # sleep and wake, then the trainer beside the sleeping engine (as the local cluster runs them)
-    sleep_times, wake_times = [], []
-    for _ in range(repeat):
+    sleep_times, wake_times, wake_kv_times = [], [], []
+    for _ in range(repeat + 1):  # the first makes the pinned buffers the others reuse
         _synchronize(device)
         start = time.perf_counter()
         engine.sleep(["weights", "kv_cache"])
@@ -252,11 +234,16 @@ def main(
         sleep_times.append(time.perf_counter() - start)
         start = time.perf_counter()
         engine.wake(["weights"])
-        engine.wake(["kv_cache"])
+        _synchronize(device)
+        woken = time.perf_counter()
+        engine.wake(["kv_cache"])  # the cache made again, and the decode graphs captured over it
         _synchronize(device)
         wake_times.append(time.perf_counter() - start)
+        wake_kv_times.append(time.perf_counter() - woken)
     engine.sleep(["weights", "kv_cache"])
-    record(sleep_s=sleep_times, wake_s=wake_times)
+    sleep_first_s, _, _ = sleep_times.pop(0), wake_times.pop(0), wake_kv_times.pop(0)
+    record(sleep_first_s=sleep_first_s, sleep_s=sleep_times, wake_s=wake_times)
+    record(wake_kv_cache_and_graphs_s=wake_kv_times)
 
     console.log("FSDP2 train step")
     trainer = FSDPTrainer(path, spec.workload.training.config(), dtype, device, micro_batch_tokens=8192)
@@ -303,6 +290,34 @@ def main(
         trainer_reload_s=reload_times[1:],
     )
     trainer.close()
+    trainer = None  # its memory back before the comparisons below
+
+    unfused_times: list[float] = []
+    if engine.fused_kernels:  # the same decode in torch ops, measured beside: what the fused kernels bought
+        console.log("the same engine with the torch ops (fused_kernels=False)")
+        unfused = PagedEngine(
+            path,
+            dtype,
+            device=device,
+            kv_tokens=batch * (prompt_tokens + new_tokens) * 2,
+            max_batch=batch,
+            attention=attention,
+            fused_kernels=False,
+        )
+        unfused_times = _timed(lambda: unfused.generate(prompts, greedy), repeat, device)
+        record(decode_unfused_run_s=unfused_times)
+        unfused = None
+
+    console.log("transformers generate")
+    reference = load_model(model_dir(spec.model), dtype).to(device)
+    input_ids = torch.tensor(prompts, device=device)
+
+    def hf_generate() -> None:
+        generate_greedy(reference, input_ids, new_tokens)
+
+    hf_times = _timed(hf_generate, repeat, device)
+    record(transformers_run_s=hf_times)
+    reference = None
 
     table = Table(
         title=f"{target}: {parameters / 1e9:.3g}B parameters, {dtype}; decode batch {batch} x {new_tokens} new tokens "
@@ -369,6 +384,7 @@ def main(
     for name, times in (
         ("weight sync (in place)", sync_times),
         ("sleep (weights + KV)", sleep_times),
+        ("wake: the KV cache and the decode graphs", wake_kv_times),
         ("wake", wake_times),
         ("trainer offload (optimizer, then parameters)", offload_times[1:]),
         ("trainer reload", reload_times[1:]),
@@ -383,19 +399,12 @@ def main(
         f"{sampled_rate / roofline:.0%} of roofline",
     )
     table.add_row("train step, cold (the first)", f"{cold_s:.3f} s", "-", "", f"{cold_s / train_s:.1f}x a warm one")
+    table.add_row("sleep, the first", f"{sleep_first_s:.3f} s", "-", "", "its host memory pinned then")
     table.add_row("trainer offload, the first", f"{offload_times[0]:.3f} s", "-", "", "its host memory pinned then")
     for stage, times in export.items():
         table.add_row(f"weight export: {stage}", f"{statistics.median(times):.3f} s", spread(times), "", "")
     console.print(table)
-    record(
-        decode_greedy_tok_s=decode_rate,
-        decode_sampled_tok_s=sampled_rate,
-        roofline_tok_s=roofline,
-        decode_greedy_of_roofline=decode_rate / roofline,
-        decode_sampled_of_roofline=sampled_rate / roofline,
-        transformers_tok_s=hf_rate,
-        prefill_tok_s=batch * prompt_tokens / prefill_s,
-    )
+    record(transformers_tok_s=hf_rate)
 
 
 def _short(value: object) -> str:
@@ -407,15 +416,24 @@ def _short(value: object) -> str:
 
 
 def _export_stages(trainer: FSDPTrainer, path: str, dtype: str, repeat: int) -> dict[str, list[float]]:
-    """The harness's export of the trainer's weights, stage by stage: the cluster writes the region
-    (a GPU tensor by DMA), the harness seals it (the train call is answered here), then saves it."""
+    """The harness's export of the trainer's weights, stage by stage, as a system run takes it: the
+    cluster maps the region the harness handed over ahead (its pages faulted in while the step trains),
+    writes it after the step (through the pinned staging buffers) and unmaps it, the harness seals it
+    (the train call is answered here), then saves it in the background."""
     layout = Layout.of(load_model(Path(path), dtype).state_dict())
-    stages: dict[str, list[float]] = {"write (on the train call)": [], "seal": [], "save (in the background)": []}
+    stages: dict[str, list[float]] = {
+        "map (ahead, while the step trains)": [],
+        "write (on the train call)": [],
+        "seal": [],
+        "save (in the background)": [],
+    }
     with tempfile.TemporaryDirectory() as scratch:
         for i in range(repeat + 1):
             region = Region(layout)
-            writer = RegionWriter(os.dup(region.fd), layout)
             started = time.perf_counter()
+            memory = mapped(os.dup(region.fd))
+            ready = time.perf_counter()
+            writer = RegionWriter(memory, layout)
             trainer.export_to(writer)
             writer.close()
             written = time.perf_counter()
@@ -424,8 +442,9 @@ def _export_stages(trainer: FSDPTrainer, path: str, dtype: str, repeat: int) -> 
             region.save(Path(scratch) / f"v{i}.safetensors")
             saved = time.perf_counter()
             region.close()
-            if i:  # the first registers the region with CUDA for the first time
-                stages["write (on the train call)"].append(written - started)
+            if i:  # the first makes the process's pinned staging buffers
+                stages["map (ahead, while the step trains)"].append(ready - started)
+                stages["write (on the train call)"].append(written - ready)
                 stages["seal"].append(sealed - written)
                 stages["save (in the background)"].append(saved - sealed)
     return stages

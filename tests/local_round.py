@@ -60,12 +60,13 @@ async def _exports_what_it_trained(cluster, runtime: Runtime) -> None:
     """The export the harness asks for after a step: into a sealed region, every weight in float32."""
     import torch
 
-    from targets.harness.ipc.weight_export import Layout, Region, RegionWriter
+    from targets.harness.ipc.region_writer import RegionWriter, mapped
+    from targets.harness.ipc.weight_export import Layout, Region
     from targets.harness.model import load_model
 
     layout = Layout.of(load_model(runtime.model_path, runtime.dtype).state_dict())
     region = Region(layout)
-    writer = RegionWriter(os.dup(region.fd), layout)
+    writer = RegionWriter(mapped(os.dup(region.fd)), layout)
     try:
         await cluster.export_weights(writer)
     finally:

@@ -217,6 +217,38 @@ def test_nccl_broadcast_reaches_an_engine_on_another_gpu(tiny_model):
     assert received == {k: float(v.to(torch.bfloat16).float().sum()) for k, v in state.items()}
 
 
+def test_gpu_tensors_reach_the_export_region_exactly_through_the_staging_buffers(monkeypatch):
+    """The weight export's GPU path (``region_writer.StagedCopy``): bf16 and float32 tensors, one of several
+    chunks, one not contiguous, land in the region bit for bit as float32, the last chunk by the close."""
+    import mmap
+    import os
+
+    from targets.harness.ipc import region_writer
+    from targets.harness.ipc.weight_export import Layout, Region
+
+    monkeypatch.setattr(region_writer, "_staging", region_writer.StagedCopy(chunk=1000))  # several chunks a tensor
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    state = {
+        "a": torch.randn(37, 91, device="cuda", generator=generator).to(torch.bfloat16),
+        "b": torch.randn(3000, device="cuda", generator=generator),
+        "c": torch.randn(64, 48, device="cuda", generator=generator).t(),  # not contiguous
+    }
+    layout = Layout.of({name: tensor.cpu() for name, tensor in state.items()})
+    region = Region(layout)
+    writer = region_writer.RegionWriter(region_writer.mapped(os.dup(region.fd)), layout)
+    for name, tensor in state.items():
+        writer.write(name, tensor)
+    writer.close()
+    region.seal()
+    with mmap.mmap(region.fd, layout.nbytes, prot=mmap.PROT_READ) as memory:
+        flat = torch.frombuffer(bytearray(memory), dtype=torch.float32)
+    region.close()
+    for slot in layout.slots:
+        start = slot.offset // 4
+        written = flat[start : start + slot.numel].view(slot.shape)
+        assert torch.equal(written, state[slot.names[0]].float().cpu()), slot.names
+
+
 def test_the_harness_sees_a_gpu_allocation_through_nvml():
     from targets.harness.isolation.device_memory import DeviceMemoryMonitor
 

@@ -12,15 +12,8 @@ import pytest
 import torch
 
 from targets.harness.ipc.protocol import ProtocolError
-from targets.harness.ipc.weight_export import (
-    Layout,
-    Region,
-    RegionWriter,
-    WeightExporter,
-    load_snapshot,
-    receive_region,
-    save_snapshot,
-)
+from targets.harness.ipc.region_writer import IncomingRegions, RegionWriter, StagedCopy, mapped
+from targets.harness.ipc.weight_export import Layout, Region, WeightExporter, load_snapshot, save_snapshot
 
 
 def _tied_state(dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -52,15 +45,15 @@ class _Cluster:
 
     def __init__(self, sock: socket.socket, state: dict[str, torch.Tensor]) -> None:
         self.sock, self.state = sock, state
+        self.regions: IncomingRegions | None = None  # made at the first ask (a test may read the socket first)
         self.keep_mapped = False  # the cheat: answer while the region is still mapped writable
-        self.kept_fd: int | None = None  # the cheat: keep a descriptor to write after answering
+        self.kept: mmap.mmap | None = None  # the cheat: keep a mapping to write after answering
         self.writers: list[RegionWriter] = []
 
     async def ask(self, number: int, layout: Layout) -> object:
-        fd = receive_region(self.sock, number)
-        if self.kept_fd is None:
-            self.kept_fd = os.dup(fd)
-        writer = RegionWriter(fd, Layout.from_wire(layout.to_wire()))
+        self.regions = self.regions or IncomingRegions(self.sock)
+        memory = await self.regions.take(number)
+        writer = RegionWriter(memory, Layout.from_wire(layout.to_wire()))
         for name, tensor in self.state.items():
             if name != "lm_head.weight":
                 writer.write(name, tensor + number)
@@ -77,7 +70,16 @@ def _exporter(tmp_path, state):
     return WeightExporter(Layout.of(state), harness, tmp_path, cluster.ask), cluster
 
 
-def test_each_version_is_sealed_then_saved_and_the_cluster_cannot_change_it_after(tmp_path):
+def test_each_version_is_sealed_then_saved_and_the_cluster_cannot_change_it_after(tmp_path, monkeypatch):
+    from targets.harness.ipc import region_writer
+
+    kept: list[int] = []  # the cheat: a descriptor of each region kept, to write after answering
+
+    def keeping(fd: int) -> mmap.mmap:
+        kept.append(os.dup(fd))
+        return mapped(fd)
+
+    monkeypatch.setattr(region_writer, "mapped", keeping)
     state = _tied_state()
     exporter, cluster = _exporter(tmp_path, state)
 
@@ -94,10 +96,11 @@ def test_each_version_is_sealed_then_saved_and_the_cluster_cannot_change_it_afte
         assert torch.equal(loaded["lm_head.weight"], (state["lm_head.weight"] + step).float())
     # the descriptor the cluster kept from export 1 can no longer write its region, nor map it writable
     with pytest.raises(PermissionError):
-        mmap.mmap(cluster.kept_fd, 4)
+        mmap.mmap(kept[0], 4)
     with pytest.raises(PermissionError):
-        os.pwrite(cluster.kept_fd, b"\0\0\0\0", 0)
-    os.close(cluster.kept_fd)
+        os.pwrite(kept[0], b"\0\0\0\0", 0)
+    for fd in kept:
+        os.close(fd)
 
 
 def test_a_cluster_that_answers_while_still_mapping_the_region_is_refused(tmp_path):
@@ -140,7 +143,7 @@ def test_a_cluster_that_leaves_a_weight_unwritten_is_refused(tmp_path):
 def test_a_write_of_an_unknown_name_or_a_wrong_shape_names_it():
     layout = Layout.of(_tied_state())
     region = Region(layout)
-    writer = RegionWriter(os.dup(region.fd), layout)
+    writer = RegionWriter(mapped(os.dup(region.fd)), layout)
     with pytest.raises(KeyError, match="'model.layers.9.mlp.up_proj.weight' is not a weight of this model"):
         writer.write("model.layers.9.mlp.up_proj.weight", torch.zeros(24, 8))
     with pytest.raises(ValueError, match=r"model.norm.weight has shape \(9,\), the model's is \(8,\)"):
@@ -148,3 +151,72 @@ def test_a_write_of_an_unknown_name_or_a_wrong_shape_names_it():
     writer.close()
     region.seal()
     region.close()
+
+
+def test_the_next_region_is_handed_over_before_its_export_is_asked_for(tmp_path):
+    """Export N+1's region reaches the cluster once version N is saved, so it is mapped (its pages faulted
+    in: most of a second for a 0.6B model) while the step trains, not on the train call; export 1's before
+    the run. Before, each region came with its export's call."""
+    state = _tied_state()
+    layout = Layout.of(state)
+    harness, candidate = socket.socketpair()
+    taken: list[int] = []  # each region's descriptor, as it arrived
+
+    candidate.settimeout(5)  # a region not sent is a TimeoutError, not a wait
+
+    def arrived() -> int:
+        message, fds, _, _ = socket.recv_fds(candidate, 8, 1)
+        taken.extend(fds)
+        return int.from_bytes(message, "little")
+
+    async def ask(number: int, wire: Layout) -> object:
+        writer = RegionWriter(mapped(os.dup(taken[number - 1])), layout)
+        for name, tensor in state.items():
+            writer.write(name, tensor)
+        writer.close()
+        return writer.written()
+
+    exporter = WeightExporter(layout, harness, tmp_path, ask)
+    assert arrived() == 1  # at the exporter's making, before any step
+
+    async def run() -> None:
+        await exporter.export(1)
+        await exporter.saved()
+
+    asyncio.run(run())
+    assert arrived() == 2  # with no export asked for since
+    exporter.close()
+    for fd in taken:
+        os.close(fd)
+    candidate.close()
+
+
+def test_an_export_given_another_exports_region_is_refused(tmp_path):
+    harness, candidate = socket.socketpair()
+    layout = Layout.of(_tied_state())
+    region = Region(layout)
+    socket.send_fds(harness, [(2).to_bytes(8, "little")], [region.fd])
+    with pytest.raises(ProtocolError, match="expected the weight region of export 1, got export 2's"):
+        asyncio.run(IncomingRegions(candidate).take(1))
+    harness.close()
+    with pytest.raises(ProtocolError, match="did not arrive: the harness closed the weights socket"):
+        asyncio.run(IncomingRegions(candidate).take(3))
+    region.close()
+    candidate.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_staged_copy_writes_every_chunk_and_the_last_at_the_flush(dtype):
+    """The GPU path's chunking (``StagedCopy``: two buffers taking turns), on CPU tensors: tensors shorter
+    than a chunk, straddling chunks and of several, in float32 whatever they came in; the last chunk reaches
+    its place at the flush (the copy is pipelined: a chunk lands while the next one comes down)."""
+    generator = torch.Generator().manual_seed(0)
+    sources = [torch.randn(shape, generator=generator).to(dtype) for shape in ((3,), (4, 3), (5,), (2, 11))]
+    destinations = [torch.zeros(s.shape) for s in sources]
+    staged = StagedCopy(chunk=5, pinned=False)
+    for source, destination in zip(sources, destinations):
+        staged.copy(source, destination)
+    assert not destinations[-1].reshape(-1)[20:].any()  # its last chunk (2 of 22) is still in a buffer
+    staged.flush()
+    for source, destination in zip(sources, destinations):
+        assert torch.equal(destination, source.float())

@@ -1,11 +1,12 @@
 """The weight export: how each trained version reaches the harness's snapshot, which the audit
 replays, with one copy and no tensor on the socket.
 
-After every ``train`` the harness hands the cluster process a fresh memory region of its own making
+For every ``train`` the harness hands the cluster process a fresh memory region of its own making
 (a memfd, sealed against shrinking and growing, passed over a socket of its own) laid out by the
-harness: one float32 slot per distinct tensor of the model, tied names sharing one slot. The cluster
-writes each tensor into its slot (``targets.api.WeightExport``; from a GPU straight into the region,
-which the candidate's side registers with CUDA), unmaps it and answers. The harness then seals the
+harness: one float32 slot per distinct tensor of the model, tied names sharing one slot. It is handed
+over ahead, once the previous version is saved, so the cluster maps it while the step trains; after
+the step the cluster writes each tensor into its slot (``targets.api.WeightExport``, through
+``region_writer.py``: from a GPU through a reused pinned buffer), unmaps it and answers. The harness then seals the
 region against every write (``F_SEAL_WRITE``, which the kernel grants only while no process maps it
 writable): from that moment the region is an immutable copy that only the harness holds, so the
 weights are the ones that existed when the train call was answered, and no candidate can change them
@@ -29,7 +30,7 @@ import mmap
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,7 +116,7 @@ class Layout:
         return cls(tuple(slots))
 
 
-def _views(memory: mmap.mmap, layout: Layout) -> dict[str, torch.Tensor]:
+def slot_views(memory: mmap.mmap, layout: Layout) -> dict[str, torch.Tensor]:
     """Every name's float32 tensor over the region (tied names share one)."""
     flat = torch.frombuffer(memory, dtype=torch.float32, count=layout.nbytes // FLOAT32) if layout.nbytes else None
     views: dict[str, torch.Tensor] = {}
@@ -204,7 +205,7 @@ def save_snapshot(path: Path, state: StateDict) -> None:
     region = Region(layout)
     try:
         with mmap.mmap(region.fd, max(layout.nbytes, 1)) as memory:
-            views = _views(memory, layout)
+            views = slot_views(memory, layout)
             for slot in layout.slots:
                 views[slot.names[0]].copy_(state[slot.names[0]].detach().reshape(slot.shape))
             del views
@@ -233,8 +234,8 @@ def send_region(sock: socket.socket, region: Region, number: int) -> None:
 
 
 class WeightExporter:
-    """The harness's side of every export of a run: a region per version (the next one made ready
-    while the last one is saved), sealed when the cluster answers, saved as ``v<step>.safetensors``
+    """The harness's side of every export of a run: a region per version (the next one made and handed
+    over while the last one is saved), sealed when the cluster answers, saved as ``v<step>.safetensors``
     in the background; ``saved`` is what the next train call waits for."""
 
     def __init__(
@@ -243,9 +244,16 @@ class WeightExporter:
         """``ask(number, layout)`` has the cluster write export ``number`` into the region just sent
         on ``sock`` and returns the names it says it wrote."""
         self.layout, self.sock, self.directory, self.ask = layout, sock, directory, ask
-        self._next: Region | None = None
         self._saving: asyncio.Future | None = None
         self.versions: list[int] = []
+        self._next: Region | None = None
+        self._send_ahead(Region(layout), 1)
+
+    def _send_ahead(self, region: Region, number: int) -> None:
+        """Export ``number``'s region, handed over before it is asked for: the cluster maps it and faults
+        its pages in while the step trains (``region_writer.IncomingRegions``), not on the train call."""
+        self._next, self._next_number = region, number
+        send_region(self.sock, region, number)
 
     async def saved(self) -> None:
         """Until the last version's file is written (raises what writing it raised)."""
@@ -256,9 +264,10 @@ class WeightExporter:
         """Version ``step``: hands the cluster a region, has it written, then seals it. Answered once
         the harness holds its copy."""
         await self.saved()
-        region, self._next = self._next or Region(self.layout), None
+        if self._next is None or self._next_number != step:
+            raise ProtocolError(f"export {step} asked for, but the region sent ahead is export {self._next_number}'s")
+        region, self._next = self._next, None
         try:
-            send_region(self.sock, region, step)
             claimed = await self.ask(step, self.layout)
             names_written(claimed if isinstance(claimed, list) else [], self.layout)
             await region.seal_patiently()
@@ -273,72 +282,13 @@ class WeightExporter:
         finally:
             region.close()
         self.versions.append(step)
-        self._next = Region(self.layout)  # its pages allocated now, off the next export's path
+        self._send_ahead(Region(self.layout), step + 1)  # its pages allocated now, off the next export's path
 
     def close(self) -> None:
         if self._next is not None:
             self._next.close()
             self._next = None
         self.sock.close()
-
-
-# -- the candidate's side ---------------------------------------------------------------------------
-
-
-class RegionWriter:
-    """``targets.api.WeightExport`` over a region the harness handed over: runs in the candidate's
-    cluster process (so nothing here is trusted; the harness checks the result by sealing)."""
-
-    def __init__(self, fd: int, layout: Layout) -> None:
-        self.layout = layout
-        self.shapes: Mapping[str, tuple[int, ...]] = {name: s.shape for s in layout.slots for name in s.names}
-        self._slot = layout.slot_of()
-        self._memory = mmap.mmap(fd, max(layout.nbytes, 1))
-        os.close(fd)
-        self._views = _views(self._memory, layout)
-        self._written: set[tuple[str, ...]] = set()
-        self._registered: int | None = None  # the region's address, once registered with CUDA
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        slot = self._slot.get(name)
-        if slot is None:
-            raise KeyError(f"export_weights: {name!r} is not a weight of this model")
-        if tuple(tensor.shape) != slot.shape:
-            raise ValueError(f"export_weights: {name} has shape {tuple(tensor.shape)}, the model's is {slot.shape}")
-        if tensor.is_cuda and self._registered is None:
-            self._register()
-        self._views[name].copy_(tensor.detach())
-        self._written.add(slot.names)
-
-    def _register(self) -> None:
-        """Page-locks the region so a GPU tensor is copied into it by DMA at full link speed."""
-        pointer = self._views[self.layout.slots[0].names[0]].data_ptr()
-        code = torch.cuda.cudart().cudaHostRegister(pointer, self.layout.nbytes, 0)
-        if int(code) != 0:
-            raise RuntimeError(f"cudaHostRegister of the weight region failed with CUDA error {int(code)}")
-        self._registered = pointer
-
-    def written(self) -> list[str]:
-        return [slot.names[0] for slot in self.layout.slots if slot.names in self._written]
-
-    def close(self) -> None:
-        """Unregisters and unmaps the region: the harness can seal it only then."""
-        if self._registered is not None:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
-            self._registered = None
-        self._views.clear()
-        self._memory.close()
-
-
-def receive_region(sock: socket.socket, number: int) -> int:
-    """The region fd for export ``number`` (the candidate's side of ``send_region``)."""
-    message, fds, _, _ = socket.recv_fds(sock, 8, 1)
-    if len(fds) != 1 or len(message) != 8 or struct.unpack("<Q", message)[0] != number:
-        for fd in fds:
-            os.close(fd)
-        raise ProtocolError(f"expected the weight region of export {number}, got {message!r} with {len(fds)} fds")
-    return fds[0]
 
 
 def names_written(claimed: Iterable[object], layout: Layout) -> None:

@@ -308,8 +308,10 @@ async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_di
     """``exports``: the second connection, on which the harness hands over each weight region."""
     # imported here, not at the top: it loads torch, which the controller and components processes
     # (the same module) would otherwise pay a second of start-up for without using it
-    from targets.harness.ipc.weight_export import Layout, RegionWriter, receive_region
+    from targets.harness.ipc.region_writer import IncomingRegions, RegionWriter
+    from targets.harness.ipc.weight_export import Layout
 
+    regions = IncomingRegions(exports)  # each mapped as it arrives, ahead of its export
     _log("connected")
     init = await channel.recv()
     runtime: Runtime = get_runtime(init["runtime"])
@@ -350,7 +352,7 @@ async def _serve_cluster(channel: AsyncChannel, exports: socket.socket, stack_di
                 frame.header["resident"] = await cluster.residency()
             elif method == "export_weights":
                 layout = Layout.from_wire(rx["layout"])
-                writer = RegionWriter(receive_region(exports, rx["number"]), layout)
+                writer = RegionWriter(await regions.take(rx["number"]), layout)
                 try:
                     await cluster.export_weights(writer)
                 finally:

@@ -10,6 +10,7 @@ import statistics
 import pytest
 
 from targets.harness.environments import EnvironmentPool
+from targets.harness.environments.base import FILLER_IDS
 from targets.harness.tokenizer import LETTERS, NAMED_VOCAB, VOCAB
 from targets.harness.trace import Trace
 from targets.spec import Geometric, Lognormal, parse_target
@@ -37,7 +38,11 @@ def _pool(catalog_yaml, environment: dict, turns: dict, seed: int = 3, **workloa
 
 
 def _words(tokens) -> str:
-    return " ".join(VOCAB.word(t) for t in tokens if VOCAB.word(t) != "<ctx>")
+    """The text after the padding (filler words drawn from the task's and the episode's keyed streams)."""
+    tokens = list(tokens)
+    while tokens and tokens[0] in FILLER_IDS:
+        tokens.pop(0)
+    return " ".join(VOCAB.word(t) for t in tokens)
 
 
 def _run(coroutine):

@@ -36,3 +36,20 @@ def test_simulated_response_lengths_follow_the_key_too():
     keyed = [ResponseLengths(tokens, RunSeed(0, b"k" * 16)).of(f"g{i}/e0", 0) for i in range(20)]
     assert public == [ResponseLengths(tokens, RunSeed(0)).of(f"g{i}/e0", 0) for i in range(20)]
     assert keyed != public
+
+
+def test_no_cluster_can_sample_a_run_s_opening_prompts_before_it_starts():
+    """A red team's cluster sampled every opening prompt tiny-qwen3-cpu could draw (4: a constant filler
+    before "repeat X <act>"; 64 on the 0.6B target) under version 0 while it started up, untimed, answered
+    the run's first turns from that stock, and passed the check. The padding is drawn from the task's keyed
+    seed: 24 groups draw 24 openings, under either key (the constant filler gave at most 4), and a group's
+    members share theirs (and their prefix)."""
+    spec = load_target("tiny-qwen3-cpu")
+    for key in (bytes(range(16)), bytes(16)):
+        pool = EnvironmentPool(spec.workload, WallClock(), Trace(WallClock()), seed=RunSeed(0, key))
+        openings = []
+        for _ in range(24):
+            prompts = {tuple(asyncio.run(episode.reset())) for episode in pool.new_group()}
+            assert len(prompts) == 1
+            openings += prompts
+        assert len(set(openings)) == 24

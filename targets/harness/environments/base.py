@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from targets.api import StepResult, TokenCount, TokenIds, TraceEvent
 from targets.errors import UserError
 from targets.harness.clock import Clock
-from targets.harness.tokenizer import CTX, VOCAB
+from targets.harness.tokenizer import CTX, DIGITS, LETTERS, VOCAB
 from targets.harness.trace import Trace
 
 
@@ -40,6 +40,10 @@ class ActionWords(Sequence[str]):
 
 if TYPE_CHECKING:
     from targets.spec import WorkloadSpec
+
+# what a text is padded with: the context filler, digits and letters (no word an environment's text starts
+# with, no end or action mark)
+FILLER_IDS = [VOCAB.ids[word] for word in (CTX, *DIGITS, *LETTERS)]
 
 
 class NoParams(BaseModel):
@@ -84,6 +88,11 @@ class Episode:
         self.trace = trace
         self.rng = random.Random(episode_seed)
         self.reset_rng = random.Random(f"reset/{episode_seed}")  # its own: a workload with resets draws the rest alike
+        # the filler a text is padded with, from streams of their own (the rest draws as it did): the opening
+        # prompt's from the task's seed (a group's members share it, and their prefix), each observation's
+        # from the episode's; both keyed, so no cluster can sample the run's prompts before it starts
+        self.prompt_filler = random.Random(f"filler/{task_seed}")
+        self.observation_filler = random.Random(f"filler/{episode_seed}")
         self.task = self.make_task(random.Random(task_seed)) if task is None else task
         self.max_turns = drawn_turns(workload, self.rng) if self.draws_turns else workload.turns.max
         self.turn = 0
@@ -146,7 +155,7 @@ class Episode:
 
     def end_reset(self) -> TokenIds:
         self.resetting = False
-        return self._reset_with(self._padded(self.first_observation(), self.workload.tokens.prompt))
+        return self._reset_with(self._padded(self.first_observation(), self.workload.tokens.prompt, self.prompt_filler))
 
     def _start(self) -> None:
         if self.started_at is not None:
@@ -287,7 +296,7 @@ class Episode:
 
     def observe(self, text: str, action: TokenIds) -> TokenIds | TokenCount:
         """The tokens of the observation ``text`` that answers ``action``."""
-        return self._padded(text, self.workload.tokens.observation)
+        return self._padded(text, self.workload.tokens.observation, self.observation_filler)
 
     def _latency(self) -> tuple[float, int]:
         """Seconds the step takes, and how many times the environment failed on it: each attempt
@@ -315,12 +324,15 @@ class Episode:
                 break
         return seconds, failures
 
-    def _padded(self, text: str, length: int) -> TokenIds | TokenCount:
-        """Left-pad with context filler to the workload's token budget (never truncates meaning)."""
+    def _padded(self, text: str, length: int, filler: random.Random) -> TokenIds | TokenCount:
+        """Left-padded to the workload's token budget (never truncated) with words drawn from ``filler``.
+        A constant filler left a handful of openings (4 on tiny-qwen3-cpu, 64 on the 0.6B target), which a
+        cluster could sample under version 0 while it started up, untimed, and answer from stock (a red team's
+        did, and passed the check); drawn, there are 37^9 (10^14) for 9 words of padding."""
         if self.counts:
             return TokenCount(max(length, len(text.split())))
         tokens = VOCAB.encode(text)
-        return [VOCAB.ids[CTX]] * max(0, length - len(tokens)) + tokens
+        return filler.choices(FILLER_IDS, k=max(0, length - len(tokens))) + tokens
 
 
 async def close_environments(episodes: Iterable[Episode]) -> list[UserError]:

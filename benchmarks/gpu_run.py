@@ -18,10 +18,12 @@ attention takes its Triton decode kernel there, in CUDA graphs (``skills/recipes
 ``run`` goes through the stages below, each with its own time limit, and writes ``OUT/stages.json``
 after every one (so a run cut short still returns what it measured), each stage's log beside it:
 
-1. ``setup``: installs the carried wheels, says what the machine is; then ``gpu_tests``:
+1. ``setup``: installs the carried wheels, says what the machine is, and stops the run if something every
+   later stage imports is missing (the wheels not carried); then ``gpu_tests``:
    ``pytest -m gpu tests/test_gpu.py`` (the engine's kernels and graphs against the reference, sleep,
    wake, the trainer on the device), its JUnit report kept: first, as it says in a minute or two
-   whether the engine the check needs is sound. Where it failed the default engine (fused Triton
+   whether the engine the check needs is sound (each test's outcome also written as it ends: a stage
+   killed in a CUDA call that never returns writes no report). Where it failed the default engine (fused Triton
    kernels, Triton attention in graphs), or was cut short before that test said, ``fallback_unfused``
    and then ``fallback_sdpa`` rerun the test of an engine without them, alone, and the check's stack and
    generate's starter take the first that passes (the ``engine`` record says which and why): one broken
@@ -30,8 +32,9 @@ after every one (so a run cut short still returns what it measured), each stage'
    HBM roofline of the card that runs, prefill, the train step cold and warm, the weight export stage
    by stage, sleep, wake; each section's figures written as soon as it has them): before the check,
    whose time is the least certain, so a check that runs long never costs the session these figures;
-3. ``check``: ``vibetrain check`` of the colocate starter, sandboxed as a user would run it, its trace
-   (written as the run goes, so a check cut short keeps its steps) and per-phase timings kept; then
+3. ``check``: ``vibetrain check`` of the colocate starter (written with those engine options by the
+   ``starter`` stage, before the components), sandboxed as a user would run it, its trace (written as
+   the run goes, so a check cut short keeps its steps) and per-phase timings kept; then
    ``train_ratio``: ``benchmarks/train_step_ratio.py`` on that trace (each system train step against
    the trainer alone on the same batch);
 4. ``calibrate``: the simulator fitted to the check's trace, and its prediction error;
@@ -40,6 +43,7 @@ after every one (so a run cut short still returns what it measured), each stage'
 
 ``--bundle FILE`` packs OUT after every stage into one tarball (weight snapshots and workspaces left
 out): the device tool brings back at most 8 files, and a run cut short still returns its last bundle.
+The figures' files (``BESIDE_BUNDLE``) are copied beside it too, each a file of its own.
 
 ``--skip`` leaves stages out: generate's two rounds (two checks of ~5 minutes) fit only a call of their
 own, ``--skip gpu_tests,check,train_ratio,calibrate,components``.
@@ -78,6 +82,7 @@ CARRIED_BINARIES = ("bwrap", "git")  # the sandbox, and what GitPython runs
 CARRIED_LIBRARIES = ("libselinux.so.1", "libcap.so.2", "libpcre2-8.so.0")  # theirs beyond libc and zlib
 STAGES = {  # name: seconds it may take, in the order they run; a stage gets at most what is left
     "setup": 30,
+    "starter": 30,  # the check's stack written (the CLI's start-up: ~3 s)
     "gpu_tests": 90,
     "fallback_unfused": 75,  # these two run only when gpu_tests failed the engine's default kernels
     "fallback_sdpa": 75,
@@ -87,6 +92,9 @@ STAGES = {  # name: seconds it may take, in the order they run; a stage gets at 
     "calibrate": 40,
     "generate": 560,  # whatever is left; alone (--skip the others) a whole call
 }
+# what every stage after setup imports: carried (pydantic, orjson, GitPython) or the machine's; and on a GPU,
+# NVML's (nvidia-ml-py, carried: the harness samples device memory through it)
+NEEDED_MODULES = ("pydantic", "orjson", "git", "torch", "transformers", "safetensors", "typer", "yaml")
 DEFAULT_ENGINE_TEST = "test_triton_engine_in_bf16_passes_checks_1_and_3_with_its_decode_graphs"
 UNFUSED, SDPA = {"fused_kernels": False}, {"attention": "sdpa", "fused_kernels": False}
 FALLBACKS = (  # stage, the GPU test that must pass alone, the engine options the check then takes
@@ -95,6 +103,8 @@ FALLBACKS = (  # stage, the GPU test that must pass alone, the engine options th
 )
 GRACE_S = 10  # a stage past its limit is asked to stop (SIGTERM: the CLI unwinds) this long before it is killed
 BUNDLE_LEFT_OUT = ("workspaces", "run", "starter")  # folders of OUT the bundle leaves out (run is tarred apart)
+# copied beside the bundle too (the device tool brings back 8 files of up to 16 MiB: a bundle past that is lost)
+BESIDE_BUNDLE = ("stages.json", "components.json", "check.json", "train_ratio.json", "twin.yaml")
 
 
 @app.command()
@@ -171,6 +181,8 @@ class Stages:
         out.mkdir(parents=True, exist_ok=True)
         if bundle is not None and out in bundle.parents:
             raise typer.BadParameter(f"--bundle {bundle} must lie outside --out {out} (it packs --out)")
+        if bundle is not None:
+            bundle.parent.mkdir(parents=True, exist_ok=True)
         signal.signal(signal.SIGTERM, self._terminated)
 
     def _terminated(self, signum: int, frame: object) -> None:
@@ -238,7 +250,9 @@ class Stages:
                 if path.name not in BUNDLE_LEFT_OUT:
                     tar.add(path, arcname=f"gpu-run/{path.name}", filter=_without_weights)
         partial.replace(self.bundle)
-        shutil.copy2(self.out / "stages.json", self.bundle.with_name("stages.json"))
+        for name in BESIDE_BUNDLE:  # each also a file of its own: one that comes back even if the bundle cannot
+            if (self.out / name).exists():
+                shutil.copy2(self.out / name, self.bundle.with_name(name))
 
 
 def _without_weights(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
@@ -267,6 +281,31 @@ def _end_session(process: subprocess.Popen, stop=signal.SIGTERM) -> None:
             continue
 
 
+def test_outcomes(out: Path, stage: str) -> dict[str, str]:
+    """What a pytest stage said of each test: its JUnit report, or where there is none (the stage killed in
+    a CUDA call that never returned: pytest writes the report at its end), the lines it wrote as each test
+    ended (``tests/conftest.py``)."""
+    outcomes = junit_outcomes(out / f"{stage}.xml")
+    lines = out / f"{stage}.outcomes.jsonl"
+    if outcomes or not lines.exists():
+        return outcomes
+    for line in lines.read_text().splitlines():
+        try:
+            said = json.loads(line)
+        except json.JSONDecodeError:  # the last line, cut off as the stage was killed
+            continue
+        outcomes[said["test"]] = said["outcome"]
+    return outcomes
+
+
+def pytest_stage(stages: Stages, stage: str, tests: list[str], env: dict) -> bool:
+    """``tests`` (a pytest command) as ``stage``, its JUnit report and its outcome lines in OUT."""
+    report, lines = stages.out / f"{stage}.xml", stages.out / f"{stage}.outcomes.jsonl"
+    lines.unlink(missing_ok=True)  # an earlier call's (a warm machine's second call)
+    env = {**env, "VIBETRAIN_TEST_OUTCOMES": str(lines)}
+    return stages.run(stage, [*tests, f"--junitxml={report}"], env, stop=signal.SIGINT)
+
+
 def junit_outcomes(junit: Path) -> dict[str, str]:
     """Each test of a JUnit report by name: "failed" (a failure or an error), "skipped" or "passed";
     none when there is no report, or only part of one."""
@@ -292,7 +331,7 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
     passes in a process of its own (a failed kernel can poison the CUDA context of every test after
     it), so one broken kernel does not cost the session its check, calibration, figures and generated
     rounds. Recorded as the ``engine`` stage: a fallback is never silent."""
-    outcome = junit_outcomes(stages.out / "gpu_tests.xml").get(DEFAULT_ENGINE_TEST)
+    outcome = test_outcomes(stages.out, "gpu_tests").get(DEFAULT_ENGINE_TEST)
     if outcome in ("passed", "skipped"):  # skipped: no GPU here (a rehearsal), nothing to fall back from
         stages._save("engine", {"status": "default", "options": {}})
         return {}
@@ -302,9 +341,8 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
         return {}
     said = "failed" if outcome else "gave no outcome (the GPU tests were cut short or crashed before it ended)"
     for stage, test, options in FALLBACKS:
-        report = stages.out / f"{stage}.xml"
-        ran = stages.run(stage, [*tests, "-k", test, f"--junitxml={report}"], env, stop=signal.SIGINT)
-        if ran and junit_outcomes(report).get(test) == "passed":
+        ran = pytest_stage(stages, stage, [*tests, "-k", test], env)
+        if ran and test_outcomes(stages.out, stage).get(test) == "passed":
             status = f"fallback: {DEFAULT_ENGINE_TEST} {said}, {test} passed"
             stages._save("engine", {"status": status, "options": options})
             return options
@@ -358,12 +396,10 @@ def _sandbox(env: dict) -> tuple[str, str]:
     bwrap = shutil.which("bwrap", path=env["PATH"])
     if bwrap is None:
         return "subprocess", "no bwrap on PATH, carried or the machine's"
-    probe = subprocess.run(
-        [bwrap, *BWRAP_PROBE],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    try:
+        probe = subprocess.run([bwrap, *BWRAP_PROBE], env=env, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "subprocess", f"{bwrap}'s probe did not end in 30 s"
     if probe.returncode != 0:
         return "subprocess", f"{bwrap} cannot make a sandbox here: {probe.stderr.strip()[:300]}"
     return "auto", f"{bwrap} works"
@@ -383,20 +419,26 @@ def setup(wheels: Path = typer.Option(Path("gpu-wheels"))) -> None:
         )
         raise typer.Exit(1)
     if found:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", *found], check=True)
+        pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--no-compile", "-q"]
+        subprocess.run([*pip, *found], check=True)
     import torch
 
     typer.echo(f"{platform.platform()}; python {platform.python_version()}; torch {torch.__version__}")
     typer.echo(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
-    carried = ("pydantic", "orjson", "git", "pynvml")
-    for module in (*carried, "transformers", "safetensors", "typer", "rich", "yaml", "ray"):
+    needed = (*NEEDED_MODULES, "pynvml") if torch.cuda.is_available() else NEEDED_MODULES
+    missing = []
+    for module in (*needed, "ray"):
         try:
             __import__(module)
             typer.echo(f"{module}: present")
         except ImportError as error:
             typer.echo(f"{module}: missing ({error})")
+            missing += [module] if module in needed else []
     for binary in CARRIED_BINARIES:
         typer.echo(f"{binary}: {shutil.which(binary) or 'missing'}")
+    if missing:  # every later stage imports them: better said now than as each stage's traceback
+        typer.echo(f"missing {', '.join(missing)}: carry {wheels} (`prepare`) with the run", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -413,16 +455,18 @@ def run(
 ) -> None:
     """Every stage, as the GPU session runs it; ``stages.json`` in OUT says what each did."""
     skipped = frozenset(name for name in skip.split(",") if name)
-    if skipped - set(STAGES) or "setup" in skipped:
-        raise typer.BadParameter(f"--skip takes stages other than setup, of {', '.join(STAGES)}; not {skip!r}")
+    if skipped - set(STAGES) or skipped & {"setup", "starter"}:
+        raise typer.BadParameter(f"--skip takes stages but setup and starter, of {', '.join(STAGES)}; not {skip!r}")
     stages = Stages(out.resolve(), deadline_s, bundle.resolve() if bundle else None, skipped)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     if (wheels / "bin").exists():  # last: the machine's own bwrap and git come first
         env["PATH"] = f"{env['PATH']}:{(wheels / 'bin').resolve()}"
-    stages.run("setup", [sys.executable, __file__, "setup", "--wheels", str(wheels.resolve())], env)
+    if not stages.run("setup", [sys.executable, __file__, "setup", "--wheels", str(wheels.resolve())], env):
+        stages._save("done", {"status": "stopped: setup failed (its log says what is missing)"})
+        raise typer.Exit(1)
     tests = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"]
-    stages.run("gpu_tests", [*tests, f"--junitxml={stages.out / 'gpu_tests.xml'}"], env, stop=signal.SIGINT)
+    pytest_stage(stages, "gpu_tests", tests, env)
     options = engine_fallback(stages, tests, env)
     if rehearse:
         target = _rehearsal_target(stages.out)
@@ -431,7 +475,7 @@ def run(
     if starter.exists():  # an earlier run's, perhaps with other engine options
         shutil.rmtree(starter)
     write = [*vibetrain, "starter", target, "--out", str(starter), "--controller", "colocate"]
-    subprocess.run([*write, *param_flags(options, "--param")], env=env)  # none: the check stage says so itself
+    stages.run("starter", [*write, *param_flags(options, "--param")], env)  # failed: the check says so too
     if rehearse:
         components = [sys.executable, "gpu_components.py", "--target", "tiny-qwen3-cpu", "--device", "cpu"]
         components += ["--batch", "4", "--new-tokens", "8", "--train-batch", "4", "--repeat", "1"]

@@ -22,6 +22,7 @@ from orchestrator.run_dir import RunDir
 from orchestrator.scratch import scratch_folder
 from orchestrator.state import RunState, new_state
 from skills.starter import unfit, with_params
+from targets.cache import CacheError
 from targets.errors import UserError
 from targets.harness.environments.adapters import check_environment
 from targets.harness.isolation.sandbox import SandboxUnavailable
@@ -49,7 +50,9 @@ def _loop(
     config = state.config
     try:
         target.runtime()  # builds (and caches) the model files here: the sandbox cannot write them
-    except OSError as error:
+    except CacheError:
+        raise
+    except OSError as error:  # the build's own writes (a full disk)
         raise RunSetupError(
             f"cannot write the model cache ({error}): set $VIBETRAIN_CACHE to a writable directory"
         ) from None

@@ -6,6 +6,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from targets.errors import UserError
+
+CACHE_ENV = "VIBETRAIN_CACHE"
+
+
+class CacheError(UserError, OSError):
+    """``$VIBETRAIN_CACHE`` names no folder vibetrain can build its models in."""
+
 
 def cache_home() -> Path:
-    return Path(os.environ.get("VIBETRAIN_CACHE", Path.home() / ".cache" / "vibetrain"))
+    """The cache folder, absolute: a relative ``$VIBETRAIN_CACHE`` is taken from the working folder here,
+    once (a sandboxed candidate, whose working folder is another, is handed this path); an empty one is unset."""
+    given = os.environ.get(CACHE_ENV) or None
+    return Path(os.path.abspath(given)) if given else Path.home() / ".cache" / "vibetrain"
+
+
+def cache_error(path: Path, error: OSError) -> CacheError:
+    """What to say when ``path`` in the cache cannot be made or written."""
+    given = os.environ.get(CACHE_ENV)
+    named = f" (${CACHE_ENV} is {given!r})" if given else ""
+    return CacheError(
+        f"cannot write the model cache at {path}{named}: {error.strerror or error}; set ${CACHE_ENV} to a "
+        "writable folder"
+    )

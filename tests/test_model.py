@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +374,23 @@ def test_weights_that_are_not_the_configs_model_are_refused_when_loaded(catalog_
     spec.write_text(yaml.safe_dump(catalog_yaml))
     result = CliRunner().invoke(app, ["reference", str(spec), "--steps", "1"])
     assert result.exit_code == 2 and "its weights are not the model its config.json describes" in result.output
+
+
+def test_a_cache_that_is_no_writable_folder_is_said_and_a_relative_one_made_absolute(tiny_spec, tmp_path, monkeypatch):
+    """$VIBETRAIN_CACHE naming a file failed `check` with NotADirectoryError's traceback; a relative one
+    (or an empty one, read as the working folder) made a sandboxed candidate, which runs elsewhere, look
+    for the model in its own folder, and the starter failed its engine check."""
+    from targets.cache import CacheError, cache_home
+    from targets.harness.isolation.sandbox import scrubbed_environment
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("VIBETRAIN_CACHE", str(tmp_path / "a-file"))
+    with pytest.raises(CacheError, match=r"cannot write the model cache at .*a-file/models .*: Not a directory"):
+        model_dir(tiny_spec.model.model_copy(update={"weights": "random(7)"}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VIBETRAIN_CACHE", "relative")
+    assert cache_home() == tmp_path / "relative"
+    assert scrubbed_environment({"VIBETRAIN_CACHE": "relative"})["VIBETRAIN_CACHE"] == str(tmp_path / "relative")
+    monkeypatch.setenv("VIBETRAIN_CACHE", "")
+    assert cache_home() == Path.home() / ".cache" / "vibetrain"
+    assert scrubbed_environment({"VIBETRAIN_CACHE": ""})["VIBETRAIN_CACHE"] == str(cache_home())

@@ -15,7 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from targets.cache import cache_home
+from targets.cache import cache_error, cache_home
 from targets.errors import UserError
 from targets.harness.tokenizer import build_tokenizer, tokenizer_key
 from targets.spec import ModelSpec
@@ -63,11 +63,14 @@ def model_dir(model: ModelSpec) -> Path:
     target = cache_root() / f"{model.family}-{content_hash(model)}"
     if (target / "model.safetensors").exists() or (target / "model.safetensors.index.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    except OSError as error:  # a file, a read-only folder: the user's to fix, said as such
+        raise cache_error(target.parent, error) from None
     import torch
     from transformers import AutoModelForCausalLM
 
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
         torch.manual_seed(seed)
         built = AutoModelForCausalLM.from_config(hf_config(model), dtype=getattr(torch, model.dtype))

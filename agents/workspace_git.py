@@ -86,6 +86,8 @@ def plants(workspace: Path) -> dict[str, list[str]]:
                 found["control"].append(relative)
             elif entry.is_symlink():
                 found["links"].append(relative)
+            elif relative == RECORD_DIR and not entry.is_dir(follow_symlinks=False):
+                found["records"].append(relative)  # a file where the records go: the commit could not write them
             elif entry.is_dir(follow_symlinks=False):
                 if depth + 1 >= MAX_DEPTH:
                     found["deep"].append(relative)
@@ -180,8 +182,9 @@ DISK_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
 
 
 def copy_candidate(source: Path, target: Path) -> list[str]:
-    """Make ``target``'s files those of ``source`` (every file but git's link and bytecode caches) and
-    say what was not copied and why. ``target`` is a worktree the harness made; its ``.git`` stays.
+    """Make ``target``'s files those of ``source`` (every file but git's link, bytecode caches and the
+    run's records) and say what was not copied and why. ``target`` is a worktree the harness made; its
+    ``.git`` stays.
 
     A process of the agent's may still be changing ``source`` while this copies it, so nothing here
     trusts a name twice: each folder and file is opened relative to its opened parent without following
@@ -204,8 +207,9 @@ def copy_candidate(source: Path, target: Path) -> list[str]:
     def walk(folder_fd: int, into: Path, relative: Path) -> None:
         nonlocal copied
         for name in sorted(os.listdir(folder_fd)):
-            if name in (".git", "__pycache__"):
-                continue
+            if name in (".git", "__pycache__") or relative / name == Path(RECORD_DIR):
+                continue  # the run's records are the harness's, written at the commit: the judged run never
+                # reads what an agent left there (the review's diff leaves them out)
             where = relative / name
             try:
                 kind = os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode

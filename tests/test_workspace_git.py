@@ -166,6 +166,31 @@ def test_a_file_among_the_runs_records_is_refused(run, tmp_path):
     assert not (workspace / ".vibetrain" / "cache.py").exists()
 
 
+def test_what_an_agent_writes_in_the_runs_records_never_reaches_the_judged_copy(run, tmp_path):
+    """A red team wrote a payload into ``.vibetrain/judge.json`` (one of the two records a workspace may hold)
+    and had its stack read it at run time: the review's diff leaves the records out, and the commit rewrote the
+    file with the harness's own, so the code the judged run read was never seen or kept. The frozen copy (what
+    is judged, measured and committed) takes no records from the workspace: the commit writes them."""
+    history, workspace = run
+    (workspace / ".vibetrain").mkdir(exist_ok=True)
+    (workspace / ".vibetrain" / "judge.json").write_text('{"payload": "the reviewer never saw it"}')
+    frozen = history.worktree(tmp_path / "workspaces" / "round-1-judged", history.root())
+    assert workspace_git.copy_candidate(workspace, frozen) == []
+    assert not (frozen / ".vibetrain").exists() and (frozen / "stack" / "__init__.py").exists()
+
+
+def test_a_file_where_the_runs_records_go_is_refused_and_undone(run, tmp_path):
+    """A ``.vibetrain`` that is a file passed the gate, and the commit could not write the records there
+    (``FileExistsError``): the rejection was never committed, so its evidence was lost and the task retried."""
+    history, workspace = run
+    (workspace / ".vibetrain").write_text("not a folder")
+    assert workspace_git.tampering(workspace) == [
+        ".vibetrain: a file among the run's records (.vibetrain/), which the review's diff leaves out; put it in stack/"
+    ]
+    assert workspace_git.disarm(workspace) == ["removed .vibetrain"]
+    assert history.commit_rejected(workspace, 1, "planted", TRAILERS, {"judge.json": {"reasons": ["x"]}})
+
+
 def test_a_gitattributes_that_hides_the_change_from_the_review_is_refused(run, tmp_path):
     history, workspace = run
     (workspace / "stack" / "model.py").write_text("SKIP_TRAINING_WHEN_MEASURED = True\n")

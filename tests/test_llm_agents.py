@@ -716,6 +716,26 @@ def test_the_design_and_the_annotations_never_follow_a_link_out(toolbox, tmp_pat
     assert problems == ["stack/linked.py: a link out of the workspace: not expanded; put the file itself there"]
 
 
+def test_a_stack_that_is_a_link_out_is_neither_listed_nor_expanded(toolbox, tmp_path):
+    """The file map (the next attempt's prompt) and the annotations' expansion skipped links inside stack/,
+    not a stack/ that is itself one: a red team's command swapped stack/ for a link to a host folder its
+    sandbox could not see, and the prompt listed that folder's files with their first lines (an API token)."""
+    from agents.llm.agents import expand_annotations
+    from agents.llm.context import file_map
+
+    host = tmp_path / "host-secrets"
+    (host / "proj").mkdir(parents=True)
+    (host / "proj" / "settings.py").write_text('"""API_TOKEN=sk-live-1234 do not share"""\n# VAL: VAL_NON_EMPTY\n')
+    workspace = toolbox.workspace
+    (workspace / "stack").rename(workspace / "stack.real")
+    (workspace / "stack").symlink_to(host)
+    assert file_map(workspace) == []
+    assert expand_annotations(workspace) == [
+        "stack: a symbolic link: not expanded; the stack must be a folder of the workspace"
+    ]
+    assert "sk-live" in (host / "proj" / "settings.py").read_text()  # untouched
+
+
 def test_a_huge_design_record_is_cut_in_every_prompt(toolbox, tiny_spec):
     """DESIGN.md went whole into the implementer's prompt (resent every turn) and the planner's: an agent's
     4 MB one made a million-token call, past any --max-cost in one go. Both cut it to its head and tail."""

@@ -151,6 +151,8 @@ def cut_feedback(feedback: list[str]) -> list[str]:
 def expand_annotations(workspace: Path) -> list[str]:
     """Expand the stack's ``# VAL:`` annotations in place; the errors, one line each (for the model).
     A file that is a link out of the workspace is not expanded: the expansion writes on the host."""
+    if (workspace / "stack").is_symlink():  # its files are the host's: not listed, not written
+        return ["stack: a symbolic link: not expanded; the stack must be a folder of the workspace"]
     problems = []
     for path in sorted((workspace / "stack").rglob("*.py")):
         where = path.relative_to(workspace)

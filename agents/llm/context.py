@@ -37,6 +37,8 @@ class FileEntry:
 def file_map(workspace: Path) -> list[FileEntry]:
     """Every file of the candidate's ``stack/``, with its size in lines and what it says it is."""
     entries = []
+    if (workspace / "stack").is_symlink():  # the host's folder it names would be listed, quoted (the gate refuses it)
+        return entries
     for path in sorted((workspace / "stack").rglob("*")):
         if path.is_symlink() or not path.is_file() or "__pycache__" in path.parts:
             continue  # a link is not followed: it may point out of the workspace

@@ -349,3 +349,15 @@ def test_a_runs_candidate_processes_are_forks_reported_as_they_start_and_fresh_o
         assert isinstance(fresh.processes["components"], subprocess.Popen) and len(reported) == 1
     finally:
         fresh.stop(grace_s=0)
+
+
+def test_a_childs_imports_never_come_from_its_working_folder(tmp_path):
+    """The harness child's import path began with its working folder, as ``python -m`` there would have it:
+    started from a candidate's folder (a run's checkout of ``best``, a CLI agent's check), a module there
+    named like one the child imports after the fork (``pynvml`` on a GPU target) ran in the judge,
+    unsandboxed. The project comes first, then PYTHONPATH (a user's environment), never the folder."""
+    from targets import PROJECT_ROOT
+    from targets.harness.isolation.zygote import child_path
+
+    path = child_path({"PYTHONPATH": f"{tmp_path / 'user'}{os.pathsep}"}, ["/site"])
+    assert path == [str(PROJECT_ROOT), str(tmp_path / "user"), "/site"]

@@ -46,6 +46,7 @@ import threading
 import time
 import traceback
 
+from targets import PROJECT_ROOT
 from targets.harness.isolation.process_tree import kill_forked
 from targets.harness.isolation.zygote_client import MESSAGE_BYTES, passed_fd
 
@@ -101,6 +102,15 @@ def _place(fds: list[int]) -> None:
     os.closerange(passed_fd(len(high) - 1), os.sysconf("SC_OPEN_MAX"))
 
 
+def child_path(env: dict[str, str], base_path: list[str]) -> list[str]:
+    """A child's import path: the project, the request's ``PYTHONPATH`` (where a user's environment is
+    found), then the interpreter's; never the working folder, which ``python -m`` would put first: a
+    module there named like one the harness child imports after the fork (``pynvml`` on a GPU target)
+    would run in the judge's process, unsandboxed, whenever vibetrain is started from a candidate's folder."""
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [str(PROJECT_ROOT), *extra, *base_path]
+
+
 def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str], zygote_pid: int) -> None:
     """In the forked process: the child's session, descriptors, environment and path, then its main."""
     code = 1
@@ -118,8 +128,7 @@ def _become_child(kind: str, request: dict, fds: list[int], base_path: list[str]
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [request["cwd"], *extra, *base_path]  # as a fresh ``python -m`` there would have it
+        sys.path[:] = child_path(request["env"], base_path)
         importlib.invalidate_caches()
         module = importlib.import_module(request.get("main") or MAINS[kind][0])
         sys.argv = [module.__file__, *request["argv"]]

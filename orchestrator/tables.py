@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from targets.harness.measure.session import Paired
+from targets.printable import printable
 from targets.spec import TargetSpec
 from targets.spec.target import HEADLINE_METRICS, HeadlineMetric
 
@@ -27,7 +28,7 @@ def checks_table(results) -> Table:
     for column in ("check", "verdict", "reasons"):
         table.add_column(column, overflow="fold")
     for r in results:
-        reasons = Text("\n".join(r.reasons) or "-")  # a candidate's error text, never read as markup
+        reasons = Text(printable("\n".join(r.reasons)) or "-")  # a candidate's error text: no markup, no escapes
         table.add_row(Text(r.name), "[green]pass[/green]" if r.passed else "[red]FAIL[/red]", reasons)
     return table
 

@@ -111,6 +111,28 @@ def test_a_failure_quotes_a_bounded_tail_of_a_log_of_one_enormous_line(tmp_path)
     assert len(tail) < 1000 and tail.endswith("the last words") and "[...]" in tail, tail[:200]
 
 
+def test_a_logs_terminal_escapes_are_shown_never_run(tmp_path):
+    """A red team's log line moved the cursor up and erased the line above (``ESC[1A ESC[2K``) when the check's
+    table quoted it: the tail, and a candidate's error text, show control characters as escapes."""
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.tables import checks_table
+    from targets.harness.ipc.remote import CandidateError, raise_if_error
+    from targets.harness.judge.check_result import CheckResult
+
+    log = tmp_path / "controller.log"
+    log.write_text("PASS\n\x1b[1A\x1b[2Khidden\tkept\n")
+    assert log_tail(log) == "PASS\n\\x1b[1A\\x1b[2Khidden\tkept"
+    with pytest.raises(CandidateError) as raised:
+        raise_if_error({"error": {"type": "E", "message": "\x1b[2K\x07", "traceback": ""}}, "train")
+    assert "\x1b" not in str(raised.value) and "\\x1b[2K\\x07" in str(raised.value)
+    shown = io.StringIO()
+    Console(file=shown, color_system=None, width=200).print(checks_table([CheckResult("audit", False, ["\x1b[1A"])]))
+    assert "\x1b" not in shown.getvalue() and "\\x1b[1A" in shown.getvalue()
+
+
 @pytest.mark.slow
 def test_a_candidate_that_prints_without_end_is_killed_before_it_fills_the_disk(tmp_path, tiny_spec):
     from tests.test_agents import _planted_build

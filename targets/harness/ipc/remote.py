@@ -33,6 +33,7 @@ from targets.harness.ipc.wire import (
     put_plain_request,
     put_state,
 )
+from targets.printable import printable
 
 
 class CandidateError(RuntimeError):
@@ -47,9 +48,8 @@ def raise_if_error(rx: Received, what: str) -> Received:
         raise ProtocolError(f"{what}: a malformed error reply")
     if error.get("type") == "Aborted":
         raise get_aborted(rx, error)
-    raise CandidateError(
-        f"{what}: {error.get('type')}: {str(error.get('message'))[:1000]}\n{str(error.get('traceback', ''))[-2000:]}"
-    )
+    said = f"{error.get('type')}: {str(error.get('message'))[:1000]}\n{str(error.get('traceback', ''))[-2000:]}"
+    raise CandidateError(f"{what}: {printable(said)}")  # the candidate's words, shown to a person
 
 
 class RemoteCluster:

@@ -24,6 +24,7 @@ from targets.harness.isolation.process_tree import kill_tree
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.written import LOG, SCRATCH, SCRATCH_PARENT, SCRATCH_PREFIX, last_bytes, remove_tree
 from targets.harness.isolation.zygote_client import ZygoteChild, forks_of
+from targets.printable import printable
 
 # How long candidate processes get to exit on their own once a run is over: a cluster closes Ray and
 # its actors. A run the harness abandoned (a refusal at hello, a crash, any error) leaves them
@@ -194,6 +195,7 @@ async def channel_of(processes: CandidateProcesses, role: str) -> AsyncChannel:
 
 def log_tail(path: Path, lines: int = 15, line_chars: int = 400) -> str:
     """The last ``lines`` of a candidate's log, each cut to ``line_chars``, read from its last 64 KiB: a
-    candidate may print gigabytes on one line before it exits, and the tail goes into the verdict."""
-    tail = last_bytes(path, TAIL_BYTES)[0].decode(errors="replace").splitlines()[-lines:]
+    candidate may print gigabytes on one line before it exits, and the tail goes into the verdict (its control
+    characters as escapes: a terminal would run them)."""
+    tail = printable(last_bytes(path, TAIL_BYTES)[0].decode(errors="replace")).splitlines()[-lines:]
     return "\n".join(line if len(line) <= line_chars else line[:line_chars] + " [...]" for line in tail)

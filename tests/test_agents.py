@@ -293,6 +293,19 @@ PLANTS = {
     "imports joblib, an introspection escape hatch": "import joblib\n",
     "nested too deep for the scan to read": "X = " + " + ".join(["'a'"] * 1200) + "\n",
     "names the harness metric 'trained_tokens_per_s'": "REPORT = {'trained_tokens_per_s': 1e9}\n",  # a headline too
+    # a fifth review's (session CG): a module, a patch or an attribute path by a string; a task's frames
+    "imports pydoc, an introspection escape hatch": "import pydoc\nT = pydoc.locate('targets.harness.trace')\n",
+    "uses .resolve_name, an introspection escape hatch": (
+        "import pkgutil\nT = pkgutil.resolve_name('targets.harness.trace')\n"
+    ),
+    "imports unittest, an introspection escape hatch": (
+        "from unittest import mock\nmock.patch('time.monotonic', lambda: 0.0).start()\n"
+    ),
+    "uses .get_field, an introspection escape hatch": (
+        "import json, string\nB = string.Formatter().get_field('0.__globals__', (json.dumps,), {})\n"
+    ),
+    "uses .get_stack, an introspection escape hatch": "import asyncio\nF = asyncio.current_task().get_stack()\n",
+    "imports harness internals (getattr on the package)": "import targets.api\nH = getattr(targets, 'harness')\n",
     # a third review's (session CC): a module reached through an import call's result, not a name
     "uses .modules, an introspection escape hatch (on __import__'s result)": "__import__('sys').modules.pop('time')\n",
     "uses .modules, an introspection escape hatch (on import_module's result)": (

@@ -36,6 +36,8 @@ ESCAPE_MODULES = {
     *("gc", "inspect", "ctypes", "_ctypes", "builtins", "runpy", "site", "code", "codeop", "_imp", "zipimport"),
     # code in bytes: an unpickled object is any call, an unmarshalled code object any code
     *("marshal", "pickle", "_pickle", "cloudpickle", "dill", "shelve", "copyreg", "joblib"),
+    # a module by a string (pydoc.locate), and patching by a string (unittest.mock.patch("time.monotonic"))
+    *("pydoc", "unittest"),
 }
 ESCAPE_ATTRIBUTES = {
     *("__dict__", "__globals__", "__code__", "__closure__", "__builtins__", "__subclasses__", "__getattribute__"),
@@ -44,6 +46,8 @@ ESCAPE_ATTRIBUTES = {
     *("FunctionType", "CodeType", "meta_path", "path_hooks", "path_importer_cache", "sys", "__path__"),
     *("_bootstrap", "_bootstrap_external", "ForkingPickler", "read_pickle"),
     *("__getstate__", "__reduce__", "__reduce_ex__"),  # an object's state as a mapping, its slots included
+    # a module by a string (pkgutil), an attribute path in a string (string.Formatter), a task's frames
+    *("resolve_name", "get_field", "get_stack"),
 }
 # an escape's name as a string, for a getattr or a subscript of globals() (``"__sub" + "classes__"`` too)
 ESCAPE_STRINGS = {a for a in ESCAPE_ATTRIBUTES if a.startswith(("__", "f_"))} | {"__import__"}
@@ -385,7 +389,13 @@ def _module_names(tree: ast.Module) -> dict[str, str]:
 def _package_attribute(node: ast.AST, bound: dict[str, str]) -> str | None:
     """The attribute read off the ``targets`` package, other than ``api``: by a name an import bound to
     it (``import targets.api`` binds ``targets``), or off the package ``__import__`` returns for any of
-    its modules (``__import__("targets.api").harness``)."""
+    its modules (``__import__("targets.api").harness``), or by a constant name (``getattr(targets, "harness")``)."""
+    if isinstance(node, ast.Call) and _called_name(node) == "getattr" and len(node.args) > 1:
+        named = _folded(node.args[1])
+        owner = node.args[0]
+        if named not in (None, "api") and isinstance(owner, ast.Name) and bound.get(owner.id) == "targets":
+            return named
+        return None
     if not isinstance(node, ast.Attribute) or node.attr == "api":
         return None
     value = node.value

@@ -3,6 +3,7 @@ the same agents), and reading candidates back out of a run (``RUN@best``, ``RUN@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import shlex
@@ -378,5 +379,8 @@ def export_candidate_at(ref: str) -> tuple[Path, str]:
         exported = history.export(commit, scratch_folder("vibetrain-candidate-") / f"{run_dir.name}@{which}")
         return exported, history.repo.commit(commit).hexsha
     except HistoryError as error:
-        hint = "" if which == "best" or which.startswith("round-") else f" (write {NAMES_A_CANDIDATE})"
-        raise RunSetupError(f"{ref}: {error}{hint}") from None
+        if which == "best" or which.startswith("round-"):
+            raise RunSetupError(f"{ref}: {error}") from None
+        close = difflib.get_close_matches(which, ["best", "latest"], n=1)
+        hint = f"did you mean {run}@{close[0]}?" if close else f"write {NAMES_A_CANDIDATE}"
+        raise RunSetupError(f"{ref}: {run_dir} has no commit {which!r} ({hint})") from None

@@ -66,7 +66,10 @@ def with_params(spec, controller: str, given: dict, where: str, engine_devices: 
     params = {**starter_params(spec, controller), **given}
     for name, value in given.items():
         if name == "controller":
-            raise ValueError(f"{where}: {prefix}controller is chosen by name (--starter, a baseline's name)")
+            raise ValueError(
+                f"{where}: {prefix}controller is chosen by name (starter --controller, generate --starter, a "
+                "baseline's name)"
+            )
         if name in FIXED:
             raise ValueError(f"{where}: {prefix}{name} is the device split, the target's (a baseline's own field)")
         if name not in KNOWN_PARAMS:

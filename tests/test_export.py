@@ -197,6 +197,10 @@ def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_p
     run = make_review_run(tmp_path)
     result = runner.invoke(app, ["export", f"{run}@3", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "write RUN@best, RUN@latest, RUN@round-N or RUN@<commit>" in result.output
+    # a misspelt name: git's own words (stderr: 'fatal: not a valid object name') and no suggestion before
+    result = runner.invoke(app, ["export", f"{run}@bets", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and f"has no commit 'bets' (did you mean {run}@best?)" in result.output
+    assert "fatal" not in result.output
     # the run itself, @best forgotten: it was told to name a target for the run's checked-out tree
     result = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and f"{run} is a run: export one of its candidates ({run}@best" in result.output

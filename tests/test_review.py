@@ -264,6 +264,15 @@ def test_report_out_a_directory_or_a_missing_folder_and_bench_outputs_checked_fi
     for option in ("--json", "--timeline"):
         result = runner.invoke(app, ["bench", "tiny-qwen3-cpu", option, str(tmp_path / "reports")], env=NARROW)
         assert result.exit_code == 2 and "a directory is there; give a file path" in result.output, result.output
+    # a plot's name matplotlib cannot write failed after the whole bench, with a traceback
+    for option in ("--timeline", "--phases"):
+        result = runner.invoke(app, ["bench", "tiny-qwen3-cpu", option, str(tmp_path / "t.txt")], env=NARROW)
+        assert result.exit_code == 2 and "no image format matplotlib writes" in result.output, result.output
+    # report --out replaced a shell script with the report
+    (tmp_path / "env.sh").write_text("export X=1\n")
+    script = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "env.sh")], env=NARROW)
+    assert script.exit_code == 2 and "is there and is no report" in script.output, script.output
+    assert (tmp_path / "env.sh").read_text() == "export X=1\n"
     nothing = runner.invoke(app, ["bench", "tiny-qwen3-cpu", "--baselines", " , "], env=NARROW)
     assert nothing.exit_code == 2 and "names no baseline" in nothing.output, nothing.output  # not "every one"
     check = runner.invoke(app, ["check", "tiny-qwen3-cpu", "--json", str(tmp_path / "reports")], env=NARROW)

@@ -267,6 +267,10 @@ def test_a_technique_that_cannot_be_on_says_which_rule_it_breaks(tmp_path):
     assert result.exit_code == 2 and not (tmp_path / "s").exists(), result.output
     said = " ".join(result.output.split())
     assert "the params turn the tail_batching technique on, but it runs under static_split or time_multiplex" in said
+    # the controller as a param: the message named --starter, generate's flag, to a user of starter
+    result = CliRunner().invoke(app, [*argv, "--param", "controller=static_split"], env={"COLUMNS": "200"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "controller is chosen by name (starter --controller, generate --starter" in said
 
 
 def test_a_headline_metric_no_run_measures_is_named(catalog_yaml):

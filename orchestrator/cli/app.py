@@ -179,13 +179,23 @@ def out_dir(path: Path, option: str = "--out") -> Path:
     return path
 
 
-def out_file(path: Path | None, option: str) -> Path | None:
+def out_file(path: Path | None, option: str, image: bool = False) -> Path | None:
     """A file this command will write when it is done: checked (its folder made, the file opened for
-    writing and left as it was) before any work, so a typo never costs a finished benchmark."""
+    writing and left as it was) before any work, so a typo never costs a finished benchmark. ``image``:
+    a plot, whose format is its name's ending (one matplotlib cannot write failed after the benchmark)."""
     if path is None:
         return None
     if path.is_dir():
         raise UsageError(f"{option} {path}: a directory is there; give a file path")
+    if image:
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        if path.suffix.lstrip(".").lower() not in formats:
+            raise UsageError(
+                f"{option} {path}: the name says no image format matplotlib writes; end it in .png, .svg or .pdf "
+                f"(or {', '.join(sorted(set(formats) - {'png', 'svg', 'pdf'}))})"
+            )
     in_the_way = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), None)
     if in_the_way is not None:  # mkdir says only "File exists"
         raise UsageError(f"{option} {path}: {in_the_way} is a file, not a folder")

@@ -346,8 +346,8 @@ def bench(
     from targets.harness.measure.tracking import track_trace, write_chrome_trace
 
     out_file(json_path, "--json")
-    out_file(timeline, "--timeline")
-    out_file(phases, "--phases")
+    out_file(timeline, "--timeline", image=True)
+    out_file(phases, "--phases", image=True)
     beside = json_path or timeline  # the tracking goes next to the other outputs, else a temp dir
 
     def default_track_dir() -> Path:
@@ -360,7 +360,8 @@ def bench(
         try:
             measuring = dataclasses.replace(measuring, task_key=bytes.fromhex(task_key))
         except ValueError:
-            raise UsageError(f"--task-key {task_key!r}: not hex (write it as --json recorded it)") from None
+            what = "an odd number of digits" if len(task_key) % 2 else "not hex"
+            raise UsageError(f"--task-key {task_key!r}: {what} (write it as --json recorded it)") from None
     spec, simulated = measuring.target.spec, measuring.target.simulated
     repeat = repeat or (1 if simulated else 3)
     labelled = {b.label: b for b in spec.baselines if b.label is not None}  # other hardware, or techniques on
@@ -404,14 +405,16 @@ def bench(
     )
     with progress:
         task = progress.add_task("", total=len(stacks) * repeat)
-        runs = benchmark(
-            measuring,
-            stacks,
-            repeat,
-            work / "runs",
-            sessions=sessions,
-            on_run=lambda name, i: progress.update(task, advance=1, description=f"last done: {name} #{i + 1}"),
-        )
+
+        def done(name: str, i: int) -> None:
+            progress.update(task, advance=1, description=f"last done: {name} #{i + 1}")
+
+        try:
+            runs = benchmark(measuring, stacks, repeat, work / "runs", sessions=sessions, on_run=done)
+        except KeyboardInterrupt:  # Ctrl-C ended it with no word (exit 130): a partial bench is no comparison
+            ran = int(progress.tasks[0].completed)
+            console.print(f"bench interrupted after {ran} of {len(stacks) * repeat} runs: nothing written")
+            raise typer.Exit(130) from None
     failed = [f for r in runs for f in r.failures]
     runs = [r for r in runs if not r.failures]  # a failed schedule's figures do not count
     if runs:

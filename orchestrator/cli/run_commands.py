@@ -228,5 +228,7 @@ def report(
         where = where / name
     if run.resolve() in where.resolve().parents:  # an untracked file in the run's worktree: --resume refuses it
         raise UsageError(f"--out {out}: inside the run {run}, whose worktree holds only its commits")
+    if where.is_file() and where.suffix.lower() not in (".html", ".htm"):  # a shell script was replaced so
+        raise UsageError(f"--out {out}: {where} is there and is no report (not .html); name another file")
     path = write_report(run, out_file(where, "--out"))
     console.print(f"report: {shown(path)}")

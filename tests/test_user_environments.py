@@ -286,6 +286,11 @@ def never_made(**params):
     threading.Event().wait()
 
 
+def exits(**params):
+    """A factory that ends the process."""
+    sys.exit(3)
+
+
 class OldGym(HiddenNumber):
     """The old gym API: step answers (observation, reward, done, info)."""
 
@@ -625,6 +630,10 @@ def test_a_plain_close_and_a_factory_that_never_returns_are_named_by_the_check(c
     hung = _spec(catalog_yaml, {"entry": "my_envs:never_made", "adapter": "gymnasium"}).workload.environment
     with pytest.raises(UserEnvironmentError, match="making one and closing it did not finish within 0.5 s"):
         adapters.check_environment(hung)
+    # one that calls sys.exit: `target validate` ended with its code and no word
+    exits = _spec(catalog_yaml, {"entry": "my_envs:exits", "adapter": "gymnasium"}).workload.environment
+    with pytest.raises(UserEnvironmentError, match=r"my_envs:exits: called sys.exit\(3\) when made or closed"):
+        adapters.check_environment(exits)
 
 
 def test_a_chat_template_that_does_not_render_is_named_before_any_episode(catalog_yaml, user_package):

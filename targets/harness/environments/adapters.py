@@ -367,5 +367,7 @@ def check_environment(environment: EnvironmentRef) -> None:
             f"environment {entry}: making one and closing it did not finish within {CHECK_LIMIT_S:g} s (a factory, a "
             "task set's __len__ or a close() that never returns?)"
         )
+    if isinstance(outcome[0], SystemExit):  # raised again here, it ended the command with its code and no word
+        raise UserEnvironmentError(f"environment {entry}: called sys.exit({outcome[0].code!r}) when made or closed")
     if outcome[0] is not None:
         raise outcome[0]

@@ -241,7 +241,7 @@ class WeightExporter:
     def __init__(
         self, layout: Layout, sock: socket.socket, directory: Path, ask: Callable[[int, Layout], Awaitable[object]]
     ) -> None:
-        """``ask(number, layout)`` has the cluster write export ``number`` into the region just sent
+        """``ask(number, layout)`` has the cluster write export ``number`` into the region sent ahead
         on ``sock`` and returns the names it says it wrote."""
         self.layout, self.sock, self.directory, self.ask = layout, sock, directory, ask
         self._saving: asyncio.Future | None = None
@@ -261,8 +261,8 @@ class WeightExporter:
             await self._saving
 
     async def export(self, step: int) -> None:
-        """Version ``step``: hands the cluster a region, has it written, then seals it. Answered once
-        the harness holds its copy."""
+        """Version ``step``: has the cluster write the region sent ahead for it, then seals it. Answered
+        once the harness holds its copy."""
         await self.saved()
         if self._next is None or self._next_number != step:
             raise ProtocolError(f"export {step} asked for, but the region sent ahead is export {self._next_number}'s")

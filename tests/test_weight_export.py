@@ -196,11 +196,15 @@ def test_an_export_given_another_exports_region_is_refused(tmp_path):
     layout = Layout.of(_tied_state())
     region = Region(layout)
     socket.send_fds(harness, [(2).to_bytes(8, "little")], [region.fd])
+
+    async def take(number: int) -> mmap.mmap:
+        return await IncomingRegions(candidate).take(number)
+
     with pytest.raises(ProtocolError, match="expected the weight region of export 1, got export 2's"):
-        asyncio.run(IncomingRegions(candidate).take(1))
+        asyncio.run(take(1))
     harness.close()
     with pytest.raises(ProtocolError, match="did not arrive: the harness closed the weights socket"):
-        asyncio.run(IncomingRegions(candidate).take(3))
+        asyncio.run(take(3))
     region.close()
     candidate.close()
 
@@ -220,3 +224,56 @@ def test_a_staged_copy_writes_every_chunk_and_the_last_at_the_flush(dtype):
     staged.flush()
     for source, destination in zip(sources, destinations):
         assert torch.equal(destination, source.float())
+
+
+def test_a_cluster_gone_after_its_last_step_fails_no_run(tmp_path):
+    """After each save the harness hands over the next region: a cluster process that had closed by then (the
+    run's last step done) made that send fail, and with it the save the run's end waits on, so a finished run
+    failed. The failed send is kept for an export that asks for its region."""
+    state = _tied_state()
+    layout = Layout.of(state)
+    harness, candidate = socket.socketpair()
+
+    async def ask(number: int, wire: Layout) -> object:
+        _, fds, _, _ = socket.recv_fds(candidate, 8, 1)
+        writer = RegionWriter(mapped(fds[0]), layout)
+        for name, tensor in state.items():
+            writer.write(name, tensor)
+        writer.close()
+        candidate.close()  # the cluster process ends after its last step
+        return writer.written()
+
+    exporter = WeightExporter(layout, harness, tmp_path, ask)
+
+    async def run() -> None:
+        await exporter.export(1)
+        await exporter.saved()  # raised BrokenPipeError from the send ahead of export 2
+
+    asyncio.run(run())
+    assert exporter.versions == [1] and (tmp_path / "v1.safetensors").exists()
+    with pytest.raises(ProtocolError, match="the weight region of export 2 could not be handed over"):
+        asyncio.run(exporter.export(2))
+    exporter.close()
+
+
+def test_a_child_forked_while_the_region_is_mapped_does_not_hold_it():
+    """The region is mapped for the whole step now, not only while written: a child forked meanwhile (a data
+    loader's worker, a fork-started helper) inherited the writable mapping, and the harness could not seal
+    the region while it lived (an honest run refused). The mapping is not inherited by a fork."""
+    import signal
+    import time
+
+    layout = Layout.of(_tied_state())
+    region = Region(layout)
+    memory = mapped(os.dup(region.fd))
+    child = os.fork()
+    if child == 0:  # the fork holds on, as a worker would
+        time.sleep(30)
+        os._exit(0)
+    try:
+        memory.close()
+        region.seal()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        region.close()

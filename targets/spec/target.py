@@ -125,9 +125,10 @@ class SimulatorSpec(Strict):
 class LimitsSpec(Strict):
     """What the judge's child process (harness, reference model, candidate processes) may use. Unset,
     they follow the model's size: host memory holds a float32 reference copy, the trainer's offloaded
-    float32 state (weights, gradients, AdamW moments) and the weight snapshots the audit replays
-    training from, about 48 bytes per parameter over a 16 GB base (the processes' CUDA and torch
-    libraries); time grows with billions of parameters."""
+    float32 state (weights, gradients, AdamW moments), the weight snapshots the audit replays
+    training from and the export region the cluster maps while a step trains (4 bytes a parameter),
+    about 48 bytes per parameter over a 16 GB base (the processes' CUDA and torch libraries); time
+    grows with billions of parameters."""
 
     host_memory_mb: float | None = Field(default=None, gt=0, description="resident memory of the child's process tree")
     time_s: float | None = Field(

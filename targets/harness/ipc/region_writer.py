@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
-import queue
 import socket
 import struct
 import threading
@@ -30,21 +29,32 @@ from targets.harness.ipc.weight_export import Layout, slot_views
 STAGING_ELEMENTS = 16 * 2**20  # float32 elements a pinned buffer holds (64 MB; two of them a process)
 
 
+PAGE = mmap.PAGESIZE
+
+
 def mapped(fd: int) -> mmap.mmap:
-    """The whole region behind ``fd``, writable, every page faulted in now (the descriptor is closed)."""
+    """The whole region behind ``fd``, writable, every page faulted in now (the descriptor is closed).
+    The pages are touched by a torch op, which lets go of the GIL (``MAP_POPULATE`` in the mmap call
+    held it, and the cluster process's other threads, its event loop included, stalled for the whole of
+    it); and the mapping is not inherited by a fork (a child forked while the step trains, a data loader's
+    worker, would hold it writable, and the harness could not seal the region)."""
     try:
-        size = os.fstat(fd).st_size
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        memory = mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+    memory.madvise(mmap.MADV_DONTFORK)
+    torch.frombuffer(memory, dtype=torch.uint8)[::PAGE].zero_()  # the harness's region holds zeros until written
+    return memory
 
 
 class IncomingRegions:
     """Each region the harness sends, taken and mapped on a thread of its own as soon as it arrives
-    (the harness sends export N+1's once version N is saved, so it is ready before the step ends)."""
+    (the harness sends export N+1's once version N is saved, so it is ready before the step ends), and
+    handed to the event loop that made this."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self._arrived: queue.Queue[tuple[int, mmap.mmap] | BaseException] = queue.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._arrived: asyncio.Queue[tuple[int, mmap.mmap] | BaseException] = asyncio.Queue()
         threading.Thread(target=self._receive, args=(sock,), name="weight-regions", daemon=True).start()
 
     def _receive(self, sock: socket.socket) -> None:
@@ -57,14 +67,19 @@ class IncomingRegions:
                     for fd in fds:
                         os.close(fd)
                     raise ProtocolError(f"a weight region comes as 8 bytes and one fd, got {message!r}, {len(fds)} fds")
-                self._arrived.put((struct.unpack("<Q", message)[0], mapped(fds[0])))
-            except (OSError, ProtocolError) as error:  # said at the next export, not lost with the thread
-                self._arrived.put(error)
+                arrived: tuple[int, mmap.mmap] | BaseException = (struct.unpack("<Q", message)[0], mapped(fds[0]))
+            except Exception as error:  # noqa: BLE001 - said at the next export, not lost with the thread
+                arrived = error
+            try:
+                self._loop.call_soon_threadsafe(self._arrived.put_nowait, arrived)
+            except RuntimeError:  # the loop is closed: the process is ending
+                return
+            if isinstance(arrived, BaseException):
                 return
 
     async def take(self, number: int) -> mmap.mmap:
         """Export ``number``'s region, mapped (waits for it if it is still on its way)."""
-        arrived = await asyncio.to_thread(self._arrived.get)
+        arrived = await self._arrived.get()
         if isinstance(arrived, BaseException):
             raise ProtocolError(f"the weight region of export {number} did not arrive: {arrived}")
         got, memory = arrived
@@ -102,11 +117,10 @@ class StagedCopy:
 
     def _finish(self) -> None:
         if self._pending is not None:
-            done, staged, destination = self._pending
+            (done, staged, destination), self._pending = self._pending, None  # never written twice, nor late
             if done is not None:
                 done.synchronize()
             destination.copy_(staged)
-            self._pending = None
 
     def flush(self) -> None:
         self._finish()

@@ -247,13 +247,22 @@ class WeightExporter:
         self._saving: asyncio.Future | None = None
         self.versions: list[int] = []
         self._next: Region | None = None
+        self._unsent: OSError | None = None  # why the region sent ahead could not be sent
         self._send_ahead(Region(layout), 1)
 
     def _send_ahead(self, region: Region, number: int) -> None:
         """Export ``number``'s region, handed over before it is asked for: the cluster maps it and faults
-        its pages in while the step trains (``region_writer.IncomingRegions``), not on the train call."""
-        self._next, self._next_number = region, number
-        send_region(self.sock, region, number)
+        its pages in while the step trains (``region_writer.IncomingRegions``), not on the train call. A
+        send that fails (the cluster process gone: after the last step, it may have closed) fails only an
+        export that asks for it."""
+        self._next_number = number
+        try:
+            send_region(self.sock, region, number)
+        except OSError as error:
+            region.close()
+            self._unsent = error
+            return
+        self._next = region
 
     async def saved(self) -> None:
         """Until the last version's file is written (raises what writing it raised)."""
@@ -264,6 +273,8 @@ class WeightExporter:
         """Version ``step``: has the cluster write the region sent ahead for it, then seals it. Answered
         once the harness holds its copy."""
         await self.saved()
+        if self._unsent is not None:
+            raise ProtocolError(f"the weight region of export {step} could not be handed over: {self._unsent}")
         if self._next is None or self._next_number != step:
             raise ProtocolError(f"export {step} asked for, but the region sent ahead is export {self._next_number}'s")
         region, self._next = self._next, None

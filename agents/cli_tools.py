@@ -161,7 +161,10 @@ class CLITool:
     def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """Our environment, allowlisted (see the module docstring), plus ``extra`` (settings we give)."""
         names = BASE_ENV + CHECK_ENV + self.KEYS + self.CONFIG
-        return {k: os.environ[k] for k in names if k in os.environ} | (extra or {})
+        kept = {k: os.environ[k] for k in names if k in os.environ}
+        if "VIBETRAIN_CACHE" in kept:  # absolute: the CLI runs its checks in the workspace (a relative cache
+            kept["VIBETRAIN_CACHE"] = str(cache_home())  # would build models there, into the judged copy)
+        return kept | (extra or {})
 
     @contextmanager
     def private_home(self) -> Iterator[dict[str, str]]:

@@ -301,8 +301,11 @@ PLANTS = {
     "imports unittest, an introspection escape hatch": (
         "from unittest import mock\nmock.patch('time.monotonic', lambda: 0.0).start()\n"
     ),
-    "uses .get_field, an introspection escape hatch": (
+    "uses .Formatter, an introspection escape hatch": (
         "import json, string\nB = string.Formatter().get_field('0.__globals__', (json.dumps,), {})\n"
+    ),
+    "imports string.Formatter, an introspection escape hatch": (
+        "from string import Formatter\nB = Formatter().get_field('0.__globals__', (print,), {})\n"
     ),
     "uses .get_stack, an introspection escape hatch": "import asyncio\nF = asyncio.current_task().get_stack()\n",
     "imports harness internals (getattr on the package)": "import targets.api\nH = getattr(targets, 'harness')\n",

@@ -46,8 +46,8 @@ ESCAPE_ATTRIBUTES = {
     *("FunctionType", "CodeType", "meta_path", "path_hooks", "path_importer_cache", "sys", "__path__"),
     *("_bootstrap", "_bootstrap_external", "ForkingPickler", "read_pickle"),
     *("__getstate__", "__reduce__", "__reduce_ex__"),  # an object's state as a mapping, its slots included
-    # a module by a string (pkgutil), an attribute path in a string (string.Formatter), a task's frames
-    *("resolve_name", "get_field", "get_stack"),
+    # a module by a string (pkgutil), an attribute path in a string (string.Formatter's get_field), a task's frames
+    *("resolve_name", "Formatter", "get_stack"),
 }
 # an escape's name as a string, for a getattr or a subscript of globals() (``"__sub" + "classes__"`` too)
 ESCAPE_STRINGS = {a for a in ESCAPE_ATTRIBUTES if a.startswith(("__", "f_"))} | {"__import__"}
@@ -182,6 +182,11 @@ def _node_reasons(node: ast.AST, file: FileNames) -> list[str]:
         if node.module == "sys" and any(alias.name == "modules" for alias in node.names):
             reasons.append("imports sys.modules, an introspection escape hatch")
         modules += [f"{node.module}.sys" for a in node.names if a.name == "sys" and node.module != "sys"]  # os's
+        reasons += [  # an escape by its name as imported (``from string import Formatter``), not as an attribute
+            f"imports {node.module}.{a.name}, an introspection escape hatch"
+            for a in node.names
+            if a.name in ESCAPE_ATTRIBUTES - {"sys", "modules"}
+        ]
     elif isinstance(node, ast.Call) and _imports_by_call(node, bound):
         name = _folded(node.args[0]) if node.args else None
         if _relative(node):

@@ -41,9 +41,10 @@ class ActionWords(Sequence[str]):
 if TYPE_CHECKING:
     from targets.spec import WorkloadSpec
 
-# what a text is padded with: the context filler, digits and letters (no word an environment's text starts
-# with, no end or action mark)
+# the words drawn into a text's padding: the context filler, digits and letters (no word an environment's
+# text starts with, no end or action mark); the last DRAWN_FILLER words of the padding are drawn
 FILLER_IDS = [VOCAB.ids[word] for word in (CTX, *DIGITS, *LETTERS)]
+DRAWN_FILLER = 8
 
 
 class NoParams(BaseModel):
@@ -325,14 +326,18 @@ class Episode:
         return seconds, failures
 
     def _padded(self, text: str, length: int, filler: random.Random) -> TokenIds | TokenCount:
-        """Left-padded to the workload's token budget (never truncated) with words drawn from ``filler``.
-        A constant filler left a handful of openings (4 on tiny-qwen3-cpu, 64 on the 0.6B target), which a
-        cluster could sample under version 0 while it started up, untimed, and answer from stock (a red team's
-        did, and passed the check); drawn, there are 37^9 (10^14) for 9 words of padding."""
+        """Left-padded to the workload's token budget (never truncated): context filler, then the last
+        ``DRAWN_FILLER`` words before the text drawn from ``filler``. A constant filler left a handful of
+        openings (4 on tiny-qwen3-cpu, 64 on the 0.6B target), which a cluster could sample under version 0
+        while it started up, untimed, and answer from stock (a red team's did, and passed the check): drawn,
+        there are 37^8 (3.5 x 10^12) for each. The constant part stays a prefix every task shares, as a
+        system prompt is in a real workload (an engine's prefix cache reuses it across groups)."""
         if self.counts:
             return TokenCount(max(length, len(text.split())))
         tokens = VOCAB.encode(text)
-        return filler.choices(FILLER_IDS, k=max(0, length - len(tokens))) + tokens
+        pad = max(0, length - len(tokens))
+        drawn = min(pad, DRAWN_FILLER)
+        return [VOCAB.ids[CTX]] * (pad - drawn) + filler.choices(FILLER_IDS, k=drawn) + tokens
 
 
 async def close_environments(episodes: Iterable[Episode]) -> list[UserError]:

@@ -45,6 +45,7 @@ log = logging.getLogger("vibetrain.judge")
 DIFF_LIMIT = 40_000  # characters of diff in the prompt; past it, whole files' diffs are left out
 DETAILS_LIMIT = 800  # characters of one check's details in the prompt
 ACCOUNT_LIMIT = 4_000  # characters of the implementer's account in the prompt
+ACCOUNT_END = "</implementer-account>"  # the fence around it (judge.j2): its words are its claims, not the prompt's
 RECORDS = workspace_git.RECORD_DIR  # the run's bookkeeping in each commit (judge report, round record): not the change
 
 
@@ -202,6 +203,11 @@ class LLMJudge:
         account = (context.account if context is not None else "") or "(the implementer gave no account)"
         if len(account) > ACCOUNT_LIMIT:  # the implementer sizes it: it must not crowd out the diff
             account = f"{account[:ACCOUNT_LIMIT]} ... (cut: the account is {len(account)} characters)"
+        account = account.replace(ACCOUNT_END, "[account end]")  # it cannot close its fence and go on as the prompt
+        # a file name may hold a line break (and a fake heading after it): such a one as a Python literal
+        listed = ["(the workspace is not a git work tree)"]
+        if ignored is not None:
+            listed = [name if name.isprintable() else repr(name) for name in first_of(ignored)]
         return PROMPTS.get_template("judge.j2").render(
             task=task or Task(id="unknown", title="(not given)", rationale=""),
             account=account,
@@ -209,7 +215,7 @@ class LLMJudge:
             metrics=metric_lines(verdict.run, context, self.spec),
             simulated=context.simulated if context is not None else False,
             hacks=HACKS,
-            ignored=first_of(ignored) if ignored is not None else ["(the workspace is not a git work tree)"],
+            ignored=listed,
             diff=diff,
             diff_note=note,
             file_access=self.file_access,

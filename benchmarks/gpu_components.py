@@ -143,15 +143,13 @@ def main(
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)  # no stop tokens: exactly new_tokens each
 
     console.print(f"[bold]{target}[/bold] on {device} ({device_name}); roofline and MFU: {figures_of}")
-    engine = PagedEngine(
-        path,
-        dtype,
-        device=device,
-        kv_tokens=batch * (prompt_tokens + new_tokens) * 2,
-        max_batch=batch,
-        attention=attention,
-        fused_kernels=None if fused_kernels else False,  # None: where the attention kernel is a GPU one
-    )
+
+    def paged_engine(fused: bool | None) -> PagedEngine:
+        kv_tokens = batch * (prompt_tokens + new_tokens) * 2
+        options = {"max_batch": batch, "attention": attention, "fused_kernels": fused}
+        return PagedEngine(path, dtype, device=device, kv_tokens=kv_tokens, **options)
+
+    engine = paged_engine(None if fused_kernels else False)  # None: where the attention kernel is a GPU one
     parameters = sum(
         t.numel()
         for name, t in engine.weights.items()
@@ -295,15 +293,7 @@ def main(
     unfused_times: list[float] = []
     if engine.fused_kernels:  # the same decode in torch ops, measured beside: what the fused kernels bought
         console.log("the same engine with the torch ops (fused_kernels=False)")
-        unfused = PagedEngine(
-            path,
-            dtype,
-            device=device,
-            kv_tokens=batch * (prompt_tokens + new_tokens) * 2,
-            max_batch=batch,
-            attention=attention,
-            fused_kernels=False,
-        )
+        unfused = paged_engine(False)
         unfused_times = _timed(lambda: unfused.generate(prompts, greedy), repeat, device)
         record(decode_unfused_run_s=unfused_times)
         unfused = None

@@ -729,3 +729,15 @@ def test_a_stack_written_before_the_temperature_moved_still_reads_it_from_its_wo
     catalog_yaml["workload"]["training"] = {**catalog_yaml["workload"].get("training", {}), "temperature": 0.7}
     workload = workload_view(parse_target(catalog_yaml))
     assert workload.temperature == workload.training.temperature == 0.7
+
+
+def test_sizes_past_any_real_job_are_named_before_anything_runs(catalog_yaml):
+    """A slipped exponent passed validation: hardware.count 1e30 ran a bench silently for minutes, vocab_size
+    1e12 failed a reference build with an allocation traceback, num_hidden_layers 1e9 hung it."""
+    catalog_yaml["hardware"]["count"] = 10**30
+    catalog_yaml["model"]["config"]["vocab_size"] = 10**12
+    catalog_yaml["model"]["config"]["num_hidden_layers"] = 10**9
+    catalog_yaml["workload"]["batch_size"] = 4 * 10**12
+    message = _error(catalog_yaml)
+    for field in ("hardware.count", "model.config.vocab_size", "model.config.num_hidden_layers", "workload.batch_size"):
+        assert f"field `{field}`: Input should be less than or equal to" in message, message

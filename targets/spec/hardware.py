@@ -24,7 +24,7 @@ class HardwareSpec(Strict):
     """One pool: a device kind from ``targets.hardware`` plus any per-spec overrides of its numbers."""
 
     kind: str
-    count: int = Field(gt=0)
+    count: int = Field(gt=0, le=1_000_000)  # past any cluster: 1e30 ran a bench silently for minutes
     memory_gb: float = Field(gt=0)
     bf16_tflops: float = Field(gt=0)
     hbm_bandwidth_gbs: float = Field(gt=0)

@@ -23,10 +23,11 @@ MODEL_FILES = {  # what a model directory holds (each by any of its names), and 
 class ModelConfig(Strict):
     """The HF-style config fields vibetrain uses (Qwen3 dense and MoE)."""
 
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
+    # the ceilings are past any real model: 1e12 (a slipped exponent) failed a reference build with a traceback
+    vocab_size: int = Field(gt=0, le=10_000_000)
+    hidden_size: int = Field(gt=0, le=1_000_000)
+    intermediate_size: int = Field(gt=0, le=10_000_000)
+    num_hidden_layers: int = Field(gt=0, le=10_000)
     num_attention_heads: int = Field(gt=0)
     num_key_value_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)

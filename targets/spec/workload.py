@@ -179,13 +179,13 @@ class WorkloadSpec(Strict):
         default=None, description="an LLM judge scores each finished trajectory before its reward is known"
     )
     trajectory_timeout_s: float = Field(gt=0)
-    batch_size: int = Field(gt=0, description="trajectories per training step")
-    group_size: int = Field(ge=2, description="trajectories per GRPO group (same task)")
+    batch_size: int = Field(gt=0, le=10_000_000, description="trajectories per training step")
+    group_size: int = Field(ge=2, le=1_000_000, description="trajectories per GRPO group (same task)")
     async_ratio: int = Field(ge=0, description="max weight versions a sample may lag behind")
     max_async_ratio: int | None = Field(
         default=None, ge=0, description="the largest async_ratio a stack may choose for itself (default: async_ratio)"
     )
-    train_steps: int = Field(gt=0, description="training steps a benchmark run measures")
+    train_steps: int = Field(gt=0, le=1_000_000, description="training steps a benchmark run measures")
     training: TrainingSpec = TrainingSpec()
 
     profile: str | None = Field(default=None, exclude=True, description="the workload profile its keys came from")

@@ -189,6 +189,10 @@ def test_a_run_with_no_validated_candidate_says_so_for_best(tmp_path):
     result = runner.invoke(app, ["export", f"{run}@best", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "has no validated candidate yet" in said and "Traceback" not in said, said
+    # and `log`, which export's message points to, printed a table's header alone (round 0 cut short)
+    logged = " ".join(runner.invoke(app, ["log", str(run)], env={"COLUMNS": "200"}).output.split())
+    assert "no round has finished yet; one cut short is redone by: vibetrain generate" in logged, logged
+    assert f"--resume --out {run}" in logged
 
 
 def test_a_candidate_reference_the_run_does_not_know_says_how_to_write_one(tmp_path):

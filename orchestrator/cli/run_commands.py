@@ -69,6 +69,9 @@ def log_rounds(run: Path = RUN_ARGUMENT, as_json: bool = JSON_OPTION) -> None:
         )
         return
     print_table(rounds_table(run, state))
+    if not state.rounds:  # a header alone read as a run with nothing wrong
+        resume = f"vibetrain generate {argument(state.config.target)} --resume --out {argument(run)}"
+        console.print(f"no round has finished yet; one cut short is redone by: {resume}", highlight=False)
     if generalization is not None:
         print_table(generalization_table(generalization))
     if rejected is not None:

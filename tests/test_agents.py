@@ -1631,6 +1631,8 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
     for folder in (own, other):
         (folder / "stack").mkdir(parents=True, exist_ok=True)
         (folder / "stack" / "secret.py").write_text("x = 1\n")
+    dotenv = PROJECT_ROOT / f".env.probe-{os.getpid()}"  # a red team's sandboxed command printed a .env's key
+    dotenv.write_text("OPENAI_API_KEY=sk-planted\n")
     probe = (
         "import os, pathlib, subprocess, sys\n"
         "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]\n"
@@ -1640,6 +1642,8 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
         "print('git', sorted(os.listdir(git)) if git.is_dir() else None)\n"
         f"print('workspaces', sorted(os.listdir('{PROJECT_ROOT / 'workspaces'}')))\n"
         f"print('own', pathlib.Path('{own / 'stack' / 'secret.py'}').exists())\n"
+        f"try:\n    print('dotenv', repr(pathlib.Path('{dotenv}').read_text()))\n"
+        "except PermissionError:\n    print('dotenv', 'refused')\n"
         "remount = subprocess.run(['mount', '-o', 'remount,bind,rw', sys.prefix], capture_output=True)\n"
         "print('remount', remount.returncode)\n"
     )
@@ -1651,8 +1655,10 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
     finally:
         shutil.rmtree(own)
         shutil.rmtree(other)
+        dotenv.unlink()
     assert result.returncode == 0, result.stderr
     said = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert said["dotenv"] == "refused" and "sk-planted" not in result.stdout, result.stdout  # /dev/null over it
     assert said["caps"] == "0" and said["remount"] != "0", result.stdout
     assert said["home"] == "False" and said["git"] in ("[]", "None"), result.stdout
     # its own stack, inside the checkout's worktrees, is there; another round's is not

@@ -144,6 +144,15 @@ def python_paths() -> list[Path]:
 # The checkout's folders a candidate must not see, hidden under an empty tmpfs wherever the checkout is
 # mounted: other rounds' worktrees, the runs' repositories (their results and history), its own git.
 HIDDEN_IN_CHECKOUT = ("workspaces", "generated", ".git")
+# Files in the checkout's root a candidate must not read: secrets kept beside the code (an API key's .env),
+# masked by an empty file wherever the checkout is mounted (a red team's sandboxed command printed one)
+SECRET_FILES = (".env", ".env.*", ".envrc", ".netrc", "*.pem", "*.key")
+
+
+def secret_files(root: Path) -> list[Path]:
+    """The files in ``root`` (not below it) named like secrets (``SECRET_FILES``)."""
+    found = {path for pattern in SECRET_FILES for path in root.glob(pattern)}
+    return sorted(path for path in found if path.is_file() and not path.is_symlink())
 
 
 def outermost(paths: Sequence[Path]) -> list[Path]:
@@ -305,6 +314,8 @@ class Sandbox:
             )
             for path, how in mounts:
                 wrapped += [how, str(path)] if how == "--tmpfs" else [how, str(path), str(path)]
+            for secret in secret_files(root) if shown else []:  # after the checkout's bind, over it
+                wrapped += ["--ro-bind", "/dev/null", str(secret)]
             wrapped += ["--remount-ro", "/"]  # everything not bound writable is read-only (the root's own tmpfs too)
             wrapped += ["--remount-ro", "/dev"]  # its own tmpfs, of no size limit: writes go to /dev/shm or /tmp
             for key, value in variables.items():

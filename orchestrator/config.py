@@ -159,6 +159,7 @@ class RunConfig(BaseModel):
         # a field given as None is one left unset (a --print-config file of defaults): the run's stands (no
         # option takes None on the command line, so a file cannot clear a limit the run was given either)
         overrides = {k: v for k, v in overrides.items() if v is not None}
+        RunConfig.parse({**stored, **overrides})  # a value no run takes is said so first, not as a change
         for name, value in overrides.items():
             if name in self.resumable_fields() or value == stored.get(name):
                 continue

@@ -842,6 +842,10 @@ def test_options_fixed_when_the_run_started_are_refused_on_resume_by_name(tmp_pa
     assert result.exit_code == 2 and "cannot change" in said, said
     assert "--policy evolve (this run's: backlog)" in said and "--seed 7 (this run's: 0)" in said
     assert "--rounds" not in said  # a resumed run may be given more rounds
+    # a value no run takes was called a change ("cannot change: --policy evolv")
+    result = runner.invoke(app, [*args, "--policy", "evolv"], env=ENV)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "unknown policy 'evolv' (did you mean 'evolve'?)" in said, said
 
 
 def test_a_workspace_left_by_a_deleted_run_is_replaced_and_a_live_runs_is_refused(tmp_path):
@@ -1474,3 +1478,14 @@ def test_a_round_rebuilt_from_git_after_a_kill_keeps_its_time(tmp_path, fast_tar
     resumed = resume_run(tmp_path / "run", {}, lambda kind, **data: None, tmp_path / "ws")
     resumed.reconcile_with_git()
     assert resumed.state.record(0).seconds > 0
+
+
+def test_a_run_inside_another_runs_worktree_is_refused_before_anything_is_written(tmp_path):
+    """generate --out RUN/stack/new made a run inside another's worktree: an untracked folder there, which the
+    outer run's --resume then refused (clearly, but only then)."""
+    run = _empty_run(tmp_path)
+    inner = run / "stack" / "new-run"
+    result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--rounds", "0", "--out", str(inner)], env=ENV)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"inside the run {run}, whose worktree holds only its commits" in said, said
+    assert not inner.exists()

@@ -163,7 +163,7 @@ class CLITool:
         names = BASE_ENV + CHECK_ENV + self.KEYS + self.CONFIG
         kept = {k: os.environ[k] for k in names if k in os.environ}
         if "VIBETRAIN_CACHE" in kept:  # absolute: the CLI runs its checks in the workspace (a relative cache
-            kept["VIBETRAIN_CACHE"] = str(cache_home())  # would build models there, into the judged copy)
+            kept["VIBETRAIN_CACHE"] = str(cache_home(kept))  # would build models there, into the judged copy)
         return kept | (extra or {})
 
     @contextmanager

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from targets.errors import UserError
@@ -15,10 +16,11 @@ class CacheError(UserError, OSError):
     """``$VIBETRAIN_CACHE`` names no folder vibetrain can build its models in."""
 
 
-def cache_home() -> Path:
-    """The cache folder, absolute: a relative ``$VIBETRAIN_CACHE`` is taken from the working folder here,
-    once (a sandboxed candidate, whose working folder is another, is handed this path); an empty one is unset."""
-    given = os.environ.get(CACHE_ENV) or None
+def cache_home(environ: Mapping[str, str] = os.environ) -> Path:
+    """The cache folder ``environ`` names, absolute: a relative ``$VIBETRAIN_CACHE`` is taken from the working
+    folder here, once (a sandboxed candidate or a CLI agent's check, run in another folder, is handed this
+    path); an empty one is unset."""
+    given = environ.get(CACHE_ENV) or None
     return Path(os.path.abspath(given)) if given else Path.home() / ".cache" / "vibetrain"
 
 

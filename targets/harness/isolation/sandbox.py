@@ -80,8 +80,8 @@ class SandboxUnavailable(UserError, RuntimeError):
 def scrubbed_environment(env: dict[str, str]) -> dict[str, str]:
     """Only what a candidate needs; never anything that looks like a secret."""
     kept = {k: v for k, v in env.items() if k in SAFE_ENV and not SECRET.search(k)}
-    given = kept.get("VIBETRAIN_CACHE")  # absolute: the candidate runs in another folder (an empty one is unset)
-    kept["VIBETRAIN_CACHE"] = os.path.abspath(given) if given else str(cache_home())
+    # absolute (the candidate runs in another folder): the env's own, else this process's
+    kept["VIBETRAIN_CACHE"] = str(cache_home(kept if kept.get("VIBETRAIN_CACHE") else os.environ))
     return kept
 
 

@@ -591,3 +591,8 @@ def test_report_of_the_run_it_stands_in_is_written_beside_the_run_never_inside(t
     inside = runner.invoke(app, ["report", ".", "--out", "r.html"], env=NARROW)
     assert inside.exit_code == 2 and "--out r.html: inside the run" in inside.output, inside.output
     assert not (run / "r.html").exists() and not (run / f"{run.name}-report.html").exists()
+    # every command's output, not report's alone: check --json over a candidate's file in the run's worktree
+    before = (run / "DESIGN.md").read_bytes()
+    check = runner.invoke(app, ["check", "tiny-qwen3-cpu", "--simulate", "--json", "DESIGN.md"], env=NARROW)
+    assert check.exit_code == 2 and "--json DESIGN.md: inside the run" in check.output, check.output
+    assert (run / "DESIGN.md").read_bytes() == before

@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
+from orchestrator.run_dir import RunDir
 from orchestrator.tables import plain
 from targets.errors import UserError
 
@@ -161,10 +162,21 @@ def print_json(data) -> None:
 # -- input -------------------------------------------------------------------------------------------
 
 
+def refuse_inside_a_run(path: Path, option: str) -> None:
+    """An output inside a run's worktree (not its git folder, where a run keeps its own records) is refused:
+    an untracked file or folder there makes the run's ``--resume`` refuse it (a report written from inside
+    the run, a run made in another's ``stack/``, a check's JSON over a candidate's file)."""
+    resolved = path.resolve()
+    run = next((folder for folder in resolved.parents if RunDir(folder).state_file.is_file()), None)
+    if run is not None and not (resolved == run / ".git" or run / ".git" in resolved.parents):
+        raise UsageError(f"{option} {path}: inside the run {run}, whose worktree holds only its commits")
+
+
 def out_dir(path: Path, option: str = "--out") -> Path:
     """A directory this command may create or fill, checked before any work: a file there, or a folder
-    nothing can be made in, is refused by name. The check leaves nothing behind (``--resume`` reads
-    whether a run's directory exists)."""
+    nothing can be made in, is refused by name, and one inside a run (``refuse_inside_a_run``). The check
+    leaves nothing behind (``--resume`` reads whether a run's directory exists)."""
+    refuse_inside_a_run(path, option)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{option} {path}: a file is there; give a directory path")
     there = path
@@ -185,6 +197,7 @@ def out_file(path: Path | None, option: str, image: bool = False) -> Path | None
     a plot, whose format is its name's ending (one matplotlib cannot write failed after the benchmark)."""
     if path is None:
         return None
+    refuse_inside_a_run(path, option)
     if path.is_dir():
         raise UsageError(f"{option} {path}: a directory is there; give a file path")
     if image:

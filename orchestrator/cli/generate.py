@@ -251,9 +251,6 @@ def generate(
         values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
         sys.stdout.write(yaml.safe_dump(values, sort_keys=False))
         raise typer.Exit()
-    outer = next((f for f in Path(out).resolve().parents if RunDir(f).state_file.is_file()), None)
-    if outer is not None:  # an untracked folder in that run's worktree: its --resume would refuse it
-        raise UsageError(f"--out {out}: inside the run {outer}, whose worktree holds only its commits")
     out, workspaces = out_dir(out), out_dir(workspaces, "--workspaces")  # printing the config writes neither
     logging.basicConfig(
         level=logging.WARNING, handlers=[RichHandler(console=errors, show_path=False)], format="%(message)s"

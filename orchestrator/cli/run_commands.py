@@ -229,8 +229,6 @@ def report(
     where = run.resolve().parent / name if out is None else Path(out)  # "." has no parent of its own
     if where.is_dir() or (out is not None and out.endswith("/")):  # Path("reports/") drops the slash that says so
         where = where / name
-    if run.resolve() in where.resolve().parents:  # an untracked file in the run's worktree: --resume refuses it
-        raise UsageError(f"--out {out}: inside the run {run}, whose worktree holds only its commits")
     if where.is_file() and where.suffix.lower() not in (".html", ".htm"):  # a shell script was replaced so
         raise UsageError(f"--out {out}: {where} is there and is no report (not .html); name another file")
     path = write_report(run, out_file(where, "--out"))

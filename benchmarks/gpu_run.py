@@ -281,7 +281,7 @@ def _end_session(process: subprocess.Popen, stop=signal.SIGTERM) -> None:
             continue
 
 
-def test_outcomes(out: Path, stage: str) -> dict[str, str]:
+def stage_outcomes(out: Path, stage: str) -> dict[str, str]:
     """What a pytest stage said of each test: its JUnit report, or where there is none (the stage killed in
     a CUDA call that never returned: pytest writes the report at its end), the lines it wrote as each test
     ended (``tests/conftest.py``)."""
@@ -331,7 +331,7 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
     passes in a process of its own (a failed kernel can poison the CUDA context of every test after
     it), so one broken kernel does not cost the session its check, calibration, figures and generated
     rounds. Recorded as the ``engine`` stage: a fallback is never silent."""
-    outcome = test_outcomes(stages.out, "gpu_tests").get(DEFAULT_ENGINE_TEST)
+    outcome = stage_outcomes(stages.out, "gpu_tests").get(DEFAULT_ENGINE_TEST)
     if outcome in ("passed", "skipped"):  # skipped: no GPU here (a rehearsal), nothing to fall back from
         stages._save("engine", {"status": "default", "options": {}})
         return {}
@@ -342,7 +342,7 @@ def engine_fallback(stages: Stages, tests: list[str], env: dict) -> dict:
     said = "failed" if outcome else "gave no outcome (the GPU tests were cut short or crashed before it ended)"
     for stage, test, options in FALLBACKS:
         ran = pytest_stage(stages, stage, [*tests, "-k", test], env)
-        if ran and test_outcomes(stages.out, stage).get(test) == "passed":
+        if ran and stage_outcomes(stages.out, stage).get(test) == "passed":
             status = f"fallback: {DEFAULT_ENGINE_TEST} {said}, {test} passed"
             stages._save("engine", {"status": status, "options": options})
             return options

@@ -166,7 +166,7 @@ def test_a_pytest_stage_killed_in_a_call_that_never_returns_still_says_which_tes
     stages = gpu_run.Stages(tmp_path / "out", deadline_s=60)
     ran = gpu_run.pytest_stage(stages, "gpu_tests", command, {**os.environ, "PYTHONPATH": str(ROOT)})
     assert not ran and not (stages.out / "gpu_tests.xml").exists()
-    assert gpu_run.test_outcomes(stages.out, "gpu_tests") == {"test_quick": "passed"}
+    assert gpu_run.stage_outcomes(stages.out, "gpu_tests") == {"test_quick": "passed"}
 
 
 def test_generate_resumes_the_run_an_earlier_call_left_and_starts_again_one_cut_before_its_state(tmp_path):

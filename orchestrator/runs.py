@@ -148,6 +148,27 @@ def _check_priced(llm: LLMConfig, max_cost: float | None) -> None:
         )
 
 
+def check_config(
+    target: str, config: RunConfig, simulate: bool = False, starter_params_from: str = "--starter-param"
+) -> Target:
+    """What a run refuses in its settings on any machine (``--print-config`` writes no file a run would
+    refuse): the target, the starter and its params, LLM options without an LLM, a cost cap without a
+    price. The target, loaded."""
+    try:
+        resolved = Target.load(target, simulate=simulate)
+    except (SpecError, TargetUnavailable) as error:
+        raise RunSetupError(str(error)) from None
+    if (why := unfit(resolved.spec, config.starter)) is not None:
+        raise RunSetupError(f"--starter {config.starter}: {why}")
+    try:  # round 0 writes them; refused now, by name, rather than as a rejected starter
+        with_params(resolved.spec, config.starter, config.starter_params, starter_params_from, resolved.engine_devices)
+    except ValueError as error:
+        raise RunSetupError(str(error)) from None
+    _refuse_llm_options_offline(config.agents, config.llm_options_given())
+    _check_cost_counted(config.agents, config.llm, config.max_cost)
+    return resolved
+
+
 def start_run(
     target: str,
     run_dir: Path,
@@ -161,16 +182,8 @@ def start_run(
     runs it on the cluster simulator whatever the target's execution says. The twin pre-screen
     applies to a real target only (a simulated one's measurement is the simulation).
     ``starter_params_from``: how the starter's params were given, which an error in them names."""
-    try:
-        resolved = Target.load(target, simulate=simulate)
-    except (SpecError, TargetUnavailable) as error:
-        raise RunSetupError(str(error)) from None
-    if (why := unfit(resolved.spec, config.starter)) is not None:
-        raise RunSetupError(f"--starter {config.starter}: {why}")
-    try:  # round 0 writes them; refused now, by name, rather than as a rejected starter
-        with_params(resolved.spec, config.starter, config.starter_params, starter_params_from, resolved.engine_devices)
-    except ValueError as error:
-        raise RunSetupError(str(error)) from None
+    resolved = check_config(target, config, simulate, starter_params_from)
+    _check_backend(config.agents, config.llm, config.max_cost)  # what this machine has: a key, a CLI
     check_environment(resolved.spec.workload.environment)  # one that cannot be made: said before any folder
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -188,8 +201,6 @@ def start_run(
             "prescreen": config.prescreen and not resolved.simulated,
         }
     )
-    _refuse_llm_options_offline(config.agents, config.llm_options_given())
-    _check_backend(config.agents, config.llm, config.max_cost)
     about = f"policy {config.policy}, agents {config.agents}, seed {config.seed}"
     made = run_dir  # the outermost folder this run makes (generated/ too on a first run); None: the user's
     while not made.parent.exists():

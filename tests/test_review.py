@@ -168,6 +168,15 @@ def test_print_config_round_trips_through_config(tmp_path):
     # a file --config would refuse is not printed (it was, and refused only when it was used)
     result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", "--max-minutes", "0", "--print-config"], env=NARROW)
     assert result.exit_code == 2 and "--max-minutes 0.0: Input should be greater than 0" in result.output
+    # nor one the run refuses at its start: a starter's unknown param, LLM options with the offline agents,
+    # a cost cap on a model with no price (each was printed, and refused when the file was used)
+    for args, said in (
+        (["--starter-param", "foo=1"], "--starter-param: foo is no parameter"),
+        (["--model", "gpt"], "--model given with the offline agents"),
+        (["--agents", "openai", "--model", "gpt-x", "--max-cost", "5"], "no price known for model 'gpt-x'"),
+    ):
+        result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", *args, "--print-config"], env=NARROW)
+        assert result.exit_code == 2 and said in " ".join(result.output.split()), (args, result.output)
 
 
 def test_print_config_of_a_run_reproduces_its_stored_configuration(tmp_path):

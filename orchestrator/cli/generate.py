@@ -31,7 +31,7 @@ from orchestrator.cli.app import (
 )
 from orchestrator.config import ConfigError, LLMConfig, RunConfig, unknown
 from orchestrator.run_dir import RunDir
-from orchestrator.runs import WORKSPACES, resume_run, start_run
+from orchestrator.runs import WORKSPACES, check_config, resume_run, start_run
 from orchestrator.state import RunState
 from orchestrator.tables import RoundsView, best_generalization, best_over_starter, generalization_table, num
 from skills.starter import CONTROLLERS, format_param, parse_params
@@ -243,11 +243,12 @@ def generate(
         values = {p.name: ctx.params[p.name] for p in ctx.command.params if p.name not in RUN_FILE_SKIP}
         if resume:  # what the run state stores wins: the file reproduces that run
             values.update(options_of(RunState.load(out).config, out))
-        else:  # a file --config would refuse is not written: the values are checked as a run checks them
+        else:  # a file --config would refuse on any machine is not written (paths and keys are this one's)
             try:
-                RunConfig.parse(config_of(ctx.params, from_file), from_file)
+                run_config = RunConfig.parse(config_of(ctx.params, from_file), from_file)
             except ConfigError as error:
                 raise UsageError(str(error)) from None
+            check_config(target, run_config, simulate, from_file.get("starter_param", "--starter-param"))
         values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
         sys.stdout.write(yaml.safe_dump(values, sort_keys=False))
         raise typer.Exit()

@@ -321,7 +321,7 @@ def test_bytecode_caches_are_removed_once_when_runs_of_one_candidate_start_toget
 def test_a_cache_inside_a_package_named_like_one_is_removed_and_its_files_are_digested(tmp_path):
     """``__pycache__evil`` is an importable package: a planted cache inside it (or inside a folder named
     like the removal's trash) goes like any other, and a change to its files changes the digest."""
-    from targets.harness.measure.session import directory_digest
+    from targets.harness.isolation.stack_digest import directory_digest
 
     for package in ("__pycache__evil", "__pycache__.removing.1.2"):
         (tmp_path / "stack" / package / "__pycache__").mkdir(parents=True)

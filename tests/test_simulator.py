@@ -825,6 +825,13 @@ BAD_TRACES = {
         + _trace_line("run_end", 1.0),
         "a simulated run",
     ),
+    # a trace of another stack's run: a fit to it predicts this stack with that one's errors (it said nothing)
+    "another stack": (
+        _trace_line("run_start", 0.0, devices=["cpu:0", "cpu:1"], steps=1, tokens_recorded=True, stack="0" * 64)
+        + _trace_line("train", 0.5)
+        + _trace_line("run_end", 1.0),
+        "a run of another stack than",
+    ),
     "other hardware": (
         _trace_line("run_start", 0.0, devices=["h100:0"], steps=1, tokens_recorded=True) + _trace_line("run_end", 1.0),
         "not tiny-qwen3-cpu's ['cpu:0', 'cpu:1']",
@@ -1394,6 +1401,7 @@ def test_one_controller_module_on_the_real_cluster_and_the_simulator(tmp_path, f
     )
     assert refit.exit_code == 0, refit.output
     assert f"{error:+.1%}" in refit.output, refit.output
+    assert "does not say which stack" not in refit.output  # the trace names the stack that ran it: this one
 
 
 def test_a_simulated_run_s_controller_builds_its_stack_without_torch(tmp_path):

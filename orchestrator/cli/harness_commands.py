@@ -507,9 +507,6 @@ def calibrate(
         )
     stack = candidate_dir(stack)
     out = out_file(out, "--out")  # before the run: a typo never costs it
-    if trace is not None and not trace.is_file():
-        what = "a directory, not a file" if trace.is_dir() else "no such file"
-        raise UsageError(f"--trace {trace}: {what} (the trace.jsonl of a recorded real run)")
     work = scratch_folder("vibetrain-calibrate-")  # removed at exit unless it holds the spec printed
     doing = (
         f"fitting to {trace}, then simulating {stack}"
@@ -521,7 +518,9 @@ def calibrate(
             if trace is None:
                 report = measure_and_predict(fitting, stack, work, steps)
             else:
-                events, recorded_steps = recorded_run(trace, fitting.target)
+                events, recorded_steps, note = recorded_run(trace, fitting.target, stack)
+                if note is not None:
+                    console.print(f"note: {shown(note)}", highlight=False)
                 report = fit_and_predict(fitting, stack, work, events, steps or recorded_steps)
         except UserError:
             raise  # the trace given is no finished real run of the target: said as the user's mistake

@@ -35,6 +35,7 @@ from targets.harness.ipc.wire import (
 from targets.harness.isolation.controller_link import ControllerLink
 from targets.harness.isolation.processes import CandidateProcesses, channel_of
 from targets.harness.isolation.serving_gate import ServingGate
+from targets.harness.isolation.stack_digest import directory_digest
 from targets.harness.isolation.traced_cluster import TracedCluster
 from targets.harness.reward_model.service import RewardModelService
 from targets.harness.sim.cluster import SimCluster
@@ -118,6 +119,7 @@ async def drive_real(
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],
+            stack=directory_digest(processes.stack_dir / "stack"),  # calibrate --trace checks it fits that stack
             rollout=rollout,
             steps=steps,
             stop_token_ids=list(runtime.stop_token_ids),
@@ -207,6 +209,7 @@ def drive_simulated(
         trace.record(
             "run_start",
             devices=[d.id for d in runtime.devices],
+            stack=directory_digest(processes.stack_dir / "stack"),  # calibrate --trace checks it fits that stack
             rollout=rollout_ids,
             steps=steps,
             stop_token_ids=list(runtime.stop_token_ids),

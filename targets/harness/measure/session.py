@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import secrets
@@ -29,6 +28,7 @@ from targets.api import TraceEvent
 from targets.errors import UserError
 from targets.harness.isolation.launch import HarnessRun, Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
+from targets.harness.isolation.stack_digest import TRASH, directory_digest
 from targets.harness.judge import integrity as integrity_scan
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.integrity import compile_harness, harness_changes, harness_digest, scan_stack
@@ -54,25 +54,6 @@ def look_confidence(pairs: int, first: int, last: int) -> float:
     if pairs >= last:
         return 1 - ALPHA * (1 - EARLY_SHARE)
     return 1 - ALPHA * EARLY_SHARE / (last - first)
-
-
-TRASH = "__pycache__.removing."
-
-
-def _is_cache(name: str) -> bool:
-    """A bytecode cache, or one being removed; ``__pycache__x`` is a package like any other."""
-    return name == "__pycache__" or name.startswith(TRASH)
-
-
-def directory_digest(directory: Path) -> str:
-    """sha256 over every file's path and bytes under ``directory`` (caches excluded)."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(directory).rglob("*")):
-        relative = path.relative_to(directory)
-        cache = any(_is_cache(part) for part in relative.parts)  # see remove_bytecode_caches
-        if path.is_file() and not cache and ".vibetrain" not in path.name:
-            digest.update(str(relative).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
 
 
 def remove_bytecode_caches(stack_dir: Path) -> list[str]:

@@ -53,6 +53,7 @@ import yaml
 
 from targets.api import EngineSettings, TraceEvent
 from targets.errors import UserError
+from targets.harness.isolation.stack_digest import directory_digest
 from targets.harness.sim.cost_model import ClusterCosts, CostModel
 from targets.harness.sim.profile_fit import (
     ProfileError,
@@ -475,11 +476,16 @@ class TraceRefused(UserError, RuntimeError):
     """A trace given to fit that is not a finished real run of the target (a user's mistake: named)."""
 
 
-def recorded_run(trace_path: Path, target: Target) -> tuple[list[TraceEvent], int]:
+def recorded_run(trace_path: Path, target: Target, stack_dir: Path) -> tuple[list[TraceEvent], int, str | None]:
     """The events and step count of a real run recorded elsewhere (a GPU machine's ``trace.jsonl``),
-    refused with the reason if it is not a finished run of ``target``'s hardware."""
+    refused with the reason if it is not a finished run of ``target``'s hardware by the stack in
+    ``stack_dir`` (a fit to another stack's run predicts this one's with that stack's errors, and nothing
+    else would say so). The third value: a note where the trace cannot say which stack ran it."""
     from targets.harness.trace import Trace
 
+    if not trace_path.is_file():
+        what = "a directory, not a file" if trace_path.is_dir() else "no such file"
+        raise TraceRefused(f"--trace {trace_path}: {what} (the trace.jsonl of a recorded real run)")
     try:
         events = Trace.load_events(trace_path)
     except (OSError, ValueError, TypeError) as error:  # missing, not JSON lines, not trace events
@@ -494,6 +500,14 @@ def recorded_run(trace_path: Path, target: Target) -> tuple[list[TraceEvent], in
         )
     if not starts[0].data.get("tokens_recorded", True):
         raise TraceRefused(f"--trace {trace_path}: a simulated run (it recorded no tokens); calibration fits real ones")
+    recorded, note = starts[0].data.get("stack"), None
+    if recorded is None:  # a trace from before run_start named its stack
+        note = f"--trace {trace_path} does not say which stack ran it: its fit is taken as {stack_dir}'s"
+    elif recorded != directory_digest(stack_dir / "stack"):
+        raise TraceRefused(
+            f"--trace {trace_path}: a run of another stack than {stack_dir} (its stack/ differs from the one "
+            "that run recorded): give --stack the candidate that ran it"
+        )
     trained, planned = sum(1 for e in events if e.kind == "train"), starts[0].data.get("steps")
     if planned is not None and (not isinstance(planned, int) or isinstance(planned, bool)):
         raise TraceRefused(f"--trace {trace_path}: its run_start's steps is {planned!r}, not a number of steps")
@@ -501,7 +515,7 @@ def recorded_run(trace_path: Path, target: Target) -> tuple[list[TraceEvent], in
         raise TraceRefused(
             f"--trace {trace_path}: the run trained {trained} of its {planned} steps: fit a finished run"
         )
-    return events, trained
+    return events, trained, note
 
 
 def fit_and_predict(

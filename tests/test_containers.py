@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,3 +205,30 @@ def test_a_container_gone_before_its_removal_is_no_failure(tmp_path, monkeypatch
     with pytest.raises(ContainerCleanupError, match="docker rm --force failed"):
         with owned_containers("docker"):
             pass
+
+
+def test_a_container_sees_the_checkout_as_bubblewrap_shows_it(tmp_path):
+    """Docker mounted the checkout whole: other rounds' worktrees, the runs' repositories, the checkout's git
+    and a ``.env`` in its root were all readable to a candidate there (bubblewrap hid them). The container's
+    mounts now hide the same folders under a tmpfs, give back what the candidate is given inside them, and
+    cover each secret file with /dev/null. The mounts as the daemon is asked for them (no daemon here)."""
+    from targets.harness.isolation.sandbox import HIDDEN_IN_CHECKOUT, PROJECT_ROOT
+
+    root = PROJECT_ROOT.resolve()
+    own = root / "workspaces" / f"probe-{os.getpid()}" / "stack"  # a round's own stack, inside a hidden folder
+    own.mkdir(parents=True)
+    dotenv = root / f".env.probe-{os.getpid()}"
+    dotenv.write_text("OPENAI_API_KEY=sk-planted\n")
+    try:
+        command, _ = Sandbox("docker", IMAGE).wrap(
+            ["python3", "-c", "pass"], dict(os.environ), readable=[own], writable=[tmp_path], owner="test"
+        )
+    finally:
+        dotenv.unlink()
+        shutil.rmtree(own.parent)
+    pairs = list(zip(command, command[1:]))
+    assert ("-v", f"{root}:{root}:ro") in pairs, command  # the checkout itself, read-only (python_paths)
+    hidden = [str(root / name) for name in HIDDEN_IN_CHECKOUT if (root / name).is_dir()]
+    assert hidden and all(("--tmpfs", path) in pairs for path in hidden), command
+    assert ("-v", f"{own}:{own}:ro") in pairs, command  # given back over the tmpfs
+    assert ("-v", f"/dev/null:{dotenv}:ro") in pairs, command

@@ -155,6 +155,25 @@ def secret_files(root: Path) -> list[Path]:
     return sorted(path for path in found if path.is_file() and not path.is_symlink())
 
 
+def checkout_masks(
+    readonly: Sequence[Path], readable: Sequence[Path], writable: Sequence[Path]
+) -> tuple[list[Path], list[Path], list[Path]]:
+    """Where the checkout is among the ``readonly`` mounts: its folders to hide under an empty tmpfs
+    (``HIDDEN_IN_CHECKOUT``), what the candidate is given inside them (its own stack in a round's worktree,
+    the sockets in the run's repository: ``outermost`` had folded them into the checkout's mount) to mount
+    again over that tmpfs, and its secret files to cover with /dev/null. Every backend mounts these."""
+    root = PROJECT_ROOT.resolve()
+    if not any(p == root or p in root.parents for p in readonly):
+        return [], [], []
+    hidden = [root / name for name in HIDDEN_IN_CHECKOUT if (root / name).is_dir()]
+    given = [
+        q
+        for q in outermost(readable)
+        if any(h in q.parents for h in hidden) and not any(q == w or w in q.parents for w in writable)
+    ]
+    return hidden, given, secret_files(root)
+
+
 def outermost(paths: Sequence[Path]) -> list[Path]:
     """The existing paths, resolved, with any path inside another one left out. /tmp and its
     ancestors never qualify (the sandbox's /tmp is its own; a cwd of /tmp on sys.path is no reason
@@ -295,17 +314,7 @@ class Sandbox:
             if gpus:
                 for node in gpu_device_nodes():
                     wrapped += ["--dev-bind", node, node]
-            root = PROJECT_ROOT.resolve()
-            shown = any(p == root or p in root.parents for p in readonly)
-            hidden = [root / name for name in HIDDEN_IN_CHECKOUT if shown and (root / name).is_dir()]
-            # what the candidate is given inside a hidden folder (its own stack in a round's worktree, the
-            # sockets in the run's repository) is bound again over the tmpfs; outermost() had folded it
-            # into the checkout's bind
-            given = [
-                q
-                for q in outermost(readable)
-                if any(h in q.parents for h in hidden) and not any(q == w or w in q.parents for w in writable)
-            ]
+            hidden, given, secrets = checkout_masks(readonly, readable, writable)
             mounts = sorted(  # the outer first: what is bound inside a hidden folder comes after its tmpfs
                 [(p, "--ro-bind") for p in [*readonly, *given]]
                 + [(p, "--bind") for p in writable]
@@ -314,7 +323,7 @@ class Sandbox:
             )
             for path, how in mounts:
                 wrapped += [how, str(path)] if how == "--tmpfs" else [how, str(path), str(path)]
-            for secret in secret_files(root) if shown else []:  # after the checkout's bind, over it
+            for secret in secrets:  # after the checkout's bind, over it
                 wrapped += ["--ro-bind", "/dev/null", str(secret)]
             wrapped += ["--remount-ro", "/"]  # everything not bound writable is read-only (the root's own tmpfs too)
             wrapped += ["--remount-ro", "/dev"]  # its own tmpfs, of no size limit: writes go to /dev/shm or /tmp
@@ -346,6 +355,13 @@ class Sandbox:
             wrapped += ["-v", f"{path}:{path}:ro"]
         for path in writable:
             wrapped += ["-v", f"{path}:{path}:rw"]
+        hidden, given, secrets = checkout_masks(readonly, readable, writable)  # the daemon mounts the outer first
+        for path in hidden:
+            wrapped += ["--tmpfs", str(path)]
+        for path in given:
+            wrapped += ["-v", f"{path}:{path}:ro"]
+        for secret in secrets:
+            wrapped += ["-v", f"/dev/null:{secret}:ro"]
         for key, value in variables.items():
             wrapped += ["-e", f"{key}={value}"]
         return wrapped + [self.docker_image] + command, {"PATH": os.environ.get("PATH", "")}

@@ -1180,6 +1180,39 @@ def test_calibration_pools_runs_and_says_which_constants_no_run_measured():
     assert pooled.unfitted == ["sync"]
 
 
+def test_one_stack_s_slow_mechanism_does_not_raise_the_pooled_twin_s_cost_for_the_others():
+    """A red team's stack (static split, validated, its trace pooled into the pre-screen's twin) called
+    shrink on no device twenty times, its cluster stalling each 5 s: the pooled fit's switch cost went from
+    0.02 s to 3.6 s, and the twin screened out every candidate that switches (a time-multiplexed one 28%
+    better for real was predicted 87% behind). A call naming no device moves no engine (the simulator
+    charges it nothing) and is not fitted; each run's mean counts once, and the least of them is the twin's."""
+    from targets.api import TraceEvent
+    from targets.harness.sim.calibrate import calibrate
+    from targets.harness.sim.cost_model import CostModel
+    from targets.spec import load_target
+
+    spec = load_target("tiny-qwen3-cpu")
+    modelled = CostModel.from_spec(spec).offload_s() - spec.simulator.switch_overhead_s
+    start, end = TraceEvent("run_start", 0.0), TraceEvent("run_end", 200.0)
+    honest = [start, TraceEvent("shrink", 1.2, {"start": 1.0, "devices": ["cpu:1"]}), end]
+    stalls = [TraceEvent("shrink", 5.0 + i, {"start": float(i), "devices": []}) for i in range(20)]
+    no_device = calibrate(spec, [[start, *stalls, end]])
+    assert "shrink" in no_device.unfitted and no_device.simulator.switch_overhead_s == spec.simulator.switch_overhead_s
+    pooled = calibrate(spec, [honest, [start, *stalls, end]])
+    assert pooled.simulator.switch_overhead_s == pytest.approx(max(0.0, 0.2 - modelled))
+    slow = [
+        start,
+        *(TraceEvent("shrink", 10.0 * i + 5, {"start": 10.0 * i, "devices": ["cpu:1"]}) for i in range(5)),
+        end,
+    ]
+    pooled = calibrate(spec, [honest, slow])  # a real engine's shrink stalled: that stack's cost, not the twin's
+    assert pooled.simulator.switch_overhead_s == pytest.approx(max(0.0, 0.2 - modelled))
+    assert any("shrink/suspend: the least of 2 runs' means, 0.2 s (the most 5 s)" in note for note in pooled.notes)
+    sync = {"start": 10.0, "devices": [], "version": 1, "interrupt": False}
+    stalled_sync = [start, TraceEvent("sync", 15.0, sync), end]  # nor a sync of no device
+    assert "sync" in calibrate(spec, [stalled_sync]).unfitted
+
+
 def test_one_device_s_suspends_and_resumes_time_the_switch_and_the_sync():
     """Colocate on one device never shrinks or syncs apart: a suspend is an offload, and a resume is a
     reload plus the sync to the weights trained meanwhile (the simulator's order)."""

@@ -18,7 +18,7 @@ import git
 import pytest
 
 from agents import workspace_git
-from agents.llm.judge import change_of
+from agents.llm.diff_page import change_of
 from agents.offline.judge import OfflineJudge
 from agents.roles import Task
 from orchestrator.history import History, Trailers
@@ -201,7 +201,7 @@ def test_a_gitattributes_that_hides_the_change_from_the_review_is_refused(run, t
     verdict = OfflineJudge(session=None).judge(workspace, tmp_path / "judge")
     assert not verdict.passed and verdict.reasons[0].startswith("workspace_git: .gitattributes: a git control file")
     assert workspace_git.disarm(workspace) == ["removed .gitattributes"]
-    diff, _ = change_of(workspace)  # the review's diff, once the plant is undone
+    diff = change_of(workspace).diff  # the review's diff, once the plant is undone
     assert "+SKIP_TRAINING_WHEN_MEASURED = True" in diff
 
 

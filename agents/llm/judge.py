@@ -4,8 +4,8 @@ the model reviews the candidate for reward hacking and may only add a rejection.
 The review gets what a careful human reviewer would want on one page: the task and its acceptance
 criteria, the implementer's own account, the gate's checks with their details, the judged run's
 figures against the parent's and the noise rule, a checklist of RL reward hacks that says which ones
-the gate already rules out, the diff (whole up to ``DIFF_LIMIT``, else file by file with a note of
-what was left out) and the files git ignores. It reads more through read-only tools and answers
+the gate already rules out, the diff (``diff_page.py``: whole up to its limit, else file by file, folded
+or left out with a note) and the files git ignores. It reads more through read-only tools and answers
 with a ``Review`` through the tool loop's ``finish``.
 
 When the review cannot be had (the provider fails past its retries, a CLI fails), the round keeps its
@@ -27,9 +27,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from agents import workspace_git
 from agents.llm.agents import PROMPTS, OutputSchemaError, Review, answer
 from agents.llm.client import ChatClient
+from agents.llm.diff_page import Change, change_of
 from agents.llm.errors import BudgetSpent, LLMRefused, LLMUnusable
 from agents.llm.hacks import HACKS
 from agents.llm.loop import StuckError, run_loop
@@ -42,11 +42,9 @@ from targets.spec import TargetSpec
 
 log = logging.getLogger("vibetrain.judge")
 
-DIFF_LIMIT = 40_000  # characters of diff in the prompt; past it, whole files' diffs are left out
 DETAILS_LIMIT = 800  # characters of one check's details in the prompt
 ACCOUNT_LIMIT = 4_000  # characters of the implementer's account in the prompt
 ACCOUNT_END = "</implementer-account>"  # the fence around it (judge.j2): its words are its claims, not the prompt's
-RECORDS = workspace_git.RECORD_DIR  # the run's bookkeeping in each commit (judge report, round record): not the change
 
 
 def check_lines(checks: list[CheckResult]) -> list[str]:
@@ -102,33 +100,6 @@ def metric_lines(run, context: RoundContext | None, spec: TargetSpec | None) -> 
     return lines
 
 
-def change_of(workspace: Path, limit: int = DIFF_LIMIT) -> tuple[str, str]:
-    """The candidate's diff against its parent commit (the run's bookkeeping aside) and a note that
-    says what was left out: whole if it fits in ``limit`` characters, else whole files' diffs while
-    they fit, and a list of the others with their line counts."""
-    workspace_git.run(workspace, "add", "-A")  # new files too (what the commit will hold); ignored ones apart
-    base = ["diff", "--no-ext-diff", "--no-textconv", "--cached", "--no-renames", "HEAD"]
-    full = workspace_git.output(workspace, *base, "--", ".", f":(exclude){RECORDS}")
-    if len(full) <= limit:
-        return full or "(no change)", ""
-    shown, left_out, used = [], [], 0
-    for row in workspace_git.output(workspace, *base, "--numstat", "-z", "--", ".", f":(exclude){RECORDS}").split("\0"):
-        if not row:
-            continue
-        added, deleted, path = row.split("\t", 2)
-        text = workspace_git.output(workspace, *base, "--", f":(literal){path}")
-        if used + len(text) <= limit:
-            shown.append(text)
-            used += len(text)
-        else:
-            left_out.append(f"{path} (+{added} -{deleted} lines, {len(text)} characters of diff)")
-    note = (
-        f"The diff is {len(full)} characters, more than the {limit} this page holds, so the diffs of "
-        f"{len(left_out)} file(s) are left out below: " + "; ".join(first_of(left_out)) + ". "
-    )
-    return "\n".join(shown) or "(every file's diff was left out: see the note)", note
-
-
 def reviewed(verdict: Verdict, passed: bool, reasons: list[str]) -> Verdict:
     """The gate's passing verdict with the ``llm_review`` check added: still passing (the gate's run
     kept, the review's remarks in the check), or rejected for ``reasons``."""
@@ -160,8 +131,9 @@ class LLMJudge:
         verdict = self.gate.judge(workspace, out, task, seed, context)
         if not verdict.passed:
             return verdict
+        change = change_of(workspace)
         try:
-            review = self.review(workspace, task, verdict, context)
+            review = self.review(workspace, task, verdict, context, change)
         except LLMUnusable:
             raise  # a backend that refuses the run: the run stops, no outage to fall back from
         except BudgetSpent as error:  # crossed during this round: kept, for a person to review, but never
@@ -180,6 +152,13 @@ class LLMJudge:
         if review.verdict == "reject":
             reasons = list(review.reasons) or ["rejected without a reason"]
             return reviewed(verdict, False, reasons)
+        if change.unseen and not self.file_access:  # accepted unread: the review of what it saw, no more
+            cause = f"incomplete: the diffs of {', '.join(first_of(change.unseen))} were not on its page"
+            if self.review_required:
+                return reviewed(
+                    verdict, False, [f"{cause}; this run requires the review, so the candidate is rejected"]
+                )
+            return reviewed(verdict, True, [*review.reasons, f"{cause}; the deterministic gate decided for them"])
         return reviewed(verdict, True, review.reasons)
 
     def unavailable(self, verdict: Verdict, error: AgentError) -> Verdict:
@@ -191,13 +170,15 @@ class LLMJudge:
             return reviewed(verdict, False, reasons)
         return reviewed(verdict, True, [f"{cause}; the deterministic gate decided"])
 
-    def prompt(self, workspace: Path, task: Task | None, verdict: Verdict, context: RoundContext | None) -> str:
-        diff, note = change_of(workspace)
+    def prompt(
+        self, workspace: Path, task: Task | None, verdict: Verdict, context: RoundContext | None, change: Change
+    ) -> str:
+        note = change.note
         if note:
             note += (
                 "read_file shows each file as the candidate has it (the parent's version is not in the workspace)."
                 if self.file_access
-                else "You cannot read them here: say in your reasons if what is left out matters."
+                else "You cannot read the files here: a change you could not see is no reason to accept."
             )
         ignored = ignored_files(workspace)
         account = (context.account if context is not None else "") or "(the implementer gave no account)"
@@ -216,13 +197,15 @@ class LLMJudge:
             simulated=context.simulated if context is not None else False,
             hacks=HACKS,
             ignored=listed,
-            diff=diff,
+            diff=change.diff,
             diff_note=note,
             file_access=self.file_access,
         )
 
-    def review(self, workspace: Path, task: Task | None, verdict: Verdict, context: RoundContext | None) -> Review:
-        system = self.prompt(workspace, task, verdict, context)
+    def review(
+        self, workspace: Path, task: Task | None, verdict: Verdict, context: RoundContext | None, change: Change
+    ) -> Review:
+        system = self.prompt(workspace, task, verdict, context, change)
         if not self.file_access:
             return answer(self.client, system, [{"role": "user", "content": "Review the change."}], Review, "judge")
         result = run_loop(

@@ -2,7 +2,7 @@
 tensor: the figures the judge's update bounds are set against (``targets/harness/judge/update_error.py``).
 
     python benchmarks/bf16_update_error.py [--target tiny-qwen3-cpu] [--lr 1e-6] [--steps 2] [--coast NAME]
-        [--stretch NAME] [--block NAME] [--half NAME] [--moe EXPERTSxPER_TOKEN]
+        [--stretch NAME] [--block NAME] [--half NAME] [--drop K] [--moe EXPERTSxPER_TOKEN]
 
 The target's model in bfloat16; the honest trainer keeps float32 masters, computes the GRPO loss and its
 gradients in bfloat16, and steps AdamW on the masters; the reference steps in float32 from the same masters
@@ -18,7 +18,9 @@ that one projection onto the pull reads 0.6 (the trainer's own update there, str
 counting row by row catches. ``--block NAME``: from step 2 on, the matrices whose names contain NAME keep
 their coast on half their rows by half their columns: the evasion a matrix's bound catches and a vector's
 would not. ``--half NAME``: from step 2 on, the tensors whose names contain NAME get their gradient from
-the first half of the batch's trajectories alone. ``--moe 64x2``: the target's model made a Qwen3 MoE of 64
+the first half of the batch's trajectories alone. ``--drop K``: from step 2 on, every tensor's gradient
+leaves the batch's last K trajectories out (a trainer that skips some and claims all). ``--moe 64x2``:
+the target's model made a Qwen3 MoE of 64
 experts, 2 routed a token (each expert a quarter of the dense MLP's width); also printed, the least share
 of its own pull one expert carries alone, and that expert's share of its stack's pull: experts are judged
 as one stack, since bf16 routes some tokens to other experts than float32 does.
@@ -100,6 +102,7 @@ def main(
     stretch: str = "",
     block: str = "",
     half: str = "",
+    drop: int = 0,
     moe: str = "",
 ) -> None:
     data = yaml.safe_load((CATALOG_DIR / f"{target}.yaml").read_text())
@@ -128,7 +131,7 @@ def main(
         reference.load_state_dict(start)  # the reference's AdamW state carried along, as in the replay
         coasted = reference.coast()
         reference.train_step(batch)
-        honest.train_step(batch, coast if step >= 2 else "", half if step >= 2 else "")
+        honest.train_step(batch, coast if step >= 2 else "", half if step >= 2 else "", drop if step >= 2 else 0)
         got, want = honest.state_dict(), reference.state_dict()
         pulls = {k: want[k].double() - coasted[k].double() for k in want if want[k].dim() >= 2}
         for k in [k for k in pulls if pulls[k].dim() == 2] if step >= 2 else ():  # stacks of experts as they are

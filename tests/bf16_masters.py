@@ -26,13 +26,15 @@ class Bf16MasterTrainer:
             weight_decay=config.weight_decay,
         )
 
-    def train_step(self, batch: TrainBatch, coasting: str = "", halving: str = "") -> None:
+    def train_step(self, batch: TrainBatch, coasting: str = "", halving: str = "", dropping: int = 0) -> None:
         """One step; the tensors whose names contain ``coasting`` (if given) get zero gradients, so AdamW's
         momentum alone moves them (the evasion the judge's pull bound catches); those whose names contain
         ``halving`` get the gradient of the first half of the batch's trajectories alone (weight gradients
-        computed on half the rows, scaled to the whole)."""
+        computed on half the rows, scaled to the whole); ``dropping``: every tensor's gradient leaves the
+        batch's last trajectories out (a trainer that skips a few and says it trained on all)."""
         self.compute.load_state_dict({k: v.to(torch.bfloat16) for k, v in self.masters.state_dict().items()})
-        grads = self._gradients(batch.trajectories, batch.advantages)
+        kept = len(batch.trajectories) - dropping
+        grads = self._gradients(batch.trajectories[:kept], batch.advantages[:kept])
         half = len(batch.trajectories) // 2
         halved = self._gradients(batch.trajectories[:half], batch.advantages[:half]) if halving else {}
         for name, master in self.masters.named_parameters():

@@ -376,6 +376,49 @@ def test_weights_that_are_not_the_configs_model_are_refused_when_loaded(catalog_
     assert result.exit_code == 2 and "its weights are not the model its config.json describes" in result.output
 
 
+def test_a_directory_of_another_models_weights_is_named_when_the_spec_is_read(catalog_yaml, tmp_path):
+    """The weights were checked at their first load only (minutes into a run of a large model): ``target
+    validate`` called such a spec valid. Their safetensors headers are now held to the config's tensors
+    when the spec is read (names and shapes; nothing loaded), for a dense Qwen3."""
+    import yaml
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+    from targets.spec import SpecError, parse_target
+
+    built = model_dir(parse_target(catalog_yaml).model)
+
+    def spec_of(name: str, edit) -> dict:
+        folder = tmp_path / name
+        shutil.copytree(built, folder)
+        tensors = load_file(str(folder / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(folder / "model.safetensors"))
+        return {**catalog_yaml, "model": {**catalog_yaml["model"], "weights": str(folder)}}
+
+    assert parse_target(spec_of("as-built", lambda t: None)).model.weights  # the directory as built is its model
+    for name, edit, said in (
+        ("missing", lambda t: t.pop("model.layers.1.mlp.down_proj.weight"), r"1 of the model's tensors missing"),
+        ("reshaped", lambda t: t.update({"model.norm.weight": torch.ones(16)}), r"model\.norm\.weight is \[16\]"),
+        (
+            "deeper",
+            lambda t: t.update(
+                {k.replace("layers.1.", "layers.7."): v.clone() for k, v in t.items() if "layers.1." in k}
+            ),
+            r"tensors the model has no place for \(model\.layers\.7\.",
+        ),
+    ):
+        with pytest.raises(SpecError, match=said):
+            parse_target(spec_of(name, edit))
+    path = tmp_path / "deeper.yaml"
+    path.write_text(
+        yaml.safe_dump(spec_of("deeper-cli", lambda t: t.update({"model.layers.9.x.weight": torch.ones(2)})))
+    )
+    result = CliRunner().invoke(app, ["target", "validate", str(path)])
+    assert result.exit_code == 2 and "its weights are not the model its config.json describes" in result.output
+
+
 def test_a_cache_that_is_no_writable_folder_is_said_and_a_relative_one_made_absolute(tiny_spec, tmp_path, monkeypatch):
     """$VIBETRAIN_CACHE naming a file failed `check` with NotADirectoryError's traceback; a relative one
     (or an empty one, read as the working folder) made a sandboxed candidate, which runs elsewhere, look

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from targets.spec.base import Strict
+from targets.spec.model_tensors import Shapes, dense_tensors, mismatch
 
 RANDOM_WEIGHTS = re.compile(r"^random\((\d+)\)$")
 MODEL_FILES = {  # what a model directory holds (each by any of its names), and what each is called in an error
@@ -103,7 +104,7 @@ class ModelSpec(Strict):
                 f"{path}: rope type {rope_type!r} (rope_scaling / rope_parameters): the stack's Qwen3 computes the "
                 "default RoPE only; use the model's unscaled config (and a max_sequence within its positions)"
             )
-        ids = _check_weights_and_tokenizer(Path(self.weights))
+        ids, tensors = _check_weights_and_tokenizer(Path(self.weights))
         ours = self.config.model_dump()
         read = _read_config(path, *_stamp(path))  # as transformers reads it: defaults in, aliases resolved
         differ = [f"{k}: {v!r} there, {ours[k]!r} here" for k, v in read.items() if ours[k] != v]
@@ -111,6 +112,11 @@ class ModelSpec(Strict):
             raise ValueError(
                 f"config differs from the model directory's {path} (as transformers reads it): " + "; ".join(differ)
             )
+        if self.family == "qwen3":  # the headers against the config: another model's weights named now
+            wanted = dense_tensors(self.config, bool(stored.get("attention_bias", False)))
+            said = mismatch(Path(self.weights), wanted, tensors, self.config.tie_word_embeddings)
+            if said is not None:
+                raise ValueError(said)
         if ids > self.config.vocab_size:
             raise ValueError(
                 f"{Path(self.weights) / 'tokenizer.json'} defines {ids} token ids (its added tokens included), more "
@@ -169,13 +175,13 @@ class ModelSpec(Strict):
 LFS_POINTER = b"version https://git-lfs"  # what a clone without git-lfs leaves in place of a large file
 
 
-def _check_weights_and_tokenizer(directory: Path) -> int:
+def _check_weights_and_tokenizer(directory: Path) -> tuple[int, Shapes]:
     """The files a model directory's loaders read are what they say: no git-lfs pointer (a clone made
     without git-lfs), a safetensors header that reads, every shard its index names, weights that are a
     model's and not an adapter's alone, a tokenizer.json that is JSON. Each was a loader's traceback at
     the first run otherwise. Each file is read once per version of it (a spec is parsed in every process of
-    a run). Returns how many token ids the tokenizer defines."""
-    weights = sorted(directory.glob("*.safetensors"))
+    a run). Returns how many token ids the tokenizer defines, and each tensor of the weights with its shape."""
+    weights, tensors = sorted(directory.glob("*.safetensors")), {}
     index = directory / "model.safetensors.index.json"
     if index.exists():
         shards = _index_shards(index, *_stamp(index))
@@ -190,7 +196,7 @@ def _check_weights_and_tokenizer(directory: Path) -> int:
         )
     try:
         for path in weights:
-            _check_safetensors(path, *_stamp(path))
+            tensors.update(_check_safetensors(path, *_stamp(path)))
         tokenizer = directory / "tokenizer.json"
         ids = _check_tokenizer(tokenizer, *_stamp(tokenizer))
         for name in ("tokenizer_config.json", "special_tokens_map.json"):  # where the end token is read
@@ -199,7 +205,7 @@ def _check_weights_and_tokenizer(directory: Path) -> int:
         generation = directory / "generation_config.json"
         if generation.exists():
             _check_end_ids(generation, *_stamp(generation), ids)
-        return ids
+        return ids, tensors
     except OSError as error:  # a link to a blob a cache lost, unreadable
         raise ValueError(f"{error.filename}: cannot read it ({error.strerror})") from None
 
@@ -267,7 +273,8 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _check_safetensors(path: Path, size: int, mtime_ns: int) -> None:
+def _check_safetensors(path: Path, size: int, mtime_ns: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The file's tensors, each name with its shape, read from its header (which must read)."""
     with path.open("rb") as file:
         start = file.read(8)
         if start.startswith(LFS_POINTER[:8]):
@@ -279,6 +286,10 @@ def _check_safetensors(path: Path, size: int, mtime_ns: int) -> None:
             header = None
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file (its header does not read)")
+    tensors = {name: info.get("shape") for name, info in header.items() if name != "__metadata__"}
+    if not all(isinstance(shape, list) and all(type(n) is int for n in shape) for shape in tensors.values()):
+        raise ValueError(f"{path} is not a safetensors file (a tensor of its header has no shape)")
+    return tuple((name, tuple(shape)) for name, shape in tensors.items())
 
 
 @functools.lru_cache(maxsize=8)

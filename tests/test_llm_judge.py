@@ -419,6 +419,12 @@ def test_a_file_padded_past_the_page_is_shown_folded_and_an_unread_one_never_acc
         review = verdict.checks[-1]
         assert review.name == "llm_review" and verdict.passed is not required, review
         assert "incomplete: the diffs of stack/table.py (+800 -0 lines" in review.reasons[-1], review.reasons
+    # the starter (round 0), the library's own stack and larger than any page, is no agent's to have hidden
+    server.script("judge", Reply(text=accept))
+    judge = LLMJudge(PassingGate(), _client(server), spec=tiny_spec, file_access=False, review_required=True)
+    starter = Task(id="starter", title="the starter", rationale="", source="starter")
+    verdict = judge.judge(workspace, tmp_path / "out-starter", starter)
+    assert verdict.passed and verdict.checks[-1].reasons == ["looked fine"], verdict.checks[-1]
 
 
 def test_folding_keeps_every_line_of_code_and_folds_only_what_is_no_code(tmp_path):

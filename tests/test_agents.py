@@ -4,6 +4,7 @@ planner's mapping of hints to skills, and the sandbox's isolation."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import json
@@ -1633,6 +1634,8 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
         (folder / "stack" / "secret.py").write_text("x = 1\n")
     dotenv = PROJECT_ROOT / f".env.probe-{os.getpid()}"  # a red team's sandboxed command printed a .env's key
     dotenv.write_text("OPENAI_API_KEY=sk-planted\n")
+    notes = PROJECT_ROOT / f"notes-probe-{os.getpid()}.txt"  # a key kept beside the code under any other name
+    notes.write_text("ANTHROPIC_API_KEY=sk-noted\n")
     probe = (
         "import os, pathlib, subprocess, sys\n"
         "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]\n"
@@ -1642,8 +1645,11 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
         "print('git', sorted(os.listdir(git)) if git.is_dir() else None)\n"
         f"print('workspaces', sorted(os.listdir('{PROJECT_ROOT / 'workspaces'}')))\n"
         f"print('own', pathlib.Path('{own / 'stack' / 'secret.py'}').exists())\n"
-        f"try:\n    print('dotenv', repr(pathlib.Path('{dotenv}').read_text()))\n"
-        "except PermissionError:\n    print('dotenv', 'refused')\n"
+        f"for name, path in (('dotenv', '{dotenv}'), ('notes', '{notes}')):\n"
+        "    try:\n        print(name, repr(pathlib.Path(path).read_text()))\n"
+        "    except (PermissionError, FileNotFoundError) as error:\n        print(name, type(error).__name__)\n"
+        f"print('checkout', sorted(os.listdir('{PROJECT_ROOT}')))\n"
+        "import targets.api\n"
         "remount = subprocess.run(['mount', '-o', 'remount,bind,rw', sys.prefix], capture_output=True)\n"
         "print('remount', remount.returncode)\n"
     )
@@ -1656,9 +1662,13 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
         shutil.rmtree(own)
         shutil.rmtree(other)
         dotenv.unlink()
+        notes.unlink()
     assert result.returncode == 0, result.stderr
     said = dict(line.split(" ", 1) for line in result.stdout.splitlines())
-    assert said["dotenv"] == "refused" and "sk-planted" not in result.stdout, result.stdout  # /dev/null over it
+    # of the checkout, the contract and the harness's candidate side alone (and its worktree, below)
+    assert "sk-" not in result.stdout and said["dotenv"] == said["notes"] == "FileNotFoundError", result.stdout
+    shown = set(ast.literal_eval(said["checkout"])) - {"tests"}  # pytest puts tests/ on sys.path: an import path
+    assert shown == {"targets", "workspaces"}, result.stdout
     assert said["caps"] == "0" and said["remount"] != "0", result.stdout
     assert said["home"] == "False" and said["git"] in ("[]", "None"), result.stdout
     # its own stack, inside the checkout's worktrees, is there; another round's is not
@@ -1842,7 +1852,8 @@ def test_the_sandbox_sees_the_project_even_when_it_is_not_on_sys_path():
     from targets.harness.isolation import sandbox
 
     project = Path(sandbox.__file__).resolve().parents[3]
-    assert (project / "pyproject.toml").exists() and project in sandbox.python_paths()
+    assert (project / "pyproject.toml").exists() and project / "targets" in sandbox.python_paths()
+    assert project not in [path.resolve() for path in sandbox.python_paths()]  # nor the rest of the checkout
     assert sandbox.outermost([Path("/tmp"), Path("/")]) == []  # /tmp itself is the sandbox's own
 
 

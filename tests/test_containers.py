@@ -209,10 +209,12 @@ def test_a_container_gone_before_its_removal_is_no_failure(tmp_path, monkeypatch
 
 def test_a_container_sees_the_checkout_as_bubblewrap_shows_it(tmp_path):
     """Docker mounted the checkout whole: other rounds' worktrees, the runs' repositories, the checkout's git
-    and a ``.env`` in its root were all readable to a candidate there (bubblewrap hid them). The container's
-    mounts now hide the same folders under a tmpfs, give back what the candidate is given inside them, and
-    cover each secret file with /dev/null. The mounts as the daemon is asked for them (no daemon here)."""
-    from targets.harness.isolation.sandbox import HIDDEN_IN_CHECKOUT, PROJECT_ROOT
+    and a ``.env`` in its root were all readable to a candidate there (bubblewrap hid them). Both now mount
+    of the checkout its ``targets/`` alone, and what a candidate is given inside it (its own stack in a
+    round's worktree); where a folder above the checkout is mounted (an import path, say), the checkout's
+    hidden folders go under a tmpfs and its secret files under /dev/null, in either. The mounts as the
+    daemon is asked for them (no daemon here)."""
+    from targets.harness.isolation.sandbox import HIDDEN_IN_CHECKOUT, PROJECT_ROOT, checkout_masks
 
     root = PROJECT_ROOT.resolve()
     own = root / "workspaces" / f"probe-{os.getpid()}" / "stack"  # a round's own stack, inside a hidden folder
@@ -223,12 +225,12 @@ def test_a_container_sees_the_checkout_as_bubblewrap_shows_it(tmp_path):
         command, _ = Sandbox("docker", IMAGE).wrap(
             ["python3", "-c", "pass"], dict(os.environ), readable=[own], writable=[tmp_path], owner="test"
         )
+        hidden, given, secrets = checkout_masks([root.parent], [own], [tmp_path])  # a folder above it mounted
     finally:
         dotenv.unlink()
         shutil.rmtree(own.parent)
     pairs = list(zip(command, command[1:]))
-    assert ("-v", f"{root}:{root}:ro") in pairs, command  # the checkout itself, read-only (python_paths)
-    hidden = [str(root / name) for name in HIDDEN_IN_CHECKOUT if (root / name).is_dir()]
-    assert hidden and all(("--tmpfs", path) in pairs for path in hidden), command
-    assert ("-v", f"{own}:{own}:ro") in pairs, command  # given back over the tmpfs
-    assert ("-v", f"/dev/null:{dotenv}:ro") in pairs, command
+    assert ("-v", f"{root}/targets:{root}/targets:ro") in pairs and ("-v", f"{own}:{own}:ro") in pairs, command
+    assert not any(part.startswith(f"{root}:") for part in command) and ".env.probe" not in " ".join(command)
+    assert hidden == [root / name for name in HIDDEN_IN_CHECKOUT if (root / name).is_dir()] and given == [own]
+    assert dotenv in secrets

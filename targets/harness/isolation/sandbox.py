@@ -125,20 +125,28 @@ def _docker_image() -> str | None:
     return image
 
 
+# What a sandboxed process imports from the project checkout: the contract and the harness's candidate side
+# (``targets``). The checkout's other files (the orchestrator, agents, tests, a user's notes or keys kept
+# beside the code) are not mounted: a red team's sandboxed command printed a key from a .env in its root.
+CHECKOUT_VISIBLE = ("targets",)
+
+
 def python_paths() -> list[Path]:
-    """What a child's Python needs to see: its installation (a virtualenv, say), every import path,
-    and the project checkout itself (an editable install's import finder points there without
-    putting it on sys.path). Not the working directory Python puts first on sys.path: started from a
+    """What a child's Python needs to see: its installation (a virtualenv, say, inside the checkout or
+    not), every import path, and of the project checkout ``CHECKOUT_VISIBLE`` alone (an editable
+    install's import finder points there without putting it on sys.path; where it is on sys.path, only
+    those folders are mounted). Not the working directory Python puts first on sys.path: started from a
     home directory, it showed the candidate the user's files; a candidate imports nothing from there."""
-    here = Path.cwd().resolve()
-    return [
+    here, root = Path.cwd().resolve(), PROJECT_ROOT.resolve()
+    paths = [
         Path(sys.prefix),
         Path(sys.exec_prefix),
         Path(sys.base_prefix),
         Path(sys.executable).resolve().parent,
-        PROJECT_ROOT,
+        *(root / name for name in CHECKOUT_VISIBLE),
         *(Path(entry) for entry in sys.path if entry and Path(entry).resolve() != here),
     ]
+    return [path for path in paths if path.resolve() != root]
 
 
 # The checkout's folders a candidate must not see, hidden under an empty tmpfs wherever the checkout is

@@ -1188,6 +1188,7 @@ def test_the_engines_word_alone_never_screens_a_candidate_out(tmp_path):
     from targets.api import TraceEvent
     from targets.harness.isolation.sandbox import Sandbox
     from targets.harness.measure.session import Session
+    from targets.harness.sim.request_spans import harness_timed
     from targets.harness.target import Target
 
     class Predicting:  # a twin whose predictions are known: a headline per stack folder's name
@@ -1241,6 +1242,11 @@ def test_the_engines_word_alone_never_screens_a_candidate_out(tmp_path):
     assert harness_timed_path(tmp_path / "twin" / "twin.yaml").exists() and twin.harness_timed is not None
     twin = Twin.calibrated(real, [run()], tmp_path / "twin" / "twin.yaml")
     assert not harness_timed_path(tmp_path / "twin" / "twin.yaml").exists() and twin.harness_timed is None
+    # what a stack declared of its engines is their word too: a red team's declared drafts its engines never
+    # made moved the fitted rates 5x (the harness-timed twin kept them)
+    declared = TraceEvent("run_start", 0.0, {"engine": {"speculative_tokens": 8, "speculative_batch": 64}})
+    events = [declared, TraceEvent("generate", 2.0, {"episode": "g0/e0", "device": "cpu:0", "start": 1.0})]
+    assert harness_timed(events)[0].data["engine"] == {} and harness_timed(events)[1] == events[1]
 
 
 def test_a_run_whose_last_round_spent_the_wall_time_budget_measures_nothing_more(tmp_path, monkeypatch):

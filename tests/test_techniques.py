@@ -860,6 +860,14 @@ def test_engine_scale_over_the_targets_maximum_is_refused_at_hello_and_on_a_real
     _, run = harness_run(tmp_path / "real", fast_target, {"engine_scale": 2}, False)
     assert not run.ok and "engine_scale 2: a real cluster's engines here span 1 device(s)" in run.cause, run.cause
 
+    def declares_four(stack) -> None:  # a red team's stack: its engines honest, its declaration not
+        build = stack / "build.py"
+        build.write_text(build.read_text().replace("engine_scale=engine_scale,", "engine_scale=4,"))
+
+    _, run = harness_run(tmp_path / "declared", fast_target, {}, False, patch=declares_four)
+    assert not run.ok and "over the target's simulator.max_engine_scale 1" in run.cause, run.cause  # passed, and
+    # the twin fitted to its trace read its timings as engines of four devices
+
 
 # -- the Ray cluster the real runs join (conftest.py's shared_ray) ----------------------------------------
 

@@ -39,6 +39,7 @@ from targets.harness.isolation.stack_digest import directory_digest
 from targets.harness.isolation.traced_cluster import TracedCluster
 from targets.harness.reward_model.service import RewardModelService
 from targets.harness.sim.cluster import SimCluster
+from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.reward import judge_costs_of, placement_refused
 from targets.harness.sim.serving import serving_pool_of
 from targets.harness.trace import Trace
@@ -109,6 +110,11 @@ async def drive_real(
     gate: ServingGate | None = None
     try:
         rollout, _, declared = await _hello(link, processes, [d.id for d in runtime.devices])
+        # engines the target's simulator cannot run are refused here as there (the twin, fitted to this run's
+        # trace, reads them as its engines: a red team's declared 4-device engines on a target of 1 passed)
+        refused = ClusterCosts.from_spec(spec).refusal(link.engine, spec.simulator.max_engine_scale)
+        if refused:
+            raise CandidateError(refused)
         if make_pool is not None:  # its traffic starts with the run
             gate = ServingGate(remote, make_pool(trace.clock.now), runtime.serving_devices)
         traced = TracedCluster(gate or remote, trace, exporter)
@@ -157,7 +163,6 @@ def drive_simulated(
     spec: TargetSpec, runtime: Runtime, processes: CandidateProcesses, steps: int, seed: int
 ) -> tuple[Trace, dict]:
     """A simulated run: the harness's ``SimCluster`` under virtual time that only the harness moves."""
-    from targets.harness.sim.cost_model import ClusterCosts
     from targets.harness.sim.response_length import ResponseLengths
     from targets.harness.sim.reward import RewardService, dedicated_engines
     from targets.harness.sim.virtual_time import VirtualClock, VirtualTimeLoop, run_virtual

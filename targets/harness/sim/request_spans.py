@@ -53,10 +53,15 @@ ENGINE_WORD = ("queued", "cached", "word_cut")  # what an engine said of its wor
 
 
 def harness_timed(run: list[TraceEvent]) -> list[TraceEvent]:
-    """``run`` with the engines' word on their work set aside: what the harness timed alone."""
+    """``run`` with the engines' word on their work set aside: what the harness timed alone. That is what
+    each said of a request (its wait, its reused prefix) and what the stack declared of its engines
+    (``run_start``'s ``engine``: drafts, span, host tier, which the fit reads its timings through: a red team's
+    stack declaring drafts its engines never made moved the fitted rates 5x and flipped the twin's ranking)."""
     return [
         TraceEvent(e.kind, e.t, {k: v for k, v in e.data.items() if k not in ENGINE_WORD})
         if e.kind == "generate" and any(k in e.data for k in ENGINE_WORD)
+        else TraceEvent(e.kind, e.t, {**e.data, "engine": {}})
+        if e.kind == "run_start" and e.data.get("engine")
         else e
         for e in run
     ]

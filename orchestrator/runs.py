@@ -149,14 +149,28 @@ def _check_priced(llm: LLMConfig, max_cost: float | None) -> None:
 
 
 def check_config(
-    target: str, config: RunConfig, simulate: bool = False, starter_params_from: str = "--starter-param"
-) -> Target:
-    """What a run refuses in its settings on any machine (``--print-config`` writes no file a run would
-    refuse): the target, the starter and its params, LLM options without an LLM, a cost cap without a
-    price. The target, loaded."""
+    target: str,
+    config: RunConfig,
+    simulate: bool = False,
+    starter_params_from: str = "--starter-param",
+    here: bool = True,
+) -> Target | None:
+    """What a run refuses in its settings (``--print-config`` writes no file a run would refuse): LLM
+    options without an LLM, a cost cap without a price, the target, the starter and its params. Returns
+    the target as it loads. ``here`` False: for the machine the run will have, so a target this one
+    cannot run is checked as its simulated self, or not at all where it cannot be simulated (None)."""
+    _refuse_llm_options_offline(config.agents, config.llm_options_given())
+    _check_cost_counted(config.agents, config.llm, config.max_cost)
     try:
         resolved = Target.load(target, simulate=simulate)
-    except (SpecError, TargetUnavailable) as error:
+    except TargetUnavailable as error:
+        if here:
+            raise RunSetupError(str(error)) from None
+        try:
+            resolved = Target.load(target, simulate=True)
+        except TargetUnavailable:  # a user's environment runs for real only: the rest is the run's to check
+            return None
+    except SpecError as error:
         raise RunSetupError(str(error)) from None
     if (why := unfit(resolved.spec, config.starter)) is not None:
         raise RunSetupError(f"--starter {config.starter}: {why}")
@@ -164,8 +178,6 @@ def check_config(
         with_params(resolved.spec, config.starter, config.starter_params, starter_params_from, resolved.engine_devices)
     except ValueError as error:
         raise RunSetupError(str(error)) from None
-    _refuse_llm_options_offline(config.agents, config.llm_options_given())
-    _check_cost_counted(config.agents, config.llm, config.max_cost)
     return resolved
 
 

@@ -177,6 +177,15 @@ def test_print_config_round_trips_through_config(tmp_path):
     ):
         result = runner.invoke(app, ["generate", "tiny-qwen3-cpu", *args, "--print-config"], env=NARROW)
         assert result.exit_code == 2 and said in " ".join(result.output.split()), (args, result.output)
+    # but what only this machine lacks is the run's machine's business: a GPU target's file prints here
+    from targets.spec import CATALOG_DIR
+
+    gpu = yaml.safe_load((CATALOG_DIR / "qwen3-0.6b-h100x1.yaml").read_text()) | {"execution": "real"}
+    (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(gpu))
+    printed = runner.invoke(app, ["generate", str(tmp_path / "gpu.yaml"), "--print-config"], env=NARROW)
+    assert printed.exit_code == 0 and yaml.safe_load(printed.output)["rounds"] == 3, printed.output
+    refused = runner.invoke(app, ["generate", str(tmp_path / "gpu.yaml"), "--out", str(tmp_path / "gpu-run")])
+    assert refused.exit_code == 2 and "this machine has 0" in refused.output, refused.output
 
 
 def test_print_config_of_a_run_reproduces_its_stored_configuration(tmp_path):

@@ -248,7 +248,7 @@ def generate(
                 run_config = RunConfig.parse(config_of(ctx.params, from_file), from_file)
             except ConfigError as error:
                 raise UsageError(str(error)) from None
-            check_config(target, run_config, simulate, from_file.get("starter_param", "--starter-param"))
+            check_config(target, run_config, simulate, from_file.get("starter_param", "--starter-param"), here=False)
         values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
         sys.stdout.write(yaml.safe_dump(values, sort_keys=False))
         raise typer.Exit()

@@ -98,8 +98,9 @@ def _refuse_llm_options_offline(agents: str, flags: list[str]) -> None:
         )
 
 
-def _check_backend(agents: str, llm: LLMConfig, max_cost: float | None = None) -> None:
-    """What an agent backend needs, checked before the run writes anything."""
+def _check_backend(agents: str, llm: LLMConfig) -> None:
+    """What an agent backend needs of this machine (a model named, its key, its CLI), checked before the run
+    writes anything (a cost cap's price is ``check_config``'s)."""
     if agents in LLM_BACKENDS:
         if not llm.model:
             raise RunSetupError(f"--agents {agents} needs --model")
@@ -110,7 +111,6 @@ def _check_backend(agents: str, llm: LLMConfig, max_cost: float | None = None) -
             )
     if agents.startswith("cli:") and shutil.which(agents[4:]) is None:
         raise RunSetupError(f"--agents {agents}: the {agents[4:]} CLI is not installed (no `{agents[4:]}` on PATH)")
-    _check_cost_counted(agents, llm, max_cost)
 
 
 def _check_cost_counted(agents: str, llm: LLMConfig, max_cost: float | None) -> None:
@@ -195,7 +195,7 @@ def start_run(
     applies to a real target only (a simulated one's measurement is the simulation).
     ``starter_params_from``: how the starter's params were given, which an error in them names."""
     resolved = check_config(target, config, simulate, starter_params_from)
-    _check_backend(config.agents, config.llm, config.max_cost)  # what this machine has: a key, a CLI
+    _check_backend(config.agents, config.llm)
     check_environment(resolved.spec.workload.environment)  # one that cannot be made: said before any folder
     run_dir = run_dir.resolve()  # git and the sandbox run elsewhere
     if run_dir.exists() and any(run_dir.iterdir()):

@@ -28,7 +28,7 @@ from agents.roles import AgentError, Task
 from orchestrator.cli import app
 from orchestrator.config import LLMConfig
 from orchestrator.history import History
-from orchestrator.runs import RunSetupError, _check_backend
+from orchestrator.runs import RunSetupError, _check_cost_counted
 from orchestrator.state import (
     RoundRecord,
     RunConfig,
@@ -1136,15 +1136,15 @@ def test_max_cost_is_refused_for_a_model_without_a_price(server, tmp_path, fast_
     assert not run.exists() and server.requests == []
     llm = LLMConfig(model="my-local-model", api_key_env=KEY)
     with pytest.raises(RunSetupError, match="give its price with --prices FILE"):
-        _check_backend("openai", llm, max_cost=1.0)
+        _check_cost_counted("openai", llm, 1.0)
     prices = tmp_path / "prices.yaml"
     prices.write_text("my-local-model: [0.1, 0.2]\n")
-    _check_backend("openai", llm.model_copy(update={"prices": str(prices)}), max_cost=1.0)
-    _check_backend("openai", llm.model_copy(update={"model": "gpt-4o-2024-08-06"}), max_cost=1.0)
-    _check_backend("openai", llm, max_cost=None)  # no cost budget: an unpriced model is only warned about
+    _check_cost_counted("openai", llm.model_copy(update={"prices": str(prices)}), 1.0)
+    _check_cost_counted("openai", llm.model_copy(update={"model": "gpt-4o-2024-08-06"}), 1.0)
+    _check_cost_counted("openai", llm, None)  # no cost budget: an unpriced model is only warned about
     missing = llm.model_copy(update={"prices": str(tmp_path / "nosuch.yaml")})  # read before the run, named
     with pytest.raises(RunSetupError, match=r"--prices: .*nosuch.yaml: No such file"):
-        _check_backend("openai", missing, max_cost=None)
+        _check_cost_counted("openai", missing, None)
 
 
 @pytest.mark.slow

@@ -132,13 +132,14 @@ class LLMJudge:
         if not verdict.passed:
             return verdict
         change = change_of(workspace)
+        starter = task is not None and task.source == "starter"  # the library's own stack: no agent wrote it
         try:
             review = self.review(workspace, task, verdict, context, change)
         except LLMUnusable:
             raise  # a backend that refuses the run: the run stops, no outage to fall back from
         except BudgetSpent as error:  # crossed during this round: kept, for a person to review, but never
             # validated on the gate alone (an implementer could spend the rest of the budget to skip its review)
-            if task is not None and task.source == "starter":  # the library's own stack: no agent wrote it
+            if starter:
                 return self.unavailable(verdict, error)
             reasons = [f"unreviewed: {error}; kept as rejected: a candidate is validated only after its review"]
             return reviewed(verdict, False, reasons)
@@ -152,8 +153,7 @@ class LLMJudge:
         if review.verdict == "reject":
             reasons = list(review.reasons) or ["rejected without a reason"]
             return reviewed(verdict, False, reasons)
-        starter = task is not None and task.source == "starter"  # the library's own stack (284 KB): no agent wrote it
-        if change.unseen and not self.file_access and not starter:  # accepted unread: a review of what it saw
+        if change.unseen and not self.file_access and not starter:  # accepted unread (the starter: 284 KB of kit)
             cause = f"incomplete: the diffs of {', '.join(first_of(change.unseen))} were not on its page"
             if self.review_required:
                 return reviewed(

@@ -149,11 +149,11 @@ def python_paths() -> list[Path]:
     return [path for path in paths if path.resolve() != root]
 
 
-# The checkout's folders a candidate must not see, hidden under an empty tmpfs wherever the checkout is
-# mounted: other rounds' worktrees, the runs' repositories (their results and history), its own git.
+# The checkout's folders a candidate must not see, hidden under an empty tmpfs where a folder holding the
+# checkout is mounted (``checkout_masks``): other rounds' worktrees, the runs' repositories, its own git.
 HIDDEN_IN_CHECKOUT = ("workspaces", "generated", ".git")
 # Files in the checkout's root a candidate must not read: secrets kept beside the code (an API key's .env),
-# masked by an empty file wherever the checkout is mounted (a red team's sandboxed command printed one)
+# covered by /dev/null where a folder holding the checkout is mounted (a red team's command printed one)
 SECRET_FILES = (".env", ".env.*", ".envrc", ".netrc", "*.pem", "*.key")
 
 

@@ -19,6 +19,7 @@ from targets.cache import cache_error, cache_home
 from targets.errors import UserError
 from targets.harness.tokenizer import build_tokenizer, tokenizer_key
 from targets.spec import ModelSpec
+from targets.spec.model_tensors import BUFFERS, not_the_model
 
 if TYPE_CHECKING:  # torch and transformers load where a model is built or loaded, not on import:
     import transformers  # a simulated run only needs the model's directory name
@@ -126,24 +127,15 @@ def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
     model, info = AutoModelForCausalLM.from_pretrained(  # a tensor at another shape: reported here, not raised
         path, dtype=getattr(torch, dtype), output_loading_info=True, ignore_mismatched_sizes=True
     )
-    missing, mismatched = sorted(info["missing_keys"]), info["mismatched_keys"]
-    unexpected = sorted(k for k in info["unexpected_keys"] if not k.endswith("rotary_emb.inv_freq"))  # a buffer
+    missing = sorted(info["missing_keys"])
+    reshaped = [f"{entry[0]} at another shape" for entry in info["mismatched_keys"]]
+    unexpected = sorted(k for k in info["unexpected_keys"] if not k.endswith(BUFFERS))
     output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     untied = model.config.tie_word_embeddings and output.weight is not embedding.weight
-    if missing or mismatched or unexpected or untied:
-        said = [f"{len(missing)} of the model's tensors missing ({_some(missing)})"] if missing else []
-        said += [f"{entry[0]} at another shape" for entry in list(mismatched)[:3]]
-        said += [f"{len(unexpected)} tensors the model has no place for ({_some(unexpected)})"] if unexpected else []
-        said += ["tie_word_embeddings is true, yet its lm_head.weight differs from the embedding"] if untied else []
-        raise WeightsMismatch(
-            f"{path}: its weights are not the model its config.json describes: {'; '.join(said)} (a checkpoint "
-            "of another model, or an adapter alone?)"
-        )
+    said = not_the_model(path, missing, reshaped, unexpected, untied)
+    if said is not None:
+        raise WeightsMismatch(said)
     return model.eval()
-
-
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:

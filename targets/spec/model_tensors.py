@@ -57,11 +57,22 @@ def mismatch(directory: Path, wanted: Shapes, found: Shapes, tied: bool) -> str 
     missing = sorted(set(wanted) - set(found) - optional)
     unexpected = sorted(name for name in set(found) - set(wanted) if not name.endswith(BUFFERS))
     shaped = [name for name in sorted(set(wanted) & set(found)) if tuple(found[name]) != wanted[name]]
-    if not (missing or unexpected or shaped):
+    reshaped = [f"{name} is {list(found[name])}, the config's model {list(wanted[name])}" for name in shaped]
+    return not_the_model(directory, missing, reshaped, unexpected)
+
+
+def not_the_model(
+    directory: Path, missing: list[str], reshaped: list[str], unexpected: list[str], untied: bool = False
+) -> str | None:
+    """What is wrong with a directory's weights, said one way whether its headers are read or the model is
+    loaded (``harness/model.py``): tensors ``missing``, each of ``reshaped`` (a tensor at another shape, said),
+    ``unexpected`` tensors, an ``untied`` lm_head. None when nothing is."""
+    if not (missing or reshaped or unexpected or untied):
         return None
     said = [f"{len(missing)} of the model's tensors missing ({_some(missing)})"] if missing else []
-    said += [f"{name} is {list(found[name])}, the config's model {list(wanted[name])}" for name in shaped[:3]]
+    said += reshaped[:3]
     said += [f"{len(unexpected)} tensors the model has no place for ({_some(unexpected)})"] if unexpected else []
+    said += ["tie_word_embeddings is true, yet its lm_head.weight differs from the embedding"] if untied else []
     return (
         f"{directory}: its weights are not the model its config.json describes: {'; '.join(said)} (a checkpoint "
         "of another model, or an adapter alone?)"

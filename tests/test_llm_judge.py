@@ -427,13 +427,11 @@ def test_a_file_padded_past_the_page_is_shown_folded_and_an_unread_one_never_acc
     assert verdict.passed and verdict.checks[-1].reasons == ["looked fine"], verdict.checks[-1]
 
 
-def test_folding_keeps_every_line_of_code_and_folds_only_what_is_no_code(tmp_path):
+def test_folding_keeps_every_line_of_code_and_folds_only_what_is_no_code():
     """A ``#`` inside a string is no comment, and a line repeated is shown the first time."""
     from agents.llm.diff_page import comment_lines, folded
 
-    source = tmp_path / "x.py"
-    source.write_text('# a comment\nTEXT = """\n# inside a string\n"""\n\nx = 1  # trailing\nx = 1\n')
-    assert comment_lines(source) == {1}
+    assert comment_lines('# a comment\nTEXT = """\n# inside a string\n"""\n\nx = 1  # trailing\nx = 1\n') == {1}
 
     diff = (
         "diff --git a/stack/x.py b/stack/x.py\n--- /dev/null\n+++ b/stack/x.py\n@@ -0,0 +1,7 @@\n"

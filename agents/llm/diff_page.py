@@ -47,7 +47,9 @@ def change_of(workspace: Path, limit: int = DIFF_LIMIT) -> Change:
         added, deleted, path = row.split("\t", 2)
         text = workspace_git.output(workspace, *base, "--", f":(literal){path}")
         if used + len(text) > limit:
-            text, folded_count = folded(text, comment_lines(workspace / path))
+            python = path.endswith(".py") and added not in ("0", "-")  # "-": git's count for a binary file
+            source = workspace_git.output(workspace, "show", f":0:{path}") if python else ""
+            text, folded_count = folded(text, comment_lines(source))
             if folded_count and used + len(text) <= limit:
                 folded_files.append(f"{path} ({folded_count} of its +{added} -{deleted} lines folded)")
             else:
@@ -79,12 +81,14 @@ def folded(text: str, comments: set[int]) -> tuple[str, int]:
 
     def flush() -> None:
         nonlocal blank, repeated
-        if blank or repeated:
-            kinds = [f"{blank} blank or comment-only"] * bool(blank) + [f"{repeated} repeating a line above"] * bool(
-                repeated
-            )
+        kinds = []
+        if blank:
+            kinds.append(f"{blank} blank or comment-only")
+        if repeated:
+            kinds.append(f"{repeated} repeating a line above")
+        if kinds:
             out.append(f"~ {blank + repeated} line(s) folded: {', '.join(kinds)}")
-            blank = repeated = 0
+        blank = repeated = 0
 
     for line in text.splitlines():
         hunk = HUNK.match(line)
@@ -109,15 +113,14 @@ def folded(text: str, comments: set[int]) -> tuple[str, int]:
     return "\n".join(out) + "\n", total
 
 
-def comment_lines(path: Path) -> set[int]:
-    """The line numbers of a Python file's comment-only lines, by its own tokenizer (a ``#`` inside a
-    string is no comment); none for another file, or one Python cannot tokenize."""
-    if path.suffix != ".py" or not path.is_file() or path.is_symlink():
-        return set()
+def comment_lines(source: str) -> set[int]:
+    """The line numbers of a Python source's comment-only lines, by its own tokenizer (a ``#`` inside a
+    string is no comment); none for one Python cannot tokenize. The source is the file as the diff has it
+    (git's index, which the diff's new side numbers), not the working tree's."""
     found: set[int] = set()
     code: set[int] = set()
     try:
-        for token in tokenize.generate_tokens(io.StringIO(path.read_text(errors="replace")).readline):
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
             if token.type == tokenize.COMMENT:
                 found.add(token.start[0])
             elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):

@@ -76,6 +76,10 @@ def test_a_local_path_loads_as_given(tiny_spec, tmp_path, catalog_yaml):
     (listed / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}")
     with pytest.raises(SpecError, match=r"model.safetensors is not a safetensors file \(its header does not read\)"):
         parse_target(catalog_yaml)
+    header = b'{"model.norm.weight": "F32"}'  # a header that reads, whose tensor is no entry (an AttributeError)
+    (listed / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(SpecError, match=r"model.safetensors is not a safetensors file \(a tensor of its header has no"):
+        parse_target(catalog_yaml)
     (listed / "model.safetensors").unlink()
     (listed / "model.safetensors").symlink_to(tmp_path / "blobs" / "gone")  # a cache that lost its blob
     with pytest.raises(SpecError, match=r"model.safetensors: cannot read it \(No such file or directory\)"):

@@ -286,7 +286,8 @@ def _check_safetensors(path: Path, size: int, mtime_ns: int) -> tuple[tuple[str,
             header = None
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file (its header does not read)")
-    tensors = {name: info.get("shape") for name, info in header.items() if name != "__metadata__"}
+    tensors = {name: info.get("shape") if isinstance(info, dict) else None for name, info in header.items()}
+    tensors.pop("__metadata__", None)
     if not all(isinstance(shape, list) and all(type(n) is int for n in shape) for shape in tensors.values()):
         raise ValueError(f"{path} is not a safetensors file (a tensor of its header has no shape)")
     return tuple((name, tuple(shape)) for name, shape in tensors.items())

@@ -164,12 +164,15 @@ async def train(target: Target, steps: int, seed: int, report: Sequence[Reporter
     clock = WallClock()
     envs = EnvironmentPool(workload, clock, Trace(clock, record_tokens=False), seed=seed, model_path=runtime.model_path)
     envs.max_extra = declared.redundant_per_group  # the spares per group the stack declares it launches
-    cluster = await stack.make_cluster()
     try:
-        meter = StepMeter(cluster, steps, report)
-        await stack.controller.run(meter, envs, steps)
+        cluster = await stack.make_cluster()
+        try:
+            meter = StepMeter(cluster, steps, report)
+            await stack.controller.run(meter, envs, steps)
+        finally:
+            await cluster.close()
     finally:
-        await cluster.close()
+        envs.close()  # the process a user's environments ran in
     if meter.done != steps:
         raise SystemExit(f"error: the controller returned after {meter.done} training steps of {steps}")
     return meter

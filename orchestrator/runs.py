@@ -25,7 +25,7 @@ from orchestrator.state import RunState, new_state
 from skills.starter import unfit, with_params
 from targets.cache import CacheError
 from targets.errors import UserError
-from targets.harness.environments.adapters import check_environment
+from targets.harness.environments.hosted import check_environment
 from targets.harness.isolation.sandbox import SandboxUnavailable
 from targets.harness.measure.session import Session
 from targets.harness.target import Target, TargetUnavailable

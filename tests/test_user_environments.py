@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -37,6 +39,9 @@ import asyncio
 import itertools
 import os
 import random
+import shutil
+import random
+import shutil
 import re
 import sys
 import threading
@@ -48,9 +53,9 @@ LEDGER = os.path.join(os.path.dirname(__file__), "ledger.txt")  # each instance 
 NUMBERS = itertools.count()
 
 
-def _note(what, name):
+def _note(what, name, *more):
     with open(LEDGER, "a") as ledger:
-        ledger.write(f"{what} {name}\\n")
+        ledger.write(" ".join(map(str, (what, name, *more))) + "\\n")
 
 
 class HiddenNumber:
@@ -59,13 +64,14 @@ class HiddenNumber:
     def __init__(self, high: int = 3):
         self.high = high
         self.name = f"{os.getpid()}-{next(NUMBERS)}"
-        _note("made", self.name)
+        _note("made", self.name, threading.get_ident())
 
     def close(self):
         _note("closed", self.name)
 
     def reset(self, seed=None):
         self.seed, self.secret = seed, random.Random(seed).randint(1, self.high)
+        _note("reset", self.name, seed, threading.get_ident())
         return f"Guess a number from 1 to {self.high}.", {"secret": self.secret}
 
     def step(self, action):
@@ -138,6 +144,7 @@ class Breaks:
 
     def step(self, action):
         self.turn += 1
+        _note("stepped", f"turn-{self.turn}")
         if self.turn == 2:
             self.fail()
         return "Go on.", 0.0, False, False, {}
@@ -344,6 +351,7 @@ class FirstCloseFails(HiddenNumber):
     def close(self):
         if not FirstCloseFails.FAILED:
             FirstCloseFails.FAILED.append(self.name)
+            _note("close-failed", self.name)
             raise ProcessLookupError("no such process")
         super().close()
 
@@ -363,12 +371,9 @@ class Wordy(HiddenNumber):
         return "word " * 400, {}
 
 
-PICKED_IN = []  # the thread each task was picked in
-
-
 class Picked(Tasks):
     def __getitem__(self, index):
-        PICKED_IN.append(threading.current_thread().name)
+        _note("picked-in", threading.current_thread().name)
         return super().__getitem__(index)
 
 
@@ -383,6 +388,17 @@ class NanScored(Tasks):
 
 def nan_scored():
     return NanScored(tasks())
+
+
+class EvalScored(Tasks):
+    """A task set whose scorer evaluates the answer as an expression (as a math scorer's sympy parse does)."""
+
+    def score_answer(self, answer, entry):
+        return eval(answer)
+
+
+def eval_scored():
+    return EvalScored(tasks())
 
 
 def questionless():
@@ -413,7 +429,7 @@ def _pool(spec):
     return EnvironmentPool(spec.workload, clock, trace, seed=1, model_path=str(model_dir(spec.model))), trace
 
 
-def test_a_gymnasium_style_environment_speaks_through_the_chat_template(catalog_yaml, user_package):
+def test_a_gymnasium_style_environment_speaks_through_the_chat_template(catalog_yaml, user_package, tmp_path):
     spec = _spec(catalog_yaml, {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium", "params": {"high": 3}})
     pool, trace = _pool(spec)
     tokenizer = load_tokenizer(model_dir(spec.model))
@@ -423,19 +439,21 @@ def test_a_gymnasium_style_environment_speaks_through_the_chat_template(catalog_
         tokenizer.decode(prompt) == "<|im_start|>user\nGuess a number from 1 to 3.<|im_end|>\n<|im_start|>assistant\n"
     )
     asyncio.run(second.reset())
-    # a group shares its task: the seed itself (two secrets of 1-3 agree by chance one time in three)
-    assert first.environment.env.seed == second.environment.env.seed == first.task
+    # a group shares its task: the seed itself (two secrets of 1-3 agree by chance one time in three), as the
+    # environments' own notes say (they run in a process of their own)
     other = pool.new_group()[0]
     asyncio.run(other.reset())
-    assert other.environment.env.seed == other.task != first.task  # another group, another task
-    wrong = 1 if first.environment.env.secret != 1 else 2
+    seeds = [int(seed) for _, seed, _ in _notes(tmp_path, "reset")]
+    assert seeds == [first.task, first.task, other.task] and other.task != first.task  # another group, another task
+    secret = random.Random(first.task).randint(1, 3)
+    wrong = 1 if secret != 1 else 2
     action = tokenizer.encode(f"It is {wrong}", add_special_tokens=False) + [tokenizer.eos_token_id]
     result = asyncio.run(first.step(action))
-    hint = "Higher." if wrong < first.environment.env.secret else "Lower."
+    hint = "Higher." if wrong < secret else "Lower."
     # the model's own stop token closed its turn: the observation does not repeat it
     assert tokenizer.decode(result.observation) == f"\n<|im_start|>user\n{hint}<|im_end|>\n<|im_start|>assistant\n"
     assert (result.reward, result.done) == (0.0, False)
-    right = tokenizer.encode(str(first.environment.env.secret), add_special_tokens=False)
+    right = tokenizer.encode(str(secret), add_special_tokens=False)
     result = asyncio.run(first.step(right))
     assert (result.reward, result.done, result.observation) == (1.0, True, [])
     steps = [e for e in trace.events if e.kind == "env_step"]
@@ -452,7 +470,7 @@ def test_a_gymnasium_truncation_ends_the_episode_and_is_recorded_apart_from_its_
     cut, solved = pool.new_group()[:2]
     asyncio.run(cut.reset())
     asyncio.run(solved.reset())
-    secret = cut.environment.env.secret
+    secret = random.Random(cut.task).randint(1, 3)  # HiddenNumber's, from the task it was reset with
     wrong = tokenizer.encode(str(1 if secret != 1 else 2), add_special_tokens=False)
     assert asyncio.run(cut.step(wrong)).done
     assert asyncio.run(solved.step(tokenizer.encode(str(secret), add_special_tokens=False))).reward == 1.0
@@ -621,19 +639,19 @@ def test_an_answer_that_is_not_a_text_step_and_a_step_during_the_reset_are_named
 def test_a_plain_close_and_a_factory_that_never_returns_are_named_by_the_check(catalog_yaml, user_package, monkeypatch):
     """A text environment's close() that is no coroutine was called "raised: a coroutine was expected" (it
     raised nothing); a factory that never returned held `target validate` and `generate` forever."""
-    from targets.harness.environments import adapters
+    from targets.harness.environments import hosted
 
     plain = _spec(catalog_yaml, {"entry": "my_envs:SyncClose", "adapter": "text"}).workload.environment
     with pytest.raises(UserEnvironmentError, match="made a SyncClose whose close\\(\\) is not async"):
-        adapters.check_environment(plain)
-    monkeypatch.setattr(adapters, "CHECK_LIMIT_S", 0.5)
+        hosted.check_environment(plain)
+    monkeypatch.setattr(hosted, "CHECK_LIMIT_S", 0.5)
     hung = _spec(catalog_yaml, {"entry": "my_envs:never_made", "adapter": "gymnasium"}).workload.environment
     with pytest.raises(UserEnvironmentError, match="making one and closing it did not finish within 0.5 s"):
-        adapters.check_environment(hung)
+        hosted.check_environment(hung)
     # one that calls sys.exit: `target validate` ended with its code and no word
     exits = _spec(catalog_yaml, {"entry": "my_envs:exits", "adapter": "gymnasium"}).workload.environment
     with pytest.raises(UserEnvironmentError, match=r"my_envs:exits: called sys.exit\(3\) when made or closed"):
-        adapters.check_environment(exits)
+        hosted.check_environment(exits)
 
 
 def test_a_chat_template_that_does_not_render_is_named_before_any_episode(catalog_yaml, user_package):
@@ -748,7 +766,7 @@ def test_an_observation_that_is_no_text_is_named_never_turned_into_its_repr(
     assert message in str(caught.value)
 
 
-def test_a_gymnasium_environment_lives_on_the_thread_that_made_it(catalog_yaml, user_package):
+def test_a_gymnasium_environment_lives_on_the_thread_that_made_it(catalog_yaml, user_package, tmp_path):
     """Every call ran on a fresh thread (and the first episode's environment was made on the harness's):
     an environment bound to its thread (sqlite, a sync Playwright) failed its first reset."""
     spec = _spec(catalog_yaml, {"entry": "my_envs:KeepsItsThread", "adapter": "gymnasium"})
@@ -761,7 +779,8 @@ def test_a_gymnasium_environment_lives_on_the_thread_that_made_it(catalog_yaml, 
             await episode.close()
 
     asyncio.run(play())
-    assert first.environment.thread.thread is not second.environment.thread.thread
+    made, reset = dict(_notes(tmp_path, "made")), {name: thread for name, _, thread in _notes(tmp_path, "reset")}
+    assert len(reset) == 2 and all(reset[name] == made[name] for name in reset)  # each on the thread that made it
 
 
 def test_a_last_observation_that_is_no_text_is_never_read_so_never_refused(catalog_yaml, user_package):
@@ -784,32 +803,32 @@ def test_a_first_observation_past_the_context_and_a_task_with_no_question_are_na
         asyncio.run(episode.reset())
 
 
-def test_a_task_set_is_indexed_in_a_thread_never_on_the_harness_loop(catalog_yaml, user_package):
+def test_a_task_set_is_indexed_in_a_thread_never_on_the_harness_loop(catalog_yaml, user_package, tmp_path):
     """A set may make each task as it is indexed: a slow one must not stall the harness's clock."""
     spec = _spec(catalog_yaml, {"entry": "my_envs:picked", "adapter": "tasks"})
     episode = _pool(spec)[0].new_group()[0]
     asyncio.run(episode.reset())
-    import my_envs
-
-    assert my_envs.PICKED_IN == ["user-environment"]
+    assert _notes(tmp_path, "picked-in") == [["user-environment"]]
 
 
-def test_an_environment_is_closed_once_and_a_close_that_raises_is_named(catalog_yaml, user_package):
+def test_an_environment_is_closed_once_and_a_close_that_raises_is_named(catalog_yaml, user_package, tmp_path):
     spec = _spec(catalog_yaml, {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium"})
     pool, _ = _pool(spec)
     episode = pool.new_group()[0]
     asyncio.run(episode.reset())
     asyncio.run(episode.close())
     asyncio.run(episode.close())  # the run's end closing what an ended episode already closed
-    made, closed = _ledger(Path(sys.modules["my_envs"].LEDGER).parent)  # the module imported first, this process
-    assert closed[episode.environment.env.name] == 1 and made[episode.environment.env.name] == 1
+    made, closed = _ledger(tmp_path)
+    assert len(made) == 1 and closed == made  # the one environment made, closed once
     spec = _spec(catalog_yaml, {"entry": "my_envs:ClosesBadly", "adapter": "gymnasium"})
     episode = _pool(spec)[0].new_group()[0]
     with pytest.raises(UserEnvironmentError, match="ClosesBadly raised ProcessLookupError closing g0/e0: no such"):
         asyncio.run(episode.close())
 
 
-def test_an_environment_whose_step_the_run_end_cut_off_is_closed_once_that_step_answers(catalog_yaml, user_package):
+def test_an_environment_whose_step_the_run_end_cut_off_is_closed_once_that_step_answers(
+    catalog_yaml, user_package, tmp_path
+):
     """The run's end cancels the calls under way; a gymnasium environment's step goes on in its thread, so
     its close waits for that step to answer (it was skipped, and the environment left open)."""
     spec = _spec(catalog_yaml, {"entry": "my_envs:SlowToAnswer", "adapter": "gymnasium"})
@@ -824,8 +843,8 @@ def test_an_environment_whose_step_the_run_end_cut_off_is_closed_once_that_step_
         await episode.close()
 
     asyncio.run(cut_off())
-    made, closed = _ledger(Path(sys.modules["my_envs"].LEDGER).parent)
-    assert closed[episode.environment.env.name] == 1 == made[episode.environment.env.name]
+    made, closed = _ledger(tmp_path)
+    assert len(made) == 1 and closed == made
 
 
 def test_the_reference_loop_closes_every_environment_it_made(catalog_yaml, user_package, tmp_path):
@@ -834,7 +853,7 @@ def test_the_reference_loop_closes_every_environment_it_made(catalog_yaml, user_
     from targets.harness.reference.loop import run_reference
 
     spec = _spec(catalog_yaml, {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium"})
-    folder = Path(sys.modules["my_envs"].LEDGER).parent  # the package as imported (an earlier test's, maybe)
+    folder = tmp_path  # where the package the environments' process imports writes
     before = set(_ledger(folder)[0])  # made as the spec was checked
     run_reference(spec, steps=1, seed=0)
     made, closed = _ledger(folder)
@@ -846,7 +865,7 @@ def test_the_reference_loop_closes_every_environment_it_made(catalog_yaml, user_
     with pytest.raises(UserEnvironmentError, match="FirstCloseFails raised ProcessLookupError closing"):
         run_reference(spec, steps=1, seed=0)
     made, closed = _ledger(folder)
-    failed = set(sys.modules["my_envs"].FirstCloseFails.FAILED)
+    failed = {name for name, *_ in _notes(folder, "close-failed")}
     assert set(made) - before - failed <= set(closed) and failed and not failed & set(closed)
 
 
@@ -891,7 +910,7 @@ def test_a_user_environment_needs_a_real_run_and_a_chat_tokenizer(catalog_yaml, 
     assert result.exit_code == 2 and "my_envs has no attribute Nowhere" in result.output
     assert "Traceback" not in result.output
     # validate makes one environment: params the entry refuses are named there, not 20 s into a check
-    ledger = Path(sys.modules["my_envs"].LEDGER).parent  # where this process's first import writes
+    ledger = tmp_path  # where the package the check's process imports writes
     made_before, closed_before = (set(c) for c in _ledger(ledger))
     for params, said in (({"highest": 3}, "does not take params {'highest': 3}"), ({}, None)):
         catalog_yaml["workload"]["environment"] = {
@@ -953,9 +972,17 @@ def test_a_real_run_on_a_user_environment_passes_check_with_its_rewards(
 
 def _ledger(folder: Path) -> tuple[Counter, Counter]:
     """What the package's HiddenNumber wrote of the instances it made and those it closed."""
-    path = folder / "ledger.txt"
+    lines = _notes(folder)
+    return Counter(n[0] for what, *n in lines if what == "made"), Counter(
+        n[0] for what, *n in lines if what == "closed"
+    )
+
+
+def _notes(folder: Path, what: str | None = None) -> list[list[str]]:
+    """The package's notes (``_note``) in ``folder``'s ledger, as written (those of one kind: their words)."""
+    path = folder / "ledger.txt"  # written by the process the environments ran in
     lines = [line.split() for line in path.read_text().splitlines()] if path.exists() else []  # none made yet
-    return Counter(n for what, n in lines if what == "made"), Counter(n for what, n in lines if what == "closed")
+    return lines if what is None else [words for kind, *words in lines if kind == what]
 
 
 def test_a_run_on_an_environment_that_cannot_be_made_is_refused_before_its_folder_is(
@@ -1037,7 +1064,11 @@ def test_the_ecosystems_own_environments_through_the_adapters(catalog_yaml):
     episode = pool.new_group()[0]
     rules = tokenizer.decode(asyncio.run(episode.reset()), skip_special_tokens=True)
     assert "You are playing Guess The Number" in rules
-    secret = episode.environment.env.game_number
+    import gem
+
+    secret = gem.make("game:GuessTheNumber-v0-easy")  # the same game, here: its number for the episode's task
+    secret.reset(seed=episode.task)
+    secret = secret.game_number
     result = asyncio.run(episode.step(tokenizer.encode(f"\\boxed{{{secret}}}", add_special_tokens=False)))
     assert result.done and result.reward > 0, result
 
@@ -1049,7 +1080,9 @@ def test_the_ecosystems_own_environments_through_the_adapters(catalog_yaml):
     pool, _ = _pool(parse_target(catalog_yaml))
     episode = pool.new_group()[0]
     asyncio.run(episode.reset())
-    answer = episode.environment.entry["answer"]
+    import reasoning_gym
+
+    answer = reasoning_gym.create_dataset("basic_arithmetic", size=8, seed=1)[episode.task % 8]["answer"]
     result = asyncio.run(episode.step(tokenizer.encode(answer, add_special_tokens=False)))
     assert (result.reward, result.done) == (1.0, True)
 
@@ -1076,7 +1109,7 @@ def test_a_step_that_does_not_answer_in_time_times_the_episode_out(catalog_yaml,
         asyncio.run(episode.step([5, 6]))  # its own timeout, at once: named as raised, not as a hang
 
 
-def test_an_environment_whose_step_was_abandoned_is_closed_once_the_step_answers(catalog_yaml, user_package):
+def test_an_environment_whose_step_was_abandoned_is_closed_once_the_step_answers(catalog_yaml, user_package, tmp_path):
     """A step past the trajectory's time is abandoned (a thread cannot be stopped), and the episode's close
     returned at once: the environment was never closed, and what it holds (a container, a subprocess)
     leaked with every timeout (a review of user environments). Its close now waits on the environment's
@@ -1085,14 +1118,14 @@ def test_an_environment_whose_step_was_abandoned_is_closed_once_the_step_answers
     spec = _spec(catalog_yaml, {"entry": "my_envs:SlowThenCloses", "adapter": "gymnasium"})
     episode = _pool(spec)[0].new_group()[0]
 
-    folder = Path(sys.modules["my_envs"].LEDGER).parent  # the package as imported (an earlier test's, maybe)
+    folder = tmp_path  # where the package the environments' process imports writes
 
     async def main() -> str:
         await episode.reset()
         result = await episode.step([5, 6])
         assert result.timed_out and episode.abandoned is not None
         await episode.close()  # as the run closes every episode
-        name = episode.environment.env.name
+        (name,) = _ledger(folder)[0]
         assert name not in _ledger(folder)[1]  # the step is still under way: nothing closed under it
         await asyncio.sleep(1.0)  # the step has answered (0.6 s) and the close has run behind it
         return name
@@ -1101,24 +1134,23 @@ def test_an_environment_whose_step_was_abandoned_is_closed_once_the_step_answers
     assert _ledger(folder)[1][name] == 1
 
 
-def test_an_async_environment_abandoned_mid_step_is_closed_once_its_cleanup_is_over(catalog_yaml, user_package):
+def test_an_async_environment_abandoned_mid_step_is_closed_once_its_cleanup_is_over(
+    catalog_yaml, user_package, tmp_path
+):
     """The text adapter's abandoned step is cancelled, and its cleanup may await: the close waits for the
     cancelled call to be done, never closing the environment under its own cleanup (a review)."""
     catalog_yaml["workload"]["trajectory_timeout_s"] = 0.3
     spec = _spec(catalog_yaml, {"entry": "my_envs:CleansUpSlowly", "adapter": "text"})
     episode = _pool(spec)[0].new_group()[0]
-    folder = Path(sys.modules["my_envs"].LEDGER).parent
 
-    async def main() -> str:
+    async def main() -> None:
         await episode.reset()
         assert (await episode.step([5, 6])).timed_out
         await episode.close()
         await asyncio.sleep(0.5)  # the cleanup (0.2 s) is over, and the close has run behind it
-        return episode.environment.name
 
-    name = asyncio.run(main())
-    made, closed = _ledger(folder)
-    assert closed[name] == 1, (name, closed)
+    asyncio.run(main())
+    assert [kind for kind, *_ in _notes(tmp_path)] == ["closed"]  # once, never "closed-during-cleanup"
 
 
 def test_an_abandoned_call_never_holds_the_process_open():
@@ -1159,14 +1191,14 @@ def test_what_no_future_can_hold_is_still_named_and_a_pile_of_running_calls_is_r
         asyncio.run(adapters.in_user_thread(print, "never"))
 
 
-def test_a_step_after_the_trajectorys_time_is_up_never_reaches_the_environment(catalog_yaml, user_package):
+def test_a_step_after_the_trajectorys_time_is_up_never_reaches_the_environment(catalog_yaml, user_package, tmp_path):
     catalog_yaml["workload"]["trajectory_timeout_s"] = 0.2
     spec = _spec(catalog_yaml, {"entry": "my_envs:Breaks", "adapter": "gymnasium"})
     episode = _pool(spec)[0].new_group()[0]
     asyncio.run(episode.reset())
     time.sleep(0.3)
     result = asyncio.run(episode.step([5, 6]))
-    assert result.done and result.timed_out and episode.environment.env.turn == 0  # never asked
+    assert result.done and result.timed_out and not _notes(tmp_path, "stepped")  # never asked
 
 
 def test_env_state_is_the_harness_environments_not_a_users(catalog_yaml, user_package):
@@ -1175,3 +1207,75 @@ def test_env_state_is_the_harness_environments_not_a_users(catalog_yaml, user_pa
     catalog_yaml["workload"]["env_state"] = {"change_rate": 0.2, "checkpoint_s": 1, "restore_s": 2}
     with pytest.raises(SpecError, match="env_state models crashes.*my_envs:HiddenNumber is the user's"):
         _spec(catalog_yaml, {"entry": "my_envs:HiddenNumber", "adapter": "gymnasium"})
+
+
+def _evaluated(episode, tokenizer, text: str):
+    """The step whose action is ``text``, a candidate's engine's (it evaluates as code in ``EvalScored``)."""
+    asyncio.run(episode.reset())
+    return asyncio.run(episode.step(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def test_an_action_evaluated_as_code_never_reaches_the_harness(catalog_yaml, user_package):
+    """A scorer that evaluates the model's answer ran the candidate's text in the harness's process: an
+    answer that replaced the trace's record method would have hidden its episodes from the audit. It runs in
+    the environment's process now: what it patches there, the harness never sees."""
+    from targets.harness.trace import Trace as HarnessTrace
+
+    spec = _spec(catalog_yaml, {"entry": "my_envs:eval_scored", "adapter": "tasks"})
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    record = HarnessTrace.record
+    patch = (
+        "setattr(__import__('targets.harness.trace', fromlist=['Trace']).Trace, 'record', lambda *a, **k: None) or 1"
+    )
+    pool, trace = _pool(spec)
+    try:
+        result = _evaluated(pool.new_group()[0], tokenizer, patch)
+    finally:
+        patched, HarnessTrace.record = HarnessTrace.record is not record, record  # restored: other tests use it
+    assert result.reward == 1.0  # the text ran, in the environment's process
+    assert not patched and [e.kind for e in trace.events if e.kind == "env_step"] == ["env_step"]
+    pool.close()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_a_sandboxed_environment_sees_no_run_folder_no_harness_and_writes_only_where_it_says(
+    catalog_yaml, user_package, tmp_path
+):
+    """Under bubblewrap the environment's process sees no harness process, no run folder (the trace, the
+    weights), and writes nowhere but its /tmp and the folders its spec names ``writable``."""
+    run, notes = tmp_path / "run", tmp_path / "notes"
+    run.mkdir()
+    notes.mkdir()
+    (run / "trace.jsonl").write_text("the harness's\n")
+    environment = {"entry": "my_envs:eval_scored", "adapter": "tasks", "writable": [str(notes)]}
+    spec = _spec(catalog_yaml, environment)
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    clock = WallClock()
+    pool = EnvironmentPool(
+        spec.workload,
+        clock,
+        Trace(clock),
+        model_path=str(model_dir(spec.model)),
+        sandbox=Sandbox("bubblewrap"),
+        hidden=[run],
+    )
+    checkout = Path(__file__).resolve().parents[1]
+    probes = {
+        "read": f"len(open('{run}/trace.jsonl').read())",
+        "forge": f"open('{run}/trace.jsonl', 'a').write('forged')",  # a tmpfs there: the run's file untouched
+        "signal": f"__import__('os').kill({os.getpid()}, 0)",  # no harness process in its namespace
+        "plant": f"open('{checkout}/targets/planted.py', 'w').write('x')",
+        "note": f"open('{notes}/said.txt', 'w').write('ok')",
+    }
+    said = {}
+    for name, text in probes.items():
+        try:
+            said[name] = _evaluated(pool.new_group()[0], tokenizer, text).reward
+        except UserEnvironmentError as error:
+            said[name] = str(error)
+    pool.close()
+    assert said["forge"] == 6.0 and (run / "trace.jsonl").read_text() == "the harness's\n"
+    assert "raised FileNotFoundError" in said["read"], said
+    assert "raised ProcessLookupError" in said["signal"], said
+    assert "Read-only file system" in said["plant"] and not (checkout / "targets" / "planted.py").exists(), said
+    assert said["note"] == 2.0 and (notes / "said.txt").read_text() == "ok"

@@ -287,7 +287,7 @@ def open_tracker(track: str | None, track_dir: Path | None, default_dir: Callabl
 def session(target: str, sandbox: str, time_limit: float | None, simulate: bool = False):
     """The harness session for a command (``Session.open``): the target resolved once, and a user's environment
     made and closed once, so one that cannot be made is named as the user's before a run blames a candidate."""
-    from targets.harness.environments.adapters import check_environment
+    from targets.harness.environments.hosted import check_environment
     from targets.harness.measure.session import Session
     from targets.harness.target import Target
 

@@ -121,7 +121,7 @@ def validate_target(
     Example: vibetrain target validate my-target.yaml
     """
     from skills.starter import baseline_params
-    from targets.harness.environments.adapters import check_environment
+    from targets.harness.environments.hosted import check_environment
     from targets.harness.target import Target
 
     if not path.is_file():

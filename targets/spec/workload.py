@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from targets.api import TrainingConfig
 from targets.spec.base import Strict
@@ -29,6 +29,18 @@ class EnvironmentRef(Strict):
     # extracted answer: the whole response paid partial credit for any text holding the digits)
     system: str | None = None
     answer: str | None = None
+    # the folders a user's environment writes to (its logs, a cache): under bubblewrap it runs with the
+    # filesystem read-only but for a private /tmp and these (docs/targets.md)
+    writable: list[Path] = Field(default_factory=list)
+
+    @field_validator("writable")
+    @classmethod
+    def _absolute(cls, folders: list[Path]) -> list[Path]:
+        folders = [folder.expanduser() for folder in folders]
+        relative = [str(folder) for folder in folders if not folder.is_absolute()]
+        if relative:
+            raise ValueError(f"writable {', '.join(relative)}: give each folder as an absolute path (or ~/...)")
+        return folders
 
     @model_validator(mode="after")
     def _known_environment(self) -> EnvironmentRef:
@@ -50,6 +62,10 @@ class EnvironmentRef(Strict):
                 if groups > 1:
                     raise ValueError(f"answer {self.answer!r} has {groups} groups: give one (the answer) or none")
             return self
+        if self.writable:
+            raise ValueError(
+                "writable is for a user's entry (the folders its code writes to), not the harness environment"
+            )
         for field in ("system", "answer"):
             if getattr(self, field) is not None:
                 raise ValueError(f"{field} is for a user's entry (a chat model's text), not the harness environment")

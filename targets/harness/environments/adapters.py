@@ -14,11 +14,12 @@ called with ``params``) and spoken to as its ``adapter`` says:
   picks ``tasks[seed % len(tasks)]``, and the score is the reward.
 * ``text``: ``entry`` makes an object that is a ``TextEnvironment`` itself (async ``reset``/``step``).
 
-A user's environment code runs in threads of the harness's process, so a slow step never stalls the
-harness's clock: a gymnasium environment on one thread of its own from its making to its close
-(``UserThread``: some belong to the thread that made them), a task set's calls each on a fresh one
-(``in_user_thread``: its tasks are shared and read-only). Every failure to load, make or run one names the entry
-(``UserEnvironmentError``): a user's mistake is a message, never a traceback.
+A user's environment runs in a process of its own (``host.py``, started by ``hosted.py``: its actions are
+text a candidate produced), there in threads, so a slow step never stalls that process's loop: a
+gymnasium environment on one thread of its own from its making to its close (``UserThread``: some belong
+to the thread that made them), a task set's calls each on a fresh one (``in_user_thread``: its tasks are
+shared and read-only). Every failure to load, make or run one names the entry (``UserEnvironmentError``):
+a user's mistake is a message, never a traceback.
 """
 
 from __future__ import annotations
@@ -33,20 +34,16 @@ import queue
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy
 
 from targets.api import TextEnvironment, TextStep
 from targets.errors import UserError
 
-if TYPE_CHECKING:
-    from targets.spec import EnvironmentRef
-
 ADAPTERS = ("gymnasium", "tasks", "text")
 
 
-CHECK_LIMIT_S = 60.0  # making and closing one environment to check an entry: a hung factory is named, not waited on
 MAX_RUNNING = 1024  # calls at once: more than any batch runs, fewer than a process's thread limit
 RUNNING = threading.BoundedSemaphore(MAX_RUNNING)
 
@@ -331,43 +328,3 @@ def environment_factory(entry: str, adapter: str, params: dict) -> Callable[[], 
             "environment's close, where it has one, is a coroutine (targets.api.TextEnvironment)"
         )
     return fresh
-
-
-def check_environment(environment: EnvironmentRef) -> None:
-    """A user's environment (none to check for a harness one): one made through its adapter and closed, as
-    a run makes and closes each, so what the entry does with its params is known before a run starts (or a
-    spec is called valid)."""
-    if environment.entry is None:
-        return
-    entry = str(environment.entry)
-    outcome: list[BaseException | None] = []
-
-    def make_and_close() -> None:
-        try:
-            made = environment_factory(entry, str(environment.adapter), environment.params)()
-            if callable(getattr(made, "close", None)):
-                try:
-                    asyncio.run(made.close())
-                except Exception as error:  # noqa: BLE001 - the user's code: named, as a run names it
-                    raise UserEnvironmentError(
-                        f"environment {entry}: close() raised {type(error).__name__}: {error}"
-                    ) from None
-        except BaseException as error:  # noqa: BLE001 - raised again below, in the caller's thread
-            outcome.append(error)
-        else:
-            outcome.append(None)
-
-    # in a thread of its own, so that a factory, a task set's __len__ or a close() that never returns is named
-    # (the thread is abandoned: nothing can stop it)
-    checking = threading.Thread(target=make_and_close, name=f"check {entry}", daemon=True)
-    checking.start()
-    checking.join(CHECK_LIMIT_S)
-    if not outcome:
-        raise UserEnvironmentError(
-            f"environment {entry}: making one and closing it did not finish within {CHECK_LIMIT_S:g} s (a factory, a "
-            "task set's __len__ or a close() that never returns?)"
-        )
-    if isinstance(outcome[0], SystemExit):  # raised again here, it ended the command with its code and no word
-        raise UserEnvironmentError(f"environment {entry}: called sys.exit({outcome[0].code!r}) when made or closed")
-    if outcome[0] is not None:
-        raise outcome[0]

@@ -4,7 +4,8 @@ recorded in the trace the moment it exists (so the audit can account for every o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from targets.api import DROP_REASONS
@@ -15,7 +16,9 @@ from targets.harness.environments.seeds import RunSeed
 from targets.harness.trace import Trace
 
 if TYPE_CHECKING:
+    from targets.harness.environments.hosted import EnvironmentHost
     from targets.harness.isolation.episode_activity import Idleness
+    from targets.harness.isolation.sandbox import Sandbox
     from targets.spec import WorkloadSpec
 
 
@@ -48,11 +51,15 @@ class EnvironmentPool:
         seed: int | RunSeed = 0,
         counts: bool = False,
         model_path: str | None = None,
+        sandbox: Sandbox | None = None,
+        hidden: Sequence[Path] = (),
     ) -> None:
         """``seed``: what the tasks are drawn from (a bare number: the public derivation). ``counts``: a
         simulated run's pool, whose episodes answer with token counts. ``model_path``: the model whose
-        tokenizer a user's environment's text is rendered with (a real run's)."""
-        self.make_episode = episode_maker(workload, None if counts else model_path)
+        tokenizer a user's environment's text is rendered with (a real run's). ``sandbox``, ``hidden``: how the
+        process a user's environment runs in is sandboxed, and the folders it must not see (the run's)."""
+        self.host: EnvironmentHost | None = None
+        self.make_episode = self._episode_maker(workload, None if counts else model_path, sandbox, hidden)
         self.workload = workload
         self.group_size = workload.group_size
         self.clock = clock
@@ -135,29 +142,38 @@ class EnvironmentPool:
         idle = {} if idleness is None else dataclasses.asdict(idleness)
         self.trace.record("sample_dropped", episode=episode_id, reason=reason, **idle)
 
+    def close(self) -> None:
+        """The process a user's environment ran in, ended (a run's episodes closed first); none for a harness
+        environment."""
+        if self.host is not None:
+            self.host.stop()
 
-def episode_maker(workload: WorkloadSpec, model_path: str | None) -> Callable[..., Episode]:
-    """What makes one episode (called with ``Episode``'s keywords). A user's environment speaks text,
-    so it needs the model's tokenizer (``model_path``): it runs for real, never on the simulator."""
-    from targets.harness.environments.adapters import UserEnvironmentError, environment_factory
+    def _episode_maker(
+        self, workload: WorkloadSpec, model_path: str | None, sandbox: Sandbox | None, hidden: Sequence[Path]
+    ) -> Callable[..., Episode]:
+        """What makes one episode (called with ``Episode``'s keywords). A user's environment speaks text,
+        so it needs the model's tokenizer (``model_path``): it runs for real, never on the simulator, in a
+        process of its own (``hosted.py``)."""
+        from targets.harness.environments.adapters import UserEnvironmentError
 
-    env = workload.environment
-    if env.name is not None:
-        return ENVIRONMENTS[env.name]
-    if model_path is None:
-        raise UserEnvironmentError(
-            f"environment {env.entry} is the user's own: it runs for real with the target's model and tokenizer, "
-            "not on the simulator (a simulated target takes a workload measured on it)"
-        )
-    from targets.harness.environments.chat_format import ChatFormat
-    from targets.harness.environments.text_episode import TextEpisode
-    from targets.harness.model import load_tokenizer
-    from targets.harness.tokenizer import stop_token_ids
+        env = workload.environment
+        if env.name is not None:
+            return ENVIRONMENTS[env.name]
+        if model_path is None:
+            raise UserEnvironmentError(
+                f"environment {env.entry} is the user's own: it runs for real with the target's model and "
+                "tokenizer, not on the simulator (a simulated target takes a workload measured on it)"
+            )
+        from targets.harness.environments.chat_format import ChatFormat
+        from targets.harness.environments.hosted import EnvironmentHost
+        from targets.harness.environments.text_episode import TextEpisode
+        from targets.harness.model import load_tokenizer
+        from targets.harness.tokenizer import stop_token_ids
 
-    make_environment = environment_factory(str(env.entry), str(env.adapter), env.params)
-    chat = ChatFormat(load_tokenizer(model_path), stop_token_ids(model_path), env.system, env.answer)
+        chat = ChatFormat(load_tokenizer(model_path), stop_token_ids(model_path), env.system, env.answer)
+        host = self.host = EnvironmentHost.start(env, sandbox, hidden)
 
-    def make(**episode) -> TextEpisode:
-        return TextEpisode(environment=make_environment(), chat=chat, entry=str(env.entry), **episode)
+        def make(**episode) -> TextEpisode:
+            return TextEpisode(environment=host.environment(), chat=chat, entry=str(env.entry), **episode)
 
-    return make
+        return make

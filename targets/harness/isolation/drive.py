@@ -101,7 +101,17 @@ async def drive_real(
     remote = RemoteCluster(cluster_channel, list(runtime.devices))
     exporter = WeightExporter(layout, exports, weights, remote.export_into)
     remote.start()
-    envs = EnvironmentPool(spec.workload, trace.clock, trace, seed=seed, model_path=runtime.model_path)
+    # a user's environment in a process of its own, sandboxed as the candidate is where bubblewrap is, out of
+    # sight of the run's folder (its actions are the candidate's text)
+    envs = EnvironmentPool(
+        spec.workload,
+        trace.clock,
+        trace,
+        seed=seed,
+        model_path=runtime.model_path,
+        sandbox=processes.sandbox,
+        hidden=[weights.parent],
+    )
     channel = await channel_of(processes, "controller")
     link = ControllerLink(channel, envs, trace.clock, virtual=False, vocab=spec.model.config.vocab_size)
     link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
@@ -154,6 +164,7 @@ async def drive_real(
         saving = asyncio.ensure_future(exporter.saved())
         await asyncio.wait({saving})
         exporter.close()
+        envs.close()
     closing.result()  # reached only when the run itself succeeded: then a failed close is the candidate's failure
     saving.result()
     return {"steps": steps, "versions": [0, *exporter.versions]}

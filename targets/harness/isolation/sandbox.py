@@ -250,6 +250,27 @@ class Sandbox:
             raise SandboxUnavailable(f"unknown sandbox {name!r}")
         return cls(name)
 
+    def wrap_environment(
+        self, command: list[str], *, readable: Sequence[Path], writable: Sequence[Path], hidden: Sequence[Path]
+    ) -> list[str]:
+        """The command that runs a user's environment (``environments/host.py``) under bubblewrap: the user's
+        code, trusted, but evaluating text a candidate produced. It sees the machine as the user does, read-only,
+        with the network (an environment may call a service); it writes to a private /tmp and to ``writable``
+        (the folders its spec names); ``readable`` folders under /tmp (its code's) are bound read-only; it sees no
+        other process (the harness's memory is out of its reach) and no ``hidden`` folder (the run's)."""
+        if self.backend != "bubblewrap":
+            raise ValueError(f"a user's environment is sandboxed by bubblewrap only, not by {self.backend}")
+        wrapped = ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session"]
+        wrapped += ["--cap-drop", "ALL", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        wrapped += ["--tmpfs", "/dev/shm", "--tmpfs", "/tmp"]
+        for path in outermost([Path(p).resolve() for p in readable if Path(p).resolve().is_relative_to("/tmp")]):
+            wrapped += ["--ro-bind", str(path), str(path)]
+        for path in outermost([Path(p).resolve() for p in writable]):
+            wrapped += ["--bind", str(path), str(path)]
+        for path in outermost([Path(p).resolve() for p in hidden if Path(p).exists()]):
+            wrapped += ["--tmpfs", str(path)]  # last: over whatever was bound around or inside it
+        return wrapped + command
+
     def wrap(
         self,
         command: list[str],

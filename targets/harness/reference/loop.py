@@ -111,23 +111,26 @@ def run_reference(
     clock = WallClock()
     pool = EnvironmentPool(spec.workload, clock, Trace(clock), seed=seed, model_path=str(path))
     history = []
-    for step in range(steps):
-        started = time.monotonic()
-        episodes = [e for _ in range(spec.workload.groups_per_step) for e in pool.new_group()]
-        trajectories = asyncio.run(rollout_lockstep(engine, episodes, spec, seed * 100_003 + step, stops))
-        version = trainer.train_step(TrainBatch(trajectories, group_advantages(trajectories)))
-        engine.load_weights(trainer.state_dict(), version)
-        stats = StepStats(
-            step=step,
-            mean_reward=sum(t.reward for t in trajectories) / len(trajectories),
-            mean_turns=sum(len(t.weight_versions) for t in trajectories) / len(trajectories),
-            response_tokens=sum(t.response_tokens for t in trajectories),
-            timeouts=sum(t.timed_out for t in trajectories),
-            loss=trainer.last_loss,
-            grad_norm=trainer.last_grad_norm,
-            seconds=time.monotonic() - started,
-        )
-        history.append(stats)
-        if on_step:
-            on_step(stats)
+    try:
+        for step in range(steps):
+            started = time.monotonic()
+            episodes = [e for _ in range(spec.workload.groups_per_step) for e in pool.new_group()]
+            trajectories = asyncio.run(rollout_lockstep(engine, episodes, spec, seed * 100_003 + step, stops))
+            version = trainer.train_step(TrainBatch(trajectories, group_advantages(trajectories)))
+            engine.load_weights(trainer.state_dict(), version)
+            stats = StepStats(
+                step=step,
+                mean_reward=sum(t.reward for t in trajectories) / len(trajectories),
+                mean_turns=sum(len(t.weight_versions) for t in trajectories) / len(trajectories),
+                response_tokens=sum(t.response_tokens for t in trajectories),
+                timeouts=sum(t.timed_out for t in trajectories),
+                loss=trainer.last_loss,
+                grad_norm=trainer.last_grad_norm,
+                seconds=time.monotonic() - started,
+            )
+            history.append(stats)
+            if on_step:
+                on_step(stats)
+    finally:
+        pool.close()  # the process its environments ran in, when they are the user's
     return history

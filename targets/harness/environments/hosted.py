@@ -1,0 +1,249 @@
+"""The harness's side of a user's environment run in a process of its own (``host.py`` says why):
+``EnvironmentHost`` starts the process and carries its calls, ``HostedEnvironment`` is one episode's
+environment there, behind the contract's ``TextEnvironment``. Calls are answered by a reader thread, so
+they may be awaited on any event loop (a test's ``asyncio.run`` each) or waited for outside one (the
+check of an entry). A host that exits fails every call with what it last wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import concurrent.futures
+import contextlib
+import itertools
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from targets.api import TextStep
+from targets.harness.environments import host as host_module
+from targets.harness.environments.adapters import UserEnvironmentError
+from targets.harness.environments.wire import decode, encode, from_wire
+
+if TYPE_CHECKING:
+    from targets.harness.isolation.sandbox import Sandbox
+    from targets.spec import EnvironmentRef
+
+CHECK_LIMIT_S = 60.0  # making and closing one environment to check an entry: a hung factory is named, not waited on
+STOP_LIMIT_S = 5.0  # how long a host has to end once its input is closed, before it is killed
+STDERR_LINES = 20  # what a host that exits is named with
+
+
+class EnvironmentHost:
+    """One process running one entry's environments (started by ``start``)."""
+
+    def __init__(self, entry: str, process: subprocess.Popen) -> None:
+        self.entry, self.process = entry, process
+        self.numbers = itertools.count()
+        self.waiting: dict[int, concurrent.futures.Future] = {}
+        self.sending = threading.Lock()
+        self.gone: str | None = None  # why calls can no longer be answered
+        self.said: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self.relay = threading.Thread(target=self._relay_stderr, name="environment-host stderr", daemon=True)
+        self.relay.start()
+
+    @classmethod
+    def start(
+        cls, environment: EnvironmentRef, sandbox: Sandbox | None = None, hidden: Sequence[Path] = ()
+    ) -> EnvironmentHost:
+        """The host of ``environment``'s entry, its entry loaded and one environment made to check it.
+        ``sandbox``: a bubblewrap one runs it with the filesystem read-only but for a private /tmp and the
+        environment's ``writable`` folders, and ``hidden`` (the run's folder) out of sight; any other runs it
+        as a plain process (its memory apart from the harness's, the files shared)."""
+        entry = str(environment.entry)
+        command = [sys.executable, "-m", host_module.__name__]  # imported for its name: an export renames it
+        paths = [p for p in sys.path if p and Path(p).is_dir()]  # what the harness imports, the host imports
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        if sandbox is not None and sandbox.backend == "bubblewrap":
+            command = sandbox.wrap_environment(command, readable=paths, writable=environment.writable, hidden=hidden)
+        process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        host = cls(entry, process)
+        params = base64.b64encode(pickle.dumps(environment.params)).decode()  # the user's: any YAML value
+        loaded = host._first({"entry": entry, "adapter": str(environment.adapter), "params": params})
+        if not loaded["loaded"]:
+            host.stop()
+            raise UserEnvironmentError(loaded["error"])
+        threading.Thread(target=host._read, name="environment-host answers", daemon=True).start()
+        return host
+
+    def _first(self, message: dict) -> dict:
+        """The answer to loading the entry, within ``CHECK_LIMIT_S`` (a factory that never returns is named)."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(encode(message))
+        self.process.stdin.flush()
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        reading = threading.Thread(target=lambda: answer.set_result(self.process.stdout.readline()), daemon=True)
+        reading.start()
+        try:
+            line = answer.result(CHECK_LIMIT_S)
+        except concurrent.futures.TimeoutError:
+            self.process.kill()  # its factory holds it: it would not end on its own
+            self.stop()
+            raise UserEnvironmentError(self._not_made()) from None
+        if not line:
+            raise UserEnvironmentError(self._exited())
+        try:
+            return decode(line)
+        except ValueError:
+            self.stop()
+            raise UserEnvironmentError(
+                f"the process running environment {self.entry} answered out of protocol: {line[:200]!r}"
+            ) from None
+
+    def environment(self) -> HostedEnvironment:
+        """A new episode's environment, made in the host (unwaited: what making it raised, its first call raises)."""
+        number = next(self.numbers)
+        self._write({"op": "make", "env": number})
+        return HostedEnvironment(self, number)
+
+    def check(self) -> None:
+        """One environment made and closed, as a run makes and closes each (an entry's check)."""
+        try:
+            self._answer(self._send({"op": "check"}).result(CHECK_LIMIT_S))
+        except concurrent.futures.TimeoutError:
+            raise UserEnvironmentError(self._not_made()) from None
+        except UserEnvironmentError as error:
+            raise UserEnvironmentError(f"environment {self.entry}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - what the user's close raised in the host: named, no traceback
+            raise UserEnvironmentError(f"environment {self.entry}: {type(error).__name__}: {error}") from None
+
+    def _not_made(self) -> str:
+        return (
+            f"environment {self.entry}: making one and closing it did not finish within {CHECK_LIMIT_S:g} s (a "
+            "factory, a task set's __len__ or a close() that never returns?)"
+        )
+
+    async def call(self, op: str, **fields: Any) -> Any:
+        """The host's answer to one call, awaited on the running loop; a caller that stops waiting (the call
+        timed out) tells the host to cancel it."""
+        number, answer = self._send({"op": op, **fields}, with_number=True)
+        try:
+            return self._answer(await asyncio.wrap_future(answer))
+        except asyncio.CancelledError:
+            if self.gone is None:
+                self._write({"op": "cancel", "call": number})
+            raise
+
+    def _send(self, message: dict, with_number: bool = False) -> Any:
+        number = next(self.numbers)
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        self.waiting[number] = answer
+        self._write({"id": number, **message})
+        return (number, answer) if with_number else answer
+
+    def _write(self, message: dict) -> None:
+        if self.gone is not None:
+            raise UserEnvironmentError(self.gone)
+        assert self.process.stdin is not None
+        try:
+            with self.sending:
+                self.process.stdin.write(encode(message))
+                self.process.stdin.flush()
+        except (BrokenPipeError, ValueError):  # it exited (the reader names why), or was stopped
+            raise UserEnvironmentError(self.gone or self._exited()) from None
+
+    @staticmethod
+    def _answer(message: dict) -> Any:
+        if message.get("cancelled"):
+            raise asyncio.CancelledError
+        error = message.get("error")
+        if error is None:
+            return message["ok"]
+        if "user" in error:
+            raise UserEnvironmentError(error["user"])
+        raised = type(str(error["type"]), (Exception,), {})  # named as the user's code named it
+        raise raised(str(error["message"]))
+
+    def _read(self) -> None:
+        """Answers handed to their callers; a line out of protocol ends the host (its code runs the candidate's
+        text: what it says is checked, never trusted to be well formed)."""
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            try:
+                message = decode(line)
+                answer = self.waiting.pop(int(message["id"]), None)
+            except (ValueError, KeyError, TypeError):
+                self.gone = f"the process running environment {self.entry} answered out of protocol: {line[:200]!r}"
+                self.process.kill()
+                break
+            if answer is not None:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # its waiter was cancelled
+                    answer.set_result(message)
+        self.gone = self.gone or self._exited()
+        for answer in self.waiting.values():
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                answer.set_exception(UserEnvironmentError(self.gone))
+        self.waiting.clear()
+
+    def _exited(self) -> str:
+        try:
+            code = self.process.wait(STOP_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.relay.join(STOP_LIMIT_S)  # its last words are read before they are named
+        said = "; it said: " + " | ".join(self.said) if self.said else ""
+        return f"the process running environment {self.entry} exited (code {code}){said}"
+
+    def _relay_stderr(self) -> None:
+        """What the user's code prints, passed on to the harness's stderr (the run's log), the last lines kept."""
+        assert self.process.stderr is not None
+        for raw in self.process.stderr:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.said.append(line)
+            print(line, file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        """The host ended: its input closed (it ends on its own), killed if it has not within ``STOP_LIMIT_S``."""
+        if self.gone is None:
+            self.gone = f"the process running environment {self.entry} was stopped (the run is over)"
+        with contextlib.suppress(BrokenPipeError, ValueError):  # it is gone already
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+        try:
+            self.process.wait(STOP_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class HostedEnvironment:
+    """``TextEnvironment`` for one episode, run by its host; what it answers is rebuilt as the harness reads
+    it (``wire.from_wire``: a value that could not travel keeps its type's name and repr)."""
+
+    def __init__(self, host: EnvironmentHost, number: int) -> None:
+        self.host, self.number = host, number
+
+    async def reset(self, task: int) -> Any:
+        return from_wire(await self.host.call("reset", env=self.number, task=task))
+
+    async def step(self, action: str) -> Any:
+        answer = await self.host.call("step", env=self.number, action=action)
+        if isinstance(answer, dict) and "not_a_step" in answer:
+            return from_wire(answer["not_a_step"])
+        if not (isinstance(answer, dict) and isinstance(answer.get("step"), list) and len(answer["step"]) == 4):
+            raise UserEnvironmentError(f"its process answered a step out of protocol: {answer!r:.200}")
+        return TextStep(*(from_wire(value) for value in answer["step"]))
+
+    async def close(self) -> None:
+        await self.host.call("close", env=self.number)
+
+
+def check_environment(environment: EnvironmentRef) -> None:
+    """A user's environment (none to check for a harness one): one made through its adapter and closed in a
+    host, as a run makes and closes each, so what the entry does with its params is known before a run starts
+    (or a spec is called valid)."""
+    if environment.entry is None:
+        return
+    host = EnvironmentHost.start(environment)
+    try:
+        host.check()
+    finally:
+        host.stop()

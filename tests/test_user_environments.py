@@ -537,6 +537,8 @@ def test_a_task_set_reads_the_answer_its_system_message_asks_for(catalog_yaml, u
         ({"entry": "my_envs:HiddenNumber"}, "say its adapter"),
         ({"name": "guess_number", "entry": "my_envs:HiddenNumber", "adapter": "gymnasium"}, "or bring your own"),
         ({"entry": "my_envs:HiddenNumber", "adapter": "docker"}, "adapter"),
+        ({"entry": "my_envs:tasks", "adapter": "tasks", "writable": ["logs"]}, "give each folder as an absolute path"),
+        ({"name": "guess_number", "writable": ["/tmp"]}, "writable is for a user's entry"),
     ],
     ids=[
         "answer of two groups",
@@ -550,6 +552,8 @@ def test_a_task_set_reads_the_answer_its_system_message_asks_for(catalog_yaml, u
         "no adapter",
         "both",
         "bad adapter",
+        "writable relative",
+        "writable for a harness environment",
     ],
 )
 def test_a_bad_entry_is_a_spec_error_naming_it(catalog_yaml, user_package, environment, message):
@@ -1279,3 +1283,6 @@ def test_a_sandboxed_environment_sees_no_run_folder_no_harness_and_writes_only_w
     assert "raised ProcessLookupError" in said["signal"], said
     assert "Read-only file system" in said["plant"] and not (checkout / "targets" / "planted.py").exists(), said
     assert said["note"] == 2.0 and (notes / "said.txt").read_text() == "ok"
+    environment["writable"] = [str(tmp_path / "nowhere")]  # a folder this machine lacks: named before it starts
+    with pytest.raises(UserEnvironmentError, match=r"writable .*/nowhere is no folder here"):
+        _pool(_spec(catalog_yaml, environment))

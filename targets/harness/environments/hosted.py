@@ -57,6 +57,9 @@ class EnvironmentHost:
         environment's ``writable`` folders, and ``hidden`` (the run's folder) out of sight; any other runs it
         as a plain process (its memory apart from the harness's, the files shared)."""
         entry = str(environment.entry)
+        missing = [str(folder) for folder in environment.writable if not folder.is_dir()]
+        if missing:  # on the machine that runs it (a spec may be written elsewhere): said before it starts
+            raise UserEnvironmentError(f"environment {entry}: writable {', '.join(missing)} is no folder here")
         command = [sys.executable, "-m", host_module.__name__]  # imported for its name: an export renames it
         paths = [p for p in sys.path if p and Path(p).is_dir()]  # what the harness imports, the host imports
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}

@@ -1652,6 +1652,7 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
         "import targets.api\n"
         "remount = subprocess.run(['mount', '-o', 'remount,bind,rw', sys.prefix], capture_output=True)\n"
         "print('remount', remount.returncode)\n"
+        "print('sysctl', os.access('/proc/sys/kernel/core_pattern', os.W_OK))\n"
     )
     try:
         command, env = Sandbox.detect("bubblewrap").wrap(
@@ -1670,6 +1671,7 @@ def test_bubblewrap_drops_every_capability_and_shows_no_run_folder_nor_the_worki
     shown = set(ast.literal_eval(said["checkout"])) - {"tests"}  # pytest puts tests/ on sys.path: an import path
     assert shown == {"targets", "workspaces"}, result.stdout
     assert said["caps"] == "0" and said["remount"] != "0", result.stdout
+    assert said["sysctl"] == "False", result.stdout  # run as root, /proc/sys stayed writable: core_pattern's pipe
     assert said["home"] == "False" and said["git"] in ("[]", "None"), result.stdout
     # its own stack, inside the checkout's worktrees, is there; another round's is not
     assert said["own"] == "True" and said["workspaces"] == f"['{own.name}']", result.stdout

@@ -8,6 +8,7 @@ import asyncio
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +28,7 @@ from skills.starter import write_starter
 from targets.harness.clock import WallClock
 from targets.harness.environments import EnvironmentPool
 from targets.harness.environments.adapters import UserEnvironmentError
+from targets.harness.environments.hosted import Confinement
 from targets.harness.isolation.launch import Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.model import load_tokenizer, model_dir
@@ -39,9 +41,6 @@ import asyncio
 import itertools
 import os
 import random
-import shutil
-import random
-import shutil
 import re
 import sys
 import threading
@@ -1255,21 +1254,28 @@ def test_a_sandboxed_environment_sees_no_run_folder_no_harness_and_writes_only_w
     spec = _spec(catalog_yaml, environment)
     tokenizer = load_tokenizer(model_dir(spec.model))
     clock = WallClock()
+    listening = socket.create_server(("127.0.0.1", 0))  # a service of the machine's
+    port = listening.getsockname()[1]
     pool = EnvironmentPool(
         spec.workload,
         clock,
         Trace(clock),
         model_path=str(model_dir(spec.model)),
-        sandbox=Sandbox("bubblewrap"),
-        hidden=[run],
+        confinement=Confinement(Sandbox("bubblewrap"), (run,)),
     )
     checkout = Path(__file__).resolve().parents[1]
+    sysctl = "/proc/sys/kernel/printk_ratelimit"  # written as it is, had the write been let through
     probes = {
         "read": f"len(open('{run}/trace.jsonl').read())",
         "forge": f"open('{run}/trace.jsonl', 'a').write('forged')",  # a tmpfs there: the run's file untouched
         "signal": f"__import__('os').kill({os.getpid()}, 0)",  # no harness process in its namespace
         "plant": f"open('{checkout}/targets/planted.py', 'w').write('x')",
         "note": f"open('{notes}/said.txt', 'w').write('ok')",
+        # a red team's, run as root: a sysctl written (core_pattern's pipe runs outside every namespace), and
+        # localhost, abstract sockets and the machine's service sockets under /run reached
+        "sysctl": f"open('{sysctl}', 'w').write(open('{sysctl}').read())",
+        "localhost": f"__import__('socket').create_connection(('127.0.0.1', {port}), timeout=5).close() or 1",
+        "run": "len(__import__('os').listdir('/run'))",
     }
     said = {}
     for name, text in probes.items():
@@ -1278,11 +1284,60 @@ def test_a_sandboxed_environment_sees_no_run_folder_no_harness_and_writes_only_w
         except UserEnvironmentError as error:
             said[name] = str(error)
     pool.close()
+    assert "Read-only file system" in said["sysctl"], said
+    assert "raised ConnectionRefusedError" in said["localhost"] and said["run"] == 0.0, said
     assert said["forge"] == 6.0 and (run / "trace.jsonl").read_text() == "the harness's\n"
     assert "raised FileNotFoundError" in said["read"], said
     assert "raised ProcessLookupError" in said["signal"], said
     assert "Read-only file system" in said["plant"] and not (checkout / "targets" / "planted.py").exists(), said
     assert said["note"] == 2.0 and (notes / "said.txt").read_text() == "ok"
+    environment["network"] = True  # an environment that calls a service says so
+    spec = _spec(catalog_yaml, environment)
+    pool = EnvironmentPool(
+        spec.workload,
+        clock,
+        Trace(clock),
+        model_path=str(model_dir(spec.model)),
+        confinement=Confinement(Sandbox("bubblewrap")),
+    )
+    assert _evaluated(pool.new_group()[0], tokenizer, probes["localhost"]).reward == 1.0
+    pool.close()
+    listening.close()
     environment["writable"] = [str(tmp_path / "nowhere")]  # a folder this machine lacks: named before it starts
     with pytest.raises(UserEnvironmentError, match=r"writable .*/nowhere is no folder here"):
         _pool(_spec(catalog_yaml, environment))
+
+
+def test_a_user_environment_runs_under_bubblewrap_or_not_at_all_beside_docker(catalog_yaml, user_package, monkeypatch):
+    """Beside the Docker sandbox the environment's process ran plain: a red team's answer read the task key
+    from the harness's /proc/PID/environ and wrote into its memory through /proc/PID/mem. It runs under
+    bubblewrap whatever sandbox holds the candidate, and is refused where bubblewrap cannot run (a plain process
+    only where the user named --sandbox subprocess, no isolation at all)."""
+    from targets.harness.isolation import sandbox
+
+    monkeypatch.setattr(sandbox, "_bubblewrap_works", lambda: False)
+    spec = _spec(catalog_yaml, {"entry": "my_envs:eval_scored", "adapter": "tasks"})
+    clock = WallClock()
+    with pytest.raises(UserEnvironmentError, match="runs under bubblewrap, which cannot run here .the docker sandbox"):
+        EnvironmentPool(
+            spec.workload,
+            clock,
+            Trace(clock),
+            model_path=str(model_dir(spec.model)),
+            confinement=Confinement(Sandbox("docker", "an-image")),
+        )
+
+
+def test_an_answer_line_past_its_limit_ends_the_host_by_name(catalog_yaml, user_package, monkeypatch):
+    """What the host writes is read a line at a time: a red team's answer wrote 768 MB with no end of line
+    into its answers and the harness's memory grew by as much. A line past ``LINE_LIMIT`` ends the host."""
+    from targets.harness.environments import hosted
+
+    monkeypatch.setattr(hosted, "LINE_LIMIT", 4096)
+    spec = _spec(catalog_yaml, {"entry": "my_envs:eval_scored", "adapter": "tasks"})
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    pool, _ = _pool(spec)
+    flood = "__import__('os').write(4, b'x' * 8192) and 1"  # fd 4: its answers (host.py dups stdin, then stdout)
+    with pytest.raises(UserEnvironmentError, match="answered out of protocol .a line of 4096 bytes with no end"):
+        _evaluated(pool.new_group()[0], tokenizer, flood)
+    pool.close()

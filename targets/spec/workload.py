@@ -32,6 +32,7 @@ class EnvironmentRef(Strict):
     # the folders a user's environment writes to (its logs, a cache): under bubblewrap it runs with the
     # filesystem read-only but for a private /tmp and these (docs/targets.md)
     writable: list[Path] = Field(default_factory=list)
+    network: bool = False  # whether it reaches the network (a service it calls): it does not by default
 
     @field_validator("writable")
     @classmethod
@@ -62,10 +63,11 @@ class EnvironmentRef(Strict):
                 if groups > 1:
                     raise ValueError(f"answer {self.answer!r} has {groups} groups: give one (the answer) or none")
             return self
-        if self.writable:
-            raise ValueError(
-                "writable is for a user's entry (the folders its code writes to), not the harness environment"
-            )
+        for field in ("writable", "network"):
+            if getattr(self, field):
+                raise ValueError(
+                    f"{field} is for a user's entry (where its code writes, what it reaches), not a harness one"
+                )
         for field in ("system", "answer"):
             if getattr(self, field) is not None:
                 raise ValueError(f"{field} is for a user's entry (a chat model's text), not the harness environment")

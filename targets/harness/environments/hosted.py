@@ -17,7 +17,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,19 @@ if TYPE_CHECKING:
 CHECK_LIMIT_S = 60.0  # making and closing one environment to check an entry: a hung factory is named, not waited on
 STOP_LIMIT_S = 5.0  # how long a host has to end once its input is closed, before it is killed
 STDERR_LINES = 20  # what a host that exits is named with
+LINE_LIMIT = 64 << 20  # an answer's line: a long observation's text, far short of filling the harness's memory
+STDERR_CHUNK = 8192  # what it prints is relayed in pieces of at most this: a line with no end fills nothing
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """How a run confines the process its user's environment runs in: under bubblewrap wherever the run's
+    ``sandbox`` isolates at all (Docker's too: its containers hold the candidate), with ``hidden`` (the run's
+    folder) out of sight and its tmpfs sized at ``memory_bytes``."""
+
+    sandbox: Sandbox
+    hidden: tuple[Path, ...] = ()
+    memory_bytes: int | None = None
 
 
 class EnvironmentHost:
@@ -49,13 +62,10 @@ class EnvironmentHost:
         self.relay.start()
 
     @classmethod
-    def start(
-        cls, environment: EnvironmentRef, sandbox: Sandbox | None = None, hidden: Sequence[Path] = ()
-    ) -> EnvironmentHost:
+    def start(cls, environment: EnvironmentRef, confinement: Confinement | None = None) -> EnvironmentHost:
         """The host of ``environment``'s entry, its entry loaded and one environment made to check it.
-        ``sandbox``: a bubblewrap one runs it with the filesystem read-only but for a private /tmp and the
-        environment's ``writable`` folders, and ``hidden`` (the run's folder) out of sight; any other runs it
-        as a plain process (its memory apart from the harness's, the files shared)."""
+        ``confinement``: a run's (``Sandbox.wrap_environment``); none, or the ``subprocess`` sandbox, runs it as
+        a plain process, no isolation (the check of an entry and the reference loop read no candidate's text)."""
         entry = str(environment.entry)
         missing = [str(folder) for folder in environment.writable if not folder.is_dir()]
         if missing:  # on the machine that runs it (a spec may be written elsewhere): said before it starts
@@ -63,8 +73,8 @@ class EnvironmentHost:
         command = [sys.executable, "-m", host_module.__name__]  # imported for its name: an export renames it
         paths = [p for p in sys.path if p and Path(p).is_dir()]  # what the harness imports, the host imports
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-        if sandbox is not None and sandbox.backend == "bubblewrap":
-            command = sandbox.wrap_environment(command, readable=paths, writable=environment.writable, hidden=hidden)
+        if confinement is not None and confinement.sandbox.backend != "subprocess":
+            command = _confined(command, environment, confinement, paths)
         process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
         )
@@ -83,7 +93,9 @@ class EnvironmentHost:
         self.process.stdin.write(encode(message))
         self.process.stdin.flush()
         answer: concurrent.futures.Future = concurrent.futures.Future()
-        reading = threading.Thread(target=lambda: answer.set_result(self.process.stdout.readline()), daemon=True)
+        reading = threading.Thread(
+            target=lambda: answer.set_result(self.process.stdout.readline(LINE_LIMIT)), daemon=True
+        )
         reading.start()
         try:
             line = answer.result(CHECK_LIMIT_S)
@@ -169,12 +181,16 @@ class EnvironmentHost:
         """Answers handed to their callers; a line out of protocol ends the host (its code runs the candidate's
         text: what it says is checked, never trusted to be well formed)."""
         assert self.process.stdout is not None
-        for line in self.process.stdout:
+        for line in iter(lambda: self.process.stdout.readline(LINE_LIMIT), b""):
             try:
+                if not line.endswith(b"\n"):  # longer than any answer, or cut off as it exited
+                    raise ValueError(f"a line of {len(line)} bytes with no end")
                 message = decode(line)
                 answer = self.waiting.pop(int(message["id"]), None)
-            except (ValueError, KeyError, TypeError):
-                self.gone = f"the process running environment {self.entry} answered out of protocol: {line[:200]!r}"
+            except (ValueError, KeyError, TypeError) as error:
+                self.gone = (
+                    f"the process running environment {self.entry} answered out of protocol ({error}): {line[:200]!r}"
+                )
                 self.process.kill()
                 break
             if answer is not None:
@@ -198,7 +214,7 @@ class EnvironmentHost:
     def _relay_stderr(self) -> None:
         """What the user's code prints, passed on to the harness's stderr (the run's log), the last lines kept."""
         assert self.process.stderr is not None
-        for raw in self.process.stderr:
+        for raw in iter(lambda: self.process.stderr.readline(STDERR_CHUNK), b""):
             line = raw.decode(errors="replace").rstrip("\n")
             self.said.append(line)
             print(line, file=sys.stderr, flush=True)
@@ -215,6 +231,27 @@ class EnvironmentHost:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def _confined(command: list[str], environment: EnvironmentRef, confinement: Confinement, paths: list[str]) -> list[str]:
+    from targets.harness.isolation.sandbox import Sandbox, SandboxUnavailable
+
+    try:
+        bubblewrap = Sandbox.detect("bubblewrap")
+    except SandboxUnavailable:
+        raise UserEnvironmentError(
+            f"environment {environment.entry} reads the candidate's text, so it runs under bubblewrap, which cannot "
+            f"run here (the {confinement.sandbox.backend} sandbox holds the candidate alone): install bubblewrap, or "
+            "pass --sandbox subprocess to accept no isolation"
+        ) from None
+    return bubblewrap.wrap_environment(
+        command,
+        readable=[Path(p) for p in paths],
+        writable=environment.writable,
+        hidden=confinement.hidden,
+        network=environment.network,
+        memory_bytes=confinement.memory_bytes,
+    )
 
 
 class HostedEnvironment:

@@ -4,8 +4,7 @@ recorded in the trace the moment it exists (so the audit can account for every o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from targets.api import DROP_REASONS
@@ -16,9 +15,8 @@ from targets.harness.environments.seeds import RunSeed
 from targets.harness.trace import Trace
 
 if TYPE_CHECKING:
-    from targets.harness.environments.hosted import EnvironmentHost
+    from targets.harness.environments.hosted import Confinement, EnvironmentHost
     from targets.harness.isolation.episode_activity import Idleness
-    from targets.harness.isolation.sandbox import Sandbox
     from targets.spec import WorkloadSpec
 
 
@@ -51,15 +49,14 @@ class EnvironmentPool:
         seed: int | RunSeed = 0,
         counts: bool = False,
         model_path: str | None = None,
-        sandbox: Sandbox | None = None,
-        hidden: Sequence[Path] = (),
+        confinement: Confinement | None = None,
     ) -> None:
         """``seed``: what the tasks are drawn from (a bare number: the public derivation). ``counts``: a
         simulated run's pool, whose episodes answer with token counts. ``model_path``: the model whose
-        tokenizer a user's environment's text is rendered with (a real run's). ``sandbox``, ``hidden``: how the
-        process a user's environment runs in is sandboxed, and the folders it must not see (the run's)."""
+        tokenizer a user's environment's text is rendered with (a real run's). ``confinement``: how a run confines
+        the process a user's environment runs in (``hosted.py``)."""
         self.host: EnvironmentHost | None = None
-        self.make_episode = self._episode_maker(workload, None if counts else model_path, sandbox, hidden)
+        self.make_episode = self._episode_maker(workload, None if counts else model_path, confinement)
         self.workload = workload
         self.group_size = workload.group_size
         self.clock = clock
@@ -149,7 +146,7 @@ class EnvironmentPool:
             self.host.stop()
 
     def _episode_maker(
-        self, workload: WorkloadSpec, model_path: str | None, sandbox: Sandbox | None, hidden: Sequence[Path]
+        self, workload: WorkloadSpec, model_path: str | None, confinement: Confinement | None
     ) -> Callable[..., Episode]:
         """What makes one episode (called with ``Episode``'s keywords). A user's environment speaks text,
         so it needs the model's tokenizer (``model_path``): it runs for real, never on the simulator, in a
@@ -171,7 +168,7 @@ class EnvironmentPool:
         from targets.harness.tokenizer import stop_token_ids
 
         chat = ChatFormat(load_tokenizer(model_path), stop_token_ids(model_path), env.system, env.answer)
-        host = self.host = EnvironmentHost.start(env, sandbox, hidden)
+        host = self.host = EnvironmentHost.start(env, confinement)
 
         def make(**episode) -> TextEpisode:
             return TextEpisode(environment=host.environment(), chat=chat, entry=str(env.entry), **episode)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from targets.api import Declared, Runtime
 from targets.harness.environments import EnvironmentPool
+from targets.harness.environments.hosted import Confinement
 from targets.harness.ipc import shared_ring
 from targets.harness.ipc.channel import AsyncChannel, Frame
 from targets.harness.ipc.remote import CandidateError, RemoteCluster, raise_if_error
@@ -101,16 +102,15 @@ async def drive_real(
     remote = RemoteCluster(cluster_channel, list(runtime.devices))
     exporter = WeightExporter(layout, exports, weights, remote.export_into)
     remote.start()
-    # a user's environment in a process of its own, sandboxed as the candidate is where bubblewrap is, out of
-    # sight of the run's folder (its actions are the candidate's text)
+    # a user's environment in a process of its own, under bubblewrap, out of sight of the run's folder (its
+    # actions are the candidate's text)
     envs = EnvironmentPool(
         spec.workload,
         trace.clock,
         trace,
         seed=seed,
         model_path=runtime.model_path,
-        sandbox=processes.sandbox,
-        hidden=[weights.parent],
+        confinement=Confinement(processes.sandbox, (weights.parent,), processes.memory_bytes),
     )
     channel = await channel_of(processes, "controller")
     link = ControllerLink(channel, envs, trace.clock, virtual=False, vocab=spec.model.config.vocab_size)

@@ -197,6 +197,18 @@ def outermost(paths: Sequence[Path]) -> list[Path]:
     return kept
 
 
+PROC_KERNEL = ("sys", "sysrq-trigger", "irq", "bus")  # /proc's kernel settings
+
+
+def proc_guards() -> list[str]:
+    """``--ro-bind`` over /proc's kernel settings: bwrap covers them itself only where it may write them, and
+    /proc/sys is mode 0555, so a sandbox run as root, its capabilities dropped, kept its files (0644, root's)
+    writable: a red team set a sysctl from inside, and ``kernel.core_pattern``'s pipe runs as root outside
+    every namespace."""
+    present = [f"/proc/{name}" for name in PROC_KERNEL if os.path.exists(f"/proc/{name}")]
+    return [arg for path in present for arg in ("--ro-bind", path, path)]
+
+
 def gpu_device_nodes() -> list[str]:
     return sorted(glob.glob("/dev/nvidia*"))
 
@@ -251,25 +263,38 @@ class Sandbox:
         return cls(name)
 
     def wrap_environment(
-        self, command: list[str], *, readable: Sequence[Path], writable: Sequence[Path], hidden: Sequence[Path]
+        self,
+        command: list[str],
+        *,
+        readable: Sequence[Path],
+        writable: Sequence[Path],
+        hidden: Sequence[Path],
+        network: bool,
+        memory_bytes: int | None,
     ) -> list[str]:
         """The command that runs a user's environment (``environments/host.py``) under bubblewrap: the user's
-        code, trusted, but evaluating text a candidate produced. It sees the machine as the user does, read-only,
-        with the network (an environment may call a service); it writes to a private /tmp and to ``writable``
-        (the folders its spec names); ``readable`` folders under /tmp (its code's) are bound read-only; it sees no
-        other process (the harness's memory is out of its reach) and no ``hidden`` folder (the run's)."""
+        code, trusted, but reading text a candidate produced. It sees the machine as the user does, read-only;
+        it writes to a private /tmp and to ``writable`` (the folders its spec names); ``readable`` folders under
+        /tmp (its code's) are bound read-only; it sees no other process (the harness's memory is out of its
+        reach), no ``hidden`` folder (the run's), no /run (the machine's service sockets: Docker's, D-Bus's) and,
+        unless its spec says ``network``, no network (a red team's reached abstract sockets and localhost)."""
         if self.backend != "bubblewrap":
             raise ValueError(f"a user's environment is sandboxed by bubblewrap only, not by {self.backend}")
-        wrapped = ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session"]
-        wrapped += ["--cap-drop", "ALL", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        wrapped += ["--tmpfs", "/dev/shm", "--tmpfs", "/tmp"]
+        wrapped = ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", *([] if network else ["--unshare-net"])]
+        wrapped += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--ro-bind", "/", "/"]
+        wrapped += ["--dev", "/dev", "--proc", "/proc", *proc_guards()]
+        for tmpfs in ("/dev/shm", "/tmp", "/run"):
+            wrapped += (["--size", str(memory_bytes)] if memory_bytes is not None else []) + ["--tmpfs", tmpfs]
+        resolver = Path("/etc/resolv.conf").resolve()
+        if network and resolver.is_relative_to("/run") and resolver.exists():  # systemd-resolved's, under /run
+            wrapped += ["--ro-bind", str(resolver.parent), str(resolver.parent)]
         for path in outermost([Path(p).resolve() for p in readable if Path(p).resolve().is_relative_to("/tmp")]):
             wrapped += ["--ro-bind", str(path), str(path)]
         for path in outermost([Path(p).resolve() for p in writable]):
             wrapped += ["--bind", str(path), str(path)]
         for path in outermost([Path(p).resolve() for p in hidden if Path(p).exists()]):
             wrapped += ["--tmpfs", str(path)]  # last: over whatever was bound around or inside it
-        return wrapped + command
+        return wrapped + ["--remount-ro", "/dev"] + command
 
     def wrap(
         self,
@@ -330,6 +355,7 @@ class Sandbox:
                 "/dev",
                 "--proc",
                 "/proc",
+                *proc_guards(),
             ]
             for tmpfs in ("/tmp", "/dev/shm"):
                 wrapped += (["--size", str(memory_bytes)] if memory_bytes is not None else []) + ["--tmpfs", tmpfs]

@@ -375,13 +375,19 @@ def test_a_file_scanned_clean_and_then_edited_is_scanned_again(tmp_path, tiny_sp
     assert not result.passed and any("imports harness internals" in r for r in result.reasons), result.reasons
 
 
-def test_a_file_that_declares_another_encoding_is_read_as_python_reads_it(tmp_path, tiny_spec):
+def test_a_file_that_declares_another_encoding_is_refused(tmp_path, tiny_spec):
     """Python decodes a source file by the encoding it declares: in UTF-7 ``+AAo-`` is a line break, so a
-    comment read as UTF-8 is an import read as Python reads it."""
+    comment read as UTF-8 is code read as Python reads it. The scan read it as Python does, but the LLM review's
+    page and its read_file read UTF-8: a red team's utf_7 line set a flag the review saw as a comment."""
     stack = write_starter(tmp_path / "s", tiny_spec, "static_split")
     (stack / "stack" / "planted.py").write_bytes(b"# coding: utf_7\nx = 1  # +AAo-import gc\n")
     result = scan_stack(stack)
-    assert not result.passed and "stack/planted.py:3: imports gc, an introspection escape hatch" in result.reasons
+    assert not result.passed and result.reasons == [
+        "stack/planted.py: declares the encoding utf_7: a stack's source is UTF-8, as its reviewers read it (a line "
+        "Python decodes as code may read as a comment in another)"
+    ]
+    (stack / "stack" / "planted.py").write_bytes(b"# -*- coding: ascii -*-\nx = 1\n")  # a subset of UTF-8
+    assert scan_stack(stack).passed
     (stack / "stack" / "planted.py").write_bytes(b"x = 1\x00\n")  # Python would not import it either
     assert scan_stack(stack).reasons == ["stack/planted.py: syntax error: source code string cannot contain null bytes"]
 

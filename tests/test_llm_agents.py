@@ -648,6 +648,22 @@ def test_an_edit_that_breaks_python_says_so_with_the_line(toolbox):
     assert fixed.endswith("stack/colocate.py compiles.")
 
 
+def test_a_file_past_what_the_scan_reads_is_never_compiled_nor_edited_on_the_host(toolbox, monkeypatch):
+    """edit_file compiled the whole file in the orchestrator's process: a red team's 4 MB list literal took it
+    from 44 MB to 2.2 GB (some 600 times the file). Past the integrity scan's 1 MiB it is not compiled (the gate
+    refuses it); past read_file's 8 MiB, not read."""
+    from agents.llm import tools
+
+    big = toolbox.workspace / "stack" / "big.py"
+    big.write_text("x = [" + "1, " * 400_000 + "]\n")  # 1.2 MB
+    compiled = []
+    monkeypatch.setattr(tools, "compile", lambda *args: compiled.append(args), raising=False)
+    said = _call(toolbox, "edit_file", path="stack/big.py", old="x = [", new="y = [")
+    assert "over the 1048576 the integrity scan reads: refused" in said and not compiled
+    monkeypatch.setattr(tools, "MAX_READ_BYTES", 1 << 20)
+    assert "more than the 1048576 edit_file reads" in _call(toolbox, "edit_file", path="stack/big.py", old="y", new="x")
+
+
 def test_read_file_views_numbered_line_ranges_and_the_contract_read_only(toolbox):
     view = _call(toolbox, "read_file", path="stack/colocate.py", start_line=2, end_line=3)
     total = len((toolbox.workspace / "stack/colocate.py").read_text().splitlines())

@@ -28,6 +28,7 @@ from agents.llm.client import ToolCall, ToolSpec
 from agents.reaped_run import CommandLimits, run_reaped
 from skills.library import load_skills, search_skills
 from targets.harness.isolation.containers import owned_containers
+from targets.harness.judge.integrity import MAX_SOURCE_BYTES
 
 MAX_RESULT = 12_000
 MAX_DESIGN = 40_000  # DESIGN.md's characters in a prompt: the agent writes it, and every later call carries it
@@ -132,6 +133,8 @@ def compile_note(path: Path, relative: str) -> str:
     """Whether a Python file still compiles after a change (empty for other files)."""
     if path.suffix != ".py":
         return ""
+    if (size := path.stat().st_size) > MAX_SOURCE_BYTES:  # compiled here it would take ~600 times that in memory
+        return f"\nWARNING: {relative} is {size} bytes, over the {MAX_SOURCE_BYTES} the integrity scan reads: refused."
     try:
         compile(path.read_text(), relative, "exec")
     except SyntaxError as error:
@@ -338,6 +341,8 @@ class Toolbox:
         path = self._writable(a.path)
         if not path.is_file():
             raise ToolResultError(f"no file {a.path!r} to edit (write_file creates one)")
+        if (size := path.stat().st_size) > MAX_READ_BYTES:
+            raise ToolResultError(f"{a.path} is {size} bytes, more than the {MAX_READ_BYTES} edit_file reads")
         text = path.read_text()
         count = text.count(a.old)
         if count == 0:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import ast
 import compileall
 import hashlib
+import io
 import threading
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,8 +135,17 @@ def source_reasons(source: bytes, where: str) -> tuple[str, ...]:
     return _scanned[key]
 
 
+UTF8_ENCODINGS = ("utf-8", "utf-8-sig", "ascii")  # what a reader (the review page, read_file) decodes alike
+
+
 def _file_reasons(source: bytes, where: str) -> tuple[str, ...]:
     try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
+        if encoding not in UTF8_ENCODINGS:  # utf_7 hid a line of code from a UTF-8 reading of the review page
+            return (
+                f"{where}: declares the encoding {encoding}: a stack's source is UTF-8, as its reviewers read it "
+                "(a line Python decodes as code may read as a comment in another)",
+            )
         return _tree_reasons(parse_source(source, where), where)
     except SyntaxError as error:  # undecodable bytes and null bytes too: Python would not import it either
         line = f":{error.lineno}" if error.lineno else ""

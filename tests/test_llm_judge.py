@@ -144,7 +144,7 @@ def test_the_review_reads_a_hack_hidden_in_an_ignored_file_and_the_gate_refuses_
 
 def test_what_the_candidate_sizes_never_fills_the_reviewers_page(server, workspace, tmp_path, tiny_spec):
     """The files git ignores and the implementer's account went into the review's prompt whole: a
-    candidate adding thousands of ignored files (outside stack/, which the gate allows) or a
+    candidate adding thousands of ignored files (which the gate refuses, but not before the review) or a
     book-length account could make the provider refuse the prompt, and a refused review was an
     outage that left the decision to the gate alone."""
     (workspace / "notes").mkdir()
@@ -166,11 +166,12 @@ def test_what_the_candidate_sizes_never_fills_the_reviewers_page(server, workspa
     assert len(system) < 60_000
 
 
-def test_an_ignored_module_beside_the_stack_is_refused_by_the_gate_and_other_ignored_files_are_listed(
+def test_an_ignored_module_beside_the_stack_and_an_ignored_data_file_are_refused_by_the_gate(
     workspace, tmp_path, fast_target, sandbox
 ):
     """The candidate's root is on ``sys.path`` too: an ignored ``helpers.py`` or ``.pth`` there runs as the
-    stack's own, yet no diff or commit shows it. An ignored file nothing imports (a log) is only listed."""
+    stack's own, yet no diff or commit shows it. An ignored file nothing imports was only listed: a red team's
+    stack read its answers from one (``open('../answers.json')``), which no commit, export or later round held."""
     (workspace / "helpers.py").write_text(HACK)
     (workspace / "site.pth").write_text("import helpers\n")
     (workspace / "run.log").write_text("a log\n")
@@ -182,8 +183,13 @@ def test_an_ignored_module_beside_the_stack_is_refused_by_the_gate_and_other_ign
         "the stack could import it (its folder is on sys.path): the run would use a file the review and the commit "
         "never see; delete it or stop ignoring it"
     )
+    opened = (
+        "the stack could open it: the run would use a file the review and the commit never see; delete it or stop "
+        "ignoring it"
+    )
     assert verdict.reasons == [
         f"ignored_files: helpers.py: git ignores it (.gitignore:3:helpers.py), yet {beside}",
+        f"ignored_files: run.log: git ignores it (.gitignore:5:run.log), yet {opened}",
         f"ignored_files: site.pth: git ignores it (.gitignore:4:site.pth), yet {beside}",
     ]
     assert "run.log" in verdict.checks[0].details["ignored"]

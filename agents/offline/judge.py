@@ -58,9 +58,9 @@ def ignore_rules(workspace: Path, paths: list[str]) -> dict[str, str]:
 
 
 def ignored_files_check(workspace: Path) -> CheckResult:
-    """Removes the bytecode caches, then fails on every file git ignores that lies under ``stack/``
-    or that the stack could import; the other ignored files are listed in the details (the LLM
-    review reads them)."""
+    """Removes the bytecode caches, then fails on every file git ignores: the judged candidate is the one a
+    commit holds. Under ``stack/`` or importable beside it, the run would import it; any other, the stack could
+    open it (a red team's stack read an ignored ``answers.json`` that no later round, export or review saw)."""
     removed = remove_bytecode_caches(workspace)
     ignored = ignored_files(workspace)
     details: dict = {"removed_bytecode_caches": removed}
@@ -68,15 +68,21 @@ def ignored_files_check(workspace: Path) -> CheckResult:
         details["ignored"] = "not in a git work tree: a commit leaves nothing out"
         return CheckResult("ignored_files", True, [], details)
     details["ignored"] = first_of(ignored)
-    refused = [p for p in ignored if p.startswith("stack/") or Path(p).suffix in IMPORTABLE]
-    rules = ignore_rules(workspace, refused)
-    where = {True: "it lies in stack/", False: "the stack could import it (its folder is on sys.path)"}
+    rules = ignore_rules(workspace, ignored[:SHOWN])
     reasons = [
-        f"{path}: git ignores it ({rules.get(path, 'no rule reported')}), yet {where[path.startswith('stack/')]}: "
-        "the run would use a file the review and the commit never see; delete it or stop ignoring it"
-        for path in refused
-    ]
+        f"{path}: git ignores it ({rules.get(path, 'no rule reported')}), yet {_how_the_run_uses(path)}: the run "
+        "would use a file the review and the commit never see; delete it or stop ignoring it"
+        for path in ignored[:SHOWN]
+    ] + ([f"... {len(ignored) - SHOWN} more files git ignores"] if len(ignored) > SHOWN else [])
     return CheckResult("ignored_files", not reasons, reasons, details)
+
+
+def _how_the_run_uses(path: str) -> str:
+    if path.startswith("stack/"):
+        return "it lies in stack/"
+    if Path(path).suffix in IMPORTABLE:
+        return "the stack could import it (its folder is on sys.path)"
+    return "the stack could open it"
 
 
 def params_check(workspace: Path) -> CheckResult:

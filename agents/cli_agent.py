@@ -34,6 +34,7 @@ turn or cost flag: its budget is checked before each call, the timeout bounds it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import shutil
@@ -46,7 +47,8 @@ import targets.api
 from agents.cli_tools import MAX_ATTEMPT_USD, CLIResult, CLITool, run_cli
 from agents.llm.accounting import Accounting
 from agents.llm.agents import ImplementerOutput, expand_annotations, implementer_prompt
-from agents.llm.client import AssistantTurn, ToolSpec
+from agents.llm.client import CONTENT_REFUSAL, AssistantTurn, ToolSpec
+from agents.llm.errors import LLMRefused
 from agents.llm.loop import StuckError, parse_answer
 from agents.roles import AgentError, Attempt, Hint, Task
 
@@ -251,7 +253,7 @@ class CLIChatClient:
         self.accounting.check_budget()
         budget = budget_usd(self.accounting, self.max_call_usd)
         argv = self.tool.review_argv(self.exe, model=self.model, budget_usd=budget)
-        with tempfile.TemporaryDirectory(prefix="vibetrain-review-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="vibetrain-review-") as scratch, _refusals():
             result = run_counted(
                 self.accounting,
                 self.tool,
@@ -264,8 +266,22 @@ class CLIChatClient:
                 timeout_s=self.timeout_s,
             )
         if result.failure:  # out of turns or budget: the judge rejects (a candidate can derail its reviewer)
-            raise (StuckError if result.derailed else AgentError)(result.failure)
+            with _refusals():
+                raise (StuckError if result.derailed else AgentError)(result.failure)
         return AssistantTurn(result.text, [], result.input_tokens, result.output_tokens)
+
+
+@contextlib.contextmanager
+def _refusals():
+    """A CLI failure that says the prompt's content was the reason (past the window, flagged) raised as the API
+    clients raise it, ``LLMRefused``, which the review rejects: a red team's ignored files, listed in the
+    prompt, pushed a review past Claude's window, and the outage left the candidate to the gate alone."""
+    try:
+        yield
+    except AgentError as error:
+        if not isinstance(error, StuckError) and CONTENT_REFUSAL.search(str(error)):
+            raise LLMRefused(str(error)) from None
+        raise
 
 
 def conversation(system: str, messages: list[dict]) -> str:

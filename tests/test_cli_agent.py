@@ -436,6 +436,15 @@ def test_a_cli_review_that_runs_out_of_turns_rejects_never_falls_back_to_the_gat
     ]
 
 
+def test_a_cli_review_refused_for_its_prompt_rejects_never_falls_back_to_the_gate(tmp_path, monkeypatch, workspace):
+    """A red team's ignored files, each listed in the review's prompt, pushed it past Claude's window: the
+    API clients' refusal rejects, the CLI's was an outage that left the candidate to the gate alone."""
+    _fake(tmp_path, monkeypatch, "claude", "too_long")
+    judge = LLMJudge(PassingGate(), CLIChatClient(cli_tool("claude"), Accounting()), file_access=False)
+    verdict = judge.judge(workspace, tmp_path / "out", TASK)
+    assert not verdict.passed and "Prompt is too long" in verdict.reasons[0], verdict.reasons
+
+
 def test_the_cli_review_client_takes_no_tools(tmp_path, monkeypatch):
     _fake(tmp_path, monkeypatch, "codex", "success")
     client = CLIChatClient(cli_tool("codex"), Accounting())

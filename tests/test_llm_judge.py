@@ -150,6 +150,11 @@ def test_what_the_candidate_sizes_never_fills_the_reviewers_page(server, workspa
     (workspace / "notes").mkdir()
     for i in range(3000):
         (workspace / "notes" / f"n{i:04d}.log").write_text("")
+    deep = workspace / "notes" / "\x01"  # names of control characters, each shown as a repr: 4 times as long
+    for _ in range(12):
+        deep = deep / ("\x01" * 200)
+    deep.mkdir(parents=True)
+    (deep / "x.log").write_text("")
     with (workspace / ".gitignore").open("a") as ignore:
         ignore.write("notes/\n")
     server.script("judge", Reply(tool_calls=[("finish", {"verdict": "accept", "reasons": []})]))
@@ -161,7 +166,8 @@ def test_what_the_candidate_sizes_never_fills_the_reviewers_page(server, workspa
         .passed
     )
     system = _system(server)
-    assert system.count("- notes/n") == 50 and "- ... 2950 more\n" in system
+    assert system.count("- notes/n") == 49 and "- ... 2951 more\n" in system
+    assert re.search(r"- 'notes/\\x01[^\n]{150,}\.\.\. \(\d{4} characters\)\n", system)  # the deep one's repr, cut
     assert system.count("spares.") == 500 and "(cut: the account is 16000 characters)" in system
     assert len(system) < 60_000
 

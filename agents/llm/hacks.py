@@ -107,10 +107,10 @@ HACKS = (
     Hack(
         "hidden files",
         ("ignored_files", "integrity"),
-        "files git ignores in stack/, or importable anywhere, are refused; bytecode caches are removed "
-        "before every run; compiled modules without source are refused",
-        "the ignored files listed below, data files the stack opens, and code outside stack/ that the "
-        "stack imports (the candidate's folder is on sys.path, but the integrity scan reads stack/ only)",
+        "every file git ignores is refused; bytecode caches are removed before every run; compiled modules "
+        "without source and source declaring an encoding other than UTF-8 are refused",
+        "data files the stack opens (committed, so in the diff), and code outside stack/ that the stack "
+        "imports (the candidate's folder is on sys.path, but the integrity scan reads stack/ only)",
     ),
     Hack(
         "changing the workload or the sampling",

@@ -44,6 +44,7 @@ log = logging.getLogger("vibetrain.judge")
 
 DETAILS_LIMIT = 800  # characters of one check's details in the prompt
 ACCOUNT_LIMIT = 4_000  # characters of the implementer's account in the prompt
+NAME_SHOWN = 200  # characters of one ignored file's name in the prompt
 ACCOUNT_END = "</implementer-account>"  # the fence around it (judge.j2): its words are its claims, not the prompt's
 
 
@@ -189,7 +190,12 @@ class LLMJudge:
         # a file name may hold a line break (and a fake heading after it): such a one as a Python literal
         listed = ["(the workspace is not a git work tree)"]
         if ignored is not None:
-            listed = [name if name.isprintable() else repr(name) for name in first_of(ignored)]
+            shown = [name if name.isprintable() else repr(name) for name in first_of(ignored)]
+            # each cut: a red team's 50 names of 3,600 control characters, each a repr, filled 692k characters
+            listed = [
+                name if len(name) <= NAME_SHOWN else f"{name[:NAME_SHOWN]}... ({len(name)} characters)"
+                for name in shown
+            ]
         return PROMPTS.get_template("judge.j2").render(
             task=task or Task(id="unknown", title="(not given)", rationale=""),
             account=account,

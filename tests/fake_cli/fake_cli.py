@@ -5,7 +5,8 @@ CLI name with the scenario baked in: the CLI's environment is allowlisted, so a 
 through variables).
 
 Scenarios: ``success`` (implement: edit stack/params.json; review: accept), ``reject`` (review: reject),
-``max_turns`` (claude stops at its turn limit), ``failed`` (codex's turn fails, exit 1),
+``max_turns`` (claude stops at its turn limit), ``too_long`` (claude's review: the prompt is past its
+window), ``failed`` (codex's turn fails, exit 1),
 ``bad_annotation`` (implement: leave an annotation that cannot be expanded), ``hang`` (start a sleeping
 grandchild, record the token on its command line, sleep; on SIGTERM leave ``<record>.terminated``),
 ``daemon`` (start a grandchild that leaves the process group with setsid and keeps stdout open, record
@@ -85,6 +86,10 @@ def main(name: str, scenario: str, record: str) -> None:
         return
     if review and scenario == "max_turns":
         print((HERE / "claude_max_turns.json").read_text(), end="")
+        return
+    if review and scenario == "too_long":  # what claude prints for a prompt past the model's window
+        result = {"type": "result", "subtype": "success", "is_error": True, "result": "Prompt is too long"}
+        print(json.dumps({**result, "num_turns": 1, "total_cost_usd": 0, "usage": {"input_tokens": 0}}))
         return
     if review:
         stream = "claude_review_reject.json" if scenario == "reject" else "claude_review_accept.json"

@@ -38,6 +38,7 @@ MAX_CANDIDATE_BYTES = 256 * 2**20  # a candidate is source and small data; more 
 RECORD_DIR = ".vibetrain"  # the run's records in each commit (the judge's report, the round's): the harness's
 RECORD_FILES = (f"{RECORD_DIR}/judge.json", f"{RECORD_DIR}/round.json")
 MAX_DEPTH = 64  # folders nested in a candidate, at most: deeper is refused, never walked by recursion
+LONG_PATH_BYTES = 2048  # a folder's path, at most: one past it is not walked (names inside reach PATH_MAX, 4096)
 
 _TRUSTED: dict[Path, tuple[Path, bytes]] = {}  # workspace -> (its git directory, its .git link as written)
 
@@ -72,7 +73,7 @@ def plants(workspace: Path) -> dict[str, list[str]]:
     """Below the workspace's root, relative to it: every ``.git`` (a repository, or a link to one),
     git control file, symbolic link, and special file (a FIFO, a socket, a device: reading one blocks or never
     ends) (the root's own ``.git`` aside)."""
-    kinds = ("repositories", "control", "links", "special", "deep", "records")
+    kinds = ("repositories", "control", "links", "special", "deep", "long", "records")
     found: dict[str, list[str]] = {kind: [] for kind in kinds}
     folders = [(workspace, 0)]  # walked with a list, not by recursion: a tree thousands deep is named, not a crash
     while folders:
@@ -91,6 +92,8 @@ def plants(workspace: Path) -> dict[str, list[str]]:
             elif entry.is_dir(follow_symlinks=False):
                 if depth + 1 >= MAX_DEPTH:
                     found["deep"].append(relative)
+                elif len(os.fsencode(entry.path)) > LONG_PATH_BYTES:  # a red team's 20 names of 250: ENAMETOOLONG
+                    found["long"].append(relative)  # in every walk by path, the worktree's removal left undone
                 else:
                     folders.append((Path(entry.path), depth + 1))
             elif not entry.is_file(follow_symlinks=False):
@@ -134,6 +137,10 @@ def tampering(workspace: Path) -> list[str]:
         for path in found["special"]
     ]
     reasons += [f"{path}: folders nested {MAX_DEPTH} deep in the candidate; flatten it" for path in found["deep"]]
+    reasons += [
+        f"{path[:200]}... ({len(path)} characters): a folder whose path passes {LONG_PATH_BYTES} bytes; shorten it"
+        for path in found["long"]
+    ]
     reasons += [
         f"{path}: a file among the run's records ({RECORD_DIR}/), which the review's diff leaves out; put it in stack/"
         for path in found["records"]

@@ -324,6 +324,23 @@ def test_folders_nested_thousands_deep_are_named_never_a_crash(tmp_path, run):
         subprocess.run(["rm", "-rf", str(workspace / "stack" / "d")], check=True)
 
 
+def test_folders_of_long_names_are_named_and_removed_never_a_crash(tmp_path, run):
+    """A red team's twenty nested folders of 250-character names: the tampering check's walk by path raised
+    ENAMETOOLONG, the worktree was never removed, and --resume stopped on it. Named past 2048 bytes, removed."""
+    history, workspace = run
+    folder = os.open(workspace / "stack", os.O_RDONLY)
+    for _ in range(20):  # each made in the last, opened: no path names the deepest (it passes PATH_MAX)
+        os.mkdir("x" * 250, dir_fd=folder)
+        inner = os.open("x" * 250, os.O_RDONLY, dir_fd=folder)
+        os.close(folder)
+        folder = inner
+    os.close(folder)
+    said = workspace_git.tampering(workspace)
+    assert any(reason.startswith("stack/xxx") and "passes 2048 bytes; shorten it" in reason for reason in said), said
+    history.remove_worktree(workspace)
+    assert not workspace.exists()
+
+
 def test_a_round_that_meets_a_bug_keeps_its_traceback_and_the_run_goes_on(tmp_path, fast_target):
     """One round's failure never stops the run; its record says what and where (the traceback, kept once
     the round has ended: it was in the round's outputs, removed with them): a bug in an agent or the loop

@@ -316,10 +316,10 @@ class TextStep:
 
 @runtime_checkable
 class TextEnvironment(Protocol):
-    """A user's own environment (``workload.environment.entry``; ``environments/adapters.py`` makes
-    one from gymnasium-style environments and verifiable task sets). One instance an episode, run by
-    the harness in its processes: text in, text out, the reward is the reward; ``task`` is the seed the
-    episode's group shares. Its ``async close()``, if any, is awaited once the episode (or the run) ends."""
+    """A user's own environment (``workload.environment.entry``, made by ``environments/adapters.py``). One
+    instance an episode, run by the harness in a process of its own (sandboxed: the spec's ``writable`` and
+    ``network``): text in, text out, the reward is the reward; ``task`` is the seed the episode's group
+    shares. Its ``async close()``, if any, is awaited once the episode (or the run) ends."""
 
     async def reset(self, task: int) -> str: ...
 

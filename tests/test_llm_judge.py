@@ -151,7 +151,7 @@ def test_what_the_candidate_sizes_never_fills_the_reviewers_page(server, workspa
     for i in range(3000):
         (workspace / "notes" / f"n{i:04d}.log").write_text("")
     deep = workspace / "notes" / "\x01"  # names of control characters, each shown as a repr: 4 times as long
-    for _ in range(12):
+    for _ in range(8):  # short of the 2048 bytes past which a folder's path is refused as planted
         deep = deep / ("\x01" * 200)
     deep.mkdir(parents=True)
     (deep / "x.log").write_text("")
@@ -181,6 +181,10 @@ def test_an_ignored_module_beside_the_stack_and_an_ignored_data_file_are_refused
     (workspace / "helpers.py").write_text(HACK)
     (workspace / "site.pth").write_text("import helpers\n")
     (workspace / "run.log").write_text("a log\n")
+    cache = workspace / "stack" / ".pytest_cache"  # as an agent's own pytest run leaves it: removed, not refused
+    (cache / "v" / "cache").mkdir(parents=True)
+    (cache / ".gitignore").write_text("# Created by pytest automatically.\n*\n")
+    (cache / "v" / "cache" / "lastfailed").write_text("{}")
     with (workspace / ".gitignore").open("a") as ignore:
         ignore.write("helpers.py\nsite.pth\nrun.log\n")
     verdict = _gate(fast_target, sandbox).judge(workspace, tmp_path / "gate")
@@ -199,6 +203,7 @@ def test_an_ignored_module_beside_the_stack_and_an_ignored_data_file_are_refused
         f"ignored_files: site.pth: git ignores it (.gitignore:4:site.pth), yet {beside}",
     ]
     assert "run.log" in verdict.checks[0].details["ignored"]
+    assert "stack/.pytest_cache" in verdict.checks[0].details["removed_bytecode_caches"] and not cache.exists()
 
 
 @pytest.mark.parametrize("params", [None, "{not json", "[1, 2]"], ids=["missing", "not json", "a list"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from targets.harness.clock import WallClock
 from targets.harness.environments import EnvironmentPool
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.hosted import Confinement
+from targets.harness.isolation import sandbox as sandbox_module
 from targets.harness.isolation.launch import Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.model import load_tokenizer, model_dir
@@ -1240,7 +1240,7 @@ def test_an_action_evaluated_as_code_never_reaches_the_harness(catalog_yaml, use
     pool.close()
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+@pytest.mark.skipif(not sandbox_module._bubblewrap_works(), reason="bubblewrap cannot run here")
 def test_a_sandboxed_environment_sees_no_run_folder_no_harness_and_writes_only_where_it_says(
     catalog_yaml, user_package, tmp_path
 ):

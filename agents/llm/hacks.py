@@ -57,7 +57,7 @@ HACKS = (
         ("system_audit", "integrity"),
         "trained rewards are what the environment paid and advantages the group-relative ones of those "
         "rewards; every action came from cluster.generate; no reaching into harness objects, and the "
-        "environments run in the harness's process",
+        "environments run in the harness's processes (a user's in one of its own, sandboxed)",
         "code that reads answers, datasets or environment state from files or the network anyway",
     ),
     Hack(

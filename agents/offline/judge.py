@@ -1,7 +1,7 @@
 """Offline judge: the harness's deterministic gate (``Session.check``: integrity scan, accuracy
 checks 1-3, a system run and its audit, the parent's own checks) plus the agents' static scans: no
 validation annotation left unexpanded, a ``stack/params.json`` the search can read, and no file git
-ignores that the run could use. Candidate code runs in the sandbox, out of the harness's process.
+ignores. Candidate code runs in the sandbox, out of the harness's process.
 
 Why ignored files: the round commits the workspace with ``git add -A``, which leaves out what git
 ignores, and the LLM review reads the diff. A file git ignores would run in the judged candidate yet
@@ -12,6 +12,8 @@ are removed before every run (``remove_bytecode_caches``), so only source ever r
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from agents import workspace_git
@@ -29,6 +31,21 @@ def first_of(items: list[str], shown: int = SHOWN) -> list[str]:
     """The first ``shown`` of ``items``, and a line saying how many more: a list the candidate sizes
     (files it adds) must not fill a check's details or a reviewer's page."""
     return items[:shown] + ([f"... {len(items) - shown} more"] if len(items) > shown else [])
+
+
+TOOL_CACHES = (".pytest_cache", ".ruff_cache", ".mypy_cache", ".hypothesis")  # each ignores itself (a "*" rule)
+
+
+def remove_tool_caches(workspace: Path) -> list[str]:
+    """The caches an agent's own test and lint runs leave (pytest's, ruff's), removed as bytecode caches are:
+    ignored, they would otherwise be refused, and no stack reads them."""
+    removed = []
+    for folder, subfolders, _ in os.walk(workspace):  # links are not followed
+        for name in [n for n in subfolders if n in TOOL_CACHES]:
+            shutil.rmtree(Path(folder) / name)
+            removed.append(str((Path(folder) / name).relative_to(workspace)))
+            subfolders.remove(name)
+    return sorted(removed)
 
 
 def ignored_files(workspace: Path) -> list[str] | None:
@@ -61,7 +78,7 @@ def ignored_files_check(workspace: Path) -> CheckResult:
     """Removes the bytecode caches, then fails on every file git ignores: the judged candidate is the one a
     commit holds. Under ``stack/`` or importable beside it, the run would import it; any other, the stack could
     open it (a red team's stack read an ignored ``answers.json`` that no later round, export or review saw)."""
-    removed = remove_bytecode_caches(workspace)
+    removed = remove_bytecode_caches(workspace) + remove_tool_caches(workspace)
     ignored = ignored_files(workspace)
     details: dict = {"removed_bytecode_caches": removed}
     if ignored is None:

@@ -1,5 +1,5 @@
 """The environments users already have, behind the contract's ``TextEnvironment`` (one instance an
-episode, in the harness's processes), loaded from the spec's ``entry`` (``package.module:callable``,
+episode, in a process the harness starts: ``host.py``), loaded from the spec's ``entry`` (``package.module:callable``,
 called with ``params``) and spoken to as its ``adapter`` says:
 
 * ``gymnasium``: a text environment with gymnasium's interface, as GEM's environments have it:

@@ -55,7 +55,8 @@ class EnvironmentHost:
         self.entry, self.process = entry, process
         self.numbers = itertools.count()
         self.waiting: dict[int, concurrent.futures.Future] = {}
-        self.sending = threading.Lock()
+        self.sending = threading.Lock()  # one message written at a time
+        self.answering = threading.Lock()  # ``waiting`` and ``gone``, between the callers and the reader
         self.gone: str | None = None  # why calls can no longer be answered
         self.said: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
         self.relay = threading.Thread(target=self._relay_stderr, name="environment-host stderr", daemon=True)
@@ -81,17 +82,20 @@ class EnvironmentHost:
         host = cls(entry, process)
         params = base64.b64encode(pickle.dumps(environment.params)).decode()  # the user's: any YAML value
         loaded = host._first({"entry": entry, "adapter": str(environment.adapter), "params": params})
-        if not loaded["loaded"]:
+        if loaded.get("loaded") is not True:
             host.stop()
-            raise UserEnvironmentError(loaded["error"])
+            raise UserEnvironmentError(str(loaded.get("error")))
         threading.Thread(target=host._read, name="environment-host answers", daemon=True).start()
         return host
 
     def _first(self, message: dict) -> dict:
         """The answer to loading the entry, within ``CHECK_LIMIT_S`` (a factory that never returns is named)."""
         assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(encode(message))
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(encode(message))
+            self.process.stdin.flush()
+        except BrokenPipeError:  # it ended before it read a word (bwrap refused its mounts, say)
+            raise UserEnvironmentError(self._exited()) from None
         answer: concurrent.futures.Future = concurrent.futures.Future()
         reading = threading.Thread(
             target=lambda: answer.set_result(self.process.stdout.readline(LINE_LIMIT)), daemon=True
@@ -143,14 +147,17 @@ class EnvironmentHost:
         try:
             return self._answer(await asyncio.wrap_future(answer))
         except asyncio.CancelledError:
-            if self.gone is None:
+            with contextlib.suppress(UserEnvironmentError):  # a host already gone has nothing to cancel
                 self._write({"op": "cancel", "call": number})
             raise
 
     def _send(self, message: dict, with_number: bool = False) -> Any:
         number = next(self.numbers)
         answer: concurrent.futures.Future = concurrent.futures.Future()
-        self.waiting[number] = answer
+        with self.answering:  # never added after the reader failed what was waiting: it would wait forever
+            if self.gone is not None:
+                raise UserEnvironmentError(self.gone)
+            self.waiting[number] = answer
         self._write({"id": number, **message})
         return (number, answer) if with_number else answer
 
@@ -162,20 +169,24 @@ class EnvironmentHost:
             with self.sending:
                 self.process.stdin.write(encode(message))
                 self.process.stdin.flush()
-        except (BrokenPipeError, ValueError):  # it exited (the reader names why), or was stopped
-            raise UserEnvironmentError(self.gone or self._exited()) from None
+        except (BrokenPipeError, ValueError):  # it exited (the reader names why, when it has read all), or was stopped
+            raise UserEnvironmentError(
+                self.gone or f"the process running environment {self.entry} exited (code {self.process.poll()})"
+            ) from None
 
     @staticmethod
     def _answer(message: dict) -> Any:
         if message.get("cancelled"):
             raise asyncio.CancelledError
         error = message.get("error")
-        if error is None:
+        if error is None and "ok" in message:
             return message["ok"]
+        if not isinstance(error, dict):
+            raise UserEnvironmentError(f"its process answered out of protocol: {message!r:.200}")
         if "user" in error:
-            raise UserEnvironmentError(error["user"])
-        raised = type(str(error["type"]), (Exception,), {})  # named as the user's code named it
-        raise raised(str(error["message"]))
+            raise UserEnvironmentError(str(error["user"]))
+        raised = type(str(error.get("type")), (Exception,), {})  # named as the user's code named it
+        raise raised(str(error.get("message")))
 
     def _read(self) -> None:
         """Answers handed to their callers; a line out of protocol ends the host (its code runs the candidate's
@@ -188,19 +199,25 @@ class EnvironmentHost:
                 message = decode(line)
                 answer = self.waiting.pop(int(message["id"]), None)
             except (ValueError, KeyError, TypeError) as error:
-                self.gone = (
+                breach = (
                     f"the process running environment {self.entry} answered out of protocol ({error}): {line[:200]!r}"
                 )
                 self.process.kill()
-                break
+                self._fail_waiting(breach)
+                return
             if answer is not None:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):  # its waiter was cancelled
                     answer.set_result(message)
-        self.gone = self.gone or self._exited()
-        for answer in self.waiting.values():
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
+        self._fail_waiting(self._exited())
+
+    def _fail_waiting(self, why: str) -> None:
+        """No call is answered from now on: those waiting fail with ``why``, and later ones at once."""
+        with self.answering:
+            self.gone = self.gone or why
+            waiting, self.waiting = list(self.waiting.values()), {}
+        for answer in waiting:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # its waiter was cancelled
                 answer.set_exception(UserEnvironmentError(self.gone))
-        self.waiting.clear()
 
     def _exited(self) -> str:
         try:

@@ -42,7 +42,7 @@ from targets.harness.reward_model.service import RewardModelService
 from targets.harness.sim.cluster import SimCluster
 from targets.harness.sim.cost_model import ClusterCosts
 from targets.harness.sim.reward import judge_costs_of, placement_refused
-from targets.harness.sim.serving import serving_pool_of
+from targets.harness.sim.serving import ServingPool, serving_pool_of
 from targets.harness.trace import Trace
 from targets.spec import TargetSpec
 
@@ -104,7 +104,8 @@ async def drive_real(
     remote.start()
     # a user's environment in a process of its own, under bubblewrap, out of sight of the run's folder (its
     # actions are the candidate's text)
-    envs = EnvironmentPool(
+    envs = await asyncio.to_thread(  # a user's factory may take its time: not on this loop
+        EnvironmentPool,
         spec.workload,
         trace.clock,
         trace,
@@ -112,6 +113,25 @@ async def drive_real(
         model_path=runtime.model_path,
         confinement=Confinement(processes.sandbox, (weights.parent,), processes.memory_bytes),
     )
+    try:
+        return await _drive_with_envs(spec, runtime, processes, steps, trace, mark, remote, exporter, envs, make_pool)
+    finally:
+        await asyncio.to_thread(envs.close)  # the process a user's environment ran in, whatever happened
+
+
+async def _drive_with_envs(
+    spec: TargetSpec,
+    runtime: Runtime,
+    processes: CandidateProcesses,
+    steps: int,
+    trace: Trace,
+    mark: Marks,
+    remote: RemoteCluster,
+    exporter: WeightExporter,
+    envs: EnvironmentPool,
+    make_pool: Callable[..., ServingPool] | None,
+) -> dict:
+    """The rest of ``drive_real`` once its environments exist: the controller's link, the run, its end."""
     channel = await channel_of(processes, "controller")
     link = ControllerLink(channel, envs, trace.clock, virtual=False, vocab=spec.model.config.vocab_size)
     link.send(Frame(kind="init", runtime=put_runtime(runtime), steps=steps, counts=False))
@@ -164,7 +184,6 @@ async def drive_real(
         saving = asyncio.ensure_future(exporter.saved())
         await asyncio.wait({saving})
         exporter.close()
-        envs.close()
     closing.result()  # reached only when the run itself succeeded: then a failed close is the candidate's failure
     saving.result()
     return {"steps": steps, "versions": [0, *exporter.versions]}

@@ -422,10 +422,23 @@ def _spec(catalog_yaml, environment: dict, **model):
     return parse_target(catalog_yaml)
 
 
+OPEN_POOLS: list[EnvironmentPool] = []  # each test's, closed when it ends (``_close_pools``)
+
+
+@pytest.fixture(autouse=True)
+def _close_pools():
+    """The process each pool a test made runs its environments in, ended with the test, passed or failed."""
+    yield
+    while OPEN_POOLS:
+        OPEN_POOLS.pop().close()
+
+
 def _pool(spec):
     clock = WallClock()  # a user's environment takes its own time: nothing here sleeps
     trace = Trace(clock)
-    return EnvironmentPool(spec.workload, clock, trace, seed=1, model_path=str(model_dir(spec.model))), trace
+    pool = EnvironmentPool(spec.workload, clock, trace, seed=1, model_path=str(model_dir(spec.model)))
+    OPEN_POOLS.append(pool)
+    return pool, trace
 
 
 def test_a_gymnasium_style_environment_speaks_through_the_chat_template(catalog_yaml, user_package, tmp_path):

@@ -209,6 +209,12 @@ def proc_guards() -> list[str]:
     return [arg for path in present for arg in ("--ro-bind", path, path)]
 
 
+def sized_tmpfs(path: str, memory_bytes: int | None) -> list[str]:
+    """bwrap's ``--tmpfs`` at ``path``, sized at ``memory_bytes`` where given: what a tmpfs holds is memory no
+    process's resident set counts (by default each may take half the host's)."""
+    return (["--size", str(memory_bytes)] if memory_bytes is not None else []) + ["--tmpfs", path]
+
+
 def gpu_device_nodes() -> list[str]:
     return sorted(glob.glob("/dev/nvidia*"))
 
@@ -284,11 +290,12 @@ class Sandbox:
         wrapped += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--ro-bind", "/", "/"]
         wrapped += ["--dev", "/dev", "--proc", "/proc", *proc_guards()]
         for tmpfs in ("/dev/shm", "/tmp", "/run"):
-            wrapped += (["--size", str(memory_bytes)] if memory_bytes is not None else []) + ["--tmpfs", tmpfs]
+            wrapped += sized_tmpfs(tmpfs, memory_bytes)
         resolver = Path("/etc/resolv.conf").resolve()
         if network and resolver.is_relative_to("/run") and resolver.exists():  # systemd-resolved's, under /run
             wrapped += ["--ro-bind", str(resolver.parent), str(resolver.parent)]
-        for path in outermost([Path(p).resolve() for p in readable if Path(p).resolve().is_relative_to("/tmp")]):
+        resolved = [Path(p).resolve() for p in readable]
+        for path in outermost([p for p in resolved if p.is_relative_to("/tmp")]):
             wrapped += ["--ro-bind", str(path), str(path)]
         for path in outermost([Path(p).resolve() for p in writable]):
             wrapped += ["--bind", str(path), str(path)]
@@ -358,7 +365,7 @@ class Sandbox:
                 *proc_guards(),
             ]
             for tmpfs in ("/tmp", "/dev/shm"):
-                wrapped += (["--size", str(memory_bytes)] if memory_bytes is not None else []) + ["--tmpfs", tmpfs]
+                wrapped += sized_tmpfs(tmpfs, memory_bytes)
             wrapped += ["--dir", "/tmp/home"]
             for path in SYSTEM_PATHS:
                 if os.path.exists(path):

@@ -1354,3 +1354,57 @@ def test_an_answer_line_past_its_limit_ends_the_host_by_name(catalog_yaml, user_
     with pytest.raises(UserEnvironmentError, match="answered out of protocol .a line of 4096 bytes with no end"):
         _evaluated(pool.new_group()[0], tokenizer, flood)
     pool.close()
+
+
+def test_an_answer_nested_past_the_stack_ends_the_host_by_name(catalog_yaml, user_package):
+    """An answer of JSON nested 100,000 deep raises RecursionError as it is parsed, not ValueError: the reader
+    thread died on it and the episode's call waited for an answer that no thread would hand it. It is out of
+    protocol, and named so, as any malformed answer is."""
+    spec = _spec(catalog_yaml, {"entry": "my_envs:eval_scored", "adapter": "tasks"})
+    tokenizer = load_tokenizer(model_dir(spec.model))
+    pool, _ = _pool(spec)
+    deep = "__import__('os').write(4, b'[' * 100000 + b']' * 100000 + b'\\n') and 1"  # fd 4: its answers
+    episode = pool.new_group()[0]
+
+    async def evaluated():  # bounded: on the old code the call never ended
+        await episode.reset()
+        return await asyncio.wait_for(episode.step(tokenizer.encode(deep, add_special_tokens=False)), 60)
+
+    with pytest.raises(UserEnvironmentError, match="answered out of protocol .maximum recursion depth"):
+        asyncio.run(evaluated())
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        (b"[1]", "has the fields id, ok, step, cancelled, user, raised"),
+        (b'{"id": 1, "ok": 1}', "has the fields"),
+        (b'{"id": true, "ok": 1, "step": null, "cancelled": false, "user": null, "raised": null}', "id is True"),
+        (b'{"id": 1, "ok": 1, "step": null, "cancelled": true, "user": "no", "raised": null}', "one of them"),
+        (b'{"id": 1, "ok": 1, "step": {"fields": [1]}, "cancelled": false, "user": null, "raised": null}', "step is"),
+        (b'{"id": 1, "ok": 1, "step": null, "cancelled": false, "user": null, "raised": [1, 2]}', "raised is"),
+    ],
+)
+def test_an_answer_out_of_shape_is_named(line, named):
+    """What the environment's process answers is parsed into its typed message and checked on the way: its
+    code runs the candidate's text, so a line of the wrong shape is named, never half-read."""
+    from targets.harness.environments.wire import Answer, parse
+
+    with pytest.raises(ValueError, match=named):
+        parse(line, Answer)
+
+
+def test_every_message_reads_back_as_it_was_sent():
+    from targets.harness.environments.wire import Answer, Load, Loaded, Request, Step, encode, parse
+
+    sent = [
+        Load("my_envs:eval_scored", "tasks", "gASVAgAAAAAAAAB9lC4="),
+        Loaded(loaded=False, error="no such entry"),
+        Request(op="step", id=3, env=1, action="42"),
+        Answer(3, step=Step(fields=["seen", 1.0, True, False])),
+        Answer(4, step=Step(not_a_step={"type": "NoneType", "repr": "None"})),
+        Answer(5, ok=None),
+        Answer(6, raised=("KeyError", "'task'")),
+    ]
+    assert [parse(encode(message), type(message)) for message in sent] == sent

@@ -8,15 +8,11 @@ the harness's process it could reach the trace, the clock and the weights before
 here it reaches this process alone, and under bubblewrap it sees no harness process and no run folder
 (``Sandbox.wrap_environment``).
 
-The protocol, one JSON object a line: the first message loads the entry (``{"entry", "adapter",
-"params"}``, the params pickled: the user's own values; the answer says whether it could be made); then
-``{"op": "make", "env"}`` (unanswered: an episode's environment made, what the factory raised raised by
-its first call) and ``{"id", "op", "env", ...}`` with ``op`` ``reset`` (``task``), ``step``
-(``action``), ``close``, ``check`` (make one and close it: what checking an entry does) and ``cancel``
-(``call``: the id of a call the harness stopped waiting for). Each call is answered ``{"id", "ok":
-value}``, ``{"id", "error": {"user": message}}`` (the adapter's word), ``{"id", "error": {"type",
-"message"}}`` (what the user's code raised) or ``{"id", "cancelled": true}``. The process ends when the
-harness closes its input."""
+The protocol (``wire.py``'s messages, one a line): a ``Load`` of the entry, answered ``Loaded``; then
+``Request``s: ``make`` (unanswered: an episode's environment made, what the factory raised raised by its
+first call), ``reset``, ``step``, ``close``, ``check`` (make one and close it: what checking an entry
+does), each answered by an ``Answer`` under its number, and ``cancel`` (a call the harness stopped waiting
+for). The process ends when the harness closes its input."""
 
 from __future__ import annotations
 
@@ -30,7 +26,7 @@ from typing import Any, BinaryIO
 
 from targets.api import TextStep
 from targets.harness.environments.adapters import UserEnvironmentError, environment_factory
-from targets.harness.environments.wire import decode, encode, to_wire
+from targets.harness.environments.wire import Answer, Load, Loaded, Request, Step, encode, parse, to_wire
 
 
 class Host:
@@ -44,49 +40,50 @@ class Host:
         self.running: dict[int, set[asyncio.Task]] = {}  # an environment's calls under way (a cancelled one too)
         self.writing = threading.Lock()
 
-    def send(self, message: dict) -> None:
+    def send(self, message: Answer) -> None:
         with self.writing:
             self.answers.write(encode(message))
             self.answers.flush()
 
-    def take(self, message: dict) -> None:
+    def take(self, request: Request) -> None:
         """One request, on the event loop: a call runs as a task of its own (an environment's calls run
         beside another's), a cancel stops the call it names."""
-        if message["op"] == "cancel":
-            call = self.calls.get(message["call"])
+        if request.op == "cancel":
+            call = self.calls.get(request.call)
             if call is not None:
                 call.cancel()
             return
-        if message["op"] == "make":  # unanswered: what the factory raised is raised by the environment's calls
+        if request.op == "make":  # unanswered: what the factory raised is raised by the environment's calls
             try:
-                self.environments[message["env"]] = self.factory()
+                self.environments[request.env] = self.factory()
             except BaseException as error:  # noqa: BLE001 - raised again by the first call of that environment
-                self.unmade[message["env"]] = error
+                self.unmade[request.env] = error
             return
-        call = self.calls[message["id"]] = asyncio.get_running_loop().create_task(self.serve(message))
-        if "env" in message:
-            running = self.running.setdefault(message["env"], set())
+        call = self.calls[request.id] = asyncio.get_running_loop().create_task(self.serve(request))
+        if request.env is not None:
+            running = self.running.setdefault(request.env, set())
             running.add(call)
             call.add_done_callback(running.discard)
 
-    async def serve(self, message: dict) -> None:
-        number = message["id"]
+    async def serve(self, request: Request) -> None:
+        number = request.id
         try:
-            answer: dict = {"id": number, "ok": await self.run(message)}
+            value = await self.run(request)
+            answer = Answer(number, step=value) if isinstance(value, Step) else Answer(number, ok=value)
         except asyncio.CancelledError:  # the harness stopped waiting, or the user's coroutine cancelled itself
-            answer = {"id": number, "cancelled": True}
+            answer = Answer(number, cancelled=True)
         except UserEnvironmentError as error:
-            answer = {"id": number, "error": {"user": str(error)}}
+            answer = Answer(number, user=str(error))
         except SystemExit as error:  # named as the harness named it in its own loop: it never ends this one
-            answer = {"id": number, "error": {"type": "RuntimeError", "message": f"SystemExit: {error}"}}
+            answer = Answer(number, raised=("RuntimeError", f"SystemExit: {error}"))
         except BaseException as error:  # noqa: BLE001 - the user's code raised: sent to the harness, which names it
-            answer = {"id": number, "error": {"type": type(error).__name__, "message": str(error)}}
+            answer = Answer(number, raised=(type(error).__name__, str(error)))
         finally:
             self.calls.pop(number, None)
         self.send(answer)
 
-    async def run(self, message: dict) -> Any:
-        op, number = message["op"], message.get("env")
+    async def run(self, request: Request) -> Any:
+        op, number = request.op, request.env
         if op == "check":
             environment = self.factory()
             close = getattr(environment, "close", None)
@@ -110,31 +107,25 @@ class Host:
         if number in self.unmade:
             raise self.unmade[number]
         if op == "reset":
-            return to_wire(await self.environments[number].reset(message["task"]))
+            return to_wire(await self.environments[number].reset(request.task))
         if op == "step":
-            answer = await self.environments[number].step(message["action"])
+            answer = await self.environments[number].step(request.action)
             if not isinstance(answer, TextStep):
-                return {"not_a_step": to_wire(answer)}
-            return {
-                "step": [
-                    to_wire(answer.observation),
-                    to_wire(answer.reward),
-                    to_wire(answer.done),
-                    to_wire(answer.truncated),
-                ]
-            }
+                return Step(not_a_step=to_wire(answer))
+            fields = (answer.observation, answer.reward, answer.done, answer.truncated)
+            return Step(fields=[to_wire(value) for value in fields])
         raise ValueError(f"the environment host has no operation {op!r}")
 
 
-def load(message: dict):
+def load(message: Load):
     """The entry's factory (an environment made to check it), or the error that says why it cannot be."""
-    params = pickle.loads(base64.b64decode(message["params"]))  # the harness's own message: the user's params
+    params = pickle.loads(base64.b64decode(message.params))  # the harness's own message: the user's params
     try:
-        return environment_factory(message["entry"], message["adapter"], params), None
+        return environment_factory(message.entry, message.adapter, params), None
     except UserEnvironmentError as error:
         return None, str(error)
     except SystemExit as error:
-        return None, f"environment {message['entry']}: called sys.exit({error.code!r}) when made or closed"
+        return None, f"environment {message.entry}: called sys.exit({error.code!r}) when made or closed"
 
 
 def main() -> int:
@@ -145,8 +136,8 @@ def main() -> int:
     first = requests.readline()
     if not first:
         return 0
-    factory, error = load(decode(first))
-    answers.write(encode({"loaded": error is None, "error": error}))
+    factory, error = load(parse(first, Load))
+    answers.write(encode(Loaded(loaded=error is None, error=error)))
     answers.flush()
     if factory is None:
         return 0
@@ -155,7 +146,7 @@ def main() -> int:
 
     def read() -> None:
         for line in requests:
-            loop.call_soon_threadsafe(host.take, decode(line))
+            loop.call_soon_threadsafe(host.take, parse(line, Request))
         loop.call_soon_threadsafe(loop.stop)  # the harness closed its end: the run is over
 
     threading.Thread(target=read, name="requests", daemon=True).start()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from targets.api import TextStep
 from targets.harness.environments import host as host_module
 from targets.harness.environments.adapters import UserEnvironmentError
-from targets.harness.environments.wire import decode, encode, from_wire
+from targets.harness.environments.wire import Answer, Load, Loaded, Request, Step, encode, from_wire, parse
 
 if TYPE_CHECKING:
     from targets.harness.isolation.sandbox import Sandbox
@@ -81,14 +81,14 @@ class EnvironmentHost:
         )
         host = cls(entry, process)
         params = base64.b64encode(pickle.dumps(environment.params)).decode()  # the user's: any YAML value
-        loaded = host._first({"entry": entry, "adapter": str(environment.adapter), "params": params})
-        if loaded.get("loaded") is not True:
+        loaded = host._first(Load(entry=entry, adapter=str(environment.adapter), params=params))
+        if not loaded.loaded:
             host.stop()
-            raise UserEnvironmentError(str(loaded.get("error")))
+            raise UserEnvironmentError(str(loaded.error))
         threading.Thread(target=host._read, name="environment-host answers", daemon=True).start()
         return host
 
-    def _first(self, message: dict) -> dict:
+    def _first(self, message: Load) -> Loaded:
         """The answer to loading the entry, within ``CHECK_LIMIT_S`` (a factory that never returns is named)."""
         assert self.process.stdin is not None and self.process.stdout is not None
         try:
@@ -110,8 +110,8 @@ class EnvironmentHost:
         if not line:
             raise UserEnvironmentError(self._exited())
         try:
-            return decode(line)
-        except ValueError:
+            return parse(line, Loaded)
+        except (ValueError, RecursionError):
             self.stop()
             raise UserEnvironmentError(
                 f"the process running environment {self.entry} answered out of protocol: {line[:200]!r}"
@@ -120,13 +120,13 @@ class EnvironmentHost:
     def environment(self) -> HostedEnvironment:
         """A new episode's environment, made in the host (unwaited: what making it raised, its first call raises)."""
         number = next(self.numbers)
-        self._write({"op": "make", "env": number})
+        self._write(Request(op="make", env=number))
         return HostedEnvironment(self, number)
 
     def check(self) -> None:
         """One environment made and closed, as a run makes and closes each (an entry's check)."""
         try:
-            self._answer(self._send({"op": "check"}).result(CHECK_LIMIT_S))
+            self._answer(self._send("check")[1].result(CHECK_LIMIT_S))
         except concurrent.futures.TimeoutError:
             raise UserEnvironmentError(self._not_made()) from None
         except UserEnvironmentError as error:
@@ -143,25 +143,26 @@ class EnvironmentHost:
     async def call(self, op: str, **fields: Any) -> Any:
         """The host's answer to one call, awaited on the running loop; a caller that stops waiting (the call
         timed out) tells the host to cancel it."""
-        number, answer = self._send({"op": op, **fields}, with_number=True)
+        number, answer = self._send(op, **fields)
         try:
             return self._answer(await asyncio.wrap_future(answer))
         except asyncio.CancelledError:
             with contextlib.suppress(UserEnvironmentError):  # a host already gone has nothing to cancel
-                self._write({"op": "cancel", "call": number})
+                self._write(Request(op="cancel", call=number))
             raise
 
-    def _send(self, message: dict, with_number: bool = False) -> Any:
+    def _send(self, op: str, **fields: Any) -> tuple[int, concurrent.futures.Future]:
+        """A call numbered and sent, with the future its answer will settle."""
         number = next(self.numbers)
         answer: concurrent.futures.Future = concurrent.futures.Future()
         with self.answering:  # never added after the reader failed what was waiting: it would wait forever
             if self.gone is not None:
                 raise UserEnvironmentError(self.gone)
             self.waiting[number] = answer
-        self._write({"id": number, **message})
-        return (number, answer) if with_number else answer
+        self._write(Request(op=op, id=number, **fields))
+        return number, answer
 
-    def _write(self, message: dict) -> None:
+    def _write(self, message: Request) -> None:
         if self.gone is not None:
             raise UserEnvironmentError(self.gone)
         assert self.process.stdin is not None
@@ -175,18 +176,15 @@ class EnvironmentHost:
             ) from None
 
     @staticmethod
-    def _answer(message: dict) -> Any:
-        if message.get("cancelled"):
+    def _answer(answer: Answer) -> Any:
+        if answer.cancelled:
             raise asyncio.CancelledError
-        error = message.get("error")
-        if error is None and "ok" in message:
-            return message["ok"]
-        if not isinstance(error, dict):
-            raise UserEnvironmentError(f"its process answered out of protocol: {message!r:.200}")
-        if "user" in error:
-            raise UserEnvironmentError(str(error["user"]))
-        raised = type(str(error.get("type")), (Exception,), {})  # named as the user's code named it
-        raise raised(str(error.get("message")))
+        if answer.user is not None:
+            raise UserEnvironmentError(answer.user)
+        if answer.raised is not None:
+            name, message = answer.raised
+            raise type(name, (Exception,), {})(message)  # named as the user's code named it
+        return answer.step if answer.step is not None else answer.ok
 
     def _read(self) -> None:
         """Answers handed to their callers; a line out of protocol ends the host (its code runs the candidate's
@@ -196,9 +194,9 @@ class EnvironmentHost:
             try:
                 if not line.endswith(b"\n"):  # longer than any answer, or cut off as it exited
                     raise ValueError(f"a line of {len(line)} bytes with no end")
-                message = decode(line)
-                answer = self.waiting.pop(int(message["id"]), None)
-            except (ValueError, KeyError, TypeError) as error:
+                message = parse(line, Answer)
+                answer = self.waiting.pop(message.id, None)
+            except (ValueError, RecursionError) as error:  # a JSON nested past Python's stack raises the latter
                 breach = (
                     f"the process running environment {self.entry} answered out of protocol ({error}): {line[:200]!r}"
                 )
@@ -283,11 +281,11 @@ class HostedEnvironment:
 
     async def step(self, action: str) -> Any:
         answer = await self.host.call("step", env=self.number, action=action)
-        if isinstance(answer, dict) and "not_a_step" in answer:
-            return from_wire(answer["not_a_step"])
-        if not (isinstance(answer, dict) and isinstance(answer.get("step"), list) and len(answer["step"]) == 4):
+        if not isinstance(answer, Step):
             raise UserEnvironmentError(f"its process answered a step out of protocol: {answer!r:.200}")
-        return TextStep(*(from_wire(value) for value in answer["step"]))
+        if answer.fields is None:
+            return from_wire(answer.not_a_step)
+        return TextStep(*(from_wire(value) for value in answer.fields))
 
     async def close(self) -> None:
         await self.host.call("close", env=self.number)

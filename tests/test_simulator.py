@@ -687,6 +687,53 @@ def test_the_audit_still_catches_a_planted_cheat_in_a_simulated_trace(tmp_path):
     assert not result.passed and any("used twice" in r for r in result.reasons)
 
 
+def test_a_controller_that_says_done_before_its_last_step_is_exported_is_refused(tmp_path):
+    """A red team's controller fired its training call, polled ``sync_weights`` until the new version existed
+    (the simulator has it before the harness's export, whose time it charges, and a failed sync leaves no
+    trace) and went on: its last step was counted, recorded before its export, and the run ended with the
+    controller's ``done`` one export early (20 of 734 simulated seconds on an 8B twin). A controller says done
+    only once every training call it made has returned."""
+    from tests.planting import planted
+
+    spec = load_target("tiny-qwen3-cpu")
+    spec = spec.model_copy(
+        update={
+            "execution": "simulated",
+            "simulator": spec.simulator.model_copy(update={"weight_export_s": 5.0}),
+        }
+    )
+    target = tmp_path / "target.yaml"
+    target.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    early = (
+        "        pending = __import__('asyncio').ensure_future(\n"
+        "            cluster.train(TrainBatch(batch, group_advantages(batch)), devices)\n"
+        "        )\n"
+        "        self._planted = [*getattr(self, '_planted', []), pending]  # kept, never awaited\n"
+        "        while True:  # the new version exists before its export ends\n"
+        "            try:\n"
+        "                await cluster.sync_weights(self.version + 1, [])\n"
+        "                break\n"
+        "            except ValueError:\n"
+        "                await __import__('asyncio').sleep(0.01)\n"
+        "        self.version += 1\n"
+    )
+    stack = planted(
+        tmp_path / "stack",
+        target,
+        "colocate",
+        {
+            "controller_base.py": (
+                "        self.version = await cluster.train(TrainBatch(batch, group_advantages(batch)), devices)\n",
+                early,
+            )
+        },
+    )
+    run = run_harness(
+        Target.load(target), stack, tmp_path / "out", "measure", Limits(time_s=600), Sandbox.detect("subprocess")
+    )
+    assert not run.ok and "said it was done while training step" in str(run.cause), run.cause
+
+
 @pytest.fixture(scope="module")
 def big_small_batch(big):
     """The production target's cluster and sequence lengths, with a batch of 128 and two steps."""

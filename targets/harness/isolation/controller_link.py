@@ -154,6 +154,14 @@ class ControllerLink:
                 self.envs.max_extra = self.declared.redundant_per_group
                 self.hello.set_result(rx)
         elif kind == "done":
+            if self.cluster is not None and self.cluster.training:
+                # a step's train event is recorded before its export: a controller that polled for the new
+                # version (sync_weights answers once it exists) and said done here ended the run one export
+                # early, the last step counted and its weights never exported nor its time charged
+                raise ProtocolError(
+                    f"it said it was done while training step {self.cluster.steps} was under way: a run ends once "
+                    "every training call it made has returned (the step's weights exported)"
+                )
             if not self.done.done():
                 self.done.set_result(None)
         elif kind == "failed":

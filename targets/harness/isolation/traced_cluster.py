@@ -59,6 +59,11 @@ class TracedCluster:
         self._resident: dict | None = None
         self.last_device: dict[str, str] = {}  # episode -> the device that served its latest turn
 
+    @property
+    def training(self) -> bool:
+        """A training call is under way: its step trained, or training, its weights not yet exported."""
+        return self._training.locked()
+
     def generate_then(self, request: GenerateRequest, done: Answer) -> Generating:
         """Serve ``request`` on the cluster and record it; ``done`` is told its completion or the
         error it ended in. The simulator answers by callback; a cluster that answers only by await

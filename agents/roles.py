@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Annotated, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from targets.harness.judge.check_result import CheckResult
+from targets.printable import one_line, printable
 
 if TYPE_CHECKING:
     from agents.llm.accounting import Accounting
@@ -34,18 +35,24 @@ class NothingToRepair(AgentError):
     (on a GPU target, a whole real check)."""
 
 
+# agent-written text in a record (a task's title, an implementer's account, a judge's reason), escaped as it is
+# stored: every view of it (log, show, the report, a commit message, an LLM's prompt) reads it safe
+PrintableText = Annotated[str, AfterValidator(printable)]
+OneLine = Annotated[str, AfterValidator(one_line)]
+
+
 class Task(BaseModel):
     """One round's work, as an issue tracker would hold it."""
 
     model_config = ConfigDict(extra="forbid")
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9._=+-]*$")
-    title: str
-    rationale: str
+    title: OneLine
+    rationale: PrintableText
     skills: list[str] = []
     changes: dict = {}  # params.json keys to set (what the offline implementer applies)
-    acceptance: list[str] = []
+    acceptance: list[PrintableText] = []
     priority: int = 0  # higher first
-    source: str = ""  # "starter", "trigger:<hint>", "mutation", ...
+    source: OneLine = ""  # "starter", "trigger:<hint>", "mutation", ...
 
 
 def starter_task(controller: str, params: dict | None = None) -> Task:
@@ -67,8 +74,8 @@ class Hint(BaseModel):
     """An evaluator finding read from the trace: ``code`` matches skill triggers."""
 
     model_config = ConfigDict(extra="forbid")
-    code: str
-    message: str
+    code: OneLine
+    message: PrintableText
     evidence: dict = {}
 
 

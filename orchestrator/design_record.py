@@ -1,6 +1,9 @@
 """How a round updates its stack's ``DESIGN.md`` (``skills/design_doc.py`` holds the format): every
 round of the run in the plan with its status, the decision a validated round made and the evaluator's
-findings, and the backlog still pending."""
+findings, and the backlog still pending. The loop's sections are its own record, rebuilt on the parent's:
+an implementer edits the file (it may), and what it wrote is kept as its notes, marked as its words (a
+red team's implementer wrote a decision "Round 1: ... Measured goodput 55.1" for a rejected round 1, and
+it read as the loop's)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pathlib import Path
 from orchestrator.state import RoundRecord, RunState, near_miss
 from orchestrator.tables import promotion
 from skills.design_doc import DesignDoc
+from targets.printable import one_line
 from targets.spec import TargetSpec
 
 
@@ -39,11 +43,22 @@ def lineage(state: RunState, commit: str) -> set[str]:
     return line
 
 
-def update_design(workspace: Path, record: RoundRecord, state: RunState, spec: TargetSpec) -> None:
+NOTE_CHARS = 2000  # of one line an implementer wrote: its notes are for the next rounds' agents, not a store
+
+
+def update_design(
+    workspace: Path, record: RoundRecord, state: RunState, spec: TargetSpec, parent_design: str | None
+) -> None:
     """Every earlier round of the run in the plan, whatever its branch: a task tried more than once says
     its latest trial, except that its DONE on this stack's own line stands (the first result won before,
-    and a rejected trial on one best left the step NOT_STARTED on the next, its plan's pending entry)."""
-    doc = DesignDoc.load(workspace / "DESIGN.md")
+    and a rejected trial on one best left the step NOT_STARTED on the next, its plan's pending entry).
+    ``parent_design``: the parent's ``DESIGN.md`` as committed, the record this round's is rebuilt on (None
+    for a starter, whose document the library wrote)."""
+    written = DesignDoc.load(workspace / "DESIGN.md")
+    doc = written if parent_design is None else DesignDoc.parse(parent_design)
+    if parent_design is not None:
+        said = [one_line(item)[:NOTE_CHARS] for item in written.added_to(doc)]
+        doc.notes += [f"Round {record.round}'s implementer: {item}" for item in said if item]
     task = record.task
     line = lineage(state, record.parent_commit)
     earlier = sorted(

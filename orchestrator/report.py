@@ -38,6 +38,7 @@ from orchestrator.tables import (  # noqa: E402
 from targets.harness.judge.check_result import detail  # noqa: E402
 from targets.harness.measure.timeline import plot_timelines  # noqa: E402
 from targets.harness.trace import Trace  # noqa: E402
+from targets.printable import one_line, printable  # noqa: E402
 from targets.spec import TargetSpec  # noqa: E402
 
 # The harness's metrics (targets/harness/measure/metrics.py, the evaluator's additions) and their units: by
@@ -362,6 +363,9 @@ def _timeline_png(panels: list, scratch: Path, name: str) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
+CONTROLLER_CHARS = 60  # of a candidate's controller name in a timeline's label
+
+
 def _baselines(state: RunState, history: History, maximize: bool) -> dict[int, str]:
     """round -> label: the best, round 0's starter and the best-scoring candidate of each other controller
     (its headline highest, or lowest for a metric to minimize)."""
@@ -370,7 +374,8 @@ def _baselines(state: RunState, history: History, maximize: bool) -> dict[int, s
         chosen[state.best_round] = "the best"
     controllers: dict[str, RoundRecord] = {}
     for r in state.accepted():  # the starter competes for its controller too: a later one it beats is no best
-        controller = history.params(r.commit).get("controller", "unnamed controller")
+        # the candidate's own word (its params.json): one short printable line, never markup or math to a plot
+        controller = one_line(str(history.params(r.commit).get("controller", "unnamed controller")))[:CONTROLLER_CHARS]
         if r.round == 0:
             chosen.setdefault(0, f"the starter ({controller})")
         if controller not in controllers or _better(r.headline, controllers[controller].headline, maximize):
@@ -420,8 +425,9 @@ def _checks(history: History, r: RoundRecord) -> tuple[list[dict] | None, str]:
         {
             "name": c["name"],
             "passed": c["passed"],
-            "reasons": "; ".join(c.get("reasons", [])) or "-",
-            "details": ", ".join(f"{k}={detail(v)}" for k, v in c.get("details", {}).items()) or "-",
+            # a run recorded before reasons were escaped as they were made still shows them safe
+            "reasons": printable("; ".join(c.get("reasons", []))) or "-",
+            "details": printable(", ".join(f"{k}={detail(v)}" for k, v in c.get("details", {}).items())) or "-",
         }
         for c in judge["checks"]
     ]

@@ -418,7 +418,7 @@ class Loop:
         record.became_best = self.state.best is None or (
             evaluation.paired is not None and evaluation.paired.clears(threshold)
         )
-        update_design(workspace, record, self.state, self.target.spec)
+        update_design(workspace, record, self.state, self.target.spec, self._parent_design(record))
         self._stamp(record)  # committed with it: a round rebuilt from git after a kill keeps them
         trailers, body = commits.validated(record, evaluation, self.target.spec, self.agents.backend)
         # The trace is kept before the commit: a kill in between then leaves a round redone on --resume
@@ -431,12 +431,21 @@ class Loop:
             workspace, record.round, record.task.title, trailers, commits.records(record, verdict), body
         )
 
+    def _parent_design(self, record: RoundRecord) -> str | None:
+        """The parent's ``DESIGN.md`` as the loop committed it (a starter's is the library's: None; the
+        repository's first commit holds none: the record starts empty)."""
+        if record.task.source == "starter":
+            return None
+        if record.parent_commit == self.history.root():
+            return ""
+        return self.history.read(record.parent_commit, "DESIGN.md")
+
     def reject(self, record: RoundRecord, workspace: Path, verdict: Verdict, name: str = "rejected") -> None:
         """Kept under the rejected ref with the reasons: by the judge, or (``prescreened``) by the twin.
         What the agent planted for git or the harness is undone first (``workspace_git``): the files stay."""
         record.verdict = name
         undone = workspace_git.disarm(workspace)
-        update_design(workspace, record, self.state, self.target.spec)
+        update_design(workspace, record, self.state, self.target.spec, self._parent_design(record))
         self._stamp(record)  # committed with it: a round rebuilt from git after a kill keeps them
         trailers, body = commits.rejected(record, self.target.spec, self.agents.backend, undone)
         record.commit = self.history.commit_rejected(

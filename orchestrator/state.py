@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from agents.roles import Hint, Task
+from agents.roles import Hint, PrintableText, Task
 from orchestrator.config import RunConfig
 from orchestrator.run_dir import RunDir
 from targets.errors import UserError
@@ -88,7 +88,7 @@ class GeneralizationRejected(BaseModel):
     figure: str  # "in-search", "held-out" or "perturbed"
     run: str  # "the best" or "the starter"
     seed: int
-    reasons: list[str]
+    reasons: list[PrintableText]
 
     def said(self) -> str:
         where = "on its round's seed" if self.figure == "in-search" else f"on {self.figure} seed"
@@ -124,7 +124,8 @@ class Generalization(BaseModel):
 
 
 class RoundRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # validated as it is assigned too: the round loop fills a record in as the round goes (an account, reasons)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
     round: int
     task: Task
     parent_round: int | None
@@ -140,8 +141,8 @@ class RoundRecord(BaseModel):
     prediction: Prediction | None = None
     profile: str = ""  # the harness's view of where the median repeat's time went, per call
     llm: dict = {}  # this round's LLM calls, tokens and cost (an LLM backend only)
-    reasons: list[str] = []
-    account: str = ""  # the implementer's own account of its last attempt's change
+    reasons: list[PrintableText] = []
+    account: PrintableText = ""  # the implementer's own account of its last attempt's change
     attempts: int = 0
     seconds: float = 0.0
     became_best: bool = False

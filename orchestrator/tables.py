@@ -38,8 +38,10 @@ DIFF_LINES = 400  # of a round's diff shown to a person (report, show); the rest
 
 def cut_diff(diff: str, run: str, commit: str) -> tuple[list[str], str]:
     """A round's diff as a person is shown it: its first ``DIFF_LINES`` lines, and where it was cut, what
-    is said under it (how much, and the command that shows it whole; else "")."""
-    lines = diff.splitlines()
+    is said under it (how much, and the command that shows it whole; else ""). Lines end at newlines only
+    (``splitlines`` also breaks at a form feed, which Python reads as a space: an added statement's second half
+    was shown as unchanged code), each ``printable`` (a file's escape sequences redrew the screen above it)."""
+    lines = [printable(line) for line in diff.removesuffix("\n").split("\n")] if diff else []
     if len(lines) <= DIFF_LINES:
         return lines, ""
     return lines[:DIFF_LINES], (

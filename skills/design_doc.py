@@ -1,7 +1,9 @@
 """Each stack's ``DESIGN.md``, the document-driven planning state: decisions with their rationale
 and round, an ordered plan of steps with statuses (NOT_STARTED / IN_PROGRESS / DONE / ABANDONED
 with a reason), and the evaluator's findings. Agents read it every round; the round loop updates
-it every round (in the candidate's own tree, so each commit carries the plan it was made under).
+it every round (in the candidate's own tree, so each commit carries the plan it was made under). What an
+implementer writes in it is kept under Notes, each line marked as its round's implementer's words: the
+other sections are the loop's record alone.
 The starter's first version and the rules a round updates it by live here with the format."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+NOTES = "Notes (the implementers' own words, unchecked)"
 STATUSES = ("NOT_STARTED", "IN_PROGRESS", "DONE", "ABANDONED")
 STEP = re.compile(r"^\d+\. \[(?P<status>[A-Z_]+)\] (?P<text>.*?)(?: \(id: (?P<id>[^)]+)\))?(?: — (?P<reason>.*))?$")
 
@@ -29,6 +32,7 @@ class DesignDoc:
     decisions: list[str] = field(default_factory=list)
     plan: list[Step] = field(default_factory=list)
     findings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # the implementers' own words, each with its round
 
     @classmethod
     def parse(cls, text: str) -> DesignDoc:
@@ -47,7 +51,19 @@ class DesignDoc:
                 doc.plan.append(Step(match["text"], status, match["id"] or "", match["reason"] or ""))
             elif section == "findings" and line.startswith("- "):
                 doc.findings.append(line[2:])
+            elif line.strip() and line.strip() not in ("(none yet)", "(empty)"):  # notes, or what an agent added
+                doc.notes.append(line.removeprefix("- "))
         return doc
+
+    def added_to(self, record: DesignDoc) -> list[str]:
+        """What this document (an implementer's edit of ``record``) holds that ``record`` does not: its new
+        decisions, plan steps, findings and notes (a line outside the sections is a note), in its order."""
+        known = {*record.decisions, *(s.text for s in record.plan), *record.findings, *record.notes}
+        return [
+            item
+            for item in (*self.decisions, *(s.text for s in self.plan), *self.findings, *self.notes)
+            if item not in known
+        ]
 
     @classmethod
     def starter(cls, controller: str, params: dict) -> DesignDoc:
@@ -79,6 +95,8 @@ class DesignDoc:
             lines.append("(empty)")
         lines += ["", "## Findings"]
         lines += [f"- {f}" for f in self.findings] or ["(none yet)"]
+        if self.notes:
+            lines += ["", f"## {NOTES}", "", *(f"- {note}" for note in self.notes)]
         return "\n".join(lines) + "\n"
 
     def save(self, path: Path) -> None:

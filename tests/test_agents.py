@@ -996,7 +996,7 @@ def test_a_stacks_design_record_says_each_task_s_latest_trial_and_done_only_for_
     on_the_line = RoundRecord(
         round=6, task=T("add-w"), parent_round=3, parent_commit="c3", verdict="rejected", reasons=["x"]
     )
-    update_design(tmp_path, on_the_line, state, tiny_spec)
+    update_design(tmp_path, on_the_line, state, tiny_spec, DesignDoc.starter("colocate", {}).render())
     plan = {step.id: (step.status, step.reason) for step in DesignDoc.load(tmp_path / "DESIGN.md").plan}
     assert plan["add-x"][0] == "DONE" and plan["add-y"][0] == "DONE"  # round 3 on round 2's line, this stack's
     assert plan["add-z"][0] == "ABANDONED" and "round 4 rejected: slow" in plan["add-z"][1]  # not NOT_STARTED
@@ -1005,10 +1005,48 @@ def test_a_stacks_design_record_says_each_task_s_latest_trial_and_done_only_for_
     elsewhere = RoundRecord(
         round=6, task=T("add-w"), parent_round=1, parent_commit="c1", verdict="rejected", reasons=["x"]
     )
-    update_design(tmp_path, elsewhere, state, tiny_spec)  # a stack on round 1's line (evolve's parent)
+    update_design(
+        tmp_path, elsewhere, state, tiny_spec, DesignDoc.starter("colocate", {}).render()
+    )  # a stack on round 1's line (evolve's parent)
     plan = {step.id: (step.status, step.reason) for step in DesignDoc.load(tmp_path / "DESIGN.md").plan}
     assert plan["add-x"][0] == "DONE"  # round 1's own change, which this stack holds
     assert plan["add-y"][0] == "ABANDONED" and "another line" in plan["add-y"][1]
+
+
+def test_what_an_implementer_writes_in_design_md_is_kept_as_its_notes_never_as_the_loops_record(tmp_path, tiny_spec):
+    """A red team's implementer wrote a decision "Round 1: ... Measured goodput 55.1" for a round that was
+    rejected, a finding with an interval, and a plan step of a taken id: the best's DESIGN.md stated them as
+    the loop's record. The loop's sections are rebuilt on the parent's as committed; what the implementer
+    wrote is kept under Notes, each line its round's implementer's, escaped."""
+    from orchestrator.design_record import update_design
+    from orchestrator.state import RoundRecord, RunConfig, new_state
+
+    parent = DesignDoc.starter("colocate", {}).render()
+    forged = DesignDoc.parse(parent)
+    forged.decisions.append("Round 1: tail round 8. Measured goodput 55.1 (parent 42.5).")
+    forged.findings.append("Round 2: tail batching 1.9x [1.7, 2.1]")
+    forged.plan.append(forged.plan[0].__class__("Tail batching.", "DONE", "add-w"))
+    (tmp_path / "DESIGN.md").write_text(forged.render() + "\n## Ideas\n\x1b[2Ktry a longer window\n")
+    state = new_state(RunConfig(rounds=9, policy="backlog", agents="offline", seed=0))
+    record = RoundRecord(
+        round=2,
+        task=Task(id="add-w", title="add w", rationale="r"),
+        parent_round=0,
+        parent_commit="c0",
+        verdict="rejected",
+        reasons=["x"],
+    )
+    update_design(tmp_path, record, state, tiny_spec, parent)
+    doc = DesignDoc.load(tmp_path / "DESIGN.md")
+    assert doc.decisions == DesignDoc.parse(parent).decisions and doc.findings == []
+    assert [step.id for step in doc.plan] == ["", "add-w"]
+    assert doc.notes == [
+        "Round 2's implementer: Round 1: tail round 8. Measured goodput 55.1 (parent 42.5).",
+        "Round 2's implementer: Tail batching.",
+        "Round 2's implementer: Round 2: tail batching 1.9x [1.7, 2.1]",
+        "Round 2's implementer: \\x1b[2Ktry a longer window",
+    ]
+    assert "## Notes (the implementers' own words, unchecked)" in (tmp_path / "DESIGN.md").read_text()
 
 
 def test_a_near_miss_is_tried_once_more_on_a_later_best_before_its_removals_and_moves(tiny_spec):

@@ -614,3 +614,126 @@ def test_report_of_the_run_it_stands_in_is_written_beside_the_run_never_inside(t
     check = runner.invoke(app, ["check", "tiny-qwen3-cpu", "--simulate", "--json", "DESIGN.md"], env=NARROW)
     assert check.exit_code == 2 and "--json DESIGN.md: inside the run" in check.output, check.output
     assert (run / "DESIGN.md").read_bytes() == before
+
+
+# -- what an agent or a candidate wrote, shown to a person ------------------------------------------
+
+
+def _round_with_file(run: Path, tmp_path: Path, name: str, text: str, **record_fields) -> int:
+    """A rejected round 3 on round 0 whose stack adds ``name`` holding ``text`` (what the candidate wrote)."""
+    from agents.roles import Task
+    from orchestrator.history import History, Trailers
+    from orchestrator.state import RoundRecord
+
+    history, state = History.open(run), RunState.load(run)
+    workspace = history.worktree(tmp_path / "ws3", state.rounds[0].commit)
+    (workspace / "stack" / name).write_text(text)
+    task = Task(id="tail-round", title=record_fields.pop("title", "tail round 8"), rationale="r", source="x")
+    record = RoundRecord(
+        round=3, task=task, parent_round=0, parent_commit=state.rounds[0].commit, verdict="rejected", **record_fields
+    )
+    judge = {"reasons": ["system_audit: 4 never trained"], "checks": [{"name": "system_audit", "passed": False}]}
+    trailers = Trailers(3, task.id, "offline", "rejected", "none", "none")
+    commit = history.commit_rejected(workspace, 3, task.title, trailers, {"judge.json": judge, "round.json": {}})
+    history.remove_worktree(workspace)
+    state.rounds.append(record.model_copy(update={"commit": commit}))
+    state.save(run)
+    return 3
+
+
+def test_a_file_of_the_candidate_that_redraws_the_screen_is_shown_escaped_in_show_and_the_report(tmp_path):
+    """A red team's rejected round added a valid Python file whose comments cleared the screen and wrote,
+    line by line, "Round 4: ... (accepted ...)", "judge: passed" and a harmless diff: ``show`` printed the
+    diff raw. And a form feed, a space to Python, made ``splitlines`` break an added line in two, its second
+    statement shown as unchanged code. Each diff line is a line of the file, its control characters escaped."""
+    from orchestrator.report import _diff_lines
+
+    run = make_review_run(tmp_path)
+    forged = "#\x1b[H\x1b[2J\x1b[3JRound 4: tail round 8  (accepted, 1 attempt(s), 48s)\n#\x1b[2K\x1b[1Gjudge: passed\n"
+    hidden = "batch = dedupe(batch);\x0c    batch = drop_long(batch)\n"
+    number = _round_with_file(run, tmp_path, "zz_notes.py", forged + hidden)
+    shown = _ok("show", str(run), str(number))
+    assert "\x1b" not in shown and "\x0c" not in shown
+    assert "+#\\x1b[H\\x1b[2J\\x1b[3JRound 4: tail round 8" in shown
+    assert "+batch = dedupe(batch);\\x0c    batch = drop_long(batch)" in shown
+    diff = _stack_diff(run, number)
+    styled, _ = _diff_lines(diff, str(run), "0" * 40)
+    assert ("d-add", "+batch = dedupe(batch);\\x0c    batch = drop_long(batch)") in styled
+
+
+def _stack_diff(run: Path, number: int) -> str:
+    from orchestrator.history import History
+
+    state = RunState.load(run)
+    return History.open(run).stack_diff(state.rounds[number].commit)
+
+
+def test_agent_text_is_escaped_as_it_is_recorded_so_no_view_runs_it(tmp_path):
+    """A planner's title, an implementer's account and a judge's reason (a candidate's exception text) went
+    raw into ``show``, ``log``, the live view and the commit messages: a title's erase-line and a new line
+    turned a rejected round's row into "accepted (best) 99.1"; a right-to-left override reversed the verdict
+    beside it in the report. Each is escaped as the record takes it (a title is one line), a reason as the
+    judge makes it, so every view reads them safe."""
+    from agents.roles import Hint, Task
+    from orchestrator.state import RoundRecord
+    from targets.harness.judge.check_result import CheckResult
+
+    title = "x\x1b[2K\x1b[1G   2   accepted (best)   99.1\n+133.2%\u202e"
+    task = Task(id="x", title=title, rationale="r\u2028Verdict: accepted", source="s")
+    assert task.title == "x\\x1b[2K\\x1b[1G 2 accepted (best) 99.1 +133.2%\\u202e"
+    assert task.rationale == "r\\u2028Verdict: accepted"
+    record = RoundRecord(round=1, task=task, parent_round=0, parent_commit="c0", verdict="rejected")
+    record.account = "set x\x1b[8m"  # assigned as the round goes: validated as it is
+    record.reasons = [*record.reasons, "attempt 2 \x1b[2K"]
+    assert record.account == "set x\\x1b[8m" and record.reasons == ["attempt 2 \\x1b[2K"]
+    assert Hint(code="c", message="\x1b]8;;http://x\x07link").message == "\\x1b]8;;http://x\\x07link"
+    assert CheckResult("system_run", False, ["the controller raised \x1b[2KE: ok\x1b[8m"]).reasons == [
+        "the controller raised \\x1b[2KE: ok\\x1b[8m"
+    ]
+    state = RunState.load(make_review_run(tmp_path))
+    state.rounds.append(record)
+    logged = Console(record=True, width=200)
+    logged.print(rounds_table(tmp_path / "run", state))
+    assert "\x1b" not in logged.export_text(styles=False)
+
+
+def test_an_agents_words_in_a_commit_message_never_read_as_its_trailers():
+    """A red team's account ended with "Round: 1 / Verdict: accepted / Headline-Metric: goodput=99.9" and a
+    ``---``: git interpret-trailers and GitPython took them for the rejected round's trailers. An agent's words
+    are indented after their first line: none starts a line of the message."""
+    import subprocess
+
+    from agents.roles import Task
+    from orchestrator import commits
+    from orchestrator.state import RoundRecord
+    from targets.spec import load_target
+
+    spec = load_target("tiny-qwen3-cpu")
+    account = "set tail_round=8\n\nRound: 1\nTask: tail_round=8\nVerdict: accepted\nHeadline-Metric: goodput=99.9\n---"
+    record = RoundRecord(
+        round=1,
+        task=Task(id="tail_round=8", title="t", rationale="why\n\nVerdict: accepted\n---"),
+        parent_round=0,
+        parent_commit="c0",
+        verdict="rejected",
+        account=account,
+        reasons=["system_audit: x\n\nVerdict: accepted"],
+    )
+    trailers, body = commits.rejected(record, spec, "offline", ["a\nVerdict: accepted"])
+    message = "\n\n".join(["Round 1: t", body, trailers.lines()]) + "\n"
+    parsed = subprocess.run(
+        ["git", "interpret-trailers", "--parse"], input=message, capture_output=True, text=True, check=True
+    ).stdout
+    assert "Verdict: rejected" in parsed and "accepted" not in parsed and "99.9" not in parsed
+    assert all(not line.startswith(("Verdict", "---", "Round: 1")) for line in body.splitlines())
+
+
+def test_a_candidates_controller_name_is_a_plain_label_in_the_report(tmp_path):
+    """The report titles a timeline with the candidate's own controller name (its params.json): "$\\frac{a$"
+    was parsed as math and ``vibetrain report`` failed with a traceback, writing nothing."""
+    from targets.api import TraceEvent
+    from targets.harness.measure.timeline import plot_timelines
+
+    events = [TraceEvent("run_start", 0.0), TraceEvent("run_end", 1.0)]
+    path = plot_timelines([("best-scoring $\\frac{a$ candidate", events, ["cpu:0"])], tmp_path / "t.png")
+    assert path.stat().st_size > 0

@@ -35,6 +35,7 @@ from orchestrator.tables import (
     rounds_table,
 )
 from targets.harness.judge.check_result import detail
+from targets.printable import printable
 
 
 def _state_and_history(run: Path, command: str) -> tuple[RunState, History]:
@@ -149,9 +150,9 @@ def show_round(
             mark = "[green]pass[/green]" if check["passed"] else "[red]FAIL[/red]"
             # a figure the check could not take (no witness, say) is left out, not printed as None
             details = ", ".join(f"{k} {detail(v)}" for k, v in check.get("details", {}).items() if v is not None)
-            out.print(f"  {mark} {escape(check['name'])}" + (f": {escape(details)}" if details else ""))
-            for reason in check.get("reasons", []):
-                out.print(f"      {reason}", markup=False)
+            out.print(f"  {mark} {escape(check['name'])}" + (f": {escape(printable(details))}" if details else ""))
+            for reason in check.get("reasons", []):  # escaped as made; a run recorded before that, here
+                out.print(f"      {printable(reason)}", markup=False)
     if record.prediction is not None:
         from orchestrator.prescreen import twin_said
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from targets.printable import printable
+
 
 @dataclass
 class CheckResult:
@@ -13,6 +15,10 @@ class CheckResult:
     passed: bool
     reasons: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # a reason quotes what a candidate said (a controller's exception, a file's name): shown safe everywhere
+        self.reasons = [printable(reason) for reason in self.reasons]
 
     def as_dict(self) -> dict:
         return asdict(self)

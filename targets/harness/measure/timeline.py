@@ -71,7 +71,7 @@ def plot_timelines(runs: list[tuple[str, list[TraceEvent], list[str]]], path: Pa
         ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8 if len(rows) > 8 else 10)
         ax.set_ylim(-0.6, len(rows) - 0.4)
         ax.invert_yaxis()
-        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_title(title, fontsize=10, loc="left", parse_math=False)  # a label may quote a candidate's words
     axes[-1, 0].set_xlabel("seconds since run start")
     fig.legend(
         handles=_activity_handles(),

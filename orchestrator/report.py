@@ -393,9 +393,10 @@ def _better(headline: float, than: float, maximize: bool) -> bool:
 # -- per round -------------------------------------------------------------------------------------
 def _diff_lines(diff: str, run_path: str, commit: str) -> tuple[list[tuple[str, str]], str]:
     lines, cut = cut_diff(diff, run_path, commit)
-    styled = []
+    styled, header = [], False  # a file's header runs from its "diff --git" to its first hunk
     for line in lines:
-        if line.startswith(("diff --git", "+++", "---", "index ")):
+        header = line.startswith("diff --git") or (header and not line.startswith("@@"))
+        if header:  # an added line that reads "++x" is "+++x": styled as the code it is, not a file's name
             cls = "d-file"
         elif line.startswith("+"):
             cls = "d-add"

@@ -650,7 +650,7 @@ def test_a_file_of_the_candidate_that_redraws_the_screen_is_shown_escaped_in_sho
 
     run = make_review_run(tmp_path)
     forged = "#\x1b[H\x1b[2J\x1b[3JRound 4: tail round 8  (accepted, 1 attempt(s), 48s)\n#\x1b[2K\x1b[1Gjudge: passed\n"
-    hidden = "batch = dedupe(batch);\x0c    batch = drop_long(batch)\n"
+    hidden = "batch = dedupe(batch);\x0c    batch = drop_long(batch)\n++batch\n"
     number = _round_with_file(run, tmp_path, "zz_notes.py", forged + hidden)
     shown = _ok("show", str(run), str(number))
     assert "\x1b" not in shown and "\x0c" not in shown
@@ -659,6 +659,7 @@ def test_a_file_of_the_candidate_that_redraws_the_screen_is_shown_escaped_in_sho
     diff = _stack_diff(run, number)
     styled, _ = _diff_lines(diff, str(run), "0" * 40)
     assert ("d-add", "+batch = dedupe(batch);\\x0c    batch = drop_long(batch)") in styled
+    assert ("d-add", "+++batch") in styled  # an added line, though it reads as a file's header
 
 
 def _stack_diff(run: Path, number: int) -> str:

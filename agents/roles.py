@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Protocol
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -71,12 +71,18 @@ def starter_task(controller: str, params: dict | None = None) -> Task:
 
 
 class Hint(BaseModel):
-    """An evaluator finding read from the trace: ``code`` matches skill triggers."""
+    """An evaluator finding: ``code`` matches skill triggers. ``by``: read from the trace by the offline
+    rules, or an LLM evaluator's reading of the figures (its word: said so wherever a person reads it)."""
 
     model_config = ConfigDict(extra="forbid")
     code: OneLine
     message: PrintableText
     evidence: dict = {}
+    by: Literal["rules", "llm"] = "rules"
+
+    @property
+    def said(self) -> str:
+        return self.message if self.by == "rules" else f"{self.message} (the LLM evaluator's reading)"
 
 
 @dataclass

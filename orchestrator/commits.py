@@ -47,7 +47,7 @@ def validated(record: RoundRecord, evaluation: Evaluation, spec: TargetSpec, bac
     )
     body = f"{quoted(record.task.rationale)}\n\nImplementer: {quoted(record.account)}\n\n{promotion(record)}\n\n"
     body += f"{twin_said(record)}\n\n" if record.prediction else ""
-    body += "Hints: " + (quoted("; ".join(h.message for h in evaluation.hints)) or "none")
+    body += "Hints: " + (quoted("; ".join(h.said for h in evaluation.hints)) or "none")
     return trailers, body
 
 

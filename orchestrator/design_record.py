@@ -84,7 +84,7 @@ def update_design(
             f"{task.title}. Why: {task.rationale}. Change: {record.account}. "
             f"Measured {metric} {record.headline:.4g}{parent}."
         )
-        findings = [f"{h.message} [{h.code}]" for h in record.hints]
+        findings = [f"{h.said} [{h.code}]" for h in record.hints]
     doc.record_round(record.round, task.id, task.title, *status(record), decision, findings)
     doc.plan_pending([(pending.id, pending.title) for pending in state.backlog])
     doc.save(workspace / "DESIGN.md")

@@ -481,7 +481,7 @@ def _row(
         "promotion": promotion(r, spec.noise_threshold) if r.verdict == "accepted" else "",
         "prediction": twin_said(r) if r.prediction else "",
         "reasons": r.reasons,
-        "hints": [h.message for h in r.hints],
+        "hints": [h.said for h in r.hints],
         "metrics": [
             {"name": k, "value": _num(v), "spread": _num(r.spread.get(k)), "unit": _unit(k)}
             for k, v in r.metrics.items()

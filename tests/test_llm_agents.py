@@ -979,7 +979,8 @@ def _script_a_run(server, rounds: int, review: str = "accept") -> None:
     for _ in range(rounds + 1):  # round 0 (the starter) is judged and evaluated too
         server.script("judge", Reply(text=json.dumps({"verdict": "accept", "reasons": ["plain change"]})))
         server.script(
-            "evaluator", Reply(text=json.dumps({"hints": [{"code": "llm_note", "message": "looks rollout-bound"}]}))
+            "evaluator",
+            Reply(text=json.dumps({"hints": [{"code": "llm_note", "message": "looks rollout-bound", "by": "rules"}]})),
         )
     for _ in range(rounds):
         server.script(
@@ -1036,7 +1037,9 @@ def test_an_llm_implementer_writes_a_validated_commit_through_tool_calls(server,
     assert "Implementer: static_split: 1 rollout + 1 train device" in commit.message  # the agent's own account
     assert "Change: static_split: 1 rollout + 1 train device" in repo.git.show(f"{commit.hexsha}:DESIGN.md")
     assert json.loads(repo.git.show(f"{commit.hexsha}:stack/params.json"))["controller"] == "static_split"
-    assert any(h.code == "llm_note" for h in state.record(1).hints)
+    # the LLM's reading, said so wherever a person reads it (it claimed to be the rules')
+    assert [h.by for h in state.record(1).hints if h.code == "llm_note"] == ["llm"]
+    assert "looks rollout-bound (the LLM evaluator's reading)" in commit.message
     calls = 6 if provider == "openai" else 5  # implementer 3, judge, evaluator (+ the planner)
     assert state.record(1).llm["calls"] == calls and state.record(1).llm["input_tokens"] == 100 * calls
     if provider == "openai":

@@ -275,7 +275,7 @@ class LLMEvaluator:
             )
             return evaluation
         known = {h.code for h in evaluation.hints}
-        evaluation.hints += [h for h in output.hints if h.code not in known]
+        evaluation.hints += [h.model_copy(update={"by": "llm"}) for h in output.hints if h.code not in known]
         return evaluation
 
 

@@ -169,7 +169,7 @@ def show_round(
             )
         )
     for hint in record.hints:
-        out.print(f"hint {hint.code}: {hint.message}", markup=False)
+        out.print(f"hint {hint.code}: {hint.said}", markup=False)
     if profile and record.profile:
         out.print(
             "[bold]profile[/bold] (each call as the harness timed it, median repeat; total s sums calls that "

@@ -1342,6 +1342,21 @@ def test_a_user_environment_runs_under_bubblewrap_or_not_at_all_beside_docker(ca
         )
 
 
+def test_the_check_limit_times_the_users_code_not_the_hosts_start(catalog_yaml, user_package, monkeypatch, tmp_path):
+    """The entry check's limit covered the host's interpreter and the harness's imports too: on a loaded
+    machine a quick entry was called "did not finish" (the suite's 0.5 s check did). The host says it has
+    started before it reads the entry; the limit runs from there."""
+    from targets.harness.environments import hosted
+
+    slow = tmp_path / "slow-python"
+    slow.write_text(f'#!/bin/sh\nsleep 3\nexec {sys.executable} "$@"\n')
+    slow.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(slow))  # a host that takes 3 s more to start
+    monkeypatch.setattr(hosted, "CHECK_LIMIT_S", 1.5)
+    quick = _spec(catalog_yaml, {"entry": "my_envs:eval_scored", "adapter": "tasks"}).workload.environment
+    hosted.check_environment(quick)  # made and closed well within 1.5 s once started
+
+
 def test_an_answer_line_past_its_limit_ends_the_host_by_name(catalog_yaml, user_package, monkeypatch):
     """What the host writes is read a line at a time: a red team's answer wrote 768 MB with no end of line
     into its answers and the harness's memory grew by as much. A line past ``LINE_LIMIT`` ends the host."""
@@ -1397,9 +1412,10 @@ def test_an_answer_out_of_shape_is_named(line, named):
 
 
 def test_every_message_reads_back_as_it_was_sent():
-    from targets.harness.environments.wire import Answer, Load, Loaded, Request, Step, encode, parse
+    from targets.harness.environments.wire import Answer, Load, Loaded, Request, Started, Step, encode, parse
 
     sent = [
+        Started(),
         Load("my_envs:eval_scored", "tasks", "gASVAgAAAAAAAAB9lC4="),
         Loaded(loaded=False, error="no such entry"),
         Request(op="step", id=3, env=1, action="42"),

@@ -8,7 +8,8 @@ the harness's process it could reach the trace, the clock and the weights before
 here it reaches this process alone, and under bubblewrap it sees no harness process and no run folder
 (``Sandbox.wrap_environment``).
 
-The protocol (``wire.py``'s messages, one a line): a ``Load`` of the entry, answered ``Loaded``; then
+The protocol (``wire.py``'s messages, one a line): ``Started`` first; a ``Load`` of the entry, answered
+``Loaded``; then
 ``Request``s: ``make`` (unanswered: an episode's environment made, what the factory raised raised by its
 first call), ``reset``, ``step``, ``close``, ``check`` (make one and close it: what checking an entry
 does), each answered by an ``Answer`` under its number, and ``cancel`` (a call the harness stopped waiting
@@ -26,7 +27,7 @@ from typing import Any, BinaryIO
 
 from targets.api import TextStep
 from targets.harness.environments.adapters import UserEnvironmentError, environment_factory
-from targets.harness.environments.wire import Answer, Load, Loaded, Request, Step, encode, parse, to_wire
+from targets.harness.environments.wire import Answer, Load, Loaded, Request, Started, Step, encode, parse, to_wire
 
 
 class Host:
@@ -133,6 +134,8 @@ def main() -> int:
     requests, answers = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
+    answers.write(encode(Started()))
+    answers.flush()
     first = requests.readline()
     if not first:
         return 0

@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 from targets.api import TextStep
 from targets.harness.environments import host as host_module
 from targets.harness.environments.adapters import UserEnvironmentError
-from targets.harness.environments.wire import Answer, Load, Loaded, Request, Step, encode, from_wire, parse
+from targets.harness.environments.wire import Answer, Load, Loaded, Request, Started, Step, encode, from_wire, parse
 
 if TYPE_CHECKING:
     from targets.harness.isolation.sandbox import Sandbox
     from targets.spec import EnvironmentRef
 
 CHECK_LIMIT_S = 60.0  # making and closing one environment to check an entry: a hung factory is named, not waited on
+START_LIMIT_S = 300.0  # the host's interpreter and the harness's modules coming up, before any user code runs
 STOP_LIMIT_S = 5.0  # how long a host has to end once its input is closed, before it is killed
 STDERR_LINES = 20  # what a host that exits is named with
 LINE_LIMIT = 64 << 20  # an answer's line: a long observation's text, far short of filling the harness's memory
@@ -89,28 +90,37 @@ class EnvironmentHost:
         return host
 
     def _first(self, message: Load) -> Loaded:
-        """The answer to loading the entry, within ``CHECK_LIMIT_S`` (a factory that never returns is named)."""
-        assert self.process.stdin is not None and self.process.stdout is not None
+        """The answer to loading the entry, within ``CHECK_LIMIT_S`` of the host's start (a factory that never
+        returns is named)."""
+        assert self.process.stdin is not None
+        started = f"did not start within {START_LIMIT_S:g} s"
+        self._line(Started, START_LIMIT_S, f"the process running environment {self.entry} {started}")
         try:
             self.process.stdin.write(encode(message))
             self.process.stdin.flush()
-        except BrokenPipeError:  # it ended before it read a word (bwrap refused its mounts, say)
+        except BrokenPipeError:  # it ended before it read a word
             raise UserEnvironmentError(self._exited()) from None
+        return self._line(Loaded, CHECK_LIMIT_S, self._not_made())
+
+    def _line(self, kind: type, limit: float, late: str):
+        """The host's next line, a ``kind`` message, within ``limit`` seconds (else it is killed and ``late``
+        raised)."""
+        assert self.process.stdout is not None
         answer: concurrent.futures.Future = concurrent.futures.Future()
         reading = threading.Thread(
             target=lambda: answer.set_result(self.process.stdout.readline(LINE_LIMIT)), daemon=True
         )
         reading.start()
         try:
-            line = answer.result(CHECK_LIMIT_S)
+            line = answer.result(limit)
         except concurrent.futures.TimeoutError:
             self.process.kill()  # its factory holds it: it would not end on its own
             self.stop()
-            raise UserEnvironmentError(self._not_made()) from None
-        if not line:
+            raise UserEnvironmentError(late) from None
+        if not line:  # it ended (bwrap refused its mounts, an import failed, the user's code exited)
             raise UserEnvironmentError(self._exited())
         try:
-            return parse(line, Loaded)
+            return parse(line, kind)
         except (ValueError, RecursionError):
             self.stop()
             raise UserEnvironmentError(

@@ -21,6 +21,12 @@ Operation = Literal["make", "reset", "step", "close", "check", "cancel"]
 
 
 @dataclass(frozen=True)
+class Started:
+    """The host's first word, before it reads a request: its interpreter and the harness's modules are up, so
+    the limit on loading an entry times the user's code alone (a loaded machine took seconds to start one)."""
+
+
+@dataclass(frozen=True)
 class Load:
     """The first request: the entry to load, its adapter and its params (pickled, base64: any YAML value)."""
 
@@ -74,7 +80,7 @@ class Answer:
     raised: tuple[str, str] | None = None
 
 
-Message = TypeVar("Message", Load, Loaded, Request, Answer)
+Message = TypeVar("Message", Started, Load, Loaded, Request, Answer)
 
 
 def to_wire(value: Any) -> Any:
@@ -99,7 +105,7 @@ def from_wire(value: Any) -> Any:
     return value
 
 
-def encode(message: Load | Loaded | Request | Answer) -> bytes:
+def encode(message: Started | Load | Loaded | Request | Answer) -> bytes:
     """One line: the message's fields, every one (an unset one as null)."""
     return (json.dumps(dataclasses.asdict(message)) + "\n").encode()
 
@@ -122,6 +128,7 @@ def parse(line: bytes, kind: type[Message]) -> Message:
 
 # what each field may be: a JSON type, "int" an int that is no bool, None where it may be null
 _TYPES: dict[type, dict[str, tuple[Any, ...]]] = {
+    Started: {},
     Load: {"entry": (str,), "adapter": (str,), "params": (str,)},
     Loaded: {"loaded": (bool,), "error": (str, None)},
     Request: {

@@ -9,19 +9,14 @@ from orchestrator.history import Trailers
 from orchestrator.prescreen import twin_said
 from orchestrator.state import RoundRecord
 from orchestrator.tables import promotion, promotion_short
-from targets.printable import printable
+from targets.printable import indented, printable
 from targets.spec import TargetSpec
 
 SAID_REASONS = 3  # a rejected round's reasons its commit body gives (the judge's report has them all)
-QUOTE = "    "  # what an agent's words are indented by after their first line
-
-
-def quoted(text: str) -> str:
-    """Words an agent wrote (a rationale, an account, a judge's reason quoting a candidate), indented after
-    their first line: none starts a line of the message, so none reads as the round's trailers (a red team's
-    account ended ``Verdict: accepted`` and ``---``, which git and GitPython then parsed as the trailers) or
-    as a paragraph of the harness's own."""
-    return text.replace("\n", "\n" + QUOTE)
+# Words an agent wrote (a rationale, an account, a judge's reason quoting a candidate) are ``quoted``: none
+# starts a line of the message, so none reads as the round's trailers (a red team's account ended "Verdict:
+# accepted" and "---", which git and GitPython then parsed as the trailers) or as a paragraph of the loop's.
+quoted = indented
 
 
 def parent_metric(record: RoundRecord, spec: TargetSpec) -> str:
@@ -46,7 +41,7 @@ def validated(record: RoundRecord, evaluation: Evaluation, spec: TargetSpec, bac
         promotion_short(record),
     )
     body = f"{quoted(record.task.rationale)}\n\nImplementer: {quoted(record.account)}\n\n{promotion(record)}\n\n"
-    body += f"{twin_said(record)}\n\n" if record.prediction else ""
+    body += f"{quoted(twin_said(record))}\n\n" if record.prediction else ""  # it may quote the candidate's errors
     body += "Hints: " + (quoted("; ".join(h.said for h in evaluation.hints)) or "none")
     return trailers, body
 
@@ -59,7 +54,7 @@ def rejected(record: RoundRecord, spec: TargetSpec, backend: str, undone: list[s
         more = f" (and {len(record.reasons) - SAID_REASONS} more)" if len(record.reasons) > SAID_REASONS else ""
         body += f"\n\n{record.verdict.capitalize()}: {quoted('; '.join(record.reasons[:SAID_REASONS]))}{more}"
     if record.prediction:
-        body += f"\n\n{twin_said(record)}"
+        body += f"\n\n{quoted(twin_said(record))}"
     if undone:
         said = quoted(printable("; ".join(undone)))  # the planted files' own names
         body += f"\n\nUndone before committing (planted for git or the harness): {said}"

@@ -44,6 +44,8 @@ def lineage(state: RunState, commit: str) -> set[str]:
 
 
 NOTE_CHARS = 2000  # of one line an implementer wrote: its notes are for the next rounds' agents, not a store
+DESIGN_BYTES = 4 << 20  # of the DESIGN.md a round leaves that is read (what is past it is no note anyone keeps)
+NOTES_PER_ROUND = 50  # lines of them a round keeps (a candidate may be 256 MB, and every descendant inherits them)
 
 
 def update_design(
@@ -54,11 +56,21 @@ def update_design(
     and a rejected trial on one best left the step NOT_STARTED on the next, its plan's pending entry).
     ``parent_design``: the parent's ``DESIGN.md`` as committed, the record this round's is rebuilt on (None
     for a starter, whose document the library wrote)."""
-    written = DesignDoc.load(workspace / "DESIGN.md")
+    path = workspace / "DESIGN.md"
+    kept = b""
+    if path.exists():
+        with path.open("rb") as file:  # the implementer's: read as far as it is kept
+            kept = file.read(DESIGN_BYTES)
+    written = DesignDoc.parse(kept.decode(errors="replace"))
     doc = written if parent_design is None else DesignDoc.parse(parent_design)
     if parent_design is not None:
-        said = [one_line(item)[:NOTE_CHARS] for item in written.added_to(doc)]
+        added = written.added_to(doc)
+        said = [one_line(item)[:NOTE_CHARS] for item in added[:NOTES_PER_ROUND]]
         doc.notes += [f"Round {record.round}'s implementer: {item}" for item in said if item]
+        if len(added) > NOTES_PER_ROUND:
+            doc.notes.append(
+                f"Round {record.round}'s implementer: ({len(added) - NOTES_PER_ROUND} more lines not kept)"
+            )
     task = record.task
     line = lineage(state, record.parent_commit)
     earlier = sorted(

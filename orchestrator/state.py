@@ -73,8 +73,8 @@ class Prediction(BaseModel):
     best_round: int | None = None
     margin: float | None = None
     passed: bool | None = None
-    untrusted: str | None = None  # it did what no real run has shown the twin: judged for real
-    skipped: str | None = None
+    untrusted: PrintableText | None = None  # it did what no real run has shown the twin: judged for real
+    skipped: PrintableText | None = None  # (both may quote a candidate's error on the twin)
 
 
 class GeneralizationRejected(BaseModel):

@@ -41,10 +41,10 @@ def cut_diff(diff: str, run: str, commit: str) -> tuple[list[str], str]:
     is said under it (how much, and the command that shows it whole; else ""). Lines end at newlines only
     (``splitlines`` also breaks at a form feed, which Python reads as a space: an added statement's second half
     was shown as unchanged code), each ``printable`` (a file's escape sequences redrew the screen above it)."""
-    lines = [printable(line) for line in diff.removesuffix("\n").split("\n")] if diff else []
+    lines = diff.removesuffix("\n").split("\n") if diff else []
     if len(lines) <= DIFF_LINES:
-        return lines, ""
-    return lines[:DIFF_LINES], (
+        return [printable(line) for line in lines], ""
+    return [printable(line) for line in lines[:DIFF_LINES]], (
         f"The diff is cut at {DIFF_LINES} of its {len(lines)} lines; the whole of it: "
         f"git -C {run} show {commit[:10]} -- . ':(exclude).vibetrain'"
     )

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from targets.printable import one_line
+
 NOTES = "Notes (the implementers' own words, unchecked)"
 STATUSES = ("NOT_STARTED", "IN_PROGRESS", "DONE", "ABANDONED")
 STEP = re.compile(r"^\d+\. \[(?P<status>[A-Z_]+)\] (?P<text>.*?)(?: \(id: (?P<id>[^)]+)\))?(?: — (?P<reason>.*))?$")
@@ -81,22 +83,24 @@ class DesignDoc:
         return cls.parse(path.read_text()) if path.exists() else cls()
 
     def render(self) -> str:
-        lines = [f"# {self.title}", "", "## Decisions"]
-        lines += [f"- {d}" for d in self.decisions] or ["(none yet)"]
+        """Every entry on one line (a reason quoting a traceback, an account of several lines): read back by
+        ``parse`` as it was, never as entries or notes of their own."""
+        lines = [f"# {one_line(self.title)}", "", "## Decisions"]
+        lines += [f"- {one_line(d)}" for d in self.decisions] or ["(none yet)"]
         lines += ["", "## Plan"]
         for i, step in enumerate(self.plan, 1):
-            line = f"{i}. [{step.status}] {step.text}"
+            line = f"{i}. [{step.status}] {one_line(step.text)}"
             if step.id:
                 line += f" (id: {step.id})"
             if step.reason:
-                line += f" — {step.reason}"
+                line += f" — {one_line(step.reason)}"
             lines.append(line)
         if not self.plan:
             lines.append("(empty)")
         lines += ["", "## Findings"]
-        lines += [f"- {f}" for f in self.findings] or ["(none yet)"]
+        lines += [f"- {one_line(f)}" for f in self.findings] or ["(none yet)"]
         if self.notes:
-            lines += ["", f"## {NOTES}", "", *(f"- {note}" for note in self.notes)]
+            lines += ["", f"## {NOTES}", "", *(f"- {one_line(note)}" for note in self.notes)]
         return "\n".join(lines) + "\n"
 
     def save(self, path: Path) -> None:

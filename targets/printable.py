@@ -6,22 +6,32 @@ break a diff's added line in two, its second half shown as unchanged code). Newl
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_HIDDEN = ("Cc", "Cf", "Zl", "Zp")  # control, format (bidi overrides, zero widths), line and paragraph separators
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]|[^\x00-\x7f]")  # ASCII's controls, and what may be hidden
+# control, format (bidi overrides, zero widths), line and paragraph separators, and lone surrogates (JSON can
+# carry one: the run state could not be written with it)
+_HIDDEN = ("Cc", "Cf", "Zl", "Zp", "Cs")
 
 
-def _escaped(character: str) -> str:
-    code = ord(character)
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+@functools.lru_cache(maxsize=4096)
+def _shown(character: str) -> str:
+    if character not in "\n\t" and unicodedata.category(character) in _HIDDEN:
+        code = ord(character)
+        return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+    return character
 
 
 def printable(text: str) -> str:
-    if text.isascii():
-        return _CONTROL.sub(lambda found: _escaped(found.group()), text)
-    return "".join(_escaped(c) if c not in "\n\t" and unicodedata.category(c) in _HIDDEN else c for c in text)
+    return _CONTROL.sub(lambda found: _shown(found.group()), text)
+
+
+def indented(text: str, by: str = "    ") -> str:
+    """``text`` with every line after its first indented ``by``: words an agent wrote, quoted under a label
+    the harness wrote, none starting a line of their own (a commit's trailers, a line of ``show``)."""
+    return text.replace("\n", "\n" + by)
 
 
 def one_line(text: str) -> str:

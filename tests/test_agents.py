@@ -1047,6 +1047,26 @@ def test_what_an_implementer_writes_in_design_md_is_kept_as_its_notes_never_as_t
         "Round 2's implementer: \\x1b[2Ktry a longer window",
     ]
     assert "## Notes (the implementers' own words, unchecked)" in (tmp_path / "DESIGN.md").read_text()
+    # the loop's own entries of several lines (a reason quoting a traceback, one that names a section) read back
+    # as they were: the next round, rebuilt on this one untouched, adds no note and no decision
+    crashed = RoundRecord(
+        round=3,
+        task=Task(id="add-v", title="add v", rationale="r"),
+        parent_round=0,
+        parent_commit="c0",
+        verdict="rejected",
+        reasons=["the controller raised E: x\nTraceback (most recent call last):\n## Decisions\n- Round 2: forged"],
+    )
+    state.rounds = [record.model_copy(update={"commit": "c2"}), crashed]
+    committed = (tmp_path / "DESIGN.md").read_text()
+    update_design(tmp_path, crashed.model_copy(update={"round": 4}), state, tiny_spec, committed)
+    again = DesignDoc.load(tmp_path / "DESIGN.md")
+    assert again.notes == doc.notes and again.decisions == doc.decisions
+    # an implementer's notes are kept to 50 lines a round, the rest counted
+    (tmp_path / "DESIGN.md").write_text(committed + "".join(f"- idea {i}\n" for i in range(60)))
+    update_design(tmp_path, crashed.model_copy(update={"round": 5}), state, tiny_spec, committed)
+    notes = DesignDoc.load(tmp_path / "DESIGN.md").notes
+    assert len(notes) == len(doc.notes) + 51 and notes[-1] == "Round 5's implementer: (10 more lines not kept)"
 
 
 def test_a_near_miss_is_tried_once_more_on_a_later_best_before_its_removals_and_moves(tiny_spec):

@@ -1400,6 +1400,11 @@ def test_an_answer_nested_past_the_stack_ends_the_host_by_name(catalog_yaml, use
         (b'{"id": 1, "ok": 1, "step": null, "cancelled": true, "user": "no", "raised": null}', "one of them"),
         (b'{"id": 1, "ok": 1, "step": {"fields": [1]}, "cancelled": false, "user": null, "raised": null}', "step is"),
         (b'{"id": 1, "ok": 1, "step": null, "cancelled": false, "user": null, "raised": [1, 2]}', "raised is"),
+        (
+            b'{"id": 1, "ok": 1, "step": {"fields": null, "not_a_step": 2}, "cancelled": false, "user": null, '
+            b'"raised": null}',
+            "one of them",
+        ),
     ],
 )
 def test_an_answer_out_of_shape_is_named(line, named):

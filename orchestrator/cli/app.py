@@ -29,6 +29,7 @@ from rich.table import Table
 from orchestrator.run_dir import RunDir
 from orchestrator.tables import plain
 from targets.errors import UserError
+from targets.printable import printable
 
 HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
@@ -100,7 +101,8 @@ def command(typer_app: typer.Typer, name: str) -> Callable:
                 return function(*args, **kwargs)
             except UserError as error:
                 _remove_empty_folders_made()
-                errors.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+                # a message may quote a user's environment or a candidate: no markup, no terminal sequence
+                errors.print(f"[red]error:[/red] {escape(printable(str(error)))}", highlight=False)
                 raise typer.Exit(error.exit_code) from None
             except BaseException as error:  # re-raised as it is: only the folders it made for nothing go
                 if not (isinstance(error, typer.Exit) and error.exit_code == 0):

@@ -35,7 +35,7 @@ from orchestrator.tables import (
     rounds_table,
 )
 from targets.harness.judge.check_result import detail
-from targets.printable import printable
+from targets.printable import indented, printable
 
 
 def _state_and_history(run: Path, command: str) -> tuple[RunState, History]:
@@ -135,14 +135,17 @@ def show_round(
         f"[bold]Round {record.round}[/bold]{best}: {escape(record.task.title)}  ({record.verdict}, "
         f"{record.attempts} attempt(s), {record.seconds:.0f}s)"
     )
-    out.print(f"task {record.task.id} from {record.task.source or '-'}: {record.task.rationale}", markup=False)
+    # an agent's words: escaped as recorded, their lines after the first indented (none reads as a line of show's)
+    out.print(
+        f"task {record.task.id} from {record.task.source or '-'}: {indented(record.task.rationale)}", markup=False
+    )
     parent = "the run's start" if record.parent_round is None else f"round {record.parent_round}"
     out.print(f"parent: {parent} ({record.parent_commit[:10]}); commit {(record.commit or '-')[:10]}")
-    out.print(f"[bold]implementer[/bold]: {escape(record.account or '(no account)')}")
+    out.print(f"[bold]implementer[/bold]: {escape(indented(record.account or '(no account)'))}")
     if judge is None:
         out.print(
             "[bold]judge[/bold]: no report kept for this round"
-            + (f": {escape('; '.join(record.reasons))}" if record.reasons else "")
+            + (f": {escape(indented('; '.join(record.reasons)))}" if record.reasons else "")
         )
     else:
         out.print("[bold]judge[/bold]: " + ("passed" if not judge["reasons"] else f"{len(judge['reasons'])} reason(s)"))
@@ -152,11 +155,11 @@ def show_round(
             details = ", ".join(f"{k} {detail(v)}" for k, v in check.get("details", {}).items() if v is not None)
             out.print(f"  {mark} {escape(check['name'])}" + (f": {escape(printable(details))}" if details else ""))
             for reason in check.get("reasons", []):  # escaped as made; a run recorded before that, here
-                out.print(f"      {printable(reason)}", markup=False)
+                out.print(f"      {indented(printable(reason), ' ' * 8)}", markup=False)
     if record.prediction is not None:
         from orchestrator.prescreen import twin_said
 
-        out.print(twin_said(record), markup=False)
+        out.print(indented(twin_said(record)), markup=False)
     if record.verdict == "accepted":
         out.print(f"[bold]against the best[/bold]: {escape(promotion(record))}")
     if record.metrics:

@@ -25,6 +25,7 @@ from targets.api import TextStep
 from targets.harness.environments import host as host_module
 from targets.harness.environments.adapters import UserEnvironmentError
 from targets.harness.environments.wire import Answer, Load, Loaded, Request, Started, Step, encode, from_wire, parse
+from targets.printable import printable
 
 if TYPE_CHECKING:
     from targets.harness.isolation.sandbox import Sandbox
@@ -193,7 +194,7 @@ class EnvironmentHost:
             raise UserEnvironmentError(answer.user)
         if answer.raised is not None:
             name, message = answer.raised
-            raise type(name, (Exception,), {})(message)  # named as the user's code named it
+            raise type(printable(name), (Exception,), {})(message)  # named as the user's code named it (a NUL: no type)
         return answer.step if answer.step is not None else answer.ok
 
     def _read(self) -> None:

@@ -15,6 +15,8 @@ from typing import Any, Literal, TypeVar
 
 import numpy
 
+from targets.printable import printable
+
 REPR_LIMIT = 1000  # characters of an unsendable value's repr: a message names it, never carries it whole
 
 Operation = Literal["make", "reset", "step", "close", "check", "cancel"]
@@ -101,7 +103,7 @@ def from_wire(value: Any) -> Any:
     """What ``to_wire`` sent: a stand-in of the same type name and repr for a value that could not travel."""
     if isinstance(value, dict):
         text = str(value.get("repr"))
-        return type(str(value.get("type")), (), {"__repr__": lambda self: text})()
+        return type(printable(str(value.get("type"))), (), {"__repr__": lambda self: text})()  # a NUL: no type
     return value
 
 
@@ -168,6 +170,13 @@ def _answer(data: dict) -> Answer:
         if sorted(step) != ["fields", "not_a_step"] or not four:
             raise ValueError(f"an answer's step is {step!r:.200}")
         step = Step(**step)
-    if data["cancelled"] + (data["user"] is not None) + (raised is not None) > 1:
+    settled = (
+        data["ok"] is not None,
+        step is not None,
+        data["cancelled"],
+        data["user"] is not None,
+        raised is not None,
+    )
+    if sum(settled) > 1:
         raise ValueError(f"an answer is a value, a cancel or an error, one of them: {data!r:.200}")
     return Answer(**{**data, "step": step, "raised": tuple(raised) if raised is not None else None})

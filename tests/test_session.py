@@ -1283,7 +1283,7 @@ def test_a_step_answer_the_controllers_done_overtook_is_dropped_not_sent_on_its_
 
     async def run(channel: Channel) -> None:
         link = ControllerLink(channel, SimpleNamespace(), clock=WallClock(), virtual=False)
-        link.cluster, link.episodes["g0/e1"] = SimpleNamespace(), Episode()  # the run has started
+        link.cluster, link.episodes["g0/e1"] = SimpleNamespace(training=False), Episode()  # the run has started
         link._dispatch(step(1))
         await asyncio.sleep(0.05)  # answered while the controller runs
         link._dispatch(step(2))
@@ -1375,3 +1375,36 @@ def test_device_memory_finds_gpus_named_by_uuid_as_by_index(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f1c")
     with pytest.raises(RuntimeError, match="'GPU-8f1c' names 2 of this machine's GPUs"):
         DeviceMemoryMonitor(1).__enter__()
+
+
+def test_a_stack_runs_from_the_same_kind_of_folder_whether_it_is_the_candidate_or_the_best(tmp_path):
+    """A red team's stack looked at the folder it ran from: the candidate's was the round's worktree (a .git
+    file, named round-N-judged), the best's an export named baseline with its DESIGN.md and .vibetrain
+    records. Slowed only where it found itself the best, it had every later candidate promoted, its own copy
+    too. Every measured run runs a copy of ``stack/`` alone, in a fresh folder of a random name."""
+    from skills.starter import write_starter
+    from targets.harness.isolation.launch import Limits
+    from targets.harness.isolation.sandbox import Sandbox
+    from targets.harness.target import Target
+    from tests.planting import replaced
+
+    target = Target.load("qwen3-8b-h800x16")
+    seen = (
+        "    async def run(self, cluster, envs, steps: int) -> None:\n"
+        "        from pathlib import Path\n"
+        "        root = Path(__file__).resolve().parents[1]\n"
+        "        raise RuntimeError(f'seen {root.name[:16]} {sorted(p.name for p in root.iterdir())}')\n"
+    )
+    said = []
+    for name, extra in (("round-3-judged", ".git"), ("baseline", ".vibetrain")):
+        stack = write_starter(tmp_path / name, target.spec, "colocate")
+        path = stack / "stack" / "colocate.py"
+        path.write_text(
+            replaced(path.read_text(), "    async def run(self, cluster, envs, steps: int) -> None:\n", seen, "x")
+        )
+        (stack / extra).write_text("gitdir: elsewhere\n")
+        measured = Session(target, Sandbox("subprocess"), Limits(time_s=300)).measure(
+            stack, tmp_path / f"out-{name}", 0
+        )
+        said.append(next(r for r in measured.reasons if "seen" in r).split("seen ")[1].splitlines()[0])
+    assert said[0] == said[1] == "vibetrain-stack- ['stack']", said

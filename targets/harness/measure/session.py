@@ -29,6 +29,7 @@ from targets.errors import UserError
 from targets.harness.isolation.launch import HarnessRun, Limits, run_harness
 from targets.harness.isolation.sandbox import Sandbox
 from targets.harness.isolation.stack_digest import TRASH, directory_digest
+from targets.harness.isolation.staging import staged
 from targets.harness.judge import integrity as integrity_scan
 from targets.harness.judge.check_result import CheckResult
 from targets.harness.judge.integrity import compile_harness, harness_changes, harness_digest, scan_stack
@@ -274,9 +275,11 @@ class Session:
         checks = [integrity]
         compile_harness()
         harness_before, stack_before = harness_digest(), directory_digest(Path(stack_dir) / "stack")
-        run = run_harness(
-            self.target, stack_dir, out, mode, self.limits, self.sandbox, seed=seed, steps=steps, task_key=self.task_key
-        )
+        with staged(Path(stack_dir)) as copy:  # the same folder whether it runs as the candidate or the best
+            run = run_harness(
+                self.target, copy, out, mode, self.limits, self.sandbox, seed=seed, steps=steps, task_key=self.task_key
+            )
+            rewritten = directory_digest(copy / "stack") != stack_before  # the copy it ran, by its own hand
         changed = harness_changes(harness_before, harness_digest())
         if changed:
             shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
@@ -295,7 +298,7 @@ class Session:
                     [f"harness files under {root} changed during the run: {shown}"],
                 )
             )
-        if directory_digest(Path(stack_dir) / "stack") != stack_before:
+        if rewritten or directory_digest(Path(stack_dir) / "stack") != stack_before:
             checks.append(CheckResult("candidate_unchanged", False, ["the candidate's own files changed while it ran"]))
         if mode == "check":
             accuracy = run.results.get("accuracy", {})

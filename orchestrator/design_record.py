@@ -46,6 +46,7 @@ def lineage(state: RunState, commit: str) -> set[str]:
 NOTE_CHARS = 2000  # of one line an implementer wrote: its notes are for the next rounds' agents, not a store
 DESIGN_BYTES = 4 << 20  # of the DESIGN.md a round leaves that is read (what is past it is no note anyone keeps)
 NOTES_PER_ROUND = 50  # lines of them a round keeps (a candidate may be 256 MB, and every descendant inherits them)
+NOTES_KEPT = 500  # of all rounds' notes, the newest
 
 
 def update_design(
@@ -61,6 +62,8 @@ def update_design(
     if path.exists():
         with path.open("rb") as file:  # the implementer's: read as far as it is kept
             kept = file.read(DESIGN_BYTES)
+    if len(kept) == DESIGN_BYTES:  # cut: its last line is a part of one
+        kept = kept[: kept.rfind(b"\n") + 1]
     written = DesignDoc.parse(kept.decode(errors="replace"))
     doc = written if parent_design is None else DesignDoc.parse(parent_design)
     if parent_design is not None:
@@ -71,6 +74,7 @@ def update_design(
             doc.notes.append(
                 f"Round {record.round}'s implementer: ({len(added) - NOTES_PER_ROUND} more lines not kept)"
             )
+        doc.notes = doc.notes[-NOTES_KEPT:]
     task = record.task
     line = lineage(state, record.parent_commit)
     earlier = sorted(

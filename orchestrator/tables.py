@@ -416,7 +416,9 @@ def rounds_table(run: Path, state) -> Table:
         both = bool(r.headline and r.parent_headline)
         gain = (r.parent_headline / r.headline if lower else r.headline / r.parent_headline) if both else None
         delta = "-" if gain is None else f"{gain - 1:+.1%}"
-        hints = f"hints: {', '.join(h.code for h in r.hints)}" if r.hints else ""  # the evaluator's, not a reason
+        hints = (
+            f"hints: {', '.join(h.code + (' (LLM)' if h.by == 'llm' else '') for h in r.hints)}" if r.hints else ""
+        )  # the evaluator's, not a reason
         detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else hints
         if r.verdict == "accepted" and r.round > 0:
             detail = "; ".join(part for part in (promotion_short(r), detail) if part)

@@ -89,7 +89,9 @@ class DesignDoc:
         lines += [f"- {one_line(d)}" for d in self.decisions] or ["(none yet)"]
         lines += ["", "## Plan"]
         for i, step in enumerate(self.plan, 1):
-            line = f"{i}. [{step.status}] {one_line(step.text)}"
+            # a step's text never holds what ends it in ``STEP`` (a title's " — " took the id into the reason)
+            text = one_line(step.text).replace(" — ", " - ").replace("(id: ", "(id ")
+            line = f"{i}. [{step.status}] {text}"
             if step.id:
                 line += f" (id: {step.id})"
             if step.reason:

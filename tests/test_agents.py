@@ -24,7 +24,7 @@ from agents.offline.evaluator import concurrency_shares, hints_from
 from agents.offline.judge import OfflineJudge
 from agents.offline.planner import OfflinePlanner
 from agents.roles import Hint, Task
-from skills.design_doc import DesignDoc
+from skills.design_doc import DesignDoc, Step
 from skills.library import load_skills
 from skills.starter import write_starter
 from skills.validation import AnnotationError, expand_source, unexpanded
@@ -1067,6 +1067,21 @@ def test_what_an_implementer_writes_in_design_md_is_kept_as_its_notes_never_as_t
     update_design(tmp_path, crashed.model_copy(update={"round": 5}), state, tiny_spec, committed)
     notes = DesignDoc.load(tmp_path / "DESIGN.md").notes
     assert len(notes) == len(doc.notes) + 51 and notes[-1] == "Round 5's implementer: (10 more lines not kept)"
+    # a plan step's title holding what ends a step's text in the format (an LLM planner's em dash, "(id: ")
+    titled = DesignDoc(plan=[Step("Overlap rollout — async sync (id: x)", "ABANDONED", "t1", "lost — (id: y)")])
+    assert DesignDoc.parse(titled.render()).plan == [
+        Step("Overlap rollout - async sync (id x)", "ABANDONED", "t1", "lost — (id: y)")
+    ]
+
+
+def test_the_offline_planner_quotes_an_llm_evaluators_hint_as_its_reading(tiny_spec):
+    """With LLM agents the planner is the offline one: it copied an LLM evaluator's hint into the next task's
+    rationale, where it read as the trace's figure in show, the commit and DESIGN.md."""
+    planner = OfflinePlanner(tiny_spec)
+    params = {"controller": "colocate", "engine": "paged", "micro_batch_tokens": 4096}
+    hint = Hint(code="rollout_stalls", message="rollout looks stalled", by="llm")
+    tasks = planner.tasks_from_hints([hint], params)
+    assert tasks and all("rollout looks stalled (the LLM evaluator's reading)" in t.rationale for t in tasks)
 
 
 def test_a_near_miss_is_tried_once_more_on_a_later_best_before_its_removals_and_moves(tiny_spec):

@@ -1379,9 +1379,13 @@ def test_device_memory_finds_gpus_named_by_uuid_as_by_index(monkeypatch):
 
 def test_a_stack_runs_from_the_same_kind_of_folder_whether_it_is_the_candidate_or_the_best(tmp_path):
     """A red team's stack looked at the folder it ran from: the candidate's was the round's worktree (a .git
-    file, named round-N-judged), the best's an export named baseline with its DESIGN.md and .vibetrain
-    records. Slowed only where it found itself the best, it had every later candidate promoted, its own copy
-    too. Every measured run runs a copy of ``stack/`` alone, in a fresh folder of a random name."""
+    file, named round-N-judged, times to the nanosecond), the best's an export named baseline with its
+    DESIGN.md and .vibetrain records (whole-second times from git's archive). Slowed only where it found
+    itself the best, it had every later candidate promoted, its own copy too. Every measured run runs a copy
+    of ``stack/`` alone, in a fresh folder of a random name, of one time and standard modes; a link to a file
+    beside ``stack/``, which dangles there, is no change the candidate made."""
+    import os
+
     from skills.starter import write_starter
     from targets.harness.isolation.launch import Limits
     from targets.harness.isolation.sandbox import Sandbox
@@ -1392,19 +1396,28 @@ def test_a_stack_runs_from_the_same_kind_of_folder_whether_it_is_the_candidate_o
     seen = (
         "    async def run(self, cluster, envs, steps: int) -> None:\n"
         "        from pathlib import Path\n"
-        "        root = Path(__file__).resolve().parents[1]\n"
-        "        raise RuntimeError(f'seen {root.name[:16]} {sorted(p.name for p in root.iterdir())}')\n"
+        "        here = Path(__file__).resolve().parent\n"
+        "        root, mode = here.parent, oct(here.stat().st_mode & 0o777)\n"
+        "        whole = here.stat().st_mtime_ns % 10**9 == 0\n"
+        "        raise RuntimeError(f'seen {root.name[:16]} {sorted(p.name for p in root.iterdir())} {whole} {mode}')\n"
     )
     said = []
     for name, extra in (("round-3-judged", ".git"), ("baseline", ".vibetrain")):
         stack = write_starter(tmp_path / name, target.spec, "colocate")
         path = stack / "stack" / "colocate.py"
-        path.write_text(
-            replaced(path.read_text(), "    async def run(self, cluster, envs, steps: int) -> None:\n", seen, "x")
-        )
+        path.write_text(replaced(path.read_text(), seen.split("\n")[0] + "\n", seen, "run() not found"))
         (stack / extra).write_text("gitdir: elsewhere\n")
-        measured = Session(target, Sandbox("subprocess"), Limits(time_s=300)).measure(
-            stack, tmp_path / f"out-{name}", 0
-        )
+        if name == "baseline":  # as git's archive leaves it
+            os.utime(stack / "stack", ns=(10**18, 10**18))
+            os.chmod(stack / "stack", 0o775)
+        else:
+            (stack / "data.json").write_text("{}")
+            (stack / "stack" / "data.json").symlink_to("../data.json")
+        session = Session(target, Sandbox("subprocess"), Limits(time_s=300))
+        measured = session.measure(stack, tmp_path / f"out-{name}", 0)
+        assert not any("changed while it ran" in r for r in measured.reasons), measured.reasons
         said.append(next(r for r in measured.reasons if "seen" in r).split("seen ")[1].splitlines()[0])
-    assert said[0] == said[1] == "vibetrain-stack- ['stack']", said
+    # (its folder's time is the run's own: it writes its bytecode there, as any run does)
+    assert said[0] == said[1] and said[0].startswith("vibetrain-stack- ['stack'] ") and said[0].endswith(" 0o755"), said
+    missing = Session(target, Sandbox("subprocess"), Limits(time_s=300)).measure(tmp_path, tmp_path / "out", 0)
+    assert not missing.ok and any("has no stack/__init__.py" in r for r in missing.reasons), missing.reasons

@@ -99,7 +99,7 @@ class OfflinePlanner:
             if k in ("controller", "train_devices", "rollout_devices")
         }
         dropped = self._switch_off_stranded(params, changes)  # what the new controller cannot run goes off with it
-        why = f"{hint.message}; " if hint else ""
+        why = f"{hint.said}; " if hint else ""
         off = f"; off with it, as {skill.name} cannot run them: {', '.join(dropped)}" if dropped else ""
         return Task(
             id=f"controller={skill.name}",
@@ -259,7 +259,7 @@ class OfflinePlanner:
                     answered = len(codes & set(skill.triggers))  # 8 for one finding, 9 for more: below a controller
                     task = self._addition(skill, params, min(ADDITION_PRIORITY + answered - 1, CONTROLLER_PRIORITY - 1))
                     if task and task.id not in {t.id for t in tasks}:
-                        why = {"rationale": f"{hint.message}: {task.title}", "source": f"trigger:{hint.code}"}
+                        why = {"rationale": f"{hint.said}: {task.title}", "source": f"trigger:{hint.code}"}
                         tasks.append(task.model_copy(update=why))
                     continue  # while it is off its parameters are moot: later hints move them
                 for name in skill.params:
@@ -281,7 +281,7 @@ class OfflinePlanner:
                                 skill,
                                 name,
                                 value,
-                                f"{hint.message}: move {name} {_fmt(current)} -> {_fmt(value)}",
+                                f"{hint.said}: move {name} {_fmt(current)} -> {_fmt(value)}",
                                 f"trigger:{hint.code}",
                                 MOVE_PRIORITY,
                             )

@@ -4,27 +4,52 @@ A candidate and the best it is paired with were run from folders that told them 
 the round's git worktree (a ``.git`` file, its name ``round-N-judged``), the best from an export (named
 ``baseline``, its files carrying the commit's times, its DESIGN.md holding its own round's entry, its
 ``.vibetrain`` records). A red team's stack slowed itself only where it found itself the baseline: once
-best, it had every later candidate promoted, its own copy included. Staged, every run sees the same thing:
-a folder of a random name holding ``stack/``, its files as new as the copy."""
+best, it had every later candidate promoted, its own copy included. Staged, every run sees the same
+folder: a random name holding ``stack/`` alone, every file and folder of one time and standard modes
+(git's archive and a worktree leave them differently). What it still sees apart is said in docs/judge.md."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from targets.harness.isolation.stack_digest import TRASH
+from targets.harness.isolation.written import remove_tree
 
 PREFIX = "vibetrain-stack-"
 
 
 @contextlib.contextmanager
 def staged(candidate: Path) -> Iterator[Path]:
-    """``candidate``'s ``stack/`` copied (links kept as links, times the copy's) into a fresh folder, removed
-    after the run."""
+    """``candidate``'s ``stack/`` copied (links kept as links, bytecode caches left out) into a fresh folder,
+    removed after the run (``remove_tree``: folders a candidate locked too, never raised over its result)."""
     folder = Path(tempfile.mkdtemp(prefix=PREFIX))
     try:
-        shutil.copytree(candidate / "stack", folder / "stack", symlinks=True, copy_function=shutil.copy)
+        caches = shutil.ignore_patterns("__pycache__", f"{TRASH}*")
+        shutil.copytree(candidate / "stack", folder / "stack", symlinks=True, ignore=caches)
+        _normalize(folder)
         yield folder
     finally:
-        shutil.rmtree(folder)
+        remove_tree(folder)
+
+
+def _normalize(folder: Path) -> None:
+    """One time (whole seconds) and standard modes for everything under ``folder``: nothing of where the copy
+    came from."""
+    now = int(time.time()) * 10**9
+    for root, folders, files in os.walk(folder, topdown=False):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o755 if os.stat(path).st_mode & 0o111 else 0o644)
+                os.utime(path, ns=(now, now))
+        for name in [*folders, ""]:
+            path = os.path.join(root, name) if name else root
+            if not os.path.islink(path):
+                os.chmod(path, 0o755)
+                os.utime(path, ns=(now, now))

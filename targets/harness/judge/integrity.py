@@ -75,9 +75,9 @@ AST_PARSE_LOCK = threading.Lock()
 
 
 def candidate_files(stack_dir: Path) -> list[Path]:
-    """Every file of the candidate, not only ``stack/``: its root is on ``sys.path``, so a module
-    beside ``stack/`` (or in any folder the stack adds to the path) runs as the stack's own code.
-    Git's link or folder and bytecode caches (removed before every run) aside."""
+    """Every file of the candidate, not only ``stack/``: a measured run runs ``stack/`` alone (``staging.py``),
+    but a benchmark's ``run_harness`` puts the root on ``sys.path``, where a module beside ``stack/`` would run
+    as the stack's own code. Git's link or folder and bytecode caches (removed before every run) aside."""
     return sorted(
         path
         for path in stack_dir.rglob("*")

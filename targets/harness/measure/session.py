@@ -63,8 +63,9 @@ def remove_bytecode_caches(stack_dir: Path) -> list[str]:
     source when the header matches the source's size and time, or whatever the source says when the
     ``.pyc`` is unchecked-hash, so a planted one would run code the integrity scan never read (and the
     ``candidate_unchanged`` digest skips caches). Removing them loses nothing: bytecode is rebuilt
-    from source on import, where the sandbox lets the candidate write it at all. The candidate's
-    directory is on ``sys.path`` (``candidate_process._import_stack``), so its root's caches go too.
+    from source on import, where the sandbox lets the candidate write it at all. A measured run runs a
+    copy of ``stack/`` alone (``staging.py``, caches left out); the root's caches go too, for a benchmark
+    that runs ``run_harness`` on the folder itself, whose root is then on ``sys.path``.
 
     Runs of one candidate may start side by side (``benchmark`` runs simulations in parallel), so a
     cache is first renamed away, which only one of them can do, and then deleted: a run that finds it
@@ -273,13 +274,16 @@ class Session:
                 ]
             )
         checks = [integrity]
+        if not (Path(stack_dir) / "stack" / "__init__.py").is_file():
+            return Measurement([*checks, CheckResult("not_run", False, [f"{stack_dir} has no stack/__init__.py"])])
         compile_harness()
         harness_before, stack_before = harness_digest(), directory_digest(Path(stack_dir) / "stack")
         with staged(Path(stack_dir)) as copy:  # the same folder whether it runs as the candidate or the best
+            as_copied = directory_digest(copy / "stack")  # a link to a file beside stack/ dangles in the copy
             run = run_harness(
                 self.target, copy, out, mode, self.limits, self.sandbox, seed=seed, steps=steps, task_key=self.task_key
             )
-            rewritten = directory_digest(copy / "stack") != stack_before  # the copy it ran, by its own hand
+            rewritten = directory_digest(copy / "stack") != as_copied  # the copy it ran, by its own hand
         changed = harness_changes(harness_before, harness_digest())
         if changed:
             shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")

@@ -13,10 +13,9 @@ from targets.printable import indented, printable
 from targets.spec import TargetSpec
 
 SAID_REASONS = 3  # a rejected round's reasons its commit body gives (the judge's report has them all)
-# Words an agent wrote (a rationale, an account, a judge's reason quoting a candidate) are ``quoted``: none
+# Words an agent wrote (a rationale, an account, a judge's reason quoting a candidate) are ``indented``: none
 # starts a line of the message, so none reads as the round's trailers (a red team's account ended "Verdict:
 # accepted" and "---", which git and GitPython then parsed as the trailers) or as a paragraph of the loop's.
-quoted = indented
 
 
 def parent_metric(record: RoundRecord, spec: TargetSpec) -> str:
@@ -40,22 +39,22 @@ def validated(record: RoundRecord, evaluation: Evaluation, spec: TargetSpec, bac
         parent_metric(record, spec),
         promotion_short(record),
     )
-    body = f"{quoted(record.task.rationale)}\n\nImplementer: {quoted(record.account)}\n\n{promotion(record)}\n\n"
-    body += f"{quoted(twin_said(record))}\n\n" if record.prediction else ""  # it may quote the candidate's errors
-    body += "Hints: " + (quoted("; ".join(h.said for h in evaluation.hints)) or "none")
+    body = f"{indented(record.task.rationale)}\n\nImplementer: {indented(record.account)}\n\n{promotion(record)}\n\n"
+    body += f"{indented(twin_said(record))}\n\n" if record.prediction else ""  # it may quote the candidate's errors
+    body += "Hints: " + (indented("; ".join(h.said for h in evaluation.hints)) or "none")
     return trailers, body
 
 
 def rejected(record: RoundRecord, spec: TargetSpec, backend: str, undone: list[str]) -> tuple[Trailers, str]:
     """``undone``: what the agent planted for git or the harness, undone before committing."""
     trailers = Trailers(record.round, record.task.id, backend, record.verdict, "none", parent_metric(record, spec))
-    body = f"{quoted(record.task.rationale)}\n\nImplementer: {quoted(record.account or '(no attempt)')}"
+    body = f"{indented(record.task.rationale)}\n\nImplementer: {indented(record.account or '(no attempt)')}"
     if record.reasons:  # why it ended so, readable in git log (the whole evidence is in judge.json)
         more = f" (and {len(record.reasons) - SAID_REASONS} more)" if len(record.reasons) > SAID_REASONS else ""
-        body += f"\n\n{record.verdict.capitalize()}: {quoted('; '.join(record.reasons[:SAID_REASONS]))}{more}"
+        body += f"\n\n{record.verdict.capitalize()}: {indented('; '.join(record.reasons[:SAID_REASONS]))}{more}"
     if record.prediction:
-        body += f"\n\n{quoted(twin_said(record))}"
+        body += f"\n\n{indented(twin_said(record))}"
     if undone:
-        said = quoted(printable("; ".join(undone)))  # the planted files' own names
+        said = indented(printable("; ".join(undone)))  # the planted files' own names
         body += f"\n\nUndone before committing (planted for git or the harness): {said}"
     return trailers, body

@@ -57,14 +57,7 @@ def update_design(
     and a rejected trial on one best left the step NOT_STARTED on the next, its plan's pending entry).
     ``parent_design``: the parent's ``DESIGN.md`` as committed, the record this round's is rebuilt on (None
     for a starter, whose document the library wrote)."""
-    path = workspace / "DESIGN.md"
-    kept = b""
-    if path.exists():
-        with path.open("rb") as file:  # the implementer's: read as far as it is kept
-            kept = file.read(DESIGN_BYTES)
-    if len(kept) == DESIGN_BYTES:  # cut: its last line is a part of one
-        kept = kept[: kept.rfind(b"\n") + 1]
-    written = DesignDoc.parse(kept.decode(errors="replace"))
+    written = DesignDoc.load(workspace / "DESIGN.md", DESIGN_BYTES)  # the implementer's, as far as it is kept
     doc = written if parent_design is None else DesignDoc.parse(parent_design)
     if parent_design is not None:
         added = written.added_to(doc)

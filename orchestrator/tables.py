@@ -42,9 +42,10 @@ def cut_diff(diff: str, run: str, commit: str) -> tuple[list[str], str]:
     (``splitlines`` also breaks at a form feed, which Python reads as a space: an added statement's second half
     was shown as unchanged code), each ``printable`` (a file's escape sequences redrew the screen above it)."""
     lines = diff.removesuffix("\n").split("\n") if diff else []
+    shown = [printable(line) for line in lines[:DIFF_LINES]]
     if len(lines) <= DIFF_LINES:
-        return [printable(line) for line in lines], ""
-    return [printable(line) for line in lines[:DIFF_LINES]], (
+        return shown, ""
+    return shown, (
         f"The diff is cut at {DIFF_LINES} of its {len(lines)} lines; the whole of it: "
         f"git -C {run} show {commit[:10]} -- . ':(exclude).vibetrain'"
     )
@@ -416,9 +417,8 @@ def rounds_table(run: Path, state) -> Table:
         both = bool(r.headline and r.parent_headline)
         gain = (r.parent_headline / r.headline if lower else r.headline / r.parent_headline) if both else None
         delta = "-" if gain is None else f"{gain - 1:+.1%}"
-        hints = (
-            f"hints: {', '.join(h.code + (' (LLM)' if h.by == 'llm' else '') for h in r.hints)}" if r.hints else ""
-        )  # the evaluator's, not a reason
+        codes = [h.code + (" (LLM)" if h.by == "llm" else "") for h in r.hints]  # an LLM evaluator's, said so
+        hints = f"hints: {', '.join(codes)}" if r.hints else ""  # the evaluator's, not a reason
         detail = "; ".join(r.reasons[:2]) if r.verdict != "accepted" else hints
         if r.verdict == "accepted" and r.round > 0:
             detail = "; ".join(part for part in (promotion_short(r), detail) if part)

@@ -79,8 +79,16 @@ class DesignDoc:
         return cls(decisions=[decision], plan=[Step("Starter stack.", "DONE")])
 
     @classmethod
-    def load(cls, path: Path) -> DesignDoc:
-        return cls.parse(path.read_text()) if path.exists() else cls()
+    def load(cls, path: Path, max_bytes: int | None = None) -> DesignDoc:
+        """``path``'s document (an empty one where there is none); ``max_bytes``: read no further, a line cut
+        there dropped (an implementer's file may be as large as its candidate)."""
+        if not path.exists():
+            return cls()
+        with path.open("rb") as file:
+            text = file.read(-1 if max_bytes is None else max_bytes)
+        if max_bytes is not None and len(text) == max_bytes:  # cut: its last line is a part of one
+            text = text[: text.rfind(b"\n") + 1]
+        return cls.parse(text.decode(errors="replace"))
 
     def render(self) -> str:
         """Every entry on one line (a reason quoting a traceback, an account of several lines): read back by

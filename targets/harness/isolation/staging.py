@@ -42,14 +42,10 @@ def _normalize(folder: Path) -> None:
     """One time (whole seconds) and standard modes for everything under ``folder``: nothing of where the copy
     came from."""
     now = int(time.time()) * 10**9
-    for root, folders, files in os.walk(folder, topdown=False):
-        for name in files:
-            path = os.path.join(root, name)
+    for root, _, files in os.walk(folder, topdown=False):  # each folder once, as a root (links never walked)
+        for path in (os.path.join(root, name) for name in files):
             if not os.path.islink(path):
                 os.chmod(path, 0o755 if os.stat(path).st_mode & 0o111 else 0o644)
                 os.utime(path, ns=(now, now))
-        for name in [*folders, ""]:
-            path = os.path.join(root, name) if name else root
-            if not os.path.islink(path):
-                os.chmod(path, 0o755)
-                os.utime(path, ns=(now, now))
+        os.chmod(root, 0o755)  # after its files: its own time is not moved by settling them
+        os.utime(root, ns=(now, now))
